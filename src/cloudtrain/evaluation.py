@@ -1,0 +1,62 @@
+"""Evaluation shared by both trainers: predictions per example, gathered, then the repo's metric.
+
+Each process predicts its shard; `gather` (accelerate's `gather_for_metrics` in the
+AcceleratedTrainer, identity in the BasicTrainer) collects per-example tensors, never per-batch
+averages, so duplicated padding samples of the last batch are dropped by count and every example
+counts exactly once.
+"""
+
+import contextlib
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import evaluate
+import torch
+import torch.nn.functional as F
+
+METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "classification"
+
+
+def load_metric() -> evaluate.EvaluationModule:
+    """The classification metric module that lives in this repository (no Hub access)."""
+    return evaluate.load(str(METRIC_DIR), keep_in_memory=True)
+
+
+@torch.no_grad()
+def evaluate_model(
+    model: torch.nn.Module,
+    batches: Iterable[dict],
+    num_labels: int,
+    gather: Callable = lambda tensors: tensors,
+    move: Callable = lambda batch: batch,
+    autocast: Callable = contextlib.nullcontext,
+) -> dict:
+    """Accuracy, macro F1, mean loss and the confusion matrix over every example of `batches`."""
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    predictions, references, losses = [], [], []
+    for batch in batches:
+        batch = move(batch)
+        labels = batch.pop("labels")
+        with autocast():
+            logits = model(**batch).logits.float()
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        pred, ref, loss = gather((logits.argmax(dim=-1), labels, loss))
+        predictions.append(pred.cpu())
+        references.append(ref.cpu())
+        losses.append(loss.float().cpu())
+    model.train(was_training)
+    predictions, references = torch.cat(predictions), torch.cat(references)
+    result = load_metric().compute(predictions=predictions.tolist(), references=references.tolist(),
+                                   num_classes=num_labels)
+    runtime = time.perf_counter() - start
+    result.update(loss=torch.cat(losses).mean().item(), samples=len(references), runtime_s=round(runtime, 3),
+                  samples_per_s=round(len(references) / runtime, 2))
+    return result
+
+
+def scalar_metrics(result: dict, prefix: str) -> dict:
+    """The numeric entries of an evaluation result, named `<prefix>/<metric>` for logging."""
+    return {f"{prefix}/{k}": v for k, v in result.items() if isinstance(v, (int, float))}

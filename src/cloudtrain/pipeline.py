@@ -1,0 +1,101 @@
+"""The training application, top to bottom:
+
+    check options -> connect data -> process data -> load model -> train -> evaluate -> save
+
+Every check that needs no heavy work runs first, so a mistake costs seconds, not a training run.
+"""
+
+import contextlib
+from pathlib import Path
+
+import torch
+from accelerate import PartialState
+from transformers import set_seed
+
+from cloudtrain.assets import DEFAULT_MODEL_NAME
+from cloudtrain.config import Config, save_arguments
+from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
+from cloudtrain.data_processing import process_data
+from cloudtrain.errors import UserError
+from cloudtrain.evaluation import scalar_metrics
+from cloudtrain.model_loading import load_model, load_tokenizer, resolve_model_path
+from cloudtrain.saving import holds_model, write_results
+from cloudtrain.tracking import RunLog
+from cloudtrain.trainers import TRAINERS
+
+
+def resolve_output_dir(cfg: Config) -> Path:
+    if cfg.output.output_dir:
+        return Path(cfg.output.output_dir)
+    model_name = Path(cfg.model.model_name_or_path or DEFAULT_MODEL_NAME).name
+    return Path("outputs") / f"{model_name}-{dataset_label(cfg.data)}"
+
+
+def preflight(cfg: Config) -> Path:
+    """Checks that touch files and devices but load nothing heavy; returns the output dir."""
+    check_data_sources(cfg.data)
+    resolve_model_path(cfg.model)
+    if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
+        raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
+    if cfg.tracking.report_to != ["none"]:
+        raise UserError(f"--report_to {','.join(cfg.tracking.report_to)}: tracker integration is not in this "
+                        "version yet; use --report_to none (metrics.jsonl is always written)")
+    if cfg.hub.push_to_hub:
+        raise UserError("--push_to_hub is not in this version yet; the model is saved in --output_dir")
+    output_dir = resolve_output_dir(cfg)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file; give a directory")
+    if holds_model(output_dir) and not cfg.output.overwrite_output_dir:
+        raise UserError(f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir true "
+                        "to replace it, or choose another --output_dir")
+    return output_dir
+
+
+def run_training(cfg: Config) -> dict:
+    """Run the whole pipeline; returns the final results (train, eval and, if present, test)."""
+    output_dir = preflight(cfg)
+    # One process or many: accelerate's state reads the launcher's environment (rank, world size).
+    state = PartialState() if cfg.training.training_type == "accelerated" else None
+    is_main = state.is_main_process if state else True
+    main_first = state.main_process_first if state else contextlib.nullcontext
+    set_seed(cfg.training.seed)
+
+    raw = connect_data(cfg.data)
+    tokenizer = load_tokenizer(cfg.model)
+    with main_first():  # the main process tokenizes and caches; the others read its cache
+        data = process_data(raw, tokenizer, cfg.data, cfg.training.seed)
+    if is_main:
+        print(f"data: {len(data.train)} train / {len(data.validation)} validation"
+              f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
+              f"{len(data.label_names)} labels: {', '.join(data.label_names)}", flush=True)
+    model = load_model(cfg.model, data.label_names, tokenizer)
+
+    run_log = RunLog(output_dir, is_main)
+    trainer = TRAINERS[cfg.training.training_type](cfg, model, data, run_log)
+    train_result = trainer.fit()
+
+    results = {"train": train_result.summary()}
+    for split, name in (("validation", "eval"), ("test", "test")):
+        if split in trainer.eval_dls:
+            results[name] = trainer.evaluate(split)
+            run_log.log(scalar_metrics(results[name], name), step=train_result.global_step)
+    trainer.save_model(output_dir)
+    if is_main:
+        tokenizer.save_pretrained(output_dir)
+        save_arguments(cfg, output_dir / "args.json")
+        write_results(output_dir, results)
+        _print_summary(results, output_dir)
+    run_log.finish()
+    return results
+
+
+def _print_summary(results: dict, output_dir: Path) -> None:
+    train = results["train"]
+    print(f"trained {train['global_step']} steps in {train['train_runtime_s']:.0f}s "
+          f"({train['train_samples_per_s']:.1f} samples/s), final train loss {train['train_loss']:.4f}")
+    for name in ("eval", "test"):
+        if name in results:
+            r = results[name]
+            print(f"{name}: accuracy {r['accuracy']:.4f} | macro_f1 {r['macro_f1']:.4f} | loss {r['loss']:.4f} "
+                  f"({r['samples']} examples)")
+    print(f"model saved to {output_dir.resolve()}")

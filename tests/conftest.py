@@ -1,0 +1,83 @@
+"""Shared fixtures: the real MiniLM and R8, a tiny random model with the real tokenizer, small files."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# Before anything imports datasets/huggingface_hub, which read these at import time: no Hub here.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+ENTRY = REPO / "src" / "training_application.py"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def isolated_cache(tmp_path_factory):
+    """Processed datasets go to a per-session cache, so tests never see a developer's cache."""
+    os.environ["CLOUDTRAIN_CACHE"] = str(tmp_path_factory.mktemp("cloudtrain-cache"))
+    yield
+
+
+@pytest.fixture(scope="session")
+def minilm_dir() -> str:
+    from cloudtrain.assets import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, minilm_dir) -> str:
+    """A 2-layer, hidden-32 BERT with random weights and the real MiniLM tokenizer: builds in milliseconds."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
+                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=512,
+                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    out = tmp_path_factory.mktemp("tiny-bert")
+    BertModel(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+TOPICS = {
+    "sports": ["the team won the match", "a late goal decided the game", "the striker scored twice",
+               "fans cheered the champions", "the coach praised the defence"],
+    "finance": ["shares fell on weak earnings", "the bank raised interest rates", "profits beat forecasts",
+                "the stock market rallied", "bond yields climbed again"],
+    "weather": ["heavy rain is expected tomorrow", "a storm hit the coast", "temperatures will drop tonight",
+                "sunny skies over the weekend", "snow closed the mountain roads"],
+}
+
+
+def topic_rows(n_per_label: int, offset: int = 0) -> list[dict]:
+    rows = []
+    for i in range(n_per_label):
+        for label, texts in TOPICS.items():
+            rows.append({"text": f"{texts[(i + offset) % len(texts)]} {i}", "label": label})
+    return rows
+
+
+@pytest.fixture
+def topic_csvs(tmp_path) -> dict[str, Path]:
+    """train/validation/test csv files of a tiny 3-topic task."""
+    import pandas as pd
+
+    files = {}
+    for split, n, offset in (("train", 20, 0), ("validation", 4, 1), ("test", 4, 2)):
+        files[split] = tmp_path / f"{split}.csv"
+        pd.DataFrame(topic_rows(n, offset)).to_csv(files[split], index=False)
+    return files
+
+
+def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The application as a user runs it: a fresh interpreter, the real entry script."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, str(ENTRY), *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=REPO)

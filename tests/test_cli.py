@@ -1,0 +1,92 @@
+"""The command line as a user meets it: bad input gets one clear line, exit 2, and nothing is touched."""
+
+import hashlib
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from cloudtrain.cli import main
+
+from conftest import REPO, run_cli, topic_rows
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in folder.iterdir()}
+
+
+@pytest.fixture
+def existing_output(tmp_path) -> Path:
+    """An output dir holding a user's earlier model, which no failed run may touch."""
+    out = tmp_path / "earlier-run"
+    out.mkdir()
+    (out / "config.json").write_text('{"earlier": true}')
+    (out / "model.safetensors").write_bytes(b"weights of an earlier run")
+    return out
+
+
+def bad_inputs(tmp_path, topic_csvs, tiny_model_dir) -> dict[str, tuple[list[str], str]]:
+    unseen = tmp_path / "unseen.csv"
+    pd.DataFrame([{"text": "a recipe", "label": "cooking"}]).to_csv(unseen, index=False)
+    empty = tmp_path / "empty.csv"
+    empty.write_text("text,label\n")
+    train = ["--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"])]
+    return {
+        "missing data file": (["--train_file", str(tmp_path / "nope.csv")], "--train_file .*nope.csv does not exist"),
+        "missing text column": (train + ["--text_column", "body"], "column 'body' is not in the train data"),
+        "missing label column": (train + ["--label_column", "topic"], "column 'topic' is not in the train data"),
+        "unseen validation labels": (train + ["--validation_file", str(unseen)],
+                                     "validation data has labels the training data never saw: cooking"),
+        "empty dataset": (["--model_name_or_path", tiny_model_dir, "--train_file", str(empty)], "is empty"),
+        "unknown training type": (["--training_type", "turbo"], "'turbo' is not one of basic, accelerated"),
+        "model path missing": (["--model_name_or_path", str(tmp_path / "no-model")], "does not exist"),
+        "contradictory data sources": (["--dataset_name", "ag_news", "--train_file", str(topic_csvs["train"])],
+                                       "give one of them"),
+        "fp16 without a GPU": (["--mixed_precision", "fp16"], "fp16 needs a CUDA GPU"),
+        "config file missing": (["--config", str(tmp_path / "nope.yaml")], "config file .* does not exist"),
+    }
+
+
+CASES = ["missing data file", "missing text column", "missing label column", "unseen validation labels",
+         "empty dataset", "unknown training type", "model path missing", "contradictory data sources",
+         "fp16 without a GPU", "config file missing"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bad_input_is_one_line_and_touches_nothing(case, tmp_path, topic_csvs, tiny_model_dir, existing_output,
+                                                   capsys):
+    argv, message = bad_inputs(tmp_path, topic_csvs, tiny_model_dir)[case]
+    before = snapshot(existing_output)
+    code = main(argv + ["--output_dir", str(existing_output), "--overwrite_output_dir", "true"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1].startswith("error: ")
+    assert pytest.importorskip("re").search(message, err[-1]), err[-1]
+    assert snapshot(existing_output) == before
+
+
+def test_an_earlier_model_is_never_overwritten_by_default(existing_output, capsys):
+    before = snapshot(existing_output)
+    assert main(["--output_dir", str(existing_output)]) == 2
+    assert "already holds a model; pass --overwrite_output_dir true" in capsys.readouterr().err
+    assert snapshot(existing_output) == before
+
+
+def test_process_exit_code_and_no_traceback(tmp_path):
+    result = run_cli("--train_file", str(tmp_path / "missing.csv"))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines() == [f"error: --train_file {tmp_path / 'missing.csv'} does not exist"]
+
+
+def test_help_and_predict_help():
+    result = run_cli("--help")
+    assert result.returncode == 0 and "--per_device_train_batch_size" in result.stdout and "predict" in result.stdout
+    result = run_cli("predict", "--help")
+    assert result.returncode == 0 and "--model_dir" in result.stdout
+
+
+def test_sagemaker_folder_never_shadows_the_sdk():
+    assert not (REPO / "sagemaker" / "__init__.py").exists()
+    entry_dir = REPO / "src"  # the entry script's folder is what Python puts first on sys.path
+    assert not (entry_dir / "sagemaker").exists() and not (entry_dir / "sagemaker.py").exists()

@@ -1,0 +1,136 @@
+"""Stages 1 and 2: data connecting (every source) and processing (labels, tokens, splits, cache)."""
+
+import json
+import os
+
+import pandas as pd
+import pytest
+import torch
+from datasets import ClassLabel, Dataset, DatasetDict
+from transformers import AutoTokenizer
+
+from cloudtrain.config import DataConfig
+from cloudtrain.data_connecting import connect_data
+from cloudtrain.data_processing import find_label_names, process_data, train_dataloader
+from cloudtrain.errors import UserError
+
+from conftest import topic_rows
+
+
+@pytest.fixture(scope="module")
+def tokenizer(minilm_dir):
+    return AutoTokenizer.from_pretrained(minilm_dir)
+
+
+def write(df: pd.DataFrame, path, fmt: str):
+    {"csv": lambda: df.to_csv(path, index=False), "tsv": lambda: df.to_csv(path, sep="\t", index=False),
+     "json": lambda: path.write_text(json.dumps(df.to_dict("records"))),
+     "jsonl": lambda: df.to_json(path, orient="records", lines=True),
+     "parquet": lambda: df.to_parquet(path)}[fmt]()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv", "json", "jsonl", "parquet"])
+def test_local_files_every_format(tmp_path, fmt):
+    df = pd.DataFrame(topic_rows(3))
+    paths = {}
+    for split in ("train", "validation"):
+        paths[split] = tmp_path / f"{split}.{fmt}"
+        write(df, paths[split], fmt)
+    raw = connect_data(DataConfig(train_file=str(paths["train"]), validation_file=str(paths["validation"])))
+    assert set(raw) == {"train", "validation"}
+    assert raw["train"]["text"] == df["text"].tolist() and raw["train"]["label"] == df["label"].tolist()
+
+
+def test_save_to_disk_directory(tmp_path):
+    DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}
+                ).save_to_disk(tmp_path / "ds")
+    raw = connect_data(DataConfig(dataset_name=str(tmp_path / "ds")))
+    assert set(raw) == {"train", "validation"} and len(raw["train"]) == 9  # "dev" is read as validation
+    Dataset.from_list(topic_rows(2)).save_to_disk(tmp_path / "single")
+    assert len(connect_data(DataConfig(train_file=str(tmp_path / "single")))["train"]) == 6
+
+
+def test_builtin_reuters_r8():
+    raw = connect_data(DataConfig())
+    assert (len(raw["train"]), len(raw["test"])) == (5485, 2189)
+    names, _ = find_label_names(raw, "label")
+    assert names == ["acq", "crude", "earn", "grain", "interest", "money-fx", "ship", "trade"]
+
+
+def test_hub_dataset_offline_is_a_clear_error():
+    with pytest.raises(UserError, match="could not load dataset 'no-such/dataset' from the Hub"):
+        connect_data(DataConfig(dataset_name="no-such/dataset"))
+
+
+def test_integer_labels_keep_their_names_and_string_labels_sort():
+    raw = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": [7, 3, 7, 5]})})
+    assert find_label_names(raw, "label") == (["3", "5", "7"], {3: 0, 5: 1, 7: 2})
+    feature = Dataset.from_dict({"text": ["a", "b"], "label": [1, 0]}).cast_column("label", ClassLabel(names=["no", "yes"]))
+    assert find_label_names(DatasetDict({"train": feature}), "label")[0] == ["no", "yes"]
+
+
+@pytest.mark.parametrize("cfg_kwargs, rows, message", [
+    ({"text_column": "body"}, None, "column 'body' is not in the train data"),
+    ({}, [], "the train data in .* is empty"),
+])
+def test_bad_columns_and_empty_data(tmp_path, cfg_kwargs, rows, message):
+    path = tmp_path / "train.csv"
+    if rows == []:
+        path.write_text("text,label\n")
+    else:
+        pd.DataFrame(topic_rows(2)).to_csv(path, index=False)
+    with pytest.raises(UserError, match=message):
+        connect_data(DataConfig(train_file=str(path), **cfg_kwargs))
+
+
+def test_validation_labels_unseen_in_training(tmp_path, tokenizer):
+    raw = DatasetDict({"train": Dataset.from_list(topic_rows(2)),
+                       "validation": Dataset.from_dict({"text": ["x"], "label": ["cooking"]})})
+    with pytest.raises(UserError, match="validation data has labels the training data never saw: cooking"):
+        process_data(raw, tokenizer, DataConfig(), seed=0)
+
+
+def test_processing_truncates_pads_dynamically_and_carves_validation(tokenizer):
+    rows = topic_rows(40)
+    rows[0]["text"] = "word " * 500  # long enough to be truncated
+    raw = DatasetDict({"train": Dataset.from_list(rows)})
+    data = process_data(raw, tokenizer, DataConfig(max_length=16, validation_split_percentage=25), seed=0)
+    assert (len(data.train), len(data.validation)) == (90, 30)
+    assert max(len(ids) for split in (data.train, data.validation) for ids in split["input_ids"]) == 16
+    assert data.validation.features["labels"].names == data.label_names == ["finance", "sports", "weather"]
+    # stratified: every label keeps its share in the carved validation split
+    assert sorted(torch.bincount(torch.tensor(data.validation["labels"])).tolist()) == [10, 10, 10]
+    batch = next(iter(train_dataloader(data, batch_size=8, seed=0)))
+    assert batch["input_ids"].shape[1] == int(batch["attention_mask"].sum(1).max())  # padded to the longest row
+
+
+def test_sentence_pairs(tokenizer):
+    raw = DatasetDict({"train": Dataset.from_dict({"a": ["is it raining", "who won"] * 5, "b": ["yes it is", "rain"] * 5,
+                                                   "label": [1, 0] * 5})})
+    data = process_data(raw, tokenizer, DataConfig(text_column="a", text_pair_column="b",
+                                                   validation_split_percentage=20), seed=0)
+    row = data.train[0]
+    assert 1 in row["token_type_ids"]  # the second segment is there
+    assert tokenizer.decode(row["input_ids"]).count("[SEP]") == 2
+
+
+def test_sample_limits(tokenizer):
+    raw = DatasetDict({"train": Dataset.from_list(topic_rows(20)), "test": Dataset.from_list(topic_rows(10))})
+    data = process_data(raw, tokenizer, DataConfig(max_train_samples=7, max_eval_samples=5), seed=0)
+    assert (len(data.train), len(data.validation), len(data.test)) == (7, 5, 5)
+
+
+def test_processing_is_cached_across_runs(tmp_path, tokenizer, topic_csvs):
+    cfg = DataConfig(train_file=str(topic_csvs["train"]), validation_file=str(topic_csvs["validation"]),
+                     cache_dir=str(tmp_path / "cache"))
+    first = process_data(connect_data(cfg), tokenizer, cfg, seed=0)
+    files = sorted((tmp_path / "cache").glob("*.arrow"))
+    assert len(files) == 2
+    stamps = {f: os.stat(f).st_mtime_ns for f in files}
+    fresh_tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    second = process_data(connect_data(cfg), fresh_tokenizer, cfg, seed=0)  # as a second run would
+    assert {f: os.stat(f).st_mtime_ns for f in files} == stamps  # read back, not written again
+    assert second.train["input_ids"] == first.train["input_ids"]
+    other = DataConfig(**{**cfg.__dict__, "max_length": 8})
+    process_data(connect_data(other), tokenizer, other, seed=0)
+    assert len(list((tmp_path / "cache").glob("*.arrow"))) == 4  # other options, another entry

@@ -1,0 +1,65 @@
+"""End to end, as a user runs it: the real MiniLM on a few hundred real R8 texts, both trainers.
+
+Each run must learn: accuracy well above the majority-class rate of the same evaluation rows.
+Then the saved model reloads with from_pretrained and the `predict` entry classifies with it.
+"""
+
+import json
+from collections import Counter
+
+import pytest
+from transformers import AutoModelForSequenceClassification
+
+from cloudtrain.predict import predict
+
+from conftest import run_cli
+
+R8_QUICK = ["--max_train_samples", "320", "--max_eval_samples", "200", "--max_length", "64",
+            "--num_train_epochs", "2", "--learning_rate", "1e-4", "--logging_steps", "10"]
+
+
+@pytest.fixture(scope="module", params=["basic", "accelerated"])
+def trained(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"e2e-{request.param}") / "model"
+    result = run_cli("--training_type", request.param, "--output_dir", str(out), *R8_QUICK)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return request.param, out, result
+
+
+def test_the_model_learned(trained):
+    training_type, out, result = trained
+    test = json.loads((out / "test_results.json").read_text())
+    matrix = test["confusion_matrix"]
+    majority_rate = max(sum(row) for row in matrix) / test["samples"]  # rows are the true classes
+    assert test["samples"] == 200
+    assert test["accuracy"] >= majority_rate + 0.2, (test["accuracy"], majority_rate)
+    assert f"{'BasicTrainer' if training_type == 'basic' else 'AcceleratedTrainer'}:" in result.stdout
+    assert f"model saved to {out.resolve()}" in result.stdout
+    assert "test: accuracy" in result.stdout
+
+
+def test_reload_and_predict(trained):
+    _, out, _ = trained
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert set(model.config.id2label.values()) == {"acq", "crude", "earn", "grain", "interest", "money-fx",
+                                                   "ship", "trade"}
+    texts = ["company reports net profit rose to 12 mln dlrs per share dividend quarterly earnings",
+             "company agreed to acquire all outstanding shares in a merger takeover bid"]
+    in_process = predict(str(out), texts)
+    assert [p["label"] for p in in_process][0] == "earn"
+    assert all(0 < p["score"] <= 1 for p in in_process)
+    result = run_cli("predict", "--model_dir", str(out), "--text", texts[0], "--text", texts[1])
+    assert result.returncode == 0, result.stderr[-2000:]
+    lines = [json.loads(line) for line in result.stdout.strip().splitlines()]
+    assert [p["label"] for p in lines] == [p["label"] for p in in_process]
+
+
+def test_predict_from_a_file(trained, tmp_path):
+    _, out, _ = trained
+    file = tmp_path / "texts.txt"
+    file.write_text("oil prices and crude output opec barrels\nwheat grain harvest tonnes exports\n")
+    result = run_cli("predict", "--model_dir", str(out), "--input_file", str(file),
+                     "--output_file", str(tmp_path / "preds.jsonl"))
+    assert result.returncode == 0, result.stderr[-2000:]
+    preds = [json.loads(line) for line in (tmp_path / "preds.jsonl").read_text().splitlines()]
+    assert len(preds) == 2 and Counter(p["text"] for p in preds) == Counter(file.read_text().splitlines())

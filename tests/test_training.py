@@ -1,0 +1,90 @@
+"""Stages 3-6 with a tiny random model: accumulation exactness, determinism, outputs of a run."""
+
+import json
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from cloudtrain.config import DataConfig, ModelConfig, build_config, validate
+from cloudtrain.data_processing import process_data
+from cloudtrain.model_loading import load_model
+from cloudtrain.pipeline import run_training
+from cloudtrain.tracking import RunLog
+from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
+
+from conftest import topic_rows
+
+
+def tiny_setup(tiny_model_dir, tmp_path, trainer_cls, **overrides):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    raw = DatasetDict({"train": Dataset.from_list(topic_rows(10)), "validation": Dataset.from_list(topic_rows(2))})
+    data = process_data(raw, tokenizer, DataConfig(), seed=0)
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "max_grad_norm": 0, **overrides})
+    torch.manual_seed(0)
+    model = load_model(ModelConfig(model_name_or_path=tiny_model_dir), data.label_names, tokenizer)
+    return trainer_cls(cfg, model, data, RunLog(tmp_path, True))
+
+
+@pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
+@pytest.mark.parametrize("sizes", [[4, 4, 4], [5, 5, 2]], ids=["equal", "short-last"])
+def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, trainer_cls, sizes):
+    """k micro-batches with accumulation give the same update as one batch holding all of them."""
+    updated = []
+    for k, window_sizes in ((len(sizes), sizes), (1, [sum(sizes)])):
+        trainer = tiny_setup(tiny_model_dir, tmp_path, trainer_cls, gradient_accumulation_steps=k)
+        # Plain SGD: its update is proportional to the gradient, so a mis-scaled loss would show.
+        trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.5)
+        trainer.setup()
+        rows = [trainer.data.train[i] for i in range(sum(sizes))]
+        window, start = [], 0
+        for size in window_sizes:
+            window.append(trainer.move(trainer.data.collator(rows[start:start + size])))
+            start += size
+        stats = trainer.train_step(window, num_examples=sum(sizes))
+        updated.append((stats.loss, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
+    (loss_acc, params_acc), (loss_big, params_big) = updated
+    assert float(loss_acc) == pytest.approx(float(loss_big), rel=1e-5)
+    for name, value in params_big.items():
+        torch.testing.assert_close(params_acc[name], value, rtol=1e-5, atol=1e-6)
+    initial = dict(tiny_setup(tiny_model_dir, tmp_path, trainer_cls).model.named_parameters())
+    assert not torch.equal(params_big["classifier.weight"], initial["classifier.weight"])  # the step did move
+
+
+def run_tiny(tiny_model_dir, topic_csvs, out, **overrides):
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]),
+                        "validation_file": str(topic_csvs["validation"]), "test_file": str(topic_csvs["test"]),
+                        "output_dir": str(out), "max_steps": 6, "per_device_train_batch_size": 8,
+                        "logging_steps": 2, "learning_rate": 1e-3, **overrides})
+    validate(cfg)
+    return run_training(cfg)
+
+
+@pytest.mark.parametrize("training_type", ["basic", "accelerated"])
+def test_same_seed_same_result(tiny_model_dir, topic_csvs, tmp_path, training_type):
+    runs = [run_tiny(tiny_model_dir, topic_csvs, tmp_path / f"run{i}", training_type=training_type,
+                     seed=seed) for i, seed in enumerate((1, 1, 2))]
+    weights = [load_file(tmp_path / f"run{i}" / "model.safetensors") for i in range(3)]
+    assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
+    assert not all(torch.equal(weights[0][n], weights[2][n]) for n in weights[0])
+    assert runs[0]["train"]["train_loss"] == runs[1]["train"]["train_loss"]
+
+
+def test_run_writes_every_output(tiny_model_dir, topic_csvs, tmp_path):
+    out = tmp_path / "out"
+    results = run_tiny(tiny_model_dir, topic_csvs, out, eval_strategy="steps", eval_steps=3, hub_token="hf_x1")
+    names = {p.name for p in out.iterdir()}
+    assert {"model.safetensors", "config.json", "tokenizer.json", "args.json", "train_results.json",
+            "eval_results.json", "test_results.json", "metrics.jsonl"} <= names
+    model = AutoModelForSequenceClassification.from_pretrained(out)
+    assert model.config.id2label == {0: "finance", 1: "sports", 2: "weather"}
+    args = json.loads((out / "args.json").read_text())
+    assert args["max_steps"] == 6 and "hub_token" not in args
+    assert not any("hf_x1" in p.read_text(errors="ignore") for p in out.iterdir() if p.suffix in (".json", ".jsonl"))
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if "train/loss" in e] == [2, 4, 6]
+    assert [e["step"] for e in events if "eval/accuracy" in e] == [3, 6]  # mid-run, then the final one
+    assert json.loads((out / "eval_results.json").read_text())["samples"] == 12 == results["eval"]["samples"]
+    assert results["test"]["samples"] == 12
