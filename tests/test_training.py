@@ -10,6 +10,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.config import DataConfig, ModelConfig, build_config, validate
 from cloudtrain.data_processing import process_data
+from cloudtrain.distributed import build_accelerator
 from cloudtrain.model_loading import load_model
 from cloudtrain.pipeline import run_training
 from cloudtrain.tracking import RunLog
@@ -25,7 +26,10 @@ def tiny_setup(tiny_model_dir, tmp_path, trainer_cls, **overrides):
     cfg = build_config({"model_name_or_path": tiny_model_dir, "max_grad_norm": 0, **overrides})
     torch.manual_seed(0)
     model = load_model(ModelConfig(model_name_or_path=tiny_model_dir), data.label_names, tokenizer)
-    return trainer_cls(cfg, model, data, RunLog(tmp_path, True))
+    run_log = RunLog(cfg, tmp_path, True, run_info={})
+    if trainer_cls is AcceleratedTrainer:
+        return trainer_cls(cfg, model, data, run_log, build_accelerator(cfg))
+    return trainer_cls(cfg, model, data, run_log)
 
 
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])

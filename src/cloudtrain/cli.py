@@ -3,18 +3,23 @@
     python src/training_application.py [train] [--config FILE] [--<option> VALUE ...]
     python src/training_application.py predict --model_dir DIR --text "..."
 
-User mistakes print one `error:` line and exit with status 2; no traceback.
+Each command other than train is a module with `add_arguments(parser)` and `run(args)`, imported
+only when used. User mistakes print one `error:` line and exit with status 2; no traceback.
 """
 
+import importlib
 import sys
 
 from cloudtrain.config import _Parser, add_config_arguments, config_from_namespace
 from cloudtrain.errors import UserError
 
 PROG = "training_application.py"
-DESCRIPTION = """Fine-tune a Hugging Face sequence-classification model.
-With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.
-Other commands: `predict --model_dir DIR --text ...` classifies texts with a saved model."""
+COMMANDS = {  # name: (module, one-line description)
+    "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
+}
+DESCRIPTION = "Fine-tune a Hugging Face sequence-classification model.\n" \
+    "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n" \
+    "Other commands: " + "; ".join(f"`{name}`: {text}" for name, (_, text) in COMMANDS.items())
 
 
 def train_main(argv: list[str]) -> None:
@@ -26,20 +31,21 @@ def train_main(argv: list[str]) -> None:
     run_training(cfg)
 
 
-def predict_main(argv: list[str]) -> None:
-    from cloudtrain.predict import add_predict_arguments, run_predict
-
-    parser = _Parser(prog=f"{PROG} predict", description="Classify texts with a saved model.")
-    add_predict_arguments(parser)
-    run_predict(parser.parse_args(argv))
+def command_main(name: str, argv: list[str]) -> None:
+    module_name, description = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = _Parser(prog=f"{PROG} {name}", description=description)
+    module.add_arguments(parser)
+    module.run(parser.parse_args(argv))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    commands = {"train": train_main, "predict": predict_main}
-    command = argv.pop(0) if argv and argv[0] in commands else "train"
     try:
-        commands[command](argv)
+        if argv and argv[0] in COMMANDS:
+            command_main(argv[0], argv[1:])
+        else:
+            train_main(argv[1:] if argv and argv[0] == "train" else argv)
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

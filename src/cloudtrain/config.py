@@ -25,6 +25,8 @@ MIXED_PRECISION = ("no", "fp16", "bf16")
 SCHEDULERS = ("linear", "cosine", "constant")
 EVAL_STRATEGIES = ("epoch", "steps", "no")
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint")
+OFFLOAD = ("none", "cpu")
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False) -> Any:
@@ -83,10 +85,23 @@ class TrainingConfig:
 
 
 @dataclass
+class DistributedConfig:
+    zero_stage: int | None = opt(None, "DeepSpeed ZeRO stage (needs the deepspeed package); unset: no DeepSpeed.",
+                                 (0, 1, 2, 3))
+    offload_optimizer: str = opt("none", "DeepSpeed: keep optimizer states in CPU memory.", OFFLOAD)
+    offload_param: str = opt("none", "DeepSpeed ZeRO-3: keep parameters in CPU memory.", OFFLOAD)
+    deepspeed_config: str | None = opt(None, "A DeepSpeed JSON config, used as-is; its \"auto\" values are "
+                                             "filled from these options.")
+    fsdp: bool = opt(False, "Shard the model with FSDP (version 2) through accelerate; GPU only.")
+
+
+@dataclass
 class TrackingConfig:
     report_to: list = opt(["none"], "Experiment trackers, comma-separated.", TRACKERS)
     project_name: str = opt("cloudtrain", "Tracker project name.")
     run_name: str | None = opt(None, "Tracker run name.")
+    tags: list = opt([], "Tags for the tracker run, comma-separated.")
+    log_model: bool = opt(False, "Also upload the saved model as a W&B artifact.")
 
 
 @dataclass
@@ -94,6 +109,10 @@ class HubConfig:
     push_to_hub: bool = opt(False, "Push the trained model to the Hugging Face Hub.")
     hub_model_id: str | None = opt(None, "Hub repository, <user or org>/<name>.")
     hub_token: str | None = opt(None, "Hub token (default: HF_TOKEN or the stored login). Never saved.", secret=True)
+    hub_private_repo: bool = opt(False, "Create the Hub repository as private.")
+    hub_revision: str | None = opt(None, "Branch of the Hub repository to push to (default: main).")
+    hub_strategy: str = opt("end", "end: push once after training; every_save: push each saved model in the "
+                                   "background; checkpoint: also push the latest checkpoint.", HUB_STRATEGIES)
 
 
 @dataclass
@@ -108,6 +127,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
@@ -174,7 +194,7 @@ def _coerce(name: str, value: Any) -> Any:
     choices = f.metadata["choices"]
     for item in value if isinstance(value, list) else [value]:
         if choices and item not in choices:
-            raise UserError(f"--{name}: {item!r} is not one of {', '.join(choices)}")
+            raise UserError(f"--{name}: {item!r} is not one of {', '.join(map(str, choices))}")
     return value
 
 
@@ -191,9 +211,9 @@ class _Parser(argparse.ArgumentParser):
 def _help(f: dataclasses.Field) -> str:
     text = f.metadata["help"]
     if f.metadata["choices"]:
-        text += f" Choices: {', '.join(f.metadata['choices'])}."
+        text += f" Choices: {', '.join(map(str, f.metadata['choices']))}."
     default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-    if default is not None and not f.metadata["secret"]:
+    if default not in (None, []) and not f.metadata["secret"]:
         text += f" (default: {','.join(default) if isinstance(default, list) else default})"
     return text.replace("%", "%%")
 
@@ -209,7 +229,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         if _base_type(f) is bool:
             kwargs.update(nargs="?", const="true", metavar="true|false")
         elif f.metadata["choices"]:
-            kwargs["metavar"] = "{" + ",".join(f.metadata["choices"]) + "}"
+            kwargs["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
         group.add_argument(f"--{name}", **kwargs)
 
 

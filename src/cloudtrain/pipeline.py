@@ -9,19 +9,20 @@ import contextlib
 from pathlib import Path
 
 import torch
-from accelerate import PartialState
 from transformers import set_seed
 
 from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.config import Config, save_arguments
+from cloudtrain.distributed import build_accelerator, check_distributed
 from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
 from cloudtrain.data_processing import process_data
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.model_loading import load_model, load_tokenizer, resolve_model_path
 from cloudtrain.saving import holds_model, write_results
-from cloudtrain.tracking import RunLog
-from cloudtrain.trainers import TRAINERS
+from cloudtrain import hub
+from cloudtrain.tracking import RunLog, check_trackers
+from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer, count_parameters
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -34,14 +35,13 @@ def resolve_output_dir(cfg: Config) -> Path:
 def preflight(cfg: Config) -> Path:
     """Checks that touch files and devices but load nothing heavy; returns the output dir."""
     check_data_sources(cfg.data)
+    check_distributed(cfg)
     resolve_model_path(cfg.model)
     if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
-    if cfg.tracking.report_to != ["none"]:
-        raise UserError(f"--report_to {','.join(cfg.tracking.report_to)}: tracker integration is not in this "
-                        "version yet; use --report_to none (metrics.jsonl is always written)")
+    check_trackers(cfg.tracking)
     if cfg.hub.push_to_hub:
-        raise UserError("--push_to_hub is not in this version yet; the model is saved in --output_dir")
+        hub.check_access(cfg.hub)  # a bad token fails now, not after hours of training
     output_dir = resolve_output_dir(cfg)
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
@@ -54,11 +54,11 @@ def preflight(cfg: Config) -> Path:
 def run_training(cfg: Config) -> dict:
     """Run the whole pipeline; returns the final results (train, eval and, if present, test)."""
     output_dir = preflight(cfg)
-    # One process or many: accelerate's state reads the launcher's environment (rank, world size).
-    state = PartialState() if cfg.training.training_type == "accelerated" else None
-    is_main = state.is_main_process if state else True
-    main_first = state.main_process_first if state else contextlib.nullcontext
-    set_seed(cfg.training.seed)
+    # Distributed set-up, before the model is loaded (ZeRO-3 partitions it while loading).
+    accelerator = build_accelerator(cfg) if cfg.training.training_type == "accelerated" else None
+    is_main = accelerator.is_main_process if accelerator else True
+    main_first = accelerator.main_process_first if accelerator else contextlib.nullcontext
+    set_seed(cfg.training.seed)  # the same on every process, so every process builds the same model
 
     raw = connect_data(cfg.data)
     tokenizer = load_tokenizer(cfg.model)
@@ -69,9 +69,17 @@ def run_training(cfg: Config) -> dict:
               f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
               f"{len(data.label_names)} labels: {', '.join(data.label_names)}", flush=True)
     model = load_model(cfg.model, data.label_names, tokenizer)
+    set_seed(cfg.training.seed + (accelerator.process_index if accelerator else 0))  # dropout differs per process
 
-    run_log = RunLog(output_dir, is_main)
-    trainer = TRAINERS[cfg.training.training_type](cfg, model, data, run_log)
+    run_log = RunLog(cfg, output_dir, is_main, run_info={
+        "training_type": cfg.training.training_type,
+        "num_processes": accelerator.num_processes if accelerator else 1,
+        "device": str(accelerator.device if accelerator else BasicTrainer.pick_device()),
+        "num_parameters": count_parameters(model)})
+    if accelerator:
+        trainer = AcceleratedTrainer(cfg, model, data, run_log, accelerator)
+    else:
+        trainer = BasicTrainer(cfg, model, data, run_log)
     train_result = trainer.fit()
 
     results = {"train": train_result.summary()}
@@ -85,7 +93,9 @@ def run_training(cfg: Config) -> dict:
         save_arguments(cfg, output_dir / "args.json")
         write_results(output_dir, results)
         _print_summary(results, output_dir)
-    run_log.finish()
+    run_log.finish(results, data.label_names)
+    if cfg.hub.push_to_hub and is_main:
+        hub.push_output_dir(output_dir, cfg, results)
     return results
 
 

@@ -18,7 +18,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.saving import holds_model
 
 
-def add_predict_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model_dir", required=True, help="A directory written by the training application.")
     parser.add_argument("--text", action="append", default=[], help="A text to classify (repeatable).")
     parser.add_argument("--input_file", help="A .txt file (one text per line) or a csv/tsv/json/jsonl file.")
@@ -68,7 +68,7 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
     return results
 
 
-def run_predict(args: argparse.Namespace) -> None:
+def run(args: argparse.Namespace) -> None:
     texts = list(args.text) + (read_texts(args.input_file, args.text_column) if args.input_file else [])
     if not texts:
         raise UserError("nothing to classify: pass --text \"...\" or --input_file FILE")

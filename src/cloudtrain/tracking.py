@@ -7,9 +7,19 @@ import json
 import time
 from pathlib import Path
 
+from cloudtrain.config import Config, TrackingConfig
+from cloudtrain.errors import UserError
+
+
+def check_trackers(cfg: TrackingConfig) -> None:
+    """Fail before training when a requested tracker cannot be used."""
+    if cfg.report_to != ["none"]:
+        raise UserError(f"--report_to {','.join(cfg.report_to)}: tracker integration is not in this "
+                        "version yet; use --report_to none (metrics.jsonl is always written)")
+
 
 class RunLog:
-    def __init__(self, output_dir: Path, is_main_process: bool):
+    def __init__(self, cfg: Config, output_dir: Path, is_main_process: bool, run_info: dict):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.enabled = is_main_process
         if self.enabled:
@@ -21,5 +31,5 @@ class RunLog:
             with self.path.open("a") as f:
                 f.write(json.dumps({"step": step, "time": round(time.time(), 3), **values}) + "\n")
 
-    def finish(self) -> None:
+    def finish(self, results: dict, label_names: list[str]) -> None:
         pass

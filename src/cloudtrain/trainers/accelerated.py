@@ -5,7 +5,8 @@ shards the data across processes, `accelerator.backward` handles mixed precision
 the gradient all-reduce on all but the last micro-batch of a window, `clip_grad_norm_` and
 `gather_for_metrics` work across processes, and saving gathers the full state dict first.
 
-Supports: one process (CPU or GPU), fp16 (GPU) and bf16 mixed precision, gradient accumulation.
+Supports: everything cloudtrain.distributed sets up (one or many processes and nodes, DDP, DeepSpeed
+ZeRO 0-3 with offload, FSDP on GPUs), fp16 (GPU) and bf16 mixed precision, gradient accumulation.
 """
 
 import contextlib
@@ -13,23 +14,32 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from transformers import PreTrainedModel
 
+from cloudtrain.config import Config
+from cloudtrain.data_processing import ProcessedData
+from cloudtrain.tracking import RunLog
 from cloudtrain.trainers.base import StepStats, Trainer, summed_loss
 
 
 class AcceleratedTrainer(Trainer):
     name = "AcceleratedTrainer"
 
+    def __init__(self, cfg: Config, model: PreTrainedModel, data: ProcessedData, run_log: RunLog,
+                 accelerator: Accelerator):
+        super().__init__(cfg, model, data, run_log)
+        self.accelerator = accelerator  # built by cloudtrain.distributed for this launch
+        self.is_main_process = accelerator.is_main_process
+        self.num_processes = accelerator.num_processes
+        self.mode = accelerator.distributed_type.value
+        if accelerator.state.deepspeed_plugin:
+            self.mode += f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+
     def setup(self) -> None:
-        t = self.cfg.training
-        self.accelerator = Accelerator(mixed_precision=t.mixed_precision,
-                                       gradient_accumulation_steps=t.gradient_accumulation_steps)
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.
         self.model, self.optimizer, self.train_dl, *eval_dls = self.accelerator.prepare(
             self.model, self.optimizer, self.train_dl, *self.eval_dls.values())
         self.eval_dls = dict(zip(self.eval_dls, eval_dls))
-        self.is_main_process = self.accelerator.is_main_process
-        self.num_processes = self.accelerator.num_processes
 
     def autocast(self):
         return contextlib.nullcontext()  # prepare() already wrapped the model's forward in autocast

@@ -30,7 +30,7 @@ from cloudtrain.tracking import RunLog
 @dataclass
 class StepStats:
     loss: torch.Tensor  # the window's mean loss, detached, still on the device
-    grad_norm: torch.Tensor | None  # before clipping; None when clipping is off
+    grad_norm: torch.Tensor | float | None  # before clipping; None when clipping is off
 
 
 @dataclass
@@ -61,6 +61,11 @@ def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dic
             window = []
     if window:
         yield window
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """All parameters, also when ZeRO-3 has partitioned them (each then holds only its shard)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 def summed_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -132,6 +137,7 @@ class Trainer:
     # ------------------------------------------------------------ what subclasses provide
     is_main_process = True
     num_processes = 1
+    mode = "plain PyTorch"
 
     def setup(self) -> None:
         raise NotImplementedError
@@ -215,7 +221,7 @@ class Trainer:
                   "train/epoch": round(result.epoch, 4), "train/samples_per_s": interval["samples_per_s"],
                   "train/tokens_per_s": interval["tokens_per_s"]}
         if stats.grad_norm is not None:
-            values["train/grad_norm"] = stats.grad_norm.item()
+            values["train/grad_norm"] = float(stats.grad_norm)
         self.run_log.log(values, step=result.global_step)
         if self.is_main_process:
             bar.write(f"step {result.global_step}/{bar.total} | epoch {values['train/epoch']:.2f} | "
@@ -226,9 +232,9 @@ class Trainer:
         t = self.cfg.training
         effective = t.per_device_train_batch_size * self.num_processes * t.gradient_accumulation_steps
         if self.is_main_process:
-            params = sum(p.numel() for p in self.model.parameters())
+            params = count_parameters(self.model)
             print(f"{self.name}: {len(self.data.train)} training examples, {params / 1e6:.1f}M parameters, "
-                  f"{self.num_processes} process(es) on {self._device.type}, effective batch {effective} "
+                  f"{self.num_processes} process(es) on {self._device.type} ({self.mode}), effective batch {effective} "
                   f"({t.per_device_train_batch_size} per device x {self.num_processes} x "
                   f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
                   f"({steps_per_epoch} per epoch)", flush=True)

@@ -18,8 +18,12 @@ AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 class BasicTrainer(Trainer):
     name = "BasicTrainer"
 
+    @staticmethod
+    def pick_device() -> torch.device:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
     def setup(self) -> None:
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = self.pick_device()
         self.model.to(self.device)
         self.model.train()
         # fp16 needs loss scaling against underflow; bf16 and fp32 do not (a disabled scaler is a no-op)

@@ -1,0 +1,183 @@
+"""Distributed set-up, in one place: the Accelerator for this launch on this machine.
+
+Launchers: plain `python` (1 process), `torchrun --nproc_per_node N`, `accelerate launch` (with or
+without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (torchrun). Modes:
+- DDP: NCCL on GPUs; on a machine with no GPU, gloo (accelerate's MULTI_CPU), whatever the launcher
+  said, so `--multi_gpu` on a laptop still gives cooperating processes.
+- DeepSpeed ZeRO 0-3 through DeepSpeedPlugin, from `--zero_stage`/`--offload_*`, from a user's JSON
+  (`--deepspeed_config`, or `deepspeed_config_file` in an accelerate config), or from an accelerate
+  config's `deepspeed_config` section. The JSON's "auto" values are filled from the application's
+  options; values that disagree with them are an error naming both. With no GPU, gloo is passed
+  explicitly (never `cpu=True`, which makes accelerate drop DeepSpeed).
+- FSDP (version 2, transformer-layer auto-wrap) through accelerate's FSDP plugin: GPU only, since
+  accelerate does not shard on CPU; refused there instead of silently running DDP.
+Not supported: Megatron-LM, tensor/pipeline parallelism, DeepSpeed's own optimizer/scheduler sections
+(AdamW and the schedule come from the application's options).
+"""
+
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+from accelerate import Accelerator
+from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+
+from cloudtrain.config import Config
+from cloudtrain.errors import UserError
+
+DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
+
+
+def env_flag(name: str) -> bool:
+    return os.environ.get(name, "false").lower() == "true"
+
+
+def launched_processes() -> int:
+    """How many processes the launcher started (torchrun, accelerate launch, SageMaker all set WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def zero_config(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict:
+    """A DeepSpeed config for one ZeRO stage; "auto" values are filled from the application's options."""
+    zero: dict = {"stage": stage, "overlap_comm": stage > 0, "contiguous_gradients": stage > 0}
+    if offload_optimizer != "none":
+        zero["offload_optimizer"] = {"device": offload_optimizer, "pin_memory": True}
+    if stage == 3:
+        if offload_param != "none":
+            zero["offload_param"] = {"device": offload_param, "pin_memory": True}
+        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold="auto",
+                    stage3_prefetch_bucket_size="auto", reduce_bucket_size="auto")
+    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+            "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}, "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+
+
+def requested_deepspeed(cfg: Config) -> tuple[str, dict] | None:
+    """(where it came from, the DeepSpeed config as given) or None; flags win over the launcher's config."""
+    d = cfg.distributed
+    json_file = d.deepspeed_config or os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE", "none")
+    if json_file != "none":
+        return json_file, _read_json(json_file)
+    if d.zero_stage is not None:
+        return "--zero_stage", zero_config(d.zero_stage, d.offload_optimizer, d.offload_param)
+    if env_flag("ACCELERATE_USE_DEEPSPEED"):
+        stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
+        return "the accelerate config", zero_config(
+            stage, os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+            os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"))
+    return None
+
+
+def _read_json(path: str) -> dict:
+    if not Path(path).is_file():
+        raise UserError(f"DeepSpeed config {path} does not exist")
+    try:
+        return json.loads(Path(path).read_text())
+    except json.JSONDecodeError as err:
+        raise UserError(f"DeepSpeed config {path} is not valid JSON: {err}") from None
+
+
+def resolve_deepspeed_config(source: str, given: dict, cfg: Config, world_size: int) -> dict:
+    """Fill the "auto" values we own from the options; a value that disagrees with them is an error."""
+    t = cfg.training
+    ours = {
+        ("train_micro_batch_size_per_gpu",): (t.per_device_train_batch_size, "--per_device_train_batch_size"),
+        ("gradient_accumulation_steps",): (t.gradient_accumulation_steps, "--gradient_accumulation_steps"),
+        ("train_batch_size",): (t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
+                                "per-device batch x accumulation x processes"),
+        ("gradient_clipping",): (t.max_grad_norm, "--max_grad_norm"),
+        ("fp16", "enabled"): (t.mixed_precision == "fp16", "--mixed_precision"),
+        ("bf16", "enabled"): (t.mixed_precision == "bf16", "--mixed_precision"),
+    }
+    resolved = copy.deepcopy(given)
+    for keys, (value, flag) in ours.items():
+        parent = resolved
+        for key in keys[:-1]:
+            parent = parent.setdefault(key, {})
+        current = parent.get(keys[-1], "auto")
+        if current != "auto" and current != value:
+            name = ".".join(keys)
+            raise UserError(f"DeepSpeed config ({source}) sets {name} = {json.dumps(current)} but {flag} gives "
+                            f"{json.dumps(value)}; make them agree or set {name} to \"auto\"")
+        parent[keys[-1]] = value
+    zero = resolved.setdefault("zero_optimization", {})
+    stage = cfg.distributed.zero_stage
+    if stage is not None and zero.get("stage", stage) != stage:
+        raise UserError(f"DeepSpeed config ({source}) sets zero_optimization.stage = {zero['stage']} but "
+                        f"--zero_stage is {stage}; make them agree")
+    if "optimizer" in resolved or "scheduler" in resolved:
+        raise UserError(f"DeepSpeed config ({source}) has an optimizer or scheduler section; remove it: "
+                        "cloudtrain sets AdamW and the schedule from --learning_rate, --lr_scheduler_type, ...")
+    if zero.get("stage") == 3:  # the final model must be the gathered full model
+        zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
+    resolved.setdefault("zero_force_ds_cpu_optimizer", False)  # torch AdamW with offload is fine
+    return resolved
+
+
+def check_distributed(cfg: Config) -> None:
+    """Cheap checks of the distributed options, before anything is loaded."""
+    d, accelerated = cfg.distributed, cfg.training.training_type == "accelerated"
+    wants_deepspeed = d.zero_stage is not None or d.deepspeed_config or env_flag("ACCELERATE_USE_DEEPSPEED")
+    wants_fsdp = d.fsdp or env_flag("ACCELERATE_USE_FSDP")
+    if not accelerated and (launched_processes() > 1 or wants_deepspeed or wants_fsdp):
+        raise UserError("the BasicTrainer runs one process without DeepSpeed or FSDP; "
+                        "use --training_type accelerated for multi-process, DeepSpeed and FSDP runs")
+    launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if accelerated and launcher_precision not in ("no", cfg.training.mixed_precision):
+        raise UserError(f"the accelerate config asks for {launcher_precision} mixed precision but --mixed_precision "
+                        f"is {cfg.training.mixed_precision}; pass --mixed_precision {launcher_precision}")
+    if wants_deepspeed and wants_fsdp:
+        raise UserError("DeepSpeed and FSDP were both requested; choose one")
+    if (d.offload_optimizer != "none" or d.offload_param != "none") and d.zero_stage is None:
+        raise UserError("--offload_optimizer/--offload_param need DeepSpeed: add --zero_stage 2 or 3")
+    if d.offload_param != "none" and d.zero_stage != 3:
+        raise UserError("--offload_param needs --zero_stage 3")
+    if wants_deepspeed:
+        if importlib.util.find_spec("deepspeed") is None:
+            raise UserError(f"DeepSpeed was requested but the deepspeed package is not installed: {DEEPSPEED_INSTALL}")
+        if env_flag("ACCELERATE_USE_CPU"):
+            raise UserError("ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed; unset it "
+                            "(cloudtrain picks the gloo backend itself on a machine with no GPU)")
+        source, given = requested_deepspeed(cfg)
+        resolve_deepspeed_config(source, given, cfg, launched_processes())
+    if wants_fsdp and not torch.cuda.is_available():
+        raise UserError("FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
+                        "on this machine use plain multi-process (DDP) or --zero_stage 3")
+
+
+def build_accelerator(cfg: Config) -> Accelerator:
+    """The Accelerator for this launch; refuses a launch whose processes did not form one group."""
+    t, gpu = cfg.training, torch.cuda.is_available()
+    deepspeed = requested_deepspeed(cfg)
+    plugin = None
+    if deepspeed:
+        ds_config = resolve_deepspeed_config(*deepspeed, cfg, launched_processes())
+        zero = ds_config["zero_optimization"]
+        # The launcher's deepspeed_config fields are folded into ds_config already; without this,
+        # accelerate refuses a full config dict next to them.
+        os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
+        plugin = DeepSpeedPlugin(hf_ds_config=ds_config, gradient_accumulation_steps=t.gradient_accumulation_steps,
+                                 gradient_clipping=t.max_grad_norm, zero_stage=zero.get("stage", 0),
+                                 zero3_init_flag=zero.get("stage") == 3,
+                                 zero3_save_16bit_model=zero.get("stage3_gather_16bit_weights_on_model_save"))
+    fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                          state_dict_type="FULL_STATE_DICT") if cfg.distributed.fsdp else None
+    accelerator = Accelerator(
+        mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
+        deepspeed_plugin=plugin, fsdp_plugin=fsdp,
+        cpu=not gpu and plugin is None,  # no GPU: accelerate's MULTI_CPU path, which uses gloo
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else None)
+    if accelerator.num_processes != launched_processes():
+        raise UserError(f"the launcher started {launched_processes()} processes but they did not join one "
+                        f"process group (each sees {accelerator.num_processes}); they would train unsynchronised. "
+                        "Launch with torchrun or `accelerate launch --multi_gpu --num_processes N`")
+    if not accelerator.is_main_process:  # only the main process prints library progress and warnings
+        datasets.disable_progress_bars()
+        transformers.logging.set_verbosity_error()
+    return accelerator

@@ -1,0 +1,215 @@
+"""Real multi-process runs on CPU (2 processes, tiny model): DDP, DeepSpeed ZeRO-2/3, evaluation.
+
+Each run is a real launch (torchrun or accelerate launch) of the real entry script. DeepSpeed builds
+its shared-memory comm op on first use; it is cached under ~/.cache/torch_extensions, so the build is
+paid once per machine, not once per test.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from cloudtrain.config import build_config
+from cloudtrain.distributed import check_distributed, resolve_deepspeed_config, zero_config
+from cloudtrain.errors import UserError
+from cloudtrain.model_loading import load_model
+
+from conftest import ENTRY, REPO, topic_rows
+
+TINY_RUN = ["--training_type", "accelerated", "--eval_strategy", "no", "--per_device_train_batch_size", "4",
+            "--learning_rate", "1e-2", "--warmup_ratio", "0", "--logging_steps", "8"]
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def launch(launcher: list[str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    return result
+
+
+def torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", free_port()]
+
+
+def accelerate_launch(config: str, n: int) -> list[str]:
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / config),
+            "--num_processes", str(n), "--main_process_port", free_port()]
+
+
+def logged_losses(out: Path) -> list[float]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [e["train/loss"] for e in lines if "train/loss" in e]
+
+
+def data_args(topic_csvs, model_dir) -> list[str]:
+    return ["--model_name_or_path", model_dir, "--train_file", str(topic_csvs["train"]),
+            "--validation_file", str(topic_csvs["validation"])]
+
+
+def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir, topic_csvs, tmp_path):
+    common = data_args(topic_csvs, tiny_model_dir) + TINY_RUN + ["--max_train_samples", "56",
+                                                                  "--num_train_epochs", "2"]
+    two = launch(torchrun(2), str(ENTRY), *common, "--output_dir", str(tmp_path / "two"))
+    launch(torchrun(1), str(ENTRY), *common, "--per_device_train_batch_size", "8", "--output_dir",
+           str(tmp_path / "one"))
+    assert "2 process(es) on cpu (MULTI_CPU), effective batch 8 (4 per device x 2 x 1" in two.stdout
+    assert two.stdout.count("trained 14 steps") == 1  # only the main process prints
+    a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-4)  # float reduction order differs
+    assert logged_losses(tmp_path / "two") == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-4)
+
+
+@pytest.mark.parametrize("mode", ["zero2-torchrun", "zero2-offload-torchrun", "zero3-accelerate-launch"])
+def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_csvs, tmp_path):
+    out = tmp_path / "out"
+    args = [str(ENTRY), *data_args(topic_csvs, tiny_model_dir), *TINY_RUN, "--num_train_epochs", "5",
+            "--output_dir", str(out)]
+    if mode == "zero3-accelerate-launch":
+        result = launch(accelerate_launch("configs/accelerate/zero3.yaml", 2), *args)
+    else:
+        extra = ["--zero_stage", "2"] + (["--offload_optimizer", "cpu"] if "offload" in mode else [])
+        result = launch(torchrun(2), *args, *extra)
+    stage = 3 if "zero3" in mode else 2
+    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage})" in result.stdout
+    losses = logged_losses(out)
+    assert losses[-1] < 0.8 * losses[0], losses  # it learned
+    reference = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
+    saved = load_file(out / "model.safetensors")  # the gathered full model, not one rank's shard
+    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in reference.parameters())
+    model, info = AutoModelForSequenceClassification.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"]  # every weight came from the file
+    torch.testing.assert_close(model.classifier.weight, saved["classifier.weight"], rtol=0, atol=0)
+    assert model.config.id2label == {0: "finance", 1: "sports", 2: "weather"}
+
+
+def test_users_deepspeed_json_with_auto_values(tiny_model_dir, topic_csvs, tmp_path):
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                                   "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}))
+    out = tmp_path / "out"
+    result = launch(torchrun(2), str(ENTRY), *data_args(topic_csvs, tiny_model_dir), *TINY_RUN,
+                    "--gradient_accumulation_steps", "2", "--max_steps", "3", "--deepspeed_config", str(ds_json),
+                    "--output_dir", str(out))
+    assert "(DEEPSPEED ZeRO-2), effective batch 16 (4 per device x 2 x 2 accumulation)" in result.stdout
+    assert (out / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("train_micro_batch_size_per_gpu", 8, "train_micro_batch_size_per_gpu = 8 but --per_device_train_batch_size "
+                                          "gives 16"),
+    ("gradient_accumulation_steps", 4, "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 1"),
+    ("gradient_clipping", 0.5, "gradient_clipping = 0.5 but --max_grad_norm gives 1.0"),
+    ("bf16", {"enabled": True}, "bf16.enabled = true but --mixed_precision gives false"),
+    ("train_batch_size", 64, "train_batch_size = 64 but per-device batch x accumulation x processes gives 16"),
+])
+def test_conflicting_deepspeed_json_names_both_values(key, value, message, tmp_path):
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({**zero_config(2), key: value}))
+    with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_distributed(build_config({"deepspeed_config": str(ds_json)}))
+
+
+def test_auto_values_are_filled_from_the_options():
+    cfg = build_config({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
+                        "mixed_precision": "bf16", "max_grad_norm": 0.5})
+    filled = resolve_deepspeed_config("test", zero_config(3), cfg, world_size=4)
+    assert (filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"],
+            filled["train_batch_size"], filled["gradient_clipping"]) == (8, 2, 64, 0.5)
+    assert filled["bf16"]["enabled"] is True and filled["fp16"]["enabled"] is False
+    assert filled["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
+
+
+def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
+    """13 examples on 2 processes x batch 4: the gathered predictions are exactly the 13, metrics as 1 process."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    classifier = tmp_path / "classifier"
+    load_model(build_config({"model_name_or_path": tiny_model_dir}).model,
+               ["finance", "sports", "weather"], tokenizer).save_pretrained(classifier)
+    tokenizer.save_pretrained(classifier)
+    pd.DataFrame(topic_rows(10)).to_csv(tmp_path / "train.csv", index=False)
+    pd.DataFrame(topic_rows(5, offset=3)[:13]).to_csv(tmp_path / "val.csv", index=False)
+    results = []
+    for n in (1, 2):
+        options = tmp_path / f"options{n}.json"
+        options.write_text(json.dumps({"model_name_or_path": str(classifier), "train_file": str(tmp_path / "train.csv"),
+                                       "validation_file": str(tmp_path / "val.csv"), "per_device_eval_batch_size": 4,
+                                       "output_dir": str(tmp_path / f"eval{n}")}))
+        launch(torchrun(n), str(REPO / "tests" / "dist_eval.py"), str(options), str(tmp_path / f"result{n}.json"))
+        results.append(json.loads((tmp_path / f"result{n}.json").read_text()))
+    one, two = results
+    assert (one["num_processes"], two["num_processes"]) == (1, 2)
+    assert one["samples"] == two["samples"] == 13
+    assert sum(map(sum, two["confusion_matrix"])) == 13
+    assert two["confusion_matrix"] == one["confusion_matrix"]
+    assert (two["accuracy"], two["macro_f1"]) == (one["accuracy"], one["macro_f1"])
+    assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+
+
+def test_basic_trainer_under_a_multi_process_launcher_is_refused(tiny_model_dir, topic_csvs):
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    result = subprocess.run([*torchrun(2), str(ENTRY), "--training_type", "basic",
+                             *data_args(topic_csvs, tiny_model_dir)], capture_output=True, text=True, env=env,
+                            cwd=REPO, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert errors == ["error: the BasicTrainer runs one process without DeepSpeed or FSDP; use --training_type "
+                      "accelerated for multi-process, DeepSpeed and FSDP runs"] * 2  # each process, no training
+
+
+@pytest.mark.parametrize("options, env, message", [
+    ({"fsdp": True}, {}, "FSDP needs GPUs"),
+    ({}, {"ACCELERATE_USE_FSDP": "true"}, "FSDP needs GPUs"),
+    ({"zero_stage": 2}, {"ACCELERATE_USE_CPU": "true"}, "ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed"),
+    ({"offload_param": "cpu", "zero_stage": 2}, {}, "--offload_param needs --zero_stage 3"),
+    ({"offload_optimizer": "cpu"}, {}, "need DeepSpeed"),
+    ({"zero_stage": 2, "fsdp": True}, {}, "choose one"),
+    ({"mixed_precision": "no"}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, "pass --mixed_precision bf16"),
+])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
+def test_refusals_before_anything_loads(options, env, message, monkeypatch):
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(UserError, match=message):
+        check_distributed(build_config(options))
+
+
+def test_missing_deepspeed_names_the_install_command(monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "deepspeed" else real(name, *a))
+    with pytest.raises(UserError, match="pip install --no-build-isolation deepspeed==0.19.8"):
+        check_distributed(build_config({"zero_stage": 2}))
+
+
+def test_shipped_configs_are_valid():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    for stage in (1, 2, 3):
+        assert json.loads((REPO / f"configs/deepspeed/zero{stage}.json").read_text()) == zero_config(stage)
+    names = {p.stem for p in (REPO / "configs" / "accelerate").glob("*.yaml")}
+    assert names == {"single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "two_nodes",
+                     "cpu_multiprocess"}
+    for name in names:
+        config = load_config_from_file(str(REPO / "configs" / "accelerate" / f"{name}.yaml"))
+        assert config.mixed_precision == "no"  # precision is the application's --mixed_precision
+    fsdp = load_config_from_file(str(REPO / "configs/accelerate/fsdp.yaml"))
+    assert fsdp.fsdp_config["fsdp_version"] == 2
