@@ -1,7 +1,8 @@
-"""Command line: `train` (the default) and `predict`.
+"""Command line: `train` (the default), `predict` and `push`.
 
     python src/training_application.py [train] [--config FILE] [--<option> VALUE ...]
     python src/training_application.py predict --model_dir DIR --text "..."
+    python src/training_application.py push --output_dir DIR --hub_model_id USER/NAME
 
 Each command other than train is a module with `add_arguments(parser)` and `run(args)`, imported
 only when used. User mistakes print one `error:` line and exit with status 2; no traceback.
@@ -16,6 +17,7 @@ from cloudtrain.errors import UserError
 PROG = "training_application.py"
 COMMANDS = {  # name: (module, one-line description)
     "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
+    "push": ("cloudtrain.hub", "Upload an existing output dir to the Hugging Face Hub."),
 }
 DESCRIPTION = "Fine-tune a Hugging Face sequence-classification model.\n" \
     "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n" \

@@ -1,14 +1,252 @@
-"""The Hub push is not in this version yet: --push_to_hub stops with a clear message before training."""
+"""Pushing to the Hugging Face Hub: the access check before training, the upload after it, the
+`push` command that (re)uploads an existing output dir, and a background uploader for saves made
+during training.
 
+    python src/training_application.py push --output_dir DIR [--hub_model_id USER/NAME]
+
+Supports model repos on the Hub, or on any server that `HF_ENDPOINT` names; the token from
+--hub_token, else HF_TOKEN, else the stored login (`hf auth login`); public or private repos
+(--hub_private_repo, applied when the repo is created); a branch (--hub_revision, created from main
+when missing). A push uploads the top-level files of the output dir that a model repo needs
+(UPLOAD_PATTERNS): weights, config with label names, tokenizer, the generated README.md card,
+arguments, results and the training-curves plot; checkpoint folders, tracker logs and
+metrics.jsonl stay local. Does not open pull requests or delete files at the repo root.
+
+The token lives only in memory: it is never printed, logged, written to a file or the card, and
+error messages are scrubbed of it. Only the main process may call into this module.
+"""
+
+import argparse
+import contextlib
+import json
+import shlex
+from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
-from cloudtrain.config import Config, HubConfig
-from cloudtrain.errors import UserError
+import httpx2  # huggingface_hub's HTTP client: its transport errors mean "the Hub cannot be reached"
+from huggingface_hub import CommitOperationAdd, HfApi, get_token
+from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+
+from cloudtrain.config import Config, HubConfig, build_config, parse_bool
+from cloudtrain.errors import UserError, first_line
+from cloudtrain.model_card import build_model_card
+from cloudtrain.saving import holds_model
+
+UPLOAD_PATTERNS = [
+    "README.md", "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
+    "chat_template.*", "args.json", "*_results.json", "training_curves.png",
+]
+TOP_LEVEL_ONLY = ["*/*"]  # fnmatch's `*` crosses `/`: this keeps every sub-folder out
+RESULT_NAMES = ("train", "eval", "test")
+ENTRY = "python src/training_application.py"
+TOKEN_HELP = "set HF_TOKEN, pass --hub_token, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
+
+
+# ---------------------------------------------------------------- access
+
+def hub_api(cfg: HubConfig) -> HfApi:
+    """A client holding the token from --hub_token, else HF_TOKEN, else the stored login."""
+    token = cfg.hub_token or get_token()
+    if not token:
+        raise UserError(f"--push_to_hub needs a Hub token with write access: {TOKEN_HELP}")
+    return HfApi(token=token)
 
 
 def check_access(cfg: HubConfig) -> None:
-    raise UserError("--push_to_hub is not in this version yet; the model is saved in --output_dir")
+    """Before training: the token is valid and can write to --hub_model_id (created when missing)."""
+    if not cfg.hub_model_id or cfg.hub_model_id.count("/") != 1:
+        raise UserError(f"--hub_model_id {cfg.hub_model_id!r} must be <user or organization>/<name>")
+    api = hub_api(cfg)
+    with hub_errors(api, cfg, "checking Hub access"):
+        me = api.whoami()
+    user = me["name"]
+    if me.get("auth", {}).get("accessToken", {}).get("role") == "read":
+        raise UserError(f"the token of user {user} is read-only; pushing needs one with write access: {TOKEN_HELP}")
+    with hub_errors(api, cfg, f"checking that {user} can write to {cfg.hub_model_id}", user):
+        ensure_repo(api, cfg)
+        # A dry run of the first step of a commit: the Hub refuses it without write access,
+        # which also catches an existing repo owned by someone else. Nothing is stored.
+        api.preupload_lfs_files(cfg.hub_model_id, additions=[CommitOperationAdd("README.md", b"")],
+                                revision=cfg.hub_revision)
 
+
+def ensure_repo(api: HfApi, cfg: HubConfig) -> str:
+    """Create the repo (and branch) when missing; returns the repo's URL."""
+    url = api.create_repo(cfg.hub_model_id, private=cfg.hub_private_repo, exist_ok=True)
+    if cfg.hub_revision:
+        api.create_branch(cfg.hub_model_id, branch=cfg.hub_revision, exist_ok=True)
+        return f"{url}/tree/{cfg.hub_revision}"
+    return str(url)
+
+
+@contextlib.contextmanager
+def hub_errors(api: HfApi, cfg: HubConfig, action: str, user: str | None = None) -> Iterator[None]:
+    """Whatever a Hub call raises leaves as a one-line UserError: what failed and how to fix it.
+
+    Broad on purpose: every failure of a remote service is something the user must act on.
+    """
+    try:
+        yield
+    except Exception as err:
+        raise as_user_error(err, api, cfg, action, user) from None
+
+
+def as_user_error(err: Exception, api: HfApi, cfg: HubConfig, action: str, user: str | None = None
+                  ) -> UserError:
+    if isinstance(err, UserError):
+        return err
+    if isinstance(err, OfflineModeIsEnabled):
+        text = f"{action}: HF_HUB_OFFLINE is set; unset it to push to the Hub"
+    elif isinstance(err, httpx2.TransportError):
+        text = f"{action}: cannot reach {api.endpoint} ({first_line(err)}); check the network (and HF_ENDPOINT)"
+    elif isinstance(err, HFValidationError):
+        text = f"--hub_model_id {cfg.hub_model_id!r} is not a valid repo id: {first_line(err)}"
+    elif isinstance(err, HfHubHTTPError):
+        text = f"{action} failed: {describe(err, cfg, user)}"
+    else:
+        text = f"{action} failed: {first_line(err)}"
+    return UserError(scrub(text, api.token))
+
+
+def describe(err: HfHubHTTPError, cfg: HubConfig, user: str | None) -> str:
+    """The HTTP failure in the user's terms."""
+    status = err.response.status_code
+    if status == 401:
+        return f"the Hub rejected the token (401 Unauthorized); {TOKEN_HELP}"
+    if status == 403:
+        who = f"user {user}" if user else "this token"
+        return (f"{who} may not write to {cfg.hub_model_id} (403 Forbidden: {err.server_message or 'no reason'}); "
+                f"use --hub_model_id {user or '<you>'}/<name> or an organization you belong to, "
+                "and a token with write access")
+    reason = (err.server_message or "").strip().splitlines() or [first_line(err)]
+    return f"{status} {reason[0]}"
+
+
+def scrub(text: str, token: str | None) -> str:
+    """Belt and braces: no message ever carries the token."""
+    return text.replace(token, "<token>") if token else text
+
+
+# ---------------------------------------------------------------- push at the end
 
 def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
-    raise UserError("--push_to_hub is not in this version yet; the model is saved in --output_dir")
+    """Write the model card into `output_dir`, upload the model files, return the repo URL.
+
+    On failure `output_dir` stays as it is and the UserError gives the command that retries.
+    """
+    output_dir, hub = Path(output_dir), cfg.hub
+    build_model_card(output_dir, cfg, results).save(output_dir / "README.md")
+    try:
+        api = hub_api(hub)
+        with hub_errors(api, hub, f"pushing to {hub.hub_model_id}"):
+            url = ensure_repo(api, hub)
+            commit = api.upload_folder(repo_id=hub.hub_model_id, folder_path=output_dir, revision=hub.hub_revision,
+                                       commit_message=commit_message(results), allow_patterns=UPLOAD_PATTERNS,
+                                       ignore_patterns=TOP_LEVEL_ONLY)
+    except UserError as err:
+        raise UserError(f"{err}. The model is safe in {output_dir}; once fixed, retry with: "
+                        f"{retry_command(output_dir, hub)}") from None
+    print(f"pushed {output_dir} to {url} (commit {commit.oid[:8]})", flush=True)
+    return url
+
+
+def commit_message(results: dict) -> str:
+    steps = results.get("train", {}).get("global_step")
+    scores = "".join(f", {name} accuracy {results[name]['accuracy']:.4f}" for name in ("eval", "test")
+                     if name in results)
+    return f"Upload model trained with cloudtrain ({steps} steps{scores})"
+
+
+def retry_command(output_dir: Path, cfg: HubConfig) -> str:
+    """The `push` command that uploads `output_dir` again; the token comes from the environment."""
+    parts = [ENTRY, "push", "--output_dir", shlex.quote(str(Path(output_dir).resolve())),
+             "--hub_model_id", shlex.quote(cfg.hub_model_id)]
+    if cfg.hub_revision:
+        parts += ["--hub_revision", shlex.quote(cfg.hub_revision)]
+    if cfg.hub_private_repo:
+        parts += ["--hub_private_repo", "true"]
+    return " ".join(parts)
+
+
+# ---------------------------------------------------------------- pushes during training
+
+class HubUploader:
+    """Uploads folders to --hub_model_id on one background thread: one commit per upload, in order.
+
+    `upload` returns at once (huggingface_hub's `run_as_future` queue); `wait` blocks until all
+    queued uploads are done. A folder is read when its turn comes, so it must stay as it is until
+    then (call `wait` before deleting or rewriting it).
+    """
+
+    def __init__(self, cfg: Config):
+        self._hub = cfg.hub
+        self._api = hub_api(cfg.hub)
+        self._queued: list[tuple[str, Future]] = []
+
+    def upload(self, folder: Path, commit_message: str, path_in_repo: str = "") -> None:
+        """Queue one commit of `folder`.
+
+        At the repo root (path_in_repo "") only the model-repo files (UPLOAD_PATTERNS) go up, next to
+        what is there. Under a path (e.g. "last-checkpoint") the whole folder goes up and replaces
+        what was under that path, so it always holds exactly one checkpoint.
+        """
+        if path_in_repo:
+            options = dict(path_in_repo=path_in_repo, delete_patterns="*")
+        else:
+            options = dict(allow_patterns=UPLOAD_PATTERNS, ignore_patterns=TOP_LEVEL_ONLY)
+        future = self._api.upload_folder(repo_id=self._hub.hub_model_id, folder_path=folder,
+                                         revision=self._hub.hub_revision, commit_message=commit_message,
+                                         run_as_future=True, **options)
+        self._queued.append((commit_message, future))
+
+    def wait(self) -> None:
+        """Block until every queued upload is done; raise UserError if any failed."""
+        queued, self._queued = self._queued, []
+        failed = [(message, error) for message, future in queued if (error := future.exception())]
+        if failed:
+            message, error = failed[0]
+            err = as_user_error(error, self._api, self._hub, f"background upload {message!r}")
+            raise UserError(f"{len(failed)} of {len(queued)} background Hub uploads failed; first: {err}")
+
+
+# ---------------------------------------------------------------- the `push` command
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output_dir", required=True, help="A directory written by the training application.")
+    parser.add_argument("--hub_model_id", help="Hub repository <user or org>/<name> "
+                                               "(default: the hub_model_id in <output_dir>/args.json).")
+    parser.add_argument("--hub_token", help="Hub token (default: HF_TOKEN or the stored login).")
+    parser.add_argument("--hub_private_repo", type=parse_bool, nargs="?", const=True, metavar="true|false",
+                        help="Create the repository as private (default: as in args.json).")
+    parser.add_argument("--hub_revision", help="Branch to push to (default: as in args.json, else main).")
+
+
+def run(args: argparse.Namespace) -> None:
+    output_dir = Path(args.output_dir)
+    cfg, results = load_output_dir(output_dir)
+    for name in ("hub_model_id", "hub_token", "hub_private_repo", "hub_revision"):
+        if getattr(args, name) is not None:
+            setattr(cfg.hub, name, getattr(args, name))
+    if not cfg.hub.hub_model_id:
+        raise UserError(f"{output_dir}/args.json names no Hub repository: pass --hub_model_id <user>/<name>")
+    check_access(cfg.hub)
+    push_output_dir(output_dir, cfg, results)
+
+
+def load_output_dir(output_dir: Path) -> tuple[Config, dict]:
+    """The configuration (args.json) and results (*_results.json) of a finished run."""
+    args_file = output_dir / "args.json"
+    if not holds_model(output_dir) or not args_file.is_file():
+        raise UserError(f"--output_dir {output_dir} holds no finished run (model and args.json); "
+                        "give a directory written by the training application")
+    try:
+        cfg = build_config(json.loads(args_file.read_text()))
+    except (json.JSONDecodeError, UserError) as err:
+        raise UserError(f"{args_file} cannot be read back: {first_line(err)}") from None
+    results = {name: json.loads(path.read_text()) for name in RESULT_NAMES
+               if (path := output_dir / f"{name}_results.json").is_file()}
+    if "train" not in results:
+        raise UserError(f"{output_dir}/train_results.json is missing: the run did not finish; train again")
+    return cfg, results

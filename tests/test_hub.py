@@ -1,0 +1,289 @@
+"""Pushing to the Hub, against a local Hub API server (tests/hub_server.py) and the real client.
+
+The application runs in a subprocess with HF_ENDPOINT pointing at the server, because
+huggingface_hub reads it at import time: the production code path is the one users run.
+In-process tests point the already imported client at the server through its constants.
+"""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+import pytest
+from huggingface_hub import ModelCard, constants, hf_hub_download, metadata_load
+
+from cloudtrain import hub as cloudhub
+from cloudtrain.cli import main
+from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
+from cloudtrain.model_card import build_model_card
+from cloudtrain.saving import holds_model
+
+from conftest import ENTRY, REPO, topic_rows
+from hub_server import HubServer, User
+
+TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search
+BOB_TOKEN = "hf_bob_99887766554433221100"
+READ_TOKEN = "hf_carol_read_only_123456789"
+MODEL_FILES = {"README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+               "args.json", "train_results.json", "eval_results.json", "test_results.json"}
+
+
+@pytest.fixture(scope="module")
+def hub():
+    server = HubServer({TOKEN: User("alice", orgs=["alice-lab"]), BOB_TOKEN: User("bob"),
+                        READ_TOKEN: User("carol", role="read")}).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    import pandas as pd
+
+    folder = tmp_path_factory.mktemp("topics")
+    for split, n, offset in (("train", 20, 0), ("validation", 4, 1), ("test", 4, 2)):
+        pd.DataFrame(topic_rows(n, offset)).to_csv(folder / f"{split}.csv", index=False)
+    return folder
+
+
+def hub_env(hub: HubServer, token_file, token: str | None = None) -> dict:
+    """The environment of a user whose HF_ENDPOINT is the local server and whose stored login is `token_file`."""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env.update(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN_PATH=str(token_file), PYTHONUNBUFFERED="1",
+               HF_HUB_DISABLE_TELEMETRY="1")
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def run_app(env: dict, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ENTRY), *args], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=REPO)
+
+
+def train_args(model_dir: str, data_files, out, *extra: str) -> list[str]:
+    return ["--model_name_or_path", model_dir, "--train_file", str(data_files / "train.csv"),
+            "--validation_file", str(data_files / "validation.csv"), "--test_file", str(data_files / "test.csv"),
+            "--max_steps", "4", "--logging_steps", "2", "--max_length", "32", "--output_dir", str(out), *extra]
+
+
+@pytest.fixture
+def in_process(hub, monkeypatch, tmp_path):
+    """The client already imported in this process talks to the local server, with no stored login."""
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-stored-token"))
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    return hub
+
+
+def hub_config(repo_id: str, token: str | None = TOKEN, **options):
+    return build_config({"push_to_hub": True, "hub_model_id": repo_id, "hub_token": token, **options})
+
+
+# ---------------------------------------------------------------- a training run that pushes at the end
+
+@pytest.fixture(scope="module")
+def pushed(hub, tiny_model_dir, data_files, tmp_path_factory):
+    """One short training run with --push_to_hub, the token given as a flag (the riskiest place for it)."""
+    out = tmp_path_factory.mktemp("pushed") / "model"
+    result = run_app(hub_env(hub, out.parent / "no-stored-token"), *train_args(
+        tiny_model_dir, data_files, out, "--push_to_hub", "true", "--hub_model_id", "alice/topics",
+        "--hub_private_repo", "true", "--hub_token", TOKEN))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_push_creates_the_repo_and_commits_exactly_the_model_files(pushed, hub):
+    out, result = pushed
+    repo = hub.repos["alice/topics"]
+    assert repo.private
+    initial, upload = hub.history("alice/topics")
+    assert initial.summary == "initial commit"
+    expected = MODEL_FILES | ({"training_curves.png"} if (out / "training_curves.png").exists() else set())
+    assert set(upload.added) == expected and not upload.deleted
+    assert upload.added["model.safetensors"] == (out / "model.safetensors").read_bytes()  # byte-identical weights
+    for name in expected:
+        assert upload.added[name] == (out / name).read_bytes(), name
+    assert (out / "metrics.jsonl").exists() and "metrics.jsonl" not in upload.added
+    assert "eval accuracy" in upload.summary
+    assert f"to {hub.url}/alice/topics (commit {upload.oid[:8]})" in result.stdout
+
+
+def test_the_uploaded_card_parses_and_carries_the_eval_metrics(pushed, in_process, tmp_path):
+    out, _ = pushed
+    readme = hf_hub_download("alice/topics", "README.md", token=TOKEN, cache_dir=tmp_path)  # through resolve
+    metadata = metadata_load(readme)
+    assert metadata["library_name"] == "transformers" and metadata["pipeline_tag"] == "text-classification"
+    assert {"text-classification", "cloudtrain"} <= set(metadata["tags"])
+    assert metadata["model-index"][0]["name"] == "topics"
+    card = ModelCard.load(readme)
+    for split, name in (("validation", "eval"), ("test", "test")):
+        run = json.loads((out / f"{name}_results.json").read_text())
+        on_card = {r.metric_type: r.metric_value for r in card.data.eval_results if r.dataset_split == split}
+        assert on_card == {"accuracy": round(run["accuracy"], 4), "f1": round(run["macro_f1"], 4)}, split
+        assert f"| {split} | {run['samples']} | {run['accuracy']:.4f} |" in card.text
+    assert 'pipeline("text-classification", model="alice/topics")' in card.text
+    assert "| learning_rate | 0.0001 |" in card.text and "| max_steps | 4 |" in card.text
+    assert "| 0 | finance |" in card.text  # label names from config.json
+    assert "- transformers " in card.text
+
+
+def test_the_token_is_in_no_file_and_no_output_line(pushed):
+    out, result = pushed
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert files
+    for path in files:
+        assert TOKEN.encode() not in path.read_bytes(), path
+    assert TOKEN not in result.stdout and TOKEN not in result.stderr
+    assert "hub_token" not in json.loads((out / "args.json").read_text())
+
+
+# ---------------------------------------------------------------- failures
+
+def test_a_bad_token_fails_before_training(hub, tiny_model_dir, data_files, tmp_path):
+    out = tmp_path / "model"
+    bad = "hf_not_a_valid_token_42"
+    before = len(hub.requests)
+    result = run_app(hub_env(hub, tmp_path / "no-stored-token", token=bad), *train_args(
+        tiny_model_dir, data_files, out, "--push_to_hub", "true", "--hub_model_id", "alice/never"))
+    assert result.returncode == 2
+    error = result.stderr.strip().splitlines()[-1]
+    assert error.startswith("error: checking Hub access failed: the Hub rejected the token (401"), error
+    assert "HF_TOKEN" in error and "--hub_token" in error  # how to fix it
+    assert not out.exists() and "data:" not in result.stdout  # nothing was loaded or trained
+    assert hub.requests[before:] == [("GET", "/api/whoami-v2")] and "alice/never" not in hub.repos
+    assert bad not in result.stdout + result.stderr
+
+
+def test_a_failed_push_keeps_the_run_and_the_retry_command_pushes_it(hub, tiny_model_dir, data_files, tmp_path):
+    out = tmp_path / "model"
+    hub.refuse_commits = "storage quota exceeded"
+    try:
+        result = run_app(hub_env(hub, tmp_path / "no-stored-token", token=TOKEN), *train_args(
+            tiny_model_dir, data_files, out, "--push_to_hub", "true", "--hub_model_id", "alice/retry",
+            "--hub_revision", "dev"))
+    finally:
+        hub.refuse_commits = None
+    assert result.returncode == 2, result.stderr[-3000:]
+    error = result.stderr.strip().splitlines()[-1]
+    assert "pushing to alice/retry failed" in error and "storage quota exceeded" in error
+    assert "trained 4 steps" in result.stdout  # the failure came after training
+    assert holds_model(out) and (out / "eval_results.json").exists() and (out / "tokenizer.json").exists()
+    assert len(hub.history("alice/retry", "dev")) == 1  # only the initial commit: nothing landed
+    command = error.split("retry with: ")[1]
+    assert command == (f"python src/training_application.py push --output_dir {out.resolve()} "
+                       "--hub_model_id alice/retry --hub_revision dev")
+
+    # The retry, as the user would run it, now with the token from the stored login (`hf auth login`).
+    stored = tmp_path / "stored-token"
+    stored.write_text(TOKEN)
+    argv = shlex.split(command)
+    retry = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300,
+                           env=hub_env(hub, stored), cwd=REPO)
+    assert retry.returncode == 0, retry.stderr[-3000:]
+    upload = hub.history("alice/retry", "dev")[-1]
+    assert set(upload.added) >= MODEL_FILES
+    assert upload.added["model.safetensors"] == (out / "model.safetensors").read_bytes()
+    assert len(hub.history("alice/retry", "main")) == 1  # the branch got the push, main did not
+    assert 'revision="dev"' in upload.added["README.md"].decode()
+    assert TOKEN not in result.stdout + result.stderr + retry.stdout + retry.stderr
+
+
+@pytest.mark.parametrize("repo_id, existing", [("bob/new-model", False), ("bob/his-model", True)])
+def test_a_repo_of_another_user_is_refused_before_training(in_process, repo_id, existing):
+    if existing:
+        cloudhub.check_access(hub_config(repo_id, token=BOB_TOKEN).hub)
+    with pytest.raises(UserError) as caught:
+        cloudhub.check_access(hub_config(repo_id).hub)
+    message = str(caught.value)
+    assert f"user alice may not write to {repo_id} (403 Forbidden" in message
+    assert "--hub_model_id alice/<name>" in message and TOKEN not in message
+    assert (repo_id in in_process.repos) == existing
+
+
+def test_a_read_only_token_and_a_missing_token_are_refused(in_process):
+    with pytest.raises(UserError, match="the token of user carol is read-only; .*write access"):
+        cloudhub.check_access(hub_config("carol/model", token=READ_TOKEN).hub)
+    with pytest.raises(UserError, match="needs a Hub token with write access: set HF_TOKEN, pass --hub_token"):
+        cloudhub.check_access(hub_config("alice/model", token=None).hub)
+
+
+def test_push_command_needs_a_finished_run(tmp_path, capsys):
+    assert main(["push", "--output_dir", str(tmp_path), "--hub_model_id", "alice/x"]) == 2
+    assert "holds no finished run" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- pushes during training
+
+def make_save(folder, step: int):
+    """What a save during training writes: model files and, in a checkpoint, optimizer state."""
+    folder.mkdir(parents=True)
+    (folder / "model.safetensors").write_bytes(os.urandom(2048))
+    (folder / "config.json").write_text(json.dumps({"step": step}))
+    (folder / "optimizer.pt").write_bytes(os.urandom(512))
+    (folder / f"rng_state_{step}.pth").write_bytes(os.urandom(64))
+    return folder
+
+
+def test_background_uploader_makes_one_commit_per_upload_in_order(in_process, tmp_path):
+    cfg = hub_config("alice/in-progress")
+    cloudhub.check_access(cfg.hub)
+    uploader = cloudhub.HubUploader(cfg)
+    saves = [make_save(tmp_path / f"checkpoint-{step}", step) for step in (2, 4, 6)]
+    in_process.commits_open.clear()  # the Hub is slow: upload() must not wait for it
+    try:
+        for step, folder in zip((2, 4, 6), saves):
+            uploader.upload(folder, f"Training in progress, step {step}")
+            uploader.upload(folder, f"Checkpoint at step {step}", path_in_repo="last-checkpoint")
+        assert len(in_process.history("alice/in-progress")) == 1  # queued, none committed yet
+    finally:
+        in_process.commits_open.set()
+    uploader.wait()
+
+    commits = in_process.history("alice/in-progress")[1:]
+    assert [c.summary for c in commits] == [message for step in (2, 4, 6) for message in (
+        f"Training in progress, step {step}", f"Checkpoint at step {step}")]
+    for (model, checkpoint), folder in zip(zip(commits[::2], commits[1::2]), saves):
+        assert model.added == {name: (folder / name).read_bytes() for name in ("model.safetensors", "config.json")}
+        assert checkpoint.added == {f"last-checkpoint/{p.name}": p.read_bytes() for p in folder.iterdir()}
+    final = commits[-1].files
+    assert final["model.safetensors"] == (saves[-1] / "model.safetensors").read_bytes()
+    assert sorted(p for p in final if p.startswith("last-checkpoint/")) == sorted(  # older checkpoints replaced
+        f"last-checkpoint/{p.name}" for p in saves[-1].iterdir())
+
+
+def test_background_upload_failure_is_reported_by_wait(in_process, tmp_path):
+    cfg = hub_config("alice/refused")
+    cloudhub.check_access(cfg.hub)
+    uploader = cloudhub.HubUploader(cfg)
+    in_process.refuse_commits = "storage quota exceeded"
+    try:
+        uploader.upload(make_save(tmp_path / "checkpoint-1", 1), "Training in progress, step 1")
+        with pytest.raises(UserError, match="1 of 1 background Hub uploads failed.*storage quota exceeded"):
+            uploader.wait()
+    finally:
+        in_process.refuse_commits = None
+
+
+# ---------------------------------------------------------------- the card for the built-in defaults
+
+def test_card_for_the_builtin_model_and_data_names_them_and_holds_no_secret(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"id2label": {"0": "acq", "1": "earn"}}))
+    cfg = hub_config("alice/minilm-r8")
+    results = {"train": {"global_step": 10, "epoch": 1.0, "train_loss": 0.5, "train_runtime_s": 3.0,
+                         "train_samples_per_s": 50.0},
+               "eval": {"accuracy": 0.91234, "macro_f1": 0.85678, "loss": 0.3, "samples": 20,
+                        "confusion_matrix": [[9, 1], [1, 9]]}}
+    card = build_model_card(tmp_path, cfg, results)
+    assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
+    assert card.data.license == "apache-2.0" and card.data.datasets == ["reuters21578"]
+    assert [(r.metric_type, r.metric_value) for r in card.data.eval_results] == [("accuracy", 0.9123),
+                                                                                ("f1", 0.8568)]
+    assert "| **earn** | 1 | 9 |" in card.text and "training_curves.png" not in card.text
+    assert TOKEN not in str(card)
