@@ -287,3 +287,22 @@ def test_card_for_the_builtin_model_and_data_names_them_and_holds_no_secret(tmp_
                                                                                 ("f1", 0.8568)]
     assert "| **earn** | 1 | 9 |" in card.text and "training_curves.png" not in card.text
     assert TOKEN not in str(card)
+
+
+# ---------------------------------------------------------------- saves during training
+
+def test_every_save_and_checkpoint_strategies_push_each_checkpoint_in_order(hub, tiny_model_dir, data_files,
+                                                                           tmp_path):
+    out = tmp_path / "model"
+    result = run_app(hub_env(hub, tmp_path / "no-stored-token", TOKEN), *train_args(
+        tiny_model_dir, data_files, out, "--max_steps", "6", "--checkpointing_steps", "2", "--save_total_limit", "1",
+        "--push_to_hub", "true", "--hub_model_id", "alice/saves", "--hub_strategy", "checkpoint"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    commits = [c.summary for c in hub.history("alice/saves")]
+    assert commits[0] == "initial commit"
+    assert commits[1:-1] == [message for step in (2, 4, 6) for message in
+                             (f"Training in progress, step {step}", f"Checkpoint at step {step}")]
+    root_upload, checkpoint_upload = hub.history("alice/saves")[1:3]
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(root_upload.added)
+    assert "last-checkpoint/trainer_state.json" in checkpoint_upload.added
+    assert "last-checkpoint/model.safetensors" in checkpoint_upload.added

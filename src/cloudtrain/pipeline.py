@@ -12,6 +12,7 @@ import torch
 from transformers import set_seed
 
 from cloudtrain.assets import DEFAULT_MODEL_NAME
+from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, find_resume_checkpoint, read_state
 from cloudtrain.config import Config, save_arguments
 from cloudtrain.distributed import build_accelerator, check_distributed
 from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
@@ -32,8 +33,8 @@ def resolve_output_dir(cfg: Config) -> Path:
     return Path("outputs") / f"{model_name}-{dataset_label(cfg.data)}"
 
 
-def preflight(cfg: Config) -> Path:
-    """Checks that touch files and devices but load nothing heavy; returns the output dir."""
+def preflight(cfg: Config) -> tuple[Path, Path | None]:
+    """Checks that touch files and devices but load nothing heavy; returns (output dir, checkpoint to resume)."""
     check_data_sources(cfg.data)
     check_distributed(cfg)
     resolve_model_path(cfg.model)
@@ -45,15 +46,16 @@ def preflight(cfg: Config) -> Path:
     output_dir = resolve_output_dir(cfg)
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
-    if holds_model(output_dir) and not cfg.output.overwrite_output_dir:
+    resume_from = find_resume_checkpoint(cfg, checkpoint_dir(cfg, output_dir))
+    if holds_model(output_dir) and not cfg.output.overwrite_output_dir and resume_from is None:
         raise UserError(f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir true "
                         "to replace it, or choose another --output_dir")
-    return output_dir
+    return output_dir, resume_from
 
 
 def run_training(cfg: Config) -> dict:
     """Run the whole pipeline; returns the final results (train, eval and, if present, test)."""
-    output_dir = preflight(cfg)
+    output_dir, resume_from = preflight(cfg)
     # Distributed set-up, before the model is loaded (ZeRO-3 partitions it while loading).
     accelerator = build_accelerator(cfg) if cfg.training.training_type == "accelerated" else None
     is_main = accelerator.is_main_process if accelerator else True
@@ -71,7 +73,8 @@ def run_training(cfg: Config) -> dict:
     model = load_model(cfg.model, data.label_names, tokenizer)
     set_seed(cfg.training.seed + (accelerator.process_index if accelerator else 0))  # dropout differs per process
 
-    run_log = RunLog(cfg, output_dir, is_main, run_info={
+    run_log = RunLog(cfg, output_dir, is_main, resume_step=read_state(resume_from)["state"]["global_step"]
+                     if resume_from else None, run_info={
         "training_type": cfg.training.training_type,
         "num_processes": accelerator.num_processes if accelerator else 1,
         "device": str(accelerator.device if accelerator else BasicTrainer.pick_device()),
@@ -80,13 +83,17 @@ def run_training(cfg: Config) -> dict:
         trainer = AcceleratedTrainer(cfg, model, data, run_log, accelerator)
     else:
         trainer = BasicTrainer(cfg, model, data, run_log)
-    train_result = trainer.fit()
+    barrier = accelerator.wait_for_everyone if accelerator else lambda: None
+    uploader = hub.HubUploader(cfg) if is_main and cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end" else None
+    checkpointer = Checkpointer(cfg, checkpoint_dir(cfg, output_dir), is_main, barrier,
+                                **hub_hooks(cfg, trainer, tokenizer, uploader, is_main))
+    train_result = trainer.fit(checkpointer, resume_from)
 
     results = {"train": train_result.summary()}
     for split, name in (("validation", "eval"), ("test", "test")):
         if split in trainer.eval_dls:
             results[name] = trainer.evaluate(split)
-            run_log.log(scalar_metrics(results[name], name), step=train_result.global_step)
+            run_log.log(scalar_metrics(results[name], f"{name}/"), step=train_result.global_step)
     trainer.save_model(output_dir)
     if is_main:
         tokenizer.save_pretrained(output_dir)
@@ -95,8 +102,34 @@ def run_training(cfg: Config) -> dict:
         _print_summary(results, output_dir)
     run_log.finish(results, data.label_names)
     if cfg.hub.push_to_hub and is_main:
+        if uploader:
+            try:
+                uploader.wait()
+            except UserError as err:  # the final push below uploads everything that matters
+                print(f"warning: {err}", flush=True)
         hub.push_output_dir(output_dir, cfg, results)
     return results
+
+
+def hub_hooks(cfg: Config, trainer, tokenizer, uploader, is_main: bool) -> dict:
+    """Checkpoint hooks for --hub_strategy every_save/checkpoint: export a loadable model into each
+    checkpoint, upload it to the repo root (and the whole checkpoint to last-checkpoint/) in the
+    background, and let pending uploads finish before rotation deletes a folder."""
+    if not (cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end"):
+        return {}
+
+    def export(folder: Path) -> None:
+        trainer.save_model(folder / "model")  # every process: ZeRO-3 gathers here
+        if is_main:
+            tokenizer.save_pretrained(folder / "model")
+
+    def on_saved(step: int, folder: Path) -> None:
+        uploader.upload(folder / "model", f"Training in progress, step {step}")
+        if cfg.hub.hub_strategy == "checkpoint":
+            uploader.upload(folder, f"Checkpoint at step {step}", path_in_repo="last-checkpoint")
+
+    return {"export": export, "on_saved": on_saved if is_main else None,
+            "before_delete": uploader.wait if is_main else None}
 
 
 def _print_summary(results: dict, output_dir: Path) -> None:

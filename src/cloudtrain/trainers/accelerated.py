@@ -50,12 +50,18 @@ class AcceleratedTrainer(Trainer):
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum")
 
-    def train_step(self, window: list[dict], num_examples: int) -> StepStats:
+    def agree(self, flags: list[bool]) -> list[bool]:
+        if self.num_processes == 1:
+            return flags
+        votes = self.accelerator.gather(torch.tensor([flags], dtype=torch.int32, device=self.accelerator.device))
+        return votes.amax(dim=0).bool().tolist()
+
+    def backward_window(self, window: list[dict], num_examples: int) -> StepStats:
         accelerator, k = self.accelerator, self.cfg.training.gradient_accumulation_steps
         window_loss = 0.0
         for i, batch in enumerate(window):
             last = i == len(window) - 1
-            accelerator.sync_gradients = last  # the accumulation boundary (DeepSpeed reads it too)
+            accelerator.sync_gradients = last  # the accumulation boundary (DeepSpeed steps here)
             with contextlib.nullcontext() if last else accelerator.no_sync(self.model):
                 loss = summed_loss(self.model, batch) / num_examples
                 accelerator.backward(loss * k)  # backward() divides by k; the window mean is already exact
@@ -63,9 +69,20 @@ class AcceleratedTrainer(Trainer):
         grad_norm = None
         if self.cfg.training.max_grad_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         return StepStats(loss=window_loss, grad_norm=grad_norm)
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()  # under DeepSpeed a no-op: the engine stepped in backward()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def write_checkpoint(self, folder: Path) -> None:
+        self.accelerator.save_state(str(folder))  # model (safetensors), optimizer, scaler, RNG of every process
+        if self.is_main_process:
+            torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
+
+    def load_checkpoint(self, folder: Path) -> None:
+        self.accelerator.load_state(str(folder))
+        self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
     def save_model(self, output_dir: Path) -> None:
         state_dict = self.accelerator.get_state_dict(self.model)  # every rank: ZeRO-3 gathers here

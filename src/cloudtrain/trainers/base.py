@@ -1,14 +1,19 @@
 """What both trainers share: the outer loop, optimizer and schedule, evaluation, saving, logging.
 
 A subclass supplies only what differs between a plain PyTorch loop and accelerate: how the model
-and data are placed (`setup`), one optimizer step over a window of micro-batches (`train_step`),
-and how per-example tensors and counters meet across processes (`gather`, `reduce_sum`).
+and data are placed (`setup`), forward and backward over the micro-batches of one step
+(`backward_window`), the optimizer step, how tensors meet across processes (`gather`, `reduce_sum`,
+`agree`), and how its state is written to and read from a checkpoint.
+
+Resuming is exact: each epoch's order comes from seed + epoch, consumed batches are skipped by
+index without being read, and RNG states, optimizer, schedule and logging sums are restored.
 
 Gradient accumulation: the micro-batches of one optimizer step are fetched together, so the loss of
 each can be divided by the number of examples in the whole window. The update then equals that of
 one batch holding all of them, also for a short last window.
 """
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -17,11 +22,14 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate import skip_first_batches
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_scheduler
 
+from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
 from cloudtrain.config import Config
+from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.evaluation import evaluate_model, scalar_metrics
 from cloudtrain.tracking import RunLog
@@ -41,7 +49,6 @@ class TrainResult:
     runtime_s: float = 0.0
     train_samples: int = 0
     train_tokens: int = 0
-    evaluations: list = field(default_factory=list)
 
     def summary(self) -> dict:
         runtime = max(self.runtime_s, 1e-9)
@@ -63,6 +70,11 @@ def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dic
         yield window
 
 
+def set_epoch(dataloader: DataLoader, epoch: int) -> None:
+    """accelerate's prepared loaders pass set_epoch on to the sampler; a plain loader is told directly."""
+    (dataloader.set_epoch if hasattr(dataloader, "set_epoch") else dataloader.sampler.set_epoch)(epoch)
+
+
 def count_parameters(model: torch.nn.Module) -> int:
     """All parameters, also when ZeRO-3 has partitioned them (each then holds only its shard)."""
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
@@ -76,32 +88,35 @@ def summed_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 class Meter:
-    """Examples, real (non-padding) tokens and summed loss since the last flush, added across processes.
+    """Examples, real (non-padding) tokens and summed loss since the last logging step.
 
-    Counts stay on the device between logging steps, so the step itself never waits for a host sync.
+    Counts stay on the device between logging steps, so the step itself never waits for a host sync;
+    `flush` adds them across processes into the run's totals in `state`.
     """
 
-    def __init__(self, reduce_sum):
-        self.reduce_sum = reduce_sum
+    def __init__(self, reduce_sum, state: TrainerState, device: torch.device):
+        self.reduce_sum, self.state = reduce_sum, state
         self.start = self.last = time.perf_counter()
-        self.interval: torch.Tensor | None = None
-        self.samples, self.tokens, self.loss_sum = 0, 0, 0.0
+        self.interval = torch.tensor(state.interval, dtype=torch.float64, device=device)
 
     def add(self, window: list[dict], loss_sum: torch.Tensor) -> None:
         tokens = sum(batch["attention_mask"].sum() for batch in window)
         examples = sum(len(batch["labels"]) for batch in window)
-        counts = torch.stack([loss_sum.new_tensor(examples), tokens.to(loss_sum), loss_sum]).double()
-        self.interval = counts if self.interval is None else self.interval + counts
+        self.interval += torch.stack([loss_sum.new_tensor(examples), tokens.to(loss_sum), loss_sum]).double()
+
+    def pending(self) -> list[float]:
+        """The not yet logged sums of every process (a collective), for a checkpoint."""
+        return self.reduce_sum(self.interval.clone()).cpu().tolist()
 
     def flush(self) -> dict:
         """Totals since the last flush, from every process; one collective per logging step."""
-        examples, tokens, loss_sum = self.reduce_sum(self.interval).cpu().tolist()
-        self.interval = None
+        examples, tokens, loss_sum = self.reduce_sum(self.interval.clone()).cpu().tolist()
+        self.interval.zero_()
         now = time.perf_counter()
         seconds, self.last = max(now - self.last, 1e-9), now
-        self.samples += int(examples)
-        self.tokens += int(tokens)
-        self.loss_sum += loss_sum
+        self.state.samples += int(examples)
+        self.state.tokens += int(tokens)
+        self.state.loss_sum += loss_sum
         return {"loss": loss_sum / max(examples, 1), "samples_per_s": examples / seconds,
                 "tokens_per_s": tokens / seconds}
 
@@ -142,14 +157,26 @@ class Trainer:
     def setup(self) -> None:
         raise NotImplementedError
 
-    def train_step(self, window: list[dict], num_examples: int) -> StepStats:
+    def backward_window(self, window: list[dict], num_examples: int) -> StepStats:
+        """Forward and backward over the micro-batches of one step; gradients summed, then clipped."""
         raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def skip_step(self) -> None:
+        """Drop the gradients of a step that is not applied."""
+        self.optimizer.zero_grad(set_to_none=True)
 
     def gather(self, tensors):
         return tensors
 
     def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Each flag is true on every process if it is true on any."""
+        return flags
 
     def move(self, batch: dict) -> dict:
         return batch
@@ -160,43 +187,100 @@ class Trainer:
     def save_model(self, output_dir: Path) -> None:
         raise NotImplementedError
 
+    def write_checkpoint(self, folder: Path) -> None:
+        raise NotImplementedError
+
+    def load_checkpoint(self, folder: Path) -> None:
+        raise NotImplementedError
+
     # ------------------------------------------------------------ the loop
-    def fit(self) -> TrainResult:
-        """Train for the configured steps, logging and evaluating on schedule."""
+    def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
+        """Train for the configured steps, logging, evaluating and checkpointing on schedule."""
         self.setup()
-        t = self.cfg.training
-        steps_per_epoch = math.ceil(len(self.train_dl) / t.gradient_accumulation_steps)
+        t, k = self.cfg.training, self.cfg.training.gradient_accumulation_steps
+        steps_per_epoch = math.ceil(len(self.train_dl) / k)
         total_steps = t.max_steps or math.ceil(t.num_train_epochs * steps_per_epoch)
         self.scheduler = get_scheduler(t.lr_scheduler_type, self.optimizer,
                                        num_warmup_steps=round(t.warmup_ratio * total_steps),
                                        num_training_steps=total_steps)
+        state = self.resume(resume_from) if resume_from else TrainerState()
         self._announce(steps_per_epoch, total_steps)
 
-        result, meter = TrainResult(), Meter(self.reduce_sum)
-        bar = tqdm(total=total_steps, desc="training", disable=not self.is_main_process, dynamic_ncols=True)
-        for epoch in range(math.ceil(total_steps / steps_per_epoch)):
-            for window in micro_batch_windows(self.train_dl, t.gradient_accumulation_steps):
-                window = [self.move(batch) for batch in window]
-                num_examples = sum(len(batch["labels"]) for batch in window)
-                stats = self.train_step(window, num_examples)
-                self.scheduler.step()
-                result.global_step += 1
-                result.epoch = epoch + min(1.0, (result.global_step - epoch * steps_per_epoch) / steps_per_epoch)
-                meter.add(window, stats.loss * num_examples)
-                bar.update(1)
-                done = result.global_step >= total_steps
-                if done or result.global_step % t.logging_steps == 0:
-                    self._log_interval(result, meter.flush(), stats, bar)
-                if not done and t.eval_strategy == "steps" and result.global_step % t.eval_steps == 0:
-                    self._evaluate_during_training(result, bar)
-                if done:
-                    break
-            if not done and t.eval_strategy == "epoch":
-                self._evaluate_during_training(result, bar)
-        bar.close()
-        result.runtime_s, result.train_samples, result.train_tokens = meter.elapsed(), meter.samples, meter.tokens
-        result.train_loss = meter.loss_sum / max(meter.samples, 1)
-        return result
+        meter = Meter(self.reduce_sum, state, self._device)
+        bar = tqdm(total=total_steps, initial=state.global_step, desc="training", dynamic_ncols=True,
+                   disable=not self.is_main_process)
+        with PreemptionSignal() as preemption, bar:
+            while state.global_step < total_steps:
+                epoch, steps_done = divmod(state.global_step, steps_per_epoch)
+                set_epoch(self.train_dl, epoch)  # this epoch's order: seed + epoch
+                batches = skip_first_batches(self.train_dl, steps_done * k) if steps_done else self.train_dl
+                for window in micro_batch_windows(batches, k):
+                    window = [self.move(batch) for batch in window]
+                    num_examples = sum(len(batch["labels"]) for batch in window)
+                    stats = self.backward_window(window, num_examples)
+                    nonfinite, preempted = self.agree([not bool(torch.isfinite(stats.loss)), preemption.received])
+                    if nonfinite:
+                        self._skip_nonfinite(state, checkpointer)
+                    else:
+                        self.optimizer_step()
+                        meter.add(window, stats.loss * num_examples)
+                    self.scheduler.step()
+                    state.global_step += 1
+                    bar.update(1)
+                    step, done = state.global_step, state.global_step >= total_steps
+                    end_of_epoch = step % steps_per_epoch == 0
+                    if done or step % t.logging_steps == 0:
+                        self._log_interval(step, step / steps_per_epoch, meter.flush(), stats, bar)
+                    if not done and ((t.eval_strategy == "steps" and step % t.eval_steps == 0)
+                                     or (t.eval_strategy == "epoch" and end_of_epoch)):
+                        self._evaluate_during_training(state, bar)
+                    if checkpointer and (checkpointer.due(step, end_of_epoch) or preempted):
+                        saved = self.save_checkpoint(checkpointer, state, meter)
+                    if preempted:
+                        where = f"checkpoint saved to {saved}" if checkpointer else "no checkpoint (none configured)"
+                        raise TrainingStopped(f"stopped by SIGTERM at step {step}; {where}: continue with "
+                                              "--resume_from_checkpoint latest", 143)
+                    if done:
+                        break
+        return TrainResult(global_step=state.global_step, epoch=state.global_step / steps_per_epoch,
+                           train_loss=state.loss_sum / max(state.samples, 1),
+                           runtime_s=state.runtime_s + meter.elapsed(), train_samples=state.samples,
+                           train_tokens=state.tokens)
+
+    def _skip_nonfinite(self, state: TrainerState, checkpointer: Checkpointer | None) -> None:
+        """A nan/inf loss: drop the step's gradients, then stop (default) or count it and go on."""
+        self.skip_step()
+        step = state.global_step + 1
+        if self.cfg.checkpoint.nonfinite_loss == "skip":
+            state.skipped_steps += 1
+            self.run_log.log({"train/skipped_steps": state.skipped_steps}, step=step)
+            return
+        last = checkpointer.latest() if checkpointer else None
+        where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+        raise TrainingStopped(f"the loss became non-finite at step {step}; training stopped and no model was "
+                              f"saved ({where}). Lower --learning_rate or use --nonfinite_loss skip", 1)
+
+    def save_checkpoint(self, checkpointer: Checkpointer, state: TrainerState, meter: Meter) -> Path:
+        snapshot = dataclasses.replace(state, interval=meter.pending(),
+                                       runtime_s=state.runtime_s + meter.elapsed())
+        return checkpointer.save(state.global_step, self.write_checkpoint, self.name, self.num_processes, snapshot)
+
+    def resume(self, folder: Path) -> TrainerState:
+        """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
+        meta = read_state(folder)
+        check_compatible(meta, folder, self.name, self.num_processes)
+        try:
+            self.load_checkpoint(folder)
+        except Exception as err:  # torch, safetensors and accelerate raise many kinds for a damaged file
+            raise UserError(f"checkpoint {folder} could not be loaded ({type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:200]}); it may be damaged: pass another "
+                            "--resume_from_checkpoint") from None
+        state = TrainerState(**meta["state"])
+        if not self.is_main_process:  # the pending logging sums of all processes live on the main one
+            state.interval = [0.0, 0.0, 0.0]
+        if self.is_main_process:
+            print(f"resumed from {folder} at step {state.global_step}", flush=True)
+        return state
 
     # ------------------------------------------------------------ shared pieces
     @property
@@ -208,25 +292,25 @@ class Trainer:
         return evaluate_model(self.model, self.eval_dls[split], len(self.data.label_names),
                               gather=self.gather, move=self.move, autocast=self.autocast)
 
-    def _evaluate_during_training(self, result: TrainResult, bar: tqdm) -> None:
+    def _evaluate_during_training(self, state: TrainerState, bar: tqdm) -> None:
         metrics = self.evaluate("validation")
-        result.evaluations.append({"step": result.global_step, **metrics})
-        self.run_log.log(scalar_metrics(metrics, "eval"), step=result.global_step)
+        state.evaluations.append({"step": state.global_step, **scalar_metrics(metrics, "")})
+        self.run_log.log(scalar_metrics(metrics, "eval/"), step=state.global_step)
         if self.is_main_process:
-            bar.write(f"eval @ step {result.global_step}: accuracy {metrics['accuracy']:.4f} | "
+            bar.write(f"eval @ step {state.global_step}: accuracy {metrics['accuracy']:.4f} | "
                       f"macro_f1 {metrics['macro_f1']:.4f} | loss {metrics['loss']:.4f}")
 
-    def _log_interval(self, result: TrainResult, interval: dict, stats: StepStats, bar: tqdm) -> None:
+    def _log_interval(self, step: int, epoch: float, interval: dict, stats: StepStats, bar: tqdm) -> None:
         values = {"train/loss": interval["loss"], "train/learning_rate": self.scheduler.get_last_lr()[0],
-                  "train/epoch": round(result.epoch, 4), "train/samples_per_s": interval["samples_per_s"],
+                  "train/epoch": round(epoch, 4), "train/samples_per_s": interval["samples_per_s"],
                   "train/tokens_per_s": interval["tokens_per_s"]}
         if stats.grad_norm is not None:
             values["train/grad_norm"] = float(stats.grad_norm)
-        self.run_log.log(values, step=result.global_step)
+        self.run_log.log(values, step=step)
         if self.is_main_process:
-            bar.write(f"step {result.global_step}/{bar.total} | epoch {values['train/epoch']:.2f} | "
-                      f"loss {values['train/loss']:.4f} | lr {values['train/learning_rate']:.2e} | "
-                      f"{values['train/samples_per_s']:.1f} samples/s | {values['train/tokens_per_s']:.0f} tokens/s")
+            bar.write(f"step {step}/{bar.total} | epoch {epoch:.2f} | loss {values['train/loss']:.4f} | "
+                      f"lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s | "
+                      f"{values['train/tokens_per_s']:.0f} tokens/s")
 
     def _announce(self, steps_per_epoch: int, total_steps: int) -> None:
         t = self.cfg.training

@@ -1,18 +1,23 @@
 """BasicTrainer: the plain PyTorch loop, with manual device placement.
 
 Supports: one process on CUDA (when present) or CPU; gradient accumulation; clipping; fp16 (CUDA,
-with a GradScaler) and bf16 autocast. Does not support: several processes or DeepSpeed; use the
+with a GradScaler) and bf16 autocast; checkpoints (weights in safetensors, the rest in a file that
+loads with weights_only=True). Does not support: several processes or DeepSpeed; use the
 AcceleratedTrainer (`--training_type accelerated`) for those.
 """
 
 import contextlib
+import random
 from pathlib import Path
 
+import numpy as np
+import safetensors.torch
 import torch
 
 from cloudtrain.trainers.base import StepStats, Trainer, summed_loss
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
 
 
 class BasicTrainer(Trainer):
@@ -36,7 +41,7 @@ class BasicTrainer(Trainer):
     def move(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def train_step(self, window: list[dict], num_examples: int) -> StepStats:
+    def backward_window(self, window: list[dict], num_examples: int) -> StepStats:
         window_loss = 0.0
         for batch in window:
             with self.autocast():
@@ -47,10 +52,48 @@ class BasicTrainer(Trainer):
         grad_norm = None
         if self.cfg.training.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
+        return StepStats(loss=window_loss, grad_norm=grad_norm)
+
+    def optimizer_step(self) -> None:
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss=window_loss, grad_norm=grad_norm)
+
+    def skip_step(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scaler.update()  # closes the step the scaler saw unscaled
 
     def save_model(self, output_dir: Path) -> None:
         self.model.save_pretrained(output_dir)
+
+    def write_checkpoint(self, folder: Path) -> None:
+        safetensors.torch.save_model(self.model, str(folder / "model.safetensors"))
+        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                    "scaler": self.scaler.state_dict(), "rng": rng_state()}, folder / TRAINING_STATE)
+
+    def load_checkpoint(self, folder: Path) -> None:
+        safetensors.torch.load_model(self.model, str(folder / "model.safetensors"), device=str(self.device))
+        saved = torch.load(folder / TRAINING_STATE, map_location=self.device, weights_only=True)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        set_rng_state(saved["rng"])
+
+
+def rng_state() -> dict:
+    """Every RNG a step draws from, in types that torch.load(weights_only=True) accepts."""
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
+                                                     cached], "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["torch"].cpu())
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

@@ -1,0 +1,315 @@
+"""The memory planner against the libraries' own estimators, against bytes measured on CPU, and end to end.
+
+- Model states agree with `accelerate estimate-memory` (accelerate.commands.estimate) and with
+  DeepSpeed's `estimate_zero2/3_model_states_mem_needs`, called with the same parameter counts.
+- After one real AdamW step on CPU, the bytes held by parameters, gradients and optimizer states of
+  MiniLM and of a tiny random BERT are within 5% of the estimate; saved activations within 15%.
+- The CLI: `--json` parses and recommends, nothing-fits says what would fit, bad input is one line,
+  and the emitted ZeRO-3 config trains the tiny model in a real 2-process CPU launch.
+"""
+
+import argparse
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, LlamaConfig
+
+from cloudtrain import planner
+from cloudtrain.cli import main
+from cloudtrain.planner import GIB, STRATEGIES, Candidate, Setup
+
+from conftest import REPO, run_cli, topic_rows
+
+BY_KEY = {s.key: s for s in STRATEGIES}
+
+
+def setup(num_gpus=1, num_nodes=1, precision="no", gib=80, max_length=128) -> Setup:
+    return Setup(num_gpus, num_nodes, gib * GIB, None, max_length, precision)
+
+
+def plan_args(model: str, output_dir: Path, **options) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    planner.add_arguments(parser)
+    argv = ["--model_name_or_path", model, "--output_dir", str(output_dir)]
+    for name, value in options.items():
+        argv += [f"--{name}", str(value)]
+    return parser.parse_args(argv)
+
+
+@pytest.fixture(scope="module")
+def decoder_dirs(tmp_path_factory) -> dict[str, str]:
+    """Configs only (no weights) of a ~1.3B GPT-2-style and a ~7B Llama-style decoder."""
+    root = tmp_path_factory.mktemp("decoders")
+    GPT2Config(n_embd=2048, n_layer=24, n_head=16).save_pretrained(root / "gpt2-1.3b")
+    LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008,
+                vocab_size=32000).save_pretrained(root / "llama-7b")
+    return {"1.3b": str(root / "gpt2-1.3b"), "7b": str(root / "llama-7b")}
+
+
+def states(facts, key: str, s: Setup) -> int:
+    return sum(planner.model_state_bytes(facts, BY_KEY[key], s))
+
+
+# ---------------------------------------------------------------- the libraries' own estimators
+
+@pytest.mark.parametrize("which", ["minilm", "1.3b"])
+def test_model_states_agree_with_accelerate_estimate_memory(which, minilm_dir, decoder_dirs):
+    from accelerate import init_empty_weights
+    from accelerate.commands.estimate import estimate_training_usage
+    from accelerate.utils import calculate_maximum_sizes
+    from transformers import AutoConfig
+
+    path = minilm_dir if which == "minilm" else decoder_dirs[which]
+    facts = planner.model_facts(path, num_labels=2)
+    with init_empty_weights():  # what estimate-memory does, minus the Hub look-up
+        model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path, num_labels=2))
+    total_bytes, _ = calculate_maximum_sizes(model)  # fp32 bytes of parameters and buffers
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert total_bytes - buffers == 4 * facts.num_params
+    for accelerate_dtype, precision in (("float32", "no"), ("bfloat16", "bf16")):
+        theirs = estimate_training_usage(total_bytes, accelerate_dtype)
+        params, grads, optim = planner.model_state_bytes(facts, BY_KEY["ddp"], setup(precision=precision))
+        for ours, key in ((params, "model"), (grads, "gradients"), (optim, "optimizer")):
+            assert ours == pytest.approx(theirs[key], rel=2e-3), (accelerate_dtype, key)  # buffers: < 0.2%
+
+
+def ds_params(model_dir: str) -> tuple[int, int]:
+    """DeepSpeed's own count (total, largest layer) on the real model: needs real storages, not meta."""
+    from deepspeed.runtime.zero.stage3 import model_to_params
+
+    return model_to_params(AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=2))
+
+
+@pytest.mark.parametrize("gpus,nodes", [(1, 1), (2, 1), (8, 1), (8, 2)])
+def test_model_states_agree_with_deepspeed_estimators(gpus, nodes, minilm_dir, decoder_dirs):
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+
+    minilm = planner.model_facts(minilm_dir, num_labels=2)
+    assert ds_params(minilm_dir) == (minilm.num_params, minilm.largest_module_params)
+    s = setup(gpus, nodes, precision="bf16")  # DeepSpeed's estimators assume 16-bit weights
+    for facts in (minilm, planner.model_facts(decoder_dirs["7b"], num_labels=2)):
+        P, L, kw = facts.num_params, facts.largest_module_params, dict(num_gpus_per_node=gpus, num_nodes=nodes,
+                                                                        additional_buffer_factor=1.0)
+        for key, offload in (("zero2", False), ("zero2_offload", True)):
+            cpu, gpu = estimate_zero2_model_states_mem_needs(P, cpu_offload=offload, **kw)
+            assert states(facts, key, s) == pytest.approx(gpu, abs=16), key
+            if nodes == 1:  # DeepSpeed's ZeRO-2 CPU figure counts all GPUs of all nodes on each node
+                assert max(planner.cpu_bytes(facts, BY_KEY[key], s)) == pytest.approx(cpu, abs=16), key
+        for key, offload, offload_params in (("zero3", False, False), ("zero3_offload", True, False),
+                                             ("zero3_offload_all", True, True)):
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(P, L, cpu_offload=offload,
+                                                                cpu_offload_params=offload_params, **kw)
+            assert states(facts, key, s) == pytest.approx(gpu, abs=16), key
+            # DeepSpeed's ZeRO-3 CPU figure: the offloaded states, or (with no offload) loading layer by layer
+            offloaded, load = planner.cpu_bytes(facts, BY_KEY[key], s)
+            assert (offloaded if offload else load) == pytest.approx(cpu, abs=16), key
+
+
+# ---------------------------------------------------------------- measured on CPU
+
+def tensor_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind the tensors: what they really hold."""
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def one_training_step(model_dir: str):
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=3, dtype=torch.float32)
+    rows = topic_rows(2)
+    batch = tokenizer([r["text"] for r in rows], padding=True, return_tensors="pt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model(**batch, labels=torch.tensor([i % 3 for i in range(len(rows))])).loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("which", ["tiny", "minilm"])
+def test_measured_model_states_after_one_step_match_the_estimate(which, tiny_model_dir, minilm_dir):
+    model_dir = tiny_model_dir if which == "tiny" else minilm_dir
+    model, optimizer = one_training_step(model_dir)
+    measured = {
+        "parameters": tensor_bytes(model.parameters()),
+        "gradients": tensor_bytes(p.grad for p in model.parameters()),
+        "optimizer_states": tensor_bytes(t for state in optimizer.state.values() for t in state.values()),
+    }
+    facts = planner.model_facts(model_dir, num_labels=3)
+    assert facts.num_params == sum(p.numel() for p in model.parameters())
+    estimated = dict(zip(measured, planner.model_state_bytes(facts, BY_KEY["ddp"], setup(precision="no"))))
+    print(f"{which}: measured vs estimated bytes", {k: (measured[k], estimated[k]) for k in measured})
+    for key in measured:
+        assert measured[key] == pytest.approx(estimated[key], rel=0.05), key
+
+
+def saved_activation_bytes(model, batch: dict, checkpointing: bool) -> int:
+    """Bytes autograd keeps for the backward pass at the end of the forward pass (not the weights)."""
+    model.train()
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**batch)
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_activation_estimate_matches_what_autograd_saves(checkpointing, tiny_model_dir):
+    facts = planner.model_facts(tiny_model_dir, num_labels=3)
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
+    b, s = 8, 64
+    batch = {"input_ids": torch.randint(1000, 2000, (b, s)), "attention_mask": torch.ones(b, s, dtype=torch.long),
+             "labels": torch.zeros(b, dtype=torch.long)}
+    measured = saved_activation_bytes(model, batch, checkpointing)
+    estimated, _ = planner.activation_bytes(facts, b, s, half=False, checkpointing=checkpointing, residual_bytes=4)
+    print(f"checkpointing={checkpointing}: saved activations measured {measured} vs estimated {estimated}")
+    assert measured == pytest.approx(estimated, rel=0.15)
+
+
+# ---------------------------------------------------------------- choosing
+
+def test_recommendation_is_the_fastest_that_fits(decoder_dirs, tmp_path):
+    for model, gib, expect_checkpointing in (("1.3b", 24, False), ("7b", 24, True), ("1.3b", 80, False)):
+        plan = planner.make_plan(plan_args(decoder_dirs[model], tmp_path / model, num_gpus=8, gpu_memory_gb=gib,
+                                           per_device_train_batch_size=8, max_length=512, mixed_precision="bf16",
+                                           global_batch_size=256))
+        rec = plan["recommendation"]
+        rows = plan["strategies"]
+        chosen = next(r for r in rows if r["label"] == rec["label"])
+        assert chosen["fits"] and rec["estimate"]["total"] <= gib * GIB
+        assert all(not r["fits"] for r in rows[:rows.index(chosen)])  # every faster one is over budget
+        assert rec["gradient_checkpointing"] is expect_checkpointing
+        assert rec["micro_batch"] * 8 * rec["gradient_accumulation_steps"] == 256
+    assert plan["recommendation"]["strategy"] == "ddp"  # 1.3B on 80 GiB needs no sharding
+
+
+def test_smaller_micro_batch_and_more_accumulation_when_the_requested_one_fits_nothing(decoder_dirs, tmp_path):
+    plan = planner.make_plan(plan_args(decoder_dirs["7b"], tmp_path, num_gpus=8, gpu_memory_gb=24,
+                                       per_device_train_batch_size=64, max_length=2048, mixed_precision="bf16",
+                                       global_batch_size=512))
+    rec = plan["recommendation"]
+    assert not any(r["fits"] for r in plan["strategies"])
+    assert 1 <= rec["micro_batch"] < 64 and rec["micro_batch"] * 8 * rec["gradient_accumulation_steps"] == 512
+    assert any("fits no strategy" in reason for reason in rec["reasons"])
+
+
+def test_nothing_fits_says_what_would(decoder_dirs, tmp_path):
+    args = dict(num_gpus=1, gpu_memory_gb=4, per_device_train_batch_size=8, max_length=4096)
+    plan = planner.make_plan(plan_args(decoder_dirs["7b"], tmp_path / "out", **args))
+    assert plan["recommendation"] is None and not (tmp_path / "out").exists()
+    shorter = next(idea for idea in plan["suggestions"] if "--max_length" in idea)
+    length = int(shorter.split("--max_length ")[1].split()[0])
+    assert length < 4096
+    refit = planner.make_plan(plan_args(decoder_dirs["7b"], tmp_path / "out", **{**args, "max_length": length}))
+    assert refit["recommendation"] is not None  # the suggestion really fits
+
+
+def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_path):
+    from accelerate.commands.config.config_args import load_config_from_file
+    from accelerate.utils import DeepSpeedPlugin
+
+    for strategy in STRATEGIES:
+        out = tmp_path / strategy.key
+        plan = planner.make_plan(plan_args(tiny_model_dir, out, num_gpus=4, num_nodes=2, gpu_memory_gb=24,
+                                           mixed_precision="bf16", strategy=strategy.key,
+                                           gradient_checkpointing="false"))
+        assert plan["recommendation"]["strategy"] == strategy.key
+        config = load_config_from_file(str(out / "accelerate_config.yaml"))
+        assert (config.num_processes, config.num_machines, config.mixed_precision) == (8, 2, "bf16")
+        if strategy.zero_stage is None:
+            assert not (out / "ds_config.json").exists()
+            assert config.distributed_type == ("FSDP" if strategy.fsdp else "MULTI_GPU")
+            continue
+        assert Path(config.deepspeed_config["deepspeed_config_file"]) == (out / "ds_config.json").resolve()
+        plugin = DeepSpeedPlugin(hf_ds_config=str(out / "ds_config.json"))
+        assert plugin.zero_stage == strategy.zero_stage
+        assert (plugin.offload_optimizer_device == "cpu") is strategy.offload_optimizer
+        assert (plugin.offload_param_device == "cpu") is strategy.offload_param
+        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+                    "train_batch_size"):
+            assert plugin.deepspeed_config[key] == "auto"  # always the application's own flags
+
+
+# ---------------------------------------------------------------- the command line
+
+def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
+    result = run_cli("plan", "--model_name_or_path", tiny_model_dir, "--num_gpus", "8", "--gpu_memory_gb", "24",
+                     "--per_device_train_batch_size", "8", "--global_batch_size", "128", "--json",
+                     "--output_dir", str(tmp_path / "plan"))
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert len(plan["strategies"]) == 16 and {r["strategy"] for r in plan["strategies"]} == set(BY_KEY)
+    rec = plan["recommendation"]
+    assert (rec["strategy"], rec["gradient_checkpointing"]) == ("ddp", False)  # a tiny model needs nothing more
+    assert (rec["micro_batch"], rec["gradient_accumulation_steps"]) == (8, 2)
+    assert "--per_device_train_batch_size 8 --gradient_accumulation_steps 2 --mixed_precision no" in rec["command"]
+    assert Path(rec["files"]["accelerate_config"]).is_file()
+
+
+def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_dirs, tmp_path):
+    result = run_cli("plan", "--model_name_or_path", decoder_dirs["7b"], "--gpu_memory_gb", "4",
+                     "--max_length", "4096", "--output_dir", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    for strategy in STRATEGIES:
+        assert strategy.label in result.stdout
+    assert "Nothing fits" in result.stdout and "--max_length" in result.stdout
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--model_name_or_path", "{tmp}/no-model"], "--model_name_or_path .*no-model does not exist"),
+    (["--model_name_or_path", "{tmp}"], "could not read a model config from"),
+    (["--global_batch_size", "100", "--num_gpus", "8"], "--global_batch_size 100 must be a positive multiple of the 8"),
+    (["--gpu_memory_gb", "0"], "--gpu_memory_gb must be positive"),
+    (["--strategy", "zero4"], "invalid choice: 'zero4'"),
+])
+def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--gpu_memory_gb" not in argv:
+        argv += ["--gpu_memory_gb", "24"]
+    assert main(["plan", *argv, "--output_dir", str(tmp_path / "plan")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert __import__("re").search(message, err), err
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_csvs, tmp_path):
+    """The printed command, run as printed (plus data and a short run), with the written configs."""
+    plan = planner.make_plan(plan_args(tiny_model_dir, tmp_path / "plan", num_labels=3, num_gpus=2,
+                                       gpu_memory_gb=24, per_device_train_batch_size=4, global_batch_size=16,
+                                       strategy="zero3"))
+    command = shlex.split(plan["recommendation"]["command"])
+    assert command[:3] == ["accelerate", "launch", "--config_file"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run(launcher + command[2:] + [
+        "--train_file", str(topic_csvs["train"]), "--validation_file", str(topic_csvs["validation"]),
+        "--max_steps", "3", "--eval_strategy", "no", "--output_dir", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    assert "2 process(es)" in result.stdout and "ZeRO-3" in result.stdout
+    assert "(4 per device x 2 x 2 accumulation)" in result.stdout
+    saved = AutoModelForSequenceClassification.from_pretrained(out)  # the gathered full model, not a shard
+    assert sum(p.numel() for p in saved.parameters()) == plan["model"]["num_params"]
