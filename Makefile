@@ -7,7 +7,7 @@ R8     := data/reuters-r8/reuters-r8-train.tab
 # `make train ARGS="--training_type basic"` passes extra options to the application.
 ARGS   ?=
 
-.PHONY: setup data train test clean
+.PHONY: setup data train test clean dashboard
 
 setup: $(STAMP) $(R8)
 
@@ -28,6 +28,12 @@ train: setup
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)
+
+# `make dashboard` serves the trackio dashboard of the runs made on this machine ($HF_HOME/trackio,
+# default ~/.cache/huggingface/trackio) on 127.0.0.1 only; it prints the URL (port 7860 unless taken)
+# and runs until Ctrl-C. `make dashboard ARGS="--project NAME"` opens one project.
+dashboard: $(STAMP)
+	$(VENV)/bin/trackio show --host 127.0.0.1 $(ARGS)
 
 clean:
 	rm -rf outputs .pytest_cache

@@ -92,7 +92,7 @@ def test_killed_mid_epoch_then_resumed_equals_never_stopped(processes, tiny_mode
 
     result = run(launcher(processes) + args_for(tiny_model_dir, topic_csvs, resumed, *steps,
                                                 "--resume_from_checkpoint", "latest"))
-    assert f"checkpoint-{killed_at} at step {killed_at}\n" in result.stdout, result.stdout
+    assert f"checkpoint-{killed_at} at step {killed_at} (loaded in" in result.stdout, result.stdout
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(a[name], b[name]) for name in a), "final weights differ"
     after = {s: v for s, v in train_losses(straight).items() if s > killed_at}
@@ -156,7 +156,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
     for step, score in enumerate(scores, start=1):
         fake_checkpoint(tmp_path, step, score)
     checkpointer = Checkpointer(build_config({"save_total_limit": limit, "checkpointing_steps": "1"}), tmp_path,
-                                True, lambda: None)
+                                tmp_path, True, lambda: None)
     checkpointer.rotate()
     assert [step for step, _ in complete_checkpoints(tmp_path)] == kept
 

@@ -134,3 +134,17 @@ def test_processing_is_cached_across_runs(tmp_path, tokenizer, topic_csvs):
     other = DataConfig(**{**cfg.__dict__, "max_length": 8})
     process_data(connect_data(other), tokenizer, other, seed=0)
     assert len(list((tmp_path / "cache").glob("*.arrow"))) == 4  # other options, another entry
+
+
+def test_a_folder_of_data_files_is_one_split(tmp_path):
+    """As a SageMaker channel delivers it: several csv parts in one folder."""
+    folder = tmp_path / "train"
+    folder.mkdir()
+    rows = topic_rows(4)
+    pd.DataFrame(rows[:5]).to_csv(folder / "part-0.csv", index=False)
+    pd.DataFrame(rows[5:]).to_csv(folder / "part-1.csv", index=False)
+    raw = connect_data(DataConfig(train_file=str(folder)))
+    assert raw["train"]["text"] == [r["text"] for r in rows]
+    (folder / "extra.json").write_text("[]")
+    with pytest.raises(UserError, match="mixes data formats"):
+        connect_data(DataConfig(train_file=str(folder)))

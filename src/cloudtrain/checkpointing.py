@@ -21,6 +21,7 @@ import os
 import shutil
 import signal
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 
 STATE_FILE = "trainer_state.json"
+RUN_FILES = ("metrics.jsonl", "tracker_runs.json")  # the run's log and tracker ids travel with each checkpoint
 FORMAT = "cloudtrain-checkpoint/1"
 PREFIX = "checkpoint-"
 
@@ -68,7 +70,8 @@ def find_resume_checkpoint(cfg: Config, folder: Path) -> Path | None:
     if wanted == "latest":
         found = complete_checkpoints(folder)
         if not found:
-            print(f"no complete checkpoint in {folder}: starting fresh", flush=True)
+            if int(os.environ.get("RANK", "0")) == 0:  # before the process group exists: one line, not one per rank
+                print(f"no complete checkpoint in {folder}: starting fresh", flush=True)
             return None
         return found[-1][1]
     path = Path(wanted)
@@ -92,6 +95,14 @@ def read_state(path: Path) -> dict:
     return data
 
 
+def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
+    """Put the run's log and tracker ids back from the checkpoint when the output dir lost them."""
+    Path(output_dir).mkdir(parents=True, exist_ok=True)
+    for name in RUN_FILES:
+        if (checkpoint / name).is_file() and not (Path(output_dir) / name).exists():
+            shutil.copy2(checkpoint / name, Path(output_dir) / name)
+
+
 def check_compatible(meta: dict, path: Path, trainer: str, num_processes: int) -> None:
     if meta["trainer"] != trainer or meta["num_processes"] != num_processes:
         raise UserError(f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "
@@ -101,12 +112,12 @@ def check_compatible(meta: dict, path: Path, trainer: str, num_processes: int) -
 class Checkpointer:
     """Saves checkpoints atomically and rotates them; every process calls `save`, the main one renames."""
 
-    def __init__(self, cfg: Config, folder: Path, is_main_process: bool, barrier: Callable[[], None],
+    def __init__(self, cfg: Config, folder: Path, output_dir: Path, is_main_process: bool, barrier: Callable[[], None],
                  export: Callable[[Path], None] | None = None, on_saved: Callable[[int, Path], None] | None = None,
                  before_delete: Callable[[], None] | None = None):
         """`export(folder)` (every process) adds files to a checkpoint being written; `on_saved(step,
         path)` (main) sees each complete one; `before_delete()` (main) runs before rotation deletes."""
-        self.folder, self.is_main, self.barrier = Path(folder), is_main_process, barrier
+        self.folder, self.output_dir, self.is_main, self.barrier = Path(folder), Path(output_dir), is_main_process, barrier
         self.export, self.on_saved, self.before_delete = export, on_saved, before_delete
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
@@ -123,6 +134,7 @@ class Checkpointer:
     def save(self, step: int, write: Callable[[Path], None], trainer: str, num_processes: int,
              state: TrainerState) -> Path:
         final, partial = self.folder / f"{PREFIX}{step}", self.folder / f"{PREFIX}{step}.partial"
+        start = time.perf_counter()
         if self.is_main:
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
             partial.mkdir(parents=True)
@@ -134,11 +146,17 @@ class Checkpointer:
         if self.is_main:
             meta = {"format": FORMAT, "trainer": trainer, "num_processes": num_processes,
                     "metric": self.metric, "score": self._score(state), "state": asdict(state)}
+            for name in RUN_FILES:  # a spot restart may come back with an empty output dir
+                if (self.output_dir / name).is_file():
+                    shutil.copy2(self.output_dir / name, partial / name)
             _write_synced(partial / STATE_FILE, json.dumps(meta, indent=2))
             if final.exists():  # the same step saved again after a resume
                 shutil.rmtree(final)
             os.replace(partial, final)
             _fsync_dir(self.folder)
+            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+            print(f"checkpoint saved to {final} ({size / 2**20:.0f} MiB, {time.perf_counter() - start:.1f}s)",
+                  flush=True)
             if self.on_saved:
                 self.on_saved(step, final)
             self.rotate()

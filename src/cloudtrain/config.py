@@ -1,8 +1,9 @@
 """The one typed configuration that flows through the pipeline.
 
 Every option lives in exactly one dataclass section and has exactly one flag, `--<field name>`.
-Values come from, lowest precedence first: the defaults below, a YAML or JSON file given with
-`--config` (flat `key: value` pairs, or grouped under the section names), and command-line flags.
+Values come from, lowest precedence first: the defaults below, the SageMaker training-job contract
+(when running inside a job), a YAML or JSON file given with `--config` (flat `key: value` pairs, or
+grouped under the section names), and command-line flags.
 Every boolean also takes an explicit value (`--fp16 true`), as SageMaker passes hyperparameters.
 """
 
@@ -19,6 +20,7 @@ from typing import Any
 import yaml
 
 from cloudtrain.errors import UserError
+from cloudtrain.sagemaker_env import sagemaker_defaults
 
 TRAINING_TYPES = ("basic", "accelerated")
 MIXED_PRECISION = ("no", "fp16", "bf16")
@@ -42,7 +44,8 @@ class DataConfig:
         None, "Hub dataset name, or a directory written by datasets.save_to_disk. "
         "Default (with no --train_file either): the built-in Reuters R8 news topics.")
     dataset_config: str | None = opt(None, "Hub dataset configuration name.")
-    train_file: str | None = opt(None, "Training data: a csv/tsv/json/jsonl/parquet file or a save_to_disk directory.")
+    train_file: str | None = opt(None, "Training data: a csv/tsv/json/jsonl/parquet file, a folder of such files, "
+                                       "or a save_to_disk directory.")
     validation_file: str | None = opt(None, "Validation data, same formats as --train_file.")
     test_file: str | None = opt(None, "Test data, same formats as --train_file.")
     text_column: str = opt("text", "Column holding the text.")
@@ -290,7 +293,9 @@ def build_config(values: dict) -> Config:
 def config_from_namespace(namespace: argparse.Namespace) -> Config:
     """Merge defaults < --config file < command-line flags, then check the values."""
     given = vars(namespace).copy()
-    values = load_config_file(given.pop("config")) if "config" in given else {}
+    values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
+    if "config" in given:
+        values.update(load_config_file(given.pop("config")))
     values.update({k: v for k, v in given.items() if k in _fields()})
     config = build_config(values)
     validate(config)

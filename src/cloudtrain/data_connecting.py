@@ -73,16 +73,27 @@ def connect_data(cfg: DataConfig) -> DatasetDict:
 
 def _load_path(path: str, split: str) -> Dataset:
     p = Path(path)
-    if p.is_dir():
+    if p.is_dir() and not _data_files(p):
         loaded = _load_saved(path)
         return loaded[split if split in loaded else "train"] if isinstance(loaded, DatasetDict) else loaded
-    builder, options = FILE_FORMATS[p.suffix.lower()]
+    files = _data_files(p) if p.is_dir() else [p]  # a folder of data files (e.g. a SageMaker channel) is one split
+    suffixes = {f.suffix.lower() for f in files}
+    if len(suffixes) > 1:
+        raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
+    builder, options = FILE_FORMATS[suffixes.pop()]
     try:
-        return datasets.load_dataset(builder, data_files={split: str(p)}, split=split, **options)
+        return datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split, **options)
     except Exception as err:  # pandas/arrow parse errors: a malformed file is a user problem
         if "corresponds to no data" in str(err):
             raise UserError(f"the {split} data in {path} is empty") from None
         raise UserError(f"could not read {path} as {builder}: {first_line(err)}") from None
+
+
+def _data_files(folder: Path) -> list[Path]:
+    """The data files directly in `folder`; none for a save_to_disk directory (its JSON files are metadata)."""
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        return []
+    return sorted(f for f in folder.iterdir() if f.is_file() and f.suffix.lower() in FILE_FORMATS)
 
 
 def _load_saved(path: str) -> Dataset | DatasetDict:

@@ -180,4 +180,5 @@ def build_accelerator(cfg: Config) -> Accelerator:
     if not accelerator.is_main_process:  # only the main process prints library progress and warnings
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
     return accelerator

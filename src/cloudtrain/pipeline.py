@@ -12,7 +12,8 @@ import torch
 from transformers import set_seed
 
 from cloudtrain.assets import DEFAULT_MODEL_NAME
-from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, find_resume_checkpoint, read_state
+from cloudtrain.checkpointing import (Checkpointer, checkpoint_dir, find_resume_checkpoint, read_state,
+                                     restore_run_files)
 from cloudtrain.config import Config, save_arguments
 from cloudtrain.distributed import build_accelerator, check_distributed
 from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
@@ -73,6 +74,8 @@ def run_training(cfg: Config) -> dict:
     model = load_model(cfg.model, data.label_names, tokenizer)
     set_seed(cfg.training.seed + (accelerator.process_index if accelerator else 0))  # dropout differs per process
 
+    if resume_from and is_main:
+        restore_run_files(resume_from, output_dir)
     run_log = RunLog(cfg, output_dir, is_main, resume_step=read_state(resume_from)["state"]["global_step"]
                      if resume_from else None, run_info={
         "training_type": cfg.training.training_type,
@@ -85,7 +88,7 @@ def run_training(cfg: Config) -> dict:
         trainer = BasicTrainer(cfg, model, data, run_log)
     barrier = accelerator.wait_for_everyone if accelerator else lambda: None
     uploader = hub.HubUploader(cfg) if is_main and cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end" else None
-    checkpointer = Checkpointer(cfg, checkpoint_dir(cfg, output_dir), is_main, barrier,
+    checkpointer = Checkpointer(cfg, checkpoint_dir(cfg, output_dir), output_dir, is_main, barrier,
                                 **hub_hooks(cfg, trainer, tokenizer, uploader, is_main))
     train_result = trainer.fit(checkpointer, resume_from)
 

@@ -1,41 +1,425 @@
-"""Run logging shared by both trainers: every logging event goes to `<output_dir>/metrics.jsonl`.
+"""Experiment tracking shared by both trainers: `metrics.jsonl` always, plus the trackers of `--report_to`.
 
-Only the main process writes. One line per event: {"step": N, "time": unix seconds, <name>: value}.
-A resumed run (`resume_step`) keeps the lines up to that step and appends after them.
+Every logging event is one line of `<output_dir>/metrics.jsonl`: {"step": N, "time": unix seconds,
+<name>: value}; at the end `<output_dir>/training_curves.png` is drawn from those lines, so a run can
+be looked at with no tracker at all. The trackers are accelerate's tracker classes, extended with
+what a finished run needs (a summary, the confusion matrix, resuming):
+- wandb: online when credentials are configured (WANDB_API_KEY or `wandb login`) and the server
+  answers within a few seconds; otherwise offline under <output_dir>/wandb, with the `wandb sync`
+  command printed at the end. WANDB_* variables (WANDB_MODE, WANDB_PROJECT, WANDB_DIR,
+  WANDB_ENTITY, ...) are respected. `--log_model true` uploads the saved model as an artifact.
+- trackio: local SQLite under $HF_HOME/trackio (or $TRACKIO_DIR); `trackio show` is its dashboard.
+- tensorboard: event files under <output_dir>/tensorboard/<run name>.
+- mlflow: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlruns/mlflow.db.
+
+Only the main process creates trackers and writes, so a multi-process training is one tracker run.
+A run resumed from a checkpoint (`resume_step`) continues the same tracker runs, whose ids are kept
+in <output_dir>/tracker_runs.json, and keeps the metrics.jsonl lines up to that step. Points the
+first part logged after its checkpoint stay in W&B, trackio and MLflow (TensorBoard hides them).
+Not supported: accelerate's other trackers (comet_ml, aim, clearml, dvclive, swanlab).
 """
 
+import importlib.util
 import json
+import os
+import shlex
+import threading
 import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 
+from accelerate import PartialState
+from accelerate.tracking import MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
+
 from cloudtrain.config import Config, TrackingConfig
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, first_line
+from cloudtrain.plotting import plot_training_curves
+
+RUNS_FILE = "tracker_runs.json"
+WANDB_CONNECT_TIMEOUT_S = 3.0
+WANDB_INIT_TIMEOUT_S = 30.0
+PACKAGES = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 
 
 def check_trackers(cfg: TrackingConfig) -> None:
-    """Fail before training when a requested tracker cannot be used."""
-    if cfg.report_to != ["none"]:
-        raise UserError(f"--report_to {','.join(cfg.report_to)}: tracker integration is not in this "
-                        "version yet; use --report_to none (metrics.jsonl is always written)")
+    """Fail before training when a requested tracker cannot be used (no imports, no network)."""
+    for name in requested(cfg):
+        if importlib.util.find_spec(PACKAGES[name]) is None:
+            raise UserError(f"--report_to {name} needs the {PACKAGES[name]} package: "
+                            f"pip install {PACKAGES[name]} (or run `make setup`)")
+    if cfg.log_model and "wandb" not in cfg.report_to:
+        raise UserError("--log_model true uploads the model to W&B: add wandb to --report_to")
+
+
+def requested(cfg: TrackingConfig) -> list[str]:
+    return [name for name in cfg.report_to if name != "none"]
+
+
+def read_metrics(path: Path) -> list[dict]:
+    """The records of a metrics.jsonl file."""
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+@dataclass
+class RunContext:
+    """What a tracker needs to open its run."""
+    cfg: Config
+    output_dir: Path
+    run_name: str
+    resume_step: int | None
+
+    @property
+    def tracking(self) -> TrackingConfig:
+        return self.cfg.tracking
 
 
 class RunLog:
+    """The run's record: metrics.jsonl and the trackers on the main process; a no-op on the others."""
+
     def __init__(self, cfg: Config, output_dir: Path, is_main_process: bool, run_info: dict,
                  resume_step: int | None = None):
-        self.path = Path(output_dir) / "metrics.jsonl"
+        self.output_dir = Path(output_dir)
+        self.path = self.output_dir / "metrics.jsonl"
         self.enabled = is_main_process
-        if self.enabled:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            kept = []
-            if resume_step is not None and self.path.exists():
-                kept = [line for line in self.path.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        self.run_info = run_info
+        self.trackers: list = []
+        self.curves: dict = {}  # what training_curves.png shows, once finish() has drawn it
+        self.start_time = time.perf_counter()
+        if not self.enabled:
+            return
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        self._start_metrics_file(resume_step)
+        saved = load_runs(self.output_dir) if resume_step is not None else {}
+        run_name = saved.get("run_name") or cfg.tracking.run_name or default_run_name(self.output_dir)
+        context = RunContext(cfg, self.output_dir, run_name, resume_step)
+        state = {**saved, "run_name": run_name}
+        config = {**cfg.to_dict(), **run_info}
+        if requested(cfg.tracking):
+            PartialState()  # accelerate's trackers log through its logger, which needs its state
+        for name in requested(cfg.tracking):
+            tracker = TRACKERS[name](context, saved.get(name, {}))
+            tracker.start()
+            tracker.log_config(config)
+            state[name] = tracker.state()
+            self.trackers.append(tracker)
+        (self.output_dir / RUNS_FILE).write_text(json.dumps(state, indent=2) + "\n")
+
+    def _start_metrics_file(self, resume_step: int | None) -> None:
+        """A fresh file, or on resume the lines up to the checkpoint's step (later ones are redone)."""
+        kept = []
+        if resume_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, values: dict, step: int) -> None:
-        if self.enabled:
-            with self.path.open("a") as f:
-                f.write(json.dumps({"step": step, "time": round(time.time(), 3), **values}) + "\n")
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "time": round(time.time(), 3), **values}) + "\n")
+        for tracker in self.trackers:
+            tracker.log(values, step=step)
 
     def finish(self, results: dict, label_names: list[str]) -> None:
+        """Curves, summary, confusion matrices and (optionally) the model; then end the tracker runs."""
+        if not self.enabled:
+            return
+        png = self.output_dir / "training_curves.png"
+        self.curves = plot_training_curves(read_metrics(self.path), png)
+        step = results["train"]["global_step"]
+        summary = run_summary(results, self.run_info, time.perf_counter() - self.start_time)
+        matrices = {f"{split}/confusion_matrix": results[split]["confusion_matrix"]
+                    for split in ("eval", "test") if "confusion_matrix" in results.get(split, {})}
+        for tracker in self.trackers:
+            tracker.log_summary(summary, step)
+            for name, matrix in matrices.items():
+                tracker.log_confusion_matrix(name, matrix, label_names, step)
+            tracker.log_files(png, step)
+            tracker.finish()
+        print(f"training curves: {png.resolve()}", flush=True)
+
+
+def default_run_name(output_dir: Path) -> str:
+    return f"{output_dir.resolve().name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def load_runs(output_dir: Path) -> dict:
+    """The tracker run ids an earlier part of this run saved, or {} if there are none."""
+    path = output_dir / RUNS_FILE
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def run_summary(results: dict, run_info: dict, total_time_s: float) -> dict:
+    """Final numbers: training summary, eval/test metrics, time, size and hardware."""
+    summary = {f"summary/{k}": v for k, v in results["train"].items()}
+    for split in ("eval", "test"):
+        summary.update({f"summary/{split}_{k}": v for k, v in results.get(split, {}).items()})
+    summary.update({f"summary/{k}": v for k, v in run_info.items()})
+    summary["summary/total_time_s"] = round(total_time_s, 2)
+    return {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
+
+
+def numbers(values: dict) -> dict:
+    return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def matrix_rows(matrix: list[list[int]], labels: list[str]) -> tuple[list[str], list[list]]:
+    """A confusion matrix as (header, rows) of a table: rows = true class, columns = predicted."""
+    return ["true \\ predicted", *labels], [[label, *row] for label, row in zip(labels, matrix)]
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
+
+
+class RunMethods:
+    """What RunLog needs beyond accelerate's tracker API; the defaults suit a metrics-only tracker."""
+
+    def state(self) -> dict:
+        """What a resumed run needs to find this run again."""
+        raise NotImplementedError
+
+    def log_config(self, config: dict) -> None:
+        self.store_init_configuration(config)
+
+    def log_summary(self, summary: dict, step: int) -> None:
+        self.log(numbers(summary), step=step)
+
+    def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
         pass
+
+    def log_files(self, curves_png: Path, step: int) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- W&B
+
+class WandB(RunMethods, WandBTracker):
+    """A W&B run: online when possible, offline (with a sync command at the end) otherwise."""
+
+    def __init__(self, context: RunContext, saved: dict):
+        self.context, self.saved = context, saved
+        tracking, env = context.tracking, os.environ
+        kwargs = {"name": None if tracking.run_name is None and env.get("WANDB_NAME") else context.run_name,
+                  "tags": tracking.tags or None, "entity": saved.get("entity") or None}
+        if not env.get("WANDB_DIR"):
+            kwargs["dir"] = str(context.output_dir)
+        if saved.get("id"):
+            kwargs.update(id=saved["id"], resume="allow")
+        if not env.get("WANDB_INIT_TIMEOUT"):
+            import wandb
+
+            kwargs["settings"] = wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S)
+        # The flag wins over WANDB_PROJECT only when it was changed from its default.
+        default_project = TrackingConfig().project_name
+        project = saved.get("project") or (tracking.project_name if tracking.project_name != default_project
+                                           else env.get("WANDB_PROJECT", default_project))
+        super().__init__(project, **kwargs)
+
+    def start(self) -> None:
+        import wandb
+
+        offline_reason = wandb_offline_reason()
+        if offline_reason:
+            print(f"W&B: {offline_reason}; logging offline", flush=True)
+            self.init_kwargs["mode"] = "offline"
+        try:
+            super().start()
+        except wandb.errors.Error as err:  # e.g. a key the server rejects: never lose the run over it
+            if self.init_kwargs.get("mode") == "offline":
+                raise
+            print(f"W&B: could not start an online run ({first_line(err)}); logging offline", flush=True)
+            self.init_kwargs["mode"] = "offline"
+            super().start()
+
+    def state(self) -> dict:
+        offline_dirs = list(self.saved.get("offline_dirs", []))
+        if self.run.offline:
+            offline_dirs.append(str(Path(self.run.settings.sync_dir).resolve()))
+        return {"id": self.run.id, "project": self.run.project, "entity": self.run.entity or None,
+                "offline_dirs": offline_dirs}
+
+    def log_summary(self, summary: dict, step: int) -> None:
+        self.run.summary.update(summary)
+
+    def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
+        import wandb
+
+        # W&B's chart takes one (true, predicted) pair per example: expand the counts back into pairs.
+        pairs = [(t, p) for t, row in enumerate(matrix) for p, count in enumerate(row) for _ in range(count)]
+        chart = wandb.plot.confusion_matrix(y_true=[t for t, _ in pairs], preds=[p for _, p in pairs],
+                                            class_names=labels, title=name)
+        self.log({name: chart}, step=step)
+
+    def log_files(self, curves_png: Path, step: int) -> None:
+        import wandb
+
+        self.log({"training_curves": wandb.Image(str(curves_png))}, step=step)
+        if self.context.tracking.log_model:
+            artifact = wandb.Artifact(f"model-{self.run.id}", type="model",
+                                      metadata=self.context.cfg.to_dict())
+            for file in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
+                if file.is_file() and file.name != RUNS_FILE:
+                    artifact.add_file(str(file))
+            self.run.log_artifact(artifact)
+
+    def finish(self) -> None:
+        state = self.state()
+        super().finish()
+        if state["offline_dirs"]:
+            print(f"W&B ran offline; to upload this run: {wandb_sync_command(state, bool(self.saved))}", flush=True)
+
+
+def wandb_offline_reason() -> str | None:
+    """Why W&B must run offline although it was not asked to; None when online can be tried.
+
+    Credentials are looked up locally (env, settings, .netrc) and the server gets a few seconds to
+    answer, so a missing key or network costs seconds, not W&B's minute-long init retries.
+    """
+    import wandb
+
+    settings = wandb.setup().settings  # WANDB_* variables and `wandb login`/`wandb offline` settings
+    if settings.mode in ("offline", "dryrun", "disabled"):
+        return None  # the user's choice (WANDB_MODE or `wandb offline`): wandb handles it
+    if not wandb_credentials(settings):
+        return "no credentials (set WANDB_API_KEY or run `wandb login`)"
+    if not reachable(settings.base_url, WANDB_CONNECT_TIMEOUT_S):
+        return f"{settings.base_url} cannot be reached (no answer within {WANDB_CONNECT_TIMEOUT_S:.0f} s)"
+    return None
+
+
+def wandb_credentials(settings) -> bool:
+    import wandb
+    from wandb.sdk.lib import wbauth  # where wandb itself reads logins stored in .netrc
+
+    try:
+        stored = wbauth.read_netrc_auth(host=settings.base_url)
+        return bool(settings.api_key or settings.identity_token_file or stored)
+    except wandb.errors.AuthenticationError:  # a malformed stored key: no usable login
+        return False
+
+
+def reachable(url: str, timeout: float) -> bool:
+    """Whether an HTTP server answers at `url` within `timeout` seconds, whatever its status.
+
+    The probe runs in a daemon thread because a DNS lookup is not bound by the socket timeout.
+    """
+    answered = threading.Event()
+
+    def probe() -> None:
+        try:
+            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
+            answered.set()
+        except urllib.error.HTTPError:
+            answered.set()
+        except (OSError, ValueError):
+            pass
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    return answered.is_set()
+
+
+def wandb_sync_command(state: dict, resumed: bool) -> str:
+    """`wandb sync` for every offline part of the run; parts of one resumed run go to one run id."""
+    dirs = " ".join(shlex.quote(d) for d in state["offline_dirs"])
+    several = resumed or len(state["offline_dirs"]) > 1
+    return f"wandb sync --id {state['id']} {dirs}" if several else f"wandb sync {dirs}"
+
+
+# ---------------------------------------------------------------- trackio
+
+class Trackio(RunMethods, TrackioTracker):
+    """A trackio run in the local database ($HF_HOME/trackio); resumed by its project and name."""
+
+    def __init__(self, context: RunContext, saved: dict):
+        super().__init__(saved.get("project", context.tracking.project_name),
+                         name=saved.get("name", context.run_name), resume="allow" if saved else "never",
+                         embed=False)
+
+    def state(self) -> dict:
+        return {"project": self.run.project, "name": self.run.name, "id": self.run.id}
+
+    def log_config(self, config: dict) -> None:
+        self.run.config.update(config)  # stored with the first logged step
+
+    def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
+        import trackio
+
+        header, rows = matrix_rows(matrix, labels)
+        self.log({name: trackio.Table(columns=header, data=rows)}, step=step)
+
+    def finish(self) -> None:
+        import trackio
+
+        trackio.finish()  # also forgets the run, so trackio's exit hook does not finish it a second time
+
+
+# ---------------------------------------------------------------- TensorBoard
+
+class TensorBoard(RunMethods, TensorBoardTracker):
+    """Event files in <output_dir>/tensorboard/<run name>; the config as text and, at the end, hparams."""
+
+    def __init__(self, context: RunContext, saved: dict):
+        # purge_step makes TensorBoard hide what this directory holds from that step on: on resume,
+        # the steps the first part logged after its checkpoint; on a new run, an older run of the name.
+        purge_step = context.resume_step + 1 if context.resume_step is not None else 0
+        super().__init__(saved.get("name", context.run_name), str(context.output_dir / "tensorboard"),
+                         purge_step=purge_step)
+        self.config: dict = {}
+
+    def state(self) -> dict:
+        return {"name": self.run_name, "logdir": str(Path(self.logging_dir).resolve())}
+
+    def log_config(self, config: dict) -> None:
+        # accelerate's store_init_configuration writes hparams into extra timestamped run folders
+        self.config = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in config.items()}
+        self.writer.add_text("config", markdown_table(["option", "value"], [[k, v] for k, v in self.config.items()]))
+        self.writer.flush()
+
+    def log_summary(self, summary: dict, step: int) -> None:
+        # the HParams tab: this run's options next to its final numbers
+        self.writer.add_hparams(self.config, numbers(summary), run_name=".", global_step=step)
+
+    def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
+        self.log({name: markdown_table(*matrix_rows(matrix, labels))}, step=step)
+
+
+# ---------------------------------------------------------------- MLflow
+
+class MLflow(RunMethods, MLflowTracker):
+    """An MLflow run in $MLFLOW_TRACKING_URI, else in a SQLite database inside the output folder."""
+
+    def __init__(self, context: RunContext, saved: dict):
+        import mlflow
+
+        store = context.output_dir / "mlruns"
+        store.mkdir(exist_ok=True)
+        self.tracking_uri = (os.environ.get("MLFLOW_TRACKING_URI") or saved.get("tracking_uri")
+                             or f"sqlite:///{(store / 'mlflow.db').resolve()}")
+        mlflow.set_tracking_uri(self.tracking_uri)
+        self.resumed = bool(saved)
+        super().__init__(experiment_name=context.tracking.project_name,
+                         logging_dir=str((store / "artifacts").resolve()), run_id=saved.get("run_id"),
+                         tags={tag: "true" for tag in context.tracking.tags} or None, run_name=context.run_name)
+
+    def state(self) -> dict:
+        return {"run_id": self.active_run.info.run_id, "tracking_uri": self.tracking_uri}
+
+    def log_config(self, config: dict) -> None:
+        if not self.resumed:  # MLflow parameters cannot change once logged; the first part logged them
+            super().log_config(config)
+
+    def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
+        import mlflow
+
+        mlflow.log_dict({"labels": labels, "rows_true_columns_predicted": matrix}, f"{name}.json")
+
+    def log_files(self, curves_png: Path, step: int) -> None:
+        self.log_artifact(str(curves_png))
+
+
+TRACKERS = {"wandb": WandB, "trackio": Trackio, "tensorboard": TensorBoard, "mlflow": MLflow}

@@ -269,6 +269,7 @@ class Trainer:
         """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
         meta = read_state(folder)
         check_compatible(meta, folder, self.name, self.num_processes)
+        start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
         except Exception as err:  # torch, safetensors and accelerate raise many kinds for a damaged file
@@ -279,7 +280,8 @@ class Trainer:
         if not self.is_main_process:  # the pending logging sums of all processes live on the main one
             state.interval = [0.0, 0.0, 0.0]
         if self.is_main_process:
-            print(f"resumed from {folder} at step {state.global_step}", flush=True)
+            print(f"resumed from {folder} at step {state.global_step} "
+                  f"(loaded in {time.perf_counter() - start:.1f}s)", flush=True)
         return state
 
     # ------------------------------------------------------------ shared pieces

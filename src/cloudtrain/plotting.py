@@ -1,0 +1,53 @@
+"""`training_curves.png`: the loss and the evaluation metrics of a run over its steps.
+
+Drawn from the metrics.jsonl records with matplotlib's Agg canvas (no display, no pyplot state), so
+it works on a headless machine and in any process. Two panels: train and validation loss; the
+validation quality metrics (accuracy, macro F1, ...). Timing, throughput and test metrics are left
+out: they are single values or do not share the panels' scales.
+"""
+
+from pathlib import Path
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+# eval/* entries that are not quality metrics and would not share the metrics panel's 0-1 scale
+NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s"}
+
+Curves = dict[str, dict[str, tuple[list[int], list[float]]]]  # panel -> series -> (steps, values)
+
+
+def curve_data(records: list[dict]) -> Curves:
+    """The series each panel draws, in step order: {panel: {series name: (steps, values)}}."""
+    panels: Curves = {"loss": {}, "evaluation metrics": {}}
+    for record in sorted(records, key=lambda r: r["step"]):
+        for name, value in record.items():
+            if name in ("train/loss", "eval/loss"):
+                panel = "loss"
+            elif name.startswith("eval/") and name not in NOT_METRICS and isinstance(value, (int, float)):
+                panel = "evaluation metrics"
+            else:
+                continue
+            steps, values = panels[panel].setdefault(name, ([], []))
+            steps.append(record["step"])
+            values.append(float(value))
+    return panels
+
+
+def plot_training_curves(records: list[dict], path: Path) -> Curves:
+    """Write the curves of `records` as a PNG at `path`; returns the data that was drawn."""
+    curves = curve_data(records)
+    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    FigureCanvasAgg(figure)
+    for ax, (title, series) in zip(figure.subplots(1, 2), curves.items()):
+        for name, (steps, values) in series.items():
+            ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if series:
+            ax.legend()
+        else:
+            ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes)
+    figure.savefig(path, dpi=100)
+    return curves

@@ -1,0 +1,95 @@
+"""The application's side of the SageMaker training-job contract: option defaults from the job's environment.
+
+Inside a SageMaker training job (SDK 3 `ModelTrainer`, whose container drivers set `SM_MODEL_DIR` and
+the other `SM_*` variables), `sagemaker_defaults()` returns these defaults; outside one it returns {}
+and nothing changes. Options from `--config` and the command line (hyperparameters arrive as flags)
+override them.
+
+    output_dir              SM_MODEL_DIR (/opt/ml/model, uploaded as model.tar.gz when the job ends)
+    train_file              SM_CHANNEL_TRAIN
+    validation_file         SM_CHANNEL_VALIDATION, else SM_CHANNEL_VALID, SM_CHANNEL_VAL, SM_CHANNEL_DEV
+    test_file               SM_CHANNEL_TEST
+    model_name_or_path      SM_CHANNEL_MODEL (a model folder the launcher uploaded)
+    run_name                the training job's name (TRAINING_JOB_NAME, else SM_TRAINING_ENV's job_name)
+    checkpoint_dir          /opt/ml/checkpoints (or $CLOUDTRAIN_CHECKPOINT_DIR) when that folder exists,
+    resume_from_checkpoint  latest                    which it does when the job has a CheckpointConfig
+
+A channel is a directory: a `datasets.save_to_disk` folder or a folder of csv/tsv/json/jsonl/parquet
+files. When the train channel is a saved DatasetDict with validation/test splits and there is no
+channel of their own for them, those splits are used. SDK 3's own channels ("code", "sm_drivers")
+are not data. SM_NUM_GPUS and the hosts are read by the SDK's torchrun driver, which starts one
+process per GPU on every host; the application then sees them as torchrun's WORLD_SIZE and ranks.
+Not supported: Pipe and FastFile input modes (the channels must be plain directories).
+"""
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+CHECKPOINT_DIR_ENV = "CLOUDTRAIN_CHECKPOINT_DIR"  # tests lay /opt/ml out in a temporary folder
+DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"
+# channel name -> the option it sets; the first channel present wins for each option
+CHANNEL_OPTIONS = {
+    "train": "train_file",
+    "validation": "validation_file",
+    "valid": "validation_file",
+    "val": "validation_file",
+    "dev": "validation_file",
+    "test": "test_file",
+    "model": "model_name_or_path",
+}
+SAVED_SPLIT_OPTIONS = {"validation": "validation_file", "test": "test_file"}
+
+
+def in_training_job(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process runs inside a SageMaker training job."""
+    return "SM_MODEL_DIR" in (os.environ if environ is None else environ)
+
+
+def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict:
+    """Flat {option name: value} defaults from the SageMaker environment; {} outside a training job."""
+    env = os.environ if environ is None else environ
+    if not in_training_job(env):
+        return {}
+    defaults = {"output_dir": env["SM_MODEL_DIR"], **channel_options(env)}
+    name = job_name(env)
+    if name:
+        defaults["run_name"] = name
+    checkpoints = Path(env.get(CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR))
+    if checkpoints.is_dir():
+        defaults.update(checkpoint_dir=str(checkpoints), resume_from_checkpoint="latest")
+    return defaults
+
+
+def channel_options(env: Mapping[str, str]) -> dict:
+    """Data and model options from the SM_CHANNEL_<NAME> directories."""
+    options: dict = {}
+    for channel, option in CHANNEL_OPTIONS.items():
+        path = env.get(f"SM_CHANNEL_{channel.upper()}")
+        if path and option not in options:
+            options[option] = path
+    train = options.get("train_file")
+    for split in saved_splits(train) if train else []:
+        if split in SAVED_SPLIT_OPTIONS:
+            options.setdefault(SAVED_SPLIT_OPTIONS[split], train)
+    return options
+
+
+def saved_splits(path: str) -> list[str]:
+    """The split names of a DatasetDict written by save_to_disk, or [] for anything else."""
+    index = Path(path) / "dataset_dict.json"
+    try:
+        return list(json.loads(index.read_text()).get("splits", []))
+    except (OSError, ValueError, AttributeError):
+        return []
+
+
+def job_name(env: Mapping[str, str]) -> str | None:
+    """The training job's name, from the platform's variable or the SDK's training environment."""
+    if env.get("TRAINING_JOB_NAME"):
+        return env["TRAINING_JOB_NAME"]
+    try:
+        return json.loads(env.get("SM_TRAINING_ENV", "{}")).get("job_name") or None
+    except (ValueError, AttributeError):
+        return None

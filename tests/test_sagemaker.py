@@ -1,0 +1,453 @@
+"""SageMaker: the launcher with the real SDK 3, the job side on this machine, the notebook, the Dockerfile.
+
+Nothing reaches AWS. tests/aws_server.py serves the AWS APIs from moto on 127.0.0.1 (the SDK finds it
+through AWS_ENDPOINT_URL), records each CreateTrainingJob as it arrived, and fakes what a job leaves
+behind (log lines, model.tar.gz). The job side downloads what the launcher uploaded (code, SDK drivers,
+data and model channels) into a folder laid out like /opt/ml and runs the SDK's own torchrun driver on it.
+"""
+
+import contextlib
+import importlib.util
+import json
+import logging
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from datasets import Dataset, DatasetDict
+
+from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
+from cloudtrain.sagemaker_env import CHECKPOINT_DIR_ENV, sagemaker_defaults
+
+from aws_server import BUCKET, REGION, container_environment, local_aws, run_torchrun_driver
+from conftest import REPO, TOPICS, topic_rows
+
+SECRETS = {"WANDB_API_KEY": "wandb-0f1e2d3c4b5a69788796a5b4c3d2e1f0", "HF_TOKEN": "hf_sagemaker_7e6d5c4b3a2918"}
+HF_IMAGE_PREFIX = f"763104351884.dkr.ecr.{REGION}.amazonaws.com/huggingface-pytorch-training:2.9.0-transformers5.3.0-gpu"
+LABELS = sorted(TOPICS)
+
+
+@pytest.fixture(scope="session")
+def launcher():
+    """sagemaker/launch.py, loaded by path: the folder is no package, so it never shadows the SDK."""
+    spec = importlib.util.spec_from_file_location("cloudtrain_sagemaker_launch", REPO / "sagemaker" / "launch.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def aws(tmp_path_factory):
+    with local_aws(tmp_path_factory.mktemp("aws")) as fake:
+        yield fake
+
+
+@pytest.fixture
+def secrets(monkeypatch) -> dict:
+    for name, value in SECRETS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("WANDB_PROJECT", "cloudtrain-on-sagemaker")
+    return SECRETS
+
+
+@pytest.fixture(scope="module")
+def topic_data(tmp_path_factory) -> dict[str, Path]:
+    """Channels as users bring them: train a save_to_disk folder, validation a folder of csv files."""
+    import pandas as pd
+
+    root = tmp_path_factory.mktemp("topic-data")
+    DatasetDict({"train": Dataset.from_list(topic_rows(20))}).save_to_disk(str(root / "train"))
+    (root / "validation").mkdir()
+    pd.DataFrame(topic_rows(3, 1)).to_csv(root / "validation" / "part-0.csv", index=False)
+    pd.DataFrame(topic_rows(2, 3)).to_csv(root / "validation" / "part-1.csv", index=False)
+    return {"train": root / "train", "validation": root / "validation"}
+
+
+@pytest.fixture(scope="module")
+def trained_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
+    """A sequence-classification model folder, as a job leaves it in /opt/ml/model."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("job-model")
+    model = AutoModelForSequenceClassification.from_pretrained(
+        tiny_model_dir, num_labels=len(LABELS), id2label=dict(enumerate(LABELS)),
+        label2id={label: i for i, label in enumerate(LABELS)})
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return out
+
+
+def s3_keys(aws, prefix: str) -> list[str]:
+    pages = aws.client("s3").get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return [item["Key"] for page in pages for item in page.get("Contents", [])]
+
+
+def s3_text(aws, uri: str) -> str:
+    bucket, _, key = uri.removeprefix("s3://").partition("/")
+    return aws.client("s3").get_object(Bucket=bucket, Key=key)["Body"].read().decode()
+
+
+def channel_uris(request: dict) -> dict[str, str]:
+    return {c["ChannelName"]: c["DataSource"]["S3DataSource"]["S3Uri"] for c in request["InputDataConfig"]}
+
+
+def assert_no_secret(text: str) -> None:
+    for name, value in SECRETS.items():
+        assert value not in text, f"the value of {name} was printed"
+
+
+# ---------------------------------------------------------------- the in-job contract
+
+def test_the_repo_folder_never_shadows_the_sdk():
+    assert not (REPO / "sagemaker" / "__init__.py").exists()
+    for cwd in (REPO, REPO / "src", REPO / "sagemaker"):
+        found = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('sagemaker').origin)"],
+                               cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+        assert "site-packages" in found and found.endswith("__init__.py"), (cwd, found)
+
+
+def test_outside_a_job_the_defaults_are_empty():
+    assert sagemaker_defaults({"TRAINING_JOB_NAME": "x", "SM_CHANNEL_TRAIN": "/data", "HOME": "/root"}) == {}
+    assert sagemaker_defaults({}) == {}
+
+
+def test_inside_a_job_the_defaults_follow_the_contract(tmp_path):
+    data = tmp_path / "input" / "data"
+    rows = Dataset.from_list(topic_rows(2))
+    DatasetDict({"train": rows, "validation": rows, "test": rows}).save_to_disk(str(data / "train"))
+    for channel in ("test", "model", "code", "sm_drivers", "dev"):
+        (data / channel).mkdir(parents=True)
+    env = {"SM_MODEL_DIR": str(tmp_path / "model"), "SM_CHANNELS": '["train", "test", "model", "code", "sm_drivers"]',
+           **{f"SM_CHANNEL_{c.upper()}": str(data / c) for c in ("train", "test", "model", "code", "sm_drivers")},
+           "SM_TRAINING_ENV": json.dumps({"job_name": "cloudtrain-20261122101010"}),
+           CHECKPOINT_DIR_ENV: str(tmp_path / "checkpoints")}
+
+    defaults = sagemaker_defaults(env)
+    assert defaults == {"output_dir": str(tmp_path / "model"), "train_file": str(data / "train"),
+                        "validation_file": str(data / "train"),  # the saved DatasetDict's own split
+                        "test_file": str(data / "test"),  # a channel of its own wins over the saved split
+                        "model_name_or_path": str(data / "model"), "run_name": "cloudtrain-20261122101010"}
+
+    (tmp_path / "checkpoints").mkdir()  # SageMaker makes it when the job has a CheckpointConfig
+    env.update(TRAINING_JOB_NAME="cloudtrain-spot-1", SM_CHANNEL_DEV=str(data / "dev"))
+    defaults = sagemaker_defaults(env)
+    assert defaults["validation_file"] == str(data / "dev")
+    assert defaults["run_name"] == "cloudtrain-spot-1"
+    assert (defaults["checkpoint_dir"], defaults["resume_from_checkpoint"]) == (str(tmp_path / "checkpoints"), "latest")
+    cfg = build_config(defaults)  # every default is an option of the application
+    assert cfg.output.output_dir == str(tmp_path / "model")
+
+
+# ---------------------------------------------------------------- the launcher, real SDK against moto
+
+def test_launch_sends_the_job_and_hides_secrets(aws, launcher, secrets, topic_data, tiny_model_dir,
+                                                 trained_model_dir, tmp_path, capsys, caplog):
+    """A local run's YAML, a spot job on two 4-GPU instances: what the SDK actually sent to CreateTrainingJob."""
+    import boto3
+    from transformers import AutoModelForSequenceClassification
+
+    config = tmp_path / "local-run.yaml"
+    config.write_text(f"""
+data:
+  train_file: {topic_data['train']}
+  validation_file: {topic_data['validation']}
+  max_length: 64
+model:
+  model_name_or_path: {tiny_model_dir}
+training:
+  num_train_epochs: 2
+  learning_rate: 3.0e-5
+  mixed_precision: "no"
+tracking:
+  report_to: [wandb, tensorboard]
+output:
+  output_dir: outputs/local-run
+  overwrite_output_dir: true
+""")
+    spec = launcher.JobSpec(instance_type="ml.g5.12xlarge", instance_count=2, config=str(config), spot=True,
+                            max_run=3600, volume_size=200, base_job_name="cloudtrain-api",
+                            hyperparameters={"num_train_epochs": 3, "trust_remote_code": False,
+                                             "checkpointing_steps": 50, "run_name": None})
+    sent = []
+    boto_session = boto3.Session()
+    boto_session.events.register("provide-client-params.sagemaker.CreateTrainingJob",
+                                 lambda params, **_: sent.append(json.loads(json.dumps(params))))
+    session = launcher.Session(boto_session=boto_session)
+    aws.model_dir = trained_model_dir
+    caplog.set_level(logging.DEBUG)  # the SDK and botocore log whole requests at DEBUG
+
+    name = launcher.launch(spec, session)
+
+    request = sent[-1]
+    assert request["TrainingJobName"] == name and name.startswith("cloudtrain-api-")
+    assert request["AlgorithmSpecification"]["TrainingImage"].startswith(HF_IMAGE_PREFIX)
+    assert request["ResourceConfig"] == {"InstanceType": "ml.g5.12xlarge", "InstanceCount": 2, "VolumeSizeInGB": 200}
+    assert request["EnableManagedSpotTraining"] is True
+    assert request["StoppingCondition"] == {"MaxRuntimeInSeconds": 3600, "MaxWaitTimeInSeconds": 7200}
+    assert request["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
+    assert request["CheckpointConfig"]["S3Uri"].startswith(f"s3://{BUCKET}/cloudtrain-api/{name}")
+    assert request["HyperParameters"] == {  # the SDK's JSON for numbers and booleans; no local paths
+        "max_length": "64", "num_train_epochs": "3", "learning_rate": "3e-05", "mixed_precision": "no",
+        "report_to": "wandb,tensorboard", "overwrite_output_dir": "true", "trust_remote_code": "false",
+        "checkpointing_steps": "50"}
+    assert request["Environment"] == {**SECRETS, "WANDB_PROJECT": "cloudtrain-on-sagemaker"}
+    assert aws.request_for(name)["Environment"] == request["Environment"]  # also what reached the server
+
+    # The code, the SDK's drivers and the local data and model went to S3 first.
+    uris = channel_uris(request)
+    assert set(uris) == {"train", "validation", "model", "code", "sm_drivers"}
+    code = uris["code"].removeprefix(f"s3://{BUCKET}/")
+    code_files = {key.removeprefix(code).lstrip("/") for key in s3_keys(aws, code)}
+    assert {"training_application.py", "requirements-sagemaker.txt", "cloudtrain/config.py",
+            "cloudtrain/sagemaker_env.py"} <= code_files
+    assert not any("__pycache__" in key for key in code_files)
+    for channel, marker in (("train", "dataset_dict.json"), ("validation", "part-1.csv"), ("model", "config.json")):
+        assert any(key.endswith(marker) for key in s3_keys(aws, uris[channel].removeprefix(f"s3://{BUCKET}/")))
+    distributed = json.loads(s3_text(aws, f"{uris['sm_drivers']}/distributed.json"))
+    assert distributed["process_count_per_node"] is None  # torchrun, one process per GPU
+    train_script = s3_text(aws, f"{uris['sm_drivers']}/sm_train.sh")
+    assert "distributed_drivers/torchrun_driver.py" in train_script
+    assert "install_requirements.py requirements-sagemaker.txt" in train_script
+    source = json.loads(s3_text(aws, f"{uris['sm_drivers']}/sourcecode.json"))
+    assert source["entry_script"] == "training_application.py"
+
+    # Attach, logs and download: one call each.
+    job = launcher.attach(name, session)
+    assert job.training_job_status == "Completed"
+    assert launcher.stream_logs(name, session, poll=0) == "Completed"
+    model_dir = launcher.download_model(name, tmp_path / "fetched", session)
+    assert AutoModelForSequenceClassification.from_pretrained(model_dir).config.id2label == dict(enumerate(LABELS))
+
+    out = capsys.readouterr()
+    printed = out.out + out.err
+    assert f"launched {name}: 2 x ml.g5.12xlarge (spot)" in printed
+    assert "2 x ml.g5.12xlarge spot" in printed  # attach's summary
+    assert "[algo-2] algo-2: Training Container Execution Completed" in printed
+    assert "environment passed to the job: WANDB_API_KEY, WANDB_PROJECT, HF_TOKEN (values hidden)" in printed
+    assert "output_dir ignored" in printed
+    assert "Input request" in caplog.text and launcher.MASK in caplog.text  # the SDK did log the request
+    assert_no_secret(printed + caplog.text)
+
+
+def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_data, trained_model_dir, tmp_path,
+                                               capsys):
+    """The launch as a user types it, in a fresh interpreter with the SDK logging at DEBUG; then the
+    commands that follow the job."""
+    s3 = aws.client("s3")
+    for file in sorted(Path(topic_data["validation"]).iterdir()):  # data already in S3
+        s3.upload_file(str(file), BUCKET, f"datasets/topics/train/{file.name}")
+    config = tmp_path / "job.yaml"
+    config.write_text("max_length: 32\nreport_to: wandb\nmodel_name_or_path: prajjwal1/bert-tiny\n")
+    aws.model_dir = trained_model_dir
+    image = "111122223333.dkr.ecr.us-east-1.amazonaws.com/cloudtrain:latest"
+
+    def cli(*args: str) -> subprocess.CompletedProcess:
+        result = subprocess.run([sys.executable, "sagemaker/launch.py", *args], cwd=REPO, capture_output=True,
+                                text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert_no_secret(result.stdout + result.stderr)
+        return result
+
+    launched = cli("--config", str(config), "--instance_type", "ml.g5.xlarge", "--instance_count", "1",
+                   "--train", f"s3://{BUCKET}/datasets/topics/train", "--image_uri", image,
+                   "--hp", "num_train_epochs=1", "--hp", "push_to_hub=true", "--hp", "hub_model_id=alice/topics",
+                   "--base_job_name", "cloudtrain-cli", "--log_level", "DEBUG")
+    name = re.search(r"launched (\S+):", launched.stdout).group(1)
+    assert "******" in launched.stderr  # DEBUG request logs were there, masked
+    request = aws.request_for(name)
+    assert request["AlgorithmSpecification"]["TrainingImage"] == image
+    assert request["ResourceConfig"]["InstanceCount"] == 1 and not request.get("EnableManagedSpotTraining")
+    assert "CheckpointConfig" not in request
+    assert request["HyperParameters"] == {"max_length": "32", "report_to": "wandb", "num_train_epochs": "1",
+                                          "model_name_or_path": "prajjwal1/bert-tiny", "push_to_hub": "true",
+                                          "hub_model_id": "alice/topics"}
+    assert channel_uris(request)["train"] == f"s3://{BUCKET}/datasets/topics/train"
+    assert set(request["Environment"]) == {"WANDB_API_KEY", "WANDB_PROJECT", "HF_TOKEN"}
+
+    assert launcher.main(["attach", name]) == 0
+    assert launcher.main(["logs", name, "--poll", "0"]) == 0
+    assert launcher.main(["download", name, "--dest", str(tmp_path / "model")]) == 0
+    printed = capsys.readouterr().out
+    assert f"{name}: Completed (Completed), 1 x ml.g5.xlarge" in printed
+    assert "[algo-1] algo-1: Running Torchrun Driver" in printed
+    assert (tmp_path / "model" / "config.json").is_file() and (tmp_path / "model" / "model.safetensors").is_file()
+    assert launcher.main(["download", "no-such-job"]) == 2  # one error line, no traceback
+    assert "error: training job no-such-job" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hyperparameters": {"hub_token": "hf_x"}}, "hub_token must not be a hyperparameter"),
+    ({"train": None}, "the job has no training data"),
+    ({"instance_type": "ml.m5.xlarge"}, "no Hugging Face training image for ml.m5.xlarge"),
+    ({"hyperparameters": {"learning_rat": 0.1}}, "did you mean learning_rate"),
+    ({"hyperparameters": {"push_to_hub": True, "hub_model_id": "alice/x"}}, "push_to_hub true needs HF_TOKEN"),
+    ({"max_wait": 7200}, "--max_wait applies to spot capacity only"),
+    ({"hyperparameters": {"deepspeed_config": "configs/deepspeed/zero2.json"}}, "use the zero_stage"),
+    ({"hyperparameters": {"test_file": "no/such/test.csv"}}, "test_file no/such/test.csv does not exist here"),
+])
+def test_mistakes_fail_before_anything_is_uploaded(aws, launcher, topic_data, monkeypatch, change, message):
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    spec = launcher.JobSpec(**{"instance_type": "ml.g5.xlarge", "train": str(topic_data["train"]),
+                               "base_job_name": "cloudtrain-mistake", **change})
+    jobs_before = len(aws.requests)
+    with pytest.raises(UserError, match=re.escape(message)):
+        launcher.launch(spec)
+    assert len(aws.requests) == jobs_before
+    assert s3_keys(aws, "cloudtrain-mistake") == []
+
+
+# ---------------------------------------------------------------- the job side, on this machine
+
+@dataclass
+class JobRun:
+    request: dict
+    root: Path  # plays /opt/ml
+    env: dict
+    first: subprocess.CompletedProcess
+
+
+@pytest.fixture(scope="module")
+def job_run(aws, launcher, topic_data, tiny_model_dir, tmp_path_factory) -> JobRun:
+    """A spot job launched as a user would, then run like one instance: 2 processes under torchrun."""
+    spec = launcher.JobSpec(
+        instance_type="ml.g5.2xlarge", processes_per_host=2, spot=True, base_job_name="cloudtrain-job",
+        train=str(topic_data["train"]), validation=str(topic_data["validation"]),
+        hyperparameters={"model_name_or_path": tiny_model_dir, "max_steps": 6, "per_device_train_batch_size": 4,
+                         "max_length": 32, "logging_steps": 1, "checkpointing_steps": 2, "save_total_limit": 10,
+                         "seed": 7})
+    name = launcher.launch(spec, launcher.make_session())
+    request = aws.request_for(name)
+    root = tmp_path_factory.mktemp("opt-ml")
+    env = container_environment(request, aws.client("s3"), root)
+    return JobRun(request, root, env, run_torchrun_driver(env, root, root / "checkpoints"))
+
+
+def run_output(result: subprocess.CompletedProcess) -> str:
+    return (result.stdout + result.stderr)[-6000:]
+
+
+def test_job_saves_a_loadable_model_in_sm_model_dir(job_run):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
+
+    assert job_run.first.returncode == 0, run_output(job_run.first)
+    assert "--nnodes=1 --nproc_per_node=2" in job_run.first.stdout  # the SDK driver's torchrun command
+    model_dir = Path(job_run.env["SM_MODEL_DIR"])
+    args = json.loads((model_dir / "args.json").read_text())
+    data = job_run.root / "input" / "data"
+    assert args["output_dir"] == str(model_dir)
+    assert args["run_name"] == job_run.request["TrainingJobName"]
+    assert (args["train_file"], args["validation_file"]) == (str(data / "train"), str(data / "validation"))
+    assert args["model_name_or_path"] == str(data / "model")
+    assert args["checkpoint_dir"] == str(job_run.root / "checkpoints")
+    assert json.loads((model_dir / "train_results.json").read_text())["global_step"] == 6
+    assert json.loads((model_dir / "eval_results.json").read_text())["samples"] == 15  # both csv files
+
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir)
+    assert sorted(model.config.id2label.values()) == LABELS
+    classify = pipeline("text-classification", model=model, tokenizer=AutoTokenizer.from_pretrained(model_dir))
+    assert classify("the striker scored twice")[0]["label"] in LABELS
+
+
+def checkpoint_steps(folder: Path) -> dict[int, Path]:
+    return {int(p.name.removeprefix("checkpoint-")): p for p in folder.glob("checkpoint-*")
+            if p.name.removeprefix("checkpoint-").isdigit()}
+
+
+def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
+    """Spot reclaimed after step 4: a new instance gets the synced checkpoints back and an empty model dir."""
+    assert job_run.first.returncode == 0, run_output(job_run.first)
+    checkpoints = job_run.root / "checkpoints"
+    assert sorted(checkpoint_steps(checkpoints)) == [2, 4, 6]
+    shutil.rmtree(checkpoint_steps(checkpoints)[6])  # the interruption came before step 6 was saved
+    written_before = {step: (path / "trainer_state.json").stat().st_mtime_ns
+                      for step, path in checkpoint_steps(checkpoints).items()}
+    model_dir = Path(job_run.env["SM_MODEL_DIR"])
+    shutil.rmtree(model_dir)
+    model_dir.mkdir()
+
+    second = run_torchrun_driver(job_run.env, job_run.root, checkpoints)
+
+    assert second.returncode == 0, run_output(second)
+    assert sorted(checkpoint_steps(checkpoints)) == [2, 4, 6]
+    for step, mtime in written_before.items():  # a run that started over would have saved 2 and 4 again
+        assert (checkpoint_steps(checkpoints)[step] / "trainer_state.json").stat().st_mtime_ns == mtime
+    logged = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in logged if "train/loss" in r]
+    assert train_steps == [1, 2, 3, 4, 5, 6]  # steps 1-4 came back with checkpoint-4, 5-6 were trained again
+    assert json.loads((model_dir / "train_results.json").read_text())["global_step"] == 6
+
+
+# ---------------------------------------------------------------- the notebook
+
+def test_notebook_runs_top_to_bottom_against_the_local_aws(aws, secrets, trained_model_dir, tmp_path):
+    import nbformat
+    from nbclient import NotebookClient
+
+    aws.model_dir = trained_model_dir
+    jobs_before = len(aws.requests)
+    notebook = nbformat.read(REPO / "notebooks" / "sagemaker_training.ipynb", as_version=4)
+    try:
+        NotebookClient(notebook, timeout=300, kernel_name="python3",
+                       resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    finally:  # the notebook unpacks the model into the repository's (ignored) outputs/, as a user's would
+        for request in aws.requests[jobs_before:]:
+            shutil.rmtree(REPO / "outputs" / "sagemaker" / request["TrainingJobName"], ignore_errors=True)
+        with contextlib.suppress(OSError):  # only when empty
+            (REPO / "outputs" / "sagemaker").rmdir()
+
+    outputs = json.dumps([cell.get("outputs", []) for cell in notebook.cells])
+    assert_no_secret(outputs)
+    requests = aws.requests[jobs_before:]
+    assert len(requests) == 2
+    single, multi = requests
+    assert single["ResourceConfig"]["InstanceCount"] == 1 and not single.get("EnableManagedSpotTraining")
+    assert multi["ResourceConfig"]["InstanceCount"] == 2 and multi["EnableManagedSpotTraining"] is True
+    assert multi["StoppingCondition"]["MaxWaitTimeInSeconds"] >= multi["StoppingCondition"]["MaxRuntimeInSeconds"]
+    assert multi["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
+    for request in requests:
+        assert request["AlgorithmSpecification"]["TrainingImage"].startswith(HF_IMAGE_PREFIX)
+        assert {"train", "validation", "test", "code", "sm_drivers"} <= set(channel_uris(request))
+        assert set(request["Environment"]) == {"WANDB_API_KEY", "WANDB_PROJECT", "HF_TOKEN"}
+        assert request["HyperParameters"]["report_to"] == "wandb"
+    assert single["HyperParameters"]["push_to_hub"] == "true"
+    assert f"launched {single['TrainingJobName']}" in outputs
+    assert "Training Container Execution Completed" in outputs  # the logs cell
+    assert "predicted" in outputs  # the fetched model classified a text
+
+
+# ---------------------------------------------------------------- the image and the job's requirements
+
+def requirement_pins(path: Path) -> dict[str, str]:
+    lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]
+    return {re.split(r"[=<>!~\[ ]", line)[0].lower().replace("_", "-"): line for line in lines if line}
+
+
+def test_the_job_installs_the_projects_pins_and_keeps_the_images_torch():
+    project = requirement_pins(REPO / "requirements.txt")
+    job = requirement_pins(REPO / "src" / "requirements-sagemaker.txt")
+    assert "torch" not in job
+    assert {"transformers", "accelerate", "datasets", "huggingface-hub"} <= set(job)
+    for name, line in job.items():
+        assert project.get(name) == line, f"{line} differs from requirements.txt"
+
+
+def test_dockerfile_copies_what_exists_and_installs_the_projects_requirements():
+    text = (REPO / "Dockerfile").read_text()
+    instructions = [line for line in re.sub(r"\\\n", " ", text).splitlines() if line and not line.startswith("#")]
+    copies = [line.split()[1:-1] for line in instructions if line.startswith("COPY ")]
+    assert copies
+    for sources in copies:
+        for source in sources:
+            assert (REPO / source).exists(), f"COPY {source}: not in the repository"
+    copied = {Path(s).name or s for sources in copies for s in sources}
+    assert {"requirements.txt", "constraints.txt", "Makefile"} <= copied
+    runs = " ".join(line for line in instructions if line.startswith("RUN "))
+    assert "make setup" in runs  # the project's own set-up: requirements.txt with constraints.txt
+    assert re.search(r"pip install [^&]*-c constraints\.txt[^&]* torch", runs)  # the pinned torch, first
+    assert re.search(r'CMD \["make", "train"\]', text)
+    assert "ENV PATH=/opt/cloudtrain/.venv/bin:$PATH" in text  # SageMaker's drivers find python3 and torchrun

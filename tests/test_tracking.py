@@ -1,0 +1,357 @@
+"""Experiment tracking with the real trackers, offline: what each backend stores is read back.
+
+Training runs use the tiny random model. trackio is pointed at a per-test HF_HOME, W&B at a per-test
+HOME (so no real login is found) and, where a network is needed, at servers on 127.0.0.1.
+"""
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from cloudtrain import pipeline, tracking
+from cloudtrain.config import TrackingConfig, build_config
+from cloudtrain.errors import UserError
+from cloudtrain.tracking import read_metrics, reachable
+
+from conftest import ENTRY, REPO, run_cli
+
+FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def tracker_env(tmp_path, monkeypatch) -> Path:
+    """No WANDB_*/MLFLOW_*/TRACKIO_* settings; HOME (W&B's login lookup) and HF_HOME (trackio's store) in tmp."""
+    for name in list(os.environ):
+        if name.startswith(("WANDB_", "MLFLOW_", "TRACKIO_")):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    return tmp_path
+
+
+def train_args(tiny_model_dir, topic_csvs, out, *extra) -> list[str]:
+    return ["--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
+            "--validation_file", str(topic_csvs["validation"]), "--test_file", str(topic_csvs["test"]),
+            "--output_dir", str(out), "--max_steps", "6", "--per_device_train_batch_size", "8",
+            "--logging_steps", "2", "--learning_rate", "1e-3", *extra]
+
+
+def train_loss(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["train/loss"]) for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+
+
+def trackio_rows(hf_home: Path, project: str = "cloudtrain") -> list[tuple[str, int, dict]]:
+    """(run id, step, metrics) of every row in trackio's database for the project."""
+    import sqlite3
+
+    with sqlite3.connect(hf_home / "trackio" / f"{project}.db") as db:
+        rows = db.execute("SELECT run_id, step, metrics FROM metrics ORDER BY id").fetchall()
+    return [(run_id, step, json.loads(metrics)) for run_id, step, metrics in rows]
+
+
+def tensorboard_scalars(run_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir))
+    events.Reload()
+    return [(e.step, e.value) for e in events.Scalars(tag)]
+
+
+def scalar_tags(event_file: Path) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(event_file))
+    events.Reload()
+    return events.Tags()["scalars"]
+
+
+def wandb_records(run_file: Path):
+    """The protobuf records of a W&B .wandb file (a LevelDB-style log of 32 KiB blocks)."""
+    from wandb.proto import wandb_internal_pb2
+
+    data, block = run_file.read_bytes(), 32768
+    assert data[:4] == b":W&B"
+    pos, chunk = 7, b""
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0:
+            break
+        chunk += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last piece of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(chunk)
+            yield record
+            chunk = b""
+
+
+def wandb_run(run_dir: Path) -> dict:
+    """What an offline W&B run directory holds: run id, config, history rows, artifacts."""
+    (run_file,) = run_dir.glob("run-*.wandb")
+    run = {"id": None, "config": {}, "history": [], "artifacts": []}
+    for record in wandb_records(run_file):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run["id"] = record.run.run_id
+        if kind in ("run", "config"):
+            updates = record.run.config.update if kind == "run" else record.config.update
+            run["config"].update({u.key: json.loads(u.value_json) for u in updates})
+        elif kind == "history":
+            run["history"].append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
+                                   for i in record.history.item})
+        elif kind == "artifact":
+            run["artifacts"].append(record.artifact)
+    return run
+
+
+def offline_dirs(stdout: str) -> list[Path]:
+    """The run directories of the `wandb sync` command the application printed."""
+    (line,) = [line for line in stdout.splitlines() if line.startswith("W&B ran offline; to upload this run:")]
+    return [Path(word) for word in line.split(":", 1)[1].split() if word.startswith("/")]
+
+
+TRACKED_PART = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from cloudtrain.config import build_config
+    from cloudtrain.tracking import RunLog
+
+    out, report_to, first, last, resume_step, offset, finish = sys.argv[1:]
+    cfg = build_config({"report_to": report_to, "output_dir": out, "run_name": "resumable"})
+    start = time.perf_counter()
+    run_log = RunLog(cfg, Path(out), True, {"num_parameters": 10, "device": "cpu", "num_processes": 1,
+                                            "training_type": "basic"},
+                     resume_step=None if resume_step == "none" else int(resume_step))
+    print(f"tracking started in {time.perf_counter() - start:.2f} s", flush=True)
+    for step in range(int(first), int(last) + 1):
+        run_log.log({"train/loss": float(offset) + step / 100}, step=step)
+    if finish == "finish":
+        run_log.finish({"train": {"global_step": int(last), "train_loss": 0.5},
+                        "eval": {"accuracy": 0.8, "confusion_matrix": [[2, 1], [0, 3]]}}, ["a", "b"])
+""")
+
+
+def tracked_part(out: Path, report_to: str, first: int, last: int, resume_step: int | None = None,
+                 offset: float = 0.0, finish: bool = True, **env: str) -> str:
+    """One process that opens a RunLog (resuming at `resume_step`), logs steps first..last; its stdout."""
+    args = [str(out), report_to, str(first), str(last), str(resume_step).lower(), str(offset),
+            "finish" if finish else "stop"]
+    result = subprocess.run([sys.executable, "-c", TRACKED_PART, *args], capture_output=True, text=True,
+                            timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src"), **env})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+# ---------------------------------------------------------------- one run, three local trackers
+
+def test_trackio_tensorboard_mlflow_match_metrics_jsonl(tiny_model_dir, topic_csvs, tracker_env):
+    out = tracker_env / "out"
+    result = run_cli(*train_args(tiny_model_dir, topic_csvs, out, "--report_to", "trackio,tensorboard,mlflow",
+                                 "--training_type", "basic",
+                                 "--eval_strategy", "steps", "--eval_steps", "3", "--run_name", "tiny-run",
+                                 "--tags", "smoke,cpu"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    expected = train_loss(out)
+    assert [step for step, _ in expected] == [2, 4, 6]
+    runs = json.loads((out / "tracker_runs.json").read_text())
+
+    rows = trackio_rows(tracker_env / "hf")
+    assert {run_id for run_id, _, _ in rows} == {runs["trackio"]["id"]}  # one run
+    assert [(step, m["train/loss"]) for _, step, m in rows if "train/loss" in m] == expected
+    assert [step for _, step, m in rows if "eval/accuracy" in m] == [3, 6]
+    summary = next(m for _, _, m in rows if "summary/num_parameters" in m)
+    assert summary["summary/global_step"] == 6 and summary["summary/num_parameters"] > 0
+    assert any("eval/confusion_matrix" in m for _, _, m in rows)
+
+    run_dirs = list((out / "tensorboard").iterdir())
+    assert [d.name for d in run_dirs] == ["tiny-run"]
+    scalars = tensorboard_scalars(run_dirs[0], "train/loss")
+    assert [s for s, _ in scalars] == [s for s, _ in expected]
+    assert [v for _, v in scalars] == pytest.approx([v for _, v in expected], rel=1e-6)  # stored as float32
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=runs["mlflow"]["tracking_uri"])
+    history = client.get_metric_history(runs["mlflow"]["run_id"], "train/loss")
+    assert sorted((m.step, m.value) for m in history) == expected
+    run = client.get_run(runs["mlflow"]["run_id"])
+    assert run.data.params["learning_rate"] == "0.001" and run.data.params["report_to"] == str(
+        ["trackio", "tensorboard", "mlflow"])
+    assert {"smoke", "cpu"} <= set(run.data.tags)
+
+
+def test_training_curves_png_holds_loss_and_eval_curves(tiny_model_dir, topic_csvs, tmp_path, monkeypatch):
+    run_logs = []
+
+    class KeptRunLog(tracking.RunLog):  # the real RunLog, kept so its curve data can be inspected
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            run_logs.append(self)
+
+    monkeypatch.setattr(pipeline, "RunLog", KeptRunLog)
+    out = tmp_path / "out"
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]),
+                        "validation_file": str(topic_csvs["validation"]), "output_dir": str(out),
+                        "max_steps": 8, "per_device_train_batch_size": 8, "logging_steps": 2,
+                        "eval_strategy": "steps", "eval_steps": 4, "training_type": "basic"})
+    pipeline.run_training(cfg)
+    png = (out / "training_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (1100, 420)
+
+    curves = run_logs[0].curves
+    records = read_metrics(out / "metrics.jsonl")
+    assert curves["loss"]["train/loss"] == ([2, 4, 6, 8], [r["train/loss"] for r in records if "train/loss" in r])
+    assert curves["loss"]["eval/loss"][0] == [4, 8]
+    assert set(curves["evaluation metrics"]) == {"eval/accuracy", "eval/macro_f1"}
+    assert curves["evaluation metrics"]["eval/accuracy"] == (
+        [4, 8], [r["eval/accuracy"] for r in records if "eval/accuracy" in r])
+
+
+# ---------------------------------------------------------------- W&B
+
+def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, tracker_env):
+    out = tracker_env / "out"
+    result = run_cli(*train_args(tiny_model_dir, topic_csvs, out, "--report_to", "wandb", "--log_model", "true",
+                                 "--project_name", "tracking-test"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "W&B: no credentials (set WANDB_API_KEY or run `wandb login`); logging offline" in result.stdout
+    (run_dir,) = offline_dirs(result.stdout)
+    assert run_dir.parent == out / "wandb" and run_dir.name.startswith("offline-run-")
+
+    run = wandb_run(run_dir)
+    assert run["id"] == json.loads((out / "tracker_runs.json").read_text())["wandb"]["id"]
+    args = json.loads((out / "args.json").read_text())
+    assert {k: run["config"][k] for k in args} == args  # the full resolved configuration
+    assert run["config"]["num_parameters"] > 0 and run["config"]["device"] == "cpu"
+    logged = [(row["_step"], row["train/loss"]) for row in run["history"] if "train/loss" in row]
+    assert logged == train_loss(out)
+    assert any("eval/confusion_matrix_table" in key for row in run["history"] for key in row)
+    (model,) = [a for a in run["artifacts"] if a.type == "model"]
+    assert model.name == f"model-{run['id']}"
+    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {e.path for e in model.manifest.contents}
+
+
+@pytest.fixture
+def silent_server():
+    """A TCP port on 127.0.0.1 that accepts connections and never answers: a network that hangs."""
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        yield f"http://127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_reachable_gives_up_after_its_timeout(silent_server):
+    start = time.perf_counter()
+    assert not reachable(silent_server, timeout=1.0)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_wandb_with_key_but_no_network_falls_back_in_seconds(tracker_env, silent_server):
+    out = tracker_env / "out"
+    stdout = tracked_part(out, "wandb", 1, 3, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=silent_server)
+    assert f"W&B: {silent_server} cannot be reached (no answer within 3 s); logging offline" in stdout
+    # W&B alone would wait out its init timeout (90 s), then fail
+    assert float(stdout.split("tracking started in ")[1].split()[0]) < 10
+    (run_dir,) = offline_dirs(stdout)
+    assert [row["_step"] for row in wandb_run(run_dir)["history"] if "train/loss" in row] == [1, 2, 3]
+
+
+# ---------------------------------------------------------------- several processes, resume
+
+def test_two_processes_make_one_tracker_run(tiny_model_dir, topic_csvs, tracker_env):
+    out = tracker_env / "out"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ENTRY),
+         "--training_type", "accelerated",
+         *train_args(tiny_model_dir, topic_csvs, out, "--report_to", "tensorboard,trackio")],
+        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "2 process(es)" in result.stdout
+    event_files = [f for f in (out / "tensorboard").rglob("events.out.tfevents.*") if "train/loss" in scalar_tags(f)]
+    assert len(list((out / "tensorboard").iterdir())) == 1 and len(event_files) == 1
+    rows = trackio_rows(tracker_env / "hf")
+    assert len({run_id for run_id, _, _ in rows}) == 1
+    assert [step for _, step, m in rows if "train/loss" in m] == [2, 4, 6]  # logged once, not per process
+    assert [step for step, _ in train_loss(out)] == [2, 4, 6]
+
+
+@pytest.fixture
+def rejecting_wandb_server():
+    """A W&B server on 127.0.0.1 that rejects every API key, as W&B does a wrong one."""
+
+    class Reject(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            body = b'{"errors": [{"message": "invalid api key"}]}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        do_GET = do_HEAD = do_POST
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Reject)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_port}"
+    server.shutdown()
+
+
+def test_resume_continues_the_same_tracker_runs(tracker_env, rejecting_wandb_server):
+    out, trackers = tracker_env / "out", "wandb,trackio,tensorboard"
+    # Part one: a key the server rejects (so W&B falls back to offline); logs steps 1-6, then stops.
+    first = tracked_part(out, trackers, 1, 6, finish=False, WANDB_API_KEY=FAKE_KEY,
+                         WANDB_BASE_URL=rejecting_wandb_server)
+    assert "W&B: could not start an online run (invalid api key); logging offline" in first
+    ids = json.loads((out / "tracker_runs.json").read_text())
+    # Part two resumes from a checkpoint at step 4: steps 5-8 are logged again, with new values.
+    second = tracked_part(out, trackers, 5, 8, resume_step=4, offset=1.0)
+    assert json.loads((out / "tracker_runs.json").read_text())["trackio"]["id"] == ids["trackio"]["id"]
+
+    expected = [(s, s / 100) for s in range(1, 5)] + [(s, 1.0 + s / 100) for s in range(5, 9)]
+    assert train_loss(out) == expected
+
+    dirs = offline_dirs(second)
+    assert f"wandb sync --id {ids['wandb']['id']} " in second and len(dirs) == 2
+    parts = [wandb_run(d) for d in dirs]
+    assert parts[0]["id"] == parts[1]["id"] == ids["wandb"]["id"]
+    assert [row["_step"] for row in parts[1]["history"] if "train/loss" in row] == [5, 6, 7, 8]
+
+    rows = trackio_rows(tracker_env / "hf")
+    assert {run_id for run_id, _, _ in rows} == {ids["trackio"]["id"]}
+    resumed = [(step, m["train/loss"]) for _, step, m in rows if "train/loss" in m][6:]
+    assert resumed == expected[4:]  # part one's steps 5-6 stay in trackio's history, before these
+
+    (run_dir,) = (out / "tensorboard").iterdir()
+    assert run_dir.name == "resumable"
+    scalars = tensorboard_scalars(run_dir, "train/loss")  # part one's steps after 4 are hidden
+    assert [s for s, _ in scalars] == list(range(1, 9))
+    assert [v for _, v in scalars] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
+# ---------------------------------------------------------------- checks before training
+
+def test_check_trackers_rejects_unusable_choices(monkeypatch):
+    with pytest.raises(UserError, match="--log_model true uploads the model to W&B: add wandb to --report_to"):
+        tracking.check_trackers(TrackingConfig(report_to=["tensorboard"], log_model=True))
+    monkeypatch.setitem(tracking.PACKAGES, "mlflow", "mlflow_not_installed_here")
+    with pytest.raises(UserError, match="--report_to mlflow needs the mlflow_not_installed_here package"):
+        tracking.check_trackers(TrackingConfig(report_to=["mlflow"]))
+    tracking.check_trackers(TrackingConfig(report_to=["wandb", "trackio", "tensorboard"], log_model=True))
