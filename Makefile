@@ -7,7 +7,7 @@ R8     := data/reuters-r8/reuters-r8-train.tab
 # `make train ARGS="--training_type basic"` passes extra options to the application.
 ARGS   ?=
 
-.PHONY: setup data train test clean dashboard
+.PHONY: setup data train test bench clean dashboard
 
 setup: $(STAMP) $(R8)
 
@@ -28,6 +28,11 @@ train: setup
 
 test: setup
 	$(PY) -m pytest tests $(ARGS)
+
+# `make bench` compares our trainers with a plain loop and transformers.Trainer (bench/results/latest.md);
+# `make bench ARGS="--ablations all"` also measures each optimization on and off.
+bench: setup
+	$(PY) bench/run.py $(ARGS)
 
 # `make dashboard` serves the trackio dashboard of the runs made on this machine ($HF_HOME/trackio,
 # default ~/.cache/huggingface/trackio) on 127.0.0.1 only; it prints the URL (port 7860 unless taken)

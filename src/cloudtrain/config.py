@@ -30,6 +30,7 @@ TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint")
 OFFLOAD = ("none", "cpu")
 BEST_METRICS = ("accuracy", "macro_f1", "loss")
+ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False) -> Any:
@@ -56,6 +57,11 @@ class DataConfig:
     max_train_samples: int | None = opt(None, "Use at most this many training examples (quick runs).")
     max_eval_samples: int | None = opt(None, "Use at most this many validation and test examples (quick runs).")
     cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).")
+    group_by_length: bool = opt(False, "Batch training examples of similar length together (less padding); the "
+                                       "order is still drawn from the seed and the epoch alone.")
+    dataloader_num_workers: int = opt(0, "Worker processes that load and collate batches (0: in the training "
+                                         "process).")
+    dataloader_pin_memory: bool = opt(False, "Pin batches in page-locked memory for faster copies to a GPU.")
 
 
 @dataclass
@@ -88,6 +94,10 @@ class TrainingConfig:
     logging_steps: int = opt(20, "Print and log loss, learning rate and throughput every N steps.")
     eval_strategy: str = opt("epoch", "When to evaluate during training (always at the end).", EVAL_STRATEGIES)
     eval_steps: int | None = opt(None, "Evaluate every N steps with --eval_strategy steps.")
+    torch_compile: bool = opt(False, "Compile the model with torch.compile (slow first steps, and a recompile per "
+                                     "new sequence length).")
+    adamw_implementation: str = opt("auto", "AdamW kernel: auto (torch's choice for the device), for_loop, "
+                                            "foreach or fused.", ADAMW_IMPLEMENTATIONS)
 
 
 @dataclass
@@ -318,6 +328,7 @@ def validate(cfg: Config) -> None:
         (not 0 < d.validation_split_percentage < 100, "--validation_split_percentage must be between 0 and 100"),
         (d.max_train_samples is not None and d.max_train_samples < 1, "--max_train_samples must be at least 1"),
         (d.max_eval_samples is not None and d.max_eval_samples < 1, "--max_eval_samples must be at least 1"),
+        (d.dataloader_num_workers < 0, "--dataloader_num_workers must not be negative"),
         (t.num_train_epochs <= 0 and t.max_steps is None, "--num_train_epochs must be positive (or set --max_steps)"),
         (t.max_steps is not None and t.max_steps < 1, "--max_steps must be at least 1"),
         (t.per_device_train_batch_size < 1, "--per_device_train_batch_size must be at least 1"),

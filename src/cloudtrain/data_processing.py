@@ -7,6 +7,8 @@
 - The tokenized splits are cached under --cache_dir, keyed by the source data, the tokenizer and the
   options, so a second run with the same inputs reads them back instead of tokenizing again.
 - With no validation split, one is carved from train (stratified by label when every class allows).
+- Training order is a function of seed + epoch (exact resume); --group_by_length sorts each
+  shuffled chunk of 50 batches by length, so batches hold similar lengths and carry less padding.
 """
 
 import hashlib
@@ -152,11 +154,48 @@ class EpochShuffleSampler(torch.utils.data.Sampler):
         return self.num_examples
 
 
-def train_dataloader(data: ProcessedData, batch_size: int, seed: int) -> DataLoader:
-    """Shuffled per epoch by EpochShuffleSampler; call `set_epoch` before iterating."""
-    return DataLoader(data.train, batch_size=batch_size, sampler=EpochShuffleSampler(len(data.train), seed),
-                      collate_fn=data.collator)
+class LengthGroupedSampler(EpochShuffleSampler):
+    """EpochShuffleSampler's permutation, cut into chunks of `batch_size * chunk_batches` examples, each
+    sorted by length (longest first) and then split into batches whose order is shuffled again.
+
+    Still a function of seed + epoch alone, so resuming and accelerate's sharding work unchanged.
+    """
+
+    def __init__(self, lengths: list[int], batch_size: int, seed: int, chunk_batches: int = 50):
+        super().__init__(len(lengths), seed)
+        self.lengths, self.batch_size, self.chunk = torch.tensor(lengths), batch_size, batch_size * chunk_batches
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.num_examples, generator=generator)
+        chunks = [chunk[torch.argsort(self.lengths[chunk], descending=True, stable=True)]
+                  for chunk in order.split(self.chunk)]
+        batches = torch.cat(chunks).split(self.batch_size)
+        # keep a short last batch last: every other batch is full, as with plain shuffling
+        full, last = (batches[:-1], batches[-1:]) if len(batches[-1]) < self.batch_size else (batches, ())
+        shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
+        return iter(torch.cat(shuffled + list(last)).tolist()) if batches else iter([])
 
 
-def eval_dataloader(ds: Dataset, data: ProcessedData, batch_size: int) -> DataLoader:
-    return DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=data.collator)
+def train_dataloader(data: ProcessedData, batch_size: int, seed: int, cfg: DataConfig | None = None) -> DataLoader:
+    """Shuffled per epoch (EpochShuffleSampler, or LengthGroupedSampler with --group_by_length);
+    call `set_epoch` before iterating."""
+    cfg = cfg or DataConfig()
+    if cfg.group_by_length:
+        sampler = LengthGroupedSampler([len(ids) for ids in data.train["input_ids"]], batch_size, seed)
+    else:
+        sampler = EpochShuffleSampler(len(data.train), seed)
+    return DataLoader(data.train, batch_size=batch_size, sampler=sampler, collate_fn=data.collator,
+                      **loader_options(cfg))
+
+
+def eval_dataloader(ds: Dataset, data: ProcessedData, batch_size: int, cfg: DataConfig | None = None) -> DataLoader:
+    return DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=data.collator,
+                      **loader_options(cfg or DataConfig()))
+
+
+def loader_options(cfg: DataConfig) -> dict:
+    """Workers stay alive across epochs; pinning only helps (and only works) with a GPU."""
+    workers = cfg.dataloader_num_workers
+    return {"num_workers": workers, "persistent_workers": workers > 0,
+            "pin_memory": cfg.dataloader_pin_memory and torch.cuda.is_available()}

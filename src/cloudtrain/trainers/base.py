@@ -11,6 +11,10 @@ index without being read, and RNG states, optimizer, schedule and logging sums a
 Gradient accumulation: the micro-batches of one optimizer step are fetched together, so the loss of
 each can be divided by the number of examples in the whole window. The update then equals that of
 one batch holding all of them, also for a short last window.
+
+Throughput (samples/s, real non-padding tokens/s) is logged every logging step; on a CUDA device
+whose peak is known (PEAK_FLOPS), also the model FLOPs utilization, 6 * parameters * tokens per
+second over the device's dense bf16/fp16 peak (attention FLOPs left out; an fp32 run reads low).
 """
 
 import dataclasses
@@ -124,6 +128,19 @@ class Meter:
         return time.perf_counter() - self.start
 
 
+# Dense bf16/fp16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name().
+PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 70e12, "L40S": 362e12, "L4": 121e12,
+              "A10": 125e12, "V100": 125e12, "T4": 65e12}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak FLOPS, or None (CPU, or a GPU not in PEAK_FLOPS): then no MFU is logged."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+
+
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW; biases and normalisation weights get no weight decay."""
     decay, no_decay = [], []
@@ -132,7 +149,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.training.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.training.learning_rate)
+    impl = cfg.training.adamw_implementation
+    kernel = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(impl, {})
+    return torch.optim.AdamW(groups, lr=cfg.training.learning_rate, **kernel)
 
 
 class Trainer:
@@ -143,10 +162,12 @@ class Trainer:
     def __init__(self, cfg: Config, model: PreTrainedModel, data: ProcessedData, run_log: RunLog):
         self.cfg, self.model, self.data, self.run_log = cfg, model, data, run_log
         t = cfg.training
-        self.train_dl: DataLoader = train_dataloader(data, t.per_device_train_batch_size, t.seed)
-        self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size)}
+        self.train_dl: DataLoader = train_dataloader(data, t.per_device_train_batch_size, t.seed, cfg.data)
+        self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size, cfg.data)}
         if data.test is not None:
-            self.eval_dls["test"] = eval_dataloader(data.test, data, t.per_device_eval_batch_size)
+            self.eval_dls["test"] = eval_dataloader(data.test, data, t.per_device_eval_batch_size, cfg.data)
+        if t.torch_compile:
+            model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
         self.optimizer = build_optimizer(model, cfg)
 
     # ------------------------------------------------------------ what subclasses provide
@@ -197,6 +218,8 @@ class Trainer:
     def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
         """Train for the configured steps, logging, evaluating and checkpointing on schedule."""
         self.setup()
+        self._flops_per_token = 6 * count_parameters(self.model)
+        self._peak_flops = peak_flops(self._device)
         t, k = self.cfg.training, self.cfg.training.gradient_accumulation_steps
         steps_per_epoch = math.ceil(len(self.train_dl) / k)
         total_steps = t.max_steps or math.ceil(t.num_train_epochs * steps_per_epoch)
@@ -308,11 +331,15 @@ class Trainer:
                   "train/tokens_per_s": interval["tokens_per_s"]}
         if stats.grad_norm is not None:
             values["train/grad_norm"] = float(stats.grad_norm)
+        if self._peak_flops:
+            per_device_tokens = interval["tokens_per_s"] / self.num_processes
+            values["train/mfu"] = self._flops_per_token * per_device_tokens / self._peak_flops
         self.run_log.log(values, step=step)
         if self.is_main_process:
             bar.write(f"step {step}/{bar.total} | epoch {epoch:.2f} | loss {values['train/loss']:.4f} | "
                       f"lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s | "
-                      f"{values['train/tokens_per_s']:.0f} tokens/s")
+                      f"{values['train/tokens_per_s']:.0f} tokens/s"
+                      + (f" | MFU {values['train/mfu']:.1%}" if "train/mfu" in values else ""))
 
     def _announce(self, steps_per_epoch: int, total_steps: int) -> None:
         t = self.cfg.training

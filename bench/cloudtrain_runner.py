@@ -1,0 +1,37 @@
+"""Our two trainers, driven through their public classes exactly as cloudtrain.pipeline builds them.
+
+The step clock wraps the trainer's optimizer step; evaluation is the trainer's own (`evaluate`), on
+the test split. Checkpointing, trackers and saving are off: they are not the training loop.
+"""
+
+import tempfile
+
+from cloudtrain.distributed import build_accelerator
+from cloudtrain.tracking import RunLog
+from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
+
+from common import Spec, StepClock, prepare
+
+
+def run(spec: Spec) -> dict:
+    cfg, data, model, _ = prepare(spec)
+    clock = StepClock()  # building the accelerator counts towards the time to the first step
+    accelerator = build_accelerator(cfg) if spec.runner == "accelerated" else None
+    with tempfile.TemporaryDirectory() as out:
+        run_log = RunLog(cfg, out, True, run_info={})
+        if accelerator:
+            trainer = AcceleratedTrainer(cfg, model, data, run_log, accelerator)
+        else:
+            trainer = BasicTrainer(cfg, model, data, run_log)
+        step = trainer.optimizer_step
+
+        def timed_step() -> None:
+            step()
+            clock.step_done()
+
+        trainer.optimizer_step = timed_step
+        result = trainer.fit()
+        metrics = trainer.evaluate("test")
+    return {**clock.result(spec.batch_size, result.train_samples, result.train_tokens),
+            "eval_samples_per_s": metrics["samples_per_s"], "accuracy": metrics["accuracy"],
+            "eval_samples": metrics["samples"], "train_loss": result.train_loss}

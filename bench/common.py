@@ -1,0 +1,98 @@
+"""What every benchmark runner shares: the settings, the same data and model, and the step clock.
+
+Each runner gets the very same tokenized data (cloudtrain's pipeline), the same model weights (same
+seed), the same batch order (EpochShuffleSampler, or LengthGroupedSampler for --group_by_length) and
+the same thread count, so only the training loop differs. Not supported: several processes.
+"""
+
+import resource
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DataCollatorWithPadding, set_seed
+
+from cloudtrain.config import Config, build_config
+from cloudtrain.data_connecting import connect_data
+from cloudtrain.data_processing import ProcessedData, process_data
+from cloudtrain.model_loading import load_model, load_tokenizer
+
+
+@dataclass
+class Spec:
+    """One benchmark run: which runner, and every setting it trains with."""
+    runner: str
+    model: str
+    steps: int = 10
+    batch_size: int = 16
+    max_length: int = 64
+    eval_samples: int = 160
+    threads: int = 0  # 0: torch's default (one per physical core)
+    mixed_precision: str = "no"
+    fixed_padding: bool = False
+    group_by_length: bool = False
+    num_workers: int = 0
+    pin_memory: bool = False
+    torch_compile: bool = False
+    adamw: str = "auto"
+    seed: int = 42
+    learning_rate: float = 1e-4
+    cache_dir: str | None = None
+    extra: dict = field(default_factory=dict)
+
+    def config(self) -> Config:
+        """The cloudtrain Config these settings mean; the other runners read their settings from it too."""
+        return build_config({
+            "model_name_or_path": self.model, "max_length": self.max_length, "max_eval_samples": self.eval_samples,
+            "cache_dir": self.cache_dir, "group_by_length": self.group_by_length,
+            "dataloader_num_workers": self.num_workers, "dataloader_pin_memory": self.pin_memory,
+            "max_steps": self.steps, "per_device_train_batch_size": self.batch_size,
+            "per_device_eval_batch_size": 64, "learning_rate": self.learning_rate,
+            "mixed_precision": self.mixed_precision, "seed": self.seed, "logging_steps": self.steps,
+            "eval_strategy": "no", "torch_compile": self.torch_compile, "adamw_implementation": self.adamw,
+            "training_type": "basic" if self.runner == "basic" else "accelerated", "report_to": ["none"]})
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def prepare(spec: Spec) -> tuple[Config, ProcessedData, torch.nn.Module, object]:
+    """(config, tokenized data, freshly loaded model, tokenizer), the same for every runner."""
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    cfg = spec.config()
+    tokenizer = load_tokenizer(cfg.model)
+    data = process_data(connect_data(cfg.data), tokenizer, cfg.data, cfg.training.seed)
+    if spec.fixed_padding:  # the ablation: every batch padded to max_length instead of its longest row
+        data.collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=spec.max_length)
+    set_seed(cfg.training.seed)
+    model = load_model(cfg.model, data.label_names, tokenizer)
+    set_seed(cfg.training.seed)
+    return cfg, data, model, tokenizer
+
+
+class StepClock:
+    """Times the optimizer steps: time to the first one, then the steady rate over the rest."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+        self.step_ends: list[float] = []
+
+    def step_done(self) -> None:
+        self.step_ends.append(time.perf_counter())
+
+    def result(self, batch_size: int, samples: int, tokens: int) -> dict:
+        """Steady-state rates leave the first step out (warm-up, compilation); tokens are real ones."""
+        ends = self.step_ends
+        steady = max(ends[-1] - ends[0], 1e-9) if len(ends) > 1 else max(ends[0] - self.start, 1e-9)
+        steady_samples = batch_size * (len(ends) - 1) if len(ends) > 1 else samples
+        samples_per_s = steady_samples / steady
+        return {"steps": len(ends), "time_to_first_step_s": ends[0] - self.start,
+                "train_time_s": ends[-1] - self.start, "train_samples_per_s": samples_per_s,
+                "train_tokens_per_s": samples_per_s * tokens / max(samples, 1), "train_samples": samples,
+                "train_tokens": tokens}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

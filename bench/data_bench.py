@@ -1,0 +1,27 @@
+"""Tokenization throughput of cloudtrain's data processing on R8 train: a first run into an empty cache,
+then the same call again, which reads the cached result back."""
+
+import tempfile
+import time
+
+from datasets import DatasetDict
+
+from cloudtrain.data_connecting import connect_data
+from cloudtrain.data_processing import process_data
+from cloudtrain.model_loading import load_tokenizer
+
+from common import Spec
+
+
+def run(spec: Spec) -> dict:
+    with tempfile.TemporaryDirectory() as cache:
+        spec.cache_dir = cache
+        cfg = spec.config()
+        raw = DatasetDict(train=connect_data(cfg.data)["train"])
+        tokenizer = load_tokenizer(cfg.model)
+        rows, result = len(raw["train"]), {}
+        for name in ("first", "cached"):
+            start = time.perf_counter()
+            process_data(raw, tokenizer, cfg.data, cfg.training.seed)
+            result[f"{name}_rows_per_s"] = rows / (time.perf_counter() - start)
+        return {"rows": rows, **result}
