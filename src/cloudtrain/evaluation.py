@@ -7,6 +7,7 @@ counts exactly once.
 """
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -18,8 +19,9 @@ import torch.nn.functional as F
 METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "classification"
 
 
+@functools.cache
 def load_metric() -> evaluate.EvaluationModule:
-    """The classification metric module that lives in this repository (no Hub access)."""
+    """The classification metric module that lives in this repository (no Hub access); loaded once."""
     return evaluate.load(str(METRIC_DIR), keep_in_memory=True)
 
 

@@ -103,9 +103,8 @@ class Meter:
         self.start = self.last = time.perf_counter()
         self.interval = torch.tensor(state.interval, dtype=torch.float64, device=device)
 
-    def add(self, window: list[dict], loss_sum: torch.Tensor) -> None:
+    def add(self, window: list[dict], examples: int, loss_sum: torch.Tensor) -> None:
         tokens = sum(batch["attention_mask"].sum() for batch in window)
-        examples = sum(len(batch["labels"]) for batch in window)
         self.interval += torch.stack([loss_sum.new_tensor(examples), tokens.to(loss_sum), loss_sum]).double()
 
     def pending(self) -> list[float]:
@@ -246,7 +245,7 @@ class Trainer:
                         self._skip_nonfinite(state, checkpointer)
                     else:
                         self.optimizer_step()
-                        meter.add(window, stats.loss * num_examples)
+                        meter.add(window, num_examples, stats.loss * num_examples)
                     self.scheduler.step()
                     state.global_step += 1
                     bar.update(1)
