@@ -77,6 +77,19 @@ def test_same_seed_same_result(tiny_model_dir, topic_csvs, tmp_path, training_ty
     assert runs[0]["train"]["train_loss"] == runs[1]["train"]["train_loss"]
 
 
+@pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
+def test_training_steps_run_in_train_mode(tiny_model_dir, tmp_path, trainer_cls):
+    """Dropout is on while training (from_pretrained hands the model over in eval mode), off in evaluation."""
+    trainer = tiny_setup(tiny_model_dir, tmp_path, trainer_cls, max_steps=2, per_device_train_batch_size=4,
+                         eval_strategy="steps", eval_steps=1)
+    assert not trainer.model.training
+    modes = []
+    trainer.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    trainer.fit()
+    # step 1, evaluation after step 1 (one batch of 2), step 2
+    assert modes == [True, False, True]
+
+
 def test_run_writes_every_output(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
     results = run_tiny(tiny_model_dir, topic_csvs, out, eval_strategy="steps", eval_steps=3, hub_token="hf_x1")

@@ -217,6 +217,7 @@ class Trainer:
     def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
         """Train for the configured steps, logging, evaluating and checkpointing on schedule."""
         self.setup()
+        self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
         self._flops_per_token = 6 * count_parameters(self.model)
         self._peak_flops = peak_flops(self._device)
         t, k = self.cfg.training, self.cfg.training.gradient_accumulation_steps

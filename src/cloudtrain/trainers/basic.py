@@ -30,7 +30,6 @@ class BasicTrainer(Trainer):
     def setup(self) -> None:
         self.device = self.pick_device()
         self.model.to(self.device)
-        self.model.train()
         # fp16 needs loss scaling against underflow; bf16 and fp32 do not (a disabled scaler is a no-op)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.mixed_precision == "fp16")
 
