@@ -15,9 +15,9 @@ from cloudtrain.data_processing import train_dataloader
 
 from common import Spec, StepClock, prepare
 
-# cloudtrain's --adamw_implementation as Trainer's `optim`; Trainer has no for_loop/foreach choice, so
-# those take torch's default AdamW, as `auto` does
-OPTIM = {"auto": "adamw_torch", "for_loop": "adamw_torch", "foreach": "adamw_torch", "fused": "adamw_torch_fused"}
+# cloudtrain's --adamw_implementation as Trainer's `optim` (auto is fused); Trainer has no
+# for_loop/foreach choice, so those take torch's default AdamW kernel
+OPTIM = {"auto": "adamw_torch_fused", "fused": "adamw_torch_fused", "for_loop": "adamw_torch", "foreach": "adamw_torch"}
 
 
 class ClockCallback(TrainerCallback):

@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from cloudtrain.data_processing import eval_dataloader, train_dataloader
+from cloudtrain.trainers.base import adamw_kernel
 
 from common import Spec, StepClock, prepare
 
@@ -20,10 +21,9 @@ from common import Spec, StepClock, prepare
 def optimizer_for(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    kernel = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.training.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}], lr=cfg.training.learning_rate,
-                             **kernel.get(cfg.training.adamw_implementation, {}))
+                             **adamw_kernel(cfg.training.adamw_implementation))  # the same kernel as ours
 
 
 def autocast(device: torch.device, precision: str):

@@ -22,6 +22,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # cloudtrain, uninstalled
 
+from cloudtrain.config import MIXED_PRECISION
+from cloudtrain.hardware import resolve_precision
 from common import Spec
 from report import write_chart, write_markdown
 
@@ -33,9 +35,10 @@ ABLATIONS = {
     "group_by_length": {"group_by_length": True},
     "2 DataLoader workers + pin_memory": {"num_workers": 2, "pin_memory": True},
     "1 thread": {"threads": 1},
+    "fp32 (no bf16 autocast)": {"mixed_precision": "no"},
     "bf16 autocast": {"mixed_precision": "bf16"},
-    "AdamW for_loop": {"adamw": "for_loop"},
-    "AdamW foreach": {"adamw": "foreach"},
+    "AdamW for_loop (torch's CPU default)": {"adamw": "for_loop"},
+    "AdamW foreach (torch's CUDA default)": {"adamw": "foreach"},
     "AdamW fused": {"adamw": "fused"},
     "torch.compile": {"torch_compile": True},  # last: its compilation is the slowest run
 }
@@ -46,13 +49,14 @@ METRICS = ("train_samples_per_s", "train_tokens_per_s", "eval_samples_per_s", "p
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: the built-in all-MiniLM-L6-v2)")
-    p.add_argument("--steps", type=int, default=10, help="optimizer steps per run")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--max_length", type=int, default=64)
     p.add_argument("--eval_samples", type=int, default=160, help="test examples evaluated after training")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
-    p.add_argument("--mixed_precision", default="no", choices=("no", "bf16", "fp16"))
+    p.add_argument("--mixed_precision", default="auto", choices=MIXED_PRECISION,
+                   help="the same in every run; auto: what cloudtrain picks on this machine (bf16 where native)")
     p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, from {', '.join(RUNNERS)}")
     p.add_argument("--ablations", default="none", help="comma-separated names from ABLATIONS, all, or none")
     p.add_argument("--ablation_repetitions", type=int, default=1)
@@ -67,6 +71,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown runner or ablation: {', '.join(sorted(unknown))}")
     args.ablations = names
+    args.mixed_precision = resolve_precision(args.mixed_precision)
     return args
 
 
@@ -96,10 +101,14 @@ def summarize(runs: list[dict]) -> dict | None:
 
 
 def measure(reps: int, variants: dict[str, Spec], log, timeout: float | None = None) -> dict[str, dict]:
-    """Interleaved repetitions of every variant; {name: {"runs": [...], "summary": {...}}}."""
+    """Interleaved repetitions of every variant, in an order rotated each repetition;
+    {name: {"runs": [...], "summary": {...}}}."""
     runs: dict[str, list] = {name: [] for name in variants}
+    names = list(variants)
     for rep in range(reps):
-        for name, spec in variants.items():
+        shift = rep % max(len(names), 1)
+        for name in names[shift:] + names[:shift]:  # rotated: no runner always goes first
+            spec = variants[name]
             print(f"[{time.strftime('%H:%M:%S')}] repetition {rep + 1}/{reps}: {name}", flush=True)
             runs[name].append(run_worker(spec, log, timeout))
     return {name: {"spec": variants[name].to_dict(), "runs": r, "summary": summarize(r)} for name, r in runs.items()}
@@ -121,8 +130,9 @@ def main(argv: list[str] | None = None) -> dict:
         data = run_worker(replace(base, runner="data"), log) if args.data_bench == "true" else None
         runners = measure(args.repetitions, {r: replace(base, runner=r) for r in args.runners}, log)
         phases["comparison_s"] = time.perf_counter() - start
-        ablations = measure(args.ablation_repetitions, {n: replace(base, **ABLATIONS[n]) for n in args.ablations},
-                            log, timeout=args.ablation_timeout)
+        changed = {n: replace(base, **ABLATIONS[n]) for n in args.ablations}
+        changed = {n: spec for n, spec in changed.items() if spec != base}  # e.g. bf16 when that is the default
+        ablations = measure(args.ablation_repetitions, changed, log, timeout=args.ablation_timeout)
         phases["ablations_s"] = time.perf_counter() - start - phases["comparison_s"]
     reference = runners.get("reference", {}).get("summary")
     for entry in runners.values():

@@ -22,6 +22,17 @@ def isolated_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(autouse=True)
+def fresh_accelerator_state():
+    """accelerate keeps one process-wide state, set by the first Accelerator; a real run builds one
+    Accelerator per process, so in-process tests each start from none (as accelerate's own tests do)."""
+    yield
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> str:
     from cloudtrain.assets import default_model_dir

@@ -17,7 +17,7 @@ from cloudtrain.trainers import AcceleratedTrainer
 
 
 def main(options_file: str, result_file: str) -> None:
-    cfg = build_config(json.loads(Path(options_file).read_text()))
+    cfg = build_config({"mixed_precision": "no", **json.loads(Path(options_file).read_text())})  # exact fp32 sums
     accelerator = build_accelerator(cfg)
     tokenizer = load_tokenizer(cfg.model)
     data = process_data(connect_data(cfg.data), tokenizer, cfg.data, cfg.training.seed)

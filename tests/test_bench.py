@@ -88,11 +88,16 @@ def test_group_by_length_option_picks_the_sampler():
     assert not isinstance(train_dataloader(data, 4, 0).sampler, LengthGroupedSampler)
 
 
-@pytest.mark.parametrize("impl,flag", [("foreach", "foreach"), ("fused", "fused"), ("for_loop", "foreach")])
+@pytest.mark.parametrize("impl,flag", [("foreach", "foreach"), ("fused", "fused"), ("for_loop", "foreach"),
+                                       ("auto", "fused")])
 def test_adamw_implementation(impl, flag):
     model = torch.nn.Linear(4, 2)
     optimizer = build_optimizer(model, build_config({"adamw_implementation": impl}))
     assert optimizer.defaults[flag] is (impl != "for_loop")
+    model(torch.randn(3, 4)).sum().backward()
+    before = model.weight.detach().clone()
+    optimizer.step()  # the kernel runs on this device
+    assert not torch.equal(model.weight, before)
 
 
 def test_no_mfu_on_cpu():

@@ -21,6 +21,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from cloudtrain.config import build_config
 from cloudtrain.distributed import check_distributed, resolve_deepspeed_config, zero_config
 from cloudtrain.errors import UserError
+from cloudtrain.hardware import resolve_precision
 from cloudtrain.model_loading import load_model
 
 from conftest import ENTRY, REPO, topic_rows
@@ -64,11 +65,11 @@ def data_args(topic_csvs, model_dir) -> list[str]:
 
 def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir, topic_csvs, tmp_path):
     common = data_args(topic_csvs, tiny_model_dir) + TINY_RUN + ["--max_train_samples", "56",
-                                                                  "--num_train_epochs", "2"]
+                                                                  "--num_train_epochs", "2", "--mixed_precision", "no"]
     two = launch(torchrun(2), str(ENTRY), *common, "--output_dir", str(tmp_path / "two"))
     launch(torchrun(1), str(ENTRY), *common, "--per_device_train_batch_size", "8", "--output_dir",
            str(tmp_path / "one"))
-    assert "2 process(es) on cpu (MULTI_CPU), effective batch 8 (4 per device x 2 x 1" in two.stdout
+    assert "2 process(es) on cpu (MULTI_CPU, precision no), effective batch 8 (4 per device x 2 x 1" in two.stdout
     assert two.stdout.count("trained 14 steps") == 1  # only the main process prints
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     for name in a:
@@ -87,7 +88,7 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
         extra = ["--zero_stage", "2"] + (["--offload_optimizer", "cpu"] if "offload" in mode else [])
         result = launch(torchrun(2), *args, *extra)
     stage = 3 if "zero3" in mode else 2
-    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage})" in result.stdout
+    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage}, precision {resolve_precision('auto')})" in result.stdout
     losses = logged_losses(out)
     assert losses[-1] < 0.8 * losses[0], losses  # it learned
     reference = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
@@ -107,7 +108,8 @@ def test_users_deepspeed_json_with_auto_values(tiny_model_dir, topic_csvs, tmp_p
     result = launch(torchrun(2), str(ENTRY), *data_args(topic_csvs, tiny_model_dir), *TINY_RUN,
                     "--gradient_accumulation_steps", "2", "--max_steps", "3", "--deepspeed_config", str(ds_json),
                     "--output_dir", str(out))
-    assert "(DEEPSPEED ZeRO-2), effective batch 16 (4 per device x 2 x 2 accumulation)" in result.stdout
+    assert "(DEEPSPEED ZeRO-2, precision " in result.stdout
+    assert "effective batch 16 (4 per device x 2 x 2 accumulation)" in result.stdout
     assert (out / "model.safetensors").exists()
 
 
@@ -123,7 +125,7 @@ def test_conflicting_deepspeed_json_names_both_values(key, value, message, tmp_p
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({**zero_config(2), key: value}))
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        check_distributed(build_config({"deepspeed_config": str(ds_json)}))
+        check_distributed(build_config({"deepspeed_config": str(ds_json), "mixed_precision": "no"}))
 
 
 def test_auto_values_are_filled_from_the_options():

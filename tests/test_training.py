@@ -23,7 +23,7 @@ def tiny_setup(tiny_model_dir, tmp_path, trainer_cls, **overrides):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     raw = DatasetDict({"train": Dataset.from_list(topic_rows(10)), "validation": Dataset.from_list(topic_rows(2))})
     data = process_data(raw, tokenizer, DataConfig(), seed=0)
-    cfg = build_config({"model_name_or_path": tiny_model_dir, "max_grad_norm": 0, **overrides})
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "max_grad_norm": 0, "mixed_precision": "no", **overrides})
     torch.manual_seed(0)
     model = load_model(ModelConfig(model_name_or_path=tiny_model_dir), data.label_names, tokenizer)
     run_log = RunLog(cfg, tmp_path, True, run_info={})

@@ -23,7 +23,8 @@ from cloudtrain.errors import UserError
 from cloudtrain.sagemaker_env import sagemaker_defaults
 
 TRAINING_TYPES = ("basic", "accelerated")
-MIXED_PRECISION = ("no", "fp16", "bf16")
+PRECISIONS = ("no", "fp16", "bf16")
+MIXED_PRECISION = ("auto", *PRECISIONS)
 SCHEDULERS = ("linear", "cosine", "constant")
 EVAL_STRATEGIES = ("epoch", "steps", "no")
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
@@ -88,15 +89,16 @@ class TrainingConfig:
     max_grad_norm: float = opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
     lr_scheduler_type: str = opt("linear", "Learning-rate decay after warmup.", SCHEDULERS)
     warmup_ratio: float = opt(0.1, "Fraction of the training steps spent warming up.")
-    mixed_precision: str = opt("no", "Mixed precision: fp16 needs a CUDA GPU; bf16 runs on CPU and recent GPUs.",
-                               MIXED_PRECISION)
+    mixed_precision: str = opt("auto", "Mixed precision: auto (bf16 where the device computes it natively: CUDA "
+                                       "GPUs from Ampere on, CPUs with AVX512-BF16 or AMX; else no), no (fp32), "
+                                       "fp16 (CUDA only) or bf16.", MIXED_PRECISION)
     seed: int = opt(42, "Random seed: the same seed gives the same result.")
     logging_steps: int = opt(20, "Print and log loss, learning rate and throughput every N steps.")
     eval_strategy: str = opt("epoch", "When to evaluate during training (always at the end).", EVAL_STRATEGIES)
     eval_steps: int | None = opt(None, "Evaluate every N steps with --eval_strategy steps.")
     torch_compile: bool = opt(False, "Compile the model with torch.compile (slow first steps, and a recompile per "
                                      "new sequence length).")
-    adamw_implementation: str = opt("auto", "AdamW kernel: auto (torch's choice for the device), for_loop, "
+    adamw_implementation: str = opt("auto", "AdamW kernel: auto (fused, the fastest on CPU and CUDA), for_loop, "
                                             "foreach or fused.", ADAMW_IMPLEMENTATIONS)
 
 

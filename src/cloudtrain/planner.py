@@ -79,7 +79,7 @@ from pathlib import Path
 
 import yaml
 
-from cloudtrain.config import MIXED_PRECISION
+from cloudtrain.config import PRECISIONS
 from cloudtrain.errors import UserError, first_line
 
 GIB = 2 ** 30
@@ -567,7 +567,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--per_device_train_batch_size", type=int, default=16,
                         help="Requested micro-batch per GPU (default: 16, as the training application).")
     parser.add_argument("--max_length", type=int, default=128, help="Sequence length in tokens (default: 128).")
-    parser.add_argument("--mixed_precision", choices=MIXED_PRECISION, default="no",
+    parser.add_argument("--mixed_precision", choices=PRECISIONS, default="no",
                         help="no, fp16 or bf16 (default: no, as the training application).")
     parser.add_argument("--global_batch_size", type=int, default=None,
                         help="Examples per optimizer step over all GPUs (default: micro-batch x GPUs).")

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_scheduler
 
 from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
-from cloudtrain.config import Config
+from cloudtrain.config import PRECISIONS, Config
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.evaluation import evaluate_model, scalar_metrics
@@ -140,6 +140,13 @@ def peak_flops(device: torch.device) -> float | None:
     return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
 
 
+def adamw_kernel(implementation: str) -> dict:
+    """torch.optim.AdamW's keyword for --adamw_implementation; auto is fused, measured the fastest
+    (bench/results/latest.md) and supported on CPU and CUDA, also under DeepSpeed and FSDP."""
+    return {"auto": {"fused": True}, "fused": {"fused": True}, "foreach": {"foreach": True},
+            "for_loop": {"foreach": False}}[implementation]
+
+
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW; biases and normalisation weights get no weight decay."""
     decay, no_decay = [], []
@@ -148,9 +155,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
             (no_decay if param.ndim < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.training.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    impl = cfg.training.adamw_implementation
-    kernel = {"for_loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}.get(impl, {})
-    return torch.optim.AdamW(groups, lr=cfg.training.learning_rate, **kernel)
+    return torch.optim.AdamW(groups, lr=cfg.training.learning_rate, **adamw_kernel(cfg.training.adamw_implementation))
 
 
 class Trainer:
@@ -159,8 +164,10 @@ class Trainer:
     name = "trainer"
 
     def __init__(self, cfg: Config, model: PreTrainedModel, data: ProcessedData, run_log: RunLog):
-        self.cfg, self.model, self.data, self.run_log = cfg, model, data, run_log
         t = cfg.training
+        if t.mixed_precision not in PRECISIONS:  # a programming error: the pipeline resolves "auto" first
+            raise ValueError(f"mixed_precision {t.mixed_precision!r}: resolve it with hardware.resolve_precision")
+        self.cfg, self.model, self.data, self.run_log = cfg, model, data, run_log
         self.train_dl: DataLoader = train_dataloader(data, t.per_device_train_batch_size, t.seed, cfg.data)
         self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size, cfg.data)}
         if data.test is not None:
@@ -347,7 +354,8 @@ class Trainer:
         if self.is_main_process:
             params = count_parameters(self.model)
             print(f"{self.name}: {len(self.data.train)} training examples, {params / 1e6:.1f}M parameters, "
-                  f"{self.num_processes} process(es) on {self._device.type} ({self.mode}), effective batch {effective} "
+                  f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
+                  f"{t.mixed_precision}), effective batch {effective} "
                   f"({t.per_device_train_batch_size} per device x {self.num_processes} x "
                   f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
                   f"({steps_per_epoch} per epoch)", flush=True)

@@ -1,0 +1,34 @@
+"""What this machine computes fast: the choices behind the `auto` defaults.
+
+`--mixed_precision auto` trains in bf16 where the device computes it natively (CUDA GPUs from Ampere
+on; CPUs with AVX512-BF16 or AMX) and in fp32 elsewhere, where emulated bf16 would be slower.
+On the 2-core AVX512-BF16 CPU of bench/, bf16 autocast trained MiniLM 1.7-1.9x faster than fp32 at
+the same accuracy (bench/results/latest.md).
+"""
+
+import functools
+import os
+
+import torch
+
+
+@functools.cache
+def native_bf16(device_type: str) -> bool:
+    """Whether `device_type` ("cuda" or "cpu") runs bf16 matrix products in hardware."""
+    if device_type == "cuda":
+        return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    try:  # oneDNN's own check (AVX512-BF16 or AMX), the one PyTorch's CPU kernels dispatch on
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def resolve_precision(requested: str) -> str:
+    """`requested` itself, or for auto: the launcher's precision if its config set one, else bf16
+    where the training device computes it natively, else no (fp32)."""
+    if requested != "auto":
+        return requested
+    launcher = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    if launcher != "no":
+        return launcher
+    return "bf16" if native_bf16("cuda" if torch.cuda.is_available() else "cpu") else "no"
