@@ -79,7 +79,7 @@ class ModelConfig:
 class TrainingConfig:
     training_type: str = opt("accelerated", "basic: plain PyTorch loop; accelerated: Hugging Face accelerate.",
                              TRAINING_TYPES)
-    num_train_epochs: float = opt(1.0, "Number of passes over the training data.")
+    num_train_epochs: float = opt(2.0, "Number of passes over the training data.")
     max_steps: int | None = opt(None, "Stop after this many optimizer steps (overrides --num_train_epochs).")
     per_device_train_batch_size: int = opt(16, "Training batch size per process.")
     per_device_eval_batch_size: int = opt(64, "Evaluation batch size per process.")
