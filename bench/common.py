@@ -6,6 +6,7 @@ the same thread count, so only the training loop differs. Not supported: several
 """
 
 import resource
+import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -35,6 +36,7 @@ class Spec:
     pin_memory: bool = False
     torch_compile: bool = False
     adamw: str = "auto"
+    keep_freed_memory: bool = True  # every runner's process, as cloudtrain does for CPU training
     seed: int = 42
     learning_rate: float = 1e-4
     cache_dir: str | None = None
@@ -82,12 +84,15 @@ class StepClock:
         self.step_ends.append(time.perf_counter())
 
     def result(self, batch_size: int, samples: int, tokens: int) -> dict:
-        """Steady-state rates leave the first step out (warm-up, compilation); tokens are real ones."""
-        ends = self.step_ends
-        steady = max(ends[-1] - ends[0], 1e-9) if len(ends) > 1 else max(ends[0] - self.start, 1e-9)
-        steady_samples = batch_size * (len(ends) - 1) if len(ends) > 1 else samples
-        samples_per_s = steady_samples / steady
-        return {"steps": len(ends), "time_to_first_step_s": ends[0] - self.start,
+        """Steady-state rates: batch size over the median step time, first step left out (warm-up,
+        compilation). Every runner takes the same batches in the same order, so the medians compare
+        like with like, and a burst of load from another tenant of a shared machine moves a median
+        far less than a total. Tokens are real (non-padding) ones."""
+        ends = [self.start, *self.step_ends]
+        steps = [b - a for a, b in zip(ends, ends[1:])]
+        step_s = statistics.median(steps[1:] if len(steps) > 1 else steps)
+        samples_per_s = batch_size / max(step_s, 1e-9)
+        return {"steps": len(steps), "time_to_first_step_s": steps[0], "median_step_s": step_s,
                 "train_time_s": ends[-1] - self.start, "train_samples_per_s": samples_per_s,
                 "train_tokens_per_s": samples_per_s * tokens / max(samples, 1), "train_samples": samples,
                 "train_tokens": tokens}

@@ -29,7 +29,8 @@ def write_markdown(results: dict, path: Path) -> None:
         f"process. Machine: {m['cuda'] or m['processor'] or m['platform']}, torch {m['torch']}. "
         f"Wall time: {results['phases']['comparison_s']:.0f}s for tokenization and the comparison, "
         f"{results['phases']['ablations_s']:.0f}s for the optimizations.", "",
-        "Train rates leave out the first step (see time to first step); tokens are real, non-padding ones.", "",
+        "Train rates are the batch size over the median step time, first step left out (see time to first step); "
+        "every runner takes the same batches in the same order. Tokens are real, non-padding ones.", "",
         "| runner | train samples/s | train tokens/s | vs reference | eval samples/s | peak RSS MiB "
         "| time to first step s | accuracy |",
         "|---|---|---|---|---|---|---|---|"]

@@ -35,6 +35,7 @@ ABLATIONS = {
     "group_by_length": {"group_by_length": True},
     "2 DataLoader workers + pin_memory": {"num_workers": 2, "pin_memory": True},
     "1 thread": {"threads": 1},
+    "glibc allocator defaults (freed memory returned to the OS)": {"keep_freed_memory": False},
     "fp32 (no bf16 autocast)": {"mixed_precision": "no"},
     "bf16 autocast": {"mixed_precision": "bf16"},
     "AdamW for_loop (torch's CPU default)": {"adamw": "for_loop"},

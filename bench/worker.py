@@ -23,6 +23,10 @@ def main(spec_json: str, result_path: str) -> None:
     from common import Spec, peak_rss_mb
 
     spec = Spec(**json.loads(spec_json))
+    if spec.keep_freed_memory:  # the same allocator for every runner, so loops are compared, not allocators
+        from cloudtrain.hardware import keep_freed_memory
+
+        keep_freed_memory()
     module = {"basic": "cloudtrain_runner", "accelerated": "cloudtrain_runner", "reference": "reference_loop",
               "hf_trainer": "hf_trainer", "data": "data_bench"}[spec.runner]
     result = importlib.import_module(module).run(spec)

@@ -98,6 +98,8 @@ class TrainingConfig:
     eval_steps: int | None = opt(None, "Evaluate every N steps with --eval_strategy steps.")
     torch_compile: bool = opt(False, "Compile the model with torch.compile (slow first steps, and a recompile per "
                                      "new sequence length).")
+    keep_freed_memory: bool = opt(True, "CPU training on Linux: keep freed tensor memory for reuse instead of "
+                                        "returning it to the OS and page-faulting it back every step.")
     adamw_implementation: str = opt("auto", "AdamW kernel: auto (fused, the fastest on CPU and CUDA), for_loop, "
                                             "foreach or fused.", ADAMW_IMPLEMENTATIONS)
 

@@ -21,7 +21,7 @@ from cloudtrain.data_connecting import check_data_sources, connect_data, dataset
 from cloudtrain.data_processing import process_data
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import scalar_metrics
-from cloudtrain.hardware import resolve_precision
+from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.model_loading import load_model, load_tokenizer, resolve_model_path
 from cloudtrain.saving import holds_model, write_results
 from cloudtrain import hub
@@ -60,6 +60,8 @@ def run_training(cfg: Config) -> dict:
     """Run the whole pipeline; returns the final results (train, eval and, if present, test)."""
     cfg = replace(cfg, training=replace(cfg.training, mixed_precision=resolve_precision(cfg.training.mixed_precision)))
     output_dir, resume_from = preflight(cfg)
+    if cfg.training.keep_freed_memory and not torch.cuda.is_available():
+        keep_freed_memory()  # before the model and data take their memory
     # Distributed set-up, before the model is loaded (ZeRO-3 partitions it while loading).
     accelerator = build_accelerator(cfg) if cfg.training.training_type == "accelerated" else None
     is_main = accelerator.is_main_process if accelerator else True
