@@ -30,7 +30,7 @@ test: setup
 	$(PY) -m pytest tests $(ARGS)
 
 # `make bench` compares our trainers with a plain loop and transformers.Trainer (bench/results/latest.md);
-# `make bench ARGS="--ablations all"` also measures each optimization on and off.
+# then each optimization on and off; `make bench ARGS="--ablations none"` skips those.
 bench: setup
 	$(PY) bench/run.py $(ARGS)
 

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mixed_precision", default="auto", choices=MIXED_PRECISION,
                    help="the same in every run; auto: what cloudtrain picks on this machine (bf16 where native)")
     p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, from {', '.join(RUNNERS)}")
-    p.add_argument("--ablations", default="none", help="comma-separated names from ABLATIONS, all, or none")
+    p.add_argument("--ablations", default="all", help="comma-separated names from ABLATIONS, all, or none")
     p.add_argument("--ablation_repetitions", type=int, default=1)
     p.add_argument("--ablation_timeout", type=float, default=600, help="seconds before an ablation run is given up")
     p.add_argument("--data_bench", default="true", choices=("true", "false"))

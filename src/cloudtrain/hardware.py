@@ -2,7 +2,7 @@
 
 `--mixed_precision auto` trains in bf16 where the device computes it natively (CUDA GPUs from Ampere
 on; CPUs with AVX512-BF16 or AMX) and in fp32 elsewhere, where emulated bf16 would be slower.
-On the 2-core AVX512-BF16 CPU of bench/, bf16 autocast trained MiniLM 1.7-1.9x faster than fp32 at
+On the 2-core AVX512-BF16 CPU of bench/, bf16 autocast trained MiniLM 1.7-2.2x faster than fp32 at
 the same accuracy (bench/results/latest.md).
 """
 
