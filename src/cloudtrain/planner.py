@@ -568,7 +568,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Requested micro-batch per GPU (default: 16, as the training application).")
     parser.add_argument("--max_length", type=int, default=128, help="Sequence length in tokens (default: 128).")
     parser.add_argument("--mixed_precision", choices=PRECISIONS, default="no",
-                        help="no, fp16 or bf16 (default: no, as the training application).")
+                        help="no, fp16 or bf16 (default: no; the training application's auto "
+                             "trains in bf16 on GPUs from Ampere on).")
     parser.add_argument("--global_batch_size", type=int, default=None,
                         help="Examples per optimizer step over all GPUs (default: micro-batch x GPUs).")
     parser.add_argument("--strategy", choices=["auto"] + [s.key for s in STRATEGIES], default="auto",
