@@ -8,7 +8,7 @@ the same thread count, so only the training loop differs. Not supported: several
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 from transformers import DataCollatorWithPadding, set_seed
@@ -40,7 +40,6 @@ class Spec:
     seed: int = 42
     learning_rate: float = 1e-4
     cache_dir: str | None = None
-    extra: dict = field(default_factory=dict)
 
     def config(self) -> Config:
         """The cloudtrain Config these settings mean; the other runners read their settings from it too."""

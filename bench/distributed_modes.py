@@ -9,6 +9,7 @@ measured in the same run.
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -48,8 +49,7 @@ def run_mode(extra: list[str], model: Path, train: Path, out: Path, steps: int) 
            str(REPO / "src" / "training_application.py"), "--model_name_or_path", str(model), "--train_file",
            str(train), "--max_steps", str(steps), "--per_device_train_batch_size", "8", "--max_length", "32",
            "--eval_strategy", "no", "--logging_steps", str(steps), "--output_dir", str(out), *extra]
-    subprocess.run(cmd, check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1",
-                                                                       **dict(__import__("os").environ)})
+    subprocess.run(cmd, check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ})
     result = json.loads((out / "train_results.json").read_text())
     return 1000 * result["train_runtime_s"] / result["global_step"]
 

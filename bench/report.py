@@ -60,11 +60,12 @@ def write_markdown(results: dict, path: Path) -> None:
 
 
 def _bars(ax, entries: dict, labels: list[str], title: str) -> None:
-    kept = [(label, e) for label, e in zip(labels, entries.values()) if e["summary"]]
-    labels, entries = [label for label, _ in kept], {label: e for label, e in kept}
-    medians = [_median(e, "train_samples_per_s") for e in entries.values()]
-    low = [m - e["summary"]["train_samples_per_s"]["min"] for m, e in zip(medians, entries.values())]
-    high = [e["summary"]["train_samples_per_s"]["max"] - m for m, e in zip(medians, entries.values())]
+    kept = [(label, e["summary"]["train_samples_per_s"]) for label, e in zip(labels, entries.values())
+            if e["summary"]]  # an ablation that timed out has no summary
+    labels, rates = [label for label, _ in kept], [rate for _, rate in kept]
+    medians = [rate["median"] for rate in rates]
+    low = [m - rate["min"] for m, rate in zip(medians, rates)]
+    high = [rate["max"] - m for m, rate in zip(medians, rates)]
     ax.barh(labels, medians, xerr=[low, high], color="tab:blue", capsize=3)
     ax.invert_yaxis()
     ax.set_xlabel("training samples/s (median, min-max)")
