@@ -92,3 +92,31 @@ def test_secrets_stay_out_of_saved_arguments():
     assert "hub_token" not in cfg.to_dict()
     assert "hf_secret123" not in json.dumps(cfg.to_dict())
     assert cfg.to_dict()["hub_model_id"] == "me/model"
+
+
+OPTIONAL = [name for name, (_, f) in _fields().items() if "None" in str(f.type)]
+
+
+@pytest.mark.parametrize("word", ["none", "null", "None", "NULL"])
+def test_none_unsets_every_optional_option(word):
+    """Each `X | None` option (strings included) goes back to unset with none/null, on the command line
+    and in a config file, so a default can be turned off."""
+    assert {"resume_from_checkpoint", "hub_revision", "run_name", "checkpointing_steps"} <= set(OPTIONAL)
+    cfg = build_config({name: word for name in OPTIONAL})
+    assert all(value is None for name, value in cfg.to_dict(include_secrets=True).items() if name in OPTIONAL)
+    assert parse("--run_name", word, "--hub_revision", word).tracking.run_name is None
+
+
+def test_a_sagemaker_job_can_turn_off_its_default_resume(tmp_path, monkeypatch):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("CLOUDTRAIN_CHECKPOINT_DIR", str(checkpoints))
+    assert parse().checkpoint.resume_from_checkpoint == "latest"  # the job's default
+    assert parse("--resume_from_checkpoint", "none").checkpoint.resume_from_checkpoint is None
+
+
+def test_none_is_still_a_value_where_an_option_is_required():
+    assert parse("--report_to", "none").tracking.report_to == ["none"]
+    with pytest.raises(UserError, match="--max_length: a value is required"):
+        parse("--max_length", "none")

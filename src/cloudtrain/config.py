@@ -211,9 +211,13 @@ def _coerce(name: str, value: Any) -> Any:
     """Turn a value from the command line or a config file into the field's type, or raise UserError."""
     _, f = _fields()[name]
     tp = _base_type(f)
+    optional = isinstance(f.type, types.UnionType)
     try:
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null") and tp not in (str, list)):
-            if isinstance(f.type, types.UnionType):
+        # `none`/`null` unsets any `X | None` option (so a SageMaker hyperparameter can turn off a default);
+        # for a required option it is an ordinary value, like `--report_to none`.
+        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")
+                             and (optional or tp not in (str, list))):
+            if optional:
                 return None
             raise ValueError("a value is required")
         if tp is bool:
