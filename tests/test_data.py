@@ -50,6 +50,18 @@ def test_save_to_disk_directory(tmp_path):
     assert len(connect_data(DataConfig(train_file=str(tmp_path / "single")))["train"]) == 6
 
 
+def test_split_files_from_a_saved_dataset_dict_take_their_own_split(tmp_path):
+    """--validation_file/--test_file naming a save_to_disk DatasetDict read that split (or its alias),
+    never silently the training rows; a missing split is one error listing the splits it has."""
+    train, dev = Dataset.from_list(topic_rows(3)), Dataset.from_list(topic_rows(1, offset=2))
+    DatasetDict({"train": train, "dev": dev}).save_to_disk(tmp_path / "ds")
+    ds = str(tmp_path / "ds")
+    raw = connect_data(DataConfig(train_file=ds, validation_file=ds))
+    assert raw["validation"]["text"] == dev["text"] and raw["train"]["text"] == train["text"]
+    with pytest.raises(UserError, match=r"--test_file .*ds has no test split \(it has: train, dev\)"):
+        connect_data(DataConfig(train_file=ds, test_file=ds))
+
+
 def test_builtin_reuters_r8():
     raw = connect_data(DataConfig())
     assert (len(raw["train"]), len(raw["test"])) == (5485, 2189)

@@ -75,7 +75,7 @@ def _load_path(path: str, split: str) -> Dataset:
     p = Path(path)
     if p.is_dir() and not _data_files(p):
         loaded = _load_saved(path)
-        return loaded[split if split in loaded else "train"] if isinstance(loaded, DatasetDict) else loaded
+        return _pick_split(loaded, split, path) if isinstance(loaded, DatasetDict) else loaded
     files = _data_files(p) if p.is_dir() else [p]  # a folder of data files (e.g. a SageMaker channel) is one split
     suffixes = {f.suffix.lower() for f in files}
     if len(suffixes) > 1:
@@ -87,6 +87,15 @@ def _load_path(path: str, split: str) -> Dataset:
         if "corresponds to no data" in str(err):
             raise UserError(f"the {split} data in {path} is empty") from None
         raise UserError(f"could not read {path} as {builder}: {first_line(err)}") from None
+
+
+def _pick_split(saved: DatasetDict, split: str, path: str) -> Dataset:
+    """The `split` of a saved DatasetDict, under its own name or an alias (dev, valid, val); never another."""
+    names = [name for name in saved if SPLIT_ALIASES.get(name, name) == split]
+    if not names:
+        raise UserError(f"--{split}_file {path} has no {split} split (it has: {', '.join(saved)}); "
+                        f"give a file or directory that holds the {split} data")
+    return saved[names[0]]
 
 
 def _data_files(folder: Path) -> list[Path]:
