@@ -1,0 +1,138 @@
+"""The FLOPs estimate behind train/mfu: non-embedding matmul parameters plus attention, frozen parts."""
+
+import pytest
+import torch
+from transformers import (AutoConfig, AutoModelForSequenceClassification, BertConfig,
+                          BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                          LlamaForCausalLM)
+
+from cloudtrain.flops import ModelFlops, attention_dims, matmul_parameters, sum_squared_lengths
+
+
+def total_parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_dir):
+    return AutoModelForSequenceClassification.from_pretrained(minilm_dir, num_labels=8)
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=64, n_embd=32, n_layer=2, n_head=4))
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    # head_dim 16 with 4 heads: d_attn 64 differs from hidden_size 32, as it may in Llama-style models
+    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                        head_dim=16, max_position_embeddings=64, tie_word_embeddings=False))
+
+
+def tiny_bert_classifier() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=64,
+                                                    max_position_embeddings=64, num_labels=3))
+
+
+def test_minilm_counts_everything_but_the_embedding_tables(minilm, minilm_dir):
+    config = AutoConfig.from_pretrained(minilm_dir)
+    d = config.hidden_size
+    tables = (config.vocab_size + config.max_position_embeddings + config.type_vocab_size) * d
+    total = total_parameters(minilm)
+    flops = ModelFlops.from_model(minilm)
+    assert flops.matmul_params == total - tables
+    assert flops.trainable_matmul_params == flops.matmul_params
+    assert (flops.n_layers, flops.d_attn) == (config.num_hidden_layers, d)
+
+
+@pytest.mark.parametrize("seq_len", [64, 128])
+def test_minilm_per_token_flops_about_half_the_old_6n(minilm, minilm_dir, seq_len):
+    config = AutoConfig.from_pretrained(minilm_dir)
+    d, layers = config.hidden_size, config.num_hidden_layers
+    total = total_parameters(minilm)
+    non_embedding = total - (config.vocab_size + config.max_position_embeddings + config.type_vocab_size) * d
+    expected = 6 * non_embedding + 12 * layers * d * seq_len
+    flops = ModelFlops.from_model(minilm)
+    assert flops.flops_per_token(seq_len) == pytest.approx(expected)
+    old = 6 * total
+    assert flops.flops_per_token(seq_len) < 0.55 * old  # the old formula overstated by about 2x
+    assert old / flops.flops_per_token(seq_len) == pytest.approx(old / expected)
+    assert 1.9 < old / expected < 2.1
+
+
+def test_old_six_n_formula_is_not_what_is_computed(minilm):
+    flops = ModelFlops.from_model(minilm)
+    tokens = 16 * 64
+    assert flops.training_flops(tokens, 16 * 64 ** 2) != pytest.approx(6 * total_parameters(minilm) * tokens,
+                                                                       rel=0.1)
+
+
+def test_gpt2_tied_lm_head_counted_once_embeddings_excluded():
+    model = tiny_gpt2()
+    assert model.lm_head.weight is model.transformer.wte.weight  # tied
+    n_total, _ = matmul_parameters(model)
+    # parameters() lists the tied matrix once: total minus the position table leaves it in, once
+    assert n_total == total_parameters(model) - model.transformer.wpe.weight.numel()
+    assert n_total == (sum(p.numel() for p in model.transformer.h.parameters())
+                       + sum(p.numel() for p in model.transformer.ln_f.parameters())
+                       + model.lm_head.weight.numel())
+    flops = ModelFlops.from_model(model)
+    assert (flops.n_layers, flops.d_attn) == (2, 32)
+    assert flops.attention_flops(50 ** 2) == 12 * 2 * 32 * 50 ** 2
+
+
+def test_llama_untied_lm_head_counted_input_embedding_excluded():
+    model = tiny_llama()
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
+    n_total, n_trainable = matmul_parameters(model)
+    assert n_total == total_parameters(model) - model.model.embed_tokens.weight.numel()
+    assert model.lm_head.weight.numel() == 100 * 32 and n_trainable == n_total
+    flops = ModelFlops.from_model(model)
+    assert (flops.n_layers, flops.d_attn) == (2, 4 * 16)  # heads * head_dim, not hidden_size
+    lengths = [10, 30, 7]
+    assert flops.training_flops(sum(lengths), sum(l * l for l in lengths)) == (
+        6 * n_total * sum(lengths) + sum(12 * 2 * 64 * l * l for l in lengths))
+
+
+def test_frozen_base_counts_only_trainable_weight_gradients():
+    model = tiny_bert_classifier()
+    for p in model.bert.parameters():
+        p.requires_grad_(False)
+    head = sum(p.numel() for p in model.classifier.parameters())
+    flops = ModelFlops.from_model(model)
+    n = flops.matmul_params
+    assert flops.trainable_matmul_params == head
+    assert n == total_parameters(model) - sum(
+        m.weight.numel() for m in (model.bert.embeddings.word_embeddings,
+                                   model.bert.embeddings.position_embeddings,
+                                   model.bert.embeddings.token_type_embeddings))
+    assert flops.dense_flops_per_token == 4 * n + 2 * head < 6 * n
+    assert flops.training_flops(3 * 20, 3 * 20 ** 2) == (4 * n + 2 * head) * 60 + 12 * 2 * 32 * 3 * 20 ** 2
+
+
+def test_zero3_partitioned_parameters_count_fully():
+    model = tiny_bert_classifier()
+    expected, _ = matmul_parameters(model)
+    for p in model.parameters():  # what ZeRO-3 leaves: an empty local shard, the full size in ds_numel
+        p.ds_numel = p.numel()
+        p.data = torch.empty(0)
+    assert matmul_parameters(model) == (expected, expected)
+
+
+def test_no_layer_count_leaves_attention_out():
+    assert attention_dims(None) is None
+    assert attention_dims(object()) is None
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 3))
+    flops = ModelFlops.from_model(model)
+    assert flops.matmul_params == 4 * 3 + 3
+    assert not flops.attention and flops.attention_flops(100) == 0.0
+    assert flops.training_flops(5, 25) == 6 * 15 * 5
+
+
+def test_sum_squared_lengths_of_a_padded_batch():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 1]])  # right and left padding
+    assert sum_squared_lengths(mask).item() == 9 + 16 + 4
