@@ -42,8 +42,20 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("CLOUDTRAIN_CACHE", Path.home() / ".cache" / "cloudtrain")) / "processed"
 
 
-def find_label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
-    """(label names, {raw label value: id}) from the training split; other splits must be a subset."""
+def find_label_names(raw: DatasetDict, column: str, order: list[str] | None = None) -> tuple[list[str], dict]:
+    """(label names, {raw label value: id}) from the training split; other splits must be a subset.
+
+    `order` (the label names of a checkpoint's classification head) sets the ids when it holds exactly
+    the data's label names; otherwise ids follow the sorted names.
+    """
+    names, mapping = _label_names(raw, column)
+    if order is not None and sorted(order) == sorted(names) and order != names:
+        position = {name: i for i, name in enumerate(order)}
+        return list(order), {value: position[names[i]] for value, i in mapping.items()}
+    return names, mapping
+
+
+def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
     feature = raw["train"].features[column]
     if isinstance(feature, ClassLabel):
         names = list(feature.names)
@@ -63,9 +75,11 @@ def find_label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
     return [str(v) for v in values], mapping
 
 
-def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int) -> ProcessedData:
-    """Tokenize and encode every split, carve validation if needed, and apply the sample limits."""
-    names, label2id = find_label_names(raw, cfg.label_column)
+def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int,
+                 label_order: list[str] | None = None) -> ProcessedData:
+    """Tokenize and encode every split, carve validation if needed, and apply the sample limits.
+    `label_order`: see `find_label_names`."""
+    names, label2id = find_label_names(raw, cfg.label_column, label_order)
     if len(names) < 2:
         raise UserError(f"the training data has only {len(names)} distinct label(s) in "
                         f"{cfg.label_column!r}; classification needs at least 2")

@@ -22,7 +22,7 @@ from cloudtrain.data_processing import process_data
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
-from cloudtrain.model_loading import load_model, load_tokenizer, resolve_model_path
+from cloudtrain.model_loading import head_labels, load_model, load_tokenizer, resolve_model_path
 from cloudtrain.saving import holds_model, write_results
 from cloudtrain import hub
 from cloudtrain.tracking import RunLog, check_trackers
@@ -71,12 +71,12 @@ def run_training(cfg: Config) -> dict:
     raw = connect_data(cfg.data)
     tokenizer = load_tokenizer(cfg.model)
     with main_first():  # the main process tokenizes and caches; the others read its cache
-        data = process_data(raw, tokenizer, cfg.data, cfg.training.seed)
+        data = process_data(raw, tokenizer, cfg.data, cfg.training.seed, label_order=head_labels(cfg.model))
     if is_main:
         print(f"data: {len(data.train)} train / {len(data.validation)} validation"
               f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
               f"{len(data.label_names)} labels: {', '.join(data.label_names)}", flush=True)
-    model = load_model(cfg.model, data.label_names, tokenizer)
+    model = load_model(cfg.model, data.label_names, tokenizer, announce=is_main)
     set_seed(cfg.training.seed + (accelerator.process_index if accelerator else 0))  # dropout differs per process
 
     if resume_from and is_main:
