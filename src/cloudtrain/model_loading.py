@@ -11,12 +11,16 @@ it when its label names are the data's, in any order: the data's label ids follo
 initialised one for the data's labels, and one line says so.
 """
 
-import contextlib
 from pathlib import Path
 
+import huggingface_hub
 import torch
 import transformers
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers.dynamic_module_utils import get_class_from_dynamic_module
+from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.modeling_utils import load_state_dict
+from transformers.models.auto.auto_factory import _get_model_class
 
 from cloudtrain.assets import default_model_dir
 from cloudtrain.config import ModelConfig
@@ -78,48 +82,41 @@ def load_model(cfg: ModelConfig, label_names: list[str], tokenizer: transformers
         transformers.logging.set_verbosity_error()  # the "newly initialized head" report is expected here
         try:
             # fp32 master weights whatever the checkpoint's dtype; mixed precision is autocast's job
-            model = AutoModelForSequenceClassification.from_pretrained(
-                path, config=config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code,
-                ignore_mismatched_sizes=replace_head)
+            options = dict(config=config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+            if replace_head:
+                model_class = classifier_class(path, config, cfg.trust_remote_code)
+                model = model_class.from_pretrained(None, state_dict=body_weights(path, model_class), **options)
+            else:
+                model = AutoModelForSequenceClassification.from_pretrained(path, **options)
         finally:
             transformers.logging.set_verbosity(verbosity)
     except (OSError, ValueError) as err:
         raise UserError(f"could not load a sequence-classification model from {path}: {first_line(err)}") from None
-    if replace_head:
-        reinitialize_head(model)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 
-def head_modules(model: PreTrainedModel) -> list[torch.nn.Module]:
-    """The task head: every top-level module outside the pretrained body (classifier, score, pre_classifier)."""
-    return [module for name, module in model.named_children()
-            if name != model.base_model_prefix and any(True for _ in module.parameters())]
+def classifier_class(path: str, config: transformers.PretrainedConfig, trust_remote_code: bool) -> type:
+    """The class AutoModelForSequenceClassification would build for `config`."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and "AutoModelForSequenceClassification" in auto_map:
+        return get_class_from_dynamic_module(auto_map["AutoModelForSequenceClassification"], path)
+    return _get_model_class(config, AutoModelForSequenceClassification._model_mapping)
 
 
-@torch.no_grad()
-def reinitialize_head(model: PreTrainedModel) -> None:
-    """Fresh head weights from the current seed (same on every process), as for a model without a head.
+def body_weights(path: str, model_class: type) -> dict:
+    """The checkpoint's weights without its task head: the keys under the model's base_model_prefix.
 
-    transformers re-initialises only the layers whose shapes changed; an old task's other head layers,
-    or a head of the same size with other labels, would otherwise carry over. Under ZeRO-3 the
-    partitioned parameters are gathered, initialised on rank 0 and scattered back.
+    Loading these leaves the head to be initialised from the seed, the same way under every launcher
+    (ZeRO-3's partitioned loading included, where transformers would not skip a head of another size).
     """
-    modules = head_modules(model)
-    params = [p for module in modules for p in module.parameters()]
-    gathered = contextlib.nullcontext()
-    if any(hasattr(p, "ds_id") for p in params):
-        import deepspeed
-
-        gathered = deepspeed.zero.GatheredParameters(params, modifier_rank=0)
-    std = getattr(model.config, "initializer_range", 0.02)
-    with gathered:
-        for module in modules:
-            for layer in module.modules():
-                if isinstance(layer, torch.nn.Linear):
-                    layer.weight.normal_(mean=0.0, std=std)
-                    if layer.bias is not None:
-                        layer.bias.zero_()
-                elif hasattr(layer, "reset_parameters"):  # norms and the like
-                    layer.reset_parameters()
+    folder = Path(path)
+    if not folder.is_dir():  # a Hub id: the files from_pretrained would fetch, from the same cache
+        folder = Path(huggingface_hub.snapshot_download(path, allow_patterns=["*.safetensors", "*.bin", "*.json"]))
+    files = sorted(folder.glob("*.safetensors")) or sorted(folder.glob("pytorch_model*.bin"))
+    # Under ZeRO-3 only rank 0 copies values into the partitions; the others need names and shapes.
+    meta = is_deepspeed_zero3_enabled() and torch.distributed.get_rank() != 0
+    prefix = f"{model_class.base_model_prefix}."
+    return {key: value for file in files for key, value in load_state_dict(file, "meta" if meta else "cpu").items()
+            if key.startswith(prefix)}
