@@ -148,11 +148,12 @@ def adamw_kernel(implementation: str) -> dict:
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; biases and normalisation weights get no weight decay."""
+    """AdamW; biases and normalisation weights (the 1-d tensors) get no weight decay."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:
-            (no_decay if param.ndim < 2 else decay).append(param)
+            # ZeRO-3 partitions parameters to shape [0] while loading; `ds_shape` keeps the real one
+            (no_decay if len(getattr(param, "ds_shape", param.shape)) < 2 else decay).append(param)
     groups = [{"params": decay, "weight_decay": cfg.training.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.training.learning_rate, **adamw_kernel(cfg.training.adamw_implementation))

@@ -1,0 +1,42 @@
+"""Run under torchrun by test_deepspeed.py: load a classifier under ZeRO-3 and report what was built.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_zero3.py OPTIONS_JSON RESULT_JSON
+
+Reports the AdamW parameter groups (sizes by their real, unpartitioned shapes) and the gathered full
+state dict, so the test can check weight decay grouping and head replacement under zero.Init.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from cloudtrain.config import build_config
+from cloudtrain.data_connecting import connect_data
+from cloudtrain.data_processing import process_data
+from cloudtrain.distributed import build_accelerator
+from cloudtrain.model_loading import head_labels, load_model, load_tokenizer
+from cloudtrain.tracking import RunLog
+from cloudtrain.trainers import AcceleratedTrainer
+
+
+def main(options_file: str, result_dir: str) -> None:
+    cfg = build_config({"mixed_precision": "no", "zero_stage": 3, **json.loads(Path(options_file).read_text())})
+    accelerator = build_accelerator(cfg)
+    tokenizer = load_tokenizer(cfg.model)
+    data = process_data(connect_data(cfg.data), tokenizer, cfg.data, cfg.training.seed, head_labels(cfg.model))
+    model = load_model(cfg.model, data.label_names, tokenizer, announce=accelerator.is_main_process)
+    run_log = RunLog(cfg, Path(result_dir), accelerator.is_main_process, run_info={})
+    trainer = AcceleratedTrainer(cfg, model, data, run_log, accelerator)
+    groups = [{"weight_decay": g["weight_decay"], "shapes": [list(p.ds_shape) for p in g["params"]],
+               "local_numel": sum(p.numel() for p in g["params"])} for g in trainer.optimizer.param_groups]
+    trainer.setup()
+    state = accelerator.get_state_dict(trainer.model)  # every rank: gathers the partitions
+    if accelerator.is_main_process:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(Path(result_dir) / "gathered.safetensors"))
+        (Path(result_dir) / "result.json").write_text(json.dumps({"groups": groups, "labels": data.label_names}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,62 @@
+"""DeepSpeed specifics on 2 CPU processes: what zero.Init's partitioned parameters must not break."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                             "--master_port", free_port(), *args], capture_output=True, text=True, timeout=timeout,
+                            cwd=REPO, env=env)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    return result
+
+
+def test_zero3_groups_weight_decay_by_real_shape_and_replaces_a_head(tiny_model_dir, topic_csvs, tmp_path):
+    """Under zero.Init every parameter has shape [0]: weight decay must still reach the matrices, and a
+    checkpoint's 2-label head must be replaced by a fresh 3-label one, gathered intact at the end."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    torch.manual_seed(7)
+    checkpoint = tmp_path / "sentiment"
+    BertForSequenceClassification(BertConfig(
+        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1},
+    )).save_pretrained(checkpoint)
+    tokenizer.save_pretrained(checkpoint)
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({"model_name_or_path": str(checkpoint), "train_file": str(topic_csvs["train"]),
+                                   "validation_file": str(topic_csvs["validation"]), "weight_decay": 0.1}))
+    result = torchrun(str(REPO / "tests" / "dist_zero3.py"), str(options), str(tmp_path))
+    assert result.stdout.count("replacing the 2-label head of") == 1
+
+    decay, no_decay = json.loads((tmp_path / "result.json").read_text())["groups"]
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert decay["shapes"] and all(len(shape) == 2 for shape in decay["shapes"])
+    assert no_decay["shapes"] and all(len(shape) == 1 for shape in no_decay["shapes"])
+    assert decay["local_numel"] == 0  # the parameters really were partitioned when the groups were built
+
+    saved, gathered = load_file(checkpoint / "model.safetensors"), load_file(tmp_path / "gathered.safetensors")
+    assert gathered["classifier.weight"].shape == (3, 32)
+    assert gathered["classifier.weight"].std() > 0 and torch.all(gathered["classifier.bias"] == 0)
+    body = [name for name in saved if not name.startswith("classifier")]
+    assert all(torch.equal(saved[name], gathered[name]) for name in body if name in gathered)
