@@ -306,3 +306,39 @@ def test_every_save_and_checkpoint_strategies_push_each_checkpoint_in_order(hub,
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(root_upload.added)
     assert "last-checkpoint/trainer_state.json" in checkpoint_upload.added
     assert "last-checkpoint/model.safetensors" in checkpoint_upload.added
+
+
+# ---------------------------------------------------------------- several processes
+
+def torchrun_app(env: dict, *args: str) -> subprocess.CompletedProcess:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {**env, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", port, str(ENTRY), *args], capture_output=True, text=True, timeout=600,
+                          env=env, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_only_the_main_process_talks_to_the_hub(hub, tiny_model_dir, data_files, tmp_path):
+    """2 processes: one access check (whoami, create, preupload dry run) and one push, not one per process;
+    a bad token stops both processes with the main process's single error line."""
+    before = len(hub.requests)
+    bad = torchrun_app(hub_env(hub, tmp_path / "no-stored-token", token="hf_not_a_valid_token_43"), *train_args(
+        tiny_model_dir, data_files, tmp_path / "bad", "--push_to_hub", "true", "--hub_model_id", "alice/never2"))
+    assert bad.returncode != 0 and "data:" not in bad.stdout
+    assert hub.requests[before:] == [("GET", "/api/whoami-v2")]
+    errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "the Hub rejected the token (401" in errors[0], bad.stderr[-3000:]
+
+    before = len(hub.requests)
+    good = torchrun_app(hub_env(hub, tmp_path / "no-stored-token", token=TOKEN), *train_args(
+        tiny_model_dir, data_files, tmp_path / "good", "--push_to_hub", "true", "--hub_model_id", "alice/ddp",
+        "--max_steps", "2", "--eval_strategy", "no"))
+    assert good.returncode == 0, good.stderr[-3000:]
+    calls = [path for _, path in hub.requests[before:]]
+    assert calls.count("/api/whoami-v2") == 1 and calls.count("/api/repos/create") == 2  # check, then push
+    assert len(hub.history("alice/ddp")) == 2  # the initial commit and one upload

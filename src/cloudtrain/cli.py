@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             train_main(argv[1:] if argv and argv[0] == "train" else argv)
     except UserError as err:
-        print(f"error: {err}", file=sys.stderr)
+        if not err.quiet:
+            print(f"error: {err}", file=sys.stderr)
         return 2
     except TrainingStopped as err:
         print(f"{'stopped' if err.exit_code == 143 else 'error'}: {err}", file=sys.stderr)

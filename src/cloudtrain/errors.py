@@ -7,7 +7,14 @@ Everything else is a bug and keeps its traceback.
 
 
 class UserError(Exception):
-    """A mistake in the user's input: the message says what was wrong and how to fix it."""
+    """A mistake in the user's input: the message says what was wrong and how to fix it.
+
+    `quiet`: another process of the same launch prints this error, so this one exits without repeating it.
+    """
+
+    def __init__(self, message: str, quiet: bool = False):
+        super().__init__(message)
+        self.quiet = quiet
 
 
 def first_line(err: BaseException) -> str:

@@ -20,7 +20,7 @@ import argparse
 import contextlib
 import json
 import shlex
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
@@ -70,6 +70,20 @@ def check_access(cfg: HubConfig) -> None:
         # which also catches an existing repo owned by someone else. Nothing is stored.
         api.preupload_lfs_files(cfg.hub_model_id, additions=[CommitOperationAdd("README.md", b"")],
                                 revision=cfg.hub_revision)
+
+
+def check_access_from_main(cfg: HubConfig, is_main: bool, share: Callable[[str | None], str | None]) -> None:
+    """`check_access` on the main process only; `share` hands its verdict (an error message or None) to
+    every process, so a launch of N processes makes one set of Hub calls and fails or goes on as one."""
+    error = None
+    if is_main:
+        try:
+            check_access(cfg)
+        except UserError as err:
+            error = str(err)
+    error = share(error)
+    if error:
+        raise UserError(error, quiet=not is_main)
 
 
 def ensure_repo(api: HfApi, cfg: HubConfig) -> str:

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from transformers import set_seed
 
 from cloudtrain.assets import DEFAULT_MODEL_NAME
@@ -44,8 +45,6 @@ def preflight(cfg: Config) -> tuple[Path, Path | None]:
     if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     check_trackers(cfg.tracking)
-    if cfg.hub.push_to_hub:
-        hub.check_access(cfg.hub)  # a bad token fails now, not after hours of training
     output_dir = resolve_output_dir(cfg)
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
@@ -66,6 +65,9 @@ def run_training(cfg: Config) -> dict:
     accelerator = build_accelerator(cfg) if cfg.training.training_type == "accelerated" else None
     is_main = accelerator.is_main_process if accelerator else True
     main_first = accelerator.main_process_first if accelerator else contextlib.nullcontext
+    if cfg.hub.push_to_hub:  # a bad token fails now, not after hours of training
+        share = (lambda verdict: broadcast_object_list([verdict])[0]) if accelerator else (lambda verdict: verdict)
+        hub.check_access_from_main(cfg.hub, is_main, share)
     set_seed(cfg.training.seed)  # the same on every process, so every process builds the same model
 
     raw = connect_data(cfg.data)
