@@ -145,7 +145,7 @@ def _check_columns(raw: DatasetDict, cfg: DataConfig) -> None:
         needed["--text_pair_column"] = cfg.text_pair_column
     for split, ds in raw.items():
         for flag, column in needed.items():
-            if column not in ds.column_names and not (flag == "--label_column" and split == "test"):
+            if column not in ds.column_names and not (flag == "--label_column" and split != "train"):
                 raise UserError(f"column {column!r} is not in the {split} data (its columns: "
                                 f"{', '.join(ds.column_names)}); pass {flag} <name>")
         if len(ds) == 0:

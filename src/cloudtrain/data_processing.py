@@ -7,6 +7,10 @@
 - The tokenized splits are cached under --cache_dir, keyed by the source data, the tokenizer and the
   options, so a second run with the same inputs reads them back instead of tokenizing again.
 - With no validation split, one is carved from train (stratified by label when every class allows).
+- Rows without a label (empty, or -1 in a ClassLabel column): none are allowed in train; a validation or
+  test split with no labels at all (a GLUE-style test split, or no label column) is kept for
+  predictions only (`<split>_predictions.jsonl`; validation is then carved from train); a split with
+  some unlabelled rows is an error naming the count.
 - Training order is a function of seed + epoch (exact resume); --group_by_length sorts each
   shuffled chunk of 50 batches by length, so batches hold similar lengths and carry less padding.
 """
@@ -15,7 +19,7 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
@@ -36,6 +40,9 @@ class ProcessedData:
     test: Dataset | None  # None when the source has no labelled test split
     label_names: list[str]
     collator: DataCollatorWithPadding
+    # Splits without labels (a GLUE-style test split): tokenized for predictions, with their texts in order
+    unlabelled: dict[str, Dataset] = field(default_factory=dict)
+    unlabelled_texts: dict[str, list[str]] = field(default_factory=dict)
 
 
 def default_cache_dir() -> Path:
@@ -56,23 +63,48 @@ def find_label_names(raw: DatasetDict, column: str, order: list[str] | None = No
 
 
 def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
-    feature = raw["train"].features[column]
+    train = raw["train"]
+    feature = train.features[column]
+    missing = sum(is_missing(value, feature) for value in train[column])
+    if missing:
+        raise UserError(f"{missing} of {len(train)} training rows have no {column!r} value (empty, or -1 for a "
+                        "class label); label them or drop those rows")
     if isinstance(feature, ClassLabel):
         names = list(feature.names)
         return names, {i: i for i in range(len(names))}
-    values = set(raw["train"][column])
-    if None in values:
-        raise UserError(f"some training rows have no {column!r} value; fill them in or drop those rows")
-    values = sorted(values)
-    mapping = {value: i for i, value in enumerate(values)}
-    for split in ("validation", "test"):
-        if split in raw and column in raw[split].column_names:
-            unseen = set(raw[split][column]) - set(mapping)
-            if unseen:
-                shown = ", ".join(map(str, sorted(unseen, key=str)[:10]))
-                raise UserError(f"the {split} data has labels the training data never saw: {shown}; "
-                                "fix the labels or move those rows into the training data")
-    return [str(v) for v in values], mapping
+    values = sorted(set(train[column]))
+    return [str(v) for v in values], {value: i for i, value in enumerate(values)}
+
+
+def is_missing(value, feature) -> bool:
+    """No label: None, NaN, an empty string, or -1 in a ClassLabel column (the datasets convention)."""
+    return (value is None or (isinstance(value, float) and math.isnan(value))
+            or (isinstance(value, str) and not value.strip()) or (isinstance(feature, ClassLabel) and value == -1))
+
+
+def is_labelled(ds: Dataset, split: str, column: str, label2id: dict) -> bool:
+    """Whether an evaluation split has labels: all of its rows (True) or none (False, predictions only).
+
+    An integer -1 that training never saw counts as no label too (GLUE test splits written to csv).
+    Some rows without labels, or labels training never saw, are errors.
+    """
+    if column not in ds.column_names:
+        return False
+    feature = ds.features[column]
+    values = ds[column]
+    missing = sum(is_missing(v, feature) or (v == -1 and -1 not in label2id) for v in values)
+    if missing == len(values):
+        return False
+    if missing:
+        raise UserError(f"{missing} of {len(values)} rows of the {split} data have no {column!r} value; label them "
+                        f"or drop them (a {split} split with no labels at all is used for predictions only)")
+    if not isinstance(feature, ClassLabel):
+        unseen = set(values) - set(label2id)
+        if unseen:
+            shown = ", ".join(map(str, sorted(unseen, key=str)[:10]))
+            raise UserError(f"the {split} data has labels the training data never saw: {shown}; "
+                            "fix the labels or move those rows into the training data")
+    return True
 
 
 def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int,
@@ -83,34 +115,47 @@ def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Data
     if len(names) < 2:
         raise UserError(f"the training data has only {len(names)} distinct label(s) in "
                         f"{cfg.label_column!r}; classification needs at least 2")
-    splits = {split: _encode(ds, split, tokenizer, cfg, names, label2id)
-              for split, ds in raw.items() if cfg.label_column in ds.column_names}
+    labelled = {split: is_labelled(ds, split, cfg.label_column, label2id) if split != "train" else True
+                for split, ds in raw.items()}
+    splits = {split: _encode(ds, split, tokenizer, cfg, names, label2id if labelled[split] else None)
+              for split, ds in raw.items()}
     train, validation = splits["train"], splits.get("validation")
-    if validation is None:
+    if validation is None or not labelled["validation"]:
         train, validation = _carve_validation(train, cfg.validation_split_percentage, seed)
+    unlabelled = {split: _first(splits[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
     return ProcessedData(
         train=_limit(train, cfg.max_train_samples, seed),
         validation=_limit(validation, cfg.max_eval_samples, seed),
-        test=_limit(splits["test"], cfg.max_eval_samples, seed) if "test" in splits else None,
+        test=_limit(splits["test"], cfg.max_eval_samples, seed) if labelled.get("test") else None,
         label_names=names,
         collator=DataCollatorWithPadding(tokenizer),
+        unlabelled=unlabelled,
+        unlabelled_texts={split: raw[split][cfg.text_column][:len(ds)] for split, ds in unlabelled.items()},
     )
 
 
+def _first(ds: Dataset, n: int | None) -> Dataset:
+    """The first `n` rows, in order (predictions line up with the split's rows)."""
+    return ds if n is None or n >= len(ds) else ds.select(range(n))
+
+
 def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
-            names: list[str], label2id: dict) -> Dataset:
+            names: list[str], label2id: dict | None) -> Dataset:
+    """Tokenized rows with their label ids, or without labels when `label2id` is None."""
     columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
 
     def encode(batch: dict) -> dict:
         texts = [["" if t is None else str(t) for t in batch[c]] for c in columns]
         out = tokenizer(*texts, truncation=True, max_length=cfg.max_length)
-        out["labels"] = [label2id[v] for v in batch[cfg.label_column]]
+        if label2id is not None:
+            out["labels"] = [label2id[v] for v in batch[cfg.label_column]]
         return out
 
     features = datasets.Features({name: datasets.List(datasets.Value("int32"))
                                   for name in tokenizer.model_input_names})
-    features["labels"] = ClassLabel(names=names)
-    key = _cache_key(ds, tokenizer, cfg, columns, names)
+    if label2id is not None:
+        features["labels"] = ClassLabel(names=names)
+    key = _cache_key(ds, tokenizer, cfg, columns, names if label2id is not None else None)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     return ds.map(

@@ -63,3 +63,26 @@ def evaluate_model(
 def scalar_metrics(result: dict, prefix: str) -> dict:
     """The numeric entries of an evaluation result, named `<prefix><metric>` (e.g. prefix "eval/")."""
     return {f"{prefix}{k}": v for k, v in result.items() if isinstance(v, (int, float))}
+
+
+@torch.no_grad()
+def predict_labels(
+    model: torch.nn.Module,
+    batches: Iterable[dict],
+    gather: Callable = lambda tensors: tensors,
+    move: Callable = lambda batch: batch,
+    autocast: Callable = contextlib.nullcontext,
+) -> tuple[list[int], list[float]]:
+    """The top class and its probability for every example of `batches` (an unlabelled split), in order."""
+    was_training = model.training
+    model.eval()
+    ids, scores = [], []
+    for batch in batches:
+        with autocast():
+            probs = model(**move(batch)).logits.float().softmax(dim=-1)
+        score, pred = gather(probs.max(dim=-1))
+        ids += pred.cpu().tolist()
+        scores += score.cpu().tolist()
+    model.train(was_training)
+    return ids, scores
+

@@ -24,6 +24,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.model_loading import head_labels, load_model, load_tokenizer, resolve_model_path
+from cloudtrain.predict import records, write_jsonl
 from cloudtrain.saving import holds_model, write_results
 from cloudtrain import hub
 from cloudtrain.tracking import RunLog, check_trackers
@@ -78,6 +79,9 @@ def run_training(cfg: Config) -> dict:
         print(f"data: {len(data.train)} train / {len(data.validation)} validation"
               f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
               f"{len(data.label_names)} labels: {', '.join(data.label_names)}", flush=True)
+        for split in data.unlabelled:
+            print(f"the {split} data has no labels: it is used for predictions only "
+                  f"({split}_predictions.jsonl)", flush=True)
     model = load_model(cfg.model, data.label_names, tokenizer, announce=is_main)
     set_seed(cfg.training.seed + (accelerator.process_index if accelerator else 0))  # dropout differs per process
 
@@ -104,8 +108,12 @@ def run_training(cfg: Config) -> dict:
         if split in trainer.eval_dls:
             results[name] = trainer.evaluate(split)
             run_log.log(scalar_metrics(results[name], f"{name}/"), step=train_result.global_step)
+    predictions = {split: trainer.predict(split) for split in trainer.predict_dls}
     trainer.save_model(output_dir)
     if is_main:
+        for split, (ids, scores) in predictions.items():
+            write_jsonl(output_dir / f"{split}_predictions.jsonl",
+                        records(data.unlabelled_texts[split], ids, scores, dict(enumerate(data.label_names))))
         tokenizer.save_pretrained(output_dir)
         save_arguments(cfg, output_dir / "args.json")
         write_results(output_dir, results)

@@ -63,19 +63,27 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
         inputs = tokenizer(chunk, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
         probs = model(**inputs).logits.float().softmax(dim=-1)
         scores, ids = probs.max(dim=-1)
-        results += [{"text": text, "label": model.config.id2label[int(idx)], "score": round(float(score), 4)}
-                    for text, idx, score in zip(chunk, ids, scores)]
+        results += records(chunk, ids.tolist(), scores.tolist(), model.config.id2label)
     return results
+
+
+def records(texts: list[str], ids: list[int], scores: list[float], id2label: dict) -> list[dict]:
+    """One {"text", "label", "score"} per text: the predicted label's name and its probability."""
+    return [{"text": text, "label": id2label[int(idx)], "score": round(float(score), 4)}
+            for text, idx, score in zip(texts, ids, scores, strict=True)]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def run(args: argparse.Namespace) -> None:
     texts = list(args.text) + (read_texts(args.input_file, args.text_column) if args.input_file else [])
     if not texts:
         raise UserError("nothing to classify: pass --text \"...\" or --input_file FILE")
-    lines = [json.dumps(r, ensure_ascii=False) for r in predict(args.model_dir, texts, args.batch_size,
-                                                                 args.max_length)]
+    rows = predict(args.model_dir, texts, args.batch_size, args.max_length)
     if args.output_file:
-        Path(args.output_file).write_text("\n".join(lines) + "\n")
-        print(f"wrote {len(lines)} predictions to {args.output_file}")
+        write_jsonl(Path(args.output_file), rows)
+        print(f"wrote {len(rows)} predictions to {args.output_file}")
     else:
-        print("\n".join(lines))
+        print("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))

@@ -5,6 +5,7 @@
   tokenizer.json, tokenizer_config.json, ...
   args.json                          the resolved arguments, secrets left out
   train_results.json, eval_results.json, test_results.json (when a labelled test split exists)
+  <split>_predictions.jsonl          predictions for a validation/test split that has no labels
   metrics.jsonl                      every logging event (written during training)
 """
 

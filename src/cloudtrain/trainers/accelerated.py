@@ -37,9 +37,10 @@ class AcceleratedTrainer(Trainer):
 
     def setup(self) -> None:
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.
-        self.model, self.optimizer, self.train_dl, *eval_dls = self.accelerator.prepare(
-            self.model, self.optimizer, self.train_dl, *self.eval_dls.values())
-        self.eval_dls = dict(zip(self.eval_dls, eval_dls))
+        self.model, self.optimizer, self.train_dl, *loaders = self.accelerator.prepare(
+            self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values())
+        self.eval_dls = dict(zip(self.eval_dls, loaders[:len(self.eval_dls)]))
+        self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls):]))
 
     def autocast(self):
         return contextlib.nullcontext()  # prepare() already wrapped the model's forward in autocast

@@ -35,7 +35,7 @@ from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerStat
 from cloudtrain.config import PRECISIONS, Config
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
-from cloudtrain.evaluation import evaluate_model, scalar_metrics
+from cloudtrain.evaluation import evaluate_model, predict_labels, scalar_metrics
 from cloudtrain.tracking import RunLog
 
 
@@ -173,6 +173,8 @@ class Trainer:
         self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size, cfg.data)}
         if data.test is not None:
             self.eval_dls["test"] = eval_dataloader(data.test, data, t.per_device_eval_batch_size, cfg.data)
+        self.predict_dls = {split: eval_dataloader(ds, data, t.per_device_eval_batch_size, cfg.data)
+                            for split, ds in data.unlabelled.items()}
         if t.torch_compile:
             model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
         self.optimizer = build_optimizer(model, cfg)
@@ -324,6 +326,11 @@ class Trainer:
         """Metrics of the current weights on one split, counted over every example exactly once."""
         return evaluate_model(self.model, self.eval_dls[split], len(self.data.label_names),
                               gather=self.gather, move=self.move, autocast=self.autocast)
+
+    def predict(self, split: str) -> tuple[list[int], list[float]]:
+        """Predicted label ids and their probabilities for an unlabelled split, in the split's order."""
+        return predict_labels(self.model, self.predict_dls[split], gather=self.gather, move=self.move,
+                              autocast=self.autocast)
 
     def _evaluate_during_training(self, state: TrainerState, bar: tqdm) -> None:
         metrics = self.evaluate("validation")
