@@ -60,3 +60,22 @@ def test_zero3_groups_weight_decay_by_real_shape_and_replaces_a_head(tiny_model_
     assert gathered["classifier.weight"].std() > 0 and torch.all(gathered["classifier.bias"] == 0)
     body = [name for name in saved if not name.startswith("classifier")]
     assert all(torch.equal(saved[name], gathered[name]) for name in body if name in gathered)
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_zero2_skips_a_nan_step_on_every_rank_and_counts_it(precision, tiny_model_dir, topic_csvs, tmp_path):
+    """A nan loss on rank 0 at step 3: DeepSpeed (which steps inside backward) skips it on both ranks,
+    the run counts it once, and training goes on with finite weights."""
+    out = tmp_path / "out"
+    options = tmp_path / "options.json"
+    options.write_text(json.dumps({
+        "model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]),
+        "validation_file": str(topic_csvs["validation"]), "output_dir": str(out), "zero_stage": 2,
+        "mixed_precision": precision, "nonfinite_loss": "skip", "max_steps": 6, "logging_steps": 2,
+        "per_device_train_batch_size": 4, "eval_strategy": "no", "learning_rate": 1e-3}))
+    torchrun(str(REPO / "tests" / "dist_nonfinite.py"), str(options), "3")
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["train/skipped_steps"]) for e in logged if "train/skipped_steps" in e] == [(4, 1)]
+    losses = [e["train/loss"] for e in logged if "train/loss" in e]
+    assert len(losses) == 3 and all(loss == loss for loss in losses)  # no nan reached the logged loss
+    assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values())

@@ -136,3 +136,27 @@ def test_no_layer_count_leaves_attention_out():
 def test_sum_squared_lengths_of_a_padded_batch():
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 0, 1, 1]])  # right and left padding
     assert sum_squared_lengths(mask).item() == 9 + 16 + 4
+
+
+@pytest.mark.parametrize("trainer_name", ["BasicTrainer", "AcceleratedTrainer"])
+def test_logged_mfu_uses_the_matmul_and_attention_flops(trainer_name, tiny_model_dir, tmp_path, monkeypatch):
+    """train/mfu (logged where the device's peak is known: a peak is given to the CPU here) is the interval's
+    matmul + attention FLOPs over time and peak, not 6 x all parameters x tokens."""
+    from cloudtrain.trainers import base
+    from cloudtrain.tracking import read_metrics
+    from test_training import tiny_setup
+
+    import cloudtrain.trainers as trainers
+
+    peak = 1e12
+    monkeypatch.setattr(base, "peak_flops", lambda device: peak)
+    trainer = tiny_setup(tiny_model_dir, tmp_path, getattr(trainers, trainer_name), max_steps=4,
+                         per_device_train_batch_size=4, logging_steps=4, eval_strategy="no")
+    trainer.fit()
+    (event,) = [e for e in read_metrics(tmp_path / "metrics.jsonl") if "train/mfu" in e]
+    flops_per_token = event["train/mfu"] * peak / event["train/tokens_per_s"]
+    flops = ModelFlops.from_model(trainer.model)
+    lengths = [len(ids) for ids in trainer.data.train["input_ids"]]
+    assert flops.flops_per_token(min(lengths)) <= flops_per_token * (1 + 1e-6)
+    assert flops_per_token <= flops.flops_per_token(max(lengths)) * (1 + 1e-6)
+    assert flops_per_token < 0.6 * 6 * total_parameters(trainer.model)  # the tiny model is mostly embeddings

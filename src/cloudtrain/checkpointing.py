@@ -11,8 +11,8 @@
 - Loading is safe: weights from safetensors, everything else through `torch.load(weights_only=True)`
   or JSON; a corrupt or foreign directory is one clear error. (DeepSpeed's own engine states are
   read by DeepSpeed's loader.)
-- SIGTERM (spot reclaim, Kubernetes, SLURM preemption) sets a flag that the loop checks after every
-  step: it saves a checkpoint and exits with status 143.
+- SIGTERM (spot reclaim, Kubernetes, SLURM preemption) sets a flag that the loop reads at its next
+  logging or checkpoint step: it saves a checkpoint and exits with status 143.
 """
 
 import json
@@ -43,7 +43,7 @@ class TrainerState:
     samples: int = 0
     tokens: int = 0
     loss_sum: float = 0.0
-    interval: list = field(default_factory=lambda: [0.0, 0.0, 0.0])  # logging sums not yet logged
+    interval: list = field(default_factory=lambda: [0.0] * 4)  # logging sums not yet logged (Meter)
     evaluations: list = field(default_factory=list)
     skipped_steps: int = 0  # non-finite steps skipped with --nonfinite_loss skip
 
@@ -207,7 +207,7 @@ def _fsync_dir(folder: Path) -> None:
 
 
 class PreemptionSignal:
-    """While active, SIGTERM only sets `received`; the training loop saves and stops at the next step."""
+    """While active, SIGTERM only sets `received`; the training loop saves and stops when it reads it."""
 
     def __init__(self):
         self.received = False

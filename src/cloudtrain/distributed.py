@@ -120,6 +120,23 @@ def resolve_deepspeed_config(source: str, given: dict, cfg: Config, world_size: 
     return resolved
 
 
+def check_deepspeed_skips(source: str, ds_config: dict, precision: str) -> None:
+    """--nonfinite_loss skip under DeepSpeed relies on the engine's own overflow check (it steps inside
+    backward, before the loop sees the loss): refuse the set-ups in which the engine has none."""
+    zero = ds_config.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    fix = "use --nonfinite_loss stop, or"
+    if stage == 0 and precision == "no":
+        raise UserError(f"--nonfinite_loss skip: DeepSpeed ZeRO-0 in fp32 applies a step with nan/inf gradients; "
+                        f"{fix} --zero_stage 1, 2 or 3, or bf16")
+    if stage in (1, 2) and precision == "bf16" and ds_config.get("bf16", {}).get("check_grad_overflow") is False:
+        raise UserError(f"--nonfinite_loss skip: DeepSpeed config ({source}) sets bf16.check_grad_overflow = false, "
+                        f"so nan/inf steps would be applied; {fix} remove that setting")
+    if stage in (1, 2) and precision == "no" and zero.get("compute_grad_norm") is False:
+        raise UserError(f"--nonfinite_loss skip: DeepSpeed config ({source}) sets zero_optimization.compute_grad_norm "
+                        f"= false, so nan/inf steps would be applied; {fix} remove that setting")
+
+
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
     d, accelerated = cfg.distributed, cfg.training.training_type == "accelerated"
@@ -145,7 +162,9 @@ def check_distributed(cfg: Config) -> None:
             raise UserError("ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed; unset it "
                             "(cloudtrain picks the gloo backend itself on a machine with no GPU)")
         source, given = requested_deepspeed(cfg)
-        resolve_deepspeed_config(source, given, cfg, launched_processes())
+        resolved = resolve_deepspeed_config(source, given, cfg, launched_processes())
+        if cfg.checkpoint.nonfinite_loss == "skip":
+            check_deepspeed_skips(source, resolved, cfg.training.mixed_precision)
     if wants_fsdp and not torch.cuda.is_available():
         raise UserError("FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
                         "on this machine use plain multi-process (DDP) or --zero_stage 3")

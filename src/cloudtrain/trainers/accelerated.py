@@ -72,6 +72,14 @@ class AcceleratedTrainer(Trainer):
             grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
         return StepStats(loss=window_loss, grad_norm=grad_norm)
 
+    def apply_step(self, bad: torch.Tensor) -> None:
+        if self.accelerator.state.deepspeed_plugin:
+            # The engine already stepped in backward(), or skipped a step with non-finite gradients on every
+            # rank itself (its overflow check; cloudtrain.distributed refuses the set-ups where it has none).
+            self.optimizer_step()
+        else:
+            super().apply_step(bad)
+
     def optimizer_step(self) -> None:
         self.optimizer.step()  # under DeepSpeed a no-op: the engine stepped in backward()
         self.optimizer.zero_grad(set_to_none=True)

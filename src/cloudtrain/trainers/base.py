@@ -12,9 +12,15 @@ Gradient accumulation: the micro-batches of one optimizer step are fetched toget
 each can be divided by the number of examples in the whole window. The update then equals that of
 one batch holding all of them, also for a short last window.
 
+No host sync in the step: losses, counts and the non-finite flag stay on the device. A nan/inf loss
+on any process (one small all-reduce) skips that step on the device (fused AdamW's `found_inf`); the
+flags are read, and SIGTERM agreed on, only where the loop syncs anyway (logging, evaluation and
+checkpoint steps, the last step), always before anything is logged, evaluated or saved.
+
 Throughput (samples/s, real non-padding tokens/s) is logged every logging step; on a CUDA device
-whose peak is known (PEAK_FLOPS), also the model FLOPs utilization, 6 * parameters * tokens per
-second over the device's dense bf16/fp16 peak (attention FLOPs left out; an fp32 run reads low).
+whose peak is known (PEAK_FLOPS), also the model FLOPs utilization: training FLOPs of the matmul
+weights and attention (cloudtrain.flops) per second, over the device's dense bf16/fp16 peak (an fp32
+run reads low).
 """
 
 import dataclasses
@@ -36,6 +42,7 @@ from cloudtrain.config import PRECISIONS, Config
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.evaluation import evaluate_model, predict_labels, scalar_metrics
+from cloudtrain.flops import ModelFlops, sum_squared_lengths
 from cloudtrain.tracking import RunLog
 
 
@@ -92,7 +99,8 @@ def summed_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
 
 
 class Meter:
-    """Examples, real (non-padding) tokens and summed loss since the last logging step.
+    """Examples, real (non-padding) tokens, summed loss and summed squared sequence lengths (for the
+    attention FLOPs) since the last logging step, over the applied steps only.
 
     Counts stay on the device between logging steps, so the step itself never waits for a host sync;
     `flush` adds them across processes into the run's totals in `state`.
@@ -101,11 +109,14 @@ class Meter:
     def __init__(self, reduce_sum, state: TrainerState, device: torch.device):
         self.reduce_sum, self.state = reduce_sum, state
         self.start = self.last = time.perf_counter()
-        self.interval = torch.tensor(state.interval, dtype=torch.float64, device=device)
+        sums = state.interval + [0.0] * (4 - len(state.interval))  # checkpoints before the 4th sum had 3
+        self.interval = torch.tensor(sums, dtype=torch.float64, device=device)
 
-    def add(self, window: list[dict], examples: int, loss_sum: torch.Tensor) -> None:
-        tokens = sum(batch["attention_mask"].sum() for batch in window)
-        self.interval += torch.stack([loss_sum.new_tensor(examples), tokens.to(loss_sum), loss_sum]).double()
+    def add(self, window: list[dict], examples: int, loss_sum: torch.Tensor, applied: torch.Tensor) -> None:
+        masks = [batch["attention_mask"] for batch in window]
+        values = torch.stack([loss_sum.new_tensor(examples), sum(m.sum() for m in masks).to(loss_sum), loss_sum,
+                              sum(sum_squared_lengths(m) for m in masks).to(loss_sum)]).double()
+        self.interval += torch.where(applied, values, 0.0)  # a skipped step's nan must not reach the sums
 
     def pending(self) -> list[float]:
         """The not yet logged sums of every process (a collective), for a checkpoint."""
@@ -113,7 +124,7 @@ class Meter:
 
     def flush(self) -> dict:
         """Totals since the last flush, from every process; one collective per logging step."""
-        examples, tokens, loss_sum = self.reduce_sum(self.interval.clone()).cpu().tolist()
+        examples, tokens, loss_sum, squared_lengths = self.reduce_sum(self.interval.clone()).cpu().tolist()
         self.interval.zero_()
         now = time.perf_counter()
         seconds, self.last = max(now - self.last, 1e-9), now
@@ -121,10 +132,33 @@ class Meter:
         self.state.tokens += int(tokens)
         self.state.loss_sum += loss_sum
         return {"loss": loss_sum / max(examples, 1), "samples_per_s": examples / seconds,
-                "tokens_per_s": tokens / seconds}
+                "tokens_per_s": tokens / seconds, "tokens": tokens, "squared_lengths": squared_lengths,
+                "seconds": seconds}
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+class NonfiniteGuard:
+    """Steps whose loss was nan/inf on any process, counted on the device and read only where the loop
+    syncs anyway (logging, evaluation and checkpoint steps, the last step), so a step never waits on
+    the host. The step itself is skipped on the device (see `Trainer.apply_step`)."""
+
+    def __init__(self, device: torch.device, step: int):
+        self.step = torch.tensor(step, device=device)
+        self.count = torch.zeros((), dtype=torch.int64, device=device)
+        self.first = torch.zeros((), dtype=torch.int64, device=device)  # the first bad step since the last read
+
+    def add(self, bad: torch.Tensor) -> None:
+        self.step += 1
+        self.first = torch.where((self.count == 0) & bad, self.step, self.first)
+        self.count += bad
+
+    def read(self) -> tuple[int, int]:
+        """(bad steps, the first of them) since the last read; one host sync."""
+        count, first = torch.stack([self.count, self.first]).tolist()
+        self.count.zero_(), self.first.zero_()
+        return count, first
 
 
 # Dense bf16/fp16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name().
@@ -208,6 +242,10 @@ class Trainer:
         """Each flag is true on every process if it is true on any."""
         return flags
 
+    def any_process(self, flag: torch.Tensor) -> torch.Tensor:
+        """A device flag, true on every process if it is true on any; no host sync."""
+        return self.reduce_sum(flag.float()) > 0
+
     def move(self, batch: dict) -> dict:
         return batch
 
@@ -228,7 +266,7 @@ class Trainer:
         """Train for the configured steps, logging, evaluating and checkpointing on schedule."""
         self.setup()
         self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
-        self._flops_per_token = 6 * count_parameters(self.model)
+        self._flops = ModelFlops.from_model(self.model)
         self._peak_flops = peak_flops(self._device)
         t, k = self.cfg.training, self.cfg.training.gradient_accumulation_steps
         steps_per_epoch = math.ceil(len(self.train_dl) / k)
@@ -240,6 +278,7 @@ class Trainer:
         self._announce(steps_per_epoch, total_steps)
 
         meter = Meter(self.reduce_sum, state, self._device)
+        guard = NonfiniteGuard(self._device, state.global_step)
         bar = tqdm(total=total_steps, initial=state.global_step, desc="training", dynamic_ncols=True,
                    disable=not self.is_main_process)
         with PreemptionSignal() as preemption, bar:
@@ -251,23 +290,27 @@ class Trainer:
                     window = [self.move(batch) for batch in window]
                     num_examples = sum(len(batch["labels"]) for batch in window)
                     stats = self.backward_window(window, num_examples)
-                    nonfinite, preempted = self.agree([not bool(torch.isfinite(stats.loss)), preemption.received])
-                    if nonfinite:
-                        self._skip_nonfinite(state, checkpointer)
-                    else:
-                        self.optimizer_step()
-                        meter.add(window, num_examples, stats.loss * num_examples)
+                    bad = self.any_process(~torch.isfinite(stats.loss))  # stays on the device
+                    self.apply_step(bad)
+                    guard.add(bad)
+                    meter.add(window, num_examples, stats.loss * num_examples, applied=~bad)
                     self.scheduler.step()
                     state.global_step += 1
                     bar.update(1)
                     step, done = state.global_step, state.global_step >= total_steps
                     end_of_epoch = step % steps_per_epoch == 0
-                    if done or step % t.logging_steps == 0:
+                    log_due = done or step % t.logging_steps == 0
+                    eval_due = not done and ((t.eval_strategy == "steps" and step % t.eval_steps == 0)
+                                             or (t.eval_strategy == "epoch" and end_of_epoch))
+                    save_due = bool(checkpointer and checkpointer.due(step, end_of_epoch))
+                    # Flags are read where the loop syncs anyway: before anything is logged, evaluated or saved.
+                    preempted = (log_due or eval_due or save_due) and self._read_flags(guard, preemption, state,
+                                                                                      checkpointer)
+                    if log_due:
                         self._log_interval(step, step / steps_per_epoch, meter.flush(), stats, bar)
-                    if not done and ((t.eval_strategy == "steps" and step % t.eval_steps == 0)
-                                     or (t.eval_strategy == "epoch" and end_of_epoch)):
+                    if eval_due:
                         self._evaluate_during_training(state, bar)
-                    if checkpointer and (checkpointer.due(step, end_of_epoch) or preempted):
+                    if checkpointer and (save_due or preempted):
                         saved = self.save_checkpoint(checkpointer, state, meter)
                     if preempted:
                         where = f"checkpoint saved to {saved}" if checkpointer else "no checkpoint (none configured)"
@@ -280,18 +323,40 @@ class Trainer:
                            runtime_s=state.runtime_s + meter.elapsed(), train_samples=state.samples,
                            train_tokens=state.tokens)
 
-    def _skip_nonfinite(self, state: TrainerState, checkpointer: Checkpointer | None) -> None:
-        """A nan/inf loss: drop the step's gradients, then stop (default) or count it and go on."""
-        self.skip_step()
-        step = state.global_step + 1
-        if self.cfg.checkpoint.nonfinite_loss == "skip":
-            state.skipped_steps += 1
-            self.run_log.log({"train/skipped_steps": state.skipped_steps}, step=step)
-            return
-        last = checkpointer.latest() if checkpointer else None
-        where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
-        raise TrainingStopped(f"the loss became non-finite at step {step}; training stopped and no model was "
-                              f"saved ({where}). Lower --learning_rate or use --nonfinite_loss skip", 1)
+    def apply_step(self, bad: torch.Tensor) -> None:
+        """The optimizer step, skipped where `bad` (the same on every process) is true.
+
+        Fused AdamW skips on the device (it reads `found_inf`, as for a GradScaler), so no step waits on
+        the host; other optimizers read the flag on the host. A skipped step leaves weights and
+        optimizer state as they were and drops its gradients.
+        """
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad.float()
+            try:
+                self.optimizer_step()
+            finally:
+                if hasattr(optimizer, "found_inf"):  # a GradScaler sets and deletes its own
+                    del optimizer.found_inf
+        elif bool(bad):
+            self.skip_step()
+        else:
+            self.optimizer_step()
+
+    def _read_flags(self, guard: NonfiniteGuard, preemption: PreemptionSignal, state: TrainerState,
+                    checkpointer: Checkpointer | None) -> bool:
+        """Act on the non-finite steps since the last read: stop (default) or count them; then whether any
+        process received SIGTERM (one small collective)."""
+        count, first = guard.read()
+        if count and self.cfg.checkpoint.nonfinite_loss == "skip":
+            state.skipped_steps += count
+            self.run_log.log({"train/skipped_steps": state.skipped_steps}, step=state.global_step)
+        elif count:
+            last = checkpointer.latest() if checkpointer else None
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+            raise TrainingStopped(f"the loss became non-finite at step {first}; training stopped and no model "
+                                  f"was saved ({where}). Lower --learning_rate or use --nonfinite_loss skip", 1)
+        return self.agree([preemption.received])[0]
 
     def save_checkpoint(self, checkpointer: Checkpointer, state: TrainerState, meter: Meter) -> Path:
         snapshot = dataclasses.replace(state, interval=meter.pending(),
@@ -311,7 +376,7 @@ class Trainer:
                             "--resume_from_checkpoint") from None
         state = TrainerState(**meta["state"])
         if not self.is_main_process:  # the pending logging sums of all processes live on the main one
-            state.interval = [0.0, 0.0, 0.0]
+            state.interval = [0.0] * len(state.interval)
         if self.is_main_process:
             print(f"resumed from {folder} at step {state.global_step} "
                   f"(loaded in {time.perf_counter() - start:.1f}s)", flush=True)
@@ -347,8 +412,8 @@ class Trainer:
         if stats.grad_norm is not None:
             values["train/grad_norm"] = float(stats.grad_norm)
         if self._peak_flops:
-            per_device_tokens = interval["tokens_per_s"] / self.num_processes
-            values["train/mfu"] = self._flops_per_token * per_device_tokens / self._peak_flops
+            flops = self._flops.training_flops(interval["tokens"], interval["squared_lengths"])
+            values["train/mfu"] = flops / interval["seconds"] / self.num_processes / self._peak_flops
         self.run_log.log(values, step=step)
         if self.is_main_process:
             bar.write(f"step {step}/{bar.total} | epoch {epoch:.2f} | loss {values['train/loss']:.4f} | "

@@ -1,0 +1,30 @@
+"""Run under torchrun by test_deepspeed.py: the real pipeline with the loss of one training step made nan
+on rank 0 only.
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/dist_nonfinite.py OPTIONS_JSON NAN_STEP
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from cloudtrain.config import build_config
+from cloudtrain.pipeline import run_training
+from cloudtrain.trainers import accelerated
+
+
+def main(options_file: str, nan_step: str) -> None:
+    real, calls = accelerated.summed_loss, []
+
+    def summed_loss(model, batch):  # one micro-batch per step: the n-th call is step n
+        calls.append(1)
+        loss = real(model, batch)
+        return loss * float("nan") if len(calls) == int(nan_step) and os.environ["RANK"] == "0" else loss
+
+    accelerated.summed_loss = summed_loss
+    run_training(build_config(json.loads(Path(options_file).read_text())))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
