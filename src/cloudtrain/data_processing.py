@@ -130,7 +130,7 @@ def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Data
         label_names=names,
         collator=DataCollatorWithPadding(tokenizer),
         unlabelled=unlabelled,
-        unlabelled_texts={split: raw[split][cfg.text_column][:len(ds)] for split, ds in unlabelled.items()},
+        unlabelled_texts={split: list(raw[split][cfg.text_column][:len(ds)]) for split, ds in unlabelled.items()},
     )
 
 
