@@ -107,6 +107,7 @@ def test_a_model_without_a_head_has_no_head_labels(tiny_model_dir):
     assert head_labels(ModelConfig(model_name_or_path=tiny_model_dir)) is None
 
 
+@pytest.mark.slow
 def test_fine_tuning_a_sentiment_checkpoint_on_other_labels_from_the_command_line(make_checkpoint, topic_csvs,
                                                                                  tmp_path):
     checkpoint = make_checkpoint("bert", ["negative", "positive"])
