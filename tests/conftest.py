@@ -1,4 +1,15 @@
-"""Shared fixtures: the real MiniLM and R8, a tiny random model with the real tokenizer, small files."""
+"""Shared fixtures: the real MiniLM and R8, a tiny random model with the real tokenizer, small files.
+
+Markers (registered in pytest.ini): `slow` tests are left out of `make test-fast` (`pytest -m "not slow"`);
+`gpu` tests need CUDA and are skipped with the reason "needs a CUDA GPU" where there is none.
+
+GPUs: the suite passes on a CPU-only machine and on a machine with one GPU. This process keeps the
+GPU it was started with (in-process tests then train on CUDA), but child processes started by tests
+that are not marked `gpu` see no GPU (CUDA_VISIBLE_DEVICES=""): a 2-process launch on gloo must not
+put both ranks on one GPU, and the CPU-only options and refusals these tests check stay the same on
+every machine. Tests marked `gpu` get the original CUDA_VISIBLE_DEVICES back, so what they launch
+runs on the GPU. `child_auto_precision()` is what `--mixed_precision auto` resolves to in such a child.
+"""
 
 import os
 import subprocess
@@ -13,6 +24,51 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "src" / "training_application.py"
+
+CUDA_AVAILABLE = False  # set in pytest_configure
+_NO_VALUE = object()
+_VISIBLE_DEVICES = _NO_VALUE  # CUDA_VISIBLE_DEVICES as the suite was started with
+
+
+def pytest_configure(config):
+    global CUDA_AVAILABLE, _VISIBLE_DEVICES
+    import torch
+
+    CUDA_AVAILABLE = torch.cuda.is_available()
+    if CUDA_AVAILABLE:
+        # Initialise CUDA now, so this process keeps its GPUs once the variable below hides them from children
+        # (before initialisation torch.cuda.device_count() re-reads CUDA_VISIBLE_DEVICES).
+        torch.cuda.init()
+    if _VISIBLE_DEVICES is _NO_VALUE:
+        _VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children of tests not marked gpu: CPU only
+
+
+def pytest_collection_modifyitems(config, items):
+    if CUDA_AVAILABLE:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if item.get_closest_marker("gpu"):
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def gpu_for_child_processes(request, monkeypatch):
+    """A test marked gpu launches its children with the GPUs this suite was started with."""
+    if request.node.get_closest_marker("gpu"):
+        if _VISIBLE_DEVICES is None or _VISIBLE_DEVICES is _NO_VALUE:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _VISIBLE_DEVICES)
+    yield
+
+
+def child_auto_precision() -> str:
+    """What --mixed_precision auto resolves to in a child process of a test not marked gpu (it sees no GPU)."""
+    from cloudtrain import hardware
+
+    return "bf16" if hardware.native_bf16("cpu") else "no"
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -2,7 +2,9 @@
 
 Each run is a real launch (torchrun or accelerate launch) of the real entry script. DeepSpeed builds
 its shared-memory comm op on first use; it is cached under ~/.cache/torch_extensions, so the build is
-paid once per machine, not once per test.
+paid once per machine, not once per test. The launches hide any GPU (CUDA_VISIBLE_DEVICES=""): on a
+machine with one GPU two ranks would otherwise share it; these tests check the CPU (gloo) paths on
+every machine, and tests/test_gpu.py the GPU ones.
 """
 
 import json
@@ -21,10 +23,9 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from cloudtrain.config import build_config
 from cloudtrain.distributed import check_distributed, resolve_deepspeed_config, zero_config
 from cloudtrain.errors import UserError
-from cloudtrain.hardware import resolve_precision
 from cloudtrain.model_loading import load_model
 
-from conftest import ENTRY, REPO, topic_rows
+from conftest import ENTRY, REPO, child_auto_precision, topic_rows
 
 TINY_RUN = ["--training_type", "accelerated", "--eval_strategy", "no", "--per_device_train_batch_size", "4",
             "--learning_rate", "1e-2", "--warmup_ratio", "0", "--logging_steps", "8"]
@@ -37,7 +38,7 @@ def free_port() -> str:
 
 
 def launch(launcher: list[str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("ACCELERATE_USE_CPU", None)
     result = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
@@ -63,6 +64,7 @@ def data_args(topic_csvs, model_dir) -> list[str]:
             "--validation_file", str(topic_csvs["validation"])]
 
 
+@pytest.mark.slow
 def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir, topic_csvs, tmp_path):
     common = data_args(topic_csvs, tiny_model_dir) + TINY_RUN + ["--max_train_samples", "56",
                                                                   "--num_train_epochs", "2", "--mixed_precision", "no"]
@@ -77,6 +79,7 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir
     assert logged_losses(tmp_path / "two") == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-4)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero2-torchrun", "zero2-offload-torchrun", "zero3-accelerate-launch"])
 def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
@@ -88,7 +91,8 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
         extra = ["--zero_stage", "2"] + (["--offload_optimizer", "cpu"] if "offload" in mode else [])
         result = launch(torchrun(2), *args, *extra)
     stage = 3 if "zero3" in mode else 2
-    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage}, precision {resolve_precision('auto')})" in result.stdout
+    # the ranks see no GPU, so --mixed_precision auto resolves as on a CPU
+    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage}, precision {child_auto_precision()})" in result.stdout
     losses = logged_losses(out)
     assert losses[-1] < 0.8 * losses[0], losses  # it learned
     reference = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
@@ -100,6 +104,7 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
     assert model.config.id2label == {0: "finance", 1: "sports", 2: "weather"}
 
 
+@pytest.mark.slow
 def test_users_deepspeed_json_with_auto_values(tiny_model_dir, topic_csvs, tmp_path):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -138,6 +143,7 @@ def test_auto_values_are_filled_from_the_options():
     assert filled["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
 
+@pytest.mark.slow
 def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     """13 examples on 2 processes x batch 4: the gathered predictions are exactly the 13, metrics as 1 process."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -165,8 +171,9 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_basic_trainer_under_a_multi_process_launcher_is_refused(tiny_model_dir, topic_csvs):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run([*torchrun(2), str(ENTRY), "--training_type", "basic",
                              *data_args(topic_csvs, tiny_model_dir)], capture_output=True, text=True, env=env,
                             cwd=REPO, timeout=120)
@@ -176,16 +183,18 @@ def test_basic_trainer_under_a_multi_process_launcher_is_refused(tiny_model_dir,
                       "accelerated for multi-process, DeepSpeed and FSDP runs"] * 2  # each process, no training
 
 
+NEEDS_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP is refused only where there is no GPU")
+
+
 @pytest.mark.parametrize("options, env, message", [
-    ({"fsdp": True}, {}, "FSDP needs GPUs"),
-    ({}, {"ACCELERATE_USE_FSDP": "true"}, "FSDP needs GPUs"),
+    pytest.param({"fsdp": True}, {}, "FSDP needs GPUs", marks=NEEDS_NO_GPU),
+    pytest.param({}, {"ACCELERATE_USE_FSDP": "true"}, "FSDP needs GPUs", marks=NEEDS_NO_GPU),
     ({"zero_stage": 2}, {"ACCELERATE_USE_CPU": "true"}, "ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed"),
     ({"offload_param": "cpu", "zero_stage": 2}, {}, "--offload_param needs --zero_stage 3"),
     ({"offload_optimizer": "cpu"}, {}, "need DeepSpeed"),
     ({"zero_stage": 2, "fsdp": True}, {}, "choose one"),
     ({"mixed_precision": "no"}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, "pass --mixed_precision bf16"),
 ])
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only refusals")
 def test_refusals_before_anything_loads(options, env, message, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)

@@ -12,7 +12,8 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
+import urllib.error
+import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -124,18 +125,16 @@ def offline_dirs(stdout: str) -> list[Path]:
 
 
 TRACKED_PART = textwrap.dedent("""
-    import sys, time
+    import sys
     from pathlib import Path
     from cloudtrain.config import build_config
     from cloudtrain.tracking import RunLog
 
     out, report_to, first, last, resume_step, offset, finish = sys.argv[1:]
     cfg = build_config({"report_to": report_to, "output_dir": out, "run_name": "resumable"})
-    start = time.perf_counter()
     run_log = RunLog(cfg, Path(out), True, {"num_parameters": 10, "device": "cpu", "num_processes": 1,
                                             "training_type": "basic"},
                      resume_step=None if resume_step == "none" else int(resume_step))
-    print(f"tracking started in {time.perf_counter() - start:.2f} s", flush=True)
     for step in range(int(first), int(last) + 1):
         run_log.log({"train/loss": float(offset) + step / 100}, step=step)
     if finish == "finish":
@@ -143,13 +142,40 @@ TRACKED_PART = textwrap.dedent("""
                         "eval": {"accuracy": 0.8, "confusion_matrix": [[2, 1], [0, 3]]}}, ["a", "b"])
 """)
 
+# Prepended to TRACKED_PART by tracked_part(spy=...): records each reachability probe (url, timeout, answer)
+# and each wandb.init (its mode) in the JSON file named by TRACKING_SPY, without changing what they do.
+SPY = textwrap.dedent("""
+    import atexit, json, os
+    import wandb
+    import cloudtrain.tracking
+
+    _calls = {"reachable": [], "init_modes": []}
+    atexit.register(lambda: open(os.environ["TRACKING_SPY"], "w").write(json.dumps(_calls)))
+    _real_reachable, _real_init = cloudtrain.tracking.reachable, wandb.init
+
+    def _reachable(url, timeout):
+        answered = _real_reachable(url, timeout)
+        _calls["reachable"].append([url, timeout, answered])
+        return answered
+
+    def _init(*args, **kwargs):
+        _calls["init_modes"].append(kwargs.get("mode"))
+        return _real_init(*args, **kwargs)
+
+    cloudtrain.tracking.reachable, wandb.init = _reachable, _init
+""")
+
 
 def tracked_part(out: Path, report_to: str, first: int, last: int, resume_step: int | None = None,
-                 offset: float = 0.0, finish: bool = True, **env: str) -> str:
-    """One process that opens a RunLog (resuming at `resume_step`), logs steps first..last; its stdout."""
+                 offset: float = 0.0, finish: bool = True, spy: Path | None = None, **env: str) -> str:
+    """One process that opens a RunLog (resuming at `resume_step`), logs steps first..last; its stdout.
+    With `spy`, that file receives the process's reachability probes and wandb.init modes (see SPY)."""
     args = [str(out), report_to, str(first), str(last), str(resume_step).lower(), str(offset),
             "finish" if finish else "stop"]
-    result = subprocess.run([sys.executable, "-c", TRACKED_PART, *args], capture_output=True, text=True,
+    script = TRACKED_PART if spy is None else SPY + TRACKED_PART
+    if spy is not None:
+        env["TRACKING_SPY"] = str(spy)
+    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
                             timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src"), **env})
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -157,6 +183,7 @@ def tracked_part(out: Path, report_to: str, first: int, last: int, resume_step: 
 
 # ---------------------------------------------------------------- one run, three local trackers
 
+@pytest.mark.slow
 def test_trackio_tensorboard_mlflow_match_metrics_jsonl(tiny_model_dir, topic_csvs, tracker_env):
     out = tracker_env / "out"
     result = run_cli(*train_args(tiny_model_dir, topic_csvs, out, "--report_to", "trackio,tensorboard,mlflow",
@@ -224,6 +251,7 @@ def test_training_curves_png_holds_loss_and_eval_curves(tiny_model_dir, topic_cs
 
 # ---------------------------------------------------------------- W&B
 
+@pytest.mark.slow
 def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, tracker_env):
     out = tracker_env / "out"
     result = run_cli(*train_args(tiny_model_dir, topic_csvs, out, "--report_to", "wandb", "--log_model", "true",
@@ -253,27 +281,53 @@ def silent_server():
         yield f"http://127.0.0.1:{server.getsockname()[1]}"
 
 
-def test_reachable_gives_up_after_its_timeout(silent_server):
-    start = time.perf_counter()
-    assert not reachable(silent_server, timeout=1.0)
-    assert time.perf_counter() - start < 2.0
+def test_reachable_gives_up_after_its_timeout(silent_server, monkeypatch):
+    """A server that accepts and never answers is unreachable; so is a probe that hangs for good (a DNS
+    lookup is not bound by the socket timeout): reachable() stops waiting at its timeout and says False."""
+    assert reachable(silent_server, timeout=0.5) is False
+
+    release, timeouts = threading.Event(), []
+
+    def hanging_urlopen(request, timeout):
+        timeouts.append(timeout)
+        release.wait(120)  # far past the probe's timeout; then it would report an answer
+        raise urllib.error.HTTPError(request.full_url, 401, "late answer", None, None)
+
+    monkeypatch.setattr(urllib.request, "urlopen", hanging_urlopen)
+    try:
+        assert reachable("https://api.wandb.invalid", timeout=0.2) is False  # True only if it had waited
+        assert timeouts == [0.2]  # the socket timeout is the probe's own
+    finally:
+        release.set()
 
 
-def test_wandb_with_key_but_no_network_falls_back_in_seconds(tracker_env, silent_server):
-    out = tracker_env / "out"
-    stdout = tracked_part(out, "wandb", 1, 3, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=silent_server)
+def test_reachable_counts_any_http_answer(rejecting_wandb_server):
+    """A server that answers, even with an error status, is reachable: W&B then decides about the key."""
+    assert reachable(rejecting_wandb_server, timeout=3.0) is True
+
+
+@pytest.mark.slow
+def test_wandb_with_key_but_no_network_falls_back_without_waiting_for_wandb(tracker_env, silent_server):
+    out, spy = tracker_env / "out", tracker_env / "spy.json"
+    stdout = tracked_part(out, "wandb", 1, 3, spy=spy, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=silent_server)
     assert f"W&B: {silent_server} cannot be reached (no answer within 3 s); logging offline" in stdout
-    # W&B alone would wait out its init timeout (90 s), then fail
-    assert float(stdout.split("tracking started in ")[1].split()[0]) < 10
+    calls = json.loads(spy.read_text())
+    # One 3-second probe of the configured server found no answer, so W&B was started offline, once: an
+    # online wandb.init (which would wait out W&B's own init timeout, then fail) was never attempted.
+    assert calls["reachable"] == [[silent_server, tracking.WANDB_CONNECT_TIMEOUT_S, False]]
+    assert tracking.WANDB_CONNECT_TIMEOUT_S == 3.0
+    assert calls["init_modes"] == ["offline"]
     (run_dir,) = offline_dirs(stdout)
     assert [row["_step"] for row in wandb_run(run_dir)["history"] if "train/loss" in row] == [1, 2, 3]
 
 
 # ---------------------------------------------------------------- several processes, resume
 
+@pytest.mark.slow
 def test_two_processes_make_one_tracker_run(tiny_model_dir, topic_csvs, tracker_env):
     out = tracker_env / "out"
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1"}
+    # gloo on CPU; the GPU (if any) hidden so that two ranks never share it
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ENTRY),
          "--training_type", "accelerated",
@@ -314,6 +368,7 @@ def rejecting_wandb_server():
     server.shutdown()
 
 
+@pytest.mark.slow
 def test_resume_continues_the_same_tracker_runs(tracker_env, rejecting_wandb_server):
     out, trackers = tracker_env / "out", "wandb,trackio,tensorboard"
     # Part one: a key the server rejects (so W&B falls back to offline); logs steps 1-6, then stops.
