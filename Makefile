@@ -1,4 +1,5 @@
 # Two commands do all set-up:  `make train` (the main job on the built-in default) and `make test`.
+# `make test-fast` is the quick tier (tests not marked slow; under 3 minutes on 2 cores).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -7,7 +8,7 @@ R8     := data/reuters-r8/reuters-r8-train.tab
 # `make train ARGS="--training_type basic"` passes extra options to the application.
 ARGS   ?=
 
-.PHONY: setup data train test bench clean dashboard
+.PHONY: setup data train test test-fast bench clean dashboard
 
 setup: $(STAMP) $(R8)
 
@@ -26,8 +27,13 @@ data $(R8): $(STAMP)
 train: setup
 	$(PY) src/training_application.py --training_type accelerated --overwrite_output_dir true $(ARGS)
 
+# The full suite (CI runs this); tests marked `gpu` run only where CUDA is available.
 test: setup
 	$(PY) -m pytest tests $(ARGS)
+
+# The quick tier: the whole pipeline once, without the slow tests (multi-process, DeepSpeed, SageMaker, ...).
+test-fast: setup
+	$(PY) -m pytest tests -m "not slow" $(ARGS)
 
 # `make bench` compares our trainers with a plain loop and transformers.Trainer (bench/results/latest.md);
 # then each optimization on and off; `make bench ARGS="--ablations none"` skips those.

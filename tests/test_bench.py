@@ -29,6 +29,7 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_json_holds_every_runner_with_sane_values(bench_results):
     results = json.loads((bench_results / "latest.json").read_text())
     assert set(results["runners"]) == set(RUNNERS)
@@ -50,6 +51,7 @@ def test_json_holds_every_runner_with_sane_values(bench_results):
     assert ablation["spec"]["group_by_length"] and ablation["vs_baseline"] > 0
 
 
+@pytest.mark.slow
 def test_markdown_and_chart(bench_results):
     table = (bench_results / "latest.md").read_text()
     for row in ("cloudtrain BasicTrainer", "cloudtrain AcceleratedTrainer", "reference PyTorch loop",

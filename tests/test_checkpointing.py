@@ -77,6 +77,7 @@ def train_losses(out: Path) -> dict[int, float]:
     return {e["step"]: e["train/loss"] for e in events if "train/loss" in e}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("processes", [1, 2])
 def test_killed_mid_epoch_then_resumed_equals_never_stopped(processes, tiny_model_dir, topic_csvs, tmp_path):
     steps = ["--max_steps", "150", "--checkpointing_steps", "13"]  # 15 steps per epoch (8 with 2 processes)
@@ -100,6 +101,7 @@ def test_killed_mid_epoch_then_resumed_equals_never_stopped(processes, tiny_mode
         (after if processes == 1 else pytest.approx(after, rel=1e-12))
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable] + args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "3000", "--eval_strategy", "no")
@@ -119,6 +121,7 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(tiny_model_d
     assert f"at step {step}" in result.stdout and f"trained {step + 10} steps" in result.stdout
 
 
+@pytest.mark.slow
 def test_a_kill_during_a_save_leaves_the_previous_checkpoint_as_latest(tmp_path):
     """The real MiniLM, so that a save takes long enough to be killed in the middle of it."""
     out = tmp_path / "out"
@@ -161,6 +164,7 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
     assert [step for step, _ in complete_checkpoints(tmp_path)] == kept
 
 
+@pytest.mark.slow
 def test_rotation_in_a_real_run(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
     run([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "60", "--checkpointing_steps", "5",
@@ -173,6 +177,7 @@ def test_rotation_in_a_real_run(tiny_model_dir, topic_csvs, tmp_path):
     assert max(scores.values()) == best["accuracy"]
 
 
+@pytest.mark.slow
 def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
     # AdamW's decoupled decay with lr x weight_decay = 100 multiplies the weights by -99 every step

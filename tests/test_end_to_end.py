@@ -14,6 +14,8 @@ from cloudtrain.predict import predict
 
 from conftest import run_cli
 
+pytestmark = pytest.mark.slow  # the real MiniLM trained on real R8 texts, twice
+
 R8_QUICK = ["--max_train_samples", "320", "--max_eval_samples", "200", "--max_length", "64",
             "--num_train_epochs", "2", "--learning_rate", "1e-4", "--logging_steps", "10"]
 

@@ -83,10 +83,11 @@ def check_saved_model(out: Path, tiny_model_dir: str) -> dict[str, torch.Tensor]
 def test_fsdp2_trains_and_saves_the_full_model(how, tiny_model_dir, topic_csvs, tmp_path):
     """One process per GPU (two where there are two): accelerate's FSDP2 plugin wraps, trains, then gathers the
     full state dict for save_pretrained. Plain `python` would not do: accelerate enables FSDP only under a launcher."""
+    precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "no"
     n = min(2, torch.cuda.device_count())
     out = tmp_path / "out"
     args = [str(ENTRY), *tiny_args(tiny_model_dir, topic_csvs, out, "--training_type", "accelerated",
-                                   "--mixed_precision", "bf16")]
+                                   "--mixed_precision", precision)]
     if how.startswith("torchrun"):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
                free_port(), *args, "--fsdp", "true"]
@@ -95,7 +96,7 @@ def test_fsdp2_trains_and_saves_the_full_model(how, tiny_model_dir, topic_csvs, 
                str(REPO / "configs/accelerate/fsdp.yaml"), "--num_processes", str(n), "--main_process_port",
                free_port(), *args]
     result = launch(cmd)
-    assert f"{n} process(es) on cuda (FSDP, precision bf16)" in result.stdout
+    assert f"{n} process(es) on cuda (FSDP, precision {precision})" in result.stdout
     assert result.stdout.count("model saved to") == 1  # only the main process prints
     trained = losses(out)
     assert trained[-1] < 0.8 * trained[0], trained
@@ -174,8 +175,9 @@ def test_mfu_is_logged_on_a_known_gpu(training_type, tiny_model_dir, topic_csvs,
     if peak is None:
         pytest.skip(f"{torch.cuda.get_device_name(0)} is not in PEAK_FLOPS, so no MFU is logged on it")
     out = tmp_path / "out"
+    precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"  # the peak's dtype
     result = run_cli(*tiny_args(tiny_model_dir, topic_csvs, out, "--training_type", training_type,
-                                "--mixed_precision", "bf16"))
+                                "--mixed_precision", precision))
     assert result.returncode == 0, result.stderr[-3000:]
     logged = [r for r in records(out) if "train/loss" in r]
     assert logged and all("train/mfu" in r for r in logged)  # at every logging step

@@ -99,6 +99,7 @@ def pushed(hub, tiny_model_dir, data_files, tmp_path_factory):
     return out, result
 
 
+@pytest.mark.slow
 def test_push_creates_the_repo_and_commits_exactly_the_model_files(pushed, hub):
     out, result = pushed
     repo = hub.repos["alice/topics"]
@@ -115,6 +116,7 @@ def test_push_creates_the_repo_and_commits_exactly_the_model_files(pushed, hub):
     assert f"to {hub.url}/alice/topics (commit {upload.oid[:8]})" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_uploaded_card_parses_and_carries_the_eval_metrics(pushed, in_process, tmp_path):
     out, _ = pushed
     readme = hf_hub_download("alice/topics", "README.md", token=TOKEN, cache_dir=tmp_path)  # through resolve
@@ -134,6 +136,7 @@ def test_the_uploaded_card_parses_and_carries_the_eval_metrics(pushed, in_proces
     assert "- transformers " in card.text
 
 
+@pytest.mark.slow
 def test_the_token_is_in_no_file_and_no_output_line(pushed):
     out, result = pushed
     files = [path for path in out.rglob("*") if path.is_file()]
@@ -146,6 +149,7 @@ def test_the_token_is_in_no_file_and_no_output_line(pushed):
 
 # ---------------------------------------------------------------- failures
 
+@pytest.mark.slow
 def test_a_bad_token_fails_before_training(hub, tiny_model_dir, data_files, tmp_path):
     out = tmp_path / "model"
     bad = "hf_not_a_valid_token_42"
@@ -161,6 +165,7 @@ def test_a_bad_token_fails_before_training(hub, tiny_model_dir, data_files, tmp_
     assert bad not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_a_failed_push_keeps_the_run_and_the_retry_command_pushes_it(hub, tiny_model_dir, data_files, tmp_path):
     out = tmp_path / "model"
     hub.refuse_commits = "storage quota exceeded"
@@ -291,6 +296,7 @@ def test_card_for_the_builtin_model_and_data_names_them_and_holds_no_secret(tmp_
 
 # ---------------------------------------------------------------- saves during training
 
+@pytest.mark.slow
 def test_every_save_and_checkpoint_strategies_push_each_checkpoint_in_order(hub, tiny_model_dir, data_files,
                                                                            tmp_path):
     out = tmp_path / "model"

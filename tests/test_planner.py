@@ -247,6 +247,7 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
 
 # ---------------------------------------------------------------- the command line
 
+@pytest.mark.slow
 def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
     result = run_cli("plan", "--model_name_or_path", tiny_model_dir, "--num_gpus", "8", "--gpu_memory_gb", "24",
                      "--per_device_train_batch_size", "8", "--global_batch_size", "128", "--json",
@@ -261,6 +262,7 @@ def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
     assert Path(rec["files"]["accelerate_config"]).is_file()
 
 
+@pytest.mark.slow
 def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_dirs, tmp_path):
     result = run_cli("plan", "--model_name_or_path", decoder_dirs["7b"], "--gpu_memory_gb", "4",
                      "--max_length", "4096", "--output_dir", str(tmp_path))
@@ -293,6 +295,7 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_csvs, tmp_path):
     """The printed command, run as printed (plus data and a short run), with the written configs."""
     plan = planner.make_plan(plan_args(tiny_model_dir, tmp_path / "plan", num_labels=3, num_gpus=2,

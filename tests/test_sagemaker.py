@@ -145,6 +145,7 @@ def test_inside_a_job_the_defaults_follow_the_contract(tmp_path):
 
 # ---------------------------------------------------------------- the launcher, real SDK against moto
 
+@pytest.mark.slow
 def test_launch_sends_the_job_and_hides_secrets(aws, launcher, secrets, topic_data, tiny_model_dir,
                                                  trained_model_dir, tmp_path, capsys, caplog):
     """A local run's YAML, a spot job on two 4-GPU instances: what the SDK actually sent to CreateTrainingJob."""
@@ -234,6 +235,7 @@ output:
     assert_no_secret(printed + caplog.text)
 
 
+@pytest.mark.slow
 def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_data, trained_model_dir, tmp_path,
                                                capsys):
     """The launch as a user types it, in a fresh interpreter with the SDK logging at DEBUG; then the
@@ -331,6 +333,7 @@ def run_output(result: subprocess.CompletedProcess) -> str:
     return (result.stdout + result.stderr)[-6000:]
 
 
+@pytest.mark.slow
 def test_job_saves_a_loadable_model_in_sm_model_dir(job_run):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, pipeline
 
@@ -358,6 +361,7 @@ def checkpoint_steps(folder: Path) -> dict[int, Path]:
             if p.name.removeprefix("checkpoint-").isdigit()}
 
 
+@pytest.mark.slow
 def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
     """Spot reclaimed after step 4: a new instance gets the synced checkpoints back and an empty model dir."""
     assert job_run.first.returncode == 0, run_output(job_run.first)
@@ -384,6 +388,7 @@ def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
 
 # ---------------------------------------------------------------- the notebook
 
+@pytest.mark.slow
 def test_notebook_runs_top_to_bottom_against_the_local_aws(aws, secrets, trained_model_dir, tmp_path):
     import nbformat
     from nbclient import NotebookClient
