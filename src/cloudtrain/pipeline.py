@@ -24,8 +24,8 @@ from cloudtrain.errors import UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.model_loading import head_labels, load_model, load_tokenizer, resolve_model_path
-from cloudtrain.predict import records, write_jsonl
-from cloudtrain.saving import holds_model, write_results
+from cloudtrain.predict import records
+from cloudtrain.saving import holds_model, write_jsonl, write_results
 from cloudtrain import hub
 from cloudtrain.tracking import RunLog, check_trackers
 from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer, count_parameters

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.saving import holds_model
+from cloudtrain.saving import holds_model, write_jsonl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -71,10 +71,6 @@ def records(texts: list[str], ids: list[int], scores: list[float], id2label: dic
     """One {"text", "label", "score"} per text: the predicted label's name and its probability."""
     return [{"text": text, "label": id2label[int(idx)], "score": round(float(score), 4)}
             for text, idx, score in zip(texts, ids, scores, strict=True)]
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> None:
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
 
 
 def run(args: argparse.Namespace) -> None:

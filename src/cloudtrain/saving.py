@@ -23,6 +23,11 @@ def write_json(path: Path, data: dict) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    """One JSON object per line (predictions)."""
+    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+
+
 def write_results(output_dir: Path, results: dict[str, dict]) -> None:
     """One `<name>_results.json` per entry, e.g. {"train": ..., "eval": ..., "test": ...}."""
     for name, values in results.items():

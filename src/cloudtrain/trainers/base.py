@@ -264,9 +264,9 @@ class Trainer:
     # ------------------------------------------------------------ the loop
     def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
         """Train for the configured steps, logging, evaluating and checkpointing on schedule."""
+        self._flops = ModelFlops.from_model(self.model)  # before setup(): DDP/DeepSpeed wrappers hide the config
         self.setup()
         self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
-        self._flops = ModelFlops.from_model(self.model)
         self._peak_flops = peak_flops(self._device)
         t, k = self.cfg.training, self.cfg.training.gradient_accumulation_steps
         steps_per_epoch = math.ceil(len(self.train_dl) / k)
