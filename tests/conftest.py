@@ -148,3 +148,80 @@ def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, str(ENTRY), *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=REPO)
+
+
+# ---------------------------------------------------------------- decoder language models
+LM_TEXT = [
+    "Once upon a time there lived a king who had three daughters.",
+    "The youngest daughter was so beautiful that the sun itself was astonished.",
+    "Near the castle lay a great dark forest, and in the forest was a well.",
+    "When the day was very warm, the princess went out into the forest and sat by the cool well.",
+    "The frog said: what will you give me if I bring your golden ball up again?",
+    "She ran home as fast as she could and thought no more of the poor frog.",
+    "Hansel and Gretel walked through the woods until they came to a little house made of bread.",
+    "The wolf knocked at the door and said: open the door, dear children, your mother is here.",
+    "shares fell on weak earnings and the bank raised interest rates again.",
+    "the team won the match and the fans cheered the champions.",
+]
+
+
+def lm_documents(n: int, seed: int = 0) -> list[str]:
+    """`n` short documents of uneven length (1-3 sentences of LM_TEXT)."""
+    import random
+
+    rng = random.Random(seed)
+    return [" ".join(rng.sample(LM_TEXT, rng.randint(1, 3))) for _ in range(n)]
+
+
+@pytest.fixture(scope="session")
+def lm_tokenizer_dir(tmp_path_factory) -> str:
+    """A byte-level BPE tokenizer (vocab ~400) trained here on LM_TEXT; EOS, no pad token (like GPT-2/Llama)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(LM_TEXT * 3, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
+                                        bos_token="<|endoftext|>")
+    out = tmp_path_factory.mktemp("lm-tokenizer")
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def _save_tiny_lm(out: Path, config, tokenizer_dir: str) -> str:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, lm_tokenizer_dir) -> str:
+    """A 2-layer, hidden-32 Llama-style decoder (GQA, RoPE) with random weights and the test tokenizer."""
+    from transformers import AutoTokenizer, LlamaConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+                         pad_token_id=None, tie_word_embeddings=False)
+    return _save_tiny_lm(tmp_path_factory.mktemp("tiny-llama"), config, lm_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory, lm_tokenizer_dir) -> str:
+    """A 2-layer, hidden-32 GPT-2-style decoder (learned positions, tied embeddings), no dropout."""
+    from transformers import AutoTokenizer, GPT2Config
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256,
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    return _save_tiny_lm(tmp_path_factory.mktemp("tiny-gpt2"), config, lm_tokenizer_dir)
