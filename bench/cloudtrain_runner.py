@@ -1,4 +1,4 @@
-"""Our two trainers, driven through their public classes exactly as cloudtrain.pipeline builds them.
+"""Our two trainers, built from the task, runtime and trainer classes as cloudtrain.pipeline.build_run does.
 
 The step clock wraps the trainer's optimizer step; evaluation is the trainer's own (`evaluate`), on
 the test split. Checkpointing, trackers and saving are off: they are not the training loop.
@@ -6,9 +6,10 @@ the test split. Checkpointing, trackers and saving are off: they are not the tra
 
 import tempfile
 
-from cloudtrain.distributed import build_accelerator
+from cloudtrain.runtime import Runtime
+from cloudtrain.tasks import build_task
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
+from cloudtrain.trainers import TRAINERS
 
 from common import Spec, StepClock, prepare
 
@@ -16,13 +17,10 @@ from common import Spec, StepClock, prepare
 def run(spec: Spec) -> dict:
     cfg, data, model, _ = prepare(spec)
     clock = StepClock()  # building the accelerator counts towards the time to the first step
-    accelerator = build_accelerator(cfg) if spec.runner == "accelerated" else None
+    runtime = Runtime.for_launch(cfg)
     with tempfile.TemporaryDirectory() as out:
         run_log = RunLog(cfg, out, True, run_info={})
-        if accelerator:
-            trainer = AcceleratedTrainer(cfg, model, data, run_log, accelerator)
-        else:
-            trainer = BasicTrainer(cfg, model, data, run_log)
+        trainer = TRAINERS[cfg.training.training_type](cfg, build_task(cfg), model, data, run_log, runtime)
         step = trainer.optimizer_step
 
         def timed_step() -> None:

@@ -15,8 +15,9 @@ from transformers import DataCollatorWithPadding, set_seed
 
 from cloudtrain.config import Config, build_config
 from cloudtrain.data_connecting import connect_data
-from cloudtrain.data_processing import ProcessedData, process_data
-from cloudtrain.model_loading import load_model, load_tokenizer
+from cloudtrain.data_processing import ProcessedData
+from cloudtrain.model_loading import load_tokenizer
+from cloudtrain.tasks import build_task
 
 
 @dataclass
@@ -62,12 +63,13 @@ def prepare(spec: Spec) -> tuple[Config, ProcessedData, torch.nn.Module, object]
     if spec.threads:
         torch.set_num_threads(spec.threads)
     cfg = spec.config()
+    task = build_task(cfg)
     tokenizer = load_tokenizer(cfg.model)
-    data = process_data(connect_data(cfg.data), tokenizer, cfg.data, cfg.training.seed)
+    data = task.process(connect_data(cfg.data, task.columns(cfg.data)), tokenizer, cfg)
     if spec.fixed_padding:  # the ablation: every batch padded to max_length instead of its longest row
         data.collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=spec.max_length)
     set_seed(cfg.training.seed)
-    model = load_model(cfg.model, data.label_names, tokenizer)
+    model = task.load_model(cfg, data, tokenizer, announce=False)
     set_seed(cfg.training.seed)
     return cfg, data, model, tokenizer
 

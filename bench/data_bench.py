@@ -9,6 +9,7 @@ from datasets import DatasetDict
 from cloudtrain.data_connecting import connect_data
 from cloudtrain.data_processing import process_data
 from cloudtrain.model_loading import load_tokenizer
+from cloudtrain.tasks import build_task
 
 from common import Spec
 
@@ -17,7 +18,8 @@ def run(spec: Spec) -> dict:
     with tempfile.TemporaryDirectory() as cache:
         spec.cache_dir = cache
         cfg = spec.config()
-        raw = DatasetDict(train=connect_data(cfg.data)["train"])
+        task = build_task(cfg)
+        raw = DatasetDict(train=connect_data(cfg.data, task.columns(cfg.data))["train"])
         tokenizer = load_tokenizer(cfg.model)
         rows, result = len(raw["train"]), {}
         for name in ("first", "cached"):

@@ -8,26 +8,16 @@ import sys
 from pathlib import Path
 
 from cloudtrain.config import build_config
-from cloudtrain.data_connecting import connect_data
-from cloudtrain.data_processing import process_data
-from cloudtrain.distributed import build_accelerator
-from cloudtrain.model_loading import load_model, load_tokenizer
-from cloudtrain.tracking import RunLog
-from cloudtrain.trainers import AcceleratedTrainer
+from cloudtrain.pipeline import build_run
 
 
 def main(options_file: str, result_file: str) -> None:
     cfg = build_config({"mixed_precision": "no", **json.loads(Path(options_file).read_text())})  # exact fp32 sums
-    accelerator = build_accelerator(cfg)
-    tokenizer = load_tokenizer(cfg.model)
-    data = process_data(connect_data(cfg.data), tokenizer, cfg.data, cfg.training.seed)
-    model = load_model(cfg.model, data.label_names, tokenizer)  # a saved classifier: the same weights everywhere
-    run_log = RunLog(cfg, Path(cfg.output.output_dir), accelerator.is_main_process, run_info={})
-    trainer = AcceleratedTrainer(cfg, model, data, run_log, accelerator)
-    trainer.setup()
-    result = trainer.evaluate("validation")
-    if accelerator.is_main_process:
-        Path(result_file).write_text(json.dumps({**result, "num_processes": accelerator.num_processes}))
+    run = build_run(cfg)  # a saved classifier: the same weights everywhere
+    run.trainer.setup()
+    result = run.trainer.evaluate("validation")
+    if run.runtime.is_main:
+        Path(result_file).write_text(json.dumps({**result, "num_processes": run.runtime.count}))
 
 
 if __name__ == "__main__":

@@ -13,22 +13,13 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from cloudtrain.config import build_config
-from cloudtrain.data_connecting import connect_data
-from cloudtrain.data_processing import process_data
-from cloudtrain.distributed import build_accelerator
-from cloudtrain.model_loading import head_labels, load_model, load_tokenizer
-from cloudtrain.tracking import RunLog
-from cloudtrain.trainers import AcceleratedTrainer
+from cloudtrain.pipeline import build_run
 
 
 def main(options_file: str, result_dir: str) -> None:
     cfg = build_config({"mixed_precision": "no", "zero_stage": 3, **json.loads(Path(options_file).read_text())})
-    accelerator = build_accelerator(cfg)
-    tokenizer = load_tokenizer(cfg.model)
-    data = process_data(connect_data(cfg.data), tokenizer, cfg.data, cfg.training.seed, head_labels(cfg.model))
-    model = load_model(cfg.model, data.label_names, tokenizer, announce=accelerator.is_main_process)
-    run_log = RunLog(cfg, Path(result_dir), accelerator.is_main_process, run_info={})
-    trainer = AcceleratedTrainer(cfg, model, data, run_log, accelerator)
+    run = build_run(cfg)
+    accelerator, trainer, data = run.runtime.accelerator, run.trainer, run.data
     groups = [{"weight_decay": g["weight_decay"], "shapes": [list(p.ds_shape) for p in g["params"]],
                "local_numel": sum(p.numel() for p in g["params"])} for g in trainer.optimizer.param_groups]
     trainer.setup()

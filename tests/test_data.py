@@ -13,8 +13,14 @@ from cloudtrain.config import DataConfig
 from cloudtrain.data_connecting import connect_data
 from cloudtrain.data_processing import find_label_names, process_data, train_dataloader
 from cloudtrain.errors import UserError
+from cloudtrain.tasks.classification import ClassificationTask
 
 from conftest import topic_rows
+
+
+def connect(cfg: DataConfig) -> DatasetDict:
+    """The raw splits, with the columns classification needs checked (as the pipeline does)."""
+    return connect_data(cfg, ClassificationTask().columns(cfg))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +42,7 @@ def test_local_files_every_format(tmp_path, fmt):
     for split in ("train", "validation"):
         paths[split] = tmp_path / f"{split}.{fmt}"
         write(df, paths[split], fmt)
-    raw = connect_data(DataConfig(train_file=str(paths["train"]), validation_file=str(paths["validation"])))
+    raw = connect(DataConfig(train_file=str(paths["train"]), validation_file=str(paths["validation"])))
     assert set(raw) == {"train", "validation"}
     assert raw["train"]["text"] == df["text"].tolist() and raw["train"]["label"] == df["label"].tolist()
 
@@ -44,10 +50,10 @@ def test_local_files_every_format(tmp_path, fmt):
 def test_save_to_disk_directory(tmp_path):
     DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}
                 ).save_to_disk(tmp_path / "ds")
-    raw = connect_data(DataConfig(dataset_name=str(tmp_path / "ds")))
+    raw = connect(DataConfig(dataset_name=str(tmp_path / "ds")))
     assert set(raw) == {"train", "validation"} and len(raw["train"]) == 9  # "dev" is read as validation
     Dataset.from_list(topic_rows(2)).save_to_disk(tmp_path / "single")
-    assert len(connect_data(DataConfig(train_file=str(tmp_path / "single")))["train"]) == 6
+    assert len(connect(DataConfig(train_file=str(tmp_path / "single")))["train"]) == 6
 
 
 def test_split_files_from_a_saved_dataset_dict_take_their_own_split(tmp_path):
@@ -56,14 +62,14 @@ def test_split_files_from_a_saved_dataset_dict_take_their_own_split(tmp_path):
     train, dev = Dataset.from_list(topic_rows(3)), Dataset.from_list(topic_rows(1, offset=2))
     DatasetDict({"train": train, "dev": dev}).save_to_disk(tmp_path / "ds")
     ds = str(tmp_path / "ds")
-    raw = connect_data(DataConfig(train_file=ds, validation_file=ds))
+    raw = connect(DataConfig(train_file=ds, validation_file=ds))
     assert raw["validation"]["text"] == dev["text"] and raw["train"]["text"] == train["text"]
     with pytest.raises(UserError, match=r"--test_file .*ds has no test split \(it has: train, dev\)"):
-        connect_data(DataConfig(train_file=ds, test_file=ds))
+        connect(DataConfig(train_file=ds, test_file=ds))
 
 
 def test_builtin_reuters_r8():
-    raw = connect_data(DataConfig())
+    raw = connect(DataConfig())
     assert (len(raw["train"]), len(raw["test"])) == (5485, 2189)
     names, _ = find_label_names(raw, "label")
     assert names == ["acq", "crude", "earn", "grain", "interest", "money-fx", "ship", "trade"]
@@ -71,7 +77,7 @@ def test_builtin_reuters_r8():
 
 def test_hub_dataset_offline_is_a_clear_error():
     with pytest.raises(UserError, match="could not load dataset 'no-such/dataset' from the Hub"):
-        connect_data(DataConfig(dataset_name="no-such/dataset"))
+        connect(DataConfig(dataset_name="no-such/dataset"))
 
 
 def test_integer_labels_keep_their_names_and_string_labels_sort():
@@ -92,7 +98,7 @@ def test_bad_columns_and_empty_data(tmp_path, cfg_kwargs, rows, message):
     else:
         pd.DataFrame(topic_rows(2)).to_csv(path, index=False)
     with pytest.raises(UserError, match=message):
-        connect_data(DataConfig(train_file=str(path), **cfg_kwargs))
+        connect(DataConfig(train_file=str(path), **cfg_kwargs))
 
 
 def test_validation_labels_unseen_in_training(tmp_path, tokenizer):
@@ -135,16 +141,16 @@ def test_sample_limits(tokenizer):
 def test_processing_is_cached_across_runs(tmp_path, tokenizer, topic_csvs):
     cfg = DataConfig(train_file=str(topic_csvs["train"]), validation_file=str(topic_csvs["validation"]),
                      cache_dir=str(tmp_path / "cache"))
-    first = process_data(connect_data(cfg), tokenizer, cfg, seed=0)
+    first = process_data(connect(cfg), tokenizer, cfg, seed=0)
     files = sorted((tmp_path / "cache").glob("*.arrow"))
     assert len(files) == 2
     stamps = {f: os.stat(f).st_mtime_ns for f in files}
     fresh_tokenizer = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
-    second = process_data(connect_data(cfg), fresh_tokenizer, cfg, seed=0)  # as a second run would
+    second = process_data(connect(cfg), fresh_tokenizer, cfg, seed=0)  # as a second run would
     assert {f: os.stat(f).st_mtime_ns for f in files} == stamps  # read back, not written again
     assert second.train["input_ids"] == first.train["input_ids"]
     other = DataConfig(**{**cfg.__dict__, "max_length": 8})
-    process_data(connect_data(other), tokenizer, other, seed=0)
+    process_data(connect(other), tokenizer, other, seed=0)
     assert len(list((tmp_path / "cache").glob("*.arrow"))) == 4  # other options, another entry
 
 
@@ -155,8 +161,8 @@ def test_a_folder_of_data_files_is_one_split(tmp_path):
     rows = topic_rows(4)
     pd.DataFrame(rows[:5]).to_csv(folder / "part-0.csv", index=False)
     pd.DataFrame(rows[5:]).to_csv(folder / "part-1.csv", index=False)
-    raw = connect_data(DataConfig(train_file=str(folder)))
+    raw = connect(DataConfig(train_file=str(folder)))
     assert raw["train"]["text"] == [r["text"] for r in rows]
     (folder / "extra.json").write_text("[]")
     with pytest.raises(UserError, match="mixes data formats"):
-        connect_data(DataConfig(train_file=str(folder)))
+        connect(DataConfig(train_file=str(folder)))

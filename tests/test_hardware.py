@@ -67,7 +67,7 @@ def test_native_bf16_on_cuda_means_a_gpu_from_ampere_on():
 def test_unresolved_auto_is_refused_by_the_trainer(tiny_model_dir):
     """A caller that skips resolution gets an error, not a silent fp32 run."""
     with pytest.raises(ValueError, match="resolve"):
-        BasicTrainer(build_config({"model_name_or_path": tiny_model_dir}), None, None, None)
+        BasicTrainer(build_config({"model_name_or_path": tiny_model_dir}), None, None, None, None, None)
 
 
 def test_a_default_run_records_and_prints_the_resolved_precision(tiny_model_dir, topic_csvs, tmp_path):

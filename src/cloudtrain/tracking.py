@@ -121,6 +121,13 @@ class RunLog:
         for tracker in self.trackers:
             tracker.log(values, step=step)
 
+    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
+        """A table (a causal LM's sample generations, say) to every tracker; metrics.jsonl keeps numbers only."""
+        if not self.enabled:
+            return
+        for tracker in self.trackers:
+            tracker.log_table(name, header, rows, step)
+
     def finish(self, results: dict, label_names: list[str]) -> None:
         """Curves, summary, confusion matrices and (optionally) the model; then end the tracker runs."""
         if not self.enabled:
@@ -190,6 +197,9 @@ class RunMethods:
     def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
         pass
 
+    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
+        pass
+
     def log_files(self, curves_png: Path, step: int) -> None:
         pass
 
@@ -252,6 +262,11 @@ class WandB(RunMethods, WandBTracker):
         chart = wandb.plot.confusion_matrix(y_true=[t for t, _ in pairs], preds=[p for _, p in pairs],
                                             class_names=labels, title=name)
         self.log({name: chart}, step=step)
+
+    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
+        import wandb
+
+        self.log({name: wandb.Table(columns=header, data=rows)}, step=step)
 
     def log_files(self, curves_png: Path, step: int) -> None:
         import wandb
@@ -347,9 +362,11 @@ class Trackio(RunMethods, TrackioTracker):
         self.run.config.update(config)  # stored with the first logged step
 
     def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
+        self.log_table(name, *matrix_rows(matrix, labels), step=step)
+
+    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
         import trackio
 
-        header, rows = matrix_rows(matrix, labels)
         self.log({name: trackio.Table(columns=header, data=rows)}, step=step)
 
     def finish(self) -> None:
@@ -385,7 +402,12 @@ class TensorBoard(RunMethods, TensorBoardTracker):
         self.writer.add_hparams(self.config, numbers(summary), run_name=".", global_step=step)
 
     def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
-        self.log({name: markdown_table(*matrix_rows(matrix, labels))}, step=step)
+        self.log_table(name, *matrix_rows(matrix, labels), step=step)
+
+    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
+        self.writer.add_text(name, markdown_table(header, [[str(v).replace("|", "\\|") for v in row] for row in rows]),
+                             global_step=step)
+        self.writer.flush()
 
 
 # ---------------------------------------------------------------- MLflow
@@ -417,6 +439,11 @@ class MLflow(RunMethods, MLflowTracker):
         import mlflow
 
         mlflow.log_dict({"labels": labels, "rows_true_columns_predicted": matrix}, f"{name}.json")
+
+    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
+        import mlflow
+
+        mlflow.log_dict({"columns": header, "data": rows}, f"{name}-step{step}.json")
 
     def log_files(self, curves_png: Path, step: int) -> None:
         self.log_artifact(str(curves_png))

@@ -13,24 +13,25 @@ import contextlib
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
 from transformers import PreTrainedModel
 
 from cloudtrain.config import Config
 from cloudtrain.data_processing import ProcessedData
+from cloudtrain.runtime import Runtime
+from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers.base import StepStats, Trainer, summed_loss
+from cloudtrain.trainers.base import StepStats, Trainer
 
 
 class AcceleratedTrainer(Trainer):
     name = "AcceleratedTrainer"
 
-    def __init__(self, cfg: Config, model: PreTrainedModel, data: ProcessedData, run_log: RunLog,
-                 accelerator: Accelerator):
-        super().__init__(cfg, model, data, run_log)
-        self.accelerator = accelerator  # built by cloudtrain.distributed for this launch
-        self.is_main_process = accelerator.is_main_process
-        self.num_processes = accelerator.num_processes
+    def __init__(self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog,
+                 runtime: Runtime):
+        super().__init__(cfg, task, model, data, run_log, runtime)
+        if runtime.accelerator is None:
+            raise ValueError("the AcceleratedTrainer needs a Runtime built with an Accelerator")
+        accelerator = self.accelerator = runtime.accelerator  # built by cloudtrain.distributed for this launch
         self.mode = accelerator.distributed_type.value
         if accelerator.state.deepspeed_plugin:
             self.mode += f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
@@ -45,32 +46,20 @@ class AcceleratedTrainer(Trainer):
     def autocast(self):
         return contextlib.nullcontext()  # prepare() already wrapped the model's forward in autocast
 
-    def gather(self, tensors):
-        return self.accelerator.gather_for_metrics(tensors)
-
-    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.reduce(tensor, reduction="sum")
-
-    def agree(self, flags: list[bool]) -> list[bool]:
-        if self.num_processes == 1:
-            return flags
-        votes = self.accelerator.gather(torch.tensor([flags], dtype=torch.int32, device=self.accelerator.device))
-        return votes.amax(dim=0).bool().tolist()
-
-    def backward_window(self, window: list[dict], num_examples: int) -> StepStats:
+    def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
         accelerator, k = self.accelerator, self.cfg.training.gradient_accumulation_steps
-        window_loss = 0.0
+        loss_sum = count = 0
         for i, batch in enumerate(window):
             last = i == len(window) - 1
             accelerator.sync_gradients = last  # the accumulation boundary (DeepSpeed steps here)
             with contextlib.nullcontext() if last else accelerator.no_sync(self.model):
-                loss = summed_loss(self.model, batch) / num_examples
-                accelerator.backward(loss * k)  # backward() divides by k; the window mean is already exact
-            window_loss += loss.detach()
+                summed, n = self.task.loss(self.model, batch)
+                accelerator.backward(summed * scale * k)  # backward() divides by k; the scale is already exact
+            loss_sum, count = loss_sum + summed.detach(), count + n
         grad_norm = None
         if self.cfg.training.max_grad_norm > 0:
             grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
-        return StepStats(loss=window_loss, grad_norm=grad_norm)
+        return StepStats(loss_sum=loss_sum, count=count, grad_norm=grad_norm)
 
     def apply_step(self, bad: torch.Tensor) -> None:
         if self.accelerator.state.deepspeed_plugin:

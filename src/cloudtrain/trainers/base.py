@@ -2,15 +2,19 @@
 
 A subclass supplies only what differs between a plain PyTorch loop and accelerate: how the model
 and data are placed (`setup`), forward and backward over the micro-batches of one step
-(`backward_window`), the optimizer step, how tensors meet across processes (`gather`, `reduce_sum`,
-`agree`), and how its state is written to and read from a checkpoint.
+(`backward_window`), the optimizer step, and how its state is written to and read from a checkpoint.
+Who this process is and how tensors meet across processes is the launch's `Runtime`; what the loss
+and the metrics are is the `Task`'s.
 
 Resuming is exact: each epoch's order comes from seed + epoch, consumed batches are skipped by
 index without being read, and RNG states, optimizer, schedule and logging sums are restored.
 
-Gradient accumulation: the micro-batches of one optimizer step are fetched together, so the loss of
-each can be divided by the number of examples in the whole window. The update then equals that of
-one batch holding all of them, also for a short last window.
+The loss is normalised by the global count: the micro-batches of one optimizer step are fetched
+together, the task counts what their losses sum over (rows, or target tokens after the shift), and
+that count is summed over the window and all processes (one small all-reduce per step). Each
+micro-batch's summed loss is divided by it (times the process count, which DDP and DeepSpeed divide
+by when they average gradients), so the update equals that of one batch holding every example or
+token of the step: for uneven token counts, a short last window and unequal shards too.
 
 No host sync in the step: losses, counts and the non-finite flag stay on the device. A nan/inf loss
 on any process (one small all-reduce) skips that step on the device (fused AdamW's `found_inf`); the
@@ -31,7 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate import skip_first_batches
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
@@ -41,14 +44,17 @@ from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerStat
 from cloudtrain.config import PRECISIONS, Config
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
-from cloudtrain.evaluation import evaluate_model, predict_labels, scalar_metrics
+from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.flops import ModelFlops, sum_squared_lengths
+from cloudtrain.runtime import Runtime
+from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
 
 
 @dataclass
 class StepStats:
-    loss: torch.Tensor  # the window's mean loss, detached, still on the device
+    loss_sum: torch.Tensor  # this process's summed loss over the window, detached, still on the device
+    count: torch.Tensor  # what it sums over (rows or tokens), on the device
     grad_norm: torch.Tensor | float | None  # before clipping; None when clipping is off
 
 
@@ -91,16 +97,9 @@ def count_parameters(model: torch.nn.Module) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
-def summed_loss(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """Cross-entropy summed over the batch, so a window can be normalised by its real example count."""
-    inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = model(**inputs).logits
-    return F.cross_entropy(logits.float(), batch["labels"], reduction="sum")
-
-
 class Meter:
-    """Examples, real (non-padding) tokens, summed loss and summed squared sequence lengths (for the
-    attention FLOPs) since the last logging step, over the applied steps only.
+    """Examples (rows), real (non-padding) tokens, summed loss, summed squared sequence lengths (for the
+    attention FLOPs) and what the loss sums over, since the last logging step, over applied steps only.
 
     Counts stay on the device between logging steps, so the step itself never waits for a host sync;
     `flush` adds them across processes into the run's totals in `state`.
@@ -109,13 +108,17 @@ class Meter:
     def __init__(self, reduce_sum, state: TrainerState, device: torch.device):
         self.reduce_sum, self.state = reduce_sum, state
         self.start = self.last = time.perf_counter()
-        sums = state.interval + [0.0] * (4 - len(state.interval))  # checkpoints before the 4th sum had 3
+        sums = list(state.interval) + [0.0] * (4 - len(state.interval))  # checkpoints before the 4th sum had 3
+        if len(sums) == 4:  # ... and before the 5th, the loss summed over examples
+            sums.append(sums[0])
         self.interval = torch.tensor(sums, dtype=torch.float64, device=device)
 
-    def add(self, window: list[dict], examples: int, loss_sum: torch.Tensor, applied: torch.Tensor) -> None:
-        masks = [batch["attention_mask"] for batch in window]
-        values = torch.stack([loss_sum.new_tensor(examples), sum(m.sum() for m in masks).to(loss_sum), loss_sum,
-                              sum(sum_squared_lengths(m) for m in masks).to(loss_sum)]).double()
+    def add(self, window: list[dict], stats: StepStats, applied: torch.Tensor) -> None:
+        masks = [batch["attention_mask"] for batch in window]  # real tokens (a causal LM's model never sees it)
+        loss_sum = stats.loss_sum.double()
+        values = torch.stack([loss_sum.new_tensor(sum(len(m) for m in masks)), sum(m.sum() for m in masks).to(loss_sum),
+                              loss_sum, sum(sum_squared_lengths(m) for m in masks).to(loss_sum),
+                              stats.count.to(loss_sum)])
         self.interval += torch.where(applied, values, 0.0)  # a skipped step's nan must not reach the sums
 
     def pending(self) -> list[float]:
@@ -124,14 +127,15 @@ class Meter:
 
     def flush(self) -> dict:
         """Totals since the last flush, from every process; one collective per logging step."""
-        examples, tokens, loss_sum, squared_lengths = self.reduce_sum(self.interval.clone()).cpu().tolist()
+        examples, tokens, loss_sum, squared_lengths, count = self.reduce_sum(self.interval.clone()).cpu().tolist()
         self.interval.zero_()
         now = time.perf_counter()
         seconds, self.last = max(now - self.last, 1e-9), now
         self.state.samples += int(examples)
         self.state.tokens += int(tokens)
         self.state.loss_sum += loss_sum
-        return {"loss": loss_sum / max(examples, 1), "samples_per_s": examples / seconds,
+        self.state.loss_count += int(count)
+        return {"loss": loss_sum / max(count, 1), "samples_per_s": examples / seconds,
                 "tokens_per_s": tokens / seconds, "tokens": tokens, "squared_lengths": squared_lengths,
                 "seconds": seconds}
 
@@ -198,11 +202,13 @@ class Trainer:
 
     name = "trainer"
 
-    def __init__(self, cfg: Config, model: PreTrainedModel, data: ProcessedData, run_log: RunLog):
+    def __init__(self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog,
+                 runtime: Runtime):
         t = cfg.training
         if t.mixed_precision not in PRECISIONS:  # a programming error: the pipeline resolves "auto" first
             raise ValueError(f"mixed_precision {t.mixed_precision!r}: resolve it with hardware.resolve_precision")
-        self.cfg, self.model, self.data, self.run_log = cfg, model, data, run_log
+        self.cfg, self.task, self.model, self.data, self.run_log, self.runtime = cfg, task, model, data, run_log, runtime
+        self.is_main_process, self.num_processes = runtime.is_main, runtime.count
         self.train_dl: DataLoader = train_dataloader(data, t.per_device_train_batch_size, t.seed, cfg.data)
         self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size, cfg.data)}
         if data.test is not None:
@@ -214,15 +220,14 @@ class Trainer:
         self.optimizer = build_optimizer(model, cfg)
 
     # ------------------------------------------------------------ what subclasses provide
-    is_main_process = True
-    num_processes = 1
     mode = "plain PyTorch"
 
     def setup(self) -> None:
         raise NotImplementedError
 
-    def backward_window(self, window: list[dict], num_examples: int) -> StepStats:
-        """Forward and backward over the micro-batches of one step; gradients summed, then clipped."""
+    def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
+        """Forward and backward over the micro-batches of one step, each summed loss times `scale` (the
+        process count over the step's global count); gradients summed, then clipped."""
         raise NotImplementedError
 
     def optimizer_step(self) -> None:
@@ -231,20 +236,6 @@ class Trainer:
     def skip_step(self) -> None:
         """Drop the gradients of a step that is not applied."""
         self.optimizer.zero_grad(set_to_none=True)
-
-    def gather(self, tensors):
-        return tensors
-
-    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
-
-    def agree(self, flags: list[bool]) -> list[bool]:
-        """Each flag is true on every process if it is true on any."""
-        return flags
-
-    def any_process(self, flag: torch.Tensor) -> torch.Tensor:
-        """A device flag, true on every process if it is true on any; no host sync."""
-        return self.reduce_sum(flag.float()) > 0
 
     def move(self, batch: dict) -> dict:
         return batch
@@ -277,7 +268,7 @@ class Trainer:
         state = self.resume(resume_from) if resume_from else TrainerState()
         self._announce(steps_per_epoch, total_steps)
 
-        meter = Meter(self.reduce_sum, state, self._device)
+        meter = Meter(self.runtime.reduce_sum, state, self._device)
         guard = NonfiniteGuard(self._device, state.global_step)
         bar = tqdm(total=total_steps, initial=state.global_step, desc="training", dynamic_ncols=True,
                    disable=not self.is_main_process)
@@ -288,12 +279,11 @@ class Trainer:
                 batches = skip_first_batches(self.train_dl, steps_done * k) if steps_done else self.train_dl
                 for window in micro_batch_windows(batches, k):
                     window = [self.move(batch) for batch in window]
-                    num_examples = sum(len(batch["labels"]) for batch in window)
-                    stats = self.backward_window(window, num_examples)
-                    bad = self.any_process(~torch.isfinite(stats.loss))  # stays on the device
+                    stats = self.backward_window(window, self._loss_scale(window))
+                    bad = self.runtime.any_process(~torch.isfinite(stats.loss_sum))  # stays on the device
                     self.apply_step(bad)
                     guard.add(bad)
-                    meter.add(window, num_examples, stats.loss * num_examples, applied=~bad)
+                    meter.add(window, stats, applied=~bad)
                     self.scheduler.step()
                     state.global_step += 1
                     bar.update(1)
@@ -319,9 +309,14 @@ class Trainer:
                     if done:
                         break
         return TrainResult(global_step=state.global_step, epoch=state.global_step / steps_per_epoch,
-                           train_loss=state.loss_sum / max(state.samples, 1),
+                           train_loss=state.loss_sum / max(state.loss_count or state.samples, 1),
                            runtime_s=state.runtime_s + meter.elapsed(), train_samples=state.samples,
                            train_tokens=state.tokens)
+
+    def _loss_scale(self, window: list[dict]) -> torch.Tensor:
+        """Process count / the step's count over all micro-batches and processes (one all-reduce)."""
+        local = torch.stack([self.task.loss_count(batch) for batch in window]).sum().double()
+        return (self.num_processes / self.runtime.reduce_sum(local).clamp(min=1)).float()
 
     def apply_step(self, bad: torch.Tensor) -> None:
         """The optimizer step, skipped where `bad` (the same on every process) is true.
@@ -356,7 +351,7 @@ class Trainer:
             where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
             raise TrainingStopped(f"the loss became non-finite at step {first}; training stopped and no model "
                                   f"was saved ({where}). Lower --learning_rate or use --nonfinite_loss skip", 1)
-        return self.agree([preemption.received])[0]
+        return self.runtime.agree([preemption.received])[0]
 
     def save_checkpoint(self, checkpointer: Checkpointer, state: TrainerState, meter: Meter) -> Path:
         snapshot = dataclasses.replace(state, interval=meter.pending(),
@@ -388,22 +383,27 @@ class Trainer:
         return next(self.model.parameters()).device
 
     def evaluate(self, split: str) -> dict:
-        """Metrics of the current weights on one split, counted over every example exactly once."""
-        return evaluate_model(self.model, self.eval_dls[split], len(self.data.label_names),
-                              gather=self.gather, move=self.move, autocast=self.autocast)
+        """The task's metrics of the current weights on one split, counted over every example exactly once."""
+        return self.task.evaluate(self.model, self.eval_dls[split], self.data, gather=self.runtime.gather,
+                                  move=self.move, autocast=self.autocast)
 
-    def predict(self, split: str) -> tuple[list[int], list[float]]:
-        """Predicted label ids and their probabilities for an unlabelled split, in the split's order."""
-        return predict_labels(self.model, self.predict_dls[split], gather=self.gather, move=self.move,
-                              autocast=self.autocast)
+    def predict(self, split: str):
+        """The task's predictions for an unlabelled split, in the split's order."""
+        return self.task.predict(self.model, self.predict_dls[split], gather=self.runtime.gather, move=self.move,
+                                 autocast=self.autocast)
+
+    def log_evaluation(self, metrics: dict, prefix: str, step: int) -> None:
+        """An evaluation's numbers and tables to the run log."""
+        self.run_log.log(scalar_metrics(metrics, f"{prefix}/"), step=step)
+        for name, (header, rows) in self.task.tables(metrics).items():
+            self.run_log.log_table(f"{prefix}/{name}", header, rows, step=step)
 
     def _evaluate_during_training(self, state: TrainerState, bar: tqdm) -> None:
         metrics = self.evaluate("validation")
         state.evaluations.append({"step": state.global_step, **scalar_metrics(metrics, "")})
-        self.run_log.log(scalar_metrics(metrics, "eval/"), step=state.global_step)
+        self.log_evaluation(metrics, "eval", state.global_step)
         if self.is_main_process:
-            bar.write(f"eval @ step {state.global_step}: accuracy {metrics['accuracy']:.4f} | "
-                      f"macro_f1 {metrics['macro_f1']:.4f} | loss {metrics['loss']:.4f}")
+            bar.write(f"eval @ step {state.global_step}: {self.task.describe_metrics(metrics)}")
 
     def _log_interval(self, step: int, epoch: float, interval: dict, stats: StepStats, bar: tqdm) -> None:
         values = {"train/loss": interval["loss"], "train/learning_rate": self.scheduler.get_last_lr()[0],

@@ -14,7 +14,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from cloudtrain.trainers.base import StepStats, Trainer, summed_loss
+from cloudtrain.trainers.base import StepStats, Trainer
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
@@ -23,12 +23,8 @@ TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain
 class BasicTrainer(Trainer):
     name = "BasicTrainer"
 
-    @staticmethod
-    def pick_device() -> torch.device:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
     def setup(self) -> None:
-        self.device = self.pick_device()
+        self.device = self.runtime.device
         self.model.to(self.device)
         # fp16 needs loss scaling against underflow; bf16 and fp32 do not (a disabled scaler is a no-op)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.mixed_precision == "fp16")
@@ -40,18 +36,18 @@ class BasicTrainer(Trainer):
     def move(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
-    def backward_window(self, window: list[dict], num_examples: int) -> StepStats:
-        window_loss = 0.0
+    def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
+        loss_sum = count = 0
         for batch in window:
             with self.autocast():
-                loss = summed_loss(self.model, batch) / num_examples
-            self.scaler.scale(loss).backward()
-            window_loss += loss.detach()
+                summed, n = self.task.loss(self.model, batch)
+            self.scaler.scale(summed * scale).backward()
+            loss_sum, count = loss_sum + summed.detach(), count + n
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones
         grad_norm = None
         if self.cfg.training.max_grad_norm > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
-        return StepStats(loss=window_loss, grad_norm=grad_norm)
+        return StepStats(loss_sum=loss_sum, count=count, grad_norm=grad_norm)
 
     def optimizer_step(self) -> None:
         self.scaler.step(self.optimizer)

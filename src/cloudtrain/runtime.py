@@ -1,0 +1,77 @@
+"""The runtime of one launch: who this process is, and how tensors meet across processes.
+
+Built once per launch (`Runtime.for_launch`) and handed to the pipeline and the trainers, so nothing
+else asks whether it runs under accelerate:
+- one process (`--training_type basic`): main, index 0 of 1, CUDA when present else CPU; every
+  collective is the identity;
+- accelerate (`--training_type accelerated`, any launcher): the Accelerator that
+  cloudtrain.distributed builds for this launch, whose collectives these methods call.
+"""
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import broadcast_object_list
+
+from cloudtrain.config import Config
+
+
+class Runtime:
+    """Process identity and collectives; `accelerator` is None for a plain one-process run."""
+
+    def __init__(self, accelerator: Accelerator | None = None):
+        self.accelerator = accelerator
+        acc = accelerator
+        self.is_main: bool = acc.is_main_process if acc else True
+        self.index: int = acc.process_index if acc else 0
+        self.count: int = acc.num_processes if acc else 1
+        self.device: torch.device = acc.device if acc else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    @classmethod
+    def for_launch(cls, cfg: Config) -> "Runtime":
+        """The runtime `--training_type` asks for; builds the Accelerator (and the process group) if needed."""
+        if cfg.training.training_type == "accelerated":
+            from cloudtrain.distributed import build_accelerator
+
+            return cls(build_accelerator(cfg))
+        return cls()
+
+    def barrier(self) -> None:
+        if self.accelerator:
+            self.accelerator.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        """The main process runs the block first (it fills caches), then the others."""
+        with self.accelerator.main_process_first() if self.accelerator else contextlib.nullcontext():
+            yield
+
+    def gather(self, tensors: Any) -> Any:
+        """Per-example tensors of every process, each example once (the last batch's duplicates dropped)."""
+        return self.accelerator.gather_for_metrics(tensors) if self.accelerator else tensors
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The sum over processes, on every process."""
+        return self.accelerator.reduce(tensor, reduction="sum") if self.accelerator else tensor
+
+    def any_process(self, flag: torch.Tensor) -> torch.Tensor:
+        """A device flag, true on every process if it is true on any; no host sync."""
+        return self.reduce_sum(flag.float()) > 0
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        """Each host flag is true on every process if it is true on any."""
+        if self.count == 1:
+            return flags
+        votes = self.accelerator.gather(torch.tensor([flags], dtype=torch.int32, device=self.device))
+        return votes.amax(dim=0).bool().tolist()
+
+    def share(self, value: Any) -> Any:
+        """The main process's `value` (a picklable object), on every process."""
+        return broadcast_object_list([value])[0] if self.count > 1 else value
+
+    def run_on_main(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` on the main process only; its result on every process."""
+        return self.share(fn() if self.is_main else None)

@@ -1,0 +1,16 @@
+"""The tasks cloudtrain trains; `--task` picks one (see cloudtrain.tasks.base for what a task owns)."""
+
+from cloudtrain.config import Config
+from cloudtrain.tasks.base import Task
+from cloudtrain.tasks.classification import ClassificationTask
+
+
+def build_task(cfg: Config) -> Task:
+    if cfg.training.task == "causal_lm":
+        from cloudtrain.tasks.causal_lm import CausalLMTask
+
+        return CausalLMTask()
+    return ClassificationTask()
+
+
+__all__ = ["Task", "build_task"]

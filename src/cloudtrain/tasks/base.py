@@ -1,0 +1,84 @@
+"""What a task is: everything that differs between training a classifier and a language model.
+
+The pipeline, the trainers, checkpoints, tracking and the Hub are the same for every task; they ask
+the task for these and branch on nothing else:
+
+- `columns` / `check_options`: what the data must hold and which options make sense, checked before
+  anything heavy is loaded;
+- `process`: raw splits -> tokenized, collatable splits (`ProcessedData`);
+- `load_model`: the model class and its loading arguments;
+- `loss` and `loss_count`: the loss of a batch as a (sum, count) pair (rows for classification,
+  target tokens after the shift for language models); the trainer divides the step's summed loss by
+  the count summed over its micro-batches and all processes;
+- `evaluate`: the metrics of a split, counted over every example exactly once, and the tables logged
+  with them (`tables`);
+- `describe`: the one-line summaries printed for data and metrics; `card` and `inference_hint` for
+  the model card and the command that uses the saved model.
+"""
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from datasets import DatasetDict
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from cloudtrain.config import Config, DataConfig
+from cloudtrain.data_processing import ProcessedData
+
+
+class Task:
+    name = "task"
+    metrics: tuple[str, ...] = ("loss",)  # evaluation metrics --metric_for_best_model may name
+    lower_is_better: frozenset[str] = frozenset({"loss"})
+    default_best_metric = "loss"
+
+    def check_options(self, cfg: Config) -> None:
+        """Reject options this task cannot use (no I/O)."""
+
+    def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
+        """{flag: (column, needed in every split)}; a column needed in train only may be absent elsewhere."""
+        raise NotImplementedError
+
+    def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        raise NotImplementedError
+
+    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
+                   announce: bool) -> PreTrainedModel:
+        raise NotImplementedError
+
+    def check_model(self, model: PreTrainedModel, cfg: Config) -> None:
+        """Checks that need the loaded model (before training starts)."""
+
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        """What this batch's loss sums over (rows, or target tokens), as a tensor on the batch's device."""
+        raise NotImplementedError
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, count) of one batch."""
+        raise NotImplementedError
+
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[dict], data: ProcessedData,
+                 gather: Callable, move: Callable, autocast: Callable) -> dict:
+        raise NotImplementedError
+
+    def predict(self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable,
+                autocast: Callable):
+        """Predictions for an unlabelled split (a task whose `process` leaves `data.unlabelled` empty has none)."""
+        raise NotImplementedError
+
+    def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted) -> None:
+        raise NotImplementedError
+
+    def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
+        """Tables to log with an evaluation: {name: (header, rows)}."""
+        return {}
+
+    def describe_data(self, data: ProcessedData) -> str:
+        raise NotImplementedError
+
+    def describe_metrics(self, metrics: dict) -> str:
+        raise NotImplementedError
+
+    def inference_hint(self, output_dir: str) -> str:
+        raise NotImplementedError

@@ -1,0 +1,85 @@
+"""Sequence classification (`--task classification`, the default): text (or text pairs) -> one label.
+
+Supports: string or integer labels (their names become the model's id2label), encoders and decoders
+with a sequence-classification head (a checkpoint's own head is kept when it has the data's labels),
+unlabelled evaluation splits (predictions only), accuracy / macro F1 / loss and confusion matrices.
+Does not support: multi-label or regression targets.
+"""
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from datasets import DatasetDict
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from cloudtrain.config import Config, DataConfig
+from cloudtrain.data_processing import ProcessedData, process_data
+from cloudtrain.errors import UserError
+from cloudtrain.evaluation import evaluate_model, predict_labels
+from cloudtrain.model_loading import head_labels, load_model
+from cloudtrain.predict import records
+from cloudtrain.saving import write_jsonl
+from cloudtrain.tasks.base import Task
+
+
+class ClassificationTask(Task):
+    name = "classification"
+    metrics = ("accuracy", "macro_f1", "loss")
+    default_best_metric = "accuracy"
+
+    def check_options(self, cfg: Config) -> None:
+        if cfg.model.model_config:
+            raise UserError("--model_config builds a model from scratch for --task causal_lm; a classifier "
+                            "starts from --model_name_or_path")
+
+    def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
+        needed = {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}
+        if cfg.text_pair_column:
+            needed["--text_pair_column"] = (cfg.text_pair_column, True)
+        return needed
+
+    def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        return process_data(raw, tokenizer, cfg.data, cfg.training.seed, label_order=head_labels(cfg.model))
+
+    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
+                   announce: bool) -> PreTrainedModel:
+        return load_model(cfg.model, data.label_names, tokenizer, announce=announce)
+
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = model(**inputs).logits
+        return F.cross_entropy(logits.float(), batch["labels"], reduction="sum"), self.loss_count(batch)
+
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[dict], data: ProcessedData,
+                 gather: Callable, move: Callable, autocast: Callable) -> dict:
+        return evaluate_model(model, batches, len(data.label_names), gather=gather, move=move, autocast=autocast)
+
+    def predict(self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable,
+                autocast: Callable) -> tuple[list[int], list[float]]:
+        """Predicted label ids and their probabilities for an unlabelled split, in the split's order."""
+        return predict_labels(model, batches, gather=gather, move=move, autocast=autocast)
+
+    def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted: tuple) -> None:
+        ids, scores = predicted
+        write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl",
+                    records(data.unlabelled_texts[split], ids, scores, dict(enumerate(data.label_names))))
+
+    def describe_data(self, data: ProcessedData) -> str:
+        lines = [f"data: {len(data.train)} train / {len(data.validation)} validation"
+                 f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
+                 f"{len(data.label_names)} labels: {', '.join(data.label_names)}"]
+        lines += [f"the {split} data has no labels: it is used for predictions only ({split}_predictions.jsonl)"
+                  for split in data.unlabelled]
+        return "\n".join(lines)
+
+    def describe_metrics(self, metrics: dict) -> str:
+        return (f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
+                f"loss {metrics['loss']:.4f} ({metrics['samples']} examples)")
+
+    def inference_hint(self, output_dir: str) -> str:
+        return f"python src/training_application.py predict --model_dir {output_dir} --text \"...\""
