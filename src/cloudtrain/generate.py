@@ -1,0 +1,244 @@
+"""The `generate` entry: continue prompts with a causal language model saved by the training application.
+
+    python src/training_application.py generate --model_dir outputs/run --prompt "Once upon a time"
+    python src/training_application.py generate --model_dir outputs/run --input_file prompts.txt --do_sample true
+
+For each prompt it prints the prompt and streams the continuation to the terminal as it is produced,
+one prompt after another, with a separator line between them. Greedy decoding by default;
+`--do_sample true` samples with --temperature, --top_k and --top_p. The random generator is seeded
+from --seed before each prompt, so a prompt gives the same text whatever other prompts are run with it.
+Prompts come from --prompt (repeatable) and --input_file: .txt (one prompt per line, blank lines
+skipped) or .csv/.tsv/.json/.jsonl with a --text_column. An empty prompt starts from the BOS token.
+The model runs in fp32 on CPU and in bf16 on a CUDA GPU that computes it natively.
+
+Not supported: sequence-classification or encoder-decoder models (use `predict` for classifiers),
+batched or multi-GPU generation, chat templates, beam search. Prompt plus --max_new_tokens must fit
+the model's context length.
+
+`generate_texts` is the library entry, used by training for its sample generations: it prints nothing
+unless given a streamer.
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from cloudtrain.config import parse_bool
+from cloudtrain.errors import UserError, first_line
+
+SEPARATOR = "-" * 60
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def _true_or_false(value: str) -> bool:
+    try:
+        return parse_bool(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model_dir", required=True,
+                        help="A directory written by the training application holding a causal language model.")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="A text to continue (repeatable; an empty prompt starts from the BOS token).")
+    parser.add_argument("--input_file", help="A .txt file with one prompt per line (blank lines skipped), "
+                                             "or a csv/tsv/json/jsonl file with a --text_column.")
+    parser.add_argument("--text_column", default="text", help="Column of --input_file holding the prompts "
+                                                              "(default: text).")
+    parser.add_argument("--max_new_tokens", type=int, default=100,
+                        help="Tokens to generate per prompt, at most (default: 100; fewer if the model ends the text).")
+    parser.add_argument("--do_sample", type=_true_or_false, nargs="?", const=True, default=False,
+                        metavar="true|false",
+                        help="Sample the next token (true) or take the most likely one (false: greedy, the default).")
+    parser.add_argument("--temperature", type=float, default=1.0,
+                        help="With --do_sample true: divide the logits by this (> 0; below 1 is more conservative, "
+                             "above 1 more varied; default: 1.0).")
+    parser.add_argument("--top_k", type=int, default=50,
+                        help="With --do_sample true: sample among the k most likely tokens only (0: no limit; "
+                             "default: 50).")
+    parser.add_argument("--top_p", type=float, default=1.0,
+                        help="With --do_sample true: sample among the most likely tokens whose probabilities add up "
+                             "to p (0 < p <= 1; 1.0, the default, turns it off).")
+    parser.add_argument("--repetition_penalty", type=float, default=1.0,
+                        help="Penalise tokens already in the text (> 0; 1.0, the default, turns it off; "
+                             "1.1-1.3 is typical).")
+    parser.add_argument("--seed", type=int, default=42,
+                        help="Seed of the random generator, set before each prompt (default: 42).")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="Where to run: auto (a CUDA GPU if one is visible, else the CPU), cpu or cuda.")
+
+
+# ---------------------------------------------------------------- checks (before anything is loaded)
+
+def check_options(args: argparse.Namespace) -> None:
+    """The numeric options are in range; one UserError naming the fix otherwise."""
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.temperature > 0:
+        raise UserError(f"--temperature must be greater than 0, got {args.temperature}; "
+                        "for deterministic output use --do_sample false instead")
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1], got {args.top_p}; 1.0 turns it off")
+    if args.top_k < 0:
+        raise UserError(f"--top_k must be 0 (no limit) or more, got {args.top_k}")
+    if not args.repetition_penalty > 0:
+        raise UserError(f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; "
+                        "1.0 turns it off")
+
+
+def _causal_lm_classes() -> set[str]:
+    names = set()
+    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
+        names.update(value if isinstance(value, (tuple, list)) else [value])
+    return names
+
+
+def check_model_dir(model_dir: str) -> None:
+    """`model_dir` holds the config of a causal language model, or a UserError says what it holds instead."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise UserError(f"--model_dir {model_dir} does not exist; pass the output_dir of a training run")
+    if not (path / "config.json").is_file():
+        raise UserError(f"--model_dir {model_dir} holds no config.json; pass a directory written by the "
+                        "training application")
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as err:
+        raise UserError(f"could not read {path / 'config.json'}: {first_line(err)}") from None
+    architectures = list(getattr(config, "architectures", None) or [])
+    causal = _causal_lm_classes()
+    if any(name.endswith("ForCausalLM") or name in causal for name in architectures):
+        return
+    if any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise UserError(f"--model_dir {model_dir} is a sequence-classification model; use the predict command "
+                        "to classify texts with it")
+    if architectures:
+        raise UserError(f"--model_dir {model_dir} holds a {architectures[0]}, not a causal language model; "
+                        "generate needs a model with a language-modelling head (a ...ForCausalLM)")
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UserError(f"--model_dir {model_dir} holds a {config.model_type!r} model, which has no causal "
+                        "language-model form; generate needs a decoder such as GPT-2 or Llama")
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    prompts = list(args.prompt)
+    if args.input_file:
+        from cloudtrain.predict import read_texts
+
+        prompts += [text for text in read_texts(args.input_file, args.text_column) if text.strip()]
+    if not prompts:
+        raise UserError("nothing to generate from: pass --prompt \"...\" (repeatable) or --input_file FILE")
+    return prompts
+
+
+def resolve_device(requested: str) -> torch.device:
+    if requested == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is visible; use --device cpu (or auto)")
+    if requested == "auto":
+        requested = "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(requested)
+
+
+# ---------------------------------------------------------------- loading and generating
+
+def load(model_dir: str, device: torch.device):
+    """(model in eval mode on `device`, tokenizer): bf16 on a CUDA GPU that computes it natively, else fp32."""
+    from cloudtrain.hardware import native_bf16
+
+    dtype = torch.bfloat16 if device.type == "cuda" and native_bf16("cuda") else torch.float32
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    except (OSError, ValueError) as err:
+        raise UserError(f"could not load the model in {model_dir}: {first_line(err)}") from None
+    return model.to(device).eval(), tokenizer
+
+
+def _prompt_ids(tokenizer, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of one prompt, shape (1, n); an empty prompt is the BOS (else EOS) token."""
+    encoded = tokenizer(prompt, return_tensors="pt")
+    ids = encoded["input_ids"]
+    if ids.shape[1] == 0:
+        start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if start is None:
+            raise ValueError("an empty prompt needs a tokenizer with a BOS or EOS token")
+        ids = torch.tensor([[start]])
+        return ids, torch.ones_like(ids)
+    return ids, encoded.get("attention_mask", torch.ones_like(ids))
+
+
+def _pad_token_id(model, tokenizer) -> int | None:
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id, model.generation_config.eos_token_id):
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return None
+
+
+def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 50, do_sample: bool = False,
+                   temperature: float = 1.0, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.0,
+                   streamer=None, synced_gpus: bool = False) -> list[str]:
+    """The continuation of each prompt: the new text only, special tokens skipped.
+
+    One prompt at a time (no padding, so a tokenizer without a pad token is fine), on the model's
+    device, under no_grad, with the KV cache on (even where training set config.use_cache False).
+    The model is put in eval mode and given back in the mode it came in (train mode restored).
+    Prints nothing unless `streamer` is given.
+    Sampling uses torch's global generator: seed it before calling for reproducible samples.
+    `model` is the bare model (unwrap DDP/DeepSpeed first); `synced_gpus`: every rank calls this with
+    the same prompts (ZeRO-3).
+    """
+    options = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=_pad_token_id(model, tokenizer),
+                   use_cache=True, synced_gpus=synced_gpus, streamer=streamer)
+    if do_sample:  # set only when used: generate warns about sampling options under greedy decoding
+        options.update(temperature=temperature, top_k=top_k, top_p=top_p)
+    if repetition_penalty != 1.0:
+        options["repetition_penalty"] = repetition_penalty
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    texts = []
+    try:
+        with torch.no_grad():
+            for prompt in prompts:
+                ids, mask = _prompt_ids(tokenizer, prompt)
+                output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
+                texts.append(tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return texts
+
+
+def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
+    """Each prompt plus max_new_tokens fits the model's context length (when its config states one)."""
+    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    if not limit:
+        return
+    for number, prompt in enumerate(prompts, 1):
+        length = _prompt_ids(tokenizer, prompt)[0].shape[1]
+        if length + max_new_tokens > limit:
+            raise UserError(f"prompt {number} is {length} tokens; with --max_new_tokens {max_new_tokens} that "
+                            f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens")
+
+
+def run(args: argparse.Namespace) -> None:
+    check_options(args)
+    check_model_dir(args.model_dir)
+    prompts = read_prompts(args)
+    device = resolve_device(args.device)
+    model, tokenizer = load(args.model_dir, device)
+    check_lengths(model, tokenizer, prompts, args.max_new_tokens)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    for number, prompt in enumerate(prompts):
+        if number:
+            print(SEPARATOR)
+        print(prompt, end="", flush=True)
+        torch.manual_seed(args.seed)
+        generate_texts(model, tokenizer, [prompt], max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
+                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                       repetition_penalty=args.repetition_penalty, streamer=streamer)
