@@ -1,7 +1,8 @@
-"""Command line: `train` (the default), `predict`, `push` and `plan`.
+"""Command line: `train` (the default), `predict`, `generate`, `push` and `plan`.
 
     python src/training_application.py [train] [--config FILE] [--<option> VALUE ...]
     python src/training_application.py predict --model_dir DIR --text "..."
+    python src/training_application.py generate --model_dir DIR --prompt "..."
     python src/training_application.py push --output_dir DIR --hub_model_id USER/NAME
     python src/training_application.py plan --model_name_or_path DIR --num_gpus 8 --gpu_memory_gb 24
 
@@ -18,10 +19,12 @@ from cloudtrain.errors import TrainingStopped, UserError
 PROG = "training_application.py"
 COMMANDS = {  # name: (module, one-line description)
     "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
+    "generate": ("cloudtrain.generate", "Continue prompts with a saved causal language model."),
     "push": ("cloudtrain.hub", "Upload an existing output dir to the Hugging Face Hub."),
     "plan": ("cloudtrain.planner", "Estimate memory per GPU and pick a distributed strategy."),
 }
-DESCRIPTION = "Fine-tune a Hugging Face sequence-classification model.\n" \
+DESCRIPTION = "Train a Hugging Face model: a sequence classifier (--task classification), or a decoder language " \
+    "model on raw text (--task causal_lm: continued pretraining, or from scratch with --model_config).\n" \
     "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n" \
     "Other commands: " + "; ".join(f"`{name}`: {text}" for name, (_, text) in COMMANDS.items())
 

@@ -42,6 +42,7 @@ class ProcessedData:
     test: Dataset | None  # None when the source has no labelled test split
     collator: Callable[[list[dict]], dict]
     label_names: list[str] = field(default_factory=list)  # classification: names by id
+    prompts: list[str] = field(default_factory=list)  # causal LM: sampled at each evaluation
     # Splits without labels (a GLUE-style test split): tokenized for predictions, with their texts in order
     unlabelled: dict[str, Dataset] = field(default_factory=dict)
     unlabelled_texts: dict[str, list[str]] = field(default_factory=dict)
@@ -168,10 +169,15 @@ def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: Da
 
 def _cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, columns: list, names: list) -> str:
     """Same source rows + same tokenizer + same options -> same key -> cached result reused."""
+    return cache_key(ds, tokenizer, cfg.max_length, columns, cfg.label_column, names, "v1")
+
+
+def cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, *options) -> str:
+    """A key for a tokenized split: the source rows' fingerprint, the tokenizer and the options that shape it."""
     # The serialized tokenizer minus its truncation/padding state, which changes once it has been called.
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec.pop("truncation", None), spec.pop("padding", None)
-    parts = [ds._fingerprint, spec, cfg.max_length, columns, cfg.label_column, names, "v1"]
+    parts = [ds._fingerprint, spec, *options]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 

@@ -27,18 +27,19 @@ from cloudtrain.config import ModelConfig
 from cloudtrain.errors import UserError, first_line
 
 
-def resolve_model_path(cfg: ModelConfig) -> str:
-    """The path or Hub id to load; a path that looks local must exist."""
-    name = cfg.model_name_or_path or default_model_dir()
+def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
+    """The path or Hub id to load (`name`, else the model's); a path that looks local must exist."""
+    flag = "--tokenizer_name_or_path" if name else "--model_name_or_path"
+    name = name or cfg.model_name_or_path or default_model_dir()
     looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
     if looks_local and not Path(name).expanduser().is_dir():
-        raise UserError(f"--model_name_or_path {name} does not exist; give a model directory or a Hub id "
-                        "like <org>/<name>")
+        raise UserError(f"{flag} {name} does not exist; give a model directory or a Hub id like <org>/<name>")
     return str(Path(name).expanduser()) if looks_local else name
 
 
 def load_tokenizer(cfg: ModelConfig) -> transformers.PreTrainedTokenizerBase:
-    path = resolve_model_path(cfg)
+    """--tokenizer_name_or_path, else the model's own tokenizer; a missing pad token becomes EOS (no new token)."""
+    path = resolve_model_path(cfg, cfg.tokenizer_name_or_path) if cfg.tokenizer_name_or_path else resolve_model_path(cfg)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:

@@ -56,6 +56,8 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
     check_distributed(cfg)
     if not cfg.model.model_config:
         resolve_model_path(cfg.model)
+    if cfg.model.tokenizer_name_or_path:
+        resolve_model_path(cfg.model, cfg.model.tokenizer_name_or_path)
     if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     check_trackers(cfg.tracking)

@@ -9,7 +9,7 @@ def build_task(cfg: Config) -> Task:
     if cfg.training.task == "causal_lm":
         from cloudtrain.tasks.causal_lm import CausalLMTask
 
-        return CausalLMTask()
+        return CausalLMTask(cfg)
     return ClassificationTask()
 
 

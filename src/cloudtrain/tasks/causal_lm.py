@@ -1,0 +1,291 @@
+"""Causal language modelling (`--task causal_lm`): continued pretraining, or pretraining from scratch,
+of a decoder on raw text.
+
+Supports:
+- text from .txt files (one document per line), csv/json/jsonl/parquet (`--text_column`), a
+  save_to_disk directory or a Hub dataset; each document tokenized, EOS appended, then packed into rows
+  of `--max_length` tokens (`--packing`, see cloudtrain.packing): wrapped (concatenate and cut), bfd
+  (whole documents, isolated by restarting position_ids; refused when the model's attention cannot
+  isolate them) or none (one document per row);
+- a pretrained checkpoint (`--model_name_or_path`: anything AutoModelForCausalLM loads) or a model
+  built from `--model_config` (a config.json or a shipped preset) with `--tokenizer_name_or_path`,
+  weights initialised from the seed; a tokenizer without a pad token, with no vocabulary resizing;
+- the loss as (summed next-token cross-entropy, target tokens), so a step's loss is the mean over
+  every target token of the step; evaluation: token-weighted loss, perplexity, and greedy
+  continuations of a few prompts (`--sample_prompts`, default: openings of validation documents).
+Does not support: chat templates and prompt masking (supervised fine-tuning), encoder-decoder models.
+"""
+
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import datasets
+import torch
+import torch.nn.functional as F
+import transformers
+from datasets import Dataset, DatasetDict
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.integrations import is_deepspeed_zero3_enabled
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+from cloudtrain.config import Config, DataConfig
+from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
+from cloudtrain.errors import UserError, first_line
+from cloudtrain.generate import generate_texts
+from cloudtrain.model_loading import resolve_model_path
+from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, isolation_error, pack, shifted_loss
+from cloudtrain.tasks.base import Task
+
+PRESETS_DIR = Path(__file__).resolve().parents[1] / "model_presets"
+CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+PROMPT_TOKENS = 12  # the default sample prompts: this many tokens of a few validation documents
+NUM_PROMPTS = 3
+
+
+def presets() -> list[str]:
+    return sorted(path.stem for path in PRESETS_DIR.glob("*.json"))
+
+
+def model_config_file(name: str) -> Path:
+    """--model_config as a file: a path to a config.json, or a shipped preset's name."""
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path
+    if (PRESETS_DIR / f"{name}.json").is_file():
+        return PRESETS_DIR / f"{name}.json"
+    raise UserError(f"--model_config {name} is neither a config.json file nor a preset ({', '.join(presets())})")
+
+
+def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
+    """A decoder AutoModelForCausalLM builds as such; a checkpoint of another head (an encoder, a classifier)
+    is not, even where its family has a causal-LM class (BERT's, say)."""
+    if config.architectures:
+        return any(name.endswith(CAUSAL_SUFFIXES) for name in config.architectures)
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.is_encoder_decoder
+
+
+class CausalLMTask(Task):
+    name = "causal_lm"
+    metrics = ("loss", "perplexity")
+    lower_is_better = frozenset(metrics)
+    default_best_metric = "loss"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.tokenizer: PreTrainedTokenizerBase | None = None  # set by `process`, used for sample generations
+
+    # ------------------------------------------------------------ options and data
+    def check_options(self, cfg: Config) -> None:
+        m = cfg.model
+        if not m.model_name_or_path and not m.model_config:
+            raise UserError("--task causal_lm needs a decoder: --model_name_or_path <causal LM> to continue "
+                            f"pretraining, or --model_config <config.json or preset: {', '.join(presets())}> "
+                            "with --tokenizer_name_or_path to pretrain from scratch")
+        config = self._config(cfg)
+        if not is_causal_lm(config):
+            kind = ", ".join(config.architectures or [config.model_type])
+            hint = "; use --task classification" if any("Classification" in a for a in config.architectures or []) \
+                else ""
+            raise UserError(f"{m.model_name_or_path or m.model_config} is not a causal language model ({kind}); "
+                            f"--task causal_lm needs one that AutoModelForCausalLM loads (…ForCausalLM){hint}")
+
+    def _config(self, cfg: Config) -> transformers.PretrainedConfig:
+        m = cfg.model
+        source = str(model_config_file(m.model_config)) if m.model_config else resolve_model_path(m)
+        try:
+            return AutoConfig.from_pretrained(source, trust_remote_code=m.trust_remote_code)
+        except (OSError, ValueError) as err:
+            raise UserError(f"could not read the model config {source}: {first_line(err)}") from None
+
+    def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
+        return {"--text_column": (cfg.text_column, True)}
+
+    def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        """Documents -> token ids (+EOS) -> rows of --max_length tokens; validation carved by document."""
+        self.tokenizer = tokenizer
+        d = cfg.data
+        docs = {split: self._tokenize(ds, split, tokenizer, d) for split, ds in raw.items()}
+        if "validation" not in docs:
+            docs["train"], docs["validation"] = self._carve(docs["train"], d.validation_split_percentage,
+                                                            cfg.training.seed)
+        docs["train"] = _first(docs["train"], d.max_train_samples)
+        for split in ("validation", "test"):
+            if split in docs:
+                docs[split] = _first(docs[split], d.max_eval_samples)
+        rows = {split: _rows(split_docs, d.max_length, d.packing) for split, split_docs in docs.items()}
+        prompts = list(d.sample_prompts) or [
+            tokenizer.decode(doc[:PROMPT_TOKENS], skip_special_tokens=True).strip()
+            for doc in docs["validation"]["input_ids"][:NUM_PROMPTS]]
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return ProcessedData(train=rows["train"], validation=rows["validation"], test=rows.get("test"),
+                             collator=CausalLMCollator(pad if pad is not None else 0),
+                             prompts=[p for p in prompts if p])
+
+    def _tokenize(self, ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> Dataset:
+        """One row of token ids per non-empty document, EOS appended; cached like classification's."""
+        column, eos = cfg.text_column, tokenizer.eos_token_id
+        ds = ds.filter(lambda batch: [bool(t and str(t).strip()) for t in batch[column]], batched=True,
+                       desc=f"Dropping empty {split} rows")
+        if len(ds) == 0:
+            raise UserError(f"the {split} data has no text in column {column!r} (every row is empty); "
+                            "give a corpus with text, or pass --text_column <name>")
+
+        def encode(batch: dict) -> dict:
+            ids = tokenizer([str(t) for t in batch[column]])["input_ids"]
+            return {"input_ids": [doc + [eos] if eos is not None and doc[-1:] != [eos] else doc for doc in ids]}
+
+        key = cache_key(ds, tokenizer, column, eos, "lm-v1")
+        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
+        return ds.map(encode, batched=True, remove_columns=ds.column_names, features=features,
+                      cache_file_name=str(cache_dir / f"lm-{split}-{key}.arrow"), new_fingerprint=key,
+                      desc=f"Tokenizing {split}")
+
+    @staticmethod
+    def _carve(docs: Dataset, percentage: float, seed: int) -> tuple[Dataset, Dataset]:
+        n_val = math.ceil(len(docs) * percentage / 100)
+        if n_val >= len(docs):
+            raise UserError(f"the training data has only {len(docs)} document(s), too few to carve a validation "
+                            "split by document; give --validation_file or more documents")
+        parts = docs.train_test_split(test_size=n_val, seed=seed)
+        return parts["train"], parts["test"]
+
+    # ------------------------------------------------------------ the model
+    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
+                   announce: bool) -> PreTrainedModel:
+        m = cfg.model
+        options = dict(dtype=torch.float32, trust_remote_code=m.trust_remote_code)  # fp32 master weights
+        if m.attn_implementation:
+            options["attn_implementation"] = m.attn_implementation
+        config = self._config(cfg)
+        if m.model_config:
+            self._fit_config(config, tokenizer, m.model_config)
+        self._check_sizes(config, tokenizer, cfg.data.max_length)
+        try:
+            if m.model_config:
+                model = AutoModelForCausalLM.from_config(config, **options)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(resolve_model_path(m), config=config, **options)
+        except (OSError, ValueError, ImportError) as err:
+            raise UserError(f"could not build the causal language model: {first_line(err)}") from None
+        if announce and m.model_config:
+            params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+            print(f"built {type(model).__name__} from {m.model_config} with random weights (seed "
+                  f"{cfg.training.seed}): {params / 1e6:.1f}M parameters", flush=True)
+        if m.gradient_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    @staticmethod
+    def _fit_config(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+        """A preset takes its vocabulary and special tokens from the tokenizer; a user's config.json keeps its own."""
+        if Path(name).expanduser().is_file() and getattr(config, "vocab_size", None):
+            return
+        config.vocab_size = math.ceil(len(tokenizer) / 64) * 64  # a multiple of 64 suits matmul kernels
+        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
+        config.pad_token_id = tokenizer.pad_token_id
+
+    @staticmethod
+    def _check_sizes(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
+                     max_length: int) -> None:
+        text = config.get_text_config(decoder=True)
+        vocab, context = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
+        if vocab and len(tokenizer) > vocab:
+            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
+                            "use the model's own tokenizer (cloudtrain does not resize embeddings)")
+        if context and max_length > context:
+            raise UserError(f"--max_length {max_length} is longer than the model's context ({context} positions); "
+                            f"pass --max_length {context} or less")
+
+    def check_model(self, model: PreTrainedModel, cfg: Config) -> None:
+        if cfg.data.packing != "bfd":
+            return
+        if is_deepspeed_zero3_enabled():  # partitioned weights cannot run a probe before the engine exists
+            print("note: document isolation of --packing bfd was not probed under ZeRO-3", flush=True)
+            return
+        problem = isolation_error(model)
+        if problem:
+            raise UserError(f"--packing bfd: {problem}; use --packing wrapped or none, or --attn_implementation "
+                            "sdpa or eager")
+
+    # ------------------------------------------------------------ loss and evaluation
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return shifted_loss(causal_lm_forward(model, batch), batch["labels"])
+
+    @torch.no_grad()
+    def evaluate(self, model: torch.nn.Module, batches: Iterable[dict], data: ProcessedData,
+                 gather: Callable, move: Callable, autocast: Callable) -> dict:
+        """Token-weighted loss and perplexity over every row exactly once; then the sample generations."""
+        was_training = model.training
+        model.eval()
+        start = time.perf_counter()
+        loss_sum = tokens = rows = 0.0
+        for batch in batches:
+            batch = move(batch)
+            with autocast():
+                logits = causal_lm_forward(model, batch)
+            targets = batch["labels"][:, 1:]
+            per_token = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
+                                        reduction="none")
+            row_sums, row_counts = gather((per_token.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)))
+            loss_sum += row_sums.double().sum().item()
+            tokens += row_counts.sum().item()
+            rows += len(row_counts)
+        model.train(was_training)
+        runtime = time.perf_counter() - start
+        loss = loss_sum / max(tokens, 1)
+        result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(tokens),
+                  "samples": int(rows), "runtime_s": round(runtime, 3), "tokens_per_s": round(tokens / runtime, 1)}
+        if data.prompts and self.tokenizer is not None:
+            bare = getattr(model, "module", model)  # DDP and DeepSpeed wrap the model; generate is the model's
+            continuations = generate_texts(bare, self.tokenizer, data.prompts,
+                                           max_new_tokens=self.cfg.training.sample_max_new_tokens,
+                                           synced_gpus=is_deepspeed_zero3_enabled())
+            result["generations"] = [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations)]
+        return result
+
+    def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
+        if not metrics.get("generations"):
+            return {}
+        return {"generations": (["prompt", "continuation"],
+                                [[g["prompt"], g["continuation"]] for g in metrics["generations"]])}
+
+    # ------------------------------------------------------------ summaries
+    def describe_data(self, data: ProcessedData) -> str:
+        parts = []
+        for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
+            if rows is not None:
+                lengths = [sum(n) for n in rows["seq_lengths"]]
+                documents = sum(len(n) for n in rows["seq_lengths"])
+                parts.append(f"{len(rows)} {split} rows ({documents} documents or pieces, {sum(lengths)} tokens)")
+        packing, block = self.cfg.data.packing, self.cfg.data.max_length
+        fill = sum(sum(n) for n in data.train["seq_lengths"]) / (len(data.train) * block)
+        return f"data: {', '.join(parts)}; packing {packing}, {block} tokens per row, {fill:.0%} filled"
+
+    def describe_metrics(self, metrics: dict) -> str:
+        line = f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} ({metrics['tokens']} tokens)"
+        for g in metrics.get("generations", []):
+            line += f"\n  {json.dumps(g['prompt'], ensure_ascii=False)} -> {json.dumps(g['continuation'], ensure_ascii=False)}"
+        return line
+
+    def inference_hint(self, output_dir: str) -> str:
+        return f"python src/training_application.py generate --model_dir {output_dir} --prompt \"...\""
+
+
+def _first(ds: Dataset, n: int | None) -> Dataset:
+    return ds if n is None or n >= len(ds) else ds.select(range(n))
+
+
+def _rows(docs: Dataset, block_size: int, packing: str) -> Dataset:
+    rows = pack([list(doc) for doc in docs["input_ids"]], block_size, packing)
+    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "seq_lengths": datasets.List(datasets.Value("int32"))})
+    return Dataset.from_list(rows, features=features)
+
