@@ -1,0 +1,198 @@
+"""Rows, batches and the forward call for causal language modelling, with sequence packing.
+
+Tokenized documents become training rows in one of three ways (`PACKING`):
+
+- "none": one document per row (documents longer than the block are cut into pieces);
+- "wrapped": the classic recipe: all documents concatenated and cut into blocks, so attention
+  crosses document boundaries by design;
+- "bfd": whole documents packed into blocks by best-fit-decreasing, each document kept apart
+  from the others in its row.
+
+Each row records the lengths of its segments (documents). `CausalLMCollator` turns rows into a
+batch whose position_ids restart at 0 for every segment and whose labels never ask the model to
+predict a document's first token from the previous document. `causal_lm_forward` is the one
+model call training and evaluation use; `isolation_error` checks that a model, called that way,
+really keeps packed documents apart.
+
+transformers 5.23 derives the per-document block mask from restarting position_ids only when
+attention_mask is None and no KV cache is built (`masking_utils._preprocess_mask_arguments`).
+Measured on CPU, Llama and GPT-2: "sdpa" and "eager" (and "flex_attention" for Llama; GPT-2 has
+none) isolate documents with `use_cache=False` and no mask (logits equal within 1e-7). Leaving
+use_cache to the config (True) leaks in train AND eval mode, as does passing an all-ones
+attention_mask or position_ids that do not restart (differences 0.07-0.5 on the tiny test models).
+"""
+
+from __future__ import annotations
+
+import bisect
+import inspect
+from itertools import chain
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PACKING", "CausalLMCollator", "causal_lm_forward", "chunk", "isolation_error", "pack",
+           "shifted_loss"]
+
+PACKING = ("none", "wrapped", "bfd")
+IGNORE_INDEX = -100
+
+
+def chunk(doc: list[int], block_size: int) -> list[list[int]]:
+    """`doc` cut into consecutive pieces of at most `block_size` tokens (no token lost)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    doc = list(doc)
+    return [doc[i:i + block_size] for i in range(0, len(doc), block_size)]
+
+
+def _row(segments: list[list[int]]) -> dict:
+    return {"input_ids": list(chain.from_iterable(segments)), "seq_lengths": [len(s) for s in segments]}
+
+
+def _wrapped(docs: list[list[int]], block_size: int) -> list[dict]:
+    stream = list(chain.from_iterable(docs))
+    return [_row([piece]) for piece in chunk(stream, block_size)]
+
+
+def _best_fit_decreasing(pieces: list[list[int]], block_size: int) -> list[dict]:
+    # sorted() is stable, so equal lengths keep their input order: the packing is deterministic.
+    order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
+    bins: list[list[list[int]]] = []
+    # (remaining room, bin index) of the open bins, sorted: the first entry >= (length, -1) is the
+    # tightest bin that fits, ties going to the oldest bin. Full bins leave the list.
+    room: list[tuple[int, int]] = []
+    for i in order:
+        piece = pieces[i]
+        at = bisect.bisect_left(room, (len(piece), -1))
+        if at == len(room):
+            index, left = len(bins), block_size
+            bins.append([])
+        else:
+            left, index = room.pop(at)
+        bins[index].append(piece)
+        if left - len(piece) > 0:
+            bisect.insort(room, (left - len(piece), index))
+    return [_row(segments) for segments in bins]
+
+
+def pack(docs: list[list[int]], block_size: int, packing: str) -> list[dict]:
+    """Training rows `{"input_ids", "seq_lengths"}` of at most `block_size` tokens from tokenized `docs`.
+
+    Empty documents are dropped (a zero-length segment has nothing to learn from).
+    """
+    if packing not in PACKING:
+        raise ValueError(f"packing must be one of {PACKING}, got {packing!r}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be at least 1, got {block_size}")
+    if packing == "wrapped":
+        return _wrapped(docs, block_size)
+    # Only long documents are cut (and so copied); the rows below copy each token once.
+    pieces = [piece for doc in docs for piece in (chunk(doc, block_size) if len(doc) > block_size else [doc])
+              if piece]
+    if packing == "none":
+        return [_row([piece]) for piece in pieces]
+    return _best_fit_decreasing(pieces, block_size)
+
+
+class CausalLMCollator:
+    """Right-pads rows into a batch: input_ids, position_ids, labels and attention_mask, all [B, L].
+
+    The attention_mask (1 = real token) is only for counting real tokens (throughput). It is never
+    passed to the model: transformers 5.23 keeps packed documents apart from restarting position_ids
+    only when attention_mask is None. Padding sits at the end of each row and attention is causal, so
+    real tokens never see it anyway.
+    """
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        width = max(len(row["input_ids"]) for row in rows)
+        shape = (len(rows), width)
+        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        position_ids = torch.zeros(shape, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        attention_mask = torch.zeros(shape, dtype=torch.long)
+        for b, row in enumerate(rows):
+            ids, lengths = row["input_ids"], row["seq_lengths"]
+            if sum(lengths) != len(ids) or min(lengths, default=1) < 1:
+                raise ValueError(f"row {b}: seq_lengths {lengths} do not split its {len(ids)} tokens")
+            n = len(ids)
+            input_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
+            labels[b, :n] = input_ids[b, :n]
+            attention_mask[b, :n] = 1
+            # Positions restart per segment, and for the padding too: it then reads as one more
+            # segment rather than as a continuation of the last document.
+            start = 0
+            for length in [*lengths, width - n]:
+                position_ids[b, start:start + length] = torch.arange(length)
+                if length and start < n:
+                    # No document's first token is predicted from the previous document's last one.
+                    labels[b, start] = IGNORE_INDEX
+                start += length
+        return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels,
+                "attention_mask": attention_mask}
+
+
+def causal_lm_forward(model: torch.nn.Module, batch: dict) -> torch.Tensor:
+    """The logits of `model` on a collated batch: the call training and evaluation use.
+
+    No attention_mask and no KV cache: with either, transformers 5.23 ignores the per-document
+    structure of position_ids and packed documents attend to each other.
+    """
+    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+
+
+def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Summed next-token cross-entropy, number of predicted tokens), both on the logits' device.
+
+    Sums rather than a mean, so that batches and processes can be combined exactly by adding.
+    """
+    targets = labels[:, 1:].to(logits.device)
+    predictions = logits[:, :-1].float()
+    total = F.cross_entropy(predictions.reshape(-1, predictions.shape[-1]), targets.reshape(-1),
+                            ignore_index=IGNORE_INDEX, reduction="sum")
+    return total, (targets != IGNORE_INDEX).sum()
+
+
+def _vocab_size(model: torch.nn.Module) -> int:
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    return getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
+
+
+def isolation_error(model: torch.nn.Module,
+                    forward: Callable[[torch.nn.Module, dict], torch.Tensor] = causal_lm_forward) -> str | None:
+    """None if `model`, called through `forward`, keeps packed documents apart; else why not, in one line.
+
+    Runs two short documents packed into one row and the second one alone, and compares the second
+    document's logits.
+    """
+    config = getattr(model, "config", None)
+    name = f"{type(model).__name__} with attn_implementation {getattr(config, '_attn_implementation', None)!r}"
+    parameters = inspect.signature(model.forward).parameters.values()
+    if not any(p.name == "position_ids" or p.kind is p.VAR_KEYWORD for p in parameters):
+        return f"{name} takes no position_ids, so packed documents cannot be kept apart"
+    generator = torch.Generator().manual_seed(0)
+    first, second = (torch.randint(0, _vocab_size(model), (n,), generator=generator).tolist() for n in (5, 7))
+    collate = CausalLMCollator(pad_token_id=0)
+    packed = collate([{"input_ids": first + second, "seq_lengths": [5, 7]}])
+    alone = collate([{"input_ids": second, "seq_lengths": [7]}])
+    parameter = next(model.parameters())
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            packed_logits = forward(model, {k: v.to(parameter.device) for k, v in packed.items()})[0, 5:].float()
+            alone_logits = forward(model, {k: v.to(parameter.device) for k, v in alone.items()})[0].float()
+    finally:
+        model.train(was_training)
+    difference = (packed_logits - alone_logits).abs().max().item()
+    # Half-precision kernels round differently for different sequence lengths: allow a few percent of
+    # the logits' scale there (a leak moves logits by about their own size).
+    tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else \
+        0.05 * max(1.0, alone_logits.abs().max().item())
+    if difference <= tolerance:
+        return None
+    return f"{name} lets packed documents attend to each other (max logit difference {difference:.3g})"
