@@ -167,9 +167,15 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
 
 
 def commit_message(results: dict) -> str:
+    """One line: the steps, and each split's accuracy (a classifier) or perplexity (a language model)."""
     steps = results.get("train", {}).get("global_step")
-    scores = "".join(f", {name} accuracy {results[name]['accuracy']:.4f}" for name in ("eval", "test")
-                     if name in results)
+    scores = ""
+    for name in ("eval", "test"):
+        metrics = results.get(name, {})
+        if "accuracy" in metrics:
+            scores += f", {name} accuracy {metrics['accuracy']:.4f}"
+        elif "perplexity" in metrics:
+            scores += f", {name} perplexity {metrics['perplexity']:.2f}"
     return f"Upload model trained with cloudtrain ({steps} steps{scores})"
 
 

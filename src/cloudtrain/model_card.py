@@ -3,19 +3,29 @@
 Built with huggingface_hub's model-card tools: `ModelCardData` and `EvalResult` make the YAML
 metadata the Hub parses (library_name, pipeline_tag, base_model, datasets, license where known,
 tags, and the evaluation metrics as `model-index`); `ModelCard.from_template` renders the body from
-the Jinja template below: summary, usage snippet, labels, training hyperparameters, training and
-evaluation results, confusion matrices, the training-curves plot (when `training_curves.png` is in
-the output dir) and framework versions.
+a Jinja template. Two cards, one per task:
+
+- `build_model_card` (text classification): summary, usage snippet, labels, training
+  hyperparameters, training and evaluation results, confusion matrices;
+- `build_lm_model_card` (causal language models): what was trained (continued pretraining of a
+  base model, or pretraining from scratch from a --model_config), a text-generation usage snippet,
+  training hyperparameters, training results with tokens/s, loss and perplexity of each evaluated
+  split, and the sample generations of the final validation evaluation.
+Both end with the training-curves plot (when `training_curves.png` is in the output dir) and the
+framework versions.
 
 Known facts only: the license is given for the built-in model (apache-2.0) or when a local base
 model's own README.md states one; base_model is given for the built-in model and Hub ids, not for
-local directories; datasets only for Hub datasets and the built-in Reuters R8. Secrets never
-reach the card: the hyperparameters come from `Config.to_dict()`, which leaves them out.
+local directories nor for a model trained from scratch; datasets only for Hub datasets and the
+built-in Reuters R8. Secrets never reach the card: the hyperparameters come from
+`Config.to_dict()`, which leaves them out.
 """
 
 import dataclasses
+import html
 import importlib.metadata
 import json
+import math
 from pathlib import Path
 
 import yaml
@@ -31,6 +41,12 @@ CURVES_FILE = "training_curves.png"
 SPLITS = {"eval": "validation", "test": "test"}  # results key -> split name on the card
 MAX_MATRIX_LABELS = 20  # larger confusion matrices are unreadable as markdown tables
 FRAMEWORKS = ("transformers", "torch", "accelerate", "datasets", "tokenizers", "huggingface_hub")
+# (results key, model-index metric type, its display name, its args) per task
+CLASSIFICATION_METRICS = (("accuracy", "accuracy", "Accuracy", None),
+                          ("macro_f1", "f1", "Macro F1", {"average": "macro"}))
+LM_METRICS = (("perplexity", "perplexity", "Perplexity", None), ("loss", "loss", "Loss", None))
+CLASSIFICATION_ONLY = {"text_pair_column", "label_column"}  # options a causal-LM run does not read
+LM_EXAMPLE_PROMPT = "Once upon a time"
 
 TEMPLATE = """---
 {{ card_data }}
@@ -114,6 +130,81 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 
 """  # Jinja drops one trailing newline: the card still ends with one
 
+LM_TEMPLATE = """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+This model is a causal language model{% if architecture %} (`{{ architecture }}`{% if parameters %}, {{ parameters }} parameters{% endif %}){% endif %}
+{% if from_scratch %}trained from scratch from the {{ from_scratch }} configuration{% else %}trained by continued pretraining of {% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}{% endif %}
+on {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }}){% else %}{{ dataset_display }}{% endif %} with cloudtrain ({{ training_type }} trainer).
+{%- if headline %}
+
+It achieves the following results on the {{ headline.split }} set:
+
+- Perplexity: {{ "%.2f" | format(headline.perplexity) }}
+- Loss: {{ "%.4f" | format(headline.loss) }}
+{%- endif %}
+
+## Usage
+
+```python
+from transformers import pipeline
+
+generator = pipeline("text-generation", model="{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
+print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["generated_text"])
+```
+
+## Training procedure
+
+### Training hyperparameters
+
+| option | value |
+|:-------|:------|
+{%- for name, value in hyperparameters.items() %}
+| {{ name }} | {{ value }} |
+{%- endfor %}
+
+### Training results
+
+| steps | epochs | final train loss | runtime (s) | tokens/s |
+|---:|---:|---:|---:|---:|
+| {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | {{ train.train_runtime_s }} | {{ train.train_tokens_per_s }} |
+
+### Evaluation results
+
+| split | tokens | loss | perplexity |
+|:------|---:|---:|---:|
+{%- for row in evaluations %}
+| {{ row.split }} | {{ row.tokens }} | {{ "%.4f" | format(row.loss) }} | {{ "%.2f" | format(row.perplexity) }} |
+{%- endfor %}
+{%- if generations %}
+
+### Sample generations
+
+Greedy continuations (at most {{ max_new_tokens }} new tokens) from the final evaluation on the validation set:
+
+| prompt | continuation |
+|:-------|:-------------|
+{%- for g in generations %}
+| {{ g.prompt }} | {{ g.continuation }} |
+{%- endfor %}
+{%- endif %}
+{%- if curves %}
+
+### Training curves
+
+![Training curves]({{ curves }})
+{%- endif %}
+
+## Framework versions
+{% for name, version in versions.items() %}
+- {{ name }} {{ version }}
+{%- endfor %}
+
+"""
+
 
 def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     """The card for the model saved in `output_dir` (its config.json gives the label names)."""
@@ -136,33 +227,87 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         versions=framework_versions(cfg))
 
 
+def build_lm_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+    """The card for the causal language model saved in `output_dir` (`results`: train, eval and maybe test
+    metrics of a `--task causal_lm` run)."""
+    output_dir = Path(output_dir)
+    repo_id = cfg.hub.hub_model_id
+    data = task_card_data(cfg, results, pipeline_tag="text-generation", task_name="Text Generation",
+                          metric_ids=["perplexity"], metrics=LM_METRICS)
+    _, dataset_display = dataset_info(cfg.data)
+    evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
+    generations = results.get("eval", {}).get("generations") or []
+    model_config = cfg.model.model_config
+    architecture, parameters = model_summary(output_dir)
+    return ModelCard.from_template(
+        data, template_str=LM_TEMPLATE,
+        model_name=repo_id.split("/")[-1], repo_id=repo_id, revision=cfg.hub.hub_revision,
+        architecture=architecture, parameters=parameters,
+        from_scratch=Path(model_config).name if model_config else None,
+        dataset_display=dataset_display, training_type=cfg.training.training_type,
+        headline=evaluations[0] if evaluations else None,
+        example_prompt=json.dumps(generations[0]["prompt"] if generations else LM_EXAMPLE_PROMPT,
+                                  ensure_ascii=False),
+        max_new_tokens=cfg.training.sample_max_new_tokens,
+        hyperparameters={name: table_cell(value) for name, value in hyperparameters(cfg).items()
+                         if name not in CLASSIFICATION_ONLY},
+        train=results["train"], evaluations=evaluations,
+        generations=[{"prompt": table_cell(g["prompt"]), "continuation": table_cell(g["continuation"])}
+                     for g in generations],
+        curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
+        versions=framework_versions(cfg))
+
+
 def card_data(cfg: Config, results: dict) -> ModelCardData:
-    """The YAML metadata: what the Hub indexes, filters and shows as evaluation results."""
+    """The YAML metadata of a classifier: what the Hub indexes, filters and shows as evaluation results."""
+    return task_card_data(cfg, results, pipeline_tag="text-classification", task_name="Text Classification",
+                          metric_ids=["accuracy", "f1"], metrics=CLASSIFICATION_METRICS)
+
+
+def task_card_data(cfg: Config, results: dict, pipeline_tag: str, task_name: str, metric_ids: list[str],
+                   metrics: tuple) -> ModelCardData:
+    """The YAML metadata of a task's model: its pipeline tag (also a tag), the evaluation metrics it names
+    (`metric_ids`), and `metrics` of each evaluated split as model-index."""
     base_model, license = base_model_info(cfg.model)
     dataset_id, dataset_display = dataset_info(cfg.data)
     return ModelCardData(
         model_name=cfg.hub.hub_model_id.split("/")[-1],
         base_model=base_model, license=license, datasets=[dataset_id] if dataset_id else None,
-        library_name="transformers", pipeline_tag="text-classification",
-        tags=["text-classification", "cloudtrain"], metrics=["accuracy", "f1"],
+        library_name="transformers", pipeline_tag=pipeline_tag,
+        tags=[pipeline_tag, "cloudtrain"], metrics=metric_ids,
         eval_results=eval_results(results, dataset_id or dataset_display, dataset_display,
-                                  cfg.data.dataset_config) or None)
+                                  cfg.data.dataset_config, pipeline_tag, task_name, metrics) or None)
 
 
-def eval_results(results: dict, dataset_type: str, dataset_name: str, dataset_config: str | None
-                 ) -> list[EvalResult]:
-    """Accuracy and macro F1 of each evaluated split, in model-index form."""
-    metrics = (("accuracy", "accuracy", "Accuracy", None), ("macro_f1", "f1", "Macro F1", {"average": "macro"}))
-    return [EvalResult(task_type="text-classification", task_name="Text Classification",
+def eval_results(results: dict, dataset_type: str, dataset_name: str, dataset_config: str | None,
+                 task_type: str = "text-classification", task_name: str = "Text Classification",
+                 metrics: tuple = CLASSIFICATION_METRICS) -> list[EvalResult]:
+    """`metrics` of each evaluated split, in model-index form (accuracy and macro F1 unless told).
+
+    A metric that is missing or not finite (an infinite perplexity) is left out: the Hub shows numbers.
+    """
+    return [EvalResult(task_type=task_type, task_name=task_name,
                        dataset_type=dataset_type, dataset_name=dataset_name, dataset_config=dataset_config,
                        dataset_split=split, metric_type=metric_type, metric_name=metric_name,
-                       metric_args=args, metric_value=round(float(results[key][name]), 4))
+                       metric_args=args, metric_value=round(value, 4))
             for key, split in SPLITS.items() if key in results
-            for name, metric_type, metric_name, args in metrics]
+            for name, metric_type, metric_name, args in metrics
+            if (value := finite(results[key].get(name))) is not None]
+
+
+def finite(value) -> float | None:
+    """`value` as a float, or None when it is missing, not a number, or not finite."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return None
+    return number if math.isfinite(number) else None
 
 
 def base_model_info(cfg: ModelConfig) -> tuple[str | None, str | None]:
     """(Hub id of the base model, its license); None where not known."""
+    if cfg.model_config:  # built from a configuration with random weights: there is no base model
+        return None, None
     if cfg.model_name_or_path is None:
         return DEFAULT_BASE_MODEL, DEFAULT_LICENSE
     path = Path(cfg.model_name_or_path).expanduser()
@@ -196,6 +341,38 @@ def label_names(output_dir: Path) -> list[str]:
     """Label names in id order, from the saved config.json."""
     id2label = json.loads((Path(output_dir) / "config.json").read_text()).get("id2label", {})
     return [id2label[key] for key in sorted(id2label, key=int)]
+
+
+def model_summary(output_dir: Path) -> tuple[str | None, str | None]:
+    """(architecture class from config.json, parameter count such as "8.1M" from the safetensors headers);
+    None where the files do not tell."""
+    try:
+        architectures = json.loads((output_dir / "config.json").read_text()).get("architectures") or [None]
+    except (OSError, ValueError, AttributeError):
+        architectures = [None]
+    count = 0
+    for path in sorted(output_dir.glob("*.safetensors")):  # every shard; tied weights are stored once
+        try:
+            with path.open("rb") as f:
+                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+            count += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a safetensors file after all
+            return architectures[0], None
+    return architectures[0], human_count(count) if count else None
+
+
+def human_count(n: int) -> str:
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
+def table_cell(text) -> str:
+    """`text` as one cell of a markdown table, shown as written: HTML and backslashes escaped, `|` escaped,
+    line breaks as <br>."""
+    text = html.escape(str(text), quote=False).replace("\\", "\\\\").replace("|", "\\|")
+    return "<br>".join(text.splitlines())
 
 
 def hyperparameters(cfg: Config) -> dict[str, str]:
