@@ -30,7 +30,6 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 
 from cloudtrain.config import Config, HubConfig, build_config, parse_bool
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.model_card import build_model_card
 from cloudtrain.saving import holds_model
 
 UPLOAD_PATTERNS = [
@@ -151,7 +150,9 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
     On failure `output_dir` stays as it is and the UserError gives the command that retries.
     """
     output_dir, hub = Path(output_dir), cfg.hub
-    build_model_card(output_dir, cfg, results).save(output_dir / "README.md")
+    from cloudtrain.tasks import build_task  # the card is the task's: classification or text generation
+
+    build_task(cfg).model_card(output_dir, cfg, results).save(output_dir / "README.md")
     try:
         api = hub_api(hub)
         with hub_errors(api, hub, f"pushing to {hub.hub_model_id}"):

@@ -2,7 +2,7 @@
 
 Drawn from the metrics.jsonl records with matplotlib's Agg canvas (no display, no pyplot state), so
 it works on a headless machine and in any process. Two panels: train and validation loss; the
-validation quality metrics (accuracy, macro F1, ...). Timing, throughput and test metrics are left
+validation quality metrics (accuracy, macro F1, ...; a language model's perplexity, on a log scale). Timing, throughput and test metrics are left
 out: they are single values or do not share the panels' scales.
 """
 
@@ -12,7 +12,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 # eval/* entries that are not quality metrics and would not share the metrics panel's 0-1 scale
-NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s"}
+NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s", "eval/tokens",
+               "eval/tokens_per_s"}
 
 Curves = dict[str, dict[str, tuple[list[int], list[float]]]]  # panel -> series -> (steps, values)
 
@@ -47,6 +48,8 @@ def plot_training_curves(records: list[dict], path: Path) -> Curves:
         ax.grid(alpha=0.3)
         if series:
             ax.legend()
+            if all(name.endswith("perplexity") for name in series):  # from thousands at the start to tens
+                ax.set_yscale("log")
         else:
             ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes)
     figure.savefig(path, dpi=100)

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 from datasets import DatasetDict
+from huggingface_hub import ModelCard
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cloudtrain.config import Config, DataConfig
@@ -73,6 +74,10 @@ class Task:
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
         """Tables to log with an evaluation: {name: (header, rows)}."""
         return {}
+
+    def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+        """The README.md pushed to the Hub with the model."""
+        raise NotImplementedError
 
     def describe_data(self, data: ProcessedData) -> str:
         raise NotImplementedError

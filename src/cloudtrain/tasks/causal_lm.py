@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from datasets import Dataset, DatasetDict
+from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -35,6 +36,7 @@ from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
+from cloudtrain.model_card import build_lm_model_card
 from cloudtrain.model_loading import resolve_model_path
 from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, isolation_error, pack, shifted_loss
 from cloudtrain.tasks.base import Task
@@ -258,6 +260,9 @@ class CausalLMTask(Task):
                                 [[g["prompt"], g["continuation"]] for g in metrics["generations"]])}
 
     # ------------------------------------------------------------ summaries
+    def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+        return build_lm_model_card(output_dir, cfg, results)
+
     def describe_data(self, data: ProcessedData) -> str:
         parts = []
         for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):

@@ -12,12 +12,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from datasets import DatasetDict
+from huggingface_hub import ModelCard
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, process_data
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import evaluate_model, predict_labels
+from cloudtrain.model_card import build_model_card
 from cloudtrain.model_loading import head_labels, load_model
 from cloudtrain.predict import records
 from cloudtrain.saving import write_jsonl
@@ -68,6 +70,9 @@ class ClassificationTask(Task):
         ids, scores = predicted
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl",
                     records(data.unlabelled_texts[split], ids, scores, dict(enumerate(data.label_names))))
+
+    def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+        return build_model_card(output_dir, cfg, results)
 
     def describe_data(self, data: ProcessedData) -> str:
         lines = [f"data: {len(data.train)} train / {len(data.validation)} validation"
