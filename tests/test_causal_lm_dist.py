@@ -1,0 +1,91 @@
+"""--task causal_lm under real launches: 2-process DDP against 1 process, exact resume with 2 processes,
+ZeRO-3 with gradient checkpointing, a Hub push with a text-generation card, and a SageMaker-style job."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import ENTRY, REPO, lm_documents
+from test_distributed import launch, logged_losses, torchrun
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm-corpus")
+    for split, n, seed in (("train", 48, 0), ("validation", 8, 1)):
+        (folder / f"{split}.txt").write_text("\n".join(lm_documents(n, seed)) + "\n")
+    return folder
+
+
+def lm_args(model_dir, corpus, out, *extra: str) -> list[str]:
+    return [str(ENTRY), "--task", "causal_lm", "--model_name_or_path", model_dir,
+            "--train_file", str(corpus / "train.txt"), "--validation_file", str(corpus / "validation.txt"),
+            "--output_dir", str(out), "--max_length", "48", "--learning_rate", "3e-3", "--logging_steps", "1",
+            "--mixed_precision", "no", "--sample_max_new_tokens", "4", "--eval_strategy", "no", *extra]
+
+
+def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_llama_dir, corpus, tmp_path):
+    """Unpadded rows of uneven token counts: the loss is normalised by the global token count, so 2 processes
+    x 4 rows give the update of 1 process x 8 rows."""
+    common = ["--packing", "none", "--max_steps", "6"]
+    two = launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, tmp_path / "two", *common,
+                                       "--per_device_train_batch_size", "4"))
+    launch(torchrun(1), *lm_args(tiny_llama_dir, corpus, tmp_path / "one", *common,
+                                 "--per_device_train_batch_size", "8"))
+    assert "2 process(es) on cpu" in two.stdout and two.stdout.count("trained 6 steps") == 1
+    a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+    assert logged_losses(tmp_path / "two") == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-4)
+
+
+def test_two_processes_resume_exactly_with_packing(tiny_llama_dir, corpus, tmp_path):
+    out = tmp_path / "run"
+    common = ["--packing", "bfd", "--max_steps", "8", "--checkpointing_steps", "3",
+              "--per_device_train_batch_size", "2"]
+    launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, out, *common))
+    straight = load_file(out / "model.safetensors")
+    losses = logged_losses(out)
+    resumed = launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, out, *common, "--overwrite_output_dir", "true",
+                                           "--resume_from_checkpoint", str(out / "checkpoints" / "checkpoint-3")))
+    assert "at step 3" in resumed.stdout
+    again = load_file(out / "model.safetensors")
+    assert all(torch.equal(straight[name], again[name]) for name in straight)
+    assert logged_losses(out) == pytest.approx(losses, rel=1e-12)
+
+
+def test_zero3_with_gradient_checkpointing_saves_the_full_model(tiny_llama_dir, corpus, tmp_path):
+    out = tmp_path / "zero3"
+    result = launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, out, "--zero_stage", "3", "--max_steps", "3",
+                                          "--gradient_checkpointing", "true", "--packing", "wrapped",
+                                          "--per_device_train_batch_size", "2"))
+    assert "ZeRO-3" in result.stdout and "perplexity" in result.stdout
+    saved, initial = load_file(out / "model.safetensors"), load_file(f"{tiny_llama_dir}/model.safetensors")
+    assert set(saved) == set(initial) and all(saved[k].shape == initial[k].shape for k in saved)
+    assert any(not torch.equal(saved[k], initial[k]) for k in saved)  # it trained
+
+
+def test_sagemaker_job_trains_a_language_model_from_its_channels(tiny_llama_dir, corpus, tmp_path):
+    """The SageMaker contract with a text channel: data and model from SM_CHANNEL_*, the model in SM_MODEL_DIR."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = tmp_path / "opt-ml" / "model"
+    env = {**os.environ, "SM_MODEL_DIR": str(model_dir), "SM_CHANNEL_TRAIN": str(corpus),
+           "SM_CHANNEL_MODEL": tiny_llama_dir, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    (corpus / "validation.txt").rename(tmp_path / "validation.txt")  # the train channel holds one split
+    try:
+        result = subprocess.run([sys.executable, str(ENTRY), "--task", "causal_lm", "--max_steps", "2",
+                                 "--max_length", "32", "--sample_max_new_tokens", "2", "--mixed_precision", "no"],
+                                capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    finally:
+        (tmp_path / "validation.txt").rename(corpus / "validation.txt")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert AutoModelForCausalLM.from_pretrained(model_dir).config.architectures == ["LlamaForCausalLM"]
+    assert json.loads((model_dir / "args.json").read_text())["train_file"] == str(corpus)
