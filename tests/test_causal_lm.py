@@ -9,6 +9,8 @@ from safetensors.torch import load_file
 
 from cloudtrain.config import build_config
 from cloudtrain.pipeline import build_run, run_training
+from cloudtrain.plotting import curve_data
+from cloudtrain.tracking import read_metrics
 
 from conftest import lm_documents, run_cli
 
@@ -43,6 +45,8 @@ def test_a_run_trains_evaluates_and_saves(tiny_llama_dir, corpus, tmp_path, pack
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     printed = capsys.readouterr().out
     assert f"packing {packing}" in printed and "perplexity" in printed and " -> " in printed
+    curves = curve_data(read_metrics(out / "metrics.jsonl"))
+    assert (out / "training_curves.png").is_file() and "eval/perplexity" in curves["evaluation metrics"]
 
 
 def test_token_level_accumulation_equals_one_big_batch(tiny_llama_dir, corpus, tmp_path):

@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 
 from conftest import ENTRY, REPO, lm_documents
 from test_distributed import launch, logged_losses, torchrun
+from test_hub import TOKEN, hub, hub_env, run_app  # noqa: F401 (hub: the local Hub server fixture)
 
 pytestmark = pytest.mark.slow
 
@@ -44,6 +45,12 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_llama_dir
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
     assert logged_losses(tmp_path / "two") == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-4)
+    assert grad_norms(tmp_path / "two") == pytest.approx(grad_norms(tmp_path / "one"), rel=1e-4)
+
+
+def grad_norms(out) -> list[float]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [e["train/grad_norm"] for e in lines if "train/grad_norm" in e]
 
 
 def test_two_processes_resume_exactly_with_packing(tiny_llama_dir, corpus, tmp_path):
@@ -89,3 +96,20 @@ def test_sagemaker_job_trains_a_language_model_from_its_channels(tiny_llama_dir,
     assert result.returncode == 0, result.stderr[-3000:]
     assert AutoModelForCausalLM.from_pretrained(model_dir).config.architectures == ["LlamaForCausalLM"]
     assert json.loads((model_dir / "args.json").read_text())["train_file"] == str(corpus)
+
+
+def test_a_pushed_language_model_gets_a_text_generation_card(hub, tiny_llama_dir, corpus, tmp_path):
+    from huggingface_hub import ModelCard
+
+    out = tmp_path / "pushed"
+    args = lm_args(tiny_llama_dir, corpus, out, "--max_steps", "2", "--push_to_hub", "true",
+                   "--hub_model_id", "alice/tales", "--hub_token", TOKEN)
+    result = run_app(hub_env(hub, tmp_path / "no-stored-token"), *args[1:])
+    assert result.returncode == 0, result.stderr[-3000:]
+    upload = hub.history("alice/tales")[-1]
+    assert "eval perplexity" in upload.summary
+    card = ModelCard(upload.added["README.md"].decode())
+    assert card.data.pipeline_tag == "text-generation"
+    perplexity = json.loads((out / "eval_results.json").read_text())["perplexity"]
+    on_card = {r.metric_type: r.metric_value for r in card.data.eval_results if r.dataset_split == "validation"}
+    assert on_card["perplexity"] == round(perplexity, 4)
