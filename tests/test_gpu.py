@@ -242,3 +242,30 @@ def test_peak_memory_is_within_the_planners_estimate(precision, minilm_dir, tmp_
     assert peak["allocated"] <= in_allocator
     assert peak["reserved"] <= estimate.total
     assert peak["allocated"] >= 0.4 * in_allocator
+
+
+# ---------------------------------------------------------------- causal LM: FSDP2 and bf16 with packed documents
+
+def test_causal_lm_fsdp2_with_bfd_packing_trains_and_saves(tiny_llama_dir, tmp_path):
+    """--task causal_lm under FSDP2 in bf16 (where the GPU has it) with bfd packing: the document-isolation
+    probe passes on CUDA SDPA, the loss falls, and the full model is saved and loads as a causal LM."""
+    from transformers import AutoModelForCausalLM
+
+    from conftest import lm_documents
+
+    (tmp_path / "train.txt").write_text("\n".join(lm_documents(64, 0)) + "\n")
+    precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "no"
+    n = min(2, torch.cuda.device_count())
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", free_port(),
+           str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir, "--train_file",
+           str(tmp_path / "train.txt"), "--packing", "bfd", "--max_length", "64", "--max_steps", "30",
+           "--learning_rate", "3e-3", "--logging_steps", "5", "--mixed_precision", precision, "--fsdp", "true",
+           "--output_dir", str(out), "--sample_max_new_tokens", "4"]
+    result = launch(cmd)
+    assert f"{n} process(es) on cuda (FSDP, precision {precision})" in result.stdout
+    trained = losses(out)
+    assert trained[-1] < 0.8 * trained[0], trained
+    model = AutoModelForCausalLM.from_pretrained(out)
+    assert json.loads((out / "eval_results.json").read_text())["perplexity"] > 1
+    assert model.config.architectures == ["LlamaForCausalLM"]
