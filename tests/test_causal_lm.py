@@ -163,3 +163,5 @@ def test_generate_on_a_saved_model(tiny_llama_dir, corpus, tmp_path):
     assert "Once upon a time" in proc.stdout and proc.stdout.strip() != "Once upon a time"
     bad = run_cli("generate", "--model_dir", str(tmp_path / "missing"), "--prompt", "x")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
+    wrong = run_cli("predict", "--model_dir", str(out), "--text", "x")
+    assert wrong.returncode == 2 and "not a sequence classifier; continue prompts with the generate" in wrong.stderr

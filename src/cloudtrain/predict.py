@@ -52,6 +52,12 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
     """Label and probability of the top class for each text."""
     if not holds_model(Path(model_dir)):
         raise UserError(f"--model_dir {model_dir} holds no saved model (no config.json/model.safetensors)")
+    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        hint = "; continue prompts with the generate command" if any(
+            name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures) else ""
+        raise UserError(f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence "
+                        f"classifier{hint}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()

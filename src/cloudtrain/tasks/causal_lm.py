@@ -264,12 +264,9 @@ class CausalLMTask(Task):
         return build_lm_model_card(output_dir, cfg, results)
 
     def describe_data(self, data: ProcessedData) -> str:
-        parts = []
-        for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
-            if rows is not None:
-                lengths = [sum(n) for n in rows["seq_lengths"]]
-                documents = sum(len(n) for n in rows["seq_lengths"])
-                parts.append(f"{len(rows)} {split} rows ({documents} documents or pieces, {sum(lengths)} tokens)")
+        parts = [f"{len(rows)} {split} rows ({sum(sum(n) for n in rows['seq_lengths'])} tokens)"
+                 for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test))
+                 if rows is not None]
         packing, block = self.cfg.data.packing, self.cfg.data.max_length
         fill = sum(sum(n) for n in data.train["seq_lengths"]) / (len(data.train) * block)
         return f"data: {', '.join(parts)}; packing {packing}, {block} tokens per row, {fill:.0%} filled"
