@@ -4,22 +4,32 @@
   DeepSpeed's `estimate_zero2/3_model_states_mem_needs`, called with the same parameter counts.
 - After one real AdamW step on CPU, the bytes held by parameters, gradients and optimizer states of
   MiniLM and of a tiny random BERT are within 5% of the estimate; saved activations within 15%.
+- Causal LMs: the LM head is counted (tied or not); the logits term is b*s*V*12 bytes, and on CPU
+  it brings the estimate within 10% of the peak bytes of a real forward + loss + backward of a small
+  Llama (which the layers' activations alone miss by far); `plan --task causal_lm --model_config
+  llama-600m` end to end.
 - The CLI: `--json` parses and recommends, nothing-fits says what would fit, bad input is one line,
   and the emitted ZeRO-3 config trains the tiny model in a real 2-process CPU launch.
 """
 
 import argparse
 import json
+import math
 import os
 import shlex
 import socket
 import subprocess
 import sys
+import weakref
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer, GPT2Config, LlamaConfig
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
+                          LlamaConfig)
 
 from cloudtrain import planner
 from cloudtrain.cli import main
@@ -34,10 +44,10 @@ def setup(num_gpus=1, num_nodes=1, precision="no", gib=80, max_length=128) -> Se
     return Setup(num_gpus, num_nodes, gib * GIB, None, max_length, precision)
 
 
-def plan_args(model: str, output_dir: Path, **options) -> argparse.Namespace:
+def plan_args(model: str | None, output_dir: Path, **options) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     planner.add_arguments(parser)
-    argv = ["--model_name_or_path", model, "--output_dir", str(output_dir)]
+    argv = (["--model_name_or_path", model] if model else []) + ["--output_dir", str(output_dir)]
     for name, value in options.items():
         argv += [f"--{name}", str(value)]
     return parser.parse_args(argv)
@@ -181,6 +191,138 @@ def test_activation_estimate_matches_what_autograd_saves(checkpointing, tiny_mod
     assert measured == pytest.approx(estimated, rel=0.15)
 
 
+# ---------------------------------------------------------------- causal language models
+
+def small_llama(root: Path, vocab: int, tied: bool = False) -> str:
+    """A config (no weights) of a 2-layer, hidden-64 Llama with GQA."""
+    out = root / f"llama-{vocab}-{'tied' if tied else 'untied'}"
+    LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied).save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_causal_lm_counts_the_lm_head(tied, tmp_path):
+    model_dir = small_llama(tmp_path, 1000, tied)
+    facts = planner.model_facts(model_dir, task="causal_lm")
+    real = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir))
+    assert facts.num_params == sum(p.numel() for p in real.parameters())  # a tied head counted once
+    classifier = planner.model_facts(model_dir, num_labels=2)
+    head = 0 if tied else 1000 * 64  # the LM head replaces the classifier's score (64 x 2)
+    assert facts.num_params - classifier.num_params == head - 64 * 2
+    assert (facts.architecture, facts.vocab_size, classifier.vocab_size) == ("LlamaForCausalLM", 1000, 0)
+
+
+def test_logits_term_is_the_formula_and_grows_linearly_with_the_vocabulary(tmp_path, minilm_dir):
+    b, s = 4, 128
+    per_vocab = {}
+    for vocab in (1000, 2000, 8000):
+        facts = planner.model_facts(small_llama(tmp_path, vocab), task="causal_lm")
+        per_vocab[vocab] = planner.logits_bytes(facts, b, s, half=False)
+        # fp32: logits 4 + fp32 copy 4 + cross-entropy's fp32 gradient 4
+        assert planner.logits_bytes(facts, b, s, half=False) == b * s * vocab * (4 + 4 + 4)
+        # bf16: the forward's 2 + 4 + 4 is less than the cross-entropy backward's three fp32 buffers
+        assert planner.logits_bytes(facts, b, s, half=True) == b * s * vocab * 12
+        for key in ("ddp", "zero3"):
+            for gc in (False, True):  # whatever the strategy, checkpointing does not shrink them
+                est = planner.estimate(facts, Candidate(BY_KEY[key], gc), setup(precision="bf16"), b)
+                assert est.logits == b * s * vocab * 12
+    assert per_vocab[2000] == 2 * per_vocab[1000] and per_vocab[8000] == 8 * per_vocab[1000]
+    minilm = planner.model_facts(minilm_dir, num_labels=2)  # classification: no logits term
+    assert planner.estimate(minilm, Candidate(BY_KEY["ddp"], False), setup(), 8).logits == 0
+
+
+class PeakBytes(TorchDispatchMode):
+    """Peak bytes of the tensors created while active (views and in-place results excluded): each storage
+    counts from the op that allocates it until it is freed."""
+
+    def __init__(self):
+        super().__init__()
+        self.live: dict[int, tuple[int, weakref.ref]] = {}  # data_ptr -> (bytes, the storage)
+        self.at_peak: dict[int, tuple[int, weakref.ref]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            storage = t.untyped_storage() if isinstance(t, torch.Tensor) else None
+            if storage is None or storage.nbytes() == 0 or storage.data_ptr() in inputs | self.live.keys():
+                continue
+            self.live[storage.data_ptr()] = storage.nbytes(), weakref.ref(storage)
+            weakref.finalize(storage, self.live.pop, storage.data_ptr(), None)
+            if self.bytes(self.live) > self.bytes(self.at_peak):
+                self.at_peak = dict(self.live)
+        return out
+
+    @staticmethod
+    def bytes(storages: dict, leave_out: frozenset = frozenset()) -> int:
+        """Bytes of `storages`, less those whose storage (still alive) is one of `leave_out` (ids)."""
+        return sum(n for n, ref in storages.values() if id(ref()) not in leave_out)
+
+
+def measured_step_peak(model, batch: dict, precision: str) -> int:
+    """Peak bytes of cloudtrain's forward + loss + backward, less the gradients (model states to the planner)."""
+    from cloudtrain.packing import causal_lm_forward, shifted_loss
+
+    model.train()
+    with PeakBytes() as tracker:
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss, _ = shifted_loss(causal_lm_forward(model, batch), batch["labels"])
+        loss.backward()
+    grads = frozenset(id(p.grad.untyped_storage()) for p in model.parameters())  # the same storage objects
+    return tracker.bytes(tracker.at_peak, leave_out=grads)
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_measured_peak_of_a_language_model_step_matches_the_estimate_with_logits(precision, tmp_path):
+    b, s, vocab = 4, 128, 8000
+    model_dir = small_llama(tmp_path, vocab)
+    facts = planner.model_facts(model_dir, task="causal_lm")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=torch.float32)
+    ids = torch.randint(0, vocab, (b, s))
+    measured = measured_step_peak(model, {"input_ids": ids, "position_ids": torch.arange(s).expand(b, s),
+                                          "labels": ids}, precision)
+    est = planner.estimate(facts, Candidate(BY_KEY["ddp"], False), setup(precision=precision, max_length=s), b)
+    print(f"{precision}: peak measured {measured} vs estimated {est.activations + est.logits} "
+          f"(layers {est.activations} + logits {est.logits})")
+    assert est.activations + est.logits == pytest.approx(measured, rel=0.10)
+    assert est.activations < 0.25 * measured  # without the logits term the estimate is far too low
+
+
+def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
+    args = dict(task="causal_lm", model_config="llama-600m", num_gpus=8, gpu_memory_gb=24, max_length=2048,
+                per_device_train_batch_size=16, mixed_precision="bf16", global_batch_size=512)
+    plan = planner.make_plan(plan_args(None, tmp_path, **args))
+    m, rec = plan["model"], plan["recommendation"]
+    assert (m["architecture"], m["task"], m["vocab_size"], m["from_config"]) == ("LlamaForCausalLM", "causal_lm",
+                                                                                   32000, True)
+    assert rec is not None and rec["estimate"]["total"] <= 24 * GIB
+    for row in plan["strategies"]:
+        assert row["estimate"]["logits"] == 16 * 2048 * 32000 * 12
+    text = planner.render(plan)
+    header = next(line for line in text.splitlines() if line.startswith("strategy"))
+    assert header.split()[5:7] == ["activ", "logits"]
+    assert f"logits {rec['estimate']['logits'] / GIB:.1f} GiB" in text and "--tokenizer_name_or_path" in text
+    assert ("--task causal_lm --model_config llama-600m --tokenizer_name_or_path '<tokenizer dir or Hub id>'"
+            in rec["command"])
+    # the logits are what keeps the micro-batch down: without them the same plan fits a larger one
+    facts = planner.model_facts("llama-600m", task="causal_lm", from_config=True)
+    s = Setup(8, 1, 24 * GIB, None, 2048, "bf16")
+    chosen = next(c for c in planner.candidates() if c.name == rec["label"])
+    assert planner.max_micro_batch(replace(facts, vocab_size=0), chosen, s) > 1.5 * planner.max_micro_batch(
+        facts, chosen, s)
+    # with the tokenizer, the preset's vocabulary is the one training builds (rounded up to a multiple of 64)
+    exact = planner.make_plan(plan_args(None, tmp_path, tokenizer_name_or_path=lm_tokenizer_dir, **args))
+    assert exact["model"]["vocab_size"] == math.ceil(len(AutoTokenizer.from_pretrained(lm_tokenizer_dir)) / 64) * 64
+    assert not exact["notes"] and f"--tokenizer_name_or_path {lm_tokenizer_dir}" in exact["recommendation"]["command"]
+
+
+def test_causal_lm_refuses_a_classifier(tiny_model_dir, tmp_path):
+    with pytest.raises(planner.UserError, match="is not a causal language model"):
+        planner.make_plan(plan_args(tiny_model_dir, tmp_path, task="causal_lm", gpu_memory_gb=24))
+
+
 # ---------------------------------------------------------------- choosing
 
 def test_recommendation_is_the_fastest_that_fits(decoder_dirs, tmp_path):
@@ -278,6 +420,9 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
     (["--global_batch_size", "100", "--num_gpus", "8"], "--global_batch_size 100 must be a positive multiple of the 8"),
     (["--gpu_memory_gb", "0"], "--gpu_memory_gb must be positive"),
     (["--strategy", "zero4"], "invalid choice: 'zero4'"),
+    (["--task", "causal_lm"], "--task causal_lm needs --model_name_or_path <causal LM> or --model_config"),
+    (["--model_config", "llama-8m"], "--model_config is for --task causal_lm"),
+    (["--task", "causal_lm", "--model_config", "llama-9b"], "neither a config.json file nor a preset"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

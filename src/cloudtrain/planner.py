@@ -2,13 +2,19 @@
 
     python src/training_application.py plan --model_name_or_path DIR_OR_HUB_ID --num_gpus 8 \\
         --gpu_memory_gb 24 --per_device_train_batch_size 8 --max_length 512 --mixed_precision bf16
+    python src/training_application.py plan --task causal_lm --model_config llama-600m \\
+        --tokenizer_name_or_path TOKENIZER --num_gpus 8 --gpu_memory_gb 24 --max_length 2048 ...
 
-It reads only the model's config (no weights) and counts parameters exactly by building the
-sequence-classification model on the meta device. For 8 strategies (DDP; ZeRO-1, 2, 3; FSDP full
-shard; ZeRO-2 and ZeRO-3 with optimizer offload; ZeRO-3 with parameter offload too), each with and
-without gradient checkpointing, it prints the memory per GPU and recommends the fastest that fits,
-with the micro-batch and gradient accumulation that reach the global batch. It writes the accelerate
-config (and DeepSpeed JSON) that `accelerate launch --config_file` takes unchanged.
+It reads only the model's config (no weights) and counts parameters exactly by building the model on
+the meta device: the sequence-classification model, or for --task causal_lm the causal LM with its
+LM head (tied to the input embeddings or not), from a checkpoint (--model_name_or_path) or from a
+config.json or shipped preset (--model_config; a preset takes the vocabulary size of
+--tokenizer_name_or_path, as training does, else its config's). For 8 strategies (DDP; ZeRO-1, 2,
+3; FSDP full shard; ZeRO-2 and ZeRO-3 with optimizer offload; ZeRO-3 with parameter offload too),
+each with and without gradient checkpointing, it prints the memory per GPU and recommends the
+fastest that fits, with the micro-batch and gradient accumulation that reach the global batch. It
+writes the accelerate config (and DeepSpeed JSON) that `accelerate launch --config_file` takes
+unchanged.
 
 Units: bytes internally, GiB (2**30) on screen; --gpu_memory_gb is GiB (a "24 GB" card has 24 GiB).
 Notation: P parameters, N = GPUs in total, p = bytes of a model weight inside the engine (2 under
@@ -49,6 +55,13 @@ Models", generalised to the real intermediate size, gated MLPs, grouped KV heads
     with checkpointing (each layer recomputed in the backward pass): l*r*s*b*h + E + A + W, with r the
     bytes of the residual stream between layers (4 under DDP autocast, whose residual stays fp32).
 
+Logits (causal_lm only; shown as their own column): with vocabulary V they dominate the activations of
+a small or mid-sized model, and checkpointing does not shrink them. The loss upcasts the logits
+(`logits.float()`, a copy) and takes log-softmax and cross-entropy in fp32. The forward pass holds
+the logits, the copy and the log-softmax (c + 4 + 4 bytes per logit); the cross-entropy's backward holds
+the log-softmax, its incoming gradient and the copy's gradient (4 + 4 + 4, measured on CPU in fp32 and
+under bf16 autocast). So b*s*V*max(c + 8, 12): 12 bytes per logit in every precision.
+
 Overhead per GPU: 1 GiB for the CUDA context, cuBLAS and NCCL workspaces; communication buffers
 (DDP's gradient buckets, 4P; DeepSpeed's reduce buckets, 2 x h^2 elements, and ZeRO-3's prefetch
 bucket, 0.9 h^2); and 5% of everything else for caching-allocator fragmentation. The total is a
@@ -79,7 +92,7 @@ from pathlib import Path
 
 import yaml
 
-from cloudtrain.config import PRECISIONS
+from cloudtrain.config import PRECISIONS, TASKS, ModelConfig
 from cloudtrain.errors import UserError, first_line
 
 GIB = 2 ** 30
@@ -155,6 +168,10 @@ class ModelFacts:
     hidden_dropout: bool
     attention_dropout: bool
     attn_implementation: str
+    task: str = "classification"
+    vocab_size: int = 0  # the width of the logits (causal_lm); 0: a classification head, no logits term
+    from_config: bool = False  # name is a --model_config (config.json or preset), not a checkpoint
+    tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
 
 
 @dataclass(frozen=True)
@@ -181,14 +198,16 @@ class Estimate:
     parameters: int
     gradients: int
     optimizer_states: int
-    activations: int
+    activations: int  # the layers' (and embeddings') activations and the backward working space
     overhead: int
     cpu_offloaded: int  # per node
     cpu_load: int  # per node
+    logits: int = 0  # causal_lm: the logits and the loss's fp32 buffers
 
     @property
     def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.overhead
+        return (self.parameters + self.gradients + self.optimizer_states + self.activations + self.logits
+                + self.overhead)
 
     @property
     def model_states(self) -> int:
@@ -228,29 +247,72 @@ def _activation_saved(act_name) -> float:
     return sum(saved.values()) / x.untyped_storage().nbytes()
 
 
-def _load_config(name: str, num_labels: int, trust_remote_code: bool):
+def _load_config(name: str, num_labels: int, trust_remote_code: bool, task: str = "classification",
+                 from_config: bool = False, tokenizer: str | None = None):
+    """The model's config as training builds it: with num_labels for classification; for causal_lm from a
+    checkpoint or a --model_config, a preset taking its vocabulary from the tokenizer when one is given."""
     from transformers import AutoConfig
 
-    from cloudtrain.config import ModelConfig
-    from cloudtrain.model_loading import resolve_model_path
-
-    path = resolve_model_path(ModelConfig(model_name_or_path=name, trust_remote_code=trust_remote_code))
+    model = ModelConfig(model_name_or_path=None if from_config else name, model_config=name if from_config else None,
+                        tokenizer_name_or_path=tokenizer, trust_remote_code=trust_remote_code)
+    path = _config_path(model)
+    options = {"num_labels": num_labels} if task == "classification" else {}
     try:
-        return AutoConfig.from_pretrained(path, num_labels=num_labels, trust_remote_code=trust_remote_code)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **options)
     except (OSError, ValueError) as err:
         raise UserError(f"could not read a model config from {path}: {first_line(err)}") from None
+    if task == "causal_lm":
+        _check_causal_lm(config, name)
+    if from_config and tokenizer:
+        _fit_vocabulary(config, model)
+    return config
 
 
-def _meta_model(config, trust_remote_code: bool):
+def _config_path(model: ModelConfig) -> str:
+    """Where the config is: the --model_config file (a path or preset), else the model's directory or Hub id."""
+    if model.model_config:
+        from cloudtrain.tasks.causal_lm import model_config_file
+
+        return str(model_config_file(model.model_config))
+    from cloudtrain.model_loading import resolve_model_path
+
+    return resolve_model_path(model)
+
+
+def _check_causal_lm(config, name: str) -> None:
+    from cloudtrain.tasks.causal_lm import is_causal_lm
+
+    if not is_causal_lm(config):
+        kind = ", ".join(config.architectures or [config.model_type])
+        raise UserError(f"{name} is not a causal language model ({kind}); --task causal_lm plans for one that "
+                        "AutoModelForCausalLM builds")
+
+
+def _fit_vocabulary(config, model: ModelConfig) -> None:
+    """What training does to a --model_config: a preset takes the tokenizer's vocabulary size."""
+    from cloudtrain.model_loading import load_tokenizer
+    from cloudtrain.tasks.causal_lm import CausalLMTask
+
+    CausalLMTask._fit_config(config, load_tokenizer(model), model.model_config)
+
+
+def _meta_model(config, trust_remote_code: bool, task: str = "classification"):
     import torch
-    from transformers import AutoModelForSequenceClassification
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
+    auto, kind = ((AutoModelForCausalLM, "causal-LM") if task == "causal_lm"
+                  else (AutoModelForSequenceClassification, "sequence-classification"))
     try:
         with torch.device("meta"):  # shapes only: a 7B model builds in a fraction of a second
-            return AutoModelForSequenceClassification.from_config(config, trust_remote_code=trust_remote_code)
+            return auto.from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{type(config).__name__} has no sequence-classification model in transformers: "
-                        f"{first_line(err)}") from None
+        raise UserError(f"{type(config).__name__} has no {kind} model in transformers: {first_line(err)}") from None
+
+
+def _vocab_size(model, task: str) -> int:
+    """The width of the logits: the LM head's output features (tied to the input embeddings or not)."""
+    head = model.get_output_embeddings() if task == "causal_lm" else None
+    return 0 if head is None else head.weight.shape[0]
 
 
 def _layer_stack(model):
@@ -263,10 +325,12 @@ def _layer_stack(model):
     return max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def model_facts(name: str, num_labels: int = 2, trust_remote_code: bool = False) -> ModelFacts:
-    """Read a model's config and count its parameters exactly on the meta device; loads no weights."""
-    config = _load_config(name, num_labels, trust_remote_code)
-    model = _meta_model(config, trust_remote_code)
+def model_facts(name: str, num_labels: int = 2, trust_remote_code: bool = False, task: str = "classification",
+                from_config: bool = False, tokenizer: str | None = None) -> ModelFacts:
+    """Read a model's config and count its parameters exactly on the meta device; loads no weights.
+    task "causal_lm" builds the causal LM (LM head included); from_config: name is a --model_config."""
+    config = _load_config(name, num_labels, trust_remote_code, task, from_config, tokenizer)
+    model = _meta_model(config, trust_remote_code, task)
     text = config.get_text_config()
     hidden, heads = _config_value(text, ("hidden_size",)), _config_value(text, ("num_attention_heads",))
     if not hidden or not heads:
@@ -290,7 +354,8 @@ def model_facts(name: str, num_labels: int = 2, trust_remote_code: bool = False)
                                                   "dropout"), 0.0)) > 0,
         attention_dropout=float(_config_value(text, ("attention_probs_dropout_prob", "attn_pdrop",
                                                      "attention_dropout"), 0.0)) > 0,
-        attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"))
+        attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
+        task=task, vocab_size=_vocab_size(model, task), from_config=from_config, tokenizer=tokenizer)
 
 
 # ---------------------------------------------------------------- the estimate
@@ -331,6 +396,14 @@ def activation_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool, chec
     return round(m.num_layers * per_layer + outside), round(working)
 
 
+def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> int:
+    """The logits and the loss's fp32 buffers per GPU (0 without an LM head): per logit, the forward holds
+    the logits (c bytes), their fp32 copy and the log-softmax (4 + 4); the cross-entropy's backward holds
+    the log-softmax, its gradient and the copy's gradient (3 x 4). Checkpointing does not shrink them."""
+    c = 2 if half else 4
+    return micro_batch * seq * m.vocab_size * max(c + 4 + 4, 3 * 4)
+
+
 def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int) -> int:
     """CUDA context, communication buffers and allocator fragmentation."""
     p = 2 if setup.half else 4
@@ -364,9 +437,10 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     residual = 4 if (s.zero_stage is None and not s.fsdp) or not setup.half else 2
     saved, working = activation_bytes(m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual)
     activations = saved + working
-    overhead = overhead_bytes(m, s, setup, params + grads + optim + activations)
+    logits = logits_bytes(m, micro_batch, setup.max_length, setup.half)
+    overhead = overhead_bytes(m, s, setup, params + grads + optim + activations + logits)
     offloaded, load = cpu_bytes(m, s, setup)
-    return Estimate(params, grads, optim, activations, overhead, offloaded, load)
+    return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits)
 
 
 def fits(est: Estimate, setup: Setup) -> bool:
@@ -458,8 +532,9 @@ def _reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, reque
         reasons.append(f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB"
                        + (" (and more)" if len(faster) > 4 else "") + ".")
     e = choice.estimate
+    logits = f", logits {e.logits / GIB:.1f}" if e.logits else ""
     reasons.append(f"{c.name} needs {e.total / GIB:.1f} of {gib:g} GiB per GPU at micro-batch {b} (model states "
-                   f"{e.model_states / GIB:.1f}, activations {e.activations / GIB:.1f} GiB); the largest "
+                   f"{e.model_states / GIB:.1f}, activations {e.activations / GIB:.1f}{logits} GiB); the largest "
                    f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}.")
     reasons += _micro_batch_reason(requested, b, global_batch // setup.world_size)
     reasons.append(f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
@@ -528,13 +603,23 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path)
     if setup.num_nodes > 1:
         args += ["--machine_rank", "<this node's rank>", "--main_process_ip", "<node 0 address>",
                  "--main_process_port", "29500"]
-    args += [TRAINING_APPLICATION, "--training_type", "accelerated", "--model_name_or_path", m.name,
+    args += [TRAINING_APPLICATION, "--training_type", "accelerated"] + _model_args(m) + [
              "--per_device_train_batch_size", str(choice.micro_batch),
              "--gradient_accumulation_steps", str(choice.accumulation),
              "--mixed_precision", setup.mixed_precision, "--max_length", str(setup.max_length)]
     if choice.candidate.checkpointing and not choice.candidate.strategy.fsdp:  # FSDP does it in the YAML
         args += ["--gradient_checkpointing", "true"]
     return " ".join(a if " " not in a else f"'{a}'" for a in args)
+
+
+def _model_args(m: ModelFacts) -> list[str]:
+    """The launch command's task and model flags."""
+    if m.task != "causal_lm":
+        return ["--model_name_or_path", m.name]
+    args = ["--task", "causal_lm", "--model_config" if m.from_config else "--model_name_or_path", m.name]
+    if m.from_config or m.tokenizer:
+        args += ["--tokenizer_name_or_path", m.tokenizer or "<tokenizer dir or Hub id>"]
+    return args
 
 
 def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path) -> dict[str, str]:
@@ -555,8 +640,15 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
 # ---------------------------------------------------------------- the command
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", choices=TASKS, default="classification",
+                        help="What will be trained: classification or causal_lm (default: classification).")
     parser.add_argument("--model_name_or_path", default=None,
                         help="A model directory or Hub id; only its config is read (default: all-MiniLM-L6-v2).")
+    parser.add_argument("--model_config", default=None,
+                        help="--task causal_lm from scratch: a config.json or a shipped preset (llama-8m, llama-600m).")
+    parser.add_argument("--tokenizer_name_or_path", default=None,
+                        help="The tokenizer training will use; a preset takes its vocabulary size from it "
+                             "(default: the config's vocab_size).")
     parser.add_argument("--num_labels", type=int, default=2, help="Classes of the classification head (default: 2).")
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow the model's own config/model code.")
     parser.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default: 1).")
@@ -588,6 +680,11 @@ def _check(args: argparse.Namespace) -> None:
         (args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
         (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
         (args.num_labels < 1, "--num_labels must be at least 1"),
+        (args.model_config and args.task != "causal_lm", "--model_config is for --task causal_lm"),
+        (args.model_config and args.model_name_or_path,
+         "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them"),
+        (args.task == "causal_lm" and not (args.model_config or args.model_name_or_path),
+         "--task causal_lm needs --model_name_or_path <causal LM> or --model_config <config.json or preset>"),
         (args.per_device_train_batch_size < 1, "--per_device_train_batch_size must be at least 1"),
         (args.max_length < 2, "--max_length must be at least 2"),
         (args.global_batch_size is not None and args.global_batch_size % world != 0,
@@ -605,7 +702,8 @@ def make_plan(args: argparse.Namespace) -> dict:
     _check(args)
     from cloudtrain.assets import default_model_dir
 
-    m = model_facts(args.model_name_or_path or default_model_dir(), args.num_labels, args.trust_remote_code)
+    m = model_facts(args.model_config or args.model_name_or_path or default_model_dir(), args.num_labels,
+                    args.trust_remote_code, args.task, bool(args.model_config), args.tokenizer_name_or_path)
     setup = Setup(args.num_gpus, args.num_nodes, round(args.gpu_memory_gb * GIB),
                   None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
                   args.max_length, args.mixed_precision)
@@ -619,7 +717,8 @@ def make_plan(args: argparse.Namespace) -> dict:
             "requested_micro_batch": requested, "global_batch_size": global_batch,
             "assumptions": {"cuda_context_bytes": CUDA_CONTEXT_BYTES, "fragmentation": FRAGMENTATION,
                             "checkpointing_cost": CHECKPOINTING_COST, "optimizer": "AdamW"},
-            "strategies": [_row_json(r) for r in rows], "recommendation": None, "suggestions": []}
+            "strategies": [_row_json(r) for r in rows], "recommendation": None, "suggestions": [],
+            "notes": _notes(m)}
     if choice is None:
         forced = args.strategy != "auto" or args.gradient_checkpointing != "auto"
         plan["message"] = ("The requested strategy does not fit (see the table); drop --strategy/--gradient_"
@@ -632,6 +731,13 @@ def make_plan(args: argparse.Namespace) -> dict:
                                                   _reasons(m, allowed, choice, setup, requested, global_batch),
                                                   launch_command(m, choice, setup, Path(files["accelerate_config"])))
     return plan
+
+
+def _notes(m: ModelFacts) -> list[str]:
+    if m.from_config and not m.tokenizer:
+        return [f"vocab {m.vocab_size} is the config's; training gives a preset the tokenizer's vocabulary: pass "
+                "--tokenizer_name_or_path for the exact logits"]
+    return []
 
 
 def _recommendation_json(choice: Choice, global_batch: int, files: dict, reasons: list[str], command: str) -> dict:
@@ -669,31 +775,43 @@ def _size(n: int) -> str:
 def render(plan: dict) -> str:
     """The human-readable plan: model, setup, the table of all candidates, the recommendation."""
     m, s = plan["model"], plan["setup"]
+    lm = m["task"] == "causal_lm"
+    vocab = f", vocab {m['vocab_size']}" if lm else ""
     lines = [f"model: {m['architecture']} ({m['name']}), {m['num_params'] / 1e6:,.1f}M parameters, "
              f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, intermediate "
-             f"{m['intermediate_size']}{' (gated)' if m['gated_mlp'] else ''}, {m['attn_implementation']} attention",
+             f"{m['intermediate_size']}{' (gated)' if m['gated_mlp'] else ''}"
+             f"{vocab}, {m['attn_implementation']} attention",
              f"setup: {s['num_nodes']} node(s) x {s['num_gpus']} GPU(s) x {s['gpu_memory_bytes'] / GIB:g} GiB, "
              f"max_length {s['max_length']}, mixed precision {s['mixed_precision']}, micro-batch "
              f"{plan['requested_micro_batch']}, global batch {plan['global_batch_size']}",
              f"memory per GPU at micro-batch {plan['requested_micro_batch']}; time: relative step time, fastest "
              "first; overhd: 1 GiB CUDA context + communication buffers + 5% fragmentation; max mb: the largest "
-             "micro-batch that fits", ""]
-    header = ("strategy", "time", "params", "grads", "optim", "activ", "overhd", "GPU total", "CPU/node",
-              "max mb", "fits")
-    table = [header] + [_table_row(r) for r in plan["strategies"]]
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        lines.append("  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                               enumerate(zip(row, widths))).rstrip())
-    lines.append("")
-    return "\n".join(lines + _render_choice(plan))
+             "micro-batch that fits"]
+    if lm:
+        lines.append("logits: micro-batch x max_length x vocab x 12 bytes (the logits with their fp32 copy and "
+                     "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing")
+    lines += [f"note: {note}" for note in plan.get("notes", [])]
+    return "\n".join(lines + [""] + _render_table(plan["strategies"], lm) + [""] + _render_choice(plan))
+
+
+COLUMNS = ("strategy", "time", "params", "grads", "optim", "activ", "logits", "overhd", "GPU total", "CPU/node",
+           "max mb", "fits")
+
+
+def _render_table(rows: list[dict], logits: bool) -> list[str]:
+    """The table of candidates; the logits column only for a language model."""
+    shown = [i for i, name in enumerate(COLUMNS) if logits or name != "logits"]
+    table = [[row[i] for i in shown] for row in [COLUMNS] + [_table_row(r) for r in rows]]
+    widths = [max(len(row[i]) for row in table) for i in range(len(shown))]
+    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                      enumerate(zip(row, widths))).rstrip() for row in table]
 
 
 def _table_row(r: dict) -> tuple:
     e = r["estimate"]
     return (r["label"], f"{r['relative_step_time']:.2f}", _size(e["parameters"]), _size(e["gradients"]),
-            _size(e["optimizer_states"]), _size(e["activations"]), _size(e["overhead"]), _size(e["total"]),
-            _size(e["cpu_per_node"]), str(r["max_micro_batch"]), "yes" if r["fits"] else "no")
+            _size(e["optimizer_states"]), _size(e["activations"]), _size(e["logits"]), _size(e["overhead"]),
+            _size(e["total"]), _size(e["cpu_per_node"]), str(r["max_micro_batch"]), "yes" if r["fits"] else "no")
 
 
 def _render_choice(plan: dict) -> list[str]:
