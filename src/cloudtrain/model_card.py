@@ -48,6 +48,20 @@ LM_METRICS = (("perplexity", "perplexity", "Perplexity", None), ("loss", "loss",
 CLASSIFICATION_ONLY = {"text_pair_column", "label_column"}  # options a causal-LM run does not read
 LM_EXAMPLE_PROMPT = "Once upon a time"
 
+FOOTER = """{%- if curves %}
+
+### Training curves
+
+![Training curves]({{ curves }})
+{%- endif %}
+
+## Framework versions
+{% for name, version in versions.items() %}
+- {{ name }} {{ version }}
+{%- endfor %}
+
+"""  # the end of every card: the curves and the versions
+
 TEMPLATE = """---
 {{ card_data }}
 ---
@@ -116,19 +130,7 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 | **{{ labels[loop.index0] }}** | {{ counts | join(" | ") }} |
 {%- endfor %}
 {%- endfor %}
-{%- if curves %}
-
-### Training curves
-
-![Training curves]({{ curves }})
-{%- endif %}
-
-## Framework versions
-{% for name, version in versions.items() %}
-- {{ name }} {{ version }}
-{%- endfor %}
-
-"""  # Jinja drops one trailing newline: the card still ends with one
+""" + FOOTER  # Jinja drops one trailing newline: the card still ends with one
 
 LM_TEMPLATE = """---
 {{ card_data }}
@@ -191,19 +193,7 @@ Greedy continuations (at most {{ max_new_tokens }} new tokens) from the final ev
 | {{ g.prompt }} | {{ g.continuation }} |
 {%- endfor %}
 {%- endif %}
-{%- if curves %}
-
-### Training curves
-
-![Training curves]({{ curves }})
-{%- endif %}
-
-## Framework versions
-{% for name, version in versions.items() %}
-- {{ name }} {{ version }}
-{%- endfor %}
-
-"""
+""" + FOOTER
 
 
 def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
