@@ -165,3 +165,17 @@ def test_generate_on_a_saved_model(tiny_llama_dir, corpus, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     wrong = run_cli("predict", "--model_dir", str(out), "--text", "x")
     assert wrong.returncode == 2 and "not a sequence classifier; continue prompts with the generate" in wrong.stderr
+
+
+def test_a_gpt2_style_model_from_a_csv_with_bfd_packing(tiny_gpt2_dir, tmp_path):
+    """GPT-2 (learned positions, tied head) from a csv with --text_column, packed bfd, the basic trainer."""
+    import pandas as pd
+
+    pd.DataFrame({"story": lm_documents(30, 3), "id": range(30)}).to_csv(tmp_path / "stories.csv", index=False)
+    results = run_training(build_config({
+        "task": "causal_lm", "model_name_or_path": tiny_gpt2_dir, "train_file": str(tmp_path / "stories.csv"),
+        "text_column": "story", "packing": "bfd", "max_length": 64, "max_steps": 3, "training_type": "basic",
+        "mixed_precision": "no", "output_dir": str(tmp_path / "out"), "sample_prompts": "The wolf|Once",
+        "sample_max_new_tokens": 3}))
+    assert [g["prompt"] for g in results["eval"]["generations"]] == ["The wolf", "Once"]
+    assert results["eval"]["tokens"] > 0 and results["train"]["global_step"] == 3

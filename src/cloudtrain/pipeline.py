@@ -105,7 +105,7 @@ def build_run(cfg: Config) -> Run:
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
     model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
-    task.check_model(model, cfg)
+    task.check_model(model, cfg, announce=runtime.is_main)
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
 
     if resume_from and runtime.is_main:

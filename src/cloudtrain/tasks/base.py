@@ -48,7 +48,7 @@ class Task:
                    announce: bool) -> PreTrainedModel:
         raise NotImplementedError
 
-    def check_model(self, model: PreTrainedModel, cfg: Config) -> None:
+    def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         """Checks that need the loaded model (before training starts)."""
 
     def loss_count(self, batch: dict) -> torch.Tensor:

@@ -203,11 +203,12 @@ class CausalLMTask(Task):
             raise UserError(f"--max_length {max_length} is longer than the model's context ({context} positions); "
                             f"pass --max_length {context} or less")
 
-    def check_model(self, model: PreTrainedModel, cfg: Config) -> None:
+    def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         if cfg.data.packing != "bfd":
             return
         if is_deepspeed_zero3_enabled():  # partitioned weights cannot run a probe before the engine exists
-            print("note: document isolation of --packing bfd was not probed under ZeRO-3", flush=True)
+            if announce:
+                print("note: document isolation of --packing bfd was not probed under ZeRO-3", flush=True)
             return
         problem = isolation_error(model)
         if problem:
