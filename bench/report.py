@@ -4,6 +4,8 @@ from pathlib import Path
 
 import matplotlib
 
+from lm_bench import markdown as lm_markdown
+
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 
@@ -28,7 +30,9 @@ def write_markdown(results: dict, path: Path) -> None:
         f"eval on {s['eval_samples']} test examples; medians of {s['repetitions']} repetitions, each a fresh "
         f"process. Machine: {m['cuda'] or m['processor'] or m['platform']}, torch {m['torch']}. "
         f"Wall time: {results['phases']['comparison_s']:.0f}s for tokenization and the comparison, "
-        f"{results['phases']['ablations_s']:.0f}s for the optimizations.", "",
+        f"{results['phases']['ablations_s']:.0f}s for the optimizations"
+        + (f", {results['phases']['lm_s']:.0f}s for the causal-LM comparison." if "lm_s" in results["phases"]
+           else "."), "",
         "Train rates are the batch size over the median step time, first step left out (see time to first step); "
         "every runner takes the same batches in the same order. Tokens are real, non-padding ones.", "",
         "| runner | train samples/s | train tokens/s | vs reference | eval samples/s | peak RSS MiB "
@@ -56,6 +60,11 @@ def write_markdown(results: dict, path: Path) -> None:
             lines.append(f"| {name} | {_median(entry, 'train_samples_per_s'):.2f} | "
                          f"{_median(entry, 'train_tokens_per_s'):.0f} | {_ratio(entry['vs_baseline'])} | "
                          f"{_median(entry, 'time_to_first_step_s'):.1f} | {_median(entry, 'accuracy'):.4f} |")
+    lm = results.get("lm")
+    if lm and "skipped" in lm:
+        lines += ["", "## Causal LM: sequence packing", "", f"Skipped: {lm['skipped']}"]
+    elif lm:
+        lines += [""] + lm_markdown(lm)
     path.write_text("\n".join(lines) + "\n")
 
 

@@ -1,6 +1,8 @@
 """The benchmark (`make bench`): our BasicTrainer and AcceleratedTrainer against a minimal PyTorch loop
 (the overhead floor) and transformers.Trainer, on the same model, data, sequence length, batch size,
-precision, threads and steps; plus tokenization throughput and the optimizations, each on and off.
+precision, threads and steps; plus tokenization throughput and the optimizations, each on and off;
+plus the causal-LM case (bench/lm_bench.py, `--lm false` skips it): sequence packing none / wrapped /
+bfd, real tokens/s and validation loss at an equal number of tokens seen.
 
 Every run is a fresh interpreter (bench/worker.py), so peak memory is per run; repetitions are
 interleaved across runners so a busy machine slows them all alike. Writes bench/results/latest.json,
@@ -26,6 +28,7 @@ from cloudtrain.config import MIXED_PRECISION
 from cloudtrain.hardware import resolve_precision
 from common import Spec
 from report import write_chart, write_markdown
+import lm_bench
 
 BENCH = Path(__file__).resolve().parent
 RUNNERS = ("basic", "accelerated", "reference", "hf_trainer")
@@ -63,6 +66,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ablation_repetitions", type=int, default=1)
     p.add_argument("--ablation_timeout", type=float, default=600, help="seconds before an ablation run is given up")
     p.add_argument("--data_bench", default="true", choices=("true", "false"))
+    lm = lm_bench.LMSettings()
+    p.add_argument("--lm", default="true", choices=("true", "false"),
+                   help="the causal-LM packing comparison (bench/lm_bench.py; about 2 minutes on 2 cores)")
+    p.add_argument("--lm_repetitions", type=int, default=2)
+    p.add_argument("--lm_token_budget", type=int, default=lm.token_budget, help="real training tokens per variant")
+    p.add_argument("--lm_threads", type=int, default=lm.threads, help="torch threads in each LM run (0: default)")
+    p.add_argument("--lm_tab", default=None, help="an Orange .tab corpus instead of the Grimm tales (tests)")
     p.add_argument("--out", default=str(BENCH / "results"), help="folder for latest.json/.md/.png")
     args = p.parse_args(argv)
     args.runners = [r for r in args.runners.split(",") if r]
@@ -115,6 +125,21 @@ def measure(reps: int, variants: dict[str, Spec], log, timeout: float | None = N
     return {name: {"spec": variants[name].to_dict(), "runs": r, "summary": summarize(r)} for name, r in runs.items()}
 
 
+def measure_lm(args: argparse.Namespace, log) -> dict:
+    """The causal-LM packing comparison; {"skipped": reason} when its corpus cannot be fetched."""
+    settings = replace(lm_bench.LMSettings(), token_budget=args.lm_token_budget, threads=args.lm_threads,
+                       mixed_precision=args.mixed_precision, tab=args.lm_tab)
+    if not args.lm_tab:
+        import lm_corpus
+
+        try:
+            lm_corpus.fetch_grimm()
+        except RuntimeError as err:  # no registry: the rest of the benchmark still stands
+            print(f"causal-LM comparison skipped: {err}", flush=True)
+            return {"skipped": str(err)}
+    return lm_bench.run(settings, args.lm_repetitions, log)
+
+
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     start = time.perf_counter()
@@ -135,6 +160,11 @@ def main(argv: list[str] | None = None) -> dict:
         changed = {n: spec for n, spec in changed.items() if spec != base}  # e.g. bf16 when that is the default
         ablations = measure(args.ablation_repetitions, changed, log, timeout=args.ablation_timeout)
         phases["ablations_s"] = time.perf_counter() - start - phases["comparison_s"]
+        lm = None
+        if args.lm == "true":
+            lm_start = time.perf_counter()
+            lm = measure_lm(args, log)
+            phases["lm_s"] = time.perf_counter() - lm_start
     reference = runners.get("reference", {}).get("summary")
     for entry in runners.values():
         entry["vs_reference"] = (entry["summary"]["train_samples_per_s"]["median"]
@@ -147,7 +177,7 @@ def main(argv: list[str] | None = None) -> dict:
                "machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
                            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-               "data_processing": data, "runners": runners, "ablations": ablations,
+               "data_processing": data, "runners": runners, "ablations": ablations, "lm": lm,
                "phases": phases, "wall_s": time.perf_counter() - start}
     (out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(results, out / "latest.md")
