@@ -23,7 +23,7 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("bench")
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
-         "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--out", str(out)],
+         "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm", "false", "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out

@@ -206,9 +206,13 @@ class CausalLMTask(Task):
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         if cfg.data.packing != "bfd":
             return
-        if is_deepspeed_zero3_enabled():  # partitioned weights cannot run a probe before the engine exists
+        # Partitioned weights cannot run a probe before the engine exists; FlashAttention cannot run on the
+        # CPU copy probed here, and keeps documents apart from position_ids by design (varlen kernels).
+        reason = "under ZeRO-3" if is_deepspeed_zero3_enabled() else \
+            "with FlashAttention" if "flash" in (cfg.model.attn_implementation or "") else None
+        if reason:
             if announce:
-                print("note: document isolation of --packing bfd was not probed under ZeRO-3", flush=True)
+                print(f"note: document isolation of --packing bfd was not probed {reason}", flush=True)
             return
         problem = isolation_error(model)
         if problem:
