@@ -238,6 +238,7 @@ def test_gpu_bench_refuses_politely_without_cuda():
     assert len(proc.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in proc.stderr
 
 
+@pytest.mark.slow  # about 30 s: a real run through the application
 def test_gpu_bench_dry_run_trains_through_the_application_on_cpu(tab, tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--dry_run", "--tab", str(tab), "--out", str(out)],

@@ -33,7 +33,8 @@ def lm_options(model_dir, corpus, out, **overrides) -> dict:
             "mixed_precision": "no", "report_to": ["none"], **overrides}
 
 
-@pytest.mark.parametrize("packing", ["wrapped", "bfd", "none"])
+@pytest.mark.parametrize("packing", ["wrapped", pytest.param("bfd", marks=pytest.mark.slow),
+                                     pytest.param("none", marks=pytest.mark.slow)])
 def test_a_run_trains_evaluates_and_saves(tiny_llama_dir, corpus, tmp_path, packing, capsys):
     out = tmp_path / "run"
     results = run_training(build_config(lm_options(tiny_llama_dir, corpus, out, packing=packing,
@@ -155,6 +156,7 @@ def test_every_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, corpus
         assert not (tmp_path / "out").exists(), case
 
 
+@pytest.mark.slow  # three fresh interpreters
 def test_generate_on_a_saved_model(tiny_llama_dir, corpus, tmp_path):
     out = tmp_path / "run"
     run_training(build_config(lm_options(tiny_llama_dir, corpus, out, sample_max_new_tokens=3)))
