@@ -58,8 +58,10 @@ def dataset_label(cfg: DataConfig) -> str:
     return Path(source.rstrip("/")).stem if source else BUILTIN_NAME
 
 
-def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> DatasetDict:
-    """Load the raw splits and check they hold `columns` ({flag: (column, needed beyond train)}, the task's)."""
+def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = None) -> DatasetDict:
+    """Load the raw splits and check they hold `columns` ({flag: (column, needed beyond train)}: the task's;
+    by default the text column)."""
+    columns = columns if columns is not None else {"--text_column": (cfg.text_column, True)}
     check_data_sources(cfg)
     if cfg.train_file:
         raw = DatasetDict({split: _load_path(path, split, cfg.text_column)
