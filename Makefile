@@ -32,7 +32,7 @@ $(GRIMM): $(STAMP)
 train: setup
 	$(PY) src/training_application.py --training_type accelerated --overwrite_output_dir true $(ARGS)
 
-# Pretrain a small decoder from scratch on the Grimm tales (configs/pretrain_grimm.yaml), ~8 min on 2 cores;
+# Pretrain a small decoder from scratch on the Grimm tales (configs/pretrain_grimm.yaml), ~7 min on 2 cores;
 # prints the perplexity before and after and a few generations.
 pretrain: setup
 	$(PY) src/training_application.py --config configs/pretrain_grimm.yaml $(ARGS)
