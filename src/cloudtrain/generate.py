@@ -28,6 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from cloudtrain.config import parse_bool
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.model_loading import is_causal_lm
 
 SEPARATOR = "-" * 60
 DEVICES = ("auto", "cpu", "cuda")
@@ -90,13 +91,6 @@ def check_options(args: argparse.Namespace) -> None:
                         "1.0 turns it off")
 
 
-def _causal_lm_classes() -> set[str]:
-    names = set()
-    for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values():
-        names.update(value if isinstance(value, (tuple, list)) else [value])
-    return names
-
-
 def check_model_dir(model_dir: str) -> None:
     """`model_dir` holds the config of a causal language model, or a UserError says what it holds instead."""
     path = Path(model_dir)
@@ -109,10 +103,9 @@ def check_model_dir(model_dir: str) -> None:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
         raise UserError(f"could not read {path / 'config.json'}: {first_line(err)}") from None
-    architectures = list(getattr(config, "architectures", None) or [])
-    causal = _causal_lm_classes()
-    if any(name.endswith("ForCausalLM") or name in causal for name in architectures):
+    if is_causal_lm(config):
         return
+    architectures = list(getattr(config, "architectures", None) or [])
     if any(name.endswith("ForSequenceClassification") for name in architectures):
         raise UserError(f"--model_dir {model_dir} is a sequence-classification model; use the predict command "
                         "to classify texts with it")

@@ -21,6 +21,7 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_utils import load_state_dict
 from transformers.models.auto.auto_factory import _get_model_class
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from cloudtrain.assets import default_model_dir
 from cloudtrain.config import ModelConfig
@@ -49,6 +50,16 @@ def load_tokenizer(cfg: ModelConfig) -> transformers.PreTrainedTokenizerBase:
     if tokenizer.pad_token is None:  # decoders: pad with EOS, the usual choice for classification
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
+    """A decoder that AutoModelForCausalLM builds as such; a checkpoint with another head (an encoder, a
+    classifier) is not, even where its family has a causal-LM class (BERT's, say)."""
+    if config.architectures:
+        causal = {name for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+                  for name in (value if isinstance(value, (tuple, list)) else [value])}
+        return any(name.endswith(("ForCausalLM", "LMHeadModel")) or name in causal for name in config.architectures)
+    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.is_encoder_decoder
 
 
 def head_labels(cfg: ModelConfig) -> list[str] | None:

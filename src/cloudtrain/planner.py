@@ -280,7 +280,7 @@ def _config_path(model: ModelConfig) -> str:
 
 
 def _check_causal_lm(config, name: str) -> None:
-    from cloudtrain.tasks.causal_lm import is_causal_lm
+    from cloudtrain.model_loading import is_causal_lm
 
     if not is_causal_lm(config):
         kind = ", ".join(config.architectures or [config.model_type])

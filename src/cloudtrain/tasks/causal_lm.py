@@ -30,19 +30,17 @@ from datasets import Dataset, DatasetDict
 from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
 from cloudtrain.model_card import build_lm_model_card
-from cloudtrain.model_loading import resolve_model_path
+from cloudtrain.model_loading import is_causal_lm, resolve_model_path
 from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, isolation_error, pack, shifted_loss
 from cloudtrain.tasks.base import Task
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "model_presets"
-CAUSAL_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 PROMPT_TOKENS = 12  # the default sample prompts: this many tokens of a few validation documents
 NUM_PROMPTS = 3
 
@@ -59,14 +57,6 @@ def model_config_file(name: str) -> Path:
     if (PRESETS_DIR / f"{name}.json").is_file():
         return PRESETS_DIR / f"{name}.json"
     raise UserError(f"--model_config {name} is neither a config.json file nor a preset ({', '.join(presets())})")
-
-
-def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
-    """A decoder AutoModelForCausalLM builds as such; a checkpoint of another head (an encoder, a classifier)
-    is not, even where its family has a causal-LM class (BERT's, say)."""
-    if config.architectures:
-        return any(name.endswith(CAUSAL_SUFFIXES) for name in config.architectures)
-    return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.is_encoder_decoder
 
 
 class CausalLMTask(Task):
