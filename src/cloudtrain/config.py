@@ -30,8 +30,8 @@ EVAL_STRATEGIES = ("epoch", "steps", "no")
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint")
 OFFLOAD = ("none", "cpu")
-BEST_METRICS = ("accuracy", "macro_f1", "loss", "perplexity")
-TASKS = ("classification", "causal_lm")
+BEST_METRICS = ("accuracy", "macro_f1", "loss", "perplexity", "exact_match")
+TASKS = ("classification", "causal_lm", "sft")
 PACKING = ("none", "wrapped", "bfd")
 ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 
@@ -59,12 +59,26 @@ class DataConfig:
     label_column: str = opt("label", "Column holding the label (strings or integers).")
     max_length: int = opt(128, "Classification: truncate inputs to this many tokens. Causal LM: the block size "
                                "(tokens per training row); longer documents are split.")
-    packing: str = opt("wrapped", "Causal LM rows: wrapped (concatenate all documents and cut into blocks), bfd "
-                                  "(best-fit-decreasing bins of whole documents, each attending only to itself) or "
-                                  "none (one document per row, padded).", PACKING)
-    sample_prompts: list = opt([], "Causal LM: prompts whose greedy continuations are printed and logged at each "
-                                   "evaluation, separated by '|' (default: the openings of a few validation "
-                                   "documents).", separator="|")
+    packing: str | None = opt(None, "Language-model rows: wrapped (concatenate all documents and cut into blocks; "
+                                    "causal_lm's default), bfd (best-fit-decreasing bins of whole documents or "
+                                    "examples, each attending only to itself) or none (one per row, padded; sft's "
+                                    "default).", PACKING)
+    sample_prompts: list = opt([], "Causal LM and SFT: prompts whose greedy continuations (SFT: answers) are printed "
+                                   "and logged at each evaluation, separated by '|' (default: taken from "
+                                   "--num_sample_prompts validation examples).", separator="|")
+    num_sample_prompts: int = opt(3, "Causal LM and SFT: how many validation examples give the sample prompts "
+                                     "(SFT also reports exact_match, the share of answers equal to the reference).")
+    messages_column: str | None = opt(None, "SFT: column of conversations, lists of {role, content} (ShareGPT "
+                                            "{from, value} too). Default: detected (messages, conversations; else "
+                                            "prompt/completion; else instruction/input/output).")
+    prompt_column: str | None = opt(None, "SFT: column of prompts (with --completion_column; default: prompt).")
+    completion_column: str | None = opt(None, "SFT: column of completions (with --prompt_column; default: "
+                                              "completion).")
+    system_prompt: str | None = opt(None, "SFT: a system message put first in every example that has none.")
+    chat_template: str | None = opt(None, "SFT: the chat template, when not the tokenizer's own: a shipped name "
+                                          "(chatml, zephyr) or a Jinja file. Default: the tokenizer's, else chatml.")
+    train_on_prompt: bool = opt(False, "SFT: also train on prompt tokens (system, user turns and the template's "
+                                       "headers); by default only assistant tokens are in the loss.")
     validation_split_percentage: float = opt(10.0, "Percent of train carved out for validation when there is none.")
     max_train_samples: int | None = opt(None, "Use at most this many training examples (quick runs).")
     max_eval_samples: int | None = opt(None, "Use at most this many validation and test examples (quick runs).")
@@ -94,8 +108,10 @@ class ModelConfig:
 
 @dataclass
 class TrainingConfig:
-    task: str = opt("classification", "What to train: classification (text -> label) or causal_lm (continued "
-                                      "pretraining, or pretraining from scratch, of a decoder on raw text).", TASKS)
+    task: str = opt("classification", "What to train: classification (text -> label), causal_lm (continued "
+                                      "pretraining, or pretraining from scratch, of a decoder on raw text) or sft "
+                                      "(supervised fine-tuning of a decoder on conversations or prompt/completion "
+                                      "pairs, with a chat template).", TASKS)
     training_type: str = opt("accelerated", "basic: plain PyTorch loop; accelerated: Hugging Face accelerate.",
                              TRAINING_TYPES)
     num_train_epochs: float = opt(2.0, "Number of passes over the training data.")
@@ -166,7 +182,7 @@ class CheckpointConfig:
     resume_from_checkpoint: str | None = opt(None, "A checkpoint directory, or latest: the newest complete "
                                                    "checkpoint in --checkpoint_dir (a fresh start if none).")
     metric_for_best_model: str | None = opt(None, "The evaluation metric that names the best checkpoint "
-                                                  "(default: accuracy for classification, loss for causal_lm).",
+                                                  "(default: accuracy for classification, loss for causal_lm and sft).",
                                             BEST_METRICS)
     nonfinite_loss: str = opt("stop", "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the "
                                       "step and count it.", ("stop", "skip"))
@@ -374,6 +390,7 @@ def validate(cfg: Config) -> None:
          "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)"),
         (t.eval_steps is not None and t.eval_steps < 1, "--eval_steps must be at least 1"),
         (t.sample_max_new_tokens < 1, "--sample_max_new_tokens must be at least 1"),
+        (d.num_sample_prompts < 0, "--num_sample_prompts must not be negative (0: no sample generations)"),
         (cfg.model.model_config and cfg.model.model_name_or_path,
          "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them"),
         (cfg.model.model_config and not cfg.model.tokenizer_name_or_path,

@@ -43,6 +43,7 @@ class ProcessedData:
     collator: Callable[[list[dict]], dict]
     label_names: list[str] = field(default_factory=list)  # classification: names by id
     prompts: list[str] = field(default_factory=list)  # causal LM: sampled at each evaluation
+    references: list[str] = field(default_factory=list)  # SFT: the expected answer to each prompt, if known
     # Splits without labels (a GLUE-style test split): tokenized for predictions, with their texts in order
     unlabelled: dict[str, Dataset] = field(default_factory=dict)
     unlabelled_texts: dict[str, list[str]] = field(default_factory=dict)

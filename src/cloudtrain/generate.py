@@ -2,6 +2,13 @@
 
     python src/training_application.py generate --model_dir outputs/run --prompt "Once upon a time"
     python src/training_application.py generate --model_dir outputs/run --input_file prompts.txt --do_sample true
+    python src/training_application.py generate --model_dir outputs/sft-run --chat
+
+A model whose tokenizer has a chat template (one trained with --task sft) gets each prompt as a user
+message rendered with that template, exactly as in training, and answers until its end-of-turn token
+(`--raw true` continues the plain text instead). `--chat` is an interactive conversation in the
+terminal: the history is kept (the oldest turns are left out when it outgrows the context), `/reset`
+starts over, `/exit` or Ctrl-D ends it.
 
 For each prompt it prints the prompt and streams the continuation to the terminal as it is produced,
 one prompt after another, with a separator line between them. Greedy decoding by default;
@@ -12,7 +19,7 @@ skipped) or .csv/.tsv/.json/.jsonl with a --text_column. An empty prompt starts 
 The model runs in fp32 on CPU and in bf16 on a CUDA GPU that computes it natively.
 
 Not supported: sequence-classification or encoder-decoder models (use `predict` for classifiers),
-batched or multi-GPU generation, chat templates, beam search. Prompt plus --max_new_tokens must fit
+batched or multi-GPU generation, beam search. Prompt plus --max_new_tokens must fit
 the model's context length.
 
 `generate_texts` is the library entry, used by training for its sample generations: it prints nothing
@@ -71,6 +78,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Seed of the random generator, set before each prompt (default: 42).")
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="Where to run: auto (a CUDA GPU if one is visible, else the CPU), cpu or cuda.")
+    parser.add_argument("--chat", type=_true_or_false, nargs="?", const=True, default=False, metavar="true|false",
+                        help="An interactive conversation in the terminal with a chat model (its tokenizer has a "
+                             "chat template): /reset clears the history, /exit or Ctrl-D quits.")
+    parser.add_argument("--raw", type=_true_or_false, nargs="?", const=True, default=False, metavar="true|false",
+                        help="Continue the prompts as plain text even when the model has a chat template "
+                             "(default: false, prompts are user messages).")
+    parser.add_argument("--system_prompt", help="With a chat template: a system message put before the conversation.")
 
 
 # ---------------------------------------------------------------- checks (before anything is loaded)
@@ -118,6 +132,10 @@ def check_model_dir(model_dir: str) -> None:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.chat:
+        if args.prompt or args.input_file:
+            raise UserError("--chat reads the conversation from the terminal; leave out --prompt and --input_file")
+        return []
     prompts = list(args.prompt)
     if args.input_file:
         from cloudtrain.predict import read_texts
@@ -151,9 +169,10 @@ def load(model_dir: str, device: torch.device):
     return model.to(device).eval(), tokenizer
 
 
-def _prompt_ids(tokenizer, prompt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, attention_mask) of one prompt, shape (1, n); an empty prompt is the BOS (else EOS) token."""
-    encoded = tokenizer(prompt, return_tensors="pt")
+def _prompt_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) of one prompt, shape (1, n); an empty prompt is the BOS (else EOS) token.
+    A prompt rendered by a chat template is tokenized without added special tokens: it holds its own."""
+    encoded = tokenizer(prompt, return_tensors="pt", add_special_tokens=add_special_tokens)
     ids = encoded["input_ids"]
     if ids.shape[1] == 0:
         start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -175,7 +194,7 @@ def _pad_token_id(model, tokenizer) -> int | None:
 
 def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 50, do_sample: bool = False,
                    temperature: float = 1.0, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                   streamer=None, synced_gpus: bool = False) -> list[str]:
+                   streamer=None, synced_gpus: bool = False, add_special_tokens: bool = True) -> list[str]:
     """The continuation of each prompt: the new text only, special tokens skipped.
 
     One prompt at a time (no padding, so a tokenizer without a pad token is fine), on the model's
@@ -184,7 +203,8 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 5
     Prints nothing unless `streamer` is given.
     Sampling uses torch's global generator: seed it before calling for reproducible samples.
     `model` is the bare model (unwrap DDP/DeepSpeed first); `synced_gpus`: every rank calls this with
-    the same prompts (ZeRO-3).
+    the same prompts (ZeRO-3). `add_special_tokens=False` for prompts rendered by a chat template.
+    Generation stops at any of the model's generation_config.eos_token_id (a chat model's end of turn).
     """
     options = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=_pad_token_id(model, tokenizer),
                    use_cache=True, synced_gpus=synced_gpus, streamer=streamer)
@@ -199,7 +219,7 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 5
     try:
         with torch.no_grad():
             for prompt in prompts:
-                ids, mask = _prompt_ids(tokenizer, prompt)
+                ids, mask = _prompt_ids(tokenizer, prompt, add_special_tokens)
                 output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
                 texts.append(tokenizer.decode(output[0, ids.shape[1]:], skip_special_tokens=True))
     finally:
@@ -207,16 +227,31 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 5
     return texts
 
 
-def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
+def _context(model) -> int | None:
+    return getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+
+
+def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add_special_tokens: bool = True) -> None:
     """Each prompt plus max_new_tokens fits the model's context length (when its config states one)."""
-    limit = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+    limit = _context(model)
     if not limit:
         return
     for number, prompt in enumerate(prompts, 1):
-        length = _prompt_ids(tokenizer, prompt)[0].shape[1]
+        length = _prompt_ids(tokenizer, prompt, add_special_tokens)[0].shape[1]
         if length + max_new_tokens > limit:
             raise UserError(f"prompt {number} is {length} tokens; with --max_new_tokens {max_new_tokens} that "
                             f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens")
+
+
+def _system(args: argparse.Namespace) -> list[dict]:
+    return [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+
+
+def _render(tokenizer, messages: list[dict]) -> str:
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as err:  # Jinja's errors, and templates that raise_exception (no system role, say)
+        raise UserError(f"the model's chat template cannot render this conversation: {first_line(err)}") from None
 
 
 def run(args: argparse.Namespace) -> None:
@@ -225,13 +260,55 @@ def run(args: argparse.Namespace) -> None:
     prompts = read_prompts(args)
     device = resolve_device(args.device)
     model, tokenizer = load(args.model_dir, device)
-    check_lengths(model, tokenizer, prompts, args.max_new_tokens)
+    templated = bool(tokenizer.chat_template) and not args.raw
+    if args.chat and not templated:
+        raise UserError(f"--chat needs a chat model, and the tokenizer in {args.model_dir} has no chat template"
+                        + (" (or leave out --raw)" if tokenizer.chat_template else
+                           "; train one with --task sft, or use --prompt"))
+    texts = [_render(tokenizer, [*_system(args), {"role": "user", "content": p}]) for p in prompts]         if templated else prompts
+    check_lengths(model, tokenizer, texts, args.max_new_tokens, add_special_tokens=not templated)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    for number, prompt in enumerate(prompts):
+    options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
+                   top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                   streamer=streamer, add_special_tokens=not templated)
+    if args.chat:
+        return chat(model, tokenizer, args, options)
+    for number, (prompt, text) in enumerate(zip(prompts, texts)):
         if number:
             print(SEPARATOR)
-        print(prompt, end="", flush=True)
+        print(f"{prompt}\n" if templated else prompt, end="", flush=True)
         torch.manual_seed(args.seed)
-        generate_texts(model, tokenizer, [prompt], max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                       temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                       repetition_penalty=args.repetition_penalty, streamer=streamer)
+        generate_texts(model, tokenizer, [text], **options)
+
+
+def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
+    """Read a user turn, stream the answer, keep both; /reset and /exit are commands."""
+    system, history = _system(args), []
+    limit = _context(model)
+    print(f"chatting with {args.model_dir}: type a message; /reset clears the history, /exit or Ctrl-D quits",
+          flush=True)
+    while True:
+        try:
+            line = input("you> ").strip()
+        except EOFError:
+            print()
+            return
+        if line == "/exit":
+            return
+        if line == "/reset":
+            history = []
+            print("(history cleared)", flush=True)
+            continue
+        if not line:
+            continue
+        history.append({"role": "user", "content": line})
+        text = _render(tokenizer, system + history)
+        while limit and len(history) > 1 and \
+                _prompt_ids(tokenizer, text, False)[0].shape[1] + args.max_new_tokens > limit:
+            history = history[2:]  # the oldest exchange goes first; the system message stays
+            text = _render(tokenizer, system + history)
+            print("(the oldest turns no longer fit the context and were left out)", flush=True)
+        print("assistant> ", end="", flush=True)
+        torch.manual_seed(args.seed)
+        answer = generate_texts(model, tokenizer, [text], **options)[0]
+        history.append({"role": "assistant", "content": answer.strip()})

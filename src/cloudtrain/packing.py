@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKING", "CausalLMCollator", "causal_lm_forward", "chunk", "isolation_error", "pack",
+__all__ = ["PACKING", "CausalLMCollator", "causal_lm_forward", "chunk", "isolation_error", "pack", "pack_examples",
            "shifted_loss"]
 
 PACKING = ("none", "wrapped", "bfd")
@@ -56,25 +56,25 @@ def _wrapped(docs: list[list[int]], block_size: int) -> list[dict]:
     return [_row([piece]) for piece in chunk(stream, block_size)]
 
 
-def _best_fit_decreasing(pieces: list[list[int]], block_size: int) -> list[dict]:
+def _best_fit_decreasing(lengths: list[int], block_size: int) -> list[list[int]]:
+    """Bins (lists of indices into `lengths`) of total length at most `block_size`."""
     # sorted() is stable, so equal lengths keep their input order: the packing is deterministic.
-    order = sorted(range(len(pieces)), key=lambda i: -len(pieces[i]))
-    bins: list[list[list[int]]] = []
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    bins: list[list[int]] = []
     # (remaining room, bin index) of the open bins, sorted: the first entry >= (length, -1) is the
     # tightest bin that fits, ties going to the oldest bin. Full bins leave the list.
     room: list[tuple[int, int]] = []
     for i in order:
-        piece = pieces[i]
-        at = bisect.bisect_left(room, (len(piece), -1))
+        at = bisect.bisect_left(room, (lengths[i], -1))
         if at == len(room):
             index, left = len(bins), block_size
             bins.append([])
         else:
             left, index = room.pop(at)
-        bins[index].append(piece)
-        if left - len(piece) > 0:
-            bisect.insort(room, (left - len(piece), index))
-    return [_row(segments) for segments in bins]
+        bins[index].append(i)
+        if left - lengths[i] > 0:
+            bisect.insort(room, (left - lengths[i], index))
+    return bins
 
 
 def pack(docs: list[list[int]], block_size: int, packing: str) -> list[dict]:
@@ -93,11 +93,26 @@ def pack(docs: list[list[int]], block_size: int, packing: str) -> list[dict]:
               if piece]
     if packing == "none":
         return [_row([piece]) for piece in pieces]
-    return _best_fit_decreasing(pieces, block_size)
+    return [_row([pieces[i] for i in bin_]) for bin_ in _best_fit_decreasing([len(p) for p in pieces], block_size)]
+
+
+def pack_examples(examples: list[list[int]], loss_masks: list[list[int]], block_size: int, packing: str) -> list[dict]:
+    """Rows `{"input_ids", "seq_lengths", "loss_mask"}` of whole examples (each at most `block_size` tokens):
+    one per row ("none") or several per row ("bfd"). `loss_mask` marks the tokens the loss is taken on."""
+    if packing not in ("none", "bfd"):
+        raise ValueError(f"examples are packed whole: none or bfd, got {packing!r}")
+    if any(len(example) > block_size for example in examples):
+        raise ValueError(f"an example is longer than the block ({block_size} tokens); truncate it first")
+    bins = [[i] for i in range(len(examples))] if packing == "none" else \
+        _best_fit_decreasing([len(example) for example in examples], block_size)
+    return [{**_row([examples[i] for i in bin_]), "loss_mask": list(chain.from_iterable(loss_masks[i] for i in bin_))}
+            for bin_ in bins]
 
 
 class CausalLMCollator:
     """Right-pads rows into a batch: input_ids, position_ids, labels and attention_mask, all [B, L].
+
+    A row with a "loss_mask" (supervised fine-tuning) keeps labels only where the mask is 1.
 
     The attention_mask (1 = real token) is only for counting real tokens (throughput). It is never
     passed to the model: transformers 5.23 keeps packed documents apart from restarting position_ids
@@ -122,6 +137,8 @@ class CausalLMCollator:
             n = len(ids)
             input_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
             labels[b, :n] = input_ids[b, :n]
+            if "loss_mask" in row:  # supervised fine-tuning: only the marked (answer) tokens are targets
+                labels[b, :n][torch.tensor(row["loss_mask"], dtype=torch.bool).logical_not()] = IGNORE_INDEX
             attention_mask[b, :n] = 1
             # Positions restart per segment, and for the padding too: it then reads as one more
             # segment rather than as a continuation of the last document.

@@ -40,10 +40,11 @@ def resolve_output_dir(cfg: Config) -> Path:
 
 
 def resolve(cfg: Config, task: Task) -> Config:
-    """`auto` precision and the task's default best-checkpoint metric, made concrete."""
+    """`auto` precision, and the task's default best-checkpoint metric and packing, made concrete."""
     best = cfg.checkpoint.metric_for_best_model or task.default_best_metric
     return replace(cfg, training=replace(cfg.training, mixed_precision=resolve_precision(cfg.training.mixed_precision)),
-                   checkpoint=replace(cfg.checkpoint, metric_for_best_model=best))
+                   checkpoint=replace(cfg.checkpoint, metric_for_best_model=best),
+                   data=replace(cfg.data, packing=cfg.data.packing or task.default_packing))
 
 
 def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:

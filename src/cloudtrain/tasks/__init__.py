@@ -10,6 +10,10 @@ def build_task(cfg: Config) -> Task:
         from cloudtrain.tasks.causal_lm import CausalLMTask
 
         return CausalLMTask(cfg)
+    if cfg.training.task == "sft":
+        from cloudtrain.tasks.sft import SFTTask
+
+        return SFTTask(cfg)
     return ClassificationTask()
 
 

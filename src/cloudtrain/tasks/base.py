@@ -33,6 +33,7 @@ class Task:
     metrics: tuple[str, ...] = ("loss",)  # evaluation metrics --metric_for_best_model may name
     lower_is_better: frozenset[str] = frozenset({"loss"})
     default_best_metric = "loss"
+    default_packing: str | None = None  # --packing when not given (language-model tasks)
 
     def check_options(self, cfg: Config) -> None:
         """Reject options this task cannot use (no I/O)."""

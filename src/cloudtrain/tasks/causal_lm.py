@@ -42,7 +42,6 @@ from cloudtrain.tasks.base import Task
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "model_presets"
 PROMPT_TOKENS = 12  # the default sample prompts: this many tokens of a few validation documents
-NUM_PROMPTS = 3
 
 
 def presets() -> list[str]:
@@ -64,6 +63,8 @@ class CausalLMTask(Task):
     metrics = ("loss", "perplexity")
     lower_is_better = frozenset(metrics)
     default_best_metric = "loss"
+    default_packing = "wrapped"
+    added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -97,7 +98,7 @@ class CausalLMTask(Task):
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         """Documents -> token ids (+EOS) -> rows of --max_length tokens; validation carved by document."""
-        self.tokenizer = tokenizer
+        self.cfg, self.tokenizer = cfg, tokenizer
         d = cfg.data
         docs = {split: self._tokenize(ds, split, tokenizer, d) for split, ds in raw.items()}
         if "validation" not in docs:
@@ -110,7 +111,7 @@ class CausalLMTask(Task):
         rows = {split: _rows(split_docs, d.max_length, d.packing) for split, split_docs in docs.items()}
         prompts = list(d.sample_prompts) or [
             tokenizer.decode(doc[:PROMPT_TOKENS], skip_special_tokens=True).strip()
-            for doc in docs["validation"]["input_ids"][:NUM_PROMPTS]]
+            for doc in docs["validation"]["input_ids"][:d.num_sample_prompts]]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(train=rows["train"], validation=rows["validation"], test=rows.get("test"),
                              collator=CausalLMCollator(pad if pad is not None else 0),
@@ -156,7 +157,7 @@ class CausalLMTask(Task):
         config = self._config(cfg)
         if m.model_config:
             self._fit_config(config, tokenizer, m.model_config)
-        self._check_sizes(config, tokenizer, cfg.data.max_length)
+        self._check_sizes(config, tokenizer, cfg.data.max_length, self.added_tokens)
         try:
             if m.model_config:
                 model = AutoModelForCausalLM.from_config(config, **options)
@@ -181,12 +182,12 @@ class CausalLMTask(Task):
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
 
-    @staticmethod
-    def _check_sizes(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
-                     max_length: int) -> None:
+    def _check_sizes(self, config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
+                     max_length: int, added_tokens: int = 0) -> None:
+        """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and a row its context."""
         text = config.get_text_config(decoder=True)
         vocab, context = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
-        if vocab and len(tokenizer) > vocab:
+        if vocab and len(tokenizer) - added_tokens > vocab:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
                             "use the model's own tokenizer (cloudtrain does not resize embeddings)")
         if context and max_length > context:
@@ -241,12 +242,15 @@ class CausalLMTask(Task):
         result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(tokens),
                   "samples": int(rows), "runtime_s": round(runtime, 3), "tokens_per_s": round(tokens / runtime, 1)}
         if data.prompts and self.tokenizer is not None:
-            bare = getattr(model, "module", model)  # DDP and DeepSpeed wrap the model; generate is the model's
-            continuations = generate_texts(bare, self.tokenizer, data.prompts,
-                                           max_new_tokens=self.cfg.training.sample_max_new_tokens,
-                                           synced_gpus=is_deepspeed_zero3_enabled())
-            result["generations"] = [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations)]
+            result.update(self.samples(getattr(model, "module", model), data))  # DDP and DeepSpeed wrap the model
         return result
+
+    def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:
+        """The greedy continuations of the sample prompts (every process generates the same ones)."""
+        continuations = generate_texts(model, self.tokenizer, data.prompts,
+                                       max_new_tokens=self.cfg.training.sample_max_new_tokens,
+                                       synced_gpus=is_deepspeed_zero3_enabled())
+        return {"generations": [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations)]}
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
         if not metrics.get("generations"):

@@ -1,0 +1,197 @@
+"""Conversations for supervised fine-tuning: data formats, chat templates, and which tokens are trained.
+
+- `to_messages` turns one row of any supported format into a list of {role, content} messages:
+  conversations (`--messages_column`; ShareGPT's {from, value} accepted), prompt/completion columns,
+  or Alpaca's instruction/input/output; `--system_prompt` goes first where a row has no system message.
+- `ChatFormat.setup` picks the template (the tokenizer's own, a shipped one, or a Jinja file), adds the
+  special tokens a shipped template needs, sets it on the tokenizer (so `save_pretrained` saves it),
+  and finds the end-of-turn token by rendering a probe conversation.
+- `ChatFormat.encode` renders a conversation with `apply_chat_template` (the very text inference
+  renders) and marks the tokens of each assistant turn, its end-of-turn token included: the
+  characters between the prompt rendered with `add_generation_prompt=True` and the conversation
+  rendered through that turn. Tokenized once, with character offsets, without extra special tokens
+  (the template writes its own BOS where it has one).
+"""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PreTrainedTokenizerBase
+
+from cloudtrain.errors import UserError, first_line
+
+ROLES = ("system", "user", "assistant")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+FORMATS = ("conversations", "prompt_completion", "alpaca")
+
+# Shipped templates: (Jinja source, the special tokens it needs in the vocabulary).
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+ZEPHYR = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + "
+          "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
+TEMPLATES = {"chatml": (CHATML, ["<|im_start|>", "<|im_end|>"]),
+             "zephyr": (ZEPHYR, ["<|system|>", "<|user|>", "<|assistant|>"])}
+PROBE = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong-7f3a"}]
+
+
+@dataclass
+class Columns:
+    """Where a dataset's examples are: its format and the columns it reads."""
+    format: str
+    names: tuple[str, ...]
+
+
+def detect_columns(available: list[str], messages: str | None, prompt: str | None,
+                   completion: str | None) -> Columns:
+    """The format named by the flags, else the first one whose usual columns the data has."""
+    if messages:
+        return Columns("conversations", (messages,))
+    if prompt or completion:
+        return Columns("prompt_completion", (prompt or "prompt", completion or "completion"))
+    for name in ("messages", "conversations"):
+        if name in available:
+            return Columns("conversations", (name,))
+    if {"prompt", "completion"} <= set(available):
+        return Columns("prompt_completion", ("prompt", "completion"))
+    if {"instruction", "output"} <= set(available):
+        return Columns("alpaca", ("instruction", "input", "output"))
+    raise UserError(f"--task sft found no examples in the columns {', '.join(available)}; name them with "
+                    "--messages_column (conversations) or --prompt_column and --completion_column, or use the "
+                    "usual names: messages, prompt/completion, instruction/input/output")
+
+
+def to_messages(row: dict, columns: Columns, system_prompt: str | None = None) -> list[dict]:
+    """One example as [{role, content}, ...], checked; ValueError says what is wrong with it."""
+    if columns.format == "conversations":
+        messages = _conversation(row[columns.names[0]], columns.names[0])
+    elif columns.format == "prompt_completion":
+        prompt, completion = (row[name] for name in columns.names)
+        messages = [{"role": "user", "content": _text(prompt, columns.names[0])},
+                    {"role": "assistant", "content": _text(completion, columns.names[1])}]
+    else:
+        instruction, extra, output = (row.get(name) for name in columns.names)
+        question = _text(instruction, "instruction") + (f"\n\n{extra}" if extra and str(extra).strip() else "")
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": _text(output, "output")}]
+    if system_prompt and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise ValueError("it has no assistant message, so nothing to learn")
+    return messages
+
+
+def _text(value, column: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"column {column!r} holds {type(value).__name__}, not text")
+    return value
+
+
+def _conversation(value, column: str) -> list[dict]:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"column {column!r} holds {type(value).__name__}, not a list of {{role, content}} messages")
+    messages = []
+    for turn in value:
+        if not isinstance(turn, dict):
+            raise ValueError(f"column {column!r} holds a {type(turn).__name__} where a {{role, content}} message "
+                             "belongs")
+        if turn.get("role") is not None:
+            role, content = turn.get("role"), turn.get("content")
+        elif turn.get("from") is not None:  # ShareGPT
+            role, content = SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), turn.get("value")
+        else:
+            raise ValueError(f"column {column!r} holds a message without a role (keys: {', '.join(turn)}); messages "
+                             "need role and content (or ShareGPT's from and value)")
+        if role not in ROLES:
+            raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)} (ShareGPT: human, gpt, system)")
+        if not isinstance(content, str):
+            raise ValueError(f"a {role} message's content is {type(content).__name__}, not text")
+        messages.append({"role": role, "content": content})
+    return messages
+
+
+@dataclass
+class ChatFormat:
+    """A tokenizer with its chat template, and the end-of-turn token that ends every assistant turn."""
+    tokenizer: PreTrainedTokenizerBase
+    end_of_turn_id: int
+    source: str  # where the template came from, for messages
+
+    @classmethod
+    def setup(cls, tokenizer: PreTrainedTokenizerBase, template: str | None) -> "ChatFormat":
+        """Set the template on `tokenizer` (adding a shipped template's special tokens) and check it."""
+        if template:
+            source, (text, tokens) = template, read_template(template)
+        elif tokenizer.chat_template:
+            source, text, tokens = "the tokenizer's chat template", tokenizer.chat_template, []
+        else:
+            source, (text, tokens) = "chatml (the tokenizer has no chat template)", TEMPLATES["chatml"]
+        if tokens:
+            tokenizer.add_special_tokens({"additional_special_tokens": tokens},
+                                         replace_extra_special_tokens=False)
+        tokenizer.chat_template = text
+        return cls(tokenizer, _end_of_turn(tokenizer, source), source)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt)
+        except Exception as err:  # Jinja raises its own errors, and templates raise_exception(...)
+            raise ValueError(f"the chat template ({self.source}) cannot render it: {first_line(err)}") from None
+
+    def encode(self, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
+        """(token ids, loss mask): 1 on every assistant turn's tokens (all tokens with `train_on_prompt`)."""
+        text = self.render(messages)
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            through = self.render(messages[:i + 1])
+            if not (text.startswith(prompt) and text.startswith(through) and len(through) > len(prompt)):
+                raise ValueError(f"the chat template ({self.source}) renders earlier turns differently once later "
+                                 "ones follow, so the assistant's tokens cannot be found; use --chat_template chatml")
+            spans.append((len(prompt), len(through)))
+        encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+        ids = encoded["input_ids"]
+        if train_on_prompt:
+            return ids, [1] * len(ids)
+        mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
+        return ids, mask
+
+    def prompt(self, messages: list[dict]) -> str:
+        """The text a model is given to answer the last assistant turn of `messages` (or to answer after them)."""
+        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+        return self.render(messages[:last], add_generation_prompt=True)
+
+
+def read_template(name: str) -> tuple[str, list[str]]:
+    """(Jinja source, special tokens it needs) of a shipped template name or a Jinja file."""
+    if name in TEMPLATES:
+        return TEMPLATES[name]
+    path = Path(name).expanduser()
+    if path.is_file():
+        return path.read_text(), []
+    raise UserError(f"--chat_template {name} is neither a shipped template ({', '.join(TEMPLATES)}) nor a Jinja file")
+
+
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str) -> int:
+    """The first special token the template writes after an assistant message's content."""
+    chat = ChatFormat(tokenizer, -1, source)
+    try:
+        text = chat.render(PROBE)
+        prompt = chat.render(PROBE[:1], add_generation_prompt=True)
+    except ValueError as err:
+        raise UserError(str(err)) from None
+    answer = PROBE[1]["content"]
+    if answer not in text[len(prompt):] or not text.startswith(prompt):
+        raise UserError(f"the chat template ({source}) does not render assistant messages after its generation "
+                        "prompt; give a template with an assistant role, or --chat_template chatml")
+    tail = text[text.index(answer, len(prompt)) + len(answer):]
+    special = set(tokenizer.all_special_ids)
+    for token in tokenizer(tail, add_special_tokens=False)["input_ids"]:
+        if token in special:
+            return token
+    raise UserError(f"the chat template ({source}) ends an assistant turn with no special token ({tail!r}), so the "
+                    "model could not learn where to stop; use --chat_template chatml, or a template that ends turns "
+                    "with a special token of the tokenizer")

@@ -1,0 +1,262 @@
+"""Supervised fine-tuning (`--task sft`): a decoder taught to answer, on conversations or prompt/completion pairs.
+
+Supports:
+- data as conversations (`--messages_column`, lists of {role, content}; ShareGPT {from, value}),
+  prompt/completion columns, or Alpaca instruction/input/output; detected from the usual column names
+  when not named; `--system_prompt` put first where an example has no system message;
+- the tokenizer's chat template, else `--chat_template` (chatml, zephyr, or a Jinja file; chatml when
+  the tokenizer has none); a shipped template's special tokens are added and the embeddings grown
+  to fit; the template is saved with the tokenizer, and the end-of-turn token joins EOS as a stop
+  token in the saved generation config, so the model stops after its answer;
+- the loss on every assistant turn, end-of-turn token included, and on nothing else
+  (`--train_on_prompt true` trains every token); examples longer than `--max_length` are truncated,
+  and those left with no answer token are dropped and counted (most of the data: an error);
+- `--packing none` (default, one example per row) or `bfd` (whole examples, kept apart);
+- evaluation: loss and perplexity on answer tokens, and greedy answers to `--num_sample_prompts`
+  validation examples with their exact_match against the reference.
+Everything else (trainers, DDP/ZeRO, resume, tracking, Hub) is the causal-LM task's.
+Does not support: `--packing wrapped` (it cuts examples apart), tool calls, multimodal messages.
+"""
+
+import json
+import math
+from pathlib import Path
+
+import datasets
+import numpy as np
+import torch
+from datasets import Dataset, DatasetDict
+from huggingface_hub import ModelCard
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.integrations import is_deepspeed_zero3_enabled
+
+from cloudtrain.chat import ChatFormat, Columns, detect_columns, to_messages
+from cloudtrain.config import Config, DataConfig
+from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
+from cloudtrain.errors import UserError
+from cloudtrain.generate import generate_texts
+from cloudtrain.model_card import build_lm_model_card
+from cloudtrain.model_loading import load_tokenizer
+from cloudtrain.packing import CausalLMCollator, pack_examples
+from cloudtrain.tasks.causal_lm import CausalLMTask
+
+MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
+
+
+class SFTTask(CausalLMTask):
+    name = "sft"
+    metrics = ("loss", "perplexity", "exact_match")
+    lower_is_better = frozenset({"loss", "perplexity"})
+    default_packing = "none"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.chat: ChatFormat | None = None
+        self.questions: list[str] = []  # the last user message of each sample prompt, for tables
+        self.report: dict[str, dict] = {}  # per split: examples, truncated, dropped
+
+    # ------------------------------------------------------------ options and data
+    def check_options(self, cfg: Config) -> None:
+        super().check_options(cfg)
+        if cfg.data.packing == "wrapped":
+            raise UserError("--task sft packs whole examples: use --packing none (the default) or bfd; wrapped "
+                            "would cut examples apart")
+        ChatFormat.setup(load_tokenizer(cfg.model), cfg.data.chat_template)  # a bad template fails here
+
+    def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
+        named = {"--messages_column": cfg.messages_column, "--prompt_column": cfg.prompt_column,
+                 "--completion_column": cfg.completion_column}
+        return {flag: (column, True) for flag, column in named.items() if column}
+
+    def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        """Rows -> messages -> (token ids, loss mask) -> truncated -> packed rows; validation carved by example."""
+        self.cfg, self.tokenizer = cfg, tokenizer
+        d = cfg.data
+        size = len(tokenizer)
+        self.chat = ChatFormat.setup(tokenizer, d.chat_template)
+        self.added_tokens = len(tokenizer) - size
+        columns = detect_columns(raw["train"].column_names, d.messages_column, d.prompt_column, d.completion_column)
+        for split, ds in raw.items():
+            missing = [c for c in columns.names if c not in ds.column_names and c != "input"]
+            if missing:
+                raise UserError(f"the {split} data has no column {missing[0]!r} (its columns: "
+                                f"{', '.join(ds.column_names)})")
+        raw = DatasetDict(raw)
+        examples = {split: self._encode(ds, split, columns, d) for split, ds in raw.items()}  # checks every row
+        if "validation" not in raw:  # the same examples carved from both, so sample prompts match the rows
+            train, validation = self._carve_indices(len(raw["train"]), d.validation_split_percentage,
+                                                    cfg.training.seed)
+            for splits in (raw, examples):
+                splits["train"], splits["validation"] = (splits["train"].select(train),
+                                                         splits["train"].select(validation))
+        for split, limit in (("train", d.max_train_samples), ("validation", d.max_eval_samples),
+                             ("test", d.max_eval_samples)):
+            if split in raw:
+                raw[split], examples[split] = _first(raw[split], limit), _first(examples[split], limit)
+        rows = {split: self._rows(split, ds, d) for split, ds in examples.items()}
+        self._sample_prompts(raw["validation"], columns, d)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        return ProcessedData(train=rows["train"], validation=rows["validation"], test=rows.get("test"),
+                             collator=CausalLMCollator(pad if pad is not None else 0),
+                             prompts=self.prompts, references=self.references)
+
+    @staticmethod
+    def _carve_indices(n: int, percentage: float, seed: int) -> tuple[list[int], list[int]]:
+        """(train, validation) example indices: a seeded share of the examples for validation."""
+        n_val = math.ceil(n * percentage / 100)
+        if n_val >= n:
+            raise UserError(f"the training data has only {n} example(s), too few to carve a validation split; "
+                            "give --validation_file or more examples")
+        order = np.random.default_rng(seed).permutation(n)
+        return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
+
+    def _encode(self, ds: Dataset, split: str, columns: Columns, cfg: DataConfig) -> Dataset:
+        """(input_ids, loss_mask) per example, every example checked; cached by data, tokenizer and template."""
+        chat, system, train_on_prompt = self.chat, cfg.system_prompt, cfg.train_on_prompt
+
+        def encode(batch: dict, indices: list[int]) -> dict:
+            ids, masks = [], []
+            for i, index in enumerate(indices):
+                try:
+                    example = chat.encode(to_messages({c: batch[c][i] for c in batch}, columns, system),
+                                          train_on_prompt)
+                except ValueError as err:
+                    raise UserError(f"{split} example {index}: {err}") from None
+                ids.append(example[0])
+                masks.append(example[1])
+            return {"input_ids": ids, "loss_mask": masks}
+
+        key = cache_key(ds, self.tokenizer, columns.format, *columns.names, system, train_on_prompt,
+                        self.tokenizer.chat_template, "sft-v1")
+        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                      "loss_mask": datasets.List(datasets.Value("int8"))})
+        return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names, features=features,
+                      cache_file_name=str(cache_dir / f"sft-{split}-{key}.arrow"), new_fingerprint=key,
+                      desc=f"Tokenizing {split} with the chat template")
+
+    def _rows(self, split: str, examples: Dataset, cfg: DataConfig) -> Dataset:
+        """Examples cut to --max_length, those left with no answer token dropped (and counted), then packed."""
+        limit, ids, masks = cfg.max_length, [], []
+        truncated = 0
+        for example_ids, mask in zip(examples["input_ids"], examples["loss_mask"]):
+            truncated += len(example_ids) > limit
+            example_ids, mask = example_ids[:limit], mask[:limit]
+            if any(mask[1:]):  # a row's first token is never a target
+                ids.append(example_ids)
+                masks.append(mask)
+        dropped = len(examples) - len(ids)
+        self.report[split] = {"examples": len(examples), "truncated": truncated, "dropped": dropped}
+        if dropped > MOST * len(examples) or not ids:
+            longest = max(len(x) for x in examples["input_ids"])
+            raise UserError(f"{dropped} of {len(examples)} {split} examples have no answer token within --max_length "
+                            f"{limit} (the longest example is {longest} tokens); raise --max_length or shorten the "
+                            "prompts")
+        features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                      "seq_lengths": datasets.List(datasets.Value("int32")),
+                                      "loss_mask": datasets.List(datasets.Value("int8"))})
+        return Dataset.from_list(pack_examples(ids, masks, limit, cfg.packing), features=features)
+
+    def _sample_prompts(self, validation: Dataset, columns: Columns, cfg: DataConfig) -> None:
+        """--sample_prompts as one-turn chats, else the first validation examples up to their last answer."""
+        if cfg.sample_prompts:
+            chats = [[{"role": "user", "content": p}] for p in cfg.sample_prompts]
+            if cfg.system_prompt:
+                chats = [[{"role": "system", "content": cfg.system_prompt}, *chat] for chat in chats]
+            references = []
+        else:
+            chats = [to_messages(row, columns, cfg.system_prompt)
+                     for row in validation.select(range(min(cfg.num_sample_prompts, len(validation))))]
+            references = [next(m["content"] for m in reversed(chat) if m["role"] == "assistant") for chat in chats]
+        self.prompts = [self.chat.prompt(chat) for chat in chats]
+        self.references = references
+        self.questions = [_last_question(chat) for chat in chats]
+
+    # ------------------------------------------------------------ the model
+    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
+                   announce: bool) -> PreTrainedModel:
+        model = super().load_model(cfg, data, tokenizer, announce)
+        rows = model.get_input_embeddings().weight
+        rows = getattr(rows, "ds_shape", rows.shape)[0]  # ZeRO-3 partitions the weight
+        if len(tokenizer) > rows:
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+            if announce:
+                print(f"grew the embeddings from {rows} to {model.get_input_embeddings().num_embeddings} rows for "
+                      f"the chat template's tokens ({', '.join(_added(tokenizer, self.added_tokens))}); they train "
+                      "with the model", flush=True)
+        stops = [self.chat.end_of_turn_id, tokenizer.eos_token_id]
+        model.generation_config.eos_token_id = list(dict.fromkeys(t for t in stops if t is not None))
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        return model
+
+    # ------------------------------------------------------------ evaluation
+    def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:
+        answers = generate_texts(model, self.tokenizer, data.prompts, add_special_tokens=False,
+                                 max_new_tokens=self.cfg.training.sample_max_new_tokens,
+                                 synced_gpus=is_deepspeed_zero3_enabled())
+        answers = [a.strip() for a in answers]
+        result = {"generations": [{"question": q, "answer": a, **({"reference": r} if data.references else {})}
+                                  for q, a, r in zip(self.questions, answers, data.references or answers)]}
+        if data.references:
+            result["exact_match"] = sum(a == r.strip() for a, r in zip(answers, data.references)) / len(answers)
+        return result
+
+    def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
+        generations = metrics.get("generations") or []
+        if not generations:
+            return {}
+        header = [key for key in ("question", "reference", "answer") if key in generations[0]]
+        return {"answers": (header, [[g[key] for key in header] for g in generations])}
+
+    # ------------------------------------------------------------ summaries
+    def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+        return build_lm_model_card(output_dir, cfg, results, chat=True)
+
+    def describe_data(self, data: ProcessedData) -> str:
+        parts = []
+        for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
+            if rows is None:
+                continue
+            answer = sum(sum(mask[1:]) for mask in rows["loss_mask"])  # per row; row starts are never targets
+            tokens = sum(len(ids) for ids in rows["input_ids"])
+            report = self.report[split]
+            parts.append(f"{report['examples'] - report['dropped']} {split} examples in {len(rows)} rows "
+                         f"({answer} answer tokens of {tokens})")
+        notes = [f"{r['truncated']} {split} examples cut to --max_length {self.cfg.data.max_length}"
+                 + (f", {r['dropped']} of them dropped (no answer token left)" if r["dropped"] else "")
+                 for split, r in self.report.items() if r["truncated"]]
+        return (f"data: {'; '.join(parts)}; template: {self.chat.source}; packing {self.cfg.data.packing}"
+                + "".join(f"\nnote: {n}" for n in notes))
+
+    def describe_metrics(self, metrics: dict) -> str:
+        line = f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} ({metrics['tokens']} answer tokens)"
+        if "exact_match" in metrics:
+            line += f" | exact_match {metrics['exact_match']:.3f} ({len(metrics['generations'])} answers)"
+        for g in metrics.get("generations", [])[:3]:
+            line += f"\n  {_short(g['question'])} -> {json.dumps(g['answer'], ensure_ascii=False)}"
+            if "reference" in g:
+                line += f" (reference {json.dumps(g['reference'], ensure_ascii=False)})"
+        return line
+
+    def inference_hint(self, output_dir: str) -> str:
+        return f"python src/training_application.py generate --model_dir {output_dir} --chat"
+
+
+def _first(ds: Dataset, n: int | None) -> Dataset:
+    return ds if n is None or n >= len(ds) else ds.select(range(n))
+
+
+def _last_question(messages: list[dict]) -> str:
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
+    return next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
+
+
+def _short(text: str, limit: int = 70) -> str:
+    text = " ".join(text.split())
+    return json.dumps(text if len(text) <= limit else text[:limit - 1] + "…", ensure_ascii=False)
+
+
+def _added(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:
+    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer) - count, len(tokenizer))))
+

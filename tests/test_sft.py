@@ -1,0 +1,241 @@
+"""--task sft on CPU with tiny random decoders: which tokens are trained, the chat template saved and
+reproduced at inference, packing, an overfit-then-generate run, the chat terminal, and every refusal."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cloudtrain.chat import ChatFormat, Columns, to_messages
+from cloudtrain.config import build_config
+from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, pack_examples, shifted_loss
+from cloudtrain.pipeline import build_run, run_training
+
+from conftest import ENTRY, REPO, run_cli
+
+# Answers of several tokens each, distinct, so "answers exactly and stops" means something.
+CHATS = [("Who found the golden key?", "The poor boy in the snow."),
+         ("What did the wolf eat?", "Six little goats and chalk."),
+         ("Where did the king live?", "In a castle by the sea."),
+         ("How many brothers were there?", "Twelve brothers and a sister.")]
+MULTI_TURN = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "Name a tale."}, {"role": "assistant", "content": "The frog king."},
+              {"role": "user", "content": "And another?"}, {"role": "assistant", "content": "Rapunzel."}]
+
+
+@pytest.fixture
+def chat(lm_tokenizer_dir) -> ChatFormat:
+    return ChatFormat.setup(AutoTokenizer.from_pretrained(lm_tokenizer_dir), "chatml")
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+@pytest.fixture
+def chats_file(tmp_path) -> str:
+    rows = [{"messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]} for q, a in CHATS]
+    return write_jsonl(tmp_path / "chats.jsonl", rows)
+
+
+def sft_options(model_dir, train_file, out, **overrides) -> dict:
+    return {"task": "sft", "model_name_or_path": model_dir, "train_file": train_file, "validation_file": train_file,
+            "output_dir": str(out), "max_length": 64, "per_device_train_batch_size": 4, "max_steps": 4,
+            "logging_steps": 1, "learning_rate": 1e-3, "mixed_precision": "no", "report_to": ["none"],
+            "sample_max_new_tokens": 12, **overrides}
+
+
+def trained_text(chat: ChatFormat, ids: list[int], mask: list[int]) -> list[str]:
+    """The runs of trained tokens, decoded (special tokens kept)."""
+    runs, current = [], []
+    for token, keep in zip(ids, mask):
+        if keep:
+            current.append(token)
+        elif current:
+            runs.append(chat.tokenizer.decode(current))
+            current = []
+    return runs + ([chat.tokenizer.decode(current)] if current else [])
+
+
+# ---------------------------------------------------------------- which tokens are trained
+
+def test_every_assistant_turn_and_its_end_of_turn_token_are_trained_and_nothing_else(chat):
+    ids, mask = chat.encode(MULTI_TURN)
+    assert trained_text(chat, ids, mask) == ["The frog king.<|im_end|>\n", "Rapunzel.<|im_end|>\n"]
+    end = chat.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert chat.end_of_turn_id == end
+    # <|im_end|> closes the system and user turns too: those are not trained.
+    assert [m for token, m in zip(ids, mask) if token == end] == [0, 0, 1, 0, 1]
+    assert chat.tokenizer.decode(ids) == chat.render(MULTI_TURN)
+    assert chat.encode(MULTI_TURN, train_on_prompt=True)[1] == [1] * len(ids)
+
+
+def test_prompt_tokens_contribute_exactly_zero_loss_and_gradient(chat, tiny_llama_dir):
+    ids, mask = chat.encode(MULTI_TURN)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    model.resize_token_embeddings(len(chat.tokenizer))
+    batch = CausalLMCollator(0)([{"input_ids": ids, "seq_lengths": [len(ids)], "loss_mask": mask}])
+    logits = causal_lm_forward(model, batch)
+    logits.retain_grad()
+    loss, count = shifted_loss(logits, batch["labels"])
+    loss.backward()
+    targets = torch.tensor(mask[1:], dtype=torch.bool)  # position t predicts token t + 1
+    assert count == targets.sum() == sum(mask[1:]) > 0
+    gradient = logits.grad[0, :-1].abs().sum(dim=-1)
+    assert torch.all(gradient[~targets] == 0) and torch.all(gradient[targets] > 0)
+    by_hand = F.cross_entropy(logits[0, :-1][targets], torch.tensor(ids[1:])[targets], reduction="sum")
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
+
+
+def test_the_data_formats_give_the_same_conversation():
+    expected = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q\n\nextra"},
+                {"role": "assistant", "content": "A"}]
+    sharegpt = {"conversations": [{"from": "human", "value": "Q\n\nextra"}, {"from": "gpt", "value": "A"}]}
+    assert to_messages(sharegpt, Columns("conversations", ("conversations",)), "S") == expected
+    assert to_messages({"prompt": "Q\n\nextra", "completion": "A"},
+                       Columns("prompt_completion", ("prompt", "completion")), "S") == expected
+    alpaca = {"instruction": "Q", "input": "extra", "output": "A"}
+    assert to_messages(alpaca, Columns("alpaca", ("instruction", "input", "output")), "S") == expected
+
+
+def test_packed_and_unpacked_examples_have_equal_losses(chat, tiny_llama_dir):
+    examples = [chat.encode([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
+                for q, a in CHATS] + [chat.encode(MULTI_TURN)]
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    model.resize_token_embeddings(len(chat.tokenizer))
+    collate = CausalLMCollator(0)
+
+    def per_example(packing: str) -> dict[tuple, float]:
+        rows = pack_examples([ids for ids, _ in examples], [mask for _, mask in examples], 128, packing)
+        losses = {}
+        for row in rows:
+            batch = collate([row])
+            with torch.no_grad():
+                logits = causal_lm_forward(model, batch)
+            per_token = F.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], ignore_index=IGNORE_INDEX,
+                                        reduction="none")
+            start = 0
+            for length in row["seq_lengths"]:
+                losses[tuple(row["input_ids"][start:start + length])] = per_token[start:start + length - 1].sum().item()
+                start += length
+        return losses
+
+    alone, packed = per_example("none"), per_example("bfd")
+    assert len(pack_examples([ids for ids, _ in examples], [m for _, m in examples], 128, "bfd")) < len(examples)
+    assert alone.keys() == packed.keys() and len(alone) == len(examples)
+    for key in alone:
+        assert packed[key] == pytest.approx(alone[key], abs=1e-4)
+
+
+# ---------------------------------------------------------------- runs
+
+def test_overfit_then_generate_answers_exactly_and_stops(tiny_llama_dir, chats_file, tmp_path, capsys):
+    """A tiny model learns four chats; the saved tokenizer's own apply_chat_template reproduces the training
+    tokens, and generation from the saved folder answers each question exactly and stops at <|im_end|>."""
+    out = tmp_path / "run"
+    results = run_training(build_config(sft_options(tiny_llama_dir, chats_file, out, max_steps=60,
+                                                    learning_rate=1e-2, warmup_ratio=0.0, num_sample_prompts=4, sample_max_new_tokens=20,
+                                                    eval_strategy="no")))
+    assert results["eval"]["exact_match"] == 1.0, results["eval"]["generations"]
+    printed = capsys.readouterr().out
+    assert "grew the embeddings from" in printed and "<|im_start|>, <|im_end|>" in printed
+    assert "exact_match 1.000 (4 answers)" in printed
+
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert end in model.generation_config.eos_token_id
+    training = ChatFormat.setup(AutoTokenizer.from_pretrained(out), None)  # the saved template, as training used it
+    for question, answer in CHATS:
+        messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+        assert tokenizer.apply_chat_template(messages)["input_ids"] == training.encode(messages)[0]
+        prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, return_tensors="pt")
+        output = model.generate(**prompt, max_new_tokens=20)[0, prompt["input_ids"].shape[1]:]
+        assert tokenizer.decode(output, skip_special_tokens=True) == answer
+        assert output[-1] == end and len(output) < 20  # stopped at the end of its turn
+
+
+def test_a_prompt_completion_csv_with_bfd_packing_and_a_system_prompt(tiny_gpt2_dir, tmp_path, capsys):
+    data = tmp_path / "pairs.csv"
+    data.write_text("question,answer\n" + "".join(f"\"{q}\",\"{a}\"\n" for q, a in CHATS * 3))
+    results = run_training(build_config(sft_options(
+        tiny_gpt2_dir, str(data), tmp_path / "run", prompt_column="question", completion_column="answer",
+        packing="bfd", max_length=256, system_prompt="Answer briefly.", chat_template="zephyr",
+        training_type="basic")))
+    printed = capsys.readouterr().out
+    assert "12 train examples in 3 rows" in printed and "template: zephyr; packing bfd" in printed
+    assert results["eval"]["tokens"] > 0 and 0 <= results["eval"]["exact_match"] <= 1
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tokenize=False,
+                                         add_generation_prompt=True)
+    assert text == "<|user|>\nQ<|endoftext|>\n<|assistant|>\n"
+
+
+def test_truncation_is_counted_and_reported(tiny_llama_dir, tmp_path, capsys):
+    long = [{"prompt": "word " * 80, "completion": "late"}]
+    short = [{"prompt": q, "completion": a} for q, a in CHATS * 2]
+    data = write_jsonl(tmp_path / "mixed.jsonl", long + short)
+    run = build_run(build_config(sft_options(tiny_llama_dir, data, tmp_path / "run", validation_file=None,
+                                             validation_split_percentage=20)))
+    printed = capsys.readouterr().out
+    assert "cut to --max_length 64, 1 of them dropped (no answer token left)" in printed
+    assert all(len(row) <= 64 for row in run.data.train["input_ids"])
+
+
+def test_chat_in_the_terminal_keeps_history_and_resets(tiny_llama_dir, chats_file, tmp_path):
+    out = tmp_path / "run"
+    run_training(build_config(sft_options(tiny_llama_dir, chats_file, out, max_steps=2, eval_strategy="no",
+                                          num_sample_prompts=0)))
+    proc = subprocess.run([sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--chat",
+                           "--max_new_tokens", "3"], input="Who found the golden key?\nAnd then?\n/reset\nHello\n/exit\n",
+                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.count("assistant> ") == 3 and "(history cleared)" in proc.stdout
+    single = run_cli("generate", "--model_dir", str(out), "--prompt", "Who found the golden key?",
+                     "--max_new_tokens", "3")
+    assert single.returncode == 0 and single.stdout.startswith("Who found the golden key?\n")
+
+
+# ---------------------------------------------------------------- refusals
+
+def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
+    """{case: (options, message)}: one line each, exit 2, nothing written."""
+    not_a_list = write_jsonl(tmp_path / "str.jsonl", [{"messages": "hello"}])
+    robot = write_jsonl(tmp_path / "robot.jsonl", [{"messages": [{"role": "robot", "content": "beep"},
+                                                                 {"role": "assistant", "content": "boop"}]}])
+    no_columns = tmp_path / "body.csv"
+    no_columns.write_text("body\nonce upon a time\n")
+    users_only = tmp_path / "users_only.jinja"
+    users_only.write_text("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
+                          "{% endfor %}")
+    base = sft_options(tiny_llama_dir, chats_file, tmp_path / "out")
+    return {
+        "messages not a list": ({**base, "train_file": not_a_list, "validation_file": None},
+                                "train example 0: column 'messages' holds str, not a list"),
+        "unknown role": ({**base, "train_file": robot, "validation_file": None}, "unknown role 'robot'"),
+        "unknown template": ({**base, "chat_template": "llama9"}, "--chat_template llama9 is neither a shipped"),
+        "template without an assistant": ({**base, "chat_template": str(users_only)},
+                                          "does not render assistant messages"),
+        "no example columns": ({**base, "train_file": str(no_columns), "validation_file": None},
+                               "--task sft found no examples in the columns body"),
+        "a named column that is missing": ({**base, "messages_column": "dialog"}, "column 'dialog' is not in"),
+        "wrapped packing": ({**base, "packing": "wrapped"}, "--task sft packs whole examples"),
+        "every answer truncated away": ({**base, "max_length": 8}, "have no answer token within --max_length 8"),
+    }
+
+
+def test_every_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tiny_llama_dir, chats_file, capsys):
+    from cloudtrain.cli import main
+
+    for case, (options, message) in bad_inputs(tmp_path, tiny_llama_dir, chats_file).items():
+        argv = [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in options.items() if v is not None]
+        assert main(argv) == 2, case
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and message in err.splitlines()[-1], (case, err)
+        assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, (case, err)
+        assert not (tmp_path / "out").exists(), case
