@@ -4,6 +4,7 @@ reproduced at inference, packing, an overfit-then-generate run, the chat termina
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from cloudtrain.chat import ChatFormat, Columns, to_messages
 from cloudtrain.config import build_config
 from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, pack_examples, shifted_loss
 from cloudtrain.pipeline import build_run, run_training
+from cloudtrain.tasks import build_task
 
 from conftest import ENTRY, REPO, run_cli
 
@@ -138,9 +140,9 @@ def test_overfit_then_generate_answers_exactly_and_stops(tiny_llama_dir, chats_f
     """A tiny model learns four chats; the saved tokenizer's own apply_chat_template reproduces the training
     tokens, and generation from the saved folder answers each question exactly and stops at <|im_end|>."""
     out = tmp_path / "run"
-    results = run_training(build_config(sft_options(tiny_llama_dir, chats_file, out, max_steps=60,
-                                                    learning_rate=1e-2, warmup_ratio=0.0, num_sample_prompts=4, sample_max_new_tokens=20,
-                                                    eval_strategy="no")))
+    cfg = build_config(sft_options(tiny_llama_dir, chats_file, out, max_steps=60, learning_rate=1e-2,
+                                   warmup_ratio=0.0, num_sample_prompts=4, sample_max_new_tokens=20, eval_strategy="no"))
+    results = run_training(cfg)
     assert results["eval"]["exact_match"] == 1.0, results["eval"]["generations"]
     printed = capsys.readouterr().out
     assert "grew the embeddings from" in printed and "<|im_start|>, <|im_end|>" in printed
@@ -158,6 +160,10 @@ def test_overfit_then_generate_answers_exactly_and_stops(tiny_llama_dir, chats_f
         output = model.generate(**prompt, max_new_tokens=20)[0, prompt["input_ids"].shape[1]:]
         assert tokenizer.decode(output, skip_special_tokens=True) == answer
         assert output[-1] == end and len(output) < 20  # stopped at the end of its turn
+
+    card = build_task(cfg).model_card(out, replace(cfg, hub=replace(cfg.hub, hub_model_id="me/tiny-chat")), results)
+    assert card.data.pipeline_tag == "text-generation" and "apply_chat_template" in card.text
+    assert "100.0% equal the reference" in card.text and "| The poor boy in the snow. |" in card.text
 
 
 def test_a_prompt_completion_csv_with_bfd_packing_and_a_system_prompt(tiny_gpt2_dir, tmp_path, capsys):

@@ -8,7 +8,8 @@ a Jinja template. Two cards, one per task:
 - `build_model_card` (text classification): summary, usage snippet, labels, training
   hyperparameters, training and evaluation results, confusion matrices;
 - `build_lm_model_card` (causal language models): what was trained (continued pretraining of a
-  base model, or pretraining from scratch from a --model_config), a text-generation usage snippet,
+  base model, pretraining from scratch from a --model_config, or supervised fine-tuning: then a chat
+  usage snippet with `apply_chat_template` and the sample answers), a text-generation usage snippet,
   training hyperparameters, training results with tokens/s, loss and perplexity of each evaluated
   split, and the sample generations of the final validation evaluation.
 Both end with the training-curves plot (when `training_curves.png` is in the output dir) and the
@@ -138,8 +139,8 @@ LM_TEMPLATE = """---
 
 # {{ model_name }}
 
-This model is a causal language model{% if architecture %} (`{{ architecture }}`{% if parameters %}, {{ parameters }} parameters{% endif %}){% endif %}
-{% if from_scratch %}trained from scratch from the {{ from_scratch }} configuration{% else %}trained by continued pretraining of {% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}{% endif %}
+This model is a {% if chat %}chat model, a causal language model{% else %}causal language model{% endif %}{% if architecture %} (`{{ architecture }}`{% if parameters %}, {{ parameters }} parameters{% endif %}){% endif %}
+{% if from_scratch %}trained from scratch from the {{ from_scratch }} configuration{% elif chat %}fine-tuned (supervised, on its answers only) from {% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}{% else %}trained by continued pretraining of {% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}{% endif %}
 on {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }}){% else %}{{ dataset_display }}{% endif %} with cloudtrain ({{ training_type }} trainer).
 {%- if headline %}
 
@@ -150,14 +151,28 @@ It achieves the following results on the {{ headline.split }} set:
 {%- endif %}
 
 ## Usage
+{% if chat %}
+The chat template used in training is saved with the tokenizer; `apply_chat_template` renders a
+conversation exactly as training did, and generation stops at the end of the answer.
 
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
+model = AutoModelForCausalLM.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
+messages = [{"role": "user", "content": {{ example_prompt }}}]
+inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }})
+print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+```
+{% else %}
 ```python
 from transformers import pipeline
 
 generator = pipeline("text-generation", model="{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
 print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["generated_text"])
 ```
-
+{% endif %}
 ## Training procedure
 
 ### Training hyperparameters
@@ -181,7 +196,18 @@ print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["g
 {%- for row in evaluations %}
 | {{ row.split }} | {{ row.tokens }} | {{ "%.4f" | format(row.loss) }} | {{ "%.2f" | format(row.perplexity) }} |
 {%- endfor %}
-{%- if generations %}
+{%- if generations and chat %}
+
+### Sample answers
+
+Greedy answers (at most {{ max_new_tokens }} new tokens) from the final evaluation on the validation set{% if exact_match is not none %}; {{ "%.1f" | format(100 * exact_match) }}% equal the reference{% endif %}:
+
+| question | {% if generations[0].reference is defined %}reference | {% endif %}answer |
+|:---------|{% if generations[0].reference is defined %}:----------|{% endif %}:-------|
+{%- for g in generations %}
+| {{ g.question }} | {% if g.reference is defined %}{{ g.reference }} | {% endif %}{{ g.answer }} |
+{%- endfor %}
+{%- elif generations %}
 
 ### Sample generations
 
@@ -217,9 +243,9 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         versions=framework_versions(cfg))
 
 
-def build_lm_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool = False) -> ModelCard:
     """The card for the causal language model saved in `output_dir` (`results`: train, eval and maybe test
-    metrics of a `--task causal_lm` run)."""
+    metrics of a `--task causal_lm` run, or with `chat` of a `--task sft` run: chat usage, sample answers)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
     data = task_card_data(cfg, results, pipeline_tag="text-generation", task_name="Text Generation",
@@ -236,14 +262,14 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCa
         from_scratch=Path(model_config).name if model_config else None,
         dataset_display=dataset_display, training_type=cfg.training.training_type,
         headline=evaluations[0] if evaluations else None,
-        example_prompt=json.dumps(generations[0]["prompt"] if generations else LM_EXAMPLE_PROMPT,
-                                  ensure_ascii=False),
+        example_prompt=json.dumps(generations[0]["question" if chat else "prompt"] if generations
+                                  else LM_EXAMPLE_PROMPT, ensure_ascii=False),
+        chat=chat, exact_match=finite(results.get("eval", {}).get("exact_match")),
         max_new_tokens=cfg.training.sample_max_new_tokens,
         hyperparameters={name: table_cell(value) for name, value in hyperparameters(cfg).items()
                          if name not in CLASSIFICATION_ONLY},
         train=results["train"], evaluations=evaluations,
-        generations=[{"prompt": table_cell(g["prompt"]), "continuation": table_cell(g["continuation"])}
-                     for g in generations],
+        generations=[{key: table_cell(value) for key, value in g.items()} for g in generations],
         curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
         versions=framework_versions(cfg))
 
