@@ -245,3 +245,21 @@ def test_every_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tiny_l
         assert "Traceback" not in err and message in err.splitlines()[-1], (case, err)
         assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, (case, err)
         assert not (tmp_path / "out").exists(), case
+
+
+def test_the_planner_plans_sft_as_a_causal_lm_and_launches_sft(tmp_path):
+    """SFT holds the same memory as causal-LM training (logits included); the launch command keeps --task sft."""
+    import argparse
+
+    from cloudtrain import planner
+
+    plans = {}
+    for task in ("causal_lm", "sft"):
+        parser = argparse.ArgumentParser()
+        planner.add_arguments(parser)
+        plans[task] = planner.make_plan(parser.parse_args([
+            "--task", task, "--model_config", "llama-600m", "--gpu_memory_gb", "24", "--max_length", "2048",
+            "--mixed_precision", "bf16", "--output_dir", str(tmp_path / task)]))
+    assert [r["estimate"] for r in plans["sft"]["strategies"]] == [r["estimate"] for r in plans["causal_lm"]["strategies"]]
+    assert plans["sft"]["strategies"][0]["estimate"]["logits"] > 0
+    assert "--task sft --model_config llama-600m" in plans["sft"]["recommendation"]["command"]

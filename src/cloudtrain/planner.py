@@ -95,6 +95,8 @@ import yaml
 from cloudtrain.config import PRECISIONS, TASKS, ModelConfig
 from cloudtrain.errors import UserError, first_line
 
+LM_TASKS = ("causal_lm", "sft")  # decoders with an LM head: the same memory, logits included
+
 GIB = 2 ** 30
 CUDA_CONTEXT_BYTES = GIB
 FRAGMENTATION = 0.05
@@ -261,7 +263,7 @@ def _load_config(name: str, num_labels: int, trust_remote_code: bool, task: str 
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **options)
     except (OSError, ValueError) as err:
         raise UserError(f"could not read a model config from {path}: {first_line(err)}") from None
-    if task == "causal_lm":
+    if task in LM_TASKS:
         _check_causal_lm(config, name)
     if from_config and tokenizer:
         _fit_vocabulary(config, model)
@@ -284,7 +286,7 @@ def _check_causal_lm(config, name: str) -> None:
 
     if not is_causal_lm(config):
         kind = ", ".join(config.architectures or [config.model_type])
-        raise UserError(f"{name} is not a causal language model ({kind}); --task causal_lm plans for one that "
+        raise UserError(f"{name} is not a causal language model ({kind}); --task causal_lm and sft plan for one that "
                         "AutoModelForCausalLM builds")
 
 
@@ -300,7 +302,7 @@ def _meta_model(config, trust_remote_code: bool, task: str = "classification"):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto, kind = ((AutoModelForCausalLM, "causal-LM") if task == "causal_lm"
+    auto, kind = ((AutoModelForCausalLM, "causal-LM") if task in LM_TASKS
                   else (AutoModelForSequenceClassification, "sequence-classification"))
     try:
         with torch.device("meta"):  # shapes only: a 7B model builds in a fraction of a second
@@ -311,7 +313,7 @@ def _meta_model(config, trust_remote_code: bool, task: str = "classification"):
 
 def _vocab_size(model, task: str) -> int:
     """The width of the logits: the LM head's output features (tied to the input embeddings or not)."""
-    head = model.get_output_embeddings() if task == "causal_lm" else None
+    head = model.get_output_embeddings() if task in LM_TASKS else None
     return 0 if head is None else head.weight.shape[0]
 
 
@@ -614,9 +616,9 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path)
 
 def _model_args(m: ModelFacts) -> list[str]:
     """The launch command's task and model flags."""
-    if m.task != "causal_lm":
+    if m.task not in LM_TASKS:
         return ["--model_name_or_path", m.name]
-    args = ["--task", "causal_lm", "--model_config" if m.from_config else "--model_name_or_path", m.name]
+    args = ["--task", m.task, "--model_config" if m.from_config else "--model_name_or_path", m.name]
     if m.from_config or m.tokenizer:
         args += ["--tokenizer_name_or_path", m.tokenizer or "<tokenizer dir or Hub id>"]
     return args
@@ -641,7 +643,8 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", choices=TASKS, default="classification",
-                        help="What will be trained: classification or causal_lm (default: classification).")
+                        help="What will be trained: classification, causal_lm or sft (the same memory as causal_lm; "
+                             "default: classification).")
     parser.add_argument("--model_name_or_path", default=None,
                         help="A model directory or Hub id; only its config is read (default: all-MiniLM-L6-v2).")
     parser.add_argument("--model_config", default=None,
@@ -680,11 +683,11 @@ def _check(args: argparse.Namespace) -> None:
         (args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
         (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
         (args.num_labels < 1, "--num_labels must be at least 1"),
-        (args.model_config and args.task != "causal_lm", "--model_config is for --task causal_lm"),
+        (args.model_config and args.task not in LM_TASKS, "--model_config is for --task causal_lm or sft"),
         (args.model_config and args.model_name_or_path,
          "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them"),
-        (args.task == "causal_lm" and not (args.model_config or args.model_name_or_path),
-         "--task causal_lm needs --model_name_or_path <causal LM> or --model_config <config.json or preset>"),
+        (args.task in LM_TASKS and not (args.model_config or args.model_name_or_path),
+         f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>"),
         (args.per_device_train_batch_size < 1, "--per_device_train_batch_size must be at least 1"),
         (args.max_length < 2, "--max_length must be at least 2"),
         (args.global_batch_size is not None and args.global_batch_size % world != 0,
@@ -775,7 +778,7 @@ def _size(n: int) -> str:
 def render(plan: dict) -> str:
     """The human-readable plan: model, setup, the table of all candidates, the recommendation."""
     m, s = plan["model"], plan["setup"]
-    lm = m["task"] == "causal_lm"
+    lm = m["task"] in LM_TASKS
     vocab = f", vocab {m['vocab_size']}" if lm else ""
     lines = [f"model: {m['architecture']} ({m['name']}), {m['num_params'] / 1e6:,.1f}M parameters, "
              f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, intermediate "
