@@ -54,6 +54,17 @@ def classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
 # ---------------------------------------------------------------- generate_texts
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gpt2_dir"])
+def test_batched_greedy_answers_equal_one_at_a_time(fixture, request):
+    """Left-padded batches (the sample answers of SFT evaluation) give each prompt's own continuation."""
+    model, tokenizer = load(request.getfixturevalue(fixture))
+    tokenizer.pad_token = tokenizer.eos_token  # as the training application loads it
+    prompts = [*PROMPTS, "The", "Once upon a time there was a king who had three daughters"]
+    alone = generate_texts(model, tokenizer, prompts, max_new_tokens=8)
+    assert generate_texts(model, tokenizer, prompts, max_new_tokens=8, batch_size=3) == alone
+    assert len(set(map(len, (tokenizer(p)["input_ids"] for p in prompts)))) > 2  # padding really happened
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gpt2_dir"])
 def test_greedy_is_model_generate_new_text_only_and_keeps_train_mode(fixture, request):
     model, tokenizer = load(request.getfixturevalue(fixture))
     assert tokenizer.pad_token is None

@@ -41,6 +41,7 @@ from cloudtrain.packing import CausalLMCollator, pack_examples
 from cloudtrain.tasks.causal_lm import CausalLMTask
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
+ANSWER_BATCH = 16  # sample answers generated this many at a time
 
 
 class SFTTask(CausalLMTask):
@@ -194,7 +195,7 @@ class SFTTask(CausalLMTask):
     def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:
         answers = generate_texts(model, self.tokenizer, data.prompts, add_special_tokens=False,
                                  max_new_tokens=self.cfg.training.sample_max_new_tokens,
-                                 synced_gpus=is_deepspeed_zero3_enabled())
+                                 synced_gpus=is_deepspeed_zero3_enabled(), batch_size=ANSWER_BATCH)
         answers = [a.strip() for a in answers]
         result = {"generations": [{"question": q, "answer": a, **({"reference": r} if data.references else {})}
                                   for q, a, r in zip(self.questions, answers, data.references or answers)]}
@@ -252,9 +253,10 @@ def _last_question(messages: list[dict]) -> str:
     return next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
 
 
-def _short(text: str, limit: int = 70) -> str:
+def _short(text: str, head: int = 24, tail: int = 45) -> str:
+    """`text` on one line, its middle elided when long (questions often share their opening)."""
     text = " ".join(text.split())
-    return json.dumps(text if len(text) <= limit else text[:limit - 1] + "…", ensure_ascii=False)
+    return json.dumps(text if len(text) <= head + tail + 1 else f"{text[:head]}…{text[-tail:]}", ensure_ascii=False)
 
 
 def _added(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:
