@@ -6,10 +6,14 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 R8     := data/reuters-r8/reuters-r8-train.tab
 GRIMM  := data/grimm/train.txt
+SFT_DATA := data/r8-sft/train.jsonl
+# `make sft` starts from `make pretrain`'s model when it exists, else from a llama-8m it builds with random weights.
+PRETRAINED := outputs/grimm-pretrain
+SFT_BASE = $(if $(wildcard $(PRETRAINED)/model.safetensors),--model_name_or_path $(PRETRAINED),--model_name_or_path none --model_config llama-8m --tokenizer_name_or_path data/grimm/tokenizer)
 # `make train ARGS="--training_type basic"` passes extra options to the application.
 ARGS   ?=
 
-.PHONY: setup data train pretrain test test-fast bench clean dashboard
+.PHONY: setup data train pretrain sft test test-fast bench clean dashboard
 
 setup: $(STAMP) $(R8) $(GRIMM)
 
@@ -36,6 +40,15 @@ train: setup
 # prints the perplexity before and after and a few generations.
 pretrain: setup
 	$(PY) src/training_application.py --config configs/pretrain_grimm.yaml $(ARGS)
+
+$(SFT_DATA): $(R8)
+	$(PY) scripts/make_r8_sft.py
+
+# Supervised fine-tuning with a chat template (configs/sft_r8.yaml): R8 news as "Which topic is this article
+# about?" questions; prints the exact-answer accuracy on 300 held-back articles before and after.
+sft: setup $(SFT_DATA)
+	@echo "base model: $(SFT_BASE)"
+	$(PY) src/training_application.py --config configs/sft_r8.yaml $(SFT_BASE) $(ARGS)
 
 # The full suite (CI runs this); tests marked `gpu` run only where CUDA is available.
 test: setup
