@@ -428,7 +428,7 @@ class Trainer:
         effective = t.per_device_train_batch_size * self.num_processes * t.gradient_accumulation_steps
         if self.is_main_process:
             params = count_parameters(self.model)
-            print(f"{self.name}: {len(self.data.train)} training examples, {params / 1e6:.1f}M parameters, "
+            print(f"{self.name}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters, "
                   f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
                   f"{t.mixed_precision}), effective batch {effective} "
                   f"({t.per_device_train_batch_size} per device x {self.num_processes} x "
