@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,13 +69,54 @@ def trained_text(chat: ChatFormat, ids: list[int], mask: list[int]) -> list[str]
 
 def test_every_assistant_turn_and_its_end_of_turn_token_are_trained_and_nothing_else(chat):
     ids, mask = chat.encode(MULTI_TURN)
-    assert trained_text(chat, ids, mask) == ["The frog king.<|im_end|>\n", "Rapunzel.<|im_end|>\n"]
+    # the newline after <|im_end|> is the template's: never generated, so never trained
+    assert trained_text(chat, ids, mask) == ["The frog king.<|im_end|>", "Rapunzel.<|im_end|>"]
     end = chat.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert chat.end_of_turn_id == end
     # <|im_end|> closes the system and user turns too: those are not trained.
     assert [m for token, m in zip(ids, mask) if token == end] == [0, 0, 1, 0, 1]
     assert chat.tokenizer.decode(ids) == chat.render(MULTI_TURN)
     assert chat.encode(MULTI_TURN, train_on_prompt=True)[1] == [1] * len(ids)
+
+
+def with_template(tokenizer_dir: str, template: str) -> ChatFormat:
+    path = Path(tokenizer_dir).parent / f"template-{abs(hash(template))}.jinja"
+    path.write_text(template)
+    return ChatFormat.setup(AutoTokenizer.from_pretrained(tokenizer_dir), str(path))
+
+
+def test_an_answer_token_merged_with_the_prompts_space_is_trained(lm_tokenizer_dir):
+    """A generation prompt ending in a space: byte-level BPE merges it into the answer's first token."""
+    chat = with_template(lm_tokenizer_dir, "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}"
+                                           "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    ids, mask = chat.encode([{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "I am the king."}])
+    assert trained_text(chat, ids, mask) == [" I am the king.<|endoftext|>"]
+
+
+def test_a_template_that_rewrites_earlier_turns_gives_one_example_per_answer(lm_tokenizer_dir):
+    """Like Qwen3 dropping earlier reasoning: each answer is trained as inference renders its prompt."""
+    chat = with_template(lm_tokenizer_dir, "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+                                           "{{ 'assistant: (earlier)' + eos_token }}{% else %}{{ m['role'] + ': ' + "
+                                           "m['content'] + eos_token }}{% endif %}{% endfor %}"
+                                           "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    with pytest.raises(ValueError, match="renders earlier turns differently"):
+        chat.encode(MULTI_TURN)
+    examples = chat.examples(MULTI_TURN)
+    assert [trained_text(chat, ids, mask) for ids, mask in examples] == [[" The frog king.<|endoftext|>"],
+                                                                         [" Rapunzel.<|endoftext|>"]]
+    assert "(earlier)" in chat.tokenizer.decode(examples[1][0])
+
+
+def test_an_end_of_turn_token_outside_the_special_tokens_map_is_found(lm_tokenizer_dir):
+    """Llama-3's <|eot_id|> is an added special token that the special-tokens map does not list."""
+    from tokenizers import AddedToken
+
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    tokenizer.add_tokens([AddedToken("<|eot_id|>", special=True)])
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|eot_id|>' }}{% endfor %}" \
+                              "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    chat = ChatFormat.setup(tokenizer, None)
+    assert chat.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|eot_id|>")
 
 
 def test_prompt_tokens_contribute_exactly_zero_loss_and_gradient(chat, tiny_llama_dir):
@@ -186,11 +228,12 @@ def test_truncation_is_counted_and_reported(tiny_llama_dir, tmp_path, capsys):
     long = [{"prompt": "word " * 80, "completion": "late"}]
     short = [{"prompt": q, "completion": a} for q, a in CHATS * 2]
     data = write_jsonl(tmp_path / "mixed.jsonl", long + short)
-    run = build_run(build_config(sft_options(tiny_llama_dir, data, tmp_path / "run", validation_file=None,
-                                             validation_split_percentage=20)))
+    run = build_run(build_config(sft_options(tiny_llama_dir, data, tmp_path / "run", sample_max_new_tokens=8)))
     printed = capsys.readouterr().out
     assert "cut to --max_length 64, 1 of them dropped (no answer token left)" in printed
     assert all(len(row) <= 64 for row in run.data.train["input_ids"])
+    # the sample prompts skip the example whose prompt leaves no room for an answer within --max_length
+    assert run.data.references == [a for _, a in CHATS[:3]]
 
 
 def test_chat_in_the_terminal_keeps_history_and_resets(tiny_llama_dir, chats_file, tmp_path):
@@ -198,10 +241,12 @@ def test_chat_in_the_terminal_keeps_history_and_resets(tiny_llama_dir, chats_fil
     run_training(build_config(sft_options(tiny_llama_dir, chats_file, out, max_steps=2, eval_strategy="no",
                                           num_sample_prompts=0)))
     proc = subprocess.run([sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--chat",
-                           "--max_new_tokens", "3"], input="Who found the golden key?\nAnd then?\n/reset\nHello\n/exit\n",
+                           "--max_new_tokens", "3"],
+                          input=f"Who found the golden key?\n{'word ' * 300}\nAnd then?\n/reset\nHello\n/exit\n",
                           capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("assistant> ") == 3 and "(history cleared)" in proc.stdout
+    assert "(that message does not fit the model's context of 256 tokens" in proc.stdout  # and the chat went on
     single = run_cli("generate", "--model_dir", str(out), "--prompt", "Who found the golden key?",
                      "--max_new_tokens", "3")
     assert single.returncode == 0 and single.stdout.startswith("Who found the golden key?\n")
@@ -231,6 +276,8 @@ def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
                                "--task sft found no examples in the columns body"),
         "a named column that is missing": ({**base, "messages_column": "dialog"}, "column 'dialog' is not in"),
         "wrapped packing": ({**base, "packing": "wrapped"}, "--task sft packs whole examples"),
+        "exact_match without references": ({**base, "metric_for_best_model": "exact_match", "num_sample_prompts": 0},
+                                           "--metric_for_best_model exact_match compares sample answers"),
         "every answer truncated away": ({**base, "max_length": 8}, "have no answer token within --max_length 8"),
     }
 

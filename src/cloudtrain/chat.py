@@ -10,7 +10,8 @@
   renders) and marks the tokens of each assistant turn, its end-of-turn token included: the
   characters between the prompt rendered with `add_generation_prompt=True` and the conversation
   rendered through that turn. Tokenized once, with character offsets, without extra special tokens
-  (the template writes its own BOS where it has one).
+  (the template writes its own BOS where it has one). A template that renders earlier turns
+  differently once later ones follow gives one example per assistant turn instead.
 """
 
 from dataclasses import dataclass
@@ -140,23 +141,55 @@ class ChatFormat:
             raise ValueError(f"the chat template ({self.source}) cannot render it: {first_line(err)}") from None
 
     def encode(self, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """(token ids, loss mask): 1 on every assistant turn's tokens (all tokens with `train_on_prompt`)."""
-        text = self.render(messages)
-        spans = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            prompt = self.render(messages[:i], add_generation_prompt=True)
-            through = self.render(messages[:i + 1])
-            if not (text.startswith(prompt) and text.startswith(through) and len(through) > len(prompt)):
+        """(token ids, loss mask) of one conversation: 1 on every assistant turn's tokens up to and including
+        its end-of-turn token (on all tokens with `train_on_prompt`). ValueError if the template renders
+        earlier turns differently once later ones follow (see `examples`)."""
+        text, spans = self.render(messages), []
+        for prompt, through in self._turns(messages):
+            if not (text.startswith(through) and through.startswith(prompt)):
                 raise ValueError(f"the chat template ({self.source}) renders earlier turns differently once later "
-                                 "ones follow, so the assistant's tokens cannot be found; use --chat_template chatml")
+                                 "ones follow")
             spans.append((len(prompt), len(through)))
+        return self._example(text, spans, train_on_prompt)
+
+    def examples(self, messages: list[dict], train_on_prompt: bool = False) -> list[tuple[list[int], list[int]]]:
+        """The training examples of one conversation: `encode`'s one, or, where the template renders earlier
+        turns differently once later ones follow (Qwen3 drops earlier reasoning, Mistral moves the system
+        prompt to the last user turn), one per assistant turn, each rendered as inference renders it."""
+        try:
+            return [self.encode(messages, train_on_prompt)]
+        except ValueError:
+            pass
+        examples = []
+        for prompt, through in self._turns(messages):
+            if not through.startswith(prompt):
+                raise ValueError(f"the chat template ({self.source}) renders an assistant turn that does not "
+                                 "continue its own generation prompt, so the answer's tokens cannot be found; use "
+                                 "--chat_template chatml")
+            examples.append(self._example(through, [(len(prompt), len(through))], train_on_prompt))
+        return examples
+
+    def _turns(self, messages: list[dict]) -> list[tuple[str, str]]:
+        """(prompt with the generation prompt, conversation through the answer) for each assistant turn."""
+        return [(self.render(messages[:i], add_generation_prompt=True), self.render(messages[:i + 1]))
+                for i, message in enumerate(messages) if message["role"] == "assistant"]
+
+    def _example(self, text: str, spans: list[tuple[int, int]], train_on_prompt: bool) -> tuple[list[int], list[int]]:
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = encoded["input_ids"]
         if train_on_prompt:
             return ids, [1] * len(ids)
-        mask = [int(any(start <= begin < end for start, end in spans)) for begin, _ in encoded["offset_mapping"]]
+        # A token is trained when it overlaps an answer: byte-level tokenizers give a merged " I" the offset of
+        # its space, which may belong to the generation prompt.
+        mask = [int(any(begin < stop and end > start for start, stop in spans)) for begin, end in encoded["offset_mapping"]]
+        closed = False  # the newline after an end-of-turn token is the template's, never generated
+        for i, token in enumerate(ids):
+            if not mask[i]:
+                closed = False
+            elif closed:
+                mask[i] = 0
+            elif token == self.end_of_turn_id:
+                closed = True
         return ids, mask
 
     def prompt(self, messages: list[dict]) -> str:
@@ -188,7 +221,8 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str) -> int:
         raise UserError(f"the chat template ({source}) does not render assistant messages after its generation "
                         "prompt; give a template with an assistant role, or --chat_template chatml")
     tail = text[text.index(answer, len(prompt)) + len(answer):]
-    special = set(tokenizer.all_special_ids)
+    # Llama-3's <|eot_id|> is special but not in the special-tokens map: ask the added tokens too.
+    special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     for token in tokenizer(tail, add_special_tokens=False)["input_ids"]:
         if token in special:
             return token

@@ -4,8 +4,9 @@
     python src/training_application.py generate --model_dir outputs/run --input_file prompts.txt --do_sample true
     python src/training_application.py generate --model_dir outputs/sft-run --chat
 
-A model whose tokenizer has a chat template (one trained with --task sft) gets each prompt as a user
-message rendered with that template, exactly as in training, and answers until its end-of-turn token
+A model whose tokenizer has a chat template (one trained with --task sft, or a chat model from
+elsewhere) gets each prompt as a user message rendered with that template, exactly as in training,
+after the training's --system_prompt if it had one, and answers until its end-of-turn token
 (`--raw true` continues the plain text instead). `--chat` is an interactive conversation in the
 terminal: the history is kept (the oldest turns are left out when it outgrows the context), `/reset`
 starts over, `/exit` or Ctrl-D ends it.
@@ -27,6 +28,7 @@ unless given a streamer.
 """
 
 import argparse
+import json
 from pathlib import Path
 
 import torch
@@ -258,6 +260,14 @@ def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add
                             f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens")
 
 
+def training_arguments(model_dir: str) -> dict:
+    """The args.json the training application saved with the model ({} for a model from elsewhere)."""
+    try:
+        return json.loads((Path(model_dir) / "args.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
 def _system(args: argparse.Namespace) -> list[dict]:
     return [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
 
@@ -275,12 +285,17 @@ def run(args: argparse.Namespace) -> None:
     prompts = read_prompts(args)
     device = resolve_device(args.device)
     model, tokenizer = load(args.model_dir, device)
-    templated = bool(tokenizer.chat_template) and not args.raw
+    trained = training_arguments(args.model_dir)
+    # A chat model (trained with --task sft, or not by cloudtrain) gets user messages; a causal LM that was
+    # continued from an instruct checkpoint keeps its template but was trained, and is used, on plain text.
+    templated = bool(tokenizer.chat_template) and not args.raw and trained.get("task", "sft") == "sft"
     if args.chat and not templated:
-        raise UserError(f"--chat needs a chat model, and the tokenizer in {args.model_dir} has no chat template"
-                        + (" (or leave out --raw)" if tokenizer.chat_template else
-                           "; train one with --task sft, or use --prompt"))
-    texts = [_render(tokenizer, [*_system(args), {"role": "user", "content": p}]) for p in prompts]         if templated else prompts
+        raise UserError(f"--chat needs a chat model, and {args.model_dir} is not one"
+                        + (" (leave out --raw)" if args.raw else "; train one with --task sft, or use --prompt"))
+    if args.system_prompt is None and trained.get("system_prompt"):
+        args.system_prompt = trained["system_prompt"]  # what every training example began with
+    texts = [_render(tokenizer, [*_system(args), {"role": "user", "content": p}]) for p in prompts] \
+        if templated else prompts
     check_lengths(model, tokenizer, texts, args.max_new_tokens, add_special_tokens=not templated)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
     options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
@@ -294,6 +309,10 @@ def run(args: argparse.Namespace) -> None:
         print(f"{prompt}\n" if templated else prompt, end="", flush=True)
         torch.manual_seed(args.seed)
         generate_texts(model, tokenizer, [text], **options)
+
+
+def _too_long(tokenizer, text: str, max_new_tokens: int, limit: int) -> bool:
+    return _prompt_ids(tokenizer, text, False)[0].shape[1] + max_new_tokens > limit
 
 
 def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
@@ -318,11 +337,15 @@ def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
             continue
         history.append({"role": "user", "content": line})
         text = _render(tokenizer, system + history)
-        while limit and len(history) > 1 and \
-                _prompt_ids(tokenizer, text, False)[0].shape[1] + args.max_new_tokens > limit:
+        while limit and len(history) > 1 and _too_long(tokenizer, text, args.max_new_tokens, limit):
             history = history[2:]  # the oldest exchange goes first; the system message stays
             text = _render(tokenizer, system + history)
             print("(the oldest turns no longer fit the context and were left out)", flush=True)
+        if limit and _too_long(tokenizer, text, args.max_new_tokens, limit):
+            history.pop()
+            print(f"(that message does not fit the model's context of {limit} tokens with --max_new_tokens "
+                  f"{args.max_new_tokens}; shorten it)", flush=True)
+            continue
         print("assistant> ", end="", flush=True)
         torch.manual_seed(args.seed)
         answer = generate_texts(model, tokenizer, [text], **options)[0]

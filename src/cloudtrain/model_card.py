@@ -160,7 +160,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
 model = AutoModelForCausalLM.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-messages = [{"role": "user", "content": {{ example_prompt }}}]
+messages = [{% if system_prompt %}{"role": "system", "content": {{ system_prompt }}}, {% endif %}{"role": "user", "content": {{ example_prompt }}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }})
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
@@ -265,9 +265,10 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
         example_prompt=json.dumps(generations[0]["question" if chat else "prompt"] if generations
                                   else LM_EXAMPLE_PROMPT, ensure_ascii=False),
         chat=chat, exact_match=finite(results.get("eval", {}).get("exact_match")),
+        system_prompt=json.dumps(cfg.data.system_prompt, ensure_ascii=False) if chat and cfg.data.system_prompt else None,
         max_new_tokens=cfg.training.sample_max_new_tokens,
         hyperparameters={name: table_cell(value) for name, value in hyperparameters(cfg).items()
-                         if name not in CLASSIFICATION_ONLY},
+                         if name not in CLASSIFICATION_ONLY and not (chat and name == "text_column")},
         train=results["train"], evaluations=evaluations,
         generations=[{key: table_cell(value) for key, value in g.items()} for g in generations],
         curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,

@@ -36,7 +36,7 @@ class Task:
     default_packing: str | None = None  # --packing when not given (language-model tasks)
 
     def check_options(self, cfg: Config) -> None:
-        """Reject options this task cannot use (no I/O)."""
+        """Reject options this task cannot use (light I/O only: configs, a tokenizer; no data, no weights)."""
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         """{flag: (column, needed in every split)}; a column needed in train only may be absent elsewhere."""

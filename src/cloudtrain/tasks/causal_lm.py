@@ -189,7 +189,7 @@ class CausalLMTask(Task):
         vocab, context = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
         if vocab and len(tokenizer) - added_tokens > vocab:
             raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
-                            "use the model's own tokenizer (cloudtrain does not resize embeddings)")
+                            "use the model's own tokenizer (only a chat template's new tokens grow the embeddings)")
         if context and max_length > context:
             raise UserError(f"--max_length {max_length} is longer than the model's context ({context} positions); "
                             f"pass --max_length {context} or less")

@@ -42,6 +42,9 @@ from cloudtrain.tasks.causal_lm import CausalLMTask
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
 ANSWER_BATCH = 16  # sample answers generated this many at a time
+ROW_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
+                                  "seq_lengths": datasets.List(datasets.Value("int32")),
+                                  "loss_mask": datasets.List(datasets.Value("int8"))})
 
 
 class SFTTask(CausalLMTask):
@@ -62,6 +65,10 @@ class SFTTask(CausalLMTask):
         if cfg.data.packing == "wrapped":
             raise UserError("--task sft packs whole examples: use --packing none (the default) or bfd; wrapped "
                             "would cut examples apart")
+        if cfg.checkpoint.metric_for_best_model == "exact_match" and (cfg.data.sample_prompts
+                                                                      or not cfg.data.num_sample_prompts):
+            raise UserError("--metric_for_best_model exact_match compares sample answers with validation references: "
+                            "set --num_sample_prompts N (and no --sample_prompts), or pick loss")
         ChatFormat.setup(load_tokenizer(cfg.model), cfg.data.chat_template)  # a bad template fails here
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
@@ -95,7 +102,7 @@ class SFTTask(CausalLMTask):
             if split in raw:
                 raw[split], examples[split] = _first(raw[split], limit), _first(examples[split], limit)
         rows = {split: self._rows(split, ds, d) for split, ds in examples.items()}
-        self._sample_prompts(raw["validation"], columns, d)
+        self._sample_prompts(raw["validation"], columns, cfg)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(train=rows["train"], validation=rows["validation"], test=rows.get("test"),
                              collator=CausalLMCollator(pad if pad is not None else 0),
@@ -119,20 +126,20 @@ class SFTTask(CausalLMTask):
             ids, masks = [], []
             for i, index in enumerate(indices):
                 try:
-                    example = chat.encode(to_messages({c: batch[c][i] for c in batch}, columns, system),
-                                          train_on_prompt)
+                    examples = chat.examples(to_messages({c: batch[c][i] for c in batch}, columns, system),
+                                             train_on_prompt)
                 except ValueError as err:
                     raise UserError(f"{split} example {index}: {err}") from None
-                ids.append(example[0])
-                masks.append(example[1])
+                ids += [example_ids for example_ids, _ in examples]
+                masks += [mask for _, mask in examples]
             return {"input_ids": ids, "loss_mask": masks}
 
+        # The template writes BOS/EOS by their strings: two tokenizers with one vocabulary may differ there.
         key = cache_key(ds, self.tokenizer, columns.format, *columns.names, system, train_on_prompt,
-                        self.tokenizer.chat_template, "sft-v1")
+                        self.tokenizer.chat_template, self.tokenizer.special_tokens_map, "sft-v2")
         cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         cache_dir.mkdir(parents=True, exist_ok=True)
-        features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                      "loss_mask": datasets.List(datasets.Value("int8"))})
+        features = datasets.Features({name: ROW_FEATURES[name] for name in ("input_ids", "loss_mask")})
         return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names, features=features,
                       cache_file_name=str(cache_dir / f"sft-{split}-{key}.arrow"), new_fingerprint=key,
                       desc=f"Tokenizing {split} with the chat template")
@@ -154,24 +161,34 @@ class SFTTask(CausalLMTask):
             raise UserError(f"{dropped} of {len(examples)} {split} examples have no answer token within --max_length "
                             f"{limit} (the longest example is {longest} tokens); raise --max_length or shorten the "
                             "prompts")
-        features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                      "seq_lengths": datasets.List(datasets.Value("int32")),
-                                      "loss_mask": datasets.List(datasets.Value("int8"))})
-        return Dataset.from_list(pack_examples(ids, masks, limit, cfg.packing), features=features)
+        return Dataset.from_list(pack_examples(ids, masks, limit, cfg.packing), features=ROW_FEATURES)
 
-    def _sample_prompts(self, validation: Dataset, columns: Columns, cfg: DataConfig) -> None:
-        """--sample_prompts as one-turn chats, else the first validation examples up to their last answer."""
-        if cfg.sample_prompts:
-            chats = [[{"role": "user", "content": p}] for p in cfg.sample_prompts]
-            if cfg.system_prompt:
-                chats = [[{"role": "system", "content": cfg.system_prompt}, *chat] for chat in chats]
-            references = []
+    def _sample_prompts(self, validation: Dataset, columns: Columns, cfg: Config) -> None:
+        """--sample_prompts as one-turn chats, else the first validation examples (up to their last answer)
+        whose prompt leaves room for --sample_max_new_tokens within --max_length."""
+        room = cfg.data.max_length - cfg.training.sample_max_new_tokens
+
+        def fits(chat: list[dict]) -> bool:
+            return len(self.tokenizer(self.chat.prompt(chat), add_special_tokens=False)["input_ids"]) <= room
+
+        system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
+        self.prompts, self.references, self.questions = [], [], []
+        if cfg.data.sample_prompts:
+            chats = [[*system, {"role": "user", "content": p}] for p in cfg.data.sample_prompts]
+            too_long = next((chat[-1]["content"] for chat in chats if not fits(chat)), None)
+            if too_long is not None:
+                raise UserError(f"--sample_prompts {too_long[:40]!r}... leaves no room for --sample_max_new_tokens "
+                                f"{cfg.training.sample_max_new_tokens} within --max_length {cfg.data.max_length}")
         else:
-            chats = [to_messages(row, columns, cfg.system_prompt)
-                     for row in validation.select(range(min(cfg.num_sample_prompts, len(validation))))]
-            references = [next(m["content"] for m in reversed(chat) if m["role"] == "assistant") for chat in chats]
+            chats = []
+            for row in validation:
+                if len(chats) == cfg.data.num_sample_prompts:
+                    break
+                chat = to_messages(row, columns, cfg.data.system_prompt)
+                if fits(chat):
+                    chats.append(chat)
+                    self.references.append(next(m["content"] for m in reversed(chat) if m["role"] == "assistant"))
         self.prompts = [self.chat.prompt(chat) for chat in chats]
-        self.references = references
         self.questions = [_last_question(chat) for chat in chats]
 
     # ------------------------------------------------------------ the model
@@ -197,8 +214,10 @@ class SFTTask(CausalLMTask):
                                  max_new_tokens=self.cfg.training.sample_max_new_tokens,
                                  synced_gpus=is_deepspeed_zero3_enabled(), batch_size=ANSWER_BATCH)
         answers = [a.strip() for a in answers]
-        result = {"generations": [{"question": q, "answer": a, **({"reference": r} if data.references else {})}
-                                  for q, a, r in zip(self.questions, answers, data.references or answers)]}
+        generations = [{"question": q, "answer": a} for q, a in zip(self.questions, answers)]
+        for generation, reference in zip(generations, data.references):
+            generation["reference"] = reference
+        result = {"generations": generations}
         if data.references:
             result["exact_match"] = sum(a == r.strip() for a, r in zip(answers, data.references)) / len(answers)
         return result
@@ -219,7 +238,7 @@ class SFTTask(CausalLMTask):
         for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
             if rows is None:
                 continue
-            answer = sum(sum(mask[1:]) for mask in rows["loss_mask"])  # per row; row starts are never targets
+            answer = sum(_targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"]))
             tokens = sum(len(ids) for ids in rows["input_ids"])
             report = self.report[split]
             parts.append(f"{report['examples'] - report['dropped']} {split} examples in {len(rows)} rows "
@@ -246,6 +265,15 @@ class SFTTask(CausalLMTask):
 
 def _first(ds: Dataset, n: int | None) -> Dataset:
     return ds if n is None or n >= len(ds) else ds.select(range(n))
+
+
+def _targets(mask: list[int], lengths: list[int]) -> int:
+    """The tokens of a row the loss is taken on: marked, and not the first of an example (the collator's rule)."""
+    starts, total = set(), 0
+    for length in lengths:
+        starts.add(total)
+        total += length
+    return sum(m for i, m in enumerate(mask) if i not in starts)
 
 
 def _last_question(messages: list[dict]) -> str:
