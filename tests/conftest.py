@@ -165,6 +165,36 @@ LM_TEXT = [
 ]
 
 
+def write_tab(path: Path, tales: int = 9) -> Path:
+    """An Orange .tab file of `tales` tales, paragraphs separated by two spaces (as grimm-tales.tab), made of
+    LM_TEXT: a small stand-in for the Grimm corpus of bench/lm_corpus.py."""
+    rows = ["ATU Topic\tTitle\tAbstract\tContent\tATU Numerical\tATU Type", "discrete\tstring\tstring\tstring\tstring"
+            "\tdiscrete", "class\t\t\tinclude=True\t\tmeta"]
+    for t in range(tales):
+        paragraphs = [" ".join(LM_TEXT[(t + p + k) % len(LM_TEXT)] for k in range(1 + (t * p) % 4))
+                      for p in range(3 + t % 3)]
+        rows.append(f"Tales of Magic\tTale {t}\tA tale.\t{'  '.join(paragraphs)}\t{t}\tATU")
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
+    """The folder of one `make bench`-like run of bench/run.py on a tiny budget, shared by tests/test_bench.py
+    and tests/test_bench_lm.py (one run instead of two): the data bench, all four runners (3 steps, 32 test
+    examples), the group_by_length ablation, and the causal-LM packing comparison (none/wrapped/bfd, one
+    repetition, 4096 tokens) on a small synthetic corpus (write_tab) instead of the Grimm tales."""
+    out = tmp_path_factory.mktemp("bench")
+    tab = write_tab(tmp_path_factory.mktemp("bench-corpus") / "tales.tab")
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
+         "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm_repetitions", "1",
+         "--lm_token_budget", "4096", "--lm_tab", str(tab), "--out", str(out)],
+        capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
 def lm_documents(n: int, seed: int = 0) -> list[str]:
     """`n` short documents of uneven length (1-3 sentences of LM_TEXT)."""
     import random

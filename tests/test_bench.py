@@ -2,9 +2,6 @@
 the AdamW kernels, MFU only where a peak is known)."""
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -14,19 +11,7 @@ from cloudtrain.config import build_config
 from cloudtrain.data_processing import LengthGroupedSampler, ProcessedData, train_dataloader
 from cloudtrain.trainers.base import build_optimizer, peak_flops
 
-REPO = Path(__file__).resolve().parents[1]
 RUNNERS = ("basic", "accelerated", "reference", "hf_trainer")
-
-
-@pytest.fixture(scope="module")
-def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("bench")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
-         "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm", "false", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
 
 
 @pytest.mark.slow
@@ -57,6 +42,7 @@ def test_markdown_and_chart(bench_results):
     for row in ("cloudtrain BasicTrainer", "cloudtrain AcceleratedTrainer", "reference PyTorch loop",
                 "transformers.Trainer", "| group_by_length |", "rows/s"):
         assert row in table
+    assert "## Causal LM: sequence packing" in table  # the LM section of the same run (tests/test_bench_lm.py)
     assert "nan" not in table
     assert (bench_results / "latest.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

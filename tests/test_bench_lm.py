@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LM_TEXT
+from conftest import LM_TEXT, write_tab
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
@@ -26,18 +26,6 @@ gpu = importlib.import_module("gpu")
 
 TINY = dict(block_size=32, batch_size=4, token_budget=256, hidden_size=32, num_layers=2, num_heads=2,
             num_kv_heads=1, intermediate_size=64, vocab_size=300, eval_batch_size=8)
-
-
-def write_tab(path: Path, tales: int = 9) -> Path:
-    """An Orange .tab file of `tales` tales, paragraphs separated by two spaces (as grimm-tales.tab)."""
-    rows = ["ATU Topic\tTitle\tAbstract\tContent\tATU Numerical\tATU Type", "discrete\tstring\tstring\tstring\tstring"
-            "\tdiscrete", "class\t\t\tinclude=True\t\tmeta"]
-    for t in range(tales):
-        paragraphs = [" ".join(LM_TEXT[(t + p + k) % len(LM_TEXT)] for k in range(1 + (t * p) % 4))
-                      for p in range(3 + t % 3)]
-        rows.append(f"Tales of Magic\tTale {t}\tA tale.\t{'  '.join(paragraphs)}\t{t}\tATU")
-    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
-    return path
 
 
 @pytest.fixture(scope="module")
@@ -210,23 +198,17 @@ def test_the_report_carries_the_lm_section_or_why_it_was_skipped(tmp_path):
 
 
 @pytest.mark.slow
-def test_make_bench_runs_the_lm_comparison_in_fresh_processes(tab, tmp_path):
-    """bench/run.py with only the reference runner and the LM comparison on a tiny budget (about 40 s)."""
-    out = tmp_path / "results"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "run.py"), "--runners", "reference", "--ablations", "none", "--data_bench",
-         "false", "--steps", "2", "--repetitions", "1", "--eval_samples", "16", "--lm_repetitions", "1",
-         "--lm_token_budget", "4096", "--lm_tab", str(tab), "--out", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = json.loads((out / "latest.json").read_text())
+def test_make_bench_runs_the_lm_comparison_in_fresh_processes(bench_results):
+    """bench/run.py with the LM comparison on a tiny budget: the run conftest.bench_results shares with
+    tests/test_bench.py (4096 tokens per packing, one repetition, a write_tab corpus)."""
+    results = json.loads((bench_results / "latest.json").read_text())
     lm = results["lm"]
     assert set(lm["variants"]) == set(lm_bench.PACKINGS) and results["phases"]["lm_s"] > 0
     steps = {v["steps"] for v in lm["variants"].values()}
     assert len(steps) == 1
     assert lm["variants"]["none"]["speed_vs_none"] == pytest.approx(1.0)
     assert len({v["runs"][0]["eval_tokens"] for v in lm["variants"].values()}) == 1
-    assert "## Causal LM: sequence packing" in (out / "latest.md").read_text()
+    assert "## Causal LM: sequence packing" in (bench_results / "latest.md").read_text()
 
 
 # ---------------------------------------------------------------- bench/gpu.py
