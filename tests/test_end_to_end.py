@@ -16,8 +16,10 @@ from conftest import run_cli
 
 pytestmark = pytest.mark.slow  # the real MiniLM trained on real R8 texts, twice
 
-R8_QUICK = ["--max_train_samples", "320", "--max_eval_samples", "200", "--max_length", "64",
-            "--num_train_epochs", "2", "--learning_rate", "1e-4", "--logging_steps", "10"]
+# 20 steps (2 epochs of 160 texts), 100 validation and test texts: on 2 cores the test accuracy is 0.80 against a
+# majority-class rate of 0.42 (the assertion needs majority + 0.2), and the earnings text is predicted "earn".
+R8_QUICK = ["--max_train_samples", "160", "--max_eval_samples", "100", "--max_length", "64",
+            "--num_train_epochs", "2", "--learning_rate", "2e-4", "--logging_steps", "5"]
 
 
 @pytest.fixture(scope="module", params=["basic", "accelerated"])
@@ -33,7 +35,7 @@ def test_the_model_learned(trained):
     test = json.loads((out / "test_results.json").read_text())
     matrix = test["confusion_matrix"]
     majority_rate = max(sum(row) for row in matrix) / test["samples"]  # rows are the true classes
-    assert test["samples"] == 200
+    assert test["samples"] == 100
     assert test["accuracy"] >= majority_rate + 0.2, (test["accuracy"], majority_rate)
     assert f"{'BasicTrainer' if training_type == 'basic' else 'AcceleratedTrainer'}:" in result.stdout
     assert f"model saved to {out.resolve()}" in result.stdout
