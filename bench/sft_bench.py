@@ -21,8 +21,10 @@ The runners:
   on prompt tokens and padding, an attention mask), the token ids and loss masks from cloudtrain.chat.ChatFormat
   (the same tokens as ours);
 - trl-none / trl-packing: TRL's SFTTrainer on conversational prompt/completion pairs with
-  completion_only_loss=True (the loss on the assistant's answer and its end-of-turn tokens, as ours: checked
-  token for token in every trl-none run); packing=True uses packing_strategy="bfd", which TRL runs
+  completion_only_loss=True: the loss on everything after the generation prompt, i.e. the answer, <|im_end|>
+  and the newline chatml writes after it (ours leaves that newline out: the template's, never generated), so
+  TRL trains one more token per example on the same input tokens (both checked, example by example, in every
+  trl-none run); packing=True uses packing_strategy="bfd", which TRL runs
   padding-free (the rows of a batch flattened into one sequence, documents told apart by position_ids).
   SFTConfig defaults that would make the work unequal are set back: gradient_checkpointing=False (TRL's
   default is True) and bf16=False (TRL's default is True).
@@ -30,7 +32,8 @@ Every runner: AdamW fused, no weight decay, clipping at 1.0, the same learning-r
 cosine), the same steps, one micro-batch per step, and glibc's allocator told to keep freed memory (as
 cloudtrain does for CPU training; bench/worker.py does the same for every runner). The Trainer-based runners
 take cloudtrain's seeded sampler (EpochShuffleSampler), so ours-none, hf-trainer and trl-none see exactly the
-same batches in the same order, and their losses can be compared closely.
+same batches in the same order: ours-none and hf-trainer reach the same loss to ~1e-6 (the same maths), trl-none
+a slightly different one (that extra newline in its loss).
 
 Equal work, and why this design: packed rows hold several examples, so at equal rows per step packed runners
 would see ~k times more examples and tokens, and their loss would be lower for that reason alone. Instead
@@ -44,7 +47,7 @@ trl-packing see the same batches too).
 
 Reported per runner: real (non-padding) tokens/s = real tokens per step over the median step time (first step
 left out); computed tokens/s, padding included (for TRL's padding-free rows there is no padding, but attention
-runs over the whole flattened batch); the padding fraction; peak RSS of the run's process (after training);
+runs over the whole flattened batch); the padding fraction; peak RSS of the run's process after training (VmHWM: see `peak_rss_mb`);
 the held-out loss: mean cross-entropy over the answer tokens (answer and end-of-turn) of the held-out examples,
 one example per row, computed by `heldout_loss` on the weights each runner saved, the same function for all.
 
@@ -314,10 +317,8 @@ class StepMeter:
 
     def begin(self) -> None:
         """Training starts: the clock, and the peak memory so far (imports, data, model)."""
-        import resource
-
         self.start = time.perf_counter()
-        self.rss_at_start_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        self.rss_at_start_mb = peak_rss_mb()
 
     def step_done(self) -> None:
         self.ends.append(time.perf_counter())
@@ -478,22 +479,37 @@ def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMe
         extra["padding_free"] = bool(trainer.padding_free)
         extra["train_rows"] = len(trainer.train_dataset)
         if not packing:  # TRL's tokens and loss mask against ours, example by example
-            mismatched = 0
+            extra.update(inputs_differing_from_ours=0, trained_not_by_ours=0, not_trained_by_trl=0)
             for pair, example in zip(pairs, trainer.train_dataset):
                 ids, mask = chat.encode(messages(pair))
-                mismatched += (example["input_ids"] != ids
-                               or example["labels"] != [t if m else IGNORE_INDEX for t, m in zip(ids, mask)])
-            extra["tokens_differing_from_ours"] = mismatched
+                if example["input_ids"] != ids:
+                    extra["inputs_differing_from_ours"] += 1
+                    continue
+                trained = [label != IGNORE_INDEX for label in example["labels"]]
+                extra["trained_not_by_ours"] += sum(t and not m for t, m in zip(trained, mask))
+                extra["not_trained_by_trl"] += sum(m and not t for t, m in zip(trained, mask))
     trainer.train()
     trainer.save_model(saved)
     losses = [entry["train_loss"] for entry in trainer.state.log_history if "train_loss" in entry]
     return meter, losses[-1] if losses else float("nan"), extra
 
 
-def train_once(spec: dict) -> dict:
-    """Train `steps` steps with one runner, save the weights, take the held-out loss on them."""
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux's VmHWM, not getrusage's ru_maxrss: a child inherits its
+    parent's ru_maxrss across fork and exec, so a worker started by a parent holding 1 GB reported at least 1 GB."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux, bytes on macOS: rough
+
+
+def train_once(spec: dict) -> dict:
+    """Train `steps` steps with one runner, save the weights, take the held-out loss on them."""
     import torch
 
     s = SFTSettings(**spec["settings"])
@@ -505,7 +521,7 @@ def train_once(spec: dict) -> dict:
             meter, train_loss = _ours(spec, s, out, saved)
         else:
             meter, train_loss, extra = _hf_family(spec, s, out, saved)
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # before the held-out pass
+        peak = peak_rss_mb()  # before the held-out pass
         evaluated = time.perf_counter()
         heldout = heldout_loss(saved, spec["model_dir"], spec["heldout_file"], s.eval_batch_size)
         evaluated = time.perf_counter() - evaluated
@@ -578,9 +594,13 @@ def markdown(sft: dict) -> str:
                      f"{verdict}); held-out loss difference {g['loss_difference']:+.4f}")
     for name, why in sft.get("skipped", {}).items():
         lines.append(f"- {name}: skipped, {why}")
-    notes = [f"{name}: {r['runs'][0]['tokens_differing_from_ours']} examples tokenized differently from ours"
-             for name, r in sft["runners"].items() if r["runs"][0].get("tokens_differing_from_ours")]
-    lines += [f"- {n}" for n in notes]
+    trl = sft["runners"].get("trl-none", {}).get("runs", [{}])[0]
+    if "inputs_differing_from_ours" in trl:
+        lines.append(f"- TRL's tokens against ours (trl-none, every training example): {trl['inputs_differing_from_ours']} "
+                     f"of {d['train_examples']} examples with other input tokens; TRL trains "
+                     f"{trl['trained_not_by_ours']} tokens ours does not (the newline chatml writes after <|im_end|>, "
+                     f"which ours leaves out: the template's, never generated) and leaves {trl['not_trained_by_trl']} "
+                     "of ours untrained")
     return "\n".join(lines) + "\n"
 
 
