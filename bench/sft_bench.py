@@ -20,11 +20,13 @@ The runners:
 - hf-trainer: transformers.Trainer with the collator a user would write (pad to the longest row, labels -100
   on prompt tokens and padding, an attention mask), the token ids and loss masks from cloudtrain.chat.ChatFormat
   (the same tokens as ours);
-- trl-none / trl-packing: TRL's SFTTrainer on conversational prompt/completion pairs with
-  completion_only_loss=True: the loss on everything after the generation prompt, i.e. the answer, <|im_end|>
-  and the newline chatml writes after it (ours leaves that newline out: the template's, never generated), so
-  TRL trains one more token per example on the same input tokens (both checked, example by example, in every
-  trl-none run); packing=True uses packing_strategy="bfd", which TRL runs
+- trl-none / trl-packing: TRL's SFTTrainer with completion_only_loss=True on our tokens, pre-tokenized
+  (input_ids + completion_mask from ChatFormat, which TRL takes as they are). Given the conversational
+  prompt/completion pairs instead, TRL tokenizes them into the same input tokens but also trains the newline
+  chatml writes after <|im_end|> (ours leaves it out: the template's, never generated): one more target per
+  example, which at these few steps cost TRL ~0.4 of held-out answer loss. Equal work needs equal targets, so
+  TRL gets ours; every trl-none run still checks, example by example, what TRL's own tokenization would have
+  trained (reported under the table); packing=True uses packing_strategy="bfd", which TRL runs
   padding-free (the rows of a batch flattened into one sequence, documents told apart by position_ids).
   SFTConfig defaults that would make the work unequal are set back: gradient_checkpointing=False (TRL's
   default is True) and bf16=False (TRL's default is True).
@@ -32,8 +34,7 @@ Every runner: AdamW fused, no weight decay, clipping at 1.0, the same learning-r
 cosine), the same steps, one micro-batch per step, and glibc's allocator told to keep freed memory (as
 cloudtrain does for CPU training; bench/worker.py does the same for every runner). The Trainer-based runners
 take cloudtrain's seeded sampler (EpochShuffleSampler), so ours-none, hf-trainer and trl-none see exactly the
-same batches in the same order: ours-none and hf-trainer reach the same loss to ~1e-6 (the same maths), trl-none
-a slightly different one (that extra newline in its loss).
+same batches in the same order, and reach the same held-out loss (the same maths).
 
 Equal work, and why this design: packed rows hold several examples, so at equal rows per step packed runners
 would see ~k times more examples and tokens, and their loss would be lower for that reason alone. Instead
@@ -473,15 +474,19 @@ def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMe
         packing = spec["runner"] == "trl-packing"
         config = SFTConfig(**_trainer_args(spec, s, out), max_length=s.max_length, packing=packing,
                            packing_strategy="bfd", completion_only_loss=True, gradient_checkpointing=False)
-        conversations = Dataset.from_list([{"prompt": messages(p)[:1], "completion": messages(p)[1:]} for p in pairs])
-        trainer = same_order(SFTTrainer)(model=model, args=config, train_dataset=conversations,
-                                         processing_class=tokenizer, callbacks=[Clock()])
+        # The same tokens and loss mask as ours, pre-tokenized (TRL takes input_ids + completion_mask as they are).
+        encoded = [chat.encode(messages(p)) for p in pairs]
+        tokens = Dataset.from_list([{"input_ids": ids, "completion_mask": mask} for ids, mask in encoded])
+        trainer = same_order(SFTTrainer)(model=model, args=config, train_dataset=tokens, processing_class=tokenizer,
+                                         callbacks=[Clock()])
         extra["padding_free"] = bool(trainer.padding_free)
         extra["train_rows"] = len(trainer.train_dataset)
-        if not packing:  # TRL's tokens and loss mask against ours, example by example
+        if not packing:  # what TRL's own tokenization of the conversational pairs would have trained instead
+            conversations = Dataset.from_list([{"prompt": messages(p)[:1], "completion": messages(p)[1:]}
+                                               for p in pairs])
+            own = trainer._prepare_dataset(conversations, tokenizer, config, False, None, "conversations")
             extra.update(inputs_differing_from_ours=0, trained_not_by_ours=0, not_trained_by_trl=0)
-            for pair, example in zip(pairs, trainer.train_dataset):
-                ids, mask = chat.encode(messages(pair))
+            for (ids, mask), example in zip(encoded, own):
                 if example["input_ids"] != ids:
                     extra["inputs_differing_from_ours"] += 1
                     continue
@@ -596,11 +601,11 @@ def markdown(sft: dict) -> str:
         lines.append(f"- {name}: skipped, {why}")
     trl = sft["runners"].get("trl-none", {}).get("runs", [{}])[0]
     if "inputs_differing_from_ours" in trl:
-        lines.append(f"- TRL's tokens against ours (trl-none, every training example): {trl['inputs_differing_from_ours']} "
-                     f"of {d['train_examples']} examples with other input tokens; TRL trains "
-                     f"{trl['trained_not_by_ours']} tokens ours does not (the newline chatml writes after <|im_end|>, "
-                     f"which ours leaves out: the template's, never generated) and leaves {trl['not_trained_by_trl']} "
-                     "of ours untrained")
+        lines.append(f"- TRL trains on our tokens and loss masks (pre-tokenized). Its own tokenization of the same "
+                     f"pairs: {trl['inputs_differing_from_ours']} of {d['train_examples']} examples with other input "
+                     f"tokens; it would train {trl['trained_not_by_ours']} tokens ours does not (the newline chatml "
+                     f"writes after <|im_end|>, which ours leaves out: the template's, never generated) and leave "
+                     f"{trl['not_trained_by_trl']} of ours untrained")
     return "\n".join(lines) + "\n"
 
 

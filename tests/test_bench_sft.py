@@ -84,7 +84,7 @@ def test_the_markdown_section_carries_every_runner_and_both_goals():
     assert "ours-bfd / hf-trainer real tokens/s: **2.00x** (goal at least 1.3x: met); held-out loss difference " \
            "+0.0400" in text
     assert "ours-bfd / trl-packing real tokens/s: **2.29x** (goal at least 1.0x: met)" in text
-    assert "0 of 400 examples with other input tokens; TRL trains 400 tokens ours does not" in text
+    assert "0 of 400 examples with other input tokens; it would train 400 tokens ours does not" in text
     assert "nan" not in text.lower()
     slow = fake_section(hf_rate=700.0)
     assert slow["goals"]["vs_hf_trainer"]["met"] is False
@@ -145,27 +145,21 @@ def test_every_runner_trains_the_same_steps_and_reports_its_speed(tiny):
 
 @pytest.mark.slow
 def test_the_same_tokens_batches_and_maths_give_the_same_loss(tiny):
-    """TRL tokenizes every example into our input tokens and trains ours plus the newline after <|im_end|>.
-    ours-none, hf-trainer and trl-none see the same batches (cloudtrain's sampler); ours-none and hf-trainer do the
-    same maths (loss summed over the step's answer tokens over their count, one micro-batch per step, AdamW,
-    clipping, schedule) and reach the same held-out loss (measured equal here: other kernels, the same sums). TRL,
-    with one more token per example in its loss (an easy one, always the same) and this test's high learning rate,
-    lands a little lower (measured 0.10 below ours-none, 0.14 below ours-bfd). TRL 1.16's bfd packs the same rows
-    as ours, so ours-bfd and trl-packing see the same batches too."""
+    """Every runner trains our tokens and loss masks (TRL pre-tokenized; its own tokenization of the pairs gives the
+    same input tokens and one more target, the newline after <|im_end|>). ours-none, hf-trainer and trl-none see
+    the same batches (cloudtrain's sampler), TRL 1.16's bfd packs the same rows as ours; the same maths (loss
+    summed over the step's answer tokens over their count, one micro-batch per step, AdamW, clipping, schedule)
+    then reaches the same held-out loss: measured equal to 1e-6 here (other kernels, the same sums)."""
     s, prepared, results = tiny
     trl = results["trl-none"]
     assert trl["inputs_differing_from_ours"] == 0 and trl["not_trained_by_trl"] == 0
     assert trl["trained_not_by_ours"] == s.train_examples  # the newline after each <|im_end|>
     for group in (UNPACKED, PACKED):
-        for key in ("examples_seen", "real_tokens_seen"):
+        for key in ("examples_seen", "real_tokens_seen", "answer_tokens_seen"):
             assert len({results[r][key] for r in group}) == 1, (group, key)
-        ours, theirs = group[0], group[-1]
-        assert results[theirs]["answer_tokens_seen"] == results[ours]["answer_tokens_seen"] + \
-            results[ours]["examples_seen"]
-        assert abs(results[theirs]["heldout_loss"] - results[ours]["heldout_loss"]) < 0.3
+        losses = {r: results[r]["heldout_loss"] for r in group}
+        assert max(losses.values()) - min(losses.values()) < 1e-4, losses
     assert len({results[r]["computed_positions"] for r in UNPACKED}) == 1  # the same padded batches
-    assert results["hf-trainer"]["answer_tokens_seen"] == results["ours-none"]["answer_tokens_seen"]
-    assert results["hf-trainer"]["heldout_loss"] == pytest.approx(results["ours-none"]["heldout_loss"], abs=1e-4)
     assert len({r["heldout_answer_tokens"] for r in results.values()}) == 1  # one held-out set for everyone
     for name, r in results.items():
         assert r["heldout_loss"] < prepared.data["initial_heldout_loss"] - 0.1, name  # the steps did train
