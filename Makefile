@@ -60,7 +60,8 @@ test-fast: setup
 
 # `make bench` compares our trainers with a plain loop and transformers.Trainer (bench/results/latest.md);
 # then each optimization on and off; `make bench ARGS="--ablations none"` skips those; then the causal-LM
-# case: packing none/wrapped/bfd, tokens/s at equal tokens seen (~2 min; `ARGS="--lm false"` skips it).
+# case: packing none/wrapped/bfd, tokens/s at equal tokens seen (~2 min; `ARGS="--lm false"` skips it); then SFT:
+# ours with and without packing vs transformers.Trainer and TRL SFTTrainer (~5 min; `ARGS="--sft false"` skips it).
 bench: setup
 	$(PY) bench/run.py $(ARGS)
 

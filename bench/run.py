@@ -2,7 +2,9 @@
 (the overhead floor) and transformers.Trainer, on the same model, data, sequence length, batch size,
 precision, threads and steps; plus tokenization throughput and the optimizations, each on and off;
 plus the causal-LM case (bench/lm_bench.py, `--lm false` skips it): sequence packing none / wrapped /
-bfd, real tokens/s and validation loss at an equal number of tokens seen.
+bfd, real tokens/s and validation loss at an equal number of tokens seen; plus the SFT case
+(bench/sft_bench.py, `--sft false` skips it): ours with and without packing against
+transformers.Trainer and TRL's SFTTrainer, real tokens/s, peak memory and held-out loss.
 
 Every run is a fresh interpreter (bench/worker.py), so peak memory is per run; repetitions are
 interleaved across runners so a busy machine slows them all alike. Writes bench/results/latest.json,
@@ -29,6 +31,7 @@ from cloudtrain.hardware import resolve_precision
 from common import Spec
 from report import write_chart, write_markdown
 import lm_bench
+import sft_bench
 
 BENCH = Path(__file__).resolve().parent
 RUNNERS = ("basic", "accelerated", "reference", "hf_trainer")
@@ -73,6 +76,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lm_token_budget", type=int, default=lm.token_budget, help="real training tokens per variant")
     p.add_argument("--lm_threads", type=int, default=lm.threads, help="torch threads in each LM run (0: default)")
     p.add_argument("--lm_tab", default=None, help="an Orange .tab corpus instead of the Grimm tales (tests)")
+    p.add_argument("--sft", default="true", choices=("true", "false"),
+                   help="the SFT comparison (bench/sft_bench.py; about 5 minutes on 2 cores)")
+    p.add_argument("--sft_repetitions", type=int, default=1)
+    p.add_argument("--sft_steps", type=int, default=None, help="optimizer steps per SFT runner (default: its own)")
     p.add_argument("--out", default=str(BENCH / "results"), help="folder for latest.json/.md/.png")
     args = p.parse_args(argv)
     args.runners = [r for r in args.runners.split(",") if r]
@@ -165,6 +172,11 @@ def main(argv: list[str] | None = None) -> dict:
             lm_start = time.perf_counter()
             lm = measure_lm(args, log)
             phases["lm_s"] = time.perf_counter() - lm_start
+        sft_text, sft = "", None
+        if args.sft == "true":
+            sft_start = time.perf_counter()
+            sft_text, sft = sft_bench.run_section(args.sft_repetitions, args.sft_steps, log=log)
+            phases["sft_s"] = time.perf_counter() - sft_start
     reference = runners.get("reference", {}).get("summary")
     for entry in runners.values():
         entry["vs_reference"] = (entry["summary"]["train_samples_per_s"]["median"]
@@ -177,10 +189,13 @@ def main(argv: list[str] | None = None) -> dict:
                "machine": {"platform": platform.platform(), "processor": platform.processor(),
                            "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
                            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-               "data_processing": data, "runners": runners, "ablations": ablations, "lm": lm,
+               "data_processing": data, "runners": runners, "ablations": ablations, "lm": lm, "sft": sft,
                "phases": phases, "wall_s": time.perf_counter() - start}
     (out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(results, out / "latest.md")
+    if sft_text:
+        with open(out / "latest.md", "a") as md:
+            md.write("\n" + sft_text.rstrip() + "\n")
     write_chart(results, out / "latest.png")
     print((out / "latest.md").read_text())
     print(f"benchmark finished in {results['wall_s']:.0f}s; results in {out}")

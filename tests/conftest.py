@@ -183,13 +183,14 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     """The folder of one `make bench`-like run of bench/run.py on a tiny budget, shared by tests/test_bench.py
     and tests/test_bench_lm.py (one run instead of two): the data bench, all four runners (3 steps, 32 test
     examples), the group_by_length ablation, and the causal-LM packing comparison (none/wrapped/bfd, one
-    repetition, 4096 tokens) on a small synthetic corpus (write_tab) instead of the Grimm tales."""
+    repetition, 4096 tokens) on a small synthetic corpus (write_tab) instead of the Grimm tales; the SFT
+    comparison is left out (tests/test_bench_sft.py runs its section)."""
     out = tmp_path_factory.mktemp("bench")
     tab = write_tab(tmp_path_factory.mktemp("bench-corpus") / "tales.tab")
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
          "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm_repetitions", "1",
-         "--lm_token_budget", "4096", "--lm_tab", str(tab), "--out", str(out)],
+         "--lm_token_budget", "4096", "--lm_tab", str(tab), "--sft", "false", "--out", str(out)],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
