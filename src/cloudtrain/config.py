@@ -32,7 +32,7 @@ HUB_STRATEGIES = ("end", "every_save", "checkpoint")
 OFFLOAD = ("none", "cpu")
 BEST_METRICS = ("accuracy", "macro_f1", "loss", "perplexity", "exact_match")
 TASKS = ("classification", "causal_lm", "sft")
-PACKING = ("none", "wrapped", "bfd")
+PACKING = ("auto", "none", "wrapped", "bfd")
 ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 
 
@@ -59,10 +59,10 @@ class DataConfig:
     label_column: str = opt("label", "Column holding the label (strings or integers).")
     max_length: int = opt(128, "Classification: truncate inputs to this many tokens. Causal LM: the block size "
                                "(tokens per training row); longer documents are split.")
-    packing: str | None = opt(None, "Language-model rows: wrapped (concatenate all documents and cut into blocks; "
-                                    "causal_lm's default), bfd (best-fit-decreasing bins of whole documents or "
-                                    "examples, each attending only to itself) or none (one per row, padded; sft's "
-                                    "default).", PACKING)
+    packing: str = opt("auto", "Language-model rows: wrapped (concatenate all documents and cut into blocks), bfd "
+                               "(best-fit-decreasing bins of whole documents or examples, each attending only to "
+                               "itself) or none (one per row, padded); auto: wrapped for causal_lm, none for sft.",
+                       PACKING)
     sample_prompts: list = opt([], "Causal LM and SFT: prompts whose greedy continuations (SFT: answers) are printed "
                                    "and logged at each evaluation, separated by '|' (default: taken from "
                                    "--num_sample_prompts validation examples).", separator="|")

@@ -44,7 +44,8 @@ def resolve(cfg: Config, task: Task) -> Config:
     best = cfg.checkpoint.metric_for_best_model or task.default_best_metric
     return replace(cfg, training=replace(cfg.training, mixed_precision=resolve_precision(cfg.training.mixed_precision)),
                    checkpoint=replace(cfg.checkpoint, metric_for_best_model=best),
-                   data=replace(cfg.data, packing=cfg.data.packing or task.default_packing))
+                   data=replace(cfg.data, packing=task.default_packing or "auto" if cfg.data.packing == "auto"
+                                else cfg.data.packing))
 
 
 def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:

@@ -33,7 +33,7 @@ class Task:
     metrics: tuple[str, ...] = ("loss",)  # evaluation metrics --metric_for_best_model may name
     lower_is_better: frozenset[str] = frozenset({"loss"})
     default_best_metric = "loss"
-    default_packing: str | None = None  # --packing when not given (language-model tasks)
+    default_packing: str | None = None  # what --packing auto means (language-model tasks)
 
     def check_options(self, cfg: Config) -> None:
         """Reject options this task cannot use (light I/O only: configs, a tokenizer; no data, no weights)."""
