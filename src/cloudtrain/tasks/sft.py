@@ -38,7 +38,7 @@ from cloudtrain.generate import generate_texts
 from cloudtrain.model_card import build_lm_model_card
 from cloudtrain.model_loading import load_tokenizer
 from cloudtrain.packing import CausalLMCollator, pack_examples
-from cloudtrain.tasks.causal_lm import CausalLMTask
+from cloudtrain.tasks.causal_lm import CausalLMTask, _first
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
 ANSWER_BATCH = 16  # sample answers generated this many at a time
@@ -261,10 +261,6 @@ class SFTTask(CausalLMTask):
 
     def inference_hint(self, output_dir: str) -> str:
         return f"python src/training_application.py generate --model_dir {output_dir} --chat"
-
-
-def _first(ds: Dataset, n: int | None) -> Dataset:
-    return ds if n is None or n >= len(ds) else ds.select(range(n))
 
 
 def _targets(mask: list[int], lengths: list[int]) -> int:
