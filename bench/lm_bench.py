@@ -32,12 +32,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from fresh_process import run_script
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -114,14 +115,7 @@ def worker_spec(s: LMSettings, corpus, config_path: Path, packing: str, p: Plan,
 
 def run_worker(spec: dict, log, timeout: float | None = None) -> dict:
     """One run in a fresh interpreter; its output goes to `log`, its result comes back."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
-                               str(result)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"LM benchmark run (packing {spec['packing']}) failed with exit {proc.returncode}; "
-                               f"see {getattr(log, 'name', 'the log')}")
-        return json.loads(result.read_text())
+    return run_script(__file__, spec, log, f"LM benchmark run (packing {spec['packing']})", timeout)
 
 
 def _summary(runs: list[dict]) -> dict:

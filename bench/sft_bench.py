@@ -77,12 +77,13 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+
+from fresh_process import run_script
 
 PROCESS_START = time.perf_counter()  # a worker's start: its setup time is counted from here
 BENCH = Path(__file__).resolve().parent
@@ -220,14 +221,7 @@ def worker_spec(s: SFTSettings, p: Prepared, runner: str, cache_dir: str) -> dic
 
 def run_worker(spec: dict, log, timeout: float | None = None) -> dict:
     """One run in a fresh interpreter; its output goes to `log`, its result comes back."""
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec),
-                               str(result)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
-        if proc.returncode != 0:
-            raise RuntimeError(f"SFT benchmark run {spec['runner']} failed with exit {proc.returncode}; "
-                               f"see {getattr(log, 'name', 'the log')}")
-        return json.loads(result.read_text())
+    return run_script(__file__, spec, log, f"SFT benchmark run {spec['runner']}", timeout)
 
 
 SUMMARY_KEYS = ("real_tokens_per_s", "computed_tokens_per_s", "median_step_s", "peak_rss_mb", "heldout_loss",
