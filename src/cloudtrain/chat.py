@@ -194,8 +194,12 @@ class ChatFormat:
 
     def prompt(self, messages: list[dict]) -> str:
         """The text a model is given to answer the last assistant turn of `messages` (or to answer after them)."""
-        last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-        return self.render(messages[:last], add_generation_prompt=True)
+        return self.render(messages[:last_answer(messages)], add_generation_prompt=True)
+
+
+def last_answer(messages: list[dict]) -> int:
+    """The index of the last assistant message (len(messages) when there is none)."""
+    return max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
 
 
 def read_template(name: str) -> tuple[str, list[str]]:

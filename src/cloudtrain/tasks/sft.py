@@ -30,7 +30,7 @@ from huggingface_hub import ModelCard
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from cloudtrain.chat import ChatFormat, Columns, detect_columns, to_messages
+from cloudtrain.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
 from cloudtrain.errors import UserError
@@ -187,7 +187,7 @@ class SFTTask(CausalLMTask):
                 chat = to_messages(row, columns, cfg.data.system_prompt)
                 if fits(chat):
                     chats.append(chat)
-                    self.references.append(next(m["content"] for m in reversed(chat) if m["role"] == "assistant"))
+                    self.references.append(chat[last_answer(chat)]["content"])
         self.prompts = [self.chat.prompt(chat) for chat in chats]
         self.questions = [_last_question(chat) for chat in chats]
 
@@ -273,8 +273,7 @@ def _targets(mask: list[int], lengths: list[int]) -> int:
 
 
 def _last_question(messages: list[dict]) -> str:
-    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
-    return next((m["content"] for m in reversed(messages[:last]) if m["role"] == "user"), "")
+    return next((m["content"] for m in reversed(messages[:last_answer(messages)]) if m["role"] == "user"), "")
 
 
 def _short(text: str, head: int = 24, tail: int = 45) -> str:
