@@ -256,3 +256,17 @@ def tiny_gpt2_dir(tmp_path_factory, lm_tokenizer_dir) -> str:
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
     return _save_tiny_lm(tmp_path_factory.mktemp("tiny-gpt2"), config, lm_tokenizer_dir)
+
+
+def assert_each_refused(cases: dict, capsys, out: Path) -> None:
+    """{case: (options, message)} through the CLI in-process: each exits 2 with one `error:` line ending in
+    `message`, no traceback, and nothing written to `out`."""
+    from cloudtrain.cli import main
+
+    for case, (options, message) in cases.items():
+        argv = [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in options.items() if v is not None]
+        assert main(argv) == 2, case
+        err = capsys.readouterr().err.strip()
+        assert "Traceback" not in err and message in err.splitlines()[-1], (case, err)
+        assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, (case, err)
+        assert not out.exists(), case

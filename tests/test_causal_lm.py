@@ -12,7 +12,7 @@ from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.plotting import curve_data
 from cloudtrain.tracking import read_metrics
 
-from conftest import lm_documents, run_cli
+from conftest import assert_each_refused, lm_documents, run_cli
 
 
 @pytest.fixture
@@ -144,16 +144,8 @@ def bad_inputs(tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir,
 
 def test_every_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, corpus, tiny_llama_dir, tiny_model_dir,
                                                                  tiny_bloom_dir, lm_tokenizer_dir, capsys):
-    from cloudtrain.cli import main
-
     cases = bad_inputs(tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir, lm_tokenizer_dir)
-    for case, (options, message) in cases.items():
-        argv = [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in options.items() if v is not None]
-        assert main(argv) == 2, case
-        err = capsys.readouterr().err.strip()
-        assert "Traceback" not in err and message in err.splitlines()[-1], (case, err)
-        assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, (case, err)
-        assert not (tmp_path / "out").exists(), case
+    assert_each_refused(cases, capsys, tmp_path / "out")
 
 
 @pytest.mark.slow  # three fresh interpreters

@@ -18,7 +18,7 @@ from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks import build_task
 
-from conftest import ENTRY, REPO, run_cli
+from conftest import ENTRY, REPO, assert_each_refused, run_cli
 
 # Answers of several tokens each, distinct, so "answers exactly and stops" means something.
 CHATS = [("Who found the golden key?", "The poor boy in the snow."),
@@ -283,15 +283,7 @@ def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
 
 
 def test_every_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tiny_llama_dir, chats_file, capsys):
-    from cloudtrain.cli import main
-
-    for case, (options, message) in bad_inputs(tmp_path, tiny_llama_dir, chats_file).items():
-        argv = [f"--{k}={','.join(v) if isinstance(v, list) else v}" for k, v in options.items() if v is not None]
-        assert main(argv) == 2, case
-        err = capsys.readouterr().err.strip()
-        assert "Traceback" not in err and message in err.splitlines()[-1], (case, err)
-        assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, (case, err)
-        assert not (tmp_path / "out").exists(), case
+    assert_each_refused(bad_inputs(tmp_path, tiny_llama_dir, chats_file), capsys, tmp_path / "out")
 
 
 def test_the_planner_plans_sft_as_a_causal_lm_and_launches_sft(tmp_path):
