@@ -1,10 +1,11 @@
-"""Command line: `train` (the default), `predict`, `generate`, `push` and `plan`.
+"""Command line: `train` (the default), `predict`, `generate`, `push`, `plan` and `merge`.
 
     python src/training_application.py [train] [--config FILE] [--<option> VALUE ...]
     python src/training_application.py predict --model_dir DIR --text "..."
     python src/training_application.py generate --model_dir DIR --prompt "..."
     python src/training_application.py push --output_dir DIR --hub_model_id USER/NAME
     python src/training_application.py plan --model_name_or_path DIR --num_gpus 8 --gpu_memory_gb 24
+    python src/training_application.py merge --output_dir DIR
 
 Each command other than train is a module with `add_arguments(parser)` and `run(args)`, imported
 only when used. User mistakes print one `error:` line and exit with status 2; no traceback.
@@ -22,6 +23,7 @@ COMMANDS = {  # name: (module, one-line description)
     "generate": ("cloudtrain.generate", "Continue prompts with a saved causal language model."),
     "push": ("cloudtrain.hub", "Upload an existing output dir to the Hugging Face Hub."),
     "plan": ("cloudtrain.planner", "Estimate memory per GPU and pick a distributed strategy."),
+    "merge": ("cloudtrain.adapters", "Merge a trained adapter (--peft) into its base model: <output_dir>/merged."),
 }
 DESCRIPTION = "Train a Hugging Face model: a sequence classifier (--task classification), or a decoder language " \
     "model on raw text (--task causal_lm: continued pretraining, or from scratch with --model_config).\n" \

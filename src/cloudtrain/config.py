@@ -34,6 +34,7 @@ BEST_METRICS = ("accuracy", "macro_f1", "loss", "perplexity", "exact_match")
 TASKS = ("classification", "causal_lm", "sft")
 PACKING = ("auto", "none", "wrapped", "bfd")
 ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
+PEFT_METHODS = ("none", "lora", "dora", "qlora")
 
 
 def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False, separator: str = ",") -> Any:
@@ -104,6 +105,15 @@ class ModelConfig:
     trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
     gradient_checkpointing: bool = opt(False, "Recompute each layer's activations in the backward pass: less "
                                               "memory for about a third more compute.")
+    peft: str = opt("none", "Train adapters instead of every weight (PEFT): lora, dora (weight-decomposed LoRA) or "
+                            "qlora (LoRA on a 4-bit NF4 base; CUDA only). The base weights stay frozen in their "
+                            "dtype; the output holds only the adapter.", PEFT_METHODS)
+    lora_r: int = opt(16, "LoRA rank: the inner size of each adapter's two matrices.")
+    lora_alpha: float = opt(32.0, "LoRA scaling: adapter outputs are multiplied by lora_alpha / lora_r.")
+    lora_dropout: float = opt(0.05, "Dropout on the adapters' inputs.")
+    lora_target_modules: list = opt(["all-linear"], "Modules that get adapters: all-linear (every linear layer but "
+                                                    "the output head), or comma-separated module names "
+                                                    "(q_proj,v_proj).")
 
 
 @dataclass
@@ -193,6 +203,8 @@ class OutputConfig:
     output_dir: str | None = opt(None, "Where the model, metrics and arguments are saved "
                                        "(default: outputs/<model>-<dataset>).")
     overwrite_output_dir: bool = opt(False, "Allow replacing a model already saved in --output_dir.")
+    merge_adapters: bool = opt(False, "With --peft: also write the base model with the adapter merged in to "
+                                      "<output_dir>/merged, loadable with plain transformers.")
 
 
 @dataclass
@@ -397,6 +409,12 @@ def validate(cfg: Config) -> None:
          "--model_config needs --tokenizer_name_or_path (a model built from scratch comes with no tokenizer)"),
         ("none" in cfg.tracking.report_to and len(cfg.tracking.report_to) > 1,
          "--report_to none cannot be combined with other trackers"),
+        (cfg.model.lora_r < 1, "--lora_r must be at least 1"),
+        (cfg.model.lora_alpha <= 0, "--lora_alpha must be positive"),
+        (not 0 <= cfg.model.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
+        (not cfg.model.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
+        (cfg.output.merge_adapters and cfg.model.peft == "none", "--merge_adapters true needs adapters: set --peft "
+                                                                  "lora, dora or qlora"),
         (h.push_to_hub and not h.hub_model_id, "--push_to_hub true needs --hub_model_id <user>/<name>"),
         (c.checkpointing_steps is not None and c.checkpointing_steps != "epoch"
          and not (c.checkpointing_steps.isdigit() and int(c.checkpointing_steps) > 0),

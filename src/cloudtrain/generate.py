@@ -112,6 +112,14 @@ def check_model_dir(model_dir: str) -> None:
     path = Path(model_dir)
     if not path.is_dir():
         raise UserError(f"--model_dir {model_dir} does not exist; pass the output_dir of a training run")
+    from cloudtrain import adapters
+
+    if adapters.is_adapter_dir(path):
+        task_type = adapters.adapter_config(path).get("task_type")
+        if task_type != "CAUSAL_LM":
+            hint = "; use the predict command to classify texts with it" if task_type == "SEQ_CLS" else ""
+            raise UserError(f"--model_dir {model_dir} holds a {task_type} adapter, not a causal language model{hint}")
+        return
     if not (path / "config.json").is_file():
         raise UserError(f"--model_dir {model_dir} holds no config.json; pass a directory written by the "
                         "training application")
@@ -163,6 +171,11 @@ def load(model_dir: str, device: torch.device):
     from cloudtrain.hardware import native_bf16
 
     dtype = torch.bfloat16 if device.type == "cuda" and native_bf16("cuda") else torch.float32
+    from cloudtrain import adapters
+
+    if adapters.is_adapter_dir(Path(model_dir)):  # the base named in its config, with the adapter on top
+        model, tokenizer = adapters.load_adapter_model(Path(model_dir), dtype)
+        return model.to(device).eval(), tokenizer
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)

@@ -75,9 +75,10 @@ def head_labels(cfg: ModelConfig) -> list[str] | None:
 
 
 def load_model(cfg: ModelConfig, label_names: list[str], tokenizer: transformers.PreTrainedTokenizerBase,
-               announce: bool = False) -> PreTrainedModel:
+               announce: bool = False, weights: dict | None = None) -> PreTrainedModel:
     """The pretrained body with a classification head for `label_names`: the checkpoint's own head when it
-    has exactly these labels in this order, else a new one (said in one line when `announce`)."""
+    has exactly these labels in this order, else a new one (said in one line when `announce`). `weights`:
+    how to load them (cloudtrain.adapters.load_options; default fp32)."""
     path = resolve_model_path(cfg)
     existing = head_labels(cfg)
     replace_head = existing is not None and existing != label_names
@@ -94,7 +95,7 @@ def load_model(cfg: ModelConfig, label_names: list[str], tokenizer: transformers
         transformers.logging.set_verbosity_error()  # the "newly initialized head" report is expected here
         try:
             # fp32 master weights whatever the checkpoint's dtype; mixed precision is autocast's job
-            options = dict(config=config, dtype=torch.float32, trust_remote_code=cfg.trust_remote_code)
+            options = dict(config=config, trust_remote_code=cfg.trust_remote_code, **(weights or {"dtype": torch.float32}))
             if replace_head:
                 model_class = classifier_class(path, config, cfg.trust_remote_code)
                 model = model_class.from_pretrained(None, state_dict=body_weights(path, model_class), **options)

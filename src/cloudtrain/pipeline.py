@@ -26,7 +26,7 @@ from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.model_loading import load_tokenizer, resolve_model_path
 from cloudtrain.runtime import Runtime
 from cloudtrain.saving import holds_model, write_results
-from cloudtrain import hub
+from cloudtrain import adapters, hub
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.tracking import RunLog, check_trackers
 from cloudtrain.trainers import TRAINERS, Trainer, count_parameters
@@ -51,6 +51,7 @@ def resolve(cfg: Config, task: Task) -> Config:
 def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
     """Checks that touch files and devices but load nothing heavy; returns (output dir, checkpoint to resume)."""
     task.check_options(cfg)
+    adapters.check_options(cfg, task.auto_class)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:
         raise UserError(f"--metric_for_best_model {cfg.checkpoint.metric_for_best_model} is not a metric of "
                         f"--task {task.name}; use one of {', '.join(task.metrics)}")
@@ -108,6 +109,8 @@ def build_run(cfg: Config) -> Run:
         print(task.describe_data(data), flush=True)
     model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
     task.check_model(model, cfg, announce=runtime.is_main)
+    if cfg.model.peft != "none":  # after gradient checkpointing, before the optimizer and accelerate
+        model = adapters.attach(model, cfg, task.peft_task_type, task.train_in_full(model))
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
 
     if resume_from and runtime.is_main:
@@ -115,7 +118,8 @@ def build_run(cfg: Config) -> Run:
     run_log = RunLog(cfg, output_dir, runtime.is_main, resume_step=read_state(resume_from)["state"]["global_step"]
                      if resume_from else None, run_info={
         "task": task.name, "training_type": cfg.training.training_type, "num_processes": runtime.count,
-        "device": str(runtime.device), "num_parameters": count_parameters(model)})
+        "device": str(runtime.device), "num_parameters": count_parameters(model),
+        "trainable_parameters": count_parameters(model, trainable=True), "peft": cfg.model.peft})
     trainer = TRAINERS[cfg.training.training_type](cfg, task, model, data, run_log, runtime)
     return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from)
 
@@ -143,6 +147,8 @@ def run_training(cfg: Config) -> dict:
         run.tokenizer.save_pretrained(output_dir)
         save_arguments(cfg, output_dir / "args.json")
         write_results(output_dir, results)
+        if cfg.output.merge_adapters:
+            adapters.merge(output_dir)
         _print_summary(task, results, output_dir)
     run.run_log.finish(results, run.data.label_names)
     if cfg.hub.push_to_hub and runtime.is_main:

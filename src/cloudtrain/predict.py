@@ -52,17 +52,7 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
     """Label and probability of the top class for each text."""
     if not holds_model(Path(model_dir)):
         raise UserError(f"--model_dir {model_dir} holds no saved model (no config.json/model.safetensors)")
-    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        hint = "; continue prompts with the generate command" if any(
-            name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures) else ""
-        raise UserError(f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence "
-                        f"classifier{hint}")
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
-    except (OSError, ValueError) as err:
-        raise UserError(f"could not load the model in {model_dir}: {first_line(err)}") from None
+    model, tokenizer = load(model_dir)
     results = []
     for i in range(0, len(texts), batch_size):
         chunk = texts[i:i + batch_size]
@@ -71,6 +61,29 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
         scores, ids = probs.max(dim=-1)
         results += records(chunk, ids.tolist(), scores.tolist(), model.config.id2label)
     return results
+
+
+def load(model_dir: str):
+    """(classifier in eval mode, tokenizer) from a full model's directory or an adapter's (onto its base)."""
+    from cloudtrain import adapters
+
+    if adapters.is_adapter_dir(Path(model_dir)):
+        task_type = adapters.adapter_config(Path(model_dir)).get("task_type")
+        if task_type != "SEQ_CLS":
+            hint = "; continue prompts with the generate command" if task_type == "CAUSAL_LM" else ""
+            raise UserError(f"--model_dir {model_dir} holds a {task_type} adapter, not a sequence classifier{hint}")
+        return adapters.load_adapter_model(Path(model_dir))
+    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        hint = "; continue prompts with the generate command" if any(
+            name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures) else ""
+        raise UserError(f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence "
+                        f"classifier{hint}")
+    try:
+        return (AutoModelForSequenceClassification.from_pretrained(model_dir).eval(),
+                AutoTokenizer.from_pretrained(model_dir))
+    except (OSError, ValueError) as err:
+        raise UserError(f"could not load the model in {model_dir}: {first_line(err)}") from None
 
 
 def records(texts: list[str], ids: list[int], scores: list[float], id2label: dict) -> list[dict]:

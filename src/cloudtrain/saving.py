@@ -2,6 +2,8 @@
 
 <output_dir>/
   model.safetensors, config.json     the model, with id2label/label2id
+    or adapter_model.safetensors,    with --peft: the adapter (PEFT's layout), labels.json for a classifier,
+    adapter_config.json, merged/     and with --merge_adapters the merged full model
   tokenizer.json, tokenizer_config.json, ...
   args.json                          the resolved arguments, secrets left out
   train_results.json, eval_results.json, test_results.json (when a labelled test split exists)
@@ -12,7 +14,7 @@
 import json
 from pathlib import Path
 
-MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json")
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json")
 
 
 def holds_model(output_dir: Path) -> bool:

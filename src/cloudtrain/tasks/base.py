@@ -34,6 +34,8 @@ class Task:
     lower_is_better: frozenset[str] = frozenset({"loss"})
     default_best_metric = "loss"
     default_packing: str | None = None  # what --packing auto means (language-model tasks)
+    auto_class: type | None = None  # the transformers Auto class of the task's models
+    peft_task_type = ""  # PEFT's name for the task (adapter_config.json's task_type)
 
     def check_options(self, cfg: Config) -> None:
         """Reject options this task cannot use (light I/O only: configs, a tokenizer; no data, no weights)."""
@@ -51,6 +53,10 @@ class Task:
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         """Checks that need the loaded model (before training starts)."""
+
+    def train_in_full(self, model: PreTrainedModel) -> list[str]:
+        """Modules that train in full next to adapters (--peft): what the task added or changed in the model."""
+        return []
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         """What this batch's loss sums over (rows, or target tokens), as a tensor on the batch's device."""

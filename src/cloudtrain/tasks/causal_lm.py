@@ -31,6 +31,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from cloudtrain import adapters
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
 from cloudtrain.errors import UserError, first_line
@@ -64,6 +65,8 @@ class CausalLMTask(Task):
     lower_is_better = frozenset(metrics)
     default_best_metric = "loss"
     default_packing = "wrapped"
+    auto_class = AutoModelForCausalLM
+    peft_task_type = "CAUSAL_LM"
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
 
     def __init__(self, cfg: Config):
@@ -151,7 +154,7 @@ class CausalLMTask(Task):
     def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
                    announce: bool) -> PreTrainedModel:
         m = cfg.model
-        options = dict(dtype=torch.float32, trust_remote_code=m.trust_remote_code)  # fp32 master weights
+        options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg))
         if m.attn_implementation:
             options["attn_implementation"] = m.attn_implementation
         config = self._config(cfg)

@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 from datasets import DatasetDict
 from huggingface_hub import ModelCard
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
 
+from cloudtrain import adapters
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, process_data
 from cloudtrain.errors import UserError
@@ -30,6 +31,8 @@ class ClassificationTask(Task):
     name = "classification"
     metrics = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
+    auto_class = AutoModelForSequenceClassification
+    peft_task_type = "SEQ_CLS"
 
     def check_options(self, cfg: Config) -> None:
         if cfg.model.model_config:
@@ -47,7 +50,11 @@ class ClassificationTask(Task):
 
     def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
                    announce: bool) -> PreTrainedModel:
-        return load_model(cfg.model, data.label_names, tokenizer, announce=announce)
+        return load_model(cfg.model, data.label_names, tokenizer, announce=announce,
+                          weights=adapters.load_options(cfg))
+
+    def train_in_full(self, model: PreTrainedModel) -> list[str]:
+        return [name for name in ("classifier", "score") if isinstance(getattr(model, name, None), torch.nn.Module)]
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.tensor(len(batch["labels"]), device=batch["labels"].device)

@@ -58,6 +58,7 @@ class SFTTask(CausalLMTask):
         self.chat: ChatFormat | None = None
         self.questions: list[str] = []  # the last user message of each sample prompt, for tables
         self.report: dict[str, dict] = {}  # per split: examples, truncated, dropped
+        self.resized = False  # whether the chat template's tokens grew the embeddings
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -198,7 +199,10 @@ class SFTTask(CausalLMTask):
         rows = model.get_input_embeddings().weight
         rows = getattr(rows, "ds_shape", rows.shape)[0]  # ZeRO-3 partitions the weight
         if len(tokenizer) > rows:
-            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)
+            # a multiple of 64 suits matmul kernels; an adapter's base grows to len(tokenizer) exactly, as
+            # PEFT's AutoPeftModel... grows it when loading the adapter
+            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=None if cfg.model.peft != "none" else 64)
+            self.resized = True
             if announce:
                 print(f"grew the embeddings from {rows} to {model.get_input_embeddings().num_embeddings} rows for "
                       f"the chat template's tokens ({', '.join(_added(tokenizer, self.added_tokens))}); they train "
@@ -207,6 +211,14 @@ class SFTTask(CausalLMTask):
         model.generation_config.eos_token_id = list(dict.fromkeys(t for t in stops if t is not None))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
         return model
+
+    def train_in_full(self, model: PreTrainedModel) -> list[str]:
+        """New tokens need their embedding rows (and output rows) trained, which adapters alone cannot do."""
+        if not self.resized:
+            return []
+        names = {module: name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
+        return list(dict.fromkeys(names[m] for m in (model.get_input_embeddings(), model.get_output_embeddings())
+                                  if m is not None))
 
     # ------------------------------------------------------------ evaluation
     def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:

@@ -12,7 +12,9 @@ ZeRO 0-3 with offload, FSDP on GPUs), fp16 (GPU) and bf16 mixed precision, gradi
 import contextlib
 from pathlib import Path
 
+import safetensors.torch
 import torch
+from accelerate.utils import SAFE_WEIGHTS_NAME
 from transformers import PreTrainedModel
 
 from cloudtrain.config import Config
@@ -20,7 +22,8 @@ from cloudtrain.data_processing import ProcessedData
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers.base import StepStats, Trainer
+from cloudtrain.trainers.base import (StepStats, Trainer, load_trainable_state, save_pretrained, trainable_state,
+                                      trains_everything)
 
 
 class AcceleratedTrainer(Trainer):
@@ -42,6 +45,24 @@ class AcceleratedTrainer(Trainer):
             self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values())
         self.eval_dls = dict(zip(self.eval_dls, loaders[:len(self.eval_dls)]))
         self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls):]))
+        self.partial = not trains_everything(self.model)  # adapters: checkpoints hold the trainable weights only
+        if self.partial and not self.accelerator.state.deepspeed_plugin:  # DeepSpeed is told in save/load_state
+            self.accelerator.register_save_state_pre_hook(self._keep_trainable)
+            self.accelerator.register_load_state_pre_hook(self._load_trainable)
+
+    @staticmethod
+    def _keep_trainable(models: list, weights: list, folder: str) -> None:
+        for i, model in enumerate(models):
+            names = trainable_state(model)
+            weights[i] = {name: tensor for name, tensor in weights[i].items() if name in names}
+
+    @staticmethod
+    def _load_trainable(models: list, folder: str) -> None:
+        for i, model in enumerate(models):
+            name = SAFE_WEIGHTS_NAME if i == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{i}.")
+            device = str(next(model.parameters()).device)
+            load_trainable_state(model, safetensors.torch.load_file(Path(folder) / name, device=device))
+        models.clear()  # loaded: accelerate must not load them again, strictly
 
     def autocast(self):
         return contextlib.nullcontext()  # prepare() already wrapped the model's forward in autocast
@@ -74,16 +95,18 @@ class AcceleratedTrainer(Trainer):
         self.optimizer.zero_grad(set_to_none=True)
 
     def write_checkpoint(self, folder: Path) -> None:
-        self.accelerator.save_state(str(folder))  # model (safetensors), optimizer, scaler, RNG of every process
+        frozen = {"exclude_frozen_parameters": True} if self.partial and self.accelerator.state.deepspeed_plugin else {}
+        self.accelerator.save_state(str(folder), **frozen)  # model (safetensors), optimizer, scaler, RNG of every process
         if self.is_main_process:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
 
     def load_checkpoint(self, folder: Path) -> None:
-        self.accelerator.load_state(str(folder))
+        frozen = {"load_module_strict": False} if self.partial and self.accelerator.state.deepspeed_plugin else {}
+        self.accelerator.load_state(str(folder), **frozen)
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
     def save_model(self, output_dir: Path) -> None:
         state_dict = self.accelerator.get_state_dict(self.model)  # every rank: ZeRO-3 gathers here
         if self.is_main_process:
-            self.accelerator.unwrap_model(self.model).save_pretrained(output_dir, state_dict=state_dict)
+            save_pretrained(self.accelerator.unwrap_model(self.model), output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()

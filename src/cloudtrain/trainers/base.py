@@ -40,6 +40,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel, get_scheduler
 
+from cloudtrain import adapters
 from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
 from cloudtrain.config import PRECISIONS, Config
 from cloudtrain.errors import TrainingStopped, UserError
@@ -92,9 +93,35 @@ def set_epoch(dataloader: DataLoader, epoch: int) -> None:
     (dataloader.set_epoch if hasattr(dataloader, "set_epoch") else dataloader.sampler.set_epoch)(epoch)
 
 
-def count_parameters(model: torch.nn.Module) -> int:
-    """All parameters, also when ZeRO-3 has partitioned them (each then holds only its shard)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+def count_parameters(model: torch.nn.Module, trainable: bool = False) -> int:
+    """All (or the trainable) parameters, also when ZeRO-3 has partitioned them (each then holds only its shard)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable)
+
+
+def trains_everything(model: torch.nn.Module) -> bool:
+    """False under adapters: then checkpoints hold only the trainable weights, the base reloads from its files."""
+    return all(p.requires_grad for p in model.parameters())
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def save_pretrained(model: torch.nn.Module, output_dir: Path, state_dict: dict | None = None) -> None:
+    """A full model in transformers' layout, or an adapter in PEFT's (cloudtrain.adapters.save)."""
+    if adapters.is_adapter(model):
+        adapters.save(model, output_dir, state_dict)
+    else:
+        model.save_pretrained(output_dir, state_dict=state_dict)
+
+
+def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """Load a checkpoint's trainable weights; it must hold exactly the model's trainable parameters."""
+    expected = set(trainable_state(model))
+    if set(tensors) != expected:
+        raise ValueError(f"it holds {len(tensors)} weights, {len(set(tensors) - expected)} unknown to this model, "
+                         f"and lacks {len(expected - set(tensors))} of its {len(expected)} trainable ones")
+    model.load_state_dict(tensors, strict=False)
 
 
 class Meter:
@@ -427,8 +454,9 @@ class Trainer:
         t = self.cfg.training
         effective = t.per_device_train_batch_size * self.num_processes * t.gradient_accumulation_steps
         if self.is_main_process:
-            params = count_parameters(self.model)
-            print(f"{self.name}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters, "
+            params, trainable = count_parameters(self.model), count_parameters(self.model, trainable=True)
+            trains = "" if trainable == params else f" ({trainable / 1e6:.2f}M trainable: {trainable / params:.2%})"
+            print(f"{self.name}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters{trains}, "
                   f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
                   f"{t.mixed_precision}), effective batch {effective} "
                   f"({t.per_device_train_batch_size} per device x {self.num_processes} x "

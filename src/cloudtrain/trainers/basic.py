@@ -14,7 +14,8 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from cloudtrain.trainers.base import StepStats, Trainer
+from cloudtrain.trainers.base import (StepStats, Trainer, load_trainable_state, save_pretrained, trainable_state,
+                                      trains_everything)
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
@@ -59,15 +60,23 @@ class BasicTrainer(Trainer):
         self.scaler.update()  # closes the step the scaler saw unscaled
 
     def save_model(self, output_dir: Path) -> None:
-        self.model.save_pretrained(output_dir)
+        save_pretrained(self.model, output_dir)
 
     def write_checkpoint(self, folder: Path) -> None:
-        safetensors.torch.save_model(self.model, str(folder / "model.safetensors"))
+        weights = str(folder / "model.safetensors")
+        if trains_everything(self.model):
+            safetensors.torch.save_model(self.model, weights)
+        else:  # adapters: the frozen base reloads from its own files
+            safetensors.torch.save_file(trainable_state(self.model), weights)
         torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                     "scaler": self.scaler.state_dict(), "rng": rng_state()}, folder / TRAINING_STATE)
 
     def load_checkpoint(self, folder: Path) -> None:
-        safetensors.torch.load_model(self.model, str(folder / "model.safetensors"), device=str(self.device))
+        weights = str(folder / "model.safetensors")
+        if trains_everything(self.model):
+            safetensors.torch.load_model(self.model, weights, device=str(self.device))
+        else:
+            load_trainable_state(self.model, safetensors.torch.load_file(weights, device=str(self.device)))
         saved = torch.load(folder / TRAINING_STATE, map_location=self.device, weights_only=True)
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])

@@ -1,0 +1,240 @@
+"""Parameter-efficient fine-tuning through PEFT (`--peft lora|dora|qlora`), and the `merge` command.
+
+    python src/training_application.py --peft lora [--lora_r 16 --lora_alpha 32 --lora_target_modules all-linear]
+    python src/training_application.py merge --output_dir DIR      # writes DIR/merged, a plain transformers model
+
+Supports:
+- LoRA and DoRA on every task, with one process, DDP and DeepSpeed ZeRO 1-3 (CPU and GPU), FSDP (GPU);
+- QLoRA: the base in 4-bit NF4 with double quantization and bf16 compute (bitsandbytes, CUDA only), one
+  process or DDP;
+- the modules a task trains in full next to the adapters (`Task.train_in_full`): a classifier's head, and
+  a language model's embeddings and head when a chat template grew its vocabulary.
+Does not support: QLoRA on CPU, under ZeRO-3 or FSDP (4-bit weights cannot be sharded as they are stored
+here); adapters on a model built from --model_config (random weights: no base to load the adapter onto).
+
+At load time: the base model (frozen, in the compute dtype, or 4-bit), gradient checkpointing, then
+`attach`: the adapters, in fp32 like everything else that trains. The trainer, the optimizer (over
+trainable parameters only) and accelerate come after. Checkpoints hold only the trainable weights.
+
+The output directory holds PEFT's layout (adapter_config.json, adapter_model.safetensors), so
+`PeftModel.from_pretrained(base, output_dir)` and `AutoPeftModelFor...` load it; a classifier's label
+names are in labels.json (pass them as id2label when loading the base).
+"""
+
+import argparse
+import importlib.util
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GenerationConfig)
+from transformers.utils import GENERATION_CONFIG_NAME
+
+from cloudtrain.config import Config
+from cloudtrain.errors import UserError, first_line
+
+ADAPTER_CONFIG = "adapter_config.json"
+LABELS = "labels.json"
+AUTO_CLASSES = {"SEQ_CLS": AutoModelForSequenceClassification, "CAUSAL_LM": AutoModelForCausalLM}
+COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# ---------------------------------------------------------------- before anything is loaded
+
+def check_options(cfg: Config, auto_class: type) -> None:
+    """Refuse what cannot work, in one line, before the model is loaded; `auto_class` is the task's."""
+    m, d = cfg.model, cfg.distributed
+    if m.peft == "none":
+        return
+    if m.model_config:
+        raise UserError(f"--peft {m.peft} trains adapters on pretrained weights, but --model_config builds a model "
+                        "with random weights; train it in full first, then pass it as --model_name_or_path")
+    if m.peft == "qlora":
+        if not torch.cuda.is_available():
+            raise UserError("--peft qlora loads the base model in 4-bit with bitsandbytes, which needs a CUDA GPU; "
+                            "use --peft lora (or dora) on this machine")
+        if importlib.util.find_spec("bitsandbytes") is None:
+            raise UserError("--peft qlora needs bitsandbytes: pip install bitsandbytes")
+        if d.zero_stage == 3 or d.fsdp:
+            raise UserError("--peft qlora cannot shard its 4-bit base weights with ZeRO-3 or FSDP; use DDP, "
+                            "--zero_stage 1 or 2, or --peft lora")
+    check_target_modules(cfg, auto_class)
+
+
+def check_target_modules(cfg: Config, auto_class: type) -> None:
+    """Each name in --lora_target_modules ends a module name of the model, checked on a weightless copy."""
+    targets = cfg.model.lora_target_modules
+    if targets == ["all-linear"]:
+        return
+    from cloudtrain.model_loading import resolve_model_path
+
+    path = resolve_model_path(cfg.model)
+    try:
+        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
+        with torch.device("meta"):
+            model = auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"could not read the model config in {path}: {first_line(err)}") from None
+    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = [t for t in targets if t not in names]
+    if missing:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                         if isinstance(module, (torch.nn.Linear, transformers.pytorch_utils.Conv1D))})
+        raise UserError(f"--lora_target_modules: {', '.join(missing)} is not a module of {path}; its linear "
+                        f"layers are {', '.join(linear)} (or use all-linear)")
+
+
+def load_options(cfg: Config) -> dict:
+    """`from_pretrained` keywords for the base weights: fp32 master weights when everything trains; the
+    compute dtype (or 4-bit) for a frozen base under adapters, which autocast would cast to anyway."""
+    peft, precision = cfg.model.peft, cfg.training.mixed_precision
+    if peft == "none":
+        return {"dtype": torch.float32}
+    if peft == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+        # 4-bit weights are placed while loading, on this process's GPU (accelerate set it as current)
+        return {"dtype": torch.bfloat16, "quantization_config": quantization,
+                "device_map": {"": torch.cuda.current_device()}}
+    return {"dtype": COMPUTE_DTYPES.get(precision, torch.float32)}
+
+
+# ---------------------------------------------------------------- at load time
+
+def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, train_in_full: list[str]):
+    """The model with adapters (a PeftModel): base frozen, adapters and `train_in_full` modules trainable, fp32."""
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+
+    m = cfg.model
+    if m.peft == "qlora":  # norms to fp32, inputs that carry gradients through the frozen 4-bit layers
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=m.gradient_checkpointing,
+                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+    output = model.get_output_embeddings()
+    tied = output is not None and output.weight is model.get_input_embeddings().weight
+    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
+                      target_modules="all-linear" if m.lora_target_modules == ["all-linear"] else m.lora_target_modules,
+                      use_dora=m.peft == "dora", modules_to_save=train_in_full or None, task_type=task_type,
+                      ensure_weight_tying=tied and bool(train_in_full))
+    with warnings.catch_warnings():  # PEFT calls a transformers property deprecated for v6
+        warnings.simplefilter("ignore", FutureWarning)
+        model = get_peft_model(model, lora)
+    for param in model.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
+    return model
+
+
+def is_adapter(model: torch.nn.Module) -> bool:
+    from peft import PeftModel
+
+    return isinstance(model, PeftModel)
+
+
+def describe(cfg: Config) -> str:
+    m = cfg.model
+    return f"{m.peft} r={m.lora_r} alpha={m.lora_alpha:g} on {','.join(m.lora_target_modules)}"
+
+
+def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
+    """The adapter in PEFT's layout, and a classifier's label names (labels.json: the base knows none)."""
+    # grown embeddings are in the modules trained in full already; PEFT would add 2 more copies of each
+    model.save_pretrained(output_dir, state_dict=state_dict, save_embedding_layers=False)
+    model.generation_config.save_pretrained(output_dir)  # a chat model's end-of-turn stop is not the base's
+    if model.peft_config["default"].task_type == "SEQ_CLS":
+        id2label = {str(i): name for i, name in model.config.id2label.items()}
+        (Path(output_dir) / LABELS).write_text(json.dumps({"id2label": id2label}, indent=2) + "\n")
+
+
+# ---------------------------------------------------------------- using a saved adapter
+
+def is_adapter_dir(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_config(path: Path) -> dict:
+    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+
+
+def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32):
+    """(the base named in the adapter's config with the adapter on top, in eval mode; its tokenizer)."""
+    from peft import PeftModel
+
+    model_dir = Path(model_dir)
+    config = adapter_config(model_dir)
+    base, task_type = config.get("base_model_name_or_path"), config.get("task_type")
+    if task_type not in AUTO_CLASSES:
+        raise UserError(f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads SEQ_CLS and CAUSAL_LM ones")
+    options = {"dtype": dtype}
+    if (model_dir / LABELS).is_file():
+        id2label = {int(i): name for i, name in json.loads((model_dir / LABELS).read_text())["id2label"].items()}
+        options.update(num_labels=len(id2label), id2label=id2label, label2id={n: i for i, n in id2label.items()},
+                       ignore_mismatched_sizes=True)  # the base's own head, if any, is replaced by the adapter's
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # the "newly initialized head" report: the adapter holds the head
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        model = AUTO_CLASSES[task_type].from_pretrained(base, **options)
+        if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # a chat template's tokens
+            model.resize_token_embeddings(len(tokenizer))
+        if (model_dir / GENERATION_CONFIG_NAME).is_file():
+            model.generation_config = GenerationConfig.from_pretrained(model_dir)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            model = PeftModel.from_pretrained(model, model_dir)
+    except (OSError, ValueError, RuntimeError) as err:
+        raise UserError(f"could not load the adapter in {model_dir} onto its base model {base}: "
+                        f"{first_line(err)}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return model.eval(), tokenizer
+
+
+def merge(output_dir: Path) -> Path:
+    """Write <output_dir>/merged: the base with the adapter folded in, once its logits on a probe batch
+    equal the adapter model's within float tolerance (the largest difference is printed)."""
+    output_dir = Path(output_dir)
+    model, tokenizer = load_adapter_model(output_dir, dtype="auto")
+    batch = probe_batch(model, tokenizer)
+    with torch.no_grad():
+        expected = model(**batch).logits.float()
+        merged = model.merge_and_unload()
+        actual = merged(**batch).logits.float()
+    difference = (expected - actual).abs().max().item()
+    dtype = next(merged.parameters()).dtype
+    tolerance = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, expected.abs().max().item())
+    if not difference <= tolerance:
+        raise UserError(f"the merged model's logits differ from the adapter model's by {difference:.3g} (more than "
+                        f"{tolerance:.1g}); {output_dir / 'merged'} was not written")
+    target, partial = output_dir / "merged", output_dir / "merged.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    merged.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    shutil.rmtree(target, ignore_errors=True)
+    partial.rename(target)
+    print(f"merged the adapter into {adapter_config(output_dir)['base_model_name_or_path']} ({dtype}): largest "
+          f"logit difference {difference:.2e} on a probe batch; wrote {target}", flush=True)
+    return target
+
+
+def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
+    """Token ids drawn from a fixed seed: the same batch for the adapter and the merged model."""
+    vocab = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
+    return {"input_ids": ids.to(model.device), "attention_mask": torch.ones_like(ids).to(model.device)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output_dir", required=True, help="The output directory of a training run with --peft.")
+
+
+def run(args: argparse.Namespace) -> None:
+    if not is_adapter_dir(Path(args.output_dir)):
+        raise UserError(f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
+                        "output of a run with --peft lora, dora or qlora")
+    merge(Path(args.output_dir))
