@@ -8,6 +8,10 @@
   it brings the estimate within 10% of the peak bytes of a real forward + loss + backward of a small
   Llama (which the layers' activations alone miss by far); `plan --task causal_lm --model_config
   llama-600m` end to end.
+- Adapters: the LoRA/DoRA parameter count equals PEFT's on the app's own `adapters.attach` (Llama, GPT-2's
+  Conv1D, BERT; all-linear and named targets; a classifier's head); after one real LoRA AdamW step the
+  bytes of weights, gradients and optimizer states are within 15% of the estimate, and autograd's saved
+  activations within 15%; LoRA, then QLoRA, is recommended only when no full fine-tuning fits.
 - The CLI: `--json` parses and recommends, nothing-fits says what would fit, bad input is one line,
   and the emitted ZeRO-3 config trains the tiny model in a real 2-process CPU launch.
 """
@@ -28,12 +32,13 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import (AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, GPT2Config,
-                          LlamaConfig)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          GPT2Config, LlamaConfig)
 
-from cloudtrain import planner
+from cloudtrain import adapters, planner
 from cloudtrain.cli import main
-from cloudtrain.planner import GIB, STRATEGIES, Candidate, Setup
+from cloudtrain.config import Config, ModelConfig
+from cloudtrain.planner import GIB, STRATEGIES, Candidate, LoraSpec, Setup
 
 from conftest import REPO, run_cli, topic_rows
 
@@ -55,12 +60,14 @@ def plan_args(model: str | None, output_dir: Path, **options) -> argparse.Namesp
 
 @pytest.fixture(scope="module")
 def decoder_dirs(tmp_path_factory) -> dict[str, str]:
-    """Configs only (no weights) of a ~1.3B GPT-2-style and a ~7B Llama-style decoder."""
+    """Configs only (no weights) of a ~1.3B GPT-2-style, a ~7B Llama-style and an 8B Llama-3-style decoder."""
     root = tmp_path_factory.mktemp("decoders")
     GPT2Config(n_embd=2048, n_layer=24, n_head=16).save_pretrained(root / "gpt2-1.3b")
     LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008,
                 vocab_size=32000).save_pretrained(root / "llama-7b")
-    return {"1.3b": str(root / "gpt2-1.3b"), "7b": str(root / "llama-7b")}
+    LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                intermediate_size=14336, vocab_size=128256).save_pretrained(root / "llama-8b")
+    return {"1.3b": str(root / "gpt2-1.3b"), "7b": str(root / "llama-7b"), "8b": str(root / "llama-8b")}
 
 
 def states(facts, key: str, s: Setup) -> int:
@@ -300,6 +307,7 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
     assert rec is not None and rec["estimate"]["total"] <= 24 * GIB
     for row in plan["strategies"]:
         assert row["estimate"]["logits"] == 16 * 2048 * 32000 * 12
+    assert {row["peft"] for row in plan["strategies"]} == {"none"}  # random weights: no base for adapters
     text = planner.render(plan)
     header = next(line for line in text.splitlines() if line.startswith("strategy"))
     assert header.split()[5:7] == ["activ", "logits"]
@@ -321,6 +329,133 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
 def test_causal_lm_refuses_a_classifier(tiny_model_dir, tmp_path):
     with pytest.raises(planner.UserError, match="is not a causal language model"):
         planner.make_plan(plan_args(tiny_model_dir, tmp_path, task="causal_lm", gpu_memory_gb=24))
+
+
+# ---------------------------------------------------------------- adapters
+
+def attached(model, peft: str, spec: LoraSpec, task_type: str):
+    """The model as training wraps it: cloudtrain.adapters.attach, trainable parameters in fp32."""
+    cfg = Config(model=ModelConfig(peft=peft, lora_r=spec.r, lora_dropout=spec.dropout,
+                                   lora_target_modules=list(spec.target_modules)))
+    heads = planner._trained_in_full(model, "causal_lm" if task_type == "CAUSAL_LM" else "classification")
+    return adapters.attach(model, cfg, task_type, heads)
+
+
+@pytest.mark.parametrize("which,task,peft,targets", [
+    ("llama", "causal_lm", "lora", ("all-linear",)),
+    ("llama", "classification", "dora", ("all-linear",)),  # the score head trains in full, DoRA's magnitudes
+    ("llama", "causal_lm", "lora", ("q_proj", "v_proj")),
+    ("gpt2", "causal_lm", "lora", ("all-linear",)),  # GPT-2's Conv1D layers
+    ("bert", "classification", "lora", ("all-linear",)),
+])
+@pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False")  # PEFT's note on GPT-2's Conv1D
+def test_adapter_count_equals_peft_on_the_application_s_attach(which, task, peft, targets, tmp_path, tiny_model_dir):
+    model_dir = {"llama": small_llama(tmp_path, 1000), "bert": tiny_model_dir}.get(which)
+    if which == "gpt2":
+        model_dir = str(tmp_path / "gpt2")
+        GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, bos_token_id=0,
+                   eos_token_id=0).save_pretrained(model_dir)
+    spec = LoraSpec(8, targets)
+    facts = planner.model_facts(model_dir, num_labels=3, task=task, lora=spec)
+    auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+    model = attached(auto.from_config(AutoConfig.from_pretrained(model_dir, num_labels=3)), peft, spec,
+                     "CAUSAL_LM" if task == "causal_lm" else "SEQ_CLS")
+    trainable, _ = model.get_nb_trainable_parameters()
+    assert facts.adapters.trainable(peft) == trainable
+    # the frozen base is kept whole: a head trained in full is held twice, frozen and as a trainable copy
+    assert sum(p.numel() for p in model.parameters()) == facts.num_params + trainable
+    assert (facts.adapters.head_params > 0) is (task == "classification")
+
+
+def test_quantized_weights_are_every_linear_layer_but_the_head(tmp_path):
+    model_dir = small_llama(tmp_path, 1000)
+    for task in ("causal_lm", "classification"):
+        facts = planner.model_facts(model_dir, task=task)
+        with torch.device("meta"):
+            auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
+            model = auto.from_config(LlamaConfig.from_pretrained(model_dir))
+        in_layers = [m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+        assert facts.adapters.quantized_params == sum(in_layers)  # not the LM head nor the score head
+        assert facts.adapters.largest_quantized == 64 * 256
+    a, P = facts.adapters, facts.num_params
+    params, _, _ = planner.adapter_state_bytes(facts, "qlora", setup(precision="bf16"))
+    assert params == round(a.quantized_params * (0.5 + 1 / 64 + 4 / 16384) + 4 * (P - a.quantized_params)
+                           + 2 * a.largest_quantized) + 4 * a.trainable("qlora")
+
+
+def lora_step(model_dir: str, precision: str):
+    """One forward/backward/AdamW step of a LoRA small Llama as training runs it (16-bit base under bf16)."""
+    from cloudtrain.packing import causal_lm_forward, shifted_loss
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    model = attached(AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=dtype), "lora",
+                     LoraSpec(), "CAUSAL_LM")
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, 1000, (2, 32))
+    batch = {"input_ids": ids, "position_ids": torch.arange(32).expand(2, 32), "labels": ids}
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        loss, _ = shifted_loss(causal_lm_forward(model, batch), batch["labels"])
+    loss.backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_measured_lora_model_states_after_one_step_match_the_estimate(precision, tmp_path):
+    model_dir = small_llama(tmp_path, 1000)
+    model, optimizer = lora_step(model_dir, precision)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    measured = {"parameters": tensor_bytes(model.parameters()),
+                "gradients": tensor_bytes(p.grad for p in trainable),
+                "optimizer_states": tensor_bytes(t for state in optimizer.state.values() for t in state.values())}
+    facts = planner.model_facts(model_dir, task="causal_lm")
+    T, P = facts.adapters.trainable("lora"), facts.num_params
+    estimated = dict(zip(measured, planner.adapter_state_bytes(facts, "lora", setup(precision=precision))))
+    print(f"LoRA {precision}: measured vs estimated bytes", {k: (measured[k], estimated[k]) for k in measured})
+    assert sum(measured.values()) == pytest.approx(sum(estimated.values()), rel=0.15)
+    # the frozen base in the compute dtype, then 16 bytes per trainable parameter: fp32 weight 4, gradient 4 and
+    # AdamW's two moments 8 (the estimate adds autocast's bf16 copies of the adapters to the gradients)
+    assert measured["parameters"] == estimated["parameters"] == (2 if precision == "bf16" else 4) * P + 4 * T
+    assert measured["gradients"] == 4 * T and estimated["gradients"] == 4 * T + (2 * T if precision == "bf16" else 0)
+    assert estimated["optimizer_states"] == 8 * T
+    assert measured["optimizer_states"] == pytest.approx(8 * T, rel=0.01)  # and AdamW's step counters
+
+
+@pytest.mark.parametrize("peft", ["lora", "dora"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpointing, tmp_path):
+    model_dir = small_llama(tmp_path, 1000)
+    spec = LoraSpec(dropout=0.05)
+    facts = planner.model_facts(model_dir, task="causal_lm", lora=spec)
+    torch.manual_seed(0)
+    base = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=torch.float32)
+    b, s = 4, 128
+    batch = {"input_ids": torch.randint(0, 1000, (b, s)), "position_ids": torch.arange(s).expand(b, s),
+             "use_cache": False}
+    measured = saved_activation_bytes(attached(base, peft, spec, "CAUSAL_LM"), batch, checkpointing)
+    estimated, _ = planner.adapter_activation_bytes(facts, peft, b, s, half=False, checkpointing=checkpointing)
+    if not checkpointing:  # the CPU's dropout keeps a 4-byte mask per input where CUDA keeps a 1-byte one
+        estimated += 3 * b * s * facts.adapters.layer_inputs * facts.num_layers
+    print(f"{peft} checkpointing={checkpointing}: saved activations measured {measured} vs estimated {estimated}")
+    assert measured == pytest.approx(estimated, rel=0.15)
+
+
+def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(decoder_dirs, tmp_path):
+    plan = planner.make_plan(plan_args(decoder_dirs["8b"], tmp_path, task="causal_lm", gpu_memory_gb=80,
+                                       mixed_precision="bf16", max_length=1024, per_device_train_batch_size=1))
+    a, P = plan["model"]["adapters"], plan["model"]["num_params"]
+    T = a["lora_params"]
+    assert T == 16 * 32 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336)) == 41_943_040  # r*(in+out)
+    rows = {r["label"]: r for r in plan["strategies"]}
+    full, lora, qlora = rows["DDP"]["estimate"], rows["LoRA + DDP"]["estimate"], rows["QLoRA + DDP"]["estimate"]
+    assert (lora["parameters"], lora["gradients"], lora["optimizer_states"]) == (2 * P + 4 * T, 6 * T, 8 * T)
+    assert qlora["optimizer_states"] == 8 * T and qlora["parameters"] < 0.6 * lora["parameters"]
+    states = ("parameters", "gradients", "optimizer_states")
+    assert sum(lora[k] for k in states) < 0.12 * sum(full[k] for k in states)  # 2P + 18T against 18P
+    assert lora["logits"] == full["logits"]
+    assert rows["LoRA + DDP"]["fits"] and rows["LoRA + DDP"]["relative_step_time"] < 1
+    assert plan["recommendation"]["peft"] == "none"  # full fine-tuning fits (with offload): adapters are no speed-up
 
 
 # ---------------------------------------------------------------- choosing
@@ -348,6 +483,61 @@ def test_smaller_micro_batch_and_more_accumulation_when_the_requested_one_fits_n
     assert not any(r["fits"] for r in plan["strategies"])
     assert 1 <= rec["micro_batch"] < 64 and rec["micro_batch"] * 8 * rec["gradient_accumulation_steps"] == 512
     assert any("fits no strategy" in reason for reason in rec["reasons"])
+
+
+def emitted_config(command: str) -> Config:
+    """The training configuration the printed launch command builds (its flags after the script)."""
+    from cloudtrain.config import add_config_arguments, build_config
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    argv = shlex.split(command)
+    return build_config(vars(parser.parse_args(argv[argv.index(planner.TRAINING_APPLICATION) + 1:])))
+
+
+@pytest.mark.parametrize("max_length,expect", [(1024, "lora"), (4096, "qlora")])
+def test_adapters_only_when_no_full_fine_tuning_fits_lora_before_qlora(max_length, expect, decoder_dirs, tmp_path):
+    """8B on one 24 GiB GPU with 64 GiB of CPU memory: offloading needs more, so full fine-tuning fits nowhere;
+    at 4096 tokens LoRA's 16-bit base plus the logits are over budget too, and QLoRA's 4-bit base is not."""
+    plan = planner.make_plan(plan_args(decoder_dirs["8b"], tmp_path, task="causal_lm", gpu_memory_gb=24,
+                                       cpu_memory_gb=64, mixed_precision="bf16", max_length=max_length,
+                                       per_device_train_batch_size=1, global_batch_size=8))
+    rec, rows = plan["recommendation"], plan["strategies"]
+    assert rec["peft"] == expect and rec["gradient_checkpointing"] and rec["estimate"]["total"] <= 24 * GIB
+    assert not any(r["max_micro_batch"] for r in rows if r["peft"] == "none")
+    assert any("Full fine-tuning does not fit" in reason and "CPU memory" in reason for reason in rec["reasons"])
+    if expect == "qlora":
+        assert not any(r["max_micro_batch"] for r in rows if r["peft"] == "lora")
+        assert any(reason.startswith("LoRA does not fit") for reason in rec["reasons"])
+    cfg = emitted_config(rec["command"])
+    assert (cfg.model.peft, cfg.model.lora_r, cfg.model.lora_target_modules, cfg.model.gradient_checkpointing) == (
+        expect, 16, ["all-linear"], True)
+    assert rec["strategy"] == "ddp" and not (tmp_path / "ds_config.json").exists()
+
+
+def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_from_adapters(decoder_dirs, tmp_path):
+    args = dict(num_gpus=8, gpu_memory_gb=80, per_device_train_batch_size=8, max_length=512, mixed_precision="bf16")
+    auto = planner.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path, **args))
+    assert auto["recommendation"]["peft"] == "none"
+    assert [r["peft"] for r in auto["strategies"]] == ["none"] * 16 + ["lora"] * 2 + ["qlora"] * 2
+    lines = planner.render(auto).splitlines()
+    full, adapters_title = lines.index("full fine-tuning (every weight trains):"), next(
+        i for i, line in enumerate(lines) if line.startswith("adapters under DDP (recommended only if no full"))
+    assert lines[full + 1].split()[:2] == ["DDP", "1.00"] and full < adapters_title
+    assert [line.split(" + ")[0].strip() for line in lines[adapters_title + 1:adapters_title + 5]] == [
+        "LoRA", "LoRA", "QLoRA", "QLoRA"]
+    for peft in ("qlora", "dora"):
+        forced = planner.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path / peft, peft=peft, **args))
+        assert forced["recommendation"]["peft"] == peft and f"--peft {peft}" in forced["recommendation"]["command"]
+    assert "dora" in {r["peft"] for r in forced["strategies"]}  # DoRA rows only when asked for
+    dora, lora = ({r["gradient_checkpointing"]: r["estimate"] for r in forced["strategies"] if r["peft"] == p}
+                  for p in ("dora", "lora"))
+    assert dora[False]["optimizer_states"] > lora[False]["optimizer_states"]  # its magnitude vectors
+    assert dora[False]["activations"] > lora[False]["activations"]  # two output-sized tensors per module
+    full_only = planner.make_plan(plan_args(decoder_dirs["8b"], tmp_path / "none", task="causal_lm", peft="none",
+                                            gpu_memory_gb=24, cpu_memory_gb=64, mixed_precision="bf16"))
+    assert full_only["recommendation"] is None and "drop --strategy/--gradient_checkpointing/--peft" in full_only[
+        "message"]
 
 
 def test_nothing_fits_says_what_would(decoder_dirs, tmp_path):
@@ -396,7 +586,7 @@ def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
                      "--output_dir", str(tmp_path / "plan"))
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    assert len(plan["strategies"]) == 16 and {r["strategy"] for r in plan["strategies"]} == set(BY_KEY)
+    assert len(plan["strategies"]) == 16 + 4 and {r["strategy"] for r in plan["strategies"]} == set(BY_KEY)
     rec = plan["recommendation"]
     assert (rec["strategy"], rec["gradient_checkpointing"]) == ("ddp", False)  # a tiny model needs nothing more
     assert (rec["micro_batch"], rec["gradient_accumulation_steps"]) == (8, 2)
@@ -423,6 +613,11 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
     (["--task", "causal_lm"], "--task causal_lm needs --model_name_or_path <causal LM> or --model_config"),
     (["--model_config", "llama-8m"], "--model_config is for --task causal_lm"),
     (["--task", "causal_lm", "--model_config", "llama-9b"], "neither a config.json file nor a preset"),
+    (["--task", "causal_lm", "--model_config", "llama-8m", "--peft", "qlora"],
+     "--peft qlora trains adapters on pretrained weights"),
+    (["--lora_target_modules", "query,nope"], "--lora_target_modules: nope is not a linear layer of the model; its "
+                                              "linear layers are dense, key, query, value"),
+    (["--lora_r", "0"], "--lora_r must be at least 1"),
 ])
 def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]

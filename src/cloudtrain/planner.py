@@ -4,6 +4,8 @@
         --gpu_memory_gb 24 --per_device_train_batch_size 8 --max_length 512 --mixed_precision bf16
     python src/training_application.py plan --task causal_lm --model_config llama-600m \\
         --tokenizer_name_or_path TOKENIZER --num_gpus 8 --gpu_memory_gb 24 --max_length 2048 ...
+    python src/training_application.py plan --task sft --model_name_or_path meta-llama/Llama-3.1-8B \\
+        --gpu_memory_gb 24 --cpu_memory_gb 64 --mixed_precision bf16 --lora_r 16 ...   # may pick QLoRA
 
 It reads only the model's config (no weights) and counts parameters exactly by building the model on
 the meta device: the sequence-classification model, or for --task causal_lm the causal LM with its
@@ -12,9 +14,11 @@ config.json or shipped preset (--model_config; a preset takes the vocabulary siz
 --tokenizer_name_or_path, as training does, else its config's). For 8 strategies (DDP; ZeRO-1, 2,
 3; FSDP full shard; ZeRO-2 and ZeRO-3 with optimizer offload; ZeRO-3 with parameter offload too),
 each with and without gradient checkpointing, it prints the memory per GPU and recommends the
-fastest that fits, with the micro-batch and gradient accumulation that reach the global batch. It
-writes the accelerate config (and DeepSpeed JSON) that `accelerate launch --config_file` takes
-unchanged.
+fastest that fits, with the micro-batch and gradient accumulation that reach the global batch. After
+them come adapter rows (LoRA and QLoRA, DoRA with --peft dora; under DDP, with and without
+checkpointing), recommended only when no full fine-tuning fits: adapters train a different model.
+It writes the accelerate config (and DeepSpeed JSON) that `accelerate launch --config_file` takes
+unchanged, and the launch command (with --peft and the LoRA flags for an adapter row).
 
 Units: bytes internally, GiB (2**30) on screen; --gpu_memory_gb is GiB (a "24 GB" card has 24 GiB).
 Notation: P parameters, N = GPUs in total, p = bytes of a model weight inside the engine (2 under
@@ -37,6 +41,20 @@ Model states per GPU (parameters / gradients / optimizer states, AdamW):
   compute dtype: the root (everything outside the transformer layers) and two layers (the current
   one and the prefetched next), and one layer's unsharded gradients.
 
+Adapters (DDP; cloudtrain.adapters: PEFT on a frozen base). T trainable parameters: r*(in + out) per
+adapted module (PEFT's all-linear: every Linear/Conv1D but the output head, LM head or classifier;
+else the modules whose names end with --lora_target_modules), DoRA's magnitudes (out per module),
+and what trains in full beside them (a classifier's head: a trainable copy next to the frozen
+original). Each costs 16 bytes: parameters base + 4T, gradients 4T (+ 2T for autocast's 16-bit
+copies under fp16/bf16), optimizer 8T. The frozen base:
+- LoRA, DoRA: every weight in the compute dtype: 2P under fp16/bf16, else 4P.
+- QLoRA: the Q Linear weights bitsandbytes quantises (all but the output head) in 4-bit NF4 with
+  double quantisation, 0.5 + 1/64 + 4/(64*256) = 0.516 bytes each (4 bits, an 8-bit absmax per
+  64-weight block and an fp32 one per 256 blocks); the rest in fp32, since
+  prepare_model_for_kbit_training upcasts every 16-bit weight left (embeddings, norms, the head:
+  4(P - Q)); and one weight dequantised to bf16 for its matmul, 2 x the largest. CUDA GPUs only.
+DDP's buckets hold the trainable gradients only (4T); each process loads its base as it keeps it.
+
 Activations per GPU, micro-batch b, sequence s, hidden h, key/value width h_kv, intermediate I,
 H heads, l layers (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Models", generalised to the real intermediate size, gated MLPs, grouped KV heads and fused attention):
@@ -54,6 +72,21 @@ Models", generalised to the real intermediate size, gated MLPs, grouped KV heads
     without checkpointing: l*A + E + W
     with checkpointing (each layer recomputed in the backward pass): l*r*s*b*h + E + A + W, with r the
     bytes of the residual stream between layers (4 under DDP autocast, whose residual stays fp32).
+
+With adapters the frozen projections keep no inputs for backward, but each adapter keeps its own copy of
+its input (cast by autocast, or dropped out; q, k and v no longer share one) and its r-wide middle:
+    per layer  A' = s*b*[c_h*(2h + I*(k_act + 2g)) + c*(2h + 2h_kv) + c*(X + n*r) + d*X + 2c*Y*dora + 2h*m_h]
+                    + s*b*H*s*e
+      X, Y, n:    input and output features summed over the n adapted modules of one layer
+                  (all-linear Llama: X = 6h + I);
+      d:          1 with --lora_dropout > 0 (a 1-byte mask per input on GPUs; the CPU keeps a c-byte one);
+      dora:       1 for DoRA, which keeps the base's and the adapter's outputs for its magnitudes;
+      c_h:        bytes of the hidden states: c with a 16-bit base; 4 for QLoRA, whose residual stream is
+                  fp32 (prepare_model_for_kbit_training upcast the embeddings and norms).
+    outside E' = s*b*h*(c_h + m_h), working space W' = c_h*s*b*(h + I), checkpointing with r = c_h.
+Measured with autograd's saved-tensor hooks on CPU (tiny Llama, fp32, dropout 0.05): within 5% for LoRA and
+DoRA, with and without checkpointing. In fp32 without dropout q, k and v do share their input, and the
+estimate is about 17% high.
 
 Logits (causal_lm only; shown as their own column): with vocabulary V they dominate the activations of
 a small or mid-sized model, and checkpointing does not shrink them. The loss upcasts the logits
@@ -73,15 +106,20 @@ materialises the fp32 model before placing it; ZeRO-3 initialises layer by layer
 
 Ranking, fastest first, by a rule-of-thumb relative step time: DDP 1.00, ZeRO-1 1.02, ZeRO-2 1.05,
 FSDP 1.12, ZeRO-3 1.15, ZeRO-2 + optimizer offload 1.6, ZeRO-3 + optimizer offload 1.8, ZeRO-3 +
-parameter offload 2.5; gradient checkpointing multiplies by 1.33 (one more forward pass). The
-requested micro-batch is kept if any strategy fits it; otherwise the fastest strategy that fits a
-smaller one gets the largest it fits, with more accumulation so the global batch stays the same.
+parameter offload 2.5; gradient checkpointing multiplies by 1.33 (one more forward pass); adapters
+multiply DDP's by 0.75 (LoRA: no weight gradients for the base), 0.95 (DoRA) or 1.0 (QLoRA: every
+4-bit weight dequantised in both passes). Full fine-tuning is chosen if any of its strategies fits,
+else LoRA (DoRA), else QLoRA. Within those, the requested micro-batch is kept if any candidate fits
+it; otherwise the fastest that fits a smaller one gets the largest it fits, with more accumulation
+so the global batch stays the same.
 Micro-batches always divide the examples each GPU takes per optimizer step, so the global batch is
 exact.
 
-Not supported: tensor/pipeline parallelism, LoRA or frozen layers, quantised models, mixture-of-
-experts routing, sequence packing, NVMe offload; the estimate is for GPUs (on CPU, attention with
-dropout falls back to a kernel that stores the s*s matrix).
+Not supported: tensor/pipeline parallelism, adapters under ZeRO or FSDP (sharding the frozen base),
+other frozen layers, quantised full fine-tuning, the embeddings and LM head an SFT chat template's new
+tokens train in full next to adapters, mixture-of-experts routing, sequence packing, NVMe offload;
+the estimate is for GPUs (on CPU, attention with dropout falls back to a kernel that stores the s*s
+matrix).
 """
 
 import argparse
@@ -92,7 +130,7 @@ from pathlib import Path
 
 import yaml
 
-from cloudtrain.config import PRECISIONS, TASKS, ModelConfig
+from cloudtrain.config import PEFT_METHODS, PRECISIONS, TASKS, ModelConfig
 from cloudtrain.errors import UserError, first_line
 
 LM_TASKS = ("causal_lm", "sft")  # decoders with an LM head: the same memory, logits included
@@ -103,6 +141,11 @@ FRAGMENTATION = 0.05
 CHECKPOINTING_COST = 1.33
 MAX_MICRO_BATCH = 1 << 16
 TRAINING_APPLICATION = "src/training_application.py"
+NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight, its 8-bit absmax per 64 and fp32 absmax per 256 blocks
+# rules of thumb, relative to full fine-tuning: no weight gradients of the base (about a third less compute), DoRA's
+# weight norm every step, and QLoRA's dequantisation of every 4-bit weight in both passes
+PEFT_SPEED = {"none": 1.0, "lora": 0.75, "dora": 0.95, "qlora": 1.0}
+PEFT_LABELS = {"none": "full fine-tuning", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
 
 
 # ---------------------------------------------------------------- what is planned
@@ -135,19 +178,48 @@ STRATEGIES = (
 class Candidate:
     strategy: Strategy
     checkpointing: bool
+    peft: str = "none"  # none: full fine-tuning; lora, dora, qlora: adapters on a frozen base
 
     @property
     def speed(self) -> float:
-        return self.strategy.speed * (CHECKPOINTING_COST if self.checkpointing else 1.0)
+        return self.strategy.speed * PEFT_SPEED[self.peft] * (CHECKPOINTING_COST if self.checkpointing else 1.0)
 
     @property
     def name(self) -> str:
-        return self.strategy.label + (" + checkpointing" if self.checkpointing else "")
+        adapters = "" if self.peft == "none" else PEFT_LABELS[self.peft] + " + "
+        return adapters + self.strategy.label + (" + checkpointing" if self.checkpointing else "")
 
 
-def candidates() -> list[Candidate]:
-    """Every strategy with and without gradient checkpointing, fastest first."""
-    return sorted((Candidate(s, gc) for s in STRATEGIES for gc in (False, True)), key=lambda c: c.speed)
+def candidates(adapters: tuple[str, ...] = ()) -> list[Candidate]:
+    """Every full fine-tuning strategy with and without gradient checkpointing, fastest first; then each of
+    `adapters` (lora, dora, qlora) under DDP, without and with checkpointing."""
+    full = sorted((Candidate(s, gc) for s in STRATEGIES for gc in (False, True)), key=lambda c: c.speed)
+    return full + [Candidate(STRATEGIES[0], gc, peft) for peft in adapters for gc in (False, True)]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapters training would attach: --lora_r, --lora_target_modules, --lora_dropout."""
+    r: int = 16
+    target_modules: tuple[str, ...] = ("all-linear",)
+    dropout: float = 0.05
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What the adapter rows need, counted on the meta-device model for one LoraSpec."""
+    spec: LoraSpec
+    lora_params: int  # r*(in + out) over the adapted modules
+    magnitude_params: int  # DoRA: one magnitude per output feature of each adapted module
+    head_params: int  # modules trained in full next to the adapters (a classifier's head): an fp32 copy
+    quantized_params: int  # QLoRA: the Linear weights bitsandbytes stores in 4-bit (all but the output head)
+    largest_quantized: int  # the 4-bit weight dequantised to bf16 for its matmul, one at a time
+    layer_adapted: int  # adapted modules in one transformer layer
+    layer_inputs: int  # their input features summed (what each adapter keeps for backward)
+    layer_outputs: int  # their output features summed (DoRA keeps two output-sized tensors each)
+
+    def trainable(self, peft: str) -> int:
+        return self.lora_params + self.head_params + (self.magnitude_params if peft == "dora" else 0)
 
 
 @dataclass(frozen=True)
@@ -174,6 +246,7 @@ class ModelFacts:
     vocab_size: int = 0  # the width of the logits (causal_lm); 0: a classification head, no logits term
     from_config: bool = False  # name is a --model_config (config.json or preset), not a checkpoint
     tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
+    adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
 
 
 @dataclass(frozen=True)
@@ -328,9 +401,10 @@ def _layer_stack(model):
 
 
 def model_facts(name: str, num_labels: int = 2, trust_remote_code: bool = False, task: str = "classification",
-                from_config: bool = False, tokenizer: str | None = None) -> ModelFacts:
+                from_config: bool = False, tokenizer: str | None = None, lora: LoraSpec = LoraSpec()) -> ModelFacts:
     """Read a model's config and count its parameters exactly on the meta device; loads no weights.
-    task "causal_lm" builds the causal LM (LM head included); from_config: name is a --model_config."""
+    task "causal_lm" builds the causal LM (LM head included); from_config: name is a --model_config;
+    lora: the adapters to count (none for a --model_config: adapters need pretrained weights)."""
     config = _load_config(name, num_labels, trust_remote_code, task, from_config, tokenizer)
     model = _meta_model(config, trust_remote_code, task)
     text = config.get_text_config()
@@ -357,7 +431,84 @@ def model_facts(name: str, num_labels: int = 2, trust_remote_code: bool = False,
         attention_dropout=float(_config_value(text, ("attention_probs_dropout_prob", "attn_pdrop",
                                                      "attention_dropout"), 0.0)) > 0,
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
-        task=task, vocab_size=_vocab_size(model, task), from_config=from_config, tokenizer=tokenizer)
+        task=task, vocab_size=_vocab_size(model, task), from_config=from_config, tokenizer=tokenizer,
+        adapters=None if from_config else adapter_facts(model, task, lora, layers[0]))
+
+
+def adapter_facts(model, task: str, spec: LoraSpec, layer) -> AdapterFacts:
+    """The adapters PEFT would attach to the meta-device `model`, what trains in full beside them, and what
+    bitsandbytes would store in 4-bit; `layer` is one transformer layer (for the activations)."""
+    heads = _trained_in_full(model, task)
+    adapted = _adapted_shapes(model, spec.target_modules, heads)
+    prefix = next(name for name, module in model.named_modules() if module is layer) + "."
+    in_layer = [shape for name, shape in adapted.items() if name.startswith(prefix)]
+    quantized = _quantized_sizes(model)
+    return AdapterFacts(
+        spec, lora_params=spec.r * sum(i + o for i, o in adapted.values()),
+        magnitude_params=sum(o for _, o in adapted.values()),
+        head_params=sum(p.numel() for name in heads for p in model.get_submodule(name).parameters()),
+        quantized_params=sum(quantized), largest_quantized=max(quantized, default=0), layer_adapted=len(in_layer),
+        layer_inputs=sum(i for i, _ in in_layer), layer_outputs=sum(o for _, o in in_layer))
+
+
+def _trained_in_full(model, task: str) -> list[str]:
+    """The modules training trains in full next to the adapters: a classifier's head. (An SFT chat template that
+    grows the vocabulary adds the embeddings and LM head; the plan notes it.)"""
+    if task in LM_TASKS:
+        return []
+    from cloudtrain.tasks.classification import ClassificationTask
+
+    return ClassificationTask().train_in_full(model)
+
+
+def _in_out(module) -> tuple[int, int] | None:
+    """(input, output) features of a module LoRA can adapt, else None."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):  # GPT-2's linear layers store the weight as (in, out)
+        return tuple(module.weight.shape)
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    return None
+
+
+def _adapted_shapes(model, targets: tuple[str, ...], heads: list[str]) -> dict[str, tuple[int, int]]:
+    """{name: (in, out)} of the modules that get adapters, by PEFT's rules: all-linear takes every Linear and
+    Conv1D but the output head (the LM head or the classifier); else the modules whose name ends with a target."""
+    from torch import nn
+
+    outside_heads = {name: module for name, module in model.named_modules()
+                     if not any(name == h or name.startswith(h + ".") for h in heads)}
+    if targets == ("all-linear",):
+        output = model.get_output_embeddings()
+        return {name: _in_out(module) for name, module in outside_heads.items()
+                if _in_out(module) and not isinstance(module, nn.Embedding) and module is not output}
+    matched = {name: module for name, module in outside_heads.items()
+               if any(name == t or name.endswith("." + t) for t in targets)}
+    unknown = [t for t in targets if not any(name == t or name.endswith("." + t) for name in matched)]
+    unfit = sorted({name.rsplit(".", 1)[-1] for name, module in matched.items() if not _in_out(module)})
+    if unknown or unfit:
+        linear = sorted({name.rsplit(".", 1)[-1] for name, module in outside_heads.items()
+                         if _in_out(module) and not isinstance(module, nn.Embedding)})
+        raise UserError(f"--lora_target_modules: {', '.join(unknown + unfit)} is not a linear layer of the model; its "
+                        f"linear layers are {', '.join(linear)} (or use all-linear)")
+    return {name: _in_out(module) for name, module in matched.items()}
+
+
+def _quantized_sizes(model) -> list[int]:
+    """Weights of the layers transformers' bitsandbytes integration replaces with 4-bit ones: every Linear and
+    Conv1D but the output head and tied weights (its own rule, applied to the meta-device model)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
+    from transformers.quantizers.base import get_keys_to_not_convert
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    keep = get_keys_to_not_convert(model)
+    return [module.weight.numel() for name, module in model.named_modules()
+            if (type(module) is nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, keep)]
 
 
 # ---------------------------------------------------------------- the estimate
@@ -382,20 +533,60 @@ def model_state_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[
     return params, p * L + (0 if off_opt else 4 * P // n), optimizer
 
 
+def adapter_state_bytes(m: ModelFacts, peft: str, setup: Setup) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) per GPU with adapters under DDP: the frozen base, then 16 bytes
+    per trainable parameter (fp32 weight, gradient and two moments) and autocast's 16-bit copies of them."""
+    a, P = m.adapters, m.num_params
+    T = a.trainable(peft)
+    if peft == "qlora":  # prepare_model_for_kbit_training upcasts every weight left out of 4-bit to fp32
+        base = NF4_BYTES * a.quantized_params + 4 * (P - a.quantized_params) + 2 * a.largest_quantized
+    else:
+        base = (2 if setup.half else 4) * P  # the base in the compute dtype
+    return round(base) + 4 * T, 4 * T + (2 * T if setup.half else 0), 8 * T
+
+
+def _attention_scores(m: ModelFacts, c: int) -> int:
+    """Bytes per attention score eager attention keeps (0 for SDPA/flash: no s*s matrix)."""
+    if m.attn_implementation in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
+        return 0
+    return c + (1 + c if m.attention_dropout else 0)
+
+
+def _stacked(m: ModelFacts, per_layer: float, outside: float, working: float, checkpointing: bool,
+             residual: float) -> tuple[int, int]:
+    """(saved, working space) of the layer stack: every layer's activations, or with checkpointing the residual
+    stream at each layer's input plus one layer recomputed in the backward pass."""
+    if checkpointing:
+        return round(m.num_layers * residual + outside), round(per_layer + working)
+    return round(m.num_layers * per_layer + outside), round(working)
+
+
 def activation_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool,
                      residual_bytes: int) -> tuple[int, int]:
     """(saved for backward at the end of the forward pass, backward working space) per GPU."""
     c, h, I, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
-    eager = 0 if m.attn_implementation in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention") \
-        else c + (1 + c if m.attention_dropout else 0)
     per_layer = sb * (c * (7 * h + 2 * m.kv_hidden_size) + c * I * (m.activation_saved + 1 + 2 * m.gated_mlp)
-                      + 2 * h * mask + m.num_heads * seq * eager)
+                      + 2 * h * mask + m.num_heads * seq * _attention_scores(m, c))
     outside = sb * h * (2 * c + mask)
-    working = c * sb * (h + I)
-    if checkpointing:
-        return round(m.num_layers * residual_bytes * sb * h + outside), round(per_layer + working)
-    return round(m.num_layers * per_layer + outside), round(working)
+    return _stacked(m, per_layer, outside, c * sb * (h + I), checkpointing, residual_bytes * sb * h)
+
+
+def adapter_activation_bytes(m: ModelFacts, peft: str, micro_batch: int, seq: int, half: bool,
+                             checkpointing: bool) -> tuple[int, int]:
+    """(saved for backward, backward working space) per GPU with adapters: the frozen linear layers keep no
+    inputs, each adapter keeps its own copy of its input (cast to its dtype or dropped out) with the dropout
+    mask, and its r-wide middle; DoRA also keeps two output-sized tensors per adapted module."""
+    a, h, I, sb = m.adapters, m.hidden_size, m.intermediate_size, seq * micro_batch
+    c = 2 if half else 4
+    hidden = 4 if peft == "qlora" else c  # QLoRA's residual stream is fp32: its embeddings and norms were upcast
+    mask = 1 if m.hidden_dropout else 0
+    adapters = (c * (a.layer_inputs + a.layer_adapted * a.spec.r) + (a.layer_inputs if a.spec.dropout > 0 else 0)
+                + (2 * c * a.layer_outputs if peft == "dora" else 0))
+    per_layer = sb * (hidden * (2 * h + I * (m.activation_saved + 2 * m.gated_mlp)) + c * (2 * h + 2 * m.kv_hidden_size)
+                      + adapters + 2 * h * mask + m.num_heads * seq * _attention_scores(m, c))
+    outside = sb * h * (hidden + mask)  # the final norm's input: frozen, the embeddings' output needs no copy
+    return _stacked(m, per_layer, outside, hidden * sb * (h + I), checkpointing, hidden * sb * h)
 
 
 def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> int:
@@ -406,13 +597,13 @@ def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> int:
     return micro_batch * seq * m.vocab_size * max(c + 4 + 4, 3 * 4)
 
 
-def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int) -> int:
+def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int, trainable: int) -> int:
     """CUDA context, communication buffers and allocator fragmentation."""
     p = 2 if setup.half else 4
     if strategy.fsdp:
         buffers = 0  # FSDP's gathered weights are counted with the parameters
     elif strategy.zero_stage is None:
-        buffers = 4 * m.num_params if setup.world_size > 1 else 0  # DDP gradient buckets (fp32)
+        buffers = 4 * trainable if setup.world_size > 1 else 0  # DDP gradient buckets (fp32)
     else:
         buffers = p * m.hidden_size ** 2 * (2 + (0.9 if strategy.zero_stage == 3 else 0))
     return round(CUDA_CONTEXT_BYTES + buffers + FRAGMENTATION * rest)
@@ -434,15 +625,25 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
 
 def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:
     """Memory per GPU of one candidate at one micro-batch."""
-    s = cand.strategy
-    params, grads, optim = model_state_bytes(m, s, setup)
-    residual = 4 if (s.zero_stage is None and not s.fsdp) or not setup.half else 2
-    saved, working = activation_bytes(m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual)
-    activations = saved + working
+    full = cand.peft == "none"
+    params, grads, optim = (model_state_bytes(m, cand.strategy, setup) if full
+                            else adapter_state_bytes(m, cand.peft, setup))
+    activations = _activations(m, cand, setup, micro_batch)
     logits = logits_bytes(m, micro_batch, setup.max_length, setup.half)
-    overhead = overhead_bytes(m, s, setup, params + grads + optim + activations + logits)
-    offloaded, load = cpu_bytes(m, s, setup)
+    trainable = m.num_params if full else m.adapters.trainable(cand.peft)
+    overhead = overhead_bytes(m, cand.strategy, setup, params + grads + optim + activations + logits, trainable)
+    # with adapters each process loads its base as it will hold it (in 16 bits, or quantising as it goes)
+    offloaded, load = cpu_bytes(m, cand.strategy, setup) if full else (0, params * setup.num_gpus)
     return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits)
+
+
+def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> int:
+    if cand.peft != "none":
+        return sum(adapter_activation_bytes(m, cand.peft, micro_batch, setup.max_length, setup.half,
+                                            cand.checkpointing))
+    s = cand.strategy
+    residual = 4 if (s.zero_stage is None and not s.fsdp) or not setup.half else 2
+    return sum(activation_bytes(m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual))
 
 
 def fits(est: Estimate, setup: Setup) -> bool:
@@ -485,39 +686,41 @@ def micro_batch_options(requested: int, per_gpu_per_step: int) -> list[int]:
 
 
 def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_batch: int) -> Choice | None:
-    """The fastest candidate at the requested micro-batch if any fits it; else the fastest that fits a
-    smaller one, at the largest micro-batch it fits."""
+    """Full fine-tuning if any of its candidates fits, else LoRA (DoRA), else QLoRA: adapters train a different
+    model, so they are the fallback, not a speed-up. Within one, the fastest candidate at the requested
+    micro-batch if any fits it; else the fastest that fits a smaller one, at the largest micro-batch it fits."""
     per_gpu = global_batch // setup.world_size
     options = micro_batch_options(requested, per_gpu)
-    for allowed in (options[:1], options):
-        for row in rows:  # fastest first
-            fitting = [b for b in allowed if b <= row.max_micro_batch]
-            if fitting:
-                return Choice(row.candidate, fitting[0], per_gpu // fitting[0],
-                              estimate(m, row.candidate, setup, fitting[0]))
+    for peft in PEFT_METHODS:
+        for allowed in (options[:1], options):
+            for row in (r for r in rows if r.candidate.peft == peft):  # fastest first
+                fitting = [b for b in allowed if b <= row.max_micro_batch]
+                if fitting:
+                    return Choice(row.candidate, fitting[0], per_gpu // fitting[0],
+                                  estimate(m, row.candidate, setup, fitting[0]))
     return None
 
 
-def _fits_anything(m: ModelFacts, setup: Setup) -> bool:
-    return any(fits(estimate(m, c, setup, 1), setup) for c in candidates())
+def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
+    return any(fits(estimate(m, c, setup, 1), setup) for c in cands)
 
 
-def suggestions(m: ModelFacts, setup: Setup) -> list[str]:
-    """What would make the smallest configuration (micro-batch 1) fit."""
-    smallest = min((estimate(m, c, setup, 1) for c in candidates()), key=lambda e: e.total)
+def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str]:
+    """What would make the smallest of `cands` (at micro-batch 1) fit."""
+    smallest = min((estimate(m, c, setup, 1) for c in cands), key=lambda e: e.total)
     ideas = [f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option needs "
              f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"]
     for nodes in range(setup.num_nodes + 1, setup.num_nodes * 64 + 1):
-        if _fits_anything(m, replace(setup, num_nodes=nodes)):
+        if _fits_anything(m, replace(setup, num_nodes=nodes), cands):
             ideas.append(f"{nodes * setup.num_gpus} GPUs: --num_nodes {nodes} with {setup.num_gpus} GPUs each")
             break
     lengths = [s for s in (2 ** k for k in range(20)) if 2 <= s < setup.max_length]
-    shorter = [s for s in lengths if _fits_anything(m, replace(setup, max_length=s))]
+    shorter = [s for s in lengths if _fits_anything(m, replace(setup, max_length=s), cands)]
     if shorter:
         ideas.append(f"a shorter sequence: --max_length {max(shorter)}")
-    if not setup.half and _fits_anything(m, replace(setup, mixed_precision="bf16")):
+    if not setup.half and _fits_anything(m, replace(setup, mixed_precision="bf16"), cands):
         ideas.append("--mixed_precision bf16 (halves the activations and, with DeepSpeed, the weights)")
-    if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None)):
+    if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None), cands):
         ideas.append("more CPU memory per node for offloading (see the CPU/node column)")
     return ideas
 
@@ -526,8 +729,8 @@ def _reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, reque
              global_batch: int) -> list[str]:
     """A few lines on why this candidate, this micro-batch and this accumulation."""
     c, gib, b = choice.candidate, setup.gpu_memory_bytes / GIB, choice.micro_batch
-    faster = [r.candidate for r in rows if r.candidate.speed < c.speed]
-    reasons = []
+    faster = [r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed]
+    reasons = _adapter_reasons(m, rows, c, setup)
     if faster:  # over budget at the requested micro-batch, or (when it fits nothing) even at 1
         at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
         shown = ", ".join(f"{f.name} {estimate(m, f, setup, at).total / GIB:.1f}" for f in faster[:4])
@@ -542,13 +745,47 @@ def _reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, reque
     reasons.append(f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
                    f"global batch {global_batch}.")
     if c.checkpointing:
-        plain = estimate(m, Candidate(c.strategy, False), setup, b)
+        plain = estimate(m, replace(c, checkpointing=False), setup, b)
         reasons.append(f"Gradient checkpointing recomputes each layer in the backward pass (about a third more "
                        f"compute); without it activations need {plain.activations / GIB:.1f} GiB.")
     if c.strategy.offload_optimizer:
         reasons.append(f"Offloading needs {e.cpu_per_node / GIB:.1f} GiB of CPU memory per node and runs the AdamW "
                        "step on the CPU.")
     return reasons
+
+
+def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup) -> list[str]:
+    """For adapters: why not what comes before them (full fine-tuning, LoRA), and what they train."""
+    if c.peft == "none":
+        return []
+    reasons = []
+    for earlier in PEFT_METHODS[:PEFT_METHODS.index(c.peft)]:
+        tier = [r.candidate for r in rows if r.candidate.peft == earlier]
+        if tier:
+            leanest = min(tier, key=lambda t: (estimate(m, t, setup, 1).total, estimate(m, t, setup, 1).cpu_per_node))
+            label = PEFT_LABELS[earlier]
+            reasons.append(f"{label[0].upper() + label[1:]} does not fit: its leanest option, {leanest.name}, needs "
+                           f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1.")
+    a = m.adapters
+    base = "4-bit NF4" if c.peft == "qlora" else setup.mixed_precision if setup.half else "fp32"
+    reasons.append(f"{PEFT_LABELS[c.peft]} trains {a.trainable(c.peft):,} parameters ({_share(m, c.peft)} of the "
+                   f"model: r={a.spec.r} adapters on {','.join(a.spec.target_modules)}"
+                   f"{' and the head' if a.head_params else ''}) on a frozen base in {base}; only they have "
+                   "gradients and AdamW states.")
+    if c.peft == "qlora":
+        reasons.append("QLoRA needs CUDA GPUs and bitsandbytes.")
+    return reasons
+
+
+def _over_budget(est: Estimate, setup: Setup) -> str:
+    """What exceeds the budget: the GPU memory, or else the CPU memory per node."""
+    if est.total > setup.gpu_memory_bytes:
+        return f"{est.total / GIB:.1f} GiB per GPU (of {setup.gpu_memory_bytes / GIB:g})"
+    return f"{est.cpu_per_node / GIB:.1f} GiB of CPU memory per node (of {setup.cpu_memory_bytes / GIB:g})"
+
+
+def _share(m: ModelFacts, peft: str) -> str:
+    return f"{100 * m.adapters.trainable(peft) / m.num_params:.2f}%"
 
 
 def _micro_batch_reason(requested: int, chosen: int, per_gpu: int) -> list[str]:
@@ -611,6 +848,10 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path)
              "--mixed_precision", setup.mixed_precision, "--max_length", str(setup.max_length)]
     if choice.candidate.checkpointing and not choice.candidate.strategy.fsdp:  # FSDP does it in the YAML
         args += ["--gradient_checkpointing", "true"]
+    if choice.candidate.peft != "none":
+        spec = m.adapters.spec
+        args += ["--peft", choice.candidate.peft, "--lora_r", str(spec.r), "--lora_dropout", f"{spec.dropout:g}",
+                 "--lora_target_modules", ",".join(spec.target_modules)]
     return " ".join(a if " " not in a else f"'{a}'" for a in args)
 
 
@@ -671,8 +912,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Emit the configs for this strategy instead of the fastest that fits (default: auto).")
     parser.add_argument("--gradient_checkpointing", choices=["auto", "true", "false"], default="auto",
                         help="Only consider plans with (true) or without (false) checkpointing (default: auto).")
+    parser.add_argument("--peft", choices=("auto",) + PEFT_METHODS, default="auto",
+                        help="auto: full fine-tuning if any strategy fits it, else LoRA, else QLoRA; none: full "
+                             "fine-tuning only; lora, dora or qlora: only those adapters (default: auto).")
+    parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank, as in training (default: 16).")
+    parser.add_argument("--lora_target_modules", type=_names, default=("all-linear",),
+                        help="Modules that get adapters: all-linear or comma-separated names, as in training "
+                             "(default: all-linear).")
+    parser.add_argument("--lora_dropout", type=float, default=0.05,
+                        help="Dropout on the adapters' inputs, as in training; it stores a mask (default: 0.05).")
     parser.add_argument("--output_dir", default="plan", help="Where the configs are written (default: ./plan).")
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
+
+
+def _names(text: str) -> tuple[str, ...]:
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def _check(args: argparse.Namespace) -> None:
@@ -689,6 +943,12 @@ def _check(args: argparse.Namespace) -> None:
         (args.task in LM_TASKS and not (args.model_config or args.model_name_or_path),
          f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>"),
         (args.per_device_train_batch_size < 1, "--per_device_train_batch_size must be at least 1"),
+        (args.lora_r < 1, "--lora_r must be at least 1"),
+        (not 0 <= args.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
+        (not args.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
+        (args.model_config and args.peft not in ("auto", "none"),
+         f"--peft {args.peft} trains adapters on pretrained weights, but --model_config builds a model with random "
+         "weights; plan for a checkpoint with --model_name_or_path"),
         (args.max_length < 2, "--max_length must be at least 2"),
         (args.global_batch_size is not None and args.global_batch_size % world != 0,
          f"--global_batch_size {args.global_batch_size} must be a positive multiple of the {world} GPUs"),
@@ -706,15 +966,20 @@ def make_plan(args: argparse.Namespace) -> dict:
     from cloudtrain.assets import default_model_dir
 
     m = model_facts(args.model_config or args.model_name_or_path or default_model_dir(), args.num_labels,
-                    args.trust_remote_code, args.task, bool(args.model_config), args.tokenizer_name_or_path)
+                    args.trust_remote_code, args.task, bool(args.model_config), args.tokenizer_name_or_path,
+                    LoraSpec(args.lora_r, args.lora_target_modules, args.lora_dropout))
     setup = Setup(args.num_gpus, args.num_nodes, round(args.gpu_memory_gb * GIB),
                   None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
                   args.max_length, args.mixed_precision)
     global_batch = args.global_batch_size or args.per_device_train_batch_size * setup.world_size
     requested = min(args.per_device_train_batch_size, global_batch // setup.world_size)
-    rows = [_row(m, c, setup, requested) for c in candidates()]
+    adapters = () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora"
+                                                   or args.peft == "dora")  # DoRA only when asked for
+    cands = candidates(adapters)
+    rows = [_row(m, c, setup, requested) for c in cands]
     allowed = [r for r in rows if (args.strategy in ("auto", r.candidate.strategy.key))
-               and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())]
+               and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())
+               and args.peft in ("auto", r.candidate.peft)]
     choice = choose(m, allowed, setup, requested, global_batch)
     plan = {"model": asdict(m), "setup": {**asdict(setup), "world_size": setup.world_size},
             "requested_micro_batch": requested, "global_batch_size": global_batch,
@@ -723,11 +988,13 @@ def make_plan(args: argparse.Namespace) -> dict:
             "strategies": [_row_json(r) for r in rows], "recommendation": None, "suggestions": [],
             "notes": _notes(m)}
     if choice is None:
-        forced = args.strategy != "auto" or args.gradient_checkpointing != "auto"
-        plan["message"] = ("The requested strategy does not fit (see the table); drop --strategy/--gradient_"
-                           "checkpointing to let the planner choose." if forced and any(r.max_micro_batch for r in rows)
-                           else "Nothing fits, not even micro-batch 1 with full offload and checkpointing.")
-        plan["suggestions"] = suggestions(m, setup)
+        forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
+        leanest = "full offload and checkpointing" + (", nor QLoRA with checkpointing" if "qlora" in adapters else "")
+        plan["message"] = (f"Nothing fits, not even micro-batch 1 with {leanest}." if not forced
+                           or not any(r.max_micro_batch for r in rows) else "The requested strategy does not fit "
+                           "(see the table); drop --strategy/--gradient_checkpointing/--peft to let the planner "
+                           "choose.")
+        plan["suggestions"] = suggestions(m, setup, cands)
         return plan
     files = write_configs(m, choice, setup, Path(args.output_dir))
     plan["recommendation"] = _recommendation_json(choice, global_batch, files,
@@ -737,16 +1004,20 @@ def make_plan(args: argparse.Namespace) -> dict:
 
 
 def _notes(m: ModelFacts) -> list[str]:
+    notes = []
     if m.from_config and not m.tokenizer:
-        return [f"vocab {m.vocab_size} is the config's; training gives a preset the tokenizer's vocabulary: pass "
-                "--tokenizer_name_or_path for the exact logits"]
-    return []
+        notes.append(f"vocab {m.vocab_size} is the config's; training gives a preset the tokenizer's vocabulary: "
+                     "pass --tokenizer_name_or_path for the exact logits")
+    if m.task == "sft" and m.adapters:
+        notes.append("adapters: a chat template that adds tokens also trains the embeddings and LM head in full "
+                     "(not counted here)")
+    return notes
 
 
 def _recommendation_json(choice: Choice, global_batch: int, files: dict, reasons: list[str], command: str) -> dict:
     c = choice.candidate
     return {"strategy": c.strategy.key, "label": c.name, "gradient_checkpointing": c.checkpointing,
-            "micro_batch": choice.micro_batch, "gradient_accumulation_steps": choice.accumulation,
+            "peft": c.peft, "micro_batch": choice.micro_batch, "gradient_accumulation_steps": choice.accumulation,
             "global_batch_size": global_batch, "estimate": _estimate_json(choice.estimate), "reasons": reasons,
             "files": files, "command": command}
 
@@ -763,7 +1034,7 @@ def _estimate_json(est: Estimate) -> dict:
 def _row_json(row: Row) -> dict:
     c = row.candidate
     return {"strategy": c.strategy.key, "label": c.name, "gradient_checkpointing": c.checkpointing,
-            "relative_step_time": round(c.speed, 3), "estimate": _estimate_json(row.estimate),
+            "peft": c.peft, "relative_step_time": round(c.speed, 3), "estimate": _estimate_json(row.estimate),
             "fits": row.fits, "max_micro_batch": row.max_micro_batch}
 
 
@@ -793,8 +1064,19 @@ def render(plan: dict) -> str:
     if lm:
         lines.append("logits: micro-batch x max_length x vocab x 12 bytes (the logits with their fp32 copy and "
                      "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing")
+    if m["adapters"]:
+        lines.append(_adapters_line(m["adapters"], m["num_params"], s["mixed_precision"]))
     lines += [f"note: {note}" for note in plan.get("notes", [])]
     return "\n".join(lines + [""] + _render_table(plan["strategies"], lm) + [""] + _render_choice(plan))
+
+
+def _adapters_line(a: dict, num_params: int, precision: str) -> str:
+    trainable = a["lora_params"] + a["head_params"]
+    return (f"adapters: r={a['spec']['r']} on {','.join(a['spec']['target_modules'])}"
+            f"{' + the head trained in full' if a['head_params'] else ''}: {trainable:,} trainable parameters "
+            f"({100 * trainable / num_params:.2f}%; DoRA +{a['magnitude_params']:,}), the only ones with gradients and "
+            f"AdamW states; the base frozen in {'fp32' if precision == 'no' else precision} (QLoRA: "
+            f"{a['quantized_params'] / 1e6:,.1f}M weights in 4-bit NF4, the rest in fp32)")
 
 
 COLUMNS = ("strategy", "time", "params", "grads", "optim", "activ", "logits", "overhd", "GPU total", "CPU/node",
@@ -802,17 +1084,23 @@ COLUMNS = ("strategy", "time", "params", "grads", "optim", "activ", "logits", "o
 
 
 def _render_table(rows: list[dict], logits: bool) -> list[str]:
-    """The table of candidates; the logits column only for a language model."""
+    """The table of candidates under two titles, full fine-tuning and adapters; the logits column only for a
+    language model."""
     shown = [i for i, name in enumerate(COLUMNS) if logits or name != "logits"]
     table = [[row[i] for i in shown] for row in [COLUMNS] + [_table_row(r) for r in rows]]
     widths = [max(len(row[i]) for row in table) for i in range(len(shown))]
-    return ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                      enumerate(zip(row, widths))).rstrip() for row in table]
+    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
+                       enumerate(zip(row, widths))).rstrip() for row in table]
+    body = lines[1:]
+    first_adapter = next((i for i, row in enumerate(rows) if row["peft"] != "none"), None)
+    if first_adapter is not None:  # rows list full fine-tuning first
+        body.insert(first_adapter, "adapters under DDP (recommended only if no full fine-tuning fits):")
+    return [lines[0], "full fine-tuning (every weight trains):"] + body
 
 
 def _table_row(r: dict) -> tuple:
     e = r["estimate"]
-    return (r["label"], f"{r['relative_step_time']:.2f}", _size(e["parameters"]), _size(e["gradients"]),
+    return ("  " + r["label"], f"{r['relative_step_time']:.2f}", _size(e["parameters"]), _size(e["gradients"]),
             _size(e["optimizer_states"]), _size(e["activations"]), _size(e["logits"]), _size(e["overhead"]),
             _size(e["total"]), _size(e["cpu_per_node"]), str(r["max_micro_batch"]), "yes" if r["fits"] else "no")
 
