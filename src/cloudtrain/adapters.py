@@ -136,17 +136,13 @@ def is_adapter(model: torch.nn.Module) -> bool:
     return isinstance(model, PeftModel)
 
 
-def describe(cfg: Config) -> str:
-    m = cfg.model
-    return f"{m.peft} r={m.lora_r} alpha={m.lora_alpha:g} on {','.join(m.lora_target_modules)}"
-
-
 def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
     """The adapter in PEFT's layout, and a classifier's label names (labels.json: the base knows none)."""
     # grown embeddings are in the modules trained in full already; PEFT would add 2 more copies of each
     model.save_pretrained(output_dir, state_dict=state_dict, save_embedding_layers=False)
-    model.generation_config.save_pretrained(output_dir)  # a chat model's end-of-turn stop is not the base's
-    if model.peft_config["default"].task_type == "SEQ_CLS":
+    if model.peft_config["default"].task_type == "CAUSAL_LM":  # a chat model's end-of-turn stop is not the base's
+        model.generation_config.save_pretrained(output_dir)
+    else:
         id2label = {str(i): name for i, name in model.config.id2label.items()}
         (Path(output_dir) / LABELS).write_text(json.dumps({"id2label": id2label}, indent=2) + "\n")
 

@@ -1,0 +1,260 @@
+"""--peft lora|dora|qlora: what trains, what is saved, reloading, merging, refusals, exact resume under
+real launches (1 and 2 processes, DDP and ZeRO), and a LoRA run on the real MiniLM and R8."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
+from cloudtrain.generate import check_model_dir, generate_texts, load
+from cloudtrain.pipeline import build_run, run_training
+from cloudtrain.predict import predict
+
+from conftest import CUDA_AVAILABLE, ENTRY, REPO, assert_each_refused, lm_documents
+from test_distributed import launch, torchrun
+
+TEXTS = ["the striker scored twice", "the bank raised interest rates", "snow closed the mountain roads"]
+
+
+def lm_corpus(folder):
+    for split, n, seed in (("train", 48, 0), ("validation", 8, 1)):
+        (folder / f"{split}.txt").write_text("\n".join(lm_documents(n, seed)) + "\n")
+    return folder
+
+
+def chat_file(folder):
+    rows = [{"messages": [{"role": "user", "content": f"what comes after {i}?"},
+                          {"role": "assistant", "content": str(i + 1)}]} for i in range(40)]
+    path = folder / "chat.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def case_options(case: str, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs) -> dict:
+    """A few-step in-process run per task: a classifier, a causal LM and SFT whose template grows the vocabulary
+    (GPT-2, tied embeddings: the embeddings train in full next to the adapters)."""
+    common = {"output_dir": str(tmp_path / "out"), "max_steps": 4, "learning_rate": 1e-2, "logging_steps": 2,
+              "mixed_precision": "no", "training_type": "basic", "per_device_train_batch_size": 4,
+              "lora_r": 4, "lora_dropout": 0.0}
+    if case == "classification-lora":
+        return {**common, "peft": "lora", "model_name_or_path": tiny_model_dir,
+                "train_file": str(topic_csvs["train"]), "validation_file": str(topic_csvs["validation"])}
+    if case == "causal_lm-dora":
+        corpus = lm_corpus(tmp_path)
+        return {**common, "peft": "dora", "task": "causal_lm", "model_name_or_path": tiny_llama_dir,
+                "train_file": str(corpus / "train.txt"), "validation_file": str(corpus / "validation.txt"),
+                "max_length": 32, "sample_max_new_tokens": 4}
+    return {**common, "peft": "lora", "task": "sft", "model_name_or_path": tiny_gpt2_dir, "chat_template": "chatml",
+            "train_file": str(chat_file(tmp_path)), "max_length": 32, "sample_max_new_tokens": 4}
+
+
+@pytest.mark.parametrize("case", ["classification-lora", "causal_lm-dora", "sft-lora"])
+def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_the_same(
+        case, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs):
+    options = case_options(case, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs)
+    run = build_run(build_config(options))
+    model, out = run.model, tmp_path / "out"
+    assert isinstance(model, PeftModel)
+    initial = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert run.run_log.run_info["trainable_parameters"] == model.get_nb_trainable_parameters()[0]
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    run.trainer.fit()
+
+    after = dict(model.named_parameters())
+    assert all(torch.equal(after[name], initial[name]) for name in initial if name not in trainable)  # base bitwise
+    assert all(".lora_" in name or "modules_to_save" in name or "lora_magnitude" in name for name in trainable)
+    changed = {name for name in trainable if not torch.equal(after[name], initial[name])}
+    assert any("lora_B" in name for name in changed)
+    if case == "classification-lora":
+        assert any("classifier" in name for name in changed)  # the new head trains in full
+    if case == "sft-lora":
+        assert any("wte.modules_to_save" in name for name in changed)  # the grown vocabulary's embeddings
+
+    run.trainer.save_model(out)
+    run.tokenizer.save_pretrained(out)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    model.eval()
+    if case == "classification-lora":
+        inputs = run.tokenizer(TEXTS, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            probs = model(**inputs).logits.softmax(-1)
+        reloaded = predict(str(out), TEXTS)
+        assert [r["label"] for r in reloaded] == [model.config.id2label[i] for i in probs.argmax(-1).tolist()]
+        assert [r["score"] for r in reloaded] == [round(p, 4) for p in probs.max(-1).values.tolist()]
+    else:
+        prompts = ["Once upon a time", "The frog said"]
+        before = generate_texts(model, run.tokenizer, prompts, max_new_tokens=6)
+        again, tokenizer = load(str(out), torch.device("cpu"))
+        assert generate_texts(again, tokenizer, prompts, max_new_tokens=6) == before
+
+    from cloudtrain.adapters import merge
+
+    merged_dir = merge(out)
+    auto = AutoModelForSequenceClassification if case == "classification-lora" else AutoModelForCausalLM
+    merged = auto.from_pretrained(merged_dir).eval()
+    ids = AutoTokenizer.from_pretrained(merged_dir)(TEXTS, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, rtol=1e-4, atol=1e-5)
+
+
+def test_bad_adapter_options_are_refused_in_one_line_before_loading(tiny_model_dir, tiny_llama_dir, topic_csvs,
+                                                                    tmp_path, capsys, monkeypatch):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(AutoModelForSequenceClassification, "from_pretrained", no_loading)
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_loading)
+    out = tmp_path / "out"
+    base = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "output_dir": str(out)}
+    cases = {
+        "bad target": ({**base, "peft": "lora", "lora_target_modules": "q_proj"},
+                       "q_proj is not a module of"),
+        "from scratch": ({"task": "causal_lm", "model_config": "llama-8m", "tokenizer_name_or_path": tiny_llama_dir,
+                          "train_file": str(topic_csvs["train"]), "output_dir": str(out), "peft": "lora"},
+                         "train it in full first, then pass it as --model_name_or_path"),
+        "merge without adapters": ({**base, "merge_adapters": "true"}, "--merge_adapters true needs adapters"),
+        "rank": ({**base, "peft": "lora", "lora_r": 0}, "--lora_r must be at least 1"),
+        "dropout": ({**base, "peft": "lora", "lora_dropout": 1}, "--lora_dropout must be in [0, 1)"),
+    }
+    if not CUDA_AVAILABLE:
+        cases["qlora on cpu"] = ({**base, "peft": "qlora"}, "needs a CUDA GPU; use --peft lora (or dora)")
+    assert_each_refused(cases, capsys, out)
+
+
+def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_path):
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}))
+    cases = [(["merge", "--output_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),
+             (["predict", "--model_dir", str(adapter), "--text", "hi"], "continue prompts with the generate command")]
+    for argv, message in cases:
+        result = subprocess.run([sys.executable, str(ENTRY), *argv], capture_output=True, text=True, cwd=REPO)
+        assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+        assert message in result.stderr.strip().splitlines()[-1], result.stderr
+    check_model_dir(str(adapter))  # generate takes a causal-LM adapter ...
+    (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "SEQ_CLS"}))
+    with pytest.raises(UserError, match="use the predict command"):  # ... and not a classifier's
+        check_model_dir(str(adapter))
+
+
+# ---------------------------------------------------------------- real launches
+
+def cls_args(tiny_model_dir, topic_csvs, out, *extra: str) -> list[str]:
+    return [str(ENTRY), "--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
+            "--validation_file", str(topic_csvs["validation"]), "--output_dir", str(out), "--peft", "lora",
+            "--lora_r", "4", "--learning_rate", "5e-3", "--per_device_train_batch_size", "4", "--logging_steps", "2",
+            "--mixed_precision", "no", "--eval_strategy", "no", *extra]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
+def test_resume_from_an_adapter_checkpoint_is_exact(processes, tiny_model_dir, topic_csvs, tmp_path):
+    """The checkpoint holds only the adapter and head (and their optimizer state); resuming from it mid-epoch
+    ends with the same adapter, bitwise, as the run that never stopped."""
+    common = ["--max_steps", "9", "--checkpointing_steps", "4"]
+    straight = tmp_path / "straight"
+    launch(torchrun(processes), *cls_args(tiny_model_dir, topic_csvs, straight, *common))
+    checkpoint = straight / "checkpoints" / "checkpoint-4"
+    stored = load_file(checkpoint / "model.safetensors")
+    assert stored and all(".lora_" in k or "modules_to_save" in k for k in stored), sorted(stored)[:5]
+    resumed = launch(torchrun(processes), *cls_args(tiny_model_dir, topic_csvs, tmp_path / "resumed", *common,
+                                                    "--resume_from_checkpoint", str(checkpoint)))
+    assert "at step 4" in resumed.stdout
+    a = load_file(straight / "adapter_model.safetensors")
+    b = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_lora_under_zero_on_two_processes_trains_saves_and_resumes(stage, tiny_llama_dir, tmp_path):
+    corpus = lm_corpus(tmp_path)
+    out = tmp_path / "out"
+    args = [str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir, "--peft", "lora",
+            "--lora_r", "4", "--train_file", str(corpus / "train.txt"), "--validation_file",
+            str(corpus / "validation.txt"), "--max_length", "32", "--learning_rate", "1e-2", "--logging_steps", "1",
+            "--mixed_precision", "no", "--eval_strategy", "no", "--sample_max_new_tokens", "2",
+            "--per_device_train_batch_size", "2", "--zero_stage", str(stage), "--max_steps", "4",
+            "--checkpointing_steps", "2", "--output_dir", str(out)]
+    result = launch(torchrun(2), *args)
+    assert f"ZeRO-{stage}" in result.stdout and "trainable" in result.stdout
+    first = load_file(out / "adapter_model.safetensors")
+    assert first and all("lora_" in k for k in first)
+    assert any(float(v.abs().max()) > 0 for k, v in first.items() if "lora_B" in k)  # it trained
+    resumed = launch(torchrun(2), *args, "--overwrite_output_dir", "true", "--resume_from_checkpoint",
+                     str(out / "checkpoints" / "checkpoint-2"))
+    assert "at step 2" in resumed.stdout
+    again = load_file(out / "adapter_model.safetensors")
+    for k in first:
+        torch.testing.assert_close(again[k], first[k], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_lora_on_minilm_learns_r8_well_above_the_majority_class(tmp_path):
+    out = tmp_path / "r8"
+    result = subprocess.run(
+        [sys.executable, str(ENTRY), "--peft", "lora", "--max_train_samples", "256", "--max_eval_samples", "128",
+         "--max_length", "64", "--num_train_epochs", "2", "--learning_rate", "2e-3", "--output_dir", str(out),
+         "--eval_strategy", "no"],
+        capture_output=True, text=True, cwd=REPO, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = json.loads((out / "eval_results.json").read_text())
+    per_label = [sum(row) for row in results["confusion_matrix"]]  # rows: the true labels
+    majority = max(per_label) / sum(per_label)
+    assert results["accuracy"] > majority + 0.2, (results["accuracy"], majority)
+    assert (out / "adapter_model.safetensors").stat().st_size < 5e6  # megabytes, not the 90 MB model
+
+
+@pytest.mark.gpu
+def test_lora_under_fsdp2_trains_and_saves_the_adapter(tiny_llama_dir, tmp_path):
+    corpus = lm_corpus(tmp_path)
+    out = tmp_path / "fsdp"
+    n = min(2, torch.cuda.device_count())
+    result = launch(torchrun(n), str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir,
+                    "--peft", "lora", "--fsdp", "true", "--mixed_precision", "bf16", "--train_file",
+                    str(corpus / "train.txt"), "--max_length", "32", "--learning_rate", "1e-2", "--max_steps", "20",
+                    "--logging_steps", "5", "--eval_strategy", "no", "--output_dir", str(out))
+    assert "FSDP" in result.stdout and "trainable" in result.stdout
+    losses = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "train/loss" in line]
+    assert losses[-1] < losses[0]
+    assert all("lora_" in k for k in load_file(out / "adapter_model.safetensors"))
+
+
+@pytest.mark.gpu
+def test_qlora_trains_a_tiny_llama_and_the_loss_falls(tiny_llama_dir, tmp_path):
+    corpus = lm_corpus(tmp_path)
+    out = tmp_path / "qlora"
+    run_training(build_config({
+        "task": "causal_lm", "model_name_or_path": tiny_llama_dir, "peft": "qlora", "train_file":
+        str(corpus / "train.txt"), "validation_file": str(corpus / "validation.txt"), "max_length": 32,
+        "learning_rate": 1e-2, "max_steps": 30, "logging_steps": 5, "mixed_precision": "bf16",
+        "output_dir": str(out), "eval_strategy": "no"}))
+    losses = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+              if "train/loss" in line]
+    assert losses[-1] < losses[0]
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_llama_dir
+
+
+@pytest.mark.parametrize("training_type", ["basic", "accelerated"])
+def test_a_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(training_type, tiny_llama_dir, tmp_path):
+    corpus = lm_corpus(tmp_path)
+    run = build_run(build_config({
+        "task": "causal_lm", "model_name_or_path": tiny_llama_dir, "peft": "lora", "mixed_precision": "bf16",
+        "training_type": training_type, "train_file": str(corpus / "train.txt"), "max_length": 32, "max_steps": 2,
+        "num_sample_prompts": 0, "output_dir": str(tmp_path / "out")}))
+    frozen = {p.dtype for p in run.model.parameters() if not p.requires_grad}
+    assert frozen == {torch.bfloat16}
+    assert {p.dtype for p in run.model.parameters() if p.requires_grad} == {torch.float32}
+    result = run.trainer.fit()
+    assert result.global_step == 2 and torch.isfinite(torch.tensor(result.train_loss))
+    assert {p.dtype for p in run.model.parameters() if p.requires_grad} == {torch.float32}
