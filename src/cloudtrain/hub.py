@@ -12,12 +12,19 @@ when missing). A push uploads the top-level files of the output dir that a model
 arguments, results and the training-curves plot; checkpoint folders, tracker logs and
 metrics.jsonl stay local. Does not open pull requests or delete files at the repo root.
 
+An adapter (`--peft`) goes up in PEFT's layout (adapter_config.json, adapter_model.safetensors,
+labels.json, generation_config.json), and with it the merged model in merged/ when --merge_adapters
+wrote one. Its adapter_config.json goes up naming the base model by the card's base_model (a Hub id)
+where it named a local copy of it (the built-in model's folder): `AutoPeftModelFor...` then loads it
+anywhere; the local file is left as it is, for offline use here.
+
 The token lives only in memory: it is never printed, logged, written to a file or the card, and
 error messages are scrubbed of it. Only the main process may call into this module.
 """
 
 import argparse
 import contextlib
+import fnmatch
 import json
 import shlex
 from collections.abc import Callable, Iterator
@@ -25,19 +32,21 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import httpx2  # huggingface_hub's HTTP client: its transport errors mean "the Hub cannot be reached"
-from huggingface_hub import CommitOperationAdd, HfApi, get_token
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
 from cloudtrain.config import Config, HubConfig, build_config, parse_bool
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.model_card import MERGED_DIR, base_model_info
 from cloudtrain.saving import holds_model
 
-UPLOAD_PATTERNS = [
-    "README.md", "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-    "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model",
-    "chat_template.*", "args.json", "*_results.json", "training_curves.png",
+CARD = "README.md"
+ADAPTER_CONFIG = "adapter_config.json"  # cloudtrain.adapters' (which imports torch: `push --help` stays fast)
+UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its merged/
+    CARD, "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
+    ADAPTER_CONFIG, "labels.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+    "merges.txt", "*.model", "chat_template.*", "args.json", "*_results.json", "training_curves.png",
 ]
-TOP_LEVEL_ONLY = ["*/*"]  # fnmatch's `*` crosses `/`: this keeps every sub-folder out
 RESULT_NAMES = ("train", "eval", "test")
 ENTRY = "python src/training_application.py"
 TOKEN_HELP = "set HF_TOKEN, pass --hub_token, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
@@ -152,19 +161,45 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
     output_dir, hub = Path(output_dir), cfg.hub
     from cloudtrain.tasks import build_task  # the card is the task's: classification or text generation
 
-    build_task(cfg).model_card(output_dir, cfg, results).save(output_dir / "README.md")
+    build_task(cfg).model_card(output_dir, cfg, results).save(output_dir / CARD)
     try:
         api = hub_api(hub)
         with hub_errors(api, hub, f"pushing to {hub.hub_model_id}"):
             url = ensure_repo(api, hub)
-            commit = api.upload_folder(repo_id=hub.hub_model_id, folder_path=output_dir, revision=hub.hub_revision,
-                                       commit_message=commit_message(results), allow_patterns=UPLOAD_PATTERNS,
-                                       ignore_patterns=TOP_LEVEL_ONLY)
+            commit = commit_model_files(api, hub, output_dir, model_files(output_dir), commit_message(results),
+                                        base_model_info(cfg.model)[0])
     except UserError as err:
         raise UserError(f"{err}. The model is safe in {output_dir}; once fixed, retry with: "
                         f"{retry_command(output_dir, hub)}") from None
     print(f"pushed {output_dir} to {url} (commit {commit.oid[:8]})", flush=True)
     return url
+
+
+def model_files(folder: Path) -> list[Path]:
+    """The files of `folder` that a model repo needs (UPLOAD_PATTERNS): its own, and those of merged/ (the
+    merged model next to an adapter); checkpoints, tracker logs and any other sub-folder stay local."""
+    candidates = sorted([*folder.iterdir(), *(folder / MERGED_DIR).glob("*")])
+    return [path for path in candidates
+            if path.is_file() and any(fnmatch.fnmatchcase(path.name, pattern) for pattern in UPLOAD_PATTERNS)]
+
+
+def commit_model_files(api: HfApi, hub: HubConfig, folder: Path, files: list[Path], message: str,
+                       base_model: str | None) -> CommitInfo:
+    """One commit of `files` (from `folder`) to the repo root; returns its CommitInfo."""
+    operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), hub_copy(path, base_model))
+                  for path in files]
+    return api.create_commit(hub.hub_model_id, operations, commit_message=message, revision=hub.hub_revision)
+
+
+def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
+    """What goes up for `path`: the file, except an adapter config naming its base otherwise than by the card's
+    `base_model` (the built-in model's local folder): that one names the Hub id instead."""
+    if path.name != ADAPTER_CONFIG or not base_model:
+        return path
+    config = json.loads(path.read_text())
+    if config.get("base_model_name_or_path") == base_model:
+        return path
+    return (json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n").encode()
 
 
 def commit_message(results: dict) -> str:
@@ -204,23 +239,29 @@ class HubUploader:
     def __init__(self, cfg: Config):
         self._hub = cfg.hub
         self._api = hub_api(cfg.hub)
+        self._base_model = base_model_info(cfg.model)[0]
         self._queued: list[tuple[str, Future]] = []
 
     def upload(self, folder: Path, commit_message: str, path_in_repo: str = "") -> None:
         """Queue one commit of `folder`.
 
         At the repo root (path_in_repo "") only the model-repo files (UPLOAD_PATTERNS) go up, next to
-        what is there. Under a path (e.g. "last-checkpoint") the whole folder goes up and replaces
-        what was under that path, so it always holds exactly one checkpoint.
+        what is there, and no README.md: the card comes with the final push (a PEFT save writes a blank
+        template). Under a path (e.g. "last-checkpoint") the whole folder goes up and replaces what was
+        under that path, so it always holds exactly one checkpoint.
         """
         if path_in_repo:
-            options = dict(path_in_repo=path_in_repo, delete_patterns="*")
-        else:
-            options = dict(allow_patterns=UPLOAD_PATTERNS, ignore_patterns=TOP_LEVEL_ONLY)
-        future = self._api.upload_folder(repo_id=self._hub.hub_model_id, folder_path=folder,
-                                         revision=self._hub.hub_revision, commit_message=commit_message,
-                                         run_as_future=True, **options)
+            future = self._api.upload_folder(repo_id=self._hub.hub_model_id, folder_path=folder,
+                                             path_in_repo=path_in_repo, delete_patterns="*",
+                                             revision=self._hub.hub_revision, commit_message=commit_message,
+                                             run_as_future=True)
+        else:  # listed and hashed on the upload thread, like upload_folder does, not in the training loop
+            future = self._api.run_as_future(self._upload_model_files, folder, commit_message)
         self._queued.append((commit_message, future))
+
+    def _upload_model_files(self, folder: Path, commit_message: str) -> CommitInfo:
+        files = [path for path in model_files(folder) if path.name != CARD]
+        return commit_model_files(self._api, self._hub, folder, files, commit_message, self._base_model)
 
     def wait(self) -> None:
         """Block until every queued upload is done; raise UserError if any failed."""

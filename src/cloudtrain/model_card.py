@@ -15,6 +15,13 @@ a Jinja template. Two cards, one per task:
 Both end with the training-curves plot (when `training_curves.png` is in the output dir) and the
 framework versions.
 
+An output dir holding a PEFT adapter (`--peft`) gets the same card with `library_name: peft`, the method and
+`peft` as tags, a usage snippet that loads it with `AutoPeftModelFor...` (a classifier's label names from
+labels.json), how to merge it (and the merged model, when merged/ was pushed too), and an adapter table
+(method, rank, alpha, dropout, target modules, modules trained in full, trainable parameters) from
+adapter_config.json and the adapter's safetensors header. Its base_model is found as for a full model:
+the adapter's base is the run's --model_name_or_path (the built-in model's local copy included).
+
 Known facts only: the license is given for the built-in model (apache-2.0) or when a local base
 model's own README.md states one; base_model is given for the built-in model and Hub ids, not for
 local directories nor for a model trained from scratch; datasets only for Hub datasets and the
@@ -48,6 +55,9 @@ CLASSIFICATION_METRICS = (("accuracy", "accuracy", "Accuracy", None),
 LM_METRICS = (("perplexity", "perplexity", "Perplexity", None), ("loss", "loss", "Loss", None))
 CLASSIFICATION_ONLY = {"text_pair_column", "label_column"}  # options a causal-LM run does not read
 LM_EXAMPLE_PROMPT = "Once upon a time"
+MERGED_DIR = "merged"  # where --merge_adapters writes the merged full model (adapters.merge)
+ADAPTER_OPTIONS = {"peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"}  # the adapter table's
+ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
 
 FOOTER = """{%- if curves %}
 
@@ -63,7 +73,36 @@ FOOTER = """{%- if curves %}
 
 """  # the end of every card: the curves and the versions
 
-TEMPLATE = """---
+ADAPTER_MACROS = """{% macro adapter_note(task) %}
+
+This repository holds a {{ adapter.name }} adapter (PEFT), not full weights: `from_pretrained` loads the base model
+named in adapter_config.json{% if base_model %} ([{{ base_model }}](https://huggingface.co/{{ base_model }})){% else %}
+(`{{ adapter.base }}`, a local directory on the training machine: point `base_model_name_or_path` at a copy of it){% endif %}
+and applies the adapter on top. `model = model.merge_and_unload()` folds the adapter into the base weights and gives a
+plain transformers model.
+{%- if adapter.merged %} That merged model is in this repository too, in `{{ adapter.merged }}/`; load it from a local
+copy (given the repository, `from_pretrained` finds the adapter at its top, whatever the subfolder):
+
+```python
+from huggingface_hub import snapshot_download
+from transformers import pipeline
+
+folder = snapshot_download("{{ repo_id }}", allow_patterns="{{ adapter.merged }}/*"{% if revision %}, revision="{{ revision }}"{% endif %})
+merged = pipeline("{{ task }}", model=f"{folder}/{{ adapter.merged }}")
+```
+{%- endif %}
+{%- endmacro %}{% macro adapter_table() %}
+
+### Adapter
+
+| option | value |
+|:-------|:------|
+{%- for name, value in adapter.options.items() %}
+| {{ name }} | {{ value }} |
+{%- endfor %}
+{%- endmacro %}"""  # the parts of a card that only an adapter's has: both templates start with these
+
+TEMPLATE = ADAPTER_MACROS + """---
 {{ card_data }}
 ---
 
@@ -83,12 +122,21 @@ It achieves the following results on the {{ headline.split }} set:
 
 ## Usage
 
-```python
+{% if adapter %}```python
+from peft import AutoPeftModelForSequenceClassification
+from transformers import AutoTokenizer
+
+id2label = {{ id2label }}
+tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
+model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
+inputs = tokenizer("{{ example_text }}", return_tensors="pt")
+print(model.config.id2label[model(**inputs).logits.argmax(-1).item()])
+```{{ adapter_note("text-classification") }}{% else %}```python
 from transformers import pipeline
 
 classifier = pipeline("text-classification", model="{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
 print(classifier("{{ example_text }}"))
-```
+```{% endif %}
 
 ## Labels
 
@@ -107,6 +155,7 @@ print(classifier("{{ example_text }}"))
 {%- for name, value in hyperparameters.items() %}
 | {{ name }} | {{ value }} |
 {%- endfor %}
+{%- if adapter %}{{ adapter_table() }}{% endif %}
 
 ### Training results
 
@@ -133,7 +182,7 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 {%- endfor %}
 """ + FOOTER  # Jinja drops one trailing newline: the card still ends with one
 
-LM_TEMPLATE = """---
+LM_TEMPLATE = ADAPTER_MACROS + """---
 {{ card_data }}
 ---
 
@@ -154,17 +203,19 @@ It achieves the following results on the {{ headline.split }} set:
 {% if chat %}
 The chat template used in training is saved with the tokenizer; `apply_chat_template` renders a
 conversation exactly as training did, and generation stops at the end of the answer.
-
+{% endif %}{% if chat or adapter %}
 ```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
+{% if adapter %}from peft import AutoPeftModelForCausalLM
+from transformers import AutoTokenizer{% else %}from transformers import AutoModelForCausalLM, AutoTokenizer{% endif %}
 
 tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-model = AutoModelForCausalLM.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-messages = [{% if system_prompt %}{"role": "system", "content": {{ system_prompt }}}, {% endif %}{"role": "user", "content": {{ example_prompt }}}]
+model = {{ "AutoPeftModelForCausalLM" if adapter else "AutoModelForCausalLM" }}.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
+{% if chat %}messages = [{% if system_prompt %}{"role": "system", "content": {{ system_prompt }}}, {% endif %}{"role": "user", "content": {{ example_prompt }}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }})
+{% else %}inputs = tokenizer({{ example_prompt }}, return_tensors="pt")
+{% endif %}output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }})
 print(tokenizer.decode(output[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
-```
+```{% if adapter %}{{ adapter_note("text-generation") }}{% endif %}
 {% else %}
 ```python
 from transformers import pipeline
@@ -182,6 +233,7 @@ print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["g
 {%- for name, value in hyperparameters.items() %}
 | {{ name }} | {{ value }} |
 {%- endfor %}
+{%- if adapter %}{{ adapter_table() }}{% endif %}
 
 ### Training results
 
@@ -223,17 +275,21 @@ Greedy continuations (at most {{ max_new_tokens }} new tokens) from the final ev
 
 
 def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-    """The card for the model saved in `output_dir` (its config.json gives the label names)."""
+    """The card for the model saved in `output_dir` (its config.json, or an adapter's labels.json, gives the
+    label names)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
-    data = card_data(cfg, results)
+    adapter = adapter_info(output_dir, cfg)
+    data = card_data(cfg, results, adapter)
     dataset_id, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
+    names = label_names(output_dir)
     return ModelCard.from_template(
         data, template_str=TEMPLATE,
-        model_name=repo_id.split("/")[-1], repo_id=repo_id, revision=cfg.hub.hub_revision,
+        model_name=repo_id.split("/")[-1], repo_id=repo_id, revision=cfg.hub.hub_revision, adapter=adapter,
         dataset_display=dataset_display, training_type=cfg.training.training_type,
-        labels=[name.replace("|", "\\|") for name in label_names(output_dir)],
+        labels=[name.replace("|", "\\|") for name in names],
+        id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",
         headline=evaluations[0] if evaluations else None,
         example_text="Oil prices rose after OPEC agreed to cut output." if dataset_id == REUTERS_HUB_ID
         else "Replace me by any text you'd like.",
@@ -248,8 +304,9 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
     metrics of a `--task causal_lm` run, or with `chat` of a `--task sft` run: chat usage, sample answers)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
+    adapter = adapter_info(output_dir, cfg)
     data = task_card_data(cfg, results, pipeline_tag="text-generation", task_name="Text Generation",
-                          metric_ids=["perplexity"], metrics=LM_METRICS)
+                          metric_ids=["perplexity"], metrics=LM_METRICS, adapter=adapter)
     _, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
     generations = results.get("eval", {}).get("generations") or []
@@ -257,7 +314,7 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
     architecture, parameters = model_summary(output_dir)
     return ModelCard.from_template(
         data, template_str=LM_TEMPLATE,
-        model_name=repo_id.split("/")[-1], repo_id=repo_id, revision=cfg.hub.hub_revision,
+        model_name=repo_id.split("/")[-1], repo_id=repo_id, revision=cfg.hub.hub_revision, adapter=adapter,
         architecture=architecture, parameters=parameters,
         from_scratch=Path(model_config).name if model_config else None,
         dataset_display=dataset_display, training_type=cfg.training.training_type,
@@ -275,23 +332,24 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
         versions=framework_versions(cfg))
 
 
-def card_data(cfg: Config, results: dict) -> ModelCardData:
+def card_data(cfg: Config, results: dict, adapter: dict | None = None) -> ModelCardData:
     """The YAML metadata of a classifier: what the Hub indexes, filters and shows as evaluation results."""
     return task_card_data(cfg, results, pipeline_tag="text-classification", task_name="Text Classification",
-                          metric_ids=["accuracy", "f1"], metrics=CLASSIFICATION_METRICS)
+                          metric_ids=["accuracy", "f1"], metrics=CLASSIFICATION_METRICS, adapter=adapter)
 
 
 def task_card_data(cfg: Config, results: dict, pipeline_tag: str, task_name: str, metric_ids: list[str],
-                   metrics: tuple) -> ModelCardData:
+                   metrics: tuple, adapter: dict | None = None) -> ModelCardData:
     """The YAML metadata of a task's model: its pipeline tag (also a tag), the evaluation metrics it names
-    (`metric_ids`), and `metrics` of each evaluated split as model-index."""
+    (`metric_ids`), and `metrics` of each evaluated split as model-index. An `adapter` (`adapter_info`) is
+    PEFT's library, tagged with its method and `peft`."""
     base_model, license = base_model_info(cfg.model)
     dataset_id, dataset_display = dataset_info(cfg.data)
     return ModelCardData(
         model_name=cfg.hub.hub_model_id.split("/")[-1],
         base_model=base_model, license=license, datasets=[dataset_id] if dataset_id else None,
-        library_name="transformers", pipeline_tag=pipeline_tag,
-        tags=[pipeline_tag, "cloudtrain"], metrics=metric_ids,
+        library_name="peft" if adapter else "transformers", pipeline_tag=pipeline_tag,
+        tags=[pipeline_tag, "cloudtrain", *([adapter["method"], "peft"] if adapter else [])], metrics=metric_ids,
         eval_results=eval_results(results, dataset_id or dataset_display, dataset_display,
                                   cfg.data.dataset_config, pipeline_tag, task_name, metrics) or None)
 
@@ -322,7 +380,7 @@ def finite(value) -> float | None:
 
 
 def base_model_info(cfg: ModelConfig) -> tuple[str | None, str | None]:
-    """(Hub id of the base model, its license); None where not known."""
+    """(Hub id of the base model, its license); None where not known. Also an adapter's: its base is this model."""
     if cfg.model_config:  # built from a configuration with random weights: there is no base model
         return None, None
     if cfg.model_name_or_path is None:
@@ -355,9 +413,42 @@ def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
 
 
 def label_names(output_dir: Path) -> list[str]:
-    """Label names in id order, from the saved config.json."""
-    id2label = json.loads((Path(output_dir) / "config.json").read_text()).get("id2label", {})
+    """Label names in id order, from the saved config.json (an adapter's labels.json)."""
+    from cloudtrain.adapters import LABELS, is_adapter_dir  # torch and transformers: the push command's help stays fast
+
+    saved = Path(output_dir) / (LABELS if is_adapter_dir(output_dir) else "config.json")
+    id2label = json.loads(saved.read_text()).get("id2label", {})
     return [id2label[key] for key in sorted(id2label, key=int)]
+
+
+def adapter_info(output_dir: Path, cfg: Config) -> dict | None:
+    """What the card tells of the adapter in `output_dir` (None for a full model): its method, its base's
+    directory name when local, the merged model's folder if any, and the adapter table."""
+    from cloudtrain.adapters import adapter_config, is_adapter_dir
+
+    if not is_adapter_dir(output_dir):
+        return None
+    config, method = adapter_config(output_dir), cfg.model.peft
+    shapes = safetensors_shapes(output_dir / "adapter_model.safetensors") or {}  # exactly the trained weights
+    return {"method": method, "name": ADAPTER_NAMES[method],
+            "base": Path(config.get("base_model_name_or_path") or "").name,
+            "merged": MERGED_DIR if (output_dir / MERGED_DIR).is_dir() else None,
+            "options": adapter_options(config, method, shapes)}
+
+
+def adapter_options(config: dict, method: str, shapes: dict[str, list[int]]) -> dict[str, str]:
+    """The adapter table's rows, from adapter_config.json and the adapter weights' `shapes`."""
+    targets = config.get("target_modules")  # all-linear is saved as the (maybe full) module names it stood for
+    in_full = [name for name in dict.fromkeys(config.get("modules_to_save") or [])  # PEFT lists a head twice
+               if any(f".{name}." in key for key in shapes)]  # and names heads the model does not have
+    trainable = sum(math.prod(shape) for shape in shapes.values())
+    rows = {"method": method, "r": config.get("r"), "alpha": f"{config.get('lora_alpha'):g}",
+            "dropout": config.get("lora_dropout"),
+            "target modules": ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+            if isinstance(targets, list) else targets,
+            "trained in full": ", ".join(in_full) or None,
+            "trainable parameters": human_count(trainable) if trainable else None}
+    return {name: table_cell(value) for name, value in rows.items() if value is not None}
 
 
 def model_summary(output_dir: Path) -> tuple[str | None, str | None]:
@@ -369,13 +460,21 @@ def model_summary(output_dir: Path) -> tuple[str | None, str | None]:
         architectures = [None]
     count = 0
     for path in sorted(output_dir.glob("*.safetensors")):  # every shard; tied weights are stored once
-        try:
-            with path.open("rb") as f:
-                header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-            count += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a safetensors file after all
+        shapes = safetensors_shapes(path)
+        if shapes is None:
             return architectures[0], None
+        count += sum(math.prod(shape) for shape in shapes.values())
     return architectures[0], human_count(count) if count else None
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]] | None:
+    """{tensor name: shape} from a safetensors file's header; None when it is missing or not one after all."""
+    try:
+        with path.open("rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        return {name: t["shape"] for name, t in header.items() if name != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def human_count(n: int) -> str:
@@ -393,12 +492,13 @@ def table_cell(text) -> str:
 
 
 def hyperparameters(cfg: Config) -> dict[str, str]:
-    """The options that shaped the model: set values only, without Hub, tracker and output options.
+    """The options that shaped the model: set values only, without Hub, tracker and output options, nor the
+    adapter's (an adapter's card has its own table, from adapter_config.json).
 
     Local paths show only their last part: the card is public, the user's directory layout is not.
     """
     sections = (cfg.hub, cfg.tracking, cfg.output)
-    hidden = {f.name for section in sections for f in dataclasses.fields(section)} | {"cache_dir"}
+    hidden = {f.name for section in sections for f in dataclasses.fields(section)} | {"cache_dir"} | ADAPTER_OPTIONS
     shown = {}
     for name, value in cfg.to_dict().items():  # to_dict() leaves secrets out
         if name in hidden or value is None or value == []:
