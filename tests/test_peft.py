@@ -258,3 +258,16 @@ def test_a_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(train
     result = run.trainer.fit()
     assert result.global_step == 2 and torch.isfinite(torch.tensor(result.train_loss))
     assert {p.dtype for p in run.model.parameters() if p.requires_grad} == {torch.float32}
+
+
+def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_it(tiny_model_dir, topic_csvs,
+                                                                                  tmp_path):
+    out = tmp_path / "out"
+    options = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "max_steps": 1,
+               "output_dir": str(out), "training_type": "basic", "eval_strategy": "no", "checkpointing_steps": "1"}
+    run_training(build_config(options))
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    run_training(build_config({**options, "peft": "lora", "overwrite_output_dir": True, "merge_adapters": True}))
+    assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "model.safetensors").is_file()
+    assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    assert (out / "checkpoints").is_dir()  # checkpoints and logs are not the model: they stay

@@ -12,6 +12,7 @@ import torch
 from huggingface_hub import ModelCard, constants, hf_api
 
 from cloudtrain import adapters
+from cloudtrain.saving import adapter_config
 from cloudtrain.cli import main
 from cloudtrain.config import build_config, save_arguments
 from cloudtrain.model_card import DEFAULT_BASE_MODEL
@@ -123,7 +124,7 @@ def test_push_command_names_the_builtin_base_by_its_hub_id_in_the_card_and_the_u
     assert {"adapter_config.json", "adapter_model.safetensors", "labels.json", "README.md"} <= set(upload.added)
     assert "model.safetensors" not in upload.added
     assert json.loads(upload.added["adapter_config.json"])["base_model_name_or_path"] == DEFAULT_BASE_MODEL
-    assert adapters.adapter_config(out)["base_model_name_or_path"] == tiny_model_dir
+    assert adapter_config(out)["base_model_name_or_path"] == tiny_model_dir
     card = ModelCard(upload.added["README.md"].decode())
     assert (card.data.base_model, card.data.license, card.data.library_name) == (DEFAULT_BASE_MODEL, "apache-2.0",
                                                                                   "peft")

@@ -36,9 +36,8 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is_adapter_dir
 
-ADAPTER_CONFIG = "adapter_config.json"
-LABELS = "labels.json"
 AUTO_CLASSES = {"SEQ_CLS": AutoModelForSequenceClassification, "CAUSAL_LM": AutoModelForCausalLM}
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -149,14 +148,6 @@ def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
 
 # ---------------------------------------------------------------- using a saved adapter
 
-def is_adapter_dir(path: Path) -> bool:
-    return (Path(path) / ADAPTER_CONFIG).is_file()
-
-
-def adapter_config(path: Path) -> dict:
-    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())
-
-
 def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32):
     """(the base named in the adapter's config with the adapter on top, in eval mode; its tokenizer)."""
     from peft import PeftModel
@@ -206,8 +197,8 @@ def merge(output_dir: Path) -> Path:
     tolerance = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, expected.abs().max().item())
     if not difference <= tolerance:
         raise UserError(f"the merged model's logits differ from the adapter model's by {difference:.3g} (more than "
-                        f"{tolerance:.1g}); {output_dir / 'merged'} was not written")
-    target, partial = output_dir / "merged", output_dir / "merged.partial"
+                        f"{tolerance:.1g}); {output_dir / MERGED} was not written")
+    target, partial = output_dir / MERGED, output_dir / f"{MERGED}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     merged.save_pretrained(partial)
     tokenizer.save_pretrained(partial)

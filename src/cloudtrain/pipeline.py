@@ -25,7 +25,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.model_loading import load_tokenizer, resolve_model_path
 from cloudtrain.runtime import Runtime
-from cloudtrain.saving import holds_model, write_results
+from cloudtrain.saving import holds_model, remove_model, write_results
 from cloudtrain import adapters, hub
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.tracking import RunLog, check_trackers
@@ -140,6 +140,8 @@ def run_training(cfg: Config) -> dict:
             results[name] = trainer.evaluate(split)
             trainer.log_evaluation(results[name], name, train_result.global_step)
     predictions = {split: trainer.predict(split) for split in trainer.predict_dls}
+    if runtime.is_main:  # an earlier run's model (--overwrite_output_dir) goes as a whole: no adapter beside old weights
+        remove_model(output_dir)
     trainer.save_model(output_dir)
     if runtime.is_main:
         for split, predicted in predictions.items():

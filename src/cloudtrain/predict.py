@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.saving import holds_model, write_jsonl
+from cloudtrain.saving import adapter_config, holds_model, is_adapter_dir, write_jsonl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,8 +67,8 @@ def load(model_dir: str):
     """(classifier in eval mode, tokenizer) from a full model's directory or an adapter's (onto its base)."""
     from cloudtrain import adapters
 
-    if adapters.is_adapter_dir(Path(model_dir)):
-        task_type = adapters.adapter_config(Path(model_dir)).get("task_type")
+    if is_adapter_dir(Path(model_dir)):
+        task_type = adapter_config(Path(model_dir)).get("task_type")
         if task_type != "SEQ_CLS":
             hint = "; continue prompts with the generate command" if task_type == "CAUSAL_LM" else ""
             raise UserError(f"--model_dir {model_dir} holds a {task_type} adapter, not a sequence classifier{hint}")

@@ -12,13 +12,35 @@
 """
 
 import json
+import shutil
 from pathlib import Path
 
-MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", "adapter_config.json")
+ADAPTER_CONFIG = "adapter_config.json"
+LABELS = "labels.json"  # an adapter classifier's label names (the base model knows none)
+MERGED = "merged"  # --merge_adapters / the merge command: the merged full model
+MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", ADAPTER_CONFIG)
+# what a saved model is made of: replaced as a whole, so an adapter never lands next to an older full model
+MODEL_PATTERNS = (*MODEL_FILES, "model-*-of-*.safetensors", "adapter_model.safetensors", "generation_config.json",
+                  LABELS, MERGED)
 
 
 def holds_model(output_dir: Path) -> bool:
     return any((Path(output_dir) / name).exists() for name in MODEL_FILES)
+
+
+def remove_model(output_dir: Path) -> None:
+    """Delete the model files of an earlier run (--overwrite_output_dir); checkpoints and logs stay."""
+    for pattern in MODEL_PATTERNS:
+        for path in Path(output_dir).glob(pattern):
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def is_adapter_dir(path: Path) -> bool:
+    return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def adapter_config(path: Path) -> dict:
+    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())
 
 
 def write_json(path: Path, data: dict) -> None:
