@@ -4,7 +4,9 @@ precision, threads and steps; plus tokenization throughput and the optimizations
 plus the causal-LM case (bench/lm_bench.py, `--lm false` skips it): sequence packing none / wrapped /
 bfd, real tokens/s and validation loss at an equal number of tokens seen; plus the SFT case
 (bench/sft_bench.py, `--sft false` skips it): ours with and without packing against
-transformers.Trainer and TRL's SFTTrainer, real tokens/s, peak memory and held-out loss.
+transformers.Trainer and TRL's SFTTrainer, real tokens/s, peak memory and held-out loss; plus the PEFT case
+(bench/peft_bench.py, `--peft false` skips it): full fine-tuning vs LoRA vs DoRA, step time, peak memory,
+trainable parameters and checkpoint sizes (also written to peft.md).
 
 Every run is a fresh interpreter (bench/worker.py), so peak memory is per run; repetitions are
 interleaved across runners so a busy machine slows them all alike. Writes bench/results/latest.json,
@@ -31,6 +33,7 @@ from cloudtrain.hardware import resolve_precision
 from common import Spec
 from report import write_chart, write_markdown
 import lm_bench
+import peft_bench
 import sft_bench
 
 BENCH = Path(__file__).resolve().parent
@@ -80,6 +83,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the SFT comparison (bench/sft_bench.py; about 5 minutes on 2 cores)")
     p.add_argument("--sft_repetitions", type=int, default=1)
     p.add_argument("--sft_steps", type=int, default=None, help="optimizer steps per SFT runner (default: its own)")
+    p.add_argument("--peft", default="true", choices=("true", "false"),
+                   help="full fine-tuning vs LoRA vs DoRA (bench/peft_bench.py; about 8 minutes on 2 cores)")
     p.add_argument("--out", default=str(BENCH / "results"), help="folder for latest.json/.md/.png")
     args = p.parse_args(argv)
     args.runners = [r for r in args.runners.split(",") if r]
@@ -177,6 +182,11 @@ def main(argv: list[str] | None = None) -> dict:
             sft_start = time.perf_counter()
             sft_text, sft = sft_bench.run_section(args.sft_repetitions, args.sft_steps, log=log)
             phases["sft_s"] = time.perf_counter() - sft_start
+        peft_text, peft = "", None
+        if args.peft == "true":
+            peft_start = time.perf_counter()
+            peft_text, peft = peft_bench.run_section(log=log)
+            phases["peft_s"] = time.perf_counter() - peft_start
     reference = runners.get("reference", {}).get("summary")
     for entry in runners.values():
         entry["vs_reference"] = (entry["summary"]["train_samples_per_s"]["median"]
@@ -190,12 +200,16 @@ def main(argv: list[str] | None = None) -> dict:
                            "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
                            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
                "data_processing": data, "runners": runners, "ablations": ablations, "lm": lm, "sft": sft,
-               "phases": phases, "wall_s": time.perf_counter() - start}
+               "peft": peft, "phases": phases, "wall_s": time.perf_counter() - start}
     (out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(results, out / "latest.md")
     if sft_text:
         with open(out / "latest.md", "a") as md:
             md.write("\n" + sft_text.rstrip() + "\n")
+    if peft_text:
+        (out / "peft.md").write_text(peft_text)
+        with open(out / "latest.md", "a") as md:
+            md.write("\n" + peft_text.rstrip() + "\n")
     write_chart(results, out / "latest.png")
     print((out / "latest.md").read_text())
     print(f"benchmark finished in {results['wall_s']:.0f}s; results in {out}")

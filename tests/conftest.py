@@ -190,7 +190,7 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     proc = subprocess.run(
         [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
          "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm_repetitions", "1",
-         "--lm_token_budget", "4096", "--lm_tab", str(tab), "--sft", "false", "--out", str(out)],
+         "--lm_token_budget", "4096", "--lm_tab", str(tab), "--sft", "false", "--peft", "false", "--out", str(out)],
         capture_output=True, text=True, timeout=900, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return out
