@@ -151,7 +151,8 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
 def cls_args(tiny_model_dir, topic_csvs, out, *extra: str) -> list[str]:
     return [str(ENTRY), "--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
             "--validation_file", str(topic_csvs["validation"]), "--output_dir", str(out), "--peft", "lora",
-            "--lora_r", "4", "--learning_rate", "5e-3", "--per_device_train_batch_size", "4", "--logging_steps", "2",
+            "--lora_r", "4", "--lora_dropout", "0.1", "--learning_rate", "5e-3", "--per_device_train_batch_size", "4",
+            "--logging_steps", "2",
             "--mixed_precision", "no", "--eval_strategy", "no", *extra]
 
 

@@ -202,7 +202,7 @@ class LoraSpec:
     """The adapters training would attach: --lora_r, --lora_target_modules, --lora_dropout."""
     r: int = 16
     target_modules: tuple[str, ...] = ("all-linear",)
-    dropout: float = 0.05
+    dropout: float = ModelConfig.lora_dropout
 
 
 @dataclass(frozen=True)
@@ -919,8 +919,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lora_target_modules", type=_names, default=("all-linear",),
                         help="Modules that get adapters: all-linear or comma-separated names, as in training "
                              "(default: all-linear).")
-    parser.add_argument("--lora_dropout", type=float, default=0.05,
-                        help="Dropout on the adapters' inputs, as in training; it stores a mask (default: 0.05).")
+    parser.add_argument("--lora_dropout", type=float, default=ModelConfig.lora_dropout,
+                        help=f"Dropout on the adapters' inputs, as in training; it stores a mask (default: "
+                             f"{ModelConfig.lora_dropout:g}).")
     parser.add_argument("--output_dir", default="plan", help="Where the configs are written (default: ./plan).")
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
 
