@@ -43,8 +43,8 @@ def case_options(case: str, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_
     common = {"output_dir": str(tmp_path / "out"), "max_steps": 4, "learning_rate": 1e-2, "logging_steps": 2,
               "mixed_precision": "no", "training_type": "basic", "per_device_train_batch_size": 4,
               "lora_r": 4, "lora_dropout": 0.0}
-    if case == "classification-lora":
-        return {**common, "peft": "lora", "model_name_or_path": tiny_model_dir,
+    if case.startswith("classification"):  # an encoder, and a decoder that pads with EOS (GPT-2)
+        return {**common, "peft": "lora", "model_name_or_path": tiny_gpt2_dir if "gpt2" in case else tiny_model_dir,
                 "train_file": str(topic_csvs["train"]), "validation_file": str(topic_csvs["validation"])}
     if case == "causal_lm-dora":
         corpus = lm_corpus(tmp_path)
@@ -55,7 +55,7 @@ def case_options(case: str, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_
             "train_file": str(chat_file(tmp_path)), "max_length": 32, "sample_max_new_tokens": 4}
 
 
-@pytest.mark.parametrize("case", ["classification-lora", "causal_lm-dora", "sft-lora"])
+@pytest.mark.parametrize("case", ["classification-lora", "classification-gpt2-lora", "causal_lm-dora", "sft-lora"])
 def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_the_same(
         case, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs):
     options = case_options(case, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs)
@@ -73,8 +73,8 @@ def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_t
     assert all(".lora_" in name or "modules_to_save" in name or "lora_magnitude" in name for name in trainable)
     changed = {name for name in trainable if not torch.equal(after[name], initial[name])}
     assert any("lora_B" in name for name in changed)
-    if case == "classification-lora":
-        assert any("classifier" in name for name in changed)  # the new head trains in full
+    if case.startswith("classification"):
+        assert any("classifier" in name or "score" in name for name in changed)  # the new head trains in full
     if case == "sft-lora":
         assert any("wte.modules_to_save" in name for name in changed)  # the grown vocabulary's embeddings
 
@@ -83,7 +83,7 @@ def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_t
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     model.eval()
-    if case == "classification-lora":
+    if case.startswith("classification"):
         inputs = run.tokenizer(TEXTS, padding=True, return_tensors="pt")
         with torch.no_grad():
             probs = model(**inputs).logits.softmax(-1)
@@ -99,7 +99,7 @@ def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_t
     from cloudtrain.adapters import merge
 
     merged_dir = merge(out)
-    auto = AutoModelForSequenceClassification if case == "classification-lora" else AutoModelForCausalLM
+    auto = AutoModelForSequenceClassification if case.startswith("classification") else AutoModelForCausalLM
     merged = auto.from_pretrained(merged_dir).eval()
     ids = AutoTokenizer.from_pretrained(merged_dir)(TEXTS, padding=True, return_tensors="pt")
     with torch.no_grad():
@@ -118,6 +118,8 @@ def test_bad_adapter_options_are_refused_in_one_line_before_loading(tiny_model_d
     cases = {
         "bad target": ({**base, "peft": "lora", "lora_target_modules": "q_proj"},
                        "q_proj is not a module of"),
+        "not a linear layer": ({**base, "peft": "lora", "lora_target_modules": "query,LayerNorm"},
+                               "LayerNorm is not a linear or embedding layer of"),
         "from scratch": ({"task": "causal_lm", "model_config": "llama-8m", "tokenizer_name_or_path": tiny_llama_dir,
                           "train_file": str(topic_csvs["train"]), "output_dir": str(out), "peft": "lora"},
                          "train it in full first, then pass it as --model_name_or_path"),
@@ -223,8 +225,9 @@ def test_lora_under_fsdp2_trains_and_saves_the_adapter(tiny_llama_dir, tmp_path)
     result = launch(torchrun(n), str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir,
                     "--peft", "lora", "--fsdp", "true", "--mixed_precision", "bf16", "--train_file",
                     str(corpus / "train.txt"), "--max_length", "32", "--learning_rate", "1e-2", "--max_steps", "20",
-                    "--logging_steps", "5", "--eval_strategy", "no", "--output_dir", str(out))
-    assert "FSDP" in result.stdout and "trainable" in result.stdout
+                    "--logging_steps", "5", "--eval_strategy", "no", "--checkpointing_steps", "10",
+                    "--output_dir", str(out))
+    assert "FSDP" in result.stdout and "trainable" in result.stdout and "checkpoint-10" in result.stdout
     losses = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
               if "train/loss" in line]
     assert losses[-1] < losses[0]
@@ -272,3 +275,35 @@ def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_i
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "model.safetensors").is_file()
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     assert (out / "checkpoints").is_dir()  # checkpoints and logs are not the model: they stay
+
+
+def test_the_head_and_whatever_sits_outside_the_pretrained_body_train_in_full():
+    """DistilBERT's pre_classifier is as new as its classifier: frozen, it would stay random."""
+    from transformers import DistilBertConfig
+
+    from cloudtrain.tasks.classification import ClassificationTask
+
+    with torch.device("meta"):
+        model = AutoModelForSequenceClassification.from_config(DistilBertConfig(n_layers=1))
+    assert ClassificationTask().train_in_full(model) == ["pre_classifier", "classifier"]
+
+
+def test_dotted_target_modules_are_matched_as_peft_matches_them(tiny_model_dir):
+    from cloudtrain.adapters import check_target_modules
+
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "peft": "lora",
+                        "lora_target_modules": "attention.self.query,value"})
+    check_target_modules(cfg, AutoModelForSequenceClassification)  # no error
+
+
+def test_an_adapter_run_refuses_the_base_models_own_directory_and_a_checkpoint_of_other_settings(
+        tiny_model_dir, topic_csvs, tmp_path):
+    options = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "peft": "lora"}
+    with pytest.raises(UserError, match="is the base model's own directory"):
+        build_run(build_config({**options, "output_dir": tiny_model_dir, "overwrite_output_dir": True}))
+    checkpoint = tmp_path / "checkpoints" / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    state = {"format": "cloudtrain-checkpoint/1", "trainer": "BasicTrainer", "num_processes": 1, "state": {"global_step": 3}}
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(UserError, match="trained every weight, this run asks for --peft lora --lora_r 16"):
+        build_run(build_config({**options, "output_dir": str(tmp_path), "resume_from_checkpoint": "latest"}))

@@ -40,6 +40,7 @@ from cloudtrain.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is
 
 AUTO_CLASSES = {"SEQ_CLS": AutoModelForSequenceClassification, "CAUSAL_LM": AutoModelForCausalLM}
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Conv1D)  # what LoRA adapts here
 
 
 # ---------------------------------------------------------------- before anything is loaded
@@ -65,29 +66,36 @@ def check_options(cfg: Config, auto_class: type) -> None:
 
 
 def check_target_modules(cfg: Config, auto_class: type) -> None:
-    """Each name in --lora_target_modules ends a module name of the model, checked on a weightless copy."""
+    """Each name in --lora_target_modules names layers LoRA can adapt (as PEFT matches them: the whole module
+    name or its dotted tail), checked on a weightless copy of the model."""
     targets = cfg.model.lora_target_modules
     if targets == ["all-linear"]:
         return
+    modules = dict(meta_model(cfg, auto_class).named_modules())
+    adaptable = {name for name, module in modules.items() if isinstance(module, ADAPTABLE)}
+    for target in targets:
+        matches = {name for name in modules if name == target or name.endswith(f".{target}")}
+        if not matches & adaptable:
+            what = "is not a linear or embedding layer" if matches else "is not a module"
+            layers = sorted({name.rsplit(".", 1)[-1] for name in adaptable})
+            raise UserError(f"--lora_target_modules: {target} {what} of {cfg.model.model_name_or_path}; its "
+                            f"linear and embedding layers are {', '.join(layers)} (or use all-linear)")
+
+
+def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
+    """The task's model built on the meta device from the checkpoint's config: names and shapes, no weights."""
     from cloudtrain.model_loading import resolve_model_path
 
     path = resolve_model_path(cfg.model)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         with torch.device("meta"):
-            model = auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+            return auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
     except (OSError, ValueError) as err:
         raise UserError(f"could not read the model config in {path}: {first_line(err)}") from None
-    names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
-    missing = [t for t in targets if t not in names]
-    if missing:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-                         if isinstance(module, (torch.nn.Linear, transformers.pytorch_utils.Conv1D))})
-        raise UserError(f"--lora_target_modules: {', '.join(missing)} is not a module of {path}; its linear "
-                        f"layers are {', '.join(linear)} (or use all-linear)")
 
 
-def load_options(cfg: Config) -> dict:
+def load_options(cfg: Config, auto_class: type) -> dict:
     """`from_pretrained` keywords for the base weights: fp32 master weights when everything trains; the
     compute dtype (or 4-bit) for a frozen base under adapters, which autocast would cast to anyway."""
     peft, precision = cfg.model.peft, cfg.training.mixed_precision
@@ -96,8 +104,13 @@ def load_options(cfg: Config) -> dict:
     if peft == "qlora":
         from transformers import BitsAndBytesConfig
 
+        # What sits outside the pretrained body (a head, an LM head) trains in full or must stay exact: not 4-bit.
+        # (transformers' own default keeps only the last parameter's module, e.g. not a BERT classifier.)
+        model = meta_model(cfg, auto_class)
+        keep = [name for name, child in model.named_children() if name != model.base_model_prefix]
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16)
+                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16,
+                                          llm_int8_skip_modules=keep)
         # 4-bit weights are placed while loading, on this process's GPU (accelerate set it as current)
         return {"dtype": torch.bfloat16, "quantization_config": quantization,
                 "device_map": {"": torch.cuda.current_device()}}
@@ -111,7 +124,7 @@ def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, tra
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     m = cfg.model
-    if m.peft == "qlora":  # norms to fp32, inputs that carry gradients through the frozen 4-bit layers
+    if m.peft == "qlora":  # what is not 4-bit to fp32 (norms, embeddings), inputs that carry gradients
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=m.gradient_checkpointing,
                                                 gradient_checkpointing_kwargs={"use_reentrant": False})
     output = model.get_output_embeddings()
@@ -123,6 +136,9 @@ def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, tra
     with warnings.catch_warnings():  # PEFT calls a transformers property deprecated for v6
         warnings.simplefilter("ignore", FutureWarning)
         model = get_peft_model(model, lora)
+    peft_config = model.peft_config["default"]
+    if Path(peft_config.base_model_name_or_path).is_dir():  # a local base: found from any working directory
+        peft_config.base_model_name_or_path = str(Path(peft_config.base_model_name_or_path).resolve())
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
@@ -166,6 +182,8 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     transformers.logging.set_verbosity_error()  # the "newly initialized head" report: the adapter holds the head
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        if task_type == "SEQ_CLS" and tokenizer.pad_token_id is not None:
+            options["pad_token_id"] = tokenizer.pad_token_id  # a decoder classifier finds its last token by it
         model = AUTO_CLASSES[task_type].from_pretrained(base, **options)
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # a chat template's tokens
             model.resize_token_embeddings(len(tokenizer))

@@ -75,12 +75,31 @@ def find_resume_checkpoint(cfg: Config, folder: Path) -> Path | None:
             if int(os.environ.get("RANK", "0")) == 0:  # before the process group exists: one line, not one per rank
                 print(f"no complete checkpoint in {folder}: starting fresh", flush=True)
             return None
-        return found[-1][1]
-    path = Path(wanted)
-    if not path.is_dir():
-        raise UserError(f"--resume_from_checkpoint {wanted} does not exist; give a checkpoint directory or latest")
-    read_state(path)
+        path = found[-1][1]
+    else:
+        path = Path(wanted)
+        if not path.is_dir():
+            raise UserError(f"--resume_from_checkpoint {wanted} does not exist; give a checkpoint directory or latest")
+    saved = read_state(path).get("adapters")
+    if saved != adapter_settings(cfg):  # checked now, not after loading: other adapters cannot take these weights
+        raise UserError(f"checkpoint {path} trained {_describe(saved)}, this run asks for "
+                        f"{_describe(adapter_settings(cfg))}; resume with the same --peft and --lora_* options")
     return path
+
+
+def adapter_settings(cfg: Config) -> dict | None:
+    """What an adapter checkpoint's weights depend on (None: full fine-tuning)."""
+    m = cfg.model
+    if m.peft == "none":
+        return None
+    return {"peft": m.peft, "lora_r": m.lora_r, "lora_alpha": m.lora_alpha, "lora_dropout": m.lora_dropout,
+            "lora_target_modules": list(m.lora_target_modules)}
+
+
+def _describe(settings: dict | None) -> str:
+    if settings is None:
+        return "every weight"
+    return " ".join(f"--{k} {','.join(map(str, v)) if isinstance(v, list) else v}" for k, v in settings.items())
 
 
 def read_state(path: Path) -> dict:
@@ -125,6 +144,7 @@ class Checkpointer:
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
         self.at_epoch_end = c.checkpointing_steps == "epoch"
         self.limit, self.metric = c.save_total_limit, c.metric_for_best_model
+        self.adapters = adapter_settings(cfg)
 
     def latest(self) -> Path | None:
         found = complete_checkpoints(self.folder)
@@ -146,7 +166,7 @@ class Checkpointer:
             self.export(partial)
         self.barrier()
         if self.is_main:
-            meta = {"format": FORMAT, "trainer": trainer, "num_processes": num_processes,
+            meta = {"format": FORMAT, "trainer": trainer, "num_processes": num_processes, "adapters": self.adapters,
                     "metric": self.metric, "score": self._score(state), "state": asdict(state)}
             for name in RUN_FILES:  # a spot restart may come back with an empty output dir
                 if (self.output_dir / name).is_file():

@@ -117,7 +117,7 @@ def check_model_dir(model_dir: str) -> None:
         task_type = adapter_config(path).get("task_type")
         if task_type != "CAUSAL_LM":
             hint = "; use the predict command to classify texts with it" if task_type == "SEQ_CLS" else ""
-            raise UserError(f"--model_dir {model_dir} holds a {task_type} adapter, not a causal language model{hint}")
+            raise UserError(f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a causal language model{hint}")
         return
     if not (path / "config.json").is_file():
         raise UserError(f"--model_dir {model_dir} holds no config.json; pass a directory written by the "

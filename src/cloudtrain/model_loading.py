@@ -94,7 +94,8 @@ def load_model(cfg: ModelConfig, label_names: list[str], tokenizer: transformers
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # the "newly initialized head" report is expected here
         try:
-            # fp32 master weights whatever the checkpoint's dtype; mixed precision is autocast's job
+            # fp32 master weights whatever the checkpoint's dtype (mixed precision is autocast's job), or an
+            # adapter's frozen base in the compute dtype or 4-bit
             options = dict(config=config, trust_remote_code=cfg.trust_remote_code, **(weights or {"dtype": torch.float32}))
             if replace_head:
                 model_class = classifier_class(path, config, cfg.trust_remote_code)

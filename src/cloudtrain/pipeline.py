@@ -65,6 +65,9 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     check_trackers(cfg.tracking)
     output_dir = resolve_output_dir(cfg)
+    if cfg.model.peft != "none" and Path(resolve_model_path(cfg.model)).resolve() == output_dir.resolve():
+        raise UserError(f"--output_dir {output_dir} is the base model's own directory; an adapter run replaces the "
+                        "model there, and the adapter needs its base: choose another --output_dir")
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
     resume_from = find_resume_checkpoint(cfg, checkpoint_dir(cfg, output_dir))
@@ -149,10 +152,13 @@ def run_training(cfg: Config) -> dict:
         run.tokenizer.save_pretrained(output_dir)
         save_arguments(cfg, output_dir / "args.json")
         write_results(output_dir, results)
-        if cfg.output.merge_adapters:
-            adapters.merge(output_dir)
         _print_summary(task, results, output_dir)
     run.run_log.finish(results, run.data.label_names)
+    if cfg.output.merge_adapters and runtime.is_main:
+        try:
+            adapters.merge(output_dir)
+        except UserError as err:  # the adapter is saved and pushed all the same; `merge` can be run again
+            print(f"warning: {err}", flush=True)
     if cfg.hub.push_to_hub and runtime.is_main:
         if uploader:
             try:

@@ -71,7 +71,7 @@ def load(model_dir: str):
         task_type = adapter_config(Path(model_dir)).get("task_type")
         if task_type != "SEQ_CLS":
             hint = "; continue prompts with the generate command" if task_type == "CAUSAL_LM" else ""
-            raise UserError(f"--model_dir {model_dir} holds a {task_type} adapter, not a sequence classifier{hint}")
+            raise UserError(f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a sequence classifier{hint}")
         return adapters.load_adapter_model(Path(model_dir))
     architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):

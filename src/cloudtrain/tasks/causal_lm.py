@@ -154,7 +154,7 @@ class CausalLMTask(Task):
     def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
                    announce: bool) -> PreTrainedModel:
         m = cfg.model
-        options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg))
+        options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, self.auto_class))
         if m.attn_implementation:
             options["attn_implementation"] = m.attn_implementation
         config = self._config(cfg)

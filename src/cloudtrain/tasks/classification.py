@@ -51,10 +51,13 @@ class ClassificationTask(Task):
     def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
                    announce: bool) -> PreTrainedModel:
         return load_model(cfg.model, data.label_names, tokenizer, announce=announce,
-                          weights=adapters.load_options(cfg))
+                          weights=adapters.load_options(cfg, self.auto_class))
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
-        return [name for name in ("classifier", "score") if isinstance(getattr(model, name, None), torch.nn.Module)]
+        """Everything outside the pretrained body: the head, and what some heads add (DistilBERT's pre_classifier,
+        DeBERTa's pooler), new from the seed; frozen, they would stay random and differ on every reload."""
+        return [name for name, child in model.named_children()
+                if name != model.base_model_prefix and any(True for _ in child.parameters())]
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.tensor(len(batch["labels"]), device=batch["labels"].device)

@@ -58,7 +58,6 @@ class SFTTask(CausalLMTask):
         self.chat: ChatFormat | None = None
         self.questions: list[str] = []  # the last user message of each sample prompt, for tables
         self.report: dict[str, dict] = {}  # per split: examples, truncated, dropped
-        self.resized = False  # whether the chat template's tokens grew the embeddings
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -202,7 +201,6 @@ class SFTTask(CausalLMTask):
             # a multiple of 64 suits matmul kernels; an adapter's base grows to len(tokenizer) exactly, as
             # PEFT's AutoPeftModel... grows it when loading the adapter
             model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=None if cfg.model.peft != "none" else 64)
-            self.resized = True
             if announce:
                 print(f"grew the embeddings from {rows} to {model.get_input_embeddings().num_embeddings} rows for "
                       f"the chat template's tokens ({', '.join(_added(tokenizer, self.added_tokens))}); they train "
@@ -214,7 +212,7 @@ class SFTTask(CausalLMTask):
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """New tokens need their embedding rows (and output rows) trained, which adapters alone cannot do."""
-        if not self.resized:
+        if not self.added_tokens:  # also when they fit in rows the embeddings had spare: those are untrained
             return []
         names = {module: name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
         return list(dict.fromkeys(names[m] for m in (model.get_input_embeddings(), model.get_output_embeddings())

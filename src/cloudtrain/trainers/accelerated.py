@@ -14,7 +14,7 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-from accelerate.utils import SAFE_WEIGHTS_NAME
+from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType
 from transformers import PreTrainedModel
 
 from cloudtrain.config import Config
@@ -36,8 +36,8 @@ class AcceleratedTrainer(Trainer):
             raise ValueError("the AcceleratedTrainer needs a Runtime built with an Accelerator")
         accelerator = self.accelerator = runtime.accelerator  # built by cloudtrain.distributed for this launch
         self.mode = accelerator.distributed_type.value
-        if accelerator.state.deepspeed_plugin:
-            self.mode += f" ZeRO-{accelerator.state.deepspeed_plugin.zero_stage}"
+        if self._zero_stage() is not None:
+            self.mode += f" ZeRO-{self._zero_stage()}"
 
     def setup(self) -> None:
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.
@@ -45,8 +45,12 @@ class AcceleratedTrainer(Trainer):
             self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values())
         self.eval_dls = dict(zip(self.eval_dls, loaders[:len(self.eval_dls)]))
         self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls):]))
-        self.partial = not trains_everything(self.model)  # adapters: checkpoints hold the trainable weights only
-        if self.partial and not self.accelerator.state.deepspeed_plugin:  # DeepSpeed is told in save/load_state
+        # adapters: checkpoints hold the trainable weights only (DeepSpeed is told in save/load_state; FSDP
+        # saves its own way, whole)
+        self.partial = not trains_everything(self.model)
+        self.sharded = self.accelerator.distributed_type == DistributedType.FSDP or self._zero_stage() == 3
+        if self.partial and self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
+                                                                  DistributedType.MULTI_GPU):
             self.accelerator.register_save_state_pre_hook(self._keep_trainable)
             self.accelerator.register_load_state_pre_hook(self._load_trainable)
 
@@ -105,8 +109,13 @@ class AcceleratedTrainer(Trainer):
         self.accelerator.load_state(str(folder), **frozen)
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
+    def _zero_stage(self) -> int | None:
+        plugin = self.accelerator.state.deepspeed_plugin
+        return plugin.zero_stage if plugin else None
+
     def save_model(self, output_dir: Path) -> None:
-        state_dict = self.accelerator.get_state_dict(self.model)  # every rank: ZeRO-3 gathers here
+        # every rank: ZeRO-3 and FSDP gather here; unsharded adapters need nothing gathered (PEFT takes its few MB)
+        state_dict = None if self.partial and not self.sharded else self.accelerator.get_state_dict(self.model)
         if self.is_main_process:
             save_pretrained(self.accelerator.unwrap_model(self.model), output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
