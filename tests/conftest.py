@@ -12,6 +12,7 @@ runs on the GPU. `child_auto_precision()` is what `--mixed_precision auto` resol
 """
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -183,6 +184,23 @@ def write_tab(path: Path, tales: int = 9) -> Path:
     return path
 
 
+def built_once(tmp_path_factory, name: str, build) -> Path:
+    """A folder that `build(folder)` fills once per test session, also when `make test`'s pytest-xdist workers
+    both need it: the first to get the lock builds it, the other waits and reuses it."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the workers' common session folder
+    folder, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            build(folder)
+            done.touch()
+    return folder
+
+
 @pytest.fixture(scope="session")
 def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     """The folder of one `make bench`-like run of bench/run.py on a tiny budget, shared by tests/test_bench.py
@@ -190,15 +208,16 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     examples), the group_by_length ablation, and the causal-LM packing comparison (none/wrapped/bfd, one
     repetition, 4096 tokens) on a small synthetic corpus (write_tab) instead of the Grimm tales; the SFT
     comparison is left out (tests/test_bench_sft.py runs its section)."""
-    out = tmp_path_factory.mktemp("bench")
-    tab = write_tab(tmp_path_factory.mktemp("bench-corpus") / "tales.tab")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
-         "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm_repetitions", "1",
-         "--lm_token_budget", "4096", "--lm_tab", str(tab), "--sft", "false", "--peft", "false", "--out", str(out)],
-        capture_output=True, text=True, timeout=900, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
+    def run_bench(out: Path) -> None:
+        tab = write_tab(out / "tales.tab")
+        proc = subprocess.run(
+            [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
+             "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm_repetitions", "1",
+             "--lm_token_budget", "4096", "--lm_tab", str(tab), "--sft", "false", "--peft", "false", "--out",
+             str(out)], capture_output=True, text=True, timeout=900, cwd=REPO)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    return built_once(tmp_path_factory, "bench", run_bench)
 
 
 def lm_documents(n: int, seed: int = 0) -> list[str]:

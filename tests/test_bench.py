@@ -15,7 +15,6 @@ RUNNERS = ("basic", "accelerated", "reference", "hf_trainer")
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench_results")  # one worker builds the shared fixture
 def test_json_holds_every_runner_with_sane_values(bench_results):
     results = json.loads((bench_results / "latest.json").read_text())
     assert set(results["runners"]) == set(RUNNERS)
@@ -38,7 +37,6 @@ def test_json_holds_every_runner_with_sane_values(bench_results):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench_results")
 def test_markdown_and_chart(bench_results):
     table = (bench_results / "latest.md").read_text()
     for row in ("cloudtrain BasicTrainer", "cloudtrain AcceleratedTrainer", "reference PyTorch loop",

@@ -198,7 +198,6 @@ def test_the_report_carries_the_lm_section_or_why_it_was_skipped(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("bench_results")  # with tests/test_bench.py: one build of the fixture
 def test_make_bench_runs_the_lm_comparison_in_fresh_processes(bench_results):
     """bench/run.py with the LM comparison on a tiny budget: the run conftest.bench_results shares with
     tests/test_bench.py (4096 tokens per packing, one repetition, a write_tab corpus)."""

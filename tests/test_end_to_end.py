@@ -6,13 +6,14 @@ Then the saved model reloads with from_pretrained and the `predict` entry classi
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 from transformers import AutoModelForSequenceClassification
 
 from cloudtrain.predict import predict
 
-from conftest import run_cli
+from conftest import built_once, run_cli
 
 pytestmark = pytest.mark.slow  # the real MiniLM trained on real R8 texts, twice
 
@@ -24,22 +25,26 @@ R8_QUICK = ["--max_train_samples", "160", "--max_eval_samples", "100", "--max_le
 
 @pytest.fixture(scope="module", params=["basic", "accelerated"])
 def trained(request, tmp_path_factory):
-    out = tmp_path_factory.mktemp(f"e2e-{request.param}") / "model"
-    result = run_cli("--training_type", request.param, "--output_dir", str(out), *R8_QUICK)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return request.param, out, result
+    """(training type, output dir, the run's stdout), trained once per session for each type."""
+    def train(folder: Path) -> None:
+        result = run_cli("--training_type", request.param, "--output_dir", str(folder / "model"), *R8_QUICK)
+        assert result.returncode == 0, result.stderr[-3000:]
+        (folder / "stdout.txt").write_text(result.stdout)
+
+    folder = built_once(tmp_path_factory, f"e2e-{request.param}", train)
+    return request.param, folder / "model", (folder / "stdout.txt").read_text()
 
 
 def test_the_model_learned(trained):
-    training_type, out, result = trained
+    training_type, out, stdout = trained
     test = json.loads((out / "test_results.json").read_text())
     matrix = test["confusion_matrix"]
     majority_rate = max(sum(row) for row in matrix) / test["samples"]  # rows are the true classes
     assert test["samples"] == 100
     assert test["accuracy"] >= majority_rate + 0.2, (test["accuracy"], majority_rate)
-    assert f"{'BasicTrainer' if training_type == 'basic' else 'AcceleratedTrainer'}:" in result.stdout
-    assert f"model saved to {out.resolve()}" in result.stdout
-    assert "test: accuracy" in result.stdout
+    assert f"{'BasicTrainer' if training_type == 'basic' else 'AcceleratedTrainer'}:" in stdout
+    assert f"model saved to {out.resolve()}" in stdout
+    assert "test: accuracy" in stdout
 
 
 def test_reload_and_predict(trained):

@@ -178,7 +178,7 @@ def test_resume_from_an_adapter_checkpoint_is_exact(processes, tiny_model_dir, t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [2])  # ZeRO-1 shares ZeRO-2's path here; ZeRO-3 also ran (not kept: suite time)
 def test_lora_under_zero_on_two_processes_trains_saves_and_resumes(stage, tiny_llama_dir, tmp_path):
     corpus = lm_corpus(tmp_path)
     out = tmp_path / "out"
