@@ -137,8 +137,9 @@ def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, tra
         warnings.simplefilter("ignore", FutureWarning)
         model = get_peft_model(model, lora)
     peft_config = model.peft_config["default"]
-    if Path(peft_config.base_model_name_or_path).is_dir():  # a local base: found from any working directory
-        peft_config.base_model_name_or_path = str(Path(peft_config.base_model_name_or_path).resolve())
+    base = peft_config.base_model_name_or_path
+    if base and Path(base).is_dir():  # a local base: found from any working directory
+        peft_config.base_model_name_or_path = str(Path(base).resolve())
     for param in model.parameters():
         if param.requires_grad:
             param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
