@@ -1,12 +1,20 @@
 """One benchmark run in a fresh interpreter: `python <script> --worker SPEC RESULT`, its output to a log."""
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def prepare_worker() -> None:
+    """What a worker sets before it imports torch & co.: the package on the path, no Hub, quiet tokenizers."""
+    sys.path.insert(0, str(REPO / "src"))
+    for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
+        os.environ.setdefault(name, value)
 
 
 def run_script(script: str, spec: dict, log, what: str, timeout: float | None = None) -> dict:

@@ -41,7 +41,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from fresh_process import run_script
+from fresh_process import prepare_worker, run_script
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -246,10 +246,7 @@ def train_once(spec: dict) -> dict:
 
 def _worker_main(spec_json: str, result_path: str) -> None:
     start = time.perf_counter()
-    sys.path.insert(0, str(REPO / "src"))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    prepare_worker()
     result = train_once(json.loads(spec_json))
     result["process_s"] = time.perf_counter() - start
     Path(result_path).write_text(json.dumps(result))

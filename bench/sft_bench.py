@@ -83,7 +83,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from fresh_process import run_script
+from fresh_process import prepare_worker, run_script
 
 PROCESS_START = time.perf_counter()  # a worker's start: its setup time is counted from here
 BENCH = Path(__file__).resolve().parent
@@ -530,10 +530,7 @@ def train_once(spec: dict) -> dict:
 
 def _worker_main(spec_json: str, result_path: str) -> None:
     start = time.perf_counter()  # this interpreter's imports of torch & co. come after
-    sys.path.insert(0, str(REPO / "src"))
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    prepare_worker()
     from cloudtrain.hardware import keep_freed_memory
 
     keep_freed_memory()  # the same allocator for every runner (cloudtrain sets it for CPU training)
