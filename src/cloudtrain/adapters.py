@@ -7,14 +7,16 @@ Supports:
 - LoRA and DoRA on every task, with one process, DDP and DeepSpeed ZeRO 1-3 (CPU and GPU), FSDP (GPU);
 - QLoRA: the base in 4-bit NF4 with double quantization and bf16 compute (bitsandbytes, CUDA only), one
   process or DDP;
-- the modules a task trains in full next to the adapters (`Task.train_in_full`): a classifier's head, and
-  a language model's embeddings and head when a chat template grew its vocabulary.
+- the modules a task trains in full next to the adapters (`Task.train_in_full`): whatever sits outside a
+  classifier's pretrained body (its head), and a language model's embeddings and head when a chat template
+  added tokens.
 Does not support: QLoRA on CPU, under ZeRO-3 or FSDP (4-bit weights cannot be sharded as they are stored
 here); adapters on a model built from --model_config (random weights: no base to load the adapter onto).
 
 At load time: the base model (frozen, in the compute dtype, or 4-bit), gradient checkpointing, then
 `attach`: the adapters, in fp32 like everything else that trains. The trainer, the optimizer (over
-trainable parameters only) and accelerate come after. Checkpoints hold only the trainable weights.
+trainable parameters only) and accelerate come after. Checkpoints hold only the trainable weights (under
+FSDP, which saves its own way, the whole model).
 
 The output directory holds PEFT's layout (adapter_config.json, adapter_model.safetensors), so
 `PeftModel.from_pretrained(base, output_dir)` and `AutoPeftModelFor...` load it; a classifier's label
