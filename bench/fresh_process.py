@@ -17,6 +17,15 @@ def prepare_worker() -> None:
         os.environ.setdefault(name, value)
 
 
+def run_as_script(main, worker_main) -> None:
+    """A bench script's `__main__`: `--worker SPEC RESULT` (how run_script starts it) runs one measurement
+    through `worker_main`; anything else is the whole section, `main`."""
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker_main(*sys.argv[2:4])
+    else:
+        main()
+
+
 def run_script(script: str, spec: dict, log, what: str, timeout: float | None = None) -> dict:
     """Run `script`'s worker on `spec`; its result (the JSON it writes) comes back, a failure names `what`."""
     with tempfile.TemporaryDirectory() as tmp:

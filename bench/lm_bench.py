@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from fresh_process import prepare_worker, run_script
+from fresh_process import prepare_worker, run_as_script, run_script
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
@@ -322,7 +322,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        _worker_main(*sys.argv[2:4])
-    else:
-        main()
+    run_as_script(main, _worker_main)

@@ -167,11 +167,10 @@ def resolve_device(requested: str) -> torch.device:
 
 def load(model_dir: str, device: torch.device):
     """(model in eval mode on `device`, tokenizer): bf16 on a CUDA GPU that computes it natively, else fp32."""
+    from cloudtrain import adapters
     from cloudtrain.hardware import native_bf16
 
     dtype = torch.bfloat16 if device.type == "cuda" and native_bf16("cuda") else torch.float32
-    from cloudtrain import adapters
-
     if is_adapter_dir(Path(model_dir)):  # the base named in its config, with the adapter on top
         model, tokenizer = adapters.load_adapter_model(Path(model_dir), dtype)
         return model.to(device).eval(), tokenizer
