@@ -6,12 +6,12 @@ the test split. Checkpointing, trackers and saving are off: they are not the tra
 
 import tempfile
 
+from common import Spec, StepClock, prepare
+
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks import build_task
 from cloudtrain.tracking import RunLog
 from cloudtrain.trainers import TRAINERS
-
-from common import Spec, StepClock, prepare
 
 
 def run(spec: Spec) -> dict:
@@ -30,6 +30,10 @@ def run(spec: Spec) -> dict:
         trainer.optimizer_step = timed_step
         result = trainer.fit()
         metrics = trainer.evaluate("test")
-    return {**clock.result(spec.batch_size, result.train_samples, result.train_tokens),
-            "eval_samples_per_s": metrics["samples_per_s"], "accuracy": metrics["accuracy"],
-            "eval_samples": metrics["samples"], "train_loss": result.train_loss}
+    return {
+        **clock.result(spec.batch_size, result.train_samples, result.train_tokens),
+        "eval_samples_per_s": metrics["samples_per_s"],
+        "accuracy": metrics["accuracy"],
+        "eval_samples": metrics["samples"],
+        "train_loss": result.train_loss,
+    }

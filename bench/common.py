@@ -23,6 +23,7 @@ from cloudtrain.tasks import build_task
 @dataclass
 class Spec:
     """One benchmark run: which runner, and every setting it trains with."""
+
     runner: str
     model: str
     steps: int = 10
@@ -44,15 +45,29 @@ class Spec:
 
     def config(self) -> Config:
         """The cloudtrain Config these settings mean; the other runners read their settings from it too."""
-        return build_config({
-            "model_name_or_path": self.model, "max_length": self.max_length, "max_eval_samples": self.eval_samples,
-            "cache_dir": self.cache_dir, "group_by_length": self.group_by_length,
-            "dataloader_num_workers": self.num_workers, "dataloader_pin_memory": self.pin_memory,
-            "max_steps": self.steps, "per_device_train_batch_size": self.batch_size,
-            "per_device_eval_batch_size": 64, "learning_rate": self.learning_rate,
-            "mixed_precision": self.mixed_precision, "seed": self.seed, "logging_steps": self.steps,
-            "eval_strategy": "no", "torch_compile": self.torch_compile, "adamw_implementation": self.adamw,
-            "training_type": "basic" if self.runner == "basic" else "accelerated", "report_to": ["none"]})
+        return build_config(
+            {
+                "model_name_or_path": self.model,
+                "max_length": self.max_length,
+                "max_eval_samples": self.eval_samples,
+                "cache_dir": self.cache_dir,
+                "group_by_length": self.group_by_length,
+                "dataloader_num_workers": self.num_workers,
+                "dataloader_pin_memory": self.pin_memory,
+                "max_steps": self.steps,
+                "per_device_train_batch_size": self.batch_size,
+                "per_device_eval_batch_size": 64,
+                "learning_rate": self.learning_rate,
+                "mixed_precision": self.mixed_precision,
+                "seed": self.seed,
+                "logging_steps": self.steps,
+                "eval_strategy": "no",
+                "torch_compile": self.torch_compile,
+                "adamw_implementation": self.adamw,
+                "training_type": "basic" if self.runner == "basic" else "accelerated",
+                "report_to": ["none"],
+            }
+        )
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -93,10 +108,16 @@ class StepClock:
         steps = [b - a for a, b in zip(ends, ends[1:])]
         step_s = statistics.median(steps[1:] if len(steps) > 1 else steps)
         samples_per_s = batch_size / max(step_s, 1e-9)
-        return {"steps": len(steps), "time_to_first_step_s": steps[0], "median_step_s": step_s,
-                "train_time_s": ends[-1] - self.start, "train_samples_per_s": samples_per_s,
-                "train_tokens_per_s": samples_per_s * tokens / max(samples, 1), "train_samples": samples,
-                "train_tokens": tokens}
+        return {
+            "steps": len(steps),
+            "time_to_first_step_s": steps[0],
+            "median_step_s": step_s,
+            "train_time_s": ends[-1] - self.start,
+            "train_samples_per_s": samples_per_s,
+            "train_tokens_per_s": samples_per_s * tokens / max(samples, 1),
+            "train_samples": samples,
+            "train_tokens": tokens,
+        }
 
 
 def peak_rss_mb() -> float:

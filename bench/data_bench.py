@@ -4,14 +4,13 @@ then the same call again, which reads the cached result back."""
 import tempfile
 import time
 
+from common import Spec
 from datasets import DatasetDict
 
 from cloudtrain.data_connecting import connect_data
 from cloudtrain.data_processing import process_data
 from cloudtrain.model_loading import load_tokenizer
 from cloudtrain.tasks import build_task
-
-from common import Spec
 
 
 def run(spec: Spec) -> dict:

@@ -31,8 +31,13 @@ MODES = {"DDP": [], "ZeRO-1": ["--zero_stage", "1"], "ZeRO-2": ["--zero_stage", 
 def tiny_setup(folder: Path) -> tuple[Path, Path]:
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir())
     torch.manual_seed(0)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                        intermediate_size=128)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+    )
     BertModel(config).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
     words = ["market", "shares", "goal", "match", "rain", "storm", "oil", "wheat"]
@@ -45,10 +50,33 @@ def run_mode(extra: list[str], model: Path, train: Path, out: Path, steps: int) 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           str(REPO / "src" / "training_application.py"), "--model_name_or_path", str(model), "--train_file",
-           str(train), "--max_steps", str(steps), "--per_device_train_batch_size", "8", "--max_length", "32",
-           "--eval_strategy", "no", "--logging_steps", str(steps), "--output_dir", str(out), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        port,
+        str(REPO / "src" / "training_application.py"),
+        "--model_name_or_path",
+        str(model),
+        "--train_file",
+        str(train),
+        "--max_steps",
+        str(steps),
+        "--per_device_train_batch_size",
+        "8",
+        "--max_length",
+        "32",
+        "--eval_strategy",
+        "no",
+        "--logging_steps",
+        str(steps),
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
     subprocess.run(cmd, check=True, capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", **os.environ})
     result = json.loads((out / "train_results.json").read_text())
     return 1000 * result["train_runtime_s"] / result["global_step"]

@@ -30,8 +30,13 @@ def run_script(script: str, spec: dict, log, what: str, timeout: float | None = 
     """Run `script`'s worker on `spec`; its result (the JSON it writes) comes back, a failure names `what`."""
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        proc = subprocess.run([sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec),
-                               str(result)], cwd=REPO, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+        proc = subprocess.run(
+            [sys.executable, str(Path(script).resolve()), "--worker", json.dumps(spec), str(result)],
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            timeout=timeout,
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{what} failed with exit {proc.returncode}; see {getattr(log, 'name', 'the log')}")
         return json.loads(result.read_text())

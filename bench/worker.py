@@ -27,8 +27,13 @@ def main(spec_json: str, result_path: str) -> None:
         from cloudtrain.hardware import keep_freed_memory
 
         keep_freed_memory()
-    module = {"basic": "cloudtrain_runner", "accelerated": "cloudtrain_runner", "reference": "reference_loop",
-              "hf_trainer": "hf_trainer", "data": "data_bench"}[spec.runner]
+    module = {
+        "basic": "cloudtrain_runner",
+        "accelerated": "cloudtrain_runner",
+        "reference": "reference_loop",
+        "hf_trainer": "hf_trainer",
+        "data": "data_bench",
+    }[spec.runner]
     result = importlib.import_module(module).run(spec)
     result.update(peak_rss_mb=peak_rss_mb(), process_s=time.perf_counter() - START)
     with open(result_path, "w") as f:

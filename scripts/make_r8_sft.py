@@ -7,6 +7,7 @@ on it). The texts are licensed for research use: written under data/, never comm
 
     python scripts/make_r8_sft.py [--words 32] [--dest data/r8-sft]
 """
+
 import argparse
 import csv
 import json
@@ -39,7 +40,7 @@ def main() -> None:
     for split, pairs in rows.items():
         with (dest / f"{split}.jsonl").open("w", encoding="utf-8") as f:
             for topic, text in pairs:
-                article = " ".join(text.split()[:args.words])
+                article = " ".join(text.split()[: args.words])
                 f.write(json.dumps({"prompt": f"{question}\n\n{article}", "completion": topic}) + "\n")
         print(f"{dest / f'{split}.jsonl'}: {len(pairs)} pairs")
 

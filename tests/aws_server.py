@@ -26,8 +26,8 @@ from pathlib import Path
 
 import boto3
 import pytest
-from moto.server import ThreadedMotoServer
 from moto.sagemaker.responses import SageMakerResponse
+from moto.server import ThreadedMotoServer
 
 REGION = "us-east-1"
 BUCKET = "cloudtrain-test-bucket"
@@ -53,8 +53,11 @@ class FakeSageMaker:
         self.url = ""
         self.requests: list[dict] = []
         self.model_dir: Path | None = None  # packed as each job's model.tar.gz when set
-        self.log_lines = ["Starting training script", "Running Torchrun Driver",
-                          "Training Container Execution Completed"]
+        self.log_lines = [
+            "Starting training script",
+            "Running Torchrun Driver",
+            "Training Container Execution Completed",
+        ]
 
     def client(self, service: str):
         return boto3.client(service, endpoint_url=self.url, region_name=REGION)
@@ -63,7 +66,9 @@ class FakeSageMaker:
         self.requests.append(request)
         job = request["TrainingJobName"]
         for host in range(1, request["ResourceConfig"]["InstanceCount"] + 1):
-            self._write_logs(f"{job}/algo-{host}-{int(time.time())}", [f"algo-{host}: {line}" for line in self.log_lines])
+            self._write_logs(
+                f"{job}/algo-{host}-{int(time.time())}", [f"algo-{host}: {line}" for line in self.log_lines]
+            )
         if self.model_dir is not None:
             uri = f"{request['OutputDataConfig']['S3OutputPath'].rstrip('/')}/{job}/output/model.tar.gz"
             bucket, _, key = uri.removeprefix("s3://").partition("/")
@@ -75,8 +80,11 @@ class FakeSageMaker:
             logs.create_log_group(logGroupName=LOG_GROUP)
         logs.create_log_stream(logGroupName=LOG_GROUP, logStreamName=stream)
         now = int(time.time() * 1000)
-        logs.put_log_events(logGroupName=LOG_GROUP, logStreamName=stream,
-                            logEvents=[{"timestamp": now + i, "message": line} for i, line in enumerate(lines)])
+        logs.put_log_events(
+            logGroupName=LOG_GROUP,
+            logStreamName=stream,
+            logEvents=[{"timestamp": now + i, "message": line} for i, line in enumerate(lines)],
+        )
 
     def request_for(self, job_name: str) -> dict:
         return next(r for r in self.requests if r["TrainingJobName"] == job_name)
@@ -131,13 +139,14 @@ def local_aws(tmp_dir: Path) -> Iterator[FakeSageMaker]:
 
 # ---------------------------------------------------------------- one instance of a job, on this machine
 
+
 def download_prefix(s3, uri: str, dest: Path) -> None:
     """What SageMaker does for an S3Prefix channel in File mode: every object under the prefix into `dest`."""
     bucket, _, prefix = uri.removeprefix("s3://").partition("/")
     dest.mkdir(parents=True, exist_ok=True)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
         for item in page.get("Contents", []):
-            relative = item["Key"][len(prefix):].lstrip("/") or Path(item["Key"]).name
+            relative = item["Key"][len(prefix) :].lstrip("/") or Path(item["Key"]).name
             target = dest / relative
             target.parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, item["Key"], str(target))
@@ -166,44 +175,81 @@ def container_environment(request: dict, s3, root: Path) -> dict[str, str]:
         (root / "checkpoints").mkdir(exist_ok=True)
     resources = request["ResourceConfig"]
     hosts = [f"algo-{i}" for i in range(1, resources["InstanceCount"] + 1)]
-    resource_config = {"current_host": "algo-1", "current_instance_type": resources["InstanceType"],
-                       "hosts": hosts, "network_interface_name": "eth0"}
+    resource_config = {
+        "current_host": "algo-1",
+        "current_instance_type": resources["InstanceType"],
+        "hosts": hosts,
+        "network_interface_name": "eth0",
+    }
     input_config = {name: {"TrainingInputMode": "File"} for name in channels}
     hps = {key: _deserialize(value) for key, value in request["HyperParameters"].items()}
-    for name, content in (("resourceconfig", resource_config), ("inputdataconfig", input_config),
-                          ("hyperparameters", request["HyperParameters"])):
+    for name, content in (
+        ("resourceconfig", resource_config),
+        ("inputdataconfig", input_config),
+        ("hyperparameters", request["HyperParameters"]),
+    ):
         (root / "input" / "config" / f"{name}.json").write_text(json.dumps(content))
     drivers = data / "sm_drivers"
     source = json.loads((drivers / "sourcecode.json").read_text())
-    env = {"SM_MODEL_DIR": root / "model", "SM_INPUT_DIR": root / "input", "SM_INPUT_DATA_DIR": data,
-           "SM_INPUT_CONFIG_DIR": root / "input" / "config", "SM_OUTPUT_DIR": root / "output",
-           "SM_OUTPUT_DATA_DIR": root / "output" / "data", "SM_MASTER_ADDR": "algo-1", "SM_MASTER_PORT": 7777,
-           "SM_SOURCE_DIR": data / "code", "SM_ENTRY_SCRIPT": source["entry_script"],
-           "SM_DISTRIBUTED_DRIVER_DIR": drivers / "distributed_drivers",
-           "SM_DISTRIBUTED_CONFIG": (drivers / "distributed.json").read_text(),
-           **{f"SM_CHANNEL_{name.upper()}": data / name for name in channels},
-           "SM_CHANNELS": json.dumps(channels),
-           **{f"SM_HP_{key.replace('-', '_').upper()}": value for key, value in request["HyperParameters"].items()},
-           "SM_HPS": json.dumps(hps), "SM_CURRENT_HOST": "algo-1",
-           "SM_CURRENT_INSTANCE_TYPE": resources["InstanceType"], "SM_HOSTS": json.dumps(hosts),
-           "SM_NETWORK_INTERFACE_NAME": "eth0", "SM_HOST_COUNT": len(hosts), "SM_CURRENT_HOST_RANK": 0,
-           "SM_NUM_CPUS": os.cpu_count(), "SM_NUM_GPUS": 0, "SM_NUM_NEURONS": 0,
-           "SM_RESOURCE_CONFIG": json.dumps(resource_config), "SM_INPUT_DATA_CONFIG": json.dumps(input_config),
-           "TRAINING_JOB_NAME": request["TrainingJobName"], **request.get("Environment", {})}
-    env["SM_TRAINING_ENV"] = json.dumps({
-        "channel_input_dirs": {name: str(data / name) for name in channels}, "current_host": "algo-1",
-        "hosts": hosts, "hyperparameters": hps, "job_name": request["TrainingJobName"],
-        "model_dir": str(root / "model"), "num_gpus": 0, "output_data_dir": str(root / "output" / "data")})
+    env = {
+        "SM_MODEL_DIR": root / "model",
+        "SM_INPUT_DIR": root / "input",
+        "SM_INPUT_DATA_DIR": data,
+        "SM_INPUT_CONFIG_DIR": root / "input" / "config",
+        "SM_OUTPUT_DIR": root / "output",
+        "SM_OUTPUT_DATA_DIR": root / "output" / "data",
+        "SM_MASTER_ADDR": "algo-1",
+        "SM_MASTER_PORT": 7777,
+        "SM_SOURCE_DIR": data / "code",
+        "SM_ENTRY_SCRIPT": source["entry_script"],
+        "SM_DISTRIBUTED_DRIVER_DIR": drivers / "distributed_drivers",
+        "SM_DISTRIBUTED_CONFIG": (drivers / "distributed.json").read_text(),
+        **{f"SM_CHANNEL_{name.upper()}": data / name for name in channels},
+        "SM_CHANNELS": json.dumps(channels),
+        **{f"SM_HP_{key.replace('-', '_').upper()}": value for key, value in request["HyperParameters"].items()},
+        "SM_HPS": json.dumps(hps),
+        "SM_CURRENT_HOST": "algo-1",
+        "SM_CURRENT_INSTANCE_TYPE": resources["InstanceType"],
+        "SM_HOSTS": json.dumps(hosts),
+        "SM_NETWORK_INTERFACE_NAME": "eth0",
+        "SM_HOST_COUNT": len(hosts),
+        "SM_CURRENT_HOST_RANK": 0,
+        "SM_NUM_CPUS": os.cpu_count(),
+        "SM_NUM_GPUS": 0,
+        "SM_NUM_NEURONS": 0,
+        "SM_RESOURCE_CONFIG": json.dumps(resource_config),
+        "SM_INPUT_DATA_CONFIG": json.dumps(input_config),
+        "TRAINING_JOB_NAME": request["TrainingJobName"],
+        **request.get("Environment", {}),
+    }
+    env["SM_TRAINING_ENV"] = json.dumps(
+        {
+            "channel_input_dirs": {name: str(data / name) for name in channels},
+            "current_host": "algo-1",
+            "hosts": hosts,
+            "hyperparameters": hps,
+            "job_name": request["TrainingJobName"],
+            "model_dir": str(root / "model"),
+            "num_gpus": 0,
+            "output_data_dir": str(root / "output" / "data"),
+        }
+    )
     return {key: str(value) for key, value in env.items()}
 
 
-def run_torchrun_driver(sm_env: dict[str, str], root: Path, checkpoint_dir: Path,
-                        timeout: int = 300) -> subprocess.CompletedProcess:
+def run_torchrun_driver(
+    sm_env: dict[str, str], root: Path, checkpoint_dir: Path, timeout: int = 300
+) -> subprocess.CompletedProcess:
     """The SDK's torchrun driver (as uploaded with the job) in the code folder, as sm_train.sh runs it."""
     data = root / "input" / "data"
-    env = {**os.environ, **sm_env, "PYTHONUNBUFFERED": "1",
-           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # torchrun
-           "CLOUDTRAIN_CHECKPOINT_DIR": str(checkpoint_dir)}
+    env = {
+        **os.environ,
+        **sm_env,
+        "PYTHONUNBUFFERED": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",  # torchrun
+        "CLOUDTRAIN_CHECKPOINT_DIR": str(checkpoint_dir),
+    }
     driver = data / "sm_drivers" / "distributed_drivers" / "torchrun_driver.py"
-    return subprocess.run([sys.executable, str(driver)], cwd=data / "code", env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(driver)], cwd=data / "code", env=env, capture_output=True, text=True, timeout=timeout
+    )

@@ -110,9 +110,16 @@ def tiny_model_dir(tmp_path_factory, minilm_dir) -> str:
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
-    config = BertConfig(vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2,
-                        num_attention_heads=2, intermediate_size=64, max_position_embeddings=512,
-                        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=512,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     out = tmp_path_factory.mktemp("tiny-bert")
     BertModel(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -120,12 +127,27 @@ def tiny_model_dir(tmp_path_factory, minilm_dir) -> str:
 
 
 TOPICS = {
-    "sports": ["the team won the match", "a late goal decided the game", "the striker scored twice",
-               "fans cheered the champions", "the coach praised the defence"],
-    "finance": ["shares fell on weak earnings", "the bank raised interest rates", "profits beat forecasts",
-                "the stock market rallied", "bond yields climbed again"],
-    "weather": ["heavy rain is expected tomorrow", "a storm hit the coast", "temperatures will drop tonight",
-                "sunny skies over the weekend", "snow closed the mountain roads"],
+    "sports": [
+        "the team won the match",
+        "a late goal decided the game",
+        "the striker scored twice",
+        "fans cheered the champions",
+        "the coach praised the defence",
+    ],
+    "finance": [
+        "shares fell on weak earnings",
+        "the bank raised interest rates",
+        "profits beat forecasts",
+        "the stock market rallied",
+        "bond yields climbed again",
+    ],
+    "weather": [
+        "heavy rain is expected tomorrow",
+        "a storm hit the coast",
+        "temperatures will drop tonight",
+        "sunny skies over the weekend",
+        "snow closed the mountain roads",
+    ],
 }
 
 
@@ -152,8 +174,9 @@ def topic_csvs(tmp_path) -> dict[str, Path]:
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """The application as a user runs it: a fresh interpreter, the real entry script."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, str(ENTRY), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(ENTRY), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
+    )
 
 
 # ---------------------------------------------------------------- decoder language models
@@ -174,11 +197,15 @@ LM_TEXT = [
 def write_tab(path: Path, tales: int = 9) -> Path:
     """An Orange .tab file of `tales` tales, paragraphs separated by two spaces (as grimm-tales.tab), made of
     LM_TEXT: a small stand-in for the Grimm corpus of bench/lm_corpus.py."""
-    rows = ["ATU Topic\tTitle\tAbstract\tContent\tATU Numerical\tATU Type", "discrete\tstring\tstring\tstring\tstring"
-            "\tdiscrete", "class\t\t\tinclude=True\t\tmeta"]
+    rows = [
+        "ATU Topic\tTitle\tAbstract\tContent\tATU Numerical\tATU Type",
+        "discrete\tstring\tstring\tstring\tstring\tdiscrete",
+        "class\t\t\tinclude=True\t\tmeta",
+    ]
     for t in range(tales):
-        paragraphs = [" ".join(LM_TEXT[(t + p + k) % len(LM_TEXT)] for k in range(1 + (t * p) % 4))
-                      for p in range(3 + t % 3)]
+        paragraphs = [
+            " ".join(LM_TEXT[(t + p + k) % len(LM_TEXT)] for k in range(1 + (t * p) % 4)) for p in range(3 + t % 3)
+        ]
         rows.append(f"Tales of Magic\tTale {t}\tA tale.\t{'  '.join(paragraphs)}\t{t}\tATU")
     path.write_text("\n".join(rows) + "\n", encoding="utf-8")
     return path
@@ -208,13 +235,41 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     examples), the group_by_length ablation, and the causal-LM packing comparison (none/wrapped/bfd, one
     repetition, 4096 tokens) on a small synthetic corpus (write_tab) instead of the Grimm tales; the SFT
     comparison is left out (tests/test_bench_sft.py runs its section)."""
+
     def run_bench(out: Path) -> None:
         tab = write_tab(out / "tales.tab")
         proc = subprocess.run(
-            [sys.executable, str(REPO / "bench" / "run.py"), "--model", tiny_model_dir, "--steps", "3",
-             "--repetitions", "1", "--eval_samples", "32", "--ablations", "group_by_length", "--lm_repetitions", "1",
-             "--lm_token_budget", "4096", "--lm_tab", str(tab), "--sft", "false", "--peft", "false", "--out",
-             str(out)], capture_output=True, text=True, timeout=900, cwd=REPO)
+            [
+                sys.executable,
+                str(REPO / "bench" / "run.py"),
+                "--model",
+                tiny_model_dir,
+                "--steps",
+                "3",
+                "--repetitions",
+                "1",
+                "--eval_samples",
+                "32",
+                "--ablations",
+                "group_by_length",
+                "--lm_repetitions",
+                "1",
+                "--lm_token_budget",
+                "4096",
+                "--lm_tab",
+                str(tab),
+                "--sft",
+                "false",
+                "--peft",
+                "false",
+                "--out",
+                str(out),
+            ],
+            capture_output=True,
+            text=True,
+            timeout=900,
+            cwd=REPO,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
     return built_once(tmp_path_factory, "bench", run_bench)
@@ -237,11 +292,11 @@ def lm_tokenizer_dir(tmp_path_factory) -> str:
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     backend.train_from_iterator(LM_TEXT * 3, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>",
-                                        bos_token="<|endoftext|>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
     out = tmp_path_factory.mktemp("lm-tokenizer")
     tokenizer.save_pretrained(out)
     return str(out)
@@ -263,10 +318,19 @@ def tiny_llama_dir(tmp_path_factory, lm_tokenizer_dir) -> str:
     from transformers import AutoTokenizer, LlamaConfig
 
     tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
-                         pad_token_id=None, tie_word_embeddings=False)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        pad_token_id=None,
+        tie_word_embeddings=False,
+    )
     return _save_tiny_lm(tmp_path_factory.mktemp("tiny-llama"), config, lm_tokenizer_dir)
 
 
@@ -276,9 +340,18 @@ def tiny_gpt2_dir(tmp_path_factory, lm_tokenizer_dir) -> str:
     from transformers import AutoTokenizer, GPT2Config
 
     tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
-    config = GPT2Config(vocab_size=len(tokenizer), n_embd=32, n_layer=2, n_head=2, n_positions=256,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        n_positions=256,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+    )
     return _save_tiny_lm(tmp_path_factory.mktemp("tiny-gpt2"), config, lm_tokenizer_dir)
 
 

@@ -1,6 +1,6 @@
 """Run under torchrun by test_distributed.py: evaluate fixed weights with the AcceleratedTrainer.
 
-    python -m torch.distributed.run --nproc_per_node N tests/dist_eval.py OPTIONS_JSON RESULT_JSON
+python -m torch.distributed.run --nproc_per_node N tests/dist_eval.py OPTIONS_JSON RESULT_JSON
 """
 
 import json

@@ -20,8 +20,14 @@ def main(options_file: str, result_dir: str) -> None:
     cfg = build_config({"mixed_precision": "no", "zero_stage": 3, **json.loads(Path(options_file).read_text())})
     run = build_run(cfg)
     accelerator, trainer, data = run.runtime.accelerator, run.trainer, run.data
-    groups = [{"weight_decay": g["weight_decay"], "shapes": [list(p.ds_shape) for p in g["params"]],
-               "local_numel": sum(p.numel() for p in g["params"])} for g in trainer.optimizer.param_groups]
+    groups = [
+        {
+            "weight_decay": g["weight_decay"],
+            "shapes": [list(p.ds_shape) for p in g["params"]],
+            "local_numel": sum(p.numel() for p in g["params"]),
+        }
+        for g in trainer.optimizer.param_groups
+    ]
     trainer.setup()
     state = accelerator.get_state_dict(trainer.model)  # every rank: gathers the partitions
     if accelerator.is_main_process:

@@ -144,9 +144,14 @@ class HubServer:
     # ---------------------------------------------------------------- the API, one method per route
 
     def whoami(self, user: User) -> dict:
-        return {"type": "user", "id": user.name, "name": user.name, "fullname": user.name.title(),
-                "orgs": [{"type": "org", "name": org, "roleInOrg": "write"} for org in user.orgs],
-                "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": user.role}}}
+        return {
+            "type": "user",
+            "id": user.name,
+            "name": user.name,
+            "fullname": user.name.title(),
+            "orgs": [{"type": "org", "name": org, "roleInOrg": "write"} for org in user.orgs],
+            "auth": {"type": "access_token", "accessToken": {"displayName": "test", "role": user.role}},
+        }
 
     def create_repo(self, user: User, body: dict) -> tuple[int, dict]:
         if body.get("type", "model") != "model":
@@ -154,7 +159,7 @@ class HubServer:
         namespace = body.get("organization") or user.name
         repo_id = f"{namespace}/{body['name']}"
         if not user.can_write(namespace):
-            raise HttpError(403, f"You don't have the rights to create a model under the namespace \"{namespace}\"")
+            raise HttpError(403, f'You don\'t have the rights to create a model under the namespace "{namespace}"')
         if repo_id in self.repos:
             return 409, {"error": "You already created this model repo", "url": f"{self.url}/{repo_id}"}
         private = body.get("visibility") == "private" or bool(body.get("private"))
@@ -168,16 +173,31 @@ class HubServer:
 
     def model_info(self, repo: Repo, revision: str) -> dict:
         commit = self.revision(repo, revision)
-        return {"id": repo.repo_id, "modelId": repo.repo_id, "author": repo.namespace, "sha": commit.oid,
-                "private": repo.private, "disabled": False, "tags": [],
-                "siblings": [{"rfilename": path} for path in sorted(commit.files)]}
+        return {
+            "id": repo.repo_id,
+            "modelId": repo.repo_id,
+            "author": repo.namespace,
+            "sha": commit.oid,
+            "private": repo.private,
+            "disabled": False,
+            "tags": [],
+            "siblings": [{"rfilename": path} for path in sorted(commit.files)],
+        }
 
     def preupload(self, repo: Repo, revision: str, body: dict) -> dict:
         commit = self.revision(repo, revision)
-        return {"commitOid": commit.oid, "files": [
-            {"path": f["path"], "uploadMode": "regular", "shouldIgnore": False,
-             "oid": git_blob_sha1(commit.files[f["path"]]) if f["path"] in commit.files else None}
-            for f in body["files"]]}
+        return {
+            "commitOid": commit.oid,
+            "files": [
+                {
+                    "path": f["path"],
+                    "uploadMode": "regular",
+                    "shouldIgnore": False,
+                    "oid": git_blob_sha1(commit.files[f["path"]]) if f["path"] in commit.files else None,
+                }
+                for f in body["files"]
+            ],
+        }
 
     def commit(self, repo: Repo, revision: str, ndjson: bytes) -> dict:
         if self.refuse_commits:
@@ -199,8 +219,11 @@ class HubServer:
         if header.get("parentCommit") and header["parentCommit"] != repo.branches[revision]:
             raise HttpError(412, "A commit has happened since the parent commit")
         commit = repo.add_commit(revision, header.get("summary", ""), added, deleted)
-        return {"commitUrl": f"{self.url}/{repo.repo_id}/commit/{commit.oid}", "commitOid": commit.oid,
-                "pullRequestUrl": None}
+        return {
+            "commitUrl": f"{self.url}/{repo.repo_id}/commit/{commit.oid}",
+            "commitOid": commit.oid,
+            "pullRequestUrl": None,
+        }
 
     def create_branch(self, repo: Repo, branch: str, body: dict) -> tuple[int, dict]:
         if branch in repo.branches:
@@ -209,8 +232,13 @@ class HubServer:
         return 200, {}
 
     def refs(self, repo: Repo) -> dict:
-        return {"branches": [{"name": name, "ref": f"refs/heads/{name}", "targetCommit": oid}
-                             for name, oid in repo.branches.items()], "tags": [], "converts": []}
+        return {
+            "branches": [
+                {"name": name, "ref": f"refs/heads/{name}", "targetCommit": oid} for name, oid in repo.branches.items()
+            ],
+            "tags": [],
+            "converts": [],
+        }
 
     def tree(self, repo: Repo, revision: str, path: str, recursive: bool) -> list[dict]:
         prefix = f"{path.strip('/')}/" if path.strip("/") else ""
@@ -218,7 +246,7 @@ class HubServer:
         for file, content in self.revision(repo, revision).files.items():
             if not file.startswith(prefix):
                 continue
-            parts = file[len(prefix):].split("/")
+            parts = file[len(prefix) :].split("/")
             for depth in range(1, len(parts) if recursive else min(len(parts), 2)):
                 folder = prefix + "/".join(parts[:depth])
                 entries[folder] = {"type": "directory", "path": folder, "oid": "0" * 40, "size": 0}
@@ -246,11 +274,19 @@ def card_metadata_errors(content: str) -> list[str]:
         return [f"invalid YAML: {err}"]
     if not isinstance(meta, dict):
         return ["metadata must be a mapping"]
-    errors = [f"{key} must be a string or a list of strings" for key in ("tags", "datasets", "base_model", "metrics")
-              if key in meta and not (isinstance(meta[key], str) or
-                                      (isinstance(meta[key], list) and all(isinstance(v, str) for v in meta[key])))]
-    errors += [f"{key} must be a string" for key in ("license", "library_name", "pipeline_tag")
-               if key in meta and not isinstance(meta[key], str)]
+    errors = [
+        f"{key} must be a string or a list of strings"
+        for key in ("tags", "datasets", "base_model", "metrics")
+        if key in meta
+        and not (
+            isinstance(meta[key], str) or (isinstance(meta[key], list) and all(isinstance(v, str) for v in meta[key]))
+        )
+    ]
+    errors += [
+        f"{key} must be a string"
+        for key in ("license", "library_name", "pipeline_tag")
+        if key in meta and not isinstance(meta[key], str)
+    ]
     for model in meta.get("model-index", []) if isinstance(meta.get("model-index", []), list) else [None]:
         try:
             assert isinstance(model["name"], str)
@@ -259,8 +295,10 @@ def card_metadata_errors(content: str) -> list[str]:
                 assert isinstance(result["dataset"]["type"], str) and isinstance(result["dataset"]["name"], str)
                 assert all(isinstance(m["type"], str) and "value" in m for m in result["metrics"])
         except (AssertionError, KeyError, TypeError):
-            errors.append("model-index: each entry needs name and results with task.type, dataset.type, "
-                          "dataset.name and metrics (type, value)")
+            errors.append(
+                "model-index: each entry needs name and results with task.type, dataset.type, "
+                "dataset.name and metrics (type, value)"
+            )
     return errors
 
 
@@ -307,8 +345,13 @@ class _Handler(BaseHTTPRequestHandler):
                     if name == "commit":
                         self.hub.commits_open.wait(timeout=60)
                     with self.hub.lock:
-                        self._route(name, {k: unquote(v) for k, v in match.groupdict().items() if v}, body,
-                                    parse_qs(url.query), head=method == "HEAD")
+                        self._route(
+                            name,
+                            {k: unquote(v) for k, v in match.groupdict().items() if v},
+                            body,
+                            parse_qs(url.query),
+                            head=method == "HEAD",
+                        )
                     return
             raise HttpError(404, f"{method} {url.path} is not served by the test Hub")
         except HttpError as err:

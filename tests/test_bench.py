@@ -39,8 +39,14 @@ def test_json_holds_every_runner_with_sane_values(bench_results):
 @pytest.mark.slow
 def test_markdown_and_chart(bench_results):
     table = (bench_results / "latest.md").read_text()
-    for row in ("cloudtrain BasicTrainer", "cloudtrain AcceleratedTrainer", "reference PyTorch loop",
-                "transformers.Trainer", "| group_by_length |", "rows/s"):
+    for row in (
+        "cloudtrain BasicTrainer",
+        "cloudtrain AcceleratedTrainer",
+        "reference PyTorch loop",
+        "transformers.Trainer",
+        "| group_by_length |",
+        "rows/s",
+    ):
         assert row in table
     assert "## Causal LM: sequence packing" in table  # the LM section of the same run (tests/test_bench_lm.py)
     assert "nan" not in table
@@ -48,8 +54,13 @@ def test_markdown_and_chart(bench_results):
 
 
 def lengths_data(lengths: list[int]) -> ProcessedData:
-    train = Dataset.from_dict({"input_ids": [[1] * n for n in lengths], "attention_mask": [[1] * n for n in lengths],
-                               "labels": [0] * len(lengths)})
+    train = Dataset.from_dict(
+        {
+            "input_ids": [[1] * n for n in lengths],
+            "attention_mask": [[1] * n for n in lengths],
+            "labels": [0] * len(lengths),
+        }
+    )
     return ProcessedData(train=train, validation=train, test=None, label_names=["a", "b"], collator=None)
 
 
@@ -63,7 +74,7 @@ def test_length_grouped_order_is_a_function_of_seed_and_epoch():
     assert list(sampler) != first
 
     def padded(order):  # tokens a dynamically padded batch holds
-        return sum(8 * max(lengths[i] for i in order[b:b + 8]) for b in range(0, len(order), 8))
+        return sum(8 * max(lengths[i] for i in order[b : b + 8]) for b in range(0, len(order), 8))
 
     shuffled = torch.randperm(300, generator=torch.Generator().manual_seed(3)).tolist()
     assert padded(first) < 0.8 * padded(shuffled)
@@ -76,8 +87,9 @@ def test_group_by_length_option_picks_the_sampler():
     assert not isinstance(train_dataloader(data, 4, 0).sampler, LengthGroupedSampler)
 
 
-@pytest.mark.parametrize("impl,flag", [("foreach", "foreach"), ("fused", "fused"), ("for_loop", "foreach"),
-                                       ("auto", "fused")])
+@pytest.mark.parametrize(
+    "impl,flag", [("foreach", "foreach"), ("fused", "fused"), ("for_loop", "foreach"), ("auto", "fused")]
+)
 def test_adamw_implementation(impl, flag):
     model = torch.nn.Linear(4, 2)
     optimizer = build_optimizer(model, build_config({"adamw_implementation": impl}))

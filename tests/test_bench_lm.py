@@ -14,7 +14,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-
 from conftest import LM_TEXT, write_tab
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,8 +23,18 @@ lm_corpus = importlib.import_module("lm_corpus")
 lm_bench = importlib.import_module("lm_bench")
 gpu = importlib.import_module("gpu")
 
-TINY = dict(block_size=32, batch_size=4, token_budget=256, hidden_size=32, num_layers=2, num_heads=2,
-            num_kv_heads=1, intermediate_size=64, vocab_size=300, eval_batch_size=8)
+TINY = dict(
+    block_size=32,
+    batch_size=4,
+    token_budget=256,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    vocab_size=300,
+    eval_batch_size=8,
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +53,7 @@ def test_paragraphs_split_at_double_spaces_and_tales_stay_whole(tab):
     tales = lm_corpus.read_tales(tab)
     assert [title for title, _ in tales] == [f"Tale {t}" for t in range(9)]
     train, validation = lm_corpus.split_documents(tales)
-    expected = [p for _, content in tales[-lm_corpus.VALIDATION_TALES:] for p in lm_corpus.paragraphs(content)]
+    expected = [p for _, content in tales[-lm_corpus.VALIDATION_TALES :] for p in lm_corpus.paragraphs(content)]
     assert validation == expected and not set(validation) & set(train) - set(LM_TEXT)
     assert len(train) + len(validation) == sum(3 + t % 3 for t in range(9))
 
@@ -69,7 +78,7 @@ def test_the_fetch_scripts_tokenizer_is_reused_only_for_the_same_split_and_vocab
     shared.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (shared / name).write_bytes((corpus.tokenizer_dir / name).read_bytes())
-    validation = [" ".join(content.split()) for _, content in tales[-lm_corpus.VALIDATION_TALES:]]
+    validation = [" ".join(content.split()) for _, content in tales[-lm_corpus.VALIDATION_TALES :]]
     (tmp_path / "validation.txt").write_text("\n".join(validation) + "\n")
     reused = lm_corpus.prepare(corpus.vocab_size, tab)
     assert reused.tokenizer_dir == shared and reused.tokenizer_source == "scripts/fetch_grimm.py"
@@ -154,29 +163,54 @@ def test_a_run_trains_the_planned_steps_and_counts_padding(tiny_runs):
 
 def fake_lm_result(skipped_none: bool = False) -> dict:
     def variant(rate, budget, loss, padding):
-        run = {"real_tokens_per_s": rate, "all_tokens_per_s": rate / (1 - padding), "median_step_s": 1.0,
-               "budget_s": budget, "eval_loss": loss, "train_loss": loss + 0.3, "padding_fraction": padding,
-               "train_tokens": 32000}
+        run = {
+            "real_tokens_per_s": rate,
+            "all_tokens_per_s": rate / (1 - padding),
+            "median_step_s": 1.0,
+            "budget_s": budget,
+            "eval_loss": loss,
+            "train_loss": loss + 0.3,
+            "padding_fraction": padding,
+            "train_tokens": 32000,
+        }
         slower = {**run, "real_tokens_per_s": rate * 0.9}
-        return {"steps": 16, "rows_per_batch": 16, "real_tokens_per_row": 128.0, "runs": [run, run, slower],
-                "summary": lm_bench._summary([run, run, slower])}
+        return {
+            "steps": 16,
+            "rows_per_batch": 16,
+            "real_tokens_per_row": 128.0,
+            "runs": [run, run, slower],
+            "summary": lm_bench._summary([run, run, slower]),
+        }
 
-    variants = {"none": variant(1000.0, 30.0, 6.9, 0.5), "wrapped": variant(2000.0, 15.0, 6.91, 0.0),
-                "bfd": variant(2500.0, 12.0, 6.9, 0.001)}
+    variants = {
+        "none": variant(1000.0, 30.0, 6.9, 0.5),
+        "wrapped": variant(2000.0, 15.0, 6.91, 0.0),
+        "bfd": variant(2500.0, 12.0, 6.9, 0.001),
+    }
     for v in variants.values():
         v["speed_vs_none"] = None if skipped_none else v["summary"]["real_tokens_per_s"]["median"] / 1000.0
         v["budget_time_vs_none"] = None if skipped_none else v["summary"]["budget_s"]["median"] / 30.0
-    return {"settings": lm_bench.asdict(lm_bench.LMSettings()), "repetitions": 2, "wall_s": 100.0,
-            "corpus": {"name": "Grimm tales", "train_documents": 957, "validation_documents": 48,
-                       "train_tokens": 91923, "median_document_tokens": 45, "max_document_tokens": 1339,
-                       "tokenizer": "trained here", "vocab_size": 4096},
-            "variants": variants}
+    return {
+        "settings": lm_bench.asdict(lm_bench.LMSettings()),
+        "repetitions": 2,
+        "wall_s": 100.0,
+        "corpus": {
+            "name": "Grimm tales",
+            "train_documents": 957,
+            "validation_documents": 48,
+            "train_tokens": 91923,
+            "median_document_tokens": 45,
+            "max_document_tokens": 1339,
+            "tokenizer": "trained here",
+            "vocab_size": 4096,
+        },
+        "variants": variants,
+    }
 
 
 def test_the_markdown_section_quotes_ratios_against_none():
     text = "\n".join(lm_bench.markdown(fake_lm_result()))
-    assert ("| bfd | 16 | 16 | 2500 (2250-2500) | 2.50x | 2503 | 0.1% | 12.0 | 0.40x | 32000 | 6.9000 | 7.2000 |"
-            in text)
+    assert "| bfd | 16 | 16 | 2500 (2250-2500) | 2.50x | 2503 | 0.1% | 12.0 | 0.40x | 32000 | 6.9000 | 7.2000 |" in text
     assert "| none | 16 | 16 | 1000 (900-1000) | 1.00x |" in text
     assert "nan" not in text.lower()  # test_bench checks the whole report for "nan"
     assert "| bfd | 16 | 16 | 2500 (2250-2500) |  |" in "\n".join(lm_bench.markdown(fake_lm_result(skipped_none=True)))
@@ -184,12 +218,26 @@ def test_the_markdown_section_quotes_ratios_against_none():
 
 def test_the_report_carries_the_lm_section_or_why_it_was_skipped(tmp_path):
     report = importlib.import_module("report")
-    results = {"settings": {"model": "m", "max_length": 64, "batch_size": 16, "mixed_precision": "no",
-                            "threads": 0, "steps": 3, "eval_samples": 32, "repetitions": 1,
-                            "ablation_repetitions": 1, "ablation_timeout": 600},
-               "machine": {"cuda": None, "processor": "x86_64", "platform": "linux", "torch": "2", "cpu_threads": 2},
-               "phases": {"comparison_s": 1.0, "ablations_s": 0.0, "lm_s": 100.0}, "runners": {},
-               "ablations": {}, "data_processing": None, "lm": fake_lm_result()}
+    results = {
+        "settings": {
+            "model": "m",
+            "max_length": 64,
+            "batch_size": 16,
+            "mixed_precision": "no",
+            "threads": 0,
+            "steps": 3,
+            "eval_samples": 32,
+            "repetitions": 1,
+            "ablation_repetitions": 1,
+            "ablation_timeout": 600,
+        },
+        "machine": {"cuda": None, "processor": "x86_64", "platform": "linux", "torch": "2", "cpu_threads": 2},
+        "phases": {"comparison_s": 1.0, "ablations_s": 0.0, "lm_s": 100.0},
+        "runners": {},
+        "ablations": {},
+        "data_processing": None,
+        "lm": fake_lm_result(),
+    }
     report.write_markdown(results, tmp_path / "latest.md")
     text = (tmp_path / "latest.md").read_text()
     assert "100s for the causal-LM comparison" in text and "## Causal LM: sequence packing" in text
@@ -214,8 +262,9 @@ def test_make_bench_runs_the_lm_comparison_in_fresh_processes(bench_results):
 # ---------------------------------------------------------------- bench/gpu.py
 def test_gpu_bench_refuses_politely_without_cuda():
     # Children of tests not marked gpu see no GPU (conftest), so this holds on every machine.
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--steps", "5"], capture_output=True, text=True,
-                          timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "gpu.py"), "--steps", "5"], capture_output=True, text=True, timeout=120, cwd=REPO
+    )
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in proc.stderr
 
@@ -223,8 +272,13 @@ def test_gpu_bench_refuses_politely_without_cuda():
 @pytest.mark.slow  # about 30 s: a real run through the application
 def test_gpu_bench_dry_run_trains_through_the_application_on_cpu(tab, tmp_path):
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--dry_run", "--tab", str(tab), "--out", str(out)],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / "gpu.py"), "--dry_run", "--tab", str(tab), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     (run,) = report["runs"]
@@ -235,8 +289,9 @@ def test_gpu_bench_dry_run_trains_through_the_application_on_cpu(tab, tmp_path):
     assert report["settings"]["preset"] == "llama-8m" and report["settings"]["packing"] == "bfd"
     plan = report["planner"]
     assert "error" in plan or plan["total"] > plan["without_overhead"] > 0
-    assert "tokens/s" in proc.stdout and ("planner estimate (1 GPU" in proc.stdout
-                                          or "planner estimate: n/a" in proc.stdout)
+    assert "tokens/s" in proc.stdout and (
+        "planner estimate (1 GPU" in proc.stdout or "planner estimate: n/a" in proc.stdout
+    )
 
 
 @pytest.mark.gpu
@@ -244,10 +299,34 @@ def test_gpu_bench_dry_run_trains_through_the_application_on_cpu(tab, tmp_path):
 def test_gpu_bench_on_cuda_reports_mfu_and_peak_memory_beside_the_planner(tab, tmp_path):
     """The real path on a GPU, small: llama-8m, 20 steps of 4 x 256 tokens, bf16, bfd, sdpa."""
     out = tmp_path / "gpu.json"
-    proc = subprocess.run([sys.executable, str(BENCH / "gpu.py"), "--preset", "llama-8m", "--steps", "20",
-                           "--batch_size", "4", "--max_length", "256", "--logging_steps", "5", "--attention", "sdpa",
-                           "--vocab_size", "512", "--tab", str(tab), "--out", str(out)],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCH / "gpu.py"),
+            "--preset",
+            "llama-8m",
+            "--steps",
+            "20",
+            "--batch_size",
+            "4",
+            "--max_length",
+            "256",
+            "--logging_steps",
+            "5",
+            "--attention",
+            "sdpa",
+            "--vocab_size",
+            "512",
+            "--tab",
+            str(tab),
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     (run,) = report["runs"]
@@ -264,18 +343,41 @@ def test_gpu_bench_on_cuda_reports_mfu_and_peak_memory_beside_the_planner(tab, t
 
 
 def test_gpu_bench_report_names_failures_and_the_missing_planner():
-    report = {"settings": {"preset": "llama-600m", "mixed_precision": "bf16", "packing": "bfd", "batch_size": 8,
-                           "max_length": 2048, "steps": 300, "gradient_checkpointing": "false"},
-              "device": "NVIDIA H100", "corpus": {"train_documents": 957, "vocab_size": 7509},
-              "runs": [{"attention": "sdpa", "parameters": 515e6, "tokens_per_s": 40000.0, "mfu": 0.41,
-                        "peak_memory": {"allocated": 30 * gpu.GIB, "reserved": 32 * gpu.GIB}, "first_loss": 9.0,
-                        "last_loss": 3.0, "eval_loss": 3.5},
-                       {"attention": "flash_attention_2", "error": "RuntimeError: FlashAttention only supports fp16"}],
-              "planner": {"error": "unrecognized arguments: --task causal_lm"}}
+    report = {
+        "settings": {
+            "preset": "llama-600m",
+            "mixed_precision": "bf16",
+            "packing": "bfd",
+            "batch_size": 8,
+            "max_length": 2048,
+            "steps": 300,
+            "gradient_checkpointing": "false",
+        },
+        "device": "NVIDIA H100",
+        "corpus": {"train_documents": 957, "vocab_size": 7509},
+        "runs": [
+            {
+                "attention": "sdpa",
+                "parameters": 515e6,
+                "tokens_per_s": 40000.0,
+                "mfu": 0.41,
+                "peak_memory": {"allocated": 30 * gpu.GIB, "reserved": 32 * gpu.GIB},
+                "first_loss": 9.0,
+                "last_loss": 3.0,
+                "eval_loss": 3.5,
+            },
+            {"attention": "flash_attention_2", "error": "RuntimeError: FlashAttention only supports fp16"},
+        ],
+        "planner": {"error": "unrecognized arguments: --task causal_lm"},
+    }
     text = gpu.render(report)
     assert "41.0%" in text and "30.00" in text and "40,000" in text
     assert "flash_attention_2: failed: RuntimeError" in text
     assert "planner estimate: n/a (unrecognized arguments" in text
-    report["planner"] = {"total": 40 * gpu.GIB, "overhead": 4 * gpu.GIB, "without_overhead": 36 * gpu.GIB,
-                         "parts": {"parameters": 2 * gpu.GIB, "overhead": 4 * gpu.GIB}}
+    report["planner"] = {
+        "total": 40 * gpu.GIB,
+        "overhead": 4 * gpu.GIB,
+        "without_overhead": 36 * gpu.GIB,
+        "parts": {"parameters": 2 * gpu.GIB, "overhead": 4 * gpu.GIB},
+    }
     assert "30.00 GiB = 83% of the estimate without overhead" in gpu.render(report)

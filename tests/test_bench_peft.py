@@ -17,15 +17,36 @@ sys.path.insert(0, str(REPO / "bench"))
 peft_bench = importlib.import_module("peft_bench")
 
 DATA = (REPO / "data" / "reuters-r8" / "reuters-r8-train.tab", peft_bench.GRIMM / "train.txt")
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not all(f.is_file() for f in DATA), reason="data not fetched (make setup)")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not all(f.is_file() for f in DATA), reason="data not fetched (make setup)"),
+]
 STEPS, WARMUP = 3, 1
 
 
 def tiny_argv(tiny_model_dir: str, tiny_llama_dir: str, out: Path) -> list[str]:
-    return ["--steps", str(STEPS), "--warmup_steps", str(WARMUP), "--threads", "0", "--classifier_model",
-            tiny_model_dir, "--classifier_max_length", "32", "--classifier_batch_size", "4", "--lm_model",
-            tiny_llama_dir, "--lm_max_length", "32", "--lm_batch_size", "4", "--out", str(out)]
+    return [
+        "--steps",
+        str(STEPS),
+        "--warmup_steps",
+        str(WARMUP),
+        "--threads",
+        "0",
+        "--classifier_model",
+        tiny_model_dir,
+        "--classifier_max_length",
+        "32",
+        "--classifier_batch_size",
+        "4",
+        "--lm_model",
+        tiny_llama_dir,
+        "--lm_max_length",
+        "32",
+        "--lm_batch_size",
+        "4",
+        "--out",
+        str(out),
+    ]
 
 
 def in_process(spec: dict, log) -> dict:
@@ -82,8 +103,13 @@ def test_a_run_in_a_fresh_process_reports_the_same_sizes(bench, tmp_path):
     results, _, _ = bench
     lora = results["cases"]["causal_lm"]["methods"]["lora"]["runs"][0]
     settings = peft_bench.PEFTSettings(**{**results["settings"], "cases": ["causal_lm"], "methods": ["lora"]})
-    spec = {"case": "causal_lm", "method": "lora", "threads": 1, "warmup_steps": WARMUP,
-            "options": peft_bench.options(settings, "causal_lm", "lora", settings.lm_model, str(tmp_path / "cache"))}
+    spec = {
+        "case": "causal_lm",
+        "method": "lora",
+        "threads": 1,
+        "warmup_steps": WARMUP,
+        "options": peft_bench.options(settings, "causal_lm", "lora", settings.lm_model, str(tmp_path / "cache")),
+    }
     with open(tmp_path / "run.log", "w") as log:
         fresh = peft_bench.run_worker(spec, log)
     for key in ("trainable_parameters", "output_bytes", "steps"):  # the checkpoint also holds timings

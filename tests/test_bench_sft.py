@@ -20,14 +20,24 @@ sys.path.insert(0, str(BENCH))
 sft_bench = importlib.import_module("sft_bench")
 
 pytest.importorskip("trl")  # a development dependency (requirements-dev.txt)
-pytestmark = pytest.mark.skipif(not (sft_bench.R8 / "reuters-r8-train.tab").is_file(), reason="data/reuters-r8 not fetched")
+pytestmark = pytest.mark.skipif(
+    not (sft_bench.R8 / "reuters-r8-train.tab").is_file(), reason="data/reuters-r8 not fetched"
+)
 
-TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-                  num_key_value_heads=1)
+TINY_MODEL = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1
+)
 # Rows of 512 tokens hold about two examples each, as in the real section; a high learning rate so that three
 # steps move the held-out loss.
-TINY = dict(batch_size=2, steps=3, learning_rate=1e-2, train_examples=48, heldout_examples=8, eval_batch_size=8,
-            model_overrides=TINY_MODEL)
+TINY = dict(
+    batch_size=2,
+    steps=3,
+    learning_rate=1e-2,
+    train_examples=48,
+    heldout_examples=8,
+    eval_batch_size=8,
+    model_overrides=TINY_MODEL,
+)
 UNPACKED = ("ours-none", "hf-trainer", "trl-none")
 PACKED = ("ours-bfd", "trl-packing")
 TOPICS = {"acq", "crude", "earn", "grain", "interest", "money-fx", "ship", "trade"}
@@ -47,32 +57,67 @@ def test_the_pairs_are_r8_articles_cut_to_fit_with_lengths_that_vary():
     assert max(lengths) <= 256 and min(lengths) < 128 < max(lengths)
     for (category, text), pair in zip(rows, pairs):
         assert pair["completion"] == category and pair["prompt"].startswith(sft_bench.QUESTION)
-        article = pair["prompt"][len(sft_bench.QUESTION):]
+        article = pair["prompt"][len(sft_bench.QUESTION) :]
         assert (" ".join(text.split()) + " ").startswith(article + " ")  # its first words, whole
 
 
 def fake_section(hf_rate: float = 400.0) -> dict:
     def run(rate, padding, loss, rows):
-        return {"real_tokens_per_s": rate, "computed_tokens_per_s": rate / (1 - padding), "median_step_s": 3.0,
-                "peak_rss_mb": 1500.0, "heldout_loss": loss, "train_loss": loss + 1, "padding_fraction": padding,
-                "examples_seen": 72, "real_tokens_seen": 16000, "answer_tokens_seen": 300, "rows_per_step": rows}
+        return {
+            "real_tokens_per_s": rate,
+            "computed_tokens_per_s": rate / (1 - padding),
+            "median_step_s": 3.0,
+            "peak_rss_mb": 1500.0,
+            "heldout_loss": loss,
+            "train_loss": loss + 1,
+            "padding_fraction": padding,
+            "examples_seen": 72,
+            "real_tokens_seen": 16000,
+            "answer_tokens_seen": 300,
+            "rows_per_step": rows,
+        }
 
-    shapes = {"ours-none": (400.0, 0.5, 5.38, 9), "ours-bfd": (800.0, 0.03, 5.42, 4),
-              "hf-trainer": (hf_rate, 0.5, 5.38, 9), "trl-none": (390.0, 0.5, 5.38, 9),
-              "trl-packing": (350.0, 0.0, 5.42, 4)}
+    shapes = {
+        "ours-none": (400.0, 0.5, 5.38, 9),
+        "ours-bfd": (800.0, 0.03, 5.42, 4),
+        "hf-trainer": (hf_rate, 0.5, 5.38, 9),
+        "trl-none": (390.0, 0.5, 5.38, 9),
+        "trl-packing": (350.0, 0.0, 5.42, 4),
+    }
     runners = {}
     for name, (rate, padding, loss, rows) in shapes.items():
         runs = [run(rate, padding, loss, rows), run(rate * 0.9, padding, loss, rows)]
         if name == "trl-none":
             for r in runs:
                 r.update(inputs_differing_from_ours=0, trained_not_by_ours=400, not_trained_by_trl=0)
-        runners[name] = {"rows_per_step": rows, "packed": sft_bench.PACKED[name], "runs": runs,
-                         "summary": sft_bench._summary(runs)}
-    data = {"parameters": 5.5e6, "vocab_size": 4160, "train_examples": 400, "min_tokens": 67, "max_tokens": 512,
-            "median_tokens": 188, "answer_tokens_per_example": 4.1, "examples_per_bfd_row": 2.26, "bfd_fill": 0.98,
-            "heldout_examples": 64, "initial_heldout_loss": 8.2}
-    return {"settings": sft_bench.asdict(sft_bench.SFTSettings()), "repetitions": 2, "data": data,
-            "runners": runners, "skipped": {}, "goals": sft_bench.goals(runners), "wall_s": 250.0}
+        runners[name] = {
+            "rows_per_step": rows,
+            "packed": sft_bench.PACKED[name],
+            "runs": runs,
+            "summary": sft_bench._summary(runs),
+        }
+    data = {
+        "parameters": 5.5e6,
+        "vocab_size": 4160,
+        "train_examples": 400,
+        "min_tokens": 67,
+        "max_tokens": 512,
+        "median_tokens": 188,
+        "answer_tokens_per_example": 4.1,
+        "examples_per_bfd_row": 2.26,
+        "bfd_fill": 0.98,
+        "heldout_examples": 64,
+        "initial_heldout_loss": 8.2,
+    }
+    return {
+        "settings": sft_bench.asdict(sft_bench.SFTSettings()),
+        "repetitions": 2,
+        "data": data,
+        "runners": runners,
+        "skipped": {},
+        "goals": sft_bench.goals(runners),
+        "wall_s": 250.0,
+    }
 
 
 def test_the_markdown_section_carries_every_runner_and_both_goals():
@@ -81,8 +126,10 @@ def test_the_markdown_section_carries_every_runner_and_both_goals():
     assert text.startswith(sft_bench.TITLE)
     assert "| ours-bfd | 4 | 72 | 16000 | 300 | 760 (720-800) | 2.00x | 784 | 3.0% | 1500 | 5.4200 | 6.4200 |" in text
     assert "| hf-trainer | 9 | 72 | 16000 | 300 | 380 (360-400) | 1.00x |" in text
-    assert "ours-bfd / hf-trainer real tokens/s: **2.00x** (goal at least 1.3x: met); held-out loss difference " \
-           "+0.0400" in text
+    assert (
+        "ours-bfd / hf-trainer real tokens/s: **2.00x** (goal at least 1.3x: met); held-out loss difference "
+        "+0.0400" in text
+    )
     assert "ours-bfd / trl-packing real tokens/s: **2.29x** (goal at least 1.0x: met)" in text
     assert "0 of 400 examples with other input tokens; it would train 400 tokens ours does not" in text
     assert "nan" not in text.lower()

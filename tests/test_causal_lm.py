@@ -5,14 +5,13 @@ import json
 
 import pytest
 import torch
+from conftest import assert_each_refused, lm_documents, run_cli
 from safetensors.torch import load_file
 
 from cloudtrain.config import build_config
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.plotting import curve_data
 from cloudtrain.tracking import read_metrics
-
-from conftest import assert_each_refused, lm_documents, run_cli
 
 
 @pytest.fixture
@@ -27,18 +26,31 @@ def corpus(tmp_path):
 
 
 def lm_options(model_dir, corpus, out, **overrides) -> dict:
-    return {"task": "causal_lm", "model_name_or_path": model_dir, "train_file": str(corpus["train"]),
-            "validation_file": str(corpus["validation"]), "output_dir": str(out), "max_length": 32,
-            "per_device_train_batch_size": 4, "max_steps": 4, "logging_steps": 2, "learning_rate": 1e-3,
-            "mixed_precision": "no", "report_to": ["none"], **overrides}
+    return {
+        "task": "causal_lm",
+        "model_name_or_path": model_dir,
+        "train_file": str(corpus["train"]),
+        "validation_file": str(corpus["validation"]),
+        "output_dir": str(out),
+        "max_length": 32,
+        "per_device_train_batch_size": 4,
+        "max_steps": 4,
+        "logging_steps": 2,
+        "learning_rate": 1e-3,
+        "mixed_precision": "no",
+        "report_to": ["none"],
+        **overrides,
+    }
 
 
-@pytest.mark.parametrize("packing", ["wrapped", pytest.param("bfd", marks=pytest.mark.slow),
-                                     pytest.param("none", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "packing", ["wrapped", pytest.param("bfd", marks=pytest.mark.slow), pytest.param("none", marks=pytest.mark.slow)]
+)
 def test_a_run_trains_evaluates_and_saves(tiny_llama_dir, corpus, tmp_path, packing, capsys):
     out = tmp_path / "run"
-    results = run_training(build_config(lm_options(tiny_llama_dir, corpus, out, packing=packing,
-                                                   sample_max_new_tokens=5)))
+    results = run_training(
+        build_config(lm_options(tiny_llama_dir, corpus, out, packing=packing, sample_max_new_tokens=5))
+    )
     assert results["eval"]["perplexity"] == pytest.approx(torch.tensor(results["eval"]["loss"]).exp().item())
     assert len(results["eval"]["generations"]) == 3
     saved = json.loads((out / "eval_results.json").read_text())
@@ -55,16 +67,27 @@ def test_token_level_accumulation_equals_one_big_batch(tiny_llama_dir, corpus, t
     per-micro-batch means (the classic mistake) would not."""
     updates, losses = [], []
     for k, sizes in ((3, [2, 3, 1]), (1, [6])):
-        run = build_run(build_config(lm_options(tiny_llama_dir, corpus, tmp_path / f"k{k}", packing="none", max_length=128,
-                                                gradient_accumulation_steps=k, max_grad_norm=0,
-                                                training_type="basic")))
+        run = build_run(
+            build_config(
+                lm_options(
+                    tiny_llama_dir,
+                    corpus,
+                    tmp_path / f"k{k}",
+                    packing="none",
+                    max_length=128,
+                    gradient_accumulation_steps=k,
+                    max_grad_norm=0,
+                    training_type="basic",
+                )
+            )
+        )
         trainer = run.trainer
         trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=1.0)
         trainer.setup()
         rows = [run.data.train[i] for i in range(6)]
         window, start = [], 0
         for size in sizes:
-            window.append(trainer.move(run.data.collator(rows[start:start + size])))
+            window.append(trainer.move(run.data.collator(rows[start : start + size])))
             start += size
         counts = [int(run.task.loss_count(batch)) for batch in window]
         stats = trainer.backward_window(window, trainer._loss_scale(window))
@@ -81,21 +104,38 @@ def test_token_level_accumulation_equals_one_big_batch(tiny_llama_dir, corpus, t
 
 def test_exact_resume_mid_epoch_with_packing(tiny_llama_dir, corpus, tmp_path):
     """A run resumed from its step-5 checkpoint ends with the weights of the run that never stopped."""
-    options = lm_options(tiny_llama_dir, corpus, tmp_path / "run", packing="bfd", max_steps=8,
-                         checkpointing_steps="5", eval_strategy="no")
+    options = lm_options(
+        tiny_llama_dir,
+        corpus,
+        tmp_path / "run",
+        packing="bfd",
+        max_steps=8,
+        checkpointing_steps="5",
+        eval_strategy="no",
+    )
     run_training(build_config(options))
     straight = load_file(tmp_path / "run" / "model.safetensors")
     steps_per_epoch = len(build_run(build_config({**options, "output_dir": str(tmp_path / "probe")})).trainer.train_dl)
     assert 5 % steps_per_epoch != 0  # mid-epoch
-    run_training(build_config({**options, "resume_from_checkpoint": str(tmp_path / "run/checkpoints/checkpoint-5"),
-                               "overwrite_output_dir": True}))
+    run_training(
+        build_config(
+            {
+                **options,
+                "resume_from_checkpoint": str(tmp_path / "run/checkpoints/checkpoint-5"),
+                "overwrite_output_dir": True,
+            }
+        )
+    )
     resumed = load_file(tmp_path / "run" / "model.safetensors")
     assert all(torch.equal(straight[name], resumed[name]) for name in straight)
 
 
 def test_pretraining_from_a_preset_is_seeded(lm_tokenizer_dir, corpus, tmp_path, capsys):
-    options = {**lm_options(None, corpus, tmp_path / "a", max_steps=1, sample_prompts="Once upon"),
-               "model_config": "llama-8m", "tokenizer_name_or_path": lm_tokenizer_dir}
+    options = {
+        **lm_options(None, corpus, tmp_path / "a", max_steps=1, sample_prompts="Once upon"),
+        "model_config": "llama-8m",
+        "tokenizer_name_or_path": lm_tokenizer_dir,
+    }
     del options["model_name_or_path"]
     first = build_run(build_config(options)).model
     second = build_run(build_config({**options, "output_dir": str(tmp_path / "b")})).model
@@ -126,24 +166,38 @@ def bad_inputs(tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir,
     empty.write_text("\n  \n\n")
     base = lm_options(tiny_llama_dir, corpus, tmp_path / "out")
     return {
-        "no text column": ({**base, "train_file": str(no_text), "validation_file": None},
-                           "column 'text' is not in the train data"),
+        "no text column": (
+            {**base, "train_file": str(no_text), "validation_file": None},
+            "column 'text' is not in the train data",
+        ),
         "empty corpus": ({**base, "train_file": str(empty), "validation_file": None}, "has no text in column 'text'"),
         "an encoder": ({**base, "model_name_or_path": tiny_model_dir}, "is not a causal language model"),
-        "bfd that cannot isolate": ({**base, "model_name_or_path": tiny_bloom_dir, "packing": "bfd"},
-                                    "--packing bfd: BloomForCausalLM"),
+        "bfd that cannot isolate": (
+            {**base, "model_name_or_path": tiny_bloom_dir, "packing": "bfd"},
+            "--packing bfd: BloomForCausalLM",
+        ),
         "no model": ({**base, "model_name_or_path": None}, "--task causal_lm needs a decoder"),
-        "config without tokenizer": ({**base, "model_name_or_path": None, "model_config": "llama-8m"},
-                                     "--model_config needs --tokenizer_name_or_path"),
-        "unknown preset": ({**base, "model_name_or_path": None, "model_config": "llama-1t",
-                            "tokenizer_name_or_path": lm_tokenizer_dir}, "neither a config.json file nor a preset"),
+        "config without tokenizer": (
+            {**base, "model_name_or_path": None, "model_config": "llama-8m"},
+            "--model_config needs --tokenizer_name_or_path",
+        ),
+        "unknown preset": (
+            {
+                **base,
+                "model_name_or_path": None,
+                "model_config": "llama-1t",
+                "tokenizer_name_or_path": lm_tokenizer_dir,
+            },
+            "neither a config.json file nor a preset",
+        ),
         "a classification metric": ({**base, "metric_for_best_model": "accuracy"}, "not a metric of --task causal_lm"),
         "context too short": ({**base, "max_length": 4096}, "longer than the model's context"),
     }
 
 
-def test_every_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, corpus, tiny_llama_dir, tiny_model_dir,
-                                                                 tiny_bloom_dir, lm_tokenizer_dir, capsys):
+def test_every_bad_input_is_one_line_exit_2_and_nothing_written(
+    tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir, lm_tokenizer_dir, capsys
+):
     cases = bad_inputs(tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir, lm_tokenizer_dir)
     assert_each_refused(cases, capsys, tmp_path / "out")
 
@@ -166,10 +220,23 @@ def test_a_gpt2_style_model_from_a_csv_with_bfd_packing(tiny_gpt2_dir, tmp_path)
     import pandas as pd
 
     pd.DataFrame({"story": lm_documents(30, 3), "id": range(30)}).to_csv(tmp_path / "stories.csv", index=False)
-    results = run_training(build_config({
-        "task": "causal_lm", "model_name_or_path": tiny_gpt2_dir, "train_file": str(tmp_path / "stories.csv"),
-        "text_column": "story", "packing": "bfd", "max_length": 64, "max_steps": 3, "training_type": "basic",
-        "mixed_precision": "no", "output_dir": str(tmp_path / "out"), "sample_prompts": "The wolf|Once",
-        "sample_max_new_tokens": 3}))
+    results = run_training(
+        build_config(
+            {
+                "task": "causal_lm",
+                "model_name_or_path": tiny_gpt2_dir,
+                "train_file": str(tmp_path / "stories.csv"),
+                "text_column": "story",
+                "packing": "bfd",
+                "max_length": 64,
+                "max_steps": 3,
+                "training_type": "basic",
+                "mixed_precision": "no",
+                "output_dir": str(tmp_path / "out"),
+                "sample_prompts": "The wolf|Once",
+                "sample_max_new_tokens": 3,
+            }
+        )
+    )
     assert [g["prompt"] for g in results["eval"]["generations"]] == ["The wolf", "Once"]
     assert results["eval"]["tokens"] > 0 and results["train"]["global_step"] == 3

@@ -8,9 +8,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ENTRY, REPO, lm_documents
+from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
 from test_hub import TOKEN, hub, hub_env, run_app  # noqa: F401 (hub: the local Hub server fixture)
 
@@ -26,22 +25,45 @@ def corpus(tmp_path_factory):
 
 
 def lm_args(model_dir, corpus, out, *extra: str) -> list[str]:
-    return [str(ENTRY), "--task", "causal_lm", "--model_name_or_path", model_dir,
-            "--train_file", str(corpus / "train.txt"), "--validation_file", str(corpus / "validation.txt"),
-            "--output_dir", str(out), "--max_length", "48", "--learning_rate", "3e-3", "--logging_steps", "1",
-            "--mixed_precision", "no", "--sample_max_new_tokens", "4", "--eval_strategy", "no", *extra]
+    return [
+        str(ENTRY),
+        "--task",
+        "causal_lm",
+        "--model_name_or_path",
+        model_dir,
+        "--train_file",
+        str(corpus / "train.txt"),
+        "--validation_file",
+        str(corpus / "validation.txt"),
+        "--output_dir",
+        str(out),
+        "--max_length",
+        "48",
+        "--learning_rate",
+        "3e-3",
+        "--logging_steps",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--sample_max_new_tokens",
+        "4",
+        "--eval_strategy",
+        "no",
+        *extra,
+    ]
 
 
-def test_ddp_two_processes_match_one_process_with_twice_the_batch_and_resume_exactly(tiny_llama_dir, corpus,
-                                                                                     tmp_path):
+def test_ddp_two_processes_match_one_process_with_twice_the_batch_and_resume_exactly(tiny_llama_dir, corpus, tmp_path):
     """Unpadded rows of uneven token counts: the loss is normalised by the global token count, so 2 processes
     x 4 rows give the update of 1 process x 8 rows. Then the 2-process run, resumed from its mid-epoch
     checkpoint, ends with the same weights and losses."""
     common = ["--packing", "none", "--max_steps", "6", "--checkpointing_steps", "4"]
-    two = launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, tmp_path / "two", *common,
-                                       "--per_device_train_batch_size", "4"))
-    launch(torchrun(1), *lm_args(tiny_llama_dir, corpus, tmp_path / "one", *common,
-                                 "--per_device_train_batch_size", "8"))
+    two = launch(
+        torchrun(2), *lm_args(tiny_llama_dir, corpus, tmp_path / "two", *common, "--per_device_train_batch_size", "4")
+    )
+    launch(
+        torchrun(1), *lm_args(tiny_llama_dir, corpus, tmp_path / "one", *common, "--per_device_train_batch_size", "8")
+    )
     assert "2 process(es) on cpu" in two.stdout and two.stdout.count("trained 6 steps") == 1
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     for name in a:
@@ -51,9 +73,21 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch_and_resume_exa
 
     losses = logged_losses(tmp_path / "two")
     checkpoint = tmp_path / "two" / "checkpoints" / "checkpoint-4"
-    resumed = launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, tmp_path / "two", *common,
-                                           "--per_device_train_batch_size", "4", "--overwrite_output_dir", "true",
-                                           "--resume_from_checkpoint", str(checkpoint)))
+    resumed = launch(
+        torchrun(2),
+        *lm_args(
+            tiny_llama_dir,
+            corpus,
+            tmp_path / "two",
+            *common,
+            "--per_device_train_batch_size",
+            "4",
+            "--overwrite_output_dir",
+            "true",
+            "--resume_from_checkpoint",
+            str(checkpoint),
+        ),
+    )
     assert "at step 4" in resumed.stdout
     again = load_file(tmp_path / "two" / "model.safetensors")
     assert all(torch.equal(a[name], again[name]) for name in a)
@@ -71,8 +105,21 @@ def test_zero_stages_train_and_save_the_full_model(stage, tiny_llama_dir, corpus
     skipped there, said in one line)."""
     out = tmp_path / f"zero{stage}"
     extra = ["--gradient_checkpointing", "true", "--packing", "bfd"] if stage == 3 else ["--packing", "wrapped"]
-    result = launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, out, "--zero_stage", str(stage), "--max_steps",
-                                          "2", "--per_device_train_batch_size", "2", *extra))
+    result = launch(
+        torchrun(2),
+        *lm_args(
+            tiny_llama_dir,
+            corpus,
+            out,
+            "--zero_stage",
+            str(stage),
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            *extra,
+        ),
+    )
     assert f"ZeRO-{stage}" in result.stdout and "perplexity" in result.stdout
     assert result.stdout.count("not probed under ZeRO-3") == (stage == 3)
     saved, initial = load_file(out / "model.safetensors"), load_file(f"{tiny_llama_dir}/model.safetensors")
@@ -85,13 +132,37 @@ def test_sagemaker_job_trains_a_language_model_from_its_channels(tiny_llama_dir,
     from transformers import AutoModelForCausalLM
 
     model_dir = tmp_path / "opt-ml" / "model"
-    env = {**os.environ, "SM_MODEL_DIR": str(model_dir), "SM_CHANNEL_TRAIN": str(corpus),
-           "SM_CHANNEL_MODEL": tiny_llama_dir, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    env = {
+        **os.environ,
+        "SM_MODEL_DIR": str(model_dir),
+        "SM_CHANNEL_TRAIN": str(corpus),
+        "SM_CHANNEL_MODEL": tiny_llama_dir,
+        "PYTHONPATH": str(REPO / "src"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
     (corpus / "validation.txt").rename(tmp_path / "validation.txt")  # the train channel holds one split
     try:
-        result = subprocess.run([sys.executable, str(ENTRY), "--task", "causal_lm", "--max_steps", "2",
-                                 "--max_length", "32", "--sample_max_new_tokens", "2", "--mixed_precision", "no"],
-                                capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+        result = subprocess.run(
+            [
+                sys.executable,
+                str(ENTRY),
+                "--task",
+                "causal_lm",
+                "--max_steps",
+                "2",
+                "--max_length",
+                "32",
+                "--sample_max_new_tokens",
+                "2",
+                "--mixed_precision",
+                "no",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+            env=env,
+        )
     finally:
         (tmp_path / "validation.txt").rename(corpus / "validation.txt")
     assert result.returncode == 0, result.stderr[-3000:]
@@ -103,8 +174,19 @@ def test_a_pushed_language_model_gets_a_text_generation_card(hub, tiny_llama_dir
     from huggingface_hub import ModelCard
 
     out = tmp_path / "pushed"
-    args = lm_args(tiny_llama_dir, corpus, out, "--max_steps", "2", "--push_to_hub", "true",
-                   "--hub_model_id", "alice/tales", "--hub_token", TOKEN)
+    args = lm_args(
+        tiny_llama_dir,
+        corpus,
+        out,
+        "--max_steps",
+        "2",
+        "--push_to_hub",
+        "true",
+        "--hub_model_id",
+        "alice/tales",
+        "--hub_token",
+        TOKEN,
+    )
     result = run_app(hub_env(hub, tmp_path / "no-stored-token"), *args[1:])
     assert result.returncode == 0, result.stderr[-3000:]
     upload = hub.history("alice/tales")[-1]

@@ -12,27 +12,48 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from conftest import ENTRY, REPO
 from safetensors.torch import load_file
 
 from cloudtrain.checkpointing import STATE_FILE, Checkpointer, complete_checkpoints
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
 
-from conftest import ENTRY, REPO
-
-FAST = ["--per_device_train_batch_size", "4", "--learning_rate", "3e-3", "--warmup_ratio", "0.1",
-        "--logging_steps", "5", "--eval_strategy", "epoch"]
+FAST = [
+    "--per_device_train_batch_size",
+    "4",
+    "--learning_rate",
+    "3e-3",
+    "--warmup_ratio",
+    "0.1",
+    "--logging_steps",
+    "5",
+    "--eval_strategy",
+    "epoch",
+]
 
 
 def args_for(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:
-    return [str(ENTRY), "--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
-            "--validation_file", str(topic_csvs["validation"]), "--output_dir", str(out), *FAST, *extra]
+    return [
+        str(ENTRY),
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--output_dir",
+        str(out),
+        *FAST,
+        *extra,
+    ]
 
 
 def launcher(processes: int) -> list[str]:
     if processes == 1:
         return [sys.executable]
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
@@ -50,8 +71,9 @@ def run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO,
-                            start_new_session=True)
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO, start_new_session=True
+    )
 
 
 def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
@@ -91,14 +113,17 @@ def test_killed_mid_epoch_then_resumed_equals_never_stopped(processes, tiny_mode
     killed_at = complete_checkpoints(resumed / "checkpoints")[-1][0]
     assert killed_at < 60 and killed_at % (15 if processes == 1 else 8) != 0  # mid-epoch
 
-    result = run(launcher(processes) + args_for(tiny_model_dir, topic_csvs, resumed, *steps,
-                                                "--resume_from_checkpoint", "latest"))
+    result = run(
+        launcher(processes)
+        + args_for(tiny_model_dir, topic_csvs, resumed, *steps, "--resume_from_checkpoint", "latest")
+    )
     assert f"checkpoint-{killed_at} at step {killed_at} (loaded in" in result.stdout, result.stdout
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(a[name], b[name]) for name in a), "final weights differ"
     after = {s: v for s, v in train_losses(straight).items() if s > killed_at}
-    assert after and {s: v for s, v in train_losses(resumed).items() if s > killed_at} == \
-        (after if processes == 1 else pytest.approx(after, rel=1e-12))
+    assert after and {s: v for s, v in train_losses(resumed).items() if s > killed_at} == (
+        after if processes == 1 else pytest.approx(after, rel=1e-12)
+    )
 
 
 @pytest.mark.slow
@@ -113,11 +138,23 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(tiny_model_d
     assert time.monotonic() - sent < 20  # well inside a spot/Kubernetes grace period
     assert proc.returncode == 143
     assert "stopped: stopped by SIGTERM at step" in stderr and "--resume_from_checkpoint latest" in stderr
-    (step, path), = complete_checkpoints(out / "checkpoints")
+    ((step, path),) = complete_checkpoints(out / "checkpoints")
     assert 0 < step < 3000 and (path / "model.safetensors").exists()
 
-    result = run([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, "--max_steps", str(step + 10),
-                                             "--eval_strategy", "no", "--resume_from_checkpoint", "latest"))
+    result = run(
+        [sys.executable]
+        + args_for(
+            tiny_model_dir,
+            topic_csvs,
+            out,
+            "--max_steps",
+            str(step + 10),
+            "--eval_strategy",
+            "no",
+            "--resume_from_checkpoint",
+            "latest",
+        )
+    )
     assert f"at step {step}" in result.stdout and f"trained {step + 10} steps" in result.stdout
 
 
@@ -126,9 +163,26 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_as_latest(tmp_path)
     """The real MiniLM, so that a save takes long enough to be killed in the middle of it. 12 steps with a save
     every 2: the kill comes at the second save, and each MiniLM save (weights and AdamW state) is slow."""
     out = tmp_path / "out"
-    cmd = [sys.executable, str(ENTRY), "--max_train_samples", "64", "--max_eval_samples", "8", "--max_length", "32",
-           "--per_device_train_batch_size", "4", "--checkpointing_steps", "2", "--max_steps", "12",
-           "--eval_strategy", "no", "--output_dir", str(out)]
+    cmd = [
+        sys.executable,
+        str(ENTRY),
+        "--max_train_samples",
+        "64",
+        "--max_eval_samples",
+        "8",
+        "--max_length",
+        "32",
+        "--per_device_train_batch_size",
+        "4",
+        "--checkpointing_steps",
+        "2",
+        "--max_steps",
+        "12",
+        "--eval_strategy",
+        "no",
+        "--output_dir",
+        str(out),
+    ]
     proc = start(cmd)
     folder = out / "checkpoints"
     wait_for(lambda: complete_checkpoints(folder) and list(folder.glob("*.partial")), proc)
@@ -149,18 +203,22 @@ def fake_checkpoint(folder: Path, step: int, score: float | None) -> None:
     (path / STATE_FILE).write_text(json.dumps({"format": "cloudtrain-checkpoint/1", "score": score}))
 
 
-@pytest.mark.parametrize("limit, scores, kept", [
-    (1, [0.5, 0.9, 0.7, 0.6], [2, 4]),  # the best (step 2) and the newest (4)
-    (2, [0.5, 0.9, 0.7, 0.6], [2, 4]),
-    (2, [0.5, 0.6, 0.7, 0.9], [3, 4]),  # the newest is the best: the two newest stay
-    (1, [None, None, None], [3]),  # never evaluated: only the newest
-    (3, [0.9, 0.1, 0.2, 0.3, 0.4], [1, 4, 5]),
-])
+@pytest.mark.parametrize(
+    "limit, scores, kept",
+    [
+        (1, [0.5, 0.9, 0.7, 0.6], [2, 4]),  # the best (step 2) and the newest (4)
+        (2, [0.5, 0.9, 0.7, 0.6], [2, 4]),
+        (2, [0.5, 0.6, 0.7, 0.9], [3, 4]),  # the newest is the best: the two newest stay
+        (1, [None, None, None], [3]),  # never evaluated: only the newest
+        (3, [0.9, 0.1, 0.2, 0.3, 0.4], [1, 4, 5]),
+    ],
+)
 def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
     for step, score in enumerate(scores, start=1):
         fake_checkpoint(tmp_path, step, score)
-    checkpointer = Checkpointer(build_config({"save_total_limit": limit, "checkpointing_steps": "1"}), tmp_path,
-                                tmp_path, True, lambda: None)
+    checkpointer = Checkpointer(
+        build_config({"save_total_limit": limit, "checkpointing_steps": "1"}), tmp_path, tmp_path, True, lambda: None
+    )
     checkpointer.rotate()
     assert [step for step, _ in complete_checkpoints(tmp_path)] == kept
 
@@ -168,8 +226,24 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
 @pytest.mark.slow
 def test_rotation_in_a_real_run(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
-    run([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "60", "--checkpointing_steps", "5",
-                                    "--save_total_limit", "1", "--eval_strategy", "steps", "--eval_steps", "5"))
+    run(
+        [sys.executable]
+        + args_for(
+            tiny_model_dir,
+            topic_csvs,
+            out,
+            "--max_steps",
+            "60",
+            "--checkpointing_steps",
+            "5",
+            "--save_total_limit",
+            "1",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "5",
+        )
+    )
     left = complete_checkpoints(out / "checkpoints")
     scores = {step: json.loads((path / STATE_FILE).read_text())["score"] for step, path in left}
     assert left[-1][0] == 60 and 1 <= len(left) <= 2
@@ -182,9 +256,25 @@ def test_rotation_in_a_real_run(tiny_model_dir, topic_csvs, tmp_path):
 def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
     # AdamW's decoupled decay with lr x weight_decay = 100 multiplies the weights by -99 every step
-    result = run([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, "--learning_rate", "1e4",
-                                             "--warmup_ratio", "0", "--lr_scheduler_type", "constant",
-                                             "--max_steps", "200", "--checkpointing_steps", "2"), expect=1)
+    result = run(
+        [sys.executable]
+        + args_for(
+            tiny_model_dir,
+            topic_csvs,
+            out,
+            "--learning_rate",
+            "1e4",
+            "--warmup_ratio",
+            "0",
+            "--lr_scheduler_type",
+            "constant",
+            "--max_steps",
+            "200",
+            "--checkpointing_steps",
+            "2",
+        ),
+        expect=1,
+    )
     message = result.stderr.strip().splitlines()[-1]
     assert message.startswith("error: the loss became non-finite at step ")
     step = int(message.split("at step ")[1].split(";")[0])
@@ -194,13 +284,17 @@ def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_di
     assert not (out / "model.safetensors").exists()  # no final model from diverged weights
 
 
-@pytest.mark.parametrize("damage, message", [
-    ("state", "is not a usable cloudtrain checkpoint"),
-    ("weights", "could not be loaded"),
-    ("foreign", "is not a usable cloudtrain checkpoint"),
-])
-def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(damage, message, tiny_model_dir, topic_csvs, tmp_path,
-                                                            capsys):
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        ("state", "is not a usable cloudtrain checkpoint"),
+        ("weights", "could not be loaded"),
+        ("foreign", "is not a usable cloudtrain checkpoint"),
+    ],
+)
+def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
+    damage, message, tiny_model_dir, topic_csvs, tmp_path, capsys
+):
     out = tmp_path / "out"
     base = args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "4", "--checkpointing_steps", "2")[1:]
     assert main(base) == 0
@@ -219,6 +313,8 @@ def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(damage, message, tin
 
 def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_path, capsys):
     out = tmp_path / "out"
-    assert main(args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "2", "--resume_from_checkpoint",
-                         "latest")[1:]) == 0
+    assert (
+        main(args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "2", "--resume_from_checkpoint", "latest")[1:])
+        == 0
+    )
     assert "no complete checkpoint in" in capsys.readouterr().out

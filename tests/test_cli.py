@@ -6,10 +6,9 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import REPO, run_cli
 
 from cloudtrain.cli import main
-
-from conftest import REPO, run_cli, topic_rows
 
 
 def snapshot(folder: Path) -> dict:
@@ -36,32 +35,53 @@ def bad_inputs(tmp_path, topic_csvs, tiny_model_dir) -> dict[str, tuple[list[str
         "missing data file": (["--train_file", str(tmp_path / "nope.csv")], "--train_file .*nope.csv does not exist"),
         "missing text column": (train + ["--text_column", "body"], "column 'body' is not in the train data"),
         "missing label column": (train + ["--label_column", "topic"], "column 'topic' is not in the train data"),
-        "unseen validation labels": (train + ["--validation_file", str(unseen)],
-                                     "validation data has labels the training data never saw: cooking"),
+        "unseen validation labels": (
+            train + ["--validation_file", str(unseen)],
+            "validation data has labels the training data never saw: cooking",
+        ),
         "empty dataset": (["--model_name_or_path", tiny_model_dir, "--train_file", str(empty)], "is empty"),
         "unknown training type": (["--training_type", "turbo"], "'turbo' is not one of basic, accelerated"),
         "model path missing": (["--model_name_or_path", str(tmp_path / "no-model")], "does not exist"),
-        "contradictory data sources": (["--dataset_name", "ag_news", "--train_file", str(topic_csvs["train"])],
-                                       "give one of them"),
+        "contradictory data sources": (
+            ["--dataset_name", "ag_news", "--train_file", str(topic_csvs["train"])],
+            "give one of them",
+        ),
         "fp16 without a GPU": (["--mixed_precision", "fp16"], "fp16 needs a CUDA GPU"),
         "config file missing": (["--config", str(tmp_path / "nope.yaml")], "config file .* does not exist"),
     }
 
 
-CASES = ["missing data file", "missing text column", "missing label column", "unseen validation labels",
-         "empty dataset", "unknown training type", "model path missing", "contradictory data sources",
-         "fp16 without a GPU", "config file missing"]
+CASES = [
+    "missing data file",
+    "missing text column",
+    "missing label column",
+    "unseen validation labels",
+    "empty dataset",
+    "unknown training type",
+    "model path missing",
+    "contradictory data sources",
+    "fp16 without a GPU",
+    "config file missing",
+]
 
 
 NO_GPU_ONLY = {"fp16 without a GPU"}  # refused only where torch sees no CUDA device
 
 
-@pytest.mark.parametrize("case", [
-    pytest.param(case, marks=pytest.mark.skipif(case in NO_GPU_ONLY and torch.cuda.is_available(),
-                                                reason="fp16 is refused only on a machine without a CUDA GPU"))
-    for case in CASES])
-def test_bad_input_is_one_line_and_touches_nothing(case, tmp_path, topic_csvs, tiny_model_dir, existing_output,
-                                                   capsys):
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(
+            case,
+            marks=pytest.mark.skipif(
+                case in NO_GPU_ONLY and torch.cuda.is_available(),
+                reason="fp16 is refused only on a machine without a CUDA GPU",
+            ),
+        )
+        for case in CASES
+    ],
+)
+def test_bad_input_is_one_line_and_touches_nothing(case, tmp_path, topic_csvs, tiny_model_dir, existing_output, capsys):
     argv, message = bad_inputs(tmp_path, topic_csvs, tiny_model_dir)[case]
     before = snapshot(existing_output)
     code = main(argv + ["--output_dir", str(existing_output), "--overwrite_output_dir", "true"])

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from cloudtrain.config import Config, _Parser, add_config_arguments, build_config, config_from_namespace, _fields
+from cloudtrain.config import Config, _fields, _Parser, add_config_arguments, build_config, config_from_namespace
 from cloudtrain.errors import UserError
 
 
@@ -32,13 +32,16 @@ def test_json_config_file(tmp_path):
     assert (cfg.training.training_type, cfg.training.max_steps, cfg.tracking.report_to) == ("basic", 5, ["none"])
 
 
-@pytest.mark.parametrize("argv, expected", [
-    (["--overwrite_output_dir"], True),
-    (["--overwrite_output_dir", "true"], True),
-    (["--overwrite_output_dir", "True"], True),
-    (["--overwrite_output_dir", "false"], False),
-    ([], False),
-])
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["--overwrite_output_dir"], True),
+        (["--overwrite_output_dir", "true"], True),
+        (["--overwrite_output_dir", "True"], True),
+        (["--overwrite_output_dir", "false"], False),
+        ([], False),
+    ],
+)
 def test_booleans_take_explicit_values(argv, expected):
     assert parse(*argv).output.overwrite_output_dir is expected
 
@@ -71,17 +74,20 @@ def test_help_lists_every_option_with_its_default():
     assert "(default: 16)" in text and "(default: accelerated)" in text
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--dataset_name", "x", "--train_file", "y.csv"], "give one of them"),
-    (["--text_pair_column", "text"], "must differ from --text_column"),
-    (["--validation_split_percentage", "100"], "between 0 and 100"),
-    (["--learning_rate", "0"], "must be positive"),
-    (["--gradient_accumulation_steps", "0"], "at least 1"),
-    (["--eval_strategy", "steps"], "needs --eval_steps"),
-    (["--push_to_hub", "true"], "needs --hub_model_id"),
-    (["--report_to", "none,wandb"], "cannot be combined"),
-    (["--max_length", "abc"], "--max_length: invalid literal"),
-])
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dataset_name", "x", "--train_file", "y.csv"], "give one of them"),
+        (["--text_pair_column", "text"], "must differ from --text_column"),
+        (["--validation_split_percentage", "100"], "between 0 and 100"),
+        (["--learning_rate", "0"], "must be positive"),
+        (["--gradient_accumulation_steps", "0"], "at least 1"),
+        (["--eval_strategy", "steps"], "needs --eval_steps"),
+        (["--push_to_hub", "true"], "needs --hub_model_id"),
+        (["--report_to", "none,wandb"], "cannot be combined"),
+        (["--max_length", "abc"], "--max_length: invalid literal"),
+    ],
+)
 def test_contradictory_or_invalid_values_fail_early(argv, message):
     with pytest.raises(UserError, match=message):
         parse(*argv)

@@ -6,6 +6,7 @@ import os
 import pandas as pd
 import pytest
 import torch
+from conftest import topic_rows
 from datasets import ClassLabel, Dataset, DatasetDict
 from transformers import AutoTokenizer
 
@@ -14,8 +15,6 @@ from cloudtrain.data_connecting import connect_data
 from cloudtrain.data_processing import find_label_names, process_data, train_dataloader
 from cloudtrain.errors import UserError
 from cloudtrain.tasks.classification import ClassificationTask
-
-from conftest import topic_rows
 
 
 def connect(cfg: DataConfig) -> DatasetDict:
@@ -29,10 +28,13 @@ def tokenizer(minilm_dir):
 
 
 def write(df: pd.DataFrame, path, fmt: str):
-    {"csv": lambda: df.to_csv(path, index=False), "tsv": lambda: df.to_csv(path, sep="\t", index=False),
-     "json": lambda: path.write_text(json.dumps(df.to_dict("records"))),
-     "jsonl": lambda: df.to_json(path, orient="records", lines=True),
-     "parquet": lambda: df.to_parquet(path)}[fmt]()
+    {
+        "csv": lambda: df.to_csv(path, index=False),
+        "tsv": lambda: df.to_csv(path, sep="\t", index=False),
+        "json": lambda: path.write_text(json.dumps(df.to_dict("records"))),
+        "jsonl": lambda: df.to_json(path, orient="records", lines=True),
+        "parquet": lambda: df.to_parquet(path),
+    }[fmt]()
 
 
 @pytest.mark.parametrize("fmt", ["csv", "tsv", "json", "jsonl", "parquet"])
@@ -48,8 +50,9 @@ def test_local_files_every_format(tmp_path, fmt):
 
 
 def test_save_to_disk_directory(tmp_path):
-    DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}
-                ).save_to_disk(tmp_path / "ds")
+    DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}).save_to_disk(
+        tmp_path / "ds"
+    )
     raw = connect(DataConfig(dataset_name=str(tmp_path / "ds")))
     assert set(raw) == {"train", "validation"} and len(raw["train"]) == 9  # "dev" is read as validation
     Dataset.from_list(topic_rows(2)).save_to_disk(tmp_path / "single")
@@ -83,14 +86,19 @@ def test_hub_dataset_offline_is_a_clear_error():
 def test_integer_labels_keep_their_names_and_string_labels_sort():
     raw = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": [7, 3, 7, 5]})})
     assert find_label_names(raw, "label") == (["3", "5", "7"], {3: 0, 5: 1, 7: 2})
-    feature = Dataset.from_dict({"text": ["a", "b"], "label": [1, 0]}).cast_column("label", ClassLabel(names=["no", "yes"]))
+    feature = Dataset.from_dict({"text": ["a", "b"], "label": [1, 0]}).cast_column(
+        "label", ClassLabel(names=["no", "yes"])
+    )
     assert find_label_names(DatasetDict({"train": feature}), "label")[0] == ["no", "yes"]
 
 
-@pytest.mark.parametrize("cfg_kwargs, rows, message", [
-    ({"text_column": "body"}, None, "column 'body' is not in the train data"),
-    ({}, [], "the train data in .* is empty"),
-])
+@pytest.mark.parametrize(
+    "cfg_kwargs, rows, message",
+    [
+        ({"text_column": "body"}, None, "column 'body' is not in the train data"),
+        ({}, [], "the train data in .* is empty"),
+    ],
+)
 def test_bad_columns_and_empty_data(tmp_path, cfg_kwargs, rows, message):
     path = tmp_path / "train.csv"
     if rows == []:
@@ -102,8 +110,12 @@ def test_bad_columns_and_empty_data(tmp_path, cfg_kwargs, rows, message):
 
 
 def test_validation_labels_unseen_in_training(tmp_path, tokenizer):
-    raw = DatasetDict({"train": Dataset.from_list(topic_rows(2)),
-                       "validation": Dataset.from_dict({"text": ["x"], "label": ["cooking"]})})
+    raw = DatasetDict(
+        {
+            "train": Dataset.from_list(topic_rows(2)),
+            "validation": Dataset.from_dict({"text": ["x"], "label": ["cooking"]}),
+        }
+    )
     with pytest.raises(UserError, match="validation data has labels the training data never saw: cooking"):
         process_data(raw, tokenizer, DataConfig(), seed=0)
 
@@ -123,10 +135,16 @@ def test_processing_truncates_pads_dynamically_and_carves_validation(tokenizer):
 
 
 def test_sentence_pairs(tokenizer):
-    raw = DatasetDict({"train": Dataset.from_dict({"a": ["is it raining", "who won"] * 5, "b": ["yes it is", "rain"] * 5,
-                                                   "label": [1, 0] * 5})})
-    data = process_data(raw, tokenizer, DataConfig(text_column="a", text_pair_column="b",
-                                                   validation_split_percentage=20), seed=0)
+    raw = DatasetDict(
+        {
+            "train": Dataset.from_dict(
+                {"a": ["is it raining", "who won"] * 5, "b": ["yes it is", "rain"] * 5, "label": [1, 0] * 5}
+            )
+        }
+    )
+    data = process_data(
+        raw, tokenizer, DataConfig(text_column="a", text_pair_column="b", validation_split_percentage=20), seed=0
+    )
     row = data.train[0]
     assert 1 in row["token_type_ids"]  # the second segment is there
     assert tokenizer.decode(row["input_ids"]).count("[SEP]") == 2
@@ -139,8 +157,11 @@ def test_sample_limits(tokenizer):
 
 
 def test_processing_is_cached_across_runs(tmp_path, tokenizer, topic_csvs):
-    cfg = DataConfig(train_file=str(topic_csvs["train"]), validation_file=str(topic_csvs["validation"]),
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        train_file=str(topic_csvs["train"]),
+        validation_file=str(topic_csvs["validation"]),
+        cache_dir=str(tmp_path / "cache"),
+    )
     first = process_data(connect(cfg), tokenizer, cfg, seed=0)
     files = sorted((tmp_path / "cache").glob("*.arrow"))
     assert len(files) == 2

@@ -8,10 +8,9 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
-
-from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +24,14 @@ def free_port() -> str:
 def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("ACCELERATE_USE_CPU", None)
-    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                             "--master_port", free_port(), *args], capture_output=True, text=True, timeout=timeout,
-                            cwd=REPO, env=env)
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port(), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     return result
 
@@ -38,14 +42,29 @@ def test_zero3_groups_weight_decay_by_real_shape_and_replaces_a_head(tiny_model_
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(7)
     checkpoint = tmp_path / "sentiment"
-    BertForSequenceClassification(BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, id2label={0: "negative", 1: "positive"}, label2id={"negative": 0, "positive": 1},
-    )).save_pretrained(checkpoint)
+    BertForSequenceClassification(
+        BertConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            id2label={0: "negative", 1: "positive"},
+            label2id={"negative": 0, "positive": 1},
+        )
+    ).save_pretrained(checkpoint)
     tokenizer.save_pretrained(checkpoint)
     options = tmp_path / "options.json"
-    options.write_text(json.dumps({"model_name_or_path": str(checkpoint), "train_file": str(topic_csvs["train"]),
-                                   "validation_file": str(topic_csvs["validation"]), "weight_decay": 0.1}))
+    options.write_text(
+        json.dumps(
+            {
+                "model_name_or_path": str(checkpoint),
+                "train_file": str(topic_csvs["train"]),
+                "validation_file": str(topic_csvs["validation"]),
+                "weight_decay": 0.1,
+            }
+        )
+    )
     result = torchrun(str(REPO / "tests" / "dist_zero3.py"), str(options), str(tmp_path))
     assert result.stdout.count("replacing the 2-label head of") == 1
 
@@ -68,11 +87,24 @@ def test_zero2_skips_a_nan_step_on_every_rank_and_counts_it(precision, tiny_mode
     the run counts it once, and training goes on with finite weights."""
     out = tmp_path / "out"
     options = tmp_path / "options.json"
-    options.write_text(json.dumps({
-        "model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]),
-        "validation_file": str(topic_csvs["validation"]), "output_dir": str(out), "zero_stage": 2,
-        "mixed_precision": precision, "nonfinite_loss": "skip", "max_steps": 6, "logging_steps": 2,
-        "per_device_train_batch_size": 4, "eval_strategy": "no", "learning_rate": 1e-3}))
+    options.write_text(
+        json.dumps(
+            {
+                "model_name_or_path": tiny_model_dir,
+                "train_file": str(topic_csvs["train"]),
+                "validation_file": str(topic_csvs["validation"]),
+                "output_dir": str(out),
+                "zero_stage": 2,
+                "mixed_precision": precision,
+                "nonfinite_loss": "skip",
+                "max_steps": 6,
+                "logging_steps": 2,
+                "per_device_train_batch_size": 4,
+                "eval_strategy": "no",
+                "learning_rate": 1e-3,
+            }
+        )
+    )
     torchrun(str(REPO / "tests" / "dist_nonfinite.py"), str(options), "3")
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [(e["step"], e["train/skipped_steps"]) for e in logged if "train/skipped_steps" in e] == [(4, 1)]

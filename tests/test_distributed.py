@@ -17,6 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import ENTRY, REPO, child_auto_precision, topic_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -25,10 +26,20 @@ from cloudtrain.distributed import check_distributed, resolve_deepspeed_config, 
 from cloudtrain.errors import UserError
 from cloudtrain.model_loading import load_model
 
-from conftest import ENTRY, REPO, child_auto_precision, topic_rows
-
-TINY_RUN = ["--training_type", "accelerated", "--eval_strategy", "no", "--per_device_train_batch_size", "4",
-            "--learning_rate", "1e-2", "--warmup_ratio", "0", "--logging_steps", "8"]
+TINY_RUN = [
+    "--training_type",
+    "accelerated",
+    "--eval_strategy",
+    "no",
+    "--per_device_train_batch_size",
+    "4",
+    "--learning_rate",
+    "1e-2",
+    "--warmup_ratio",
+    "0",
+    "--logging_steps",
+    "8",
+]
 
 
 def free_port() -> str:
@@ -50,8 +61,17 @@ def torchrun(n: int) -> list[str]:
 
 
 def accelerate_launch(config: str, n: int) -> list[str]:
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(REPO / config),
-            "--num_processes", str(n), "--main_process_port", free_port()]
+    return [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(REPO / config),
+        "--num_processes",
+        str(n),
+        "--main_process_port",
+        free_port(),
+    ]
 
 
 def logged_losses(out: Path) -> list[float]:
@@ -60,17 +80,27 @@ def logged_losses(out: Path) -> list[float]:
 
 
 def data_args(topic_csvs, model_dir) -> list[str]:
-    return ["--model_name_or_path", model_dir, "--train_file", str(topic_csvs["train"]),
-            "--validation_file", str(topic_csvs["validation"])]
+    return [
+        "--model_name_or_path",
+        model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+    ]
 
 
 @pytest.mark.slow
 def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir, topic_csvs, tmp_path):
-    common = data_args(topic_csvs, tiny_model_dir) + TINY_RUN + ["--max_train_samples", "56",
-                                                                  "--num_train_epochs", "2", "--mixed_precision", "no"]
+    common = (
+        data_args(topic_csvs, tiny_model_dir)
+        + TINY_RUN
+        + ["--max_train_samples", "56", "--num_train_epochs", "2", "--mixed_precision", "no"]
+    )
     two = launch(torchrun(2), str(ENTRY), *common, "--output_dir", str(tmp_path / "two"))
-    launch(torchrun(1), str(ENTRY), *common, "--per_device_train_batch_size", "8", "--output_dir",
-           str(tmp_path / "one"))
+    launch(
+        torchrun(1), str(ENTRY), *common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")
+    )
     assert "2 process(es) on cpu (MULTI_CPU, precision no), effective batch 8 (4 per device x 2 x 1" in two.stdout
     assert two.stdout.count("trained 14 steps") == 1  # only the main process prints
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
@@ -83,8 +113,15 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir
 @pytest.mark.parametrize("mode", ["zero2-torchrun", "zero2-offload-torchrun", "zero3-accelerate-launch"])
 def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
-    args = [str(ENTRY), *data_args(topic_csvs, tiny_model_dir), *TINY_RUN, "--num_train_epochs", "5",
-            "--output_dir", str(out)]
+    args = [
+        str(ENTRY),
+        *data_args(topic_csvs, tiny_model_dir),
+        *TINY_RUN,
+        "--num_train_epochs",
+        "5",
+        "--output_dir",
+        str(out),
+    ]
     if mode == "zero3-accelerate-launch":
         result = launch(accelerate_launch("configs/accelerate/zero3.yaml", 2), *args)
     else:
@@ -107,25 +144,50 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
 @pytest.mark.slow
 def test_users_deepspeed_json_with_auto_values(tiny_model_dir, topic_csvs, tmp_path):
     ds_json = tmp_path / "ds.json"
-    ds_json.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-                                   "gradient_clipping": 1.0, "zero_optimization": {"stage": 2}}))
+    ds_json.write_text(
+        json.dumps(
+            {
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": 1.0,
+                "zero_optimization": {"stage": 2},
+            }
+        )
+    )
     out = tmp_path / "out"
-    result = launch(torchrun(2), str(ENTRY), *data_args(topic_csvs, tiny_model_dir), *TINY_RUN,
-                    "--gradient_accumulation_steps", "2", "--max_steps", "3", "--deepspeed_config", str(ds_json),
-                    "--output_dir", str(out))
+    result = launch(
+        torchrun(2),
+        str(ENTRY),
+        *data_args(topic_csvs, tiny_model_dir),
+        *TINY_RUN,
+        "--gradient_accumulation_steps",
+        "2",
+        "--max_steps",
+        "3",
+        "--deepspeed_config",
+        str(ds_json),
+        "--output_dir",
+        str(out),
+    )
     assert "(DEEPSPEED ZeRO-2, precision " in result.stdout
     assert "effective batch 16 (4 per device x 2 x 2 accumulation)" in result.stdout
     assert (out / "model.safetensors").exists()
 
 
-@pytest.mark.parametrize("key, value, message", [
-    ("train_micro_batch_size_per_gpu", 8, "train_micro_batch_size_per_gpu = 8 but --per_device_train_batch_size "
-                                          "gives 16"),
-    ("gradient_accumulation_steps", 4, "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 1"),
-    ("gradient_clipping", 0.5, "gradient_clipping = 0.5 but --max_grad_norm gives 1.0"),
-    ("bf16", {"enabled": True}, "bf16.enabled = true but --mixed_precision gives false"),
-    ("train_batch_size", 64, "train_batch_size = 64 but per-device batch x accumulation x processes gives 16"),
-])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        (
+            "train_micro_batch_size_per_gpu",
+            8,
+            "train_micro_batch_size_per_gpu = 8 but --per_device_train_batch_size gives 16",
+        ),
+        ("gradient_accumulation_steps", 4, "gradient_accumulation_steps = 4 but --gradient_accumulation_steps gives 1"),
+        ("gradient_clipping", 0.5, "gradient_clipping = 0.5 but --max_grad_norm gives 1.0"),
+        ("bf16", {"enabled": True}, "bf16.enabled = true but --mixed_precision gives false"),
+        ("train_batch_size", 64, "train_batch_size = 64 but per-device batch x accumulation x processes gives 16"),
+    ],
+)
 def test_conflicting_deepspeed_json_names_both_values(key, value, message, tmp_path):
     ds_json = tmp_path / "ds.json"
     ds_json.write_text(json.dumps({**zero_config(2), key: value}))
@@ -134,11 +196,21 @@ def test_conflicting_deepspeed_json_names_both_values(key, value, message, tmp_p
 
 
 def test_auto_values_are_filled_from_the_options():
-    cfg = build_config({"per_device_train_batch_size": 8, "gradient_accumulation_steps": 2,
-                        "mixed_precision": "bf16", "max_grad_norm": 0.5})
+    cfg = build_config(
+        {
+            "per_device_train_batch_size": 8,
+            "gradient_accumulation_steps": 2,
+            "mixed_precision": "bf16",
+            "max_grad_norm": 0.5,
+        }
+    )
     filled = resolve_deepspeed_config("test", zero_config(3), cfg, world_size=4)
-    assert (filled["train_micro_batch_size_per_gpu"], filled["gradient_accumulation_steps"],
-            filled["train_batch_size"], filled["gradient_clipping"]) == (8, 2, 64, 0.5)
+    assert (
+        filled["train_micro_batch_size_per_gpu"],
+        filled["gradient_accumulation_steps"],
+        filled["train_batch_size"],
+        filled["gradient_clipping"],
+    ) == (8, 2, 64, 0.5)
     assert filled["bf16"]["enabled"] is True and filled["fp16"]["enabled"] is False
     assert filled["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] is True
 
@@ -149,17 +221,26 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
     classifier = tmp_path / "classifier"
-    load_model(build_config({"model_name_or_path": tiny_model_dir}).model,
-               ["finance", "sports", "weather"], tokenizer).save_pretrained(classifier)
+    load_model(
+        build_config({"model_name_or_path": tiny_model_dir}).model, ["finance", "sports", "weather"], tokenizer
+    ).save_pretrained(classifier)
     tokenizer.save_pretrained(classifier)
     pd.DataFrame(topic_rows(10)).to_csv(tmp_path / "train.csv", index=False)
     pd.DataFrame(topic_rows(5, offset=3)[:13]).to_csv(tmp_path / "val.csv", index=False)
     results = []
     for n in (1, 2):
         options = tmp_path / f"options{n}.json"
-        options.write_text(json.dumps({"model_name_or_path": str(classifier), "train_file": str(tmp_path / "train.csv"),
-                                       "validation_file": str(tmp_path / "val.csv"), "per_device_eval_batch_size": 4,
-                                       "output_dir": str(tmp_path / f"eval{n}")}))
+        options.write_text(
+            json.dumps(
+                {
+                    "model_name_or_path": str(classifier),
+                    "train_file": str(tmp_path / "train.csv"),
+                    "validation_file": str(tmp_path / "val.csv"),
+                    "per_device_eval_batch_size": 4,
+                    "output_dir": str(tmp_path / f"eval{n}"),
+                }
+            )
+        )
         launch(torchrun(n), str(REPO / "tests" / "dist_eval.py"), str(options), str(tmp_path / f"result{n}.json"))
         results.append(json.loads((tmp_path / f"result{n}.json").read_text()))
     one, two = results
@@ -174,27 +255,41 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
 @pytest.mark.slow
 def test_basic_trainer_under_a_multi_process_launcher_is_refused(tiny_model_dir, topic_csvs):
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([*torchrun(2), str(ENTRY), "--training_type", "basic",
-                             *data_args(topic_csvs, tiny_model_dir)], capture_output=True, text=True, env=env,
-                            cwd=REPO, timeout=120)
+    result = subprocess.run(
+        [*torchrun(2), str(ENTRY), "--training_type", "basic", *data_args(topic_csvs, tiny_model_dir)],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
+    )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert errors == ["error: the BasicTrainer runs one process without DeepSpeed or FSDP; use --training_type "
-                      "accelerated for multi-process, DeepSpeed and FSDP runs"] * 2  # each process, no training
+    assert (
+        errors
+        == [
+            "error: the BasicTrainer runs one process without DeepSpeed or FSDP; use --training_type "
+            "accelerated for multi-process, DeepSpeed and FSDP runs"
+        ]
+        * 2
+    )  # each process, no training
 
 
 NEEDS_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP is refused only where there is no GPU")
 
 
-@pytest.mark.parametrize("options, env, message", [
-    pytest.param({"fsdp": True}, {}, "FSDP needs GPUs", marks=NEEDS_NO_GPU),
-    pytest.param({}, {"ACCELERATE_USE_FSDP": "true"}, "FSDP needs GPUs", marks=NEEDS_NO_GPU),
-    ({"zero_stage": 2}, {"ACCELERATE_USE_CPU": "true"}, "ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed"),
-    ({"offload_param": "cpu", "zero_stage": 2}, {}, "--offload_param needs --zero_stage 3"),
-    ({"offload_optimizer": "cpu"}, {}, "need DeepSpeed"),
-    ({"zero_stage": 2, "fsdp": True}, {}, "choose one"),
-    ({"mixed_precision": "no"}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, "pass --mixed_precision bf16"),
-])
+@pytest.mark.parametrize(
+    "options, env, message",
+    [
+        pytest.param({"fsdp": True}, {}, "FSDP needs GPUs", marks=NEEDS_NO_GPU),
+        pytest.param({}, {"ACCELERATE_USE_FSDP": "true"}, "FSDP needs GPUs", marks=NEEDS_NO_GPU),
+        ({"zero_stage": 2}, {"ACCELERATE_USE_CPU": "true"}, "ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed"),
+        ({"offload_param": "cpu", "zero_stage": 2}, {}, "--offload_param needs --zero_stage 3"),
+        ({"offload_optimizer": "cpu"}, {}, "need DeepSpeed"),
+        ({"zero_stage": 2, "fsdp": True}, {}, "choose one"),
+        ({"mixed_precision": "no"}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, "pass --mixed_precision bf16"),
+    ],
+)
 def test_refusals_before_anything_loads(options, env, message, monkeypatch):
     for key, value in env.items():
         monkeypatch.setenv(key, value)
@@ -217,8 +312,17 @@ def test_shipped_configs_are_valid():
     for stage in (1, 2, 3):
         assert json.loads((REPO / f"configs/deepspeed/zero{stage}.json").read_text()) == zero_config(stage)
     names = {p.stem for p in (REPO / "configs" / "accelerate").glob("*.yaml")}
-    assert names == {"single_gpu", "multi_gpu", "zero1", "zero2", "zero3", "zero3_offload", "fsdp", "two_nodes",
-                     "cpu_multiprocess"}
+    assert names == {
+        "single_gpu",
+        "multi_gpu",
+        "zero1",
+        "zero2",
+        "zero3",
+        "zero3_offload",
+        "fsdp",
+        "two_nodes",
+        "cpu_multiprocess",
+    }
     for name in names:
         config = load_config_from_file(str(REPO / "configs" / "accelerate" / f"{name}.yaml"))
         assert config.mixed_precision == "no"  # precision is the application's --mixed_precision

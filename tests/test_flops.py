@@ -2,9 +2,16 @@
 
 import pytest
 import torch
-from transformers import (AutoConfig, AutoModelForSequenceClassification, BertConfig,
-                          BertForSequenceClassification, GPT2Config, GPT2LMHeadModel, LlamaConfig,
-                          LlamaForCausalLM)
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
 
 from cloudtrain.flops import ModelFlops, attention_dims, matmul_parameters, sum_squared_lengths
 
@@ -26,16 +33,34 @@ def tiny_gpt2() -> GPT2LMHeadModel:
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     # head_dim 16 with 4 heads: d_attn 64 differs from hidden_size 32, as it may in Llama-style models
-    return LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
-                                        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                        head_dim=16, max_position_embeddings=64, tie_word_embeddings=False))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=100,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def tiny_bert_classifier() -> BertForSequenceClassification:
     torch.manual_seed(0)
-    return BertForSequenceClassification(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
-                                                    num_attention_heads=2, intermediate_size=64,
-                                                    max_position_embeddings=64, num_labels=3))
+    return BertForSequenceClassification(
+        BertConfig(
+            vocab_size=100,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            intermediate_size=64,
+            max_position_embeddings=64,
+            num_labels=3,
+        )
+    )
 
 
 def test_minilm_counts_everything_but_the_embedding_tables(minilm, minilm_dir):
@@ -67,8 +92,7 @@ def test_minilm_per_token_flops_about_half_the_old_6n(minilm, minilm_dir, seq_le
 def test_old_six_n_formula_is_not_what_is_computed(minilm):
     flops = ModelFlops.from_model(minilm)
     tokens = 16 * 64
-    assert flops.training_flops(tokens, 16 * 64 ** 2) != pytest.approx(6 * total_parameters(minilm) * tokens,
-                                                                       rel=0.1)
+    assert flops.training_flops(tokens, 16 * 64**2) != pytest.approx(6 * total_parameters(minilm) * tokens, rel=0.1)
 
 
 def test_gpt2_tied_lm_head_counted_once_embeddings_excluded():
@@ -77,12 +101,14 @@ def test_gpt2_tied_lm_head_counted_once_embeddings_excluded():
     n_total, _ = matmul_parameters(model)
     # parameters() lists the tied matrix once: total minus the position table leaves it in, once
     assert n_total == total_parameters(model) - model.transformer.wpe.weight.numel()
-    assert n_total == (sum(p.numel() for p in model.transformer.h.parameters())
-                       + sum(p.numel() for p in model.transformer.ln_f.parameters())
-                       + model.lm_head.weight.numel())
+    assert n_total == (
+        sum(p.numel() for p in model.transformer.h.parameters())
+        + sum(p.numel() for p in model.transformer.ln_f.parameters())
+        + model.lm_head.weight.numel()
+    )
     flops = ModelFlops.from_model(model)
     assert (flops.n_layers, flops.d_attn) == (2, 32)
-    assert flops.attention_flops(50 ** 2) == 12 * 2 * 32 * 50 ** 2
+    assert flops.attention_flops(50**2) == 12 * 2 * 32 * 50**2
 
 
 def test_llama_untied_lm_head_counted_input_embedding_excluded():
@@ -95,7 +121,8 @@ def test_llama_untied_lm_head_counted_input_embedding_excluded():
     assert (flops.n_layers, flops.d_attn) == (2, 4 * 16)  # heads * head_dim, not hidden_size
     lengths = [10, 30, 7]
     assert flops.training_flops(sum(lengths), sum(l * l for l in lengths)) == (
-        6 * n_total * sum(lengths) + sum(12 * 2 * 64 * l * l for l in lengths))
+        6 * n_total * sum(lengths) + sum(12 * 2 * 64 * l * l for l in lengths)
+    )
 
 
 def test_frozen_base_counts_only_trainable_weight_gradients():
@@ -107,11 +134,15 @@ def test_frozen_base_counts_only_trainable_weight_gradients():
     n = flops.matmul_params
     assert flops.trainable_matmul_params == head
     assert n == total_parameters(model) - sum(
-        m.weight.numel() for m in (model.bert.embeddings.word_embeddings,
-                                   model.bert.embeddings.position_embeddings,
-                                   model.bert.embeddings.token_type_embeddings))
+        m.weight.numel()
+        for m in (
+            model.bert.embeddings.word_embeddings,
+            model.bert.embeddings.position_embeddings,
+            model.bert.embeddings.token_type_embeddings,
+        )
+    )
     assert flops.dense_flops_per_token == 4 * n + 2 * head < 6 * n
-    assert flops.training_flops(3 * 20, 3 * 20 ** 2) == (4 * n + 2 * head) * 60 + 12 * 2 * 32 * 3 * 20 ** 2
+    assert flops.training_flops(3 * 20, 3 * 20**2) == (4 * n + 2 * head) * 60 + 12 * 2 * 32 * 3 * 20**2
 
 
 def test_zero3_partitioned_parameters_count_fully():
@@ -142,16 +173,23 @@ def test_sum_squared_lengths_of_a_padded_batch():
 def test_logged_mfu_uses_the_matmul_and_attention_flops(trainer_name, tiny_model_dir, tmp_path, monkeypatch):
     """train/mfu (logged where the device's peak is known: a peak is given to the CPU here) is the interval's
     matmul + attention FLOPs over time and peak, not 6 x all parameters x tokens."""
-    from cloudtrain.trainers import base
-    from cloudtrain.tracking import read_metrics
     from test_training import tiny_setup
 
     import cloudtrain.trainers as trainers
+    from cloudtrain.tracking import read_metrics
+    from cloudtrain.trainers import base
 
     peak = 1e12
     monkeypatch.setattr(base, "peak_flops", lambda device: peak)
-    trainer = tiny_setup(tiny_model_dir, tmp_path, getattr(trainers, trainer_name), max_steps=4,
-                         per_device_train_batch_size=4, logging_steps=4, eval_strategy="no")
+    trainer = tiny_setup(
+        tiny_model_dir,
+        tmp_path,
+        getattr(trainers, trainer_name),
+        max_steps=4,
+        per_device_train_batch_size=4,
+        logging_steps=4,
+        eval_strategy="no",
+    )
     trainer.fit()
     (event,) = [e for e in read_metrics(tmp_path / "metrics.jsonl") if "train/mfu" in e]
     flops_per_token = event["train/mfu"] * peak / event["train/tokens_per_s"]

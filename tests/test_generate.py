@@ -25,7 +25,9 @@ def parse(*argv: str):
 
 
 def load(model_dir: str):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(model_dir)
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(
+        model_dir
+    )
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,6 +54,7 @@ def classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
 
 
 # ---------------------------------------------------------------- generate_texts
+
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_gpt2_dir"])
 def test_batched_greedy_answers_equal_one_at_a_time(fixture, request):
@@ -87,9 +90,10 @@ def test_greedy_is_model_generate_new_text_only_and_keeps_train_mode(fixture, re
     model.eval()
     for prompt, text in zip(PROMPTS, texts, strict=True):
         inputs = tokenizer(prompt, return_tensors="pt")
-        output = model.generate(**inputs, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id,
-                                use_cache=True)
-        new_tokens = output[0, inputs["input_ids"].shape[1]:]
+        output = model.generate(
+            **inputs, max_new_tokens=12, do_sample=False, pad_token_id=tokenizer.eos_token_id, use_cache=True
+        )
+        new_tokens = output[0, inputs["input_ids"].shape[1] :]
         assert len(new_tokens) > 0 and text == tokenizer.decode(new_tokens, skip_special_tokens=True)
         assert tokenizer.decode(output[0], skip_special_tokens=True) == prompt + text  # the prompt is not repeated
     assert not model.training
@@ -122,8 +126,17 @@ def test_generate_texts_prints_and_warns_nothing(llama, capsys):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             generate_texts(model, tokenizer, PROMPTS, max_new_tokens=4)
-            generate_texts(model, tokenizer, PROMPTS, max_new_tokens=4, do_sample=True, temperature=0.7,
-                           top_k=10, top_p=0.9, repetition_penalty=1.2)
+            generate_texts(
+                model,
+                tokenizer,
+                PROMPTS,
+                max_new_tokens=4,
+                do_sample=True,
+                temperature=0.7,
+                top_k=10,
+                top_p=0.9,
+                repetition_penalty=1.2,
+            )
     finally:
         logger.removeHandler(handler)
     assert [r.getMessage() for r in records] == [] and [str(w.message) for w in caught] == []
@@ -132,13 +145,15 @@ def test_generate_texts_prints_and_warns_nothing(llama, capsys):
 
 def test_an_empty_prompt_starts_from_bos(llama):
     model, tokenizer = llama
-    text, = generate_texts(model, tokenizer, [""], max_new_tokens=5)
-    output = model.generate(torch.tensor([[tokenizer.bos_token_id]]), max_new_tokens=5, do_sample=False,
-                            pad_token_id=tokenizer.eos_token_id)
+    (text,) = generate_texts(model, tokenizer, [""], max_new_tokens=5)
+    output = model.generate(
+        torch.tensor([[tokenizer.bos_token_id]]), max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.eos_token_id
+    )
     assert text == tokenizer.decode(output[0, 1:], skip_special_tokens=True)
 
 
 # ---------------------------------------------------------------- the command
+
 
 def test_run_streams_each_prompt_and_its_continuation(tiny_llama_dir, llama, tmp_path, capsys, monkeypatch):
     model, tokenizer = llama
@@ -153,8 +168,22 @@ def test_run_streams_each_prompt_and_its_continuation(tiny_llama_dir, llama, tmp
             super().on_finalized_text(text, stream_end)
 
     monkeypatch.setattr(generate, "TextStreamer", Recording)
-    generate.run(parse("--model_dir", tiny_llama_dir, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
-                       "--input_file", str(prompts_file), "--max_new_tokens", "20", "--device", "cpu"))
+    generate.run(
+        parse(
+            "--model_dir",
+            tiny_llama_dir,
+            "--prompt",
+            PROMPTS[0],
+            "--prompt",
+            PROMPTS[1],
+            "--input_file",
+            str(prompts_file),
+            "--max_new_tokens",
+            "20",
+            "--device",
+            "cpu",
+        )
+    )
     out = capsys.readouterr().out
 
     texts = generate_texts(model, tokenizer, prompts, max_new_tokens=20)
@@ -167,8 +196,26 @@ def test_run_streams_each_prompt_and_its_continuation(tiny_llama_dir, llama, tmp
 
 def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):
     model, tokenizer = llama
-    argv = ["--model_dir", tiny_llama_dir, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1], "--max_new_tokens", "10",
-            "--do_sample", "true", "--temperature", "3.0", "--top_k", "0", "--seed", "7", "--device", "cpu"]
+    argv = [
+        "--model_dir",
+        tiny_llama_dir,
+        "--prompt",
+        PROMPTS[0],
+        "--prompt",
+        PROMPTS[1],
+        "--max_new_tokens",
+        "10",
+        "--do_sample",
+        "true",
+        "--temperature",
+        "3.0",
+        "--top_k",
+        "0",
+        "--seed",
+        "7",
+        "--device",
+        "cpu",
+    ]
     generate.run(parse(*argv))
     first = capsys.readouterr().out
     generate.run(parse(*argv))
@@ -176,8 +223,10 @@ def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):
     expected = []
     for prompt in PROMPTS:  # seeded before each prompt
         torch.manual_seed(7)
-        expected.append(prompt + generate_texts(model, tokenizer, [prompt], max_new_tokens=10, do_sample=True,
-                                                temperature=3.0, top_k=0)[0])
+        expected.append(
+            prompt
+            + generate_texts(model, tokenizer, [prompt], max_new_tokens=10, do_sample=True, temperature=3.0, top_k=0)[0]
+        )
     assert first == f"\n{generate.SEPARATOR}\n".join(expected) + "\n"
     generate.run(parse(*argv[:-4], "--do_sample", "false", "--device", "cpu"))
     assert capsys.readouterr().out != first
@@ -185,8 +234,17 @@ def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):
 
 def test_flags_and_defaults():
     args = parse("--model_dir", "m", "--prompt", "a")
-    assert (args.do_sample, args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.repetition_penalty,
-            args.seed, args.device, args.text_column) == (False, 100, 1.0, 50, 1.0, 1.0, 42, "auto", "text")
+    assert (
+        args.do_sample,
+        args.max_new_tokens,
+        args.temperature,
+        args.top_k,
+        args.top_p,
+        args.repetition_penalty,
+        args.seed,
+        args.device,
+        args.text_column,
+    ) == (False, 100, 1.0, 50, 1.0, 1.0, 42, "auto", "text")
     assert parse("--model_dir", "m", "--do_sample").do_sample is True
     assert parse("--model_dir", "m", "--do_sample", "false").do_sample is False
     with pytest.raises(UserError, match="--do_sample: expected true or false, got 'maybe'"):
@@ -204,23 +262,30 @@ def nothing_loaded(monkeypatch):
     monkeypatch.setattr(generate.AutoTokenizer, "from_pretrained", refuse)
 
 
-@pytest.mark.parametrize("extra, match", [
-    (["--temperature", "0"], "--temperature must be greater than 0, got 0.0; for deterministic output use --do_sample"),
-    (["--top_p", "0"], r"--top_p must be in \(0, 1\]"),
-    (["--top_p", "1.5"], r"--top_p must be in \(0, 1\]"),
-    (["--top_k", "-1"], "--top_k must be 0 .no limit. or more"),
-    (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
-    (["--repetition_penalty", "0"], "--repetition_penalty must be greater than 0"),
-    (["--input_file", "/no/such/prompts.txt"], "--input_file /no/such/prompts.txt does not exist"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (
+            ["--temperature", "0"],
+            "--temperature must be greater than 0, got 0.0; for deterministic output use --do_sample",
+        ),
+        (["--top_p", "0"], r"--top_p must be in \(0, 1\]"),
+        (["--top_p", "1.5"], r"--top_p must be in \(0, 1\]"),
+        (["--top_k", "-1"], "--top_k must be 0 .no limit. or more"),
+        (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
+        (["--repetition_penalty", "0"], "--repetition_penalty must be greater than 0"),
+        (["--input_file", "/no/such/prompts.txt"], "--input_file /no/such/prompts.txt does not exist"),
+    ],
+)
 def test_bad_options_are_refused_before_loading(tiny_llama_dir, nothing_loaded, extra, match):
     with pytest.raises(UserError, match=match) as err:
         generate.run(parse("--model_dir", tiny_llama_dir, "--prompt", "hi", *extra))
     assert "\n" not in str(err.value)
 
 
-def test_bad_model_dirs_are_refused_before_loading(tmp_path, tiny_llama_dir, tiny_model_dir, classifier_dir,
-                                                   nothing_loaded):
+def test_bad_model_dirs_are_refused_before_loading(
+    tmp_path, tiny_llama_dir, tiny_model_dir, classifier_dir, nothing_loaded
+):
     def error(model_dir: str, *extra: str) -> str:
         with pytest.raises(UserError) as err:
             generate.run(parse("--model_dir", model_dir, *extra))
@@ -228,11 +293,15 @@ def test_bad_model_dirs_are_refused_before_loading(tmp_path, tiny_llama_dir, tin
         return str(err.value)
 
     missing = str(tmp_path / "nowhere")
-    assert error(missing, "--prompt", "hi") == f"--model_dir {missing} does not exist; " \
-                                                "pass the output_dir of a training run"
+    assert (
+        error(missing, "--prompt", "hi") == f"--model_dir {missing} does not exist; "
+        "pass the output_dir of a training run"
+    )
     assert "holds no config.json" in error(str(tmp_path), "--prompt", "hi")
-    assert error(classifier_dir, "--prompt", "hi") == f"--model_dir {classifier_dir} is a sequence-classification " \
-                                                       "model; use the predict command to classify texts with it"
+    assert (
+        error(classifier_dir, "--prompt", "hi") == f"--model_dir {classifier_dir} is a sequence-classification "
+        "model; use the predict command to classify texts with it"
+    )
     assert "holds a BertModel, not a causal language model" in error(tiny_model_dir, "--prompt", "hi")
     assert "nothing to generate from: pass --prompt" in error(tiny_llama_dir)
     empty = tmp_path / "empty.txt"
@@ -243,10 +312,25 @@ def test_bad_model_dirs_are_refused_before_loading(tmp_path, tiny_llama_dir, tin
 
 
 def test_a_prompt_past_the_context_length_is_refused(tiny_gpt2_dir):
-    with pytest.raises(UserError, match="prompt 2 is .* tokens; with --max_new_tokens 255 that exceeds the model's "
-                                        "context length of 256; shorten it or lower --max_new_tokens"):
-        generate.run(parse("--model_dir", tiny_gpt2_dir, "--prompt", "a", "--prompt", "Once upon a time",
-                           "--max_new_tokens", "255", "--device", "cpu"))
+    with pytest.raises(
+        UserError,
+        match="prompt 2 is .* tokens; with --max_new_tokens 255 that exceeds the model's "
+        "context length of 256; shorten it or lower --max_new_tokens",
+    ):
+        generate.run(
+            parse(
+                "--model_dir",
+                tiny_gpt2_dir,
+                "--prompt",
+                "a",
+                "--prompt",
+                "Once upon a time",
+                "--max_new_tokens",
+                "255",
+                "--device",
+                "cpu",
+            )
+        )
 
 
 @pytest.mark.gpu
@@ -254,7 +338,19 @@ def test_run_on_cuda_in_bf16(tiny_llama_dir, capsys):
     model, tokenizer = generate.load(tiny_llama_dir, torch.device("cuda"))
     assert model.device.type == "cuda" and model.dtype == torch.bfloat16 and not model.training
     texts = generate_texts(model, tokenizer, PROMPTS, max_new_tokens=10)
-    generate.run(parse("--model_dir", tiny_llama_dir, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
-                       "--max_new_tokens", "10", "--device", "cuda"))
+    generate.run(
+        parse(
+            "--model_dir",
+            tiny_llama_dir,
+            "--prompt",
+            PROMPTS[0],
+            "--prompt",
+            PROMPTS[1],
+            "--max_new_tokens",
+            "10",
+            "--device",
+            "cuda",
+        )
+    )
     out = capsys.readouterr().out
     assert out == f"\n{generate.SEPARATOR}\n".join(p + t for p, t in zip(PROMPTS, texts, strict=True)) + "\n"

@@ -19,13 +19,12 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+from conftest import ENTRY, REPO, TOPICS, run_cli
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from cloudtrain import planner
 from cloudtrain.trainers.base import peak_flops
-
-from conftest import ENTRY, REPO, TOPICS, run_cli
 
 pytestmark = pytest.mark.gpu
 
@@ -34,10 +33,31 @@ LABELS = ["finance", "sports", "weather"]
 
 def tiny_args(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:
     """5 epochs of the 60-row topic task at batch 8 (40 steps), a high learning rate: the loss must fall."""
-    return ["--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
-            "--validation_file", str(topic_csvs["validation"]), "--output_dir", str(out),
-            "--per_device_train_batch_size", "8", "--num_train_epochs", "5", "--learning_rate", "1e-2",
-            "--warmup_ratio", "0", "--logging_steps", "8", "--eval_strategy", "no", "--report_to", "none", *extra]
+    return [
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--output_dir",
+        str(out),
+        "--per_device_train_batch_size",
+        "8",
+        "--num_train_epochs",
+        "5",
+        "--learning_rate",
+        "1e-2",
+        "--warmup_ratio",
+        "0",
+        "--logging_steps",
+        "8",
+        "--eval_strategy",
+        "no",
+        "--report_to",
+        "none",
+        *extra,
+    ]
 
 
 def records(out: Path) -> list[dict]:
@@ -79,6 +99,7 @@ def check_saved_model(out: Path, tiny_model_dir: str) -> dict[str, torch.Tensor]
 
 # ---------------------------------------------------------------- FSDP2 through accelerate
 
+
 @pytest.mark.parametrize("how", ["torchrun --fsdp true", "accelerate launch fsdp.yaml"])
 def test_fsdp2_trains_and_saves_the_full_model(how, tiny_model_dir, topic_csvs, tmp_path):
     """One process per GPU (two where there are two): accelerate's FSDP2 plugin wraps, trains, then gathers the
@@ -86,15 +107,36 @@ def test_fsdp2_trains_and_saves_the_full_model(how, tiny_model_dir, topic_csvs, 
     precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "no"
     n = min(2, torch.cuda.device_count())
     out = tmp_path / "out"
-    args = [str(ENTRY), *tiny_args(tiny_model_dir, topic_csvs, out, "--training_type", "accelerated",
-                                   "--mixed_precision", precision)]
+    args = [
+        str(ENTRY),
+        *tiny_args(tiny_model_dir, topic_csvs, out, "--training_type", "accelerated", "--mixed_precision", precision),
+    ]
     if how.startswith("torchrun"):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port",
-               free_port(), *args, "--fsdp", "true"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(n),
+            "--master_port",
+            free_port(),
+            *args,
+            "--fsdp",
+            "true",
+        ]
     else:
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(REPO / "configs/accelerate/fsdp.yaml"), "--num_processes", str(n), "--main_process_port",
-               free_port(), *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(REPO / "configs/accelerate/fsdp.yaml"),
+            "--num_processes",
+            str(n),
+            "--main_process_port",
+            free_port(),
+            *args,
+        ]
     result = launch(cmd)
     assert f"{n} process(es) on cuda (FSDP, precision {precision})" in result.stdout
     assert result.stdout.count("model saved to") == 1  # only the main process prints
@@ -106,17 +148,32 @@ def test_fsdp2_trains_and_saves_the_full_model(how, tiny_model_dir, topic_csvs, 
 
 # ---------------------------------------------------------------- bf16 and fp16 autocast
 
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
-def test_mixed_precision_trains_with_fp32_master_weights(training_type, precision, tiny_model_dir, topic_csvs,
-                                                         tmp_path):
+def test_mixed_precision_trains_with_fp32_master_weights(
+    training_type, precision, tiny_model_dir, topic_csvs, tmp_path
+):
     if precision == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
         pytest.skip(f"{torch.cuda.get_device_name()} has no native bf16 (before Ampere)")
     out = tmp_path / "out"
-    result = run_cli(*tiny_args(tiny_model_dir, topic_csvs, out, "--training_type", training_type,
-                                "--mixed_precision", precision, "--checkpointing_steps", "20"))
+    result = run_cli(
+        *tiny_args(
+            tiny_model_dir,
+            topic_csvs,
+            out,
+            "--training_type",
+            training_type,
+            "--mixed_precision",
+            precision,
+            "--checkpointing_steps",
+            "20",
+        )
+    )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "1 process(es) on cuda (" in result.stdout and f", precision {precision}), effective batch 8" in result.stdout
+    assert (
+        "1 process(es) on cuda (" in result.stdout and f", precision {precision}), effective batch 8" in result.stdout
+    )
     assert json.loads((out / "args.json").read_text())["mixed_precision"] == precision
     trained = losses(out)
     assert all(map(math.isfinite, trained)), trained
@@ -142,15 +199,36 @@ def test_mixed_precision_trains_with_fp32_master_weights(training_type, precisio
 def test_fp16_basic_run_resumes_from_its_checkpoint_on_the_gpu(tiny_model_dir, topic_csvs, tmp_path):
     """Resuming on CUDA restores the weights, optimizer, GradScaler and the CUDA RNG state, then finishes the run."""
     first = tmp_path / "first"
-    result = run_cli(*tiny_args(tiny_model_dir, topic_csvs, first, "--training_type", "basic",
-                                "--mixed_precision", "fp16", "--checkpointing_steps", "20"))
+    result = run_cli(
+        *tiny_args(
+            tiny_model_dir,
+            topic_csvs,
+            first,
+            "--training_type",
+            "basic",
+            "--mixed_precision",
+            "fp16",
+            "--checkpointing_steps",
+            "20",
+        )
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     state = torch.load(first / "checkpoints" / "checkpoint-20" / "training_state.pt", weights_only=True)
     assert "cuda" in state["rng"]
     resumed = tmp_path / "resumed"
-    result = run_cli(*tiny_args(tiny_model_dir, topic_csvs, resumed, "--training_type", "basic",
-                                "--mixed_precision", "fp16", "--resume_from_checkpoint",
-                                str(first / "checkpoints" / "checkpoint-20")))
+    result = run_cli(
+        *tiny_args(
+            tiny_model_dir,
+            topic_csvs,
+            resumed,
+            "--training_type",
+            "basic",
+            "--mixed_precision",
+            "fp16",
+            "--resume_from_checkpoint",
+            str(first / "checkpoints" / "checkpoint-20"),
+        )
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "at step 20" in result.stdout and "resumed from" in result.stdout
     assert json.loads((resumed / "train_results.json").read_text())["global_step"] == 40
@@ -169,6 +247,7 @@ def test_auto_precision_on_this_gpu(tiny_model_dir, topic_csvs, tmp_path):
 
 # ---------------------------------------------------------------- MFU
 
+
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
 def test_mfu_is_logged_on_a_known_gpu(training_type, tiny_model_dir, topic_csvs, tmp_path):
     peak = peak_flops(torch.device("cuda", 0))
@@ -176,8 +255,9 @@ def test_mfu_is_logged_on_a_known_gpu(training_type, tiny_model_dir, topic_csvs,
         pytest.skip(f"{torch.cuda.get_device_name(0)} is not in PEAK_FLOPS, so no MFU is logged on it")
     out = tmp_path / "out"
     precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "fp16"  # the peak's dtype
-    result = run_cli(*tiny_args(tiny_model_dir, topic_csvs, out, "--training_type", training_type,
-                                "--mixed_precision", precision))
+    result = run_cli(
+        *tiny_args(tiny_model_dir, topic_csvs, out, "--training_type", training_type, "--mixed_precision", precision)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     logged = [r for r in records(out) if "train/loss" in r]
     assert logged and all("train/mfu" in r for r in logged)  # at every logging step
@@ -219,26 +299,48 @@ def test_peak_memory_is_within_the_planners_estimate(precision, minilm_dir, tmp_
     for split, n in (("train", 64), ("validation", 16)):
         rows = [{"text": f"{long_text[LABELS[i % 3]]} {i}", "label": LABELS[i % 3]} for i in range(n)]
         pd.DataFrame(rows).to_csv(tmp_path / f"{split}.csv", index=False)
-    options = {"model_name_or_path": minilm_dir, "train_file": str(tmp_path / "train.csv"),
-               "validation_file": str(tmp_path / "validation.csv"), "output_dir": str(tmp_path / "out"),
-               "per_device_train_batch_size": micro_batch, "max_length": max_length, "max_steps": 4,
-               "eval_strategy": "no", "logging_steps": 2, "mixed_precision": precision,
-               "training_type": "accelerated"}
+    options = {
+        "model_name_or_path": minilm_dir,
+        "train_file": str(tmp_path / "train.csv"),
+        "validation_file": str(tmp_path / "validation.csv"),
+        "output_dir": str(tmp_path / "out"),
+        "per_device_train_batch_size": micro_batch,
+        "max_length": max_length,
+        "max_steps": 4,
+        "eval_strategy": "no",
+        "logging_steps": 2,
+        "mixed_precision": precision,
+        "training_type": "accelerated",
+    }
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    result = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(options)], capture_output=True, text=True,
-                            timeout=600, cwd=REPO, env=env)
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE, json.dumps(options)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     (line,) = [line for line in result.stdout.splitlines() if line.startswith("PEAK ")]
-    peak = json.loads(line[len("PEAK "):])
+    peak = json.loads(line[len("PEAK ") :])
 
     facts = planner.model_facts(minilm_dir, num_labels=3)
     ddp = next(s for s in planner.STRATEGIES if s.key == "ddp")
-    setup = planner.Setup(num_gpus=1, num_nodes=1, gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
-                          cpu_memory_bytes=None, max_length=max_length, mixed_precision=precision)
+    setup = planner.Setup(
+        num_gpus=1,
+        num_nodes=1,
+        gpu_memory_bytes=torch.cuda.get_device_properties(0).total_memory,
+        cpu_memory_bytes=None,
+        max_length=max_length,
+        mixed_precision=precision,
+    )
     estimate = planner.estimate(facts, planner.Candidate(ddp, checkpointing=False), setup, micro_batch)
     in_allocator = estimate.total - planner.CUDA_CONTEXT_BYTES
-    print(f"{precision}: peak allocated {peak['allocated'] / 2**20:.0f} MiB, reserved {peak['reserved'] / 2**20:.0f} "
-          f"MiB; estimate {estimate.total / 2**20:.0f} MiB ({in_allocator / 2**20:.0f} MiB without the context)")
+    print(
+        f"{precision}: peak allocated {peak['allocated'] / 2**20:.0f} MiB, reserved {peak['reserved'] / 2**20:.0f} "
+        f"MiB; estimate {estimate.total / 2**20:.0f} MiB ({in_allocator / 2**20:.0f} MiB without the context)"
+    )
     assert peak["allocated"] <= in_allocator
     assert peak["reserved"] <= estimate.total
     assert peak["allocated"] >= 0.4 * in_allocator
@@ -246,22 +348,51 @@ def test_peak_memory_is_within_the_planners_estimate(precision, minilm_dir, tmp_
 
 # ---------------------------------------------------------------- causal LM: FSDP2 and bf16 with packed documents
 
+
 def test_causal_lm_fsdp2_with_bfd_packing_trains_and_saves(tiny_llama_dir, tmp_path):
     """--task causal_lm under FSDP2 in bf16 (where the GPU has it) with bfd packing: the document-isolation
     probe passes on CUDA SDPA, the loss falls, and the full model is saved and loads as a causal LM."""
-    from transformers import AutoModelForCausalLM
-
     from conftest import lm_documents
+    from transformers import AutoModelForCausalLM
 
     (tmp_path / "train.txt").write_text("\n".join(lm_documents(64, 0)) + "\n")
     precision = "bf16" if torch.cuda.is_bf16_supported(including_emulation=False) else "no"
     n = min(2, torch.cuda.device_count())
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", free_port(),
-           str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir, "--train_file",
-           str(tmp_path / "train.txt"), "--packing", "bfd", "--max_length", "64", "--max_steps", "30",
-           "--learning_rate", "3e-3", "--logging_steps", "5", "--mixed_precision", precision, "--fsdp", "true",
-           "--output_dir", str(out), "--sample_max_new_tokens", "4"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(n),
+        "--master_port",
+        free_port(),
+        str(ENTRY),
+        "--task",
+        "causal_lm",
+        "--model_name_or_path",
+        tiny_llama_dir,
+        "--train_file",
+        str(tmp_path / "train.txt"),
+        "--packing",
+        "bfd",
+        "--max_length",
+        "64",
+        "--max_steps",
+        "30",
+        "--learning_rate",
+        "3e-3",
+        "--logging_steps",
+        "5",
+        "--mixed_precision",
+        precision,
+        "--fsdp",
+        "true",
+        "--output_dir",
+        str(out),
+        "--sample_max_new_tokens",
+        "4",
+    ]
     result = launch(cmd)
     assert f"{n} process(es) on cuda (FSDP, precision {precision})" in result.stdout
     trained = losses(out)

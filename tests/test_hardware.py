@@ -9,12 +9,11 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO, child_auto_precision, run_cli
 
 from cloudtrain import hardware
 from cloudtrain.config import build_config
 from cloudtrain.trainers import BasicTrainer
-
-from conftest import REPO, child_auto_precision, run_cli
 
 
 @pytest.mark.parametrize("explicit", ["no", "fp16", "bf16"])
@@ -46,8 +45,10 @@ def cpu_flags() -> set[str] | None:
     return set(line.split(":", 1)[1].split()) if line else None
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64") or cpu_flags() is None,
-                    reason="checks against the x86 CPU flags in /proc/cpuinfo")
+@pytest.mark.skipif(
+    platform.machine() not in ("x86_64", "AMD64") or cpu_flags() is None,
+    reason="checks against the x86 CPU flags in /proc/cpuinfo",
+)
 def test_native_bf16_on_this_cpu_follows_its_instruction_set():
     """bf16 counts as native on a CPU with AVX512-BF16 or AMX (what the docs promise), and not on one
     without AVX-512 at all (nor AVX-NE-CONVERT): there bf16 is emulated and slower than fp32.
@@ -72,9 +73,20 @@ def test_unresolved_auto_is_refused_by_the_trainer(tiny_model_dir):
 
 def test_a_default_run_records_and_prints_the_resolved_precision(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "run"
-    proc = run_cli("--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
-                   "--validation_file", str(topic_csvs["validation"]), "--max_steps", "2",
-                   "--output_dir", str(out), "--report_to", "none")
+    proc = run_cli(
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = child_auto_precision()  # the run is a child process, which sees no GPU (conftest)
     assert json.loads((out / "args.json").read_text())["mixed_precision"] == expected
@@ -103,8 +115,13 @@ print(json.dumps({"applied": applied, "faults": faults}))
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt: Linux only")
 def test_keeping_freed_memory_stops_the_page_faults_of_reused_buffers():
     def refaults(mode: str) -> tuple[bool, list[int]]:
-        out = subprocess.run([sys.executable, "-c", REFAULTS, mode], capture_output=True, text=True, check=True,
-                             env={**os.environ, "PYTHONPATH": str(REPO / "src")})
+        out = subprocess.run(
+            [sys.executable, "-c", REFAULTS, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+        )
         result = json.loads(out.stdout.strip().splitlines()[-1])
         return result["applied"], result["faults"][-6:]
 

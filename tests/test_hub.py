@@ -12,6 +12,8 @@ import subprocess
 import sys
 
 import pytest
+from conftest import ENTRY, REPO, topic_rows
+from hub_server import HubServer, User
 from huggingface_hub import ModelCard, constants, hf_hub_download, metadata_load
 
 from cloudtrain import hub as cloudhub
@@ -21,20 +23,27 @@ from cloudtrain.errors import UserError
 from cloudtrain.model_card import build_model_card
 from cloudtrain.saving import holds_model
 
-from conftest import ENTRY, REPO, topic_rows
-from hub_server import HubServer, User
-
 TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search
 BOB_TOKEN = "hf_bob_99887766554433221100"
 READ_TOKEN = "hf_carol_read_only_123456789"
-MODEL_FILES = {"README.md", "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-               "args.json", "train_results.json", "eval_results.json", "test_results.json"}
+MODEL_FILES = {
+    "README.md",
+    "config.json",
+    "model.safetensors",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "args.json",
+    "train_results.json",
+    "eval_results.json",
+    "test_results.json",
+}
 
 
 @pytest.fixture(scope="module")
 def hub():
-    server = HubServer({TOKEN: User("alice", orgs=["alice-lab"]), BOB_TOKEN: User("bob"),
-                        READ_TOKEN: User("carol", role="read")}).start()
+    server = HubServer(
+        {TOKEN: User("alice", orgs=["alice-lab"]), BOB_TOKEN: User("bob"), READ_TOKEN: User("carol", role="read")}
+    ).start()
     yield server
     server.stop()
 
@@ -52,22 +61,44 @@ def data_files(tmp_path_factory):
 def hub_env(hub: HubServer, token_file, token: str | None = None) -> dict:
     """The environment of a user whose HF_ENDPOINT is the local server and whose stored login is `token_file`."""
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
-    env.update(HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN_PATH=str(token_file), PYTHONUNBUFFERED="1",
-               HF_HUB_DISABLE_TELEMETRY="1")
+    env.update(
+        HF_ENDPOINT=hub.url,
+        HF_HUB_OFFLINE="0",
+        HF_TOKEN_PATH=str(token_file),
+        PYTHONUNBUFFERED="1",
+        HF_HUB_DISABLE_TELEMETRY="1",
+    )
     if token:
         env["HF_TOKEN"] = token
     return env
 
 
 def run_app(env: dict, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ENTRY), *args], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, str(ENTRY), *args], capture_output=True, text=True, timeout=600, env=env, cwd=REPO
+    )
 
 
 def train_args(model_dir: str, data_files, out, *extra: str) -> list[str]:
-    return ["--model_name_or_path", model_dir, "--train_file", str(data_files / "train.csv"),
-            "--validation_file", str(data_files / "validation.csv"), "--test_file", str(data_files / "test.csv"),
-            "--max_steps", "4", "--logging_steps", "2", "--max_length", "32", "--output_dir", str(out), *extra]
+    return [
+        "--model_name_or_path",
+        model_dir,
+        "--train_file",
+        str(data_files / "train.csv"),
+        "--validation_file",
+        str(data_files / "validation.csv"),
+        "--test_file",
+        str(data_files / "test.csv"),
+        "--max_steps",
+        "4",
+        "--logging_steps",
+        "2",
+        "--max_length",
+        "32",
+        "--output_dir",
+        str(out),
+        *extra,
+    ]
 
 
 @pytest.fixture
@@ -88,13 +119,27 @@ def hub_config(repo_id: str, token: str | None = TOKEN, **options):
 
 # ---------------------------------------------------------------- a training run that pushes at the end
 
+
 @pytest.fixture(scope="module")
 def pushed(hub, tiny_model_dir, data_files, tmp_path_factory):
     """One short training run with --push_to_hub, the token given as a flag (the riskiest place for it)."""
     out = tmp_path_factory.mktemp("pushed") / "model"
-    result = run_app(hub_env(hub, out.parent / "no-stored-token"), *train_args(
-        tiny_model_dir, data_files, out, "--push_to_hub", "true", "--hub_model_id", "alice/topics",
-        "--hub_private_repo", "true", "--hub_token", TOKEN))
+    result = run_app(
+        hub_env(hub, out.parent / "no-stored-token"),
+        *train_args(
+            tiny_model_dir,
+            data_files,
+            out,
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            "alice/topics",
+            "--hub_private_repo",
+            "true",
+            "--hub_token",
+            TOKEN,
+        ),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -149,13 +194,16 @@ def test_the_token_is_in_no_file_and_no_output_line(pushed):
 
 # ---------------------------------------------------------------- failures
 
+
 @pytest.mark.slow
 def test_a_bad_token_fails_before_training(hub, tiny_model_dir, data_files, tmp_path):
     out = tmp_path / "model"
     bad = "hf_not_a_valid_token_42"
     before = len(hub.requests)
-    result = run_app(hub_env(hub, tmp_path / "no-stored-token", token=bad), *train_args(
-        tiny_model_dir, data_files, out, "--push_to_hub", "true", "--hub_model_id", "alice/never"))
+    result = run_app(
+        hub_env(hub, tmp_path / "no-stored-token", token=bad),
+        *train_args(tiny_model_dir, data_files, out, "--push_to_hub", "true", "--hub_model_id", "alice/never"),
+    )
     assert result.returncode == 2
     error = result.stderr.strip().splitlines()[-1]
     assert error.startswith("error: checking Hub access failed: the Hub rejected the token (401"), error
@@ -170,9 +218,20 @@ def test_a_failed_push_keeps_the_run_and_the_retry_command_pushes_it(hub, tiny_m
     out = tmp_path / "model"
     hub.refuse_commits = "storage quota exceeded"
     try:
-        result = run_app(hub_env(hub, tmp_path / "no-stored-token", token=TOKEN), *train_args(
-            tiny_model_dir, data_files, out, "--push_to_hub", "true", "--hub_model_id", "alice/retry",
-            "--hub_revision", "dev"))
+        result = run_app(
+            hub_env(hub, tmp_path / "no-stored-token", token=TOKEN),
+            *train_args(
+                tiny_model_dir,
+                data_files,
+                out,
+                "--push_to_hub",
+                "true",
+                "--hub_model_id",
+                "alice/retry",
+                "--hub_revision",
+                "dev",
+            ),
+        )
     finally:
         hub.refuse_commits = None
     assert result.returncode == 2, result.stderr[-3000:]
@@ -182,15 +241,18 @@ def test_a_failed_push_keeps_the_run_and_the_retry_command_pushes_it(hub, tiny_m
     assert holds_model(out) and (out / "eval_results.json").exists() and (out / "tokenizer.json").exists()
     assert len(hub.history("alice/retry", "dev")) == 1  # only the initial commit: nothing landed
     command = error.split("retry with: ")[1]
-    assert command == (f"python src/training_application.py push --output_dir {out.resolve()} "
-                       "--hub_model_id alice/retry --hub_revision dev")
+    assert command == (
+        f"python src/training_application.py push --output_dir {out.resolve()} "
+        "--hub_model_id alice/retry --hub_revision dev"
+    )
 
     # The retry, as the user would run it, now with the token from the stored login (`hf auth login`).
     stored = tmp_path / "stored-token"
     stored.write_text(TOKEN)
     argv = shlex.split(command)
-    retry = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300,
-                           env=hub_env(hub, stored), cwd=REPO)
+    retry = subprocess.run(
+        [sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300, env=hub_env(hub, stored), cwd=REPO
+    )
     assert retry.returncode == 0, retry.stderr[-3000:]
     upload = hub.history("alice/retry", "dev")[-1]
     assert set(upload.added) >= MODEL_FILES
@@ -226,6 +288,7 @@ def test_push_command_needs_a_finished_run(tmp_path, capsys):
 
 # ---------------------------------------------------------------- pushes during training
 
+
 def make_save(folder, step: int):
     """What a save during training writes: model files and, in a checkpoint, optimizer state."""
     folder.mkdir(parents=True)
@@ -252,15 +315,19 @@ def test_background_uploader_makes_one_commit_per_upload_in_order(in_process, tm
     uploader.wait()
 
     commits = in_process.history("alice/in-progress")[1:]
-    assert [c.summary for c in commits] == [message for step in (2, 4, 6) for message in (
-        f"Training in progress, step {step}", f"Checkpoint at step {step}")]
+    assert [c.summary for c in commits] == [
+        message
+        for step in (2, 4, 6)
+        for message in (f"Training in progress, step {step}", f"Checkpoint at step {step}")
+    ]
     for (model, checkpoint), folder in zip(zip(commits[::2], commits[1::2]), saves):
         assert model.added == {name: (folder / name).read_bytes() for name in ("model.safetensors", "config.json")}
         assert checkpoint.added == {f"last-checkpoint/{p.name}": p.read_bytes() for p in folder.iterdir()}
     final = commits[-1].files
     assert final["model.safetensors"] == (saves[-1] / "model.safetensors").read_bytes()
     assert sorted(p for p in final if p.startswith("last-checkpoint/")) == sorted(  # older checkpoints replaced
-        f"last-checkpoint/{p.name}" for p in saves[-1].iterdir())
+        f"last-checkpoint/{p.name}" for p in saves[-1].iterdir()
+    )
 
 
 def test_background_upload_failure_is_reported_by_wait(in_process, tmp_path):
@@ -278,36 +345,68 @@ def test_background_upload_failure_is_reported_by_wait(in_process, tmp_path):
 
 # ---------------------------------------------------------------- the card for the built-in defaults
 
+
 def test_card_for_the_builtin_model_and_data_names_them_and_holds_no_secret(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"id2label": {"0": "acq", "1": "earn"}}))
     cfg = hub_config("alice/minilm-r8")
-    results = {"train": {"global_step": 10, "epoch": 1.0, "train_loss": 0.5, "train_runtime_s": 3.0,
-                         "train_samples_per_s": 50.0},
-               "eval": {"accuracy": 0.91234, "macro_f1": 0.85678, "loss": 0.3, "samples": 20,
-                        "confusion_matrix": [[9, 1], [1, 9]]}}
+    results = {
+        "train": {
+            "global_step": 10,
+            "epoch": 1.0,
+            "train_loss": 0.5,
+            "train_runtime_s": 3.0,
+            "train_samples_per_s": 50.0,
+        },
+        "eval": {
+            "accuracy": 0.91234,
+            "macro_f1": 0.85678,
+            "loss": 0.3,
+            "samples": 20,
+            "confusion_matrix": [[9, 1], [1, 9]],
+        },
+    }
     card = build_model_card(tmp_path, cfg, results)
     assert card.data.base_model == "sentence-transformers/all-MiniLM-L6-v2"
     assert card.data.license == "apache-2.0" and card.data.datasets == ["reuters21578"]
-    assert [(r.metric_type, r.metric_value) for r in card.data.eval_results] == [("accuracy", 0.9123),
-                                                                                ("f1", 0.8568)]
+    assert [(r.metric_type, r.metric_value) for r in card.data.eval_results] == [("accuracy", 0.9123), ("f1", 0.8568)]
     assert "| **earn** | 1 | 9 |" in card.text and "training_curves.png" not in card.text
     assert TOKEN not in str(card)
 
 
 # ---------------------------------------------------------------- saves during training
 
+
 @pytest.mark.slow
-def test_every_save_and_checkpoint_strategies_push_each_checkpoint_in_order(hub, tiny_model_dir, data_files,
-                                                                           tmp_path):
+def test_every_save_and_checkpoint_strategies_push_each_checkpoint_in_order(hub, tiny_model_dir, data_files, tmp_path):
     out = tmp_path / "model"
-    result = run_app(hub_env(hub, tmp_path / "no-stored-token", TOKEN), *train_args(
-        tiny_model_dir, data_files, out, "--max_steps", "6", "--checkpointing_steps", "2", "--save_total_limit", "1",
-        "--push_to_hub", "true", "--hub_model_id", "alice/saves", "--hub_strategy", "checkpoint"))
+    result = run_app(
+        hub_env(hub, tmp_path / "no-stored-token", TOKEN),
+        *train_args(
+            tiny_model_dir,
+            data_files,
+            out,
+            "--max_steps",
+            "6",
+            "--checkpointing_steps",
+            "2",
+            "--save_total_limit",
+            "1",
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            "alice/saves",
+            "--hub_strategy",
+            "checkpoint",
+        ),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     commits = [c.summary for c in hub.history("alice/saves")]
     assert commits[0] == "initial commit"
-    assert commits[1:-1] == [message for step in (2, 4, 6) for message in
-                             (f"Training in progress, step {step}", f"Checkpoint at step {step}")]
+    assert commits[1:-1] == [
+        message
+        for step in (2, 4, 6)
+        for message in (f"Training in progress, step {step}", f"Checkpoint at step {step}")
+    ]
     root_upload, checkpoint_upload = hub.history("alice/saves")[1:3]
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(root_upload.added)
     assert "last-checkpoint/trainer_state.json" in checkpoint_upload.added
@@ -316,6 +415,7 @@ def test_every_save_and_checkpoint_strategies_push_each_checkpoint_in_order(hub,
 
 # ---------------------------------------------------------------- several processes
 
+
 def torchrun_app(env: dict, *args: str) -> subprocess.CompletedProcess:
     import socket
 
@@ -323,9 +423,24 @@ def torchrun_app(env: dict, *args: str) -> subprocess.CompletedProcess:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
     env = {**env, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", port, str(ENTRY), *args], capture_output=True, text=True, timeout=600,
-                          env=env, cwd=REPO)
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            port,
+            str(ENTRY),
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
 
 
 @pytest.mark.slow
@@ -333,17 +448,34 @@ def test_only_the_main_process_talks_to_the_hub(hub, tiny_model_dir, data_files,
     """2 processes: one access check (whoami, create, preupload dry run) and one push, not one per process;
     a bad token stops both processes with the main process's single error line."""
     before = len(hub.requests)
-    bad = torchrun_app(hub_env(hub, tmp_path / "no-stored-token", token="hf_not_a_valid_token_43"), *train_args(
-        tiny_model_dir, data_files, tmp_path / "bad", "--push_to_hub", "true", "--hub_model_id", "alice/never2"))
+    bad = torchrun_app(
+        hub_env(hub, tmp_path / "no-stored-token", token="hf_not_a_valid_token_43"),
+        *train_args(
+            tiny_model_dir, data_files, tmp_path / "bad", "--push_to_hub", "true", "--hub_model_id", "alice/never2"
+        ),
+    )
     assert bad.returncode != 0 and "data:" not in bad.stdout
     assert hub.requests[before:] == [("GET", "/api/whoami-v2")]
     errors = [line for line in bad.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "the Hub rejected the token (401" in errors[0], bad.stderr[-3000:]
 
     before = len(hub.requests)
-    good = torchrun_app(hub_env(hub, tmp_path / "no-stored-token", token=TOKEN), *train_args(
-        tiny_model_dir, data_files, tmp_path / "good", "--push_to_hub", "true", "--hub_model_id", "alice/ddp",
-        "--max_steps", "2", "--eval_strategy", "no"))
+    good = torchrun_app(
+        hub_env(hub, tmp_path / "no-stored-token", token=TOKEN),
+        *train_args(
+            tiny_model_dir,
+            data_files,
+            tmp_path / "good",
+            "--push_to_hub",
+            "true",
+            "--hub_model_id",
+            "alice/ddp",
+            "--max_steps",
+            "2",
+            "--eval_strategy",
+            "no",
+        ),
+    )
     assert good.returncode == 0, good.stderr[-3000:]
     calls = [path for _, path in hub.requests[before:]]
     assert calls.count("/api/whoami-v2") == 1 and calls.count("/api/repos/create") == 2  # check, then push

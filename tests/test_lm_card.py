@@ -19,21 +19,45 @@ from cloudtrain.hub import commit_message
 from cloudtrain.model_card import build_lm_model_card, table_cell
 
 TOKEN = "hf_secret_token_for_the_card_test"
-TRAIN = {"global_step": 10, "epoch": 1.0, "train_loss": 3.5, "train_runtime_s": 3.0, "train_samples": 50,
-         "train_samples_per_s": 16.67, "train_tokens_per_s": 1234.5}
-GENERATIONS = [{"prompt": "Once upon a time", "continuation": " there was a cat."},
-               {"prompt": "a | b\nc", "continuation": " <b>bold</b> \\| x\r\ny|"},
-               {"prompt": 'She said "hi"', "continuation": ""}]
+TRAIN = {
+    "global_step": 10,
+    "epoch": 1.0,
+    "train_loss": 3.5,
+    "train_runtime_s": 3.0,
+    "train_samples": 50,
+    "train_samples_per_s": 16.67,
+    "train_tokens_per_s": 1234.5,
+}
+GENERATIONS = [
+    {"prompt": "Once upon a time", "continuation": " there was a cat."},
+    {"prompt": "a | b\nc", "continuation": " <b>bold</b> \\| x\r\ny|"},
+    {"prompt": 'She said "hi"', "continuation": ""},
+]
 
 
 def lm_results(test: bool = True) -> dict:
-    results = {"train": dict(TRAIN),
-               "eval": {"loss": 3.2, "perplexity": 24.53253, "tokens": 1000, "samples": 8, "runtime_s": 1.0,
-                        "tokens_per_s": 1000.0, "generations": [dict(g) for g in GENERATIONS]}}
+    results = {
+        "train": dict(TRAIN),
+        "eval": {
+            "loss": 3.2,
+            "perplexity": 24.53253,
+            "tokens": 1000,
+            "samples": 8,
+            "runtime_s": 1.0,
+            "tokens_per_s": 1000.0,
+            "generations": [dict(g) for g in GENERATIONS],
+        },
+    }
     if test:
-        results["test"] = {"loss": 3.3, "perplexity": 27.1126, "tokens": 900, "samples": 7, "runtime_s": 0.9,
-                           "tokens_per_s": 1000.0,
-                           "generations": [{"prompt": "test prompt", "continuation": "not on the card"}]}
+        results["test"] = {
+            "loss": 3.3,
+            "perplexity": 27.1126,
+            "tokens": 900,
+            "samples": 7,
+            "runtime_s": 0.9,
+            "tokens_per_s": 1000.0,
+            "generations": [{"prompt": "test prompt", "continuation": "not on the card"}],
+        }
     return results
 
 
@@ -41,9 +65,15 @@ def lm_results(test: bool = True) -> dict:
 def lm_output_dir(tmp_path) -> Path:
     """What a finished causal-LM run leaves: a causal LM's config.json, args.json and the results files."""
     out = tmp_path / "run"
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                      num_attention_heads=2, num_key_value_heads=1,
-                                      architectures=["LlamaForCausalLM"])
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        architectures=["LlamaForCausalLM"],
+    )
     config.save_pretrained(out)
     results = lm_results()
     (out / "args.json").write_text(json.dumps({"task": "causal_lm"}))
@@ -80,7 +110,7 @@ def cells(line: str) -> list[str]:
     line = line[1:-1]
     while i < len(line):
         if line[i] == "\\" and i + 1 < len(line):
-            cell += line[i:i + 2]
+            cell += line[i : i + 2]
             i += 2
             continue
         if line[i] == "|":
@@ -94,10 +124,10 @@ def cells(line: str) -> list[str]:
 
 def table(text: str, heading: str) -> list[list[str]]:
     """The rows (cells) of the first table after `heading`, header row and separator left out."""
-    lines = text[text.index(heading):].splitlines()
+    lines = text[text.index(heading) :].splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith("|"))
     rows = []
-    for line in lines[start + 2:]:
+    for line in lines[start + 2 :]:
         if not line.startswith("|"):
             break
         rows.append(cells(line))
@@ -105,6 +135,7 @@ def table(text: str, heading: str) -> list[list[str]]:
 
 
 # ---------------------------------------------------------------- metadata
+
 
 def test_card_of_a_model_trained_from_scratch_has_text_generation_metadata(lm_output_dir, tmp_path):
     cfg = lm_config(tmp_path, dataset_name="roneneldan/TinyStories")
@@ -114,10 +145,12 @@ def test_card_of_a_model_trained_from_scratch_has_text_generation_metadata(lm_ou
     assert data["tags"] == ["text-generation", "cloudtrain"]
     assert data["datasets"] == ["roneneldan/TinyStories"]
     assert "base_model" not in data and "license" not in data  # from scratch: no base model, no license known
-    assert model_index(card) == {("validation", "perplexity"): (24.5325, "Perplexity"),
-                                 ("validation", "loss"): (3.2, "Loss"),
-                                 ("test", "perplexity"): (27.1126, "Perplexity"),
-                                 ("test", "loss"): (3.3, "Loss")}
+    assert model_index(card) == {
+        ("validation", "perplexity"): (24.5325, "Perplexity"),
+        ("validation", "loss"): (3.2, "Loss"),
+        ("test", "perplexity"): (27.1126, "Perplexity"),
+        ("test", "loss"): (3.3, "Loss"),
+    }
     assert {r.dataset_type for r in card.data.eval_results} == {"roneneldan/TinyStories"}
     assert "trained from scratch from the llama-8m configuration" in card.text
     assert "`LlamaForCausalLM`" in card.text
@@ -126,16 +159,24 @@ def test_card_of_a_model_trained_from_scratch_has_text_generation_metadata(lm_ou
 
 
 def test_card_of_continued_pretraining_names_the_hub_base_model(lm_output_dir, tmp_path):
-    cfg = lm_config(tmp_path, model_name_or_path="HuggingFaceTB/SmolLM2-135M", dataset_name="wikitext",
-                    dataset_config="wikitext-2-raw-v1", hub_revision="experiments")
+    cfg = lm_config(
+        tmp_path,
+        model_name_or_path="HuggingFaceTB/SmolLM2-135M",
+        dataset_name="wikitext",
+        dataset_config="wikitext-2-raw-v1",
+        hub_revision="experiments",
+    )
     card = reparsed(build_lm_model_card(lm_output_dir, cfg, lm_results(test=False)), tmp_path)
     assert card.data.base_model == "HuggingFaceTB/SmolLM2-135M" and card.data.license is None
-    assert ("trained by continued pretraining of "
-            "[HuggingFaceTB/SmolLM2-135M](https://huggingface.co/HuggingFaceTB/SmolLM2-135M)") in card.text
+    assert (
+        "trained by continued pretraining of "
+        "[HuggingFaceTB/SmolLM2-135M](https://huggingface.co/HuggingFaceTB/SmolLM2-135M)"
+    ) in card.text
     assert "from scratch" not in card.text
     assert set(model_index(card)) == {("validation", "perplexity"), ("validation", "loss")}
     assert {(r.dataset_name, r.dataset_config) for r in card.data.eval_results} == {
-        ("wikitext (wikitext-2-raw-v1)", "wikitext-2-raw-v1")}
+        ("wikitext (wikitext-2-raw-v1)", "wikitext-2-raw-v1")
+    }
     assert 'pipeline("text-generation", model="alice/tiny-lm", revision="experiments")' in card.text
 
 
@@ -180,6 +221,7 @@ def test_an_infinite_perplexity_stays_out_of_the_metadata_but_shows_in_the_table
 
 # ---------------------------------------------------------------- body
 
+
 def test_body_has_usage_hyperparameters_and_result_tables(lm_output_dir, tmp_path):
     cfg = lm_config(tmp_path, learning_rate=3e-4, max_length=256, packing="bfd", sample_max_new_tokens=16)
     card = build_lm_model_card(lm_output_dir, cfg, lm_results())
@@ -191,8 +233,10 @@ def test_body_has_usage_hyperparameters_and_result_tables(lm_output_dir, tmp_pat
     assert hyper["task"] == "causal_lm" and hyper["tokenizer_name_or_path"] == "my-tokenizer"
     assert not {"label_column", "text_pair_column", "hub_model_id", "hub_token", "push_to_hub"} & set(hyper)
     assert table(text, "### Training results") == [["10", "1.0", "3.5000", "3.0", "1234.5"]]
-    assert table(text, "### Evaluation results") == [["validation", "1000", "3.2000", "24.53"],
-                                                     ["test", "900", "3.3000", "27.11"]]
+    assert table(text, "### Evaluation results") == [
+        ["validation", "1000", "3.2000", "24.53"],
+        ["test", "900", "3.3000", "27.11"],
+    ]
     assert "- Perplexity: 24.53\n- Loss: 3.2000" in text  # the headline: the validation set
     assert "training_curves.png" not in text
     assert re.search(r"^- transformers \S+$", text, re.M) and re.search(r"^- torch \S+$", text, re.M)
@@ -224,13 +268,15 @@ def test_the_usage_prompt_is_a_valid_python_string(lm_output_dir, tmp_path):
     results["eval"]["generations"] = [{"prompt": 'He said "stop"\nand \\left', "continuation": "."}]
     card = build_lm_model_card(lm_output_dir, lm_config(tmp_path), results)
     line = next(line for line in card.text.splitlines() if line.startswith("print(generator("))
-    call = line[len("print(generator("):line.index(", max_new_tokens")]
+    call = line[len("print(generator(") : line.index(", max_new_tokens")]
     assert eval(call) == 'He said "stop"\nand \\left'  # a string literal, nothing else
 
 
 def test_the_parameter_count_comes_from_the_safetensors_files(lm_output_dir, tmp_path):
-    save_file({"embed.weight": torch.zeros(1000, 64), "norm.weight": torch.zeros(64)},
-              str(lm_output_dir / "model-00001-of-00002.safetensors"))
+    save_file(
+        {"embed.weight": torch.zeros(1000, 64), "norm.weight": torch.zeros(64)},
+        str(lm_output_dir / "model-00001-of-00002.safetensors"),
+    )
     save_file({"lm_head.weight": torch.zeros(1000, 64)}, str(lm_output_dir / "model-00002-of-00002.safetensors"))
     card = build_lm_model_card(lm_output_dir, lm_config(tmp_path), lm_results())
     assert "(`LlamaForCausalLM`, 128.1K parameters)" in card.text
@@ -246,13 +292,23 @@ def test_table_cell_escapes_what_would_break_a_markdown_table():
 
 # ---------------------------------------------------------------- commit message
 
+
 def test_commit_message_names_accuracy_for_a_classifier_and_perplexity_for_a_language_model():
-    classifier = {"train": {"global_step": 40}, "eval": {"accuracy": 0.91234, "loss": 0.3},
-                  "test": {"accuracy": 0.8, "loss": 0.4}}
-    assert commit_message(classifier) == \
-        "Upload model trained with cloudtrain (40 steps, eval accuracy 0.9123, test accuracy 0.8000)"
-    assert commit_message(lm_results()) == \
-        "Upload model trained with cloudtrain (10 steps, eval perplexity 24.53, test perplexity 27.11)"
-    assert commit_message(lm_results(test=False)) == \
-        "Upload model trained with cloudtrain (10 steps, eval perplexity 24.53)"
+    classifier = {
+        "train": {"global_step": 40},
+        "eval": {"accuracy": 0.91234, "loss": 0.3},
+        "test": {"accuracy": 0.8, "loss": 0.4},
+    }
+    assert (
+        commit_message(classifier)
+        == "Upload model trained with cloudtrain (40 steps, eval accuracy 0.9123, test accuracy 0.8000)"
+    )
+    assert (
+        commit_message(lm_results())
+        == "Upload model trained with cloudtrain (10 steps, eval perplexity 24.53, test perplexity 27.11)"
+    )
+    assert (
+        commit_message(lm_results(test=False))
+        == "Upload model trained with cloudtrain (10 steps, eval perplexity 24.53)"
+    )
     assert commit_message({"train": {"global_step": 5}}) == "Upload model trained with cloudtrain (5 steps)"

@@ -4,33 +4,55 @@ the head is kept when its labels are the data's (in any order), replaced in one 
 import pandas as pd
 import pytest
 import torch
+from conftest import run_cli, topic_rows
 from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
-from transformers import (AutoModelForSequenceClassification, AutoTokenizer, BertConfig, BertForSequenceClassification,
-                          GPT2Config, GPT2ForSequenceClassification, LlamaConfig, LlamaForSequenceClassification)
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+    GPT2Config,
+    GPT2ForSequenceClassification,
+    LlamaConfig,
+    LlamaForSequenceClassification,
+)
 
 from cloudtrain.config import DataConfig, ModelConfig
 from cloudtrain.data_processing import process_data
 from cloudtrain.model_loading import head_labels, load_model
 
-from conftest import run_cli, topic_rows
-
 TOPICS = ["finance", "sports", "weather"]  # the labels of topic_rows, sorted
 
 
 def tiny_config(kind: str, vocab_size: int, labels: list[str]):
-    common = dict(vocab_size=vocab_size, num_labels=len(labels), id2label=dict(enumerate(labels)),
-                  label2id={name: i for i, name in enumerate(labels)})
+    common = dict(
+        vocab_size=vocab_size,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={name: i for i, name in enumerate(labels)},
+    )
     if kind == "bert":
         return BertConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64, **common)
     if kind == "gpt2":
         return GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=128, pad_token_id=0, **common)
-    return LlamaConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                       intermediate_size=64, max_position_embeddings=128, pad_token_id=0, **common)
+    return LlamaConfig(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        intermediate_size=64,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        **common,
+    )
 
 
-CLASSES = {"bert": BertForSequenceClassification, "gpt2": GPT2ForSequenceClassification,
-           "llama": LlamaForSequenceClassification}
+CLASSES = {
+    "bert": BertForSequenceClassification,
+    "gpt2": GPT2ForSequenceClassification,
+    "llama": LlamaForSequenceClassification,
+}
 HEAD = {"bert": "classifier", "gpt2": "score", "llama": "score"}
 
 
@@ -78,11 +100,14 @@ def test_a_head_with_the_datas_labels_is_kept_in_its_order(kind, make_checkpoint
     assert "replacing" not in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("kind, labels", [
-    ("bert", ["negative", "positive"]),  # another count
-    ("bert", ["contradiction", "entailment", "neutral"]),  # the same count, other names
-    ("gpt2", ["negative", "positive"]),  # a decoder classifier's `score`
-])
+@pytest.mark.parametrize(
+    "kind, labels",
+    [
+        ("bert", ["negative", "positive"]),  # another count
+        ("bert", ["contradiction", "entailment", "neutral"]),  # the same count, other names
+        ("gpt2", ["negative", "positive"]),  # a decoder classifier's `score`
+    ],
+)
 def test_a_head_for_other_labels_is_replaced_in_one_line(kind, labels, make_checkpoint, capsys):
     checkpoint = make_checkpoint(kind, labels)
     data, model = load(checkpoint)
@@ -108,13 +133,23 @@ def test_a_model_without_a_head_has_no_head_labels(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_fine_tuning_a_sentiment_checkpoint_on_other_labels_from_the_command_line(make_checkpoint, topic_csvs,
-                                                                                 tmp_path):
+def test_fine_tuning_a_sentiment_checkpoint_on_other_labels_from_the_command_line(
+    make_checkpoint, topic_csvs, tmp_path
+):
     checkpoint = make_checkpoint("bert", ["negative", "positive"])
     out = tmp_path / "out"
-    result = run_cli("--model_name_or_path", checkpoint, "--train_file", str(topic_csvs["train"]),
-                     "--validation_file", str(topic_csvs["validation"]), "--max_steps", "2",
-                     "--output_dir", str(out))
+    result = run_cli(
+        "--model_name_or_path",
+        checkpoint,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(out),
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("replacing the 2-label head of") == 1
     model = AutoModelForSequenceClassification.from_pretrained(out)

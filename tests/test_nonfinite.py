@@ -6,17 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_training import tiny_setup
 
 import cloudtrain
-
 from cloudtrain.config import build_config
 from cloudtrain.distributed import check_distributed
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.tasks.classification import ClassificationTask
-from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
 from cloudtrain.tracking import read_metrics
-
-from test_training import tiny_setup
+from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
 
 SRC = str(Path(cloudtrain.__file__).parent)
 READS = ("__bool__", "item", "tolist", "__float__", "__int__", "cpu", "numpy")
@@ -36,8 +34,16 @@ def nan_at(monkeypatch, trainer_cls, step: int) -> None:
 
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
 def test_a_nan_step_is_skipped_and_counted(trainer_cls, tiny_model_dir, tmp_path, monkeypatch):
-    trainer = tiny_setup(tiny_model_dir, tmp_path, trainer_cls, max_steps=6, per_device_train_batch_size=4,
-                         logging_steps=3, eval_strategy="no", nonfinite_loss="skip")
+    trainer = tiny_setup(
+        tiny_model_dir,
+        tmp_path,
+        trainer_cls,
+        max_steps=6,
+        per_device_train_batch_size=4,
+        logging_steps=3,
+        eval_strategy="no",
+        nonfinite_loss="skip",
+    )
     nan_at(monkeypatch, trainer_cls, 2)
     result = trainer.fit()
     assert result.global_step == 6
@@ -51,8 +57,15 @@ def test_a_nan_step_is_skipped_and_counted(trainer_cls, tiny_model_dir, tmp_path
 
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
 def test_stop_names_the_first_bad_step_though_it_is_read_later(trainer_cls, tiny_model_dir, tmp_path, monkeypatch):
-    trainer = tiny_setup(tiny_model_dir, tmp_path, trainer_cls, max_steps=8, per_device_train_batch_size=4,
-                         logging_steps=5, eval_strategy="no")
+    trainer = tiny_setup(
+        tiny_model_dir,
+        tmp_path,
+        trainer_cls,
+        max_steps=8,
+        per_device_train_batch_size=4,
+        logging_steps=5,
+        eval_strategy="no",
+    )
     nan_at(monkeypatch, trainer_cls, 3)
     with pytest.raises(TrainingStopped, match="the loss became non-finite at step 3; training stopped"):
         trainer.fit()
@@ -65,8 +78,16 @@ def test_stop_names_the_first_bad_step_though_it_is_read_later(trainer_cls, tiny
 def test_the_step_never_waits_on_the_host(trainer_cls, adamw, tiny_model_dir, tmp_path, monkeypatch):
     """Host reads from cloudtrain's own code happen at sync points (here the 2 logging steps of 20 steps),
     not in every step. With a non-fused AdamW the skip decision needs one read per step."""
-    trainer = tiny_setup(tiny_model_dir, tmp_path, trainer_cls, max_steps=20, per_device_train_batch_size=2,
-                         logging_steps=10, eval_strategy="no", adamw_implementation=adamw)
+    trainer = tiny_setup(
+        tiny_model_dir,
+        tmp_path,
+        trainer_cls,
+        max_steps=20,
+        per_device_train_batch_size=2,
+        logging_steps=10,
+        eval_strategy="no",
+        adamw_implementation=adamw,
+    )
     reads = []
     for name in READS:
         real = getattr(torch.Tensor, name)
@@ -85,16 +106,21 @@ def test_the_step_never_waits_on_the_host(trainer_cls, adamw, tiny_model_dir, tm
         assert reads.count("__bool__") >= 20
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"zero_stage": 0, "mixed_precision": "no"}, "ZeRO-0 in fp32 applies a step with nan/inf gradients"),
-    ({"deepspeed_config": "bf16-off", "mixed_precision": "bf16"}, "sets bf16.check_grad_overflow = false"),
-    ({"deepspeed_config": "no-norm", "mixed_precision": "no"}, "sets zero_optimization.compute_grad_norm = false"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"zero_stage": 0, "mixed_precision": "no"}, "ZeRO-0 in fp32 applies a step with nan/inf gradients"),
+        ({"deepspeed_config": "bf16-off", "mixed_precision": "bf16"}, "sets bf16.check_grad_overflow = false"),
+        ({"deepspeed_config": "no-norm", "mixed_precision": "no"}, "sets zero_optimization.compute_grad_norm = false"),
+    ],
+)
 def test_deepspeed_set_ups_that_cannot_skip_are_refused_with_skip(options, message, tmp_path):
     import json
 
-    configs = {"bf16-off": {"bf16": {"check_grad_overflow": False}, "zero_optimization": {"stage": 2}},
-               "no-norm": {"zero_optimization": {"stage": 1, "compute_grad_norm": False}}}
+    configs = {
+        "bf16-off": {"bf16": {"check_grad_overflow": False}, "zero_optimization": {"stage": 2}},
+        "no-norm": {"zero_optimization": {"stage": 1, "compute_grad_norm": False}},
+    }
     if "deepspeed_config" in options:
         path = tmp_path / "ds.json"
         path.write_text(json.dumps(configs[options["deepspeed_config"]]))

@@ -8,8 +8,7 @@ import torch
 from conftest import lm_documents
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cloudtrain.packing import (PACKING, CausalLMCollator, causal_lm_forward, chunk, isolation_error, pack,
-                                shifted_loss)
+from cloudtrain.packing import PACKING, CausalLMCollator, causal_lm_forward, chunk, isolation_error, pack, shifted_loss
 
 MODELS = ("tiny_llama_dir", "tiny_gpt2_dir")
 BACKENDS = ("sdpa", "eager")
@@ -23,7 +22,7 @@ def random_docs(n: int, seed: int = 0, longest: int = 40) -> list[list[int]]:
 def segments(row: dict) -> list[list[int]]:
     out, start = [], 0
     for length in row["seq_lengths"]:
-        out.append(row["input_ids"][start:start + length])
+        out.append(row["input_ids"][start : start + length])
         start += length
     return out
 
@@ -95,11 +94,11 @@ def test_pack_rejects_unknown_modes():
 
 # ---------------------------------------------------------------- the collator
 def test_collator_restarts_positions_and_masks_segment_starts():
-    rows = [{"input_ids": [11, 12, 13, 21, 22], "seq_lengths": [3, 2]},
-            {"input_ids": [31, 32, 33], "seq_lengths": [3]}]
+    rows = [{"input_ids": [11, 12, 13, 21, 22], "seq_lengths": [3, 2]}, {"input_ids": [31, 32, 33], "seq_lengths": [3]}]
     batch = CausalLMCollator(pad_token_id=0)(rows)
-    assert {k: tuple(v.shape) for k, v in batch.items()} == {k: (2, 5) for k in
-                                                           ("input_ids", "position_ids", "labels", "attention_mask")}
+    assert {k: tuple(v.shape) for k, v in batch.items()} == {
+        k: (2, 5) for k in ("input_ids", "position_ids", "labels", "attention_mask")
+    }
     assert batch["input_ids"].tolist() == [[11, 12, 13, 21, 22], [31, 32, 33, 0, 0]]
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 0, 1]]
     assert batch["labels"].tolist() == [[-100, 12, 13, -100, 22], [-100, 32, 33, -100, -100]]
@@ -117,8 +116,10 @@ def test_shifted_loss_sums_over_predicted_tokens():
     logits = torch.randn(2, 4, 7, dtype=torch.bfloat16)
     labels = torch.tensor([[-100, 1, 2, -100], [-100, 3, -100, -100]])
     total, count = shifted_loss(logits, labels)
-    expected = sum(torch.nn.functional.cross_entropy(logits[b, t - 1].float(), labels[b, t], reduction="sum")
-                   for b, t in ((0, 1), (0, 2), (1, 1)))
+    expected = sum(
+        torch.nn.functional.cross_entropy(logits[b, t - 1].float(), labels[b, t], reduction="sum")
+        for b, t in ((0, 1), (0, 2), (1, 1))
+    )
     assert count.item() == 3 and total.dtype == torch.float32
     assert torch.allclose(total, expected)
 
@@ -159,13 +160,14 @@ def max_difference(references: dict[tuple, torch.Tensor], logits: torch.Tensor, 
     for b, row in enumerate(rows):
         start = 0
         for doc, length in zip(segments(row), row["seq_lengths"]):
-            worst = max(worst, (logits[b, start:start + length] - references[tuple(doc)]).abs().max().item())
+            worst = max(worst, (logits[b, start : start + length] - references[tuple(doc)]).abs().max().item())
             start += length
     return worst
 
 
-@pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in BACKENDS],
-                ids=lambda p: f"{p[0].split('_')[1]}-{p[1]}")
+@pytest.fixture(
+    scope="module", params=[(m, b) for m in MODELS for b in BACKENDS], ids=lambda p: f"{p[0].split('_')[1]}-{p[1]}"
+)
 def decoder(request, token_docs):
     """A tiny decoder in train mode, and each test document's logits and labels when it is alone."""
     model_dir, backend = request.param
@@ -181,8 +183,9 @@ def test_packed_documents_match_documents_alone(decoder, token_docs):
         logits = causal_lm_forward(model, batch)
     assert max_difference({k: v["logits"] for k, v in references.items()}, logits, rows) < 1e-5
     total, count = shifted_loss(logits, batch["labels"])
-    alone_losses = [shifted_loss(references[tuple(d)]["logits"][None], references[tuple(d)]["labels"])
-                    for d in token_docs]  # some documents repeat: each counts once per occurrence
+    alone_losses = [
+        shifted_loss(references[tuple(d)]["logits"][None], references[tuple(d)]["labels"]) for d in token_docs
+    ]  # some documents repeat: each counts once per occurrence
     assert count.item() == sum(c.item() for _, c in alone_losses) == sum(len(d) - 1 for d in token_docs)
     assert total.item() == pytest.approx(sum(t.item() for t, _ in alone_losses), rel=1e-5)
     assert batch["attention_mask"].sum().item() == sum(map(len, token_docs))
@@ -196,11 +199,13 @@ def test_negative_controls_leak(decoder, token_docs):
     ids, positions = batch["input_ids"], batch["position_ids"]
     with torch.no_grad():
         leaks = {
-            "attention_mask": model(input_ids=ids, position_ids=positions, use_cache=False,
-                                    attention_mask=torch.ones_like(ids)).logits,
+            "attention_mask": model(
+                input_ids=ids, position_ids=positions, use_cache=False, attention_mask=torch.ones_like(ids)
+            ).logits,
             "default use_cache (train mode)": model(input_ids=ids, position_ids=positions).logits,
-            "positions not restarting": model(input_ids=ids, use_cache=False,
-                                              position_ids=torch.arange(ids.shape[1]).expand_as(ids)).logits,
+            "positions not restarting": model(
+                input_ids=ids, use_cache=False, position_ids=torch.arange(ids.shape[1]).expand_as(ids)
+            ).logits,
         }
     logits = {k: v["logits"] for k, v in references.items()}
     differences = {name: max_difference(logits, leaked, rows) for name, leaked in leaks.items()}
@@ -215,8 +220,12 @@ def test_isolation_error_passes_the_real_forward(decoder):
 
 
 def with_mask(model, batch):
-    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False,
-                 attention_mask=batch["attention_mask"]).logits
+    return model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        use_cache=False,
+        attention_mask=batch["attention_mask"],
+    ).logits
 
 
 def without_positions(model, batch):

@@ -7,8 +7,10 @@ import sys
 
 import pytest
 import torch
+from conftest import CUDA_AVAILABLE, ENTRY, REPO, assert_each_refused, lm_documents
 from peft import PeftModel
 from safetensors.torch import load_file
+from test_distributed import launch, torchrun
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.config import build_config
@@ -16,9 +18,6 @@ from cloudtrain.errors import UserError
 from cloudtrain.generate import check_model_dir, generate_texts, load
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.predict import predict
-
-from conftest import CUDA_AVAILABLE, ENTRY, REPO, assert_each_refused, lm_documents
-from test_distributed import launch, torchrun
 
 TEXTS = ["the striker scored twice", "the bank raised interest rates", "snow closed the mountain roads"]
 
@@ -30,8 +29,15 @@ def lm_corpus(folder):
 
 
 def chat_file(folder):
-    rows = [{"messages": [{"role": "user", "content": f"what comes after {i}?"},
-                          {"role": "assistant", "content": str(i + 1)}]} for i in range(40)]
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"what comes after {i}?"},
+                {"role": "assistant", "content": str(i + 1)},
+            ]
+        }
+        for i in range(40)
+    ]
     path = folder / "chat.jsonl"
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
@@ -40,24 +46,53 @@ def chat_file(folder):
 def case_options(case: str, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs) -> dict:
     """A few-step in-process run per task: a classifier, a causal LM and SFT whose template grows the vocabulary
     (GPT-2, tied embeddings: the embeddings train in full next to the adapters)."""
-    common = {"output_dir": str(tmp_path / "out"), "max_steps": 4, "learning_rate": 1e-2, "logging_steps": 2,
-              "mixed_precision": "no", "training_type": "basic", "per_device_train_batch_size": 4,
-              "lora_r": 4, "lora_dropout": 0.0}
+    common = {
+        "output_dir": str(tmp_path / "out"),
+        "max_steps": 4,
+        "learning_rate": 1e-2,
+        "logging_steps": 2,
+        "mixed_precision": "no",
+        "training_type": "basic",
+        "per_device_train_batch_size": 4,
+        "lora_r": 4,
+        "lora_dropout": 0.0,
+    }
     if case.startswith("classification"):  # an encoder, and a decoder that pads with EOS (GPT-2)
-        return {**common, "peft": "lora", "model_name_or_path": tiny_gpt2_dir if "gpt2" in case else tiny_model_dir,
-                "train_file": str(topic_csvs["train"]), "validation_file": str(topic_csvs["validation"])}
+        return {
+            **common,
+            "peft": "lora",
+            "model_name_or_path": tiny_gpt2_dir if "gpt2" in case else tiny_model_dir,
+            "train_file": str(topic_csvs["train"]),
+            "validation_file": str(topic_csvs["validation"]),
+        }
     if case == "causal_lm-dora":
         corpus = lm_corpus(tmp_path)
-        return {**common, "peft": "dora", "task": "causal_lm", "model_name_or_path": tiny_llama_dir,
-                "train_file": str(corpus / "train.txt"), "validation_file": str(corpus / "validation.txt"),
-                "max_length": 32, "sample_max_new_tokens": 4}
-    return {**common, "peft": "lora", "task": "sft", "model_name_or_path": tiny_gpt2_dir, "chat_template": "chatml",
-            "train_file": str(chat_file(tmp_path)), "max_length": 32, "sample_max_new_tokens": 4}
+        return {
+            **common,
+            "peft": "dora",
+            "task": "causal_lm",
+            "model_name_or_path": tiny_llama_dir,
+            "train_file": str(corpus / "train.txt"),
+            "validation_file": str(corpus / "validation.txt"),
+            "max_length": 32,
+            "sample_max_new_tokens": 4,
+        }
+    return {
+        **common,
+        "peft": "lora",
+        "task": "sft",
+        "model_name_or_path": tiny_gpt2_dir,
+        "chat_template": "chatml",
+        "train_file": str(chat_file(tmp_path)),
+        "max_length": 32,
+        "sample_max_new_tokens": 4,
+    }
 
 
 @pytest.mark.parametrize("case", ["classification-lora", "classification-gpt2-lora", "causal_lm-dora", "sft-lora"])
 def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_the_same(
-        case, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs):
+    case, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs
+):
     options = case_options(case, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs)
     run = build_run(build_config(options))
     model, out = run.model, tmp_path / "out"
@@ -106,8 +141,9 @@ def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_t
         torch.testing.assert_close(merged(**ids).logits, model(**ids).logits, rtol=1e-4, atol=1e-5)
 
 
-def test_bad_adapter_options_are_refused_in_one_line_before_loading(tiny_model_dir, tiny_llama_dir, topic_csvs,
-                                                                    tmp_path, capsys, monkeypatch):
+def test_bad_adapter_options_are_refused_in_one_line_before_loading(
+    tiny_model_dir, tiny_llama_dir, topic_csvs, tmp_path, capsys, monkeypatch
+):
     def no_loading(*args, **kwargs):
         raise AssertionError("a model was loaded")
 
@@ -116,13 +152,22 @@ def test_bad_adapter_options_are_refused_in_one_line_before_loading(tiny_model_d
     out = tmp_path / "out"
     base = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "output_dir": str(out)}
     cases = {
-        "bad target": ({**base, "peft": "lora", "lora_target_modules": "q_proj"},
-                       "q_proj is not a module of"),
-        "not a linear layer": ({**base, "peft": "lora", "lora_target_modules": "query,LayerNorm"},
-                               "LayerNorm is not a linear or embedding layer of"),
-        "from scratch": ({"task": "causal_lm", "model_config": "llama-8m", "tokenizer_name_or_path": tiny_llama_dir,
-                          "train_file": str(topic_csvs["train"]), "output_dir": str(out), "peft": "lora"},
-                         "train it in full first, then pass it as --model_name_or_path"),
+        "bad target": ({**base, "peft": "lora", "lora_target_modules": "q_proj"}, "q_proj is not a module of"),
+        "not a linear layer": (
+            {**base, "peft": "lora", "lora_target_modules": "query,LayerNorm"},
+            "LayerNorm is not a linear or embedding layer of",
+        ),
+        "from scratch": (
+            {
+                "task": "causal_lm",
+                "model_config": "llama-8m",
+                "tokenizer_name_or_path": tiny_llama_dir,
+                "train_file": str(topic_csvs["train"]),
+                "output_dir": str(out),
+                "peft": "lora",
+            },
+            "train it in full first, then pass it as --model_name_or_path",
+        ),
         "merge without adapters": ({**base, "merge_adapters": "true"}, "--merge_adapters true needs adapters"),
         "rank": ({**base, "peft": "lora", "lora_r": 0}, "--lora_r must be at least 1"),
         "dropout": ({**base, "peft": "lora", "lora_dropout": 1}, "--lora_dropout must be in [0, 1)"),
@@ -136,8 +181,10 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}))
-    cases = [(["merge", "--output_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),
-             (["predict", "--model_dir", str(adapter), "--text", "hi"], "continue prompts with the generate command")]
+    cases = [
+        (["merge", "--output_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),
+        (["predict", "--model_dir", str(adapter), "--text", "hi"], "continue prompts with the generate command"),
+    ]
     for argv, message in cases:
         result = subprocess.run([sys.executable, str(ENTRY), *argv], capture_output=True, text=True, cwd=REPO)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
@@ -150,12 +197,36 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
 
 # ---------------------------------------------------------------- real launches
 
+
 def cls_args(tiny_model_dir, topic_csvs, out, *extra: str) -> list[str]:
-    return [str(ENTRY), "--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
-            "--validation_file", str(topic_csvs["validation"]), "--output_dir", str(out), "--peft", "lora",
-            "--lora_r", "4", "--lora_dropout", "0.1", "--learning_rate", "5e-3", "--per_device_train_batch_size", "4",
-            "--logging_steps", "2",
-            "--mixed_precision", "no", "--eval_strategy", "no", *extra]
+    return [
+        str(ENTRY),
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--output_dir",
+        str(out),
+        "--peft",
+        "lora",
+        "--lora_r",
+        "4",
+        "--lora_dropout",
+        "0.1",
+        "--learning_rate",
+        "5e-3",
+        "--per_device_train_batch_size",
+        "4",
+        "--logging_steps",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--eval_strategy",
+        "no",
+        *extra,
+    ]
 
 
 @pytest.mark.slow
@@ -169,8 +240,12 @@ def test_resume_from_an_adapter_checkpoint_is_exact(processes, tiny_model_dir, t
     checkpoint = straight / "checkpoints" / "checkpoint-4"
     stored = load_file(checkpoint / "model.safetensors")
     assert stored and all(".lora_" in k or "modules_to_save" in k for k in stored), sorted(stored)[:5]
-    resumed = launch(torchrun(processes), *cls_args(tiny_model_dir, topic_csvs, tmp_path / "resumed", *common,
-                                                    "--resume_from_checkpoint", str(checkpoint)))
+    resumed = launch(
+        torchrun(processes),
+        *cls_args(
+            tiny_model_dir, topic_csvs, tmp_path / "resumed", *common, "--resume_from_checkpoint", str(checkpoint)
+        ),
+    )
     assert "at step 4" in resumed.stdout
     a = load_file(straight / "adapter_model.safetensors")
     b = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
@@ -182,19 +257,56 @@ def test_resume_from_an_adapter_checkpoint_is_exact(processes, tiny_model_dir, t
 def test_lora_under_zero_on_two_processes_trains_saves_and_resumes(stage, tiny_llama_dir, tmp_path):
     corpus = lm_corpus(tmp_path)
     out = tmp_path / "out"
-    args = [str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir, "--peft", "lora",
-            "--lora_r", "4", "--train_file", str(corpus / "train.txt"), "--validation_file",
-            str(corpus / "validation.txt"), "--max_length", "32", "--learning_rate", "1e-2", "--logging_steps", "1",
-            "--mixed_precision", "no", "--eval_strategy", "no", "--sample_max_new_tokens", "2",
-            "--per_device_train_batch_size", "2", "--zero_stage", str(stage), "--max_steps", "4",
-            "--checkpointing_steps", "2", "--output_dir", str(out)]
+    args = [
+        str(ENTRY),
+        "--task",
+        "causal_lm",
+        "--model_name_or_path",
+        tiny_llama_dir,
+        "--peft",
+        "lora",
+        "--lora_r",
+        "4",
+        "--train_file",
+        str(corpus / "train.txt"),
+        "--validation_file",
+        str(corpus / "validation.txt"),
+        "--max_length",
+        "32",
+        "--learning_rate",
+        "1e-2",
+        "--logging_steps",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--eval_strategy",
+        "no",
+        "--sample_max_new_tokens",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--zero_stage",
+        str(stage),
+        "--max_steps",
+        "4",
+        "--checkpointing_steps",
+        "2",
+        "--output_dir",
+        str(out),
+    ]
     result = launch(torchrun(2), *args)
     assert f"ZeRO-{stage}" in result.stdout and "trainable" in result.stdout
     first = load_file(out / "adapter_model.safetensors")
     assert first and all("lora_" in k for k in first)
     assert any(float(v.abs().max()) > 0 for k, v in first.items() if "lora_B" in k)  # it trained
-    resumed = launch(torchrun(2), *args, "--overwrite_output_dir", "true", "--resume_from_checkpoint",
-                     str(out / "checkpoints" / "checkpoint-2"))
+    resumed = launch(
+        torchrun(2),
+        *args,
+        "--overwrite_output_dir",
+        "true",
+        "--resume_from_checkpoint",
+        str(out / "checkpoints" / "checkpoint-2"),
+    )
     assert "at step 2" in resumed.stdout
     again = load_file(out / "adapter_model.safetensors")
     for k in first:
@@ -205,10 +317,31 @@ def test_lora_under_zero_on_two_processes_trains_saves_and_resumes(stage, tiny_l
 def test_lora_on_minilm_learns_r8_well_above_the_majority_class(tmp_path):
     out = tmp_path / "r8"
     result = subprocess.run(
-        [sys.executable, str(ENTRY), "--peft", "lora", "--max_train_samples", "256", "--max_eval_samples", "128",
-         "--max_length", "64", "--num_train_epochs", "2", "--learning_rate", "2e-3", "--output_dir", str(out),
-         "--eval_strategy", "no"],
-        capture_output=True, text=True, cwd=REPO, timeout=900)
+        [
+            sys.executable,
+            str(ENTRY),
+            "--peft",
+            "lora",
+            "--max_train_samples",
+            "256",
+            "--max_eval_samples",
+            "128",
+            "--max_length",
+            "64",
+            "--num_train_epochs",
+            "2",
+            "--learning_rate",
+            "2e-3",
+            "--output_dir",
+            str(out),
+            "--eval_strategy",
+            "no",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     results = json.loads((out / "eval_results.json").read_text())
     per_label = [sum(row) for row in results["confusion_matrix"]]  # rows: the true labels
@@ -222,14 +355,42 @@ def test_lora_under_fsdp2_trains_and_saves_the_adapter(tiny_llama_dir, tmp_path)
     corpus = lm_corpus(tmp_path)
     out = tmp_path / "fsdp"
     n = min(2, torch.cuda.device_count())
-    result = launch(torchrun(n), str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir,
-                    "--peft", "lora", "--fsdp", "true", "--mixed_precision", "bf16", "--train_file",
-                    str(corpus / "train.txt"), "--max_length", "32", "--learning_rate", "1e-2", "--max_steps", "20",
-                    "--logging_steps", "5", "--eval_strategy", "no", "--checkpointing_steps", "10",
-                    "--output_dir", str(out))
+    result = launch(
+        torchrun(n),
+        str(ENTRY),
+        "--task",
+        "causal_lm",
+        "--model_name_or_path",
+        tiny_llama_dir,
+        "--peft",
+        "lora",
+        "--fsdp",
+        "true",
+        "--mixed_precision",
+        "bf16",
+        "--train_file",
+        str(corpus / "train.txt"),
+        "--max_length",
+        "32",
+        "--learning_rate",
+        "1e-2",
+        "--max_steps",
+        "20",
+        "--logging_steps",
+        "5",
+        "--eval_strategy",
+        "no",
+        "--checkpointing_steps",
+        "10",
+        "--output_dir",
+        str(out),
+    )
     assert "FSDP" in result.stdout and "trainable" in result.stdout and "checkpoint-10" in result.stdout
-    losses = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if "train/loss" in line]
+    losses = [
+        json.loads(line)["train/loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "train/loss" in line
+    ]
     assert losses[-1] < losses[0]
     assert all("lora_" in k for k in load_file(out / "adapter_model.safetensors"))
 
@@ -238,13 +399,29 @@ def test_lora_under_fsdp2_trains_and_saves_the_adapter(tiny_llama_dir, tmp_path)
 def test_qlora_trains_a_tiny_llama_and_the_loss_falls(tiny_llama_dir, tmp_path):
     corpus = lm_corpus(tmp_path)
     out = tmp_path / "qlora"
-    run_training(build_config({
-        "task": "causal_lm", "model_name_or_path": tiny_llama_dir, "peft": "qlora", "train_file":
-        str(corpus / "train.txt"), "validation_file": str(corpus / "validation.txt"), "max_length": 32,
-        "learning_rate": 1e-2, "max_steps": 30, "logging_steps": 5, "mixed_precision": "bf16",
-        "output_dir": str(out), "eval_strategy": "no"}))
-    losses = [json.loads(line)["train/loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-              if "train/loss" in line]
+    run_training(
+        build_config(
+            {
+                "task": "causal_lm",
+                "model_name_or_path": tiny_llama_dir,
+                "peft": "qlora",
+                "train_file": str(corpus / "train.txt"),
+                "validation_file": str(corpus / "validation.txt"),
+                "max_length": 32,
+                "learning_rate": 1e-2,
+                "max_steps": 30,
+                "logging_steps": 5,
+                "mixed_precision": "bf16",
+                "output_dir": str(out),
+                "eval_strategy": "no",
+            }
+        )
+    )
+    losses = [
+        json.loads(line)["train/loss"]
+        for line in (out / "metrics.jsonl").read_text().splitlines()
+        if "train/loss" in line
+    ]
     assert losses[-1] < losses[0]
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == tiny_llama_dir
 
@@ -252,10 +429,22 @@ def test_qlora_trains_a_tiny_llama_and_the_loss_falls(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
 def test_a_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(training_type, tiny_llama_dir, tmp_path):
     corpus = lm_corpus(tmp_path)
-    run = build_run(build_config({
-        "task": "causal_lm", "model_name_or_path": tiny_llama_dir, "peft": "lora", "mixed_precision": "bf16",
-        "training_type": training_type, "train_file": str(corpus / "train.txt"), "max_length": 32, "max_steps": 2,
-        "num_sample_prompts": 0, "output_dir": str(tmp_path / "out")}))
+    run = build_run(
+        build_config(
+            {
+                "task": "causal_lm",
+                "model_name_or_path": tiny_llama_dir,
+                "peft": "lora",
+                "mixed_precision": "bf16",
+                "training_type": training_type,
+                "train_file": str(corpus / "train.txt"),
+                "max_length": 32,
+                "max_steps": 2,
+                "num_sample_prompts": 0,
+                "output_dir": str(tmp_path / "out"),
+            }
+        )
+    )
     frozen = {p.dtype for p in run.model.parameters() if not p.requires_grad}
     assert frozen == {torch.bfloat16}
     assert {p.dtype for p in run.model.parameters() if p.requires_grad} == {torch.float32}
@@ -264,11 +453,17 @@ def test_a_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(train
     assert {p.dtype for p in run.model.parameters() if p.requires_grad} == {torch.float32}
 
 
-def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_it(tiny_model_dir, topic_csvs,
-                                                                                  tmp_path):
+def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_it(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
-    options = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "max_steps": 1,
-               "output_dir": str(out), "training_type": "basic", "eval_strategy": "no", "checkpointing_steps": "1"}
+    options = {
+        "model_name_or_path": tiny_model_dir,
+        "train_file": str(topic_csvs["train"]),
+        "max_steps": 1,
+        "output_dir": str(out),
+        "training_type": "basic",
+        "eval_strategy": "no",
+        "checkpointing_steps": "1",
+    }
     run_training(build_config(options))
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     run_training(build_config({**options, "peft": "lora", "overwrite_output_dir": True, "merge_adapters": True}))
@@ -291,19 +486,26 @@ def test_the_head_and_whatever_sits_outside_the_pretrained_body_train_in_full():
 def test_dotted_target_modules_are_matched_as_peft_matches_them(tiny_model_dir):
     from cloudtrain.adapters import check_target_modules
 
-    cfg = build_config({"model_name_or_path": tiny_model_dir, "peft": "lora",
-                        "lora_target_modules": "attention.self.query,value"})
+    cfg = build_config(
+        {"model_name_or_path": tiny_model_dir, "peft": "lora", "lora_target_modules": "attention.self.query,value"}
+    )
     check_target_modules(cfg, AutoModelForSequenceClassification)  # no error
 
 
 def test_an_adapter_run_refuses_the_base_models_own_directory_and_a_checkpoint_of_other_settings(
-        tiny_model_dir, topic_csvs, tmp_path):
+    tiny_model_dir, topic_csvs, tmp_path
+):
     options = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "peft": "lora"}
     with pytest.raises(UserError, match="is the base model's own directory"):
         build_run(build_config({**options, "output_dir": tiny_model_dir, "overwrite_output_dir": True}))
     checkpoint = tmp_path / "checkpoints" / "checkpoint-3"
     checkpoint.mkdir(parents=True)
-    state = {"format": "cloudtrain-checkpoint/1", "trainer": "BasicTrainer", "num_processes": 1, "state": {"global_step": 3}}
+    state = {
+        "format": "cloudtrain-checkpoint/1",
+        "trainer": "BasicTrainer",
+        "num_processes": 1,
+        "state": {"global_step": 3},
+    }
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(UserError, match="trained every weight, this run asks for --peft lora --lora_r 16"):
         build_run(build_config({**options, "output_dir": str(tmp_path), "resume_from_checkpoint": "latest"}))

@@ -30,17 +30,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import REPO, run_cli, topic_rows
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          GPT2Config, LlamaConfig)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPT2Config,
+    LlamaConfig,
+)
 
 from cloudtrain import adapters, planner
 from cloudtrain.cli import main
 from cloudtrain.config import Config, ModelConfig
 from cloudtrain.planner import GIB, STRATEGIES, Candidate, LoraSpec, Setup
-
-from conftest import REPO, run_cli, topic_rows
 
 BY_KEY = {s.key: s for s in STRATEGIES}
 
@@ -63,10 +68,17 @@ def decoder_dirs(tmp_path_factory) -> dict[str, str]:
     """Configs only (no weights) of a ~1.3B GPT-2-style, a ~7B Llama-style and an 8B Llama-3-style decoder."""
     root = tmp_path_factory.mktemp("decoders")
     GPT2Config(n_embd=2048, n_layer=24, n_head=16).save_pretrained(root / "gpt2-1.3b")
-    LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008,
-                vocab_size=32000).save_pretrained(root / "llama-7b")
-    LlamaConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                intermediate_size=14336, vocab_size=128256).save_pretrained(root / "llama-8b")
+    LlamaConfig(
+        hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, intermediate_size=11008, vocab_size=32000
+    ).save_pretrained(root / "llama-7b")
+    LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+    ).save_pretrained(root / "llama-8b")
     return {"1.3b": str(root / "gpt2-1.3b"), "7b": str(root / "llama-7b"), "8b": str(root / "llama-8b")}
 
 
@@ -75,6 +87,7 @@ def states(facts, key: str, s: Setup) -> int:
 
 
 # ---------------------------------------------------------------- the libraries' own estimators
+
 
 @pytest.mark.parametrize("which", ["minilm", "1.3b"])
 def test_model_states_agree_with_accelerate_estimate_memory(which, minilm_dir, decoder_dirs):
@@ -106,24 +119,31 @@ def ds_params(model_dir: str) -> tuple[int, int]:
 
 @pytest.mark.parametrize("gpus,nodes", [(1, 1), (2, 1), (8, 1), (8, 2)])
 def test_model_states_agree_with_deepspeed_estimators(gpus, nodes, minilm_dir, decoder_dirs):
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
     minilm = planner.model_facts(minilm_dir, num_labels=2)
     assert ds_params(minilm_dir) == (minilm.num_params, minilm.largest_module_params)
     s = setup(gpus, nodes, precision="bf16")  # DeepSpeed's estimators assume 16-bit weights
     for facts in (minilm, planner.model_facts(decoder_dirs["7b"], num_labels=2)):
-        P, L, kw = facts.num_params, facts.largest_module_params, dict(num_gpus_per_node=gpus, num_nodes=nodes,
-                                                                        additional_buffer_factor=1.0)
+        P, L, kw = (
+            facts.num_params,
+            facts.largest_module_params,
+            dict(num_gpus_per_node=gpus, num_nodes=nodes, additional_buffer_factor=1.0),
+        )
         for key, offload in (("zero2", False), ("zero2_offload", True)):
             cpu, gpu = estimate_zero2_model_states_mem_needs(P, cpu_offload=offload, **kw)
             assert states(facts, key, s) == pytest.approx(gpu, abs=16), key
             if nodes == 1:  # DeepSpeed's ZeRO-2 CPU figure counts all GPUs of all nodes on each node
                 assert max(planner.cpu_bytes(facts, BY_KEY[key], s)) == pytest.approx(cpu, abs=16), key
-        for key, offload, offload_params in (("zero3", False, False), ("zero3_offload", True, False),
-                                             ("zero3_offload_all", True, True)):
-            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(P, L, cpu_offload=offload,
-                                                                cpu_offload_params=offload_params, **kw)
+        for key, offload, offload_params in (
+            ("zero3", False, False),
+            ("zero3_offload", True, False),
+            ("zero3_offload_all", True, True),
+        ):
+            cpu, gpu, _ = estimate_zero3_model_states_mem_needs(
+                P, L, cpu_offload=offload, cpu_offload_params=offload_params, **kw
+            )
             assert states(facts, key, s) == pytest.approx(gpu, abs=16), key
             # DeepSpeed's ZeRO-3 CPU figure: the offloaded states, or (with no offload) loading layer by layer
             offloaded, load = planner.cpu_bytes(facts, BY_KEY[key], s)
@@ -131,6 +151,7 @@ def test_model_states_agree_with_deepspeed_estimators(gpus, nodes, minilm_dir, d
 
 
 # ---------------------------------------------------------------- measured on CPU
+
 
 def tensor_bytes(tensors) -> int:
     """Bytes of the distinct storages behind the tensors: what they really hold."""
@@ -190,8 +211,11 @@ def test_activation_estimate_matches_what_autograd_saves(checkpointing, tiny_mod
     facts = planner.model_facts(tiny_model_dir, num_labels=3)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
     b, s = 8, 64
-    batch = {"input_ids": torch.randint(1000, 2000, (b, s)), "attention_mask": torch.ones(b, s, dtype=torch.long),
-             "labels": torch.zeros(b, dtype=torch.long)}
+    batch = {
+        "input_ids": torch.randint(1000, 2000, (b, s)),
+        "attention_mask": torch.ones(b, s, dtype=torch.long),
+        "labels": torch.zeros(b, dtype=torch.long),
+    }
     measured = saved_activation_bytes(model, batch, checkpointing)
     estimated, _ = planner.activation_bytes(facts, b, s, half=False, checkpointing=checkpointing, residual_bytes=4)
     print(f"checkpointing={checkpointing}: saved activations measured {measured} vs estimated {estimated}")
@@ -200,11 +224,20 @@ def test_activation_estimate_matches_what_autograd_saves(checkpointing, tiny_mod
 
 # ---------------------------------------------------------------- causal language models
 
+
 def small_llama(root: Path, vocab: int, tied: bool = False) -> str:
     """A config (no weights) of a 2-layer, hidden-64 Llama with GQA."""
     out = root / f"llama-{vocab}-{'tied' if tied else 'untied'}"
-    LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=tied).save_pretrained(out)
+    LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=tied,
+    ).save_pretrained(out)
     return str(out)
 
 
@@ -288,22 +321,37 @@ def test_measured_peak_of_a_language_model_step_matches_the_estimate_with_logits
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=torch.float32)
     ids = torch.randint(0, vocab, (b, s))
-    measured = measured_step_peak(model, {"input_ids": ids, "position_ids": torch.arange(s).expand(b, s),
-                                          "labels": ids}, precision)
+    measured = measured_step_peak(
+        model, {"input_ids": ids, "position_ids": torch.arange(s).expand(b, s), "labels": ids}, precision
+    )
     est = planner.estimate(facts, Candidate(BY_KEY["ddp"], False), setup(precision=precision, max_length=s), b)
-    print(f"{precision}: peak measured {measured} vs estimated {est.activations + est.logits} "
-          f"(layers {est.activations} + logits {est.logits})")
+    print(
+        f"{precision}: peak measured {measured} vs estimated {est.activations + est.logits} "
+        f"(layers {est.activations} + logits {est.logits})"
+    )
     assert est.activations + est.logits == pytest.approx(measured, rel=0.10)
     assert est.activations < 0.25 * measured  # without the logits term the estimate is far too low
 
 
 def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
-    args = dict(task="causal_lm", model_config="llama-600m", num_gpus=8, gpu_memory_gb=24, max_length=2048,
-                per_device_train_batch_size=16, mixed_precision="bf16", global_batch_size=512)
+    args = dict(
+        task="causal_lm",
+        model_config="llama-600m",
+        num_gpus=8,
+        gpu_memory_gb=24,
+        max_length=2048,
+        per_device_train_batch_size=16,
+        mixed_precision="bf16",
+        global_batch_size=512,
+    )
     plan = planner.make_plan(plan_args(None, tmp_path, **args))
     m, rec = plan["model"], plan["recommendation"]
-    assert (m["architecture"], m["task"], m["vocab_size"], m["from_config"]) == ("LlamaForCausalLM", "causal_lm",
-                                                                                   32000, True)
+    assert (m["architecture"], m["task"], m["vocab_size"], m["from_config"]) == (
+        "LlamaForCausalLM",
+        "causal_lm",
+        32000,
+        True,
+    )
     assert rec is not None and rec["estimate"]["total"] <= 24 * GIB
     for row in plan["strategies"]:
         assert row["estimate"]["logits"] == 16 * 2048 * 32000 * 12
@@ -312,14 +360,17 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
     header = next(line for line in text.splitlines() if line.startswith("strategy"))
     assert header.split()[5:7] == ["activ", "logits"]
     assert f"logits {rec['estimate']['logits'] / GIB:.1f} GiB" in text and "--tokenizer_name_or_path" in text
-    assert ("--task causal_lm --model_config llama-600m --tokenizer_name_or_path '<tokenizer dir or Hub id>'"
-            in rec["command"])
+    assert (
+        "--task causal_lm --model_config llama-600m --tokenizer_name_or_path '<tokenizer dir or Hub id>'"
+        in rec["command"]
+    )
     # the logits are what keeps the micro-batch down: without them the same plan fits a larger one
     facts = planner.model_facts("llama-600m", task="causal_lm", from_config=True)
     s = Setup(8, 1, 24 * GIB, None, 2048, "bf16")
     chosen = next(c for c in planner.candidates() if c.name == rec["label"])
     assert planner.max_micro_batch(replace(facts, vocab_size=0), chosen, s) > 1.5 * planner.max_micro_batch(
-        facts, chosen, s)
+        facts, chosen, s
+    )
     # with the tokenizer, the preset's vocabulary is the one training builds (rounded up to a multiple of 64)
     exact = planner.make_plan(plan_args(None, tmp_path, tokenizer_name_or_path=lm_tokenizer_dir, **args))
     assert exact["model"]["vocab_size"] == math.ceil(len(AutoTokenizer.from_pretrained(lm_tokenizer_dir)) / 64) * 64
@@ -333,33 +384,45 @@ def test_causal_lm_refuses_a_classifier(tiny_model_dir, tmp_path):
 
 # ---------------------------------------------------------------- adapters
 
+
 def attached(model, peft: str, spec: LoraSpec, task_type: str):
     """The model as training wraps it: cloudtrain.adapters.attach, trainable parameters in fp32."""
-    cfg = Config(model=ModelConfig(peft=peft, lora_r=spec.r, lora_dropout=spec.dropout,
-                                   lora_target_modules=list(spec.target_modules)))
+    cfg = Config(
+        model=ModelConfig(
+            peft=peft, lora_r=spec.r, lora_dropout=spec.dropout, lora_target_modules=list(spec.target_modules)
+        )
+    )
     heads = planner._trained_in_full(model, "causal_lm" if task_type == "CAUSAL_LM" else "classification")
     return adapters.attach(model, cfg, task_type, heads)
 
 
-@pytest.mark.parametrize("which,task,peft,targets", [
-    ("llama", "causal_lm", "lora", ("all-linear",)),
-    ("llama", "classification", "dora", ("all-linear",)),  # the score head trains in full, DoRA's magnitudes
-    ("llama", "causal_lm", "lora", ("q_proj", "v_proj")),
-    ("gpt2", "causal_lm", "lora", ("all-linear",)),  # GPT-2's Conv1D layers
-    ("bert", "classification", "lora", ("all-linear",)),
-])
+@pytest.mark.parametrize(
+    "which,task,peft,targets",
+    [
+        ("llama", "causal_lm", "lora", ("all-linear",)),
+        ("llama", "classification", "dora", ("all-linear",)),  # the score head trains in full, DoRA's magnitudes
+        ("llama", "causal_lm", "lora", ("q_proj", "v_proj")),
+        ("gpt2", "causal_lm", "lora", ("all-linear",)),  # GPT-2's Conv1D layers
+        ("bert", "classification", "lora", ("all-linear",)),
+    ],
+)
 @pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False")  # PEFT's note on GPT-2's Conv1D
 def test_adapter_count_equals_peft_on_the_application_s_attach(which, task, peft, targets, tmp_path, tiny_model_dir):
     model_dir = {"llama": small_llama(tmp_path, 1000), "bert": tiny_model_dir}.get(which)
     if which == "gpt2":
         model_dir = str(tmp_path / "gpt2")
-        GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, bos_token_id=0,
-                   eos_token_id=0).save_pretrained(model_dir)
+        GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=1000, bos_token_id=0, eos_token_id=0).save_pretrained(
+            model_dir
+        )
     spec = LoraSpec(8, targets)
     facts = planner.model_facts(model_dir, num_labels=3, task=task, lora=spec)
     auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
-    model = attached(auto.from_config(AutoConfig.from_pretrained(model_dir, num_labels=3)), peft, spec,
-                     "CAUSAL_LM" if task == "causal_lm" else "SEQ_CLS")
+    model = attached(
+        auto.from_config(AutoConfig.from_pretrained(model_dir, num_labels=3)),
+        peft,
+        spec,
+        "CAUSAL_LM" if task == "causal_lm" else "SEQ_CLS",
+    )
     trainable, _ = model.get_nb_trainable_parameters()
     assert facts.adapters.trainable(peft) == trainable
     # the frozen base is kept whole: a head trained in full is held twice, frozen and as a trainable copy
@@ -379,8 +442,9 @@ def test_quantized_weights_are_every_linear_layer_but_the_head(tmp_path):
         assert facts.adapters.largest_quantized == 64 * 256
     a, P = facts.adapters, facts.num_params
     params, _, _ = planner.adapter_state_bytes(facts, "qlora", setup(precision="bf16"))
-    assert params == round(a.quantized_params * (0.5 + 1 / 64 + 4 / 16384) + 4 * (P - a.quantized_params)
-                           + 2 * a.largest_quantized) + 4 * a.trainable("qlora")
+    assert params == round(
+        a.quantized_params * (0.5 + 1 / 64 + 4 / 16384) + 4 * (P - a.quantized_params) + 2 * a.largest_quantized
+    ) + 4 * a.trainable("qlora")
 
 
 def lora_step(model_dir: str, precision: str):
@@ -389,8 +453,12 @@ def lora_step(model_dir: str, precision: str):
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    model = attached(AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=dtype), "lora",
-                     LoraSpec(), "CAUSAL_LM")
+    model = attached(
+        AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=dtype),
+        "lora",
+        LoraSpec(),
+        "CAUSAL_LM",
+    )
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     ids = torch.randint(0, 1000, (2, 32))
     batch = {"input_ids": ids, "position_ids": torch.arange(32).expand(2, 32), "labels": ids}
@@ -406,9 +474,11 @@ def test_measured_lora_model_states_after_one_step_match_the_estimate(precision,
     model_dir = small_llama(tmp_path, 1000)
     model, optimizer = lora_step(model_dir, precision)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    measured = {"parameters": tensor_bytes(model.parameters()),
-                "gradients": tensor_bytes(p.grad for p in trainable),
-                "optimizer_states": tensor_bytes(t for state in optimizer.state.values() for t in state.values())}
+    measured = {
+        "parameters": tensor_bytes(model.parameters()),
+        "gradients": tensor_bytes(p.grad for p in trainable),
+        "optimizer_states": tensor_bytes(t for state in optimizer.state.values() for t in state.values()),
+    }
     facts = planner.model_facts(model_dir, task="causal_lm")
     T, P = facts.adapters.trainable("lora"), facts.num_params
     estimated = dict(zip(measured, planner.adapter_state_bytes(facts, "lora", setup(precision=precision))))
@@ -431,8 +501,11 @@ def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpoin
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=torch.float32)
     b, s = 4, 128
-    batch = {"input_ids": torch.randint(0, 1000, (b, s)), "position_ids": torch.arange(s).expand(b, s),
-             "use_cache": False}
+    batch = {
+        "input_ids": torch.randint(0, 1000, (b, s)),
+        "position_ids": torch.arange(s).expand(b, s),
+        "use_cache": False,
+    }
     measured = saved_activation_bytes(attached(base, peft, spec, "CAUSAL_LM"), batch, checkpointing)
     estimated, _ = planner.adapter_activation_bytes(facts, peft, b, s, half=False, checkpointing=checkpointing)
     if not checkpointing:  # the CPU's dropout keeps a 4-byte mask per input where CUDA keeps a 1-byte one
@@ -442,8 +515,17 @@ def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpoin
 
 
 def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(decoder_dirs, tmp_path):
-    plan = planner.make_plan(plan_args(decoder_dirs["8b"], tmp_path, task="causal_lm", gpu_memory_gb=80,
-                                       mixed_precision="bf16", max_length=1024, per_device_train_batch_size=1))
+    plan = planner.make_plan(
+        plan_args(
+            decoder_dirs["8b"],
+            tmp_path,
+            task="causal_lm",
+            gpu_memory_gb=80,
+            mixed_precision="bf16",
+            max_length=1024,
+            per_device_train_batch_size=1,
+        )
+    )
     a, P = plan["model"]["adapters"], plan["model"]["num_params"]
     T = a["lora_params"]
     assert T == 16 * 32 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336)) == 41_943_040  # r*(in+out)
@@ -460,25 +542,44 @@ def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(d
 
 # ---------------------------------------------------------------- choosing
 
+
 def test_recommendation_is_the_fastest_that_fits(decoder_dirs, tmp_path):
     for model, gib, expect_checkpointing in (("1.3b", 24, False), ("7b", 24, True), ("1.3b", 80, False)):
-        plan = planner.make_plan(plan_args(decoder_dirs[model], tmp_path / model, num_gpus=8, gpu_memory_gb=gib,
-                                           per_device_train_batch_size=8, max_length=512, mixed_precision="bf16",
-                                           global_batch_size=256))
+        plan = planner.make_plan(
+            plan_args(
+                decoder_dirs[model],
+                tmp_path / model,
+                num_gpus=8,
+                gpu_memory_gb=gib,
+                per_device_train_batch_size=8,
+                max_length=512,
+                mixed_precision="bf16",
+                global_batch_size=256,
+            )
+        )
         rec = plan["recommendation"]
         rows = plan["strategies"]
         chosen = next(r for r in rows if r["label"] == rec["label"])
         assert chosen["fits"] and rec["estimate"]["total"] <= gib * GIB
-        assert all(not r["fits"] for r in rows[:rows.index(chosen)])  # every faster one is over budget
+        assert all(not r["fits"] for r in rows[: rows.index(chosen)])  # every faster one is over budget
         assert rec["gradient_checkpointing"] is expect_checkpointing
         assert rec["micro_batch"] * 8 * rec["gradient_accumulation_steps"] == 256
     assert plan["recommendation"]["strategy"] == "ddp"  # 1.3B on 80 GiB needs no sharding
 
 
 def test_smaller_micro_batch_and_more_accumulation_when_the_requested_one_fits_nothing(decoder_dirs, tmp_path):
-    plan = planner.make_plan(plan_args(decoder_dirs["7b"], tmp_path, num_gpus=8, gpu_memory_gb=24,
-                                       per_device_train_batch_size=64, max_length=2048, mixed_precision="bf16",
-                                       global_batch_size=512))
+    plan = planner.make_plan(
+        plan_args(
+            decoder_dirs["7b"],
+            tmp_path,
+            num_gpus=8,
+            gpu_memory_gb=24,
+            per_device_train_batch_size=64,
+            max_length=2048,
+            mixed_precision="bf16",
+            global_batch_size=512,
+        )
+    )
     rec = plan["recommendation"]
     assert not any(r["fits"] for r in plan["strategies"])
     assert 1 <= rec["micro_batch"] < 64 and rec["micro_batch"] * 8 * rec["gradient_accumulation_steps"] == 512
@@ -492,16 +593,26 @@ def emitted_config(command: str) -> Config:
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     argv = shlex.split(command)
-    return build_config(vars(parser.parse_args(argv[argv.index(planner.TRAINING_APPLICATION) + 1:])))
+    return build_config(vars(parser.parse_args(argv[argv.index(planner.TRAINING_APPLICATION) + 1 :])))
 
 
 @pytest.mark.parametrize("max_length,expect", [(1024, "lora"), (4096, "qlora")])
 def test_adapters_only_when_no_full_fine_tuning_fits_lora_before_qlora(max_length, expect, decoder_dirs, tmp_path):
     """8B on one 24 GiB GPU with 64 GiB of CPU memory: offloading needs more, so full fine-tuning fits nowhere;
     at 4096 tokens LoRA's 16-bit base plus the logits are over budget too, and QLoRA's 4-bit base is not."""
-    plan = planner.make_plan(plan_args(decoder_dirs["8b"], tmp_path, task="causal_lm", gpu_memory_gb=24,
-                                       cpu_memory_gb=64, mixed_precision="bf16", max_length=max_length,
-                                       per_device_train_batch_size=1, global_batch_size=8))
+    plan = planner.make_plan(
+        plan_args(
+            decoder_dirs["8b"],
+            tmp_path,
+            task="causal_lm",
+            gpu_memory_gb=24,
+            cpu_memory_gb=64,
+            mixed_precision="bf16",
+            max_length=max_length,
+            per_device_train_batch_size=1,
+            global_batch_size=8,
+        )
+    )
     rec, rows = plan["recommendation"], plan["strategies"]
     assert rec["peft"] == expect and rec["gradient_checkpointing"] and rec["estimate"]["total"] <= 24 * GIB
     assert not any(r["max_micro_batch"] for r in rows if r["peft"] == "none")
@@ -511,7 +622,11 @@ def test_adapters_only_when_no_full_fine_tuning_fits_lora_before_qlora(max_lengt
         assert any(reason.startswith("LoRA does not fit") for reason in rec["reasons"])
     cfg = emitted_config(rec["command"])
     assert (cfg.model.peft, cfg.model.lora_r, cfg.model.lora_target_modules, cfg.model.gradient_checkpointing) == (
-        expect, 16, ["all-linear"], True)
+        expect,
+        16,
+        ["all-linear"],
+        True,
+    )
     assert rec["strategy"] == "ddp" and not (tmp_path / "ds_config.json").exists()
 
 
@@ -521,23 +636,42 @@ def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_f
     assert auto["recommendation"]["peft"] == "none"
     assert [r["peft"] for r in auto["strategies"]] == ["none"] * 16 + ["lora"] * 2 + ["qlora"] * 2
     lines = planner.render(auto).splitlines()
-    full, adapters_title = lines.index("full fine-tuning (every weight trains):"), next(
-        i for i, line in enumerate(lines) if line.startswith("adapters under DDP (recommended only if no full"))
+    full, adapters_title = (
+        lines.index("full fine-tuning (every weight trains):"),
+        next(i for i, line in enumerate(lines) if line.startswith("adapters under DDP (recommended only if no full")),
+    )
     assert lines[full + 1].split()[:2] == ["DDP", "1.00"] and full < adapters_title
-    assert [line.split(" + ")[0].strip() for line in lines[adapters_title + 1:adapters_title + 5]] == [
-        "LoRA", "LoRA", "QLoRA", "QLoRA"]
+    assert [line.split(" + ")[0].strip() for line in lines[adapters_title + 1 : adapters_title + 5]] == [
+        "LoRA",
+        "LoRA",
+        "QLoRA",
+        "QLoRA",
+    ]
     for peft in ("qlora", "dora"):
         forced = planner.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path / peft, peft=peft, **args))
         assert forced["recommendation"]["peft"] == peft and f"--peft {peft}" in forced["recommendation"]["command"]
     assert "dora" in {r["peft"] for r in forced["strategies"]}  # DoRA rows only when asked for
-    dora, lora = ({r["gradient_checkpointing"]: r["estimate"] for r in forced["strategies"] if r["peft"] == p}
-                  for p in ("dora", "lora"))
+    dora, lora = (
+        {r["gradient_checkpointing"]: r["estimate"] for r in forced["strategies"] if r["peft"] == p}
+        for p in ("dora", "lora")
+    )
     assert dora[False]["optimizer_states"] > lora[False]["optimizer_states"]  # its magnitude vectors
     assert dora[False]["activations"] > lora[False]["activations"]  # two output-sized tensors per module
-    full_only = planner.make_plan(plan_args(decoder_dirs["8b"], tmp_path / "none", task="causal_lm", peft="none",
-                                            gpu_memory_gb=24, cpu_memory_gb=64, mixed_precision="bf16"))
-    assert full_only["recommendation"] is None and "drop --strategy/--gradient_checkpointing/--peft" in full_only[
-        "message"]
+    full_only = planner.make_plan(
+        plan_args(
+            decoder_dirs["8b"],
+            tmp_path / "none",
+            task="causal_lm",
+            peft="none",
+            gpu_memory_gb=24,
+            cpu_memory_gb=64,
+            mixed_precision="bf16",
+        )
+    )
+    assert (
+        full_only["recommendation"] is None
+        and "drop --strategy/--gradient_checkpointing/--peft" in full_only["message"]
+    )
 
 
 def test_nothing_fits_says_what_would(decoder_dirs, tmp_path):
@@ -557,9 +691,18 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
 
     for strategy in STRATEGIES:
         out = tmp_path / strategy.key
-        plan = planner.make_plan(plan_args(tiny_model_dir, out, num_gpus=4, num_nodes=2, gpu_memory_gb=24,
-                                           mixed_precision="bf16", strategy=strategy.key,
-                                           gradient_checkpointing="false"))
+        plan = planner.make_plan(
+            plan_args(
+                tiny_model_dir,
+                out,
+                num_gpus=4,
+                num_nodes=2,
+                gpu_memory_gb=24,
+                mixed_precision="bf16",
+                strategy=strategy.key,
+                gradient_checkpointing="false",
+            )
+        )
         assert plan["recommendation"]["strategy"] == strategy.key
         config = load_config_from_file(str(out / "accelerate_config.yaml"))
         assert (config.num_processes, config.num_machines, config.mixed_precision) == (8, 2, "bf16")
@@ -572,18 +715,36 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
         assert plugin.zero_stage == strategy.zero_stage
         assert (plugin.offload_optimizer_device == "cpu") is strategy.offload_optimizer
         assert (plugin.offload_param_device == "cpu") is strategy.offload_param
-        for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-                    "train_batch_size"):
+        for key in (
+            "train_micro_batch_size_per_gpu",
+            "gradient_accumulation_steps",
+            "gradient_clipping",
+            "train_batch_size",
+        ):
             assert plugin.deepspeed_config[key] == "auto"  # always the application's own flags
 
 
 # ---------------------------------------------------------------- the command line
 
+
 @pytest.mark.slow
 def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
-    result = run_cli("plan", "--model_name_or_path", tiny_model_dir, "--num_gpus", "8", "--gpu_memory_gb", "24",
-                     "--per_device_train_batch_size", "8", "--global_batch_size", "128", "--json",
-                     "--output_dir", str(tmp_path / "plan"))
+    result = run_cli(
+        "plan",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--num_gpus",
+        "8",
+        "--gpu_memory_gb",
+        "24",
+        "--per_device_train_batch_size",
+        "8",
+        "--global_batch_size",
+        "128",
+        "--json",
+        "--output_dir",
+        str(tmp_path / "plan"),
+    )
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert len(plan["strategies"]) == 16 + 4 and {r["strategy"] for r in plan["strategies"]} == set(BY_KEY)
@@ -596,29 +757,49 @@ def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_dirs, tmp_path):
-    result = run_cli("plan", "--model_name_or_path", decoder_dirs["7b"], "--gpu_memory_gb", "4",
-                     "--max_length", "4096", "--output_dir", str(tmp_path))
+    result = run_cli(
+        "plan",
+        "--model_name_or_path",
+        decoder_dirs["7b"],
+        "--gpu_memory_gb",
+        "4",
+        "--max_length",
+        "4096",
+        "--output_dir",
+        str(tmp_path),
+    )
     assert result.returncode == 0, result.stderr
     for strategy in STRATEGIES:
         assert strategy.label in result.stdout
     assert "Nothing fits" in result.stdout and "--max_length" in result.stdout
 
 
-@pytest.mark.parametrize("argv,message", [
-    (["--model_name_or_path", "{tmp}/no-model"], "--model_name_or_path .*no-model does not exist"),
-    (["--model_name_or_path", "{tmp}"], "could not read a model config from"),
-    (["--global_batch_size", "100", "--num_gpus", "8"], "--global_batch_size 100 must be a positive multiple of the 8"),
-    (["--gpu_memory_gb", "0"], "--gpu_memory_gb must be positive"),
-    (["--strategy", "zero4"], "invalid choice: 'zero4'"),
-    (["--task", "causal_lm"], "--task causal_lm needs --model_name_or_path <causal LM> or --model_config"),
-    (["--model_config", "llama-8m"], "--model_config is for --task causal_lm"),
-    (["--task", "causal_lm", "--model_config", "llama-9b"], "neither a config.json file nor a preset"),
-    (["--task", "causal_lm", "--model_config", "llama-8m", "--peft", "qlora"],
-     "--peft qlora trains adapters on pretrained weights"),
-    (["--lora_target_modules", "query,nope"], "--lora_target_modules: nope is not a linear layer of the model; its "
-                                              "linear layers are dense, key, query, value"),
-    (["--lora_r", "0"], "--lora_r must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model_name_or_path", "{tmp}/no-model"], "--model_name_or_path .*no-model does not exist"),
+        (["--model_name_or_path", "{tmp}"], "could not read a model config from"),
+        (
+            ["--global_batch_size", "100", "--num_gpus", "8"],
+            "--global_batch_size 100 must be a positive multiple of the 8",
+        ),
+        (["--gpu_memory_gb", "0"], "--gpu_memory_gb must be positive"),
+        (["--strategy", "zero4"], "invalid choice: 'zero4'"),
+        (["--task", "causal_lm"], "--task causal_lm needs --model_name_or_path <causal LM> or --model_config"),
+        (["--model_config", "llama-8m"], "--model_config is for --task causal_lm"),
+        (["--task", "causal_lm", "--model_config", "llama-9b"], "neither a config.json file nor a preset"),
+        (
+            ["--task", "causal_lm", "--model_config", "llama-8m", "--peft", "qlora"],
+            "--peft qlora trains adapters on pretrained weights",
+        ),
+        (
+            ["--lora_target_modules", "query,nope"],
+            "--lora_target_modules: nope is not a linear layer of the model; its "
+            "linear layers are dense, key, query, value",
+        ),
+        (["--lora_r", "0"], "--lora_r must be at least 1"),
+    ],
+)
 def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
     argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
     if "--gpu_memory_gb" not in argv:
@@ -638,19 +819,45 @@ def free_port() -> str:
 @pytest.mark.slow
 def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_csvs, tmp_path):
     """The printed command, run as printed (plus data and a short run), with the written configs."""
-    plan = planner.make_plan(plan_args(tiny_model_dir, tmp_path / "plan", num_labels=3, num_gpus=2,
-                                       gpu_memory_gb=24, per_device_train_batch_size=4, global_batch_size=16,
-                                       strategy="zero3"))
+    plan = planner.make_plan(
+        plan_args(
+            tiny_model_dir,
+            tmp_path / "plan",
+            num_labels=3,
+            num_gpus=2,
+            gpu_memory_gb=24,
+            per_device_train_batch_size=4,
+            global_batch_size=16,
+            strategy="zero3",
+        )
+    )
     command = shlex.split(plan["recommendation"]["command"])
     assert command[:3] == ["accelerate", "launch", "--config_file"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     env.pop("ACCELERATE_USE_CPU", None)
-    result = subprocess.run(launcher + command[2:] + [
-        "--train_file", str(topic_csvs["train"]), "--validation_file", str(topic_csvs["validation"]),
-        "--max_steps", "3", "--eval_strategy", "no", "--output_dir", str(out)],
-        capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    result = subprocess.run(
+        launcher
+        + command[2:]
+        + [
+            "--train_file",
+            str(topic_csvs["train"]),
+            "--validation_file",
+            str(topic_csvs["validation"]),
+            "--max_steps",
+            "3",
+            "--eval_strategy",
+            "no",
+            "--output_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     assert "2 process(es)" in result.stdout and "ZeRO-3" in result.stdout
     assert "(4 per device x 2 x 2 accumulation)" in result.stdout

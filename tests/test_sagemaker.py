@@ -18,17 +18,18 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aws_server import BUCKET, REGION, container_environment, local_aws, run_torchrun_driver
+from conftest import REPO, TOPICS, topic_rows
 from datasets import Dataset, DatasetDict
 
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
 from cloudtrain.sagemaker_env import CHECKPOINT_DIR_ENV, sagemaker_defaults
 
-from aws_server import BUCKET, REGION, container_environment, local_aws, run_torchrun_driver
-from conftest import REPO, TOPICS, topic_rows
-
 SECRETS = {"WANDB_API_KEY": "wandb-0f1e2d3c4b5a69788796a5b4c3d2e1f0", "HF_TOKEN": "hf_sagemaker_7e6d5c4b3a2918"}
-HF_IMAGE_PREFIX = f"763104351884.dkr.ecr.{REGION}.amazonaws.com/huggingface-pytorch-training:2.9.0-transformers5.3.0-gpu"
+HF_IMAGE_PREFIX = (
+    f"763104351884.dkr.ecr.{REGION}.amazonaws.com/huggingface-pytorch-training:2.9.0-transformers5.3.0-gpu"
+)
 LABELS = sorted(TOPICS)
 
 
@@ -75,8 +76,11 @@ def trained_model_dir(tmp_path_factory, tiny_model_dir) -> Path:
 
     out = tmp_path_factory.mktemp("job-model")
     model = AutoModelForSequenceClassification.from_pretrained(
-        tiny_model_dir, num_labels=len(LABELS), id2label=dict(enumerate(LABELS)),
-        label2id={label: i for i, label in enumerate(LABELS)})
+        tiny_model_dir,
+        num_labels=len(LABELS),
+        id2label=dict(enumerate(LABELS)),
+        label2id={label: i for i, label in enumerate(LABELS)},
+    )
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
     return out
@@ -103,11 +107,17 @@ def assert_no_secret(text: str) -> None:
 
 # ---------------------------------------------------------------- the in-job contract
 
+
 def test_the_repo_folder_never_shadows_the_sdk():
     assert not (REPO / "sagemaker" / "__init__.py").exists()
     for cwd in (REPO, REPO / "src", REPO / "sagemaker"):
-        found = subprocess.run([sys.executable, "-c", "import importlib.util as u; print(u.find_spec('sagemaker').origin)"],
-                               cwd=cwd, capture_output=True, text=True, check=True).stdout.strip()
+        found = subprocess.run(
+            [sys.executable, "-c", "import importlib.util as u; print(u.find_spec('sagemaker').origin)"],
+            cwd=cwd,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
         assert "site-packages" in found and found.endswith("__init__.py"), (cwd, found)
 
 
@@ -122,16 +132,23 @@ def test_inside_a_job_the_defaults_follow_the_contract(tmp_path):
     DatasetDict({"train": rows, "validation": rows, "test": rows}).save_to_disk(str(data / "train"))
     for channel in ("test", "model", "code", "sm_drivers", "dev"):
         (data / channel).mkdir(parents=True)
-    env = {"SM_MODEL_DIR": str(tmp_path / "model"), "SM_CHANNELS": '["train", "test", "model", "code", "sm_drivers"]',
-           **{f"SM_CHANNEL_{c.upper()}": str(data / c) for c in ("train", "test", "model", "code", "sm_drivers")},
-           "SM_TRAINING_ENV": json.dumps({"job_name": "cloudtrain-20261122101010"}),
-           CHECKPOINT_DIR_ENV: str(tmp_path / "checkpoints")}
+    env = {
+        "SM_MODEL_DIR": str(tmp_path / "model"),
+        "SM_CHANNELS": '["train", "test", "model", "code", "sm_drivers"]',
+        **{f"SM_CHANNEL_{c.upper()}": str(data / c) for c in ("train", "test", "model", "code", "sm_drivers")},
+        "SM_TRAINING_ENV": json.dumps({"job_name": "cloudtrain-20261122101010"}),
+        CHECKPOINT_DIR_ENV: str(tmp_path / "checkpoints"),
+    }
 
     defaults = sagemaker_defaults(env)
-    assert defaults == {"output_dir": str(tmp_path / "model"), "train_file": str(data / "train"),
-                        "validation_file": str(data / "train"),  # the saved DatasetDict's own split
-                        "test_file": str(data / "test"),  # a channel of its own wins over the saved split
-                        "model_name_or_path": str(data / "model"), "run_name": "cloudtrain-20261122101010"}
+    assert defaults == {
+        "output_dir": str(tmp_path / "model"),
+        "train_file": str(data / "train"),
+        "validation_file": str(data / "train"),  # the saved DatasetDict's own split
+        "test_file": str(data / "test"),  # a channel of its own wins over the saved split
+        "model_name_or_path": str(data / "model"),
+        "run_name": "cloudtrain-20261122101010",
+    }
 
     (tmp_path / "checkpoints").mkdir()  # SageMaker makes it when the job has a CheckpointConfig
     env.update(TRAINING_JOB_NAME="cloudtrain-spot-1", SM_CHANNEL_DEV=str(data / "dev"))
@@ -145,9 +162,11 @@ def test_inside_a_job_the_defaults_follow_the_contract(tmp_path):
 
 # ---------------------------------------------------------------- the launcher, real SDK against moto
 
+
 @pytest.mark.slow
-def test_launch_sends_the_job_and_hides_secrets(aws, launcher, secrets, topic_data, tiny_model_dir,
-                                                 trained_model_dir, tmp_path, capsys, caplog):
+def test_launch_sends_the_job_and_hides_secrets(
+    aws, launcher, secrets, topic_data, tiny_model_dir, trained_model_dir, tmp_path, capsys, caplog
+):
     """A local run's YAML, a spot job on two 4-GPU instances: what the SDK actually sent to CreateTrainingJob."""
     import boto3
     from transformers import AutoModelForSequenceClassification
@@ -155,8 +174,8 @@ def test_launch_sends_the_job_and_hides_secrets(aws, launcher, secrets, topic_da
     config = tmp_path / "local-run.yaml"
     config.write_text(f"""
 data:
-  train_file: {topic_data['train']}
-  validation_file: {topic_data['validation']}
+  train_file: {topic_data["train"]}
+  validation_file: {topic_data["validation"]}
   max_length: 64
 model:
   model_name_or_path: {tiny_model_dir}
@@ -170,14 +189,27 @@ output:
   output_dir: outputs/local-run
   overwrite_output_dir: true
 """)
-    spec = launcher.JobSpec(instance_type="ml.g5.12xlarge", instance_count=2, config=str(config), spot=True,
-                            max_run=3600, volume_size=200, base_job_name="cloudtrain-api",
-                            hyperparameters={"num_train_epochs": 3, "trust_remote_code": False,
-                                             "checkpointing_steps": 50, "run_name": None})
+    spec = launcher.JobSpec(
+        instance_type="ml.g5.12xlarge",
+        instance_count=2,
+        config=str(config),
+        spot=True,
+        max_run=3600,
+        volume_size=200,
+        base_job_name="cloudtrain-api",
+        hyperparameters={
+            "num_train_epochs": 3,
+            "trust_remote_code": False,
+            "checkpointing_steps": 50,
+            "run_name": None,
+        },
+    )
     sent = []
     boto_session = boto3.Session()
-    boto_session.events.register("provide-client-params.sagemaker.CreateTrainingJob",
-                                 lambda params, **_: sent.append(json.loads(json.dumps(params))))
+    boto_session.events.register(
+        "provide-client-params.sagemaker.CreateTrainingJob",
+        lambda params, **_: sent.append(json.loads(json.dumps(params))),
+    )
     session = launcher.Session(boto_session=boto_session)
     aws.model_dir = trained_model_dir
     caplog.set_level(logging.DEBUG)  # the SDK and botocore log whole requests at DEBUG
@@ -193,9 +225,15 @@ output:
     assert request["CheckpointConfig"]["LocalPath"] == "/opt/ml/checkpoints"
     assert request["CheckpointConfig"]["S3Uri"].startswith(f"s3://{BUCKET}/cloudtrain-api/{name}")
     assert request["HyperParameters"] == {  # the SDK's JSON for numbers and booleans; no local paths
-        "max_length": "64", "num_train_epochs": "3", "learning_rate": "3e-05", "mixed_precision": "no",
-        "report_to": "wandb,tensorboard", "overwrite_output_dir": "true", "trust_remote_code": "false",
-        "checkpointing_steps": "50"}
+        "max_length": "64",
+        "num_train_epochs": "3",
+        "learning_rate": "3e-05",
+        "mixed_precision": "no",
+        "report_to": "wandb,tensorboard",
+        "overwrite_output_dir": "true",
+        "trust_remote_code": "false",
+        "checkpointing_steps": "50",
+    }
     assert request["Environment"] == {**SECRETS, "WANDB_PROJECT": "cloudtrain-on-sagemaker"}
     assert aws.request_for(name)["Environment"] == request["Environment"]  # also what reached the server
 
@@ -204,8 +242,12 @@ output:
     assert set(uris) == {"train", "validation", "model", "code", "sm_drivers"}
     code = uris["code"].removeprefix(f"s3://{BUCKET}/")
     code_files = {key.removeprefix(code).lstrip("/") for key in s3_keys(aws, code)}
-    assert {"training_application.py", "requirements-sagemaker.txt", "cloudtrain/config.py",
-            "cloudtrain/sagemaker_env.py"} <= code_files
+    assert {
+        "training_application.py",
+        "requirements-sagemaker.txt",
+        "cloudtrain/config.py",
+        "cloudtrain/sagemaker_env.py",
+    } <= code_files
     assert not any("__pycache__" in key for key in code_files)
     for channel, marker in (("train", "dataset_dict.json"), ("validation", "part-1.csv"), ("model", "config.json")):
         assert any(key.endswith(marker) for key in s3_keys(aws, uris[channel].removeprefix(f"s3://{BUCKET}/")))
@@ -236,8 +278,7 @@ output:
 
 
 @pytest.mark.slow
-def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_data, trained_model_dir, tmp_path,
-                                               capsys):
+def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_data, trained_model_dir, tmp_path, capsys):
     """The launch as a user types it, in a fresh interpreter with the SDK logging at DEBUG; then the
     commands that follow the job."""
     s3 = aws.client("s3")
@@ -249,25 +290,49 @@ def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_dat
     image = "111122223333.dkr.ecr.us-east-1.amazonaws.com/cloudtrain:latest"
 
     def cli(*args: str) -> subprocess.CompletedProcess:
-        result = subprocess.run([sys.executable, "sagemaker/launch.py", *args], cwd=REPO, capture_output=True,
-                                text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "sagemaker/launch.py", *args], cwd=REPO, capture_output=True, text=True, timeout=300
+        )
         assert result.returncode == 0, result.stdout + result.stderr
         assert_no_secret(result.stdout + result.stderr)
         return result
 
-    launched = cli("--config", str(config), "--instance_type", "ml.g5.xlarge", "--instance_count", "1",
-                   "--train", f"s3://{BUCKET}/datasets/topics/train", "--image_uri", image,
-                   "--hp", "num_train_epochs=1", "--hp", "push_to_hub=true", "--hp", "hub_model_id=alice/topics",
-                   "--base_job_name", "cloudtrain-cli", "--log_level", "DEBUG")
+    launched = cli(
+        "--config",
+        str(config),
+        "--instance_type",
+        "ml.g5.xlarge",
+        "--instance_count",
+        "1",
+        "--train",
+        f"s3://{BUCKET}/datasets/topics/train",
+        "--image_uri",
+        image,
+        "--hp",
+        "num_train_epochs=1",
+        "--hp",
+        "push_to_hub=true",
+        "--hp",
+        "hub_model_id=alice/topics",
+        "--base_job_name",
+        "cloudtrain-cli",
+        "--log_level",
+        "DEBUG",
+    )
     name = re.search(r"launched (\S+):", launched.stdout).group(1)
     assert "******" in launched.stderr  # DEBUG request logs were there, masked
     request = aws.request_for(name)
     assert request["AlgorithmSpecification"]["TrainingImage"] == image
     assert request["ResourceConfig"]["InstanceCount"] == 1 and not request.get("EnableManagedSpotTraining")
     assert "CheckpointConfig" not in request
-    assert request["HyperParameters"] == {"max_length": "32", "report_to": "wandb", "num_train_epochs": "1",
-                                          "model_name_or_path": "prajjwal1/bert-tiny", "push_to_hub": "true",
-                                          "hub_model_id": "alice/topics"}
+    assert request["HyperParameters"] == {
+        "max_length": "32",
+        "report_to": "wandb",
+        "num_train_epochs": "1",
+        "model_name_or_path": "prajjwal1/bert-tiny",
+        "push_to_hub": "true",
+        "hub_model_id": "alice/topics",
+    }
     assert channel_uris(request)["train"] == f"s3://{BUCKET}/datasets/topics/train"
     assert set(request["Environment"]) == {"WANDB_API_KEY", "WANDB_PROJECT", "HF_TOKEN"}
 
@@ -282,20 +347,29 @@ def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_dat
     assert "error: training job no-such-job" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"hyperparameters": {"hub_token": "hf_x"}}, "hub_token must not be a hyperparameter"),
-    ({"train": None}, "the job has no training data"),
-    ({"instance_type": "ml.m5.xlarge"}, "no Hugging Face training image for ml.m5.xlarge"),
-    ({"hyperparameters": {"learning_rat": 0.1}}, "did you mean learning_rate"),
-    ({"hyperparameters": {"push_to_hub": True, "hub_model_id": "alice/x"}}, "push_to_hub true needs HF_TOKEN"),
-    ({"max_wait": 7200}, "--max_wait applies to spot capacity only"),
-    ({"hyperparameters": {"deepspeed_config": "configs/deepspeed/zero2.json"}}, "use the zero_stage"),
-    ({"hyperparameters": {"test_file": "no/such/test.csv"}}, "test_file no/such/test.csv does not exist here"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"hyperparameters": {"hub_token": "hf_x"}}, "hub_token must not be a hyperparameter"),
+        ({"train": None}, "the job has no training data"),
+        ({"instance_type": "ml.m5.xlarge"}, "no Hugging Face training image for ml.m5.xlarge"),
+        ({"hyperparameters": {"learning_rat": 0.1}}, "did you mean learning_rate"),
+        ({"hyperparameters": {"push_to_hub": True, "hub_model_id": "alice/x"}}, "push_to_hub true needs HF_TOKEN"),
+        ({"max_wait": 7200}, "--max_wait applies to spot capacity only"),
+        ({"hyperparameters": {"deepspeed_config": "configs/deepspeed/zero2.json"}}, "use the zero_stage"),
+        ({"hyperparameters": {"test_file": "no/such/test.csv"}}, "test_file no/such/test.csv does not exist here"),
+    ],
+)
 def test_mistakes_fail_before_anything_is_uploaded(aws, launcher, topic_data, monkeypatch, change, message):
     monkeypatch.delenv("HF_TOKEN", raising=False)
-    spec = launcher.JobSpec(**{"instance_type": "ml.g5.xlarge", "train": str(topic_data["train"]),
-                               "base_job_name": "cloudtrain-mistake", **change})
+    spec = launcher.JobSpec(
+        **{
+            "instance_type": "ml.g5.xlarge",
+            "train": str(topic_data["train"]),
+            "base_job_name": "cloudtrain-mistake",
+            **change,
+        }
+    )
     jobs_before = len(aws.requests)
     with pytest.raises(UserError, match=re.escape(message)):
         launcher.launch(spec)
@@ -304,6 +378,7 @@ def test_mistakes_fail_before_anything_is_uploaded(aws, launcher, topic_data, mo
 
 
 # ---------------------------------------------------------------- the job side, on this machine
+
 
 @dataclass
 class JobRun:
@@ -317,11 +392,23 @@ class JobRun:
 def job_run(aws, launcher, topic_data, tiny_model_dir, tmp_path_factory) -> JobRun:
     """A spot job launched as a user would, then run like one instance: 2 processes under torchrun."""
     spec = launcher.JobSpec(
-        instance_type="ml.g5.2xlarge", processes_per_host=2, spot=True, base_job_name="cloudtrain-job",
-        train=str(topic_data["train"]), validation=str(topic_data["validation"]),
-        hyperparameters={"model_name_or_path": tiny_model_dir, "max_steps": 6, "per_device_train_batch_size": 4,
-                         "max_length": 32, "logging_steps": 1, "checkpointing_steps": 2, "save_total_limit": 10,
-                         "seed": 7})
+        instance_type="ml.g5.2xlarge",
+        processes_per_host=2,
+        spot=True,
+        base_job_name="cloudtrain-job",
+        train=str(topic_data["train"]),
+        validation=str(topic_data["validation"]),
+        hyperparameters={
+            "model_name_or_path": tiny_model_dir,
+            "max_steps": 6,
+            "per_device_train_batch_size": 4,
+            "max_length": 32,
+            "logging_steps": 1,
+            "checkpointing_steps": 2,
+            "save_total_limit": 10,
+            "seed": 7,
+        },
+    )
     name = launcher.launch(spec, launcher.make_session())
     request = aws.request_for(name)
     root = tmp_path_factory.mktemp("opt-ml")
@@ -357,8 +444,11 @@ def test_job_saves_a_loadable_model_in_sm_model_dir(job_run):
 
 
 def checkpoint_steps(folder: Path) -> dict[int, Path]:
-    return {int(p.name.removeprefix("checkpoint-")): p for p in folder.glob("checkpoint-*")
-            if p.name.removeprefix("checkpoint-").isdigit()}
+    return {
+        int(p.name.removeprefix("checkpoint-")): p
+        for p in folder.glob("checkpoint-*")
+        if p.name.removeprefix("checkpoint-").isdigit()
+    }
 
 
 @pytest.mark.slow
@@ -368,8 +458,9 @@ def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
     checkpoints = job_run.root / "checkpoints"
     assert sorted(checkpoint_steps(checkpoints)) == [2, 4, 6]
     shutil.rmtree(checkpoint_steps(checkpoints)[6])  # the interruption came before step 6 was saved
-    written_before = {step: (path / "trainer_state.json").stat().st_mtime_ns
-                      for step, path in checkpoint_steps(checkpoints).items()}
+    written_before = {
+        step: (path / "trainer_state.json").stat().st_mtime_ns for step, path in checkpoint_steps(checkpoints).items()
+    }
     model_dir = Path(job_run.env["SM_MODEL_DIR"])
     shutil.rmtree(model_dir)
     model_dir.mkdir()
@@ -388,6 +479,7 @@ def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
 
 # ---------------------------------------------------------------- the notebook
 
+
 @pytest.mark.slow
 def test_notebook_runs_top_to_bottom_against_the_local_aws(aws, secrets, trained_model_dir, tmp_path):
     import nbformat
@@ -397,8 +489,9 @@ def test_notebook_runs_top_to_bottom_against_the_local_aws(aws, secrets, trained
     jobs_before = len(aws.requests)
     notebook = nbformat.read(REPO / "notebooks" / "sagemaker_training.ipynb", as_version=4)
     try:
-        NotebookClient(notebook, timeout=300, kernel_name="python3",
-                       resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+        NotebookClient(
+            notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(REPO / "notebooks")}}
+        ).execute()
     finally:  # the notebook unpacks the model into the repository's (ignored) outputs/, as a user's would
         for request in aws.requests[jobs_before:]:
             shutil.rmtree(REPO / "outputs" / "sagemaker" / request["TrainingJobName"], ignore_errors=True)
@@ -426,6 +519,7 @@ def test_notebook_runs_top_to_bottom_against_the_local_aws(aws, secrets, trained
 
 
 # ---------------------------------------------------------------- the image and the job's requirements
+
 
 def requirement_pins(path: Path) -> dict[str, str]:
     lines = [line.split("#")[0].strip() for line in path.read_text().splitlines()]

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import ENTRY, REPO, assert_each_refused, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cloudtrain.chat import ChatFormat, Columns, to_messages
@@ -18,16 +19,20 @@ from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks import build_task
 
-from conftest import ENTRY, REPO, assert_each_refused, run_cli
-
 # Answers of several tokens each, distinct, so "answers exactly and stops" means something.
-CHATS = [("Who found the golden key?", "The poor boy in the snow."),
-         ("What did the wolf eat?", "Six little goats and chalk."),
-         ("Where did the king live?", "In a castle by the sea."),
-         ("How many brothers were there?", "Twelve brothers and a sister.")]
-MULTI_TURN = [{"role": "system", "content": "Be brief."},
-              {"role": "user", "content": "Name a tale."}, {"role": "assistant", "content": "The frog king."},
-              {"role": "user", "content": "And another?"}, {"role": "assistant", "content": "Rapunzel."}]
+CHATS = [
+    ("Who found the golden key?", "The poor boy in the snow."),
+    ("What did the wolf eat?", "Six little goats and chalk."),
+    ("Where did the king live?", "In a castle by the sea."),
+    ("How many brothers were there?", "Twelve brothers and a sister."),
+]
+MULTI_TURN = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a tale."},
+    {"role": "assistant", "content": "The frog king."},
+    {"role": "user", "content": "And another?"},
+    {"role": "assistant", "content": "Rapunzel."},
+]
 
 
 @pytest.fixture
@@ -47,10 +52,22 @@ def chats_file(tmp_path) -> str:
 
 
 def sft_options(model_dir, train_file, out, **overrides) -> dict:
-    return {"task": "sft", "model_name_or_path": model_dir, "train_file": train_file, "validation_file": train_file,
-            "output_dir": str(out), "max_length": 64, "per_device_train_batch_size": 4, "max_steps": 4,
-            "logging_steps": 1, "learning_rate": 1e-3, "mixed_precision": "no", "report_to": ["none"],
-            "sample_max_new_tokens": 12, **overrides}
+    return {
+        "task": "sft",
+        "model_name_or_path": model_dir,
+        "train_file": train_file,
+        "validation_file": train_file,
+        "output_dir": str(out),
+        "max_length": 64,
+        "per_device_train_batch_size": 4,
+        "max_steps": 4,
+        "logging_steps": 1,
+        "learning_rate": 1e-3,
+        "mixed_precision": "no",
+        "report_to": ["none"],
+        "sample_max_new_tokens": 12,
+        **overrides,
+    }
 
 
 def trained_text(chat: ChatFormat, ids: list[int], mask: list[int]) -> list[str]:
@@ -66,6 +83,7 @@ def trained_text(chat: ChatFormat, ids: list[int], mask: list[int]) -> list[str]
 
 
 # ---------------------------------------------------------------- which tokens are trained
+
 
 def test_every_assistant_turn_and_its_end_of_turn_token_are_trained_and_nothing_else(chat):
     ids, mask = chat.encode(MULTI_TURN)
@@ -87,23 +105,31 @@ def with_template(tokenizer_dir: str, template: str) -> ChatFormat:
 
 def test_an_answer_token_merged_with_the_prompts_space_is_trained(lm_tokenizer_dir):
     """A generation prompt ending in a space: byte-level BPE merges it into the answer's first token."""
-    chat = with_template(lm_tokenizer_dir, "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}"
-                                           "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    chat = with_template(
+        lm_tokenizer_dir,
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
+    )
     ids, mask = chat.encode([{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "I am the king."}])
     assert trained_text(chat, ids, mask) == [" I am the king.<|endoftext|>"]
 
 
 def test_a_template_that_rewrites_earlier_turns_gives_one_example_per_answer(lm_tokenizer_dir):
     """Like Qwen3 dropping earlier reasoning: each answer is trained as inference renders its prompt."""
-    chat = with_template(lm_tokenizer_dir, "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
-                                           "{{ 'assistant: (earlier)' + eos_token }}{% else %}{{ m['role'] + ': ' + "
-                                           "m['content'] + eos_token }}{% endif %}{% endfor %}"
-                                           "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+    chat = with_template(
+        lm_tokenizer_dir,
+        "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+        "{{ 'assistant: (earlier)' + eos_token }}{% else %}{{ m['role'] + ': ' + "
+        "m['content'] + eos_token }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}",
+    )
     with pytest.raises(ValueError, match="renders earlier turns differently"):
         chat.encode(MULTI_TURN)
     examples = chat.examples(MULTI_TURN)
-    assert [trained_text(chat, ids, mask) for ids, mask in examples] == [[" The frog king.<|endoftext|>"],
-                                                                         [" Rapunzel.<|endoftext|>"]]
+    assert [trained_text(chat, ids, mask) for ids, mask in examples] == [
+        [" The frog king.<|endoftext|>"],
+        [" Rapunzel.<|endoftext|>"],
+    ]
     assert "(earlier)" in chat.tokenizer.decode(examples[1][0])
 
 
@@ -113,8 +139,10 @@ def test_an_end_of_turn_token_outside_the_special_tokens_map_is_found(lm_tokeniz
 
     tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
     tokenizer.add_tokens([AddedToken("<|eot_id|>", special=True)])
-    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|eot_id|>' }}{% endfor %}" \
-                              "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '<|eot_id|>' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+    )
     chat = ChatFormat.setup(tokenizer, None)
     assert chat.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|eot_id|>")
 
@@ -137,19 +165,27 @@ def test_prompt_tokens_contribute_exactly_zero_loss_and_gradient(chat, tiny_llam
 
 
 def test_the_data_formats_give_the_same_conversation():
-    expected = [{"role": "system", "content": "S"}, {"role": "user", "content": "Q\n\nextra"},
-                {"role": "assistant", "content": "A"}]
+    expected = [
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q\n\nextra"},
+        {"role": "assistant", "content": "A"},
+    ]
     sharegpt = {"conversations": [{"from": "human", "value": "Q\n\nextra"}, {"from": "gpt", "value": "A"}]}
     assert to_messages(sharegpt, Columns("conversations", ("conversations",)), "S") == expected
-    assert to_messages({"prompt": "Q\n\nextra", "completion": "A"},
-                       Columns("prompt_completion", ("prompt", "completion")), "S") == expected
+    assert (
+        to_messages(
+            {"prompt": "Q\n\nextra", "completion": "A"}, Columns("prompt_completion", ("prompt", "completion")), "S"
+        )
+        == expected
+    )
     alpaca = {"instruction": "Q", "input": "extra", "output": "A"}
     assert to_messages(alpaca, Columns("alpaca", ("instruction", "input", "output")), "S") == expected
 
 
 def test_packed_and_unpacked_examples_have_equal_losses(chat, tiny_llama_dir):
-    examples = [chat.encode([{"role": "user", "content": q}, {"role": "assistant", "content": a}])
-                for q, a in CHATS] + [chat.encode(MULTI_TURN)]
+    examples = [
+        chat.encode([{"role": "user", "content": q}, {"role": "assistant", "content": a}]) for q, a in CHATS
+    ] + [chat.encode(MULTI_TURN)]
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     model.resize_token_embeddings(len(chat.tokenizer))
     collate = CausalLMCollator(0)
@@ -161,11 +197,14 @@ def test_packed_and_unpacked_examples_have_equal_losses(chat, tiny_llama_dir):
             batch = collate([row])
             with torch.no_grad():
                 logits = causal_lm_forward(model, batch)
-            per_token = F.cross_entropy(logits[0, :-1], batch["labels"][0, 1:], ignore_index=IGNORE_INDEX,
-                                        reduction="none")
+            per_token = F.cross_entropy(
+                logits[0, :-1], batch["labels"][0, 1:], ignore_index=IGNORE_INDEX, reduction="none"
+            )
             start = 0
             for length in row["seq_lengths"]:
-                losses[tuple(row["input_ids"][start:start + length])] = per_token[start:start + length - 1].sum().item()
+                losses[tuple(row["input_ids"][start : start + length])] = (
+                    per_token[start : start + length - 1].sum().item()
+                )
                 start += length
         return losses
 
@@ -178,12 +217,24 @@ def test_packed_and_unpacked_examples_have_equal_losses(chat, tiny_llama_dir):
 
 # ---------------------------------------------------------------- runs
 
+
 def test_overfit_then_generate_answers_exactly_and_stops(tiny_llama_dir, chats_file, tmp_path, capsys):
     """A tiny model learns four chats; the saved tokenizer's own apply_chat_template reproduces the training
     tokens, and generation from the saved folder answers each question exactly and stops at <|im_end|>."""
     out = tmp_path / "run"
-    cfg = build_config(sft_options(tiny_llama_dir, chats_file, out, max_steps=60, learning_rate=1e-2,
-                                   warmup_ratio=0.0, num_sample_prompts=4, sample_max_new_tokens=20, eval_strategy="no"))
+    cfg = build_config(
+        sft_options(
+            tiny_llama_dir,
+            chats_file,
+            out,
+            max_steps=60,
+            learning_rate=1e-2,
+            warmup_ratio=0.0,
+            num_sample_prompts=4,
+            sample_max_new_tokens=20,
+            eval_strategy="no",
+        )
+    )
     results = run_training(cfg)
     assert results["eval"]["exact_match"] == 1.0, results["eval"]["generations"]
     printed = capsys.readouterr().out
@@ -199,7 +250,7 @@ def test_overfit_then_generate_answers_exactly_and_stops(tiny_llama_dir, chats_f
         messages = [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         assert tokenizer.apply_chat_template(messages)["input_ids"] == training.encode(messages)[0]
         prompt = tokenizer.apply_chat_template(messages[:1], add_generation_prompt=True, return_tensors="pt")
-        output = model.generate(**prompt, max_new_tokens=20)[0, prompt["input_ids"].shape[1]:]
+        output = model.generate(**prompt, max_new_tokens=20)[0, prompt["input_ids"].shape[1] :]
         assert tokenizer.decode(output, skip_special_tokens=True) == answer
         assert output[-1] == end and len(output) < 20  # stopped at the end of its turn
 
@@ -210,17 +261,28 @@ def test_overfit_then_generate_answers_exactly_and_stops(tiny_llama_dir, chats_f
 
 def test_a_prompt_completion_csv_with_bfd_packing_and_a_system_prompt(tiny_gpt2_dir, tmp_path, capsys):
     data = tmp_path / "pairs.csv"
-    data.write_text("question,answer\n" + "".join(f"\"{q}\",\"{a}\"\n" for q, a in CHATS * 3))
-    results = run_training(build_config(sft_options(
-        tiny_gpt2_dir, str(data), tmp_path / "run", prompt_column="question", completion_column="answer",
-        packing="bfd", max_length=256, system_prompt="Answer briefly.", chat_template="zephyr",
-        training_type="basic")))
+    data.write_text("question,answer\n" + "".join(f'"{q}","{a}"\n' for q, a in CHATS * 3))
+    results = run_training(
+        build_config(
+            sft_options(
+                tiny_gpt2_dir,
+                str(data),
+                tmp_path / "run",
+                prompt_column="question",
+                completion_column="answer",
+                packing="bfd",
+                max_length=256,
+                system_prompt="Answer briefly.",
+                chat_template="zephyr",
+                training_type="basic",
+            )
+        )
+    )
     printed = capsys.readouterr().out
     assert "12 train examples in 3 rows" in printed and "template: zephyr; packing bfd" in printed
     assert results["eval"]["tokens"] > 0 and 0 <= results["eval"]["exact_match"] <= 1
     tokenizer = AutoTokenizer.from_pretrained(tmp_path / "run")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "Q"}], tokenize=False, add_generation_prompt=True)
     assert text == "<|user|>\nQ<|endoftext|>\n<|assistant|>\n"
 
 
@@ -238,46 +300,66 @@ def test_truncation_is_counted_and_reported(tiny_llama_dir, tmp_path, capsys):
 
 def test_chat_in_the_terminal_keeps_history_and_resets(tiny_llama_dir, chats_file, tmp_path):
     out = tmp_path / "run"
-    run_training(build_config(sft_options(tiny_llama_dir, chats_file, out, max_steps=2, eval_strategy="no",
-                                          num_sample_prompts=0)))
-    proc = subprocess.run([sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--chat",
-                           "--max_new_tokens", "3"],
-                          input=f"Who found the golden key?\n{'word ' * 300}\nAnd then?\n/reset\nHello\n/exit\n",
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    run_training(
+        build_config(
+            sft_options(tiny_llama_dir, chats_file, out, max_steps=2, eval_strategy="no", num_sample_prompts=0)
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--chat", "--max_new_tokens", "3"],
+        input=f"Who found the golden key?\n{'word ' * 300}\nAnd then?\n/reset\nHello\n/exit\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.count("assistant> ") == 3 and "(history cleared)" in proc.stdout
     assert "(that message does not fit the model's context of 256 tokens" in proc.stdout  # and the chat went on
-    single = run_cli("generate", "--model_dir", str(out), "--prompt", "Who found the golden key?",
-                     "--max_new_tokens", "3")
+    single = run_cli(
+        "generate", "--model_dir", str(out), "--prompt", "Who found the golden key?", "--max_new_tokens", "3"
+    )
     assert single.returncode == 0 and single.stdout.startswith("Who found the golden key?\n")
 
 
 # ---------------------------------------------------------------- refusals
 
+
 def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
     """{case: (options, message)}: one line each, exit 2, nothing written."""
     not_a_list = write_jsonl(tmp_path / "str.jsonl", [{"messages": "hello"}])
-    robot = write_jsonl(tmp_path / "robot.jsonl", [{"messages": [{"role": "robot", "content": "beep"},
-                                                                 {"role": "assistant", "content": "boop"}]}])
+    robot = write_jsonl(
+        tmp_path / "robot.jsonl",
+        [{"messages": [{"role": "robot", "content": "beep"}, {"role": "assistant", "content": "boop"}]}],
+    )
     no_columns = tmp_path / "body.csv"
     no_columns.write_text("body\nonce upon a time\n")
     users_only = tmp_path / "users_only.jinja"
-    users_only.write_text("{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}"
-                          "{% endfor %}")
+    users_only.write_text(
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
+    )
     base = sft_options(tiny_llama_dir, chats_file, tmp_path / "out")
     return {
-        "messages not a list": ({**base, "train_file": not_a_list, "validation_file": None},
-                                "train example 0: column 'messages' holds str, not a list"),
+        "messages not a list": (
+            {**base, "train_file": not_a_list, "validation_file": None},
+            "train example 0: column 'messages' holds str, not a list",
+        ),
         "unknown role": ({**base, "train_file": robot, "validation_file": None}, "unknown role 'robot'"),
         "unknown template": ({**base, "chat_template": "llama9"}, "--chat_template llama9 is neither a shipped"),
-        "template without an assistant": ({**base, "chat_template": str(users_only)},
-                                          "does not render assistant messages"),
-        "no example columns": ({**base, "train_file": str(no_columns), "validation_file": None},
-                               "--task sft found no examples in the columns body"),
+        "template without an assistant": (
+            {**base, "chat_template": str(users_only)},
+            "does not render assistant messages",
+        ),
+        "no example columns": (
+            {**base, "train_file": str(no_columns), "validation_file": None},
+            "--task sft found no examples in the columns body",
+        ),
         "a named column that is missing": ({**base, "messages_column": "dialog"}, "column 'dialog' is not in"),
         "wrapped packing": ({**base, "packing": "wrapped"}, "--task sft packs whole examples"),
-        "exact_match without references": ({**base, "metric_for_best_model": "exact_match", "num_sample_prompts": 0},
-                                           "--metric_for_best_model exact_match compares sample answers"),
+        "exact_match without references": (
+            {**base, "metric_for_best_model": "exact_match", "num_sample_prompts": 0},
+            "--metric_for_best_model exact_match compares sample answers",
+        ),
         "every answer truncated away": ({**base, "max_length": 8}, "have no answer token within --max_length 8"),
     }
 
@@ -296,9 +378,26 @@ def test_the_planner_plans_sft_as_a_causal_lm_and_launches_sft(tmp_path):
     for task in ("causal_lm", "sft"):
         parser = argparse.ArgumentParser()
         planner.add_arguments(parser)
-        plans[task] = planner.make_plan(parser.parse_args([
-            "--task", task, "--model_config", "llama-600m", "--gpu_memory_gb", "24", "--max_length", "2048",
-            "--mixed_precision", "bf16", "--output_dir", str(tmp_path / task)]))
-    assert [r["estimate"] for r in plans["sft"]["strategies"]] == [r["estimate"] for r in plans["causal_lm"]["strategies"]]
+        plans[task] = planner.make_plan(
+            parser.parse_args(
+                [
+                    "--task",
+                    task,
+                    "--model_config",
+                    "llama-600m",
+                    "--gpu_memory_gb",
+                    "24",
+                    "--max_length",
+                    "2048",
+                    "--mixed_precision",
+                    "bf16",
+                    "--output_dir",
+                    str(tmp_path / task),
+                ]
+            )
+        )
+    assert [r["estimate"] for r in plans["sft"]["strategies"]] == [
+        r["estimate"] for r in plans["causal_lm"]["strategies"]
+    ]
     assert plans["sft"]["strategies"][0]["estimate"]["logits"] > 0
     assert "--task sft --model_config llama-600m" in plans["sft"]["recommendation"]["command"]

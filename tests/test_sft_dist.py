@@ -9,9 +9,8 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import ENTRY, REPO, lm_documents
+from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
 from test_hub import TOKEN, hub, hub_env, run_app  # noqa: F401 (hub: the local Hub server fixture)
 
@@ -35,10 +34,32 @@ def chats(tmp_path_factory):
 
 
 def sft_args(model_dir, chats, out, *extra: str) -> list[str]:
-    return [str(ENTRY), "--task", "sft", "--model_name_or_path", model_dir,
-            "--train_file", str(chats / "train.jsonl"), "--validation_file", str(chats / "validation.jsonl"),
-            "--output_dir", str(out), "--max_length", "128", "--learning_rate", "3e-3", "--logging_steps", "1",
-            "--mixed_precision", "no", "--sample_max_new_tokens", "4", "--eval_strategy", "no", *extra]
+    return [
+        str(ENTRY),
+        "--task",
+        "sft",
+        "--model_name_or_path",
+        model_dir,
+        "--train_file",
+        str(chats / "train.jsonl"),
+        "--validation_file",
+        str(chats / "validation.jsonl"),
+        "--output_dir",
+        str(out),
+        "--max_length",
+        "128",
+        "--learning_rate",
+        "3e-3",
+        "--logging_steps",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--sample_max_new_tokens",
+        "4",
+        "--eval_strategy",
+        "no",
+        *extra,
+    ]
 
 
 def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, chats, tmp_path):
@@ -46,10 +67,12 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
     so 2 processes x 4 examples give the update of 1 process x 8. The 2-process run, resumed from its
     mid-epoch checkpoint, ends with the same weights and losses."""
     common = ["--max_steps", "5", "--checkpointing_steps", "3"]
-    two = launch(torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "two", *common,
-                                        "--per_device_train_batch_size", "4"))
-    launch(torchrun(1), *sft_args(tiny_llama_dir, chats, tmp_path / "one", *common,
-                                  "--per_device_train_batch_size", "8"))
+    two = launch(
+        torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "two", *common, "--per_device_train_batch_size", "4")
+    )
+    launch(
+        torchrun(1), *sft_args(tiny_llama_dir, chats, tmp_path / "one", *common, "--per_device_train_batch_size", "8")
+    )
     assert "2 process(es) on cpu" in two.stdout and two.stdout.count("grew the embeddings") == 1
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     for name in a:
@@ -58,9 +81,21 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
     assert losses == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-4)
 
     checkpoint = tmp_path / "two" / "checkpoints" / "checkpoint-3"
-    resumed = launch(torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "two", *common,
-                                            "--per_device_train_batch_size", "4", "--overwrite_output_dir", "true",
-                                            "--resume_from_checkpoint", str(checkpoint)))
+    resumed = launch(
+        torchrun(2),
+        *sft_args(
+            tiny_llama_dir,
+            chats,
+            tmp_path / "two",
+            *common,
+            "--per_device_train_batch_size",
+            "4",
+            "--overwrite_output_dir",
+            "true",
+            "--resume_from_checkpoint",
+            str(checkpoint),
+        ),
+    )
     assert "at step 3" in resumed.stdout
     again = load_file(tmp_path / "two" / "model.safetensors")
     assert all(torch.equal(a[name], again[name]) for name in a)
@@ -69,8 +104,22 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
 
 def test_zero3_grows_the_partitioned_embeddings_and_saves_the_full_model(tiny_llama_dir, chats, tmp_path):
     out = tmp_path / "zero3"
-    result = launch(torchrun(2), *sft_args(tiny_llama_dir, chats, out, "--zero_stage", "3", "--max_steps", "2",
-                                           "--per_device_train_batch_size", "2", "--packing", "bfd"))
+    result = launch(
+        torchrun(2),
+        *sft_args(
+            tiny_llama_dir,
+            chats,
+            out,
+            "--zero_stage",
+            "3",
+            "--max_steps",
+            "2",
+            "--per_device_train_batch_size",
+            "2",
+            "--packing",
+            "bfd",
+        ),
+    )
     assert "ZeRO-3" in result.stdout and "exact_match" in result.stdout
     saved, initial = load_file(out / "model.safetensors"), load_file(f"{tiny_llama_dir}/model.safetensors")
     grown = saved["model.embed_tokens.weight"]
@@ -90,11 +139,35 @@ def test_sagemaker_job_fine_tunes_from_its_channels(tiny_llama_dir, chats, tmp_p
     channel.mkdir()
     (channel / "train.jsonl").write_text((chats / "train.jsonl").read_text())
     model_dir = tmp_path / "opt-ml" / "model"
-    env = {**os.environ, "SM_MODEL_DIR": str(model_dir), "SM_CHANNEL_TRAIN": str(channel),
-           "SM_CHANNEL_MODEL": tiny_llama_dir, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
-    result = subprocess.run([sys.executable, str(ENTRY), "--task", "sft", "--max_steps", "2", "--max_length", "128",
-                             "--sample_max_new_tokens", "2", "--mixed_precision", "no"],
-                            capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
+    env = {
+        **os.environ,
+        "SM_MODEL_DIR": str(model_dir),
+        "SM_CHANNEL_TRAIN": str(channel),
+        "SM_CHANNEL_MODEL": tiny_llama_dir,
+        "PYTHONPATH": str(REPO / "src"),
+        "CUDA_VISIBLE_DEVICES": "",
+    }
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ENTRY),
+            "--task",
+            "sft",
+            "--max_steps",
+            "2",
+            "--max_length",
+            "128",
+            "--sample_max_new_tokens",
+            "2",
+            "--mixed_precision",
+            "no",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=env,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert AutoTokenizer.from_pretrained(model_dir).chat_template  # saved with the model
     assert (model_dir / "chat_template.jinja").is_file()
@@ -103,8 +176,19 @@ def test_sagemaker_job_fine_tunes_from_its_channels(tiny_llama_dir, chats, tmp_p
 def test_a_pushed_chat_model_gets_a_card_with_chat_usage(hub, tiny_llama_dir, chats, tmp_path):
     from huggingface_hub import ModelCard
 
-    args = sft_args(tiny_llama_dir, chats, tmp_path / "pushed", "--max_steps", "2", "--push_to_hub", "true",
-                    "--hub_model_id", "alice/chat", "--hub_token", TOKEN)
+    args = sft_args(
+        tiny_llama_dir,
+        chats,
+        tmp_path / "pushed",
+        "--max_steps",
+        "2",
+        "--push_to_hub",
+        "true",
+        "--hub_model_id",
+        "alice/chat",
+        "--hub_token",
+        TOKEN,
+    )
     result = run_app(hub_env(hub, tmp_path / "no-stored-token"), *args[1:])
     assert result.returncode == 0, result.stderr[-3000:]
     upload = hub.history("alice/chat")[-1]

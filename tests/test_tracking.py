@@ -18,13 +18,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from conftest import ENTRY, REPO, run_cli
 
 from cloudtrain import pipeline, tracking
 from cloudtrain.config import TrackingConfig, build_config
 from cloudtrain.errors import UserError
-from cloudtrain.tracking import read_metrics, reachable
-
-from conftest import ENTRY, REPO, run_cli
+from cloudtrain.tracking import reachable, read_metrics
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"
 
@@ -41,10 +40,27 @@ def tracker_env(tmp_path, monkeypatch) -> Path:
 
 
 def train_args(tiny_model_dir, topic_csvs, out, *extra) -> list[str]:
-    return ["--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
-            "--validation_file", str(topic_csvs["validation"]), "--test_file", str(topic_csvs["test"]),
-            "--output_dir", str(out), "--max_steps", "6", "--per_device_train_batch_size", "8",
-            "--logging_steps", "2", "--learning_rate", "1e-3", *extra]
+    return [
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--test_file",
+        str(topic_csvs["test"]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "6",
+        "--per_device_train_batch_size",
+        "8",
+        "--logging_steps",
+        "2",
+        "--learning_rate",
+        "1e-3",
+        *extra,
+    ]
 
 
 def train_loss(out: Path) -> list[tuple[int, float]]:
@@ -87,10 +103,10 @@ def wandb_records(run_file: Path):
         if block - pos % block < 7:  # a block's tail too short for a header is padding
             pos += block - pos % block
             continue
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
         if kind == 0:
             break
-        chunk += data[pos + 7:pos + 7 + length]
+        chunk += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last piece of one
             record = wandb_internal_pb2.Record()
@@ -111,8 +127,9 @@ def wandb_run(run_dir: Path) -> dict:
             updates = record.run.config.update if kind == "run" else record.config.update
             run["config"].update({u.key: json.loads(u.value_json) for u in updates})
         elif kind == "history":
-            run["history"].append({"/".join(i.nested_key) or i.key: json.loads(i.value_json)
-                                   for i in record.history.item})
+            run["history"].append(
+                {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+            )
         elif kind == "artifact":
             run["artifacts"].append(record.artifact)
     return run
@@ -166,30 +183,68 @@ SPY = textwrap.dedent("""
 """)
 
 
-def tracked_part(out: Path, report_to: str, first: int, last: int, resume_step: int | None = None,
-                 offset: float = 0.0, finish: bool = True, spy: Path | None = None, **env: str) -> str:
+def tracked_part(
+    out: Path,
+    report_to: str,
+    first: int,
+    last: int,
+    resume_step: int | None = None,
+    offset: float = 0.0,
+    finish: bool = True,
+    spy: Path | None = None,
+    **env: str,
+) -> str:
     """One process that opens a RunLog (resuming at `resume_step`), logs steps first..last; its stdout.
     With `spy`, that file receives the process's reachability probes and wandb.init modes (see SPY)."""
-    args = [str(out), report_to, str(first), str(last), str(resume_step).lower(), str(offset),
-            "finish" if finish else "stop"]
+    args = [
+        str(out),
+        report_to,
+        str(first),
+        str(last),
+        str(resume_step).lower(),
+        str(offset),
+        "finish" if finish else "stop",
+    ]
     script = TRACKED_PART if spy is None else SPY + TRACKED_PART
     if spy is not None:
         env["TRACKING_SPY"] = str(spy)
-    result = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
-                            timeout=300, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO / "src"), **env})
+    result = subprocess.run(
+        [sys.executable, "-c", script, *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO / "src"), **env},
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
 
 # ---------------------------------------------------------------- one run, three local trackers
 
+
 @pytest.mark.slow
 def test_trackio_tensorboard_mlflow_match_metrics_jsonl(tiny_model_dir, topic_csvs, tracker_env):
     out = tracker_env / "out"
-    result = run_cli(*train_args(tiny_model_dir, topic_csvs, out, "--report_to", "trackio,tensorboard,mlflow",
-                                 "--training_type", "basic",
-                                 "--eval_strategy", "steps", "--eval_steps", "3", "--run_name", "tiny-run",
-                                 "--tags", "smoke,cpu"))
+    result = run_cli(
+        *train_args(
+            tiny_model_dir,
+            topic_csvs,
+            out,
+            "--report_to",
+            "trackio,tensorboard,mlflow",
+            "--training_type",
+            "basic",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "3",
+            "--run_name",
+            "tiny-run",
+            "--tags",
+            "smoke,cpu",
+        )
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     expected = train_loss(out)
     assert [step for step, _ in expected] == [2, 4, 6]
@@ -216,7 +271,8 @@ def test_trackio_tensorboard_mlflow_match_metrics_jsonl(tiny_model_dir, topic_cs
     assert sorted((m.step, m.value) for m in history) == expected
     run = client.get_run(runs["mlflow"]["run_id"])
     assert run.data.params["learning_rate"] == "0.001" and run.data.params["report_to"] == str(
-        ["trackio", "tensorboard", "mlflow"])
+        ["trackio", "tensorboard", "mlflow"]
+    )
     assert {"smoke", "cpu"} <= set(run.data.tags)
 
 
@@ -230,10 +286,20 @@ def test_training_curves_png_holds_loss_and_eval_curves(tiny_model_dir, topic_cs
 
     monkeypatch.setattr(pipeline, "RunLog", KeptRunLog)
     out = tmp_path / "out"
-    cfg = build_config({"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]),
-                        "validation_file": str(topic_csvs["validation"]), "output_dir": str(out),
-                        "max_steps": 8, "per_device_train_batch_size": 8, "logging_steps": 2,
-                        "eval_strategy": "steps", "eval_steps": 4, "training_type": "basic"})
+    cfg = build_config(
+        {
+            "model_name_or_path": tiny_model_dir,
+            "train_file": str(topic_csvs["train"]),
+            "validation_file": str(topic_csvs["validation"]),
+            "output_dir": str(out),
+            "max_steps": 8,
+            "per_device_train_batch_size": 8,
+            "logging_steps": 2,
+            "eval_strategy": "steps",
+            "eval_steps": 4,
+            "training_type": "basic",
+        }
+    )
     pipeline.run_training(cfg)
     png = (out / "training_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
@@ -246,16 +312,30 @@ def test_training_curves_png_holds_loss_and_eval_curves(tiny_model_dir, topic_cs
     assert curves["loss"]["eval/loss"][0] == [4, 8]
     assert set(curves["evaluation metrics"]) == {"eval/accuracy", "eval/macro_f1"}
     assert curves["evaluation metrics"]["eval/accuracy"] == (
-        [4, 8], [r["eval/accuracy"] for r in records if "eval/accuracy" in r])
+        [4, 8],
+        [r["eval/accuracy"] for r in records if "eval/accuracy" in r],
+    )
 
 
 # ---------------------------------------------------------------- W&B
 
+
 @pytest.mark.slow
 def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, tracker_env):
     out = tracker_env / "out"
-    result = run_cli(*train_args(tiny_model_dir, topic_csvs, out, "--report_to", "wandb", "--log_model", "true",
-                                 "--project_name", "tracking-test"))
+    result = run_cli(
+        *train_args(
+            tiny_model_dir,
+            topic_csvs,
+            out,
+            "--report_to",
+            "wandb",
+            "--log_model",
+            "true",
+            "--project_name",
+            "tracking-test",
+        )
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "W&B: no credentials (set WANDB_API_KEY or run `wandb login`); logging offline" in result.stdout
     (run_dir,) = offline_dirs(result.stdout)
@@ -323,16 +403,31 @@ def test_wandb_with_key_but_no_network_falls_back_without_waiting_for_wandb(trac
 
 # ---------------------------------------------------------------- several processes, resume
 
+
 @pytest.mark.slow
 def test_two_processes_make_one_tracker_run(tiny_model_dir, topic_csvs, tracker_env):
     out = tracker_env / "out"
     # gloo on CPU; the GPU (if any) hidden so that two ranks never share it
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(ENTRY),
-         "--training_type", "accelerated",
-         *train_args(tiny_model_dir, topic_csvs, out, "--report_to", "tensorboard,trackio")],
-        capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(ENTRY),
+            "--training_type",
+            "accelerated",
+            *train_args(tiny_model_dir, topic_csvs, out, "--report_to", "tensorboard,trackio"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "2 process(es)" in result.stdout
     event_files = [f for f in (out / "tensorboard").rglob("events.out.tfevents.*") if "train/loss" in scalar_tags(f)]
@@ -372,8 +467,9 @@ def rejecting_wandb_server():
 def test_resume_continues_the_same_tracker_runs(tracker_env, rejecting_wandb_server):
     out, trackers = tracker_env / "out", "wandb,trackio,tensorboard"
     # Part one: a key the server rejects (so W&B falls back to offline); logs steps 1-6, then stops.
-    first = tracked_part(out, trackers, 1, 6, finish=False, WANDB_API_KEY=FAKE_KEY,
-                         WANDB_BASE_URL=rejecting_wandb_server)
+    first = tracked_part(
+        out, trackers, 1, 6, finish=False, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=rejecting_wandb_server
+    )
     assert "W&B: could not start an online run (invalid api key); logging offline" in first
     ids = json.loads((out / "tracker_runs.json").read_text())
     # Part two resumes from a checkpoint at step 4: steps 5-8 are logged again, with new values.
@@ -402,6 +498,7 @@ def test_resume_continues_the_same_tracker_runs(tracker_env, rejecting_wandb_ser
 
 
 # ---------------------------------------------------------------- checks before training
+
 
 def test_check_trackers_rejects_unusable_choices(monkeypatch):
     with pytest.raises(UserError, match="--log_model true uploads the model to W&B: add wandb to --report_to"):

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import topic_rows
 from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
@@ -17,8 +18,6 @@ from cloudtrain.runtime import Runtime
 from cloudtrain.tasks.classification import ClassificationTask
 from cloudtrain.tracking import RunLog
 from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
-
-from conftest import topic_rows
 
 
 def tiny_setup(tiny_model_dir, tmp_path, trainer_cls, **overrides):
@@ -46,11 +45,13 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, trainer_cls
         rows = [trainer.data.train[i] for i in range(sum(sizes))]
         window, start = [], 0
         for size in window_sizes:
-            window.append(trainer.move(trainer.data.collator(rows[start:start + size])))
+            window.append(trainer.move(trainer.data.collator(rows[start : start + size])))
             start += size
         stats = trainer.backward_window(window, trainer._loss_scale(window))
         trainer.optimizer_step()
-        updated.append((stats.loss_sum / stats.count, {n: p.detach().clone() for n, p in trainer.model.named_parameters()}))
+        updated.append(
+            (stats.loss_sum / stats.count, {n: p.detach().clone() for n, p in trainer.model.named_parameters()})
+        )
     (loss_acc, params_acc), (loss_big, params_big) = updated
     assert float(loss_acc) == pytest.approx(float(loss_big), rel=1e-5)
     for name, value in params_big.items():
@@ -60,18 +61,30 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, trainer_cls
 
 
 def run_tiny(tiny_model_dir, topic_csvs, out, **overrides):
-    cfg = build_config({"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]),
-                        "validation_file": str(topic_csvs["validation"]), "test_file": str(topic_csvs["test"]),
-                        "output_dir": str(out), "max_steps": 6, "per_device_train_batch_size": 8,
-                        "logging_steps": 2, "learning_rate": 1e-3, **overrides})
+    cfg = build_config(
+        {
+            "model_name_or_path": tiny_model_dir,
+            "train_file": str(topic_csvs["train"]),
+            "validation_file": str(topic_csvs["validation"]),
+            "test_file": str(topic_csvs["test"]),
+            "output_dir": str(out),
+            "max_steps": 6,
+            "per_device_train_batch_size": 8,
+            "logging_steps": 2,
+            "learning_rate": 1e-3,
+            **overrides,
+        }
+    )
     validate(cfg)
     return run_training(cfg)
 
 
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
 def test_same_seed_same_result(tiny_model_dir, topic_csvs, tmp_path, training_type):
-    runs = [run_tiny(tiny_model_dir, topic_csvs, tmp_path / f"run{i}", training_type=training_type,
-                     seed=seed) for i, seed in enumerate((1, 1, 2))]
+    runs = [
+        run_tiny(tiny_model_dir, topic_csvs, tmp_path / f"run{i}", training_type=training_type, seed=seed)
+        for i, seed in enumerate((1, 1, 2))
+    ]
     weights = [load_file(tmp_path / f"run{i}" / "model.safetensors") for i in range(3)]
     assert all(torch.equal(weights[0][n], weights[1][n]) for n in weights[0])
     assert not all(torch.equal(weights[0][n], weights[2][n]) for n in weights[0])
@@ -81,8 +94,15 @@ def test_same_seed_same_result(tiny_model_dir, topic_csvs, tmp_path, training_ty
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
 def test_training_steps_run_in_train_mode(tiny_model_dir, tmp_path, trainer_cls):
     """Dropout is on while training (from_pretrained hands the model over in eval mode), off in evaluation."""
-    trainer = tiny_setup(tiny_model_dir, tmp_path, trainer_cls, max_steps=2, per_device_train_batch_size=4,
-                         eval_strategy="steps", eval_steps=1)
+    trainer = tiny_setup(
+        tiny_model_dir,
+        tmp_path,
+        trainer_cls,
+        max_steps=2,
+        per_device_train_batch_size=4,
+        eval_strategy="steps",
+        eval_steps=1,
+    )
     assert not trainer.model.training
     modes = []
     trainer.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
@@ -95,8 +115,16 @@ def test_run_writes_every_output(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"
     results = run_tiny(tiny_model_dir, topic_csvs, out, eval_strategy="steps", eval_steps=3, hub_token="hf_x1")
     names = {p.name for p in out.iterdir()}
-    assert {"model.safetensors", "config.json", "tokenizer.json", "args.json", "train_results.json",
-            "eval_results.json", "test_results.json", "metrics.jsonl"} <= names
+    assert {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "args.json",
+        "train_results.json",
+        "eval_results.json",
+        "test_results.json",
+        "metrics.jsonl",
+    } <= names
     model = AutoModelForSequenceClassification.from_pretrained(out)
     assert model.config.id2label == {0: "finance", 1: "sports", 2: "weather"}
     args = json.loads((out / "args.json").read_text())

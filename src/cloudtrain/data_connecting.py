@@ -46,8 +46,10 @@ def check_data_sources(cfg: DataConfig) -> None:
         if not p.exists():
             raise UserError(f"--{split}_file {path} does not exist")
         if p.is_file() and p.suffix.lower() not in FILE_FORMATS:
-            raise UserError(f"--{split}_file {path}: unsupported format {p.suffix!r}; "
-                            f"use one of {', '.join(FILE_FORMATS)} or a save_to_disk directory")
+            raise UserError(
+                f"--{split}_file {path}: unsupported format {p.suffix!r}; "
+                f"use one of {', '.join(FILE_FORMATS)} or a save_to_disk directory"
+            )
     if not files and not cfg.dataset_name:
         r8_dir()  # raises with the set-up command when the built-in data is missing
 
@@ -64,8 +66,9 @@ def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = 
     columns = columns if columns is not None else {"--text_column": (cfg.text_column, True)}
     check_data_sources(cfg)
     if cfg.train_file:
-        raw = DatasetDict({split: _load_path(path, split, cfg.text_column)
-                           for split, path in _split_files(cfg).items()})
+        raw = DatasetDict(
+            {split: _load_path(path, split, cfg.text_column) for split, path in _split_files(cfg).items()}
+        )
     elif cfg.dataset_name and Path(cfg.dataset_name).is_dir():
         raw = _as_dict(_load_saved(cfg.dataset_name))
     elif cfg.dataset_name:
@@ -100,8 +103,10 @@ def _pick_split(saved: DatasetDict, split: str, path: str) -> Dataset:
     """The `split` of a saved DatasetDict, under its own name or an alias (dev, valid, val); never another."""
     names = [name for name in saved if SPLIT_ALIASES.get(name, name) == split]
     if not names:
-        raise UserError(f"--{split}_file {path} has no {split} split (it has: {', '.join(saved)}); "
-                        f"give a file or directory that holds the {split} data")
+        raise UserError(
+            f"--{split}_file {path} has no {split} split (it has: {', '.join(saved)}); "
+            f"give a file or directory that holds the {split} data"
+        )
     return saved[names[0]]
 
 
@@ -123,8 +128,10 @@ def _load_hub(name: str, config: str | None) -> DatasetDict:
     try:
         return _as_dict(datasets.load_dataset(name, config))
     except Exception as err:  # offline, unknown name, missing config: all fixable by the user
-        raise UserError(f"could not load dataset {name!r} from the Hub ({first_line(err)}); "
-                        "check the name and network, or use --train_file with local files") from None
+        raise UserError(
+            f"could not load dataset {name!r} from the Hub ({first_line(err)}); "
+            "check the name and network, or use --train_file with local files"
+        ) from None
 
 
 def _load_builtin() -> DatasetDict:
@@ -150,8 +157,9 @@ def _check_columns(raw: DatasetDict, columns: dict[str, tuple[str, bool]]) -> No
     for split, ds in raw.items():
         for flag, (column, everywhere) in columns.items():
             if column not in ds.column_names and (everywhere or split == "train"):
-                raise UserError(f"column {column!r} is not in the {split} data (its columns: "
-                                f"{', '.join(ds.column_names)}); pass {flag} <name>")
+                raise UserError(
+                    f"column {column!r} is not in the {split} data (its columns: "
+                    f"{', '.join(ds.column_names)}); pass {flag} <name>"
+                )
         if len(ds) == 0:
             raise UserError(f"the {split} data is empty")
-

@@ -37,6 +37,7 @@ from cloudtrain.errors import UserError
 @dataclass
 class ProcessedData:
     """Tokenized splits, ready for data loaders; what a task's `process` returns."""
+
     train: Dataset
     validation: Dataset
     test: Dataset | None  # None when the source has no labelled test split
@@ -71,8 +72,10 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
     feature = train.features[column]
     missing = sum(is_missing(value, feature) for value in train[column])
     if missing:
-        raise UserError(f"{missing} of {len(train)} training rows have no {column!r} value (empty, or -1 for a "
-                        "class label); label them or drop those rows")
+        raise UserError(
+            f"{missing} of {len(train)} training rows have no {column!r} value (empty, or -1 for a "
+            "class label); label them or drop those rows"
+        )
     if isinstance(feature, ClassLabel):
         names = list(feature.names)
         return names, {i: i for i in range(len(names))}
@@ -82,8 +85,12 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
 
 def is_missing(value, feature) -> bool:
     """No label: None, NaN, an empty string, or -1 in a ClassLabel column (the datasets convention)."""
-    return (value is None or (isinstance(value, float) and math.isnan(value))
-            or (isinstance(value, str) and not value.strip()) or (isinstance(feature, ClassLabel) and value == -1))
+    return (
+        value is None
+        or (isinstance(value, float) and math.isnan(value))
+        or (isinstance(value, str) and not value.strip())
+        or (isinstance(feature, ClassLabel) and value == -1)
+    )
 
 
 def is_labelled(ds: Dataset, split: str, column: str, label2id: dict) -> bool:
@@ -100,29 +107,44 @@ def is_labelled(ds: Dataset, split: str, column: str, label2id: dict) -> bool:
     if missing == len(values):
         return False
     if missing:
-        raise UserError(f"{missing} of {len(values)} rows of the {split} data have no {column!r} value; label them "
-                        f"or drop them (a {split} split with no labels at all is used for predictions only)")
+        raise UserError(
+            f"{missing} of {len(values)} rows of the {split} data have no {column!r} value; label them "
+            f"or drop them (a {split} split with no labels at all is used for predictions only)"
+        )
     if not isinstance(feature, ClassLabel):
         unseen = set(values) - set(label2id)
         if unseen:
             shown = ", ".join(map(str, sorted(unseen, key=str)[:10]))
-            raise UserError(f"the {split} data has labels the training data never saw: {shown}; "
-                            "fix the labels or move those rows into the training data")
+            raise UserError(
+                f"the {split} data has labels the training data never saw: {shown}; "
+                "fix the labels or move those rows into the training data"
+            )
     return True
 
 
-def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int,
-                 label_order: list[str] | None = None) -> ProcessedData:
+def process_data(
+    raw: DatasetDict,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
+    seed: int,
+    label_order: list[str] | None = None,
+) -> ProcessedData:
     """Tokenize and encode every split, carve validation if needed, and apply the sample limits.
     `label_order`: see `find_label_names`."""
     names, label2id = find_label_names(raw, cfg.label_column, label_order)
     if len(names) < 2:
-        raise UserError(f"the training data has only {len(names)} distinct label(s) in "
-                        f"{cfg.label_column!r}; classification needs at least 2")
-    labelled = {split: is_labelled(ds, split, cfg.label_column, label2id) if split != "train" else True
-                for split, ds in raw.items()}
-    splits = {split: _encode(ds, split, tokenizer, cfg, names, label2id if labelled[split] else None)
-              for split, ds in raw.items()}
+        raise UserError(
+            f"the training data has only {len(names)} distinct label(s) in "
+            f"{cfg.label_column!r}; classification needs at least 2"
+        )
+    labelled = {
+        split: is_labelled(ds, split, cfg.label_column, label2id) if split != "train" else True
+        for split, ds in raw.items()
+    }
+    splits = {
+        split: _encode(ds, split, tokenizer, cfg, names, label2id if labelled[split] else None)
+        for split, ds in raw.items()
+    }
     train, validation = splits["train"], splits.get("validation")
     if validation is None or not labelled["validation"]:
         train, validation = _carve_validation(train, cfg.validation_split_percentage, seed)
@@ -134,7 +156,7 @@ def process_data(raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Data
         collator=DataCollatorWithPadding(tokenizer),
         label_names=names,
         unlabelled=unlabelled,
-        unlabelled_texts={split: list(raw[split][cfg.text_column][:len(ds)]) for split, ds in unlabelled.items()},
+        unlabelled_texts={split: list(raw[split][cfg.text_column][: len(ds)]) for split, ds in unlabelled.items()},
     )
 
 
@@ -143,8 +165,14 @@ def _first(ds: Dataset, n: int | None) -> Dataset:
     return ds if n is None or n >= len(ds) else ds.select(range(n))
 
 
-def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig,
-            names: list[str], label2id: dict | None) -> Dataset:
+def _encode(
+    ds: Dataset,
+    split: str,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
+    names: list[str],
+    label2id: dict | None,
+) -> Dataset:
     """Tokenized rows with their label ids, or without labels when `label2id` is None."""
     columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
 
@@ -155,17 +183,21 @@ def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: Da
             out["labels"] = [label2id[v] for v in batch[cfg.label_column]]
         return out
 
-    features = datasets.Features({name: datasets.List(datasets.Value("int32"))
-                                  for name in tokenizer.model_input_names})
+    features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in tokenizer.model_input_names})
     if label2id is not None:
         features["labels"] = ClassLabel(names=names)
     key = _cache_key(ds, tokenizer, cfg, columns, names if label2id is not None else None)
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     return ds.map(
-        encode, batched=True, remove_columns=ds.column_names, features=features,
-        cache_file_name=str(cache_dir / f"{split}-{key}.arrow"), new_fingerprint=key,
-        desc=f"Tokenizing {split}")
+        encode,
+        batched=True,
+        remove_columns=ds.column_names,
+        features=features,
+        cache_file_name=str(cache_dir / f"{split}-{key}.arrow"),
+        new_fingerprint=key,
+        desc=f"Tokenizing {split}",
+    )
 
 
 def _cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, columns: list, names: list) -> str:
@@ -189,8 +221,9 @@ def _carve_validation(train: Dataset, percentage: float, seed: int) -> tuple[Dat
     n_val = math.ceil(len(train) * percentage / 100)
     stratify = counts[counts > 0].min() >= 2 and present <= n_val <= len(train) - present
     if n_val >= len(train):
-        raise UserError(f"the training data has only {len(train)} rows, too few to carve a validation split; "
-                        "give --validation_file")
+        raise UserError(
+            f"the training data has only {len(train)} rows, too few to carve a validation split; give --validation_file"
+        )
     parts = train.train_test_split(test_size=n_val, seed=seed, stratify_by_column="labels" if stratify else None)
     return parts["train"], parts["test"]
 
@@ -236,8 +269,9 @@ class LengthGroupedSampler(EpochShuffleSampler):
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(self.num_examples, generator=generator)
-        chunks = [chunk[torch.argsort(self.lengths[chunk], descending=True, stable=True)]
-                  for chunk in order.split(self.chunk)]
+        chunks = [
+            chunk[torch.argsort(self.lengths[chunk], descending=True, stable=True)] for chunk in order.split(self.chunk)
+        ]
         batches = torch.cat(chunks).split(self.batch_size)
         # keep a short last batch last: every other batch is full, as with plain shuffling
         full, last = (batches[:-1], batches[-1:]) if len(batches[-1]) < self.batch_size else (batches, ())
@@ -253,13 +287,15 @@ def train_dataloader(data: ProcessedData, batch_size: int, seed: int, cfg: DataC
         sampler = LengthGroupedSampler([len(ids) for ids in data.train["input_ids"]], batch_size, seed)
     else:
         sampler = EpochShuffleSampler(len(data.train), seed)
-    return DataLoader(data.train, batch_size=batch_size, sampler=sampler, collate_fn=data.collator,
-                      **loader_options(cfg))
+    return DataLoader(
+        data.train, batch_size=batch_size, sampler=sampler, collate_fn=data.collator, **loader_options(cfg)
+    )
 
 
 def eval_dataloader(ds: Dataset, data: ProcessedData, batch_size: int, cfg: DataConfig | None = None) -> DataLoader:
-    return DataLoader(ds, batch_size=batch_size, shuffle=False, collate_fn=data.collator,
-                      **loader_options(cfg or DataConfig()))
+    return DataLoader(
+        ds, batch_size=batch_size, shuffle=False, collate_fn=data.collator, **loader_options(cfg or DataConfig())
+    )
 
 
 def loader_options(cfg: DataConfig) -> dict:
@@ -267,5 +303,9 @@ def loader_options(cfg: DataConfig) -> dict:
     its workers' base seed from its own generator: drawn from the global one, a loader started after a
     resume would shift the dropout masks of every step that follows."""
     workers = cfg.dataloader_num_workers
-    return {"num_workers": workers, "persistent_workers": workers > 0, "generator": torch.Generator(),
-            "pin_memory": cfg.dataloader_pin_memory and torch.cuda.is_available()}
+    return {
+        "num_workers": workers,
+        "persistent_workers": workers > 0,
+        "generator": torch.Generator(),
+        "pin_memory": cfg.dataloader_pin_memory and torch.cuda.is_available(),
+    }

@@ -50,12 +50,23 @@ def zero_config(stage: int, offload_optimizer: str = "none", offload_param: str 
     if stage == 3:
         if offload_param != "none":
             zero["offload_param"] = {"device": offload_param, "pin_memory": True}
-        zero.update(stage3_gather_16bit_weights_on_model_save=True, stage3_param_persistence_threshold="auto",
-                    stage3_prefetch_bucket_size="auto", reduce_bucket_size="auto")
-    return {"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
-            "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
-            "fp16": {"enabled": "auto"}, "bf16": {"enabled": "auto"}, "zero_optimization": zero,
-            "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+        zero.update(
+            stage3_gather_16bit_weights_on_model_save=True,
+            stage3_param_persistence_threshold="auto",
+            stage3_prefetch_bucket_size="auto",
+            reduce_bucket_size="auto",
+        )
+    return {
+        "train_batch_size": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "fp16": {"enabled": "auto"},
+        "bf16": {"enabled": "auto"},
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+    }
 
 
 def requested_deepspeed(cfg: Config) -> tuple[str, dict] | None:
@@ -69,8 +80,10 @@ def requested_deepspeed(cfg: Config) -> tuple[str, dict] | None:
     if env_flag("ACCELERATE_USE_DEEPSPEED"):
         stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
         return "the accelerate config", zero_config(
-            stage, os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
-            os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"))
+            stage,
+            os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "none"),
+            os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"),
+        )
     return None
 
 
@@ -89,8 +102,10 @@ def resolve_deepspeed_config(source: str, given: dict, cfg: Config, world_size: 
     ours = {
         ("train_micro_batch_size_per_gpu",): (t.per_device_train_batch_size, "--per_device_train_batch_size"),
         ("gradient_accumulation_steps",): (t.gradient_accumulation_steps, "--gradient_accumulation_steps"),
-        ("train_batch_size",): (t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
-                                "per-device batch x accumulation x processes"),
+        ("train_batch_size",): (
+            t.per_device_train_batch_size * t.gradient_accumulation_steps * world_size,
+            "per-device batch x accumulation x processes",
+        ),
         ("gradient_clipping",): (t.max_grad_norm, "--max_grad_norm"),
         ("fp16", "enabled"): (t.mixed_precision == "fp16", "--mixed_precision"),
         ("bf16", "enabled"): (t.mixed_precision == "bf16", "--mixed_precision"),
@@ -103,17 +118,23 @@ def resolve_deepspeed_config(source: str, given: dict, cfg: Config, world_size: 
         current = parent.get(keys[-1], "auto")
         if current != "auto" and current != value:
             name = ".".join(keys)
-            raise UserError(f"DeepSpeed config ({source}) sets {name} = {json.dumps(current)} but {flag} gives "
-                            f"{json.dumps(value)}; make them agree or set {name} to \"auto\"")
+            raise UserError(
+                f"DeepSpeed config ({source}) sets {name} = {json.dumps(current)} but {flag} gives "
+                f'{json.dumps(value)}; make them agree or set {name} to "auto"'
+            )
         parent[keys[-1]] = value
     zero = resolved.setdefault("zero_optimization", {})
     stage = cfg.distributed.zero_stage
     if stage is not None and zero.get("stage", stage) != stage:
-        raise UserError(f"DeepSpeed config ({source}) sets zero_optimization.stage = {zero['stage']} but "
-                        f"--zero_stage is {stage}; make them agree")
+        raise UserError(
+            f"DeepSpeed config ({source}) sets zero_optimization.stage = {zero['stage']} but "
+            f"--zero_stage is {stage}; make them agree"
+        )
     if "optimizer" in resolved or "scheduler" in resolved:
-        raise UserError(f"DeepSpeed config ({source}) has an optimizer or scheduler section; remove it: "
-                        "cloudtrain sets AdamW and the schedule from --learning_rate, --lr_scheduler_type, ...")
+        raise UserError(
+            f"DeepSpeed config ({source}) has an optimizer or scheduler section; remove it: "
+            "cloudtrain sets AdamW and the schedule from --learning_rate, --lr_scheduler_type, ..."
+        )
     if zero.get("stage") == 3:  # the final model must be the gathered full model
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
     resolved.setdefault("zero_force_ds_cpu_optimizer", False)  # torch AdamW with offload is fine
@@ -127,14 +148,20 @@ def check_deepspeed_skips(source: str, ds_config: dict, precision: str) -> None:
     stage = zero.get("stage", 0)
     fix = "use --nonfinite_loss stop, or"
     if stage == 0 and precision == "no":
-        raise UserError(f"--nonfinite_loss skip: DeepSpeed ZeRO-0 in fp32 applies a step with nan/inf gradients; "
-                        f"{fix} --zero_stage 1, 2 or 3, or bf16")
+        raise UserError(
+            f"--nonfinite_loss skip: DeepSpeed ZeRO-0 in fp32 applies a step with nan/inf gradients; "
+            f"{fix} --zero_stage 1, 2 or 3, or bf16"
+        )
     if stage in (1, 2) and precision == "bf16" and ds_config.get("bf16", {}).get("check_grad_overflow") is False:
-        raise UserError(f"--nonfinite_loss skip: DeepSpeed config ({source}) sets bf16.check_grad_overflow = false, "
-                        f"so nan/inf steps would be applied; {fix} remove that setting")
+        raise UserError(
+            f"--nonfinite_loss skip: DeepSpeed config ({source}) sets bf16.check_grad_overflow = false, "
+            f"so nan/inf steps would be applied; {fix} remove that setting"
+        )
     if stage in (1, 2) and precision == "no" and zero.get("compute_grad_norm") is False:
-        raise UserError(f"--nonfinite_loss skip: DeepSpeed config ({source}) sets zero_optimization.compute_grad_norm "
-                        f"= false, so nan/inf steps would be applied; {fix} remove that setting")
+        raise UserError(
+            f"--nonfinite_loss skip: DeepSpeed config ({source}) sets zero_optimization.compute_grad_norm "
+            f"= false, so nan/inf steps would be applied; {fix} remove that setting"
+        )
 
 
 def check_distributed(cfg: Config) -> None:
@@ -143,12 +170,16 @@ def check_distributed(cfg: Config) -> None:
     wants_deepspeed = d.zero_stage is not None or d.deepspeed_config or env_flag("ACCELERATE_USE_DEEPSPEED")
     wants_fsdp = d.fsdp or env_flag("ACCELERATE_USE_FSDP")
     if not accelerated and (launched_processes() > 1 or wants_deepspeed or wants_fsdp):
-        raise UserError("the BasicTrainer runs one process without DeepSpeed or FSDP; "
-                        "use --training_type accelerated for multi-process, DeepSpeed and FSDP runs")
+        raise UserError(
+            "the BasicTrainer runs one process without DeepSpeed or FSDP; "
+            "use --training_type accelerated for multi-process, DeepSpeed and FSDP runs"
+        )
     launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
     if accelerated and launcher_precision not in ("no", cfg.training.mixed_precision):
-        raise UserError(f"the accelerate config asks for {launcher_precision} mixed precision but --mixed_precision "
-                        f"is {cfg.training.mixed_precision}; pass --mixed_precision {launcher_precision}")
+        raise UserError(
+            f"the accelerate config asks for {launcher_precision} mixed precision but --mixed_precision "
+            f"is {cfg.training.mixed_precision}; pass --mixed_precision {launcher_precision}"
+        )
     if wants_deepspeed and wants_fsdp:
         raise UserError("DeepSpeed and FSDP were both requested; choose one")
     if (d.offload_optimizer != "none" or d.offload_param != "none") and d.zero_stage is None:
@@ -159,15 +190,19 @@ def check_distributed(cfg: Config) -> None:
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError(f"DeepSpeed was requested but the deepspeed package is not installed: {DEEPSPEED_INSTALL}")
         if env_flag("ACCELERATE_USE_CPU"):
-            raise UserError("ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed; unset it "
-                            "(cloudtrain picks the gloo backend itself on a machine with no GPU)")
+            raise UserError(
+                "ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed; unset it "
+                "(cloudtrain picks the gloo backend itself on a machine with no GPU)"
+            )
         source, given = requested_deepspeed(cfg)
         resolved = resolve_deepspeed_config(source, given, cfg, launched_processes())
         if cfg.checkpoint.nonfinite_loss == "skip":
             check_deepspeed_skips(source, resolved, cfg.training.mixed_precision)
     if wants_fsdp and not torch.cuda.is_available():
-        raise UserError("FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
-                        "on this machine use plain multi-process (DDP) or --zero_stage 3")
+        raise UserError(
+            "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
+            "on this machine use plain multi-process (DDP) or --zero_stage 3"
+        )
 
 
 def build_accelerator(cfg: Config) -> Accelerator:
@@ -181,21 +216,35 @@ def build_accelerator(cfg: Config) -> Accelerator:
         # The launcher's deepspeed_config fields are folded into ds_config already; without this,
         # accelerate refuses a full config dict next to them.
         os.environ.pop("ACCELERATE_CONFIG_DS_FIELDS", None)
-        plugin = DeepSpeedPlugin(hf_ds_config=ds_config, gradient_accumulation_steps=t.gradient_accumulation_steps,
-                                 gradient_clipping=t.max_grad_norm, zero_stage=zero.get("stage", 0),
-                                 zero3_init_flag=zero.get("stage") == 3,
-                                 zero3_save_16bit_model=zero.get("stage3_gather_16bit_weights_on_model_save"))
-    fsdp = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
-                                          state_dict_type="FULL_STATE_DICT") if cfg.distributed.fsdp else None
+        plugin = DeepSpeedPlugin(
+            hf_ds_config=ds_config,
+            gradient_accumulation_steps=t.gradient_accumulation_steps,
+            gradient_clipping=t.max_grad_norm,
+            zero_stage=zero.get("stage", 0),
+            zero3_init_flag=zero.get("stage") == 3,
+            zero3_save_16bit_model=zero.get("stage3_gather_16bit_weights_on_model_save"),
+        )
+    fsdp = (
+        FullyShardedDataParallelPlugin(
+            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT"
+        )
+        if cfg.distributed.fsdp
+        else None
+    )
     accelerator = Accelerator(
-        mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
-        deepspeed_plugin=plugin, fsdp_plugin=fsdp,
+        mixed_precision=t.mixed_precision,
+        gradient_accumulation_steps=t.gradient_accumulation_steps,
+        deepspeed_plugin=plugin,
+        fsdp_plugin=fsdp,
         cpu=not gpu and plugin is None,  # no GPU: accelerate's MULTI_CPU path, which uses gloo
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else None)
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else None,
+    )
     if accelerator.num_processes != launched_processes():
-        raise UserError(f"the launcher started {launched_processes()} processes but they did not join one "
-                        f"process group (each sees {accelerator.num_processes}); they would train unsynchronised. "
-                        "Launch with torchrun or `accelerate launch --multi_gpu --num_processes N`")
+        raise UserError(
+            f"the launcher started {launched_processes()} processes but they did not join one "
+            f"process group (each sees {accelerator.num_processes}); they would train unsynchronised. "
+            "Launch with torchrun or `accelerate launch --multi_gpu --num_processes N`"
+        )
     if not accelerator.is_main_process:  # only the main process prints library progress and warnings
         datasets.disable_progress_bars()
         transformers.logging.set_verbosity_error()

@@ -52,11 +52,14 @@ def evaluate_model(
         losses.append(loss.float().cpu())
     model.train(was_training)
     predictions, references = torch.cat(predictions), torch.cat(references)
-    result = metric.compute(predictions=predictions.tolist(), references=references.tolist(),
-                                   num_classes=num_labels)
+    result = metric.compute(predictions=predictions.tolist(), references=references.tolist(), num_classes=num_labels)
     runtime = time.perf_counter() - start
-    result.update(loss=torch.cat(losses).mean().item(), samples=len(references), runtime_s=round(runtime, 3),
-                  samples_per_s=round(len(references) / runtime, 2))
+    result.update(
+        loss=torch.cat(losses).mean().item(),
+        samples=len(references),
+        runtime_s=round(runtime, 3),
+        samples_per_s=round(len(references) / runtime, 2),
+    )
     return result
 
 
@@ -85,4 +88,3 @@ def predict_labels(
         scores += score.cpu().tolist()
     model.train(was_training)
     return ids, scores
-

@@ -62,8 +62,9 @@ def matmul_parameters(model: torch.nn.Module) -> tuple[int, int]:
     """
     head = _output_embeddings(model)
     head_ids = {id(p) for p in head.parameters()} if head is not None else set()
-    table_ids = {id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding)
-                 for p in m.parameters(recurse=False)} - head_ids
+    table_ids = {
+        id(p) for m in model.modules() if isinstance(m, torch.nn.Embedding) for p in m.parameters(recurse=False)
+    } - head_ids
     total = trainable = 0
     for p in model.parameters():  # deduplicated: a tied weight appears once
         if id(p) in table_ids:

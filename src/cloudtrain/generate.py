@@ -52,60 +52,116 @@ def _true_or_false(value: str) -> bool:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model_dir", required=True,
-                        help="A directory written by the training application holding a causal language model.")
-    parser.add_argument("--prompt", action="append", default=[],
-                        help="A text to continue (repeatable; an empty prompt starts from the BOS token).")
-    parser.add_argument("--input_file", help="A .txt file with one prompt per line (blank lines skipped), "
-                                             "or a csv/tsv/json/jsonl file with a --text_column.")
-    parser.add_argument("--text_column", default="text", help="Column of --input_file holding the prompts "
-                                                              "(default: text).")
-    parser.add_argument("--max_new_tokens", type=int, default=100,
-                        help="Tokens to generate per prompt, at most (default: 100; fewer if the model ends the text).")
-    parser.add_argument("--do_sample", type=_true_or_false, nargs="?", const=True, default=False,
-                        metavar="true|false",
-                        help="Sample the next token (true) or take the most likely one (false: greedy, the default).")
-    parser.add_argument("--temperature", type=float, default=1.0,
-                        help="With --do_sample true: divide the logits by this (> 0; below 1 is more conservative, "
-                             "above 1 more varied; default: 1.0).")
-    parser.add_argument("--top_k", type=int, default=50,
-                        help="With --do_sample true: sample among the k most likely tokens only (0: no limit; "
-                             "default: 50).")
-    parser.add_argument("--top_p", type=float, default=1.0,
-                        help="With --do_sample true: sample among the most likely tokens whose probabilities add up "
-                             "to p (0 < p <= 1; 1.0, the default, turns it off).")
-    parser.add_argument("--repetition_penalty", type=float, default=1.0,
-                        help="Penalise tokens already in the text (> 0; 1.0, the default, turns it off; "
-                             "1.1-1.3 is typical).")
-    parser.add_argument("--seed", type=int, default=42,
-                        help="Seed of the random generator, set before each prompt (default: 42).")
-    parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="Where to run: auto (a CUDA GPU if one is visible, else the CPU), cpu or cuda.")
-    parser.add_argument("--chat", type=_true_or_false, nargs="?", const=True, default=False, metavar="true|false",
-                        help="An interactive conversation in the terminal with a chat model (its tokenizer has a "
-                             "chat template): /reset clears the history, /exit or Ctrl-D quits.")
-    parser.add_argument("--raw", type=_true_or_false, nargs="?", const=True, default=False, metavar="true|false",
-                        help="Continue the prompts as plain text even when the model has a chat template "
-                             "(default: false, prompts are user messages).")
+    parser.add_argument(
+        "--model_dir",
+        required=True,
+        help="A directory written by the training application holding a causal language model.",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="A text to continue (repeatable; an empty prompt starts from the BOS token).",
+    )
+    parser.add_argument(
+        "--input_file",
+        help="A .txt file with one prompt per line (blank lines skipped), "
+        "or a csv/tsv/json/jsonl file with a --text_column.",
+    )
+    parser.add_argument(
+        "--text_column", default="text", help="Column of --input_file holding the prompts (default: text)."
+    )
+    parser.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=100,
+        help="Tokens to generate per prompt, at most (default: 100; fewer if the model ends the text).",
+    )
+    parser.add_argument(
+        "--do_sample",
+        type=_true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Sample the next token (true) or take the most likely one (false: greedy, the default).",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="With --do_sample true: divide the logits by this (> 0; below 1 is more conservative, "
+        "above 1 more varied; default: 1.0).",
+    )
+    parser.add_argument(
+        "--top_k",
+        type=int,
+        default=50,
+        help="With --do_sample true: sample among the k most likely tokens only (0: no limit; default: 50).",
+    )
+    parser.add_argument(
+        "--top_p",
+        type=float,
+        default=1.0,
+        help="With --do_sample true: sample among the most likely tokens whose probabilities add up "
+        "to p (0 < p <= 1; 1.0, the default, turns it off).",
+    )
+    parser.add_argument(
+        "--repetition_penalty",
+        type=float,
+        default=1.0,
+        help="Penalise tokens already in the text (> 0; 1.0, the default, turns it off; 1.1-1.3 is typical).",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=42, help="Seed of the random generator, set before each prompt (default: 42)."
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="Where to run: auto (a CUDA GPU if one is visible, else the CPU), cpu or cuda.",
+    )
+    parser.add_argument(
+        "--chat",
+        type=_true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="An interactive conversation in the terminal with a chat model (its tokenizer has a "
+        "chat template): /reset clears the history, /exit or Ctrl-D quits.",
+    )
+    parser.add_argument(
+        "--raw",
+        type=_true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Continue the prompts as plain text even when the model has a chat template "
+        "(default: false, prompts are user messages).",
+    )
     parser.add_argument("--system_prompt", help="With a chat template: a system message put before the conversation.")
 
 
 # ---------------------------------------------------------------- checks (before anything is loaded)
+
 
 def check_options(args: argparse.Namespace) -> None:
     """The numeric options are in range; one UserError naming the fix otherwise."""
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     if not args.temperature > 0:
-        raise UserError(f"--temperature must be greater than 0, got {args.temperature}; "
-                        "for deterministic output use --do_sample false instead")
+        raise UserError(
+            f"--temperature must be greater than 0, got {args.temperature}; "
+            "for deterministic output use --do_sample false instead"
+        )
     if not 0 < args.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1], got {args.top_p}; 1.0 turns it off")
     if args.top_k < 0:
         raise UserError(f"--top_k must be 0 (no limit) or more, got {args.top_k}")
     if not args.repetition_penalty > 0:
-        raise UserError(f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; "
-                        "1.0 turns it off")
+        raise UserError(f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; 1.0 turns it off")
 
 
 def check_model_dir(model_dir: str) -> None:
@@ -117,11 +173,14 @@ def check_model_dir(model_dir: str) -> None:
         task_type = adapter_config(path).get("task_type")
         if task_type != "CAUSAL_LM":
             hint = "; use the predict command to classify texts with it" if task_type == "SEQ_CLS" else ""
-            raise UserError(f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a causal language model{hint}")
+            raise UserError(
+                f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a causal language model{hint}"
+            )
         return
     if not (path / "config.json").is_file():
-        raise UserError(f"--model_dir {model_dir} holds no config.json; pass a directory written by the "
-                        "training application")
+        raise UserError(
+            f"--model_dir {model_dir} holds no config.json; pass a directory written by the training application"
+        )
     try:
         config = AutoConfig.from_pretrained(path)
     except (OSError, ValueError, KeyError) as err:
@@ -130,14 +189,20 @@ def check_model_dir(model_dir: str) -> None:
         return
     architectures = list(getattr(config, "architectures", None) or [])
     if any(name.endswith("ForSequenceClassification") for name in architectures):
-        raise UserError(f"--model_dir {model_dir} is a sequence-classification model; use the predict command "
-                        "to classify texts with it")
+        raise UserError(
+            f"--model_dir {model_dir} is a sequence-classification model; use the predict command "
+            "to classify texts with it"
+        )
     if architectures:
-        raise UserError(f"--model_dir {model_dir} holds a {architectures[0]}, not a causal language model; "
-                        "generate needs a model with a language-modelling head (a ...ForCausalLM)")
+        raise UserError(
+            f"--model_dir {model_dir} holds a {architectures[0]}, not a causal language model; "
+            "generate needs a model with a language-modelling head (a ...ForCausalLM)"
+        )
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise UserError(f"--model_dir {model_dir} holds a {config.model_type!r} model, which has no causal "
-                        "language-model form; generate needs a decoder such as GPT-2 or Llama")
+        raise UserError(
+            f"--model_dir {model_dir} holds a {config.model_type!r} model, which has no causal "
+            "language-model form; generate needs a decoder such as GPT-2 or Llama"
+        )
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -151,7 +216,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
         prompts += [text for text in read_texts(args.input_file, args.text_column) if text.strip()]
     if not prompts:
-        raise UserError("nothing to generate from: pass --prompt \"...\" (repeatable) or --input_file FILE")
+        raise UserError('nothing to generate from: pass --prompt "..." (repeatable) or --input_file FILE')
     return prompts
 
 
@@ -164,6 +229,7 @@ def resolve_device(requested: str) -> torch.device:
 
 
 # ---------------------------------------------------------------- loading and generating
+
 
 def load(model_dir: str, device: torch.device):
     """(model in eval mode on `device`, tokenizer): bf16 on a CUDA GPU that computes it natively, else fp32."""
@@ -205,10 +271,21 @@ def _pad_token_id(model, tokenizer) -> int | None:
     return None
 
 
-def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 50, do_sample: bool = False,
-                   temperature: float = 1.0, top_k: int = 50, top_p: float = 1.0, repetition_penalty: float = 1.0,
-                   streamer=None, synced_gpus: bool = False, add_special_tokens: bool = True,
-                   batch_size: int = 1) -> list[str]:
+def generate_texts(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int = 50,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_k: int = 50,
+    top_p: float = 1.0,
+    repetition_penalty: float = 1.0,
+    streamer=None,
+    synced_gpus: bool = False,
+    add_special_tokens: bool = True,
+    batch_size: int = 1,
+) -> list[str]:
     """The continuation of each prompt: the new text only, special tokens skipped.
 
     One prompt at a time by default (no padding, so a tokenizer without a pad token is fine); with
@@ -222,8 +299,14 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 5
     the same prompts (ZeRO-3). `add_special_tokens=False` for prompts rendered by a chat template.
     Generation stops at any of the model's generation_config.eos_token_id (a chat model's end of turn).
     """
-    options = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, pad_token_id=_pad_token_id(model, tokenizer),
-                   use_cache=True, synced_gpus=synced_gpus, streamer=streamer)
+    options = dict(
+        max_new_tokens=max_new_tokens,
+        do_sample=do_sample,
+        pad_token_id=_pad_token_id(model, tokenizer),
+        use_cache=True,
+        synced_gpus=synced_gpus,
+        streamer=streamer,
+    )
     if do_sample:  # set only when used: generate warns about sampling options under greedy decoding
         options.update(temperature=temperature, top_k=top_k, top_p=top_p)
     if repetition_penalty != 1.0:
@@ -236,10 +319,13 @@ def generate_texts(model, tokenizer, prompts: list[str], max_new_tokens: int = 5
     try:
         with torch.no_grad():
             for start in range(0, len(prompts), batch_size if batched else 1):
-                ids, mask = _batch_ids(tokenizer, prompts[start:start + batch_size], add_special_tokens) if batched \
+                ids, mask = (
+                    _batch_ids(tokenizer, prompts[start : start + batch_size], add_special_tokens)
+                    if batched
                     else _prompt_ids(tokenizer, prompts[start], add_special_tokens)
+                )
                 output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
-                texts += tokenizer.batch_decode(output[:, ids.shape[1]:], skip_special_tokens=True)
+                texts += tokenizer.batch_decode(output[:, ids.shape[1] :], skip_special_tokens=True)
     finally:
         model.train(was_training)
     return texts
@@ -267,8 +353,10 @@ def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add
     for number, prompt in enumerate(prompts, 1):
         length = _prompt_ids(tokenizer, prompt, add_special_tokens)[0].shape[1]
         if length + max_new_tokens > limit:
-            raise UserError(f"prompt {number} is {length} tokens; with --max_new_tokens {max_new_tokens} that "
-                            f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens")
+            raise UserError(
+                f"prompt {number} is {length} tokens; with --max_new_tokens {max_new_tokens} that "
+                f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens"
+            )
 
 
 def training_arguments(model_dir: str) -> dict:
@@ -301,17 +389,29 @@ def run(args: argparse.Namespace) -> None:
     # continued from an instruct checkpoint keeps its template but was trained, and is used, on plain text.
     templated = bool(tokenizer.chat_template) and not args.raw and trained.get("task", "sft") == "sft"
     if args.chat and not templated:
-        raise UserError(f"--chat needs a chat model, and {args.model_dir} is not one"
-                        + (" (leave out --raw)" if args.raw else "; train one with --task sft, or use --prompt"))
+        raise UserError(
+            f"--chat needs a chat model, and {args.model_dir} is not one"
+            + (" (leave out --raw)" if args.raw else "; train one with --task sft, or use --prompt")
+        )
     if args.system_prompt is None and trained.get("system_prompt"):
         args.system_prompt = trained["system_prompt"]  # what every training example began with
-    texts = [_render(tokenizer, [*_system(args), {"role": "user", "content": p}]) for p in prompts] \
-        if templated else prompts
+    texts = (
+        [_render(tokenizer, [*_system(args), {"role": "user", "content": p}]) for p in prompts]
+        if templated
+        else prompts
+    )
     check_lengths(model, tokenizer, texts, args.max_new_tokens, add_special_tokens=not templated)
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    options = dict(max_new_tokens=args.max_new_tokens, do_sample=args.do_sample, temperature=args.temperature,
-                   top_k=args.top_k, top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                   streamer=streamer, add_special_tokens=not templated)
+    options = dict(
+        max_new_tokens=args.max_new_tokens,
+        do_sample=args.do_sample,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        repetition_penalty=args.repetition_penalty,
+        streamer=streamer,
+        add_special_tokens=not templated,
+    )
     if args.chat:
         return chat(model, tokenizer, args, options)
     for number, (prompt, text) in enumerate(zip(prompts, texts)):
@@ -330,8 +430,9 @@ def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
     """Read a user turn, stream the answer, keep both; /reset and /exit are commands."""
     system, history = _system(args), []
     limit = _context(model)
-    print(f"chatting with {args.model_dir}: type a message; /reset clears the history, /exit or Ctrl-D quits",
-          flush=True)
+    print(
+        f"chatting with {args.model_dir}: type a message; /reset clears the history, /exit or Ctrl-D quits", flush=True
+    )
     while True:
         try:
             line = input("you> ").strip()
@@ -354,8 +455,11 @@ def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
             print("(the oldest turns no longer fit the context and were left out)", flush=True)
         if limit and _too_long(tokenizer, text, args.max_new_tokens, limit):
             history.pop()
-            print(f"(that message does not fit the model's context of {limit} tokens with --max_new_tokens "
-                  f"{args.max_new_tokens}; shorten it)", flush=True)
+            print(
+                f"(that message does not fit the model's context of {limit} tokens with --max_new_tokens "
+                f"{args.max_new_tokens}; shorten it)",
+                flush=True,
+            )
             continue
         print("assistant> ", end="", flush=True)
         torch.manual_seed(args.seed)

@@ -42,9 +42,23 @@ from cloudtrain.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
 
 CARD = "README.md"
 UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its merged/
-    CARD, "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json",
-    ADAPTER_CONFIG, LABELS, "tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*",
-    "merges.txt", "*.model", "chat_template.*", "args.json", "*_results.json", "training_curves.png",
+    CARD,
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "model.safetensors.index.json",
+    ADAPTER_CONFIG,
+    LABELS,
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.*",
+    "merges.txt",
+    "*.model",
+    "chat_template.*",
+    "args.json",
+    "*_results.json",
+    "training_curves.png",
 ]
 RESULT_NAMES = ("train", "eval", "test")
 ENTRY = "python src/training_application.py"
@@ -52,6 +66,7 @@ TOKEN_HELP = "set HF_TOKEN, pass --hub_token, or run `hf auth login` (tokens: ht
 
 
 # ---------------------------------------------------------------- access
+
 
 def hub_api(cfg: HubConfig) -> HfApi:
     """A client holding the token from --hub_token, else HF_TOKEN, else the stored login."""
@@ -75,8 +90,9 @@ def check_access(cfg: HubConfig) -> None:
         ensure_repo(api, cfg)
         # A dry run of the first step of a commit: the Hub refuses it without write access,
         # which also catches an existing repo owned by someone else. Nothing is stored.
-        api.preupload_lfs_files(cfg.hub_model_id, additions=[CommitOperationAdd("README.md", b"")],
-                                revision=cfg.hub_revision)
+        api.preupload_lfs_files(
+            cfg.hub_model_id, additions=[CommitOperationAdd("README.md", b"")], revision=cfg.hub_revision
+        )
 
 
 def check_access_from_main(cfg: HubConfig, is_main: bool, share: Callable[[str | None], str | None]) -> None:
@@ -114,8 +130,7 @@ def hub_errors(api: HfApi, cfg: HubConfig, action: str, user: str | None = None)
         raise as_user_error(err, api, cfg, action, user) from None
 
 
-def as_user_error(err: Exception, api: HfApi, cfg: HubConfig, action: str, user: str | None = None
-                  ) -> UserError:
+def as_user_error(err: Exception, api: HfApi, cfg: HubConfig, action: str, user: str | None = None) -> UserError:
     if isinstance(err, UserError):
         return err
     if isinstance(err, OfflineModeIsEnabled):
@@ -138,9 +153,11 @@ def describe(err: HfHubHTTPError, cfg: HubConfig, user: str | None) -> str:
         return f"the Hub rejected the token (401 Unauthorized); {TOKEN_HELP}"
     if status == 403:
         who = f"user {user}" if user else "this token"
-        return (f"{who} may not write to {cfg.hub_model_id} (403 Forbidden: {err.server_message or 'no reason'}); "
-                f"use --hub_model_id {user or '<you>'}/<name> or an organization you belong to, "
-                "and a token with write access")
+        return (
+            f"{who} may not write to {cfg.hub_model_id} (403 Forbidden: {err.server_message or 'no reason'}); "
+            f"use --hub_model_id {user or '<you>'}/<name> or an organization you belong to, "
+            "and a token with write access"
+        )
     reason = (err.server_message or "").strip().splitlines() or [first_line(err)]
     return f"{status} {reason[0]}"
 
@@ -151,6 +168,7 @@ def scrub(text: str, token: str | None) -> str:
 
 
 # ---------------------------------------------------------------- push at the end
+
 
 def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
     """Write the model card into `output_dir`, upload the model files, return the repo URL.
@@ -165,11 +183,13 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
         api = hub_api(hub)
         with hub_errors(api, hub, f"pushing to {hub.hub_model_id}"):
             url = ensure_repo(api, hub)
-            commit = commit_model_files(api, hub, output_dir, model_files(output_dir), commit_message(results),
-                                        base_model_info(cfg.model)[0])
+            commit = commit_model_files(
+                api, hub, output_dir, model_files(output_dir), commit_message(results), base_model_info(cfg.model)[0]
+            )
     except UserError as err:
-        raise UserError(f"{err}. The model is safe in {output_dir}; once fixed, retry with: "
-                        f"{retry_command(output_dir, hub)}") from None
+        raise UserError(
+            f"{err}. The model is safe in {output_dir}; once fixed, retry with: {retry_command(output_dir, hub)}"
+        ) from None
     print(f"pushed {output_dir} to {url} (commit {commit.oid[:8]})", flush=True)
     return url
 
@@ -178,15 +198,18 @@ def model_files(folder: Path) -> list[Path]:
     """The files of `folder` that a model repo needs (UPLOAD_PATTERNS): its own, and those of merged/ (the
     merged model next to an adapter); checkpoints, tracker logs and any other sub-folder stay local."""
     candidates = sorted([*folder.iterdir(), *(folder / MERGED).glob("*")])
-    return [path for path in candidates
-            if path.is_file() and any(fnmatch.fnmatchcase(path.name, pattern) for pattern in UPLOAD_PATTERNS)]
+    return [
+        path
+        for path in candidates
+        if path.is_file() and any(fnmatch.fnmatchcase(path.name, pattern) for pattern in UPLOAD_PATTERNS)
+    ]
 
 
-def commit_model_files(api: HfApi, hub: HubConfig, folder: Path, files: list[Path], message: str,
-                       base_model: str | None) -> CommitInfo:
+def commit_model_files(
+    api: HfApi, hub: HubConfig, folder: Path, files: list[Path], message: str, base_model: str | None
+) -> CommitInfo:
     """One commit of `files` (from `folder`) to the repo root; returns its CommitInfo."""
-    operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), hub_copy(path, base_model))
-                  for path in files]
+    operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), hub_copy(path, base_model)) for path in files]
     return api.create_commit(hub.hub_model_id, operations, commit_message=message, revision=hub.hub_revision)
 
 
@@ -216,8 +239,14 @@ def commit_message(results: dict) -> str:
 
 def retry_command(output_dir: Path, cfg: HubConfig) -> str:
     """The `push` command that uploads `output_dir` again; the token comes from the environment."""
-    parts = [ENTRY, "push", "--output_dir", shlex.quote(str(Path(output_dir).resolve())),
-             "--hub_model_id", shlex.quote(cfg.hub_model_id)]
+    parts = [
+        ENTRY,
+        "push",
+        "--output_dir",
+        shlex.quote(str(Path(output_dir).resolve())),
+        "--hub_model_id",
+        shlex.quote(cfg.hub_model_id),
+    ]
     if cfg.hub_revision:
         parts += ["--hub_revision", shlex.quote(cfg.hub_revision)]
     if cfg.hub_private_repo:
@@ -226,6 +255,7 @@ def retry_command(output_dir: Path, cfg: HubConfig) -> str:
 
 
 # ---------------------------------------------------------------- pushes during training
+
 
 class HubUploader:
     """Uploads folders to --hub_model_id on one background thread: one commit per upload, in order.
@@ -250,10 +280,15 @@ class HubUploader:
         under that path, so it always holds exactly one checkpoint.
         """
         if path_in_repo:
-            future = self._api.upload_folder(repo_id=self._hub.hub_model_id, folder_path=folder,
-                                             path_in_repo=path_in_repo, delete_patterns="*",
-                                             revision=self._hub.hub_revision, commit_message=commit_message,
-                                             run_as_future=True)
+            future = self._api.upload_folder(
+                repo_id=self._hub.hub_model_id,
+                folder_path=folder,
+                path_in_repo=path_in_repo,
+                delete_patterns="*",
+                revision=self._hub.hub_revision,
+                commit_message=commit_message,
+                run_as_future=True,
+            )
         else:  # listed and hashed on the upload thread, like upload_folder does, not in the training loop
             future = self._api.run_as_future(self._upload_model_files, folder, commit_message)
         self._queued.append((commit_message, future))
@@ -274,13 +309,22 @@ class HubUploader:
 
 # ---------------------------------------------------------------- the `push` command
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output_dir", required=True, help="A directory written by the training application.")
-    parser.add_argument("--hub_model_id", help="Hub repository <user or org>/<name> "
-                                               "(default: the hub_model_id in <output_dir>/args.json).")
+    parser.add_argument(
+        "--hub_model_id",
+        help="Hub repository <user or org>/<name> (default: the hub_model_id in <output_dir>/args.json).",
+    )
     parser.add_argument("--hub_token", help="Hub token (default: HF_TOKEN or the stored login).")
-    parser.add_argument("--hub_private_repo", type=parse_bool, nargs="?", const=True, metavar="true|false",
-                        help="Create the repository as private (default: as in args.json).")
+    parser.add_argument(
+        "--hub_private_repo",
+        type=parse_bool,
+        nargs="?",
+        const=True,
+        metavar="true|false",
+        help="Create the repository as private (default: as in args.json).",
+    )
     parser.add_argument("--hub_revision", help="Branch to push to (default: as in args.json, else main).")
 
 
@@ -300,14 +344,19 @@ def load_output_dir(output_dir: Path) -> tuple[Config, dict]:
     """The configuration (args.json) and results (*_results.json) of a finished run."""
     args_file = output_dir / "args.json"
     if not holds_model(output_dir) or not args_file.is_file():
-        raise UserError(f"--output_dir {output_dir} holds no finished run (model and args.json); "
-                        "give a directory written by the training application")
+        raise UserError(
+            f"--output_dir {output_dir} holds no finished run (model and args.json); "
+            "give a directory written by the training application"
+        )
     try:
         cfg = build_config(json.loads(args_file.read_text()))
     except (json.JSONDecodeError, UserError) as err:
         raise UserError(f"{args_file} cannot be read back: {first_line(err)}") from None
-    results = {name: json.loads(path.read_text()) for name in RESULT_NAMES
-               if (path := output_dir / f"{name}_results.json").is_file()}
+    results = {
+        name: json.loads(path.read_text())
+        for name in RESULT_NAMES
+        if (path := output_dir / f"{name}_results.json").is_file()
+    }
     if "train" not in results:
         raise UserError(f"{output_dir}/train_results.json is missing: the run did not finish; train again")
     return cfg, results

@@ -51,8 +51,10 @@ SPLITS = {"eval": "validation", "test": "test"}  # results key -> split name on 
 MAX_MATRIX_LABELS = 20  # larger confusion matrices are unreadable as markdown tables
 FRAMEWORKS = ("transformers", "torch", "accelerate", "datasets", "tokenizers", "huggingface_hub")
 # (results key, model-index metric type, its display name, its args) per task
-CLASSIFICATION_METRICS = (("accuracy", "accuracy", "Accuracy", None),
-                          ("macro_f1", "f1", "Macro F1", {"average": "macro"}))
+CLASSIFICATION_METRICS = (
+    ("accuracy", "accuracy", "Accuracy", None),
+    ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
+)
 LM_METRICS = (("perplexity", "perplexity", "Perplexity", None), ("loss", "loss", "Loss", None))
 CLASSIFICATION_ONLY = {"text_pair_column", "label_column"}  # options a causal-LM run does not read
 LM_EXAMPLE_PROMPT = "Once upon a time"
@@ -102,7 +104,9 @@ merged = pipeline("{{ task }}", model=f"{folder}/{{ adapter.merged }}")
 {%- endfor %}
 {%- endmacro %}"""  # the parts of a card that only an adapter's has: both templates start with these
 
-TEMPLATE = ADAPTER_MACROS + """---
+TEMPLATE = (
+    ADAPTER_MACROS
+    + """---
 {{ card_data }}
 ---
 
@@ -180,9 +184,13 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 | **{{ labels[loop.index0] }}** | {{ counts | join(" | ") }} |
 {%- endfor %}
 {%- endfor %}
-""" + FOOTER  # Jinja drops one trailing newline: the card still ends with one
+"""
+    + FOOTER
+)  # Jinja drops one trailing newline: the card still ends with one
 
-LM_TEMPLATE = ADAPTER_MACROS + """---
+LM_TEMPLATE = (
+    ADAPTER_MACROS
+    + """---
 {{ card_data }}
 ---
 
@@ -271,7 +279,9 @@ Greedy continuations (at most {{ max_new_tokens }} new tokens) from the final ev
 | {{ g.prompt }} | {{ g.continuation }} |
 {%- endfor %}
 {%- endif %}
-""" + FOOTER
+"""
+    + FOOTER
+)
 
 
 def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
@@ -285,18 +295,27 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
     names = label_names(output_dir)
     return ModelCard.from_template(
-        data, template_str=TEMPLATE,
-        model_name=repo_id.split("/")[-1], repo_id=repo_id, revision=cfg.hub.hub_revision, adapter=adapter,
-        dataset_display=dataset_display, training_type=cfg.training.training_type,
+        data,
+        template_str=TEMPLATE,
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        revision=cfg.hub.hub_revision,
+        adapter=adapter,
+        dataset_display=dataset_display,
+        training_type=cfg.training.training_type,
         labels=[name.replace("|", "\\|") for name in names],
         id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",
         headline=evaluations[0] if evaluations else None,
-        example_text="Oil prices rose after OPEC agreed to cut output." if dataset_id == REUTERS_HUB_ID
+        example_text="Oil prices rose after OPEC agreed to cut output."
+        if dataset_id == REUTERS_HUB_ID
         else "Replace me by any text you'd like.",
-        hyperparameters=hyperparameters(cfg), train=results["train"], evaluations=evaluations,
+        hyperparameters=hyperparameters(cfg),
+        train=results["train"],
+        evaluations=evaluations,
         max_matrix_labels=MAX_MATRIX_LABELS,
         curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
-        versions=framework_versions(cfg))
+        versions=framework_versions(cfg),
+    )
 
 
 def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool = False) -> ModelCard:
@@ -305,41 +324,77 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
     adapter = adapter_info(output_dir, cfg)
-    data = task_card_data(cfg, results, pipeline_tag="text-generation", task_name="Text Generation",
-                          metric_ids=["perplexity"], metrics=LM_METRICS, adapter=adapter)
+    data = task_card_data(
+        cfg,
+        results,
+        pipeline_tag="text-generation",
+        task_name="Text Generation",
+        metric_ids=["perplexity"],
+        metrics=LM_METRICS,
+        adapter=adapter,
+    )
     _, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
     generations = results.get("eval", {}).get("generations") or []
     model_config = cfg.model.model_config
     architecture, parameters = model_summary(output_dir)
     return ModelCard.from_template(
-        data, template_str=LM_TEMPLATE,
-        model_name=repo_id.split("/")[-1], repo_id=repo_id, revision=cfg.hub.hub_revision, adapter=adapter,
-        architecture=architecture, parameters=parameters,
+        data,
+        template_str=LM_TEMPLATE,
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        revision=cfg.hub.hub_revision,
+        adapter=adapter,
+        architecture=architecture,
+        parameters=parameters,
         from_scratch=Path(model_config).name if model_config else None,
-        dataset_display=dataset_display, training_type=cfg.training.training_type,
+        dataset_display=dataset_display,
+        training_type=cfg.training.training_type,
         headline=evaluations[0] if evaluations else None,
-        example_prompt=json.dumps(generations[0]["question" if chat else "prompt"] if generations
-                                  else LM_EXAMPLE_PROMPT, ensure_ascii=False),
-        chat=chat, exact_match=finite(results.get("eval", {}).get("exact_match")),
-        system_prompt=json.dumps(cfg.data.system_prompt, ensure_ascii=False) if chat and cfg.data.system_prompt else None,
+        example_prompt=json.dumps(
+            generations[0]["question" if chat else "prompt"] if generations else LM_EXAMPLE_PROMPT, ensure_ascii=False
+        ),
+        chat=chat,
+        exact_match=finite(results.get("eval", {}).get("exact_match")),
+        system_prompt=json.dumps(cfg.data.system_prompt, ensure_ascii=False)
+        if chat and cfg.data.system_prompt
+        else None,
         max_new_tokens=cfg.training.sample_max_new_tokens,
-        hyperparameters={name: table_cell(value) for name, value in hyperparameters(cfg).items()
-                         if name not in CLASSIFICATION_ONLY and not (chat and name == "text_column")},
-        train=results["train"], evaluations=evaluations,
+        hyperparameters={
+            name: table_cell(value)
+            for name, value in hyperparameters(cfg).items()
+            if name not in CLASSIFICATION_ONLY and not (chat and name == "text_column")
+        },
+        train=results["train"],
+        evaluations=evaluations,
         generations=[{key: table_cell(value) for key, value in g.items()} for g in generations],
         curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
-        versions=framework_versions(cfg))
+        versions=framework_versions(cfg),
+    )
 
 
 def card_data(cfg: Config, results: dict, adapter: dict | None = None) -> ModelCardData:
     """The YAML metadata of a classifier: what the Hub indexes, filters and shows as evaluation results."""
-    return task_card_data(cfg, results, pipeline_tag="text-classification", task_name="Text Classification",
-                          metric_ids=["accuracy", "f1"], metrics=CLASSIFICATION_METRICS, adapter=adapter)
+    return task_card_data(
+        cfg,
+        results,
+        pipeline_tag="text-classification",
+        task_name="Text Classification",
+        metric_ids=["accuracy", "f1"],
+        metrics=CLASSIFICATION_METRICS,
+        adapter=adapter,
+    )
 
 
-def task_card_data(cfg: Config, results: dict, pipeline_tag: str, task_name: str, metric_ids: list[str],
-                   metrics: tuple, adapter: dict | None = None) -> ModelCardData:
+def task_card_data(
+    cfg: Config,
+    results: dict,
+    pipeline_tag: str,
+    task_name: str,
+    metric_ids: list[str],
+    metrics: tuple,
+    adapter: dict | None = None,
+) -> ModelCardData:
     """The YAML metadata of a task's model: its pipeline tag (also a tag), the evaluation metrics it names
     (`metric_ids`), and `metrics` of each evaluated split as model-index. An `adapter` (`adapter_info`) is
     PEFT's library, tagged with its method and `peft`."""
@@ -347,27 +402,57 @@ def task_card_data(cfg: Config, results: dict, pipeline_tag: str, task_name: str
     dataset_id, dataset_display = dataset_info(cfg.data)
     return ModelCardData(
         model_name=cfg.hub.hub_model_id.split("/")[-1],
-        base_model=base_model, license=license, datasets=[dataset_id] if dataset_id else None,
-        library_name="peft" if adapter else "transformers", pipeline_tag=pipeline_tag,
-        tags=[pipeline_tag, "cloudtrain", *([adapter["method"], "peft"] if adapter else [])], metrics=metric_ids,
-        eval_results=eval_results(results, dataset_id or dataset_display, dataset_display,
-                                  cfg.data.dataset_config, pipeline_tag, task_name, metrics) or None)
+        base_model=base_model,
+        license=license,
+        datasets=[dataset_id] if dataset_id else None,
+        library_name="peft" if adapter else "transformers",
+        pipeline_tag=pipeline_tag,
+        tags=[pipeline_tag, "cloudtrain", *([adapter["method"], "peft"] if adapter else [])],
+        metrics=metric_ids,
+        eval_results=eval_results(
+            results,
+            dataset_id or dataset_display,
+            dataset_display,
+            cfg.data.dataset_config,
+            pipeline_tag,
+            task_name,
+            metrics,
+        )
+        or None,
+    )
 
 
-def eval_results(results: dict, dataset_type: str, dataset_name: str, dataset_config: str | None,
-                 task_type: str = "text-classification", task_name: str = "Text Classification",
-                 metrics: tuple = CLASSIFICATION_METRICS) -> list[EvalResult]:
+def eval_results(
+    results: dict,
+    dataset_type: str,
+    dataset_name: str,
+    dataset_config: str | None,
+    task_type: str = "text-classification",
+    task_name: str = "Text Classification",
+    metrics: tuple = CLASSIFICATION_METRICS,
+) -> list[EvalResult]:
     """`metrics` of each evaluated split, in model-index form (accuracy and macro F1 unless told).
 
     A metric that is missing or not finite (an infinite perplexity) is left out: the Hub shows numbers.
     """
-    return [EvalResult(task_type=task_type, task_name=task_name,
-                       dataset_type=dataset_type, dataset_name=dataset_name, dataset_config=dataset_config,
-                       dataset_split=split, metric_type=metric_type, metric_name=metric_name,
-                       metric_args=args, metric_value=round(value, 4))
-            for key, split in SPLITS.items() if key in results
-            for name, metric_type, metric_name, args in metrics
-            if (value := finite(results[key].get(name))) is not None]
+    return [
+        EvalResult(
+            task_type=task_type,
+            task_name=task_name,
+            dataset_type=dataset_type,
+            dataset_name=dataset_name,
+            dataset_config=dataset_config,
+            dataset_split=split,
+            metric_type=metric_type,
+            metric_name=metric_name,
+            metric_args=args,
+            metric_value=round(value, 4),
+        )
+        for key, split in SPLITS.items()
+        if key in results
+        for name, metric_type, metric_name, args in metrics
+        if (value := finite(results[key].get(name))) is not None
+    ]
 
 
 def finite(value) -> float | None:
@@ -428,24 +513,35 @@ def adapter_info(output_dir: Path, cfg: Config) -> dict | None:
         return None
     config, method = adapter_config(output_dir), cfg.model.peft
     shapes = safetensors_shapes(output_dir / "adapter_model.safetensors") or {}  # exactly the trained weights
-    return {"method": method, "name": ADAPTER_NAMES[method],
-            "base": Path(config.get("base_model_name_or_path") or "").name,
-            "merged": MERGED if (output_dir / MERGED).is_dir() else None,
-            "options": adapter_options(config, method, shapes)}
+    return {
+        "method": method,
+        "name": ADAPTER_NAMES[method],
+        "base": Path(config.get("base_model_name_or_path") or "").name,
+        "merged": MERGED if (output_dir / MERGED).is_dir() else None,
+        "options": adapter_options(config, method, shapes),
+    }
 
 
 def adapter_options(config: dict, method: str, shapes: dict[str, list[int]]) -> dict[str, str]:
     """The adapter table's rows, from adapter_config.json and the adapter weights' `shapes`."""
     targets = config.get("target_modules")  # all-linear is saved as the (maybe full) module names it stood for
-    in_full = [name for name in dict.fromkeys(config.get("modules_to_save") or [])  # PEFT lists a head twice
-               if any(f".{name}." in key for key in shapes)]  # and names heads the model does not have
+    in_full = [
+        name
+        for name in dict.fromkeys(config.get("modules_to_save") or [])  # PEFT lists a head twice
+        if any(f".{name}." in key for key in shapes)
+    ]  # and names heads the model does not have
     trainable = sum(math.prod(shape) for shape in shapes.values())
-    rows = {"method": method, "r": config.get("r"), "alpha": f"{config.get('lora_alpha'):g}",
-            "dropout": config.get("lora_dropout"),
-            "target modules": ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
-            if isinstance(targets, list) else targets,
-            "trained in full": ", ".join(in_full) or None,
-            "trainable parameters": human_count(trainable) if trainable else None}
+    rows = {
+        "method": method,
+        "r": config.get("r"),
+        "alpha": f"{config.get('lora_alpha'):g}",
+        "dropout": config.get("lora_dropout"),
+        "target modules": ", ".join(sorted({t.rsplit(".", 1)[-1] for t in targets}))
+        if isinstance(targets, list)
+        else targets,
+        "trained in full": ", ".join(in_full) or None,
+        "trainable parameters": human_count(trainable) if trainable else None,
+    }
     return {name: table_cell(value) for name, value in rows.items() if value is not None}
 
 
@@ -510,8 +606,9 @@ def hyperparameters(cfg: Config) -> dict[str, str]:
 
 
 def framework_versions(cfg: Config) -> dict[str, str]:
-    names = FRAMEWORKS + (("deepspeed",) if cfg.distributed.zero_stage is not None
-                          or cfg.distributed.deepspeed_config else ())
+    names = FRAMEWORKS + (
+        ("deepspeed",) if cfg.distributed.zero_stage is not None or cfg.distributed.deepspeed_config else ()
+    )
     versions = {}
     for name in names:
         try:

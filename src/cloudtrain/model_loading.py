@@ -40,7 +40,9 @@ def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
 
 def load_tokenizer(cfg: ModelConfig) -> transformers.PreTrainedTokenizerBase:
     """--tokenizer_name_or_path, else the model's own tokenizer; a missing pad token becomes EOS (no new token)."""
-    path = resolve_model_path(cfg, cfg.tokenizer_name_or_path) if cfg.tokenizer_name_or_path else resolve_model_path(cfg)
+    path = (
+        resolve_model_path(cfg, cfg.tokenizer_name_or_path) if cfg.tokenizer_name_or_path else resolve_model_path(cfg)
+    )
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as err:
@@ -56,8 +58,11 @@ def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
     """A decoder that AutoModelForCausalLM builds as such; a checkpoint with another head (an encoder, a
     classifier) is not, even where its family has a causal-LM class (BERT's, say)."""
     if config.architectures:
-        causal = {name for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
-                  for name in (value if isinstance(value, (tuple, list)) else [value])}
+        causal = {
+            name
+            for value in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+            for name in (value if isinstance(value, (tuple, list)) else [value])
+        }
         return any(name.endswith(("ForCausalLM", "LMHeadModel")) or name in causal for name in config.architectures)
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.is_encoder_decoder
 
@@ -74,8 +79,13 @@ def head_labels(cfg: ModelConfig) -> list[str] | None:
     return [str(config.id2label[i]) for i in range(config.num_labels)]
 
 
-def load_model(cfg: ModelConfig, label_names: list[str], tokenizer: transformers.PreTrainedTokenizerBase,
-               announce: bool = False, weights: dict | None = None) -> PreTrainedModel:
+def load_model(
+    cfg: ModelConfig,
+    label_names: list[str],
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    announce: bool = False,
+    weights: dict | None = None,
+) -> PreTrainedModel:
     """The pretrained body with a classification head for `label_names`: the checkpoint's own head when it
     has exactly these labels in this order, else a new one (said in one line when `announce`). `weights`:
     how to load them (cloudtrain.adapters.load_options; default fp32)."""
@@ -83,20 +93,29 @@ def load_model(cfg: ModelConfig, label_names: list[str], tokenizer: transformers
     existing = head_labels(cfg)
     replace_head = existing is not None and existing != label_names
     if replace_head and announce:
-        print(f"replacing the {len(existing)}-label head of {cfg.model_name_or_path or path} with a new "
-              f"{len(label_names)}-label head (its labels: {', '.join(existing)})", flush=True)
+        print(
+            f"replacing the {len(existing)}-label head of {cfg.model_name_or_path or path} with a new "
+            f"{len(label_names)}-label head (its labels: {', '.join(existing)})",
+            flush=True,
+        )
     id2label = dict(enumerate(label_names))
     try:
         config = AutoConfig.from_pretrained(
-            path, num_labels=len(label_names), id2label=id2label, label2id={n: i for i, n in id2label.items()},
-            trust_remote_code=cfg.trust_remote_code)
+            path,
+            num_labels=len(label_names),
+            id2label=id2label,
+            label2id={n: i for i, n in id2label.items()},
+            trust_remote_code=cfg.trust_remote_code,
+        )
         config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
         verbosity = transformers.logging.get_verbosity()
         transformers.logging.set_verbosity_error()  # the "newly initialized head" report is expected here
         try:
             # fp32 master weights whatever the checkpoint's dtype (mixed precision is autocast's job), or an
             # adapter's frozen base in the compute dtype or 4-bit
-            options = dict(config=config, trust_remote_code=cfg.trust_remote_code, **(weights or {"dtype": torch.float32}))
+            options = dict(
+                config=config, trust_remote_code=cfg.trust_remote_code, **(weights or {"dtype": torch.float32})
+            )
             if replace_head:
                 model_class = classifier_class(path, config, cfg.trust_remote_code)
                 model = model_class.from_pretrained(None, state_dict=body_weights(path, model_class), **options)
@@ -132,5 +151,9 @@ def body_weights(path: str, model_class: type) -> dict:
     # Under ZeRO-3 only rank 0 copies values into the partitions; the others need names and shapes.
     meta = is_deepspeed_zero3_enabled() and torch.distributed.get_rank() != 0
     prefix = f"{model_class.base_model_prefix}."
-    return {key: value for file in files for key, value in load_state_dict(file, "meta" if meta else "cpu").items()
-            if key.startswith(prefix)}
+    return {
+        key: value
+        for file in files
+        for key, value in load_state_dict(file, "meta" if meta else "cpu").items()
+        if key.startswith(prefix)
+    }

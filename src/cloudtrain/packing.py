@@ -26,14 +26,22 @@ from __future__ import annotations
 
 import bisect
 import inspect
+from collections.abc import Callable
 from itertools import chain
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["PACKING", "CausalLMCollator", "causal_lm_forward", "chunk", "isolation_error", "pack", "pack_examples",
-           "shifted_loss"]
+__all__ = [
+    "PACKING",
+    "CausalLMCollator",
+    "causal_lm_forward",
+    "chunk",
+    "isolation_error",
+    "pack",
+    "pack_examples",
+    "shifted_loss",
+]
 
 PACKING = ("none", "wrapped", "bfd")
 IGNORE_INDEX = -100
@@ -44,7 +52,7 @@ def chunk(doc: list[int], block_size: int) -> list[list[int]]:
     if block_size < 1:
         raise ValueError(f"block_size must be at least 1, got {block_size}")
     doc = list(doc)
-    return [doc[i:i + block_size] for i in range(0, len(doc), block_size)]
+    return [doc[i : i + block_size] for i in range(0, len(doc), block_size)]
 
 
 def _row(segments: list[list[int]]) -> dict:
@@ -89,8 +97,7 @@ def pack(docs: list[list[int]], block_size: int, packing: str) -> list[dict]:
     if packing == "wrapped":
         return _wrapped(docs, block_size)
     # Only long documents are cut (and so copied); the rows below copy each token once.
-    pieces = [piece for doc in docs for piece in (chunk(doc, block_size) if len(doc) > block_size else [doc])
-              if piece]
+    pieces = [piece for doc in docs for piece in (chunk(doc, block_size) if len(doc) > block_size else [doc]) if piece]
     if packing == "none":
         return [_row([piece]) for piece in pieces]
     return [_row([pieces[i] for i in bin_]) for bin_ in _best_fit_decreasing([len(p) for p in pieces], block_size)]
@@ -103,10 +110,15 @@ def pack_examples(examples: list[list[int]], loss_masks: list[list[int]], block_
         raise ValueError(f"examples are packed whole: none or bfd, got {packing!r}")
     if any(len(example) > block_size for example in examples):
         raise ValueError(f"an example is longer than the block ({block_size} tokens); truncate it first")
-    bins = [[i] for i in range(len(examples))] if packing == "none" else \
-        _best_fit_decreasing([len(example) for example in examples], block_size)
-    return [{**_row([examples[i] for i in bin_]), "loss_mask": list(chain.from_iterable(loss_masks[i] for i in bin_))}
-            for bin_ in bins]
+    bins = (
+        [[i] for i in range(len(examples))]
+        if packing == "none"
+        else _best_fit_decreasing([len(example) for example in examples], block_size)
+    )
+    return [
+        {**_row([examples[i] for i in bin_]), "loss_mask": list(chain.from_iterable(loss_masks[i] for i in bin_))}
+        for bin_ in bins
+    ]
 
 
 class CausalLMCollator:
@@ -144,13 +156,17 @@ class CausalLMCollator:
             # segment rather than as a continuation of the last document.
             start = 0
             for length in [*lengths, width - n]:
-                position_ids[b, start:start + length] = torch.arange(length)
+                position_ids[b, start : start + length] = torch.arange(length)
                 if length and start < n:
                     # No document's first token is predicted from the previous document's last one.
                     labels[b, start] = IGNORE_INDEX
                 start += length
-        return {"input_ids": input_ids, "position_ids": position_ids, "labels": labels,
-                "attention_mask": attention_mask}
+        return {
+            "input_ids": input_ids,
+            "position_ids": position_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+        }
 
 
 def causal_lm_forward(model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -169,8 +185,9 @@ def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     """
     targets = labels[:, 1:].to(logits.device)
     predictions = logits[:, :-1].float()
-    total = F.cross_entropy(predictions.reshape(-1, predictions.shape[-1]), targets.reshape(-1),
-                            ignore_index=IGNORE_INDEX, reduction="sum")
+    total = F.cross_entropy(
+        predictions.reshape(-1, predictions.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
     return total, (targets != IGNORE_INDEX).sum()
 
 
@@ -179,8 +196,9 @@ def _vocab_size(model: torch.nn.Module) -> int:
     return getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
 
 
-def isolation_error(model: torch.nn.Module,
-                    forward: Callable[[torch.nn.Module, dict], torch.Tensor] = causal_lm_forward) -> str | None:
+def isolation_error(
+    model: torch.nn.Module, forward: Callable[[torch.nn.Module, dict], torch.Tensor] = causal_lm_forward
+) -> str | None:
     """None if `model`, called through `forward`, keeps packed documents apart; else why not, in one line.
 
     Runs two short documents packed into one row and the second one alone, and compares the second
@@ -208,8 +226,9 @@ def isolation_error(model: torch.nn.Module,
     difference = (packed_logits - alone_logits).abs().max().item()
     # Half-precision kernels round differently for different sequence lengths: allow a few percent of
     # the logits' scale there (a leak moves logits by about their own size).
-    tolerance = 1e-4 if parameter.dtype in (torch.float32, torch.float64) else \
-        0.05 * max(1.0, alone_logits.abs().max().item())
+    tolerance = (
+        1e-4 if parameter.dtype in (torch.float32, torch.float64) else 0.05 * max(1.0, alone_logits.abs().max().item())
+    )
     if difference <= tolerance:
         return None
     return f"{name} lets packed documents attend to each other (max logit difference {difference:.3g})"

@@ -14,19 +14,18 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
+from cloudtrain import adapters, hub
 from cloudtrain.assets import DEFAULT_MODEL_NAME
-from cloudtrain.checkpointing import (Checkpointer, checkpoint_dir, find_resume_checkpoint, read_state,
-                                     restore_run_files)
+from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, find_resume_checkpoint, read_state, restore_run_files
 from cloudtrain.config import Config, save_arguments
-from cloudtrain.distributed import check_distributed
 from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
 from cloudtrain.data_processing import ProcessedData
+from cloudtrain.distributed import check_distributed
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.model_loading import load_tokenizer, resolve_model_path
 from cloudtrain.runtime import Runtime
 from cloudtrain.saving import holds_model, remove_model, write_results
-from cloudtrain import adapters, hub
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.tracking import RunLog, check_trackers
 from cloudtrain.trainers import TRAINERS, Trainer, count_parameters
@@ -36,16 +35,22 @@ def resolve_output_dir(cfg: Config) -> Path:
     if cfg.output.output_dir:
         return Path(cfg.output.output_dir)
     name = cfg.model.model_name_or_path or cfg.model.model_config or DEFAULT_MODEL_NAME
-    return Path("outputs") / f"{Path(name).stem if name.endswith('.json') else Path(name).name}-{dataset_label(cfg.data)}"
+    return (
+        Path("outputs") / f"{Path(name).stem if name.endswith('.json') else Path(name).name}-{dataset_label(cfg.data)}"
+    )
 
 
 def resolve(cfg: Config, task: Task) -> Config:
     """`auto` precision, and the task's default best-checkpoint metric and packing, made concrete."""
     best = cfg.checkpoint.metric_for_best_model or task.default_best_metric
-    return replace(cfg, training=replace(cfg.training, mixed_precision=resolve_precision(cfg.training.mixed_precision)),
-                   checkpoint=replace(cfg.checkpoint, metric_for_best_model=best),
-                   data=replace(cfg.data, packing=task.default_packing or "auto" if cfg.data.packing == "auto"
-                                else cfg.data.packing))
+    return replace(
+        cfg,
+        training=replace(cfg.training, mixed_precision=resolve_precision(cfg.training.mixed_precision)),
+        checkpoint=replace(cfg.checkpoint, metric_for_best_model=best),
+        data=replace(
+            cfg.data, packing=task.default_packing or "auto" if cfg.data.packing == "auto" else cfg.data.packing
+        ),
+    )
 
 
 def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
@@ -53,8 +58,10 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
     task.check_options(cfg)
     adapters.check_options(cfg, task.auto_class)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:
-        raise UserError(f"--metric_for_best_model {cfg.checkpoint.metric_for_best_model} is not a metric of "
-                        f"--task {task.name}; use one of {', '.join(task.metrics)}")
+        raise UserError(
+            f"--metric_for_best_model {cfg.checkpoint.metric_for_best_model} is not a metric of "
+            f"--task {task.name}; use one of {', '.join(task.metrics)}"
+        )
     check_data_sources(cfg.data)
     check_distributed(cfg)
     if not cfg.model.model_config:
@@ -66,20 +73,25 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
     check_trackers(cfg.tracking)
     output_dir = resolve_output_dir(cfg)
     if cfg.model.peft != "none" and Path(resolve_model_path(cfg.model)).resolve() == output_dir.resolve():
-        raise UserError(f"--output_dir {output_dir} is the base model's own directory; an adapter run replaces the "
-                        "model there, and the adapter needs its base: choose another --output_dir")
+        raise UserError(
+            f"--output_dir {output_dir} is the base model's own directory; an adapter run replaces the "
+            "model there, and the adapter needs its base: choose another --output_dir"
+        )
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
     resume_from = find_resume_checkpoint(cfg, checkpoint_dir(cfg, output_dir))
     if holds_model(output_dir) and not cfg.output.overwrite_output_dir and resume_from is None:
-        raise UserError(f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir true "
-                        "to replace it, or choose another --output_dir")
+        raise UserError(
+            f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir true "
+            "to replace it, or choose another --output_dir"
+        )
     return output_dir, resume_from
 
 
 @dataclass
 class Run:
     """Everything a training run is made of, built and checked, before the first step."""
+
     cfg: Config
     task: Task
     runtime: Runtime
@@ -118,11 +130,21 @@ def build_run(cfg: Config) -> Run:
 
     if resume_from and runtime.is_main:
         restore_run_files(resume_from, output_dir)
-    run_log = RunLog(cfg, output_dir, runtime.is_main, resume_step=read_state(resume_from)["state"]["global_step"]
-                     if resume_from else None, run_info={
-        "task": task.name, "training_type": cfg.training.training_type, "num_processes": runtime.count,
-        "device": str(runtime.device), "num_parameters": count_parameters(model),
-        "trainable_parameters": count_parameters(model, trainable=True), "peft": cfg.model.peft})
+    run_log = RunLog(
+        cfg,
+        output_dir,
+        runtime.is_main,
+        resume_step=read_state(resume_from)["state"]["global_step"] if resume_from else None,
+        run_info={
+            "task": task.name,
+            "training_type": cfg.training.training_type,
+            "num_processes": runtime.count,
+            "device": str(runtime.device),
+            "num_parameters": count_parameters(model),
+            "trainable_parameters": count_parameters(model, trainable=True),
+            "peft": cfg.model.peft,
+        },
+    )
     trainer = TRAINERS[cfg.training.training_type](cfg, task, model, data, run_log, runtime)
     return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from)
 
@@ -131,10 +153,17 @@ def run_training(cfg: Config) -> dict:
     """Run the whole pipeline; returns the final results (train, eval and, if present, test)."""
     run = build_run(cfg)
     cfg, task, runtime, trainer, output_dir = run.cfg, run.task, run.runtime, run.trainer, run.output_dir
-    uploader = hub.HubUploader(cfg) if runtime.is_main and cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end" \
-        else None
-    checkpointer = Checkpointer(cfg, checkpoint_dir(cfg, output_dir), output_dir, runtime.is_main, runtime.barrier,
-                                **hub_hooks(cfg, trainer, run.tokenizer, uploader, runtime.is_main))
+    uploader = (
+        hub.HubUploader(cfg) if runtime.is_main and cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end" else None
+    )
+    checkpointer = Checkpointer(
+        cfg,
+        checkpoint_dir(cfg, output_dir),
+        output_dir,
+        runtime.is_main,
+        runtime.barrier,
+        **hub_hooks(cfg, trainer, run.tokenizer, uploader, runtime.is_main),
+    )
     train_result = trainer.fit(checkpointer, run.resume_from)
 
     results = {"train": train_result.summary()}
@@ -143,7 +172,9 @@ def run_training(cfg: Config) -> dict:
             results[name] = trainer.evaluate(split)
             trainer.log_evaluation(results[name], name, train_result.global_step)
     predictions = {split: trainer.predict(split) for split in trainer.predict_dls}
-    if runtime.is_main:  # an earlier run's model (--overwrite_output_dir) goes as a whole: no adapter beside old weights
+    if (
+        runtime.is_main
+    ):  # an earlier run's model (--overwrite_output_dir) goes as a whole: no adapter beside old weights
         remove_model(output_dir)
     trainer.save_model(output_dir)
     if runtime.is_main:
@@ -186,15 +217,20 @@ def hub_hooks(cfg: Config, trainer, tokenizer, uploader, is_main: bool) -> dict:
         if cfg.hub.hub_strategy == "checkpoint":
             uploader.upload(folder, f"Checkpoint at step {step}", path_in_repo="last-checkpoint")
 
-    return {"export": export, "on_saved": on_saved if is_main else None,
-            "before_delete": uploader.wait if is_main else None}
+    return {
+        "export": export,
+        "on_saved": on_saved if is_main else None,
+        "before_delete": uploader.wait if is_main else None,
+    }
 
 
 def _print_summary(task: Task, results: dict, output_dir: Path) -> None:
     train = results["train"]
-    print(f"trained {train['global_step']} steps in {train['train_runtime_s']:.0f}s "
-          f"({train['train_samples_per_s']:.1f} samples/s, {train['train_tokens_per_s']:.0f} tokens/s), "
-          f"final train loss {train['train_loss']:.4f}")
+    print(
+        f"trained {train['global_step']} steps in {train['train_runtime_s']:.0f}s "
+        f"({train['train_samples_per_s']:.1f} samples/s, {train['train_tokens_per_s']:.0f} tokens/s), "
+        f"final train loss {train['train_loss']:.4f}"
+    )
     for name in ("eval", "test"):
         if name in results:
             print(f"{name}: {task.describe_metrics(results[name])}")

@@ -135,7 +135,7 @@ from cloudtrain.errors import UserError, first_line
 
 LM_TASKS = ("causal_lm", "sft")  # decoders with an LM head: the same memory, logits included
 
-GIB = 2 ** 30
+GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB
 FRAGMENTATION = 0.05
 CHECKPOINTING_COST = 1.33
@@ -149,6 +149,7 @@ PEFT_LABELS = {"none": "full fine-tuning", "lora": "LoRA", "dora": "DoRA", "qlor
 
 
 # ---------------------------------------------------------------- what is planned
+
 
 @dataclass(frozen=True)
 class Strategy:
@@ -169,8 +170,14 @@ STRATEGIES = (
     Strategy("zero3", "ZeRO-3", 1.15, zero_stage=3),
     Strategy("zero2_offload", "ZeRO-2 + optimizer offload", 1.6, zero_stage=2, offload_optimizer=True),
     Strategy("zero3_offload", "ZeRO-3 + optimizer offload", 1.8, zero_stage=3, offload_optimizer=True),
-    Strategy("zero3_offload_all", "ZeRO-3 + optimizer & parameter offload", 2.5, zero_stage=3,
-             offload_optimizer=True, offload_param=True),
+    Strategy(
+        "zero3_offload_all",
+        "ZeRO-3 + optimizer & parameter offload",
+        2.5,
+        zero_stage=3,
+        offload_optimizer=True,
+        offload_param=True,
+    ),
 )
 
 
@@ -200,6 +207,7 @@ def candidates(adapters: tuple[str, ...] = ()) -> list[Candidate]:
 @dataclass(frozen=True)
 class LoraSpec:
     """The adapters training would attach: --lora_r, --lora_target_modules, --lora_dropout."""
+
     r: int = 16
     target_modules: tuple[str, ...] = ("all-linear",)
     dropout: float = ModelConfig.lora_dropout
@@ -208,6 +216,7 @@ class LoraSpec:
 @dataclass(frozen=True)
 class AdapterFacts:
     """What the adapter rows need, counted on the meta-device model for one LoraSpec."""
+
     spec: LoraSpec
     lora_params: int  # r*(in + out) over the adapted modules
     magnitude_params: int  # DoRA: one magnitude per output feature of each adapted module
@@ -225,6 +234,7 @@ class AdapterFacts:
 @dataclass(frozen=True)
 class ModelFacts:
     """What the estimate needs from the model, read off its config and its meta-device build."""
+
     name: str
     architecture: str
     num_params: int
@@ -270,6 +280,7 @@ class Setup:
 @dataclass(frozen=True)
 class Estimate:
     """Bytes per GPU (and per node for CPU) of one candidate at one micro-batch."""
+
     parameters: int
     gradients: int
     optimizer_states: int
@@ -281,8 +292,7 @@ class Estimate:
 
     @property
     def total(self) -> int:
-        return (self.parameters + self.gradients + self.optimizer_states + self.activations + self.logits
-                + self.overhead)
+        return self.parameters + self.gradients + self.optimizer_states + self.activations + self.logits + self.overhead
 
     @property
     def model_states(self) -> int:
@@ -294,6 +304,7 @@ class Estimate:
 
 
 # ---------------------------------------------------------------- reading the model
+
 
 def _config_value(config, names: tuple[str, ...], default=None):
     for name in names:
@@ -322,14 +333,24 @@ def _activation_saved(act_name) -> float:
     return sum(saved.values()) / x.untyped_storage().nbytes()
 
 
-def _load_config(name: str, num_labels: int, trust_remote_code: bool, task: str = "classification",
-                 from_config: bool = False, tokenizer: str | None = None):
+def _load_config(
+    name: str,
+    num_labels: int,
+    trust_remote_code: bool,
+    task: str = "classification",
+    from_config: bool = False,
+    tokenizer: str | None = None,
+):
     """The model's config as training builds it: with num_labels for classification; for causal_lm from a
     checkpoint or a --model_config, a preset taking its vocabulary from the tokenizer when one is given."""
     from transformers import AutoConfig
 
-    model = ModelConfig(model_name_or_path=None if from_config else name, model_config=name if from_config else None,
-                        tokenizer_name_or_path=tokenizer, trust_remote_code=trust_remote_code)
+    model = ModelConfig(
+        model_name_or_path=None if from_config else name,
+        model_config=name if from_config else None,
+        tokenizer_name_or_path=tokenizer,
+        trust_remote_code=trust_remote_code,
+    )
     path = _config_path(model)
     options = {"num_labels": num_labels} if task == "classification" else {}
     try:
@@ -359,8 +380,10 @@ def _check_causal_lm(config, name: str) -> None:
 
     if not is_causal_lm(config):
         kind = ", ".join(config.architectures or [config.model_type])
-        raise UserError(f"{name} is not a causal language model ({kind}); --task causal_lm and sft plan for one that "
-                        "AutoModelForCausalLM builds")
+        raise UserError(
+            f"{name} is not a causal language model ({kind}); --task causal_lm and sft plan for one that "
+            "AutoModelForCausalLM builds"
+        )
 
 
 def _fit_vocabulary(config, model: ModelConfig) -> None:
@@ -375,8 +398,11 @@ def _meta_model(config, trust_remote_code: bool, task: str = "classification"):
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    auto, kind = ((AutoModelForCausalLM, "causal-LM") if task in LM_TASKS
-                  else (AutoModelForSequenceClassification, "sequence-classification"))
+    auto, kind = (
+        (AutoModelForCausalLM, "causal-LM")
+        if task in LM_TASKS
+        else (AutoModelForSequenceClassification, "sequence-classification")
+    )
     try:
         with torch.device("meta"):  # shapes only: a 7B model builds in a fraction of a second
             return auto.from_config(config, trust_remote_code=trust_remote_code)
@@ -400,8 +426,15 @@ def _layer_stack(model):
     return max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
-def model_facts(name: str, num_labels: int = 2, trust_remote_code: bool = False, task: str = "classification",
-                from_config: bool = False, tokenizer: str | None = None, lora: LoraSpec = LoraSpec()) -> ModelFacts:
+def model_facts(
+    name: str,
+    num_labels: int = 2,
+    trust_remote_code: bool = False,
+    task: str = "classification",
+    from_config: bool = False,
+    tokenizer: str | None = None,
+    lora: LoraSpec = LoraSpec(),
+) -> ModelFacts:
     """Read a model's config and count its parameters exactly on the meta device; loads no weights.
     task "causal_lm" builds the causal LM (LM head included); from_config: name is a --model_config;
     lora: the adapters to count (none for a --model_config: adapters need pretrained weights)."""
@@ -418,21 +451,37 @@ def model_facts(name: str, num_labels: int = 2, trust_remote_code: bool = False,
     mlp_shaped = [p for p in layers[0].parameters() if p.ndim == 2 and set(p.shape) == {hidden, intermediate}]
     kv_heads = _config_value(text, ("num_key_value_heads",), heads)
     return ModelFacts(
-        name=name, architecture=type(model).__name__, num_params=num_params, num_layers=len(layers),
-        layer_class=type(layers[0]).__name__, layer_params=max(layer_sizes),
+        name=name,
+        architecture=type(model).__name__,
+        num_params=num_params,
+        num_layers=len(layers),
+        layer_class=type(layers[0]).__name__,
+        layer_params=max(layer_sizes),
         root_params=num_params - sum(layer_sizes),
         largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
-        hidden_size=hidden, num_heads=heads, kv_hidden_size=hidden * kv_heads // heads,
-        intermediate_size=intermediate, gated_mlp=len(mlp_shaped) >= 3,
-        activation_saved=_activation_saved(_config_value(text, ("hidden_act", "activation_function",
-                                                                "hidden_activation"))),
-        hidden_dropout=float(_config_value(text, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout",
-                                                  "dropout"), 0.0)) > 0,
-        attention_dropout=float(_config_value(text, ("attention_probs_dropout_prob", "attn_pdrop",
-                                                     "attention_dropout"), 0.0)) > 0,
+        hidden_size=hidden,
+        num_heads=heads,
+        kv_hidden_size=hidden * kv_heads // heads,
+        intermediate_size=intermediate,
+        gated_mlp=len(mlp_shaped) >= 3,
+        activation_saved=_activation_saved(
+            _config_value(text, ("hidden_act", "activation_function", "hidden_activation"))
+        ),
+        hidden_dropout=float(
+            _config_value(text, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout"), 0.0)
+        )
+        > 0,
+        attention_dropout=float(
+            _config_value(text, ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout"), 0.0)
+        )
+        > 0,
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
-        task=task, vocab_size=_vocab_size(model, task), from_config=from_config, tokenizer=tokenizer,
-        adapters=None if from_config else adapter_facts(model, task, lora, layers[0]))
+        task=task,
+        vocab_size=_vocab_size(model, task),
+        from_config=from_config,
+        tokenizer=tokenizer,
+        adapters=None if from_config else adapter_facts(model, task, lora, layers[0]),
+    )
 
 
 def adapter_facts(model, task: str, spec: LoraSpec, layer) -> AdapterFacts:
@@ -444,11 +493,16 @@ def adapter_facts(model, task: str, spec: LoraSpec, layer) -> AdapterFacts:
     in_layer = [shape for name, shape in adapted.items() if name.startswith(prefix)]
     quantized = _quantized_sizes(model)
     return AdapterFacts(
-        spec, lora_params=spec.r * sum(i + o for i, o in adapted.values()),
+        spec,
+        lora_params=spec.r * sum(i + o for i, o in adapted.values()),
         magnitude_params=sum(o for _, o in adapted.values()),
         head_params=sum(p.numel() for name in heads for p in model.get_submodule(name).parameters()),
-        quantized_params=sum(quantized), largest_quantized=max(quantized, default=0), layer_adapted=len(in_layer),
-        layer_inputs=sum(i for i, _ in in_layer), layer_outputs=sum(o for _, o in in_layer))
+        quantized_params=sum(quantized),
+        largest_quantized=max(quantized, default=0),
+        layer_adapted=len(in_layer),
+        layer_inputs=sum(i for i, _ in in_layer),
+        layer_outputs=sum(o for _, o in in_layer),
+    )
 
 
 def _trained_in_full(model, task: str) -> list[str]:
@@ -480,21 +534,37 @@ def _adapted_shapes(model, targets: tuple[str, ...], heads: list[str]) -> dict[s
     Conv1D but the output head (the LM head or the classifier); else the modules whose name ends with a target."""
     from torch import nn
 
-    outside_heads = {name: module for name, module in model.named_modules()
-                     if not any(name == h or name.startswith(h + ".") for h in heads)}
+    outside_heads = {
+        name: module
+        for name, module in model.named_modules()
+        if not any(name == h or name.startswith(h + ".") for h in heads)
+    }
     if targets == ("all-linear",):
         output = model.get_output_embeddings()
-        return {name: _in_out(module) for name, module in outside_heads.items()
-                if _in_out(module) and not isinstance(module, nn.Embedding) and module is not output}
-    matched = {name: module for name, module in outside_heads.items()
-               if any(name == t or name.endswith("." + t) for t in targets)}
+        return {
+            name: _in_out(module)
+            for name, module in outside_heads.items()
+            if _in_out(module) and not isinstance(module, nn.Embedding) and module is not output
+        }
+    matched = {
+        name: module
+        for name, module in outside_heads.items()
+        if any(name == t or name.endswith("." + t) for t in targets)
+    }
     unknown = [t for t in targets if not any(name == t or name.endswith("." + t) for name in matched)]
     unfit = sorted({name.rsplit(".", 1)[-1] for name, module in matched.items() if not _in_out(module)})
     if unknown or unfit:
-        linear = sorted({name.rsplit(".", 1)[-1] for name, module in outside_heads.items()
-                         if _in_out(module) and not isinstance(module, nn.Embedding)})
-        raise UserError(f"--lora_target_modules: {', '.join(unknown + unfit)} is not a linear layer of the model; its "
-                        f"linear layers are {', '.join(linear)} (or use all-linear)")
+        linear = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in outside_heads.items()
+                if _in_out(module) and not isinstance(module, nn.Embedding)
+            }
+        )
+        raise UserError(
+            f"--lora_target_modules: {', '.join(unknown + unfit)} is not a linear layer of the model; its "
+            f"linear layers are {', '.join(linear)} (or use all-linear)"
+        )
     return {name: _in_out(module) for name, module in matched.items()}
 
 
@@ -507,11 +577,15 @@ def _quantized_sizes(model) -> list[int]:
     from transformers.quantizers.quantizers_utils import should_convert_module
 
     keep = get_keys_to_not_convert(model)
-    return [module.weight.numel() for name, module in model.named_modules()
-            if (type(module) is nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, keep)]
+    return [
+        module.weight.numel()
+        for name, module in model.named_modules()
+        if (type(module) is nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, keep)
+    ]
 
 
 # ---------------------------------------------------------------- the estimate
+
 
 def model_state_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int, int]:
     """(parameters, gradients, optimizer states) per GPU; see the module docstring for the formulas."""
@@ -552,8 +626,9 @@ def _attention_scores(m: ModelFacts, c: int) -> int:
     return c + (1 + c if m.attention_dropout else 0)
 
 
-def _stacked(m: ModelFacts, per_layer: float, outside: float, working: float, checkpointing: bool,
-             residual: float) -> tuple[int, int]:
+def _stacked(
+    m: ModelFacts, per_layer: float, outside: float, working: float, checkpointing: bool, residual: float
+) -> tuple[int, int]:
     """(saved, working space) of the layer stack: every layer's activations, or with checkpointing the residual
     stream at each layer's input plus one layer recomputed in the backward pass."""
     if checkpointing:
@@ -561,19 +636,25 @@ def _stacked(m: ModelFacts, per_layer: float, outside: float, working: float, ch
     return round(m.num_layers * per_layer + outside), round(working)
 
 
-def activation_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool,
-                     residual_bytes: int) -> tuple[int, int]:
+def activation_bytes(
+    m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool, residual_bytes: int
+) -> tuple[int, int]:
     """(saved for backward at the end of the forward pass, backward working space) per GPU."""
     c, h, I, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
-    per_layer = sb * (c * (7 * h + 2 * m.kv_hidden_size) + c * I * (m.activation_saved + 1 + 2 * m.gated_mlp)
-                      + 2 * h * mask + m.num_heads * seq * _attention_scores(m, c))
+    per_layer = sb * (
+        c * (7 * h + 2 * m.kv_hidden_size)
+        + c * I * (m.activation_saved + 1 + 2 * m.gated_mlp)
+        + 2 * h * mask
+        + m.num_heads * seq * _attention_scores(m, c)
+    )
     outside = sb * h * (2 * c + mask)
     return _stacked(m, per_layer, outside, c * sb * (h + I), checkpointing, residual_bytes * sb * h)
 
 
-def adapter_activation_bytes(m: ModelFacts, peft: str, micro_batch: int, seq: int, half: bool,
-                             checkpointing: bool) -> tuple[int, int]:
+def adapter_activation_bytes(
+    m: ModelFacts, peft: str, micro_batch: int, seq: int, half: bool, checkpointing: bool
+) -> tuple[int, int]:
     """(saved for backward, backward working space) per GPU with adapters: the frozen linear layers keep no
     inputs, each adapter keeps its own copy of its input (cast to its dtype or dropped out) with the dropout
     mask, and its r-wide middle; DoRA also keeps two output-sized tensors per adapted module."""
@@ -581,10 +662,18 @@ def adapter_activation_bytes(m: ModelFacts, peft: str, micro_batch: int, seq: in
     c = 2 if half else 4
     hidden = 4 if peft == "qlora" else c  # QLoRA's residual stream is fp32: its embeddings and norms were upcast
     mask = 1 if m.hidden_dropout else 0
-    adapters = (c * (a.layer_inputs + a.layer_adapted * a.spec.r) + (a.layer_inputs if a.spec.dropout > 0 else 0)
-                + (2 * c * a.layer_outputs if peft == "dora" else 0))
-    per_layer = sb * (hidden * (2 * h + I * (m.activation_saved + 2 * m.gated_mlp)) + c * (2 * h + 2 * m.kv_hidden_size)
-                      + adapters + 2 * h * mask + m.num_heads * seq * _attention_scores(m, c))
+    adapters = (
+        c * (a.layer_inputs + a.layer_adapted * a.spec.r)
+        + (a.layer_inputs if a.spec.dropout > 0 else 0)
+        + (2 * c * a.layer_outputs if peft == "dora" else 0)
+    )
+    per_layer = sb * (
+        hidden * (2 * h + I * (m.activation_saved + 2 * m.gated_mlp))
+        + c * (2 * h + 2 * m.kv_hidden_size)
+        + adapters
+        + 2 * h * mask
+        + m.num_heads * seq * _attention_scores(m, c)
+    )
     outside = sb * h * (hidden + mask)  # the final norm's input: frozen, the embeddings' output needs no copy
     return _stacked(m, per_layer, outside, hidden * sb * (h + I), checkpointing, hidden * sb * h)
 
@@ -605,7 +694,7 @@ def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int, t
     elif strategy.zero_stage is None:
         buffers = 4 * trainable if setup.world_size > 1 else 0  # DDP gradient buckets (fp32)
     else:
-        buffers = p * m.hidden_size ** 2 * (2 + (0.9 if strategy.zero_stage == 3 else 0))
+        buffers = p * m.hidden_size**2 * (2 + (0.9 if strategy.zero_stage == 3 else 0))
     return round(CUDA_CONTEXT_BYTES + buffers + FRAGMENTATION * rest)
 
 
@@ -626,8 +715,9 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
 def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:
     """Memory per GPU of one candidate at one micro-batch."""
     full = cand.peft == "none"
-    params, grads, optim = (model_state_bytes(m, cand.strategy, setup) if full
-                            else adapter_state_bytes(m, cand.peft, setup))
+    params, grads, optim = (
+        model_state_bytes(m, cand.strategy, setup) if full else adapter_state_bytes(m, cand.peft, setup)
+    )
     activations = _activations(m, cand, setup, micro_batch)
     logits = logits_bytes(m, micro_batch, setup.max_length, setup.half)
     trainable = m.num_params if full else m.adapters.trainable(cand.peft)
@@ -639,8 +729,9 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
 
 def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> int:
     if cand.peft != "none":
-        return sum(adapter_activation_bytes(m, cand.peft, micro_batch, setup.max_length, setup.half,
-                                            cand.checkpointing))
+        return sum(
+            adapter_activation_bytes(m, cand.peft, micro_batch, setup.max_length, setup.half, cand.checkpointing)
+        )
     s = cand.strategy
     residual = 4 if (s.zero_stage is None and not s.fsdp) or not setup.half else 2
     return sum(activation_bytes(m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual))
@@ -663,6 +754,7 @@ def max_micro_batch(m: ModelFacts, cand: Candidate, setup: Setup) -> int:
 
 
 # ---------------------------------------------------------------- the plan
+
 
 @dataclass
 class Row:
@@ -696,8 +788,9 @@ def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_
             for row in (r for r in rows if r.candidate.peft == peft):  # fastest first
                 fitting = [b for b in allowed if b <= row.max_micro_batch]
                 if fitting:
-                    return Choice(row.candidate, fitting[0], per_gpu // fitting[0],
-                                  estimate(m, row.candidate, setup, fitting[0]))
+                    return Choice(
+                        row.candidate, fitting[0], per_gpu // fitting[0], estimate(m, row.candidate, setup, fitting[0])
+                    )
     return None
 
 
@@ -708,13 +801,15 @@ def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
 def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str]:
     """What would make the smallest of `cands` (at micro-batch 1) fit."""
     smallest = min((estimate(m, c, setup, 1) for c in cands), key=lambda e: e.total)
-    ideas = [f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option needs "
-             f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"]
+    ideas = [
+        f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option needs "
+        f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"
+    ]
     for nodes in range(setup.num_nodes + 1, setup.num_nodes * 64 + 1):
         if _fits_anything(m, replace(setup, num_nodes=nodes), cands):
             ideas.append(f"{nodes * setup.num_gpus} GPUs: --num_nodes {nodes} with {setup.num_gpus} GPUs each")
             break
-    lengths = [s for s in (2 ** k for k in range(20)) if 2 <= s < setup.max_length]
+    lengths = [s for s in (2**k for k in range(20)) if 2 <= s < setup.max_length]
     shorter = [s for s in lengths if _fits_anything(m, replace(setup, max_length=s), cands)]
     if shorter:
         ideas.append(f"a shorter sequence: --max_length {max(shorter)}")
@@ -725,8 +820,9 @@ def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str
     return ideas
 
 
-def _reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, requested: int,
-             global_batch: int) -> list[str]:
+def _reasons(
+    m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, requested: int, global_batch: int
+) -> list[str]:
     """A few lines on why this candidate, this micro-batch and this accumulation."""
     c, gib, b = choice.candidate, setup.gpu_memory_bytes / GIB, choice.micro_batch
     faster = [r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed]
@@ -734,23 +830,34 @@ def _reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, reque
     if faster:  # over budget at the requested micro-batch, or (when it fits nothing) even at 1
         at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
         shown = ", ".join(f"{f.name} {estimate(m, f, setup, at).total / GIB:.1f}" for f in faster[:4])
-        reasons.append(f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB"
-                       + (" (and more)" if len(faster) > 4 else "") + ".")
+        reasons.append(
+            f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB"
+            + (" (and more)" if len(faster) > 4 else "")
+            + "."
+        )
     e = choice.estimate
     logits = f", logits {e.logits / GIB:.1f}" if e.logits else ""
-    reasons.append(f"{c.name} needs {e.total / GIB:.1f} of {gib:g} GiB per GPU at micro-batch {b} (model states "
-                   f"{e.model_states / GIB:.1f}, activations {e.activations / GIB:.1f}{logits} GiB); the largest "
-                   f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}.")
+    reasons.append(
+        f"{c.name} needs {e.total / GIB:.1f} of {gib:g} GiB per GPU at micro-batch {b} (model states "
+        f"{e.model_states / GIB:.1f}, activations {e.activations / GIB:.1f}{logits} GiB); the largest "
+        f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}."
+    )
     reasons += _micro_batch_reason(requested, b, global_batch // setup.world_size)
-    reasons.append(f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
-                   f"global batch {global_batch}.")
+    reasons.append(
+        f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
+        f"global batch {global_batch}."
+    )
     if c.checkpointing:
         plain = estimate(m, replace(c, checkpointing=False), setup, b)
-        reasons.append(f"Gradient checkpointing recomputes each layer in the backward pass (about a third more "
-                       f"compute); without it activations need {plain.activations / GIB:.1f} GiB.")
+        reasons.append(
+            f"Gradient checkpointing recomputes each layer in the backward pass (about a third more "
+            f"compute); without it activations need {plain.activations / GIB:.1f} GiB."
+        )
     if c.strategy.offload_optimizer:
-        reasons.append(f"Offloading needs {e.cpu_per_node / GIB:.1f} GiB of CPU memory per node and runs the AdamW "
-                       "step on the CPU.")
+        reasons.append(
+            f"Offloading needs {e.cpu_per_node / GIB:.1f} GiB of CPU memory per node and runs the AdamW "
+            "step on the CPU."
+        )
     return reasons
 
 
@@ -759,19 +866,23 @@ def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup)
     if c.peft == "none":
         return []
     reasons = []
-    for earlier in PEFT_METHODS[:PEFT_METHODS.index(c.peft)]:
+    for earlier in PEFT_METHODS[: PEFT_METHODS.index(c.peft)]:
         tier = [r.candidate for r in rows if r.candidate.peft == earlier]
         if tier:
             leanest = min(tier, key=lambda t: (estimate(m, t, setup, 1).total, estimate(m, t, setup, 1).cpu_per_node))
             label = PEFT_LABELS[earlier]
-            reasons.append(f"{label[0].upper() + label[1:]} does not fit: its leanest option, {leanest.name}, needs "
-                           f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1.")
+            reasons.append(
+                f"{label[0].upper() + label[1:]} does not fit: its leanest option, {leanest.name}, needs "
+                f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1."
+            )
     a = m.adapters
     base = "4-bit NF4" if c.peft == "qlora" else setup.mixed_precision if setup.half else "fp32"
-    reasons.append(f"{PEFT_LABELS[c.peft]} trains {a.trainable(c.peft):,} parameters ({_share(m, c.peft)} of the "
-                   f"model: r={a.spec.r} adapters on {','.join(a.spec.target_modules)}"
-                   f"{' and the head' if a.head_params else ''}) on a frozen base in {base}; only they have "
-                   "gradients and AdamW states.")
+    reasons.append(
+        f"{PEFT_LABELS[c.peft]} trains {a.trainable(c.peft):,} parameters ({_share(m, c.peft)} of the "
+        f"model: r={a.spec.r} adapters on {','.join(a.spec.target_modules)}"
+        f"{' and the head' if a.head_params else ''}) on a frozen base in {base}; only they have "
+        "gradients and AdamW states."
+    )
     if c.peft == "qlora":
         reasons.append("QLoRA needs CUDA GPUs and bitsandbytes.")
     return reasons
@@ -791,15 +902,20 @@ def _share(m: ModelFacts, peft: str) -> str:
 def _micro_batch_reason(requested: int, chosen: int, per_gpu: int) -> list[str]:
     largest = micro_batch_options(requested, per_gpu)[0]
     if chosen < largest:
-        return [f"Micro-batch {largest} fits no strategy; {chosen} is the largest the fastest remaining one fits, "
-                "so gradient accumulation makes up the global batch."]
+        return [
+            f"Micro-batch {largest} fits no strategy; {chosen} is the largest the fastest remaining one fits, "
+            "so gradient accumulation makes up the global batch."
+        ]
     if largest < requested:
-        return [f"Micro-batch {chosen} is the largest up to {requested} that divides the {per_gpu} examples each "
-                "GPU takes per optimizer step."]
+        return [
+            f"Micro-batch {chosen} is the largest up to {requested} that divides the {per_gpu} examples each "
+            "GPU takes per optimizer step."
+        ]
     return []
 
 
 # ---------------------------------------------------------------- emitted configs
+
 
 def deepspeed_config(strategy: Strategy) -> dict:
     """The application's own ZeRO config (batch sizes, accumulation, clipping and precision "auto", so
@@ -815,23 +931,38 @@ def deepspeed_config(strategy: Strategy) -> dict:
 def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Path | None) -> dict:
     """The accelerate config file (YAML) for `accelerate launch --config_file`."""
     s = cand.strategy
-    config = {"compute_environment": "LOCAL_MACHINE", "debug": False, "machine_rank": 0,
-              "main_training_function": "main", "mixed_precision": setup.mixed_precision,
-              "num_machines": setup.num_nodes, "num_processes": setup.world_size, "rdzv_backend": "static",
-              "same_network": True, "use_cpu": False}
+    config = {
+        "compute_environment": "LOCAL_MACHINE",
+        "debug": False,
+        "machine_rank": 0,
+        "main_training_function": "main",
+        "mixed_precision": setup.mixed_precision,
+        "num_machines": setup.num_nodes,
+        "num_processes": setup.world_size,
+        "rdzv_backend": "static",
+        "same_network": True,
+        "use_cpu": False,
+    }
     if s.zero_stage is not None:
         config["distributed_type"] = "DEEPSPEED"
-        config["deepspeed_config"] = {"deepspeed_config_file": str(ds_path.resolve()),
-                                      "zero3_init_flag": s.zero_stage == 3}
+        config["deepspeed_config"] = {
+            "deepspeed_config_file": str(ds_path.resolve()),
+            "zero3_init_flag": s.zero_stage == 3,
+        }
         if setup.num_nodes > 1:
             config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
     elif s.fsdp:
         config["distributed_type"] = "FSDP"
         config["fsdp_config"] = {
-            "fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": m.layer_class, "fsdp_reshard_after_forward": True,
-            "fsdp_offload_params": False, "fsdp_state_dict_type": "FULL_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": True, "fsdp_activation_checkpointing": cand.checkpointing}
+            "fsdp_version": 2,
+            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+            "fsdp_transformer_layer_cls_to_wrap": m.layer_class,
+            "fsdp_reshard_after_forward": True,
+            "fsdp_offload_params": False,
+            "fsdp_state_dict_type": "FULL_STATE_DICT",
+            "fsdp_cpu_ram_efficient_loading": True,
+            "fsdp_activation_checkpointing": cand.checkpointing,
+        }
     else:
         config["distributed_type"] = "MULTI_GPU" if setup.world_size > 1 else "NO"
     return config
@@ -840,18 +971,42 @@ def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Pat
 def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path) -> str:
     args = ["accelerate", "launch", "--config_file", str(yaml_path)]
     if setup.num_nodes > 1:
-        args += ["--machine_rank", "<this node's rank>", "--main_process_ip", "<node 0 address>",
-                 "--main_process_port", "29500"]
-    args += [TRAINING_APPLICATION, "--training_type", "accelerated"] + _model_args(m) + [
-             "--per_device_train_batch_size", str(choice.micro_batch),
-             "--gradient_accumulation_steps", str(choice.accumulation),
-             "--mixed_precision", setup.mixed_precision, "--max_length", str(setup.max_length)]
+        args += [
+            "--machine_rank",
+            "<this node's rank>",
+            "--main_process_ip",
+            "<node 0 address>",
+            "--main_process_port",
+            "29500",
+        ]
+    args += (
+        [TRAINING_APPLICATION, "--training_type", "accelerated"]
+        + _model_args(m)
+        + [
+            "--per_device_train_batch_size",
+            str(choice.micro_batch),
+            "--gradient_accumulation_steps",
+            str(choice.accumulation),
+            "--mixed_precision",
+            setup.mixed_precision,
+            "--max_length",
+            str(setup.max_length),
+        ]
+    )
     if choice.candidate.checkpointing and not choice.candidate.strategy.fsdp:  # FSDP does it in the YAML
         args += ["--gradient_checkpointing", "true"]
     if choice.candidate.peft != "none":
         spec = m.adapters.spec
-        args += ["--peft", choice.candidate.peft, "--lora_r", str(spec.r), "--lora_dropout", f"{spec.dropout:g}",
-                 "--lora_target_modules", ",".join(spec.target_modules)]
+        args += [
+            "--peft",
+            choice.candidate.peft,
+            "--lora_r",
+            str(spec.r),
+            "--lora_dropout",
+            f"{spec.dropout:g}",
+            "--lora_target_modules",
+            ",".join(spec.target_modules),
+        ]
     return " ".join(a if " " not in a else f"'{a}'" for a in args)
 
 
@@ -882,46 +1037,94 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
 
 # ---------------------------------------------------------------- the command
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--task", choices=TASKS, default="classification",
-                        help="What will be trained: classification, causal_lm or sft (the same memory as causal_lm; "
-                             "default: classification).")
-    parser.add_argument("--model_name_or_path", default=None,
-                        help="A model directory or Hub id; only its config is read (default: all-MiniLM-L6-v2).")
-    parser.add_argument("--model_config", default=None,
-                        help="--task causal_lm from scratch: a config.json or a shipped preset (llama-8m, llama-600m).")
-    parser.add_argument("--tokenizer_name_or_path", default=None,
-                        help="The tokenizer training will use; a preset takes its vocabulary size from it "
-                             "(default: the config's vocab_size).")
+    parser.add_argument(
+        "--task",
+        choices=TASKS,
+        default="classification",
+        help="What will be trained: classification, causal_lm or sft (the same memory as causal_lm; "
+        "default: classification).",
+    )
+    parser.add_argument(
+        "--model_name_or_path",
+        default=None,
+        help="A model directory or Hub id; only its config is read (default: all-MiniLM-L6-v2).",
+    )
+    parser.add_argument(
+        "--model_config",
+        default=None,
+        help="--task causal_lm from scratch: a config.json or a shipped preset (llama-8m, llama-600m).",
+    )
+    parser.add_argument(
+        "--tokenizer_name_or_path",
+        default=None,
+        help="The tokenizer training will use; a preset takes its vocabulary size from it "
+        "(default: the config's vocab_size).",
+    )
     parser.add_argument("--num_labels", type=int, default=2, help="Classes of the classification head (default: 2).")
     parser.add_argument("--trust_remote_code", action="store_true", help="Allow the model's own config/model code.")
     parser.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default: 1).")
     parser.add_argument("--num_nodes", type=int, default=1, help="Nodes (default: 1).")
     parser.add_argument("--gpu_memory_gb", type=float, required=True, help="Memory of one GPU in GiB, e.g. 24 or 80.")
-    parser.add_argument("--cpu_memory_gb", type=float, default=None,
-                        help="CPU memory per node in GiB; offload plans needing more do not fit (default: unchecked).")
-    parser.add_argument("--per_device_train_batch_size", type=int, default=16,
-                        help="Requested micro-batch per GPU (default: 16, as the training application).")
+    parser.add_argument(
+        "--cpu_memory_gb",
+        type=float,
+        default=None,
+        help="CPU memory per node in GiB; offload plans needing more do not fit (default: unchecked).",
+    )
+    parser.add_argument(
+        "--per_device_train_batch_size",
+        type=int,
+        default=16,
+        help="Requested micro-batch per GPU (default: 16, as the training application).",
+    )
     parser.add_argument("--max_length", type=int, default=128, help="Sequence length in tokens (default: 128).")
-    parser.add_argument("--mixed_precision", choices=PRECISIONS, default="no",
-                        help="no, fp16 or bf16 (default: no; the training application's auto "
-                             "trains in bf16 on GPUs from Ampere on).")
-    parser.add_argument("--global_batch_size", type=int, default=None,
-                        help="Examples per optimizer step over all GPUs (default: micro-batch x GPUs).")
-    parser.add_argument("--strategy", choices=["auto"] + [s.key for s in STRATEGIES], default="auto",
-                        help="Emit the configs for this strategy instead of the fastest that fits (default: auto).")
-    parser.add_argument("--gradient_checkpointing", choices=["auto", "true", "false"], default="auto",
-                        help="Only consider plans with (true) or without (false) checkpointing (default: auto).")
-    parser.add_argument("--peft", choices=("auto",) + PEFT_METHODS, default="auto",
-                        help="auto: full fine-tuning if any strategy fits it, else LoRA, else QLoRA; none: full "
-                             "fine-tuning only; lora, dora or qlora: only those adapters (default: auto).")
+    parser.add_argument(
+        "--mixed_precision",
+        choices=PRECISIONS,
+        default="no",
+        help="no, fp16 or bf16 (default: no; the training application's auto trains in bf16 on GPUs from Ampere on).",
+    )
+    parser.add_argument(
+        "--global_batch_size",
+        type=int,
+        default=None,
+        help="Examples per optimizer step over all GPUs (default: micro-batch x GPUs).",
+    )
+    parser.add_argument(
+        "--strategy",
+        choices=["auto"] + [s.key for s in STRATEGIES],
+        default="auto",
+        help="Emit the configs for this strategy instead of the fastest that fits (default: auto).",
+    )
+    parser.add_argument(
+        "--gradient_checkpointing",
+        choices=["auto", "true", "false"],
+        default="auto",
+        help="Only consider plans with (true) or without (false) checkpointing (default: auto).",
+    )
+    parser.add_argument(
+        "--peft",
+        choices=("auto",) + PEFT_METHODS,
+        default="auto",
+        help="auto: full fine-tuning if any strategy fits it, else LoRA, else QLoRA; none: full "
+        "fine-tuning only; lora, dora or qlora: only those adapters (default: auto).",
+    )
     parser.add_argument("--lora_r", type=int, default=16, help="LoRA rank, as in training (default: 16).")
-    parser.add_argument("--lora_target_modules", type=_names, default=("all-linear",),
-                        help="Modules that get adapters: all-linear or comma-separated names, as in training "
-                             "(default: all-linear).")
-    parser.add_argument("--lora_dropout", type=float, default=ModelConfig.lora_dropout,
-                        help=f"Dropout on the adapters' inputs, as in training; it stores a mask (default: "
-                             f"{ModelConfig.lora_dropout:g}).")
+    parser.add_argument(
+        "--lora_target_modules",
+        type=_names,
+        default=("all-linear",),
+        help="Modules that get adapters: all-linear or comma-separated names, as in training (default: all-linear).",
+    )
+    parser.add_argument(
+        "--lora_dropout",
+        type=float,
+        default=ModelConfig.lora_dropout,
+        help=f"Dropout on the adapters' inputs, as in training; it stores a mask (default: "
+        f"{ModelConfig.lora_dropout:g}).",
+    )
     parser.add_argument("--output_dir", default="plan", help="Where the configs are written (default: ./plan).")
     parser.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
 
@@ -939,22 +1142,32 @@ def _check(args: argparse.Namespace) -> None:
         (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
         (args.num_labels < 1, "--num_labels must be at least 1"),
         (args.model_config and args.task not in LM_TASKS, "--model_config is for --task causal_lm or sft"),
-        (args.model_config and args.model_name_or_path,
-         "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them"),
-        (args.task in LM_TASKS and not (args.model_config or args.model_name_or_path),
-         f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>"),
+        (
+            args.model_config and args.model_name_or_path,
+            "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them",
+        ),
+        (
+            args.task in LM_TASKS and not (args.model_config or args.model_name_or_path),
+            f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>",
+        ),
         (args.per_device_train_batch_size < 1, "--per_device_train_batch_size must be at least 1"),
         (args.lora_r < 1, "--lora_r must be at least 1"),
         (not 0 <= args.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
         (not args.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
-        (args.model_config and args.peft not in ("auto", "none"),
-         f"--peft {args.peft} trains adapters on pretrained weights, but --model_config builds a model with random "
-         "weights; plan for a checkpoint with --model_name_or_path"),
+        (
+            args.model_config and args.peft not in ("auto", "none"),
+            f"--peft {args.peft} trains adapters on pretrained weights, but --model_config builds a model with random "
+            "weights; plan for a checkpoint with --model_name_or_path",
+        ),
         (args.max_length < 2, "--max_length must be at least 2"),
-        (args.global_batch_size is not None and args.global_batch_size % world != 0,
-         f"--global_batch_size {args.global_batch_size} must be a positive multiple of the {world} GPUs"),
-        (args.global_batch_size is not None and args.global_batch_size < world,
-         f"--global_batch_size must be at least the number of GPUs ({world})"),
+        (
+            args.global_batch_size is not None and args.global_batch_size % world != 0,
+            f"--global_batch_size {args.global_batch_size} must be a positive multiple of the {world} GPUs",
+        ),
+        (
+            args.global_batch_size is not None and args.global_batch_size < world,
+            f"--global_batch_size must be at least the number of GPUs ({world})",
+        ),
     ]
     for failed, message in checks:
         if failed:
@@ -966,61 +1179,107 @@ def make_plan(args: argparse.Namespace) -> dict:
     _check(args)
     from cloudtrain.assets import default_model_dir
 
-    m = model_facts(args.model_config or args.model_name_or_path or default_model_dir(), args.num_labels,
-                    args.trust_remote_code, args.task, bool(args.model_config), args.tokenizer_name_or_path,
-                    LoraSpec(args.lora_r, args.lora_target_modules, args.lora_dropout))
-    setup = Setup(args.num_gpus, args.num_nodes, round(args.gpu_memory_gb * GIB),
-                  None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
-                  args.max_length, args.mixed_precision)
+    m = model_facts(
+        args.model_config or args.model_name_or_path or default_model_dir(),
+        args.num_labels,
+        args.trust_remote_code,
+        args.task,
+        bool(args.model_config),
+        args.tokenizer_name_or_path,
+        LoraSpec(args.lora_r, args.lora_target_modules, args.lora_dropout),
+    )
+    setup = Setup(
+        args.num_gpus,
+        args.num_nodes,
+        round(args.gpu_memory_gb * GIB),
+        None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
+        args.max_length,
+        args.mixed_precision,
+    )
     global_batch = args.global_batch_size or args.per_device_train_batch_size * setup.world_size
     requested = min(args.per_device_train_batch_size, global_batch // setup.world_size)
-    adapters = () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora"
-                                                   or args.peft == "dora")  # DoRA only when asked for
+    adapters = (
+        () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
+    )  # DoRA only when asked for
     cands = candidates(adapters)
     rows = [_row(m, c, setup, requested) for c in cands]
-    allowed = [r for r in rows if (args.strategy in ("auto", r.candidate.strategy.key))
-               and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())
-               and args.peft in ("auto", r.candidate.peft)]
+    allowed = [
+        r
+        for r in rows
+        if (args.strategy in ("auto", r.candidate.strategy.key))
+        and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())
+        and args.peft in ("auto", r.candidate.peft)
+    ]
     choice = choose(m, allowed, setup, requested, global_batch)
-    plan = {"model": asdict(m), "setup": {**asdict(setup), "world_size": setup.world_size},
-            "requested_micro_batch": requested, "global_batch_size": global_batch,
-            "assumptions": {"cuda_context_bytes": CUDA_CONTEXT_BYTES, "fragmentation": FRAGMENTATION,
-                            "checkpointing_cost": CHECKPOINTING_COST, "optimizer": "AdamW"},
-            "strategies": [_row_json(r) for r in rows], "recommendation": None, "suggestions": [],
-            "notes": _notes(m)}
+    plan = {
+        "model": asdict(m),
+        "setup": {**asdict(setup), "world_size": setup.world_size},
+        "requested_micro_batch": requested,
+        "global_batch_size": global_batch,
+        "assumptions": {
+            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+            "fragmentation": FRAGMENTATION,
+            "checkpointing_cost": CHECKPOINTING_COST,
+            "optimizer": "AdamW",
+        },
+        "strategies": [_row_json(r) for r in rows],
+        "recommendation": None,
+        "suggestions": [],
+        "notes": _notes(m),
+    }
     if choice is None:
         forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
         leanest = "full offload and checkpointing" + (", nor QLoRA with checkpointing" if "qlora" in adapters else "")
-        plan["message"] = (f"Nothing fits, not even micro-batch 1 with {leanest}." if not forced
-                           or not any(r.max_micro_batch for r in rows) else "The requested strategy does not fit "
-                           "(see the table); drop --strategy/--gradient_checkpointing/--peft to let the planner "
-                           "choose.")
+        plan["message"] = (
+            f"Nothing fits, not even micro-batch 1 with {leanest}."
+            if not forced or not any(r.max_micro_batch for r in rows)
+            else "The requested strategy does not fit "
+            "(see the table); drop --strategy/--gradient_checkpointing/--peft to let the planner "
+            "choose."
+        )
         plan["suggestions"] = suggestions(m, setup, cands)
         return plan
     files = write_configs(m, choice, setup, Path(args.output_dir))
-    plan["recommendation"] = _recommendation_json(choice, global_batch, files,
-                                                  _reasons(m, allowed, choice, setup, requested, global_batch),
-                                                  launch_command(m, choice, setup, Path(files["accelerate_config"])))
+    plan["recommendation"] = _recommendation_json(
+        choice,
+        global_batch,
+        files,
+        _reasons(m, allowed, choice, setup, requested, global_batch),
+        launch_command(m, choice, setup, Path(files["accelerate_config"])),
+    )
     return plan
 
 
 def _notes(m: ModelFacts) -> list[str]:
     notes = []
     if m.from_config and not m.tokenizer:
-        notes.append(f"vocab {m.vocab_size} is the config's; training gives a preset the tokenizer's vocabulary: "
-                     "pass --tokenizer_name_or_path for the exact logits")
+        notes.append(
+            f"vocab {m.vocab_size} is the config's; training gives a preset the tokenizer's vocabulary: "
+            "pass --tokenizer_name_or_path for the exact logits"
+        )
     if m.task == "sft" and m.adapters:
-        notes.append("adapters: a chat template that adds tokens also trains the embeddings and LM head in full "
-                     "(not counted here)")
+        notes.append(
+            "adapters: a chat template that adds tokens also trains the embeddings and LM head in full "
+            "(not counted here)"
+        )
     return notes
 
 
 def _recommendation_json(choice: Choice, global_batch: int, files: dict, reasons: list[str], command: str) -> dict:
     c = choice.candidate
-    return {"strategy": c.strategy.key, "label": c.name, "gradient_checkpointing": c.checkpointing,
-            "peft": c.peft, "micro_batch": choice.micro_batch, "gradient_accumulation_steps": choice.accumulation,
-            "global_batch_size": global_batch, "estimate": _estimate_json(choice.estimate), "reasons": reasons,
-            "files": files, "command": command}
+    return {
+        "strategy": c.strategy.key,
+        "label": c.name,
+        "gradient_checkpointing": c.checkpointing,
+        "peft": c.peft,
+        "micro_batch": choice.micro_batch,
+        "gradient_accumulation_steps": choice.accumulation,
+        "global_batch_size": global_batch,
+        "estimate": _estimate_json(choice.estimate),
+        "reasons": reasons,
+        "files": files,
+        "command": command,
+    }
 
 
 def _row(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Row:
@@ -1034,9 +1293,16 @@ def _estimate_json(est: Estimate) -> dict:
 
 def _row_json(row: Row) -> dict:
     c = row.candidate
-    return {"strategy": c.strategy.key, "label": c.name, "gradient_checkpointing": c.checkpointing,
-            "peft": c.peft, "relative_step_time": round(c.speed, 3), "estimate": _estimate_json(row.estimate),
-            "fits": row.fits, "max_micro_batch": row.max_micro_batch}
+    return {
+        "strategy": c.strategy.key,
+        "label": c.name,
+        "gradient_checkpointing": c.checkpointing,
+        "peft": c.peft,
+        "relative_step_time": round(c.speed, 3),
+        "estimate": _estimate_json(row.estimate),
+        "fits": row.fits,
+        "max_micro_batch": row.max_micro_batch,
+    }
 
 
 def _size(n: int) -> str:
@@ -1044,7 +1310,7 @@ def _size(n: int) -> str:
         return f"{n / GIB:.1f}G"
     if n >= GIB:
         return f"{n / GIB:.2f}G"
-    return f"{n / 2 ** 20:.0f}M"
+    return f"{n / 2**20:.0f}M"
 
 
 def render(plan: dict) -> str:
@@ -1052,19 +1318,23 @@ def render(plan: dict) -> str:
     m, s = plan["model"], plan["setup"]
     lm = m["task"] in LM_TASKS
     vocab = f", vocab {m['vocab_size']}" if lm else ""
-    lines = [f"model: {m['architecture']} ({m['name']}), {m['num_params'] / 1e6:,.1f}M parameters, "
-             f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, intermediate "
-             f"{m['intermediate_size']}{' (gated)' if m['gated_mlp'] else ''}"
-             f"{vocab}, {m['attn_implementation']} attention",
-             f"setup: {s['num_nodes']} node(s) x {s['num_gpus']} GPU(s) x {s['gpu_memory_bytes'] / GIB:g} GiB, "
-             f"max_length {s['max_length']}, mixed precision {s['mixed_precision']}, micro-batch "
-             f"{plan['requested_micro_batch']}, global batch {plan['global_batch_size']}",
-             f"memory per GPU at micro-batch {plan['requested_micro_batch']}; time: relative step time, fastest "
-             "first; overhd: 1 GiB CUDA context + communication buffers + 5% fragmentation; max mb: the largest "
-             "micro-batch that fits"]
+    lines = [
+        f"model: {m['architecture']} ({m['name']}), {m['num_params'] / 1e6:,.1f}M parameters, "
+        f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, intermediate "
+        f"{m['intermediate_size']}{' (gated)' if m['gated_mlp'] else ''}"
+        f"{vocab}, {m['attn_implementation']} attention",
+        f"setup: {s['num_nodes']} node(s) x {s['num_gpus']} GPU(s) x {s['gpu_memory_bytes'] / GIB:g} GiB, "
+        f"max_length {s['max_length']}, mixed precision {s['mixed_precision']}, micro-batch "
+        f"{plan['requested_micro_batch']}, global batch {plan['global_batch_size']}",
+        f"memory per GPU at micro-batch {plan['requested_micro_batch']}; time: relative step time, fastest "
+        "first; overhd: 1 GiB CUDA context + communication buffers + 5% fragmentation; max mb: the largest "
+        "micro-batch that fits",
+    ]
     if lm:
-        lines.append("logits: micro-batch x max_length x vocab x 12 bytes (the logits with their fp32 copy and "
-                     "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing")
+        lines.append(
+            "logits: micro-batch x max_length x vocab x 12 bytes (the logits with their fp32 copy and "
+            "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing"
+        )
     if m["adapters"]:
         lines.append(_adapters_line(m["adapters"], m["num_params"], s["mixed_precision"]))
     lines += [f"note: {note}" for note in plan.get("notes", [])]
@@ -1073,15 +1343,29 @@ def render(plan: dict) -> str:
 
 def _adapters_line(a: dict, num_params: int, precision: str) -> str:
     trainable = a["lora_params"] + a["head_params"]
-    return (f"adapters: r={a['spec']['r']} on {','.join(a['spec']['target_modules'])}"
-            f"{' + the head trained in full' if a['head_params'] else ''}: {trainable:,} trainable parameters "
-            f"({100 * trainable / num_params:.2f}%; DoRA +{a['magnitude_params']:,}), the only ones with gradients and "
-            f"AdamW states; the base frozen in {'fp32' if precision == 'no' else precision} (QLoRA: "
-            f"{a['quantized_params'] / 1e6:,.1f}M weights in 4-bit NF4, the rest in fp32)")
+    return (
+        f"adapters: r={a['spec']['r']} on {','.join(a['spec']['target_modules'])}"
+        f"{' + the head trained in full' if a['head_params'] else ''}: {trainable:,} trainable parameters "
+        f"({100 * trainable / num_params:.2f}%; DoRA +{a['magnitude_params']:,}), the only ones with gradients and "
+        f"AdamW states; the base frozen in {'fp32' if precision == 'no' else precision} (QLoRA: "
+        f"{a['quantized_params'] / 1e6:,.1f}M weights in 4-bit NF4, the rest in fp32)"
+    )
 
 
-COLUMNS = ("strategy", "time", "params", "grads", "optim", "activ", "logits", "overhd", "GPU total", "CPU/node",
-           "max mb", "fits")
+COLUMNS = (
+    "strategy",
+    "time",
+    "params",
+    "grads",
+    "optim",
+    "activ",
+    "logits",
+    "overhd",
+    "GPU total",
+    "CPU/node",
+    "max mb",
+    "fits",
+)
 
 
 def _render_table(rows: list[dict], logits: bool) -> list[str]:
@@ -1090,8 +1374,10 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
     shown = [i for i, name in enumerate(COLUMNS) if logits or name != "logits"]
     table = [[row[i] for i in shown] for row in [COLUMNS] + [_table_row(r) for r in rows]]
     widths = [max(len(row[i]) for row in table) for i in range(len(shown))]
-    lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in
-                       enumerate(zip(row, widths))).rstrip() for row in table]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        for row in table
+    ]
     body = lines[1:]
     first_adapter = next((i for i, row in enumerate(rows) if row["peft"] != "none"), None)
     if first_adapter is not None:  # rows list full fine-tuning first
@@ -1101,17 +1387,30 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
 
 def _table_row(r: dict) -> tuple:
     e = r["estimate"]
-    return ("  " + r["label"], f"{r['relative_step_time']:.2f}", _size(e["parameters"]), _size(e["gradients"]),
-            _size(e["optimizer_states"]), _size(e["activations"]), _size(e["logits"]), _size(e["overhead"]),
-            _size(e["total"]), _size(e["cpu_per_node"]), str(r["max_micro_batch"]), "yes" if r["fits"] else "no")
+    return (
+        "  " + r["label"],
+        f"{r['relative_step_time']:.2f}",
+        _size(e["parameters"]),
+        _size(e["gradients"]),
+        _size(e["optimizer_states"]),
+        _size(e["activations"]),
+        _size(e["logits"]),
+        _size(e["overhead"]),
+        _size(e["total"]),
+        _size(e["cpu_per_node"]),
+        str(r["max_micro_batch"]),
+        "yes" if r["fits"] else "no",
+    )
 
 
 def _render_choice(plan: dict) -> list[str]:
     rec = plan["recommendation"]
     if rec is None:
         return [plan["message"], "What would fit:"] + [f"  - {idea}" for idea in plan["suggestions"]]
-    lines = [f"Recommended: {rec['label']}, micro-batch {rec['micro_batch']}, gradient accumulation "
-             f"{rec['gradient_accumulation_steps']}."] + [f"  {reason}" for reason in rec["reasons"]]
+    lines = [
+        f"Recommended: {rec['label']}, micro-batch {rec['micro_batch']}, gradient accumulation "
+        f"{rec['gradient_accumulation_steps']}."
+    ] + [f"  {reason}" for reason in rec["reasons"]]
     lines += ["Wrote " + ", ".join(rec["files"].values()) + ". Launch with:", f"  {rec['command']}"]
     return lines
 

@@ -12,8 +12,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
 # eval/* entries that are not quality metrics and would not share the metrics panel's 0-1 scale
-NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s", "eval/tokens",
-               "eval/tokens_per_s"}
+NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s", "eval/tokens", "eval/tokens_per_s"}
 
 Curves = dict[str, dict[str, tuple[list[int], list[float]]]]  # panel -> series -> (steps, values)
 

@@ -37,13 +37,15 @@ def read_texts(path: str, column: str) -> list[str]:
     import datasets  # only needed for tabular inputs
 
     from cloudtrain.data_connecting import FILE_FORMATS
+
     if file.suffix not in FILE_FORMATS:
         raise UserError(f"--input_file {path}: unsupported format; use .txt or one of {', '.join(FILE_FORMATS)}")
     builder, options = FILE_FORMATS[file.suffix]
     ds = datasets.load_dataset(builder, data_files=str(file), split="train", **options)
     if column not in ds.column_names:
-        raise UserError(f"column {column!r} is not in {path} (its columns: {', '.join(ds.column_names)}); "
-                        "pass --text_column")
+        raise UserError(
+            f"column {column!r} is not in {path} (its columns: {', '.join(ds.column_names)}); pass --text_column"
+        )
     return [str(t) for t in ds[column]]
 
 
@@ -55,7 +57,7 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
     model, tokenizer = load(model_dir)
     results = []
     for i in range(0, len(texts), batch_size):
-        chunk = texts[i:i + batch_size]
+        chunk = texts[i : i + batch_size]
         inputs = tokenizer(chunk, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
         probs = model(**inputs).logits.float().softmax(dim=-1)
         scores, ids = probs.max(dim=-1)
@@ -71,31 +73,41 @@ def load(model_dir: str):
         task_type = adapter_config(Path(model_dir)).get("task_type")
         if task_type != "SEQ_CLS":
             hint = "; continue prompts with the generate command" if task_type == "CAUSAL_LM" else ""
-            raise UserError(f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a sequence classifier{hint}")
+            raise UserError(
+                f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a sequence classifier{hint}"
+            )
         return adapters.load_adapter_model(Path(model_dir))
     architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
-        hint = "; continue prompts with the generate command" if any(
-            name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures) else ""
-        raise UserError(f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence "
-                        f"classifier{hint}")
+        hint = (
+            "; continue prompts with the generate command"
+            if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+            else ""
+        )
+        raise UserError(
+            f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence classifier{hint}"
+        )
     try:
-        return (AutoModelForSequenceClassification.from_pretrained(model_dir).eval(),
-                AutoTokenizer.from_pretrained(model_dir))
+        return (
+            AutoModelForSequenceClassification.from_pretrained(model_dir).eval(),
+            AutoTokenizer.from_pretrained(model_dir),
+        )
     except (OSError, ValueError) as err:
         raise UserError(f"could not load the model in {model_dir}: {first_line(err)}") from None
 
 
 def records(texts: list[str], ids: list[int], scores: list[float], id2label: dict) -> list[dict]:
     """One {"text", "label", "score"} per text: the predicted label's name and its probability."""
-    return [{"text": text, "label": id2label[int(idx)], "score": round(float(score), 4)}
-            for text, idx, score in zip(texts, ids, scores, strict=True)]
+    return [
+        {"text": text, "label": id2label[int(idx)], "score": round(float(score), 4)}
+        for text, idx, score in zip(texts, ids, scores, strict=True)
+    ]
 
 
 def run(args: argparse.Namespace) -> None:
     texts = list(args.text) + (read_texts(args.input_file, args.text_column) if args.input_file else [])
     if not texts:
-        raise UserError("nothing to classify: pass --text \"...\" or --input_file FILE")
+        raise UserError('nothing to classify: pass --text "..." or --input_file FILE')
     rows = predict(args.model_dir, texts, args.batch_size, args.max_length)
     if args.output_file:
         write_jsonl(Path(args.output_file), rows)

@@ -20,8 +20,14 @@ LABELS = "labels.json"  # an adapter classifier's label names (the base model kn
 MERGED = "merged"  # --merge_adapters / the merge command: the merged full model
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", ADAPTER_CONFIG)
 # what a saved model is made of: replaced as a whole, so an adapter never lands next to an older full model
-MODEL_PATTERNS = (*MODEL_FILES, "model-*-of-*.safetensors", "adapter_model.safetensors", "generation_config.json",
-                  LABELS, MERGED)
+MODEL_PATTERNS = (
+    *MODEL_FILES,
+    "model-*-of-*.safetensors",
+    "adapter_model.safetensors",
+    "generation_config.json",
+    LABELS,
+    MERGED,
+)
 
 
 def holds_model(output_dir: Path) -> bool:

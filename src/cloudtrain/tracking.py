@@ -47,8 +47,10 @@ def check_trackers(cfg: TrackingConfig) -> None:
     """Fail before training when a requested tracker cannot be used (no imports, no network)."""
     for name in requested(cfg):
         if importlib.util.find_spec(PACKAGES[name]) is None:
-            raise UserError(f"--report_to {name} needs the {PACKAGES[name]} package: "
-                            f"pip install {PACKAGES[name]} (or run `make setup`)")
+            raise UserError(
+                f"--report_to {name} needs the {PACKAGES[name]} package: "
+                f"pip install {PACKAGES[name]} (or run `make setup`)"
+            )
     if cfg.log_model and "wandb" not in cfg.report_to:
         raise UserError("--log_model true uploads the model to W&B: add wandb to --report_to")
 
@@ -65,6 +67,7 @@ def read_metrics(path: Path) -> list[dict]:
 @dataclass
 class RunContext:
     """What a tracker needs to open its run."""
+
     cfg: Config
     output_dir: Path
     run_name: str
@@ -78,8 +81,9 @@ class RunContext:
 class RunLog:
     """The run's record: metrics.jsonl and the trackers on the main process; a no-op on the others."""
 
-    def __init__(self, cfg: Config, output_dir: Path, is_main_process: bool, run_info: dict,
-                 resume_step: int | None = None):
+    def __init__(
+        self, cfg: Config, output_dir: Path, is_main_process: bool, run_info: dict, resume_step: int | None = None
+    ):
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / "metrics.jsonl"
         self.enabled = is_main_process
@@ -136,8 +140,11 @@ class RunLog:
         self.curves = plot_training_curves(read_metrics(self.path), png)
         step = results["train"]["global_step"]
         summary = run_summary(results, self.run_info, time.perf_counter() - self.start_time)
-        matrices = {f"{split}/confusion_matrix": results[split]["confusion_matrix"]
-                    for split in ("eval", "test") if "confusion_matrix" in results.get(split, {})}
+        matrices = {
+            f"{split}/confusion_matrix": results[split]["confusion_matrix"]
+            for split in ("eval", "test")
+            if "confusion_matrix" in results.get(split, {})
+        }
         for tracker in self.trackers:
             tracker.log_summary(summary, step)
             for name, matrix in matrices.items():
@@ -206,14 +213,18 @@ class RunMethods:
 
 # ---------------------------------------------------------------- W&B
 
+
 class WandB(RunMethods, WandBTracker):
     """A W&B run: online when possible, offline (with a sync command at the end) otherwise."""
 
     def __init__(self, context: RunContext, saved: dict):
         self.context, self.saved = context, saved
         tracking, env = context.tracking, os.environ
-        kwargs = {"name": None if tracking.run_name is None and env.get("WANDB_NAME") else context.run_name,
-                  "tags": tracking.tags or None, "entity": saved.get("entity") or None}
+        kwargs = {
+            "name": None if tracking.run_name is None and env.get("WANDB_NAME") else context.run_name,
+            "tags": tracking.tags or None,
+            "entity": saved.get("entity") or None,
+        }
         if not env.get("WANDB_DIR"):
             kwargs["dir"] = str(context.output_dir)
         if saved.get("id"):
@@ -224,8 +235,11 @@ class WandB(RunMethods, WandBTracker):
             kwargs["settings"] = wandb.Settings(init_timeout=WANDB_INIT_TIMEOUT_S)
         # The flag wins over WANDB_PROJECT only when it was changed from its default.
         default_project = TrackingConfig().project_name
-        project = saved.get("project") or (tracking.project_name if tracking.project_name != default_project
-                                           else env.get("WANDB_PROJECT", default_project))
+        project = saved.get("project") or (
+            tracking.project_name
+            if tracking.project_name != default_project
+            else env.get("WANDB_PROJECT", default_project)
+        )
         super().__init__(project, **kwargs)
 
     def start(self) -> None:
@@ -248,8 +262,12 @@ class WandB(RunMethods, WandBTracker):
         offline_dirs = list(self.saved.get("offline_dirs", []))
         if self.run.offline:
             offline_dirs.append(str(Path(self.run.settings.sync_dir).resolve()))
-        return {"id": self.run.id, "project": self.run.project, "entity": self.run.entity or None,
-                "offline_dirs": offline_dirs}
+        return {
+            "id": self.run.id,
+            "project": self.run.project,
+            "entity": self.run.entity or None,
+            "offline_dirs": offline_dirs,
+        }
 
     def log_summary(self, summary: dict, step: int) -> None:
         self.run.summary.update(summary)
@@ -259,8 +277,9 @@ class WandB(RunMethods, WandBTracker):
 
         # W&B's chart takes one (true, predicted) pair per example: expand the counts back into pairs.
         pairs = [(t, p) for t, row in enumerate(matrix) for p, count in enumerate(row) for _ in range(count)]
-        chart = wandb.plot.confusion_matrix(y_true=[t for t, _ in pairs], preds=[p for _, p in pairs],
-                                            class_names=labels, title=name)
+        chart = wandb.plot.confusion_matrix(
+            y_true=[t for t, _ in pairs], preds=[p for _, p in pairs], class_names=labels, title=name
+        )
         self.log({name: chart}, step=step)
 
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
@@ -273,8 +292,7 @@ class WandB(RunMethods, WandBTracker):
 
         self.log({"training_curves": wandb.Image(str(curves_png))}, step=step)
         if self.context.tracking.log_model:
-            artifact = wandb.Artifact(f"model-{self.run.id}", type="model",
-                                      metadata=self.context.cfg.to_dict())
+            artifact = wandb.Artifact(f"model-{self.run.id}", type="model", metadata=self.context.cfg.to_dict())
             for file in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
                 if file.is_file() and file.name != RUNS_FILE:
                     artifact.add_file(str(file))
@@ -347,13 +365,17 @@ def wandb_sync_command(state: dict, resumed: bool) -> str:
 
 # ---------------------------------------------------------------- trackio
 
+
 class Trackio(RunMethods, TrackioTracker):
     """A trackio run in the local database ($HF_HOME/trackio); resumed by its project and name."""
 
     def __init__(self, context: RunContext, saved: dict):
-        super().__init__(saved.get("project", context.tracking.project_name),
-                         name=saved.get("name", context.run_name), resume="allow" if saved else "never",
-                         embed=False)
+        super().__init__(
+            saved.get("project", context.tracking.project_name),
+            name=saved.get("name", context.run_name),
+            resume="allow" if saved else "never",
+            embed=False,
+        )
 
     def state(self) -> dict:
         return {"project": self.run.project, "name": self.run.name, "id": self.run.id}
@@ -377,6 +399,7 @@ class Trackio(RunMethods, TrackioTracker):
 
 # ---------------------------------------------------------------- TensorBoard
 
+
 class TensorBoard(RunMethods, TensorBoardTracker):
     """Event files in <output_dir>/tensorboard/<run name>; the config as text and, at the end, hparams."""
 
@@ -384,8 +407,9 @@ class TensorBoard(RunMethods, TensorBoardTracker):
         # purge_step makes TensorBoard hide what this directory holds from that step on: on resume,
         # the steps the first part logged after its checkpoint; on a new run, an older run of the name.
         purge_step = context.resume_step + 1 if context.resume_step is not None else 0
-        super().__init__(saved.get("name", context.run_name), str(context.output_dir / "tensorboard"),
-                         purge_step=purge_step)
+        super().__init__(
+            saved.get("name", context.run_name), str(context.output_dir / "tensorboard"), purge_step=purge_step
+        )
         self.config: dict = {}
 
     def state(self) -> dict:
@@ -405,12 +429,14 @@ class TensorBoard(RunMethods, TensorBoardTracker):
         self.log_table(name, *matrix_rows(matrix, labels), step=step)
 
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
-        self.writer.add_text(name, markdown_table(header, [[str(v).replace("|", "\\|") for v in row] for row in rows]),
-                             global_step=step)
+        self.writer.add_text(
+            name, markdown_table(header, [[str(v).replace("|", "\\|") for v in row] for row in rows]), global_step=step
+        )
         self.writer.flush()
 
 
 # ---------------------------------------------------------------- MLflow
+
 
 class MLflow(RunMethods, MLflowTracker):
     """An MLflow run in $MLFLOW_TRACKING_URI, else in a SQLite database inside the output folder."""
@@ -420,13 +446,20 @@ class MLflow(RunMethods, MLflowTracker):
 
         store = context.output_dir / "mlruns"
         store.mkdir(exist_ok=True)
-        self.tracking_uri = (os.environ.get("MLFLOW_TRACKING_URI") or saved.get("tracking_uri")
-                             or f"sqlite:///{(store / 'mlflow.db').resolve()}")
+        self.tracking_uri = (
+            os.environ.get("MLFLOW_TRACKING_URI")
+            or saved.get("tracking_uri")
+            or f"sqlite:///{(store / 'mlflow.db').resolve()}"
+        )
         mlflow.set_tracking_uri(self.tracking_uri)
         self.resumed = bool(saved)
-        super().__init__(experiment_name=context.tracking.project_name,
-                         logging_dir=str((store / "artifacts").resolve()), run_id=saved.get("run_id"),
-                         tags={tag: "true" for tag in context.tracking.tags} or None, run_name=context.run_name)
+        super().__init__(
+            experiment_name=context.tracking.project_name,
+            logging_dir=str((store / "artifacts").resolve()),
+            run_id=saved.get("run_id"),
+            tags={tag: "true" for tag in context.tracking.tags} or None,
+            run_name=context.run_name,
+        )
 
     def state(self) -> dict:
         return {"run_id": self.active_run.info.run_id, "tracking_uri": self.tracking_uri}

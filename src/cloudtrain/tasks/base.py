@@ -47,8 +47,9 @@ class Task:
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         raise NotImplementedError
 
-    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
-                   announce: bool) -> PreTrainedModel:
+    def load_model(
+        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
+    ) -> PreTrainedModel:
         raise NotImplementedError
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
@@ -66,12 +67,20 @@ class Task:
         """(summed loss, count) of one batch."""
         raise NotImplementedError
 
-    def evaluate(self, model: torch.nn.Module, batches: Iterable[dict], data: ProcessedData,
-                 gather: Callable, move: Callable, autocast: Callable) -> dict:
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[dict],
+        data: ProcessedData,
+        gather: Callable,
+        move: Callable,
+        autocast: Callable,
+    ) -> dict:
         raise NotImplementedError
 
-    def predict(self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable,
-                autocast: Callable):
+    def predict(
+        self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable, autocast: Callable
+    ):
         """Predictions for an unlabelled split (a task whose `process` leaves `data.unlabelled` empty has none)."""
         raise NotImplementedError
 

@@ -77,16 +77,21 @@ class CausalLMTask(Task):
     def check_options(self, cfg: Config) -> None:
         m = cfg.model
         if not m.model_name_or_path and not m.model_config:
-            raise UserError("--task causal_lm needs a decoder: --model_name_or_path <causal LM> to continue "
-                            f"pretraining, or --model_config <config.json or preset: {', '.join(presets())}> "
-                            "with --tokenizer_name_or_path to pretrain from scratch")
+            raise UserError(
+                "--task causal_lm needs a decoder: --model_name_or_path <causal LM> to continue "
+                f"pretraining, or --model_config <config.json or preset: {', '.join(presets())}> "
+                "with --tokenizer_name_or_path to pretrain from scratch"
+            )
         config = self._config(cfg)
         if not is_causal_lm(config):
             kind = ", ".join(config.architectures or [config.model_type])
-            hint = "; use --task classification" if any("Classification" in a for a in config.architectures or []) \
-                else ""
-            raise UserError(f"{m.model_name_or_path or m.model_config} is not a causal language model ({kind}); "
-                            f"--task causal_lm needs one that AutoModelForCausalLM loads (…ForCausalLM){hint}")
+            hint = (
+                "; use --task classification" if any("Classification" in a for a in config.architectures or []) else ""
+            )
+            raise UserError(
+                f"{m.model_name_or_path or m.model_config} is not a causal language model ({kind}); "
+                f"--task causal_lm needs one that AutoModelForCausalLM loads (…ForCausalLM){hint}"
+            )
 
     def _config(self, cfg: Config) -> transformers.PretrainedConfig:
         m = cfg.model
@@ -105,8 +110,9 @@ class CausalLMTask(Task):
         d = cfg.data
         docs = {split: self._tokenize(ds, split, tokenizer, d) for split, ds in raw.items()}
         if "validation" not in docs:
-            docs["train"], docs["validation"] = self._carve(docs["train"], d.validation_split_percentage,
-                                                            cfg.training.seed)
+            docs["train"], docs["validation"] = self._carve(
+                docs["train"], d.validation_split_percentage, cfg.training.seed
+            )
         docs["train"] = _first(docs["train"], d.max_train_samples)
         for split in ("validation", "test"):
             if split in docs:
@@ -114,20 +120,30 @@ class CausalLMTask(Task):
         rows = {split: _rows(split_docs, d.max_length, d.packing) for split, split_docs in docs.items()}
         prompts = list(d.sample_prompts) or [
             tokenizer.decode(doc[:PROMPT_TOKENS], skip_special_tokens=True).strip()
-            for doc in docs["validation"]["input_ids"][:d.num_sample_prompts]]
+            for doc in docs["validation"]["input_ids"][: d.num_sample_prompts]
+        ]
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return ProcessedData(train=rows["train"], validation=rows["validation"], test=rows.get("test"),
-                             collator=CausalLMCollator(pad if pad is not None else 0),
-                             prompts=[p for p in prompts if p])
+        return ProcessedData(
+            train=rows["train"],
+            validation=rows["validation"],
+            test=rows.get("test"),
+            collator=CausalLMCollator(pad if pad is not None else 0),
+            prompts=[p for p in prompts if p],
+        )
 
     def _tokenize(self, ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> Dataset:
         """One row of token ids per non-empty document, EOS appended; cached like classification's."""
         column, eos = cfg.text_column, tokenizer.eos_token_id
-        ds = ds.filter(lambda batch: [bool(t and str(t).strip()) for t in batch[column]], batched=True,
-                       desc=f"Dropping empty {split} rows")
+        ds = ds.filter(
+            lambda batch: [bool(t and str(t).strip()) for t in batch[column]],
+            batched=True,
+            desc=f"Dropping empty {split} rows",
+        )
         if len(ds) == 0:
-            raise UserError(f"the {split} data has no text in column {column!r} (every row is empty); "
-                            "give a corpus with text, or pass --text_column <name>")
+            raise UserError(
+                f"the {split} data has no text in column {column!r} (every row is empty); "
+                "give a corpus with text, or pass --text_column <name>"
+            )
 
         def encode(batch: dict) -> dict:
             ids = tokenizer([str(t) for t in batch[column]])["input_ids"]
@@ -137,22 +153,31 @@ class CausalLMTask(Task):
         cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         cache_dir.mkdir(parents=True, exist_ok=True)
         features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
-        return ds.map(encode, batched=True, remove_columns=ds.column_names, features=features,
-                      cache_file_name=str(cache_dir / f"lm-{split}-{key}.arrow"), new_fingerprint=key,
-                      desc=f"Tokenizing {split}")
+        return ds.map(
+            encode,
+            batched=True,
+            remove_columns=ds.column_names,
+            features=features,
+            cache_file_name=str(cache_dir / f"lm-{split}-{key}.arrow"),
+            new_fingerprint=key,
+            desc=f"Tokenizing {split}",
+        )
 
     @staticmethod
     def _carve(docs: Dataset, percentage: float, seed: int) -> tuple[Dataset, Dataset]:
         n_val = math.ceil(len(docs) * percentage / 100)
         if n_val >= len(docs):
-            raise UserError(f"the training data has only {len(docs)} document(s), too few to carve a validation "
-                            "split by document; give --validation_file or more documents")
+            raise UserError(
+                f"the training data has only {len(docs)} document(s), too few to carve a validation "
+                "split by document; give --validation_file or more documents"
+            )
         parts = docs.train_test_split(test_size=n_val, seed=seed)
         return parts["train"], parts["test"]
 
     # ------------------------------------------------------------ the model
-    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
-                   announce: bool) -> PreTrainedModel:
+    def load_model(
+        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
+    ) -> PreTrainedModel:
         m = cfg.model
         options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, self.auto_class))
         if m.attn_implementation:
@@ -170,8 +195,11 @@ class CausalLMTask(Task):
             raise UserError(f"could not build the causal language model: {first_line(err)}") from None
         if announce and m.model_config:
             params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-            print(f"built {type(model).__name__} from {m.model_config} with random weights (seed "
-                  f"{cfg.training.seed}): {params / 1e6:.1f}M parameters", flush=True)
+            print(
+                f"built {type(model).__name__} from {m.model_config} with random weights (seed "
+                f"{cfg.training.seed}): {params / 1e6:.1f}M parameters",
+                flush=True,
+            )
         if m.gradient_checkpointing:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         return model
@@ -185,33 +213,48 @@ class CausalLMTask(Task):
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
 
-    def _check_sizes(self, config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase,
-                     max_length: int, added_tokens: int = 0) -> None:
+    def _check_sizes(
+        self,
+        config: transformers.PretrainedConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int,
+        added_tokens: int = 0,
+    ) -> None:
         """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and a row its context."""
         text = config.get_text_config(decoder=True)
         vocab, context = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
         if vocab and len(tokenizer) - added_tokens > vocab:
-            raise UserError(f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
-                            "use the model's own tokenizer (only a chat template's new tokens grow the embeddings)")
+            raise UserError(
+                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
+                "use the model's own tokenizer (only a chat template's new tokens grow the embeddings)"
+            )
         if context and max_length > context:
-            raise UserError(f"--max_length {max_length} is longer than the model's context ({context} positions); "
-                            f"pass --max_length {context} or less")
+            raise UserError(
+                f"--max_length {max_length} is longer than the model's context ({context} positions); "
+                f"pass --max_length {context} or less"
+            )
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         if cfg.data.packing != "bfd":
             return
         # Partitioned weights cannot run a probe before the engine exists; FlashAttention cannot run on the
         # CPU copy probed here, and keeps documents apart from position_ids by design (varlen kernels).
-        reason = "under ZeRO-3" if is_deepspeed_zero3_enabled() else \
-            "with FlashAttention" if "flash" in (cfg.model.attn_implementation or "") else None
+        reason = (
+            "under ZeRO-3"
+            if is_deepspeed_zero3_enabled()
+            else "with FlashAttention"
+            if "flash" in (cfg.model.attn_implementation or "")
+            else None
+        )
         if reason:
             if announce:
                 print(f"note: document isolation of --packing bfd was not probed {reason}", flush=True)
             return
         problem = isolation_error(model)
         if problem:
-            raise UserError(f"--packing bfd: {problem}; use --packing wrapped or none, or --attn_implementation "
-                            "sdpa or eager")
+            raise UserError(
+                f"--packing bfd: {problem}; use --packing wrapped or none, or --attn_implementation sdpa or eager"
+            )
 
     # ------------------------------------------------------------ loss and evaluation
     def loss_count(self, batch: dict) -> torch.Tensor:
@@ -221,8 +264,15 @@ class CausalLMTask(Task):
         return shifted_loss(causal_lm_forward(model, batch), batch["labels"])
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, batches: Iterable[dict], data: ProcessedData,
-                 gather: Callable, move: Callable, autocast: Callable) -> dict:
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[dict],
+        data: ProcessedData,
+        gather: Callable,
+        move: Callable,
+        autocast: Callable,
+    ) -> dict:
         """Token-weighted loss and perplexity over every row exactly once; then the sample generations."""
         was_training = model.training
         model.eval()
@@ -233,8 +283,9 @@ class CausalLMTask(Task):
             with autocast():
                 logits = causal_lm_forward(model, batch)
             targets = batch["labels"][:, 1:]
-            per_token = F.cross_entropy(logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX,
-                                        reduction="none")
+            per_token = F.cross_entropy(
+                logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+            )
             row_sums, row_counts = gather((per_token.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)))
             loss_sum += row_sums.double().sum().item()
             tokens += row_counts.sum().item()
@@ -242,33 +293,49 @@ class CausalLMTask(Task):
         model.train(was_training)
         runtime = time.perf_counter() - start
         loss = loss_sum / max(tokens, 1)
-        result = {"loss": loss, "perplexity": math.exp(loss) if loss < 700 else float("inf"), "tokens": int(tokens),
-                  "samples": int(rows), "runtime_s": round(runtime, 3), "tokens_per_s": round(tokens / runtime, 1)}
+        result = {
+            "loss": loss,
+            "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+            "tokens": int(tokens),
+            "samples": int(rows),
+            "runtime_s": round(runtime, 3),
+            "tokens_per_s": round(tokens / runtime, 1),
+        }
         if data.prompts and self.tokenizer is not None:
             result.update(self.samples(getattr(model, "module", model), data))  # DDP and DeepSpeed wrap the model
         return result
 
     def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:
         """The greedy continuations of the sample prompts (every process generates the same ones)."""
-        continuations = generate_texts(model, self.tokenizer, data.prompts,
-                                       max_new_tokens=self.cfg.training.sample_max_new_tokens,
-                                       synced_gpus=is_deepspeed_zero3_enabled())
+        continuations = generate_texts(
+            model,
+            self.tokenizer,
+            data.prompts,
+            max_new_tokens=self.cfg.training.sample_max_new_tokens,
+            synced_gpus=is_deepspeed_zero3_enabled(),
+        )
         return {"generations": [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations)]}
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
         if not metrics.get("generations"):
             return {}
-        return {"generations": (["prompt", "continuation"],
-                                [[g["prompt"], g["continuation"]] for g in metrics["generations"]])}
+        return {
+            "generations": (
+                ["prompt", "continuation"],
+                [[g["prompt"], g["continuation"]] for g in metrics["generations"]],
+            )
+        }
 
     # ------------------------------------------------------------ summaries
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         return build_lm_model_card(output_dir, cfg, results)
 
     def describe_data(self, data: ProcessedData) -> str:
-        parts = [f"{len(rows)} {split} rows ({sum(sum(n) for n in rows['seq_lengths'])} tokens)"
-                 for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test))
-                 if rows is not None]
+        parts = [
+            f"{len(rows)} {split} rows ({sum(sum(n) for n in rows['seq_lengths'])} tokens)"
+            for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test))
+            if rows is not None
+        ]
         packing, block = self.cfg.data.packing, self.cfg.data.max_length
         fill = sum(sum(n) for n in data.train["seq_lengths"]) / (len(data.train) * block)
         return f"data: {', '.join(parts)}; packing {packing}, {block} tokens per row, {fill:.0%} filled"
@@ -280,7 +347,7 @@ class CausalLMTask(Task):
         return line
 
     def inference_hint(self, output_dir: str) -> str:
-        return f"python src/training_application.py generate --model_dir {output_dir} --prompt \"...\""
+        return f'python src/training_application.py generate --model_dir {output_dir} --prompt "..."'
 
 
 def _first(ds: Dataset, n: int | None) -> Dataset:
@@ -289,7 +356,7 @@ def _first(ds: Dataset, n: int | None) -> Dataset:
 
 def _rows(docs: Dataset, block_size: int, packing: str) -> Dataset:
     rows = pack([list(doc) for doc in docs["input_ids"]], block_size, packing)
-    features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                  "seq_lengths": datasets.List(datasets.Value("int32"))})
+    features = datasets.Features(
+        {"input_ids": datasets.List(datasets.Value("int32")), "seq_lengths": datasets.List(datasets.Value("int32"))}
+    )
     return Dataset.from_list(rows, features=features)
-

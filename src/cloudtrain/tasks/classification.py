@@ -36,8 +36,10 @@ class ClassificationTask(Task):
 
     def check_options(self, cfg: Config) -> None:
         if cfg.model.model_config:
-            raise UserError("--model_config builds a model from scratch for --task causal_lm; a classifier "
-                            "starts from --model_name_or_path")
+            raise UserError(
+                "--model_config builds a model from scratch for --task causal_lm; a classifier "
+                "starts from --model_name_or_path"
+            )
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         needed = {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}
@@ -48,16 +50,25 @@ class ClassificationTask(Task):
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         return process_data(raw, tokenizer, cfg.data, cfg.training.seed, label_order=head_labels(cfg.model))
 
-    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
-                   announce: bool) -> PreTrainedModel:
-        return load_model(cfg.model, data.label_names, tokenizer, announce=announce,
-                          weights=adapters.load_options(cfg, self.auto_class))
+    def load_model(
+        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
+    ) -> PreTrainedModel:
+        return load_model(
+            cfg.model,
+            data.label_names,
+            tokenizer,
+            announce=announce,
+            weights=adapters.load_options(cfg, self.auto_class),
+        )
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """Everything outside the pretrained body: the head, and what some heads add (DistilBERT's pre_classifier,
         DeBERTa's pooler), new from the seed; frozen, they would stay random and differ on every reload."""
-        return [name for name, child in model.named_children()
-                if name != model.base_model_prefix and any(True for _ in child.parameters())]
+        return [
+            name
+            for name, child in model.named_children()
+            if name != model.base_model_prefix and any(True for _ in child.parameters())
+        ]
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
@@ -67,34 +78,50 @@ class ClassificationTask(Task):
         logits = model(**inputs).logits
         return F.cross_entropy(logits.float(), batch["labels"], reduction="sum"), self.loss_count(batch)
 
-    def evaluate(self, model: torch.nn.Module, batches: Iterable[dict], data: ProcessedData,
-                 gather: Callable, move: Callable, autocast: Callable) -> dict:
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[dict],
+        data: ProcessedData,
+        gather: Callable,
+        move: Callable,
+        autocast: Callable,
+    ) -> dict:
         return evaluate_model(model, batches, len(data.label_names), gather=gather, move=move, autocast=autocast)
 
-    def predict(self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable,
-                autocast: Callable) -> tuple[list[int], list[float]]:
+    def predict(
+        self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable, autocast: Callable
+    ) -> tuple[list[int], list[float]]:
         """Predicted label ids and their probabilities for an unlabelled split, in the split's order."""
         return predict_labels(model, batches, gather=gather, move=move, autocast=autocast)
 
     def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted: tuple) -> None:
         ids, scores = predicted
-        write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl",
-                    records(data.unlabelled_texts[split], ids, scores, dict(enumerate(data.label_names))))
+        write_jsonl(
+            Path(output_dir) / f"{split}_predictions.jsonl",
+            records(data.unlabelled_texts[split], ids, scores, dict(enumerate(data.label_names))),
+        )
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         return build_model_card(output_dir, cfg, results)
 
     def describe_data(self, data: ProcessedData) -> str:
-        lines = [f"data: {len(data.train)} train / {len(data.validation)} validation"
-                 f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
-                 f"{len(data.label_names)} labels: {', '.join(data.label_names)}"]
-        lines += [f"the {split} data has no labels: it is used for predictions only ({split}_predictions.jsonl)"
-                  for split in data.unlabelled]
+        lines = [
+            f"data: {len(data.train)} train / {len(data.validation)} validation"
+            f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
+            f"{len(data.label_names)} labels: {', '.join(data.label_names)}"
+        ]
+        lines += [
+            f"the {split} data has no labels: it is used for predictions only ({split}_predictions.jsonl)"
+            for split in data.unlabelled
+        ]
         return "\n".join(lines)
 
     def describe_metrics(self, metrics: dict) -> str:
-        return (f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
-                f"loss {metrics['loss']:.4f} ({metrics['samples']} examples)")
+        return (
+            f"accuracy {metrics['accuracy']:.4f} | macro_f1 {metrics['macro_f1']:.4f} | "
+            f"loss {metrics['loss']:.4f} ({metrics['samples']} examples)"
+        )
 
     def inference_hint(self, output_dir: str) -> str:
-        return f"python src/training_application.py predict --model_dir {output_dir} --text \"...\""
+        return f'python src/training_application.py predict --model_dir {output_dir} --text "..."'

@@ -42,9 +42,13 @@ from cloudtrain.tasks.causal_lm import CausalLMTask, _first
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
 ANSWER_BATCH = 16  # sample answers generated this many at a time
-ROW_FEATURES = datasets.Features({"input_ids": datasets.List(datasets.Value("int32")),
-                                  "seq_lengths": datasets.List(datasets.Value("int32")),
-                                  "loss_mask": datasets.List(datasets.Value("int8"))})
+ROW_FEATURES = datasets.Features(
+    {
+        "input_ids": datasets.List(datasets.Value("int32")),
+        "seq_lengths": datasets.List(datasets.Value("int32")),
+        "loss_mask": datasets.List(datasets.Value("int8")),
+    }
+)
 
 
 class SFTTask(CausalLMTask):
@@ -63,17 +67,25 @@ class SFTTask(CausalLMTask):
     def check_options(self, cfg: Config) -> None:
         super().check_options(cfg)
         if cfg.data.packing == "wrapped":
-            raise UserError("--task sft packs whole examples: use --packing none (the default) or bfd; wrapped "
-                            "would cut examples apart")
-        if cfg.checkpoint.metric_for_best_model == "exact_match" and (cfg.data.sample_prompts
-                                                                      or not cfg.data.num_sample_prompts):
-            raise UserError("--metric_for_best_model exact_match compares sample answers with validation references: "
-                            "set --num_sample_prompts N (and no --sample_prompts), or pick loss")
+            raise UserError(
+                "--task sft packs whole examples: use --packing none (the default) or bfd; wrapped "
+                "would cut examples apart"
+            )
+        if cfg.checkpoint.metric_for_best_model == "exact_match" and (
+            cfg.data.sample_prompts or not cfg.data.num_sample_prompts
+        ):
+            raise UserError(
+                "--metric_for_best_model exact_match compares sample answers with validation references: "
+                "set --num_sample_prompts N (and no --sample_prompts), or pick loss"
+            )
         ChatFormat.setup(load_tokenizer(cfg.model), cfg.data.chat_template)  # a bad template fails here
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
-        named = {"--messages_column": cfg.messages_column, "--prompt_column": cfg.prompt_column,
-                 "--completion_column": cfg.completion_column}
+        named = {
+            "--messages_column": cfg.messages_column,
+            "--prompt_column": cfg.prompt_column,
+            "--completion_column": cfg.completion_column,
+        }
         return {flag: (column, True) for flag, column in named.items() if column}
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
@@ -87,34 +99,46 @@ class SFTTask(CausalLMTask):
         for split, ds in raw.items():
             missing = [c for c in columns.names if c not in ds.column_names and c != "input"]
             if missing:
-                raise UserError(f"the {split} data has no column {missing[0]!r} (its columns: "
-                                f"{', '.join(ds.column_names)})")
+                raise UserError(
+                    f"the {split} data has no column {missing[0]!r} (its columns: {', '.join(ds.column_names)})"
+                )
         raw = DatasetDict(raw)
         examples = {split: self._encode(ds, split, columns, d) for split, ds in raw.items()}  # checks every row
         if "validation" not in raw:  # the same examples carved from both, so sample prompts match the rows
-            train, validation = self._carve_indices(len(raw["train"]), d.validation_split_percentage,
-                                                    cfg.training.seed)
+            train, validation = self._carve_indices(len(raw["train"]), d.validation_split_percentage, cfg.training.seed)
             for splits in (raw, examples):
-                splits["train"], splits["validation"] = (splits["train"].select(train),
-                                                         splits["train"].select(validation))
-        for split, limit in (("train", d.max_train_samples), ("validation", d.max_eval_samples),
-                             ("test", d.max_eval_samples)):
+                splits["train"], splits["validation"] = (
+                    splits["train"].select(train),
+                    splits["train"].select(validation),
+                )
+        for split, limit in (
+            ("train", d.max_train_samples),
+            ("validation", d.max_eval_samples),
+            ("test", d.max_eval_samples),
+        ):
             if split in raw:
                 raw[split], examples[split] = _first(raw[split], limit), _first(examples[split], limit)
         rows = {split: self._rows(split, ds, d) for split, ds in examples.items()}
         self._sample_prompts(raw["validation"], columns, cfg)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        return ProcessedData(train=rows["train"], validation=rows["validation"], test=rows.get("test"),
-                             collator=CausalLMCollator(pad if pad is not None else 0),
-                             prompts=self.prompts, references=self.references)
+        return ProcessedData(
+            train=rows["train"],
+            validation=rows["validation"],
+            test=rows.get("test"),
+            collator=CausalLMCollator(pad if pad is not None else 0),
+            prompts=self.prompts,
+            references=self.references,
+        )
 
     @staticmethod
     def _carve_indices(n: int, percentage: float, seed: int) -> tuple[list[int], list[int]]:
         """(train, validation) example indices: a seeded share of the examples for validation."""
         n_val = math.ceil(n * percentage / 100)
         if n_val >= n:
-            raise UserError(f"the training data has only {n} example(s), too few to carve a validation split; "
-                            "give --validation_file or more examples")
+            raise UserError(
+                f"the training data has only {n} example(s), too few to carve a validation split; "
+                "give --validation_file or more examples"
+            )
         order = np.random.default_rng(seed).permutation(n)
         return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
 
@@ -126,8 +150,9 @@ class SFTTask(CausalLMTask):
             ids, masks = [], []
             for i, index in enumerate(indices):
                 try:
-                    examples = chat.examples(to_messages({c: batch[c][i] for c in batch}, columns, system),
-                                             train_on_prompt)
+                    examples = chat.examples(
+                        to_messages({c: batch[c][i] for c in batch}, columns, system), train_on_prompt
+                    )
                 except ValueError as err:
                     raise UserError(f"{split} example {index}: {err}") from None
                 ids += [example_ids for example_ids, _ in examples]
@@ -135,14 +160,30 @@ class SFTTask(CausalLMTask):
             return {"input_ids": ids, "loss_mask": masks}
 
         # The template writes BOS/EOS by their strings: two tokenizers with one vocabulary may differ there.
-        key = cache_key(ds, self.tokenizer, columns.format, *columns.names, system, train_on_prompt,
-                        self.tokenizer.chat_template, self.tokenizer.special_tokens_map, "sft-v2")
+        key = cache_key(
+            ds,
+            self.tokenizer,
+            columns.format,
+            *columns.names,
+            system,
+            train_on_prompt,
+            self.tokenizer.chat_template,
+            self.tokenizer.special_tokens_map,
+            "sft-v2",
+        )
         cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
         cache_dir.mkdir(parents=True, exist_ok=True)
         features = datasets.Features({name: ROW_FEATURES[name] for name in ("input_ids", "loss_mask")})
-        return ds.map(encode, batched=True, with_indices=True, remove_columns=ds.column_names, features=features,
-                      cache_file_name=str(cache_dir / f"sft-{split}-{key}.arrow"), new_fingerprint=key,
-                      desc=f"Tokenizing {split} with the chat template")
+        return ds.map(
+            encode,
+            batched=True,
+            with_indices=True,
+            remove_columns=ds.column_names,
+            features=features,
+            cache_file_name=str(cache_dir / f"sft-{split}-{key}.arrow"),
+            new_fingerprint=key,
+            desc=f"Tokenizing {split} with the chat template",
+        )
 
     def _rows(self, split: str, examples: Dataset, cfg: DataConfig) -> Dataset:
         """Examples cut to --max_length, those left with no answer token dropped (and counted), then packed."""
@@ -158,9 +199,11 @@ class SFTTask(CausalLMTask):
         self.report[split] = {"examples": len(examples), "truncated": truncated, "dropped": dropped}
         if dropped > MOST * len(examples) or not ids:
             longest = max(len(x) for x in examples["input_ids"])
-            raise UserError(f"{dropped} of {len(examples)} {split} examples have no answer token within --max_length "
-                            f"{limit} (the longest example is {longest} tokens); raise --max_length or shorten the "
-                            "prompts")
+            raise UserError(
+                f"{dropped} of {len(examples)} {split} examples have no answer token within --max_length "
+                f"{limit} (the longest example is {longest} tokens); raise --max_length or shorten the "
+                "prompts"
+            )
         return Dataset.from_list(pack_examples(ids, masks, limit, cfg.packing), features=ROW_FEATURES)
 
     def _sample_prompts(self, validation: Dataset, columns: Columns, cfg: Config) -> None:
@@ -177,8 +220,10 @@ class SFTTask(CausalLMTask):
             chats = [[*system, {"role": "user", "content": p}] for p in cfg.data.sample_prompts]
             too_long = next((chat[-1]["content"] for chat in chats if not fits(chat)), None)
             if too_long is not None:
-                raise UserError(f"--sample_prompts {too_long[:40]!r}... leaves no room for --sample_max_new_tokens "
-                                f"{cfg.training.sample_max_new_tokens} within --max_length {cfg.data.max_length}")
+                raise UserError(
+                    f"--sample_prompts {too_long[:40]!r}... leaves no room for --sample_max_new_tokens "
+                    f"{cfg.training.sample_max_new_tokens} within --max_length {cfg.data.max_length}"
+                )
         else:
             chats = []
             for row in validation:
@@ -192,8 +237,9 @@ class SFTTask(CausalLMTask):
         self.questions = [_last_question(chat) for chat in chats]
 
     # ------------------------------------------------------------ the model
-    def load_model(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase,
-                   announce: bool) -> PreTrainedModel:
+    def load_model(
+        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
+    ) -> PreTrainedModel:
         model = super().load_model(cfg, data, tokenizer, announce)
         rows = model.get_input_embeddings().weight
         rows = getattr(rows, "ds_shape", rows.shape)[0]  # ZeRO-3 partitions the weight
@@ -202,9 +248,12 @@ class SFTTask(CausalLMTask):
             # PEFT's AutoPeftModel... grows it when loading the adapter
             model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=None if cfg.model.peft != "none" else 64)
             if announce:
-                print(f"grew the embeddings from {rows} to {model.get_input_embeddings().num_embeddings} rows for "
-                      f"the chat template's tokens ({', '.join(_added(tokenizer, self.added_tokens))}); they train "
-                      "with the model", flush=True)
+                print(
+                    f"grew the embeddings from {rows} to {model.get_input_embeddings().num_embeddings} rows for "
+                    f"the chat template's tokens ({', '.join(_added(tokenizer, self.added_tokens))}); they train "
+                    "with the model",
+                    flush=True,
+                )
         stops = [self.chat.end_of_turn_id, tokenizer.eos_token_id]
         model.generation_config.eos_token_id = list(dict.fromkeys(t for t in stops if t is not None))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -215,14 +264,23 @@ class SFTTask(CausalLMTask):
         if not self.added_tokens:  # also when they fit in rows the embeddings had spare: those are untrained
             return []
         names = {module: name.rsplit(".", 1)[-1] for name, module in model.named_modules()}
-        return list(dict.fromkeys(names[m] for m in (model.get_input_embeddings(), model.get_output_embeddings())
-                                  if m is not None))
+        return list(
+            dict.fromkeys(
+                names[m] for m in (model.get_input_embeddings(), model.get_output_embeddings()) if m is not None
+            )
+        )
 
     # ------------------------------------------------------------ evaluation
     def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:
-        answers = generate_texts(model, self.tokenizer, data.prompts, add_special_tokens=False,
-                                 max_new_tokens=self.cfg.training.sample_max_new_tokens,
-                                 synced_gpus=is_deepspeed_zero3_enabled(), batch_size=ANSWER_BATCH)
+        answers = generate_texts(
+            model,
+            self.tokenizer,
+            data.prompts,
+            add_special_tokens=False,
+            max_new_tokens=self.cfg.training.sample_max_new_tokens,
+            synced_gpus=is_deepspeed_zero3_enabled(),
+            batch_size=ANSWER_BATCH,
+        )
         answers = [a.strip() for a in answers]
         generations = [{"question": q, "answer": a} for q, a in zip(self.questions, answers)]
         for generation, reference in zip(generations, data.references):
@@ -251,16 +309,24 @@ class SFTTask(CausalLMTask):
             answer = sum(_targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"]))
             tokens = sum(len(ids) for ids in rows["input_ids"])
             report = self.report[split]
-            parts.append(f"{report['examples'] - report['dropped']} {split} examples in {len(rows)} rows "
-                         f"({answer} answer tokens of {tokens})")
-        notes = [f"{r['truncated']} {split} examples cut to --max_length {self.cfg.data.max_length}"
-                 + (f", {r['dropped']} of them dropped (no answer token left)" if r["dropped"] else "")
-                 for split, r in self.report.items() if r["truncated"]]
-        return (f"data: {'; '.join(parts)}; template: {self.chat.source}; packing {self.cfg.data.packing}"
-                + "".join(f"\nnote: {n}" for n in notes))
+            parts.append(
+                f"{report['examples'] - report['dropped']} {split} examples in {len(rows)} rows "
+                f"({answer} answer tokens of {tokens})"
+            )
+        notes = [
+            f"{r['truncated']} {split} examples cut to --max_length {self.cfg.data.max_length}"
+            + (f", {r['dropped']} of them dropped (no answer token left)" if r["dropped"] else "")
+            for split, r in self.report.items()
+            if r["truncated"]
+        ]
+        return f"data: {'; '.join(parts)}; template: {self.chat.source}; packing {self.cfg.data.packing}" + "".join(
+            f"\nnote: {n}" for n in notes
+        )
 
     def describe_metrics(self, metrics: dict) -> str:
-        line = f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} ({metrics['tokens']} answer tokens)"
+        line = (
+            f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} ({metrics['tokens']} answer tokens)"
+        )
         if "exact_match" in metrics:
             line += f" | exact_match {metrics['exact_match']:.3f} ({len(metrics['generations'])} answers)"
         for g in metrics.get("generations", [])[:3]:
@@ -283,7 +349,7 @@ def _targets(mask: list[int], lengths: list[int]) -> int:
 
 
 def _last_question(messages: list[dict]) -> str:
-    return next((m["content"] for m in reversed(messages[:last_answer(messages)]) if m["role"] == "user"), "")
+    return next((m["content"] for m in reversed(messages[: last_answer(messages)]) if m["role"] == "user"), "")
 
 
 def _short(text: str, head: int = 24, tail: int = 45) -> str:
@@ -294,4 +360,3 @@ def _short(text: str, head: int = 24, tail: int = 45) -> str:
 
 def _added(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:
     return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer) - count, len(tokenizer))))
-

@@ -22,15 +22,22 @@ from cloudtrain.data_processing import ProcessedData
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers.base import (StepStats, Trainer, load_trainable_state, save_pretrained, trainable_state,
-                                      trains_everything)
+from cloudtrain.trainers.base import (
+    StepStats,
+    Trainer,
+    load_trainable_state,
+    save_pretrained,
+    trainable_state,
+    trains_everything,
+)
 
 
 class AcceleratedTrainer(Trainer):
     name = "AcceleratedTrainer"
 
-    def __init__(self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog,
-                 runtime: Runtime):
+    def __init__(
+        self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime
+    ):
         super().__init__(cfg, task, model, data, run_log, runtime)
         if runtime.accelerator is None:
             raise ValueError("the AcceleratedTrainer needs a Runtime built with an Accelerator")
@@ -42,15 +49,19 @@ class AcceleratedTrainer(Trainer):
     def setup(self) -> None:
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.
         self.model, self.optimizer, self.train_dl, *loaders = self.accelerator.prepare(
-            self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values())
-        self.eval_dls = dict(zip(self.eval_dls, loaders[:len(self.eval_dls)]))
-        self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls):]))
+            self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
+        )
+        self.eval_dls = dict(zip(self.eval_dls, loaders[: len(self.eval_dls)]))
+        self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls) :]))
         # adapters: checkpoints hold the trainable weights only (DeepSpeed is told in save/load_state; FSDP
         # saves its own way, whole)
         self.partial = not trains_everything(self.model)
         self.sharded = self.accelerator.distributed_type == DistributedType.FSDP or self._zero_stage() == 3
-        if self.partial and self.accelerator.distributed_type in (DistributedType.NO, DistributedType.MULTI_CPU,
-                                                                  DistributedType.MULTI_GPU):
+        if self.partial and self.accelerator.distributed_type in (
+            DistributedType.NO,
+            DistributedType.MULTI_CPU,
+            DistributedType.MULTI_GPU,
+        ):
             self.accelerator.register_save_state_pre_hook(self._keep_trainable)
             self.accelerator.register_load_state_pre_hook(self._load_trainable)
 
@@ -100,7 +111,9 @@ class AcceleratedTrainer(Trainer):
 
     def write_checkpoint(self, folder: Path) -> None:
         frozen = {"exclude_frozen_parameters": True} if self.partial and self.accelerator.state.deepspeed_plugin else {}
-        self.accelerator.save_state(str(folder), **frozen)  # model (safetensors), optimizer, scaler, RNG of every process
+        self.accelerator.save_state(
+            str(folder), **frozen
+        )  # model (safetensors), optimizer, scaler, RNG of every process
         if self.is_main_process:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
 

@@ -43,8 +43,8 @@ from transformers import PreTrainedModel, get_scheduler
 from cloudtrain import adapters
 from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
 from cloudtrain.config import PRECISIONS, Config
-from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
+from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.flops import ModelFlops, sum_squared_lengths
 from cloudtrain.runtime import Runtime
@@ -70,10 +70,15 @@ class TrainResult:
 
     def summary(self) -> dict:
         runtime = max(self.runtime_s, 1e-9)
-        return {"global_step": self.global_step, "epoch": round(self.epoch, 4), "train_loss": self.train_loss,
-                "train_runtime_s": round(self.runtime_s, 2), "train_samples": self.train_samples,
-                "train_samples_per_s": round(self.train_samples / runtime, 2),
-                "train_tokens_per_s": round(self.train_tokens / runtime, 1)}
+        return {
+            "global_step": self.global_step,
+            "epoch": round(self.epoch, 4),
+            "train_loss": self.train_loss,
+            "train_runtime_s": round(self.runtime_s, 2),
+            "train_samples": self.train_samples,
+            "train_samples_per_s": round(self.train_samples / runtime, 2),
+            "train_tokens_per_s": round(self.train_tokens / runtime, 1),
+        }
 
 
 def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
@@ -119,8 +124,10 @@ def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
     """Load a checkpoint's trainable weights; it must hold exactly the model's trainable parameters."""
     expected = set(trainable_state(model))
     if set(tensors) != expected:
-        raise ValueError(f"it holds {len(tensors)} weights, {len(set(tensors) - expected)} unknown to this model, "
-                         f"and lacks {len(expected - set(tensors))} of its {len(expected)} trainable ones")
+        raise ValueError(
+            f"it holds {len(tensors)} weights, {len(set(tensors) - expected)} unknown to this model, "
+            f"and lacks {len(expected - set(tensors))} of its {len(expected)} trainable ones"
+        )
     model.load_state_dict(tensors, strict=False)
 
 
@@ -143,9 +150,15 @@ class Meter:
     def add(self, window: list[dict], stats: StepStats, applied: torch.Tensor) -> None:
         masks = [batch["attention_mask"] for batch in window]  # real tokens (a causal LM's model never sees it)
         loss_sum = stats.loss_sum.double()
-        values = torch.stack([loss_sum.new_tensor(sum(len(m) for m in masks)), sum(m.sum() for m in masks).to(loss_sum),
-                              loss_sum, sum(sum_squared_lengths(m) for m in masks).to(loss_sum),
-                              stats.count.to(loss_sum)])
+        values = torch.stack(
+            [
+                loss_sum.new_tensor(sum(len(m) for m in masks)),
+                sum(m.sum() for m in masks).to(loss_sum),
+                loss_sum,
+                sum(sum_squared_lengths(m) for m in masks).to(loss_sum),
+                stats.count.to(loss_sum),
+            ]
+        )
         self.interval += torch.where(applied, values, 0.0)  # a skipped step's nan must not reach the sums
 
     def pending(self) -> list[float]:
@@ -162,9 +175,14 @@ class Meter:
         self.state.tokens += int(tokens)
         self.state.loss_sum += loss_sum
         self.state.loss_count += int(count)
-        return {"loss": loss_sum / max(count, 1), "samples_per_s": examples / seconds,
-                "tokens_per_s": tokens / seconds, "tokens": tokens, "squared_lengths": squared_lengths,
-                "seconds": seconds}
+        return {
+            "loss": loss_sum / max(count, 1),
+            "samples_per_s": examples / seconds,
+            "tokens_per_s": tokens / seconds,
+            "tokens": tokens,
+            "squared_lengths": squared_lengths,
+            "seconds": seconds,
+        }
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
@@ -193,8 +211,17 @@ class NonfiniteGuard:
 
 
 # Dense bf16/fp16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name().
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "A10G": 70e12, "L40S": 362e12, "L4": 121e12,
-              "A10": 125e12, "V100": 125e12, "T4": 65e12}
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "A10G": 70e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
 
 
 def peak_flops(device: torch.device) -> float | None:
@@ -208,8 +235,12 @@ def peak_flops(device: torch.device) -> float | None:
 def adamw_kernel(implementation: str) -> dict:
     """torch.optim.AdamW's keyword for --adamw_implementation; auto is fused, measured the fastest
     (bench/results/latest.md) and supported on CPU and CUDA, also under DeepSpeed and FSDP."""
-    return {"auto": {"fused": True}, "fused": {"fused": True}, "foreach": {"foreach": True},
-            "for_loop": {"foreach": False}}[implementation]
+    return {
+        "auto": {"fused": True},
+        "fused": {"fused": True},
+        "foreach": {"foreach": True},
+        "for_loop": {"foreach": False},
+    }[implementation]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
@@ -219,8 +250,7 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
         if param.requires_grad:
             # ZeRO-3 partitions parameters to shape [0] while loading; `ds_shape` keeps the real one
             (no_decay if len(getattr(param, "ds_shape", param.shape)) < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.training.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": cfg.training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.training.learning_rate, **adamw_kernel(cfg.training.adamw_implementation))
 
 
@@ -229,19 +259,29 @@ class Trainer:
 
     name = "trainer"
 
-    def __init__(self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog,
-                 runtime: Runtime):
+    def __init__(
+        self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime
+    ):
         t = cfg.training
         if t.mixed_precision not in PRECISIONS:  # a programming error: the pipeline resolves "auto" first
             raise ValueError(f"mixed_precision {t.mixed_precision!r}: resolve it with hardware.resolve_precision")
-        self.cfg, self.task, self.model, self.data, self.run_log, self.runtime = cfg, task, model, data, run_log, runtime
+        self.cfg, self.task, self.model, self.data, self.run_log, self.runtime = (
+            cfg,
+            task,
+            model,
+            data,
+            run_log,
+            runtime,
+        )
         self.is_main_process, self.num_processes = runtime.is_main, runtime.count
         self.train_dl: DataLoader = train_dataloader(data, t.per_device_train_batch_size, t.seed, cfg.data)
         self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size, cfg.data)}
         if data.test is not None:
             self.eval_dls["test"] = eval_dataloader(data.test, data, t.per_device_eval_batch_size, cfg.data)
-        self.predict_dls = {split: eval_dataloader(ds, data, t.per_device_eval_batch_size, cfg.data)
-                            for split, ds in data.unlabelled.items()}
+        self.predict_dls = {
+            split: eval_dataloader(ds, data, t.per_device_eval_batch_size, cfg.data)
+            for split, ds in data.unlabelled.items()
+        }
         if t.torch_compile:
             model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
         self.optimizer = build_optimizer(model, cfg)
@@ -289,16 +329,24 @@ class Trainer:
         t, k = self.cfg.training, self.cfg.training.gradient_accumulation_steps
         steps_per_epoch = math.ceil(len(self.train_dl) / k)
         total_steps = t.max_steps or math.ceil(t.num_train_epochs * steps_per_epoch)
-        self.scheduler = get_scheduler(t.lr_scheduler_type, self.optimizer,
-                                       num_warmup_steps=round(t.warmup_ratio * total_steps),
-                                       num_training_steps=total_steps)
+        self.scheduler = get_scheduler(
+            t.lr_scheduler_type,
+            self.optimizer,
+            num_warmup_steps=round(t.warmup_ratio * total_steps),
+            num_training_steps=total_steps,
+        )
         state = self.resume(resume_from) if resume_from else TrainerState()
         self._announce(steps_per_epoch, total_steps)
 
         meter = Meter(self.runtime.reduce_sum, state, self._device)
         guard = NonfiniteGuard(self._device, state.global_step)
-        bar = tqdm(total=total_steps, initial=state.global_step, desc="training", dynamic_ncols=True,
-                   disable=not self.is_main_process)
+        bar = tqdm(
+            total=total_steps,
+            initial=state.global_step,
+            desc="training",
+            dynamic_ncols=True,
+            disable=not self.is_main_process,
+        )
         if t.eval_on_start and state.global_step == 0:
             self._evaluate_during_training(state, bar)
         with PreemptionSignal() as preemption, bar:
@@ -319,12 +367,15 @@ class Trainer:
                     step, done = state.global_step, state.global_step >= total_steps
                     end_of_epoch = step % steps_per_epoch == 0
                     log_due = done or step % t.logging_steps == 0
-                    eval_due = not done and ((t.eval_strategy == "steps" and step % t.eval_steps == 0)
-                                             or (t.eval_strategy == "epoch" and end_of_epoch))
+                    eval_due = not done and (
+                        (t.eval_strategy == "steps" and step % t.eval_steps == 0)
+                        or (t.eval_strategy == "epoch" and end_of_epoch)
+                    )
                     save_due = bool(checkpointer and checkpointer.due(step, end_of_epoch))
                     # Flags are read where the loop syncs anyway: before anything is logged, evaluated or saved.
-                    preempted = (log_due or eval_due or save_due) and self._read_flags(guard, preemption, state,
-                                                                                      checkpointer)
+                    preempted = (log_due or eval_due or save_due) and self._read_flags(
+                        guard, preemption, state, checkpointer
+                    )
                     if log_due:
                         self._log_interval(step, step / steps_per_epoch, meter.flush(), stats, bar)
                     if eval_due:
@@ -333,14 +384,21 @@ class Trainer:
                         saved = self.save_checkpoint(checkpointer, state, meter)
                     if preempted:
                         where = f"checkpoint saved to {saved}" if checkpointer else "no checkpoint (none configured)"
-                        raise TrainingStopped(f"stopped by SIGTERM at step {step}; {where}: continue with "
-                                              "--resume_from_checkpoint latest", 143)
+                        raise TrainingStopped(
+                            f"stopped by SIGTERM at step {step}; {where}: continue with "
+                            "--resume_from_checkpoint latest",
+                            143,
+                        )
                     if done:
                         break
-        return TrainResult(global_step=state.global_step, epoch=state.global_step / steps_per_epoch,
-                           train_loss=state.loss_sum / max(state.loss_count or state.samples, 1),
-                           runtime_s=state.runtime_s + meter.elapsed(), train_samples=state.samples,
-                           train_tokens=state.tokens)
+        return TrainResult(
+            global_step=state.global_step,
+            epoch=state.global_step / steps_per_epoch,
+            train_loss=state.loss_sum / max(state.loss_count or state.samples, 1),
+            runtime_s=state.runtime_s + meter.elapsed(),
+            train_samples=state.samples,
+            train_tokens=state.tokens,
+        )
 
     def _loss_scale(self, window: list[dict]) -> torch.Tensor:
         """Process count / the step's count over all micro-batches and processes (one all-reduce)."""
@@ -367,8 +425,13 @@ class Trainer:
         else:
             self.optimizer_step()
 
-    def _read_flags(self, guard: NonfiniteGuard, preemption: PreemptionSignal, state: TrainerState,
-                    checkpointer: Checkpointer | None) -> bool:
+    def _read_flags(
+        self,
+        guard: NonfiniteGuard,
+        preemption: PreemptionSignal,
+        state: TrainerState,
+        checkpointer: Checkpointer | None,
+    ) -> bool:
         """Act on the non-finite steps since the last read: stop (default) or count them; then whether any
         process received SIGTERM (one small collective)."""
         count, first = guard.read()
@@ -378,13 +441,15 @@ class Trainer:
         elif count:
             last = checkpointer.latest() if checkpointer else None
             where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
-            raise TrainingStopped(f"the loss became non-finite at step {first}; training stopped and no model "
-                                  f"was saved ({where}). Lower --learning_rate or use --nonfinite_loss skip", 1)
+            raise TrainingStopped(
+                f"the loss became non-finite at step {first}; training stopped and no model "
+                f"was saved ({where}). Lower --learning_rate or use --nonfinite_loss skip",
+                1,
+            )
         return self.runtime.agree([preemption.received])[0]
 
     def save_checkpoint(self, checkpointer: Checkpointer, state: TrainerState, meter: Meter) -> Path:
-        snapshot = dataclasses.replace(state, interval=meter.pending(),
-                                       runtime_s=state.runtime_s + meter.elapsed())
+        snapshot = dataclasses.replace(state, interval=meter.pending(), runtime_s=state.runtime_s + meter.elapsed())
         return checkpointer.save(state.global_step, self.write_checkpoint, self.name, self.num_processes, snapshot)
 
     def resume(self, folder: Path) -> TrainerState:
@@ -395,15 +460,19 @@ class Trainer:
         try:
             self.load_checkpoint(folder)
         except Exception as err:  # torch, safetensors and accelerate raise many kinds for a damaged file
-            raise UserError(f"checkpoint {folder} could not be loaded ({type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:200]}); it may be damaged: pass another "
-                            "--resume_from_checkpoint") from None
+            raise UserError(
+                f"checkpoint {folder} could not be loaded ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200]}); it may be damaged: pass another "
+                "--resume_from_checkpoint"
+            ) from None
         state = TrainerState(**meta["state"])
         if not self.is_main_process:  # the pending logging sums of all processes live on the main one
             state.interval = [0.0] * len(state.interval)
         if self.is_main_process:
-            print(f"resumed from {folder} at step {state.global_step} "
-                  f"(loaded in {time.perf_counter() - start:.1f}s)", flush=True)
+            print(
+                f"resumed from {folder} at step {state.global_step} (loaded in {time.perf_counter() - start:.1f}s)",
+                flush=True,
+            )
         return state
 
     # ------------------------------------------------------------ shared pieces
@@ -413,13 +482,20 @@ class Trainer:
 
     def evaluate(self, split: str) -> dict:
         """The task's metrics of the current weights on one split, counted over every example exactly once."""
-        return self.task.evaluate(self.model, self.eval_dls[split], self.data, gather=self.runtime.gather,
-                                  move=self.move, autocast=self.autocast)
+        return self.task.evaluate(
+            self.model,
+            self.eval_dls[split],
+            self.data,
+            gather=self.runtime.gather,
+            move=self.move,
+            autocast=self.autocast,
+        )
 
     def predict(self, split: str):
         """The task's predictions for an unlabelled split, in the split's order."""
-        return self.task.predict(self.model, self.predict_dls[split], gather=self.runtime.gather, move=self.move,
-                                 autocast=self.autocast)
+        return self.task.predict(
+            self.model, self.predict_dls[split], gather=self.runtime.gather, move=self.move, autocast=self.autocast
+        )
 
     def log_evaluation(self, metrics: dict, prefix: str, step: int) -> None:
         """An evaluation's numbers and tables to the run log."""
@@ -435,9 +511,13 @@ class Trainer:
             bar.write(f"eval @ step {state.global_step}: {self.task.describe_metrics(metrics)}")
 
     def _log_interval(self, step: int, epoch: float, interval: dict, stats: StepStats, bar: tqdm) -> None:
-        values = {"train/loss": interval["loss"], "train/learning_rate": self.scheduler.get_last_lr()[0],
-                  "train/epoch": round(epoch, 4), "train/samples_per_s": interval["samples_per_s"],
-                  "train/tokens_per_s": interval["tokens_per_s"]}
+        values = {
+            "train/loss": interval["loss"],
+            "train/learning_rate": self.scheduler.get_last_lr()[0],
+            "train/epoch": round(epoch, 4),
+            "train/samples_per_s": interval["samples_per_s"],
+            "train/tokens_per_s": interval["tokens_per_s"],
+        }
         if stats.grad_norm is not None:
             values["train/grad_norm"] = float(stats.grad_norm)
         if self._peak_flops:
@@ -445,10 +525,12 @@ class Trainer:
             values["train/mfu"] = flops / interval["seconds"] / self.num_processes / self._peak_flops
         self.run_log.log(values, step=step)
         if self.is_main_process:
-            bar.write(f"step {step}/{bar.total} | epoch {epoch:.2f} | loss {values['train/loss']:.4f} | "
-                      f"lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s | "
-                      f"{values['train/tokens_per_s']:.0f} tokens/s"
-                      + (f" | MFU {values['train/mfu']:.1%}" if "train/mfu" in values else ""))
+            bar.write(
+                f"step {step}/{bar.total} | epoch {epoch:.2f} | loss {values['train/loss']:.4f} | "
+                f"lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s | "
+                f"{values['train/tokens_per_s']:.0f} tokens/s"
+                + (f" | MFU {values['train/mfu']:.1%}" if "train/mfu" in values else "")
+            )
 
     def _announce(self, steps_per_epoch: int, total_steps: int) -> None:
         t = self.cfg.training
@@ -456,9 +538,12 @@ class Trainer:
         if self.is_main_process:
             params, trainable = count_parameters(self.model), count_parameters(self.model, trainable=True)
             trains = "" if trainable == params else f" ({trainable / 1e6:.2f}M trainable: {trainable / params:.2%})"
-            print(f"{self.name}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters{trains}, "
-                  f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
-                  f"{t.mixed_precision}), effective batch {effective} "
-                  f"({t.per_device_train_batch_size} per device x {self.num_processes} x "
-                  f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
-                  f"({steps_per_epoch} per epoch)", flush=True)
+            print(
+                f"{self.name}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters{trains}, "
+                f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
+                f"{t.mixed_precision}), effective batch {effective} "
+                f"({t.per_device_train_batch_size} per device x {self.num_processes} x "
+                f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
+                f"({steps_per_epoch} per epoch)",
+                flush=True,
+            )

@@ -14,8 +14,14 @@ import numpy as np
 import safetensors.torch
 import torch
 
-from cloudtrain.trainers.base import (StepStats, Trainer, load_trainable_state, save_pretrained, trainable_state,
-                                      trains_everything)
+from cloudtrain.trainers.base import (
+    StepStats,
+    Trainer,
+    load_trainable_state,
+    save_pretrained,
+    trainable_state,
+    trains_everything,
+)
 
 AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
@@ -68,8 +74,15 @@ class BasicTrainer(Trainer):
             safetensors.torch.save_model(self.model, weights)
         else:  # adapters: the frozen base reloads from its own files
             safetensors.torch.save_file(trainable_state(self.model), weights)
-        torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                    "scaler": self.scaler.state_dict(), "rng": rng_state()}, folder / TRAINING_STATE)
+        torch.save(
+            {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "rng": rng_state(),
+            },
+            folder / TRAINING_STATE,
+        )
 
     def load_checkpoint(self, folder: Path) -> None:
         weights = str(folder / "model.safetensors")
@@ -87,8 +100,11 @@ class BasicTrainer(Trainer):
 def rng_state() -> dict:
     """Every RNG a step draws from, in types that torch.load(weights_only=True) accepts."""
     kind, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {"python": random.getstate(), "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss,
-                                                     cached], "torch": torch.get_rng_state()}
+    state = {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+    }
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
