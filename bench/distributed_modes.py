@@ -22,8 +22,7 @@ import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
-from cloudtrain.assets import default_model_dir  # noqa: E402
+from cloudtrain.assets import default_model_dir
 
 MODES = {"DDP": [], "ZeRO-1": ["--zero_stage", "1"], "ZeRO-2": ["--zero_stage", "2"], "ZeRO-3": ["--zero_stage", "3"]}
 

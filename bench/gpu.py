@@ -213,7 +213,6 @@ def run_one(spec: dict, timeout: float) -> dict:
 
 
 def _one_main(spec_json: str, result_path: str) -> None:
-    sys.path.insert(0, str(REPO / "src"))
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -361,7 +360,6 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    sys.path.insert(0, str(REPO / "src"))
     import lm_corpus
 
     corpus = lm_corpus.prepare(args.vocab_size, Path(args.tab) if args.tab else None)

@@ -157,7 +157,6 @@ def _summary(runs: list[dict]) -> dict:
 
 def run(s: LMSettings, repetitions: int = 2, log=None) -> dict:
     """Every packing, `repetitions` times interleaved; {"settings", "corpus", "variants": {packing: ...}}."""
-    sys.path.insert(0, str(REPO / "src"))
     import lm_corpus
     from transformers import AutoTokenizer
 

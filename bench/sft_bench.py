@@ -178,7 +178,6 @@ def prepare(s: SFTSettings, folder: Path) -> Prepared:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    sys.path.insert(0, str(REPO / "src"))
     from cloudtrain.chat import ChatFormat
     from cloudtrain.packing import pack_examples
 

@@ -7,11 +7,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 
 START = time.perf_counter()
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # cloudtrain, uninstalled
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers fork after the tokenizer ran

@@ -45,30 +45,27 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src"
-if str(SRC) not in sys.path:  # the application's own option rules check the hyperparameters
-    sys.path.insert(0, str(SRC))
-
-import boto3  # noqa: E402
-from botocore.exceptions import ClientError  # noqa: E402
-from sagemaker.core import image_uris  # noqa: E402
-from sagemaker.core.helper.iam_role_resolver import RoleValidationError  # noqa: E402
-from sagemaker.core.helper.session_helper import Session  # noqa: E402
-from sagemaker.core.resources import TrainingJob  # noqa: E402
-from sagemaker.core.training.configs import (  # noqa: E402
+import boto3
+from botocore.exceptions import ClientError
+from sagemaker.core import image_uris
+from sagemaker.core.helper.iam_role_resolver import RoleValidationError
+from sagemaker.core.helper.session_helper import Session
+from sagemaker.core.resources import TrainingJob
+from sagemaker.core.training.configs import (
     CheckpointConfig,
     Compute,
     InputData,
     SourceCode,
     StoppingCondition,
 )
-from sagemaker.train import ModelTrainer  # noqa: E402
-from sagemaker.train.distributed import Torchrun  # noqa: E402
+from sagemaker.train import ModelTrainer
+from sagemaker.train.distributed import Torchrun
 
-from cloudtrain.config import Config, build_config, load_config_file, validate  # noqa: E402
-from cloudtrain.errors import UserError, first_line  # noqa: E402
-from cloudtrain.sagemaker_env import CHANNEL_OPTIONS, DEFAULT_CHECKPOINT_DIR  # noqa: E402
+from cloudtrain.config import Config, build_config, load_config_file, validate
+from cloudtrain.errors import UserError, first_line
+from cloudtrain.sagemaker_env import CHANNEL_OPTIONS, DEFAULT_CHECKPOINT_DIR
 
+SRC = Path(__file__).resolve().parents[1] / "src"  # the job's source dir
 ENTRY_SCRIPT = "training_application.py"
 REQUIREMENTS = "requirements-sagemaker.txt"
 # The newest Hugging Face PyTorch training image the SDK knows (GPU only); requirements-sagemaker.txt

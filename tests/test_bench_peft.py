@@ -6,15 +6,12 @@ through the workers' own code (`train_once`) in this process: six fresh interpre
 machine. One run also goes through a fresh interpreter, as `make bench` runs them all.
 """
 
-import importlib
-import sys
 from pathlib import Path
 
+import peft_bench
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench"))
-peft_bench = importlib.import_module("peft_bench")
 
 DATA = (REPO / "data" / "reuters-r8" / "reuters-r8-train.tab", peft_bench.GRIMM / "train.txt")
 pytestmark = [

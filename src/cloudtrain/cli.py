@@ -1,11 +1,14 @@
 """Command line: `train` (the default), `predict`, `generate`, `push`, `plan` and `merge`.
 
-    python src/training_application.py [train] [--config FILE] [--<option> VALUE ...]
-    python src/training_application.py predict --model_dir DIR --text "..."
-    python src/training_application.py generate --model_dir DIR --prompt "..."
-    python src/training_application.py push --output_dir DIR --hub_model_id USER/NAME
-    python src/training_application.py plan --model_name_or_path DIR --num_gpus 8 --gpu_memory_gb 24
-    python src/training_application.py merge --output_dir DIR
+    cloudtrain [train] [--config FILE] [--<option> VALUE ...]
+    cloudtrain predict --model_dir DIR --text "..."
+    cloudtrain generate --model_dir DIR --prompt "..."
+    cloudtrain push --output_dir DIR --hub_model_id USER/NAME
+    cloudtrain plan --model_name_or_path DIR --num_gpus 8 --gpu_memory_gb 24
+    cloudtrain merge --output_dir DIR
+
+`cloudtrain` is the installed console script; `python src/training_application.py` (the SageMaker
+entry script) and `python -m cloudtrain` run the same `main`.
 
 Each command other than train is a module with `add_arguments(parser)` and `run(args)`, imported
 only when used. User mistakes print one `error:` line and exit with status 2; no traceback.
@@ -13,11 +16,11 @@ only when used. User mistakes print one `error:` line and exit with status 2; no
 
 import importlib
 import sys
+from pathlib import Path
 
 from cloudtrain.config import _Parser, add_config_arguments, config_from_namespace
 from cloudtrain.errors import TrainingStopped, UserError
 
-PROG = "training_application.py"
 COMMANDS = {  # name: (module, one-line description)
     "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
     "generate": ("cloudtrain.generate", "Continue prompts with a saved causal language model."),
@@ -33,8 +36,14 @@ DESCRIPTION = (
 )
 
 
+def prog() -> str:
+    """How the user called us, for usage lines: cloudtrain, training_application.py or python -m cloudtrain."""
+    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return "python -m cloudtrain" if name == "__main__.py" else name or "cloudtrain"
+
+
 def train_main(argv: list[str]) -> None:
-    parser = _Parser(prog=PROG, description=DESCRIPTION)
+    parser = _Parser(prog=prog(), description=DESCRIPTION)
     add_config_arguments(parser)
     cfg = config_from_namespace(parser.parse_args(argv))
     from cloudtrain.pipeline import run_training  # heavy imports only once the options are valid
@@ -45,7 +54,7 @@ def train_main(argv: list[str]) -> None:
 def command_main(name: str, argv: list[str]) -> None:
     module_name, description = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = _Parser(prog=f"{PROG} {name}", description=description)
+    parser = _Parser(prog=f"{prog()} {name}", description=description)
     module.add_arguments(parser)
     module.run(parser.parse_args(argv))
 
