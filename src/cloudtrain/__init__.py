@@ -1,3 +1,40 @@
-"""cloudtrain: fine-tune Hugging Face sequence classifiers locally, on many GPUs, or on SageMaker."""
+"""cloudtrain: train Hugging Face models (classifiers, decoder LMs, SFT, adapters) on one CPU, many GPUs or
+SageMaker, with experiment tracking.
+
+From Python or a notebook, the same pipeline as the `cloudtrain` command:
+
+    from cloudtrain import Config, train
+
+    results = train(task="causal_lm", model_name_or_path="gpt2", train_file="corpus.txt", max_steps=100)
+    results = train("configs/recipes/classification_cpu.yaml", num_train_epochs=1)   # a config file + overrides
+    cfg = Config()                                                                  # or the typed config
+    cfg.training.learning_rate = 3e-5
+    results = train(cfg)
+    results["eval"]["accuracy"], results["output_dir"]
+
+Mistakes raise cloudtrain.errors.UserError (one line saying what and how to fix), before anything heavy.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from cloudtrain.config import Config
 
 __version__ = "0.1.0"
+__all__ = ["Config", "train", "__version__"]
+
+
+def train(config: Config | dict | str | Path | None = None, /, **options: Any) -> dict:
+    """Run the training pipeline in this process; returns its results: {"train": ..., "eval": ..., "test": ...
+    (when there is a test split), "output_dir": ...}.
+
+    `config`: a Config, a dict of options (flat, or grouped by section as in a config file), or the path of a
+    YAML/JSON config file; `options` (flag names, e.g. learning_rate=3e-5) override it. The values are checked
+    exactly as on the command line. For several processes launch the command instead (accelerate, torchrun).
+    """
+    from cloudtrain.config import resolve_options
+
+    cfg = resolve_options(config, options)
+    from cloudtrain.pipeline import run_training  # heavy imports only once the options are valid
+
+    return run_training(cfg)

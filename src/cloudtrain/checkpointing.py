@@ -170,6 +170,11 @@ class Checkpointer:
         self.at_epoch_end = c.checkpointing_steps == "epoch"
         self.limit, self.metric = c.save_total_limit, c.metric_for_best_model
         self.adapters = adapter_settings(cfg)
+        t = cfg.training  # what --per_device_train_batch_size auto chose: a resume takes it instead of searching
+        self.batch = {
+            "per_device_train_batch_size": t.per_device_train_batch_size,
+            "gradient_accumulation_steps": t.gradient_accumulation_steps,
+        }
 
     def latest(self) -> Path | None:
         found = complete_checkpoints(self.folder)
@@ -197,6 +202,7 @@ class Checkpointer:
                 "trainer": trainer,
                 "num_processes": num_processes,
                 "adapters": self.adapters,
+                "batch": self.batch,
                 "metric": self.metric,
                 "score": self._score(state),
                 "state": asdict(state),

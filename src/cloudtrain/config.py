@@ -37,11 +37,19 @@ ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 PEFT_METHODS = ("none", "lora", "dora", "qlora")
 
 
-def opt(default: Any, help: str, choices: tuple | None = None, secret: bool = False, separator: str = ",") -> Any:
+def opt(
+    default: Any,
+    help: str,
+    choices: tuple | None = None,
+    secret: bool = False,
+    separator: str = ",",
+    auto: bool = False,
+) -> Any:
     """A config field with its help text; `secret` keeps it out of saved arguments and logs; a list option's
-    items are split at `separator` when given as one string."""
+    items are split at `separator` when given as one string; `auto` also takes the word auto."""
     kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
-    return field(**kind, metadata={"help": help, "choices": choices, "secret": secret, "separator": separator})
+    metadata = {"help": help, "choices": choices, "secret": secret, "separator": separator, "auto": auto}
+    return field(**kind, metadata=metadata)
 
 
 @dataclass
@@ -177,7 +185,17 @@ class TrainingConfig:
     )
     num_train_epochs: float = opt(2.0, "Number of passes over the training data.")
     max_steps: int | None = opt(None, "Stop after this many optimizer steps (overrides --num_train_epochs).")
-    per_device_train_batch_size: int = opt(16, "Training batch size per process.")
+    per_device_train_batch_size: int | str = opt(
+        16,
+        "Training batch size per process (the micro-batch), or auto: the largest that fits, found by probing "
+        "on CUDA and from the planner's estimate elsewhere; the accumulation then keeps the global batch.",
+        auto=True,
+    )
+    global_batch_size: int | None = opt(
+        None,
+        "Examples per optimizer step over all processes; sets the accumulation to global / (per-device "
+        "batch x processes). Unset: per-device batch x processes x --gradient_accumulation_steps.",
+    )
     per_device_eval_batch_size: int = opt(64, "Evaluation batch size per process.")
     gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step; the update equals one big batch.")
     learning_rate: float = opt(1e-4, "Peak learning rate of AdamW.")
@@ -340,7 +358,7 @@ def parse_bool(value: Any) -> bool:
 
 def _base_type(f: dataclasses.Field) -> type:
     tp = f.type
-    if isinstance(tp, types.UnionType):  # `X | None`
+    if isinstance(tp, types.UnionType):  # `X | None`, or `int | str` for an option that also takes auto
         tp = next(t for t in typing.get_args(tp) if t is not type(None))
     return tp
 
@@ -349,7 +367,9 @@ def _coerce(name: str, value: Any) -> Any:
     """Turn a value from the command line or a config file into the field's type, or raise UserError."""
     _, f = _fields()[name]
     tp = _base_type(f)
-    optional = isinstance(f.type, types.UnionType)
+    optional = type(None) in typing.get_args(f.type)
+    if f.metadata["auto"] and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
     try:
         # `none`/`null` unsets any `X | None` option (so a SageMaker hyperparameter can turn off a default);
         # for a required option it is an ordinary value, like `--report_to none`.
@@ -370,7 +390,8 @@ def _coerce(name: str, value: Any) -> Any:
         else:
             value = tp(value)
     except ValueError as err:
-        raise UserError(f"--{name}: {err}") from None
+        reason = f"expected a number or auto, got {value!r}" if f.metadata["auto"] else str(err)
+        raise UserError(f"--{name}: {reason}") from None
     choices = f.metadata["choices"]
     for item in value if isinstance(value, list) else [value]:
         if choices and item not in choices:
@@ -414,6 +435,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             kwargs.update(nargs="?", const="true", metavar="true|false")
         elif f.metadata["choices"]:
             kwargs["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+        elif f.metadata["auto"]:
+            kwargs["metavar"] = f"{kwargs['metavar']}|auto"
         group.add_argument(f"--{name}", **kwargs)
 
 
@@ -428,6 +451,11 @@ def load_config_file(path: str) -> dict:
         raise UserError(f"config file {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold key: value pairs")
+    return flatten(data)
+
+
+def flatten(data: dict) -> dict:
+    """{flag name: value} from options given flat or grouped under their section names."""
     sections = {f.name for f in dataclasses.fields(Config)}
     flat = {}
     for key, value in data.items():
@@ -464,6 +492,22 @@ def config_from_namespace(namespace: argparse.Namespace) -> Config:
     return config
 
 
+def resolve_options(config: "Config | dict | str | Path | None", overrides: dict) -> Config:
+    """The library's way in (cloudtrain.train): a Config, a dict of options or a config file's path, then
+    `overrides`, merged and checked as the command line merges and checks them."""
+    values = sagemaker_defaults()
+    if isinstance(config, Config):
+        values.update(config.to_dict(include_secrets=True))
+    elif isinstance(config, dict):
+        values.update(flatten(config))
+    elif config is not None:
+        values.update(load_config_file(str(config)))
+    values.update(flatten(overrides))
+    resolved = build_config(values)
+    validate(resolved)
+    return resolved
+
+
 # ---------------------------------------------------------------- checks that need no I/O
 
 
@@ -487,7 +531,15 @@ def validate(cfg: Config) -> None:
         (d.dataloader_num_workers < 0, "--dataloader_num_workers must not be negative"),
         (t.num_train_epochs <= 0 and t.max_steps is None, "--num_train_epochs must be positive (or set --max_steps)"),
         (t.max_steps is not None and t.max_steps < 1, "--max_steps must be at least 1"),
-        (t.per_device_train_batch_size < 1, "--per_device_train_batch_size must be at least 1"),
+        (
+            t.per_device_train_batch_size != "auto" and t.per_device_train_batch_size < 1,
+            "--per_device_train_batch_size must be at least 1 (or auto)",
+        ),
+        (t.global_batch_size is not None and t.global_batch_size < 1, "--global_batch_size must be at least 1"),
+        (
+            t.global_batch_size is not None and t.gradient_accumulation_steps != 1,
+            "--global_batch_size sets the accumulation; leave out --gradient_accumulation_steps",
+        ),
         (t.per_device_eval_batch_size < 1, "--per_device_eval_batch_size must be at least 1"),
         (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be at least 1"),
         (t.learning_rate <= 0, "--learning_rate must be positive"),

@@ -110,6 +110,15 @@ def resolve_deepspeed_config(source: str, given: dict, cfg: Config, world_size: 
         ("fp16", "enabled"): (t.mixed_precision == "fp16", "--mixed_precision"),
         ("bf16", "enabled"): (t.mixed_precision == "bf16", "--mixed_precision"),
     }
+    batch_keys = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size")
+    if t.per_device_train_batch_size == "auto":  # found after the model loads; set_batch fills them in then
+        fixed = [key for key in batch_keys if given.get(key, "auto") != "auto"]
+        if fixed:
+            raise UserError(
+                f"DeepSpeed config ({source}) fixes {', '.join(fixed)}, which --per_device_train_batch_size auto "
+                'chooses; set them to "auto" or give a number'
+            )
+        ours = {keys: value for keys, value in ours.items() if keys[0] not in batch_keys}
     resolved = copy.deepcopy(given)
     for keys, (value, flag) in ours.items():
         parent = resolved
@@ -202,6 +211,19 @@ def check_distributed(cfg: Config) -> None:
         raise UserError(
             "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
             "on this machine use plain multi-process (DDP) or --zero_stage 3"
+        )
+
+
+def set_batch(accelerator: Accelerator, micro_batch: int, accumulation: int) -> None:
+    """A micro-batch and accumulation chosen after the Accelerator was built, before `prepare`."""
+    accelerator.gradient_accumulation_steps = accumulation
+    plugin = accelerator.state.deepspeed_plugin
+    if plugin:
+        plugin.gradient_accumulation_steps = accumulation
+        plugin.deepspeed_config.update(
+            train_micro_batch_size_per_gpu=micro_batch,
+            gradient_accumulation_steps=accumulation,
+            train_batch_size=micro_batch * accumulation * accelerator.num_processes,
         )
 
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from cloudtrain import adapters, hub
+from cloudtrain import adapters, batch_size, hub
 from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, find_resume_checkpoint, read_state, restore_run_files
 from cloudtrain.config import Config, save_arguments
 from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
 from cloudtrain.data_processing import ProcessedData
-from cloudtrain.distributed import check_distributed
+from cloudtrain.distributed import check_distributed, launched_processes
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.model_loading import load_tokenizer, resolve_model_path
@@ -64,6 +64,7 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
         )
     check_data_sources(cfg.data)
     check_distributed(cfg)
+    batch_size.check(cfg, launched_processes())
     if not cfg.model.model_config:
         resolve_model_path(cfg.model)
     if cfg.model.tokenizer_name_or_path:
@@ -109,6 +110,7 @@ def build_run(cfg: Config) -> Run:
     task = build_task(cfg)
     cfg = resolve(cfg, task)
     output_dir, resume_from = preflight(cfg, task)
+    cfg = batch_size.fixed(cfg, launched_processes())  # --global_batch_size: the accumulation that reaches it
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg)  # before the model is loaded: ZeRO-3 partitions it while loading
@@ -126,6 +128,11 @@ def build_run(cfg: Config) -> Run:
     task.check_model(model, cfg, announce=runtime.is_main)
     if cfg.model.peft != "none":  # after gradient checkpointing, before the optimizer and accelerate
         model = adapters.attach(model, cfg, task.peft_task_type, task.train_in_full(model))
+    if cfg.training.per_device_train_batch_size == "auto":  # probes the loaded model, before accelerate wraps it
+        cfg = batch_size.choose(
+            cfg, model, data, task, runtime, read_state(resume_from).get("batch") if resume_from else None
+        )
+        runtime.set_batch(cfg.training.per_device_train_batch_size, cfg.training.gradient_accumulation_steps)
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
 
     if resume_from and runtime.is_main:
@@ -150,7 +157,7 @@ def build_run(cfg: Config) -> Run:
 
 
 def run_training(cfg: Config) -> dict:
-    """Run the whole pipeline; returns the final results (train, eval and, if present, test)."""
+    """Run the whole pipeline; returns the final results (train, eval and, if present, test) and the output dir."""
     run = build_run(cfg)
     cfg, task, runtime, trainer, output_dir = run.cfg, run.task, run.runtime, run.trainer, run.output_dir
     uploader = (
@@ -197,7 +204,7 @@ def run_training(cfg: Config) -> dict:
             except UserError as err:  # the final push below uploads everything that matters
                 print(f"warning: {err}", flush=True)
         hub.push_output_dir(output_dir, cfg, results)
-    return results
+    return {**results, "output_dir": str(output_dir)}
 
 
 def hub_hooks(cfg: Config, trainer, tokenizer, uploader, is_main: bool) -> dict:

@@ -68,6 +68,20 @@ class Runtime:
         votes = self.accelerator.gather(torch.tensor([flags], dtype=torch.int32, device=self.device))
         return votes.amax(dim=0).bool().tolist()
 
+    def smallest(self, value: int) -> int:
+        """The smallest of each process's `value`, on every process."""
+        if self.count == 1:
+            return value
+        values = self.accelerator.gather(torch.tensor([value], dtype=torch.int64, device=self.device))
+        return int(values.min())
+
+    def set_batch(self, micro_batch: int, accumulation: int) -> None:
+        """Tell the launch a micro-batch chosen after it was set up (--per_device_train_batch_size auto)."""
+        if self.accelerator:
+            from cloudtrain.distributed import set_batch
+
+            set_batch(self.accelerator, micro_batch, accumulation)
+
     def share(self, value: Any) -> Any:
         """The main process's `value` (a picklable object), on every process."""
         return broadcast_object_list([value])[0] if self.count > 1 else value

@@ -1,0 +1,265 @@
+"""The micro-batch and the accumulation: `--per_device_train_batch_size auto` and `--global_batch_size`.
+
+`--global_batch_size G` fixes the examples per optimizer step over all processes; the accumulation
+becomes G / (micro-batch x processes). With `auto` the micro-batch is found for this model on this
+device, and the accumulation follows, so the global batch stays what was asked: G, or without it the
+default micro-batch's (16 x processes x --gradient_accumulation_steps).
+
+How `auto` finds it:
+- CUDA, where out-of-memory can be caught: forward and backward of worst-case batches (the longest
+  training row, repeated) while the optimizer states' memory is held, growing by doubling from the
+  planner's estimate, then bisecting between the last fit and the first failure. Every process probes
+  its own device without collectives (the model is not wrapped yet), and the processes agree after
+  each probe: one rank out of memory fails the probe for all. Every probe and the choice are printed.
+- elsewhere (CPU), and under ZeRO-3 or FSDP (the model is sharded as it loads, so a lone process cannot
+  run it): the planner's estimate (cloudtrain.planner) against the memory available, said as such.
+The choice is stored in every checkpoint; a resume takes it from there instead of searching again.
+The chosen micro-batch divides the examples each process sees per step, so the global batch is exact.
+"""
+
+import contextlib
+import os
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from cloudtrain.config import Config, TrainingConfig
+from cloudtrain.errors import UserError
+
+DEFAULT_MICRO_BATCH = 16  # the option's default; `auto` without --global_batch_size keeps its global batch
+
+
+def target_global_batch(t: TrainingConfig, processes: int) -> int | None:
+    """The examples per optimizer step over all processes that the options ask for (None: whatever the
+    fixed micro-batch and accumulation give)."""
+    if t.global_batch_size:
+        return t.global_batch_size
+    if t.per_device_train_batch_size == "auto":
+        return DEFAULT_MICRO_BATCH * processes * t.gradient_accumulation_steps
+    return None
+
+
+def check(cfg: Config, processes: int) -> None:
+    """Refuse a global batch that the processes (and a fixed micro-batch) cannot split evenly; no I/O."""
+    t = cfg.training
+    target = target_global_batch(t, processes)
+    if target is None:
+        return
+    if target % processes:
+        raise UserError(
+            f"--global_batch_size {target} does not split over {processes} processes; use a multiple of {processes}"
+        )
+    micro = t.per_device_train_batch_size
+    if micro != "auto" and (target // processes) % micro:
+        raise UserError(
+            f"--global_batch_size {target} gives each of the {processes} process(es) {target // processes} "
+            f"examples per step, not a multiple of --per_device_train_batch_size {micro}; change one of them "
+            "(or use --per_device_train_batch_size auto)"
+        )
+
+
+def with_batch(cfg: Config, micro: int, processes: int) -> Config:
+    """`cfg` with this micro-batch and the accumulation that reaches the target global batch."""
+    t = cfg.training
+    target = target_global_batch(t, processes)
+    accumulation = target // (micro * processes) if target else t.gradient_accumulation_steps
+    return replace(
+        cfg, training=replace(t, per_device_train_batch_size=micro, gradient_accumulation_steps=accumulation)
+    )
+
+
+def fixed(cfg: Config, processes: int) -> Config:
+    """A numeric micro-batch: only the accumulation for --global_batch_size to fill in."""
+    if cfg.training.per_device_train_batch_size == "auto":
+        return cfg
+    return with_batch(cfg, cfg.training.per_device_train_batch_size, processes)
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of n that is at most `at_most` (1 at least)."""
+    return next(d for d in range(min(n, max(at_most, 1)), 0, -1) if n % d == 0)
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    text = str(err)
+    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
+
+
+def search(
+    probe: Callable[[int], None],
+    start: int,
+    cap: int,
+    agree: Callable[[list[bool]], list[bool]],
+    say: Callable[[str], None],
+) -> int:
+    """The largest micro-batch in [1, cap] whose `probe` runs out of memory on no process (0: not even 1).
+
+    Doubling from `start` while probes fit, then bisecting; a first probe that fails halves instead.
+    `agree` makes each probe's outcome the same on every process (any failure fails it for all); an
+    error other than out-of-memory on any process stops every process.
+    """
+
+    def fits(size: int) -> bool:
+        out_of_memory = failed = False
+        try:
+            probe(size)
+        except Exception as err:
+            if not is_out_of_memory(err):
+                say(f"batch size: micro-batch {size} failed: {type(err).__name__}: {str(err)[:200]}")
+                failed = True
+            out_of_memory = True
+        out_of_memory, failed = agree([out_of_memory, failed])
+        if failed:
+            raise UserError(
+                "the batch-size search failed on a process (see above); pass a number to --per_device_train_batch_size"
+            )
+        say(f"batch size: micro-batch {size}: {'out of memory' if out_of_memory else 'fits'}")
+        return not out_of_memory
+
+    size = min(max(start, 1), cap)
+    if fits(size):
+        low, high = size, None
+        while high is None and low < cap:
+            grown = min(low * 2, cap)
+            low, high = (grown, None) if fits(grown) else (low, grown)
+        if high is None:
+            return low
+    else:
+        low, high = 0, size
+        while low == 0 and high > 1:
+            halved = high // 2
+            low, high = (halved, high) if fits(halved) else (0, halved)
+        if low == 0:
+            return 0
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def worst_case_probe(model: torch.nn.Module, data, task, autocast, device: torch.device) -> Callable[[int], None]:
+    """probe(b): forward and backward of b copies of the longest training row on `device`; gradients freed."""
+    lengths = [len(ids) for ids in data.train["input_ids"]]
+    row = data.train[max(range(len(lengths)), key=lengths.__getitem__)]
+
+    def probe(size: int) -> None:
+        try:
+            batch = {k: v.to(device) for k, v in data.collator([row] * size).items()}
+            with autocast():
+                summed, _ = task.loss(model, batch)
+            summed.backward()
+        finally:
+            batch = summed = None  # noqa: F841  (drop the activations before freeing the cache)
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    probe.longest = max(lengths)  # type: ignore[attr-defined]
+    return probe
+
+
+def optimizer_reserve(model: torch.nn.Module, device: torch.device, processes: int) -> torch.Tensor | None:
+    """Hold what AdamW's two moments (and DDP's gradient buckets) will take, so probes see it taken."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    per_parameter = 8 + (4 if processes > 1 else 0)
+    return torch.empty(trainable * per_parameter, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+
+
+def available_bytes(device: torch.device) -> int:
+    """Memory this process may still use: its share of the host's free memory plus what it holds already
+    (CPU), or the device's free memory plus what torch has reserved (CUDA)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device)
+    import psutil
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return psutil.virtual_memory().available // local + psutil.Process().memory_info().rss
+
+
+def planner_estimate(cfg: Config, num_labels: int, processes: int, memory: int, seq_len: int) -> tuple[int, str]:
+    """(the largest micro-batch the planner fits into `memory` per process, or 0; why if it could not tell)."""
+    from cloudtrain.planner import run_micro_batch
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(processes)))
+    try:
+        return run_micro_batch(cfg, num_labels, local, max(processes // local, 1), memory, seq_len), ""
+    except UserError as err:
+        return 0, str(err)
+
+
+def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dict | None) -> Config:
+    """`cfg` with `auto` replaced by the micro-batch found (or stored in the checkpoint being resumed), and
+    the accumulation that keeps the global batch."""
+    say = print if runtime.is_main else (lambda text: None)
+    processes = runtime.count
+    per_process = target_global_batch(cfg.training, processes) // processes
+    if stored and per_process % stored["per_device_train_batch_size"]:
+        raise UserError(
+            f"the checkpoint's micro-batch {stored['per_device_train_batch_size']} does not divide the "
+            f"{per_process} examples per process per step this run asks for; resume with the global batch it "
+            "was trained with"
+        )
+    if stored:
+        say(
+            f"batch size: {stored['per_device_train_batch_size']} per device from the checkpoint "
+            f"(--per_device_train_batch_size auto chose it; no new search)"
+        )
+        return with_batch(cfg, stored["per_device_train_batch_size"], processes)
+    device = runtime.device
+    memory = runtime.smallest(available_bytes(device))
+    probe = worst_case_probe(model, data, task, autocast_for(cfg, device), device)
+    estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, memory, probe.longest)
+    say(
+        f"batch size: the planner fits micro-batch {estimate} in {memory / 2**30:.1f} GiB per process "
+        f"(rows of {probe.longest} tokens)" + (f"; it could not estimate: {why}" if why else "")
+    )
+    sharded = cfg.distributed.fsdp or cfg.distributed.zero_stage == 3
+    if device.type == "cuda" and not sharded:
+        found = probe_on_device(model, probe, device, processes, estimate, per_process, runtime, say)
+    else:
+        where = (
+            "ZeRO-3/FSDP shard the model as it loads" if sharded else f"out-of-memory cannot be caught on {device.type}"
+        )
+        fallback = "" if estimate else " (it fits none, or could not tell: micro-batch 1, which may not fit)"
+        say(f"batch size: no probing ({where}): the planner's estimate is used as is{fallback}")
+        found = estimate or 1
+    micro = largest_divisor(per_process, found)
+    chosen = with_batch(cfg, micro, processes)
+    t = chosen.training
+    say(
+        f"batch size: {micro} per device x {processes} process(es) x {t.gradient_accumulation_steps} accumulation = "
+        f"global batch {micro * processes * t.gradient_accumulation_steps}"
+        + (
+            f" (largest that fits: {found}; {micro} divides the {per_process} examples per process per step)"
+            if micro != found
+            else ""
+        )
+    )
+    return chosen
+
+
+def probe_on_device(model, probe, device, processes: int, estimate: int, cap: int, runtime, say) -> int:
+    """The search on a CUDA device, with the optimizer states' memory held; UserError if nothing fits."""
+    was_training = model.training
+    model.to(device).train()
+    reserve = optimizer_reserve(model, device, processes)
+    try:
+        found = search(probe, estimate or 1, cap, runtime.agree, say)
+    finally:
+        del reserve
+        model.train(was_training)
+        torch.cuda.empty_cache()
+    if found == 0:
+        raise UserError(
+            "not even micro-batch 1 fits in GPU memory: enable --gradient_checkpointing true, shard with "
+            "--zero_stage 3, or train adapters (--peft lora/qlora); `cloudtrain plan` compares them"
+        )
+    return found
+
+
+def autocast_for(cfg: Config, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    """The training step's autocast (fp16/bf16), as the trainers enter it."""
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.training.mixed_precision)
+    return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext

@@ -1,0 +1,226 @@
+"""`--per_device_train_batch_size auto` and `--global_batch_size` (cloudtrain.batch_size).
+
+The search is driven with injected out-of-memory errors: in one process against a fake probe, and in two
+real processes (gloo) probing the real model, one rank failing alone. The CPU path (the planner's
+estimate, no probing), the accumulation that keeps the global batch, the choice stored in checkpoints
+and the refusals run through the real application.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import REPO, run_cli
+from test_distributed import launch, torchrun
+
+import cloudtrain
+from cloudtrain.batch_size import largest_divisor, search
+from cloudtrain.checkpointing import complete_checkpoints, read_state
+from cloudtrain.errors import UserError
+
+
+def fake_probe(fits_up_to: int, probed: list[int]):
+    def probe(size: int) -> None:
+        probed.append(size)
+        if size > fits_up_to:
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} rows")
+
+    return probe
+
+
+def one_process(flags: list[bool]) -> list[bool]:
+    return flags
+
+
+@pytest.mark.parametrize(
+    "fits_up_to, start, cap, expected_probes",
+    [
+        (13, 2, 64, [2, 4, 8, 16, 12, 14, 13]),  # doubling from the estimate, then bisecting
+        (13, 40, 64, [40, 20, 10, 15, 12, 13, 14]),  # the estimate fails: halving, then bisecting
+        (100, 3, 20, [3, 6, 12, 20]),  # never beyond what each process needs per step
+        (1, 8, 64, [8, 4, 2, 1]),
+        (0, 8, 64, [8, 4, 2, 1]),  # nothing fits
+    ],
+)
+def test_search_finds_the_largest_that_fits(fits_up_to, start, cap, expected_probes):
+    probed, said = [], []
+    found = search(fake_probe(fits_up_to, probed), start, cap, one_process, said.append)
+    assert found == min(fits_up_to, cap)
+    assert probed == expected_probes
+    assert len(said) == len(probed) and all(line.startswith("batch size: micro-batch ") for line in said)
+    assert said[-1].endswith("out of memory" if probed[-1] > fits_up_to else "fits")
+
+
+def test_search_out_of_memory_in_the_message_counts_and_other_errors_stop_it():
+    def cublas(size: int) -> None:
+        if size > 4:
+            raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
+
+    assert search(cublas, 4, 64, one_process, lambda text: None) == 4
+
+    def broken(size: int) -> None:
+        raise KeyError("input_ids")
+
+    with pytest.raises(UserError, match="batch-size search failed"):
+        search(broken, 4, 64, one_process, lambda text: None)
+
+
+def test_a_failure_on_any_process_fails_the_probe_for_all():
+    probed, other_rank_fits_up_to = [], 5  # the other process, as `agree` reports it
+    current = {}
+
+    def probe(size: int) -> None:
+        current["size"] = size
+        fake_probe(40, probed)(size)
+
+    def agree(flags: list[bool]) -> list[bool]:
+        return [flags[0] or current["size"] > other_rank_fits_up_to, flags[1]]
+
+    assert search(probe, 2, 64, agree, lambda text: None) == 5
+
+
+def test_largest_divisor():
+    assert [largest_divisor(48, n) for n in (100, 48, 47, 20, 7, 1, 0)] == [48, 48, 24, 16, 6, 1, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "limits, expected",
+    [
+        ({"0": 32, "1": 4}, {"found": 4, "probed": [2, 4, 8, 6, 5]}),  # rank 1 runs out of memory alone
+        ({"0": 32, "1": "error"}, {"error": "batch-size search failed"}),  # a real bug stops both, no hang
+    ],
+)
+def test_two_processes_agree_on_the_smallest(tiny_model_dir, topic_csvs, tmp_path, limits, expected):
+    options = {
+        "model_name_or_path": tiny_model_dir,
+        "train_file": str(topic_csvs["train"]),
+        "validation_file": str(topic_csvs["validation"]),
+        "output_dir": str(tmp_path / "out"),
+    }
+    launch(
+        torchrun(2),
+        str(REPO / "tests" / "dist_batch_size.py"),
+        json.dumps(options),
+        json.dumps(limits),
+        str(tmp_path),
+        timeout=300,
+    )
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for result in results:
+        if "found" in expected:
+            assert result["found"] == expected["found"] and result["probed"] == expected["probed"]
+        else:
+            assert expected["error"] in result["error"]
+    assert results[0]["probed"] == results[1]["probed"]  # every probe was agreed on: the same path on both
+
+
+def tiny_run(tiny_model_dir, topic_csvs, out, **options):
+    return cloudtrain.train(
+        model_name_or_path=tiny_model_dir,
+        train_file=str(topic_csvs["train"]),
+        validation_file=str(topic_csvs["validation"]),
+        output_dir=str(out),
+        eval_strategy="no",
+        logging_steps=2,
+        **options,
+    )
+
+
+def test_auto_on_cpu_uses_the_planner_keeps_the_global_batch_and_stores_the_choice(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    out = tmp_path / "run"
+    results = tiny_run(
+        tiny_model_dir,
+        topic_csvs,
+        out,
+        per_device_train_batch_size="auto",
+        global_batch_size=12,
+        max_steps=2,
+        checkpointing_steps="1",
+    )
+    printed = capsys.readouterr().out
+    assert "batch size: the planner fits micro-batch" in printed
+    assert "no probing (out-of-memory cannot be caught on cpu)" in printed
+    assert "batch size: 12 per device x 1 process(es) x 1 accumulation = global batch 12" in printed
+    args = json.loads((out / "args.json").read_text())
+    assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (12, 1)
+    assert results["train"]["train_samples"] == 2 * 12 and results["output_dir"] == str(out)
+    checkpoint = complete_checkpoints(out / "checkpoints")[-1][1]
+    assert read_state(checkpoint)["batch"] == {"per_device_train_batch_size": 12, "gradient_accumulation_steps": 1}
+
+    # a resume takes the stored choice instead of searching again
+    state = read_state(checkpoint)
+    state["batch"] = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3}  # as a GPU search left it
+    (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+    tiny_run(
+        tiny_model_dir,
+        topic_csvs,
+        out,
+        per_device_train_batch_size="auto",
+        global_batch_size=12,
+        max_steps=3,
+        resume_from_checkpoint="latest",
+    )
+    printed = capsys.readouterr().out
+    assert "batch size: 4 per device from the checkpoint" in printed and "planner" not in printed
+    assert "effective batch 12 (4 per device x 1 x 3 accumulation)" in printed
+
+
+def test_global_batch_size_sets_the_accumulation(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    results = tiny_run(
+        tiny_model_dir, topic_csvs, tmp_path / "run", per_device_train_batch_size=4, global_batch_size=16, max_steps=2
+    )
+    assert "effective batch 16 (4 per device x 1 x 4 accumulation)" in capsys.readouterr().out
+    assert results["train"]["train_samples"] == 2 * 16
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--global_batch_size", "10", "--per_device_train_batch_size", "4"], "not a multiple of"),
+        (
+            ["--global_batch_size", "16", "--gradient_accumulation_steps", "2"],
+            "leave out --gradient_accumulation_steps",
+        ),
+        (["--per_device_train_batch_size", "many"], "expected a number or auto, got 'many'"),
+        (["--global_batch_size", "0"], "--global_batch_size must be at least 1"),
+    ],
+)
+def test_refusals_are_one_line(options, message, tmp_path):
+    result = run_cli(*options, "--output_dir", str(tmp_path / "out"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().count("\n") == 0 and message in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_probes_the_gpu(tiny_model_dir, topic_csvs, tmp_path):
+    command = [
+        sys.executable,
+        "-c",
+        "import sys, cloudtrain.cli; sys.exit(cloudtrain.cli.main())",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--output_dir",
+        str(tmp_path / "out"),
+        "--per_device_train_batch_size",
+        "auto",
+        "--global_batch_size",
+        "64",
+        "--max_steps",
+        "2",
+    ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probes = [line for line in result.stdout.splitlines() if line.startswith("batch size: micro-batch")]
+    assert probes and all(line.endswith(("fits", "out of memory")) for line in probes)
+    assert "global batch 64" in result.stdout
