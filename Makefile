@@ -30,7 +30,7 @@ $(STAMP): requirements.txt requirements-dev.txt constraints.txt
 # cloudtrain itself, editable: the `cloudtrain` command, and `import cloudtrain` from anywhere (the pins above
 # are its dependencies, so --no-deps).
 $(PKG): $(STAMP) pyproject.toml
-	$(PY) -m pip install -q --no-deps -e .
+	$(PY) -m pip install -q --no-deps --no-build-isolation -e .
 	touch $(PKG)
 
 data $(R8): $(PKG)

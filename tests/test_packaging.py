@@ -1,0 +1,132 @@
+"""The installable package: a wheel built from the checkout works outside it, the `cloudtrain` command has
+the same subcommands as the entry script, and the library API runs the pipeline."""
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+import cloudtrain
+from cloudtrain.cli import COMMANDS
+from cloudtrain.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def installed_wheel(tmp_path_factory) -> tuple[Path, Path]:
+    """(the wheel, the folder it is installed into) — outside the checkout, without dependencies (the
+    test environment has them)."""
+    root = tmp_path_factory.mktemp("wheel")
+    build = subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(root / "dist"), str(REPO)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert build.returncode == 0, build.stderr[-3000:]
+    wheel = next((root / "dist").glob("cloudtrain-*.whl"))
+    site = root / "site"
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert install.returncode == 0, install.stderr[-3000:]
+    return wheel, site
+
+
+def outside(site: Path, *command: str, cwd: Path) -> subprocess.CompletedProcess:
+    """Run with only the installed wheel importable as cloudtrain (not the checkout's src/)."""
+    env = {**os.environ, "PYTHONPATH": str(site), "CLOUDTRAIN_DATA_DIR": str(cwd / "no-data")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
+
+
+@pytest.mark.slow
+def test_the_wheel_holds_the_package_and_the_command(installed_wheel):
+    wheel, _ = installed_wheel
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "cloudtrain/pipeline.py" in names and "cloudtrain/model_presets/llama-8m.json" in names
+    assert "cloudtrain/metrics/classification/classification.py" in names  # loaded by path, not imported
+    assert not [n for n in names if n.startswith(("tests/", "bench/", "data/", "configs/"))]
+    entry_points = zipfile.ZipFile(wheel).read(next(n for n in names if n.endswith("entry_points.txt"))).decode()
+    assert "cloudtrain = cloudtrain.cli:main" in entry_points
+
+
+@pytest.mark.slow
+def test_the_installed_command_trains_outside_the_checkout(installed_wheel, tiny_model_dir, topic_csvs, tmp_path):
+    _, site = installed_wheel
+    script = site / "bin" / "cloudtrain"
+    where = outside(site, sys.executable, "-c", "import cloudtrain; print(cloudtrain.__file__)", cwd=tmp_path)
+    assert where.stdout.strip().startswith(str(site))  # the wheel's copy, not the checkout's
+
+    helped = outside(site, sys.executable, str(script), "--help", cwd=tmp_path)
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: cloudtrain ")
+    assert all(f"`{name}`" in " ".join(helped.stdout.split()) for name in COMMANDS)
+    sub = outside(site, sys.executable, str(script), "plan", "--help", cwd=tmp_path)
+    assert sub.returncode == 0 and sub.stdout.startswith("usage: cloudtrain plan"), sub.stderr[-500:]
+
+    missing = outside(site, sys.executable, str(script), "--max_steps", "1", cwd=tmp_path)  # the default data
+    assert missing.returncode == 2 and "python -m cloudtrain.assets" in missing.stderr
+
+    out = tmp_path / "out"
+    trained = outside(
+        site,
+        sys.executable,
+        str(script),
+        "train",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--output_dir",
+        str(out),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "4",
+        cwd=tmp_path,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert (out / "model.safetensors").is_file() and json.loads((out / "train_results.json").read_text())
+
+    module = outside(
+        site, sys.executable, "-m", "cloudtrain", "predict", "--model_dir", str(out), "--text", "oil", cwd=tmp_path
+    )
+    assert module.returncode == 0 and module.stdout.strip(), module.stderr[-2000:]
+
+
+def test_the_library_api_takes_a_file_a_dict_or_a_config_and_checks_like_the_command_line(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("training:\n  learning_rate: 3.0e-5\n  max_steps: 7\n")
+    from cloudtrain.config import resolve_options
+
+    from_file = resolve_options(str(config), {"max_steps": 9})
+    assert (from_file.training.learning_rate, from_file.training.max_steps) == (3e-5, 9)
+    from_dict = resolve_options({"training": {"learning_rate": 1e-3}}, {})
+    assert from_dict.training.learning_rate == 1e-3
+    typed = cloudtrain.Config()
+    typed.training.seed = 7
+    assert resolve_options(typed, {"seed": 8}).training.seed == 8 and resolve_options(typed, {}).training.seed == 7
+    with pytest.raises(UserError, match="unknown option 'learning_rat'; did you mean learning_rate"):
+        cloudtrain.train(learning_rat=1e-3)
+    with pytest.raises(UserError, match="--warmup_ratio must be in"):
+        cloudtrain.train(typed, warmup_ratio=2)
+
+
+def test_the_library_api_runs_the_pipeline(tiny_model_dir, topic_csvs, tmp_path):
+    results = cloudtrain.train(
+        {"model": {"model_name_or_path": tiny_model_dir}, "max_steps": 2},
+        train_file=str(topic_csvs["train"]),
+        validation_file=str(topic_csvs["validation"]),
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+    )
+    assert results["train"]["global_step"] == 2 and 0 <= results["eval"]["accuracy"] <= 1
+    assert Path(results["output_dir"], "model.safetensors").is_file()
