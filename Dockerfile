@@ -2,6 +2,7 @@
 # constraints.txt, the built-in model and data). Two uses:
 #   locally:    docker build -t cloudtrain .
 #               docker run --rm -v "$PWD/outputs:/opt/cloudtrain/outputs" cloudtrain make train ARGS="--max_train_samples 500"
+#               docker run --rm cloudtrain cloudtrain plan --num_gpus 8 --gpu_memory_gb 24
 #   SageMaker:  build for GPUs, push to ECR, and pass its URI to the launcher:
 #               docker build --build-arg TORCH_INDEX=https://download.pytorch.org/whl/cu128 -t cloudtrain:gpu .
 #               python sagemaker/launch.py --image_uri <account>.dkr.ecr.<region>.amazonaws.com/cloudtrain:gpu ...
@@ -17,12 +18,16 @@ RUN apt-get update && apt-get install -y --no-install-recommends make && rm -rf 
 
 WORKDIR /opt/cloudtrain
 COPY Makefile requirements.txt requirements-dev.txt constraints.txt ./
-COPY scripts/ scripts/
-# The pinned torch first, from TORCH_INDEX; `make setup` then finds it installed and adds the rest.
+# The pinned torch first, from TORCH_INDEX; the dependencies then find it installed and add the rest
+# (a layer of its own: a change to src/ does not reinstall them).
 RUN python -m venv .venv \
  && .venv/bin/pip install --index-url "$TORCH_INDEX" -c constraints.txt torch \
- && make setup
-COPY configs/ configs/
+ && make .venv/.installed
+# cloudtrain itself (editable: the `cloudtrain` command), then the default model and data.
+COPY pyproject.toml README.md ./
+COPY scripts/ scripts/
 COPY src/ src/
+RUN make setup
+COPY configs/ configs/
 
 CMD ["make", "train"]

@@ -227,15 +227,14 @@ def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dic
         found = estimate or 1
     micro = largest_divisor(per_process, found)
     chosen = with_batch(cfg, micro, processes)
-    t = chosen.training
+    if found >= per_process:
+        why = f" (up to {found} fit; each process takes {per_process} per step)" if found > per_process else ""
+    else:
+        why = f" (up to {found} fit; {micro} divides the {per_process} each process takes per step)" * (micro != found)
+    accumulation = chosen.training.gradient_accumulation_steps
     say(
-        f"batch size: {micro} per device x {processes} process(es) x {t.gradient_accumulation_steps} accumulation = "
-        f"global batch {micro * processes * t.gradient_accumulation_steps}"
-        + (
-            f" (largest that fits: {found}; {micro} divides the {per_process} examples per process per step)"
-            if micro != found
-            else ""
-        )
+        f"batch size: {micro} per device x {processes} process(es) x {accumulation} accumulation = "
+        f"global batch {micro * processes * accumulation}{why}"
     )
     return chosen
 
