@@ -414,7 +414,7 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.chat:
         return chat(model, tokenizer, args, options)
-    for number, (prompt, text) in enumerate(zip(prompts, texts)):
+    for number, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
         if number:
             print(SEPARATOR)
         print(f"{prompt}\n" if templated else prompt, end="", flush=True)

@@ -640,16 +640,16 @@ def activation_bytes(
     m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool, residual_bytes: int
 ) -> tuple[int, int]:
     """(saved for backward at the end of the forward pass, backward working space) per GPU."""
-    c, h, I, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
+    c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
     per_layer = sb * (
         c * (7 * h + 2 * m.kv_hidden_size)
-        + c * I * (m.activation_saved + 1 + 2 * m.gated_mlp)
+        + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp)
         + 2 * h * mask
         + m.num_heads * seq * _attention_scores(m, c)
     )
     outside = sb * h * (2 * c + mask)
-    return _stacked(m, per_layer, outside, c * sb * (h + I), checkpointing, residual_bytes * sb * h)
+    return _stacked(m, per_layer, outside, c * sb * (h + inter), checkpointing, residual_bytes * sb * h)
 
 
 def adapter_activation_bytes(
@@ -658,7 +658,7 @@ def adapter_activation_bytes(
     """(saved for backward, backward working space) per GPU with adapters: the frozen linear layers keep no
     inputs, each adapter keeps its own copy of its input (cast to its dtype or dropped out) with the dropout
     mask, and its r-wide middle; DoRA also keeps two output-sized tensors per adapted module."""
-    a, h, I, sb = m.adapters, m.hidden_size, m.intermediate_size, seq * micro_batch
+    a, h, inter, sb = m.adapters, m.hidden_size, m.intermediate_size, seq * micro_batch
     c = 2 if half else 4
     hidden = 4 if peft == "qlora" else c  # QLoRA's residual stream is fp32: its embeddings and norms were upcast
     mask = 1 if m.hidden_dropout else 0
@@ -668,14 +668,14 @@ def adapter_activation_bytes(
         + (2 * c * a.layer_outputs if peft == "dora" else 0)
     )
     per_layer = sb * (
-        hidden * (2 * h + I * (m.activation_saved + 2 * m.gated_mlp))
+        hidden * (2 * h + inter * (m.activation_saved + 2 * m.gated_mlp))
         + c * (2 * h + 2 * m.kv_hidden_size)
         + adapters
         + 2 * h * mask
         + m.num_heads * seq * _attention_scores(m, c)
     )
     outside = sb * h * (hidden + mask)  # the final norm's input: frozen, the embeddings' output needs no copy
-    return _stacked(m, per_layer, outside, hidden * sb * (h + I), checkpointing, hidden * sb * h)
+    return _stacked(m, per_layer, outside, hidden * sb * (h + inter), checkpointing, hidden * sb * h)
 
 
 def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> int:
@@ -1375,7 +1375,9 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
     table = [[row[i] for i in shown] for row in [COLUMNS] + [_table_row(r) for r in rows]]
     widths = [max(len(row[i]) for row in table) for i in range(len(shown))]
     lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in table
     ]
     body = lines[1:]

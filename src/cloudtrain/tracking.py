@@ -180,7 +180,7 @@ def numbers(values: dict) -> dict:
 
 def matrix_rows(matrix: list[list[int]], labels: list[str]) -> tuple[list[str], list[list]]:
     """A confusion matrix as (header, rows) of a table: rows = true class, columns = predicted."""
-    return ["true \\ predicted", *labels], [[label, *row] for label, row in zip(labels, matrix)]
+    return ["true \\ predicted", *labels], [[label, *row] for label, row in zip(labels, matrix, strict=True)]
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:

@@ -220,7 +220,8 @@ class CausalLMTask(Task):
         max_length: int,
         added_tokens: int = 0,
     ) -> None:
-        """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and a row its context."""
+        """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and a row its
+        context."""
         text = config.get_text_config(decoder=True)
         vocab, context = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
         if vocab and len(tokenizer) - added_tokens > vocab:
@@ -314,7 +315,9 @@ class CausalLMTask(Task):
             max_new_tokens=self.cfg.training.sample_max_new_tokens,
             synced_gpus=is_deepspeed_zero3_enabled(),
         )
-        return {"generations": [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations)]}
+        return {
+            "generations": [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations, strict=True)]
+        }
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
         if not metrics.get("generations"):
@@ -343,7 +346,9 @@ class CausalLMTask(Task):
     def describe_metrics(self, metrics: dict) -> str:
         line = f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} ({metrics['tokens']} tokens)"
         for g in metrics.get("generations", []):
-            line += f"\n  {json.dumps(g['prompt'], ensure_ascii=False)} -> {json.dumps(g['continuation'], ensure_ascii=False)}"
+            prompt = json.dumps(g["prompt"], ensure_ascii=False)
+            continuation = json.dumps(g["continuation"], ensure_ascii=False)
+            line += f"\n  {prompt} -> {continuation}"
         return line
 
     def inference_hint(self, output_dir: str) -> str:

@@ -189,7 +189,7 @@ class SFTTask(CausalLMTask):
         """Examples cut to --max_length, those left with no answer token dropped (and counted), then packed."""
         limit, ids, masks = cfg.max_length, [], []
         truncated = 0
-        for example_ids, mask in zip(examples["input_ids"], examples["loss_mask"]):
+        for example_ids, mask in zip(examples["input_ids"], examples["loss_mask"], strict=True):
             truncated += len(example_ids) > limit
             example_ids, mask = example_ids[:limit], mask[:limit]
             if any(mask[1:]):  # a row's first token is never a target
@@ -282,12 +282,13 @@ class SFTTask(CausalLMTask):
             batch_size=ANSWER_BATCH,
         )
         answers = [a.strip() for a in answers]
-        generations = [{"question": q, "answer": a} for q, a in zip(self.questions, answers)]
-        for generation, reference in zip(generations, data.references):
-            generation["reference"] = reference
+        generations = [{"question": q, "answer": a} for q, a in zip(self.questions, answers, strict=True)]
         result = {"generations": generations}
-        if data.references:
-            result["exact_match"] = sum(a == r.strip() for a, r in zip(answers, data.references)) / len(answers)
+        if data.references:  # none for --sample_prompts
+            for generation, reference in zip(generations, data.references, strict=True):
+                generation["reference"] = reference
+            matches = sum(a == r.strip() for a, r in zip(answers, data.references, strict=True))
+            result["exact_match"] = matches / len(answers)
         return result
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
@@ -306,7 +307,9 @@ class SFTTask(CausalLMTask):
         for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
             if rows is None:
                 continue
-            answer = sum(_targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"]))
+            answer = sum(
+                _targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"], strict=True)
+            )
             tokens = sum(len(ids) for ids in rows["input_ids"])
             report = self.report[split]
             parts.append(

@@ -51,8 +51,8 @@ class AcceleratedTrainer(Trainer):
         self.model, self.optimizer, self.train_dl, *loaders = self.accelerator.prepare(
             self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
         )
-        self.eval_dls = dict(zip(self.eval_dls, loaders[: len(self.eval_dls)]))
-        self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls) :]))
+        self.eval_dls = dict(zip(self.eval_dls, loaders[: len(self.eval_dls)], strict=True))
+        self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls) :], strict=True))
         # adapters: checkpoints hold the trainable weights only (DeepSpeed is told in save/load_state; FSDP
         # saves its own way, whole)
         self.partial = not trains_everything(self.model)
