@@ -309,6 +309,7 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     label names)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
+    assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
     data = card_data(cfg, results, adapter)
     dataset_id, dataset_display = dataset_info(cfg.data)
@@ -343,6 +344,7 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
     metrics of a `--task causal_lm` run, or with `chat` of a `--task sft` run: chat usage, sample answers)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
+    assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
     data = task_card_data(
         cfg,
@@ -420,6 +422,7 @@ def task_card_data(
     PEFT's library, tagged with its method and `peft`."""
     base_model, license = base_model_info(cfg.model)
     dataset_id, dataset_display = dataset_info(cfg.data)
+    assert cfg.hub.hub_model_id is not None  # a card is for a push, which needs --hub_model_id
     return ModelCardData(
         model_name=cfg.hub.hub_model_id.split("/")[-1],
         base_model=base_model,
@@ -514,7 +517,9 @@ def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
     if cfg.dataset_name and not Path(cfg.dataset_name).exists():
         suffix = f" ({cfg.dataset_config})" if cfg.dataset_config else ""
         return cfg.dataset_name, cfg.dataset_name + suffix
-    return None, Path((cfg.train_file or cfg.dataset_name).rstrip("/")).name  # local files or folder
+    source = cfg.train_file or cfg.dataset_name
+    assert source is not None  # one of them, or the first return
+    return None, Path(source.rstrip("/")).name  # local files or folder
 
 
 def label_names(output_dir: Path) -> list[str]:

@@ -61,7 +61,7 @@ def model_config_file(name: str) -> Path:
 
 class CausalLMTask(Task):
     name = "causal_lm"
-    metrics = ("loss", "perplexity")
+    metrics: tuple[str, ...] = ("loss", "perplexity")
     lower_is_better = frozenset(metrics)
     default_best_metric = "loss"
     default_packing = "wrapped"
@@ -118,10 +118,13 @@ class CausalLMTask(Task):
             if split in docs:
                 docs[split] = _first(docs[split], d.max_eval_samples)
         rows = {split: _rows(split_docs, d.max_length, d.packing) for split, split_docs in docs.items()}
-        prompts = list(d.sample_prompts) or [
-            tokenizer.decode(doc[:PROMPT_TOKENS], skip_special_tokens=True).strip()
-            for doc in docs["validation"]["input_ids"][: d.num_sample_prompts]
-        ]
+        prompts = (
+            list(d.sample_prompts)
+            or [
+                tokenizer.decode(doc[:PROMPT_TOKENS], skip_special_tokens=True).strip()  # type: ignore[union-attr]
+                for doc in docs["validation"]["input_ids"][: d.num_sample_prompts]
+            ]
+        )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(
             train=rows["train"],
