@@ -9,6 +9,7 @@ import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from itertools import pairwise
 
 import torch
 from transformers import DataCollatorWithPadding, set_seed
@@ -105,7 +106,7 @@ class StepClock:
         like with like, and a burst of load from another tenant of a shared machine moves a median
         far less than a total. Tokens are real (non-padding) ones."""
         ends = [self.start, *self.step_ends]
-        steps = [b - a for a, b in zip(ends, ends[1:])]
+        steps = [b - a for a, b in pairwise(ends)]
         step_s = statistics.median(steps[1:] if len(steps) > 1 else steps)
         samples_per_s = batch_size / max(step_s, 1e-9)
         return {

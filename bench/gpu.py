@@ -327,7 +327,7 @@ def render(report: dict) -> str:
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     lines += [f"{r['attention']}: failed: {r['error']}" for r in report["runs"] if "error" in r] + [""]
     if "error" in plan:
         lines.append(f"planner estimate: n/a ({plan['error']})")

@@ -36,6 +36,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 
 from fresh_process import prepare_worker, run_as_script, run_script
@@ -294,7 +295,7 @@ def train_once(spec: dict) -> dict:
         evaluated = time.perf_counter()
         metrics = trainer.evaluate("validation")
         evaluated = time.perf_counter() - evaluated
-    times = [b - a for a, b in zip([start, *ends], ends)]
+    times = [b - a for a, b in pairwise([start, *ends])]
     step_s = statistics.median(times[1:] if len(times) > 1 else times)
     per_step = result.train_tokens / max(result.global_step, 1)
     return {

@@ -152,7 +152,7 @@ def prepare(vocab_size: int = 4096, tab: Path | None = None) -> Corpus:
     files = folder / "train.txt", folder / "validation.txt"
     if not all(path.is_file() for path in files):
         folder.mkdir(parents=True, exist_ok=True)
-        for path, docs in zip(files, (train, validation)):
+        for path, docs in zip(files, (train, validation), strict=True):
             partial = path.with_suffix(".part")
             partial.write_text("\n".join(docs) + "\n", encoding="utf-8")
             partial.replace(path)

@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 
 from fresh_process import prepare_worker, run_as_script, run_script
@@ -278,7 +279,7 @@ def train_once(spec: dict) -> dict:
         peak = peak_rss_mb()
         ((_, checkpoint),) = complete_checkpoints(checkpoint_dir(cfg, run.output_dir))
         weights = sorted(run.output_dir.glob("*.safetensors"))
-        times = [b - a for a, b in zip([start, *ends], ends)]
+        times = [b - a for a, b in pairwise([start, *ends])]
         return {
             "steps": result.global_step,
             "median_step_s": statistics.median(times[spec["warmup_steps"] :]),

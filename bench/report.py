@@ -86,12 +86,14 @@ def write_markdown(results: dict, path: Path) -> None:
 
 def _bars(ax, entries: dict, labels: list[str], title: str) -> None:
     kept = [
-        (label, e["summary"]["train_samples_per_s"]) for label, e in zip(labels, entries.values()) if e["summary"]
+        (label, e["summary"]["train_samples_per_s"])
+        for label, e in zip(labels, entries.values(), strict=True)
+        if e["summary"]
     ]  # an ablation that timed out has no summary
     labels, rates = [label for label, _ in kept], [rate for _, rate in kept]
     medians = [rate["median"] for rate in rates]
-    low = [m - rate["min"] for m, rate in zip(medians, rates)]
-    high = [rate["max"] - m for m, rate in zip(medians, rates)]
+    low = [m - rate["min"] for m, rate in zip(medians, rates, strict=True)]
+    high = [rate["max"] - m for m, rate in zip(medians, rates, strict=True)]
     ax.barh(labels, medians, xerr=[low, high], color="tab:blue", capsize=3)
     ax.invert_yaxis()
     ax.set_xlabel("training samples/s (median, min-max)")
@@ -108,7 +110,7 @@ def write_chart(results: dict, path: Path) -> None:
         )
         panels.append((ablations, list(ablations), "Optimizations (BasicTrainer)"))
     fig, axes = plt.subplots(len(panels), 1, figsize=(8, 2 + 0.45 * sum(len(p[1]) for p in panels)), squeeze=False)
-    for ax, (entries, labels, title) in zip(axes[:, 0], panels):
+    for ax, (entries, labels, title) in zip(axes[:, 0], panels, strict=True):
         _bars(ax, entries, labels, title)
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -48,9 +48,10 @@ trl-packing see the same batches too).
 
 Reported per runner: real (non-padding) tokens/s = real tokens per step over the median step time (first step
 left out); computed tokens/s, padding included (for TRL's padding-free rows there is no padding, but attention
-runs over the whole flattened batch); the padding fraction; peak RSS of the run's process after training (VmHWM: see `peak_rss_mb`);
-the held-out loss: mean cross-entropy over the answer tokens (answer and end-of-turn) of the held-out examples,
-one example per row, computed by `heldout_loss` on the weights each runner saved, the same function for all.
+runs over the whole flattened batch); the padding fraction; peak RSS of the run's process after training
+(VmHWM: see `peak_rss_mb`); the held-out loss: mean cross-entropy over the answer tokens (answer and
+end-of-turn) of the held-out examples, one example per row, computed by `heldout_loss` on the weights each
+runner saved, the same function for all.
 
 What TRL does differently on this work (1.16, measured here):
 - its padding-free rows have no varlen kernel on CPU: sdpa attends over the whole flattened batch
@@ -81,6 +82,7 @@ import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 
 from fresh_process import prepare_worker, run_as_script, run_script
@@ -381,7 +383,7 @@ class StepMeter:
         self.ends.append(time.perf_counter())
 
     def result(self) -> dict:
-        times = [b - a for a, b in zip([self.start, *self.ends], self.ends)]
+        times = [b - a for a, b in pairwise([self.start, *self.ends])]
         step_s = statistics.median(times[1:] if len(times) > 1 else times)
         n = max(len(self.ends), 1)
         return {
@@ -558,7 +560,7 @@ def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMe
 
         def row(pair):
             ids, mask = chat.encode(messages(pair))
-            return {"input_ids": ids, "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, mask)]}
+            return {"input_ids": ids, "labels": [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]}
 
         pad = tokenizer.eos_token_id
 
@@ -606,13 +608,13 @@ def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMe
             )
             own = trainer._prepare_dataset(conversations, tokenizer, config, False, None, "conversations")
             extra.update(inputs_differing_from_ours=0, trained_not_by_ours=0, not_trained_by_trl=0)
-            for (ids, mask), example in zip(encoded, own):
+            for (ids, mask), example in zip(encoded, own, strict=True):
                 if example["input_ids"] != ids:
                     extra["inputs_differing_from_ours"] += 1
                     continue
                 trained = [label != IGNORE_INDEX for label in example["labels"]]
-                extra["trained_not_by_ours"] += sum(t and not m for t, m in zip(trained, mask))
-                extra["not_trained_by_trl"] += sum(m and not t for t, m in zip(trained, mask))
+                extra["trained_not_by_ours"] += sum(t and not m for t, m in zip(trained, mask, strict=True))
+                extra["not_trained_by_trl"] += sum(m and not t for t, m in zip(trained, mask, strict=True))
     trainer.train()
     trainer.save_model(saved)
     losses = [entry["train_loss"] for entry in trainer.state.log_history if "train_loss" in entry]

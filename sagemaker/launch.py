@@ -549,7 +549,7 @@ def _add_session_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _parse_hp(items: list[str]) -> dict:
     pairs = [item.partition("=") for item in items]
-    bad = [item for item, (key, sep, _) in zip(items, pairs) if not key or not sep]
+    bad = [item for item, (key, sep, _) in zip(items, pairs, strict=True) if not key or not sep]
     if bad:
         raise UserError(f"--hp {bad[0]}: write KEY=VALUE, e.g. --hp learning_rate=3e-5")
     return {key: value for key, _, value in pairs}

@@ -19,7 +19,7 @@ def test_json_holds_every_runner_with_sane_values(bench_results):
     results = json.loads((bench_results / "latest.json").read_text())
     assert set(results["runners"]) == set(RUNNERS)
     tokens = set()
-    for name, entry in results["runners"].items():
+    for _name, entry in results["runners"].items():
         (run,) = entry["runs"]
         assert run["steps"] == 3
         assert run["train_samples_per_s"] > 0 and run["eval_samples_per_s"] > 0

@@ -145,7 +145,7 @@ def tiny_runs(corpus, tmp_path_factory):
 
 
 def test_a_run_trains_the_planned_steps_and_counts_padding(tiny_runs):
-    for packing, (spec, result) in tiny_runs.items():
+    for _packing, (spec, result) in tiny_runs.items():
         assert result["steps"] == spec["steps"] == 2
         assert result["real_tokens_per_s"] > 0 and result["median_step_s"] > 0
         assert result["train_tokens"] <= result["computed_positions"]

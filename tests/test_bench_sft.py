@@ -52,7 +52,7 @@ def test_the_pairs_are_r8_articles_cut_to_fit_with_lengths_that_vary():
     pairs = [sft_bench.to_pair(c, t, chat, 256) for c, t in rows]
     lengths = [len(chat.encode(sft_bench.messages(p))[0]) for p in pairs]
     assert max(lengths) <= 256 and min(lengths) < 128 < max(lengths)
-    for (category, text), pair in zip(rows, pairs):
+    for (category, text), pair in zip(rows, pairs, strict=True):
         assert pair["completion"] == category and pair["prompt"].startswith(sft_bench.QUESTION)
         article = pair["prompt"][len(sft_bench.QUESTION) :]
         assert (" ".join(text.split()) + " ").startswith(article + " ")  # its first words, whole

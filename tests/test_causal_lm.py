@@ -95,7 +95,9 @@ def test_token_level_accumulation_equals_one_big_batch(tiny_llama_dir, corpus, t
         updates.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
         if k == 3:
             assert len(set(counts)) == 3  # the micro-batches really are uneven
-            per_batch_means = sum(run.task.loss(trainer.model, b)[0] / n for b, n in zip(window, counts)) / 3
+            per_batch_means = (
+                sum(run.task.loss(trainer.model, b)[0] / n for b, n in zip(window, counts, strict=True)) / 3
+            )
     assert losses[0] == pytest.approx(losses[1], rel=1e-6)
     assert float(per_batch_means) != pytest.approx(losses[1], rel=2e-5)  # the negative control: off by ~2e-4
     for name, grad in updates[1].items():
@@ -141,7 +143,9 @@ def test_pretraining_from_a_preset_is_seeded(lm_tokenizer_dir, corpus, tmp_path,
     second = build_run(build_config({**options, "output_dir": str(tmp_path / "b")})).model
     assert "built LlamaForCausalLM from llama-8m with random weights (seed 42)" in capsys.readouterr().out
     assert first.config.vocab_size % 64 == 0 and first.config.vocab_size >= 400
-    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    assert all(
+        torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True)
+    )
     third = build_run(build_config({**options, "output_dir": str(tmp_path / "c"), "seed": 7})).model
     assert not torch.equal(first.lm_head.weight, third.lm_head.weight)
 

@@ -120,8 +120,8 @@ def test_llama_untied_lm_head_counted_input_embedding_excluded():
     flops = ModelFlops.from_model(model)
     assert (flops.n_layers, flops.d_attn) == (2, 4 * 16)  # heads * head_dim, not hidden_size
     lengths = [10, 30, 7]
-    assert flops.training_flops(sum(lengths), sum(l * l for l in lengths)) == (
-        6 * n_total * sum(lengths) + sum(12 * 2 * 64 * l * l for l in lengths)
+    assert flops.training_flops(sum(lengths), sum(n * n for n in lengths)) == (
+        6 * n_total * sum(lengths) + sum(12 * 2 * 64 * n * n for n in lengths)
     )
 
 

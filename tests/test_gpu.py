@@ -273,7 +273,8 @@ import json, sys, torch
 from cloudtrain.config import build_config
 from cloudtrain.pipeline import run_training
 run_training(build_config(json.loads(sys.argv[1])))
-print("PEAK " + json.dumps({"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}))
+peak = {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+print("PEAK " + json.dumps(peak))
 """
 
 

@@ -306,7 +306,7 @@ def test_background_uploader_makes_one_commit_per_upload_in_order(in_process, tm
     saves = [make_save(tmp_path / f"checkpoint-{step}", step) for step in (2, 4, 6)]
     in_process.commits_open.clear()  # the Hub is slow: upload() must not wait for it
     try:
-        for step, folder in zip((2, 4, 6), saves):
+        for step, folder in zip((2, 4, 6), saves, strict=True):
             uploader.upload(folder, f"Training in progress, step {step}")
             uploader.upload(folder, f"Checkpoint at step {step}", path_in_repo="last-checkpoint")
         assert len(in_process.history("alice/in-progress")) == 1  # queued, none committed yet
@@ -320,7 +320,7 @@ def test_background_uploader_makes_one_commit_per_upload_in_order(in_process, tm
         for step in (2, 4, 6)
         for message in (f"Training in progress, step {step}", f"Checkpoint at step {step}")
     ]
-    for (model, checkpoint), folder in zip(zip(commits[::2], commits[1::2]), saves):
+    for (model, checkpoint), folder in zip(zip(commits[::2], commits[1::2], strict=True), saves, strict=True):
         assert model.added == {name: (folder / name).read_bytes() for name in ("model.safetensors", "config.json")}
         assert checkpoint.added == {f"last-checkpoint/{p.name}": p.read_bytes() for p in folder.iterdir()}
     final = commits[-1].files

@@ -94,7 +94,7 @@ def test_a_head_with_the_datas_labels_is_kept_in_its_order(kind, make_checkpoint
     texts_to_label = {row["text"]: row["label"] for row in topic_rows(4)}
     train = data.train
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    for ids, label in zip(train["input_ids"], train["labels"]):
+    for ids, label in zip(train["input_ids"], train["labels"], strict=True):
         text = tokenizer.decode(ids, skip_special_tokens=True)
         assert order[label] == texts_to_label[text]
     assert "replacing" not in capsys.readouterr().out

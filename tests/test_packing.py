@@ -159,7 +159,7 @@ def max_difference(references: dict[tuple, torch.Tensor], logits: torch.Tensor, 
     worst = 0.0
     for b, row in enumerate(rows):
         start = 0
-        for doc, length in zip(segments(row), row["seq_lengths"]):
+        for doc, length in zip(segments(row), row["seq_lengths"], strict=True):
             worst = max(worst, (logits[b, start : start + length] - references[tuple(doc)]).abs().max().item())
             start += length
     return worst

@@ -182,7 +182,7 @@ def test_measured_model_states_after_one_step_match_the_estimate(which, tiny_mod
     }
     facts = planner.model_facts(model_dir, num_labels=3)
     assert facts.num_params == sum(p.numel() for p in model.parameters())
-    estimated = dict(zip(measured, planner.model_state_bytes(facts, BY_KEY["ddp"], setup(precision="no"))))
+    estimated = dict(zip(measured, planner.model_state_bytes(facts, BY_KEY["ddp"], setup(precision="no")), strict=True))
     print(f"{which}: measured vs estimated bytes", {k: (measured[k], estimated[k]) for k in measured})
     for key in measured:
         assert measured[key] == pytest.approx(estimated[key], rel=0.05), key
@@ -481,7 +481,7 @@ def test_measured_lora_model_states_after_one_step_match_the_estimate(precision,
     }
     facts = planner.model_facts(model_dir, task="causal_lm")
     T, P = facts.adapters.trainable("lora"), facts.num_params
-    estimated = dict(zip(measured, planner.adapter_state_bytes(facts, "lora", setup(precision=precision))))
+    estimated = dict(zip(measured, planner.adapter_state_bytes(facts, "lora", setup(precision=precision)), strict=True))
     print(f"LoRA {precision}: measured vs estimated bytes", {k: (measured[k], estimated[k]) for k in measured})
     assert sum(measured.values()) == pytest.approx(sum(estimated.values()), rel=0.15)
     # the frozen base in the compute dtype, then 16 bytes per trainable parameter: fp32 weight 4, gradient 4 and

@@ -73,7 +73,7 @@ def sft_options(model_dir, train_file, out, **overrides) -> dict:
 def trained_text(chat: ChatFormat, ids: list[int], mask: list[int]) -> list[str]:
     """The runs of trained tokens, decoded (special tokens kept)."""
     runs, current = [], []
-    for token, keep in zip(ids, mask):
+    for token, keep in zip(ids, mask, strict=True):
         if keep:
             current.append(token)
         elif current:
@@ -92,7 +92,7 @@ def test_every_assistant_turn_and_its_end_of_turn_token_are_trained_and_nothing_
     end = chat.tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert chat.end_of_turn_id == end
     # <|im_end|> closes the system and user turns too: those are not trained.
-    assert [m for token, m in zip(ids, mask) if token == end] == [0, 0, 1, 0, 1]
+    assert [m for token, m in zip(ids, mask, strict=True) if token == end] == [0, 0, 1, 0, 1]
     assert chat.tokenizer.decode(ids) == chat.render(MULTI_TURN)
     assert chat.encode(MULTI_TURN, train_on_prompt=True)[1] == [1] * len(ids)
 

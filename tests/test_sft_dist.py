@@ -8,11 +8,14 @@ import subprocess
 import sys
 
 import pytest
+import test_hub
 import torch
 from conftest import ENTRY, REPO, lm_documents
 from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
-from test_hub import TOKEN, hub, hub_env, run_app  # noqa: F401 (hub: the local Hub server fixture)
+from test_hub import TOKEN, hub_env, run_app
+
+hub = test_hub.hub  # the local Hub server fixture, taken by name
 
 pytestmark = pytest.mark.slow
 

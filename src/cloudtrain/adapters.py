@@ -29,6 +29,7 @@ import json
 import shutil
 import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
 import transformers
@@ -106,7 +107,7 @@ def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         with torch.device("meta"):
-            return auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)
+            return auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)  # type: ignore[attr-defined]
     except (OSError, ValueError) as err:
         raise UserError(f"could not read the model config in {path}: {first_line(err)}") from None
 
@@ -143,7 +144,7 @@ def load_options(cfg: Config, auto_class: type) -> dict:
 # ---------------------------------------------------------------- at load time
 
 
-def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, train_in_full: list[str]):
+def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str]):  # a PreTrainedModel; a PeftModel out
     """The model with adapters (a PeftModel): base frozen, adapters and `train_in_full` modules trainable, fp32."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
@@ -158,7 +159,7 @@ def attach(model: transformers.PreTrainedModel, cfg: Config, task_type: str, tra
     tied = output is not None and output.weight is model.get_input_embeddings().weight
     lora = LoraConfig(
         r=m.lora_r,
-        lora_alpha=m.lora_alpha,
+        lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, scales by any number
         lora_dropout=m.lora_dropout,
         target_modules="all-linear" if m.lora_target_modules == ["all-linear"] else m.lora_target_modules,
         use_dora=m.peft == "dora",
@@ -210,7 +211,9 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
         raise UserError(
             f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads SEQ_CLS and CAUSAL_LM ones"
         )
-    options = {"dtype": dtype}
+    if not base:
+        raise UserError(f"{model_dir}/adapter_config.json names no base model (base_model_name_or_path)")
+    options: dict[str, Any] = {"dtype": dtype}
     if (model_dir / LABELS).is_file():
         id2label = {int(i): name for i, name in json.loads((model_dir / LABELS).read_text())["id2label"].items()}
         options.update(

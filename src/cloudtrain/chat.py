@@ -109,7 +109,8 @@ def _conversation(value, column: str) -> list[dict]:
         if turn.get("role") is not None:
             role, content = turn.get("role"), turn.get("content")
         elif turn.get("from") is not None:  # ShareGPT
-            role, content = SHAREGPT_ROLES.get(turn.get("from"), turn.get("from")), turn.get("value")
+            sender = turn["from"]
+            role, content = SHAREGPT_ROLES.get(sender, sender), turn.get("value")
         else:
             raise ValueError(
                 f"column {column!r} holds a message without a role (keys: {', '.join(turn)}); messages "
@@ -147,7 +148,7 @@ class ChatFormat:
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
-            return self.tokenizer.apply_chat_template(
+            return self.tokenizer.apply_chat_template(  # type: ignore[return-value]  # a str with tokenize=False
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt
             )
         except Exception as err:  # Jinja raises its own errors, and templates raise_exception(...)

@@ -242,7 +242,7 @@ class Checkpointer:
             (score, step, path) for step, path in found if (score := scores[path]) is not None and not math.isnan(score)
         ]
         keep = {found[-1][1]} | ({max(scored)[2]} if scored else set())
-        deleted = []
+        deleted: list[Path] = []
         for _, path in found:
             if len(found) - len(deleted) <= max(self.limit, len(keep)):
                 break

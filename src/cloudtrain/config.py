@@ -357,7 +357,7 @@ def parse_bool(value: Any) -> bool:
 
 
 def _base_type(f: dataclasses.Field) -> type:
-    tp = f.type
+    tp: Any = f.type  # a type, or its name as a string
     if isinstance(tp, types.UnionType):  # `X | None`, or `int | str` for an option that also takes auto
         tp = next(t for t in typing.get_args(tp) if t is not type(None))
     return tp
@@ -413,7 +413,7 @@ def _help(f: dataclasses.Field) -> str:
     text = f.metadata["help"]
     if f.metadata["choices"]:
         text += f" Choices: {', '.join(map(str, f.metadata['choices']))}."
-    default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     if default not in (None, []) and not f.metadata["secret"]:
         text += f" (default: {','.join(default) if isinstance(default, list) else default})"
     return text.replace("%", "%%")
@@ -427,10 +427,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         default=argparse.SUPPRESS,
         help="YAML or JSON file of options; flags given on the command line override it.",
     )
-    groups = {}
+    groups: dict[str, argparse._ArgumentGroup] = {}
     for name, (section, f) in _fields().items():
         group = groups.setdefault(section, parser.add_argument_group(f"{section} options"))
-        kwargs = dict(default=argparse.SUPPRESS, help=_help(f), metavar=_base_type(f).__name__.upper())
+        kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, help=_help(f), metavar=_base_type(f).__name__.upper())
         if _base_type(f) is bool:
             kwargs.update(nargs="?", const="true", metavar="true|false")
         elif f.metadata["choices"]:

@@ -27,7 +27,7 @@ import datasets
 import numpy as np
 import torch
 from datasets import ClassLabel, Dataset, DatasetDict
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
 
 from cloudtrain.config import DataConfig
@@ -200,7 +200,9 @@ def _encode(
     )
 
 
-def _cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, columns: list, names: list) -> str:
+def _cache_key(
+    ds: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, columns: list, names: list | None
+) -> str:
     """Same source rows + same tokenizer + same options -> same key -> cached result reused."""
     return cache_key(ds, tokenizer, cfg.max_length, columns, cfg.label_column, names, "v1")
 
@@ -283,6 +285,7 @@ def train_dataloader(data: ProcessedData, batch_size: int, seed: int, cfg: DataC
     """Shuffled per epoch (EpochShuffleSampler, or LengthGroupedSampler with --group_by_length);
     call `set_epoch` before iterating."""
     cfg = cfg or DataConfig()
+    sampler: Sampler[int]
     if cfg.group_by_length:
         sampler = LengthGroupedSampler([len(ids) for ids in data.train["input_ids"]], batch_size, seed)
     else:

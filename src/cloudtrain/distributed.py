@@ -203,7 +203,9 @@ def check_distributed(cfg: Config) -> None:
                 "ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed; unset it "
                 "(cloudtrain picks the gloo backend itself on a machine with no GPU)"
             )
-        source, given = requested_deepspeed(cfg)
+        requested = requested_deepspeed(cfg)
+        assert requested is not None  # what wants_deepspeed checked
+        source, given = requested
         resolved = resolve_deepspeed_config(source, given, cfg, launched_processes())
         if cfg.checkpoint.nonfinite_loss == "skip":
             check_deepspeed_skips(source, resolved, cfg.training.mixed_precision)

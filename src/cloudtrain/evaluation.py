@@ -39,7 +39,9 @@ def evaluate_model(
     was_training = model.training
     model.eval()
     start = time.perf_counter()
-    predictions, references, losses = [], [], []
+    predictions: list[torch.Tensor] = []
+    references: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
     for batch in batches:
         batch = move(batch)
         labels = batch.pop("labels")
@@ -51,14 +53,14 @@ def evaluate_model(
         references.append(ref.cpu())
         losses.append(loss.float().cpu())
     model.train(was_training)
-    predictions, references = torch.cat(predictions), torch.cat(references)
-    result = metric.compute(predictions=predictions.tolist(), references=references.tolist(), num_classes=num_labels)
+    predicted, referenced = torch.cat(predictions), torch.cat(references)
+    result = metric.compute(predictions=predicted.tolist(), references=referenced.tolist(), num_classes=num_labels)
     runtime = time.perf_counter() - start
     result.update(
         loss=torch.cat(losses).mean().item(),
-        samples=len(references),
+        samples=len(referenced),
         runtime_s=round(runtime, 3),
-        samples_per_s=round(len(references) / runtime, 2),
+        samples_per_s=round(len(referenced) / runtime, 2),
     )
     return result
 

@@ -149,7 +149,7 @@ class ModelFlops:
 
     def attention_flops(self, sum_sq_lengths: float) -> float:
         """Forward plus backward attention FLOPs of sequences whose squared lengths sum to this."""
-        if not self.attention:
+        if self.n_layers is None or self.d_attn is None:  # not self.attention
             return 0.0
         return 12.0 * self.n_layers * self.d_attn * float(sum_sq_lengths)
 

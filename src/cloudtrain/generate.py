@@ -245,7 +245,7 @@ def load(model_dir: str, device: torch.device):
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
     except (OSError, ValueError) as err:
         raise UserError(f"could not load the model in {model_dir}: {first_line(err)}") from None
-    return model.to(device).eval(), tokenizer
+    return model.to(device).eval(), tokenizer  # type: ignore[arg-type]  # transformers' wrapped `to`
 
 
 def _prompt_ids(tokenizer, prompt: str, add_special_tokens: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -414,7 +414,7 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.chat:
         return chat(model, tokenizer, args, options)
-    for number, (prompt, text) in enumerate(zip(prompts, texts)):
+    for number, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
         if number:
             print(SEPARATOR)
         print(f"{prompt}\n" if templated else prompt, end="", flush=True)
@@ -428,7 +428,8 @@ def _too_long(tokenizer, text: str, max_new_tokens: int, limit: int) -> bool:
 
 def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
     """Read a user turn, stream the answer, keep both; /reset and /exit are commands."""
-    system, history = _system(args), []
+    system = _system(args)
+    history: list[dict] = []
     limit = _context(model)
     print(
         f"chatting with {args.model_dir}: type a message; /reset clears the history, /exit or Ctrl-D quits", flush=True

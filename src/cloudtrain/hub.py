@@ -111,6 +111,7 @@ def check_access_from_main(cfg: HubConfig, is_main: bool, share: Callable[[str |
 
 def ensure_repo(api: HfApi, cfg: HubConfig) -> str:
     """Create the repo (and branch) when missing; returns the repo's URL."""
+    assert cfg.hub_model_id is not None  # check_access checked it
     url = api.create_repo(cfg.hub_model_id, private=cfg.hub_private_repo, exist_ok=True)
     if cfg.hub_revision:
         api.create_branch(cfg.hub_model_id, branch=cfg.hub_revision, exist_ok=True)
@@ -130,7 +131,7 @@ def hub_errors(api: HfApi, cfg: HubConfig, action: str, user: str | None = None)
         raise as_user_error(err, api, cfg, action, user) from None
 
 
-def as_user_error(err: Exception, api: HfApi, cfg: HubConfig, action: str, user: str | None = None) -> UserError:
+def as_user_error(err: BaseException, api: HfApi, cfg: HubConfig, action: str, user: str | None = None) -> UserError:
     if isinstance(err, UserError):
         return err
     if isinstance(err, OfflineModeIsEnabled):
@@ -162,9 +163,9 @@ def describe(err: HfHubHTTPError, cfg: HubConfig, user: str | None) -> str:
     return f"{status} {reason[0]}"
 
 
-def scrub(text: str, token: str | None) -> str:
+def scrub(text: str, token: str | bool | None) -> str:
     """Belt and braces: no message ever carries the token."""
-    return text.replace(token, "<token>") if token else text
+    return text.replace(token, "<token>") if isinstance(token, str) and token else text
 
 
 # ---------------------------------------------------------------- push at the end
@@ -210,6 +211,7 @@ def commit_model_files(
 ) -> CommitInfo:
     """One commit of `files` (from `folder`) to the repo root; returns its CommitInfo."""
     operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), hub_copy(path, base_model)) for path in files]
+    assert hub.hub_model_id is not None  # check_access checked it
     return api.create_commit(hub.hub_model_id, operations, commit_message=message, revision=hub.hub_revision)
 
 
@@ -239,6 +241,7 @@ def commit_message(results: dict) -> str:
 
 def retry_command(output_dir: Path, cfg: HubConfig) -> str:
     """The `push` command that uploads `output_dir` again; the token comes from the environment."""
+    assert cfg.hub_model_id is not None  # check_access checked it
     parts = [
         ENTRY,
         "push",
@@ -279,6 +282,7 @@ class HubUploader:
         template). Under a path (e.g. "last-checkpoint") the whole folder goes up and replaces what was
         under that path, so it always holds exactly one checkpoint.
         """
+        assert self._hub.hub_model_id is not None  # check_access checked it
         if path_in_repo:
             future = self._api.upload_folder(
                 repo_id=self._hub.hub_model_id,

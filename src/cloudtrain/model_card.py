@@ -79,7 +79,8 @@ ADAPTER_MACROS = """{% macro adapter_note(task) %}
 
 This repository holds a {{ adapter.name }} adapter (PEFT), not full weights: `from_pretrained` loads the base model
 named in adapter_config.json{% if base_model %} ([{{ base_model }}](https://huggingface.co/{{ base_model }})){% else %}
-(`{{ adapter.base }}`, a local directory on the training machine: point `base_model_name_or_path` at a copy of it){% endif %}
+(`{{ adapter.base }}`, a local directory on the training machine: point `base_model_name_or_path` at a copy of it)\
+{% endif %}
 and applies the adapter on top. `model = model.merge_and_unload()` folds the adapter into the base weights and gives a
 plain transformers model.
 {%- if adapter.merged %} That merged model is in this repository too, in `{{ adapter.merged }}/`; load it from a local
@@ -89,7 +90,8 @@ copy (given the repository, `from_pretrained` finds the adapter at its top, what
 from huggingface_hub import snapshot_download
 from transformers import pipeline
 
-folder = snapshot_download("{{ repo_id }}", allow_patterns="{{ adapter.merged }}/*"{% if revision %}, revision="{{ revision }}"{% endif %})
+folder = snapshot_download("{{ repo_id }}", allow_patterns="{{ adapter.merged }}/*"\
+{% if revision %}, revision="{{ revision }}"{% endif %})
 merged = pipeline("{{ task }}", model=f"{folder}/{{ adapter.merged }}")
 ```
 {%- endif %}
@@ -112,8 +114,11 @@ TEMPLATE = (
 
 # {{ model_name }}
 
-This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a fine-tuned model{% endif %}
-for text classification into {{ labels | length }} classes, trained on {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }}){% else %}{{ dataset_display }}{% endif %}
+This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](https://huggingface.co/{{ base_model }})\
+{% else %}a fine-tuned model{% endif %}
+for text classification into {{ labels | length }} classes, trained on \
+{% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
+{% else %}{{ dataset_display }}{% endif %}
 with cloudtrain ({{ training_type }} trainer).
 {%- if headline %}
 
@@ -132,13 +137,15 @@ from transformers import AutoTokenizer
 
 id2label = {{ id2label }}
 tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
+model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
 inputs = tokenizer("{{ example_text }}", return_tensors="pt")
 print(model.config.id2label[model(**inputs).logits.argmax(-1).item()])
 ```{{ adapter_note("text-classification") }}{% else %}```python
 from transformers import pipeline
 
-classifier = pipeline("text-classification", model="{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
+classifier = pipeline("text-classification", model="{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %})
 print(classifier("{{ example_text }}"))
 ```{% endif %}
 
@@ -165,14 +172,16 @@ print(classifier("{{ example_text }}"))
 
 | steps | epochs | final train loss | runtime (s) | samples/s |
 |---:|---:|---:|---:|---:|
-| {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | {{ train.train_runtime_s }} | {{ train.train_samples_per_s }} |
+| {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | \
+{{ train.train_runtime_s }} | {{ train.train_samples_per_s }} |
 
 ### Evaluation results
 
 | split | examples | accuracy | macro F1 | loss |
 |:------|---:|---:|---:|---:|
 {%- for row in evaluations %}
-| {{ row.split }} | {{ row.samples }} | {{ "%.4f" | format(row.accuracy) }} | {{ "%.4f" | format(row.macro_f1) }} | {{ "%.4f" | format(row.loss) }} |
+| {{ row.split }} | {{ row.samples }} | {{ "%.4f" | format(row.accuracy) }} | {{ "%.4f" | format(row.macro_f1) }} | \
+{{ "%.4f" | format(row.loss) }} |
 {%- endfor %}
 {%- for row in evaluations if row.confusion_matrix and labels | length <= max_matrix_labels %}
 
@@ -196,9 +205,16 @@ LM_TEMPLATE = (
 
 # {{ model_name }}
 
-This model is a {% if chat %}chat model, a causal language model{% else %}causal language model{% endif %}{% if architecture %} (`{{ architecture }}`{% if parameters %}, {{ parameters }} parameters{% endif %}){% endif %}
-{% if from_scratch %}trained from scratch from the {{ from_scratch }} configuration{% elif chat %}fine-tuned (supervised, on its answers only) from {% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}{% else %}trained by continued pretraining of {% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}{% endif %}
-on {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }}){% else %}{{ dataset_display }}{% endif %} with cloudtrain ({{ training_type }} trainer).
+This model is a {% if chat %}chat model, a causal language model{% else %}causal language model{% endif %}\
+{% if architecture %} (`{{ architecture }}`{% if parameters %}, {{ parameters }} parameters{% endif %}){% endif %}
+{% if from_scratch %}trained from scratch from the {{ from_scratch }} configuration\
+{% elif chat %}fine-tuned (supervised, on its answers only) from \
+{% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}\
+{% else %}trained by continued pretraining of \
+{% if base_model %}[{{ base_model }}](https://huggingface.co/{{ base_model }}){% else %}a local base model{% endif %}\
+{% endif %}
+on {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
+{% else %}{{ dataset_display }}{% endif %} with cloudtrain ({{ training_type }} trainer).
 {%- if headline %}
 
 It achieves the following results on the {{ headline.split }} set:
@@ -217,8 +233,10 @@ conversation exactly as training did, and generation stops at the end of the ans
 from transformers import AutoTokenizer{% else %}from transformers import AutoModelForCausalLM, AutoTokenizer{% endif %}
 
 tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-model = {{ "AutoPeftModelForCausalLM" if adapter else "AutoModelForCausalLM" }}.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-{% if chat %}messages = [{% if system_prompt %}{"role": "system", "content": {{ system_prompt }}}, {% endif %}{"role": "user", "content": {{ example_prompt }}}]
+model = {{ "AutoPeftModelForCausalLM" if adapter else "AutoModelForCausalLM" }}.from_pretrained("{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %})
+{% if chat %}messages = [{% if system_prompt %}{"role": "system", "content": {{ system_prompt }}}, {% endif %}\
+{"role": "user", "content": {{ example_prompt }}}]
 inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
 {% else %}inputs = tokenizer({{ example_prompt }}, return_tensors="pt")
 {% endif %}output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }})
@@ -247,7 +265,8 @@ print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["g
 
 | steps | epochs | final train loss | runtime (s) | tokens/s |
 |---:|---:|---:|---:|---:|
-| {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | {{ train.train_runtime_s }} | {{ train.train_tokens_per_s }} |
+| {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | \
+{{ train.train_runtime_s }} | {{ train.train_tokens_per_s }} |
 
 ### Evaluation results
 
@@ -260,7 +279,8 @@ print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["g
 
 ### Sample answers
 
-Greedy answers (at most {{ max_new_tokens }} new tokens) from the final evaluation on the validation set{% if exact_match is not none %}; {{ "%.1f" | format(100 * exact_match) }}% equal the reference{% endif %}:
+Greedy answers (at most {{ max_new_tokens }} new tokens) from the final evaluation on the validation set\
+{% if exact_match is not none %}; {{ "%.1f" | format(100 * exact_match) }}% equal the reference{% endif %}:
 
 | question | {% if generations[0].reference is defined %}reference | {% endif %}answer |
 |:---------|{% if generations[0].reference is defined %}:----------|{% endif %}:-------|
@@ -289,6 +309,7 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     label names)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
+    assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
     data = card_data(cfg, results, adapter)
     dataset_id, dataset_display = dataset_info(cfg.data)
@@ -323,6 +344,7 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
     metrics of a `--task causal_lm` run, or with `chat` of a `--task sft` run: chat usage, sample answers)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
+    assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
     data = task_card_data(
         cfg,
@@ -400,6 +422,7 @@ def task_card_data(
     PEFT's library, tagged with its method and `peft`."""
     base_model, license = base_model_info(cfg.model)
     dataset_id, dataset_display = dataset_info(cfg.data)
+    assert cfg.hub.hub_model_id is not None  # a card is for a push, which needs --hub_model_id
     return ModelCardData(
         model_name=cfg.hub.hub_model_id.split("/")[-1],
         base_model=base_model,
@@ -494,7 +517,9 @@ def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
     if cfg.dataset_name and not Path(cfg.dataset_name).exists():
         suffix = f" ({cfg.dataset_config})" if cfg.dataset_config else ""
         return cfg.dataset_name, cfg.dataset_name + suffix
-    return None, Path((cfg.train_file or cfg.dataset_name).rstrip("/")).name  # local files or folder
+    source = cfg.train_file or cfg.dataset_name
+    assert source is not None  # one of them, or the first return
+    return None, Path(source.rstrip("/")).name  # local files or folder
 
 
 def label_names(output_dir: Path) -> list[str]:

@@ -93,6 +93,7 @@ def load_model(
     existing = head_labels(cfg)
     replace_head = existing is not None and existing != label_names
     if replace_head and announce:
+        assert existing is not None
         print(
             f"replacing the {len(existing)}-label head of {cfg.model_name_or_path or path} with a new "
             f"{len(label_names)}-label head (its labels: {', '.join(existing)})",
@@ -130,7 +131,9 @@ def load_model(
     return model
 
 
-def classifier_class(path: str, config: transformers.PretrainedConfig, trust_remote_code: bool) -> type:
+def classifier_class(
+    path: str, config: transformers.PretrainedConfig, trust_remote_code: bool
+) -> type[PreTrainedModel]:
     """The class AutoModelForSequenceClassification would build for `config`."""
     auto_map = getattr(config, "auto_map", None) or {}
     if trust_remote_code and "AutoModelForSequenceClassification" in auto_map:
@@ -138,7 +141,7 @@ def classifier_class(path: str, config: transformers.PretrainedConfig, trust_rem
     return _get_model_class(config, AutoModelForSequenceClassification._model_mapping)
 
 
-def body_weights(path: str, model_class: type) -> dict:
+def body_weights(path: str, model_class: type[PreTrainedModel]) -> dict:
     """The checkpoint's weights without its task head: the keys under the model's base_model_prefix.
 
     Loading these leaves the head to be initialised from the seed, the same way under every launcher

@@ -28,6 +28,7 @@ import bisect
 import inspect
 from collections.abc import Callable
 from itertools import chain
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -191,7 +192,7 @@ def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
     return total, (targets != IGNORE_INDEX).sum()
 
 
-def _vocab_size(model: torch.nn.Module) -> int:
+def _vocab_size(model: Any) -> int:  # a transformers model, or a PeftModel around one
     embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     return getattr(embeddings, "num_embeddings", None) or model.config.vocab_size
 

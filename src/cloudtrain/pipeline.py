@@ -56,6 +56,7 @@ def resolve(cfg: Config, task: Task) -> Config:
 def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
     """Checks that touch files and devices but load nothing heavy; returns (output dir, checkpoint to resume)."""
     task.check_options(cfg)
+    assert task.auto_class is not None  # every task names one
     adapters.check_options(cfg, task.auto_class)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:
         raise UserError(

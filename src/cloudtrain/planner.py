@@ -127,6 +127,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -391,6 +392,7 @@ def _fit_vocabulary(config, model: ModelConfig) -> None:
     from cloudtrain.model_loading import load_tokenizer
     from cloudtrain.tasks.causal_lm import CausalLMTask
 
+    assert model.model_config is not None  # called for a --model_config
     CausalLMTask._fit_config(config, load_tokenizer(model), model.model_config)
 
 
@@ -542,9 +544,9 @@ def _adapted_shapes(model, targets: tuple[str, ...], heads: list[str]) -> dict[s
     if targets == ("all-linear",):
         output = model.get_output_embeddings()
         return {
-            name: _in_out(module)
+            name: shape
             for name, module in outside_heads.items()
-            if _in_out(module) and not isinstance(module, nn.Embedding) and module is not output
+            if (shape := _in_out(module)) and not isinstance(module, nn.Embedding) and module is not output
         }
     matched = {
         name: module
@@ -565,7 +567,7 @@ def _adapted_shapes(model, targets: tuple[str, ...], heads: list[str]) -> dict[s
             f"--lora_target_modules: {', '.join(unknown + unfit)} is not a linear layer of the model; its "
             f"linear layers are {', '.join(linear)} (or use all-linear)"
         )
-    return {name: _in_out(module) for name, module in matched.items()}
+    return {name: shape for name, module in matched.items() if (shape := _in_out(module))}  # all: none unfit
 
 
 def _quantized_sizes(model) -> list[int]:
@@ -611,6 +613,7 @@ def adapter_state_bytes(m: ModelFacts, peft: str, setup: Setup) -> tuple[int, in
     """(parameters, gradients, optimizer states) per GPU with adapters under DDP: the frozen base, then 16 bytes
     per trainable parameter (fp32 weight, gradient and two moments) and autocast's 16-bit copies of them."""
     a, P = m.adapters, m.num_params
+    assert a is not None  # adapter candidates exist only with adapter facts
     T = a.trainable(peft)
     if peft == "qlora":  # prepare_model_for_kbit_training upcasts every weight left out of 4-bit to fp32
         base = NF4_BYTES * a.quantized_params + 4 * (P - a.quantized_params) + 2 * a.largest_quantized
@@ -640,16 +643,16 @@ def activation_bytes(
     m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool, residual_bytes: int
 ) -> tuple[int, int]:
     """(saved for backward at the end of the forward pass, backward working space) per GPU."""
-    c, h, I, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
+    c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
     per_layer = sb * (
         c * (7 * h + 2 * m.kv_hidden_size)
-        + c * I * (m.activation_saved + 1 + 2 * m.gated_mlp)
+        + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp)
         + 2 * h * mask
         + m.num_heads * seq * _attention_scores(m, c)
     )
     outside = sb * h * (2 * c + mask)
-    return _stacked(m, per_layer, outside, c * sb * (h + I), checkpointing, residual_bytes * sb * h)
+    return _stacked(m, per_layer, outside, c * sb * (h + inter), checkpointing, residual_bytes * sb * h)
 
 
 def adapter_activation_bytes(
@@ -658,7 +661,8 @@ def adapter_activation_bytes(
     """(saved for backward, backward working space) per GPU with adapters: the frozen linear layers keep no
     inputs, each adapter keeps its own copy of its input (cast to its dtype or dropped out) with the dropout
     mask, and its r-wide middle; DoRA also keeps two output-sized tensors per adapted module."""
-    a, h, I, sb = m.adapters, m.hidden_size, m.intermediate_size, seq * micro_batch
+    a, h, inter, sb = m.adapters, m.hidden_size, m.intermediate_size, seq * micro_batch
+    assert a is not None  # adapter candidates exist only with adapter facts
     c = 2 if half else 4
     hidden = 4 if peft == "qlora" else c  # QLoRA's residual stream is fp32: its embeddings and norms were upcast
     mask = 1 if m.hidden_dropout else 0
@@ -668,14 +672,14 @@ def adapter_activation_bytes(
         + (2 * c * a.layer_outputs if peft == "dora" else 0)
     )
     per_layer = sb * (
-        hidden * (2 * h + I * (m.activation_saved + 2 * m.gated_mlp))
+        hidden * (2 * h + inter * (m.activation_saved + 2 * m.gated_mlp))
         + c * (2 * h + 2 * m.kv_hidden_size)
         + adapters
         + 2 * h * mask
         + m.num_heads * seq * _attention_scores(m, c)
     )
     outside = sb * h * (hidden + mask)  # the final norm's input: frozen, the embeddings' output needs no copy
-    return _stacked(m, per_layer, outside, hidden * sb * (h + I), checkpointing, hidden * sb * h)
+    return _stacked(m, per_layer, outside, hidden * sb * (h + inter), checkpointing, hidden * sb * h)
 
 
 def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> int:
@@ -690,7 +694,7 @@ def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int, t
     """CUDA context, communication buffers and allocator fragmentation."""
     p = 2 if setup.half else 4
     if strategy.fsdp:
-        buffers = 0  # FSDP's gathered weights are counted with the parameters
+        buffers: float = 0  # FSDP's gathered weights are counted with the parameters
     elif strategy.zero_stage is None:
         buffers = 4 * trainable if setup.world_size > 1 else 0  # DDP gradient buckets (fp32)
     else:
@@ -720,7 +724,11 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     )
     activations = _activations(m, cand, setup, micro_batch)
     logits = logits_bytes(m, micro_batch, setup.max_length, setup.half)
-    trainable = m.num_params if full else m.adapters.trainable(cand.peft)
+    if full:
+        trainable = m.num_params
+    else:
+        assert m.adapters is not None  # adapter candidates exist only with adapter facts
+        trainable = m.adapters.trainable(cand.peft)
     overhead = overhead_bytes(m, cand.strategy, setup, params + grads + optim + activations + logits, trainable)
     # with adapters each process loads its base as it will hold it (in 16 bits, or quantising as it goes)
     offloaded, load = cpu_bytes(m, cand.strategy, setup) if full else (0, params * setup.num_gpus)
@@ -902,6 +910,7 @@ def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup)
                 f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1."
             )
     a = m.adapters
+    assert a is not None  # adapter candidates exist only with adapter facts
     base = "4-bit NF4" if c.peft == "qlora" else setup.mixed_precision if setup.half else "fp32"
     reasons.append(
         f"{PEFT_LABELS[c.peft]} trains {a.trainable(c.peft):,} parameters ({_share(m, c.peft)} of the "
@@ -918,10 +927,12 @@ def _over_budget(est: Estimate, setup: Setup) -> str:
     """What exceeds the budget: the GPU memory, or else the CPU memory per node."""
     if est.total > setup.gpu_memory_bytes:
         return f"{est.total / GIB:.1f} GiB per GPU (of {setup.gpu_memory_bytes / GIB:g})"
+    assert setup.cpu_memory_bytes is not None  # over budget with GPU memory to spare: the CPU memory was checked
     return f"{est.cpu_per_node / GIB:.1f} GiB of CPU memory per node (of {setup.cpu_memory_bytes / GIB:g})"
 
 
 def _share(m: ModelFacts, peft: str) -> str:
+    assert m.adapters is not None  # adapter candidates exist only with adapter facts
     return f"{100 * m.adapters.trainable(peft) / m.num_params:.2f}%"
 
 
@@ -949,6 +960,7 @@ def deepspeed_config(strategy: Strategy) -> dict:
     from cloudtrain.distributed import zero_config
 
     offload = {True: "cpu", False: "none"}
+    assert strategy.zero_stage is not None  # a ZeRO strategy's
     config = zero_config(strategy.zero_stage, offload[strategy.offload_optimizer], offload[strategy.offload_param])
     config["zero_optimization"]["reduce_bucket_size"] = "auto"  # hidden_size**2 (DeepSpeed's default: 5e8)
     return config
@@ -957,7 +969,7 @@ def deepspeed_config(strategy: Strategy) -> dict:
 def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Path | None) -> dict:
     """The accelerate config file (YAML) for `accelerate launch --config_file`."""
     s = cand.strategy
-    config = {
+    config: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
         "machine_rank": 0,
@@ -970,6 +982,7 @@ def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Pat
         "use_cpu": False,
     }
     if s.zero_stage is not None:
+        assert ds_path is not None  # written for a ZeRO strategy
         config["distributed_type"] = "DEEPSPEED"
         config["deepspeed_config"] = {
             "deepspeed_config_file": str(ds_path.resolve()),
@@ -1022,6 +1035,7 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path)
     if choice.candidate.checkpointing and not choice.candidate.strategy.fsdp:  # FSDP does it in the YAML
         args += ["--gradient_checkpointing", "true"]
     if choice.candidate.peft != "none":
+        assert m.adapters is not None  # adapter candidates exist only with adapter facts
         spec = m.adapters.spec
         args += [
             "--peft",
@@ -1401,7 +1415,9 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
     table = [[row[i] for i in shown] for row in [COLUMNS] + [_table_row(r) for r in rows]]
     widths = [max(len(row[i]) for row in table) for i in range(len(shown))]
     lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))).rstrip()
+        "  ".join(
+            cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ).rstrip()
         for row in table
     ]
     body = lines[1:]

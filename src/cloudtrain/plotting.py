@@ -2,8 +2,8 @@
 
 Drawn from the metrics.jsonl records with matplotlib's Agg canvas (no display, no pyplot state), so
 it works on a headless machine and in any process. Two panels: train and validation loss; the
-validation quality metrics (accuracy, macro F1, ...; a language model's perplexity, on a log scale). Timing, throughput and test metrics are left
-out: they are single values or do not share the panels' scales.
+validation quality metrics (accuracy, macro F1, ...; a language model's perplexity, on a log scale).
+Timing, throughput and test metrics are left out: they are single values or do not share the panels' scales.
 """
 
 from pathlib import Path
@@ -39,7 +39,7 @@ def plot_training_curves(records: list[dict], path: Path) -> Curves:
     curves = curve_data(records)
     figure = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
-    for ax, (title, series) in zip(figure.subplots(1, 2), curves.items()):
+    for ax, (title, series) in zip(figure.subplots(1, 2), curves.items(), strict=True):
         for name, (steps, values) in series.items():
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
         ax.set_title(title)

@@ -65,6 +65,7 @@ class Runtime:
         """Each host flag is true on every process if it is true on any."""
         if self.count == 1:
             return flags
+        assert self.accelerator is not None  # there is one with more than one process
         votes = self.accelerator.gather(torch.tensor([flags], dtype=torch.int32, device=self.device))
         return votes.amax(dim=0).bool().tolist()
 

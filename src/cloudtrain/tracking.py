@@ -29,6 +29,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from accelerate import PartialState
 from accelerate.tracking import MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
@@ -180,7 +181,7 @@ def numbers(values: dict) -> dict:
 
 def matrix_rows(matrix: list[list[int]], labels: list[str]) -> tuple[list[str], list[list]]:
     """A confusion matrix as (header, rows) of a table: rows = true class, columns = predicted."""
-    return ["true \\ predicted", *labels], [[label, *row] for label, row in zip(labels, matrix)]
+    return ["true \\ predicted", *labels], [[label, *row] for label, row in zip(labels, matrix, strict=True)]
 
 
 def markdown_table(header: list[str], rows: list[list]) -> str:
@@ -190,6 +191,14 @@ def markdown_table(header: list[str], rows: list[list]) -> str:
 
 class RunMethods:
     """What RunLog needs beyond accelerate's tracker API; the defaults suit a metrics-only tracker."""
+
+    if TYPE_CHECKING:  # accelerate's GeneralTracker, every tracker's other base, provides these
+
+        def start(self) -> None: ...
+
+        def store_init_configuration(self, values: dict) -> None: ...
+
+        def log(self, values: dict, step: int | None = None, **kwargs) -> None: ...
 
     def state(self) -> dict:
         """What a resumed run needs to find this run again."""
@@ -285,7 +294,7 @@ class WandB(RunMethods, WandBTracker):
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
         import wandb
 
-        self.log({name: wandb.Table(columns=header, data=rows)}, step=step)
+        self.log({name: wandb.Table(columns=header, data=rows)}, step=step)  # type: ignore[arg-type]  # list[str | int]: invariant
 
     def log_files(self, curves_png: Path, step: int) -> None:
         import wandb

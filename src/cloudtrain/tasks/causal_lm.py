@@ -61,7 +61,7 @@ def model_config_file(name: str) -> Path:
 
 class CausalLMTask(Task):
     name = "causal_lm"
-    metrics = ("loss", "perplexity")
+    metrics: tuple[str, ...] = ("loss", "perplexity")
     lower_is_better = frozenset(metrics)
     default_best_metric = "loss"
     default_packing = "wrapped"
@@ -118,10 +118,13 @@ class CausalLMTask(Task):
             if split in docs:
                 docs[split] = _first(docs[split], d.max_eval_samples)
         rows = {split: _rows(split_docs, d.max_length, d.packing) for split, split_docs in docs.items()}
-        prompts = list(d.sample_prompts) or [
-            tokenizer.decode(doc[:PROMPT_TOKENS], skip_special_tokens=True).strip()
-            for doc in docs["validation"]["input_ids"][: d.num_sample_prompts]
-        ]
+        prompts = (
+            list(d.sample_prompts)
+            or [
+                tokenizer.decode(doc[:PROMPT_TOKENS], skip_special_tokens=True).strip()  # type: ignore[union-attr]
+                for doc in docs["validation"]["input_ids"][: d.num_sample_prompts]
+            ]
+        )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(
             train=rows["train"],
@@ -220,7 +223,8 @@ class CausalLMTask(Task):
         max_length: int,
         added_tokens: int = 0,
     ) -> None:
-        """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and a row its context."""
+        """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and a row its
+        context."""
         text = config.get_text_config(decoder=True)
         vocab, context = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
         if vocab and len(tokenizer) - added_tokens > vocab:
@@ -314,7 +318,9 @@ class CausalLMTask(Task):
             max_new_tokens=self.cfg.training.sample_max_new_tokens,
             synced_gpus=is_deepspeed_zero3_enabled(),
         )
-        return {"generations": [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations)]}
+        return {
+            "generations": [{"prompt": p, "continuation": c} for p, c in zip(data.prompts, continuations, strict=True)]
+        }
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
         if not metrics.get("generations"):
@@ -343,7 +349,9 @@ class CausalLMTask(Task):
     def describe_metrics(self, metrics: dict) -> str:
         line = f"loss {metrics['loss']:.4f} | perplexity {metrics['perplexity']:.2f} ({metrics['tokens']} tokens)"
         for g in metrics.get("generations", []):
-            line += f"\n  {json.dumps(g['prompt'], ensure_ascii=False)} -> {json.dumps(g['continuation'], ensure_ascii=False)}"
+            prompt = json.dumps(g["prompt"], ensure_ascii=False)
+            continuation = json.dumps(g["continuation"], ensure_ascii=False)
+            line += f"\n  {prompt} -> {continuation}"
         return line
 
     def inference_hint(self, output_dir: str) -> str:

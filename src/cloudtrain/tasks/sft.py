@@ -21,6 +21,7 @@ Does not support: `--packing wrapped` (it cuts examples apart), tool calls, mult
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -53,7 +54,7 @@ ROW_FEATURES = datasets.Features(
 
 class SFTTask(CausalLMTask):
     name = "sft"
-    metrics = ("loss", "perplexity", "exact_match")
+    metrics: tuple[str, ...] = ("loss", "perplexity", "exact_match")
     lower_is_better = frozenset({"loss", "perplexity"})
     default_packing = "none"
 
@@ -145,6 +146,7 @@ class SFTTask(CausalLMTask):
     def _encode(self, ds: Dataset, split: str, columns: Columns, cfg: DataConfig) -> Dataset:
         """(input_ids, loss_mask) per example, every example checked; cached by data, tokenizer and template."""
         chat, system, train_on_prompt = self.chat, cfg.system_prompt, cfg.train_on_prompt
+        assert chat is not None and self.tokenizer is not None  # both set by `process`
 
         def encode(batch: dict, indices: list[int]) -> dict:
             ids, masks = [], []
@@ -189,7 +191,7 @@ class SFTTask(CausalLMTask):
         """Examples cut to --max_length, those left with no answer token dropped (and counted), then packed."""
         limit, ids, masks = cfg.max_length, [], []
         truncated = 0
-        for example_ids, mask in zip(examples["input_ids"], examples["loss_mask"]):
+        for example_ids, mask in zip(examples["input_ids"], examples["loss_mask"], strict=True):
             truncated += len(example_ids) > limit
             example_ids, mask = example_ids[:limit], mask[:limit]
             if any(mask[1:]):  # a row's first token is never a target
@@ -210,9 +212,11 @@ class SFTTask(CausalLMTask):
         """--sample_prompts as one-turn chats, else the first validation examples (up to their last answer)
         whose prompt leaves room for --sample_max_new_tokens within --max_length."""
         room = cfg.data.max_length - cfg.training.sample_max_new_tokens
+        tokenizer, chat_format = self.tokenizer, self.chat
+        assert tokenizer is not None and chat_format is not None  # both set by `process`
 
         def fits(chat: list[dict]) -> bool:
-            return len(self.tokenizer(self.chat.prompt(chat), add_special_tokens=False)["input_ids"]) <= room
+            return len(tokenizer(chat_format.prompt(chat), add_special_tokens=False)["input_ids"]) <= room
 
         system = [{"role": "system", "content": cfg.data.system_prompt}] if cfg.data.system_prompt else []
         self.prompts, self.references, self.questions = [], [], []
@@ -233,7 +237,7 @@ class SFTTask(CausalLMTask):
                 if fits(chat):
                     chats.append(chat)
                     self.references.append(chat[last_answer(chat)]["content"])
-        self.prompts = [self.chat.prompt(chat) for chat in chats]
+        self.prompts = [chat_format.prompt(chat) for chat in chats]
         self.questions = [_last_question(chat) for chat in chats]
 
     # ------------------------------------------------------------ the model
@@ -241,8 +245,8 @@ class SFTTask(CausalLMTask):
         self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
     ) -> PreTrainedModel:
         model = super().load_model(cfg, data, tokenizer, announce)
-        rows = model.get_input_embeddings().weight
-        rows = getattr(rows, "ds_shape", rows.shape)[0]  # ZeRO-3 partitions the weight
+        weight: Any = model.get_input_embeddings().weight
+        rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitions the weight
         if len(tokenizer) > rows:
             # a multiple of 64 suits matmul kernels; an adapter's base grows to len(tokenizer) exactly, as
             # PEFT's AutoPeftModel... grows it when loading the adapter
@@ -254,6 +258,7 @@ class SFTTask(CausalLMTask):
                     "with the model",
                     flush=True,
                 )
+        assert self.chat is not None  # set by `process`
         stops = [self.chat.end_of_turn_id, tokenizer.eos_token_id]
         model.generation_config.eos_token_id = list(dict.fromkeys(t for t in stops if t is not None))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
@@ -282,12 +287,13 @@ class SFTTask(CausalLMTask):
             batch_size=ANSWER_BATCH,
         )
         answers = [a.strip() for a in answers]
-        generations = [{"question": q, "answer": a} for q, a in zip(self.questions, answers)]
-        for generation, reference in zip(generations, data.references):
-            generation["reference"] = reference
-        result = {"generations": generations}
-        if data.references:
-            result["exact_match"] = sum(a == r.strip() for a, r in zip(answers, data.references)) / len(answers)
+        generations = [{"question": q, "answer": a} for q, a in zip(self.questions, answers, strict=True)]
+        result: dict[str, Any] = {"generations": generations}
+        if data.references:  # none for --sample_prompts
+            for generation, reference in zip(generations, data.references, strict=True):
+                generation["reference"] = reference
+            matches = sum(a == r.strip() for a, r in zip(answers, data.references, strict=True))
+            result["exact_match"] = matches / len(answers)
         return result
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
@@ -306,7 +312,9 @@ class SFTTask(CausalLMTask):
         for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
             if rows is None:
                 continue
-            answer = sum(_targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"]))
+            answer = sum(
+                _targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"], strict=True)
+            )
             tokens = sum(len(ids) for ids in rows["input_ids"])
             report = self.report[split]
             parts.append(
@@ -319,6 +327,7 @@ class SFTTask(CausalLMTask):
             for split, r in self.report.items()
             if r["truncated"]
         ]
+        assert self.chat is not None  # set by `process`
         return f"data: {'; '.join(parts)}; template: {self.chat.source}; packing {self.cfg.data.packing}" + "".join(
             f"\nnote: {n}" for n in notes
         )
@@ -359,4 +368,4 @@ def _short(text: str, head: int = 24, tail: int = 45) -> str:
 
 
 def _added(tokenizer: PreTrainedTokenizerBase, count: int) -> list[str]:
-    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer) - count, len(tokenizer))))
+    return tokenizer.convert_ids_to_tokens(list(range(len(tokenizer) - count, len(tokenizer))))  # type: ignore[return-value]

@@ -11,6 +11,7 @@ ZeRO 0-3 with offload, FSDP on GPUs), fp16 (GPU) and bf16 mixed precision, gradi
 
 import contextlib
 from pathlib import Path
+from typing import Any
 
 import safetensors.torch
 import torch
@@ -51,8 +52,8 @@ class AcceleratedTrainer(Trainer):
         self.model, self.optimizer, self.train_dl, *loaders = self.accelerator.prepare(
             self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
         )
-        self.eval_dls = dict(zip(self.eval_dls, loaders[: len(self.eval_dls)]))
-        self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls) :]))
+        self.eval_dls = dict(zip(self.eval_dls, loaders[: len(self.eval_dls)], strict=True))
+        self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls) :], strict=True))
         # adapters: checkpoints hold the trainable weights only (DeepSpeed is told in save/load_state; FSDP
         # saves its own way, whole)
         self.partial = not trains_everything(self.model)
@@ -84,7 +85,8 @@ class AcceleratedTrainer(Trainer):
 
     def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
         accelerator, k = self.accelerator, self.cfg.training.gradient_accumulation_steps
-        loss_sum = count = 0
+        loss_sum: Any = 0  # tensors from the first batch on (a window is never empty)
+        count: Any = 0
         for i, batch in enumerate(window):
             last = i == len(window) - 1
             accelerator.sync_gradients = last  # the accumulation boundary (DeepSpeed steps here)

@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import skip_first_batches
@@ -95,7 +96,8 @@ def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dic
 
 def set_epoch(dataloader: DataLoader, epoch: int) -> None:
     """accelerate's prepared loaders pass set_epoch on to the sampler; a plain loader is told directly."""
-    (dataloader.set_epoch if hasattr(dataloader, "set_epoch") else dataloader.sampler.set_epoch)(epoch)
+    target: Any = dataloader if hasattr(dataloader, "set_epoch") else dataloader.sampler
+    target.set_epoch(epoch)
 
 
 def count_parameters(model: torch.nn.Module, trainable: bool = False) -> int:
@@ -117,7 +119,7 @@ def save_pretrained(model: torch.nn.Module, output_dir: Path, state_dict: dict |
     if adapters.is_adapter(model):
         adapters.save(model, output_dir, state_dict)
     else:
-        model.save_pretrained(output_dir, state_dict=state_dict)
+        model.save_pretrained(output_dir, state_dict=state_dict)  # type: ignore[operator]  # a PreTrainedModel
 
 
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
@@ -155,7 +157,7 @@ class Meter:
                 loss_sum.new_tensor(sum(len(m) for m in masks)),
                 sum(m.sum() for m in masks).to(loss_sum),
                 loss_sum,
-                sum(sum_squared_lengths(m) for m in masks).to(loss_sum),
+                sum(sum_squared_lengths(m) for m in masks).to(loss_sum),  # type: ignore[union-attr]  # masks: not empty
                 stats.count.to(loss_sum),
             ]
         )
@@ -245,7 +247,8 @@ def adamw_kernel(implementation: str) -> dict:
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
     """AdamW; biases and normalisation weights (the 1-d tensors) get no weight decay."""
-    decay, no_decay = [], []
+    decay: list[torch.nn.Parameter] = []
+    no_decay: list[torch.nn.Parameter] = []
     for param in model.parameters():
         if param.requires_grad:
             # ZeRO-3 partitions parameters to shape [0] while loading; `ds_shape` keeps the real one
@@ -368,7 +371,7 @@ class Trainer:
                     end_of_epoch = step % steps_per_epoch == 0
                     log_due = done or step % t.logging_steps == 0
                     eval_due = not done and (
-                        (t.eval_strategy == "steps" and step % t.eval_steps == 0)
+                        (t.eval_strategy == "steps" and step % t.eval_steps == 0)  # type: ignore[operator]  # config checks it is set
                         or (t.eval_strategy == "epoch" and end_of_epoch)
                     )
                     save_due = bool(checkpointer and checkpointer.due(step, end_of_epoch))
@@ -412,7 +415,7 @@ class Trainer:
         the host; other optimizers read the flag on the host. A skipped step leaves weights and
         optimizer state as they were and drops its gradients.
         """
-        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        optimizer: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
         if optimizer.defaults.get("fused"):
             optimizer.found_inf = bad.float()
             try:

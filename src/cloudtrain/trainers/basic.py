@@ -9,6 +9,7 @@ AcceleratedTrainer (`--training_type accelerated`) for those.
 import contextlib
 import random
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import safetensors.torch
@@ -32,7 +33,7 @@ class BasicTrainer(Trainer):
 
     def setup(self) -> None:
         self.device = self.runtime.device
-        self.model.to(self.device)
+        self.model.to(self.device)  # type: ignore[arg-type]  # transformers' wrapped `to`
         # fp16 needs loss scaling against underflow; bf16 and fp32 do not (a disabled scaler is a no-op)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.mixed_precision == "fp16")
 
@@ -44,7 +45,8 @@ class BasicTrainer(Trainer):
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
-        loss_sum = count = 0
+        loss_sum: Any = 0  # tensors from the first batch on (a window is never empty)
+        count: Any = 0
         for batch in window:
             with self.autocast():
                 summed, n = self.task.loss(self.model, batch)
@@ -102,7 +104,7 @@ def rng_state() -> dict:
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     state = {
         "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],  # type: ignore[attr-defined]
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
