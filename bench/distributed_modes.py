@@ -21,8 +21,9 @@ import pandas as pd
 import torch
 from transformers import AutoTokenizer, BertConfig, BertModel
 
-REPO = Path(__file__).resolve().parents[1]
 from cloudtrain.assets import default_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
 
 MODES = {"DDP": [], "ZeRO-1": ["--zero_stage", "1"], "ZeRO-2": ["--zero_stage", "2"], "ZeRO-3": ["--zero_stage", "3"]}
 

@@ -32,7 +32,7 @@ def main() -> None:
     runtime = Runtime.for_launch(cfg)
     data = task.process(connect_data(cfg.data, task.columns(cfg.data)), load_tokenizer(cfg.model), cfg)
     model = task.load_model(cfg, data, load_tokenizer(cfg.model), announce=False)
-    real = worst_case_probe(model, data, task, autocast_for(cfg, runtime.device), runtime.device)
+    real, _ = worst_case_probe(model, data, task, autocast_for(cfg, runtime.device), runtime.device)
     limit, probed = limits[str(runtime.index)], []
 
     def probe(size: int) -> None:

@@ -51,7 +51,7 @@ def check(cfg: Config, processes: int) -> None:
             f"--global_batch_size {target} does not split over {processes} processes; use a multiple of {processes}"
         )
     micro = t.per_device_train_batch_size
-    if micro != "auto" and (target // processes) % micro:
+    if isinstance(micro, int) and (target // processes) % micro:
         raise UserError(
             f"--global_batch_size {target} gives each of the {processes} process(es) {target // processes} "
             f"examples per step, not a multiple of --per_device_train_batch_size {micro}; change one of them "
@@ -71,9 +71,8 @@ def with_batch(cfg: Config, micro: int, processes: int) -> Config:
 
 def fixed(cfg: Config, processes: int) -> Config:
     """A numeric micro-batch: only the accumulation for --global_batch_size to fill in."""
-    if cfg.training.per_device_train_batch_size == "auto":
-        return cfg
-    return with_batch(cfg, cfg.training.per_device_train_batch_size, processes)
+    micro = cfg.training.per_device_train_batch_size
+    return with_batch(cfg, micro, processes) if isinstance(micro, int) else cfg
 
 
 def largest_divisor(n: int, at_most: int) -> int:
@@ -138,25 +137,29 @@ def search(
     return low
 
 
-def worst_case_probe(model: torch.nn.Module, data, task, autocast, device: torch.device) -> Callable[[int], None]:
-    """probe(b): forward and backward of b copies of the longest training row on `device`; gradients freed."""
+def worst_case_probe(
+    model: torch.nn.Module, data, task, autocast, device: torch.device
+) -> tuple[Callable[[int], None], int]:
+    """(probe, the longest row's tokens): probe(b) runs forward and backward of b copies of the longest
+    training row on `device`, then frees the gradients."""
     lengths = [len(ids) for ids in data.train["input_ids"]]
     row = data.train[max(range(len(lengths)), key=lengths.__getitem__)]
 
+    def forward_backward(size: int) -> None:
+        batch = {k: v.to(device) for k, v in data.collator([row] * size).items()}
+        with autocast():
+            summed, _ = task.loss(model, batch)
+        summed.backward()
+
     def probe(size: int) -> None:
         try:
-            batch = {k: v.to(device) for k, v in data.collator([row] * size).items()}
-            with autocast():
-                summed, _ = task.loss(model, batch)
-            summed.backward()
+            forward_backward(size)  # its activations are freed when it returns
         finally:
-            batch = summed = None  # noqa: F841  (drop the activations before freeing the cache)
             model.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
-    probe.longest = max(lengths)  # type: ignore[attr-defined]
-    return probe
+    return probe, max(lengths)
 
 
 def optimizer_reserve(model: torch.nn.Module, device: torch.device, processes: int) -> torch.Tensor | None:
@@ -209,11 +212,11 @@ def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dic
         return with_batch(cfg, stored["per_device_train_batch_size"], processes)
     device = runtime.device
     memory = runtime.smallest(available_bytes(device))
-    probe = worst_case_probe(model, data, task, autocast_for(cfg, device), device)
-    estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, memory, probe.longest)
+    probe, longest = worst_case_probe(model, data, task, autocast_for(cfg, device), device)
+    estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, memory, longest)
     say(
         f"batch size: the planner fits micro-batch {estimate} in {memory / 2**30:.1f} GiB per process "
-        f"(rows of {probe.longest} tokens)" + (f"; it could not estimate: {why}" if why else "")
+        f"(rows of {longest} tokens)" + (f"; it could not estimate: {why}" if why else "")
     )
     sharded = cfg.distributed.fsdp or cfg.distributed.zero_stage == 3
     if device.type == "cuda" and not sharded:

@@ -224,6 +224,14 @@ class TrainingConfig:
         "returning it to the OS and page-faulting it back every step.",
     )
     sample_max_new_tokens: int = opt(32, "Causal LM: tokens generated for each sample prompt at evaluation.")
+
+    @property
+    def micro_batch(self) -> int:
+        """The per-device batch, once `auto` is resolved (cloudtrain.batch_size.choose)."""
+        if not isinstance(self.per_device_train_batch_size, int):
+            raise ValueError("per_device_train_batch_size auto: resolve it with cloudtrain.batch_size first")
+        return self.per_device_train_batch_size
+
     adamw_implementation: str = opt(
         "auto",
         "AdamW kernel: auto (fused, the fastest on CPU and CUDA), for_loop, foreach or fused.",
@@ -532,7 +540,7 @@ def validate(cfg: Config) -> None:
         (t.num_train_epochs <= 0 and t.max_steps is None, "--num_train_epochs must be positive (or set --max_steps)"),
         (t.max_steps is not None and t.max_steps < 1, "--max_steps must be at least 1"),
         (
-            t.per_device_train_batch_size != "auto" and t.per_device_train_batch_size < 1,
+            isinstance(t.per_device_train_batch_size, int) and t.per_device_train_batch_size < 1,
             "--per_device_train_batch_size must be at least 1 (or auto)",
         ),
         (t.global_batch_size is not None and t.global_batch_size < 1, "--global_batch_size must be at least 1"),

@@ -133,7 +133,7 @@ def build_run(cfg: Config) -> Run:
         cfg = batch_size.choose(
             cfg, model, data, task, runtime, read_state(resume_from).get("batch") if resume_from else None
         )
-        runtime.set_batch(cfg.training.per_device_train_batch_size, cfg.training.gradient_accumulation_steps)
+        runtime.set_batch(cfg.training.micro_batch, cfg.training.gradient_accumulation_steps)
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
 
     if resume_from and runtime.is_main:

@@ -73,6 +73,7 @@ class Runtime:
         """The smallest of each process's `value`, on every process."""
         if self.count == 1:
             return value
+        assert self.accelerator is not None  # there is one with more than one process
         values = self.accelerator.gather(torch.tensor([value], dtype=torch.int64, device=self.device))
         return int(values.min())
 

@@ -277,7 +277,7 @@ class Trainer:
             runtime,
         )
         self.is_main_process, self.num_processes = runtime.is_main, runtime.count
-        self.train_dl: DataLoader = train_dataloader(data, t.per_device_train_batch_size, t.seed, cfg.data)
+        self.train_dl: DataLoader = train_dataloader(data, t.micro_batch, t.seed, cfg.data)
         self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size, cfg.data)}
         if data.test is not None:
             self.eval_dls["test"] = eval_dataloader(data.test, data, t.per_device_eval_batch_size, cfg.data)
@@ -537,7 +537,7 @@ class Trainer:
 
     def _announce(self, steps_per_epoch: int, total_steps: int) -> None:
         t = self.cfg.training
-        effective = t.per_device_train_batch_size * self.num_processes * t.gradient_accumulation_steps
+        effective = t.micro_batch * self.num_processes * t.gradient_accumulation_steps
         if self.is_main_process:
             params, trainable = count_parameters(self.model), count_parameters(self.model, trainable=True)
             trains = "" if trainable == params else f" ({trainable / 1e6:.2f}M trainable: {trainable / params:.2%})"
