@@ -287,6 +287,7 @@ NEEDS_NO_GPU = pytest.mark.skipif(torch.cuda.is_available(), reason="FSDP is ref
         ({"offload_param": "cpu", "zero_stage": 2}, {}, "--offload_param needs --zero_stage 3"),
         ({"offload_optimizer": "cpu"}, {}, "need DeepSpeed"),
         ({"zero_stage": 2, "fsdp": True}, {}, "choose one"),
+        pytest.param({"zero_stage": 2}, {}, "DeepSpeed on CPU needs a launcher", marks=NEEDS_NO_GPU),
         ({"mixed_precision": "no"}, {"ACCELERATE_MIXED_PRECISION": "bf16"}, "pass --mixed_precision bf16"),
     ],
 )

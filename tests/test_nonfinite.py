@@ -114,8 +114,10 @@ def test_the_step_never_waits_on_the_host(trainer_cls, adamw, tiny_model_dir, tm
         ({"deepspeed_config": "no-norm", "mixed_precision": "no"}, "sets zero_optimization.compute_grad_norm = false"),
     ],
 )
-def test_deepspeed_set_ups_that_cannot_skip_are_refused_with_skip(options, message, tmp_path):
+def test_deepspeed_set_ups_that_cannot_skip_are_refused_with_skip(options, message, tmp_path, monkeypatch):
     import json
+
+    monkeypatch.setenv("WORLD_SIZE", "1")  # as torchrun or accelerate launch start it
 
     configs = {
         "bf16-off": {"bf16": {"check_grad_overflow": False}, "zero_optimization": {"stage": 2}},

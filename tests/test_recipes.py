@@ -136,9 +136,11 @@ def test_recipe_loads_validates_and_its_header_says_how_to_launch_it(recipe):
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
-def test_recipe_passes_the_option_checks_that_need_no_model(recipe):
+def test_recipe_passes_the_option_checks_that_need_no_model(recipe, monkeypatch):
     """The checks of the real run's preflight that read no model or data: the task's metric and packing, the
-    distributed options (DeepSpeed config included), the adapter options."""
+    distributed options (DeepSpeed config included), the adapter options. As its launcher starts it: the
+    recipes are launched with torchrun or accelerate launch (WORLD_SIZE set)."""
+    monkeypatch.setenv("WORLD_SIZE", "1")
     cfg = recipe_config(recipe)
     task = build_task(cfg)
     cfg = resolve(cfg, task)

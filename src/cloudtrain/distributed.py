@@ -209,6 +209,11 @@ def check_distributed(cfg: Config) -> None:
         resolved = resolve_deepspeed_config(source, given, cfg, launched_processes())
         if cfg.checkpoint.nonfinite_loss == "skip":
             check_deepspeed_skips(source, resolved, cfg.training.mixed_precision)
+        if "WORLD_SIZE" not in os.environ and not torch.cuda.is_available():
+            raise UserError(
+                "DeepSpeed on CPU needs a launcher to start its process group: torchrun --nproc_per_node N "
+                "src/training_application.py ... (or accelerate launch), also for one process"
+            )
     if wants_fsdp and not torch.cuda.is_available():
         raise UserError(
             "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
