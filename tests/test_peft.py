@@ -509,3 +509,15 @@ def test_an_adapter_run_refuses_the_base_models_own_directory_and_a_checkpoint_o
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(UserError, match="trained every weight, this run asks for --peft lora --lora_r 16"):
         build_run(build_config({**options, "output_dir": str(tmp_path), "resume_from_checkpoint": "latest"}))
+
+
+@pytest.mark.parametrize("training_type", ["basic", "accelerated"])
+def test_sft_lora_in_bf16_with_a_grown_vocabulary_generates_its_samples(
+    training_type, tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs
+):
+    """The new embeddings train in fp32 next to a bf16 base (a Llama: chatml grows its vocabulary): the evaluation's
+    sample generations run under the same autocast as the step (else their matmuls mix float and bfloat16)."""
+    options = case_options("sft-lora", tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs)
+    options.update(model_name_or_path=tiny_llama_dir, mixed_precision="bf16", training_type=training_type, max_steps=1)
+    results = run_training(build_config(options))
+    assert results["eval"]["generations"] and all("answer" in g for g in results["eval"]["generations"])

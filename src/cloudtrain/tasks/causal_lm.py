@@ -306,7 +306,8 @@ class CausalLMTask(Task):
             "tokens_per_s": round(tokens / runtime, 1),
         }
         if data.prompts and self.tokenizer is not None:
-            result.update(self.samples(getattr(model, "module", model), data))  # DDP and DeepSpeed wrap the model
+            with autocast():  # as in the step: adapters' fp32 embeddings meet a 16-bit base
+                result.update(self.samples(getattr(model, "module", model), data))  # DDP and DeepSpeed wrap it
         return result
 
     def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:

@@ -81,7 +81,9 @@ class AcceleratedTrainer(Trainer):
         models.clear()  # loaded: accelerate must not load them again, strictly
 
     def autocast(self):
-        return contextlib.nullcontext()  # prepare() already wrapped the model's forward in autocast
+        # prepare() wrapped the model's forward in autocast already, but not what generate() calls underneath
+        # (a PEFT model's base model)
+        return self.accelerator.autocast()
 
     def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
         accelerator, k = self.accelerator, self.cfg.training.gradient_accumulation_steps
