@@ -48,9 +48,6 @@ CPU_RUNS = {
     "qlora_sft_8b_24gb.yaml": {
         "model_name_or_path": "{tiny_llama}",  # for Qwen/Qwen2.5-7B (Hub)
         "peft": "lora",  # qlora loads the base in 4-bit with bitsandbytes: CUDA only
-        # bf16 -> fp32: with a frozen bf16 base, the embeddings that chatml grows (fp32, trained in full) crash the
-        # sample generation at evaluation (float != BFloat16; it runs outside autocast). Qwen2.5 has the tokens.
-        "mixed_precision": "no",
         "dataset_name": "none",  # trl-lib/Capybara (Hub) -> local conversations
         "train_file": "{chats}",
         "validation_file": "{chats}",
