@@ -34,7 +34,7 @@ $(PKG): $(STAMP) pyproject.toml
 	touch $(PKG)
 
 data $(R8): $(PKG)
-	$(PY) scripts/fetch_r8.py
+	$(PY) scripts/fetch_r8.py --dest data/reuters-r8
 
 # The Grimm tales (public domain) and a byte-level BPE tokenizer trained on them, for `make pretrain`.
 $(GRIMM): $(PKG)

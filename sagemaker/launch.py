@@ -301,7 +301,7 @@ def source_code() -> SourceCode:
         source_dir=str(SRC),
         entry_script=ENTRY_SCRIPT,
         requirements=REQUIREMENTS,
-        ignore_patterns=["__pycache__", "*.pyc", ".ipynb_checkpoints", ".DS_Store"],
+        ignore_patterns=["__pycache__", "*.pyc", ".ipynb_checkpoints", ".DS_Store", "*.egg-info"],
     )
 
 

@@ -16,8 +16,10 @@ from conftest import REPO, run_cli
 from test_distributed import launch, torchrun
 
 import cloudtrain
-from cloudtrain.batch_size import largest_divisor, search
+from cloudtrain.batch_size import check, largest_divisor, search
 from cloudtrain.checkpointing import complete_checkpoints, read_state
+from cloudtrain.config import build_config, resolve_options
+from cloudtrain.distributed import Sharding, sharding
 from cloudtrain.errors import UserError
 
 
@@ -166,7 +168,8 @@ def test_auto_on_cpu_uses_the_planner_keeps_the_global_batch_and_stores_the_choi
         resume_from_checkpoint="latest",
     )
     printed = capsys.readouterr().out
-    assert "batch size: 4 per device from the checkpoint" in printed and "planner" not in printed
+    assert "batch size: 4 per device, as stored in the checkpoint (no new search)" in printed
+    assert "planner" not in printed
     assert "effective batch 12 (4 per device x 1 x 3 accumulation)" in printed
 
 
@@ -176,14 +179,40 @@ def test_global_batch_size_sets_the_accumulation(tiny_model_dir, topic_csvs, tmp
     )
     assert "effective batch 16 (4 per device x 1 x 4 accumulation)" in capsys.readouterr().out
     assert results["train"]["train_samples"] == 2 * 16
+    again = resolve_options(str(tmp_path / "run" / "args.json"), {})  # the run's arguments work as a config file
+    check(again, 1)
+    assert (again.training.global_batch_size, again.training.gradient_accumulation_steps) == (16, 4)
+
+
+def test_what_shards_is_read_from_flags_deepspeed_json_and_the_launcher(tmp_path, monkeypatch):
+    """`auto` probes only a whole model on one device: ZeRO and FSDP are recognised wherever they are asked for."""
+    assert sharding(build_config({})) == Sharding()
+    assert sharding(build_config({"zero_stage": 2, "offload_optimizer": "cpu"})) == Sharding(2, True, False)
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(json.dumps({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}}))
+    assert sharding(build_config({"deepspeed_config": str(ds_json)})) == Sharding(3, False, True)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    assert sharding(build_config({})).zero_stage == 3
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert sharding(build_config({})) == Sharding(fsdp=True)
 
 
 @pytest.mark.parametrize(
     "options, message",
     [
         (["--global_batch_size", "10", "--per_device_train_batch_size", "4"], "not a multiple of"),
+        (["--global_batch_size", "16", "--gradient_accumulation_steps", "2"], "disagree"),
         (
-            ["--global_batch_size", "16", "--gradient_accumulation_steps", "2"],
+            [
+                "--per_device_train_batch_size",
+                "auto",
+                "--global_batch_size",
+                "16",
+                "--gradient_accumulation_steps",
+                "2",
+            ],
             "leave out --gradient_accumulation_steps",
         ),
         (["--per_device_train_batch_size", "many"], "expected a number or auto, got 'many'"),

@@ -3,41 +3,42 @@ the same subcommands as the entry script, and the library API runs the pipeline.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, built_once
 
 import cloudtrain
 from cloudtrain.cli import COMMANDS
 from cloudtrain.errors import UserError
 
 
-@pytest.fixture(scope="module")
-def installed_wheel(tmp_path_factory) -> tuple[Path, Path]:
-    """(the wheel, the folder it is installed into) — outside the checkout, without dependencies (the
-    test environment has them)."""
-    root = tmp_path_factory.mktemp("wheel")
-    build = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(root / "dist"), str(REPO)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
+def build_and_install(root: Path) -> None:
+    """The wheel, built from a copy of what it is made of (the checkout gets no build/ folder), installed into
+    root/site without dependencies (the test environment has them)."""
+    sources = root / "sources"
+    shutil.copytree(REPO / "src", sources / "src", ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, sources / name)
+    check([sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(root / "dist"), str(sources)])
     wheel = next((root / "dist").glob("cloudtrain-*.whl"))
-    site = root / "site"
-    install = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(site), str(wheel)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert install.returncode == 0, install.stderr[-3000:]
-    return wheel, site
+    check([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(root / "site"), str(wheel)])
+
+
+def check(command: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture
+def installed_wheel(tmp_path_factory) -> tuple[Path, Path]:
+    """(the wheel, the folder it is installed into), once per session (make test's workers share it)."""
+    root = built_once(tmp_path_factory, "cloudtrain-wheel", build_and_install)
+    return next((root / "dist").glob("cloudtrain-*.whl")), root / "site"
 
 
 def outside(site: Path, *command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -120,13 +121,18 @@ def test_the_library_api_takes_a_file_a_dict_or_a_config_and_checks_like_the_com
         cloudtrain.train(typed, warmup_ratio=2)
 
 
-def test_the_library_api_runs_the_pipeline(tiny_model_dir, topic_csvs, tmp_path):
-    results = cloudtrain.train(
-        {"model": {"model_name_or_path": tiny_model_dir}, "max_steps": 2},
-        train_file=str(topic_csvs["train"]),
-        validation_file=str(topic_csvs["validation"]),
-        output_dir=str(tmp_path / "out"),
-        per_device_train_batch_size=4,
-    )
-    assert results["train"]["global_step"] == 2 and 0 <= results["eval"]["accuracy"] <= 1
-    assert Path(results["output_dir"], "model.safetensors").is_file()
+def test_the_library_api_runs_the_pipeline_again_and_again(tiny_model_dir, topic_csvs, tmp_path):
+    """As a notebook does: a second run in the same process with another precision (accelerate keeps one
+    process-wide state, made by the first run's Accelerator)."""
+    for precision in ("no", "bf16"):
+        results = cloudtrain.train(
+            {"model": {"model_name_or_path": tiny_model_dir}, "max_steps": 2},
+            train_file=str(topic_csvs["train"]),
+            validation_file=str(topic_csvs["validation"]),
+            output_dir=str(tmp_path / precision),
+            per_device_train_batch_size=4,
+            mixed_precision=precision,
+        )
+        assert results["train"]["global_step"] == 2 and 0 <= results["eval"]["accuracy"] <= 1
+        assert Path(results["output_dir"], "model.safetensors").is_file()
+        assert json.loads(Path(results["output_dir"], "args.json").read_text())["mixed_precision"] == precision

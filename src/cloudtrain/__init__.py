@@ -35,6 +35,12 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     from cloudtrain.config import resolve_options
 
     cfg = resolve_options(config, options)
-    from cloudtrain.pipeline import run_training  # heavy imports only once the options are valid
+    from accelerate.state import AcceleratorState, GradientState  # heavy imports only once the options are valid
 
+    from cloudtrain.pipeline import run_training
+
+    # accelerate keeps one state per process, made by the first Accelerator: a notebook's next run (another
+    # precision, DeepSpeed set-up, ...) must not find the last one's
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     return run_training(cfg)

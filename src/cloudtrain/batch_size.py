@@ -6,18 +6,21 @@ device, and the accumulation follows, so the global batch stays what was asked: 
 default micro-batch's (16 x processes x --gradient_accumulation_steps).
 
 How `auto` finds it:
-- CUDA, where out-of-memory can be caught: forward and backward of worst-case batches (the longest
-  training row, repeated) while the optimizer states' memory is held, growing by doubling from the
-  planner's estimate, then bisecting between the last fit and the first failure. Every process probes
-  its own device without collectives (the model is not wrapped yet), and the processes agree after
-  each probe: one rank out of memory fails the probe for all. Every probe and the choice are printed.
-- elsewhere (CPU), and under ZeRO-3 or FSDP (the model is sharded as it loads, so a lone process cannot
-  run it): the planner's estimate (cloudtrain.planner) against the memory available, said as such.
+- CUDA without DeepSpeed or FSDP, where out-of-memory can be caught: forward and backward of worst-case
+  batches (the longest training row, repeated) while the optimizer states' memory and a 5% headroom
+  are held, growing by doubling from the planner's estimate, then bisecting between the last fit and
+  the first failure. Every process probes its own device without collectives (the model is not
+  wrapped yet), and the processes agree after each probe: one rank out of memory fails the probe for
+  all. Every probe and the choice are printed.
+- elsewhere: CPU, and DeepSpeed or FSDP (they shard or offload what a lone process would have to hold
+  whole, so a probe would measure another set-up): the planner's estimate (cloudtrain.planner) against
+  the memory available, said as such.
 The choice is stored in every checkpoint; a resume takes it from there instead of searching again.
 The chosen micro-batch divides the examples each process sees per step, so the global batch is exact.
 """
 
 import contextlib
+import gc
 import os
 from collections.abc import Callable
 from dataclasses import replace
@@ -50,7 +53,17 @@ def check(cfg: Config, processes: int) -> None:
         raise UserError(
             f"--global_batch_size {target} does not split over {processes} processes; use a multiple of {processes}"
         )
-    micro = t.per_device_train_batch_size
+    micro, accumulation = t.per_device_train_batch_size, t.gradient_accumulation_steps
+    if (
+        t.global_batch_size
+        and accumulation != 1
+        and (not isinstance(micro, int) or target != micro * processes * accumulation)
+    ):
+        raise UserError(
+            f"--gradient_accumulation_steps {accumulation} and --global_batch_size {target} disagree (with "
+            f"--per_device_train_batch_size {micro} on {processes} process(es)); leave out "
+            "--gradient_accumulation_steps: the global batch sets it"
+        )
     if isinstance(micro, int) and (target // processes) % micro:
         raise UserError(
             f"--global_batch_size {target} gives each of the {processes} process(es) {target // processes} "
@@ -108,6 +121,9 @@ def search(
                 say(f"batch size: micro-batch {size} failed: {type(err).__name__}: {str(err)[:200]}")
                 failed = True
             out_of_memory = True
+        if torch.cuda.is_available():  # the failed probe's activations are garbage now: give the memory back
+            gc.collect()
+            torch.cuda.empty_cache()
         out_of_memory, failed = agree([out_of_memory, failed])
         if failed:
             raise UserError(
@@ -142,31 +158,31 @@ def worst_case_probe(
 ) -> tuple[Callable[[int], None], int]:
     """(probe, the longest row's tokens): probe(b) runs forward and backward of b copies of the longest
     training row on `device`, then frees the gradients."""
-    lengths = [len(ids) for ids in data.train["input_ids"]]
-    row = data.train[max(range(len(lengths)), key=lengths.__getitem__)]
+    import pyarrow.compute as pc
 
-    def forward_backward(size: int) -> None:
-        batch = {k: v.to(device) for k, v in data.collator([row] * size).items()}
-        with autocast():
-            summed, _ = task.loss(model, batch)
-        summed.backward()
+    lengths = pc.list_value_length(data.train.with_format("arrow")["input_ids"])  # no Python list of rows
+    longest = pc.max(lengths).as_py()
+    row = data.train[pc.index(lengths, longest).as_py()]
 
     def probe(size: int) -> None:
         try:
-            forward_backward(size)  # its activations are freed when it returns
+            batch = {k: v.to(device) for k, v in data.collator([row] * size).items()}
+            with autocast():
+                summed, _ = task.loss(model, batch)
+            summed.backward()
         finally:
             model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
 
-    return probe, max(lengths)
+    return probe, longest
 
 
-def optimizer_reserve(model: torch.nn.Module, device: torch.device, processes: int) -> torch.Tensor | None:
-    """Hold what AdamW's two moments (and DDP's gradient buckets) will take, so probes see it taken."""
+def reserve(model: torch.nn.Module, device: torch.device, processes: int) -> torch.Tensor:
+    """Hold what AdamW's two moments (and DDP's gradient buckets) will take, and 5% of the device as headroom
+    (the optimizer step's temporaries, fragmentation from uneven rows, evaluation), so probes see it taken."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     per_parameter = 8 + (4 if processes > 1 else 0)
-    return torch.empty(trainable * per_parameter, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+    headroom = torch.cuda.get_device_properties(device).total_memory // 20
+    return torch.empty(trainable * per_parameter + headroom, dtype=torch.uint8, device=device)
 
 
 def available_bytes(device: torch.device) -> int:
@@ -188,28 +204,27 @@ def planner_estimate(cfg: Config, num_labels: int, processes: int, memory: int, 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(processes)))
     try:
         return run_micro_batch(cfg, num_labels, local, max(processes // local, 1), memory, seq_len), ""
-    except UserError as err:
-        return 0, str(err)
+    except Exception as err:  # a model the planner cannot read (remote code, an unknown layout): probe from 1
+        return 0, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
 def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dict | None) -> Config:
     """`cfg` with `auto` replaced by the micro-batch found (or stored in the checkpoint being resumed), and
     the accumulation that keeps the global batch."""
+    from cloudtrain.distributed import sharding
+
     say = print if runtime.is_main else (lambda text: None)
     processes = runtime.count
     per_process = target_global_batch(cfg.training, processes) // processes
-    if stored and per_process % stored["per_device_train_batch_size"]:
-        raise UserError(
-            f"the checkpoint's micro-batch {stored['per_device_train_batch_size']} does not divide the "
-            f"{per_process} examples per process per step this run asks for; resume with the global batch it "
-            "was trained with"
-        )
     if stored:
-        say(
-            f"batch size: {stored['per_device_train_batch_size']} per device from the checkpoint "
-            f"(--per_device_train_batch_size auto chose it; no new search)"
-        )
-        return with_batch(cfg, stored["per_device_train_batch_size"], processes)
+        micro = stored["per_device_train_batch_size"]
+        if per_process % micro:
+            raise UserError(
+                f"the checkpoint's micro-batch {micro} does not divide the {per_process} examples per process per "
+                "step this run asks for; resume with the global batch it was trained with"
+            )
+        say(f"batch size: {micro} per device, as stored in the checkpoint (no new search)")
+        return with_batch(cfg, micro, processes)
     device = runtime.device
     memory = runtime.smallest(available_bytes(device))
     probe, longest = worst_case_probe(model, data, task, autocast_for(cfg, device), device)
@@ -218,12 +233,14 @@ def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dic
         f"batch size: the planner fits micro-batch {estimate} in {memory / 2**30:.1f} GiB per process "
         f"(rows of {longest} tokens)" + (f"; it could not estimate: {why}" if why else "")
     )
-    sharded = cfg.distributed.fsdp or cfg.distributed.zero_stage == 3
-    if device.type == "cuda" and not sharded:
+    shards = sharding(cfg)
+    if device.type == "cuda" and shards.zero_stage is None and not shards.fsdp:
         found = probe_on_device(model, probe, device, processes, estimate, per_process, runtime, say)
     else:
         where = (
-            "ZeRO-3/FSDP shard the model as it loads" if sharded else f"out-of-memory cannot be caught on {device.type}"
+            "DeepSpeed and FSDP shard or offload what a probe would hold whole"
+            if device.type == "cuda"
+            else (f"out-of-memory cannot be caught on {device.type}")
         )
         fallback = "" if estimate else " (it fits none, or could not tell: micro-batch 1, which may not fit)"
         say(f"batch size: no probing ({where}): the planner's estimate is used as is{fallback}")
@@ -243,14 +260,27 @@ def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dic
 
 
 def probe_on_device(model, probe, device, processes: int, estimate: int, cap: int, runtime, say) -> int:
-    """The search on a CUDA device, with the optimizer states' memory held; UserError if nothing fits."""
+    """The search on a CUDA device, with the optimizer states' memory and the headroom held; UserError if
+    nothing fits. Placing the model is agreed on too: a rank that cannot hold it must not leave the others
+    waiting in the first probe's collective."""
     was_training = model.training
-    model.to(device).train()
-    reserve = optimizer_reserve(model, device, processes)
+    held, failed = None, ""
+    try:
+        model.to(device).train()
+        held = reserve(model, device, processes)
+    except Exception as err:
+        failed = f"{type(err).__name__}: {str(err)[:200]}"
+    if runtime.agree([bool(failed)])[0]:
+        raise UserError(
+            "the model and its optimizer states do not fit on the GPU ("
+            + (failed or "on another process")
+            + "): shard with --zero_stage 3, offload, or train adapters (--peft lora/qlora); `cloudtrain plan` "
+            "compares them"
+        )
     try:
         found = search(probe, estimate or 1, cap, runtime.agree, say)
     finally:
-        del reserve
+        del held
         model.train(was_training)
         torch.cuda.empty_cache()
     if found == 0:

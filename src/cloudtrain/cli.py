@@ -38,8 +38,10 @@ DESCRIPTION = (
 
 def prog() -> str:
     """How the user called us, for usage lines: cloudtrain, training_application.py or python -m cloudtrain."""
-    name = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
-    return "python -m cloudtrain" if name == "__main__.py" else name or "cloudtrain"
+    path = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("cloudtrain")
+    if path.name == "__main__.py" and path.parent.name == "cloudtrain":
+        return "python -m cloudtrain"
+    return path.name if path.name.endswith(".py") and path.name != "__main__.py" else "cloudtrain"
 
 
 def train_main(argv: list[str]) -> None:

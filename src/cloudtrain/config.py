@@ -544,10 +544,6 @@ def validate(cfg: Config) -> None:
             "--per_device_train_batch_size must be at least 1 (or auto)",
         ),
         (t.global_batch_size is not None and t.global_batch_size < 1, "--global_batch_size must be at least 1"),
-        (
-            t.global_batch_size is not None and t.gradient_accumulation_steps != 1,
-            "--global_batch_size sets the accumulation; leave out --gradient_accumulation_steps",
-        ),
         (t.per_device_eval_batch_size < 1, "--per_device_eval_batch_size must be at least 1"),
         (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be at least 1"),
         (t.learning_rate <= 0, "--learning_rate must be positive"),

@@ -19,6 +19,7 @@ import copy
 import importlib.util
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
@@ -85,6 +86,28 @@ def requested_deepspeed(cfg: Config) -> tuple[str, dict] | None:
             os.environ.get("ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE", "none"),
         )
     return None
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How a launch shards the model: from the flags, a DeepSpeed JSON or the accelerate config."""
+
+    zero_stage: int | None = None  # None: no DeepSpeed
+    offload_optimizer: bool = False
+    offload_param: bool = False
+    fsdp: bool = False
+
+
+def sharding(cfg: Config) -> Sharding:
+    requested = requested_deepspeed(cfg)
+    if requested is None:
+        return Sharding(fsdp=cfg.distributed.fsdp or env_flag("ACCELERATE_USE_FSDP"))
+    zero = requested[1].get("zero_optimization", {})
+
+    def offloaded(key: str) -> bool:
+        return (zero.get(key) or {}).get("device", "none") not in ("none", None)
+
+    return Sharding(int(zero.get("stage", 0)), offloaded("offload_optimizer"), offloaded("offload_param"))
 
 
 def _read_json(path: str) -> dict:

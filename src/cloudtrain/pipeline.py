@@ -65,7 +65,6 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
         )
     check_data_sources(cfg.data)
     check_distributed(cfg)
-    batch_size.check(cfg, launched_processes())
     if not cfg.model.model_config:
         resolve_model_path(cfg.model)
     if cfg.model.tokenizer_name_or_path:
@@ -110,8 +109,9 @@ def build_run(cfg: Config) -> Run:
     """Check the options, set up the launch, and build data, model, trainer and run log."""
     task = build_task(cfg)
     cfg = resolve(cfg, task)
+    batch_size.check(cfg, launched_processes())
+    cfg = batch_size.fixed(cfg, launched_processes())  # --global_batch_size: the accumulation (DeepSpeed checks it)
     output_dir, resume_from = preflight(cfg, task)
-    cfg = batch_size.fixed(cfg, launched_processes())  # --global_batch_size: the accumulation that reaches it
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg)  # before the model is loaded: ZeRO-3 partitions it while loading

@@ -127,12 +127,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from cloudtrain.config import PEFT_METHODS, PRECISIONS, TASKS, Config, DistributedConfig, ModelConfig
+from cloudtrain.config import PEFT_METHODS, PRECISIONS, TASKS, Config, ModelConfig
 from cloudtrain.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from cloudtrain.distributed import Sharding
 
 LM_TASKS = ("causal_lm", "sft")  # decoders with an LM head: the same memory, logits included
 
@@ -761,12 +764,12 @@ def max_micro_batch(m: ModelFacts, cand: Candidate, setup: Setup) -> int:
     return lo
 
 
-def run_strategy(d: DistributedConfig) -> Strategy:
-    """The strategy a training run's options select (ZeRO-1 with optimizer offload is estimated as ZeRO-1)."""
-    if d.fsdp:
+def run_strategy(shards: "Sharding") -> Strategy:
+    """The strategy a training launch uses (ZeRO-1 with optimizer offload is estimated as ZeRO-1)."""
+    if shards.fsdp:
         return next(s for s in STRATEGIES if s.fsdp)
-    stage = d.zero_stage or None
-    offload = (d.offload_optimizer != "none", d.offload_param != "none")
+    stage = shards.zero_stage or None
+    offload = (shards.offload_optimizer, shards.offload_param)
     same_stage = [s for s in STRATEGIES if s.zero_stage == stage and not s.fsdp]
     return next((s for s in same_stage if (s.offload_optimizer, s.offload_param) == offload), same_stage[0])
 
@@ -774,6 +777,7 @@ def run_strategy(d: DistributedConfig) -> Strategy:
 def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:
     """The largest micro-batch the estimate fits into `memory` bytes per process for a training run's model,
     strategy, gradient checkpointing and adapters, at rows of `seq_len` tokens (0: none fits)."""
+    from cloudtrain.distributed import sharding
     from cloudtrain.model_loading import resolve_model_path
 
     m = cfg.model
@@ -782,7 +786,7 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
     facts = model_facts(
         name, num_labels, m.trust_remote_code, cfg.training.task, bool(m.model_config), m.tokenizer_name_or_path, lora
     )
-    candidate = Candidate(run_strategy(cfg.distributed), m.gradient_checkpointing, m.peft)
+    candidate = Candidate(run_strategy(sharding(cfg)), m.gradient_checkpointing, m.peft)
     setup = Setup(gpus_per_node, nodes, memory, None, seq_len, cfg.training.mixed_precision)
     return max_micro_batch(facts, candidate, setup)
 
