@@ -1,11 +1,12 @@
 """Run under torchrun by test_batch_size.py: the batch-size search on every rank, with out-of-memory injected.
 
-python -m torch.distributed.run --nproc_per_node 2 tests/dist_batch_size.py OPTIONS_JSON LIMITS_JSON RESULT_DIR
+python -m torch.distributed.run --nproc_per_node 2 tests/dist_batch_size.py OPTIONS_JSON SCENARIOS_JSON RESULT_DIR
 
-Each rank probes the real model (forward and backward of its longest row, repeated) and raises
-torch.OutOfMemoryError above its own limit from LIMITS_JSON ({rank: largest size that fits}, or
-{rank: "error"} for an error other than out-of-memory at the second probe). RESULT_DIR/rank<R>.json gets
-what the rank chose (or the error it stopped with) and the sizes it probed.
+For each scenario in turn (one launch: the process group and the model are built once), each rank probes
+the real model (forward and backward of its longest row, repeated) and raises torch.OutOfMemoryError
+above its own limit ({rank: largest size that fits}, or {rank: "error"} for an error other than
+out-of-memory at the second probe). RESULT_DIR/rank<R>.json gets, per scenario, what the rank chose (or
+the error it stopped with) and the sizes it probed.
 """
 
 import json
@@ -25,7 +26,7 @@ from cloudtrain.tasks import build_task
 
 
 def main() -> None:
-    options, limits, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
+    options, scenarios, out = json.loads(sys.argv[1]), json.loads(sys.argv[2]), Path(sys.argv[3])
     cfg = build_config(options)
     task = build_task(cfg)
     cfg = resolve(cfg, task)
@@ -33,7 +34,12 @@ def main() -> None:
     data = task.process(connect_data(cfg.data, task.columns(cfg.data)), load_tokenizer(cfg.model), cfg)
     model = task.load_model(cfg, data, load_tokenizer(cfg.model), announce=False)
     real, _ = worst_case_probe(model, data, task, autocast_for(cfg, runtime.device), runtime.device)
-    limit, probed = limits[str(runtime.index)], []
+    results = [search_with(limits[str(runtime.index)], real, model, runtime) for limits in scenarios]
+    (out / f"rank{runtime.index}.json").write_text(json.dumps(results))
+
+
+def search_with(limit, real, model, runtime) -> dict:
+    probed: list[int] = []
 
     def probe(size: int) -> None:
         probed.append(size)
@@ -43,12 +49,12 @@ def main() -> None:
         if limit != "error" and size > limit:
             raise torch.OutOfMemoryError(f"injected: {size} rows do not fit")
 
-    result = {"rank": runtime.index, "probed": probed}
+    result: dict = {"rank": runtime.index, "probed": probed}
     try:
         result["found"] = probe_on_device(model, probe, runtime.device, runtime.count, 2, 64, runtime, print)
     except UserError as err:
         result["error"] = str(err)
-    (out / f"rank{runtime.index}.json").write_text(json.dumps(result))
+    return result
 
 
 if __name__ == "__main__":
