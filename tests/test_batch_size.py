@@ -16,7 +16,7 @@ from conftest import REPO, run_cli
 from test_distributed import launch, torchrun
 
 import cloudtrain
-from cloudtrain.batch_size import check, largest_divisor, search
+from cloudtrain.batch_size import check, largest_divisor, probe_on_device, search
 from cloudtrain.checkpointing import complete_checkpoints, read_state
 from cloudtrain.config import build_config, resolve_options
 from cloudtrain.distributed import Sharding, sharding
@@ -81,6 +81,35 @@ def test_a_failure_on_any_process_fails_the_probe_for_all():
         return [flags[0] or current["size"] > other_rank_fits_up_to, flags[1]]
 
     assert search(probe, 2, 64, agree, lambda text: None) == 5
+
+
+class OneProcess:
+    index, count, is_main = 0, 1, True
+
+    @staticmethod
+    def agree(flags: list[bool]) -> list[bool]:
+        return flags
+
+
+@pytest.mark.parametrize(
+    "error, message",
+    [
+        (torch.OutOfMemoryError("CUDA out of memory"), "the model and its optimizer states do not fit on the GPU"),
+        (
+            RuntimeError("CUDA error: an illegal memory access"),
+            "placing the model on the GPU for the batch-size search",
+        ),
+    ],
+)
+def test_a_model_that_cannot_be_placed_stops_before_the_first_probe(error, message):
+    class Unplaceable(torch.nn.Linear):
+        def to(self, *args, **kwargs):
+            raise error
+
+    probed = []
+    with pytest.raises(UserError, match=message):
+        probe_on_device(Unplaceable(2, 2), probed.append, torch.device("cpu"), 1, 2, 8, OneProcess(), print)
+    assert probed == []
 
 
 def test_largest_divisor():

@@ -176,9 +176,11 @@ def worst_case_probe(
     return probe, longest
 
 
-def reserve(model: torch.nn.Module, device: torch.device, processes: int) -> torch.Tensor:
+def reserve(model: torch.nn.Module, device: torch.device, processes: int) -> torch.Tensor | None:
     """Hold what AdamW's two moments (and DDP's gradient buckets) will take, and 5% of the device as headroom
     (the optimizer step's temporaries, fragmentation from uneven rows, evaluation), so probes see it taken."""
+    if device.type != "cuda":  # the search runs on CPU only in tests, with out-of-memory injected
+        return None
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     per_parameter = 8 + (4 if processes > 1 else 0)
     headroom = torch.cuda.get_device_properties(device).total_memory // 20
@@ -264,18 +266,23 @@ def probe_on_device(model, probe, device, processes: int, estimate: int, cap: in
     nothing fits. Placing the model is agreed on too: a rank that cannot hold it must not leave the others
     waiting in the first probe's collective."""
     was_training = model.training
-    held, failed = None, ""
+    held, failed = None, None
     try:
         model.to(device).train()
         held = reserve(model, device, processes)
-    except Exception as err:
-        failed = f"{type(err).__name__}: {str(err)[:200]}"
-    if runtime.agree([bool(failed)])[0]:
+    except Exception as err:  # agreed on below, so that no process is left waiting in the first probe
+        failed = err
+    out_of_memory, other = runtime.agree([failed is not None and is_out_of_memory(failed), failed is not None])
+    if out_of_memory:
         raise UserError(
-            "the model and its optimizer states do not fit on the GPU ("
-            + (failed or "on another process")
-            + "): shard with --zero_stage 3, offload, or train adapters (--peft lora/qlora); `cloudtrain plan` "
-            "compares them"
+            "the model and its optimizer states do not fit on the GPU: shard with --zero_stage 3, offload, or "
+            "train adapters (--peft lora/qlora); `cloudtrain plan` compares them"
+        )
+    if other:
+        what = f"{type(failed).__name__}: {str(failed)[:200]}" if failed else "on another process"
+        raise UserError(
+            f"placing the model on the GPU for the batch-size search failed ({what}); pass a number to "
+            "--per_device_train_batch_size"
         )
     try:
         found = search(probe, estimate or 1, cap, runtime.agree, say)
