@@ -11,7 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def prepare_worker() -> None:
-    """What a worker sets before it imports torch & co.: no Hub, quiet tokenizers (cloudtrain itself is installed: make setup)."""
+    """What a worker sets before it imports torch & co.: no Hub, quiet tokenizers (cloudtrain itself is
+    installed by make setup)."""
     for name, value in (("HF_HUB_OFFLINE", "1"), ("HF_DATASETS_OFFLINE", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(name, value)
 
