@@ -171,6 +171,14 @@ def topic_csvs(tmp_path) -> dict[str, Path]:
     return files
 
 
+def topic_run_args(model_dir: str, csvs: dict[str, Path], out: Path) -> list[str]:
+    """The command-line options of a run of `model_dir` on the topic_csvs task, saving to `out`."""
+    return [
+        "--model_name_or_path", model_dir, "--train_file", str(csvs["train"]),
+        "--validation_file", str(csvs["validation"]), "--output_dir", str(out),
+    ]  # fmt: skip
+
+
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """The application as a user runs it: a fresh interpreter, the real entry script."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

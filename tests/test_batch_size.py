@@ -12,7 +12,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import REPO, run_cli, topic_run_args
 from test_distributed import launch, torchrun
 
 import cloudtrain
@@ -249,14 +249,7 @@ def test_auto_probes_the_gpu(tiny_model_dir, topic_csvs, tmp_path):
         sys.executable,
         "-c",
         "import sys, cloudtrain.cli; sys.exit(cloudtrain.cli.main())",
-        "--model_name_or_path",
-        tiny_model_dir,
-        "--train_file",
-        str(topic_csvs["train"]),
-        "--validation_file",
-        str(topic_csvs["validation"]),
-        "--output_dir",
-        str(tmp_path / "out"),
+        *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "out"),
         "--per_device_train_batch_size",
         "auto",
         "--global_batch_size",

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, built_once
+from conftest import REPO, built_once, topic_run_args
 
 import cloudtrain
 from cloudtrain.cli import COMMANDS
@@ -78,14 +78,7 @@ def test_the_installed_command_trains_outside_the_checkout(installed_wheel, tiny
         sys.executable,
         str(script),
         "train",
-        "--model_name_or_path",
-        tiny_model_dir,
-        "--train_file",
-        str(topic_csvs["train"]),
-        "--validation_file",
-        str(topic_csvs["validation"]),
-        "--output_dir",
-        str(out),
+        *topic_run_args(tiny_model_dir, topic_csvs, out),
         "--max_steps",
         "2",
         "--per_device_train_batch_size",
