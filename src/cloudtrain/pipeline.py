@@ -1,6 +1,9 @@
 """The training application, top to bottom:
 
-    check options -> connect data -> process data -> load model -> train -> evaluate -> save
+    check options -> connect data -> process data -> load model -> [find the micro-batch] -> train
+    -> evaluate -> save
+
+The micro-batch is found only for --per_device_train_batch_size auto (cloudtrain.batch_size).
 
 Every check that needs no heavy work runs first, so a mistake costs seconds, not a training run.
 `build_run` does everything up to training (bench and tests call it too); `run_training` is the whole
