@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from cloudtrain.batch_size import autocast_for, probe_on_device, worst_case_probe
+from cloudtrain.batch_size import probe_on_device, worst_case_probe
 from cloudtrain.config import build_config
 from cloudtrain.data_connecting import connect_data
 from cloudtrain.errors import UserError
@@ -33,7 +33,7 @@ def main() -> None:
     runtime = Runtime.for_launch(cfg)
     data = task.process(connect_data(cfg.data, task.columns(cfg.data)), load_tokenizer(cfg.model), cfg)
     model = task.load_model(cfg, data, load_tokenizer(cfg.model), announce=False)
-    real, _ = worst_case_probe(model, data, task, autocast_for(cfg, runtime.device), runtime.device)
+    real, _ = worst_case_probe(model, data, task, cfg.training.mixed_precision, runtime.device)
     results = [search_with(limits[str(runtime.index)], real, model, runtime) for limits in scenarios]
     (out / f"rank{runtime.index}.json").write_text(json.dumps(results))
 

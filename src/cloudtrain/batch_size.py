@@ -19,7 +19,6 @@ The choice is stored in every checkpoint; a resume takes it from there instead o
 The chosen micro-batch divides the examples each process sees per step, so the global batch is exact.
 """
 
-import contextlib
 import gc
 import os
 from collections.abc import Callable
@@ -29,6 +28,7 @@ import torch
 
 from cloudtrain.config import Config, TrainingConfig
 from cloudtrain.errors import UserError
+from cloudtrain.hardware import autocast
 
 DEFAULT_MICRO_BATCH = 16  # the option's default; `auto` without --global_batch_size keeps its global batch
 
@@ -154,7 +154,7 @@ def search(
 
 
 def worst_case_probe(
-    model: torch.nn.Module, data, task, autocast, device: torch.device
+    model: torch.nn.Module, data, task, precision: str, device: torch.device
 ) -> tuple[Callable[[int], None], int]:
     """(probe, the longest row's tokens): probe(b) runs forward and backward of b copies of the longest
     training row on `device`, then frees the gradients."""
@@ -167,7 +167,7 @@ def worst_case_probe(
     def probe(size: int) -> None:
         try:
             batch = {k: v.to(device) for k, v in data.collator([row] * size).items()}
-            with autocast():
+            with autocast(precision, device):
                 summed, _ = task.loss(model, batch)
             summed.backward()
         finally:
@@ -229,7 +229,7 @@ def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dic
         return with_batch(cfg, micro, processes)
     device = runtime.device
     memory = runtime.smallest(available_bytes(device))
-    probe, longest = worst_case_probe(model, data, task, autocast_for(cfg, device), device)
+    probe, longest = worst_case_probe(model, data, task, cfg.training.mixed_precision, device)
     estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, memory, longest)
     say(
         f"batch size: the planner fits micro-batch {estimate} in {memory / 2**30:.1f} GiB per process "
@@ -296,9 +296,3 @@ def probe_on_device(model, probe, device, processes: int, estimate: int, cap: in
             "--zero_stage 3, or train adapters (--peft lora/qlora); `cloudtrain plan` compares them"
         )
     return found
-
-
-def autocast_for(cfg: Config, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    """The training step's autocast (fp16/bf16), as the trainers enter it."""
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(cfg.training.mixed_precision)
-    return (lambda: torch.autocast(device.type, dtype=dtype)) if dtype else contextlib.nullcontext

@@ -6,6 +6,7 @@ On the 2-core AVX512-BF16 CPU of bench/, bf16 autocast trained MiniLM 1.7-2.2x f
 the same accuracy (bench/results/latest.md).
 """
 
+import contextlib
 import ctypes
 import functools
 import os
@@ -52,3 +53,12 @@ def keep_freed_memory() -> bool:
         return False
     m_trim_threshold, m_mmap_max = -1, -4  # <malloc.h>
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 2**31 - 1))
+
+
+AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def autocast(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """The training step's autocast for a resolved --mixed_precision (no autocast for fp32)."""
+    dtype = AUTOCAST_DTYPES.get(precision)
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()

@@ -6,7 +6,6 @@ loads with weights_only=True). Does not support: several processes or DeepSpeed;
 AcceleratedTrainer (`--training_type accelerated`) for those.
 """
 
-import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from cloudtrain.hardware import autocast
 from cloudtrain.trainers.base import (
     StepStats,
     Trainer,
@@ -24,7 +24,6 @@ from cloudtrain.trainers.base import (
     trains_everything,
 )
 
-AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
 
 
@@ -38,8 +37,7 @@ class BasicTrainer(Trainer):
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.cfg.training.mixed_precision == "fp16")
 
     def autocast(self):
-        dtype = AUTOCAST_DTYPES.get(self.cfg.training.mixed_precision)
-        return torch.autocast(self.device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+        return autocast(self.cfg.training.mixed_precision, self.device)
 
     def move(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
