@@ -491,19 +491,13 @@ def build_config(values: dict) -> Config:
 def config_from_namespace(namespace: argparse.Namespace) -> Config:
     """Merge defaults < --config file < command-line flags, then check the values."""
     given = vars(namespace).copy()
-    values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
-    if "config" in given:
-        values.update(load_config_file(given.pop("config")))
-    values.update({k: v for k, v in given.items() if k in _fields()})
-    config = build_config(values)
-    validate(config)
-    return config
+    return resolve_options(given.pop("config", None), {k: v for k, v in given.items() if k in _fields()})
 
 
 def resolve_options(config: "Config | dict | str | Path | None", overrides: dict) -> Config:
-    """The library's way in (cloudtrain.train): a Config, a dict of options or a config file's path, then
-    `overrides`, merged and checked as the command line merges and checks them."""
-    values = sagemaker_defaults()
+    """Options from lowest precedence up, merged and checked: the defaults, a SageMaker job's, `config` (a
+    Config, a dict of options or a config file's path: cloudtrain.train, --config), then `overrides`."""
+    values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
     if isinstance(config, Config):
         values.update(config.to_dict(include_secrets=True))
     elif isinstance(config, dict):
