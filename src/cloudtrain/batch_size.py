@@ -83,7 +83,8 @@ def with_batch(cfg: Config, micro: int, processes: int) -> Config:
 
 
 def fixed(cfg: Config, processes: int) -> Config:
-    """A numeric micro-batch: only the accumulation for --global_batch_size to fill in."""
+    """Checked (`check`); then for a numeric micro-batch, the accumulation that --global_batch_size asks for."""
+    check(cfg, processes)
     micro = cfg.training.per_device_train_batch_size
     return with_batch(cfg, micro, processes) if isinstance(micro, int) else cfg
 

@@ -112,9 +112,9 @@ def build_run(cfg: Config) -> Run:
     """Check the options, set up the launch, and build data, model, trainer and run log."""
     task = build_task(cfg)
     cfg = resolve(cfg, task)
-    batch_size.check(cfg, launched_processes())
     cfg = batch_size.fixed(cfg, launched_processes())  # --global_batch_size: the accumulation (DeepSpeed checks it)
     output_dir, resume_from = preflight(cfg, task)
+    resumed = read_state(resume_from) if resume_from else None
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg)  # before the model is loaded: ZeRO-3 partitions it while loading
@@ -133,9 +133,7 @@ def build_run(cfg: Config) -> Run:
     if cfg.model.peft != "none":  # after gradient checkpointing, before the optimizer and accelerate
         model = adapters.attach(model, cfg, task.peft_task_type, task.train_in_full(model))
     if cfg.training.per_device_train_batch_size == "auto":  # probes the loaded model, before accelerate wraps it
-        cfg = batch_size.choose(
-            cfg, model, data, task, runtime, read_state(resume_from).get("batch") if resume_from else None
-        )
+        cfg = batch_size.choose(cfg, model, data, task, runtime, resumed.get("batch") if resumed else None)
         runtime.set_batch(cfg.training.micro_batch, cfg.training.gradient_accumulation_steps)
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
 
@@ -145,7 +143,7 @@ def build_run(cfg: Config) -> Run:
         cfg,
         output_dir,
         runtime.is_main,
-        resume_step=read_state(resume_from)["state"]["global_step"] if resume_from else None,
+        resume_step=resumed["state"]["global_step"] if resumed else None,
         run_info={
             "task": task.name,
             "training_type": cfg.training.training_type,
