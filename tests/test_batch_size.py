@@ -14,8 +14,8 @@ import pytest
 import torch
 from conftest import REPO, run_cli, topic_run_args
 from test_distributed import launch, torchrun
+from test_training import run_tiny
 
-import cloudtrain
 from cloudtrain.batch_size import check, largest_divisor, probe_on_device, search
 from cloudtrain.checkpointing import complete_checkpoints, read_state
 from cloudtrain.config import build_config, resolve_options
@@ -32,8 +32,12 @@ def fake_probe(fits_up_to: int, probed: list[int]):
     return probe
 
 
-def one_process(flags: list[bool]) -> list[bool]:
-    return flags
+class OneProcess:
+    index, count, is_main = 0, 1, True
+
+    @staticmethod
+    def agree(flags: list[bool]) -> list[bool]:
+        return flags
 
 
 @pytest.mark.parametrize(
@@ -48,7 +52,7 @@ def one_process(flags: list[bool]) -> list[bool]:
 )
 def test_search_finds_the_largest_that_fits(fits_up_to, start, cap, expected_probes):
     probed, said = [], []
-    found = search(fake_probe(fits_up_to, probed), start, cap, one_process, said.append)
+    found = search(fake_probe(fits_up_to, probed), start, cap, OneProcess.agree, said.append)
     assert found == min(fits_up_to, cap)
     assert probed == expected_probes
     assert len(said) == len(probed) and all(line.startswith("batch size: micro-batch ") for line in said)
@@ -60,13 +64,13 @@ def test_search_out_of_memory_in_the_message_counts_and_other_errors_stop_it():
         if size > 4:
             raise RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling cublasCreate(handle)")
 
-    assert search(cublas, 4, 64, one_process, lambda text: None) == 4
+    assert search(cublas, 4, 64, OneProcess.agree, lambda text: None) == 4
 
     def broken(size: int) -> None:
         raise KeyError("input_ids")
 
     with pytest.raises(UserError, match="batch-size search failed"):
-        search(broken, 4, 64, one_process, lambda text: None)
+        search(broken, 4, 64, OneProcess.agree, lambda text: None)
 
 
 def test_a_failure_on_any_process_fails_the_probe_for_all():
@@ -81,14 +85,6 @@ def test_a_failure_on_any_process_fails_the_probe_for_all():
         return [flags[0] or current["size"] > other_rank_fits_up_to, flags[1]]
 
     assert search(probe, 2, 64, agree, lambda text: None) == 5
-
-
-class OneProcess:
-    index, count, is_main = 0, 1, True
-
-    @staticmethod
-    def agree(flags: list[bool]) -> list[bool]:
-        return flags
 
 
 @pytest.mark.parametrize(
@@ -135,23 +131,11 @@ def test_two_processes_agree_on_the_smallest(tiny_model_dir, topic_csvs, tmp_pat
         assert "batch-size search failed" in bug["error"] and bug["probed"] == [2, 4]
 
 
-def tiny_run(tiny_model_dir, topic_csvs, out, **options):
-    return cloudtrain.train(
-        model_name_or_path=tiny_model_dir,
-        train_file=str(topic_csvs["train"]),
-        validation_file=str(topic_csvs["validation"]),
-        output_dir=str(out),
-        eval_strategy="no",
-        logging_steps=2,
-        **options,
-    )
-
-
 def test_auto_on_cpu_uses_the_planner_keeps_the_global_batch_and_stores_the_choice(
     tiny_model_dir, topic_csvs, tmp_path, capsys
 ):
     out = tmp_path / "run"
-    results = tiny_run(
+    results = run_tiny(
         tiny_model_dir,
         topic_csvs,
         out,
@@ -174,7 +158,7 @@ def test_auto_on_cpu_uses_the_planner_keeps_the_global_batch_and_stores_the_choi
     state = read_state(checkpoint)
     state["batch"] = {"per_device_train_batch_size": 4, "gradient_accumulation_steps": 3}  # as a GPU search left it
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
-    tiny_run(
+    run_tiny(
         tiny_model_dir,
         topic_csvs,
         out,
@@ -190,7 +174,7 @@ def test_auto_on_cpu_uses_the_planner_keeps_the_global_batch_and_stores_the_choi
 
 
 def test_global_batch_size_sets_the_accumulation(tiny_model_dir, topic_csvs, tmp_path, capsys):
-    results = tiny_run(
+    results = run_tiny(
         tiny_model_dir, topic_csvs, tmp_path / "run", per_device_train_batch_size=4, global_batch_size=16, max_steps=2
     )
     assert "effective batch 16 (4 per device x 1 x 4 accumulation)" in capsys.readouterr().out
