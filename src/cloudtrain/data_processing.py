@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import datasets
 import numpy as np
@@ -187,6 +188,21 @@ def _encode(
     if label2id is not None:
         features["labels"] = ClassLabel(names=names)
     key = _cache_key(ds, tokenizer, cfg, columns, names if label2id is not None else None)
+    return cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}")
+
+
+def cached_map(
+    ds: Dataset,
+    encode: Callable,
+    features: datasets.Features,
+    cfg: DataConfig,
+    prefix: str,
+    key: str,
+    desc: str,
+    **options: Any,
+) -> Dataset:
+    """`ds.map(encode)` (batched, replacing every column) into <cache dir>/<prefix>-<key>.arrow: `key` hashes what
+    the result depends on, so every process and every later run with the same inputs reuses the file."""
     cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     return ds.map(
@@ -194,9 +210,10 @@ def _encode(
         batched=True,
         remove_columns=ds.column_names,
         features=features,
-        cache_file_name=str(cache_dir / f"{split}-{key}.arrow"),
+        cache_file_name=str(cache_dir / f"{prefix}-{key}.arrow"),
         new_fingerprint=key,
-        desc=f"Tokenizing {split}",
+        desc=desc,
+        **options,
     )
 
 

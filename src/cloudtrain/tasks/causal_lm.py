@@ -33,7 +33,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from cloudtrain import adapters
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
+from cloudtrain.data_processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
 from cloudtrain.model_card import build_lm_model_card
@@ -153,18 +153,8 @@ class CausalLMTask(Task):
             return {"input_ids": [doc + [eos] if eos is not None and doc[-1:] != [eos] else doc for doc in ids]}
 
         key = cache_key(ds, tokenizer, column, eos, "lm-v1")
-        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-        cache_dir.mkdir(parents=True, exist_ok=True)
         features = datasets.Features({"input_ids": datasets.List(datasets.Value("int32"))})
-        return ds.map(
-            encode,
-            batched=True,
-            remove_columns=ds.column_names,
-            features=features,
-            cache_file_name=str(cache_dir / f"lm-{split}-{key}.arrow"),
-            new_fingerprint=key,
-            desc=f"Tokenizing {split}",
-        )
+        return cached_map(ds, encode, features, cfg, f"lm-{split}", key, f"Tokenizing {split}")
 
     @staticmethod
     def _carve(docs: Dataset, percentage: float, seed: int) -> tuple[Dataset, Dataset]:

@@ -33,7 +33,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from cloudtrain.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data_processing import ProcessedData, cache_key, default_cache_dir
+from cloudtrain.data_processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
 from cloudtrain.model_card import build_lm_model_card
@@ -173,19 +173,9 @@ class SFTTask(CausalLMTask):
             self.tokenizer.special_tokens_map,
             "sft-v2",
         )
-        cache_dir = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
-        cache_dir.mkdir(parents=True, exist_ok=True)
         features = datasets.Features({name: ROW_FEATURES[name] for name in ("input_ids", "loss_mask")})
-        return ds.map(
-            encode,
-            batched=True,
-            with_indices=True,
-            remove_columns=ds.column_names,
-            features=features,
-            cache_file_name=str(cache_dir / f"sft-{split}-{key}.arrow"),
-            new_fingerprint=key,
-            desc=f"Tokenizing {split} with the chat template",
-        )
+        desc = f"Tokenizing {split} with the chat template"
+        return cached_map(ds, encode, features, cfg, f"sft-{split}", key, desc, with_indices=True)
 
     def _rows(self, split: str, examples: Dataset, cfg: DataConfig) -> Dataset:
         """Examples cut to --max_length, those left with no answer token dropped (and counted), then packed."""
