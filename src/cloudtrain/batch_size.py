@@ -188,23 +188,23 @@ def reserve(model: torch.nn.Module, device: torch.device, processes: int) -> tor
     return torch.empty(trainable * per_parameter + headroom, dtype=torch.uint8, device=device)
 
 
-def available_bytes(device: torch.device) -> int:
+def available_bytes(device: torch.device, local: int) -> int:
     """Memory this process may still use: its share of the host's free memory plus what it holds already
-    (CPU), or the device's free memory plus what torch has reserved (CUDA)."""
+    (CPU: `local` processes share this host), or the device's free memory plus what torch has reserved (CUDA)."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device)
     import psutil
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return psutil.virtual_memory().available // local + psutil.Process().memory_info().rss
 
 
-def planner_estimate(cfg: Config, num_labels: int, processes: int, memory: int, seq_len: int) -> tuple[int, str]:
+def planner_estimate(
+    cfg: Config, num_labels: int, processes: int, local: int, memory: int, seq_len: int
+) -> tuple[int, str]:
     """(the largest micro-batch the planner fits into `memory` per process, or 0; why if it could not tell)."""
     from cloudtrain.planner import run_micro_batch
 
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(processes)))
     try:
         return run_micro_batch(cfg, num_labels, local, max(processes // local, 1), memory, seq_len), ""
     except Exception as err:  # a model the planner cannot read (remote code, an unknown layout): probe from 1
@@ -229,9 +229,10 @@ def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dic
         say(f"batch size: {micro} per device, as stored in the checkpoint (no new search)")
         return with_batch(cfg, micro, processes)
     device = runtime.device
-    memory = runtime.smallest(available_bytes(device))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(processes)))  # processes on this node
+    memory = runtime.smallest(available_bytes(device, local))
     probe, longest = worst_case_probe(model, data, task, cfg.training.mixed_precision, device)
-    estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, memory, longest)
+    estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, local, memory, longest)
     say(
         f"batch size: the planner fits micro-batch {estimate} in {memory / 2**30:.1f} GiB per process "
         f"(rows of {longest} tokens)" + (f"; it could not estimate: {why}" if why else "")
