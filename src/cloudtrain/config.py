@@ -22,7 +22,8 @@ import yaml
 from cloudtrain.errors import UserError
 from cloudtrain.sagemaker_env import sagemaker_defaults
 
-TRAINING_TYPES = ("basic", "accelerated")
+TRAINING_TYPES = ("basic", "accelerated", "pipeline")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("no", "fp16", "bf16")
 MIXED_PRECISION = ("auto", *PRECISIONS)
 SCHEDULERS = ("linear", "cosine", "constant")
@@ -181,7 +182,10 @@ class TrainingConfig:
         TASKS,
     )
     training_type: str = opt(
-        "accelerated", "basic: plain PyTorch loop; accelerated: Hugging Face accelerate.", TRAINING_TYPES
+        "accelerated",
+        "basic: plain PyTorch loop; accelerated: Hugging Face accelerate (DDP, DeepSpeed, FSDP); pipeline: "
+        "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun.",
+        TRAINING_TYPES,
     )
     num_train_epochs: float = opt(2.0, "Number of passes over the training data.")
     max_steps: int | None = opt(None, "Stop after this many optimizer steps (overrides --num_train_epochs).")
@@ -250,6 +254,28 @@ class DistributedConfig:
         None, 'A DeepSpeed JSON config, used as-is; its "auto" values are filled from these options.'
     )
     fsdp: bool = opt(False, "Shard the model with FSDP (version 2) through accelerate; GPU only.")
+    pipeline_parallel_size: int = opt(
+        2,
+        "--training_type pipeline: processes per pipeline (at least 2); the launch's processes form "
+        "processes / this many data-parallel pipelines.",
+    )
+    pipeline_schedule: str = opt(
+        "1f1b", "--training_type pipeline: the schedule of micro-batches over the stages.", PIPELINE_SCHEDULES
+    )
+    pipeline_microbatches: int = opt(
+        4,
+        "--training_type pipeline: micro-batches each pipeline's batch (--per_device_train_batch_size rows) "
+        "is cut into; more shrink the idle bubble, (stages - 1) / micro-batches.",
+    )
+    pipeline_stages_per_rank: int = opt(
+        1, "--training_type pipeline: stages each process holds (2 or more for interleaved_1f1b)."
+    )
+    pipeline_split_points: list = opt(
+        [],
+        "--training_type pipeline: the layers at which a new stage starts (like model.layers.4), one fewer "
+        "than the stages; default: layers balanced by count, the first and last stage one fewer (they hold "
+        "the embeddings and the head).",
+    )
 
 
 @dataclass

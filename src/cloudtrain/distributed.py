@@ -196,12 +196,20 @@ def check_deepspeed_skips(source: str, ds_config: dict, precision: str) -> None:
         )
 
 
+def deepspeed_requested(cfg: Config) -> bool:
+    d = cfg.distributed
+    return d.zero_stage is not None or bool(d.deepspeed_config) or env_flag("ACCELERATE_USE_DEEPSPEED")
+
+
+def fsdp_requested(cfg: Config) -> bool:
+    return cfg.distributed.fsdp or env_flag("ACCELERATE_USE_FSDP")
+
+
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
     d, accelerated = cfg.distributed, cfg.training.training_type == "accelerated"
-    wants_deepspeed = d.zero_stage is not None or d.deepspeed_config or env_flag("ACCELERATE_USE_DEEPSPEED")
-    wants_fsdp = d.fsdp or env_flag("ACCELERATE_USE_FSDP")
-    if not accelerated and (launched_processes() > 1 or wants_deepspeed or wants_fsdp):
+    wants_deepspeed, wants_fsdp = deepspeed_requested(cfg), fsdp_requested(cfg)
+    if cfg.training.training_type == "basic" and (launched_processes() > 1 or wants_deepspeed or wants_fsdp):
         raise UserError(
             "the BasicTrainer runs one process without DeepSpeed or FSDP; "
             "use --training_type accelerated for multi-process, DeepSpeed and FSDP runs"

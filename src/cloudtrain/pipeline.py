@@ -67,6 +67,7 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
             f"--task {task.name}; use one of {', '.join(task.metrics)}"
         )
     check_data_sources(cfg.data)
+    TRAINERS[cfg.training.training_type].check_options(cfg, task)
     check_distributed(cfg)
     if not cfg.model.model_config:
         resolve_model_path(cfg.model)
@@ -112,7 +113,8 @@ def build_run(cfg: Config) -> Run:
     """Check the options, set up the launch, and build data, model, trainer and run log."""
     task = build_task(cfg)
     cfg = resolve(cfg, task)
-    cfg = batch_size.fixed(cfg, launched_processes())  # --global_batch_size: the accumulation (DeepSpeed checks it)
+    replicas = TRAINERS[cfg.training.training_type].data_parallel(cfg, launched_processes())
+    cfg = batch_size.fixed(cfg, replicas)  # --global_batch_size: the accumulation (DeepSpeed checks it)
     output_dir, resume_from = preflight(cfg, task)
     resumed = read_state(resume_from) if resume_from else None
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():

@@ -5,14 +5,18 @@ else asks whether it runs under accelerate:
 - one process (`--training_type basic`): main, index 0 of 1, CUDA when present else CPU; every
   collective is the identity;
 - accelerate (`--training_type accelerated`, any launcher): the Accelerator that
-  cloudtrain.distributed builds for this launch, whose collectives these methods call.
+  cloudtrain.distributed builds for this launch, whose collectives these methods call;
+- pipeline (`--training_type pipeline`, torchrun or accelerate launch): a torch.distributed process
+  group laid out as a (data-parallel, pipeline) mesh, with no accelerate (`PipelineRuntime`).
 """
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list
 
@@ -37,6 +41,8 @@ class Runtime:
             from cloudtrain.distributed import build_accelerator
 
             return cls(build_accelerator(cfg))
+        if cfg.training.training_type == "pipeline":
+            return PipelineRuntime(cfg.distributed.pipeline_parallel_size)
         return cls()
 
     def barrier(self) -> None:
@@ -91,3 +97,67 @@ class Runtime:
     def run_on_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on the main process only; its result on every process."""
         return self.share(fn() if self.is_main else None)
+
+
+class PipelineRuntime(Runtime):
+    """Processes on a (dp, pp) mesh: rank = dp_rank * pp_size + pp_rank, so each pipeline's processes are
+    neighbours (on one node where they fit: stage-to-stage traffic is the heavy one). Collectives of the
+    Runtime interface span every process."""
+
+    def __init__(self, pp_size: int):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local)
+        self.device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        self.accelerator = None
+        self.index, self.count = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.index == 0
+        self.pp_size, self.dp_size = pp_size, self.count // pp_size
+        mesh = init_device_mesh(self.device.type, (self.dp_size, pp_size), mesh_dim_names=("dp", "pp"))
+        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
+        self.pp_rank, self.dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+        # The first and last process of each pipeline (tied embeddings); every process creates every group.
+        ends = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(self.dp_size)]
+        self.ends_group = ends[self.dp_rank]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    @contextlib.contextmanager
+    def main_first(self) -> Iterator[None]:
+        if not self.is_main:
+            dist.barrier()
+        yield
+        if self.is_main:
+            dist.barrier()
+
+    def gather(self, tensors: Any) -> Any:
+        parts: list = [None] * self.count
+        dist.all_gather_object(parts, tensors)
+        if isinstance(tensors, torch.Tensor):
+            return torch.cat([p.to(self.device) for p in parts])
+        return type(tensors)(torch.cat([p[i].to(self.device) for p in parts]) for i in range(len(tensors)))
+
+    def reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        total = tensor.clone()
+        dist.all_reduce(total)
+        return total
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        votes = torch.tensor(flags, dtype=torch.int32, device=self.device)
+        dist.all_reduce(votes, op=dist.ReduceOp.MAX)
+        return votes.bool().tolist()
+
+    def smallest(self, value: int) -> int:
+        values = torch.tensor([value], dtype=torch.int64, device=self.device)
+        dist.all_reduce(values, op=dist.ReduceOp.MIN)
+        return int(values)
+
+    def share(self, value: Any) -> Any:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

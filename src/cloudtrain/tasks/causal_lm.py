@@ -82,7 +82,7 @@ class CausalLMTask(Task):
                 f"pretraining, or --model_config <config.json or preset: {', '.join(presets())}> "
                 "with --tokenizer_name_or_path to pretrain from scratch"
             )
-        config = self._config(cfg)
+        config = self.model_config(cfg)
         if not is_causal_lm(config):
             kind = ", ".join(config.architectures or [config.model_type])
             hint = (
@@ -93,7 +93,7 @@ class CausalLMTask(Task):
                 f"--task causal_lm needs one that AutoModelForCausalLM loads (…ForCausalLM){hint}"
             )
 
-    def _config(self, cfg: Config) -> transformers.PretrainedConfig:
+    def model_config(self, cfg: Config) -> transformers.PretrainedConfig:
         m = cfg.model
         source = str(model_config_file(m.model_config)) if m.model_config else resolve_model_path(m)
         try:
@@ -175,7 +175,7 @@ class CausalLMTask(Task):
         options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, self.auto_class))
         if m.attn_implementation:
             options["attn_implementation"] = m.attn_implementation
-        config = self._config(cfg)
+        config = self.model_config(cfg)
         if m.model_config:
             self._fit_config(config, tokenizer, m.model_config)
         self._check_sizes(config, tokenizer, cfg.data.max_length, self.added_tokens)
@@ -255,7 +255,11 @@ class CausalLMTask(Task):
         return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return shifted_loss(causal_lm_forward(model, batch), batch["labels"])
+        return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
+
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, count) from the logits (a pipeline's last stage computes them, not `loss`)."""
+        return shifted_loss(logits, labels)
 
     @torch.no_grad()
     def evaluate(
@@ -285,20 +289,24 @@ class CausalLMTask(Task):
             tokens += row_counts.sum().item()
             rows += len(row_counts)
         model.train(was_training)
-        runtime = time.perf_counter() - start
-        loss = loss_sum / max(tokens, 1)
-        result = {
-            "loss": loss,
-            "perplexity": math.exp(loss) if loss < 700 else float("inf"),
-            "tokens": int(tokens),
-            "samples": int(rows),
-            "runtime_s": round(runtime, 3),
-            "tokens_per_s": round(tokens / runtime, 1),
-        }
+        result = self.loss_metrics(loss_sum, tokens, rows, time.perf_counter() - start)
         if data.prompts and self.tokenizer is not None:
             with autocast():  # as in the step: adapters' fp32 embeddings meet a 16-bit base
                 result.update(self.samples(getattr(model, "module", model), data))  # DDP and DeepSpeed wrap it
         return result
+
+    @staticmethod
+    def loss_metrics(loss_sum: float, tokens: float, rows: float, seconds: float) -> dict:
+        """Token-weighted loss and perplexity from the sums over a split (also a pipeline's evaluation)."""
+        loss = loss_sum / max(tokens, 1)
+        return {
+            "loss": loss,
+            "perplexity": math.exp(loss) if loss < 700 else float("inf"),
+            "tokens": int(tokens),
+            "samples": int(rows),
+            "runtime_s": round(seconds, 3),
+            "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        }
 
     def samples(self, model: torch.nn.Module, data: ProcessedData) -> dict:
         """The greedy continuations of the sample prompts (every process generates the same ones)."""

@@ -154,7 +154,7 @@ class Meter:
         loss_sum = stats.loss_sum.double()
         values = torch.stack(
             [
-                loss_sum.new_tensor(sum(len(m) for m in masks)),
+                sum(m.any(dim=1).sum() for m in masks).to(loss_sum),  # rows with a real token (a pipeline pads)
                 sum(m.sum() for m in masks).to(loss_sum),
                 loss_sum,
                 sum(sum_squared_lengths(m) for m in masks).to(loss_sum),  # type: ignore[union-attr]  # masks: not empty
@@ -277,20 +277,32 @@ class Trainer:
             runtime,
         )
         self.is_main_process, self.num_processes = runtime.is_main, runtime.count
-        self.train_dl: DataLoader = train_dataloader(data, t.micro_batch, t.seed, cfg.data)
-        self.eval_dls = {"validation": eval_dataloader(data.validation, data, t.per_device_eval_batch_size, cfg.data)}
+        self.replicas = self.num_processes  # processes that each take their own share of a step's rows
+        self.counts_batches = True  # whether this process's batches enter the logged sums (Meter)
+        self.train_dl: DataLoader = train_dataloader(data, self.loader_rows(t.micro_batch), t.seed, cfg.data)
+        eval_rows = self.loader_rows(t.per_device_eval_batch_size)
+        self.eval_dls = {"validation": eval_dataloader(data.validation, data, eval_rows, cfg.data)}
         if data.test is not None:
-            self.eval_dls["test"] = eval_dataloader(data.test, data, t.per_device_eval_batch_size, cfg.data)
+            self.eval_dls["test"] = eval_dataloader(data.test, data, eval_rows, cfg.data)
         self.predict_dls = {
-            split: eval_dataloader(ds, data, t.per_device_eval_batch_size, cfg.data)
-            for split, ds in data.unlabelled.items()
+            split: eval_dataloader(ds, data, eval_rows, cfg.data) for split, ds in data.unlabelled.items()
         }
         if t.torch_compile:
             model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
         self.optimizer = build_optimizer(model, cfg)
+        self.flops = ModelFlops.from_model(model)  # before setup(): DDP/DeepSpeed wrappers hide the config
 
     # ------------------------------------------------------------ what subclasses provide
     mode = "plain PyTorch"
+
+    @staticmethod
+    def data_parallel(cfg: Config, processes: int) -> int:
+        """How many of the launch's `processes` take their own rows of a step (--global_batch_size splits over them)."""
+        return processes
+
+    @classmethod
+    def check_options(cls, cfg: Config, task: Task) -> None:
+        """Reject what this trainer cannot run, before anything heavy is loaded."""
 
     def setup(self) -> None:
         raise NotImplementedError
@@ -310,6 +322,10 @@ class Trainer:
     def move(self, batch: dict) -> dict:
         return batch
 
+    def loader_rows(self, per_process: int) -> int:
+        """Rows a data loader yields per batch: one process's share (accelerate shards the loaders)."""
+        return per_process
+
     def autocast(self):
         raise NotImplementedError
 
@@ -325,7 +341,6 @@ class Trainer:
     # ------------------------------------------------------------ the loop
     def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
         """Train for the configured steps, logging, evaluating and checkpointing on schedule."""
-        self._flops = ModelFlops.from_model(self.model)  # before setup(): DDP/DeepSpeed wrappers hide the config
         self.setup()
         self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
         self._peak_flops = peak_flops(self._device)
@@ -363,7 +378,7 @@ class Trainer:
                     bad = self.runtime.any_process(~torch.isfinite(stats.loss_sum))  # stays on the device
                     self.apply_step(bad)
                     guard.add(bad)
-                    meter.add(window, stats, applied=~bad)
+                    meter.add(window, stats, applied=~bad & self.counts_batches)
                     self.scheduler.step()
                     state.global_step += 1
                     bar.update(1)
@@ -524,7 +539,7 @@ class Trainer:
         if stats.grad_norm is not None:
             values["train/grad_norm"] = float(stats.grad_norm)
         if self._peak_flops:
-            flops = self._flops.training_flops(interval["tokens"], interval["squared_lengths"])
+            flops = self.flops.training_flops(interval["tokens"], interval["squared_lengths"])
             values["train/mfu"] = flops / interval["seconds"] / self.num_processes / self._peak_flops
         self.run_log.log(values, step=step)
         if self.is_main_process:
@@ -535,17 +550,21 @@ class Trainer:
                 + (f" | MFU {values['train/mfu']:.1%}" if "train/mfu" in values else "")
             )
 
+    def parameter_counts(self) -> tuple[int, int]:
+        """(all, trainable) parameters of the whole model."""
+        return count_parameters(self.model), count_parameters(self.model, trainable=True)
+
     def _announce(self, steps_per_epoch: int, total_steps: int) -> None:
         t = self.cfg.training
-        effective = t.micro_batch * self.num_processes * t.gradient_accumulation_steps
+        effective = t.micro_batch * self.replicas * t.gradient_accumulation_steps
         if self.is_main_process:
-            params, trainable = count_parameters(self.model), count_parameters(self.model, trainable=True)
+            params, trainable = self.parameter_counts()
             trains = "" if trainable == params else f" ({trainable / 1e6:.2f}M trainable: {trainable / params:.2%})"
             print(
                 f"{self.name}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters{trains}, "
                 f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
                 f"{t.mixed_precision}), effective batch {effective} "
-                f"({t.per_device_train_batch_size} per device x {self.num_processes} x "
+                f"({t.per_device_train_batch_size} per device x {self.replicas} x "
                 f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
                 f"({steps_per_epoch} per epoch)",
                 flush=True,
