@@ -272,9 +272,9 @@ class DistributedConfig:
     )
     pipeline_split_points: list = opt(
         [],
-        "--training_type pipeline: the layers at which a new stage starts (like model.layers.4), one fewer "
-        "than the stages; default: layers balanced by count, the first and last stage one fewer (they hold "
-        "the embeddings and the head).",
+        "--training_type pipeline: the layers that end a stage (like model.layers.4: layers 0-4 in the first), "
+        "one fewer than the stages; default: layers balanced by count, the first and last stage one fewer "
+        "(they hold the embeddings and the head).",
     )
 
 

@@ -208,6 +208,7 @@ def run_training(cfg: Config) -> dict:
             except UserError as err:  # the final push below uploads everything that matters
                 print(f"warning: {err}", flush=True)
         hub.push_output_dir(output_dir, cfg, results)
+    runtime.close()
     return {**results, "output_dir": str(output_dir)}
 
 

@@ -94,6 +94,9 @@ class Runtime:
         """The main process's `value` (a picklable object), on every process."""
         return broadcast_object_list([value])[0] if self.count > 1 else value
 
+    def close(self) -> None:
+        """Leave the launch's process group at the end of a run (accelerate's stays with its state)."""
+
     def run_on_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on the main process only; its result on every process."""
         return self.share(fn() if self.is_main else None)
@@ -161,3 +164,7 @@ class PipelineRuntime(Runtime):
         box = [value]
         dist.broadcast_object_list(box, src=0)
         return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():  # left alive, gloo's threads can abort the interpreter's exit
+            dist.destroy_process_group()

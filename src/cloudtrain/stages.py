@@ -13,6 +13,7 @@ dicts together are the model's, and `save_pretrained` of their union gives an or
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -60,9 +61,10 @@ def balanced_split(n_layers: int, n_stages: int) -> list[range]:
     return _ranges(sizes)
 
 
-def split_at(points: Sequence[int], n_layers: int) -> list[range]:
-    """Layer ranges from the indices at which a new stage starts (checked by the caller)."""
-    bounds = [0, *points, n_layers]
+def split_after(points: Sequence[int], n_layers: int) -> list[range]:
+    """Layer ranges from the indices of the layers that end a stage (checked by the caller); the last stage
+    holds what follows the last of them (at least the norm and head)."""
+    bounds = [0, *(i + 1 for i in points), n_layers]
     return [range(a, b) for a, b in zip(bounds, bounds[1:], strict=False)]
 
 
@@ -81,8 +83,8 @@ def split_points_error(points: Sequence[str], prefix: str, n_layers: int, n_stag
     indices = []
     for point in points:
         head, _, index = point.rpartition(".")
-        if head != prefix or not index.isdigit() or not 0 < int(index) < n_layers:
-            return f"{point} is not a layer at which a stage can start (name {prefix}.1 to {prefix}.{n_layers - 1})"
+        if head != prefix or not index.isdigit() or not int(index) < n_layers:
+            return f"{point} is not a layer that can end a stage (name {prefix}.0 to {prefix}.{n_layers - 1})"
         indices.append(int(index))
     if indices != sorted(set(indices)):
         return f"{', '.join(points)} are not in increasing order"
@@ -127,7 +129,7 @@ class Stage(nn.Module):
             self.lm_head = model.lm_head
 
     @property
-    def body(self) -> nn.Module:
+    def body(self) -> Any:  # the decoder body's part: its submodules are the checkpoint's
         return getattr(self, self.family.root)
 
     def layers(self) -> nn.ModuleDict:
@@ -151,8 +153,12 @@ class Stage(nn.Module):
         layers = self.layers()
         if not layers:
             return hidden
-        mask_args = dict(
-            config=self.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None, position_ids=position_ids
+        mask_args: dict[str, Any] = dict(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=position_ids,
         )
         kinds = {mask_kind(self.config, int(i)) for i in layers}
         masks = {

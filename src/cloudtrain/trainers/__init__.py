@@ -8,4 +8,12 @@ from cloudtrain.trainers.pipeline import PipelineTrainer
 
 TRAINERS = {"basic": BasicTrainer, "accelerated": AcceleratedTrainer, "pipeline": PipelineTrainer}
 
-__all__ = ["AcceleratedTrainer", "BasicTrainer", "PipelineTrainer", "TRAINERS", "TrainResult", "Trainer", "count_parameters"]
+__all__ = [
+    "AcceleratedTrainer",
+    "BasicTrainer",
+    "PipelineTrainer",
+    "TRAINERS",
+    "TrainResult",
+    "Trainer",
+    "count_parameters",
+]

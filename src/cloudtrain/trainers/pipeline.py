@@ -60,7 +60,7 @@ def stage_ranges(cfg: Config, config) -> list[range]:
     d = cfg.distributed
     n_stages, n_layers = d.pipeline_parallel_size * d.pipeline_stages_per_rank, config.num_hidden_layers
     if d.pipeline_split_points:
-        return stage_split.split_at([int(p.rpartition(".")[2]) for p in d.pipeline_split_points], n_layers)
+        return stage_split.split_after([int(p.rpartition(".")[2]) for p in d.pipeline_split_points], n_layers)
     return stage_split.balanced_split(n_layers, n_stages)
 
 
@@ -93,8 +93,14 @@ class PipelineTrainer(Trainer):
                 "DeepSpeed and FSDP shard data-parallel processes and do not combine with --training_type pipeline; "
                 "use --training_type accelerated for ZeRO or FSDP",
             ),
-            (t.mixed_precision == "fp16", "--training_type pipeline trains in bf16 or fp32: pass --mixed_precision bf16"),
-            (cfg.model.peft != "none", "--training_type pipeline does not train adapters; use --training_type accelerated"),
+            (
+                t.mixed_precision == "fp16",
+                "--training_type pipeline trains in bf16 or fp32: pass --mixed_precision bf16",
+            ),
+            (
+                cfg.model.peft != "none",
+                "--training_type pipeline does not train adapters; use --training_type accelerated",
+            ),
             (t.torch_compile, "--torch_compile does not apply to pipeline stages; remove it"),
             (
                 t.per_device_train_batch_size == "auto",
@@ -141,7 +147,9 @@ class PipelineTrainer(Trainer):
             )
         if d.pipeline_split_points:
             prefix = stage_split.layer_prefix(config)
-            problem = stage_split.split_points_error(d.pipeline_split_points, prefix, config.num_hidden_layers, n_stages)
+            problem = stage_split.split_points_error(
+                d.pipeline_split_points, prefix, config.num_hidden_layers, n_stages
+            )
             if problem:
                 raise UserError(f"--pipeline_split_points: {problem}")
         elif n_stages > config.num_hidden_layers + 2:
@@ -168,7 +176,7 @@ class PipelineTrainer(Trainer):
         self.parameters_total = (count_parameters(model), count_parameters(model, trainable=True))
         flops = ModelFlops.from_model(model)
         stage_split.release_others(model, self.stages)
-        super().__init__(cfg, task, nn.ModuleList(self.stages), data, run_log, runtime)
+        super().__init__(cfg, task, nn.ModuleList(self.stages), data, run_log, runtime)  # type: ignore[arg-type]  # its stages
         self.flops = flops  # the whole model's: tokens are counted once per pipeline
         self.replicas = runtime.dp_size
         self.counts_batches = self.holds_last  # one process per pipeline counts its rows and loss
@@ -192,8 +200,12 @@ class PipelineTrainer(Trainer):
             scale_grads=False,  # the loss is already normalised by the step's global count
         )
         if self.is_main_process:
-            layout = ", ".join(f"{s}: layers {r.start}-{r.stop - 1}" if r else f"{s}: no layers" for s, r in enumerate(self.ranges))
+            layout = ", ".join(
+                f"{s}: layers {r.start}-{r.stop - 1}" if r else f"{s}: no layers" for s, r in enumerate(self.ranges)
+            )
             print(f"pipeline stages ({layout}); the first holds the embeddings, the last the norm and head", flush=True)
+            if self.data.prompts:
+                print("note: no sample generations under the pipeline; `generate` the saved model", flush=True)
 
     def autocast(self):
         return autocast(self.cfg.training.mixed_precision, self.rt.device)
@@ -250,7 +262,7 @@ class PipelineTrainer(Trainer):
     def _params(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters() if p.requires_grad]
 
-    def _tied_copies(self) -> list[nn.Parameter]:
+    def _tied_copies(self) -> list[torch.Tensor]:
         """This process's halves of the tied embedding (stage 0's matrix, the last stage's copy)."""
         if not self.tied:
             return []
@@ -265,23 +277,24 @@ class PipelineTrainer(Trainer):
             if p.grad is None:  # a stage whose parameter got no gradient still joins the sum
                 p.grad = torch.zeros_like(p)
         if self.rt.dp_size > 1:
-            grads = [p.grad for p in params]
+            grads = [p.grad for p in params if p.grad is not None]  # all of them, set above
             flat = torch._utils._flatten_dense_tensors(grads)  # one collective, not one per tensor
             dist.all_reduce(flat, group=self.rt.dp_group)
             for grad, synced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
                 grad.copy_(synced)
         for weight in self._tied_copies():
+            assert weight.grad is not None  # set in the loop above
             dist.all_reduce(weight.grad, group=self.rt.ends_group)
 
     def _clip(self) -> torch.Tensor:
         """Clip by the global norm over every stage (the tied matrix counted once), as one process would."""
         copy = {id(s.lm_head.weight) for s in self.stages if s.last and self.tied}
-        params = self._params()
-        squares = torch.stack([p.grad.double().pow(2).sum() for p in params if id(p) not in copy]).sum()
+        grads = {id(p): p.grad for p in self._params() if p.grad is not None}  # all of them (_sync_gradients)
+        squares = torch.stack([g.double().pow(2).sum() for key, g in grads.items() if key not in copy]).sum()
         dist.all_reduce(squares, group=self.rt.pp_group)
         norm = squares.sqrt().float()
         coefficient = (self.cfg.training.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_([p.grad for p in params], coefficient)
+        torch._foreach_mul_(list(grads.values()), coefficient)
         return norm
 
     def optimizer_step(self) -> None:
