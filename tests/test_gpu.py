@@ -401,3 +401,24 @@ def test_causal_lm_fsdp2_with_bfd_packing_trains_and_saves(tiny_llama_dir, tmp_p
     model = AutoModelForCausalLM.from_pretrained(out)
     assert json.loads((out / "eval_results.json").read_text())["perplexity"] > 1
     assert model.config.architectures == ["LlamaForCausalLM"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="a pipeline on NCCL needs 2 GPUs (one per stage)")
+def test_pipeline_on_two_gpus_with_nccl_in_bf16(tiny_llama_dir, tmp_path):
+    """--training_type pipeline with NCCL: 2 stages on 2 GPUs, 1F1B in bf16 with bfd packing; the loss falls and
+    the gathered model loads as a causal LM."""
+    from conftest import lm_documents
+    from transformers import AutoModelForCausalLM
+
+    (tmp_path / "train.txt").write_text("\n".join(lm_documents(64, 0)) + "\n")
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    cmd += [str(ENTRY), "--task", "causal_lm", "--model_name_or_path", tiny_llama_dir, "--train_file"]
+    cmd += [str(tmp_path / "train.txt"), "--packing", "bfd", "--max_length", "64", "--max_steps", "30"]
+    cmd += ["--learning_rate", "3e-3", "--logging_steps", "5", "--mixed_precision", "bf16", "--output_dir", str(out)]
+    cmd += ["--training_type", "pipeline", "--per_device_train_batch_size", "8", "--pipeline_microbatches", "4"]
+    result = launch(cmd)
+    assert "2 process(es) on cuda (pipeline: 2 stages" in result.stdout
+    trained = losses(out)
+    assert trained[-1] < 0.8 * trained[0], trained
+    assert AutoModelForCausalLM.from_pretrained(out).config.architectures == ["LlamaForCausalLM"]
