@@ -95,6 +95,30 @@ the logits, the copy and the log-softmax (c + 4 + 4 bytes per logit); the cross-
 the log-softmax, its incoming gradient and the copy's gradient (4 + 4 + 4, measured on CPU in fp32 and
 under bf16 autocast). So b*s*V*max(c + 8, 12): 12 bytes per logit in every precision.
 
+Pipeline + data parallel (--training_type pipeline; causal LMs the trainer can cut: Llama family, GPT-2; fp32
+or bf16): for each pp dividing N (2 to l + 2 stages) and each schedule, pp processes per pipeline and N/pp
+pipelines. S = pp*v stages (v = 2 for interleaved 1F1B, else 1), cut by cloudtrain.stages.balanced_split;
+process k holds stages k, k + pp, ... The row is the process that needs the most:
+- model states: DDP's rule on its stages' parameters (their layers, stage 0's embeddings, the last stage's
+  norm and LM head, a copy of its own when tied): no sharding, every pipeline holds its stages whole;
+- activations: its micro-batches in flight times one micro-batch's saved activations on its largest stage
+  (the formula below at micro-batch b over that stage's layers, the embeddings' or final norm's on the end
+  stages), plus the working space. In flight on process k with M micro-batches per step (PyTorch's
+  schedules, torch.distributed.pipelining): GPipe M (every forward before any backward); 1F1B
+  min(M, S - k) (its warm-up forwards, then one backward per forward); interleaved 1F1B
+  min(vM, (v - 1)pp + 2(pp - 1 - k) + 1), its warm-up and the next forward, in units of one stage, so
+  process 0 holds l(1 + (pp - 1)/(v*pp)) layers' worth, as Korthikanti et al. (2022, sec. 4.2.3) state;
+- logits on the last stage: of every micro-batch under GPipe (the loss of each is taken in the forward pass
+  and kept for its backward), of one otherwise;
+- communication: each stage's receive buffers, one per micro-batch for the hidden states (not on stage 0)
+  and one for their gradients (not on the last), 4 bytes (the fp32 residual stream), and with N/pp > 1 the
+  flat copy of the gradients the all-reduce across pipelines takes (4 bytes per parameter).
+M = pp x (examples per GPU per optimizer step) / b: all of a pipeline's examples of a step pass in one
+schedule step, as Megatron-LM counts micro-batches; a smaller b keeps M and accumulates. Bubble: the idle
+share of a step relative to its compute, (pp - 1)/(v*M) (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", sec. 2.2); the row's step time is DDP's
+times 1 + bubble (the sends of one hidden state per micro-batch cost less than DDP's all-reduce).
+
 Overhead per GPU: 1 GiB for the CUDA context, cuBLAS and NCCL workspaces; communication buffers
 (DDP's gradient buckets, 4P; DeepSpeed's reduce buckets, 2 x h^2 elements, and ZeRO-3's prefetch
 bucket, 0.9 h^2); and 5% of everything else for caching-allocator fragmentation. The total is a
@@ -106,8 +130,8 @@ materialises the fp32 model before placing it; ZeRO-3 initialises layer by layer
 
 Ranking, fastest first, by a rule-of-thumb relative step time: DDP 1.00, ZeRO-1 1.02, ZeRO-2 1.05,
 FSDP 1.12, ZeRO-3 1.15, ZeRO-2 + optimizer offload 1.6, ZeRO-3 + optimizer offload 1.8, ZeRO-3 +
-parameter offload 2.5; gradient checkpointing multiplies by 1.33 (one more forward pass); adapters
-multiply DDP's by 0.75 (LoRA: no weight gradients for the base), 0.95 (DoRA) or 1.0 (QLoRA: every
+parameter offload 2.5; pipelines 1 + bubble; gradient checkpointing multiplies by 1.33 (one more forward
+pass); adapters multiply DDP's by 0.75 (LoRA: no weight gradients for the base), 0.95 (DoRA) or 1.0 (QLoRA: every
 4-bit weight dequantised in both passes). Full fine-tuning is chosen if any of its strategies fits,
 else LoRA (DoRA), else QLoRA. Within those, the requested micro-batch is kept if any candidate fits
 it; otherwise the fastest that fits a smaller one gets the largest it fits, with more accumulation
@@ -115,23 +139,24 @@ so the global batch stays the same.
 Micro-batches always divide the examples each GPU takes per optimizer step, so the global batch is
 exact.
 
-Not supported: tensor/pipeline parallelism, adapters under ZeRO or FSDP (sharding the frozen base),
-other frozen layers, quantised full fine-tuning, the embeddings and LM head an SFT chat template's new
-tokens train in full next to adapters, mixture-of-experts routing, sequence packing, NVMe offload;
-the estimate is for GPUs (on CPU, attention with dropout falls back to a kernel that stores the s*s
+Not supported: tensor parallelism, pipelines with ZeRO, --pipeline_split_points, adapters under ZeRO or FSDP
+(sharding the frozen base), other frozen layers, quantised full fine-tuning, the embeddings and LM head an SFT
+chat template's new tokens train in full next to adapters, mixture-of-experts routing, sequence packing, NVMe
+offload; the estimate is for GPUs (on CPU, attention with dropout falls back to a kernel that stores the s*s
 matrix).
 """
 
 import argparse
 import json
 import math
+import shlex
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from cloudtrain.config import PEFT_METHODS, PRECISIONS, TASKS, Config, ModelConfig
+from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, PRECISIONS, TASKS, Config, ModelConfig
 from cloudtrain.errors import UserError, first_line
 
 if TYPE_CHECKING:
@@ -150,6 +175,8 @@ NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight, its 8-bit absmax pe
 # weight norm every step, and QLoRA's dequantisation of every 4-bit weight in both passes
 PEFT_SPEED = {"none": 1.0, "lora": 0.75, "dora": 0.95, "qlora": 1.0}
 PEFT_LABELS = {"none": "full fine-tuning", "lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
+SCHEDULE_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B"}
+INTERLEAVED_STAGES = 2  # stages per process of the interleaved rows: the fewest it takes, the fewest in flight
 
 
 # ---------------------------------------------------------------- what is planned
@@ -183,6 +210,43 @@ STRATEGIES = (
         offload_param=True,
     ),
 )
+PIPELINE = Strategy("pipeline", "pipeline", 1.00)  # --training_type pipeline; its bubble is the Pipeline's
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """pp processes per pipeline running `schedule` over M micro-batches per schedule step."""
+
+    parallel_size: int
+    schedule: str  # gpipe, 1f1b, interleaved_1f1b
+    microbatches: int
+    rows: int  # examples each pipeline takes per optimizer step
+
+    @property
+    def stages_per_rank(self) -> int:
+        return INTERLEAVED_STAGES if self.schedule == "interleaved_1f1b" else 1
+
+    @property
+    def stages(self) -> int:
+        return self.parallel_size * self.stages_per_rank
+
+    @property
+    def bubble(self) -> float:
+        """Idle time over compute time (Narayanan et al. 2021, sec. 2.2): (pp - 1) / (v*M)."""
+        return (self.parallel_size - 1) / (self.stages_per_rank * self.microbatches)
+
+    def stage_ids(self, rank: int) -> range:
+        return range(rank, self.stages, self.parallel_size)  # PyTorch's "loop" placement, as the trainer's
+
+    def in_flight(self, rank: int) -> int:
+        """Micro-batches (interleaved: stage micro-batches) whose activations process `rank` holds at its peak:
+        the warm-up forwards of PyTorch's schedules, plus the forward before the first backward (interleaved)."""
+        M, pp, v = self.microbatches, self.parallel_size, self.stages_per_rank
+        if self.schedule == "gpipe":
+            return M
+        if self.schedule == "1f1b":
+            return min(M, self.stages - rank)
+        return min(v * M, (v - 1) * pp + 2 * (pp - 1 - rank) + 1)
 
 
 @dataclass(frozen=True)
@@ -190,22 +254,52 @@ class Candidate:
     strategy: Strategy
     checkpointing: bool
     peft: str = "none"  # none: full fine-tuning; lora, dora, qlora: adapters on a frozen base
+    pipeline: Pipeline | None = None  # with the PIPELINE strategy
 
     @property
     def speed(self) -> float:
-        return self.strategy.speed * PEFT_SPEED[self.peft] * (CHECKPOINTING_COST if self.checkpointing else 1.0)
+        bubble = 1.0 + (self.pipeline.bubble if self.pipeline else 0.0)
+        recompute = CHECKPOINTING_COST if self.checkpointing else 1.0
+        return self.strategy.speed * PEFT_SPEED[self.peft] * recompute * bubble
 
     @property
     def name(self) -> str:
         adapters = "" if self.peft == "none" else PEFT_LABELS[self.peft] + " + "
-        return adapters + self.strategy.label + (" + checkpointing" if self.checkpointing else "")
+        return adapters + self._strategy_label() + (" + checkpointing" if self.checkpointing else "")
+
+    def _strategy_label(self) -> str:
+        pipe = self.pipeline
+        if pipe is None:
+            return self.strategy.label
+        v = f" v={pipe.stages_per_rank}" if pipe.stages_per_rank > 1 else ""
+        return f"pipeline {SCHEDULE_LABELS[pipe.schedule]} pp={pipe.parallel_size}{v} M={pipe.microbatches}"
 
 
-def candidates(adapters: tuple[str, ...] = ()) -> list[Candidate]:
-    """Every full fine-tuning strategy with and without gradient checkpointing, fastest first; then each of
-    `adapters` (lora, dora, qlora) under DDP, without and with checkpointing."""
+def candidates(adapters: tuple[str, ...] = (), pipelines: list[Candidate] | None = None) -> list[Candidate]:
+    """Every full fine-tuning strategy with and without gradient checkpointing, fastest first; then the
+    `pipelines` (pipeline_candidates); then each of `adapters` (lora, dora, qlora) under DDP, without and with
+    checkpointing."""
     full = sorted((Candidate(s, gc) for s in STRATEGIES for gc in (False, True)), key=lambda c: c.speed)
-    return full + [Candidate(STRATEGIES[0], gc, peft) for peft in adapters for gc in (False, True)]
+    adapter_rows = [Candidate(STRATEGIES[0], gc, peft) for peft in adapters for gc in (False, True)]
+    return full + (pipelines or []) + adapter_rows
+
+
+def pipeline_candidates(m: "ModelFacts", setup: "Setup", per_gpu: int, micro_batch: int) -> list[Candidate]:
+    """Pipeline + data parallel for every pp dividing the GPUs and every schedule, with and without checkpointing,
+    fastest first; none for a model the trainer cannot cut or under fp16. A pipeline takes pp x `per_gpu` examples
+    per optimizer step, in micro-batches of `micro_batch`."""
+    from cloudtrain.trainers.pipeline import schedule_problem
+
+    if m.stages is None or setup.mixed_precision == "fp16":
+        return []
+    world, rows = setup.world_size, []
+    for pp in (d for d in range(2, world + 1) if world % d == 0):
+        for schedule in PIPELINE_SCHEDULES:
+            pipe = Pipeline(pp, schedule, pp * per_gpu // micro_batch, pp * per_gpu)
+            runs = schedule_problem(schedule, pp, pipe.stages_per_rank, pipe.microbatches) is None  # as the trainer
+            if runs and pipe.stages <= m.num_layers + 2:  # balanced_split gives every stage a layer, or an end
+                rows += [Candidate(PIPELINE, gc, pipeline=pipe) for gc in (False, True)]
+    return sorted(rows, key=lambda c: c.speed)
 
 
 @dataclass(frozen=True)
@@ -236,6 +330,14 @@ class AdapterFacts:
 
 
 @dataclass(frozen=True)
+class StageFacts:
+    """What the pipeline's end stages hold beyond their layers (cloudtrain.stages)."""
+
+    embedding_params: int  # stage 0: the token (and GPT-2's position) embeddings
+    head_params: int  # the last stage: the final norm and the LM head (its own copy when tied)
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the estimate needs from the model, read off its config and its meta-device build."""
 
@@ -261,6 +363,7 @@ class ModelFacts:
     from_config: bool = False  # name is a --model_config (config.json or preset), not a checkpoint
     tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
     adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
+    stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.stages can cut)
 
 
 @dataclass(frozen=True)
@@ -486,7 +589,21 @@ def model_facts(
         from_config=from_config,
         tokenizer=tokenizer,
         adapters=None if from_config else adapter_facts(model, task, lora, layers[0]),
+        stages=stage_facts(model) if task in LM_TASKS else None,
     )
+
+
+def stage_facts(model) -> StageFacts | None:
+    """The embeddings and the head of the decoder as the pipeline trainer cuts it, or None if it cannot."""
+    from cloudtrain.stages import family_of
+
+    family = family_of(model.config.model_type)
+    if family is None:
+        return None
+    body = getattr(model, family.root)
+    embeddings = sum(p.numel() for name in family.embeddings for p in getattr(body, name).parameters())
+    head = [*getattr(body, family.norm).parameters(), *model.get_output_embeddings().parameters()]
+    return StageFacts(embeddings, sum(p.numel() for p in head))
 
 
 def adapter_facts(model, task: str, spec: LoraSpec, layer) -> AdapterFacts:
@@ -642,10 +759,8 @@ def _stacked(
     return round(m.num_layers * per_layer + outside), round(working)
 
 
-def activation_bytes(
-    m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool, residual_bytes: int
-) -> tuple[int, int]:
-    """(saved for backward at the end of the forward pass, backward working space) per GPU."""
+def _layer_terms(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> tuple[float, int, int]:
+    """(per layer A, outside the layers E, backward working space W) of full fine-tuning, in bytes."""
     c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
     per_layer = sb * (
@@ -654,8 +769,15 @@ def activation_bytes(
         + 2 * h * mask
         + m.num_heads * seq * _attention_scores(m, c)
     )
-    outside = sb * h * (2 * c + mask)
-    return _stacked(m, per_layer, outside, c * sb * (h + inter), checkpointing, residual_bytes * sb * h)
+    return per_layer, sb * h * (2 * c + mask), c * sb * (h + inter)
+
+
+def activation_bytes(
+    m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool, residual_bytes: int
+) -> tuple[int, int]:
+    """(saved for backward at the end of the forward pass, backward working space) per GPU."""
+    per_layer, outside, working = _layer_terms(m, micro_batch, seq, half)
+    return _stacked(m, per_layer, outside, working, checkpointing, residual_bytes * seq * micro_batch * m.hidden_size)
 
 
 def adapter_activation_bytes(
@@ -720,7 +842,9 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
 
 
 def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:
-    """Memory per GPU of one candidate at one micro-batch."""
+    """Memory per GPU of one candidate at one micro-batch (a pipeline's: of its busiest process)."""
+    if cand.pipeline:
+        return max(rank_estimates(m, cand, setup, micro_batch), key=lambda e: e.total)
     full = cand.peft == "none"
     params, grads, optim = (
         model_state_bytes(m, cand.strategy, setup) if full else adapter_state_bytes(m, cand.peft, setup)
@@ -743,9 +867,44 @@ def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int)
         return sum(
             adapter_activation_bytes(m, cand.peft, micro_batch, setup.max_length, setup.half, cand.checkpointing)
         )
-    s = cand.strategy
-    residual = 4 if (s.zero_stage is None and not s.fsdp) or not setup.half else 2
+    residual = _residual_bytes(cand.strategy, setup)
     return sum(activation_bytes(m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual))
+
+
+def _residual_bytes(s: Strategy, setup: Setup) -> int:
+    """Bytes of the residual stream: fp32 under autocast with fp32 weights (DDP, pipelines), else c."""
+    return 4 if (s.zero_stage is None and not s.fsdp) or not setup.half else 2
+
+
+def rank_estimates(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> list[Estimate]:
+    """Memory of each process of a pipeline (candidate with a Pipeline) at micro-batch `micro_batch`."""
+    assert cand.pipeline is not None  # a pipeline candidate
+    return [_rank_estimate(m, cand, setup, micro_batch, rank) for rank in range(cand.pipeline.parallel_size)]
+
+
+def _rank_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int, rank: int) -> Estimate:
+    """Process `rank` of a pipeline: its stages' states, its micro-batches in flight, its receive buffers."""
+    from cloudtrain.stages import balanced_split
+
+    pipe, st, seq = cand.pipeline, m.stages, setup.max_length
+    assert pipe is not None and st is not None  # pipeline candidates exist only with stage facts
+    ranges, ids = balanced_split(m.num_layers, pipe.stages), pipe.stage_ids(rank)
+    first, last = 0 in ids, pipe.stages - 1 in ids
+    held = sum(len(ranges[s]) for s in ids) * m.layer_params + first * st.embedding_params + last * st.head_params
+    params, grads, optim = model_state_bytes(replace(m, num_params=held), PIPELINE, setup)
+    per_layer, outside, working = _layer_terms(m, micro_batch, seq, setup.half)
+    hidden = _residual_bytes(PIPELINE, setup) * seq * micro_batch * m.hidden_size  # one micro-batch's hidden states
+    largest = replace(m, num_layers=max(len(ranges[s]) for s in ids))
+    saved, working = _stacked(largest, per_layer, outside if first or last else 0, working, cand.checkpointing, hidden)
+    activations = pipe.in_flight(rank) * saved + working
+    kept = pipe.microbatches if pipe.schedule == "gpipe" else 1  # micro-batches whose loss awaits its backward
+    logits = last * kept * logits_bytes(m, micro_batch, seq, setup.half)
+    receives = pipe.microbatches * hidden * sum((s > 0) + (s < pipe.stages - 1) for s in ids)
+    flat = 4 * held if setup.world_size > pipe.parallel_size else 0  # the gradients all-reduced across pipelines
+    rest = params + grads + optim + activations + logits
+    overhead = round(CUDA_CONTEXT_BYTES + receives + flat + FRAGMENTATION * rest)
+    offloaded, load = cpu_bytes(m, PIPELINE, setup)  # every process builds the whole fp32 model, then frees the rest
+    return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits)
 
 
 def fits(est: Estimate, setup: Setup) -> bool:
@@ -800,6 +959,7 @@ class Row:
     estimate: Estimate  # at the requested micro-batch
     fits: bool  # at the requested micro-batch
     max_micro_batch: int
+    pipeline: dict | None = None  # a pipeline row's layout (_pipeline_json)
 
 
 @dataclass
@@ -815,6 +975,14 @@ def micro_batch_options(requested: int, per_gpu_per_step: int) -> list[int]:
     return [b for b in range(min(requested, per_gpu_per_step), 0, -1) if per_gpu_per_step % b == 0]
 
 
+def accumulation(cand: Candidate, per_gpu: int, micro_batch: int) -> int:
+    """Gradient accumulation steps that reach the global batch at `micro_batch` (0: it does not divide);
+    a pipeline's step already passes its M micro-batches."""
+    per_step = micro_batch * (cand.pipeline.microbatches if cand.pipeline else 1)
+    rows = cand.pipeline.rows if cand.pipeline else per_gpu
+    return rows // per_step if rows % per_step == 0 else 0
+
+
 def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_batch: int) -> Choice | None:
     """Full fine-tuning if any of its candidates fits, else LoRA (DoRA), else QLoRA: adapters train a different
     model, so they are the fallback, not a speed-up. Within one, the fastest candidate at the requested
@@ -822,13 +990,14 @@ def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_
     per_gpu = global_batch // setup.world_size
     options = micro_batch_options(requested, per_gpu)
     for peft in PEFT_METHODS:
+        tier = sorted((r for r in rows if r.candidate.peft == peft), key=lambda r: r.candidate.speed)
         for allowed in (options[:1], options):
-            for row in (r for r in rows if r.candidate.peft == peft):  # fastest first
-                fitting = [b for b in allowed if b <= row.max_micro_batch]
+            for row in tier:
+                c = row.candidate
+                fitting = [b for b in allowed if b <= row.max_micro_batch and accumulation(c, per_gpu, b)]
                 if fitting:
-                    return Choice(
-                        row.candidate, fitting[0], per_gpu // fitting[0], estimate(m, row.candidate, setup, fitting[0])
-                    )
+                    b = fitting[0]
+                    return Choice(c, b, accumulation(c, per_gpu, b), estimate(m, c, setup, b))
     return None
 
 
@@ -863,7 +1032,9 @@ def _reasons(
 ) -> list[str]:
     """A few lines on why this candidate, this micro-batch and this accumulation."""
     c, gib, b = choice.candidate, setup.gpu_memory_bytes / GIB, choice.micro_batch
-    faster = [r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed]
+    faster = sorted(
+        (r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed), key=lambda f: f.speed
+    )
     reasons = _adapter_reasons(m, rows, c, setup)
     if faster:  # over budget at the requested micro-batch, or (when it fits nothing) even at 1
         at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
@@ -881,10 +1052,13 @@ def _reasons(
         f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}."
     )
     reasons += _micro_batch_reason(requested, b, global_batch // setup.world_size)
-    reasons.append(
-        f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
-        f"global batch {global_batch}."
-    )
+    if c.pipeline:
+        reasons += _pipeline_reasons(m, choice, setup, global_batch)
+    else:
+        reasons.append(
+            f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
+            f"global batch {global_batch}."
+        )
     if c.checkpointing:
         plain = estimate(m, replace(c, checkpointing=False), setup, b)
         reasons.append(
@@ -897,6 +1071,26 @@ def _reasons(
             "step on the CPU."
         )
     return reasons
+
+
+def _pipeline_reasons(m: ModelFacts, choice: Choice, setup: Setup, global_batch: int) -> list[str]:
+    """The stages, the busiest process, the bubble and the batch arithmetic of a pipeline."""
+    pipe, b = choice.candidate.pipeline, choice.micro_batch
+    assert pipe is not None  # called for a pipeline
+    layout = _pipeline_json(m, choice.candidate, setup, b)
+    assert layout is not None
+    dp, k = layout["data_parallel_size"], layout["busiest_rank"]
+    return [
+        f"{pipe.parallel_size} processes per pipeline, {dp} pipeline(s) side by side: {pipe.stages} stages of "
+        f"{', '.join(map(str, layout['layers_per_stage']))} layers (the first also the embeddings, the last the "
+        "norm and LM head), each whole with its gradients and AdamW states in every pipeline; process "
+        f"{k} needs the most, with {layout['in_flight']} micro-batch(es) in flight under "
+        f"{SCHEDULE_LABELS[pipe.schedule]}.",
+        f"Bubble {pipe.bubble:.1%}: (pp - 1) / ({'stages per process x ' if pipe.stages_per_rank > 1 else ''}"
+        "micro-batches) of the compute, idle.",
+        f"{pipe.microbatches} micro-batches of {b} per pipeline x {dp} pipeline(s) x {choice.accumulation} "
+        f"accumulation step(s) = global batch {global_batch}.",
+    ]
 
 
 def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup) -> list[str]:
@@ -1011,23 +1205,16 @@ def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Pat
     return config
 
 
-def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path) -> str:
-    args = ["accelerate", "launch", "--config_file", str(yaml_path)]
-    if setup.num_nodes > 1:
-        args += [
-            "--machine_rank",
-            "<this node's rank>",
-            "--main_process_ip",
-            "<node 0 address>",
-            "--main_process_port",
-            "29500",
-        ]
-    args += (
-        [TRAINING_APPLICATION, "--training_type", "accelerated"]
+def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str, str]) -> str:
+    """accelerate launch with the written config; a pipeline: torchrun, its processes and the pipeline flags."""
+    pipe = choice.candidate.pipeline
+    rows = choice.micro_batch * (pipe.microbatches if pipe else 1)  # a pipeline's --per_device_train_batch_size
+    args = _launcher(setup, files) + (
+        [TRAINING_APPLICATION, "--training_type", "pipeline" if pipe else "accelerated"]
         + _model_args(m)
         + [
             "--per_device_train_batch_size",
-            str(choice.micro_batch),
+            str(rows),
             "--gradient_accumulation_steps",
             str(choice.accumulation),
             "--mixed_precision",
@@ -1038,6 +1225,16 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path)
     )
     if choice.candidate.checkpointing and not choice.candidate.strategy.fsdp:  # FSDP does it in the YAML
         args += ["--gradient_checkpointing", "true"]
+    if pipe:
+        args += [
+            "--pipeline_parallel_size",
+            str(pipe.parallel_size),
+            "--pipeline_schedule",
+            pipe.schedule,
+            "--pipeline_microbatches",
+            str(pipe.microbatches),
+        ]
+        args += ["--pipeline_stages_per_rank", str(pipe.stages_per_rank)] if pipe.stages_per_rank > 1 else []
     if choice.candidate.peft != "none":
         assert m.adapters is not None  # adapter candidates exist only with adapter facts
         spec = m.adapters.spec
@@ -1051,7 +1248,28 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, yaml_path: Path)
             "--lora_target_modules",
             ",".join(spec.target_modules),
         ]
-    return " ".join(a if " " not in a else f"'{a}'" for a in args)
+    return shlex.join(args)
+
+
+def _launcher(setup: Setup, files: dict[str, str]) -> list[str]:
+    """accelerate launch with the written config, or torchrun (a pipeline: no config); on every node."""
+    if "accelerate_config" not in files:
+        args = ["torchrun", "--nproc_per_node", str(setup.num_gpus)]
+        if setup.num_nodes > 1:
+            args += ["--nnodes", str(setup.num_nodes), "--node_rank", "<rank of this node>"]
+            args += ["--master_addr", "<node 0 address>", "--master_port", "29500"]
+        return args
+    args = ["accelerate", "launch", "--config_file", files["accelerate_config"]]
+    if setup.num_nodes > 1:
+        args += [
+            "--machine_rank",
+            "<rank of this node>",
+            "--main_process_ip",
+            "<node 0 address>",
+            "--main_process_port",
+            "29500",
+        ]
+    return args
 
 
 def _model_args(m: ModelFacts) -> list[str]:
@@ -1065,7 +1283,10 @@ def _model_args(m: ModelFacts) -> list[str]:
 
 
 def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path) -> dict[str, str]:
-    """Write the accelerate YAML (and the DeepSpeed JSON it points to); returns their paths."""
+    """Write the accelerate YAML (and the DeepSpeed JSON it points to); returns their paths. A pipeline, launched
+    by torchrun with its flags, needs none."""
+    if choice.candidate.pipeline:
+        return {}
     output_dir.mkdir(parents=True, exist_ok=True)
     files = {}
     ds_path = None
@@ -1138,9 +1359,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--strategy",
-        choices=["auto"] + [s.key for s in STRATEGIES],
+        choices=["auto"] + [s.key for s in STRATEGIES] + [PIPELINE.key],
         default="auto",
-        help="Emit the configs for this strategy instead of the fastest that fits (default: auto).",
+        help="Emit the configs for this strategy instead of the fastest that fits; pipeline: the fastest "
+        "pipeline + data parallel row (default: auto).",
     )
     parser.add_argument(
         "--gradient_checkpointing",
@@ -1245,7 +1467,9 @@ def make_plan(args: argparse.Namespace) -> dict:
     adapters = (
         () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
     )  # DoRA only when asked for
-    cands = candidates(adapters)
+    per_gpu = global_batch // setup.world_size
+    pipes = pipeline_candidates(m, setup, per_gpu, micro_batch_options(requested, per_gpu)[0])
+    cands = candidates(adapters, pipes)
     rows = [_row(m, c, setup, requested) for c in cands]
     allowed = [
         r
@@ -1289,7 +1513,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         global_batch,
         files,
         _reasons(m, allowed, choice, setup, requested, global_batch),
-        launch_command(m, choice, setup, Path(files["accelerate_config"])),
+        launch_command(m, choice, setup, files),
     )
     return plan
 
@@ -1301,6 +1525,8 @@ def _notes(m: ModelFacts) -> list[str]:
             f"vocab {m.vocab_size} is the config's; training gives a preset the tokenizer's vocabulary: "
             "pass --tokenizer_name_or_path for the exact logits"
         )
+    if m.task in LM_TASKS and m.stages is None:
+        notes.append(f"no pipeline rows: --training_type pipeline cannot cut a {m.architecture} into stages")
     if m.task == "sft" and m.adapters:
         notes.append(
             "adapters: a chat template that adds tokens also trains the embeddings and LM head in full "
@@ -1316,6 +1542,7 @@ def _recommendation_json(choice: Choice, global_batch: int, files: dict, reasons
         "label": c.name,
         "gradient_checkpointing": c.checkpointing,
         "peft": c.peft,
+        "pipeline": c.pipeline and asdict(c.pipeline),
         "micro_batch": choice.micro_batch,
         "gradient_accumulation_steps": choice.accumulation,
         "global_batch_size": global_batch,
@@ -1328,7 +1555,30 @@ def _recommendation_json(choice: Choice, global_batch: int, files: dict, reasons
 
 def _row(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Row:
     est = estimate(m, cand, setup, micro_batch)
-    return Row(cand, est, fits(est, setup), max_micro_batch(m, cand, setup))
+    return Row(
+        cand, est, fits(est, setup), max_micro_batch(m, cand, setup), _pipeline_json(m, cand, setup, micro_batch)
+    )
+
+
+def _pipeline_json(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> dict | None:
+    """A pipeline row's layout: its stages' layers, the process that needs the most, its bubble."""
+    from cloudtrain.stages import balanced_split
+
+    pipe = cand.pipeline
+    if pipe is None:
+        return None
+    totals = [e.total for e in rank_estimates(m, cand, setup, micro_batch)]
+    busiest = totals.index(max(totals))
+    return {
+        **asdict(pipe),
+        "data_parallel_size": setup.world_size // pipe.parallel_size,
+        "stages_per_rank": pipe.stages_per_rank,
+        "layers_per_stage": [len(r) for r in balanced_split(m.num_layers, pipe.stages)],
+        "busiest_rank": busiest,
+        "in_flight": pipe.in_flight(busiest),
+        "bubble": round(pipe.bubble, 4),
+        "rank_totals": totals,
+    }
 
 
 def _estimate_json(est: Estimate) -> dict:
@@ -1346,6 +1596,7 @@ def _row_json(row: Row) -> dict:
         "estimate": _estimate_json(row.estimate),
         "fits": row.fits,
         "max_micro_batch": row.max_micro_batch,
+        "pipeline": row.pipeline,
     }
 
 
@@ -1377,7 +1628,8 @@ def render(plan: dict) -> str:
     if lm:
         lines.append(
             "logits: micro-batch x max_length x vocab x 12 bytes (the logits with their fp32 copy and "
-            "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing"
+            "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing; a pipeline's on its last "
+            "stage, of every micro-batch under GPipe"
         )
     if m["adapters"]:
         lines.append(_adapters_line(m["adapters"], m["num_params"], s["mixed_precision"]))
@@ -1425,9 +1677,18 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
         for row in table
     ]
     body = lines[1:]
-    first_adapter = next((i for i, row in enumerate(rows) if row["peft"] != "none"), None)
-    if first_adapter is not None:  # rows list full fine-tuning first
-        body.insert(first_adapter, "adapters under DDP (recommended only if no full fine-tuning fits):")
+    titles = (
+        (lambda r: r["peft"] != "none", "adapters under DDP (recommended only if no full fine-tuning fits):"),
+        (
+            lambda r: r["pipeline"] is not None,
+            "pipeline + data parallel (--training_type pipeline): pp processes per pipeline, v stages each, M "
+            "micro-batches per step, time x (1 + bubble (pp - 1)/(v*M)); memory of the process that needs the most:",
+        ),
+    )
+    for starts, title in titles:  # rows list data-parallel full fine-tuning first, then pipelines, then adapters
+        first = next((i for i, row in enumerate(rows) if starts(row)), None)
+        if first is not None:
+            body.insert(first, title)
     return [lines[0], "full fine-tuning (every weight trains):"] + body
 
 
@@ -1457,7 +1718,8 @@ def _render_choice(plan: dict) -> list[str]:
         f"Recommended: {rec['label']}, micro-batch {rec['micro_batch']}, gradient accumulation "
         f"{rec['gradient_accumulation_steps']}."
     ] + [f"  {reason}" for reason in rec["reasons"]]
-    lines += ["Wrote " + ", ".join(rec["files"].values()) + ". Launch with:", f"  {rec['command']}"]
+    wrote = "Wrote " + ", ".join(rec["files"].values()) + ". " if rec["files"] else ""
+    lines += [wrote + "Launch with:", f"  {rec['command']}"]
     return lines
 
 

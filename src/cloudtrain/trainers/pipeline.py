@@ -64,6 +64,32 @@ def stage_ranges(cfg: Config, config) -> list[range]:
     return stage_split.balanced_split(n_layers, n_stages)
 
 
+def schedule_problem(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
+    """Why PyTorch's `schedule` cannot run this layout (one line), or None; the planner asks too."""
+    n_stages = pp * stages_per_rank
+    problems = [
+        (microbatches < 1, "--pipeline_microbatches must be at least 1"),
+        (stages_per_rank < 1, "--pipeline_stages_per_rank must be at least 1"),
+        (
+            schedule == "interleaved_1f1b" and stages_per_rank < 2,
+            "--pipeline_schedule interleaved_1f1b needs --pipeline_stages_per_rank 2 or more",
+        ),
+        (
+            schedule != "interleaved_1f1b" and stages_per_rank > 1,
+            f"--pipeline_stages_per_rank {stages_per_rank} needs --pipeline_schedule interleaved_1f1b",
+        ),
+        (
+            schedule == "1f1b" and microbatches < n_stages,
+            f"--pipeline_schedule 1f1b needs at least as many --pipeline_microbatches as stages ({n_stages})",
+        ),
+        (
+            schedule == "interleaved_1f1b" and microbatches % pp != 0,
+            f"--pipeline_schedule interleaved_1f1b needs --pipeline_microbatches a multiple of {pp}",
+        ),
+    ]
+    return next((message for failed, message in problems if failed), None)
+
+
 class PipelineTrainer(Trainer):
     name = "PipelineTrainer"
 
@@ -76,6 +102,7 @@ class PipelineTrainer(Trainer):
         d, t = cfg.distributed, cfg.training
         pp, world = d.pipeline_parallel_size, launched_processes()
         n_stages = pp * d.pipeline_stages_per_rank
+        schedule = schedule_problem(d.pipeline_schedule, pp, d.pipeline_stages_per_rank, d.pipeline_microbatches)
         if task.auto_class is not AutoModelForCausalLM:
             raise UserError(
                 f"--training_type pipeline trains decoders (--task causal_lm or sft), not --task {task.name}: "
@@ -106,24 +133,7 @@ class PipelineTrainer(Trainer):
                 t.per_device_train_batch_size == "auto",
                 "--per_device_train_batch_size auto probes one process's model, not a pipeline's stages: give a number",
             ),
-            (d.pipeline_microbatches < 1, "--pipeline_microbatches must be at least 1"),
-            (d.pipeline_stages_per_rank < 1, "--pipeline_stages_per_rank must be at least 1"),
-            (
-                d.pipeline_schedule == "interleaved_1f1b" and d.pipeline_stages_per_rank < 2,
-                "--pipeline_schedule interleaved_1f1b needs --pipeline_stages_per_rank 2 or more",
-            ),
-            (
-                d.pipeline_schedule != "interleaved_1f1b" and d.pipeline_stages_per_rank > 1,
-                f"--pipeline_stages_per_rank {d.pipeline_stages_per_rank} needs --pipeline_schedule interleaved_1f1b",
-            ),
-            (
-                d.pipeline_schedule == "1f1b" and d.pipeline_microbatches < n_stages,
-                f"--pipeline_schedule 1f1b needs at least as many --pipeline_microbatches as stages ({n_stages})",
-            ),
-            (
-                d.pipeline_schedule == "interleaved_1f1b" and d.pipeline_microbatches % pp != 0,
-                f"--pipeline_schedule interleaved_1f1b needs --pipeline_microbatches a multiple of {pp}",
-            ),
+            (schedule is not None, str(schedule)),
             (
                 isinstance(t.per_device_train_batch_size, int)
                 and t.per_device_train_batch_size % d.pipeline_microbatches != 0,
