@@ -88,6 +88,13 @@ bench: setup
 gpu-bench: setup
 	$(PY) bench/gpu.py $(ARGS)
 
+# `make pipeline-bench`: --training_type pipeline (1F1B, GPipe, interleaved, micro-batch sweep, a hand split)
+# against DDP and one process, 2 CPU processes each, with each rank's busy/blocked time and peak memory
+# (~9 min; bench/results/pipeline.md).
+.PHONY: pipeline-bench
+pipeline-bench: setup
+	$(PY) bench/pipeline_bench.py --interleaved --split_at 4 $(ARGS)
+
 # `make dashboard` serves the trackio dashboard of the runs made on this machine ($HF_HOME/trackio,
 # default ~/.cache/huggingface/trackio) on 127.0.0.1 only; it prints the URL (port 7860 unless taken)
 # and runs until Ctrl-C. `make dashboard ARGS="--project NAME"` opens one project.
