@@ -163,6 +163,13 @@ def build_run(cfg: Config) -> Run:
 def run_training(cfg: Config) -> dict:
     """Run the whole pipeline; returns the final results (train, eval and, if present, test) and the output dir."""
     run = build_run(cfg)
+    try:
+        return _train_evaluate_save(run)
+    finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
+        run.runtime.close()
+
+
+def _train_evaluate_save(run: Run) -> dict:
     cfg, task, runtime, trainer, output_dir = run.cfg, run.task, run.runtime, run.trainer, run.output_dir
     uploader = (
         hub.HubUploader(cfg) if runtime.is_main and cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end" else None
@@ -208,7 +215,6 @@ def run_training(cfg: Config) -> dict:
             except UserError as err:  # the final push below uploads everything that matters
                 print(f"warning: {err}", flush=True)
         hub.push_output_dir(output_dir, cfg, results)
-    runtime.close()
     return {**results, "output_dir": str(output_dir)}
 
 

@@ -277,7 +277,7 @@ class Trainer:
             runtime,
         )
         self.is_main_process, self.num_processes = runtime.is_main, runtime.count
-        self.replicas = self.num_processes  # processes that each take their own share of a step's rows
+        self.replicas = self.data_parallel(cfg, self.num_processes)  # each takes its own share of a step's rows
         self.counts_batches = True  # whether this process's batches enter the logged sums (Meter)
         self.train_dl: DataLoader = train_dataloader(data, self.loader_rows(t.micro_batch), t.seed, cfg.data)
         eval_rows = self.loader_rows(t.per_device_eval_batch_size)
@@ -477,6 +477,8 @@ class Trainer:
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
+        except UserError:
+            raise
         except Exception as err:  # torch, safetensors and accelerate raise many kinds for a damaged file
             raise UserError(
                 f"checkpoint {folder} could not be loaded ({type(err).__name__}: "

@@ -30,6 +30,7 @@ import math
 import time
 from pathlib import Path
 
+import pyarrow.compute as pc
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -64,12 +65,17 @@ def stage_ranges(cfg: Config, config) -> list[range]:
     return stage_split.balanced_split(n_layers, n_stages)
 
 
+def longest_row(data: ProcessedData, max_length: int) -> int:
+    """The longest row of every split (the same on every process), at most --max_length: the padded width."""
+    splits = [ds for ds in (data.train, data.validation, data.test) if ds is not None]
+    lengths = [pc.max(pc.list_value_length(ds.data.column("input_ids"))).as_py() or 1 for ds in splits]
+    return min(max(lengths), max_length)
+
+
 def schedule_problem(schedule: str, pp: int, stages_per_rank: int, microbatches: int) -> str | None:
     """Why PyTorch's `schedule` cannot run this layout (one line), or None; the planner asks too."""
     n_stages = pp * stages_per_rank
     problems = [
-        (microbatches < 1, "--pipeline_microbatches must be at least 1"),
-        (stages_per_rank < 1, "--pipeline_stages_per_rank must be at least 1"),
         (
             schedule == "interleaved_1f1b" and stages_per_rank < 2,
             "--pipeline_schedule interleaved_1f1b needs --pipeline_stages_per_rank 2 or more",
@@ -95,13 +101,12 @@ class PipelineTrainer(Trainer):
 
     @staticmethod
     def data_parallel(cfg: Config, processes: int) -> int:
-        return processes // cfg.distributed.pipeline_parallel_size
+        return max(1, processes // cfg.distributed.pipeline_parallel_size)  # a wrong launch is refused in check_options
 
     @classmethod
     def check_options(cls, cfg: Config, task: Task) -> None:
         d, t = cfg.distributed, cfg.training
         pp, world = d.pipeline_parallel_size, launched_processes()
-        n_stages = pp * d.pipeline_stages_per_rank
         schedule = schedule_problem(d.pipeline_schedule, pp, d.pipeline_stages_per_rank, d.pipeline_microbatches)
         if task.auto_class is not AutoModelForCausalLM:
             raise UserError(
@@ -146,10 +151,18 @@ class PipelineTrainer(Trainer):
                 "use loss",
             ),
         ]
+        if not hasattr(Schedule1F1B, "eval"):  # evaluation runs through it (torch 2.13 tested)
+            problems.append((True, f"--training_type pipeline needs a newer torch than {torch.__version__}"))
         for failed, message in problems:
             if failed:
                 raise UserError(message)
-        config = task.model_config(cfg)  # type: ignore[attr-defined]  # the decoder tasks read it
+        cls._check_model(cfg, task.model_config(cfg))  # type: ignore[attr-defined]  # the decoder tasks read it
+
+    @staticmethod
+    def _check_model(cfg: Config, config) -> None:
+        """The model's layers can be cut into the pipeline's stages."""
+        d = cfg.distributed
+        n_stages = d.pipeline_parallel_size * d.pipeline_stages_per_rank
         if stage_split.family_of(config.model_type) is None:
             raise UserError(
                 f"--training_type pipeline cannot cut a {config.model_type} model into stages (it knows "
@@ -181,20 +194,20 @@ class PipelineTrainer(Trainer):
         self.holds_first = any(s.first for s in self.stages)
         self.holds_last = any(s.last for s in self.stages)
         self.tied = stage_split.tied(model)
+        self.parameters_total = (count_parameters(model), count_parameters(model, trainable=True))
+        flops = ModelFlops.from_model(model)  # both before untie: a tied matrix counts once
         if self.tied and self.holds_last:
             stage_split.untie(next(s for s in self.stages if s.last))
-        self.parameters_total = (count_parameters(model), count_parameters(model, trainable=True))
-        flops = ModelFlops.from_model(model)
         stage_split.release_others(model, self.stages)
         super().__init__(cfg, task, nn.ModuleList(self.stages), data, run_log, runtime)  # type: ignore[arg-type]  # its stages
         self.flops = flops  # the whole model's: tokens are counted once per pipeline
-        self.replicas = runtime.dp_size
         self.counts_batches = self.holds_last  # one process per pipeline counts its rows and loss
         self.mode = (
             f"pipeline: {self.n_stages} stages over {runtime.pp_size} processes x {runtime.dp_size} data-parallel, "
             f"{d.pipeline_schedule}, {d.pipeline_microbatches} micro-batches"
         )
         self._scale: torch.Tensor | float = 1.0  # what the last stage multiplies each micro-batch's summed loss by
+        self.width = longest_row(data, cfg.data.max_length)
 
     # ------------------------------------------------------------ placement and data
     def setup(self) -> None:
@@ -227,9 +240,9 @@ class PipelineTrainer(Trainer):
         return self._shard(batch, self.cfg.training.micro_batch)
 
     def _shard(self, batch: dict, rows: int) -> dict:
-        """This pipeline's `rows` rows of a batch of all pipelines, padded to `rows` x --max_length (the fixed
+        """This pipeline's `rows` rows of a batch of all pipelines, padded to `rows` x the longest row (the fixed
         shape the schedule sends): padding has no labels and, coming last in causal rows, is never attended."""
-        width, total = self.cfg.data.max_length, rows * self.rt.dp_size
+        width, total = self.width, rows * self.rt.dp_size
         fill = {"labels": IGNORE_INDEX}
         out = {}
         for key, value in batch.items():
@@ -250,7 +263,7 @@ class PipelineTrainer(Trainer):
         inputs = (batch["input_ids"],) if self.holds_first else ()
         losses: list[torch.Tensor] = []
         target = {"target": batch["labels"], "losses": losses} if self.holds_last else {}
-        run(*inputs, position_ids=batch["position_ids"], **target)
+        run(*inputs, position_ids=batch["position_ids"], return_outputs=False, **target)  # no merged logits kept
         if not losses:
             return torch.zeros((), device=self.rt.device)
         return torch.stack(losses).detach().sum() / self._scale
@@ -340,18 +353,35 @@ class PipelineTrainer(Trainer):
         return {name: t.detach() for stage in self.stages for name, t in stage.state_dict().items()}
 
     def save_model(self, output_dir: Path) -> None:
-        """Gather the first pipeline's stages on the main process and save one ordinary checkpoint."""
-        parts: list | None = [None] * self.rt.pp_size if self.is_main_process else None
+        """One ordinary sharded Hugging Face checkpoint: each process of the first pipeline writes its stages'
+        shard, the main process the index and the config. Nothing is gathered: no process ever holds the whole
+        model."""
+        output_dir.mkdir(parents=True, exist_ok=True)
+        shard = f"model-{self.rt.pp_rank + 1:05d}-of-{self.rt.pp_size:05d}.safetensors"
+        names: dict[str, int] = {}  # name -> bytes, of this process's shard
         if self.rt.dp_rank == 0:
-            state = {name: t.cpu() for name, t in self._state().items()}
-            dist.gather_object(state, parts, group_dst=0, group=self.rt.pp_group)
-        if self.is_main_process:
-            assert parts is not None
-            merged = {name: t for part in parts for name, t in part.items()}
+            state = {name: t.contiguous() for name, t in self._state().items()}
             if self.tied:  # the last stage's copy equals stage 0's matrix; the checkpoint ties them
-                merged.pop("lm_head.weight", None)
-            self.whole.save_pretrained(output_dir, state_dict=merged)
+                state.pop("lm_head.weight", None)
+            safetensors.torch.save_file(state, str(output_dir / shard), metadata={"format": "pt"})
+            names = {name: t.numel() * t.element_size() for name, t in state.items()}
+            parts: list | None = [None] * self.rt.pp_size if self.is_main_process else None
+            dist.gather_object((shard, names), parts, dst=0, group=self.rt.pp_group)
+            if self.is_main_process:
+                assert parts is not None
+                self._write_index(output_dir, parts)
         self.rt.barrier()
+
+    def _write_index(self, output_dir: Path, parts: list[tuple[str, dict[str, int]]]) -> None:
+        weight_map = {name: shard for shard, names in parts for name in names}
+        total = sum(size for _, names in parts for size in names.values())
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        (output_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        config = self.whole.config
+        config.architectures = [type(self.whole).__name__]
+        config.save_pretrained(output_dir)
+        if self.whole.generation_config is not None:
+            self.whole.generation_config.save_pretrained(output_dir)
 
     def _files(self, folder: Path) -> tuple[Path, Path]:
         rank = self.rt.index
@@ -374,16 +404,13 @@ class PipelineTrainer(Trainer):
         if self.is_main_process:
             (folder / LAYOUT).write_text(json.dumps(self._layout()))
 
-    def resume(self, folder: Path):
+    def load_checkpoint(self, folder: Path) -> None:
         written = json.loads((folder / LAYOUT).read_text()) if (folder / LAYOUT).is_file() else None
         if written != self._layout():
             raise UserError(
                 f"checkpoint {folder} was cut into pipeline stages as {written}, this run as {self._layout()}: "
                 "resume with the same --pipeline_parallel_size, --pipeline_stages_per_rank and split points"
             )
-        return super().resume(folder)
-
-    def load_checkpoint(self, folder: Path) -> None:
         weights, training = self._files(folder)
         tensors = safetensors.torch.load_file(str(weights), device=str(self.rt.device))
         for stage in self.stages:
