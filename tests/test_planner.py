@@ -933,6 +933,11 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
             "linear layers are dense, key, query, value",
         ),
         (["--lora_r", "0"], "--lora_r must be at least 1"),
+        (
+            ["--task", "causal_lm", "--model_config", "llama-8m", "--strategy", "pipeline"],
+            "--strategy pipeline: no pipeline can run here: it needs at least 2 GPUs",
+        ),
+        (["--strategy", "pipeline", "--num_gpus", "2"], "cuts causal LMs of the Llama family and GPT-2 only"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):

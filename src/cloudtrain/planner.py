@@ -593,6 +593,17 @@ def model_facts(
     )
 
 
+def _no_pipeline(m: "ModelFacts", setup: "Setup") -> str:
+    """Why pipeline_candidates has no row for this model and set-up."""
+    if m.stages is None:
+        return "--training_type pipeline cuts causal LMs of the Llama family and GPT-2 only"
+    if setup.mixed_precision == "fp16":
+        return "it trains in bf16 or fp32, not fp16"
+    if setup.world_size < 2:
+        return "it needs at least 2 GPUs"
+    return "no pipeline size divides the GPUs with a micro-batch count its schedules accept"
+
+
 def stage_facts(model) -> StageFacts | None:
     """The embeddings and the head of the decoder as the pipeline trainer cuts it, or None if it cannot."""
     from cloudtrain.stages import family_of
@@ -1469,6 +1480,8 @@ def make_plan(args: argparse.Namespace) -> dict:
     )  # DoRA only when asked for
     per_gpu = global_batch // setup.world_size
     pipes = pipeline_candidates(m, setup, per_gpu, micro_batch_options(requested, per_gpu)[0])
+    if args.strategy == PIPELINE.key and not pipes:
+        raise UserError(f"--strategy pipeline: no pipeline can run here: {_no_pipeline(m, setup)}")
     cands = candidates(adapters, pipes)
     rows = [_row(m, c, setup, requested) for c in cands]
     allowed = [
