@@ -11,17 +11,22 @@ import functools
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import evaluate
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    import evaluate
 
 METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "classification"
 
 
 @functools.cache
-def load_metric() -> evaluate.EvaluationModule:
+def load_metric() -> "evaluate.EvaluationModule":
     """The classification metric module that lives in this repository (no Hub access); loaded once."""
+    import evaluate  # here: it pulls in scipy and pandas, a second of start-up for every process of every run
+
     return evaluate.load(str(METRIC_DIR), keep_in_memory=True)
 
 

@@ -8,9 +8,6 @@ Timing, throughput and test metrics are left out: they are single values or do n
 
 from pathlib import Path
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-
 # eval/* entries that are not quality metrics and would not share the metrics panel's 0-1 scale
 NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s", "eval/tokens", "eval/tokens_per_s"}
 
@@ -37,6 +34,9 @@ def curve_data(records: list[dict]) -> Curves:
 def plot_training_curves(records: list[dict], path: Path) -> Curves:
     """Write the curves of `records` as a PNG at `path`; returns the data that was drawn."""
     curves = curve_data(records)
+    from matplotlib.backends.backend_agg import FigureCanvasAgg  # here: only the main process draws, at the end
+    from matplotlib.figure import Figure
+
     figure = Figure(figsize=(11, 4.2), layout="constrained")
     FigureCanvasAgg(figure)
     for ax, (title, series) in zip(figure.subplots(1, 2), curves.items(), strict=True):
