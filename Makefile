@@ -58,10 +58,11 @@ sft: setup $(SFT_DATA)
 	$(PY) src/training_application.py --config configs/sft_r8.yaml $(SFT_BASE) $(ARGS)
 
 # The full suite (CI runs this); tests marked `gpu` run only where CUDA is available. Two workers, one per core
-# (pytest-xdist; `make test PYTEST_WORKERS=0` runs in one process); conftest.built_once shares what both build.
+# (pytest-xdist; `make test PYTEST_WORKERS=0` runs in one process), an idle one taking tests from the other's
+# queue (worksteal); conftest.built_once shares what both build.
 PYTEST_WORKERS ?= 2
 test: setup
-	$(PY) -m pytest tests -n $(PYTEST_WORKERS) $(ARGS)
+	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 
 # ruff (lint and format; settings in pyproject.toml) and mypy over the package; .ci/run runs it before the tests.
 lint: $(PKG)
@@ -71,7 +72,7 @@ lint: $(PKG)
 
 # The quick tier: the whole pipeline once, without the slow tests (multi-process, DeepSpeed, SageMaker, ...).
 test-fast: setup
-	$(PY) -m pytest tests -m "not slow" -n $(PYTEST_WORKERS) $(ARGS)
+	$(PY) -m pytest tests -m "not slow" -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 
 # `make bench` compares our trainers with a plain loop and transformers.Trainer (bench/results/latest.md);
 # then each optimization on and off; `make bench ARGS="--ablations none"` skips those; then the causal-LM
