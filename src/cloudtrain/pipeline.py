@@ -194,6 +194,7 @@ def _train_evaluate_save(run: Run) -> dict:
         runtime.is_main
     ):  # an earlier run's model (--overwrite_output_dir) goes as a whole: no adapter beside old weights
         remove_model(output_dir)
+    runtime.barrier()  # before any process writes its part of the new one (a pipeline's stages write shards)
     trainer.save_model(output_dir)
     if runtime.is_main:
         for split, predicted in predictions.items():
