@@ -126,6 +126,17 @@ class RunLog:
         for tracker in self.trackers:
             tracker.log(values, step=step)
 
+    def event(self, kind: str, message: str, value: float, step: int) -> None:
+        """Something that went wrong (an anomaly): `anomaly/<kind>` = value in every tracker, the line in
+        metrics.jsonl, and an alert where the tracker has alerts (W&B online)."""
+        if not self.enabled:
+            return
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, "time": round(time.time(), 3), "event": kind, "message": message}) + "\n")
+        for tracker in self.trackers:
+            tracker.log({f"anomaly/{kind}": value}, step=step)
+            tracker.alert(kind.replace("_", " "), message)
+
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
         """A table (a causal LM's sample generations, say) to every tracker; metrics.jsonl keeps numbers only."""
         if not self.enabled:
@@ -216,6 +227,9 @@ class RunMethods:
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
         pass
 
+    def alert(self, title: str, text: str) -> None:
+        """A notification for a human, where the tracker has them."""
+
     def log_files(self, curves_png: Path, step: int) -> None:
         pass
 
@@ -280,6 +294,10 @@ class WandB(RunMethods, WandBTracker):
 
     def log_summary(self, summary: dict, step: int) -> None:
         self.run.summary.update(summary)
+
+    def alert(self, title: str, text: str) -> None:
+        if not self.run.offline:  # an offline run has no one to tell
+            self.run.alert(title=f"cloudtrain: {title}", text=text, level="WARN")
 
     def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
         import wandb

@@ -1,0 +1,199 @@
+"""What a long run logs about itself beyond the loss, and the anomalies it warns about.
+
+At each logging step (`--monitoring true`, the default):
+    train/step_time_s        mean wall time of an optimizer step (data, forward, backward, optimizer)
+    train/data_time_share    the part of it spent waiting for the data loader (an input-bound run shows here)
+    train/peak_memory_gib    CUDA: peak allocated per device (and train/peak_reserved_gib); CPU: peak
+                             resident set size of a process; the largest over all processes
+
+Anomalies, each one warning line on the main process, an `anomaly/<kind>` value and an event line in
+metrics.jsonl, and a W&B alert when W&B is online:
+    loss_spike        a step's loss above the running mean by --loss_spike_threshold standard deviations
+    grad_norm_spike   the same for the gradient norm (--grad_norm_spike_threshold; needs clipping on)
+    throughput_drop   tokens per second of step time below half the running median of earlier intervals,
+                      two logging intervals in a row
+    straggler         with several processes: one process's own work (data loading and forward passes, no
+                      waiting on others) above STRAGGLER_RATIO times the median of all processes
+
+Every process sees the same numbers (they arrive through the logging step's one all-reduce) and runs the
+same detector, so all agree on what to do with `--on_anomaly warn|checkpoint|stop` without another
+collective. Not watched: evaluation and checkpoint time (they are left out of step time), and which
+pipeline stage is slow (a pipeline process's forward passes run inside the schedule).
+"""
+
+import contextlib
+import math
+import resource
+import statistics
+import sys
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from cloudtrain.config import MonitoringConfig
+
+WARMUP_STEPS = 10  # steps of running statistics before a spike can be judged
+WINDOW = 100  # steps (or logging intervals) the running statistics cover
+STRAGGLER_RATIO = 1.5
+STRAGGLER_MIN_S = 0.005  # per step: smaller gaps are noise, not a straggler
+GIB = 2**30
+
+
+@dataclass
+class Anomaly:
+    kind: str
+    step: int
+    value: float
+    message: str
+
+
+class StepClock:
+    """This process's time since the last logging step: whole steps, data waits, forward passes.
+
+    Forward passes on CUDA are timed with events (read at the logging step, where the loop syncs
+    anyway); on CPU with the wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.step_s = self.data_s = self.forward_s = 0.0
+        self.steps = 0
+        self._events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._mark = time.perf_counter()
+
+    def start_step(self) -> None:
+        """Called where the loop begins to wait for a step's data; what came before (logging, evaluation,
+        saving) is not step time."""
+        self._mark = time.perf_counter()
+
+    def data_ready(self) -> None:
+        self.data_s += time.perf_counter() - self._mark
+
+    def end_step(self) -> None:
+        self.step_s += time.perf_counter() - self._mark
+        self.steps += 1
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            began = time.perf_counter()
+            yield
+            self.forward_s += time.perf_counter() - began
+
+    def read(self) -> list[float]:
+        """[steps, step seconds, data seconds, forward seconds] since the last read."""
+        if self._events:
+            torch.cuda.synchronize()
+            self.forward_s += sum(start.elapsed_time(end) for start, end in self._events) / 1000
+            self._events.clear()
+        values = [float(self.steps), self.step_s, self.data_s, self.forward_s]
+        self.step_s = self.data_s = self.forward_s = 0.0
+        self.steps = 0
+        return values
+
+
+def peak_memory(device: torch.device) -> list[float]:
+    """[peak allocated, peak reserved] GiB of this process's CUDA device, or [peak RSS, 0] on CPU."""
+    if device.type == "cuda":
+        return [torch.cuda.max_memory_allocated(device) / GIB, torch.cuda.max_memory_reserved(device) / GIB]
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return [rss / (GIB if sys.platform == "darwin" else 2**20), 0.0]
+
+
+class RunningStats:
+    """Mean and standard deviation of the last WINDOW accepted values."""
+
+    def __init__(self) -> None:
+        self.values: deque[float] = deque(maxlen=WINDOW)
+
+    def spike(self, value: float, threshold: float) -> tuple[float, float] | None:
+        """(mean, std) if `value` is above mean + threshold * std; spikes stay out of the statistics."""
+        if not math.isfinite(value):
+            return None
+        if threshold > 0 and len(self.values) >= WARMUP_STEPS:
+            mean, std = statistics.fmean(self.values), statistics.pstdev(self.values)
+            std = max(std, 1e-3 * abs(mean))  # a flat curve: a tiny wobble is no spike
+            if value > mean + threshold * std:
+                return mean, std
+        self.values.append(value)
+        return None
+
+
+class AnomalyDetector:
+    """Judges each logging interval's numbers; the same inputs give the same verdict on every process."""
+
+    def __init__(self, cfg: MonitoringConfig, places: list[str]):
+        """`places[r]`: how to name process r in a message (its node and host)."""
+        self.cfg, self.places = cfg, places
+        self.loss, self.grad_norm = RunningStats(), RunningStats()
+        self.throughputs: deque[float] = deque(maxlen=WINDOW)
+        self.slow = 0  # logging intervals in a row under half the median throughput
+
+    def check_steps(self, steps: list[int], losses: list[float], grad_norms: list[float]) -> list[Anomaly]:
+        found = []
+        for step, loss, norm in zip(steps, losses, grad_norms, strict=True):
+            if seen := self.loss.spike(loss, self.cfg.loss_spike_threshold):
+                found.append(self._spike("loss_spike", "loss", step, loss, *seen, self.cfg.loss_spike_threshold))
+            if seen := self.grad_norm.spike(norm, self.cfg.grad_norm_spike_threshold):
+                found.append(
+                    self._spike(
+                        "grad_norm_spike", "gradient norm", step, norm, *seen, self.cfg.grad_norm_spike_threshold
+                    )
+                )
+        return found
+
+    @staticmethod
+    def _spike(kind: str, what: str, step: int, value: float, mean: float, std: float, threshold: float) -> Anomaly:
+        sigmas = (value - mean) / std
+        return Anomaly(
+            kind,
+            step,
+            value,
+            f"{what} spike at step {step}: {value:.4g}, {sigmas:.1f} standard deviations above its running mean "
+            f"{mean:.4g} (threshold {threshold:g}); look at that step's batch, or lower --learning_rate",
+        )
+
+    def check_interval(self, step: int, tokens_per_s: float, work_per_step: list[float]) -> list[Anomaly]:
+        """`tokens_per_s` over step time; `work_per_step[r]`: process r's own seconds per step."""
+        found = []
+        median = statistics.median(self.throughputs) if len(self.throughputs) >= 3 else 0.0
+        if tokens_per_s < 0.5 * median:
+            self.slow += 1
+            if self.slow == 2:  # two intervals in a row: one slow interval is noise (a GC pause, a busy disk)
+                found.append(
+                    Anomaly(
+                        "throughput_drop",
+                        step,
+                        tokens_per_s,
+                        f"throughput dropped at step {step}: {tokens_per_s:.0f} tokens/s for two logging intervals, "
+                        f"under half the running median {median:.0f}; see train/data_time_share (the input) and the "
+                        "machine's other load",
+                    )
+                )
+        else:
+            self.slow = 0
+            self.throughputs.append(tokens_per_s)
+        if len(work_per_step) > 1:
+            typical = statistics.median(work_per_step)
+            slowest = max(range(len(work_per_step)), key=work_per_step.__getitem__)
+            worst = work_per_step[slowest]
+            if worst > STRAGGLER_RATIO * typical and worst - typical > STRAGGLER_MIN_S:
+                found.append(
+                    Anomaly(
+                        "straggler",
+                        step,
+                        float(slowest),
+                        f"straggler at step {step}: process {slowest} ({self.places[slowest]}) spends "
+                        f"{worst * 1000:.0f} ms per step on its own data and forward passes, {worst / typical:.1f}x "
+                        f"the median {typical * 1000:.0f} ms; every other process waits for it at each all-reduce",
+                    )
+                )
+        return found
