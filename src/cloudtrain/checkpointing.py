@@ -6,6 +6,13 @@
 
 - Atomic: a checkpoint is written to `checkpoint-<step>.partial` and renamed when complete, so a kill
   during a save leaves the previous checkpoint as the latest; a stale `.partial` is removed.
+- Many nodes: at start the processes find out how they share --checkpoint_dir (`probe_storage`): one
+  folder for all (a shared filesystem: the main process finalises), or one per node (node-local disks,
+  SageMaker's /opt/ml/checkpoints: each node's first process finalises its own, and every node writes
+  every file it needs to resume). `latest` is the newest step complete on every node, agreed before
+  anything loads (`agree_on_resume`); rotation deletes the same steps everywhere. Files from all nodes
+  can be merged into one folder (SageMaker restores one S3 prefix to every instance): they carry the
+  same names with the same contents, or names of their own (per-process files).
 - Rotation (`--save_total_limit K`) deletes the oldest checkpoints but never the newest or the best
   (by `--metric_for_best_model`, as of the last evaluation before the save).
 - Loading is safe: weights from safetensors, everything else through `torch.load(weights_only=True)`
@@ -15,6 +22,7 @@
   logging or checkpoint step: it saves a checkpoint and exits with status 143.
 """
 
+import contextlib
 import json
 import math
 import os
@@ -22,9 +30,11 @@ import shutil
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
@@ -65,22 +75,68 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def find_resume_checkpoint(cfg: Config, folder: Path) -> Path | None:
-    """The checkpoint --resume_from_checkpoint names: a directory, or the latest complete one (or None)."""
+def restarted_defaults(cfg: Config) -> Config:
+    """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint unless told otherwise."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restarts == 0 or cfg.checkpoint.resume_from_checkpoint is not None:
+        return cfg
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"restart {restarts} of this launch: resuming from the latest complete checkpoint", flush=True)
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume_from_checkpoint="latest"))
+
+
+def local_view(cfg: Config, folder: Path, node: int = 0, host: str = "") -> dict:
+    """What this process sees of the checkpoints: complete steps in `folder`, and whether a named one is there."""
+    wanted = cfg.checkpoint.resume_from_checkpoint
+    named = wanted not in (None, "latest") and Path(wanted).is_dir()
+    return {"node": node, "host": host, "steps": [step for step, _ in complete_checkpoints(folder)], "named": named}
+
+
+def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
+    """The checkpoint every process resumes from (or None), agreed across processes before anything loads."""
+    views = runtime.gather_objects(local_view(cfg, folder, runtime.node, runtime.host))
+    return choose_resume(cfg, folder, views, announce=runtime.is_main)
+
+
+def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool = True) -> Path | None:
+    """The checkpoint --resume_from_checkpoint names, given each process's `local_view`: a directory every
+    process sees, or `latest`, the newest step complete on every node (None: a fresh start)."""
     wanted = cfg.checkpoint.resume_from_checkpoint
     if wanted is None:
         return None
-    if wanted == "latest":
-        found = complete_checkpoints(folder)
-        if not found:
-            if int(os.environ.get("RANK", "0")) == 0:  # before the process group exists: one line, not one per rank
+    nodes = len({v["node"] for v in views})
+    if wanted != "latest":
+        without = [v for v in views if not v["named"]]
+        if without:
+            where = f" on {_node(without[0])}" if nodes > 1 else ""
+            raise UserError(
+                f"--resume_from_checkpoint {wanted} does not exist{where}; give a checkpoint directory"
+                + (" every node holds" if nodes > 1 else "")
+                + ", or latest"
+            )
+        path = Path(wanted)
+    else:
+        common = set.intersection(*(set(v["steps"]) for v in views))
+        newest = max((max(v["steps"]) for v in views if v["steps"]), default=None)
+        if newest is None:
+            if announce:
                 print(f"no complete checkpoint in {folder}: starting fresh", flush=True)
             return None
-        path = found[-1][1]
-    else:
-        path = Path(wanted)
-        if not path.is_dir():
-            raise UserError(f"--resume_from_checkpoint {wanted} does not exist; give a checkpoint directory or latest")
+        lacking = next((v for v in views if newest not in v["steps"]), views[0])
+        if not common:
+            raise UserError(
+                f"{_node(lacking)} holds no complete checkpoint in {folder}, while others hold up to "
+                f"checkpoint-{newest}: restore that node's folder (SageMaker restores it from S3), or clear "
+                "every node's folder to start fresh"
+            )
+        step = max(common)
+        if step < newest and announce:
+            print(
+                f"checkpoint-{newest} is not complete on {_node(lacking)}: resuming from checkpoint-{step}, "
+                "the newest that every node holds",
+                flush=True,
+            )
+        path = Path(folder) / f"{PREFIX}{step}"
     saved = read_state(path).get("adapters")
     if saved != adapter_settings(cfg):  # checked now, not after loading: other adapters cannot take these weights
         raise UserError(
@@ -88,6 +144,58 @@ def find_resume_checkpoint(cfg: Config, folder: Path) -> Path | None:
             f"{_describe(adapter_settings(cfg))}; resume with the same --peft and --lora_* options"
         )
     return path
+
+
+def _node(view: dict) -> str:
+    return f"node {view['node']}" + (f" ({view['host']})" if view.get("host") else "")
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How the launch's processes share --checkpoint_dir (`probe_storage`)."""
+
+    owner: bool = True  # this process creates, finalises and rotates the folder it sees
+    per_node: bool = False  # one folder per node: each node writes every file it needs to resume
+
+
+def probe_storage(folder: Path, runtime: Any) -> Storage:
+    """Find out, with a file per process, whether the processes see one folder or one per node.
+
+    Every process creates `<folder>/.probe-<token>/<rank>` and then looks for every other process's file
+    by name (a lookup, not a listing, so a shared NFS mount's directory cache cannot hide them)."""
+    if runtime.count == 1:
+        return Storage()
+    existed = Path(folder).exists()  # looked at before any process creates it (share below is a collective)
+    token = runtime.share(uuid.uuid4().hex if runtime.is_main else None)
+    probe = Path(folder) / f".probe-{token}"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / str(runtime.index)).touch()
+    runtime.barrier()
+    seen = [rank for rank in range(runtime.count) if (probe / str(rank)).exists()]
+    views = runtime.gather_objects({"node": runtime.node, "host": runtime.host, "seen": seen, "existed": existed})
+    if runtime.index == seen[0]:  # every process has looked: the gather above waited for all
+        shutil.rmtree(probe, ignore_errors=True)
+        if not any(views[rank]["existed"] for rank in seen):
+            with contextlib.suppress(OSError):  # a run that saves no checkpoint leaves no empty folder
+                Path(folder).rmdir()
+    return storage_from(views, runtime.index)
+
+
+def storage_from(views: list[dict], index: int) -> Storage:
+    """The layout that each process's `seen` ranks describe, for process `index`: one folder for all, or
+    one per node; anything else cannot be made consistent and is refused."""
+    everyone = list(range(len(views)))
+    if all(v["seen"] == everyone for v in views):
+        return Storage(owner=index == 0)
+    for rank, view in enumerate(views):
+        same_node = [r for r, v in enumerate(views) if v["node"] == view["node"]]
+        if view["seen"] != same_node:
+            raise UserError(
+                f"--checkpoint_dir is neither one folder shared by every node nor one per node: process {rank} "
+                f"on {_node(view)} sees the files of processes {view['seen']}; give every node its own disk, "
+                "or every node the same shared folder"
+            )
+    return Storage(owner=index == views[index]["seen"][0], per_node=True)
 
 
 def adapter_settings(cfg: Config) -> dict | None:
@@ -143,7 +251,8 @@ def check_compatible(meta: dict, path: Path, trainer: str, num_processes: int) -
 
 
 class Checkpointer:
-    """Saves checkpoints atomically and rotates them; every process calls `save`, the main one renames."""
+    """Saves checkpoints atomically and rotates them; every process calls `save`, each folder's owner
+    (`Storage`) creates and renames it, the main process decides what rotation deletes."""
 
     def __init__(
         self,
@@ -155,9 +264,12 @@ class Checkpointer:
         export: Callable[[Path], None] | None = None,
         on_saved: Callable[[int, Path], None] | None = None,
         before_delete: Callable[[], None] | None = None,
+        storage: Storage | None = None,
+        share: Callable[[Any], Any] = lambda value: value,
     ):
         """`export(folder)` (every process) adds files to a checkpoint being written; `on_saved(step,
-        path)` (main) sees each complete one; `before_delete()` (main) runs before rotation deletes."""
+        path)` (main) sees each complete one; `before_delete()` (main) runs before rotation deletes;
+        `share(value)` hands the main process's value to every process (a collective)."""
         self.folder, self.output_dir, self.is_main, self.barrier = (
             Path(folder),
             Path(output_dir),
@@ -165,6 +277,8 @@ class Checkpointer:
             barrier,
         )
         self.export, self.on_saved, self.before_delete = export, on_saved, before_delete
+        self.storage = storage or Storage(owner=is_main_process)
+        self.owner, self.share = self.storage.owner, share
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
         self.at_epoch_end = c.checkpointing_steps == "epoch"
@@ -188,7 +302,7 @@ class Checkpointer:
     ) -> Path:
         final, partial = self.folder / f"{PREFIX}{step}", self.folder / f"{PREFIX}{step}.partial"
         start = time.perf_counter()
-        if self.is_main:
+        if self.owner:
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
             partial.mkdir(parents=True)
         self.barrier()
@@ -196,34 +310,42 @@ class Checkpointer:
         if self.export:
             self.export(partial)
         self.barrier()
+        if self.owner:
+            self._finalise(partial, final, trainer, num_processes, state)
+        self.barrier()  # complete on every node before anything is announced or deleted
         if self.is_main:
-            meta = {
-                "format": FORMAT,
-                "trainer": trainer,
-                "num_processes": num_processes,
-                "adapters": self.adapters,
-                "batch": self.batch,
-                "metric": self.metric,
-                "score": self._score(state),
-                "state": asdict(state),
-            }
-            for name in RUN_FILES:  # a spot restart may come back with an empty output dir
-                if (self.output_dir / name).is_file():
-                    shutil.copy2(self.output_dir / name, partial / name)
-            _write_synced(partial / STATE_FILE, json.dumps(meta, indent=2))
-            if final.exists():  # the same step saved again after a resume
-                shutil.rmtree(final)
-            os.replace(partial, final)
-            _fsync_dir(self.folder)
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
             print(
                 f"checkpoint saved to {final} ({size / 2**20:.0f} MiB, {time.perf_counter() - start:.1f}s)", flush=True
             )
             if self.on_saved:
                 self.on_saved(step, final)
-            self.rotate()
+        doomed = self.share(self.doomed() if self.is_main else None)
+        if self.owner:
+            self.delete(doomed)
         self.barrier()
         return final
+
+    def _finalise(self, partial: Path, final: Path, trainer: str, num_processes: int, state: TrainerState) -> None:
+        """trainer_state.json written last and synced, then the atomic rename."""
+        meta = {
+            "format": FORMAT,
+            "trainer": trainer,
+            "num_processes": num_processes,
+            "adapters": self.adapters,
+            "batch": self.batch,
+            "metric": self.metric,
+            "score": self._score(state),
+            "state": asdict(state),
+        }
+        for name in RUN_FILES:  # a spot restart may come back with an empty output dir
+            if (self.output_dir / name).is_file():
+                shutil.copy2(self.output_dir / name, partial / name)
+        _write_synced(partial / STATE_FILE, json.dumps(meta, indent=2))
+        if final.exists():  # the same step saved again after a resume
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        _fsync_dir(self.folder)
 
     def _score(self, state: TrainerState) -> float | None:
         """The metric of the last evaluation before this save, oriented so that higher is better."""
@@ -234,6 +356,10 @@ class Checkpointer:
 
     def rotate(self) -> list[Path]:
         """Delete the oldest checkpoints beyond the limit, never the newest or the best; returns the deleted."""
+        return self.delete(self.doomed())
+
+    def doomed(self) -> list[int]:
+        """The steps that rotation deletes now, judged from this process's folder."""
         found = complete_checkpoints(self.folder)
         if not self.limit or len(found) <= self.limit:
             return []
@@ -242,16 +368,21 @@ class Checkpointer:
             (score, step, path) for step, path in found if (score := scores[path]) is not None and not math.isnan(score)
         ]
         keep = {found[-1][1]} | ({max(scored)[2]} if scored else set())
-        deleted: list[Path] = []
-        for _, path in found:
-            if len(found) - len(deleted) <= max(self.limit, len(keep)):
+        doomed: list[int] = []
+        for step, path in found:
+            if len(found) - len(doomed) <= max(self.limit, len(keep)):
                 break
             if path not in keep:
-                if self.before_delete and not deleted:
-                    self.before_delete()
-                shutil.rmtree(path)
-                deleted.append(path)
-        return deleted
+                doomed.append(step)
+        return doomed
+
+    def delete(self, steps: list[int]) -> list[Path]:
+        paths = [self.folder / f"{PREFIX}{step}" for step in steps]
+        if paths and self.before_delete:
+            self.before_delete()
+        for path in paths:
+            shutil.rmtree(path, ignore_errors=True)
+        return paths
 
 
 def _write_synced(path: Path, text: str) -> None:

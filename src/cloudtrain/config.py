@@ -36,6 +36,7 @@ TASKS = ("classification", "causal_lm", "sft")
 PACKING = ("auto", "none", "wrapped", "bfd")
 ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 PEFT_METHODS = ("none", "lora", "dora", "qlora")
+ON_ANOMALY = ("warn", "checkpoint", "stop")
 
 
 def opt(
@@ -276,6 +277,31 @@ class DistributedConfig:
         "one fewer than the stages; default: layers balanced by count, the first and last stage one fewer "
         "(they hold the embeddings and the head).",
     )
+    collective_timeout: float = opt(
+        1800.0,
+        "Seconds a process waits in one collective (all-reduce, barrier, ...) before the run stops with a "
+        "message naming it: a peer that died or hung ends the job instead of billing it until its time limit.",
+    )
+
+
+@dataclass
+class MonitoringConfig:
+    monitoring: bool = opt(
+        True,
+        "Log step time, data-loading share and peak memory at each logging step, and watch for anomalies.",
+    )
+    loss_spike_threshold: float = opt(
+        6.0, "Warn when a step's loss exceeds its running mean by this many standard deviations (0: off)."
+    )
+    grad_norm_spike_threshold: float = opt(
+        6.0, "The same for the gradient norm (logged when --max_grad_norm > 0; 0: off)."
+    )
+    on_anomaly: str = opt(
+        "warn",
+        "On a loss or gradient-norm spike, a throughput drop or a straggler: warn, save a checkpoint at once "
+        "(checkpoint), or save and stop so that someone can look (stop).",
+        ON_ANOMALY,
+    )
 
 
 @dataclass
@@ -313,8 +339,9 @@ class CheckpointConfig:
     )
     resume_from_checkpoint: str | None = opt(
         None,
-        "A checkpoint directory, or latest: the newest complete "
-        "checkpoint in --checkpoint_dir (a fresh start if none).",
+        "A checkpoint directory, or latest: the newest checkpoint complete on every node in "
+        "--checkpoint_dir (a fresh start if none). Default: none, but latest for a worker that torchrun "
+        "--max-restarts restarted, and inside a SageMaker job with checkpoints.",
     )
     metric_for_best_model: str | None = opt(
         None,
@@ -348,6 +375,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     hub: HubConfig = field(default_factory=HubConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -593,6 +621,9 @@ def validate(cfg: Config) -> None:
         (cfg.distributed.pipeline_parallel_size < 1, "--pipeline_parallel_size must be at least 1"),
         (cfg.distributed.pipeline_microbatches < 1, "--pipeline_microbatches must be at least 1"),
         (cfg.distributed.pipeline_stages_per_rank < 1, "--pipeline_stages_per_rank must be at least 1"),
+        (cfg.distributed.collective_timeout <= 0, "--collective_timeout must be positive (seconds)"),
+        (cfg.monitoring.loss_spike_threshold < 0, "--loss_spike_threshold must not be negative (0: off)"),
+        (cfg.monitoring.grad_norm_spike_threshold < 0, "--grad_norm_spike_threshold must not be negative (0: off)"),
         (cfg.model.lora_r < 1, "--lora_r must be at least 1"),
         (cfg.model.lora_alpha <= 0, "--lora_alpha must be positive"),
         (not 0 <= cfg.model.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),

@@ -27,7 +27,12 @@ import datasets
 import torch
 import transformers
 from accelerate import Accelerator
-from accelerate.utils import DeepSpeedPlugin, FullyShardedDataParallelPlugin, InitProcessGroupKwargs
+from accelerate.utils import (
+    DeepSpeedPlugin,
+    DistributedDataParallelKwargs,
+    FullyShardedDataParallelPlugin,
+    InitProcessGroupKwargs,
+)
 
 from cloudtrain.config import Config, DistributedConfig
 from cloudtrain.errors import UserError
@@ -302,7 +307,12 @@ def build_accelerator(cfg: Config) -> Accelerator:
         deepspeed_plugin=plugin,
         fsdp_plugin=fsdp,
         cpu=not gpu and plugin is None,  # no GPU: accelerate's MULTI_CPU path, which uses gloo
-        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else None,
+        kwargs_handlers=[
+            *([InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else []),
+            # A transformer's buffers (position ids, rotary frequencies) never change: DDP need not broadcast them
+            # before every forward, and without that collective a forward pass times only this process's work.
+            DistributedDataParallelKwargs(broadcast_buffers=False),
+        ],
     )
     if accelerator.num_processes != launched_processes():
         raise UserError(

@@ -60,7 +60,7 @@ UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its 
     "*_results.json",
     "training_curves.png",
 ]
-RESULT_NAMES = ("train", "eval", "test")
+RESULT_NAMES = ("train", "eval", "test", "compute")
 ENTRY = "python src/training_application.py"
 TOKEN_HELP = "set HF_TOKEN, pass --hub_token, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
 

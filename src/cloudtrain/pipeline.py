@@ -11,15 +11,25 @@ job. What differs between tasks is the task's (cloudtrain.tasks); between launch
 and the trainer's (cloudtrain.runtime, cloudtrain.trainers).
 """
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from cloudtrain import adapters, batch_size, hub
+from cloudtrain import adapters, batch_size, cost, hub
 from cloudtrain.assets import DEFAULT_MODEL_NAME
-from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, find_resume_checkpoint, read_state, restore_run_files
+from cloudtrain.checkpointing import (
+    Checkpointer,
+    agree_on_resume,
+    checkpoint_dir,
+    probe_storage,
+    read_state,
+    restarted_defaults,
+    restore_run_files,
+)
 from cloudtrain.config import Config, save_arguments
 from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
 from cloudtrain.data_processing import ProcessedData
@@ -56,8 +66,8 @@ def resolve(cfg: Config, task: Task) -> Config:
     )
 
 
-def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
-    """Checks that touch files and devices but load nothing heavy; returns (output dir, checkpoint to resume)."""
+def preflight(cfg: Config, task: Task) -> Path:
+    """Checks that touch files and devices but load nothing heavy; returns the output dir."""
     task.check_options(cfg)
     assert task.auto_class is not None  # every task names one
     adapters.check_options(cfg, task.auto_class)
@@ -84,13 +94,16 @@ def preflight(cfg: Config, task: Task) -> tuple[Path, Path | None]:
         )
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
-    resume_from = find_resume_checkpoint(cfg, checkpoint_dir(cfg, output_dir))
+    return output_dir
+
+
+def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None) -> None:
+    """A model already in --output_dir is replaced only when asked, or by the run that is resumed there."""
     if holds_model(output_dir) and not cfg.output.overwrite_output_dir and resume_from is None:
         raise UserError(
             f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir true "
             "to replace it, or choose another --output_dir"
         )
-    return output_dir, resume_from
 
 
 @dataclass
@@ -112,21 +125,23 @@ class Run:
 def build_run(cfg: Config) -> Run:
     """Check the options, set up the launch, and build data, model, trainer and run log."""
     task = build_task(cfg)
-    cfg = resolve(cfg, task)
+    cfg = resolve(restarted_defaults(cfg), task)
     replicas = TRAINERS[cfg.training.training_type].data_parallel(cfg, launched_processes())
     cfg = batch_size.fixed(cfg, replicas)  # --global_batch_size: the accumulation (DeepSpeed checks it)
-    output_dir, resume_from = preflight(cfg, task)
-    resumed = read_state(resume_from) if resume_from else None
+    output_dir = preflight(cfg, task)
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg)  # before the model is loaded: ZeRO-3 partitions it while loading
+    resume_from = agree_on_resume(cfg, checkpoint_dir(cfg, output_dir), runtime)  # on every node, before loading
+    check_output_dir(cfg, output_dir, resume_from)
+    resumed = read_state(resume_from) if resume_from else None
     if cfg.hub.push_to_hub:  # a bad token fails now, not after hours of training
         hub.check_access_from_main(cfg.hub, runtime.is_main, runtime.share)
     set_seed(cfg.training.seed)  # the same on every process, so every process builds the same model
 
     raw = connect_data(cfg.data, task.columns(cfg.data))
     tokenizer = load_tokenizer(cfg.model)
-    with runtime.main_first():  # the main process tokenizes and caches; the others read its cache
+    with runtime.local_main_first():  # each node's first process tokenizes and caches; the others read it
         data = task.process(raw, tokenizer, cfg)
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
@@ -174,17 +189,24 @@ def _train_evaluate_save(run: Run) -> dict:
     uploader = (
         hub.HubUploader(cfg) if runtime.is_main and cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end" else None
     )
+    folder = checkpoint_dir(cfg, output_dir)
     checkpointer = Checkpointer(
         cfg,
-        checkpoint_dir(cfg, output_dir),
+        folder,
         output_dir,
         runtime.is_main,
         runtime.barrier,
         **hub_hooks(cfg, trainer, run.tokenizer, uploader, runtime.is_main),
+        storage=probe_storage(folder, runtime),
+        share=runtime.share,
     )
     train_result = trainer.fit(checkpointer, run.resume_from)
 
     results = {"train": train_result.summary()}
+    session_s = time.time() - psutil.Process().create_time()  # this session, loading and evaluation included
+    results["compute"] = cost.compute_used(
+        train_result.runtime_s, max(session_s, train_result.runtime_s), runtime.count, runtime.device.type
+    )
     for split, name in (("validation", "eval"), ("test", "test")):
         if split in trainer.eval_dls:
             results[name] = trainer.evaluate(split)
@@ -253,4 +275,5 @@ def _print_summary(task: Task, results: dict, output_dir: Path) -> None:
     for name in ("eval", "test"):
         if name in results:
             print(f"{name}: {task.describe_metrics(results[name])}")
+    print(cost.describe(results["compute"]))
     print(f"model saved to {output_dir.resolve()}\nuse it: {task.inference_hint(str(output_dir))}")

@@ -11,14 +11,16 @@ else asks whether it runs under accelerate:
 """
 
 import contextlib
+import datetime
 import os
+import socket
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list
+from accelerate.utils import broadcast_object_list, gather_object
 
 from cloudtrain.config import Config
 
@@ -33,6 +35,7 @@ class Runtime:
         self.index: int = acc.process_index if acc else 0
         self.count: int = acc.num_processes if acc else 1
         self.device: torch.device = acc.device if acc else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.node, self.host = node_index(), socket.gethostname()
 
     @classmethod
     def for_launch(cls, cfg: Config) -> "Runtime":
@@ -40,9 +43,11 @@ class Runtime:
         if cfg.training.training_type == "accelerated":
             from cloudtrain.distributed import build_accelerator
 
-            return cls(build_accelerator(cfg))
+            runtime = cls(build_accelerator(cfg))
+            set_collective_timeout(cfg.distributed.collective_timeout)
+            return runtime
         if cfg.training.training_type == "pipeline":
-            return PipelineRuntime(cfg.distributed.pipeline_parallel_size)
+            return PipelineRuntime(cfg.distributed.pipeline_parallel_size, cfg.distributed.collective_timeout)
         return cls()
 
     def barrier(self) -> None:
@@ -50,10 +55,14 @@ class Runtime:
             self.accelerator.wait_for_everyone()
 
     @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        """The main process runs the block first (it fills caches), then the others."""
-        with self.accelerator.main_process_first() if self.accelerator else contextlib.nullcontext():
+    def local_main_first(self) -> Iterator[None]:
+        """Each node's first process runs the block first (it fills that node's caches), then the others."""
+        with self.accelerator.local_main_process_first() if self.accelerator else contextlib.nullcontext():
             yield
+
+    def gather_objects(self, value: Any) -> list:
+        """Every process's `value` (picklable), in process order, on every process."""
+        return gather_object([value]) if self.count > 1 else [value]
 
     def gather(self, tensors: Any) -> Any:
         """Per-example tensors of every process, each example once (the last batch's duplicates dropped)."""
@@ -107,7 +116,7 @@ class PipelineRuntime(Runtime):
     neighbours (on one node where they fit: stage-to-stage traffic is the heavy one). Collectives of the
     Runtime interface span every process."""
 
-    def __init__(self, pp_size: int):
+    def __init__(self, pp_size: int, collective_timeout: float):
         from torch.distributed.device_mesh import init_device_mesh
 
         local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -117,6 +126,7 @@ class PipelineRuntime(Runtime):
         if not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
         self.accelerator = None
+        self.node, self.host = node_index(), socket.gethostname()
         self.index, self.count = dist.get_rank(), dist.get_world_size()
         self.is_main = self.index == 0
         self.pp_size, self.dp_size = pp_size, self.count // pp_size
@@ -126,17 +136,25 @@ class PipelineRuntime(Runtime):
         # The first and last process of each pipeline (tied embeddings); every process creates every group.
         ends = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(self.dp_size)]
         self.ends_group = ends[self.dp_rank]
+        for group in (None, self.pp_group, self.dp_group, self.ends_group):
+            set_collective_timeout(collective_timeout, group)
 
     def barrier(self) -> None:
         dist.barrier()
 
     @contextlib.contextmanager
-    def main_first(self) -> Iterator[None]:
-        if not self.is_main:
+    def local_main_first(self) -> Iterator[None]:
+        first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+        if not first:
             dist.barrier()
         yield
-        if self.is_main:
+        if first:
             dist.barrier()
+
+    def gather_objects(self, value: Any) -> list:
+        parts: list = [None] * self.count
+        dist.all_gather_object(parts, value)
+        return parts
 
     def gather(self, tensors: Any) -> Any:
         parts: list = [None] * self.count
@@ -168,3 +186,33 @@ class PipelineRuntime(Runtime):
     def close(self) -> None:
         if dist.is_initialized():  # left alive, gloo's threads can abort the interpreter's exit
             dist.destroy_process_group()
+
+
+def node_index() -> int:
+    """This process's node: torchrun's GROUP_RANK, else derived from the ranks, else 0."""
+    env = os.environ
+    if "GROUP_RANK" in env:
+        return int(env["GROUP_RANK"])
+    if "RANK" in env and "LOCAL_WORLD_SIZE" in env:
+        return int(env["RANK"]) // max(int(env["LOCAL_WORLD_SIZE"]), 1)
+    return 0
+
+
+def collective_failure(err: BaseException, timeout: float) -> str | None:
+    """What a backend error says happened to the launch, in words, or None if it is no such error."""
+    text = str(err)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return f"waited longer than --collective_timeout {timeout:g}s for the other processes"
+    if "closed by peer" in text or "reset by peer" in text or isinstance(err, dist.DistNetworkError):
+        return "lost a peer: another process of the launch died"
+    return None
+
+
+def set_collective_timeout(seconds: float, group: Any = None) -> None:
+    """How long a collective of `group` (default: every process) waits for the others.
+
+    Set after the group exists, not through init_process_group(timeout=...): under torchrun that argument
+    makes restarted workers read the dead workers' gloo addresses from the store (tried: --max-restarts
+    then fails to connect)."""
+    if dist.is_initialized():
+        dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)

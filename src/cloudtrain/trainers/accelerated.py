@@ -93,7 +93,8 @@ class AcceleratedTrainer(Trainer):
             last = i == len(window) - 1
             accelerator.sync_gradients = last  # the accumulation boundary (DeepSpeed steps here)
             with contextlib.nullcontext() if last else accelerator.no_sync(self.model):
-                summed, n = self.task.loss(self.model, batch)
+                with self.clock.forward():
+                    summed, n = self.task.loss(self.model, batch)
                 accelerator.backward(summed * scale * k)  # backward() divides by k; the scale is already exact
             loss_sum, count = loss_sum + summed.detach(), count + n
         grad_norm = None
@@ -113,12 +114,18 @@ class AcceleratedTrainer(Trainer):
         self.optimizer.step()  # under DeepSpeed a no-op: the engine stepped in backward()
         self.optimizer.zero_grad(set_to_none=True)
 
+    def store_per_node(self) -> None:
+        self.accelerator.project_configuration.save_on_each_node = True  # weights, optimizer, scheduler
+        if self.accelerator.state.deepspeed_plugin:  # the model states file, on each node's local rank 0
+            config = self.accelerator.state.deepspeed_plugin.deepspeed_config
+            config.setdefault("checkpoint", {})["use_node_local_storage"] = True
+
     def write_checkpoint(self, folder: Path) -> None:
         frozen = {"exclude_frozen_parameters": True} if self.partial and self.accelerator.state.deepspeed_plugin else {}
         self.accelerator.save_state(
             str(folder), **frozen
         )  # model (safetensors), optimizer, scaler, RNG of every process
-        if self.is_main_process:
+        if self.checkpoint_owner:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
 
     def load_checkpoint(self, folder: Path) -> None:

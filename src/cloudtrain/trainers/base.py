@@ -48,7 +48,8 @@ from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dat
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.flops import ModelFlops, sum_squared_lengths
-from cloudtrain.runtime import Runtime
+from cloudtrain.monitoring import Anomaly, AnomalyDetector, StepClock, peak_memory
+from cloudtrain.runtime import Runtime, collective_failure
 from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
 
@@ -135,19 +136,22 @@ def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor
 
 class Meter:
     """Examples (rows), real (non-padding) tokens, summed loss, summed squared sequence lengths (for the
-    attention FLOPs) and what the loss sums over, since the last logging step, over applied steps only.
+    attention FLOPs) and what the loss sums over, since the last logging step, over applied steps only;
+    and each step's summed loss, count and gradient norm (for the anomaly detector).
 
     Counts stay on the device between logging steps, so the step itself never waits for a host sync;
-    `flush` adds them across processes into the run's totals in `state`.
+    `flush` adds them across processes into the run's totals in `state`, in one all-reduce.
     """
 
-    def __init__(self, reduce_sum, state: TrainerState, device: torch.device):
-        self.reduce_sum, self.state = reduce_sum, state
+    def __init__(self, runtime: Runtime, state: TrainerState, device: torch.device):
+        self.reduce_sum, self.state = runtime.reduce_sum, state
+        self.processes, self.index = runtime.count, runtime.index
         self.start = self.last = time.perf_counter()
         sums = list(state.interval) + [0.0] * (4 - len(state.interval))  # checkpoints before the 4th sum had 3
         if len(sums) == 4:  # ... and before the 5th, the loss summed over examples
             sums.append(sums[0])
         self.interval = torch.tensor(sums, dtype=torch.float64, device=device)
+        self.steps: list[torch.Tensor] = []  # per step since the last flush: [loss sum, count, grad norm]
 
     def add(self, window: list[dict], stats: StepStats, applied: torch.Tensor) -> None:
         masks = [batch["attention_mask"] for batch in window]  # real tokens (a causal LM's model never sees it)
@@ -162,15 +166,27 @@ class Meter:
             ]
         )
         self.interval += torch.where(applied, values, 0.0)  # a skipped step's nan must not reach the sums
+        norm = torch.as_tensor(math.nan if stats.grad_norm is None else stats.grad_norm, device=loss_sum.device)
+        self.steps.append(torch.stack([loss_sum, values[4], norm.double()]))
 
     def pending(self) -> list[float]:
         """The not yet logged sums of every process (a collective), for a checkpoint."""
         return self.reduce_sum(self.interval.clone()).cpu().tolist()
 
-    def flush(self) -> dict:
-        """Totals since the last flush, from every process; one collective per logging step."""
-        examples, tokens, loss_sum, squared_lengths, count = self.reduce_sum(self.interval.clone()).cpu().tolist()
+    def flush(self, local: list[float] | None = None) -> dict:
+        """Totals since the last flush, from every process, in one collective. `local` (this process's own
+        numbers) comes back as `by_process`: every process's list, on every process."""
+        local = local or []
+        width, n = len(local), len(self.steps)
+        slots = torch.zeros(self.processes * width, dtype=torch.float64, device=self.interval.device)
+        slots[self.index * width : (self.index + 1) * width] = torch.tensor(local, dtype=torch.float64)
+        steps = torch.stack(self.steps).to(slots) if self.steps else torch.zeros(0, 3).to(slots)
+        norms = steps[:, 2] if self.index == 0 else torch.zeros_like(steps[:, 2])  # the same everywhere: once
+        total = self.reduce_sum(torch.cat([self.interval, steps[:, :2].flatten(), norms, slots])).cpu().tolist()
+        examples, tokens, loss_sum, squared_lengths, count = total[:5]
+        per_step, norms_read = total[5 : 5 + 2 * n], total[5 + 2 * n : 5 + 3 * n]
         self.interval.zero_()
+        self.steps.clear()
         now = time.perf_counter()
         seconds, self.last = max(now - self.last, 1e-9), now
         self.state.samples += int(examples)
@@ -184,6 +200,9 @@ class Meter:
             "tokens": tokens,
             "squared_lengths": squared_lengths,
             "seconds": seconds,
+            "step_losses": [s / c if c else math.nan for s, c in zip(per_step[::2], per_step[1::2], strict=True)],
+            "grad_norms": norms_read,
+            "by_process": [total[5 + 3 * n + r * width : 5 + 3 * n + (r + 1) * width] for r in range(self.processes)],
         }
 
     def elapsed(self) -> float:
@@ -279,6 +298,7 @@ class Trainer:
         self.is_main_process, self.num_processes = runtime.is_main, runtime.count
         self.replicas = self.data_parallel(cfg, self.num_processes)  # each takes its own share of a step's rows
         self.counts_batches = True  # whether this process's batches enter the logged sums (Meter)
+        self.checkpoint_owner = runtime.is_main  # writes a checkpoint's files shared by processes (Checkpointer)
         self.train_dl: DataLoader = train_dataloader(data, self.loader_rows(t.micro_batch), t.seed, cfg.data)
         eval_rows = self.loader_rows(t.per_device_eval_batch_size)
         self.eval_dls = {"validation": eval_dataloader(data.validation, data, eval_rows, cfg.data)}
@@ -291,6 +311,7 @@ class Trainer:
             model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
         self.optimizer = build_optimizer(model, cfg)
         self.flops = ModelFlops.from_model(model)  # before setup(): DDP/DeepSpeed wrappers hide the config
+        self.clock = StepClock(runtime.device)  # this process's step, data and forward time (cloudtrain.monitoring)
 
     # ------------------------------------------------------------ what subclasses provide
     mode = "plain PyTorch"
@@ -322,6 +343,9 @@ class Trainer:
     def move(self, batch: dict) -> dict:
         return batch
 
+    def store_per_node(self) -> None:
+        """Checkpoint folders are node-local: each node's first process must also write the shared files."""
+
     def loader_rows(self, per_process: int) -> int:
         """Rows a data loader yields per batch: one process's share (accelerate shards the loaders)."""
         return per_process
@@ -341,6 +365,10 @@ class Trainer:
     # ------------------------------------------------------------ the loop
     def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
         """Train for the configured steps, logging, evaluating and checkpointing on schedule."""
+        if checkpointer:
+            self.checkpoint_owner = checkpointer.owner
+            if checkpointer.storage.per_node:
+                self.store_per_node()  # before setup(): DeepSpeed reads its checkpoint settings there
         self.setup()
         self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
         self._peak_flops = peak_flops(self._device)
@@ -356,8 +384,11 @@ class Trainer:
         state = self.resume(resume_from) if resume_from else TrainerState()
         self._announce(steps_per_epoch, total_steps)
 
-        meter = Meter(self.runtime.reduce_sum, state, self._device)
+        meter = Meter(self.runtime, state, self._device)
         guard = NonfiniteGuard(self._device, state.global_step)
+        watch = self.cfg.monitoring.monitoring
+        places = self.runtime.gather_objects(f"node {self.runtime.node}, {self.runtime.host}") if watch else []
+        detector = AnomalyDetector(self.cfg.monitoring, places)
         bar = tqdm(
             total=total_steps,
             initial=state.global_step,
@@ -367,48 +398,86 @@ class Trainer:
         )
         if t.eval_on_start and state.global_step == 0:
             self._evaluate_during_training(state, bar)
-        with PreemptionSignal() as preemption, bar:
-            while state.global_step < total_steps:
-                epoch, steps_done = divmod(state.global_step, steps_per_epoch)
-                set_epoch(self.train_dl, epoch)  # this epoch's order: seed + epoch
-                batches = skip_first_batches(self.train_dl, steps_done * k) if steps_done else self.train_dl
-                for window in micro_batch_windows(batches, k):
-                    window = [self.move(batch) for batch in window]
-                    stats = self.backward_window(window, self._loss_scale(window))
-                    bad = self.runtime.any_process(~torch.isfinite(stats.loss_sum))  # stays on the device
-                    self.apply_step(bad)
-                    guard.add(bad)
-                    meter.add(window, stats, applied=~bad & self.counts_batches)
-                    self.scheduler.step()
-                    state.global_step += 1
-                    bar.update(1)
-                    step, done = state.global_step, state.global_step >= total_steps
-                    end_of_epoch = step % steps_per_epoch == 0
-                    log_due = done or step % t.logging_steps == 0
-                    eval_due = not done and (
-                        (t.eval_strategy == "steps" and step % t.eval_steps == 0)  # type: ignore[operator]  # config checks it is set
-                        or (t.eval_strategy == "epoch" and end_of_epoch)
-                    )
-                    save_due = bool(checkpointer and checkpointer.due(step, end_of_epoch))
-                    # Flags are read where the loop syncs anyway: before anything is logged, evaluated or saved.
-                    preempted = (log_due or eval_due or save_due) and self._read_flags(
-                        guard, preemption, state, checkpointer
-                    )
-                    if log_due:
-                        self._log_interval(step, step / steps_per_epoch, meter.flush(), stats, bar)
-                    if eval_due:
-                        self._evaluate_during_training(state, bar)
-                    if checkpointer and (save_due or preempted):
-                        saved = self.save_checkpoint(checkpointer, state, meter)
-                    if preempted:
-                        where = f"checkpoint saved to {saved}" if checkpointer else "no checkpoint (none configured)"
-                        raise TrainingStopped(
-                            f"stopped by SIGTERM at step {step}; {where}: continue with "
-                            "--resume_from_checkpoint latest",
-                            143,
+        self.phase = "the first step"
+        try:
+            with PreemptionSignal() as preemption, bar:
+                while state.global_step < total_steps:
+                    epoch, steps_done = divmod(state.global_step, steps_per_epoch)
+                    set_epoch(self.train_dl, epoch)  # this epoch's order: seed + epoch
+                    batches = skip_first_batches(self.train_dl, steps_done * k) if steps_done else self.train_dl
+                    self.clock.start_step()
+                    for window in micro_batch_windows(batches, k):
+                        window = [self.move(batch) for batch in window]
+                        self.clock.data_ready()
+                        self.phase = "the all-reduce of the step's token count"
+                        scale = self._loss_scale(window)
+                        self.phase = "forward and backward (the gradient all-reduce)"
+                        stats = self.backward_window(window, scale)
+                        self.phase = "the optimizer step"
+                        bad = self.runtime.any_process(~torch.isfinite(stats.loss_sum))  # stays on the device
+                        self.apply_step(bad)
+                        guard.add(bad)
+                        meter.add(window, stats, applied=~bad & self.counts_batches)
+                        self.scheduler.step()
+                        self.clock.end_step()
+                        state.global_step += 1
+                        bar.update(1)
+                        step, done = state.global_step, state.global_step >= total_steps
+                        end_of_epoch = step % steps_per_epoch == 0
+                        log_due = done or step % t.logging_steps == 0
+                        eval_due = not done and (
+                            (t.eval_strategy == "steps" and step % t.eval_steps == 0)  # type: ignore[operator]  # config checks it is set
+                            or (t.eval_strategy == "epoch" and end_of_epoch)
                         )
-                    if done:
-                        break
+                        save_due = bool(checkpointer and checkpointer.due(step, end_of_epoch))
+                        # Flags are read where the loop syncs anyway: before anything is logged, evaluated or saved.
+                        preempted = (log_due or eval_due or save_due) and self._read_flags(
+                            guard, preemption, state, checkpointer
+                        )
+                        anomalies: list[Anomaly] = []
+                        self.phase = "the logging step's all-reduce"
+                        if log_due:
+                            local = self.clock.read() + peak_memory(self._device) if watch else None
+                            interval = meter.flush(local)
+                            self._log_interval(step, step / steps_per_epoch, interval, stats, bar)
+                            if watch:
+                                anomalies = self._watch(detector, step, interval, bar)
+                        act = self.cfg.monitoring.on_anomaly if anomalies else "warn"  # the same on every process
+                        self.phase = "evaluation"
+                        if eval_due:
+                            self._evaluate_during_training(state, bar)
+                        self.phase = "saving a checkpoint"
+                        if checkpointer and (save_due or preempted or act != "warn"):
+                            saved = self.save_checkpoint(checkpointer, state, meter)
+                        if preempted or act == "stop":
+                            where = (
+                                f"checkpoint saved to {saved}" if checkpointer else "no checkpoint (none configured)"
+                            )
+                        if preempted:
+                            raise TrainingStopped(
+                                f"stopped by SIGTERM at step {step}; {where}: continue with "
+                                "--resume_from_checkpoint latest",
+                                143,
+                            )
+                        if act == "stop":
+                            raise TrainingStopped(
+                                f"stopped at step {step} on {anomalies[0].kind.replace('_', ' ')} (--on_anomaly stop); "
+                                f"{where}: look at the run, then continue with --resume_from_checkpoint latest",
+                                3,
+                            )
+                        if done:
+                            break
+                        self.clock.start_step()
+                        self.phase = "loading the data"
+        except RuntimeError as err:  # gloo raises where the process waits; NCCL's watchdog names the operation
+            if not (what := collective_failure(err, self.cfg.distributed.collective_timeout)):
+                raise
+            raise TrainingStopped(
+                f"process {self.runtime.index} (node {self.runtime.node}) {what}, in {self.phase} after step "
+                f"{state.global_step}; see the other processes' logs (the launcher names the one that "
+                f"failed). Backend: {str(err).splitlines()[0][:160]}",
+                1,
+            ) from None
         return TrainResult(
             global_step=state.global_step,
             epoch=state.global_step / steps_per_epoch,
@@ -467,7 +536,8 @@ class Trainer:
         return self.runtime.agree([preemption.received])[0]
 
     def save_checkpoint(self, checkpointer: Checkpointer, state: TrainerState, meter: Meter) -> Path:
-        snapshot = dataclasses.replace(state, interval=meter.pending(), runtime_s=state.runtime_s + meter.elapsed())
+        runtime_s = self.runtime.share(state.runtime_s + meter.elapsed())  # every node writes the same state
+        snapshot = dataclasses.replace(state, interval=meter.pending(), runtime_s=runtime_s)
         return checkpointer.save(state.global_step, self.write_checkpoint, self.name, self.num_processes, snapshot)
 
     def resume(self, folder: Path) -> TrainerState:
@@ -543,6 +613,7 @@ class Trainer:
         if self._peak_flops:
             flops = self.flops.training_flops(interval["tokens"], interval["squared_lengths"])
             values["train/mfu"] = flops / interval["seconds"] / self.num_processes / self._peak_flops
+        values.update(self._monitored(interval["by_process"]))
         self.run_log.log(values, step=step)
         if self.is_main_process:
             bar.write(
@@ -550,7 +621,45 @@ class Trainer:
                 f"lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s | "
                 f"{values['train/tokens_per_s']:.0f} tokens/s"
                 + (f" | MFU {values['train/mfu']:.1%}" if "train/mfu" in values else "")
+                + (
+                    f" | {values['train/step_time_s'] * 1000:.0f} ms/step, data {values['train/data_time_share']:.0%}"
+                    f" | peak {values['train/peak_memory_gib']:.2f} GiB"
+                    if "train/step_time_s" in values
+                    else ""
+                )
             )
+
+    def _monitored(self, by_process: list[list[float]]) -> dict:
+        """Step time, data share and peak memory from every process's [steps, step s, data s, forward s,
+        memory, reserved memory] (empty with --monitoring false)."""
+        if not by_process or not by_process[0] or not by_process[0][0]:
+            return {}
+        steps = sum(p[0] for p in by_process)
+        step_s, data_s = sum(p[1] for p in by_process), sum(p[2] for p in by_process)
+        values = {
+            "train/step_time_s": step_s / steps,
+            "train/data_time_share": data_s / max(step_s, 1e-9),
+            "train/peak_memory_gib": max(p[4] for p in by_process),
+        }
+        if self._device.type == "cuda":
+            values["train/peak_reserved_gib"] = max(p[5] for p in by_process)
+        return values
+
+    def _watch(self, detector: AnomalyDetector, step: int, interval: dict, bar: tqdm) -> list[Anomaly]:
+        """Judge the interval (every process alike); the main process reports what it found."""
+        first = step - len(interval["step_losses"]) + 1
+        steps = list(range(first, step + 1))
+        found = detector.check_steps(steps, interval["step_losses"], interval["grad_norms"])
+        by_process = interval["by_process"]
+        if by_process and by_process[0] and by_process[0][0]:
+            step_s = sum(p[1] for p in by_process) / len(by_process)
+            work = [(p[2] + p[3]) / max(p[0], 1) for p in by_process]  # data + forward: no waiting on others
+            found += detector.check_interval(step, interval["tokens"] / max(step_s, 1e-9), work)
+        for anomaly in found:
+            self.run_log.event(anomaly.kind, anomaly.message, anomaly.value, step=anomaly.step)
+            if self.is_main_process:
+                bar.write(f"warning: {anomaly.message}")
+        return found
 
     def parameter_counts(self) -> tuple[int, int]:
         """(all, trainable) parameters of the whole model."""

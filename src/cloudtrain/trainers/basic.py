@@ -47,7 +47,8 @@ class BasicTrainer(Trainer):
         count: Any = 0
         for batch in window:
             with self.autocast():
-                summed, n = self.task.loss(self.model, batch)
+                with self.clock.forward():
+                    summed, n = self.task.loss(self.model, batch)
             self.scaler.scale(summed * scale).backward()
             loss_sum, count = loss_sum + summed.detach(), count + n
         self.scaler.unscale_(self.optimizer)  # clip the true gradients, not the scaled ones

@@ -401,7 +401,7 @@ class PipelineTrainer(Trainer):
             {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(), "rng": rng_state()},
             training,
         )
-        if self.is_main_process:
+        if self.checkpoint_owner:
             (folder / LAYOUT).write_text(json.dumps(self._layout()))
 
     def load_checkpoint(self, folder: Path) -> None:
