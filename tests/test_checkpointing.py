@@ -15,9 +15,17 @@ import torch
 from conftest import ENTRY, REPO
 from safetensors.torch import load_file
 
-from cloudtrain.checkpointing import STATE_FILE, Checkpointer, complete_checkpoints
+from cloudtrain.checkpointing import (
+    STATE_FILE,
+    Checkpointer,
+    Storage,
+    choose_resume,
+    complete_checkpoints,
+    storage_from,
+)
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
 
 FAST = [
     "--per_device_train_batch_size",
@@ -47,17 +55,6 @@ def args_for(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:
         *FAST,
         *extra,
     ]
-
-
-def launcher(processes: int) -> list[str]:
-    if processes == 1:
-        return [sys.executable]
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", port]
 
 
 def env() -> dict:
@@ -100,30 +97,27 @@ def train_losses(out: Path) -> dict[int, float]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("processes", [1, 2])
-def test_killed_mid_epoch_then_resumed_equals_never_stopped(processes, tiny_model_dir, topic_csvs, tmp_path):
-    steps = ["--max_steps", "60", "--checkpointing_steps", "7"]  # 15 steps per epoch (8 with 2 processes)
+def test_killed_mid_epoch_then_resumed_equals_never_stopped(tiny_model_dir, topic_csvs, tmp_path):
+    """One process; two, as two nodes with their own disks, in test_fault_tolerance.py."""
+    steps = ["--max_steps", "60", "--checkpointing_steps", "7"]  # 15 steps per epoch
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    run(launcher(processes) + args_for(tiny_model_dir, topic_csvs, straight, *steps))
+    run([sys.executable] + args_for(tiny_model_dir, topic_csvs, straight, *steps))
 
-    proc = start(launcher(processes) + args_for(tiny_model_dir, topic_csvs, resumed, *steps))
+    proc = start([sys.executable] + args_for(tiny_model_dir, topic_csvs, resumed, *steps))
     wait_for(lambda: (resumed / "checkpoints" / "checkpoint-14").is_dir(), proc)
     kill_all(proc)  # no chance to clean up, as on a node failure
     assert not (resumed / "model.safetensors").exists()
     killed_at = complete_checkpoints(resumed / "checkpoints")[-1][0]
-    assert killed_at < 60 and killed_at % (15 if processes == 1 else 8) != 0  # mid-epoch
+    assert killed_at < 60 and killed_at % 15 != 0  # mid-epoch
 
     result = run(
-        launcher(processes)
-        + args_for(tiny_model_dir, topic_csvs, resumed, *steps, "--resume_from_checkpoint", "latest")
+        [sys.executable] + args_for(tiny_model_dir, topic_csvs, resumed, *steps, "--resume_from_checkpoint", "latest")
     )
     assert f"checkpoint-{killed_at} at step {killed_at} (loaded in" in result.stdout, result.stdout
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert all(torch.equal(a[name], b[name]) for name in a), "final weights differ"
     after = {s: v for s, v in train_losses(straight).items() if s > killed_at}
-    assert after and {s: v for s, v in train_losses(resumed).items() if s > killed_at} == (
-        after if processes == 1 else pytest.approx(after, rel=1e-12)
-    )
+    assert after and {s: v for s, v in train_losses(resumed).items() if s > killed_at} == after
 
 
 @pytest.mark.slow
@@ -318,3 +312,41 @@ def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_
         == 0
     )
     assert "no complete checkpoint in" in capsys.readouterr().out
+
+
+def views(*steps_by_node: list[int], named: bool = True) -> list[dict]:
+    """One process per node, each seeing its own folder's complete steps."""
+    return [{"node": n, "host": f"host{n}", "steps": s, "named": named} for n, s in enumerate(steps_by_node)]
+
+
+def test_latest_is_the_newest_step_every_node_holds(tmp_path, capsys):
+    for step in (7, 14):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / STATE_FILE).write_text(json.dumps({"format": "cloudtrain-checkpoint/1", "state": {}}))
+    cfg = build_config({"resume_from_checkpoint": "latest"})
+    assert choose_resume(cfg, tmp_path, views([7, 14], [7, 14])) == tmp_path / "checkpoint-14"
+    assert choose_resume(cfg, tmp_path, views([7, 14, 21], [7, 14])) == tmp_path / "checkpoint-14"
+    assert "checkpoint-21 is not complete on node 1 (host1): resuming from checkpoint-14" in capsys.readouterr().out
+    assert choose_resume(cfg, tmp_path, views([], [])) is None
+    with pytest.raises(UserError, match=r"node 1 \(host1\) holds no complete checkpoint .* up to checkpoint-14"):
+        choose_resume(cfg, tmp_path, views([7, 14], []))
+
+
+def test_a_named_checkpoint_missing_on_one_node_is_an_error_naming_it(tmp_path):
+    cfg = build_config({"resume_from_checkpoint": str(tmp_path)})
+    found = views([7], [7])
+    found[1]["named"] = False
+    with pytest.raises(UserError, match=r"does not exist on node 1 \(host1\); give a checkpoint directory every node"):
+        choose_resume(cfg, tmp_path, found)
+
+
+def test_storage_is_one_shared_folder_or_one_per_node_and_nothing_else():
+    shared = [{"node": r // 2, "host": "", "seen": [0, 1, 2, 3]} for r in range(4)]
+    assert [storage_from(shared, r) for r in range(4)] == [Storage(owner=True)] + [Storage(owner=False)] * 3
+    local = [{"node": r // 2, "host": "", "seen": [0, 1] if r < 2 else [2, 3]} for r in range(4)]
+    assert [s.owner for s in (storage_from(local, r) for r in range(4))] == [True, False, True, False]
+    assert all(storage_from(local, r).per_node for r in range(4))
+    mixed = [{"node": r // 2, "host": "", "seen": [0, 1, 2] if r != 3 else [3]} for r in range(4)]
+    with pytest.raises(UserError, match="neither one folder shared by every node nor one per node"):
+        storage_from(mixed, 0)

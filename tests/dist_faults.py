@@ -1,0 +1,67 @@
+"""Faults injected into the real application, for the monitoring and fault-tolerance tests.
+
+    python -m torch.distributed.run ... tests/dist_faults.py FAULTS_JSON <training options>
+
+or `install(faults)` in the test process. FAULTS_JSON keys (steps count from 1, ranks from RANK):
+    hang          {"rank": r, "step": n}: rank r stops answering at step n (sleeps in its forward pass)
+    slow_forward  {"rank": r, "seconds": s}: rank r's every forward pass takes s longer (a straggler)
+    loss_scale    {"step": n, "factor": f}: step n's loss (and so its gradients) times f
+    slow_data     {"from_step": n, "seconds": s}: from step n on, each batch arrives s later
+"""
+
+import json
+import os
+import sys
+import time
+
+from cloudtrain.cli import main
+from cloudtrain.trainers.base import Trainer
+
+
+def install(faults: dict, setattr=setattr) -> None:
+    """Patch the classes (with `setattr`: a test passes monkeypatch.setattr, so that it is undone)."""
+    rank = int(os.environ.get("RANK", "0"))
+    step = [0]  # the optimizer step being computed (the loss scale is computed once per step, in fit only)
+    real_scale, real_move = Trainer._loss_scale, Trainer.move
+
+    def loss_scale(self, window):
+        step[0] += 1
+        return real_scale(self, window)
+
+    def move(self, batch):
+        slow = faults.get("slow_data")
+        if slow and step[0] + 1 >= slow["from_step"]:  # fetched for the coming step
+            time.sleep(slow["seconds"])
+        return real_move(self, batch)
+
+    setattr(Trainer, "_loss_scale", loss_scale)
+    setattr(Trainer, "move", move)
+    for task in _task_classes():
+        setattr(task, "loss", _faulty_loss(task.loss, faults, rank, step))
+
+
+def _task_classes() -> list[type]:
+    from cloudtrain.tasks.causal_lm import CausalLMTask
+    from cloudtrain.tasks.classification import ClassificationTask
+
+    return [ClassificationTask, CausalLMTask]
+
+
+def _faulty_loss(real, faults: dict, rank: int, step: list[int]):
+    def loss(self, model, batch):
+        hang, slow, scale = faults.get("hang"), faults.get("slow_forward"), faults.get("loss_scale")
+        if hang and rank == hang["rank"] and step[0] == hang["step"]:
+            time.sleep(600)
+        if slow and rank == slow["rank"]:
+            time.sleep(slow["seconds"])
+        summed, count = real(self, model, batch)
+        if scale and step[0] == scale["step"]:
+            summed = summed * scale["factor"]
+        return summed, count
+
+    return loss
+
+
+if __name__ == "__main__":
+    install(json.loads(sys.argv[1]))
+    sys.exit(main(sys.argv[2:]))

@@ -1,0 +1,297 @@
+"""Long runs on many machines, for real: two nodes with their own disks killed and restarted, torchrun
+restarting a lost worker, a hung peer ending at --collective_timeout, and anomalies injected into real runs
+(tests/dist_faults.py) warned about, logged and acted on.
+
+Two nodes are simulated on 127.0.0.1: one `torchrun --nnodes 2 --node_rank R` launcher per node, each in
+its own working directory with its own output, checkpoint and cache folders."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+from conftest import ENTRY, REPO
+from safetensors.torch import load_file
+from test_checkpointing import FAST, kill_all, wait_for
+
+from cloudtrain.checkpointing import complete_checkpoints
+from cloudtrain.cli import main
+
+FAULTS = REPO / "tests" / "dist_faults.py"
+STEPS = ["--max_steps", "40", "--checkpointing_steps", "7"]  # 8 steps per epoch with 2 processes
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def node_env(node_dir: Path) -> dict:
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}",
+        "OMP_NUM_THREADS": "1",
+        "CLOUDTRAIN_CACHE": str(node_dir / "cache"),  # each node tokenizes into its own cache
+    }
+
+
+def options(tiny_model_dir, topic_csvs, *extra: str) -> list[str]:
+    return [
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--output_dir",
+        "out",  # relative: each node's own folder
+        *FAST,
+        *STEPS,
+        *extra,
+    ]
+
+
+def start_two_nodes(run_dir: Path, args: list[str]) -> list[subprocess.Popen]:
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        cwd = run_dir / f"node{node}"
+        cwd.mkdir(parents=True, exist_ok=True)
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
+        launcher += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
+        procs.append(
+            subprocess.Popen(
+                [*launcher, str(ENTRY), *args],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=node_env(cwd),
+                cwd=cwd,
+                start_new_session=True,
+            )
+        )
+    return procs
+
+
+def finish(procs: list[subprocess.Popen]) -> list[str]:
+    outputs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=600)
+        if proc.returncode:
+            print(out[-3000:], err[-8000:], file=sys.stderr)
+        assert proc.returncode == 0
+        outputs.append(out)
+    return outputs
+
+
+def checkpoints(run_dir: Path, node: int) -> list[int]:
+    return [step for step, _ in complete_checkpoints(run_dir / f"node{node}" / "out" / "checkpoints")]
+
+
+def assert_same_weights(a: Path, b: Path) -> None:
+    x, y = load_file(a), load_file(b)
+    assert x.keys() == y.keys() and all(torch.equal(x[name], y[name]) for name in x), "final weights differ"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [None, 2])
+def test_two_nodes_with_their_own_disks_killed_and_restarted_equal_a_run_never_stopped(
+    zero, tiny_model_dir, topic_csvs, tmp_path
+):
+    args = options(tiny_model_dir, topic_csvs, *(["--zero_stage", str(zero)] if zero else []))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    finish(start_two_nodes(straight, args))
+    assert checkpoints(straight, 0) == checkpoints(straight, 1) == [7, 14, 21, 28, 35]
+
+    procs = start_two_nodes(resumed, args)
+    for node in (0, 1):  # two checkpoints complete on each node's own disk
+        wait_for(lambda node=node: 14 in checkpoints(resumed, node), procs[node])
+    for proc in procs:
+        kill_all(proc)
+    node1 = resumed / "node1" / "out" / "checkpoints" / "checkpoint-14"
+    if zero:  # node 1 keeps its own optimizer shard, and the model states DeepSpeed needs to load it
+        assert (node1 / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+        assert (node1 / "pytorch_model" / "mp_rank_00_model_states.pt").is_file()
+    else:
+        assert {"model.safetensors", "optimizer.bin", "scheduler.pt", "random_states_1.pkl"} <= {
+            f.name for f in node1.iterdir()
+        }
+    killed_at = min(checkpoints(resumed, 0)[-1], checkpoints(resumed, 1)[-1])
+
+    out0, _ = finish(start_two_nodes(resumed, [*args, "--resume_from_checkpoint", "latest"]))
+    assert f"at step {killed_at} (loaded in" in out0, out0
+    assert_same_weights(
+        straight / "node0" / "out" / "model.safetensors", resumed / "node0" / "out" / "model.safetensors"
+    )
+    assert checkpoints(resumed, 0) == checkpoints(resumed, 1) == [7, 14, 21, 28, 35]
+
+
+def torchrun(*extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        free_port(),
+        *extra,
+    ]
+
+
+def start(cmd: list[str], cwd: Path) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=node_env(cwd),
+        cwd=cwd,
+        start_new_session=True,
+    )
+
+
+def worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if child.environ().get("RANK") == str(rank) and "training_application" in " ".join(child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no worker with rank {rank}")
+
+
+@pytest.mark.slow
+def test_torchrun_restarts_a_killed_worker_and_the_run_ends_as_if_never_stopped(tiny_model_dir, topic_csvs, tmp_path):
+    args = [str(ENTRY), *options(tiny_model_dir, topic_csvs)]
+    finish([start([*torchrun(), *args], tmp_path / "straight")])
+
+    # restarts need the c10d rendezvous: with a static one (--master_port) the new workers find the dead ones' addresses
+    elastic = ["--max-restarts", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+    proc = start([*torchrun(*elastic), *args], tmp_path / "restarted")
+    folder = tmp_path / "restarted" / "out" / "checkpoints"
+    wait_for(lambda: 14 in [step for step, _ in complete_checkpoints(folder)], proc)
+    worker(proc, 1).kill()  # a lost process, no chance to clean up
+    (out,) = finish([proc])
+    assert "restart 1 of this launch: resuming from the latest complete checkpoint" in out, out
+    assert "(loaded in" in out
+    assert_same_weights(
+        tmp_path / "straight" / "out" / "model.safetensors", tmp_path / "restarted" / "out" / "model.safetensors"
+    )
+
+
+@pytest.mark.slow
+def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_named(
+    tiny_model_dir, topic_csvs, tmp_path
+):
+    faults = json.dumps({"hang": {"rank": 1, "step": 3}})
+    cmd = [*torchrun(), str(FAULTS), faults, *options(tiny_model_dir, topic_csvs, "--collective_timeout", "5")]
+    proc = start(cmd, tmp_path)
+    began = time.monotonic()
+    lines: list[str] = []
+
+    def said() -> bool:  # rank 0's error line; rank 1 sleeps on until the launcher kills it
+        lines.append(proc.stderr.readline())
+        return any("waited longer than --collective_timeout 5s" in line for line in lines)
+
+    try:
+        wait_for(said, proc, timeout=180)
+    finally:
+        kill_all(proc)
+    line = next(line for line in lines if "collective_timeout" in line)
+    assert line.startswith("error: process 0 (node 0) waited longer than --collective_timeout 5s"), line
+    assert "in forward and backward (the gradient all-reduce) after step 2" in line, line
+    assert time.monotonic() - began < 120
+
+
+def in_process(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:
+    return [
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--train_file",
+        str(topic_csvs["train"]),
+        "--validation_file",
+        str(topic_csvs["validation"]),
+        "--output_dir",
+        str(out),
+        *FAST,
+        "--max_steps",
+        "40",
+        *extra,
+    ]
+
+
+def events(out: Path) -> list[dict]:
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in records if "event" in r]
+
+
+def test_a_clean_run_logs_step_time_data_share_and_memory_and_warns_of_nothing(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    assert main(in_process(tiny_model_dir, topic_csvs, out)) == 0
+    printed = capsys.readouterr()
+    assert "warning:" not in printed.out + printed.err and not events(out)
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in logged if "train/step_time_s" in r]
+    assert len(steps) == 8  # every logging step
+    assert all(r["train/step_time_s"] > 0 and 0 <= r["train/data_time_share"] < 1 for r in steps)
+    assert all(r["train/peak_memory_gib"] > 0.1 for r in steps)  # this process's peak RSS: torch alone is more
+    assert "ms/step, data" in printed.out
+
+
+@pytest.mark.parametrize("action", ["checkpoint", "stop"])
+def test_a_loss_spike_is_warned_logged_and_acted_on(action, tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch):
+    from dist_faults import install
+
+    install({"loss_scale": {"step": 25, "factor": 1000.0}}, monkeypatch.setattr)
+    out = tmp_path / "out"
+    code = main(in_process(tiny_model_dir, topic_csvs, out, "--on_anomaly", action, "--max_grad_norm", "1.0"))
+    printed = capsys.readouterr()
+    warnings = [line for line in printed.out.splitlines() if line.startswith("warning:")]
+    assert warnings[0].startswith("warning: loss spike at step 25: ") and "standard deviations above" in warnings[0]
+    assert warnings[1].startswith("warning: gradient norm spike at step 25: "), warnings
+    assert len(warnings) == 2  # nothing before the spike, nothing after it
+    assert [(e["event"], e["step"]) for e in events(out)] == [("loss_spike", 25), ("grad_norm_spike", 25)]
+    assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [25]  # saved at once
+    if action == "stop":
+        assert code == 3 and "stopped at step 25 on loss spike (--on_anomaly stop)" in printed.err
+    else:
+        assert code == 0 and "trained 40 steps" in printed.out
+
+
+def test_a_slowed_data_loader_shows_in_the_data_share_and_as_a_throughput_drop(
+    tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch
+):
+    from dist_faults import install
+
+    install({"slow_data": {"from_step": 21, "seconds": 0.1}}, monkeypatch.setattr)
+    out = tmp_path / "out"
+    assert main(in_process(tiny_model_dir, topic_csvs, out)) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    # the second slow interval (steps 26-30) warns; a machine busy with other tests may slow an earlier one too
+    assert "warning: throughput dropped at step 30: " in "\n".join(warnings), warnings
+    assert ("throughput_drop", 30) in [(e["event"], e["step"]) for e in events(out)]
+    logged = {
+        r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
+    }
+    assert logged[20]["train/data_time_share"] < 0.5 < logged[40]["train/data_time_share"]
+
+
+@pytest.mark.slow
+def test_a_slow_process_is_named_as_a_straggler(tiny_model_dir, topic_csvs, tmp_path):
+    faults = json.dumps({"slow_forward": {"rank": 1, "seconds": 0.05}})
+    cmd = [*torchrun(), str(FAULTS), faults, *in_process(tiny_model_dir, topic_csvs, tmp_path / "out")]
+    (out,) = finish([start(cmd, tmp_path)])
+    stragglers = [line for line in out.splitlines() if line.startswith("warning: straggler")]
+    assert stragglers and all("process 1 (node 0, " in line for line in stragglers), out
+    assert {e["event"] for e in events(tmp_path / "out")} >= {"straggler"}
