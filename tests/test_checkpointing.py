@@ -16,11 +16,13 @@ from conftest import ENTRY, REPO
 from safetensors.torch import load_file
 
 from cloudtrain.checkpointing import (
+    MARKS,
     STATE_FILE,
     Checkpointer,
     Storage,
     choose_resume,
     complete_checkpoints,
+    local_view,
     storage_from,
 )
 from cloudtrain.cli import main
@@ -213,8 +215,19 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
     checkpointer = Checkpointer(
         build_config({"save_total_limit": limit, "checkpointing_steps": "1"}), tmp_path, tmp_path, True, lambda: None
     )
-    checkpointer.rotate()
+    checkpointer.delete(checkpointer.doomed(saved=len(scores)))
     assert [step for step, _ in complete_checkpoints(tmp_path)] == kept
+
+
+def test_rotation_keeps_the_step_just_saved_though_an_abandoned_later_one_exists(tmp_path):
+    """Resumed from step 2 (steps 3 and 4 were complete on one node only), the run saves step 2 again."""
+    for step, score in enumerate([0.5, 0.9, 0.7, 0.6], start=1):
+        fake_checkpoint(tmp_path, step, score)
+    checkpointer = Checkpointer(
+        build_config({"save_total_limit": 1, "checkpointing_steps": "1"}), tmp_path, tmp_path, True, lambda: None
+    )
+    checkpointer.delete(checkpointer.doomed(saved=2))
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [2]  # the saved one, also the best
 
 
 @pytest.mark.slow
@@ -331,6 +344,19 @@ def test_latest_is_the_newest_step_every_node_holds(tmp_path, capsys):
     assert choose_resume(cfg, tmp_path, views([], [])) is None
     with pytest.raises(UserError, match=r"node 1 \(host1\) holds no complete checkpoint .* up to checkpoint-14"):
         choose_resume(cfg, tmp_path, views([7, 14], []))
+
+
+def test_a_step_counts_for_a_process_only_once_its_own_files_are_written(tmp_path):
+    for step in (7, 14):
+        (tmp_path / f"checkpoint-{step}" / MARKS).mkdir(parents=True)
+        (tmp_path / f"checkpoint-{step}" / STATE_FILE).write_text("{}")
+        (tmp_path / f"checkpoint-{step}" / MARKS / "0").touch()
+    (tmp_path / "checkpoint-14" / MARKS / "1").touch()
+    (tmp_path / "checkpoint-3").mkdir()  # written before the marks existed: whole
+    (tmp_path / "checkpoint-3" / STATE_FILE).write_text("{}")
+    cfg = build_config({"resume_from_checkpoint": "latest"})
+    assert local_view(cfg, tmp_path, index=0)["steps"] == [3, 7, 14]
+    assert local_view(cfg, tmp_path, index=1)["steps"] == [3, 14]  # process 1's part of step 7 never arrived
 
 
 def test_a_named_checkpoint_missing_on_one_node_is_an_error_naming_it(tmp_path):

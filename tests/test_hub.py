@@ -36,6 +36,7 @@ MODEL_FILES = {
     "train_results.json",
     "eval_results.json",
     "test_results.json",
+    "compute_results.json",  # device-hours (and a SageMaker job's cost estimate), also in the card
 }
 
 

@@ -83,6 +83,7 @@ def test_an_adapter_push_uploads_the_adapter_its_labels_and_the_merged_model_but
             "train_results.json",
             "eval_results.json",
             "test_results.json",
+            "compute_results.json",
         }
         | ({"training_curves.png"} if (out / "training_curves.png").exists() else set())
     )

@@ -40,6 +40,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 
 STATE_FILE = "trainer_state.json"
+MARKS = "written-by"  # <checkpoint>/written-by/<process index>: that process's files are complete
 RUN_FILES = ("metrics.jsonl", "tracker_runs.json")  # the run's log and tracker ids travel with each checkpoint
 FORMAT = "cloudtrain-checkpoint/1"
 PREFIX = "checkpoint-"
@@ -75,27 +76,55 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
-def restarted_defaults(cfg: Config) -> Config:
-    """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint unless told otherwise."""
+def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
+    """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint: with no
+    --resume_from_checkpoint, and with a named one once this run has saved its own (a restart must not go
+    back to where the launch began)."""
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if restarts == 0 or cfg.checkpoint.resume_from_checkpoint is not None:
+    wanted = cfg.checkpoint.resume_from_checkpoint
+    if restarts == 0 or wanted == "latest":
         return cfg
-    if int(os.environ.get("RANK", "0")) == 0:
+    if wanted is not None and not runtime.agree([bool(complete_checkpoints(folder))])[0]:
+        return cfg
+    if runtime.is_main:
         print(f"restart {restarts} of this launch: resuming from the latest complete checkpoint", flush=True)
     return replace(cfg, checkpoint=replace(cfg.checkpoint, resume_from_checkpoint="latest"))
 
 
-def local_view(cfg: Config, folder: Path, node: int = 0, host: str = "") -> dict:
-    """What this process sees of the checkpoints: complete steps in `folder`, and whether a named one is there."""
+def local_view(cfg: Config, folder: Path, index: int = 0, node: int = 0, host: str = "") -> dict:
+    """What process `index` sees of the checkpoints: the steps in `folder` complete with its own files, and
+    whether a named checkpoint is there."""
     wanted = cfg.checkpoint.resume_from_checkpoint
     named = wanted not in (None, "latest") and Path(wanted).is_dir()
-    return {"node": node, "host": host, "steps": [step for step, _ in complete_checkpoints(folder)], "named": named}
+    steps = [step for step, path in complete_checkpoints(folder) if holds_files_of(path, index)]
+    return {"node": node, "host": host, "steps": steps, "named": named}
+
+
+def holds_files_of(path: Path, index: int) -> bool:
+    """Whether process `index` finished writing its part of checkpoint `path` (checkpoints written before
+    these marks existed count as whole)."""
+    marks = Path(path) / MARKS
+    return not marks.is_dir() or (marks / str(index)).exists()
 
 
 def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
-    """The checkpoint every process resumes from (or None), agreed across processes before anything loads."""
-    views = runtime.gather_objects(local_view(cfg, folder, runtime.node, runtime.host))
-    return choose_resume(cfg, folder, views, announce=runtime.is_main)
+    """The checkpoint every process resumes from (or None), agreed across processes before anything loads;
+    a problem on any process is the same error on all (the main process prints it)."""
+    try:
+        views = runtime.gather_objects(local_view(cfg, folder, runtime.index, runtime.node, runtime.host))
+        path = choose_resume(cfg, folder, views, announce=runtime.is_main)  # from the same views everywhere
+    except UserError as err:
+        raise UserError(str(err), quiet=not runtime.is_main) from None
+    problem = None
+    if path:
+        try:
+            check_resumable(cfg, path)
+        except UserError as err:
+            problem = str(err) + (f" (on node {runtime.node})" if runtime.count > 1 else "")
+    problems = [p for p in runtime.gather_objects(problem) if p]
+    if problems:
+        raise UserError(problems[0], quiet=not runtime.is_main)
+    return path
 
 
 def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool = True) -> Path | None:
@@ -137,13 +166,17 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
                 flush=True,
             )
         path = Path(folder) / f"{PREFIX}{step}"
+    return path
+
+
+def check_resumable(cfg: Config, path: Path) -> None:
+    """A readable cloudtrain checkpoint of the adapters this run trains (checked before loading anything)."""
     saved = read_state(path).get("adapters")
-    if saved != adapter_settings(cfg):  # checked now, not after loading: other adapters cannot take these weights
+    if saved != adapter_settings(cfg):  # other adapters cannot take these weights
         raise UserError(
             f"checkpoint {path} trained {_describe(saved)}, this run asks for "
             f"{_describe(adapter_settings(cfg))}; resume with the same --peft and --lora_* options"
         )
-    return path
 
 
 def _node(view: dict) -> str:
@@ -178,7 +211,10 @@ def probe_storage(folder: Path, runtime: Any) -> Storage:
         if not any(views[rank]["existed"] for rank in seen):
             with contextlib.suppress(OSError):  # a run that saves no checkpoint leaves no empty folder
                 Path(folder).rmdir()
-    return storage_from(views, runtime.index)
+    try:
+        return storage_from(views, runtime.index)
+    except UserError as err:  # the same on every process: printed once
+        raise UserError(str(err), quiet=not runtime.is_main) from None
 
 
 def storage_from(views: list[dict], index: int) -> Storage:
@@ -266,6 +302,7 @@ class Checkpointer:
         before_delete: Callable[[], None] | None = None,
         storage: Storage | None = None,
         share: Callable[[Any], Any] = lambda value: value,
+        index: int = 0,
     ):
         """`export(folder)` (every process) adds files to a checkpoint being written; `on_saved(step,
         path)` (main) sees each complete one; `before_delete()` (main) runs before rotation deletes;
@@ -278,7 +315,7 @@ class Checkpointer:
         )
         self.export, self.on_saved, self.before_delete = export, on_saved, before_delete
         self.storage = storage or Storage(owner=is_main_process)
-        self.owner, self.share = self.storage.owner, share
+        self.owner, self.share, self.index = self.storage.owner, share, index
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
         self.at_epoch_end = c.checkpointing_steps == "epoch"
@@ -304,11 +341,12 @@ class Checkpointer:
         start = time.perf_counter()
         if self.owner:
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
-            partial.mkdir(parents=True)
+            (partial / MARKS).mkdir(parents=True)
         self.barrier()
         write(partial)  # every process writes its part
         if self.export:
             self.export(partial)
+        (partial / MARKS / str(self.index)).touch()
         self.barrier()
         if self.owner:
             self._finalise(partial, final, trainer, num_processes, state)
@@ -320,7 +358,7 @@ class Checkpointer:
             )
             if self.on_saved:
                 self.on_saved(step, final)
-        doomed = self.share(self.doomed() if self.is_main else None)
+        doomed = self.share(self.doomed(step) if self.is_main else None)
         if self.owner:
             self.delete(doomed)
         self.barrier()
@@ -354,12 +392,8 @@ class Checkpointer:
         value = state.evaluations[-1][self.metric]
         return -value if self.metric in LOWER_IS_BETTER else value
 
-    def rotate(self) -> list[Path]:
-        """Delete the oldest checkpoints beyond the limit, never the newest or the best; returns the deleted."""
-        return self.delete(self.doomed())
-
-    def doomed(self) -> list[int]:
-        """The steps that rotation deletes now, judged from this process's folder."""
+    def doomed(self, saved: int) -> list[int]:
+        """The oldest steps beyond the limit, never the one just `saved` or the best; judged from this folder."""
         found = complete_checkpoints(self.folder)
         if not self.limit or len(found) <= self.limit:
             return []
@@ -367,7 +401,7 @@ class Checkpointer:
         scored = [
             (score, step, path) for step, path in found if (score := scores[path]) is not None and not math.isnan(score)
         ]
-        keep = {found[-1][1]} | ({max(scored)[2]} if scored else set())
+        keep = {self.folder / f"{PREFIX}{saved}"} | ({max(scored)[2]} if scored else set())
         doomed: list[int] = []
         for step, path in found:
             if len(found) - len(doomed) <= max(self.limit, len(keep)):

@@ -73,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {err}", file=sys.stderr)
         return 2
     except TrainingStopped as err:
-        print(f"{'stopped' if err.exit_code == 143 else 'error'}: {err}", file=sys.stderr)
+        if not err.quiet:
+            print(f"{'stopped' if err.exit_code == 143 else 'error'}: {err}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

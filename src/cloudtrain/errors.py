@@ -25,6 +25,7 @@ def first_line(err: BaseException) -> str:
 class TrainingStopped(Exception):
     """Training ended early on purpose (preemption, a non-finite loss); the message says what comes next."""
 
-    def __init__(self, message: str, exit_code: int):
+    def __init__(self, message: str, exit_code: int, quiet: bool = False):
+        """`quiet`: another process of the launch prints the same message."""
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code, self.quiet = exit_code, quiet

@@ -12,8 +12,9 @@ metrics.jsonl, and a W&B alert when W&B is online:
     grad_norm_spike   the same for the gradient norm (--grad_norm_spike_threshold; needs clipping on)
     throughput_drop   tokens per second of step time below half the running median of earlier intervals,
                       two logging intervals in a row
-    straggler         with several processes: one process's own work (data loading and forward passes, no
-                      waiting on others) above STRAGGLER_RATIO times the median of all processes
+    straggler         with several processes: one process's own work (data loading and forward passes)
+                      above STRAGGLER_RATIO times the median of all processes; once when it begins.
+                      Under ZeRO-3 a forward pass gathers parameters, so it waits on the others too.
 
 Every process sees the same numbers (they arrive through the logging step's one all-reduce) and runs the
 same detector, so all agree on what to do with `--on_anomaly warn|checkpoint|stop` without another
@@ -115,13 +116,15 @@ class RunningStats:
         self.values: deque[float] = deque(maxlen=WINDOW)
 
     def spike(self, value: float, threshold: float) -> tuple[float, float] | None:
-        """(mean, std) if `value` is above mean + threshold * std; spikes stay out of the statistics."""
+        """(mean, std) if `value` is above mean + threshold * std."""
         if not math.isfinite(value):
             return None
         if threshold > 0 and len(self.values) >= WARMUP_STEPS:
             mean, std = statistics.fmean(self.values), statistics.pstdev(self.values)
             std = max(std, 1e-3 * abs(mean))  # a flat curve: a tiny wobble is no spike
             if value > mean + threshold * std:
+                # enters clipped: one spike barely moves the statistics, a lasting new level becomes normal
+                self.values.append(mean + threshold * std)
                 return mean, std
         self.values.append(value)
         return None
@@ -136,6 +139,7 @@ class AnomalyDetector:
         self.loss, self.grad_norm = RunningStats(), RunningStats()
         self.throughputs: deque[float] = deque(maxlen=WINDOW)
         self.slow = 0  # logging intervals in a row under half the median throughput
+        self.straggler: int | None = None  # the process reported as a straggler, while it stays one
 
     def check_steps(self, steps: list[int], losses: list[float], grad_norms: list[float]) -> list[Anomaly]:
         found = []
@@ -185,7 +189,9 @@ class AnomalyDetector:
             typical = statistics.median(work_per_step)
             slowest = max(range(len(work_per_step)), key=work_per_step.__getitem__)
             worst = work_per_step[slowest]
-            if worst > STRAGGLER_RATIO * typical and worst - typical > STRAGGLER_MIN_S:
+            lagging = worst > STRAGGLER_RATIO * typical and worst - typical > STRAGGLER_MIN_S
+            reported, self.straggler = self.straggler, slowest if lagging else None
+            if lagging and slowest != reported:  # once when it begins, not at every interval it lasts
                 found.append(
                     Anomaly(
                         "straggler",

@@ -32,7 +32,7 @@ from cloudtrain.checkpointing import (
 )
 from cloudtrain.config import Config, save_arguments
 from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
-from cloudtrain.data_processing import ProcessedData
+from cloudtrain.data_processing import ProcessedData, default_cache_dir
 from cloudtrain.distributed import check_distributed, launched_processes
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
@@ -97,12 +97,13 @@ def preflight(cfg: Config, task: Task) -> Path:
     return output_dir
 
 
-def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None) -> None:
-    """A model already in --output_dir is replaced only when asked, or by the run that is resumed there."""
-    if holds_model(output_dir) and not cfg.output.overwrite_output_dir and resume_from is None:
+def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None, runtime: Runtime) -> None:
+    """A model already in --output_dir (on any node) is replaced only when asked, or by the run resumed there."""
+    if runtime.agree([holds_model(output_dir)])[0] and not cfg.output.overwrite_output_dir and resume_from is None:
         raise UserError(
             f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir true "
-            "to replace it, or choose another --output_dir"
+            "to replace it, or choose another --output_dir",
+            quiet=not runtime.is_main,
         )
 
 
@@ -125,15 +126,16 @@ class Run:
 def build_run(cfg: Config) -> Run:
     """Check the options, set up the launch, and build data, model, trainer and run log."""
     task = build_task(cfg)
-    cfg = resolve(restarted_defaults(cfg), task)
+    cfg = resolve(cfg, task)
     replicas = TRAINERS[cfg.training.training_type].data_parallel(cfg, launched_processes())
     cfg = batch_size.fixed(cfg, replicas)  # --global_batch_size: the accumulation (DeepSpeed checks it)
     output_dir = preflight(cfg, task)
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg)  # before the model is loaded: ZeRO-3 partitions it while loading
+    cfg = restarted_defaults(cfg, checkpoint_dir(cfg, output_dir), runtime)
     resume_from = agree_on_resume(cfg, checkpoint_dir(cfg, output_dir), runtime)  # on every node, before loading
-    check_output_dir(cfg, output_dir, resume_from)
+    check_output_dir(cfg, output_dir, resume_from, runtime)
     resumed = read_state(resume_from) if resume_from else None
     if cfg.hub.push_to_hub:  # a bad token fails now, not after hours of training
         hub.check_access_from_main(cfg.hub, runtime.is_main, runtime.share)
@@ -141,7 +143,8 @@ def build_run(cfg: Config) -> Run:
 
     raw = connect_data(cfg.data, task.columns(cfg.data))
     tokenizer = load_tokenizer(cfg.model)
-    with runtime.local_main_first():  # each node's first process tokenizes and caches; the others read it
+    cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
+    with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage
         data = task.process(raw, tokenizer, cfg)
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
@@ -199,6 +202,7 @@ def _train_evaluate_save(run: Run) -> dict:
         **hub_hooks(cfg, trainer, run.tokenizer, uploader, runtime.is_main),
         storage=probe_storage(folder, runtime),
         share=runtime.share,
+        index=runtime.index,
     )
     train_result = trainer.fit(checkpointer, run.resume_from)
 

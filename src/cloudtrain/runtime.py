@@ -43,6 +43,7 @@ class Runtime:
         if cfg.training.training_type == "accelerated":
             from cloudtrain.distributed import build_accelerator
 
+            join_launch("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")  # before accelerate would
             runtime = cls(build_accelerator(cfg))
             set_collective_timeout(cfg.distributed.collective_timeout)
             return runtime
@@ -55,10 +56,14 @@ class Runtime:
             self.accelerator.wait_for_everyone()
 
     @contextlib.contextmanager
-    def local_main_first(self) -> Iterator[None]:
-        """Each node's first process runs the block first (it fills that node's caches), then the others."""
-        with self.accelerator.local_main_process_first() if self.accelerator else contextlib.nullcontext():
-            yield
+    def owner_first(self, owner: bool) -> Iterator[None]:
+        """The owners of a folder (checkpointing.Storage: one per node on local disks, one in all on a shared
+        filesystem) run the block first, filling a cache there; then the others, which read it."""
+        if self.count > 1 and not owner:
+            self.barrier()
+        yield
+        if self.count > 1 and owner:
+            self.barrier()
 
     def gather_objects(self, value: Any) -> list:
         """Every process's `value` (picklable), in process order, on every process."""
@@ -123,8 +128,7 @@ class PipelineRuntime(Runtime):
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
         self.device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
+        join_launch("nccl" if self.device.type == "cuda" else "gloo")
         self.accelerator = None
         self.node, self.host = node_index(), socket.gethostname()
         self.index, self.count = dist.get_rank(), dist.get_world_size()
@@ -137,19 +141,11 @@ class PipelineRuntime(Runtime):
         ends = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(self.dp_size)]
         self.ends_group = ends[self.dp_rank]
         for group in (None, self.pp_group, self.dp_group, self.ends_group):
-            set_collective_timeout(collective_timeout, group)
+            if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a middle stage is in no ends group
+                set_collective_timeout(collective_timeout, group)
 
     def barrier(self) -> None:
         dist.barrier()
-
-    @contextlib.contextmanager
-    def local_main_first(self) -> Iterator[None]:
-        first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-        if not first:
-            dist.barrier()
-        yield
-        if first:
-            dist.barrier()
 
     def gather_objects(self, value: Any) -> list:
         parts: list = [None] * self.count
@@ -201,8 +197,8 @@ def node_index() -> int:
 def collective_failure(err: BaseException, timeout: float) -> str | None:
     """What a backend error says happened to the launch, in words, or None if it is no such error."""
     text = str(err)
-    if "timed out" in text.lower() or "timeout" in text.lower():
-        return f"waited longer than --collective_timeout {timeout:g}s for the other processes"
+    if "Timed out waiting" in text or "Application timeout" in text or isinstance(err, dist.DistBackendError):
+        return f"waited longer than --collective_timeout {timeout:g}s for the other processes"  # gloo; NCCL's
     if "closed by peer" in text or "reset by peer" in text or isinstance(err, dist.DistNetworkError):
         return "lost a peer: another process of the launch died"
     return None
@@ -216,3 +212,21 @@ def set_collective_timeout(seconds: float, group: Any = None) -> None:
     then fails to connect)."""
     if dist.is_initialized():
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
+
+
+def join_launch(backend: str) -> None:
+    """Join the launch's process group (a no-op for one process, or when joined already).
+
+    torchrun keeps one store for the whole launch, also across the restarts of --max-restarts: workers of
+    a restart that joined through it directly would find the dead workers' keys (tried: gloo then fails
+    to connect, or waits forever). Each attempt's keys get a prefix of their own."""
+    env = os.environ
+    if dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) == 1:
+        return
+    rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
+    hosts_store = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else torchrun's agent does
+    store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts_store)
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group(
+        backend, store=dist.PrefixStore(f"cloudtrain/attempt-{attempt}", store), rank=rank, world_size=world
+    )

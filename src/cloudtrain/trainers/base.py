@@ -166,8 +166,12 @@ class Meter:
             ]
         )
         self.interval += torch.where(applied, values, 0.0)  # a skipped step's nan must not reach the sums
-        norm = torch.as_tensor(math.nan if stats.grad_norm is None else stats.grad_norm, device=loss_sum.device)
-        self.steps.append(torch.stack([loss_sum, values[4], norm.double()]))
+        norm = stats.grad_norm
+        if norm is None or isinstance(norm, float):  # DeepSpeed's is a float: a fill, not a blocking copy
+            norm = loss_sum.new_full((), math.nan if norm is None else norm)
+        elif hasattr(norm, "full_tensor"):  # FSDP2's is a DTensor
+            norm = norm.full_tensor()
+        self.steps.append(torch.stack([loss_sum, values[4], norm.to(loss_sum)]))
 
     def pending(self) -> list[float]:
         """The not yet logged sums of every process (a collective), for a checkpoint."""
@@ -459,11 +463,12 @@ class Trainer:
                                 "--resume_from_checkpoint latest",
                                 143,
                             )
-                        if act == "stop":
+                        if act == "stop" and not done:  # at the end the model is saved as usual
                             raise TrainingStopped(
                                 f"stopped at step {step} on {anomalies[0].kind.replace('_', ' ')} (--on_anomaly stop); "
                                 f"{where}: look at the run, then continue with --resume_from_checkpoint latest",
                                 3,
+                                quiet=not self.is_main_process,
                             )
                         if done:
                             break
