@@ -96,6 +96,12 @@ gpu-bench: setup
 pipeline-bench: setup
 	$(PY) bench/pipeline_bench.py --interleaved --split_at 4 $(ARGS)
 
+# `make monitoring-bench`: the same runs with --monitoring true and false, alternated in fresh processes
+# (~17 min; bench/results/monitoring.md).
+.PHONY: monitoring-bench
+monitoring-bench: setup
+	$(PY) bench/monitoring_bench.py --out bench/results/monitoring.md $(ARGS)
+
 # `make dashboard` serves the trackio dashboard of the runs made on this machine ($HF_HOME/trackio,
 # default ~/.cache/huggingface/trackio) on 127.0.0.1 only; it prints the URL (port 7860 unless taken)
 # and runs until Ctrl-C. `make dashboard ARGS="--project NAME"` opens one project.

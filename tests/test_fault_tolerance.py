@@ -8,6 +8,7 @@ its own working directory with its own output, checkpoint and cache folders."""
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from conftest import ENTRY, REPO
 from safetensors.torch import load_file
 from test_checkpointing import FAST, kill_all, wait_for
 
-from cloudtrain.checkpointing import complete_checkpoints
+from cloudtrain.checkpointing import MARKS, complete_checkpoints
 from cloudtrain.cli import main
 from cloudtrain.config import MonitoringConfig
 from cloudtrain.monitoring import AnomalyDetector
@@ -140,13 +141,18 @@ def worker(launcher: subprocess.Popen, rank: int) -> psutil.Process:
     raise AssertionError(f"no worker with rank {rank}")
 
 
-def killed_and_restarted_two_nodes(run_dir: Path, args: list[str], zero: int | None) -> None:
-    """Two nodes SIGKILLed once both hold two checkpoints on their own disks, then restarted with latest."""
+def killed_and_restarted_two_nodes(run_dir: Path, args: list[str], zero: int | None, merge: bool = False) -> None:
+    """Two nodes SIGKILLed once both hold two checkpoints on their own disks, then restarted with latest;
+    `merge`: first give each node the union of both folders, as SageMaker restores one S3 prefix to all."""
     procs = start_two_nodes(run_dir, args)
     for node in (0, 1):
         wait_for(lambda node=node: 14 in checkpoints(run_dir, node), procs[node])
     for proc in procs:
         kill_all(proc)
+    if merge:
+        folders = [run_dir / f"node{node}" / "out" / "checkpoints" for node in (0, 1)]
+        for source, target in (folders, folders[::-1]):
+            shutil.copytree(source, target, dirs_exist_ok=True)
     node1 = run_dir / "node1" / "out" / "checkpoints" / "checkpoint-14"
     if zero:  # node 1 keeps its own optimizer shard, and the model states DeepSpeed needs to load it
         assert (node1 / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
@@ -158,7 +164,7 @@ def killed_and_restarted_two_nodes(run_dir: Path, args: list[str], zero: int | N
     killed_at = min(checkpoints(run_dir, 0)[-1], checkpoints(run_dir, 1)[-1])
     out0, _ = finish(start_two_nodes(run_dir, [*args, "--resume_from_checkpoint", "latest"]))
     assert f"at step {killed_at} (loaded in" in out0, out0
-    assert checkpoints(run_dir, 0) == checkpoints(run_dir, 1) == [7, 14, 21, 28, 35]
+    assert checkpoints(run_dir, 0) == checkpoints(run_dir, 1)  # rotation deleted the same steps on both
 
 
 @pytest.mark.slow
@@ -192,9 +198,16 @@ def test_ddp_on_two_nodes_survives_losing_every_node_and_losing_one_worker(tiny_
 
 @pytest.mark.slow
 def test_zero2_on_two_nodes_killed_and_restarted_equals_a_run_never_stopped(tiny_model_dir, topic_csvs, tmp_path):
-    args = options(tiny_model_dir, topic_csvs, "--zero_stage", "2")
-    finish(start_two_nodes(tmp_path / "straight", args))
-    killed_and_restarted_two_nodes(tmp_path / "resumed", args, zero=2)
+    """The run never stopped keeps its checkpoints in one folder both nodes share (exactly one process
+    finalises each); the killed one on each node's own disk, merged before the restart (SageMaker's S3
+    restore), with rotation (--save_total_limit 2) agreeing on both nodes."""
+    args = options(tiny_model_dir, topic_csvs, "--zero_stage", "2", "--save_total_limit", "2")
+    shared = tmp_path / "shared-checkpoints"
+    finish(start_two_nodes(tmp_path / "straight", [*args, "--checkpoint_dir", str(shared)]))
+    found = complete_checkpoints(shared)
+    assert found[-1][0] == 35 and len(found) <= 3  # the newest, the best and one more at most
+    assert sorted(p.name for p in (found[-1][1] / MARKS).iterdir()) == ["0", "1"] and not list(shared.glob("*.partial"))
+    killed_and_restarted_two_nodes(tmp_path / "resumed", args, zero=2, merge=True)
     assert_same_weights(  # bitwise: DeepSpeed's ZeRO-2 on gloo reduces in the same order every time
         tmp_path / "straight" / "node0" / "out" / "model.safetensors",
         tmp_path / "resumed" / "node0" / "out" / "model.safetensors",
@@ -260,6 +273,7 @@ def test_a_clean_run_logs_step_time_data_share_and_memory_and_warns_of_nothing(
     assert all(r["train/step_time_s"] > 0 and 0 <= r["train/data_time_share"] < 1 for r in steps)
     assert all(r["train/peak_memory_gib"] > 0.1 for r in steps)  # this process's peak RSS: torch alone is more
     assert "ms/step, data" in printed.out
+    assert "CPU-process-hours (1 process x " in printed.out  # what the run used, at its end
 
 
 @pytest.mark.parametrize("action", ["checkpoint", "stop"])

@@ -10,6 +10,7 @@ else asks whether it runs under accelerate:
   group laid out as a (data-parallel, pipeline) mesh, with no accelerate (`PipelineRuntime`).
 """
 
+import atexit
 import contextlib
 import datetime
 import os
@@ -221,8 +222,8 @@ def join_launch(backend: str) -> None:
     a restart that joined through it directly would find the dead workers' keys (tried: gloo then fails
     to connect, or waits forever). Each attempt's keys get a prefix of their own."""
     env = os.environ
-    if dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) == 1:
-        return
+    if dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) == 1 or "MASTER_ADDR" not in env:
+        return  # (no MASTER_ADDR: a launcher of another kind; accelerate joins its way)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     hosts_store = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else torchrun's agent does
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts_store)
@@ -230,3 +231,9 @@ def join_launch(backend: str) -> None:
     dist.init_process_group(
         backend, store=dist.PrefixStore(f"cloudtrain/attempt-{attempt}", store), rank=rank, world_size=world
     )
+    atexit.register(_leave)  # the group goes before the interpreter does: gloo's threads can abort its exit
+
+
+def _leave() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
