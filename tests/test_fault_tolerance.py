@@ -20,7 +20,7 @@ import pytest
 import torch
 from conftest import ENTRY, REPO
 from safetensors.torch import load_file
-from test_checkpointing import FAST, kill_all, wait_for
+from test_checkpointing import args_for, kill_all, wait_for
 
 from cloudtrain.checkpointing import MARKS, complete_checkpoints
 from cloudtrain.cli import main
@@ -47,19 +47,8 @@ def node_env(node_dir: Path) -> dict:
 
 
 def options(tiny_model_dir, topic_csvs, *extra: str) -> list[str]:
-    return [
-        "--model_name_or_path",
-        tiny_model_dir,
-        "--train_file",
-        str(topic_csvs["train"]),
-        "--validation_file",
-        str(topic_csvs["validation"]),
-        "--output_dir",
-        "out",  # relative: each node's own folder
-        *FAST,
-        *STEPS,
-        *extra,
-    ]
+    """The application's options for a run of either node, saving into the node's own folder."""
+    return args_for(tiny_model_dir, topic_csvs, Path("out"), *STEPS, *extra)[1:]
 
 
 def start_two_nodes(run_dir: Path, args: list[str], program: list[str] | None = None) -> list[subprocess.Popen]:
@@ -239,20 +228,7 @@ def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_n
 
 
 def in_process(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:
-    return [
-        "--model_name_or_path",
-        tiny_model_dir,
-        "--train_file",
-        str(topic_csvs["train"]),
-        "--validation_file",
-        str(topic_csvs["validation"]),
-        "--output_dir",
-        str(out),
-        *FAST,
-        "--max_steps",
-        "40",
-        *extra,
-    ]
+    return args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "40", *extra)[1:]
 
 
 def events(out: Path) -> list[dict]:
@@ -284,11 +260,13 @@ def test_a_loss_spike_is_warned_logged_and_acted_on(action, tiny_model_dir, topi
     out = tmp_path / "out"
     code = main(in_process(tiny_model_dir, topic_csvs, out, "--on_anomaly", action, "--max_grad_norm", "1.0"))
     printed = capsys.readouterr()
-    warnings = [line for line in printed.out.splitlines() if line.startswith("warning:")]
+    # (a machine busy with other tests may also slow the run: throughput warnings are not what this checks)
+    warnings = [line for line in printed.out.splitlines() if line.startswith("warning:") and "spike" in line]
     assert warnings[0].startswith("warning: loss spike at step 25: ") and "standard deviations above" in warnings[0]
     assert warnings[1].startswith("warning: gradient norm spike at step 25: "), warnings
     assert len(warnings) == 2  # nothing before the spike, nothing after it
-    assert [(e["event"], e["step"]) for e in events(out)] == [("loss_spike", 25), ("grad_norm_spike", 25)]
+    spikes = [(e["event"], e["step"]) for e in events(out) if "spike" in e["event"]]
+    assert spikes == [("loss_spike", 25), ("grad_norm_spike", 25)]
     assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [25]  # saved at once
     if action == "stop":
         assert code == 3 and "stopped at step 25 on loss spike (--on_anomaly stop)" in printed.err
@@ -301,17 +279,20 @@ def test_a_slowed_data_loader_shows_in_the_data_share_and_as_a_throughput_drop(
 ):
     from dist_faults import install
 
-    install({"slow_data": {"from_step": 21, "seconds": 0.1}}, monkeypatch.setattr)
+    install({"slow_data": {"from_step": 26, "seconds": 0.5}}, monkeypatch.setattr)  # a step takes ~20 ms
     out = tmp_path / "out"
     assert main(in_process(tiny_model_dir, topic_csvs, out)) == 0
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
-    # the second slow interval (steps 26-30) warns; a machine busy with other tests may slow an earlier one too
-    assert "warning: throughput dropped at step 30: " in "\n".join(warnings), warnings
-    assert ("throughput_drop", 30) in [(e["event"], e["step"]) for e in events(out)]
+    # the second slow interval (steps 31-35) warns, or the first when the interval before was slow already (a
+    # machine busy with other tests slows a run too); never before the data slowed down
+    drops = [e["step"] for e in events(out) if e["event"] == "throughput_drop"]
+    assert drops and drops[-1] in (30, 35), warnings
+    assert f"warning: throughput dropped at step {drops[-1]}: " in "\n".join(warnings)
     logged = {
         r["step"]: r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "train/loss" in r
     }
-    assert logged[20]["train/data_time_share"] < 0.5 < logged[40]["train/data_time_share"]
+    data_s = {step: logged[step]["train/data_time_share"] * logged[step]["train/step_time_s"] for step in (25, 40)}
+    assert data_s[25] < 0.1 and data_s[40] > 0.45  # the half second each batch waits is data time
 
 
 def detector(**options) -> AnomalyDetector:
