@@ -56,21 +56,9 @@ def start_two_nodes(run_dir: Path, args: list[str], program: list[str] | None = 
     port = free_port()
     procs = []
     for node in (0, 1):
-        cwd = run_dir / f"node{node}"
-        cwd.mkdir(parents=True, exist_ok=True)
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(node)]
         launcher += ["--nproc_per_node", "1", "--master_addr", "127.0.0.1", "--master_port", port]
-        procs.append(
-            subprocess.Popen(
-                [*launcher, *(program or [str(ENTRY)]), *args],
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                env=node_env(cwd),
-                cwd=cwd,
-                start_new_session=True,
-            )
-        )
+        procs.append(start([*launcher, *(program or [str(ENTRY)]), *args], run_dir / f"node{node}"))
     return procs
 
 
