@@ -133,8 +133,9 @@ def build_run(cfg: Config) -> Run:
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg)  # before the model is loaded: ZeRO-3 partitions it while loading
-    cfg = restarted_defaults(cfg, checkpoint_dir(cfg, output_dir), runtime)
-    resume_from = agree_on_resume(cfg, checkpoint_dir(cfg, output_dir), runtime)  # on every node, before loading
+    checkpoints = checkpoint_dir(cfg, output_dir)
+    cfg = restarted_defaults(cfg, checkpoints, runtime)
+    resume_from = agree_on_resume(cfg, checkpoints, runtime)  # on every node, before loading
     check_output_dir(cfg, output_dir, resume_from, runtime)
     resumed = read_state(resume_from) if resume_from else None
     if cfg.hub.push_to_hub:  # a bad token fails now, not after hours of training
