@@ -74,6 +74,15 @@ lint: $(PKG)
 test-fast: setup
 	$(PY) -m pytest tests -m "not slow" -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 
+# The quick tier as if on the other kind of CPU: where this CPU computes bf16 natively, `--mixed_precision auto`
+# is made to resolve to fp32, and to bf16 where it does not (CLOUDTRAIN_TEST_CPU_BF16, for tests only). .ci/run
+# runs it after `make test`, so every machine exercises both resolutions.
+OTHER_CPU_BF16 = $(shell $(PY) -c "from cloudtrain.hardware import cpu_has_bf16; print(0 if cpu_has_bf16() else 1)")
+.PHONY: test-other-cpu
+test-other-cpu: setup
+	@echo "CLOUDTRAIN_TEST_CPU_BF16=$(OTHER_CPU_BF16): the fast tier as on a CPU $(if $(filter 1,$(OTHER_CPU_BF16)),with,without) native bf16"
+	CLOUDTRAIN_TEST_CPU_BF16=$(OTHER_CPU_BF16) $(PY) -m pytest tests -m "not slow" -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
+
 # `make bench` compares our trainers with a plain loop and transformers.Trainer (bench/results/latest.md);
 # then each optimization on and off; `make bench ARGS="--ablations none"` skips those; then the causal-LM
 # case: packing none/wrapped/bfd, tokens/s at equal tokens seen (~2 min; `ARGS="--lm false"` skips it); then SFT:

@@ -132,7 +132,8 @@ def killed_and_restarted_two_nodes(run_dir: Path, args: list[str], zero: int | N
             shutil.copytree(source, target, dirs_exist_ok=True)
     node1 = run_dir / "node1" / "out" / "checkpoints" / "checkpoint-14"
     if zero:  # node 1 keeps its own optimizer shard, and the model states DeepSpeed needs to load it
-        assert (node1 / "pytorch_model" / "zero_pp_rank_1_mp_rank_00_optim_states.pt").is_file()
+        # (DeepSpeed prefixes the shard's name with its precision under bf16: bf16_zero_pp_rank_1_...)
+        assert len(list((node1 / "pytorch_model").glob("*zero_pp_rank_1_mp_rank_00_optim_states.pt"))) == 1
         assert (node1 / "pytorch_model" / "mp_rank_00_model_states.pt").is_file()
     else:
         assert {"model.safetensors", "optimizer.bin", "scheduler.pt", "random_states_1.pkl"} <= {

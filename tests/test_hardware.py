@@ -55,9 +55,24 @@ def test_native_bf16_on_this_cpu_follows_its_instruction_set():
     (oneDNN may also count plain AVX-512 cores; that case is not asserted either way.)"""
     flags = cpu_flags()
     if flags & {"avx512_bf16", "amx_bf16"}:
-        assert hardware.native_bf16("cpu")
+        assert hardware.cpu_has_bf16()
     elif not any(flag.startswith("avx512") for flag in flags) and "avx_ne_convert" not in flags:
-        assert not hardware.native_bf16("cpu"), sorted(flags)
+        assert not hardware.cpu_has_bf16(), sorted(flags)
+
+
+@pytest.mark.parametrize("forced", ["0", "1"])
+def test_the_test_variable_forces_what_auto_resolves_to_on_cpu(forced, monkeypatch):
+    """CLOUDTRAIN_TEST_CPU_BF16 makes this CPU answer as the other kind would; unset, the hardware answers."""
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    monkeypatch.setenv(hardware.FORCE_CPU_BF16, forced)
+    assert hardware.native_bf16("cpu") is (forced == "1")
+    if not torch.cuda.is_available():
+        assert hardware.resolve_precision("auto") == ("bf16" if forced == "1" else "no")
+    monkeypatch.delenv(hardware.FORCE_CPU_BF16)
+    assert hardware.native_bf16("cpu") is hardware.cpu_has_bf16()
+    monkeypatch.setenv(hardware.FORCE_CPU_BF16, "yes")
+    with pytest.raises(ValueError, match="set it to 1"):
+        hardware.native_bf16("cpu")
 
 
 def test_native_bf16_on_cuda_means_a_gpu_from_ampere_on():

@@ -15,11 +15,24 @@ import sys
 import torch
 
 
-@functools.cache
+# For tests only: "1" or "0" makes `native_bf16("cpu")` answer as on a CPU with or without native bf16, so the
+# suite can be run as on the other kind of CPU (`make test-other-cpu`). Children of a run inherit it.
+FORCE_CPU_BF16 = "CLOUDTRAIN_TEST_CPU_BF16"
+
+
 def native_bf16(device_type: str) -> bool:
     """Whether `device_type` ("cuda" or "cpu") runs bf16 matrix products in hardware."""
     if device_type == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported(including_emulation=False)
+    forced = os.environ.get(FORCE_CPU_BF16, "")
+    if forced not in ("", "0", "1"):
+        raise ValueError(f"{FORCE_CPU_BF16}={forced!r}: set it to 1 (native bf16), 0 (none), or leave it unset")
+    return forced == "1" if forced else cpu_has_bf16()
+
+
+@functools.cache
+def cpu_has_bf16() -> bool:
+    """Whether this CPU runs bf16 matrix products in hardware, whatever FORCE_CPU_BF16 says."""
     try:  # oneDNN's own check (AVX512-BF16 or AMX), the one PyTorch's CPU kernels dispatch on
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     except (AttributeError, RuntimeError):
