@@ -119,3 +119,9 @@ dashboard: $(STAMP)
 
 clean:
 	rm -rf outputs .pytest_cache
+
+# `make docs` builds the documentation site (MkDocs Material, mkdocs.yml) from docs/ into site/, in strict mode:
+# a broken link or anchor fails it; docs/options.md is rendered from the typed config (docs/hooks/options.py).
+.PHONY: docs
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --site-dir site
