@@ -86,7 +86,7 @@ def build_lm(s: PEFTSettings, folder: Path) -> str:
     tokenizer = AutoTokenizer.from_pretrained(GRIMM / "tokenizer")
     config = AutoConfig.from_pretrained(model_config_file(s.lm_preset))
     config.update(s.lm_overrides)
-    CausalLMTask._fit_config(config, tokenizer, s.lm_preset)  # what --model_config does to a preset
+    CausalLMTask.fit_config(config, tokenizer, s.lm_preset)  # what --model_config does to a preset
     torch.manual_seed(s.seed)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -13,6 +13,7 @@ import difflib
 import json
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +21,9 @@ from typing import Any
 import yaml
 
 from cloudtrain.errors import UserError
+from cloudtrain.registry import TASKS, TRAINERS
 from cloudtrain.sagemaker_env import sagemaker_defaults
 
-TRAINING_TYPES = ("basic", "accelerated", "pipeline")
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 PRECISIONS = ("no", "fp16", "bf16")
 MIXED_PRECISION = ("auto", *PRECISIONS)
@@ -31,8 +32,6 @@ EVAL_STRATEGIES = ("epoch", "steps", "no")
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
 HUB_STRATEGIES = ("end", "every_save", "checkpoint")
 OFFLOAD = ("none", "cpu")
-BEST_METRICS = ("accuracy", "macro_f1", "loss", "perplexity", "exact_match")
-TASKS = ("classification", "causal_lm", "sft")
 PACKING = ("auto", "none", "wrapped", "bfd")
 ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 PEFT_METHODS = ("none", "lora", "dora", "qlora")
@@ -41,14 +40,15 @@ ON_ANOMALY = ("warn", "checkpoint", "stop")
 
 def opt(
     default: Any,
-    help: str,
-    choices: tuple | None = None,
+    help: str | Callable[[], str],
+    choices: tuple | Callable[[], tuple] | None = None,
     secret: bool = False,
     separator: str = ",",
     auto: bool = False,
 ) -> Any:
     """A config field with its help text; `secret` keeps it out of saved arguments and logs; a list option's
-    items are split at `separator` when given as one string; `auto` also takes the word auto."""
+    items are split at `separator` when given as one string; `auto` also takes the word auto. `help` and
+    `choices` may be functions, read when needed: those a registry (cloudtrain.registry) answers."""
     kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
     metadata = {"help": help, "choices": choices, "secret": secret, "separator": separator, "auto": auto}
     return field(**kind, metadata=metadata)
@@ -176,17 +176,13 @@ class ModelConfig:
 class TrainingConfig:
     task: str = opt(
         "classification",
-        "What to train: classification (text -> label), causal_lm (continued "
-        "pretraining, or pretraining from scratch, of a decoder on raw text) or sft "
-        "(supervised fine-tuning of a decoder on conversations or prompt/completion "
-        "pairs, with a chat template).",
-        TASKS,
+        lambda: "What to train: " + "; ".join(f"{c.name}: {c.summary}" for c in TASKS) + ".",
+        TASKS.names,
     )
     training_type: str = opt(
         "accelerated",
-        "basic: plain PyTorch loop; accelerated: Hugging Face accelerate (DDP, DeepSpeed, FSDP); pipeline: "
-        "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun.",
-        TRAINING_TYPES,
+        lambda: "; ".join(f"{c.name}: {c.summary}" for c in TRAINERS) + ".",
+        TRAINERS.names,
     )
     num_train_epochs: float = opt(2.0, "Number of passes over the training data.")
     max_steps: int | None = opt(None, "Stop after this many optimizer steps (overrides --num_train_epochs).")
@@ -345,9 +341,12 @@ class CheckpointConfig:
     )
     metric_for_best_model: str | None = opt(
         None,
-        "The evaluation metric that names the best checkpoint "
-        "(default: accuracy for classification, loss for causal_lm and sft).",
-        BEST_METRICS,
+        lambda: (
+            "The evaluation metric that names the best checkpoint (default: "
+            + ", ".join(f"{c.default_best_metric} for {c.name}" for c in TASKS)
+            + ")."
+        ),
+        lambda: tuple(dict.fromkeys(metric for c in TASKS for metric in c.metrics)),
     )
     nonfinite_loss: str = opt(
         "stop",
@@ -418,6 +417,12 @@ def parse_bool(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
+def _meta(f: dataclasses.Field, key: str) -> Any:
+    """A field's help or choices (read from a registry when given as a function)."""
+    value = f.metadata[key]
+    return value() if callable(value) else value
+
+
 def _base_type(f: dataclasses.Field) -> type:
     tp: Any = f.type  # a type, or its name as a string
     if isinstance(tp, types.UnionType):  # `X | None`, or `int | str` for an option that also takes auto
@@ -454,7 +459,7 @@ def _coerce(name: str, value: Any) -> Any:
     except ValueError as err:
         reason = f"expected a number or auto, got {value!r}" if f.metadata["auto"] else str(err)
         raise UserError(f"--{name}: {reason}") from None
-    choices = f.metadata["choices"]
+    choices = _meta(f, "choices")
     for item in value if isinstance(value, list) else [value]:
         if choices and item not in choices:
             raise UserError(f"--{name}: {item!r} is not one of {', '.join(map(str, choices))}")
@@ -472,9 +477,9 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _help(f: dataclasses.Field) -> str:
-    text = f.metadata["help"]
-    if f.metadata["choices"]:
-        text += f" Choices: {', '.join(map(str, f.metadata['choices']))}."
+    text, choices = _meta(f, "help"), _meta(f, "choices")
+    if choices:
+        text += f" Choices: {', '.join(map(str, choices))}."
     default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
     if default not in (None, []) and not f.metadata["secret"]:
         text += f" (default: {','.join(default) if isinstance(default, list) else default})"
@@ -495,8 +500,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, help=_help(f), metavar=_base_type(f).__name__.upper())
         if _base_type(f) is bool:
             kwargs.update(nargs="?", const="true", metavar="true|false")
-        elif f.metadata["choices"]:
-            kwargs["metavar"] = "{" + ",".join(map(str, f.metadata["choices"])) + "}"
+        elif _meta(f, "choices"):
+            kwargs["metavar"] = "{" + ",".join(map(str, _meta(f, "choices"))) + "}"
         elif f.metadata["auto"]:
             kwargs["metavar"] = f"{kwargs['metavar']}|auto"
         group.add_argument(f"--{name}", **kwargs)

@@ -38,6 +38,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from cloudtrain.config import parse_bool
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.model_loading import is_causal_lm
+from cloudtrain.registry import TASKS
 from cloudtrain.saving import adapter_config, is_adapter_dir
 
 SEPARATOR = "-" * 60
@@ -387,7 +388,8 @@ def run(args: argparse.Namespace) -> None:
     trained = training_arguments(args.model_dir)
     # A chat model (trained with --task sft, or not by cloudtrain) gets user messages; a causal LM that was
     # continued from an instruct checkpoint keeps its template but was trained, and is used, on plain text.
-    templated = bool(tokenizer.chat_template) and not args.raw and trained.get("task", "sft") == "sft"
+    chat_task = TASKS[trained["task"]].chat_template if "task" in trained else True
+    templated = bool(tokenizer.chat_template) and not args.raw and chat_task
     if args.chat and not templated:
         raise UserError(
             f"--chat needs a chat model, and {args.model_dir} is not one"

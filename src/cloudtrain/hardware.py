@@ -14,7 +14,6 @@ import sys
 
 import torch
 
-
 # For tests only: "1" or "0" makes `native_bf16("cpu")` answer as on a CPU with or without native bf16, so the
 # suite can be run as on the other kind of CPU (`make test-other-cpu`). Children of a run inherit it.
 FORCE_CPU_BF16 = "CLOUDTRAIN_TEST_CPU_BF16"

@@ -156,8 +156,9 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, PRECISIONS, TASKS, Config, ModelConfig
+from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, PRECISIONS, Config, ModelConfig
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.registry import TASKS
 
 if TYPE_CHECKING:
     from cloudtrain.distributed import Sharding
@@ -499,7 +500,7 @@ def _fit_vocabulary(config, model: ModelConfig) -> None:
     from cloudtrain.tasks.causal_lm import CausalLMTask
 
     assert model.model_config is not None  # called for a --model_config
-    CausalLMTask._fit_config(config, load_tokenizer(model), model.model_config)
+    CausalLMTask.fit_config(config, load_tokenizer(model), model.model_config)
 
 
 def _meta_model(config, trust_remote_code: bool, task: str = "classification"):
@@ -1317,7 +1318,7 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task",
-        choices=TASKS,
+        choices=TASKS.names(),
         default="classification",
         help="What will be trained: classification, causal_lm or sft (the same memory as causal_lm; "
         "default: classification).",

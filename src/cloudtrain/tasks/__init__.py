@@ -1,20 +1,23 @@
-"""The tasks cloudtrain trains; `--task` picks one (see cloudtrain.tasks.base for what a task owns)."""
+"""The tasks cloudtrain trains; `--task` picks one (see cloudtrain.tasks.base for what a task owns).
+
+A task is one module here whose class registers itself (`@TASKS.register`), plus its import below.
+"""
 
 from cloudtrain.config import Config
-from cloudtrain.tasks.base import Task
-from cloudtrain.tasks.classification import ClassificationTask
+from cloudtrain.registry import TASKS
+
+# isort: off
+# registered in the order --help lists them
+from cloudtrain.tasks import classification  # noqa: F401
+from cloudtrain.tasks import causal_lm  # noqa: F401
+from cloudtrain.tasks import sft  # noqa: F401
+
+# isort: on
+from cloudtrain.tasks.base import DecoderTask, Task
 
 
 def build_task(cfg: Config) -> Task:
-    if cfg.training.task == "causal_lm":
-        from cloudtrain.tasks.causal_lm import CausalLMTask
-
-        return CausalLMTask(cfg)
-    if cfg.training.task == "sft":
-        from cloudtrain.tasks.sft import SFTTask
-
-        return SFTTask(cfg)
-    return ClassificationTask()
+    return TASKS[cfg.training.task](cfg)
 
 
-__all__ = ["Task", "build_task"]
+__all__ = ["DecoderTask", "Task", "TASKS", "build_task"]

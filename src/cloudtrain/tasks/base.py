@@ -22,20 +22,25 @@ from pathlib import Path
 import torch
 from datasets import DatasetDict
 from huggingface_hub import ModelCard
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData
 
 
 class Task:
-    name = "task"
+    name = "task"  # the --task that picks it (cloudtrain.registry)
+    summary = ""  # a line for --help
     metrics: tuple[str, ...] = ("loss",)  # evaluation metrics --metric_for_best_model may name
     lower_is_better: frozenset[str] = frozenset({"loss"})
     default_best_metric = "loss"
     default_packing: str | None = None  # what --packing auto means (language-model tasks)
     auto_class: type | None = None  # the transformers Auto class of the task's models
     peft_task_type = ""  # PEFT's name for the task (adapter_config.json's task_type)
+    chat_template = False  # whether `generate` talks to a model this task trained through its chat template
+
+    def __init__(self, cfg: Config | None = None):
+        self.cfg = cfg
 
     def check_options(self, cfg: Config) -> None:
         """Reject options this task cannot use (light I/O only: configs, a tokenizer; no data, no weights)."""
@@ -102,4 +107,29 @@ class Task:
         raise NotImplementedError
 
     def inference_hint(self, output_dir: str) -> str:
+        raise NotImplementedError
+
+
+class DecoderTask(Task):
+    """What the language-model tasks share: a decoder with an LM head, whose loss is counted over target tokens.
+
+    The planner and the pipeline trainer ask these of any decoder task; `issubclass(cls, DecoderTask)` is how
+    other modules tell a language-model task from others."""
+
+    def model_config(self, cfg: Config) -> PretrainedConfig:
+        """The model's config, from --model_config (a preset or config.json) or the checkpoint, before loading."""
+        raise NotImplementedError
+
+    @staticmethod
+    def fit_config(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+        """Make a config built from --model_config `name` fit the tokenizer (vocabulary, special tokens)."""
+        raise NotImplementedError
+
+    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, count) from the logits (a pipeline's last stage computes them, not `loss`)."""
+        raise NotImplementedError
+
+    @staticmethod
+    def loss_metrics(loss_sum: float, tokens: float, rows: float, seconds: float) -> dict:
+        """The evaluation metrics from the sums over a split (also a pipeline's evaluation)."""
         raise NotImplementedError

@@ -39,7 +39,8 @@ from cloudtrain.generate import generate_texts
 from cloudtrain.model_card import build_lm_model_card
 from cloudtrain.model_loading import is_causal_lm, resolve_model_path
 from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, isolation_error, pack, shifted_loss
-from cloudtrain.tasks.base import Task
+from cloudtrain.registry import TASKS
+from cloudtrain.tasks.base import DecoderTask
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "model_presets"
 PROMPT_TOKENS = 12  # the default sample prompts: this many tokens of a few validation documents
@@ -59,8 +60,10 @@ def model_config_file(name: str) -> Path:
     raise UserError(f"--model_config {name} is neither a config.json file nor a preset ({', '.join(presets())})")
 
 
-class CausalLMTask(Task):
+@TASKS.register
+class CausalLMTask(DecoderTask):
     name = "causal_lm"
+    summary = "continued pretraining, or pretraining from scratch, of a decoder on raw text"
     metrics: tuple[str, ...] = ("loss", "perplexity")
     lower_is_better = frozenset(metrics)
     default_best_metric = "loss"
@@ -70,7 +73,8 @@ class CausalLMTask(Task):
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        super().__init__(cfg)
+        self.cfg: Config = cfg
         self.tokenizer: PreTrainedTokenizerBase | None = None  # set by `process`, used for sample generations
 
     # ------------------------------------------------------------ options and data
@@ -177,7 +181,7 @@ class CausalLMTask(Task):
             options["attn_implementation"] = m.attn_implementation
         config = self.model_config(cfg)
         if m.model_config:
-            self._fit_config(config, tokenizer, m.model_config)
+            self.fit_config(config, tokenizer, m.model_config)
         self._check_sizes(config, tokenizer, cfg.data.max_length, self.added_tokens)
         try:
             if m.model_config:
@@ -198,7 +202,7 @@ class CausalLMTask(Task):
         return model
 
     @staticmethod
-    def _fit_config(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
+    def fit_config(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
         """A preset takes its vocabulary and special tokens from the tokenizer; a user's config.json keeps its own."""
         if Path(name).expanduser().is_file() and getattr(config, "vocab_size", None):
             return

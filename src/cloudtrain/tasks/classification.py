@@ -23,12 +23,15 @@ from cloudtrain.evaluation import evaluate_model, predict_labels
 from cloudtrain.model_card import build_model_card
 from cloudtrain.model_loading import head_labels, load_model
 from cloudtrain.predict import records
+from cloudtrain.registry import TASKS
 from cloudtrain.saving import write_jsonl
 from cloudtrain.tasks.base import Task
 
 
+@TASKS.register
 class ClassificationTask(Task):
     name = "classification"
+    summary = "text -> label"
     metrics = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
     auto_class = AutoModelForSequenceClassification

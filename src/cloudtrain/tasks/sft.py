@@ -39,6 +39,7 @@ from cloudtrain.generate import generate_texts
 from cloudtrain.model_card import build_lm_model_card
 from cloudtrain.model_loading import load_tokenizer
 from cloudtrain.packing import CausalLMCollator, pack_examples
+from cloudtrain.registry import TASKS
 from cloudtrain.tasks.causal_lm import CausalLMTask, _first
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
@@ -52,11 +53,14 @@ ROW_FEATURES = datasets.Features(
 )
 
 
+@TASKS.register
 class SFTTask(CausalLMTask):
     name = "sft"
+    summary = "supervised fine-tuning of a decoder on conversations or prompt/completion pairs, with a chat template"
     metrics: tuple[str, ...] = ("loss", "perplexity", "exact_match")
     lower_is_better = frozenset({"loss", "perplexity"})
     default_packing = "none"
+    chat_template = True
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)

@@ -20,6 +20,7 @@ from transformers import PreTrainedModel
 
 from cloudtrain.config import Config
 from cloudtrain.data_processing import ProcessedData
+from cloudtrain.registry import TRAINERS
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
@@ -33,8 +34,10 @@ from cloudtrain.trainers.base import (
 )
 
 
+@TRAINERS.register
 class AcceleratedTrainer(Trainer):
-    name = "AcceleratedTrainer"
+    name = "accelerated"
+    summary = "Hugging Face accelerate (DDP, DeepSpeed, FSDP)"
 
     def __init__(
         self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime

@@ -283,7 +283,8 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimize
 class Trainer:
     """The outer training loop; subclasses implement the device-specific parts."""
 
-    name = "trainer"
+    name = "trainer"  # the --training_type that picks it (cloudtrain.registry)
+    summary = ""  # a line for --help
 
     def __init__(
         self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime
@@ -543,12 +544,14 @@ class Trainer:
     def save_checkpoint(self, checkpointer: Checkpointer, state: TrainerState, meter: Meter) -> Path:
         runtime_s = self.runtime.share(state.runtime_s + meter.elapsed())  # every node writes the same state
         snapshot = dataclasses.replace(state, interval=meter.pending(), runtime_s=runtime_s)
-        return checkpointer.save(state.global_step, self.write_checkpoint, self.name, self.num_processes, snapshot)
+        return checkpointer.save(
+            state.global_step, self.write_checkpoint, type(self).__name__, self.num_processes, snapshot
+        )
 
     def resume(self, folder: Path) -> TrainerState:
         """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
         meta = read_state(folder)
-        check_compatible(meta, folder, self.name, self.num_processes)
+        check_compatible(meta, folder, type(self).__name__, self.num_processes)
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
@@ -677,7 +680,7 @@ class Trainer:
             params, trainable = self.parameter_counts()
             trains = "" if trainable == params else f" ({trainable / 1e6:.2f}M trainable: {trainable / params:.2%})"
             print(
-                f"{self.name}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters{trains}, "
+                f"{type(self).__name__}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters{trains}, "
                 f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
                 f"{t.mixed_precision}), effective batch {effective} "
                 f"({t.per_device_train_batch_size} per device x {self.replicas} x "

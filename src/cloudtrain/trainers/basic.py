@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 
 from cloudtrain.hardware import autocast
+from cloudtrain.registry import TRAINERS
 from cloudtrain.trainers.base import (
     StepStats,
     Trainer,
@@ -27,8 +28,10 @@ from cloudtrain.trainers.base import (
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
 
 
+@TRAINERS.register
 class BasicTrainer(Trainer):
-    name = "BasicTrainer"
+    name = "basic"
+    summary = "plain PyTorch loop"
 
     def setup(self) -> None:
         self.device = self.runtime.device

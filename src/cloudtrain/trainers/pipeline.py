@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
 from cloudtrain import stages as stage_split
 from cloudtrain.config import Config
@@ -46,8 +46,9 @@ from cloudtrain.errors import UserError
 from cloudtrain.flops import ModelFlops
 from cloudtrain.hardware import autocast
 from cloudtrain.packing import IGNORE_INDEX
+from cloudtrain.registry import TRAINERS
 from cloudtrain.runtime import PipelineRuntime, Runtime
-from cloudtrain.tasks.base import Task
+from cloudtrain.tasks.base import DecoderTask, Task
 from cloudtrain.tracking import RunLog
 from cloudtrain.trainers.base import StepStats, Trainer, count_parameters
 from cloudtrain.trainers.basic import rng_state, set_rng_state
@@ -96,8 +97,10 @@ def schedule_problem(schedule: str, pp: int, stages_per_rank: int, microbatches:
     return next((message for failed, message in problems if failed), None)
 
 
+@TRAINERS.register
 class PipelineTrainer(Trainer):
-    name = "PipelineTrainer"
+    name = "pipeline"
+    summary = "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun"
 
     @staticmethod
     def data_parallel(cfg: Config, processes: int) -> int:
@@ -108,7 +111,7 @@ class PipelineTrainer(Trainer):
         d, t = cfg.distributed, cfg.training
         pp, world = d.pipeline_parallel_size, launched_processes()
         schedule = schedule_problem(d.pipeline_schedule, pp, d.pipeline_stages_per_rank, d.pipeline_microbatches)
-        if task.auto_class is not AutoModelForCausalLM:
+        if not isinstance(task, DecoderTask):
             raise UserError(
                 f"--training_type pipeline trains decoders (--task causal_lm or sft), not --task {task.name}: "
                 "use --training_type accelerated"
@@ -156,7 +159,7 @@ class PipelineTrainer(Trainer):
         for failed, message in problems:
             if failed:
                 raise UserError(message)
-        cls._check_model(cfg, task.model_config(cfg))  # type: ignore[attr-defined]  # the decoder tasks read it
+        cls._check_model(cfg, task.model_config(cfg))
 
     @staticmethod
     def _check_model(cfg: Config, config) -> None:
@@ -201,6 +204,8 @@ class PipelineTrainer(Trainer):
         stage_split.release_others(model, self.stages)
         super().__init__(cfg, task, nn.ModuleList(self.stages), data, run_log, runtime)  # type: ignore[arg-type]  # its stages
         self.flops = flops  # the whole model's: tokens are counted once per pipeline
+        assert isinstance(task, DecoderTask)  # check_options refuses others
+        self.decoder = task
         self.counts_batches = self.holds_last  # one process per pipeline counts its rows and loss
         self.mode = (
             f"pipeline: {self.n_stages} stages over {runtime.pp_size} processes x {runtime.dp_size} data-parallel, "
@@ -254,7 +259,7 @@ class PipelineTrainer(Trainer):
     # ------------------------------------------------------------ the step
     def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """A micro-batch's loss on the last stage: the task's summed loss times the step's scale."""
-        summed, _ = self.task.logits_loss(logits, labels)  # type: ignore[attr-defined]  # the decoder tasks have it
+        summed, _ = self.decoder.logits_loss(logits, labels)
         return summed * self._scale
 
     def _run(self, run, batch: dict) -> torch.Tensor:
@@ -342,7 +347,7 @@ class PipelineTrainer(Trainer):
                 sums += torch.stack([loss_sum, self.task.loss_count(batch), real]).double()
         self.model.train()
         loss_sum, tokens, n_rows = self.runtime.reduce_sum(sums).tolist()
-        return self.task.loss_metrics(loss_sum, tokens, n_rows, time.perf_counter() - start)  # type: ignore[attr-defined]
+        return self.decoder.loss_metrics(loss_sum, tokens, n_rows, time.perf_counter() - start)
 
     # ------------------------------------------------------------ saving and checkpoints
     def parameter_counts(self) -> tuple[int, int]:
