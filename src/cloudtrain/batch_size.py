@@ -217,7 +217,7 @@ def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dic
     from cloudtrain.distributed import sharding
 
     say = print if runtime.is_main else (lambda text: None)
-    processes = runtime.count
+    processes = runtime.mesh.data_parallel
     per_process = target_global_batch(cfg.training, processes) // processes
     if stored:
         micro = stored["per_device_train_batch_size"]

@@ -38,6 +38,7 @@ from typing import Any
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
+from cloudtrain.parallel.mesh import Mesh
 
 STATE_FILE = "trainer_state.json"
 MARKS = "written-by"  # <checkpoint>/written-by/<process index>: that process's files are complete
@@ -278,11 +279,19 @@ def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
             shutil.copy2(checkpoint / name, Path(output_dir) / name)
 
 
-def check_compatible(meta: dict, path: Path, trainer: str, num_processes: int) -> None:
-    if meta["trainer"] != trainer or meta["num_processes"] != num_processes:
+def check_compatible(meta: dict, path: Path, trainer: str, mesh: Mesh) -> None:
+    """A checkpoint resumes only under the trainer, process count and mesh that wrote it (a ZeRO checkpoint
+    holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh."""
+    if meta["trainer"] != trainer or meta["num_processes"] != mesh.world:
         raise UserError(
             f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "
-            f"process(es); this run is the {trainer} with {num_processes}: resume it the same way"
+            f"process(es); this run is the {trainer} with {mesh.world}: resume it the same way"
+        )
+    stored = meta.get("mesh", mesh.degrees())
+    if stored != mesh.degrees():
+        raise UserError(
+            f"checkpoint {path} was written with its processes arranged as {stored}; this run arranges them as "
+            f"{mesh.degrees()} (data-parallel sharding, pipeline): resume it with the same options"
         )
 
 
@@ -334,9 +343,7 @@ class Checkpointer:
     def due(self, step: int, end_of_epoch: bool) -> bool:
         return bool((self.every and step % self.every == 0) or (self.at_epoch_end and end_of_epoch))
 
-    def save(
-        self, step: int, write: Callable[[Path], None], trainer: str, num_processes: int, state: TrainerState
-    ) -> Path:
+    def save(self, step: int, write: Callable[[Path], None], trainer: str, mesh: Mesh, state: TrainerState) -> Path:
         final, partial = self.folder / f"{PREFIX}{step}", self.folder / f"{PREFIX}{step}.partial"
         start = time.perf_counter()
         if self.owner:
@@ -349,7 +356,7 @@ class Checkpointer:
         (partial / MARKS / str(self.index)).touch()
         self.barrier()
         if self.owner:
-            self._finalise(partial, final, trainer, num_processes, state)
+            self._finalise(partial, final, trainer, mesh, state)
         self.barrier()  # complete on every node before anything is announced or deleted
         if self.is_main:
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
@@ -364,12 +371,13 @@ class Checkpointer:
         self.barrier()
         return final
 
-    def _finalise(self, partial: Path, final: Path, trainer: str, num_processes: int, state: TrainerState) -> None:
+    def _finalise(self, partial: Path, final: Path, trainer: str, mesh: Mesh, state: TrainerState) -> None:
         """trainer_state.json written last and synced, then the atomic rename."""
         meta = {
             "format": FORMAT,
             "trainer": trainer,
-            "num_processes": num_processes,
+            "num_processes": mesh.world,
+            "mesh": mesh.degrees(),
             "adapters": self.adapters,
             "batch": self.batch,
             "metric": self.metric,

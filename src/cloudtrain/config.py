@@ -655,6 +655,13 @@ def validate(cfg: Config) -> None:
             raise UserError(message)
 
 
+def differs_from_default(cfg: Config, name: str) -> bool:
+    """Whether option `name` was given a value other than its default."""
+    section, f = _fields()[name]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    return getattr(getattr(cfg, section), name) != default
+
+
 def save_arguments(cfg: Config, path: Path) -> None:
     """The resolved arguments as JSON, without secrets."""
     path.write_text(json.dumps(cfg.to_dict(), indent=2) + "\n")

@@ -16,7 +16,6 @@ Not supported: Megatron-LM, tensor/pipeline parallelism, DeepSpeed's own optimiz
 """
 
 import copy
-import dataclasses
 import importlib.util
 import json
 import os
@@ -34,7 +33,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from cloudtrain.config import Config, DistributedConfig
+from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
@@ -213,19 +212,13 @@ def fsdp_requested(cfg: Config) -> bool:
 
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
+    from cloudtrain.registry import TRAINERS
+
     d = cfg.distributed
     wants_deepspeed, wants_fsdp = deepspeed_requested(cfg), fsdp_requested(cfg)
-    if cfg.training.training_type == "basic" and (launched_processes() > 1 or wants_deepspeed or wants_fsdp):
-        raise UserError(
-            "the BasicTrainer runs one process without DeepSpeed or FSDP; "
-            "use --training_type accelerated for multi-process, DeepSpeed and FSDP runs"
-        )
-    pipeline_options = [f.name for f in dataclasses.fields(d) if f.name.startswith("pipeline_")]
-    changed = [name for name in pipeline_options if getattr(d, name) != getattr(DistributedConfig(), name)]
-    if cfg.training.training_type != "pipeline" and changed:
-        raise UserError(f"--{changed[0]} needs --training_type pipeline (this run is {cfg.training.training_type})")
     launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    if cfg.training.training_type != "basic" and launcher_precision not in ("no", cfg.training.mixed_precision):
+    follows_launcher = TRAINERS[cfg.training.training_type].follows_launcher
+    if follows_launcher and launcher_precision not in ("no", cfg.training.mixed_precision):
         raise UserError(
             f"the accelerate config asks for {launcher_precision} mixed precision but --mixed_precision "
             f"is {cfg.training.mixed_precision}; pass --mixed_precision {launcher_precision}"

@@ -127,12 +127,12 @@ def build_run(cfg: Config) -> Run:
     """Check the options, set up the launch, and build data, model, trainer and run log."""
     task = build_task(cfg)
     cfg = resolve(cfg, task)
-    replicas = TRAINERS[cfg.training.training_type].data_parallel(cfg, launched_processes())
-    cfg = batch_size.fixed(cfg, replicas)  # --global_batch_size: the accumulation (DeepSpeed checks it)
+    mesh = TRAINERS[cfg.training.training_type].mesh(cfg, launched_processes())
+    cfg = batch_size.fixed(cfg, mesh.data_parallel)  # --global_batch_size: the accumulation (DeepSpeed checks it)
     output_dir = preflight(cfg, task)
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
-    runtime = Runtime.for_launch(cfg)  # before the model is loaded: ZeRO-3 partitions it while loading
+    runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
     checkpoints = checkpoint_dir(cfg, output_dir)
     cfg = restarted_defaults(cfg, checkpoints, runtime)
     resume_from = agree_on_resume(cfg, checkpoints, runtime)  # on every node, before loading

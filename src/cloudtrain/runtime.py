@@ -24,6 +24,7 @@ from accelerate import Accelerator
 from accelerate.utils import broadcast_object_list, gather_object
 
 from cloudtrain.config import Config
+from cloudtrain.parallel.mesh import Mesh
 
 
 class Runtime:
@@ -37,20 +38,18 @@ class Runtime:
         self.count: int = acc.num_processes if acc else 1
         self.device: torch.device = acc.device if acc else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.node, self.host = node_index(), socket.gethostname()
+        self.mesh = Mesh(world=self.count, dp_replicate=self.count)  # set by for_launch to the trainer's
 
     @classmethod
-    def for_launch(cls, cfg: Config) -> "Runtime":
-        """The runtime `--training_type` asks for; builds the Accelerator (and the process group) if needed."""
-        if cfg.training.training_type == "accelerated":
-            from cloudtrain.distributed import build_accelerator
+    def for_launch(cls, cfg: Config, mesh: Mesh | None = None) -> "Runtime":
+        """The runtime of the `--training_type` trainer (it builds the Accelerator or process group it needs),
+        arranged as `mesh` (default: the trainer's mesh for this launch)."""
+        from cloudtrain.registry import TRAINERS
 
-            join_launch("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")  # before accelerate would
-            runtime = cls(build_accelerator(cfg))
-            set_collective_timeout(cfg.distributed.collective_timeout)
-            return runtime
-        if cfg.training.training_type == "pipeline":
-            return PipelineRuntime(cfg.distributed.pipeline_parallel_size, cfg.distributed.collective_timeout)
-        return cls()
+        trainer = TRAINERS[cfg.training.training_type]
+        runtime = trainer.launch(cfg)
+        runtime.mesh = mesh or trainer.mesh(cfg, runtime.count)
+        return runtime
 
     def barrier(self) -> None:
         if self.accelerator:

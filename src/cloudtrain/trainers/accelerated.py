@@ -20,8 +20,10 @@ from transformers import PreTrainedModel
 
 from cloudtrain.config import Config
 from cloudtrain.data_processing import ProcessedData
+from cloudtrain.distributed import build_accelerator, sharding
+from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.registry import TRAINERS
-from cloudtrain.runtime import Runtime
+from cloudtrain.runtime import Runtime, join_launch, set_collective_timeout
 from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
 from cloudtrain.trainers.base import (
@@ -38,6 +40,21 @@ from cloudtrain.trainers.base import (
 class AcceleratedTrainer(Trainer):
     name = "accelerated"
     summary = "Hugging Face accelerate (DDP, DeepSpeed, FSDP)"
+
+    @classmethod
+    def mesh(cls, cfg: Config, processes: int) -> Mesh:
+        """ZeRO (any stage) and FSDP shard the data-parallel processes' states; plain DDP replicates them."""
+        shards = sharding(cfg)
+        if shards.zero_stage or shards.fsdp:
+            return Mesh(world=processes, dp_shard=processes)
+        return super().mesh(cfg, processes)
+
+    @classmethod
+    def launch(cls, cfg: Config) -> Runtime:
+        join_launch("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")  # before accelerate would
+        runtime = Runtime(build_accelerator(cfg))
+        set_collective_timeout(cfg.distributed.collective_timeout)
+        return runtime
 
     def __init__(
         self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime

@@ -43,12 +43,14 @@ from transformers import PreTrainedModel, get_scheduler
 
 from cloudtrain import adapters
 from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
-from cloudtrain.config import PRECISIONS, Config
+from cloudtrain.config import PRECISIONS, Config, differs_from_default
 from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.flops import ModelFlops, sum_squared_lengths
 from cloudtrain.monitoring import Anomaly, AnomalyDetector, StepClock, peak_memory
+from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.registry import TRAINERS
 from cloudtrain.runtime import Runtime, collective_failure
 from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
@@ -301,7 +303,7 @@ class Trainer:
             runtime,
         )
         self.is_main_process, self.num_processes = runtime.is_main, runtime.count
-        self.replicas = self.data_parallel(cfg, self.num_processes)  # each takes its own share of a step's rows
+        self.replicas = runtime.mesh.data_parallel  # each takes its own share of a step's rows
         self.counts_batches = True  # whether this process's batches enter the logged sums (Meter)
         self.checkpoint_owner = runtime.is_main  # writes a checkpoint's files shared by processes (Checkpointer)
         self.train_dl: DataLoader = train_dataloader(data, self.loader_rows(t.micro_batch), t.seed, cfg.data)
@@ -321,14 +323,26 @@ class Trainer:
     # ------------------------------------------------------------ what subclasses provide
     mode = "plain PyTorch"
 
-    @staticmethod
-    def data_parallel(cfg: Config, processes: int) -> int:
-        """How many of the launch's `processes` take their own rows of a step (--global_batch_size splits over them)."""
-        return processes
+    own_options: tuple[str, ...] = ()  # options only this trainer reads; others refuse them
+    follows_launcher = True  # whether an accelerate config's settings (its mixed precision) apply to its runs
+
+    @classmethod
+    def mesh(cls, cfg: Config, processes: int) -> Mesh:
+        """How this trainer arranges the launch's `processes` (default: each holds the whole model: DDP)."""
+        return Mesh(world=processes, dp_replicate=processes)
+
+    @classmethod
+    def launch(cls, cfg: Config) -> Runtime:
+        """This process's runtime for the launch (process group, collectives); one process by default."""
+        return Runtime()
 
     @classmethod
     def check_options(cls, cfg: Config, task: Task) -> None:
-        """Reject what this trainer cannot run, before anything heavy is loaded."""
+        """Reject what this trainer cannot run, before anything heavy is loaded; subclasses extend it."""
+        for other in TRAINERS:
+            changed = [name for name in other.own_options if other is not cls and differs_from_default(cfg, name)]
+            if changed:
+                raise UserError(f"--{changed[0]} needs --training_type {other.name} (this run is {cls.name})")
 
     def setup(self) -> None:
         raise NotImplementedError
@@ -545,13 +559,13 @@ class Trainer:
         runtime_s = self.runtime.share(state.runtime_s + meter.elapsed())  # every node writes the same state
         snapshot = dataclasses.replace(state, interval=meter.pending(), runtime_s=runtime_s)
         return checkpointer.save(
-            state.global_step, self.write_checkpoint, type(self).__name__, self.num_processes, snapshot
+            state.global_step, self.write_checkpoint, type(self).__name__, self.runtime.mesh, snapshot
         )
 
     def resume(self, folder: Path) -> TrainerState:
         """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
         meta = read_state(folder)
-        check_compatible(meta, folder, type(self).__name__, self.num_processes)
+        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh)
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)

@@ -14,8 +14,12 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from cloudtrain.config import Config
+from cloudtrain.distributed import deepspeed_requested, fsdp_requested, launched_processes
+from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
 from cloudtrain.registry import TRAINERS
+from cloudtrain.tasks.base import Task
 from cloudtrain.trainers.base import (
     StepStats,
     Trainer,
@@ -32,6 +36,16 @@ TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain
 class BasicTrainer(Trainer):
     name = "basic"
     summary = "plain PyTorch loop"
+    follows_launcher = False
+
+    @classmethod
+    def check_options(cls, cfg: Config, task: Task) -> None:
+        super().check_options(cfg, task)
+        if launched_processes() > 1 or deepspeed_requested(cfg) or fsdp_requested(cfg):
+            raise UserError(
+                "the BasicTrainer runs one process without DeepSpeed or FSDP; "
+                "use --training_type accelerated for multi-process, DeepSpeed and FSDP runs"
+            )
 
     def setup(self) -> None:
         self.device = self.runtime.device

@@ -25,6 +25,7 @@ Does not support: classification; adapters (--peft); DeepSpeed or FSDP; fp16; --
 --per_device_train_batch_size auto; sample generations during evaluation (`generate` the saved model).
 """
 
+import dataclasses
 import json
 import math
 import time
@@ -39,13 +40,14 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from transformers import PreTrainedModel
 
 from cloudtrain import stages as stage_split
-from cloudtrain.config import Config
+from cloudtrain.config import Config, DistributedConfig
 from cloudtrain.data_processing import ProcessedData
 from cloudtrain.distributed import deepspeed_requested, fsdp_requested, launched_processes
 from cloudtrain.errors import UserError
 from cloudtrain.flops import ModelFlops
 from cloudtrain.hardware import autocast
 from cloudtrain.packing import IGNORE_INDEX
+from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.registry import TRAINERS
 from cloudtrain.runtime import PipelineRuntime, Runtime
 from cloudtrain.tasks.base import DecoderTask, Task
@@ -102,12 +104,22 @@ class PipelineTrainer(Trainer):
     name = "pipeline"
     summary = "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun"
 
-    @staticmethod
-    def data_parallel(cfg: Config, processes: int) -> int:
-        return max(1, processes // cfg.distributed.pipeline_parallel_size)  # a wrong launch is refused in check_options
+    own_options = tuple(f.name for f in dataclasses.fields(DistributedConfig) if f.name.startswith("pipeline_"))
+
+    @classmethod
+    def mesh(cls, cfg: Config, processes: int) -> Mesh:
+        """Pipelines of --pipeline_parallel_size processes, replicated data-parallel (a launch that does not fit
+        is refused in check_options)."""
+        pp = cfg.distributed.pipeline_parallel_size
+        return Mesh(world=processes, dp_replicate=max(1, processes // pp), pp=pp)
+
+    @classmethod
+    def launch(cls, cfg: Config) -> Runtime:
+        return PipelineRuntime(cfg.distributed.pipeline_parallel_size, cfg.distributed.collective_timeout)
 
     @classmethod
     def check_options(cls, cfg: Config, task: Task) -> None:
+        super().check_options(cfg, task)
         d, t = cfg.distributed, cfg.training
         pp, world = d.pipeline_parallel_size, launched_processes()
         schedule = schedule_problem(d.pipeline_schedule, pp, d.pipeline_stages_per_rank, d.pipeline_microbatches)
@@ -119,7 +131,7 @@ class PipelineTrainer(Trainer):
         problems = [
             (pp < 2, f"--pipeline_parallel_size {pp}: a pipeline needs at least 2 processes"),
             (
-                world % pp != 0 or world < pp,
+                not cls.mesh(cfg, world).fits,
                 f"--training_type pipeline with --pipeline_parallel_size {pp} needs a multiple of {pp} processes "
                 f"(this launch has {world}): torchrun --nproc_per_node {pp} src/training_application.py ...",
             ),
