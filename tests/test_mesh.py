@@ -46,5 +46,6 @@ def test_a_checkpoint_resumes_only_on_the_mesh_that_wrote_it(tmp_path):
 
 def test_options_of_another_trainer_are_refused_by_name():
     cfg = build_config({"training_type": "basic", "pipeline_microbatches": 8})
-    with pytest.raises(UserError, match="--pipeline_microbatches needs --training_type pipeline \\(this run is basic\\)"):
+    message = "--pipeline_microbatches needs --training_type pipeline \\(this run is basic\\)"
+    with pytest.raises(UserError, match=message):
         TRAINERS["basic"].check_options(cfg, None)
