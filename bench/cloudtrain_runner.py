@@ -11,7 +11,7 @@ from common import Spec, StepClock, prepare
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks import build_task
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers import TRAINERS
+from cloudtrain.training import TRAINERS
 
 
 def run(spec: Spec) -> dict:

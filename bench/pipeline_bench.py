@@ -161,9 +161,9 @@ def rank_main(result_dir: str, app_args: list[str]) -> int:
         os.environ.setdefault(name, value)
     sys.path.insert(0, str(ENTRY.parent))  # as `python src/training_application.py` has it
     from cloudtrain import cli
-    from cloudtrain.trainers.accelerated import AcceleratedTrainer
-    from cloudtrain.trainers.basic import BasicTrainer
-    from cloudtrain.trainers.pipeline import PipelineTrainer
+    from cloudtrain.training.accelerated import AcceleratedTrainer
+    from cloudtrain.training.basic import BasicTrainer
+    from cloudtrain.training.pipeline import PipelineTrainer
 
     marks: list[tuple[float, float, float]] = []  # (wall, on a core, waiting for a core) at each step's end
     peak_at_last_step = [0.0]

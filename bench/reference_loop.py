@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
 from cloudtrain.data_processing import eval_dataloader, train_dataloader
-from cloudtrain.trainers.base import adamw_kernel
+from cloudtrain.training.optim import adamw_kernel
 
 
 def optimizer_for(model: torch.nn.Module, cfg) -> torch.optim.Optimizer:

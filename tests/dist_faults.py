@@ -15,7 +15,7 @@ import sys
 import time
 
 from cloudtrain.cli import main
-from cloudtrain.trainers.base import Trainer
+from cloudtrain.training.trainer import Trainer
 
 
 def install(faults: dict, setattr=setattr) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from cloudtrain.config import build_config
 from cloudtrain.pipeline import build_run
-from cloudtrain.trainers.base import set_epoch
+from cloudtrain.training.trainer import set_epoch
 
 
 def main() -> None:

@@ -9,7 +9,8 @@ from datasets import Dataset
 
 from cloudtrain.config import build_config
 from cloudtrain.data_processing import LengthGroupedSampler, ProcessedData, train_dataloader
-from cloudtrain.trainers.base import build_optimizer, peak_flops
+from cloudtrain.flops import peak_flops
+from cloudtrain.training.optim import build_optimizer
 
 RUNNERS = ("basic", "accelerated", "reference", "hf_trainer")
 

@@ -13,7 +13,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from cloudtrain.flops import ModelFlops, attention_dims, matmul_parameters, sum_squared_lengths
+from cloudtrain.flops import ModelFlops, attention_dims, matmul_parameters, peak_flops, sum_squared_lengths
 
 
 def total_parameters(model: torch.nn.Module) -> int:
@@ -175,16 +175,16 @@ def test_logged_mfu_uses_the_matmul_and_attention_flops(trainer_name, tiny_model
     matmul + attention FLOPs over time and peak, not 6 x all parameters x tokens."""
     from test_training import tiny_setup
 
-    import cloudtrain.trainers as trainers
+    import cloudtrain.training as training
     from cloudtrain.tracking import read_metrics
-    from cloudtrain.trainers import base
+    from cloudtrain.training import hooks
 
     peak = 1e12
-    monkeypatch.setattr(base, "peak_flops", lambda device: peak)
+    monkeypatch.setattr(hooks, "peak_flops", lambda device: peak)
     trainer = tiny_setup(
         tiny_model_dir,
         tmp_path,
-        getattr(trainers, trainer_name),
+        getattr(training, trainer_name),
         max_steps=4,
         per_device_train_batch_size=4,
         logging_steps=4,
@@ -198,3 +198,23 @@ def test_logged_mfu_uses_the_matmul_and_attention_flops(trainer_name, tiny_model
     assert flops.flops_per_token(min(lengths)) <= flops_per_token * (1 + 1e-6)
     assert flops_per_token <= flops.flops_per_token(max(lengths)) * (1 + 1e-6)
     assert flops_per_token < 0.6 * 6 * total_parameters(trainer.model)  # the tiny model is mostly embeddings
+
+
+@pytest.mark.parametrize(
+    "name, peak",
+    [
+        ("NVIDIA H100 80GB HBM3", 989e12),
+        ("NVIDIA A100-SXM4-40GB", 312e12),
+        ("NVIDIA A10G", 70e12),
+        ("NVIDIA A10", 125e12),
+        ("NVIDIA L40S", 362e12),
+        ("NVIDIA L4", 121e12),
+        ("NVIDIA GeForce RTX 4090", None),
+    ],
+)
+def test_the_peak_is_that_of_the_first_table_key_in_the_device_name(name, peak, monkeypatch):
+    """A key that is part of another (L4 of L40S, A10 of A100 and A10G) must not take its place; a GPU not
+    in the table, and a CPU, have no peak (no MFU is logged)."""
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert peak_flops(torch.device("cuda", 0)) == peak
+    assert peak_flops(torch.device("cpu")) is None

@@ -13,7 +13,7 @@ from conftest import REPO, child_auto_precision, run_cli
 
 from cloudtrain import hardware
 from cloudtrain.config import build_config
-from cloudtrain.trainers import BasicTrainer
+from cloudtrain.training import BasicTrainer
 
 
 @pytest.mark.parametrize("explicit", ["no", "fp16", "bf16"])

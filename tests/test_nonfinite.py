@@ -14,7 +14,7 @@ from cloudtrain.distributed import check_distributed
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.tasks.classification import ClassificationTask
 from cloudtrain.tracking import read_metrics
-from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
+from cloudtrain.training import AcceleratedTrainer, BasicTrainer
 
 SRC = str(Path(cloudtrain.__file__).parent)
 READS = ("__bool__", "item", "tolist", "__float__", "__int__", "cpu", "numpy")

@@ -9,15 +9,17 @@ from datasets import Dataset, DatasetDict
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+from cloudtrain.checkpointing import Checkpointer
 from cloudtrain.config import DataConfig, ModelConfig, build_config, validate
 from cloudtrain.data_processing import process_data
 from cloudtrain.distributed import build_accelerator
+from cloudtrain.errors import TrainingStopped
 from cloudtrain.model_loading import load_model
 from cloudtrain.pipeline import run_training
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks.classification import ClassificationTask
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers import AcceleratedTrainer, BasicTrainer
+from cloudtrain.training import AcceleratedTrainer, BasicTrainer, Hook, LoopState, Request
 
 
 def tiny_setup(tiny_model_dir, tmp_path, trainer_cls, **overrides):
@@ -135,3 +137,38 @@ def test_run_writes_every_output(tiny_model_dir, topic_csvs, tmp_path):
     assert [e["step"] for e in events if "eval/accuracy" in e] == [3, 6]  # mid-run, then the final one
     assert json.loads((out / "eval_results.json").read_text())["samples"] == 12 == results["eval"]["samples"]
     assert results["test"]["samples"] == 12
+
+
+def test_a_new_concern_is_one_hook(tiny_model_dir, tmp_path, monkeypatch):
+    """A hook added to Trainer.hooks runs after every step; a step where it is due is a sync point (the
+    device flags are read there), and a Request with a reason stops the run once the checkpoint hook,
+    which runs last, has saved."""
+
+    class EveryThirdStep(Hook):
+        def __init__(self):
+            self.seen: list[tuple[int, bool]] = []
+
+        def due(self, loop: LoopState) -> bool:
+            return loop.step % 3 == 0
+
+        def on_step_end(self, loop: LoopState) -> Request | None:
+            self.seen.append((loop.step, loop.sync))
+            return Request("stopped by the test at step 6", "nothing to do", 5) if loop.step == 6 else None
+
+    hook, real = EveryThirdStep(), BasicTrainer.hooks
+
+    def hooks(self, checkpointer, preemption):
+        *concerns, checkpoint = real(self, checkpointer, preemption)
+        return [*concerns, hook, checkpoint]
+
+    monkeypatch.setattr(BasicTrainer, "hooks", hooks)
+    trainer = tiny_setup(
+        tiny_model_dir, tmp_path, BasicTrainer, max_steps=10, per_device_train_batch_size=2, logging_steps=4
+    )
+    checkpointer = Checkpointer(trainer.cfg, tmp_path / "checkpoints", tmp_path, True, lambda: None)
+    with pytest.raises(TrainingStopped) as stopped:
+        trainer.fit(checkpointer)
+    saved = tmp_path / "checkpoints" / "checkpoint-6"
+    assert str(stopped.value) == f"stopped by the test at step 6; checkpoint saved to {saved}: nothing to do"
+    assert stopped.value.exit_code == 5 and saved.is_dir()
+    assert hook.seen == [(1, False), (2, False), (3, True), (4, True), (5, False), (6, True)]  # 4: a logging step

@@ -26,6 +26,9 @@ of MiniLM); and recomputation under activation checkpointing. The backward pass 
 every matmul weight: when the frozen parts come first (a frozen base under a trainable head), autograd
 stops earlier and the true count lies below 4N + 2N_t. If the config gives no layer count or width,
 the attention term is left out (`ModelFlops.attention` is False).
+
+The MFU divides by the device's dense bf16/fp16 tensor-core peak (PEAK_FLOPS), so an fp32 run reads
+low; on a CPU or a GPU not in the table no MFU is logged.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["ModelFlops", "attention_dims", "matmul_parameters", "sum_squared_lengths"]
+__all__ = ["PEAK_FLOPS", "ModelFlops", "attention_dims", "matmul_parameters", "peak_flops", "sum_squared_lengths"]
 
 
 def _numel(p: torch.nn.Parameter) -> int:
@@ -161,3 +164,26 @@ class ModelFlops:
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token when every sequence has `seq_len` real tokens."""
         return self.dense_flops_per_token + self.attention_flops(seq_len * seq_len) / max(seq_len, 1)
+
+
+# Dense bf16/fp16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name(). The first key
+# found in the name wins, so a key that is part of another (L4 of L40S, A10 of A100 and A10G) comes after it.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "A10G": 70e12,
+    "L40S": 362e12,
+    "L4": 121e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
+
+
+def peak_flops(device: torch.device) -> float | None:
+    """The device's peak FLOPS, or None (CPU, or a GPU not in PEAK_FLOPS): then no MFU is logged."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)

@@ -109,6 +109,28 @@ def peak_memory(device: torch.device) -> list[float]:
     return [rss / (GIB if sys.platform == "darwin" else 2**20), 0.0]
 
 
+def interval_values(by_process: list[list[float]], device: torch.device) -> dict:
+    """Step time, data share and peak memory from every process's [steps, step s, data s, forward s,
+    memory, reserved memory] of the interval (`Meter.flush`); empty with --monitoring false."""
+    if not measured(by_process):
+        return {}
+    steps = sum(p[0] for p in by_process)
+    step_s, data_s = sum(p[1] for p in by_process), sum(p[2] for p in by_process)
+    values = {
+        "train/step_time_s": step_s / steps,
+        "train/data_time_share": data_s / max(step_s, 1e-9),
+        "train/peak_memory_gib": max(p[4] for p in by_process),
+    }
+    if device.type == "cuda":
+        values["train/peak_reserved_gib"] = max(p[5] for p in by_process)
+    return values
+
+
+def measured(by_process: list[list[float]]) -> bool:
+    """Whether the interval brought every process's clock (--monitoring true, and a step was timed)."""
+    return bool(by_process and by_process[0] and by_process[0][0])
+
+
 class RunningStats:
     """Mean and standard deviation of the last WINDOW accepted values."""
 
@@ -140,6 +162,17 @@ class AnomalyDetector:
         self.throughputs: deque[float] = deque(maxlen=WINDOW)
         self.slow = 0  # logging intervals in a row under half the median throughput
         self.straggler: int | None = None  # the process reported as a straggler, while it stays one
+
+    def check(self, step: int, interval: dict) -> list[Anomaly]:
+        """The anomalies of the logging interval that ends at `step` (its numbers from `Meter.flush`)."""
+        first = step - len(interval["step_losses"]) + 1
+        found = self.check_steps(list(range(first, step + 1)), interval["step_losses"], interval["grad_norms"])
+        by_process = interval["by_process"]
+        if measured(by_process):
+            step_s = sum(p[1] for p in by_process) / len(by_process)
+            work = [(p[2] + p[3]) / max(p[0], 1) for p in by_process]  # data + forward: no waiting on others
+            found += self.check_interval(step, interval["tokens"] / max(step_s, 1e-9), work)
+        return found
 
     def check_steps(self, steps: list[int], losses: list[float], grad_norms: list[float]) -> list[Anomaly]:
         found = []

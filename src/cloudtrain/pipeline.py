@@ -41,7 +41,7 @@ from cloudtrain.runtime import Runtime
 from cloudtrain.saving import holds_model, remove_model, write_results
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.tracking import RunLog, check_trackers
-from cloudtrain.trainers import TRAINERS, Trainer, count_parameters
+from cloudtrain.training import TRAINERS, Trainer, count_parameters
 
 
 def resolve_output_dir(cfg: Config) -> Path:

@@ -289,7 +289,7 @@ def pipeline_candidates(m: "ModelFacts", setup: "Setup", per_gpu: int, micro_bat
     """Pipeline + data parallel for every pp dividing the GPUs and every schedule, with and without checkpointing,
     fastest first; none for a model the trainer cannot cut or under fp16. A pipeline takes pp x `per_gpu` examples
     per optimizer step, in micro-batches of `micro_batch`."""
-    from cloudtrain.trainers.pipeline import schedule_problem
+    from cloudtrain.training.pipeline import schedule_problem
 
     if m.stages is None or setup.mixed_precision == "fp16":
         return []

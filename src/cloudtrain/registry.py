@@ -45,4 +45,4 @@ class Registry(Generic[T]):
 
 
 TASKS: Registry = Registry("--task", "cloudtrain.tasks")
-TRAINERS: Registry = Registry("--training_type", "cloudtrain.trainers")
+TRAINERS: Registry = Registry("--training_type", "cloudtrain.training")

@@ -52,8 +52,10 @@ from cloudtrain.registry import TRAINERS
 from cloudtrain.runtime import PipelineRuntime, Runtime
 from cloudtrain.tasks.base import DecoderTask, Task
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers.base import StepStats, Trainer, count_parameters
-from cloudtrain.trainers.basic import rng_state, set_rng_state
+from cloudtrain.training.basic import rng_state, set_rng_state
+from cloudtrain.training.meter import StepStats
+from cloudtrain.training.trainer import Trainer
+from cloudtrain.training.weights import count_parameters
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 LAYOUT = "pipeline.json"  # how the checkpoint's stages were cut; a resume must cut the same way

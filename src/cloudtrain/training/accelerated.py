@@ -26,14 +26,9 @@ from cloudtrain.registry import TRAINERS
 from cloudtrain.runtime import Runtime, join_launch, set_collective_timeout
 from cloudtrain.tasks.base import Task
 from cloudtrain.tracking import RunLog
-from cloudtrain.trainers.base import (
-    StepStats,
-    Trainer,
-    load_trainable_state,
-    save_pretrained,
-    trainable_state,
-    trains_everything,
-)
+from cloudtrain.training.meter import StepStats
+from cloudtrain.training.trainer import Trainer
+from cloudtrain.training.weights import load_trainable_state, save_pretrained, trainable_state, trains_everything
 
 
 @TRAINERS.register

@@ -20,14 +20,9 @@ from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
-from cloudtrain.trainers.base import (
-    StepStats,
-    Trainer,
-    load_trainable_state,
-    save_pretrained,
-    trainable_state,
-    trains_everything,
-)
+from cloudtrain.training.meter import StepStats
+from cloudtrain.training.trainer import Trainer
+from cloudtrain.training.weights import load_trainable_state, save_pretrained, trainable_state, trains_everything
 
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
 

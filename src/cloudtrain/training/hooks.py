@@ -1,0 +1,310 @@
+"""The training loop's concerns, one hook each: `Trainer.fit` runs a step, then its hooks.
+
+After every optimizer step the loop calls each hook's `on_step_end(loop)`, in order. A hook reads what it
+needs from `loop` (a `LoopState`: the step, the run's state, the interval's numbers) and may return a
+`Request`: a checkpoint now, whatever the schedule, and, with a reason, the end of the run once it is saved.
+
+A step where any hook is `due` (it logs, evaluates or saves there) is a sync point: the loop waits on the
+device there anyway, so the flags kept on the device (non-finite steps, SIGTERM) are read then and only
+then (`loop.sync`). Their hooks come first, so nothing is logged, evaluated or saved before they are read,
+and every process agrees on what comes next.
+
+The hooks, in the order `Trainer.hooks` runs them:
+    NonfiniteHook    stop on a nan/inf loss, or count the skipped steps (--nonfinite_loss)
+    PreemptionHook   SIGTERM on any process: a checkpoint, then stop (exit status 143)
+    LoggingHook      the interval's loss, learning rate, throughput, MFU and step-time numbers to the run log
+                     (metrics.jsonl and the --report_to trackers) and one console line
+    AnomalyHook      the monitoring detector's warnings (--monitoring); --on_anomaly checkpoint or stop
+    EvaluationHook   the validation split on --eval_strategy, and before the first step (--eval_on_start)
+    CheckpointHook   a checkpoint on its schedule, or now when a hook above asked for one
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm.auto import tqdm
+
+from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState
+from cloudtrain.errors import TrainingStopped
+from cloudtrain.evaluation import scalar_metrics
+from cloudtrain.flops import peak_flops
+from cloudtrain.monitoring import AnomalyDetector, interval_values, peak_memory
+from cloudtrain.runtime import Runtime
+from cloudtrain.training.meter import Meter, StepStats
+from cloudtrain.training.nonfinite import NonfiniteGuard
+
+if TYPE_CHECKING:
+    from cloudtrain.training.trainer import Trainer
+
+RESUME = "continue with --resume_from_checkpoint latest"
+
+
+@dataclass(frozen=True)
+class Request:
+    """What a hook asks of the loop after a step: a checkpoint now, whatever the schedule; with a `reason`,
+    also the end of the run once it is saved."""
+
+    reason: str = ""  # "stopped by SIGTERM at step 7"; empty: the run goes on
+    advice: str = ""  # what to do next, said after where the checkpoint is
+    exit_code: int = 0
+    quiet: bool = False  # this process prints no error line: another prints the same
+
+    def stopped(self, saved: Path | None) -> TrainingStopped:
+        where = f"checkpoint saved to {saved}" if saved else "no checkpoint (none configured)"
+        return TrainingStopped(f"{self.reason}; {where}: {self.advice}", self.exit_code, quiet=self.quiet)
+
+
+@dataclass
+class LoopState:
+    """What the loop shares with its hooks. `state` is what a checkpoint keeps; the rest lasts one run."""
+
+    state: TrainerState  # the step count, the run's totals, the evaluations so far
+    total_steps: int
+    steps_per_epoch: int
+    meter: Meter  # the sums since the last logging step, on the device
+    guard: NonfiniteGuard  # the non-finite steps since the last sync point, on the device
+    bar: tqdm  # the progress bar (the main process's); hooks print through `bar.write`
+    # Set anew after each step, for the hooks after it:
+    stats: StepStats | None = None  # the step's loss sum, count and gradient norm, on the device
+    sync: bool = False  # a hook is due: the loop syncs here, and the device flags are read
+    interval: dict | None = None  # at a logging step: the interval's totals over every process (Meter.flush)
+    requests: list[Request] = field(default_factory=list)  # what the hooks so far asked for
+    saved: Path | None = None  # the checkpoint saved after this step
+
+    @property
+    def step(self) -> int:
+        return self.state.global_step
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.total_steps
+
+    @property
+    def epoch(self) -> float:
+        return self.step / self.steps_per_epoch
+
+    @property
+    def end_of_epoch(self) -> bool:
+        return self.step % self.steps_per_epoch == 0
+
+    def step_ended(self, stats: StepStats) -> None:
+        """Count the step, and forget what the hooks of the step before found."""
+        self.state.global_step += 1
+        self.bar.update(1)
+        self.stats, self.sync, self.interval, self.requests, self.saved = stats, False, None, [], None
+
+
+class Hook:
+    """One concern of the training loop; a subclass overrides what it needs (the defaults do nothing)."""
+
+    # What the run was doing when a collective in this hook fails (the error names it); None: the step's.
+    phase: str | None = None
+
+    def on_train_start(self, loop: LoopState) -> None:
+        """Once, before the first step of this process (after a resume, the first one left)."""
+
+    def due(self, loop: LoopState) -> bool:
+        """Whether this hook logs, evaluates or saves after this step; the same on every process."""
+        return False
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        """After every step, in the hooks' order."""
+        return None
+
+
+class NonfiniteHook(Hook):
+    """At each sync point: stop on a non-finite loss since the last one (the default), or count the
+    steps skipped for it (--nonfinite_loss skip)."""
+
+    def __init__(self, trainer: Trainer, checkpointer: Checkpointer | None):
+        self.skip = trainer.cfg.checkpoint.nonfinite_loss == "skip"
+        self.run_log, self.checkpointer = trainer.run_log, checkpointer
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if not loop.sync:
+            return None
+        count, first = loop.guard.read()
+        if count and self.skip:
+            loop.state.skipped_steps += count
+            self.run_log.log({"train/skipped_steps": loop.state.skipped_steps}, step=loop.step)
+        elif count:
+            last = self.checkpointer.latest() if self.checkpointer else None
+            where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
+            raise TrainingStopped(
+                f"the loss became non-finite at step {first}; training stopped and no model "
+                f"was saved ({where}). Lower --learning_rate or use --nonfinite_loss skip",
+                1,
+            )
+        return None
+
+
+class PreemptionHook(Hook):
+    """At each sync point: whether any process received SIGTERM (one small collective); then a
+    checkpoint, and stop."""
+
+    def __init__(self, runtime: Runtime, signal: PreemptionSignal):
+        self.runtime, self.signal = runtime, signal
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if loop.sync and self.runtime.agree([self.signal.received])[0]:
+            return Request(f"stopped by SIGTERM at step {loop.step}", RESUME, 143)
+        return None
+
+
+class LoggingHook(Hook):
+    """Every --logging_steps steps and at the last: the interval's numbers, added over every process in one
+    all-reduce, to the run log and as one console line. Throughput counts samples and real (non-padding)
+    tokens; the MFU is logged where the device's peak is known (cloudtrain.flops)."""
+
+    phase = "the logging step's all-reduce"
+
+    def __init__(self, trainer: Trainer, device: torch.device):
+        self.trainer, self.device = trainer, device
+        self.every = trainer.cfg.training.logging_steps
+        self.monitoring = trainer.cfg.monitoring.monitoring
+        self.peak = peak_flops(device)
+
+    def due(self, loop: LoopState) -> bool:
+        return loop.done or loop.step % self.every == 0
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if not self.due(loop):
+            return None
+        # this process's step times and memory, for train/step_time_s and the anomaly detector
+        local = self.trainer.clock.read() + peak_memory(self.device) if self.monitoring else None
+        loop.interval = loop.meter.flush(local)
+        values = self._values(loop, loop.interval)
+        self.trainer.run_log.log(values, step=loop.step)
+        if self.trainer.is_main_process:
+            loop.bar.write(self._line(loop, values))
+        return None
+
+    def _values(self, loop: LoopState, interval: dict) -> dict:
+        trainer = self.trainer
+        values = {
+            "train/loss": interval["loss"],
+            "train/learning_rate": trainer.scheduler.get_last_lr()[0],
+            "train/epoch": round(loop.epoch, 4),
+            "train/samples_per_s": interval["samples_per_s"],
+            "train/tokens_per_s": interval["tokens_per_s"],
+        }
+        if loop.stats is not None and loop.stats.grad_norm is not None:
+            values["train/grad_norm"] = float(loop.stats.grad_norm)  # the last step's; a host read
+        if self.peak:
+            flops = trainer.flops.training_flops(interval["tokens"], interval["squared_lengths"])
+            values["train/mfu"] = flops / interval["seconds"] / trainer.num_processes / self.peak
+        values.update(interval_values(interval["by_process"], self.device))
+        return values
+
+    @staticmethod
+    def _line(loop: LoopState, values: dict) -> str:
+        line = (
+            f"step {loop.step}/{loop.bar.total} | epoch {loop.epoch:.2f} | loss {values['train/loss']:.4f}"
+            f" | lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s"
+            f" | {values['train/tokens_per_s']:.0f} tokens/s"
+        )
+        if "train/mfu" in values:
+            line += f" | MFU {values['train/mfu']:.1%}"
+        if "train/step_time_s" in values:
+            line += (
+                f" | {values['train/step_time_s'] * 1000:.0f} ms/step, data {values['train/data_time_share']:.0%}"
+                f" | peak {values['train/peak_memory_gib']:.2f} GiB"
+            )
+        return line
+
+
+class AnomalyHook(Hook):
+    """At each logging step: the detector's verdict on the interval (cloudtrain.monitoring), warned about
+    and logged as events. Every process sees the same numbers, so all agree on --on_anomaly without
+    another collective: checkpoint, or checkpoint and stop (at the last step the model is saved anyway)."""
+
+    def __init__(self, trainer: Trainer):
+        runtime = trainer.runtime
+        places = runtime.gather_objects(f"node {runtime.node}, {runtime.host}")  # to name a straggler
+        self.detector = AnomalyDetector(trainer.cfg.monitoring, places)
+        self.action = trainer.cfg.monitoring.on_anomaly
+        self.run_log, self.is_main = trainer.run_log, trainer.is_main_process
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if loop.interval is None:
+            return None
+        found = self.detector.check(loop.step, loop.interval)
+        for anomaly in found:
+            self.run_log.event(anomaly.kind, anomaly.message, anomaly.value, step=anomaly.step)
+            if self.is_main:
+                loop.bar.write(f"warning: {anomaly.message}")
+        if not found or self.action == "warn":
+            return None
+        if self.action == "stop" and not loop.done:
+            return Request(
+                f"stopped at step {loop.step} on {found[0].kind.replace('_', ' ')} (--on_anomaly stop)",
+                f"look at the run, then {RESUME}",
+                3,
+                quiet=not self.is_main,
+            )
+        return Request()  # a checkpoint of the moment
+
+
+class EvaluationHook(Hook):
+    """The validation metrics every --eval_steps steps or at each epoch's end (--eval_strategy), and before
+    the first step with --eval_on_start; none after the last step (the run evaluates its final model)."""
+
+    phase = "evaluation"
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, t = trainer, trainer.cfg.training
+        self.strategy, self.every, self.on_start = t.eval_strategy, t.eval_steps, t.eval_on_start
+
+    def on_train_start(self, loop: LoopState) -> None:
+        if self.on_start and loop.step == 0:
+            self._evaluate(loop)
+
+    def due(self, loop: LoopState) -> bool:
+        return not loop.done and (
+            (self.strategy == "steps" and loop.step % self.every == 0)  # type: ignore[operator]  # config checks it is set
+            or (self.strategy == "epoch" and loop.end_of_epoch)
+        )
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if self.due(loop):
+            self._evaluate(loop)
+        return None
+
+    def _evaluate(self, loop: LoopState) -> None:
+        trainer, state = self.trainer, loop.state
+        metrics = trainer.evaluate("validation")
+        state.evaluations.append({"step": state.global_step, **scalar_metrics(metrics, "")})
+        trainer.log_evaluation(metrics, "eval", state.global_step)
+        if trainer.is_main_process:
+            loop.bar.write(f"eval @ step {state.global_step}: {trainer.task.describe_metrics(metrics)}")
+
+
+class CheckpointHook(Hook):
+    """A checkpoint every --checkpointing_steps steps or at each epoch's end (`Checkpointer.due`), or when a
+    hook above asked for one; every process writes its part. It runs last, after the hooks that may ask."""
+
+    phase = "saving a checkpoint"
+
+    def __init__(self, trainer: Trainer, checkpointer: Checkpointer):
+        self.trainer, self.checkpointer = trainer, checkpointer
+
+    def due(self, loop: LoopState) -> bool:
+        return self.checkpointer.due(loop.step, loop.end_of_epoch)
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if self.due(loop) or loop.requests:
+            loop.saved = self._save(loop)
+        return None
+
+    def _save(self, loop: LoopState) -> Path:
+        trainer, state = self.trainer, loop.state
+        runtime_s = trainer.runtime.share(state.runtime_s + loop.meter.elapsed())  # every node writes the same
+        snapshot = dataclasses.replace(state, interval=loop.meter.pending(), runtime_s=runtime_s)
+        return self.checkpointer.save(
+            state.global_step, trainer.write_checkpoint, type(trainer).__name__, trainer.runtime.mesh, snapshot
+        )

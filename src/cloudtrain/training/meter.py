@@ -1,0 +1,103 @@
+"""What the loop counts between logging steps, without waiting on the host.
+
+Examples (rows), real (non-padding) tokens, the summed loss, the summed squared sequence lengths (for
+the attention FLOPs) and what the loss sums over stay on the device from step to step; `Meter.flush`
+adds them over every process into the run's totals in one all-reduce, at the logging step.
+"""
+
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cloudtrain.checkpointing import TrainerState
+from cloudtrain.flops import sum_squared_lengths
+from cloudtrain.runtime import Runtime
+
+
+@dataclass
+class StepStats:
+    """What a trainer's `backward_window` returns for one optimizer step."""
+
+    loss_sum: torch.Tensor  # this process's summed loss over the window, detached, still on the device
+    count: torch.Tensor  # what it sums over (rows or tokens), on the device
+    grad_norm: torch.Tensor | float | None  # before clipping; None when clipping is off
+
+
+class Meter:
+    """The sums since the last logging step, over applied steps only; and each step's summed loss, count
+    and gradient norm (for the anomaly detector). `flush` turns them into the interval's numbers."""
+
+    def __init__(self, runtime: Runtime, state: TrainerState, device: torch.device):
+        self.reduce_sum, self.state = runtime.reduce_sum, state
+        self.processes, self.index = runtime.count, runtime.index
+        self.start = self.last = time.perf_counter()
+        sums = list(state.interval) + [0.0] * (4 - len(state.interval))  # checkpoints before the 4th sum had 3
+        if len(sums) == 4:  # ... and before the 5th, the loss summed over examples
+            sums.append(sums[0])
+        self.interval = torch.tensor(sums, dtype=torch.float64, device=device)
+        self.steps: list[torch.Tensor] = []  # per step since the last flush: [loss sum, count, grad norm]
+
+    def add(self, window: list[dict], stats: StepStats, applied: torch.Tensor) -> None:
+        masks = [batch["attention_mask"] for batch in window]  # real tokens (a causal LM's model never sees it)
+        loss_sum = stats.loss_sum.double()
+        values = torch.stack(
+            [
+                sum(m.any(dim=1).sum() for m in masks).to(loss_sum),  # rows with a real token (a pipeline pads)
+                sum(m.sum() for m in masks).to(loss_sum),
+                loss_sum,
+                sum(sum_squared_lengths(m) for m in masks).to(loss_sum),  # type: ignore[union-attr]  # masks: not empty
+                stats.count.to(loss_sum),
+            ]
+        )
+        self.interval += torch.where(applied, values, 0.0)  # a skipped step's nan must not reach the sums
+        self.steps.append(torch.stack([loss_sum, values[4], self._norm(stats.grad_norm, loss_sum)]))
+
+    @staticmethod
+    def _norm(norm: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor:
+        """The gradient norm as a device scalar like `like`, without a blocking copy."""
+        if norm is None or isinstance(norm, float):  # DeepSpeed's is a float: a fill, not a blocking copy
+            return like.new_full((), math.nan if norm is None else norm)
+        if hasattr(norm, "full_tensor"):  # FSDP2's is a DTensor
+            return norm.full_tensor().to(like)
+        return norm.to(like)
+
+    def pending(self) -> list[float]:
+        """The not yet logged sums of every process (a collective), for a checkpoint."""
+        return self.reduce_sum(self.interval.clone()).cpu().tolist()
+
+    def flush(self, local: list[float] | None = None) -> dict:
+        """Totals since the last flush, from every process, in one collective. `local` (this process's own
+        numbers) comes back as `by_process`: every process's list, on every process."""
+        local = local or []
+        width, n = len(local), len(self.steps)
+        slots = torch.zeros(self.processes * width, dtype=torch.float64, device=self.interval.device)
+        slots[self.index * width : (self.index + 1) * width] = torch.tensor(local, dtype=torch.float64)
+        steps = torch.stack(self.steps).to(slots) if self.steps else torch.zeros(0, 3).to(slots)
+        norms = steps[:, 2] if self.index == 0 else torch.zeros_like(steps[:, 2])  # the same everywhere: once
+        total = self.reduce_sum(torch.cat([self.interval, steps[:, :2].flatten(), norms, slots])).cpu().tolist()
+        examples, tokens, loss_sum, squared_lengths, count = total[:5]
+        per_step, norms_read = total[5 : 5 + 2 * n], total[5 + 2 * n : 5 + 3 * n]
+        self.interval.zero_()
+        self.steps.clear()
+        now = time.perf_counter()
+        seconds, self.last = max(now - self.last, 1e-9), now
+        self.state.samples += int(examples)
+        self.state.tokens += int(tokens)
+        self.state.loss_sum += loss_sum
+        self.state.loss_count += int(count)
+        return {
+            "loss": loss_sum / max(count, 1),
+            "samples_per_s": examples / seconds,
+            "tokens_per_s": tokens / seconds,
+            "tokens": tokens,
+            "squared_lengths": squared_lengths,
+            "seconds": seconds,
+            "step_losses": [s / c if c else math.nan for s, c in zip(per_step[::2], per_step[1::2], strict=True)],
+            "grad_norms": norms_read,
+            "by_process": [total[5 + 3 * n + r * width : 5 + 3 * n + (r + 1) * width] for r in range(self.processes)],
+        }
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start

@@ -1,0 +1,431 @@
+"""The Trainer base: the outer loop every trainer runs, and what a subclass supplies.
+
+A subclass supplies only what differs between a plain PyTorch loop, accelerate and a pipeline: how the
+model and data are placed (`setup`), forward and backward over the micro-batches of one step
+(`backward_window`), the optimizer step, and how its state is written to and read from a checkpoint.
+Who this process is and how tensors meet across processes is the launch's `Runtime`; what the loss
+and the metrics are is the `Task`'s.
+
+`fit` is the outer loop: get a step's window of micro-batches, step, then the hooks (cloudtrain.training.
+hooks): logging, evaluation, checkpoints, the preemption check, anomaly handling, each one object; a new
+concern is a new hook in `Trainer.hooks`.
+
+Resuming is exact: each epoch's order comes from seed + epoch, consumed batches are skipped by
+index without being read, and RNG states, optimizer, schedule and logging sums are restored.
+
+The loss is normalised by the global count: the micro-batches of one optimizer step are fetched
+together, the task counts what their losses sum over (rows, or target tokens after the shift), and
+that count is summed over the window and all processes (one small all-reduce per step). Each
+micro-batch's summed loss is divided by it (times the process count, which DDP and DeepSpeed divide
+by when they average gradients), so the update equals that of one batch holding every example or
+token of the step: for uneven token counts, a short last window and unequal shards too.
+
+No host sync in the step: losses, counts and the non-finite flag stay on the device (cloudtrain.training.
+meter, .nonfinite). A nan/inf loss on any process (one small all-reduce) skips that step on the device
+(fused AdamW's `found_inf`); the flags are read, and SIGTERM agreed on, only where the loop syncs anyway
+(logging, evaluation and checkpoint steps, the last step), always before anything is logged, evaluated
+or saved.
+"""
+
+import contextlib
+import math
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import skip_first_batches
+from torch.utils.data import DataLoader
+from tqdm.auto import tqdm
+from transformers import PreTrainedModel
+
+from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
+from cloudtrain.config import PRECISIONS, Config, differs_from_default
+from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
+from cloudtrain.errors import TrainingStopped, UserError
+from cloudtrain.evaluation import scalar_metrics
+from cloudtrain.flops import ModelFlops
+from cloudtrain.monitoring import StepClock
+from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.registry import TRAINERS
+from cloudtrain.runtime import Runtime, collective_failure
+from cloudtrain.tasks.base import Task
+from cloudtrain.tracking import RunLog
+from cloudtrain.training.hooks import (
+    AnomalyHook,
+    CheckpointHook,
+    EvaluationHook,
+    Hook,
+    LoggingHook,
+    LoopState,
+    NonfiniteHook,
+    PreemptionHook,
+)
+from cloudtrain.training.meter import Meter, StepStats
+from cloudtrain.training.nonfinite import NonfiniteGuard
+from cloudtrain.training.optim import build_optimizer, build_scheduler
+from cloudtrain.training.weights import count_parameters
+
+
+@dataclass
+class TrainResult:
+    global_step: int = 0
+    epoch: float = 0.0
+    train_loss: float = float("nan")
+    runtime_s: float = 0.0
+    train_samples: int = 0
+    train_tokens: int = 0
+
+    @classmethod
+    def of(cls, loop: LoopState) -> "TrainResult":
+        state = loop.state
+        return cls(
+            global_step=state.global_step,
+            epoch=state.global_step / loop.steps_per_epoch,
+            train_loss=state.loss_sum / max(state.loss_count or state.samples, 1),
+            runtime_s=state.runtime_s + loop.meter.elapsed(),
+            train_samples=state.samples,
+            train_tokens=state.tokens,
+        )
+
+    def summary(self) -> dict:
+        runtime = max(self.runtime_s, 1e-9)
+        return {
+            "global_step": self.global_step,
+            "epoch": round(self.epoch, 4),
+            "train_loss": self.train_loss,
+            "train_runtime_s": round(self.runtime_s, 2),
+            "train_samples": self.train_samples,
+            "train_samples_per_s": round(self.train_samples / runtime, 2),
+            "train_tokens_per_s": round(self.train_tokens / runtime, 1),
+        }
+
+
+def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
+    """Group micro-batches into the windows of one optimizer step each (the last may be short)."""
+    window = []
+    for batch in batches:
+        window.append(batch)
+        if len(window) == size:
+            yield window
+            window = []
+    if window:
+        yield window
+
+
+def set_epoch(dataloader: DataLoader, epoch: int) -> None:
+    """accelerate's prepared loaders pass set_epoch on to the sampler; a plain loader is told directly."""
+    target: Any = dataloader if hasattr(dataloader, "set_epoch") else dataloader.sampler
+    target.set_epoch(epoch)
+
+
+class Trainer:
+    """The outer training loop; subclasses implement the device-specific parts."""
+
+    name = "trainer"  # the --training_type that picks it (cloudtrain.registry)
+    summary = ""  # a line for --help
+
+    def __init__(
+        self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime
+    ):
+        t = cfg.training
+        if t.mixed_precision not in PRECISIONS:  # a programming error: the pipeline resolves "auto" first
+            raise ValueError(f"mixed_precision {t.mixed_precision!r}: resolve it with hardware.resolve_precision")
+        self.cfg, self.task, self.model, self.data, self.run_log, self.runtime = (
+            cfg,
+            task,
+            model,
+            data,
+            run_log,
+            runtime,
+        )
+        self.is_main_process, self.num_processes = runtime.is_main, runtime.count
+        self.replicas = runtime.mesh.data_parallel  # each takes its own share of a step's rows
+        self.counts_batches = True  # whether this process's batches enter the logged sums (Meter)
+        self.checkpoint_owner = runtime.is_main  # writes a checkpoint's files shared by processes (Checkpointer)
+        self.train_dl: DataLoader = train_dataloader(data, self.loader_rows(t.micro_batch), t.seed, cfg.data)
+        eval_rows = self.loader_rows(t.per_device_eval_batch_size)
+        self.eval_dls = {"validation": eval_dataloader(data.validation, data, eval_rows, cfg.data)}
+        if data.test is not None:
+            self.eval_dls["test"] = eval_dataloader(data.test, data, eval_rows, cfg.data)
+        self.predict_dls = {
+            split: eval_dataloader(ds, data, eval_rows, cfg.data) for split, ds in data.unlabelled.items()
+        }
+        if t.torch_compile:
+            model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
+        self.optimizer = build_optimizer(model, cfg)
+        self.flops = ModelFlops.from_model(model)  # before setup(): DDP/DeepSpeed wrappers hide the config
+        self.clock = StepClock(runtime.device)  # this process's step, data and forward time (cloudtrain.monitoring)
+
+    # ------------------------------------------------------------ what subclasses provide
+    mode = "plain PyTorch"
+
+    own_options: tuple[str, ...] = ()  # options only this trainer reads; others refuse them
+    follows_launcher = True  # whether an accelerate config's settings (its mixed precision) apply to its runs
+
+    @classmethod
+    def mesh(cls, cfg: Config, processes: int) -> Mesh:
+        """How this trainer arranges the launch's `processes` (default: each holds the whole model: DDP)."""
+        return Mesh(world=processes, dp_replicate=processes)
+
+    @classmethod
+    def launch(cls, cfg: Config) -> Runtime:
+        """This process's runtime for the launch (process group, collectives); one process by default."""
+        return Runtime()
+
+    @classmethod
+    def check_options(cls, cfg: Config, task: Task) -> None:
+        """Reject what this trainer cannot run, before anything heavy is loaded; subclasses extend it."""
+        for other in TRAINERS:
+            changed = [name for name in other.own_options if other is not cls and differs_from_default(cfg, name)]
+            if changed:
+                raise UserError(f"--{changed[0]} needs --training_type {other.name} (this run is {cls.name})")
+
+    def setup(self) -> None:
+        raise NotImplementedError
+
+    def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
+        """Forward and backward over the micro-batches of one step, each summed loss times `scale` (the
+        process count over the step's global count); gradients summed, then clipped."""
+        raise NotImplementedError
+
+    def optimizer_step(self) -> None:
+        raise NotImplementedError
+
+    def skip_step(self) -> None:
+        """Drop the gradients of a step that is not applied."""
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def move(self, batch: dict) -> dict:
+        return batch
+
+    def store_per_node(self) -> None:
+        """Checkpoint folders are node-local: each node's first process must also write the shared files."""
+
+    def loader_rows(self, per_process: int) -> int:
+        """Rows a data loader yields per batch: one process's share (accelerate shards the loaders)."""
+        return per_process
+
+    def autocast(self):
+        raise NotImplementedError
+
+    def save_model(self, output_dir: Path) -> None:
+        raise NotImplementedError
+
+    def write_checkpoint(self, folder: Path) -> None:
+        raise NotImplementedError
+
+    def load_checkpoint(self, folder: Path) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ the loop
+    def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
+        """Train for the configured steps: get a step's window of micro-batches, step, then the hooks."""
+        loop = self._start(checkpointer, resume_from)
+        preemption = PreemptionSignal()  # SIGTERM only sets a flag while the loop runs
+        hooks = self.hooks(checkpointer, preemption)
+        for hook in hooks:
+            hook.on_train_start(loop)
+        self.phase = "the first step"
+        with self._collective_errors(loop.state), preemption, loop.bar:
+            for window in self._windows(loop):
+                self._step(window, loop)
+                self._after_step(hooks, loop)
+                if loop.done:
+                    break
+                self.clock.start_step()  # what the hooks did is not step time
+                self.phase = "loading the data"
+        return TrainResult.of(loop)
+
+    def hooks(self, checkpointer: Checkpointer | None, preemption: PreemptionSignal) -> list[Hook]:
+        """What runs after each step, in order (cloudtrain.training.hooks): the flag readers first, so
+        nothing is logged, evaluated or saved before they are read; the checkpoint last, after the hooks
+        that may ask for one."""
+        hooks: list[Hook] = [
+            NonfiniteHook(self, checkpointer),
+            PreemptionHook(self.runtime, preemption),
+            LoggingHook(self, self._device),
+        ]
+        if self.cfg.monitoring.monitoring:
+            hooks.append(AnomalyHook(self))
+        hooks.append(EvaluationHook(self))
+        if checkpointer:
+            hooks.append(CheckpointHook(self, checkpointer))
+        return hooks
+
+    def _start(self, checkpointer: Checkpointer | None, resume_from: Path | None) -> LoopState:
+        """Place model and data, build the schedule, resume, announce the run: the loop's starting state."""
+        if checkpointer:
+            self.checkpoint_owner = checkpointer.owner
+            if checkpointer.storage.per_node:
+                self.store_per_node()  # before setup(): DeepSpeed reads its checkpoint settings there
+        self.setup()
+        self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
+        t = self.cfg.training
+        steps_per_epoch = math.ceil(len(self.train_dl) / t.gradient_accumulation_steps)
+        total_steps = t.max_steps or math.ceil(t.num_train_epochs * steps_per_epoch)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg, total_steps)
+        state = self.resume(resume_from) if resume_from else TrainerState()
+        self._announce(steps_per_epoch, total_steps)
+        bar = tqdm(
+            total=total_steps,
+            initial=state.global_step,
+            desc="training",
+            dynamic_ncols=True,
+            disable=not self.is_main_process,
+        )
+        meter, guard = Meter(self.runtime, state, self._device), NonfiniteGuard(self._device, state.global_step)
+        return LoopState(state, total_steps, steps_per_epoch, meter, guard, bar)
+
+    def _windows(self, loop: LoopState) -> Iterator[list[dict]]:
+        """Each step's window of micro-batches, epoch after epoch, until the last step: each epoch's order
+        from seed + epoch; the batches a resumed run had consumed are skipped by index, unread."""
+        k = self.cfg.training.gradient_accumulation_steps
+        while not loop.done:
+            epoch, steps_done = divmod(loop.step, loop.steps_per_epoch)
+            set_epoch(self.train_dl, epoch)
+            batches = skip_first_batches(self.train_dl, steps_done * k) if steps_done else self.train_dl
+            self.clock.start_step()
+            yield from micro_batch_windows(batches, k)
+
+    def _step(self, window: list[dict], loop: LoopState) -> None:
+        """One optimizer step over a window of micro-batches; nothing in it waits on the host."""
+        window = [self.move(batch) for batch in window]
+        self.clock.data_ready()
+        self.phase = "the all-reduce of the step's token count"
+        scale = self._loss_scale(window)
+        self.phase = "forward and backward (the gradient all-reduce)"
+        stats = self.backward_window(window, scale)
+        self.phase = "the optimizer step"
+        bad = self.runtime.any_process(~torch.isfinite(stats.loss_sum))  # stays on the device
+        self.apply_step(bad)
+        loop.guard.add(bad)
+        loop.meter.add(window, stats, applied=~bad & self.counts_batches)
+        self.scheduler.step()
+        self.clock.end_step()
+        loop.step_ended(stats)
+
+    def _after_step(self, hooks: list[Hook], loop: LoopState) -> None:
+        """The hooks in order, then the stop one of them asked for (once its checkpoint is saved)."""
+        loop.sync = any(hook.due(loop) for hook in hooks)  # where the loop syncs anyway: the flags are read
+        for hook in hooks:
+            self.phase = hook.phase or self.phase
+            if request := hook.on_step_end(loop):
+                loop.requests.append(request)
+        if stop := next((request for request in loop.requests if request.reason), None):
+            raise stop.stopped(loop.saved)
+
+    @contextlib.contextmanager
+    def _collective_errors(self, state: TrainerState) -> Iterator[None]:
+        """A collective that fails or times out ends the run with one line: which process, doing what."""
+        try:
+            yield
+        except RuntimeError as err:  # gloo raises where the process waits; NCCL's watchdog names the operation
+            if not (what := collective_failure(err, self.cfg.distributed.collective_timeout)):
+                raise
+            raise TrainingStopped(
+                f"process {self.runtime.index} (node {self.runtime.node}) {what}, in {self.phase} after step "
+                f"{state.global_step}; see the other processes' logs (the launcher names the one that "
+                f"failed). Backend: {str(err).splitlines()[0][:160]}",
+                1,
+            ) from None
+
+    def _loss_scale(self, window: list[dict]) -> torch.Tensor:
+        """Process count / the step's count over all micro-batches and processes (one all-reduce)."""
+        local = torch.stack([self.task.loss_count(batch) for batch in window]).sum().double()
+        return (self.num_processes / self.runtime.reduce_sum(local).clamp(min=1)).float()
+
+    def apply_step(self, bad: torch.Tensor) -> None:
+        """The optimizer step, skipped where `bad` (the same on every process) is true.
+
+        Fused AdamW skips on the device (it reads `found_inf`, as for a GradScaler), so no step waits on
+        the host; other optimizers read the flag on the host. A skipped step leaves weights and
+        optimizer state as they were and drops its gradients.
+        """
+        optimizer: Any = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate wraps it
+        if optimizer.defaults.get("fused"):
+            optimizer.found_inf = bad.float()
+            try:
+                self.optimizer_step()
+            finally:
+                if hasattr(optimizer, "found_inf"):  # a GradScaler sets and deletes its own
+                    del optimizer.found_inf
+        elif bool(bad):
+            self.skip_step()
+        else:
+            self.optimizer_step()
+
+    def resume(self, folder: Path) -> TrainerState:
+        """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
+        meta = read_state(folder)
+        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh)
+        start = time.perf_counter()
+        try:
+            self.load_checkpoint(folder)
+        except UserError:
+            raise
+        except Exception as err:  # torch, safetensors and accelerate raise many kinds for a damaged file
+            raise UserError(
+                f"checkpoint {folder} could not be loaded ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200]}); it may be damaged: pass another "
+                "--resume_from_checkpoint"
+            ) from None
+        state = TrainerState(**meta["state"])
+        if not self.is_main_process:  # the pending logging sums of all processes live on the main one
+            state.interval = [0.0] * len(state.interval)
+        if self.is_main_process:
+            print(
+                f"resumed from {folder} at step {state.global_step} (loaded in {time.perf_counter() - start:.1f}s)",
+                flush=True,
+            )
+        return state
+
+    # ------------------------------------------------------------ shared pieces
+    @property
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def evaluate(self, split: str) -> dict:
+        """The task's metrics of the current weights on one split, counted over every example exactly once."""
+        return self.task.evaluate(
+            self.model,
+            self.eval_dls[split],
+            self.data,
+            gather=self.runtime.gather,
+            move=self.move,
+            autocast=self.autocast,
+        )
+
+    def predict(self, split: str):
+        """The task's predictions for an unlabelled split, in the split's order."""
+        return self.task.predict(
+            self.model, self.predict_dls[split], gather=self.runtime.gather, move=self.move, autocast=self.autocast
+        )
+
+    def log_evaluation(self, metrics: dict, prefix: str, step: int) -> None:
+        """An evaluation's numbers and tables to the run log."""
+        self.run_log.log(scalar_metrics(metrics, f"{prefix}/"), step=step)
+        for name, (header, rows) in self.task.tables(metrics).items():
+            self.run_log.log_table(f"{prefix}/{name}", header, rows, step=step)
+
+    def parameter_counts(self) -> tuple[int, int]:
+        """(all, trainable) parameters of the whole model."""
+        return count_parameters(self.model), count_parameters(self.model, trainable=True)
+
+    def _announce(self, steps_per_epoch: int, total_steps: int) -> None:
+        t = self.cfg.training
+        effective = t.micro_batch * self.replicas * t.gradient_accumulation_steps
+        if self.is_main_process:
+            params, trainable = self.parameter_counts()
+            trains = "" if trainable == params else f" ({trainable / 1e6:.2f}M trainable: {trainable / params:.2%})"
+            print(
+                f"{type(self).__name__}: {len(self.data.train)} training rows, {params / 1e6:.1f}M parameters{trains}, "
+                f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
+                f"{t.mixed_precision}), effective batch {effective} "
+                f"({t.per_device_train_batch_size} per device x {self.replicas} x "
+                f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
+                f"({steps_per_epoch} per epoch)",
+                flush=True,
+            )
