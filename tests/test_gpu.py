@@ -23,7 +23,7 @@ from conftest import ENTRY, REPO, TOPICS, run_cli
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
-from cloudtrain import planner
+from cloudtrain import planning as planner
 from cloudtrain.flops import peak_flops
 
 pytestmark = pytest.mark.gpu

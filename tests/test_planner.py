@@ -46,10 +46,11 @@ from transformers import (
     LlamaConfig,
 )
 
-from cloudtrain import adapters, planner
+from cloudtrain import adapters, planning
 from cloudtrain.cli import main
 from cloudtrain.config import Config, ModelConfig
-from cloudtrain.planner import GIB, STRATEGIES, Candidate, LoraSpec, Setup
+from cloudtrain.errors import UserError
+from cloudtrain.planning import GIB, STRATEGIES, Candidate, LoraSpec, Setup
 
 BY_KEY = {s.key: s for s in STRATEGIES}
 
@@ -60,7 +61,7 @@ def setup(num_gpus=1, num_nodes=1, precision="no", gib=80, max_length=128) -> Se
 
 def plan_args(model: str | None, output_dir: Path, **options) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    planner.add_arguments(parser)
+    planning.add_arguments(parser)
     argv = (["--model_name_or_path", model] if model else []) + ["--output_dir", str(output_dir)]
     for name, value in options.items():
         argv += [f"--{name}", str(value)]
@@ -87,7 +88,7 @@ def decoder_dirs(tmp_path_factory) -> dict[str, str]:
 
 
 def states(facts, key: str, s: Setup) -> int:
-    return sum(planner.model_state_bytes(facts, BY_KEY[key], s))
+    return sum(planning.model_state_bytes(facts, BY_KEY[key], s))
 
 
 # ---------------------------------------------------------------- the libraries' own estimators
@@ -101,7 +102,7 @@ def test_model_states_agree_with_accelerate_estimate_memory(which, minilm_dir, d
     from transformers import AutoConfig
 
     path = minilm_dir if which == "minilm" else decoder_dirs[which]
-    facts = planner.model_facts(path, num_labels=2)
+    facts = planning.model_facts(path, num_labels=2)
     with init_empty_weights():  # what estimate-memory does, minus the Hub look-up
         model = AutoModelForSequenceClassification.from_config(AutoConfig.from_pretrained(path, num_labels=2))
     total_bytes, _ = calculate_maximum_sizes(model)  # fp32 bytes of parameters and buffers
@@ -109,7 +110,7 @@ def test_model_states_agree_with_accelerate_estimate_memory(which, minilm_dir, d
     assert total_bytes - buffers == 4 * facts.num_params
     for accelerate_dtype, precision in (("float32", "no"), ("bfloat16", "bf16")):
         theirs = estimate_training_usage(total_bytes, accelerate_dtype)
-        params, grads, optim = planner.model_state_bytes(facts, BY_KEY["ddp"], setup(precision=precision))
+        params, grads, optim = planning.model_state_bytes(facts, BY_KEY["ddp"], setup(precision=precision))
         for ours, key in ((params, "model"), (grads, "gradients"), (optim, "optimizer")):
             assert ours == pytest.approx(theirs[key], rel=2e-3), (accelerate_dtype, key)  # buffers: < 0.2%
 
@@ -126,10 +127,10 @@ def test_model_states_agree_with_deepspeed_estimators(gpus, nodes, minilm_dir, d
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
-    minilm = planner.model_facts(minilm_dir, num_labels=2)
+    minilm = planning.model_facts(minilm_dir, num_labels=2)
     assert ds_params(minilm_dir) == (minilm.num_params, minilm.largest_module_params)
     s = setup(gpus, nodes, precision="bf16")  # DeepSpeed's estimators assume 16-bit weights
-    for facts in (minilm, planner.model_facts(decoder_dirs["7b"], num_labels=2)):
+    for facts in (minilm, planning.model_facts(decoder_dirs["7b"], num_labels=2)):
         P, L, kw = (
             facts.num_params,
             facts.largest_module_params,
@@ -139,7 +140,7 @@ def test_model_states_agree_with_deepspeed_estimators(gpus, nodes, minilm_dir, d
             cpu, gpu = estimate_zero2_model_states_mem_needs(P, cpu_offload=offload, **kw)
             assert states(facts, key, s) == pytest.approx(gpu, abs=16), key
             if nodes == 1:  # DeepSpeed's ZeRO-2 CPU figure counts all GPUs of all nodes on each node
-                assert max(planner.cpu_bytes(facts, BY_KEY[key], s)) == pytest.approx(cpu, abs=16), key
+                assert max(planning.cpu_bytes(facts, BY_KEY[key], s)) == pytest.approx(cpu, abs=16), key
         for key, offload, offload_params in (
             ("zero3", False, False),
             ("zero3_offload", True, False),
@@ -150,7 +151,7 @@ def test_model_states_agree_with_deepspeed_estimators(gpus, nodes, minilm_dir, d
             )
             assert states(facts, key, s) == pytest.approx(gpu, abs=16), key
             # DeepSpeed's ZeRO-3 CPU figure: the offloaded states, or (with no offload) loading layer by layer
-            offloaded, load = planner.cpu_bytes(facts, BY_KEY[key], s)
+            offloaded, load = planning.cpu_bytes(facts, BY_KEY[key], s)
             assert (offloaded if offload else load) == pytest.approx(cpu, abs=16), key
 
 
@@ -184,9 +185,11 @@ def test_measured_model_states_after_one_step_match_the_estimate(which, tiny_mod
         "gradients": tensor_bytes(p.grad for p in model.parameters()),
         "optimizer_states": tensor_bytes(t for state in optimizer.state.values() for t in state.values()),
     }
-    facts = planner.model_facts(model_dir, num_labels=3)
+    facts = planning.model_facts(model_dir, num_labels=3)
     assert facts.num_params == sum(p.numel() for p in model.parameters())
-    estimated = dict(zip(measured, planner.model_state_bytes(facts, BY_KEY["ddp"], setup(precision="no")), strict=True))
+    estimated = dict(
+        zip(measured, planning.model_state_bytes(facts, BY_KEY["ddp"], setup(precision="no")), strict=True)
+    )
     print(f"{which}: measured vs estimated bytes", {k: (measured[k], estimated[k]) for k in measured})
     for key in measured:
         assert measured[key] == pytest.approx(estimated[key], rel=0.05), key
@@ -212,7 +215,7 @@ def saved_activation_bytes(model, batch: dict, checkpointing: bool) -> int:
 
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_estimate_matches_what_autograd_saves(checkpointing, tiny_model_dir):
-    facts = planner.model_facts(tiny_model_dir, num_labels=3)
+    facts = planning.model_facts(tiny_model_dir, num_labels=3)
     model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
     b, s = 8, 64
     batch = {
@@ -221,7 +224,7 @@ def test_activation_estimate_matches_what_autograd_saves(checkpointing, tiny_mod
         "labels": torch.zeros(b, dtype=torch.long),
     }
     measured = saved_activation_bytes(model, batch, checkpointing)
-    estimated, _ = planner.activation_bytes(facts, b, s, half=False, checkpointing=checkpointing, residual_bytes=4)
+    estimated, _ = planning.activation_bytes(facts, b, s, half=False, checkpointing=checkpointing, residual_bytes=4)
     print(f"checkpointing={checkpointing}: saved activations measured {measured} vs estimated {estimated}")
     assert measured == pytest.approx(estimated, rel=0.15)
 
@@ -248,10 +251,10 @@ def small_llama(root: Path, vocab: int, tied: bool = False) -> str:
 @pytest.mark.parametrize("tied", [False, True])
 def test_causal_lm_counts_the_lm_head(tied, tmp_path):
     model_dir = small_llama(tmp_path, 1000, tied)
-    facts = planner.model_facts(model_dir, task="causal_lm")
+    facts = planning.model_facts(model_dir, task="causal_lm")
     real = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir))
     assert facts.num_params == sum(p.numel() for p in real.parameters())  # a tied head counted once
-    classifier = planner.model_facts(model_dir, num_labels=2)
+    classifier = planning.model_facts(model_dir, num_labels=2)
     head = 0 if tied else 1000 * 64  # the LM head replaces the classifier's score (64 x 2)
     assert facts.num_params - classifier.num_params == head - 64 * 2
     assert (facts.architecture, facts.vocab_size, classifier.vocab_size) == ("LlamaForCausalLM", 1000, 0)
@@ -261,19 +264,19 @@ def test_logits_term_is_the_formula_and_grows_linearly_with_the_vocabulary(tmp_p
     b, s = 4, 128
     per_vocab = {}
     for vocab in (1000, 2000, 8000):
-        facts = planner.model_facts(small_llama(tmp_path, vocab), task="causal_lm")
-        per_vocab[vocab] = planner.logits_bytes(facts, b, s, half=False)
+        facts = planning.model_facts(small_llama(tmp_path, vocab), task="causal_lm")
+        per_vocab[vocab] = planning.logits_bytes(facts, b, s, half=False)
         # fp32: logits 4 + fp32 copy 4 + cross-entropy's fp32 gradient 4
-        assert planner.logits_bytes(facts, b, s, half=False) == b * s * vocab * (4 + 4 + 4)
+        assert planning.logits_bytes(facts, b, s, half=False) == b * s * vocab * (4 + 4 + 4)
         # bf16: the forward's 2 + 4 + 4 is less than the cross-entropy backward's three fp32 buffers
-        assert planner.logits_bytes(facts, b, s, half=True) == b * s * vocab * 12
+        assert planning.logits_bytes(facts, b, s, half=True) == b * s * vocab * 12
         for key in ("ddp", "zero3"):
             for gc in (False, True):  # whatever the strategy, checkpointing does not shrink them
-                est = planner.estimate(facts, Candidate(BY_KEY[key], gc), setup(precision="bf16"), b)
+                est = planning.estimate(facts, Candidate(BY_KEY[key], gc), setup(precision="bf16"), b)
                 assert est.logits == b * s * vocab * 12
     assert per_vocab[2000] == 2 * per_vocab[1000] and per_vocab[8000] == 8 * per_vocab[1000]
-    minilm = planner.model_facts(minilm_dir, num_labels=2)  # classification: no logits term
-    assert planner.estimate(minilm, Candidate(BY_KEY["ddp"], False), setup(), 8).logits == 0
+    minilm = planning.model_facts(minilm_dir, num_labels=2)  # classification: no logits term
+    assert planning.estimate(minilm, Candidate(BY_KEY["ddp"], False), setup(), 8).logits == 0
 
 
 class PeakBytes(TorchDispatchMode):
@@ -321,14 +324,14 @@ def measured_step_peak(model, batch: dict, precision: str) -> int:
 def test_measured_peak_of_a_language_model_step_matches_the_estimate_with_logits(precision, tmp_path):
     b, s, vocab = 4, 128, 8000
     model_dir = small_llama(tmp_path, vocab)
-    facts = planner.model_facts(model_dir, task="causal_lm")
+    facts = planning.model_facts(model_dir, task="causal_lm")
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=torch.float32)
     ids = torch.randint(0, vocab, (b, s))
     measured = measured_step_peak(
         model, {"input_ids": ids, "position_ids": torch.arange(s).expand(b, s), "labels": ids}, precision
     )
-    est = planner.estimate(facts, Candidate(BY_KEY["ddp"], False), setup(precision=precision, max_length=s), b)
+    est = planning.estimate(facts, Candidate(BY_KEY["ddp"], False), setup(precision=precision, max_length=s), b)
     print(
         f"{precision}: peak measured {measured} vs estimated {est.activations + est.logits} "
         f"(layers {est.activations} + logits {est.logits})"
@@ -348,7 +351,7 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
         mixed_precision="bf16",
         global_batch_size=512,
     )
-    plan = planner.make_plan(plan_args(None, tmp_path, **args))
+    plan = planning.make_plan(plan_args(None, tmp_path, **args))
     m, rec = plan["model"], plan["recommendation"]
     assert (m["architecture"], m["task"], m["vocab_size"], m["from_config"]) == (
         "LlamaForCausalLM",
@@ -363,7 +366,7 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
         held = {one} if pipe is None else {0, one * (pipe["microbatches"] if pipe["schedule"] == "gpipe" else 1)}
         assert row["estimate"]["logits"] in held
     assert {row["peft"] for row in plan["strategies"]} == {"none"}  # random weights: no base for adapters
-    text = planner.render(plan)
+    text = planning.render(plan)
     header = next(line for line in text.splitlines() if line.startswith("strategy"))
     assert header.split()[5:7] == ["activ", "logits"]
     assert f"logits {rec['estimate']['logits'] / GIB:.1f} GiB" in text and "--tokenizer_name_or_path" in text
@@ -372,21 +375,21 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
         in rec["command"]
     )
     # the logits are what keeps the micro-batch down: without them the same plan fits a larger one
-    facts = planner.model_facts("llama-600m", task="causal_lm", from_config=True)
+    facts = planning.model_facts("llama-600m", task="causal_lm", from_config=True)
     s = Setup(8, 1, 24 * GIB, None, 2048, "bf16")
-    chosen = next(c for c in planner.candidates() if c.name == rec["label"])
-    assert planner.max_micro_batch(replace(facts, vocab_size=0), chosen, s) > 1.5 * planner.max_micro_batch(
+    chosen = next(c for c in planning.candidates() if c.name == rec["label"])
+    assert planning.max_micro_batch(replace(facts, vocab_size=0), chosen, s) > 1.5 * planning.max_micro_batch(
         facts, chosen, s
     )
     # with the tokenizer, the preset's vocabulary is the one training builds (rounded up to a multiple of 64)
-    exact = planner.make_plan(plan_args(None, tmp_path, tokenizer_name_or_path=lm_tokenizer_dir, **args))
+    exact = planning.make_plan(plan_args(None, tmp_path, tokenizer_name_or_path=lm_tokenizer_dir, **args))
     assert exact["model"]["vocab_size"] == math.ceil(len(AutoTokenizer.from_pretrained(lm_tokenizer_dir)) / 64) * 64
     assert not exact["notes"] and f"--tokenizer_name_or_path {lm_tokenizer_dir}" in exact["recommendation"]["command"]
 
 
 def test_causal_lm_refuses_a_classifier(tiny_model_dir, tmp_path):
-    with pytest.raises(planner.UserError, match="is not a causal language model"):
-        planner.make_plan(plan_args(tiny_model_dir, tmp_path, task="causal_lm", gpu_memory_gb=24))
+    with pytest.raises(UserError, match="is not a causal language model"):
+        planning.make_plan(plan_args(tiny_model_dir, tmp_path, task="causal_lm", gpu_memory_gb=24))
 
 
 # ---------------------------------------------------------------- adapters
@@ -399,7 +402,7 @@ def attached(model, peft: str, spec: LoraSpec, task_type: str):
             peft=peft, lora_r=spec.r, lora_dropout=spec.dropout, lora_target_modules=list(spec.target_modules)
         )
     )
-    heads = planner._trained_in_full(model, "causal_lm" if task_type == "CAUSAL_LM" else "classification")
+    heads = planning.trained_in_full(model, "causal_lm" if task_type == "CAUSAL_LM" else "classification")
     return adapters.attach(model, cfg, task_type, heads)
 
 
@@ -422,7 +425,7 @@ def test_adapter_count_equals_peft_on_the_application_s_attach(which, task, peft
             model_dir
         )
     spec = LoraSpec(8, targets)
-    facts = planner.model_facts(model_dir, num_labels=3, task=task, lora=spec)
+    facts = planning.model_facts(model_dir, num_labels=3, task=task, lora=spec)
     auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
     model = attached(
         auto.from_config(AutoConfig.from_pretrained(model_dir, num_labels=3)),
@@ -440,7 +443,7 @@ def test_adapter_count_equals_peft_on_the_application_s_attach(which, task, peft
 def test_quantized_weights_are_every_linear_layer_but_the_head(tmp_path):
     model_dir = small_llama(tmp_path, 1000)
     for task in ("causal_lm", "classification"):
-        facts = planner.model_facts(model_dir, task=task)
+        facts = planning.model_facts(model_dir, task=task)
         with torch.device("meta"):
             auto = AutoModelForCausalLM if task == "causal_lm" else AutoModelForSequenceClassification
             model = auto.from_config(LlamaConfig.from_pretrained(model_dir))
@@ -448,7 +451,7 @@ def test_quantized_weights_are_every_linear_layer_but_the_head(tmp_path):
         assert facts.adapters.quantized_params == sum(in_layers)  # not the LM head nor the score head
         assert facts.adapters.largest_quantized == 64 * 256
     a, P = facts.adapters, facts.num_params
-    params, _, _ = planner.adapter_state_bytes(facts, "qlora", setup(precision="bf16"))
+    params, _, _ = planning.adapter_state_bytes(facts, "qlora", setup(precision="bf16"))
     assert params == round(
         a.quantized_params * (0.5 + 1 / 64 + 4 / 16384) + 4 * (P - a.quantized_params) + 2 * a.largest_quantized
     ) + 4 * a.trainable("qlora")
@@ -486,9 +489,11 @@ def test_measured_lora_model_states_after_one_step_match_the_estimate(precision,
         "gradients": tensor_bytes(p.grad for p in trainable),
         "optimizer_states": tensor_bytes(t for state in optimizer.state.values() for t in state.values()),
     }
-    facts = planner.model_facts(model_dir, task="causal_lm")
+    facts = planning.model_facts(model_dir, task="causal_lm")
     T, P = facts.adapters.trainable("lora"), facts.num_params
-    estimated = dict(zip(measured, planner.adapter_state_bytes(facts, "lora", setup(precision=precision)), strict=True))
+    estimated = dict(
+        zip(measured, planning.adapter_state_bytes(facts, "lora", setup(precision=precision)), strict=True)
+    )
     print(f"LoRA {precision}: measured vs estimated bytes", {k: (measured[k], estimated[k]) for k in measured})
     assert sum(measured.values()) == pytest.approx(sum(estimated.values()), rel=0.15)
     # the frozen base in the compute dtype, then 16 bytes per trainable parameter: fp32 weight 4, gradient 4 and
@@ -504,7 +509,7 @@ def test_measured_lora_model_states_after_one_step_match_the_estimate(precision,
 def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpointing, tmp_path):
     model_dir = small_llama(tmp_path, 1000)
     spec = LoraSpec(dropout=0.05)
-    facts = planner.model_facts(model_dir, task="causal_lm", lora=spec)
+    facts = planning.model_facts(model_dir, task="causal_lm", lora=spec)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=torch.float32)
     b, s = 4, 128
@@ -514,7 +519,7 @@ def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpoin
         "use_cache": False,
     }
     measured = saved_activation_bytes(attached(base, peft, spec, "CAUSAL_LM"), batch, checkpointing)
-    estimated, _ = planner.adapter_activation_bytes(facts, peft, b, s, half=False, checkpointing=checkpointing)
+    estimated, _ = planning.adapter_activation_bytes(facts, peft, b, s, half=False, checkpointing=checkpointing)
     if not checkpointing:  # the CPU's dropout keeps a 4-byte mask per input where CUDA keeps a 1-byte one
         estimated += 3 * b * s * facts.adapters.layer_inputs * facts.num_layers
     print(f"{peft} checkpointing={checkpointing}: saved activations measured {measured} vs estimated {estimated}")
@@ -522,7 +527,7 @@ def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpoin
 
 
 def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(decoder_dirs, tmp_path):
-    plan = planner.make_plan(
+    plan = planning.make_plan(
         plan_args(
             decoder_dirs["8b"],
             tmp_path,
@@ -552,7 +557,7 @@ def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(d
 
 def test_recommendation_is_the_fastest_that_fits(decoder_dirs, tmp_path):
     for model, gib, expect_checkpointing in (("1.3b", 24, False), ("7b", 24, True), ("1.3b", 80, False)):
-        plan = planner.make_plan(
+        plan = planning.make_plan(
             plan_args(
                 decoder_dirs[model],
                 tmp_path / model,
@@ -575,7 +580,7 @@ def test_recommendation_is_the_fastest_that_fits(decoder_dirs, tmp_path):
 
 
 def test_smaller_micro_batch_and_more_accumulation_when_the_requested_one_fits_nothing(decoder_dirs, tmp_path):
-    plan = planner.make_plan(
+    plan = planning.make_plan(
         plan_args(
             decoder_dirs["7b"],
             tmp_path,
@@ -600,14 +605,14 @@ def emitted_config(command: str) -> Config:
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     argv = shlex.split(command)
-    return build_config(vars(parser.parse_args(argv[argv.index(planner.TRAINING_APPLICATION) + 1 :])))
+    return build_config(vars(parser.parse_args(argv[argv.index(planning.TRAINING_APPLICATION) + 1 :])))
 
 
 @pytest.mark.parametrize("max_length,expect", [(1024, "lora"), (4096, "qlora")])
 def test_adapters_only_when_no_full_fine_tuning_fits_lora_before_qlora(max_length, expect, decoder_dirs, tmp_path):
     """8B on one 24 GiB GPU with 64 GiB of CPU memory: offloading needs more, so full fine-tuning fits nowhere;
     at 4096 tokens LoRA's 16-bit base plus the logits are over budget too, and QLoRA's 4-bit base is not."""
-    plan = planner.make_plan(
+    plan = planning.make_plan(
         plan_args(
             decoder_dirs["8b"],
             tmp_path,
@@ -639,10 +644,10 @@ def test_adapters_only_when_no_full_fine_tuning_fits_lora_before_qlora(max_lengt
 
 def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_from_adapters(decoder_dirs, tmp_path):
     args = dict(num_gpus=8, gpu_memory_gb=80, per_device_train_batch_size=8, max_length=512, mixed_precision="bf16")
-    auto = planner.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path, **args))
+    auto = planning.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path, **args))
     assert auto["recommendation"]["peft"] == "none"
     assert [r["peft"] for r in auto["strategies"]] == ["none"] * 16 + ["lora"] * 2 + ["qlora"] * 2
-    lines = planner.render(auto).splitlines()
+    lines = planning.render(auto).splitlines()
     full, adapters_title = (
         lines.index("full fine-tuning (every weight trains):"),
         next(i for i, line in enumerate(lines) if line.startswith("adapters under DDP (recommended only if no full")),
@@ -655,7 +660,7 @@ def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_f
         "QLoRA",
     ]
     for peft in ("qlora", "dora"):
-        forced = planner.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path / peft, peft=peft, **args))
+        forced = planning.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path / peft, peft=peft, **args))
         assert forced["recommendation"]["peft"] == peft and f"--peft {peft}" in forced["recommendation"]["command"]
     assert "dora" in {r["peft"] for r in forced["strategies"]}  # DoRA rows only when asked for
     dora, lora = (
@@ -664,7 +669,7 @@ def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_f
     )
     assert dora[False]["optimizer_states"] > lora[False]["optimizer_states"]  # its magnitude vectors
     assert dora[False]["activations"] > lora[False]["activations"]  # two output-sized tensors per module
-    full_only = planner.make_plan(
+    full_only = planning.make_plan(
         plan_args(
             decoder_dirs["8b"],
             tmp_path / "none",
@@ -682,13 +687,13 @@ def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_f
 
 
 def test_nothing_fits_says_what_would(decoder_dirs, tmp_path):
-    args = dict(num_gpus=1, gpu_memory_gb=4, per_device_train_batch_size=8, max_length=4096)
-    plan = planner.make_plan(plan_args(decoder_dirs["7b"], tmp_path / "out", **args))
+    args = dict(num_gpus=1, gpu_memory_gb=4, per_device_train_batch_size=8, max_length=4096, mixed_precision="no")
+    plan = planning.make_plan(plan_args(decoder_dirs["7b"], tmp_path / "out", **args))
     assert plan["recommendation"] is None and not (tmp_path / "out").exists()
     shorter = next(idea for idea in plan["suggestions"] if "--max_length" in idea)
     length = int(shorter.split("--max_length ")[1].split()[0])
     assert length < 4096
-    refit = planner.make_plan(plan_args(decoder_dirs["7b"], tmp_path / "out", **{**args, "max_length": length}))
+    refit = planning.make_plan(plan_args(decoder_dirs["7b"], tmp_path / "out", **{**args, "max_length": length}))
     assert refit["recommendation"] is not None  # the suggestion really fits
 
 
@@ -698,7 +703,7 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
 
     for strategy in STRATEGIES:
         out = tmp_path / strategy.key
-        plan = planner.make_plan(
+        plan = planning.make_plan(
             plan_args(
                 tiny_model_dir,
                 out,
@@ -735,8 +740,8 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
 
 
 def pipeline(pp: int, schedule: str, microbatches: int, checkpointing: bool = False) -> Candidate:
-    pipe = planner.Pipeline(pp, schedule, microbatches, rows=microbatches)
-    return Candidate(planner.PIPELINE, checkpointing, pipeline=pipe)
+    pipe = planning.Pipeline(pp, schedule, microbatches, rows=microbatches)
+    return Candidate(planning.PIPELINE, checkpointing, pipeline=pipe)
 
 
 def test_pipeline_rows_hold_each_stage_and_its_micro_batches_in_flight(tmp_path):
@@ -759,7 +764,7 @@ def test_pipeline_rows_hold_each_stage_and_its_micro_batches_in_flight(tmp_path)
     layer, embed = count(model.model.layers[0]), count(model.model.embed_tokens)
     head = count(model.model.norm) + count(model.lm_head)
     assert layer == h * (h + 2 * kv + h) + 3 * h * inter + 2 * h  # q, k, v, o, gate/up/down, two norms
-    facts = planner.model_facts(str(tmp_path), task="causal_lm")
+    facts = planning.model_facts(str(tmp_path), task="causal_lm")
     assert (facts.stages.embedding_params, facts.stages.head_params) == (embed, head) == (V * h, V * h + h)
     s4 = setup(num_gpus=4, precision="bf16", max_length=s)  # 2 pipelines of 2 processes
 
@@ -772,7 +777,7 @@ def test_pipeline_rows_hold_each_stage_and_its_micro_batches_in_flight(tmp_path)
     held = [3 * layer + embed, 3 * layer + head]
     in_flight = {"gpipe": [M, M], "1f1b": [2, 1]}  # GPipe: every forward first; 1F1B: S - k warm-up forwards
     for schedule, flights in in_flight.items():
-        estimates = planner.rank_estimates(facts, pipeline(2, schedule, M), s4, b)
+        estimates = planning.rank_estimates(facts, pipeline(2, schedule, M), s4, b)
         for k, est in enumerate(estimates):
             P = held[k]
             assert (est.parameters, est.gradients, est.optimizer_states) == (4 * P, 6 * P, 8 * P)  # + bf16 copies
@@ -782,20 +787,20 @@ def test_pipeline_rows_hold_each_stage_and_its_micro_batches_in_flight(tmp_path)
             receives = M * hidden  # stage 1 receives activations, stage 0 their gradients
             rest = est.parameters + est.gradients + est.optimizer_states + est.activations + est.logits
             assert est.overhead == round(GIB + receives + 4 * P + 0.05 * rest)  # + the flat gradients all-reduced
-        assert planner.estimate(facts, pipeline(2, schedule, M), s4, b) == max(estimates, key=lambda e: e.total)
-    gpipe, one_f_one_b = (planner.estimate(facts, pipeline(2, k, M), s4, b) for k in ("gpipe", "1f1b"))
+        assert planning.estimate(facts, pipeline(2, schedule, M), s4, b) == max(estimates, key=lambda e: e.total)
+    gpipe, one_f_one_b = (planning.estimate(facts, pipeline(2, k, M), s4, b) for k in ("gpipe", "1f1b"))
     assert gpipe.activations > one_f_one_b.activations and gpipe.total > one_f_one_b.total  # M > S
 
     # checkpointing: each in-flight micro-batch keeps the fp32 residual at its layers' inputs, one layer recomputed
-    (est,) = planner.rank_estimates(facts, pipeline(2, "1f1b", M, checkpointing=True), s4, b)[:1]
+    (est,) = planning.rank_estimates(facts, pipeline(2, "1f1b", M, checkpointing=True), s4, b)[:1]
     assert est.activations == 2 * (3 * hidden + E) + A + W
     # 4 processes, 1F1B: 8 units, 2 per stage, so 1, 2, 2, 1 layers; process 1 holds S - 1 = 3 micro-batches of 2
-    ranks = planner.rank_estimates(facts, pipeline(4, "1f1b", M), s4, b)
+    ranks = planning.rank_estimates(facts, pipeline(4, "1f1b", M), s4, b)
     assert [e.parameters // 4 for e in ranks] == [layer + embed, 2 * layer, 2 * layer, layer + head]
     assert [e.activations for e in ranks] == [4 * (A + E) + W, 3 * 2 * A + W, 2 * 2 * A + W, A + E + W]
     # interleaved, 2 processes x 2 stages of 1, 2, 2, 1 layers: process 0 holds stages 0 and 2, and at its peak
     # (v - 1)pp + 2(pp - 1) + 1 = 5 stage micro-batches (Korthikanti et al.: l(1 + (pp - 1)/(v pp)) layers)
-    inter_ranks = planner.rank_estimates(facts, pipeline(2, "interleaved_1f1b", M), s4, b)
+    inter_ranks = planning.rank_estimates(facts, pipeline(2, "interleaved_1f1b", M), s4, b)
     assert inter_ranks[0].parameters == 4 * (3 * layer + embed)
     assert inter_ranks[0].activations == 5 * (2 * A + E) + W
     # bubble: (pp - 1) / (v M) of the compute, in the step time
@@ -808,10 +813,12 @@ def test_pipeline_recommended_where_every_data_parallel_strategy_is_over_budget(
     has (16 bytes per parameter, shared by its GPUs), ZeRO-3 and FSDP hold all 32 layers' activations and the
     logits on both GPUs; a 2-process pipeline holds half the layers' states per GPU without ZeRO-3's gathered
     embeddings or FSDP's gathered root, and the logits on one (each process loads the fp32 model: 4 bytes)."""
-    args = dict(task="causal_lm", gpu_memory_gb=70, max_length=1024, per_device_train_batch_size=1)
+    args = dict(
+        task="causal_lm", gpu_memory_gb=70, max_length=1024, per_device_train_batch_size=1, mixed_precision="no"
+    )
     commands = []
     for gpus, nodes, cpu_gib in ((2, 1, 100), (1, 2, 50)):
-        plan = planner.make_plan(
+        plan = planning.make_plan(
             plan_args(
                 decoder_dirs["8b"], tmp_path / str(nodes), num_gpus=gpus, num_nodes=nodes, cpu_memory_gb=cpu_gib, **args
             )
@@ -841,7 +848,7 @@ def test_pipeline_recommended_where_every_data_parallel_strategy_is_over_budget(
 
 
 def test_pipeline_not_recommended_where_ddp_fits(decoder_dirs, tmp_path):
-    plan = planner.make_plan(
+    plan = planning.make_plan(
         plan_args(
             decoder_dirs["1.3b"],
             tmp_path,
@@ -856,7 +863,31 @@ def test_pipeline_not_recommended_where_ddp_fits(decoder_dirs, tmp_path):
     pipes = [r for r in plan["strategies"] if r["pipeline"]]
     assert {r["pipeline"]["parallel_size"] for r in pipes} == {2, 4, 8}  # GPT-2 cuts; pp divides the 8 GPUs
     assert any(r["fits"] for r in pipes) and plan["recommendation"]["strategy"] == "ddp"
-    assert "pipeline + data parallel (--training_type pipeline)" in planner.render(plan)
+    assert "pipeline + data parallel (--training_type pipeline)" in planning.render(plan)
+
+
+def test_every_row_s_mesh_is_the_one_its_trainer_builds():
+    """A row arranges the GPUs as the trainer its launch command names (--training_type) would: DDP replicates,
+    ZeRO and FSDP shard, a pipeline of pp processes runs beside world / pp others."""
+    from cloudtrain.config import DistributedConfig
+    from cloudtrain.registry import TRAINERS
+
+    s = setup(num_gpus=4, num_nodes=2)
+    for strategy in STRATEGIES:
+        offload = {True: "cpu", False: "none"}
+        options = DistributedConfig(
+            zero_stage=strategy.zero_stage,
+            fsdp=strategy.fsdp,
+            offload_optimizer=offload[strategy.offload_optimizer],
+            offload_param=offload[strategy.offload_param],
+        )
+        trainer = TRAINERS[strategy.trainer]
+        assert Candidate(strategy, False).mesh(s) == trainer.mesh(Config(distributed=options), 8), strategy.key
+    for pp in (2, 4, 8):
+        built = TRAINERS[planning.PIPELINE.trainer].mesh(
+            Config(distributed=DistributedConfig(pipeline_parallel_size=pp)), 8
+        )
+        assert pipeline(pp, "1f1b", 8).mesh(s) == built and built.pp == pp
 
 
 # ---------------------------------------------------------------- the command line
@@ -876,6 +907,8 @@ def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
         "8",
         "--global_batch_size",
         "128",
+        "--mixed_precision",
+        "no",
         "--json",
         "--output_dir",
         str(tmp_path / "plan"),
@@ -900,6 +933,8 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
         "4",
         "--max_length",
         "4096",
+        "--mixed_precision",
+        "no",
         "--output_dir",
         str(tmp_path),
     )
@@ -950,6 +985,42 @@ def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
     assert __import__("re").search(message, err), err
 
 
+def test_plan_takes_the_training_options_with_the_application_s_defaults(tiny_model_dir, tmp_path, monkeypatch):
+    """One source: the training options `plan` takes default to the application's; auto precision resolves as
+    training resolves it; auto micro-batch keeps the global batch and takes the largest micro-batch that fits."""
+    from cloudtrain.hardware import resolve_precision
+
+    args = plan_args(None, tmp_path, gpu_memory_gb=24)
+    defaults = Config().to_dict()
+    assert {name: getattr(args, name) for name in planning.TRAINING_OPTIONS} == {
+        name: defaults[name] for name in planning.TRAINING_OPTIONS
+    }
+    assert args.mixed_precision == "auto"
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / "auto", gpu_memory_gb=24, num_gpus=2))
+    assert plan["setup"]["mixed_precision"] == resolve_precision("auto")
+    assert any(note.startswith("--mixed_precision auto is") for note in plan["notes"])
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # an accelerate launch's precision, as in training
+    plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / "fp16", gpu_memory_gb=24, num_gpus=2))
+    assert plan["setup"]["mixed_precision"] == "fp16" and "--mixed_precision fp16" in plan["recommendation"]["command"]
+    for global_batch, per_gpu in ((None, 16), (64, 32)):  # training's auto: 16 x processes, or --global_batch_size
+        given = {"global_batch_size": global_batch} if global_batch else {}
+        plan = planning.make_plan(
+            plan_args(
+                tiny_model_dir,
+                tmp_path / "batch",
+                gpu_memory_gb=24,
+                num_gpus=2,
+                per_device_train_batch_size="auto",
+                mixed_precision="no",
+                **given,
+            )
+        )
+        rec = plan["recommendation"]
+        assert (plan["requested_micro_batch"], plan["global_batch_size"]) == (per_gpu, 2 * per_gpu)
+        assert (rec["micro_batch"], rec["gradient_accumulation_steps"]) == (per_gpu, 1)  # a tiny model fits it all
+
+
 def free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -959,7 +1030,7 @@ def free_port() -> str:
 @pytest.mark.slow
 def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_csvs, tmp_path):
     """The printed command, run as printed (plus data and a short run), with the written configs."""
-    plan = planner.make_plan(
+    plan = planning.make_plan(
         plan_args(
             tiny_model_dir,
             tmp_path / "plan",
@@ -969,6 +1040,7 @@ def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_
             per_device_train_batch_size=4,
             global_batch_size=16,
             strategy="zero3",
+            mixed_precision="no",
         )
     )
     command = shlex.split(plan["recommendation"]["command"])

@@ -372,7 +372,7 @@ def test_the_planner_plans_sft_as_a_causal_lm_and_launches_sft(tmp_path):
     """SFT holds the same memory as causal-LM training (logits included); the launch command keeps --task sft."""
     import argparse
 
-    from cloudtrain import planner
+    from cloudtrain import planning as planner
 
     plans = {}
     for task in ("causal_lm", "sft"):

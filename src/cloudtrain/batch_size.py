@@ -13,7 +13,7 @@ How `auto` finds it:
   wrapped yet), and the processes agree after each probe: one rank out of memory fails the probe for
   all. Every probe and the choice are printed.
 - elsewhere: CPU, and DeepSpeed or FSDP (they shard or offload what a lone process would have to hold
-  whole, so a probe would measure another set-up): the planner's estimate (cloudtrain.planner) against
+  whole, so a probe would measure another set-up): the planner's estimate (cloudtrain.planning) against
   the memory available, said as such.
 The choice is stored in every checkpoint; a resume takes it from there instead of searching again.
 The chosen micro-batch divides the examples each process sees per step, so the global batch is exact.
@@ -29,6 +29,7 @@ import torch
 from cloudtrain.config import Config, TrainingConfig
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
+from cloudtrain.planning import run_micro_batch
 
 DEFAULT_MICRO_BATCH = 16  # the option's default; `auto` without --global_batch_size keeps its global batch
 
@@ -203,8 +204,6 @@ def planner_estimate(
     cfg: Config, num_labels: int, processes: int, local: int, memory: int, seq_len: int
 ) -> tuple[int, str]:
     """(the largest micro-batch the planner fits into `memory` per process, or 0; why if it could not tell)."""
-    from cloudtrain.planner import run_micro_batch
-
     try:
         return run_micro_batch(cfg, num_labels, local, max(processes // local, 1), memory, seq_len), ""
     except Exception as err:  # a model the planner cannot read (remote code, an unknown layout): probe from 1

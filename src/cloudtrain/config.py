@@ -507,6 +507,20 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{name}", **kwargs)
 
 
+def add_config_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
+    """The flag of option `name` alone, for a command that shares some of the training options (`plan`): the same
+    help, choices and default as the application's, the value converted and checked as the application does."""
+    _, f = _fields()[name]
+    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    kwargs: dict[str, Any] = dict(default=default, type=lambda value: _coerce(name, value), help=_help(f))
+    kwargs["metavar"] = _base_type(f).__name__.upper() + ("|auto" if f.metadata["auto"] else "")
+    if _base_type(f) is bool:
+        kwargs.update(nargs="?", const="true", metavar="true|false")
+    elif _meta(f, "choices"):
+        kwargs["metavar"] = "{" + ",".join(map(str, _meta(f, "choices"))) + "}"
+    parser.add_argument(f"--{name}", **kwargs)
+
+
 def load_config_file(path: str) -> dict:
     """Read a YAML/JSON config file into flat {flag name: value}."""
     file = Path(path)

@@ -1,0 +1,246 @@
+"""The `plan` command: estimate the memory per GPU of a training run and pick the distributed strategy.
+
+    python src/training_application.py plan --model_name_or_path DIR_OR_HUB_ID --num_gpus 8 \\
+        --gpu_memory_gb 24 --per_device_train_batch_size 8 --max_length 512 --mixed_precision bf16
+
+The training options it takes (the model, the batch, the sequence length, the precision, the adapters) are the
+application's own flags, with their help and defaults (cloudtrain.config.add_config_option); the rest say what
+it plans for (GPUs, nodes, their memory) and narrow the search. How it estimates: docs/planner-formulas.md.
+"""
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from cloudtrain.assets import default_model_dir
+from cloudtrain.config import PEFT_METHODS, TrainingConfig, add_config_option
+from cloudtrain.errors import UserError
+from cloudtrain.hardware import resolve_precision
+from cloudtrain.planning.facts import LoraSpec, ModelFacts, decoder_tasks, is_decoder, model_facts
+from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
+from cloudtrain.planning.report import recommendation_json, render, row_json
+from cloudtrain.planning.search import (
+    choose,
+    micro_batch_options,
+    no_pipeline,
+    pipeline_candidates,
+    reasons,
+    row,
+    suggestions,
+)
+from cloudtrain.planning.strategies import CHECKPOINTING_COST, PIPELINE, STRATEGIES, Setup, candidates
+from cloudtrain.planning.writers import launch_command, write_configs
+from cloudtrain.registry import TASKS
+
+# the training options `plan` takes, as the application defines them (in this order in --help)
+TRAINING_OPTIONS = (
+    "task",
+    "model_name_or_path",
+    "model_config",
+    "tokenizer_name_or_path",
+    "trust_remote_code",
+    "per_device_train_batch_size",
+    "max_length",
+    "mixed_precision",
+    "global_batch_size",
+    "lora_r",
+    "lora_target_modules",
+    "lora_dropout",
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    training = parser.add_argument_group("training options (the application's: the run to plan for)")
+    for name in TRAINING_OPTIONS:
+        add_config_option(training, name)
+    plan = parser.add_argument_group("plan options")
+    plan.add_argument("--num_labels", type=int, default=2, help="Classes of the classification head (default: 2).")
+    plan.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default: 1).")
+    plan.add_argument("--num_nodes", type=int, default=1, help="Nodes (default: 1).")
+    plan.add_argument("--gpu_memory_gb", type=float, required=True, help="Memory of one GPU in GiB, e.g. 24 or 80.")
+    plan.add_argument(
+        "--cpu_memory_gb",
+        type=float,
+        default=None,
+        help="CPU memory per node in GiB; offload plans needing more do not fit (default: unchecked).",
+    )
+    plan.add_argument(
+        "--strategy",
+        choices=["auto"] + [s.key for s in STRATEGIES] + [PIPELINE.key],
+        default="auto",
+        help="Emit the configs for this strategy instead of the fastest that fits; pipeline: the fastest "
+        "pipeline + data parallel row (default: auto).",
+    )
+    plan.add_argument(
+        "--gradient_checkpointing",
+        choices=["auto", "true", "false"],
+        default="auto",
+        help="Only consider plans with (true) or without (false) checkpointing (default: auto).",
+    )
+    plan.add_argument(
+        "--peft",
+        choices=("auto",) + PEFT_METHODS,
+        default="auto",
+        help="auto: full fine-tuning if any strategy fits it, else LoRA, else QLoRA; none: full "
+        "fine-tuning only; lora, dora or qlora: only those adapters (default: auto).",
+    )
+    plan.add_argument("--output_dir", default="plan", help="Where the configs are written (default: ./plan).")
+    plan.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
+
+
+def _check(args: argparse.Namespace) -> None:
+    world = args.num_gpus * args.num_nodes
+    decoder = is_decoder(args.task)
+    micro_batch = args.per_device_train_batch_size  # a number, or auto
+    checks = [
+        (args.num_gpus < 1, "--num_gpus must be at least 1"),
+        (args.num_nodes < 1, "--num_nodes must be at least 1"),
+        (args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
+        (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
+        (args.num_labels < 1, "--num_labels must be at least 1"),
+        (args.model_config and not decoder, f"--model_config is for --task {decoder_tasks()}"),
+        (
+            args.model_config and args.model_name_or_path,
+            "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them",
+        ),
+        (
+            decoder and not (args.model_config or args.model_name_or_path),
+            f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>",
+        ),
+        (isinstance(micro_batch, int) and micro_batch < 1, "--per_device_train_batch_size must be at least 1"),
+        (args.lora_r < 1, "--lora_r must be at least 1"),
+        (not 0 <= args.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
+        (not args.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
+        (
+            args.model_config and args.peft not in ("auto", "none"),
+            f"--peft {args.peft} trains adapters on pretrained weights, but --model_config builds a model with random "
+            "weights; plan for a checkpoint with --model_name_or_path",
+        ),
+        (args.max_length < 2, "--max_length must be at least 2"),
+        (
+            args.global_batch_size is not None and args.global_batch_size % world != 0,
+            f"--global_batch_size {args.global_batch_size} must be a positive multiple of the {world} GPUs",
+        ),
+        (
+            args.global_batch_size is not None and args.global_batch_size < world,
+            f"--global_batch_size must be at least the number of GPUs ({world})",
+        ),
+    ]
+    for failed, message in checks:
+        if failed:
+            raise UserError(message)
+
+
+def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
+    """(the micro-batch asked for, the global batch). auto, as in training: the largest micro-batch that fits
+    each GPU's share of the global batch (--global_batch_size, else the default micro-batch's)."""
+    if args.per_device_train_batch_size == "auto":
+        global_batch = args.global_batch_size or TrainingConfig().micro_batch * world  # the default micro-batch
+        return global_batch // world, global_batch
+    global_batch = args.global_batch_size or args.per_device_train_batch_size * world
+    return min(args.per_device_train_batch_size, global_batch // world), global_batch
+
+
+def make_plan(args: argparse.Namespace) -> dict:
+    """Estimate every candidate, choose one, write its configs; returns the machine-readable plan."""
+    _check(args)
+    m = model_facts(
+        args.model_config or args.model_name_or_path or default_model_dir(),
+        args.num_labels,
+        args.trust_remote_code,
+        args.task,
+        bool(args.model_config),
+        args.tokenizer_name_or_path,
+        LoraSpec(args.lora_r, tuple(args.lora_target_modules), args.lora_dropout),
+    )
+    setup = Setup(
+        args.num_gpus,
+        args.num_nodes,
+        round(args.gpu_memory_gb * GIB),
+        None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
+        args.max_length,
+        resolve_precision(args.mixed_precision),  # auto: as training resolves it, on this machine
+    )
+    requested, global_batch = _batch(args, setup.world_size)
+    adapters = (
+        () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
+    )  # DoRA only when asked for
+    per_gpu = global_batch // setup.world_size
+    pipes = pipeline_candidates(m, setup, per_gpu, micro_batch_options(requested, per_gpu)[0])
+    if args.strategy == PIPELINE.key and not pipes:
+        raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
+    cands = candidates(adapters, pipes)
+    rows = [row(m, c, setup, requested) for c in cands]
+    allowed = [
+        r
+        for r in rows
+        if (args.strategy in ("auto", r.candidate.strategy.key))
+        and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())
+        and args.peft in ("auto", r.candidate.peft)
+    ]
+    choice = choose(m, allowed, setup, requested, global_batch)
+    plan = {
+        "model": asdict(m),
+        "setup": {**asdict(setup), "world_size": setup.world_size},
+        "requested_micro_batch": requested,
+        "global_batch_size": global_batch,
+        "assumptions": {
+            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+            "fragmentation": FRAGMENTATION,
+            "checkpointing_cost": CHECKPOINTING_COST,
+            "optimizer": "AdamW",
+        },
+        "strategies": [row_json(r) for r in rows],
+        "recommendation": None,
+        "suggestions": [],
+        "notes": _notes(m, setup, args.mixed_precision),
+    }
+    if choice is None:
+        forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
+        leanest = "full offload and checkpointing" + (", nor QLoRA with checkpointing" if "qlora" in adapters else "")
+        plan["message"] = (
+            f"Nothing fits, not even micro-batch 1 with {leanest}."
+            if not forced or not any(r.max_micro_batch for r in rows)
+            else "The requested strategy does not fit "
+            "(see the table); drop --strategy/--gradient_checkpointing/--peft to let the planner "
+            "choose."
+        )
+        plan["suggestions"] = suggestions(m, setup, cands)
+        return plan
+    files = write_configs(m, choice, setup, Path(args.output_dir))
+    plan["recommendation"] = recommendation_json(
+        choice,
+        global_batch,
+        files,
+        reasons(m, allowed, choice, setup, requested, global_batch),
+        launch_command(m, choice, setup, files),
+    )
+    return plan
+
+
+def _notes(m: ModelFacts, setup: Setup, precision: str) -> list[str]:
+    notes = []
+    if m.from_config and not m.tokenizer:
+        notes.append(
+            f"vocab {m.vocab_size} is the config's; training gives a preset the tokenizer's vocabulary: "
+            "pass --tokenizer_name_or_path for the exact logits"
+        )
+    if m.decoder and m.stages is None:
+        notes.append(f"no pipeline rows: --training_type pipeline cannot cut a {m.architecture} into stages")
+    if TASKS[m.task].chat_template and m.adapters:
+        notes.append(
+            "adapters: a chat template that adds tokens also trains the embeddings and LM head in full "
+            "(not counted here)"
+        )
+    if precision != setup.mixed_precision:
+        notes.append(
+            f"--mixed_precision {precision} is {setup.mixed_precision} on this machine, as training resolves it where "
+            "it runs (bf16 on GPUs from Ampere on); pass bf16, fp16 or no to plan for other GPUs"
+        )
+    return notes
+
+
+def run(args: argparse.Namespace) -> None:
+    plan = make_plan(args)
+    print(json.dumps(plan, indent=2) if args.json else render(plan))

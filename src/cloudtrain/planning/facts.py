@@ -1,0 +1,348 @@
+"""Model facts: what the memory model needs from a model, read off its config and a build on the meta device
+(no weights are loaded). The task is asked through the registry (cloudtrain.registry.TASKS): a decoder task
+(`DecoderTask`) reads its config and fits a preset to the tokenizer as training does, and every task says which
+modules train in full next to adapters."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import AutoConfig
+from transformers.activations import ACT2FN
+from transformers.pytorch_utils import Conv1D
+from transformers.quantizers.base import get_keys_to_not_convert
+from transformers.quantizers.quantizers_utils import should_convert_module
+
+from cloudtrain.config import Config, ModelConfig, TrainingConfig
+from cloudtrain.errors import UserError, first_line
+from cloudtrain.model_loading import is_causal_lm, load_tokenizer, resolve_model_path
+from cloudtrain.registry import TASKS
+from cloudtrain.stages import family_of
+from cloudtrain.tasks import DecoderTask, Task
+
+# Torch, transformers and the tasks load at the top: the `plan` command's parser already loads them (its --task
+# choices come from the task registry), so its start-up does not depend on keeping them lazy here.
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The adapters training would attach: --lora_r, --lora_target_modules, --lora_dropout."""
+
+    r: int = ModelConfig.lora_r
+    target_modules: tuple[str, ...] = ("all-linear",)
+    dropout: float = ModelConfig.lora_dropout
+
+
+@dataclass(frozen=True)
+class AdapterFacts:
+    """What the adapter rows need, counted on the meta-device model for one LoraSpec."""
+
+    spec: LoraSpec
+    lora_params: int  # r*(in + out) over the adapted modules
+    magnitude_params: int  # DoRA: one magnitude per output feature of each adapted module
+    head_params: int  # modules trained in full next to the adapters (a classifier's head): an fp32 copy
+    quantized_params: int  # QLoRA: the Linear weights bitsandbytes stores in 4-bit (all but the output head)
+    largest_quantized: int  # the 4-bit weight dequantised to bf16 for its matmul, one at a time
+    layer_adapted: int  # adapted modules in one transformer layer
+    layer_inputs: int  # their input features summed (what each adapter keeps for backward)
+    layer_outputs: int  # their output features summed (DoRA keeps two output-sized tensors each)
+
+    def trainable(self, peft: str) -> int:
+        return self.lora_params + self.head_params + (self.magnitude_params if peft == "dora" else 0)
+
+
+@dataclass(frozen=True)
+class StageFacts:
+    """What the pipeline's end stages hold beyond their layers (cloudtrain.stages)."""
+
+    embedding_params: int  # stage 0: the token (and GPT-2's position) embeddings
+    head_params: int  # the last stage: the final norm and the LM head (its own copy when tied)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the estimate needs from the model, read off its config and its meta-device build."""
+
+    name: str
+    architecture: str
+    num_params: int
+    num_layers: int
+    layer_class: str
+    layer_params: int  # the largest transformer layer
+    root_params: int  # everything outside the layers (embeddings, head)
+    largest_module_params: int  # DeepSpeed's "largest layer": most parameters held by one module
+    hidden_size: int
+    num_heads: int
+    kv_hidden_size: int
+    intermediate_size: int
+    gated_mlp: bool
+    activation_saved: float  # tensors of the intermediate size the activation function saves
+    hidden_dropout: bool
+    attention_dropout: bool
+    attn_implementation: str
+    task: str = TrainingConfig.task  # the --task (its default: classification)
+    vocab_size: int = 0  # the width of the logits (a decoder task); 0: a classification head, no logits term
+    from_config: bool = False  # name is a --model_config (config.json or preset), not a checkpoint
+    tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
+    adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
+    stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.stages can cut)
+
+    @property
+    def decoder(self) -> bool:
+        """Whether the task trains a decoder with an LM head (causal_lm, sft): the same memory, logits included."""
+        return is_decoder(self.task)
+
+
+# ---------------------------------------------------------------- the task
+
+
+def is_decoder(task: str) -> bool:
+    """Whether the registered task `task` trains a decoder language model."""
+    return issubclass(TASKS[task], DecoderTask)
+
+
+def decoder_tasks(conjunction: str = "or") -> str:
+    """The decoder tasks' names, for messages: "causal_lm or sft"."""
+    return f" {conjunction} ".join(t.name for t in TASKS if issubclass(t, DecoderTask))
+
+
+def task_for(task: str, model: ModelConfig | None = None) -> Task:
+    """The registered task `task`, for a run of `model` (only its options: a task loads nothing when built)."""
+    return TASKS[task](Config(model=model or ModelConfig()))
+
+
+def trained_in_full(model, task: str) -> list[str]:
+    """The modules training trains in full next to the adapters, as the task says: a classifier's head. (An SFT
+    chat template that grows the vocabulary adds the embeddings and LM head; the plan notes it.)"""
+    return task_for(task).train_in_full(model)
+
+
+# ---------------------------------------------------------------- reading the model
+
+
+def _config_value(config, names: tuple[str, ...], default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def _activation_saved(act_name) -> float:
+    """How many input-sized fp32 tensors the activation function keeps for backward, measured."""
+    if not isinstance(act_name, str) or act_name not in ACT2FN:
+        return 1.0  # an unknown or fused activation: assume it saves its input only
+    x = torch.zeros(64, requires_grad=True)
+    saved = {}
+
+    def pack(t):
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        ACT2FN[act_name](x * 1.0)
+    return sum(saved.values()) / x.untyped_storage().nbytes()
+
+
+def _load_config(task: Task, model: ModelConfig, num_labels: int):
+    """The model's config as training builds it: a decoder task reads it (a checkpoint's, a config.json or a
+    preset, which takes its vocabulary from the tokenizer when one is given); another with num_labels."""
+    name = model.model_config or model.model_name_or_path
+    if not isinstance(task, DecoderTask):
+        if model.model_config:
+            raise UserError(f"--model_config is for --task {decoder_tasks()}")
+        path = resolve_model_path(model)
+        try:
+            return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, num_labels=num_labels)
+        except (OSError, ValueError) as err:
+            raise UserError(f"could not read a model config from {path}: {first_line(err)}") from None
+    config = task.model_config(Config(model=model))
+    if not is_causal_lm(config):
+        kind = ", ".join(config.architectures or [config.model_type])
+        raise UserError(
+            f"{name} is not a causal language model ({kind}); --task {decoder_tasks('and')} plan for one that "
+            "AutoModelForCausalLM builds"
+        )
+    if model.model_config and model.tokenizer_name_or_path:  # what training does to a --model_config
+        task.fit_config(config, load_tokenizer(model), model.model_config)
+    return config
+
+
+def _meta_model(config, task: Task, trust_remote_code: bool):
+    auto = task.auto_class
+    assert auto is not None  # every registered task names its Auto class
+    kind = "causal-LM" if isinstance(task, DecoderTask) else "sequence-classification"
+    try:
+        with torch.device("meta"):  # shapes only: a 7B model builds in a fraction of a second
+            return auto.from_config(config, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, TypeError) as err:
+        raise UserError(f"{type(config).__name__} has no {kind} model in transformers: {first_line(err)}") from None
+
+
+def _layer_stack(model):
+    """The transformer layers: the ModuleList holding the most parameters."""
+    stacks = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) > 0]
+    if not stacks:
+        raise UserError(f"{type(model).__name__} has no stack of layers to plan for")
+    return max(stacks, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def model_facts(
+    name: str,
+    num_labels: int = 2,
+    trust_remote_code: bool = False,
+    task: str = TrainingConfig.task,
+    from_config: bool = False,
+    tokenizer: str | None = None,
+    lora: LoraSpec = LoraSpec(),
+) -> ModelFacts:
+    """Read a model's config and count its parameters exactly on the meta device; loads no weights.
+    A decoder task (causal_lm, sft) builds the causal LM (LM head included); from_config: name is a
+    --model_config; lora: the adapters to count (none for a --model_config: adapters need pretrained weights)."""
+    options = ModelConfig(
+        model_name_or_path=None if from_config else name,
+        model_config=name if from_config else None,
+        tokenizer_name_or_path=tokenizer,
+        trust_remote_code=trust_remote_code,
+    )
+    run_task = task_for(task, options)
+    decoder = isinstance(run_task, DecoderTask)
+    config = _load_config(run_task, options, num_labels)
+    model = _meta_model(config, run_task, trust_remote_code)
+    text = config.get_text_config()
+    hidden, heads = _config_value(text, ("hidden_size",)), _config_value(text, ("num_attention_heads",))
+    if not hidden or not heads:
+        raise UserError(f"the config of {name} has no hidden_size/num_attention_heads; cannot estimate activations")
+    layers = _layer_stack(model)
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    num_params = sum(p.numel() for p in model.parameters())
+    intermediate = _config_value(text, ("intermediate_size", "n_inner", "ffn_dim", "d_ff"), 4 * hidden)
+    mlp_shaped = [p for p in layers[0].parameters() if p.ndim == 2 and set(p.shape) == {hidden, intermediate}]
+    kv_heads = _config_value(text, ("num_key_value_heads",), heads)
+    head = model.get_output_embeddings() if decoder else None  # the LM head, tied to the input embeddings or not
+    return ModelFacts(
+        name=name,
+        architecture=type(model).__name__,
+        num_params=num_params,
+        num_layers=len(layers),
+        layer_class=type(layers[0]).__name__,
+        layer_params=max(layer_sizes),
+        root_params=num_params - sum(layer_sizes),
+        largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
+        hidden_size=hidden,
+        num_heads=heads,
+        kv_hidden_size=hidden * kv_heads // heads,
+        intermediate_size=intermediate,
+        gated_mlp=len(mlp_shaped) >= 3,
+        activation_saved=_activation_saved(
+            _config_value(text, ("hidden_act", "activation_function", "hidden_activation"))
+        ),
+        hidden_dropout=float(
+            _config_value(text, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout"), 0.0)
+        )
+        > 0,
+        attention_dropout=float(
+            _config_value(text, ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout"), 0.0)
+        )
+        > 0,
+        attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
+        task=task,
+        vocab_size=0 if head is None else head.weight.shape[0],
+        from_config=from_config,
+        tokenizer=tokenizer,
+        adapters=None if from_config else adapter_facts(model, run_task.train_in_full(model), lora, layers[0]),
+        stages=stage_facts(model) if decoder else None,
+    )
+
+
+def stage_facts(model) -> StageFacts | None:
+    """The embeddings and the head of the decoder as the pipeline trainer cuts it, or None if it cannot."""
+    family = family_of(model.config.model_type)
+    if family is None:
+        return None
+    body = getattr(model, family.root)
+    embeddings = sum(p.numel() for name in family.embeddings for p in getattr(body, name).parameters())
+    head = [*getattr(body, family.norm).parameters(), *model.get_output_embeddings().parameters()]
+    return StageFacts(embeddings, sum(p.numel() for p in head))
+
+
+# ---------------------------------------------------------------- adapters
+
+
+def adapter_facts(model, heads: list[str], spec: LoraSpec, layer) -> AdapterFacts:
+    """The adapters PEFT would attach to the meta-device `model` (`heads`: the modules that train in full beside
+    them), and what bitsandbytes would store in 4-bit; `layer` is one transformer layer (for the activations)."""
+    adapted = _adapted_shapes(model, spec.target_modules, heads)
+    prefix = next(name for name, module in model.named_modules() if module is layer) + "."
+    in_layer = [shape for name, shape in adapted.items() if name.startswith(prefix)]
+    quantized = _quantized_sizes(model)
+    return AdapterFacts(
+        spec,
+        lora_params=spec.r * sum(i + o for i, o in adapted.values()),
+        magnitude_params=sum(o for _, o in adapted.values()),
+        head_params=sum(p.numel() for name in heads for p in model.get_submodule(name).parameters()),
+        quantized_params=sum(quantized),
+        largest_quantized=max(quantized, default=0),
+        layer_adapted=len(in_layer),
+        layer_inputs=sum(i for i, _ in in_layer),
+        layer_outputs=sum(o for _, o in in_layer),
+    )
+
+
+def _in_out(module) -> tuple[int, int] | None:
+    """(input, output) features of a module LoRA can adapt, else None."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    if isinstance(module, Conv1D):  # GPT-2's linear layers store the weight as (in, out)
+        return tuple(module.weight.shape)
+    if isinstance(module, nn.Embedding):
+        return module.num_embeddings, module.embedding_dim
+    return None
+
+
+def _adapted_shapes(model, targets: tuple[str, ...], heads: list[str]) -> dict[str, tuple[int, int]]:
+    """{name: (in, out)} of the modules that get adapters, by PEFT's rules: all-linear takes every Linear and
+    Conv1D but the output head (the LM head or the classifier); else the modules whose name ends with a target."""
+    outside_heads = {
+        name: module
+        for name, module in model.named_modules()
+        if not any(name == h or name.startswith(h + ".") for h in heads)
+    }
+    if targets == ("all-linear",):
+        output = model.get_output_embeddings()
+        return {
+            name: shape
+            for name, module in outside_heads.items()
+            if (shape := _in_out(module)) and not isinstance(module, nn.Embedding) and module is not output
+        }
+    matched = {
+        name: module
+        for name, module in outside_heads.items()
+        if any(name == t or name.endswith("." + t) for t in targets)
+    }
+    unknown = [t for t in targets if not any(name == t or name.endswith("." + t) for name in matched)]
+    unfit = sorted({name.rsplit(".", 1)[-1] for name, module in matched.items() if not _in_out(module)})
+    if unknown or unfit:
+        linear = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in outside_heads.items()
+                if _in_out(module) and not isinstance(module, nn.Embedding)
+            }
+        )
+        raise UserError(
+            f"--lora_target_modules: {', '.join(unknown + unfit)} is not a linear layer of the model; its "
+            f"linear layers are {', '.join(linear)} (or use all-linear)"
+        )
+    return {name: shape for name, module in matched.items() if (shape := _in_out(module))}  # all: none unfit
+
+
+def _quantized_sizes(model) -> list[int]:
+    """Weights of the layers transformers' bitsandbytes integration replaces with 4-bit ones: every Linear and
+    Conv1D but the output head and tied weights (its own rule, applied to the meta-device model)."""
+    keep = get_keys_to_not_convert(model)
+    return [
+        module.weight.numel()
+        for name, module in model.named_modules()
+        if (type(module) is nn.Linear or isinstance(module, Conv1D)) and should_convert_module(name, keep)
+    ]

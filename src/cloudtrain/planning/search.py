@@ -1,0 +1,309 @@
+"""The strategy search: which candidates exist for a model and set-up, the table's rows, the choice (full
+fine-tuning first, then LoRA, then QLoRA; the fastest that fits, at the largest micro-batch up to the one asked
+for), why, and what would fit when nothing does; and the micro-batch a training run's `auto` gets."""
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, Config
+from cloudtrain.distributed import Sharding, sharding
+from cloudtrain.model_loading import resolve_model_path
+from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
+from cloudtrain.planning.memory import GIB, Estimate, estimate, fits, max_micro_batch, rank_estimates
+from cloudtrain.planning.strategies import (
+    PEFT_LABELS,
+    PIPELINE,
+    SCHEDULE_LABELS,
+    STRATEGIES,
+    Candidate,
+    Pipeline,
+    Setup,
+    Strategy,
+)
+from cloudtrain.stages import balanced_split
+from cloudtrain.training.pipeline import schedule_problem  # the pipeline trainer's own rule (see pipeline_candidates)
+
+
+@dataclass
+class Row:
+    candidate: Candidate
+    estimate: Estimate  # at the requested micro-batch
+    fits: bool  # at the requested micro-batch
+    max_micro_batch: int
+    pipeline: dict | None = None  # a pipeline row's layout (pipeline_layout)
+
+
+@dataclass
+class Choice:
+    candidate: Candidate
+    micro_batch: int
+    accumulation: int
+    estimate: Estimate
+
+
+# ---------------------------------------------------------------- the candidates and their rows
+
+
+def pipeline_candidates(m: ModelFacts, setup: Setup, per_gpu: int, micro_batch: int) -> list[Candidate]:
+    """Pipeline + data parallel for every pp dividing the GPUs and every schedule, with and without checkpointing,
+    fastest first; none for a model the trainer cannot cut or under fp16. A pipeline takes pp x `per_gpu` examples
+    per optimizer step, in micro-batches of `micro_batch`."""
+    if m.stages is None or setup.mixed_precision == "fp16":
+        return []
+    world, rows = setup.world_size, []
+    for pp in (d for d in range(2, world + 1) if world % d == 0):
+        for schedule in PIPELINE_SCHEDULES:
+            pipe = Pipeline(pp, schedule, pp * per_gpu // micro_batch, pp * per_gpu)
+            runs = schedule_problem(schedule, pp, pipe.stages_per_rank, pipe.microbatches) is None  # as the trainer
+            if runs and pipe.stages <= m.num_layers + 2:  # balanced_split gives every stage a layer, or an end
+                rows += [Candidate(PIPELINE, gc, pipeline=pipe) for gc in (False, True)]
+    return sorted(rows, key=lambda c: c.speed)
+
+
+def no_pipeline(m: ModelFacts, setup: Setup) -> str:
+    """Why pipeline_candidates has no row for this model and set-up."""
+    if m.stages is None:
+        return "--training_type pipeline cuts causal LMs of the Llama family and GPT-2 only"
+    if setup.mixed_precision == "fp16":
+        return "it trains in bf16 or fp32, not fp16"
+    if setup.world_size < 2:
+        return "it needs at least 2 GPUs"
+    return "no pipeline size divides the GPUs with a micro-batch count its schedules accept"
+
+
+def row(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Row:
+    est = estimate(m, cand, setup, micro_batch)
+    return Row(
+        cand, est, fits(est, setup), max_micro_batch(m, cand, setup), pipeline_layout(m, cand, setup, micro_batch)
+    )
+
+
+def pipeline_layout(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> dict | None:
+    """A pipeline row's layout: its stages' layers, the process that needs the most, its bubble."""
+    pipe = cand.pipeline
+    if pipe is None:
+        return None
+    totals = [e.total for e in rank_estimates(m, cand, setup, micro_batch)]
+    busiest = totals.index(max(totals))
+    return {
+        **asdict(pipe),
+        "data_parallel_size": cand.mesh(setup).data_parallel,
+        "stages_per_rank": pipe.stages_per_rank,
+        "layers_per_stage": [len(r) for r in balanced_split(m.num_layers, pipe.stages)],
+        "busiest_rank": busiest,
+        "in_flight": pipe.in_flight(busiest),
+        "bubble": round(pipe.bubble, 4),
+        "rank_totals": totals,
+    }
+
+
+# ---------------------------------------------------------------- the choice
+
+
+def micro_batch_options(requested: int, per_gpu_per_step: int) -> list[int]:
+    """Micro-batches that divide the examples each GPU sees per optimizer step, largest first."""
+    return [b for b in range(min(requested, per_gpu_per_step), 0, -1) if per_gpu_per_step % b == 0]
+
+
+def accumulation(cand: Candidate, per_gpu: int, micro_batch: int) -> int:
+    """Gradient accumulation steps that reach the global batch at `micro_batch` (0: it does not divide);
+    a pipeline's step already passes its M micro-batches."""
+    per_step = micro_batch * (cand.pipeline.microbatches if cand.pipeline else 1)
+    rows = cand.pipeline.rows if cand.pipeline else per_gpu
+    return rows // per_step if rows % per_step == 0 else 0
+
+
+def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_batch: int) -> Choice | None:
+    """Full fine-tuning if any of its candidates fits, else LoRA (DoRA), else QLoRA: adapters train a different
+    model, so they are the fallback, not a speed-up. Within one, the fastest candidate at the requested
+    micro-batch if any fits it; else the fastest that fits a smaller one, at the largest micro-batch it fits."""
+    per_gpu = global_batch // setup.world_size
+    options = micro_batch_options(requested, per_gpu)
+    for peft in PEFT_METHODS:
+        tier = sorted((r for r in rows if r.candidate.peft == peft), key=lambda r: r.candidate.speed)
+        for allowed in (options[:1], options):
+            for r in tier:
+                c = r.candidate
+                fitting = [b for b in allowed if b <= r.max_micro_batch and accumulation(c, per_gpu, b)]
+                if fitting:
+                    b = fitting[0]
+                    return Choice(c, b, accumulation(c, per_gpu, b), estimate(m, c, setup, b))
+    return None
+
+
+def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
+    return any(fits(estimate(m, c, setup, 1), setup) for c in cands)
+
+
+def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str]:
+    """What would make the smallest of `cands` (at micro-batch 1) fit."""
+    smallest = min((estimate(m, c, setup, 1) for c in cands), key=lambda e: e.total)
+    ideas = [
+        f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option needs "
+        f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"
+    ]
+    for nodes in range(setup.num_nodes + 1, setup.num_nodes * 64 + 1):
+        if _fits_anything(m, replace(setup, num_nodes=nodes), cands):
+            ideas.append(f"{nodes * setup.num_gpus} GPUs: --num_nodes {nodes} with {setup.num_gpus} GPUs each")
+            break
+    lengths = [s for s in (2**k for k in range(20)) if 2 <= s < setup.max_length]
+    shorter = [s for s in lengths if _fits_anything(m, replace(setup, max_length=s), cands)]
+    if shorter:
+        ideas.append(f"a shorter sequence: --max_length {max(shorter)}")
+    if not setup.half and _fits_anything(m, replace(setup, mixed_precision="bf16"), cands):
+        ideas.append("--mixed_precision bf16 (halves the activations and, with DeepSpeed, the weights)")
+    if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None), cands):
+        ideas.append("more CPU memory per node for offloading (see the CPU/node column)")
+    return ideas
+
+
+# ---------------------------------------------------------------- why
+
+
+def reasons(
+    m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, requested: int, global_batch: int
+) -> list[str]:
+    """A few lines on why this candidate, this micro-batch and this accumulation."""
+    c, gib, b = choice.candidate, setup.gpu_memory_bytes / GIB, choice.micro_batch
+    faster = sorted(
+        (r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed), key=lambda f: f.speed
+    )
+    lines = _adapter_reasons(m, rows, c, setup)
+    if faster:  # over budget at the requested micro-batch, or (when it fits nothing) even at 1
+        at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
+        shown = ", ".join(f"{f.name} {estimate(m, f, setup, at).total / GIB:.1f}" for f in faster[:4])
+        lines.append(
+            f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB"
+            + (" (and more)" if len(faster) > 4 else "")
+            + "."
+        )
+    e = choice.estimate
+    logits = f", logits {e.logits / GIB:.1f}" if e.logits else ""
+    lines.append(
+        f"{c.name} needs {e.total / GIB:.1f} of {gib:g} GiB per GPU at micro-batch {b} (model states "
+        f"{e.model_states / GIB:.1f}, activations {e.activations / GIB:.1f}{logits} GiB); the largest "
+        f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}."
+    )
+    lines += _micro_batch_reason(requested, b, global_batch // setup.world_size)
+    if c.pipeline:
+        lines += _pipeline_reasons(m, choice, setup, global_batch)
+    else:
+        lines.append(
+            f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
+            f"global batch {global_batch}."
+        )
+    if c.checkpointing:
+        plain = estimate(m, replace(c, checkpointing=False), setup, b)
+        lines.append(
+            f"Gradient checkpointing recomputes each layer in the backward pass (about a third more "
+            f"compute); without it activations need {plain.activations / GIB:.1f} GiB."
+        )
+    if c.strategy.offload_optimizer:
+        lines.append(
+            f"Offloading needs {e.cpu_per_node / GIB:.1f} GiB of CPU memory per node and runs the AdamW "
+            "step on the CPU."
+        )
+    return lines
+
+
+def _pipeline_reasons(m: ModelFacts, choice: Choice, setup: Setup, global_batch: int) -> list[str]:
+    """The stages, the busiest process, the bubble and the batch arithmetic of a pipeline."""
+    pipe, b = choice.candidate.pipeline, choice.micro_batch
+    assert pipe is not None  # called for a pipeline
+    layout = pipeline_layout(m, choice.candidate, setup, b)
+    assert layout is not None
+    dp, k = layout["data_parallel_size"], layout["busiest_rank"]
+    return [
+        f"{pipe.parallel_size} processes per pipeline, {dp} pipeline(s) side by side: {pipe.stages} stages of "
+        f"{', '.join(map(str, layout['layers_per_stage']))} layers (the first also the embeddings, the last the "
+        "norm and LM head), each whole with its gradients and AdamW states in every pipeline; process "
+        f"{k} needs the most, with {layout['in_flight']} micro-batch(es) in flight under "
+        f"{SCHEDULE_LABELS[pipe.schedule]}.",
+        f"Bubble {pipe.bubble:.1%}: (pp - 1) / ({'stages per process x ' if pipe.stages_per_rank > 1 else ''}"
+        "micro-batches) of the compute, idle.",
+        f"{pipe.microbatches} micro-batches of {b} per pipeline x {dp} pipeline(s) x {choice.accumulation} "
+        f"accumulation step(s) = global batch {global_batch}.",
+    ]
+
+
+def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup) -> list[str]:
+    """For adapters: why not what comes before them (full fine-tuning, LoRA), and what they train."""
+    if c.peft == "none":
+        return []
+    lines = []
+    for earlier in PEFT_METHODS[: PEFT_METHODS.index(c.peft)]:
+        tier = [r.candidate for r in rows if r.candidate.peft == earlier]
+        if tier:
+            leanest = min(tier, key=lambda t: (estimate(m, t, setup, 1).total, estimate(m, t, setup, 1).cpu_per_node))
+            label = PEFT_LABELS[earlier]
+            lines.append(
+                f"{label[0].upper() + label[1:]} does not fit: its leanest option, {leanest.name}, needs "
+                f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1."
+            )
+    a = m.adapters
+    assert a is not None  # adapter candidates exist only with adapter facts
+    base = "4-bit NF4" if c.peft == "qlora" else setup.mixed_precision if setup.half else "fp32"
+    lines.append(
+        f"{PEFT_LABELS[c.peft]} trains {a.trainable(c.peft):,} parameters ({_share(m, c.peft)} of the "
+        f"model: r={a.spec.r} adapters on {','.join(a.spec.target_modules)}"
+        f"{' and the head' if a.head_params else ''}) on a frozen base in {base}; only they have "
+        "gradients and AdamW states."
+    )
+    if c.peft == "qlora":
+        lines.append("QLoRA needs CUDA GPUs and bitsandbytes.")
+    return lines
+
+
+def _over_budget(est: Estimate, setup: Setup) -> str:
+    """What exceeds the budget: the GPU memory, or else the CPU memory per node."""
+    if est.total > setup.gpu_memory_bytes:
+        return f"{est.total / GIB:.1f} GiB per GPU (of {setup.gpu_memory_bytes / GIB:g})"
+    assert setup.cpu_memory_bytes is not None  # over budget with GPU memory to spare: the CPU memory was checked
+    return f"{est.cpu_per_node / GIB:.1f} GiB of CPU memory per node (of {setup.cpu_memory_bytes / GIB:g})"
+
+
+def _share(m: ModelFacts, peft: str) -> str:
+    assert m.adapters is not None  # adapter candidates exist only with adapter facts
+    return f"{100 * m.adapters.trainable(peft) / m.num_params:.2f}%"
+
+
+def _micro_batch_reason(requested: int, chosen: int, per_gpu: int) -> list[str]:
+    largest = micro_batch_options(requested, per_gpu)[0]
+    if chosen < largest:
+        return [
+            f"Micro-batch {largest} fits no strategy; {chosen} is the largest the fastest remaining one fits, "
+            "so gradient accumulation makes up the global batch."
+        ]
+    if largest < requested:
+        return [
+            f"Micro-batch {chosen} is the largest up to {requested} that divides the {per_gpu} examples each "
+            "GPU takes per optimizer step."
+        ]
+    return []
+
+
+# ---------------------------------------------------------------- a training run's micro-batch
+
+
+def run_strategy(shards: Sharding) -> Strategy:
+    """The strategy a training launch uses (ZeRO-1 with optimizer offload is estimated as ZeRO-1)."""
+    if shards.fsdp:
+        return next(s for s in STRATEGIES if s.fsdp)
+    stage = shards.zero_stage or None
+    offload = (shards.offload_optimizer, shards.offload_param)
+    same_stage = [s for s in STRATEGIES if s.zero_stage == stage and not s.fsdp]
+    return next((s for s in same_stage if (s.offload_optimizer, s.offload_param) == offload), same_stage[0])
+
+
+def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:
+    """The largest micro-batch the estimate fits into `memory` bytes per process for a training run's model,
+    strategy, gradient checkpointing and adapters, at rows of `seq_len` tokens (0: none fits)."""
+    m = cfg.model
+    lora = LoraSpec(m.lora_r, tuple(m.lora_target_modules), m.lora_dropout)
+    name = m.model_config or resolve_model_path(m)
+    facts = model_facts(
+        name, num_labels, m.trust_remote_code, cfg.training.task, bool(m.model_config), m.tokenizer_name_or_path, lora
+    )
+    candidate = Candidate(run_strategy(sharding(cfg)), m.gradient_checkpointing, m.peft)
+    setup = Setup(gpus_per_node, nodes, memory, None, seq_len, cfg.training.mixed_precision)
+    return max_micro_batch(facts, candidate, setup)
