@@ -1,0 +1,53 @@
+"""The registries: a task or trainer is one class registered once by name, and every choice, default and help
+text that names tasks or trainers is read from the registered classes."""
+
+import pytest
+
+from cloudtrain.config import _fields, _help, build_config
+from cloudtrain.errors import UserError
+from cloudtrain.registry import TASKS, TRAINERS
+from cloudtrain.tasks import build_task
+from cloudtrain.tasks.base import DecoderTask
+from cloudtrain.tasks.classification import ClassificationTask
+
+
+@pytest.fixture
+def scratch_registry(monkeypatch):
+    """Registrations made in a test are gone after it."""
+    monkeypatch.setattr(TASKS, "_classes", dict(TASKS._loaded()))
+
+
+def test_a_new_task_is_one_class_and_its_registration(scratch_registry):
+    @TASKS.register
+    class BalancedClassification(ClassificationTask):  # the worked example of docs/extending.md
+        name = "balanced_classification"
+        summary = "text -> label, the best checkpoint by macro F1"
+        default_best_metric = "macro_f1"
+
+    cfg = build_config({"task": "balanced_classification"})
+    assert isinstance(build_task(cfg), BalancedClassification)
+    assert "balanced_classification: text -> label, the best checkpoint by macro F1" in _help(_fields()["task"][1])
+    assert "macro_f1 for balanced_classification" in _help(_fields()["metric_for_best_model"][1])
+    from cloudtrain.pipeline import resolve
+
+    assert resolve(cfg, build_task(cfg)).checkpoint.metric_for_best_model == "macro_f1"
+
+
+def test_a_name_is_registered_once(scratch_registry):
+    class Impostor(ClassificationTask):
+        name = "classification"
+
+    with pytest.raises(ValueError, match="registered twice"):
+        TASKS.register(Impostor)
+
+
+def test_unknown_names_are_refused_with_the_registered_choices():
+    with pytest.raises(UserError, match="--task: 'regression' is not one of classification, causal_lm, sft"):
+        build_config({"task": "regression"})
+    with pytest.raises(KeyError, match="--training_type 'turbo' is not one of basic, accelerated, pipeline"):
+        TRAINERS["turbo"]
+
+
+def test_the_language_model_tasks_are_the_decoder_tasks():
+    assert [c.name for c in TASKS if issubclass(c, DecoderTask)] == ["causal_lm", "sft"]
+    assert [c.name for c in TASKS if c.chat_template] == ["sft"]
