@@ -106,7 +106,7 @@ class Hook:
     phase: str | None = None
 
     def on_train_start(self, loop: LoopState) -> None:
-        """Once, before the first step of this process (after a resume, the first one left)."""
+        """Once, before the first step (after a resume: before the first step still to run)."""
 
     def due(self, loop: LoopState) -> bool:
         """Whether this hook logs, evaluates or saves after this step; the same on every process."""
