@@ -17,7 +17,8 @@ from transformers import DataCollatorWithPadding, set_seed
 from cloudtrain.config import Config, build_config
 from cloudtrain.data_connecting import connect_data
 from cloudtrain.data_processing import ProcessedData
-from cloudtrain.model_loading import load_tokenizer
+from cloudtrain.model_loading import load_model, load_tokenizer
+from cloudtrain.models import prepare as model_prepare
 from cloudtrain.tasks import build_task
 
 
@@ -85,7 +86,7 @@ def prepare(spec: Spec) -> tuple[Config, ProcessedData, torch.nn.Module, object]
     if spec.fixed_padding:  # the ablation: every batch padded to max_length instead of its longest row
         data.collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=spec.max_length)
     set_seed(cfg.training.seed)
-    model = task.load_model(cfg, data, tokenizer, announce=False)
+    model = model_prepare.prepare(load_model(cfg, task, data, tokenizer), cfg, task)
     set_seed(cfg.training.seed)
     return cfg, data, model, tokenizer
 

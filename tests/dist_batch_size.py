@@ -19,7 +19,7 @@ from cloudtrain.batch_size import probe_on_device, worst_case_probe
 from cloudtrain.config import build_config
 from cloudtrain.data_connecting import connect_data
 from cloudtrain.errors import UserError
-from cloudtrain.model_loading import load_tokenizer
+from cloudtrain.model_loading import load_model, load_tokenizer
 from cloudtrain.pipeline import resolve
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks import build_task
@@ -32,7 +32,7 @@ def main() -> None:
     cfg = resolve(cfg, task)
     runtime = Runtime.for_launch(cfg)
     data = task.process(connect_data(cfg.data, task.columns(cfg.data)), load_tokenizer(cfg.model), cfg)
-    model = task.load_model(cfg, data, load_tokenizer(cfg.model), announce=False)
+    model = load_model(cfg, task, data, load_tokenizer(cfg.model))
     real, _ = worst_case_probe(model, data, task, cfg.training.mixed_precision, runtime.device)
     results = [search_with(limits[str(runtime.index)], real, model, runtime) for limits in scenarios]
     (out / f"rank{runtime.index}.json").write_text(json.dumps(results))

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from cloudtrain.config import build_config
+from cloudtrain.model_loading import load_model
 from cloudtrain.pipeline import build_run
 from cloudtrain.training.trainer import set_epoch
 
@@ -45,7 +46,7 @@ def one_step(options: dict, out: Path) -> None:
 
 
 def reference(run, raw: list[dict], out: Path) -> None:
-    model = run.task.load_model(run.cfg, run.data, run.tokenizer, announce=False)  # the same weights
+    model = load_model(run.cfg, run.task, run.data, run.tokenizer)  # the same weights
     model.train()
     losses = [run.task.loss(model, batch) for batch in raw]
     loss_sum, count = sum(s for s, _ in losses), sum(n for _, n in losses)

@@ -22,9 +22,11 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.config import build_config
+from cloudtrain.data_processing import ProcessedData
 from cloudtrain.distributed import check_distributed, resolve_deepspeed_config, zero_config
 from cloudtrain.errors import UserError
 from cloudtrain.model_loading import load_model
+from cloudtrain.tasks.classification import ClassificationTask
 
 TINY_RUN = [
     "--training_type",
@@ -221,8 +223,11 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
     classifier = tmp_path / "classifier"
+    labels = ProcessedData(
+        train=None, validation=None, test=None, collator=None, label_names=["finance", "sports", "weather"]
+    )
     load_model(
-        build_config({"model_name_or_path": tiny_model_dir}).model, ["finance", "sports", "weather"], tokenizer
+        build_config({"model_name_or_path": tiny_model_dir}), ClassificationTask(), labels, tokenizer
     ).save_pretrained(classifier)
     tokenizer.save_pretrained(classifier)
     pd.DataFrame(topic_rows(10)).to_csv(tmp_path / "train.csv", index=False)

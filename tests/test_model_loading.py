@@ -18,9 +18,10 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from cloudtrain.config import DataConfig, ModelConfig
+from cloudtrain.config import DataConfig, ModelConfig, build_config
 from cloudtrain.data_processing import process_data
 from cloudtrain.model_loading import head_labels, load_model
+from cloudtrain.tasks.classification import ClassificationTask
 
 TOPICS = ["finance", "sports", "weather"]  # the labels of topic_rows, sorted
 
@@ -78,7 +79,9 @@ def load(checkpoint: str, announce: bool = True):
     cfg = ModelConfig(model_name_or_path=checkpoint)
     data = process_data(raw, tokenizer, DataConfig(), seed=0, label_order=head_labels(cfg))
     torch.manual_seed(0)
-    return data, load_model(cfg, data.label_names, tokenizer, announce=announce)
+    return data, load_model(
+        build_config({"model_name_or_path": checkpoint}), ClassificationTask(), data, tokenizer, announce
+    )
 
 
 @pytest.mark.parametrize("kind", ["bert", "llama"])
@@ -155,3 +158,25 @@ def test_fine_tuning_a_sentiment_checkpoint_on_other_labels_from_the_command_lin
     model = AutoModelForSequenceClassification.from_pretrained(out)
     assert model.config.id2label == dict(enumerate(TOPICS))
     pd.read_json(out / "metrics.jsonl", lines=True)  # the run logged as usual
+
+
+@pytest.mark.parametrize("implementation", ["eager", "sdpa"])
+def test_a_classifier_computes_with_the_attention_asked_for(implementation, tiny_model_dir, topic_csvs, tmp_path):
+    """--attn_implementation reaches a classification model too (it was once read only by the decoder tasks)."""
+    from cloudtrain.pipeline import build_run
+
+    options = {"train_file": str(topic_csvs["train"]), "validation_file": str(topic_csvs["validation"])}
+    run = build_run(
+        build_config(
+            {
+                "model_name_or_path": tiny_model_dir,
+                **options,
+                "output_dir": str(tmp_path / "out"),
+                "attn_implementation": implementation,
+                "report_to": "none",
+            }
+        )
+    )
+    assert run.model.config._attn_implementation == implementation
+    layer = run.model.base_model.encoder.layer[0].attention.self
+    assert layer.config._attn_implementation == implementation

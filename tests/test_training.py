@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.checkpointing import Checkpointer
-from cloudtrain.config import DataConfig, ModelConfig, build_config, validate
+from cloudtrain.config import DataConfig, build_config, validate
 from cloudtrain.data_processing import process_data
 from cloudtrain.distributed import build_accelerator
 from cloudtrain.errors import TrainingStopped
@@ -28,7 +28,7 @@ def tiny_setup(tiny_model_dir, tmp_path, trainer_cls, **overrides):
     data = process_data(raw, tokenizer, DataConfig(), seed=0)
     cfg = build_config({"model_name_or_path": tiny_model_dir, "max_grad_norm": 0, "mixed_precision": "no", **overrides})
     torch.manual_seed(0)
-    model = load_model(ModelConfig(model_name_or_path=tiny_model_dir), data.label_names, tokenizer)
+    model = load_model(build_config({"model_name_or_path": tiny_model_dir}), ClassificationTask(), data, tokenizer)
     run_log = RunLog(cfg, tmp_path, True, run_info={})
     runtime = Runtime(build_accelerator(cfg)) if trainer_cls is AcceleratedTrainer else Runtime()
     return trainer_cls(cfg, ClassificationTask(), model, data, run_log, runtime)

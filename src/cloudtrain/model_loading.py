@@ -1,31 +1,34 @@
-"""Stage 3, model loading: tokenizer and sequence-classification model from a local dir or a Hub id.
+"""Model loading, one path for every task: the tokenizer, then the task's model (its transformers Auto
+class) from --model_config, a local directory or a Hub id. Remote code runs only with --trust_remote_code.
 
-Works for encoders (BERT-like) and decoders (GPT-like: a missing pad token is set to EOS, which
-sequence classification needs to find the last real token). The classification head is sized to
-the labels and carries their names (id2label/label2id). Remote code runs only with
---trust_remote_code true.
-
-A checkpoint that already has a classification head (a fine-tuned sentiment or NLI model, say) keeps
-it when its label names are the data's, in any order: the data's label ids follow the head's order
-(`head_labels` is passed to data processing). Otherwise the whole head is replaced by a freshly
-initialised one for the data's labels, and one line says so.
+The task answers what differs (cloudtrain.tasks.base): the config to build (`build_config`: a classifier's
+labels, a language model's vocabulary), whether the checkpoint's head is replaced by a new one
+(`replaces_head`: a classifier whose head has other labels keeps only the body's weights, said in one line),
+and what the loaded model still needs (`fit_model`: SFT's embeddings grown for its chat tokens). Decoders
+get EOS as their pad token when they have none (sequence classification needs it to find the last token).
 """
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import huggingface_hub
 import torch
 import transformers
-from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_utils import load_state_dict
 from transformers.models.auto.auto_factory import _get_model_class
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from cloudtrain import adapters
 from cloudtrain.assets import default_model_dir
-from cloudtrain.config import ModelConfig
+from cloudtrain.config import Config, ModelConfig
+from cloudtrain.data_processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    from cloudtrain.tasks.base import Task
 
 
 def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
@@ -80,65 +83,56 @@ def head_labels(cfg: ModelConfig) -> list[str] | None:
 
 
 def load_model(
-    cfg: ModelConfig,
-    label_names: list[str],
+    cfg: Config,
+    task: "Task",
+    data: ProcessedData,
     tokenizer: transformers.PreTrainedTokenizerBase,
     announce: bool = False,
-    weights: dict | None = None,
 ) -> PreTrainedModel:
-    """The pretrained body with a classification head for `label_names`: the checkpoint's own head when it
-    has exactly these labels in this order, else a new one (said in one line when `announce`). `weights`:
-    how to load them (cloudtrain.adapters.load_options; default fp32)."""
-    path = resolve_model_path(cfg)
-    existing = head_labels(cfg)
-    replace_head = existing is not None and existing != label_names
-    if replace_head and announce:
-        assert existing is not None
+    """The task's model (its Auto class), one path for every task: built from --model_config, loaded from the
+    checkpoint, or from its body's weights when the task replaces the checkpoint's head; then fitted to the task's
+    data (`Task.fit_model`). Transforms (attention, checkpointing, adapters, compile) follow in cloudtrain.prepare.
+    Weights load as cloudtrain.adapters.load_options says (fp32 master weights unless adapters train)."""
+    m, auto_class = cfg.model, task.auto_class
+    assert auto_class is not None  # every task names one
+    source = m.model_config or resolve_model_path(m)
+    config = task.build_config(cfg, data, tokenizer)
+    options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, auto_class))
+    verbosity = transformers.logging.get_verbosity()
+    if task.adds_head:  # transformers' report of a newly initialised head is expected then
+        transformers.logging.set_verbosity_error()
+    try:
+        if m.model_config:
+            model = auto_class.from_config(config, **options)
+        elif task.replaces_head(cfg, data, announce):
+            model_class = concrete_class(source, config, auto_class, m.trust_remote_code)
+            weights = body_weights(source, model_class)
+            model = model_class.from_pretrained(None, config=config, state_dict=weights, **options)
+        else:
+            model = auto_class.from_pretrained(source, config=config, **options)
+    except (OSError, ValueError, ImportError) as err:
+        raise UserError(f"{task.load_error} from {source}: {first_line(err)}") from None
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    if announce and m.model_config:
+        params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         print(
-            f"replacing the {len(existing)}-label head of {cfg.model_name_or_path or path} with a new "
-            f"{len(label_names)}-label head (its labels: {', '.join(existing)})",
+            f"built {type(model).__name__} from {m.model_config} with random weights (seed "
+            f"{cfg.training.seed}): {params / 1e6:.1f}M parameters",
             flush=True,
         )
-    id2label = dict(enumerate(label_names))
-    try:
-        config = AutoConfig.from_pretrained(
-            path,
-            num_labels=len(label_names),
-            id2label=id2label,
-            label2id={n: i for i, n in id2label.items()},
-            trust_remote_code=cfg.trust_remote_code,
-        )
-        config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
-        verbosity = transformers.logging.get_verbosity()
-        transformers.logging.set_verbosity_error()  # the "newly initialized head" report is expected here
-        try:
-            # fp32 master weights whatever the checkpoint's dtype (mixed precision is autocast's job), or an
-            # adapter's frozen base in the compute dtype or 4-bit
-            options = dict(
-                config=config, trust_remote_code=cfg.trust_remote_code, **(weights or {"dtype": torch.float32})
-            )
-            if replace_head:
-                model_class = classifier_class(path, config, cfg.trust_remote_code)
-                model = model_class.from_pretrained(None, state_dict=body_weights(path, model_class), **options)
-            else:
-                model = AutoModelForSequenceClassification.from_pretrained(path, **options)
-        finally:
-            transformers.logging.set_verbosity(verbosity)
-    except (OSError, ValueError) as err:
-        raise UserError(f"could not load a sequence-classification model from {path}: {first_line(err)}") from None
-    if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    task.fit_model(model, tokenizer, cfg, announce)
     return model
 
 
-def classifier_class(
-    path: str, config: transformers.PretrainedConfig, trust_remote_code: bool
+def concrete_class(
+    path: str, config: transformers.PretrainedConfig, auto_class: type, trust_remote_code: bool
 ) -> type[PreTrainedModel]:
-    """The class AutoModelForSequenceClassification would build for `config`."""
+    """The class `auto_class` would build for `config` (the repository's own with --trust_remote_code)."""
     auto_map = getattr(config, "auto_map", None) or {}
-    if trust_remote_code and "AutoModelForSequenceClassification" in auto_map:
-        return get_class_from_dynamic_module(auto_map["AutoModelForSequenceClassification"], path)
-    return _get_model_class(config, AutoModelForSequenceClassification._model_mapping)
+    if trust_remote_code and auto_class.__name__ in auto_map:
+        return get_class_from_dynamic_module(auto_map[auto_class.__name__], path)
+    return _get_model_class(config, auto_class._model_mapping)  # type: ignore[attr-defined]
 
 
 def body_weights(path: str, model_class: type[PreTrainedModel]) -> dict:

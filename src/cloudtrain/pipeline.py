@@ -36,7 +36,8 @@ from cloudtrain.data_processing import ProcessedData, default_cache_dir
 from cloudtrain.distributed import check_distributed, launched_processes
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
-from cloudtrain.model_loading import load_tokenizer, resolve_model_path
+from cloudtrain.model_loading import load_model, load_tokenizer, resolve_model_path
+from cloudtrain.models.prepare import prepare
 from cloudtrain.runtime import Runtime
 from cloudtrain.saving import holds_model, remove_model, write_results
 from cloudtrain.tasks import Task, build_task
@@ -149,10 +150,8 @@ def build_run(cfg: Config) -> Run:
         data = task.process(raw, tokenizer, cfg)
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
-    model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
-    task.check_model(model, cfg, announce=runtime.is_main)
-    if cfg.model.peft != "none":  # after gradient checkpointing, before the optimizer and accelerate
-        model = adapters.attach(model, cfg, task.peft_task_type, task.train_in_full(model))
+    model = load_model(cfg, task, data, tokenizer, announce=runtime.is_main)
+    model = prepare(model, cfg, task, announce=runtime.is_main)  # attention ... adapters, compile: in order
     if cfg.training.per_device_train_batch_size == "auto":  # probes the loaded model, before accelerate wraps it
         cfg = batch_size.choose(cfg, model, data, task, runtime, resumed.get("batch") if resumed else None)
         runtime.set_batch(cfg.training.micro_batch, cfg.training.gradient_accumulation_steps)

@@ -6,7 +6,7 @@ the task for these and branch on nothing else:
 - `columns` / `check_options`: what the data must hold and which options make sense, checked before
   anything heavy is loaded;
 - `process`: raw splits -> tokenized, collatable splits (`ProcessedData`);
-- `load_model`: the model class and its loading arguments;
+- `build_config`, `replaces_head`, `fit_model`: what loading the model needs (cloudtrain.model_loading);
 - `loss` and `loss_count`: the loss of a batch as a (sum, count) pair (rows for classification,
   target tokens after the shift for language models); the trainer divides the step's summed loss by
   the count summed over its micro-batches and all processes;
@@ -23,6 +23,7 @@ import torch
 from datasets import DatasetDict
 from huggingface_hub import ModelCard
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData
@@ -35,9 +36,11 @@ class Task:
     lower_is_better: frozenset[str] = frozenset({"loss"})
     default_best_metric = "loss"
     default_packing: str | None = None  # what --packing auto means (language-model tasks)
-    auto_class: type | None = None  # the transformers Auto class of the task's models
+    auto_class: type[_BaseAutoModelClass] | None = None  # the transformers Auto class of the task's models
     peft_task_type = ""  # PEFT's name for the task (adapter_config.json's task_type)
     chat_template = False  # whether `generate` talks to a model this task trained through its chat template
+    adds_head = False  # a new head on a pretrained body: transformers' report of new weights is expected
+    load_error = "could not load the model"  # the start of the one line a failed load gives
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg
@@ -52,10 +55,18 @@ class Task:
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         raise NotImplementedError
 
-    def load_model(
-        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
-    ) -> PreTrainedModel:
+    def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+        """The config the model is built or loaded with (cloudtrain.model_loading.load_model)."""
         raise NotImplementedError
+
+    def replaces_head(self, cfg: Config, data: ProcessedData, announce: bool) -> bool:
+        """Whether the checkpoint's task head gives way to a new one (only the body's weights load)."""
+        return False
+
+    def fit_model(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config, announce: bool
+    ) -> None:
+        """What the loaded model still needs for this task's data (in place)."""
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         """Checks that need the loaded model (before training starts)."""

@@ -31,7 +31,6 @@ from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from cloudtrain import adapters
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError, first_line
@@ -69,6 +68,7 @@ class CausalLMTask(DecoderTask):
     default_best_metric = "loss"
     default_packing = "wrapped"
     auto_class = AutoModelForCausalLM
+    load_error = "could not build the causal language model"
     peft_task_type = "CAUSAL_LM"
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
 
@@ -172,34 +172,15 @@ class CausalLMTask(DecoderTask):
         return parts["train"], parts["test"]
 
     # ------------------------------------------------------------ the model
-    def load_model(
-        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
-    ) -> PreTrainedModel:
-        m = cfg.model
-        options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, self.auto_class))
-        if m.attn_implementation:
-            options["attn_implementation"] = m.attn_implementation
+    def build_config(
+        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase
+    ) -> transformers.PretrainedConfig:
+        """The decoder's config (a preset fitted to the tokenizer), checked against the tokenizer and --max_length."""
         config = self.model_config(cfg)
-        if m.model_config:
-            self.fit_config(config, tokenizer, m.model_config)
+        if cfg.model.model_config:
+            self.fit_config(config, tokenizer, cfg.model.model_config)
         self._check_sizes(config, tokenizer, cfg.data.max_length, self.added_tokens)
-        try:
-            if m.model_config:
-                model = AutoModelForCausalLM.from_config(config, **options)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(resolve_model_path(m), config=config, **options)
-        except (OSError, ValueError, ImportError) as err:
-            raise UserError(f"could not build the causal language model: {first_line(err)}") from None
-        if announce and m.model_config:
-            params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
-            print(
-                f"built {type(model).__name__} from {m.model_config} with random weights (seed "
-                f"{cfg.training.seed}): {params / 1e6:.1f}M parameters",
-                flush=True,
-            )
-        if m.gradient_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        return model
+        return config
 
     @staticmethod
     def fit_config(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:

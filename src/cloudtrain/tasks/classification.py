@@ -13,15 +13,20 @@ import torch
 import torch.nn.functional as F
 from datasets import DatasetDict
 from huggingface_hub import ModelCard
-from transformers import AutoModelForSequenceClassification, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoConfig,
+    AutoModelForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
-from cloudtrain import adapters
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data_processing import ProcessedData, process_data
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import evaluate_model, predict_labels
 from cloudtrain.model_card import build_model_card
-from cloudtrain.model_loading import head_labels, load_model
+from cloudtrain.model_loading import head_labels, resolve_model_path
 from cloudtrain.predict import records
 from cloudtrain.registry import TASKS
 from cloudtrain.saving import write_jsonl
@@ -35,6 +40,8 @@ class ClassificationTask(Task):
     metrics = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
     auto_class = AutoModelForSequenceClassification
+    adds_head = True
+    load_error = "could not load a sequence-classification model"
     peft_task_type = "SEQ_CLS"
 
     def check_options(self, cfg: Config) -> None:
@@ -53,16 +60,37 @@ class ClassificationTask(Task):
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         return process_data(raw, tokenizer, cfg.data, cfg.training.seed, label_order=head_labels(cfg.model))
 
-    def load_model(
-        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
-    ) -> PreTrainedModel:
-        return load_model(
-            cfg.model,
-            data.label_names,
-            tokenizer,
-            announce=announce,
-            weights=adapters.load_options(cfg, self.auto_class),
-        )
+    def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+        """The checkpoint's config with a head for the data's labels (names by id), padding as the tokenizer."""
+        path = resolve_model_path(cfg.model)
+        id2label = dict(enumerate(data.label_names))
+        try:
+            config = AutoConfig.from_pretrained(
+                path,
+                num_labels=len(id2label),
+                id2label=id2label,
+                label2id={n: i for i, n in id2label.items()},
+                trust_remote_code=cfg.model.trust_remote_code,
+            )
+        except (OSError, ValueError) as err:
+            raise UserError(f"{self.load_error} from {path}: {first_line(err)}") from None
+        config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
+        return config
+
+    def replaces_head(self, cfg: Config, data: ProcessedData, announce: bool) -> bool:
+        """A checkpoint's head is kept when it has exactly the data's labels (data processing ordered them as the
+        head's), else replaced by a new one, said in one line when `announce`."""
+        existing = head_labels(cfg.model)
+        if existing is None or existing == data.label_names:
+            return False
+        if announce:
+            name = cfg.model.model_name_or_path or resolve_model_path(cfg.model)
+            print(
+                f"replacing the {len(existing)}-label head of {name} with a new "
+                f"{len(data.label_names)}-label head (its labels: {', '.join(existing)})",
+                flush=True,
+            )
+        return True
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """Everything outside the pretrained body: the head, and what some heads add (DistilBERT's pre_classifier,

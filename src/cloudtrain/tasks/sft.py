@@ -235,10 +235,10 @@ class SFTTask(CausalLMTask):
         self.questions = [_last_question(chat) for chat in chats]
 
     # ------------------------------------------------------------ the model
-    def load_model(
-        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
-    ) -> PreTrainedModel:
-        model = super().load_model(cfg, data, tokenizer, announce)
+    def fit_model(
+        self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config, announce: bool
+    ) -> None:
+        """Embedding rows for the chat template's new tokens; generation stops at the end of a turn."""
         weight: Any = model.get_input_embeddings().weight
         rows = getattr(weight, "ds_shape", weight.shape)[0]  # ZeRO-3 partitions the weight
         if len(tokenizer) > rows:
@@ -256,7 +256,6 @@ class SFTTask(CausalLMTask):
         stops = [self.chat.end_of_turn_id, tokenizer.eos_token_id]
         model.generation_config.eos_token_id = list(dict.fromkeys(t for t in stops if t is not None))
         model.generation_config.pad_token_id = tokenizer.pad_token_id
-        return model
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """New tokens need their embedding rows (and output rows) trained, which adapters alone cannot do."""

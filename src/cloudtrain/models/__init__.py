@@ -1,0 +1,1 @@
+"""Models: loading one for any task, and the ordered transforms that prepare it for training."""
