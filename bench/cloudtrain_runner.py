@@ -8,6 +8,7 @@ import tempfile
 
 from common import Spec, StepClock, prepare
 
+from cloudtrain.models.prepare import compile_model
 from cloudtrain.runtime import Runtime
 from cloudtrain.tasks import build_task
 from cloudtrain.tracking import RunLog
@@ -18,9 +19,11 @@ def run(spec: Spec) -> dict:
     cfg, data, model, _ = prepare(spec)
     clock = StepClock()  # building the accelerator counts towards the time to the first step
     runtime = Runtime.for_launch(cfg)
+    task = build_task(cfg)
+    model = compile_model(model, cfg, task, announce=False)  # the last of cloudtrain's model transforms
     with tempfile.TemporaryDirectory() as out:
         run_log = RunLog(cfg, out, True, run_info={})
-        trainer = TRAINERS[cfg.training.training_type](cfg, build_task(cfg), model, data, run_log, runtime)
+        trainer = TRAINERS[cfg.training.training_type](cfg, task, model, data, run_log, runtime)
         step = trainer.optimizer_step
 
         def timed_step() -> None:

@@ -5,6 +5,7 @@ seed), the same batch order (EpochShuffleSampler, or LengthGroupedSampler for --
 the same thread count, so only the training loop differs. Not supported: several processes.
 """
 
+import dataclasses
 import resource
 import statistics
 import time
@@ -86,7 +87,9 @@ def prepare(spec: Spec) -> tuple[Config, ProcessedData, torch.nn.Module, object]
     if spec.fixed_padding:  # the ablation: every batch padded to max_length instead of its longest row
         data.collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=spec.max_length)
     set_seed(cfg.training.seed)
-    model = model_prepare.prepare(load_model(cfg, task, data, tokenizer), cfg, task)
+    # every runner starts from the same prepared model; each compiles it its own way (--torch_compile)
+    uncompiled = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, torch_compile=False))
+    model = model_prepare.prepare(load_model(cfg, task, data, tokenizer), uncompiled, task)
     set_seed(cfg.training.seed)
     return cfg, data, model, tokenizer
 

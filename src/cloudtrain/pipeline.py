@@ -8,7 +8,7 @@ The micro-batch is found only for --per_device_train_batch_size auto (cloudtrain
 Every check that needs no heavy work runs first, so a mistake costs seconds, not a training run.
 `build_run` does everything up to training (bench and tests call it too); `run_training` is the whole
 job. What differs between tasks is the task's (cloudtrain.tasks); between launches, the runtime's
-and the trainer's (cloudtrain.runtime, cloudtrain.trainers).
+and the trainer's (cloudtrain.runtime, cloudtrain.training).
 """
 
 import time

@@ -49,7 +49,13 @@ def adapters_for_task(model: Any, cfg: Config, task: Task, announce: bool) -> An
     return adapters.attach(model, cfg, task.peft_task_type, task.train_in_full(model))
 
 
-TRANSFORMS: list[Transform] = [attention, gradient_checkpointing, task_checks, adapters_for_task]
+def compile_model(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
+    if cfg.training.torch_compile:
+        model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
+    return model
+
+
+TRANSFORMS: list[Transform] = [attention, gradient_checkpointing, task_checks, adapters_for_task, compile_model]
 
 
 def prepare(model: Any, cfg: Config, task: Task, announce: bool = False) -> Any:

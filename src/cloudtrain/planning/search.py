@@ -20,8 +20,8 @@ from cloudtrain.planning.strategies import (
     Setup,
     Strategy,
 )
+from cloudtrain.registry import TRAINERS
 from cloudtrain.stages import balanced_split
-from cloudtrain.training.pipeline import schedule_problem  # the pipeline trainer's own rule (see pipeline_candidates)
 
 
 @dataclass
@@ -54,7 +54,8 @@ def pipeline_candidates(m: ModelFacts, setup: Setup, per_gpu: int, micro_batch: 
     for pp in (d for d in range(2, world + 1) if world % d == 0):
         for schedule in PIPELINE_SCHEDULES:
             pipe = Pipeline(pp, schedule, pp * per_gpu // micro_batch, pp * per_gpu)
-            runs = schedule_problem(schedule, pp, pipe.stages_per_rank, pipe.microbatches) is None  # as the trainer
+            problem = TRAINERS[PIPELINE.trainer].schedule_problem  # the pipeline trainer's own rule
+            runs = problem(schedule, pp, pipe.stages_per_rank, pipe.microbatches) is None
             if runs and pipe.stages <= m.num_layers + 2:  # balanced_split gives every stage a layer, or an end
                 rows += [Candidate(PIPELINE, gc, pipeline=pipe) for gc in (False, True)]
     return sorted(rows, key=lambda c: c.speed)

@@ -107,6 +107,7 @@ class PipelineTrainer(Trainer):
     summary = "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun"
 
     own_options = tuple(f.name for f in dataclasses.fields(DistributedConfig) if f.name.startswith("pipeline_"))
+    schedule_problem = staticmethod(schedule_problem)  # the planner asks it which pipelines can run
 
     @classmethod
     def mesh(cls, cfg: Config, processes: int) -> Mesh:

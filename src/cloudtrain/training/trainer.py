@@ -153,8 +153,6 @@ class Trainer:
         self.predict_dls = {
             split: eval_dataloader(ds, data, eval_rows, cfg.data) for split, ds in data.unlabelled.items()
         }
-        if t.torch_compile:
-            model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
         self.optimizer = build_optimizer(model, cfg)
         self.flops = ModelFlops.from_model(model)  # before setup(): DDP/DeepSpeed wrappers hide the config
         self.clock = StepClock(runtime.device)  # this process's step, data and forward time (cloudtrain.monitoring)
