@@ -9,9 +9,9 @@ import tempfile
 from common import Spec, StepClock, prepare
 
 from cloudtrain.models.prepare import compile_model
-from cloudtrain.runtime import Runtime
+from cloudtrain.observe.tracking import RunLog
+from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.tasks import build_task
-from cloudtrain.tracking import RunLog
 from cloudtrain.training import TRAINERS
 
 

@@ -16,10 +16,10 @@ import torch
 from transformers import DataCollatorWithPadding, set_seed
 
 from cloudtrain.config import Config, build_config
-from cloudtrain.data_connecting import connect_data
-from cloudtrain.data_processing import ProcessedData
-from cloudtrain.model_loading import load_model, load_tokenizer
+from cloudtrain.data.processing import ProcessedData
+from cloudtrain.data.sources import connect_data
 from cloudtrain.models import prepare as model_prepare
+from cloudtrain.models.load import load_model, load_tokenizer
 from cloudtrain.tasks import build_task
 
 

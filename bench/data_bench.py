@@ -7,9 +7,9 @@ import time
 from common import Spec
 from datasets import DatasetDict
 
-from cloudtrain.data_connecting import connect_data
-from cloudtrain.data_processing import process_data
-from cloudtrain.model_loading import load_tokenizer
+from cloudtrain.data.processing import process_data
+from cloudtrain.data.sources import connect_data
+from cloudtrain.models.load import load_tokenizer
 from cloudtrain.tasks import build_task
 
 

@@ -13,7 +13,7 @@ installed), each in a fresh process so that peak memory is that run's alone:
   restarting position_ids), rows of --max_length tokens, fused AdamW, no gradient checkpointing;
 - `cloudtrain.pipeline.build_run(cfg)` then `run.trainer.fit()`: the application's own loop, which
   logs train/tokens_per_s (real, non-padding tokens) and, on GPUs whose peak it knows
-  (cloudtrain.flops.PEAK_FLOPS), train/mfu to <output_dir>/metrics.jsonl. Reported:
+  (cloudtrain.observe.flops.PEAK_FLOPS), train/mfu to <output_dir>/metrics.jsonl. Reported:
   the medians over the logging intervals after the first (warm-up), the peak of
   torch.cuda.max_memory_allocated / max_memory_reserved over fit(), and the validation loss.
 
@@ -114,8 +114,8 @@ def train_one(spec: dict) -> dict:
     import torch
 
     from cloudtrain.config import build_config
+    from cloudtrain.observe.tracking import read_metrics
     from cloudtrain.pipeline import build_run
-    from cloudtrain.tracking import read_metrics
 
     cuda = torch.cuda.is_available()
     out = Path(spec["output_dir"])

@@ -12,7 +12,7 @@ import torch
 from common import Spec, StepClock, prepare
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from cloudtrain.data_processing import train_dataloader
+from cloudtrain.data.processing import train_dataloader
 
 # cloudtrain's --adamw_implementation as Trainer's `optim` (auto is fused); Trainer has no
 # for_loop/foreach choice, so those take torch's default AdamW kernel

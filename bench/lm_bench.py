@@ -114,7 +114,7 @@ class Plan:
 def plan(docs: list[list[int]], s: LMSettings, packing: str) -> Plan:
     """Rows per batch that hold `batch_size` full rows' worth of real tokens on average (`batch_size` for
     wrapped and bfd, whose rows are full; more for none), and the steps that hold `token_budget`."""
-    from cloudtrain.packing import pack
+    from cloudtrain.data.packing import pack
 
     rows = pack(docs, s.block_size, packing)
     per_row = sum(len(r["input_ids"]) for r in rows) / len(rows)
@@ -227,8 +227,8 @@ def train_once(spec: dict) -> dict:
     from datasets import Dataset, Features, List, Value
 
     from cloudtrain.config import build_config
-    from cloudtrain.data_processing import eval_dataloader
-    from cloudtrain.packing import pack
+    from cloudtrain.data.packing import pack
+    from cloudtrain.data.processing import eval_dataloader
     from cloudtrain.pipeline import build_run
 
     s = LMSettings(**spec["settings"])

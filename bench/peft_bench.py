@@ -129,8 +129,8 @@ def options(s: PEFTSettings, case: str, method: str, model_dir: str | None, cach
 def tokenize_into_cache(opts: dict) -> None:
     """Fill the processed-data cache, so that no measured run tokenizes (and no run's peak memory holds it)."""
     from cloudtrain.config import build_config
-    from cloudtrain.data_connecting import connect_data
-    from cloudtrain.model_loading import load_tokenizer
+    from cloudtrain.data.sources import connect_data
+    from cloudtrain.models.load import load_tokenizer
     from cloudtrain.pipeline import resolve
     from cloudtrain.tasks import build_task
 

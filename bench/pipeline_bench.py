@@ -471,11 +471,12 @@ def explanation(result: dict) -> list[str]:
         costs = stage_costs(result)
         if costs:
             head, n = costs["head"] / costs["layer"], costs["layers"]
-            from cloudtrain.stages import balanced_split
+            from cloudtrain.parallel.stages import balanced_split
 
             first = len(balanced_split(n, 2)[0])
             text += (
-                f" The default split (cloudtrain.stages.balanced_split) counts the embeddings and the head as one "
+                " The default split (cloudtrain.parallel.stages.balanced_split) counts the embeddings and the head "
+                "as one "
                 f"layer each and gives layers 0-{first - 1} to stage 0 and {first}-{n - 1} to stage 1, but the "
                 f"embedding is a lookup and the head's matrix holds {head:.1f} layers' worth of weights "
                 f"(hidden x vocabulary; the cross-entropy over the vocabulary comes on top): by weights, stage 1 "

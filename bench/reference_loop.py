@@ -13,7 +13,7 @@ from common import Spec, StepClock, prepare
 from torch.utils.data import DataLoader
 from transformers import get_scheduler
 
-from cloudtrain.data_processing import eval_dataloader, train_dataloader
+from cloudtrain.data.processing import eval_dataloader, train_dataloader
 from cloudtrain.training.optim import adamw_kernel
 
 

@@ -18,7 +18,7 @@ The runners:
 - ours-none / ours-bfd: the real application (`cloudtrain.pipeline.build_run`, then `trainer.fit()`, the
   AcceleratedTrainer), `--task sft --packing none|bfd`;
 - hf-trainer: transformers.Trainer with the collator a user would write (pad to the longest row, labels -100
-  on prompt tokens and padding, an attention mask), the token ids and loss masks from cloudtrain.chat.ChatFormat
+  on prompt tokens and padding, an attention mask), the token ids and loss masks from cloudtrain.data.chat.ChatFormat
   (the same tokens as ours);
 - trl-none / trl-packing: TRL's SFTTrainer with completion_only_loss=True on our tokens, pre-tokenized
   (input_ids + completion_mask from ChatFormat, which TRL takes as they are). Given the conversational
@@ -180,8 +180,8 @@ def prepare(s: SFTSettings, folder: Path) -> Prepared:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from cloudtrain.chat import ChatFormat
-    from cloudtrain.packing import pack_examples
+    from cloudtrain.data.chat import ChatFormat
+    from cloudtrain.data.packing import pack_examples
 
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     chat = ChatFormat.setup(tokenizer, "chatml")
@@ -411,7 +411,7 @@ def heldout_loss(model_dir: str, tokenizer_dir: str, heldout_file: str, batch_si
     import torch.nn.functional as F
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from cloudtrain.chat import ChatFormat
+    from cloudtrain.data.chat import ChatFormat
 
     chat = ChatFormat.setup(AutoTokenizer.from_pretrained(tokenizer_dir), None)
     encoded = [chat.encode(messages(json.loads(line))) for line in Path(heldout_file).read_text().splitlines()]
@@ -526,8 +526,8 @@ def _hf_family(spec: dict, s: SFTSettings, out: str, saved: str) -> tuple[StepMe
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback, TrainingArguments
 
-    from cloudtrain.chat import ChatFormat
-    from cloudtrain.data_processing import EpochShuffleSampler
+    from cloudtrain.data.chat import ChatFormat
+    from cloudtrain.data.processing import EpochShuffleSampler
 
     meter = StepMeter()
     extra = {}

@@ -17,11 +17,11 @@ import torch
 
 from cloudtrain.batch_size import probe_on_device, worst_case_probe
 from cloudtrain.config import build_config
-from cloudtrain.data_connecting import connect_data
+from cloudtrain.data.sources import connect_data
 from cloudtrain.errors import UserError
-from cloudtrain.model_loading import load_model, load_tokenizer
+from cloudtrain.models.load import load_model, load_tokenizer
+from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.pipeline import resolve
-from cloudtrain.runtime import Runtime
 from cloudtrain.tasks import build_task
 
 

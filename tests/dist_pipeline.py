@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from cloudtrain.config import build_config
-from cloudtrain.model_loading import load_model
+from cloudtrain.models.load import load_model
 from cloudtrain.pipeline import build_run
 from cloudtrain.training.trainer import set_epoch
 

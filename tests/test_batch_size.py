@@ -19,8 +19,8 @@ from test_training import run_tiny
 from cloudtrain.batch_size import check, largest_divisor, probe_on_device, search
 from cloudtrain.checkpointing import complete_checkpoints, read_state
 from cloudtrain.config import build_config, resolve_options
-from cloudtrain.distributed import Sharding, sharding
 from cloudtrain.errors import UserError
+from cloudtrain.parallel.distributed import Sharding, sharding
 
 
 def fake_probe(fits_up_to: int, probed: list[int]):

@@ -8,8 +8,8 @@ import torch
 from datasets import Dataset
 
 from cloudtrain.config import build_config
-from cloudtrain.data_processing import LengthGroupedSampler, ProcessedData, train_dataloader
-from cloudtrain.flops import peak_flops
+from cloudtrain.data.processing import LengthGroupedSampler, ProcessedData, train_dataloader
+from cloudtrain.observe.flops import peak_flops
 from cloudtrain.training.optim import build_optimizer
 
 RUNNERS = ("basic", "accelerated", "reference", "hf_trainer")

@@ -330,7 +330,7 @@ def test_gpu_bench_on_cuda_reports_mfu_and_peak_memory_beside_the_planner(tab, t
     assert "error" not in run, run
     assert run["device"] != "cpu" and run["steps"] == 20 and run["tokens_per_s"] > 0
     assert run["peak_memory"]["reserved"] >= run["peak_memory"]["allocated"] > 0
-    from cloudtrain.flops import PEAK_FLOPS
+    from cloudtrain.observe.flops import PEAK_FLOPS
 
     if any(key in run["device"] for key in PEAK_FLOPS):
         assert 0 < run["mfu"] < 1

@@ -44,7 +44,7 @@ TOPICS = {"acq", "crude", "earn", "grain", "interest", "money-fx", "ship", "trad
 def test_the_pairs_are_r8_articles_cut_to_fit_with_lengths_that_vary():
     from transformers import AutoTokenizer
 
-    from cloudtrain.chat import ChatFormat
+    from cloudtrain.data.chat import ChatFormat
 
     chat = ChatFormat.setup(AutoTokenizer.from_pretrained(sft_bench.TOKENIZER), "chatml")
     rows = sft_bench.read_r8(sft_bench.R8 / "reuters-r8-train.tab", 40)

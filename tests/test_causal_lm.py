@@ -9,9 +9,9 @@ from conftest import assert_each_refused, lm_documents, run_cli
 from safetensors.torch import load_file
 
 from cloudtrain.config import build_config
+from cloudtrain.observe.plotting import curve_data
+from cloudtrain.observe.tracking import read_metrics
 from cloudtrain.pipeline import build_run, run_training
-from cloudtrain.plotting import curve_data
-from cloudtrain.tracking import read_metrics
 
 
 @pytest.fixture

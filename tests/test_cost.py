@@ -1,4 +1,4 @@
-"""Compute used and estimated cost (`cloudtrain.cost`), and the Compute section of the model cards.
+"""Compute used and estimated cost (`cloudtrain.observe.cost`), and the Compute section of the model cards.
 
 The SageMaker job is simulated by its environment variables (and a resourceconfig.json in a temporary folder);
 prices are read from the shipped table in each test, never written down here. Cards are built as in
@@ -14,8 +14,8 @@ import pytest
 from test_lm_card import lm_config, lm_output_dir, lm_results  # noqa: F401 (lm_output_dir is a fixture)
 
 from cloudtrain.config import build_config
-from cloudtrain.cost import PRICE_TABLE, compute_used, describe, sagemaker_instances
-from cloudtrain.model_card import build_lm_model_card, build_model_card
+from cloudtrain.observe.cost import PRICE_TABLE, compute_used, describe, sagemaker_instances
+from cloudtrain.publish.model_card import build_lm_model_card, build_model_card
 
 SM_ENV = {"SM_MODEL_DIR": "/opt/ml/model"}  # what marks a SageMaker training job
 COST_FIELDS = {"price_per_instance_hour", "estimated_cost_usd", "price_table_date"}

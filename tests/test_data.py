@@ -11,8 +11,8 @@ from datasets import ClassLabel, Dataset, DatasetDict
 from transformers import AutoTokenizer
 
 from cloudtrain.config import DataConfig
-from cloudtrain.data_connecting import connect_data
-from cloudtrain.data_processing import find_label_names, process_data, train_dataloader
+from cloudtrain.data.processing import find_label_names, process_data, train_dataloader
+from cloudtrain.data.sources import connect_data
 from cloudtrain.errors import UserError
 from cloudtrain.tasks.classification import ClassificationTask
 

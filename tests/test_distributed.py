@@ -22,10 +22,10 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.config import build_config
-from cloudtrain.data_processing import ProcessedData
-from cloudtrain.distributed import check_distributed, resolve_deepspeed_config, zero_config
+from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError
-from cloudtrain.model_loading import load_model
+from cloudtrain.models.load import load_model
+from cloudtrain.parallel.distributed import check_distributed, resolve_deepspeed_config, zero_config
 from cloudtrain.tasks.classification import ClassificationTask
 
 TINY_RUN = [

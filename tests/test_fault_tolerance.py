@@ -25,7 +25,7 @@ from test_checkpointing import args_for, kill_all, wait_for
 from cloudtrain.checkpointing import MARKS, complete_checkpoints
 from cloudtrain.cli import main
 from cloudtrain.config import MonitoringConfig
-from cloudtrain.monitoring import AnomalyDetector
+from cloudtrain.observe.monitoring import AnomalyDetector
 
 FAULTS = REPO / "tests" / "dist_faults.py"
 STEPS = ["--max_steps", "40", "--checkpointing_steps", "7"]  # 8 steps per epoch with 2 processes

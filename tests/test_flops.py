@@ -13,7 +13,7 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from cloudtrain.flops import ModelFlops, attention_dims, matmul_parameters, peak_flops, sum_squared_lengths
+from cloudtrain.observe.flops import ModelFlops, attention_dims, matmul_parameters, peak_flops, sum_squared_lengths
 
 
 def total_parameters(model: torch.nn.Module) -> int:
@@ -176,7 +176,7 @@ def test_logged_mfu_uses_the_matmul_and_attention_flops(trainer_name, tiny_model
     from test_training import tiny_setup
 
     import cloudtrain.training as training
-    from cloudtrain.tracking import read_metrics
+    from cloudtrain.observe.tracking import read_metrics
     from cloudtrain.training import hooks
 
     peak = 1e12

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
 from cloudtrain import planning as planner
-from cloudtrain.flops import peak_flops
+from cloudtrain.observe.flops import peak_flops
 
 pytestmark = pytest.mark.gpu
 

@@ -16,12 +16,12 @@ from conftest import ENTRY, REPO, topic_rows
 from hub_server import HubServer, User
 from huggingface_hub import ModelCard, constants, hf_hub_download, metadata_load
 
-from cloudtrain import hub as cloudhub
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
-from cloudtrain.model_card import build_model_card
-from cloudtrain.saving import holds_model
+from cloudtrain.publish import hub as cloudhub
+from cloudtrain.publish.model_card import build_model_card
+from cloudtrain.publish.saving import holds_model
 
 TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search
 BOB_TOKEN = "hf_bob_99887766554433221100"

@@ -15,8 +15,8 @@ from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 
 from cloudtrain.config import build_config
-from cloudtrain.hub import commit_message
-from cloudtrain.model_card import build_lm_model_card, table_cell
+from cloudtrain.publish.hub import commit_message
+from cloudtrain.publish.model_card import build_lm_model_card, table_cell
 
 TOKEN = "hf_secret_token_for_the_card_test"
 TRAIN = {

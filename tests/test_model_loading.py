@@ -19,8 +19,8 @@ from transformers import (
 )
 
 from cloudtrain.config import DataConfig, ModelConfig, build_config
-from cloudtrain.data_processing import process_data
-from cloudtrain.model_loading import head_labels, load_model
+from cloudtrain.data.processing import process_data
+from cloudtrain.models.load import head_labels, load_model
 from cloudtrain.tasks.classification import ClassificationTask
 
 TOPICS = ["finance", "sports", "weather"]  # the labels of topic_rows, sorted

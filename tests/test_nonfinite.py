@@ -10,10 +10,10 @@ from test_training import tiny_setup
 
 import cloudtrain
 from cloudtrain.config import build_config
-from cloudtrain.distributed import check_distributed
 from cloudtrain.errors import TrainingStopped, UserError
+from cloudtrain.observe.tracking import read_metrics
+from cloudtrain.parallel.distributed import check_distributed
 from cloudtrain.tasks.classification import ClassificationTask
-from cloudtrain.tracking import read_metrics
 from cloudtrain.training import AcceleratedTrainer, BasicTrainer
 
 SRC = str(Path(cloudtrain.__file__).parent)

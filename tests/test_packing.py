@@ -8,7 +8,15 @@ import torch
 from conftest import lm_documents
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cloudtrain.packing import PACKING, CausalLMCollator, causal_lm_forward, chunk, isolation_error, pack, shifted_loss
+from cloudtrain.data.packing import (
+    PACKING,
+    CausalLMCollator,
+    causal_lm_forward,
+    chunk,
+    isolation_error,
+    pack,
+    shifted_loss,
+)
 
 MODELS = ("tiny_llama_dir", "tiny_gpt2_dir")
 BACKENDS = ("sdpa", "eager")

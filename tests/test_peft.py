@@ -131,7 +131,7 @@ def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_t
         again, tokenizer = load(str(out), torch.device("cpu"))
         assert generate_texts(again, tokenizer, prompts, max_new_tokens=6) == before
 
-    from cloudtrain.adapters import merge
+    from cloudtrain.models.adapters import merge
 
     merged_dir = merge(out)
     auto = AutoModelForSequenceClassification if case.startswith("classification") else AutoModelForCausalLM
@@ -484,7 +484,7 @@ def test_the_head_and_whatever_sits_outside_the_pretrained_body_train_in_full():
 
 
 def test_dotted_target_modules_are_matched_as_peft_matches_them(tiny_model_dir):
-    from cloudtrain.adapters import check_target_modules
+    from cloudtrain.models.adapters import check_target_modules
 
     cfg = build_config(
         {"model_name_or_path": tiny_model_dir, "peft": "lora", "lora_target_modules": "attention.self.query,value"}

@@ -16,7 +16,7 @@ from test_distributed import launch, logged_losses, torchrun
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, OPTConfig, Qwen2Config
 
 from cloudtrain.checkpointing import complete_checkpoints
-from cloudtrain.stages import balanced_split, build_stages, split_after, split_points_error
+from cloudtrain.parallel.stages import balanced_split, build_stages, split_after, split_points_error
 
 WORKER = Path(__file__).with_name("dist_pipeline.py")
 
@@ -100,7 +100,7 @@ def test_each_refusal_is_one_line_before_anything_loads(
         "training_type": "pipeline",
         "per_device_train_batch_size": "8",
     }
-    opt = tmp_path / "opt"  # a decoder whose layer list cloudtrain.stages does not know
+    opt = tmp_path / "opt"  # a decoder whose layer list cloudtrain.parallel.stages does not know
     AutoModelForCausalLM.from_config(
         OPTConfig(
             vocab_size=96,

@@ -46,10 +46,11 @@ from transformers import (
     LlamaConfig,
 )
 
-from cloudtrain import adapters, planning
+from cloudtrain import planning
 from cloudtrain.cli import main
 from cloudtrain.config import Config, ModelConfig
 from cloudtrain.errors import UserError
+from cloudtrain.models import adapters
 from cloudtrain.planning import GIB, STRATEGIES, Candidate, LoraSpec, Setup
 
 BY_KEY = {s.key: s for s in STRATEGIES}
@@ -309,7 +310,7 @@ class PeakBytes(TorchDispatchMode):
 
 def measured_step_peak(model, batch: dict, precision: str) -> int:
     """Peak bytes of cloudtrain's forward + loss + backward, less the gradients (model states to the planner)."""
-    from cloudtrain.packing import causal_lm_forward, shifted_loss
+    from cloudtrain.data.packing import causal_lm_forward, shifted_loss
 
     model.train()
     with PeakBytes() as tracker:
@@ -396,7 +397,7 @@ def test_causal_lm_refuses_a_classifier(tiny_model_dir, tmp_path):
 
 
 def attached(model, peft: str, spec: LoraSpec, task_type: str):
-    """The model as training wraps it: cloudtrain.adapters.attach, trainable parameters in fp32."""
+    """The model as training wraps it: cloudtrain.models.adapters.attach, trainable parameters in fp32."""
     cfg = Config(
         model=ModelConfig(
             peft=peft, lora_r=spec.r, lora_dropout=spec.dropout, lora_target_modules=list(spec.target_modules)
@@ -459,7 +460,7 @@ def test_quantized_weights_are_every_linear_layer_but_the_head(tmp_path):
 
 def lora_step(model_dir: str, precision: str):
     """One forward/backward/AdamW step of a LoRA small Llama as training runs it (16-bit base under bf16)."""
-    from cloudtrain.packing import causal_lm_forward, shifted_loss
+    from cloudtrain.data.packing import causal_lm_forward, shifted_loss
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32

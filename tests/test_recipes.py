@@ -12,11 +12,11 @@ import pytest
 import torch
 from conftest import REPO, lm_documents
 
-from cloudtrain import adapters
 from cloudtrain.cli import main
 from cloudtrain.config import build_config, load_config_file, validate
-from cloudtrain.distributed import check_distributed
 from cloudtrain.errors import UserError
+from cloudtrain.models import adapters
+from cloudtrain.parallel.distributed import check_distributed
 from cloudtrain.pipeline import resolve
 from cloudtrain.tasks import build_task
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from conftest import ENTRY, REPO, assert_each_refused, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from cloudtrain.chat import ChatFormat, Columns, to_messages
 from cloudtrain.config import build_config
-from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, pack_examples, shifted_loss
+from cloudtrain.data.chat import ChatFormat, Columns, to_messages
+from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, pack_examples, shifted_loss
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks import build_task
 

@@ -20,10 +20,11 @@ from pathlib import Path
 import pytest
 from conftest import ENTRY, REPO, run_cli
 
-from cloudtrain import pipeline, tracking
+from cloudtrain import pipeline
 from cloudtrain.config import TrackingConfig, build_config
 from cloudtrain.errors import UserError
-from cloudtrain.tracking import reachable, read_metrics
+from cloudtrain.observe import tracking
+from cloudtrain.observe.tracking import reachable, read_metrics
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"
 
@@ -145,7 +146,7 @@ TRACKED_PART = textwrap.dedent("""
     import sys
     from pathlib import Path
     from cloudtrain.config import build_config
-    from cloudtrain.tracking import RunLog
+    from cloudtrain.observe.tracking import RunLog
 
     out, report_to, first, last, resume_step, offset, finish = sys.argv[1:]
     cfg = build_config({"report_to": report_to, "output_dir": out, "run_name": "resumable"})
@@ -164,11 +165,11 @@ TRACKED_PART = textwrap.dedent("""
 SPY = textwrap.dedent("""
     import atexit, json, os
     import wandb
-    import cloudtrain.tracking
+    import cloudtrain.observe.tracking
 
     _calls = {"reachable": [], "init_modes": []}
     atexit.register(lambda: open(os.environ["TRACKING_SPY"], "w").write(json.dumps(_calls)))
-    _real_reachable, _real_init = cloudtrain.tracking.reachable, wandb.init
+    _real_reachable, _real_init = cloudtrain.observe.tracking.reachable, wandb.init
 
     def _reachable(url, timeout):
         answered = _real_reachable(url, timeout)
@@ -179,7 +180,7 @@ SPY = textwrap.dedent("""
         _calls["init_modes"].append(kwargs.get("mode"))
         return _real_init(*args, **kwargs)
 
-    cloudtrain.tracking.reachable, wandb.init = _reachable, _init
+    cloudtrain.observe.tracking.reachable, wandb.init = _reachable, _init
 """)
 
 

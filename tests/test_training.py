@@ -11,14 +11,14 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.checkpointing import Checkpointer
 from cloudtrain.config import DataConfig, build_config, validate
-from cloudtrain.data_processing import process_data
-from cloudtrain.distributed import build_accelerator
+from cloudtrain.data.processing import process_data
 from cloudtrain.errors import TrainingStopped
-from cloudtrain.model_loading import load_model
+from cloudtrain.models.load import load_model
+from cloudtrain.observe.tracking import RunLog
+from cloudtrain.parallel.distributed import build_accelerator
+from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.pipeline import run_training
-from cloudtrain.runtime import Runtime
 from cloudtrain.tasks.classification import ClassificationTask
-from cloudtrain.tracking import RunLog
 from cloudtrain.training import AcceleratedTrainer, BasicTrainer, Hook, LoopState, Request
 
 

@@ -10,7 +10,7 @@ from datasets import ClassLabel, Dataset, DatasetDict
 from transformers import AutoTokenizer
 
 from cloudtrain.config import DataConfig, build_config
-from cloudtrain.data_processing import process_data
+from cloudtrain.data.processing import process_data
 from cloudtrain.errors import UserError
 from cloudtrain.pipeline import run_training
 

@@ -213,7 +213,7 @@ def planner_estimate(
 def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dict | None) -> Config:
     """`cfg` with `auto` replaced by the micro-batch found (or stored in the checkpoint being resumed), and
     the accumulation that keeps the global batch."""
-    from cloudtrain.distributed import sharding
+    from cloudtrain.parallel.distributed import sharding
 
     say = print if runtime.is_main else (lambda text: None)
     processes = runtime.mesh.data_parallel

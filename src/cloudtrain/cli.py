@@ -24,9 +24,12 @@ from cloudtrain.errors import TrainingStopped, UserError
 COMMANDS = {  # name: (module, one-line description)
     "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
     "generate": ("cloudtrain.generate", "Continue prompts with a saved causal language model."),
-    "push": ("cloudtrain.hub", "Upload an existing output dir to the Hugging Face Hub."),
+    "push": ("cloudtrain.publish.hub", "Upload an existing output dir to the Hugging Face Hub."),
     "plan": ("cloudtrain.planning.command", "Estimate memory per GPU and pick a distributed strategy."),
-    "merge": ("cloudtrain.adapters", "Merge a trained adapter (--peft) into its base model: <output_dir>/merged."),
+    "merge": (
+        "cloudtrain.models.adapters",
+        "Merge a trained adapter (--peft) into its base model: <output_dir>/merged.",
+    ),
 }
 DESCRIPTION = (
     "Train a Hugging Face model: a sequence classifier (--task classification), or a decoder language "

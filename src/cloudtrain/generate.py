@@ -37,9 +37,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from cloudtrain.config import parse_bool
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.model_loading import is_causal_lm
+from cloudtrain.models.load import is_causal_lm
+from cloudtrain.publish.saving import adapter_config, is_adapter_dir
 from cloudtrain.registry import TASKS
-from cloudtrain.saving import adapter_config, is_adapter_dir
 
 SEPARATOR = "-" * 60
 DEVICES = ("auto", "cpu", "cuda")
@@ -234,8 +234,8 @@ def resolve_device(requested: str) -> torch.device:
 
 def load(model_dir: str, device: torch.device):
     """(model in eval mode on `device`, tokenizer): bf16 on a CUDA GPU that computes it natively, else fp32."""
-    from cloudtrain import adapters
     from cloudtrain.hardware import native_bf16
+    from cloudtrain.models import adapters
 
     dtype = torch.bfloat16 if device.type == "cuda" and native_bf16("cuda") else torch.float32
     if is_adapter_dir(Path(model_dir)):  # the base named in its config, with the adapter on top

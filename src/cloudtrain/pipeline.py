@@ -8,7 +8,7 @@ The micro-batch is found only for --per_device_train_batch_size auto (cloudtrain
 Every check that needs no heavy work runs first, so a mistake costs seconds, not a training run.
 `build_run` does everything up to training (bench and tests call it too); `run_training` is the whole
 job. What differs between tasks is the task's (cloudtrain.tasks); between launches, the runtime's
-and the trainer's (cloudtrain.runtime, cloudtrain.training).
+and the trainer's (cloudtrain.parallel.runtime, cloudtrain.training).
 """
 
 import time
@@ -19,7 +19,7 @@ import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
-from cloudtrain import adapters, batch_size, cost, hub
+from cloudtrain import batch_size
 from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.checkpointing import (
     Checkpointer,
@@ -31,17 +31,20 @@ from cloudtrain.checkpointing import (
     restore_run_files,
 )
 from cloudtrain.config import Config, save_arguments
-from cloudtrain.data_connecting import check_data_sources, connect_data, dataset_label
-from cloudtrain.data_processing import ProcessedData, default_cache_dir
-from cloudtrain.distributed import check_distributed, launched_processes
+from cloudtrain.data.processing import ProcessedData, default_cache_dir
+from cloudtrain.data.sources import check_data_sources, connect_data, dataset_label
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
-from cloudtrain.model_loading import load_model, load_tokenizer, resolve_model_path
+from cloudtrain.models import adapters
+from cloudtrain.models.load import load_model, load_tokenizer, resolve_model_path
 from cloudtrain.models.prepare import prepare
-from cloudtrain.runtime import Runtime
-from cloudtrain.saving import holds_model, remove_model, write_results
+from cloudtrain.observe import cost
+from cloudtrain.observe.tracking import RunLog, check_trackers
+from cloudtrain.parallel.distributed import check_distributed, launched_processes
+from cloudtrain.parallel.runtime import Runtime
+from cloudtrain.publish import hub
+from cloudtrain.publish.saving import holds_model, remove_model, write_results
 from cloudtrain.tasks import Task, build_task
-from cloudtrain.tracking import RunLog, check_trackers
 from cloudtrain.training import TRAINERS, Trainer, count_parameters
 
 

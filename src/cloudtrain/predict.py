@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.saving import adapter_config, holds_model, is_adapter_dir, write_jsonl
+from cloudtrain.publish.saving import adapter_config, holds_model, is_adapter_dir, write_jsonl
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +36,7 @@ def read_texts(path: str, column: str) -> list[str]:
         return [line for line in file.read_text().splitlines() if line.strip()]
     import datasets  # only needed for tabular inputs
 
-    from cloudtrain.data_connecting import FILE_FORMATS
+    from cloudtrain.data.sources import FILE_FORMATS
 
     if file.suffix not in FILE_FORMATS:
         raise UserError(f"--input_file {path}: unsupported format; use .txt or one of {', '.join(FILE_FORMATS)}")
@@ -67,7 +67,7 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
 
 def load(model_dir: str):
     """(classifier in eval mode, tokenizer) from a full model's directory or an adapter's (onto its base)."""
-    from cloudtrain import adapters
+    from cloudtrain.models import adapters
 
     if is_adapter_dir(Path(model_dir)):
         task_type = adapter_config(Path(model_dir)).get("task_type")

@@ -14,9 +14,9 @@ one function `(model, cfg, task, announce) -> model` placed in the list.
 from collections.abc import Callable
 from typing import Any
 
-from cloudtrain import adapters
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.models import adapters
 from cloudtrain.tasks.base import Task
 
 Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it, or a PeftModel, out

@@ -15,9 +15,9 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from cloudtrain.config import Config, ModelConfig, TrainingConfig
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.model_loading import is_causal_lm, load_tokenizer, resolve_model_path
+from cloudtrain.models.load import is_causal_lm, load_tokenizer, resolve_model_path
+from cloudtrain.parallel.stages import family_of
 from cloudtrain.registry import TASKS
-from cloudtrain.stages import family_of
 from cloudtrain.tasks import DecoderTask, Task
 
 # Torch, transformers and the tasks load at the top: the `plan` command's parser already loads them (its --task
@@ -53,7 +53,7 @@ class AdapterFacts:
 
 @dataclass(frozen=True)
 class StageFacts:
-    """What the pipeline's end stages hold beyond their layers (cloudtrain.stages)."""
+    """What the pipeline's end stages hold beyond their layers (cloudtrain.parallel.stages)."""
 
     embedding_params: int  # stage 0: the token (and GPT-2's position) embeddings
     head_params: int  # the last stage: the final norm and the LM head (its own copy when tied)
@@ -85,7 +85,7 @@ class ModelFacts:
     from_config: bool = False  # name is a --model_config (config.json or preset), not a checkpoint
     tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
     adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
-    stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.stages can cut)
+    stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.parallel.stages can cut)
 
     @property
     def decoder(self) -> bool:

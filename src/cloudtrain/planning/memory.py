@@ -3,9 +3,9 @@ micro-batch that fits. The formulas, with their sources and measurements: docs/p
 
 from dataclasses import dataclass, replace
 
+from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.strategies import PIPELINE, Candidate, Setup, Strategy
-from cloudtrain.stages import balanced_split
 
 GIB = 2**30
 CUDA_CONTEXT_BYTES = GIB

@@ -6,8 +6,9 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, Config
-from cloudtrain.distributed import Sharding, sharding
-from cloudtrain.model_loading import resolve_model_path
+from cloudtrain.models.load import resolve_model_path
+from cloudtrain.parallel.distributed import Sharding, sharding
+from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
 from cloudtrain.planning.memory import GIB, Estimate, estimate, fits, max_micro_batch, rank_estimates
 from cloudtrain.planning.strategies import (
@@ -21,7 +22,6 @@ from cloudtrain.planning.strategies import (
     Strategy,
 )
 from cloudtrain.registry import TRAINERS
-from cloudtrain.stages import balanced_split
 
 
 @dataclass

@@ -9,7 +9,7 @@ from typing import Any
 
 import yaml
 
-from cloudtrain.distributed import zero_config
+from cloudtrain.parallel.distributed import zero_config
 from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.search import Choice
 from cloudtrain.planning.strategies import Candidate, Setup, Strategy

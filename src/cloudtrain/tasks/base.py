@@ -6,7 +6,7 @@ the task for these and branch on nothing else:
 - `columns` / `check_options`: what the data must hold and which options make sense, checked before
   anything heavy is loaded;
 - `process`: raw splits -> tokenized, collatable splits (`ProcessedData`);
-- `build_config`, `replaces_head`, `fit_model`: what loading the model needs (cloudtrain.model_loading);
+- `build_config`, `replaces_head`, `fit_model`: what loading the model needs (cloudtrain.models.load);
 - `loss` and `loss_count`: the loss of a batch as a (sum, count) pair (rows for classification,
   target tokens after the shift for language models); the trainer divides the step's summed loss by
   the count summed over its micro-batches and all processes;
@@ -26,7 +26,7 @@ from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerB
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data_processing import ProcessedData
+from cloudtrain.data.processing import ProcessedData
 
 
 class Task:
@@ -56,7 +56,7 @@ class Task:
         raise NotImplementedError
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
-        """The config the model is built or loaded with (cloudtrain.model_loading.load_model)."""
+        """The config the model is built or loaded with (cloudtrain.models.load.load_model)."""
         raise NotImplementedError
 
     def replaces_head(self, cfg: Config, data: ProcessedData, announce: bool) -> bool:

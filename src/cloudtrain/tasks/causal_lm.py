@@ -4,7 +4,7 @@ of a decoder on raw text.
 Supports:
 - text from .txt files (one document per line), csv/json/jsonl/parquet (`--text_column`), a
   save_to_disk directory or a Hub dataset; each document tokenized, EOS appended, then packed into rows
-  of `--max_length` tokens (`--packing`, see cloudtrain.packing): wrapped (concatenate and cut), bfd
+  of `--max_length` tokens (`--packing`, see cloudtrain.data.packing): wrapped (concatenate and cut), bfd
   (whole documents, isolated by restarting position_ids; refused when the model's attention cannot
   isolate them) or none (one document per row);
 - a pretrained checkpoint (`--model_name_or_path`: anything AutoModelForCausalLM loads) or a model
@@ -32,12 +32,19 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreT
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data_processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.packing import (
+    IGNORE_INDEX,
+    CausalLMCollator,
+    causal_lm_forward,
+    isolation_error,
+    pack,
+    shifted_loss,
+)
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
-from cloudtrain.model_card import build_lm_model_card
-from cloudtrain.model_loading import is_causal_lm, resolve_model_path
-from cloudtrain.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, isolation_error, pack, shifted_loss
+from cloudtrain.models.load import is_causal_lm, resolve_model_path
+from cloudtrain.publish.model_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import DecoderTask
 

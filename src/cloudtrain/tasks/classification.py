@@ -22,14 +22,14 @@ from transformers import (
 )
 
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data_processing import ProcessedData, process_data
+from cloudtrain.data.processing import ProcessedData, process_data
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import evaluate_model, predict_labels
-from cloudtrain.model_card import build_model_card
-from cloudtrain.model_loading import head_labels, resolve_model_path
+from cloudtrain.models.load import head_labels, resolve_model_path
 from cloudtrain.predict import records
+from cloudtrain.publish.model_card import build_model_card
+from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
-from cloudtrain.saving import write_jsonl
 from cloudtrain.tasks.base import Task
 
 

@@ -31,14 +31,14 @@ from huggingface_hub import ModelCard
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from cloudtrain.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data_processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
+from cloudtrain.data.packing import CausalLMCollator, pack_examples
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
-from cloudtrain.model_card import build_lm_model_card
-from cloudtrain.model_loading import load_tokenizer
-from cloudtrain.packing import CausalLMCollator, pack_examples
+from cloudtrain.models.load import load_tokenizer
+from cloudtrain.publish.model_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.causal_lm import CausalLMTask, _first
 

@@ -5,7 +5,7 @@ shards the data across processes, `accelerator.backward` handles mixed precision
 the gradient all-reduce on all but the last micro-batch of a window, `clip_grad_norm_` and
 `gather_for_metrics` work across processes, and saving gathers the full state dict first.
 
-Supports: everything cloudtrain.distributed sets up (one or many processes and nodes, DDP, DeepSpeed
+Supports: everything cloudtrain.parallel.distributed sets up (one or many processes and nodes, DDP, DeepSpeed
 ZeRO 0-3 with offload, FSDP on GPUs), fp16 (GPU) and bf16 mixed precision, gradient accumulation.
 """
 
@@ -19,13 +19,13 @@ from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType
 from transformers import PreTrainedModel
 
 from cloudtrain.config import Config
-from cloudtrain.data_processing import ProcessedData
-from cloudtrain.distributed import build_accelerator, sharding
+from cloudtrain.data.processing import ProcessedData
+from cloudtrain.observe.tracking import RunLog
+from cloudtrain.parallel.distributed import build_accelerator, sharding
 from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.parallel.runtime import Runtime, join_launch, set_collective_timeout
 from cloudtrain.registry import TRAINERS
-from cloudtrain.runtime import Runtime, join_launch, set_collective_timeout
 from cloudtrain.tasks.base import Task
-from cloudtrain.tracking import RunLog
 from cloudtrain.training.meter import StepStats
 from cloudtrain.training.trainer import Trainer
 from cloudtrain.training.weights import load_trainable_state, save_pretrained, trainable_state, trains_everything
@@ -57,7 +57,7 @@ class AcceleratedTrainer(Trainer):
         super().__init__(cfg, task, model, data, run_log, runtime)
         if runtime.accelerator is None:
             raise ValueError("the AcceleratedTrainer needs a Runtime built with an Accelerator")
-        accelerator = self.accelerator = runtime.accelerator  # built by cloudtrain.distributed for this launch
+        accelerator = self.accelerator = runtime.accelerator  # built by cloudtrain.parallel.distributed for this launch
         self.mode = accelerator.distributed_type.value
         if self._zero_stage() is not None:
             self.mode += f" ZeRO-{self._zero_stage()}"
@@ -120,7 +120,7 @@ class AcceleratedTrainer(Trainer):
     def apply_step(self, bad: torch.Tensor) -> None:
         if self.accelerator.state.deepspeed_plugin:
             # The engine already stepped in backward(), or skipped a step with non-finite gradients on every
-            # rank itself (its overflow check; cloudtrain.distributed refuses the set-ups where it has none).
+            # rank itself (its overflow check; cloudtrain.parallel.distributed refuses the set-ups where it has none).
             self.optimizer_step()
         else:
             super().apply_step(bad)

@@ -15,9 +15,9 @@ import safetensors.torch
 import torch
 
 from cloudtrain.config import Config
-from cloudtrain.distributed import deepspeed_requested, fsdp_requested, launched_processes
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
+from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested, launched_processes
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.training.meter import StepStats

@@ -32,9 +32,9 @@ from tqdm.auto import tqdm
 from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState
 from cloudtrain.errors import TrainingStopped
 from cloudtrain.evaluation import scalar_metrics
-from cloudtrain.flops import peak_flops
-from cloudtrain.monitoring import AnomalyDetector, interval_values, peak_memory
-from cloudtrain.runtime import Runtime
+from cloudtrain.observe.flops import peak_flops
+from cloudtrain.observe.monitoring import AnomalyDetector, interval_values, peak_memory
+from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
 
@@ -159,7 +159,7 @@ class PreemptionHook(Hook):
 class LoggingHook(Hook):
     """Every --logging_steps steps and at the last: the interval's numbers, added over every process in one
     all-reduce, to the run log and as one console line. Throughput counts samples and real (non-padding)
-    tokens; the MFU is logged where the device's peak is known (cloudtrain.flops)."""
+    tokens; the MFU is logged where the device's peak is known (cloudtrain.observe.flops)."""
 
     phase = "the logging step's all-reduce"
 
@@ -219,7 +219,7 @@ class LoggingHook(Hook):
 
 
 class AnomalyHook(Hook):
-    """At each logging step: the detector's verdict on the interval (cloudtrain.monitoring), warned about
+    """At each logging step: the detector's verdict on the interval (cloudtrain.observe.monitoring), warned about
     and logged as events. Every process sees the same numbers, so all agree on --on_anomaly without
     another collective: checkpoint, or checkpoint and stop (at the last step the model is saved anyway)."""
 

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 
 from cloudtrain.checkpointing import TrainerState
-from cloudtrain.flops import sum_squared_lengths
-from cloudtrain.runtime import Runtime
+from cloudtrain.observe.flops import sum_squared_lengths
+from cloudtrain.parallel.runtime import Runtime
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """PipelineTrainer: a decoder cut into stages over processes, run by torch.distributed.pipelining.
 
 The same loop as the other trainers; what differs is only here:
-- the model: each process holds its stages (cloudtrain.stages) and frees the rest; a schedule (GPipe,
+- the model: each process holds its stages (cloudtrain.parallel.stages) and frees the rest; a schedule (GPipe,
   1F1B or interleaved 1F1B) runs forward and backward of a batch's micro-batches over the stages,
   sending activations and their gradients between neighbouring processes;
 - the data: every process of a pipeline reads the same rows (stage 0 needs the tokens, the last stage
@@ -18,7 +18,7 @@ The same loop as the other trainers; what differs is only here:
   Hugging Face checkpoint;
 - evaluation: loss and perplexity through the schedule's evaluation path.
 
-Supports: --task causal_lm and sft; the decoders cloudtrain.stages knows (Llama family, GPT-2);
+Supports: --task causal_lm and sft; the decoders cloudtrain.parallel.stages knows (Llama family, GPT-2);
 --pipeline_parallel_size processes per pipeline, the rest as data-parallel pipelines on a (dp, pp)
 mesh; gloo (CPU) and NCCL (CUDA); fp32 and bf16; gradient checkpointing; gradient accumulation.
 Does not support: classification; adapters (--peft); DeepSpeed or FSDP; fp16; --torch_compile;
@@ -39,19 +39,19 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from transformers import PreTrainedModel
 
-from cloudtrain import stages as stage_split
 from cloudtrain.config import Config, DistributedConfig
-from cloudtrain.data_processing import ProcessedData
-from cloudtrain.distributed import deepspeed_requested, fsdp_requested, launched_processes
+from cloudtrain.data.packing import IGNORE_INDEX
+from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError
-from cloudtrain.flops import ModelFlops
 from cloudtrain.hardware import autocast
-from cloudtrain.packing import IGNORE_INDEX
+from cloudtrain.observe.flops import ModelFlops
+from cloudtrain.observe.tracking import RunLog
+from cloudtrain.parallel import stages as stage_split
+from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested, launched_processes
 from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.parallel.runtime import PipelineRuntime, Runtime
 from cloudtrain.registry import TRAINERS
-from cloudtrain.runtime import PipelineRuntime, Runtime
 from cloudtrain.tasks.base import DecoderTask, Task
-from cloudtrain.tracking import RunLog
 from cloudtrain.training.basic import rng_state, set_rng_state
 from cloudtrain.training.meter import StepStats
 from cloudtrain.training.trainer import Trainer
@@ -62,7 +62,7 @@ LAYOUT = "pipeline.json"  # how the checkpoint's stages were cut; a resume must 
 
 
 def stage_ranges(cfg: Config, config) -> list[range]:
-    """The layers of every stage: at --pipeline_split_points, else balanced (cloudtrain.stages)."""
+    """The layers of every stage: at --pipeline_split_points, else balanced (cloudtrain.parallel.stages)."""
     d = cfg.distributed
     n_stages, n_layers = d.pipeline_parallel_size * d.pipeline_stages_per_rank, config.num_hidden_layers
     if d.pipeline_split_points:

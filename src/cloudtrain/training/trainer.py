@@ -43,16 +43,16 @@ from transformers import PreTrainedModel
 
 from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
 from cloudtrain.config import PRECISIONS, Config, differs_from_default
-from cloudtrain.data_processing import ProcessedData, eval_dataloader, train_dataloader
+from cloudtrain.data.processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.evaluation import scalar_metrics
-from cloudtrain.flops import ModelFlops
-from cloudtrain.monitoring import StepClock
+from cloudtrain.observe.flops import ModelFlops
+from cloudtrain.observe.monitoring import StepClock
+from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
-from cloudtrain.runtime import Runtime, collective_failure
 from cloudtrain.tasks.base import Task
-from cloudtrain.tracking import RunLog
 from cloudtrain.training.hooks import (
     AnomalyHook,
     CheckpointHook,
@@ -155,7 +155,9 @@ class Trainer:
         }
         self.optimizer = build_optimizer(model, cfg)
         self.flops = ModelFlops.from_model(model)  # before setup(): DDP/DeepSpeed wrappers hide the config
-        self.clock = StepClock(runtime.device)  # this process's step, data and forward time (cloudtrain.monitoring)
+        self.clock = StepClock(
+            runtime.device
+        )  # this process's step, data and forward time (cloudtrain.observe.monitoring)
 
     # ------------------------------------------------------------ what subclasses provide
     mode = "plain PyTorch"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 
-from cloudtrain import adapters
+from cloudtrain.models import adapters
 
 
 def count_parameters(model: torch.nn.Module, trainable: bool = False) -> int:
@@ -22,7 +22,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save_pretrained(model: torch.nn.Module, output_dir: Path, state_dict: dict | None = None) -> None:
-    """A full model in transformers' layout, or an adapter in PEFT's (cloudtrain.adapters.save)."""
+    """A full model in transformers' layout, or an adapter in PEFT's (cloudtrain.models.adapters.save)."""
     if adapters.is_adapter(model):
         adapters.save(model, output_dir, state_dict)
     else:

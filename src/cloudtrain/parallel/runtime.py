@@ -5,7 +5,7 @@ else asks whether it runs under accelerate:
 - one process (`--training_type basic`): main, index 0 of 1, CUDA when present else CPU; every
   collective is the identity;
 - accelerate (`--training_type accelerated`, any launcher): the Accelerator that
-  cloudtrain.distributed builds for this launch, whose collectives these methods call;
+  cloudtrain.parallel.distributed builds for this launch, whose collectives these methods call;
 - pipeline (`--training_type pipeline`, torchrun or accelerate launch): a torch.distributed process
   group laid out as a (data-parallel, pipeline) mesh, with no accelerate (`PipelineRuntime`).
 """
@@ -100,7 +100,7 @@ class Runtime:
     def set_batch(self, micro_batch: int, accumulation: int) -> None:
         """Tell the launch a micro-batch chosen after it was set up (--per_device_train_batch_size auto)."""
         if self.accelerator:
-            from cloudtrain.distributed import set_batch
+            from cloudtrain.parallel.distributed import set_batch
 
             set_batch(self.accelerator, micro_batch, accumulation)
 

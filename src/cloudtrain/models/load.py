@@ -21,11 +21,11 @@ from transformers.modeling_utils import load_state_dict
 from transformers.models.auto.auto_factory import _get_model_class
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from cloudtrain import adapters
 from cloudtrain.assets import default_model_dir
 from cloudtrain.config import Config, ModelConfig
-from cloudtrain.data_processing import ProcessedData
+from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.models import adapters
 
 if TYPE_CHECKING:
     from cloudtrain.tasks.base import Task
@@ -92,7 +92,7 @@ def load_model(
     """The task's model (its Auto class), one path for every task: built from --model_config, loaded from the
     checkpoint, or from its body's weights when the task replaces the checkpoint's head; then fitted to the task's
     data (`Task.fit_model`). Transforms (attention, checkpointing, adapters, compile) follow in cloudtrain.prepare.
-    Weights load as cloudtrain.adapters.load_options says (fp32 master weights unless adapters train)."""
+    Weights load as cloudtrain.models.adapters.load_options says (fp32 master weights unless adapters train)."""
     m, auto_class = cfg.model, task.auto_class
     assert auto_class is not None  # every task names one
     source = m.model_config or resolve_model_path(m)

