@@ -417,6 +417,10 @@ def parse_bool(value: Any) -> bool:
     raise ValueError(f"expected true or false, got {value!r}")
 
 
+def _default(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
 def _meta(f: dataclasses.Field, key: str) -> Any:
     """A field's help or choices (read from a registry when given as a function)."""
     value = f.metadata[key]
@@ -480,7 +484,7 @@ def _help(f: dataclasses.Field) -> str:
     text, choices = _meta(f, "help"), _meta(f, "choices")
     if choices:
         text += f" Choices: {', '.join(map(str, choices))}."
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    default = _default(f)
     if default not in (None, []) and not f.metadata["secret"]:
         text += f" (default: {','.join(default) if isinstance(default, list) else default})"
     return text.replace("%", "%%")
@@ -497,28 +501,27 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, (section, f) in _fields().items():
         group = groups.setdefault(section, parser.add_argument_group(f"{section} options"))
-        kwargs: dict[str, Any] = dict(default=argparse.SUPPRESS, help=_help(f), metavar=_base_type(f).__name__.upper())
-        if _base_type(f) is bool:
-            kwargs.update(nargs="?", const="true", metavar="true|false")
-        elif _meta(f, "choices"):
-            kwargs["metavar"] = "{" + ",".join(map(str, _meta(f, "choices"))) + "}"
-        elif f.metadata["auto"]:
-            kwargs["metavar"] = f"{kwargs['metavar']}|auto"
-        group.add_argument(f"--{name}", **kwargs)
+        group.add_argument(f"--{name}", default=argparse.SUPPRESS, **_flag(f))
+
+
+def _flag(f: dataclasses.Field) -> dict[str, Any]:
+    """The argparse keywords every flag of field `f` shares: its help, and how its value is shown."""
+    kwargs: dict[str, Any] = dict(help=_help(f), metavar=_base_type(f).__name__.upper())
+    if _base_type(f) is bool:
+        kwargs.update(nargs="?", const="true", metavar="true|false")
+    elif _meta(f, "choices"):
+        kwargs["metavar"] = "{" + ",".join(map(str, _meta(f, "choices"))) + "}"
+    elif f.metadata["auto"]:
+        kwargs["metavar"] = f"{kwargs['metavar']}|auto"
+    return kwargs
 
 
 def add_config_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
     """The flag of option `name` alone, for a command that shares some of the training options (`plan`): the same
     help, choices and default as the application's, the value converted and checked as the application does."""
     _, f = _fields()[name]
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-    kwargs: dict[str, Any] = dict(default=default, type=lambda value: _coerce(name, value), help=_help(f))
-    kwargs["metavar"] = _base_type(f).__name__.upper() + ("|auto" if f.metadata["auto"] else "")
-    if _base_type(f) is bool:
-        kwargs.update(nargs="?", const="true", metavar="true|false")
-    elif _meta(f, "choices"):
-        kwargs["metavar"] = "{" + ",".join(map(str, _meta(f, "choices"))) + "}"
-    parser.add_argument(f"--{name}", **kwargs)
+    default = _default(f)
+    parser.add_argument(f"--{name}", default=default, type=lambda value: _coerce(name, value), **_flag(f))
 
 
 def load_config_file(path: str) -> dict:
@@ -672,7 +675,7 @@ def validate(cfg: Config) -> None:
 def differs_from_default(cfg: Config, name: str) -> bool:
     """Whether option `name` was given a value other than its default."""
     section, f = _fields()[name]
-    default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+    default = _default(f)
     return getattr(getattr(cfg, section), name) != default
 
 

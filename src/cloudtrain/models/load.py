@@ -91,7 +91,7 @@ def load_model(
 ) -> PreTrainedModel:
     """The task's model (its Auto class), one path for every task: built from --model_config, loaded from the
     checkpoint, or from its body's weights when the task replaces the checkpoint's head; then fitted to the task's
-    data (`Task.fit_model`). Transforms (attention, checkpointing, adapters, compile) follow in cloudtrain.prepare.
+    data (`Task.fit_model`). Transforms (attention, checkpointing, adapters, compile) follow (models.prepare).
     Weights load as cloudtrain.models.adapters.load_options says (fp32 master weights unless adapters train)."""
     m, auto_class = cfg.model, task.auto_class
     assert auto_class is not None  # every task names one

@@ -6,6 +6,7 @@ from dataclasses import asdict
 from cloudtrain.planning.facts import is_decoder
 from cloudtrain.planning.memory import GIB, Estimate
 from cloudtrain.planning.search import Choice, Row
+from cloudtrain.planning.strategies import Candidate
 
 COLUMNS = (
     "strategy",
@@ -30,13 +31,14 @@ def estimate_json(est: Estimate) -> dict:
     return {**asdict(est), "total": est.total, "cpu_per_node": est.cpu_per_node}
 
 
+def candidate_json(c: Candidate) -> dict:
+    return {"strategy": c.strategy.key, "label": c.name, "gradient_checkpointing": c.checkpointing, "peft": c.peft}
+
+
 def row_json(row: Row) -> dict:
     c = row.candidate
     return {
-        "strategy": c.strategy.key,
-        "label": c.name,
-        "gradient_checkpointing": c.checkpointing,
-        "peft": c.peft,
+        **candidate_json(c),
         "relative_step_time": round(c.speed, 3),
         "estimate": estimate_json(row.estimate),
         "fits": row.fits,
@@ -48,10 +50,7 @@ def row_json(row: Row) -> dict:
 def recommendation_json(choice: Choice, global_batch: int, files: dict, reasons: list[str], command: str) -> dict:
     c = choice.candidate
     return {
-        "strategy": c.strategy.key,
-        "label": c.name,
-        "gradient_checkpointing": c.checkpointing,
-        "peft": c.peft,
+        **candidate_json(c),
         "pipeline": c.pipeline and asdict(c.pipeline),
         "micro_batch": choice.micro_batch,
         "gradient_accumulation_steps": choice.accumulation,
