@@ -9,6 +9,7 @@ import tempfile
 from common import Spec, StepClock, prepare
 
 from cloudtrain.models.prepare import compile_model
+from cloudtrain.models.prepare import prepare as prepare_model
 from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.tasks import build_task
@@ -20,7 +21,7 @@ def run(spec: Spec) -> dict:
     clock = StepClock()  # building the accelerator counts towards the time to the first step
     runtime = Runtime.for_launch(cfg)
     task = build_task(cfg)
-    model = compile_model(model, cfg, task, announce=False)  # the last of cloudtrain's model transforms
+    model = prepare_model(model, cfg, task, start=compile_model)  # the last of cloudtrain's model transforms
     with tempfile.TemporaryDirectory() as out:
         run_log = RunLog(cfg, out, True, run_info={})
         trainer = TRAINERS[cfg.training.training_type](cfg, task, model, data, run_log, runtime)

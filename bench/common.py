@@ -5,7 +5,6 @@ seed), the same batch order (EpochShuffleSampler, or LengthGroupedSampler for --
 the same thread count, so only the training loop differs. Not supported: several processes.
 """
 
-import dataclasses
 import resource
 import statistics
 import time
@@ -88,8 +87,7 @@ def prepare(spec: Spec) -> tuple[Config, ProcessedData, torch.nn.Module, object]
         data.collator = DataCollatorWithPadding(tokenizer, padding="max_length", max_length=spec.max_length)
     set_seed(cfg.training.seed)
     # every runner starts from the same prepared model; each compiles it its own way (--torch_compile)
-    uncompiled = dataclasses.replace(cfg, training=dataclasses.replace(cfg.training, torch_compile=False))
-    model = model_prepare.prepare(load_model(cfg, task, data, tokenizer), uncompiled, task)
+    model = model_prepare.prepare(load_model(cfg, task, data, tokenizer), cfg, task, stop=model_prepare.compile_model)
     set_seed(cfg.training.seed)
     return cfg, data, model, tokenizer
 

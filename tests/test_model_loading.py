@@ -20,6 +20,7 @@ from transformers import (
 
 from cloudtrain.config import DataConfig, ModelConfig, build_config
 from cloudtrain.data.processing import process_data
+from cloudtrain.errors import UserError
 from cloudtrain.models.load import head_labels, load_model
 from cloudtrain.tasks.classification import ClassificationTask
 
@@ -180,3 +181,19 @@ def test_a_classifier_computes_with_the_attention_asked_for(implementation, tiny
     assert run.model.config._attn_implementation == implementation
     layer = run.model.base_model.encoder.layer[0].attention.self
     assert layer.config._attn_implementation == implementation
+
+
+def test_an_attention_a_model_cannot_use_is_refused_not_ignored():
+    """DeBERTa-v2 has no SDPA path: transformers refuses it at load time but only warns when asked to switch
+    later; both end in one clear error, never in a run that silently computes with another kernel."""
+    from transformers import DebertaV2Config, DebertaV2ForSequenceClassification
+
+    from cloudtrain.models.prepare import attention
+
+    model = DebertaV2ForSequenceClassification(
+        DebertaV2Config(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=99)
+    )
+    cfg = build_config({"attn_implementation": "sdpa"})
+    with pytest.raises(UserError, match="--attn_implementation sdpa: DebertaV2ForSequenceClassification cannot use it"):
+        attention(model, cfg, ClassificationTask(), announce=False)
+    assert attention(model, build_config({"attn_implementation": "eager"}), ClassificationTask(), False) is model

@@ -388,7 +388,8 @@ def run(args: argparse.Namespace) -> None:
     trained = training_arguments(args.model_dir)
     # A chat model (trained with --task sft, or not by cloudtrain) gets user messages; a causal LM that was
     # continued from an instruct checkpoint keeps its template but was trained, and is used, on plain text.
-    chat_task = TASKS[trained["task"]].chat_template if "task" in trained else True
+    task = trained.get("task")  # none: not trained by cloudtrain; an unknown one: by another version
+    chat_task = task is None or (task in TASKS.names() and TASKS[task].chat_template)
     templated = bool(tokenizer.chat_template) and not args.raw and chat_task
     if args.chat and not templated:
         raise UserError(

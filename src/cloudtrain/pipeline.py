@@ -37,7 +37,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
 from cloudtrain.models.load import load_model, load_tokenizer, resolve_model_path
-from cloudtrain.models.prepare import prepare
+from cloudtrain.models.prepare import compile_model, prepare
 from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launched_processes
@@ -154,10 +154,11 @@ def build_run(cfg: Config) -> Run:
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
     model = load_model(cfg, task, data, tokenizer, announce=runtime.is_main)
-    model = prepare(model, cfg, task, announce=runtime.is_main)  # attention ... adapters, compile: in order
-    if cfg.training.per_device_train_batch_size == "auto":  # probes the loaded model, before accelerate wraps it
+    model = prepare(model, cfg, task, runtime.is_main, stop=compile_model)  # attention ... adapters, in order
+    if cfg.training.per_device_train_batch_size == "auto":  # probes the prepared model, before it is compiled
         cfg = batch_size.choose(cfg, model, data, task, runtime, resumed.get("batch") if resumed else None)
         runtime.set_batch(cfg.training.micro_batch, cfg.training.gradient_accumulation_steps)
+    model = prepare(model, cfg, task, runtime.is_main, start=compile_model)  # the last transform
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
 
     if resume_from and runtime.is_main:

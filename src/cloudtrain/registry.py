@@ -3,7 +3,8 @@
 A class registers itself once, by its `name`, with `@TASKS.register` or `@TRAINERS.register`; its package's
 `__init__` imports its module. Everything else (the config's choices, best-metric defaults, the planner, the
 model card, generation) asks the registered classes, so no other module compares task or trainer names.
-This module imports nothing heavy: the config reads the names from it, and the packages load on first use.
+This module imports nothing itself; asking a registry for its names imports its package (and so torch), which the
+config does when it checks or describes --task and --training_type.
 """
 
 import importlib

@@ -98,6 +98,8 @@ def load_model(
     source = m.model_config or resolve_model_path(m)
     config = task.build_config(cfg, data, tokenizer)
     options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, auto_class))
+    if m.attn_implementation:  # at load time: some models take it only there (models.prepare.attention checks it)
+        options["attn_implementation"] = m.attn_implementation
     verbosity = transformers.logging.get_verbosity()
     if task.adds_head:  # transformers' report of a newly initialised head is expected then
         transformers.logging.set_verbosity_error()

@@ -23,12 +23,20 @@ Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it
 
 
 def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
-    implementation = cfg.model.attn_implementation
-    if implementation:
-        try:
-            model.set_attn_implementation(implementation)
-        except (ImportError, ValueError) as err:
-            raise UserError(f"--attn_implementation {implementation}: {first_line(err)}") from None
+    """The model computes with --attn_implementation, or the run stops: some models cannot switch and would
+    only log a warning."""
+    wanted = cfg.model.attn_implementation
+    if not wanted or model.config._attn_implementation == wanted:
+        return model
+    try:
+        model.set_attn_implementation(wanted)
+    except (ImportError, ValueError) as err:
+        raise UserError(f"--attn_implementation {wanted}: {first_line(err)}") from None
+    if model.config._attn_implementation != wanted:
+        raise UserError(
+            f"--attn_implementation {wanted}: {type(model).__name__} cannot use it (it computes with "
+            f"{model.config._attn_implementation}); leave the option out for transformers' choice"
+        )
     return model
 
 
@@ -58,8 +66,18 @@ def compile_model(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
 TRANSFORMS: list[Transform] = [attention, gradient_checkpointing, task_checks, adapters_for_task, compile_model]
 
 
-def prepare(model: Any, cfg: Config, task: Task, announce: bool = False) -> Any:
-    """`model` through every transform, in order."""
-    for transform in TRANSFORMS:
+def prepare(
+    model: Any,
+    cfg: Config,
+    task: Task,
+    announce: bool = False,
+    start: Transform | None = None,
+    stop: Transform | None = None,
+) -> Any:
+    """`model` through the transforms in order, from `start` (default: the first) up to, not including, `stop`
+    (default: through the last): the pipeline probes for the batch size between adapters and compile."""
+    first = TRANSFORMS.index(start) if start else 0
+    end = TRANSFORMS.index(stop) if stop else len(TRANSFORMS)
+    for transform in TRANSFORMS[first:end]:
         model = transform(model, cfg, task, announce)
     return model

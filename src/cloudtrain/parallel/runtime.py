@@ -38,7 +38,8 @@ class Runtime:
         self.count: int = acc.num_processes if acc else 1
         self.device: torch.device = acc.device if acc else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.node, self.host = node_index(), socket.gethostname()
-        self.mesh = Mesh(world=self.count, dp_replicate=self.count)  # set by for_launch to the trainer's
+        # one process or DDP; for_launch sets the trainer's own
+        self.mesh = Mesh(world=self.count, dp_replicate=self.count)
 
     @classmethod
     def for_launch(cls, cfg: Config, mesh: Mesh | None = None) -> "Runtime":
@@ -134,6 +135,7 @@ class PipelineRuntime(Runtime):
         self.index, self.count = dist.get_rank(), dist.get_world_size()
         self.is_main = self.index == 0
         self.pp_size, self.dp_size = pp_size, self.count // pp_size
+        self.mesh = Mesh(world=self.count, dp_replicate=self.dp_size, pp=pp_size)
         mesh = init_device_mesh(self.device.type, (self.dp_size, pp_size), mesh_dim_names=("dp", "pp"))
         self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
         self.pp_rank, self.dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()

@@ -3,7 +3,6 @@ gradient checkpointing, adapters or a pipeline), the GPUs it is planned for, and
 
 from dataclasses import dataclass
 
-from cloudtrain.config import TrainingConfig
 from cloudtrain.parallel.mesh import Mesh
 
 CHECKPOINTING_COST = 1.33
@@ -24,7 +23,7 @@ class Strategy:
     fsdp: bool = False
     offload_optimizer: bool = False
     offload_param: bool = False
-    trainer: str = TrainingConfig.training_type  # the --training_type that runs it (default: accelerated)
+    trainer: str = "accelerated"  # the --training_type (registry name) that runs it
 
     @property
     def shards(self) -> bool:
