@@ -403,7 +403,7 @@ def attached(model, peft: str, spec: LoraSpec, task_type: str):
             peft=peft, lora_r=spec.r, lora_dropout=spec.dropout, lora_target_modules=list(spec.target_modules)
         )
     )
-    heads = planning.trained_in_full(model, "causal_lm" if task_type == "CAUSAL_LM" else "classification")
+    heads = planning.task_for("causal_lm" if task_type == "CAUSAL_LM" else "classification").train_in_full(model)
     return adapters.attach(model, cfg, task_type, heads)
 
 

@@ -19,7 +19,7 @@ from cloudtrain.planning.facts import (
     is_decoder,
     model_facts,
     stage_facts,
-    trained_in_full,
+    task_for,
 )
 from cloudtrain.planning.memory import (
     CUDA_CONTEXT_BYTES,
@@ -89,5 +89,5 @@ __all__ = [
     "run_micro_batch",
     "run_strategy",
     "stage_facts",
-    "trained_in_full",
+    "task_for",
 ]

@@ -111,12 +111,6 @@ def task_for(task: str, model: ModelConfig | None = None) -> Task:
     return TASKS[task](Config(model=model or ModelConfig()))
 
 
-def trained_in_full(model, task: str) -> list[str]:
-    """The modules training trains in full next to the adapters, as the task says: a classifier's head. (An SFT
-    chat template that grows the vocabulary adds the embeddings and LM head; the plan notes it.)"""
-    return task_for(task).train_in_full(model)
-
-
 # ---------------------------------------------------------------- reading the model
 
 
