@@ -245,7 +245,7 @@ output:
     assert {
         "training_application.py",
         "requirements-sagemaker.txt",
-        "cloudtrain/config.py",
+        "cloudtrain/config/parse.py",
         "cloudtrain/sagemaker_env.py",
     } <= code_files
     assert not any("__pycache__" in key for key in code_files)

@@ -5,7 +5,7 @@ built from the argparse parser that `cloudtrain.config.add_config_arguments` mak
 behind `cloudtrain --help`), so a new option or a changed choice shows up without editing the page.
 Each row: the flag, its value (the metavar `--help` shows: a type, `true|false`, or the choices), the
 default (the value a fresh `Config()` holds) and the help text of `--help`. Only public pieces are read
-(add_config_arguments, Config and its dataclass fields), since config.py's internals change.
+(add_config_arguments, Config and its dataclass fields), since the config package's internals change.
 """
 
 import argparse

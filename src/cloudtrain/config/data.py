@@ -1,0 +1,81 @@
+"""Options of the data: where it comes from, its columns and how it becomes rows."""
+
+from dataclasses import dataclass
+
+from cloudtrain.config.fields import opt
+
+PACKING = ("auto", "none", "wrapped", "bfd")
+
+
+@dataclass
+class DataConfig:
+    dataset_name: str | None = opt(
+        None,
+        "Hub dataset name, or a directory written by datasets.save_to_disk. "
+        "Default (with no --train_file either): the built-in Reuters R8 news topics.",
+    )
+    dataset_config: str | None = opt(None, "Hub dataset configuration name.")
+    train_file: str | None = opt(
+        None, "Training data: a csv/tsv/json/jsonl/parquet file, a folder of such files, or a save_to_disk directory."
+    )
+    validation_file: str | None = opt(None, "Validation data, same formats as --train_file.")
+    test_file: str | None = opt(None, "Test data, same formats as --train_file.")
+    text_column: str = opt(
+        "text", "Column holding the text (--task causal_lm also reads .txt files: one document per line)."
+    )
+    text_pair_column: str | None = opt(None, "Column holding the second text of sentence-pair tasks.")
+    label_column: str = opt("label", "Column holding the label (strings or integers).")
+    max_length: int = opt(
+        128,
+        "Classification: truncate inputs to this many tokens. Causal LM: the block size "
+        "(tokens per training row); longer documents are split.",
+    )
+    packing: str = opt(
+        "auto",
+        "Language-model rows: wrapped (concatenate all documents and cut into blocks), bfd "
+        "(best-fit-decreasing bins of whole documents or examples, each attending only to "
+        "itself) or none (one per row, padded); auto: wrapped for causal_lm, none for sft.",
+        PACKING,
+    )
+    sample_prompts: list = opt(
+        [],
+        "Causal LM and SFT: prompts whose greedy continuations (SFT: answers) are printed "
+        "and logged at each evaluation, separated by '|' (default: taken from "
+        "--num_sample_prompts validation examples).",
+        separator="|",
+    )
+    num_sample_prompts: int = opt(
+        3,
+        "Causal LM and SFT: how many validation examples give the sample prompts "
+        "(SFT also reports exact_match, the share of answers equal to the reference).",
+    )
+    messages_column: str | None = opt(
+        None,
+        "SFT: column of conversations, lists of {role, content} (ShareGPT "
+        "{from, value} too). Default: detected (messages, conversations; else "
+        "prompt/completion; else instruction/input/output).",
+    )
+    prompt_column: str | None = opt(None, "SFT: column of prompts (with --completion_column; default: prompt).")
+    completion_column: str | None = opt(None, "SFT: column of completions (with --prompt_column; default: completion).")
+    system_prompt: str | None = opt(None, "SFT: a system message put first in every example that has none.")
+    chat_template: str | None = opt(
+        None,
+        "SFT: the chat template, when not the tokenizer's own: a shipped name "
+        "(chatml, zephyr) or a Jinja file. Default: the tokenizer's, else chatml.",
+    )
+    train_on_prompt: bool = opt(
+        False,
+        "SFT: also train on prompt tokens (system, user turns and the template's "
+        "headers); by default only assistant tokens are in the loss.",
+    )
+    validation_split_percentage: float = opt(10.0, "Percent of train carved out for validation when there is none.")
+    max_train_samples: int | None = opt(None, "Use at most this many training examples (quick runs).")
+    max_eval_samples: int | None = opt(None, "Use at most this many validation and test examples (quick runs).")
+    cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).")
+    group_by_length: bool = opt(
+        False,
+        "Batch training examples of similar length together (less padding); the "
+        "order is still drawn from the seed and the epoch alone.",
+    )
+    dataloader_num_workers: int = opt(0, "Worker processes that load and collate batches (0: in the training process).")
+    dataloader_pin_memory: bool = opt(False, "Pin batches in page-locked memory for faster copies to a GPU.")

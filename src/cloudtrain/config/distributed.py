@@ -1,0 +1,48 @@
+"""Options of the launch: DeepSpeed, FSDP, pipeline stages and collectives."""
+
+from dataclasses import dataclass
+
+from cloudtrain.config.fields import opt
+
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+OFFLOAD = ("none", "cpu")
+
+
+@dataclass
+class DistributedConfig:
+    zero_stage: int | None = opt(
+        None, "DeepSpeed ZeRO stage (needs the deepspeed package); unset: no DeepSpeed.", (0, 1, 2, 3)
+    )
+    offload_optimizer: str = opt("none", "DeepSpeed: keep optimizer states in CPU memory.", OFFLOAD)
+    offload_param: str = opt("none", "DeepSpeed ZeRO-3: keep parameters in CPU memory.", OFFLOAD)
+    deepspeed_config: str | None = opt(
+        None, 'A DeepSpeed JSON config, used as-is; its "auto" values are filled from these options.'
+    )
+    fsdp: bool = opt(False, "Shard the model with FSDP (version 2) through accelerate; GPU only.")
+    pipeline_parallel_size: int = opt(
+        2,
+        "--training_type pipeline: processes per pipeline (at least 2); the launch's processes form "
+        "processes / this many data-parallel pipelines.",
+    )
+    pipeline_schedule: str = opt(
+        "1f1b", "--training_type pipeline: the schedule of micro-batches over the stages.", PIPELINE_SCHEDULES
+    )
+    pipeline_microbatches: int = opt(
+        4,
+        "--training_type pipeline: micro-batches each pipeline's batch (--per_device_train_batch_size rows) "
+        "is cut into; more shrink the idle bubble, (stages - 1) / micro-batches.",
+    )
+    pipeline_stages_per_rank: int = opt(
+        1, "--training_type pipeline: stages each process holds (2 or more for interleaved_1f1b)."
+    )
+    pipeline_split_points: list = opt(
+        [],
+        "--training_type pipeline: the layers that end a stage (like model.layers.4: layers 0-4 in the first), "
+        "one fewer than the stages; default: layers balanced by count, the first and last stage one fewer "
+        "(they hold the embeddings and the head).",
+    )
+    collective_timeout: float = opt(
+        1800.0,
+        "Seconds a process waits in one collective (all-reduce, barrier, ...) before the run stops with a "
+        "message naming it: a peer that died or hung ends the job instead of billing it until its time limit.",
+    )

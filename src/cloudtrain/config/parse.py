@@ -1,0 +1,198 @@
+"""From flags, config files and a SageMaker job to one checked `Config`.
+
+Values come from, lowest precedence first: the defaults, the SageMaker training-job contract (when running
+inside a job), a YAML or JSON file given with `--config` (flat `key: value` pairs, or grouped under the
+section names), and command-line flags. Every boolean also takes an explicit value (`--fp16 true`), as
+SageMaker passes hyperparameters.
+"""
+
+import argparse
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from cloudtrain.config.checks import validate
+from cloudtrain.config.root import Config, _default, _fields
+from cloudtrain.errors import UserError
+from cloudtrain.sagemaker_env import sagemaker_defaults
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "1", "yes", "on"):
+        return True
+    if text in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
+def _meta(f: dataclasses.Field, key: str) -> Any:
+    """A field's help or choices (read from a registry when given as a function)."""
+    value = f.metadata[key]
+    return value() if callable(value) else value
+
+
+def _base_type(f: dataclasses.Field) -> type:
+    tp: Any = f.type  # a type, or its name as a string
+    if isinstance(tp, types.UnionType):  # `X | None`, or `int | str` for an option that also takes auto
+        tp = next(t for t in typing.get_args(tp) if t is not type(None))
+    return tp
+
+
+def _coerce(name: str, value: Any) -> Any:
+    """Turn a value from the command line or a config file into the field's type, or raise UserError."""
+    _, f = _fields()[name]
+    tp = _base_type(f)
+    optional = type(None) in typing.get_args(f.type)
+    if f.metadata["auto"] and isinstance(value, str) and value.strip().lower() == "auto":
+        return "auto"
+    try:
+        # `none`/`null` unsets any `X | None` option (so a SageMaker hyperparameter can turn off a default);
+        # for a required option it is an ordinary value, like `--report_to none`.
+        if value is None or (
+            isinstance(value, str) and value.strip().lower() in ("none", "null") and (optional or tp not in (str, list))
+        ):
+            if optional:
+                return None
+            raise ValueError("a value is required")
+        if tp is bool:
+            value = parse_bool(value)
+        elif tp is list:
+            items = value if isinstance(value, list) else [value]
+            separator = f.metadata["separator"]
+            value = [part.strip() for item in items for part in str(item).split(separator) if part.strip()]
+        elif tp is int and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        else:
+            value = tp(value)
+    except ValueError as err:
+        reason = f"expected a number or auto, got {value!r}" if f.metadata["auto"] else str(err)
+        raise UserError(f"--{name}: {reason}") from None
+    choices = _meta(f, "choices")
+    for item in value if isinstance(value, list) else [value]:
+        if choices and item not in choices:
+            raise UserError(f"--{name}: {item!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports mistakes as one line instead of usage + error, and takes no abbreviations."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UserError(f"{message} (see {self.prog} --help)")
+
+
+def _help(f: dataclasses.Field) -> str:
+    text, choices = _meta(f, "help"), _meta(f, "choices")
+    if choices:
+        text += f" Choices: {', '.join(map(str, choices))}."
+    default = _default(f)
+    if default not in (None, []) and not f.metadata["secret"]:
+        text += f" (default: {','.join(default) if isinstance(default, list) else default})"
+    return text.replace("%", "%%")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per config field, grouped by section; unset flags stay out of the namespace."""
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=argparse.SUPPRESS,
+        help="YAML or JSON file of options; flags given on the command line override it.",
+    )
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, (section, f) in _fields().items():
+        group = groups.setdefault(section, parser.add_argument_group(f"{section} options"))
+        group.add_argument(f"--{name}", default=argparse.SUPPRESS, **_flag(f))
+
+
+def _flag(f: dataclasses.Field) -> dict[str, Any]:
+    """The argparse keywords every flag of field `f` shares: its help, and how its value is shown."""
+    kwargs: dict[str, Any] = dict(help=_help(f), metavar=_base_type(f).__name__.upper())
+    if _base_type(f) is bool:
+        kwargs.update(nargs="?", const="true", metavar="true|false")
+    elif _meta(f, "choices"):
+        kwargs["metavar"] = "{" + ",".join(map(str, _meta(f, "choices"))) + "}"
+    elif f.metadata["auto"]:
+        kwargs["metavar"] = f"{kwargs['metavar']}|auto"
+    return kwargs
+
+
+def add_config_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
+    """The flag of option `name` alone, for a command that shares some of the training options (`plan`): the same
+    help, choices and default as the application's, the value converted and checked as the application does."""
+    _, f = _fields()[name]
+    default = _default(f)
+    parser.add_argument(f"--{name}", default=default, type=lambda value: _coerce(name, value), **_flag(f))
+
+
+def load_config_file(path: str) -> dict:
+    """Read a YAML/JSON config file into flat {flag name: value}."""
+    file = Path(path)
+    if not file.is_file():
+        raise UserError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}  # YAML is a superset of JSON
+    except yaml.YAMLError as err:
+        raise UserError(f"config file {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise UserError(f"config file {path} must hold key: value pairs")
+    return flatten(data)
+
+
+def flatten(data: dict) -> dict:
+    """{flag name: value} from options given flat or grouped under their section names."""
+    sections = {f.name for f in dataclasses.fields(Config)}
+    flat = {}
+    for key, value in data.items():
+        if key in sections and isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def build_config(values: dict) -> Config:
+    """A Config from flat {flag name: value}; unknown names get a 'did you mean' hint."""
+    known = _fields()
+    sections: dict[str, dict] = {s.name: {} for s in dataclasses.fields(Config)}
+    for name, value in values.items():
+        if name not in known:
+            close = difflib.get_close_matches(name, list(known), n=1)
+            hint = f"; did you mean {close[0]}?" if close else "; see --help for the options"
+            raise UserError(f"unknown option {name!r}{hint}")
+        sections[known[name][0]][name] = _coerce(name, value)
+    hints = typing.get_type_hints(Config)
+    return Config(**{name: hints[name](**kw) for name, kw in sections.items()})
+
+
+def config_from_namespace(namespace: argparse.Namespace) -> Config:
+    """Merge defaults < --config file < command-line flags, then check the values."""
+    given = vars(namespace).copy()
+    return resolve_options(given.pop("config", None), {k: v for k, v in given.items() if k in _fields()})
+
+
+def resolve_options(config: "Config | dict | str | Path | None", overrides: dict) -> Config:
+    """Options from lowest precedence up, merged and checked: the defaults, a SageMaker job's, `config` (a
+    Config, a dict of options or a config file's path: cloudtrain.train, --config), then `overrides`."""
+    values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
+    if isinstance(config, Config):
+        values.update(config.to_dict(include_secrets=True))
+    elif isinstance(config, dict):
+        values.update(flatten(config))
+    elif config is not None:
+        values.update(load_config_file(str(config)))
+    values.update(flatten(overrides))
+    resolved = build_config(values)
+    validate(resolved)
+    return resolved

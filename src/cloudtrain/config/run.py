@@ -1,0 +1,98 @@
+"""Options of what a run watches and writes: monitoring, tracking, the Hub, checkpoints and the output folder."""
+
+from dataclasses import dataclass
+
+from cloudtrain.config.fields import opt
+from cloudtrain.registry import TASKS
+
+TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
+HUB_STRATEGIES = ("end", "every_save", "checkpoint")
+ON_ANOMALY = ("warn", "checkpoint", "stop")
+
+
+@dataclass
+class MonitoringConfig:
+    monitoring: bool = opt(
+        True,
+        "Log step time, data-loading share and peak memory at each logging step, and watch for anomalies.",
+    )
+    loss_spike_threshold: float = opt(
+        6.0, "Warn when a step's loss exceeds its running mean by this many standard deviations (0: off)."
+    )
+    grad_norm_spike_threshold: float = opt(
+        6.0, "The same for the gradient norm (logged when --max_grad_norm > 0; 0: off)."
+    )
+    on_anomaly: str = opt(
+        "warn",
+        "On a loss or gradient-norm spike, a throughput drop or a straggler: warn, save a checkpoint at once "
+        "(checkpoint), or save and stop so that someone can look (stop).",
+        ON_ANOMALY,
+    )
+
+
+@dataclass
+class TrackingConfig:
+    report_to: list = opt(["none"], "Experiment trackers, comma-separated.", TRACKERS)
+    project_name: str = opt("cloudtrain", "Tracker project name.")
+    run_name: str | None = opt(None, "Tracker run name.")
+    tags: list = opt([], "Tags for the tracker run, comma-separated.")
+    log_model: bool = opt(False, "Also upload the saved model as a W&B artifact.")
+
+
+@dataclass
+class HubConfig:
+    push_to_hub: bool = opt(False, "Push the trained model to the Hugging Face Hub.")
+    hub_model_id: str | None = opt(None, "Hub repository, <user or org>/<name>.")
+    hub_token: str | None = opt(None, "Hub token (default: HF_TOKEN or the stored login). Never saved.", secret=True)
+    hub_private_repo: bool = opt(False, "Create the Hub repository as private.")
+    hub_revision: str | None = opt(None, "Branch of the Hub repository to push to (default: main).")
+    hub_strategy: str = opt(
+        "end",
+        "end: push once after training; every_save: push each saved model in the "
+        "background; checkpoint: also push the latest checkpoint.",
+        HUB_STRATEGIES,
+    )
+
+
+@dataclass
+class CheckpointConfig:
+    checkpointing_steps: str | None = opt(
+        None, "Save a checkpoint every N optimizer steps, or at every epoch end (epoch). Unset: no checkpoints."
+    )
+    checkpoint_dir: str | None = opt(None, "Where checkpoints go (default: <output_dir>/checkpoints).")
+    save_total_limit: int | None = opt(
+        None, "Keep at most this many checkpoints; the newest and the best are always kept."
+    )
+    resume_from_checkpoint: str | None = opt(
+        None,
+        "A checkpoint directory, or latest: the newest checkpoint complete on every node in "
+        "--checkpoint_dir (a fresh start if none). Default: none, but latest for a worker that torchrun "
+        "--max-restarts restarted, and inside a SageMaker job with checkpoints.",
+    )
+    metric_for_best_model: str | None = opt(
+        None,
+        lambda: (
+            "The evaluation metric that names the best checkpoint (default: "
+            + ", ".join(f"{c.default_best_metric} for {c.name}" for c in TASKS)
+            + ")."
+        ),
+        lambda: tuple(dict.fromkeys(metric for c in TASKS for metric in c.metrics)),
+    )
+    nonfinite_loss: str = opt(
+        "stop",
+        "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the step and count it.",
+        ("stop", "skip"),
+    )
+
+
+@dataclass
+class OutputConfig:
+    output_dir: str | None = opt(
+        None, "Where the model, metrics and arguments are saved (default: outputs/<model>-<dataset>)."
+    )
+    overwrite_output_dir: bool = opt(False, "Allow replacing a model already saved in --output_dir.")
+    merge_adapters: bool = opt(
+        False,
+        "With --peft: also write the base model with the adapter merged in to "
+        "<output_dir>/merged, loadable with plain transformers.",
+    )
