@@ -1,13 +1,51 @@
 """Options of the training loop: task, trainer, batch, optimizer, schedule, precision, evaluation."""
 
+import dataclasses
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
+from cloudtrain.errors import UserError
 from cloudtrain.registry import TASKS, TRAINERS
 
 PRECISIONS = ("no", "fp16", "bf16")
 MIXED_PRECISION = ("auto", *PRECISIONS)
-SCHEDULERS = ("linear", "cosine", "constant")
+SCHEDULERS = (
+    "linear",
+    "cosine",
+    "constant",
+    "constant_with_warmup",
+    "cosine_with_min_lr",
+    "warmup_stable_decay",
+    "polynomial",
+    "inverse_sqrt",
+)
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit", "adafactor", "muon")
+CUDA_OPTIMIZERS = ("adamw_8bit", "paged_adamw_32bit", "paged_adamw_8bit")  # bitsandbytes: CUDA kernels only
+# the schedule options that shape only some schedules: set for another they would silently do nothing
+SCHEDULE_OPTIONS = {
+    "min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay", "polynomial"),
+    "decay_ratio": ("warmup_stable_decay",),
+    "polynomial_power": ("polynomial",),
+}
+
+
+def muon_available() -> bool:
+    """torch.optim.Muon arrived in torch 2.9; older installs lack it."""
+    import torch
+
+    return hasattr(torch.optim, "Muon")
+
+
+def _optim_help() -> str:
+    muon = "" if muon_available() else " (not in this torch install: it needs torch 2.9 or later)"
+    return (
+        "Optimizer: adamw (torch AdamW; its kernel from --adamw_implementation), adamw_8bit, paged_adamw_32bit, "
+        "paged_adamw_8bit (bitsandbytes; CUDA only), adafactor (transformers' Adafactor at --learning_rate), "
+        f"muon{muon} (torch.optim.Muon for the hidden layers' matrices, AdamW for embeddings, heads and 1-d "
+        "weights). 1-d weights (biases, norms) never get weight decay."
+    )
+
+
 EVAL_STRATEGIES = ("epoch", "steps", "no")
 ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 
@@ -39,11 +77,33 @@ class TrainingConfig:
     )
     per_device_eval_batch_size: int = opt(64, "Evaluation batch size per process.")
     gradient_accumulation_steps: int = opt(1, "Micro-batches per optimizer step; the update equals one big batch.")
-    learning_rate: float = opt(1e-4, "Peak learning rate of AdamW.")
-    weight_decay: float = opt(0.01, "AdamW weight decay (not applied to biases and LayerNorm).")
+    optim: str = opt("adamw", _optim_help, OPTIMIZERS)
+    learning_rate: float = opt(1e-4, "Peak learning rate.")
+    weight_decay: float = opt(0.01, "Weight decay (not applied to biases and LayerNorm).")
     max_grad_norm: float = opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
-    lr_scheduler_type: str = opt("linear", "Learning-rate decay after warmup.", SCHEDULERS)
-    warmup_ratio: float = opt(0.1, "Fraction of the training steps spent warming up.")
+    lr_scheduler_type: str = opt(
+        "linear",
+        "Learning-rate schedule after a linear warmup from 0 (docs/training.md gives each formula): linear, "
+        "cosine (to 0), constant (no warmup), constant_with_warmup, cosine_with_min_lr (to --min_lr_ratio x "
+        "peak), warmup_stable_decay (flat, then a cosine to --min_lr_ratio x peak over the last --decay_ratio "
+        "of the steps), polynomial (to --min_lr_ratio x peak, power --polynomial_power), inverse_sqrt "
+        "(peak x sqrt(warmup / step) after warmup).",
+        SCHEDULERS,
+    )
+    warmup_ratio: float = opt(0.1, "Fraction of the training steps spent warming up (see --warmup_steps).")
+    warmup_steps: int | None = opt(
+        None, "Optimizer steps spent warming up; when given it wins over --warmup_ratio, as in transformers."
+    )
+    min_lr_ratio: float = opt(
+        0.0, "cosine_with_min_lr, warmup_stable_decay, polynomial: the final learning rate as a share of the peak."
+    )
+    decay_ratio: float = opt(0.1, "warmup_stable_decay: the share of the training steps in the final decay.")
+    polynomial_power: float = opt(1.0, "polynomial: the power of the decay (1: linear).")
+    tf32: bool = opt(
+        False,
+        "CUDA: run float32 matmuls and convolutions in TF32 (Ampere and later; faster, 10-bit mantissa). "
+        "A no-op, with a note, on other devices.",
+    )
     mixed_precision: str = opt(
         "auto",
         "Mixed precision: auto (bf16 where the device computes it natively: CUDA "
@@ -78,3 +138,32 @@ class TrainingConfig:
         "AdamW kernel: auto (fused, the fastest on CPU and CUDA), for_loop, foreach or fused.",
         ADAMW_IMPLEMENTATIONS,
     )
+
+    def check(self) -> None:
+        """The optimizer and schedule options that contradict each other (the device is checked in preflight)."""
+        changed = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+        for name, schedules in SCHEDULE_OPTIONS.items():
+            if name in changed and self.lr_scheduler_type not in schedules:
+                raise UserError(
+                    f"--{name} shapes only --lr_scheduler_type {' or '.join(schedules)} "
+                    f"(this run's is {self.lr_scheduler_type})"
+                )
+        if "adamw_implementation" in changed and self.optim != "adamw":
+            raise UserError(f"--adamw_implementation applies to --optim adamw (this run's is {self.optim})")
+        if self.optim == "muon" and not muon_available():
+            raise UserError("--optim muon needs torch.optim.Muon (torch 2.9 or later); this torch has none")
+        bad = [
+            (self.warmup_steps is not None and self.warmup_steps < 0, "--warmup_steps must not be negative"),
+            (not 0 <= self.min_lr_ratio < 1, "--min_lr_ratio must be in [0, 1)"),
+            (not 0 < self.decay_ratio <= 1, "--decay_ratio must be in (0, 1]"),
+            (self.polynomial_power <= 0, "--polynomial_power must be positive"),
+            (
+                self.lr_scheduler_type == "warmup_stable_decay"
+                and self.warmup_steps is None
+                and self.warmup_ratio + self.decay_ratio > 1,
+                "--warmup_ratio + --decay_ratio exceed 1: warmup_stable_decay has no steps left to run them",
+            ),
+        ]
+        for failed, message in bad:
+            if failed:
+                raise UserError(message)

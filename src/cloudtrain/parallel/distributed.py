@@ -11,8 +11,11 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
   explicitly (never `cpu=True`, which makes accelerate drop DeepSpeed).
 - FSDP (version 2, transformer-layer auto-wrap) through accelerate's FSDP plugin: GPU only, since
   accelerate does not shard on CPU; refused there instead of silently running DDP.
-Not supported: Megatron-LM, tensor/pipeline parallelism, DeepSpeed's own optimizer/scheduler sections
-(AdamW and the schedule come from the application's options).
+- A user JSON may carry its own `optimizer` and `scheduler` sections: DeepSpeed then builds them (the
+  optimizer from accelerate's placeholder, cloudtrain.training.optim), their "auto" values filled from
+  --learning_rate, --weight_decay, --warmup_steps and --max_steps; --optim or schedule options given
+  beside them are refused, since one of the two would be silently ignored.
+Not supported: Megatron-LM, tensor/pipeline parallelism.
 """
 
 import copy
@@ -33,7 +36,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
-from cloudtrain.config import Config
+from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
@@ -167,15 +170,71 @@ def resolve_deepspeed_config(source: str, given: dict, cfg: Config, world_size: 
             f"DeepSpeed config ({source}) sets zero_optimization.stage = {zero['stage']} but "
             f"--zero_stage is {stage}; make them agree"
         )
-    if "optimizer" in resolved or "scheduler" in resolved:
-        raise UserError(
-            f"DeepSpeed config ({source}) has an optimizer or scheduler section; remove it: "
-            "cloudtrain sets AdamW and the schedule from --learning_rate, --lr_scheduler_type, ..."
-        )
+    check_own_sections(source, resolved, cfg)
+    fill_own_sections(source, resolved, cfg)
     if zero.get("stage") == 3:  # the final model must be the gathered full model
         zero.setdefault("stage3_gather_16bit_weights_on_model_save", True)
     resolved.setdefault("zero_force_ds_cpu_optimizer", False)  # torch AdamW with offload is fine
     return resolved
+
+
+def deepspeed_sections(cfg: Config) -> set[str]:
+    """Which of `optimizer` and `scheduler` the launch's DeepSpeed JSON defines itself (DeepSpeed builds them)."""
+    requested = requested_deepspeed(cfg)
+    return {key for key in ("optimizer", "scheduler") if requested and key in requested[1]}
+
+
+# the options a section of the user's JSON takes over: given beside it, one of the two would be ignored
+SECTION_OPTIONS = {
+    "optimizer": ("optim", "adamw_implementation"),
+    "scheduler": ("lr_scheduler_type", "min_lr_ratio", "decay_ratio", "polynomial_power"),
+}
+
+
+def check_own_sections(source: str, ds_config: dict, cfg: Config) -> None:
+    """Refuse an option that a section of the JSON takes over; DeepSpeed's optimizer needs whole-parameter
+    optimizers no more than cloudtrain's does, so only the contradiction is refused."""
+    for section, options in SECTION_OPTIONS.items():
+        given = [name for name in options if section in ds_config and differs_from_default(cfg, name)]
+        if given:
+            raise UserError(
+                f"DeepSpeed config ({source}) has its own {section} section, which --{given[0]} would contradict; "
+                f"drop --{given[0]} or the section"
+            )
+
+
+def fill_own_sections(source: str, ds_config: dict, cfg: Config) -> None:
+    """The "auto" values of the JSON's optimizer and scheduler params, from the options; an explicit value
+    wins unless the option was also given with another value (then both are named)."""
+    t = cfg.training
+    warmup = t.warmup_steps
+    if warmup is None and t.max_steps is not None:
+        warmup = round(t.warmup_ratio * t.max_steps)
+    ours: dict[str, dict[str, tuple]] = {
+        "optimizer": {"lr": (t.learning_rate, "learning_rate"), "weight_decay": (t.weight_decay, "weight_decay")},
+        "scheduler": {
+            "warmup_max_lr": (t.learning_rate, "learning_rate"),
+            "warmup_min_lr": (0.0, None),
+            "warmup_num_steps": (warmup, "warmup_ratio" if t.warmup_steps is None else "warmup_steps"),
+            "total_num_steps": (t.max_steps, "max_steps"),
+        },
+    }
+    for section, values in ours.items():
+        params = ds_config.get(section, {}).get("params", {})
+        for key, current in params.items():
+            value, flag = values.get(key, (None, None))
+            if current == "auto" and value is None:
+                raise UserError(
+                    f'DeepSpeed config ({source}) leaves {section}.params.{key} "auto", which no option fills '
+                    f"here; give it a value{' or pass --' + flag if flag else ''}"
+                )
+            if current == "auto":
+                params[key] = value
+            elif flag and differs_from_default(cfg, flag) and current != value:
+                raise UserError(
+                    f"DeepSpeed config ({source}) sets {section}.params.{key} = {json.dumps(current)} but "
+                    f'--{flag} gives {json.dumps(value)}; make them agree or set {key} to "auto"'
+                )
 
 
 def check_deepspeed_skips(source: str, ds_config: dict, precision: str) -> None:
@@ -213,7 +272,9 @@ def fsdp_requested(cfg: Config) -> bool:
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
     from cloudtrain.registry import TRAINERS
+    from cloudtrain.training.optim import check_optimizer
 
+    check_optimizer(cfg)  # the device the optimizer needs: refused here, in preflight, with the launch's checks
     d = cfg.distributed
     wants_deepspeed, wants_fsdp = deepspeed_requested(cfg), fsdp_requested(cfg)
     launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
@@ -222,6 +283,11 @@ def check_distributed(cfg: Config) -> None:
         raise UserError(
             f"the accelerate config asks for {launcher_precision} mixed precision but --mixed_precision "
             f"is {cfg.training.mixed_precision}; pass --mixed_precision {launcher_precision}"
+        )
+    if cfg.training.optim == "muon" and (wants_deepspeed or wants_fsdp):
+        raise UserError(
+            "--optim muon orthogonalises whole weight matrices, which DeepSpeed ZeRO and FSDP split into "
+            "flat shards; use plain multi-process (DDP) training for it"
         )
     if wants_deepspeed and wants_fsdp:
         raise UserError("DeepSpeed and FSDP were both requested; choose one")

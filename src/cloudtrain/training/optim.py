@@ -1,9 +1,29 @@
-"""The optimizer and the learning-rate schedule every trainer steps."""
+"""The optimizer (--optim) and the learning-rate schedule (--lr_scheduler_type) every trainer steps.
+
+Every optimizer gets the same two parameter groups: the matrices with --weight_decay, the 1-d tensors
+(biases, normalisation weights) with none. A user DeepSpeed JSON with an `optimizer` or `scheduler`
+section builds its own (cloudtrain.parallel.distributed): the optimizer is then accelerate's placeholder,
+which DeepSpeed replaces, and the schedule an observer of the engine's.
+"""
+
+import importlib.util
+from collections.abc import Iterable
+from typing import Any
 
 import torch
+from accelerate.utils import DummyOptim
 from transformers import get_scheduler
+from transformers.optimization import Adafactor
 
 from cloudtrain.config import Config
+from cloudtrain.config.training import CUDA_OPTIMIZERS
+from cloudtrain.errors import UserError
+
+BITSANDBYTES_CLASSES = {
+    "adamw_8bit": "AdamW8bit",
+    "paged_adamw_32bit": "PagedAdamW32bit",
+    "paged_adamw_8bit": "PagedAdamW8bit",
+}
 
 
 def adamw_kernel(implementation: str) -> dict:
@@ -17,24 +37,141 @@ def adamw_kernel(implementation: str) -> dict:
     }[implementation]
 
 
-def build_optimizer(model: torch.nn.Module, cfg: Config) -> torch.optim.Optimizer:
-    """AdamW; biases and normalisation weights (the 1-d tensors) get no weight decay."""
+def check_optimizer(cfg: Config, cuda: bool | None = None) -> None:
+    """What the chosen optimizer needs of this machine, refused in one line before anything loads."""
+    optim = cfg.training.optim
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if optim in CUDA_OPTIMIZERS and not cuda:
+        raise UserError(
+            f"--optim {optim} needs a CUDA GPU (bitsandbytes' 8-bit and paged optimizers have CUDA kernels "
+            "only); use --optim adamw or adafactor on this machine"
+        )
+    if optim in CUDA_OPTIMIZERS and importlib.util.find_spec("bitsandbytes") is None:
+        raise UserError(f"--optim {optim} needs the bitsandbytes package: pip install bitsandbytes")
+
+
+def weight_decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float | None) -> list[dict]:
+    """The trainable `params` in two groups: matrices decayed, 1-d tensors not (decaying a bias or a norm's
+    scale only pulls it off its useful value). `weight_decay` None leaves the matrices' rate to the optimizer."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
-    for param in model.parameters():
+    for param in params:
         if param.requires_grad:
             # ZeRO-3 partitions parameters to shape [0] while loading; `ds_shape` keeps the real one
             (no_decay if len(getattr(param, "ds_shape", param.shape)) < 2 else decay).append(param)
-    groups = [{"params": decay, "weight_decay": cfg.training.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.training.learning_rate, **adamw_kernel(cfg.training.adamw_implementation))
+    first = {"params": decay} if weight_decay is None else {"params": decay, "weight_decay": weight_decay}
+    return [first, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: Config, total_steps: int):
-    """--lr_scheduler_type over `total_steps` optimizer steps, warming up for --warmup_ratio of them."""
+def build_optimizer(model: torch.nn.Module, cfg: Config) -> Any:
+    """The --optim optimizer over the weight-decay groups, or DeepSpeed's placeholder when the user's
+    DeepSpeed JSON has its own optimizer section."""
+    from cloudtrain.parallel.distributed import deepspeed_sections
+
     t = cfg.training
+    if "optimizer" in deepspeed_sections(cfg):
+        # the file's weight_decay applies to the matrices; "auto" lr and weight_decay are filled from ours
+        groups = weight_decay_groups(model.parameters(), None)
+        return DummyOptim(groups, lr=t.learning_rate, weight_decay=t.weight_decay)
+    groups = weight_decay_groups(model.parameters(), t.weight_decay)
+    if t.optim == "adamw":
+        return torch.optim.AdamW(groups, lr=t.learning_rate, **adamw_kernel(t.adamw_implementation))
+    if t.optim == "adafactor":
+        # a fixed learning rate (no relative step, no parameter scaling), so the schedule is the one asked for
+        return Adafactor(groups, lr=t.learning_rate, scale_parameter=False, relative_step=False, warmup_init=False)
+    if t.optim == "muon":
+        return MuonWithAdamW(model, t.learning_rate, t.weight_decay)
+    import bitsandbytes  # checked by check_optimizer: CUDA and the package
+
+    return getattr(bitsandbytes.optim, BITSANDBYTES_CLASSES[t.optim])(groups, lr=t.learning_rate)
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon for the hidden layers' matrices, AdamW for the rest (embeddings, output heads, 1-d
+    tensors: Muon orthogonalises 2-d updates, which suits neither), as one optimizer: one list of groups
+    for the schedule and one state dict for checkpoints. Muon's step is scaled to AdamW's update size
+    (`match_rms_adamw`), so one --learning_rate serves both."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float):
+        hidden = hidden_matrices(model)
+        rest = [p for p in model.parameters() if p.requires_grad and id(p) not in {id(h) for h in hidden}]
+        self.muon = torch.optim.Muon(hidden, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
+        self.adamw = torch.optim.AdamW(weight_decay_groups(rest, weight_decay), lr=lr, fused=True)
+        # the inner optimizers' own group dicts: a schedule that sets "lr" here sets it for them
+        super().__init__([*self.muon.param_groups, *self.adamw.param_groups], {"lr": lr})
+        self._link()
+
+    def _link(self) -> None:
+        """Point the inner optimizers at this one's groups and state (their parameters are disjoint)."""
+        n = len(self.muon.param_groups)
+        self.muon.param_groups, self.adamw.param_groups = self.param_groups[:n], self.param_groups[n:]
+        self.muon.state = self.adamw.state = self.state
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        self.muon.step()
+        self.adamw.step()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)  # replaces the group dicts and the state: link them again
+        self._link()
+
+
+def hidden_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The weights of the Linear layers inside the model's body (`base_model` of a transformers model), less
+    any weight an embedding shares (tied output heads): what Muon is meant for."""
+    body = getattr(model, "base_model", model)
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    linears = [m for m in body.modules() if isinstance(m, torch.nn.Linear)]
+    return [m.weight for m in linears if m.weight.requires_grad and id(m.weight) not in embeddings]
+
+
+def warmup_steps(cfg: Config, total_steps: int) -> int:
+    """--warmup_steps when given (it wins, as in transformers), else --warmup_ratio of the steps."""
+    t = cfg.training
+    return t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * total_steps)
+
+
+def build_scheduler(optimizer: Any, cfg: Config, total_steps: int) -> Any:
+    """--lr_scheduler_type over `total_steps` optimizer steps (transformers' schedules); the engine's own
+    schedule, observed, when the user's DeepSpeed JSON has a scheduler section."""
+    from cloudtrain.parallel.distributed import deepspeed_sections
+
+    if "scheduler" in deepspeed_sections(cfg):
+        return EngineSchedule(optimizer)
+    t, warmup = cfg.training, warmup_steps(cfg, total_steps)
+    own_arguments: dict[str, dict] = {
+        "cosine_with_min_lr": {"min_lr_rate": t.min_lr_ratio},
+        "warmup_stable_decay": {"num_decay_steps": round(t.decay_ratio * total_steps), "min_lr_ratio": t.min_lr_ratio},
+        "polynomial": {"lr_end": t.min_lr_ratio * t.learning_rate, "power": t.polynomial_power},
+        # the decay's timescale is the warmup (transformers' 10,000 steps when there is none)
+        "inverse_sqrt": {"timescale": warmup or 10_000},
+    }
     return get_scheduler(
         t.lr_scheduler_type,
         optimizer,
-        num_warmup_steps=round(t.warmup_ratio * total_steps),
+        num_warmup_steps=warmup,
         num_training_steps=total_steps,
+        scheduler_specific_kwargs=own_arguments.get(t.lr_scheduler_type, {}),
     )
+
+
+class EngineSchedule:
+    """The schedule a DeepSpeed engine built from the user's JSON and steps itself, at each optimizer step:
+    the loop's step() is a no-op, the learning rate is read from the optimizer, and the state travels in the
+    engine's own checkpoint."""
+
+    def __init__(self, optimizer: Any):
+        self.optimizer = optimizer
+
+    def step(self) -> None:
+        pass
+
+    def get_last_lr(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
