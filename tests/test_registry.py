@@ -49,5 +49,5 @@ def test_unknown_names_are_refused_with_the_registered_choices():
 
 
 def test_the_language_model_tasks_are_the_decoder_tasks():
-    assert [c.name for c in TASKS if issubclass(c, DecoderTask)] == ["causal_lm", "sft"]
-    assert [c.name for c in TASKS if c.chat_template] == ["sft"]
+    assert [c.name for c in TASKS if issubclass(c, DecoderTask)] == ["causal_lm", "sft", "dpo"]
+    assert [c.name for c in TASKS if c.chat_template] == ["sft", "dpo"]

@@ -23,6 +23,7 @@ from cloudtrain.config.parse import (
     parse_bool,
     resolve_options,
 )
+from cloudtrain.config.preference import PREFERENCE_LOSSES, PreferenceConfig
 from cloudtrain.config.root import Config, _default, _fields, differs_from_default, save_arguments
 from cloudtrain.config.run import (
     HUB_STRATEGIES,
@@ -53,6 +54,7 @@ __all__ = [
     "PACKING",
     "PEFT_METHODS",
     "PIPELINE_SCHEDULES",
+    "PREFERENCE_LOSSES",
     "PRECISIONS",
     "SCHEDULERS",
     "TRACKERS",
@@ -64,6 +66,7 @@ __all__ = [
     "ModelConfig",
     "MonitoringConfig",
     "OutputConfig",
+    "PreferenceConfig",
     "TrackingConfig",
     "TrainingConfig",
     "_Parser",

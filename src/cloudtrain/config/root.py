@@ -10,6 +10,7 @@ from typing import Any
 from cloudtrain.config.data import DataConfig
 from cloudtrain.config.distributed import DistributedConfig
 from cloudtrain.config.model import ModelConfig
+from cloudtrain.config.preference import PreferenceConfig
 from cloudtrain.config.run import CheckpointConfig, HubConfig, MonitoringConfig, OutputConfig, TrackingConfig
 from cloudtrain.config.training import TrainingConfig
 
@@ -19,6 +20,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

@@ -5,8 +5,9 @@ The order is fixed (`TRANSFORMS`), each step relying on those before it:
 2. `gradient_checkpointing`: before adapters, which build on it (QLoRA readies the inputs for it);
 3. `task_checks`: the task's checks of the model as it will compute (document isolation under --packing bfd);
    kernel options (fused modules and losses) belong here, before adapters wrap the modules they replace;
-4. `adapters`: --peft freezes the base and adds adapters, and the modules the task trains in full;
-5. `compile`: --torch_compile, last, over the final module (in place: its class, keys and saving stay).
+4. `task_before_adapters`: what the task keeps of the model before adapters change it (a DPO reference);
+5. `adapters`: --peft freezes the base and adds adapters, and the modules the task trains in full;
+6. `compile`: --torch_compile, last, over the final module (in place: its class, keys and saving stay).
 After these the trainers only wrap and shard (DDP, DeepSpeed, FSDP, pipeline stages). A new transform is
 one function `(model, cfg, task, announce) -> model` placed in the list.
 """
@@ -51,6 +52,11 @@ def task_checks(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     return model
 
 
+def task_before_adapters(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
+    task.before_adapters(model, cfg, announce)
+    return model
+
+
 def adapters_for_task(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     if cfg.model.peft == "none":
         return model
@@ -63,7 +69,14 @@ def compile_model(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     return model
 
 
-TRANSFORMS: list[Transform] = [attention, gradient_checkpointing, task_checks, adapters_for_task, compile_model]
+TRANSFORMS: list[Transform] = [
+    attention,
+    gradient_checkpointing,
+    task_checks,
+    task_before_adapters,
+    adapters_for_task,
+    compile_model,
+]
 
 
 def prepare(

@@ -12,6 +12,8 @@ the task for these and branch on nothing else:
   the count summed over its micro-batches and all processes;
 - `evaluate`: the metrics of a split, counted over every example exactly once, and the tables logged
   with them (`tables`);
+- `before_adapters`, `train_metrics`: what a task keeps of the model before adapters (a reference model) and
+  its own numbers at each logging step (preference rewards);
 - `describe`: the one-line summaries printed for data and metrics; `card` and `inference_hint` for
   the model card and the command that uses the saved model.
 """
@@ -70,6 +72,15 @@ class Task:
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         """Checks that need the loaded model (before training starts)."""
+
+    def before_adapters(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
+        """What the task keeps of the model as it computes before adapters change it (a preference task's
+        reference: a frozen copy, or its log-probabilities computed once)."""
+
+    def train_metrics(self, reduce_sum: Callable, seconds: float) -> dict[str, float]:
+        """The task's own numbers of a logging interval, from sums it kept on the device and adds over every
+        process with `reduce_sum` (a collective: every process calls it); logged as train/<name>."""
+        return {}
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """Modules that train in full next to adapters (--peft): what the task added or changed in the model."""

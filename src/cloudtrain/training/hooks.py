@@ -12,8 +12,8 @@ and every process agrees on what comes next.
 The hooks, in the order `Trainer.hooks` runs them:
     NonfiniteHook    stop on a nan/inf loss, or count the skipped steps (--nonfinite_loss)
     PreemptionHook   SIGTERM on any process: a checkpoint, then stop (exit status 143)
-    LoggingHook      the interval's loss, learning rate, throughput, MFU and step-time numbers to the run log
-                     (metrics.jsonl and the --report_to trackers) and one console line
+    LoggingHook      the interval's loss, learning rate, throughput, MFU and step-time numbers, and the task's own
+                     (Task.train_metrics), to the run log (metrics.jsonl and the --report_to trackers) and the console
     AnomalyHook      the monitoring detector's warnings (--monitoring); --on_anomaly checkpoint or stop
     EvaluationHook   the validation split on --eval_strategy, and before the first step (--eval_on_start)
     CheckpointHook   a checkpoint on its schedule, or now when a hook above asked for one
@@ -168,6 +168,7 @@ class LoggingHook(Hook):
         self.every = trainer.cfg.training.logging_steps
         self.monitoring = trainer.cfg.monitoring.monitoring
         self.peak = peak_flops(device)
+        self.task_metrics: list[str] = []  # names of the task's own numbers at the last logging step
 
     def due(self, loop: LoopState) -> bool:
         return loop.done or loop.step % self.every == 0
@@ -181,7 +182,10 @@ class LoggingHook(Hook):
         values = self._values(loop, loop.interval)
         self.trainer.run_log.log(values, step=loop.step)
         if self.trainer.is_main_process:
-            loop.bar.write(self._line(loop, values))
+            line = self._line(loop, values)
+            if self.task_metrics:  # the task's own numbers (preference rewards) on a line of their own
+                line += "\n  " + " | ".join(f"{n.removeprefix('train/')} {values[n]:.4g}" for n in self.task_metrics)
+            loop.bar.write(line)
         return None
 
     def _values(self, loop: LoopState, interval: dict) -> dict:
@@ -199,6 +203,9 @@ class LoggingHook(Hook):
             flops = trainer.flops.training_flops(interval["tokens"], interval["squared_lengths"])
             values["train/mfu"] = flops / interval["seconds"] / trainer.num_processes / self.peak
         values.update(interval_values(interval["by_process"], self.device))
+        own = trainer.task.train_metrics(trainer.runtime.reduce_sum, interval["seconds"])  # every process: a collective
+        values.update({f"train/{name}": value for name, value in own.items()})
+        self.task_metrics = [f"train/{name}" for name in own]
         return values
 
     @staticmethod

@@ -1,0 +1,457 @@
+"""Preference tuning of a decoder (`--task dpo`): DPO and its relatives on chosen/rejected pairs.
+
+Supports:
+- `--preference_loss` sigmoid (DPO), ipo, simpo and orpo (reference-free), `--beta` and `--simpo_gamma` with
+  the papers' defaults (cloudtrain.config.preference); the pair formats of cloudtrain.data.pairs (explicit,
+  conversational, implicit prompt), the chat template handled as `--task sft` handles it;
+- chosen and rejected through the policy in one forward (one batch of 2B rows), the prompt's tokens out of the
+  loss (exactly zero gradient);
+- the reference: the policy's base with the adapters disabled under --peft (no copy), a frozen copy under full
+  fine-tuning, or `--precompute_reference true`: its log-probabilities computed once before training and kept
+  as two columns of the data (no reference model during training); none for simpo and orpo;
+- per logging step and evaluation: rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
+  logps/chosen, logps/rejected; at evaluation also greedy answers to a few held-back prompts, with their
+  exact_match against the chosen answer.
+Does not support: packing (pairs are padded), the pipeline trainer, a full-fine-tuning reference under ZeRO-3
+or FSDP (use --peft, or a reference-free loss), a reference model other than the policy's starting point.
+"""
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from datasets import Dataset, DatasetDict
+from huggingface_hub import ModelCard
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from cloudtrain.config import Config, DataConfig
+from cloudtrain.data.chat import ChatFormat
+from cloudtrain.data.pairs import (
+    PAIR_FEATURES,
+    REFERENCE_COLUMNS,
+    SIDES,
+    PairCollator,
+    PairColumns,
+    encode_pair,
+    pair_columns,
+    sequence_logps,
+    to_pair,
+    truncate_pairs,
+)
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
+from cloudtrain.errors import UserError
+from cloudtrain.hardware import autocast as autocast_for
+from cloudtrain.models.load import is_causal_lm, load_tokenizer
+from cloudtrain.parallel.distributed import sharding
+from cloudtrain.publish.model_card import build_lm_model_card
+from cloudtrain.registry import TASKS, TRAINERS
+from cloudtrain.tasks.causal_lm import _first
+from cloudtrain.tasks.sft import SFTTask, _last_question, _short
+
+# What the loop and evaluation report, per pair: train/<name> at logging steps, eval/<name> at evaluation.
+PAIR_METRICS = (
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/margins",
+    "rewards/accuracies",
+    "logps/chosen",
+    "logps/rejected",
+)
+
+
+def preference_loss(
+    kind: str,
+    beta: float,
+    gamma: float,
+    logps: torch.Tensor,
+    counts: torch.Tensor,
+    reference: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-pair loss, chosen reward, rejected reward), [B] each, from the summed answer log-probabilities of the
+    policy (`logps` [2B]: the B chosen then the B rejected), their token `counts` and the `reference`'s."""
+    pairs = logps.shape[0] // 2
+    chosen, rejected = logps[:pairs], logps[pairs:]
+    if kind in ("sigmoid", "ipo"):
+        assert reference is not None
+        chosen_ratio, rejected_ratio = chosen - reference[:pairs], rejected - reference[pairs:]
+        h = chosen_ratio - rejected_ratio
+        # DPO (eq. 7): -log sigmoid(beta * h); IPO (eq. 17): (h - 1/(2 tau))^2 with tau = --beta
+        losses = -F.logsigmoid(beta * h) if kind == "sigmoid" else (h - 1 / (2 * beta)) ** 2
+        return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+    chosen_mean, rejected_mean = chosen / counts[:pairs], rejected / counts[pairs:]  # per-token averages
+    if kind == "simpo":  # SimPO (eq. 6): -log sigmoid(beta/|y_w| log p(y_w) - beta/|y_l| log p(y_l) - gamma)
+        losses = -F.logsigmoid(beta * (chosen_mean - rejected_mean) - gamma)
+    elif kind == "orpo":  # ORPO (eq. 6-7): L_SFT + lambda * -log sigmoid(log odds(y_w) - log odds(y_l))
+        log_odds = (chosen_mean - _log1mexp(chosen_mean)) - (rejected_mean - _log1mexp(rejected_mean))
+        losses = -chosen_mean - beta * F.logsigmoid(log_odds)
+    else:
+        raise ValueError(f"unknown preference loss {kind!r}")
+    return losses, beta * chosen_mean.detach(), beta * rejected_mean.detach()
+
+
+def _log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 - exp(x)) for x < 0, stable at both ends (Maechler 2012)."""
+    return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def pair_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed answer log-probabilities, answer token counts), [2B] each: chosen and rejected in one forward. No
+    attention mask: padding sits after every real token, and causal attention never looks ahead."""
+    logits = model(input_ids=batch["input_ids"], use_cache=False).logits
+    return sequence_logps(logits, batch["labels"])
+
+
+@TASKS.register
+class DPOTask(SFTTask):
+    name = "dpo"
+    summary = "preference tuning of a decoder on chosen/rejected pairs: DPO, IPO, SimPO or ORPO"
+    metrics: tuple[str, ...] = ("loss", "rewards/accuracies", "rewards/margins", "exact_match")
+    lower_is_better = frozenset({"loss"})
+    default_best_metric = "loss"
+    default_packing = "none"
+
+    def __init__(self, cfg: Config):
+        super().__init__(cfg)
+        self.reference: PreTrainedModel | None = None  # the frozen copy (full fine-tuning, live reference)
+        self.data: ProcessedData | None = None  # what `process` returned; precomputing adds reference columns
+        self.sums: torch.Tensor | None = None  # PAIR_METRICS summed over training pairs, and their count
+
+    # ------------------------------------------------------------ options and data
+    def check_options(self, cfg: Config) -> None:
+        m, p = cfg.model, cfg.preference
+        if not m.model_name_or_path and not m.model_config:
+            raise UserError("--task dpo needs a decoder to tune: --model_name_or_path <causal LM, e.g. an SFT model>")
+        config = self.model_config(cfg)
+        if not is_causal_lm(config):
+            kind = ", ".join(config.architectures or [config.model_type])
+            raise UserError(
+                f"{m.model_name_or_path or m.model_config} is not a causal language model ({kind}); --task dpo "
+                "tunes a decoder (…ForCausalLM); for an encoder, train a reward model with --task reward"
+            )
+        if cfg.data.packing not in ("none", "auto"):
+            raise UserError(f"--task dpo pads its pairs: --packing {cfg.data.packing} is not supported; use none")
+        if TRAINERS[cfg.training.training_type].mesh(cfg, max(cfg.distributed.pipeline_parallel_size, 1)).pp > 1:
+            raise UserError(
+                "--task dpo takes a pair's loss over both answers at once, which a pipeline's last stage cannot; "
+                "use --training_type accelerated"
+            )
+        shards = sharding(cfg)
+        live_copy = p.needs_reference and m.peft == "none"
+        if live_copy and (shards.zero_stage == 3 or shards.fsdp):
+            raise UserError(
+                f"--task dpo under {'FSDP' if shards.fsdp else 'ZeRO-3'} with full fine-tuning: the reference model "
+                "is not sharded here; use --peft lora (the reference is the base) or --preference_loss simpo/orpo"
+            )
+        if cfg.checkpoint.metric_for_best_model == "exact_match" and not cfg.data.num_sample_prompts:
+            raise UserError("--metric_for_best_model exact_match needs --num_sample_prompts N; or pick loss")
+        ChatFormat.setup(load_tokenizer(m), cfg.data.chat_template)  # a bad template fails here
+
+    def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
+        p = self.cfg.preference
+        named = {"--chosen_column": p.chosen_column, "--rejected_column": p.rejected_column}
+        if cfg.prompt_column:
+            named["--prompt_column"] = cfg.prompt_column
+        return {flag: (column, True) for flag, column in named.items()}
+
+    def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        """Rows -> (prompt, chosen, rejected) -> two token rows each, checked; validation carved by pair; truncated
+        pairs that lose an answer dropped and counted."""
+        self.cfg, self.tokenizer, d, p = cfg, tokenizer, cfg.data, cfg.preference
+        size = len(tokenizer)
+        self.chat = ChatFormat.setup(tokenizer, d.chat_template)
+        self.added_tokens = len(tokenizer) - size
+        columns = {
+            split: pair_columns(ds.column_names, d.prompt_column, p.chosen_column, p.rejected_column)
+            for split, ds in raw.items()
+        }
+        raw = DatasetDict(raw)
+        pairs = {split: self._encode_pairs(ds, split, columns[split], d) for split, ds in raw.items()}
+        if "validation" not in raw:
+            train, validation = self._carve_indices(len(raw["train"]), d.validation_split_percentage, cfg.training.seed)
+            for splits in (raw, pairs):
+                splits["train"], splits["validation"] = (
+                    splits["train"].select(train),
+                    splits["train"].select(validation),
+                )
+            columns["validation"] = columns["train"]
+        for split, limit in (
+            ("train", d.max_train_samples),
+            ("validation", d.max_eval_samples),
+            ("test", d.max_eval_samples),
+        ):
+            if split in raw:
+                raw[split], pairs[split] = _first(raw[split], limit), _first(pairs[split], limit)
+        rows = {split: self._pair_rows(split, ds, d) for split, ds in pairs.items()}
+        self._pair_prompts(raw["validation"], columns["validation"], cfg)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.data = ProcessedData(
+            train=rows["train"],
+            validation=rows["validation"],
+            test=rows.get("test"),
+            collator=PairCollator(pad if pad is not None else 0),
+            prompts=self.prompts,
+            references=self.references,
+        )
+        return self.data
+
+    def _encode_pairs(self, ds: Dataset, split: str, columns: PairColumns, cfg: DataConfig) -> Dataset:
+        """Both rows of every pair, every pair checked; cached by data, tokenizer, template and columns."""
+        chat = self.chat
+        assert chat is not None and self.tokenizer is not None  # both set by `process`
+
+        def encode(batch: dict, indices: list[int]) -> dict:
+            out: dict[str, list] = {name: [] for name in PAIR_FEATURES}
+            for i, index in enumerate(indices):
+                try:
+                    encoded = encode_pair(chat, {c: batch[c][i] for c in batch}, columns)
+                except ValueError as err:
+                    raise UserError(f"{split} pair {index}: {err}") from None
+                for name, value in encoded.items():
+                    out[name].append(value)
+            return out
+
+        key = cache_key(
+            ds, self.tokenizer, *columns.names, columns.prompt, self.tokenizer.chat_template,
+            self.tokenizer.special_tokens_map, "pairs-v1",
+        )  # fmt: skip
+        return cached_map(
+            ds, encode, PAIR_FEATURES, cfg, f"pairs-{split}", key, f"Tokenizing {split} pairs", with_indices=True
+        )
+
+    def _pair_rows(self, split: str, pairs: Dataset, cfg: DataConfig) -> Dataset:
+        """Pairs cut to --max_length; those left with no answer token on either side dropped and counted (all: an
+        error)."""
+        rows = {name: list(pairs[name]) for name in PAIR_FEATURES}
+        keep, cut = truncate_pairs(rows, cfg.max_length)
+        dropped = len(pairs) - len(keep)
+        self.report[split] = {"examples": len(pairs), "truncated": cut, "dropped": dropped}
+        if not keep:
+            longest = max(len(ids) for side in SIDES for ids in pairs[f"{side}_ids"])
+            raise UserError(
+                f"all {len(pairs)} {split} pairs lose an answer within --max_length {cfg.max_length} (the longest "
+                f"row is {longest} tokens); raise --max_length or shorten the prompts"
+            )
+        return Dataset.from_dict(
+            {name: [rows[name][i] for i in keep] for name in PAIR_FEATURES}, features=PAIR_FEATURES
+        )
+
+    def _pair_prompts(self, validation: Dataset, columns: PairColumns, cfg: Config) -> None:
+        """The prompts of the first validation pairs that leave room for --sample_max_new_tokens, with the chosen
+        answer as the reference (exact_match)."""
+        room = cfg.data.max_length - cfg.training.sample_max_new_tokens
+        self.prompts, self.references, self.questions = [], [], []
+        chat, tokenizer = self.chat, self.tokenizer
+        assert chat is not None and tokenizer is not None  # set by `process`
+        for row in validation:
+            if len(self.prompts) == cfg.data.num_sample_prompts:
+                break
+            prompt, chosen, _ = to_pair(row, columns)
+            text = chat.render(prompt, add_generation_prompt=True)
+            if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= room:
+                self.prompts.append(text)
+                self.references.append(chosen[0]["content"])
+                self.questions.append(_last_question([*prompt, *chosen]))
+
+    # ------------------------------------------------------------ the reference
+    def before_adapters(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
+        """The model as loaded is the reference: its log-probabilities once (--precompute_reference), or a frozen
+        copy under full fine-tuning; with adapters, nothing (the reference is the base, adapters disabled)."""
+        p = cfg.preference
+        if not p.needs_reference:
+            return
+        if p.precompute_reference:
+            self._precompute(model, cfg, announce)
+        elif cfg.model.peft == "none":
+            self.reference = copy.deepcopy(model).requires_grad_(False).eval()
+            if announce:
+                print("reference model: a frozen copy of the starting weights", flush=True)
+
+    @torch.no_grad()
+    def _precompute(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
+        """The reference log-probabilities of every pair of every split, as two columns (every process computes all
+        of them: no collective before training)."""
+        assert self.data is not None  # `process` ran
+        start = time.perf_counter()
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        place, was_training = next(model.parameters()).device, model.training
+        model.to(device).eval()  # type: ignore[arg-type]  # transformers' wrapped `to`
+        total = 0
+        for split in ("train", "validation", "test"):
+            ds = getattr(self.data, split)
+            if ds is None:
+                continue
+            loader = DataLoader(ds, batch_size=cfg.training.per_device_eval_batch_size, collate_fn=self.data.collator)
+            logps = []
+            for batch in loader:
+                with autocast_for(cfg.training.mixed_precision, device):
+                    values = pair_logps(model, {k: v.to(device) for k, v in batch.items()})[0].float().cpu()
+                pairs = len(values) // 2
+                logps.append(torch.stack([values[:pairs], values[pairs:]], dim=1))
+            table = torch.cat(logps).tolist()
+            for i, column in enumerate(REFERENCE_COLUMNS):
+                ds = ds.add_column(column, [row[i] for row in table])
+            setattr(self.data, split, ds)
+            total += len(table)
+        model.to(place).train(was_training)  # type: ignore[arg-type]
+        if announce:
+            print(
+                f"reference log-probabilities of {total} pairs precomputed in {time.perf_counter() - start:.1f}s; "
+                "no reference model is kept",
+                flush=True,
+            )
+
+    @torch.no_grad()
+    def reference_logps(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """The reference's summed answer log-probabilities [2B]: precomputed, the frozen copy, or the policy's base
+        with its adapters disabled (in eval mode, as the copy, so dropout does not enter it)."""
+        if "ref_logps" in batch:
+            return batch["ref_logps"]
+        device = batch["input_ids"].device
+        with autocast_for(self.cfg.training.mixed_precision, device):
+            if self.reference is not None:
+                if next(self.reference.parameters()).device != device:
+                    self.reference.to(device)  # type: ignore[arg-type]  # once: the trainer placed the policy
+                return pair_logps(self.reference, batch)[0]
+            inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it; a PeftModel inside
+            was_training = inner.training
+            inner.eval()
+            try:
+                with inner.disable_adapter():
+                    return pair_logps(inner, batch)[0]
+            finally:
+                inner.train(was_training)
+
+    # ------------------------------------------------------------ loss and metrics
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+
+    def pair_values(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-pair loss [B], the per-pair PAIR_METRICS [B, 6]) of one batch."""
+        p = self.cfg.preference
+        logps, counts = pair_logps(model, batch)
+        reference = self.reference_logps(model, batch) if p.needs_reference else None
+        losses, chosen, rejected = preference_loss(
+            p.preference_loss, p.strength, p.simpo_gamma, logps, counts, reference
+        )
+        pairs = len(losses)
+        values = torch.stack(
+            [chosen, rejected, chosen - rejected, (chosen > rejected).to(chosen), logps[:pairs], logps[pairs:]],
+            dim=1,
+        )
+        return losses, values.detach().float()
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        losses, values = self.pair_values(model, batch)
+        sums = torch.cat([values.double().sum(dim=0), values.new_full((1,), len(losses)).double()])
+        self.sums = sums if self.sums is None else self.sums + sums  # stays on the device
+        return losses.sum(), self.loss_count(batch)
+
+    def train_metrics(self, reduce_sum: Callable, seconds: float) -> dict[str, float]:
+        if self.sums is None:  # every process has stepped alike: all or none have sums
+            return {}
+        total = reduce_sum(self.sums.clone()).cpu().tolist()
+        self.sums.zero_()
+        pairs = max(total[-1], 1)
+        return {**{name: total[i] / pairs for i, name in enumerate(PAIR_METRICS)}, "pairs_per_s": total[-1] / seconds}
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[dict],
+        data: ProcessedData,
+        gather: Callable,
+        move: Callable,
+        autocast: Callable,
+    ) -> dict:
+        """The loss and PAIR_METRICS over every pair exactly once (gathered per pair); then the sample answers."""
+        was_training = model.training
+        model.eval()
+        start = time.perf_counter()
+        sums, pairs = torch.zeros(7, dtype=torch.float64), 0
+        for batch in batches:
+            batch = move(batch)
+            with autocast():
+                losses, values = self.pair_values(model, batch)
+            (rows,) = gather((torch.cat([losses.detach().float()[:, None], values], dim=1),))
+            sums += rows.double().sum(dim=0).cpu()
+            pairs += len(rows)
+        model.train(was_training)
+        means = (sums / max(pairs, 1)).tolist()
+        result = {"loss": means[0], **dict(zip(PAIR_METRICS, means[1:], strict=True))}
+        result.update(samples=pairs, runtime_s=round(time.perf_counter() - start, 3))
+        if data.prompts and self.tokenizer is not None:
+            with autocast():
+                result.update(self.samples(getattr(model, "module", model), data))
+        return result
+
+    # ------------------------------------------------------------ summaries
+    def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+        """The chat model's card, with what it was preference-tuned on and how."""
+        card = build_lm_model_card(output_dir, cfg, results, chat=True)
+        p, evaluation = cfg.preference, results.get("eval", {})
+        reference = (
+            "none (reference-free)"
+            if not p.needs_reference
+            else "precomputed once before training"
+            if p.precompute_reference
+            else "the base with adapters disabled"
+            if cfg.model.peft != "none"
+            else "a frozen copy of the starting model"
+        )
+        lines = [
+            "",
+            "## Preference tuning",
+            "",
+            f"Preference-tuned with cloudtrain (`--task dpo`) from `{cfg.model.model_name_or_path}` on "
+            f"`{cfg.data.dataset_name or cfg.data.train_file}`: loss `{p.preference_loss}`, beta {p.strength}"
+            + (f", gamma {p.simpo_gamma}" if p.preference_loss == "simpo" else "")
+            + f"; reference: {reference}.",
+        ]
+        if "rewards/accuracies" in evaluation:
+            lines.append(
+                f"Validation: pair accuracy {evaluation['rewards/accuracies']:.3f}, reward margin "
+                f"{evaluation['rewards/margins']:.4f} ({evaluation.get('samples', 0)} pairs)."
+            )
+        card = ModelCard(card.content.rstrip() + "\n" + "\n".join(lines) + "\n")
+        data: Any = card.data  # the ModelCardData build_lm_model_card made
+        data.tags = [*(data.tags or []), "dpo", p.preference_loss]
+        return card
+
+    def describe_data(self, data: ProcessedData) -> str:
+        parts = []
+        for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
+            if rows is not None:
+                answer = sum(sum(mask[1:]) for side in SIDES for mask in rows[f"{side}_mask"])
+                parts.append(f"{len(rows)} {split} pairs ({answer} answer tokens)")
+        notes = [
+            f"{r['truncated']} {split} pairs cut to --max_length {self.cfg.data.max_length}"
+            + (f", {r['dropped']} of them dropped (an answer lost every token)" if r["dropped"] else "")
+            for split, r in self.report.items()
+            if r["truncated"]
+        ]
+        assert self.chat is not None  # set by `process`
+        p = self.cfg.preference
+        return (
+            f"data: {'; '.join(parts)}; template: {self.chat.source}; loss {p.preference_loss}, beta {p.strength}"
+            + "".join(f"\nnote: {n}" for n in notes)
+        )
+
+    def describe_metrics(self, metrics: dict) -> str:
+        line = (
+            f"loss {metrics['loss']:.4f} | pair accuracy {metrics['rewards/accuracies']:.3f} | margin "
+            f"{metrics['rewards/margins']:.4f} (chosen {metrics['rewards/chosen']:.4f}, rejected "
+            f"{metrics['rewards/rejected']:.4f}; {metrics['samples']} pairs)"
+        )
+        if "exact_match" in metrics:
+            line += f" | exact_match {metrics['exact_match']:.3f} ({len(metrics['generations'])} answers)"
+        for g in metrics.get("generations", [])[:3]:
+            line += f"\n  {_short(g['question'])} -> {json.dumps(g['answer'], ensure_ascii=False)}"
+        return line

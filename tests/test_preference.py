@@ -1,0 +1,288 @@
+"""--task dpo on CPU with tiny random decoders: each loss against its paper's formula, which tokens get gradient,
+the three kinds of reference, the pair formats, every refusal, and a short run that trains and saves."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import assert_each_refused
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from cloudtrain.config import build_config
+from cloudtrain.data.chat import ChatFormat
+from cloudtrain.data.pairs import PairCollator, PairColumns, encode_pair, sequence_logps, to_pair, truncate_pairs
+from cloudtrain.pipeline import build_run, run_training
+from cloudtrain.tasks.dpo import DPOTask, pair_logps, preference_loss
+
+QUESTIONS = [
+    ("Who found the golden key?", "The poor boy in the snow.", "A wolf in the forest."),
+    ("What did the wolf eat?", "Six little goats and chalk.", "Bread from the little house."),
+    ("Where did the king live?", "In a castle by the sea.", "Under the old well."),
+    ("How many brothers were there?", "Twelve brothers and a sister.", "Three daughters."),
+]
+
+
+def write_jsonl(path, rows) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def conversational(q: str, chosen: str, rejected: str) -> dict:
+    return {
+        "prompt": [{"role": "user", "content": q}],
+        "chosen": [{"role": "assistant", "content": chosen}],
+        "rejected": [{"role": "assistant", "content": rejected}],
+    }
+
+
+@pytest.fixture
+def pairs_file(tmp_path) -> str:
+    return write_jsonl(tmp_path / "pairs.jsonl", [conversational(*row) for row in QUESTIONS])
+
+
+@pytest.fixture
+def chat(lm_tokenizer_dir) -> ChatFormat:
+    return ChatFormat.setup(AutoTokenizer.from_pretrained(lm_tokenizer_dir), "chatml")
+
+
+def dpo_options(model_dir, train_file, out, **overrides) -> dict:
+    return {
+        "task": "dpo",
+        "model_name_or_path": model_dir,
+        "train_file": train_file,
+        "validation_file": train_file,
+        "output_dir": str(out),
+        "max_length": 64,
+        "per_device_train_batch_size": 2,
+        "max_steps": 3,
+        "logging_steps": 1,
+        "learning_rate": 1e-2,
+        "mixed_precision": "no",
+        "report_to": ["none"],
+        "sample_max_new_tokens": 8,
+        "num_sample_prompts": 2,
+        "eval_strategy": "no",
+        **overrides,
+    }
+
+
+def load_base(model_dir: str, tokenizer) -> torch.nn.Module:
+    torch.manual_seed(0)  # the new rows are drawn at random
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=64)  # as the task grows it for chatml
+    return model
+
+
+# ---------------------------------------------------------------- the losses, from the papers
+
+
+def sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+# Two pairs: summed answer log-probabilities of policy and reference (chosen, then rejected) and answer lengths.
+POLICY = [-4.0, -7.5, -6.0, -5.0]
+REFERENCE = [-5.0, -7.0, -6.5, -4.0]
+COUNTS = [4, 3, 5, 2]
+
+
+def by_hand(kind: str, beta: float, gamma: float) -> list[float]:
+    """Each loss written out per pair from its paper, in plain floats."""
+    out = []
+    for i in range(2):
+        pc, pr, rc, rr = POLICY[i], POLICY[i + 2], REFERENCE[i], REFERENCE[i + 2]
+        h = (pc - rc) - (pr - rr)  # DPO's implicit reward difference over beta
+        if kind == "sigmoid":  # Rafailov et al. eq. 7
+            out.append(-math.log(sigmoid(beta * h)))
+        elif kind == "ipo":  # Azar et al. eq. 17, tau = beta
+            out.append((h - 1 / (2 * beta)) ** 2)
+        elif kind == "simpo":  # Meng et al. eq. 6
+            out.append(-math.log(sigmoid(beta / COUNTS[i] * pc - beta / COUNTS[i + 2] * pr - gamma)))
+        else:  # Hong et al. eq. 6-7: NLL of the chosen (per token) + lambda * odds-ratio loss
+            mc, mr = pc / COUNTS[i], pr / COUNTS[i + 2]
+            odds_c, odds_r = math.exp(mc) / (1 - math.exp(mc)), math.exp(mr) / (1 - math.exp(mr))
+            out.append(-mc - beta * math.log(sigmoid(math.log(odds_c / odds_r))))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("kind", "beta", "gamma"), [("sigmoid", 0.1, 0.0), ("ipo", 0.1, 0.0), ("simpo", 2.0, 1.0), ("orpo", 0.1, 0.0)]
+)
+def test_each_loss_equals_its_papers_formula(kind, beta, gamma):
+    losses, chosen, rejected = preference_loss(
+        kind,
+        beta,
+        gamma,
+        torch.tensor(POLICY, dtype=torch.float64),
+        torch.tensor(COUNTS, dtype=torch.float64),
+        torch.tensor(REFERENCE, dtype=torch.float64),
+    )
+    assert losses.tolist() == pytest.approx(by_hand(kind, beta, gamma), rel=1e-12)
+    if kind in ("sigmoid", "ipo"):  # the implicit rewards: beta * log(pi / pi_ref)
+        assert chosen.tolist() == pytest.approx([beta * (POLICY[i] - REFERENCE[i]) for i in range(2)])
+        assert rejected.tolist() == pytest.approx([beta * (POLICY[i + 2] - REFERENCE[i + 2]) for i in range(2)])
+
+
+def test_the_paper_defaults_apply_when_beta_is_not_given():
+    losses = ("sigmoid", "ipo", "simpo", "orpo")
+    strengths = {loss: build_config({"preference_loss": loss}).preference.strength for loss in losses}
+    assert strengths == {"sigmoid": 0.1, "ipo": 0.1, "simpo": 2.0, "orpo": 0.1}
+    assert build_config({"preference_loss": "simpo", "beta": "2.5"}).preference.strength == 2.5
+
+
+# ---------------------------------------------------------------- pairs and tokens
+
+
+def test_the_three_formats_give_the_same_pair():
+    explicit = {"prompt": "Q?", "chosen": "Yes.", "rejected": "No."}
+    implicit = {
+        "chosen": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "Yes."}],
+        "rejected": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "No."}],
+    }
+    expected = to_pair(conversational("Q?", "Yes.", "No."), PairColumns("prompt", "chosen", "rejected"))
+    assert to_pair(explicit, PairColumns("prompt", "chosen", "rejected")) == expected
+    assert to_pair(implicit, PairColumns(None, "chosen", "rejected")) == expected
+    # implicit strings: the common prefix, cut before the space that starts the answers (TRL's rule)
+    prompt, chosen, rejected = to_pair(
+        {"chosen": "The sky is blue.", "rejected": "The sky is green."}, PairColumns(None, "chosen", "rejected")
+    )
+    assert (prompt[0]["content"], chosen[0]["content"], rejected[0]["content"]) == ("The sky is", " blue.", " green.")
+
+
+def test_only_the_answer_and_its_end_of_turn_token_are_targets(chat):
+    row = conversational(*QUESTIONS[0])
+    encoded = encode_pair(chat, row, PairColumns("prompt", "chosen", "rejected"))
+    for side, answer in (("chosen", QUESTIONS[0][1]), ("rejected", QUESTIONS[0][2])):
+        ids, mask = encoded[f"{side}_ids"], encoded[f"{side}_mask"]
+        assert chat.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == f"{answer}<|im_end|>"
+        assert chat.tokenizer.decode(ids).startswith("<|im_start|>user\nWho found the golden key?")
+
+
+def test_truncation_drops_and_counts_pairs_that_lose_an_answer():
+    rows = {
+        "chosen_ids": [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6]],
+        "chosen_mask": [[0, 0, 1, 1], [0, 0, 0, 0, 1, 1]],
+        "rejected_ids": [[1, 2, 3], [1, 2, 3, 4, 5]],
+        "rejected_mask": [[0, 0, 1], [0, 0, 0, 0, 1]],
+    }
+    keep, cut = truncate_pairs(rows, 4)
+    assert keep == [0] and cut == 1
+    assert rows["chosen_ids"][1] == [1, 2, 3, 4]
+
+
+def test_prompt_tokens_get_exactly_zero_gradient(chat, tiny_llama_dir):
+    model = load_base(tiny_llama_dir, chat.tokenizer)
+    columns = PairColumns("prompt", "chosen", "rejected")
+    batch = PairCollator(0)([encode_pair(chat, conversational(*row), columns) for row in QUESTIONS[:2]])
+    logits = model(input_ids=batch["input_ids"]).logits
+    logits.retain_grad()
+    logps, counts = sequence_logps(logits, batch["labels"])  # what pair_logps does after the forward
+    losses, _, _ = preference_loss("simpo", 2.0, 1.0, logps, counts, None)
+    losses.sum().backward()
+    targets = batch["labels"][:, 1:] != -100  # position t predicts token t + 1
+    gradient = logits.grad[:, :-1].abs().sum(dim=-1)
+    assert targets.sum() == counts.sum() > 0
+    assert torch.all(gradient[~targets] == 0) and torch.all(gradient[targets] > 0)
+    assert torch.all(logits.grad[:, -1] == 0)
+
+
+# ---------------------------------------------------------------- the reference
+
+
+def test_the_adapters_disabled_reference_equals_the_frozen_base(chat, tiny_llama_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    task = DPOTask(build_config({"task": "dpo", "mixed_precision": "no"}))
+    columns = PairColumns("prompt", "chosen", "rejected")
+    batch = PairCollator(0)([encode_pair(chat, conversational(*row), columns) for row in QUESTIONS])
+    base = load_base(tiny_llama_dir, chat.tokenizer)
+    expected = pair_logps(base, batch)[0]
+    lora = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
+    policy = get_peft_model(load_base(tiny_llama_dir, chat.tokenizer), lora).train()
+    with torch.no_grad():
+        assert not torch.allclose(pair_logps(policy, batch)[0], expected)  # the adapters change the policy
+    assert torch.equal(task.reference_logps(policy, batch), expected)
+    assert policy.training  # the reference's eval mode is the reference's only
+
+
+def test_precomputed_reference_equals_the_live_reference(tiny_llama_dir, pairs_file, tmp_path):
+    run = build_run(
+        build_config(dpo_options(tiny_llama_dir, pairs_file, tmp_path / "out", precompute_reference="true"))
+    )
+    assert run.task.reference is None  # nothing kept
+    batch = run.data.collator([run.data.train[i] for i in range(len(run.data.train))])
+    base = load_base(tiny_llama_dir, run.tokenizer)
+    with torch.no_grad():
+        live = pair_logps(base, batch)[0]
+    assert batch["ref_logps"].tolist() == pytest.approx(live.tolist(), abs=1e-4)
+
+    live_run = build_run(build_config(dpo_options(tiny_llama_dir, pairs_file, tmp_path / "live")))
+    live_batch = live_run.data.collator([live_run.data.train[i] for i in range(len(live_run.data.train))])
+    assert live_run.task.reference is not None
+    assert live_run.task.reference_logps(live_run.model, live_batch).tolist() == pytest.approx(
+        batch["ref_logps"].tolist(), abs=1e-4
+    )
+
+
+# ---------------------------------------------------------------- refusals
+
+
+def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_model_dir, pairs_file, tmp_path, capsys):
+    out = tmp_path / "out"
+
+    def data(name: str, rows: list[dict]) -> str:
+        return write_jsonl(tmp_path / f"{name}.jsonl", rows)
+
+    equal = data("equal", [conversational("Q?", "Same.", "Same.")] * 4)
+    no_prefix = data(
+        "no-prefix",
+        [
+            {
+                "chosen": [{"role": "user", "content": "A?"}, {"role": "assistant", "content": "x"}],
+                "rejected": [{"role": "user", "content": "B?"}, {"role": "assistant", "content": "y"}],
+            }
+        ]
+        * 4,
+    )
+    base = {"model_name_or_path": tiny_llama_dir, "output_dir": str(out), "task": "dpo", "report_to": "none"}
+    cases = {
+        "missing column": (
+            {**base, "train_file": pairs_file, "rejected_column": "worse"},
+            "column 'worse' is not in the train data",
+        ),
+        "chosen equals rejected": ({**base, "train_file": equal}, "chosen and rejected answers are equal"),
+        "no shared prefix": ({**base, "train_file": no_prefix}, "share no first message"),
+        "every answer truncated away": (
+            {**base, "train_file": pairs_file, "validation_file": pairs_file, "max_length": "8"},
+            "lose an answer within --max_length 8",
+        ),
+        "an encoder": ({**base, "model_name_or_path": tiny_model_dir, "train_file": pairs_file}, "--task reward"),
+        "precompute without a reference": (
+            {**base, "train_file": pairs_file, "preference_loss": "simpo", "precompute_reference": "true"},
+            "uses no reference model",
+        ),
+    }
+    assert_each_refused(cases, capsys, out)
+
+
+# ---------------------------------------------------------------- a run
+
+
+def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pairs_file, tmp_path, capsys):
+    out = tmp_path / "out"
+    results = run_training(build_config(dpo_options(tiny_llama_dir, pairs_file, out, max_steps=6)))
+    printed = capsys.readouterr().out
+    assert "rewards/margins" in printed and "reference model: a frozen copy" in printed
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in records if "train/rewards/margins" in r]
+    assert len(train) == 6
+    assert train[-1]["train/rewards/margins"] > train[0]["train/rewards/margins"]  # it learns the preference
+    assert train[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    evaluation = results["eval"]
+    assert evaluation["samples"] == 4 and evaluation["rewards/accuracies"] == 1.0
+    assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "exact_match"} <= set(evaluation)
+    assert any(r.get("eval/rewards/accuracies") == 1.0 for r in records)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert "<|im_start|>" in tokenizer.chat_template
+    AutoModelForCausalLM.from_pretrained(out)
