@@ -49,6 +49,10 @@ class PreferenceConfig:
         return self.beta if self.beta is not None else DEFAULT_BETA[self.preference_loss]
 
     @property
+    def pair_columns(self) -> tuple[str, str]:
+        return self.chosen_column, self.rejected_column
+
+    @property
     def needs_reference(self) -> bool:
         return self.preference_loss not in REFERENCE_FREE
 

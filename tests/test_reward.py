@@ -1,0 +1,74 @@
+"""--task reward on CPU: the Bradley-Terry loss against its formula, a short run on a tiny encoder that learns to
+rank the chosen answer higher and saves a one-output model that `predict` loads, and the refusals."""
+
+import json
+import math
+
+import pytest
+import torch
+from conftest import assert_each_refused
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from cloudtrain.config import build_config
+from cloudtrain.pipeline import run_training
+from cloudtrain.predict import predict
+from cloudtrain.tasks.reward import bradley_terry
+
+# The chosen answers name a topic; the rejected ones dodge the question (a tiny random encoder learns this in
+# a few dozen steps).
+PAIRS = [
+    ("Which topic: the team won the match?", "sports", "no idea"),
+    ("Which topic: shares fell on weak earnings?", "finance", "who knows"),
+    ("Which topic: a storm hit the coast?", "weather", "no idea"),
+    ("Which topic: the striker scored twice?", "sports", "who knows"),
+    ("Which topic: the bank raised interest rates?", "finance", "no idea"),
+    ("Which topic: snow closed the mountain roads?", "weather", "who knows"),
+]
+
+
+def write_pairs(path, margin: bool = True) -> str:
+    rows = [{"prompt": q, "chosen": c, "rejected": r, **({"margin": 0.5} if margin else {})} for q, c, r in PAIRS]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_the_bradley_terry_loss_with_its_margin():
+    chosen, rejected, margin = [1.5, -0.2, 0.3], [0.5, 0.4, 0.3], [0.0, 1.0, 0.25]
+    expected = [-math.log(1 / (1 + math.exp(-(c - r - m)))) for c, r, m in zip(chosen, rejected, margin, strict=True)]
+    got = bradley_terry(*(torch.tensor(v, dtype=torch.float64) for v in (chosen, rejected, margin)))
+    assert got.tolist() == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_reward_model_learns_to_rank_and_predict_scores_it(tiny_model_dir, tmp_path):
+    data, out = write_pairs(tmp_path / "pairs.jsonl"), tmp_path / "out"
+    options = {
+        "task": "reward", "model_name_or_path": tiny_model_dir, "train_file": data, "validation_file": data,
+        "output_dir": str(out), "margin_column": "margin", "max_length": 32, "per_device_train_batch_size": 6,
+        "max_steps": 40, "learning_rate": 1e-2, "warmup_ratio": 0.0, "mixed_precision": "no", "report_to": "none",
+        "eval_strategy": "no", "logging_steps": 10,
+    }  # fmt: skip
+    results = run_training(build_config(options))
+    assert results["eval"]["samples"] == len(PAIRS) and results["eval"]["accuracy"] == 1.0
+    model = AutoModelForSequenceClassification.from_pretrained(out).eval()
+    assert model.config.num_labels == 1
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    with torch.no_grad():
+        for question, chosen, rejected in PAIRS:
+            scores = model(**tokenizer([question] * 2, [chosen, rejected], return_tensors="pt", padding=True)).logits
+            assert scores[0, 0] > scores[1, 0] + 0.5  # the margin was learned too
+    assert [r["label"] for r in predict(str(out), ["the team won the match"])] == ["reward"]
+
+
+def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    equal = tmp_path / "equal.jsonl"
+    equal.write_text("".join(json.dumps({"prompt": "Q?", "chosen": "x", "rejected": "x"}) + "\n" for _ in range(4)))
+    base = {"task": "reward", "model_name_or_path": tiny_model_dir, "output_dir": str(out), "report_to": "none"}
+    cases = {
+        "missing margin column": (
+            {**base, "train_file": write_pairs(tmp_path / "plain.jsonl", margin=False), "margin_column": "margin"},
+            "column 'margin' is not in the train data",
+        ),
+        "chosen equals rejected": ({**base, "train_file": str(equal)}, "chosen and rejected answers are equal"),
+    }
+    assert_each_refused(cases, capsys, out)
