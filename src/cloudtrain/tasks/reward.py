@@ -13,6 +13,7 @@ Does not support: packing, the pipeline trainer.
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import datasets
 import torch
@@ -208,7 +209,8 @@ class RewardTask(Task):
     def fit_model(
         self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, cfg: Config, announce: bool
     ) -> None:
-        if len(tokenizer) > model.get_input_embeddings().weight.shape[0]:  # a chat template's new tokens
+        embeddings: Any = model.get_input_embeddings()
+        if len(tokenizer) > embeddings.num_embeddings:  # a chat template's new tokens
             model.resize_token_embeddings(len(tokenizer))
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
