@@ -9,6 +9,7 @@ import torch
 from conftest import REPO, run_cli
 
 from cloudtrain.cli import main
+from cloudtrain.publish.output_dir import record
 
 
 def snapshot(folder: Path) -> dict:
@@ -17,7 +18,14 @@ def snapshot(folder: Path) -> dict:
 
 @pytest.fixture
 def existing_output(tmp_path) -> Path:
-    """An output dir holding a user's earlier model, which no failed run may touch."""
+    """An output dir holding a model an earlier run saved, which no failed run may touch."""
+    out = users_model(tmp_path)
+    record(out, ["config.json", "model.safetensors"])
+    return out
+
+
+def users_model(tmp_path) -> Path:
+    """A user's own model folder: no cloudtrain manifest."""
     out = tmp_path / "earlier-run"
     out.mkdir()
     (out / "config.json").write_text('{"earlier": true}')
@@ -95,8 +103,23 @@ def test_bad_input_is_one_line_and_touches_nothing(case, tmp_path, topic_csvs, t
 def test_an_earlier_model_is_never_overwritten_by_default(existing_output, capsys):
     before = snapshot(existing_output)
     assert main(["--output_dir", str(existing_output)]) == 2
-    assert "already holds a model; pass --overwrite_output_dir true" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (
+        f"error: --output_dir {existing_output} already holds a model from an earlier run (kept); "
+        f"choose a new folder, e.g. --output_dir {existing_output}-2"
+    )
     assert snapshot(existing_output) == before
+
+
+def test_a_model_cloudtrain_did_not_write_is_never_replaced_even_with_overwrite(tmp_path, capsys):
+    out = users_model(tmp_path)
+    before = snapshot(out)
+    for overwrite in ("false", "true"):
+        assert main(["--output_dir", str(out), "--overwrite_output_dir", overwrite]) == 2
+        assert capsys.readouterr().err.strip() == (
+            f"error: --output_dir {out} holds config.json, model.safetensors, which cloudtrain did not "
+            f"write and a run would replace; choose a new folder, e.g. --output_dir {out}-2"
+        )
+    assert snapshot(out) == before
 
 
 def test_process_exit_code_and_no_traceback(tmp_path):

@@ -496,9 +496,9 @@ def test_an_adapter_run_refuses_the_base_models_own_directory_and_a_checkpoint_o
     tiny_model_dir, topic_csvs, tmp_path
 ):
     options = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "peft": "lora"}
-    with pytest.raises(UserError, match="is the base model's own directory"):
+    with pytest.raises(UserError, match="is the input model's folder"):
         build_run(build_config({**options, "output_dir": tiny_model_dir, "overwrite_output_dir": True}))
-    checkpoint = tmp_path / "checkpoints" / "checkpoint-3"
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-3"
     checkpoint.mkdir(parents=True)
     state = {
         "format": "cloudtrain-checkpoint/1",
@@ -508,7 +508,7 @@ def test_an_adapter_run_refuses_the_base_models_own_directory_and_a_checkpoint_o
     }
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(UserError, match="trained every weight, this run asks for --peft lora --lora_r 16"):
-        build_run(build_config({**options, "output_dir": str(tmp_path), "resume_from_checkpoint": "latest"}))
+        build_run(build_config({**options, "output_dir": str(tmp_path / "run"), "resume_from_checkpoint": "latest"}))
 
 
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])

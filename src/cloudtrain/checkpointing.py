@@ -38,6 +38,7 @@ from typing import Any
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
+from cloudtrain.faults import kill_point
 from cloudtrain.parallel.mesh import Mesh
 
 STATE_FILE = "trainer_state.json"
@@ -351,6 +352,7 @@ class Checkpointer:
             (partial / MARKS).mkdir(parents=True)
         self.barrier()
         write(partial)  # every process writes its part
+        kill_point("checkpoint.written")
         if self.export:
             self.export(partial)
         (partial / MARKS / str(self.index)).touch()
@@ -388,6 +390,7 @@ class Checkpointer:
             if (self.output_dir / name).is_file():
                 shutil.copy2(self.output_dir / name, partial / name)
         _write_synced(partial / STATE_FILE, json.dumps(meta, indent=2))
+        kill_point("checkpoint.sealed")
         if final.exists():  # the same step saved again after a resume
             shutil.rmtree(final)
         os.replace(partial, final)

@@ -30,10 +30,11 @@ from cloudtrain.checkpointing import (
     restarted_defaults,
     restore_run_files,
 )
-from cloudtrain.config import Config, save_arguments
+from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
 from cloudtrain.data.sources import check_data_sources, connect_data, dataset_label
 from cloudtrain.errors import UserError
+from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
 from cloudtrain.models.load import load_model, load_tokenizer, resolve_model_path
@@ -42,8 +43,10 @@ from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launched_processes
 from cloudtrain.parallel.runtime import Runtime
-from cloudtrain.publish import hub
-from cloudtrain.publish.saving import holds_model, remove_model, write_results
+from cloudtrain.publish import atomic, hub
+from cloudtrain.publish import output_dir as output_dir_module
+from cloudtrain.publish.output_dir import check_location, claim, free_name, holds_saved_model
+from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters
 
@@ -85,30 +88,46 @@ def preflight(cfg: Config, task: Task) -> Path:
     check_distributed(cfg)
     if not cfg.model.model_config:
         resolve_model_path(cfg.model)
-    if cfg.model.tokenizer_name_or_path:
-        resolve_model_path(cfg.model, cfg.model.tokenizer_name_or_path)
+    if tokenizer := cfg.model.tokenizer_name_or_path:
+        resolve_model_path(cfg.model, tokenizer)
     if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     check_trackers(cfg.tracking)
     output_dir = resolve_output_dir(cfg)
-    if cfg.model.peft != "none" and Path(resolve_model_path(cfg.model)).resolve() == output_dir.resolve():
-        raise UserError(
-            f"--output_dir {output_dir} is the base model's own directory; an adapter run replaces the "
-            "model there, and the adapter needs its base: choose another --output_dir"
-        )
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
+    model_dirs = [] if cfg.model.model_config else [resolve_model_path(cfg.model)]
+    model_dirs += [resolve_model_path(cfg.model, tokenizer)] if tokenizer else []
+    check_location(cfg, output_dir, model_dirs, cfg.checkpoint.resume_from_checkpoint)
     return output_dir
 
 
 def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None, runtime: Runtime) -> None:
-    """A model already in --output_dir (on any node) is replaced only when asked, or by the run resumed there."""
-    if runtime.agree([holds_model(output_dir)])[0] and not cfg.output.overwrite_output_dir and resume_from is None:
-        raise UserError(
-            f"--output_dir {output_dir} already holds a model; pass --overwrite_output_dir true "
-            "to replace it, or choose another --output_dir",
-            quiet=not runtime.is_main,
-        )
+    """A save a kill interrupted is finished first; the user's files are never replaced; a model saved there
+    earlier is replaced only when asked, or by the run resumed there. Then the folder is the run's."""
+
+    def refusal() -> str | None:
+        try:
+            atomic.check_writable(output_dir)
+        except UserError as err:
+            return str(err)
+        atomic.recover(output_dir)
+        if holds_saved_model(output_dir) and not cfg.output.overwrite_output_dir and resume_from is None:
+            return (
+                f"--output_dir {output_dir} already holds a model from an earlier run (kept); "
+                f"choose a new folder, e.g. --output_dir {free_name(output_dir)}"
+            )
+        try:
+            claim(output_dir)
+        except UserError as err:
+            return str(err)
+        if holds_saved_model(output_dir) and resume_from is None:
+            print(f"--overwrite_output_dir: the model saved in {output_dir} earlier is replaced at the end", flush=True)
+        return None
+
+    message = runtime.run_on_main(refusal)
+    if message:
+        raise UserError(message, quiet=not runtime.is_main)
 
 
 @dataclass
@@ -160,7 +179,11 @@ def build_run(cfg: Config) -> Run:
         runtime.set_batch(cfg.training.micro_batch, cfg.training.gradient_accumulation_steps)
     model = prepare(model, cfg, task, runtime.is_main, start=compile_model)  # the last transform
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
+    if runtime.is_main:  # a run that cannot save its model is refused before it trains
+        atomic.check_free_space(output_dir, final_save_bytes(cfg, model), "saving the final model")
 
+    if runtime.is_main:
+        output_dir_module.record_run_start(cfg, output_dir)
     if resume_from and runtime.is_main:
         restore_run_files(resume_from, output_dir)
     run_log = RunLog(
@@ -220,25 +243,11 @@ def _train_evaluate_save(run: Run) -> dict:
             results[name] = trainer.evaluate(split)
             trainer.log_evaluation(results[name], name, train_result.global_step)
     predictions = {split: trainer.predict(split) for split in trainer.predict_dls}
-    if (
-        runtime.is_main
-    ):  # an earlier run's model (--overwrite_output_dir) goes as a whole: no adapter beside old weights
-        remove_model(output_dir)
-    runtime.barrier()  # before any process writes its part of the new one (a pipeline's stages write shards)
-    trainer.save_model(output_dir)
-    if runtime.is_main:
-        for split, predicted in predictions.items():
-            task.write_predictions(output_dir, run.data, split, predicted)
-        run.tokenizer.save_pretrained(output_dir)
-        save_arguments(cfg, output_dir / "args.json")
-        write_results(output_dir, results)
-        _print_summary(task, results, output_dir)
+    save_final(run, results, predictions)
     run.run_log.finish(results, run.data.label_names)
-    if cfg.output.merge_adapters and runtime.is_main:
-        try:
-            adapters.merge(output_dir)
-        except UserError as err:  # the adapter is saved and pushed all the same; `merge` can be run again
-            print(f"warning: {err}", flush=True)
+    if runtime.is_main:
+        output_dir_module.record_run_files(output_dir)  # what the trackers added: the run's, not the user's
+        _print_summary(task, results, output_dir)
     if cfg.hub.push_to_hub and runtime.is_main:
         if uploader:
             try:
@@ -247,6 +256,38 @@ def _train_evaluate_save(run: Run) -> dict:
                 print(f"warning: {err}", flush=True)
         hub.push_output_dir(output_dir, cfg, results)
     return {**results, "output_dir": str(output_dir)}
+
+
+def save_final(run: Run, results: dict, predictions: dict) -> None:
+    """Model, tokenizer, arguments, results, predictions (and the merged model) into a staging folder, then
+    into <output_dir> at once: a kill or a full disk leaves the previous model or the new one, whole."""
+    cfg, runtime, output_dir = run.cfg, run.runtime, run.output_dir
+    what = "the final model"
+    staging = atomic.staging_dir(output_dir)
+    if runtime.is_main:
+        atomic.check_free_space(output_dir, final_save_bytes(cfg, run.model), what)
+        atomic.start_staging(output_dir)
+    runtime.barrier()  # the folder exists before any process writes its part (a pipeline's stages write shards)
+    with atomic.no_space_is_a_user_error(output_dir, what):
+        run.trainer.save_model(staging)
+        kill_point("save.model_written")
+        runtime.barrier()
+        if not runtime.is_main:
+            return
+        for split, predicted in predictions.items():
+            run.task.write_predictions(staging, run.data, split, predicted)
+        run.tokenizer.save_pretrained(staging)
+        write_arguments(cfg, staging / "args.json")
+        write_results(staging, results)
+        if cfg.output.merge_adapters:
+            try:
+                adapters.merge(staging)
+            except UserError as err:  # the adapter is saved and pushed all the same; `merge` can be run again
+                print(f"warning: {err}", flush=True)
+        staged = sorted(p.name for p in staging.iterdir())
+        output_dir_module.record(output_dir, staged)  # before the seal: a recovered publish is the run's too
+        atomic.seal(output_dir, output_dir_module.replaced_at_end(output_dir, staged))
+    atomic.publish(output_dir)
 
 
 def hub_hooks(cfg: Config, trainer, tokenizer, uploader, is_main: bool) -> dict:

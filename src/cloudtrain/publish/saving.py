@@ -12,8 +12,12 @@
 """
 
 import json
-import shutil
 from pathlib import Path
+
+import torch
+
+from cloudtrain.config import Config
+from cloudtrain.redact import mask_value
 
 ADAPTER_CONFIG = "adapter_config.json"
 LABELS = "labels.json"  # an adapter classifier's label names (the base model knows none)
@@ -34,11 +38,21 @@ def holds_model(output_dir: Path) -> bool:
     return any((Path(output_dir) / name).exists() for name in MODEL_FILES)
 
 
-def remove_model(output_dir: Path) -> None:
-    """Delete the model files of an earlier run (--overwrite_output_dir); checkpoints and logs stay."""
-    for pattern in MODEL_PATTERNS:
-        for path in Path(output_dir).glob(pattern):
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
+def final_save_bytes(cfg: Config, model: torch.nn.Module) -> int:
+    """About what the final save writes: the weights saved (the adapter's alone with --peft), plus the
+    merged full model with --merge_adapters. ZeRO-3 keeps a parameter's full size in `ds_numel`."""
+
+    def size(trainable_only: bool) -> int:
+        params = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+        return sum(getattr(p, "ds_numel", p.numel()) * p.element_size() for p in params)
+
+    adapter = cfg.model.peft != "none"
+    return size(trainable_only=adapter) + (size(trainable_only=False) if cfg.output.merge_adapters else 0)
+
+
+def write_arguments(cfg: Config, path: Path) -> None:
+    """The resolved arguments as JSON: secret options left out, token-shaped values masked."""
+    write_json(path, mask_value(cfg.to_dict()))
 
 
 def is_adapter_dir(path: Path) -> bool:

@@ -1,0 +1,158 @@
+"""The final files reach <output_dir> whole or not at all.
+
+Everything the end of a run writes (model, tokenizer, arguments, results, predictions, merged model) is
+written to `<output_dir>/.cloudtrain-staging` first. Only when all of it is there and synced is the staging
+folder sealed (a `SEALED` file naming what to put in place and what of the previous model to take away);
+then the previous files are renamed aside and the new ones renamed in. A kill or a full disk before the seal
+leaves the previous model untouched (the staging folder is removed by the next command that looks); a kill
+after it is finished by `recover`, which every command that reads or writes an output folder calls first.
+"""
+
+import errno
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+from cloudtrain.errors import UserError, first_line
+from cloudtrain.faults import kill_point
+
+STAGING = ".cloudtrain-staging"
+PREVIOUS = ".cloudtrain-previous"  # the previous files, renamed aside until the new ones are in place
+SEALED = "SEALED"
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+MARGIN = 16 * 2**20  # what a tokenizer, results and filesystem metadata may take beyond the weights
+# safetensors (Rust) reports a full disk in its own exception type, with the OS error in the text
+NO_SPACE_TEXT = ("No space left on device", "File too large", "Disk quota exceeded", "os error 28", "os error 27")
+
+
+def staging_dir(output_dir: Path) -> Path:
+    return Path(output_dir) / STAGING
+
+
+def start_staging(output_dir: Path) -> Path:
+    """A fresh, empty staging folder (a previous unsealed one is a killed save's: removed)."""
+    recover(output_dir)
+    staging = staging_dir(output_dir)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def check_free_space(folder: Path, needed_bytes: int, what: str) -> None:
+    """Refuse, in one line, a save that cannot fit: the previous model stays until the new one is complete,
+    so both must fit at once."""
+    folder = Path(folder)
+    probe = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    free = shutil.disk_usage(probe).free
+    needed = needed_bytes + MARGIN
+    if free < needed:
+        raise UserError(
+            f"{what} needs about {_size(needed)} free in {folder} and {_size(free)} is free; "
+            "free some space or choose an --output_dir on a larger disk"
+        )
+
+
+@contextmanager
+def no_space_is_a_user_error(output_dir: Path, what: str) -> Iterator[None]:
+    """A full disk while staging: the staging folder goes, the previous model stays, one line says so."""
+    try:
+        yield
+    except Exception as err:
+        if not is_no_space(err):
+            raise
+        shutil.rmtree(staging_dir(output_dir), ignore_errors=True)
+        raise UserError(
+            f"the disk of {output_dir} filled up while {what} was written ({first_line(err)}); "
+            "nothing there was replaced: free some space and run again (checkpoints, if any, are kept)"
+        ) from None
+
+
+def is_no_space(err: BaseException) -> bool:
+    if isinstance(err, OSError) and err.errno in NO_SPACE:
+        return True
+    return any(text in str(err) for text in NO_SPACE_TEXT)
+
+
+def check_writable(output_dir: Path) -> None:
+    """A folder the run cannot write to is refused before it trains (root ignores permission bits, not a
+    read-only filesystem: so try)."""
+    folder = Path(output_dir)
+    probe_in = next((p for p in (folder, *folder.parents) if p.exists()), Path("."))
+    try:
+        probe = probe_in / f".cloudtrain-write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise UserError(
+            f"--output_dir {output_dir} cannot be written ({err.strerror}); choose a folder you can write to"
+        ) from None
+
+
+def seal(output_dir: Path, remove: list[str]) -> list[str]:
+    """Mark the staged files complete; `remove`: previous files the new set does not replace (an earlier
+    full model's weights when an adapter is saved). Returns the staged names."""
+    staging = staging_dir(output_dir)
+    names = sorted(p.name for p in staging.iterdir() if p.name != SEALED)
+    for path in staging.rglob("*"):
+        if path.is_file():
+            _fsync(path)
+    tmp = staging / f"{SEALED}.tmp"
+    tmp.write_text(json.dumps({"names": names, "remove": sorted(set(remove) - set(names))}) + "\n")
+    _fsync(tmp)
+    os.replace(tmp, staging / SEALED)
+    _fsync(staging)
+    kill_point("publish.sealed")
+    return names
+
+
+def publish(output_dir: Path) -> None:
+    """Put the sealed files in place (also what `recover` finishes)."""
+    output_dir, staging = Path(output_dir), staging_dir(output_dir)
+    plan = json.loads((staging / SEALED).read_text())
+    previous = Path(output_dir) / PREVIOUS
+    previous.mkdir(exist_ok=True)
+    for name in plan["remove"] + plan["names"]:  # aside first, so no new file ever sits beside an old one
+        if (output_dir / name).exists() and (staging / name).exists() or name in plan["remove"]:
+            _move(output_dir / name, previous / name)
+    kill_point("publish.moved_aside")
+    for name in plan["names"]:
+        if (staging / name).exists():
+            os.replace(staging / name, output_dir / name)
+            kill_point("publish.one_in_place")
+    _fsync(output_dir)
+    shutil.rmtree(staging)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def recover(output_dir: Path) -> None:
+    """Finish a sealed publish that a kill interrupted, or drop an unsealed staging folder."""
+    output_dir = Path(output_dir)
+    staging = staging_dir(output_dir)
+    if (staging / SEALED).is_file():
+        publish(output_dir)
+    elif staging.exists():
+        shutil.rmtree(staging, ignore_errors=True)
+    shutil.rmtree(output_dir / PREVIOUS, ignore_errors=True)
+
+
+def _move(source: Path, target: Path) -> None:
+    if not source.exists() and not source.is_symlink():
+        return
+    if target.exists():
+        shutil.rmtree(target) if target.is_dir() else target.unlink()
+    os.replace(source, target)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

@@ -1,0 +1,139 @@
+"""Where a run may write, and what in <output_dir> is cloudtrain's to replace.
+
+- The output folder may not be, contain or lie inside the input model's folder, a data folder, or the
+  checkpoint being resumed: a run there would write over its own inputs (`check_location`).
+- `.cloudtrain-manifest.json` lists the names cloudtrain wrote in the folder. A file with a name a run
+  writes that the manifest does not list is the user's: the run is refused before anything is written
+  (`claim`), and never replaces it. `--overwrite_output_dir` replaces the model cloudtrain saved there,
+  and only that.
+"""
+
+import fnmatch
+import itertools
+import json
+import os
+from pathlib import Path
+
+from cloudtrain.config import Config
+from cloudtrain.errors import UserError
+from cloudtrain.publish.saving import MODEL_PATTERNS
+
+MANIFEST = ".cloudtrain-manifest.json"
+TOKENIZER_PATTERNS = (
+    "tokenizer*",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab*",
+    "merges.txt",
+    "*.model",  # sentencepiece
+    "chat_template.*",
+)
+RESULT_PATTERNS = ("args.json", "*_results.json", "*_predictions.jsonl", "README.md")
+LOG_NAMES = ("metrics.jsonl", "tracker_runs.json", "training_curves.png", "checkpoints")
+TRACKER_DIRS = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlruns"}
+# every top-level name a run may write (tests/test_output_dir.py checks a run writes nothing else)
+RUN_PATTERNS = (*MODEL_PATTERNS, *TOKENIZER_PATTERNS, *RESULT_PATTERNS, *LOG_NAMES, *TRACKER_DIRS.values())
+CHECKPOINT = "the checkpoint being resumed"
+FINAL_PATTERNS = (*MODEL_PATTERNS, *TOKENIZER_PATTERNS, *RESULT_PATTERNS)  # replaced as a whole at the end
+
+
+def is_run_name(name: str, patterns: tuple[str, ...] = RUN_PATTERNS) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
+
+
+def written(output_dir: Path) -> set[str]:
+    """The names cloudtrain wrote in `output_dir`, from its manifest."""
+    path = Path(output_dir) / MANIFEST
+    try:
+        return set(json.loads(path.read_text())["written"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
+def record(output_dir: Path, names: set[str] | list[str]) -> None:
+    """Add `names` to the manifest (written whole, then renamed: a kill leaves the old or the new one)."""
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    tmp = output_dir / f"{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"written": sorted(written(output_dir) | set(names))}, indent=1) + "\n")
+    os.replace(tmp, output_dir / MANIFEST)
+
+
+def record_run_files(output_dir: Path) -> None:
+    """At the end of a run: every name a run writes that is there now is this run's (claim refused the user's)."""
+    record(output_dir, [p.name for p in Path(output_dir).iterdir() if is_run_name(p.name)])
+
+
+def users_files(output_dir: Path) -> list[str]:
+    """Names in `output_dir` that a run would write but cloudtrain did not: the user's."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir():
+        return []
+    ours = written(output_dir)
+    return sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
+
+
+def holds_saved_model(output_dir: Path) -> bool:
+    """Whether cloudtrain saved a model in `output_dir` earlier."""
+    ours = written(output_dir)
+    return any(is_run_name(name, MODEL_PATTERNS) and (Path(output_dir) / name).exists() for name in ours)
+
+
+def replaced_at_end(output_dir: Path, staged: list[str]) -> list[str]:
+    """The previous final files of cloudtrain's that the new set does not overwrite but makes stale."""
+    return sorted(
+        name
+        for name in written(output_dir)
+        if is_run_name(name, FINAL_PATTERNS) and name not in staged and (Path(output_dir) / name).exists()
+    )
+
+
+def claim(output_dir: Path) -> None:
+    """Refuse a folder holding the user's files under names a run writes."""
+    mine = users_files(output_dir)
+    if mine:
+        raise UserError(
+            f"--output_dir {output_dir} holds {', '.join(mine[:4])}{' ...' if len(mine) > 4 else ''}, which "
+            f"cloudtrain did not write and a run would replace; choose a new folder, e.g. --output_dir "
+            f"{free_name(output_dir)}"
+        )
+
+
+def record_run_start(cfg: Config, output_dir: Path) -> None:
+    """Before the first log line: the names this run writes as it goes (logs, tracker folders), so that a run
+    resumed after a kill knows them for its own."""
+    trackers = [TRACKER_DIRS[t] for t in cfg.tracking.report_to if t in TRACKER_DIRS]
+    record(output_dir, [*LOG_NAMES, *trackers])
+
+
+def free_name(output_dir: Path) -> Path:
+    """`<output_dir>-2`, `-3`, ...: the first that does not exist."""
+    return next(p for i in itertools.count(2) if not (p := Path(f"{output_dir}-{i}")).exists())
+
+
+def check_location(cfg: Config, output_dir: Path, model_dirs: list[str], resume_from: str | None) -> None:
+    """Refuse an output folder that overlaps what the run reads, with or without --overwrite_output_dir."""
+    out = output_dir.expanduser().resolve()
+    for path, what in _inputs(cfg, model_dirs, resume_from):
+        source = Path(path).expanduser().resolve()
+        if source.is_file():  # a data file: only a folder holding it would mix outputs into the data
+            clash = "holds" if source.is_relative_to(out) else None
+        else:
+            clash = "is" if out == source else "is inside" if out.is_relative_to(source) else None
+            if what != CHECKPOINT:  # the run's own checkpoints lie inside its output folder
+                clash = clash or ("holds" if source.is_relative_to(out) else None)
+        if clash:
+            raise UserError(
+                f"--output_dir {output_dir} {clash} {what} {path}; the run would write over what it reads: "
+                f"choose a folder apart from it, e.g. --output_dir {free_name(Path('outputs') / out.name)}"
+            )
+
+
+def _inputs(cfg: Config, model_dirs: list[str], resume_from: str | None) -> list[tuple[str, str]]:
+    """(local path, what it is) of everything the run reads that lies on this machine."""
+    d = cfg.data
+    found = [(p, "the input model's folder") for p in model_dirs]
+    found += [(p, "the data") for p in (d.train_file, d.validation_file, d.test_file, d.dataset_name) if p]
+    if resume_from and resume_from != "latest":
+        found.append((resume_from, CHECKPOINT))
+    return [(p, what) for p, what in found if Path(p).expanduser().exists()]

@@ -1,0 +1,138 @@
+"""The output folder is safe by construction: never over the run's inputs, never over a user's file, and the
+final files land whole (publish.atomic) or not at all."""
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+from conftest import topic_run_args
+
+from cloudtrain.cli import main
+from cloudtrain.errors import UserError
+from cloudtrain.publish import atomic
+from cloudtrain.publish.output_dir import MANIFEST, RUN_PATTERNS, is_run_name, written
+
+QUICK = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--mixed_precision", "no"]
+
+
+def tree(folder: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file under `folder`."""
+    return {
+        str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
+    }
+
+
+def train(model_dir, csvs, out, *extra) -> int:
+    return main([*topic_run_args(model_dir, csvs, out), *QUICK, *extra])
+
+
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("model", "is the input model's folder"),
+        ("inside model", "is inside the input model's folder"),
+        ("data folder", "holds the data"),
+        ("checkpoint", "is the checkpoint being resumed"),
+    ],
+)
+def test_an_output_folder_over_the_runs_inputs_is_refused_even_with_overwrite(
+    where, message, tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-3"
+    checkpoint.mkdir(parents=True)
+    out = {
+        "model": Path(tiny_model_dir),
+        "inside model": Path(tiny_model_dir) / "sub",
+        "data folder": topic_csvs["train"].parent,
+        "checkpoint": checkpoint,
+    }[where]
+    before = {folder: tree(folder) for folder in (Path(tiny_model_dir), topic_csvs["train"].parent)}
+    extra = ["--resume_from_checkpoint", str(checkpoint)] if where == "checkpoint" else []
+    assert train(tiny_model_dir, topic_csvs, out, "--overwrite_output_dir", "true", *extra) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0] and "choose a folder apart from it, e.g. --output_dir" in err[0], err
+    assert {folder: tree(folder) for folder in before} == before
+
+
+def test_a_users_files_are_never_replaced_and_the_run_says_which(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "args.json").write_text("my own notes")
+    (out / "metrics.jsonl").write_text("my own metrics")
+    before = tree(out)
+    assert train(tiny_model_dir, topic_csvs, out, "--overwrite_output_dir", "true") == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: --output_dir {out} holds args.json, metrics.jsonl, which cloudtrain did not write and a run "
+        f"would replace; choose a new folder, e.g. --output_dir {out}-2"
+    )
+    assert tree(out) == before
+
+
+def test_a_run_writes_only_its_own_names_keeps_other_files_and_replaces_a_model_whole(
+    tiny_model_dir, topic_csvs, tmp_path
+):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("a user's file beside the run")
+    assert train(tiny_model_dir, topic_csvs, out, "--report_to", "tensorboard") == 0
+    names = {p.name for p in out.iterdir()} - {"notes.txt", MANIFEST}
+    assert names and all(is_run_name(name) for name in names), sorted(n for n in names if not is_run_name(n))
+    assert names <= written(out)
+    assert "model.safetensors" in names and not (out / atomic.STAGING).exists()
+    # an adapter replaces the full model as a whole: no full weights are left beside the adapter
+    assert train(tiny_model_dir, topic_csvs, out, "--overwrite_output_dir", "true", "--peft", "lora") == 0
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+    assert (out / "notes.txt").read_text() == "a user's file beside the run"
+    assert not (out / atomic.PREVIOUS).exists()
+
+
+def test_run_patterns_name_no_users_usual_files():
+    for name in ("notes.txt", "data.csv", "train.jsonl", "my_model.pt", "results.csv"):
+        assert not is_run_name(name, RUN_PATTERNS), name
+
+
+def stage(out: Path, files: dict[str, str]) -> None:
+    staging = atomic.start_staging(out)
+    for name, text in files.items():
+        (staging / name).write_text(text)
+
+
+def test_a_sealed_publish_interrupted_anywhere_is_finished_by_recover(tmp_path):
+    """The publish's steps run one by one, and after each `recover` gives the new set whole."""
+    new = {"config.json": "new config", "model.safetensors": "new weights", "args.json": "new args"}
+    for stop_after in range(5):
+        out = tmp_path / f"out{stop_after}"
+        out.mkdir()
+        for name, text in {"config.json": "old", "model.safetensors": "old", "old_only.json": "old"}.items():
+            (out / name).write_text(text)
+        stage(out, new)
+        atomic.seal(out, remove=["old_only.json"])
+        plan = json.loads((atomic.staging_dir(out) / atomic.SEALED).read_text())
+        previous = out / atomic.PREVIOUS
+        previous.mkdir()
+        steps = [("aside", n) for n in ["old_only.json", *plan["names"]]] + [("in", n) for n in plan["names"]]
+        for kind, name in steps[:stop_after]:  # what a kill after `stop_after` renames leaves
+            if kind == "aside" and (out / name).exists():
+                (out / name).replace(previous / name)
+            elif kind == "in":
+                (atomic.staging_dir(out) / name).replace(out / name)
+        atomic.recover(out)
+        assert {p.name: p.read_text() for p in out.iterdir()} == new, stop_after
+
+
+def test_an_unsealed_staging_folder_is_dropped_and_the_previous_model_kept(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("old")
+    stage(out, {"model.safetensors": "half of the new"})
+    atomic.recover(out)
+    assert {p.name: p.read_text() for p in out.iterdir()} == {"model.safetensors": "old"}
+
+
+def test_a_save_that_cannot_fit_is_refused_with_the_space_it_needs(tmp_path):
+    with pytest.raises(UserError, match=r"the final model needs about .* free in .* and .* is free; free some space"):
+        atomic.check_free_space(tmp_path, 2**60, "the final model")
+    atomic.check_free_space(tmp_path, 1, "the final model")  # fits
