@@ -18,8 +18,9 @@ import importlib
 import sys
 from pathlib import Path
 
-from cloudtrain.config import _Parser, add_config_arguments, config_from_namespace
+from cloudtrain.config import _fields, _Parser, add_config_arguments, config_from_namespace
 from cloudtrain.errors import TrainingStopped, UserError
+from cloudtrain.redact import mask, scrub_argv
 
 COMMANDS = {  # name: (module, one-line description)
     "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
@@ -64,8 +65,20 @@ def command_main(name: str, argv: list[str]) -> None:
     module.run(parser.parse_args(argv))
 
 
+def secret_options() -> list[str]:
+    return [name for name, (_, f) in _fields().items() if f.metadata["secret"]]
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    secrets = secret_options()
+    if any(arg.split("=")[0] in {f"--{name}" for name in secrets} for arg in argv):
+        print(
+            "warning: a token on the command line is visible to other users of this machine (ps) and in your "
+            "shell history; set HF_TOKEN or pass --hub_token_file instead",
+            file=sys.stderr,
+        )
+    scrub_argv(secrets)  # read already; trackers record sys.argv as the program's arguments
     try:
         if argv and argv[0] in COMMANDS:
             command_main(argv[0], argv[1:])
@@ -73,11 +86,11 @@ def main(argv: list[str] | None = None) -> int:
             train_main(argv[1:] if argv and argv[0] == "train" else argv)
     except UserError as err:
         if not err.quiet:
-            print(f"error: {err}", file=sys.stderr)
+            print(f"error: {mask(str(err))}", file=sys.stderr)
         return 2
     except TrainingStopped as err:
         if not err.quiet:
-            print(f"{'stopped' if err.exit_code == 143 else 'error'}: {err}", file=sys.stderr)
+            print(f"{'stopped' if err.exit_code == 143 else 'error'}: {mask(str(err))}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

@@ -43,7 +43,15 @@ class TrackingConfig:
 class HubConfig:
     push_to_hub: bool = opt(False, "Push the trained model to the Hugging Face Hub.")
     hub_model_id: str | None = opt(None, "Hub repository, <user or org>/<name>.")
-    hub_token: str | None = opt(None, "Hub token (default: HF_TOKEN or the stored login). Never saved.", secret=True)
+    hub_token: str | None = opt(
+        None,
+        "Hub token; prefer HF_TOKEN or --hub_token_file (a value here shows in ps and shell history). "
+        "Never saved or logged.",
+        secret=True,
+    )
+    hub_token_file: str | None = opt(
+        None, "A file holding the Hub token (a mounted secret, say). Default: HF_TOKEN, else the stored login."
+    )
     hub_private_repo: bool = opt(False, "Create the Hub repository as private.")
     hub_revision: str | None = opt(None, "Branch of the Hub repository to push to (default: main).")
     hub_strategy: str = opt(

@@ -37,6 +37,7 @@ from accelerate.tracking import MLflowTracker, TensorBoardTracker, TrackioTracke
 from cloudtrain.config import Config, TrackingConfig
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.plotting import plot_training_curves
+from cloudtrain.redact import mask_value
 
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0
@@ -100,7 +101,7 @@ class RunLog:
         run_name = saved.get("run_name") or cfg.tracking.run_name or default_run_name(self.output_dir)
         context = RunContext(cfg, self.output_dir, run_name, resume_step)
         state = {**saved, "run_name": run_name}
-        config = {**cfg.to_dict(), **run_info}
+        config = mask_value({**cfg.to_dict(), **run_info})  # secrets are out already
         if requested(cfg.tracking):
             PartialState()  # accelerate's trackers log through its logger, which needs its state
         for name in requested(cfg.tracking):
@@ -319,7 +320,9 @@ class WandB(RunMethods, WandBTracker):
 
         self.log({"training_curves": wandb.Image(str(curves_png))}, step=step)
         if self.context.tracking.log_model:
-            artifact = wandb.Artifact(f"model-{self.run.id}", type="model", metadata=self.context.cfg.to_dict())
+            artifact = wandb.Artifact(
+                f"model-{self.run.id}", type="model", metadata=mask_value(self.context.cfg.to_dict())
+            )
             for file in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
                 if file.is_file() and file.name != RUNS_FILE:
                     artifact.add_file(str(file))

@@ -37,6 +37,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 
 from cloudtrain.config import Config, HubConfig, build_config, parse_bool
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.publish import atomic
 from cloudtrain.publish.model_card import base_model_info
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
 
@@ -62,7 +63,9 @@ UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its 
 ]
 RESULT_NAMES = ("train", "eval", "test", "compute")
 ENTRY = "python src/training_application.py"
-TOKEN_HELP = "set HF_TOKEN, pass --hub_token, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
+TOKEN_HELP = (
+    "set HF_TOKEN, pass --hub_token_file, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
+)
 
 
 # ---------------------------------------------------------------- access
@@ -70,10 +73,21 @@ TOKEN_HELP = "set HF_TOKEN, pass --hub_token, or run `hf auth login` (tokens: ht
 
 def hub_api(cfg: HubConfig) -> HfApi:
     """A client holding the token from --hub_token, else HF_TOKEN, else the stored login."""
-    token = cfg.hub_token or get_token()
+    token = cfg.hub_token or token_from_file(cfg.hub_token_file) or get_token()
     if not token:
         raise UserError(f"--push_to_hub needs a Hub token with write access: {TOKEN_HELP}")
     return HfApi(token=token)
+
+
+def token_from_file(path: str | None) -> str | None:
+    """The token in --hub_token_file (a mounted secret, say): its first line."""
+    if not path:
+        return None
+    try:
+        return Path(path).expanduser().read_text().strip().splitlines()[0]
+    except (OSError, IndexError, UnicodeDecodeError) as err:
+        reason = "it is empty" if isinstance(err, IndexError) else getattr(err, "strerror", None) or str(err)
+        raise UserError(f"--hub_token_file {path} cannot be read ({reason}); give a file holding the token") from None
 
 
 def check_access(cfg: HubConfig) -> None:
@@ -320,7 +334,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--hub_model_id",
         help="Hub repository <user or org>/<name> (default: the hub_model_id in <output_dir>/args.json).",
     )
-    parser.add_argument("--hub_token", help="Hub token (default: HF_TOKEN or the stored login).")
+    parser.add_argument("--hub_token", help="Hub token; prefer HF_TOKEN or --hub_token_file (never saved).")
+    parser.add_argument("--hub_token_file", help="A file holding the Hub token (default: HF_TOKEN, else the login).")
     parser.add_argument(
         "--hub_private_repo",
         type=parse_bool,
@@ -334,8 +349,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> None:
     output_dir = Path(args.output_dir)
+    atomic.recover(output_dir)  # a final save a kill interrupted is finished before anything is read
     cfg, results = load_output_dir(output_dir)
-    for name in ("hub_model_id", "hub_token", "hub_private_repo", "hub_revision"):
+    for name in ("hub_model_id", "hub_token", "hub_token_file", "hub_private_repo", "hub_revision"):
         if getattr(args, name) is not None:
             setattr(cfg.hub, name, getattr(args, name))
     if not cfg.hub.hub_model_id:
