@@ -111,3 +111,62 @@ def test_zero2_skips_a_nan_step_on_every_rank_and_counts_it(precision, tiny_mode
     losses = [e["train/loss"] for e in logged if "train/loss" in e]
     assert len(losses) == 3 and all(loss == loss for loss in losses)  # no nan reached the logged loss
     assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values())
+
+
+def test_users_json_trains_with_its_own_optimizer_and_schedule(tiny_model_dir, topic_csvs, tmp_path):
+    """A DeepSpeed JSON as users write it (AdamW, WarmupDecayLR, fp16 with dynamic loss scaling, batch numbers
+    "auto"): DeepSpeed builds its optimizer and schedule under ZeRO-2 on 2 processes; the logged learning
+    rate of each step is the file's schedule, and the optimizer state saved is the file's AdamW."""
+    warmup, total, peak = 3, 8, 1e-3
+    ds_json = tmp_path / "ds.json"
+    ds_json.write_text(
+        json.dumps(
+            {
+                "train_batch_size": "auto",
+                "train_micro_batch_size_per_gpu": "auto",
+                "gradient_accumulation_steps": "auto",
+                "gradient_clipping": "auto",
+                # torch_adam: DeepSpeed's AdamW as torch's, not its FusedAdam (a C++ build of minutes on CPU)
+                "optimizer": {
+                    "type": "AdamW",
+                    "params": {"lr": "auto", "weight_decay": "auto", "betas": [0.9, 0.98], "torch_adam": True},
+                },
+                "scheduler": {
+                    "type": "WarmupDecayLR",
+                    "params": {
+                        "warmup_min_lr": "auto",
+                        "warmup_max_lr": "auto",
+                        "warmup_num_steps": warmup,
+                        "total_num_steps": total,
+                        "warmup_type": "linear",
+                    },
+                },
+                "fp16": {"enabled": "auto", "loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2},
+                "zero_optimization": {"stage": 2},
+            }
+        )
+    )
+    out = tmp_path / "out"
+    options = [
+        "--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
+        "--validation_file", str(topic_csvs["validation"]), "--output_dir", str(out),
+        "--deepspeed_config", str(ds_json), "--max_steps", str(total), "--logging_steps", "1",
+        "--per_device_train_batch_size", "4", "--eval_strategy", "no", "--learning_rate", str(peak),
+        "--mixed_precision", "no", "--checkpointing_steps", str(total),
+    ]  # fmt: skip
+    result = torchrun(str(REPO / "src" / "training_application.py"), *options)
+    assert "(DEEPSPEED ZeRO-2, precision no)" in result.stdout
+
+    def file_schedule(i: int) -> float:  # WarmupDecayLR, linear warmup, at the engine's iteration i
+        return peak * i / warmup if i < warmup else peak * (total - i) / (total - warmup)
+
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rates = {e["step"]: e["train/learning_rate"] for e in logged if "train/learning_rate" in e}
+    # the engine steps its schedule after each optimizer step: step k logs iteration k - 1's rate
+    assert rates == pytest.approx({k: file_schedule(k - 1) for k in range(1, total + 1)})
+
+    states = list(out.glob("checkpoints/*/pytorch_model/*optim_states.pt"))
+    assert states, sorted(str(p.relative_to(out)) for p in out.rglob("*"))
+    saved = torch.load(states[0], weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
+    assert [g["betas"] for g in saved["param_groups"]] == [(0.9, 0.98)] * 2  # the file's, not torch's default
+    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.01, 0.0]  # "auto" from the options; 1-d: 0
