@@ -2,10 +2,20 @@
 
 import argparse
 import json
+import re
 
 import pytest
 
-from cloudtrain.config import Config, _fields, _Parser, add_config_arguments, build_config, config_from_namespace
+from cloudtrain.config import (
+    Config,
+    _fields,
+    _Parser,
+    add_config_arguments,
+    build_config,
+    config_from_namespace,
+    load_config_file,
+    resolve_options,
+)
 from cloudtrain.errors import UserError
 
 
@@ -126,3 +136,88 @@ def test_none_is_still_a_value_where_an_option_is_required():
     assert parse("--report_to", "none").tracking.report_to == ["none"]
     with pytest.raises(UserError, match="--max_length: a value is required"):
         parse("--max_length", "none")
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ({"learning_rate": "nan"}, "--learning_rate: expected a finite number, got 'nan'"),
+        ({"learning_rate": float("nan")}, "--learning_rate: expected a finite number, got nan"),
+        ({"num_train_epochs": "inf"}, "--num_train_epochs: expected a finite number, got 'inf'"),
+        ({"weight_decay": float("-inf")}, "--weight_decay: expected a finite number, got -inf"),
+        ({"learning_rate": [1, 2]}, "--learning_rate: expected one number, got a list [1, 2]"),
+        ({"max_length": [128]}, "--max_length: expected one whole number, got a list [128]"),
+        ({"max_length": {"a": 1}}, "--max_length: expected one whole number, got a mapping {'a': 1}"),
+        ({"max_length": 2.5}, "--max_length: expected a whole number, got 2.5"),
+        ({"max_length": True}, "--max_length: expected a whole number, got true"),
+        ({"run_name": ["a", "b"]}, "--run_name: expected one value, got a list ['a', 'b']"),
+        ({"report_to": {"wandb": 1}}, "--report_to: expected a list, got a mapping {'wandb': 1}"),
+        ({"seed": -1}, "--seed must be between 0 and 4294967295"),
+    ],
+)
+def test_values_of_the_wrong_type_or_not_finite_are_refused(values, message):
+    """What a config file's YAML types or a flag can carry that Python would convert silently (or that passes a
+    `<= 0` check, as nan does) is refused in one line naming the option."""
+    with pytest.raises(UserError) as caught:
+        resolve_options(values, {})
+    assert str(caught.value).startswith(message) and "\n" not in str(caught.value)
+
+
+def test_wrong_types_in_a_config_file_and_nan_on_the_command_line(tmp_path):
+    file = tmp_path / "run.yaml"
+    file.write_text("training:\n  learning_rate: [1.0e-4, 2.0e-4]\n")
+    with pytest.raises(UserError, match=r"^--learning_rate: expected one number, got a list \[0.0001, 0.0002\]$"):
+        parse("--config", str(file))
+    with pytest.raises(UserError, match="^--max_grad_norm: expected a finite number, got 'NaN'$"):
+        parse("--max_grad_norm", "NaN")
+
+
+def test_whole_floats_still_count_as_whole_numbers():
+    cfg = resolve_options({"max_length": 64.0, "learning_rate": 1, "num_train_epochs": "3"}, {})
+    assert (cfg.data.max_length, cfg.training.learning_rate, cfg.training.num_train_epochs) == (64, 1.0, 3.0)
+
+
+def test_a_config_file_extends_another_through_a_chain(tmp_path):
+    """`extends` is relative to the extending file; the nearer file wins, and flags win over every file."""
+    (tmp_path / "recipes").mkdir()
+    (tmp_path / "base.yaml").write_text("seed: 1\nmax_length: 32\nlearning_rate: 1.0e-3\nreport_to: none\n")
+    (tmp_path / "recipes" / "middle.yaml").write_text("extends: ../base.yaml\ntraining:\n  seed: 2\n  max_steps: 5\n")
+    (tmp_path / "recipes" / "run.yaml").write_text("extends: middle.yaml\nmax_steps: 7\n")
+    cfg = parse("--config", str(tmp_path / "recipes" / "run.yaml"), "--learning_rate", "0.5")
+    assert cfg.data.max_length == 32 and cfg.tracking.report_to == ["none"]  # from base
+    assert cfg.training.seed == 2  # middle overrides base
+    assert cfg.training.max_steps == 7  # run overrides middle
+    assert cfg.training.learning_rate == 0.5  # the flag overrides every file
+    assert "extends" not in load_config_file(str(tmp_path / "recipes" / "run.yaml"))
+
+
+def test_an_extends_cycle_is_refused_naming_the_chain(tmp_path):
+    (tmp_path / "a.yaml").write_text("extends: b.yaml\nseed: 1\n")
+    (tmp_path / "b.yaml").write_text("extends: c.yaml\n")
+    (tmp_path / "c.yaml").write_text("extends: a.yaml\n")
+    chain = " -> ".join(str(tmp_path / name) for name in ("a.yaml", "b.yaml", "c.yaml", "a.yaml"))
+    with pytest.raises(UserError) as caught:
+        parse("--config", str(tmp_path / "a.yaml"))
+    assert str(caught.value) == f"config files extend each other in a cycle: {chain}"
+    (tmp_path / "self.yaml").write_text("extends: self.yaml\n")
+    with pytest.raises(UserError, match="in a cycle: .*self.yaml -> .*self.yaml$"):
+        parse("--config", str(tmp_path / "self.yaml"))
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("extends: missing.yaml\n", "extends missing.yaml, which does not exist"),
+        ("extends: [a.yaml, b.yaml]\n", "extends takes the path of one config file, got ['a.yaml', 'b.yaml']"),
+    ],
+)
+def test_a_bad_extends_is_one_line(tmp_path, content, message):
+    (tmp_path / "run.yaml").write_text(content)
+    with pytest.raises(UserError, match=re.escape(message)):
+        parse("--config", str(tmp_path / "run.yaml"))
+
+
+def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
+    (tmp_path / "run.yaml").write_bytes("run_name: caf\xe9\n".encode("latin-1"))
+    with pytest.raises(UserError, match=r"could not read config file .*run.yaml \(UTF-8 YAML or JSON\)"):
+        parse("--config", str(tmp_path / "run.yaml"))

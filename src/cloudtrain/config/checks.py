@@ -36,6 +36,7 @@ def validate(cfg: Config) -> None:
         (t.max_grad_norm < 0, "--max_grad_norm must not be negative (0 disables clipping)"),
         (not 0 <= t.warmup_ratio < 1, "--warmup_ratio must be in [0, 1)"),
         (t.logging_steps < 1, "--logging_steps must be at least 1"),
+        (not 0 <= t.seed < 2**32, "--seed must be between 0 and 4294967295 (2**32 - 1), as numpy's generator takes"),
         (
             t.eval_strategy == "steps" and not t.eval_steps,
             "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)",

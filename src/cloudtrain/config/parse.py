@@ -3,12 +3,16 @@
 Values come from, lowest precedence first: the defaults, the SageMaker training-job contract (when running
 inside a job), a YAML or JSON file given with `--config` (flat `key: value` pairs, or grouped under the
 section names), and command-line flags. Every boolean also takes an explicit value (`--fp16 true`), as
-SageMaker passes hyperparameters.
+SageMaker passes hyperparameters. A config file may start from another: `extends: base.yaml` (a path relative
+to the extending file) reads that file first, and the extending file's values win; chains work, cycles are
+refused. Values keep no type a field does not have: a list where a number belongs, 2.5 for a whole number,
+true for a number and nan or infinities for any number are refused in one line.
 """
 
 import argparse
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -18,7 +22,7 @@ import yaml
 
 from cloudtrain.config.checks import validate
 from cloudtrain.config.root import Config, _default, _fields
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, first_line
 from cloudtrain.sagemaker_env import sagemaker_defaults
 
 
@@ -62,17 +66,8 @@ def _coerce(name: str, value: Any) -> Any:
             if optional:
                 return None
             raise ValueError("a value is required")
-        if tp is bool:
-            value = parse_bool(value)
-        elif tp is list:
-            items = value if isinstance(value, list) else [value]
-            separator = f.metadata["separator"]
-            value = [part.strip() for item in items for part in str(item).split(separator) if part.strip()]
-        elif tp is int and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        else:
-            value = tp(value)
-    except ValueError as err:
+        value = _convert(tp, value, f.metadata["separator"])
+    except (ValueError, TypeError) as err:  # TypeError: int([1, 2]), a config file's list where a number belongs
         reason = f"expected a number or auto, got {value!r}" if f.metadata["auto"] else str(err)
         raise UserError(f"--{name}: {reason}") from None
     choices = _meta(f, "choices")
@@ -80,6 +75,36 @@ def _coerce(name: str, value: Any) -> Any:
         if choices and item not in choices:
             raise UserError(f"--{name}: {item!r} is not one of {', '.join(map(str, choices))}")
     return value
+
+
+def _convert(tp: type, value: Any, separator: str) -> Any:
+    """`value` as type `tp`. A config file's value keeps its YAML type, so what Python would convert silently is
+    refused here: a list or mapping for a single value (str([1, 2]) is a string), true for a number (int(True) is
+    1), 2.5 for a whole number (int(2.5) is 2); and a float must be finite (nan passes every `<= 0` check)."""
+    if tp is bool:
+        return parse_bool(value)
+    if tp is list:
+        if isinstance(value, dict):
+            raise ValueError(f"expected a list, got a mapping {value!r}")
+        items = value if isinstance(value, list) else [value]
+        return [part.strip() for item in items for part in str(item).split(separator) if part.strip()]
+    if isinstance(value, (list, tuple, dict)):
+        kind = "a mapping" if isinstance(value, dict) else "a list"
+        raise TypeError(f"expected one {_type_word(tp)}, got {kind} {value!r}")
+    if tp in (int, float) and isinstance(value, bool):
+        raise TypeError(f"expected a {_type_word(tp)}, got {str(value).lower()}")
+    if tp is int and isinstance(value, float):
+        if not value.is_integer():
+            raise ValueError(f"expected a whole number, got {value!r}")
+        return int(value)
+    converted = tp(value)
+    if tp is float and not math.isfinite(converted):
+        raise ValueError(f"expected a finite number, got {value!r}")
+    return converted
+
+
+def _type_word(tp: type) -> str:
+    return {int: "whole number", float: "number", str: "value"}.get(tp, tp.__name__)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -136,18 +161,40 @@ def add_config_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     parser.add_argument(f"--{name}", default=default, type=lambda value: _coerce(name, value), **_flag(f))
 
 
-def load_config_file(path: str) -> dict:
-    """Read a YAML/JSON config file into flat {flag name: value}."""
+def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
+    """Read a YAML/JSON config file into flat {flag name: value}, over the options of the file it `extends`.
+    `_chain`: the files that extend this one, nearest last (a cycle is refused)."""
     file = Path(path)
     if not file.is_file():
         raise UserError(f"config file {path} does not exist")
+    chain = (*_chain, file)
+    if file.resolve() in {f.resolve() for f in _chain}:
+        raise UserError(f"config files extend each other in a cycle: {' -> '.join(map(str, chain))}")
     try:
-        data = yaml.safe_load(file.read_text()) or {}  # YAML is a superset of JSON
+        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}  # YAML is a superset of JSON
     except yaml.YAMLError as err:
         raise UserError(f"config file {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"could not read config file {path} (UTF-8 YAML or JSON): {first_line(err)}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold key: value pairs")
-    return flatten(data)
+    return with_bases(data, file.parent, chain, f"config file {path}")
+
+
+def with_bases(data: dict, folder: Path, chain: tuple[Path, ...] = (), origin: str = "the config") -> dict:
+    """flatten(data) over the options of the config file it names with `extends` (a path relative to `folder`,
+    the extending file's own), which may extend another in turn; the extending file's values win."""
+    data = dict(data)
+    base = data.pop("extends", None)
+    values = flatten(data)
+    if base is None:
+        return values
+    if not isinstance(base, str) or not base.strip():
+        raise UserError(f"{origin}: extends takes the path of one config file, got {base!r}")
+    base_file = folder / Path(base).expanduser()
+    if not base_file.is_file():
+        raise UserError(f"{origin} extends {base}, which does not exist ({base_file})")
+    return {**load_config_file(str(base_file), chain), **values}
 
 
 def flatten(data: dict) -> dict:
@@ -189,7 +236,7 @@ def resolve_options(config: "Config | dict | str | Path | None", overrides: dict
     if isinstance(config, Config):
         values.update(config.to_dict(include_secrets=True))
     elif isinstance(config, dict):
-        values.update(flatten(config))
+        values.update(with_bases(config, Path.cwd()))
     elif config is not None:
         values.update(load_config_file(str(config)))
     values.update(flatten(overrides))
