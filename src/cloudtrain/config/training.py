@@ -83,7 +83,7 @@ class TrainingConfig:
     max_grad_norm: float = opt(1.0, "Clip gradients to this global norm (0 disables clipping).")
     lr_scheduler_type: str = opt(
         "linear",
-        "Learning-rate schedule after a linear warmup from 0 (docs/training.md gives each formula): linear, "
+        "Learning-rate schedule after a linear warmup from 0 (docs/optimizers.md gives each formula): linear, "
         "cosine (to 0), constant (no warmup), constant_with_warmup, cosine_with_min_lr (to --min_lr_ratio x "
         "peak), warmup_stable_decay (flat, then a cosine to --min_lr_ratio x peak over the last --decay_ratio "
         "of the steps), polynomial (to --min_lr_ratio x peak, power --polynomial_power), inverse_sqrt "
