@@ -13,7 +13,7 @@ from typing import Any
 
 MASK = "***"
 _SHAPES = re.compile(
-    r"\bhf_[A-Za-z0-9]{20,}"  # Hugging Face user and organisation tokens
+    r"\bhf_(?=[A-Za-z_]*[0-9])[A-Za-z0-9_]{16,}"  # Hugging Face tokens (a digit: no identifier like hf_hub_...)
     r"|\b(?:local|v1)-[A-Za-z0-9_-]{30,}"  # W&B keys of a local server, and the newer key format
     r"|\b[0-9a-f]{40}\b"  # W&B API keys (git commit ids have this shape too: a masked commit id is harmless)
     r"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"  # AWS access key ids
