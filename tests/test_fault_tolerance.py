@@ -309,3 +309,21 @@ def test_throughput_must_stay_under_half_the_median_for_two_intervals():
     rates = [1000.0, 1010.0, 990.0, 400.0, 1000.0, 400.0, 380.0, 390.0]
     found = [d.check_interval(step, rate, [0.1]) for step, rate in enumerate(rates)]
     assert [step for step, f in enumerate(found) if f] == [6]  # not at 3 (one slow interval), once at 6
+
+
+def test_memory_near_the_device_limit_is_warned_once_naming_the_process():
+    d = AnomalyDetector(MonitoringConfig(), ["node 0, a", "node 1, b"], memory_gib=80.0)
+    interval = {"step_losses": [1.0], "grad_norms": [math.nan], "tokens": 1000}
+
+    def check(step: int, peaks: list[float], reserved: list[float]) -> list:
+        # [steps, step s, data s, forward s, peak allocated GiB, peak reserved GiB] per process
+        by_process = [[1.0, 0.1, 0.0, 0.05, peak, held] for peak, held in zip(peaks, reserved, strict=True)]
+        return d.check(step, {**interval, "by_process": by_process})
+
+    assert check(1, [60.0, 71.9], [70.0, 72.0]) == []  # 90% of 80 GiB is 72: not above it
+    found = check(2, [60.0, 70.0], [70.0, 74.0])  # process 1's reserved memory crossed it
+    assert [a.kind for a in found] == ["memory_pressure"] and found[0].value == 74.0
+    assert found[0].message.startswith(
+        "memory near the limit at step 2: process 1 (node 1, b) peaked at 74.0 of 80.0 GiB (92%, over 90%)"
+    )
+    assert check(3, [78.0, 70.0], [79.0, 74.0]) == []  # peaks only grow: said once

@@ -15,6 +15,9 @@ metrics.jsonl, and a W&B alert when W&B is online:
     straggler         with several processes: one process's own work (data loading and forward passes)
                       above STRAGGLER_RATIO times the median of all processes; once when it begins.
                       Under ZeRO-3 a forward pass gathers parameters, so it waits on the others too.
+    memory_pressure   a process's peak memory (CUDA: the larger of allocated and reserved; CPU: resident
+                      set size) above MEMORY_WARNING_SHARE of its device's memory (CUDA: the GPU's; CPU:
+                      the machine's RAM); once, since the peak only grows: a longer batch may run out
 
 Every process sees the same numbers (they arrive through the logging step's one all-reduce) and runs the
 same detector, so all agree on what to do with `--on_anomaly warn|checkpoint|stop` without another
@@ -24,6 +27,7 @@ pipeline stage is slow (a pipeline process's forward passes run inside the sched
 
 import contextlib
 import math
+import os
 import resource
 import statistics
 import sys
@@ -41,6 +45,7 @@ WINDOW = 100  # steps (or logging intervals) the running statistics cover
 STRAGGLER_RATIO = 1.5
 STRAGGLER_MIN_S = 0.005  # per step: smaller gaps are noise, not a straggler
 GIB = 2**30
+MEMORY_WARNING_SHARE = 0.9  # of the device's memory: above it, the next longer batch may be out of memory
 
 
 @dataclass
@@ -109,6 +114,13 @@ def peak_memory(device: torch.device) -> list[float]:
     return [rss / (GIB if sys.platform == "darwin" else 2**20), 0.0]
 
 
+def device_memory_gib() -> float:
+    """The memory of this process's device: its CUDA device's, else the machine's RAM."""
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+
+
 def interval_values(by_process: list[list[float]], device: torch.device) -> dict:
     """Step time, data share and peak memory from every process's [steps, step s, data s, forward s,
     memory, reserved memory] of the interval (`Meter.flush`); empty with --monitoring false."""
@@ -155,9 +167,12 @@ class RunningStats:
 class AnomalyDetector:
     """Judges each logging interval's numbers; the same inputs give the same verdict on every process."""
 
-    def __init__(self, cfg: MonitoringConfig, places: list[str]):
-        """`places[r]`: how to name process r in a message (its node and host)."""
+    def __init__(self, cfg: MonitoringConfig, places: list[str], memory_gib: float | None = None):
+        """`places[r]`: how to name process r in a message (its node and host); `memory_gib`: a device's
+        memory (default: this process's device, device_memory_gib)."""
         self.cfg, self.places = cfg, places
+        self.memory_gib = memory_gib or device_memory_gib()
+        self.memory_warned = False  # peaks are since the start: one warning says it
         self.loss, self.grad_norm = RunningStats(), RunningStats()
         self.throughputs: deque[float] = deque(maxlen=WINDOW)
         self.slow = 0  # logging intervals in a row under half the median throughput
@@ -172,7 +187,27 @@ class AnomalyDetector:
             step_s = sum(p[1] for p in by_process) / len(by_process)
             work = [(p[2] + p[3]) / max(p[0], 1) for p in by_process]  # data + forward: no waiting on others
             found += self.check_interval(step, interval["tokens"] / max(step_s, 1e-9), work)
+            found += self.check_memory(step, [max(p[4], p[5]) for p in by_process])
         return found
+
+    def check_memory(self, step: int, peaks: list[float]) -> list[Anomaly]:
+        """`peaks[r]`: process r's peak memory in GiB so far; a warning the first time one is near the limit."""
+        worst = max(range(len(peaks)), key=peaks.__getitem__)
+        share = peaks[worst] / self.memory_gib
+        if self.memory_warned or share <= MEMORY_WARNING_SHARE:
+            return []
+        self.memory_warned = True
+        return [
+            Anomaly(
+                "memory_pressure",
+                step,
+                peaks[worst],
+                f"memory near the limit at step {step}: process {worst} ({self.places[worst]}) peaked at "
+                f"{peaks[worst]:.1f} of {self.memory_gib:.1f} GiB ({share:.0%}, over {MEMORY_WARNING_SHARE:.0%}); "
+                "a longer batch may run out of memory: lower --per_device_train_batch_size (raise "
+                "--gradient_accumulation_steps to keep the batch), or use --gradient_checkpointing true or ZeRO",
+            )
+        ]
 
     def check_steps(self, steps: list[int], losses: list[float], grad_norms: list[float]) -> list[Anomaly]:
         found = []
