@@ -156,3 +156,16 @@ def test_a_read_only_output_folder_is_refused_in_one_line(runs, small_tmpfs):
         f"error: --output_dir {out} cannot be written (Read-only file system); choose a folder you can write to"
     )
     assert model_hashes(out) == before
+
+
+def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_keeps_the_model(runs, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(runs["old"], out)
+    limit = (runs["old"] / "model.safetensors").stat().st_size // 2
+    result = second_run(runs, out, "--checkpointing_steps", "1", file_limit=limit)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the disk of {out / 'checkpoints'} filled up while checkpoint-1 was written"), last
+    assert "Traceback" not in result.stderr
+    assert not (out / "checkpoints" / "checkpoint-1.partial").exists()
+    assert model_hashes(out) == model_hashes(runs["old"])

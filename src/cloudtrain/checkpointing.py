@@ -37,9 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from cloudtrain.config import Config
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.publish.atomic import is_no_space
 
 STATE_FILE = "trainer_state.json"
 MARKS = "written-by"  # <checkpoint>/written-by/<process index>: that process's files are complete
@@ -351,14 +352,24 @@ class Checkpointer:
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
             (partial / MARKS).mkdir(parents=True)
         self.barrier()
-        write(partial)  # every process writes its part
-        kill_point("checkpoint.written")
-        if self.export:
-            self.export(partial)
-        (partial / MARKS / str(self.index)).touch()
-        self.barrier()
-        if self.owner:
-            self._finalise(partial, final, trainer, mesh, state)
+        try:
+            write(partial)  # every process writes its part
+            kill_point("checkpoint.written")
+            if self.export:
+                self.export(partial)
+            (partial / MARKS / str(self.index)).touch()
+            self.barrier()
+            if self.owner:
+                self._finalise(partial, final, trainer, mesh, state)
+        except Exception as err:
+            if not is_no_space(err):
+                raise
+            shutil.rmtree(partial, ignore_errors=True)
+            raise UserError(
+                f"the disk of {self.folder} filled up while checkpoint-{step} was written ({first_line(err)}); "
+                "the earlier checkpoints are intact: free some space (or lower --save_total_limit) and resume "
+                "with --resume_from_checkpoint latest"
+            ) from None
         self.barrier()  # complete on every node before anything is announced or deleted
         if self.is_main:
             size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
