@@ -57,6 +57,18 @@ sft: setup $(SFT_DATA)
 	@echo "base model: $(SFT_BASE)"
 	$(PY) src/training_application.py --config configs/sft_r8.yaml $(SFT_BASE) $(ARGS)
 
+# `make dpo`: preference tuning of `make sft`'s model (trained first when missing) on R8 topic pairs (the right topic
+# chosen, a wrong one rejected); configs/dpo_r8.yaml says what it runs.
+DPO_DATA := data/r8-dpo/train.jsonl
+SFT_MODEL := outputs/r8-sft/model.safetensors
+$(DPO_DATA): $(SFT_DATA)
+	$(PY) scripts/make_r8_dpo.py
+$(SFT_MODEL):
+	$(MAKE) sft
+.PHONY: dpo
+dpo: setup $(DPO_DATA) $(SFT_MODEL)
+	$(PY) src/training_application.py --config configs/dpo_r8.yaml $(ARGS)
+
 # The full suite (CI runs this); tests marked `gpu` run only where CUDA is available. Two workers, one per core
 # (pytest-xdist; `make test PYTEST_WORKERS=0` runs in one process), an idle one taking tests from the other's
 # queue (worksteal); conftest.built_once shares what both build.

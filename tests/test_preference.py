@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cloudtrain.config import build_config
 from cloudtrain.data.chat import ChatFormat
 from cloudtrain.data.pairs import PairCollator, PairColumns, encode_pair, sequence_logps, to_pair, truncate_pairs
+from cloudtrain.observe.plotting import curve_data
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks.dpo import DPOTask, pair_logps, preference_loss
 
@@ -187,6 +188,17 @@ def test_prompt_tokens_get_exactly_zero_gradient(chat, tiny_llama_dir):
     assert torch.all(logits.grad[:, -1] == 0)
 
 
+def test_the_lm_head_on_the_answer_window_gives_the_full_forwards_values(chat, tiny_llama_dir):
+    model = load_base(tiny_llama_dir, chat.tokenizer)
+    columns = PairColumns("prompt", "chosen", "rejected")
+    batch = PairCollator(0)([encode_pair(chat, conversational(*row), columns) for row in QUESTIONS])
+    assert 0 < len(batch["answer_window"]) < batch["input_ids"].shape[1]  # the prompts are left out
+    with torch.no_grad():
+        windowed, full = pair_logps(model, batch, window=True), pair_logps(model, batch, window=False)
+    assert torch.equal(windowed[1], full[1])
+    assert windowed[0].tolist() == pytest.approx(full[0].tolist(), rel=1e-6)  # matmuls of another shape
+
+
 # ---------------------------------------------------------------- the reference
 
 
@@ -197,7 +209,7 @@ def test_the_adapters_disabled_reference_equals_the_frozen_base(chat, tiny_llama
     columns = PairColumns("prompt", "chosen", "rejected")
     batch = PairCollator(0)([encode_pair(chat, conversational(*row), columns) for row in QUESTIONS])
     base = load_base(tiny_llama_dir, chat.tokenizer)
-    expected = pair_logps(base, batch)[0]
+    expected = pair_logps(base, batch, window=task.window)[0]
     lora = LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False, task_type="CAUSAL_LM")
     policy = get_peft_model(load_base(tiny_llama_dir, chat.tokenizer), lora).train()
     with torch.no_grad():
@@ -283,6 +295,11 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     assert evaluation["samples"] == 4 and evaluation["rewards/accuracies"] == 1.0
     assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "exact_match"} <= set(evaluation)
     assert any(r.get("eval/rewards/accuracies") == 1.0 for r in records)
+    preference = curve_data(records)["preference"]  # the curves plot's third panel
+    assert (
+        set(preference) == {"train/rewards/margins", "train/rewards/accuracies"}
+        and (out / "training_curves.png").is_file()
+    )
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert "<|im_start|>" in tokenizer.chat_template
     AutoModelForCausalLM.from_pretrained(out)

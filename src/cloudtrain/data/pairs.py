@@ -136,8 +136,9 @@ def truncate_pairs(rows: dict[str, list], limit: int) -> tuple[list[int], int]:
 
 class PairCollator:
     """Pairs -> one batch of 2B rows, the B chosen then the B rejected, right-padded: input_ids, labels (the answer
-    tokens; -100 elsewhere) and attention_mask (real tokens, for counting: the causal model never needs it, as
-    padding sits after every real token). Precomputed reference log-probabilities come as `ref_logps` [2B]."""
+    tokens; -100 elsewhere), attention_mask (real tokens, for counting: the causal model never needs it, as
+    padding sits after every real token) and answer_window (its length: how many last positions hold every
+    answer, the only logits the loss needs). Precomputed reference log-probabilities come as `ref_logps` [2B]."""
 
     def __init__(self, pad_token_id: int):
         self.pad_token_id = pad_token_id
@@ -155,7 +156,15 @@ class PairCollator:
             labels[b, :n] = torch.where(torch.tensor(mask, dtype=torch.bool), input_ids[b, :n], IGNORE_INDEX)
             attention_mask[b, :n] = 1
         labels[:, 0] = IGNORE_INDEX  # nothing predicts a row's first token
-        batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
+        # The positions whose logits the loss needs: from the one before the first answer token of any row to the
+        # end. Carried as a tensor's length, so the forward reads it without waiting on the device.
+        first = int((labels != IGNORE_INDEX).any(dim=0).int().argmax())
+        batch = {
+            "input_ids": input_ids,
+            "labels": labels,
+            "attention_mask": attention_mask,
+            "answer_window": torch.zeros(width - max(first - 1, 0), dtype=torch.int8),
+        }
         if REFERENCE_COLUMNS[0] in rows[0]:
             batch["ref_logps"] = torch.tensor([row[c] for c in REFERENCE_COLUMNS for row in rows], dtype=torch.float32)
         return batch

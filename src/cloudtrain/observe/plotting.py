@@ -2,7 +2,8 @@
 
 Drawn from the metrics.jsonl records with matplotlib's Agg canvas (no display, no pyplot state), so
 it works on a headless machine and in any process. Two panels: train and validation loss; the
-validation quality metrics (accuracy, macro F1, ...; a language model's perplexity, on a log scale).
+validation quality metrics (accuracy, macro F1, ...; a language model's perplexity, on a log scale); for a
+preference run (`--task dpo`) a third: the reward margins and pair accuracy, in training and validation.
 Timing, throughput and test metrics are left out: they are single values or do not share the panels' scales.
 """
 
@@ -10,6 +11,9 @@ from pathlib import Path
 
 # eval/* entries that are not quality metrics and would not share the metrics panel's 0-1 scale
 NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s", "eval/tokens", "eval/tokens_per_s"}
+
+# a preference run's margins and pair accuracy (train/ and eval/), on the third panel
+PREFERENCE = ("/rewards/margins", "/rewards/accuracies")
 
 Curves = dict[str, dict[str, tuple[list[int], list[float]]]]  # panel -> series -> (steps, values)
 
@@ -21,11 +25,15 @@ def curve_data(records: list[dict]) -> Curves:
         for name, value in record.items():
             if name in ("train/loss", "eval/loss"):
                 panel = "loss"
+            elif name.endswith(PREFERENCE):
+                panel = "preference"  # a third panel, drawn only for the runs that log it
+            elif "/rewards/" in name or "/logps/" in name:
+                continue  # a preference run's other numbers: scales of their own, in metrics.jsonl
             elif name.startswith("eval/") and name not in NOT_METRICS and isinstance(value, (int, float)):
                 panel = "evaluation metrics"
             else:
                 continue
-            steps, values = panels[panel].setdefault(name, ([], []))
+            steps, values = panels.setdefault(panel, {}).setdefault(name, ([], []))
             steps.append(record["step"])
             values.append(float(value))
     return panels
@@ -37,9 +45,9 @@ def plot_training_curves(records: list[dict], path: Path) -> Curves:
     from matplotlib.backends.backend_agg import FigureCanvasAgg  # here: only the main process draws, at the end
     from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(11, 4.2), layout="constrained")
+    figure = Figure(figsize=(5.5 * len(curves), 4.2), layout="constrained")
     FigureCanvasAgg(figure)
-    for ax, (title, series) in zip(figure.subplots(1, 2), curves.items(), strict=True):
+    for ax, (title, series) in zip(figure.subplots(1, len(curves)), curves.items(), strict=True):
         for name, (steps, values) in series.items():
             ax.plot(steps, values, marker="o" if len(steps) < 30 else None, markersize=3, label=name)
         ax.set_title(title)

@@ -5,7 +5,7 @@ Supports:
   the papers' defaults (cloudtrain.config.preference); the pair formats of cloudtrain.data.pairs (explicit,
   conversational, implicit prompt), the chat template handled as `--task sft` handles it;
 - chosen and rejected through the policy in one forward (one batch of 2B rows), the prompt's tokens out of the
-  loss (exactly zero gradient);
+  loss (exactly zero gradient), the LM head and its softmax only on the positions that hold answers;
 - the reference: the policy's base with the adapters disabled under --peft (no copy), a frozen copy under full
   fine-tuning, or `--precompute_reference true`: its log-probabilities computed once before training and kept
   as two columns of the data (no reference model during training); none for simpo and orpo;
@@ -17,6 +17,7 @@ or FSDP (use --peft, or a reference-free loss), a reference model other than the
 """
 
 import copy
+import inspect
 import json
 import math
 import time
@@ -101,11 +102,14 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def pair_logps(model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model: torch.nn.Module, batch: dict, window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed answer log-probabilities, answer token counts), [2B] each: chosen and rejected in one forward. No
-    attention mask: padding sits after every real token, and causal attention never looks ahead."""
-    logits = model(input_ids=batch["input_ids"], use_cache=False).logits
-    return sequence_logps(logits, batch["labels"])
+    attention mask: padding sits after every real token, and causal attention never looks ahead. With `window`
+    (a model whose forward takes logits_to_keep) the LM head runs on the answers' window only, not the prompts."""
+    keep = {"logits_to_keep": len(batch["answer_window"])} if window and "answer_window" in batch else {}
+    logits = model(input_ids=batch["input_ids"], use_cache=False, **keep).logits
+    labels = batch["labels"]
+    return sequence_logps(logits, labels[:, labels.shape[1] - logits.shape[1] :])
 
 
 @TASKS.register
@@ -122,6 +126,7 @@ class DPOTask(SFTTask):
         self.reference: PreTrainedModel | None = None  # the frozen copy (full fine-tuning, live reference)
         self.data: ProcessedData | None = None  # what `process` returned; precomputing adds reference columns
         self.sums: torch.Tensor | None = None  # PAIR_METRICS summed over training pairs, and their count
+        self.window = False  # whether the model's forward takes logits_to_keep (the LM head on the answers only)
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -264,6 +269,7 @@ class DPOTask(SFTTask):
         """The model as loaded is the reference: its log-probabilities once (--precompute_reference), or a frozen
         copy under full fine-tuning; with adapters, nothing (the reference is the base, adapters disabled)."""
         p = cfg.preference
+        self.window = "logits_to_keep" in inspect.signature(type(model).forward).parameters
         if not p.needs_reference:
             return
         if p.precompute_reference:
@@ -291,7 +297,9 @@ class DPOTask(SFTTask):
             logps = []
             for batch in loader:
                 with autocast_for(cfg.training.mixed_precision, device):
-                    values = pair_logps(model, {k: v.to(device) for k, v in batch.items()})[0].float().cpu()
+                    values = (
+                        pair_logps(model, {k: v.to(device) for k, v in batch.items()}, self.window)[0].float().cpu()
+                    )
                 pairs = len(values) // 2
                 logps.append(torch.stack([values[:pairs], values[pairs:]], dim=1))
             table = torch.cat(logps).tolist()
@@ -318,13 +326,13 @@ class DPOTask(SFTTask):
             if self.reference is not None:
                 if next(self.reference.parameters()).device != device:
                     self.reference.to(device)  # type: ignore[arg-type]  # once: the trainer placed the policy
-                return pair_logps(self.reference, batch)[0]
+                return pair_logps(self.reference, batch, self.window)[0]
             inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it; a PeftModel inside
             was_training = inner.training
             inner.eval()
             try:
                 with inner.disable_adapter():
-                    return pair_logps(inner, batch)[0]
+                    return pair_logps(inner, batch, self.window)[0]
             finally:
                 inner.train(was_training)
 
@@ -335,7 +343,7 @@ class DPOTask(SFTTask):
     def pair_values(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-pair loss [B], the per-pair PAIR_METRICS [B, 6]) of one batch."""
         p = self.cfg.preference
-        logps, counts = pair_logps(model, batch)
+        logps, counts = pair_logps(model, batch, self.window)
         reference = self.reference_logps(model, batch) if p.needs_reference else None
         losses, chosen, rejected = preference_loss(
             p.preference_loss, p.strength, p.simpo_gamma, logps, counts, reference
