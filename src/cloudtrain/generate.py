@@ -32,24 +32,18 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TextStreamer
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # noqa: F401 (AutoTokenizer: tests patch it here)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from cloudtrain.config import parse_bool
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models.load import is_causal_lm
+from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_config, load_failure, read_tokenizer
+from cloudtrain.predict import add_trust_remote_code, true_or_false
 from cloudtrain.publish.saving import adapter_config, is_adapter_dir
 from cloudtrain.registry import TASKS
 
 SEPARATOR = "-" * 60
 DEVICES = ("auto", "cpu", "cuda")
-
-
-def _true_or_false(value: str) -> bool:
-    try:
-        return parse_bool(value)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -80,7 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--do_sample",
-        type=_true_or_false,
+        type=true_or_false,
         nargs="?",
         const=True,
         default=False,
@@ -124,7 +118,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--chat",
-        type=_true_or_false,
+        type=true_or_false,
         nargs="?",
         const=True,
         default=False,
@@ -134,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--raw",
-        type=_true_or_false,
+        type=true_or_false,
         nargs="?",
         const=True,
         default=False,
@@ -143,6 +137,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: false, prompts are user messages).",
     )
     parser.add_argument("--system_prompt", help="With a chat template: a system message put before the conversation.")
+    add_trust_remote_code(parser)
 
 
 # ---------------------------------------------------------------- checks (before anything is loaded)
@@ -165,8 +160,9 @@ def check_options(args: argparse.Namespace) -> None:
         raise UserError(f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; 1.0 turns it off")
 
 
-def check_model_dir(model_dir: str) -> None:
-    """`model_dir` holds the config of a causal language model, or a UserError says what it holds instead."""
+def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
+    """`model_dir` holds the config of a causal language model and readable weights, or a UserError says what it
+    holds instead."""
     path = Path(model_dir)
     if not path.is_dir():
         raise UserError(f"--model_dir {model_dir} does not exist; pass the output_dir of a training run")
@@ -182,11 +178,9 @@ def check_model_dir(model_dir: str) -> None:
         raise UserError(
             f"--model_dir {model_dir} holds no config.json; pass a directory written by the training application"
         )
-    try:
-        config = AutoConfig.from_pretrained(path)
-    except (OSError, ValueError, KeyError) as err:
-        raise UserError(f"could not read {path / 'config.json'}: {first_line(err)}") from None
+    config = load_config(path, trust_remote_code)
     if is_causal_lm(config):
+        check_checkpoint(path, "--model_dir")
         return
     architectures = list(getattr(config, "architectures", None) or [])
     if any(name.endswith("ForSequenceClassification") for name in architectures):
@@ -232,7 +226,7 @@ def resolve_device(requested: str) -> torch.device:
 # ---------------------------------------------------------------- loading and generating
 
 
-def load(model_dir: str, device: torch.device):
+def load(model_dir: str, device: torch.device, trust_remote_code: bool = False):
     """(model in eval mode on `device`, tokenizer): bf16 on a CUDA GPU that computes it natively, else fp32."""
     from cloudtrain.hardware import native_bf16
     from cloudtrain.models import adapters
@@ -241,11 +235,11 @@ def load(model_dir: str, device: torch.device):
     if is_adapter_dir(Path(model_dir)):  # the base named in its config, with the adapter on top
         model, tokenizer = adapters.load_adapter_model(Path(model_dir), dtype)
         return model.to(device).eval(), tokenizer
+    tokenizer = read_tokenizer(model_dir, trust_remote_code)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-    except (OSError, ValueError) as err:
-        raise UserError(f"could not load the model in {model_dir}: {first_line(err)}") from None
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
+        raise load_failure(err, f"the model in {model_dir}", model_dir) from None
     return model.to(device).eval(), tokenizer  # type: ignore[arg-type]  # transformers' wrapped `to`
 
 
@@ -381,10 +375,10 @@ def _render(tokenizer, messages: list[dict]) -> str:
 
 def run(args: argparse.Namespace) -> None:
     check_options(args)
-    check_model_dir(args.model_dir)
+    check_model_dir(args.model_dir, args.trust_remote_code)
     prompts = read_prompts(args)
     device = resolve_device(args.device)
-    model, tokenizer = load(args.model_dir, device)
+    model, tokenizer = load(args.model_dir, device, args.trust_remote_code)
     trained = training_arguments(args.model_dir)
     # A chat model (trained with --task sft, or not by cloudtrain) gets user messages; a causal LM that was
     # continued from an instruct checkpoint keeps its template but was trained, and is used, on plain text.

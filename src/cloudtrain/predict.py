@@ -5,6 +5,8 @@
 
 Prints one JSON line per text: {"text", "label", "score"}; --output_file writes them to a file.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column.
+A model that needs its own code (auto_map) loads only with --trust_remote_code true; nothing asks on
+standard input.
 """
 
 import argparse
@@ -12,10 +14,36 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
+from safetensors import SafetensorError
+from transformers import AutoModelForSequenceClassification
 
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish.saving import adapter_config, holds_model, is_adapter_dir, write_jsonl
+
+DEFAULT_MAX_LENGTH = 512
+
+
+def true_or_false(value: str) -> bool:
+    """An argparse type for explicit booleans (`--trust_remote_code true`)."""
+    from cloudtrain.config import parse_bool
+
+    try:
+        return parse_bool(value)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--trust_remote_code",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Run the model's own Python code (auto_map in its config) to load it; read that code first "
+        "(default: false, such a model is refused).",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +53,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text_column", default="text", help="Column of --input_file holding the texts.")
     parser.add_argument("--output_file", help="Write the JSON lines here instead of printing them.")
     parser.add_argument("--batch_size", type=int, default=32, help="Texts per forward pass (default: 32).")
-    parser.add_argument("--max_length", type=int, default=512, help="Truncate texts to this many tokens.")
+    parser.add_argument(
+        "--max_length",
+        type=int,
+        help=f"Truncate texts to this many tokens (default: {DEFAULT_MAX_LENGTH}, or the model's context if shorter).",
+    )
+    add_trust_remote_code(parser)
 
 
 def read_texts(path: str, column: str) -> list[str]:
@@ -33,15 +66,18 @@ def read_texts(path: str, column: str) -> list[str]:
     if not file.is_file():
         raise UserError(f"--input_file {path} does not exist")
     if file.suffix == ".txt":
-        return [line for line in file.read_text().splitlines() if line.strip()]
-    import datasets  # only needed for tabular inputs
-
-    from cloudtrain.data.sources import FILE_FORMATS
+        try:
+            return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+        except UnicodeDecodeError:
+            raise UserError(f"--input_file {path} is not UTF-8 text; save it as UTF-8 and try again") from None
+    from cloudtrain.data.sources import FILE_FORMATS, load_files  # only needed for tabular inputs
 
     if file.suffix not in FILE_FORMATS:
         raise UserError(f"--input_file {path}: unsupported format; use .txt or one of {', '.join(FILE_FORMATS)}")
+    if file.stat().st_size == 0:
+        raise UserError(f"--input_file {path} is empty")
     builder, options = FILE_FORMATS[file.suffix]
-    ds = datasets.load_dataset(builder, data_files=str(file), split="train", **options)
+    ds = load_files(builder, [file], options=options)
     if column not in ds.column_names:
         raise UserError(
             f"column {column!r} is not in {path} (its columns: {', '.join(ds.column_names)}); pass --text_column"
@@ -50,11 +86,21 @@ def read_texts(path: str, column: str) -> list[str]:
 
 
 @torch.no_grad()
-def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: int = 512) -> list[dict]:
-    """Label and probability of the top class for each text."""
+def predict(
+    model_dir: str,
+    texts: list[str],
+    batch_size: int = 32,
+    max_length: int | None = None,
+    trust_remote_code: bool = False,
+) -> list[dict]:
+    """Label and probability of the top class for each text; texts are truncated to `max_length` tokens
+    (default: 512, or the model's context where shorter; longer is refused)."""
+    if batch_size < 1:
+        raise UserError(f"--batch_size must be at least 1, got {batch_size}")
     if not holds_model(Path(model_dir)):
         raise UserError(f"--model_dir {model_dir} holds no saved model (no config.json/model.safetensors)")
-    model, tokenizer = load(model_dir)
+    model, tokenizer = load(model_dir, trust_remote_code)
+    max_length = truncation_length(model.config, max_length)
     results = []
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
@@ -65,9 +111,24 @@ def predict(model_dir: str, texts: list[str], batch_size: int = 32, max_length: 
     return results
 
 
-def load(model_dir: str):
+def truncation_length(config, requested: int | None) -> int:
+    """--max_length, checked against the model's positions (past them the model fails on an IndexError)."""
+    from cloudtrain.models.load import context_length
+
+    context = context_length(config)
+    if requested is None:
+        return min(DEFAULT_MAX_LENGTH, context or DEFAULT_MAX_LENGTH)
+    if requested < 1:
+        raise UserError(f"--max_length must be at least 1, got {requested}")
+    if context and requested > context:
+        raise UserError(f"--max_length {requested} is longer than the model's context ({context} positions)")
+    return requested
+
+
+def load(model_dir: str, trust_remote_code: bool = False):
     """(classifier in eval mode, tokenizer) from a full model's directory or an adapter's (onto its base)."""
     from cloudtrain.models import adapters
+    from cloudtrain.models.load import check_checkpoint, load_config, load_failure, read_tokenizer
 
     if is_adapter_dir(Path(model_dir)):
         task_type = adapter_config(Path(model_dir)).get("task_type")
@@ -77,7 +138,26 @@ def load(model_dir: str):
                 f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a sequence classifier{hint}"
             )
         return adapters.load_adapter_model(Path(model_dir))
-    architectures = json.loads((Path(model_dir) / "config.json").read_text()).get("architectures") or []
+    check_sequence_classifier(model_dir)
+    check_checkpoint(model_dir, "--model_dir")
+    config = load_config(model_dir, trust_remote_code)  # first: a model that needs its own code stops here
+    tokenizer = read_tokenizer(model_dir, trust_remote_code)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, config=config, trust_remote_code=trust_remote_code
+        )
+    except (OSError, ValueError, KeyError, SafetensorError) as err:
+        raise load_failure(err, f"the model in {model_dir}", model_dir) from None
+    return model.eval(), tokenizer
+
+
+def check_sequence_classifier(model_dir: str) -> None:
+    """config.json names a sequence classifier, or a UserError says what it holds instead."""
+    config = Path(model_dir) / "config.json"
+    try:
+        architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
+    except (ValueError, AttributeError) as err:  # not JSON, not UTF-8, or not an object
+        raise UserError(f"{config} is not a valid config file ({first_line(err)}); save the model again") from None
     if not any(name.endswith("ForSequenceClassification") for name in architectures):
         hint = (
             "; continue prompts with the generate command"
@@ -87,13 +167,6 @@ def load(model_dir: str):
         raise UserError(
             f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence classifier{hint}"
         )
-    try:
-        return (
-            AutoModelForSequenceClassification.from_pretrained(model_dir).eval(),
-            AutoTokenizer.from_pretrained(model_dir),
-        )
-    except (OSError, ValueError) as err:
-        raise UserError(f"could not load the model in {model_dir}: {first_line(err)}") from None
 
 
 def records(texts: list[str], ids: list[int], scores: list[float], id2label: dict) -> list[dict]:
@@ -108,7 +181,7 @@ def run(args: argparse.Namespace) -> None:
     texts = list(args.text) + (read_texts(args.input_file, args.text_column) if args.input_file else [])
     if not texts:
         raise UserError('nothing to classify: pass --text "..." or --input_file FILE')
-    rows = predict(args.model_dir, texts, args.batch_size, args.max_length)
+    rows = predict(args.model_dir, texts, args.batch_size, args.max_length, args.trust_remote_code)
     if args.output_file:
         write_jsonl(Path(args.output_file), rows)
         print(f"wrote {len(rows)} predictions to {args.output_file}")

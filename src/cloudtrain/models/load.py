@@ -6,14 +6,23 @@ labels, a language model's vocabulary), whether the checkpoint's head is replace
 (`replaces_head`: a classifier whose head has other labels keeps only the body's weights, said in one line),
 and what the loaded model still needs (`fit_model`: SFT's embeddings grown for its chat tokens). Decoders
 get EOS as their pad token when they have none (sequence classification needs it to find the last token).
+
+Every load passes `trust_remote_code` explicitly (so transformers never asks on standard input), and every
+failure a user's files can cause becomes one line (`load_failure`): a checkpoint that needs its own code names
+--trust_remote_code true; damaged weights or tokenizer files name the file. `check_checkpoint` and `check_sizes`
+run before any data or weights are loaded: weights present and readable, the tokenizer within the model's
+vocabulary, --max_length within its positions.
 """
 
+import json
+import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import huggingface_hub
 import torch
 import transformers
+from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.integrations import is_deepspeed_zero3_enabled
@@ -46,15 +55,132 @@ def load_tokenizer(cfg: ModelConfig) -> transformers.PreTrainedTokenizerBase:
     path = (
         resolve_model_path(cfg, cfg.tokenizer_name_or_path) if cfg.tokenizer_name_or_path else resolve_model_path(cfg)
     )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UserError(f"could not load a tokenizer from {path}: {first_line(err)}") from None
+    tokenizer = read_tokenizer(path, cfg.trust_remote_code)
     if not tokenizer.is_fast:
         raise UserError(f"{path} has no fast tokenizer (tokenizer.json); cloudtrain needs one")
     if tokenizer.pad_token is None:  # decoders: pad with EOS, the usual choice for classification
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def read_tokenizer(path: str | Path, trust_remote_code: bool) -> transformers.PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained(path), its failures as one line. The tokenizers library reports a damaged
+    tokenizer.json as a bare Exception, and only the user's files are read here, so any failure is theirs."""
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # noqa: BLE001 (see above)
+        raise load_failure(err, f"the tokenizer in {path}", path) from None
+
+
+def load_failure(err: BaseException, what: str, path: str | Path) -> UserError:
+    """One line for a library error raised while loading `what` from `path` (a folder or a Hub id)."""
+    if "trust_remote_code" in str(err):  # transformers' refusal when trust_remote_code is False
+        return remote_code_refusal(path)
+    damaged = next((f for f in sorted(Path(path).glob("*.json")) if not _is_json(f)), None)
+    if damaged is not None:  # the libraries' JSON errors name a line and column, not the file
+        return UserError(f"could not load {what}: {damaged} is not valid JSON; save or download it again")
+    detail = first_line(err)
+    if isinstance(err, KeyError) or " " not in detail:  # KeyError('added_tokens'): an entry the file lacks
+        detail = f"{type(err).__name__} {detail}: its files are damaged or incomplete"
+    return UserError(f"could not load {what}: {detail}")
+
+
+def _is_json(file: Path) -> bool:
+    try:
+        json.loads(file.read_text(encoding="utf-8"))
+        return True
+    except (ValueError, OSError):  # UnicodeDecodeError is a ValueError
+        return False
+
+
+def remote_code_refusal(path: str | Path) -> UserError:
+    """The refusal of a checkpoint whose config names its own code (auto_map) that must run to load it."""
+    folder = Path(path)
+    code = sorted(f.name for f in folder.glob("*.py")) if folder.is_dir() else []
+    named = f" ({', '.join(code)})" if code else ""
+    return UserError(
+        f"{path} needs its own Python code{named} to load, which cloudtrain runs only with "
+        "--trust_remote_code true: read that code first"
+    )
+
+
+WEIGHT_NAMES = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+
+
+def check_checkpoint(path: str | Path, flag: str) -> None:
+    """A local model folder (`flag` names it) holds a config and weights that can be read; cheap: only the
+    safetensors headers and the .bin archives' directories are read. A Hub id is checked by from_pretrained."""
+    folder = Path(path)
+    if not folder.is_dir():
+        return
+    if not (folder / "config.json").is_file():
+        raise UserError(f"{flag} {path} has no config.json; give a folder written by save_pretrained")
+    files = sorted({f for pattern in WEIGHT_NAMES for f in folder.glob(pattern)})
+    if not files:
+        raise UserError(
+            f"{flag} {path} holds no weights (no model.safetensors or pytorch_model.bin), so the model would "
+            "start from random weights; give a folder saved with its weights"
+        )
+    for file in files:
+        try:
+            if file.name.endswith(".safetensors"):
+                with safe_open(str(file), "pt"):  # parses the header and checks the file covers every tensor
+                    pass
+            elif file.suffix == ".bin":
+                zipfile.ZipFile(file).close()  # a truncated archive has no central directory
+        except (SafetensorError, zipfile.BadZipFile, OSError) as err:
+            raise UserError(f"{file} is damaged ({first_line(err)}); save or download the model again") from None
+
+
+# Position embeddings that start after the padding index (RoBERTa's family): padding_idx + 1 rows are unused.
+PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod")
+
+
+def check_sizes(
+    config: transformers.PretrainedConfig,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    max_length: int,
+    added_tokens: int = 0,
+) -> None:
+    """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and --max_length
+    its positions: past either, training stops mid-run on an IndexError."""
+    vocab = getattr(config.get_text_config(decoder=True), "vocab_size", None)
+    if vocab and len(tokenizer) - added_tokens > vocab:
+        raise UserError(
+            f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
+            "use the model's own tokenizer (only a chat template's new tokens grow the embeddings)"
+        )
+    context = context_length(config)
+    if context and max_length > context:
+        raise UserError(
+            f"--max_length {max_length} is longer than the model's context ({context} positions); "
+            f"pass --max_length {context} or less"
+        )
+
+
+def context_length(config: transformers.PretrainedConfig) -> int | None:
+    """The most tokens a row may hold: the rows of its position table; None where positions are relative."""
+    text = config.get_text_config(decoder=True)
+    context = getattr(text, "max_position_embeddings", None)
+    if not context or getattr(text, "position_biased_input", True) is False:  # DeBERTa's relative positions
+        return None
+    if getattr(text, "model_type", "") in PADDING_OFFSET_POSITIONS:
+        pad = getattr(text, "pad_token_id", None)
+        context -= (1 if pad is None else pad) + 1
+    return context
+
+
+def read_config(cfg: ModelConfig, **options) -> transformers.PretrainedConfig:
+    """The checkpoint's config (AutoConfig with `options`), its failures as one line."""
+    return load_config(resolve_model_path(cfg), cfg.trust_remote_code, **options)
+
+
+def load_config(path: str | Path, trust_remote_code: bool, **options) -> transformers.PretrainedConfig:
+    """AutoConfig.from_pretrained(path), its failures as one line."""
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **options)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise load_failure(err, f"the model config in {path}", path) from None
 
 
 def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
@@ -72,14 +198,11 @@ def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
 
 def head_labels(cfg: ModelConfig) -> list[str] | None:
     """The label names, by id, of the checkpoint's sequence-classification head; None when it has none."""
-    path = resolve_model_path(cfg)
-    try:
-        config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UserError(f"could not read the model config in {path}: {first_line(err)}") from None
+    config = read_config(cfg)
     if not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
         return None
-    return [str(config.id2label[i]) for i in range(config.num_labels)]
+    id2label: dict = config.id2label or {}  # transformers fills it for every config
+    return [str(id2label[i]) for i in range(len(id2label))]
 
 
 def load_model(
@@ -112,7 +235,9 @@ def load_model(
             model = model_class.from_pretrained(None, config=config, state_dict=weights, **options)
         else:
             model = auto_class.from_pretrained(source, config=config, **options)
-    except (OSError, ValueError, ImportError) as err:
+    except (OSError, ValueError, ImportError, SafetensorError) as err:
+        if "trust_remote_code" in str(err):
+            raise remote_code_refusal(source) from None
         raise UserError(f"{task.load_error} from {source}: {first_line(err)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)

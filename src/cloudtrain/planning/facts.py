@@ -15,7 +15,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from cloudtrain.config import Config, ModelConfig, TrainingConfig
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models.load import is_causal_lm, load_tokenizer, resolve_model_path
+from cloudtrain.models.load import is_causal_lm, load_tokenizer, remote_code_refusal, resolve_model_path
 from cloudtrain.parallel.stages import family_of
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks import DecoderTask, Task
@@ -148,7 +148,9 @@ def _load_config(task: Task, model: ModelConfig, num_labels: int):
         path = resolve_model_path(model)
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, num_labels=num_labels)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, KeyError) as err:
+            if "trust_remote_code" in str(err):  # transformers' refusal: the checkpoint's own code must run
+                raise remote_code_refusal(path) from None
             raise UserError(f"could not read a model config from {path}: {first_line(err)}") from None
     config = task.model_config(Config(model=model))
     if not is_causal_lm(config):

@@ -41,9 +41,16 @@ from cloudtrain.data.packing import (
     shifted_loss,
 )
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
-from cloudtrain.errors import UserError, first_line
+from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
-from cloudtrain.models.load import is_causal_lm, resolve_model_path
+from cloudtrain.models.load import (
+    check_checkpoint,
+    check_sizes,
+    is_causal_lm,
+    load_failure,
+    read_config,
+    resolve_model_path,
+)
 from cloudtrain.publish.model_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import DecoderTask
@@ -93,6 +100,8 @@ class CausalLMTask(DecoderTask):
                 f"pretraining, or --model_config <config.json or preset: {', '.join(presets())}> "
                 "with --tokenizer_name_or_path to pretrain from scratch"
             )
+        if m.model_name_or_path:
+            check_checkpoint(resolve_model_path(m), "--model_name_or_path")
         config = self.model_config(cfg)
         if not is_causal_lm(config):
             kind = ", ".join(config.architectures or [config.model_type])
@@ -106,11 +115,13 @@ class CausalLMTask(DecoderTask):
 
     def model_config(self, cfg: Config) -> transformers.PretrainedConfig:
         m = cfg.model
-        source = str(model_config_file(m.model_config)) if m.model_config else resolve_model_path(m)
+        if not m.model_config:
+            return read_config(m)
+        source = str(model_config_file(m.model_config))
         try:
             return AutoConfig.from_pretrained(source, trust_remote_code=m.trust_remote_code)
-        except (OSError, ValueError) as err:
-            raise UserError(f"could not read the model config {source}: {first_line(err)}") from None
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise load_failure(err, f"the model config {source}", source) from None
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         return {"--text_column": (cfg.text_column, True)}
@@ -186,7 +197,7 @@ class CausalLMTask(DecoderTask):
         config = self.model_config(cfg)
         if cfg.model.model_config:
             self.fit_config(config, tokenizer, cfg.model.model_config)
-        self._check_sizes(config, tokenizer, cfg.data.max_length, self.added_tokens)
+        check_sizes(config, tokenizer, cfg.data.max_length, self.added_tokens)
         return config
 
     @staticmethod
@@ -197,28 +208,6 @@ class CausalLMTask(DecoderTask):
         config.vocab_size = math.ceil(len(tokenizer) / 64) * 64  # a multiple of 64 suits matmul kernels
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
         config.pad_token_id = tokenizer.pad_token_id
-
-    def _check_sizes(
-        self,
-        config: transformers.PretrainedConfig,
-        tokenizer: PreTrainedTokenizerBase,
-        max_length: int,
-        added_tokens: int = 0,
-    ) -> None:
-        """The tokenizer fits the model's vocabulary (but for `added_tokens` the task adds itself), and a row its
-        context."""
-        text = config.get_text_config(decoder=True)
-        vocab, context = getattr(text, "vocab_size", None), getattr(text, "max_position_embeddings", None)
-        if vocab and len(tokenizer) - added_tokens > vocab:
-            raise UserError(
-                f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
-                "use the model's own tokenizer (only a chat template's new tokens grow the embeddings)"
-            )
-        if context and max_length > context:
-            raise UserError(
-                f"--max_length {max_length} is longer than the model's context ({context} positions); "
-                f"pass --max_length {context} or less"
-            )
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         if cfg.data.packing != "bfd":

@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from datasets import DatasetDict
 from huggingface_hub import ModelCard
 from transformers import (
-    AutoConfig,
     AutoModelForSequenceClassification,
     PretrainedConfig,
     PreTrainedModel,
@@ -23,9 +22,16 @@ from transformers import (
 
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.processing import ProcessedData, process_data
-from cloudtrain.errors import UserError, first_line
+from cloudtrain.errors import UserError
 from cloudtrain.evaluation import evaluate_model, predict_labels
-from cloudtrain.models.load import head_labels, resolve_model_path
+from cloudtrain.models.load import (
+    check_checkpoint,
+    check_sizes,
+    head_labels,
+    load_tokenizer,
+    read_config,
+    resolve_model_path,
+)
 from cloudtrain.predict import records
 from cloudtrain.publish.model_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
@@ -45,11 +51,15 @@ class ClassificationTask(Task):
     peft_task_type = "SEQ_CLS"
 
     def check_options(self, cfg: Config) -> None:
+        """Before any data or weights load: a checkpoint with readable weights, whose vocabulary holds the
+        tokenizer's and whose positions hold --max_length (past either, training fails mid-run)."""
         if cfg.model.model_config:
             raise UserError(
                 "--model_config builds a model from scratch for --task causal_lm; a classifier "
                 "starts from --model_name_or_path"
             )
+        check_checkpoint(resolve_model_path(cfg.model), "--model_name_or_path")
+        check_sizes(read_config(cfg.model), load_tokenizer(cfg.model), cfg.data.max_length)
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         needed = {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}
@@ -62,18 +72,10 @@ class ClassificationTask(Task):
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
         """The checkpoint's config with a head for the data's labels (names by id), padding as the tokenizer."""
-        path = resolve_model_path(cfg.model)
         id2label = dict(enumerate(data.label_names))
-        try:
-            config = AutoConfig.from_pretrained(
-                path,
-                num_labels=len(id2label),
-                id2label=id2label,
-                label2id={n: i for i, n in id2label.items()},
-                trust_remote_code=cfg.model.trust_remote_code,
-            )
-        except (OSError, ValueError) as err:
-            raise UserError(f"{self.load_error} from {path}: {first_line(err)}") from None
+        config = read_config(
+            cfg.model, num_labels=len(id2label), id2label=id2label, label2id={n: i for i, n in id2label.items()}
+        )
         config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
         return config
 
