@@ -71,6 +71,7 @@ def find_label_names(raw: DatasetDict, column: str, order: list[str] | None = No
 def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
     train = raw["train"]
     feature = train.features[column]
+    check_label_kind(train, column)
     missing = sum(is_missing(value, feature) for value in train[column])
     if missing:
         raise UserError(
@@ -82,6 +83,35 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
         return names, {i: i for i in range(len(names))}
     values = sorted(set(train[column]))
     return [str(v) for v in values], {value: i for i, value in enumerate(values)}
+
+
+def check_label_kind(train: Dataset, column: str) -> None:
+    """One class per row: lists (multi-label) and fractional numbers (regression) would otherwise become a class
+    per distinct value, or fail deep in datasets."""
+    feature = train.features[column]
+    if not isinstance(feature, (ClassLabel, datasets.Value)):
+        raise UserError(
+            f"the {column!r} column holds lists or records, not one label per row; multi-label targets are not "
+            "supported: give each row one class name or id"
+        )
+    if feature.dtype.startswith("float"):
+        fractional = [v for v in train[column] if v is not None and not math.isnan(v) and not float(v).is_integer()]
+        if fractional:
+            shown = ", ".join(f"{v:g}" for v in fractional[:3]) + (", ..." if len(fractional) > 3 else "")
+            raise UserError(
+                f"the {column!r} column holds fractional numbers ({shown}): regression is not supported; "
+                "classification needs class names or whole-number class ids"
+            )
+
+
+def check_texts(train: Dataset, column: str) -> None:
+    """Training needs some text: a column of empty strings tokenizes to special tokens alone and trains on
+    nothing."""
+    if not any(text is not None and str(text).strip() for text in train[column]):
+        raise UserError(
+            f"the training data has no text in column {column!r} (every row is empty); "
+            "give data with text, or pass --text_column <name>"
+        )
 
 
 def is_missing(value, feature) -> bool:
@@ -132,6 +162,7 @@ def process_data(
 ) -> ProcessedData:
     """Tokenize and encode every split, carve validation if needed, and apply the sample limits.
     `label_order`: see `find_label_names`."""
+    check_texts(raw["train"], cfg.text_column)
     names, label2id = find_label_names(raw, cfg.label_column, label_order)
     if len(names) < 2:
         raise UserError(

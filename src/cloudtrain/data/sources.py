@@ -14,6 +14,7 @@ from pathlib import Path
 
 import datasets
 from datasets import Dataset, DatasetDict
+from datasets.exceptions import DatasetGenerationError
 
 from cloudtrain.assets import R8_FILES, r8_dir
 from cloudtrain.config import DataConfig
@@ -50,6 +51,9 @@ def check_data_sources(cfg: DataConfig) -> None:
                 f"--{split}_file {path}: unsupported format {p.suffix!r}; "
                 f"use one of {', '.join(FILE_FORMATS)} or a save_to_disk directory"
             )
+        for file in [p] if p.is_file() else _data_files(p):
+            if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
+                raise UserError(f"--{split}_file {file} is empty; give a file with a header and rows")
     if not files and not cfg.dataset_name:
         r8_dir()  # raises with the set-up command when the built-in data is missing
 
@@ -89,14 +93,47 @@ def _load_path(path: str, split: str, text_column: str) -> Dataset:
     if len(suffixes) > 1:
         raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
     builder, options = FILE_FORMATS[suffixes.pop()]
+    loaded = load_files(builder, files, split, options)
+    # a .txt file's lines arrive in column "text"
+    return loaded.rename_column("text", text_column) if builder == "text" and text_column != "text" else loaded
+
+
+def load_files(builder: str, files: list[Path], split: str = "train", options: dict | None = None) -> Dataset:
+    """`files` read by the datasets `builder` as one split; what the files hold that the reader cannot take is
+    one line naming the file and what to do."""
     try:
-        loaded = datasets.load_dataset(builder, data_files={split: [str(f) for f in files]}, split=split, **options)
-        # a .txt file's lines arrive in column "text"
-        return loaded.rename_column("text", text_column) if builder == "text" and text_column != "text" else loaded
-    except Exception as err:  # pandas/arrow parse errors: a malformed file is a user problem
-        if "corresponds to no data" in str(err):
-            raise UserError(f"the {split} data in {path} is empty") from None
-        raise UserError(f"could not read {path} as {builder}: {first_line(err)}") from None
+        return datasets.load_dataset(
+            builder, data_files={split: [str(f) for f in files]}, split=split, **(options or {})
+        )
+    except Exception as err:  # noqa: BLE001 (pandas/arrow/json parse errors: a malformed file is the user's)
+        raise read_error(err, builder, files, split) from None
+
+
+def read_error(err: BaseException, builder: str, files: list[Path], split: str) -> UserError:
+    """The cause under datasets' "An error occurred while generating the dataset", as one line."""
+    causes = []
+    while err is not None and err not in causes:  # the chain of causes, outermost first
+        causes.append(err)
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    where = files[0] if len(files) == 1 else f"{len(files)} files in {files[0].parent}"
+    if any(isinstance(c, UnicodeDecodeError) for c in causes):
+        bad = next((f for f in files if not _is_utf8(f)), where)
+        return UserError(f"{bad} is not UTF-8 text (Latin-1 or another encoding?); save it as UTF-8 and try again")
+    text = " ".join(str(c) for c in causes)
+    if "corresponds to no data" in text or "No columns to parse" in text:
+        return UserError(f"the {split} data in {where} is empty; give a file with a header and rows")
+    cause = next((c for c in causes if not isinstance(c, DatasetGenerationError)), causes[-1])
+    return UserError(f"could not read {where} as {builder}: {type(cause).__name__}: {first_line(cause)}")
+
+
+def _is_utf8(file: Path) -> bool:
+    try:
+        with open(file, encoding="utf-8") as handle:
+            for _ in handle:  # line by line: a data file may be large
+                pass
+        return True
+    except UnicodeDecodeError:
+        return False
 
 
 def _pick_split(saved: DatasetDict, split: str, path: str) -> Dataset:
@@ -122,6 +159,11 @@ def _load_saved(path: str) -> Dataset | DatasetDict:
         return datasets.load_from_disk(path)
     except FileNotFoundError:
         raise UserError(f"{path} is a directory but not one written by datasets.save_to_disk") from None
+    except Exception as err:  # noqa: BLE001 (a damaged state.json, dataset_info.json or arrow file)
+        raise UserError(
+            f"could not read the saved dataset in {path} ({type(err).__name__}: {first_line(err)}); save it again "
+            "with datasets.save_to_disk"
+        ) from None
 
 
 def _load_hub(name: str, config: str | None) -> DatasetDict:
