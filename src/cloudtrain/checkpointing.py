@@ -402,9 +402,12 @@ class Checkpointer:
                 shutil.copy2(self.output_dir / name, partial / name)
         _write_synced(partial / STATE_FILE, json.dumps(meta, indent=2))
         kill_point("checkpoint.sealed")
-        if final.exists():  # the same step saved again after a resume
-            shutil.rmtree(final)
+        aside = final.with_name(f"{final.name}.replaced")
+        if final.exists():  # the same step saved again after a resume: renamed away whole, never half-deleted
+            shutil.rmtree(aside, ignore_errors=True)
+            os.replace(final, aside)
         os.replace(partial, final)
+        shutil.rmtree(aside, ignore_errors=True)
         _fsync_dir(self.folder)
 
     def _score(self, state: TrainerState) -> float | None:
