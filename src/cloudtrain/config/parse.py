@@ -133,7 +133,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "--config",
         metavar="FILE",
         default=argparse.SUPPRESS,
-        help="YAML or JSON file of options; flags given on the command line override it.",
+        help="YAML or JSON file of options; flags given on the command line override it. The file may start from "
+        "another with `extends: <file>` (a path relative to it).",
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, (section, f) in _fields().items():
