@@ -10,21 +10,23 @@ it plans for (GPUs, nodes, their memory) and narrow the search. How it estimates
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
 from cloudtrain.config import PEFT_METHODS, TrainingConfig, add_config_option
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import resolve_precision
+from cloudtrain.planning.accelerators import GPUS, Gpu, gpu_by_name
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, decoder_tasks, is_decoder, model_facts
+from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
-from cloudtrain.planning.report import recommendation_json, render, row_json
+from cloudtrain.planning.report import choice_json, recommendation_json, render, row_json
 from cloudtrain.planning.search import (
-    choose,
     micro_batch_options,
     no_pipeline,
     pipeline_candidates,
+    ranked_choices,
     reasons,
     row,
     suggestions,
@@ -58,7 +60,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--num_labels", type=int, default=2, help="Classes of the classification head (default: 2).")
     plan.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default: 1).")
     plan.add_argument("--num_nodes", type=int, default=1, help="Nodes (default: 1).")
-    plan.add_argument("--gpu_memory_gb", type=float, required=True, help="Memory of one GPU in GiB, e.g. 24 or 80.")
+    plan.add_argument(
+        "--gpu",
+        default=None,
+        help=f"The GPU by name, for its memory: {', '.join(GPUS)} (MI250: per die, two per card).",
+    )
+    plan.add_argument(
+        "--gpu_memory_gb", type=float, default=None, help="Memory of one GPU in GiB, e.g. 24 or 80 (wins over --gpu)."
+    )
     plan.add_argument(
         "--cpu_memory_gb",
         type=float,
@@ -96,7 +105,8 @@ def _check(args: argparse.Namespace) -> None:
     checks = [
         (args.num_gpus < 1, "--num_gpus must be at least 1"),
         (args.num_nodes < 1, "--num_nodes must be at least 1"),
-        (args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
+        (args.gpu_memory_gb is None and args.gpu is None, "give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"),
+        (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
         (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
         (args.num_labels < 1, "--num_labels must be at least 1"),
         (args.model_config and not decoder, f"--model_config is for --task {decoder_tasks()}"),
@@ -145,8 +155,10 @@ def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
 def make_plan(args: argparse.Namespace) -> dict:
     """Estimate every candidate, choose one, write its configs; returns the machine-readable plan."""
     _check(args)
+    gpu = gpu_by_name(args.gpu) if args.gpu else None
+    name = args.model_config or args.model_name_or_path or default_model_dir()
     m = model_facts(
-        args.model_config or args.model_name_or_path or default_model_dir(),
+        (not args.model_config and config_folder(name)) or name,  # a well-known model: its shipped config
         args.num_labels,
         args.trust_remote_code,
         args.task,
@@ -154,10 +166,12 @@ def make_plan(args: argparse.Namespace) -> dict:
         args.tokenizer_name_or_path,
         LoraSpec(args.lora_r, tuple(args.lora_target_modules), args.lora_dropout),
     )
+    if not args.model_config and known_name(name):
+        m = replace(m, name=name)
     setup = Setup(
         args.num_gpus,
         args.num_nodes,
-        round(args.gpu_memory_gb * GIB),
+        round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB),
         None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
         args.max_length,
         resolve_precision(args.mixed_precision),  # auto: as training resolves it, on this machine
@@ -179,7 +193,8 @@ def make_plan(args: argparse.Namespace) -> dict:
         and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())
         and args.peft in ("auto", r.candidate.peft)
     ]
-    choice = choose(m, allowed, setup, requested, global_batch)
+    ranked = ranked_choices(m, allowed, setup, requested, global_batch)
+    choice = ranked[0] if ranked else None
     plan = {
         "model": asdict(m),
         "setup": {**asdict(setup), "world_size": setup.world_size},
@@ -194,7 +209,8 @@ def make_plan(args: argparse.Namespace) -> dict:
         "strategies": [row_json(r) for r in rows],
         "recommendation": None,
         "suggestions": [],
-        "notes": _notes(m, setup, args.mixed_precision),
+        "fallbacks": [choice_json(c) for c in ranked[1:4]],  # the next best, in the order the choice takes
+        "notes": _notes(m, setup, args.mixed_precision) + _hardware_notes(name, args, gpu),
     }
     if choice is None:
         forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
@@ -206,7 +222,8 @@ def make_plan(args: argparse.Namespace) -> dict:
             "(see the table); drop --strategy/--gradient_checkpointing/--peft to let the planner "
             "choose."
         )
-        plan["suggestions"] = suggestions(m, setup, cands)
+        # what would make the allowed candidates fit (a forced --strategy's, not the leanest of all)
+        plan["suggestions"] = suggestions(m, setup, [r.candidate for r in allowed] or cands)
         return plan
     files = write_configs(m, choice, setup, Path(args.output_dir))
     plan["recommendation"] = recommendation_json(
@@ -238,6 +255,16 @@ def _notes(m: ModelFacts, setup: Setup, precision: str) -> list[str]:
             f"--mixed_precision {precision} is {setup.mixed_precision} on this machine, as training resolves it where "
             "it runs (bf16 on GPUs from Ampere on); pass bf16, fp16 or no to plan for other GPUs"
         )
+    return notes
+
+
+def _hardware_notes(name: str, args: argparse.Namespace, gpu: Gpu | None) -> list[str]:
+    """Where the model's shapes and the GPU's memory came from, when not from the user."""
+    notes = gpu.notes() if gpu else []
+    if gpu and args.gpu_memory_gb is not None:
+        notes.append(f"--gpu_memory_gb {args.gpu_memory_gb:g} wins over --gpu {gpu.name}'s {gpu.memory_gib:g} GiB")
+    if not args.model_config and known_name(name):
+        notes.append(f"{name}: shapes from cloudtrain's table of well-known models (its published config)")
     return notes
 
 

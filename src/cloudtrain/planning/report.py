@@ -47,6 +47,16 @@ def row_json(row: Row) -> dict:
     }
 
 
+def choice_json(choice: Choice) -> dict:
+    """A fallback: a candidate that fits, at the micro-batch and accumulation it would run with."""
+    return {
+        **candidate_json(choice.candidate),
+        "micro_batch": choice.micro_batch,
+        "gradient_accumulation_steps": choice.accumulation,
+        "estimate": estimate_json(choice.estimate),
+    }
+
+
 def recommendation_json(choice: Choice, global_batch: int, files: dict, reasons: list[str], command: str) -> dict:
     c = choice.candidate
     return {
@@ -169,4 +179,11 @@ def _render_choice(plan: dict) -> list[str]:
     ] + [f"  {reason}" for reason in rec["reasons"]]
     wrote = "Wrote " + ", ".join(rec["files"].values()) + ". " if rec["files"] else ""
     lines += [wrote + "Launch with:", f"  {rec['command']}"]
+    if plan.get("fallbacks"):
+        lines.append("If it does not suit, the next best (--strategy and --gradient_checkpointing choose one):")
+        lines += [
+            f"  - {f['label']}: micro-batch {f['micro_batch']}, gradient accumulation "
+            f"{f['gradient_accumulation_steps']}, {f['estimate']['total'] / GIB:.1f} GiB per GPU"
+            for f in plan["fallbacks"]
+        ]
     return lines

@@ -115,21 +115,32 @@ def accumulation(cand: Candidate, per_gpu: int, micro_batch: int) -> int:
 
 
 def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_batch: int) -> Choice | None:
-    """Full fine-tuning if any of its candidates fits, else LoRA (DoRA), else QLoRA: adapters train a different
-    model, so they are the fallback, not a speed-up. Within one, the fastest candidate at the requested
-    micro-batch if any fits it; else the fastest that fits a smaller one, at the largest micro-batch it fits."""
+    """The first of `ranked_choices`, None when nothing fits."""
+    ranked = ranked_choices(m, rows, setup, requested, global_batch)
+    return ranked[0] if ranked else None
+
+
+def ranked_choices(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_batch: int) -> list[Choice]:
+    """Every candidate that fits, best first: full fine-tuning before LoRA (DoRA) before QLoRA (adapters train a
+    different model, so they are the fallback, not a speed-up); within one, the candidates that fit the
+    requested micro-batch, fastest first, then the rest, fastest first, each at the largest micro-batch it fits.
+    The first is the choice; the next are the fallbacks the plan lists."""
     per_gpu = global_batch // setup.world_size
     options = micro_batch_options(requested, per_gpu)
+    ranked: list[Choice] = []
+    taken: set[int] = set()  # rows already ranked, by position
     for peft in PEFT_METHODS:
-        tier = sorted((r for r in rows if r.candidate.peft == peft), key=lambda r: r.candidate.speed)
+        in_tier = [i for i, r in enumerate(rows) if r.candidate.peft == peft]
+        tier = sorted(in_tier, key=lambda i: rows[i].candidate.speed)
         for allowed in (options[:1], options):
-            for r in tier:
-                c = r.candidate
-                fitting = [b for b in allowed if b <= r.max_micro_batch and accumulation(c, per_gpu, b)]
+            for i in (i for i in tier if i not in taken):
+                c = rows[i].candidate
+                fitting = [b for b in allowed if b <= rows[i].max_micro_batch and accumulation(c, per_gpu, b)]
                 if fitting:
                     b = fitting[0]
-                    return Choice(c, b, accumulation(c, per_gpu, b), estimate(m, c, setup, b))
-    return None
+                    taken.add(i)
+                    ranked.append(Choice(c, b, accumulation(c, per_gpu, b), estimate(m, c, setup, b)))
+    return ranked
 
 
 def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
@@ -138,9 +149,10 @@ def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
 
 def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str]:
     """What would make the smallest of `cands` (at micro-batch 1) fit."""
-    smallest = min((estimate(m, c, setup, 1) for c in cands), key=lambda e: e.total)
+    leanest = min(cands, key=lambda c: estimate(m, c, setup, 1).total)
+    smallest = estimate(m, leanest, setup, 1)
     ideas = [
-        f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option needs "
+        f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option, {leanest.name}, needs "
         f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"
     ]
     for nodes in range(setup.num_nodes + 1, setup.num_nodes * 64 + 1):

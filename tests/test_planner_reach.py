@@ -1,0 +1,111 @@
+"""The planner's reach (issue 33): well-known models by name with no Hub config, GPUs by name (AMD included,
+other accelerators refused plainly), the next-best strategies in its answer, and a forced strategy's advice."""
+
+import json
+import re
+
+import pytest
+from conftest import run_cli
+from test_planner import plan_args
+
+from cloudtrain import planning
+from cloudtrain.errors import UserError
+from cloudtrain.planning.known_models import KNOWN_MODELS, hub_id, known_name
+
+# the parameter counts of the published checkpoints (their model cards and config.json, as causal LMs)
+PUBLISHED_PARAMS = {
+    "llama-7b": 6_738_415_616,
+    "llama-2-7b": 6_738_415_616,
+    "llama-2-13b": 13_015_864_320,
+    "llama-2-70b": 68_976_648_192,
+    "llama-3-8b": 8_030_261_248,
+    "mistral-7b": 7_241_732_096,
+    "opt-1.3b": 1_315_758_080,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_well_known_models_plan_offline_with_their_published_sizes(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # no Hub: the shapes come from the shipped table
+    plan = planning.make_plan(plan_args(name, tmp_path, task="causal_lm", gpu="a100-80gb", num_gpus=8))
+    assert plan["model"]["num_params"] == PUBLISHED_PARAMS[name]
+    assert plan["setup"]["gpu_memory_bytes"] == 80 * 2**30
+    assert plan["model"]["name"] == name
+    assert f"{name}: shapes from cloudtrain's table of well-known models" in " ".join(plan["notes"])
+    if plan["recommendation"]:  # the launch command loads the checkpoint by its Hub id
+        assert f"--model_name_or_path {KNOWN_MODELS[name][0]} " in plan["recommendation"]["command"]
+
+
+def test_a_hub_id_finds_the_table_and_a_local_folder_wins(tmp_path, monkeypatch):
+    assert known_name("meta-llama/Llama-2-13b-hf") == "llama-2-13b" and known_name("Mistral-7B") == "mistral-7b"
+    assert known_name("mistral-8b") is None
+    assert hub_id("opt-1.3b") == "facebook/opt-1.3b" and hub_id("my/model") == "my/model"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama-2-7b").mkdir()  # a folder of that name is the user's own model, not the table's
+    assert known_name("llama-2-7b") is None
+
+
+def test_amd_gpus_plan_with_their_memory_and_a_note(tmp_path):
+    plan = planning.make_plan(plan_args("opt-1.3b", tmp_path, task="causal_lm", gpu="MI250", num_gpus=8))
+    assert plan["setup"]["gpu_memory_bytes"] == 64 * 2**30  # one of the card's two dies
+    assert any(note.startswith("mi250: AMD Instinct runs the same code on a ROCm build") for note in plan["notes"])
+    big = planning.make_plan(plan_args("llama-2-70b", tmp_path, task="causal_lm", gpu="mi300x", num_gpus=8))
+    assert big["setup"]["gpu_memory_bytes"] == 192 * 2**30
+
+
+@pytest.mark.parametrize(
+    ("gpu", "message"),
+    [
+        ("tpu-v5e", "--gpu tpu-v5e: Google TPUs (XLA) are not supported: cloudtrain trains on NVIDIA GPUs (CUDA) and "),
+        ("gaudi2", "--gpu gaudi2: Intel Gaudi (HPU) are not supported"),
+        ("trn1", "--gpu trn1: AWS Trainium (Neuron SDK) are not supported"),
+        ("rtx-9999", "--gpu rtx-9999 is not a GPU the planner knows (t4, "),
+    ],
+)
+def test_unsupported_or_unknown_accelerators_are_said_plainly(gpu, message, tmp_path):
+    with pytest.raises(UserError, match="^" + re.escape(message)):
+        planning.make_plan(plan_args("opt-1.3b", tmp_path, gpu=gpu))
+
+
+def test_the_answer_lists_the_next_best_strategies_that_fit(tmp_path):
+    plan = planning.make_plan(
+        plan_args("llama-2-7b", tmp_path, task="causal_lm", gpu="a100-80gb", num_gpus=8, mixed_precision="bf16")
+    )
+    chosen, fallbacks = plan["recommendation"], plan["fallbacks"]
+    assert 1 <= len(fallbacks) <= 3 and chosen["label"] not in [f["label"] for f in fallbacks]
+    rows = {r["label"]: r for r in plan["strategies"]}
+    for f in fallbacks:  # each fits, at a micro-batch its row allows, and is no faster than the choice
+        assert f["micro_batch"] <= rows[f["label"]]["max_micro_batch"]
+        assert f["estimate"]["total"] <= 80 * 2**30
+        assert rows[f["label"]]["relative_step_time"] >= rows[chosen["label"]]["relative_step_time"]
+    assert [f["relative_step_time"] for f in map(rows.get, [f["label"] for f in fallbacks])] == sorted(
+        rows[f["label"]]["relative_step_time"] for f in fallbacks
+    )
+    text = planning.render(plan)
+    assert f"  - {fallbacks[0]['label']}: micro-batch {fallbacks[0]['micro_batch']}, " in text
+
+
+def test_a_forced_strategy_that_fits_nothing_gets_its_own_advice(tmp_path):
+    """--strategy zero2 on 4 x 24 GiB: the advice quotes ZeRO-2's leanest row, not the leanest of all rows."""
+    args = dict(task="causal_lm", num_gpus=4, gpu_memory_gb=24, mixed_precision="bf16", strategy="zero2")
+    plan = planning.make_plan(plan_args("llama-2-7b", tmp_path, **args))
+    assert plan["recommendation"] is None
+    zero2 = [r for r in plan["strategies"] if r["strategy"] == "zero2"]
+    leanest = min(zero2, key=lambda r: r["estimate"]["total"])  # at the requested micro-batch, ordered as at 1
+    needs = re.search(r"the leanest option, (.+), needs ([\d.]+) GiB", plan["suggestions"][0])
+    assert needs and needs.group(1) == leanest["label"] and leanest["label"].startswith("ZeRO-2")
+    smallest_of_all = min(r["estimate"]["total"] for r in plan["strategies"]) / 2**30
+    assert float(needs.group(2)) > 24 > smallest_of_all  # the old advice quoted a row that fits already
+
+
+def test_plan_command_by_names_and_json(tmp_path):
+    result = run_cli(
+        "plan", "--model_name_or_path", "llama-2-13b", "--task", "causal_lm", "--gpu", "h100", "--num_gpus", "8",
+        "--json", "--output_dir", str(tmp_path),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["model"]["num_params"] == PUBLISHED_PARAMS["llama-2-13b"] and plan["fallbacks"]
+    missing = run_cli("plan", "--model_name_or_path", "llama-2-13b", "--task", "causal_lm")
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "error: give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"
