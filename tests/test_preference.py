@@ -295,11 +295,11 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     assert evaluation["samples"] == 4 and evaluation["rewards/accuracies"] == 1.0
     assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "exact_match"} <= set(evaluation)
     assert any(r.get("eval/rewards/accuracies") == 1.0 for r in records)
-    preference = curve_data(records)["preference"]  # the curves plot's third panel
-    assert (
-        set(preference) == {"train/rewards/margins", "train/rewards/accuracies"}
-        and (out / "training_curves.png").is_file()
-    )
+    preference = set(curve_data(records)["preference"])  # the curves plot's third panel
+    assert preference == {
+        f"{split}/rewards/{name}" for split in ("train", "eval") for name in ("margins", "accuracies")
+    }
+    assert (out / "training_curves.png").is_file()
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert "<|im_start|>" in tokenizer.chat_template
     AutoModelForCausalLM.from_pretrained(out)
