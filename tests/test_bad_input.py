@@ -267,3 +267,21 @@ def test_a_yaml_value_of_the_wrong_type_is_one_line(models, topic_csvs, tmp_path
     argv = ["--config", str(config), *train_args(models["classifier"], topic_csvs["train"], tmp_path / "out")]
     assert refused(argv, capsys) == "--learning_rate: expected one number, got a list [0.0001, 0.0002]"
     assert not (tmp_path / "out").exists()
+
+
+def test_tokenizers_that_differ_only_in_their_inputs_do_not_share_a_cache(models, topic_csvs, tmp_path):
+    """A tokenizer whose own class needs its code loads under a generic class (no token_type_ids) with the same
+    tokenizer.json: its tokenized data must not be read back from the cache of the full class (datasets then
+    failed on a keys mismatch), and holds only the inputs it names."""
+    from transformers import AutoTokenizer
+
+    from cloudtrain.config import DataConfig
+    from cloudtrain.data.processing import process_data
+    from cloudtrain.data.sources import connect_data
+
+    cfg = DataConfig(train_file=str(topic_csvs["train"]), cache_dir=str(tmp_path / "cache"))
+    raw = connect_data(cfg)
+    full = AutoTokenizer.from_pretrained(models["classifier"])
+    generic = AutoTokenizer.from_pretrained(models["classifier"], model_input_names=["input_ids", "attention_mask"])
+    assert "token_type_ids" in process_data(raw, full, cfg, seed=0).train.column_names
+    assert process_data(raw, generic, cfg, seed=0).train.column_names == ["input_ids", "attention_mask", "labels"]

@@ -210,7 +210,10 @@ def _encode(
 
     def encode(batch: dict) -> dict:
         texts = [["" if t is None else str(t) for t in batch[c]] for c in columns]
-        out = tokenizer(*texts, truncation=True, max_length=cfg.max_length)
+        encoded = tokenizer(*texts, truncation=True, max_length=cfg.max_length)
+        # only what the tokenizer says the model takes: a tokenizer loaded under a generic class can emit more
+        # (token_type_ids), which the features below would refuse
+        out = {name: encoded[name] for name in tokenizer.model_input_names}
         if label2id is not None:
             out["labels"] = [label2id[v] for v in batch[cfg.label_column]]
         return out
@@ -252,7 +255,8 @@ def _cache_key(
     ds: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, columns: list, names: list | None
 ) -> str:
     """Same source rows + same tokenizer + same options -> same key -> cached result reused."""
-    return cache_key(ds, tokenizer, cfg.max_length, columns, cfg.label_column, names, "v1")
+    inputs = list(tokenizer.model_input_names)  # the columns kept: two tokenizers may differ only in these
+    return cache_key(ds, tokenizer, cfg.max_length, columns, cfg.label_column, names, inputs, "v1")
 
 
 def cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, *options) -> str:
