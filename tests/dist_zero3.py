@@ -17,7 +17,8 @@ from cloudtrain.pipeline import build_run
 
 
 def main(options_file: str, result_dir: str) -> None:
-    cfg = build_config({"mixed_precision": "no", "zero_stage": 3, **json.loads(Path(options_file).read_text())})
+    options = {"output_dir": str(Path(result_dir) / "out"), **json.loads(Path(options_file).read_text())}
+    cfg = build_config({"mixed_precision": "no", "zero_stage": 3, **options})  # output_dir: not the repo's outputs/
     run = build_run(cfg)
     accelerator, trainer, data = run.runtime.accelerator, run.trainer, run.data
     groups = [

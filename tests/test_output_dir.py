@@ -136,3 +136,13 @@ def test_a_save_that_cannot_fit_is_refused_with_the_space_it_needs(tmp_path):
     with pytest.raises(UserError, match=r"the final model needs about .* free in .* and .* is free; free some space"):
         atomic.check_free_space(tmp_path, 2**60, "the final model")
     atomic.check_free_space(tmp_path, 1, "the final model")  # fits
+
+
+def test_a_folder_an_earlier_version_wrote_is_recognised_by_its_arguments(tmp_path):
+    out = tmp_path / "old-version"
+    out.mkdir()
+    (out / "model.safetensors").write_text("weights")
+    (out / "args.json").write_text(json.dumps({"task": "classification", "training_type": "basic", "output_dir": "x"}))
+    assert {"model.safetensors", "args.json"} <= written(out)
+    (out / "args.json").write_text(json.dumps({"my": "notes"}))  # a user's own args.json
+    assert written(out) == set()

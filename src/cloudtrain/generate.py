@@ -39,6 +39,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_config, load_failure, read_tokenizer
 from cloudtrain.predict import add_trust_remote_code, true_or_false
+from cloudtrain.publish import atomic
 from cloudtrain.publish.saving import adapter_config, is_adapter_dir
 from cloudtrain.registry import TASKS
 
@@ -166,6 +167,7 @@ def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
     path = Path(model_dir)
     if not path.is_dir():
         raise UserError(f"--model_dir {model_dir} does not exist; pass the output_dir of a training run")
+    atomic.recover(path)  # a final save a kill interrupted is finished before anything is read
     if is_adapter_dir(path):
         task_type = adapter_config(path).get("task_type")
         if task_type != "CAUSAL_LM":
@@ -233,7 +235,7 @@ def load(model_dir: str, device: torch.device, trust_remote_code: bool = False):
 
     dtype = torch.bfloat16 if device.type == "cuda" and native_bf16("cuda") else torch.float32
     if is_adapter_dir(Path(model_dir)):  # the base named in its config, with the adapter on top
-        model, tokenizer = adapters.load_adapter_model(Path(model_dir), dtype)
+        model, tokenizer = adapters.load_adapter_model(Path(model_dir), dtype, trust_remote_code)
         return model.to(device).eval(), tokenizer
     tokenizer = read_tokenizer(model_dir, trust_remote_code)
     try:

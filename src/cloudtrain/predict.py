@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from transformers import AutoModelForSequenceClassification
 
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.publish import atomic
 from cloudtrain.publish.saving import adapter_config, holds_model, is_adapter_dir, write_jsonl
 
 DEFAULT_MAX_LENGTH = 512
@@ -97,6 +98,7 @@ def predict(
     (default: 512, or the model's context where shorter; longer is refused)."""
     if batch_size < 1:
         raise UserError(f"--batch_size must be at least 1, got {batch_size}")
+    atomic.recover(Path(model_dir))  # a final save a kill interrupted is finished before anything is read
     if not holds_model(Path(model_dir)):
         raise UserError(f"--model_dir {model_dir} holds no saved model (no config.json/model.safetensors)")
     model, tokenizer = load(model_dir, trust_remote_code)
@@ -105,8 +107,11 @@ def predict(
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
         inputs = tokenizer(chunk, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
-        probs = model(**inputs).logits.float().softmax(dim=-1)
-        scores, ids = probs.max(dim=-1)
+        logits = model(**inputs).logits.float()
+        if logits.shape[-1] == 1:  # a reward model (--task reward): its one output is the score
+            scores, ids = logits[:, 0], torch.zeros(len(chunk), dtype=torch.long)
+        else:
+            scores, ids = logits.softmax(dim=-1).max(dim=-1)
         results += records(chunk, ids.tolist(), scores.tolist(), model.config.id2label)
     return results
 
@@ -137,7 +142,7 @@ def load(model_dir: str, trust_remote_code: bool = False):
             raise UserError(
                 f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a sequence classifier{hint}"
             )
-        return adapters.load_adapter_model(Path(model_dir))
+        return adapters.load_adapter_model(Path(model_dir), trust_remote_code=trust_remote_code)
     check_sequence_classifier(model_dir)
     check_checkpoint(model_dir, "--model_dir")
     config = load_config(model_dir, trust_remote_code)  # first: a model that needs its own code stops here

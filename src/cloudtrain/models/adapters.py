@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import transformers
+from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -44,6 +45,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.publish import atomic
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is_adapter_dir
 
 AUTO_CLASSES = {"SEQ_CLS": AutoModelForSequenceClassification, "CAUSAL_LM": AutoModelForCausalLM}
@@ -200,8 +202,9 @@ def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
 # ---------------------------------------------------------------- using a saved adapter
 
 
-def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32):
-    """(the base named in the adapter's config with the adapter on top, in eval mode; its tokenizer)."""
+def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False):
+    """(the base named in the adapter's config with the adapter on top, in eval mode; its tokenizer). A base that
+    needs its own code is refused unless `trust_remote_code`: transformers never asks on standard input."""
     from peft import PeftModel
 
     model_dir = Path(model_dir)
@@ -213,7 +216,7 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
         )
     if not base:
         raise UserError(f"{model_dir}/adapter_config.json names no base model (base_model_name_or_path)")
-    options: dict[str, Any] = {"dtype": dtype}
+    options: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if (model_dir / LABELS).is_file():
         id2label = {int(i): name for i, name in json.loads((model_dir / LABELS).read_text())["id2label"].items()}
         options.update(
@@ -225,7 +228,7 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the "newly initialized head" report: the adapter holds the head
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
         if task_type == "SEQ_CLS" and tokenizer.pad_token_id is not None:
             options["pad_token_id"] = tokenizer.pad_token_id  # a decoder classifier finds its last token by it
         model = AUTO_CLASSES[task_type].from_pretrained(base, **options)
@@ -236,7 +239,11 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)
             model = PeftModel.from_pretrained(model, model_dir)
-    except (OSError, ValueError, RuntimeError) as err:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as err:
+        if "trust_remote_code" in str(err):
+            from cloudtrain.models.load import remote_code_refusal  # load imports this module
+
+            raise remote_code_refusal(base) from None
         raise UserError(
             f"could not load the adapter in {model_dir} onto its base model {base}: {first_line(err)}"
         ) from None
@@ -245,11 +252,11 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     return model.eval(), tokenizer
 
 
-def merge(output_dir: Path) -> Path:
+def merge(output_dir: Path, trust_remote_code: bool = False) -> Path:
     """Write <output_dir>/merged: the base with the adapter folded in, once its logits on a probe batch
     equal the adapter model's within float tolerance (the largest difference is printed)."""
     output_dir = Path(output_dir)
-    model, tokenizer = load_adapter_model(output_dir, dtype="auto")
+    model, tokenizer = load_adapter_model(output_dir, dtype="auto", trust_remote_code=trust_remote_code)
     batch = probe_batch(model, tokenizer)
     with torch.no_grad():
         expected = model(**batch).logits.float()
@@ -285,13 +292,17 @@ def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from cloudtrain.predict import add_trust_remote_code
+
     parser.add_argument("--output_dir", required=True, help="The output directory of a training run with --peft.")
+    add_trust_remote_code(parser)
 
 
 def run(args: argparse.Namespace) -> None:
+    atomic.recover(Path(args.output_dir))  # a final save a kill interrupted is finished before anything is read
     if not is_adapter_dir(Path(args.output_dir)):
         raise UserError(
             f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
             "output of a run with --peft lora, dora or qlora"
         )
-    merge(Path(args.output_dir))
+    merge(Path(args.output_dir), args.trust_remote_code)

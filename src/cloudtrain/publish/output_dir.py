@@ -42,12 +42,25 @@ def is_run_name(name: str, patterns: tuple[str, ...] = RUN_PATTERNS) -> bool:
 
 
 def written(output_dir: Path) -> set[str]:
-    """The names cloudtrain wrote in `output_dir`, from its manifest."""
+    """The names cloudtrain wrote in `output_dir`, from its manifest (or, for a folder an earlier version
+    wrote, from its args.json)."""
     path = Path(output_dir) / MANIFEST
     try:
         return set(json.loads(path.read_text())["written"])
     except (OSError, ValueError, KeyError, TypeError):
+        return _written_before_manifests(Path(output_dir))
+
+
+def _written_before_manifests(output_dir: Path) -> set[str]:
+    """Versions before the manifest left args.json holding cloudtrain's own options: such a folder's run names
+    are cloudtrain's. A user's own args.json would not name these options."""
+    try:
+        args = json.loads((output_dir / "args.json").read_text())
+    except (OSError, ValueError):
         return set()
+    if not isinstance(args, dict) or not {"training_type", "task", "output_dir"} <= set(args):
+        return set()
+    return {p.name for p in output_dir.iterdir() if is_run_name(p.name)}
 
 
 def record(output_dir: Path, names: set[str] | list[str]) -> None:
