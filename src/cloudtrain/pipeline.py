@@ -37,7 +37,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
-from cloudtrain.models.load import load_model, load_tokenizer, resolve_model_path
+from cloudtrain.models.load import resolve_model_path
 from cloudtrain.models.prepare import compile_model, prepare
 from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
@@ -166,13 +166,13 @@ def build_run(cfg: Config) -> Run:
     set_seed(cfg.training.seed)  # the same on every process, so every process builds the same model
 
     raw = connect_data(cfg.data, task.columns(cfg.data))
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = task.load_tokenizer(cfg)
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage
         data = task.process(raw, tokenizer, cfg)
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
-    model = load_model(cfg, task, data, tokenizer, announce=runtime.is_main)
+    model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
     model = prepare(model, cfg, task, runtime.is_main, stop=compile_model)  # attention ... adapters, in order
     if cfg.training.per_device_train_batch_size == "auto":  # probes the prepared model, before it is compiled
         cfg = batch_size.choose(cfg, model, data, task, runtime, resumed.get("batch") if resumed else None)

@@ -82,6 +82,21 @@ class Task:
         process with `reduce_sum` (a collective: every process calls it); logged as train/<name>."""
         return {}
 
+    def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
+        """The tokenizer the data is processed with: the model's, or --tokenizer_name_or_path."""
+        from cloudtrain.models.load import load_tokenizer  # models.load names tasks in its types
+
+        return load_tokenizer(cfg.model)
+
+    def load_model(
+        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
+    ) -> torch.nn.Module:
+        """The model to train, before the transforms of models.prepare: the task's Auto class through
+        cloudtrain.models.load; a task whose model is no single transformers model loads its own."""
+        from cloudtrain.models.load import load_model
+
+        return load_model(cfg, self, data, tokenizer, announce)
+
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """Modules that train in full next to adapters (--peft): what the task added or changed in the model."""
         return []
