@@ -222,6 +222,7 @@ def test_precomputed_reference_equals_the_live_reference(tiny_llama_dir, pairs_f
     run = build_run(
         build_config(dpo_options(tiny_llama_dir, pairs_file, tmp_path / "out", precompute_reference="true"))
     )
+    precomputed_rng = torch.random.get_rng_state()
     assert run.task.reference is None  # nothing kept
     batch = run.data.collator([run.data.train[i] for i in range(len(run.data.train))])
     base = load_base(tiny_llama_dir, run.tokenizer)
@@ -230,6 +231,8 @@ def test_precomputed_reference_equals_the_live_reference(tiny_llama_dir, pairs_f
     assert batch["ref_logps"].tolist() == pytest.approx(live.tolist(), abs=1e-4)
 
     live_run = build_run(build_config(dpo_options(tiny_llama_dir, pairs_file, tmp_path / "live")))
+    # the pass drew nothing from the seeded generator: adapters, dropout and the batches are those of a live run
+    assert torch.equal(torch.random.get_rng_state(), precomputed_rng)
     live_batch = live_run.data.collator([live_run.data.train[i] for i in range(len(live_run.data.train))])
     assert live_run.task.reference is not None
     assert live_run.task.reference_logps(live_run.model, live_batch).tolist() == pytest.approx(

@@ -13,7 +13,8 @@ the task for these and branch on nothing else:
 - `evaluate`: the metrics of a split, counted over every example exactly once, and the tables logged
   with them (`tables`);
 - `before_adapters`, `train_metrics`: what a task keeps of the model before adapters (a reference model) and
-  its own numbers at each logging step (preference rewards);
+  its own numbers at each logging step (preference rewards); `pending_state` / `restore_state`: those numbers
+  not yet logged, kept in a checkpoint so a resumed run logs what an uninterrupted one would;
 - `describe`: the one-line summaries printed for data and metrics; `card` and `inference_hint` for
   the model card and the command that uses the saved model.
 """
@@ -81,6 +82,15 @@ class Task:
         """The task's own numbers of a logging interval, from sums it kept on the device and adds over every
         process with `reduce_sum` (a collective: every process calls it); logged as train/<name>."""
         return {}
+
+    def pending_state(self, reduce_sum: Callable) -> list[float] | None:
+        """The task's own sums not yet logged, added over every process with `reduce_sum` (a collective: every
+        process calls it), for a checkpoint; None when it keeps none."""
+        return None
+
+    def restore_state(self, state: list[float], is_main: bool) -> None:
+        """Take back what `pending_state` gave a checkpoint (the main process holds every process's sums, as the
+        trainer's own logging sums)."""
 
     def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
         """The tokenizer the data is processed with: the model's, or --tokenizer_name_or_path."""

@@ -293,15 +293,8 @@ class DPOTask(SFTTask):
             ds = getattr(self.data, split)
             if ds is None:
                 continue
-            loader = DataLoader(ds, batch_size=cfg.training.per_device_eval_batch_size, collate_fn=self.data.collator)
-            logps = []
-            for batch in loader:
-                with autocast_for(cfg.training.mixed_precision, device):
-                    values = (
-                        pair_logps(model, {k: v.to(device) for k, v in batch.items()}, self.window)[0].float().cpu()
-                    )
-                pairs = len(values) // 2
-                logps.append(torch.stack([values[:pairs], values[pairs:]], dim=1))
+            with torch.random.fork_rng(devices=[]):  # a loader draws its seed: adapters and dropout must not notice
+                logps = self._reference_pass(model, ds, cfg, device)
             table = torch.cat(logps).tolist()
             for i, column in enumerate(REFERENCE_COLUMNS):
                 ds = ds.add_column(column, [row[i] for row in table])
@@ -314,6 +307,18 @@ class DPOTask(SFTTask):
                 "no reference model is kept",
                 flush=True,
             )
+
+    def _reference_pass(self, model: PreTrainedModel, ds: Dataset, cfg: Config, device: torch.device) -> list:
+        """[chosen, rejected] summed answer log-probabilities of every pair of `ds`, one [B, 2] tensor per batch."""
+        assert self.data is not None  # `process` ran
+        loader = DataLoader(ds, batch_size=cfg.training.per_device_eval_batch_size, collate_fn=self.data.collator)
+        logps = []
+        for batch in loader:
+            with autocast_for(cfg.training.mixed_precision, device):
+                values = pair_logps(model, {k: v.to(device) for k, v in batch.items()}, self.window)[0].float().cpu()
+            pairs = len(values) // 2
+            logps.append(torch.stack([values[:pairs], values[pairs:]], dim=1))
+        return logps
 
     @torch.no_grad()
     def reference_logps(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -358,8 +363,21 @@ class DPOTask(SFTTask):
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         losses, values = self.pair_values(model, batch)
         sums = torch.cat([values.double().sum(dim=0), values.new_full((1,), len(losses)).double()])
+        if self.sums is not None and self.sums.device != sums.device:  # restored from a checkpoint on the CPU
+            self.sums = self.sums.to(sums.device)
         self.sums = sums if self.sums is None else self.sums + sums  # stays on the device
         return losses.sum(), self.loss_count(batch)
+
+    def pending_state(self, reduce_sum: Callable) -> list[float] | None:
+        """The reward sums since the last logging step, over every process: a resumed run's first log covers the
+        steps before the checkpoint too, as an uninterrupted run's does."""
+        if self.sums is None:  # every process has stepped alike: all or none have sums
+            return None
+        return reduce_sum(self.sums.clone()).cpu().tolist()
+
+    def restore_state(self, state: list[float], is_main: bool) -> None:
+        # the main process holds every process's sums; the others start from zero, so the next sum adds them once
+        self.sums = torch.tensor(state, dtype=torch.float64) * float(is_main)
 
     def train_metrics(self, reduce_sum: Callable, seconds: float) -> dict[str, float]:
         if self.sums is None:  # every process has stepped alike: all or none have sums

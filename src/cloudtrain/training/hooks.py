@@ -16,12 +16,14 @@ The hooks, in the order `Trainer.hooks` runs them:
                      (Task.train_metrics), to the run log (metrics.jsonl and the --report_to trackers) and the console
     AnomalyHook      the monitoring detector's warnings (--monitoring); --on_anomaly checkpoint or stop
     EvaluationHook   the validation split on --eval_strategy, and before the first step (--eval_on_start)
-    CheckpointHook   a checkpoint on its schedule, or now when a hook above asked for one
+    CheckpointHook   a checkpoint on its schedule, or now when a hook above asked for one (with the task's own
+                     sums not yet logged, in task_state.json)
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -42,6 +44,7 @@ if TYPE_CHECKING:
     from cloudtrain.training.trainer import Trainer
 
 RESUME = "continue with --resume_from_checkpoint latest"
+TASK_STATE_FILE = "task_state.json"  # the task's own sums not yet logged (Task.pending_state)
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,11 @@ class CheckpointHook(Hook):
         trainer, state = self.trainer, loop.state
         runtime_s = trainer.runtime.share(state.runtime_s + loop.meter.elapsed())  # every node writes the same
         snapshot = dataclasses.replace(state, interval=loop.meter.pending(), runtime_s=runtime_s)
-        return self.checkpointer.save(
-            state.global_step, trainer.write_checkpoint, type(trainer).__name__, trainer.runtime.mesh, snapshot
-        )
+        task_state = trainer.task.pending_state(trainer.runtime.reduce_sum)  # every process: a collective
+
+        def write(folder: Path) -> None:
+            trainer.write_checkpoint(folder)
+            if task_state is not None and trainer.checkpoint_owner:
+                (folder / TASK_STATE_FILE).write_text(json.dumps(task_state))
+
+        return self.checkpointer.save(state.global_step, write, type(trainer).__name__, trainer.runtime.mesh, snapshot)

@@ -11,7 +11,8 @@ hooks): logging, evaluation, checkpoints, the preemption check, anomaly handling
 concern is a new hook in `Trainer.hooks`.
 
 Resuming is exact: each epoch's order comes from seed + epoch, consumed batches are skipped by
-index without being read, and RNG states, optimizer, schedule and logging sums are restored.
+index without being read, and RNG states, optimizer, schedule and logging sums (the task's own too) are
+restored.
 
 The loss is normalised by the global count: the micro-batches of one optimizer step are fetched
 together, the task counts what their losses sum over (rows, or target tokens after the shift), and
@@ -28,6 +29,7 @@ or saved.
 """
 
 import contextlib
+import json
 import math
 import time
 from collections.abc import Iterable, Iterator
@@ -54,6 +56,7 @@ from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.training.hooks import (
+    TASK_STATE_FILE,
     AnomalyHook,
     CheckpointHook,
     EvaluationHook,
@@ -373,6 +376,8 @@ class Trainer:
                 "--resume_from_checkpoint"
             ) from None
         state = TrainerState(**meta["state"])
+        if (folder / TASK_STATE_FILE).is_file():  # the task's own sums not yet logged (preference rewards)
+            self.task.restore_state(json.loads((folder / TASK_STATE_FILE).read_text()), self.is_main_process)
         if not self.is_main_process:  # the pending logging sums of all processes live on the main one
             state.interval = [0.0] * len(state.interval)
         if self.is_main_process:
