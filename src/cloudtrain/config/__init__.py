@@ -9,6 +9,7 @@ from cloudtrain.config.checks import validate
 from cloudtrain.config.data import PACKING, DataConfig
 from cloudtrain.config.distributed import OFFLOAD, PIPELINE_SCHEDULES, DistributedConfig
 from cloudtrain.config.fields import opt
+from cloudtrain.config.images import ImagesConfig
 from cloudtrain.config.model import PEFT_METHODS, ModelConfig
 from cloudtrain.config.parse import (
     _coerce,
@@ -63,6 +64,7 @@ __all__ = [
     "DataConfig",
     "DistributedConfig",
     "HubConfig",
+    "ImagesConfig",
     "ModelConfig",
     "MonitoringConfig",
     "OutputConfig",

@@ -9,6 +9,7 @@ from typing import Any
 
 from cloudtrain.config.data import DataConfig
 from cloudtrain.config.distributed import DistributedConfig
+from cloudtrain.config.images import ImagesConfig
 from cloudtrain.config.model import ModelConfig
 from cloudtrain.config.preference import PreferenceConfig
 from cloudtrain.config.run import CheckpointConfig, HubConfig, MonitoringConfig, OutputConfig, TrackingConfig
@@ -21,6 +22,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    images: ImagesConfig = field(default_factory=ImagesConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     monitoring: MonitoringConfig = field(default_factory=MonitoringConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)

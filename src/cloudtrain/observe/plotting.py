@@ -8,14 +8,26 @@ Timing, throughput and test metrics are left out: they are single values or do n
 """
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 # eval/* entries that are not quality metrics and would not share the metrics panel's 0-1 scale
-NOT_METRICS = {"eval/loss", "eval/samples", "eval/runtime_s", "eval/samples_per_s", "eval/tokens", "eval/tokens_per_s"}
+NOT_METRICS = {
+    "eval/loss",
+    "eval/samples",
+    "eval/runtime_s",
+    "eval/samples_per_s",
+    "eval/tokens",
+    "eval/tokens_per_s",
+    "eval/validation_images",
+}
 
 # a preference run's margins and pair accuracy (train/ and eval/), on the third panel
 PREFERENCE = ("/rewards/margins", "/rewards/accuracies")
 
 Curves = dict[str, dict[str, tuple[list[int], list[float]]]]  # panel -> series -> (steps, values)
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 
 def curve_data(records: list[dict]) -> Curves:
@@ -61,3 +73,20 @@ def plot_training_curves(records: list[dict], path: Path) -> Curves:
             ax.text(0.5, 0.5, "nothing logged", ha="center", va="center", transform=ax.transAxes)
     figure.savefig(path, dpi=100)
     return curves
+
+
+def image_grid(images: list, captions: list[str], columns: int = 4) -> "Image.Image":
+    """Images side by side (up to `columns` a row), each with its caption beneath: one picture per evaluation."""
+    from PIL import Image, ImageDraw
+
+    width, height = images[0].size
+    strip = 14  # pixels of caption text under each image (PIL's built-in font)
+    columns = min(columns, len(images))
+    rows = -(-len(images) // columns)
+    grid = Image.new("RGB", (columns * width, rows * (height + strip)), "white")
+    draw = ImageDraw.Draw(grid)
+    for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
+        x, y = (i % columns) * width, (i // columns) * (height + strip)
+        grid.paste(image.convert("RGB").resize((width, height)), (x, y))
+        draw.text((x + 2, y + height + 1), caption[: max(4, width // 6)], fill="black")
+    return grid

@@ -33,10 +33,11 @@ from typing import TYPE_CHECKING
 
 from accelerate import PartialState
 from accelerate.tracking import MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
+from PIL import Image
 
 from cloudtrain.config import Config, TrackingConfig
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.observe.plotting import plot_training_curves
+from cloudtrain.observe.plotting import image_grid, plot_training_curves
 from cloudtrain.redact import mask_value
 
 RUNS_FILE = "tracker_runs.json"
@@ -139,11 +140,27 @@ class RunLog:
             tracker.alert(kind.replace("_", " "), message)
 
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
-        """A table (a causal LM's sample generations, say) to every tracker; metrics.jsonl keeps numbers only."""
+        """A table (a causal LM's sample generations, say) to every tracker; metrics.jsonl keeps numbers only.
+        A table of (caption, image) rows (text-to-image's validation images) is logged as images."""
         if not self.enabled:
+            return
+        if rows and len(rows[0]) == 2 and isinstance(rows[0][1], Image.Image):
+            self.log_images(name, [str(r[0]) for r in rows], [r[1] for r in rows], step)
             return
         for tracker in self.trackers:
             tracker.log_table(name, header, rows, step)
+
+    def log_images(self, name: str, captions: list[str], images: list, step: int) -> None:
+        """Images with their captions: one grid per call in <output_dir>/validation (`<name's first part>-step-N.png`),
+        and the images to every tracker that shows images."""
+        if not self.enabled:
+            return
+        folder = self.output_dir / "validation"
+        folder.mkdir(exist_ok=True)
+        grid = image_grid(images, captions)
+        grid.save(folder / f"{name.split('/')[0]}-step-{step:06d}.png")
+        for tracker in self.trackers:
+            tracker.log_images(name, captions, images, grid, step)
 
     def finish(self, results: dict, label_names: list[str]) -> None:
         """Curves, summary, confusion matrices and (optionally) the model; then end the tracker runs."""
@@ -234,6 +251,9 @@ class RunMethods:
     def log_files(self, curves_png: Path, step: int) -> None:
         pass
 
+    def log_images(self, name: str, captions: list[str], images: list, grid: Image.Image, step: int) -> None:
+        """Images with captions (`grid`: all of them in one picture, for trackers that take one)."""
+
 
 # ---------------------------------------------------------------- W&B
 
@@ -314,6 +334,11 @@ class WandB(RunMethods, WandBTracker):
         import wandb
 
         self.log({name: wandb.Table(columns=header, data=rows)}, step=step)  # type: ignore[arg-type]  # list[str | int]: invariant
+
+    def log_images(self, name: str, captions: list[str], images: list, grid: Image.Image, step: int) -> None:
+        import wandb
+
+        self.log({name: [wandb.Image(im, caption=c) for im, c in zip(images, captions, strict=True)]}, step=step)
 
     def log_files(self, curves_png: Path, step: int) -> None:
         import wandb
@@ -421,6 +446,11 @@ class Trackio(RunMethods, TrackioTracker):
 
         self.log({name: trackio.Table(columns=header, data=rows)}, step=step)
 
+    def log_images(self, name: str, captions: list[str], images: list, grid: Image.Image, step: int) -> None:
+        import trackio
+
+        self.log({name: trackio.Image(grid, caption=" | ".join(captions))}, step=step)
+
     def finish(self) -> None:
         import trackio
 
@@ -462,6 +492,13 @@ class TensorBoard(RunMethods, TensorBoardTracker):
         self.writer.add_text(
             name, markdown_table(header, [[str(v).replace("|", "\\|") for v in row] for row in rows]), global_step=step
         )
+        self.writer.flush()
+
+    def log_images(self, name: str, captions: list[str], images: list, grid: Image.Image, step: int) -> None:
+        import numpy as np
+
+        self.writer.add_image(name, np.asarray(grid), global_step=step, dataformats="HWC")
+        self.writer.add_text(f"{name}/prompts", " | ".join(captions), global_step=step)
         self.writer.flush()
 
 
@@ -507,6 +544,11 @@ class MLflow(RunMethods, MLflowTracker):
         import mlflow
 
         mlflow.log_dict({"columns": header, "data": rows}, f"{name}-step{step}.json")
+
+    def log_images(self, name: str, captions: list[str], images: list, grid: Image.Image, step: int) -> None:
+        import mlflow
+
+        mlflow.log_image(grid, f"{name}-step{step}.png")
 
     def log_files(self, curves_png: Path, step: int) -> None:
         self.log_artifact(str(curves_png))

@@ -13,6 +13,7 @@ from cloudtrain.tasks import causal_lm  # noqa: F401
 from cloudtrain.tasks import sft  # noqa: F401
 from cloudtrain.tasks import dpo  # noqa: F401
 from cloudtrain.tasks import reward  # noqa: F401
+from cloudtrain.tasks import text_to_image  # noqa: F401
 
 # isort: on
 from cloudtrain.tasks.base import DecoderTask, Task

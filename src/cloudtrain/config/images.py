@@ -1,0 +1,93 @@
+"""Options of text-to-image fine-tuning (`--task text_to_image`): the images, their captions, DreamBooth, the
+diffusion loss and the validation images. Names follow diffusers' example training scripts."""
+
+from dataclasses import dataclass
+
+from cloudtrain.config.fields import opt
+from cloudtrain.errors import UserError
+
+DENOISER_TRAINING = ("lora", "full")
+PREDICTION_TYPES = ("epsilon", "v_prediction")
+
+
+@dataclass
+class ImagesConfig:
+    train_data_dir: str | None = opt(
+        None,
+        "Text-to-image: a folder of images with their captions, in metadata.jsonl (file_name and "
+        "--caption_column per line) or in a <image name>.txt file beside each image.",
+    )
+    image_column: str = opt("image", "Text-to-image with --dataset_name: the column holding the images.")
+    caption_column: str = opt("text", "Text-to-image: the caption column of metadata.jsonl or --dataset_name.")
+    instance_data_dir: str | None = opt(
+        None, "DreamBooth: a folder of images of the subject, all captioned with --instance_prompt."
+    )
+    instance_prompt: str | None = opt(None, "DreamBooth: the prompt naming the subject, e.g. 'a photo of sks dog'.")
+    class_data_dir: str | None = opt(
+        None, "DreamBooth: a folder of images of the subject's class, for --with_prior_preservation."
+    )
+    class_prompt: str | None = opt(None, "DreamBooth: the prompt of the class images, e.g. 'a photo of a dog'.")
+    with_prior_preservation: bool = opt(
+        False,
+        "DreamBooth: also train on the class images, so the model keeps what the class looks like; the loss "
+        "is the instance loss plus --prior_loss_weight times the class loss.",
+    )
+    prior_loss_weight: float = opt(1.0, "DreamBooth: the weight of the class images' loss.")
+    resolution: int = opt(512, "Text-to-image: images are resized (shorter side) and cropped to this square size.")
+    center_crop: bool = opt(False, "Text-to-image: crop the centre of each image (default: a random crop).")
+    random_flip: bool = opt(False, "Text-to-image: flip training images horizontally at random.")
+    denoiser_training: str = opt(
+        "lora",
+        "Text-to-image: lora (LoRA on the denoiser; --lora_r, --lora_alpha, --lora_target_modules, which defaults "
+        "to to_q,to_k,to_v,to_out.0 here) or full (every denoiser weight).",
+        DENOISER_TRAINING,
+    )
+    prediction_type: str | None = opt(
+        None, "Text-to-image: what the denoiser predicts (default: the scheduler config's).", PREDICTION_TYPES
+    )
+    snr_gamma: float | None = opt(
+        None, "Text-to-image: Min-SNR loss weighting with this gamma (5.0 is the paper's; default: unweighted)."
+    )
+    noise_offset: float = opt(0.0, "Text-to-image: the scale of the per-channel offset added to the noise.")
+    cache_latents: bool = opt(
+        False, "Text-to-image: encode every image with the VAE once, before training (each keeps one crop and flip)."
+    )
+    pre_compute_text_embeddings: bool = opt(
+        False, "Text-to-image: encode every caption with the text encoder once, before training."
+    )
+    validation_prompts: list = opt(
+        [],
+        "Text-to-image: prompts rendered at each evaluation with a fixed seed, saved as a grid under "
+        "<output_dir>/validation and logged to the trackers, separated by '|'.",
+        separator="|",
+    )
+    validation_steps: int | None = opt(
+        None, "Text-to-image: render the validation prompts every N steps (evaluates every N steps)."
+    )
+    validation_inference_steps: int = opt(30, "Text-to-image: denoising steps of each validation image.")
+    validation_guidance_scale: float = opt(7.5, "Text-to-image: classifier-free guidance of the validation images.")
+
+    def check(self) -> None:
+        if self.resolution <= 0:
+            raise UserError("--resolution must be positive")
+        for name in ("prior_loss_weight", "noise_offset"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name} must not be negative")
+        if self.snr_gamma is not None and self.snr_gamma <= 0:
+            raise UserError("--snr_gamma must be positive")
+        for name in ("validation_steps", "validation_inference_steps"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise UserError(f"--{name} must be positive")
+        if self.train_data_dir and self.instance_data_dir:
+            raise UserError("give --train_data_dir (captioned images) or --instance_data_dir (DreamBooth), not both")
+        if self.instance_data_dir and not self.instance_prompt:
+            raise UserError("--instance_data_dir needs --instance_prompt, e.g. 'a photo of sks dog'")
+        if self.with_prior_preservation and not (self.class_data_dir and self.class_prompt):
+            raise UserError("--with_prior_preservation needs --class_data_dir and --class_prompt")
+        if self.with_prior_preservation and not self.instance_data_dir:
+            raise UserError("--with_prior_preservation is DreamBooth's: give --instance_data_dir and --instance_prompt")
+
+    @property
+    def dreambooth(self) -> bool:
+        return self.instance_data_dir is not None

@@ -1,0 +1,203 @@
+"""Images and captions for `--task text_to_image`: the folders diffusers' example scripts read, checked and
+turned into training rows (docs/text-to-image.md).
+
+Sources: --train_data_dir (metadata.jsonl with file_name and the caption column, or a <name>.txt caption
+beside each image), DreamBooth's --instance_data_dir with --instance_prompt (and --class_data_dir with
+--class_prompt for prior preservation), or a dataset (--dataset_name) with an image and a caption column.
+Unreadable images are skipped and counted; none left, or an image smaller than --resolution, is refused.
+"""
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image, UnidentifiedImageError
+
+from cloudtrain.config import ImagesConfig
+from cloudtrain.errors import UserError
+
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+METADATA = "metadata.jsonl"
+
+
+@dataclass
+class Example:
+    image: Any  # a file path, or a PIL image from a dataset
+    caption: str
+
+
+def image_files(folder: Path) -> list[Path]:
+    return sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+
+
+def check_folder(folder: str, flag: str) -> list[Path]:
+    """The images of `folder`, or one line saying why there are none (cheap: names only)."""
+    path = Path(folder)
+    if not path.is_dir():
+        raise UserError(f"{flag} {folder} is not a folder")
+    files = image_files(path)
+    if not files:
+        raise UserError(f"{flag} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
+    return files
+
+
+def captioned_examples(folder: str, caption_column: str) -> list[Example]:
+    """--train_data_dir's images and captions: metadata.jsonl when present, else a .txt file per image."""
+    path = Path(folder)
+    files = check_folder(folder, "--train_data_dir")
+    metadata = path / METADATA
+    if metadata.is_file():
+        return _metadata_examples(path, metadata, caption_column)
+    missing = [f for f in files if not f.with_suffix(".txt").is_file()]
+    if missing:
+        raise UserError(
+            f"--train_data_dir {folder} has no {METADATA} and {len(missing)} images without a caption file "
+            f"(first: {missing[0].name} has no {missing[0].with_suffix('.txt').name})"
+        )
+    return [Example(f, f.with_suffix(".txt").read_text(encoding="utf-8").strip()) for f in files]
+
+
+def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> list[Example]:
+    rows = []
+    for number, line in enumerate(metadata.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            raise UserError(f"{metadata} line {number} is not JSON: {err.msg}") from None
+    for number, row in enumerate(rows, 1):
+        if caption_column not in row:
+            raise UserError(
+                f"{metadata} row {number} has no caption column {caption_column!r} (its keys: "
+                f"{', '.join(row)}); pass --caption_column <name>"
+            )
+        if "file_name" not in row:
+            raise UserError(f"{metadata} row {number} has no file_name")
+    return [Example(folder / row["file_name"], str(row[caption_column])) for row in rows]
+
+
+def dreambooth_examples(cfg: ImagesConfig) -> tuple[list[Example], list[Example]]:
+    """(instance examples, class examples: empty without --with_prior_preservation)."""
+    assert cfg.instance_data_dir and cfg.instance_prompt  # ImagesConfig.check
+    instance = [Example(f, cfg.instance_prompt) for f in check_folder(cfg.instance_data_dir, "--instance_data_dir")]
+    if not cfg.with_prior_preservation:
+        return instance, []
+    assert cfg.class_data_dir and cfg.class_prompt
+    return instance, [Example(f, cfg.class_prompt) for f in check_folder(cfg.class_data_dir, "--class_data_dir")]
+
+
+def readable(examples: list[Example], resolution: int, what: str) -> tuple[list[Example], int]:
+    """The examples whose images decode, as RGB images in memory-light form (paths kept); refuses images smaller
+    than `resolution` and a set with nothing readable. Returns (kept, skipped)."""
+    kept, skipped, small = [], [], []
+    for example in examples:
+        try:
+            image = load_rgb(example.image)
+        except (OSError, UnidentifiedImageError, ValueError, SyntaxError):  # PIL's ways of saying "not an image"
+            skipped.append(example)
+            continue
+        if min(image.size) < resolution:
+            small.append((example, image.size))
+        kept.append(example)
+    if not kept:
+        raise UserError(f"none of the {len(examples)} {what} images could be read (first: {name(skipped[0])})")
+    if small:
+        example, (w, h) = small[0]
+        raise UserError(
+            f"{len(small)} {what} images are smaller than --resolution {resolution} (first: {name(example)}, "
+            f"{w}x{h}); lower --resolution or remove them"
+        )
+    return kept, len(skipped)
+
+
+def name(example: Example) -> str:
+    return str(example.image) if isinstance(example.image, Path) else "a dataset image"
+
+
+def load_rgb(source: Any) -> Image.Image:
+    if isinstance(source, Image.Image):
+        return source.convert("RGB")
+    with Image.open(source) as image:
+        image.load()  # decodes it all: a truncated file fails here, not in the middle of training
+        return image.convert("RGB")
+
+
+def to_pixels(
+    image: Image.Image, resolution: int, center_crop: bool, flip: bool, rng: torch.Generator | None = None
+) -> torch.Tensor:
+    """Shorter side resized to `resolution`, a square crop (centred, or drawn from `rng`), flipped when asked;
+    a (3, resolution, resolution) tensor in [-1, 1], as diffusers' examples prepare them."""
+    w, h = image.size
+    scale = resolution / min(w, h)
+    image = image.resize(
+        (max(resolution, round(w * scale)), max(resolution, round(h * scale))), Image.Resampling.BILINEAR
+    )
+    w, h = image.size
+    if center_crop:
+        left, top = (w - resolution) // 2, (h - resolution) // 2
+    else:
+        left = int(torch.randint(0, w - resolution + 1, (1,), generator=rng))
+        top = int(torch.randint(0, h - resolution + 1, (1,), generator=rng))
+    image = image.crop((left, top, left + resolution, top + resolution))
+    array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
+    pixels = torch.from_numpy(array).permute(2, 0, 1).contiguous()
+    return pixels.flip(-1) if flip else pixels
+
+
+class ImageRows(torch.utils.data.Dataset):
+    """Training or evaluation rows: each image prepared when read (random crop and flip drawn from the global
+    generator, which checkpoints restore), its caption's tokens, and a class image for prior preservation."""
+
+    def __init__(
+        self,
+        examples: list[Example],
+        tokens: Callable[[str], dict],
+        cfg: ImagesConfig,
+        train: bool,
+        class_examples: list[Example] | None = None,
+    ):
+        self.examples, self.tokens, self.cfg, self.train = examples, tokens, cfg, train
+        self.class_examples = class_examples or []
+        self.cached: list[dict] | None = None  # filled by cache(): latents and text embeddings per row
+
+    def __len__(self) -> int:
+        # DreamBooth pairs each instance image with a class image, cycling the shorter list (as diffusers does)
+        return max(len(self.examples), len(self.class_examples))
+
+    def __getitem__(self, index: int) -> dict:
+        if self.cached is not None:
+            return self.cached[index]
+        row = self.prepare(self.examples[index % len(self.examples)])
+        if self.class_examples:
+            row.update(
+                {
+                    f"class_{k}": v
+                    for k, v in self.prepare(self.class_examples[index % len(self.class_examples)]).items()
+                }
+            )
+        return row
+
+    def prepare(self, example: Example) -> dict:
+        flip = self.train and self.cfg.random_flip and bool(torch.rand(()) < 0.5)
+        center = self.cfg.center_crop or not self.train  # evaluation rows are the same every time
+        pixels = to_pixels(load_rgb(example.image), self.cfg.resolution, center, flip)
+        return {"pixel_values": pixels, **self.tokens(example.caption)}
+
+
+def collate(rows: list[dict], prior_loss_weight: float = 1.0) -> dict:
+    """A batch; with class images, the instance rows then the class rows, each weighted in `loss_weight`."""
+    keys = [k for k in rows[0] if not k.startswith("class_")]
+    batch = {k: torch.stack([torch.as_tensor(r[k]) for r in rows]) for k in keys}
+    batch["loss_weight"] = torch.ones(len(rows))
+    if "class_pixel_values" in rows[0] or "class_latent_mean" in rows[0]:
+        prior = {k: torch.stack([torch.as_tensor(r[f"class_{k}"]) for r in rows]) for k in keys}
+        prior["loss_weight"] = torch.full((len(rows),), prior_loss_weight)
+        prior["is_prior"] = torch.ones(len(rows), dtype=torch.bool)
+        batch["is_prior"] = torch.zeros(len(rows), dtype=torch.bool)
+        batch = {k: torch.cat([batch[k], prior[k]]) for k in batch}
+    return batch

@@ -1,0 +1,266 @@
+"""A diffusers text-to-image pipeline as one trainable module (`--task text_to_image`; docs/text-to-image.md).
+
+`TextToImageModel` holds the denoiser (trained: LoRA through PEFT, or in full), the VAE and the text encoder
+(frozen), and the training noise schedule. Its forward takes a batch and returns each row's diffusion loss, so
+the trainers, DDP and DeepSpeed treat it as any other model; `save_pretrained` writes what diffusers loads: the
+LoRA in diffusers' format (`pipeline.load_lora_weights(output_dir)`), or the whole pipeline after full
+fine-tuning.
+"""
+
+import importlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from cloudtrain.config import Config
+from cloudtrain.errors import UserError, first_line
+
+MODEL_INDEX = "model_index.json"
+NEEDED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
+LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the attention projections diffusers' LoRA scripts adapt
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def read_model_index(path: str) -> dict:
+    """The pipeline's model_index.json, checked for the parts this task trains with; one line when it is not a
+    diffusers text-to-image pipeline."""
+    folder = Path(path)
+    index_file = folder / MODEL_INDEX
+    if not index_file.is_file():
+        raise UserError(
+            f"--model_name_or_path {path} is not a diffusers pipeline (no {MODEL_INDEX}); --task text_to_image "
+            "needs a folder written by DiffusionPipeline.save_pretrained (unet, vae, text_encoder, tokenizer, "
+            "scheduler)"
+        )
+    try:
+        index = json.loads(index_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise UserError(f"{index_file} is not valid JSON ({first_line(err)})") from None
+    if "text_encoder_2" in index or "transformer" in index:
+        raise UserError(
+            f"{path} is a {index.get('_class_name', 'diffusers')} pipeline; --task text_to_image trains Stable "
+            "Diffusion 1.x/2.x pipelines (one UNet, one CLIP text encoder) so far"
+        )
+    missing = [name for name in NEEDED if not isinstance(index.get(name), list) or index[name][0] is None]
+    missing += [name for name in NEEDED if name not in missing and not (folder / name).is_dir()]
+    if missing:
+        raise UserError(f"the diffusers pipeline in {path} lacks {', '.join(missing)}; it needs {', '.join(NEEDED)}")
+    return index
+
+
+def vae_scale_factor(path: str) -> int:
+    """How many pixels one latent covers along a side: 2 ** (VAE blocks - 1), 8 for Stable Diffusion."""
+    config = Path(path) / "vae" / "config.json"
+    try:
+        blocks = json.loads(config.read_text()).get("block_out_channels", [0] * 4)
+    except (OSError, json.JSONDecodeError) as err:
+        raise UserError(f"could not read the VAE config {config}: {first_line(err)}") from None
+    return 2 ** (len(blocks) - 1)
+
+
+def load_component(path: str, name: str, index: dict, dtype: torch.dtype) -> Any:
+    """One part of the pipeline, by the library and class model_index.json names for it."""
+    library, class_name = index[name]
+    try:
+        cls = getattr(importlib.import_module(library), class_name)
+        if name == "scheduler":
+            from diffusers import DDPMScheduler  # training adds noise as DDPM does, whatever the pipeline samples with
+
+            return DDPMScheduler.from_pretrained(path, subfolder=name)
+        if name == "tokenizer":
+            return cls.from_pretrained(path, subfolder=name)
+        key = "torch_dtype" if library == "diffusers" else "dtype"
+        return cls.from_pretrained(path, subfolder=name, **{key: dtype})
+    except (OSError, ValueError, AttributeError, ImportError, RuntimeError) as err:
+        raise UserError(f"could not load the {name} of {path}: {first_line(err)}") from None
+
+
+class TextToImageModel(torch.nn.Module):
+    """The denoiser, VAE and text encoder of a pipeline; forward gives each row's diffusion loss."""
+
+    def __init__(self, path: str, index: dict, components: dict, cfg: Config):
+        super().__init__()
+        self.path, self.index, self.images = path, index, cfg.images
+        self.unet, self.vae, self.text_encoder = components["unet"], components["vae"], components["text_encoder"]
+        self.noise_scheduler = components["scheduler"]
+        self.vae.requires_grad_(False)
+        self.text_encoder.requires_grad_(False)
+        self.lora = cfg.images.denoiser_training == "lora"
+        self.prediction_type = cfg.images.prediction_type or self.noise_scheduler.config.prediction_type
+        if self.prediction_type not in ("epsilon", "v_prediction"):
+            raise UserError(f"the scheduler of {path} predicts {self.prediction_type}; use --prediction_type")
+        if self.lora:
+            self._add_lora(cfg)
+
+    def _add_lora(self, cfg: Config) -> None:
+        from peft import LoraConfig
+
+        m = cfg.model
+        targets = LORA_TARGETS if m.lora_target_modules == ["all-linear"] else m.lora_target_modules
+        self.unet.requires_grad_(False)
+        config = LoraConfig(
+            r=m.lora_r,
+            lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, scales by any number
+            lora_dropout=m.lora_dropout,
+            init_lora_weights="gaussian",
+            target_modules=targets,
+        )
+        try:
+            self.unet.add_adapter(config)
+        except ValueError as err:
+            raise UserError(f"--lora_target_modules {','.join(targets)}: {first_line(err)}") from None
+        for param in self.unet.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
+
+    def train(self, mode: bool = True) -> "TextToImageModel":
+        super().train(mode)
+        self.vae.eval()  # frozen: never in training mode (no dropout)
+        self.text_encoder.eval()
+        return self
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
+        """What models.prepare calls for --gradient_checkpointing: the denoiser recomputes its blocks."""
+        self.unet.enable_gradient_checkpointing()
+
+    @torch.no_grad()
+    def encode_images(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The VAE's latent distribution (mean, std), scaled as the denoiser sees latents."""
+        dist = self.vae.encode(pixel_values.to(self.vae.dtype)).latent_dist
+        scale, shift = self.vae.config.scaling_factor, getattr(self.vae.config, "shift_factor", None) or 0.0
+        return (dist.mean.float() - shift) * scale, dist.std.float() * scale
+
+    @torch.no_grad()
+    def encode_prompts(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.text_encoder(input_ids)[0]
+
+    def forward(
+        self,
+        attention_mask: torch.Tensor,
+        loss_weight: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
+        latent_mean: torch.Tensor | None = None,
+        latent_std: torch.Tensor | None = None,
+        input_ids: torch.Tensor | None = None,
+        encoder_hidden_states: torch.Tensor | None = None,
+        is_prior: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        timesteps: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Each row's loss: MSE between the denoiser's prediction and its target (the noise, or the velocity
+        under v-prediction), averaged over the latent, Min-SNR weighted with --snr_gamma. Cached latents and
+        text embeddings are used when the batch holds them; `noise` and `timesteps` fix the draw (evaluation)."""
+        if latent_mean is None:
+            assert pixel_values is not None
+            latent_mean, latent_std = self.encode_images(pixel_values)
+        assert latent_std is not None
+        # a sample of each image's latent distribution while training; its mean in evaluation (no draw)
+        latents = latent_mean + latent_std * torch.randn_like(latent_mean) if self.training else latent_mean
+        if encoder_hidden_states is None:
+            assert input_ids is not None
+            encoder_hidden_states = self.encode_prompts(input_ids)
+        rows = latents.shape[0]
+        if noise is None:
+            noise = torch.randn_like(latents)
+            if self.images.noise_offset:  # a per-channel shift: learns darker and brighter images than the mean
+                noise = noise + self.images.noise_offset * torch.randn(
+                    rows, latents.shape[1], 1, 1, device=noise.device
+                )
+        if timesteps is None:
+            timesteps = torch.randint(
+                0, self.noise_scheduler.config.num_train_timesteps, (rows,), device=latents.device
+            )
+        noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
+        target = (
+            noise if self.prediction_type == "epsilon" else self.noise_scheduler.get_velocity(latents, noise, timesteps)
+        )
+        predicted = self.unet(noisy, timesteps, encoder_hidden_states.to(self.unet.dtype), return_dict=False)[0]
+        loss = F.mse_loss(predicted.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
+        return loss * self.snr_weights(timesteps) if self.images.snr_gamma else loss
+
+    def snr_weights(self, timesteps: torch.Tensor) -> torch.Tensor:
+        """Min-SNR-gamma (Hang et al. 2023): min(SNR, gamma) / SNR for noise prediction, / (SNR + 1) for v."""
+        from diffusers.training_utils import compute_snr
+
+        snr = compute_snr(self.noise_scheduler, timesteps).float()
+        clipped = torch.clamp(snr, max=self.images.snr_gamma)
+        return clipped / (snr + 1) if self.prediction_type == "v_prediction" else clipped / snr
+
+    # ---------------------------------------------------------------- saving and sampling
+
+    def save_pretrained(self, output_dir: str | Path, state_dict: dict | None = None) -> None:
+        """The LoRA as diffusers' pytorch_lora_weights.safetensors, or the whole pipeline after full training.
+        `state_dict` (gathered under ZeRO-3) holds this module's weights when given."""
+        if state_dict is not None:
+            own = {k.removeprefix("unet."): v for k, v in state_dict.items() if k.startswith("unet.")}
+            self.unet.load_state_dict(own, strict=False)
+        if not self.lora:
+            self.pipeline().save_pretrained(output_dir)
+            return
+        from diffusers.utils import convert_state_dict_to_diffusers
+        from peft.utils import get_peft_model_state_dict
+
+        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.unet))
+        metadata = self.unet.peft_config["default"].to_dict()  # lora_alpha: the scale diffusers loads it with
+        self.pipeline_class().save_lora_weights(
+            output_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata, safe_serialization=True
+        )
+
+    def pipeline_class(self) -> Any:
+        import diffusers
+
+        return getattr(diffusers, self.index.get("_class_name", "StableDiffusionPipeline"))
+
+    def pipeline(self, tokenizer: Any = None) -> Any:
+        """The diffusers pipeline over these very modules (the denoiser as it trains, adapters active)."""
+        parts: dict[str, Any] = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
+        if tokenizer is not None:
+            parts["tokenizer"] = tokenizer
+        for optional in ("safety_checker", "feature_extractor", "image_encoder"):
+            if optional in self.index:
+                parts[optional] = None
+        if "requires_safety_checker" in self.index:
+            parts["requires_safety_checker"] = False
+        pipe = self.pipeline_class().from_pretrained(self.path, **parts)
+        pipe.set_progress_bar_config(disable=True)
+        return pipe
+
+    @torch.no_grad()
+    def render(self, prompts: list[str], tokenizer: Any, seed: int, autocast: Any = None) -> list:
+        """One image per prompt, each from the same seed: the same prompts look alike from one evaluation to
+        the next, so what changes is what the model learnt."""
+        images, cfg = [], self.images
+        pipe = self.pipeline(tokenizer)
+        device = next(self.unet.parameters()).device
+        was_training = self.training
+        self.eval()
+        for prompt in prompts:
+            generator = torch.Generator(device=device).manual_seed(seed)
+            with autocast() if autocast else torch.autocast(device.type, enabled=False):
+                out = pipe(
+                    prompt,
+                    height=cfg.resolution,
+                    width=cfg.resolution,
+                    num_inference_steps=cfg.validation_inference_steps,
+                    guidance_scale=cfg.validation_guidance_scale,
+                    generator=generator,
+                )
+            images.append(out.images[0])
+        self.train(was_training)
+        return images
+
+
+def load_text_to_image_model(cfg: Config, path: str) -> TextToImageModel:
+    """The pipeline's parts from `path`: frozen ones in the compute dtype (autocast would cast them anyway), the
+    denoiser in fp32 when it trains in full."""
+    index = read_model_index(path)
+    frozen = DTYPES.get(cfg.training.mixed_precision, torch.float32)
+    unet_dtype = frozen if cfg.images.denoiser_training == "lora" else torch.float32
+    components = {
+        name: load_component(path, name, index, unet_dtype if name == "unet" else frozen)
+        for name in ("unet", "vae", "text_encoder", "scheduler")
+    }
+    return TextToImageModel(path, index, components, cfg)

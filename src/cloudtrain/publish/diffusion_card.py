@@ -1,0 +1,95 @@
+"""The model card of a text-to-image run, in the layout of diffusers' LoRA training scripts: YAML metadata the
+Hub reads (base_model, library_name diffusers, the text-to-image tags, DreamBooth's instance_prompt, a widget
+of the validation images), the images, a usage snippet (`load_lora_weights`, or the whole pipeline after full
+fine-tuning) and the training settings."""
+
+import json
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from cloudtrain.config import Config
+
+VALIDATION_DIR = "validation"  # where RunLog writes each evaluation's grid (cloudtrain.observe.tracking)
+SETTINGS = (
+    "denoiser_training",
+    "resolution",
+    "learning_rate",
+    "max_steps",
+    "num_train_epochs",
+    "per_device_train_batch_size",
+    "gradient_accumulation_steps",
+    "lr_scheduler_type",
+    "mixed_precision",
+    "lora_r",
+    "lora_alpha",
+    "snr_gamma",
+    "noise_offset",
+    "prior_loss_weight",
+    "seed",
+)
+
+
+def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+    ic, lora = cfg.images, cfg.images.denoiser_training == "lora"
+    base = str(cfg.model.model_name_or_path)
+    repo = cfg.hub.hub_model_id or Path(output_dir).name
+    grids = sorted((Path(output_dir) / VALIDATION_DIR).glob("*.png"))
+    last = f"{VALIDATION_DIR}/{grids[-1].name}" if grids else None
+    tags = ["text-to-image", "diffusers", "diffusers-training", "stable-diffusion", "stable-diffusion-diffusers"]
+    tags += ["lora"] if lora else []
+    tags += ["dreambooth"] if ic.dreambooth else []
+    data = ModelCardData(library_name="diffusers", base_model=base if not Path(base).exists() else None, tags=tags)
+    extra = data.to_dict()
+    extra["inference"] = True
+    if ic.instance_prompt:
+        extra["instance_prompt"] = ic.instance_prompt
+    if last and ic.validation_prompts:
+        extra["widget"] = [{"text": " | ".join(ic.validation_prompts), "output": {"url": last}}]
+    header = "---\n" + json_yaml(extra) + "---\n"
+    return ModelCard(header + body(cfg, repo, base, lora, last, results))
+
+
+def body(cfg: Config, repo: str, base: str, lora: bool, last: str | None, results: dict) -> str:
+    ic = cfg.images
+    what = "LoRA adaption weights" if lora else "a fully fine-tuned pipeline"
+    how = "DreamBooth" if ic.dreambooth else "text-to-image fine-tuning"
+    lines = [f"# {'LoRA ' if lora else ''}{how} - {repo}", "", f"These are {what} for {base}, trained with cloudtrain."]
+    if ic.instance_prompt:
+        lines.append(f"The subject is called with the prompt: `{ic.instance_prompt}`.")
+    if last:
+        lines += ["", f"Validation images (prompts: {', '.join(ic.validation_prompts)}):", "", f"![validation]({last})"]
+    prompt = ic.instance_prompt or (ic.validation_prompts[0] if ic.validation_prompts else "a photo")
+    load = (
+        f'pipeline = DiffusionPipeline.from_pretrained("{base}")\npipeline.load_lora_weights("{repo}")'
+        if lora
+        else f'pipeline = DiffusionPipeline.from_pretrained("{repo}")'
+    )
+    lines += [
+        "",
+        "## How to use",
+        "",
+        "```python",
+        "from diffusers import DiffusionPipeline",
+        "",
+        load,
+        f'image = pipeline("{prompt}").images[0]',
+        "```",
+        "",
+        "## Training details",
+        "",
+    ]
+    values = cfg.to_dict()
+    lines += [f"- {name}: {values[name]}" for name in SETTINGS if values.get(name) is not None]
+    train = results.get("train", {})
+    if "train_loss" in train:
+        lines.append(f"- final training loss: {train['train_loss']:.4f} after {train.get('global_step')} steps")
+    if "eval" in results:
+        lines.append(f"- evaluation loss (fixed noise): {results['eval']['loss']:.4f}")
+    return "\n".join(lines) + "\n"
+
+
+def json_yaml(values: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(json.loads(json.dumps(values)), sort_keys=False, allow_unicode=True)

@@ -1,0 +1,290 @@
+"""--task text_to_image: fine-tune a diffusers text-to-image pipeline on captioned images or DreamBooth.
+
+The model is cloudtrain.models.diffusion.TextToImageModel (denoiser trained by LoRA or in full; VAE and text
+encoder frozen), the rows come from cloudtrain.data.images, and the loss is each image's diffusion loss: a
+batch's sum over its instance rows (DreamBooth's class rows add --prior_loss_weight times theirs). Evaluation
+reports that loss at fixed noise and timesteps, and renders --validation_prompts from a fixed seed.
+See docs/text-to-image.md.
+"""
+
+import functools
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from datasets import DatasetDict
+from huggingface_hub import ModelCard
+from transformers import AutoModel, AutoTokenizer, PreTrainedTokenizerBase
+
+from cloudtrain.config import Config, DataConfig
+from cloudtrain.data import images
+from cloudtrain.data.processing import ProcessedData
+from cloudtrain.errors import UserError, first_line
+from cloudtrain.models import diffusion
+from cloudtrain.registry import TASKS
+from cloudtrain.tasks.base import Task
+
+EVAL_ROWS = 8  # evaluation rows (the first training images) when --max_eval_samples is not given
+
+
+@TASKS.register
+class TextToImageTask(Task):
+    name = "text_to_image"
+    summary = "captioned images (or DreamBooth) -> a diffusers text-to-image pipeline (LoRA or full)"
+    metrics = ("loss",)
+    auto_class = AutoModel  # not used to load: load_model is the task's own (preflight asks every task for one)
+    load_error = "could not load the diffusers pipeline"
+
+    def __init__(self, cfg: Config | None = None):
+        super().__init__(cfg)
+        self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.skipped = 0
+        self.rendered: list[tuple[str, object]] = []  # the last evaluation's images, logged by `tables`
+
+    # ---------------------------------------------------------------- before anything heavy
+
+    def check_options(self, cfg: Config) -> None:
+        m, ic = cfg.model, cfg.images
+        if not m.model_name_or_path or m.model_config:
+            raise UserError(
+                "--task text_to_image needs --model_name_or_path <a diffusers pipeline folder> (model_index.json "
+                "with unet, vae, text_encoder, tokenizer, scheduler)"
+            )
+        if m.peft != "none":
+            raise UserError(
+                f"--task text_to_image puts LoRA on the denoiser itself: leave out --peft {m.peft} and use "
+                "--denoiser_training lora (the default) with --lora_r, --lora_alpha, --lora_target_modules"
+            )
+        for name in ("attn_implementation", "tokenizer_name_or_path"):
+            if getattr(m, name):
+                raise UserError(f"--{name} does not apply to --task text_to_image (the pipeline has its own)")
+        if cfg.data.group_by_length:
+            raise UserError("--group_by_length does not apply to --task text_to_image (every image has one size)")
+        from cloudtrain.models.load import resolve_model_path
+
+        path = resolve_model_path(m)
+        diffusion.read_model_index(path)
+        factor = diffusion.vae_scale_factor(path)
+        if ic.resolution % factor:
+            raise UserError(
+                f"--resolution {ic.resolution} is not divisible by {factor}, the VAE's downscaling factor of "
+                f"{path}; use {ic.resolution // factor * factor or factor} or {(ic.resolution // factor + 1) * factor}"
+            )
+        self._check_data(cfg)
+        self._check_validation(cfg)
+
+    def _check_data(self, cfg: Config) -> None:
+        ic = cfg.images
+        if ic.train_data_dir:
+            images.captioned_examples(ic.train_data_dir, ic.caption_column)  # captions read: names only
+        elif ic.dreambooth:
+            images.dreambooth_examples(ic)
+        elif not cfg.data.dataset_name:
+            raise UserError(
+                "--task text_to_image needs images: --train_data_dir (captioned), --instance_data_dir with "
+                "--instance_prompt (DreamBooth) or --dataset_name (with --image_column and --caption_column)"
+            )
+
+    def _check_validation(self, cfg: Config) -> None:
+        ic, t, d = cfg.images, cfg.training, cfg.distributed
+        every = ic.validation_steps
+        if every is not None and (t.eval_strategy != "steps" or t.eval_steps != every):
+            raise UserError(
+                f"--validation_steps {every} renders the validation prompts at evaluations: add "
+                f"--eval_strategy steps --eval_steps {every}"
+            )
+        if ic.validation_prompts and (d.zero_stage == 3 or d.fsdp):
+            raise UserError(
+                "--validation_prompts renders on the main process, which holds the whole denoiser only without "
+                "ZeRO-3 or FSDP; use DDP or --zero_stage 2, or leave out --validation_prompts"
+            )
+
+    def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
+        ic = self.cfg.images if self.cfg else None
+        if ic is None or ic.train_data_dir or ic.dreambooth:
+            return {}  # folders are read by cloudtrain.data.images, not by the data sources
+        return {"--image_column": (ic.image_column, False), "--caption_column": (ic.caption_column, False)}
+
+    # ---------------------------------------------------------------- data and model
+
+    def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
+        path = str(cfg.model.model_name_or_path)
+        try:
+            return AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
+        except Exception as err:  # noqa: BLE001 (tokenizers reports a damaged file as a bare Exception)
+            raise UserError(f"could not load the tokenizer of {path}: {first_line(err)}") from None
+
+    def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        ic = cfg.images
+        self.tokenizer = tokenizer
+        examples, class_examples = self._examples(raw, cfg)
+        examples, self.skipped = images.readable(examples, ic.resolution, "training")
+        if class_examples:
+            class_examples, skipped = images.readable(class_examples, ic.resolution, "class")
+            self.skipped += skipped
+        if self.skipped:
+            print(f"warning: skipped {self.skipped} images that could not be read", flush=True)
+        if cfg.data.max_train_samples:
+            examples = examples[: cfg.data.max_train_samples]
+        tokens = functools.lru_cache(maxsize=None)(functools.partial(_tokens, tokenizer))
+        evaluated = examples[: cfg.data.max_eval_samples or EVAL_ROWS]
+        return ProcessedData(
+            train=images.ImageRows(examples, tokens, ic, train=True, class_examples=class_examples),  # type: ignore[arg-type]
+            validation=images.ImageRows(evaluated, tokens, ic, train=False),  # type: ignore[arg-type]
+            test=None,
+            collator=functools.partial(images.collate, prior_loss_weight=ic.prior_loss_weight),
+            prompts=list(ic.validation_prompts),
+        )
+
+    def _examples(self, raw: DatasetDict, cfg: Config) -> tuple[list[images.Example], list[images.Example]]:
+        ic = cfg.images
+        if ic.dreambooth:
+            return images.dreambooth_examples(ic)
+        if ic.train_data_dir:
+            return images.captioned_examples(ic.train_data_dir, ic.caption_column), []
+        train = raw["train"]
+        return [images.Example(row[ic.image_column], str(row[ic.caption_column])) for row in train], []
+
+    def load_model(
+        self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
+    ) -> torch.nn.Module:
+        model = diffusion.load_text_to_image_model(cfg, str(cfg.model.model_name_or_path))
+        ic = cfg.images
+        if ic.cache_latents or ic.pre_compute_text_embeddings:
+            for rows in (data.train, data.validation):
+                cache_rows(model, rows, ic.cache_latents, ic.pre_compute_text_embeddings)  # type: ignore[arg-type]
+        if announce:
+            trained = sum(p.numel() for p in model.unet.parameters() if p.requires_grad)
+            total = sum(p.numel() for p in model.unet.parameters())
+            how = f"LoRA r={cfg.model.lora_r}" if model.lora else "full fine-tuning"
+            print(
+                f"text_to_image: {how} of the denoiser ({trained:,} of {total:,} parameters train; "
+                f"{model.prediction_type} loss); VAE and text encoder frozen",
+                flush=True,
+            )
+        return model
+
+    # ---------------------------------------------------------------- loss and evaluation
+
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        """Instance rows: DreamBooth's class rows add to the sum but not to what it is divided by."""
+        if "is_prior" in batch:
+            return (~batch["is_prior"]).sum()
+        return torch.tensor(batch["loss_weight"].shape[0], device=batch["loss_weight"].device)
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        losses = model(**batch)
+        return (losses * batch["loss_weight"]).sum(), self.loss_count(batch)
+
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[dict],
+        data: ProcessedData,
+        gather: Callable,
+        move: Callable,
+        autocast: Callable,
+    ) -> dict:
+        """The loss at noise and timesteps drawn from the seed (the same every evaluation, so evaluations compare),
+        over every evaluation row once; then the validation images."""
+        assert self.cfg is not None
+        inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap a TextToImageModel
+        was_training = model.training
+        model.eval()
+        start, generator = time.perf_counter(), torch.Generator().manual_seed(self.cfg.training.seed)
+        loss_sum, rows = 0.0, 0
+        for batch in batches:
+            batch = move(batch)
+            noise, timesteps = fixed_draw(inner, batch, generator)
+            with torch.no_grad(), autocast():
+                losses = model(**batch, noise=noise, timesteps=timesteps)
+            (weighted,) = gather(((losses.float() * batch["loss_weight"]),))
+            loss_sum += weighted.double().sum().item()
+            rows += len(weighted)
+        model.train(was_training)
+        result = {"loss": loss_sum / max(rows, 1), "samples": rows, "runtime_s": round(time.perf_counter() - start, 3)}
+        if data.prompts and _is_main():
+            rendered = inner.render(data.prompts, self.tokenizer, self.cfg.training.seed, autocast)
+            self.rendered = list(zip(data.prompts, rendered, strict=True))
+            result["validation_images"] = len(rendered)
+        return result
+
+    def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
+        """The images of the evaluation just made, once: RunLog logs a table of images as images."""
+        rendered, self.rendered = self.rendered, []
+        return {"validation_images": (["prompt", "image"], [list(pair) for pair in rendered])} if rendered else {}
+
+    # ---------------------------------------------------------------- what it prints and publishes
+
+    def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+        from cloudtrain.publish.diffusion_card import build_card
+
+        return build_card(output_dir, cfg, results)
+
+    def describe_data(self, data: ProcessedData) -> str:
+        assert self.cfg is not None
+        train = data.train
+        line = f"data: {len(train.examples)} training images"  # type: ignore[attr-defined]
+        if train.class_examples:  # type: ignore[attr-defined]
+            line += f" and {len(train.class_examples)} class images (prior preservation)"  # type: ignore[attr-defined]
+        if self.skipped:
+            line += f" ({self.skipped} unreadable skipped)"
+        return f"{line}; {self.cfg.images.resolution}px, {len(data.prompts)} validation prompts"
+
+    def describe_metrics(self, metrics: dict) -> str:
+        line = f"loss {metrics['loss']:.4f} ({metrics['samples']} images, fixed noise)"
+        if metrics.get("validation_images"):
+            line += f"; {metrics['validation_images']} validation images rendered"
+        return line
+
+    def inference_hint(self, output_dir: str) -> str:
+        assert self.cfg is not None
+        base = self.cfg.model.model_name_or_path
+        if self.cfg.images.denoiser_training == "full":
+            return f'DiffusionPipeline.from_pretrained("{output_dir}")("a prompt").images[0]'
+        return f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); p("a prompt")'
+
+
+def _tokens(tokenizer: PreTrainedTokenizerBase, caption: str) -> dict:
+    """A caption's token ids, padded to the text encoder's length as Stable Diffusion was trained."""
+    encoded = tokenizer(
+        caption, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
+    )
+    return {"input_ids": encoded["input_ids"][0], "attention_mask": encoded["attention_mask"][0]}
+
+
+def fixed_draw(model: diffusion.TextToImageModel, batch: dict, generator: torch.Generator) -> tuple:
+    """Noise and timesteps for an evaluation batch, from `generator` (seeded once per evaluation)."""
+    rows = batch["attention_mask"].shape[0]
+    if "latent_mean" in batch:
+        shape = tuple(batch["latent_mean"].shape)
+    else:
+        side = batch["pixel_values"].shape[-1] // (2 ** (len(model.vae.config.block_out_channels) - 1))
+        shape = (rows, model.unet.config.in_channels, side, side)
+    noise = torch.randn(shape, generator=generator)
+    timesteps = torch.randint(0, model.noise_scheduler.config.num_train_timesteps, (rows,), generator=generator)
+    device = batch["attention_mask"].device
+    return noise.to(device), timesteps.to(device)
+
+
+def cache_rows(model: diffusion.TextToImageModel, rows: images.ImageRows, latents: bool, texts: bool) -> None:
+    """Every row through the frozen VAE (its latent distribution) and text encoder once, before training."""
+    cached = []
+    for index in range(len(rows)):
+        row = rows[index]
+        for prefix in ("", "class_"):
+            if f"{prefix}attention_mask" not in row:
+                continue
+            if latents:
+                mean, std = model.encode_images(row.pop(f"{prefix}pixel_values")[None])
+                row[f"{prefix}latent_mean"], row[f"{prefix}latent_std"] = mean[0], std[0]
+            if texts:
+                row[f"{prefix}encoder_hidden_states"] = model.encode_prompts(row.pop(f"{prefix}input_ids")[None])[0]
+        cached.append(row)
+    rows.cached = cached
+
+
+def _is_main() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
