@@ -43,6 +43,7 @@ from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.publish.atomic import is_no_space
 
 STATE_FILE = "trainer_state.json"
+DATA_STATE_FILE = "data_state.json"  # a stream's cursor (cloudtrain.data.streaming), written by the trainer
 MARKS = "written-by"  # <checkpoint>/written-by/<process index>: that process's files are complete
 RUN_FILES = ("metrics.jsonl", "tracker_runs.json")  # the run's log and tracker ids travel with each checkpoint
 FORMAT = "cloudtrain-checkpoint/1"
@@ -273,6 +274,22 @@ def read_state(path: Path) -> dict:
     return data
 
 
+def read_data_state(path: Path) -> dict:
+    """A streaming checkpoint's cursor; a checkpoint without one was written by a run with stored rows."""
+    file = Path(path) / DATA_STATE_FILE
+    if not file.is_file():
+        raise UserError(
+            f"checkpoint {path} holds no stream position ({DATA_STATE_FILE}): it was written by a run without "
+            "--streaming true; resume it the same way"
+        )
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError) as err:
+        raise UserError(
+            f"checkpoint {path}: {DATA_STATE_FILE} is damaged ({first_line(err)}); resume another"
+        ) from None
+
+
 def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
     """Put the run's log and tracker ids back from the checkpoint when the output dir lost them."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
@@ -281,9 +298,20 @@ def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
             shutil.copy2(checkpoint / name, Path(output_dir) / name)
 
 
-def check_compatible(meta: dict, path: Path, trainer: str, mesh: Mesh) -> None:
+def check_compatible(meta: dict, path: Path, trainer: str, mesh: Mesh, portable: bool = False) -> None:
     """A checkpoint resumes only under the trainer, process count and mesh that wrote it (a ZeRO checkpoint
-    holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh."""
+    holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh.
+
+    `portable`: the data position is a global cursor (a stream's), so a replicated (DDP) checkpoint also
+    resumes at another process count: every process holds the whole model and optimizer state."""
+    replicated = {"world", "dp_replicate"}
+    if (
+        portable
+        and meta["trainer"] == trainer
+        and set(meta.get("mesh", {"world": 1})) <= replicated
+        and set(mesh.degrees()) <= replicated
+    ):
+        return
     if meta["trainer"] != trainer or meta["num_processes"] != mesh.world:
         raise UserError(
             f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "

@@ -3,8 +3,11 @@
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
+from cloudtrain.errors import UserError
 
 PACKING = ("auto", "none", "wrapped", "bfd")
+MIXTURE_EXHAUSTED = ("restart", "drop", "stop")
+ON_BAD_DATA = ("skip", "stop")
 
 
 @dataclass
@@ -79,3 +82,53 @@ class DataConfig:
     )
     dataloader_num_workers: int = opt(0, "Worker processes that load and collate batches (0: in the training process).")
     dataloader_pin_memory: bool = opt(False, "Pin batches in page-locked memory for faster copies to a GPU.")
+    streaming: bool = opt(
+        False,
+        "Causal LM and SFT: read, tokenize and pack the training data on the fly instead of tokenizing it all "
+        "before the first step (corpora larger than memory, weighted mixtures); needs --max_steps or "
+        "--max_tokens. --train_file then takes one or more sources separated by commas (files, folders, globs; "
+        "see docs/streaming.md).",
+    )
+    train_weights: list = opt(
+        [], "Streaming: the sampling weight of each --train_file source, in order (default: equal weights)."
+    )
+    datasets: list = opt(
+        [],
+        "Streaming: the training sources as a list in a config file, each a mapping with path, and optionally "
+        "format, weight and columns (a mapping of the task's column names to the source's).",
+        separator="\n",
+    )
+    mixture_exhausted: str = opt(
+        "restart",
+        "Streaming: what happens when a source runs out: restart it (a new pass), drop it (the other weights "
+        "renormalised; training ends when all are dropped), or stop training.",
+        MIXTURE_EXHAUSTED,
+    )
+    max_tokens: int | None = opt(
+        None,
+        "Streaming: the token budget: train for ceil(max_tokens / (global batch rows x --max_length)) steps "
+        "(row slots, padding included; exact for --packing wrapped).",
+    )
+    stream_buffer: int = opt(
+        256, "Streaming: documents packed together (bfd within this bounded buffer; wrapped cuts each buffer)."
+    )
+    stream_validation_docs: int = opt(
+        64, "Streaming without --validation_file: the first documents of the mixture held out for validation."
+    )
+    on_bad_data: str = opt(
+        "skip",
+        "Streaming: a corrupted record or file met mid-stream is skipped with a warning and counted (skip), or "
+        "ends the run with one line naming it (stop).",
+        ON_BAD_DATA,
+    )
+
+    def check(self) -> None:
+        """Streaming options need no I/O to be refused."""
+        if self.stream_buffer < 1:
+            raise UserError("--stream_buffer must be at least 1 document")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise UserError("--max_tokens must be at least 1")
+        if not self.streaming:
+            for name in ("train_weights", "datasets", "max_tokens"):
+                if getattr(self, name):
+                    raise UserError(f"--{name} needs --streaming true")

@@ -233,3 +233,61 @@ def isolation_error(
     if difference <= tolerance:
         return None
     return f"{name} lets packed documents attend to each other (max logit difference {difference:.3g})"
+
+
+def pack_buffer(items: list[tuple], block_size: int, packing: str) -> list[dict]:
+    """Rows of one streamed buffer: `items` are (source, key, token ids, loss mask or None) in stream order.
+
+    The same rows as `pack`/`pack_examples` give (wrapped: one stream cut into blocks, its last row short;
+    bfd: whole documents, long ones cut, isolated by seq_lengths; none: one per row), each row also telling
+    which documents start in it (`starts`: their keys) and how many of its tokens each source gave (`tokens`).
+    """
+    if packing == "wrapped":
+        return _wrapped_rows(items, block_size)
+    pieces = [
+        (source, key if start == 0 else None, ids[start : start + block_size], None if mask is None else mask[start:])
+        for source, key, ids, mask in items
+        for start in range(0, len(ids), block_size)
+    ]
+    bins = (
+        [[i] for i in range(len(pieces))]
+        if packing == "none"
+        else _best_fit_decreasing([len(p[2]) for p in pieces], block_size)
+    )
+    return [_buffer_row([pieces[i] for i in bin_]) for bin_ in bins]
+
+
+def _buffer_row(pieces: list[tuple]) -> dict:
+    row = _row([piece[2] for piece in pieces])
+    if any(piece[3] is not None for piece in pieces):
+        row["loss_mask"] = [m for piece in pieces for m in piece[3][: len(piece[2])]]
+    row["starts"] = [piece[1] for piece in pieces if piece[1] is not None]
+    row["tokens"] = _tally((piece[0], len(piece[2])) for piece in pieces)
+    return row
+
+
+def _tally(pairs) -> dict[int, int]:
+    counts: dict[int, int] = {}
+    for source, n in pairs:
+        counts[source] = counts.get(source, 0) + n
+    return counts
+
+
+def _wrapped_rows(items: list[tuple], block_size: int) -> list[dict]:
+    """One stream of the buffer's documents cut into blocks; what each row holds of which source."""
+    ids = list(chain.from_iterable(item[2] for item in items))
+    spans, at = [], 0  # (first token, last token + 1, source, key) of each document in the stream
+    for source, key, doc, _ in items:
+        spans.append((at, at + len(doc), source, key))
+        at += len(doc)
+    rows, d = [], 0
+    for start in range(0, len(ids), block_size):
+        end = min(start + block_size, len(ids))
+        row = _row([ids[start:end]])
+        while d < len(spans) and spans[d][1] <= start:
+            d += 1
+        inside = [s for s in spans[d:] if s[0] < end]
+        row["starts"] = [s[3] for s in inside if s[0] >= start]
+        row["tokens"] = _tally((s[2], min(s[1], end) - max(s[0], start)) for s in inside)
+        rows.append(row)
+    return rows

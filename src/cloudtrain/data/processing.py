@@ -39,7 +39,7 @@ from cloudtrain.errors import UserError
 class ProcessedData:
     """Tokenized splits, ready for data loaders; what a task's `process` returns."""
 
-    train: Dataset
+    train: Any  # a Dataset of rows, or a streaming run's StreamPlan (cloudtrain.data.streaming)
     validation: Dataset
     test: Dataset | None  # None when the source has no labelled test split
     collator: Callable[[list[dict]], dict]
@@ -335,7 +335,12 @@ class LengthGroupedSampler(EpochShuffleSampler):
 
 def train_dataloader(data: ProcessedData, batch_size: int, seed: int, cfg: DataConfig | None = None) -> DataLoader:
     """Shuffled per epoch (EpochShuffleSampler, or LengthGroupedSampler with --group_by_length);
-    call `set_epoch` before iterating."""
+    call `set_epoch` before iterating. A streaming run's rows come from its StreamPlan's loader instead."""
+    from cloudtrain.data.streaming import StreamPlan
+
+    if isinstance(data.train, StreamPlan):
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        return data.train.loader(batch_size, device)  # type: ignore[return-value]
     cfg = cfg or DataConfig()
     sampler: Sampler[int]
     if cfg.group_by_length:

@@ -40,6 +40,11 @@ def _split_files(cfg: DataConfig) -> dict[str, str]:
 def check_data_sources(cfg: DataConfig) -> None:
     """Cheap checks of the data options: files exist and have a format we read."""
     files = _split_files(cfg)
+    if cfg.streaming:  # training sources: globs, folders and weights, checked without reading them
+        from cloudtrain.data.mixture import resolve_sources
+
+        resolve_sources(cfg)
+        files.pop("train", None)
     if files and "train" not in files:
         raise UserError("--validation_file/--test_file need a --train_file too")
     for split, path in files.items():
@@ -54,13 +59,15 @@ def check_data_sources(cfg: DataConfig) -> None:
         for file in [p] if p.is_file() else _data_files(p):
             if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
                 raise UserError(f"--{split}_file {file} is empty; give a file with a header and rows")
-    if not files and not cfg.dataset_name:
+    if not files and not cfg.dataset_name and not cfg.streaming:
         r8_dir()  # raises with the set-up command when the built-in data is missing
 
 
 def dataset_label(cfg: DataConfig) -> str:
     """A short name for the data, for output folders and tracker runs."""
     source = cfg.train_file or cfg.dataset_name
+    if cfg.streaming and source:  # the first of several sources, without a glob's pattern
+        source = source.split(",")[0].split("*")[0].rstrip("/") or "stream"
     return Path(source.rstrip("/")).stem if source else BUILTIN_NAME
 
 
@@ -69,7 +76,9 @@ def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = 
     by default the text column)."""
     columns = columns if columns is not None else {"--text_column": (cfg.text_column, True)}
     check_data_sources(cfg)
-    if cfg.train_file:
+    if cfg.streaming:
+        raw = _connect_stream(cfg, columns)
+    elif cfg.train_file:
         raw = DatasetDict(
             {split: _load_path(path, split, cfg.text_column) for split, path in _split_files(cfg).items()}
         )
@@ -80,6 +89,21 @@ def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = 
     else:
         raw = _load_builtin()
     _check_columns(raw, columns)
+    return raw
+
+
+def _connect_stream(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> DatasetDict:
+    """Streaming: "train" holds the first record of each source (for the task's column checks), with the sources
+    themselves in `raw.stream_sources`; validation and test files load as usual."""
+    from cloudtrain.data.streaming import connect_stream
+
+    sample, specs = connect_stream(cfg, [column for column, _ in columns.values()])
+    common = [key for key in sample[0] if all(key in record for record in sample)]
+    raw = DatasetDict({"train": Dataset.from_list([{k: record[k] for k in common} for record in sample])})
+    for split, path in _split_files(cfg).items():
+        if split != "train":
+            raw[split] = _load_path(path, split, cfg.text_column)
+    raw.stream_sources = specs  # type: ignore[attr-defined]
     return raw
 
 

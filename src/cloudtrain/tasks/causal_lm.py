@@ -41,6 +41,7 @@ from cloudtrain.data.packing import (
     shifted_loss,
 )
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
 from cloudtrain.models.load import (
@@ -94,6 +95,8 @@ class CausalLMTask(DecoderTask):
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
         m = cfg.model
+        if cfg.data.streaming:
+            check_streaming(cfg)
         if not m.model_name_or_path and not m.model_config:
             raise UserError(
                 "--task causal_lm needs a decoder: --model_name_or_path <causal LM> to continue "
@@ -127,15 +130,25 @@ class CausalLMTask(DecoderTask):
         return {"--text_column": (cfg.text_column, True)}
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
-        """Documents -> token ids (+EOS) -> rows of --max_length tokens; validation carved by document."""
+        """Documents -> token ids (+EOS) -> rows of --max_length tokens; validation carved by document.
+        Streaming: the training rows are a StreamPlan, packed on the fly (cloudtrain.data.streaming)."""
         self.cfg, self.tokenizer = cfg, tokenizer
         d = cfg.data
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        collator = CausalLMCollator(pad if pad is not None else 0)
+        plan = None
+        if d.streaming:
+            plan, held_out = stream_plan(raw, cfg, self.stream_encoder(tokenizer, d), collator)
+            raw = DatasetDict({split: ds for split, ds in raw.items() if split != "train"})
+            if held_out is not None:
+                raw["validation"] = Dataset.from_list([{d.text_column: r.get(d.text_column)} for r in held_out])
         docs = {split: self._tokenize(ds, split, tokenizer, d) for split, ds in raw.items()}
         if "validation" not in docs:
             docs["train"], docs["validation"] = self._carve(
                 docs["train"], d.validation_split_percentage, cfg.training.seed
             )
-        docs["train"] = _first(docs["train"], d.max_train_samples)
+        if plan is None:
+            docs["train"] = _first(docs["train"], d.max_train_samples)
         for split in ("validation", "test"):
             if split in docs:
                 docs[split] = _first(docs[split], d.max_eval_samples)
@@ -147,14 +160,29 @@ class CausalLMTask(DecoderTask):
                 for doc in docs["validation"]["input_ids"][: d.num_sample_prompts]
             ]
         )
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(
-            train=rows["train"],
+            train=plan if plan is not None else rows["train"],
             validation=rows["validation"],
             test=rows.get("test"),
-            collator=CausalLMCollator(pad if pad is not None else 0),
+            collator=collator,
             prompts=[p for p in prompts if p],
         )
+
+    @staticmethod
+    def stream_encoder(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> Callable:
+        """Streamed records -> per record, one document (token ids + EOS), or none for an empty text."""
+        column, eos = cfg.text_column, tokenizer.eos_token_id
+
+        def encode(records: list[dict]) -> list[list[tuple[list[int], None]]]:
+            texts = [str(r.get(column) or "") for r in records]
+            keep = [i for i, text in enumerate(texts) if text.strip()]
+            ids = tokenizer([texts[i] for i in keep])["input_ids"] if keep else []
+            out: list[list[tuple[list[int], None]]] = [[] for _ in records]
+            for i, doc in zip(keep, ids, strict=True):
+                out[i] = [(doc + [eos] if eos is not None and doc[-1:] != [eos] else doc, None)]
+            return out
+
+        return encode
 
     def _tokenize(self, ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> Dataset:
         """One row of token ids per non-empty document, EOS appended; cached like classification's."""
@@ -317,6 +345,8 @@ class CausalLMTask(DecoderTask):
         return build_lm_model_card(output_dir, cfg, results)
 
     def describe_data(self, data: ProcessedData) -> str:
+        if isinstance(data.train, StreamPlan):
+            return describe_stream(data.train, data.validation, self.cfg.data)
         parts = [
             f"{len(rows)} {split} rows ({sum(sum(n) for n in rows['seq_lengths'])} tokens)"
             for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test))
@@ -336,6 +366,16 @@ class CausalLMTask(DecoderTask):
 
     def inference_hint(self, output_dir: str) -> str:
         return f'python src/training_application.py generate --model_dir {output_dir} --prompt "..."'
+
+
+def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> str:
+    """The data line of a streaming run: its sources and weights, and the stored validation rows."""
+    total = sum(source.weight for source in plan.sources) or 1.0
+    sources = ", ".join(f"{s.name} ({len(s.files)} file(s), weight {s.weight / total:.2f})" for s in plan.sources)
+    return (
+        f"data: streaming {sources}; packing {cfg.packing} in buffers of {cfg.stream_buffer} documents, "
+        f"{cfg.max_length} tokens per row; {len(validation)} validation rows"
+    )
 
 
 def _first(ds: Dataset, n: int | None) -> Dataset:

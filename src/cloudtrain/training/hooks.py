@@ -319,6 +319,7 @@ class CheckpointHook(Hook):
 
         def write(folder: Path) -> None:
             trainer.write_checkpoint(folder)
+            trainer.write_data_state(folder, state.global_step)
             if task_state is not None and trainer.checkpoint_owner:
                 (folder / TASK_STATE_FILE).write_text(json.dumps(task_state))
 

@@ -43,7 +43,15 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
-from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState, check_compatible, read_state
+from cloudtrain.checkpointing import (
+    DATA_STATE_FILE,
+    Checkpointer,
+    PreemptionSignal,
+    TrainerState,
+    check_compatible,
+    read_data_state,
+    read_state,
+)
 from cloudtrain.config import PRECISIONS, Config, differs_from_default
 from cloudtrain.data.processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.errors import TrainingStopped, UserError
@@ -80,6 +88,7 @@ class TrainResult:
     runtime_s: float = 0.0
     train_samples: int = 0
     train_tokens: int = 0
+    sources: dict | None = None  # a stream's documents and tokens per source (cloudtrain.data.streaming)
 
     @classmethod
     def of(cls, loop: LoopState) -> "TrainResult":
@@ -103,7 +112,7 @@ class TrainResult:
             "train_samples": self.train_samples,
             "train_samples_per_s": round(self.train_samples / runtime, 2),
             "train_tokens_per_s": round(self.train_tokens / runtime, 1),
-        }
+        } | ({"sources": self.sources} if self.sources is not None else {})
 
 
 def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
@@ -240,7 +249,21 @@ class Trainer:
                     break
                 self.clock.start_step()  # what the hooks did is not step time
                 self.phase = "loading the data"
-        return TrainResult.of(loop)
+        result = TrainResult.of(loop)
+        if self.streams:
+            result.sources = self.train_dl.consumed(loop.state.global_step)  # type: ignore[attr-defined]
+        return result
+
+    @property
+    def streams(self) -> bool:
+        """Whether the training data is a stream with a cursor (cloudtrain.data.streaming), not stored rows."""
+        return hasattr(self.train_dl, "state_dict")
+
+    def write_data_state(self, folder: Path, step: int) -> None:
+        """A stream's cursor after `step` into a checkpoint (its owner writes it: every process holds the same)."""
+        if self.streams and self.checkpoint_owner:
+            state = self.train_dl.state_dict(step)  # type: ignore[attr-defined]
+            (folder / DATA_STATE_FILE).write_text(json.dumps(state))
 
     def hooks(self, checkpointer: Checkpointer | None, preemption: PreemptionSignal) -> list[Hook]:
         """What runs after each step, in order (cloudtrain.training.hooks): the flag readers first, so
@@ -268,7 +291,11 @@ class Trainer:
         self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
         t = self.cfg.training
         steps_per_epoch = math.ceil(len(self.train_dl) / t.gradient_accumulation_steps)
-        total_steps = t.max_steps or math.ceil(t.num_train_epochs * steps_per_epoch)
+        total_steps = (
+            t.max_steps
+            or getattr(self.train_dl, "total_steps", None)
+            or math.ceil(t.num_train_epochs * steps_per_epoch)
+        )
         self.scheduler = build_scheduler(self.optimizer, self.cfg, total_steps)
         state = self.resume(resume_from) if resume_from else TrainerState()
         self._announce(steps_per_epoch, total_steps)
@@ -286,6 +313,10 @@ class Trainer:
         """Each step's window of micro-batches, epoch after epoch, until the last step: each epoch's order
         from seed + epoch; the batches a resumed run had consumed are skipped by index, unread."""
         k = self.cfg.training.gradient_accumulation_steps
+        if self.streams:  # a stream starts at its own cursor (restored by `resume`) and has no epochs
+            self.clock.start_step()
+            yield from micro_batch_windows(self.train_dl, k)
+            return
         while not loop.done:
             epoch, steps_done = divmod(loop.step, loop.steps_per_epoch)
             set_epoch(self.train_dl, epoch)
@@ -363,7 +394,7 @@ class Trainer:
     def resume(self, folder: Path) -> TrainerState:
         """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
         meta = read_state(folder)
-        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh)
+        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh, portable=self.streams)
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
@@ -376,6 +407,8 @@ class Trainer:
                 "--resume_from_checkpoint"
             ) from None
         state = TrainerState(**meta["state"])
+        if self.streams:
+            self.train_dl.load_state_dict(read_data_state(folder))  # type: ignore[attr-defined]
         if (folder / TASK_STATE_FILE).is_file():  # the task's own sums not yet logged (preference rewards)
             self.task.restore_state(json.loads((folder / TASK_STATE_FILE).read_text()), self.is_main_process)
         if not self.is_main_process:  # the pending logging sums of all processes live on the main one

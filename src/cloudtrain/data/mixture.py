@@ -1,0 +1,234 @@
+"""Weighted mixtures of streamed sources: which source gives the k-th document, and where each source stands.
+
+The global document sequence is a function of the seed alone: document k comes from the source that a
+counter-based draw (splitmix64 of seed and k: no generator state to store) picks among the active sources
+by weight. A source is read file after file (sorted) and record after record; its position is
+(pass, file, offset). When a source runs out (`--mixture_exhausted`): restart begins its next pass; drop
+takes it out and renormalises the others' weights; stop ends the stream. The whole state is a small
+JSON-able dict (`MixtureStream.state`), which is what a checkpoint stores and a resume seeks to.
+"""
+
+from __future__ import annotations
+
+import ast
+import glob
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format
+from cloudtrain.errors import UserError
+
+MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SourceSpec:
+    """One training source as the user named it."""
+
+    name: str
+    files: list[str]
+    format: str
+    weight: float = 1.0
+    columns: dict[str, str] = field(default_factory=dict)  # the task's column name -> this source's
+
+
+def _entries(data: Any) -> list[dict]:
+    """--datasets items (a config file's mappings reach us as their repr) or --train_file's comma list."""
+    entries = []
+    for item in data.datasets:
+        value = ast.literal_eval(item) if item.lstrip().startswith("{") else {"path": item}
+        if not isinstance(value, dict) or "path" not in value:
+            raise UserError(f"--datasets: each item needs a path (got {item!r})")
+        entries.append(value)
+    if not entries and data.train_file:
+        entries = [{"path": part.strip()} for part in data.train_file.split(",") if part.strip()]
+    if not entries:
+        raise UserError("--streaming true needs training sources: --train_file (one or more) or datasets:")
+    weights = data.train_weights
+    if weights and len(weights) != len(entries):
+        raise UserError(f"--train_weights gives {len(weights)} weight(s) for {len(entries)} source(s); give one each")
+    for entry, weight in zip(entries, weights, strict=False):
+        entry["weight"] = weight
+    return entries
+
+
+def _weight(value: Any, name: str) -> float:
+    try:
+        weight = float(value)
+    except (TypeError, ValueError):
+        raise UserError(f"the weight of source {name} is not a number: {value!r}") from None
+    if not weight >= 0 or weight == float("inf"):
+        raise UserError(f"the weight of source {name} is {value}; weights must be finite and not negative")
+    return weight
+
+
+def expand(path: str) -> list[str]:
+    """The data files a source names: a file, a folder's data files, or a glob (sorted)."""
+    if "://" in path:
+        import fsspec
+
+        fs, _, paths = fsspec.get_fs_token_paths(path)
+        protocol = path.split("://", 1)[0]
+        return sorted(f"{protocol}://{p}" for p in paths if file_format(p))
+    if any(ch in path for ch in "*?["):
+        return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+    p = Path(path)
+    if p.is_dir():
+        return sorted(str(f) for f in p.rglob("*") if f.is_file() and file_format(str(f)))
+    return [path] if p.is_file() else []
+
+
+def resolve_sources(data: Any) -> list[SourceSpec]:
+    """The sources of a DataConfig, every file found and every weight checked; one line for each mistake."""
+    specs = []
+    for entry in _entries(data):
+        name = str(entry["path"])
+        files = expand(name)
+        if not files:
+            raise UserError(f"training source {name} matches no data file (check the path or glob)")
+        formats = {entry.get("format") or file_format(f) for f in files}
+        if None in formats or len(formats) > 1:
+            shown = ", ".join(sorted(str(f) for f in formats))
+            raise UserError(f"training source {name}: one known format per source (found {shown}); give format:")
+        columns = entry.get("columns") or {}
+        if not isinstance(columns, dict):
+            raise UserError(f"training source {name}: columns must map the task's column names to the source's")
+        specs.append(SourceSpec(name, files, str(formats.pop()), _weight(entry.get("weight", 1.0), name), columns))
+    if len({s.name for s in specs}) < len(specs):
+        raise UserError("the same training source is named twice; name each once")
+    if sum(s.weight for s in specs) <= 0:
+        raise UserError("the training sources' weights are all zero; give at least one a positive weight")
+    return specs
+
+
+def uniform(seed: int, k: int) -> float:
+    """A number in [0, 1) from (seed, k) alone: splitmix64, so any document's draw needs no earlier one."""
+    z = (seed * 0x9E3779B97F4A7C15 + (k + 1) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return ((z ^ (z >> 31)) >> 11) / float(1 << 53)
+
+
+def initial_state(specs: list[SourceSpec]) -> dict:
+    return {
+        "doc": 0,
+        "ended": False,
+        "sources": [{"pass": 0, "file": 0, "offset": 0, "record": 0, "active": s.weight > 0} for s in specs],
+    }
+
+
+class MixtureStream:
+    """The global document sequence from a state: `next(parse)` gives (source index, key, record or None).
+
+    `key` = (source, pass, record index within the pass) names a document uniquely. Bad records come back as
+    empty records (counted in `bad`); a bad file ends that file (counted too), or with on_bad "stop" raises
+    UserError naming it.
+    """
+
+    def __init__(self, specs: list[SourceSpec], state: dict, seed: int, exhausted: str, on_bad: str = "skip"):
+        self.specs, self.seed, self.exhausted, self.on_bad = specs, seed, exhausted, on_bad
+        self.state = {**state, "sources": [dict(s) for s in state["sources"]]}
+        self.readers: list[RecordReader | None] = [None] * len(specs)
+        self.bad = {"records": 0, "files": 0}
+
+    def close(self) -> None:
+        for reader in self.readers:
+            if reader is not None:
+                reader.close()
+
+    def _choose(self, k: int) -> int:
+        active = [i for i, s in enumerate(self.state["sources"]) if s["active"]]
+        total = sum(self.specs[i].weight for i in active)
+        u, cumulative = uniform(self.seed, k) * total, 0.0
+        for i in active:
+            cumulative += self.specs[i].weight
+            if u < cumulative:
+                return i
+        return active[-1]
+
+    def next(self, parse: bool = True) -> tuple[int, tuple[int, int, int], dict | None]:
+        """The next document; StopIteration once the stream has ended."""
+        while not self.state["ended"]:
+            if not any(s["active"] for s in self.state["sources"]):
+                self.state["ended"] = True
+                break
+            i = self._choose(self.state["doc"])
+            got = self._read(i, parse)
+            if got is None:  # source i ran out: restart, drop or stop, then draw again for the same document
+                self._exhausted(i)
+                continue
+            position = self.state["sources"][i]
+            key = (i, position["pass"], position["record"])
+            position["record"] += 1
+            self.state["doc"] += 1
+            return i, key, got[0]
+        raise StopIteration
+
+    def _exhausted(self, i: int) -> None:
+        position = self.state["sources"][i]
+        if self.exhausted == "stop":
+            self.state["ended"] = True
+        elif self.exhausted == "drop" or position["record"] == 0:  # a pass with no record would loop forever
+            position["active"] = False
+        else:
+            position.update({"pass": position["pass"] + 1, "file": 0, "offset": 0, "record": 0})
+
+    def _read(self, i: int, parse: bool) -> tuple[dict | None] | None:
+        """(record,) from source i, moving to its next file at each end; None when the source has no more."""
+        spec, position = self.specs[i], self.state["sources"][i]
+        while position["file"] < len(spec.files):
+            try:
+                reader = self._reader(i)
+                record, position["offset"] = reader.next(parse)
+                return (self._columns(record, spec) if record is not None else None,)
+            except StopIteration:
+                self._next_file(i)
+            except BadRecord as err:
+                position["offset"] = self.readers[i].position  # type: ignore[union-attr]
+                self._bad(spec.files[position["file"]], position["offset"], str(err), "records", parse)
+                return ({},)  # an empty document: nothing trains on it, the count stays in step
+            except BadFile as err:
+                self._bad(spec.files[position["file"]], position["offset"], str(err), "files", parse)
+                self._next_file(i)
+        return None
+
+    def _reader(self, i: int) -> RecordReader:
+        spec, position = self.specs[i], self.state["sources"][i]
+        reader = self.readers[i]
+        path = spec.files[position["file"]]
+        if reader is None or reader.path != path or reader.position != position["offset"]:
+            if reader is not None:
+                reader.close()
+            self.readers[i] = None
+            reader = self.readers[i] = RecordReader(path, spec.format, position["offset"])
+        return reader
+
+    def _next_file(self, i: int) -> None:
+        position = self.state["sources"][i]
+        position.update({"file": position["file"] + 1, "offset": 0})
+        if self.readers[i] is not None:
+            self.readers[i].close()  # type: ignore[union-attr]
+            self.readers[i] = None
+
+    def _bad(self, path: str, offset: int, why: str, kind: str, reported: bool) -> None:
+        """Counted and said by the one worker that parses this document (the others only step over it)."""
+        if not reported:
+            return
+        if self.on_bad == "stop":
+            raise UserError(f"corrupted data in {path} at position {offset}: {why} (--on_bad_data skip goes on)")
+        self.bad[kind] += 1
+        print(f"warning: skipped corrupted data in {path} at position {offset}: {why}", file=sys.stderr, flush=True)
+
+    @staticmethod
+    def _columns(record: dict, spec: SourceSpec) -> dict:
+        """The record under the task's column names (a source's own names mapped by its columns:)."""
+        if not spec.columns:
+            return record
+        renamed = dict(record)
+        for task_name, source_name in spec.columns.items():
+            if source_name in record:
+                renamed[task_name] = record[source_name]
+        return renamed

@@ -1,0 +1,202 @@
+"""Record readers for streaming: one file at a time, from a position, without reading what lies before it.
+
+A position is one integer per file: the byte offset in the (decompressed) text for line formats (txt, jsonl,
+csv), the row index for parquet (row groups are found from the file's metadata, not its data) and the item
+index for a JSON array (such a file is read whole: one file, never the corpus). `RecordReader.next(parse)`
+returns the next record and the position after it; with `parse=False` the record is only stepped over
+(no decoding, no JSON parsing, parquet rows not even read), which is how every loader worker walks past
+the documents that other workers tokenize.
+
+Compressed text (.gz, .zst) has no random access: seeking there decompresses from the start of the file.
+A record that cannot be decoded raises `BadRecord` (the rest of the file is still readable); a file that
+cannot be read on raises `BadFile` (truncated archive, damaged parquet).
+"""
+
+from __future__ import annotations
+
+import csv
+import gzip
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("txt", "jsonl", "json", "csv", "tsv", "parquet")
+COMPRESSED = {".gz": "gzip", ".zst": "zstd"}
+SKIPPED = None  # the record of a step over (parse=False)
+
+
+class BadRecord(Exception):
+    """One record that cannot be decoded; the reader can go on."""
+
+
+class BadFile(Exception):
+    """A file that cannot be read on from here."""
+
+
+def file_format(path: str) -> str | None:
+    """The format of `path` from its name (`.jsonl.gz` -> jsonl), or None."""
+    name = Path(path).name.lower()
+    for suffix in COMPRESSED:
+        name = name.removesuffix(suffix)
+    suffix = Path(name).suffix.lstrip(".")
+    return suffix if suffix in FORMATS else None
+
+
+def _open_binary(path: str) -> Any:
+    if path.endswith(".gz"):
+        return gzip.open(path, "rb")
+    if path.endswith(".zst"):
+        import zstandard  # only for .zst files
+
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
+    if "://" in path:  # object storage (s3://...) through fsspec
+        import fsspec
+
+        return fsspec.open(path, "rb").open()
+    return open(path, "rb")  # noqa: SIM115 (closed by RecordReader.close)
+
+
+def _seek(handle: Any, position: int, forward_only: bool) -> None:
+    """Move to `position`; a zstd stream can only read its way there."""
+    if not forward_only:
+        handle.seek(position)
+        return
+    left = position
+    while left > 0:
+        got = handle.read(min(left, 1 << 20))
+        if not got:
+            break
+        left -= len(got)
+
+
+class RecordReader:
+    """The records of one file from `position` on; `next` raises StopIteration at the end of the file."""
+
+    def __init__(self, path: str, fmt: str, position: int = 0):
+        self.path, self.format, self.position = path, fmt, position
+        self._handle: Any = None
+        self._rows: list | None = None  # parquet: the current row group's rows; json: the array
+        self._group = (-1, 0, 0)  # parquet: (index, first row, rows) of the row group in _rows
+        self._header: list[str] | None = None
+        try:
+            self._open()
+        except (OSError, EOFError, ValueError) as err:
+            raise BadFile(f"{type(err).__name__}: {str(err)[:200]}") from None
+
+    def _open(self) -> None:
+        if self.format == "parquet":
+            import pyarrow.parquet as pq
+
+            self._parquet = pq.ParquetFile(_open_binary(self.path))
+            meta = self._parquet.metadata
+            self._groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
+            self._total = meta.num_rows
+            return
+        self._handle = _open_binary(self.path)
+        if self.format == "json" and self._handle.read(1) == b"[":  # an array: read whole (one file)
+            self._handle.close()
+            self._handle = _open_binary(self.path)
+            self._rows = json.load(io.TextIOWrapper(self._handle, encoding="utf-8"))
+            return
+        elif self.format == "json":
+            self._handle.close()
+            self._handle = _open_binary(self.path)
+        if self.format in ("csv", "tsv"):
+            header_line = self._handle.readline()
+            self._header = next(csv.reader([header_line.decode("utf-8")], delimiter=self._delimiter))
+            self.position = max(self.position, len(header_line))
+            if self.path.endswith(".zst"):
+                self._handle = _open_binary(self.path)  # forward only: from the start again
+        _seek(self._handle, self.position, self.path.endswith(".zst"))
+
+    @property
+    def _delimiter(self) -> str:
+        return "\t" if self.format == "tsv" else ","
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+
+    def next(self, parse: bool = True) -> tuple[dict | None, int]:
+        """(record, position after it); the record is None when not parsed. StopIteration at the end."""
+        if self.format == "parquet":
+            return self._next_parquet(parse)
+        if self._rows is not None:
+            if self.position >= len(self._rows):
+                raise StopIteration
+            self.position += 1
+            return (self._record(self._rows[self.position - 1]) if parse else SKIPPED), self.position
+        if self.format in ("csv", "tsv"):
+            return self._next_csv()
+        try:
+            line = self._handle.readline()
+        except (OSError, EOFError, ValueError) as err:  # a truncated or damaged archive
+            raise BadFile(f"{type(err).__name__}: {str(err)[:200]}") from None
+        if not line:
+            raise StopIteration
+        self.position += len(line)
+        return (self._parse_line(line) if parse else SKIPPED), self.position
+
+    def _parse_line(self, line: bytes) -> dict:
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError:
+            raise BadRecord("not UTF-8") from None
+        if self.format == "txt":
+            return {"text": text.rstrip("\r\n")}
+        if not text.strip():
+            return {}
+        try:
+            return self._record(json.loads(text))
+        except json.JSONDecodeError as err:
+            raise BadRecord(f"not JSON ({err.msg})") from None
+
+    @staticmethod
+    def _record(value: Any) -> dict:
+        if not isinstance(value, dict):
+            raise BadRecord(f"a {type(value).__name__}, not an object")
+        return value
+
+    def _lines(self) -> Iterator[str]:
+        """Decoded lines, advancing `position` line by line (csv pulls as many as one record spans)."""
+        while line := self._handle.readline():
+            self.position += len(line)
+            yield line.decode("utf-8")
+
+    def _next_csv(self) -> tuple[dict | None, int]:
+        assert self._header is not None
+        try:
+            row = next(csv.reader(self._lines(), delimiter=self._delimiter))
+        except UnicodeDecodeError:
+            raise BadRecord("not UTF-8") from None
+        except csv.Error as err:
+            raise BadRecord(f"not CSV ({err})") from None
+        except (OSError, EOFError) as err:
+            raise BadFile(f"{type(err).__name__}: {str(err)[:200]}") from None
+        return dict(zip(self._header, row, strict=False)), self.position
+
+    def _next_parquet(self, parse: bool) -> tuple[dict | None, int]:
+        if self.position >= self._total:
+            raise StopIteration
+        self.position += 1
+        if not parse:
+            return SKIPPED, self.position
+        index = self.position - 1
+        group, first, rows = self._group
+        if not first <= index < first + rows:
+            group, first = 0, 0
+            while first + self._groups[group] <= index:
+                first += self._groups[group]
+                group += 1
+            try:
+                self._rows = self._parquet.read_row_group(group).to_pylist()
+            except Exception as err:  # noqa: BLE001 (pyarrow raises many kinds for a damaged row group)
+                self._group = (group, first, 0)
+                raise BadRecord(f"row group {group} unreadable ({type(err).__name__})") from None
+            self._group = (group, first, self._groups[group])
+        if self._group[2] == 0:  # in a row group already found unreadable
+            raise BadRecord(f"row group {group} unreadable")
+        assert self._rows is not None
+        return self._rows[index - first], self.position

@@ -1,0 +1,370 @@
+"""Streaming training data (`--streaming true`): documents read, tokenized and packed on the fly.
+
+The global stream, the same whatever the number of processes and loader workers:
+
+    documents (cloudtrain.data.mixture: one seeded sequence over the weighted sources)
+    -> buffers of --stream_buffer documents, buffer j holding documents [j*B, (j+1)*B) of the sequence
+    -> rows: each buffer tokenized by the task and packed alone (packing.pack_buffer)
+    -> global micro-batches of --per_device_train_batch_size consecutive rows; an optimizer step takes
+       processes x accumulation of them, micro-batch b going to process b % processes.
+
+Loader workers split the buffers (worker w packs buffers j = w mod workers and only steps over the
+documents of the others, unparsed); torch's DataLoader hands their buffers back in turn, so in order.
+Every process builds the whole row stream and keeps its own micro-batches: tokenizing is repeated on every
+process, reading no less (the price of an order that does not depend on the process count).
+
+The position is a cursor: the mixture state at the start of the buffer holding the next row, and how many
+of that buffer's rows were consumed. A checkpoint stores it (`StreamLoader.state_dict`); a resume reopens
+each source at its file and offset and re-reads one buffer at most, so the documents consumed after the
+resume are those of the uninterrupted run, at any number of processes, as long as the global batch (rows
+per step) is the same. See docs/streaming.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from cloudtrain.data.mixture import MixtureStream, SourceSpec
+from cloudtrain.data.packing import pack_buffer
+from cloudtrain.errors import UserError
+
+STATE_FILE = "data_state.json"  # the stream's cursor in a checkpoint
+Encoder = Callable[[list[dict]], list[list[tuple[list[int], list[int] | None]]]]
+
+
+@dataclass
+class StreamPlan:
+    """What the training stream is made of; picklable with the task's `encode` under fork."""
+
+    sources: list[SourceSpec]
+    start: dict  # the mixture state where training starts (after the held-out validation documents)
+    seed: int
+    exhausted: str
+    on_bad: str
+    buffer_docs: int
+    block_size: int
+    packing: str
+    encode: Encoder  # a buffer's records -> per record, its examples (token ids, loss mask or None)
+    collator: Callable[[list[dict]], dict] | None = None
+    budget: dict = field(default_factory=dict)  # max_steps, max_tokens, micro, accumulation, workers
+
+    def __len__(self) -> int:  # rows planned: printed by the trainer as the training rows
+        return self.budget.get("rows", 0)
+
+    def loader(self, micro: int, device: torch.device | None = None) -> StreamLoader:
+        rank, world = _rank_world()
+        return StreamLoader(self, micro, rank, world, device)
+
+
+def _rank_world() -> tuple[int, int]:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return 0, 1
+
+
+def _identity(item: Any) -> Any:
+    return item
+
+
+class BufferDataset(IterableDataset):
+    """The packed buffers from a mixture state on, this worker's share of them, in order."""
+
+    def __init__(self, plan: StreamPlan, start: dict, first_buffer: int):
+        self.plan, self.start, self.first_buffer = plan, start, first_buffer
+
+    def __iter__(self) -> Iterator[dict]:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        p = self.plan
+        stream = MixtureStream(p.sources, self.start, p.seed, p.exhausted, p.on_bad)
+        try:
+            j = self.first_buffer
+            while not stream.state["ended"]:
+                mine = (j - self.first_buffer) % workers == worker
+                before = copy.deepcopy(stream.state)
+                try:
+                    docs = self._read(stream, mine)
+                except UserError as err:  # on_bad_data stop: said once, by the main process
+                    yield {"error": str(err)}
+                    return
+                if stream.state["doc"] == before["doc"]:
+                    return
+                if mine:
+                    yield {"index": j, "start": before, "rows": self._rows(docs), "bad": dict(stream.bad)}
+                    stream.bad = {"records": 0, "files": 0}
+                j += 1
+        finally:
+            stream.close()
+
+    def _read(self, stream: MixtureStream, parse: bool) -> list[tuple]:
+        docs = []
+        for _ in range(self.plan.buffer_docs):
+            try:
+                source, key, record = stream.next(parse)
+            except StopIteration:
+                break
+            if parse:
+                docs.append((source, key, record))
+        return docs
+
+    def _rows(self, docs: list[tuple]) -> list[dict]:
+        encoded = self.plan.encode([record for _, _, record in docs])
+        items = [
+            (source, key if n == 0 else (*key, n), ids, mask)
+            for (source, key, _), examples in zip(docs, encoded, strict=True)
+            for n, (ids, mask) in enumerate(examples)
+        ]
+        return pack_buffer(items, self.plan.block_size, self.plan.packing)
+
+
+@dataclass
+class _Buffer:
+    index: int
+    start: dict  # mixture state at its first document
+    first_row: int  # global index of its row 0
+    rows: list[dict]
+    skipped: int  # rows consumed before (a resume's first buffer)
+    stats: dict  # cumulative counts at global row first_row + skipped
+
+
+def zero_stats(n: int) -> dict:
+    return {"documents": [0] * n, "tokens": [0] * n, "bad_records": 0, "bad_files": 0}
+
+
+def _add_row(stats: dict, row: dict) -> None:
+    for source, n in row["tokens"].items():
+        stats["tokens"][source] += n
+    for key in row["starts"]:
+        stats["documents"][key[0]] += 1
+
+
+class StreamLoader:
+    """This process's micro-batches of the global row stream, with the cursor a checkpoint stores.
+
+    Not a torch DataLoader, so accelerate passes it through `prepare` untouched (it would dispatch or re-shard
+    an iterable dataset); batches are collated here and placed on `device`.
+    """
+
+    def __init__(self, plan: StreamPlan, micro: int, rank: int, world: int, device: torch.device | None):
+        self.plan, self.micro, self.rank, self.world, self.device = plan, micro, rank, world, device
+        b = plan.budget
+        self.accumulation = b.get("accumulation", 1)
+        self.step_rows = micro * world * self.accumulation  # the global batch, in rows
+        block = plan.block_size
+        self.total_steps = b.get("max_steps") or math.ceil(b["max_tokens"] / (self.step_rows * block))
+        plan.budget["rows"] = self.total_steps * self.step_rows
+        self.resume: dict | None = None
+        self.buffers: deque[_Buffer] = deque()
+        self.base = {"rows": 0, "step": 0}
+        self.dropped_rows = 0
+
+    def __len__(self) -> int:
+        return self.total_steps * self.accumulation
+
+    def set_epoch(self, epoch: int) -> None:
+        """A stream has no epochs of its own: sources restart (or not) by --mixture_exhausted."""
+
+    def load_state_dict(self, state: dict) -> None:
+        if len(state["stats"]["documents"]) != len(self.plan.sources):
+            raise UserError(
+                f"the checkpoint's data stream has {len(state['stats']['documents'])} source(s), this run "
+                f"{len(self.plan.sources)}: resume with the same training sources"
+            )
+        self.resume = state
+
+    def __iter__(self) -> Iterator[dict]:
+        """This process's collated micro-batches, placed on the device."""
+        assert self.plan.collator is not None
+        for chunk in self.chunks():
+            batch = self.plan.collator([{k: v for k, v in r.items() if k not in ("starts", "tokens")} for r in chunk])
+            yield {k: v.to(self.device) if self.device is not None else v for k, v in batch.items()}
+
+    def chunks(self) -> Iterator[list[dict]]:
+        """This process's micro-batches as rows (with the keys of the documents starting in each, `starts`)."""
+        start = self.resume or {
+            "stream": self.plan.start,
+            "buffer": 0,
+            "skip_rows": 0,
+            "rows": 0,
+            "step": 0,
+            "stats": zero_stats(len(self.plan.sources)),
+        }
+        self.base = {"rows": start["rows"], "step": start["step"]}
+        self.buffers.clear()
+        rows_done = start["rows"]
+        step: list[dict] = []  # the rows of the step being gathered (every process gathers all of them)
+        for buffer in self._buffers(start):
+            for row in buffer.rows[buffer.skipped :]:
+                step.append(row)
+                if len(step) < self.step_rows:
+                    continue
+                for b in range(self.rank, self.world * self.accumulation, self.world):
+                    yield step[b * self.micro : (b + 1) * self.micro]
+                # the trainer has taken this step's cursor by now: only later steps' cursors are asked for
+                step, rows_done = [], rows_done + self.step_rows
+                while len(self.buffers) > 1 and self.buffers[1].first_row <= rows_done:
+                    self.buffers.popleft()
+        self.dropped_rows = len(step)  # a last step too short for every process: not trained on
+        if step and self.rank == 0:
+            print(f"note: the stream ended; its last {len(step)} row(s) fill no whole step and are left out")
+
+    def _buffers(self, start: dict) -> Iterator[_Buffer]:
+        workers = self.plan.budget.get("workers", 0)
+        dataset = BufferDataset(self.plan, start["stream"], start["buffer"])
+        items: Any = (
+            DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_identity)
+            if workers
+            else iter(dataset)
+        )
+        first_row, stats = start["rows"] - start["skip_rows"], copy.deepcopy(start["stats"])
+        skipped = start["skip_rows"]
+        for item in items:
+            if "error" in item:
+                raise UserError(item["error"])
+            stats["bad_records"] += item["bad"]["records"]
+            stats["bad_files"] += item["bad"]["files"]
+            buffer = _Buffer(item["index"], item["start"], first_row, item["rows"], skipped, copy.deepcopy(stats))
+            self.buffers.append(buffer)
+            yield buffer
+            for row in buffer.rows[skipped:]:
+                _add_row(stats, row)
+            first_row += len(buffer.rows)
+            skipped = 0
+
+    def state_dict(self, step: int) -> dict:
+        """The cursor after optimizer step `step`: where a resume starts reading, and the counts so far."""
+        rows = self.base["rows"] + (step - self.base["step"]) * self.step_rows
+        for buffer in self.buffers:
+            if buffer.first_row + buffer.skipped <= rows <= buffer.first_row + len(buffer.rows):
+                stats = copy.deepcopy(buffer.stats)
+                for row in buffer.rows[buffer.skipped : rows - buffer.first_row]:
+                    _add_row(stats, row)
+                return {
+                    "stream": buffer.start,
+                    "buffer": buffer.index,
+                    "skip_rows": rows - buffer.first_row,
+                    "rows": rows,
+                    "step": step,
+                    "stats": stats,
+                }
+        raise RuntimeError(f"no buffer holds row {rows} of the stream (step {step}); the cursor was pruned")
+
+    def consumed(self, step: int) -> dict:
+        """Per source, as the user named it: documents started and tokens trained on, up to `step`."""
+        if not self.buffers:
+            stats = self.resume["stats"] if self.resume else zero_stats(len(self.plan.sources))
+        else:
+            stats = self.state_dict(step)["stats"]
+        result: dict[str, Any] = {
+            spec.name: {"documents": stats["documents"][i], "tokens": stats["tokens"][i]}
+            for i, spec in enumerate(self.plan.sources)
+        }
+        result["corrupted_records_skipped"] = stats["bad_records"]
+        result["corrupted_files_skipped"] = stats["bad_files"]
+        return result
+
+
+def connect_stream(cfg: Any, needed: list[str]) -> tuple[list[dict], list[SourceSpec]]:
+    """The sources of a DataConfig checked (files, weights, columns) and the first record of each.
+
+    `needed`: the task's columns every source's records must hold (a source's `columns:` maps its own names).
+    Nothing is read beyond one record per source.
+    """
+    from cloudtrain.data.mixture import resolve_sources
+
+    specs = resolve_sources(cfg)
+    for spec in specs:
+        if spec.format == "txt":  # a line arrives as "text": it is the task's text column
+            spec.columns.setdefault(cfg.text_column, "text")
+    return [_first_record(spec, needed) for spec in specs], specs
+
+
+def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], dict]:
+    """The first --stream_validation_docs documents of the mixture (validation) and the state after them,
+    where training starts, so no document is in both."""
+    from cloudtrain.data.mixture import initial_state
+
+    stream = MixtureStream(specs, initial_state(specs), seed, cfg.mixture_exhausted, cfg.on_bad_data)
+    try:
+        records = [stream.next()[2] or {} for _ in range(cfg.stream_validation_docs)]
+    except StopIteration:
+        raise UserError(
+            f"the training sources hold fewer than --stream_validation_docs {cfg.stream_validation_docs} "
+            "documents; give --validation_file or fewer"
+        ) from None
+    finally:
+        stream.close()
+    return records, stream.state
+
+
+def _first_record(spec: SourceSpec, needed: list[str]) -> dict:
+    from cloudtrain.data.readers import BadFile, BadRecord, RecordReader
+
+    for path in spec.files:
+        try:
+            reader = RecordReader(path, spec.format)
+            try:
+                record, _ = reader.next()
+            finally:
+                reader.close()
+        except (StopIteration, BadFile, BadRecord):
+            continue
+        record = MixtureStream._columns(record or {}, spec)
+        missing = [c for c in needed if c not in record]
+        if missing:
+            raise UserError(
+                f"training source {spec.name} has no column {missing[0]!r} (its columns: {', '.join(record)}); "
+                f"name it for this source: datasets: - path: {spec.name}, columns: {{{missing[0]}: <its column>}}"
+            )
+        return record
+    raise UserError(f"training source {spec.name} holds no readable record")
+
+
+def check_streaming(cfg: Any) -> None:
+    """What a streaming run needs that no file has to be read for."""
+    t = cfg.training
+    if not (t.max_steps or cfg.data.max_tokens):
+        raise UserError("--streaming true needs a budget: --max_steps N or --max_tokens N (a stream has no length)")
+    if t.per_device_train_batch_size == "auto":
+        raise UserError("--streaming true needs a fixed --per_device_train_batch_size (auto probes stored rows)")
+    if cfg.training.training_type == "pipeline":
+        raise UserError("--streaming true runs under the basic and accelerate trainers, not --training_type pipeline")
+
+
+def stream_plan(raw: Any, cfg: Any, encode: Encoder, collator: Callable) -> tuple[StreamPlan, list[dict] | None]:
+    """The training stream of a streaming run, and the held-out validation records when there is no
+    validation split (None otherwise)."""
+    d, t = cfg.data, cfg.training
+    specs = raw.stream_sources
+    held_out, start = None, None
+    if "validation" not in raw:
+        held_out, start = hold_out(specs, d, t.seed)
+    from cloudtrain.data.mixture import initial_state
+
+    plan = StreamPlan(
+        sources=specs,
+        start=start or initial_state(specs),
+        seed=t.seed,
+        exhausted=d.mixture_exhausted,
+        on_bad=d.on_bad_data,
+        buffer_docs=d.stream_buffer,
+        block_size=d.max_length,
+        packing=d.packing,
+        encode=encode,
+        collator=collator,
+        budget={
+            "max_steps": t.max_steps,
+            "max_tokens": d.max_tokens,
+            "accumulation": t.gradient_accumulation_steps,
+            "workers": d.dataloader_num_workers,
+        },
+    )
+    return plan, held_out

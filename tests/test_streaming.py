@@ -1,0 +1,289 @@
+"""--streaming true: readers and their positions, weighted mixtures, on-the-fly packing, exactly-once sharding over
+processes and loader workers, the cursor a resume seeks to, and each bad input refused in one line.
+
+Fast tests build the stream in-process (ranks are the StreamLoader's arguments, workers are real DataLoader
+workers); the launches with real processes and kill -9 are in the slow tests at the end."""
+
+import bz2  # noqa: F401 (the standard library's compressors are what users have)
+import gzip
+import json
+import re
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+from transformers import AutoTokenizer
+
+from cloudtrain.config import resolve_options
+from cloudtrain.data.mixture import MixtureStream, initial_state, resolve_sources
+from cloudtrain.data.packing import CausalLMCollator
+from cloudtrain.data.readers import RecordReader
+from cloudtrain.data.streaming import StreamLoader, StreamPlan
+from cloudtrain.errors import UserError
+from cloudtrain.tasks.causal_lm import CausalLMTask
+
+
+def write_jsonl(path: Path, texts: list[str], opener=open) -> Path:
+    with opener(path, "wt") as f:
+        for text in texts:
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def numbered(n: int, prefix: str) -> list[str]:
+    """Documents that name themselves, of uneven length."""
+    return [f"{prefix} {i} " + " ".join(["word"] * (1 + (i * 7) % 23)) for i in range(n)]
+
+
+def data_cfg(**options):
+    return resolve_options({"streaming": True, "max_steps": 1, **options}, {})
+
+
+# ------------------------------------------------------------------ readers
+def test_every_format_reads_every_record_and_resumes_at_a_position(tmp_path):
+    texts = numbered(40, "doc") + ["line with, a comma", 'a "quoted"\nnewline']
+    files = {
+        "txt": tmp_path / "a.txt",
+        "jsonl": write_jsonl(tmp_path / "a.jsonl.gz", texts, gzip.open),
+        "json": tmp_path / "a.json",
+        "csv": tmp_path / "a.csv",
+        "parquet": tmp_path / "a.parquet",
+        "zst": tmp_path / "a.jsonl.zst",
+    }
+    files["txt"].write_text("\n".join(t.replace("\n", " ") for t in texts) + "\n")
+    files["json"].write_text(json.dumps([{"text": t} for t in texts]))
+    import csv
+
+    with open(files["csv"], "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["id", "text"])
+        writer.writerows([i, t] for i, t in enumerate(texts))
+    pq.write_table(pa.table({"text": texts}), files["parquet"], row_group_size=7)
+    with zstandard.open(files["zst"], "wt") as f:
+        f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
+    for kind, path in files.items():
+        fmt = "jsonl" if kind == "zst" else kind
+        reader, records = RecordReader(str(path), fmt), []
+        with pytest.raises(StopIteration):
+            while True:
+                records.append(reader.next())
+        expected = [t.replace("\n", " ") for t in texts] if kind == "txt" else texts
+        assert [r["text"] for r, _ in records] == expected, kind
+        middle = records[19][1]  # the position after record 20: a resume starts there, reading nothing before
+        again = RecordReader(str(path), fmt, middle)
+        assert again.next()[0]["text"] == expected[20], kind
+
+
+# ------------------------------------------------------------------ mixtures
+def test_a_mixture_draws_each_source_by_its_weight_from_the_seed(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered(50, "a"))
+    folder = tmp_path / "b"
+    folder.mkdir()
+    for i in range(3):
+        pq.write_table(pa.table({"text": numbered(20, f"b{i}")}), folder / f"part{i}.parquet")
+    cfg = data_cfg(train_file=f"{a},{folder}/*.parquet", train_weights="0.7,0.3").data
+    specs = resolve_sources(cfg)
+    assert [s.name for s in specs] == [str(a), f"{folder}/*.parquet"] and len(specs[1].files) == 3
+
+    def draw(seed: int, n: int = 4000) -> list:
+        stream = MixtureStream(specs, initial_state(specs), seed, "restart")
+        return [stream.next(parse=False)[1] for _ in range(n)]
+
+    keys = draw(0)
+    share = Counter(key[0] for key in keys)[0] / len(keys)
+    assert 0.68 < share < 0.72
+    assert keys == draw(0) and keys != draw(1)  # the seed alone decides
+    passes = Counter((key[0], key[1]) for key in keys)
+    assert passes[(0, 0)] == 50 and passes[(1, 0)] == 60  # restart: whole passes, then the next ones
+
+
+def test_drop_renormalises_and_stop_ends_the_stream(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered(10, "a"))
+    b = write_jsonl(tmp_path / "b.jsonl", numbered(100, "b"))
+    for mode, expected in (("drop", 110), ("stop", None)):
+        specs = resolve_sources(data_cfg(train_file=f"{a},{b}").data)
+        stream = MixtureStream(specs, initial_state(specs), 0, mode)
+        keys = []
+        with pytest.raises(StopIteration):
+            while True:
+                keys.append(stream.next(parse=False)[1])
+        if expected:
+            assert len(keys) == expected and len(set(keys)) == expected  # every document once, none repeated
+        else:
+            assert Counter(k[0] for k in keys)[0] == 10 and len(keys) < 110  # ended when a ran out
+
+
+# ------------------------------------------------------------------ the row stream
+@pytest.fixture(scope="module")
+def lm_tokenizer(lm_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+
+
+def plan_for(tmp_path, tokenizer, packing="bfd", workers=0, accumulation=1, exhausted="restart", **data) -> StreamPlan:
+    cfg = data_cfg(
+        packing=packing,
+        dataloader_num_workers=workers,
+        gradient_accumulation_steps=accumulation,
+        mixture_exhausted=exhausted,
+        max_steps=1000,
+        max_length=32,
+        stream_buffer=16,
+        **data,
+    )
+    specs = resolve_sources(cfg.data)
+    for spec in specs:
+        if spec.format == "txt":
+            spec.columns.setdefault("text", "text")
+    return StreamPlan(
+        sources=specs,
+        start=initial_state(specs),
+        seed=0,
+        exhausted=exhausted,
+        on_bad="skip",
+        buffer_docs=16,
+        block_size=32,
+        packing=packing,
+        encode=CausalLMTask.stream_encoder(tokenizer, cfg.data),
+        collator=CausalLMCollator(0),
+        budget={"max_steps": 1000, "accumulation": accumulation, "workers": workers},
+    )
+
+
+def take(loader, steps: int) -> list[list[dict]]:
+    """The first `steps` steps' micro-batches (as rows) of a loader."""
+    chunks, it = [], loader.chunks()
+    for _ in range(steps * loader.accumulation):
+        chunks.append(next(it))
+    return chunks
+
+
+@pytest.fixture
+def two_sources(tmp_path):
+    write_jsonl(tmp_path / "a.jsonl", numbered(90, "a"))
+    pq.write_table(pa.table({"text": numbered(70, "b")}), tmp_path / "b.parquet", row_group_size=9)
+    return f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.parquet'}"
+
+
+def test_every_document_once_over_two_processes_and_two_workers_in_the_global_order(
+    tmp_path, lm_tokenizer, two_sources
+):
+    """2 processes x 2 loader workers, a micro-batch of 2 rows: every document of the first pass starts in exactly
+    one row of one process, and the rows, interleaved, are those one process without workers reads."""
+    steps = 100
+    one = take(plan_for(tmp_path, lm_tokenizer, train_file=two_sources, accumulation=2).loader(2), steps)
+    plan = plan_for(tmp_path, lm_tokenizer, train_file=two_sources, workers=2)
+    per_rank = [take(StreamLoader(plan, 2, rank, 2, None), steps) for rank in (0, 1)]
+    interleaved = [chunk for pair in zip(*per_rank, strict=True) for chunk in pair]
+    assert [r["input_ids"] for c in interleaved for r in c] == [r["input_ids"] for c in one for r in c]
+    starts = Counter(key for chunk in interleaved for row in chunk for key in row["starts"])
+    first_pass = {key for key in starts if key[1] == 0}
+    assert {key[0] for key in starts if key[1] == 1} == {0, 1}  # both sources are into their second pass
+    assert len(first_pass) == 90 + 70, "a document of the first pass was never trained on"
+    assert max(starts.values()) == 1, "a document was trained on twice"
+    tokens = sum(len(r["input_ids"]) for c in interleaved for r in c)
+    assert tokens == sum(sum(r["tokens"].values()) for c in interleaved for r in c)
+
+
+def test_packed_rows_keep_documents_apart_as_the_stored_path_does(tmp_path, lm_tokenizer, two_sources):
+    loader = plan_for(tmp_path, lm_tokenizer, train_file=two_sources).loader(4)
+    batch = next(iter(loader))
+    rows = take(plan_for(tmp_path, lm_tokenizer, train_file=two_sources).loader(4), 1)[0]
+    for b, row in enumerate(rows):
+        assert len(row["input_ids"]) <= 32 and sum(row["seq_lengths"]) == len(row["input_ids"])
+        starts = [sum(row["seq_lengths"][:i]) for i in range(len(row["seq_lengths"]))]
+        assert all(batch["position_ids"][b, s] == 0 for s in starts)  # positions restart per document
+        assert all(batch["labels"][b, s] == -100 for s in starts)  # no document predicted from another
+
+
+@pytest.mark.parametrize("world_before,world_after", [(2, 1), (1, 2)])
+def test_the_cursor_resumes_the_same_rows_at_another_process_count(
+    tmp_path, lm_tokenizer, two_sources, world_before, world_after
+):
+    """Steps of 8 rows: 2 processes x 2 x 2 accumulation, or 1 x 2 x 4. After 7 steps the cursor, stored as JSON,
+    resumes at the other count: the next steps hold the rows the uninterrupted run reads."""
+
+    def loader(world, rank, workers=0):
+        plan = plan_for(tmp_path, lm_tokenizer, train_file=two_sources, accumulation=4 // world, workers=workers)
+        return StreamLoader(plan, 2, rank, world, None)
+
+    straight = take(loader(1, 0), 12)
+    before = [loader(world_before, r) for r in range(world_before)]
+    for part in before:
+        take(part, 7)
+    state = json.loads(json.dumps(before[0].state_dict(7)))
+    assert state == json.loads(json.dumps(before[-1].state_dict(7)))  # every process holds the same cursor
+    after = []
+    for rank in range(world_after):
+        part = loader(world_after, rank, workers=2)
+        part.load_state_dict(state)
+        after.append(take(part, 5))
+    rows = lambda chunks: [r["input_ids"] for c in chunks for r in c]  # noqa: E731
+    resumed = sorted(rows(sum(after, [])))
+    assert resumed == sorted(rows(straight[7 * 4 :]))
+    assert state["stats"]["tokens"] == [
+        sum(r["tokens"].get(s, 0) for c in straight[: 7 * 4] for r in c) for s in (0, 1)
+    ]
+
+
+# ------------------------------------------------------------------ bad input
+def test_each_bad_stream_input_is_one_line(tmp_path):
+    a = write_jsonl(tmp_path / "a.jsonl", numbered(5, "a"))
+    b = write_jsonl(tmp_path / "b.jsonl", numbered(5, "b"))
+    cases = {
+        "--train_weights gives 1 weight(s) for 2 source(s)": {"train_file": f"{a},{b}", "train_weights": "1"},
+        "weights must be finite and not negative": {"train_file": f"{a},{b}", "train_weights": "1,-1"},
+        "weights are all zero": {"train_file": f"{a},{b}", "train_weights": "0,0"},
+        "matches no data file": {"train_file": f"{a},{tmp_path}/nothing*.jsonl"},
+    }
+    for message, options in cases.items():
+        with pytest.raises(UserError, match=re.escape(message)) as err:
+            resolve_sources(data_cfg(**options).data)
+        assert "\n" not in str(err.value)
+    with pytest.raises(UserError, match="--train_weights needs --streaming true"):
+        resolve_options({"train_weights": "1"}, {})
+
+
+def test_a_corrupted_shard_mid_stream_is_skipped_and_counted_or_stops(tmp_path, lm_tokenizer):
+    good = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in numbered(30, "good")).encode())
+    (tmp_path / "part0.jsonl.gz").write_bytes(good[: len(good) // 2])  # truncated: ends mid-stream
+    write_jsonl(tmp_path / "part1.jsonl", numbered(20, "next"))
+    with open(tmp_path / "part1.jsonl", "a") as f:
+        f.write("{not json\n")
+        f.writelines(json.dumps({"text": t}) + "\n" for t in numbered(5, "after"))
+    plan = plan_for(tmp_path, lm_tokenizer, train_file=f"{tmp_path}/part*", exhausted="stop")
+    loader = plan.loader(1)
+    rows = [row for chunk in loader.chunks() for row in chunk]
+    counts = loader.consumed(len(rows))
+    assert counts["corrupted_files_skipped"] == 1 and counts["corrupted_records_skipped"] == 1
+    keys = {key for row in rows for key in row["starts"]}
+    assert len(keys) > 20  # what came after the damage was read
+    plan.on_bad = "stop"
+    with pytest.raises(UserError, match=r"corrupted data in .*part0.jsonl.gz"):
+        list(plan.loader(1).chunks())
+
+
+# ------------------------------------------------------------------ a run
+def stream_run_args(model_dir: str, train: str, out: Path, *extra: str) -> list[str]:
+    return [
+        "--task", "causal_lm", "--model_name_or_path", model_dir, "--streaming", "true", "--train_file", train,
+        "--output_dir", str(out), "--max_length", "32", "--per_device_train_batch_size", "2",
+        "--learning_rate", "3e-3", "--logging_steps", "1", "--mixed_precision", "no", "--eval_strategy", "no",
+        "--sample_max_new_tokens", "2", "--num_sample_prompts", "1", "--stream_buffer", "16",
+        "--stream_validation_docs", "8", "--packing", "bfd", *extra,
+    ]  # fmt: skip
+
+
+def test_a_streaming_run_trains_and_reports_each_source(tiny_llama_dir, tmp_path, two_sources):
+    from cloudtrain import train
+
+    out = tmp_path / "run"
+    args = stream_run_args(tiny_llama_dir, two_sources, out, "--max_tokens", "640", "--train_weights", "3,1")
+    results = train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)})
+    assert results["train"]["global_step"] == 10  # ceil(640 tokens / (2 rows x 32 tokens))
+    written = json.loads((out / "train_results.json").read_text())
+    sources = written["sources"]
+    a, b = two_sources.split(",")
+    assert set(sources) >= {a, b} and sources[a]["tokens"] > sources[b]["tokens"] > 0
