@@ -257,7 +257,7 @@ class Trainer:
     @property
     def streams(self) -> bool:
         """Whether the training data is a stream with a cursor (cloudtrain.data.streaming), not stored rows."""
-        return hasattr(self.train_dl, "state_dict")
+        return hasattr(self.train_dl, "consumed")  # accelerate's prepared loaders have a state_dict too
 
     def write_data_state(self, folder: Path, step: int) -> None:
         """A stream's cursor after `step` into a checkpoint (its owner writes it: every process holds the same)."""
