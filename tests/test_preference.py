@@ -1,6 +1,7 @@
 """--task dpo on CPU with tiny random decoders: each loss against its paper's formula, which tokens get gradient,
 the three kinds of reference, the pair formats, every refusal, and a short run that trains and saves."""
 
+import io
 import json
 import math
 
@@ -9,9 +10,19 @@ import torch
 from conftest import assert_each_refused
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.data.chat import ChatFormat
-from cloudtrain.data.pairs import PairCollator, PairColumns, encode_pair, sequence_logps, to_pair, truncate_pairs
+from cloudtrain.data.pairs import (
+    SIDES,
+    PairCollator,
+    PairColumns,
+    answer_logps,
+    encode_pair,
+    segment_mask,
+    to_pair,
+    truncate_pairs,
+)
 from cloudtrain.observe.plotting import curve_data
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks.dpo import DPOTask, pair_logps, preference_loss
@@ -176,27 +187,54 @@ def test_prompt_tokens_get_exactly_zero_gradient(chat, tiny_llama_dir):
     model = load_base(tiny_llama_dir, chat.tokenizer)
     columns = PairColumns("prompt", "chosen", "rejected")
     batch = PairCollator(0)([encode_pair(chat, conversational(*row), columns) for row in QUESTIONS[:2]])
-    logits = model(input_ids=batch["input_ids"]).logits
+    logits = model(input_ids=batch["input_ids"], attention_mask=segment_mask(batch["segments"], False),
+                   position_ids=batch["position_ids"]).logits  # fmt: skip
     logits.retain_grad()
-    logps, counts = sequence_logps(logits, batch["labels"])  # what pair_logps does after the forward
+    logps, counts = answer_logps(logits, batch)  # what pair_logps does after the forward
     losses, _, _ = preference_loss("simpo", 2.0, 1.0, logps, counts, None)
     losses.sum().backward()
-    targets = batch["labels"][:, 1:] != -100  # position t predicts token t + 1
-    gradient = logits.grad[:, :-1].abs().sum(dim=-1)
-    assert targets.sum() == counts.sum() > 0
-    assert torch.all(gradient[~targets] == 0) and torch.all(gradient[targets] > 0)
-    assert torch.all(logits.grad[:, -1] == 0)
+    # the positions whose logits predict an answer token: nothing else may get gradient
+    offset = logits.shape[1] - len(batch["answer_window"])
+    sources = torch.zeros(logits.shape[:2], dtype=torch.bool)
+    for answer, row in enumerate(batch["rows"].tolist()):
+        valid = batch["targets"][answer] != -100
+        sources[row, batch["sources"][answer][valid] + offset] = True
+    gradient = logits.grad.abs().sum(dim=-1)
+    assert counts.sum() > 0 and sources.sum() <= counts.sum()  # a shared answer token is one position for two
+    assert torch.all(gradient[~sources] == 0) and torch.all(gradient[sources] > 0)
 
 
-def test_the_lm_head_on_the_answer_window_gives_the_full_forwards_values(chat, tiny_llama_dir):
+def alone(model, chat, row: dict) -> list[float]:
+    """Each answer's summed log-probability from its own unpadded forward: [chosen, rejected]."""
+    encoded = encode_pair(chat, row, PairColumns("prompt", "chosen", "rejected"))
+    out = []
+    for side in ("chosen", "rejected"):
+        ids, mask = torch.tensor(encoded[f"{side}_ids"]), torch.tensor(encoded[f"{side}_mask"], dtype=torch.bool)
+        logps = model(input_ids=ids[None]).logits[0, :-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
+        out.append(float(logps[mask[1:]].sum()))
+    return out
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_one_forward_over_a_shared_prompt_gives_each_answers_own_values(chat, tiny_llama_dir, attention):
+    """The shared-prompt layout (each prompt once, the rejected answer masked from the chosen one, its positions
+    restarted) and the separate rows, with and without the LM head's window, against each answer's own forward.
+    One pair's answers share their first words, so shared answer tokens count for both."""
     model = load_base(tiny_llama_dir, chat.tokenizer)
-    columns = PairColumns("prompt", "chosen", "rejected")
-    batch = PairCollator(0)([encode_pair(chat, conversational(*row), columns) for row in QUESTIONS])
-    assert 0 < len(batch["answer_window"]) < batch["input_ids"].shape[1]  # the prompts are left out
+    model.set_attn_implementation(attention)
+    rows = [conversational(*q) for q in QUESTIONS] + [conversational("Who ate?", "The wolf ate.", "The wolf slept.")]
+    encoded = [encode_pair(chat, row, PairColumns("prompt", "chosen", "rejected")) for row in rows]
+    shared, separate = PairCollator(0)(encoded), PairCollator(0, shared=False)(encoded)
+    assert shared["input_ids"].numel() < 0.75 * separate["input_ids"].numel()  # the prompts once, not twice
+    assert 0 < len(shared["answer_window"]) < shared["input_ids"].shape[1]  # the prompts are left out
     with torch.no_grad():
-        windowed, full = pair_logps(model, batch, window=True), pair_logps(model, batch, window=False)
-    assert torch.equal(windowed[1], full[1])
-    assert windowed[0].tolist() == pytest.approx(full[0].tolist(), rel=1e-6)  # matmuls of another shape
+        expected = [alone(model, chat, row) for row in rows]
+        expected = [e[0] for e in expected] + [e[1] for e in expected]  # chosen, then rejected
+        for batch in (shared, separate):
+            for window in (True, False):
+                logps, counts = pair_logps(model, batch, window=window, additive=attention == "eager")
+                assert logps.tolist() == pytest.approx(expected, rel=1e-5)
+                assert counts.tolist() == [sum(e[f"{side}_mask"][1:]) for side in SIDES for e in encoded]
 
 
 # ---------------------------------------------------------------- the reference
@@ -284,7 +322,7 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
 # ---------------------------------------------------------------- a run
 
 
-def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pairs_file, tmp_path, capsys):
+def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pairs_file, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     results = run_training(build_config(dpo_options(tiny_llama_dir, pairs_file, out, max_steps=6)))
     printed = capsys.readouterr().out
@@ -306,3 +344,14 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     tokenizer = AutoTokenizer.from_pretrained(out)
     assert "<|im_start|>" in tokenizer.chat_template
     AutoModelForCausalLM.from_pretrained(out)
+
+    # `generate` talks to it through its chat template: in the terminal, and for a prompt
+    capsys.readouterr()
+    monkeypatch.setattr("sys.stdin", io.StringIO("Who found the golden key?\nAnd then?\n/exit\n"))
+    assert main(["generate", "--model_dir", str(out), "--chat", "--max_new_tokens", "3"]) == 0
+    assert capsys.readouterr().out.count("assistant> ") == 2
+    assert (
+        main(["generate", "--model_dir", str(out), "--prompt", "Who found the golden key?", "--max_new_tokens", "3"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith("Who found the golden key?\n")

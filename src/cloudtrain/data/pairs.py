@@ -11,6 +11,7 @@ A pair is encoded as two rows, prompt + chosen and prompt + rejected, each with 
 tokens only (end-of-turn token included: the chat template's, as `ChatFormat` finds it).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import datasets
@@ -135,47 +136,120 @@ def truncate_pairs(rows: dict[str, list], limit: int) -> tuple[list[int], int]:
 
 
 class PairCollator:
-    """Pairs -> one batch of 2B rows, the B chosen then the B rejected, right-padded: input_ids, labels (the answer
-    tokens; -100 elsewhere), attention_mask (real tokens, for counting: the causal model never needs it, as
-    padding sits after every real token) and answer_window (its length: how many last positions hold every
-    answer, the only logits the loss needs). Precomputed reference log-probabilities come as `ref_logps` [2B]."""
+    """Pairs -> one batch for one forward over both answers. Two layouts:
 
-    def __init__(self, pad_token_id: int):
+    - shared prompt (`shared`, the default): one row per pair, the tokens chosen and rejected share (the prompt,
+      the assistant header) once, then the chosen answer, then the rejected one, right-padded. `position_ids` start
+      the rejected answer where the chosen one starts, and `segments` (0 shared, 1 chosen, 2 rejected, 3 padding)
+      give the attention mask `segment_mask` builds: the rejected answer never sees the chosen one. Prompts are
+      mostly longer than answers, so this nearly halves the tokens of a pair (the prompt is computed once);
+    - separate rows: 2B rows, the B chosen then the B rejected, right-padded, no attention mask (padding sits after
+      every real token, and attention is causal), for attention kernels that take no custom mask.
+
+    Either way the answers' tokens are gathered by (row, position): `rows` [2B] (chosen then rejected) names each
+    answer's row; `sources` [2B, T] the positions (in the answers' window) whose logits predict its `targets`
+    [2B, T] (IGNORE_INDEX past its last target). `answer_window`'s length is how many last positions hold every
+    source, the only logits the loss needs (a tensor's length, so the forward reads it without waiting on the
+    device). `attention_mask` [rows, width] marks real tokens, for counting. Precomputed reference log-probabilities
+    come as `ref_logps` [2B]."""
+
+    def __init__(self, pad_token_id: int, shared: bool = True):
         self.pad_token_id = pad_token_id
+        self.shared = shared  # the task turns it off for a model whose attention takes no custom mask
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        sequences = [(row[f"{side}_ids"], row[f"{side}_mask"]) for side in SIDES for row in rows]
-        width = max(len(ids) for ids, _ in sequences)
-        shape = (len(sequences), width)
-        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
-        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros(shape, dtype=torch.long)
-        for b, (ids, mask) in enumerate(sequences):
-            n = len(ids)
-            input_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
-            labels[b, :n] = torch.where(torch.tensor(mask, dtype=torch.bool), input_ids[b, :n], IGNORE_INDEX)
-            attention_mask[b, :n] = 1
-        labels[:, 0] = IGNORE_INDEX  # nothing predicts a row's first token
-        # The positions whose logits the loss needs: from the one before the first answer token of any row to the
-        # end. Carried as a tensor's length, so the forward reads it without waiting on the device.
-        first = int((labels != IGNORE_INDEX).any(dim=0).int().argmax())
+        layout = [self._shared(row) for row in rows] if self.shared else self._separate(rows)
+        # (row, sources, targets) of every answer: the B chosen, then the B rejected
+        answers = [(r, *side) for r, (_, _, _, sides) in enumerate(layout) for side in sides]
+        answers = answers[0::2] + answers[1::2] if self.shared else answers
+        width = max(len(ids) for ids, _, _, _ in layout)
+        longest = max(len(targets) for _, _, targets in answers)
+        first = min(min(sources) for _, sources, _ in answers)  # the window starts at the first source
+        shape = (len(layout), width)
         batch = {
-            "input_ids": input_ids,
-            "labels": labels,
-            "attention_mask": attention_mask,
-            "answer_window": torch.zeros(width - max(first - 1, 0), dtype=torch.int8),
+            "input_ids": torch.full(shape, self.pad_token_id, dtype=torch.long),
+            "attention_mask": torch.zeros(shape, dtype=torch.long),
+            "rows": torch.tensor([row for row, _, _ in answers], dtype=torch.long),
+            "sources": torch.zeros(len(answers), longest, dtype=torch.long),
+            "targets": torch.full((len(answers), longest), IGNORE_INDEX, dtype=torch.long),
+            "answer_window": torch.zeros(width - first, dtype=torch.int8),
         }
+        if self.shared:
+            batch["position_ids"] = torch.arange(width).repeat(len(layout), 1)
+            batch["segments"] = torch.full(shape, PADDING, dtype=torch.int8)
+        for r, (ids, positions, segments, _) in enumerate(layout):
+            batch["input_ids"][r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            batch["attention_mask"][r, : len(ids)] = 1
+            if self.shared:
+                batch["position_ids"][r, : len(ids)] = torch.tensor(positions, dtype=torch.long)
+                batch["segments"][r, : len(ids)] = torch.tensor(segments, dtype=torch.int8)
+        for a, (_, sources, targets) in enumerate(answers):
+            batch["sources"][a, : len(sources)] = torch.tensor(sources, dtype=torch.long) - first
+            batch["targets"][a, : len(targets)] = torch.tensor(targets, dtype=torch.long)
         if REFERENCE_COLUMNS[0] in rows[0]:
             batch["ref_logps"] = torch.tensor([row[c] for c in REFERENCE_COLUMNS for row in rows], dtype=torch.float32)
         return batch
 
+    @staticmethod
+    def _shared(row: dict) -> tuple[list[int], list[int], list[int], list[tuple[list[int], list[int]]]]:
+        """(ids, position ids, segments, [(sources, targets) of the chosen answer, of the rejected]) of one pair's
+        row."""
+        chosen, rejected = row["chosen_ids"], row["rejected_ids"]
+        k = common_prefix(chosen, rejected)  # the prompt, the assistant header, and any shared answer tokens
+        ids = chosen + rejected[k:]
+        positions = list(range(len(chosen))) + list(range(k, len(rejected)))
+        segments = [SHARED] * k + [CHOSEN] * (len(chosen) - k) + [REJECTED] * (len(rejected) - k)
+        # a target at index t is predicted by index t - 1 of its own sequence: in the shared part, or (rejected)
+        # shifted past the chosen answer's own tokens
+        shift = len(chosen) - k
+        sides = [
+            _targets(chosen, row["chosen_mask"], lambda t: t - 1),
+            _targets(rejected, row["rejected_mask"], lambda t: t - 1 if t - 1 < k else t - 1 + shift),
+        ]
+        return ids, positions, segments, sides
 
-def sequence_logps(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log-probability of each row's target tokens, their count), [N] each. Positions that are not
-    targets enter through `torch.where`, so they get exactly zero gradient."""
-    targets = labels[:, 1:].to(logits.device)
-    mask = targets != IGNORE_INDEX
-    logits = logits[:, :-1].float()
-    picked = logits.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-    token_logps = torch.where(mask, picked - logits.logsumexp(dim=-1), 0.0)
-    return token_logps.sum(dim=-1), mask.sum(dim=-1)
+    @staticmethod
+    def _separate(rows: list[dict]) -> list[tuple[list[int], list[int], list[int], list]]:
+        """Each side its own row: the B chosen, then the B rejected."""
+        return [
+            (row[f"{side}_ids"], [], [], [_targets(row[f"{side}_ids"], row[f"{side}_mask"], lambda t: t - 1)])
+            for side in SIDES
+            for row in rows
+        ]
+
+
+SHARED, CHOSEN, REJECTED, PADDING = 0, 1, 2, 3  # PairCollator's segments
+
+
+def _targets(ids: list[int], mask: list[int], source: Callable[[int], int]) -> tuple[list[int], list[int]]:
+    """(the positions predicting each target token, the target tokens); a row's first token is never a target
+    (nothing predicts it)."""
+    targets = [t for t in range(1, len(ids)) if mask[t]]
+    return [source(t) for t in targets], [ids[t] for t in targets]
+
+
+def segment_mask(segments: torch.Tensor, additive: bool) -> torch.Tensor:
+    """The attention mask [R, 1, W, W] of the shared-prompt layout: causal, and a query sees a key in the shared
+    part or in its own segment (padding sees everything before it, so no row is empty). Boolean (True: attend) for
+    SDPA; additive (0, or the float minimum) for eager attention."""
+    width = segments.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=segments.device).tril()
+    query, key = segments[:, :, None], segments[:, None, :]
+    allowed = causal & ((key == SHARED) | (key == query) | (query == PADDING))
+    allowed = allowed[:, None]
+    if not additive:
+        return allowed
+    return torch.zeros(allowed.shape, device=segments.device).masked_fill(~allowed, torch.finfo(torch.float32).min)
+
+
+def answer_logps(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log-probability of each answer's target tokens, their count), [2B] each, from the logits of the
+    answers' window [R, window, V]. Only the gathered positions enter the loss, so every other position (the
+    prompt's) gets exactly zero gradient."""
+    targets = batch["targets"].to(logits.device)
+    valid = targets != IGNORE_INDEX
+    offset = logits.shape[1] - len(batch["answer_window"])  # a full forward's logits start before the window
+    picked = logits[batch["rows"][:, None], batch["sources"] + offset].float()  # [2B, T, V]
+    chosen = picked.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    token_logps = torch.where(valid, chosen - picked.logsumexp(dim=-1), 0.0)
+    return token_logps.sum(dim=-1), valid.sum(dim=-1)

@@ -40,9 +40,10 @@ from cloudtrain.data.pairs import (
     SIDES,
     PairCollator,
     PairColumns,
+    answer_logps,
     encode_pair,
     pair_columns,
-    sequence_logps,
+    segment_mask,
     to_pair,
     truncate_pairs,
 )
@@ -102,14 +103,17 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x > -math.log(2), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
-def pair_logps(model: torch.nn.Module, batch: dict, window: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed answer log-probabilities, answer token counts), [2B] each: chosen and rejected in one forward. No
-    attention mask: padding sits after every real token, and causal attention never looks ahead. With `window`
-    (a model whose forward takes logits_to_keep) the LM head runs on the answers' window only, not the prompts."""
-    keep = {"logits_to_keep": len(batch["answer_window"])} if window and "answer_window" in batch else {}
+def pair_logps(
+    model: torch.nn.Module, batch: dict, window: bool = True, additive: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed answer log-probabilities, answer token counts), [2B] each: chosen and rejected in one forward (see
+    PairCollator's two layouts; `additive`: the shared-prompt mask as eager attention takes it). With `window` (a
+    model whose forward takes logits_to_keep) the LM head runs on the answers' window only, not the prompts."""
+    keep: dict[str, Any] = {"logits_to_keep": len(batch["answer_window"])} if window else {}
+    if "segments" in batch:  # the shared-prompt layout: its mask and positions
+        keep.update(attention_mask=segment_mask(batch["segments"], additive), position_ids=batch["position_ids"])
     logits = model(input_ids=batch["input_ids"], use_cache=False, **keep).logits
-    labels = batch["labels"]
-    return sequence_logps(logits, labels[:, labels.shape[1] - logits.shape[1] :])
+    return answer_logps(logits, batch)
 
 
 @TASKS.register
@@ -127,6 +131,7 @@ class DPOTask(SFTTask):
         self.data: ProcessedData | None = None  # what `process` returned; precomputing adds reference columns
         self.sums: torch.Tensor | None = None  # PAIR_METRICS summed over training pairs, and their count
         self.window = False  # whether the model's forward takes logits_to_keep (the LM head on the answers only)
+        self.additive = False  # whether the shared-prompt mask is additive (eager attention) or boolean (SDPA)
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -270,6 +275,7 @@ class DPOTask(SFTTask):
         copy under full fine-tuning; with adapters, nothing (the reference is the base, adapters disabled)."""
         p = cfg.preference
         self.window = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+        self._choose_layout(model, announce)
         if not p.needs_reference:
             return
         if p.precompute_reference:
@@ -278,6 +284,20 @@ class DPOTask(SFTTask):
             self.reference = copy.deepcopy(model).requires_grad_(False).eval()
             if announce:
                 print("reference model: a frozen copy of the starting weights", flush=True)
+
+    def _choose_layout(self, model: PreTrainedModel, announce: bool) -> None:
+        """The shared-prompt layout (each prompt computed once) where the attention takes a custom 4D mask and the
+        forward takes position ids: SDPA (boolean mask) and eager (additive); else each answer its own row."""
+        assert self.data is not None  # `process` ran
+        implementation = getattr(model.config, "_attn_implementation", None)
+        takes = inspect.signature(type(model).forward).parameters
+        shared = implementation in ("sdpa", "eager") and {"position_ids", "attention_mask"} <= set(takes)
+        self.additive = implementation == "eager"
+        collator = self.data.collator
+        assert isinstance(collator, PairCollator)  # `process` made it
+        collator.shared = shared
+        if announce and not shared:
+            print(f"pairs: chosen and rejected as separate rows ({implementation} attention takes no custom mask)")
 
     @torch.no_grad()
     def _precompute(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
@@ -315,10 +335,14 @@ class DPOTask(SFTTask):
         logps = []
         for batch in loader:
             with autocast_for(cfg.training.mixed_precision, device):
-                values = pair_logps(model, {k: v.to(device) for k, v in batch.items()}, self.window)[0].float().cpu()
+                values = self.logps(model, {k: v.to(device) for k, v in batch.items()})[0].float().cpu()
             pairs = len(values) // 2
             logps.append(torch.stack([values[:pairs], values[pairs:]], dim=1))
         return logps
+
+    def logps(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """pair_logps with what this model takes (the LM head's window, the mask's kind)."""
+        return pair_logps(model, batch, self.window, self.additive)
 
     @torch.no_grad()
     def reference_logps(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
@@ -331,13 +355,13 @@ class DPOTask(SFTTask):
             if self.reference is not None:
                 if next(self.reference.parameters()).device != device:
                     self.reference.to(device)  # type: ignore[arg-type]  # once: the trainer placed the policy
-                return pair_logps(self.reference, batch, self.window)[0]
+                return self.logps(self.reference, batch)[0]
             inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it; a PeftModel inside
             was_training = inner.training
             inner.eval()
             try:
                 with inner.disable_adapter():
-                    return pair_logps(inner, batch, self.window)[0]
+                    return self.logps(inner, batch)[0]
             finally:
                 inner.train(was_training)
 
@@ -348,7 +372,7 @@ class DPOTask(SFTTask):
     def pair_values(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-pair loss [B], the per-pair PAIR_METRICS [B, 6]) of one batch."""
         p = self.cfg.preference
-        logps, counts = pair_logps(model, batch, self.window)
+        logps, counts = self.logps(model, batch)
         reference = self.reference_logps(model, batch) if p.needs_reference else None
         losses, chosen, rejected = preference_loss(
             p.preference_loss, p.strength, p.simpo_gamma, logps, counts, reference
