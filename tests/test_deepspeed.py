@@ -170,3 +170,50 @@ def test_users_json_trains_with_its_own_optimizer_and_schedule(tiny_model_dir, t
     saved = torch.load(states[0], weights_only=False)["optimizer_state_dict"]["base_optimizer_state"]
     assert [g["betas"] for g in saved["param_groups"]] == [(0.9, 0.98)] * 2  # the file's, not torch's default
     assert [g["weight_decay"] for g in saved["param_groups"]] == [0.01, 0.0]  # "auto" from the options; 1-d: 0
+
+
+def aio_builds() -> bool:
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    return AsyncIOBuilder().is_compatible(verbose=False)
+
+
+@pytest.mark.slow
+def test_zero_infinity_offloads_to_nvme_where_async_io_builds_else_refuses_in_one_line(
+    tiny_model_dir, topic_csvs, tmp_path
+):
+    """ZeRO-3 with parameters and optimizer states swapped to files under --nvme_path (ZeRO-Infinity) trains on
+    2 processes and saves the full model; where DeepSpeed's async I/O cannot be built (no libaio) the same
+    command is refused before anything loads, naming the library."""
+    swap, out = tmp_path / "nvme", tmp_path / "out"
+    swap.mkdir()
+    options = [
+        "--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]),
+        "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size", "4",
+        "--eval_strategy", "no", "--mixed_precision", "no", "--zero_stage", "3",
+        "--offload_param", "nvme", "--offload_optimizer", "nvme", "--nvme_path", str(swap),
+    ]  # fmt: skip
+    if not aio_builds():
+        from cloudtrain.cli import main
+
+        assert main(options) == 2 and not out.exists()
+        return
+    result = torchrun(str(REPO / "src" / "training_application.py"), *options)
+    assert "(DEEPSPEED ZeRO-3, precision no)" in result.stdout
+    assert any(p.suffix == ".swp" for p in swap.rglob("*")), sorted(swap.rglob("*"))  # the states went to disk
+    saved = load_file(out / "model.safetensors")
+    reference = BertForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
+    assert sum(v.numel() for v in saved.values()) == sum(p.numel() for p in reference.parameters())
+
+
+def test_nvme_offload_options_are_checked_in_one_line():
+    from cloudtrain.config import build_config, validate
+    from cloudtrain.errors import UserError
+
+    for options, message in (
+        ({"zero_stage": 3, "offload_param": "nvme"}, "needs --nvme_path"),
+        ({"zero_stage": 2, "offload_optimizer": "nvme", "nvme_path": "/tmp"}, "needs --zero_stage 3"),
+        ({"nvme_path": "/tmp"}, "is used only with --offload_optimizer nvme"),
+    ):
+        with pytest.raises(UserError, match=message):
+            validate(build_config(options))

@@ -3,9 +3,10 @@
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
+from cloudtrain.errors import UserError
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
-OFFLOAD = ("none", "cpu")
+OFFLOAD = ("none", "cpu", "nvme")
 
 
 @dataclass
@@ -13,8 +14,22 @@ class DistributedConfig:
     zero_stage: int | None = opt(
         None, "DeepSpeed ZeRO stage (needs the deepspeed package); unset: no DeepSpeed.", (0, 1, 2, 3)
     )
-    offload_optimizer: str = opt("none", "DeepSpeed: keep optimizer states in CPU memory.", OFFLOAD)
-    offload_param: str = opt("none", "DeepSpeed ZeRO-3: keep parameters in CPU memory.", OFFLOAD)
+    offload_optimizer: str = opt(
+        "none",
+        "DeepSpeed: keep optimizer states in CPU memory, or on a local NVMe disk (nvme: ZeRO-Infinity, "
+        "ZeRO-3 only, with --nvme_path).",
+        OFFLOAD,
+    )
+    offload_param: str = opt(
+        "none", "DeepSpeed ZeRO-3: keep parameters in CPU memory, or on a local NVMe disk (nvme).", OFFLOAD
+    )
+    nvme_path: str | None = opt(
+        None,
+        "Offload nvme: a folder on a fast local disk for the offloaded states (each process writes its own "
+        "swap files there; needs DeepSpeed's async I/O, built against libaio).",
+    )
+    aio_block_size: int = opt(1048576, "Offload nvme: bytes per async I/O request (DeepSpeed's aio block_size).")
+    aio_queue_depth: int = opt(8, "Offload nvme: async I/O requests in flight (DeepSpeed's aio queue_depth).")
     deepspeed_config: str | None = opt(
         None, 'A DeepSpeed JSON config, used as-is; its "auto" values are filled from these options.'
     )
@@ -46,3 +61,14 @@ class DistributedConfig:
         "Seconds a process waits in one collective (all-reduce, barrier, ...) before the run stops with a "
         "message naming it: a peer that died or hung ends the job instead of billing it until its time limit.",
     )
+
+    def check(self) -> None:
+        nvme = "nvme" in (self.offload_optimizer, self.offload_param)
+        if nvme and not self.nvme_path:
+            raise UserError("--offload_* nvme needs --nvme_path <folder on a fast local disk>")
+        if nvme and self.zero_stage != 3:
+            raise UserError("--offload_* nvme (ZeRO-Infinity) needs --zero_stage 3")
+        if self.nvme_path and not nvme:
+            raise UserError("--nvme_path is used only with --offload_optimizer nvme or --offload_param nvme")
+        if self.aio_block_size < 4096 or self.aio_queue_depth < 1:
+            raise UserError("--aio_block_size must be at least 4096 bytes and --aio_queue_depth at least 1")

@@ -18,8 +18,10 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
 Not supported: Megatron-LM, tensor/pipeline parallelism.
 """
 
+import contextlib
 import copy
 import importlib.util
+import io
 import json
 import os
 from dataclasses import dataclass
@@ -51,20 +53,24 @@ def launched_processes() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def zero_config(stage: int, offload_optimizer: str = "none", offload_param: str = "none") -> dict:
-    """A DeepSpeed config for one ZeRO stage; "auto" values are filled from the application's options."""
+def zero_config(
+    stage: int, offload_optimizer: str = "none", offload_param: str = "none", nvme: dict | None = None
+) -> dict:
+    """A DeepSpeed config for one ZeRO stage; "auto" values are filled from the application's options. `nvme`
+    (nvme_path, block_size, queue_depth) places offloaded states on a local disk (ZeRO-Infinity)."""
     zero: dict = {"stage": stage, "overlap_comm": stage > 0, "contiguous_gradients": stage > 0}
     if offload_optimizer != "none":
-        zero["offload_optimizer"] = {"device": offload_optimizer, "pin_memory": True}
+        zero["offload_optimizer"] = offload_target(offload_optimizer, nvme)
     if stage == 3:
         if offload_param != "none":
-            zero["offload_param"] = {"device": offload_param, "pin_memory": True}
+            zero["offload_param"] = offload_target(offload_param, nvme)
         zero.update(
             stage3_gather_16bit_weights_on_model_save=True,
             stage3_param_persistence_threshold="auto",
             stage3_prefetch_bucket_size="auto",
             reduce_bucket_size="auto",
         )
+    extra = {"aio": aio_config(nvme)} if nvme and "nvme" in (offload_optimizer, offload_param) else {}
     return {
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
@@ -75,7 +81,34 @@ def zero_config(stage: int, offload_optimizer: str = "none", offload_param: str 
         "zero_optimization": zero,
         "zero_allow_untested_optimizer": True,
         "zero_force_ds_cpu_optimizer": False,
+        **extra,
     }
+
+
+def offload_target(device: str, nvme: dict | None) -> dict:
+    """DeepSpeed's offload section: CPU memory (pinned), or swap files under nvme_path."""
+    if device != "nvme":
+        return {"device": device, "pin_memory": True}
+    assert nvme is not None  # DistributedConfig.check: nvme needs --nvme_path
+    return {"device": "nvme", "nvme_path": nvme["nvme_path"], "pin_memory": False}
+
+
+def aio_config(nvme: dict) -> dict:
+    """DeepSpeed's async I/O settings for the NVMe swap files."""
+    return {
+        "block_size": nvme["block_size"],
+        "queue_depth": nvme["queue_depth"],
+        "thread_count": 1,
+        "single_submit": False,
+        "overlap_events": True,
+    }
+
+
+def nvme_settings(cfg: Config) -> dict | None:
+    d = cfg.distributed
+    if not d.nvme_path:
+        return None
+    return {"nvme_path": d.nvme_path, "block_size": d.aio_block_size, "queue_depth": d.aio_queue_depth}
 
 
 def requested_deepspeed(cfg: Config) -> tuple[str, dict] | None:
@@ -85,7 +118,7 @@ def requested_deepspeed(cfg: Config) -> tuple[str, dict] | None:
     if json_file != "none":
         return json_file, _read_json(json_file)
     if d.zero_stage is not None:
-        return "--zero_stage", zero_config(d.zero_stage, d.offload_optimizer, d.offload_param)
+        return "--zero_stage", zero_config(d.zero_stage, d.offload_optimizer, d.offload_param, nvme_settings(cfg))
     if env_flag("ACCELERATE_USE_DEEPSPEED"):
         stage = int(os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "2"))
         return "the accelerate config", zero_config(
@@ -298,6 +331,8 @@ def check_distributed(cfg: Config) -> None:
     if wants_deepspeed:
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError(f"DeepSpeed was requested but the deepspeed package is not installed: {DEEPSPEED_INSTALL}")
+        if d.nvme_path:
+            check_nvme(Path(d.nvme_path))
         if env_flag("ACCELERATE_USE_CPU"):
             raise UserError(
                 "ACCELERATE_USE_CPU=true makes accelerate drop DeepSpeed; unset it "
@@ -384,3 +419,22 @@ def build_accelerator(cfg: Config) -> Accelerator:
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
     return accelerator
+
+
+def check_nvme(path: Path) -> None:
+    """ZeRO-Infinity's swap folder is writable and DeepSpeed's async I/O op can be built (it needs libaio)."""
+    from cloudtrain.publish.atomic import check_writable
+
+    try:
+        check_writable(path)
+    except UserError as err:
+        raise UserError(str(err).replace("--output_dir", "--nvme_path")) from None
+    from deepspeed.ops.op_builder import AsyncIOBuilder
+
+    with contextlib.redirect_stdout(io.StringIO()):  # its verbose report goes to stdout
+        compatible = AsyncIOBuilder().is_compatible(verbose=False)
+    if not compatible:
+        raise UserError(
+            "--offload_* nvme needs DeepSpeed's async I/O, which builds against libaio: install it "
+            "(apt-get install libaio-dev, or yum install libaio-devel) or use --offload_* cpu"
+        )
