@@ -1,0 +1,112 @@
+"""A tiny random Stable Diffusion pipeline and small image folders for the text-to-image tests, the demo and the
+bench: real diffusers components (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, a CLIP tokenizer over a
+vocabulary written here, DDPMScheduler), saved in diffusers' folder layout. Nothing comes from the Hub."""
+
+import json
+import string
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+SPECIAL = ("<|startoftext|>", "<|endoftext|>")
+
+
+def write_clip_tokenizer(folder: Path, max_length: int = 16):
+    """A CLIP BPE tokenizer over single characters (CLIP marks a word's last character with </w>)."""
+    from transformers import CLIPTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    chars = list(string.ascii_lowercase + string.digits)
+    tokens = chars + [c + "</w>" for c in chars] + list(SPECIAL)
+    (folder / "vocab.json").write_text(json.dumps({t: i for i, t in enumerate(tokens)}))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=max_length)
+
+
+def build_tiny_pipeline(out: Path, seed: int = 0, prediction_type: str = "epsilon", width: int = 8) -> Path:
+    """A Stable-Diffusion-shaped pipeline of about 0.2M parameters: 16px images, 8x8 latents."""
+    import torch
+    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel
+
+    tokenizer = write_clip_tokenizer(out.parent / f"{out.name}-vocab")
+    torch.manual_seed(seed)
+    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL))
+    text_encoder = CLIPTextModel(
+        CLIPTextConfig(
+            vocab_size=len(tokenizer),
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            max_position_embeddings=tokenizer.model_max_length,
+            bos_token_id=ids[0],
+            eos_token_id=ids[1],
+            pad_token_id=ids[1],
+        )
+    )
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(width, 2 * width),
+        layers_per_block=1,
+        down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
+        up_block_types=("UpBlock2D", "CrossAttnUpBlock2D"),
+        cross_attention_dim=16,
+        norm_num_groups=4,
+        attention_head_dim=4,
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    )
+    scheduler = DDPMScheduler(
+        beta_schedule="scaled_linear",
+        beta_start=0.00085,
+        beta_end=0.012,
+        clip_sample=False,
+        prediction_type=prediction_type,
+    )
+    pipeline = StableDiffusionPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
+    pipeline.save_pretrained(out)
+    return out
+
+
+def square(color: tuple[int, int, int], size: int = 20, seed: int = 0) -> Image.Image:
+    """A flat colour with a little noise: two colours are two concepts a tiny model can tell apart."""
+    rng = np.random.default_rng(seed)
+    pixels = np.clip(np.array(color, np.int16) + rng.integers(-20, 20, (size, size, 3)), 0, 255)
+    return Image.fromarray(pixels.astype(np.uint8))
+
+
+def captioned_folder(folder: Path, n: int = 6, size: int = 20) -> Path:
+    """n images, red and blue by turns, captioned in metadata.jsonl (diffusers' imagefolder layout)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for i in range(n):
+        name, color = ("red", (220, 30, 30)) if i % 2 else ("blue", (30, 30, 220))
+        square(color, size, seed=i).save(folder / f"{i}.png")
+        rows.append({"file_name": f"{i}.png", "text": f"a {name} square"})
+    (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def plain_folder(folder: Path, color: tuple[int, int, int], n: int = 3, size: int = 20) -> Path:
+    """n images and no captions: DreamBooth's instance or class folder."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        square(color, size, seed=10 + i).save(folder / f"{i}.png")
+    return folder

@@ -1,0 +1,280 @@
+"""--task text_to_image on a tiny random Stable Diffusion pipeline (tests/t2i_fixtures.py): the diffusion loss and
+DreamBooth's prior preservation, LoRA saved in diffusers' format, validation images, bad input. Its training runs
+take a few seconds on one thread (the whole file about 15 s)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from t2i_fixtures import build_tiny_pipeline, captioned_folder, plain_folder, square
+
+from cloudtrain import train
+from cloudtrain.config import build_config
+from cloudtrain.data import images
+from cloudtrain.errors import UserError
+from cloudtrain.models.diffusion import load_text_to_image_model
+from cloudtrain.tasks.text_to_image import TextToImageTask
+
+PROMPT = "a red square"
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Convolutions this small run ~30x slower on 2 threads than on 1 when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def tiny_sd(tmp_path_factory) -> str:
+    return str(build_tiny_pipeline(tmp_path_factory.mktemp("t2i") / "tiny-sd"))
+
+
+@pytest.fixture(scope="session")
+def squares(tmp_path_factory) -> str:
+    return str(captioned_folder(tmp_path_factory.mktemp("t2i-data") / "squares"))
+
+
+def options(model: str, out: Path, **extra) -> dict:
+    return {
+        "task": "text_to_image",
+        "model_name_or_path": model,
+        "resolution": 16,
+        "output_dir": str(out),
+        "training_type": "basic",
+        "mixed_precision": "no",
+        "report_to": ["none"],
+        "validation_inference_steps": 2,
+        **extra,
+    }
+
+
+def config(model: str, out: Path, **extra):
+    return build_config(options(model, out, **extra))
+
+
+def fixed_draw(model, rows: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(rows, 4, 8, 8, generator=generator), torch.randint(0, 1000, (rows,), generator=generator)
+
+
+# ---------------------------------------------------------------- the loss
+
+
+def test_prior_preservation_adds_the_weighted_class_loss_to_the_instance_loss(tiny_sd, tmp_path):
+    """loss = mean(instance losses) + prior_loss_weight * mean(class losses), as diffusers' DreamBooth."""
+    inst, cls = plain_folder(tmp_path / "sks", (200, 40, 40)), plain_folder(tmp_path / "dogs", (40, 200, 40), n=2)
+    cfg = config(
+        tiny_sd, tmp_path / "out", instance_data_dir=str(inst), instance_prompt="a sks square", class_data_dir=str(cls),
+        class_prompt="a square", with_prior_preservation=True, prior_loss_weight=0.5, center_crop=True,
+    )  # fmt: skip
+    task = TextToImageTask(cfg)
+    data = task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+    assert len(data.train) == 3  # each instance image with a class image, the 2 class images in turn
+    model = load_text_to_image_model(cfg, tiny_sd).eval()  # eval: the latents' mean, no draw
+    batch = data.collator([data.train[i] for i in range(3)])
+    assert batch["is_prior"].tolist() == [False] * 3 + [True] * 3
+    noise, timesteps = fixed_draw(model, 6)
+    with torch.no_grad():
+        losses = model(**batch, noise=noise, timesteps=timesteps)
+    total = (losses * batch["loss_weight"]).sum() / task.loss_count(batch)
+    instance, prior = losses[:3].mean(), losses[3:].mean()
+    assert task.loss_count(batch).item() == 3
+    assert total.item() == pytest.approx((instance + 0.5 * prior).item(), rel=1e-6)
+    assert prior.item() != pytest.approx(instance.item(), rel=1e-3)  # the two halves are different images
+
+
+def test_min_snr_weighting_and_v_prediction_follow_the_formulas(tiny_sd, tmp_path):
+    cfg = config(tiny_sd, tmp_path / "out", snr_gamma=5.0, prediction_type="v_prediction")
+    model = load_text_to_image_model(cfg, tiny_sd)
+    timesteps = torch.tensor([10, 500, 990])
+    alphas = model.noise_scheduler.alphas_cumprod[timesteps]
+    snr = alphas / (1 - alphas)
+    expected = torch.clamp(snr, max=5.0) / (snr + 1)  # v-prediction: min(SNR, gamma) / (SNR + 1)
+    assert torch.allclose(model.snr_weights(timesteps), expected.float(), rtol=1e-5)
+    model.prediction_type = "epsilon"  # noise prediction: min(SNR, gamma) / SNR, 1 where SNR < gamma
+    assert torch.allclose(model.snr_weights(timesteps), (torch.clamp(snr, max=5.0) / snr).float(), rtol=1e-5)
+    assert model.snr_weights(timesteps)[2].item() == pytest.approx(1.0)
+
+
+# ---------------------------------------------------------------- saving in diffusers' format
+
+
+def test_the_lora_saved_loads_into_a_diffusers_pipeline_and_computes_as_trained(tiny_sd, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    cfg = config(tiny_sd, tmp_path / "out", lora_r=4, lora_alpha=8.0)  # scale 2: lost if alpha were not saved
+    model = load_text_to_image_model(cfg, tiny_sd).eval()
+    torch.manual_seed(1)
+    for name, param in model.unet.named_parameters():
+        if "lora_B" in name:  # B starts at zero: make the adapter do something
+            param.data.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "lora")
+    assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    x, t = fixed_draw(model, 2)
+    cond = torch.randn(2, 16, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        base = pipe.unet(x, t, cond).sample
+        pipe.load_lora_weights(tmp_path / "lora")
+        loaded = pipe.unet(x, t, cond).sample
+        trained = model.unet(x, t, cond).sample
+    assert (loaded - base).abs().max() > 1e-3  # the adapter changes the pipeline's output
+    assert torch.allclose(loaded, trained, atol=1e-5)  # ... exactly as it did in training, scale included
+
+
+# ---------------------------------------------------------------- bad input: one line, before heavy work
+
+
+def bad_cases(tiny_sd: str, squares: str, tmp: Path) -> dict:
+    (tmp / "empty").mkdir()
+    (tmp / "not-diffusers").mkdir()
+    (tmp / "not-diffusers" / "config.json").write_text("{}")
+    nocap = captioned_folder(tmp / "nocap", n=2)
+    (nocap / "metadata.jsonl").write_text(
+        '{"file_name": "0.png", "prompt": "x"}\n{"file_name": "1.png", "prompt": "y"}\n'
+    )
+    data = {"train_data_dir": squares}
+    return {
+        "no images": ({"train_data_dir": str(tmp / "empty")}, "holds no images"),
+        "caption column": (
+            {"train_data_dir": str(nocap)},
+            "has no caption column 'text' (its keys: file_name, prompt)",
+        ),
+        "not a pipeline": ({**data, "model_name_or_path": str(tmp / "not-diffusers")}, "is not a diffusers pipeline"),
+        "resolution": ({**data, "resolution": 17}, "--resolution 17 is not divisible by 2"),
+        "no data": ({}, "needs images: --train_data_dir"),
+        "peft": ({**data, "peft": "lora"}, "leave out --peft lora"),
+        "validation steps": ({**data, "validation_steps": 5}, "add --eval_strategy steps --eval_steps 5"),
+        "instance prompt": ({"instance_data_dir": squares}, "--instance_data_dir needs --instance_prompt"),
+    }
+
+
+def test_each_bad_option_is_refused_in_one_line_before_loading(tiny_sd, squares, tmp_path):
+    for name, (extra, message) in bad_cases(tiny_sd, squares, tmp_path).items():
+        with pytest.raises(UserError) as refused:
+            train(options(tiny_sd, tmp_path / name, **extra))
+        assert message in str(refused.value), name
+        assert "\n" not in str(refused.value), name
+        assert not (tmp_path / name).exists(), name  # refused before the run wrote anything
+
+
+def test_unreadable_images_are_skipped_and_counted_or_refused_when_none_is_left(tiny_sd, tmp_path):
+    folder = captioned_folder(tmp_path / "mixed", n=4)
+    (folder / "1.png").write_bytes(b"not a png")
+    (folder / "2.png").write_bytes((folder / "3.png").read_bytes()[:60])  # truncated
+    cfg = config(tiny_sd, tmp_path / "out", train_data_dir=str(folder))
+    task = TextToImageTask(cfg)
+    data = task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+    assert (task.skipped, len(data.train)) == (2, 2)
+    assert "(2 unreadable skipped)" in task.describe_data(data)
+
+    for name in ("0.png", "3.png"):
+        (folder / name).write_bytes(b"")
+    with pytest.raises(UserError, match="none of the 4 training images could be read"):
+        task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+
+
+def test_images_smaller_than_the_resolution_are_refused(tiny_sd, tmp_path):
+    folder = captioned_folder(tmp_path / "small", n=2)
+    square((0, 0, 0), size=10).save(folder / "1.png")
+    cfg = config(tiny_sd, tmp_path / "out", train_data_dir=str(folder))
+    with pytest.raises(
+        UserError, match=r"1 training images are smaller than --resolution 16 \(first: .*1.png, 10x10\)"
+    ):
+        TextToImageTask(cfg).process(None, TextToImageTask(cfg).load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+
+
+def test_caption_files_beside_the_images_are_read(tmp_path):
+    folder = plain_folder(tmp_path / "txt", (10, 10, 10), n=2)
+    (folder / "0.txt").write_text("first caption\n")
+    with pytest.raises(UserError, match="1 images without a caption file"):
+        images.captioned_examples(str(folder), "text")
+    (folder / "1.txt").write_text("second")
+    assert [e.caption for e in images.captioned_examples(str(folder), "text")] == ["first caption", "second"]
+
+
+def test_pixels_are_resized_cropped_and_scaled_to_minus_one_one():
+    image = square((255, 0, 0), size=40)
+    pixels = images.to_pixels(image.crop((0, 0, 40, 20)), 16, center_crop=True, flip=False)
+    assert pixels.shape == (3, 16, 16)
+    assert pixels.min() >= -1 and pixels.max() <= 1
+    assert pixels[0].mean() > 0.5 and pixels[2].mean() < -0.5  # red stays red
+    flipped = images.to_pixels(image.crop((0, 0, 40, 20)), 16, center_crop=True, flip=True)
+    assert torch.equal(flipped, pixels.flip(-1))
+
+
+# ---------------------------------------------------------------- training runs
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_sd, squares, tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("t2i-run") / "lora"
+    results = train(
+        options(
+            tiny_sd, out, train_data_dir=squares, max_steps=30, learning_rate=5e-3, per_device_train_batch_size=6,
+            logging_steps=10, eval_strategy="steps", eval_steps=30, eval_on_start=True, report_to=["tensorboard"],
+            validation_prompts=[PROMPT, "a blue square"], validation_steps=30, checkpointing_steps=15,
+        )
+    )  # fmt: skip
+    return results
+
+
+def test_lora_training_lowers_the_fixed_noise_loss(lora_run):
+    out = Path(lora_run["output_dir"])
+    evaluations = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["eval/loss"] for r in evaluations if "eval/loss" in r]
+    assert losses[-1] < losses[0] * 0.97, losses
+
+
+def test_validation_grids_are_written_and_logged_and_the_card_shows_them(lora_run, tiny_sd):
+    from diffusers import StableDiffusionPipeline
+    from PIL import Image
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = Path(lora_run["output_dir"])
+    grids = sorted(p.name for p in (out / "validation").glob("*.png"))
+    assert grids == ["eval-step-000000.png", "eval-step-000030.png"]
+    assert Image.open(out / "validation" / grids[-1]).size == (2 * 16, 16 + 14)  # two images and their captions
+    events = EventAccumulator(str(next((out / "tensorboard").iterdir())), size_guidance={"images": 0})
+    events.Reload()
+    assert [e.step for e in events.Images("eval/validation_images")] == [0, 30]
+
+    from cloudtrain.publish.diffusion_card import build_card
+
+    card = build_card(out, build_config(json.loads((out / "args.json").read_text())), lora_run)
+    assert card.data.library_name == "diffusers" and "lora" in card.data.tags
+    assert "validation/eval-step-000030.png" in card.content and "load_lora_weights" in card.content
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    pipe.set_progress_bar_config(disable=True)
+    draw = dict(num_inference_steps=2, height=16, width=16, output_type="np")
+    before = pipe(PROMPT, generator=torch.Generator().manual_seed(0), **draw).images
+    pipe.load_lora_weights(out)
+    after = pipe(PROMPT, generator=torch.Generator().manual_seed(0), **draw).images
+    assert abs(after - before).max() > 1e-3
+
+
+def test_full_fine_tuning_saves_a_whole_pipeline_and_dreambooth_trains(tiny_sd, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    inst, cls = plain_folder(tmp_path / "sks", (200, 40, 40)), plain_folder(tmp_path / "dogs", (40, 200, 40))
+    results = train(
+        options(
+            tiny_sd, tmp_path / "full", denoiser_training="full", instance_data_dir=str(inst),
+            instance_prompt="a sks square", class_data_dir=str(cls), class_prompt="a square",
+            with_prior_preservation=True, random_flip=True, cache_latents=True, pre_compute_text_embeddings=True,
+            snr_gamma=5.0, noise_offset=0.05, max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,
+        )
+    )  # fmt: skip
+    assert results["train"]["global_step"] == 4
+    pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "full")
+    base = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    trained = dict(pipe.unet.named_parameters())
+    changed = [n for n, p in base.unet.named_parameters() if not torch.equal(p, trained[n])]
+    assert len(changed) > len(trained) // 2  # every weight of the denoiser trained
+    assert all(torch.equal(p, dict(base.vae.named_parameters())[n]) for n, p in pipe.vae.named_parameters())
