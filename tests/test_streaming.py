@@ -4,17 +4,22 @@ processes and loader workers, the cursor a resume seeks to, and each bad input r
 Fast tests build the stream in-process (ranks are the StreamLoader's arguments, workers are real DataLoader
 workers); the launches with real processes and kill -9 are in the slow tests at the end."""
 
-import bz2  # noqa: F401 (the standard library's compressors are what users have)
 import gzip
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 import zstandard
+from conftest import ENTRY, REPO, lm_documents
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from cloudtrain.config import resolve_options
@@ -287,3 +292,86 @@ def test_a_streaming_run_trains_and_reports_each_source(tiny_llama_dir, tmp_path
     sources = written["sources"]
     a, b = two_sources.split(",")
     assert set(sources) >= {a, b} and sources[a]["tokens"] > sources[b]["tokens"] > 0
+
+
+# ------------------------------------------------------------------ real launches (slow)
+def run_entry(launcher: list[str], args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env.pop("ACCELERATE_USE_CPU", None)
+    if kill_at:
+        env["CLOUDTRAIN_TEST_KILL_AT"] = kill_at
+    return subprocess.run(
+        [*launcher, str(ENTRY), *args], capture_output=True, text=True, timeout=600, cwd=REPO, env=env
+    )
+
+
+def one_process() -> list[str]:
+    return [sys.executable]
+
+
+def weights(out: Path) -> dict:
+    return load_file(out / "model.safetensors")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("stream-corpus")
+    write_jsonl(folder / "a.jsonl", lm_documents(120, 0))
+    pq.write_table(pa.table({"text": lm_documents(80, 1)}), folder / "b.parquet", row_group_size=16)
+    return f"{folder / 'a.jsonl'},{folder / 'b.parquet'}"
+
+
+@pytest.mark.slow
+def test_killed_with_sigkill_then_resumed_gives_the_same_weights_bit_for_bit(tiny_llama_dir, corpus, tmp_path):
+    common = [
+        "--max_steps",
+        "8",
+        "--checkpointing_steps",
+        "3",
+        "--train_weights",
+        "2,1",
+        "--dataloader_num_workers",
+        "2",
+    ]
+    straight = run_entry(one_process(), stream_run_args(tiny_llama_dir, corpus, tmp_path / "straight", *common))
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    out = tmp_path / "killed"
+    killed = run_entry(one_process(), stream_run_args(tiny_llama_dir, corpus, out, *common), "checkpoint.sealed:2")
+    assert killed.returncode == -9 and not (out / "model.safetensors").exists()
+    resumed = run_entry(
+        one_process(), stream_run_args(tiny_llama_dir, corpus, out, *common, "--resume_from_checkpoint", "latest")
+    )
+    said = [line for line in resumed.stdout.splitlines() if "resum" in line]
+    assert resumed.returncode == 0 and re.search(r"at step [36] ", " ".join(said)), (said, resumed.stderr[-3000:])
+    a, b = weights(tmp_path / "straight"), weights(out)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+    sources = [json.loads((o / "train_results.json").read_text())["sources"] for o in (tmp_path / "straight", out)]
+    assert sources[0] == sources[1]
+
+
+@pytest.mark.slow
+def test_resumed_at_another_process_count_consumes_the_same_documents(tiny_llama_dir, corpus, tmp_path):
+    """8 rows per step: 2 processes x 2 rows x 1, or 1 x 2 x 2. A checkpoint at step 4 of each resumes under the
+    other: per source the same documents and tokens, and the weights of the uninterrupted run within tolerance."""
+    from test_distributed import torchrun
+
+    common = ["--max_steps", "8", "--checkpointing_steps", "4", "--per_device_train_batch_size", "2"]
+    runs = {
+        "two": (torchrun(2), ["--gradient_accumulation_steps", "1"], None),
+        "one": (one_process(), ["--gradient_accumulation_steps", "2"], None),
+        "two_to_one": (one_process(), ["--gradient_accumulation_steps", "2"], "two"),
+        "one_to_two": (torchrun(2), ["--gradient_accumulation_steps", "1"], "one"),
+    }
+    for name, (launcher, extra, resume_from) in runs.items():
+        if resume_from:
+            extra = [*extra, "--resume_from_checkpoint", str(tmp_path / resume_from / "checkpoints" / "checkpoint-4")]
+        args = stream_run_args(tiny_llama_dir, corpus, tmp_path / name, *common, *extra)
+        result = run_entry(launcher, args)
+        assert result.returncode == 0, (name, result.stdout[-2000:], result.stderr[-3000:])
+    results = {name: json.loads((tmp_path / name / "train_results.json").read_text()) for name in runs}
+    assert results["two_to_one"]["sources"] == results["one"]["sources"] == results["two"]["sources"]
+    assert results["one_to_two"]["sources"] == results["one"]["sources"]
+    for resumed, straight in (("two_to_one", "one"), ("one_to_two", "two")):
+        a, b = weights(tmp_path / resumed), weights(tmp_path / straight)
+        for key in a:
+            torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
