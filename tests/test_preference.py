@@ -332,6 +332,7 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     assert len(train) == 6
     assert train[-1]["train/rewards/margins"] > train[0]["train/rewards/margins"]  # it learns the preference
     assert train[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as the reference
+    assert train[0]["train/loss"] == pytest.approx(math.log(2), rel=1e-6)  # -log sigmoid(0), averaged over pairs
     evaluation = results["eval"]
     assert evaluation["samples"] == 4 and evaluation["rewards/accuracies"] == 1.0
     assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "exact_match"} <= set(evaluation)

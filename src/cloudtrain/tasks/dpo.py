@@ -367,7 +367,7 @@ class DPOTask(SFTTask):
 
     # ------------------------------------------------------------ loss and metrics
     def loss_count(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(batch["input_ids"].shape[0] // 2, device=batch["input_ids"].device)
+        return torch.tensor(len(batch["rows"]) // 2, device=batch["input_ids"].device)  # pairs, in either layout
 
     def pair_values(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-pair loss [B], the per-pair PAIR_METRICS [B, 6]) of one batch."""
