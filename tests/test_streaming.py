@@ -375,3 +375,17 @@ def test_resumed_at_another_process_count_consumes_the_same_documents(tiny_llama
         a, b = weights(tmp_path / resumed), weights(tmp_path / straight)
         for key in a:
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
+
+
+def test_a_streaming_sft_run_packs_examples_with_their_answer_masks(tiny_llama_dir, tmp_path):
+    """SFT streamed from a prompt/completion jsonl: rows carry loss masks, and the run trains to its step budget."""
+    from cloudtrain import train
+
+    rows = [{"prompt": f"What is {i} plus one?", "completion": f"It is {i + 1}."} for i in range(60)]
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    args = stream_run_args(tiny_llama_dir, str(tmp_path / "qa.jsonl"), tmp_path / "sft", "--max_steps", "3")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)} | {"task": "sft", "max_length": 64}
+    results = train(options)
+    assert results["train"]["global_step"] == 3
+    sources = json.loads((tmp_path / "sft" / "train_results.json").read_text())["sources"]
+    assert sources[str(tmp_path / "qa.jsonl")]["documents"] >= 6

@@ -20,6 +20,7 @@ Does not support: `--packing wrapped` (it cuts examples apart), tool calls, mult
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +36,7 @@ from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
 from cloudtrain.data.packing import CausalLMCollator, pack_examples
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.streaming import StreamPlan, stream_plan
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
 from cloudtrain.models.load import load_tokenizer
@@ -107,6 +109,15 @@ class SFTTask(CausalLMTask):
                 raise UserError(
                     f"the {split} data has no column {missing[0]!r} (its columns: {', '.join(ds.column_names)})"
                 )
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        collator = CausalLMCollator(pad if pad is not None else 0)
+        plan = None
+        if d.streaming:  # training examples are encoded and packed on the fly (cloudtrain.data.streaming)
+            plan, held_out = stream_plan(raw, cfg, self.stream_encoder(columns, d), collator)
+            raw = DatasetDict({split: ds for split, ds in raw.items() if split != "train"})
+            if held_out is not None:
+                names = [c for c in columns.names if any(c in r for r in held_out)]
+                raw["validation"] = Dataset.from_list([{c: r.get(c) for c in names} for r in held_out])
         raw = DatasetDict(raw)
         examples = {split: self._encode(ds, split, columns, d) for split, ds in raw.items()}  # checks every row
         if "validation" not in raw:  # the same examples carved from both, so sample prompts match the rows
@@ -121,19 +132,37 @@ class SFTTask(CausalLMTask):
             ("validation", d.max_eval_samples),
             ("test", d.max_eval_samples),
         ):
-            if split in raw:
+            if split in raw and not (split == "train" and plan is not None):
                 raw[split], examples[split] = _first(raw[split], limit), _first(examples[split], limit)
         rows = {split: self._rows(split, ds, d) for split, ds in examples.items()}
         self._sample_prompts(raw["validation"], columns, cfg)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(
-            train=rows["train"],
+            train=plan if plan is not None else rows["train"],
             validation=rows["validation"],
             test=rows.get("test"),
-            collator=CausalLMCollator(pad if pad is not None else 0),
+            collator=collator,
             prompts=self.prompts,
             references=self.references,
         )
+
+    def stream_encoder(self, columns: Columns, cfg: DataConfig) -> Callable:  # type: ignore[override]
+        """Streamed records -> per record, its examples (token ids, answer mask) cut to --max_length; an example
+        the chat format refuses, or left with no answer token, trains nothing (the stored path refuses or counts)."""
+        chat, system, train_on_prompt, limit = self.chat, cfg.system_prompt, cfg.train_on_prompt, cfg.max_length
+        assert chat is not None  # set by `process`
+
+        def encode(records: list[dict]) -> list[list[tuple[list[int], list[int]]]]:
+            out = []
+            for record in records:
+                try:
+                    examples = chat.examples(to_messages(record, columns, system), train_on_prompt)
+                except (ValueError, KeyError, TypeError):
+                    examples = []
+                cut = [(ids[:limit], mask[:limit]) for ids, mask in examples]
+                out.append([(ids, mask) for ids, mask in cut if any(mask[1:])])
+            return out
+
+        return encode
 
     @staticmethod
     def _carve_indices(n: int, percentage: float, seed: int) -> tuple[list[int], list[int]]:
@@ -301,9 +330,13 @@ class SFTTask(CausalLMTask):
         return build_lm_model_card(output_dir, cfg, results, chat=True)
 
     def describe_data(self, data: ProcessedData) -> str:
+        from cloudtrain.tasks.causal_lm import describe_stream
+
         parts = []
+        if isinstance(data.train, StreamPlan):
+            parts.append(describe_stream(data.train, data.validation, self.cfg.data))
         for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
-            if rows is None:
+            if rows is None or isinstance(rows, StreamPlan):
                 continue
             answer = sum(
                 _targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"], strict=True)
