@@ -278,3 +278,17 @@ def test_full_fine_tuning_saves_a_whole_pipeline_and_dreambooth_trains(tiny_sd, 
     changed = [n for n, p in base.unet.named_parameters() if not torch.equal(p, trained[n])]
     assert len(changed) > len(trained) // 2  # every weight of the denoiser trained
     assert all(torch.equal(p, dict(base.vae.named_parameters())[n]) for n, p in pipe.vae.named_parameters())
+
+
+def test_a_dataset_with_an_image_column_trains_through_the_data_sources(tiny_sd, tmp_path):
+    """--dataset_name (a save_to_disk folder here, a Hub id elsewhere) with --image_column and --caption_column."""
+    import datasets
+
+    rows = {"picture": [square((200, 0, 0), seed=i) for i in range(3)], "caption": ["a red square"] * 3}
+    features = datasets.Features({"picture": datasets.Image(), "caption": datasets.Value("string")})
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "saved"))
+    common = dict(dataset_name=str(tmp_path / "saved"), image_column="picture", max_steps=1)
+    with pytest.raises(UserError, match="column 'text' is not in the train data"):
+        train(options(tiny_sd, tmp_path / "wrong", **common))
+    results = train(options(tiny_sd, tmp_path / "out", caption_column="caption", **common))
+    assert results["train"]["global_step"] == 1 and results["eval"]["samples"] == 3
