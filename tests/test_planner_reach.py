@@ -109,3 +109,39 @@ def test_plan_command_by_names_and_json(tmp_path):
     missing = run_cli("plan", "--model_name_or_path", "llama-2-13b", "--task", "causal_lm")
     assert missing.returncode == 2
     assert missing.stderr.strip() == "error: give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"
+
+
+# ---------------------------------------------------------------- ZeRO-Infinity
+
+
+def test_nvme_rows_hold_deepspeeds_gpu_figure_and_move_the_offload_to_disk(tmp_path, monkeypatch):
+    """The NVMe row's GPU model states are DeepSpeed's estimate with everything offloaded; the states' bytes move
+    from CPU memory to the disk; without --nvme_gb no NVMe row fits and the advice names the disk it needs."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from test_planner import BY_KEY, setup
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from cloudtrain.planning.known_models import config_folder
+
+    facts = planning.model_facts(config_folder("llama-2-70b"), task="causal_lm")
+    s = setup(8, 1, precision="bf16")
+    kw = dict(num_gpus_per_node=8, num_nodes=1, additional_buffer_factor=1.0)
+    _, gpu, _ = estimate_zero3_model_states_mem_needs(
+        facts.num_params, facts.largest_module_params, cpu_offload=True, cpu_offload_params=True, **kw
+    )
+    nvme, cpu_all = BY_KEY["zero3_nvme"], BY_KEY["zero3_offload_all"]
+    assert sum(planning.model_state_bytes(facts, nvme, s)) == pytest.approx(gpu, abs=16)
+    assert planning.nvme_bytes(facts, nvme, s) == planning.cpu_bytes(facts, cpu_all, s)[0]  # the same 18 B/param
+    assert planning.cpu_bytes(facts, nvme, s)[0] < planning.cpu_bytes(facts, cpu_all, s)[0] / 20  # buffers only
+
+    args = dict(task="causal_lm", num_gpus=8, gpu_memory_gb=80, cpu_memory_gb=512, max_length=4096)
+    without = planning.make_plan(plan_args("llama-2-70b", tmp_path / "a", **args))
+    assert "zero3_nvme" not in json.dumps(without["recommendation"] or {})
+    reasons = " ".join(without["recommendation"]["reasons"])
+    assert re.search(
+        r"Full fine-tuning does not fit: .* CPU memory per node .* would with 115\d GiB of NVMe disk", reasons
+    )
+    with_disk = planning.make_plan(plan_args("llama-2-70b", tmp_path / "b", nvme_gb=2000, **args))
+    assert with_disk["recommendation"]["label"].startswith("ZeRO-3 + NVMe offload (ZeRO-Infinity)")
+    ds = json.loads((tmp_path / "b" / "ds_config.json").read_text())["zero_optimization"]
+    assert ds["offload_param"]["device"] == ds["offload_optimizer"]["device"] == "nvme"

@@ -35,6 +35,7 @@ from cloudtrain.planning.memory import (
     logits_bytes,
     max_micro_batch,
     model_state_bytes,
+    nvme_bytes,
     overhead_bytes,
     rank_estimates,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "max_micro_batch",
     "model_facts",
     "model_state_bytes",
+    "nvme_bytes",
     "overhead_bytes",
     "pipeline_candidates",
     "rank_estimates",

@@ -75,6 +75,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="CPU memory per node in GiB; offload plans needing more do not fit (default: unchecked).",
     )
     plan.add_argument(
+        "--nvme_gb",
+        type=float,
+        default=None,
+        help="Local NVMe disk per node in GiB for ZeRO-Infinity's swap files; NVMe rows fit only within it "
+        "(default: no NVMe disk, those rows do not fit).",
+    )
+    plan.add_argument(
         "--strategy",
         choices=["auto"] + [s.key for s in STRATEGIES] + [PIPELINE.key],
         default="auto",
@@ -108,6 +115,7 @@ def _check(args: argparse.Namespace) -> None:
         (args.gpu_memory_gb is None and args.gpu is None, "give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"),
         (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
         (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
+        (args.nvme_gb is not None and args.nvme_gb <= 0, "--nvme_gb must be positive"),
         (args.num_labels < 1, "--num_labels must be at least 1"),
         (args.model_config and not decoder, f"--model_config is for --task {decoder_tasks()}"),
         (
@@ -175,6 +183,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
         args.max_length,
         resolve_precision(args.mixed_precision),  # auto: as training resolves it, on this machine
+        None if args.nvme_gb is None else round(args.nvme_gb * GIB),
     )
     requested, global_batch = _batch(args, setup.world_size)
     adapters = (

@@ -26,6 +26,7 @@ class Estimate:
     cpu_offloaded: int  # per node
     cpu_load: int  # per node
     logits: int = 0  # a decoder task: the logits and the loss's fp32 buffers
+    nvme_per_node: int = 0  # ZeRO-Infinity: the offloaded states' swap files on local disk
 
     @property
     def total(self) -> int:
@@ -163,6 +164,8 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
     P, per_node = m.num_params, setup.num_gpus / setup.world_size
     p = 2 if setup.half else 4
     offloaded = (16 * P if strategy.offload_optimizer else 0) + (p * P if strategy.offload_param else 0)
+    if strategy.nvme:  # the states go to disk; CPU memory holds DeepSpeed's pinned swap buffers per process
+        offloaded = swap_buffer_bytes(m, setup) * setup.world_size
     if strategy.zero_stage == 3:
         load = 4 * m.largest_module_params * setup.num_gpus  # zero.Init partitions layer by layer
     elif strategy.fsdp:
@@ -170,6 +173,20 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
     else:
         load = 4 * P * setup.num_gpus
     return round(offloaded * per_node), load
+
+
+def swap_buffer_bytes(m: ModelFacts, setup: Setup) -> int:
+    """One process's pinned buffers for ZeRO-Infinity: 5 parameter buffers of 1e8 elements (DeepSpeed's
+    offload_param defaults) and 4 fp32 optimizer swap buffers of the largest module."""
+    return 5 * 10**8 * (2 if setup.half else 4) + 4 * 4 * m.largest_module_params
+
+
+def nvme_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
+    """Per node: the swap files of the states ZeRO-Infinity offloads (as CPU offload would hold them)."""
+    if not strategy.nvme:
+        return 0
+    P, p = m.num_params, 2 if setup.half else 4
+    return round((16 * P + p * P) * setup.num_gpus / setup.world_size)
 
 
 def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:
@@ -190,7 +207,8 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     overhead = overhead_bytes(m, cand.strategy, setup, params + grads + optim + activations + logits, trainable)
     # with adapters each process loads its base as it will hold it (in 16 bits, or quantising as it goes)
     offloaded, load = cpu_bytes(m, cand.strategy, setup) if full else (0, params * setup.num_gpus)
-    return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits)
+    disk = nvme_bytes(m, cand.strategy, setup) if full else 0
+    return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits, disk)
 
 
 def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> int:
@@ -239,7 +257,9 @@ def _rank_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: in
 
 def fits(est: Estimate, setup: Setup) -> bool:
     cpu_ok = setup.cpu_memory_bytes is None or est.cpu_per_node <= setup.cpu_memory_bytes
-    return est.total <= setup.gpu_memory_bytes and cpu_ok
+    # an NVMe row fits only where a disk was given (--nvme_gb) and holds its swap files
+    disk_ok = not est.nvme_per_node or (setup.nvme_memory_bytes or 0) >= est.nvme_per_node
+    return est.total <= setup.gpu_memory_bytes and cpu_ok and disk_ok
 
 
 def max_micro_batch(m: ModelFacts, cand: Candidate, setup: Setup) -> int:

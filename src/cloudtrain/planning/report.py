@@ -163,7 +163,7 @@ def _table_row(r: dict) -> tuple:
         _size(e["logits"]),
         _size(e["overhead"]),
         _size(e["total"]),
-        _size(e["cpu_per_node"]),
+        _size(e["cpu_per_node"]) + (f" +{_size(e['nvme_per_node'])} NVMe" if e.get("nvme_per_node") else ""),
         str(r["max_micro_batch"]),
         "yes" if r["fits"] else "no",
     )

@@ -167,7 +167,24 @@ def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str
         ideas.append("--mixed_precision bf16 (halves the activations and, with DeepSpeed, the weights)")
     if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None), cands):
         ideas.append("more CPU memory per node for offloading (see the CPU/node column)")
+    disk = nvme_needed(m, setup, cands)
+    if disk:
+        ideas.append(
+            f"a local NVMe disk of {math.ceil(disk / GIB)} GiB per node for ZeRO-Infinity's swap files "
+            f"(--nvme_gb {math.ceil(disk / GIB)})"
+        )
     return ideas
+
+
+def nvme_needed(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> int:
+    """The NVMe disk per node that would make an NVMe row fit where none was given or it is too small (0: none
+    would)."""
+    unlimited = replace(setup, nvme_memory_bytes=2**62)
+    rows = [c for c in cands if c.strategy.nvme and fits(estimate(m, c, unlimited, 1), unlimited)]
+    if not rows:
+        return 0
+    need = min(estimate(m, c, unlimited, 1).nvme_per_node for c in rows)
+    return need if setup.nvme_memory_bytes is None or need > setup.nvme_memory_bytes else 0
 
 
 # ---------------------------------------------------------------- why
@@ -211,7 +228,13 @@ def reasons(
             f"Gradient checkpointing recomputes each layer in the backward pass (about a third more "
             f"compute); without it activations need {plain.activations / GIB:.1f} GiB."
         )
-    if c.strategy.offload_optimizer:
+    if c.strategy.nvme:
+        lines.append(
+            f"ZeRO-Infinity keeps {e.nvme_per_node / GIB:.1f} GiB of swap files per node on the NVMe disk "
+            f"(--nvme_path) and {e.cpu_per_node / GIB:.1f} GiB of pinned buffers in CPU memory; the AdamW step "
+            "runs on the CPU, its states streamed from disk."
+        )
+    elif c.strategy.offload_optimizer:
         lines.append(
             f"Offloading needs {e.cpu_per_node / GIB:.1f} GiB of CPU memory per node and runs the AdamW "
             "step on the CPU."
@@ -247,11 +270,13 @@ def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup)
     for earlier in PEFT_METHODS[: PEFT_METHODS.index(c.peft)]:
         tier = [r.candidate for r in rows if r.candidate.peft == earlier]
         if tier:
-            leanest = min(tier, key=lambda t: (estimate(m, t, setup, 1).total, estimate(m, t, setup, 1).cpu_per_node))
+            leanest = min(tier, key=lambda t: _leanness(estimate(m, t, setup, 1)))
             label = PEFT_LABELS[earlier]
+            disk = nvme_needed(m, setup, tier)
+            nvme = f"; ZeRO-Infinity would with {math.ceil(disk / GIB)} GiB of NVMe disk per node (--nvme_gb)"
             lines.append(
                 f"{label[0].upper() + label[1:]} does not fit: its leanest option, {leanest.name}, needs "
-                f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1."
+                f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1" + (nvme if disk else "") + "."
             )
     a = m.adapters
     assert a is not None  # adapter candidates exist only with adapter facts
@@ -267,10 +292,18 @@ def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup)
     return lines
 
 
+def _leanness(est: Estimate) -> tuple[int, int, int]:
+    """GPU memory first; then a row that needs no NVMe disk; then the least CPU memory."""
+    return est.total, est.nvme_per_node, est.cpu_per_node
+
+
 def _over_budget(est: Estimate, setup: Setup) -> str:
     """What exceeds the budget: the GPU memory, or else the CPU memory per node."""
     if est.total > setup.gpu_memory_bytes:
         return f"{est.total / GIB:.1f} GiB per GPU (of {setup.gpu_memory_bytes / GIB:g})"
+    if est.nvme_per_node and (setup.nvme_memory_bytes or 0) < est.nvme_per_node:
+        given = f"of {setup.nvme_memory_bytes / GIB:g}" if setup.nvme_memory_bytes else "none given: --nvme_gb"
+        return f"{est.nvme_per_node / GIB:.1f} GiB of NVMe disk per node ({given})"
     assert setup.cpu_memory_bytes is not None  # over budget with GPU memory to spare: the CPU memory was checked
     return f"{est.cpu_per_node / GIB:.1f} GiB of CPU memory per node (of {setup.cpu_memory_bytes / GIB:g})"
 

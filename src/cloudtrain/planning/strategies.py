@@ -23,6 +23,7 @@ class Strategy:
     fsdp: bool = False
     offload_optimizer: bool = False
     offload_param: bool = False
+    nvme: bool = False  # the offloaded states in swap files on a local NVMe disk (ZeRO-Infinity), not CPU memory
     trainer: str = "accelerated"  # the --training_type (registry name) that runs it
 
     @property
@@ -46,6 +47,15 @@ STRATEGIES = (
         zero_stage=3,
         offload_optimizer=True,
         offload_param=True,
+    ),
+    Strategy(
+        "zero3_nvme",
+        "ZeRO-3 + NVMe offload (ZeRO-Infinity)",
+        3.5,
+        zero_stage=3,
+        offload_optimizer=True,
+        offload_param=True,
+        nvme=True,
     ),
 )
 PIPELINE = Strategy("pipeline", "pipeline", 1.00, trainer="pipeline")  # its bubble is the Pipeline's
@@ -95,6 +105,7 @@ class Setup:
     cpu_memory_bytes: int | None  # per node; None: not checked
     max_length: int
     mixed_precision: str
+    nvme_memory_bytes: int | None = None  # per node, for ZeRO-Infinity's swap files; None: no NVMe disk given
 
     @property
     def world_size(self) -> int:

@@ -16,14 +16,18 @@ from cloudtrain.planning.search import Choice
 from cloudtrain.planning.strategies import Candidate, Setup, Strategy
 
 TRAINING_APPLICATION = "src/training_application.py"
+NVME_PATH = "/local_nvme/cloudtrain-swap"  # ZeRO-Infinity's swap folder in an emitted config: edit to your disk's
 
 
 def deepspeed_config(strategy: Strategy) -> dict:
     """The application's own ZeRO config (batch sizes, accumulation, clipping and precision "auto", so
     they always come from its flags), with reduce buckets sized from the hidden size as estimated."""
-    offload = {True: "cpu", False: "none"}
+    offload = {True: "nvme" if strategy.nvme else "cpu", False: "none"}
     assert strategy.zero_stage is not None  # a ZeRO strategy's
-    config = zero_config(strategy.zero_stage, offload[strategy.offload_optimizer], offload[strategy.offload_param])
+    nvme = {"nvme_path": NVME_PATH, "block_size": 1048576, "queue_depth": 8} if strategy.nvme else None
+    config = zero_config(
+        strategy.zero_stage, offload[strategy.offload_optimizer], offload[strategy.offload_param], nvme
+    )
     config["zero_optimization"]["reduce_bucket_size"] = "auto"  # hidden_size**2 (DeepSpeed's default: 5e8)
     return config
 
