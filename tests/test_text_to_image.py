@@ -239,7 +239,10 @@ def test_validation_grids_are_written_and_logged_and_the_card_shows_them(lora_ru
     out = Path(lora_run["output_dir"])
     grids = sorted(p.name for p in (out / "validation").glob("*.png"))
     assert grids == ["eval-step-000000.png", "eval-step-000030.png"]
-    assert Image.open(out / "validation" / grids[-1]).size == (2 * 16, 16 + 14)  # two images and their captions
+    assert Image.open(out / "validation" / grids[-1]).size == (
+        2 * 128,
+        128 + 14,
+    )  # two images (drawn at 128px) and their captions
     events = EventAccumulator(str(next((out / "tensorboard").iterdir())), size_guidance={"images": 0})
     events.Reload()
     assert [e.step for e in events.Images("eval/validation_images")] == [0, 30]

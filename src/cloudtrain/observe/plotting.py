@@ -80,6 +80,8 @@ def image_grid(images: list, captions: list[str], columns: int = 4) -> "Image.Im
     from PIL import Image, ImageDraw
 
     width, height = images[0].size
+    if width < 128:  # small images (tests, demos) drawn larger: readable, with room for their captions
+        width, height = 128, round(height * 128 / width)
     strip = 14  # pixels of caption text under each image (PIL's built-in font)
     columns = min(columns, len(images))
     rows = -(-len(images) // columns)
@@ -87,6 +89,6 @@ def image_grid(images: list, captions: list[str], columns: int = 4) -> "Image.Im
     draw = ImageDraw.Draw(grid)
     for i, (image, caption) in enumerate(zip(images, captions, strict=True)):
         x, y = (i % columns) * width, (i // columns) * (height + strip)
-        grid.paste(image.convert("RGB").resize((width, height)), (x, y))
+        grid.paste(image.convert("RGB").resize((width, height), Image.Resampling.NEAREST), (x, y))
         draw.text((x + 2, y + height + 1), caption[: max(4, width // 6)], fill="black")
     return grid
