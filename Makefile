@@ -14,7 +14,7 @@ SFT_BASE = $(if $(wildcard $(PRETRAINED)/model.safetensors),--model_name_or_path
 # `make train ARGS="--training_type basic"` passes extra options to the application.
 ARGS   ?=
 
-.PHONY: setup data train pretrain sft test test-fast lint bench clean dashboard
+.PHONY: setup data train pretrain sft text-to-image test test-fast lint bench clean dashboard
 
 setup: $(STAMP) $(PKG) $(R8) $(GRIMM)
 
@@ -73,6 +73,12 @@ dpo: setup $(DPO_DATA) $(SFT_MODEL)
 # (pytest-xdist; `make test PYTEST_WORKERS=0` runs in one process), an idle one taking tests from the other's
 # queue (worksteal); conftest.built_once shares what both build.
 PYTEST_WORKERS ?= 2
+
+# Offline demo: a small diffusion model learns scikit-learn's digits; before/after grids in outputs/t2i-digits/validation/
+text-to-image: setup
+	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py
+	OMP_NUM_THREADS=1 $(PY) src/training_application.py --config configs/text_to_image_digits.yaml $(ARGS)
+
 test: setup
 	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 
