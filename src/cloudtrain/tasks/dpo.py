@@ -4,8 +4,10 @@ Supports:
 - `--preference_loss` sigmoid (DPO), ipo, simpo and orpo (reference-free), `--beta` and `--simpo_gamma` with
   the papers' defaults (cloudtrain.config.preference); the pair formats of cloudtrain.data.pairs (explicit,
   conversational, implicit prompt), the chat template handled as `--task sft` handles it;
-- chosen and rejected through the policy in one forward (one batch of 2B rows), the prompt's tokens out of the
-  loss (exactly zero gradient), the LM head and its softmax only on the positions that hold answers;
+- chosen and rejected through the policy in one forward, each prompt computed once (one row per pair: shared
+  tokens, chosen, rejected, under a mask that hides the chosen answer from the rejected; 2B rows for attention
+  that takes no custom mask), the prompt's tokens out of the loss (exactly zero gradient), the LM head only on
+  the answers' window and its softmax only on the positions that predict answer tokens;
 - the reference: the policy's base with the adapters disabled under --peft (no copy), a frozen copy under full
   fine-tuning, or `--precompute_reference true`: its log-probabilities computed once before training and kept
   as two columns of the data (no reference model during training); none for simpo and orpo;
@@ -65,6 +67,7 @@ PAIR_METRICS = (
     "rewards/accuracies",
     "logps/chosen",
     "logps/rejected",
+    "logps/accuracies",  # the share of pairs whose chosen answer the model itself finds likelier (no reference)
 )
 
 
@@ -370,7 +373,7 @@ class DPOTask(SFTTask):
         return torch.tensor(len(batch["rows"]) // 2, device=batch["input_ids"].device)  # pairs, in either layout
 
     def pair_values(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """(per-pair loss [B], the per-pair PAIR_METRICS [B, 6]) of one batch."""
+        """(per-pair loss [B], the per-pair PAIR_METRICS [B, 7]) of one batch."""
         p = self.cfg.preference
         logps, counts = self.logps(model, batch)
         reference = self.reference_logps(model, batch) if p.needs_reference else None
@@ -379,7 +382,10 @@ class DPOTask(SFTTask):
         )
         pairs = len(losses)
         values = torch.stack(
-            [chosen, rejected, chosen - rejected, (chosen > rejected).to(chosen), logps[:pairs], logps[pairs:]],
+            [
+                *(chosen, rejected, chosen - rejected, (chosen > rejected).to(chosen)),
+                *(logps[:pairs], logps[pairs:], (logps[:pairs] > logps[pairs:]).to(chosen)),
+            ],
             dim=1,
         )
         return losses, values.detach().float()
@@ -425,7 +431,7 @@ class DPOTask(SFTTask):
         was_training = model.training
         model.eval()
         start = time.perf_counter()
-        sums, pairs = torch.zeros(7, dtype=torch.float64), 0
+        sums, pairs = torch.zeros(1 + len(PAIR_METRICS), dtype=torch.float64), 0
         for batch in batches:
             batch = move(batch)
             with autocast():
@@ -496,7 +502,8 @@ class DPOTask(SFTTask):
 
     def describe_metrics(self, metrics: dict) -> str:
         line = (
-            f"loss {metrics['loss']:.4f} | pair accuracy {metrics['rewards/accuracies']:.3f} | margin "
+            f"loss {metrics['loss']:.4f} | pair accuracy {metrics['rewards/accuracies']:.3f} (the model alone prefers "
+            f"the chosen answer in {metrics['logps/accuracies']:.3f}) | margin "
             f"{metrics['rewards/margins']:.4f} (chosen {metrics['rewards/chosen']:.4f}, rejected "
             f"{metrics['rewards/rejected']:.4f}; {metrics['samples']} pairs)"
         )
