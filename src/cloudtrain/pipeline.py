@@ -32,7 +32,7 @@ from cloudtrain.checkpointing import (
 )
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
-from cloudtrain.data.sources import check_data_sources, connect_data, dataset_label
+from cloudtrain.data.sources import dataset_label
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
@@ -62,6 +62,7 @@ def resolve_output_dir(cfg: Config) -> Path:
 
 def resolve(cfg: Config, task: Task) -> Config:
     """`auto` precision, and the task's default best-checkpoint metric and packing, made concrete."""
+    cfg = task.resolve_options(cfg)
     best = cfg.checkpoint.metric_for_best_model or task.default_best_metric
     return replace(
         cfg,
@@ -76,14 +77,13 @@ def resolve(cfg: Config, task: Task) -> Config:
 def preflight(cfg: Config, task: Task) -> Path:
     """Checks that touch files and devices but load nothing heavy; returns the output dir."""
     task.check_options(cfg)
-    assert task.auto_class is not None  # every task names one
-    adapters.check_options(cfg, task.auto_class)
+    task.check_adapters(cfg)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:
         raise UserError(
             f"--metric_for_best_model {cfg.checkpoint.metric_for_best_model} is not a metric of "
             f"--task {task.name}; use one of {', '.join(task.metrics)}"
         )
-    check_data_sources(cfg.data)
+    task.check_data(cfg)
     TRAINERS[cfg.training.training_type].check_options(cfg, task)
     check_distributed(cfg)
     if not cfg.model.model_config:
@@ -165,7 +165,7 @@ def build_run(cfg: Config) -> Run:
         hub.check_access_from_main(cfg.hub, runtime.is_main, runtime.share)
     set_seed(cfg.training.seed)  # the same on every process, so every process builds the same model
 
-    raw = connect_data(cfg.data, task.columns(cfg.data))
+    raw = task.connect(cfg)
     tokenizer = task.load_tokenizer(cfg)
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage
@@ -276,7 +276,7 @@ def save_final(run: Run, results: dict, predictions: dict) -> None:
             return
         for split, predicted in predictions.items():
             run.task.write_predictions(staging, run.data, split, predicted)
-        run.tokenizer.save_pretrained(staging)
+        run.task.save_tokenizer(run.tokenizer, staging)
         write_arguments(cfg, staging / "args.json")
         write_results(staging, results)
         if cfg.output.merge_adapters:

@@ -17,7 +17,6 @@ from typing import Any
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models import adapters
 from cloudtrain.tasks.base import Task
 
 Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it, or a PeftModel, out
@@ -60,7 +59,7 @@ def task_before_adapters(model: Any, cfg: Config, task: Task, announce: bool) ->
 def adapters_for_task(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     if cfg.model.peft == "none":
         return model
-    return adapters.attach(model, cfg, task.peft_task_type, task.train_in_full(model))
+    return task.attach_adapters(model, cfg)
 
 
 def compile_model(model: Any, cfg: Config, task: Task, announce: bool) -> Any:

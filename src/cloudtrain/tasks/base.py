@@ -51,6 +51,39 @@ class Task:
     def check_options(self, cfg: Config) -> None:
         """Reject options this task cannot use (light I/O only: configs, a tokenizer; no data, no weights)."""
 
+    def resolve_options(self, cfg: Config) -> Config:
+        """The options made concrete for this task (a task option that implies generic ones); by default as given."""
+        return cfg
+
+    def check_data(self, cfg: Config) -> None:
+        """Cheap checks of the data options (files exist and have a format the task reads), before loading."""
+        from cloudtrain.data.sources import check_data_sources
+
+        check_data_sources(cfg.data)
+
+    def connect(self, cfg: Config) -> DatasetDict:
+        """The raw splits: the data connectors' (files, the Hub, a SageMaker channel, the built-in default)."""
+        from cloudtrain.data.sources import connect_data
+
+        return connect_data(cfg.data, self.columns(cfg.data))
+
+    def check_adapters(self, cfg: Config) -> None:
+        """--peft and its options against this task's models (light I/O only)."""
+        from cloudtrain.models import adapters
+
+        assert self.auto_class is not None  # a task that trains adapters on a transformers model names its class
+        adapters.check_options(cfg, self.auto_class)
+
+    def attach_adapters(self, model: PreTrainedModel, cfg: Config) -> torch.nn.Module:
+        """The model with --peft adapters on (models.prepare calls this where adapters come in its order)."""
+        from cloudtrain.models import adapters
+
+        return adapters.attach(model, cfg, self.peft_task_type, self.train_in_full(model))
+
+    def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+        """The tokenizer beside the saved model (a task whose model folder holds its own may skip it)."""
+        tokenizer.save_pretrained(folder)
+
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         """{flag: (column, needed in every split)}; a column needed in train only may be absent elsewhere."""
         raise NotImplementedError
