@@ -87,7 +87,9 @@ def _convert(tp: type, value: Any, separator: str) -> Any:
         if isinstance(value, dict):
             raise ValueError(f"expected a list, got a mapping {value!r}")
         items = value if isinstance(value, list) else [value]
-        return [part.strip() for item in items for part in str(item).split(separator) if part.strip()]
+        # a mapping in a config file's list (a `datasets:` entry) stays a mapping; strings split at the separator
+        parts = [[item] if isinstance(item, dict) else str(item).split(separator) for item in items]
+        return [p if isinstance(p, dict) else p.strip() for ps in parts for p in ps if isinstance(p, dict) or p.strip()]
     if isinstance(value, (list, tuple, dict)):
         kind = "a mapping" if isinstance(value, dict) else "a list"
         raise TypeError(f"expected one {_type_word(tp)}, got {kind} {value!r}")

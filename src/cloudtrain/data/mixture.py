@@ -10,7 +10,6 @@ JSON-able dict (`MixtureStream.state`), which is what a checkpoint stores and a 
 
 from __future__ import annotations
 
-import ast
 import glob
 import os
 import sys
@@ -36,10 +35,10 @@ class SourceSpec:
 
 
 def _entries(data: Any) -> list[dict]:
-    """--datasets items (a config file's mappings reach us as their repr) or --train_file's comma list."""
+    """--datasets items (a config file's mappings, or paths) or --train_file's comma list."""
     entries = []
     for item in data.datasets:
-        value = ast.literal_eval(item) if item.lstrip().startswith("{") else {"path": item}
+        value = item if isinstance(item, dict) else {"path": item}
         if not isinstance(value, dict) or "path" not in value:
             raise UserError(f"--datasets: each item needs a path (got {item!r})")
         entries.append(value)
