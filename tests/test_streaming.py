@@ -389,3 +389,19 @@ def test_a_streaming_sft_run_packs_examples_with_their_answer_masks(tiny_llama_d
     assert results["train"]["global_step"] == 3
     sources = json.loads((tmp_path / "sft" / "train_results.json").read_text())["sources"]
     assert sources[str(tmp_path / "qa.jsonl")]["documents"] >= 6
+
+
+def test_a_config_files_datasets_list_gives_each_source_its_weight_and_columns(tmp_path):
+    from cloudtrain.config import resolve_options
+    from cloudtrain.data.mixture import resolve_sources
+
+    (tmp_path / "a.jsonl").write_text('{"body": "one"}\n')
+    (tmp_path / "b.txt").write_text("two\n")
+    config = tmp_path / "mix.yaml"
+    config.write_text(
+        f"task: causal_lm\nstreaming: true\ndatasets:\n"
+        f"  - {{path: {tmp_path / 'a.jsonl'}, weight: 0.25, columns: {{text: body}}}}\n"
+        f"  - {{path: {tmp_path / 'b.txt'}, weight: 0.75}}\n"
+    )
+    specs = resolve_sources(resolve_options(str(config), {}).data)
+    assert [(s.format, s.weight, s.columns) for s in specs] == [("jsonl", 0.25, {"text": "body"}), ("txt", 0.75, {})]
