@@ -103,15 +103,20 @@ def test_min_snr_weighting_and_v_prediction_follow_the_formulas(tiny_sd, tmp_pat
 # ---------------------------------------------------------------- saving in diffusers' format
 
 
-def test_the_lora_saved_loads_into_a_diffusers_pipeline_and_computes_as_trained(tiny_sd, tmp_path):
+@pytest.mark.parametrize("peft", ["lora", "dora"])
+def test_the_lora_saved_loads_into_a_diffusers_pipeline_and_computes_as_trained(tiny_sd, tmp_path, peft):
     from diffusers import StableDiffusionPipeline
 
-    cfg = config(tiny_sd, tmp_path / "out", lora_r=4, lora_alpha=8.0)  # scale 2: lost if alpha were not saved
-    model = load_text_to_image_model(cfg, tiny_sd).eval()
+    cfg = config(tiny_sd, tmp_path / "out", peft=peft, lora_r=4, lora_alpha=8.0)  # scale 2: lost without alpha
+    model = TextToImageTask(cfg).attach_adapters(load_text_to_image_model(cfg, tiny_sd), cfg).eval()
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert trained and all(".lora_" in name for name in trained)  # only the adapters train
     torch.manual_seed(1)
     for name, param in model.unet.named_parameters():
         if "lora_B" in name:  # B starts at zero: make the adapter do something
             param.data.normal_(0, 0.5)
+        if "magnitude" in name:  # DoRA's magnitudes: changed too, so losing them on saving would show
+            param.data.mul_(1.5)
     model.save_pretrained(tmp_path / "lora")
     assert (tmp_path / "lora" / "pytorch_lora_weights.safetensors").is_file()
 
@@ -125,6 +130,25 @@ def test_the_lora_saved_loads_into_a_diffusers_pipeline_and_computes_as_trained(
         trained = model.unet(x, t, cond).sample
     assert (loaded - base).abs().max() > 1e-3  # the adapter changes the pipeline's output
     assert torch.allclose(loaded, trained, atol=1e-5)  # ... exactly as it did in training, scale included
+
+
+# ---------------------------------------------------------------- options and data sources
+
+
+def test_image_folders_connect_no_splits_so_the_builtin_text_data_is_never_loaded(tiny_sd, squares, tmp_path):
+    for extra in ({"train_data_dir": squares}, {"instance_data_dir": squares, "instance_prompt": "a sks square"}):
+        cfg = config(tiny_sd, tmp_path / "out", **extra)
+        task = TextToImageTask(cfg)
+        task.check_data(cfg)
+        assert list(task.connect(cfg)) == []  # the base class would return R8's train/validation/test
+
+
+def test_validation_steps_sets_the_evaluation_cadence(tiny_sd, squares, tmp_path):
+    cfg = config(tiny_sd, tmp_path / "out", train_data_dir=squares, validation_steps=7)
+    resolved = TextToImageTask(cfg).resolve_options(cfg)
+    assert (resolved.training.eval_strategy, resolved.training.eval_steps) == ("steps", 7)
+    plain = config(tiny_sd, tmp_path / "out", train_data_dir=squares)
+    assert TextToImageTask(plain).resolve_options(plain).training.eval_strategy == "epoch"
 
 
 # ---------------------------------------------------------------- bad input: one line, before heavy work
@@ -148,8 +172,11 @@ def bad_cases(tiny_sd: str, squares: str, tmp: Path) -> dict:
         "not a pipeline": ({**data, "model_name_or_path": str(tmp / "not-diffusers")}, "is not a diffusers pipeline"),
         "resolution": ({**data, "resolution": 17}, "--resolution 17 is not divisible by 2"),
         "no data": ({}, "needs images: --train_data_dir"),
-        "peft": ({**data, "peft": "lora"}, "leave out --peft lora"),
-        "validation steps": ({**data, "validation_steps": 5}, "add --eval_strategy steps --eval_steps 5"),
+        "qlora": ({**data, "peft": "qlora"}, "--peft lora or dora on the denoiser, not qlora"),
+        "lora targets": (
+            {**data, "peft": "lora", "lora_target_modules": ["q_proj"]},
+            "--lora_target_modules: q_proj is not a linear or convolution layer of the denoiser",
+        ),
         "instance prompt": ({"instance_data_dir": squares}, "--instance_data_dir needs --instance_prompt"),
     }
 
@@ -216,8 +243,8 @@ def lora_run(tiny_sd, squares, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("t2i-run") / "lora"
     results = train(
         options(
-            tiny_sd, out, train_data_dir=squares, max_steps=30, learning_rate=5e-3, per_device_train_batch_size=6,
-            logging_steps=10, eval_strategy="steps", eval_steps=30, eval_on_start=True, report_to=["tensorboard"],
+            tiny_sd, out, train_data_dir=squares, peft="lora", max_steps=30, learning_rate=5e-3,
+            per_device_train_batch_size=6, logging_steps=10, eval_on_start=True, report_to=["tensorboard"],
             validation_prompts=[PROMPT, "a blue square"], validation_steps=30, checkpointing_steps=15,
         )
     )  # fmt: skip
@@ -229,6 +256,15 @@ def test_lora_training_lowers_the_fixed_noise_loss(lora_run):
     evaluations = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["eval/loss"] for r in evaluations if "eval/loss" in r]
     assert losses[-1] < losses[0] * 0.97, losses
+    assert [r["step"] for r in evaluations if "eval/loss" in r][:2] == [0, 30]  # --validation_steps 30 evaluates
+
+
+def test_a_lora_output_holds_the_adapter_and_no_tokenizer(lora_run):
+    """The base pipeline has the tokenizer: a LoRA folder is what diffusers' scripts write, and the run's files."""
+    out = Path(lora_run["output_dir"])
+    assert (out / "pytorch_lora_weights.safetensors").is_file()
+    assert not [p.name for p in out.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "special"))]
+    assert json.loads((out / "args.json").read_text())["eval_steps"] == 30
 
 
 def test_validation_grids_are_written_and_logged_and_the_card_shows_them(lora_run, tiny_sd):
@@ -268,7 +304,7 @@ def test_full_fine_tuning_saves_a_whole_pipeline_and_dreambooth_trains(tiny_sd, 
     inst, cls = plain_folder(tmp_path / "sks", (200, 40, 40)), plain_folder(tmp_path / "dogs", (40, 200, 40))
     results = train(
         options(
-            tiny_sd, tmp_path / "full", denoiser_training="full", instance_data_dir=str(inst),
+            tiny_sd, tmp_path / "full", instance_data_dir=str(inst),
             instance_prompt="a sks square", class_data_dir=str(cls), class_prompt="a square",
             with_prior_preservation=True, random_flip=True, cache_latents=True, pre_compute_text_embeddings=True,
             snr_gamma=5.0, noise_offset=0.05, max_steps=4, per_device_train_batch_size=2, learning_rate=1e-3,

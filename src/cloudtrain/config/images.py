@@ -6,7 +6,6 @@ from dataclasses import dataclass
 from cloudtrain.config.fields import opt
 from cloudtrain.errors import UserError
 
-DENOISER_TRAINING = ("lora", "full")
 PREDICTION_TYPES = ("epsilon", "v_prediction")
 
 
@@ -36,12 +35,6 @@ class ImagesConfig:
     resolution: int = opt(512, "Text-to-image: images are resized (shorter side) and cropped to this square size.")
     center_crop: bool = opt(False, "Text-to-image: crop the centre of each image (default: a random crop).")
     random_flip: bool = opt(False, "Text-to-image: flip training images horizontally at random.")
-    denoiser_training: str = opt(
-        "lora",
-        "Text-to-image: lora (LoRA on the denoiser; --lora_r, --lora_alpha, --lora_target_modules, which defaults "
-        "to to_q,to_k,to_v,to_out.0 here) or full (every denoiser weight).",
-        DENOISER_TRAINING,
-    )
     prediction_type: str | None = opt(
         None, "Text-to-image: what the denoiser predicts (default: the scheduler config's).", PREDICTION_TYPES
     )
@@ -62,7 +55,9 @@ class ImagesConfig:
         separator="|",
     )
     validation_steps: int | None = opt(
-        None, "Text-to-image: render the validation prompts every N steps (evaluates every N steps)."
+        None,
+        "Text-to-image: evaluate, and render the validation prompts, every N steps (sets --eval_strategy steps "
+        "--eval_steps N).",
     )
     validation_inference_steps: int = opt(30, "Text-to-image: denoising steps of each validation image.")
     validation_guidance_scale: float = opt(7.5, "Text-to-image: classifier-free guidance of the validation images.")

@@ -1,10 +1,10 @@
 """A diffusers text-to-image pipeline as one trainable module (`--task text_to_image`; docs/text-to-image.md).
 
-`TextToImageModel` holds the denoiser (trained: LoRA through PEFT, or in full), the VAE and the text encoder
-(frozen), and the training noise schedule. Its forward takes a batch and returns each row's diffusion loss, so
-the trainers, DDP and DeepSpeed treat it as any other model; `save_pretrained` writes what diffusers loads: the
-LoRA in diffusers' format (`pipeline.load_lora_weights(output_dir)`), or the whole pipeline after full
-fine-tuning.
+`TextToImageModel` holds the denoiser (trained in full, or with LoRA/DoRA through PEFT after `attach_lora`), the
+VAE and the text encoder (frozen), and the training noise schedule. Its forward takes a batch and returns each
+row's diffusion loss, so the trainers, DDP and DeepSpeed treat it as any other model; `save_pretrained` writes
+what diffusers loads: the LoRA in diffusers' format (`pipeline.load_lora_weights(output_dir)`), or the whole
+pipeline after full fine-tuning.
 """
 
 import importlib
@@ -88,18 +88,18 @@ class TextToImageModel(torch.nn.Module):
         self.noise_scheduler = components["scheduler"]
         self.vae.requires_grad_(False)
         self.text_encoder.requires_grad_(False)
-        self.lora = cfg.images.denoiser_training == "lora"
+        self.lora = False  # until attach_lora: the whole denoiser trains
         self.prediction_type = cfg.images.prediction_type or self.noise_scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise UserError(f"the scheduler of {path} predicts {self.prediction_type}; use --prediction_type")
-        if self.lora:
-            self._add_lora(cfg)
 
-    def _add_lora(self, cfg: Config) -> None:
+    def attach_lora(self, cfg: Config) -> "TextToImageModel":
+        """LoRA (or DoRA, --peft dora) on the denoiser's --lora_target_modules through diffusers' PEFT
+        integration, so the adapter saves in diffusers' format; the rest of the denoiser frozen."""
         from peft import LoraConfig
 
         m = cfg.model
-        targets = LORA_TARGETS if m.lora_target_modules == ["all-linear"] else m.lora_target_modules
+        targets = lora_targets(cfg)
         self.unet.requires_grad_(False)
         config = LoraConfig(
             r=m.lora_r,
@@ -107,6 +107,7 @@ class TextToImageModel(torch.nn.Module):
             lora_dropout=m.lora_dropout,
             init_lora_weights="gaussian",
             target_modules=targets,
+            use_dora=m.peft == "dora",
         )
         try:
             self.unet.add_adapter(config)
@@ -115,6 +116,8 @@ class TextToImageModel(torch.nn.Module):
         for param in self.unet.parameters():
             if param.requires_grad:
                 param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
+        self.lora = True
+        return self
 
     def train(self, mode: bool = True) -> "TextToImageModel":
         super().train(mode)
@@ -253,12 +256,37 @@ class TextToImageModel(torch.nn.Module):
         return images
 
 
+def lora_targets(cfg: Config) -> list[str]:
+    """--lora_target_modules, whose default (all-linear, a transformers notion) means diffusers' attention
+    projections here."""
+    targets = cfg.model.lora_target_modules
+    return LORA_TARGETS if targets == ["all-linear"] else list(targets)
+
+
+def check_lora_targets(path: str, targets: list[str]) -> None:
+    """Each target names linear or convolution layers of the denoiser (as PEFT matches: the whole name or its
+    dotted tail), checked on a weightless copy built from unet/config.json."""
+    from diffusers import UNet2DConditionModel
+
+    config = UNet2DConditionModel.load_config(path, subfolder="unet")
+    with torch.device("meta"):
+        modules = dict(UNet2DConditionModel.from_config(config).named_modules())
+    adaptable = {name for name, m in modules.items() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
+    for target in targets:
+        if not any(name == target or name.endswith(f".{target}") for name in adaptable):
+            layers = sorted({name.rsplit(".", 1)[-1] for name in adaptable if not name.rsplit(".", 1)[-1].isdigit()})
+            raise UserError(
+                f"--lora_target_modules: {target} is not a linear or convolution layer of the denoiser in {path}; "
+                f"its layers include {', '.join(layers)} (default: {','.join(LORA_TARGETS)})"
+            )
+
+
 def load_text_to_image_model(cfg: Config, path: str) -> TextToImageModel:
     """The pipeline's parts from `path`: frozen ones in the compute dtype (autocast would cast them anyway), the
     denoiser in fp32 when it trains in full."""
     index = read_model_index(path)
     frozen = DTYPES.get(cfg.training.mixed_precision, torch.float32)
-    unet_dtype = frozen if cfg.images.denoiser_training == "lora" else torch.float32
+    unet_dtype = frozen if cfg.model.peft != "none" else torch.float32
     components = {
         name: load_component(path, name, index, unet_dtype if name == "unet" else frozen)
         for name in ("unet", "vae", "text_encoder", "scheduler")

@@ -12,7 +12,7 @@ from cloudtrain.config import Config
 
 VALIDATION_DIR = "validation"  # where RunLog writes each evaluation's grid (cloudtrain.observe.tracking)
 SETTINGS = (
-    "denoiser_training",
+    "peft",
     "resolution",
     "learning_rate",
     "max_steps",
@@ -31,7 +31,7 @@ SETTINGS = (
 
 
 def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-    ic, lora = cfg.images, cfg.images.denoiser_training == "lora"
+    ic, lora = cfg.images, cfg.model.peft != "none"
     base = str(cfg.model.model_name_or_path)
     repo = cfg.hub.hub_model_id or Path(output_dir).name
     grids = sorted((Path(output_dir) / VALIDATION_DIR).glob("*.png"))

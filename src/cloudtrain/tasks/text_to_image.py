@@ -1,15 +1,16 @@
 """--task text_to_image: fine-tune a diffusers text-to-image pipeline on captioned images or DreamBooth.
 
-The model is cloudtrain.models.diffusion.TextToImageModel (denoiser trained by LoRA or in full; VAE and text
-encoder frozen), the rows come from cloudtrain.data.images, and the loss is each image's diffusion loss: a
-batch's sum over its instance rows (DreamBooth's class rows add --prior_loss_weight times theirs). Evaluation
-reports that loss at fixed noise and timesteps, and renders --validation_prompts from a fixed seed.
-See docs/text-to-image.md.
+The model is cloudtrain.models.diffusion.TextToImageModel (the denoiser trained in full, or with --peft lora|dora
+through this task's adapter hooks; VAE and text encoder frozen), the rows come from cloudtrain.data.images, and
+the loss is each image's diffusion loss: a batch's sum over its instance rows (DreamBooth's class rows add
+--prior_loss_weight times theirs). Evaluation reports that loss at fixed noise and timesteps, and renders
+--validation_prompts from a fixed seed. See docs/text-to-image.md.
 """
 
 import functools
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -52,11 +53,6 @@ class TextToImageTask(Task):
                 "--task text_to_image needs --model_name_or_path <a diffusers pipeline folder> (model_index.json "
                 "with unet, vae, text_encoder, tokenizer, scheduler)"
             )
-        if m.peft != "none":
-            raise UserError(
-                f"--task text_to_image puts LoRA on the denoiser itself: leave out --peft {m.peft} and use "
-                "--denoiser_training lora (the default) with --lora_r, --lora_alpha, --lora_target_modules"
-            )
         for name in ("attn_implementation", "tokenizer_name_or_path"):
             if getattr(m, name):
                 raise UserError(f"--{name} does not apply to --task text_to_image (the pipeline has its own)")
@@ -72,29 +68,57 @@ class TextToImageTask(Task):
                 f"--resolution {ic.resolution} is not divisible by {factor}, the VAE's downscaling factor of "
                 f"{path}; use {ic.resolution // factor * factor or factor} or {(ic.resolution // factor + 1) * factor}"
             )
-        self._check_data(cfg)
         self._check_validation(cfg)
 
-    def _check_data(self, cfg: Config) -> None:
+    def resolve_options(self, cfg: Config) -> Config:
+        """--validation_steps N is diffusers' name for evaluating (and so rendering) every N steps."""
+        every = cfg.images.validation_steps
+        if every is None:
+            return cfg
+        return replace(cfg, training=replace(cfg.training, eval_strategy="steps", eval_steps=every))
+
+    def check_data(self, cfg: Config) -> None:
+        """Image folders are read here (names and captions, no pixels); only --dataset_name goes through the
+        data sources, so a run on folders never looks for the built-in text data."""
         ic = cfg.images
         if ic.train_data_dir:
-            images.captioned_examples(ic.train_data_dir, ic.caption_column)  # captions read: names only
+            images.captioned_examples(ic.train_data_dir, ic.caption_column)
         elif ic.dreambooth:
             images.dreambooth_examples(ic)
-        elif not cfg.data.dataset_name:
+        elif cfg.data.dataset_name:
+            super().check_data(cfg)
+        else:
             raise UserError(
                 "--task text_to_image needs images: --train_data_dir (captioned), --instance_data_dir with "
                 "--instance_prompt (DreamBooth) or --dataset_name (with --image_column and --caption_column)"
             )
 
+    def connect(self, cfg: Config) -> DatasetDict:
+        """No splits for image folders (`process` reads them); a dataset's splits from the data sources."""
+        if cfg.images.train_data_dir or cfg.images.dreambooth:
+            return DatasetDict()
+        return super().connect(cfg)
+
+    def check_adapters(self, cfg: Config) -> None:
+        """--peft lora|dora adapts the denoiser (diffusers' PEFT integration); qlora's 4-bit base is not built."""
+        if cfg.model.peft == "none":
+            return
+        if cfg.model.peft == "qlora":
+            raise UserError("--task text_to_image trains --peft lora or dora on the denoiser, not qlora")
+        from cloudtrain.models.load import resolve_model_path
+
+        diffusion.check_lora_targets(resolve_model_path(cfg.model), diffusion.lora_targets(cfg))
+
+    def attach_adapters(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+        assert isinstance(model, diffusion.TextToImageModel)
+        return model.attach_lora(cfg)
+
+    def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+        """Nothing at the root: a LoRA folder holds only the adapter (the base pipeline has the tokenizer), and a
+        fully fine-tuned pipeline keeps its own in tokenizer/."""
+
     def _check_validation(self, cfg: Config) -> None:
-        ic, t, d = cfg.images, cfg.training, cfg.distributed
-        every = ic.validation_steps
-        if every is not None and (t.eval_strategy != "steps" or t.eval_steps != every):
-            raise UserError(
-                f"--validation_steps {every} renders the validation prompts at evaluations: add "
-                f"--eval_strategy steps --eval_steps {every}"
-            )
+        ic, d = cfg.images, cfg.distributed
         if ic.validation_prompts and (d.zero_stage == 3 or d.fsdp):
             raise UserError(
                 "--validation_prompts renders on the main process, which holds the whole denoiser only without "
@@ -156,12 +180,16 @@ class TextToImageTask(Task):
             for rows in (data.train, data.validation):
                 cache_rows(model, rows, ic.cache_latents, ic.pre_compute_text_embeddings)  # type: ignore[arg-type]
         if announce:
-            trained = sum(p.numel() for p in model.unet.parameters() if p.requires_grad)
+            m = cfg.model
             total = sum(p.numel() for p in model.unet.parameters())
-            how = f"LoRA r={cfg.model.lora_r}" if model.lora else "full fine-tuning"
+            how = (
+                f"{m.peft} r={m.lora_r} on {','.join(diffusion.lora_targets(cfg))}"
+                if m.peft != "none"
+                else "full fine-tuning"
+            )
             print(
-                f"text_to_image: {how} of the denoiser ({trained:,} of {total:,} parameters train; "
-                f"{model.prediction_type} loss); VAE and text encoder frozen",
+                f"text_to_image: {how} of the denoiser ({total:,} parameters; {model.prediction_type} loss); "
+                "VAE and text encoder frozen",
                 flush=True,
             )
         return model
@@ -242,7 +270,7 @@ class TextToImageTask(Task):
     def inference_hint(self, output_dir: str) -> str:
         assert self.cfg is not None
         base = self.cfg.model.model_name_or_path
-        if self.cfg.images.denoiser_training == "full":
+        if self.cfg.model.peft == "none":
             return f'DiffusionPipeline.from_pretrained("{output_dir}")("a prompt").images[0]'
         return f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); p("a prompt")'
 
