@@ -31,9 +31,16 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     `config`: a Config, a dict of options (flat, or grouped by section as in a config file), or the path of a
     YAML/JSON config file; `options` (flag names, e.g. learning_rate=3e-5) override it. The values are checked
     exactly as on the command line. For several processes launch the command instead (accelerate, torchrun).
+
+    `callbacks`: functions or objects called at train begin, step end, evaluate, save and train end (strings
+    name importable ones, as --callbacks does; docs/extending.md, Callbacks).
     """
     from cloudtrain.config import resolve_options
 
+    given = options.pop("callbacks", None) or []
+    names = [c for c in given if isinstance(c, str)]  # module:name, as on the command line
+    if names:
+        options["callbacks"] = names
     cfg = resolve_options(config, options)
     from accelerate.state import AcceleratorState, GradientState  # heavy imports only once the options are valid
 
@@ -43,4 +50,4 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     # precision, DeepSpeed set-up, ...) must not find the last one's
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return run_training(cfg)
+    return run_training(cfg, callbacks=[c for c in given if not isinstance(c, str)])

@@ -49,6 +49,7 @@ from cloudtrain.publish.output_dir import check_location, claim, free_name, hold
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters
+from cloudtrain.training.callbacks import load_callbacks
 
 
 def resolve_output_dir(cfg: Config) -> Path:
@@ -146,13 +147,15 @@ class Run:
     resume_from: Path | None
 
 
-def build_run(cfg: Config) -> Run:
-    """Check the options, set up the launch, and build data, model, trainer and run log."""
-    task = build_task(cfg)
+def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = None) -> Run:
+    """Check the options, set up the launch, and build data, model, trainer and run log. The Python API may
+    give a `task` object (one not chosen by --task: the user's own module) and callback objects."""
+    task = task or build_task(cfg)
     cfg = resolve(cfg, task)
     mesh = TRAINERS[cfg.training.training_type].mesh(cfg, launched_processes())
     cfg = batch_size.fixed(cfg, mesh.data_parallel)  # --global_batch_size: the accumulation (DeepSpeed checks it)
     output_dir = preflight(cfg, task)
+    user_callbacks = load_callbacks(cfg.training.callbacks, callbacks)  # an unimportable name: one line, now
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
@@ -202,12 +205,14 @@ def build_run(cfg: Config) -> Run:
         },
     )
     trainer = TRAINERS[cfg.training.training_type](cfg, task, model, data, run_log, runtime)
+    trainer.callbacks = user_callbacks
     return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from)
 
 
-def run_training(cfg: Config) -> dict:
-    """Run the whole pipeline; returns the final results (train, eval and, if present, test) and the output dir."""
-    run = build_run(cfg)
+def run_training(cfg: Config, task: Task | None = None, callbacks: list | None = None) -> dict:
+    """Run the whole pipeline; returns the final results (train, eval and, if present, test) and the output dir.
+    `task` and `callbacks`: objects the Python API was given (see `build_run`)."""
+    run = build_run(cfg, task, callbacks)
     try:
         return _train_evaluate_save(run)
     finally:  # also when stopped (SIGTERM, a non-finite loss) or refused

@@ -125,6 +125,12 @@ class TrainingConfig:
         "returning it to the OS and page-faulting it back every step.",
     )
     sample_max_new_tokens: int = opt(32, "Causal LM: tokens generated for each sample prompt at evaluation.")
+    callbacks: list = opt(
+        [],
+        "User callbacks, comma-separated module:name (or path/to/file.py:name): a function, or a class (made "
+        "without arguments) with any of on_train_begin, on_step_end, on_evaluate, on_save, on_train_end; called "
+        "on the main process unless it sets all_processes = True (docs/extending.md, Callbacks).",
+    )
 
     @property
     def micro_batch(self) -> int:

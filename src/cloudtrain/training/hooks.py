@@ -18,6 +18,8 @@ The hooks, in the order `Trainer.hooks` runs them:
     EvaluationHook   the validation split on --eval_strategy, and before the first step (--eval_on_start)
     CheckpointHook   a checkpoint on its schedule, or now when a hook above asked for one (with the task's own
                      sums not yet logged, in task_state.json)
+    CallbackHook     the user's callbacks (--callbacks, cloudtrain.train(callbacks=...)), in
+                     cloudtrain.training.callbacks: it sees what every hook above did at the step
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ class LoopState:
     stats: StepStats | None = None  # the step's loss sum, count and gradient norm, on the device
     sync: bool = False  # a hook is due: the loop syncs here, and the device flags are read
     interval: dict | None = None  # at a logging step: the interval's totals over every process (Meter.flush)
+    logged: dict | None = None  # at a logging step: the numbers logged (train/loss, train/learning_rate, ...)
     requests: list[Request] = field(default_factory=list)  # what the hooks so far asked for
     saved: Path | None = None  # the checkpoint saved after this step
 
@@ -100,6 +103,7 @@ class LoopState:
         self.state.global_step += 1
         self.bar.update(1)
         self.stats, self.sync, self.interval, self.requests, self.saved = stats, False, None, [], None
+        self.logged = None
 
 
 class Hook:
@@ -118,6 +122,9 @@ class Hook:
     def on_step_end(self, loop: LoopState) -> Request | None:
         """After every step, in the hooks' order."""
         return None
+
+    def on_train_end(self, loop: LoopState) -> None:
+        """Once, after the last step (not when the run stops early)."""
 
 
 class NonfiniteHook(Hook):
@@ -184,6 +191,7 @@ class LoggingHook(Hook):
         loop.interval = loop.meter.flush(local)
         values = self._values(loop, loop.interval)
         self.trainer.run_log.log(values, step=loop.step)
+        loop.logged = values
         if self.trainer.is_main_process:
             line = self._line(loop, values)
             if self.task_metrics:  # the task's own numbers (preference rewards) on a line of their own

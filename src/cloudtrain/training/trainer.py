@@ -63,6 +63,7 @@ from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
+from cloudtrain.training.callbacks import CallbackHook
 from cloudtrain.training.hooks import (
     TASK_STATE_FILE,
     AnomalyHook,
@@ -170,6 +171,7 @@ class Trainer:
         self.clock = StepClock(
             runtime.device
         )  # this process's step, data and forward time (cloudtrain.observe.monitoring)
+        self.callbacks: list[Any] = []  # the user's (cloudtrain.training.callbacks); the pipeline sets them
 
     # ------------------------------------------------------------ what subclasses provide
     mode = "plain PyTorch"
@@ -249,6 +251,8 @@ class Trainer:
                     break
                 self.clock.start_step()  # what the hooks did is not step time
                 self.phase = "loading the data"
+            for hook in hooks:
+                hook.on_train_end(loop)
         result = TrainResult.of(loop)
         if self.streams:
             result.sources = self.train_dl.consumed(loop.state.global_step)  # type: ignore[attr-defined]
@@ -279,6 +283,8 @@ class Trainer:
         hooks.append(EvaluationHook(self))
         if checkpointer:
             hooks.append(CheckpointHook(self, checkpointer))
+        if self.callbacks:  # last: a callback sees what every hook did at the step
+            hooks.append(CallbackHook(self.callbacks, self.runtime, self.run_log.output_dir, checkpointer))
         return hooks
 
     def _start(self, checkpointer: Checkpointer | None, resume_from: Path | None) -> LoopState:
