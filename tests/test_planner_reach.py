@@ -145,3 +145,28 @@ def test_nvme_rows_hold_deepspeeds_gpu_figure_and_move_the_offload_to_disk(tmp_p
     assert with_disk["recommendation"]["label"].startswith("ZeRO-3 + NVMe offload (ZeRO-Infinity)")
     ds = json.loads((tmp_path / "b" / "ds_config.json").read_text())["zero_optimization"]
     assert ds["offload_param"]["device"] == ds["offload_optimizer"]["device"] == "nvme"
+
+
+# ---------------------------------------------------------------- a task's frozen copy (DPO's reference)
+
+
+def test_a_dpo_reference_copy_is_counted_and_the_cheaper_ways_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = dict(task="dpo", num_gpus=8, gpu_memory_gb=80, max_length=1024)
+    live = planning.make_plan(plan_args("llama-2-7b", tmp_path / "live", **args))
+    pre = planning.make_plan(plan_args("llama-2-7b", tmp_path / "pre", precompute_reference="true", **args))
+    P = live["model"]["num_params"]
+    assert live["model"]["model_copy"] and not pre["model"]["model_copy"]
+    by_key = {(r["strategy"], r["peft"], r["gradient_checkpointing"]): r for r in live["strategies"]}
+    by_key_pre = {(r["strategy"], r["peft"], r["gradient_checkpointing"]): r for r in pre["strategies"]}
+    ddp, lora = ("ddp", "none", True), ("ddp", "lora", True)
+    assert by_key[ddp]["estimate"]["parameters"] - by_key_pre[ddp]["estimate"]["parameters"] == 4 * P
+    assert by_key[lora]["estimate"] == by_key_pre[lora]["estimate"]  # adapters: the base is the reference
+    # the run refuses to shard the copy (ZeRO-3, FSDP) and DPO runs in no pipeline
+    assert not {k for k in by_key if k[1] == "none" and (k[0].startswith("zero3") or k[0] == "fsdp")}
+    assert not any(r["pipeline"] for r in live["strategies"] + pre["strategies"])
+    assert any(k[0] == "zero3" for k in by_key_pre)
+    assert "--precompute_reference true or --peft lora would free it" in " ".join(live["recommendation"]["reasons"])
+    assert " --precompute_reference true " in pre["recommendation"]["command"] + " "
+    small = planning.make_plan(plan_args("llama-2-7b", tmp_path / "small", **{**args, "gpu_memory_gb": 40}))
+    assert any("--precompute_reference true" in s for s in small["suggestions"] + small["recommendation"]["reasons"])

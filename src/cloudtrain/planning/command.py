@@ -14,7 +14,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
-from cloudtrain.config import PEFT_METHODS, TrainingConfig, add_config_option
+from cloudtrain.config import PEFT_METHODS, TrainingConfig, add_config_option, build_config, differs_from_default
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import resolve_precision
 from cloudtrain.planning.accelerators import GPUS, Gpu, gpu_by_name
@@ -31,7 +31,7 @@ from cloudtrain.planning.search import (
     row,
     suggestions,
 )
-from cloudtrain.planning.strategies import CHECKPOINTING_COST, PIPELINE, STRATEGIES, Setup, candidates
+from cloudtrain.planning.strategies import CHECKPOINTING_COST, PIPELINE, STRATEGIES, Candidate, Setup, candidates
 from cloudtrain.planning.writers import launch_command, write_configs
 from cloudtrain.registry import TASKS
 
@@ -49,6 +49,8 @@ TRAINING_OPTIONS = (
     "lora_r",
     "lora_target_modules",
     "lora_dropout",
+    "preference_loss",
+    "precompute_reference",
 )
 
 
@@ -160,6 +162,29 @@ def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
     return min(args.per_device_train_batch_size, global_batch // world), global_batch
 
 
+def keeps_model_copy(args: argparse.Namespace) -> bool:
+    """Whether the task's full fine-tuning keeps a frozen copy of the model (asked of the registered task)."""
+    options = {"task": args.task, "preference_loss": args.preference_loss}
+    cfg = build_config({**options, "precompute_reference": args.precompute_reference})
+    return TASKS[args.task](cfg).keeps_model_copy(cfg)
+
+
+def task_args(args: argparse.Namespace) -> tuple[str, ...]:
+    """The task's own options given another value than their default, as launch flags: the estimate assumed them."""
+    names = ("preference_loss", "precompute_reference")
+    cfg = build_config({name: getattr(args, name) for name in names})
+    given = [(name, getattr(args, name)) for name in names if differs_from_default(cfg, name)]
+    return tuple(part for name, value in given for part in (f"--{name}", str(value).lower()))
+
+
+def runnable(m: ModelFacts, c: Candidate) -> bool:
+    """What the run would refuse: a pipeline for a task that cannot run in one; sharding (ZeRO-3, FSDP) or cutting a
+    frozen copy kept whole in every process."""
+    if c.pipeline and not TASKS[m.task].runs_in_pipeline:
+        return False
+    return not (m.model_copy and c.peft == "none" and (c.pipeline or c.strategy.zero_stage == 3 or c.strategy.fsdp))
+
+
 def make_plan(args: argparse.Namespace) -> dict:
     """Estimate every candidate, choose one, write its configs; returns the machine-readable plan."""
     _check(args)
@@ -176,6 +201,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     )
     if not args.model_config and known_name(name):
         m = replace(m, name=name)
+    m = replace(m, model_copy=keeps_model_copy(args), task_args=task_args(args))
     setup = Setup(
         args.num_gpus,
         args.num_nodes,
@@ -193,7 +219,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     pipes = pipeline_candidates(m, setup, per_gpu, micro_batch_options(requested, per_gpu)[0])
     if args.strategy == PIPELINE.key and not pipes:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
-    cands = candidates(adapters, pipes)
+    cands = [c for c in candidates(adapters, pipes) if runnable(m, c)]
     rows = [row(m, c, setup, requested) for c in cands]
     allowed = [
         r

@@ -86,6 +86,8 @@ class ModelFacts:
     tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
     adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
     stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.parallel.stages can cut)
+    model_copy: bool = False  # full fine-tuning keeps a frozen fp32 copy of the model per process (a DPO reference)
+    task_args: tuple[str, ...] = ()  # the task's own options the estimate assumed, passed on to the launch command
 
     @property
     def decoder(self) -> bool:

@@ -175,6 +175,12 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
     return round(offloaded * per_node), load
 
 
+def reference_bytes(m: ModelFacts) -> int:
+    """A task's frozen copy of the model (a DPO reference under full fine-tuning): the weights as loaded (fp32),
+    whole in every process."""
+    return 4 * m.num_params if m.model_copy else 0
+
+
 def swap_buffer_bytes(m: ModelFacts, setup: Setup) -> int:
     """One process's pinned buffers for ZeRO-Infinity: 5 parameter buffers of 1e8 elements (DeepSpeed's
     offload_param defaults) and 4 fp32 optimizer swap buffers of the largest module."""
@@ -197,6 +203,7 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     params, grads, optim = (
         model_state_bytes(m, cand.strategy, setup) if full else adapter_state_bytes(m, cand.peft, setup)
     )
+    params += reference_bytes(m) if full else 0
     activations = _activations(m, cand, setup, micro_batch)
     logits = logits_bytes(m, micro_batch, setup.max_length, setup.half)
     if full:

@@ -10,7 +10,15 @@ from cloudtrain.models.load import resolve_model_path
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
-from cloudtrain.planning.memory import GIB, Estimate, estimate, fits, max_micro_batch, rank_estimates
+from cloudtrain.planning.memory import (
+    GIB,
+    Estimate,
+    estimate,
+    fits,
+    max_micro_batch,
+    rank_estimates,
+    reference_bytes,
+)
 from cloudtrain.planning.strategies import (
     PEFT_LABELS,
     PIPELINE,
@@ -167,6 +175,8 @@ def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str
         ideas.append("--mixed_precision bf16 (halves the activations and, with DeepSpeed, the weights)")
     if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None), cands):
         ideas.append("more CPU memory per node for offloading (see the CPU/node column)")
+    if m.model_copy and _fits_anything(replace(m, model_copy=False), setup, cands):
+        ideas.append("--precompute_reference true (the reference's log-probabilities once, before training: no copy)")
     disk = nvme_needed(m, setup, cands)
     if disk:
         ideas.append(
@@ -228,6 +238,11 @@ def reasons(
             f"Gradient checkpointing recomputes each layer in the backward pass (about a third more "
             f"compute); without it activations need {plain.activations / GIB:.1f} GiB."
         )
+    if m.model_copy and c.peft == "none":
+        lines.append(
+            f"The reference is a frozen fp32 copy of the model in every process ({reference_bytes(m) / GIB:.1f} GiB, "
+            "in the parameters); --precompute_reference true or --peft lora would free it."
+        )
     if c.strategy.nvme:
         lines.append(
             f"ZeRO-Infinity keeps {e.nvme_per_node / GIB:.1f} GiB of swap files per node on the NVMe disk "
@@ -272,11 +287,9 @@ def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup)
         if tier:
             leanest = min(tier, key=lambda t: _leanness(estimate(m, t, setup, 1)))
             label = PEFT_LABELS[earlier]
-            disk = nvme_needed(m, setup, tier)
-            nvme = f"; ZeRO-Infinity would with {math.ceil(disk / GIB)} GiB of NVMe disk per node (--nvme_gb)"
             lines.append(
                 f"{label[0].upper() + label[1:]} does not fit: its leanest option, {leanest.name}, needs "
-                f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1" + (nvme if disk else "") + "."
+                f"{_over_budget(estimate(m, leanest, setup, 1), setup)} at micro-batch 1{_would_fit(m, setup, tier)}."
             )
     a = m.adapters
     assert a is not None  # adapter candidates exist only with adapter facts
@@ -290,6 +303,15 @@ def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup)
     if c.peft == "qlora":
         lines.append("QLoRA needs CUDA GPUs and bitsandbytes.")
     return lines
+
+
+def _would_fit(m: ModelFacts, setup: Setup, tier: list[Candidate]) -> str:
+    """What would make a tier that does not fit fit: an NVMe disk, or no reference copy."""
+    disk = nvme_needed(m, setup, tier)
+    hint = f"; ZeRO-Infinity would with {math.ceil(disk / GIB)} GiB of NVMe disk per node (--nvme_gb)" if disk else ""
+    if m.model_copy and _fits_anything(replace(m, model_copy=False), setup, tier):
+        hint += "; without the reference copy it would: --precompute_reference true"
+    return hint
 
 
 def _leanness(est: Estimate) -> tuple[int, int, int]:

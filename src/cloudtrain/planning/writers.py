@@ -167,4 +167,4 @@ def _model_args(m: ModelFacts) -> list[str]:
     args = ["--task", m.task, "--model_config" if m.from_config else "--model_name_or_path", name]
     if m.from_config or m.tokenizer:
         args += ["--tokenizer_name_or_path", m.tokenizer or "<tokenizer dir or Hub id>"]
-    return args
+    return args + list(m.task_args)

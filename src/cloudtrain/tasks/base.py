@@ -44,6 +44,7 @@ class Task:
     chat_template = False  # whether `generate` talks to a model this task trained through its chat template
     adds_head = False  # a new head on a pretrained body: transformers' report of new weights is expected
     load_error = "could not load the model"  # the start of the one line a failed load gives
+    runs_in_pipeline = True  # whether its loss can be taken on a pipeline's last stage (--training_type pipeline)
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg
@@ -79,6 +80,11 @@ class Task:
         from cloudtrain.models import adapters
 
         return adapters.attach(model, cfg, self.peft_task_type, self.train_in_full(model))
+
+    def keeps_model_copy(self, cfg: Config) -> bool:
+        """Whether full fine-tuning keeps a frozen copy of the model beside the one it trains (a DPO reference),
+        in every process and unsharded: the planner counts it."""
+        return False
 
     def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
         """The tokenizer beside the saved model (a task whose model folder holds its own may skip it)."""

@@ -273,6 +273,12 @@ class DPOTask(SFTTask):
                 self.questions.append(_last_question([*prompt, *chosen]))
 
     # ------------------------------------------------------------ the reference
+    runs_in_pipeline = False  # a pair's loss needs both answers' log-probabilities at once
+
+    def keeps_model_copy(self, cfg: Config) -> bool:
+        p = cfg.preference
+        return p.needs_reference and not p.precompute_reference and cfg.model.peft == "none"
+
     def before_adapters(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         """The model as loaded is the reference: its log-probabilities once (--precompute_reference), or a frozen
         copy under full fine-tuning; with adapters, nothing (the reference is the base, adapters disabled)."""
