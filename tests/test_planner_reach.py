@@ -165,7 +165,9 @@ def test_a_dpo_reference_copy_is_counted_and_the_cheaper_ways_named(tmp_path, mo
     # the run refuses to shard the copy (ZeRO-3, FSDP) and DPO runs in no pipeline
     assert not {k for k in by_key if k[1] == "none" and (k[0].startswith("zero3") or k[0] == "fsdp")}
     assert not any(r["pipeline"] for r in live["strategies"] + pre["strategies"])
-    assert any(k[0] == "zero3" for k in by_key_pre)
+    assert not any(k[0] == "zero3" for k in by_key_pre)  # the one pass before training needs whole weights too
+    simpo = planning.make_plan(plan_args("llama-2-7b", tmp_path / "simpo", preference_loss="simpo", **args))
+    assert not simpo["model"]["model_copy"] and any(r["strategy"] == "zero3" for r in simpo["strategies"])
     assert "--precompute_reference true or --peft lora would free it" in " ".join(live["recommendation"]["reasons"])
     assert " --precompute_reference true " in pre["recommendation"]["command"] + " "
     small = planning.make_plan(plan_args("llama-2-7b", tmp_path / "small", **{**args, "gpu_memory_gb": 40}))

@@ -23,6 +23,7 @@ from cloudtrain.data.pairs import (
     to_pair,
     truncate_pairs,
 )
+from cloudtrain.errors import UserError
 from cloudtrain.observe.plotting import curve_data
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks.dpo import DPOTask, pair_logps, preference_loss
@@ -357,3 +358,12 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
         == 0
     )
     assert capsys.readouterr().out.startswith("Who found the golden key?\n")
+
+
+def test_a_reference_from_whole_weights_is_refused_under_zero3_in_one_line(tiny_llama_dir):
+    from cloudtrain.tasks import build_task
+
+    for extra in ({}, {"precompute_reference": True, "peft": "lora"}):
+        cfg = build_config({"task": "dpo", "model_name_or_path": tiny_llama_dir, "zero_stage": 3, **extra})
+        with pytest.raises(UserError, match="under ZeRO-3 with .*: the reference is computed from whole weights"):
+            build_task(cfg).check_options(cfg)

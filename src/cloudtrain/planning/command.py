@@ -162,13 +162,6 @@ def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
     return min(args.per_device_train_batch_size, global_batch // world), global_batch
 
 
-def keeps_model_copy(args: argparse.Namespace) -> bool:
-    """Whether the task's full fine-tuning keeps a frozen copy of the model (asked of the registered task)."""
-    options = {"task": args.task, "preference_loss": args.preference_loss}
-    cfg = build_config({**options, "precompute_reference": args.precompute_reference})
-    return TASKS[args.task](cfg).keeps_model_copy(cfg)
-
-
 def task_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The task's own options given another value than their default, as launch flags: the estimate assumed them."""
     names = ("preference_loss", "precompute_reference")
@@ -182,7 +175,9 @@ def runnable(m: ModelFacts, c: Candidate) -> bool:
     frozen copy kept whole in every process."""
     if c.pipeline and not TASKS[m.task].runs_in_pipeline:
         return False
-    return not (m.model_copy and c.peft == "none" and (c.pipeline or c.strategy.zero_stage == 3 or c.strategy.fsdp))
+    if m.unshardable and (c.strategy.zero_stage == 3 or c.strategy.fsdp):
+        return False
+    return not (m.model_copy and c.peft == "none" and c.pipeline)
 
 
 def make_plan(args: argparse.Namespace) -> dict:
@@ -201,7 +196,14 @@ def make_plan(args: argparse.Namespace) -> dict:
     )
     if not args.model_config and known_name(name):
         m = replace(m, name=name)
-    m = replace(m, model_copy=keeps_model_copy(args), task_args=task_args(args))
+    task_cfg = build_config({n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference")})
+    run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
+    m = replace(
+        m,
+        model_copy=run_task.keeps_model_copy(task_cfg),
+        unshardable=run_task.refuses_sharding(task_cfg),
+        task_args=task_args(args),
+    )
     setup = Setup(
         args.num_gpus,
         args.num_nodes,

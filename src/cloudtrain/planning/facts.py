@@ -87,6 +87,7 @@ class ModelFacts:
     adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
     stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.parallel.stages can cut)
     model_copy: bool = False  # full fine-tuning keeps a frozen fp32 copy of the model per process (a DPO reference)
+    unshardable: bool = False  # the task needs the whole model in every process: no ZeRO-3/FSDP rows
     task_args: tuple[str, ...] = ()  # the task's own options the estimate assumed, passed on to the launch command
 
     @property

@@ -86,6 +86,11 @@ class Task:
         in every process and unsharded: the planner counts it."""
         return False
 
+    def refuses_sharding(self, cfg: Config) -> bool:
+        """Whether the run needs the whole model in every process (ZeRO-3 and FSDP refused): the planner leaves
+        those rows out."""
+        return False
+
     def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
         """The tokenizer beside the saved model (a task whose model folder holds its own may skip it)."""
         tokenizer.save_pretrained(folder)

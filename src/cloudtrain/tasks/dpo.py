@@ -14,8 +14,8 @@ Supports:
 - per logging step and evaluation: rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
   logps/chosen, logps/rejected; at evaluation also greedy answers to a few held-back prompts, with their
   exact_match against the chosen answer.
-Does not support: packing (pairs are padded), the pipeline trainer, a full-fine-tuning reference under ZeRO-3
-or FSDP (use --peft, or a reference-free loss), a reference model other than the policy's starting point.
+Does not support: packing (pairs are padded), the pipeline trainer, a full-fine-tuning or precomputed reference
+under ZeRO-3 or FSDP (use ZeRO-1/2, --peft with the live reference, or a reference-free loss), a reference model other than the policy's starting point.
 """
 
 import copy
@@ -156,11 +156,12 @@ class DPOTask(SFTTask):
                 "use --training_type accelerated"
             )
         shards = sharding(cfg)
-        live_copy = p.needs_reference and m.peft == "none"
-        if live_copy and (shards.zero_stage == 3 or shards.fsdp):
+        if self.refuses_sharding(cfg) and (shards.zero_stage == 3 or shards.fsdp):
+            what = "--precompute_reference true" if p.precompute_reference else "full fine-tuning"
             raise UserError(
-                f"--task dpo under {'FSDP' if shards.fsdp else 'ZeRO-3'} with full fine-tuning: the reference model "
-                "is not sharded here; use --peft lora (the reference is the base) or --preference_loss simpo/orpo"
+                f"--task dpo under {'FSDP' if shards.fsdp else 'ZeRO-3'} with {what}: the reference is computed "
+                "from whole weights here; use ZeRO-1/2, --peft lora with the live reference (the base), or "
+                "--preference_loss simpo/orpo"
             )
         if cfg.checkpoint.metric_for_best_model == "exact_match" and not cfg.data.num_sample_prompts:
             raise UserError("--metric_for_best_model exact_match needs --num_sample_prompts N; or pick loss")
@@ -274,6 +275,10 @@ class DPOTask(SFTTask):
 
     # ------------------------------------------------------------ the reference
     runs_in_pipeline = False  # a pair's loss needs both answers' log-probabilities at once
+
+    def refuses_sharding(self, cfg: Config) -> bool:
+        p = cfg.preference  # the reference computed from whole weights: a live copy, or the one pass before training
+        return p.precompute_reference or (p.needs_reference and cfg.model.peft == "none")
 
     def keeps_model_copy(self, cfg: Config) -> bool:
         p = cfg.preference
