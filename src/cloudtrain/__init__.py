@@ -32,11 +32,15 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     YAML/JSON config file; `options` (flag names, e.g. learning_rate=3e-5) override it. The values are checked
     exactly as on the command line. For several processes launch the command instead (accelerate, torchrun).
 
+    `model`: your own torch.nn.Module whose forward returns the loss, with `train_dataset` (and `eval_dataset`):
+    datasets of tensor dicts, the forward's keyword arguments (docs/extending.md, Your own module).
     `callbacks`: functions or objects called at train begin, step end, evaluate, save and train end (strings
     name importable ones, as --callbacks does; docs/extending.md, Callbacks).
     """
     from cloudtrain.config import resolve_options
 
+    module = options.pop("model") if not isinstance(options.get("model", {}), dict) else None  # a dict: the section
+    train_dataset, eval_dataset = options.pop("train_dataset", None), options.pop("eval_dataset", None)
     given = options.pop("callbacks", None) or []
     names = [c for c in given if isinstance(c, str)]  # module:name, as on the command line
     if names:
@@ -50,4 +54,9 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     # precision, DeepSpeed set-up, ...) must not find the last one's
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    return run_training(cfg, callbacks=[c for c in given if not isinstance(c, str)])
+    task = None
+    if module is not None or train_dataset is not None:  # the user's own module: a task object, not a --task name
+        from cloudtrain.tasks.module_task import ModuleTask
+
+        task = ModuleTask(module, train_dataset, eval_dataset, cfg)
+    return run_training(cfg, task=task, callbacks=[c for c in given if not isinstance(c, str)])

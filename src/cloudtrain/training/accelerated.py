@@ -27,8 +27,8 @@ from cloudtrain.parallel.runtime import Runtime, join_launch, set_collective_tim
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.training.meter import StepStats
-from cloudtrain.training.trainer import Trainer
-from cloudtrain.training.weights import load_trainable_state, save_pretrained, trainable_state, trains_everything
+from cloudtrain.training.trainer import Trainer, save_weights
+from cloudtrain.training.weights import load_trainable_state, trainable_state, trains_everything
 
 
 @TRAINERS.register
@@ -156,5 +156,5 @@ class AcceleratedTrainer(Trainer):
         # every rank: ZeRO-3 and FSDP gather here; unsharded adapters need nothing gathered (PEFT takes its few MB)
         state_dict = None if self.partial and not self.sharded else self.accelerator.get_state_dict(self.model)
         if self.is_main_process:
-            save_pretrained(self.accelerator.unwrap_model(self.model), output_dir, state_dict=state_dict)
+            save_weights(self.accelerator.unwrap_model(self.model), output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()

@@ -21,8 +21,8 @@ from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested,
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.training.meter import StepStats
-from cloudtrain.training.trainer import Trainer
-from cloudtrain.training.weights import load_trainable_state, save_pretrained, trainable_state, trains_everything
+from cloudtrain.training.trainer import Trainer, save_weights
+from cloudtrain.training.weights import load_trainable_state, trainable_state, trains_everything
 
 TRAINING_STATE = "training_state.pt"  # optimizer, scheduler, scaler, RNG: plain tensors and numbers
 
@@ -79,7 +79,7 @@ class BasicTrainer(Trainer):
         self.scaler.update()  # closes the step the scaler saw unscaled
 
     def save_model(self, output_dir: Path) -> None:
-        save_pretrained(self.model, output_dir)
+        save_weights(self.model, output_dir)
 
     def write_checkpoint(self, folder: Path) -> None:
         weights = str(folder / "model.safetensors")

@@ -63,6 +63,7 @@ from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
+from cloudtrain.tasks.module_task import is_plain_module, save_module
 from cloudtrain.training.callbacks import CallbackHook
 from cloudtrain.training.hooks import (
     TASK_STATE_FILE,
@@ -78,7 +79,7 @@ from cloudtrain.training.hooks import (
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import build_optimizer, build_scheduler
-from cloudtrain.training.weights import count_parameters
+from cloudtrain.training.weights import count_parameters, save_pretrained
 
 
 @dataclass
@@ -126,6 +127,15 @@ def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dic
             window = []
     if window:
         yield window
+
+
+def save_weights(model: torch.nn.Module, output_dir: Path, state_dict: dict | None = None) -> None:
+    """The final model: transformers' layout (or PEFT's for adapters), or for a user's plain module its
+    state_dict and the class's name (cloudtrain.tasks.module_task)."""
+    if is_plain_module(model):
+        save_module(model, output_dir, state_dict)
+    else:
+        save_pretrained(model, output_dir, state_dict=state_dict)
 
 
 def set_epoch(dataloader: DataLoader, epoch: int) -> None:

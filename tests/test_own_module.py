@@ -1,0 +1,126 @@
+"""A user's own nn.Module through cloudtrain.train(model=..., train_dataset=..., eval_dataset=...): it trains with
+both trainers, saves its state_dict and class name, resumes exactly, and what does not apply to it is refused in
+one line."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+import cloudtrain
+from cloudtrain.errors import TrainingStopped, UserError
+
+
+class TinyRegressor(nn.Module):
+    """y = w.x + noise, through a small MLP; the forward returns a dict with the batch's mean loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x, y):
+        return {"loss": nn.functional.mse_loss(self.body(x), y), "prediction": self.body(x)}
+
+
+def rows(n: int, seed: int) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.tensor([1.0, -2.0, 0.5, 3.0])
+    xs = torch.randn(n, 4, generator=g)
+    return [{"x": x, "y": (x @ w).unsqueeze(0)} for x in xs]
+
+
+def fresh_module() -> TinyRegressor:
+    torch.manual_seed(0)
+    return TinyRegressor()
+
+
+def eval_loss(module: nn.Module, data: list[dict]) -> float:
+    x, y = torch.stack([r["x"] for r in data]), torch.stack([r["y"] for r in data])
+    with torch.no_grad():
+        return float(nn.functional.mse_loss(module.body(x), y))
+
+
+OPTIONS = {
+    "max_steps": 8,
+    "per_device_train_batch_size": 8,
+    "learning_rate": 5e-2,
+    "warmup_ratio": 0.0,
+    "logging_steps": 4,
+    "eval_strategy": "no",
+    "mixed_precision": "no",
+}
+
+
+@pytest.mark.parametrize("training_type", ["basic", "accelerated"])
+def test_trains_with_each_trainer_and_saves_its_state_dict(tmp_path, training_type):
+    train, evaluation = rows(64, 0), rows(16, 1)
+    module = fresh_module()
+    before = eval_loss(module, evaluation)
+    out = tmp_path / "run"
+    results = cloudtrain.train(
+        model=module, train_dataset=train, eval_dataset=evaluation, output_dir=str(out),
+        training_type=training_type, **OPTIONS,
+    )  # fmt: skip
+    assert results["train"]["global_step"] == 8
+    assert results["eval"]["loss"] < 0.8 * before
+    saved = fresh_module()
+    saved.load_state_dict(load_file(out / "model.safetensors"))
+    assert results["eval"]["loss"] == pytest.approx(eval_loss(saved, evaluation), rel=1e-5)
+    info = json.loads((out / "module.json").read_text())
+    assert info["class"] == f"{__name__}:TinyRegressor" and info["parameters"] == 97
+    assert not (out / "tokenizer.json").exists() and not (out / "config.json").exists()
+
+
+def test_resumes_exactly_after_a_stop(tmp_path):
+    """A run stopped after its step-4 checkpoint (a callback raising) and resumed ends with the weights of an
+    uninterrupted run."""
+    train, evaluation = rows(64, 0), rows(16, 1)
+    common = {"train_dataset": train, "eval_dataset": evaluation, "checkpointing_steps": "4", **OPTIONS}
+    cloudtrain.train(model=fresh_module(), output_dir=str(tmp_path / "whole"), **common)
+
+    def stop_after_checkpoint(state):
+        if state.event == "on_save" and state.global_step == 4:
+            raise RuntimeError("interrupted")
+
+    out = str(tmp_path / "resumed")
+    with pytest.raises(TrainingStopped, match="interrupted"):
+        cloudtrain.train(model=fresh_module(), output_dir=out, callbacks=[stop_after_checkpoint], **common)
+    resumed = cloudtrain.train(model=fresh_module(), output_dir=out, resume_from_checkpoint="latest", **common)
+    assert resumed["train"]["global_step"] == 8
+    whole, again = (
+        load_file(tmp_path / "whole" / "model.safetensors"),
+        load_file(tmp_path / "resumed" / "model.safetensors"),
+    )
+    assert whole.keys() == again.keys()
+    for name in whole:
+        torch.testing.assert_close(whole[name], again[name], rtol=0, atol=0)
+
+
+class NoLoss(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, x, y):
+        return self.linear(x)  # predictions, not a loss
+
+
+@pytest.mark.parametrize(
+    ("options", "says"),
+    [
+        ({"push_to_hub": True, "hub_model_id": "me/x"}, "--push_to_hub: a plain module has no Hub format"),
+        ({"peft": "lora"}, "--peft lora needs a transformers PreTrainedModel"),
+        ({"per_device_train_batch_size": "auto"}, "--per_device_train_batch_size auto"),
+        ({"train_file": "data.csv"}, "model= takes its data as train_dataset="),
+        ({"model_name_or_path": "gpt2"}, "model= is the model"),
+        ({"train_dataset": [{"x": [1.0]}]}, "rows must be dicts of tensors"),
+        ({"model": NoLoss()}, "it must return the batch's loss"),
+    ],
+)
+def test_what_does_not_apply_is_refused_in_one_line(tmp_path, options, says):
+    call = {"model": fresh_module(), "train_dataset": rows(16, 0), "output_dir": str(tmp_path / "run"), **OPTIONS}
+    with pytest.raises(UserError) as refused:
+        cloudtrain.train(**{**call, **options})
+    assert says in str(refused.value) and "\n" not in str(refused.value)
