@@ -10,6 +10,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import cloudtrain
+import cloudtrain.cli
 from cloudtrain.errors import TrainingStopped, UserError
 
 
@@ -71,6 +72,13 @@ def test_trains_with_each_trainer_and_saves_its_state_dict(tmp_path, training_ty
     info = json.loads((out / "module.json").read_text())
     assert info["class"] == f"{__name__}:TinyRegressor" and info["parameters"] == 97
     assert not (out / "tokenizer.json").exists() and not (out / "config.json").exists()
+    for command in ("predict", "generate"):  # the saved folder is no transformers model: one line, not a traceback
+        assert (
+            cloudtrain.cli.main(
+                [command, "--model_dir", str(out), "--text" if command == "predict" else "--prompt", "x"]
+            )
+            == 2
+        )
 
 
 def test_resumes_exactly_after_a_stop(tmp_path):

@@ -159,6 +159,12 @@ def load(model_dir: str, trust_remote_code: bool = False):
 def check_sequence_classifier(model_dir: str) -> None:
     """config.json names a sequence classifier, or a UserError says what it holds instead."""
     config = Path(model_dir) / "config.json"
+    if not config.is_file():
+        own = " (its module.json: your own nn.Module; load its model.safetensors into your class)"
+        raise UserError(
+            f"--model_dir {model_dir} holds no config.json{own if (Path(model_dir) / 'module.json').is_file() else ''}"
+            "; pass a directory written by the training application"
+        )
     try:
         architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
     except (ValueError, AttributeError) as err:  # not JSON, not UTF-8, or not an object
