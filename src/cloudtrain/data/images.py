@@ -173,6 +173,8 @@ class ImageRows(torch.utils.data.Dataset):
         if self.cached is not None:
             return self.cached[index]
         row = self.prepare(self.examples[index % len(self.examples)])
+        if not self.train:  # evaluation draws its fixed noise by the row's number (text_to_image.fixed_draw)
+            row["row"] = index
         if self.class_examples:
             row.update(
                 {

@@ -215,17 +215,18 @@ class TextToImageTask(Task):
         move: Callable,
         autocast: Callable,
     ) -> dict:
-        """The loss at noise and timesteps drawn from the seed (the same every evaluation, so evaluations compare),
-        over every evaluation row once; then the validation images."""
+        """The loss at noise and timesteps drawn from the seed and each row's number (the same every evaluation,
+        so evaluations compare, and whatever the process count), over every evaluation row once; then the
+        validation images."""
         assert self.cfg is not None
         inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap a TextToImageModel
         was_training = model.training
         model.eval()
-        start, generator = time.perf_counter(), torch.Generator().manual_seed(self.cfg.training.seed)
+        start, seed = time.perf_counter(), self.cfg.training.seed
         loss_sum, rows = 0.0, 0
         for batch in batches:
             batch = move(batch)
-            noise, timesteps = fixed_draw(inner, batch, generator)
+            noise, timesteps = fixed_draw(inner, batch, seed)
             with torch.no_grad(), autocast():
                 losses = model(**batch, noise=noise, timesteps=timesteps)
             (weighted,) = gather(((losses.float() * batch["loss_weight"]),))
@@ -283,18 +284,22 @@ def _tokens(tokenizer: PreTrainedTokenizerBase, caption: str) -> dict:
     return {"input_ids": encoded["input_ids"][0], "attention_mask": encoded["attention_mask"][0]}
 
 
-def fixed_draw(model: diffusion.TextToImageModel, batch: dict, generator: torch.Generator) -> tuple:
-    """Noise and timesteps for an evaluation batch, from `generator` (seeded once per evaluation)."""
-    rows = batch["attention_mask"].shape[0]
+def fixed_draw(model: diffusion.TextToImageModel, batch: dict, seed: int) -> tuple:
+    """Noise and timesteps for an evaluation batch, each row's from `seed` and the row's number (`batch.pop`s
+    it): a row gets the same draw in every evaluation, whichever process and batch it falls in."""
+    numbers = batch.pop("row").tolist()
     if "latent_mean" in batch:
-        shape = tuple(batch["latent_mean"].shape)
+        shape = tuple(batch["latent_mean"].shape[1:])
     else:
         side = batch["pixel_values"].shape[-1] // (2 ** (len(model.vae.config.block_out_channels) - 1))
-        shape = (rows, model.unet.config.in_channels, side, side)
-    noise = torch.randn(shape, generator=generator)
-    timesteps = torch.randint(0, model.noise_scheduler.config.num_train_timesteps, (rows,), generator=generator)
+        shape = (model.unet.config.in_channels, side, side)
+    noise, timesteps = [], []
+    for number in numbers:
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + number)
+        noise.append(torch.randn(shape, generator=generator))
+        timesteps.append(torch.randint(0, model.noise_scheduler.config.num_train_timesteps, (1,), generator=generator))
     device = batch["attention_mask"].device
-    return noise.to(device), timesteps.to(device)
+    return torch.stack(noise).to(device), torch.cat(timesteps).to(device)
 
 
 def cache_rows(model: diffusion.TextToImageModel, rows: images.ImageRows, latents: bool, texts: bool) -> None:

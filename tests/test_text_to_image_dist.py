@@ -1,0 +1,95 @@
+"""--task text_to_image under real launches (the default accelerated trainer, gloo on CPU): 2-process DDP against
+one process at twice the batch, exact resume, ZeRO-2. Four launches of a tiny pipeline (tests/t2i_fixtures.py).
+
+Each process draws its own noise and timesteps while training (as diffusers' scripts do: the seed differs per
+process), so two processes and one process train on different draws: their training losses agree only
+statistically. What must agree exactly is what no draw touches: the evaluation at the start (fixed noise per
+row, gathered over both processes), the count of evaluated images, and a resumed run against an uninterrupted
+one (every process's generator restored from the checkpoint)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ENTRY
+from safetensors.torch import load_file
+from t2i_fixtures import build_tiny_pipeline, captioned_folder
+from test_distributed import launch, logged_losses, torchrun
+
+pytestmark = pytest.mark.slow
+
+LORA = "pytorch_lora_weights.safetensors"
+
+
+@pytest.fixture(scope="module")
+def tiny_sd(tmp_path_factory) -> str:
+    return str(build_tiny_pipeline(tmp_path_factory.mktemp("t2i-dist") / "tiny-sd"))
+
+
+@pytest.fixture(scope="module")
+def squares(tmp_path_factory) -> str:
+    return str(captioned_folder(tmp_path_factory.mktemp("t2i-dist-data") / "squares", n=8))
+
+
+def t2i_args(model: str, data: str, out: Path, *extra: str) -> list[str]:
+    options = {
+        "task": "text_to_image",
+        "peft": "lora",
+        "model_name_or_path": model,
+        "train_data_dir": data,
+        "output_dir": str(out),
+        "resolution": "16",
+        "center_crop": "true",
+        "mixed_precision": "no",
+        "report_to": "none",
+        "learning_rate": "5e-3",
+        "max_steps": "4",
+        "logging_steps": "1",
+        "eval_strategy": "steps",
+        "eval_steps": "4",
+        "eval_on_start": "true",
+    }
+    return [str(ENTRY), *[part for key, value in options.items() for part in (f"--{key}", value)], *extra]
+
+
+def evaluations(out: Path) -> list[dict]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [e for e in lines if "eval/loss" in e]
+
+
+def test_ddp_matches_one_process_at_twice_the_batch_and_resumes_exactly(tiny_sd, squares, tmp_path):
+    common = ["--checkpointing_steps", "2"]
+    two_args = t2i_args(tiny_sd, squares, tmp_path / "two", *common, "--per_device_train_batch_size", "4")
+    two = launch(torchrun(2), *two_args)
+    launch(torchrun(1), *t2i_args(tiny_sd, squares, tmp_path / "one", *common, "--per_device_train_batch_size", "8"))
+    assert "2 process(es) on cpu" in two.stdout
+    ddp, single = evaluations(tmp_path / "two"), evaluations(tmp_path / "one")
+    assert [e["eval/samples"] for e in ddp] == [8, 8] == [e["eval/samples"] for e in single]  # each image once
+    assert ddp[0]["eval/loss"] == pytest.approx(single[0]["eval/loss"], rel=1e-5)  # same weights, same draws
+    assert ddp[-1]["eval/loss"] < ddp[0]["eval/loss"] and single[-1]["eval/loss"] < single[0]["eval/loss"]
+    assert ddp[-1]["eval/loss"] == pytest.approx(single[-1]["eval/loss"], rel=0.05)  # different noise: close
+    trained, losses = load_file(tmp_path / "two" / LORA), logged_losses(tmp_path / "two")
+    assert set(trained) == set(load_file(tmp_path / "one" / LORA))
+
+    checkpoint = tmp_path / "two" / "checkpoints" / "checkpoint-2"
+    resumed = launch(
+        torchrun(2), *two_args, "--overwrite_output_dir", "true", "--resume_from_checkpoint", str(checkpoint)
+    )
+    assert "at step 2" in resumed.stdout
+    again = load_file(tmp_path / "two" / LORA)
+    assert all(torch.equal(trained[name], again[name]) for name in trained)  # bit-identical
+    assert logged_losses(tmp_path / "two") == losses  # steps 3 and 4 drew the same noise again
+
+
+def test_zero2_on_two_cpu_processes_trains_the_lora(tiny_sd, squares, tmp_path):
+    result = launch(
+        torchrun(2),
+        *t2i_args(tiny_sd, squares, tmp_path / "z2", "--zero_stage", "2", "--per_device_train_batch_size", "4"),
+    )
+    assert "ZeRO-2" in result.stdout
+    losses = [e["eval/loss"] for e in evaluations(tmp_path / "z2")]
+    assert losses[-1] < losses[0], losses
+    saved = load_file(tmp_path / "z2" / LORA)
+    assert saved and all("lora" in name for name in saved)
+    assert all(saved[name].abs().max() > 0 for name in saved if name.endswith("lora.up.weight"))  # B starts at 0
