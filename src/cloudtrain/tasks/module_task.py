@@ -71,10 +71,12 @@ def save_module(model: torch.nn.Module, folder: Path, state_dict: dict | None = 
 
 
 def is_plain_module(model: torch.nn.Module) -> bool:
-    """Neither a transformers model nor a PEFT adapter around one: saved by `save_module`."""
+    """Neither a transformers model nor a PEFT adapter around one, nor a model that saves itself (save_pretrained,
+    as a task's own model does: text_to_image's pipeline): saved by `save_module`."""
     from cloudtrain.models import adapters
 
-    return not isinstance(model, PreTrainedModel) and not adapters.is_adapter(model)
+    saves_itself = callable(getattr(model, "save_pretrained", None))
+    return not isinstance(model, PreTrainedModel) and not adapters.is_adapter(model) and not saves_itself
 
 
 class ModuleTask(Task):
