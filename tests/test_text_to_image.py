@@ -331,3 +331,13 @@ def test_a_dataset_with_an_image_column_trains_through_the_data_sources(tiny_sd,
         train(options(tiny_sd, tmp_path / "wrong", **common))
     results = train(options(tiny_sd, tmp_path / "out", caption_column="caption", **common))
     assert results["train"]["global_step"] == 1 and results["eval"]["samples"] == 3
+
+
+def test_the_default_output_folder_is_named_after_the_image_folder(tmp_path):
+    from cloudtrain.config import build_config
+    from cloudtrain.pipeline import resolve_output_dir
+    from cloudtrain.tasks import build_task
+
+    for option in ("train_data_dir", "instance_data_dir"):
+        cfg = build_config({"task": "text_to_image", "model_name_or_path": "sd/tiny-pipe", option: "data/my-dogs"})
+        assert resolve_output_dir(cfg, build_task(cfg)) == Path("outputs/tiny-pipe-my-dogs")

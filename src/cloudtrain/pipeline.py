@@ -32,7 +32,6 @@ from cloudtrain.checkpointing import (
 )
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
-from cloudtrain.data.sources import dataset_label
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
@@ -52,13 +51,11 @@ from cloudtrain.training import TRAINERS, Trainer, count_parameters
 from cloudtrain.training.callbacks import load_callbacks
 
 
-def resolve_output_dir(cfg: Config) -> Path:
+def resolve_output_dir(cfg: Config, task: Task) -> Path:
     if cfg.output.output_dir:
         return Path(cfg.output.output_dir)
     name = cfg.model.model_name_or_path or cfg.model.model_config or DEFAULT_MODEL_NAME
-    return (
-        Path("outputs") / f"{Path(name).stem if name.endswith('.json') else Path(name).name}-{dataset_label(cfg.data)}"
-    )
+    return Path("outputs") / f"{Path(name).stem if name.endswith('.json') else Path(name).name}-{task.data_label(cfg)}"
 
 
 def resolve(cfg: Config, task: Task) -> Config:
@@ -94,7 +91,7 @@ def preflight(cfg: Config, task: Task) -> Path:
     if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     check_trackers(cfg.tracking)
-    output_dir = resolve_output_dir(cfg)
+    output_dir = resolve_output_dir(cfg, task)
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
     model_dirs = [] if cfg.model.model_config else [resolve_model_path(cfg.model)]
@@ -231,7 +228,7 @@ def _train_evaluate_save(run: Run) -> dict:
         output_dir,
         runtime.is_main,
         runtime.barrier,
-        **hub_hooks(cfg, trainer, run.tokenizer, uploader, runtime.is_main),
+        **hub_hooks(cfg, task, trainer, run.tokenizer, uploader, runtime.is_main),
         storage=probe_storage(folder, runtime),
         share=runtime.share,
         index=runtime.index,
@@ -295,7 +292,7 @@ def save_final(run: Run, results: dict, predictions: dict) -> None:
     atomic.publish(output_dir)
 
 
-def hub_hooks(cfg: Config, trainer, tokenizer, uploader, is_main: bool) -> dict:
+def hub_hooks(cfg: Config, task: Task, trainer, tokenizer, uploader, is_main: bool) -> dict:
     """Checkpoint hooks for --hub_strategy every_save/checkpoint: export a loadable model into each
     checkpoint, upload it to the repo root (and the whole checkpoint to last-checkpoint/) in the
     background, and let pending uploads finish before rotation deletes a folder."""
@@ -305,7 +302,7 @@ def hub_hooks(cfg: Config, trainer, tokenizer, uploader, is_main: bool) -> dict:
     def export(folder: Path) -> None:
         trainer.save_model(folder / "model")  # every process: ZeRO-3 gathers here
         if is_main:
-            tokenizer.save_pretrained(folder / "model")
+            task.save_tokenizer(tokenizer, folder / "model")
 
     def on_saved(step: int, folder: Path) -> None:
         uploader.upload(folder / "model", f"Training in progress, step {step}")

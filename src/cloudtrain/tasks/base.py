@@ -56,6 +56,12 @@ class Task:
         """The options made concrete for this task (a task option that implies generic ones); by default as given."""
         return cfg
 
+    def data_label(self, cfg: Config) -> str:
+        """A short name for the data: the default output folder's and tracker runs' second part."""
+        from cloudtrain.data.sources import dataset_label
+
+        return dataset_label(cfg.data)
+
     def check_data(self, cfg: Config) -> None:
         """Cheap checks of the data options (files exist and have a format the task reads), before loading."""
         from cloudtrain.data.sources import check_data_sources

@@ -77,6 +77,10 @@ class TextToImageTask(Task):
             return cfg
         return replace(cfg, training=replace(cfg.training, eval_strategy="steps", eval_steps=every))
 
+    def data_label(self, cfg: Config) -> str:
+        folder = cfg.images.train_data_dir or cfg.images.instance_data_dir
+        return Path(folder).name if folder else super().data_label(cfg)
+
     def check_data(self, cfg: Config) -> None:
         """Image folders are read here (names and captions, no pixels); only --dataset_name goes through the
         data sources, so a run on folders never looks for the built-in text data."""
