@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from cloudtrain.async_save import BackgroundSave
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
@@ -354,6 +355,7 @@ class Checkpointer:
         )
         self.export, self.on_saved, self.before_delete = export, on_saved, before_delete
         self.storage = storage or Storage(owner=is_main_process)
+        self.background = BackgroundSave()  # the save in flight with --async_checkpointing
         self.owner, self.share, self.index = self.storage.owner, share, index
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
@@ -373,17 +375,67 @@ class Checkpointer:
     def due(self, step: int, end_of_epoch: bool) -> bool:
         return bool((self.every and step % self.every == 0) or (self.at_epoch_end and end_of_epoch))
 
-    def save(self, step: int, write: Callable[[Path], None], trainer: str, mesh: Mesh, state: TrainerState) -> Path:
-        final, partial = self.folder / f"{PREFIX}{step}", self.folder / f"{PREFIX}{step}.partial"
-        start = time.perf_counter()
+    def save(
+        self,
+        step: int,
+        write: Callable[[Path], None],
+        trainer: str,
+        mesh: Mesh,
+        state: TrainerState,
+        start: float | None = None,
+    ) -> Path:
+        """Write checkpoint-<step> now (every process); `start`: when the loop stopped for it (perf_counter)."""
+        self.background.wait()  # a background save in flight finishes (and rotates) first
+        start = time.perf_counter() if start is None else start
+        partial = self._open(step)
+        return self._save_now(step, partial, write, trainer, mesh, state, start, blocked_s=None)
+
+    def save_async(
+        self, step: int, write: Callable[[Path], None], trainer: str, mesh: Mesh, state: TrainerState, start: float
+    ) -> float:
+        """Start writing checkpoint-<step> in the background (one process; cloudtrain.async_save): `write` writes
+        a CPU snapshot and `state` is the caller's own copy, so the loop may go on. The hub export reads the
+        live model, so it runs here, before the thread. Returns the seconds the loop was blocked since `start`."""
+        self.background.wait()
+        partial = self._open(step)
+        if self.export:
+            self.export(partial)
+        blocked = time.perf_counter() - start
+
+        def work() -> None:
+            self._save_now(step, partial, write, trainer, mesh, state, start, blocked_s=blocked, exported=True)
+
+        self.background.start(work, name=f"{PREFIX}{step}")
+        return blocked
+
+    def _open(self, step: int) -> Path:
+        """The empty `.partial` folder of checkpoint-<step>, on every process."""
+        partial = self.folder / f"{PREFIX}{step}.partial"
         if self.owner:
             shutil.rmtree(partial, ignore_errors=True)  # left by a save that was killed
             (partial / MARKS).mkdir(parents=True)
         self.barrier()
+        return partial
+
+    def _save_now(
+        self,
+        step: int,
+        partial: Path,
+        write: Callable[[Path], None],
+        trainer: str,
+        mesh: Mesh,
+        state: TrainerState,
+        start: float,
+        blocked_s: float | None,
+        exported: bool = False,
+    ) -> Path:
+        """Every process writes its part into `partial`; the owner seals and renames it; then rotation.
+        `blocked_s`: how long the loop waited for a background save (None: the whole save)."""
+        final = self.folder / f"{PREFIX}{step}"
         try:
             write(partial)  # every process writes its part
             kill_point("checkpoint.written")
-            if self.export:
+            if self.export and not exported:
                 self.export(partial)
             (partial / MARKS / str(self.index)).touch()
             self.barrier()
@@ -400,17 +452,24 @@ class Checkpointer:
             ) from None
         self.barrier()  # complete on every node before anything is announced or deleted
         if self.is_main:
-            size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
-            print(
-                f"checkpoint saved to {final} ({size / 2**20:.0f} MiB, {time.perf_counter() - start:.1f}s)", flush=True
-            )
-            if self.on_saved:
-                self.on_saved(step, final)
+            self._announce(step, final, time.perf_counter() - start, blocked_s)
         doomed = self.share(self.doomed(step) if self.is_main else None)
         if self.owner:
             self.delete(doomed)
         self.barrier()
         return final
+
+    def _announce(self, step: int, final: Path, took: float, blocked_s: float | None) -> None:
+        size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
+        blocked = took if blocked_s is None else blocked_s
+        how = "" if blocked_s is None else ", in the background"
+        print(
+            f"checkpoint saved to {final} ({size / 2**20:.0f} MiB, {took:.1f}s{how}; "
+            f"the training loop was blocked {blocked:.2f}s)",
+            flush=True,
+        )
+        if self.on_saved:
+            self.on_saved(step, final)
 
     def _finalise(self, partial: Path, final: Path, trainer: str, mesh: Mesh, state: TrainerState) -> None:
         """trainer_state.json written last and synced, then the atomic rename."""

@@ -91,6 +91,11 @@ class CheckpointConfig:
         "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the step and count it.",
         ("stop", "skip"),
     )
+    async_checkpointing: bool = opt(
+        False,
+        "Write checkpoints in the background: the loop waits only while the state is copied to CPU memory "
+        "(one process, the basic or accelerated trainer without DeepSpeed or FSDP).",
+    )
 
 
 @dataclass

@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.observe.tracking import RunLog
-from cloudtrain.parallel.distributed import build_accelerator, sharding
+from cloudtrain.parallel.distributed import build_accelerator, deepspeed_requested, fsdp_requested, sharding
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, join_launch, set_collective_timeout
 from cloudtrain.registry import TRAINERS
@@ -61,6 +61,16 @@ class AcceleratedTrainer(Trainer):
         self.mode = accelerator.distributed_type.value
         if self._zero_stage() is not None:
             self.mode += f" ZeRO-{self._zero_stage()}"
+
+    @classmethod
+    def async_refusal(cls, cfg: Config) -> str | None:
+        """Background writes need every process's state copied without a collective; DeepSpeed's engine and
+        FSDP write theirs collectively, and accelerate's save_state reads the live state as it writes."""
+        if deepspeed_requested(cfg):
+            return "with DeepSpeed ZeRO (its engine writes the partitioned states itself, collectively)"
+        if fsdp_requested(cfg):
+            return "with FSDP (the sharded states are written collectively)"
+        return "with --training_type accelerated (not yet): use --training_type basic on one process"
 
     def setup(self) -> None:
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.

@@ -7,6 +7,7 @@ AcceleratedTrainer (`--training_type accelerated`) for those.
 """
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import numpy as np
 import safetensors.torch
 import torch
 
+from cloudtrain.async_save import cpu_copy, weights_snapshot
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
@@ -87,15 +89,30 @@ class BasicTrainer(Trainer):
             safetensors.torch.save_model(self.model, weights)
         else:  # adapters: the frozen base reloads from its own files
             safetensors.torch.save_file(trainable_state(self.model), weights)
-        torch.save(
-            {
-                "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(),
-                "rng": rng_state(),
-            },
-            folder / TRAINING_STATE,
-        )
+        torch.save(self._training_state(), folder / TRAINING_STATE)
+
+    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+        live = self.model.state_dict() if trains_everything(self.model) else trainable_state(self.model)
+        weights, dropped = weights_snapshot(live)  # the same file save_model writes
+        training = cpu_copy(self._training_state())  # state_dict() holds the live tensors, not copies
+
+        def write(folder: Path) -> None:
+            safetensors.torch.save_file(weights, str(folder / "model.safetensors"), metadata=dropped or None)
+            torch.save(training, folder / TRAINING_STATE)
+
+        return write
+
+    @classmethod
+    def async_refusal(cls, cfg: Config) -> str | None:
+        return None  # one process (check_options): nothing in the background waits on another
+
+    def _training_state(self) -> dict:
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "rng": rng_state(),
+        }
 
     def load_checkpoint(self, folder: Path) -> None:
         weights = str(folder / "model.safetensors")

@@ -24,8 +24,11 @@ The hooks, in the order `Trainer.hooks` runs them:
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,7 +36,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from cloudtrain.checkpointing import Checkpointer, PreemptionSignal, TrainerState
+from cloudtrain.checkpointing import DATA_STATE_FILE, PREFIX, Checkpointer, PreemptionSignal, TrainerState
 from cloudtrain.errors import TrainingStopped
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.observe.flops import peak_flops
@@ -125,6 +128,9 @@ class Hook:
 
     def on_train_end(self, loop: LoopState) -> None:
         """Once, after the last step (not when the run stops early)."""
+
+    def close(self) -> None:
+        """Once, when the loop ends for any reason (an error too): finish what runs in the background."""
 
 
 class NonfiniteHook(Hook):
@@ -304,31 +310,59 @@ class EvaluationHook(Hook):
 
 class CheckpointHook(Hook):
     """A checkpoint every --checkpointing_steps steps or at each epoch's end (`Checkpointer.due`), or when a
-    hook above asked for one; every process writes its part. It runs last, after the hooks that may ask."""
+    hook above asked for one; every process writes its part. It runs last, after the hooks that may ask.
+
+    With --async_checkpointing the loop waits only for a CPU snapshot (cloudtrain.async_save); the files are
+    written in the background. A save before a stop is written at once: the run ends when it is complete.
+    The seconds the loop waited go to the run log as checkpoint/blocked_s."""
 
     phase = "saving a checkpoint"
 
     def __init__(self, trainer: Trainer, checkpointer: Checkpointer):
         self.trainer, self.checkpointer = trainer, checkpointer
+        self.asynchronous = trainer.cfg.checkpoint.async_checkpointing
 
     def due(self, loop: LoopState) -> bool:
         return self.checkpointer.due(loop.step, loop.end_of_epoch)
 
     def on_step_end(self, loop: LoopState) -> Request | None:
+        self.checkpointer.background.check()  # a background save that failed stops the run here
         if self.due(loop) or loop.requests:
             loop.saved = self._save(loop)
         return None
 
+    def on_train_end(self, loop: LoopState) -> None:
+        self.checkpointer.background.wait()  # the final model is saved after a complete last checkpoint
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):  # the run's own error is the one to report
+            self.checkpointer.background.wait()
+
     def _save(self, loop: LoopState) -> Path:
-        trainer, state = self.trainer, loop.state
+        trainer, state, step = self.trainer, loop.state, loop.state.global_step
+        self.checkpointer.background.wait()  # the previous save first: one snapshot in memory at a time
+        start = time.perf_counter()
         runtime_s = trainer.runtime.share(state.runtime_s + loop.meter.elapsed())  # every node writes the same
-        snapshot = dataclasses.replace(state, interval=loop.meter.pending(), runtime_s=runtime_s)
+        # a deep copy: the evaluations list grows while a background save writes this state
+        snapshot = copy.deepcopy(dataclasses.replace(state, interval=loop.meter.pending(), runtime_s=runtime_s))
         task_state = trainer.task.pending_state(trainer.runtime.reduce_sum)  # every process: a collective
+        data_state = trainer.data_state(step)  # taken now: the stream moves on
+        now = self.asynchronous and not any(request.reason for request in loop.requests)
+        write_model = trainer.checkpoint_snapshot() if now else trainer.write_checkpoint
 
         def write(folder: Path) -> None:
-            trainer.write_checkpoint(folder)
-            trainer.write_data_state(folder, state.global_step)
+            write_model(folder)
+            if data_state is not None:
+                (folder / DATA_STATE_FILE).write_text(json.dumps(data_state))
             if task_state is not None and trainer.checkpoint_owner:
                 (folder / TASK_STATE_FILE).write_text(json.dumps(task_state))
 
-        return self.checkpointer.save(state.global_step, write, type(trainer).__name__, trainer.runtime.mesh, snapshot)
+        name, mesh = type(trainer).__name__, trainer.runtime.mesh
+        if now:
+            blocked = self.checkpointer.save_async(step, write, name, mesh, snapshot, start)
+            saved = self.checkpointer.folder / f"{PREFIX}{step}"
+        else:
+            saved = self.checkpointer.save(step, write, name, mesh, snapshot, start)
+            blocked = time.perf_counter() - start
+        trainer.run_log.log({"checkpoint/blocked_s": round(blocked, 4)}, step=step)
+        return saved

@@ -32,7 +32,7 @@ import contextlib
 import json
 import math
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,7 +44,6 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedModel
 
 from cloudtrain.checkpointing import (
-    DATA_STATE_FILE,
     Checkpointer,
     PreemptionSignal,
     TrainerState,
@@ -206,6 +205,13 @@ class Trainer:
             changed = [name for name in other.own_options if other is not cls and differs_from_default(cfg, name)]
             if changed:
                 raise UserError(f"--{changed[0]} needs --training_type {other.name} (this run is {cls.name})")
+        if cfg.checkpoint.async_checkpointing and (why := cls.async_refusal(cfg)):
+            raise UserError(f"--async_checkpointing true {why}; leave it false there (checkpoints then block)")
+
+    @classmethod
+    def async_refusal(cls, cfg: Config) -> str | None:
+        """Why this trainer cannot write checkpoints in the background with `cfg` (None: it can)."""
+        return f"is not supported by --training_type {cls.name}"
 
     def setup(self) -> None:
         raise NotImplementedError
@@ -241,6 +247,11 @@ class Trainer:
     def write_checkpoint(self, folder: Path) -> None:
         raise NotImplementedError
 
+    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+        """A CPU copy of what `write_checkpoint` writes, taken now, and the function that writes it into a
+        folder later (from another thread, while the live state changes: --async_checkpointing)."""
+        raise NotImplementedError
+
     def load_checkpoint(self, folder: Path) -> None:
         raise NotImplementedError
 
@@ -253,16 +264,20 @@ class Trainer:
         for hook in hooks:
             hook.on_train_start(loop)
         self.phase = "the first step"
-        with self._collective_errors(loop.state), preemption, loop.bar:
-            for window in self._windows(loop):
-                self._step(window, loop)
-                self._after_step(hooks, loop)
-                if loop.done:
-                    break
-                self.clock.start_step()  # what the hooks did is not step time
-                self.phase = "loading the data"
-            for hook in hooks:
-                hook.on_train_end(loop)
+        try:
+            with self._collective_errors(loop.state), preemption, loop.bar:
+                for window in self._windows(loop):
+                    self._step(window, loop)
+                    self._after_step(hooks, loop)
+                    if loop.done:
+                        break
+                    self.clock.start_step()  # what the hooks did is not step time
+                    self.phase = "loading the data"
+                for hook in hooks:
+                    hook.on_train_end(loop)
+        finally:
+            for hook in hooks:  # a run that fails still lets a checkpoint in flight complete
+                hook.close()
         result = TrainResult.of(loop)
         if self.streams:
             result.sources = self.train_dl.consumed(loop.state.global_step)  # type: ignore[attr-defined]
@@ -273,11 +288,11 @@ class Trainer:
         """Whether the training data is a stream with a cursor (cloudtrain.data.streaming), not stored rows."""
         return hasattr(self.train_dl, "consumed")  # accelerate's prepared loaders have a state_dict too
 
-    def write_data_state(self, folder: Path, step: int) -> None:
-        """A stream's cursor after `step` into a checkpoint (its owner writes it: every process holds the same)."""
+    def data_state(self, step: int) -> dict | None:
+        """A stream's cursor after `step`, for the checkpoint's owner to write (None: nothing to write)."""
         if self.streams and self.checkpoint_owner:
-            state = self.train_dl.state_dict(step)  # type: ignore[attr-defined]
-            (folder / DATA_STATE_FILE).write_text(json.dumps(state))
+            return self.train_dl.state_dict(step)  # type: ignore[attr-defined]
+        return None
 
     def hooks(self, checkpointer: Checkpointer | None, preemption: PreemptionSignal) -> list[Hook]:
         """What runs after each step, in order (cloudtrain.training.hooks): the flag readers first, so

@@ -1,0 +1,87 @@
+"""Asynchronous checkpoints (--async_checkpointing true): the loop is blocked only while a CPU snapshot is taken.
+
+What a checkpoint holds (weights, optimizer, schedule, scaler, RNG states, the trainer state) is copied to
+CPU memory synchronously, so the live tensors may change from the next step on; a background thread then
+writes the files, seals and renames the folder (`Checkpointer.save_async`). At most one save is in flight:
+the next save, and the end of the run, wait for it. An error in the thread is kept and raised in the main
+thread at the next step, as one line.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from safetensors.torch import _remove_duplicate_names  # the rule save_model and load_model share
+
+from cloudtrain.errors import UserError, first_line
+
+
+def cpu_copy(value: Any) -> Any:
+    """A deep copy of nested dicts, lists and tuples with every tensor copied to CPU memory."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [cpu_copy(item) for item in value]
+    if isinstance(value, tuple):
+        return tuple(cpu_copy(item) for item in value)
+    return copy.deepcopy(value)  # numbers, strings, numpy arrays: cheap, and never changed in place by us
+
+
+def weights_snapshot(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """A CPU copy of a state dict as safetensors' `save_model` writes it: tied tensors once (safetensors
+    refuses shared storage), under the name `load_model` looks for, the dropped names in the metadata."""
+    state = dict(state_dict)
+    metadata: dict[str, str] = {}
+    for kept, dropped in _remove_duplicate_names(state).items():
+        for name in dropped:
+            metadata[name] = kept
+            del state[name]
+    return {name: tensor.detach().to("cpu", copy=True).contiguous() for name, tensor in state.items()}, metadata
+
+
+class BackgroundSave:
+    """One background save at a time; its error, if any, is raised by `wait` or `check` in the caller."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self, work: Callable[[], None], name: str) -> None:
+        self.wait()  # at most one in flight: two would write and rotate the same folder at once
+        self._thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as err:  # kept for the main thread, which owns the run's error handling
+            self._error = err
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written; raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self.check()
+
+    def check(self) -> None:
+        """Raise, as one line, the error of a save that failed in the background (once)."""
+        error, self._error = self._error, None
+        if error is None:
+            return
+        if isinstance(error, UserError):
+            raise error
+        raise UserError(
+            f"the asynchronous checkpoint save failed ({type(error).__name__}: {first_line(error)}); the earlier "
+            "checkpoints are intact: resume with --resume_from_checkpoint latest"
+        ) from error

@@ -1,0 +1,149 @@
+"""--async_checkpointing true: the loop goes on while a checkpoint is written from a CPU snapshot; a resume from
+it is exact; kill -9 during a background save keeps the previous checkpoint; what cannot save in the
+background is refused before training."""
+
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from safetensors.torch import load_file
+from test_checkpointing import args_for, env, run
+
+from cloudtrain.async_save import BackgroundSave, cpu_copy
+from cloudtrain.checkpointing import Checkpointer, TrainerState, complete_checkpoints
+from cloudtrain.cli import main
+from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
+from cloudtrain.parallel.mesh import Mesh
+
+BASIC = ["--training_type", "basic", "--max_steps", "12", "--checkpointing_steps", "4"]
+ASYNC = ["--async_checkpointing", "true"]
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return load_file(folder / "model.safetensors")
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def checkpointer(folder: Path) -> Checkpointer:
+    cfg = build_config({"checkpointing_steps": "1"})
+    return Checkpointer(cfg, folder, folder.parent, True, lambda: None)
+
+
+def test_the_loop_goes_on_while_a_background_save_is_written(tmp_path):
+    """save_async returns while the files are still being written; the checkpoint counts only once complete."""
+    saver, release = checkpointer(tmp_path / "checkpoints"), threading.Event()
+
+    def write(folder: Path) -> None:
+        assert release.wait(60)  # held until the test has seen save_async return
+        (folder / "weights.bin").write_bytes(b"w")
+
+    saver.save_async(3, write, "BasicTrainer", Mesh(world=1, dp_replicate=1), TrainerState(global_step=3), 0.0)
+    assert saver.background.in_flight and saver.latest() is None
+    release.set()
+    saver.background.wait()
+    assert saver.latest() == tmp_path / "checkpoints" / "checkpoint-3"
+    assert (saver.latest() / "weights.bin").read_bytes() == b"w"
+
+
+def test_an_error_in_the_background_is_one_line_at_the_next_check(tmp_path):
+    saver = checkpointer(tmp_path / "checkpoints")
+
+    def write(folder: Path) -> None:
+        raise OSError("Input/output error\nmore detail")
+
+    saver.save_async(2, write, "BasicTrainer", Mesh(world=1, dp_replicate=1), TrainerState(global_step=2), 0.0)
+    with pytest.raises(UserError) as err:
+        saver.background.wait()
+    assert "\n" not in str(err.value) and "Input/output error" in str(err.value)
+    assert complete_checkpoints(tmp_path / "checkpoints") == []
+    saver.background.check()  # raised once; the run decides what happens next
+
+
+def test_a_snapshot_is_a_copy_that_later_steps_do_not_change():
+    live = {"exp_avg": torch.ones(3), "step": torch.tensor(1.0), "nested": [{"lr": 0.1}]}
+    snapshot = cpu_copy(live)
+    live["exp_avg"].add_(1)
+    live["nested"][0]["lr"] = 0.2
+    assert torch.equal(snapshot["exp_avg"], torch.ones(3)) and snapshot["nested"][0]["lr"] == 0.1
+
+
+def test_background_saves_run_one_at_a_time():
+    saves, order = BackgroundSave(), []
+    release = threading.Event()
+    saves.start(lambda: (release.wait(60), order.append("first")), "first")
+    starter = threading.Thread(target=saves.start, args=(lambda: order.append("second"), "second"))
+    starter.start()
+    release.set()
+    starter.join(60)
+    saves.wait()
+    assert order == ["first", "second"]
+
+
+@pytest.mark.slow
+def test_resume_from_an_async_checkpoint_equals_the_uninterrupted_run(tiny_model_dir, topic_csvs, tmp_path):
+    """checkpoint-8, written while steps 9 and on ran, equals a synchronous run's; resumed, it ends bit-exact."""
+    sync, background, resumed = tmp_path / "sync", tmp_path / "async", tmp_path / "resumed"
+    assert main(args_for(tiny_model_dir, topic_csvs, sync, *BASIC)[1:]) == 0
+    assert main(args_for(tiny_model_dir, topic_csvs, background, *BASIC, *ASYNC)[1:]) == 0
+    steps = [step for step, _ in complete_checkpoints(background / "checkpoints")]
+    assert steps == [4, 8, 12]
+    mid = Path("checkpoints") / "checkpoint-8"
+    assert same(weights(sync / mid), weights(background / mid))
+    a, b = (torch.load(out / mid / "training_state.pt", weights_only=True) for out in (sync, background))
+    leaves = [torch.utils._pytree.tree_leaves(state["optimizer"]) for state in (a, b)]
+    assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(*leaves, strict=True))
+    assert a["scheduler"] == b["scheduler"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
+
+    shutil.copytree(background / mid, resumed / mid)
+    latest = ["--resume_from_checkpoint", "latest"]
+    assert main(args_for(tiny_model_dir, topic_csvs, resumed, *BASIC, *ASYNC, *latest)[1:]) == 0
+    assert same(weights(background), weights(resumed)) and same(weights(sync), weights(resumed))
+    blocked = [line for line in (resumed / "metrics.jsonl").read_text().splitlines() if "checkpoint/blocked_s" in line]
+    assert len(blocked) == 1  # the save at step 12, logged with the time the loop waited
+
+
+@pytest.mark.slow
+def test_kill_during_a_background_save_keeps_the_previous_checkpoint(tiny_model_dir, topic_csvs, tmp_path):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    run([sys.executable, *args_for(tiny_model_dir, topic_csvs, straight, *BASIC)])
+    kill = {**env(), "CLOUDTRAIN_TEST_KILL_AT": "checkpoint.written:2"}  # inside the thread writing checkpoint-8
+    cmd = [sys.executable, *args_for(tiny_model_dir, topic_csvs, killed, *BASIC, *ASYNC)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=kill, timeout=600, cwd=REPO)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert sorted(p.name for p in (killed / "checkpoints").iterdir()) == ["checkpoint-4", "checkpoint-8.partial"]
+
+    resumed = run(
+        [
+            sys.executable,
+            *args_for(tiny_model_dir, topic_csvs, killed, *BASIC, *ASYNC, "--resume_from_checkpoint", "latest"),
+        ]
+    )
+    assert f"resumed from {killed / 'checkpoints' / 'checkpoint-4'} at step 4" in resumed.stdout
+    assert same(weights(straight), weights(killed))
+
+
+@pytest.mark.parametrize(
+    "options, named",
+    [
+        (["--zero_stage", "2"], "DeepSpeed ZeRO"),
+        (["--fsdp", "true"], "FSDP"),
+        (["--training_type", "pipeline", "--pipeline_parallel_size", "2"], "--training_type pipeline"),
+    ],
+)
+def test_what_cannot_save_in_the_background_is_refused_in_one_line(
+    tiny_model_dir, topic_csvs, tmp_path, capsys, options, named
+):
+    code = main(args_for(tiny_model_dir, topic_csvs, tmp_path / "out", *options, *ASYNC)[1:])
+    err = capsys.readouterr().err
+    assert code != 0 and "--async_checkpointing true" in err and named in err, err
+    assert len([line for line in err.splitlines() if "async_checkpointing" in line]) == 1
