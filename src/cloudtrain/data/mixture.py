@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format
+from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format, is_remote
 from cloudtrain.errors import UserError
 
 MASK64 = (1 << 64) - 1
@@ -66,12 +66,10 @@ def _weight(value: Any, name: str) -> float:
 
 def expand(path: str) -> list[str]:
     """The data files a source names: a file, a folder's data files, or a glob (sorted)."""
-    if "://" in path:
-        import fsspec
+    if is_remote(path):
+        from cloudtrain.data.remote import expand_remote
 
-        fs, _, paths = fsspec.get_fs_token_paths(path)
-        protocol = path.split("://", 1)[0]
-        return sorted(f"{protocol}://{p}" for p in paths if file_format(p))
+        return expand_remote(path)
     if any(ch in path for ch in "*?["):
         return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     p = Path(path)

@@ -44,18 +44,51 @@ def file_format(path: str) -> str | None:
     return suffix if suffix in FORMATS else None
 
 
+def is_remote(path: str) -> bool:
+    """An object-store URL (s3://bucket/key, or any protocol fsspec knows) rather than a local path."""
+    return "://" in path
+
+
+def storage_options(path: str) -> dict:
+    """fsspec options for `path`: for S3, short timeouts and two attempts, so that a wrong endpoint or a dead
+    network is an error within seconds instead of botocore's minutes of retries; and no cached filesystem, so
+    the endpoint and credentials of this moment are the ones used (fsspec caches instances across calls)."""
+    if not path.startswith(("s3://", "s3a://")):
+        return {}
+    return {"config_kwargs": dict(REMOTE_TIMEOUTS), "skip_instance_cache": True}
+
+
+REMOTE_TIMEOUTS = {"connect_timeout": 5, "read_timeout": 30, "retries": {"max_attempts": 2}}
+
+
+class _GzipFile(gzip.GzipFile):
+    """A GzipFile that closes the file it was handed (gzip leaves a given file object open)."""
+
+    def close(self) -> None:
+        raw: Any = self.fileobj
+        super().close()
+        if raw is not None:
+            raw.close()
+
+
+def _open_raw(path: str) -> Any:
+    if is_remote(path):  # object storage through fsspec: seekable, read in blocks by ranged GETs
+        import fsspec
+
+        return fsspec.open(path, "rb", **storage_options(path)).open()
+    return open(path, "rb")  # noqa: SIM115 (closed by RecordReader.close)
+
+
 def _open_binary(path: str) -> Any:
+    """The file's decompressed bytes; compression wraps the raw handle, so s3:// .gz and .zst read too."""
+    raw = _open_raw(path)
     if path.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return _GzipFile(fileobj=raw, mode="rb")
     if path.endswith(".zst"):
         import zstandard  # only for .zst files
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True))
-    if "://" in path:  # object storage (s3://...) through fsspec
-        import fsspec
-
-        return fsspec.open(path, "rb").open()
-    return open(path, "rb")  # noqa: SIM115 (closed by RecordReader.close)
+        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+    return raw
 
 
 def _seek(handle: Any, position: int, forward_only: bool) -> None:

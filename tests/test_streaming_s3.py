@@ -1,0 +1,118 @@
+"""--streaming true from object storage: s3:// sources read with the real client (s3fs, botocore) from moto's S3
+server on 127.0.0.1 (tests/aws_server.py), against the same files read from local disk; a resume reopens each
+object at its byte offset; an unreachable endpoint, missing credentials or a glob matching nothing is one line."""
+
+import gzip
+import json
+import socket
+
+import boto3
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from aws_server import BUCKET, local_aws
+from test_streaming import data_cfg, numbered, plan_for, take, write_jsonl
+from transformers import AutoTokenizer
+
+from cloudtrain.data.mixture import resolve_sources
+from cloudtrain.data.readers import RecordReader
+from cloudtrain.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def lm_tokenizer(lm_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+
+
+@pytest.fixture
+def s3(tmp_path):
+    """The local S3 server, with a corpus under s3://<bucket>/corpus/ and the same files in tmp_path/local."""
+    local = tmp_path / "local"
+    local.mkdir()
+    write_jsonl(local / "a0.jsonl", numbered(40, "a0"))
+    write_jsonl(local / "a1.jsonl.gz", numbered(30, "a1"), gzip.open)
+    pq.write_table(pa.table({"text": numbered(50, "b")}), local / "b.parquet", row_group_size=8)
+    with local_aws(tmp_path) as fake:
+        client = fake.client("s3")
+        for path in local.iterdir():
+            client.put_object(Bucket=BUCKET, Key=f"corpus/{path.name}", Body=path.read_bytes())
+        client.put_object(Bucket=BUCKET, Key="corpus/README.md", Body=b"not data")
+        yield local
+
+
+def rows(plan, steps: int) -> list[list[int]]:
+    return [row["input_ids"] for chunk in take(plan.loader(2), steps) for row in chunk]
+
+
+def test_s3_sources_stream_the_same_rows_as_the_local_files(s3, tmp_path, lm_tokenizer):
+    remote = f"s3://{BUCKET}/corpus/a*.jsonl*,s3://{BUCKET}/corpus/b.parquet"
+    specs = resolve_sources(data_cfg(train_file=remote).data)
+    assert [len(s.files) for s in specs] == [2, 1]
+    assert specs[0].files == [f"s3://{BUCKET}/corpus/a0.jsonl", f"s3://{BUCKET}/corpus/a1.jsonl.gz"]
+    local = f"{s3}/a*.jsonl*,{s3}/b.parquet"
+    got = rows(plan_for(tmp_path, lm_tokenizer, train_file=remote, train_weights="2,1"), 30)
+    assert got == rows(plan_for(tmp_path, lm_tokenizer, train_file=local, train_weights="2,1"), 30)
+
+
+def test_a_prefix_in_a_datasets_list_is_its_data_objects(s3):
+    client = boto3.client("s3")  # reaches the local server through AWS_ENDPOINT_URL, like s3fs
+    for key in ("nested/x.jsonl", "nested/deeper/y.jsonl.gz", "nested/README.md"):
+        client.put_object(Bucket=BUCKET, Key=key, Body=gzip.compress(b"{}\n") if key.endswith(".gz") else b"{}\n")
+    cfg = data_cfg(datasets=[{"path": f"s3://{BUCKET}/nested", "weight": 1.0, "columns": {"text": "body"}}])
+    (spec,) = resolve_sources(cfg.data)
+    assert spec.files == [f"s3://{BUCKET}/nested/deeper/y.jsonl.gz", f"s3://{BUCKET}/nested/x.jsonl"]
+    assert spec.format == "jsonl" and spec.columns == {"text": "body"}
+    message = one_line_error(f"s3://{BUCKET}/corpus")  # jsonl and parquet under one prefix
+    assert "one known format per source" in message
+
+
+def test_the_cursor_reopens_each_object_at_its_offset(s3, tmp_path, lm_tokenizer):
+    remote = f"s3://{BUCKET}/corpus/a*.jsonl*,s3://{BUCKET}/corpus/b.parquet"
+    straight = take(plan_for(tmp_path, lm_tokenizer, train_file=remote).loader(2), 45)
+    first = plan_for(tmp_path, lm_tokenizer, train_file=remote).loader(2)
+    take(first, 30)
+    state = json.loads(json.dumps(first.state_dict(30)))
+    assert any(s["offset"] > 0 for s in state["stream"]["sources"])  # a position inside an object
+    again = plan_for(tmp_path, lm_tokenizer, train_file=remote).loader(2)
+    again.load_state_dict(state)
+    assert take(again, 15) == straight[30:]
+
+
+def test_a_reader_seeks_inside_an_object(s3):
+    url = f"s3://{BUCKET}/corpus/a0.jsonl"
+    reader = RecordReader(url, "jsonl")
+    positions = [reader.next()[1] for _ in range(10)]
+    reader.close()
+    again = RecordReader(url, "jsonl", positions[6])
+    assert again.next()[0]["text"] == numbered(40, "a0")[7]
+    again.close()
+
+
+def one_line_error(train_file: str) -> str:
+    with pytest.raises(UserError) as err:
+        resolve_sources(data_cfg(train_file=train_file).data)
+    assert "\n" not in str(err.value)
+    return str(err.value)
+
+
+def test_nothing_matching_is_one_line(s3):
+    assert "matches no data file" in one_line_error(f"s3://{BUCKET}/corpus/*.csv")
+    assert "matches no data file" in one_line_error("s3://no-such-bucket/corpus/*.jsonl")
+    assert "matches no data file" in one_line_error(f"s3://{BUCKET}/no-such-prefix")
+
+
+def test_no_credentials_is_one_line_naming_what_to_set(s3, monkeypatch):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role on a test machine
+    message = one_line_error(f"s3://{BUCKET}/corpus/*.jsonl")
+    assert "no AWS credentials" in message and "AWS_ACCESS_KEY_ID" in message
+
+
+def test_an_unreachable_endpoint_is_one_line_not_a_hang(s3, monkeypatch):
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    message = one_line_error(f"s3://{BUCKET}/corpus/*.jsonl")
+    assert "cannot reach the object store" in message and f"127.0.0.1:{port}" in message
