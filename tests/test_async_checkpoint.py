@@ -104,8 +104,8 @@ def test_resume_from_an_async_checkpoint_equals_the_uninterrupted_run(tiny_model
     assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(*leaves, strict=True))
     assert a["scheduler"] == b["scheduler"] and torch.equal(a["rng"]["torch"], b["rng"]["torch"])
 
-    shutil.copytree(background / mid, resumed / mid)
-    latest = ["--resume_from_checkpoint", "latest"]
+    shutil.copytree(background / mid, tmp_path / mid)  # only checkpoint-8, in a folder of its own
+    latest = ["--resume_from_checkpoint", "latest", "--checkpoint_dir", str(tmp_path / "checkpoints")]
     assert main(args_for(tiny_model_dir, topic_csvs, resumed, *BASIC, *ASYNC, *latest)[1:]) == 0
     assert same(weights(background), weights(resumed)) and same(weights(sync), weights(resumed))
     blocked = [line for line in (resumed / "metrics.jsonl").read_text().splitlines() if "checkpoint/blocked_s" in line]
