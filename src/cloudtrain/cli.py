@@ -27,6 +27,7 @@ COMMANDS = {  # name: (module, one-line description)
     "generate": ("cloudtrain.generate", "Continue prompts with a saved causal language model."),
     "push": ("cloudtrain.publish.hub", "Upload an existing output dir to the Hugging Face Hub."),
     "plan": ("cloudtrain.planning.command", "Estimate memory per GPU and pick a distributed strategy."),
+    "preprocess": ("cloudtrain.data.preprocess", "Tokenize a corpus once into Parquet shards for --streaming true."),
     "merge": (
         "cloudtrain.models.adapters",
         "Merge a trained adapter (--peft) into its base model: <output_dir>/merged.",

@@ -37,6 +37,7 @@ from cloudtrain.data.packing import pack_buffer
 from cloudtrain.errors import UserError
 
 STATE_FILE = "data_state.json"  # the stream's cursor in a checkpoint
+STORED_TOKENS = "input_ids"  # the column of pre-tokenized shards (cloudtrain.data.preprocess)
 Encoder = Callable[[list[dict]], list[list[tuple[list[int], list[int] | None]]]]
 
 
@@ -72,6 +73,19 @@ def _rank_world() -> tuple[int, int]:
 
 def _identity(item: Any) -> Any:
     return item
+
+
+def encode_stored(records: list[dict], encode: Encoder) -> list[list[tuple[list[int], list[int] | None]]]:
+    """Per record, its examples: a pre-tokenized record (`cloudtrain preprocess` shards: an `input_ids` list)
+    gives its stored tokens as one document, read not tokenized; the others go through the task's encoder."""
+    stored = [isinstance(r.get(STORED_TOKENS), list) for r in records]
+    if not any(stored):
+        return encode(records)
+    fresh = iter(encode([r for r, s in zip(records, stored, strict=True) if not s]))
+    return [
+        ([(list(r[STORED_TOKENS]), None)] if r[STORED_TOKENS] else []) if s else next(fresh)
+        for r, s in zip(records, stored, strict=True)
+    ]
 
 
 class BufferDataset(IterableDataset):
@@ -116,7 +130,7 @@ class BufferDataset(IterableDataset):
         return docs
 
     def _rows(self, docs: list[tuple]) -> list[dict]:
-        encoded = self.plan.encode([record for _, _, record in docs])
+        encoded = encode_stored([record for _, _, record in docs], self.plan.encode)
         items = [
             (source, key if n == 0 else (*key, n), ids, mask)
             for (source, key, _), examples in zip(docs, encoded, strict=True)
