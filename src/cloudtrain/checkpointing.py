@@ -398,12 +398,13 @@ class Checkpointer:
         live model, so it runs here, before the thread. Returns the seconds the loop was blocked since `start`."""
         self.background.wait()
         partial = self._open(step)
+        self._copy_run_files(partial)  # now: the loop logs on while the thread writes
         if self.export:
             self.export(partial)
         blocked = time.perf_counter() - start
 
         def work() -> None:
-            self._save_now(step, partial, write, trainer, mesh, state, start, blocked_s=blocked, exported=True)
+            self._save_now(step, partial, write, trainer, mesh, state, start, blocked_s=blocked, early=True)
 
         self.background.start(work, name=f"{PREFIX}{step}")
         return blocked
@@ -427,20 +428,21 @@ class Checkpointer:
         state: TrainerState,
         start: float,
         blocked_s: float | None,
-        exported: bool = False,
+        early: bool = False,
     ) -> Path:
         """Every process writes its part into `partial`; the owner seals and renames it; then rotation.
-        `blocked_s`: how long the loop waited for a background save (None: the whole save)."""
+        `blocked_s`: how long the loop waited for a background save (None: the whole save); `early`: the
+        export and the run files are in `partial` already (`save_async`)."""
         final = self.folder / f"{PREFIX}{step}"
         try:
             write(partial)  # every process writes its part
             kill_point("checkpoint.written")
-            if self.export and not exported:
+            if self.export and not early:
                 self.export(partial)
             (partial / MARKS / str(self.index)).touch()
             self.barrier()
             if self.owner:
-                self._finalise(partial, final, trainer, mesh, state)
+                self._finalise(partial, final, trainer, mesh, state, copy_run_files=not early)
         except Exception as err:
             if not is_no_space(err):
                 raise
@@ -471,7 +473,15 @@ class Checkpointer:
         if self.on_saved:
             self.on_saved(step, final)
 
-    def _finalise(self, partial: Path, final: Path, trainer: str, mesh: Mesh, state: TrainerState) -> None:
+    def _copy_run_files(self, partial: Path) -> None:
+        if self.owner:
+            for name in RUN_FILES:  # a spot restart may come back with an empty output dir
+                if (self.output_dir / name).is_file():
+                    shutil.copy2(self.output_dir / name, partial / name)
+
+    def _finalise(
+        self, partial: Path, final: Path, trainer: str, mesh: Mesh, state: TrainerState, copy_run_files: bool = True
+    ) -> None:
         """trainer_state.json written last and synced, then the atomic rename."""
         meta = {
             "format": FORMAT,
@@ -484,9 +494,8 @@ class Checkpointer:
             "score": self._score(state),
             "state": asdict(state),
         }
-        for name in RUN_FILES:  # a spot restart may come back with an empty output dir
-            if (self.output_dir / name).is_file():
-                shutil.copy2(self.output_dir / name, partial / name)
+        if copy_run_files:
+            self._copy_run_files(partial)
         _write_synced(partial / STATE_FILE, json.dumps(meta, indent=2))
         kill_point("checkpoint.sealed")
         aside = final.with_name(f"{final.name}.replaced")
