@@ -918,7 +918,8 @@ def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    assert len(plan["strategies"]) == 2 * len(STRATEGIES) + 4 and {r["strategy"] for r in plan["strategies"]} == set(BY_KEY)
+    assert len(plan["strategies"]) == 2 * len(STRATEGIES) + 4
+    assert {r["strategy"] for r in plan["strategies"]} == set(BY_KEY)
     rec = plan["recommendation"]
     assert (rec["strategy"], rec["gradient_checkpointing"]) == ("ddp", False)  # a tiny model needs nothing more
     assert (rec["micro_batch"], rec["gradient_accumulation_steps"]) == (8, 2)

@@ -15,7 +15,8 @@ Supports:
   logps/chosen, logps/rejected; at evaluation also greedy answers to a few held-back prompts, with their
   exact_match against the chosen answer.
 Does not support: packing (pairs are padded), the pipeline trainer, a full-fine-tuning or precomputed reference
-under ZeRO-3 or FSDP (use ZeRO-1/2, --peft with the live reference, or a reference-free loss), a reference model other than the policy's starting point.
+under ZeRO-3 or FSDP (use ZeRO-1/2, --peft with the live reference, or a reference-free loss), a reference
+model other than the policy's starting point.
 """
 
 import copy
