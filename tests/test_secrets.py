@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from conftest import ENTRY, REPO
-from test_hub import TOKEN, hub, hub_env, train_args  # noqa: F401 (hub: the local Hub server fixture)
+from test_hub import TOKEN, data_files, hub, hub_env, train_args  # noqa: F401 (fixtures: the Hub server, the data)
 
 from cloudtrain.errors import UserError
 from cloudtrain.publish.hub import token_from_file
@@ -21,17 +21,6 @@ ENV_SECRETS = {
     "AWS_SECRET_ACCESS_KEY": "fakeSecretAccessKey/for+tests0123456789xyz",
     "MLFLOW_TRACKING_PASSWORD": "fake-mlflow-password-123",
 }
-
-
-@pytest.fixture(scope="module")
-def data_files(tmp_path_factory):
-    import pandas as pd
-    from conftest import topic_rows
-
-    folder = tmp_path_factory.mktemp("topics")
-    for split, n, offset in (("train", 20, 0), ("validation", 4, 1), ("test", 4, 2)):
-        pd.DataFrame(topic_rows(n, offset)).to_csv(folder / f"{split}.csv", index=False)
-    return folder
 
 
 def run(env: dict, *args: str) -> subprocess.CompletedProcess:

@@ -41,7 +41,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.parallel.mesh import Mesh
-from cloudtrain.publish.atomic import is_no_space
+from cloudtrain.publish.atomic import fsync, is_no_space
 
 STATE_FILE = "trainer_state.json"
 DATA_STATE_FILE = "data_state.json"  # a stream's cursor (cloudtrain.data.streaming), written by the trainer
@@ -504,7 +504,7 @@ class Checkpointer:
             os.replace(final, aside)
         os.replace(partial, final)
         shutil.rmtree(aside, ignore_errors=True)
-        _fsync_dir(self.folder)
+        fsync(self.folder)
 
     def _score(self, state: TrainerState) -> float | None:
         """The metric of the last evaluation before this save, oriented so that higher is better."""
@@ -545,14 +545,6 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class PreemptionSignal:

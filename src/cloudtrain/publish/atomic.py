@@ -98,12 +98,12 @@ def seal(output_dir: Path, remove: list[str]) -> list[str]:
     names = sorted(p.name for p in staging.iterdir() if p.name != SEALED)
     for path in staging.rglob("*"):
         if path.is_file():
-            _fsync(path)
+            fsync(path)
     tmp = staging / f"{SEALED}.tmp"
     tmp.write_text(json.dumps({"names": names, "remove": sorted(set(remove) - set(names))}) + "\n")
-    _fsync(tmp)
+    fsync(tmp)
     os.replace(tmp, staging / SEALED)
-    _fsync(staging)
+    fsync(staging)
     kill_point("publish.sealed")
     return names
 
@@ -122,7 +122,7 @@ def publish(output_dir: Path) -> None:
         if (staging / name).exists():
             os.replace(staging / name, output_dir / name)
             kill_point("publish.one_in_place")
-    _fsync(output_dir)
+    fsync(output_dir)
     shutil.rmtree(staging)
     shutil.rmtree(previous, ignore_errors=True)
 
@@ -146,7 +146,8 @@ def _move(source: Path, target: Path) -> None:
     os.replace(source, target)
 
 
-def _fsync(path: Path) -> None:
+def fsync(path: Path) -> None:
+    """A file's or a folder's data and entries on disk before anything counts on them."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
