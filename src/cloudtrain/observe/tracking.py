@@ -35,7 +35,7 @@ from accelerate import PartialState
 from accelerate.tracking import MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
 from PIL import Image
 
-from cloudtrain.config import Config, TrackingConfig
+from cloudtrain.config import Config, TrackingConfig, differs_from_default
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
 from cloudtrain.redact import mask_value
@@ -345,9 +345,10 @@ class WandB(RunMethods, WandBTracker):
 
         self.log({"training_curves": wandb.Image(str(curves_png))}, step=step)
         if self.context.tracking.log_model:
-            artifact = wandb.Artifact(
-                f"model-{self.run.id}", type="model", metadata=mask_value(self.context.cfg.to_dict())
-            )
+            cfg = self.context.cfg  # W&B takes at most 100 metadata keys: the options given, not every default
+            given = {k: v for k, v in cfg.to_dict().items() if differs_from_default(cfg, k)}
+            metadata = mask_value(dict(list(given.items())[:100]))
+            artifact = wandb.Artifact(f"model-{self.run.id}", type="model", metadata=metadata)
             for file in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
                 if file.is_file() and file.name != RUNS_FILE:
                     artifact.add_file(str(file))
