@@ -135,6 +135,7 @@ def test_nvme_rows_hold_deepspeeds_gpu_figure_and_move_the_offload_to_disk(tmp_p
     assert planning.cpu_bytes(facts, nvme, s)[0] < planning.cpu_bytes(facts, cpu_all, s)[0] / 20  # buffers only
 
     args = dict(task="causal_lm", num_gpus=8, gpu_memory_gb=80, cpu_memory_gb=512, max_length=4096)
+    args["mixed_precision"] = "bf16"  # not auto: the figures must not depend on this CPU
     without = planning.make_plan(plan_args("llama-2-70b", tmp_path / "a", **args))
     assert "zero3_nvme" not in json.dumps(without["recommendation"] or {})
     reasons = " ".join(without["recommendation"]["reasons"])
@@ -152,7 +153,7 @@ def test_nvme_rows_hold_deepspeeds_gpu_figure_and_move_the_offload_to_disk(tmp_p
 
 def test_a_dpo_reference_copy_is_counted_and_the_cheaper_ways_named(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    args = dict(task="dpo", num_gpus=8, gpu_memory_gb=80, max_length=1024)
+    args = dict(task="dpo", num_gpus=8, gpu_memory_gb=80, max_length=1024, mixed_precision="bf16")
     live = planning.make_plan(plan_args("llama-2-7b", tmp_path / "live", **args))
     pre = planning.make_plan(plan_args("llama-2-7b", tmp_path / "pre", precompute_reference="true", **args))
     P = live["model"]["num_params"]
