@@ -112,7 +112,11 @@ class Runtime:
         return broadcast_object_list([value])[0] if self.count > 1 else value
 
     def close(self) -> None:
-        """Leave the launch's process group at the end of a run (accelerate's stays with its state)."""
+        """Leave the launch's process group at the end of a multi-process run: left alive, gloo's threads can abort
+        the interpreter's exit (SIGABRT after a complete ZeRO-3 run, seen under load). One process has no group of
+        its own (accelerate's state, which in-process runs share, stays)."""
+        if self.count > 1 and dist.is_initialized():
+            dist.destroy_process_group()
 
     def run_on_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on the main process only; its result on every process."""
