@@ -15,6 +15,7 @@ only when used. User mistakes print one `error:` line and exit with status 2; no
 """
 
 import importlib
+import os
 import sys
 from pathlib import Path
 
@@ -71,7 +72,17 @@ def secret_options() -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    code = run_command(sys.argv[1:] if argv is None else list(argv))
+    if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # One process of a launch: everything is written and closed by now. Skip the interpreter's teardown, where
+        # gloo's and DeepSpeed's threads can abort (SIGABRT) a ZeRO-3 process whose run completed.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def run_command(argv: list[str]) -> int:
     secrets = secret_options()
     if any(arg.split("=")[0] in {f"--{name}" for name in secrets} for arg in argv):
         print(
