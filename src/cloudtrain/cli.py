@@ -73,9 +73,10 @@ def secret_options() -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     code = run_command(sys.argv[1:] if argv is None else list(argv))
-    if argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        # One process of a launch: everything is written and closed by now. Skip the interpreter's teardown, where
-        # gloo's and DeepSpeed's threads can abort (SIGABRT) a ZeRO-3 process whose run completed.
+    if code == 0 and argv is None and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # One process of a launch that succeeded: everything is written and closed by now. Skip the interpreter's
+        # teardown, where gloo's and DeepSpeed's threads can abort (SIGABRT) a ZeRO-3 process whose run completed.
+        # (A failing process exits as usual: the launcher stops the others only once each has said why.)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
