@@ -79,7 +79,13 @@ text-to-image: setup
 	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py
 	OMP_NUM_THREADS=1 $(PY) src/training_application.py --config configs/text_to_image_digits.yaml $(ARGS)
 
-test: setup
+# DeepSpeed's async I/O op (--offload_* nvme), compiled into torch's extension cache where libaio is installed:
+# the NVMe-offload test would otherwise spend minutes compiling it inside its own time limit.
+.PHONY: deepspeed-ops
+deepspeed-ops: $(PKG)
+	$(PY) scripts/build_deepspeed_ops.py
+
+test: setup deepspeed-ops
 	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 
 # ruff (lint and format; settings in pyproject.toml) and mypy over the package; .ci/run runs it before the tests.

@@ -438,3 +438,20 @@ def check_nvme(path: Path) -> None:
             "--offload_* nvme needs DeepSpeed's async I/O, which builds against libaio: install it "
             "(apt-get install libaio-dev, or yum install libaio-devel) or use --offload_* cpu"
         )
+    if not aio_built() and os.environ.get("RANK", "0") == "0":
+        print(
+            "DeepSpeed compiles its async I/O op at the start of this run, once (minutes on a small machine; "
+            "cached in torch's extension folder): `make deepspeed-ops` compiles it ahead",
+            flush=True,
+        )
+
+
+def aio_built() -> bool:
+    """Whether DeepSpeed's async I/O op loads without compiling: installed with DeepSpeed (DS_BUILD_AIO=1) or
+    compiled before into torch's extension cache."""
+    from deepspeed.git_version_info import installed_ops
+    from torch.utils.cpp_extension import _get_build_directory
+
+    if installed_ops.get("async_io"):
+        return True
+    return (Path(_get_build_directory("async_io", verbose=False)) / "async_io.so").exists()
