@@ -20,6 +20,8 @@ The hooks, in the order `Trainer.hooks` runs them:
                      sums not yet logged, in task_state.json)
     CallbackHook     the user's callbacks (--callbacks, cloudtrain.train(callbacks=...)), in
                      cloudtrain.training.callbacks: it sees what every hook above did at the step
+    ProfileHook      --profile: a torch.profiler trace of --profile_steps (main process only; no hook when off),
+                     in cloudtrain.observe.profile; last, so a traced step includes the hooks after it
 """
 
 from __future__ import annotations
