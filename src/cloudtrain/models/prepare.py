@@ -1,7 +1,8 @@
 """Model preparation: the ordered transforms every loaded model goes through before a trainer takes it.
 
 The order is fixed (`TRANSFORMS`), each step relying on those before it:
-1. `attention`: --attn_implementation, the kernel every later step (and probe) computes with;
+1. `attention`: --attn_implementation (varlen by default for packed rows), the kernel every later step (and
+   probe) computes with;
 2. `gradient_checkpointing`: before adapters, which build on it (QLoRA readies the inputs for it);
 3. `task_checks`: the task's checks of the model as it will compute (document isolation under --packing bfd);
    kernel options (fused modules and losses) belong here, before adapters wrap the modules they replace;
@@ -15,17 +16,23 @@ one function `(model, cfg, task, announce) -> model` placed in the list.
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.hardware import resolve_precision
+from cloudtrain.models.attention import VARLEN, varlen_kernel_available
 from cloudtrain.tasks.base import Task
 
 Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it, or a PeftModel, out
 
 
 def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
-    """The model computes with --attn_implementation, or the run stops: some models cannot switch and would
-    only log a warning."""
-    wanted = cfg.model.attn_implementation
+    """The model computes with --attn_implementation (default: `default_attention`), or the run stops: some
+    models cannot switch and would only log a warning."""
+    wanted = cfg.model.attn_implementation or default_attention(model, cfg, task)
+    if wanted == VARLEN:
+        check_varlen(model, cfg, task)
     if not wanted or model.config._attn_implementation == wanted:
         return model
     try:
@@ -37,7 +44,40 @@ def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
             f"--attn_implementation {wanted}: {type(model).__name__} cannot use it (it computes with "
             f"{model.config._attn_implementation}); leave the option out for transformers' choice"
         )
+    if announce and not cfg.model.attn_implementation:
+        print(f"attention: {wanted} (the default for --packing {cfg.data.packing})", flush=True)
     return model
+
+
+def default_attention(model: Any, cfg: Config, task: Task) -> str | None:
+    """varlen for packed rows of a task that passes their lengths, where it is at least as fast as sdpa with
+    the dense mask (docs/language-models.md); None (transformers' choice) otherwise."""
+    if cfg.data.packing != "bfd" or not getattr(task, "packed_attention", False) or _varlen_misfit(model.config):
+        return None
+    if not torch.cuda.is_available():
+        return VARLEN  # the per-document reference: no [B, 1, L, L] mask, fewer FLOPs
+    # On CUDA only with a varlen kernel for the 16-bit attention of mixed precision; otherwise sdpa's own.
+    return VARLEN if varlen_kernel_available() and resolve_precision(cfg.training.mixed_precision) != "no" else None
+
+
+def check_varlen(model: Any, cfg: Config, task: Task) -> None:
+    if not getattr(task, "packed_attention", False):
+        raise UserError(
+            f"--attn_implementation {VARLEN} is for decoders on packed rows (--task causal_lm or sft); "
+            "leave the option out for transformers' choice"
+        )
+    misfit = _varlen_misfit(model.config)
+    if misfit:
+        raise UserError(f"--attn_implementation {VARLEN}: {type(model).__name__} {misfit}; use sdpa")
+
+
+def _varlen_misfit(config: Any) -> str | None:
+    """Why a model's attention is more than causal softmax attention, which the varlen kernels compute."""
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "uses sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "caps its attention logits"
+    return None
 
 
 def gradient_checkpointing(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
