@@ -9,8 +9,9 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
   config's `deepspeed_config` section. The JSON's "auto" values are filled from the application's
   options; values that disagree with them are an error naming both. With no GPU, gloo is passed
   explicitly (never `cpu=True`, which makes accelerate drop DeepSpeed).
-- FSDP (version 2, transformer-layer auto-wrap) through accelerate's FSDP plugin: GPU only, since
-  accelerate does not shard on CPU; refused there instead of silently running DDP.
+- FSDP2 (torch's fully_shard) through accelerate's FSDP plugin, built by cloudtrain.parallel.fsdp from the
+  --fsdp_* flags or an accelerate FSDP config; on GPUs, and on CPU processes (gloo), where accelerate's FSDP
+  mode is switched on explicitly (it would otherwise silently run DDP).
 - A user JSON may carry its own `optimizer` and `scheduler` sections: DeepSpeed then builds them (the
   optimizer from accelerate's placeholder, cloudtrain.training.optim), their "auto" values filled from
   --learning_rate, --weight_decay, --warmup_steps and --max_steps; --optim or schedule options given
@@ -34,12 +35,12 @@ from accelerate import Accelerator
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
-    FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
 )
 
 from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
+from cloudtrain.parallel.fsdp import build_plugin, enable_on_cpu, parallelism
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
 
@@ -349,10 +350,15 @@ def check_distributed(cfg: Config) -> None:
                 "DeepSpeed on CPU needs a launcher to start its process group: torchrun --nproc_per_node N "
                 "src/training_application.py ... (or accelerate launch), also for one process"
             )
-    if wants_fsdp and not torch.cuda.is_available():
+    check_fsdp_launch(cfg)
+
+
+def check_fsdp_launch(cfg: Config) -> None:
+    """FSDP shards over a process group, which a launcher starts (plain `python` would train unsharded)."""
+    if fsdp_requested(cfg) and "WORLD_SIZE" not in os.environ:
         raise UserError(
-            "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
-            "on this machine use plain multi-process (DDP) or --zero_stage 3"
+            "FSDP needs a launcher to start its process group: torchrun --nproc_per_node N "
+            "src/training_application.py ... (or accelerate launch), also for one process"
         )
 
 
@@ -388,18 +394,13 @@ def build_accelerator(cfg: Config) -> Accelerator:
             zero3_init_flag=zero.get("stage") == 3,
             zero3_save_16bit_model=zero.get("stage3_gather_16bit_weights_on_model_save"),
         )
-    fsdp = (
-        FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT"
-        )
-        if cfg.distributed.fsdp
-        else None
-    )
+    fsdp = build_plugin(cfg) if fsdp_requested(cfg) else None
     accelerator = Accelerator(
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         deepspeed_plugin=plugin,
         fsdp_plugin=fsdp,
+        parallelism_config=parallelism(cfg, launched_processes()) if fsdp else None,
         cpu=not gpu and plugin is None,  # no GPU: accelerate's MULTI_CPU path, which uses gloo
         kwargs_handlers=[
             *([InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else []),
@@ -408,6 +409,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ],
     )
+    if fsdp is not None and not gpu:
+        enable_on_cpu(accelerator, fsdp)
     if accelerator.num_processes != launched_processes():
         raise UserError(
             f"the launcher started {launched_processes()} processes but they did not join one "
