@@ -22,6 +22,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import datasets
 import torch
@@ -37,6 +38,7 @@ from cloudtrain.data.packing import (
     IGNORE_INDEX,
     CausalLMCollator,
     causal_lm_forward,
+    forward_inputs,
     isolation_error,
     pack,
     shifted_loss,
@@ -45,6 +47,7 @@ from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
+from cloudtrain.models.kernels import hidden_states, linear_cross_entropy, output_head
 from cloudtrain.models.load import (
     check_checkpoint,
     check_sizes,
@@ -93,6 +96,7 @@ class CausalLMTask(DecoderTask):
         super().__init__(cfg)
         self.cfg: Config = cfg
         self.tokenizer: PreTrainedTokenizerBase | None = None  # set by `process`, used for sample generations
+        self.loss_kernel: str | None = None  # --fused_cross_entropy's backend, set by models.prepare
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -271,7 +275,29 @@ class CausalLMTask(DecoderTask):
         return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
+        if self.loss_kernel is None:
+            return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
+        # --fused_cross_entropy: from the hidden states, the logits never held whole
+        hidden = hidden_states(model, forward_inputs(model, batch))
+        head = output_head(model)
+        weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)
+        targets = batch["labels"][:, 1:].to(hidden.device)
+        total = linear_cross_entropy(
+            self.loss_kernel,
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+            weight,
+            bias,
+            targets.reshape(-1),
+        )
+        return total, (targets != IGNORE_INDEX).sum()
+
+    def use_loss_kernel(self, backend: str | None) -> bool:
+        """Compute the training loss with `backend` (cloudtrain.models.kernels), or plainly (None); False where
+        this task's loss is its own (DPO)."""
+        if type(self).loss is not CausalLMTask.loss:
+            return False
+        self.loss_kernel = backend
+        return True
 
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, count) from the logits (a pipeline's last stage computes them, not `loss`)."""
