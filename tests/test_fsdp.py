@@ -21,7 +21,9 @@ from test_distributed import accelerate_launch, free_port, launch, logged_losses
 
 from cloudtrain.config import build_config
 from cloudtrain.parallel import fsdp
+from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.fsdp import fsdp_settings, layer_classes, shard_degrees
+from cloudtrain.parallel.mesh import Mesh
 
 FSDP_YAML = "configs/accelerate/fsdp.yaml"
 
@@ -60,9 +62,14 @@ def test_sharding_strategies_give_the_data_parallel_mesh(monkeypatch):
     assert shard_degrees("hybrid_shard", 16, 8) == (2, 8)  # sharded within a node, replicated across nodes
     assert shard_degrees("no_shard", 16, 8) == (16, 1)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    config = fsdp.parallelism(build_config({"fsdp": True, "fsdp_sharding_strategy": "hybrid_shard"}), 4)
+    hybrid = build_config({"fsdp": True, "fsdp_sharding_strategy": "hybrid_shard"})
+    config = fsdp.parallelism(hybrid, 4)
     assert config is not None and (config.dp_replicate_size, config.dp_shard_size) == (2, 2)
+    assert fsdp.mesh(hybrid, 4) == Mesh(world=4, dp_replicate=2, dp_shard=2)
     assert fsdp.parallelism(build_config({"fsdp": True}), 4) is None
+    assert sharding(build_config({"fsdp": True})) == Sharding(fsdp=True)
+    # no_shard keeps the whole model on every process: that is DDP, and runs as DDP
+    assert sharding(build_config({"fsdp": True, "fsdp_sharding_strategy": "no_shard"})) == Sharding()
 
 
 def test_the_sharded_units_are_the_repeated_layers_never_an_embedding_block(
@@ -242,14 +249,15 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
 
 @pytest.mark.slow
 def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_llama_dir, corpus, tmp_path):
-    """Full fine-tuning of a decoder with bfd packing: 2 FSDP2 processes x 2 rows match 1 process x 4 rows (the
-    loss is normalised by the global token count); then LoRA under FSDP2 saves an adapter that loads onto the
-    base and holds the trained adapter weights."""
+    """Full fine-tuning of a decoder with bfd packing and CPU offload: 2 FSDP2 processes x 2 rows match 1 process
+    x 4 rows (the loss is normalised by the global token count); then LoRA under FSDP2 saves an adapter that
+    loads onto the base and holds the trained adapter weights."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     two, one, lora = tmp_path / "two", tmp_path / "one", tmp_path / "lora"
-    launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, two, "--per_device_train_batch_size", "2", "--fsdp", "true"))
+    offloaded = ["--fsdp", "true", "--fsdp_cpu_offload", "true"]  # on CPU too: the offload policy's path
+    launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, two, "--per_device_train_batch_size", "2", *offloaded))
     launch(torchrun(1), *lm_args(tiny_llama_dir, corpus, one, "--per_device_train_batch_size", "4"))
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-4)
     saved = load_file(two / "model.safetensors")

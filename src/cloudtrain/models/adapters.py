@@ -45,7 +45,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.parallel.distributed import fsdp_requested
+from cloudtrain.parallel.distributed import fsdp_shards
 from cloudtrain.publish import atomic
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is_adapter_dir
 
@@ -80,7 +80,7 @@ def check_options(cfg: Config, auto_class: type) -> None:
                 "--peft qlora cannot shard its 4-bit base weights with ZeRO-3; use --fsdp true (which shards "
                 "them), DDP, --zero_stage 1 or 2, or --peft lora"
             )
-        if fsdp_requested(cfg) and cfg.training.mixed_precision in ("no", "fp16"):
+        if fsdp_shards(cfg) and cfg.training.mixed_precision in ("no", "fp16"):
             raise UserError(
                 "--peft qlora under FSDP stores the 4-bit base in bf16 so that it can be sharded; "
                 "pass --mixed_precision bf16"
@@ -135,7 +135,7 @@ def load_options(cfg: Config, auto_class: type) -> dict:
         keep = [name for name, child in model.named_children() if name != model.base_model_prefix]
         # Under FSDP the packed 4-bit values are stored as bf16 (the compute dtype), not uint8: FSDP shards
         # floating-point parameters only and needs one dtype across each layer's frozen weights.
-        storage = torch.bfloat16 if fsdp_requested(cfg) else torch.uint8
+        storage = torch.bfloat16 if fsdp_shards(cfg) else torch.uint8
         quantization = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",

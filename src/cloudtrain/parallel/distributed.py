@@ -40,7 +40,8 @@ from accelerate.utils import (
 
 from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
-from cloudtrain.parallel.fsdp import build_plugin, enable_on_cpu, parallelism
+from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings
+from cloudtrain.parallel.fsdp import enable as enable_fsdp
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
 
@@ -143,7 +144,7 @@ class Sharding:
 def sharding(cfg: Config) -> Sharding:
     requested = requested_deepspeed(cfg)
     if requested is None:
-        return Sharding(fsdp=cfg.distributed.fsdp or env_flag("ACCELERATE_USE_FSDP"))
+        return Sharding(fsdp=fsdp_shards(cfg))
     zero = requested[1].get("zero_optimization", {})
 
     def offloaded(key: str) -> bool:
@@ -303,6 +304,11 @@ def fsdp_requested(cfg: Config) -> bool:
     return cfg.distributed.fsdp or env_flag("ACCELERATE_USE_FSDP")
 
 
+def fsdp_shards(cfg: Config) -> bool:
+    """FSDP was asked for with a strategy that shards: no_shard replicates the whole model, which is DDP."""
+    return fsdp_requested(cfg) and fsdp_settings(cfg)["strategy"] != "no_shard"
+
+
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
     from cloudtrain.registry import TRAINERS
@@ -394,13 +400,14 @@ def build_accelerator(cfg: Config) -> Accelerator:
             zero3_init_flag=zero.get("stage") == 3,
             zero3_save_16bit_model=zero.get("stage3_gather_16bit_weights_on_model_save"),
         )
-    fsdp = build_plugin(cfg) if fsdp_requested(cfg) else None
+    fsdp = build_plugin(cfg) if fsdp_shards(cfg) else None
+    if fsdp_requested(cfg) and fsdp is None:  # no_shard: DDP, also where an accelerate config asked for FSDP
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
     accelerator = Accelerator(
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
         deepspeed_plugin=plugin,
         fsdp_plugin=fsdp,
-        parallelism_config=parallelism(cfg, launched_processes()) if fsdp else None,
         cpu=not gpu and plugin is None,  # no GPU: accelerate's MULTI_CPU path, which uses gloo
         kwargs_handlers=[
             *([InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else []),
@@ -409,8 +416,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ],
     )
-    if fsdp is not None and not gpu:
-        enable_on_cpu(accelerator, fsdp)
+    if fsdp is not None:
+        enable_fsdp(accelerator, fsdp, cfg)
     if accelerator.num_processes != launched_processes():
         raise UserError(
             f"the launcher started {launched_processes()} processes but they did not join one "

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from accelerate import Accelerator, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from cloudtrain.config import Config
+from cloudtrain.parallel.mesh import Mesh
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 # what an `accelerate launch` FSDP config's sharding strategy names (FSDP1 numbers or names) mean here
@@ -86,6 +88,12 @@ def shard_degrees(strategy: str, processes: int, per_node: int) -> tuple[int, in
     return 1, processes
 
 
+def mesh(cfg: Config, processes: int) -> Mesh:
+    """The launch's mesh under FSDP: sharded over every process, or (hybrid_shard) within each node."""
+    replicate, shard = shard_degrees(fsdp_settings(cfg)["strategy"], processes, processes_per_node())
+    return Mesh(world=processes, dp_replicate=replicate, dp_shard=shard)
+
+
 def processes_per_node() -> int:
     return int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
 
@@ -97,10 +105,15 @@ def build_plugin(cfg: Config) -> LayerWrapPlugin:
         auto_wrap_policy="transformer_based_wrap",
         state_dict_type="SHARDED_STATE_DICT",  # checkpoints: each process writes its shard (DCP)
         reshard_after_forward=settings["reshard_after_forward"],
-        cpu_offload=settings["cpu_offload"],
+        cpu_offload=offload_policy(settings["cpu_offload"]),
         cpu_ram_efficient_loading=False,  # every process loads the model: no meta-device round trip
         transformer_cls_names_to_wrap=_launcher_layer_classes(),
     )
+
+
+def offload_policy(offload: bool) -> OffloadPolicy:
+    """FSDP2's offload: the shards in (pinned, where there is a GPU to copy to) CPU memory, or kept on the device."""
+    return CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
 
 
 def _launcher_layer_classes() -> list[str] | None:
@@ -114,6 +127,18 @@ def parallelism(cfg: Config, processes: int) -> ParallelismConfig | None:
     if replicate == 1:
         return None
     return ParallelismConfig(dp_replicate_size=replicate, dp_shard_size=shard)
+
+
+def enable(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin, cfg: Config) -> None:
+    """The launch's data-parallel mesh (hybrid or unsharded), given to accelerate after it is built, the same on
+    GPUs and CPU (accelerate would refuse it on CPU before its FSDP mode is on there)."""
+    if accelerator.device.type == "cpu":
+        enable_on_cpu(accelerator, plugin)
+    config = parallelism(cfg, accelerator.num_processes)
+    if config is not None:
+        accelerator.state.parallelism_config = config
+        accelerator.state.device_mesh = config.get_device_mesh(accelerator.device.type)
+        config._validate_accelerator(accelerator)
 
 
 def enable_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlugin) -> None:
