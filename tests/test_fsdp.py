@@ -248,20 +248,26 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
 
 
 @pytest.mark.slow
-def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_llama_dir, corpus, tmp_path):
-    """Full fine-tuning of a decoder with bfd packing and CPU offload: 2 FSDP2 processes x 2 rows match 1 process
-    x 4 rows (the loss is normalised by the global token count); then LoRA under FSDP2 saves an adapter that
-    loads onto the base and holds the trained adapter weights."""
+def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny_llama_dir, corpus, tmp_path):
+    """Full fine-tuning of a decoder with tied embeddings (GPT-2) with bfd packing, CPU offload, gradient
+    checkpointing and accumulation: 2 FSDP2 processes x 1 row x 2 micro-batches match 1 process x 4 rows (the
+    loss is normalised by the global token count); then LoRA on a Llama under FSDP2 saves an adapter that loads
+    onto the base and holds the trained adapter weights."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     two, one, lora = tmp_path / "two", tmp_path / "one", tmp_path / "lora"
-    offloaded = ["--fsdp", "true", "--fsdp_cpu_offload", "true"]  # on CPU too: the offload policy's path
-    launch(torchrun(2), *lm_args(tiny_llama_dir, corpus, two, "--per_device_train_batch_size", "2", *offloaded))
-    launch(torchrun(1), *lm_args(tiny_llama_dir, corpus, one, "--per_device_train_batch_size", "4"))
+    sharded = ["--fsdp", "true", "--fsdp_cpu_offload", "true", "--gradient_checkpointing", "true"]
+    launch(
+        torchrun(2),
+        *lm_args(tiny_gpt2_dir, corpus, two, "--per_device_train_batch_size", "1",
+                 "--gradient_accumulation_steps", "2", *sharded),
+    )  # fmt: skip
+    launch(torchrun(1), *lm_args(tiny_gpt2_dir, corpus, one, "--per_device_train_batch_size", "4"))
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-4)
     saved = load_file(two / "model.safetensors")
     model, info = AutoModelForCausalLM.from_pretrained(two, output_loading_info=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert_saved_is_the_trained(saved, checkpoint_model(two / "checkpoints" / "checkpoint-4", tmp_path))
 
