@@ -116,8 +116,8 @@ test-gpu: setup
 	$(PY) -m pytest $(GPU_TESTS) -m gpu -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 
 # `make gpu-check` (CUDA only; refuses in one line without a GPU): versions and devices, the gpu tier, then
-# bench/gpu.py for 40 steps; writes outputs/gpu-check/report.md (pass/fail/skip per test, tokens/s, MFU, peak
-# memory beside the planner's estimate). `ARGS="--steps 100 --workers 8"` changes the budget.
+# bench/gpu.py's defaults variant for 40 steps; writes outputs/gpu-check/report.md (pass/fail/skip per test,
+# tokens/s, MFU, peak memory beside the planner's estimate). `ARGS="--steps 100 --workers 8"` changes the budget.
 .PHONY: gpu-check
 gpu-check: setup
 	@$(PY) scripts/gpu_check.py $(ARGS)

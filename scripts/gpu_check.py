@@ -1,12 +1,13 @@
 """`make gpu-check`: everything GPU-specific, checked in one command on a machine with a CUDA GPU.
 
-In order: the versions and the device; the gpu tier (`pytest -m gpu`, every test marked gpu, four
-pytest-xdist workers); bench/gpu.py on a short budget (tokens/s, MFU, peak memory beside the planner's
-estimate). Then a report, printed and written to <out>/report.md and <out>/report.json: pass, fail or
-skip (with its reason) per test, and the benchmark's figures. Without CUDA it refuses in one line (exit 2)
-before doing anything; it exits 1 when a test failed or the benchmark did not run, else 0.
+In order: the versions and the device; the gpu tier (`pytest -m gpu` over the modules holding gpu
+tests, four pytest-xdist workers); bench/gpu.py on a short budget (its `defaults` variant, 40 steps,
+240 s at most: tokens/s, MFU, peak memory beside the planner's estimate). Then a report, printed and
+written to <out>/report.md and <out>/report.json: pass, fail or skip (with its reason) per test, and
+the benchmark's figures. Without CUDA it refuses in one line (exit 2) before doing anything; it exits 1
+when a test failed or the benchmark did not run, else 0.
 
-    python scripts/gpu_check.py [--out outputs/gpu-check] [--steps 40] [--workers 4]
+    python scripts/gpu_check.py [--out outputs/gpu-check] [--steps 40] [--bench_variants defaults] [--workers 4]
 """
 
 import argparse
@@ -36,8 +37,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default=str(REPO / "outputs" / "gpu-check"), help="folder of the report and logs")
     p.add_argument("--workers", type=int, default=4, help="pytest-xdist workers for the gpu tier (0: one process)")
     p.add_argument("--test_timeout", type=int, default=300, help="seconds before one gpu test is given up")
-    p.add_argument("--steps", type=int, default=40, help="bench/gpu.py's training steps (its default is 300)")
-    p.add_argument("--bench_timeout", type=int, default=300, help="seconds before bench/gpu.py's run is given up")
+    p.add_argument("--steps", type=int, default=40, help="bench/gpu.py's timed steps per variant")
+    p.add_argument(
+        "--bench_variants", default="defaults", help="bench/gpu.py's --variants (defaults: the application alone)"
+    )
+    p.add_argument("--bench_budget_s", type=int, default=240, help="bench/gpu.py's --budget_s (its whole run)")
     args = p.parse_args(argv)
     if args.steps < 2 * BENCH_LOGGING_STEPS or args.workers < 0:
         p.error(f"--steps must be at least {2 * BENCH_LOGGING_STEPS} (two logging intervals), --workers at least 0")
@@ -87,6 +91,17 @@ def environment() -> dict:
     return {"versions": versions, "devices": devices, "driver": driver or "unknown"}
 
 
+def describe(env: dict) -> str:
+    """The versions on one line, then one line per device."""
+    lines = [", ".join(f"{name} {version}" for name, version in env["versions"].items())]
+    lines += [
+        f"cuda:{i} {d['name']}, {d['memory'] / GIB:.1f} GiB, compute capability {d['capability']}, "
+        f"driver {env['driver']}"
+        for i, d in enumerate(env["devices"])
+    ]
+    return "\n".join(lines)
+
+
 def _version(name: str) -> str:
     try:
         return metadata.version(name)
@@ -117,8 +132,8 @@ def tier_command(args: argparse.Namespace, junit: Path) -> list[str]:
 
 
 def parse_junit(path: Path) -> list[TestResult]:
-    """Each test of a pytest junit XML file, once, with its worst outcome (a failed call and an error in its
-    teardown are two <testcase> entries)."""
+    """Each test of a pytest junit XML file, once, with its worst outcome and every message (a failed call
+    and an error in its teardown are two <testcase> entries)."""
     results: dict[str, TestResult] = {}
     for case in ET.parse(path).getroot().iter("testcase"):
         test = f"{case.get('classname', '')}::{case.get('name', '')}".lstrip(":")
@@ -130,8 +145,11 @@ def parse_junit(path: Path) -> list[TestResult]:
                 break
         seconds = float(case.get("time") or 0)
         earlier = results.get(test)
-        if earlier is None or OUTCOMES.index(outcome) < OUTCOMES.index(earlier.outcome):
-            results[test] = TestResult(test, outcome, detail, seconds + (earlier.seconds if earlier else 0))
+        if earlier is not None:  # the same test again: its worse outcome, both messages
+            outcome = min(outcome, earlier.outcome, key=OUTCOMES.index)
+            detail = "; ".join(d for d in (earlier.detail, detail) if d)
+            seconds += earlier.seconds
+        results[test] = TestResult(test, outcome, detail, seconds)
     return list(results.values())
 
 
@@ -143,22 +161,27 @@ def _first_line(text: str) -> str:
 # ---------------------------------------------------------------- bench/gpu.py
 def bench_command(args: argparse.Namespace, out: Path) -> list[str]:
     command = [sys.executable, str(REPO / "bench" / "gpu.py"), "--steps", str(args.steps)]
-    command += ["--logging_steps", str(BENCH_LOGGING_STEPS), "--timeout", str(args.bench_timeout)]
+    command += ["--logging_steps", str(BENCH_LOGGING_STEPS), "--variants", args.bench_variants]
+    command += ["--budget_s", str(args.bench_budget_s)]
     return command + ["--out", str(out)]
 
 
 def bench_rows(bench: dict) -> list[dict]:
-    """One row per attention kernel of bench/gpu.py's JSON: tokens/s, MFU, peak memory and the planner's
-    estimate (its total, and without its overhead term: what the allocator's peak is compared with)."""
+    """One row per run (variant) of bench/gpu.py's JSON: tokens/s, MFU, peak memory and the planner's
+    estimate (its total, and without its overhead term: what the allocator's peak is compared with);
+    {name, error} for a run that was refused, failed or skipped."""
     plan = bench.get("planner") or {}
     rows = []
     for run in bench.get("runs", []):
-        row: dict = {"attention": run.get("attention", "?")}
-        if "error" in run:
-            rows.append(row | {"error": run["error"]})
+        name = run.get("variant") or run.get("attention") or "?"
+        status = run.get("status") or ("error" if "error" in run else "ok")
+        if status != "ok":
+            error = run.get("error") or ""
+            rows.append({"name": name, "error": error if error.startswith(status) else f"{status}: {error}"})
             continue
         peak = run.get("peak_memory") or {}
-        row |= {
+        row = {
+            "name": name,
             "tokens_per_s": run.get("tokens_per_s"),
             "mfu": run.get("mfu"),
             "peak_allocated": peak.get("allocated"),
@@ -195,10 +218,7 @@ def render(report: dict) -> str:
     lines = [f"# gpu-check: {status}", "", f"{report['date']}, {report['seconds']:.0f} s in all", ""]
     lines += ["| package | version |", "|---|---|"]
     lines += [f"| {name} | {version} |" for name, version in env["versions"].items()]
-    lines += ["", f"Driver {env['driver']}; devices:"] + [
-        f"- cuda:{i} {d['name']}, {d['memory'] / GIB:.1f} GiB, compute capability {d['capability']}"
-        for i, d in enumerate(env["devices"])
-    ]
+    lines += [""] + [f"- {line}" for line in describe(env).splitlines()[1:]]
     lines += ["", "## The gpu tier (`pytest -m gpu`)", ""]
     if tests is None:
         lines.append("No result: pytest ended before writing its junit XML (its output is above).")
@@ -219,18 +239,18 @@ def render(report: dict) -> str:
             f"{s.get('preset')}, {s.get('steps')} steps of {s.get('batch_size')} x {s.get('max_length')} tokens, "
             f"precision {s.get('mixed_precision')}, packing {s.get('packing')}, on {bench.get('device')}",
             "",
-            "| attention | tokens/s | MFU | peak allocated GiB | planner GiB (without overhead / total) | "
+            "| run | tokens/s | MFU | peak allocated GiB | planner GiB (without overhead / total) | "
             "allocated / planner |",
             "|---|---|---|---|---|---|",
         ]
         for r in bench_rows(bench):
             if "error" in r:
-                lines.append(f"| {r['attention']} | failed: {r['error'].replace('|', '/')} | | | | |")
+                lines.append(f"| {r['name']} | {r['error'].replace('|', '/')} | | | | |")
                 continue
             mfu = "n/a" if r["mfu"] is None else f"{r['mfu']:.1%}"
             ratio = r.get("allocated_vs_planner")
             lines.append(
-                f"| {r['attention']} | {_number(r['tokens_per_s'])} | {mfu} | {_gib(r['peak_allocated'])} | "
+                f"| {r['name']} | {_number(r['tokens_per_s'])} | {mfu} | {_gib(r['peak_allocated'])} | "
                 f"{_gib(r['planner_without_overhead'])} / {_gib(r['planner_total'])} | "
                 f"{'n/a' if ratio is None else f'{ratio:.0%}'} |"
             )
@@ -275,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     start, out = time.monotonic(), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = environment()
-    print(json.dumps(env, indent=1), flush=True)
+    print(describe(env), flush=True)
     junit, bench_json = out / "gpu-tier.xml", out / "bench.json"
     for stale in (junit, bench_json):
         stale.unlink(missing_ok=True)
@@ -284,11 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     subprocess.run(tier_command(args, junit), cwd=REPO)
     tests = parse_junit(junit) if junit.is_file() else None
 
-    print(f"\n[{time.strftime('%H:%M:%S')}] bench/gpu.py, {args.steps} steps", flush=True)
+    print(f"\n[{time.strftime('%H:%M:%S')}] {' '.join(bench_command(args, bench_json)[1:])}", flush=True)
+    limit = args.bench_budget_s + 300  # its own budget, and the planner and corpus set-up beyond it
     try:
-        subprocess.run(bench_command(args, bench_json), cwd=REPO, timeout=2 * args.bench_timeout + 300)
+        subprocess.run(bench_command(args, bench_json), cwd=REPO, timeout=limit)
     except subprocess.TimeoutExpired:
-        print(f"bench/gpu.py gave no result within {2 * args.bench_timeout + 300} s", flush=True)
+        print(f"bench/gpu.py was stopped after {limit} s", flush=True)
     bench = json.loads(bench_json.read_text()) if bench_json.is_file() else None
 
     report = write_report(out, env, tests, bench, time.monotonic() - start)

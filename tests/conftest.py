@@ -99,14 +99,14 @@ def pytest_unconfigure(config):
     subprocess.Popen.__init__ = _POPEN_INIT  # type: ignore[method-assign]
 
 
-@pytest.hookimpl(wrapper=True)
+@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """Set up, run and tear down `item` with its children's GPUs decided by its gpu marker (session
     fixtures first built during it included)."""
     global _RUNNING_GPU_TEST
     _RUNNING_GPU_TEST = item.get_closest_marker("gpu") is not None
     try:
-        return (yield)
+        yield
     finally:
         _RUNNING_GPU_TEST = None
 

@@ -169,7 +169,8 @@ def real_junit(tmp_path: Path, source: str) -> Path:
 
 
 def fake_bench(**run) -> dict:
-    """bench/gpu.py's JSON (its keys as it writes them), with the figures of issue 29's H100 run."""
+    """bench/gpu.py's JSON (its keys as it writes them), with the figures of issue 29's H100 run; a second
+    variant the application refused."""
     return {
         "settings": {
             "preset": "llama-600m",
@@ -182,12 +183,16 @@ def fake_bench(**run) -> dict:
         "device": "NVIDIA H100 80GB HBM3",
         "runs": [
             {
+                "variant": "defaults",
+                "runner": "cloudtrain",
+                "status": "ok",
                 "attention": "sdpa",
                 "tokens_per_s": 58365.2,
                 "mfu": 0.227,
                 "peak_memory": {"allocated": int(35.66 * 2**30), "reserved": int(37.0 * 2**30)},
                 **run,
-            }
+            },
+            {"variant": "varlen", "runner": "cloudtrain", "status": "refused", "error": "no such kernel"},
         ],
         "planner": {"total": int(30.0 * 2**30), "without_overhead": int(27.47 * 2**30), "overhead": 1},
     }
@@ -213,6 +218,7 @@ def test_gpu_check_reads_each_outcome_from_pytests_junit(tmp_path):
     assert results["test_skipped"].detail == "a pipeline on NCCL needs 2 GPUs (one per stage)"
     assert results["test_skips_inside"].detail == "no native bf16"
     assert "fixture broke" in results["test_errors"].detail and results["test_passes"].detail == ""
+    assert "arithmetic is off" in results["test_fails"].detail and "teardown broke" in results["test_fails"].detail
 
 
 def test_gpu_check_writes_its_report(tmp_path):
@@ -225,7 +231,8 @@ def test_gpu_check_writes_its_report(tmp_path):
     assert text.startswith("# gpu-check: FAIL: 2 gpu test(s) failed")
     assert "1 passed, 2 skipped, 2 error" in text
     assert "| test_fake::test_skipped | skipped | a pipeline on NCCL needs 2 GPUs (one per stage) |" in text
-    assert "| sdpa | 58,365 | 22.7% | 35.66 | 27.47 / 30.00 | 130% |" in text
+    assert "| defaults | 58,365 | 22.7% | 35.66 | 27.47 / 30.00 | 130% |" in text
+    assert "| varlen | refused: no such kernel |" in text
     assert "| torch | 2.11.0+cu130 |" in text and "NVIDIA H100 80GB HBM3, 79.6 GiB" in text
     assert json.loads((out / "report.json").read_text())["tests"][0]["test"].startswith("test_fake::")
 
@@ -233,10 +240,10 @@ def test_gpu_check_writes_its_report(tmp_path):
     report = gpu_check.write_report(out, FAKE_ENV, passing, fake_bench(), 1.0)
     assert report["problems"] == [] and (out / "report.md").read_text().startswith("# gpu-check: PASS")
 
-    failed_bench = fake_bench(error="OutOfMemoryError: CUDA out of memory")
+    failed_bench = fake_bench(status="error", error="OutOfMemoryError: CUDA out of memory")
     report = gpu_check.write_report(out, FAKE_ENV, passing, failed_bench, 1.0)
     assert report["problems"] == ["bench/gpu.py produced no result"]
-    assert "| sdpa | failed: OutOfMemoryError: CUDA out of memory |" in (out / "report.md").read_text()
+    assert "| defaults | error: OutOfMemoryError: CUDA out of memory |" in (out / "report.md").read_text()
     report = gpu_check.write_report(out, FAKE_ENV, None, None, 1.0)
     assert len(report["problems"]) == 2 and "No result" in (out / "report.md").read_text()
 
@@ -247,11 +254,12 @@ def test_gpu_check_passes_options_bench_gpu_accepts():
     import gpu as bench_gpu
 
     gpu_check = load_gpu_check()
-    args = gpu_check.parse_args(["--steps", "30", "--bench_timeout", "200"])
+    args = gpu_check.parse_args(["--steps", "30", "--bench_budget_s", "200"])
     command = gpu_check.bench_command(args, Path("/tmp/b.json"))
     parsed = bench_gpu.parse_args(command[2:])
-    assert (parsed.steps, parsed.timeout, parsed.out) == (30, 200, "/tmp/b.json")
+    assert (parsed.steps, parsed.budget_s, parsed.out, parsed.variants) == (30, 200, "/tmp/b.json", "defaults")
     assert parsed.steps // parsed.logging_steps >= 2  # a steady interval after the warm-up one
+    assert [run["variant"] for run in bench_gpu.variants(parsed)] == ["defaults"]
     tier = gpu_check.tier_command(args, Path("j.xml"))
     assert tier[1:3] == ["-m", "pytest"] and any(tier[i : i + 2] == ["-m", "gpu"] for i in range(3, len(tier)))
     assert "tests/test_gpu.py" in tier and "tests/test_gpu_tier.py" not in tier  # the modules with gpu tests
@@ -310,3 +318,23 @@ def test_this_torch_has_the_apis_the_lower_bound_is_chosen_for():
     assert isinstance(torch.backends.cuda.matmul.fp32_precision, str)  # --tf32 (2.9)
     assert hasattr(torch.optim, "Muon")  # --optim muon (2.9)
     assert not torch.amp.GradScaler("cpu", enabled=False).is_enabled()  # the basic trainer's scaler
+
+
+@pytest.mark.slow  # a minute or two: bench/gpu.py trains a tiny Llama through the application on CPU
+def test_gpu_check_reads_bench_gpus_real_output(tmp_path):
+    """bench/gpu.py's JSON as it writes it today (on CPU: no MFU, no peak memory) into the report."""
+    from conftest import write_tab
+
+    out = tmp_path / "gpu.json"
+    command = [sys.executable, str(REPO / "bench" / "gpu.py"), "--device", "cpu", "--preset", "llama-8m"]
+    command += ["--steps", "2", "--batch_size", "2", "--max_length", "64", "--logging_steps", "1"]
+    command += ["--profile_steps", "1", "--vocab_size", "512", "--variants", "defaults"]
+    command += ["--tab", str(write_tab(tmp_path / "t.tab")), "--out", str(out)]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=900, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    gpu_check = load_gpu_check()
+    (row,) = gpu_check.bench_rows(json.loads(out.read_text()))
+    assert row["name"] == "defaults" and row["tokens_per_s"] > 0 and row["mfu"] is None, row
+    report = gpu_check.write_report(tmp_path / "report", FAKE_ENV, [], json.loads(out.read_text()), 1.0)
+    assert report["problems"] == ["no test is marked gpu"]  # the benchmark's result was read
+    assert f"| defaults | {row['tokens_per_s']:,.0f} | n/a | n/a |" in (tmp_path / "report" / "report.md").read_text()
