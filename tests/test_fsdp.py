@@ -251,8 +251,8 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
 def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny_llama_dir, corpus, tmp_path):
     """Full fine-tuning of a decoder with tied embeddings (GPT-2) with bfd packing, CPU offload, gradient
     checkpointing and accumulation: 2 FSDP2 processes x 1 row x 2 micro-batches match 1 process x 4 rows (the
-    loss is normalised by the global token count); then LoRA on a Llama under FSDP2 saves an adapter that loads
-    onto the base and holds the trained adapter weights."""
+    loss is normalised by the global token count); then LoRA on a Llama under FSDP2 in bf16 saves an adapter that
+    loads onto the base and holds the trained adapter weights, and resumes from its mid-run checkpoint exactly."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -271,12 +271,11 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert_saved_is_the_trained(saved, checkpoint_model(two / "checkpoints" / "checkpoint-4", tmp_path))
 
-    launch(
-        torchrun(2),
-        *lm_args(tiny_llama_dir, corpus, lora, "--per_device_train_batch_size", "2", "--fsdp", "true",
-                 "--peft", "lora", "--lora_r", "4", "--learning_rate", "1e-2"),
-    )  # fmt: skip
-    adapter = load_file(lora / "adapter_model.safetensors")
+    # in bf16: the frozen base in bf16 beside fp32 adapters in each unit, gathered in bf16 (the GPU set-up)
+    adapters = ["--peft", "lora", "--lora_r", "4", "--learning_rate", "1e-2", "--mixed_precision", "bf16"]
+    lora_args = lm_args(tiny_llama_dir, corpus, lora, "--per_device_train_batch_size", "2", "--fsdp", "true", *adapters)
+    launch(torchrun(2), *lora_args)
+    adapter, losses = load_file(lora / "adapter_model.safetensors"), logged_losses(lora)
     assert adapter and any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in adapter.items())
     trained = checkpoint_model(lora / "checkpoints" / "checkpoint-4", tmp_path)
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), lora)
@@ -284,6 +283,12 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
     for name, tensor in adapter.items():  # PEFT's file names drop the adapter's name ("default")
         full = name.replace(".weight", ".default.weight")
         assert torch.equal(state[full], tensor) and torch.equal(trained[full], tensor), name
+
+    resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(lora / "checkpoints" / "checkpoint-2")]
+    assert "at step 2" in launch(torchrun(2), *lora_args, *resume).stdout
+    assert logged_losses(lora) == losses  # the same curve, bit for bit
+    again = load_file(lora / "adapter_model.safetensors")
+    assert all(torch.equal(again[name], adapter[name]) for name in adapter)
 
 
 # ---------------------------------------------------------------- the same on CUDA
