@@ -86,6 +86,7 @@ def varlen_attention(
     return out, None
 
 
+@torch.compiler.disable  # eager inside compiled layers: the number of documents varies from batch to batch
 def _packed(
     query: torch.Tensor,
     key: torch.Tensor,
