@@ -11,6 +11,7 @@ from test_training import tiny_setup
 from cloudtrain.config import DataConfig
 from cloudtrain.data.processing import loader_options
 from cloudtrain.training import AcceleratedTrainer, BasicTrainer, Hook, LoopState
+from cloudtrain.training import trainer as trainer_module
 from cloudtrain.training.prefetch import InputClock, prefetch
 
 
@@ -105,6 +106,21 @@ def test_loader_workers_and_prefetching_train_on_the_same_batches(tiny_setup_bas
     for a, b in zip(runs[0].batches, runs[1].batches, strict=True):
         assert torch.equal(a, b)
     assert runs[0].losses == runs[1].losses and all(map(math.isfinite, runs[0].losses))
+
+
+def test_a_resumed_epoch_keeps_accelerates_non_blocking_copies(tiny_model_dir, tmp_path, monkeypatch):
+    """accelerate's skip_first_batches builds its loader without the non-blocking flag: the loop carries it over,
+    or the rest of a resumed epoch would copy each batch with a blocking copy (a sync per step on CUDA)."""
+    trainer = tiny_setup(tiny_model_dir, tmp_path, AcceleratedTrainer, max_steps=8, per_device_train_batch_size=2)
+    trainer.accelerator.dataloader_config.non_blocking = True  # as cloudtrain.parallel.distributed builds it
+    loop = trainer._start(None, None)
+    assert trainer.train_dl._non_blocking
+    loop.state.global_step = 2  # resumed mid-epoch (5 steps per epoch): 2 steps' batches are skipped
+    loaders = []
+    monkeypatch.setattr(trainer_module, "micro_batch_windows", lambda batches, k: loaders.append(batches) or iter([[]]))
+    next(trainer._windows(loop))
+    assert loaders[0] is not trainer.train_dl and loaders[0]._non_blocking is True
+    assert len(loaders[0]) == len(trainer.train_dl) - 2
 
 
 class FakeEvent:
