@@ -149,6 +149,7 @@ def summary_line(summary: dict) -> str:
     shares = " | ".join(f"{k} {v:.0%}" for k, v in summary["shares"].items())
     top = ", ".join(f"{t['name'][:60]} {t['share']:.0%}" for t in summary["top"][:4])
     return (
-        f"{summary['steps']} step{'s' * (summary['steps'] != 1)}, {summary['ms_per_step']:.0f} ms/step: {shares} of kernel time; busy "
+        f"{summary['steps']} step{'s' * (summary['steps'] != 1)}, {summary['ms_per_step']:.0f} ms/step:"
+        f" {shares} of kernel time; busy "
         f"{_pct(summary['device_busy'])} of the step; data wait {_pct(summary['data_wait'])}; top: {top}"
     )
