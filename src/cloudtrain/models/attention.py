@@ -49,7 +49,9 @@ def _torch_varlen() -> tuple[Callable, frozenset[str]] | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+    parameters = frozenset(inspect.signature(varlen_attn).parameters)
+    # Causal attention spelled `is_causal` (torch 2.9-2.10) or as a (left, right) window (later): else unusable.
+    return (varlen_attn, parameters) if {"window_size", "is_causal"} & parameters else None
 
 
 def varlen_kernel_available(device: torch.device | str = "cuda") -> bool:
@@ -120,8 +122,11 @@ def _torch_varlen_call(
     found = _torch_varlen()
     assert found is not None
     varlen_attn, parameters = found
-    options: dict[str, Any] = {"scale": scaling}
-    # torch 2.9-2.10 spelled causality `is_causal`; later releases a (left, right) window.
+    options: dict[str, Any] = {}
+    if "scale" in parameters:
+        options["scale"] = scaling
+    elif scaling is not None:  # the kernel scales by 1/sqrt(D): the queries carry the rest
+        q = q * (scaling * q.shape[-1] ** 0.5)
     if "window_size" in parameters:
         options["window_size"] = (-1, 0)
     else:

@@ -265,7 +265,7 @@ class CausalLMTask(DecoderTask):
         for where, probed in probes:
             try:
                 problem = isolation_error(probed())
-            except (RuntimeError, NotImplementedError, ValueError, ImportError) as err:
+            except (RuntimeError, NotImplementedError, ValueError, ImportError, TypeError) as err:
                 problem = f"its attention {model.config._attn_implementation!r} did not run ({first_line(err)})"
             if problem:
                 raise UserError(
