@@ -320,8 +320,12 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
         assert m.adapters is not None  # adapter candidates exist only with adapter facts
         trainable = m.adapters.trainable(cand.peft)
     overhead = overhead_bytes(m, cand.strategy, setup, params + grads + optim + activations + logits, trainable)
-    # with adapters each process loads its base as it will hold it (in 16 bits, or quantising as it goes)
-    offloaded, load = cpu_bytes(m, cand.strategy, setup) if full else (0, params * setup.num_gpus)
+    # with adapters each process loads its whole base as it will hold it (in 16 bits, or quantising as it goes)
+    if full:
+        offloaded, load = cpu_bytes(m, cand.strategy, setup)
+    else:
+        whole = frozen_base_bytes(m, cand.peft, cand.strategy, replace(setup, num_gpus=1, num_nodes=1))
+        offloaded, load = 0, round(whole) * setup.num_gpus
     disk = nvme_bytes(m, cand.strategy, setup) if full else 0
     return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits, disk)
 
