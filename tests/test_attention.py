@@ -198,3 +198,22 @@ def test_gpu_probe_of_a_one_layer_copy(tiny_llama_dir, implementation):
     small = one_layer_copy(model, "cuda", torch.bfloat16)
     assert small.config.num_hidden_layers == 1 and small.config._attn_implementation == implementation
     assert isolation_error(small) is None
+
+
+def test_torch_varlen_call_adapts_to_the_older_signature(monkeypatch):
+    """torch 2.9-2.10 spell causality `is_causal` and take no scale and no GQA flag (the GPU machine has 2.11):
+    the call still computes causal attention per document with the model's scale and grouped heads."""
+    calls = []
+
+    def older_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        calls.append(is_causal)
+        assert key.shape[1] == query.shape[1] and is_causal and max_q == max_k == 6
+        return varlen._per_document(query, key, value, cu_seq_q, None, 0.0)
+
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: (older_varlen_attn, frozenset({"is_causal"})))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    got = varlen._torch_varlen_call(q, k, v, cu, 6, 0.2)
+    assert calls == [True]
+    assert torch.allclose(got, varlen._per_document(q, k, v, cu, 0.2, 0.0), atol=1e-6)
