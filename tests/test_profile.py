@@ -164,3 +164,29 @@ def test_a_gpu_trace_holds_cuda_kernels(tmp_path):
     hook.close()
     events = json.loads(hook.path.read_text())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)
+
+
+def test_a_real_run_writes_the_trace_of_its_profiled_steps(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Through Trainer.fit: the hook is added to Trainer.hooks' list here until the trainer lists it itself."""
+    from test_training import tiny_setup
+
+    import cloudtrain.training as training
+    from cloudtrain.training.trainer import Trainer
+
+    listed = Trainer.hooks
+
+    def hooks(self, checkpointer, preemption):
+        found = listed(self, checkpointer, preemption)
+        if not any(isinstance(hook, ProfileHook) for hook in found):
+            found += profile_hooks(self, self._device)
+        return found
+
+    monkeypatch.setattr(Trainer, "hooks", hooks)
+    options = dict(max_steps=5, per_device_train_batch_size=2, logging_steps=5, eval_strategy="no")
+    trainer = tiny_setup(tiny_model_dir, tmp_path, training.BasicTrainer, profile=True, profile_steps="2:3", **options)
+    trainer.fit()
+    trace = tmp_path / "profile" / "steps_2-3.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert len({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}) == 2
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    assert f"profile of steps 2-3 written to {trace}" in capsys.readouterr().out
