@@ -123,7 +123,9 @@ def test_varlen_attention_and_a_fused_loss_change_only_their_terms(tmp_path):
     assert base.activations - varlen.activations == 16 * b * s * (c * s + 2 * c * (h - kv))
     fused = planning.estimate(m, ddp, Setup(1, 1, 80 * GIB, None, s, "bf16", step_rows=b, fused_loss=True), b)
     assert fused.activations == base.activations and base.logits == b * s * V * 12
-    assert fused.logits == b * s * h * c + 4 * V * h + 1024 * V * 12
+    # the chunked loss: the hidden states' fp32 gradient, the head's fp32 gradient and bf16 copy, one chunk of
+    # 4096 rows' logits (bf16, fp32, log-softmax, softmax, its bf16 copy)
+    assert fused.logits == b * s * h * 4 + (4 + 2) * V * h + 4096 * V * (2 + 4 + 4 + 4 + 2)
     plan = planning.make_plan(  # the plan command takes the attention the run will use
         plan_args(
             None,
@@ -131,6 +133,7 @@ def test_varlen_attention_and_a_fused_loss_change_only_their_terms(tmp_path):
             task="causal_lm",
             model_config=measured_config(tmp_path, "llama-1.04b"),
             attn_implementation="varlen",
+            fused_cross_entropy="true",
             num_gpus=1,
             gpu_memory_gb=80,
             per_device_train_batch_size=8,
@@ -139,8 +142,9 @@ def test_varlen_attention_and_a_fused_loss_change_only_their_terms(tmp_path):
         )
     )
     row = next(r for r in plan["strategies"] if r["strategy"] == "ddp" and not r["gradient_checkpointing"])
-    assert row["estimate"]["activations"] == varlen.activations
-    assert "--attn_implementation varlen" in plan["recommendation"]["command"]
+    assert (row["estimate"]["activations"], row["estimate"]["logits"]) == (varlen.activations, fused.logits)
+    command = plan["recommendation"]["command"]
+    assert "--attn_implementation varlen" in command and "--fused_cross_entropy true" in command
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2])
