@@ -117,10 +117,14 @@ def category(name: str) -> str:
 def summarize(events: list, steps: int, cuda: bool) -> dict:
     """Where `steps` profiled steps' time went, from the profiler's events: device kernels on CUDA (on CPU, the
     aten ops' self time) by category and the top ones, the host's time in DataLoader.__next__, the step time."""
-    step_us = sum(e.cpu_time_total for e in events if e.name.startswith("ProfilerStep"))
+    on_gpu = [str(getattr(e, "device_type", "")).endswith("CUDA") for e in events]
+    host = [e for e, gpu in zip(events, on_gpu, strict=True) if not gpu]
+    step_us = sum(e.cpu_time_total for e in host if e.name.startswith("ProfilerStep"))
     busy: dict[str, float] = {}
-    for e in events:
-        if cuda and str(getattr(e, "device_type", "")).endswith("CUDA"):
+    for e, gpu in zip(events, on_gpu, strict=True):
+        if getattr(e, "is_user_annotation", False) or e.name.startswith("ProfilerStep"):
+            continue  # a range marked on the GPU's timeline (record_function), not a kernel
+        if cuda and gpu:
             busy[e.name] = busy.get(e.name, 0.0) + e.time_range.elapsed_us()
         elif not cuda and e.name.startswith("aten::") and e.self_cpu_time_total > 0:
             busy[e.name] = busy.get(e.name, 0.0) + e.self_cpu_time_total
@@ -128,7 +132,7 @@ def summarize(events: list, steps: int, cuda: bool) -> dict:
     shares = dict.fromkeys([c for c, _ in CATEGORIES] + ["other"], 0.0)
     for name, us in busy.items():
         shares[category(name)] += us / total
-    data_us = sum(e.cpu_time_total for e in events if e.name.startswith("enumerate(DataLoader)"))
+    data_us = sum(e.cpu_time_total for e in host if e.name.startswith("enumerate(DataLoader)"))
     top = sorted(busy.items(), key=lambda item: -item[1])[:8]
     return {
         "steps": steps,
