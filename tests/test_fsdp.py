@@ -68,8 +68,12 @@ def test_sharding_strategies_give_the_data_parallel_mesh(monkeypatch):
     assert fsdp.mesh(hybrid, 4) == Mesh(world=4, dp_replicate=2, dp_shard=2)
     assert fsdp.parallelism(build_config({"fsdp": True}), 4) is None
     assert sharding(build_config({"fsdp": True})) == Sharding(fsdp=True)
-    # no_shard keeps the whole model on every process: that is DDP, and runs as DDP
+    # no_shard keeps the whole model on every process: that is DDP, and runs as DDP; so does hybrid_shard with
+    # one process per node
     assert sharding(build_config({"fsdp": True, "fsdp_sharding_strategy": "no_shard"})) == Sharding()
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert sharding(hybrid) == Sharding() and sharding(build_config({"fsdp": True})) == Sharding(fsdp=True)
 
 
 def test_the_sharded_units_are_the_repeated_layers_never_an_embedding_block(

@@ -40,7 +40,7 @@ from accelerate.utils import (
 
 from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
-from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings
+from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings, processes_per_node, shard_degrees
 from cloudtrain.parallel.fsdp import enable as enable_fsdp
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
@@ -305,8 +305,13 @@ def fsdp_requested(cfg: Config) -> bool:
 
 
 def fsdp_shards(cfg: Config) -> bool:
-    """FSDP was asked for with a strategy that shards: no_shard replicates the whole model, which is DDP."""
-    return fsdp_requested(cfg) and fsdp_settings(cfg)["strategy"] != "no_shard"
+    """FSDP was asked for and shards: no_shard (and hybrid_shard with one process per node) replicates the whole
+    model on every process, which is DDP."""
+    if not fsdp_requested(cfg):
+        return False
+    strategy, processes = fsdp_settings(cfg)["strategy"], launched_processes()
+    _, shard = shard_degrees(strategy, processes, processes_per_node())
+    return strategy != "no_shard" and (shard > 1 or processes == 1)
 
 
 def check_distributed(cfg: Config) -> None:
