@@ -54,6 +54,15 @@ def test_an_accelerate_fsdp_config_fills_what_the_flags_left(monkeypatch):
     assert settings == {"strategy": "shard_grad_op", "cpu_offload": True, "reshard_after_forward": False}
     given = fsdp_settings(build_config({"fsdp": True, "fsdp_sharding_strategy": "hybrid_shard"}))
     assert given["strategy"] == "hybrid_shard" and given["reshard_after_forward"] is True  # the flag wins
+    from cloudtrain.config.distributed import DistributedConfig
+    from cloudtrain.errors import UserError
+
+    with pytest.raises(UserError, match="add --fsdp true"):
+        DistributedConfig(fsdp_cpu_offload=True).check()
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # the config turned FSDP on: its flags need no --fsdp
+    DistributedConfig(fsdp_cpu_offload=True).check()
+    assert fsdp_settings(build_config({"fsdp_cpu_offload": False}))["cpu_offload"] is True
+    assert fsdp_settings(build_config({"fsdp_sharding_strategy": "hybrid_shard"}))["strategy"] == "hybrid_shard"
 
 
 def test_sharding_strategies_give_the_data_parallel_mesh(monkeypatch):

@@ -1,5 +1,6 @@
 """Options of the launch: DeepSpeed, FSDP, pipeline stages and collectives."""
 
+import os
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
@@ -102,7 +103,8 @@ class DistributedConfig:
             )
             if getattr(self, name) != default
         ]
-        if given and not self.fsdp:
+        launcher_fsdp = os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true"  # an accelerate FSDP config
+        if given and not (self.fsdp or launcher_fsdp):
             raise UserError(f"--{given[0]} is an FSDP option: add --fsdp true")
         if self.fsdp_sharding_strategy == "shard_grad_op" and self.fsdp_reshard_after_forward:
             raise UserError(
