@@ -273,7 +273,13 @@ def test_adapters_under_zero_and_fsdp_against_a_hand_computation(tiny):
     nf4_layer = NF4_BYTES * Q / L + 2 * (layer - Q / L)  # a layer's 4-bit weights and its bf16 norms
     qlora = {  # 4-bit weights; the rest in fp32 under DDP (upcast), in bf16 where sharded (quant storage)
         "ddp": (NF4_BYTES * Q + 4 * (P - Q) + 2 * largest_q + 4 * T, 6 * T, 8 * T),
+        "zero1": (NF4_BYTES * Q + 2 * (P - Q) + 2 * largest_q + 2 * T, 2 * T + 4 * T // N, 12 * T // N),
         "zero2": (NF4_BYTES * Q + 2 * (P - Q) + 2 * largest_q + 2 * T, 6 * T // N, 12 * T // N),
+        "zero3": (  # sharded, one layer gathered
+            (NF4_BYTES * Q + 2 * (P - Q)) / N + nf4_layer + 2 * largest_q + 2 * t_layer + 2 * T // N,
+            2 * t_layer + 4 * T // N,
+            12 * T // N,
+        ),
         "fsdp": (
             (NF4_BYTES * Q + 2 * (P - Q)) / N + 2 * root + 2 * nf4_layer + 2 * largest_q + 4 * T // N + 4 * t_layer,
             4 * T // N + 2 * t_layer,
