@@ -112,7 +112,7 @@ def test_a_spent_budget_skips_the_variants_and_says_so(tab, tmp_path, monkeypatc
     assert "plain: skipped: --budget_s 1" in out.with_suffix(".md").read_text()
 
 
-@pytest.mark.slow  # about a minute on 2 idle cores: five fresh processes through the application
+@pytest.mark.slow  # five fresh processes through the application: 9 minutes on 2 cores shared with other jobs
 def test_dry_run_runs_every_variant_through_the_same_code_path_on_cpu(tab, tmp_path):
     out = tmp_path / "gpu.json"
     proc = subprocess.run(
