@@ -33,6 +33,7 @@ import torch
 import transformers
 from accelerate import Accelerator
 from accelerate.utils import (
+    DataLoaderConfiguration,
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
     InitProcessGroupKwargs,
@@ -414,6 +415,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
         deepspeed_plugin=plugin,
         fsdp_plugin=fsdp,
         cpu=not gpu and plugin is None,  # no GPU: accelerate's MULTI_CPU path, which uses gloo
+        dataloader_config=DataLoaderConfiguration(non_blocking=True),  # with pinned loaders: the host never waits
         kwargs_handlers=[
             *([InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else []),
             # A transformer's buffers (position ids, rotary frequencies) never change: DDP need not broadcast them

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.observe.tracking import RunLog
+from cloudtrain.parallel import fsdp
 from cloudtrain.parallel.distributed import build_accelerator, deepspeed_requested, fsdp_requested, sharding
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, join_launch, set_collective_timeout
@@ -40,7 +41,9 @@ class AcceleratedTrainer(Trainer):
     def mesh(cls, cfg: Config, processes: int) -> Mesh:
         """ZeRO (any stage) and FSDP shard the data-parallel processes' states; plain DDP replicates them."""
         shards = sharding(cfg)
-        if shards.zero_stage or shards.fsdp:
+        if shards.fsdp:
+            return fsdp.mesh(cfg, processes)
+        if shards.zero_stage:
             return Mesh(world=processes, dp_shard=processes)
         return super().mesh(cfg, processes)
 
