@@ -1,5 +1,5 @@
 """The causal-LM benchmarks: the Grimm corpus and its paragraphs, the packing comparison of `make bench`
-(bench/lm_bench.py) on a tiny budget, and bench/gpu.py (its refusal without CUDA and its --dry_run on CPU).
+(bench/lm_bench.py) on a tiny budget (bench/gpu.py's tests are in test_bench_gpu.py).
 
 A small synthetic corpus in the Orange .tab layout stands in for the Grimm tales, so nothing is downloaded;
 the real corpus is checked where data/grimm holds it.
@@ -9,11 +9,9 @@ import importlib
 import json
 import math
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
-import gpu
 import lm_bench
 import lm_corpus
 import pytest
@@ -254,127 +252,3 @@ def test_make_bench_runs_the_lm_comparison_in_fresh_processes(bench_results):
     assert lm["variants"]["none"]["speed_vs_none"] == pytest.approx(1.0)
     assert len({v["runs"][0]["eval_tokens"] for v in lm["variants"].values()}) == 1
     assert "## Causal LM: sequence packing" in (bench_results / "latest.md").read_text()
-
-
-# ---------------------------------------------------------------- bench/gpu.py
-def test_gpu_bench_refuses_politely_without_cuda():
-    # Children of tests not marked gpu see no GPU (conftest), so this holds on every machine.
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "gpu.py"), "--steps", "5"], capture_output=True, text=True, timeout=120, cwd=REPO
-    )
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert len(proc.stderr.strip().splitlines()) == 1 and "needs a CUDA GPU" in proc.stderr
-
-
-@pytest.mark.slow  # about 30 s: a real run through the application
-def test_gpu_bench_dry_run_trains_through_the_application_on_cpu(tab, tmp_path):
-    out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [sys.executable, str(BENCH / "gpu.py"), "--dry_run", "--tab", str(tab), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    (run,) = report["runs"]
-    assert "error" not in run, run
-    assert run["attention"] == "sdpa" and run["device"] == "cpu" and run["steps"] == 2
-    assert run["tokens_per_s"] > 0 and run["mfu"] is None and run["peak_memory"] is None
-    assert run["vocab_size"] % 64 == 0 and run["row_fill"] > 0.8  # bfd fills its rows
-    assert report["settings"]["preset"] == "llama-8m" and report["settings"]["packing"] == "bfd"
-    plan = report["planner"]
-    assert "error" in plan or plan["total"] > plan["without_overhead"] > 0
-    assert "tokens/s" in proc.stdout and (
-        "planner estimate (1 GPU" in proc.stdout or "planner estimate: n/a" in proc.stdout
-    )
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_gpu_bench_on_cuda_reports_mfu_and_peak_memory_beside_the_planner(tab, tmp_path):
-    """The real path on a GPU, small: llama-8m, 20 steps of 4 x 256 tokens, bf16, bfd, sdpa."""
-    out = tmp_path / "gpu.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(BENCH / "gpu.py"),
-            "--preset",
-            "llama-8m",
-            "--steps",
-            "20",
-            "--batch_size",
-            "4",
-            "--max_length",
-            "256",
-            "--logging_steps",
-            "5",
-            "--attention",
-            "sdpa",
-            "--vocab_size",
-            "512",
-            "--tab",
-            str(tab),
-            "--out",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    (run,) = report["runs"]
-    assert "error" not in run, run
-    assert run["device"] != "cpu" and run["steps"] == 20 and run["tokens_per_s"] > 0
-    assert run["peak_memory"]["reserved"] >= run["peak_memory"]["allocated"] > 0
-    from cloudtrain.observe.flops import PEAK_FLOPS
-
-    if any(key in run["device"] for key in PEAK_FLOPS):
-        assert 0 < run["mfu"] < 1
-    plan = report["planner"]
-    assert "error" not in plan, plan
-    assert plan["without_overhead"] > 0 and "planner estimate (1 GPU" in proc.stdout
-
-
-def test_gpu_bench_report_names_failures_and_the_missing_planner():
-    report = {
-        "settings": {
-            "preset": "llama-600m",
-            "mixed_precision": "bf16",
-            "packing": "bfd",
-            "batch_size": 8,
-            "max_length": 2048,
-            "steps": 300,
-            "gradient_checkpointing": "false",
-        },
-        "device": "NVIDIA H100",
-        "corpus": {"train_documents": 957, "vocab_size": 7509},
-        "runs": [
-            {
-                "attention": "sdpa",
-                "parameters": 515e6,
-                "tokens_per_s": 40000.0,
-                "mfu": 0.41,
-                "peak_memory": {"allocated": 30 * gpu.GIB, "reserved": 32 * gpu.GIB},
-                "first_loss": 9.0,
-                "last_loss": 3.0,
-                "eval_loss": 3.5,
-            },
-            {"attention": "flash_attention_2", "error": "RuntimeError: FlashAttention only supports fp16"},
-        ],
-        "planner": {"error": "unrecognized arguments: --task causal_lm"},
-    }
-    text = gpu.render(report)
-    assert "41.0%" in text and "30.00" in text and "40,000" in text
-    assert "flash_attention_2: failed: RuntimeError" in text
-    assert "planner estimate: n/a (unrecognized arguments" in text
-    report["planner"] = {
-        "total": 40 * gpu.GIB,
-        "overhead": 4 * gpu.GIB,
-        "without_overhead": 36 * gpu.GIB,
-        "parts": {"parameters": 2 * gpu.GIB, "overhead": 4 * gpu.GIB},
-    }
-    assert "30.00 GiB = 83% of the estimate without overhead" in gpu.render(report)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from cloudtrain.checkpointing import TrainerState
-from cloudtrain.observe.flops import sum_squared_lengths
+from cloudtrain.observe.flops import attention_squared_lengths
 from cloudtrain.parallel.runtime import Runtime
 
 
@@ -47,7 +47,7 @@ class Meter:
                 sum(m.any(dim=1).sum() for m in masks).to(loss_sum),  # rows with a real token (a pipeline pads)
                 sum(m.sum() for m in masks).to(loss_sum),
                 loss_sum,
-                sum(sum_squared_lengths(m) for m in masks).to(loss_sum),  # type: ignore[union-attr]  # masks: not empty
+                sum(attention_squared_lengths(batch) for batch in window).to(loss_sum),  # type: ignore[union-attr]
                 stats.count.to(loss_sum),
             ]
         )

@@ -316,6 +316,9 @@ class Trainer:
             hooks.append(CheckpointHook(self, checkpointer))
         if self.callbacks:  # last: a callback sees what every hook did at the step
             hooks.append(CallbackHook(self.callbacks, self.runtime, self.run_log.output_dir, checkpointer))
+        from cloudtrain.observe.profile import profile_hooks  # here: that module builds on training.hooks
+
+        hooks += profile_hooks(self, self._device)  # --profile: last, so a traced step includes the hooks before it
         return hooks
 
     def _start(self, checkpointer: Checkpointer | None, resume_from: Path | None) -> LoopState:
