@@ -530,6 +530,7 @@ def planner_estimate(args: argparse.Namespace, tokenizer_dir: Path, gpu_memory_g
         command += ["--tokenizer_name_or_path", str(tokenizer_dir), "--num_gpus", "1"]
         command += ["--gpu_memory_gb", f"{gpu_memory_gb:g}", "--per_device_train_batch_size", str(args.batch_size)]
         command += ["--max_length", str(args.max_length), "--mixed_precision", args.mixed_precision]
+        command += ["--packing", args.packing]  # bfd plans the varlen kernel (no dense mask), as the defaults run
         command += ["--json", "--output_dir", tmp]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}  # the planner needs no GPU
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
