@@ -154,8 +154,8 @@ class StepProfiler:
 
         self.cuda, self.active = cuda, active
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        plan = schedule(wait=skip, warmup=1, active=active, repeat=1)
-        self.prof = profile(activities=activities, schedule=plan) if active else None
+        plan = schedule(wait=skip, warmup=1, active=active, repeat=1) if active else None  # 0: no profile
+        self.prof = profile(activities=activities, schedule=plan) if plan else None
         self.done = False
 
     # the application's callback events, and the plain loop's calls
@@ -508,6 +508,8 @@ def run_one(spec: dict, timeout: float) -> dict:
             proc = subprocess.run(
                 [sys.executable, str(Path(__file__).resolve()), "--_one", json.dumps(spec), str(result)],
                 cwd=REPO,
+                # --device cpu: the variant's process sees no GPU (this one keeps its own: a test may call main())
+                env={**os.environ, **({"CUDA_VISIBLE_DEVICES": ""} if spec["device"] == "cpu" else {})},
                 timeout=timeout,
                 stdout=sys.stderr,
                 stderr=subprocess.STDOUT,
@@ -643,8 +645,6 @@ def write(report: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
-    if args.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: this process and its children
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -662,7 +662,7 @@ def main(argv: list[str] | None = None) -> int:
     report["corpus"] = {"train_documents": corpus.train_documents, "vocab_size": corpus.vocab_size}
     report |= {"runs": [], "planner": {"error": "not run yet"}}
     out = Path(args.out)
-    shared = {k: getattr(args, k) for k in ("preset", "packing", "max_length", "batch_size", "steps")}
+    shared = {k: getattr(args, k) for k in ("preset", "packing", "max_length", "batch_size", "steps", "device")}
     shared |= {k: getattr(args, k) for k in ("logging_steps", "learning_rate", "mixed_precision", "profile_steps")}
     shared |= {"tokenizer": str(corpus.tokenizer_dir), "train_file": str(corpus.train_file)}
     shared |= {"validation_file": str(corpus.validation_file)}

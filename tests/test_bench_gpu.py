@@ -102,8 +102,7 @@ def test_the_report_compares_with_the_plain_loop_and_the_planner():
     assert "defaults: measured peak allocated 30.00 GiB = 83% of the estimate without overhead" in gpu.render(report)
 
 
-def test_a_spent_budget_skips_the_variants_and_says_so(tab, tmp_path, monkeypatch):
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # main() hides the GPU from itself and its children
+def test_a_spent_budget_skips_the_variants_and_says_so(tab, tmp_path):
     out = tmp_path / "gpu.json"
     code = gpu.main(["--dry_run", "--tab", str(tab), "--out", str(out), "--budget_s", "1"])
     report = json.loads(out.read_text())
