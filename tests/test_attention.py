@@ -145,13 +145,18 @@ def test_a_kernel_that_needs_a_gpu_is_refused_on_a_cpu(tiny_llama_dir, monkeypat
 
 
 # ---------------------------------------------------------------- the default and its refusals
-DEFAULTS = [("causal_lm", "bfd", VARLEN), ("sft", "bfd", VARLEN), ("causal_lm", "wrapped", "sdpa")]
+DEFAULTS = [
+    ("causal_lm", "bfd", 512, VARLEN),
+    ("sft", "bfd", 1024, VARLEN),
+    ("causal_lm", "bfd", 256, "sdpa"),  # short rows: the dense mask is cheaper than a call per document
+    ("causal_lm", "wrapped", 1024, "sdpa"),
+]
 
 
-@pytest.mark.parametrize(("task", "packing", "expected"), DEFAULTS)
-def test_varlen_is_the_default_for_packed_rows_on_cpu(tiny_llama_dir, monkeypatch, task, packing, expected):
+@pytest.mark.parametrize(("task", "packing", "max_length", "expected"), DEFAULTS)
+def test_varlen_is_the_default_for_packed_rows_on_cpu(tiny_llama_dir, monkeypatch, task, packing, max_length, expected):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    cfg = lm_config(tiny_llama_dir, packing=packing)
+    cfg = lm_config(tiny_llama_dir, packing=packing, max_length=max_length)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
     assert attention(model, cfg, TASKS[task](cfg), False).config._attn_implementation == expected
 

@@ -150,23 +150,29 @@ def _per_document(
 ) -> torch.Tensor:
     """The CPU reference: each document through sdpa alone, causal, GQA native (the lengths are on the host).
     [B, H, L, D] in (no sequence crosses a row: each row's padding is its own), [B, L, H, D] out."""
-    length = query.shape[2]
+    batch, _, length, _ = query.shape
     bounds = cu.tolist()
-    out = torch.empty_like(query)
     gqa = key.shape[1] != query.shape[1]
+    # Pieces joined with cat, not written into one tensor: autograd would copy the whole gradient per write.
+    pieces: list[list[torch.Tensor]] = [[] for _ in range(batch)]
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end > start:
-            row, first, last = start // length, start % length, start % length + end - start
-            out[row, :, first:last] = F.scaled_dot_product_attention(
-                query[row, :, first:last],
-                key[row, :, first:last],
-                value[row, :, first:last],
-                is_causal=True,
-                dropout_p=dropout,
-                scale=scaling,
-                enable_gqa=gqa,
+            row, first = divmod(start, length)
+            pieces[row].append(
+                F.scaled_dot_product_attention(
+                    query[row, :, first : first + end - start],
+                    key[row, :, first : first + end - start],
+                    value[row, :, first : first + end - start],
+                    is_causal=True,
+                    dropout_p=dropout,
+                    scale=scaling,
+                    enable_gqa=gqa,
+                )
             )
-    return out.transpose(1, 2).contiguous()
+    rows = [torch.cat(row, dim=1) if row else query.new_empty(0) for row in pieces]
+    if any(row.shape[1:2] != (length,) for row in rows):  # lengths that do not tile each row: the mask instead
+        return _block_mask_sdpa(query, key, value, cu, scaling, dropout)
+    return torch.stack(rows).transpose(1, 2).contiguous()
 
 
 def _block_mask_sdpa(

@@ -34,6 +34,7 @@ from cloudtrain.models.kernels import (
 )
 from cloudtrain.tasks.base import Task
 
+CPU_VARLEN_FROM = 512  # --max_length from which varlen is the CPU default for --packing bfd
 Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it, or a PeftModel, out
 
 
@@ -83,7 +84,9 @@ def default_attention(model: Any, cfg: Config, task: Task) -> str | None:
     if cfg.data.packing != "bfd" or not getattr(task, "packed_attention", False) or _varlen_misfit(model.config):
         return None
     if not torch.cuda.is_available():
-        return VARLEN  # the per-document reference: no [B, 1, L, L] mask, fewer FLOPs
+        # The per-document reference: no [B, 1, L, L] mask and fewer FLOPs, which outweigh its per-document calls
+        # from rows of 512 tokens up (measured on CPU: docs/language-models.md).
+        return VARLEN if cfg.data.max_length >= CPU_VARLEN_FROM else None
     # On CUDA only with a varlen kernel for the 16-bit attention of mixed precision; otherwise sdpa's own.
     return VARLEN if varlen_kernel_available() and resolve_precision(cfg.training.mixed_precision) != "no" else None
 
