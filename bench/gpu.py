@@ -64,6 +64,8 @@ OPTIONS = {
     "flash_attention_2": {"attn_implementation": "flash_attention_2"},
     "flex_attention": {"attn_implementation": "flex_attention"},
     "fused_cross_entropy": {"fused_cross_entropy": "true"},  # values as on the command line
+    "liger_kernels": {"liger_kernels": "true"},
+    "compile_layers": {"torch_compile": "true", "compile_layers": "true"},
 }
 VARIANTS = ("defaults", *OPTIONS, "plain", "hf_trainer")
 PLANNER_RESERVE_S = 60  # kept from --budget_s for the planner

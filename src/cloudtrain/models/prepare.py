@@ -63,7 +63,10 @@ def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
 def _default_attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     """The default kernel where it applies and the model takes it; else the model keeps transformers' choice
     (the isolation probe still judges that one)."""
-    chosen, before = default_attention(model, cfg, task), model.config._attn_implementation
+    config = getattr(model, "config", None)  # a user's own nn.Module has none: nothing to choose
+    if config is None:
+        return model
+    chosen, before = default_attention(model, cfg, task), config._attn_implementation
     if not chosen or chosen == before:
         return model
     try:

@@ -266,6 +266,8 @@ class PipelineTrainer(Trainer):
         fill = {"labels": IGNORE_INDEX}
         out = {}
         for key, value in batch.items():
+            if key in ("cu_seqlens", "max_seqlen"):
+                continue  # per-batch lengths: the stages mask from position_ids
             padded = value.new_full((total, width), fill.get(key, 0))
             padded[: value.shape[0], : value.shape[1]] = value
             out[key] = padded[self.rt.dp_rank * rows : (self.rt.dp_rank + 1) * rows].to(self.rt.device)
