@@ -304,6 +304,7 @@ def fsdp_requested(cfg: Config) -> bool:
 
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
+    from cloudtrain.parallel.tensor import check_tensor_parallel
     from cloudtrain.registry import TRAINERS
     from cloudtrain.training.optim import check_optimizer
 
@@ -349,6 +350,7 @@ def check_distributed(cfg: Config) -> None:
                 "DeepSpeed on CPU needs a launcher to start its process group: torchrun --nproc_per_node N "
                 "src/training_application.py ... (or accelerate launch), also for one process"
             )
+    check_tensor_parallel(cfg, launched_processes())  # cloudtrain.parallel.tensor: each refusal in one line
     if wants_fsdp and not torch.cuda.is_available():
         raise UserError(
             "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
