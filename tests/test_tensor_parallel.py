@@ -76,7 +76,7 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, tmp_pa
             torchrun(processes), *args(opts, max_steps="4", per_device_train_batch_size=rows, max_grad_norm="1", **tp)
         ).stdout
     assert "tensor parallel 2" in outputs["tp2"] and "4 process(es)" in outputs["tp2x2"]
-    assert "effective batch 4 (2 per device x 2 x 2 accumulation)" in outputs["tp2x2"]
+    assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["tp2x2"]
     initial = load_file(Path(tiny_llama_dir) / "model.safetensors")
     one = load_file(tmp_path / "one" / "model.safetensors")
     evaluation = json.loads((tmp_path / "one" / "eval_results.json").read_text())
@@ -161,3 +161,51 @@ def test_the_mesh_gives_tensor_parallel_groups_and_replicas(tmp_path):
     mesh = AcceleratedTrainer.mesh(cfg, 8)
     assert (mesh.tp, mesh.dp_replicate, mesh.data_parallel, mesh.fits) == (2, 4, 4, True)
     assert mesh.describe() == "8 process(es): replicated 4 x tensor 2"
+
+
+# ------------------------------------------------------------ context parallelism: what runs on CPU
+def test_context_parallel_is_refused_in_one_line_naming_why(tmp_path, corpus, tiny_llama_dir, capsys):
+    opts = {**options(tiny_llama_dir, corpus, tmp_path / "out"), "context_parallel_size": "2"}
+    why = "needs CUDA GPUs" if not torch.cuda.is_available() else "is not wired into a trainer yet"
+    assert_each_refused({"context parallel": (opts, why)}, capsys, tmp_path / "out")
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_sequences_split_balanced_and_reassemble(cp):
+    from cloudtrain.parallel import context
+
+    sequence = torch.arange(3 * 48).reshape(3, 48)
+    shards = [context.shard(sequence, cp, rank) for rank in range(cp)]
+    assert all(part.shape == (3, 48 // cp) for part in shards)
+    assert torch.equal(context.unshard(shards, cp), sequence)
+    work = [context.attention_work(part[0]) for part in shards]  # causal attention: later positions cost more
+    assert len(set(work)) == 1, work  # every process the same (a plain cut in cp pieces would not be)
+    plain = [context.attention_work(part[0]) for part in sequence.chunk(cp, dim=1)]
+    assert cp == 1 or len(set(plain)) == cp
+
+
+def test_the_loss_over_split_sequences_equals_the_unsplit_loss(tiny_llama_dir):
+    """Packed rows (two documents each, position ids restarting): the shards' summed losses, each shard's logits
+    computed by the model on the whole row and cut as the shards are, add up to the unsplit shifted loss."""
+    from transformers import AutoModelForCausalLM
+
+    from cloudtrain.data.packing import IGNORE_INDEX, causal_lm_forward, shifted_loss
+    from cloudtrain.parallel import context
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (2, 32))
+    positions = torch.cat([torch.arange(20), torch.arange(12)]).expand(2, 32)
+    labels = ids.clone()
+    labels[:, 20] = IGNORE_INDEX  # the second document's first token is no target of the first one's last
+    labels[1, 28:] = IGNORE_INDEX
+    batch = {"input_ids": ids, "position_ids": positions, "labels": labels}
+    with torch.no_grad():
+        logits = causal_lm_forward(model, batch)
+    whole, count = shifted_loss(logits, labels)
+    for cp in (2, 4):
+        parts = [context.split_batch(batch, cp, rank) for rank in range(cp)]
+        assert torch.equal(context.unshard([p["position_ids"] for p in parts], cp), positions)
+        losses = [context.shard_loss(context.shard(logits, cp, rank), p["targets"]) for rank, p in enumerate(parts)]
+        assert sum(n for _, n in losses) == count
+        torch.testing.assert_close(sum(s for s, _ in losses), whole, rtol=1e-6, atol=1e-5)

@@ -15,7 +15,8 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
   optimizer from accelerate's placeholder, cloudtrain.training.optim), their "auto" values filled from
   --learning_rate, --weight_decay, --warmup_steps and --max_steps; --optim or schedule options given
   beside them are refused, since one of the two would be silently ignored.
-Not supported: Megatron-LM, tensor/pipeline parallelism.
+Tensor parallelism: cloudtrain.parallel.tensor (the model sharded as it loads); pipelines: --training_type pipeline.
+Not supported: Megatron-LM.
 """
 
 import contextlib
@@ -304,6 +305,7 @@ def fsdp_requested(cfg: Config) -> bool:
 
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
+    from cloudtrain.parallel.context import check_context_parallel
     from cloudtrain.parallel.tensor import check_tensor_parallel
     from cloudtrain.registry import TRAINERS
     from cloudtrain.training.optim import check_optimizer
@@ -351,6 +353,7 @@ def check_distributed(cfg: Config) -> None:
                 "src/training_application.py ... (or accelerate launch), also for one process"
             )
     check_tensor_parallel(cfg, launched_processes())  # cloudtrain.parallel.tensor: each refusal in one line
+    check_context_parallel(cfg)  # cloudtrain.parallel.context: refused where it cannot run, saying why
     if wants_fsdp and not torch.cuda.is_available():
         raise UserError(
             "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
