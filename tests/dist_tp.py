@@ -21,7 +21,7 @@ def full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def main(model_dir: str, tp: int) -> None:
+def main(model_dir: str, tp: int, fsdp: bool) -> None:
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     replicas = world // tp
@@ -37,7 +37,7 @@ def main(model_dir: str, tp: int) -> None:
     (summed / count).backward()
 
     cfg = Config()
-    cfg.distributed.tensor_parallel_size = tp
+    cfg.distributed.tensor_parallel_size, cfg.distributed.fsdp = tp, fsdp
     sharded = AutoModelForCausalLM.from_pretrained(model_dir, **tensor.load_options(cfg, world))
     assert any(isinstance(p, DTensor) for p in sharded.parameters()), "the model was not sharded"
     rows = slice(rank // tp * 4 // replicas, (rank // tp + 1) * 4 // replicas)  # this replica's rows
@@ -61,5 +61,5 @@ def main(model_dir: str, tp: int) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]))
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["fsdp"])
     os._exit(0)

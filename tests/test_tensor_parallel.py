@@ -56,31 +56,35 @@ def samples(stdout: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_sharded_loss_and_every_gradient_equal_the_unsharded_model(tiny_llama_dir):
-    """4 processes: tensor parallel 2 x 2 replicas, each replica its own rows, loaded as cloudtrain loads it."""
-    result = launch(torchrun(4), str(REPO / "tests" / "dist_tp.py"), tiny_llama_dir, "2")
+@pytest.mark.parametrize("data_parallel", ["replicate", "fsdp"])
+def test_sharded_loss_and_every_gradient_equal_the_unsharded_model(tiny_llama_dir, data_parallel):
+    """4 processes: tensor parallel 2 x 2 data-parallel processes (replicas, or FSDP2 shards: 2-D), each taking
+    its own rows, loaded as cloudtrain loads it."""
+    result = launch(torchrun(4), str(REPO / "tests" / "dist_tp.py"), tiny_llama_dir, "2", data_parallel)
     assert result.stdout.count("gradients equal the unsharded model's") == 4, result.stdout[-2000:]
 
 
 @pytest.mark.slow
 def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, tmp_path):
-    """One process x 4 rows, TP=2 on 2 processes x 4 rows (both take the same rows), TP=2 x 2 replicas on 4 processes
-    x 2 rows each: the same losses and gradient norms at every step (clipped: --max_grad_norm 1), the same
-    weights after 4 steps of 2 accumulated micro-batches, the same evaluation over exactly the same tokens."""
-    runs = {"one": (1, "4"), "tp2": (2, "4"), "tp2x2": (4, "2")}
+    """One process x 4 rows, TP=2 on 2 processes x 4 rows (both take the same rows), TP=2 x 2 replicas and TP=2 x
+    FSDP2 shard 2 on 4 processes x 2 rows each: the same losses and gradient norms at every step (clipped:
+    --max_grad_norm 1), the same weights after 4 steps of 2 accumulated micro-batches, the same evaluation over
+    exactly the same tokens."""
+    runs = {"one": (1, "4", {}), "tp2": (2, "4", {}), "tp2x2": (4, "2", {}), "tp2xfsdp2": (4, "2", {"fsdp": "true"})}
     outputs = {}
-    for name, (processes, rows) in runs.items():
+    for name, (processes, rows, fsdp) in runs.items():
         opts = options(tiny_llama_dir, corpus, tmp_path / name)
-        tp = {"tensor_parallel_size": "2"} if processes > 1 else {}
+        tp = {"tensor_parallel_size": "2", **fsdp} if processes > 1 else {}
         outputs[name] = launch(
             torchrun(processes), *args(opts, max_steps="4", per_device_train_batch_size=rows, max_grad_norm="1", **tp)
         ).stdout
     assert "tensor parallel 2" in outputs["tp2"] and "4 process(es)" in outputs["tp2x2"]
     assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["tp2x2"]
+    assert "tensor parallel 2 x FSDP2" in outputs["tp2xfsdp2"]
     initial = load_file(Path(tiny_llama_dir) / "model.safetensors")
     one = load_file(tmp_path / "one" / "model.safetensors")
     evaluation = json.loads((tmp_path / "one" / "eval_results.json").read_text())
-    for name in ("tp2", "tp2x2"):
+    for name in ("tp2", "tp2x2", "tp2xfsdp2"):
         out = tmp_path / name
         assert logged_losses(out) == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-6)
         assert metrics(out, "train/grad_norm") == pytest.approx(metrics(tmp_path / "one", "train/grad_norm"), rel=1e-5)
@@ -139,6 +143,7 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "odd process count": (3, base, "needs a multiple of 2 processes, and this launch has 3"),
         "one process": (1, base, "needs a multiple of 2 processes, and this launch has 1"),
         "deepspeed": (2, {**base, "zero_stage": "2"}, "does not combine with DeepSpeed ZeRO"),
+        "an accelerate FSDP config": (2, {**base, "env:ACCELERATE_USE_FSDP": "true"}, "not through an accelerate FSDP"),
         "adapters": (2, {**base, "peft": "lora"}, "does not combine with --peft"),
         "compile": (2, {**base, "torch_compile": "true"}, "does not combine with --torch_compile"),
         "batch size auto": (2, {**base, "per_device_train_batch_size": "auto"}, "not auto"),
@@ -148,11 +153,14 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "zero size": (2, {**base, "tensor_parallel_size": "0"}, "must be at least 1"),
     }
     for name, (processes, opts, message) in cases.items():
-        monkeypatch.setenv("WORLD_SIZE", str(processes))
-        assert_each_refused({name: (opts, message)}, capsys, tmp_path / "out")
+        with monkeypatch.context() as env:
+            env.setenv("WORLD_SIZE", str(processes))
+            for key in [k for k in opts if k.startswith("env:")]:
+                env.setenv(key[4:], opts.pop(key))
+            assert_each_refused({name: (opts, message)}, capsys, tmp_path / "out")
 
 
-def test_the_mesh_gives_tensor_parallel_groups_and_replicas(tmp_path):
+def test_the_mesh_gives_tensor_parallel_groups_and_data_parallel_replicas_or_shards(tmp_path):
     from cloudtrain.config import Config
     from cloudtrain.training.accelerated import AcceleratedTrainer
 
@@ -161,6 +169,9 @@ def test_the_mesh_gives_tensor_parallel_groups_and_replicas(tmp_path):
     mesh = AcceleratedTrainer.mesh(cfg, 8)
     assert (mesh.tp, mesh.dp_replicate, mesh.data_parallel, mesh.fits) == (2, 4, 4, True)
     assert mesh.describe() == "8 process(es): replicated 4 x tensor 2"
+    cfg.distributed.fsdp = True
+    mesh = AcceleratedTrainer.mesh(cfg, 8)
+    assert (mesh.tp, mesh.dp_shard, mesh.dp_replicate, mesh.data_parallel) == (2, 4, 1, 4)
 
 
 # ------------------------------------------------------------ context parallelism: what runs on CPU

@@ -354,7 +354,7 @@ def check_distributed(cfg: Config) -> None:
             )
     check_tensor_parallel(cfg, launched_processes())  # cloudtrain.parallel.tensor: each refusal in one line
     check_context_parallel(cfg)  # cloudtrain.parallel.context: refused where it cannot run, saying why
-    if wants_fsdp and not torch.cuda.is_available():
+    if wants_fsdp and not torch.cuda.is_available() and d.tensor_parallel_size == 1:  # TP: transformers shards
         raise UserError(
             "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
             "on this machine use plain multi-process (DDP) or --zero_stage 3"
@@ -397,7 +397,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
         FullyShardedDataParallelPlugin(
             fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT"
         )
-        if cfg.distributed.fsdp
+        if cfg.distributed.fsdp and cfg.distributed.tensor_parallel_size == 1  # TP x FSDP2: transformers wraps it
         else None
     )
     accelerator = Accelerator(

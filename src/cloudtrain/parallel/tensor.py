@@ -3,7 +3,8 @@ processes with the model's own plan (transformers' `base_model_tp_plan`: column-
 projections, row-wise o and down projections), and the launch's processes / N data-parallel replicas of that
 group. transformers shards the model as it loads (`load_options`), on a (dp_replicate, tp) mesh; with more than
 one replica it also wraps the model in FSDP2 with a shard degree of 1, which all-reduces (averages) the
-gradients across the replicas. The ranks of one tensor-parallel group take the same rows (accelerate's loaders,
+gradients across the replicas. With --fsdp the data-parallel processes shard the states instead (FSDP2 on a
+(dp_shard, tp) mesh: 2-D), still through transformers, so it runs on CPU too. The ranks of one tensor-parallel group take the same rows (accelerate's loaders,
 told the mesh), every group its own. Checkpoints hold each process's shards (torch.distributed.checkpoint); the
 final model is gathered to full tensors and written as ordinary safetensors by the main process.
 What runs where and why: docs/parallelism.md.
@@ -32,10 +33,19 @@ def degree(cfg: Config) -> int:
     return cfg.distributed.tensor_parallel_size
 
 
+def shards_states(cfg: Config) -> bool:
+    """--fsdp beside --tensor_parallel_size: the data-parallel processes shard the states (FSDP2 through
+    transformers, 2-D with the tensor-parallel dimension) instead of replicating them."""
+    return cfg.distributed.fsdp
+
+
 def tensor_mesh(cfg: Config, processes: int) -> Mesh:
-    """The launch's processes as (data-parallel replicas) x (tensor-parallel group)."""
+    """The launch's processes as (data-parallel replicas or shards) x (tensor-parallel group)."""
     tp = degree(cfg)
-    return Mesh(world=processes, dp_replicate=max(processes // tp, 1), tp=tp)
+    dp = max(processes // tp, 1)
+    if shards_states(cfg):
+        return Mesh(world=processes, dp_shard=dp, tp=tp)
+    return Mesh(world=processes, dp_replicate=dp, tp=tp)
 
 
 def check_tensor_parallel(cfg: Config, processes: int) -> None:
@@ -55,7 +65,10 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
             f"--nproc_per_node {tp} (or {2 * tp}, ...)",
         ),
         (deepspeed_requested(cfg), "does not combine with DeepSpeed ZeRO; drop --zero_stage/--deepspeed_config"),
-        (fsdp_requested(cfg), "with FSDP is not built yet; drop --fsdp (the other processes replicate the model)"),
+        (
+            fsdp_requested(cfg) and not cfg.distributed.fsdp,
+            "shards with FSDP through --fsdp true, not through an accelerate FSDP config",
+        ),
         (t.task not in TASKS, f"is supported for --task {' and '.join(TASKS)} (this run is {t.task})"),
         (cfg.model.peft != "none", "does not combine with --peft (adapters on sharded layers are not supported)"),
         (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
@@ -99,26 +112,29 @@ def check_model_divides(cfg: Config, tp: int) -> None:
 
 
 def load_options(cfg: Config, processes: int) -> dict:
-    """What from_pretrained needs to load the model sharded on the launch's (dp_replicate, tp) mesh."""
+    """What from_pretrained needs to load the model sharded on the launch's (dp_replicate or dp_shard, tp) mesh."""
     tp = degree(cfg)
     if tp == 1:
         return {}
     from transformers.distributed import DistributedConfig
 
-    return {"distributed_config": DistributedConfig(tp_size=tp, dp_replicate_size=processes // tp)}
+    dp = processes // tp
+    if shards_states(cfg):  # 2-D: FSDP2 over the data-parallel dimension
+        return {"distributed_config": DistributedConfig(tp_size=tp, fsdp_size=dp)}
+    return {"distributed_config": DistributedConfig(tp_size=tp, dp_replicate_size=dp)}
 
 
 class TensorParallelRuntime(Runtime):
     """The accelerate runtime, told the (dp_replicate, tp) mesh: its loaders give a tensor-parallel group the
     same rows, and `gather` keeps each row once (from the first process of each group)."""
 
-    def __init__(self, accelerator: Accelerator, tp: int):
+    def __init__(self, accelerator: Accelerator, tp: int, data_parallel: str = "dp_replicate"):
         super().__init__(accelerator)
         from torch.distributed.device_mesh import init_device_mesh
 
         self.tp = tp
         self.data_mesh = init_device_mesh(
-            self.device.type, (self.count // tp, tp), mesh_dim_names=("dp_replicate", "tp")
+            self.device.type, (self.count // tp, tp), mesh_dim_names=(data_parallel, "tp")
         )
         accelerator.state.device_mesh = self.data_mesh  # read by accelerate's prepare_data_loader
         self.tp_rank = self.data_mesh.get_local_rank("tp")
@@ -137,7 +153,9 @@ class TensorParallelRuntime(Runtime):
 
 
 def launch_runtime(accelerator: Accelerator, cfg: Config) -> Runtime:
-    return TensorParallelRuntime(accelerator, degree(cfg)) if degree(cfg) > 1 else Runtime(accelerator)
+    if degree(cfg) == 1:
+        return Runtime(accelerator)
+    return TensorParallelRuntime(accelerator, degree(cfg), "dp_shard" if shards_states(cfg) else "dp_replicate")
 
 
 def mixed_precision_forward(model: torch.nn.Module, accelerator: Accelerator) -> None:

@@ -66,7 +66,7 @@ class AcceleratedTrainer(Trainer):
             self.mode += f" ZeRO-{self._zero_stage()}"
         self.tensor_parallel = tensor.is_tensor_parallel(runtime)
         if self.tensor_parallel:  # a group's processes take the same rows: the first one's enter the logged sums
-            self.mode += f" tensor parallel {runtime.mesh.tp}"
+            self.mode += f" tensor parallel {runtime.mesh.tp}" + (" x FSDP2" if runtime.mesh.dp_shard > 1 else "")
             self.counts_batches = tensor.tp_rank(runtime) == 0
 
     @classmethod
