@@ -4,10 +4,10 @@ projections, row-wise o and down projections), and the launch's processes / N da
 group. transformers shards the model as it loads (`load_options`), on a (dp_replicate, tp) mesh; with more than
 one replica it also wraps the model in FSDP2 with a shard degree of 1, which all-reduces (averages) the
 gradients across the replicas. With --fsdp the data-parallel processes shard the states instead (FSDP2 on a
-(dp_shard, tp) mesh: 2-D), still through transformers, so it runs on CPU too. The ranks of one tensor-parallel group take the same rows (accelerate's loaders,
-told the mesh), every group its own. Checkpoints hold each process's shards (torch.distributed.checkpoint); the
-final model is gathered to full tensors and written as ordinary safetensors by the main process.
-What runs where and why: docs/parallelism.md.
+(dp_shard, tp) mesh: 2-D), still through transformers, so it runs on CPU too. The ranks of one tensor-parallel
+group take the same rows (accelerate's loaders, told the mesh), every group its own. Checkpoints hold each
+process's shards (torch.distributed.checkpoint); the final model is gathered to full tensors and written as
+ordinary safetensors by the main process. What runs where and why: docs/parallelism.md.
 """
 
 import contextlib
@@ -25,7 +25,9 @@ from cloudtrain.errors import UserError
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime
 
-TASKS = ("causal_lm", "sft")  # tasks whose model is one decoder with a plan (no reference copy, no new head)
+# tasks whose model is one decoder loaded as it is (sft may grow the embeddings for its chat tokens, which a sharded
+# embedding cannot: transformers' resize needs the whole matrix; preference tasks keep a reference copy)
+TASKS = ("causal_lm",)
 SHARDS = "tensor_parallel"  # a checkpoint's subfolder with every process's shards of weights and optimizer state
 
 
@@ -69,7 +71,7 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
             fsdp_requested(cfg) and not cfg.distributed.fsdp,
             "shards with FSDP through --fsdp true, not through an accelerate FSDP config",
         ),
-        (t.task not in TASKS, f"is supported for --task {' and '.join(TASKS)} (this run is {t.task})"),
+        (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
         (cfg.model.peft != "none", "does not combine with --peft (adapters on sharded layers are not supported)"),
         (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
         (t.mixed_precision == "fp16", "needs --mixed_precision bf16 or no (fp16's loss scaler is not wired here)"),
