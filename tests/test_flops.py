@@ -13,7 +13,21 @@ from transformers import (
     LlamaForCausalLM,
 )
 
-from cloudtrain.observe.flops import ModelFlops, attention_dims, matmul_parameters, peak_flops, sum_squared_lengths
+from cloudtrain.data.packing import CausalLMCollator, pack
+from cloudtrain.observe.flops import (
+    DEVICES,
+    DeviceInfo,
+    ModelFlops,
+    attention_dims,
+    attention_squared_lengths,
+    device_peak,
+    identify,
+    matmul_parameters,
+    matmul_precision,
+    no_peak_reason,
+    peak_flops,
+    sum_squared_lengths,
+)
 
 
 def total_parameters(model: torch.nn.Module) -> int:
@@ -180,7 +194,7 @@ def test_logged_mfu_uses_the_matmul_and_attention_flops(trainer_name, tiny_model
     from cloudtrain.training import hooks
 
     peak = 1e12
-    monkeypatch.setattr(hooks, "peak_flops", lambda device: peak)
+    monkeypatch.setattr(hooks, "peak_flops", lambda device, precision: peak)
     trainer = tiny_setup(
         tiny_model_dir,
         tmp_path,
@@ -200,21 +214,136 @@ def test_logged_mfu_uses_the_matmul_and_attention_flops(trainer_name, tiny_model
     assert flops_per_token < 0.6 * 6 * total_parameters(trainer.model)  # the tiny model is mostly embeddings
 
 
+# ---------------------------------------------------------------- attention per document
+def test_packed_rows_count_attention_per_document_not_per_row():
+    """bfd rows of several documents, one row padded: the count is the sum of each document's len^2, by hand."""
+    docs = [list(range(1, n + 1)) for n in (5, 3, 9, 2, 7, 4)]
+    rows = pack(docs, 12, "bfd")
+    batch = CausalLMCollator(pad_token_id=0)(rows)
+    by_hand = sum(n * n for n in (5, 3, 9, 2, 7, 4))
+    assert attention_squared_lengths(batch).item() == by_hand
+    real = batch["attention_mask"].sum(dim=1)
+    assert sum_squared_lengths(batch["attention_mask"]).item() == sum(int(n) ** 2 for n in real) > by_hand
+    assert batch["attention_mask"].sum() < batch["attention_mask"].numel()  # a padded row is in the batch
+
+
+def test_a_batch_without_position_ids_counts_its_rows():
+    mask = torch.tensor([[1, 1, 1, 0], [0, 1, 1, 1]])
+    assert attention_squared_lengths({"attention_mask": mask, "input_ids": mask}).item() == 9 + 9
+    wrapped = CausalLMCollator(pad_token_id=0)([{"input_ids": [1] * 6, "seq_lengths": [6]}])  # one segment
+    assert attention_squared_lengths(wrapped).item() == 36
+
+
+def test_training_flops_of_packed_rows_use_document_lengths():
+    model = tiny_llama()
+    flops = ModelFlops.from_model(model)
+    rows = [{"input_ids": list(range(1, 11)), "seq_lengths": [4, 6]}]
+    batch = CausalLMCollator(pad_token_id=0)(rows)
+    counted = flops.training_flops(10, attention_squared_lengths(batch).item())
+    assert counted == 6 * flops.matmul_params * 10 + 12 * 2 * 64 * (16 + 36)
+    assert counted < flops.training_flops(10, 100)  # the row-length count overstates it
+
+
+# ---------------------------------------------------------------- the device's peak
+GIB = 2**30
+
+
 @pytest.mark.parametrize(
-    "name, peak",
+    "name, memory_gib, sms, key, bf16",
     [
-        ("NVIDIA H100 80GB HBM3", 989e12),
-        ("NVIDIA A100-SXM4-40GB", 312e12),
-        ("NVIDIA A10G", 70e12),
-        ("NVIDIA A10", 125e12),
-        ("NVIDIA L40S", 362e12),
-        ("NVIDIA L4", 121e12),
-        ("NVIDIA GeForce RTX 4090", None),
+        ("NVIDIA H100 80GB HBM3", 79.6, 132, "H100 SXM", 989e12),
+        ("NVIDIA H100 PCIe", 79.6, 114, "H100 PCIe", 756e12),
+        ("NVIDIA H100 NVL", 93.6, 132, "H100 NVL", 835e12),
+        ("NVIDIA H100", 79.6, 114, "H100 PCIe", 756e12),  # a name that says nothing: the SM count does
+        ("NVIDIA H100", 93.6, 132, "H100 NVL", 835e12),
+        ("NVIDIA H100", 79.6, 132, "H100 SXM", 989e12),
+        ("NVIDIA H800", 79.6, 132, "H100 SXM", 989e12),
+        ("NVIDIA H200", 139.8, 132, "H200 SXM", 989e12),
+        ("NVIDIA H200 NVL", 139.8, 132, "H200 NVL", 835e12),
+        ("NVIDIA GH200 480GB", 94.5, 132, "GH200", 989e12),
+        ("NVIDIA B200", 178.4, 148, "B200", 2250e12),
+        ("NVIDIA A100-SXM4-40GB", 39.4, 108, "A100", 312e12),
+        ("NVIDIA A100-SXM4-80GB", 79.2, 108, "A100", 312e12),
+        ("NVIDIA A100 80GB PCIe", 79.2, 108, "A100", 312e12),
+        ("NVIDIA A10G", 22.0, 80, "A10G", 70e12),
+        ("NVIDIA A10", 22.0, 72, "A10", 125e12),
+        ("NVIDIA L40S", 44.4, 142, "L40S", 362e12),
+        ("NVIDIA L4", 22.0, 58, "L4", 121e12),
+        ("AMD Instinct MI300X", 191.5, 304, "MI300X", 1307e12),
+        ("Tesla T4", 14.6, 40, "T4", None),  # no native bf16
     ],
 )
-def test_the_peak_is_that_of_the_first_table_key_in_the_device_name(name, peak, monkeypatch):
-    """A key that is part of another (L4 of L40S, A10 of A100 and A10G) must not take its place; a GPU not
-    in the table, and a CPU, have no peak (no MFU is logged)."""
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    assert peak_flops(torch.device("cuda", 0)) == peak
-    assert peak_flops(torch.device("cpu")) is None
+def test_each_listed_device_is_identified_with_its_own_peak(name, memory_gib, sms, key, bf16):
+    info = DeviceInfo(name, int(memory_gib * GIB), sms)
+    assert identify(info) == key
+    assert device_peak(info, "bf16") == bf16 == DEVICES[key].bf16
+    assert device_peak(info, "fp16") == DEVICES[key].fp16 > 0
+    assert device_peak(info, "fp32") == DEVICES[key].fp32 < DEVICES[key].fp16
+
+
+def test_the_three_h100s_have_different_peaks_in_every_precision():
+    for precision in ("bf16", "tf32", "fp32"):
+        peaks = {getattr(DEVICES[k], precision) for k in ("H100 SXM", "H100 PCIe", "H100 NVL")}
+        assert len(peaks) == 3
+
+
+@pytest.mark.parametrize(
+    "name, memory_gib, sms",
+    [
+        ("NVIDIA GeForce RTX 4090", 23.6, 128),
+        ("NVIDIA H100", 79.6, 100),  # an H100 whose variant cannot be told: no guess
+        ("", 0, 0),
+        ("NVIDIA L40", 44.4, 142),  # not L40S, not L4
+        ("NVIDIA A100X", 79.2, 108),
+    ],
+)
+def test_an_unknown_device_gets_no_peak(name, memory_gib, sms):
+    info = DeviceInfo(name, int(memory_gib * GIB), sms)
+    assert identify(info) is None
+    assert all(device_peak(info, p) is None for p in ("bf16", "fp16", "tf32", "fp32"))
+
+
+def test_a_mig_slice_gets_its_share_of_the_chip():
+    info = DeviceInfo("NVIDIA H100 80GB HBM3 MIG 3g.40gb", 40 * GIB, 60)
+    assert identify(info) == "H100 SXM"
+    assert device_peak(info, "bf16") == pytest.approx(989e12 * 60 / 132)
+
+
+def test_mi300x_on_a_rocm_that_gives_no_name():
+    assert identify(DeviceInfo("", 192 * GIB, 304, "gfx942:sramecc+:xnack-")) == "MI300X"
+    assert identify(DeviceInfo("", 128 * GIB, 228, "gfx942")) is None  # an MI300A: not listed
+
+
+def test_fp32_runs_use_the_tf32_peak_only_where_torch_allows_tf32():
+    assert matmul_precision("bf16") == "bf16" and matmul_precision("fp16") == "fp16"
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert matmul_precision("no") == "fp32"
+        torch.set_float32_matmul_precision("high")
+        assert matmul_precision("no") == "tf32"
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class FakeProperties:
+    def __init__(self, name: str, memory: int, sms: int):
+        self.name, self.total_memory, self.multi_processor_count = name, memory, sms
+
+
+@pytest.mark.parametrize("name, sms, peak", [("NVIDIA H100 PCIe", 114, 756e12), ("NVIDIA GeForce RTX 4090", 128, None)])
+def test_peak_flops_reads_the_device_properties_and_says_once_why_there_is_none(name, sms, peak, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: FakeProperties(name, 80 * GIB, sms))
+    cuda = torch.device("cuda", 0)
+    assert peak_flops(cuda, "bf16") == peak
+    reason = no_peak_reason(cuda, "bf16")
+    assert (reason is None) == (peak is not None)
+    if reason:
+        assert reason.startswith("no MFU logged") and name in reason and "\n" not in reason
+    assert peak_flops(torch.device("cpu")) is None and no_peak_reason(torch.device("cpu"), "bf16") is None
+
+
+def test_a_known_device_without_the_precision_says_so(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: FakeProperties("Tesla T4", GIB, 40))
+    assert "T4 has no native bf16 peak" in no_peak_reason(torch.device("cuda", 0), "bf16")
+    assert no_peak_reason(torch.device("cuda", 0), "fp16") is None

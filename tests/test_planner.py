@@ -547,7 +547,10 @@ def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(d
     assert (lora["parameters"], lora["gradients"], lora["optimizer_states"]) == (2 * P + 4 * T, 6 * T, 8 * T)
     assert qlora["optimizer_states"] == 8 * T and qlora["parameters"] < 0.6 * lora["parameters"]
     states = ("parameters", "gradients", "optimizer_states")
-    assert sum(lora[k] for k in states) < 0.12 * sum(full[k] for k in states)  # 2P + 18T against 18P
+    assert sum(lora[k] for k in states) < 0.12 * 18 * P  # 2P + 18T against full fine-tuning's 18P
+    # a step of one micro-batch: the fp32 gradients do not coexist with the activations (set to None after a step)
+    released = 4 * P - full["gradients"] + 2 * P
+    assert full["gradients"] >= 2 * P and 0 < released <= full["activations"] + full["logits"]
     assert lora["logits"] == full["logits"]
     assert rows["LoRA + DDP"]["fits"] and rows["LoRA + DDP"]["relative_step_time"] < 1
     assert plan["recommendation"]["peft"] == "none"  # full fine-tuning fits (with offload): adapters are no speed-up
@@ -647,19 +650,20 @@ def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_f
     args = dict(num_gpus=8, gpu_memory_gb=80, per_device_train_batch_size=8, max_length=512, mixed_precision="bf16")
     auto = planning.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path, **args))
     assert auto["recommendation"]["peft"] == "none"
-    assert [r["peft"] for r in auto["strategies"]] == ["none"] * 2 * len(STRATEGIES) + ["lora"] * 2 + ["qlora"] * 2
+    one_node = [s for s in STRATEGIES if s.fsdp_sharding != "hybrid_shard"]  # hybrid is full shard on one node
+    under = len(planning.ADAPTER_STRATEGIES)  # adapters under DDP, ZeRO 1-3 and FSDP2
+    assert [r["peft"] for r in auto["strategies"]] == ["none"] * 2 * len(one_node) + ["lora"] * 2 * under + [
+        "qlora"
+    ] * 2 * under
     lines = planning.render(auto).splitlines()
     full, adapters_title = (
         lines.index("full fine-tuning (every weight trains):"),
-        next(i for i, line in enumerate(lines) if line.startswith("adapters under DDP (recommended only if no full")),
+        next(i for i, line in enumerate(lines) if line.startswith("adapters under DDP, ZeRO and FSDP2 (recommended")),
     )
     assert lines[full + 1].split()[:2] == ["DDP", "1.00"] and full < adapters_title
-    assert [line.split(" + ")[0].strip() for line in lines[adapters_title + 1 : adapters_title + 5]] == [
-        "LoRA",
-        "LoRA",
-        "QLoRA",
-        "QLoRA",
-    ]
+    labels = [line.strip().split("  ")[0] for line in lines[adapters_title + 1 : adapters_title + 1 + 4 * under]]
+    assert labels[0] == "LoRA + DDP" and labels[2 * under] == "QLoRA + DDP"
+    assert {label.split(" + ")[1] for label in labels} == {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full shard"}
     for peft in ("qlora", "dora"):
         forced = planning.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path / peft, peft=peft, **args))
         assert forced["recommendation"]["peft"] == peft and f"--peft {peft}" in forced["recommendation"]["command"]
@@ -718,11 +722,20 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
             )
         )
         assert plan["recommendation"]["strategy"] == strategy.key
+        if strategy.fsdp:  # torchrun with the application's FSDP flags: no config file
+            assert plan["recommendation"]["files"] == {} and not out.exists()
+            command = plan["recommendation"]["command"]
+            assert shlex.split(command)[:5] == ["torchrun", "--nproc_per_node", "4", "--nnodes", "2"]
+            d = emitted_config(command).distributed
+            assert d.fsdp and d.fsdp_sharding_strategy == strategy.fsdp_sharding
+            assert d.fsdp_cpu_offload is strategy.offload_param
+            assert d.fsdp_reshard_after_forward in (None, strategy.reshard_after_forward)
+            continue
         config = load_config_from_file(str(out / "accelerate_config.yaml"))
         assert (config.num_processes, config.num_machines, config.mixed_precision) == (8, 2, "bf16")
         if strategy.zero_stage is None:
             assert not (out / "ds_config.json").exists()
-            assert config.distributed_type == ("FSDP" if strategy.fsdp else "MULTI_GPU")
+            assert config.distributed_type == "MULTI_GPU"
             continue
         assert Path(config.deepspeed_config["deepspeed_config_file"]) == (out / "ds_config.json").resolve()
         plugin = DeepSpeedPlugin(hf_ds_config=str(out / "ds_config.json"))
@@ -771,9 +784,12 @@ def test_pipeline_rows_hold_each_stage_and_its_micro_batches_in_flight(tmp_path)
     assert (facts.stages.embedding_params, facts.stages.head_params) == (embed, head) == (V * h, V * h + h)
     s4 = setup(num_gpus=4, precision="bf16", max_length=s)  # 2 pipelines of 2 processes
 
-    c = 2  # bf16 activations; the residual stream stays fp32 (fp32 weights under autocast)
-    A = s * b * (c * (7 * h + 2 * kv) + c * inter * (1 + 1 + 2))  # per layer: silu saves its input, gated MLP
-    E, W = s * b * h * 2 * c, c * s * b * (h + inter)  # embeddings / final norm, backward working space
+    c, H = 2, 4  # bf16 activations; the residual stream and the RMSNorms stay fp32 (fp32 weights under autocast)
+    # per layer and token: both norms' fp32 inputs and normalised outputs; q, k, v, gate and up each cast their own
+    # bf16 input; q, k and v repeated to 4 heads (a dense mask: no GQA in sdpa) and the output; the gated MLP
+    # (silu's input, up, silu's output, down's input); the fp32 log-sum-exp per head; the mask as a bf16 bias
+    A = s * b * (2 * 4 * h + 2 * 4 * h + c * 5 * h + c * 4 * h + c * inter * 4 + 4 * H + c * s)
+    E, W = s * b * h * (4 + 4 + c), c * s * b * (h + inter)  # the final norm, the head's input; working space
     logits = b * s * V * 12
     hidden = 4 * s * b * h  # one micro-batch's hidden states, as sent between stages
     # 6 layers + 2 ends in 2 stages: 4 units each, one of them the embeddings or the head: 3 layers per stage
@@ -878,14 +894,22 @@ def test_every_row_s_mesh_is_the_one_its_trainer_builds():
     s = setup(num_gpus=4, num_nodes=2)
     for strategy in STRATEGIES:
         offload = {True: "cpu", False: "none"}
+        fsdp = dict(fsdp_sharding_strategy=strategy.fsdp_sharding, fsdp_cpu_offload=strategy.offload_param)
         options = DistributedConfig(
             zero_stage=strategy.zero_stage,
             fsdp=strategy.fsdp,
-            offload_optimizer=offload[strategy.offload_optimizer],
-            offload_param=offload[strategy.offload_param],
+            offload_optimizer=offload[strategy.offload_optimizer and not strategy.fsdp],
+            offload_param=offload[strategy.offload_param and not strategy.fsdp],
+            **(fsdp if strategy.fsdp else {}),
         )
         trainer = TRAINERS[strategy.trainer]
-        assert Candidate(strategy, False).mesh(s) == trainer.mesh(Config(distributed=options), 8), strategy.key
+        mesh = Candidate(strategy, False).mesh(s)
+        if strategy.fsdp_sharding in ("hybrid_shard", "no_shard"):  # the degrees the FSDP2 launch builds
+            from cloudtrain.parallel.fsdp import shard_degrees
+
+            assert (mesh.dp_replicate, mesh.dp_shard) == shard_degrees(strategy.fsdp_sharding, 8, 4), strategy.key
+            continue
+        assert mesh == trainer.mesh(Config(distributed=options), 8), strategy.key
     for pp in (2, 4, 8):
         built = TRAINERS[planning.PIPELINE.trainer].mesh(
             Config(distributed=DistributedConfig(pipeline_parallel_size=pp)), 8

@@ -145,6 +145,11 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "deepspeed": (2, {**base, "zero_stage": "2"}, "does not combine with DeepSpeed ZeRO"),
         "an accelerate FSDP config": (2, {**base, "env:ACCELERATE_USE_FSDP": "true"}, "not through an accelerate FSDP"),
         "adapters": (2, {**base, "peft": "lora"}, "does not combine with --peft"),
+        "fsdp options": (
+            2,
+            {**base, "fsdp": "true", "fsdp_cpu_offload": "true"},
+            "with --fsdp shards fully, through transformers",
+        ),
         "sft": (2, {**base, "task": "sft"}, "is supported for --task causal_lm only (this run is sft)"),
         "compile": (2, {**base, "torch_compile": "true"}, "does not combine with --torch_compile"),
         "batch size auto": (2, {**base, "per_device_train_batch_size": "auto"}, "not auto"),

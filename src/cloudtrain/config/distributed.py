@@ -7,6 +7,7 @@ from cloudtrain.errors import UserError
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 OFFLOAD = ("none", "cpu", "nvme")
+FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 
 
 @dataclass
@@ -33,7 +34,24 @@ class DistributedConfig:
     deepspeed_config: str | None = opt(
         None, 'A DeepSpeed JSON config, used as-is; its "auto" values are filled from these options.'
     )
-    fsdp: bool = opt(False, "Shard the model with FSDP (version 2) through accelerate; GPU only.")
+    fsdp: bool = opt(
+        False, "Shard the model with FSDP2 (torch's fully_shard, through accelerate); GPUs, or CPU processes (gloo)."
+    )
+    fsdp_sharding_strategy: str = opt(
+        "full_shard",
+        "--fsdp: full_shard (parameters, gradients and optimizer states over every process), shard_grad_op (the "
+        "same, parameters kept gathered between forward and backward), hybrid_shard (sharded within a node, "
+        "replicated across nodes), no_shard (replicated everywhere, like DDP).",
+        FSDP_STRATEGIES,
+    )
+    fsdp_cpu_offload: bool = opt(
+        False, "--fsdp: keep the sharded parameters, gradients and optimizer states in CPU memory between uses."
+    )
+    fsdp_reshard_after_forward: bool | None = opt(
+        None,
+        "--fsdp: free each layer's gathered parameters after its forward (gathered again for backward); unset: "
+        "true, false for shard_grad_op.",
+    )
     pipeline_parallel_size: int = opt(
         2,
         "--training_type pipeline: processes per pipeline (at least 2); the launch's processes form "
@@ -83,3 +101,27 @@ class DistributedConfig:
             raise UserError("--tensor_parallel_size and --context_parallel_size must be at least 1")
         if self.aio_block_size < 4096 or self.aio_queue_depth < 1:
             raise UserError("--aio_block_size must be at least 4096 bytes and --aio_queue_depth at least 1")
+        self.check_fsdp()
+
+    def check_fsdp(self) -> None:
+        given = [
+            name
+            for name, default in (
+                ("fsdp_sharding_strategy", "full_shard"),
+                ("fsdp_cpu_offload", False),
+                ("fsdp_reshard_after_forward", None),
+            )
+            if getattr(self, name) != default
+        ]
+        if given and not self.fsdp:
+            raise UserError(f"--{given[0]} is an FSDP option: add --fsdp true")
+        if self.fsdp_sharding_strategy == "shard_grad_op" and self.fsdp_reshard_after_forward:
+            raise UserError(
+                "--fsdp_sharding_strategy shard_grad_op keeps parameters gathered after forward, which "
+                "--fsdp_reshard_after_forward true contradicts; drop one of them (full_shard reshards)"
+            )
+        if self.fsdp_sharding_strategy == "no_shard" and self.fsdp_cpu_offload:
+            raise UserError(
+                "--fsdp_cpu_offload needs sharded parameters; --fsdp_sharding_strategy no_shard keeps the whole "
+                "model on every device: use full_shard or hybrid_shard"
+            )

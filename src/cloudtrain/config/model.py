@@ -22,7 +22,16 @@ class ModelConfig:
     )
     tokenizer_name_or_path: str | None = opt(None, "The tokenizer, when not the one in --model_name_or_path.")
     attn_implementation: str | None = opt(
-        None, "Attention kernel: sdpa, eager, flash_attention_2, ... (default: transformers' choice)."
+        None,
+        "Attention kernel: varlen (packed documents by their lengths, no dense mask), sdpa, eager, "
+        "flash_attention_2, ... (default: varlen for --packing bfd where it is as fast, else transformers' choice).",
+    )
+    fused_cross_entropy: str = opt(
+        "auto",
+        "Language-model loss straight from the hidden states, never holding the full logits: true (Liger Kernel's "
+        "fused linear cross-entropy on CUDA where liger-kernel is installed, else a chunked PyTorch one), false, or "
+        "auto (on where it is faster: Liger on CUDA). Evaluation keeps the exact logits.",
+        ("auto", "true", "false"),
     )
     trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
     gradient_checkpointing: bool = opt(

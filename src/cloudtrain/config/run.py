@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
+from cloudtrain.errors import UserError
 from cloudtrain.registry import TASKS
 
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
@@ -28,6 +29,34 @@ class MonitoringConfig:
         "(checkpoint), or save and stop so that someone can look (stop).",
         ON_ANOMALY,
     )
+    profile: bool = opt(
+        False,
+        "Write a torch.profiler trace of the --profile_steps steps (main process), for Perfetto or TensorBoard.",
+    )
+    profile_steps: str = opt(
+        "5:8",
+        "The optimizer steps --profile traces, first:last (from 1, inclusive); the step before first warms "
+        "the profiler up.",
+    )
+    profile_dir: str | None = opt(None, "Where --profile writes its trace (default: <output_dir>/profile).")
+
+    def check(self) -> None:
+        """--profile_steps is read as first:last before any work; the profile options need --profile."""
+        profile_window(self.profile_steps)
+        if self.profile_dir and not self.profile:
+            raise UserError("--profile_dir needs --profile true")
+
+
+def profile_window(steps: str) -> tuple[int, int]:
+    """--profile_steps first:last as (first, last), or a UserError saying how to write it."""
+    first, sep, last = steps.partition(":")
+    try:
+        window = (int(first), int(last)) if sep else (int(first), int(first))
+    except ValueError:
+        window = (0, 0)
+    if not 1 <= window[0] <= window[1]:
+        raise UserError(f"--profile_steps {steps!r}: give first:last optimizer steps, 1 <= first <= last (say 5:8)")
+    return window
 
 
 @dataclass

@@ -20,6 +20,8 @@ Measured on CPU, Llama and GPT-2: "sdpa" and "eager" (and "flex_attention" for L
 none) isolate documents with `use_cache=False` and no mask (logits equal within 1e-7). Leaving
 use_cache to the config (True) leaks in train AND eval mode, as does passing an all-ones
 attention_mask or position_ids that do not restart (differences 0.07-0.5 on the tiny test models).
+For bfd rows the collator also gives the documents' cumulative lengths, which the varlen attention
+(cloudtrain.models.attention) and FlashAttention's varlen path keep documents apart by, with no dense mask.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from __future__ import annotations
 import bisect
 import inspect
 from collections.abc import Callable
-from itertools import chain
+from itertools import accumulate, chain
 from typing import Any
 
 import torch
@@ -36,7 +38,9 @@ import torch.nn.functional as F
 __all__ = [
     "PACKING",
     "CausalLMCollator",
+    "attention_implementation",
     "causal_lm_forward",
+    "forward_inputs",
     "chunk",
     "isolation_error",
     "pack",
@@ -127,14 +131,20 @@ class CausalLMCollator:
 
     A row with a "loss_mask" (supervised fine-tuning) keeps labels only where the mask is 1.
 
-    The attention_mask (1 = real token) is only for counting real tokens (throughput). It is never
-    passed to the model: transformers 5.23 keeps packed documents apart from restarting position_ids
-    only when attention_mask is None. Padding sits at the end of each row and attention is causal, so
-    real tokens never see it anyway.
+    The attention_mask (1 = real token) counts real tokens (throughput); only the varlen attention is given it
+    (cloudtrain.models.attention), which keeps documents apart by their lengths. With any other kernel,
+    transformers 5.23 keeps packed documents apart from restarting position_ids only when attention_mask is
+    None. Padding sits at the end of each row and attention is causal, so real tokens never see it anyway.
+
+    With `cu_seqlens=True` (packed rows) the batch also holds the cumulative lengths of the flattened batch's
+    sequences, every document and each row's padding one sequence (`cu_seqlens`, int32, [N + 1]), and the
+    longest of them as the width of an empty tensor (`max_seqlen`, [0, longest]): a shape, so that the
+    forward reads it without waiting for the device, and moving the batch moves it like any tensor.
     """
 
-    def __init__(self, pad_token_id: int):
+    def __init__(self, pad_token_id: int, cu_seqlens: bool = False):
         self.pad_token_id = pad_token_id
+        self.cu_seqlens = cu_seqlens
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         width = max(len(row["input_ids"]) for row in rows)
@@ -143,6 +153,7 @@ class CausalLMCollator:
         position_ids = torch.zeros(shape, dtype=torch.long)
         labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
         attention_mask = torch.zeros(shape, dtype=torch.long)
+        sequences: list[int] = []  # the length of every sequence of the flattened batch, in order
         for b, row in enumerate(rows):
             ids, lengths = row["input_ids"], row["seq_lengths"]
             if sum(lengths) != len(ids) or min(lengths, default=1) < 1:
@@ -161,22 +172,55 @@ class CausalLMCollator:
                 if length and start < n:
                     # No document's first token is predicted from the previous document's last one.
                     labels[b, start] = IGNORE_INDEX
+                if length:
+                    sequences.append(length)
                 start += length
-        return {
+        batch = {
             "input_ids": input_ids,
             "position_ids": position_ids,
             "labels": labels,
             "attention_mask": attention_mask,
         }
+        if self.cu_seqlens:
+            batch["cu_seqlens"] = torch.tensor([0, *accumulate(sequences)], dtype=torch.int32)
+            batch["max_seqlen"] = torch.empty((0, max(sequences)), dtype=torch.int32)
+        return batch
 
 
 def causal_lm_forward(model: torch.nn.Module, batch: dict) -> torch.Tensor:
-    """The logits of `model` on a collated batch: the call training and evaluation use.
+    """The logits of `model` on a collated batch: the call training and evaluation use."""
+    return model(**forward_inputs(model, batch)).logits
 
-    No attention_mask and no KV cache: with either, transformers 5.23 ignores the per-document
-    structure of position_ids and packed documents attend to each other.
+
+def forward_inputs(model: torch.nn.Module, batch: dict) -> dict[str, Any]:
+    """The model's keyword arguments for a collated batch.
+
+    No KV cache, and no attention_mask but for the varlen attention: with either, transformers 5.23 ignores
+    the per-document structure of position_ids and packed documents attend to each other. The cumulative
+    lengths go to every kernel: the varlen one and FlashAttention's varlen path use them, sdpa and eager
+    ignore them (they mask from position_ids).
     """
-    return model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).logits
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    inputs["use_cache"] = False
+    if "cu_seqlens" in batch:
+        longest = batch["max_seqlen"].shape[-1]
+        inputs.update(
+            cu_seq_lens_q=batch["cu_seqlens"],
+            cu_seq_lens_k=batch["cu_seqlens"],
+            max_length_q=longest,
+            max_length_k=longest,
+        )
+        if attention_implementation(model) == "varlen":
+            # A padding mask skips transformers' search of position_ids for packing (a sync with the device);
+            # the varlen kernel keeps documents apart by the lengths and ignores it.
+            inputs["attention_mask"] = batch["attention_mask"]
+    return inputs
+
+
+def attention_implementation(model: Any) -> str | None:
+    """The attention implementation `model` computes with, through DDP/DeepSpeed (`.module`) and PEFT wrappers."""
+    inner = getattr(model, "module", model)
+    return getattr(getattr(inner, "config", None), "_attn_implementation", None)
 
 
 def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -202,8 +246,8 @@ def isolation_error(
 ) -> str | None:
     """None if `model`, called through `forward`, keeps packed documents apart; else why not, in one line.
 
-    Runs two short documents packed into one row and the second one alone, and compares the second
-    document's logits.
+    Runs two short documents packed into two rows (in both orders) and each alone, and compares the logits of
+    the document that comes second in its row.
     """
     config = getattr(model, "config", None)
     name = f"{type(model).__name__} with attn_implementation {getattr(config, '_attn_implementation', None)!r}"
@@ -212,18 +256,23 @@ def isolation_error(
         return f"{name} takes no position_ids, so packed documents cannot be kept apart"
     generator = torch.Generator().manual_seed(0)
     first, second = (torch.randint(0, _vocab_size(model), (n,), generator=generator).tolist() for n in (5, 7))
-    collate = CausalLMCollator(pad_token_id=0)
-    packed = collate([{"input_ids": first + second, "seq_lengths": [5, 7]}])
-    alone = collate([{"input_ids": second, "seq_lengths": [7]}])
+    # Two rows, as in training: some kernels tell packed rows apart only in a batch of one.
+    collate = CausalLMCollator(pad_token_id=0, cu_seqlens=True)
+    packed = collate(
+        [{"input_ids": first + second, "seq_lengths": [5, 7]}, {"input_ids": second + first, "seq_lengths": [7, 5]}]
+    )
+    alone = collate([{"input_ids": second, "seq_lengths": [7]}, {"input_ids": first, "seq_lengths": [5]}])
     parameter = next(model.parameters())
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            packed_logits = forward(model, {k: v.to(parameter.device) for k, v in packed.items()})[0, 5:].float()
-            alone_logits = forward(model, {k: v.to(parameter.device) for k, v in alone.items()})[0].float()
+            logits = forward(model, {k: v.to(parameter.device) for k, v in packed.items()}).float()
+            reference = forward(model, {k: v.to(parameter.device) for k, v in alone.items()}).float()
     finally:
         model.train(was_training)
+    packed_logits = torch.cat([logits[0, 5:], logits[1, 7:]])
+    alone_logits = torch.cat([reference[0, :7], reference[1, :5]])
     difference = (packed_logits - alone_logits).abs().max().item()
     # Half-precision kernels round differently for different sequence lengths: allow a few percent of
     # the logits' scale there (a leak moves logits by about their own size).

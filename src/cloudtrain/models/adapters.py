@@ -4,19 +4,19 @@
     python src/training_application.py merge --output_dir DIR      # writes DIR/merged, a plain transformers model
 
 Supports:
-- LoRA and DoRA on every task, with one process, DDP and DeepSpeed ZeRO 1-3 (CPU and GPU), FSDP (GPU);
+- LoRA and DoRA on every task, with one process, DDP, DeepSpeed ZeRO 1-3 and FSDP2 (CPU and GPU);
 - QLoRA: the base in 4-bit NF4 with double quantization and bf16 compute (bitsandbytes, CUDA only), one
-  process or DDP;
+  process, DDP, ZeRO 1-2, or FSDP2 (the 4-bit values then stored as bf16: bnb_4bit_quant_storage);
 - the modules a task trains in full next to the adapters (`Task.train_in_full`): whatever sits outside a
   classifier's pretrained body (its head), and a language model's embeddings and head when a chat template
   added tokens.
-Does not support: QLoRA on CPU, under ZeRO-3 or FSDP (4-bit weights cannot be sharded as they are stored
-here); adapters on a model built from --model_config (random weights: no base to load the adapter onto).
+Does not support: QLoRA on CPU or under ZeRO-3; adapters on a model built from --model_config (random
+weights: no base to load the adapter onto).
 
 At load time: the base model (frozen, in the compute dtype, or 4-bit), gradient checkpointing, then
 `attach`: the adapters, in fp32 like everything else that trains. The trainer, the optimizer (over
 trainable parameters only) and accelerate come after. Checkpoints hold only the trainable weights (under
-FSDP, which saves its own way, the whole model).
+FSDP, which writes each process's shards, the whole model).
 
 The output directory holds PEFT's layout (adapter_config.json, adapter_model.safetensors), so
 `PeftModel.from_pretrained(base, output_dir)` and `AutoPeftModelFor...` load it; a classifier's label
@@ -45,6 +45,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.parallel.distributed import fsdp_shards
 from cloudtrain.publish import atomic
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is_adapter_dir
 
@@ -74,10 +75,15 @@ def check_options(cfg: Config, auto_class: type) -> None:
             )
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UserError("--peft qlora needs bitsandbytes: pip install bitsandbytes")
-        if d.zero_stage == 3 or d.fsdp:
+        if d.zero_stage == 3:
             raise UserError(
-                "--peft qlora cannot shard its 4-bit base weights with ZeRO-3 or FSDP; use DDP, "
-                "--zero_stage 1 or 2, or --peft lora"
+                "--peft qlora cannot shard its 4-bit base weights with ZeRO-3; use --fsdp true (which shards "
+                "them), DDP, --zero_stage 1 or 2, or --peft lora"
+            )
+        if fsdp_shards(cfg) and cfg.training.mixed_precision in ("no", "fp16"):
+            raise UserError(
+                "--peft qlora under FSDP stores the 4-bit base in bf16 so that it can be sharded; "
+                "pass --mixed_precision bf16"
             )
     check_target_modules(cfg, auto_class)
 
@@ -127,11 +133,15 @@ def load_options(cfg: Config, auto_class: type) -> dict:
         # (transformers' own default keeps only the last parameter's module, e.g. not a BERT classifier.)
         model = meta_model(cfg, auto_class)
         keep = [name for name, child in model.named_children() if name != model.base_model_prefix]
+        # Under FSDP the packed 4-bit values are stored as bf16 (the compute dtype), not uint8: FSDP shards
+        # floating-point parameters only and needs one dtype across each layer's frozen weights.
+        storage = torch.bfloat16 if fsdp_shards(cfg) else torch.uint8
         quantization = BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="nf4",
             bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16,
+            bnb_4bit_quant_storage=storage,
             llm_int8_skip_modules=keep,
         )
         # 4-bit weights are placed while loading, on this process's GPU (accelerate set it as current)

@@ -1,10 +1,12 @@
 """Model preparation: the ordered transforms every loaded model goes through before a trainer takes it.
 
 The order is fixed (`TRANSFORMS`), each step relying on those before it:
-1. `attention`: --attn_implementation, the kernel every later step (and probe) computes with;
+1. `attention`: --attn_implementation (varlen by default for packed rows), the kernel every later step (and
+   probe) computes with;
 2. `gradient_checkpointing`: before adapters, which build on it (QLoRA readies the inputs for it);
 3. `task_checks`: the task's checks of the model as it will compute (document isolation under --packing bfd);
    kernel options (fused modules and losses) belong here, before adapters wrap the modules they replace;
+   `fused_cross_entropy`: --fused_cross_entropy, the loss from the hidden states;
 4. `task_before_adapters`: what the task keeps of the model before adapters change it (a DPO reference);
 5. `adapters`: --peft freezes the base and adds adapters, and the modules the task trains in full;
 6. `compile`: --torch_compile, last, over the final module (in place: its class, keys and saving stay).
@@ -15,18 +17,28 @@ one function `(model, cfg, task, announce) -> model` placed in the list.
 from collections.abc import Callable
 from typing import Any
 
+import torch
+from transformers.integrations import is_deepspeed_zero3_enabled
+
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.hardware import resolve_precision
+from cloudtrain.models.attention import VARLEN, varlen_kernel_available
+from cloudtrain.models.kernels import hidden_states_error, liger_available
 from cloudtrain.tasks.base import Task
 
 Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it, or a PeftModel, out
 
 
 def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
-    """The model computes with --attn_implementation, or the run stops: some models cannot switch and would
-    only log a warning."""
+    """The model computes with --attn_implementation (default: `default_attention`), or the run stops: some
+    models cannot switch and would only log a warning."""
     wanted = cfg.model.attn_implementation
-    if not wanted or model.config._attn_implementation == wanted:
+    if not wanted:
+        return _default_attention(model, cfg, task, announce)
+    if wanted == VARLEN:
+        check_varlen(model, cfg, task)
+    if model.config._attn_implementation == wanted:
         return model
     try:
         model.set_attn_implementation(wanted)
@@ -40,6 +52,55 @@ def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     return model
 
 
+def _default_attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
+    """The default kernel where it applies and the model takes it; else the model keeps transformers' choice
+    (the isolation probe still judges that one)."""
+    chosen, before = default_attention(model, cfg, task), model.config._attn_implementation
+    if not chosen or chosen == before:
+        return model
+    try:
+        model.set_attn_implementation(chosen)
+    except (ImportError, ValueError):
+        return model
+    if model.config._attn_implementation != chosen:
+        model.set_attn_implementation(before)
+        return model
+    if announce:
+        print(f"attention: {chosen} (the default for --packing {cfg.data.packing})", flush=True)
+    return model
+
+
+def default_attention(model: Any, cfg: Config, task: Task) -> str | None:
+    """varlen for packed rows of a task that passes their lengths, where it is at least as fast as sdpa with
+    the dense mask (docs/language-models.md); None (transformers' choice) otherwise."""
+    if cfg.data.packing != "bfd" or not getattr(task, "packed_attention", False) or _varlen_misfit(model.config):
+        return None
+    if not torch.cuda.is_available():
+        return VARLEN  # the per-document reference: no [B, 1, L, L] mask, fewer FLOPs
+    # On CUDA only with a varlen kernel for the 16-bit attention of mixed precision; otherwise sdpa's own.
+    return VARLEN if varlen_kernel_available() and resolve_precision(cfg.training.mixed_precision) != "no" else None
+
+
+def check_varlen(model: Any, cfg: Config, task: Task) -> None:
+    if not getattr(task, "packed_attention", False):
+        raise UserError(
+            f"--attn_implementation {VARLEN} is for decoders on packed rows (--task causal_lm or sft); "
+            "leave the option out for transformers' choice"
+        )
+    misfit = _varlen_misfit(model.config)
+    if misfit:
+        raise UserError(f"--attn_implementation {VARLEN}: {type(model).__name__} {misfit}; use sdpa")
+
+
+def _varlen_misfit(config: Any) -> str | None:
+    """Why a model's attention is more than causal softmax attention, which the varlen kernels compute."""
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "uses sliding-window attention"
+    if getattr(config, "attn_logit_softcapping", None):
+        return "caps its attention logits"
+    return None
+
+
 def gradient_checkpointing(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     if cfg.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -49,6 +110,39 @@ def gradient_checkpointing(model: Any, cfg: Config, task: Task, announce: bool) 
 def task_checks(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     task.check_model(model, cfg, announce)
     return model
+
+
+def fused_cross_entropy(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
+    """--fused_cross_entropy: the task's loss from the hidden states (cloudtrain.models.kernels). auto turns it on
+    where it is faster (Liger Kernel on CUDA); true also takes the chunked PyTorch one, and refuses where neither
+    can run."""
+    choice = cfg.model.fused_cross_entropy
+    setter = getattr(task, "use_loss_kernel", None)
+    if choice == "false" or (choice == "auto" and not liger_available()):
+        return model
+    if setter is None or not setter(None):
+        if choice == "true":
+            task_name = cfg.training.task
+            raise UserError(f"--fused_cross_entropy true: --task {task_name} has no language-model loss; use false")
+        return model
+    problem = _fused_misfit(model, cfg)
+    if problem:
+        if choice == "true":
+            raise UserError(f"--fused_cross_entropy true: {problem}; use false")
+        return model
+    backend = "liger" if liger_available() else "chunked"
+    setter(backend)
+    if announce:
+        print(f"loss: fused linear cross-entropy ({backend}), no full logits in training", flush=True)
+    return model
+
+
+def _fused_misfit(model: Any, cfg: Config) -> str | None:
+    d = cfg.distributed
+    # the head's weight is sharded outside the module's own forward
+    if d.zero_stage == 3 or d.fsdp or is_deepspeed_zero3_enabled():
+        return "the LM head's weight is sharded (ZeRO-3 or FSDP) where the loss reads it"
+    return hidden_states_error(model)
 
 
 def task_before_adapters(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
@@ -72,6 +166,7 @@ TRANSFORMS: list[Transform] = [
     attention,
     gradient_checkpointing,
     task_checks,
+    fused_cross_entropy,
     task_before_adapters,
     adapters_for_task,
     compile_model,

@@ -16,7 +16,9 @@ nanoGPT's `estimate_mfu` also uses. Per real (non-padding) token:
   per token of a sequence of length l (d_attn = heads * head_dim, usually hidden_size), so
   4 * l * d_attn forward and three times that for forward plus backward: 12 * n_layers * d_attn * l
   per token, or 12 * n_layers * d_attn * l^2 for the whole sequence. Summed over the sequences of an
-  interval this needs the sum of their squared lengths, not only the token count.
+  interval this needs the sum of their squared lengths, not only the token count. A sequence is a
+  document: a packed row of documents kept apart costs the sum of their len^2, not row_len^2
+  (`attention_squared_lengths`).
 
 What is left out or approximated: non-matmul work (softmax, normalisation, activations, the loss,
 the optimizer step); causal masking (a decoder needs only about half the attention scores, counted
@@ -27,18 +29,36 @@ every matmul weight: when the frozen parts come first (a frozen base under a tra
 stops earlier and the true count lies below 4N + 2N_t. If the config gives no layer count or width,
 the attention term is left out (`ModelFlops.attention` is False).
 
-The MFU divides by the device's dense bf16/fp16 tensor-core peak (PEAK_FLOPS), so an fp32 run reads
-low; on a CPU or a GPU not in the table no MFU is logged.
+The MFU divides by the device's dense peak for the run's matmul precision (bf16/fp16 under autocast, tf32
+or fp32 otherwise), from the vendor's data sheet for the device identified by its name, SM count and memory
+(`DEVICES`, `identify`: an H100 PCIe is not taken for the SXM part). On a CPU, or a GPU not in the table, no
+MFU is logged, and the run says so once. docs/benchmarks.md gives the formula, the constants and sources.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["PEAK_FLOPS", "ModelFlops", "attention_dims", "matmul_parameters", "peak_flops", "sum_squared_lengths"]
+__all__ = [
+    "DEVICES",
+    "DeviceInfo",
+    "DevicePeak",
+    "ModelFlops",
+    "attention_dims",
+    "attention_squared_lengths",
+    "device_peak",
+    "identify",
+    "matmul_parameters",
+    "matmul_precision",
+    "no_peak_reason",
+    "peak_flops",
+    "sum_squared_lengths",
+]
 
 
 def _numel(p: torch.nn.Parameter) -> int:
@@ -166,24 +186,150 @@ class ModelFlops:
         return self.dense_flops_per_token + self.attention_flops(seq_len * seq_len) / max(seq_len, 1)
 
 
-# Dense bf16/fp16 tensor-core peak per GPU, by a substring of torch.cuda.get_device_name(). The first key
-# found in the name wins, so a key that is part of another (L4 of L40S, A10 of A100 and A10G) comes after it.
-PEAK_FLOPS = {
-    "H200": 989e12,
-    "H100": 989e12,
-    "A100": 312e12,
-    "A10G": 70e12,
-    "L40S": 362e12,
-    "L4": 121e12,
-    "A10": 125e12,
-    "V100": 125e12,
-    "T4": 65e12,
+def attention_squared_lengths(batch: Mapping[str, Any]) -> torch.Tensor:
+    """Sum over the documents of a batch of each document's real length squared, for the attention FLOPs.
+
+    A packed row holds several documents that attend only within themselves, so the attention work is
+    the sum over documents of len^2, not rows x row_len^2. The collator's `position_ids` restart at 0 for
+    every document (cloudtrain.data.packing), and the sum of 2p + 1 over positions p = 0..len-1 is len^2:
+    summing 2p + 1 over the real tokens gives the count without finding the documents, on the device,
+    without a sync. A batch without position_ids (classification, preference pairs) counts whole rows.
+    """
+    mask = batch["attention_mask"]
+    positions = batch.get("position_ids")
+    if not isinstance(positions, torch.Tensor) or positions.shape != mask.shape:
+        return sum_squared_lengths(mask)
+    return ((2 * positions.to(torch.float64) + 1) * mask.to(torch.float64)).sum()
+
+
+# ---------------------------------------------------------------- the device's peak
+@dataclass(frozen=True)
+class DevicePeak:
+    """A device's dense peaks in FLOP/s from its vendor's data sheet (sparsity figures halved), and the
+    number of SMs (AMD: compute units) of the full chip, to scale a MIG slice. None: not computed natively.
+    docs/benchmarks.md lists the sources."""
+
+    label: str
+    bf16: float | None  # bf16 tensor cores (fp16 the same on every device listed, except where bf16 is None)
+    fp16: float
+    tf32: float | None  # fp32 matmuls on tensor cores (torch allow_tf32 / float32_matmul_precision "high")
+    fp32: float  # plain fp32
+    sms: int
+
+
+DEVICES = {
+    "H100 SXM": DevicePeak("H100 SXM", 989e12, 989e12, 494e12, 67e12, 132),
+    "H100 NVL": DevicePeak("H100 NVL", 835e12, 835e12, 417e12, 60e12, 132),
+    "H100 PCIe": DevicePeak("H100 PCIe", 756e12, 756e12, 378e12, 51e12, 114),
+    "H200 SXM": DevicePeak("H200 SXM", 989e12, 989e12, 494e12, 67e12, 132),
+    "H200 NVL": DevicePeak("H200 NVL", 835e12, 835e12, 417e12, 60e12, 132),
+    "GH200": DevicePeak("GH200", 989e12, 989e12, 494e12, 67e12, 132),
+    "B200": DevicePeak("B200", 2250e12, 2250e12, 1125e12, 75e12, 148),
+    "GB200": DevicePeak("GB200", 2500e12, 2500e12, 1250e12, 80e12, 152),
+    "A100": DevicePeak("A100", 312e12, 312e12, 156e12, 19.5e12, 108),
+    "A10G": DevicePeak("A10G", 70e12, 70e12, 35e12, 35e12, 80),
+    "A10": DevicePeak("A10", 125e12, 125e12, 62.5e12, 31.2e12, 72),
+    "L40S": DevicePeak("L40S", 362e12, 362e12, 183e12, 91.6e12, 142),
+    "L4": DevicePeak("L4", 121e12, 121e12, 60e12, 30.3e12, 58),
+    "V100": DevicePeak("V100", None, 125e12, None, 15.7e12, 80),
+    "T4": DevicePeak("T4", None, 65e12, None, 8.1e12, 40),
+    "MI300X": DevicePeak("MI300X", 1307e12, 1307e12, 654e12, 163e12, 304),
 }
+GIB = 2**30
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's peak FLOPS, or None (CPU, or a GPU not in PEAK_FLOPS): then no MFU is logged."""
+@dataclass(frozen=True)
+class DeviceInfo:
+    """What torch says about a GPU: torch.cuda.get_device_properties' name, total_memory,
+    multi_processor_count and (ROCm) gcnArchName."""
+
+    name: str
+    memory: int = 0
+    sms: int = 0
+    arch: str = ""
+
+    @classmethod
+    def of(cls, device: torch.device) -> DeviceInfo:
+        props = torch.cuda.get_device_properties(device)
+        return cls(props.name, props.total_memory, props.multi_processor_count, getattr(props, "gcnArchName", ""))
+
+
+def _hopper(tokens: set[str], info: DeviceInfo) -> str | None:
+    """H100/H800 in its three forms. The name says PCIe or NVL, or "80GB HBM3" for the SXM part; where it
+    says none of these, the SM count and memory do: 114 SMs are the PCIe card, 132 with about 94 GB the
+    NVL card, 132 with 80 GB the SXM part. Anything else is not guessed."""
+    if "PCIE" in tokens:
+        return "H100 PCIe"
+    if "NVL" in tokens:
+        return "H100 NVL"
+    if {"80GB", "HBM3"} <= tokens:  # the SXM part's name, also on a MIG slice (whose SMs and memory are a share)
+        return "H100 SXM"
+    if info.sms == 114:
+        return "H100 PCIe"
+    if info.sms == 132:
+        return "H100 NVL" if info.memory > 85 * GIB else "H100 SXM"
+    return None
+
+
+def identify(info: DeviceInfo) -> str | None:
+    """The key of DEVICES for a GPU, or None when it is not one of them (or its variant cannot be told).
+
+    Names are matched by whole words (split at spaces, dashes and underscores), so L4 is not L40S and
+    A10 is neither A100 nor A10G."""
+    tokens = set(re.split(r"[\s\-_]+", info.name.upper()))
+    if tokens & {"MI300X", "MI325X"} or (not info.name.strip() and info.arch.startswith("gfx942") and info.sms == 304):
+        return "MI300X"  # MI325X: the MI300X's compute with more memory; older ROCm may leave the name empty
+    if tokens & {"H100", "H800"}:
+        return _hopper(tokens, info)
+    if "GH200" in tokens:
+        return "GH200"
+    if "H200" in tokens:
+        return "H200 NVL" if "NVL" in tokens else "H200 SXM"
+    for key in ("GB200", "B200", "A100", "A10G", "A10", "L40S", "L4", "V100", "T4"):
+        if key in tokens:
+            return key
+    return None
+
+
+def device_peak(info: DeviceInfo, precision: str) -> float | None:
+    """Dense peak FLOP/s of the device for a run's matmul precision, or None (unknown device, or a precision
+    it does not compute natively). precision: bf16, fp16, tf32 or fp32. A MIG slice ("MIG" in the name)
+    gets its share of the chip's SMs."""
+    key = identify(info)
+    if key is None:
+        return None
+    spec = DEVICES[key]
+    peak = {"bf16": spec.bf16, "fp16": spec.fp16, "tf32": spec.tf32, "fp32": spec.fp32}[precision]
+    if peak is not None and "MIG" in info.name.upper().split() and 0 < info.sms < spec.sms:
+        peak *= info.sms / spec.sms
+    return peak
+
+
+def matmul_precision(mixed_precision: str) -> str:
+    """What the matmuls of a run compute in: its autocast dtype, else tf32 where torch allows it for fp32."""
+    if mixed_precision in ("bf16", "fp16"):
+        return mixed_precision
+    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+
+
+def peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
+    """The device's dense peak FLOP/s for `precision` (bf16, fp16, tf32, fp32), or None: a CPU, or a GPU
+    this table does not know (then no MFU is logged rather than a wrong one; `no_peak_reason` says why)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_FLOPS.items() if key in name), None)
+    return device_peak(DeviceInfo.of(device), precision)
+
+
+def no_peak_reason(device: torch.device, precision: str) -> str | None:
+    """One line saying why a GPU gets no MFU, or None when it gets one (and on a CPU, which never does)."""
+    if device.type != "cuda":
+        return None
+    info = DeviceInfo.of(device)
+    if device_peak(info, precision) is not None:
+        return None
+    key = identify(info)
+    if key is None:
+        what = f"{info.name!r} ({info.sms} SMs, {info.memory / GIB:.0f} GiB) is not a GPU whose peak cloudtrain knows"
+    else:
+        what = f"{DEVICES[key].label} has no native {precision} peak"
+    return f"no MFU logged: {what} (cloudtrain.observe.flops.DEVICES; docs/benchmarks.md)"

@@ -9,8 +9,9 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
   config's `deepspeed_config` section. The JSON's "auto" values are filled from the application's
   options; values that disagree with them are an error naming both. With no GPU, gloo is passed
   explicitly (never `cpu=True`, which makes accelerate drop DeepSpeed).
-- FSDP (version 2, transformer-layer auto-wrap) through accelerate's FSDP plugin: GPU only, since
-  accelerate does not shard on CPU; refused there instead of silently running DDP.
+- FSDP2 (torch's fully_shard) through accelerate's FSDP plugin, built by cloudtrain.parallel.fsdp from the
+  --fsdp_* flags or an accelerate FSDP config; on GPUs, and on CPU processes (gloo), where accelerate's FSDP
+  mode is switched on explicitly (it would otherwise silently run DDP).
 - A user JSON may carry its own `optimizer` and `scheduler` sections: DeepSpeed then builds them (the
   optimizer from accelerate's placeholder, cloudtrain.training.optim), their "auto" values filled from
   --learning_rate, --weight_decay, --warmup_steps and --max_steps; --optim or schedule options given
@@ -35,12 +36,13 @@ from accelerate import Accelerator
 from accelerate.utils import (
     DeepSpeedPlugin,
     DistributedDataParallelKwargs,
-    FullyShardedDataParallelPlugin,
     InitProcessGroupKwargs,
 )
 
 from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
+from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings
+from cloudtrain.parallel.fsdp import enable as enable_fsdp
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
 
@@ -143,7 +145,7 @@ class Sharding:
 def sharding(cfg: Config) -> Sharding:
     requested = requested_deepspeed(cfg)
     if requested is None:
-        return Sharding(fsdp=cfg.distributed.fsdp or env_flag("ACCELERATE_USE_FSDP"))
+        return Sharding(fsdp=fsdp_shards(cfg))
     zero = requested[1].get("zero_optimization", {})
 
     def offloaded(key: str) -> bool:
@@ -303,6 +305,11 @@ def fsdp_requested(cfg: Config) -> bool:
     return cfg.distributed.fsdp or env_flag("ACCELERATE_USE_FSDP")
 
 
+def fsdp_shards(cfg: Config) -> bool:
+    """FSDP was asked for with a strategy that shards: no_shard replicates the whole model, which is DDP."""
+    return fsdp_requested(cfg) and fsdp_settings(cfg)["strategy"] != "no_shard"
+
+
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
     from cloudtrain.parallel.context import check_context_parallel
@@ -354,10 +361,15 @@ def check_distributed(cfg: Config) -> None:
             )
     check_tensor_parallel(cfg, launched_processes())  # cloudtrain.parallel.tensor: each refusal in one line
     check_context_parallel(cfg)  # cloudtrain.parallel.context: refused where it cannot run, saying why
-    if wants_fsdp and not torch.cuda.is_available() and d.tensor_parallel_size == 1:  # TP: transformers shards
+    check_fsdp_launch(cfg)
+
+
+def check_fsdp_launch(cfg: Config) -> None:
+    """FSDP shards over a process group, which a launcher starts (plain `python` would train unsharded)."""
+    if fsdp_requested(cfg) and "WORLD_SIZE" not in os.environ:
         raise UserError(
-            "FSDP needs GPUs: accelerate does not shard on CPU and would silently run DDP; "
-            "on this machine use plain multi-process (DDP) or --zero_stage 3"
+            "FSDP needs a launcher to start its process group: torchrun --nproc_per_node N "
+            "src/training_application.py ... (or accelerate launch), also for one process"
         )
 
 
@@ -393,13 +405,10 @@ def build_accelerator(cfg: Config) -> Accelerator:
             zero3_init_flag=zero.get("stage") == 3,
             zero3_save_16bit_model=zero.get("stage3_gather_16bit_weights_on_model_save"),
         )
-    fsdp = (
-        FullyShardedDataParallelPlugin(
-            fsdp_version=2, auto_wrap_policy="transformer_based_wrap", state_dict_type="FULL_STATE_DICT"
-        )
-        if cfg.distributed.fsdp and cfg.distributed.tensor_parallel_size == 1  # TP x FSDP2: transformers wraps it
-        else None
-    )
+    tensor_parallel = cfg.distributed.tensor_parallel_size > 1  # TP x FSDP2: transformers wraps the model instead
+    fsdp = build_plugin(cfg) if fsdp_shards(cfg) and not tensor_parallel else None
+    if fsdp_requested(cfg) and fsdp is None:  # no_shard: DDP, also where an accelerate config asked for FSDP
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
     accelerator = Accelerator(
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -413,6 +422,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ],
     )
+    if fsdp is not None:
+        enable_fsdp(accelerator, fsdp, cfg)
     if accelerator.num_processes != launched_processes():
         raise UserError(
             f"the launcher started {launched_processes()} processes but they did not join one "

@@ -58,7 +58,7 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
     from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested
 
     flag = f"--tensor_parallel_size {tp}"
-    t = cfg.training
+    t, d = cfg.training, cfg.distributed
     refusals = [
         (t.training_type != "accelerated", f"needs --training_type accelerated (this run is {t.training_type})"),
         (
@@ -70,6 +70,16 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
         (
             fsdp_requested(cfg) and not cfg.distributed.fsdp,
             "shards with FSDP through --fsdp true, not through an accelerate FSDP config",
+        ),
+        (
+            cfg.distributed.fsdp
+            and (
+                d.fsdp_sharding_strategy != "full_shard"
+                or d.fsdp_cpu_offload
+                or d.fsdp_reshard_after_forward is not None
+            ),
+            "with --fsdp shards fully, through transformers: drop --fsdp_sharding_strategy, --fsdp_cpu_offload and "
+            "--fsdp_reshard_after_forward",
         ),
         (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
         (cfg.model.peft != "none", "does not combine with --peft (adapters on sharded layers are not supported)"),

@@ -32,6 +32,7 @@ from cloudtrain.planning.memory import (
     cpu_bytes,
     estimate,
     fits,
+    frozen_base_bytes,
     logits_bytes,
     max_micro_batch,
     model_state_bytes,
@@ -40,11 +41,29 @@ from cloudtrain.planning.memory import (
     rank_estimates,
 )
 from cloudtrain.planning.report import render
-from cloudtrain.planning.search import Choice, Row, choose, pipeline_candidates, run_micro_batch, run_strategy
-from cloudtrain.planning.strategies import PIPELINE, STRATEGIES, Candidate, Pipeline, Setup, Strategy, candidates
+from cloudtrain.planning.search import (
+    Choice,
+    Row,
+    choose,
+    fsdp_strategy,
+    pipeline_candidates,
+    run_micro_batch,
+    run_strategy,
+)
+from cloudtrain.planning.strategies import (
+    ADAPTER_STRATEGIES,
+    PIPELINE,
+    STRATEGIES,
+    Candidate,
+    Pipeline,
+    Setup,
+    Strategy,
+    candidates,
+)
 from cloudtrain.planning.writers import TRAINING_APPLICATION, accelerate_config, deepspeed_config, launch_command
 
 __all__ = [
+    "ADAPTER_STRATEGIES",
     "AdapterFacts",
     "CUDA_CONTEXT_BYTES",
     "Candidate",
@@ -75,6 +94,8 @@ __all__ = [
     "deepspeed_config",
     "estimate",
     "fits",
+    "frozen_base_bytes",
+    "fsdp_strategy",
     "is_decoder",
     "launch_command",
     "logits_bytes",

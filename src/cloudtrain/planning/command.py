@@ -42,6 +42,8 @@ TRAINING_OPTIONS = (
     "model_config",
     "tokenizer_name_or_path",
     "trust_remote_code",
+    "attn_implementation",
+    "packing",
     "per_device_train_batch_size",
     "max_length",
     "mixed_precision",
@@ -180,6 +182,35 @@ def runnable(m: ModelFacts, c: Candidate) -> bool:
     return not (m.model_copy and c.peft == "none" and c.pipeline)
 
 
+def run_attention(args: argparse.Namespace, precision: str) -> str | None:
+    """The attention the run computes with: --attn_implementation, else the application's default for packed bfd
+    rows of a decoder task in 16 bits on a GPU (varlen: no dense mask; cloudtrain.models.prepare), else None (the
+    model's own: sdpa, with a dense mask for packed or padded decoder rows)."""
+    if args.attn_implementation:
+        return args.attn_implementation
+    packing = args.packing if args.packing != "auto" else TASKS[args.task].default_packing
+    packed = getattr(TASKS[args.task], "packed_attention", False)
+    return "varlen" if packing == "bfd" and packed and precision != "no" else None
+
+
+def _distinct(c: Candidate, setup: Setup) -> bool:
+    """Whether a row differs from another one here: hybrid sharding is full sharding on one node."""
+    return setup.num_nodes > 1 or c.strategy.fsdp_sharding != "hybrid_shard"
+
+
+def _no_row(m: ModelFacts, setup: Setup) -> str:
+    """Why a --strategy the planner knows has no row here (what the run would refuse, or what it would equal)."""
+    if m.unshardable:
+        return (
+            "the run keeps a frozen copy of the model whole in every process (a DPO reference), which ZeRO-3 and FSDP "
+            "cannot shard; --precompute_reference true or --peft lora avoid the copy"
+        )
+    return (
+        f"hybrid sharding shards within a node and replicates across nodes; on {setup.num_nodes} node it is "
+        "fsdp (full shard): plan with --num_nodes 2 or more, or --strategy fsdp"
+    )
+
+
 def make_plan(args: argparse.Namespace) -> dict:
     """Estimate every candidate, choose one, write its configs; returns the machine-readable plan."""
     _check(args)
@@ -198,11 +229,16 @@ def make_plan(args: argparse.Namespace) -> dict:
         m = replace(m, name=name)
     task_cfg = build_config({n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference")})
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
+    attention = run_attention(args, resolve_precision(args.mixed_precision))
+    passed = (("--attn_implementation", args.attn_implementation) if args.attn_implementation else ()) + (
+        ("--packing", args.packing) if args.packing != "auto" else ()
+    )
     m = replace(
         m,
         model_copy=run_task.keeps_model_copy(task_cfg),
         unshardable=run_task.refuses_sharding(task_cfg),
-        task_args=task_args(args),
+        task_args=task_args(args) + passed,
+        attn_implementation=attention or m.attn_implementation,
     )
     setup = Setup(
         args.num_gpus,
@@ -214,6 +250,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         None if args.nvme_gb is None else round(args.nvme_gb * GIB),
     )
     requested, global_batch = _batch(args, setup.world_size)
+    setup = replace(setup, step_rows=global_batch // setup.world_size)  # a step of one micro-batch holds no gradients
     adapters = (
         () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
     )  # DoRA only when asked for
@@ -221,7 +258,9 @@ def make_plan(args: argparse.Namespace) -> dict:
     pipes = pipeline_candidates(m, setup, per_gpu, micro_batch_options(requested, per_gpu)[0])
     if args.strategy == PIPELINE.key and not pipes:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
-    cands = [c for c in candidates(adapters, pipes) if runnable(m, c)]
+    cands = [c for c in candidates(adapters, pipes) if runnable(m, c) and _distinct(c, setup)]
+    if args.strategy not in ("auto", PIPELINE.key) and not any(c.strategy.key == args.strategy for c in cands):
+        raise UserError(f"--strategy {args.strategy}: {_no_row(m, setup)}")
     rows = [row(m, c, setup, requested) for c in cands]
     allowed = [
         r
@@ -247,7 +286,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         "recommendation": None,
         "suggestions": [],
         "fallbacks": [choice_json(c) for c in ranked[1:4]],  # the next best, in the order the choice takes
-        "notes": _notes(m, setup, args.mixed_precision) + _hardware_notes(name, args, gpu),
+        "notes": _notes(m, setup, args.mixed_precision) + _hardware_notes(name, args, gpu) + _attention_note(m, args),
     }
     if choice is None:
         forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
@@ -271,6 +310,15 @@ def make_plan(args: argparse.Namespace) -> dict:
         launch_command(m, choice, setup, files),
     )
     return plan
+
+
+def _attention_note(m: ModelFacts, args: argparse.Namespace) -> list[str]:
+    if args.attn_implementation or m.attn_implementation != "varlen":
+        return []
+    return [
+        "attention: varlen, the default for --packing bfd on GPUs with a varlen kernel (flash-attn or torch's "
+        "varlen_attn): no dense mask; --attn_implementation sdpa plans for sdpa, which keeps the mask per layer"
+    ]
 
 
 def _notes(m: ModelFacts, setup: Setup, precision: str) -> list[str]:

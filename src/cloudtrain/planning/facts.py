@@ -80,6 +80,9 @@ class ModelFacts:
     hidden_dropout: bool
     attention_dropout: bool
     attn_implementation: str
+    rms_norm: bool = False  # RMSNorm-style: the weight multiplies outside the kernel, keeping the normalised input
+    attention_inputs: int = 1  # projections reading the attention block's input (q, k, v: 3; a fused qkv: 1)
+    mlp_inputs: int = 1  # projections reading the MLP's input (gated: gate and up, 2)
     task: str = TrainingConfig.task  # the --task (its default: classification)
     vocab_size: int = 0  # the width of the logits (a decoder task); 0: a classification head, no logits term
     from_config: bool = False  # name is a --model_config (config.json or preset), not a checkpoint
@@ -245,6 +248,9 @@ def model_facts(
         )
         > 0,
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
+        rms_norm=any("RMSNorm" in type(module).__name__ for module in layers[0].modules()),
+        attention_inputs=max(_projections(layers[0], hidden, intermediate, into_mlp=False) - 1, 1),  # less o
+        mlp_inputs=max(_projections(layers[0], hidden, intermediate, into_mlp=True), 1),
         task=task,
         vocab_size=0 if head is None else head.weight.shape[0],
         from_config=from_config,
@@ -252,6 +258,13 @@ def model_facts(
         adapters=None if from_config else adapter_facts(model, run_task.train_in_full(model), lora, layers[0]),
         stages=stage_facts(model) if decoder else None,
     )
+
+
+def _projections(layer, hidden: int, intermediate: int, into_mlp: bool) -> int:
+    """Linear layers of `layer` that read a hidden-sized input and write the MLP's intermediate size (into_mlp),
+    or anything else (the attention's q, k, v and output projections)."""
+    shapes = [_in_out(module) for module in layer.modules() if not isinstance(module, nn.Embedding)]
+    return sum(1 for shape in shapes if shape and shape[0] == hidden and (shape[1] == intermediate) == into_mlp)
 
 
 def stage_facts(model) -> StageFacts | None:

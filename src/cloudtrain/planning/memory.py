@@ -12,6 +12,8 @@ CUDA_CONTEXT_BYTES = GIB
 FRAGMENTATION = 0.05
 MAX_MICRO_BATCH = 1 << 16
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight, its 8-bit absmax per 64 and fp32 absmax per 256 blocks
+FUSED_CHUNK_TOKENS = 1024  # tokens whose logits a fused linear cross-entropy holds at once (an assumption)
+STRATEGY_DDP = Strategy("ddp", "DDP", 1.0)
 
 
 @dataclass(frozen=True)
@@ -45,9 +47,7 @@ def model_state_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[
     """(parameters, gradients, optimizer states) per GPU; see docs/planner-formulas.md for the formulas."""
     P, n = m.num_params, setup.world_size
     if strategy.fsdp:
-        c = 2 if setup.half else 4
-        gathered = c * (m.root_params + 2 * m.layer_params)
-        return 4 * P // n + gathered, 4 * P // n + c * m.layer_params, 8 * P // n
+        return _fsdp_states(m, strategy, setup)
     if strategy.zero_stage is None:  # DDP
         return 4 * P, 4 * P + (2 * P if setup.half else 0), 8 * P
     p = 2 if setup.half else 4
@@ -61,24 +61,95 @@ def model_state_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[
     return params, p * L + (0 if off_opt else 4 * P // n), optimizer
 
 
-def adapter_state_bytes(m: ModelFacts, peft: str, setup: Setup) -> tuple[int, int, int]:
-    """(parameters, gradients, optimizer states) per GPU with adapters under DDP: the frozen base, then 16 bytes
-    per trainable parameter (fp32 weight, gradient and two moments) and autocast's 16-bit copies of them."""
-    a, P = m.adapters, m.num_params
+def _fsdp_states(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int, int]:
+    """FSDP2: fp32 shards over S processes (S: the strategy's shard degree), the units gathered in the compute
+    dtype (the root and two layers; every layer with reshard_after_forward false), one layer's unsharded
+    gradients; with CPU offload the shards, their gradients and AdamW states live in CPU memory."""
+    P, S, c = m.num_params, strategy.shard_degree(setup), 2 if setup.half else 4
+    gathered = c * (m.root_params + (m.num_layers if not strategy.reshard_after_forward else 2) * m.layer_params)
+    if strategy.offload_param:
+        return gathered, c * m.layer_params, 0
+    return 4 * P // S + gathered, 4 * P // S + c * m.layer_params, 8 * P // S
+
+
+def _trainable_facts(m: ModelFacts) -> ModelFacts:
+    """The adapters as a model of their own, for the strategies' formulas: spread evenly over the layers, the
+    head (trained in full beside them) in the root."""
+    a = m.adapters
     assert a is not None  # adapter candidates exist only with adapter facts
+    T = a.trainable("dora")
+    per_layer = a.lora_params // max(m.num_layers, 1)
+    return replace(m, num_params=T, layer_params=per_layer, root_params=a.head_params, largest_module_params=per_layer)
+
+
+def adapter_state_bytes(
+    m: ModelFacts, peft: str, setup: Setup, strategy: Strategy | None = None
+) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) per GPU with adapters: the frozen base (whole, or sharded under
+    ZeRO-3 and FSDP), then the trainable parameters under the strategy's own rule (DDP: 16 bytes each, and
+    autocast's 16-bit copies of them)."""
+    a = m.adapters
+    assert a is not None  # adapter candidates exist only with adapter facts
+    s = strategy or STRATEGY_DDP
     T = a.trainable(peft)
-    if peft == "qlora":  # prepare_model_for_kbit_training upcasts every weight left out of 4-bit to fp32
-        base = NF4_BYTES * a.quantized_params + 4 * (P - a.quantized_params) + 2 * a.largest_quantized
+    base = frozen_base_bytes(m, peft, s, setup)
+    if s.zero_stage is None and not s.fsdp:
+        return round(base) + 4 * T, 4 * T + (2 * T if setup.half else 0), 8 * T
+    trainable = _trainable_facts(m)
+    params, grads, optim = model_state_bytes(replace(trainable, num_params=T), s, setup)
+    return round(base) + params, grads, optim
+
+
+def frozen_base_bytes(m: ModelFacts, peft: str, strategy: Strategy, setup: Setup) -> float:
+    """The frozen base per GPU. LoRA/DoRA: every weight in the compute dtype. QLoRA: the 4-bit weights (NF4 with
+    double quantisation) and the rest in fp32 under DDP (prepare_model_for_kbit_training upcasts them), in the
+    compute dtype under ZeRO and FSDP (stored with bnb_4bit_quant_storage in that dtype, so one flat shard holds
+    them all), plus one weight dequantised for its matmul. ZeRO-3 and FSDP shard it and gather it unit by unit."""
+    a = m.adapters
+    assert a is not None  # adapter candidates exist only with adapter facts
+    c, P, Q = (2 if setup.half else 4), m.num_params, a.quantized_params
+    if peft != "qlora":
+        whole, per_weight_rest, layer_q, dequantised = float(c * P), c, 0.0, 0
     else:
-        base = (2 if setup.half else 4) * P  # the base in the compute dtype
-    return round(base) + 4 * T, 4 * T + (2 * T if setup.half else 0), 8 * T
+        per_weight_rest = 4 if not strategy.shards else c
+        whole = NF4_BYTES * Q + per_weight_rest * (P - Q)
+        layer_q, dequantised = Q / max(m.num_layers, 1), 2 * a.largest_quantized
+    S = strategy.shard_degree(setup)
+    if S == 1 or not (strategy.fsdp or strategy.zero_stage == 3):
+        return whole + dequantised
+    layer = NF4_BYTES * layer_q + per_weight_rest * (m.layer_params - layer_q)
+    if strategy.fsdp:  # the root and two layers gathered
+        gathered = per_weight_rest * m.root_params + (m.num_layers if not strategy.reshard_after_forward else 2) * layer
+    else:  # ZeRO-3: the largest module gathered
+        gathered = layer if peft == "qlora" else c * m.largest_module_params
+    return whole / S + gathered + dequantised
 
 
 def _attention_scores(m: ModelFacts, c: int) -> int:
     """Bytes per attention score eager attention keeps (0 for SDPA/flash: no s*s matrix)."""
-    if m.attn_implementation in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention"):
+    if _fused_attention(m):
         return 0
     return c + (1 + c if m.attention_dropout else 0)
+
+
+def _fused_attention(m: ModelFacts) -> bool:
+    return m.attn_implementation in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "varlen")
+
+
+def _attention_bytes(m: ModelFacts, seq: int, c: int, dense_mask: bool) -> int:
+    """Per token and layer, what the attention kernel keeps beyond q, k, v and its output: eager's s*s scores;
+    a fused kernel's fp32 log-sum-exp per head and, given a dense mask, the additive bias it converts the
+    boolean [b, 1, s, s] mask into (compute dtype, one per layer, kept for its backward)."""
+    if not _fused_attention(m):
+        return m.num_heads * seq * _attention_scores(m, c)
+    return 4 * m.num_heads + (c * seq if dense_mask else 0)
+
+
+def _kv_width(m: ModelFacts, dense_mask: bool) -> int:
+    """The width of k and v as attention keeps them: grouped-query heads are repeated to every query head by
+    eager attention, and by sdpa when a mask is given (transformers passes enable_gqa only without one)."""
+    repeated = m.attn_implementation == "eager" or (dense_mask and m.attn_implementation == "sdpa")
+    return m.hidden_size if repeated else m.kv_hidden_size
 
 
 def _stacked(
@@ -91,37 +162,64 @@ def _stacked(
     return round(m.num_layers * per_layer + outside), round(working)
 
 
-def _layer_terms(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> tuple[float, int, int]:
-    """(per layer A, outside the layers E, backward working space W) of full fine-tuning, in bytes."""
+def _layer_terms(
+    m: ModelFacts, micro_batch: int, seq: int, half: bool, autocast32: bool = False, dense_mask: bool = False
+) -> tuple[float, int, int]:
+    """(per layer A, outside the layers E, backward working space W) of full fine-tuning, in bytes.
+    autocast32: 16-bit autocast over fp32 weights (the residual stream and norms in fp32, every projection casting
+    its own copy of its input); dense_mask: a [b, 1, s, s] mask given to sdpa (packed rows)."""
     c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
-    per_layer = sb * (
-        c * (7 * h + 2 * m.kv_hidden_size)
+    normalized = (4 if autocast32 or not half else c) if m.rms_norm else 0
+    inputs = m.attention_inputs + m.mlp_inputs if autocast32 else 2
+    per_token = (
+        2 * 4 * h  # the two norms' inputs in fp32 (the residual stream, or the norm's fp32 copy of it)
+        + 2 * normalized * h  # what an RMSNorm keeps for its weight's gradient: the normalised input
+        + c * inputs * h  # the projections' inputs: one per block, or under autocast each projection's own cast
+        + c * (2 * h + 2 * _kv_width(m, dense_mask))  # q, k, v as attention keeps them; its output (o's input)
         + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp)
         + 2 * h * mask
-        + m.num_heads * seq * _attention_scores(m, c)
+        + _attention_bytes(m, seq, c, dense_mask)
     )
-    return per_layer, sb * h * (2 * c + mask), c * sb * (h + inter)
+    outside = sb * h * (4 + normalized + c + mask)  # the final norm's input and output, the head's input
+    return sb * per_token, outside, c * sb * (h + inter)
 
 
 def activation_bytes(
-    m: ModelFacts, micro_batch: int, seq: int, half: bool, checkpointing: bool, residual_bytes: int
+    m: ModelFacts,
+    micro_batch: int,
+    seq: int,
+    half: bool,
+    checkpointing: bool,
+    residual_bytes: int,
+    autocast32: bool = False,
+    dense_mask: bool = False,
 ) -> tuple[int, int]:
     """(saved for backward at the end of the forward pass, backward working space) per GPU."""
-    per_layer, outside, working = _layer_terms(m, micro_batch, seq, half)
+    per_layer, outside, working = _layer_terms(m, micro_batch, seq, half, autocast32, dense_mask)
+    if checkpointing and dense_mask:  # the boolean mask is an input of every checkpointed layer: kept whole
+        outside += micro_batch * seq * seq
     return _stacked(m, per_layer, outside, working, checkpointing, residual_bytes * seq * micro_batch * m.hidden_size)
 
 
 def adapter_activation_bytes(
-    m: ModelFacts, peft: str, micro_batch: int, seq: int, half: bool, checkpointing: bool
+    m: ModelFacts,
+    peft: str,
+    micro_batch: int,
+    seq: int,
+    half: bool,
+    checkpointing: bool,
+    dense_mask: bool = False,
+    hidden_bytes: int | None = None,
 ) -> tuple[int, int]:
     """(saved for backward, backward working space) per GPU with adapters: the frozen linear layers keep no
     inputs, each adapter keeps its own copy of its input (cast to its dtype or dropped out) with the dropout
-    mask, and its r-wide middle; DoRA also keeps two output-sized tensors per adapted module."""
+    mask, and its r-wide middle; DoRA also keeps two output-sized tensors per adapted module. hidden_bytes: of
+    the residual stream (default: 4 for QLoRA, whose embeddings and norms DDP's preparation upcast, else c)."""
     a, h, inter, sb = m.adapters, m.hidden_size, m.intermediate_size, seq * micro_batch
     assert a is not None  # adapter candidates exist only with adapter facts
     c = 2 if half else 4
-    hidden = 4 if peft == "qlora" else c  # QLoRA's residual stream is fp32: its embeddings and norms were upcast
+    hidden = hidden_bytes or (4 if peft == "qlora" else c)
     mask = 1 if m.hidden_dropout else 0
     adapters = (
         c * (a.layer_inputs + a.layer_adapted * a.spec.r)
@@ -130,21 +228,28 @@ def adapter_activation_bytes(
     )
     per_layer = sb * (
         hidden * (2 * h + inter * (m.activation_saved + 2 * m.gated_mlp))
-        + c * (2 * h + 2 * m.kv_hidden_size)
+        + c * (2 * h + 2 * _kv_width(m, dense_mask))
         + adapters
         + 2 * h * mask
-        + m.num_heads * seq * _attention_scores(m, c)
+        + _attention_bytes(m, seq, c, dense_mask)
     )
     outside = sb * h * (hidden + mask)  # the final norm's input: frozen, the embeddings' output needs no copy
     return _stacked(m, per_layer, outside, hidden * sb * (h + inter), checkpointing, hidden * sb * h)
 
 
-def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool) -> int:
+def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool, fused: bool = False) -> int:
     """The logits and the loss's fp32 buffers per GPU (0 without an LM head): per logit, the forward holds
     the logits (c bytes), their fp32 copy and the log-softmax (4 + 4); the cross-entropy's backward holds
-    the log-softmax, its gradient and the copy's gradient (3 x 4). Checkpointing does not shrink them."""
-    c = 2 if half else 4
-    return micro_batch * seq * m.vocab_size * max(c + 4 + 4, 3 * 4)
+    the log-softmax, its gradient and the copy's gradient (3 x 4). Checkpointing does not shrink them.
+    fused: a fused linear cross-entropy keeps the input's gradient (c per hidden value), the head's fp32
+    weight gradient and one chunk of FUSED_CHUNK_TOKENS tokens' logits at a time."""
+    c, tokens = (2 if half else 4), micro_batch * seq
+    if not m.vocab_size:
+        return 0
+    if fused:
+        chunk = min(tokens, FUSED_CHUNK_TOKENS)
+        return tokens * m.hidden_size * c + 4 * m.vocab_size * m.hidden_size + chunk * m.vocab_size * 12
+    return tokens * m.vocab_size * max(c + 4 + 4, 3 * 4)
 
 
 def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int, trainable: int) -> int:
@@ -164,13 +269,13 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
     P, per_node = m.num_params, setup.num_gpus / setup.world_size
     p = 2 if setup.half else 4
     offloaded = (16 * P if strategy.offload_optimizer else 0) + (p * P if strategy.offload_param else 0)
+    if strategy.fsdp:  # FSDP2's CPU offload: the fp32 shards, their gradients and AdamW states, per shard group
+        offloaded = 16 * P * setup.world_size // strategy.shard_degree(setup) if strategy.offload_param else 0
     if strategy.nvme:  # the states go to disk; CPU memory holds DeepSpeed's pinned swap buffers per process
         offloaded = swap_buffer_bytes(m, setup) * setup.world_size
     if strategy.zero_stage == 3:
         load = 4 * m.largest_module_params * setup.num_gpus  # zero.Init partitions layer by layer
-    elif strategy.fsdp:
-        load = 4 * P  # cpu_ram_efficient_loading: only rank 0 reads the weights
-    else:
+    else:  # every process loads the fp32 model (FSDP too: cloudtrain turns cpu_ram_efficient_loading off)
         load = 4 * P * setup.num_gpus
     return round(offloaded * per_node), load
 
@@ -201,11 +306,14 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
         return max(rank_estimates(m, cand, setup, micro_batch), key=lambda e: e.total)
     full = cand.peft == "none"
     params, grads, optim = (
-        model_state_bytes(m, cand.strategy, setup) if full else adapter_state_bytes(m, cand.peft, setup)
+        model_state_bytes(m, cand.strategy, setup) if full else adapter_state_bytes(m, cand.peft, setup, cand.strategy)
     )
     params += reference_bytes(m) if full else 0
-    activations = _activations(m, cand, setup, micro_batch)
-    logits = logits_bytes(m, micro_batch, setup.max_length, setup.half)
+    saved, working = _activations(m, cand, setup, micro_batch)
+    activations = saved + working
+    logits = logits_bytes(m, micro_batch, setup.max_length, setup.half, setup.fused_loss)
+    if full and not accumulating(setup, micro_batch) and not cand.strategy.zero_stage:
+        grads -= min(_released_gradients(m, cand.strategy, setup), saved + logits)
     if full:
         trainable = m.num_params
     else:
@@ -218,13 +326,41 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits, disk)
 
 
-def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> int:
+def accumulating(setup: Setup, micro_batch: int) -> bool:
+    """Whether a step passes several micro-batches, so that one's gradients are held while the next runs forward
+    (unknown: assumed)."""
+    return setup.step_rows is None or micro_batch < setup.step_rows
+
+
+def _released_gradients(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
+    """The fp32 gradients that do not exist when a step of one micro-batch starts its backward pass: the trainers
+    set them to None after each optimizer step, and the backward allocates them layer by layer as it frees the
+    activations. The step's peak is where the backward starts (activations and the loss's buffers held) or where
+    it ends (every gradient held): the larger of the two, so at most the saved bytes are released."""
+    if strategy.fsdp:
+        return 0 if strategy.offload_param else 4 * m.num_params // strategy.shard_degree(setup)
+    return 4 * m.num_params  # DDP; ZeRO keeps its gradient partitions and buckets allocated
+
+
+def _dense_mask(m: ModelFacts, setup: Setup) -> bool:
+    """A decoder's packed rows under sdpa: transformers builds a dense mask from the restarting position_ids."""
+    return setup.dense_mask and m.decoder and m.attn_implementation == "sdpa"
+
+
+def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> tuple[int, int]:
+    """(saved for backward, backward working space) of the candidate."""
+    dense = _dense_mask(m, setup)
     if cand.peft != "none":
-        return sum(
-            adapter_activation_bytes(m, cand.peft, micro_batch, setup.max_length, setup.half, cand.checkpointing)
+        # QLoRA's residual stream is fp32 under DDP only (prepare_model_for_kbit_training); sharded, in c
+        hidden = 4 if cand.peft == "qlora" and not cand.strategy.shards else (2 if setup.half else 4)
+        return adapter_activation_bytes(
+            m, cand.peft, micro_batch, setup.max_length, setup.half, cand.checkpointing, dense, hidden
         )
     residual = _residual_bytes(cand.strategy, setup)
-    return sum(activation_bytes(m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual))
+    autocast32 = setup.half and not cand.strategy.shards
+    return activation_bytes(
+        m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual, autocast32, dense
+    )
 
 
 def _residual_bytes(s: Strategy, setup: Setup) -> int:
@@ -246,13 +382,13 @@ def _rank_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: in
     first, last = 0 in ids, pipe.stages - 1 in ids
     held = sum(len(ranges[s]) for s in ids) * m.layer_params + first * st.embedding_params + last * st.head_params
     params, grads, optim = model_state_bytes(replace(m, num_params=held), PIPELINE, setup)
-    per_layer, outside, working = _layer_terms(m, micro_batch, seq, setup.half)
+    per_layer, outside, working = _layer_terms(m, micro_batch, seq, setup.half, setup.half, _dense_mask(m, setup))
     hidden = _residual_bytes(PIPELINE, setup) * seq * micro_batch * m.hidden_size  # one micro-batch's hidden states
     largest = replace(m, num_layers=max(len(ranges[s]) for s in ids))
     saved, working = _stacked(largest, per_layer, outside if first or last else 0, working, cand.checkpointing, hidden)
     activations = pipe.in_flight(rank) * saved + working
     kept = pipe.microbatches if pipe.schedule == "gpipe" else 1  # micro-batches whose loss awaits its backward
-    logits = last * kept * logits_bytes(m, micro_batch, seq, setup.half)
+    logits = last * kept * logits_bytes(m, micro_batch, seq, setup.half, setup.fused_loss)
     receives = pipe.microbatches * hidden * sum((s > 0) + (s < pipe.stages - 1) for s in ids)
     # the gradients all-reduced across the data-parallel pipelines, as one flat copy
     flat = 4 * held if cand.mesh(setup).data_parallel > 1 else 0
@@ -270,10 +406,17 @@ def fits(est: Estimate, setup: Setup) -> bool:
 
 
 def max_micro_batch(m: ModelFacts, cand: Candidate, setup: Setup) -> int:
-    """The largest micro-batch that fits (0 if none); memory grows monotonically with it."""
-    if not fits(estimate(m, cand, setup, 1), setup):
-        return 0
-    lo, hi = 1, MAX_MICRO_BATCH
+    """The largest micro-batch that fits (0 if none). Memory grows monotonically with it, apart from the step of
+    one micro-batch (step_rows), which holds no gradients at its peak: searched on each side of it."""
+    whole = setup.step_rows
+    if whole and not cand.pipeline and fits(estimate(m, cand, setup, whole), setup):
+        return _largest_fitting(m, cand, setup, whole, MAX_MICRO_BATCH)
+    top = MAX_MICRO_BATCH if not whole or cand.pipeline else max(whole - 1, 1)
+    return _largest_fitting(m, cand, setup, 1, top) if fits(estimate(m, cand, setup, 1), setup) else 0
+
+
+def _largest_fitting(m: ModelFacts, cand: Candidate, setup: Setup, lo: int, hi: int) -> int:
+    """Binary search in [lo, hi] for the largest micro-batch that fits, lo known to fit."""
     while lo < hi:
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if fits(estimate(m, cand, setup, mid), setup) else (lo, mid - 1)

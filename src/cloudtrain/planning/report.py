@@ -100,7 +100,12 @@ def render(plan: dict) -> str:
         "first; overhd: 1 GiB CUDA context + communication buffers + 5% fragmentation; max mb: the largest "
         "micro-batch that fits",
     ]
-    if lm:
+    if lm and s.get("fused_loss"):
+        lines.append(
+            "logits: a fused linear cross-entropy: the input's gradient, the head's fp32 weight gradient and one "
+            "chunk of logits at a time"
+        )
+    elif lm:
         lines.append(
             "logits: micro-batch x max_length x vocab x 12 bytes (the logits with their fp32 copy and "
             "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing; a pipeline's on its last "
@@ -119,7 +124,8 @@ def _adapters_line(a: dict, num_params: int, precision: str) -> str:
         f"{' + the head trained in full' if a['head_params'] else ''}: {trainable:,} trainable parameters "
         f"({100 * trainable / num_params:.2f}%; DoRA +{a['magnitude_params']:,}), the only ones with gradients and "
         f"AdamW states; the base frozen in {'fp32' if precision == 'no' else precision} (QLoRA: "
-        f"{a['quantized_params'] / 1e6:,.1f}M weights in 4-bit NF4, the rest in fp32)"
+        f"{a['quantized_params'] / 1e6:,.1f}M weights in 4-bit NF4, the rest in fp32 under DDP, in the compute "
+        "dtype under ZeRO and FSDP2, which shard it)"
     )
 
 
@@ -137,7 +143,10 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
     ]
     body = lines[1:]
     titles = (
-        (lambda r: r["peft"] != "none", "adapters under DDP (recommended only if no full fine-tuning fits):"),
+        (
+            lambda r: r["peft"] != "none",
+            "adapters under DDP, ZeRO and FSDP2 (recommended only if no full fine-tuning fits):",
+        ),
         (
             lambda r: r["pipeline"] is not None,
             "pipeline + data parallel (--training_type pipeline): pp processes per pipeline, v stages each, M "

@@ -300,6 +300,11 @@ def _adapter_reasons(m: ModelFacts, rows: list[Row], c: Candidate, setup: Setup)
         f"{' and the head' if a.head_params else ''}) on a frozen base in {base}; only they have "
         "gradients and AdamW states."
     )
+    degree = c.strategy.shard_degree(setup)
+    if degree > 1 and (c.strategy.fsdp or c.strategy.zero_stage == 3):
+        qlora = c.peft == "qlora"
+        storage = " (its 4-bit weights stored in the compute dtype: bnb_4bit_quant_storage)" if qlora else ""
+        lines.append(f"{c.strategy.label} shards the frozen base over {degree} processes{storage}.")
     if c.peft == "qlora":
         lines.append("QLoRA needs CUDA GPUs and bitsandbytes.")
     return lines
@@ -353,14 +358,25 @@ def _micro_batch_reason(requested: int, chosen: int, per_gpu: int) -> list[str]:
 # ---------------------------------------------------------------- a training run's micro-batch
 
 
-def run_strategy(shards: Sharding) -> Strategy:
-    """The strategy a training launch uses (ZeRO-1 with optimizer offload is estimated as ZeRO-1)."""
-    if shards.fsdp:
-        return next(s for s in STRATEGIES if s.fsdp)
+def run_strategy(shards: Sharding, cfg: Config | None = None) -> Strategy:
+    """The strategy a training launch uses (ZeRO-1 with optimizer offload is estimated as ZeRO-1); FSDP2 by the
+    launch's --fsdp_sharding_strategy, --fsdp_cpu_offload and --fsdp_reshard_after_forward."""
+    if shards.fsdp or (cfg is not None and cfg.distributed.fsdp):  # no_shard: FSDP2 that the mesh calls DDP
+        return fsdp_strategy(cfg)
     stage = shards.zero_stage or None
     offload = (shards.offload_optimizer, shards.offload_param)
     same_stage = [s for s in STRATEGIES if s.zero_stage == stage and not s.fsdp]
     return next((s for s in same_stage if (s.offload_optimizer, s.offload_param) == offload), same_stage[0])
+
+
+def fsdp_strategy(cfg: Config | None) -> Strategy:
+    """The FSDP2 row of the options (the full-shard row without them), with their reshard_after_forward."""
+    d = (cfg or Config()).distributed
+    offload = d.fsdp_cpu_offload
+    sharded = "full_shard" if offload else d.fsdp_sharding_strategy  # the offload row shards fully
+    row = next(s for s in STRATEGIES if s.fsdp and s.offload_param == offload and s.fsdp_sharding == sharded)
+    reshard = d.fsdp_reshard_after_forward
+    return row if reshard is None else replace(row, reshard_after_forward=reshard)
 
 
 def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:
@@ -372,6 +388,14 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
     facts = model_facts(
         name, num_labels, m.trust_remote_code, cfg.training.task, bool(m.model_config), m.tokenizer_name_or_path, lora
     )
-    candidate = Candidate(run_strategy(sharding(cfg)), m.gradient_checkpointing, m.peft)
-    setup = Setup(gpus_per_node, nodes, memory, None, seq_len, cfg.training.mixed_precision)
+    candidate = Candidate(run_strategy(sharding(cfg), cfg), m.gradient_checkpointing, m.peft)
+    setup = Setup(
+        gpus_per_node,
+        nodes,
+        memory,
+        None,
+        seq_len,
+        cfg.training.mixed_precision,
+        dense_mask=(m.attn_implementation or "sdpa") == "sdpa",
+    )
     return max_micro_batch(facts, candidate, setup)

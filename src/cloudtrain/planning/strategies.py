@@ -25,21 +25,61 @@ class Strategy:
     offload_param: bool = False
     nvme: bool = False  # the offloaded states in swap files on a local NVMe disk (ZeRO-Infinity), not CPU memory
     trainer: str = "accelerated"  # the --training_type (registry name) that runs it
+    fsdp_sharding: str = "full_shard"  # --fsdp_sharding_strategy: full_shard, shard_grad_op, hybrid_shard, no_shard
+    reshard_after_forward: bool = True  # --fsdp_reshard_after_forward (shard_grad_op: false)
 
     @property
     def shards(self) -> bool:
         """Whether the data-parallel processes shard the model's states (ZeRO, FSDP) instead of replicating them."""
         return self.zero_stage is not None or self.fsdp
 
+    def shard_degree(self, setup: "Setup") -> int:
+        """Processes one copy of the states is sharded over: all of them (ZeRO, FSDP full_shard and
+        shard_grad_op), a node's (hybrid_shard: replicated across nodes), or 1 (DDP, no_shard)."""
+        if not self.shards or self.fsdp_sharding == "no_shard":
+            return 1
+        return setup.num_gpus if self.fsdp_sharding == "hybrid_shard" else setup.world_size
+
+    def fsdp_flags(self) -> list[str]:
+        """The application's flags that select this FSDP2 variant (none for other strategies)."""
+        if not self.fsdp:
+            return []
+        flags = ["--fsdp", "true"]
+        if self.fsdp_sharding != "full_shard":
+            flags += ["--fsdp_sharding_strategy", self.fsdp_sharding]
+        if self.offload_param:
+            flags += ["--fsdp_cpu_offload", "true"]
+        if self.reshard_after_forward != (self.fsdp_sharding != "shard_grad_op"):  # not the strategy's default
+            flags += ["--fsdp_reshard_after_forward", str(self.reshard_after_forward).lower()]
+        return flags
+
 
 STRATEGIES = (
     Strategy("ddp", "DDP", 1.00),
     Strategy("zero1", "ZeRO-1", 1.02, zero_stage=1),
     Strategy("zero2", "ZeRO-2", 1.05, zero_stage=2),
+    Strategy("fsdp_no_shard", "FSDP no shard", 1.02, fsdp=True, fsdp_sharding="no_shard"),
+    Strategy(
+        "fsdp_grad_op",
+        "FSDP shard grad-op",
+        1.08,
+        fsdp=True,
+        fsdp_sharding="shard_grad_op",
+        reshard_after_forward=False,
+    ),
+    Strategy("fsdp_hybrid", "FSDP hybrid shard", 1.09, fsdp=True, fsdp_sharding="hybrid_shard"),
     Strategy("fsdp", "FSDP full shard", 1.12, fsdp=True),
     Strategy("zero3", "ZeRO-3", 1.15, zero_stage=3),
     Strategy("zero2_offload", "ZeRO-2 + optimizer offload", 1.6, zero_stage=2, offload_optimizer=True),
     Strategy("zero3_offload", "ZeRO-3 + optimizer offload", 1.8, zero_stage=3, offload_optimizer=True),
+    Strategy(
+        "fsdp_offload",
+        "FSDP full shard + CPU offload",
+        2.2,
+        fsdp=True,
+        offload_optimizer=True,
+        offload_param=True,
+    ),
     Strategy(
         "zero3_offload_all",
         "ZeRO-3 + optimizer & parameter offload",
@@ -106,6 +146,9 @@ class Setup:
     max_length: int
     mixed_precision: str
     nvme_memory_bytes: int | None = None  # per node, for ZeRO-Infinity's swap files; None: no NVMe disk given
+    step_rows: int | None = None  # examples per GPU per optimizer step; None: unknown (as if accumulating)
+    dense_mask: bool = True  # a decoder's packed rows under sdpa get a dense [b, 1, s, s] mask (False: varlen, flash)
+    fused_loss: bool = False  # a fused linear cross-entropy: the logits are never whole
 
     @property
     def world_size(self) -> int:
@@ -149,14 +192,32 @@ class Candidate:
             pp = self.pipeline.parallel_size
             return Mesh(world=world, dp_replicate=world // pp, pp=pp)
         if self.strategy.shards:
-            return Mesh(world=world, dp_shard=world)
+            shard = self.strategy.shard_degree(setup)
+            if shard > 1:
+                return Mesh(world=world, dp_replicate=world // shard, dp_shard=shard)
+        return self._replicated(world)
+
+    @staticmethod
+    def _replicated(world: int) -> Mesh:
         return Mesh(world=world, dp_replicate=world)
+
+
+# what adapters are planned under: DDP, ZeRO 1-3 and FSDP2 full shard (their states are small; sharding them matters
+# for the frozen base under ZeRO-3 and FSDP)
+ADAPTER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
 def candidates(adapters: tuple[str, ...] = (), pipelines: list[Candidate] | None = None) -> list[Candidate]:
     """Every full fine-tuning strategy with and without gradient checkpointing, fastest first; then the
     `pipelines` (cloudtrain.planning.search.pipeline_candidates); then each of `adapters` (lora, dora, qlora) under
-    DDP, without and with checkpointing."""
+    DDP, ZeRO 1-3 and FSDP2, without and with checkpointing, fastest first."""
     full = sorted((Candidate(s, gc) for s in STRATEGIES for gc in (False, True)), key=lambda c: c.speed)
-    adapter_rows = [Candidate(STRATEGIES[0], gc, peft) for peft in adapters for gc in (False, True)]
+    by_key = {s.key: s for s in STRATEGIES}
+    adapter_rows = [
+        row
+        for peft in adapters
+        for row in sorted(
+            (Candidate(by_key[k], gc, peft) for k in ADAPTER_STRATEGIES for gc in (False, True)), key=lambda c: c.speed
+        )
+    ]
     return full + (pipelines or []) + adapter_rows

@@ -56,27 +56,15 @@ def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Pat
         }
         if setup.num_nodes > 1:
             config["deepspeed_config"]["deepspeed_multinode_launcher"] = "standard"
-    elif s.fsdp:
-        config["distributed_type"] = "FSDP"
-        config["fsdp_config"] = {
-            "fsdp_version": 2,
-            "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-            "fsdp_transformer_layer_cls_to_wrap": m.layer_class,
-            "fsdp_reshard_after_forward": True,
-            "fsdp_offload_params": False,
-            "fsdp_state_dict_type": "FULL_STATE_DICT",
-            "fsdp_cpu_ram_efficient_loading": True,
-            "fsdp_activation_checkpointing": cand.checkpointing,
-        }
     else:
         config["distributed_type"] = "MULTI_GPU" if setup.world_size > 1 else "NO"
     return config
 
 
 def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path) -> dict[str, str]:
-    """Write the accelerate YAML (and the DeepSpeed JSON it points to); returns their paths. A pipeline, launched
-    by torchrun with its flags, needs none."""
-    if choice.candidate.pipeline:
+    """Write the accelerate YAML (and the DeepSpeed JSON it points to); returns their paths. A pipeline and FSDP2,
+    launched by torchrun with their flags, need none."""
+    if choice.candidate.pipeline or choice.candidate.strategy.fsdp:
         return {}
     output_dir.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -92,7 +80,7 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
 
 
 def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str, str]) -> str:
-    """accelerate launch with the written config; a pipeline: torchrun, its processes and the pipeline flags."""
+    """accelerate launch with the written config; a pipeline or FSDP2: torchrun, its processes and their flags."""
     c = choice.candidate
     pipe = c.pipeline
     rows = choice.micro_batch * (pipe.microbatches if pipe else 1)  # a pipeline's --per_device_train_batch_size
@@ -110,7 +98,8 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str,
             str(setup.max_length),
         ]
     )
-    if c.checkpointing and not c.strategy.fsdp:  # FSDP does it in the YAML
+    args += c.strategy.fsdp_flags()
+    if c.checkpointing:
         args += ["--gradient_checkpointing", "true"]
     if pipe:
         args += [
@@ -139,7 +128,7 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str,
 
 
 def _launcher(setup: Setup, files: dict[str, str]) -> list[str]:
-    """accelerate launch with the written config, or torchrun (a pipeline: no config); on every node."""
+    """accelerate launch with the written config, or torchrun (a pipeline, FSDP2: no config); on every node."""
     if "accelerate_config" not in files:
         args = ["torchrun", "--nproc_per_node", str(setup.num_gpus)]
         if setup.num_nodes > 1:

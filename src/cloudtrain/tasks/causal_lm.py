@@ -16,11 +16,13 @@ Supports:
 Does not support: chat templates and prompt masking (supervised fine-tuning), encoder-decoder models.
 """
 
+import copy
 import json
 import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import cast
 
 import datasets
 import torch
@@ -36,14 +38,16 @@ from cloudtrain.data.packing import (
     IGNORE_INDEX,
     CausalLMCollator,
     causal_lm_forward,
+    forward_inputs,
     isolation_error,
     pack,
     shifted_loss,
 )
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
+from cloudtrain.models.kernels import hidden_states, linear_cross_entropy, output_head
 from cloudtrain.models.load import (
     check_checkpoint,
     check_sizes,
@@ -86,11 +90,13 @@ class CausalLMTask(DecoderTask):
     load_error = "could not build the causal language model"
     peft_task_type = "CAUSAL_LM"
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
+    packed_attention = True  # bfd batches carry their documents' lengths, and `loss` passes them (varlen attention)
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.cfg: Config = cfg
         self.tokenizer: PreTrainedTokenizerBase | None = None  # set by `process`, used for sample generations
+        self.loss_kernel: str | None = None  # --fused_cross_entropy's backend, set by models.prepare
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -135,7 +141,7 @@ class CausalLMTask(DecoderTask):
         self.cfg, self.tokenizer = cfg, tokenizer
         d = cfg.data
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        collator = CausalLMCollator(pad if pad is not None else 0)
+        collator = CausalLMCollator(pad if pad is not None else 0, cu_seqlens=d.packing == "bfd")
         plan = None
         if d.streaming:
             plan, held_out = stream_plan(raw, cfg, self.stream_encoder(tokenizer, d), collator)
@@ -238,33 +244,60 @@ class CausalLMTask(DecoderTask):
         config.pad_token_id = tokenizer.pad_token_id
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
+        """Under --packing bfd: the model keeps packed documents apart with the kernels the run computes with,
+        probed on this process's copy (CPU), and on the GPU with a one-layer copy in bf16, or the run stops."""
         if cfg.data.packing != "bfd":
             return
-        # Partitioned weights cannot run a probe before the engine exists; FlashAttention cannot run on the
-        # CPU copy probed here, and keeps documents apart from position_ids by design (varlen kernels).
-        reason = (
-            "under ZeRO-3"
-            if is_deepspeed_zero3_enabled()
-            else "with FlashAttention"
-            if "flash" in (cfg.model.attn_implementation or "")
-            else None
-        )
-        if reason:
+        if is_deepspeed_zero3_enabled():  # partitioned weights cannot run a probe before the engine exists
             if announce:
-                print(f"note: document isolation of --packing bfd was not probed {reason}", flush=True)
+                print("note: document isolation of --packing bfd was not probed under ZeRO-3", flush=True)
             return
-        problem = isolation_error(model)
-        if problem:
+        probes: list[tuple[str, Callable[[], PreTrainedModel]]] = [] if _needs_cuda(model) else [("", lambda: model)]
+        if torch.cuda.is_available():
+            probes.append((" on the GPU (bf16)", lambda: one_layer_copy(model, "cuda", torch.bfloat16)))
+        if not probes:
             raise UserError(
-                f"--packing bfd: {problem}; use --packing wrapped or none, or --attn_implementation sdpa or eager"
+                f"--attn_implementation {model.config._attn_implementation} needs a GPU; this machine has none"
             )
+        for where, probed in probes:
+            try:
+                problem = isolation_error(probed())
+            except (RuntimeError, NotImplementedError, ValueError, ImportError) as err:
+                problem = f"its attention {model.config._attn_implementation!r} did not run ({first_line(err)})"
+            if problem:
+                raise UserError(
+                    f"--packing bfd: {problem}{where}; use --packing wrapped or none, or --attn_implementation "
+                    "varlen, sdpa or eager"
+                )
 
     # ------------------------------------------------------------ loss and evaluation
     def loss_count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
+        if self.loss_kernel is None:
+            return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
+        # --fused_cross_entropy: from the hidden states, the logits never held whole
+        hidden = hidden_states(model, forward_inputs(model, batch))
+        head = output_head(model)
+        weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)
+        targets = batch["labels"][:, 1:].to(hidden.device)
+        total = linear_cross_entropy(
+            self.loss_kernel,
+            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+            weight,
+            bias,
+            targets.reshape(-1),
+        )
+        return total, (targets != IGNORE_INDEX).sum()
+
+    def use_loss_kernel(self, backend: str | None) -> bool:
+        """Compute the training loss with `backend` (cloudtrain.models.kernels), or plainly (None); False where
+        this task's loss is its own (DPO)."""
+        if type(self).loss is not CausalLMTask.loss:
+            return False
+        self.loss_kernel = backend
+        return True
 
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, count) from the logits (a pipeline's last stage computes them, not `loss`)."""
@@ -376,6 +409,24 @@ def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> s
         f"data: streaming {sources}; packing {cfg.packing} in buffers of {cfg.stream_buffer} documents, "
         f"{cfg.max_length} tokens per row; {len(validation)} validation rows"
     )
+
+
+def _needs_cuda(model: PreTrainedModel) -> bool:
+    """Whether the model's attention runs only on a GPU (FlashAttention, a hub kernel), so not on its CPU copy."""
+    implementation = model.config._attn_implementation or ""
+    return "flash" in implementation or "/" in implementation
+
+
+def one_layer_copy(model: PreTrainedModel, device: str, dtype: torch.dtype) -> PreTrainedModel:
+    """A randomly initialised copy of `model` with one decoder layer, on `device` in `dtype`: the same classes
+    and attention kernel, small enough to probe on the GPU before the full model is moved there."""
+    config = copy.deepcopy(model.config)
+    config.num_hidden_layers = 1
+    if isinstance(getattr(config, "layer_types", None), list):
+        config.layer_types = config.layer_types[:1]
+    with torch.device(device):
+        small = type(model)._from_config(config, dtype=dtype, attn_implementation=model.config._attn_implementation)
+    return small.eval()
 
 
 def _first(ds: Dataset, n: int | None) -> Dataset:

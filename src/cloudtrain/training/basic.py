@@ -120,7 +120,9 @@ class BasicTrainer(Trainer):
             safetensors.torch.load_model(self.model, weights, device=str(self.device))
         else:
             load_trainable_state(self.model, safetensors.torch.load_file(weights, device=str(self.device)))
-        saved = torch.load(folder / TRAINING_STATE, map_location=self.device, weights_only=True)
+        # Read onto the CPU: the RNG states must stay there (numpy's key as a CUDA tensor cannot become an
+        # array again: the CUDA resume failed on it), and load_state_dict puts the optimizer's on its parameters.
+        saved = torch.load(folder / TRAINING_STATE, map_location="cpu", weights_only=True)
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.scaler.load_state_dict(saved["scaler"])
@@ -143,7 +145,7 @@ def rng_state() -> dict:
 def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    np.random.set_state((kind, keys.cpu().numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["torch"].cpu())
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])

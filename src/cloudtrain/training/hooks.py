@@ -20,6 +20,8 @@ The hooks, in the order `Trainer.hooks` runs them:
                      sums not yet logged, in task_state.json)
     CallbackHook     the user's callbacks (--callbacks, cloudtrain.train(callbacks=...)), in
                      cloudtrain.training.callbacks: it sees what every hook above did at the step
+    ProfileHook      --profile: a torch.profiler trace of --profile_steps (main process only; no hook when off),
+                     in cloudtrain.observe.profile; last, so a traced step includes the hooks after it
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from tqdm.auto import tqdm
 from cloudtrain.checkpointing import DATA_STATE_FILE, PREFIX, Checkpointer, PreemptionSignal, TrainerState
 from cloudtrain.errors import TrainingStopped
 from cloudtrain.evaluation import scalar_metrics
-from cloudtrain.observe.flops import peak_flops
+from cloudtrain.observe.flops import matmul_precision, no_peak_reason, peak_flops
 from cloudtrain.observe.monitoring import AnomalyDetector, interval_values, peak_memory
 from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.training.meter import Meter, StepStats
@@ -183,8 +185,14 @@ class LoggingHook(Hook):
         self.trainer, self.device = trainer, device
         self.every = trainer.cfg.training.logging_steps
         self.monitoring = trainer.cfg.monitoring.monitoring
-        self.peak = peak_flops(device)
+        precision = matmul_precision(trainer.cfg.training.mixed_precision)
+        self.peak = peak_flops(device, precision)
+        self.no_mfu = no_peak_reason(device, precision)  # a GPU without a known peak: said once, at the start
         self.task_metrics: list[str] = []  # names of the task's own numbers at the last logging step
+
+    def on_train_start(self, loop: LoopState) -> None:
+        if self.no_mfu and self.trainer.is_main_process:
+            loop.bar.write(self.no_mfu)
 
     def due(self, loop: LoopState) -> bool:
         return loop.done or loop.step % self.every == 0

@@ -1,0 +1,176 @@
+"""Fused kernels as options: a linear cross-entropy that never holds the full logits (`--fused_cross_entropy`).
+
+The language-model loss needs the logits [tokens, vocabulary] only to reduce them to one number per token. Two
+implementations compute the summed next-token cross-entropy straight from the final hidden states and the output
+embedding:
+
+- "liger": Liger Kernel's fused linear cross-entropy (CUDA, triton), when the `liger-kernel` package is installed;
+- "chunked": plain PyTorch, here: rows in chunks through the head and the cross-entropy; the gradients of each chunk
+  are computed as it goes, so the largest tensor alive is one chunk's logits. It runs on any device.
+
+`hidden_states` gets the hidden states from the model's own forward (so DDP, FSDP and adapters see the usual call)
+with no logits computed. Measurements and the choice of the default: docs/language-models.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["BACKENDS", "chunked_linear_cross_entropy", "hidden_states", "liger_available", "linear_cross_entropy"]
+
+BACKENDS = ("liger", "chunked")
+IGNORE_INDEX = -100
+CHUNK_ROWS = 4096  # rows per chunk: at a 32k vocabulary, 512 MiB of fp32 logits
+
+
+@functools.cache
+def _liger() -> Callable | None:
+    if importlib.util.find_spec("liger_kernel") is None:
+        return None
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError:  # installed without triton, or for another torch: unusable, not an error here
+        return None
+    return liger_fused_linear_cross_entropy
+
+
+def liger_available() -> bool:
+    """Liger Kernel is installed and this machine has the CUDA GPU its triton kernels need."""
+    return torch.cuda.is_available() and _liger() is not None
+
+
+def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype the head's matmul runs in: autocast's where it is on (fp32 master weights, 16-bit compute)."""
+    if torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return tensor.dtype
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """sum over rows of cross_entropy(hidden @ weight.T + bias, targets), one chunk of rows at a time."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        chunk_rows: int,
+    ) -> torch.Tensor:
+        dtype = _compute_dtype(hidden)
+        grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        w = weight.to(dtype)
+        b = None if bias is None else bias.to(dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if grads else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if grads else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if grads and bias is not None else None
+        with torch.autocast(hidden.device.type, enabled=False):  # the casts above are the ones autocast would do
+            for start in range(0, hidden.shape[0], chunk_rows):
+                h = hidden[start : start + chunk_rows].to(dtype)
+                t = targets[start : start + chunk_rows]
+                logits = F.linear(h, w, b).float()
+                total += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                if grads:
+                    # d(sum CE)/d logits = softmax - one-hot, on the rows that have a target
+                    grad_logits = logits.softmax(dim=-1)
+                    keep = t != IGNORE_INDEX
+                    grad_logits.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None].to(grad_logits.dtype)).mul_(
+                        keep[:, None]
+                    )
+                    g = grad_logits.to(dtype)
+                    grad_hidden[start : start + chunk_rows] = g @ w  # type: ignore[index]
+                    grad_weight.addmm_(g.t().float(), h.float())  # type: ignore[union-attr]
+                    if grad_bias is not None:
+                        grad_bias += grad_logits.sum(dim=0)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        weight_dtype, bias_dtype = ctx.dtypes
+        scale = grad_output.float()
+        return (
+            None if grad_hidden is None else (grad_hidden.float() * scale).to(grad_hidden.dtype),
+            None if grad_weight is None else (grad_weight * scale).to(weight_dtype),
+            None if grad_bias is None else (grad_bias * scale).to(bias_dtype),
+            None,
+            None,
+        )
+
+
+def chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    chunk_rows: int = CHUNK_ROWS,
+) -> torch.Tensor:
+    """Summed cross-entropy of `hidden` [N, H] through the head (`weight` [V, H], `bias`) against `targets` [N]
+    (IGNORE_INDEX: no loss), with at most `chunk_rows` rows of logits alive at a time."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows)
+
+
+def linear_cross_entropy(
+    backend: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+) -> torch.Tensor:
+    """The summed cross-entropy of `hidden` through the head, by `backend` (one of BACKENDS)."""
+    if backend == "liger":
+        liger = _liger()
+        assert liger is not None
+        dtype = _compute_dtype(hidden)
+        with torch.autocast(hidden.device.type, enabled=False):
+            return liger(
+                hidden.to(dtype),
+                weight.to(dtype),
+                targets,
+                None if bias is None else bias.to(dtype),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            ).float()
+    return chunked_linear_cross_entropy(hidden, weight, bias, targets)
+
+
+def hidden_states(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:
+    """The final hidden states [B, L, H] (after the last norm) from the model's own forward, no logits computed:
+    `logits_to_keep` keeps none of them, and the hidden states are the forward's last ones."""
+    keep_none = torch.zeros(0, dtype=torch.long, device=inputs["input_ids"].device)
+    out = model(**inputs, output_hidden_states=True, logits_to_keep=keep_none)
+    return out.hidden_states[-1]
+
+
+def output_head(model: Any) -> torch.nn.Module:
+    """The output embedding (LM head) of `model`, through DDP/DeepSpeed (`.module`) and PEFT wrappers."""
+    inner = getattr(model, "module", model)
+    return inner.get_output_embeddings()
+
+
+def hidden_states_error(model: torch.nn.Module) -> str | None:
+    """None if the head applied to `hidden_states` gives the model's logits (checked on 8 tokens); else why not."""
+    name = type(model).__name__
+    parameter = next(model.parameters())
+    ids = torch.arange(8, device=parameter.device)[None] % max(1, getattr(model.config, "vocab_size", 8) or 8)
+    inputs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            logits = model(**inputs).logits.float()
+            head = output_head(model)
+            fused = head(hidden_states(model, inputs)).float()
+    except (TypeError, ValueError, AttributeError, IndexError) as err:
+        return f"{name} does not give its hidden states without logits ({str(err).splitlines()[0]})"
+    finally:
+        model.train(was_training)
+    if fused.shape != logits.shape or (fused - logits).abs().max().item() > 1e-3 * max(1.0, logits.abs().max().item()):
+        return f"{name}'s logits are more than its head over its last hidden states (a scaling or soft-capping)"
+    return None

@@ -1,0 +1,95 @@
+"""--profile: a torch.profiler trace of a few training steps, as a loop hook (cloudtrain.training.hooks).
+
+The hook exists only when --profile is on, on the main process, so a run without it pays nothing. It
+starts the profiler before the first step with a schedule that records nothing until the step before
+--profile_steps' first (a warm-up step, so the first profiled step does not carry the profiler's own
+start-up), records first..last, and writes one Chrome-trace JSON file when the last of them ends (or
+when the run ends sooner). A step, as traced, runs from the end of the previous step's hooks to the end
+of its own: the wait for its batch, forward, backward, the optimizer step and the hooks after it.
+
+The file, `<profile dir>/steps_<first>-<last>.pt.trace.json`, opens in Perfetto (ui.perfetto.dev) or
+chrome://tracing, and in TensorBoard with the torch-tb-profiler plugin (`tensorboard --logdir <dir>`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from cloudtrain.config.run import profile_window
+from cloudtrain.training.hooks import Hook, LoopState, Request
+
+if TYPE_CHECKING:
+    from cloudtrain.training.trainer import Trainer
+
+__all__ = ["ProfileHook", "profile_hooks"]
+
+
+class ProfileHook(Hook):
+    """Traces optimizer steps first..last (counted from 1, as the run log counts them) into `folder`."""
+
+    def __init__(self, folder: Path, first: int, last: int, device: torch.device):
+        self.folder, self.first, self.last = Path(folder), first, last
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.profiler: profile | None = None
+        self.say: Callable[[str], None] = print
+        self.window = (first, last)  # what is traced: first moves on after a resume past it
+        self.path: Path | None = None  # the trace, once written
+
+    def on_train_start(self, loop: LoopState) -> None:
+        self.say = loop.bar.write
+        done = loop.step  # after a resume, the steps already trained
+        if self.last <= done:
+            self.say(f"--profile_steps {self.first}:{self.last}: the run resumes after step {done}, nothing to profile")
+            return
+        first = max(self.first, done + 1)
+        warmup = 1 if first - 1 > done else 0
+        self.window = (first, self.last)
+        with warnings.catch_warnings():  # no warm-up when the first step is profiled: torch warns, we know
+            warnings.simplefilter("ignore", UserWarning)
+            steps = schedule(wait=first - 1 - done - warmup, warmup=warmup, active=self.last - first + 1, repeat=1)
+        self.profiler = profile(
+            activities=self.activities, schedule=steps, on_trace_ready=self._write, record_shapes=True
+        )
+        self.profiler.start()
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if self.profiler is not None:
+            self.profiler.step()
+            if loop.step >= self.last:
+                self._stop()
+        return None
+
+    def on_train_end(self, loop: LoopState) -> None:
+        self._stop()
+
+    def close(self) -> None:
+        self._stop()  # a run that ends early still writes the steps it profiled
+
+    def _stop(self) -> None:
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.stop()
+
+    def _write(self, profiler: profile) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        first, last = self.window
+        path = self.folder / f"steps_{first}-{last}.pt.trace.json"
+        profiler.export_chrome_trace(str(path))
+        self.path = path
+        self.say(f"profile of steps {first}-{last} written to {path} (open it in ui.perfetto.dev or TensorBoard)")
+
+
+def profile_hooks(trainer: Trainer, device: torch.device) -> list[Hook]:
+    """[ProfileHook] for --profile on the main process, else []: the hook list of a run without it is unchanged."""
+    cfg = trainer.cfg.monitoring
+    if not cfg.profile or not trainer.is_main_process:
+        return []
+    first, last = profile_window(cfg.profile_steps)
+    folder = Path(cfg.profile_dir) if cfg.profile_dir else trainer.run_log.output_dir / "profile"
+    return [ProfileHook(folder, first, last, device)]

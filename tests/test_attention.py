@@ -1,0 +1,200 @@
+"""The varlen attention (cloudtrain.models.attention): packed documents stay apart without a dense mask, the
+loss and gradients equal the sdpa + position_ids path, the isolation probe refuses a kernel that leaks, and the
+default for --packing bfd. CPU runs the per-document reference; the gpu tests the CUDA kernels."""
+
+import copy
+
+import pytest
+import torch
+from conftest import lm_documents
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from cloudtrain.config import build_config
+from cloudtrain.data.packing import CausalLMCollator, causal_lm_forward, isolation_error, pack, shifted_loss
+from cloudtrain.errors import UserError
+from cloudtrain.models import attention as varlen
+from cloudtrain.models.attention import VARLEN, kernel_name
+from cloudtrain.models.prepare import attention
+from cloudtrain.registry import TASKS
+from cloudtrain.tasks.causal_lm import one_layer_copy
+
+MODELS = ("tiny_llama_dir", "tiny_gpt2_dir")
+
+
+def leaky_attention(module, query, key, value, attention_mask, **kwargs):
+    """A kernel that ignores the documents (plain causal attention over the row), as FlashAttention did
+    for batches of several packed rows: the probe must refuse it."""
+    return sdpa_attention_forward(module, query, key, value, None, scaling=kwargs.get("scaling"), is_causal=True)
+
+
+AttentionInterface.register("leaky_causal", leaky_attention)
+
+
+@pytest.fixture(scope="module")
+def token_docs(lm_tokenizer_dir) -> list[list[int]]:
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    return [ids + [tokenizer.eos_token_id] for ids in tokenizer(lm_documents(16, seed=2))["input_ids"]]
+
+
+def packed(token_docs, cu_seqlens: bool) -> tuple[dict, list[dict]]:
+    rows = pack(token_docs, 128, "bfd")
+    assert any(len(r["seq_lengths"]) > 2 for r in rows) and len({len(r["input_ids"]) for r in rows}) > 1
+    return CausalLMCollator(pad_token_id=0, cu_seqlens=cu_seqlens)(rows), rows
+
+
+def pair(model_dir: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The same weights twice: with sdpa (today's path) and with varlen; train mode, where caches leak."""
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa").train()
+    model = copy.deepcopy(reference)
+    model.set_attn_implementation(VARLEN)
+    return reference, model.train()
+
+
+# ---------------------------------------------------------------- the batch
+def test_collator_gives_the_cumulative_lengths_of_every_document_and_padding():
+    rows = [{"input_ids": [1, 2, 3, 4, 5], "seq_lengths": [2, 3]}, {"input_ids": [6, 7], "seq_lengths": [2]}]
+    batch = CausalLMCollator(0, cu_seqlens=True)(rows)
+    # row 0: documents of 2 and 3; row 1: a document of 2, then 3 of padding (its own sequence)
+    assert batch["cu_seqlens"].tolist() == [0, 2, 5, 7, 10]
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert batch["max_seqlen"].shape == (0, 3)  # carried in the shape: no read of device memory
+    assert "cu_seqlens" not in CausalLMCollator(0)(rows)
+
+
+# ---------------------------------------------------------------- isolation and parity on CPU
+@pytest.mark.parametrize("model_dir", MODELS)
+def test_varlen_keeps_packed_documents_apart(model_dir, token_docs, request):
+    _, model = pair(request.getfixturevalue(model_dir))
+    batch, rows = packed(token_docs, cu_seqlens=True)
+    assert kernel_name(torch.device("cpu"), torch.float32) == "per_document_sdpa"
+    with torch.no_grad():
+        logits = causal_lm_forward(model, batch)
+        for b, row in enumerate(rows):
+            start = 0
+            for length in row["seq_lengths"]:
+                doc = row["input_ids"][start : start + length]
+                alone = CausalLMCollator(0, cu_seqlens=True)([{"input_ids": doc, "seq_lengths": [length]}])
+                difference = (logits[b, start : start + length] - causal_lm_forward(model, alone)[0]).abs().max()
+                assert difference < 1e-5
+                start += length
+    assert isolation_error(model) is None
+
+
+@pytest.mark.parametrize("model_dir", MODELS)
+def test_loss_and_gradients_equal_the_sdpa_position_ids_path(model_dir, token_docs, request):
+    reference, model = pair(request.getfixturevalue(model_dir))
+    sums = {}
+    for name, net, with_lengths in (("sdpa", reference, False), ("varlen", model, True)):
+        batch, _ = packed(token_docs, cu_seqlens=with_lengths)
+        total, count = shifted_loss(causal_lm_forward(net, batch), batch["labels"])
+        (total / count).backward()
+        sums[name] = total.item(), count.item()
+    assert sums["varlen"][1] == sums["sdpa"][1]
+    assert sums["varlen"][0] == pytest.approx(sums["sdpa"][0], rel=1e-5)
+    for (name, expected), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert torch.allclose(got.grad, expected.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_without_lengths_varlen_masks_from_position_ids_and_padding(tiny_llama_dir, token_docs):
+    """A caller that gives only position_ids (a pipeline stage), and generation from left-padded prompts with
+    a cache, get what sdpa gives."""
+    reference, model = pair(tiny_llama_dir)
+    batch, _ = packed(token_docs, cu_seqlens=False)
+    with torch.no_grad():
+        assert (causal_lm_forward(model, batch) - causal_lm_forward(reference, batch)).abs().max() < 1e-5
+    prompts = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    generated = [
+        m.eval().generate(input_ids=prompts, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        for m in (reference, model)
+    ]
+    assert torch.equal(*generated)
+
+
+# ---------------------------------------------------------------- the probe refuses what leaks
+@pytest.mark.parametrize("implementation", ["sdpa", "eager", VARLEN, "leaky_causal"])
+def test_isolation_probe_runs_each_kernel_and_refuses_a_leaking_one(tiny_llama_dir, implementation):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation=implementation)
+    problem = isolation_error(model)
+    if implementation == "leaky_causal":
+        assert problem and "lets packed documents attend to each other" in problem
+    else:
+        assert problem is None
+
+
+def lm_config(model_dir: str, **options):
+    return build_config({"task": "causal_lm", "model_name_or_path": model_dir, "train_file": "x.txt", **options})
+
+
+def test_check_model_refuses_a_leaking_kernel_in_one_line(tiny_llama_dir):
+    cfg = lm_config(tiny_llama_dir, packing="bfd", attn_implementation="leaky_causal")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation="leaky_causal")
+    with pytest.raises(UserError, match="--packing bfd: .*leaky_causal.* attend to each other") as err:
+        TASKS["causal_lm"](cfg).check_model(model, cfg, announce=False)
+    assert "\n" not in str(err.value)
+
+
+def test_a_kernel_that_needs_a_gpu_is_refused_on_a_cpu(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = lm_config(tiny_llama_dir, packing="bfd")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    model.config._attn_implementation = "flash_attention_2"  # as if flash-attn had loaded
+    with pytest.raises(UserError, match="flash_attention_2 needs a GPU"):
+        TASKS["causal_lm"](cfg).check_model(model, cfg, announce=False)
+
+
+# ---------------------------------------------------------------- the default and its refusals
+DEFAULTS = [("causal_lm", "bfd", VARLEN), ("sft", "bfd", VARLEN), ("causal_lm", "wrapped", "sdpa")]
+
+
+@pytest.mark.parametrize(("task", "packing", "expected"), DEFAULTS)
+def test_varlen_is_the_default_for_packed_rows_on_cpu(tiny_llama_dir, monkeypatch, task, packing, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = lm_config(tiny_llama_dir, packing=packing)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert attention(model, cfg, TASKS[task](cfg), False).config._attn_implementation == expected
+
+
+def test_varlen_is_refused_where_it_cannot_compute_the_attention(tiny_llama_dir):
+    cfg = lm_config(tiny_llama_dir, packing="bfd", attn_implementation=VARLEN)
+    config = LlamaConfig.from_pretrained(tiny_llama_dir)
+    config.attn_logit_softcapping = 30.0  # as Gemma 2 has: varlen computes plain softmax attention
+    with pytest.raises(UserError, match="varlen: LlamaForCausalLM caps its attention logits; use sdpa"):
+        attention(LlamaForCausalLM(config), cfg, TASKS["causal_lm"](cfg), False)
+    classification = build_config({"task": "classification", "attn_implementation": VARLEN})
+    with pytest.raises(UserError, match="is for decoders on packed rows"):
+        attention(LlamaForCausalLM(config), classification, TASKS["classification"](classification), False)
+
+
+# ---------------------------------------------------------------- the CUDA kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dir", MODELS)
+def test_cuda_varlen_kernel_matches_sdpa_and_keeps_documents_apart(model_dir, token_docs, request):
+    if not varlen.varlen_kernel_available():
+        pytest.fail("no variable-length kernel on this GPU: neither flash-attn nor torch.nn.attention.varlen")
+    reference, model = (m.to("cuda", torch.bfloat16) for m in pair(request.getfixturevalue(model_dir)))
+    assert kernel_name(torch.device("cuda"), torch.bfloat16) in ("flash_attn", "torch_varlen")
+    batch, _ = packed(token_docs, cu_seqlens=True)
+    batch = {k: v.cuda() for k, v in batch.items()}
+    losses = []
+    for net in (reference, model):
+        total, count = shifted_loss(causal_lm_forward(net, batch), batch["labels"])
+        (total / count).backward()
+        losses.append((total / count).item())
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    for (name, expected), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        scale = expected.grad.abs().max().item() + 1e-6
+        assert (got.grad - expected.grad).abs().max().item() <= 0.05 * scale, name
+    assert isolation_error(model.eval()) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("implementation", ["sdpa", VARLEN, "flash_attention_2"])
+def test_gpu_probe_of_a_one_layer_copy(tiny_llama_dir, implementation):
+    if implementation == "flash_attention_2" and not varlen._flash_attn():
+        pytest.skip("flash-attn is not installed here")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation=implementation)
+    small = one_layer_copy(model, "cuda", torch.bfloat16)
+    assert small.config.num_hidden_layers == 1 and small.config._attn_implementation == implementation
+    assert isolation_error(small) is None

@@ -1,0 +1,336 @@
+"""FSDP2 (torch's fully_shard through accelerate): the options, their refusals, and real launches.
+
+On CPU the 2-process launches run on gloo, the same code path as on GPUs (cloudtrain.parallel.fsdp puts
+accelerate in its FSDP mode there): full fine-tuning of a classifier and of a causal LM with bfd packing
+against one process at twice the batch, the saved model against the last checkpoint's shards, resume from a
+mid-run checkpoint through the shipped accelerate config, LoRA's adapter. The gpu-marked tests run the
+same on CUDA (one process per GPU), and QLoRA, which needs bitsandbytes on CUDA.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CUDA_AVAILABLE, ENTRY, REPO, assert_each_refused, lm_documents, topic_run_args
+from safetensors.torch import load_file
+from test_distributed import accelerate_launch, free_port, launch, logged_losses
+
+from cloudtrain.config import build_config
+from cloudtrain.parallel import fsdp
+from cloudtrain.parallel.distributed import Sharding, sharding
+from cloudtrain.parallel.fsdp import fsdp_settings, layer_classes, shard_degrees
+from cloudtrain.parallel.mesh import Mesh
+
+FSDP_YAML = "configs/accelerate/fsdp.yaml"
+
+
+# ---------------------------------------------------------------- options (in-process, fast)
+
+
+def test_flags_reach_the_plugin(monkeypatch):
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    for name in ("FSDP_SHARDING_STRATEGY", "FSDP_OFFLOAD_PARAMS", "FSDP_RESHARD_AFTER_FORWARD"):
+        monkeypatch.delenv(name, raising=False)
+    plugin = fsdp.build_plugin(build_config({"fsdp": True}))
+    assert plugin.fsdp_version == 2 and plugin.reshard_after_forward is True
+    assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    plugin = fsdp.build_plugin(build_config({"fsdp": True, "fsdp_cpu_offload": True}))
+    assert isinstance(plugin.cpu_offload, CPUOffloadPolicy)
+    plugin = fsdp.build_plugin(build_config({"fsdp": True, "fsdp_sharding_strategy": "shard_grad_op"}))
+    assert plugin.reshard_after_forward is False  # shard_grad_op: gathered from forward to backward
+    plugin = fsdp.build_plugin(build_config({"fsdp": True, "fsdp_reshard_after_forward": False}))
+    assert plugin.reshard_after_forward is False
+
+
+def test_an_accelerate_fsdp_config_fills_what_the_flags_left(monkeypatch):
+    monkeypatch.setenv("FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    settings = fsdp_settings(build_config({"fsdp": True}))
+    assert settings == {"strategy": "shard_grad_op", "cpu_offload": True, "reshard_after_forward": False}
+    given = fsdp_settings(build_config({"fsdp": True, "fsdp_sharding_strategy": "hybrid_shard"}))
+    assert given["strategy"] == "hybrid_shard" and given["reshard_after_forward"] is True  # the flag wins
+
+
+def test_sharding_strategies_give_the_data_parallel_mesh(monkeypatch):
+    assert shard_degrees("full_shard", 16, 8) == (1, 16)
+    assert shard_degrees("shard_grad_op", 16, 8) == (1, 16)
+    assert shard_degrees("hybrid_shard", 16, 8) == (2, 8)  # sharded within a node, replicated across nodes
+    assert shard_degrees("no_shard", 16, 8) == (16, 1)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    hybrid = build_config({"fsdp": True, "fsdp_sharding_strategy": "hybrid_shard"})
+    config = fsdp.parallelism(hybrid, 4)
+    assert config is not None and (config.dp_replicate_size, config.dp_shard_size) == (2, 2)
+    assert fsdp.mesh(hybrid, 4) == Mesh(world=4, dp_replicate=2, dp_shard=2)
+    assert fsdp.parallelism(build_config({"fsdp": True}), 4) is None
+    assert sharding(build_config({"fsdp": True})) == Sharding(fsdp=True)
+    # no_shard keeps the whole model on every process: that is DDP, and runs as DDP
+    assert sharding(build_config({"fsdp": True, "fsdp_sharding_strategy": "no_shard"})) == Sharding()
+
+
+def test_the_sharded_units_are_the_repeated_layers_never_an_embedding_block(
+    tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir
+):
+    """BERT declares BertEmbeddings unsplittable too: sharded as a unit, its word embeddings would then be
+    sharded a second time as the input embedding (accelerate's order), which fails."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    bert = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
+    assert "BertEmbeddings" in bert._no_split_modules and layer_classes(bert) == ["BertLayer"]
+    assert layer_classes(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)) == ["LlamaDecoderLayer"]
+    assert layer_classes(AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir)) == ["GPT2Block"]
+
+    class Plain(torch.nn.Module):  # no _no_split_modules: the longest list's items
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(10, 4)
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(3))
+
+    assert layer_classes(Plain()) == ["Sequential"]
+
+
+def test_qlora_under_fsdp_stores_the_4bit_base_in_the_compute_dtype(tiny_llama_dir, monkeypatch):
+    """bitsandbytes needs CUDA to load: here the config the loader would pass is checked."""
+    from transformers import AutoModelForCausalLM
+
+    from cloudtrain.models import adapters
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    common = {"model_name_or_path": tiny_llama_dir, "peft": "qlora", "mixed_precision": "bf16", "task": "causal_lm"}
+    sharded = adapters.load_options(build_config({**common, "fsdp": True}), AutoModelForCausalLM)
+    assert sharded["quantization_config"].bnb_4bit_quant_storage == torch.bfloat16
+    assert sharded["device_map"] == {"": 0}  # quantized on this process's GPU, then sharded
+    plain = adapters.load_options(build_config(common), AutoModelForCausalLM)
+    assert plain["quantization_config"].bnb_4bit_quant_storage == torch.uint8
+    assert plain["device_map"] == {"": 0}
+
+
+def test_each_refusal_is_one_line(capsys, tmp_path):
+    out = tmp_path / "out"
+    base = {"output_dir": str(out), "max_steps": 1}
+    assert_each_refused(
+        {
+            "option without fsdp": ({**base, "fsdp_cpu_offload": "true"}, "is an FSDP option: add --fsdp true"),
+            "strategy without fsdp": (
+                {**base, "fsdp_sharding_strategy": "hybrid_shard"},
+                "--fsdp_sharding_strategy is an FSDP option: add --fsdp true",
+            ),
+            "shard_grad_op resharding": (
+                {
+                    **base,
+                    "fsdp": "true",
+                    "fsdp_sharding_strategy": "shard_grad_op",
+                    "fsdp_reshard_after_forward": "true",
+                },
+                "drop one of them (full_shard reshards)",
+            ),
+            "no_shard offload": (
+                {**base, "fsdp": "true", "fsdp_sharding_strategy": "no_shard", "fsdp_cpu_offload": "true"},
+                "use full_shard or hybrid_shard",
+            ),
+            "unknown strategy": ({**base, "fsdp": "true", "fsdp_sharding_strategy": "zero3"}, "zero3"),
+            "with zero": ({**base, "fsdp": "true", "zero_stage": 2}, "choose one"),
+            "no launcher": ({**base, "fsdp": "true"}, "FSDP needs a launcher to start its process group"),
+        },
+        capsys,
+        out,
+    )
+
+
+# ---------------------------------------------------------------- launches
+
+
+def torchrun(n: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", free_port()]
+
+
+def launch_on_gpus(launcher: list[str], *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Like test_distributed.launch, but the children see this suite's GPUs (the gpu fixture restored them)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    return result
+
+
+def grad_norms(out: Path) -> list[float]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [e["train/grad_norm"] for e in lines if "train/grad_norm" in e]
+
+
+def checkpoint_model(folder: Path, tmp_path: Path) -> dict[str, torch.Tensor]:
+    """The whole model as the sharded checkpoint holds it (each process wrote its shards with DCP)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    whole = tmp_path / f"{folder.name}-{folder.parent.parent.name}.pt"
+    dcp_to_torch_save(folder / "pytorch_model_fsdp_0", whole)
+    return torch.load(whole, weights_only=False)["model"]
+
+
+def assert_saved_is_the_trained(saved: dict, trained: dict, prefix: str = "") -> None:
+    """Every saved tensor is the one the final checkpoint holds, bit for bit."""
+    for name, tensor in saved.items():
+        assert torch.equal(tensor.float(), trained[prefix + name].float()), name
+
+
+def classification_args(model_dir, csvs, out, *extra: str) -> list[str]:
+    return [
+        str(ENTRY),
+        *topic_run_args(model_dir, csvs, out),
+        "--training_type", "accelerated", "--eval_strategy", "no", "--learning_rate", "1e-2",
+        "--warmup_ratio", "0", "--logging_steps", "1", "--max_steps", "6", "--checkpointing_steps", "3",
+        "--mixed_precision", "no", *extra,
+    ]  # fmt: skip
+
+
+def lm_args(model_dir: str, corpus: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        str(ENTRY),
+        "--task", "causal_lm", "--model_name_or_path", model_dir, "--train_file", str(corpus / "train.txt"),
+        "--output_dir", str(out), "--max_length", "48", "--learning_rate", "3e-3", "--logging_steps", "1",
+        "--sample_max_new_tokens", "4", "--eval_strategy", "no", "--packing", "bfd", "--max_steps", "4",
+        "--checkpointing_steps", "2", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("lm-corpus")
+    (folder / "train.txt").write_text("\n".join(lm_documents(64, 0)) + "\n")
+    return folder
+
+
+def load_classifier(folder: Path):
+    from transformers import AutoModelForSequenceClassification
+
+    model, info = AutoModelForSequenceClassification.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info  # no weight newly initialised
+    return model
+
+
+@pytest.mark.slow
+def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tiny_model_dir, topic_csvs, tmp_path):
+    """2 FSDP2 processes x 4 rows give the steps of 1 process x 8 rows; the saved model loads with every
+    weight from its file and is the last checkpoint's; resumed at step 3 through `accelerate launch` with the
+    shipped FSDP config, the run ends with the same losses and weights."""
+    two, one = tmp_path / "two", tmp_path / "one"
+    result = launch(
+        torchrun(2), *classification_args(tiny_model_dir, topic_csvs, two, "--per_device_train_batch_size", "4",
+                                          "--fsdp", "true")
+    )  # fmt: skip
+    launch(torchrun(1), *classification_args(tiny_model_dir, topic_csvs, one, "--per_device_train_batch_size", "8"))
+    assert "2 process(es) on cpu (FSDP, precision no)" in result.stdout
+    assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-5)
+    assert grad_norms(two) == pytest.approx(grad_norms(one), rel=1e-4)
+    saved, reference = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
+    assert saved.keys() == reference.keys()
+    for name in saved:
+        torch.testing.assert_close(saved[name], reference[name], rtol=1e-3, atol=1e-5)
+    load_classifier(two)
+    assert_saved_is_the_trained(saved, checkpoint_model(two / "checkpoints" / "checkpoint-6", tmp_path))
+
+    losses = logged_losses(two)
+    resumed = launch(
+        accelerate_launch(FSDP_YAML, 2),
+        *classification_args(tiny_model_dir, topic_csvs, two, "--per_device_train_batch_size", "4",
+                             "--overwrite_output_dir", "true", "--resume_from_checkpoint",
+                             str(two / "checkpoints" / "checkpoint-3")),
+    )  # fmt: skip
+    assert "at step 3" in resumed.stdout and "(FSDP, precision no)" in resumed.stdout
+    assert logged_losses(two) == pytest.approx(losses, rel=1e-6)
+    again = load_file(two / "model.safetensors")
+    for name in saved:
+        torch.testing.assert_close(again[name], saved[name], rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.slow
+def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny_llama_dir, corpus, tmp_path):
+    """Full fine-tuning of a decoder with tied embeddings (GPT-2) with bfd packing, CPU offload, gradient
+    checkpointing and accumulation: 2 FSDP2 processes x 1 row x 2 micro-batches match 1 process x 4 rows (the
+    loss is normalised by the global token count); then LoRA on a Llama under FSDP2 saves an adapter that loads
+    onto the base and holds the trained adapter weights."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    two, one, lora = tmp_path / "two", tmp_path / "one", tmp_path / "lora"
+    sharded = ["--fsdp", "true", "--fsdp_cpu_offload", "true", "--gradient_checkpointing", "true"]
+    launch(
+        torchrun(2),
+        *lm_args(tiny_gpt2_dir, corpus, two, "--per_device_train_batch_size", "1",
+                 "--gradient_accumulation_steps", "2", *sharded),
+    )  # fmt: skip
+    launch(torchrun(1), *lm_args(tiny_gpt2_dir, corpus, one, "--per_device_train_batch_size", "4"))
+    assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-4)
+    saved = load_file(two / "model.safetensors")
+    model, info = AutoModelForCausalLM.from_pretrained(two, output_loading_info=True)
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert_saved_is_the_trained(saved, checkpoint_model(two / "checkpoints" / "checkpoint-4", tmp_path))
+
+    launch(
+        torchrun(2),
+        *lm_args(tiny_llama_dir, corpus, lora, "--per_device_train_batch_size", "2", "--fsdp", "true",
+                 "--peft", "lora", "--lora_r", "4", "--learning_rate", "1e-2"),
+    )  # fmt: skip
+    adapter = load_file(lora / "adapter_model.safetensors")
+    assert adapter and any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in adapter.items())
+    trained = checkpoint_model(lora / "checkpoints" / "checkpoint-4", tmp_path)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), lora)
+    state = loaded.state_dict()
+    for name, tensor in adapter.items():  # PEFT's file names drop the adapter's name ("default")
+        full = name.replace(".weight", ".default.weight")
+        assert torch.equal(state[full], tensor) and torch.equal(trained[full], tensor), name
+
+
+# ---------------------------------------------------------------- the same on CUDA
+
+
+def gpu_processes() -> int:
+    return min(torch.cuda.device_count(), 2) if CUDA_AVAILABLE else 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["torchrun", "accelerate launch"])
+def test_fsdp2_on_gpus_trains_saves_reloads_and_resumes(how, tiny_model_dir, topic_csvs, tmp_path):
+    n, out = gpu_processes(), tmp_path / "out"
+    launcher = torchrun(n) if how == "torchrun" else accelerate_launch(FSDP_YAML, n)
+    flags = ["--fsdp", "true"] if how == "torchrun" else []
+    args = classification_args(tiny_model_dir, topic_csvs, out, "--per_device_train_batch_size", "4",
+                               "--mixed_precision", "bf16", *flags)  # fmt: skip
+    result = launch_on_gpus(launcher, *args)
+    assert f"{n} process(es) on cuda (FSDP, precision bf16)" in result.stdout
+    load_classifier(out)
+    saved, losses = load_file(out / "model.safetensors"), logged_losses(out)
+    assert_saved_is_the_trained(saved, checkpoint_model(out / "checkpoints" / "checkpoint-6", tmp_path))
+    resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(out / "checkpoints" / "checkpoint-3")]
+    resumed = launch_on_gpus(launcher, *args, *resume)
+    assert "at step 3" in resumed.stdout
+    assert logged_losses(out) == pytest.approx(losses, rel=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("peft", ["lora", "dora", "qlora"])
+def test_adapters_under_fsdp2_on_gpus(peft, tiny_llama_dir, corpus, tmp_path):
+    """LoRA, DoRA and QLoRA (4-bit base stored in bf16, so it is sharded) on a causal LM with bfd packing:
+    trains, saves an adapter that loads, resumes from its mid-run checkpoint with the same losses."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    n, out = gpu_processes(), tmp_path / peft
+    args = lm_args(tiny_llama_dir, corpus, out, "--per_device_train_batch_size", "2", "--fsdp", "true",
+                   "--peft", peft, "--lora_r", "4", "--mixed_precision", "bf16")  # fmt: skip
+    result = launch_on_gpus(torchrun(n), *args)
+    assert f"{n} process(es) on cuda (FSDP, precision bf16)" in result.stdout
+    adapter, losses = load_file(out / "adapter_model.safetensors"), logged_losses(out)
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), out).state_dict()
+    for name, tensor in adapter.items():
+        key = name.replace(".weight", ".default.weight") if "lora_" in name else name
+        assert key in loaded and torch.equal(loaded[key].to(tensor.dtype), tensor), name
+    resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(out / "checkpoints" / "checkpoint-2")]
+    resumed = launch_on_gpus(torchrun(n), *args, *resume)
+    assert "at step 2" in resumed.stdout
+    assert logged_losses(out) == pytest.approx(losses, rel=1e-3)

@@ -1,0 +1,144 @@
+"""--fused_cross_entropy (cloudtrain.models.kernels): the loss and gradients from the hidden states equal the plain
+logits path, for the kernel alone and for the causal-LM and SFT tasks' loss; the option's choice and refusals."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from cloudtrain.config import build_config
+from cloudtrain.data.packing import CausalLMCollator, pack
+from cloudtrain.errors import UserError
+from cloudtrain.models import kernels, prepare
+from cloudtrain.models.kernels import chunked_linear_cross_entropy, hidden_states_error, linear_cross_entropy
+from cloudtrain.models.prepare import fused_cross_entropy
+from cloudtrain.registry import TASKS
+
+MODELS = ("tiny_llama_dir", "tiny_gpt2_dir")
+
+
+def plain(hidden, weight, bias, targets):
+    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=-100, reduction="sum")
+
+
+def gradients(loss_fn, *inputs) -> tuple[float, list[torch.Tensor]]:
+    leaves = [None if x is None else x.detach().clone().requires_grad_(x.requires_grad) for x in inputs[:-1]]
+    loss = loss_fn(*leaves, inputs[-1])
+    (loss * 0.5).backward()  # a scale, as the step's 1 / token count
+    return loss.item(), [x.grad for x in leaves if x is not None and x.requires_grad]
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 7, 50, 4096])
+def test_chunked_loss_and_gradients_equal_the_plain_ones(chunk_rows):
+    torch.manual_seed(0)
+    hidden, weight, bias = torch.randn(50, 16), torch.randn(37, 16), torch.randn(37)
+    targets = torch.randint(0, 37, (50,))
+    targets[::4] = -100  # prompt tokens and document starts have no target
+    inputs = (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets)
+    expected, expected_grads = gradients(plain, *inputs)
+    got, got_grads = gradients(lambda *a: chunked_linear_cross_entropy(*a, chunk_rows=chunk_rows), *inputs)
+    assert got == pytest.approx(expected, rel=1e-6)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert torch.allclose(g, e, atol=1e-5)
+
+
+def test_chunked_under_bf16_autocast_follows_the_autocast_plain_path():
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(64, 32), torch.randn(50, 32)
+    targets = torch.randint(0, 50, (64,))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, expected_grads = gradients(plain, hidden, weight.requires_grad_(), None, targets)
+        got, got_grads = gradients(chunked_linear_cross_entropy, hidden, weight, None, targets)
+    assert got == pytest.approx(expected, rel=1e-2)
+    assert got_grads[0].dtype == torch.float32  # the fp32 master weight gets an fp32 gradient
+    assert (got_grads[0] - expected_grads[0]).abs().max() <= 0.02 * expected_grads[0].abs().max()
+
+
+# ---------------------------------------------------------------- the task's loss
+def task_for(name: str, model_dir: str, **options):
+    cfg = build_config({"task": name, "model_name_or_path": model_dir, "train_file": "x.txt", **options})
+    return TASKS[name](cfg), cfg
+
+
+def batch_of(vocab: int, cu_seqlens: bool) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    docs = [torch.randint(3, vocab, (int(n),), generator=generator).tolist() for n in (9, 30, 4, 17, 22, 11, 5)]
+    return CausalLMCollator(0, cu_seqlens=cu_seqlens)(pack(docs, 40, "bfd"))
+
+
+@pytest.mark.parametrize("model_dir", MODELS)
+@pytest.mark.parametrize("task_name", ["causal_lm", "sft"])
+def test_task_loss_from_hidden_states_equals_the_logits_loss(model_dir, task_name, request):
+    reference = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_dir)).train()
+    model = copy.deepcopy(reference)
+    task, _ = task_for(task_name, request.getfixturevalue(model_dir))
+    batch = batch_of(reference.config.vocab_size, cu_seqlens=True)
+    assert task.use_loss_kernel(None)
+    expected, expected_count = task.loss(reference, batch)
+    (expected / expected_count).backward()
+    task.use_loss_kernel("chunked")
+    got, count = task.loss(model, batch)
+    (got / count).backward()
+    assert count.item() == expected_count.item()
+    assert got.item() == pytest.approx(expected.item(), rel=1e-5)
+    for (name, e), g in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert torch.allclose(g.grad, e.grad, atol=1e-6, rtol=1e-4), name
+
+
+def test_dpo_keeps_its_own_loss(tiny_llama_dir):
+    task, _ = task_for("dpo", tiny_llama_dir)
+    assert task.use_loss_kernel("chunked") is False and task.loss_kernel is None
+
+
+# ---------------------------------------------------------------- the option
+@pytest.mark.parametrize(("choice", "expected"), [("true", "chunked"), ("auto", None), ("false", None)])
+def test_the_option_on_cpu(tiny_llama_dir, monkeypatch, choice, expected):
+    monkeypatch.setattr(prepare, "liger_available", lambda: False)
+    task, cfg = task_for("causal_lm", tiny_llama_dir, fused_cross_entropy=choice)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert fused_cross_entropy(model, cfg, task, False) is model
+    assert task.loss_kernel == expected
+
+
+class ScaledLogits(LlamaForCausalLM):
+    """Logits that are more than the head over the hidden states (as a logit scale or soft-cap makes them)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2
+        return out
+
+
+def test_refusals_are_one_line(tiny_llama_dir):
+    task, cfg = task_for("classification", tiny_llama_dir, fused_cross_entropy="true")
+    with pytest.raises(UserError, match="--task classification has no language-model loss"):
+        fused_cross_entropy(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg, task, False)
+    task, cfg = task_for("causal_lm", tiny_llama_dir, fused_cross_entropy="true")
+    scaled = ScaledLogits.from_pretrained(tiny_llama_dir)
+    assert "more than its head" in hidden_states_error(scaled)
+    with pytest.raises(UserError, match="--fused_cross_entropy true: ScaledLogits's logits are more than"):
+        fused_cross_entropy(scaled, cfg, task, False)
+    assert hidden_states_error(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)) is None
+    task, cfg = task_for("causal_lm", tiny_llama_dir, fused_cross_entropy="true", fsdp=True)
+    with pytest.raises(UserError, match="sharded"):
+        fused_cross_entropy(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg, task, False)
+
+
+# ---------------------------------------------------------------- on a GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["chunked", "liger"])
+def test_fused_loss_on_cuda_in_bf16(backend):
+    if backend == "liger" and not kernels.liger_available():
+        pytest.skip("liger-kernel is not installed here")
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(3000, 256, device="cuda"), torch.randn(32000, 256, device="cuda") * 0.05
+    targets = torch.randint(0, 32000, (3000,), device="cuda")
+    targets[::3] = -100
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected, expected_grads = gradients(plain, hidden.requires_grad_(), weight.requires_grad_(), None, targets)
+        got, got_grads = gradients(lambda *a: linear_cross_entropy(backend, *a), hidden, weight, None, targets)
+    assert got == pytest.approx(expected, rel=1e-2)
+    for g, e in zip(got_grads, expected_grads, strict=True):
+        assert (g.float() - e.float()).abs().max() <= 0.03 * e.float().abs().max()
