@@ -145,6 +145,7 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "deepspeed": (2, {**base, "zero_stage": "2"}, "does not combine with DeepSpeed ZeRO"),
         "an accelerate FSDP config": (2, {**base, "env:ACCELERATE_USE_FSDP": "true"}, "not through an accelerate FSDP"),
         "adapters": (2, {**base, "peft": "lora"}, "does not combine with --peft"),
+        "fused loss": (2, {**base, "fused_cross_entropy": "true"}, "does not combine with --fused_cross_entropy true"),
         "fsdp options": (
             2,
             {**base, "fsdp": "true", "fsdp_cpu_offload": "true"},

@@ -84,6 +84,10 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
         (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
         (cfg.model.peft != "none", "does not combine with --peft (adapters on sharded layers are not supported)"),
         (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
+        (
+            cfg.model.fused_cross_entropy == "true",
+            "does not combine with --fused_cross_entropy true (the LM head is split); use false or auto",
+        ),
         (t.mixed_precision == "fp16", "needs --mixed_precision bf16 or no (fp16's loss scaler is not wired here)"),
         (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
         (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
