@@ -1,34 +1,46 @@
-"""GPU benchmark (`make gpu-bench`): pretrain a ~0.5B Llama from the llama-600m preset through the real
-application and report tokens/s, MFU and peak GPU memory next to the planner's estimate.
+"""GPU benchmark (`make gpu-bench`): the same pretraining work run several ways in one invocation, each in a
+fresh process, so that one run says how cloudtrain compares with what a user could run instead.
 
-What runs, once per attention kernel (sdpa, and flash_attention_2 when the flash-attn package is
-installed), each in a fresh process so that peak memory is that run's alone:
+The work: a Llama from `--preset` (default llama-600m, random weights from the seed) pretrained on Grimm's
+tales split into paragraphs (bench/lm_corpus.py; a byte-level BPE tokenizer trained on them), --packing bfd
+rows of --max_length tokens, --batch_size rows per step, bf16 autocast over fp32 master weights, fused AdamW
+(weight decay 0.1 off biases and norms, cosine schedule, 5% warm-up, clipping at 1.0), no checkpointing.
+Every variant trains `--steps` timed steps, then one profiler warm-up step and `--profile_steps` profiled
+steps, on the same rows (same tokens, so the losses after the same tokens compare):
 
-- the corpus: Grimm's tales split into paragraphs (bench/lm_corpus.py; fetched at set-up, the GPU
-  machine needs no network once data/grimm/ is there) and a byte-level BPE tokenizer trained on them
-  (--vocab_size is an upper bound: the corpus supports about 7.5k tokens; the application rounds
-  the model's vocabulary up to a multiple of 64);
-- the model: `--model_config llama-600m` (random weights from the seed, nothing downloaded), bf16
-  autocast over fp32 master weights, --packing bfd (whole paragraphs per row, kept apart by
-  restarting position_ids), rows of --max_length tokens, fused AdamW, no gradient checkpointing;
-- `cloudtrain.pipeline.build_run(cfg)` then `run.trainer.fit()`: the application's own loop, which
-  logs train/tokens_per_s (real, non-padding tokens) and, on GPUs whose peak it knows
-  (cloudtrain.observe.flops.PEAK_FLOPS), train/mfu to <output_dir>/metrics.jsonl. Reported:
-  the medians over the logging intervals after the first (warm-up), the peak of
-  torch.cuda.max_memory_allocated / max_memory_reserved over fit(), and the validation loss.
+- `defaults`: the application (`build_run` + `fit`) at its defaults;
+- one variant per kernel option in OPTIONS (the application with that option on); a variant whose option
+  does not exist yet, or that the application refuses on this machine, is reported "refused: <its line>";
+- `plain`: the floor, a plain PyTorch loop on the same HF model class, precision and optimizer, fed the same
+  rows as full causal rows with no document mask (the cheapest attention: documents see each other);
+- `hf_trainer`: transformers.Trainer on the same model and rows, given position_ids (documents kept apart
+  the way transformers does it) and no attention_mask.
 
-The planner (`python src/training_application.py plan --task causal_lm --model_config llama-600m
---tokenizer_name_or_path ... --json`) is run as a user runs it, for the same micro-batch, length and
-precision; its single-GPU DDP row without checkpointing is printed beside the measurement (total,
-and total without its overhead term: the 1 GiB CUDA context, DDP's gradient buckets, which one
-process does not allocate, and 5% fragmentation). Where the planner cannot plan a causal LM the
-line reads "planner estimate: n/a" with the reason.
+Timed: tokens/s is the median over logging intervals after the first (warm-up), real tokens only. MFU is
+tokens/s x FLOPs per token / the device's dense peak (cloudtrain.observe.flops; docs/benchmarks.md), with
+attention counted per document where documents are kept apart and per row for `plain`, whose attention
+spans rows. Peak memory is torch.cuda's over training. The profile summary comes from torch.profiler over
+the profiled steps. The planner (`plan`, run as a user runs it) is compared with the `defaults` peak.
 
-    python bench/gpu.py [--steps 300] [--batch_size 8] [--max_length 2048] [--attention auto]
-    python bench/gpu.py --dry_run      # the same code path, tiny, on CPU: llama-8m, 2 steps
+    python bench/gpu.py [--steps 50] [--budget_s 450] [--variants defaults,plain,...] [--out report.json]
+    python bench/gpu.py --dry_run      # the same code path, tiny, on CPU
 
+The report: printed, and written to --out (JSON) and beside it with .md (markdown), after every variant:
+  device, device_memory   the GPU as the runs saw it ("cpu", null); corpus: train_documents, vocab_size
+  peak_flops, peak_note   the dense peak MFU divides by; null with the one line saying why
+  settings                this run's options
+  runs                    one per variant, in order: variant, runner (cloudtrain, plain, hf_trainer), options
+      (the application's), status (ok, refused, error, skipped), error (its one line, also when refused or
+      skipped); when ok also: attention (the kernel), steps, train_tokens, tokens_per_s, mfu (null without a
+      peak), mfu_logged (the application's own train/mfu), flops_per_token, vs_plain (tokens/s over plain's),
+      peak_memory {allocated, reserved} (bytes; null on CPU), memory_vs_defaults, loss_at_steps (training
+      loss of the last timed interval), eval_loss (validation, documents kept apart), data_share_logged (the
+      application's train/data_time_share), parameters, vocab_size, row_fill, fit_s, and profile (steps,
+      ms_per_step, device_busy, shares {attention, matmul, optimizer, copy, other} of kernel time, data_wait,
+      top [{name, ms_per_step, share}]: cloudtrain.observe.profile.summarize)
+  planner                 the planner's single-GPU DDP row: total, overhead, without_overhead, parts, fits; or error
+  seconds                 wall time so far
 Without CUDA (and without --dry_run / --device cpu) it prints one line and exits with status 2.
-Results also go to bench/results/gpu.json (not committed).
 """
 
 import argparse
@@ -45,154 +57,451 @@ BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 ENTRY = REPO / "src" / "training_application.py"
 GIB = 2**30
-KERNELS = ("sdpa", "flash_attention_2")
-DRY_RUN = {
-    "device": "cpu",
-    "preset": "llama-8m",
-    "steps": 2,
-    "batch_size": 2,
-    "max_length": 64,
-    "logging_steps": 1,
-    "vocab_size": 512,
-    "attention": "sdpa",
+# Kernel options of the application, one variant each: name -> options on top of the defaults. A new option
+# is one line here; one the installed application does not have yet is reported as refused, not an error.
+OPTIONS = {
+    "varlen": {"attn_implementation": "varlen"},
+    "flash_attention_2": {"attn_implementation": "flash_attention_2"},
+    "flex_attention": {"attn_implementation": "flex_attention"},
+    "fused_cross_entropy": {"fused_cross_entropy": "true"},  # values as on the command line
 }
+VARIANTS = ("defaults", *OPTIONS, "plain", "hf_trainer")
+PLANNER_RESERVE_S = 60  # kept from --budget_s for the planner
+DRY_RUN = {"device": "cpu", "preset": "llama-8m", "steps": 3, "batch_size": 2, "max_length": 64}
+DRY_RUN |= {"logging_steps": 1, "profile_steps": 1, "vocab_size": 512, "budget_s": 3600}
+DRY_RUN |= {"variants": "defaults,varlen,fused_cross_entropy,plain,hf_trainer"}  # flex_attention: minutes on CPU
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="llama-600m", help="a model preset or config.json (--model_config)")
-    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--steps", type=int, default=50, help="timed steps per variant (the same for all)")
+    p.add_argument("--profile_steps", type=int, default=3, help="steps profiled after the timed ones (0: none)")
     p.add_argument("--batch_size", type=int, default=8, help="rows per step (one GPU, no accumulation)")
     p.add_argument("--max_length", type=int, default=2048, help="tokens per row")
     p.add_argument("--packing", default="bfd", choices=("bfd", "wrapped", "none"))
-    p.add_argument(
-        "--attention",
-        default="auto",
-        help="comma-separated kernels, or auto: sdpa, plus flash_attention_2 where flash-attn is installed",
-    )
+    p.add_argument("--variants", default="all", help=f"comma-separated, or all: {', '.join(VARIANTS)}")
+    attention = "auto: the application's default; or kernels, comma-separated: one application run each"
+    p.add_argument("--attention", default="auto", help=attention)
     p.add_argument("--vocab_size", type=int, default=32000, help="BPE vocabulary requested (an upper bound)")
     p.add_argument("--learning_rate", type=float, default=3e-4)
     p.add_argument("--logging_steps", type=int, default=10)
     p.add_argument("--mixed_precision", default="bf16", choices=("bf16", "fp16", "no"))
     p.add_argument("--gradient_checkpointing", default="false", choices=("true", "false"))
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: only to test this script")
-    p.add_argument(
-        "--dry_run",
-        action="store_true",
-        help=f"the same code path, tiny, on CPU: {', '.join(f'--{k} {v}' for k, v in DRY_RUN.items())}",
-    )
+    p.add_argument("--dry_run", action="store_true", help=f"the same code path, tiny, on CPU: {DRY_RUN}")
     p.add_argument("--tab", default=None, help="an Orange .tab corpus instead of the Grimm tales (tests)")
-    p.add_argument("--out", default=str(BENCH / "results" / "gpu.json"))
-    p.add_argument("--timeout", type=float, default=3600, help="seconds before one kernel's run is given up")
+    p.add_argument("--out", default=str(BENCH / "results" / "gpu.json"), help="the JSON report (and .md beside)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before one variant's run is given up")
+    p.add_argument("--budget_s", type=float, default=450, help="seconds for the whole run; variants past it skip")
     args = p.parse_args(argv)
-    if args.dry_run:
-        for key, value in DRY_RUN.items():
-            setattr(args, key, value)
-    if min(args.steps, args.batch_size, args.logging_steps) < 1 or args.max_length < 2:
+    if args.dry_run:  # its values become the defaults: an option given still wins (--budget_s, --variants)
+        p.set_defaults(**DRY_RUN)
+        args = p.parse_args(argv)
+    if min(args.steps, args.batch_size, args.logging_steps) < 1 or args.max_length < 2 or args.profile_steps < 0:
         p.error("--steps, --batch_size and --logging_steps must be at least 1, --max_length at least 2")
     return args
 
 
-def kernels(choice: str) -> list[str]:
-    """The attention kernels to run: the named ones, or sdpa (+ flash_attention_2 when it can run here)."""
-    if choice != "auto":
-        names = [k for k in choice.split(",") if k]
-        unknown = set(names) - set(KERNELS)
-        if unknown or not names:
-            raise SystemExit(f"error: --attention takes auto or names from {', '.join(KERNELS)}")
-        return names
-    from transformers.utils import is_flash_attn_2_available
+def variants(args: argparse.Namespace) -> list[dict]:
+    """The runs, in order: [{variant, runner, options}]; --attention other than auto names the application's."""
+    names = list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+    unknown = set(names) - set(VARIANTS)
+    if unknown or not names:
+        raise SystemExit(f"error: --variants takes all or names from {', '.join(VARIANTS)}")
+    runs = []
+    for name in names:
+        if name in ("plain", "hf_trainer"):
+            runs.append({"variant": name, "runner": name, "options": {}})
+        elif args.attention == "auto" or (name != "defaults" and "attn_implementation" not in OPTIONS[name]):
+            runs.append({"variant": name, "runner": "cloudtrain", "options": dict(OPTIONS.get(name, {}))})
+        elif name == "defaults":
+            for kernel in (k for k in args.attention.split(",") if k):
+                runs.append({"variant": kernel, "runner": "cloudtrain", "options": {"attn_implementation": kernel}})
+    return runs
 
-    return ["sdpa"] + (["flash_attention_2"] if is_flash_attn_2_available() else [])
+
+# ---------------------------------------------------------------- in the child process
+FIXED = {"task": "causal_lm", "warmup_ratio": 0.05, "lr_scheduler_type": "cosine", "weight_decay": 0.1}
+FIXED |= {"max_grad_norm": 1.0, "eval_strategy": "no", "report_to": ["none"], "sample_max_new_tokens": 1}
+FIXED |= {"sample_prompts": ["Once upon a time"], "overwrite_output_dir": True, "training_type": "accelerated"}
+FIXED |= {"seed": 42}
+FROM_SPEC = ("train_file", "validation_file", "packing", "max_length", "logging_steps", "learning_rate")
+FROM_SPEC += ("mixed_precision", "gradient_checkpointing", "output_dir")
 
 
-# ---------------------------------------------------------------- one kernel (a fresh process)
-def train_one(spec: dict) -> dict:
-    """build_run + fit through the application; tokens/s and MFU from its metrics.jsonl, peak memory."""
-    import resource
+def app_options(spec: dict) -> dict:
+    """The application's options for this work (what each runner reproduces)."""
+    batch, profiled = spec["batch_size"], 1 + spec["profile_steps"] if spec["profile_steps"] else 0
+    return (
+        FIXED
+        | {k: spec[k] for k in FROM_SPEC}
+        | {
+            "model_config": spec["preset"],
+            "tokenizer_name_or_path": spec["tokenizer"],
+            "per_device_train_batch_size": batch,
+            "per_device_eval_batch_size": batch,
+            "max_steps": spec["steps"] + profiled,
+        }
+    )
 
+
+class StepProfiler:
+    """torch.profiler over `active` steps after `skip` (and one warm-up step); `step()` after each step."""
+
+    def __init__(self, skip: int, active: int, cuda: bool):
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        self.cuda, self.active = cuda, active
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        plan = schedule(wait=skip, warmup=1, active=active, repeat=1)
+        self.prof = profile(activities=activities, schedule=plan) if active else None
+        self.done = False
+
+    # the application's callback events, and the plain loop's calls
+    def on_train_begin(self, state=None) -> None:
+        if self.prof:
+            self.prof.start()
+
+    def on_step_end(self, *args, **kwargs) -> None:
+        if self.prof and not self.done:
+            self.prof.step()
+
+    def on_train_end(self, *args, **kwargs) -> None:
+        if self.prof and not self.done:
+            self.prof.stop()
+            self.done = True
+
+    def summary(self) -> dict | None:
+        from cloudtrain.observe.profile import summarize
+
+        return summarize(self.prof.events(), self.active, self.cuda) if self.prof and self.done else None
+
+
+def flops_per_token(model, rows, per_document: bool) -> float:
+    """Training FLOPs per real token over the training rows: attention per document, or per row."""
+    from cloudtrain.observe.flops import ModelFlops
+
+    lengths = list(rows["seq_lengths"])
+    tokens = sum(sum(row) for row in lengths)
+    squares = sum(n * n for row in lengths for n in row) if per_document else sum(sum(row) ** 2 for row in lengths)
+    return ModelFlops.from_model(model).training_flops(tokens, squares) / max(tokens, 1)
+
+
+def measured(model, rows, spec: dict, per_document: bool, intervals: list[dict]) -> dict:
+    """tokens/s (median of the timed intervals after the first), MFU, and the loss of the last timed one."""
+    import torch
+
+    from cloudtrain.observe.flops import matmul_precision, no_peak_reason, peak_flops
+
+    timed = [i for i in intervals if i["step"] <= spec["steps"]]
+    steady = timed[1:] or timed
+    tokens_per_s = statistics.median(i["tokens_per_s"] for i in steady)
+    per_token = flops_per_token(model, rows, per_document)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    precision = matmul_precision(spec["mixed_precision"])
+    peak = peak_flops(device, precision)
+    cuda = device.type == "cuda"
+    facts = {
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "device_memory": torch.cuda.get_device_properties(device).total_memory if cuda else None,
+        "peak_flops": peak,
+        "peak_note": no_peak_reason(device, precision),
+    }
+    return {
+        "device_facts": facts,
+        "tokens_per_s": tokens_per_s,
+        "flops_per_token": per_token,
+        "mfu": tokens_per_s * per_token / peak if peak else None,
+        "loss_at_steps": timed[-1]["loss"] if timed else None,
+    }
+
+
+def _memory(reset: bool = False) -> dict | None:
+    """The allocator's peaks since the last reset (None on CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    torch.cuda.synchronize()
+    if reset:
+        torch.cuda.reset_peak_memory_stats()
+    return {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()}
+
+
+def run_cloudtrain(spec: dict) -> dict:
+    """build_run + fit through the application; its metrics.jsonl gives the intervals."""
     import torch
 
     from cloudtrain.config import build_config
     from cloudtrain.observe.tracking import read_metrics
     from cloudtrain.pipeline import build_run
 
-    cuda = torch.cuda.is_available()
-    out = Path(spec["output_dir"])
-    cfg = build_config(
-        {
-            "task": "causal_lm",
-            "model_config": spec["preset"],
-            "tokenizer_name_or_path": spec["tokenizer"],
-            "train_file": spec["train_file"],
-            "validation_file": spec["validation_file"],
-            "packing": spec["packing"],
-            "max_length": spec["max_length"],
-            "per_device_train_batch_size": spec["batch_size"],
-            "per_device_eval_batch_size": spec["batch_size"],
-            "max_steps": spec["steps"],
-            "logging_steps": spec["logging_steps"],
-            "learning_rate": spec["learning_rate"],
-            "warmup_ratio": 0.05,
-            "lr_scheduler_type": "cosine",
-            "weight_decay": 0.1,
-            "mixed_precision": spec["mixed_precision"],
-            "attn_implementation": spec["attention"],
-            "gradient_checkpointing": spec["gradient_checkpointing"],
-            "eval_strategy": "no",
-            "report_to": ["none"],
-            "sample_prompts": ["Once upon a time"],
-            "sample_max_new_tokens": 1,
-            "output_dir": str(out),
-            "overwrite_output_dir": True,
-            "training_type": "accelerated",
-            "seed": 42,
-        }
-    )
-    run = build_run(cfg)
-    params = sum(p.numel() for p in run.model.parameters())
-    rows = run.data.train
-    fill = sum(sum(n) for n in rows["seq_lengths"]) / (len(rows) * spec["max_length"])
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+    cfg = build_config({**app_options(spec), **spec["options"]})
+    profiler = StepProfiler(spec["steps"], spec["profile_steps"], torch.cuda.is_available())
+    run = build_run(cfg, callbacks=[profiler])
+    _memory(reset=True)
     start = time.perf_counter()
     result = run.trainer.fit()
-    if cuda:
-        torch.cuda.synchronize()
-    fit_s = time.perf_counter() - start
-    peak = (
-        {"allocated": torch.cuda.max_memory_allocated(), "reserved": torch.cuda.max_memory_reserved()} if cuda else None
-    )
-    metrics = run.trainer.evaluate("validation")
+    fit_s, peak = time.perf_counter() - start, _memory()
     logged = [r for r in read_metrics(run.run_log.path) if "train/tokens_per_s" in r]
-    steady = logged[1:] or logged  # the first interval holds the warm-up (allocator, cuBLAS autotuning)
-    mfu = [r["train/mfu"] for r in steady if "train/mfu" in r]
+    intervals = [{"step": r["step"], "tokens_per_s": r["train/tokens_per_s"], "loss": r["train/loss"]} for r in logged]
+    steady = [r for r in logged if r["step"] <= spec["steps"]][1:]
+    mfu_logged = [r["train/mfu"] for r in steady if "train/mfu" in r]
+    data = [r["train/data_time_share"] for r in steady if "train/data_time_share" in r]
+    rows = run.data.train
     return {
-        "attention": spec["attention"],
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "device_memory": torch.cuda.get_device_properties(0).total_memory if cuda else None,
-        "parameters": params,
-        "vocab_size": run.model.config.vocab_size,
-        "train_rows": len(rows),
-        "row_fill": fill,
+        **measured(run.model, rows, spec, True, intervals),
+        "attention": getattr(run.model.config, "_attn_implementation", None),
         "steps": result.global_step,
-        "fit_s": fit_s,
         "train_tokens": result.train_tokens,
-        "tokens_per_s": statistics.median(r["train/tokens_per_s"] for r in steady),
-        "samples_per_s": statistics.median(r["train/samples_per_s"] for r in steady),
-        "mfu": statistics.median(mfu) if mfu else None,
-        "logging_intervals": len(logged),
-        "first_loss": logged[0]["train/loss"],
-        "last_loss": logged[-1]["train/loss"],
-        "eval_loss": metrics["loss"],
+        "mfu_logged": statistics.median(mfu_logged) if mfu_logged else None,
+        "data_share_logged": statistics.median(data) if data else None,
         "peak_memory": peak,
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        "eval_loss": run.trainer.evaluate("validation")["loss"],
+        "fit_s": fit_s,
+        "profile": profiler.summary(),
+        **_shape(run.model, rows, spec),
     }
 
 
+def _shape(model, rows, spec: dict) -> dict:
+    fill = sum(sum(n) for n in rows["seq_lengths"]) / (len(rows) * spec["max_length"])
+    n = sum(p.numel() for p in model.parameters())
+    return {"parameters": n, "vocab_size": model.config.vocab_size, "row_fill": fill}
+
+
+def _same_work(spec: dict):
+    """The application's data and model for this work, built as build_run builds them, without its trainer."""
+    from transformers import set_seed
+
+    from cloudtrain.config import build_config
+    from cloudtrain.pipeline import resolve
+    from cloudtrain.tasks import build_task
+
+    cfg = build_config(app_options(spec))
+    task = build_task(cfg)
+    cfg = resolve(cfg, task)
+    set_seed(cfg.training.seed)
+    tokenizer = task.load_tokenizer(cfg)
+    data = task.process(task.connect(cfg), tokenizer, cfg)
+    model = task.load_model(cfg, data, tokenizer, announce=False).float()
+    model.config.use_cache = False  # a cache mixes packed documents (docs/language-models.md)
+    return cfg, data, model
+
+
+class Intervals:
+    """Per-batch token counts (in the order the batches are made, which is the order they are trained) and,
+    every logging_steps steps, one sync: the interval's tokens/s and mean loss."""
+
+    def __init__(self, every: int):
+        self.every, self.tokens, self.intervals = every, [], []
+        self.last, self.loss_sum, self.steps = time.perf_counter(), 0.0, 0
+
+    def batch(self, batch: dict) -> dict:
+        self.tokens.append(int(batch["attention_mask"].sum()))
+        return batch
+
+    def step_done(self, step: int, loss) -> None:
+        import torch
+
+        self.loss_sum, self.steps = self.loss_sum + loss, self.steps + 1
+        if step % self.every:
+            return
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        tokens = sum(self.tokens[step - self.steps : step])
+        loss_mean = float(self.loss_sum) / self.steps
+        self.intervals.append({"step": step, "tokens_per_s": tokens / (now - self.last), "loss": loss_mean})
+        self.last, self.loss_sum, self.steps = now, 0.0, 0
+
+
+def _eval_loss(model, data, spec: dict) -> float:
+    """Mean loss per predicted token on the validation rows, documents kept apart (position_ids, no cache)."""
+    import torch
+
+    device = next(model.parameters()).device
+    model.eval()
+    total = count = 0.0
+    rows = list(data.validation)
+    with torch.no_grad(), _autocast(spec, device):
+        for i in range(0, len(rows), spec["batch_size"]):
+            batch = data.collator(rows[i : i + spec["batch_size"]])
+            n = float((batch["labels"][:, 1:] != -100).sum())
+            ids, pos, labels = (batch[k].to(device) for k in ("input_ids", "position_ids", "labels"))
+            total += float(model(input_ids=ids, position_ids=pos, labels=labels, use_cache=False).loss) * n
+            count += n
+    return total / max(count, 1.0)
+
+
+def _autocast(spec: dict, device):
+    import contextlib
+
+    import torch
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(spec["mixed_precision"])
+    return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def run_plain(spec: dict) -> dict:
+    """The floor: the loop anyone would write. Same rows, as full causal rows (no position_ids, no mask)."""
+    import torch
+    from torch.utils.data import DataLoader
+    from transformers import get_scheduler
+
+    cfg, data, model = _same_work(spec)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    model.to(device).train()
+    t, clock = cfg.training, Intervals(spec["logging_steps"])
+    decay = [p for p in model.parameters() if p.ndim >= 2]  # no decay on biases and norms, as the application
+    groups = [{"params": decay, "weight_decay": t.weight_decay}]
+    groups.append({"params": [p for p in model.parameters() if p.ndim < 2], "weight_decay": 0.0})
+    optimizer = torch.optim.AdamW(groups, lr=t.learning_rate, fused=True)
+    scheduler = get_scheduler("cosine", optimizer, round(t.warmup_ratio * t.max_steps), t.max_steps)
+    loader = DataLoader(
+        data.train,
+        batch_size=spec["batch_size"],
+        shuffle=True,
+        drop_last=True,
+        collate_fn=lambda rows: clock.batch(data.collator(rows)),
+        generator=torch.Generator().manual_seed(t.seed),
+        pin_memory=cuda,
+    )
+    scaler = torch.amp.GradScaler(device.type, enabled=spec["mixed_precision"] == "fp16")
+    profiler = StepProfiler(spec["steps"], spec["profile_steps"], cuda)
+    _memory(reset=True)
+    start, step = time.perf_counter(), 0
+    profiler.on_train_begin()
+    while step < t.max_steps:
+        for batch in loader:
+            ids = batch["input_ids"].to(device, non_blocking=True)
+            labels = batch["labels"].to(device, non_blocking=True)
+            with _autocast(spec, device):
+                loss = model(input_ids=ids, labels=labels).loss
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.max_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            clock.step_done(step, loss.detach())
+            profiler.on_step_end()
+            if step == t.max_steps:
+                break
+    profiler.on_train_end()
+    fit_s, peak = time.perf_counter() - start, _memory()
+    return _floor_result(spec, model, data, clock, profiler, fit_s, peak, per_document=False)
+
+
+def _floor_result(spec, model, data, clock, profiler, fit_s, peak, per_document: bool) -> dict:
+    return {
+        **measured(model, data.train, spec, per_document, clock.intervals),
+        "attention": getattr(model.config, "_attn_implementation", None),
+        "steps": app_options(spec)["max_steps"],
+        "train_tokens": sum(clock.tokens),
+        "peak_memory": peak,
+        "eval_loss": _eval_loss(model, data, spec),
+        "fit_s": fit_s,
+        "profile": profiler.summary(),
+        **_shape(model, data.train, spec),
+    }
+
+
+HF_FIXED = {"lr_scheduler_type": "cosine", "optim": "adamw_torch_fused", "save_strategy": "no", "report_to": []}
+HF_FIXED |= {"dataloader_drop_last": True, "remove_unused_columns": False, "disable_tqdm": True}
+
+
+def run_hf_trainer(spec: dict) -> dict:
+    """transformers.Trainer on the same model and rows: position_ids given, no attention_mask, as a user would
+    (with a mask, transformers lets packed documents attend to each other)."""
+    import torch
+    from transformers import Trainer, TrainerCallback, TrainingArguments
+
+    cfg, data, model = _same_work(spec)
+    cuda = torch.cuda.is_available()
+    t, clock = cfg.training, Intervals(spec["logging_steps"])
+    profiler = StepProfiler(spec["steps"], spec["profile_steps"], cuda)
+
+    def collate(rows: list[dict]) -> dict:
+        batch = clock.batch(data.collator(rows))
+        return {k: batch[k] for k in ("input_ids", "position_ids", "labels")}
+
+    class Timing(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            profiler.on_train_begin()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            clock.step_done(state.global_step, 0.0)
+            profiler.on_step_end()
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs and clock.intervals:
+                clock.intervals[-1]["loss"] = logs["loss"]  # Trainer's own interval loss, read where it syncs
+
+    precision = {"bf16": spec["mixed_precision"] == "bf16", "fp16": spec["mixed_precision"] == "fp16"}
+    args = TrainingArguments(
+        **HF_FIXED,
+        **precision,
+        output_dir=spec["output_dir"],
+        max_steps=t.max_steps,
+        per_device_train_batch_size=spec["batch_size"],
+        learning_rate=t.learning_rate,
+        weight_decay=t.weight_decay,
+        warmup_steps=round(t.warmup_ratio * t.max_steps),
+        max_grad_norm=t.max_grad_norm,
+        logging_steps=spec["logging_steps"],
+        seed=t.seed,
+        dataloader_pin_memory=cuda,
+        use_cpu=not cuda,
+    )
+    trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=collate, callbacks=[Timing()])
+    _memory(reset=True)
+    start = time.perf_counter()
+    trainer.train()
+    profiler.on_train_end()
+    fit_s, peak = time.perf_counter() - start, _memory()
+    return _floor_result(spec, model, data, clock, profiler, fit_s, peak, per_document=True)
+
+
+RUNNERS = {"cloudtrain": run_cloudtrain, "plain": run_plain, "hf_trainer": run_hf_trainer}
+
+
+def outcome(spec: dict) -> dict:
+    """One variant's result; an option the application does not have or refuses: status refused, its line."""
+    from cloudtrain.errors import UserError
+
+    head = {"variant": spec["variant"], "runner": spec["runner"], "options": spec["options"]}
+    try:
+        return {**head, "status": "ok", **RUNNERS[spec["runner"]](spec)}
+    except UserError as err:
+        return {**head, "status": "refused", "error": f"refused: {_first_line(str(err))}"}
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:300]
+
+
+def _one_main(spec_json: str, result_path: str) -> None:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    spec = json.loads(spec_json)
+    try:
+        result = outcome(spec)
+    except BaseException as err:  # its one line goes to the report; the traceback to the log
+        line = f"{type(err).__name__}: {_first_line(str(err))}"
+        Path(result_path).with_suffix(".err").write_text(line)
+        raise
+    Path(result_path).write_text(json.dumps(result))
+
+
 def run_one(spec: dict, timeout: float) -> dict:
-    """One kernel in a fresh interpreter; a failure is reported, not raised (the other kernels still run)."""
+    """One variant in a fresh interpreter; a failure is reported, not raised (the other variants still run)."""
+    head = {"variant": spec["variant"], "runner": spec["runner"], "options": spec["options"]}
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         try:
@@ -204,26 +513,12 @@ def run_one(spec: dict, timeout: float) -> dict:
                 stderr=subprocess.STDOUT,
             )
         except subprocess.TimeoutExpired:
-            return {"attention": spec["attention"], "error": f"gave up after {timeout:.0f}s"}
+            return {**head, "status": "error", "error": f"gave up after {timeout:.0f}s"}
         if proc.returncode != 0 or not result.is_file():
             error = result.with_suffix(".err")
             reason = error.read_text().strip() if error.is_file() else f"exit {proc.returncode}"
-            return {"attention": spec["attention"], "error": reason}
+            return {**head, "status": "error", "error": reason}
         return json.loads(result.read_text())
-
-
-def _one_main(spec_json: str, result_path: str) -> None:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    try:
-        result = train_one(json.loads(spec_json))
-    except BaseException as err:  # its one line goes to the report; the traceback to the log
-        Path(result_path).with_suffix(".err").write_text(
-            f"{type(err).__name__}: {(str(err).strip().splitlines() or [''])[0][:300]}"
-        )
-        raise
-    Path(result_path).write_text(json.dumps(result))
 
 
 # ---------------------------------------------------------------- the planner
@@ -231,30 +526,11 @@ def planner_estimate(args: argparse.Namespace, tokenizer_dir: Path, gpu_memory_g
     """The planner's single-GPU DDP row for this run, through its command line; {"error": ...} when it
     cannot plan a causal LM (yet)."""
     with tempfile.TemporaryDirectory() as tmp:
-        command = [
-            sys.executable,
-            str(ENTRY),
-            "plan",
-            "--task",
-            "causal_lm",
-            "--model_config",
-            args.preset,
-            "--tokenizer_name_or_path",
-            str(tokenizer_dir),
-            "--num_gpus",
-            "1",
-            "--gpu_memory_gb",
-            f"{gpu_memory_gb:g}",
-            "--per_device_train_batch_size",
-            str(args.batch_size),
-            "--max_length",
-            str(args.max_length),
-            "--mixed_precision",
-            args.mixed_precision,
-            "--json",
-            "--output_dir",
-            tmp,
-        ]
+        command = [sys.executable, str(ENTRY), "plan", "--task", "causal_lm", "--model_config", args.preset]
+        command += ["--tokenizer_name_or_path", str(tokenizer_dir), "--num_gpus", "1"]
+        command += ["--gpu_memory_gb", f"{gpu_memory_gb:g}", "--per_device_train_batch_size", str(args.batch_size)]
+        command += ["--max_length", str(args.max_length), "--mixed_precision", args.mixed_precision]
+        command += ["--json", "--output_dir", tmp]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}  # the planner needs no GPU
         proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
     if proc.returncode != 0:
@@ -271,84 +547,100 @@ def planner_estimate(args: argparse.Namespace, tokenizer_dir: Path, gpu_memory_g
     estimate = row["estimate"]
     if plan["model"].get("vocab_size", 1) == 0 or plan["model"].get("task", "causal_lm") != "causal_lm":
         return {"error": "the planner estimated a classification model, not the causal LM"}
+    parts = ("parameters", "gradients", "optimizer_states", "activations", "logits", "overhead")
     return {
         "total": estimate["total"],
         "overhead": estimate["overhead"],
         "without_overhead": estimate["total"] - estimate["overhead"],
-        "parts": {
-            k: estimate.get(k, 0)
-            for k in ("parameters", "gradients", "optimizer_states", "activations", "logits", "overhead")
-        },
+        "parts": {k: estimate.get(k, 0) for k in parts},
         "parameters": plan["model"].get("num_params"),
         "fits": row["fits"],
     }
 
 
 # ---------------------------------------------------------------- report
+def compare(report: dict) -> None:
+    """Each run's tokens/s over the plain loop's, and peak memory over the defaults'."""
+    ok = {r["variant"]: r for r in report["runs"] if r.get("status") == "ok"}
+    plain, base = ok.get("plain"), next((r for r in report["runs"] if r.get("runner") == "cloudtrain"), None)
+    for r in ok.values():
+        r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
+        base_peak = (base or {}).get("peak_memory") if base and base.get("status") == "ok" else None
+        mine = r.get("peak_memory")
+        r["memory_vs_defaults"] = mine["allocated"] / base_peak["allocated"] if mine and base_peak else None
+
+
 def _gib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / GIB:.2f}"
 
 
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
+
+
 def render(report: dict) -> str:
     a, plan = report["settings"], report["planner"]
+    peak = report.get("peak_flops")
     lines = [
-        f"{a['preset']} (random weights), bf16 autocast"
-        if a["mixed_precision"] == "bf16"
-        else f"{a['preset']} (random weights), precision {a['mixed_precision']}",
-        f"  packing {a['packing']}, {a['batch_size']} rows x {a['max_length']} tokens per step, {a['steps']} "
-        f"steps, on {report['device']}; corpus: {report['corpus']['train_documents']} Grimm paragraphs, "
-        f"tokenizer {report['corpus']['vocab_size']} tokens",
+        f"{a['preset']} (random weights), precision {a['mixed_precision']}, packing {a['packing']}, "
+        f"{a['batch_size']} rows x {a['max_length']} tokens per step, {a['steps']} timed steps, on {report['device']}",
+        f"corpus: {report['corpus']['train_documents']} Grimm paragraphs, tokenizer {report['corpus']['vocab_size']}"
+        f" tokens; MFU against {f'{peak / 1e12:.0f} TFLOP/s' if peak else report.get('peak_note') or 'no peak'}",
         "",
     ]
-    header = (
-        "attention",
-        "params",
-        "tokens/s",
-        "MFU",
-        "peak alloc GiB",
-        "peak reserved GiB",
-        "train loss",
-        "eval loss",
-    )
+    header = ("variant", "tokens/s", "vs plain", "MFU", "peak alloc GiB", "reserved GiB", "loss @ steps", "eval loss")
     table = [header]
-    for r in (r for r in report["runs"] if "error" not in r):
-        peak = r["peak_memory"] or {}
+    runs = report["runs"]
+    for r in (r for r in runs if r.get("status") == "ok"):
+        peak_mem = r.get("peak_memory") or {}
         table.append(
             (
-                r["attention"],
-                f"{r['parameters'] / 1e6:.0f}M",
+                r["variant"],
                 f"{r['tokens_per_s']:,.0f}",
-                "n/a (no GPU peak known)" if r["mfu"] is None else f"{r['mfu']:.1%}",
-                _gib(peak.get("allocated")),
-                _gib(peak.get("reserved")),
-                f"{r['first_loss']:.2f} -> {r['last_loss']:.2f}",
+                "n/a" if r.get("vs_plain") is None else f"{r['vs_plain']:.2f}x",
+                _pct(r.get("mfu")),
+                _gib(peak_mem.get("allocated")),
+                _gib(peak_mem.get("reserved")),
+                "n/a" if r.get("loss_at_steps") is None else f"{r['loss_at_steps']:.3f}",
                 f"{r['eval_loss']:.3f}",
             )
         )
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    for row in table:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    lines += [f"{r['attention']}: failed: {r['error']}" for r in report["runs"] if "error" in r] + [""]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
+    lines += [f"{r['variant']}: {r['error']}" for r in runs if r.get("status") != "ok"] + [""]
+    lines += _planner_lines(a, plan, runs) + [""]
+    from cloudtrain.observe.profile import summary_line
+
+    lines += [f"profile {r['variant']}: {summary_line(r['profile'])}" for r in runs if r.get("profile")]
+    return "\n".join(lines).rstrip()
+
+
+def _planner_lines(a: dict, plan: dict, runs: list[dict]) -> list[str]:
     if "error" in plan:
-        lines.append(f"planner estimate: n/a ({plan['error']})")
-    else:
-        parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in plan["parts"].items() if v)
+        return [f"planner estimate: n/a ({plan['error']})"]
+    parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in plan["parts"].items() if v)
+    lines = [
+        f"planner estimate (1 GPU, DDP row, checkpointing {a['gradient_checkpointing']}): "
+        f"{plan['total'] / GIB:.2f} GiB in all, {plan['without_overhead'] / GIB:.2f} GiB without "
+        f"its overhead term (CUDA context, DDP buckets, fragmentation) [{parts}]"
+    ]
+    for r in (r for r in runs if r.get("status") == "ok" and r.get("peak_memory")):
+        allocated = r["peak_memory"]["allocated"]
         lines.append(
-            f"planner estimate (1 GPU, DDP row, checkpointing {a['gradient_checkpointing']}): "
-            f"{plan['total'] / GIB:.2f} GiB in all, {plan['without_overhead'] / GIB:.2f} GiB without "
-            f"its overhead term (CUDA context, DDP buckets, fragmentation) [{parts}]"
+            f"  {r['variant']}: measured peak allocated {allocated / GIB:.2f} GiB = "
+            f"{allocated / plan['without_overhead']:.0%} of the estimate without overhead"
         )
-        measured = [r for r in report["runs"] if "error" not in r and r["peak_memory"]]
-        for r in measured:
-            allocated = r["peak_memory"]["allocated"]
-            lines.append(
-                f"  {r['attention']}: measured peak allocated {allocated / GIB:.2f} GiB = "
-                f"{allocated / plan['without_overhead']:.0%} of the estimate without overhead"
-            )
-    return "\n".join(lines)
+    return lines
+
+
+def write(report: dict, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    out.with_suffix(".md").write_text("# bench/gpu.py\n\n```\n" + render(report) + "\n```\n")
 
 
 def main(argv: list[str] | None = None) -> int:
+    started = time.monotonic()
     args = parse_args(argv)
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch is imported: this process and its children
@@ -362,50 +654,41 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import lm_corpus
 
+    plan_runs = variants(args)
     corpus = lm_corpus.prepare(args.vocab_size, Path(args.tab) if args.tab else None)
-    with tempfile.TemporaryDirectory() as tmp:
-        runs = []
-        for kernel in kernels(args.attention):
-            print(f"[{time.strftime('%H:%M:%S')}] {args.preset}, attention {kernel}: {args.steps} steps", flush=True)
-            spec = {
-                "preset": args.preset,
-                "tokenizer": str(corpus.tokenizer_dir),
-                "train_file": str(corpus.train_file),
-                "validation_file": str(corpus.validation_file),
-                "packing": args.packing,
-                "max_length": args.max_length,
-                "batch_size": args.batch_size,
-                "steps": args.steps,
-                "logging_steps": args.logging_steps,
-                "learning_rate": args.learning_rate,
-                "mixed_precision": args.mixed_precision,
-                "attention": kernel,
-                "gradient_checkpointing": args.gradient_checkpointing == "true",
-                "output_dir": str(Path(tmp) / kernel),
-            }
-            runs.append(run_one(spec, args.timeout))
-    # The device as the runs saw it: this process never initialises CUDA (its context would hold GPU memory).
-    done = [r for r in runs if "error" not in r]
-    device = done[0]["device"] if done else args.device
-    memory = done[0]["device_memory"] if done and done[0]["device_memory"] else 80 * GIB
-    plan = planner_estimate(args, corpus.tokenizer_dir, memory / GIB)
-    report = {
-        "settings": {k: v for k, v in vars(args).items() if k not in ("out", "timeout")},
-        "device": device,
-        "corpus": {
-            "train_documents": corpus.train_documents,
-            "vocab_size": corpus.vocab_size,
-            "tokenizer": corpus.tokenizer_source,
-        },
-        "runs": runs,
-        "planner": plan,
-    }
+    report = {"device": args.device, "device_memory": None, "peak_flops": None, "peak_note": None}
+    report["settings"] = {k: v for k, v in vars(args).items() if k not in ("out", "timeout")}
+    report["corpus"] = {"train_documents": corpus.train_documents, "vocab_size": corpus.vocab_size}
+    report |= {"runs": [], "planner": {"error": "not run yet"}}
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    shared = {k: getattr(args, k) for k in ("preset", "packing", "max_length", "batch_size", "steps")}
+    shared |= {k: getattr(args, k) for k in ("logging_steps", "learning_rate", "mixed_precision", "profile_steps")}
+    shared |= {"tokenizer": str(corpus.tokenizer_dir), "train_file": str(corpus.train_file)}
+    shared |= {"validation_file": str(corpus.validation_file)}
+    shared["gradient_checkpointing"] = args.gradient_checkpointing == "true"
+    with tempfile.TemporaryDirectory() as tmp:
+        for run in plan_runs:
+            left = args.budget_s - (time.monotonic() - started) - PLANNER_RESERVE_S
+            if left < 10:
+                report["runs"].append({**run, "status": "skipped", "error": f"skipped: --budget_s {args.budget_s:g}"})
+                continue
+            print(f"[{time.strftime('%H:%M:%S')}] {run['variant']}: {args.steps} steps", flush=True)
+            spec = run | shared | {"output_dir": str(Path(tmp) / run["variant"])}
+            report["runs"].append(run_one(spec, min(args.timeout, left)))
+            report |= report["runs"][-1].pop("device_facts", None) or {}  # the device as the runs saw it
+            compare(report)
+            report["seconds"] = time.monotonic() - started
+            write(report, out)  # after every variant: a run cut short still leaves what it measured
+    done = [r for r in report["runs"] if r.get("status") == "ok"]
+    memory = report.get("device_memory") or 80 * GIB
+    report["planner"] = (
+        planner_estimate(args, corpus.tokenizer_dir, memory / GIB) if done else {"error": "no variant ran"}
+    )
+    report["seconds"] = time.monotonic() - started
+    write(report, out)
     print(render(report))
-    print(f"results in {out}")
-    return 0 if any("error" not in r for r in runs) else 1
+    print(f"results in {out} and {out.with_suffix('.md')}")
+    return 0 if done else 1
 
 
 if __name__ == "__main__":

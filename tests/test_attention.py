@@ -198,3 +198,28 @@ def test_gpu_probe_of_a_one_layer_copy(tiny_llama_dir, implementation):
     small = one_layer_copy(model, "cuda", torch.bfloat16)
     assert small.config.num_hidden_layers == 1 and small.config._attn_implementation == implementation
     assert isolation_error(small) is None
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scale) -> torch.Tensor:
+    """Flattened [T, H, D] through the CPU reference (one row: the layout varlen kernels take)."""
+    out = varlen._per_document(*(x.transpose(0, 1)[None] for x in (q, k, v)), cu, scale, 0.0)
+    return out[0]
+
+
+def test_torch_varlen_call_adapts_to_the_older_signature(monkeypatch):
+    """torch 2.9-2.10 spell causality `is_causal` and take no scale and no GQA flag (the GPU machine has 2.11):
+    the call still computes causal attention per document with the model's scale and grouped heads."""
+    calls = []
+
+    def older_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False):
+        calls.append(is_causal)
+        assert key.shape[1] == query.shape[1] and is_causal and max_q == max_k == 6
+        return reference(query, key, value, cu_seq_q, None)
+
+    monkeypatch.setattr(varlen, "_torch_varlen", lambda: (older_varlen_attn, frozenset({"is_causal"})))
+    torch.manual_seed(0)
+    q, k, v = torch.randn(10, 4, 8), torch.randn(10, 2, 8), torch.randn(10, 2, 8)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    got = varlen._torch_varlen_call(q, k, v, cu, 6, 0.2)
+    assert calls == [True]
+    assert torch.allclose(got, reference(q, k, v, cu, 0.2), atol=1e-6)

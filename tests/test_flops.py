@@ -244,6 +244,25 @@ def test_training_flops_of_packed_rows_use_document_lengths():
     assert counted < flops.training_flops(10, 100)  # the row-length count overstates it
 
 
+def test_the_meter_counts_attention_per_document_of_packed_rows():
+    """train/mfu's attention term: the interval's squared lengths are the documents' (Meter.add), not the rows'."""
+    from cloudtrain.checkpointing import TrainerState
+    from cloudtrain.parallel.runtime import Runtime
+    from cloudtrain.training.meter import Meter, StepStats
+
+    collate = CausalLMCollator(pad_token_id=0)
+    window = [
+        collate([{"input_ids": list(range(1, 11)), "seq_lengths": [4, 6]}, {"input_ids": [5] * 7, "seq_lengths": [7]}]),
+        collate([{"input_ids": [3] * 9, "seq_lengths": [2, 3, 4]}]),
+    ]
+    meter = Meter(Runtime(), TrainerState(), torch.device("cpu"))
+    stats = StepStats(torch.tensor(1.0), torch.tensor(3.0), None)
+    meter.add(window, stats, torch.tensor(True))
+    interval = meter.flush()
+    assert interval["tokens"] == 10 + 7 + 9
+    assert interval["squared_lengths"] == 16 + 36 + 49 + 4 + 9 + 16
+
+
 # ---------------------------------------------------------------- the device's peak
 GIB = 2**30
 

@@ -251,8 +251,8 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
 def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny_llama_dir, corpus, tmp_path):
     """Full fine-tuning of a decoder with tied embeddings (GPT-2) with bfd packing, CPU offload, gradient
     checkpointing and accumulation: 2 FSDP2 processes x 1 row x 2 micro-batches match 1 process x 4 rows (the
-    loss is normalised by the global token count); then LoRA on a Llama under FSDP2 saves an adapter that loads
-    onto the base and holds the trained adapter weights."""
+    loss is normalised by the global token count); then LoRA on a Llama under FSDP2 in bf16 saves an adapter that
+    loads onto the base and holds the trained adapter weights, and resumes from its mid-run checkpoint exactly."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -271,12 +271,11 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert_saved_is_the_trained(saved, checkpoint_model(two / "checkpoints" / "checkpoint-4", tmp_path))
 
-    launch(
-        torchrun(2),
-        *lm_args(tiny_llama_dir, corpus, lora, "--per_device_train_batch_size", "2", "--fsdp", "true",
-                 "--peft", "lora", "--lora_r", "4", "--learning_rate", "1e-2"),
-    )  # fmt: skip
-    adapter = load_file(lora / "adapter_model.safetensors")
+    # in bf16: the frozen base in bf16 beside fp32 adapters in each unit, gathered in bf16 (the GPU set-up)
+    adapters = ["--peft", "lora", "--lora_r", "4", "--learning_rate", "1e-2", "--mixed_precision", "bf16"]
+    lora_args = lm_args(tiny_llama_dir, corpus, lora, "--per_device_train_batch_size", "2", "--fsdp", "true", *adapters)
+    launch(torchrun(2), *lora_args)
+    adapter, losses = load_file(lora / "adapter_model.safetensors"), logged_losses(lora)
     assert adapter and any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in adapter.items())
     trained = checkpoint_model(lora / "checkpoints" / "checkpoint-4", tmp_path)
     loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), lora)
@@ -285,12 +284,23 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
         full = name.replace(".weight", ".default.weight")
         assert torch.equal(state[full], tensor) and torch.equal(trained[full], tensor), name
 
+    resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(lora / "checkpoints" / "checkpoint-2")]
+    assert "at step 2" in launch(torchrun(2), *lora_args, *resume).stdout
+    assert logged_losses(lora) == losses  # the same curve, bit for bit
+    again = load_file(lora / "adapter_model.safetensors")
+    assert all(torch.equal(again[name], adapter[name]) for name in adapter)
+
 
 # ---------------------------------------------------------------- the same on CUDA
 
 
 def gpu_processes() -> int:
     return min(torch.cuda.device_count(), 2) if CUDA_AVAILABLE else 1
+
+
+def runs_on(n: int, precision: str = "bf16") -> str:
+    """The trainer's announcement of an FSDP run on `n` GPUs."""
+    return f"{n} process(es) on cuda (FSDP, precision {precision})"
 
 
 @pytest.mark.gpu
@@ -302,7 +312,7 @@ def test_fsdp2_on_gpus_trains_saves_reloads_and_resumes(how, tiny_model_dir, top
     args = classification_args(tiny_model_dir, topic_csvs, out, "--per_device_train_batch_size", "4",
                                "--mixed_precision", "bf16", *flags)  # fmt: skip
     result = launch_on_gpus(launcher, *args)
-    assert f"{n} process(es) on cuda (FSDP, precision bf16)" in result.stdout
+    assert runs_on(n) in result.stdout
     load_classifier(out)
     saved, losses = load_file(out / "model.safetensors"), logged_losses(out)
     assert_saved_is_the_trained(saved, checkpoint_model(out / "checkpoints" / "checkpoint-6", tmp_path))
@@ -313,23 +323,42 @@ def test_fsdp2_on_gpus_trains_saves_reloads_and_resumes(how, tiny_model_dir, top
 
 
 @pytest.mark.gpu
+def test_causal_lm_under_fsdp2_on_gpus_with_bfd_packing(tiny_gpt2_dir, corpus, tmp_path):
+    """Full fine-tuning of a decoder with tied embeddings in bf16 with bfd packing: trains, saves the model that
+    the last checkpoint holds (loading with every weight from its file), resumes with the same losses."""
+    from transformers import AutoModelForCausalLM
+
+    n, out = gpu_processes(), tmp_path / "lm"
+    args = lm_args(tiny_gpt2_dir, corpus, out, "--per_device_train_batch_size", "2", "--fsdp", "true",
+                   "--mixed_precision", "bf16")  # fmt: skip
+    assert runs_on(n) in launch_on_gpus(torchrun(n), *args).stdout
+    _, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    saved, losses = load_file(out / "model.safetensors"), logged_losses(out)
+    assert_saved_is_the_trained(saved, checkpoint_model(out / "checkpoints" / "checkpoint-4", tmp_path))
+    resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(out / "checkpoints" / "checkpoint-2")]
+    assert "at step 2" in launch_on_gpus(torchrun(n), *args, *resume).stdout
+    assert logged_losses(out) == pytest.approx(losses, rel=1e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("peft", ["lora", "dora", "qlora"])
 def test_adapters_under_fsdp2_on_gpus(peft, tiny_llama_dir, corpus, tmp_path):
     """LoRA, DoRA and QLoRA (4-bit base stored in bf16, so it is sharded) on a causal LM with bfd packing:
     trains, saves an adapter that loads, resumes from its mid-run checkpoint with the same losses."""
-    from peft import PeftModel
+    from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     n, out = gpu_processes(), tmp_path / peft
     args = lm_args(tiny_llama_dir, corpus, out, "--per_device_train_batch_size", "2", "--fsdp", "true",
                    "--peft", peft, "--lora_r", "4", "--mixed_precision", "bf16")  # fmt: skip
     result = launch_on_gpus(torchrun(n), *args)
-    assert f"{n} process(es) on cuda (FSDP, precision bf16)" in result.stdout
+    assert runs_on(n) in result.stdout
     adapter, losses = load_file(out / "adapter_model.safetensors"), logged_losses(out)
-    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), out).state_dict()
-    for name, tensor in adapter.items():
-        key = name.replace(".weight", ".default.weight") if "lora_" in name else name
-        assert key in loaded and torch.equal(loaded[key].to(tensor.dtype), tensor), name
+    loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), out)
+    as_saved = get_peft_model_state_dict(loaded)  # the adapter's weights under the file's names
+    assert as_saved.keys() == adapter.keys()
+    assert all(torch.equal(as_saved[name].to(tensor.dtype).cpu(), tensor) for name, tensor in adapter.items())
     resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(out / "checkpoints" / "checkpoint-2")]
     resumed = launch_on_gpus(torchrun(n), *args, *resume)
     assert "at step 2" in resumed.stdout

@@ -142,3 +142,53 @@ def test_fused_loss_on_cuda_in_bf16(backend):
     assert got == pytest.approx(expected, rel=1e-2)
     for g, e in zip(got_grads, expected_grads, strict=True):
         assert (g.float() - e.float()).abs().max() <= 0.03 * e.float().abs().max()
+
+
+# ---------------------------------------------------------------- fused decoder modules and compiled layers
+def test_liger_modules_are_refused_in_one_line_where_they_cannot_run(tiny_llama_dir, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    task, cfg = task_for("causal_lm", tiny_llama_dir, liger_kernels="true")
+    message = "--liger_kernels true: Liger Kernel's triton kernels need a CUDA GPU; use false"
+    with pytest.raises(UserError, match=message):
+        prepare.liger_modules(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg, task, False)
+    task, cfg = task_for("causal_lm", tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert prepare.liger_modules(model, cfg, task, False) is model  # off by default: nothing asked, nothing checked
+
+
+@pytest.mark.slow
+def test_compiled_layers_compute_what_the_eager_model_does(tiny_llama_dir):
+    from cloudtrain.models.attention import VARLEN
+
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation=VARLEN).train()
+    model = copy.deepcopy(reference)
+    task, cfg = task_for("causal_lm", tiny_llama_dir, torch_compile="true", compile_layers="true", max_length=40)
+    assert prepare.compile_model(model, cfg, task, False) is model
+    assert len(kernels.decoder_layers(model)) == reference.config.num_hidden_layers
+    collate = CausalLMCollator(0, cu_seqlens=True, pad_to=40)
+    generator = torch.Generator().manual_seed(2)
+    for _ in range(2):  # a second batch, other documents: the same graphs or one recompile, the same numbers
+        lengths = torch.randint(2, 30, (8,), generator=generator)
+        docs = [torch.randint(3, 200, (int(n),), generator=generator).tolist() for n in lengths]
+        batch = collate(pack(docs, 40, "bfd")[:3])
+        assert batch["input_ids"].shape[1] == 40
+        losses = [task.loss(net, batch)[0] for net in (reference, model)]
+        for loss in losses:
+            loss.backward()
+        assert losses[1].item() == pytest.approx(losses[0].item(), rel=1e-5)
+    for (name, e), g in zip(reference.named_parameters(), model.parameters(), strict=True):
+        assert torch.allclose(g.grad, e.grad, atol=1e-5, rtol=1e-4), name
+
+
+@pytest.mark.gpu
+def test_liger_modules_keep_the_loss_on_cuda(tiny_llama_dir):
+    if kernels.liger_modules_error(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)):
+        pytest.skip("liger-kernel is not installed here")
+    reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).cuda().train()
+    model = copy.deepcopy(reference)
+    task, cfg = task_for("causal_lm", tiny_llama_dir, liger_kernels="true")
+    prepare.liger_modules(model, cfg, task, False)
+    batch = {k: v.cuda() for k, v in batch_of(reference.config.vocab_size, cu_seqlens=True).items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        losses = [task.loss(net, batch)[0].item() for net in (reference, model)]
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)

@@ -6,6 +6,8 @@
   tokenizer's 7552-token vocabulary) and 53.82 GiB for a 1.04B Llama shape (vocabulary 32000). The estimate the
   `plan` command gives for those runs (its DDP row, less the overhead term the allocator does not count) is
   within 10% of each, with the per-term breakdown printed. The figures are recorded, not measured here.
+- The same terms on CPU: autograd's saved tensors of a tiny Llama under bf16 autocast, with and without a
+  dense mask and grouped-query heads, within 5% of the formula.
 - Each FSDP2 variant (full shard, shard grad-op, hybrid shard, no shard, CPU offload) and LoRA/QLoRA under DDP,
   ZeRO 1-3 and FSDP2 against a hand computation on a tiny Llama's meta-device build.
 - The varlen attention (no dense mask) and a fused linear cross-entropy change exactly the terms they should.
@@ -121,7 +123,9 @@ def test_varlen_attention_and_a_fused_loss_change_only_their_terms(tmp_path):
     assert base.activations - varlen.activations == 16 * b * s * (c * s + 2 * c * (h - kv))
     fused = planning.estimate(m, ddp, Setup(1, 1, 80 * GIB, None, s, "bf16", step_rows=b, fused_loss=True), b)
     assert fused.activations == base.activations and base.logits == b * s * V * 12
-    assert fused.logits == b * s * h * c + 4 * V * h + 1024 * V * 12
+    # the chunked loss: the hidden states' fp32 gradient, the head's fp32 gradient and bf16 copy, one chunk of
+    # 4096 rows' logits (bf16, fp32, log-softmax, softmax, its bf16 copy)
+    assert fused.logits == b * s * h * 4 + (4 + 2) * V * h + 4096 * V * (2 + 4 + 4 + 4 + 2)
     plan = planning.make_plan(  # the plan command takes the attention the run will use
         plan_args(
             None,
@@ -129,6 +133,7 @@ def test_varlen_attention_and_a_fused_loss_change_only_their_terms(tmp_path):
             task="causal_lm",
             model_config=measured_config(tmp_path, "llama-1.04b"),
             attn_implementation="varlen",
+            fused_cross_entropy="true",
             num_gpus=1,
             gpu_memory_gb=80,
             per_device_train_batch_size=8,
@@ -137,8 +142,45 @@ def test_varlen_attention_and_a_fused_loss_change_only_their_terms(tmp_path):
         )
     )
     row = next(r for r in plan["strategies"] if r["strategy"] == "ddp" and not r["gradient_checkpointing"])
-    assert row["estimate"]["activations"] == varlen.activations
-    assert "--attn_implementation varlen" in plan["recommendation"]["command"]
+    assert (row["estimate"]["activations"], row["estimate"]["logits"]) == (varlen.activations, fused.logits)
+    command = plan["recommendation"]["command"]
+    assert "--attn_implementation varlen" in command and "--fused_cross_entropy true" in command
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_autocast_terms_match_what_autograd_saves_on_cpu(kv_heads, packed, tmp_path):
+    """The same terms on CPU, where bf16 autocast over fp32 weights keeps the same tensors: the fp32 norms,
+    one bf16 cast per projection, q/k/v (repeated under a mask) and sdpa's bf16 mask bias. Autograd's saved
+    tensors of a tiny Llama's trunk, less autocast's weight copies, within 5% of l*A + E (less the head's
+    input, which the trunk does not compute)."""
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=512,
+    )
+    config.save_pretrained(tmp_path)
+    m = planning.model_facts(str(tmp_path), task="causal_lm")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa").train()
+    b, s = 3, 40  # b*s matches no weight's dimension, so weight copies are told apart by shape
+    shapes = {tuple(p.shape) for p in model.parameters()} | {tuple(p.shape)[::-1] for p in model.parameters()}
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = {}
+
+    def pack(t):
+        copy = t.dtype == torch.bfloat16 and tuple(t.shape) in shapes  # autocast's bf16 copy of a weight
+        if t.untyped_storage().data_ptr() not in weights and not copy:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    positions = torch.cat([torch.arange(s // 2), torch.arange(s - s // 2)]) if packed else torch.arange(s)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        model.model(input_ids=torch.randint(0, 512, (b, s)), position_ids=positions.expand(b, s), use_cache=False)
+    kept, _ = planning.activation_bytes(m, b, s, True, False, 4, autocast32=True, dense_mask=packed)
+    assert sum(saved.values()) == pytest.approx(kept - 2 * b * s * 64, rel=0.05)
 
 
 # ---------------------------------------------------------------- FSDP2 and adapters by hand

@@ -9,7 +9,7 @@ from torch.profiler import record_function
 
 from cloudtrain.config.run import MonitoringConfig, profile_window
 from cloudtrain.errors import UserError
-from cloudtrain.observe.profile import ProfileHook, profile_hooks
+from cloudtrain.observe.profile import ProfileHook, category, profile_hooks, summarize, summary_line
 
 
 class Bar:
@@ -50,8 +50,9 @@ def test_the_trace_holds_the_profiled_steps_only(tmp_path):
     assert hook.path == tmp_path / "profile" / "steps_4-6.pt.trace.json"
     assert traced_steps(hook.path) == {4, 5, 6}  # not the warm-up step 3, nor 7..10
     assert list((tmp_path / "profile").iterdir()) == [hook.path]
-    (line,) = loop.bar.lines
-    assert line.startswith(f"profile of steps 4-6 written to {hook.path}") and "perfetto" in line
+    trace, summary = loop.bar.lines
+    assert trace.startswith(f"profile of steps 4-6 written to {hook.path}") and "perfetto" in trace
+    assert summary.strip().startswith("3 steps, ") and "matmul" in summary and "\n" not in summary
 
 
 def test_the_first_step_can_be_profiled(tmp_path):
@@ -106,6 +107,50 @@ def test_profile_dir_needs_profile():
         MonitoringConfig(profile_dir="/tmp/x").check()
 
 
+def test_the_summary_sorts_the_profiled_steps_time_by_kind():
+    """Steps of a DataLoader, a linear layer, attention and AdamW: each lands in its category, the shares of op
+    time add up to one, and the host's wait for data is seen."""
+    from torch.utils.data import DataLoader
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(layer.parameters(), fused=True)
+    loader = iter(DataLoader(torch.randn(64, 8, 64), batch_size=4))
+    profiler = torch.profiler.profile(schedule=torch.profiler.schedule(wait=1, warmup=1, active=2, repeat=1))
+    profiler.start()
+    for _ in range(4):
+        x = layer(next(loader))
+        q = x.view(4, 1, 8, 64)
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        optimizer.step()
+        profiler.step()
+    profiler.stop()
+    summary = summarize(profiler.events(), 2, cuda=False)
+    assert summary["steps"] == 2 and summary["ms_per_step"] > 0
+    assert sum(summary["shares"].values()) == pytest.approx(1.0)
+    assert all(summary["shares"][kind] > 0 for kind in ("attention", "matmul", "optimizer"))
+    assert summary["data_wait"] > 0 and 0 < summary["device_busy"] <= 1.0
+    assert summary["top"][0]["share"] >= summary["top"][-1]["share"]
+    assert summary_line(summary).startswith("2 steps, ")
+
+
+@pytest.mark.parametrize(
+    "name, kind",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "matmul"),
+        ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_TNT", "matmul"),
+        ("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>", "attention"),
+        ("fmha_cutlassF_bf16_aligned_64x64_rf_sm80", "attention"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+        ("Memcpy HtoD (Pinned -> Device)", "copy"),
+        ("aten::mm", "matmul"),
+        ("triton_red_fused__to_copy_mul_rsqrt_0", "other"),
+    ],
+)
+def test_kernel_names_fall_in_their_category(name, kind):
+    assert category(name) == kind
+
+
 @pytest.mark.gpu
 def test_a_gpu_trace_holds_cuda_kernels(tmp_path):
     hook = ProfileHook(tmp_path, 2, 3, torch.device("cuda"))
@@ -119,3 +164,29 @@ def test_a_gpu_trace_holds_cuda_kernels(tmp_path):
     hook.close()
     events = json.loads(hook.path.read_text())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)
+
+
+def test_a_real_run_writes_the_trace_of_its_profiled_steps(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Through Trainer.fit: the hook is added to Trainer.hooks' list here until the trainer lists it itself."""
+    from test_training import tiny_setup
+
+    import cloudtrain.training as training
+    from cloudtrain.training.trainer import Trainer
+
+    listed = Trainer.hooks
+
+    def hooks(self, checkpointer, preemption):
+        found = listed(self, checkpointer, preemption)
+        if not any(isinstance(hook, ProfileHook) for hook in found):
+            found += profile_hooks(self, self._device)
+        return found
+
+    monkeypatch.setattr(Trainer, "hooks", hooks)
+    options = dict(max_steps=5, per_device_train_batch_size=2, logging_steps=5, eval_strategy="no")
+    trainer = tiny_setup(tiny_model_dir, tmp_path, training.BasicTrainer, profile=True, profile_steps="2:3", **options)
+    trainer.fit()
+    trace = tmp_path / "profile" / "steps_2-3.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert len({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}) == 2
+    assert any(e.get("name", "").startswith("aten::") for e in events)
+    assert f"profile of steps 2-3 written to {trace}" in capsys.readouterr().out

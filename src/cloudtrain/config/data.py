@@ -80,8 +80,17 @@ class DataConfig:
         "Batch training examples of similar length together (less padding); the "
         "order is still drawn from the seed and the epoch alone.",
     )
-    dataloader_num_workers: int = opt(0, "Worker processes that load and collate batches (0: in the training process).")
-    dataloader_pin_memory: bool = opt(False, "Pin batches in page-locked memory for faster copies to a GPU.")
+    dataloader_num_workers: int = opt(
+        0,
+        "Worker processes that load and collate batches (0: in the training process, enough for tokenized rows: "
+        "the host prepares the next batch while the GPU computes; 2-4 where reading or collating is slow, as "
+        "for images).",
+    )
+    dataloader_pin_memory: bool = opt(
+        True,
+        "On CUDA: batches in page-locked memory, so their copies to the GPU run beside the computation without "
+        "the host waiting for them (ignored without a GPU).",
+    )
     streaming: bool = opt(
         False,
         "Causal LM and SFT: read, tokenize and pack the training data on the fly instead of tokenizing it all "

@@ -33,6 +33,16 @@ class ModelConfig:
         "auto (on where it is faster: Liger on CUDA). Evaluation keeps the exact logits.",
         ("auto", "true", "false"),
     )
+    liger_kernels: bool = opt(
+        False,
+        "Liger Kernel's fused RMSNorm, SwiGLU and RoPE in the decoder (CUDA; needs the liger-kernel package and a "
+        "model family it knows: Llama, Mistral, Qwen, Gemma, ...).",
+    )
+    compile_layers: bool = opt(
+        False,
+        "With --torch_compile: compile each decoder layer on its own with static shapes (rows padded to "
+        "--max_length) instead of the whole model, so a new row length does not recompile.",
+    )
     trust_remote_code: bool = opt(False, "Allow the model repository to run its own code.")
     gradient_checkpointing: bool = opt(
         False, "Recompute each layer's activations in the backward pass: less memory for about a third more compute."

@@ -136,18 +136,21 @@ class CausalLMCollator:
     transformers 5.23 keeps packed documents apart from restarting position_ids only when attention_mask is
     None. Padding sits at the end of each row and attention is causal, so real tokens never see it anyway.
 
+    `pad_to` pads every batch to that width (static shapes for compiled layers, --compile_layers).
+
     With `cu_seqlens=True` (packed rows) the batch also holds the cumulative lengths of the flattened batch's
     sequences, every document and each row's padding one sequence (`cu_seqlens`, int32, [N + 1]), and the
     longest of them as the width of an empty tensor (`max_seqlen`, [0, longest]): a shape, so that the
     forward reads it without waiting for the device, and moving the batch moves it like any tensor.
     """
 
-    def __init__(self, pad_token_id: int, cu_seqlens: bool = False):
+    def __init__(self, pad_token_id: int, cu_seqlens: bool = False, pad_to: int | None = None):
         self.pad_token_id = pad_token_id
         self.cu_seqlens = cu_seqlens
+        self.pad_to = pad_to  # a fixed width (static shapes for compiled layers); else the longest row's
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        width = max(len(row["input_ids"]) for row in rows)
+        width = max(self.pad_to or 0, *(len(row["input_ids"]) for row in rows))
         shape = (len(rows), width)
         input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
         position_ids = torch.zeros(shape, dtype=torch.long)

@@ -359,9 +359,10 @@ def eval_dataloader(ds: Dataset, data: ProcessedData, batch_size: int, cfg: Data
 
 
 def loader_options(cfg: DataConfig) -> dict:
-    """Workers stay alive across epochs; pinning only helps (and only works) with a GPU. Each loader draws
-    its workers' base seed from its own generator: drawn from the global one, a loader started after a
-    resume would shift the dropout masks of every step that follows."""
+    """Workers stay alive across epochs; pinning only helps (and only works) with a GPU: a non-blocking copy
+    from pageable memory still makes the host wait for it. Each loader draws its workers' base seed from its
+    own generator: drawn from the global one, a loader started after a resume would shift the dropout masks
+    of every step that follows."""
     workers = cfg.dataloader_num_workers
     return {
         "num_workers": workers,

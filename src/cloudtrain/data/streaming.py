@@ -71,6 +71,15 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def _to_device(tensor: torch.Tensor, device: Any) -> torch.Tensor:
+    """On CUDA, a pinned copy sent without blocking: the host does not wait for the GPU's previous step."""
+    if device is None:
+        return tensor
+    if torch.device(device).type != "cuda":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def _identity(item: Any) -> Any:
     return item
 
@@ -199,7 +208,7 @@ class StreamLoader:
         assert self.plan.collator is not None
         for chunk in self.chunks():
             batch = self.plan.collator([{k: v for k, v in r.items() if k not in ("starts", "tokens")} for r in chunk])
-            yield {k: v.to(self.device) if self.device is not None else v for k, v in batch.items()}
+            yield {k: _to_device(v, self.device) for k, v in batch.items()}
 
     def chunks(self) -> Iterator[list[dict]]:
         """This process's micro-batches as rows (with the keys of the documents starting in each, `starts`)."""

@@ -49,7 +49,9 @@ def _torch_varlen() -> tuple[Callable, frozenset[str]] | None:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
         return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+    parameters = frozenset(inspect.signature(varlen_attn).parameters)
+    # Causal attention spelled `is_causal` (torch 2.9-2.10) or as a (left, right) window (later): else unusable.
+    return (varlen_attn, parameters) if {"window_size", "is_causal"} & parameters else None
 
 
 def varlen_kernel_available(device: torch.device | str = "cuda") -> bool:
@@ -86,6 +88,7 @@ def varlen_attention(
     return out, None
 
 
+@torch.compiler.disable  # eager inside compiled layers: the number of documents varies from batch to batch
 def _packed(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -96,20 +99,20 @@ def _packed(
     dropout: float,
 ) -> torch.Tensor:
     batch, heads, length, dim = query.shape
+    kernel = kernel_name(query.device, query.dtype, dropout)
+    if kernel == "per_document_sdpa":
+        return _per_document(query, key, value, cu_seqlens, scaling, dropout)
+    if kernel == "block_mask_sdpa":
+        return _block_mask_sdpa(query, key, value, cu_seqlens, scaling, dropout)
     # [B, H, L, D] -> [B*L, H, D]: the flattened batch the cumulative lengths index.
     q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
-    kernel = kernel_name(query.device, query.dtype, dropout)
     if kernel == "flash_attn":
         flash = _flash_attn()
         assert flash is not None
         cu = cu_seqlens.to(torch.int32)
         out = flash(q, k, v, cu, cu, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scaling, causal=True)
-    elif kernel == "torch_varlen":
-        out = _torch_varlen_call(q, k, v, cu_seqlens, max_seqlen, scaling)
-    elif kernel == "per_document_sdpa":
-        out = _per_document(q, k, v, cu_seqlens, scaling, dropout)
     else:
-        return _block_mask_sdpa(query, key, value, cu_seqlens, scaling, dropout)
+        out = _torch_varlen_call(q, k, v, cu_seqlens, max_seqlen, scaling)
     return out.reshape(batch, length, heads, dim)
 
 
@@ -119,8 +122,11 @@ def _torch_varlen_call(
     found = _torch_varlen()
     assert found is not None
     varlen_attn, parameters = found
-    options: dict[str, Any] = {"scale": scaling}
-    # torch 2.9-2.10 spelled causality `is_causal`; later releases a (left, right) window.
+    options: dict[str, Any] = {}
+    if "scale" in parameters:
+        options["scale"] = scaling
+    elif scaling is not None:  # the kernel scales by 1/sqrt(D): the queries carry the rest
+        q = q * (scaling * q.shape[-1] ** 0.5)
     if "window_size" in parameters:
         options["window_size"] = (-1, 0)
     else:
@@ -135,25 +141,32 @@ def _torch_varlen_call(
 
 
 def _per_document(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, scaling: float | None, dropout: float
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu: torch.Tensor,
+    scaling: float | None,
+    dropout: float,
 ) -> torch.Tensor:
-    """The CPU reference: each document through sdpa alone, causal, GQA native (the lengths are on the host)."""
+    """The CPU reference: each document through sdpa alone, causal, GQA native (the lengths are on the host).
+    [B, H, L, D] in (no sequence crosses a row: each row's padding is its own), [B, L, H, D] out."""
+    length = query.shape[2]
     bounds = cu.tolist()
-    out = torch.empty_like(q)
-    gqa = k.shape[1] != q.shape[1]
+    out = torch.empty_like(query)
+    gqa = key.shape[1] != query.shape[1]
     for start, end in zip(bounds[:-1], bounds[1:], strict=True):
         if end > start:
-            qd, kd, vd = (x[start:end].transpose(0, 1) for x in (q, k, v))
-            out[start:end] = F.scaled_dot_product_attention(
-                qd,
-                kd,
-                vd,
+            row, first, last = start // length, start % length, start % length + end - start
+            out[row, :, first:last] = F.scaled_dot_product_attention(
+                query[row, :, first:last],
+                key[row, :, first:last],
+                value[row, :, first:last],
                 is_causal=True,
                 dropout_p=dropout,
                 scale=scaling,
                 enable_gqa=gqa,
-            ).transpose(0, 1)
-    return out
+            )
+    return out.transpose(1, 2).contiguous()
 
 
 def _block_mask_sdpa(

@@ -1,4 +1,5 @@
-"""Fused kernels as options: a linear cross-entropy that never holds the full logits (`--fused_cross_entropy`).
+"""Fused kernels as options: a linear cross-entropy that never holds the full logits (`--fused_cross_entropy`),
+Liger Kernel's fused decoder modules (`--liger_kernels`), and the decoder layers compiled one by one.
 
 The language-model loss needs the logits [tokens, vocabulary] only to reduce them to one number per token. Two
 implementations compute the summed next-token cross-entropy straight from the final hidden states and the output
@@ -22,7 +23,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BACKENDS", "chunked_linear_cross_entropy", "hidden_states", "liger_available", "linear_cross_entropy"]
+__all__ = [
+    "BACKENDS",
+    "apply_liger_modules",
+    "chunked_linear_cross_entropy",
+    "compile_layers",
+    "decoder_layers",
+    "hidden_states",
+    "liger_available",
+    "linear_cross_entropy",
+]
 
 BACKENDS = ("liger", "chunked")
 IGNORE_INDEX = -100
@@ -174,3 +184,40 @@ def hidden_states_error(model: torch.nn.Module) -> str | None:
     if fused.shape != logits.shape or (fused - logits).abs().max().item() > 1e-3 * max(1.0, logits.abs().max().item()):
         return f"{name}'s logits are more than its head over its last hidden states (a scaling or soft-capping)"
     return None
+
+
+def liger_modules_error(model: Any) -> str | None:
+    """None if Liger's fused RMSNorm, SwiGLU and RoPE can replace `model`'s; else why not, in a few words."""
+    if not torch.cuda.is_available():
+        return "Liger Kernel's triton kernels need a CUDA GPU"
+    if _liger() is None:
+        return "the liger-kernel package is not installed (pip install liger-kernel)"
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return f"Liger Kernel has no fused modules for {model_type!r} models"
+    return None
+
+
+def apply_liger_modules(model: Any) -> None:
+    """Liger's RMSNorm, SwiGLU and RoPE in place of `model`'s (its loss stays ours: --fused_cross_entropy)."""
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    options = {"rope": True, "rms_norm": True, "swiglu": True, "cross_entropy": False}
+    _apply_liger_kernel_to_instance(model, fused_linear_cross_entropy=False, **options)
+
+
+def decoder_layers(model: Any) -> list[torch.nn.Module]:
+    """The decoder layers of a transformers model: the modules of the classes it names as never split."""
+    names = set(getattr(model, "_no_split_modules", None) or [])
+    return [module for module in model.modules() if type(module).__name__ in names]
+
+
+def compile_layers(model: Any) -> int:
+    """Compile each decoder layer in place; the number compiled. With rows padded to one width its tensors keep one
+    shape, and dynamo makes the integers that vary (document lengths) dynamic after their first change."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()  # rows of one width (pad_to); the varying document lengths stay outside the graphs
+    return len(layers)

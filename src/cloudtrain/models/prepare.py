@@ -6,10 +6,11 @@ The order is fixed (`TRANSFORMS`), each step relying on those before it:
 2. `gradient_checkpointing`: before adapters, which build on it (QLoRA readies the inputs for it);
 3. `task_checks`: the task's checks of the model as it will compute (document isolation under --packing bfd);
    kernel options (fused modules and losses) belong here, before adapters wrap the modules they replace;
-   `fused_cross_entropy`: --fused_cross_entropy, the loss from the hidden states;
+   `fused_cross_entropy`: --fused_cross_entropy, the loss from the hidden states; `liger_modules`: --liger_kernels;
 4. `task_before_adapters`: what the task keeps of the model before adapters change it (a DPO reference);
 5. `adapters`: --peft freezes the base and adds adapters, and the modules the task trains in full;
-6. `compile`: --torch_compile, last, over the final module (in place: its class, keys and saving stay).
+6. `compile`: --torch_compile, last, over the final module or each decoder layer (--compile_layers), in place:
+   its class, keys and saving stay.
 After these the trainers only wrap and shard (DDP, DeepSpeed, FSDP, pipeline stages). A new transform is
 one function `(model, cfg, task, announce) -> model` placed in the list.
 """
@@ -24,7 +25,13 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.attention import VARLEN, varlen_kernel_available
-from cloudtrain.models.kernels import hidden_states_error, liger_available
+from cloudtrain.models.kernels import (
+    apply_liger_modules,
+    compile_layers,
+    hidden_states_error,
+    liger_available,
+    liger_modules_error,
+)
 from cloudtrain.tasks.base import Task
 
 Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it, or a PeftModel, out
@@ -137,6 +144,19 @@ def fused_cross_entropy(model: Any, cfg: Config, task: Task, announce: bool) -> 
     return model
 
 
+def liger_modules(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
+    """--liger_kernels: Liger's fused RMSNorm, SwiGLU and RoPE (cloudtrain.models.kernels), or one line why not."""
+    if not cfg.model.liger_kernels:
+        return model
+    problem = liger_modules_error(model)
+    if problem:
+        raise UserError(f"--liger_kernels true: {problem}; use false")
+    apply_liger_modules(model)
+    if announce:
+        print("kernels: Liger's fused RMSNorm, SwiGLU and RoPE", flush=True)
+    return model
+
+
 def _fused_misfit(model: Any, cfg: Config) -> str | None:
     d = cfg.distributed
     # the head's weight is sharded outside the module's own forward
@@ -159,8 +179,19 @@ def adapters_for_task(model: Any, cfg: Config, task: Task, announce: bool) -> An
 
 
 def compile_model(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
-    if cfg.training.torch_compile:
+    if not cfg.training.torch_compile:
+        return model
+    if not cfg.model.compile_layers:
         model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
+        return model
+    count = compile_layers(model)
+    if not count:
+        raise UserError(
+            f"--compile_layers: {type(model).__name__} names no decoder layer class (_no_split_modules); "
+            "leave it out to compile the whole model"
+        )
+    if announce:
+        print(f"compile: {count} decoder layers, each on its own, static shapes", flush=True)
     return model
 
 
@@ -169,6 +200,7 @@ TRANSFORMS: list[Transform] = [
     gradient_checkpointing,
     task_checks,
     fused_cross_entropy,
+    liger_modules,
     task_before_adapters,
     adapters_for_task,
     compile_model,

@@ -8,11 +8,15 @@ when the run ends sooner). A step, as traced, runs from the end of the previous 
 of its own: the wait for its batch, forward, backward, the optimizer step and the hooks after it.
 
 The file, `<profile dir>/steps_<first>-<last>.pt.trace.json`, opens in Perfetto (ui.perfetto.dev) or
-chrome://tracing, and in TensorBoard with the torch-tb-profiler plugin (`tensorboard --logdir <dir>`).
+chrome://tracing, and in TensorBoard with the torch-tb-profiler plugin (`tensorboard --logdir <dir>`). One
+line sums it up (`summarize`, which bench/gpu.py also uses): the share of kernel time (on CPU: of the aten
+ops' own time) in attention, matmuls, the optimizer, copies and the rest, how busy the device was, the host's
+wait for data, and the top kernels.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -27,7 +31,14 @@ from cloudtrain.training.hooks import Hook, LoopState, Request
 if TYPE_CHECKING:
     from cloudtrain.training.trainer import Trainer
 
-__all__ = ["ProfileHook", "profile_hooks"]
+__all__ = ["ProfileHook", "profile_hooks", "summarize", "summary_line"]
+
+CATEGORIES = (  # checked in order on the lower-cased kernel (CPU: aten op) name
+    ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|varlen")),
+    ("matmul", re.compile(r"gemm|matmul|aten::mm$|aten::addmm|aten::bmm|cutlass|xmma|nvjet|cublas|wgmma")),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|optimizer")),
+    ("copy", re.compile(r"memcpy|memset|aten::copy_")),
+)
 
 
 class ProfileHook(Hook):
@@ -83,6 +94,8 @@ class ProfileHook(Hook):
         profiler.export_chrome_trace(str(path))
         self.path = path
         self.say(f"profile of steps {first}-{last} written to {path} (open it in ui.perfetto.dev or TensorBoard)")
+        cuda = ProfilerActivity.CUDA in self.activities
+        self.say("  " + summary_line(summarize(profiler.events(), last - first + 1, cuda)))
 
 
 def profile_hooks(trainer: Trainer, device: torch.device) -> list[Hook]:
@@ -93,3 +106,50 @@ def profile_hooks(trainer: Trainer, device: torch.device) -> list[Hook]:
     first, last = profile_window(cfg.profile_steps)
     folder = Path(cfg.profile_dir) if cfg.profile_dir else trainer.run_log.output_dir / "profile"
     return [ProfileHook(folder, first, last, device)]
+
+
+def category(name: str) -> str:
+    """attention, matmul, optimizer, copy or other, by a kernel's or an op's name."""
+    low = name.lower()
+    return next((cat for cat, pattern in CATEGORIES if pattern.search(low)), "other")
+
+
+def summarize(events: list, steps: int, cuda: bool) -> dict:
+    """Where `steps` profiled steps' time went, from the profiler's events: device kernels on CUDA (on CPU, the
+    aten ops' self time) by category and the top ones, the host's time in DataLoader.__next__, the step time."""
+    step_us = sum(e.cpu_time_total for e in events if e.name.startswith("ProfilerStep"))
+    busy: dict[str, float] = {}
+    for e in events:
+        if cuda and str(getattr(e, "device_type", "")).endswith("CUDA"):
+            busy[e.name] = busy.get(e.name, 0.0) + e.time_range.elapsed_us()
+        elif not cuda and e.name.startswith("aten::") and e.self_cpu_time_total > 0:
+            busy[e.name] = busy.get(e.name, 0.0) + e.self_cpu_time_total
+    total = sum(busy.values()) or 1.0
+    shares = dict.fromkeys([c for c, _ in CATEGORIES] + ["other"], 0.0)
+    for name, us in busy.items():
+        shares[category(name)] += us / total
+    data_us = sum(e.cpu_time_total for e in events if e.name.startswith("enumerate(DataLoader)"))
+    top = sorted(busy.items(), key=lambda item: -item[1])[:8]
+    return {
+        "steps": steps,
+        "ms_per_step": step_us / 1000 / max(steps, 1),
+        "device_busy": sum(busy.values()) / step_us if step_us else None,
+        "shares": shares,
+        "data_wait": data_us / step_us if step_us else None,
+        "top": [{"name": n[:120], "ms_per_step": us / 1000 / max(steps, 1), "share": us / total} for n, us in top],
+    }
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.0%}"
+
+
+def summary_line(summary: dict) -> str:
+    """`summarize`'s result as one line."""
+    shares = " | ".join(f"{k} {v:.0%}" for k, v in summary["shares"].items())
+    top = ", ".join(f"{t['name'][:60]} {t['share']:.0%}" for t in summary["top"][:4])
+    return (
+        f"{summary['steps']} step{'s' * (summary['steps'] != 1)}, {summary['ms_per_step']:.0f} ms/step:"
+        f" {shares} of kernel time; busy "
+        f"{_pct(summary['device_busy'])} of the step; data wait {_pct(summary['data_wait'])}; top: {top}"
+    )

@@ -29,6 +29,7 @@ from cloudtrain.planning.search import (
     ranked_choices,
     reasons,
     row,
+    run_attention,
     suggestions,
 )
 from cloudtrain.planning.strategies import CHECKPOINTING_COST, PIPELINE, STRATEGIES, Candidate, Setup, candidates
@@ -44,6 +45,7 @@ TRAINING_OPTIONS = (
     "trust_remote_code",
     "attn_implementation",
     "packing",
+    "fused_cross_entropy",
     "per_device_train_batch_size",
     "max_length",
     "mixed_precision",
@@ -182,17 +184,6 @@ def runnable(m: ModelFacts, c: Candidate) -> bool:
     return not (m.model_copy and c.peft == "none" and c.pipeline)
 
 
-def run_attention(args: argparse.Namespace, precision: str) -> str | None:
-    """The attention the run computes with: --attn_implementation, else the application's default for packed bfd
-    rows of a decoder task in 16 bits on a GPU (varlen: no dense mask; cloudtrain.models.prepare), else None (the
-    model's own: sdpa, with a dense mask for packed or padded decoder rows)."""
-    if args.attn_implementation:
-        return args.attn_implementation
-    packing = args.packing if args.packing != "auto" else TASKS[args.task].default_packing
-    packed = getattr(TASKS[args.task], "packed_attention", False)
-    return "varlen" if packing == "bfd" and packed and precision != "no" else None
-
-
 def _distinct(c: Candidate, setup: Setup) -> bool:
     """Whether a row differs from another one here: hybrid sharding is full sharding on one node."""
     return setup.num_nodes > 1 or c.strategy.fsdp_sharding != "hybrid_shard"
@@ -229,9 +220,12 @@ def make_plan(args: argparse.Namespace) -> dict:
         m = replace(m, name=name)
     task_cfg = build_config({n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference")})
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
-    attention = run_attention(args, resolve_precision(args.mixed_precision))
-    passed = (("--attn_implementation", args.attn_implementation) if args.attn_implementation else ()) + (
-        ("--packing", args.packing) if args.packing != "auto" else ()
+    precision = resolve_precision(args.mixed_precision)
+    attention = run_attention(args.attn_implementation, args.packing, args.task, precision)
+    passed = (
+        (("--attn_implementation", args.attn_implementation) if args.attn_implementation else ())
+        + (("--packing", args.packing) if args.packing != "auto" else ())
+        + (("--fused_cross_entropy", args.fused_cross_entropy) if args.fused_cross_entropy != "auto" else ())
     )
     m = replace(
         m,
@@ -250,7 +244,8 @@ def make_plan(args: argparse.Namespace) -> dict:
         None if args.nvme_gb is None else round(args.nvme_gb * GIB),
     )
     requested, global_batch = _batch(args, setup.world_size)
-    setup = replace(setup, step_rows=global_batch // setup.world_size)  # a step of one micro-batch holds no gradients
+    # a step of one micro-batch holds no gradients; auto fuses the loss only where Liger Kernel is installed
+    setup = replace(setup, step_rows=global_batch // setup.world_size, fused_loss=args.fused_cross_entropy == "true")
     adapters = (
         () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
     )  # DoRA only when asked for

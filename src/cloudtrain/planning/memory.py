@@ -3,6 +3,7 @@ micro-batch that fits. The formulas, with their sources and measurements: docs/p
 
 from dataclasses import dataclass, replace
 
+from cloudtrain.models.kernels import CHUNK_ROWS
 from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.strategies import PIPELINE, Candidate, Setup, Strategy
@@ -12,7 +13,7 @@ CUDA_CONTEXT_BYTES = GIB
 FRAGMENTATION = 0.05
 MAX_MICRO_BATCH = 1 << 16
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight, its 8-bit absmax per 64 and fp32 absmax per 256 blocks
-FUSED_CHUNK_TOKENS = 1024  # tokens whose logits a fused linear cross-entropy holds at once (an assumption)
+FUSED_CHUNK_TOKENS = CHUNK_ROWS  # tokens whose logits the chunked linear cross-entropy holds at once
 STRATEGY_DDP = Strategy("ddp", "DDP", 1.0)
 
 
@@ -237,19 +238,24 @@ def adapter_activation_bytes(
     return _stacked(m, per_layer, outside, hidden * sb * (h + inter), checkpointing, hidden * sb * h)
 
 
-def logits_bytes(m: ModelFacts, micro_batch: int, seq: int, half: bool, fused: bool = False) -> int:
+def logits_bytes(
+    m: ModelFacts, micro_batch: int, seq: int, half: bool, fused: bool = False, hidden_bytes: int = 4
+) -> int:
     """The logits and the loss's fp32 buffers per GPU (0 without an LM head): per logit, the forward holds
     the logits (c bytes), their fp32 copy and the log-softmax (4 + 4); the cross-entropy's backward holds
     the log-softmax, its gradient and the copy's gradient (3 x 4). Checkpointing does not shrink them.
-    fused: a fused linear cross-entropy keeps the input's gradient (c per hidden value), the head's fp32
-    weight gradient and one chunk of FUSED_CHUNK_TOKENS tokens' logits at a time."""
-    c, tokens = (2 if half else 4), micro_batch * seq
-    if not m.vocab_size:
+    fused (--fused_cross_entropy true): the loss's forward keeps the hidden states' gradient (hidden_bytes
+    each: their dtype), the head's fp32 weight gradient and its 16-bit copy, and one chunk of logits at a
+    time (FUSED_CHUNK_TOKENS rows: the logits in 16 bits and fp32, the log-softmax, the softmax, its 16-bit
+    copy: 2 + 4 + 4 + 4 + 2 bytes)."""
+    c, tokens, V, h = (2 if half else 4), micro_batch * seq, m.vocab_size, m.hidden_size
+    if not V:
         return 0
     if fused:
         chunk = min(tokens, FUSED_CHUNK_TOKENS)
-        return tokens * m.hidden_size * c + 4 * m.vocab_size * m.hidden_size + chunk * m.vocab_size * 12
-    return tokens * m.vocab_size * max(c + 4 + 4, 3 * 4)
+        head = 4 * V * h + (2 * V * h if half else 0)
+        return tokens * h * hidden_bytes + head + chunk * V * (16 if half else 12)
+    return tokens * V * max(c + 4 + 4, 3 * 4)
 
 
 def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int, trainable: int) -> int:
@@ -311,7 +317,8 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     params += reference_bytes(m) if full else 0
     saved, working = _activations(m, cand, setup, micro_batch)
     activations = saved + working
-    logits = logits_bytes(m, micro_batch, setup.max_length, setup.half, setup.fused_loss)
+    hidden = 4 if not setup.half or not cand.strategy.shards else 2  # the final norm's output: fp32 under autocast
+    logits = logits_bytes(m, micro_batch, setup.max_length, setup.half, setup.fused_loss, hidden)
     if full and not accumulating(setup, micro_batch) and not cand.strategy.zero_stage:
         grads -= min(_released_gradients(m, cand.strategy, setup), saved + logits)
     if full:
@@ -320,8 +327,12 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
         assert m.adapters is not None  # adapter candidates exist only with adapter facts
         trainable = m.adapters.trainable(cand.peft)
     overhead = overhead_bytes(m, cand.strategy, setup, params + grads + optim + activations + logits, trainable)
-    # with adapters each process loads its base as it will hold it (in 16 bits, or quantising as it goes)
-    offloaded, load = cpu_bytes(m, cand.strategy, setup) if full else (0, params * setup.num_gpus)
+    # with adapters each process loads its whole base as it will hold it (in 16 bits, or quantising as it goes)
+    if full:
+        offloaded, load = cpu_bytes(m, cand.strategy, setup)
+    else:
+        whole = frozen_base_bytes(m, cand.peft, cand.strategy, replace(setup, num_gpus=1, num_nodes=1))
+        offloaded, load = 0, round(whole) * setup.num_gpus
     disk = nvme_bytes(m, cand.strategy, setup) if full else 0
     return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits, disk)
 

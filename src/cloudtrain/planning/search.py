@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, Config
+from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.load import resolve_model_path
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.stages import balanced_split
@@ -29,7 +30,7 @@ from cloudtrain.planning.strategies import (
     Setup,
     Strategy,
 )
-from cloudtrain.registry import TRAINERS
+from cloudtrain.registry import TASKS, TRAINERS
 
 
 @dataclass
@@ -379,6 +380,17 @@ def fsdp_strategy(cfg: Config | None) -> Strategy:
     return row if reshard is None else replace(row, reshard_after_forward=reshard)
 
 
+def run_attention(attention: str | None, packing: str, task: str, precision: str) -> str | None:
+    """The attention a run computes with: --attn_implementation, else the application's default for packed bfd
+    rows of a decoder task in 16 bits on a GPU (varlen: no dense mask; cloudtrain.models.prepare), else None (the
+    model's own: sdpa, with a dense mask for packed or padded decoder rows)."""
+    if attention:
+        return attention
+    rows = packing if packing != "auto" else TASKS[task].default_packing
+    packed = getattr(TASKS[task], "packed_attention", False)
+    return "varlen" if rows == "bfd" and packed and precision != "no" else None
+
+
 def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:
     """The largest micro-batch the estimate fits into `memory` bytes per process for a training run's model,
     strategy, gradient checkpointing and adapters, at rows of `seq_len` tokens (0: none fits)."""
@@ -389,6 +401,8 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
         name, num_labels, m.trust_remote_code, cfg.training.task, bool(m.model_config), m.tokenizer_name_or_path, lora
     )
     candidate = Candidate(run_strategy(sharding(cfg), cfg), m.gradient_checkpointing, m.peft)
+    precision = resolve_precision(cfg.training.mixed_precision)
+    attention = run_attention(m.attn_implementation, cfg.data.packing, cfg.training.task, precision)
     setup = Setup(
         gpus_per_node,
         nodes,
@@ -396,6 +410,7 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
         None,
         seq_len,
         cfg.training.mixed_precision,
-        dense_mask=(m.attn_implementation or "sdpa") == "sdpa",
+        dense_mask=(attention or "sdpa") == "sdpa",
+        fused_loss=m.fused_cross_entropy == "true",
     )
     return max_micro_batch(facts, candidate, setup)

@@ -141,7 +141,10 @@ class CausalLMTask(DecoderTask):
         self.cfg, self.tokenizer = cfg, tokenizer
         d = cfg.data
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        collator = CausalLMCollator(pad if pad is not None else 0, cu_seqlens=d.packing == "bfd")
+        static = cfg.training.torch_compile and cfg.model.compile_layers  # one shape for the compiled layers
+        collator = CausalLMCollator(
+            pad if pad is not None else 0, cu_seqlens=d.packing == "bfd", pad_to=d.max_length if static else None
+        )
         plan = None
         if d.streaming:
             plan, held_out = stream_plan(raw, cfg, self.stream_encoder(tokenizer, d), collator)
@@ -262,7 +265,7 @@ class CausalLMTask(DecoderTask):
         for where, probed in probes:
             try:
                 problem = isolation_error(probed())
-            except (RuntimeError, NotImplementedError, ValueError, ImportError) as err:
+            except (RuntimeError, NotImplementedError, ValueError, ImportError, TypeError) as err:
                 problem = f"its attention {model.config._attn_implementation!r} did not run ({first_line(err)})"
             if problem:
                 raise UserError(
@@ -275,15 +278,17 @@ class CausalLMTask(DecoderTask):
         return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.loss_kernel is None:
+        kernel = self.loss_kernel
+        head = output_head(model) if kernel else None
+        # An adapter on the head (PEFT's own module) is more than its weight: the plain path then.
+        if kernel is None or head is None or type(head) is not torch.nn.Linear:
             return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
         # --fused_cross_entropy: from the hidden states, the logits never held whole
         hidden = hidden_states(model, forward_inputs(model, batch))
-        head = output_head(model)
         weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)
         targets = batch["labels"][:, 1:].to(hidden.device)
         total = linear_cross_entropy(
-            self.loss_kernel,
+            kernel,
             hidden[:, :-1].reshape(-1, hidden.shape[-1]),
             weight,
             bias,

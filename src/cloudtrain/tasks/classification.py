@@ -104,7 +104,7 @@ class ClassificationTask(Task):
         ]
 
     def loss_count(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(len(batch["labels"]), device=batch["labels"].device)
+        return torch.full((), len(batch["labels"]), device=batch["labels"].device)
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}

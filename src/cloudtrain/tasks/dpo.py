@@ -382,7 +382,7 @@ class DPOTask(SFTTask):
 
     # ------------------------------------------------------------ loss and metrics
     def loss_count(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(len(batch["rows"]) // 2, device=batch["input_ids"].device)  # pairs, in either layout
+        return torch.full((), len(batch["rows"]) // 2, device=batch["input_ids"].device)  # pairs, in either layout
 
     def pair_values(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(per-pair loss [B], the per-pair PAIR_METRICS [B, 7]) of one batch."""

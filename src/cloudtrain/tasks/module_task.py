@@ -181,7 +181,7 @@ class ModuleTask(Task):
         return {k: v for k, v in batch.items() if k != MASK} if getattr(self, "strip_mask", True) else batch
 
     def loss_count(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(rows_of(batch), device=next(iter(batch.values())).device)
+        return torch.full((), rows_of(batch), device=next(iter(batch.values())).device)
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward's mean loss times the rows: a sum the trainer divides by the step's global row count."""

@@ -227,7 +227,7 @@ class RewardTask(Task):
 
     # ------------------------------------------------------------ loss and evaluation
     def loss_count(self, batch: dict) -> torch.Tensor:
-        return torch.tensor(len(batch["margin"]), device=batch["input_ids"].device)
+        return torch.full((), len(batch["margin"]), device=batch["input_ids"].device)
 
     def rewards(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen rewards, rejected rewards), [B] each, from one forward over both sides."""

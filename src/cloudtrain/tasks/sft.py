@@ -110,7 +110,10 @@ class SFTTask(CausalLMTask):
                     f"the {split} data has no column {missing[0]!r} (its columns: {', '.join(ds.column_names)})"
                 )
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        collator = CausalLMCollator(pad if pad is not None else 0, cu_seqlens=d.packing == "bfd")
+        static = cfg.training.torch_compile and cfg.model.compile_layers  # one shape for the compiled layers
+        collator = CausalLMCollator(
+            pad if pad is not None else 0, cu_seqlens=d.packing == "bfd", pad_to=d.max_length if static else None
+        )
         plan = None
         if d.streaming:  # training examples are encoded and packed on the fly (cloudtrain.data.streaming)
             plan, held_out = stream_plan(raw, cfg, self.stream_encoder(columns, d), collator)

@@ -204,7 +204,7 @@ class TextToImageTask(Task):
         """Instance rows: DreamBooth's class rows add to the sum but not to what it is divided by."""
         if "is_prior" in batch:
             return (~batch["is_prior"]).sum()
-        return torch.tensor(batch["loss_weight"].shape[0], device=batch["loss_weight"].device)
+        return torch.full((), batch["loss_weight"].shape[0], device=batch["loss_weight"].device)
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         losses = model(**batch)

@@ -7,7 +7,7 @@ AcceleratedTrainer (`--training_type accelerated`) for those.
 """
 
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,7 @@ from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested,
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.training.meter import StepStats
+from cloudtrain.training.prefetch import prefetch
 from cloudtrain.training.trainer import Trainer, save_weights
 from cloudtrain.training.weights import load_trainable_state, trainable_state, trains_everything
 
@@ -55,6 +56,12 @@ class BasicTrainer(Trainer):
 
     def move(self, batch: dict) -> dict:
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def input_batches(self, batches: Iterable[dict]) -> Iterator[dict]:
+        # A loader without workers fetches in this process, where a dataset's transform may draw from the
+        # global RNG: fetched ahead of the step, a resumed run would draw in another order.
+        ahead = 1 if self.cfg.data.dataloader_num_workers > 0 else 0
+        return prefetch(batches, self.move, self.device, ahead)
 
     def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
         loss_sum: Any = 0  # tensors from the first batch on (a window is never empty)

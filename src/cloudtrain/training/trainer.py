@@ -25,7 +25,9 @@ No host sync in the step: losses, counts and the non-finite flag stay on the dev
 meter, .nonfinite). A nan/inf loss on any process (one small all-reduce) skips that step on the device
 (fused AdamW's `found_inf`); the flags are read, and SIGTERM agreed on, only where the loop syncs anyway
 (logging, evaluation and checkpoint steps, the last step), always before anything is logged, evaluated
-or saved.
+or saved. Batches reach the device without the host waiting either: pinned and copied without blocking
+(the BasicTrainer's on a CUDA stream of their own: cloudtrain.training.prefetch, which also measures the
+data time as the time the GPU waits for input).
 """
 
 import contextlib
@@ -56,7 +58,6 @@ from cloudtrain.data.processing import ProcessedData, eval_dataloader, train_dat
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.observe.flops import ModelFlops
-from cloudtrain.observe.monitoring import StepClock
 from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, collective_failure
@@ -78,6 +79,7 @@ from cloudtrain.training.hooks import (
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import build_optimizer, build_scheduler
+from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
 
 
@@ -177,9 +179,8 @@ class Trainer:
         }
         self.optimizer = build_optimizer(model, cfg)
         self.flops = ModelFlops.from_model(model)  # before setup(): DDP/DeepSpeed wrappers hide the config
-        self.clock = StepClock(
-            runtime.device
-        )  # this process's step, data and forward time (cloudtrain.observe.monitoring)
+        # this process's step, data and forward time; on CUDA the GPU's own (cloudtrain.training.prefetch)
+        self.clock = InputClock(runtime.device)
         self.callbacks: list[Any] = []  # the user's (cloudtrain.training.callbacks); the pipeline sets them
 
     # ------------------------------------------------------------ what subclasses provide
@@ -230,6 +231,11 @@ class Trainer:
 
     def move(self, batch: dict) -> dict:
         return batch
+
+    def input_batches(self, batches: Iterable[dict]) -> Iterable[dict]:
+        """The training batches as the step gets them (default: as the loader yields them; `move` places them
+        in the step). A trainer that places its own batches copies them ahead (cloudtrain.training.prefetch)."""
+        return batches
 
     def store_per_node(self) -> None:
         """Checkpoint folders are node-local: each node's first process must also write the shared files."""
@@ -346,14 +352,16 @@ class Trainer:
         k = self.cfg.training.gradient_accumulation_steps
         if self.streams:  # a stream starts at its own cursor (restored by `resume`) and has no epochs
             self.clock.start_step()
-            yield from micro_batch_windows(self.train_dl, k)
+            yield from micro_batch_windows(self.input_batches(self.train_dl), k)
             return
         while not loop.done:
             epoch, steps_done = divmod(loop.step, loop.steps_per_epoch)
             set_epoch(self.train_dl, epoch)
             batches = skip_first_batches(self.train_dl, steps_done * k) if steps_done else self.train_dl
+            if hasattr(self.train_dl, "_non_blocking"):  # accelerate's skipping loader forgets its copy mode
+                batches._non_blocking = self.train_dl._non_blocking  # type: ignore[union-attr]
             self.clock.start_step()
-            yield from micro_batch_windows(batches, k)
+            yield from micro_batch_windows(self.input_batches(batches), k)
 
     def _step(self, window: list[dict], loop: LoopState) -> None:
         """One optimizer step over a window of micro-batches; nothing in it waits on the host."""
