@@ -223,9 +223,8 @@ def load_model(
     source = m.model_config or resolve_model_path(m)
     config = task.build_config(cfg, data, tokenizer)
     options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, auto_class))
-    options.update(
-        tensor_parallel.load_options(cfg, launched_processes())
-    )  # sharded as it loads (--tensor_parallel_size)
+    # --tensor_parallel_size: sharded as it loads
+    options.update(tensor_parallel.load_options(cfg, launched_processes()))
     if m.attn_implementation:  # at load time: some models take it only there (models.prepare.attention checks it)
         options["attn_implementation"] = m.attn_implementation
     verbosity = transformers.logging.get_verbosity()
