@@ -75,6 +75,15 @@ class DistributedConfig:
         "one fewer than the stages; default: layers balanced by count, the first and last stage one fewer "
         "(they hold the embeddings and the head).",
     )
+    tensor_parallel_size: int = opt(
+        1,
+        "Processes that split each layer's weights (tensor parallelism, the model's own plan; --training_type "
+        "accelerated); the launch's processes form processes / this many data-parallel replicas. See "
+        "docs/parallelism.md.",
+    )
+    context_parallel_size: int = opt(
+        1, "Processes that split each sequence for attention (context parallelism); see docs/parallelism.md."
+    )
     collective_timeout: float = opt(
         1800.0,
         "Seconds a process waits in one collective (all-reduce, barrier, ...) before the run stops with a "
@@ -89,6 +98,8 @@ class DistributedConfig:
             raise UserError("--offload_* nvme (ZeRO-Infinity) needs --zero_stage 3")
         if self.nvme_path and not nvme:
             raise UserError("--nvme_path is used only with --offload_optimizer nvme or --offload_param nvme")
+        if self.tensor_parallel_size < 1 or self.context_parallel_size < 1:
+            raise UserError("--tensor_parallel_size and --context_parallel_size must be at least 1")
         if self.aio_block_size < 4096 or self.aio_queue_depth < 1:
             raise UserError("--aio_block_size must be at least 4096 bytes and --aio_queue_depth at least 1")
         self.check_fsdp()

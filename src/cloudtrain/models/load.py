@@ -35,6 +35,8 @@ from cloudtrain.config import Config, ModelConfig
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.models import adapters
+from cloudtrain.parallel import tensor as tensor_parallel
+from cloudtrain.parallel.distributed import launched_processes
 
 if TYPE_CHECKING:
     from cloudtrain.tasks.base import Task
@@ -221,6 +223,8 @@ def load_model(
     source = m.model_config or resolve_model_path(m)
     config = task.build_config(cfg, data, tokenizer)
     options = dict(trust_remote_code=m.trust_remote_code, **adapters.load_options(cfg, auto_class))
+    # --tensor_parallel_size: sharded as it loads
+    options.update(tensor_parallel.load_options(cfg, launched_processes()))
     if m.attn_implementation:  # at load time: some models take it only there (models.prepare.attention checks it)
         options["attn_implementation"] = m.attn_implementation
     verbosity = transformers.logging.get_verbosity()

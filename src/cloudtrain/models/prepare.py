@@ -168,6 +168,8 @@ def _fused_misfit(model: Any, cfg: Config) -> str | None:
     # the head's weight is sharded outside the module's own forward
     if d.zero_stage == 3 or d.fsdp or is_deepspeed_zero3_enabled():
         return "the LM head's weight is sharded (ZeRO-3 or FSDP) where the loss reads it"
+    if d.tensor_parallel_size > 1:  # a DTensor split by the plan (cloudtrain.parallel.tensor)
+        return "the LM head's weight is split by --tensor_parallel_size where the loss reads it"
     return hidden_states_error(model)
 
 

@@ -16,7 +16,8 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
   optimizer from accelerate's placeholder, cloudtrain.training.optim), their "auto" values filled from
   --learning_rate, --weight_decay, --warmup_steps and --max_steps; --optim or schedule options given
   beside them are refused, since one of the two would be silently ignored.
-Not supported: Megatron-LM, tensor/pipeline parallelism.
+Tensor parallelism: cloudtrain.parallel.tensor (the model sharded as it loads); pipelines: --training_type pipeline.
+Not supported: Megatron-LM.
 """
 
 import contextlib
@@ -317,6 +318,8 @@ def fsdp_shards(cfg: Config) -> bool:
 
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
+    from cloudtrain.parallel.context import check_context_parallel
+    from cloudtrain.parallel.tensor import check_tensor_parallel
     from cloudtrain.registry import TRAINERS
     from cloudtrain.training.optim import check_optimizer
 
@@ -362,6 +365,8 @@ def check_distributed(cfg: Config) -> None:
                 "DeepSpeed on CPU needs a launcher to start its process group: torchrun --nproc_per_node N "
                 "src/training_application.py ... (or accelerate launch), also for one process"
             )
+    check_tensor_parallel(cfg, launched_processes())  # cloudtrain.parallel.tensor: each refusal in one line
+    check_context_parallel(cfg)  # cloudtrain.parallel.context: refused where it cannot run, saying why
     check_fsdp_launch(cfg)
 
 
@@ -406,7 +411,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
             zero3_init_flag=zero.get("stage") == 3,
             zero3_save_16bit_model=zero.get("stage3_gather_16bit_weights_on_model_save"),
         )
-    fsdp = build_plugin(cfg) if fsdp_shards(cfg) else None
+    tensor_parallel = cfg.distributed.tensor_parallel_size > 1  # TP x FSDP2: transformers wraps the model instead
+    fsdp = build_plugin(cfg) if fsdp_shards(cfg) and not tensor_parallel else None
     if fsdp_requested(cfg) and fsdp is None:  # no_shard: DDP, also where an accelerate config asked for FSDP
         os.environ.pop("ACCELERATE_USE_FSDP", None)
     accelerator = Accelerator(

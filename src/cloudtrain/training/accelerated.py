@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.observe.tracking import RunLog
-from cloudtrain.parallel import fsdp
+from cloudtrain.parallel import fsdp, tensor
 from cloudtrain.parallel.distributed import build_accelerator, deepspeed_requested, fsdp_requested, sharding
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, join_launch, set_collective_timeout
@@ -39,8 +39,11 @@ class AcceleratedTrainer(Trainer):
 
     @classmethod
     def mesh(cls, cfg: Config, processes: int) -> Mesh:
-        """ZeRO (any stage) and FSDP shard the data-parallel processes' states; plain DDP replicates them."""
+        """Tensor parallel groups (x replicas or FSDP shards); ZeRO (any stage) and FSDP shard the data-parallel
+        processes' states; plain DDP replicates them."""
         shards = sharding(cfg)
+        if tensor.degree(cfg) > 1:
+            return tensor.tensor_mesh(cfg, processes)
         if shards.fsdp:
             return fsdp.mesh(cfg, processes)
         if shards.zero_stage:
@@ -50,7 +53,7 @@ class AcceleratedTrainer(Trainer):
     @classmethod
     def launch(cls, cfg: Config) -> Runtime:
         join_launch("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")  # before accelerate would
-        runtime = Runtime(build_accelerator(cfg))
+        runtime = tensor.launch_runtime(build_accelerator(cfg), cfg)  # a plain Runtime without --tensor_parallel_size
         set_collective_timeout(cfg.distributed.collective_timeout)
         return runtime
 
@@ -64,6 +67,10 @@ class AcceleratedTrainer(Trainer):
         self.mode = accelerator.distributed_type.value
         if self._zero_stage() is not None:
             self.mode += f" ZeRO-{self._zero_stage()}"
+        self.tensor_parallel = tensor.is_tensor_parallel(runtime)
+        if self.tensor_parallel:  # a group's processes take the same rows: the first one's enter the logged sums
+            self.mode += f" tensor parallel {runtime.mesh.tp}" + (" x FSDP2" if runtime.mesh.dp_shard > 1 else "")
+            self.counts_batches = tensor.tp_rank(runtime) == 0
 
     @classmethod
     def async_refusal(cls, cfg: Config) -> str | None:
@@ -77,9 +84,15 @@ class AcceleratedTrainer(Trainer):
 
     def setup(self) -> None:
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.
-        self.model, self.optimizer, self.train_dl, *loaders = self.accelerator.prepare(
-            self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
-        )
+        if self.tensor_parallel:  # the model was sharded as it loaded; only the loaders are accelerate's
+            tensor.mixed_precision_forward(self.model, self.accelerator)
+            self.train_dl, *loaders = self.accelerator.prepare(
+                self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
+            )
+        else:
+            self.model, self.optimizer, self.train_dl, *loaders = self.accelerator.prepare(
+                self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
+            )
         self.eval_dls = dict(zip(self.eval_dls, loaders[: len(self.eval_dls)], strict=True))
         self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls) :], strict=True))
         # adapters: checkpoints hold the trainable weights only (DeepSpeed is told in save/load_state; FSDP
@@ -153,12 +166,16 @@ class AcceleratedTrainer(Trainer):
         self.accelerator.save_state(
             str(folder), **frozen
         )  # model (safetensors), optimizer, scaler, RNG of every process
+        if self.tensor_parallel:  # every process's shards of weights and optimizer state
+            tensor.save_shards(folder, self.model, self.optimizer)
         if self.checkpoint_owner:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
 
     def load_checkpoint(self, folder: Path) -> None:
         frozen = {"load_module_strict": False} if self.partial and self.accelerator.state.deepspeed_plugin else {}
         self.accelerator.load_state(str(folder), **frozen)
+        if self.tensor_parallel:
+            tensor.load_shards(folder, self.model, self.optimizer)
         self.scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=True))
 
     def _zero_stage(self) -> int | None:
@@ -166,6 +183,13 @@ class AcceleratedTrainer(Trainer):
         return plugin.zero_stage if plugin else None
 
     def save_model(self, output_dir: Path) -> None:
+        if self.tensor_parallel:  # every rank gathers; the main process writes the full tensors
+            full = tensor.full_state_dict(self.model)
+            with tensor.saved_as_one(self.model):
+                if self.is_main_process:
+                    save_weights(self.model, output_dir, state_dict=full)
+            self.accelerator.wait_for_everyone()
+            return
         # every rank: ZeRO-3 and FSDP gather here; unsharded adapters need nothing gathered (PEFT takes its few MB)
         state_dict = None if self.partial and not self.sharded else self.accelerator.get_state_dict(self.model)
         if self.is_main_process:

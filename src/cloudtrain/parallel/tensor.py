@@ -1,0 +1,238 @@
+"""Tensor parallelism (`--tensor_parallel_size N`): each decoder layer's attention and MLP weights split across N
+processes with the model's own plan (transformers' `base_model_tp_plan`: column-wise q/k/v, gate and up
+projections, row-wise o and down projections), and the launch's processes / N data-parallel replicas of that
+group. transformers shards the model as it loads (`load_options`), on a (dp_replicate, tp) mesh; with more than
+one replica it also wraps the model in FSDP2 with a shard degree of 1, which all-reduces (averages) the
+gradients across the replicas. With --fsdp the data-parallel processes shard the states instead (FSDP2 on a
+(dp_shard, tp) mesh: 2-D), still through transformers, so it runs on CPU too. The ranks of one tensor-parallel
+group take the same rows (accelerate's loaders, told the mesh), every group its own. Checkpoints hold each
+process's shards (torch.distributed.checkpoint); the final model is gathered to full tensors and written as
+ordinary safetensors by the main process. What runs where and why: docs/parallelism.md.
+"""
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import gather, recursively_apply
+
+from cloudtrain.config import Config
+from cloudtrain.errors import UserError
+from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.parallel.runtime import Runtime
+
+# tasks whose model is one decoder loaded as it is (sft may grow the embeddings for its chat tokens, which a sharded
+# embedding cannot: transformers' resize needs the whole matrix; preference tasks keep a reference copy)
+TASKS = ("causal_lm",)
+SHARDS = "tensor_parallel"  # a checkpoint's subfolder with every process's shards of weights and optimizer state
+
+
+def degree(cfg: Config) -> int:
+    return cfg.distributed.tensor_parallel_size
+
+
+def shards_states(cfg: Config) -> bool:
+    """--fsdp beside --tensor_parallel_size: the data-parallel processes shard the states (FSDP2 through
+    transformers, 2-D with the tensor-parallel dimension) instead of replicating them."""
+    return cfg.distributed.fsdp
+
+
+def tensor_mesh(cfg: Config, processes: int) -> Mesh:
+    """The launch's processes as (data-parallel replicas or shards) x (tensor-parallel group)."""
+    tp = degree(cfg)
+    dp = max(processes // tp, 1)
+    if shards_states(cfg):
+        return Mesh(world=processes, dp_shard=dp, tp=tp)
+    return Mesh(world=processes, dp_replicate=dp, tp=tp)
+
+
+def check_tensor_parallel(cfg: Config, processes: int) -> None:
+    """Every refusal of --tensor_parallel_size, before anything heavy loads (reads the model's config only)."""
+    tp = degree(cfg)
+    if tp == 1:
+        return
+    from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested
+
+    flag = f"--tensor_parallel_size {tp}"
+    t, d = cfg.training, cfg.distributed
+    refusals = [
+        (t.training_type != "accelerated", f"needs --training_type accelerated (this run is {t.training_type})"),
+        (
+            processes % tp != 0,
+            f"needs a multiple of {tp} processes, and this launch has {processes}: launch with torchrun "
+            f"--nproc_per_node {tp} (or {2 * tp}, ...)",
+        ),
+        (deepspeed_requested(cfg), "does not combine with DeepSpeed ZeRO; drop --zero_stage/--deepspeed_config"),
+        (
+            fsdp_requested(cfg) and not cfg.distributed.fsdp,
+            "shards with FSDP through --fsdp true, not through an accelerate FSDP config",
+        ),
+        (
+            cfg.distributed.fsdp
+            and (
+                d.fsdp_sharding_strategy != "full_shard"
+                or d.fsdp_cpu_offload
+                or d.fsdp_reshard_after_forward is not None
+            ),
+            "with --fsdp shards fully, through transformers: drop --fsdp_sharding_strategy, --fsdp_cpu_offload and "
+            "--fsdp_reshard_after_forward",
+        ),
+        (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
+        (cfg.model.peft != "none", "does not combine with --peft (adapters on sharded layers are not supported)"),
+        (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
+        (
+            cfg.model.fused_cross_entropy == "true",
+            "does not combine with --fused_cross_entropy true (the LM head is split); use false or auto",
+        ),
+        (t.mixed_precision == "fp16", "needs --mixed_precision bf16 or no (fp16's loss scaler is not wired here)"),
+        (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
+        (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
+        (cfg.checkpoint.async_checkpointing, "does not combine with --async_checkpointing; leave it false"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UserError(f"{flag} {why}")
+    check_model_divides(cfg, tp)
+
+
+def check_model_divides(cfg: Config, tp: int) -> None:
+    """The model family has a plan in transformers, and its heads, KV heads and MLP width split evenly."""
+    from cloudtrain.models.load import load_config, read_config
+
+    if cfg.model.model_config:  # a preset or config.json (causal_lm pretraining)
+        from cloudtrain.tasks.causal_lm import model_config_file
+
+        config = load_config(model_config_file(cfg.model.model_config), cfg.model.trust_remote_code)
+    else:
+        config = read_config(cfg.model)
+    family = getattr(config, "model_type", type(config).__name__)
+    if not getattr(config, "base_model_tp_plan", None):
+        raise UserError(
+            f"--tensor_parallel_size: the {family} model family has no tensor-parallel plan in transformers; "
+            "use --tensor_parallel_size 1 (data parallel, ZeRO or FSDP) or a family with one (Llama, Qwen, ...)"
+        )
+    sizes = {
+        "attention heads": getattr(config, "num_attention_heads", None),
+        "KV heads": getattr(config, "num_key_value_heads", None),
+        "intermediate size": getattr(config, "intermediate_size", None),
+    }
+    for what, size in sizes.items():
+        if size is not None and size % tp:
+            raise UserError(
+                f"--tensor_parallel_size {tp} does not divide the model's {what} ({size}); choose a divisor of {size}"
+            )
+
+
+def load_options(cfg: Config, processes: int) -> dict:
+    """What from_pretrained needs to load the model sharded on the launch's (dp_replicate or dp_shard, tp) mesh."""
+    tp = degree(cfg)
+    if tp == 1:
+        return {}
+    from transformers.distributed import DistributedConfig
+
+    dp = processes // tp
+    if shards_states(cfg):  # 2-D: FSDP2 over the data-parallel dimension
+        return {"distributed_config": DistributedConfig(tp_size=tp, fsdp_size=dp)}
+    return {"distributed_config": DistributedConfig(tp_size=tp, dp_replicate_size=dp)}
+
+
+class TensorParallelRuntime(Runtime):
+    """The accelerate runtime, told the (dp_replicate, tp) mesh: its loaders give a tensor-parallel group the
+    same rows, and `gather` keeps each row once (from the first process of each group)."""
+
+    def __init__(self, accelerator: Accelerator, tp: int, data_parallel: str = "dp_replicate"):
+        super().__init__(accelerator)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.tp = tp
+        self.data_mesh = init_device_mesh(
+            self.device.type, (self.count // tp, tp), mesh_dim_names=(data_parallel, "tp")
+        )
+        accelerator.state.device_mesh = self.data_mesh  # read by accelerate's prepare_data_loader
+        self.tp_rank = self.data_mesh.get_local_rank("tp")
+
+    def gather(self, tensors: Any) -> Any:
+        assert self.accelerator is not None  # built with one
+        state, every = self.accelerator.gradient_state, gather(tensors)  # process order: rank = dp x tp + tp_rank
+
+        def once(tensor: torch.Tensor) -> torch.Tensor:
+            rows = tensor.reshape(self.count // self.tp, self.tp, -1, *tensor.shape[1:])[:, 0].flatten(0, 1)
+            if state.end_of_dataloader and state.remainder > 0:  # the last batch's padding rows
+                rows = rows[: state.remainder]
+            return rows
+
+        return recursively_apply(once, every)
+
+
+def launch_runtime(accelerator: Accelerator, cfg: Config) -> Runtime:
+    if degree(cfg) == 1:
+        return Runtime(accelerator)
+    return TensorParallelRuntime(accelerator, degree(cfg), "dp_shard" if shards_states(cfg) else "dp_replicate")
+
+
+def mixed_precision_forward(model: torch.nn.Module, accelerator: Accelerator) -> None:
+    """The forward under the launch's autocast (what accelerate's prepare would add to a model it wraps)."""
+    if accelerator.mixed_precision == "no":
+        return
+    forward = model.forward
+
+    @functools.wraps(forward)
+    def autocast_forward(*args: Any, **kwargs: Any) -> Any:
+        with accelerator.autocast():
+            return forward(*args, **kwargs)
+
+    model.forward = autocast_forward  # type: ignore[method-assign]
+
+
+def save_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every process's shards of the weights and optimizer state (a collective: every process calls it)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    weights, optim = get_state_dict(model, optimizer)
+    dcp.save({"model": weights, "optim": optim}, checkpoint_id=str(folder / SHARDS))
+
+
+def load_shards(folder: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load what `save_shards` wrote, with the same layout (Trainer.resume checks the mesh)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    weights, optim = get_state_dict(model, optimizer)
+    dcp.load({"model": weights, "optim": optim}, checkpoint_id=str(folder / SHARDS))  # in place
+    set_state_dict(model, optimizer, model_state_dict=weights, optim_state_dict=optim)
+
+
+def full_state_dict(model: torch.nn.Module) -> dict[str, Any]:
+    """The whole model as plain CPU tensors on the main process ({} elsewhere), gathered one tensor at a time
+    (a collective: every process calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+@contextlib.contextmanager
+def saved_as_one(model: torch.nn.Module) -> Iterator[None]:
+    """save_pretrained with full tensors given: transformers must not gather them again (its gather is a
+    collective the other processes would not join)."""
+    config = getattr(model, "config", None)
+    kept = getattr(config, "distributed_config", None)
+    if config is not None:
+        config.distributed_config = None
+    try:
+        yield
+    finally:
+        if config is not None:
+            config.distributed_config = kept
+
+
+def is_tensor_parallel(runtime: Runtime) -> bool:
+    return isinstance(runtime, TensorParallelRuntime)
+
+
+def tp_rank(runtime: Runtime) -> int:
+    return runtime.tp_rank if isinstance(runtime, TensorParallelRuntime) else 0

@@ -1,0 +1,65 @@
+"""Launched by tests/test_tensor_parallel.py under torchrun: the tensor-parallel model (loaded as cloudtrain loads it,
+on a (dp_replicate, tp) mesh) against the unsharded model on the whole batch, in every process. Each data-parallel
+replica takes its own rows and scales its summed loss as the trainer does (processes / the global token count,
+summed over every process); the loss and every gradient, gathered from the shards, must equal the unsharded
+model's. Prints one `ok` line per process."""
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from cloudtrain.config import Config
+from cloudtrain.data.packing import IGNORE_INDEX, causal_lm_forward, shifted_loss
+from cloudtrain.parallel import tensor
+
+
+def full(value: torch.Tensor) -> torch.Tensor:
+    return value.full_tensor() if isinstance(value, DTensor) else value
+
+
+def main(model_dir: str, tp: int, fsdp: bool) -> None:
+    dist.init_process_group("gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    replicas = world // tp
+    torch.manual_seed(0)  # the same batch in every process
+    ids = torch.randint(0, 300, (4, 20))
+    labels = ids.clone()
+    labels[0, 12:] = IGNORE_INDEX  # uneven token counts: the global count matters
+    labels[3, 5:] = IGNORE_INDEX
+    positions = torch.arange(20).expand(4, 20)
+
+    reference = AutoModelForCausalLM.from_pretrained(model_dir)
+    summed, count = shifted_loss(causal_lm_forward(reference, {"input_ids": ids, "position_ids": positions}), labels)
+    (summed / count).backward()
+
+    cfg = Config()
+    cfg.distributed.tensor_parallel_size, cfg.distributed.fsdp = tp, fsdp
+    sharded = AutoModelForCausalLM.from_pretrained(model_dir, **tensor.load_options(cfg, world))
+    assert any(isinstance(p, DTensor) for p in sharded.parameters()), "the model was not sharded"
+    rows = slice(rank // tp * 4 // replicas, (rank // tp + 1) * 4 // replicas)  # this replica's rows
+    batch = {"input_ids": ids[rows], "position_ids": positions[rows], "labels": labels[rows]}
+    local_sum, local_count = shifted_loss(causal_lm_forward(sharded, batch), batch["labels"])
+    total = local_count.double().clone()
+    dist.all_reduce(total)
+    (local_sum * (world / total).float()).backward()
+
+    replica_sum = local_sum.detach().clone()
+    dist.all_reduce(replica_sum)  # each row counted tp times
+    torch.testing.assert_close(replica_sum / tp, summed.detach(), rtol=1e-5, atol=1e-5)
+    checked = 0
+    grads = dict(reference.named_parameters())
+    for name, param in sharded.named_parameters():
+        torch.testing.assert_close(full(param.grad), grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+        checked += 1
+    assert checked == len(grads)
+    print(f"ok rank {rank}: loss and {checked} gradients equal the unsharded model's", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["fsdp"])
+    os._exit(0)

@@ -1,0 +1,229 @@
+"""--tensor_parallel_size on CPU with gloo: the sharded model's loss and every gradient equal the unsharded model's;
+through the application, TP=2 on 2 processes and TP=2 x 2 replicas on 4 processes equal one process (losses,
+gradient norms, weights after several steps, evaluation counts); a killed run resumes exactly from its sharded
+checkpoint; the saved model is ordinary safetensors that one process loads and generates the same text with;
+every refusal is one line (those need no launch)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ENTRY, REPO, assert_each_refused, lm_documents
+from safetensors.torch import load_file
+from test_distributed import launch, logged_losses, torchrun
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("tp-corpus")
+    for split, n, seed in (("train", 48, 0), ("validation", 8, 1)):
+        (folder / f"{split}.txt").write_text("\n".join(lm_documents(n, seed)) + "\n")
+    return folder
+
+
+def options(model_dir: str, corpus: Path, out: Path) -> dict:
+    return {
+        "task": "causal_lm",
+        "model_name_or_path": model_dir,
+        "train_file": str(corpus / "train.txt"),
+        "validation_file": str(corpus / "validation.txt"),
+        "output_dir": str(out),
+        "max_length": "48",
+        "learning_rate": "3e-3",
+        "logging_steps": "1",
+        "mixed_precision": "no",
+        "sample_max_new_tokens": "4",
+        "eval_strategy": "no",
+        "packing": "none",  # rows of uneven token counts: the global token normalisation matters
+        "gradient_accumulation_steps": "2",
+    }
+
+
+def args(opts: dict, **extra) -> list[str]:
+    return [str(ENTRY), *(f"--{k}={v}" for k, v in {**opts, **extra}.items())]
+
+
+def metrics(out: Path, key: str) -> list[float]:
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return [e[key] for e in lines if key in e]
+
+
+def samples(stdout: str) -> list[str]:
+    return [line.strip() for line in stdout.splitlines() if '" -> "' in line]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data_parallel", ["replicate", "fsdp"])
+def test_sharded_loss_and_every_gradient_equal_the_unsharded_model(tiny_llama_dir, data_parallel):
+    """4 processes: tensor parallel 2 x 2 data-parallel processes (replicas, or FSDP2 shards: 2-D), each taking
+    its own rows, loaded as cloudtrain loads it."""
+    result = launch(torchrun(4), str(REPO / "tests" / "dist_tp.py"), tiny_llama_dir, "2", data_parallel)
+    assert result.stdout.count("gradients equal the unsharded model's") == 4, result.stdout[-2000:]
+
+
+@pytest.mark.slow
+def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, tmp_path):
+    """One process x 4 rows, TP=2 on 2 processes x 4 rows (both take the same rows), TP=2 x 2 replicas and TP=2 x
+    FSDP2 shard 2 on 4 processes x 2 rows each: the same losses and gradient norms at every step (clipped:
+    --max_grad_norm 1), the same weights after 4 steps of 2 accumulated micro-batches, the same evaluation over
+    exactly the same tokens."""
+    runs = {"one": (1, "4", {}), "tp2": (2, "4", {}), "tp2x2": (4, "2", {}), "tp2xfsdp2": (4, "2", {"fsdp": "true"})}
+    outputs = {}
+    for name, (processes, rows, fsdp) in runs.items():
+        opts = options(tiny_llama_dir, corpus, tmp_path / name)
+        tp = {"tensor_parallel_size": "2", **fsdp} if processes > 1 else {}
+        outputs[name] = launch(
+            torchrun(processes), *args(opts, max_steps="4", per_device_train_batch_size=rows, max_grad_norm="1", **tp)
+        ).stdout
+    assert "tensor parallel 2" in outputs["tp2"] and "4 process(es)" in outputs["tp2x2"]
+    assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["tp2x2"]
+    assert "tensor parallel 2 x FSDP2" in outputs["tp2xfsdp2"]
+    initial = load_file(Path(tiny_llama_dir) / "model.safetensors")
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    evaluation = json.loads((tmp_path / "one" / "eval_results.json").read_text())
+    for name in ("tp2", "tp2x2", "tp2xfsdp2"):
+        out = tmp_path / name
+        assert logged_losses(out) == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-6)
+        assert metrics(out, "train/grad_norm") == pytest.approx(metrics(tmp_path / "one", "train/grad_norm"), rel=1e-5)
+        saved = load_file(out / "model.safetensors")  # gathered from the shards: ordinary full tensors
+        assert set(saved) == set(one) and all(saved[k].shape == one[k].shape for k in one)
+        for key in one:
+            moved = (one[key] - initial[key]).abs().max()
+            assert moved > 1e-3, key  # it trained, by far more than the tolerance below
+            # Adam divides by the gradient's root mean square: an element whose gradient is ~0 moves by up to
+            # lr from a rounding difference (row-wise layers add their partial sums in another order)
+            torch.testing.assert_close(saved[key], one[key], rtol=1e-3, atol=3e-4, msg=key)
+        theirs = json.loads((out / "eval_results.json").read_text())
+        assert (theirs["tokens"], theirs["samples"]) == (evaluation["tokens"], evaluation["samples"])  # each once
+        assert theirs["loss"] == pytest.approx(evaluation["loss"], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(tiny_llama_dir, corpus, tmp_path):
+    """TP=2: a run with a checkpoint at step 3 of 5, then the same run resumed there (as after kill -9) ends with
+    the same weights and losses; the saved model loads in one process and continues the sample prompts as the
+    tensor-parallel model did at the end of training."""
+    out = tmp_path / "tp"
+    opts = options(tiny_llama_dir, corpus, out)
+    common = dict(max_steps="5", checkpointing_steps="3", per_device_train_batch_size="4", tensor_parallel_size="2")
+    first = launch(torchrun(2), *args(opts, **common)).stdout
+    weights, losses = load_file(out / "model.safetensors"), logged_losses(out)
+    checkpoint = out / "checkpoints" / "checkpoint-3"
+    assert (checkpoint / "tensor_parallel" / ".metadata").is_file()  # every process's shards
+    resumed = launch(
+        torchrun(2), *args(opts, **common, overwrite_output_dir="true", resume_from_checkpoint=str(checkpoint))
+    ).stdout
+    assert "at step 3" in resumed
+    again = load_file(out / "model.safetensors")
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    assert logged_losses(out) == pytest.approx(losses, rel=1e-12)
+
+    config = json.loads((out / "config.json").read_text())
+    assert "distributed_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
+    generations = json.loads((out / "eval_results.json").read_text())["generations"]
+    whole = [g for g in generations if "\ufffd" not in g["continuation"]]  # decoded alone, a split character differs
+    assert whole and samples(first) == samples(resumed)
+    for generation in whole:
+        command = [sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--prompt", generation["prompt"]]
+        done = subprocess.run(
+            [*command, "--max_new_tokens", "4"], capture_output=True, text=True, timeout=300, cwd=REPO
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == generation["prompt"] + generation["continuation"], done.stdout
+
+
+def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_dir, capsys, monkeypatch):
+    base = {**options(tiny_llama_dir, corpus, tmp_path / "out"), "tensor_parallel_size": "2"}
+    cases = {  # name: (processes the launcher started, options, the line's end)
+        "basic trainer": (1, {**base, "training_type": "basic"}, "needs --training_type accelerated"),
+        "pipeline trainer": (4, {**base, "training_type": "pipeline"}, "needs --training_type accelerated"),
+        "odd process count": (3, base, "needs a multiple of 2 processes, and this launch has 3"),
+        "one process": (1, base, "needs a multiple of 2 processes, and this launch has 1"),
+        "deepspeed": (2, {**base, "zero_stage": "2"}, "does not combine with DeepSpeed ZeRO"),
+        "an accelerate FSDP config": (2, {**base, "env:ACCELERATE_USE_FSDP": "true"}, "not through an accelerate FSDP"),
+        "adapters": (2, {**base, "peft": "lora"}, "does not combine with --peft"),
+        "fused loss": (2, {**base, "fused_cross_entropy": "true"}, "does not combine with --fused_cross_entropy true"),
+        "fsdp options": (
+            2,
+            {**base, "fsdp": "true", "fsdp_cpu_offload": "true"},
+            "with --fsdp shards fully, through transformers",
+        ),
+        "sft": (2, {**base, "task": "sft"}, "is supported for --task causal_lm only (this run is sft)"),
+        "compile": (2, {**base, "torch_compile": "true"}, "does not combine with --torch_compile"),
+        "batch size auto": (2, {**base, "per_device_train_batch_size": "auto"}, "not auto"),
+        "no plan": (2, {**base, "model_name_or_path": tiny_gpt2_dir}, "the gpt2 model family has no tensor-parallel"),
+        "heads": (3, {**base, "tensor_parallel_size": "3"}, "does not divide the model's attention heads (4)"),
+        "kv heads": (4, {**base, "tensor_parallel_size": "4"}, "does not divide the model's KV heads (2)"),
+        "zero size": (2, {**base, "tensor_parallel_size": "0"}, "must be at least 1"),
+    }
+    for name, (processes, opts, message) in cases.items():
+        with monkeypatch.context() as env:
+            env.setenv("WORLD_SIZE", str(processes))
+            for key in [k for k in opts if k.startswith("env:")]:
+                env.setenv(key[4:], opts.pop(key))
+            assert_each_refused({name: (opts, message)}, capsys, tmp_path / "out")
+
+
+def test_the_mesh_gives_tensor_parallel_groups_and_data_parallel_replicas_or_shards(tmp_path):
+    from cloudtrain.config import Config
+    from cloudtrain.training.accelerated import AcceleratedTrainer
+
+    cfg = Config()
+    cfg.distributed.tensor_parallel_size = 2
+    mesh = AcceleratedTrainer.mesh(cfg, 8)
+    assert (mesh.tp, mesh.dp_replicate, mesh.data_parallel, mesh.fits) == (2, 4, 4, True)
+    assert mesh.describe() == "8 process(es): replicated 4 x tensor 2"
+    cfg.distributed.fsdp = True
+    mesh = AcceleratedTrainer.mesh(cfg, 8)
+    assert (mesh.tp, mesh.dp_shard, mesh.dp_replicate, mesh.data_parallel) == (2, 4, 1, 4)
+
+
+# ------------------------------------------------------------ context parallelism: what runs on CPU
+def test_context_parallel_is_refused_in_one_line_naming_why(tmp_path, corpus, tiny_llama_dir, capsys):
+    opts = {**options(tiny_llama_dir, corpus, tmp_path / "out"), "context_parallel_size": "2"}
+    why = "needs CUDA GPUs" if not torch.cuda.is_available() else "is not wired into a trainer yet"
+    assert_each_refused({"context parallel": (opts, why)}, capsys, tmp_path / "out")
+
+
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_sequences_split_balanced_and_reassemble(cp):
+    from cloudtrain.parallel import context
+
+    sequence = torch.arange(3 * 48).reshape(3, 48)
+    shards = [context.shard(sequence, cp, rank) for rank in range(cp)]
+    assert all(part.shape == (3, 48 // cp) for part in shards)
+    assert torch.equal(context.unshard(shards, cp), sequence)
+    work = [context.attention_work(part[0]) for part in shards]  # causal attention: later positions cost more
+    assert len(set(work)) == 1, work  # every process the same (a plain cut in cp pieces would not be)
+    plain = [context.attention_work(part[0]) for part in sequence.chunk(cp, dim=1)]
+    assert cp == 1 or len(set(plain)) == cp
+
+
+def test_the_loss_over_split_sequences_equals_the_unsplit_loss(tiny_llama_dir):
+    """Packed rows (two documents each, position ids restarting): the shards' summed losses, each shard's logits
+    computed by the model on the whole row and cut as the shards are, add up to the unsplit shifted loss."""
+    from transformers import AutoModelForCausalLM
+
+    from cloudtrain.data.packing import IGNORE_INDEX, causal_lm_forward, shifted_loss
+    from cloudtrain.parallel import context
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 300, (2, 32))
+    positions = torch.cat([torch.arange(20), torch.arange(12)]).expand(2, 32)
+    labels = ids.clone()
+    labels[:, 20] = IGNORE_INDEX  # the second document's first token is no target of the first one's last
+    labels[1, 28:] = IGNORE_INDEX
+    batch = {"input_ids": ids, "position_ids": positions, "labels": labels}
+    with torch.no_grad():
+        logits = causal_lm_forward(model, batch)
+    whole, count = shifted_loss(logits, labels)
+    for cp in (2, 4):
+        parts = [context.split_batch(batch, cp, rank) for rank in range(cp)]
+        assert torch.equal(context.unshard([p["position_ids"] for p in parts], cp), positions)
+        losses = [context.shard_loss(context.shard(logits, cp, rank), p["targets"]) for rank, p in enumerate(parts)]
+        assert sum(n for _, n in losses) == count
+        torch.testing.assert_close(sum(s for s, _ in losses), whole, rtol=1e-6, atol=1e-5)
