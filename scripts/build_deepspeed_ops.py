@@ -1,8 +1,8 @@
 """Compile DeepSpeed's async I/O op (ZeRO-Infinity's --offload_* nvme) into torch's extension cache, ahead of a run.
 
-DeepSpeed compiles it on first use otherwise, minutes into a run (3 minutes on 2 idle cores, more under load). Where libaio is
-not installed the op cannot be built and the application refuses --offload_* nvme in one line; this says so
-and exits 0 (nothing else needs the op). Already compiled: returns at once.
+DeepSpeed compiles it on first use otherwise, minutes into a run (3 minutes on 2 idle cores, more under load).
+Where libaio is not installed the op cannot be built and the application refuses --offload_* nvme in one line;
+this says so and exits 0 (nothing else needs the op). Already compiled: returns at once.
 """
 
 import contextlib
