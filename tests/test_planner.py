@@ -365,6 +365,10 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
     for row in plan["strategies"]:
         pipe = row["pipeline"]  # a pipeline's logits are its last stage's: none where another process needs more
         held = {one} if pipe is None else {0, one * (pipe["microbatches"] if pipe["schedule"] == "gpipe" else 1)}
+        if row["tensor_parallel_size"] > 1:  # a group takes t times the rows, and its logits are gathered whole
+            held = {one * row["tensor_parallel_size"]}
+        if row["context_parallel_size"] > 1:  # c times the rows, 1/c of each one's tokens
+            held = {one}
         assert row["estimate"]["logits"] in held
     assert {row["peft"] for row in plan["strategies"]} == {"none"}  # random weights: no base for adapters
     text = planning.render(plan)
@@ -385,7 +389,10 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
     # with the tokenizer, the preset's vocabulary is the one training builds (rounded up to a multiple of 64)
     exact = planning.make_plan(plan_args(None, tmp_path, tokenizer_name_or_path=lm_tokenizer_dir, **args))
     assert exact["model"]["vocab_size"] == math.ceil(len(AutoTokenizer.from_pretrained(lm_tokenizer_dir)) / 64) * 64
-    assert not exact["notes"] and f"--tokenizer_name_or_path {lm_tokenizer_dir}" in exact["recommendation"]["command"]
+    vocab_notes = [
+        n for n in exact["notes"] if "vocab" in n
+    ]  # the others: tensor/context parallel rows (test_planner_tp)
+    assert not vocab_notes and f"--tokenizer_name_or_path {lm_tokenizer_dir}" in exact["recommendation"]["command"]
 
 
 def test_causal_lm_refuses_a_classifier(tiny_model_dir, tmp_path):
@@ -837,16 +844,22 @@ def test_pipeline_recommended_where_every_data_parallel_strategy_is_over_budget(
     )
     commands = []
     for gpus, nodes, cpu_gib in ((2, 1, 100), (1, 2, 50)):
-        plan = planning.make_plan(
-            plan_args(
-                decoder_dirs["8b"], tmp_path / str(nodes), num_gpus=gpus, num_nodes=nodes, cpu_memory_gb=cpu_gib, **args
-            )
-        )
+        options = dict(num_gpus=gpus, num_nodes=nodes, cpu_memory_gb=cpu_gib, **args)
+        plan = planning.make_plan(plan_args(decoder_dirs["8b"], tmp_path / str(nodes), **options))
         rows, rec = plan["strategies"], plan["recommendation"]
-        assert not any(r["max_micro_batch"] for r in rows if r["peft"] == "none" and r["pipeline"] is None)
+        data_parallel = [r for r in rows if r["peft"] == "none" and r["pipeline"] is None]
+        split = [r for r in data_parallel if r["tensor_parallel_size"] > 1 or r["context_parallel_size"] > 1]
+        assert not any(r["max_micro_batch"] for r in data_parallel if r not in split)
+        if split:  # one node of 2: tensor parallel 2 with checkpointing fits, and beats the pipelines that do
+            assert rec["tensor_parallel_size"] == 2 and rec["gradient_checkpointing"]
+            tp = next(r for r in rows if r["label"] == rec["label"])
+            pipes = [r for r in rows if r["pipeline"] is not None and r["max_micro_batch"]]
+            assert pipes and all(r["relative_step_time"] > tp["relative_step_time"] for r in pipes)
+            plan = planning.make_plan(plan_args(decoder_dirs["8b"], tmp_path / "pp", strategy="pipeline", **options))
+            rows, rec = plan["strategies"], plan["recommendation"]
         assert rec["strategy"] == "pipeline" and rec["estimate"]["total"] <= 70 * GIB
         chosen = next(r for r in rows if r["label"] == rec["label"])
-        faster = [r for r in rows if r["peft"] == "none" and r["relative_step_time"] < chosen["relative_step_time"]]
+        faster = [r for r in data_parallel if r not in split and r["relative_step_time"] < chosen["relative_step_time"]]
         assert faster and not any(r["fits"] for r in faster)
         pipe = rec["pipeline"]
         cfg = emitted_config(rec["command"])
@@ -861,6 +874,7 @@ def test_pipeline_recommended_where_every_data_parallel_strategy_is_over_budget(
         assert rows_per_step == pipe["microbatches"] * rec["micro_batch"]  # B = M micro-batches of b rows
         assert rows_per_step * rec["gradient_accumulation_steps"] == 2  # 1 pipeline takes the global batch
         assert rec["files"] == {} and not (tmp_path / str(nodes)).exists()  # torchrun needs no config file
+        assert not (tmp_path / "pp").exists()
         commands.append(shlex.split(rec["command"]))
     assert commands[0][:3] == ["torchrun", "--nproc_per_node", "2"]
     assert commands[1][:5] == ["torchrun", "--nproc_per_node", "1", "--nnodes", "2"] and "--node_rank" in commands[1]

@@ -23,16 +23,28 @@ from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
 from cloudtrain.planning.report import choice_json, recommendation_json, render, row_json
 from cloudtrain.planning.search import (
+    context_candidates,
+    degrees,
     micro_batch_options,
     no_pipeline,
+    no_tensor_parallel,
     pipeline_candidates,
     ranked_choices,
     reasons,
     row,
     run_attention,
     suggestions,
+    tensor_candidates,
 )
-from cloudtrain.planning.strategies import CHECKPOINTING_COST, PIPELINE, STRATEGIES, Candidate, Setup, candidates
+from cloudtrain.planning.strategies import (
+    CHECKPOINTING_COST,
+    MODEL_PARALLEL,
+    PIPELINE,
+    STRATEGIES,
+    Candidate,
+    Setup,
+    candidates,
+)
 from cloudtrain.planning.writers import launch_command, write_configs
 from cloudtrain.registry import TASKS
 
@@ -89,10 +101,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     plan.add_argument(
         "--strategy",
-        choices=["auto"] + [s.key for s in STRATEGIES] + [PIPELINE.key],
+        choices=["auto"] + [s.key for s in STRATEGIES] + [PIPELINE.key] + [s.key for s in MODEL_PARALLEL],
         default="auto",
         help="Emit the configs for this strategy instead of the fastest that fits; pipeline: the fastest "
-        "pipeline + data parallel row (default: auto).",
+        "pipeline + data parallel row; tp, tp_fsdp: the fastest tensor-parallel row (replicated groups, or with "
+        "FSDP2); cp_fsdp: the fastest context-parallel row (not runnable yet) (default: auto).",
     )
     plan.add_argument(
         "--gradient_checkpointing",
@@ -189,8 +202,16 @@ def _distinct(c: Candidate, setup: Setup) -> bool:
     return setup.num_nodes > 1 or c.strategy.fsdp_sharding != "hybrid_shard"
 
 
-def _no_row(m: ModelFacts, setup: Setup) -> str:
+def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
     """Why a --strategy the planner knows has no row here (what the run would refuse, or what it would equal)."""
+    if key in ("tp", "tp_fsdp", "cp_fsdp"):
+        if setup.num_gpus < 2 or not m.decoder:
+            return "tensor and context parallelism plan a decoder task (--task causal_lm) on at least 2 GPUs per node"
+        if key == "cp_fsdp":
+            return f"no degree dividing the {setup.num_gpus} GPUs cuts --max_length {setup.max_length} in 2 x cp chunks"
+        if key == "tp_fsdp" and not no_tensor_parallel(m, setup):
+            return "tensor parallel groups on all the processes leave no data-parallel processes to shard over"
+        return no_tensor_parallel(m, setup) or "no tensor-parallel row here"
     if m.unshardable:
         return (
             "the run keeps a frozen copy of the model whole in every process (a DPO reference), which ZeRO-3 and FSDP "
@@ -253,10 +274,11 @@ def make_plan(args: argparse.Namespace) -> dict:
     pipes = pipeline_candidates(m, setup, per_gpu, micro_batch_options(requested, per_gpu)[0])
     if args.strategy == PIPELINE.key and not pipes:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
-    cands = [c for c in candidates(adapters, pipes) if runnable(m, c) and _distinct(c, setup)]
+    splits = tensor_candidates(m, setup) + context_candidates(m, setup)
+    cands = [c for c in candidates(adapters, pipes, splits) if runnable(m, c) and _distinct(c, setup)]
     if args.strategy not in ("auto", PIPELINE.key) and not any(c.strategy.key == args.strategy for c in cands):
-        raise UserError(f"--strategy {args.strategy}: {_no_row(m, setup)}")
-    rows = [row(m, c, setup, requested) for c in cands]
+        raise UserError(f"--strategy {args.strategy}: {_no_row(m, setup, args.strategy)}")
+    rows = [row(m, c, setup, requested * c.model_parallel) for c in cands]  # a TP/CP group: its processes' rows
     allowed = [
         r
         for r in rows
@@ -281,7 +303,10 @@ def make_plan(args: argparse.Namespace) -> dict:
         "recommendation": None,
         "suggestions": [],
         "fallbacks": [choice_json(c) for c in ranked[1:4]],  # the next best, in the order the choice takes
-        "notes": _notes(m, setup, args.mixed_precision) + _hardware_notes(name, args, gpu) + _attention_note(m, args),
+        "notes": _notes(m, setup, args.mixed_precision)
+        + _split_notes(m, setup)
+        + _hardware_notes(name, args, gpu)
+        + _attention_note(m, args),
     }
     if choice is None:
         forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
@@ -305,6 +330,22 @@ def make_plan(args: argparse.Namespace) -> dict:
         launch_command(m, choice, setup, files),
     )
     return plan
+
+
+def _split_notes(m: ModelFacts, setup: Setup) -> list[str]:
+    """Why a decoder has no tensor-parallel rows, or none at some degree; that context parallel rows do not run."""
+    if not m.decoder or setup.num_gpus < 2:
+        return []
+    why = no_tensor_parallel(m, setup)
+    notes = [f"no tensor-parallel rows: {why}"] if why else []
+    if not why and m.tensor_plan:
+        notes += [
+            f"no TP={t} rows: {problem}" for t in degrees(setup) if (problem := m.tensor_plan.divisor_problem(m, t))
+        ]
+    return notes + [
+        "context-parallel rows (CP=c) are shown for planning and recommended only when nothing that runs fits: "
+        "--context_parallel_size is refused by the application for now"
+    ]
 
 
 def _attention_note(m: ModelFacts, args: argparse.Namespace) -> list[str]:

@@ -60,6 +60,22 @@ class StageFacts:
 
 
 @dataclass(frozen=True)
+class TensorPlanFacts:
+    """What transformers' tensor-parallel plan splits (the config's base_model_tp_plan, the model's _tp_plan)."""
+
+    layer_split_params: int  # one layer's parameters the plan splits (column-wise q/k/v/gate/up, row-wise o/down)
+    head_split_params: int  # the LM head, split by vocabulary columns (colwise_gather_output); 0 when tied or absent
+    num_kv_heads: int
+
+    def divisor_problem(self, m: "ModelFacts", tp: int) -> str | None:
+        """Why a degree `tp` cannot split this model (the application's own refusal), or None."""
+        sizes = {"attention heads": m.num_heads, "KV heads": self.num_kv_heads}
+        sizes["intermediate size"] = m.intermediate_size
+        bad = [f"{what} ({size})" for what, size in sizes.items() if size % tp]
+        return f"{tp} does not divide the model's {', '.join(bad)}" if bad else None
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the estimate needs from the model, read off its config and its meta-device build."""
 
@@ -92,6 +108,7 @@ class ModelFacts:
     model_copy: bool = False  # full fine-tuning keeps a frozen fp32 copy of the model per process (a DPO reference)
     unshardable: bool = False  # the task needs the whole model in every process: no ZeRO-3/FSDP rows
     task_args: tuple[str, ...] = ()  # the task's own options the estimate assumed, passed on to the launch command
+    tensor_plan: TensorPlanFacts | None = None  # None: the family has no tensor-parallel plan in transformers
 
     @property
     def decoder(self) -> bool:
@@ -257,7 +274,36 @@ def model_facts(
         tokenizer=tokenizer,
         adapters=None if from_config else adapter_facts(model, run_task.train_in_full(model), lora, layers[0]),
         stages=stage_facts(model) if decoder else None,
+        tensor_plan=tensor_plan_facts(model, layers, kv_heads) if decoder else None,
     )
+
+
+def tensor_plan_facts(model, layers, kv_heads: int) -> TensorPlanFacts | None:
+    """What the model's tensor-parallel plan splits, counted on the meta-device model (None: no plan). Column-wise
+    modules split weight and bias, row-wise ones their weight (the bias is added once, after the all-reduce)."""
+    plan = getattr(model.config, "base_model_tp_plan", None)
+    if not plan:
+        return None
+    split = 0  # the plan's patterns name modules of every layer ("layers.*.self_attn.q_proj"): counted in one
+    for pattern, style in plan.items():
+        name = pattern.split("*.", 1)[-1] if "*" in pattern else None
+        module = layers[0].get_submodule(name) if name and _has(layers[0], name) else None
+        if module is None:
+            continue
+        split += sum(p.numel() for n, p in module.named_parameters() if "colwise" in style or n.endswith("weight"))
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    head_plan = getattr(type(model), "_tp_plan", None) or {}
+    head_split = sum(p.numel() for p in head.parameters()) if head is not None and head_plan and not tied else 0
+    return TensorPlanFacts(split, head_split, kv_heads)
+
+
+def _has(module, name: str) -> bool:
+    try:
+        module.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
 
 
 def _projections(layer, hidden: int, intermediate: int, into_mlp: bool) -> int:

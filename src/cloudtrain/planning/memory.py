@@ -137,13 +137,14 @@ def _fused_attention(m: ModelFacts) -> bool:
     return m.attn_implementation in ("sdpa", "flash_attention_2", "flash_attention_3", "flex_attention", "varlen")
 
 
-def _attention_bytes(m: ModelFacts, seq: int, c: int, dense_mask: bool) -> int:
+def _attention_bytes(m: ModelFacts, seq: int, c: int, dense_mask: bool, tp: int = 1) -> float:
     """Per token and layer, what the attention kernel keeps beyond q, k, v and its output: eager's s*s scores;
     a fused kernel's fp32 log-sum-exp per head and, given a dense mask, the additive bias it converts the
-    boolean [b, 1, s, s] mask into (compute dtype, one per layer, kept for its backward)."""
+    boolean [b, 1, s, s] mask into (compute dtype, one per layer, kept for its backward). Tensor parallelism
+    divides the heads, not the mask (one [b, 1, s, s] per process)."""
     if not _fused_attention(m):
-        return m.num_heads * seq * _attention_scores(m, c)
-    return 4 * m.num_heads + (c * seq if dense_mask else 0)
+        return m.num_heads * seq * _attention_scores(m, c) / tp
+    return 4 * m.num_heads / tp + (c * seq if dense_mask else 0)
 
 
 def _kv_width(m: ModelFacts, dense_mask: bool) -> int:
@@ -164,11 +165,19 @@ def _stacked(
 
 
 def _layer_terms(
-    m: ModelFacts, micro_batch: int, seq: int, half: bool, autocast32: bool = False, dense_mask: bool = False
+    m: ModelFacts,
+    micro_batch: int,
+    seq: int,
+    half: bool,
+    autocast32: bool = False,
+    dense_mask: bool = False,
+    tp: int = 1,
 ) -> tuple[float, int, int]:
     """(per layer A, outside the layers E, backward working space W) of full fine-tuning, in bytes.
     autocast32: 16-bit autocast over fp32 weights (the residual stream and norms in fp32, every projection casting
-    its own copy of its input); dense_mask: a [b, 1, s, s] mask given to sdpa (packed rows)."""
+    its own copy of its input); dense_mask: a [b, 1, s, s] mask given to sdpa (packed rows); tp: the tensor-parallel
+    degree, which divides what lives inside attention and the MLP (q, k, v, their heads, the intermediate size),
+    not the residual stream, the norms or the projections' inputs (no sequence parallelism in transformers' plan)."""
     c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
     normalized = (4 if autocast32 or not half else c) if m.rms_norm else 0
@@ -177,13 +186,13 @@ def _layer_terms(
         2 * 4 * h  # the two norms' inputs in fp32 (the residual stream, or the norm's fp32 copy of it)
         + 2 * normalized * h  # what an RMSNorm keeps for its weight's gradient: the normalised input
         + c * inputs * h  # the projections' inputs: one per block, or under autocast each projection's own cast
-        + c * (2 * h + 2 * _kv_width(m, dense_mask))  # q, k, v as attention keeps them; its output (o's input)
-        + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp)
+        + c * (2 * h + 2 * _kv_width(m, dense_mask)) / tp  # q, k, v as attention keeps them; its output
+        + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp) / tp
         + 2 * h * mask
-        + _attention_bytes(m, seq, c, dense_mask)
+        + _attention_bytes(m, seq, c, dense_mask, tp)
     )
     outside = sb * h * (4 + normalized + c + mask)  # the final norm's input and output, the head's input
-    return sb * per_token, outside, c * sb * (h + inter)
+    return sb * per_token, outside, round(c * sb * (h + inter / tp))
 
 
 def activation_bytes(
@@ -306,8 +315,18 @@ def nvme_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
     return round((16 * P + p * P) * setup.num_gpus / setup.world_size)
 
 
+def group_setup(cand: Candidate, setup: Setup) -> Setup:
+    """The set-up as one process of the candidate sees it: a tensor- or context-parallel group takes the rows of
+    its processes together, so each step passes model_parallel times the examples per GPU."""
+    if cand.model_parallel == 1 or setup.step_rows is None:
+        return setup
+    return replace(setup, step_rows=setup.step_rows * cand.model_parallel)
+
+
 def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:
     """Memory per GPU of one candidate at one micro-batch (a pipeline's: of its busiest process)."""
+    if cand.model_parallel > 1:
+        return _split_estimate(m, cand, group_setup(cand, setup), micro_batch)
     if cand.pipeline:
         return max(rank_estimates(m, cand, setup, micro_batch), key=lambda e: e.total)
     full = cand.peft == "none"
@@ -335,6 +354,81 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
         offloaded, load = 0, round(whole) * setup.num_gpus
     disk = nvme_bytes(m, cand.strategy, setup) if full else 0
     return Estimate(params, grads, optim, activations, overhead, offloaded, load, logits, disk)
+
+
+def tensor_local(m: ModelFacts, tp: int) -> ModelFacts:
+    """The model as one process of a tensor-parallel group holds it: the plan's projections (and an untied LM
+    head) divided by tp; embeddings and norms whole."""
+    plan = m.tensor_plan
+    assert plan is not None  # tensor-parallel candidates exist only with a plan
+    layer_cut = plan.layer_split_params - plan.layer_split_params // tp
+    head_cut = plan.head_split_params - plan.head_split_params // tp
+    layer, root = m.layer_params - layer_cut, m.root_params - head_cut
+    return replace(m, num_params=m.num_layers * layer + root, layer_params=layer, root_params=root)
+
+
+def _split_states(m: ModelFacts, cand: Candidate, setup: Setup) -> tuple[int, int, int]:
+    """(parameters, gradients, optimizer states) of one process of a tensor- or context-parallel candidate.
+    TP (transformers' loading): fp32 weights under autocast, whose 16-bit copies of every matmul weight are held
+    from forward to backward; replicated groups hold their share whole, --fsdp shards it over world/tp processes
+    (FSDP2 without a mixed-precision policy: the gathered units in fp32). CP: accelerate's FSDP2 over every process."""
+    if cand.context_parallel > 1:
+        return _fsdp_states(m, cand.strategy, setup)
+    local, half = tensor_local(m, cand.tensor_parallel), setup.half
+    held, casts = local.num_params, (2 * (local.num_params - _embedding_params(m)) if half else 0)
+    if not cand.strategy.fsdp:
+        return 4 * held, 4 * held + casts, 8 * held
+    S = setup.world_size // cand.tensor_parallel
+    gathered = 4 * (local.root_params + 2 * local.layer_params)
+    return 4 * held // S + gathered, 4 * held // S + 4 * local.layer_params + casts, 8 * held // S
+
+
+def _embedding_params(m: ModelFacts) -> int:
+    """The input embeddings: looked up, not multiplied, so autocast keeps no copy of them."""
+    return m.stages.embedding_params if m.stages else 0
+
+
+def _split_activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> tuple[int, int, int]:
+    """(saved, working space, logits) of one process. TP: attention's and the MLP's tensors divided by tp
+    (_layer_terms), under autocast over fp32 weights; the logits whole (the LM head gathers its output). CP: every
+    per-token term at s/cp tokens, no dense mask (the ring's SDPA kernels are causal, without one), the logits of
+    its tokens, and the extra buffers: the whole sequence's K and V gathered for the layer being computed and,
+    in its backward, their gradients before the reduce-scatter."""
+    tp, cp, b, s = cand.tensor_parallel, cand.context_parallel, micro_batch, setup.max_length
+    if tp > 1:
+        autocast32, dense = setup.half, _dense_mask(m, setup)
+        per_layer, outside, working = _layer_terms(m, b, s, setup.half, autocast32, dense, tp)
+        if cand.checkpointing and dense:
+            outside += b * s * s
+        residual = 4 * s * b * m.hidden_size  # fp32: autocast over fp32 weights, or fp32 itself
+        saved, working = _stacked(m, per_layer, outside, working, cand.checkpointing, residual)
+        return saved, working, logits_bytes(m, b, s, setup.half)
+    c, tokens = (2 if setup.half else 4), s // cp
+    per_layer, outside, working = _layer_terms(m, b, tokens, setup.half, False, False)
+    saved, working = _stacked(m, per_layer, outside, working, cand.checkpointing, c * tokens * b * m.hidden_size)
+    gathered_kv = 2 * c * b * s * m.kv_hidden_size * 2  # K and V of the whole sequence, then their gradients
+    hidden = 2 if setup.half else 4
+    return saved, working + gathered_kv, logits_bytes(m, b, tokens, setup.half, setup.fused_loss, hidden)
+
+
+def _split_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:
+    """Memory per GPU of a tensor- or context-parallel candidate (docs/planner-formulas.md)."""
+    params, grads, optim = _split_states(m, cand, setup)
+    saved, working, logits = _split_activations(m, cand, setup, micro_batch)
+    if not accumulating(setup, micro_batch):  # the fp32 gradients come as the activations go
+        held = tensor_local(m, cand.tensor_parallel).num_params if cand.tensor_parallel > 1 else m.num_params
+        shards = setup.world_size // cand.tensor_parallel if cand.strategy.fsdp else 1
+        grads -= min(4 * held // shards, saved + logits)
+    # replicated tensor-parallel groups: transformers' FSDP2 of shard degree 1 reduces one unit's fp32 gradients
+    replicas = setup.world_size // cand.model_parallel
+    local = tensor_local(m, cand.tensor_parallel) if cand.tensor_parallel > 1 else m
+    buffers = 4 * local.layer_params if replicas > 1 and not cand.strategy.fsdp else 0
+    rest = params + grads + optim + saved + working + logits
+    overhead = round(CUDA_CONTEXT_BYTES + buffers + FRAGMENTATION * rest)
+    offloaded, load = cpu_bytes(m, cand.strategy, setup)
+    if cand.tensor_parallel > 1:  # transformers shards as it loads: each process reads only its share, in fp32
+        load = 4 * local.num_params * setup.num_gpus
+    return Estimate(params, grads, optim, saved + working, overhead, offloaded, load, logits)
 
 
 def accumulating(setup: Setup, micro_batch: int) -> bool:
@@ -419,7 +513,7 @@ def fits(est: Estimate, setup: Setup) -> bool:
 def max_micro_batch(m: ModelFacts, cand: Candidate, setup: Setup) -> int:
     """The largest micro-batch that fits (0 if none). Memory grows monotonically with it, apart from the step of
     one micro-batch (step_rows), which holds no gradients at its peak: searched on each side of it."""
-    whole = setup.step_rows
+    whole = group_setup(cand, setup).step_rows  # a tensor- or context-parallel group's step takes its processes' rows
     if whole and not cand.pipeline and fits(estimate(m, cand, setup, whole), setup):
         return _largest_fitting(m, cand, setup, whole, MAX_MICRO_BATCH)
     top = MAX_MICRO_BATCH if not whole or cand.pipeline else max(whole - 1, 1)

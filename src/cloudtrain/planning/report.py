@@ -19,6 +19,7 @@ COLUMNS = (
     "overhd",
     "GPU total",
     "CPU/node",
+    "comm/step",
     "max mb",
     "fits",
 )
@@ -32,7 +33,15 @@ def estimate_json(est: Estimate) -> dict:
 
 
 def candidate_json(c: Candidate) -> dict:
-    return {"strategy": c.strategy.key, "label": c.name, "gradient_checkpointing": c.checkpointing, "peft": c.peft}
+    return {
+        "strategy": c.strategy.key,
+        "label": c.name,
+        "gradient_checkpointing": c.checkpointing,
+        "peft": c.peft,
+        "tensor_parallel_size": c.tensor_parallel,
+        "context_parallel_size": c.context_parallel,
+        "runnable": c.context_parallel == 1,  # --context_parallel_size is refused by the application for now
+    }
 
 
 def row_json(row: Row) -> dict:
@@ -44,6 +53,7 @@ def row_json(row: Row) -> dict:
         "fits": row.fits,
         "max_micro_batch": row.max_micro_batch,
         "pipeline": row.pipeline,
+        "communication_per_step": row.traffic,
     }
 
 
@@ -152,8 +162,16 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
             "pipeline + data parallel (--training_type pipeline): pp processes per pipeline, v stages each, M "
             "micro-batches per step, time x (1 + bubble (pp - 1)/(v*M)); memory of the process that needs the most:",
         ),
+        (
+            lambda r: r["tensor_parallel_size"] > 1 or r["context_parallel_size"] > 1,
+            "tensor parallel (TP=t: --tensor_parallel_size t, x FSDP2: --fsdp true) and context parallel (CP=c, not "
+            "runnable yet: --context_parallel_size is refused): t or c processes take the same rows, so a row's "
+            "micro-batch is t (or c) times the one asked of each GPU:",
+        ),
     )
-    for starts, title in titles:  # rows list data-parallel full fine-tuning first, then pipelines, then adapters
+    # rows list data-parallel full fine-tuning first, then tensor/context parallel, pipelines, adapters: each title
+    # is inserted before its group's first row, the last group first so that the earlier indices hold
+    for starts, title in titles:
         first = next((i for i, row in enumerate(rows) if starts(row)), None)
         if first is not None:
             body.insert(first, title)
@@ -173,6 +191,7 @@ def _table_row(r: dict) -> tuple:
         _size(e["overhead"]),
         _size(e["total"]),
         _size(e["cpu_per_node"]) + (f" +{_size(e['nvme_per_node'])} NVMe" if e.get("nvme_per_node") else ""),
+        _size(sum((r.get("communication_per_step") or {}).values())),
         str(r["max_micro_batch"]),
         "yes" if r["fits"] else "no",
     )
@@ -188,6 +207,8 @@ def _render_choice(plan: dict) -> list[str]:
     ] + [f"  {reason}" for reason in rec["reasons"]]
     wrote = "Wrote " + ", ".join(rec["files"].values()) + ". " if rec["files"] else ""
     lines += [wrote + "Launch with:", f"  {rec['command']}"]
+    if not rec.get("runnable", True):
+        lines.append("  (not runnable yet: --context_parallel_size is refused by the application; shown for planning)")
     if plan.get("fallbacks"):
         lines.append("If it does not suit, the next best (--strategy and --gradient_checkpointing choose one):")
         lines += [

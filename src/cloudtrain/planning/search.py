@@ -10,6 +10,7 @@ from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.load import resolve_model_path
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.stages import balanced_split
+from cloudtrain.planning.communication import context_cost, step_traffic, tensor_cost
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
 from cloudtrain.planning.memory import (
     GIB,
@@ -21,10 +22,13 @@ from cloudtrain.planning.memory import (
     reference_bytes,
 )
 from cloudtrain.planning.strategies import (
+    CONTEXT_FSDP,
     PEFT_LABELS,
     PIPELINE,
     SCHEDULE_LABELS,
     STRATEGIES,
+    TENSOR_FSDP,
+    TENSOR_PARALLEL,
     Candidate,
     Pipeline,
     Setup,
@@ -40,6 +44,7 @@ class Row:
     fits: bool  # at the requested micro-batch
     max_micro_batch: int
     pipeline: dict | None = None  # a pipeline row's layout (pipeline_layout)
+    traffic: dict[str, int] | None = None  # bytes one process sends per optimizer step, by kind (step_traffic)
 
 
 @dataclass
@@ -81,10 +86,76 @@ def no_pipeline(m: ModelFacts, setup: Setup) -> str:
     return "no pipeline size divides the GPUs with a micro-batch count its schedules accept"
 
 
+def degrees(setup: Setup) -> list[int]:
+    """Tensor- or context-parallel degrees planned: those above 1 that divide a node's GPUs (their collectives
+    run on every layer, so they stay on one node's links)."""
+    return [d for d in range(2, setup.num_gpus + 1) if setup.num_gpus % d == 0]
+
+
+def tensor_candidates(m: ModelFacts, setup: Setup) -> list[Candidate]:
+    """TP groups replicated and TP x FSDP2 for every degree the model divides, with and without checkpointing;
+    none without a plan or under what the application refuses beside --tensor_parallel_size."""
+    plan = m.tensor_plan
+    if plan is None or not m.decoder or no_tensor_parallel(m, setup):
+        return []
+    rows = [
+        Candidate(strategy, gc, tensor_parallel=t, split_cost=tensor_cost(m, setup, t))
+        for t in degrees(setup)
+        if plan.divisor_problem(m, t) is None
+        for strategy in (TENSOR_PARALLEL, TENSOR_FSDP)
+        if not strategy.fsdp or setup.world_size > t  # FSDP2 over one process is the replicated row
+        for gc in (False, True)
+    ]
+    return sorted(rows, key=lambda c: c.speed)
+
+
+def no_tensor_parallel(m: ModelFacts, setup: Setup) -> str | None:
+    """Why there are no tensor-parallel rows (the application's refusals that the plan can know), or None."""
+    from cloudtrain.parallel.tensor import TASKS as TENSOR_TASKS
+
+    if not m.decoder:
+        return None  # a classifier: tensor parallelism is for decoders, nothing to say
+    if m.tensor_plan is None:
+        return f"the {m.architecture} family has no tensor-parallel plan in transformers"
+    if m.task not in TENSOR_TASKS:
+        return f"--tensor_parallel_size runs --task {', '.join(TENSOR_TASKS)} only"
+    if setup.mixed_precision == "fp16":
+        return "--tensor_parallel_size needs bf16 or fp32, not fp16"
+    if setup.fused_loss:
+        return "--tensor_parallel_size refuses --fused_cross_entropy true (its LM head is split)"
+    if setup.num_gpus < 2:
+        return "tensor parallelism needs at least 2 GPUs on a node"
+    problems = [m.tensor_plan.divisor_problem(m, t) for t in degrees(setup)]
+    if all(problems):
+        return "no degree dividing the GPUs per node splits the model: " + "; ".join(p for p in problems if p)
+    return None
+
+
+def context_candidates(m: ModelFacts, setup: Setup) -> list[Candidate]:
+    """CP x FSDP2 for every degree that cuts the rows into 2 x cp equal chunks (a causal LM's, on GPUs), with and
+    without checkpointing; printed and recommended when nothing runnable fits, marked not runnable yet."""
+    if not m.decoder or setup.num_gpus < 2:
+        return []
+    rows = [
+        Candidate(CONTEXT_FSDP, gc, context_parallel=c, split_cost=context_cost(m, setup, c))
+        for c in degrees(setup)
+        if setup.max_length % (2 * c) == 0
+        for gc in (False, True)
+    ]
+    return sorted(rows, key=lambda c: c.speed)
+
+
 def row(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Row:
     est = estimate(m, cand, setup, micro_batch)
+    rows = (setup.step_rows or micro_batch) * cand.model_parallel  # a step's rows per data-parallel process
+    steps = 1 if cand.pipeline else max(rows // micro_batch, 1)
     return Row(
-        cand, est, fits(est, setup), max_micro_batch(m, cand, setup), pipeline_layout(m, cand, setup, micro_batch)
+        cand,
+        est,
+        fits(est, setup),
+        max_micro_batch(m, cand, setup),
+        pipeline_layout(m, cand, setup, micro_batch),
+        step_traffic(m, cand, setup, micro_batch, steps),
     )
 
 
@@ -119,7 +190,7 @@ def accumulation(cand: Candidate, per_gpu: int, micro_batch: int) -> int:
     """Gradient accumulation steps that reach the global batch at `micro_batch` (0: it does not divide);
     a pipeline's step already passes its M micro-batches."""
     per_step = micro_batch * (cand.pipeline.microbatches if cand.pipeline else 1)
-    rows = cand.pipeline.rows if cand.pipeline else per_gpu
+    rows = cand.pipeline.rows if cand.pipeline else per_gpu * cand.model_parallel  # a TP/CP group's rows together
     return rows // per_step if rows % per_step == 0 else 0
 
 
@@ -135,21 +206,41 @@ def ranked_choices(m: ModelFacts, rows: list[Row], setup: Setup, requested: int,
     requested micro-batch, fastest first, then the rest, fastest first, each at the largest micro-batch it fits.
     The first is the choice; the next are the fallbacks the plan lists."""
     per_gpu = global_batch // setup.world_size
-    options = micro_batch_options(requested, per_gpu)
     ranked: list[Choice] = []
     taken: set[int] = set()  # rows already ranked, by position
-    for peft in PEFT_METHODS:
-        in_tier = [i for i, r in enumerate(rows) if r.candidate.peft == peft]
+    # context parallelism is refused by the application: after every full fine-tuning row that runs
+    tiers = [(peft, later) for peft in PEFT_METHODS for later in ((False, True) if peft == "none" else (False,))]
+    for peft, later in tiers:
+        in_tier = [i for i, r in enumerate(rows) if r.candidate.peft == peft and _not_runnable(r.candidate) == later]
         tier = sorted(in_tier, key=lambda i: rows[i].candidate.speed)
-        for allowed in (options[:1], options):
+        for first_only in (True, False):
             for i in (i for i in tier if i not in taken):
                 c = rows[i].candidate
-                fitting = [b for b in allowed if b <= rows[i].max_micro_batch and accumulation(c, per_gpu, b)]
+                # a TP/CP group's processes share their rows: the micro-batch asked of each GPU, times the group
+                options = micro_batch_options(requested * c.model_parallel, per_gpu * c.model_parallel)
+                allowed = options[:1] if first_only else options
+                fitting = [
+                    b
+                    for b in allowed
+                    if b <= rows[i].max_micro_batch
+                    and accumulation(c, per_gpu, b)
+                    and fits(
+                        estimate(m, c, setup, b), setup
+                    )  # a step of one micro-batch holds no gradients: not monotonic
+                ]
                 if fitting:
                     b = fitting[0]
                     taken.add(i)
                     ranked.append(Choice(c, b, accumulation(c, per_gpu, b), estimate(m, c, setup, b)))
     return ranked
+
+
+def _not_runnable(c: Candidate) -> bool:
+    """Rows the application refuses for now (--context_parallel_size): shown, recommended only as a last resort."""
+    return c.context_parallel > 1
+
+
+NOT_RUNNABLE = "not runnable yet: --context_parallel_size is refused (ring attention is not wired into a trainer)"
 
 
 def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
@@ -225,14 +316,17 @@ def reasons(
         f"{e.model_states / GIB:.1f}, activations {e.activations / GIB:.1f}{logits} GiB); the largest "
         f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}."
     )
-    lines += _micro_batch_reason(requested, b, global_batch // setup.world_size)
+    lines += _micro_batch_reason(requested, b, global_batch // setup.world_size * c.model_parallel)
     if c.pipeline:
         lines += _pipeline_reasons(m, choice, setup, global_batch)
+    elif c.model_parallel > 1:
+        lines += _split_reasons(m, rows, choice, setup, global_batch)
     else:
         lines.append(
             f"{b} per GPU x {setup.world_size} GPUs x {choice.accumulation} accumulation step(s) = "
             f"global batch {global_batch}."
         )
+    lines.append(_traffic_line(m, choice, setup))
     if c.checkpointing:
         plain = estimate(m, replace(c, checkpointing=False), setup, b)
         lines.append(
@@ -255,6 +349,53 @@ def reasons(
             f"Offloading needs {e.cpu_per_node / GIB:.1f} GiB of CPU memory per node and runs the AdamW "
             "step on the CPU."
         )
+    return lines
+
+
+def _traffic_line(m: ModelFacts, choice: Choice, setup: Setup) -> str:
+    """The bytes each process sends per optimizer step, by kind."""
+    sent = step_traffic(m, choice.candidate, setup, choice.micro_batch, choice.accumulation)
+    parts = ", ".join(f"{kind} parallel {size / GIB:.1f}" for kind, size in sent.items() if size)
+    return f"Each process sends about {sum(sent.values()) / GIB:.1f} GiB per optimizer step ({parts or 'none'} GiB)."
+
+
+def _split_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, global_batch: int) -> list[str]:
+    """What a tensor- or context-parallel group splits, why it was chosen over data parallelism alone, and the
+    batch arithmetic (a group's processes take the same rows)."""
+    c, b = choice.candidate, choice.micro_batch
+    group, dp = c.model_parallel, setup.world_size // c.model_parallel
+    plain = [r for r in rows if r.candidate.model_parallel == 1 and not r.candidate.pipeline]
+    plain = sorted(
+        (r for r in plain if r.candidate.peft == "none" and r.max_micro_batch), key=lambda r: r.candidate.speed
+    )
+    lines = []
+    if c.tensor_parallel > 1:
+        lines.append(
+            f"Tensor parallel {group}: each layer's q/k/v, o, gate/up and down projections (and the LM head's "
+            f"vocabulary columns) are split over {group} processes, which take the same rows; attention's and the "
+            "MLP's activations are divided by it, the residual stream, norms and logits are not"
+            + (f"; FSDP2 shards each share over the {dp} data-parallel processes." if c.strategy.fsdp else ".")
+        )
+    else:
+        lines.append(
+            f"Context parallel {group}: each row's {setup.max_length} tokens are cut into {2 * group} chunks, two per "
+            f"process, so activations and logits are divided by {group}; attention gathers the whole sequence's keys "
+            f"and values per layer. {NOT_RUNNABLE}."
+        )
+    if plain:
+        lines.append(
+            f"The fastest data-parallel option that fits, {plain[0].candidate.name} (micro-batch up to "
+            f"{plain[0].max_micro_batch}), has a relative step time of {plain[0].candidate.speed:.2f}; this one "
+            f"{c.speed:.2f}, its collectives included ({c.split_cost:.1%} of its compute)."
+        )
+    else:
+        lines.append(
+            "Data parallelism alone (DDP, ZeRO, FSDP2) fits no micro-batch here, not even 1 with checkpointing."
+        )
+    lines.append(
+        f"{b} row(s) per group x {dp} group(s) x {choice.accumulation} accumulation step(s) = global batch "
+        f"{global_batch}."
+    )
     return lines
 
 

@@ -1,5 +1,6 @@
 """What the planner plans: the strategies, a pipeline's layout, a candidate (a strategy with or without
-gradient checkpointing, adapters or a pipeline), the GPUs it is planned for, and the mesh each arranges."""
+gradient checkpointing, adapters, a pipeline, a tensor- or context-parallel degree), the GPUs it is planned for,
+and the mesh each arranges."""
 
 from dataclasses import dataclass
 
@@ -99,6 +100,12 @@ STRATEGIES = (
     ),
 )
 PIPELINE = Strategy("pipeline", "pipeline", 1.00, trainer="pipeline")  # its bubble is the Pipeline's
+# tensor parallel groups replicated (transformers' FSDP2 of shard degree 1 averages their gradients), or sharded by
+# FSDP2 over the data-parallel processes (--fsdp true: 2-D); context parallel with FSDP2 over every process
+TENSOR_PARALLEL = Strategy("tp", "TP", 1.00)
+TENSOR_FSDP = Strategy("tp_fsdp", "FSDP2", 1.12, fsdp=True)
+CONTEXT_FSDP = Strategy("cp_fsdp", "FSDP2", 1.12, fsdp=True)
+MODEL_PARALLEL = (TENSOR_PARALLEL, TENSOR_FSDP, CONTEXT_FSDP)
 
 
 @dataclass(frozen=True)
@@ -165,12 +172,21 @@ class Candidate:
     checkpointing: bool
     peft: str = "none"  # none: full fine-tuning; lora, dora, qlora: adapters on a frozen base
     pipeline: Pipeline | None = None  # with the PIPELINE strategy
+    tensor_parallel: int = 1  # with TENSOR_PARALLEL or TENSOR_FSDP: processes that split each layer
+    context_parallel: int = 1  # with CONTEXT_FSDP: processes that split each sequence
+    split_cost: float = 0.0  # the TP/CP collectives' time over the compute's (cloudtrain.planning.communication)
 
     @property
     def speed(self) -> float:
         bubble = 1.0 + (self.pipeline.bubble if self.pipeline else 0.0)
         recompute = CHECKPOINTING_COST if self.checkpointing else 1.0
-        return self.strategy.speed * PEFT_SPEED[self.peft] * recompute * bubble
+        split = 1.0 + self.split_cost
+        return self.strategy.speed * PEFT_SPEED[self.peft] * recompute * bubble * split
+
+    @property
+    def model_parallel(self) -> int:
+        """Processes that compute on the same rows (a tensor- or context-parallel group; 1 otherwise)."""
+        return self.tensor_parallel * self.context_parallel
 
     @property
     def name(self) -> str:
@@ -179,6 +195,10 @@ class Candidate:
 
     def _strategy_label(self) -> str:
         pipe = self.pipeline
+        if self.tensor_parallel > 1:
+            return f"TP={self.tensor_parallel}" + (" x FSDP2" if self.strategy.fsdp else "")
+        if self.context_parallel > 1:
+            return f"CP={self.context_parallel} x FSDP2"
         if pipe is None:
             return self.strategy.label
         v = f" v={pipe.stages_per_rank}" if pipe.stages_per_rank > 1 else ""
@@ -188,6 +208,10 @@ class Candidate:
         """How this candidate arranges the set-up's GPUs, as its trainer's `mesh` would: pipelines of pp processes
         side by side, or every process data-parallel, holding the model whole (DDP, adapters) or a shard of it."""
         world = setup.world_size
+        if self.model_parallel > 1:
+            dp = world // self.model_parallel
+            data = {"dp_shard": dp} if self.strategy.fsdp else {"dp_replicate": dp}
+            return Mesh(world=world, tp=self.tensor_parallel, cp=self.context_parallel, **data)
         if self.pipeline:
             pp = self.pipeline.parallel_size
             return Mesh(world=world, dp_replicate=world // pp, pp=pp)
@@ -207,8 +231,11 @@ class Candidate:
 ADAPTER_STRATEGIES = ("ddp", "zero1", "zero2", "zero3", "fsdp")
 
 
-def candidates(adapters: tuple[str, ...] = (), pipelines: list[Candidate] | None = None) -> list[Candidate]:
-    """Every full fine-tuning strategy with and without gradient checkpointing, fastest first; then the
+def candidates(
+    adapters: tuple[str, ...] = (), pipelines: list[Candidate] | None = None, splits: list[Candidate] | None = None
+) -> list[Candidate]:
+    """Every full fine-tuning strategy with and without gradient checkpointing, fastest first; then the tensor- and
+    context-parallel `splits` (cloudtrain.planning.search.tensor_candidates, context_candidates); then the
     `pipelines` (cloudtrain.planning.search.pipeline_candidates); then each of `adapters` (lora, dora, qlora) under
     DDP, ZeRO 1-3 and FSDP2, without and with checkpointing, fastest first."""
     full = sorted((Candidate(s, gc) for s in STRATEGIES for gc in (False, True)), key=lambda c: c.speed)
@@ -220,4 +247,4 @@ def candidates(adapters: tuple[str, ...] = (), pipelines: list[Candidate] | None
             (Candidate(by_key[k], gc, peft) for k in ADAPTER_STRATEGIES for gc in (False, True)), key=lambda c: c.speed
         )
     ]
-    return full + (pipelines or []) + adapter_rows
+    return full + (splits or []) + (pipelines or []) + adapter_rows

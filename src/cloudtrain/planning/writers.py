@@ -64,7 +64,8 @@ def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Pat
 def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path) -> dict[str, str]:
     """Write the accelerate YAML (and the DeepSpeed JSON it points to); returns their paths. A pipeline and FSDP2,
     launched by torchrun with their flags, need none."""
-    if choice.candidate.pipeline or choice.candidate.strategy.fsdp:
+    c = choice.candidate
+    if c.pipeline or c.strategy.fsdp or c.model_parallel > 1:
         return {}
     output_dir.mkdir(parents=True, exist_ok=True)
     files = {}
@@ -80,7 +81,8 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
 
 
 def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str, str]) -> str:
-    """accelerate launch with the written config; a pipeline or FSDP2: torchrun, its processes and their flags."""
+    """accelerate launch with the written config; a pipeline, FSDP2, tensor or context parallelism: torchrun, its
+    processes and their flags."""
     c = choice.candidate
     pipe = c.pipeline
     rows = choice.micro_batch * (pipe.microbatches if pipe else 1)  # a pipeline's --per_device_train_batch_size
@@ -99,6 +101,10 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str,
         ]
     )
     args += c.strategy.fsdp_flags()
+    if c.tensor_parallel > 1:
+        args += ["--tensor_parallel_size", str(c.tensor_parallel)]
+    if c.context_parallel > 1:
+        args += ["--context_parallel_size", str(c.context_parallel)]
     if c.checkpointing:
         args += ["--gradient_checkpointing", "true"]
     if pipe:
