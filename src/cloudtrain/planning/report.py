@@ -214,6 +214,7 @@ def _render_choice(plan: dict) -> list[str]:
         lines += [
             f"  - {f['label']}: micro-batch {f['micro_batch']}, gradient accumulation "
             f"{f['gradient_accumulation_steps']}, {f['estimate']['total'] / GIB:.1f} GiB per GPU"
+            + ("" if f.get("runnable", True) else " (not runnable yet)")
             for f in plan["fallbacks"]
         ]
     return lines

@@ -327,6 +327,12 @@ def reasons(
             f"global batch {global_batch}."
         )
     lines.append(_traffic_line(m, choice, setup))
+    waiting = [
+        r.candidate for r in rows if _not_runnable(r.candidate) and r.max_micro_batch and r.candidate.speed < c.speed
+    ]
+    if waiting and not _not_runnable(c):
+        best = min(waiting, key=lambda w: w.speed)
+        lines.append(f"{best.name} would fit with a relative step time of {best.speed:.2f}, but is {NOT_RUNNABLE}.")
     if c.checkpointing:
         plain = estimate(m, replace(c, checkpointing=False), setup, b)
         lines.append(
