@@ -9,7 +9,7 @@ counts exactly once.
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,6 +20,17 @@ if TYPE_CHECKING:
     import evaluate
 
 METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "classification"
+
+
+@contextlib.contextmanager
+def eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    """`model` in eval mode inside the block, and back in the mode it had after it (also when the block raises)."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
 
 
 @functools.cache
@@ -41,23 +52,21 @@ def evaluate_model(
 ) -> dict:
     """Accuracy, macro F1, mean loss and the confusion matrix over every example of `batches`."""
     metric = load_metric()  # before the clock starts: loading is not evaluation
-    was_training = model.training
-    model.eval()
-    start = time.perf_counter()
-    predictions: list[torch.Tensor] = []
-    references: list[torch.Tensor] = []
-    losses: list[torch.Tensor] = []
-    for batch in batches:
-        batch = move(batch)
-        labels = batch.pop("labels")
-        with autocast():
-            logits = model(**batch).logits.float()
-        loss = F.cross_entropy(logits, labels, reduction="none")
-        pred, ref, loss = gather((logits.argmax(dim=-1), labels, loss))
-        predictions.append(pred.cpu())
-        references.append(ref.cpu())
-        losses.append(loss.float().cpu())
-    model.train(was_training)
+    with eval_mode(model):
+        start = time.perf_counter()
+        predictions: list[torch.Tensor] = []
+        references: list[torch.Tensor] = []
+        losses: list[torch.Tensor] = []
+        for batch in batches:
+            batch = move(batch)
+            labels = batch.pop("labels")
+            with autocast():
+                logits = model(**batch).logits.float()
+            loss = F.cross_entropy(logits, labels, reduction="none")
+            pred, ref, loss = gather((logits.argmax(dim=-1), labels, loss))
+            predictions.append(pred.cpu())
+            references.append(ref.cpu())
+            losses.append(loss.float().cpu())
     predicted, referenced = torch.cat(predictions), torch.cat(references)
     result = metric.compute(predictions=predicted.tolist(), references=referenced.tolist(), num_classes=num_labels)
     runtime = time.perf_counter() - start
@@ -84,14 +93,12 @@ def predict_labels(
     autocast: Callable = contextlib.nullcontext,
 ) -> tuple[list[int], list[float]]:
     """The top class and its probability for every example of `batches` (an unlabelled split), in order."""
-    was_training = model.training
-    model.eval()
-    ids, scores = [], []
-    for batch in batches:
-        with autocast():
-            probs = model(**move(batch)).logits.float().softmax(dim=-1)
-        score, pred = gather(probs.max(dim=-1))
-        ids += pred.cpu().tolist()
-        scores += score.cpu().tolist()
-    model.train(was_training)
+    with eval_mode(model):
+        ids, scores = [], []
+        for batch in batches:
+            with autocast():
+                probs = model(**move(batch)).logits.float().softmax(dim=-1)
+            score, pred = gather(probs.max(dim=-1))
+            ids += pred.cpu().tolist()
+            scores += score.cpu().tolist()
     return ids, scores

@@ -37,6 +37,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # no
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_config, load_failure, read_tokenizer
 from cloudtrain.predict import add_trust_remote_code, true_or_false
 from cloudtrain.publish import atomic
@@ -309,22 +310,17 @@ def generate_texts(
     if repetition_penalty != 1.0:
         options["repetition_penalty"] = repetition_penalty
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     texts = []
     batched = batch_size > 1 and streamer is None and all(prompts) and tokenizer.pad_token_id is not None
-    try:
-        with torch.no_grad():
-            for start in range(0, len(prompts), batch_size if batched else 1):
-                ids, mask = (
-                    _batch_ids(tokenizer, prompts[start : start + batch_size], add_special_tokens)
-                    if batched
-                    else _prompt_ids(tokenizer, prompts[start], add_special_tokens)
-                )
-                output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
-                texts += tokenizer.batch_decode(output[:, ids.shape[1] :], skip_special_tokens=True)
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        for start in range(0, len(prompts), batch_size if batched else 1):
+            ids, mask = (
+                _batch_ids(tokenizer, prompts[start : start + batch_size], add_special_tokens)
+                if batched
+                else _prompt_ids(tokenizer, prompts[start], add_special_tokens)
+            )
+            output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
+            texts += tokenizer.batch_decode(output[:, ids.shape[1] :], skip_special_tokens=True)
     return texts
 
 

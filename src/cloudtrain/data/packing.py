@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cloudtrain.evaluation import eval_mode
+
 __all__ = [
     "PACKING",
     "CausalLMCollator",
@@ -266,14 +268,9 @@ def isolation_error(
     )
     alone = collate([{"input_ids": second, "seq_lengths": [7]}, {"input_ids": first, "seq_lengths": [5]}])
     parameter = next(model.parameters())
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            logits = forward(model, {k: v.to(parameter.device) for k, v in packed.items()}).float()
-            reference = forward(model, {k: v.to(parameter.device) for k, v in alone.items()}).float()
-    finally:
-        model.train(was_training)
+    with eval_mode(model), torch.no_grad():
+        logits = forward(model, {k: v.to(parameter.device) for k, v in packed.items()}).float()
+        reference = forward(model, {k: v.to(parameter.device) for k, v in alone.items()}).float()
     packed_logits = torch.cat([logits[0, 5:], logits[1, 7:]])
     alone_logits = torch.cat([reference[0, :7], reference[1, :5]])
     difference = (packed_logits - alone_logits).abs().max().item()

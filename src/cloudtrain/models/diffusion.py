@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.evaluation import eval_mode
 
 MODEL_INDEX = "model_index.json"
 NEEDED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -238,21 +239,19 @@ class TextToImageModel(torch.nn.Module):
         images, cfg = [], self.images
         pipe = self.pipeline(tokenizer)
         device = next(self.unet.parameters()).device
-        was_training = self.training
-        self.eval()
-        for prompt in prompts:
-            generator = torch.Generator(device=device).manual_seed(seed)
-            with autocast() if autocast else torch.autocast(device.type, enabled=False):
-                out = pipe(
-                    prompt,
-                    height=cfg.resolution,
-                    width=cfg.resolution,
-                    num_inference_steps=cfg.validation_inference_steps,
-                    guidance_scale=cfg.validation_guidance_scale,
-                    generator=generator,
-                )
-            images.append(out.images[0])
-        self.train(was_training)
+        with eval_mode(self):
+            for prompt in prompts:
+                generator = torch.Generator(device=device).manual_seed(seed)
+                with autocast() if autocast else torch.autocast(device.type, enabled=False):
+                    out = pipe(
+                        prompt,
+                        height=cfg.resolution,
+                        width=cfg.resolution,
+                        num_inference_steps=cfg.validation_inference_steps,
+                        guidance_scale=cfg.validation_guidance_scale,
+                        generator=generator,
+                    )
+                images.append(out.images[0])
         return images
 
 

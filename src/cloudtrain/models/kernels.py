@@ -23,6 +23,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cloudtrain.evaluation import eval_mode
+
 __all__ = [
     "BACKENDS",
     "apply_liger_modules",
@@ -170,17 +172,13 @@ def hidden_states_error(model: torch.nn.Module) -> str | None:
     parameter = next(model.parameters())
     ids = torch.arange(8, device=parameter.device)[None] % max(1, getattr(model.config, "vocab_size", 8) or 8)
     inputs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
-    was_training = model.training
-    model.eval()
     try:
-        with torch.no_grad():
+        with eval_mode(model), torch.no_grad():
             logits = model(**inputs).logits.float()
             head = output_head(model)
             fused = head(hidden_states(model, inputs)).float()
     except (TypeError, ValueError, AttributeError, IndexError) as err:
         return f"{name} does not give its hidden states without logits ({str(err).splitlines()[0]})"
-    finally:
-        model.train(was_training)
     if fused.shape != logits.shape or (fused - logits).abs().max().item() > 1e-3 * max(1.0, logits.abs().max().item()):
         return f"{name}'s logits are more than its head over its last hidden states (a scaling or soft-capping)"
     return None

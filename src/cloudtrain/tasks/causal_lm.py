@@ -46,6 +46,7 @@ from cloudtrain.data.packing import (
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.evaluation import eval_mode
 from cloudtrain.generate import generate_texts
 from cloudtrain.models.kernels import hidden_states, linear_cross_entropy, output_head
 from cloudtrain.models.load import (
@@ -319,23 +320,21 @@ class CausalLMTask(DecoderTask):
         autocast: Callable,
     ) -> dict:
         """Token-weighted loss and perplexity over every row exactly once; then the sample generations."""
-        was_training = model.training
-        model.eval()
-        start = time.perf_counter()
-        loss_sum = tokens = rows = 0.0
-        for batch in batches:
-            batch = move(batch)
-            with autocast():
-                logits = causal_lm_forward(model, batch)
-            targets = batch["labels"][:, 1:]
-            per_token = F.cross_entropy(
-                logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
-            )
-            row_sums, row_counts = gather((per_token.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)))
-            loss_sum += row_sums.double().sum().item()
-            tokens += row_counts.sum().item()
-            rows += len(row_counts)
-        model.train(was_training)
+        with eval_mode(model):
+            start = time.perf_counter()
+            loss_sum = tokens = rows = 0.0
+            for batch in batches:
+                batch = move(batch)
+                with autocast():
+                    logits = causal_lm_forward(model, batch)
+                targets = batch["labels"][:, 1:]
+                per_token = F.cross_entropy(
+                    logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+                )
+                row_sums, row_counts = gather((per_token.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)))
+                loss_sum += row_sums.double().sum().item()
+                tokens += row_counts.sum().item()
+                rows += len(row_counts)
         result = self.loss_metrics(loss_sum, tokens, rows, time.perf_counter() - start)
         if data.prompts and self.tokenizer is not None:
             with autocast():  # as in the step: adapters' fp32 embeddings meet a 16-bit base

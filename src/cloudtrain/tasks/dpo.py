@@ -52,6 +52,7 @@ from cloudtrain.data.pairs import (
 )
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError
+from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
 from cloudtrain.models.load import is_causal_lm, load_tokenizer
 from cloudtrain.parallel.distributed import sharding
@@ -372,13 +373,8 @@ class DPOTask(SFTTask):
                     self.reference.to(device)  # type: ignore[arg-type]  # once: the trainer placed the policy
                 return self.logps(self.reference, batch)[0]
             inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it; a PeftModel inside
-            was_training = inner.training
-            inner.eval()
-            try:
-                with inner.disable_adapter():
-                    return self.logps(inner, batch)[0]
-            finally:
-                inner.train(was_training)
+            with eval_mode(inner), inner.disable_adapter():
+                return self.logps(inner, batch)[0]
 
     # ------------------------------------------------------------ loss and metrics
     def loss_count(self, batch: dict) -> torch.Tensor:
@@ -440,18 +436,16 @@ class DPOTask(SFTTask):
         autocast: Callable,
     ) -> dict:
         """The loss and PAIR_METRICS over every pair exactly once (gathered per pair); then the sample answers."""
-        was_training = model.training
-        model.eval()
-        start = time.perf_counter()
-        sums, pairs = torch.zeros(1 + len(PAIR_METRICS), dtype=torch.float64), 0
-        for batch in batches:
-            batch = move(batch)
-            with autocast():
-                losses, values = self.pair_values(model, batch)
-            (rows,) = gather((torch.cat([losses.detach().float()[:, None], values], dim=1),))
-            sums += rows.double().sum(dim=0).cpu()
-            pairs += len(rows)
-        model.train(was_training)
+        with eval_mode(model):
+            start = time.perf_counter()
+            sums, pairs = torch.zeros(1 + len(PAIR_METRICS), dtype=torch.float64), 0
+            for batch in batches:
+                batch = move(batch)
+                with autocast():
+                    losses, values = self.pair_values(model, batch)
+                (rows,) = gather((torch.cat([losses.detach().float()[:, None], values], dim=1),))
+                sums += rows.double().sum(dim=0).cpu()
+                pairs += len(rows)
         means = (sums / max(pairs, 1)).tolist()
         result = {"loss": means[0], **dict(zip(PAIR_METRICS, means[1:], strict=True))}
         result.update(samples=pairs, runtime_s=round(time.perf_counter() - start, 3))

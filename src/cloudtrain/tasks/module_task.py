@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError
+from cloudtrain.evaluation import eval_mode
 from cloudtrain.tasks.base import Task
 
 MODULE_FILE = "module.json"  # beside model.safetensors: the class whose state_dict it holds
@@ -198,18 +199,16 @@ class ModuleTask(Task):
         autocast: Callable,
     ) -> dict:
         """The mean loss over the split's rows, each counted once over processes."""
-        was_training = model.training
-        model.eval()
-        loss_sum, rows = 0.0, 0
-        with torch.no_grad():
-            for batch in batches:
-                batch = move(batch)
-                with autocast():
-                    loss = forward_loss(model, self._inputs(batch)).float()
-                per_row = gather(loss.expand(rows_of(batch)).contiguous())  # drops the last batch's duplicates
-                loss_sum += per_row.double().sum().item()
-                rows += len(per_row)
-        model.train(was_training)
+        with eval_mode(model):
+            loss_sum, rows = 0.0, 0
+            with torch.no_grad():
+                for batch in batches:
+                    batch = move(batch)
+                    with autocast():
+                        loss = forward_loss(model, self._inputs(batch)).float()
+                    per_row = gather(loss.expand(rows_of(batch)).contiguous())  # drops the last batch's duplicates
+                    loss_sum += per_row.double().sum().item()
+                    rows += len(per_row)
         return {"loss": loss_sum / max(rows, 1), "examples": rows}
 
     def describe_data(self, data: ProcessedData) -> str:

@@ -33,6 +33,7 @@ from cloudtrain.data.chat import ChatFormat
 from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import head_labels, resolve_model_path
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task
@@ -250,19 +251,17 @@ class RewardTask(Task):
         autocast: Callable,
     ) -> dict:
         """The loss, pair accuracy and mean margin over every pair exactly once (gathered per pair)."""
-        was_training = model.training
-        model.eval()
-        sums, pairs = torch.zeros(5, dtype=torch.float64), 0
-        for batch in batches:
-            batch = move(batch)
-            with autocast():
-                chosen, rejected = self.rewards(model, batch)
-            losses = bradley_terry(chosen, rejected, batch["margin"].to(chosen))
-            values = [losses, (chosen > rejected).float(), chosen - rejected, chosen, rejected]
-            (rows,) = gather((torch.stack(values, dim=1),))
-            sums += rows.double().sum(dim=0).cpu()
-            pairs += len(rows)
-        model.train(was_training)
+        with eval_mode(model):
+            sums, pairs = torch.zeros(5, dtype=torch.float64), 0
+            for batch in batches:
+                batch = move(batch)
+                with autocast():
+                    chosen, rejected = self.rewards(model, batch)
+                losses = bradley_terry(chosen, rejected, batch["margin"].to(chosen))
+                values = [losses, (chosen > rejected).float(), chosen - rejected, chosen, rejected]
+                (rows,) = gather((torch.stack(values, dim=1),))
+                sums += rows.double().sum(dim=0).cpu()
+                pairs += len(rows)
         loss, accuracy, margin, chosen_mean, rejected_mean = (sums / max(pairs, 1)).tolist()
         return {
             "loss": loss,

@@ -23,6 +23,7 @@ from cloudtrain.config import Config, DataConfig
 from cloudtrain.data import images
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.evaluation import eval_mode
 from cloudtrain.models import diffusion
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task
@@ -224,19 +225,17 @@ class TextToImageTask(Task):
         validation images."""
         assert self.cfg is not None
         inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap a TextToImageModel
-        was_training = model.training
-        model.eval()
-        start, seed = time.perf_counter(), self.cfg.training.seed
-        loss_sum, rows = 0.0, 0
-        for batch in batches:
-            batch = move(batch)
-            noise, timesteps = fixed_draw(inner, batch, seed)
-            with torch.no_grad(), autocast():
-                losses = model(**batch, noise=noise, timesteps=timesteps)
-            (weighted,) = gather(((losses.float() * batch["loss_weight"]),))
-            loss_sum += weighted.double().sum().item()
-            rows += len(weighted)
-        model.train(was_training)
+        with eval_mode(model):
+            start, seed = time.perf_counter(), self.cfg.training.seed
+            loss_sum, rows = 0.0, 0
+            for batch in batches:
+                batch = move(batch)
+                noise, timesteps = fixed_draw(inner, batch, seed)
+                with torch.no_grad(), autocast():
+                    losses = model(**batch, noise=noise, timesteps=timesteps)
+                (weighted,) = gather(((losses.float() * batch["loss_weight"]),))
+                loss_sum += weighted.double().sum().item()
+                rows += len(weighted)
         result = {"loss": loss_sum / max(rows, 1), "samples": rows, "runtime_s": round(time.perf_counter() - start, 3)}
         if data.prompts and _is_main():
             rendered = inner.render(data.prompts, self.tokenizer, self.cfg.training.seed, autocast)
