@@ -303,7 +303,9 @@ def reasons(
     lines = _adapter_reasons(m, rows, c, setup)
     if faster:  # over budget at the requested micro-batch, or (when it fits nothing) even at 1
         at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
-        shown = ", ".join(f"{f.name} {estimate(m, f, setup, at).total / GIB:.1f}" for f in faster[:4])
+        shown = ", ".join(
+            f"{f.name} {estimate(m, f, setup, at * f.model_parallel).total / GIB:.1f}" for f in faster[:4]
+        )
         lines.append(
             f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB"
             + (" (and more)" if len(faster) > 4 else "")
