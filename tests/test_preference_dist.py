@@ -1,6 +1,8 @@
-"""--task dpo under real launches, on 2 CPU processes: DDP against one process at twice the batch and an exact
-resume mid-epoch (reward sums pending at the checkpoint included), then ZeRO-2 with precomputed reference
-log-probabilities against ZeRO-3 with the live reference, both with LoRA."""
+"""--task dpo and --task reward under real launches, on 2 CPU processes: DDP against one process at twice the
+batch and an exact resume mid-epoch (reward sums pending at the checkpoint included); ZeRO-1 with precomputed
+reference log-probabilities against the live frozen copy; ZeRO-2 with precomputed reference log-probabilities
+against ZeRO-3 with the live one, both with LoRA; LoRA under FSDP2 (the base, adapters disabled, as the reference)
+against one process; a reward model under DDP against one process, resumed bit-exactly mid-epoch."""
 
 import json
 
@@ -8,7 +10,9 @@ import pytest
 import torch
 from conftest import ENTRY, lm_documents
 from safetensors.torch import load_file
-from test_distributed import launch, torchrun
+from test_distributed import launch, logged_losses, torchrun
+from test_fsdp import grad_norms
+from test_reward import PAIRS
 
 pytestmark = pytest.mark.slow
 
@@ -73,25 +77,42 @@ def assert_same_numbers(a: list[dict], b: list[dict], rel: float) -> None:
         assert list(x.values()) == pytest.approx(list(y.values()), rel=rel, abs=1e-7), (x, y)
 
 
-def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, pairs, tmp_path):
+FULL = ("--max_steps", "5", "--checkpointing_steps", "3", "--logging_steps", "2")  # full fine-tuning's runs
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_llama_dir, pairs, tmp_path_factory):
+    """Full fine-tuning on one process x 4 pairs with the frozen reference copy: what the 2-process runs of
+    full fine-tuning must equal."""
+    out = tmp_path_factory.mktemp("dpo-one") / "out"
+    launch(torchrun(1), *dpo_args(tiny_llama_dir, pairs, out, *FULL, "--per_device_train_batch_size", "4"))
+    return out
+
+
+def assert_same_model(
+    out, reference_out, name: str = "model.safetensors", atol: float = 1e-5, skip: tuple[str, ...] = ()
+) -> None:
+    a, b = load_file(out / name), load_file(reference_out / name)
+    assert a.keys() == b.keys()
+    for key in set(a) - set(skip):
+        torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, pairs, one_process, tmp_path):
     """Full fine-tuning with a frozen reference copy: 2 processes x 2 pairs give the update of 1 process x 4 (the
     loss is normalised by the global pair count). Logging every 2 steps with a checkpoint at step 3 leaves step 3's
     reward sums pending in the checkpoint: the resumed run's log at step 4 must still cover steps 3 and 4, and its
     weights and every logged number must equal the uninterrupted run's."""
-    common = ["--max_steps", "5", "--checkpointing_steps", "3", "--logging_steps", "2"]
+    common = list(FULL)
     two = launch(
         torchrun(2), *dpo_args(tiny_llama_dir, pairs, tmp_path / "two", *common, "--per_device_train_batch_size", "2")
     )
-    launch(
-        torchrun(1), *dpo_args(tiny_llama_dir, pairs, tmp_path / "one", *common, "--per_device_train_batch_size", "4")
-    )
     assert "2 process(es) on cpu" in two.stdout and two.stdout.count("reference model: a frozen copy") == 1
-    a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
-    for name in a:
-        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+    assert_same_model(tmp_path / "two", one_process)
+    a = load_file(tmp_path / "two" / "model.safetensors")
     numbers = logged(tmp_path / "two")
     assert len(numbers) == 3 and numbers[-1]["train/rewards/margins"] > 0  # steps 2, 4, 5; it learns
-    assert_same_numbers(numbers, logged(tmp_path / "one"), rel=1e-4)
+    assert_same_numbers(numbers, logged(one_process), rel=1e-4)
 
     checkpoint = tmp_path / "two" / "checkpoints" / "checkpoint-3"
     assert (checkpoint / "task_state.json").is_file()
@@ -140,3 +161,107 @@ def test_zero2_with_a_precomputed_reference_matches_zero3_with_the_live_one(chat
     for out in (tmp_path / "z2", tmp_path / "z3"):
         adapter = load_file(out / "adapter_model.safetensors")
         assert any(".lora_B." in name and adapter[name].abs().max() > 0 for name in adapter)
+
+
+def test_zero1_with_a_precomputed_reference_matches_one_process_with_the_frozen_copy(
+    tiny_llama_dir, pairs, one_process, tmp_path
+):
+    """Full fine-tuning under ZeRO-1 on 2 processes x 2 pairs, the reference's log-probabilities computed once
+    before training (no copy kept): the same losses, rewards and weights as 1 process x 4 pairs with the live
+    frozen copy."""
+    out = tmp_path / "z1"
+    run = launch(
+        torchrun(2),
+        *dpo_args(tiny_llama_dir, pairs, out, *FULL, "--per_device_train_batch_size", "2", "--zero_stage", "1",
+                  "--precompute_reference", "true"),
+    )  # fmt: skip
+    assert "ZeRO-1" in run.stdout and "precomputed" in run.stdout and "frozen copy" not in run.stdout
+    numbers = logged(out)
+    assert len(numbers) == 3 and numbers[0]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-6)
+    assert_same_numbers(numbers, logged(one_process), rel=1e-4)
+    assert_same_model(out, one_process)
+
+
+def test_lora_under_fsdp2_with_the_base_as_reference_matches_one_process(chat_llama_dir, pairs, tmp_path):
+    """LoRA under FSDP2 on 2 processes x 2 pairs, the reference the sharded base with its adapters disabled: the
+    same losses, rewards and adapter as 1 process x 4 pairs."""
+    common = [
+        *("--peft", "lora", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "2e-2"),
+        *("--max_steps", "4", "--logging_steps", "1"),
+    ]
+    sharded = launch(
+        torchrun(2),
+        *dpo_args(chat_llama_dir, pairs, tmp_path / "two", *common, "--per_device_train_batch_size", "2",
+                  "--fsdp", "true"),
+    )  # fmt: skip
+    launch(
+        torchrun(1), *dpo_args(chat_llama_dir, pairs, tmp_path / "one", *common, "--per_device_train_batch_size", "4")
+    )
+    assert "2 process(es) on cpu (FSDP" in sharded.stdout
+    two, one = logged(tmp_path / "two"), logged(tmp_path / "one")
+    assert two[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at zero
+    assert two[-1]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-4)  # the adapters moved the policy
+    assert_same_numbers(two, one, rel=1e-4)
+    assert_same_model(tmp_path / "two", tmp_path / "one", "adapter_model.safetensors")
+
+
+def reward_args(model_dir: str, data, out, *extra: str) -> list[str]:
+    return [
+        str(ENTRY),
+        *("--task", "reward", "--model_name_or_path", model_dir, "--output_dir", str(out)),
+        *("--train_file", str(data), "--validation_file", str(data), "--margin_column", "margin"),
+        *("--max_length", "32", "--learning_rate", "1e-2", "--warmup_ratio", "0", "--mixed_precision", "no"),
+        *("--eval_strategy", "no", "--logging_steps", "1", "--num_train_epochs", "2", "--checkpointing_steps", "2"),
+        *extra,
+    ]
+
+
+def margins(folder) -> list[float]:
+    """r(chosen) - r(rejected) of every PAIRS pair under the reward model saved in `folder`."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    model, tokenizer = (
+        AutoModelForSequenceClassification.from_pretrained(folder).eval(),
+        AutoTokenizer.from_pretrained(folder),
+    )
+    with torch.no_grad():
+        scores = [
+            model(**tokenizer([q, q], [c, r], return_tensors="pt", padding=True)).logits[:, 0] for q, c, r in PAIRS
+        ]
+    return [float(s[0] - s[1]) for s in scores]
+
+
+def test_reward_model_under_ddp_matches_one_process_and_resumes_mid_epoch_exactly(tiny_model_dir, tmp_path):
+    """12 pairs, 4 a step (2 processes x 2, or 1 x 4): 3 steps an epoch, 2 epochs. The 2-process run's losses and
+    weights are the 1-process run's; resumed from step 4 (one step into the second, reshuffled epoch) it logs the
+    same losses and saves the same weights, bit for bit."""
+    data = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": q, "chosen": c, "rejected": r, "margin": 0.25 * (i % 3)} for i, (q, c, r) in enumerate(PAIRS * 2)
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    two, one = tmp_path / "two", tmp_path / "one"
+    run = launch(torchrun(2), *reward_args(tiny_model_dir, data, two, "--per_device_train_batch_size", "2"))
+    launch(torchrun(1), *reward_args(tiny_model_dir, data, one, "--per_device_train_batch_size", "4"))
+    assert "2 process(es) on cpu" in run.stdout
+    losses = logged_losses(two)
+    assert len(losses) == 6 and losses[-1] < losses[0]  # it learns
+    assert losses == pytest.approx(logged_losses(one), rel=1e-5)
+    assert grad_norms(two) == pytest.approx(grad_norms(one), rel=1e-4)  # a wrong normalisation would show here
+    # Adam divides near-zero gradients by their own size, which lifts the reduction order's rounding to a share
+    # of a step: within a tenth of one step (the learning rate). The head's bias is left out: the pairwise loss
+    # does not see it (its gradient is zero but for rounding), so Adam walks it by rounding alone; the rewards'
+    # differences, which the loss does see, are compared instead.
+    assert_same_model(two, one, atol=1e-3, skip=("classifier.bias",))
+    assert margins(two) == pytest.approx(margins(one), rel=1e-4, abs=1e-5)
+    saved = load_file(two / "model.safetensors")
+
+    checkpoint = two / "checkpoints" / "checkpoint-4"
+    resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(checkpoint)]
+    resumed = launch(
+        torchrun(2), *reward_args(tiny_model_dir, data, two, "--per_device_train_batch_size", "2", *resume)
+    )
+    assert "at step 4" in resumed.stdout
+    assert logged_losses(two) == losses  # the same curve, bit for bit
+    again = load_file(two / "model.safetensors")
+    assert all(torch.equal(again[name], saved[name]) for name in saved)
