@@ -24,7 +24,7 @@ about half of the split projections' weights, gradients and AdamW states (the em
 and that TP trains what one process trains. The speed that matters needs GPUs on one node's NVLink: still to be
 taken there (cloudtrain plan models it: docs/planner-formulas.md).
 
-    .venv/bin/python bench/tp_bench.py [--steps 8] [--batch_size 8] [--max_length 128]
+    .venv/bin/python bench/tp_bench.py [--steps 8] [--batch_size 8] [--max_length 128] [--hidden_size 256]
     .venv/bin/python bench/tp_bench.py --quick      # a tiny model, 4 steps (the test)
 
 Writes --out (markdown, default bench/results/tp.md) and the same name with .json.
@@ -73,6 +73,7 @@ class Settings:
     vocab_size: int = 4096
     learning_rate: float = 1e-3
     seed: int = 42
+    hidden_size: int = 256  # the model's width: the MLP 2.75 times it (a multiple of 64), a head per 32
     quick: bool = False
     tab: str | None = None  # an Orange .tab corpus other than the Grimm tales (tests)
     timeout: float = 900.0  # seconds per launch
@@ -85,6 +86,16 @@ def variants(s: Settings) -> list[Variant]:
         Variant("TP=2, 2 processes", 2, ["--per_device_train_batch_size", whole, "--tensor_parallel_size", "2"], 1),
         Variant("FSDP2, 2 processes", 2, ["--per_device_train_batch_size", half, "--fsdp", "true"], 1),
     ]
+
+
+def shape(s: Settings) -> dict:
+    """The model's config fields: MODEL at --hidden_size (QUICK_MODEL with --quick)."""
+    if s.quick:
+        return QUICK_MODEL
+    h = s.hidden_size
+    inter = 64 * round(2.75 * h / 64)
+    return {**MODEL, "hidden_size": h, "intermediate_size": inter, "num_attention_heads": h // 32,
+            "num_key_value_heads": h // 64}  # fmt: skip
 
 
 def save_model(shape: dict, vocab_size: int, seed: int, folder: Path) -> Path:
@@ -145,7 +156,7 @@ def run(s: Settings, log) -> dict:
     corpus = lm_corpus.prepare(s.vocab_size, Path(s.tab) if s.tab else None)
     rows = []
     with tempfile.TemporaryDirectory(prefix="tp_bench-") as tmp:
-        model = save_model(QUICK_MODEL if s.quick else MODEL, corpus.vocab_size, s.seed, Path(tmp) / "model")
+        model = save_model(shape(s), corpus.vocab_size, s.seed, Path(tmp) / "model")
         base = app_args(s, corpus, model, Path(tmp) / "cache")
         for i, v in enumerate(variants(s)):
             launched = pipeline_bench.launch(v, base, Path(tmp) / f"run{i}", log, s.timeout)
@@ -158,7 +169,7 @@ def run(s: Settings, log) -> dict:
 
     return {
         "settings": asdict(s),
-        "model": QUICK_MODEL if s.quick else MODEL,
+        "model": shape(s),
         "machine": {"cpus": os.cpu_count(), "torch": torch.__version__, "load_average": os.getloadavg()[0]},
         "variants": rows,
     }
@@ -199,13 +210,16 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--batch_size", type=int, default=d.batch_size, help="global rows per step (even)")
     p.add_argument("--max_length", type=int, default=d.max_length)
+    p.add_argument("--hidden_size", type=int, default=d.hidden_size, help="a multiple of 64 (MLP 2.75x)")
     p.add_argument("--quick", action="store_true", help="a tiny model and 4 steps (the test)")
     p.add_argument("--tab", default=None, help="an Orange .tab corpus instead of the Grimm tales")
     p.add_argument("--out", default=str(BENCH / "results" / "tp.md"))
     args = p.parse_args(argv)
     if args.batch_size % 2:
         p.error("--batch_size must be even: FSDP2 gives each of its 2 processes half")
-    s = Settings(args.steps, args.warmup, args.batch_size, args.max_length, tab=args.tab)
+    if args.hidden_size % 64:
+        p.error("--hidden_size must be a multiple of 64 (a head per 32, KV heads half as many, split in 2)")
+    s = Settings(args.steps, args.warmup, args.batch_size, args.max_length, hidden_size=args.hidden_size, tab=args.tab)
     if args.quick:
         s = replace(s, steps=4, warmup=1, batch_size=4, max_length=64, vocab_size=512, quick=True)
     return s, args

@@ -318,7 +318,8 @@ def reasons(
         f"{e.model_states / GIB:.1f}, activations {e.activations / GIB:.1f}{logits} GiB); the largest "
         f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}."
     )
-    lines += _micro_batch_reason(requested, b, global_batch // setup.world_size * c.model_parallel)
+    mp = c.model_parallel  # a TP/CP group: its processes' rows together
+    lines += _micro_batch_reason(requested * mp, b, global_batch // setup.world_size * mp)
     if c.pipeline:
         lines += _pipeline_reasons(m, choice, setup, global_batch)
     elif c.model_parallel > 1:
@@ -388,7 +389,7 @@ def _split_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup,
         lines.append(
             f"Context parallel {group}: each row's {setup.max_length} tokens are cut into {2 * group} chunks, two per "
             f"process, so activations and logits are divided by {group}; attention gathers the whole sequence's keys "
-            f"and values per layer. {NOT_RUNNABLE}."
+            f"and values per layer. It is {NOT_RUNNABLE}."
         )
     if plain:
         lines.append(
