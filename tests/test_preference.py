@@ -360,10 +360,24 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     assert capsys.readouterr().out.startswith("Who found the golden key?\n")
 
 
-def test_a_reference_from_whole_weights_is_refused_under_zero3_in_one_line(tiny_llama_dir):
+def test_a_reference_from_whole_weights_is_refused_under_sharding_in_one_line(tiny_llama_dir):
+    """Under ZeRO-3 the full-fine-tuning copy and the precomputed reference are refused; under FSDP2 only the
+    precomputed one (the copy is sharded as the policy); the live reference of LoRA (the base) passes both."""
     from cloudtrain.tasks import build_task
 
-    for extra in ({}, {"precompute_reference": True, "peft": "lora"}):
-        cfg = build_config({"task": "dpo", "model_name_or_path": tiny_llama_dir, "zero_stage": 3, **extra})
-        with pytest.raises(UserError, match="under ZeRO-3 with .*: the reference is computed from whole weights"):
+    base = {"task": "dpo", "model_name_or_path": tiny_llama_dir}
+    refused = {
+        "ZeRO-3 with full fine-tuning: the reference copy would be whole": {"zero_stage": 3},
+        "ZeRO-3 with --precompute_reference true: the reference is computed from whole weights": {
+            "zero_stage": 3, "precompute_reference": True, "peft": "lora"},
+        "FSDP with --precompute_reference true: the reference is computed from whole weights": {
+            "fsdp": True, "precompute_reference": True},
+    }  # fmt: skip
+    for message, extra in refused.items():
+        cfg = build_config({**base, **extra})
+        with pytest.raises(UserError, match=f"under {message}") as refusal:
             build_task(cfg).check_options(cfg)
+        assert "\n" not in str(refusal.value)
+    for extra in ({"fsdp": True}, {"zero_stage": 3, "peft": "lora"}, {"fsdp": True, "peft": "lora"}):
+        cfg = build_config({**base, **extra})
+        build_task(cfg).check_options(cfg)

@@ -182,6 +182,23 @@ def test_zero1_with_a_precomputed_reference_matches_one_process_with_the_frozen_
     assert_same_model(out, one_process)
 
 
+def test_full_fine_tuning_under_fsdp2_with_the_copy_sharded_matches_one_process(
+    tiny_llama_dir, pairs, one_process, tmp_path
+):
+    """Full fine-tuning under FSDP2 on 2 processes x 2 pairs, the frozen reference copy sharded as the policy:
+    the same losses, rewards and weights as 1 process x 4 pairs with the whole copy."""
+    out = tmp_path / "fsdp"
+    run = launch(
+        torchrun(2),
+        *dpo_args(tiny_llama_dir, pairs, out, *FULL, "--per_device_train_batch_size", "2", "--fsdp", "true"),
+    )
+    assert (
+        "2 process(es) on cpu (FSDP" in run.stdout and run.stdout.count("reference model: sharded as the policy") == 1
+    )
+    assert_same_numbers(logged(out), logged(one_process), rel=1e-4)
+    assert_same_model(out, one_process)
+
+
 def test_lora_under_fsdp2_with_the_base_as_reference_matches_one_process(chat_llama_dir, pairs, tmp_path):
     """LoRA under FSDP2 on 2 processes x 2 pairs, the reference the sharded base with its adapters disabled: the
     same losses, rewards and adapter as 1 process x 4 pairs."""

@@ -14,9 +14,10 @@ Supports:
 - per logging step and evaluation: rewards/chosen, rewards/rejected, rewards/margins, rewards/accuracies,
   logps/chosen, logps/rejected; at evaluation also greedy answers to a few held-back prompts, with their
   exact_match against the chosen answer.
-Does not support: packing (pairs are padded), the pipeline trainer, a full-fine-tuning or precomputed reference
-under ZeRO-3 or FSDP (use ZeRO-1/2, --peft with the live reference, or a reference-free loss), a reference
-model other than the policy's starting point.
+Under FSDP2 the full-fine-tuning reference copy is sharded as the policy is (at its first use).
+Does not support: packing (pairs are padded), the pipeline trainer, a full-fine-tuning reference under ZeRO-3
+(use FSDP2, ZeRO-1/2, --peft with the live reference, or a reference-free loss), a precomputed reference under
+ZeRO-3 or FSDP2, a reference model other than the policy's starting point.
 """
 
 import copy
@@ -30,8 +31,11 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from accelerate.state import AcceleratorState, PartialState
 from datasets import Dataset, DatasetDict
 from huggingface_hub import ModelCard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -56,6 +60,7 @@ from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
 from cloudtrain.models.load import is_causal_lm, load_tokenizer
 from cloudtrain.parallel.distributed import sharding
+from cloudtrain.parallel.fsdp import layer_classes
 from cloudtrain.publish.model_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
 from cloudtrain.tasks.causal_lm import _first
@@ -133,6 +138,7 @@ class DPOTask(SFTTask):
     def __init__(self, cfg: Config):
         super().__init__(cfg)
         self.reference: PreTrainedModel | None = None  # the frozen copy (full fine-tuning, live reference)
+        self.placed = False  # whether the copy is where the policy is (on its device, or sharded as it is)
         self.data: ProcessedData | None = None  # what `process` returned; precomputing adds reference columns
         self.sums: torch.Tensor | None = None  # PAIR_METRICS summed over training pairs, and their count
         self.window = False  # whether the model's forward takes logits_to_keep (the LM head on the answers only)
@@ -158,12 +164,19 @@ class DPOTask(SFTTask):
                 "use --training_type accelerated"
             )
         shards = sharding(cfg)
-        if self.refuses_sharding(cfg) and (shards.zero_stage == 3 or shards.fsdp):
-            what = "--precompute_reference true" if p.precompute_reference else "full fine-tuning"
+        if p.needs_reference and p.precompute_reference and (shards.zero_stage == 3 or shards.fsdp):
+            where, instead = (
+                ("FSDP", "the live reference is sharded as the policy") if shards.fsdp
+                else ("ZeRO-3", "with --peft lora the live reference is the sharded base")
+            )  # fmt: skip
             raise UserError(
-                f"--task dpo under {'FSDP' if shards.fsdp else 'ZeRO-3'} with {what}: the reference is computed "
-                "from whole weights here; use ZeRO-1/2, --peft lora with the live reference (the base), or "
-                "--preference_loss simpo/orpo"
+                f"--task dpo under {where} with --precompute_reference true: the reference is computed from whole "
+                f"weights; use ZeRO-1/2, or drop it ({instead})"
+            )
+        if self.keeps_model_copy(cfg) and shards.zero_stage == 3:
+            raise UserError(
+                "--task dpo under ZeRO-3 with full fine-tuning: the reference copy would be whole in every process; "
+                "use --fsdp true (it shards the copy too), ZeRO-1/2, --peft lora, or --preference_loss simpo/orpo"
             )
         if cfg.checkpoint.metric_for_best_model == "exact_match" and not cfg.data.num_sample_prompts:
             raise UserError("--metric_for_best_model exact_match needs --num_sample_prompts N; or pick loss")
@@ -279,8 +292,10 @@ class DPOTask(SFTTask):
     runs_in_pipeline = False  # a pair's loss needs both answers' log-probabilities at once
 
     def refuses_sharding(self, cfg: Config) -> bool:
-        p = cfg.preference  # the reference computed from whole weights: a live copy, or the one pass before training
-        return p.precompute_reference or (p.needs_reference and cfg.model.peft == "none")
+        # the precomputed reference needs whole weights; the full-fine-tuning copy is sharded under FSDP2 but not
+        # ZeRO-3, and this answer, one for both, keeps the planner from offering ZeRO-3
+        p = cfg.preference
+        return p.needs_reference and (p.precompute_reference or cfg.model.peft == "none")
 
     def keeps_model_copy(self, cfg: Config) -> bool:
         p = cfg.preference
@@ -369,12 +384,39 @@ class DPOTask(SFTTask):
         device = batch["input_ids"].device
         with autocast_for(self.cfg.training.mixed_precision, device):
             if self.reference is not None:
-                if next(self.reference.parameters()).device != device:
-                    self.reference.to(device)  # type: ignore[arg-type]  # once: the trainer placed the policy
-                return self.logps(self.reference, batch)[0]
+                if not self.placed:
+                    self._place_reference(model, device)  # once: the trainer has placed the policy
+                logps = self.logps(self.reference, batch)[0]
+                if isinstance(self.reference, FSDPModule):
+                    self.reference.reshard()  # FSDP2 keeps its root gathered after a forward, for a backward
+                return logps
             inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it; a PeftModel inside
             with eval_mode(inner), inner.disable_adapter():
                 return self.logps(inner, batch)[0]
+
+    def _place_reference(self, model: torch.nn.Module, device: torch.device) -> None:
+        """The frozen copy where the policy is: sharded over the policy's mesh under FSDP2, as accelerate shards
+        the policy (each repeated layer one unit, then the rest, with the launch's precision and offload), else
+        moved whole to the policy's device."""
+        assert self.reference is not None
+        weight = next(model.parameters())
+        if isinstance(weight, DTensor):  # FSDP2 sharded the policy
+            plugin = AcceleratorState().fsdp_plugin
+            options: dict[str, Any] = {
+                "mesh": weight.device_mesh,
+                "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+                "offload_policy": plugin.cpu_offload,
+            }
+            layers = set(getattr(plugin, "transformer_cls_names_to_wrap", None) or layer_classes(self.reference))
+            for module in self.reference.modules():
+                if type(module).__name__ in layers:
+                    fully_shard(module, **options)
+            fully_shard(self.reference, **options)
+            if PartialState().is_main_process:
+                print(f"reference model: sharded as the policy, {len(layers)} layer class(es) a unit each", flush=True)
+        else:
+            self.reference.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to`
+        self.placed = True
 
     # ------------------------------------------------------------ loss and metrics
     def loss_count(self, batch: dict) -> torch.Tensor:
