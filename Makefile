@@ -144,6 +144,11 @@ gpu-bench: setup
 pipeline-bench: setup
 	$(PY) bench/pipeline_bench.py --interleaved --split_at 4 $(ARGS)
 
+# `make tp-bench`: tensor parallel 2 vs 1 process vs FSDP2 on 2 processes (CPU: correctness and memory)
+.PHONY: tp-bench
+tp-bench: setup
+	$(PY) bench/tp_bench.py $(ARGS)
+
 # `make monitoring-bench`: the same runs with --monitoring true and false, alternated in fresh processes
 # (~17 min; bench/results/monitoring.md).
 .PHONY: monitoring-bench

@@ -158,6 +158,16 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "heads": (3, {**base, "tensor_parallel_size": "3"}, "does not divide the model's attention heads (4)"),
         "kv heads": (4, {**base, "tensor_parallel_size": "4"}, "does not divide the model's KV heads (2)"),
         "zero size": (2, {**base, "tensor_parallel_size": "0"}, "must be at least 1"),
+        "built from a config": (
+            2,
+            {
+                **base,
+                "model_name_or_path": "none",
+                "model_config": f"{tiny_llama_dir}/config.json",
+                "tokenizer_name_or_path": tiny_llama_dir,
+            },
+            "pass its output folder to --model_name_or_path",
+        ),
     }
     for name, (processes, opts, message) in cases.items():
         with monkeypatch.context() as env:

@@ -91,6 +91,11 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
         (t.mixed_precision == "fp16", "needs --mixed_precision bf16 or no (fp16's loss scaler is not wired here)"),
         (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
         (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
+        (
+            bool(cfg.model.model_config),
+            "loads a saved model sharded, not one built from --model_config: save the model built from the config "
+            "first (a one-process run of --max_steps 1) and pass its output folder to --model_name_or_path",
+        ),
         (cfg.checkpoint.async_checkpointing, "does not combine with --async_checkpointing; leave it false"),
     ]
     for refused, why in refusals:
