@@ -347,7 +347,7 @@ def test_a_launch_s_fsdp_flags_pick_its_row(options, key, reshard):
         (["--strategy", "fsdp_hybrid"], "--strategy fsdp_hybrid: hybrid sharding shards within a node"),
         (
             ["--task", "dpo", "--strategy", "fsdp", "--peft", "none"],
-            "--strategy fsdp: the run keeps a frozen copy of the model whole in every process",
+            "--strategy fsdp: the run keeps a frozen copy of the model (a DPO reference), which ZeRO-3 cannot shard",
         ),
     ],
 )

@@ -214,8 +214,9 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
         return no_tensor_parallel(m, setup) or "no tensor-parallel row here"
     if m.unshardable:
         return (
-            "the run keeps a frozen copy of the model whole in every process (a DPO reference), which ZeRO-3 and FSDP "
-            "cannot shard; --precompute_reference true or --peft lora avoid the copy"
+            "the run keeps a frozen copy of the model (a DPO reference), which ZeRO-3 cannot shard (the run shards "
+            "it under FSDP2; the planner does not plan that yet); --precompute_reference true or --peft lora avoid "
+            "the copy"
         )
     return (
         f"hybrid sharding shards within a node and replicates across nodes; on {setup.num_nodes} node it is "
