@@ -25,21 +25,8 @@ the profiled steps. The planner (`plan`, run as a user runs it) is compared with
     python bench/gpu.py [--steps 50] [--budget_s 450] [--variants defaults,plain,...] [--out report.json]
     python bench/gpu.py --dry_run      # the same code path, tiny, on CPU
 
-The report: printed, and written to --out (JSON) and beside it with .md (markdown), after every variant:
-  device, device_memory   the GPU as the runs saw it ("cpu", null); corpus: train_documents, vocab_size
-  peak_flops, peak_note   the dense peak MFU divides by; null with the one line saying why
-  settings                this run's options
-  runs                    one per variant, in order: variant, runner (cloudtrain, plain, hf_trainer), options
-      (the application's), status (ok, refused, error, skipped), error (its one line, also when refused or
-      skipped); when ok also: attention (the kernel), steps, train_tokens, tokens_per_s, mfu (null without a
-      peak), mfu_logged (the application's own train/mfu), flops_per_token, vs_plain (tokens/s over plain's),
-      peak_memory {allocated, reserved} (bytes; null on CPU), memory_vs_defaults, loss_at_steps (training
-      loss of the last timed interval), eval_loss (validation, documents kept apart), data_share_logged (the
-      application's train/data_time_share), parameters, vocab_size, row_fill, fit_s, and profile (steps,
-      ms_per_step, device_busy, shares {attention, matmul, optimizer, copy, other} of kernel time, data_wait,
-      top [{name, ms_per_step, share}]: cloudtrain.observe.profile.summarize)
-  planner                 the planner's single-GPU DDP row: total, overhead, without_overhead, parts, fits; or error
-  seconds                 wall time so far
+The report is printed, and written to --out (JSON) and beside it as markdown after every variant; its
+fields: docs/benchmarks.md#one-gpu.
 Without CUDA (and without --dry_run / --device cpu) it prints one line and exits with status 2.
 """
 
