@@ -85,8 +85,10 @@ text-to-image: setup
 deepspeed-ops: $(PKG)
 	$(PY) scripts/build_deepspeed_ops.py
 
+# Tests marked `alone` run after the others, one at a time, with nothing beside them.
 test: setup deepspeed-ops
-	$(PY) -m pytest tests -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
+	$(PY) -m pytest tests -m "not alone" -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
+	$(PY) -m pytest tests -m alone -p no:xdist $(ARGS)
 
 # ruff (lint and format; settings in pyproject.toml) and mypy over the package; .ci/run runs it before the tests.
 lint: $(PKG)
