@@ -204,10 +204,12 @@ def free_port() -> str:
         return str(sock.getsockname()[1])
 
 
-def app_args(s: Settings, corpus, model_config: str, out: Path) -> list[str]:
+def app_args(s, corpus, model: list[str], cache: Path) -> list[str]:
+    """The application's options every variant shares (a variant's own come after and win); `model`: the options
+    naming the model (--model_config or --model_name_or_path); `s`: Settings, or another bench's like them."""
     return [
         "--task", "causal_lm",
-        "--model_config", model_config,
+        *model,
         "--tokenizer_name_or_path", str(corpus.tokenizer_dir),
         "--train_file", str(corpus.train_file),
         "--validation_file", str(corpus.validation_file),
@@ -223,8 +225,7 @@ def app_args(s: Settings, corpus, model_config: str, out: Path) -> list[str]:
         "--seed", str(s.seed),
         "--eval_strategy", "no",
         "--report_to", "none",
-        "--cache_dir", str(out.parent / "cache"),
-        "--output_dir", str(out),
+        "--cache_dir", str(cache),
     ]  # fmt: skip
 
 
@@ -327,8 +328,7 @@ def run(s: Settings, log) -> dict:
         model = s.model
         if model.endswith(".json") and not Path(model).is_file():
             raise SystemExit(f"error: --model {model} not found")
-        base = app_args(s, corpus, model, Path(tmp) / "unused")
-        base = base[: base.index("--output_dir")]
+        base = app_args(s, corpus, ["--model_config", model], Path(tmp) / "cache")
         for i, v in enumerate(variants(s)):
             results[v.name] = summarise(v, launch(v, base, Path(tmp) / f"run{i}", log, s.timeout), s.warmup)
     import torch

@@ -111,29 +111,6 @@ def save_model(shape: dict, vocab_size: int, seed: int, folder: Path) -> Path:
     return folder
 
 
-def app_args(s: Settings, corpus, model: Path, cache: Path) -> list[str]:
-    return [
-        "--task", "causal_lm",
-        "--training_type", "accelerated",
-        "--model_name_or_path", str(model),
-        "--tokenizer_name_or_path", str(corpus.tokenizer_dir),
-        "--train_file", str(corpus.train_file),
-        "--validation_file", str(corpus.validation_file),
-        "--packing", "wrapped",
-        "--max_length", str(s.max_length),
-        "--per_device_eval_batch_size", str(s.batch_size),
-        "--max_steps", str(s.steps),
-        "--logging_steps", "1",
-        "--learning_rate", str(s.learning_rate),
-        "--warmup_ratio", "0",
-        "--mixed_precision", "no",
-        "--seed", str(s.seed),
-        "--eval_strategy", "no",
-        "--report_to", "none",
-        "--cache_dir", str(cache),
-    ]  # fmt: skip
-
-
 def summarise(s: Settings, v: Variant, run: dict) -> dict:
     """Tokens/s of the global batch at rank 0's median step; every process's peak memory; the losses."""
     row = pipeline_bench.summarise(v, run, s.warmup)
@@ -157,7 +134,7 @@ def run(s: Settings, log) -> dict:
     rows = []
     with tempfile.TemporaryDirectory(prefix="tp_bench-") as tmp:
         model = save_model(shape(s), corpus.vocab_size, s.seed, Path(tmp) / "model")
-        base = app_args(s, corpus, model, Path(tmp) / "cache")
+        base = pipeline_bench.app_args(s, corpus, ["--model_name_or_path", str(model)], Path(tmp) / "cache")
         for i, v in enumerate(variants(s)):
             launched = pipeline_bench.launch(v, base, Path(tmp) / f"run{i}", log, s.timeout)
             rows.append(summarise(s, v, launched))
