@@ -2,7 +2,8 @@
 through the application, TP=2 on 2 processes and TP=2 x 2 replicas on 4 processes equal one process (losses,
 gradient norms, weights after several steps, evaluation counts); a killed run resumes exactly from its sharded
 checkpoint; the saved model is ordinary safetensors that one process loads and generates the same text with;
-every refusal is one line (those need no launch)."""
+every refusal is one line (those need no launch); --task sft (answer-only loss) from a model whose embeddings hold
+the chat template's tokens equals one process too."""
 
 import json
 import subprocess
@@ -10,10 +11,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_sft_dist
 import torch
 from conftest import ENTRY, REPO, assert_each_refused, lm_documents
 from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
+from test_sft_dist import sft_args
+
+chats = test_sft_dist.chats  # conversations of uneven answer lengths, the fixture taken by name
 
 
 @pytest.fixture(scope="module")
@@ -102,6 +107,32 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, tmp_pa
 
 
 @pytest.mark.slow
+def test_sft_tp2_trains_like_one_process_from_a_model_grown_in_one_process(tiny_llama_dir, chats, tmp_path):
+    """The test model has no rows for chatml's tokens: a one-process sft run grows them (the refusal's advice),
+    then TP=2 and one process fine-tune its output alike: answer-only losses and gradient norms at every step
+    (clipped, 2 accumulated micro-batches of uneven answer-token counts), the evaluation over the same answer
+    tokens, the sample answers, and the weights after 4 steps."""
+    grown = tmp_path / "grown"
+    launch(torchrun(1), *sft_args(tiny_llama_dir, chats, grown, "--max_steps", "1", "--num_sample_prompts", "0"))
+    common = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+    common += ["--max_grad_norm", "1", "--num_sample_prompts", "3"]
+    one = launch(torchrun(1), *sft_args(str(grown), chats, tmp_path / "one", *common)).stdout
+    tp2 = launch(torchrun(2), *sft_args(str(grown), chats, tmp_path / "tp2", *common, "--tensor_parallel_size", "2"))
+    assert "tensor parallel 2" in tp2.stdout and "grew the embeddings" not in one + tp2.stdout
+    a, b = tmp_path / "tp2", tmp_path / "one"
+    assert logged_losses(a) == pytest.approx(logged_losses(b), rel=1e-6)
+    assert metrics(a, "train/grad_norm") == pytest.approx(metrics(b, "train/grad_norm"), rel=1e-5)
+    initial, ours, theirs = (load_file(folder / "model.safetensors") for folder in (grown, a, b))
+    assert set(ours) == set(theirs) == set(initial)
+    for key in theirs:
+        assert (theirs[key] - initial[key]).abs().max() > 1e-3, key  # it trained
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=3e-4, msg=key)  # see the test above
+    ours, theirs = (json.loads((folder / "eval_results.json").read_text()) for folder in (a, b))
+    assert ours["tokens"] == theirs["tokens"] and ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert (ours["exact_match"], ours["generations"]) == (theirs["exact_match"], theirs["generations"])
+
+
+@pytest.mark.slow
 def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(tiny_llama_dir, corpus, tmp_path):
     """TP=2: a run with a checkpoint at step 3 of 5, then the same run resumed there (as after kill -9) ends with
     the same weights and losses; the saved model loads in one process and continues the sample prompts as the
@@ -135,8 +166,9 @@ def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(tiny
         assert done.stdout.strip().splitlines()[-1] == generation["prompt"] + generation["continuation"], done.stdout
 
 
-def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_dir, capsys, monkeypatch):
+def test_every_refusal_is_one_line(tmp_path, corpus, chats, tiny_llama_dir, tiny_gpt2_dir, capsys, monkeypatch):
     base = {**options(tiny_llama_dir, corpus, tmp_path / "out"), "tensor_parallel_size": "2"}
+    sft = {**base, "train_file": str(chats / "train.jsonl"), "validation_file": str(chats / "validation.jsonl")}
     cases = {  # name: (processes the launcher started, options, the line's end)
         "basic trainer": (1, {**base, "training_type": "basic"}, "needs --training_type accelerated"),
         "pipeline trainer": (4, {**base, "training_type": "pipeline"}, "needs --training_type accelerated"),
@@ -151,7 +183,12 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
             {**base, "fsdp": "true", "fsdp_cpu_offload": "true"},
             "with --fsdp shards fully, through transformers",
         ),
-        "sft": (2, {**base, "task": "sft"}, "is supported for --task causal_lm only (this run is sft)"),
+        "dpo": (2, {**base, "task": "dpo"}, "is supported for --task causal_lm, sft only (this run is dpo)"),
+        "sft, template tokens without rows": (
+            2,
+            {**sft, "task": "sft"},
+            "the chat template's tokens (<|im_start|>, <|im_end|>) have no embedding rows in the model (400 rows)",
+        ),
         "compile": (2, {**base, "torch_compile": "true"}, "does not combine with --torch_compile"),
         "batch size auto": (2, {**base, "per_device_train_batch_size": "auto"}, "not auto"),
         "no plan": (2, {**base, "model_name_or_path": tiny_gpt2_dir}, "the gpt2 model family has no tensor-parallel"),

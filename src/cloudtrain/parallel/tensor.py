@@ -25,10 +25,17 @@ from cloudtrain.errors import UserError
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime
 
-# tasks whose model is one decoder loaded as it is (sft may grow the embeddings for its chat tokens, which a sharded
-# embedding cannot: transformers' resize needs the whole matrix; preference tasks keep a reference copy)
-TASKS = ("causal_lm",)
-SHARDS = "tensor_parallel"  # a checkpoint's subfolder with every process's shards of weights and optimizer state
+# tasks whose model is one decoder loaded as it is (preference tasks keep a reference copy); sft only where the
+# embeddings hold its chat template's tokens (`check_embeddings_fit`)
+TASKS = ("causal_lm", "sft")
+SHARDS = "tensor_parallel"
+# PEFT 0.21 builds a row-split layer's adapter (lora_A) at the local input width, and transformers 5.23's rowwise
+# forward reads that width as the global one (docs/parallelism.md#adapters)
+PEFT_REFUSAL = (
+    "does not combine with --peft: PEFT 0.21 builds the adapters of row-split layers (o_proj, down_proj) at their "
+    "local width, which transformers' tensor-parallel forward reads as the whole width (it fails on the first "
+    "batch); train adapters with --fsdp true or ZeRO instead"
+)  # a checkpoint's subfolder with every process's shards of weights and optimizer state
 
 
 def degree(cfg: Config) -> int:
@@ -82,7 +89,7 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
             "--fsdp_reshard_after_forward",
         ),
         (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
-        (cfg.model.peft != "none", "does not combine with --peft (adapters on sharded layers are not supported)"),
+        (cfg.model.peft != "none", PEFT_REFUSAL),
         (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
         (
             cfg.model.fused_cross_entropy == "true",
@@ -101,11 +108,13 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
     for refused, why in refusals:
         if refused:
             raise UserError(f"{flag} {why}")
-    check_model_divides(cfg, tp)
+    config = check_model_divides(cfg, tp)
+    check_embeddings_fit(cfg, config, flag)
 
 
-def check_model_divides(cfg: Config, tp: int) -> None:
-    """The model family has a plan in transformers, and its heads, KV heads and MLP width split evenly."""
+def check_model_divides(cfg: Config, tp: int) -> Any:
+    """The model family has a plan in transformers, and its heads, KV heads and MLP width split evenly; returns the
+    model's config."""
     from cloudtrain.models.load import load_config, read_config
 
     if cfg.model.model_config:  # a preset or config.json (causal_lm pretraining)
@@ -130,6 +139,30 @@ def check_model_divides(cfg: Config, tp: int) -> None:
             raise UserError(
                 f"--tensor_parallel_size {tp} does not divide the model's {what} ({size}); choose a divisor of {size}"
             )
+    return config
+
+
+def check_embeddings_fit(cfg: Config, config: Any, flag: str) -> None:
+    """A task that talks through a chat template (sft) adds the template's special tokens to the tokenizer; their
+    embedding rows must be in the checkpoint already: transformers' resize_token_embeddings cannot grow a sharded
+    model (the LM head is split by vocabulary rows)."""
+    from cloudtrain.data.chat import ChatFormat
+    from cloudtrain.models.load import load_tokenizer
+    from cloudtrain.registry import TASKS as REGISTRY
+
+    if not REGISTRY[cfg.training.task].chat_template:
+        return
+    tokenizer = load_tokenizer(cfg.model)
+    ChatFormat.setup(tokenizer, cfg.data.chat_template)
+    rows = config.get_text_config().vocab_size
+    if len(tokenizer) > rows:
+        missing = ", ".join(tokenizer.convert_ids_to_tokens(list(range(rows, len(tokenizer)))))
+        raise UserError(
+            f"{flag}: the chat template's tokens ({missing}) have no embedding rows in the model ({rows} rows), "
+            "and a sharded model cannot grow them; grow them in one process first (a --task sft run without "
+            "--tensor_parallel_size saves the model with them, e.g. --max_steps 1) and pass its output folder to "
+            "--model_name_or_path, or use a model whose embeddings hold its chat template's tokens"
+        )
 
 
 def load_options(cfg: Config, processes: int) -> dict:
