@@ -8,8 +8,10 @@ the next chunk, and the summed losses of the shards add up to the loss of the wh
 cut alike: RoPE and the document boundaries of packed rows (cloudtrain.data.packing) travel with their tokens.
 
 The attention itself (ring attention through torch.distributed.tensor.experimental.context_parallel) runs only on
-CUDA's SDPA kernels, and cloudtrain does not wire it into a trainer yet: --context_parallel_size above 1 is
-refused in one line. See docs/parallelism.md.
+CUDA's SDPA kernels: on CPU, torch (2.13 here) has no sharding rule for its SDPA kernel
+(aten._scaled_dot_product_flash_attention_for_cpu: tests/test_context_parallel.py checks it against the installed
+torch), and its math kernel, tried by hand, adds a plain causal mask to DTensors. cloudtrain does not wire it into a
+trainer yet: --context_parallel_size above 1 is refused in one line. See docs/parallelism.md.
 """
 
 import torch
@@ -27,7 +29,8 @@ def check_context_parallel(cfg: Config) -> None:
     if not torch.cuda.is_available():
         raise UserError(
             f"--context_parallel_size {cp} needs CUDA GPUs: torch's context_parallel runs ring attention only "
-            "through CUDA's SDPA kernels (flash, memory-efficient), and this machine has none; leave it at 1"
+            "through CUDA's SDPA kernels (flash, memory-efficient, cuDNN; its CPU kernel has no sharding rule), and "
+            "this machine has none; leave it at 1"
         )
     raise UserError(
         f"--context_parallel_size {cp} is not wired into a trainer yet (sequence splitting is, attention is not); "
