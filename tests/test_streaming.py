@@ -203,6 +203,34 @@ def test_packed_rows_keep_documents_apart_as_the_stored_path_does(tmp_path, lm_t
         assert all(batch["labels"][b, s] == -100 for s in starts)  # no document predicted from another
 
 
+def test_batches_stay_on_the_host_for_the_trainer_to_place(tmp_path, lm_tokenizer, two_sources):
+    """The loader collates on the host (the trainer's input path places stream and stored batches alike)."""
+    batch = next(iter(plan_for(tmp_path, lm_tokenizer, train_file=two_sources).loader(2)))
+    assert all(v.device.type == "cpu" and not v.is_pinned() for v in batch.values())
+
+
+@pytest.mark.gpu
+def test_batches_are_pinned_when_the_trainer_asks(tmp_path, lm_tokenizer, two_sources):
+    batch = next(iter(plan_for(tmp_path, lm_tokenizer, train_file=two_sources).loader(2, pin_memory=True)))
+    assert all(v.device.type == "cpu" and v.is_pinned() for v in batch.values())
+
+
+def test_per_source_counts_at_a_logging_step_are_those_trained_on_so_far(tmp_path, lm_tokenizer, two_sources):
+    """source_metrics(step), what the logging step writes to metrics.jsonl: the documents started and tokens of the
+    rows of steps 1..step, per source as named."""
+    loader = plan_for(tmp_path, lm_tokenizer, train_file=two_sources).loader(2)
+    it, rows = loader.chunks(), []
+    a, b = two_sources.split(",")
+    for step in range(1, 6):
+        rows += next(it)
+        metrics = loader.source_metrics(step)
+        for i, name in enumerate((a, b)):
+            assert metrics[f"data/{name}/tokens"] == sum(r["tokens"].get(i, 0) for r in rows)
+            assert metrics[f"data/{name}/documents"] == sum(1 for r in rows for key in r["starts"] if key[0] == i)
+        assert metrics["data/corrupted_records_skipped"] == 0
+    assert 0 < metrics[f"data/{b}/tokens"] < metrics[f"data/{a}/tokens"] + metrics[f"data/{b}/tokens"]
+
+
 @pytest.mark.parametrize("world_before,world_after", [(2, 1), (1, 2)])
 def test_the_cursor_resumes_the_same_rows_at_another_process_count(
     tmp_path, lm_tokenizer, two_sources, world_before, world_after
@@ -292,6 +320,10 @@ def test_a_streaming_run_trains_and_reports_each_source(tiny_llama_dir, tmp_path
     sources = written["sources"]
     a, b = two_sources.split(",")
     assert set(sources) >= {a, b} and sources[a]["tokens"] > sources[b]["tokens"] > 0
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    counts = [m for m in logged if f"data/{a}/tokens" in m]  # every logging step (the LoggingHook's wiring)
+    assert len(counts) == 10 and counts[-1][f"data/{b}/tokens"] == sources[b]["tokens"]
+    assert [m[f"data/{a}/documents"] for m in counts] == sorted(m[f"data/{a}/documents"] for m in counts)
 
 
 # ------------------------------------------------------------------ real launches (slow)

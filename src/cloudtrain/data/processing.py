@@ -289,24 +289,33 @@ def _limit(ds: Dataset, n: int | None, seed: int) -> Dataset:
 
 
 class EpochShuffleSampler(torch.utils.data.Sampler):
-    """A fresh permutation per epoch, drawn from seed + epoch alone.
+    """A fresh permutation per epoch, drawn from seed + epoch alone: the global order of the stored rows.
 
-    Every process draws the same order (accelerate then shards it), and a resumed run can rebuild any
-    epoch's order without having saved sampler state.
+    Every process draws the same order and accelerate shards it by micro-batch (micro-batch b of the order
+    to process b % processes, as a stream's), so a step's rows do not depend on the process count as long
+    as the global batch does not change; a resumed run rebuilds any epoch's order without sampler state.
+    `step_rows` (the global batch in rows) completes the epoch's last step with the epoch's first rows, so
+    that accelerate never has to even out the processes' shares (which would depend on their count).
     """
 
-    def __init__(self, num_examples: int, seed: int):
-        self.num_examples, self.seed, self.epoch = num_examples, seed, 0
+    def __init__(self, num_examples: int, seed: int, step_rows: int | None = None):
+        self.num_examples, self.seed, self.epoch, self.step_rows = num_examples, seed, 0, step_rows
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
     def __iter__(self):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
-        return iter(torch.randperm(self.num_examples, generator=generator).tolist())
+        return iter(self._whole_steps(torch.randperm(self.num_examples, generator=generator).tolist()))
 
     def __len__(self) -> int:
-        return self.num_examples
+        short = -self.num_examples % self.step_rows if self.step_rows and self.num_examples else 0
+        return self.num_examples + short
+
+    def _whole_steps(self, order: list[int]) -> list[int]:
+        """`order` completed to whole global steps with its own first rows (again, for an epoch shorter than a step)."""
+        short = len(self) - len(order)
+        return order + (order * (short // len(order) + 1))[:short] if short else order
 
 
 class LengthGroupedSampler(EpochShuffleSampler):
@@ -316,8 +325,10 @@ class LengthGroupedSampler(EpochShuffleSampler):
     Still a function of seed + epoch alone, so resuming and accelerate's sharding work unchanged.
     """
 
-    def __init__(self, lengths: list[int], batch_size: int, seed: int, chunk_batches: int = 50):
-        super().__init__(len(lengths), seed)
+    def __init__(
+        self, lengths: list[int], batch_size: int, seed: int, chunk_batches: int = 50, step_rows: int | None = None
+    ):
+        super().__init__(len(lengths), seed, step_rows)
         self.lengths, self.batch_size, self.chunk = torch.tensor(lengths), batch_size, batch_size * chunk_batches
 
     def __iter__(self):
@@ -330,23 +341,27 @@ class LengthGroupedSampler(EpochShuffleSampler):
         # keep a short last batch last: every other batch is full, as with plain shuffling
         full, last = (batches[:-1], batches[-1:]) if len(batches[-1]) < self.batch_size else (batches, ())
         shuffled = [full[i] for i in torch.randperm(len(full), generator=generator).tolist()]
-        return iter(torch.cat(shuffled + list(last)).tolist()) if batches else iter([])
+        return iter(self._whole_steps(torch.cat(shuffled + list(last)).tolist()) if batches else [])
 
 
-def train_dataloader(data: ProcessedData, batch_size: int, seed: int, cfg: DataConfig | None = None) -> DataLoader:
+def train_dataloader(
+    data: ProcessedData, batch_size: int, seed: int, cfg: DataConfig | None = None, step_rows: int | None = None
+) -> DataLoader:
     """Shuffled per epoch (EpochShuffleSampler, or LengthGroupedSampler with --group_by_length);
-    call `set_epoch` before iterating. A streaming run's rows come from its StreamPlan's loader instead."""
+    call `set_epoch` before iterating. `step_rows`: the global batch (rows per optimizer step over all
+    processes), which makes the order the same at any process count (see EpochShuffleSampler).
+    A streaming run's rows come from its StreamPlan's loader instead."""
     from cloudtrain.data.streaming import StreamPlan
 
-    if isinstance(data.train, StreamPlan):
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
-        return data.train.loader(batch_size, device)  # type: ignore[return-value]
     cfg = cfg or DataConfig()
+    if isinstance(data.train, StreamPlan):  # host batches, pinned as a map-style loader's: the trainer places both
+        return data.train.loader(batch_size, loader_options(cfg)["pin_memory"])  # type: ignore[return-value]
     sampler: Sampler[int]
     if cfg.group_by_length:
-        sampler = LengthGroupedSampler([len(ids) for ids in data.train["input_ids"]], batch_size, seed)
+        lengths = [len(ids) for ids in data.train["input_ids"]]
+        sampler = LengthGroupedSampler(lengths, batch_size, seed, step_rows=step_rows)
     else:
-        sampler = EpochShuffleSampler(len(data.train), seed)
+        sampler = EpochShuffleSampler(len(data.train), seed, step_rows)
     return DataLoader(
         data.train, batch_size=batch_size, sampler=sampler, collate_fn=data.collator, **loader_options(cfg)
     )

@@ -38,6 +38,8 @@ from cloudtrain.errors import UserError
 
 STATE_FILE = "data_state.json"  # the stream's cursor in a checkpoint
 STORED_TOKENS = "input_ids"  # the column of pre-tokenized shards (cloudtrain.data.preprocess)
+STORED_MASK = "loss_mask"  # SFT shards: the answer masks
+PACKED_LENGTHS = "seq_lengths"  # a shard row packed by `cloudtrain preprocess --packing`: passed through
 Encoder = Callable[[list[dict]], list[list[tuple[list[int], list[int] | None]]]]
 
 
@@ -60,9 +62,9 @@ class StreamPlan:
     def __len__(self) -> int:  # rows planned: printed by the trainer as the training rows
         return self.budget.get("rows", 0)
 
-    def loader(self, micro: int, device: torch.device | None = None) -> StreamLoader:
+    def loader(self, micro: int, pin_memory: bool = False) -> StreamLoader:
         rank, world = _rank_world()
-        return StreamLoader(self, micro, rank, world, device)
+        return StreamLoader(self, micro, rank, world, pin_memory)
 
 
 def _rank_world() -> tuple[int, int]:
@@ -71,30 +73,41 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _to_device(tensor: torch.Tensor, device: Any) -> torch.Tensor:
-    """On CUDA, a pinned copy sent without blocking: the host does not wait for the GPU's previous step."""
-    if device is None:
-        return tensor
-    if torch.device(device).type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
-
-
 def _identity(item: Any) -> Any:
     return item
 
 
 def encode_stored(records: list[dict], encode: Encoder) -> list[list[tuple[list[int], list[int] | None]]]:
-    """Per record, its examples: a pre-tokenized record (`cloudtrain preprocess` shards: an `input_ids` list)
-    gives its stored tokens as one document, read not tokenized; the others go through the task's encoder."""
+    """Per record, its examples: a pre-tokenized record (`cloudtrain preprocess` shards: an `input_ids` list, for
+    SFT a list of examples with their `loss_mask`s) gives its stored tokens, read not tokenized; the others go
+    through the task's encoder."""
     stored = [isinstance(r.get(STORED_TOKENS), list) for r in records]
     if not any(stored):
         return encode(records)
-    fresh = iter(encode([r for r, s in zip(records, stored, strict=True) if not s]))
-    return [
-        ([(list(r[STORED_TOKENS]), None)] if r[STORED_TOKENS] else []) if s else next(fresh)
-        for r, s in zip(records, stored, strict=True)
-    ]
+    fresh = iter(encode([r for r, s in zip(records, stored, strict=True) if not s]) if not all(stored) else [])
+    return [_stored(r) if s else next(fresh) for r, s in zip(records, stored, strict=True)]
+
+
+def _stored(record: dict) -> list[tuple[list[int], list[int] | None]]:
+    ids = record[STORED_TOKENS]
+    if ids and isinstance(ids[0], list):  # SFT: its examples, each with its answer mask
+        return [(list(e), list(m)) for e, m in zip(ids, record[STORED_MASK], strict=True)]
+    return [(list(ids), None)] if ids else []
+
+
+def _packed_row(record: dict, source: int, key: tuple, block_size: int) -> dict:
+    """A row packed by `cloudtrain preprocess --packing`, as pack_buffer makes them, cut to `block_size`."""
+    ids, lengths, at = list(record[STORED_TOKENS][:block_size]), [], 0
+    for n in record[PACKED_LENGTHS]:
+        if at < len(ids):
+            lengths.append(min(n, len(ids) - at))
+        at += n
+    row: dict[str, Any] = {"input_ids": ids, "seq_lengths": lengths}
+    if record.get(STORED_MASK) is not None:
+        row["loss_mask"] = list(record[STORED_MASK][: len(ids)])
+    row["starts"] = [(*key, n) for n in range(record.get("documents") or 0)]
+    row["tokens"] = {source: len(ids)} if ids else {}
+    return row
 
 
 class BufferDataset(IterableDataset):
@@ -139,6 +152,14 @@ class BufferDataset(IterableDataset):
         return docs
 
     def _rows(self, docs: list[tuple]) -> list[dict]:
+        """The buffer's rows: its packed shard rows as they are, then the other documents packed."""
+        packed = [d for d in docs if isinstance((d[2] or {}).get(PACKED_LENGTHS), list)]
+        rows = [_packed_row(record, source, key, self.plan.block_size) for source, key, record in packed]
+        if len(packed) < len(docs):
+            rows += self._pack([d for d in docs if not isinstance((d[2] or {}).get(PACKED_LENGTHS), list)])
+        return rows
+
+    def _pack(self, docs: list[tuple]) -> list[dict]:
         encoded = encode_stored([record for _, _, record in docs], self.plan.encode)
         items = [
             (source, key if n == 0 else (*key, n), ids, mask)
@@ -173,11 +194,13 @@ class StreamLoader:
     """This process's micro-batches of the global row stream, with the cursor a checkpoint stores.
 
     Not a torch DataLoader, so accelerate passes it through `prepare` untouched (it would dispatch or re-shard
-    an iterable dataset); batches are collated here and placed on `device`.
+    an iterable dataset). Batches are collated here and stay on the host (in pinned memory with `pin_memory`,
+    as a map-style loader's with --dataloader_pin_memory): the trainer places them as it places stored
+    batches, so a stream's input path (copy stream, look-ahead, data-wait clock) is the map-style one.
     """
 
-    def __init__(self, plan: StreamPlan, micro: int, rank: int, world: int, device: torch.device | None):
-        self.plan, self.micro, self.rank, self.world, self.device = plan, micro, rank, world, device
+    def __init__(self, plan: StreamPlan, micro: int, rank: int, world: int, pin_memory: bool = False):
+        self.plan, self.micro, self.rank, self.world, self.pin = plan, micro, rank, world, bool(pin_memory)
         b = plan.budget
         self.accumulation = b.get("accumulation", 1)
         self.step_rows = micro * world * self.accumulation  # the global batch, in rows
@@ -204,11 +227,11 @@ class StreamLoader:
         self.resume = state
 
     def __iter__(self) -> Iterator[dict]:
-        """This process's collated micro-batches, placed on the device."""
+        """This process's collated micro-batches, on the host (pinned with `pin_memory`)."""
         assert self.plan.collator is not None
         for chunk in self.chunks():
             batch = self.plan.collator([{k: v for k, v in r.items() if k not in ("starts", "tokens")} for r in chunk])
-            yield {k: _to_device(v, self.device) for k, v in batch.items()}
+            yield {k: v.pin_memory() if self.pin else v for k, v in batch.items()}
 
     def chunks(self) -> Iterator[list[dict]]:
         """This process's micro-batches as rows (with the keys of the documents starting in each, `starts`)."""
@@ -294,6 +317,21 @@ class StreamLoader:
         result["corrupted_files_skipped"] = stats["bad_files"]
         return result
 
+    def source_metrics(self, step: int) -> dict[str, float]:
+        """`consumed(step)` as flat metrics for the run log and trackers at a logging step: per source,
+        `data/<source as named>/documents` and `.../tokens` so far. The same on every process (each builds the
+        whole stream), so no collective."""
+        counts = self.consumed(step)
+        values = {
+            f"data/{name}/{kind}": float(n)
+            for name, per_source in counts.items()
+            if isinstance(per_source, dict)
+            for kind, n in per_source.items()
+        }
+        values["data/corrupted_records_skipped"] = float(counts["corrupted_records_skipped"])
+        values["data/corrupted_files_skipped"] = float(counts["corrupted_files_skipped"])
+        return values
+
 
 def connect_stream(cfg: Any, needed: list[str]) -> tuple[list[dict], list[SourceSpec]]:
     """The sources of a DataConfig checked (files, weights, columns) and the first record of each.
@@ -325,6 +363,11 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
         ) from None
     finally:
         stream.close()
+    if any(isinstance(r.get(PACKED_LENGTHS), list) for r in records):
+        raise UserError(
+            "the training sources include packed shards (cloudtrain preprocess --packing), which hold no text to "
+            "validate on: give --validation_file"
+        )
     return records, stream.state
 
 

@@ -1,0 +1,108 @@
+"""The stored (map-style) path resumed at another process count: its order is global (micro-batch b of an
+epoch's order to process b % processes, through accelerate's own sharding), so with the same global batch a
+step trains the same rows on 1 or 2 processes, the epoch's last step included, and a checkpoint of one layout
+resumes under the other with the weights of the uninterrupted run within reduction tolerance.
+
+The fast tests shard the sampler exactly as accelerate's prepared loader does (its BatchSamplerShard); the
+slow one launches the application (2 processes x 1 accumulation against 1 x 2, a checkpoint of each resumed
+under the other). It needs the lead's wiring of this issue (trainer passes the global batch to
+train_dataloader; check_compatible accepts a replicated checkpoint with the same global batch)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from accelerate.data_loader import BatchSamplerShard
+from conftest import lm_documents
+from safetensors.torch import load_file
+from test_streaming import one_process, run_entry
+from torch.utils.data import BatchSampler
+
+from cloudtrain.data.processing import EpochShuffleSampler, LengthGroupedSampler
+
+
+def steps_of(sampler, micro: int, processes: int, accumulation: int) -> list[list[int]]:
+    """Each optimizer step's rows, over all processes, as the prepared loaders of `processes` hand them out."""
+    batches = BatchSampler(sampler, micro, drop_last=False)
+    shards = [
+        list(BatchSamplerShard(batches, processes, rank) if processes > 1 else batches) for rank in range(processes)
+    ]
+    assert len({len(s) for s in shards}) == 1  # every process takes as many micro-batches (else a collective hangs)
+    per_process = len(shards[0])
+    return [
+        sorted(row for shard in shards for batch in shard[s : s + accumulation] for row in batch)
+        for s in range(0, per_process, accumulation)
+    ]
+
+
+@pytest.mark.parametrize("rows", [23, 24, 3])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_each_step_trains_the_same_rows_at_any_process_count(rows, grouped):
+    """8 rows per step: 2 processes x 2 rows x 2 micro-batches, 1 x 2 x 4, 4 x 2 x 1; with 23 rows the epoch's
+    last step is completed with its first rows, the same ones whatever the count (accelerate would otherwise
+    complete each process's share from its own first rows); an epoch shorter than a step is repeated."""
+
+    def sampler():
+        if grouped:
+            return LengthGroupedSampler([(i * 7) % 11 for i in range(rows)], 2, seed=5, chunk_batches=2, step_rows=8)
+        return EpochShuffleSampler(rows, seed=5, step_rows=8)
+
+    layouts = [(1, 4), (2, 2), (4, 1)]
+    for epoch in (0, 1):
+        orders = []
+        for processes, accumulation in layouts:
+            s = sampler()
+            s.set_epoch(epoch)
+            orders.append(steps_of(s, 2, processes, accumulation))
+        assert orders[0] == orders[1] == orders[2]
+        assert all(len(step) == 8 for step in orders[0]) and len(orders[0]) == -(-rows // 8)
+        assert set().union(*orders[0]) == set(range(rows))  # every row of the epoch, once but for the completion
+
+
+def test_without_the_global_batch_the_order_is_as_before():
+    """No step_rows (the default): the plain permutation, nothing completed."""
+    assert len(EpochShuffleSampler(23, seed=5)) == 23
+    assert sorted(EpochShuffleSampler(23, seed=5)) == list(range(23))
+
+
+# ------------------------------------------------------------------ real launches (slow)
+def lm_run_args(model_dir: str, train: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        "--task", "causal_lm", "--model_name_or_path", model_dir, "--train_file", str(train),
+        "--output_dir", str(out), "--max_length", "32", "--per_device_train_batch_size", "2",
+        "--learning_rate", "3e-3", "--logging_steps", "1", "--mixed_precision", "no", "--eval_strategy", "no",
+        "--sample_max_new_tokens", "2", "--num_sample_prompts", "1", "--packing", "none",
+        "--validation_split_percentage", "10", *extra,
+    ]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
+    """2 epochs of the stored rows at 8 rows per step (the epoch's last step completed): a checkpoint at step 3
+    (mid-epoch) of 2 processes x 1 resumes on 1 process x 2 and the other way round; weights equal the
+    uninterrupted run's within tolerance, and the same layout resumes bit-exactly."""
+    from test_distributed import torchrun
+
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps({"text": t}) + "\n" for t in lm_documents(30, 3)))
+    common = ["--num_train_epochs", "2", "--checkpointing_steps", "3", "--gradient_accumulation_steps"]
+    runs = {
+        "two": (torchrun(2), ["2"], None),
+        "one": (one_process(), ["4"], None),
+        "two_to_one": (one_process(), ["4"], "two"),
+        "one_to_two": (torchrun(2), ["2"], "one"),
+        "two_to_two": (torchrun(2), ["2"], "two"),
+    }
+    for name, (launcher, extra, resume_from) in runs.items():
+        if resume_from:
+            extra = [*extra, "--resume_from_checkpoint", str(tmp_path / resume_from / "checkpoints" / "checkpoint-3")]
+        result = run_entry(launcher, lm_run_args(tiny_llama_dir, train, tmp_path / name, *common, *extra))
+        assert result.returncode == 0, (name, result.stdout[-2000:], result.stderr[-3000:])
+    steps = {name: json.loads((tmp_path / name / "train_results.json").read_text())["global_step"] for name in runs}
+    assert len(set(steps.values())) == 1 and steps["two"] > 4, steps  # step 3 is mid-epoch: 2 epochs of 3+ steps
+    weights = {name: load_file(tmp_path / name / "model.safetensors") for name in runs}
+    for resumed, straight in (("two_to_one", "one"), ("one_to_two", "two"), ("one", "two")):
+        for key in weights[straight]:
+            torch.testing.assert_close(weights[resumed][key], weights[straight][key], rtol=1e-4, atol=1e-5)
+    assert all(torch.equal(weights["two_to_two"][k], weights["two"][k]) for k in weights["two"])
