@@ -6,11 +6,12 @@ import json
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_streaming import numbered, plan_for, take, write_jsonl
+from test_streaming import data_cfg, numbered, plan_for, take, write_jsonl
 from transformers import AutoTokenizer
 
 from cloudtrain.cli import main
 from cloudtrain.data.streaming import encode_stored
+from cloudtrain.errors import UserError
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +71,97 @@ def test_more_than_one_source_is_one_line(corpus, tmp_path, lm_tokenizer_dir, ca
     argv = ["preprocess", "--train_file", f"{corpus}/part0.jsonl,{corpus}/part1.jsonl"]
     status = main([*argv, "--tokenizer_name_or_path", lm_tokenizer_dir, "--output_dir", str(tmp_path / "o")])
     assert status == 2 and "one source" in capsys.readouterr().err
+
+
+def sft_encoder(tokenizer_dir: str):
+    """The SFT task's stream encoder for prompt/completion records, chatml, cut at 32 tokens (as plan_for's rows)."""
+    from types import SimpleNamespace
+
+    from cloudtrain.config.data import DataConfig
+    from cloudtrain.data.chat import ChatFormat, detect_columns
+    from cloudtrain.tasks.sft import SFTTask
+
+    chat = ChatFormat.setup(AutoTokenizer.from_pretrained(tokenizer_dir), None)
+    columns = detect_columns(["prompt", "completion"], None, None, None)
+    return SFTTask.stream_encoder(SimpleNamespace(chat=chat), columns, DataConfig(max_length=32))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def qa(tmp_path):
+    rows = [{"prompt": f"What is {i} plus {i % 7}?", "completion": f"It is {i + i % 7}, of course."} for i in range(50)]
+    rows[5] = {"prompt": "no answer"}  # refused: trains nothing, keeps its place
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return tmp_path / "qa.jsonl"
+
+
+def rows_of(loader, steps: int, *keys: str) -> list[tuple]:
+    return [tuple(tuple(r.get(k) or ()) for k in keys) for chunk in take(loader, steps) for r in chunk]
+
+
+def test_sft_shards_stream_the_examples_with_their_answer_masks(qa, tmp_path, lm_tokenizer, lm_tokenizer_dir):
+    out = tmp_path / "sft-shards"
+    argv = ["preprocess", "--task", "sft", "--train_file", str(qa), "--tokenizer_name_or_path", lm_tokenizer_dir]
+    assert main([*argv, "--output_dir", str(out), "--shard_documents", "20", "--max_length", "32"]) in (0, None)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["documents"] == 50 and manifest["empty_documents"] == 1 and manifest["task"] == "sft"
+    assert pq.read_table(out / "shard-00000.parquet").column_names == ["prompt", "completion", "input_ids", "loss_mask"]
+    encode = sft_encoder(lm_tokenizer_dir)
+    raw, shards = (plan_for(tmp_path, lm_tokenizer, train_file=f) for f in (str(qa), f"{out}/*.parquet"))
+    raw.encode = shards.encode = encode
+    keys = ("input_ids", "seq_lengths", "loss_mask")
+    expected = rows_of(raw.loader(2), 30, *keys)
+    assert rows_of(shards.loader(2), 30, *keys) == expected and all(any(r[2]) for r in expected)
+    shards.encode = lambda records: pytest.fail("a stored example was tokenized again")  # noqa: ARG005
+    assert rows_of(shards.loader(2), 30, *keys) == expected
+
+
+@pytest.mark.parametrize("packing", ["bfd", "wrapped"])
+def test_packed_shards_are_the_rows_a_stream_of_the_raw_corpus_packs(
+    packing, corpus, tmp_path, lm_tokenizer, lm_tokenizer_dir
+):
+    """Packed by 16 documents (the stream's buffer in plan_for), shards of 32 documents: the stream passes the
+    stored rows through (documents kept apart by seq_lengths) and counts the documents per source as the raw one."""
+    out = tmp_path / f"packed-{packing}"
+    argv = ["preprocess", "--train_file", f"{corpus}/*.jsonl", "--tokenizer_name_or_path", lm_tokenizer_dir]
+    options = ["--packing", packing, "--max_length", "32", "--pack_documents", "16", "--shard_documents", "32"]
+    assert main([*argv, "--output_dir", str(out), *options]) in (0, None)
+    assert pq.read_table(out / "shard-00000.parquet").column_names == ["input_ids", "seq_lengths", "documents"]
+    keys = ("input_ids", "seq_lengths")
+    raw = plan_for(tmp_path, lm_tokenizer, packing=packing, train_file=f"{corpus}/*.jsonl", exhausted="stop")
+    shards = plan_for(tmp_path, lm_tokenizer, packing="none", train_file=f"{out}/*.parquet", exhausted="stop")
+    raw_loader, shard_loader = raw.loader(1), shards.loader(1)
+    expected = [tuple(tuple(r[k]) for k in keys) for chunk in raw_loader.chunks() for r in chunk]
+    got = [tuple(tuple(r[k]) for k in keys) for chunk in shard_loader.chunks() for r in chunk]
+    assert got == expected and all(len(ids) <= 32 for ids, _ in got)
+    counts = [
+        loader.consumed(len(expected))[name]
+        for loader, name in ((raw_loader, f"{corpus}/*.jsonl"), (shard_loader, f"{out}/*.parquet"))
+    ]
+    assert counts[0] == counts[1] and counts[0]["documents"] == 67  # the 70 documents but the 3 empty ones
+
+
+def test_packed_shards_need_a_validation_file(corpus, tmp_path, lm_tokenizer_dir):
+    from cloudtrain.data.mixture import resolve_sources
+    from cloudtrain.data.streaming import hold_out
+
+    out = tmp_path / "packed"
+    argv = ["preprocess", "--train_file", f"{corpus}/*.jsonl", "--tokenizer_name_or_path", lm_tokenizer_dir]
+    assert main([*argv, "--output_dir", str(out), "--packing", "bfd", "--max_length", "32"]) in (0, None)
+    cfg = data_cfg(train_file=f"{out}/*.parquet", stream_validation_docs=2)
+    with pytest.raises(UserError, match="--validation_file"):
+        hold_out(resolve_sources(cfg.data), cfg.data, 0)
+
+
+@pytest.mark.parametrize(
+    "options,said",
+    [
+        (["--packing", "bfd"], "needs --max_length"),
+        (["--task", "sft"], "needs --max_length"),
+        (["--task", "sft", "--packing", "wrapped", "--max_length", "32"], "--packing none or bfd"),
+    ],
+)
+def test_packing_without_a_row_length_is_one_line(options, said, corpus, tmp_path, lm_tokenizer_dir, capsys):
+    argv = ["preprocess", "--train_file", f"{corpus}/*.jsonl", "--tokenizer_name_or_path", lm_tokenizer_dir]
+    assert main([*argv, "--output_dir", str(tmp_path / "o"), *options]) == 2
+    err = capsys.readouterr().err
+    assert said in err and err.count("\n") <= 1 and not (tmp_path / "o").exists()

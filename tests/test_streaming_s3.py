@@ -116,3 +116,36 @@ def test_an_unreachable_endpoint_is_one_line_not_a_hang(s3, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     message = one_line_error(f"s3://{BUCKET}/corpus/*.jsonl")
     assert "cannot reach the object store" in message and f"127.0.0.1:{port}" in message
+
+
+def test_preprocess_writes_shards_to_object_storage_that_stream_as_local_ones(
+    s3, tmp_path, lm_tokenizer, lm_tokenizer_dir
+):
+    """`cloudtrain preprocess --output_dir s3://...` (through s3fs, to the local server): the shards, manifest and
+    histogram are objects, and streaming them gives the rows of the same shards written to local disk."""
+    from cloudtrain.cli import main
+
+    argv = ["preprocess", "--train_file", f"{s3}/*.jsonl*", "--tokenizer_name_or_path", lm_tokenizer_dir]
+    options = ["--packing", "bfd", "--max_length", "32", "--pack_documents", "16", "--shard_documents", "32"]
+    assert main([*argv, "--output_dir", f"s3://{BUCKET}/shards", *options]) in (0, None)
+    assert main([*argv, "--output_dir", str(tmp_path / "shards"), *options]) in (0, None)
+    listed = boto3.client("s3").list_objects_v2(Bucket=BUCKET, Prefix="shards/")["Contents"]
+    names = sorted(o["Key"].removeprefix("shards/") for o in listed)
+    assert names == sorted(p.name for p in (tmp_path / "shards").iterdir())
+    assert {"manifest.json", "length_histogram.png", "shard-00000.parquet"} <= set(names)
+    remote = plan_for(tmp_path, lm_tokenizer, train_file=f"s3://{BUCKET}/shards/*.parquet", packing="none")
+    local = plan_for(tmp_path, lm_tokenizer, train_file=f"{tmp_path / 'shards'}/*.parquet", packing="none")
+    assert rows(remote, 20) == rows(local, 20)
+
+
+def test_preprocess_to_an_unreachable_store_is_one_line(s3, tmp_path, lm_tokenizer_dir, monkeypatch, capsys):
+    from cloudtrain.cli import main
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
+    argv = ["preprocess", "--train_file", f"{s3}/a0.jsonl", "--tokenizer_name_or_path", lm_tokenizer_dir]
+    assert main([*argv, "--output_dir", f"s3://{BUCKET}/shards"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "cannot reach the object store" in err and "\n" not in err

@@ -1,38 +1,70 @@
-"""`cloudtrain preprocess`: tokenize a corpus once into sharded Parquet files that streaming training reads as is.
+"""`cloudtrain preprocess`: tokenize (and optionally pack) a corpus once into sharded Parquet files, on local
+disk or object storage, that streaming training reads as is.
 
-Each output row is one document of the source, in the source's order (empty ones included, so that a stream of
-the shards draws its buffers at the same documents as a stream of the raw corpus): the text column, kept for the
-held-out validation documents and sample prompts, and `input_ids`, the document's tokens as the causal-LM task
-encodes them (EOS appended). A streaming run given the shards (`--train_file out/*.parquet`) packs those stored
-tokens instead of tokenizing again (cloudtrain.data.streaming), so it trains on exactly the rows the raw corpus
-would give, at the cost of a read. `manifest.json` holds the counts per shard and a length histogram, drawn in
-`length_histogram.png`.
+Without packing, each output row is one record of the source, in the source's order (empty ones included, so
+that a stream of the shards draws its buffers at the same documents as a stream of the raw corpus): the
+record's task columns (the text; SFT's messages or prompt/completion), kept for the held-out validation
+documents and sample prompts, and `input_ids`, the tokens as the task encodes them (causal LM: the document
+with EOS; SFT: a list of examples, each with its answer mask in `loss_mask`, cut at --max_length). A streaming
+run given the shards packs those stored tokens instead of tokenizing again (cloudtrain.data.streaming), so it
+trains on exactly the rows the raw corpus would give, at the cost of a read.
+
+With `--packing bfd|wrapped` the rows are the training rows themselves, of at most --max_length tokens: packed
+within buffers of --pack_documents documents as a stream packs (cloudtrain.data.packing.pack_buffer),
+documents kept apart by `seq_lengths`, SFT's answer masks in `loss_mask`; a stream passes them through. They
+hold no text, so such a run takes its validation from --validation_file.
+
+`manifest.json` holds the counts per shard and a length histogram, drawn in `length_histogram.png`. An
+`s3://bucket/prefix` output is written through fsspec (s3fs) with the same settings and one-line failures as
+an object-store source (cloudtrain.data.remote).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-from pathlib import Path
+from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 from cloudtrain.errors import UserError
 
 TOKENS = "input_ids"  # the column a streaming run takes as stored tokens
+MASK = "loss_mask"  # SFT: per example (unpacked) or per row (packed), the tokens the loss is taken on
+LENGTHS = "seq_lengths"  # packed rows: the lengths of the documents (pieces) in the row; marks a row as packed
+DOCUMENTS = "documents"  # packed rows: how many documents start in the row (the per-source counts)
 MANIFEST = "manifest.json"
 HISTOGRAM = "length_histogram.png"
+SFT_OPTIONS = ("messages_column", "prompt_column", "completion_column", "system_prompt", "chat_template")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--train_file", required=True, help="The corpus: a file, folder or glob (one source).")
+    parser.add_argument(
+        "--train_file", required=True, help="The corpus: a file, folder, glob or s3:// URL (one source)."
+    )
     parser.add_argument(
         "--tokenizer_name_or_path", required=True, help="The tokenizer training will use (a local folder)."
     )
-    parser.add_argument("--output_dir", required=True, help="Where the shards and manifest.json go.")
-    parser.add_argument("--text_column", default="text", help="The column holding each document's text.")
-    parser.add_argument("--shard_documents", type=int, default=100_000, help="Documents per shard (100000).")
+    parser.add_argument(
+        "--output_dir", required=True, help="Where the shards and manifest.json go (a folder or s3://)."
+    )
+    parser.add_argument("--task", choices=("causal_lm", "sft"), default="causal_lm", help="How records are encoded.")
+    parser.add_argument("--text_column", default="text", help="causal_lm: the column holding each document's text.")
+    parser.add_argument("--shard_documents", type=int, default=100_000, help="Records per shard (100000).")
     parser.add_argument("--format", help="The source's format when its names do not say (jsonl, parquet, ...).")
+    parser.add_argument(
+        "--packing",
+        choices=("none", "bfd", "wrapped"),
+        default="none",
+        help="none: one row per record, packed at training time; bfd or wrapped: packed now into rows of "
+        "--max_length tokens, as a stream packs (SFT: none or bfd).",
+    )
+    parser.add_argument("--max_length", type=int, help="The row length (with --packing) and SFT's cut: training's.")
+    parser.add_argument("--pack_documents", type=int, default=1000, help="Documents packed together (1000).")
+    for name in SFT_OPTIONS:
+        parser.add_argument(f"--{name}", help=f"SFT: as training's --{name}.")
+    parser.add_argument("--train_on_prompt", action="store_true", help="SFT: as training's --train_on_prompt true.")
 
 
 def _source(args: argparse.Namespace) -> Any:
@@ -47,6 +79,21 @@ def _source(args: argparse.Namespace) -> Any:
     if spec.format == "txt":  # a line arrives as "text": it is the text column
         spec.columns.setdefault(args.text_column, "text")
     return spec
+
+
+def _check(args: argparse.Namespace) -> None:
+    """Option mistakes, before the tokenizer or the corpus is touched."""
+    if args.shard_documents < 1 or args.pack_documents < 1:
+        raise UserError("--shard_documents and --pack_documents must be at least 1")
+    if (args.packing != "none" or args.task == "sft") and not args.max_length:
+        raise UserError(
+            f"--{'packing ' + args.packing if args.packing != 'none' else 'task sft'} needs --max_length "
+            "(the row length, or the cut of an SFT example): give the --max_length training will use"
+        )
+    if args.task == "sft" and args.packing == "wrapped":
+        raise UserError("--task sft packs whole examples: --packing none or bfd")
+    if args.max_length is not None and args.max_length < 2:
+        raise UserError("--max_length must be at least 2")
 
 
 def _documents(spec: Any, chunk: int) -> Any:
@@ -69,40 +116,138 @@ def _documents(spec: Any, chunk: int) -> Any:
         stream.close()
 
 
-def _write_shard(path: Path, records: list[dict], ids: list[list[int]], text_column: str) -> None:
+def _encoder(args: argparse.Namespace, tokenizer: Any, first: dict) -> tuple[Any, list[str]]:
+    """The task's stream encoder (records -> per record, its examples) and the record columns a shard keeps."""
+    from cloudtrain.config.data import DataConfig
+
+    if args.task == "causal_lm":
+        from cloudtrain.tasks.causal_lm import CausalLMTask
+
+        return CausalLMTask.stream_encoder(tokenizer, DataConfig(text_column=args.text_column)), [args.text_column]
+    from cloudtrain.data.chat import ChatFormat, detect_columns
+    from cloudtrain.tasks.sft import SFTTask
+
+    options = {name: getattr(args, name) for name in SFT_OPTIONS}
+    cfg = DataConfig(max_length=args.max_length, train_on_prompt=args.train_on_prompt, **options)
+    columns = detect_columns(list(first), cfg.messages_column, cfg.prompt_column, cfg.completion_column)
+    task = SimpleNamespace(chat=ChatFormat.setup(tokenizer, cfg.chat_template))  # what the encoder reads
+    return SFTTask.stream_encoder(task, columns, cfg), [c for c in columns.names if c in first]  # type: ignore[arg-type]
+
+
+def _table(records: list[dict], encoded: list[list[tuple]], keep: list[str], args: argparse.Namespace) -> Any:
+    """One shard's table: a row per record (its columns and tokens), or the packed rows of its records."""
+    import pyarrow as pa
+
+    if args.packing != "none":
+        from cloudtrain.data.packing import pack_buffer
+
+        items = [(0, (0, 0, r), ids, mask) for r, examples in enumerate(encoded) for ids, mask in examples]
+        rows = pack_buffer(items, args.max_length, args.packing)
+        table = {
+            TOKENS: pa.array([r[TOKENS] for r in rows], pa.list_(pa.int32())),
+            LENGTHS: pa.array([r[LENGTHS] for r in rows], pa.list_(pa.int32())),
+            DOCUMENTS: pa.array([len(r["starts"]) for r in rows], pa.int32()),
+        }
+        if any(mask is not None for _, _, _, mask in items):
+            table[MASK] = pa.array([r.get(MASK) for r in rows], pa.list_(pa.int8()))
+        return pa.table(table)
+    columns = {name: pa.array([r.get(name) for r in records]) for name in keep}
+    columns = {name: a.cast(pa.string()) if pa.types.is_null(a.type) else a for name, a in columns.items()}
+    if args.task == "sft":  # per record, its examples and their answer masks
+        columns[TOKENS] = pa.array([[ids for ids, _ in e] for e in encoded], pa.list_(pa.list_(pa.int32())))
+        columns[MASK] = pa.array([[m for _, m in e] for e in encoded], pa.list_(pa.list_(pa.int8())))
+    else:  # causal LM: the document's tokens, [] for an empty one
+        columns[TOKENS] = pa.array([e[0][0] if e else [] for e in encoded], pa.list_(pa.int32()))
+    return pa.table(columns)
+
+
+class Output:
+    """The output folder, local or object storage, written through fsspec; an object store's failures are one
+    line each (cloudtrain.data.remote), local ones are the OSError as is."""
+
+    def __init__(self, url: str):
+        import fsspec
+
+        from cloudtrain.data.readers import storage_options
+
+        self.url = url.rstrip("/")
+        if self.url.startswith(("s3://", "s3a://")):
+            from cloudtrain.data.remote import _check_credentials
+
+            _check_credentials(url)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options(self.url))
+        except ImportError:
+            raise UserError(
+                f"{url}: writing {url.split('://', 1)[0]}:// needs s3fs: pip install 'cloudtrain[s3]'"
+            ) from None
+        with self._said():
+            self.fs.makedirs(self.root, exist_ok=True)
+
+    def write(self, name: str, data: bytes) -> None:
+        with self._said(), self.fs.open(f"{self.root}/{name}", "wb") as f:
+            f.write(data)
+
+    @contextlib.contextmanager
+    def _said(self) -> Iterator[None]:
+        from cloudtrain.data.remote import _failure
+
+        try:
+            yield
+        except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
+            if "://" not in self.url:
+                raise
+            raise _failure(self.url, err) from None
+
+
+def _shard(records: list[dict], encode: Any, keep: list[str], args: argparse.Namespace) -> tuple[Any, list[int]]:
+    """A shard's table, encoded (and packed) by buffers of --pack_documents records, and each record's tokens."""
+    import pyarrow as pa
+
+    tables, lengths = [], []
+    for start in range(0, len(records), args.pack_documents):
+        part = records[start : start + args.pack_documents]
+        encoded = encode(part)
+        tables.append(_table(part, encoded, keep, args))
+        lengths += [sum(len(ids) for ids, _ in examples) for examples in encoded]
+    return pa.concat_tables(tables), lengths
+
+
+def _parquet(table: Any) -> bytes:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    texts = [None if r.get(text_column) is None else str(r.get(text_column)) for r in records]
-    table = pa.table({text_column: pa.array(texts, pa.string()), TOKENS: pa.array(ids, pa.list_(pa.int32()))})
-    pq.write_table(table, path, row_group_size=1024)  # small row groups: a resume reads little before its row
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink, row_group_size=1024)  # small row groups: a resume reads little before its row
+    return sink.getvalue().to_pybytes()
 
 
 def run(args: argparse.Namespace) -> None:
-    from cloudtrain.config.data import DataConfig
     from cloudtrain.models.load import read_tokenizer
-    from cloudtrain.tasks.causal_lm import CausalLMTask
 
-    if args.shard_documents < 1:
-        raise UserError("--shard_documents must be at least 1")
+    _check(args)
     spec = _source(args)
+    out = Output(args.output_dir)
     tokenizer = read_tokenizer(args.tokenizer_name_or_path, trust_remote_code=False)
-    encode = CausalLMTask.stream_encoder(tokenizer, DataConfig(text_column=args.text_column))
-    out = Path(args.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    shards, lengths = [], []
+    encode, keep, shards, lengths = None, [args.text_column], [], []
     for n, records in enumerate(_documents(spec, args.shard_documents)):
-        ids = [examples[0][0] if examples else [] for examples in encode(records)]
+        if encode is None:
+            encode, keep = _encoder(args, tokenizer, next((r for r in records if r), {}))
+        table, doc_lengths = _shard(records, encode, keep, args)
         name = f"shard-{n:05d}.parquet"
-        _write_shard(out / name, records, ids, args.text_column)
-        shards.append({"file": name, "documents": len(ids), "tokens": sum(map(len, ids))})
-        lengths += [len(doc) for doc in ids]
+        out.write(name, _parquet(table))
+        shards.append({"file": name, "documents": len(records), "rows": table.num_rows, "tokens": sum(doc_lengths)})
+        lengths += doc_lengths
     if not shards:
         raise UserError(f"{args.train_file} holds no document")
     manifest = _manifest(args, shards, lengths)
-    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
-    _plot(manifest["length_histogram"], out / HISTOGRAM)
-    print(f"{manifest['documents']} documents, {manifest['tokens']} tokens in {len(shards)} shard(s): {out}")
+    out.write(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    out.write(HISTOGRAM, _plot(manifest["length_histogram"]))
+    rows = sum(s["rows"] for s in shards)
+    print(
+        f"{manifest['documents']} documents, {manifest['tokens']} tokens, {rows} rows in {len(shards)} shard(s): "
+        f"{out.url}"
+    )
 
 
 def _manifest(args: argparse.Namespace, shards: list[dict], lengths: list[int]) -> dict:
@@ -112,7 +257,11 @@ def _manifest(args: argparse.Namespace, shards: list[dict], lengths: list[int]) 
     return {
         "source": args.train_file,
         "tokenizer": str(args.tokenizer_name_or_path),
+        "task": args.task,
         "text_column": args.text_column,
+        "packing": args.packing,
+        "max_length": args.max_length,
+        **({name: getattr(args, name) for name in SFT_OPTIONS} if args.task == "sft" else {}),
         "documents": len(lengths),
         "empty_documents": sum(1 for n in lengths if n == 0),
         "tokens": sum(lengths),
@@ -121,7 +270,9 @@ def _manifest(args: argparse.Namespace, shards: list[dict], lengths: list[int]) 
     }
 
 
-def _plot(histogram: dict, path: Path) -> None:
+def _plot(histogram: dict) -> bytes:
+    import io
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -133,5 +284,7 @@ def _plot(histogram: dict, path: Path) -> None:
     ax.set_xlabel("tokens per document")
     ax.set_ylabel("documents")
     fig.tight_layout()
-    fig.savefig(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     plt.close(fig)
+    return buffer.getvalue()
