@@ -2,7 +2,9 @@
 on a (dp_replicate, tp) mesh) against the unsharded model on the whole batch, in every process. Each data-parallel
 replica takes its own rows and scales its summed loss as the trainer does (processes / the global token count,
 summed over every process); the loss and every gradient, gathered from the shards, must equal the unsharded
-model's. Prints one `ok` line per process."""
+model's. Prints one `ok` line per process. Then LoRA (PEFT, as cloudtrain attaches it) on the sharded model: its
+first forward must still fail as the --peft refusal says (one `refusal holds` line per process); once the
+installed PEFT runs it, this says so, and the refusal can be reconsidered (docs/parallelism.md#adapters)."""
 
 import os
 import sys
@@ -57,7 +59,28 @@ def main(model_dir: str, tp: int, fsdp: bool) -> None:
         checked += 1
     assert checked == len(grads)
     print(f"ok rank {rank}: loss and {checked} gradients equal the unsharded model's", flush=True)
+    check_adapters_still_fail(model_dir, cfg, world, batch)
     dist.destroy_process_group()
+
+
+def check_adapters_still_fail(model_dir: str, cfg: Config, world: int, batch: dict) -> None:
+    """PEFT builds a row-split layer's lora_A at the local input width (o_proj, down_proj); transformers' rowwise
+    forward takes that width for the whole one and cannot lay the input out."""
+    from cloudtrain.models import adapters
+
+    cfg.model.peft, cfg.model.lora_dropout = "lora", 0.0
+    model = AutoModelForCausalLM.from_pretrained(model_dir, **tensor.load_options(cfg, world))
+    model = adapters.attach(model, cfg, "CAUSAL_LM", [])
+    row_split = model.get_submodule("base_model.model.model.layers.0.self_attn.o_proj.lora_A.default")
+    assert isinstance(row_split.weight, DTensor) and row_split.in_features < row_split.weight.shape[1]
+    try:
+        causal_lm_forward(model, batch)
+    except RuntimeError as err:
+        if "is invalid for input of size" not in str(err):
+            raise
+        print(f"refusal holds: LoRA on the sharded model fails: {str(err).splitlines()[0]}", flush=True)
+        return
+    print("LoRA on the sharded model ran: the installed PEFT may support it; reconsider the --peft refusal")
 
 
 if __name__ == "__main__":

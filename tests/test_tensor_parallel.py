@@ -67,6 +67,7 @@ def test_sharded_loss_and_every_gradient_equal_the_unsharded_model(tiny_llama_di
     its own rows, loaded as cloudtrain loads it."""
     result = launch(torchrun(4), str(REPO / "tests" / "dist_tp.py"), tiny_llama_dir, "2", data_parallel)
     assert result.stdout.count("gradients equal the unsharded model's") == 4, result.stdout[-2000:]
+    assert result.stdout.count("refusal holds: LoRA on the sharded model fails") == 4, result.stdout[-2000:]
 
 
 @pytest.mark.slow
