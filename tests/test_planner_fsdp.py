@@ -346,8 +346,8 @@ def test_a_launch_s_fsdp_flags_pick_its_row(options, key, reshard):
     [
         (["--strategy", "fsdp_hybrid"], "--strategy fsdp_hybrid: hybrid sharding shards within a node"),
         (
-            ["--task", "dpo", "--strategy", "fsdp", "--peft", "none"],
-            "--strategy fsdp: the run keeps a frozen copy of the model (a DPO reference), which ZeRO-3 cannot shard",
+            ["--task", "dpo", "--strategy", "zero3", "--peft", "none"],
+            "--strategy zero3: the run refuses it: --task dpo under ZeRO-3 with full fine-tuning",
         ),
     ],
 )

@@ -14,9 +14,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
-from cloudtrain.config import PEFT_METHODS, TrainingConfig, add_config_option, build_config, differs_from_default
+from cloudtrain.config import (
+    PEFT_METHODS,
+    Config,
+    TrainingConfig,
+    add_config_option,
+    build_config,
+    differs_from_default,
+)
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import resolve_precision
+from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import GPUS, Gpu, gpu_by_name
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, decoder_tasks, is_decoder, model_facts
 from cloudtrain.planning.known_models import config_folder, known_name
@@ -47,6 +55,7 @@ from cloudtrain.planning.strategies import (
 )
 from cloudtrain.planning.writers import launch_command, write_configs
 from cloudtrain.registry import TASKS
+from cloudtrain.tasks.base import Task
 
 # the training options `plan` takes, as the application defines them (in this order in --help)
 TRAINING_OPTIONS = (
@@ -187,14 +196,20 @@ def task_args(args: argparse.Namespace) -> tuple[str, ...]:
     return tuple(part for name, value in given for part in (f"--{name}", str(value).lower()))
 
 
-def runnable(m: ModelFacts, c: Candidate) -> bool:
-    """What the run would refuse: a pipeline for a task that cannot run in one; sharding (ZeRO-3, FSDP) or cutting a
-    frozen copy kept whole in every process."""
-    if c.pipeline and not TASKS[m.task].runs_in_pipeline:
+def sharding_refusal(task: Task, cfg: Config, c: Candidate) -> str | None:
+    """The task's own refusal of the candidate's sharding with its adapters (what the run's check_options says)."""
+    s = c.strategy
+    shards = Sharding(s.zero_stage, s.offload_optimizer, s.offload_param, s.fsdp)
+    return task.sharding_refusal(replace(cfg, model=replace(cfg.model, peft=c.peft)), shards)
+
+
+def runnable(m: ModelFacts, task: Task, cfg: Config, c: Candidate) -> bool:
+    """What the run would refuse: a pipeline for a task that cannot run in one, or a sharding the task refuses."""
+    if c.pipeline and not task.runs_in_pipeline:
         return False
-    if m.unshardable and (c.strategy.zero_stage == 3 or c.strategy.fsdp):
-        return False
-    return not (m.model_copy and c.peft == "none" and c.pipeline)
+    if m.model_copy and c.peft == "none" and c.model_parallel > 1:
+        return False  # the tensor- and context-parallel estimates do not count the frozen copy: no rows, not wrong ones
+    return sharding_refusal(task, cfg, c) is None
 
 
 def _distinct(c: Candidate, setup: Setup) -> bool:
@@ -207,17 +222,13 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
     if key in ("tp", "tp_fsdp", "cp_fsdp"):
         if setup.num_gpus < 2 or not m.decoder:
             return "tensor and context parallelism plan a decoder task (--task causal_lm) on at least 2 GPUs per node"
+        if m.model_copy:
+            return "the planner does not estimate the frozen reference copy under TP/CP: --strategy fsdp shards it"
         if key == "cp_fsdp":
             return f"no degree dividing the {setup.num_gpus} GPUs cuts --max_length {setup.max_length} in 2 x cp chunks"
         if key == "tp_fsdp" and not no_tensor_parallel(m, setup):
             return "tensor parallel groups on all the processes leave no data-parallel processes to shard over"
         return no_tensor_parallel(m, setup) or "no tensor-parallel row here"
-    if m.unshardable:
-        return (
-            "the run keeps a frozen copy of the model (a DPO reference), which ZeRO-3 cannot shard (the run shards "
-            "it under FSDP2; the planner does not plan that yet); --precompute_reference true or --peft lora avoid "
-            "the copy"
-        )
     return (
         f"hybrid sharding shards within a node and replicates across nodes; on {setup.num_nodes} node it is "
         "fsdp (full shard): plan with --num_nodes 2 or more, or --strategy fsdp"
@@ -242,6 +253,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         m = replace(m, name=name)
     task_cfg = build_config({n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference")})
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
+    no_copy = replace(task_cfg, preference=replace(task_cfg.preference, precompute_reference=True))
     precision = resolve_precision(args.mixed_precision)
     attention = run_attention(args.attn_implementation, args.packing, args.task, precision)
     passed = (
@@ -252,7 +264,9 @@ def make_plan(args: argparse.Namespace) -> dict:
     m = replace(
         m,
         model_copy=run_task.keeps_model_copy(task_cfg),
-        unshardable=run_task.refuses_sharding(task_cfg),
+        copy_free=tuple(
+            s.key for s in STRATEGIES if not run_task.sharding_refusal(no_copy, Sharding(s.zero_stage, fsdp=s.fsdp))
+        ),
         task_args=task_args(args) + passed,
         attn_implementation=attention or m.attn_implementation,
     )
@@ -276,7 +290,12 @@ def make_plan(args: argparse.Namespace) -> dict:
     if args.strategy == PIPELINE.key and not pipes:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
     splits = tensor_candidates(m, setup) + context_candidates(m, setup)
-    cands = [c for c in candidates(adapters, pipes, splits) if runnable(m, c) and _distinct(c, setup)]
+    every = [c for c in candidates(adapters, pipes, splits) if _distinct(c, setup)]
+    cands = [c for c in every if runnable(m, run_task, task_cfg, c)]
+    asked = [c for c in every if c.strategy.key == args.strategy and args.peft in ("auto", c.peft)]
+    refused = [why for c in asked if (why := sharding_refusal(run_task, task_cfg, c))]
+    if asked and len(refused) == len(asked):  # the run refuses every row asked for: its own line
+        raise UserError(f"--strategy {args.strategy}: the run refuses it: {refused[0]}")
     if args.strategy not in ("auto", PIPELINE.key) and not any(c.strategy.key == args.strategy for c in cands):
         raise UserError(f"--strategy {args.strategy}: {_no_row(m, setup, args.strategy)}")
     rows = [row(m, c, setup, requested * c.model_parallel) for c in cands]  # a TP/CP group: its processes' rows

@@ -105,8 +105,10 @@ class ModelFacts:
     tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
     adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
     stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.parallel.stages can cut)
-    model_copy: bool = False  # full fine-tuning keeps a frozen fp32 copy of the model per process (a DPO reference)
-    unshardable: bool = False  # the task needs the whole model in every process: no ZeRO-3/FSDP rows
+    model_copy: bool = False  # full fine-tuning keeps a frozen fp32 copy of the model (a DPO reference)
+    # the strategies whose full fine-tuning runs without that copy (--precompute_reference true): what the planner
+    # may suggest instead of it
+    copy_free: tuple[str, ...] = ()
     task_args: tuple[str, ...] = ()  # the task's own options the estimate assumed, passed on to the launch command
     tensor_plan: TensorPlanFacts | None = None  # None: the family has no tensor-parallel plan in transformers
 

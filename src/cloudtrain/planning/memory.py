@@ -295,10 +295,26 @@ def cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int
     return round(offloaded * per_node), load
 
 
-def reference_bytes(m: ModelFacts) -> int:
-    """A task's frozen copy of the model (a DPO reference under full fine-tuning): the weights as loaded (fp32),
-    whole in every process."""
-    return 4 * m.num_params if m.model_copy else 0
+def reference_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
+    """A task's frozen copy of the model (a DPO reference under full fine-tuning) per GPU: the weights as loaded
+    (fp32), whole in every process, or under FSDP2 sharded as the policy's parameters (its shard degree; in CPU
+    memory with CPU offload), with no gradients or optimizer states. Its units are gathered only for its own
+    forward, which ends (resharded) before the policy's backward: the gathered units are not counted."""
+    if not m.model_copy:
+        return 0
+    if strategy.fsdp:
+        return 0 if strategy.offload_param else 4 * m.num_params // strategy.shard_degree(setup)
+    return 4 * m.num_params
+
+
+def reference_cpu_bytes(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, int]:
+    """(offloaded, loading) per node of the frozen copy: FSDP2's CPU offload keeps its fp32 shards in CPU memory;
+    every process copies the model as loaded before the trainer places it (two fp32 copies at once)."""
+    if not m.model_copy:
+        return 0, 0
+    held = strategy.fsdp and strategy.offload_param
+    offloaded = 4 * m.num_params * setup.num_gpus // strategy.shard_degree(setup) if held else 0
+    return offloaded, 4 * m.num_params * setup.num_gpus
 
 
 def swap_buffer_bytes(m: ModelFacts, setup: Setup) -> int:
@@ -333,7 +349,7 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     params, grads, optim = (
         model_state_bytes(m, cand.strategy, setup) if full else adapter_state_bytes(m, cand.peft, setup, cand.strategy)
     )
-    params += reference_bytes(m) if full else 0
+    params += reference_bytes(m, cand.strategy, setup) if full else 0
     saved, working = _activations(m, cand, setup, micro_batch)
     activations = saved + working
     hidden = 4 if not setup.half or not cand.strategy.shards else 2  # the final norm's output: fp32 under autocast
@@ -349,6 +365,8 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     # with adapters each process loads its whole base as it will hold it (in 16 bits, or quantising as it goes)
     if full:
         offloaded, load = cpu_bytes(m, cand.strategy, setup)
+        copy_offloaded, copy_load = reference_cpu_bytes(m, cand.strategy, setup)
+        offloaded, load = offloaded + copy_offloaded, load + copy_load
     else:
         whole = frozen_base_bytes(m, cand.peft, cand.strategy, replace(setup, num_gpus=1, num_nodes=1))
         offloaded, load = 0, round(whole) * setup.num_gpus

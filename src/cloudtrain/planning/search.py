@@ -247,6 +247,31 @@ def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
     return any(fits(estimate(m, c, setup, 1), setup) for c in cands)
 
 
+def _fits_without_copy(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
+    """Whether full fine-tuning without the task's frozen copy fits one of `cands` whose strategy the run allows
+    without it (--precompute_reference true: not under ZeRO-3 or FSDP)."""
+    free = [c for c in cands if c.peft == "none" and c.strategy.key in m.copy_free]
+    return m.model_copy and _fits_anything(replace(m, model_copy=False), setup, free)
+
+
+def _copy_reason(m: ModelFacts, c: Candidate, setup: Setup) -> str:
+    """Where the frozen reference copy lives in this row, and what would free it."""
+    held = reference_bytes(m, c.strategy, setup) / GIB
+    if not c.strategy.fsdp:
+        where = f"whole in every process ({held:.1f} GiB, in the parameters)"
+    elif c.strategy.offload_param:
+        where = "sharded as the policy's parameters, in CPU memory (offloaded)"
+    else:
+        degree = c.strategy.shard_degree(setup)
+        where = f"sharded as the policy's parameters over {degree} process(es) ({held:.1f} GiB, in the parameters)"
+    free = (
+        "--precompute_reference true or --peft lora would free it"
+        if c.strategy.key in m.copy_free
+        else "--peft lora would free it (--precompute_reference true runs under DDP or ZeRO-1/2 only)"
+    )
+    return f"The reference is a frozen fp32 copy of the model {where}; {free}."
+
+
 def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str]:
     """What would make the smallest of `cands` (at micro-batch 1) fit."""
     leanest = min(cands, key=lambda c: estimate(m, c, setup, 1).total)
@@ -267,8 +292,11 @@ def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str
         ideas.append("--mixed_precision bf16 (halves the activations and, with DeepSpeed, the weights)")
     if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None), cands):
         ideas.append("more CPU memory per node for offloading (see the CPU/node column)")
-    if m.model_copy and _fits_anything(replace(m, model_copy=False), setup, cands):
-        ideas.append("--precompute_reference true (the reference's log-probabilities once, before training: no copy)")
+    if _fits_without_copy(m, setup, cands):
+        ideas.append(
+            "--precompute_reference true (the reference's log-probabilities once, before training: no copy; "
+            "DDP or ZeRO-1/2)"
+        )
     disk = nvme_needed(m, setup, cands)
     if disk:
         ideas.append(
@@ -343,10 +371,7 @@ def reasons(
             f"compute); without it activations need {plain.activations / GIB:.1f} GiB."
         )
     if m.model_copy and c.peft == "none":
-        lines.append(
-            f"The reference is a frozen fp32 copy of the model in every process ({reference_bytes(m) / GIB:.1f} GiB, "
-            "in the parameters); --precompute_reference true or --peft lora would free it."
-        )
+        lines.append(_copy_reason(m, c, setup))
     if c.strategy.nvme:
         lines.append(
             f"ZeRO-Infinity keeps {e.nvme_per_node / GIB:.1f} GiB of swap files per node on the NVMe disk "
@@ -465,7 +490,7 @@ def _would_fit(m: ModelFacts, setup: Setup, tier: list[Candidate]) -> str:
     """What would make a tier that does not fit fit: an NVMe disk, or no reference copy."""
     disk = nvme_needed(m, setup, tier)
     hint = f"; ZeRO-Infinity would with {math.ceil(disk / GIB)} GiB of NVMe disk per node (--nvme_gb)" if disk else ""
-    if m.model_copy and _fits_anything(replace(m, model_copy=False), setup, tier):
+    if _fits_without_copy(m, setup, tier):
         hint += "; without the reference copy it would: --precompute_reference true"
     return hint
 

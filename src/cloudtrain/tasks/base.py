@@ -21,6 +21,7 @@ the task for these and branch on nothing else:
 
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from datasets import DatasetDict
@@ -30,6 +31,9 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.processing import ProcessedData
+
+if TYPE_CHECKING:  # parallel.distributed loads accelerate: not at import
+    from cloudtrain.parallel.distributed import Sharding
 
 
 class Task:
@@ -88,14 +92,16 @@ class Task:
         return adapters.attach(model, cfg, self.peft_task_type, self.train_in_full(model))
 
     def keeps_model_copy(self, cfg: Config) -> bool:
-        """Whether full fine-tuning keeps a frozen copy of the model beside the one it trains (a DPO reference),
-        in every process and unsharded: the planner counts it."""
+        """Whether the run keeps a frozen copy of the model beside the one it trains (a DPO reference under full
+        fine-tuning): whole in every process, or sharded as the policy's parameters under FSDP2. The planner
+        counts it."""
         return False
 
-    def refuses_sharding(self, cfg: Config) -> bool:
-        """Whether the run needs the whole model in every process (ZeRO-3 and FSDP refused): the planner leaves
-        those rows out."""
-        return False
+    def sharding_refusal(self, cfg: Config, shards: "Sharding") -> str | None:
+        """Why the run refuses to shard the model as `shards` says (a ZeRO stage, FSDP) with cfg's other options
+        (--peft), in the one line `check_options` raises; None when it runs that way. The planner leaves out the
+        rows it refuses, so the two cannot disagree."""
+        return None
 
     def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
         """The tokenizer beside the saved model (a task whose model folder holds its own may skip it)."""

@@ -59,7 +59,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
 from cloudtrain.models.load import is_causal_lm, load_tokenizer
-from cloudtrain.parallel.distributed import sharding
+from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.fsdp import layer_classes
 from cloudtrain.publish.model_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
@@ -146,7 +146,7 @@ class DPOTask(SFTTask):
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
-        m, p = cfg.model, cfg.preference
+        m = cfg.model
         if not m.model_name_or_path and not m.model_config:
             raise UserError("--task dpo needs a decoder to tune: --model_name_or_path <causal LM, e.g. an SFT model>")
         config = self.model_config(cfg)
@@ -163,21 +163,9 @@ class DPOTask(SFTTask):
                 "--task dpo takes a pair's loss over both answers at once, which a pipeline's last stage cannot; "
                 "use --training_type accelerated"
             )
-        shards = sharding(cfg)
-        if p.needs_reference and p.precompute_reference and (shards.zero_stage == 3 or shards.fsdp):
-            where, instead = (
-                ("FSDP", "the live reference is sharded as the policy") if shards.fsdp
-                else ("ZeRO-3", "with --peft lora the live reference is the sharded base")
-            )  # fmt: skip
-            raise UserError(
-                f"--task dpo under {where} with --precompute_reference true: the reference is computed from whole "
-                f"weights; use ZeRO-1/2, or drop it ({instead})"
-            )
-        if self.keeps_model_copy(cfg) and shards.zero_stage == 3:
-            raise UserError(
-                "--task dpo under ZeRO-3 with full fine-tuning: the reference copy would be whole in every process; "
-                "use --fsdp true (it shards the copy too), ZeRO-1/2, --peft lora, or --preference_loss simpo/orpo"
-            )
+        refusal = self.sharding_refusal(cfg, sharding(cfg))
+        if refusal:
+            raise UserError(refusal)
         if cfg.checkpoint.metric_for_best_model == "exact_match" and not cfg.data.num_sample_prompts:
             raise UserError("--metric_for_best_model exact_match needs --num_sample_prompts N; or pick loss")
         ChatFormat.setup(load_tokenizer(m), cfg.data.chat_template)  # a bad template fails here
@@ -291,11 +279,25 @@ class DPOTask(SFTTask):
     # ------------------------------------------------------------ the reference
     runs_in_pipeline = False  # a pair's loss needs both answers' log-probabilities at once
 
-    def refuses_sharding(self, cfg: Config) -> bool:
-        # the precomputed reference needs whole weights; the full-fine-tuning copy is sharded under FSDP2 but not
-        # ZeRO-3, and this answer, one for both, keeps the planner from offering ZeRO-3
+    def sharding_refusal(self, cfg: Config, shards: Sharding) -> str | None:
+        """The precomputed reference needs whole weights (no ZeRO-3, no FSDP); the full-fine-tuning copy is sharded
+        under FSDP2 (_place_reference) but would be whole in every process under ZeRO-3."""
         p = cfg.preference
-        return p.needs_reference and (p.precompute_reference or cfg.model.peft == "none")
+        if p.needs_reference and p.precompute_reference and (shards.zero_stage == 3 or shards.fsdp):
+            where, instead = (
+                ("FSDP", "the live reference is sharded as the policy") if shards.fsdp
+                else ("ZeRO-3", "with --peft lora the live reference is the sharded base")
+            )  # fmt: skip
+            return (
+                f"--task dpo under {where} with --precompute_reference true: the reference is computed from whole "
+                f"weights; use ZeRO-1/2, or drop it ({instead})"
+            )
+        if self.keeps_model_copy(cfg) and shards.zero_stage == 3:
+            return (
+                "--task dpo under ZeRO-3 with full fine-tuning: the reference copy would be whole in every process; "
+                "use --fsdp true (it shards the copy too), ZeRO-1/2, --peft lora, or --preference_loss simpo/orpo"
+            )
+        return None
 
     def keeps_model_copy(self, cfg: Config) -> bool:
         p = cfg.preference
