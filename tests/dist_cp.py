@@ -46,10 +46,10 @@ def drop_mask(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple
 
 def main() -> None:
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
-    world, rank = dist.get_world_size(), dist.get_rank()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    world, rank = dist.get_world_size(), dist.get_rank()
     mesh = init_device_mesh(device, (world,), mesh_dim_names=("cp",))
 
     torch.manual_seed(1)  # the same rows in every process
@@ -93,7 +93,8 @@ def main() -> None:
     for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         grad = param.grad.clone()
         dist.all_reduce(grad)  # each process's gradient comes from its own tokens' losses
-        torch.testing.assert_close(grad, expected.grad, rtol=1e-4, atol=1e-5, msg=name)
+        # the kernel adds in another order over half-length blocks; a wrong mask would differ by far more
+        torch.testing.assert_close(grad, expected.grad, rtol=1e-3, atol=1e-5, msg=name)
         checked += 1
     print(f"ok rank {rank}: loss and {checked} gradients equal the unsplit model's", flush=True)
     dist.destroy_process_group()
