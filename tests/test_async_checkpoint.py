@@ -15,6 +15,7 @@ import torch
 from conftest import REPO
 from safetensors.torch import load_file
 from test_checkpointing import args_for, env, run
+from test_distributed import free_port
 
 from cloudtrain.async_save import BackgroundSave, cpu_copy
 from cloudtrain.checkpointing import Checkpointer, TrainerState, complete_checkpoints
@@ -151,3 +152,64 @@ def test_what_cannot_save_in_the_background_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert code != 0 and "--async_checkpointing true" in err and named in err, err
     assert len([line for line in err.splitlines() if "async_checkpointing" in line]) == 1
+
+
+DIST = REPO / "tests" / "dist_async_checkpoint.py"
+TWO = ["--training_type", "accelerated", "--max_steps", "12", "--checkpointing_steps", "4", "--mixed_precision", "no"]
+
+
+def two_processes(*args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
+    environment = {**env(), "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}", "CUDA_VISIBLE_DEVICES": ""}
+    if kill_at:
+        environment["CLOUDTRAIN_TEST_KILL_AT"] = kill_at
+    return subprocess.run([*launcher, *args], capture_output=True, text=True, env=environment, timeout=600, cwd=REPO)
+
+
+def records(folder: Path, name: str) -> dict[int, object]:
+    return {
+        rank: [json.loads(line) for line in (folder / f"{name}.{rank}").read_text().splitlines()] for rank in (0, 1)
+    }
+
+
+@pytest.mark.slow
+def test_two_processes_save_in_the_background_survive_a_kill_and_resume_bit_exactly(
+    tiny_model_dir, topic_csvs, tmp_path
+):
+    """DDP on 2 CPU processes (the AcceleratedTrainer): the loop runs the step after a save while that save is
+    being written (each process's writer waits for it); both processes killed -9 while checkpoint-8 is written
+    leave checkpoint-4 as the newest complete one; the resume picks it and ends bit-exact with a synchronous
+    run, its checkpoints too; on_save fires once a checkpoint is complete and renamed, on both processes."""
+    sync, killed = tmp_path / "sync", tmp_path / "killed"
+    first, second = tmp_path / "log-killed", tmp_path / "log-resumed"
+    first.mkdir(), second.mkdir()
+    result = two_processes(*args_for(tiny_model_dir, topic_csvs, sync, *TWO))
+    assert result.returncode == 0, result.stderr[-3000:]
+    watched = [*TWO, *ASYNC, "--callbacks", "dist_async_checkpoint:Published"]
+    run_args = args_for(tiny_model_dir, topic_csvs, killed, *watched)[1:]
+    result = two_processes(str(DIST), str(first), *run_args, kill_at="checkpoint.written:2")
+    assert result.returncode != 0 and "SIGKILL" in result.stderr, result.stderr[-3000:]
+    assert [step for step, _ in complete_checkpoints(killed / "checkpoints")] == [4]
+    for rank in (0, 1):
+        assert json.loads((first / f"overlap.{rank}").read_text()) == {"saved_step": 4, "went_on": True}
+    assert records(first, "on_save") == {rank: [[4, "checkpoint-4", True, True]] for rank in (0, 1)}
+
+    result = two_processes(str(DIST), str(second), *run_args, "--resume_from_checkpoint", "latest")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"resumed from {killed / 'checkpoints' / 'checkpoint-4'} at step 4" in result.stdout
+    for rank in (0, 1):
+        assert json.loads((second / f"overlap.{rank}").read_text()) == {"saved_step": 8, "went_on": True}
+    published = [[8, "checkpoint-8", True, True], [12, "checkpoint-12", True, True]]
+    assert records(second, "on_save") == {0: published, 1: published}
+    assert same(weights(sync), weights(killed))
+    for step in (8, 12):
+        mid = Path("checkpoints") / f"checkpoint-{step}"
+        assert same(weights(sync / mid), weights(killed / mid))
+        a, b = (torch.load(out / mid / "optimizer.bin", weights_only=True) for out in (sync, killed))
+        leaves = [torch.utils._pytree.tree_leaves(state) for state in (a, b)]
+        assert all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(*leaves, strict=True))
+        for rank in (0, 1):
+            rng = [torch.load(out / mid / f"random_states_{rank}.pkl", weights_only=False) for out in (sync, killed)]
+            assert torch.equal(rng[0]["torch_manual_seed"], rng[1]["torch_manual_seed"])
+    events = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert {8, 12} <= {e["step"] for e in events if "checkpoint/blocked_s" in e}  # the loop's wait, per save

@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -193,3 +194,47 @@ def test_main_only_and_all_process_callbacks_under_two_processes(tiny_model_dir,
         lines = [json.loads(line) for line in (logs / f"everywhere.{index}").read_text().splitlines()]
         assert lines == [["on_step_end", step, index == 0] for step in steps]
     assert (out / "checkpoints" / "checkpoint-2").is_dir()
+
+
+def test_on_save_comes_once_a_background_save_is_published(tmp_path, monkeypatch):
+    """--async_checkpointing: on_save is called when the checkpoint is complete under its final name, not when its
+    save starts. The writer of checkpoint-2 waits until step 3 has run, so the save is still in flight at step 2."""
+    from test_own_module import fresh_module, rows
+
+    from cloudtrain.training.basic import BasicTrainer
+    from cloudtrain.training.trainer import Trainer
+
+    done, real_step, real_snapshot = [0], Trainer._step, BasicTrainer.checkpoint_snapshot
+
+    def step(self, window, loop) -> None:
+        real_step(self, window, loop)
+        done[0] = loop.state.global_step
+
+    def snapshot(self):
+        write, saved_at = real_snapshot(self), done[0]
+
+        def held_write(folder: Path) -> None:
+            deadline = time.monotonic() + 60
+            while saved_at < 4 and done[0] <= saved_at and time.monotonic() < deadline:
+                time.sleep(0.01)
+            write(folder)
+
+        return held_write
+
+    monkeypatch.setattr(Trainer, "_step", step)
+    monkeypatch.setattr(BasicTrainer, "checkpoint_snapshot", snapshot)
+    seen: list[tuple] = []
+
+    def record(state: CallbackState) -> None:
+        complete = state.checkpoint is not None and (state.checkpoint / "trainer_state.json").is_file()
+        seen.append((state.event, state.global_step, state.checkpoint and state.checkpoint.name, complete))
+
+    cloudtrain.train(
+        model=fresh_module(), train_dataset=rows(64, 0), output_dir=str(tmp_path / "run"), callbacks=[record],
+        **{**RUN, "eval_strategy": "no", "async_checkpointing": True},
+    )  # fmt: skip
+    saves = [entry for entry in seen if entry[0] == "on_save"]
+    assert saves == [("on_save", 2, "checkpoint-2", True), ("on_save", 4, "checkpoint-4", True)]
+    order = [(event, step) for event, step, *_ in seen]
+    assert order.index(("on_save", 2)) > order.index(("on_step_end", 3))  # published after step 3 ran
+    assert order[-2:] == [("on_save", 4), ("on_train_end", 4)]  # the last save, waited for, before the end

@@ -5,6 +5,11 @@ CPU memory synchronously, so the live tensors may change from the next step on; 
 writes the files, seals and renames the folder (`Checkpointer.save_async`). At most one save is in flight:
 the next save, and the end of the run, wait for it. An error in the thread is kept and raised in the main
 thread at the next step, as one line.
+
+With several processes each one snapshots and writes its own part; the threads then meet (every part is
+complete before the folder is sealed and renamed, as for a synchronous save) in a process group of their
+own (`ThreadCollectives`): collectives of the launch's group from two threads at once could pair one
+thread's barrier with the other's all-reduce.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import _remove_duplicate_names  # the rule save_model and load_model share
 
 from cloudtrain.errors import UserError, first_line
@@ -85,3 +91,24 @@ class BackgroundSave:
             f"the asynchronous checkpoint save failed ({type(error).__name__}: {first_line(error)}); the earlier "
             "checkpoints are intact: resume with --resume_from_checkpoint latest"
         ) from error
+
+
+class ThreadCollectives:
+    """The background save's barrier and broadcast, in a gloo group of its own (made by every process, in the
+    main thread, at the first asynchronous save: creating a group is itself a collective of the launch)."""
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+
+    @staticmethod
+    def needed() -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
+    def share(self, value: Any) -> Any:
+        """The main process's `value` on every process (the main process is rank 0, as in Runtime.share)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.group)
+        return box[0]

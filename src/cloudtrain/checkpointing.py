@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from cloudtrain.async_save import BackgroundSave
+from cloudtrain.async_save import BackgroundSave, ThreadCollectives
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
@@ -356,6 +356,9 @@ class Checkpointer:
         self.export, self.on_saved, self.before_delete = export, on_saved, before_delete
         self.storage = storage or Storage(owner=is_main_process)
         self.background = BackgroundSave()  # the save in flight with --async_checkpointing
+        self.thread_collectives: ThreadCollectives | None = None  # its barrier and broadcast (several processes)
+        self._published: list[tuple[int, Path]] = []  # complete, renamed and not yet taken (`take_published`)
+        self._lock = threading.Lock()
         self.owner, self.share, self.index = self.storage.owner, share, index
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
@@ -390,21 +393,34 @@ class Checkpointer:
         partial = self._open(step)
         return self._save_now(step, partial, write, trainer, mesh, state, start, blocked_s=None)
 
+    def take_published(self) -> list[tuple[int, Path]]:
+        """The (step, path) of each checkpoint complete and renamed (on every process) since the last call:
+        a synchronous save's at once, a background save's once its thread has published it."""
+        with self._lock:
+            published, self._published = self._published, []
+        return published
+
     def save_async(
         self, step: int, write: Callable[[Path], None], trainer: str, mesh: Mesh, state: TrainerState, start: float
     ) -> float:
-        """Start writing checkpoint-<step> in the background (one process; cloudtrain.async_save): `write` writes
-        a CPU snapshot and `state` is the caller's own copy, so the loop may go on. The hub export reads the
-        live model, so it runs here, before the thread. Returns the seconds the loop was blocked since `start`."""
+        """Start writing checkpoint-<step> in the background (every process; cloudtrain.async_save): `write`
+        writes this process's part from a CPU snapshot and `state` is the caller's own copy, so the loop may go
+        on. The hub export reads the live model, so it runs here, before the thread. Returns the seconds the
+        loop was blocked since `start`."""
         self.background.wait()
+        if self.thread_collectives is None and ThreadCollectives.needed():
+            self.thread_collectives = ThreadCollectives()  # every process is here, at the same step
         partial = self._open(step)
         self._copy_run_files(partial)  # now: the loop logs on while the thread writes
         if self.export:
             self.export(partial)
         blocked = time.perf_counter() - start
 
+        meet = self.thread_collectives
+
         def work() -> None:
-            self._save_now(step, partial, write, trainer, mesh, state, start, blocked_s=blocked, early=True)
+            collectives = (meet.barrier, meet.share) if meet else (lambda: None, lambda value: value)
+            self._save_now(step, partial, write, trainer, mesh, state, start, blocked, True, collectives)
 
         self.background.start(work, name=f"{PREFIX}{step}")
         return blocked
@@ -429,10 +445,13 @@ class Checkpointer:
         start: float,
         blocked_s: float | None,
         early: bool = False,
+        collectives: tuple[Callable[[], None], Callable[[Any], Any]] | None = None,
     ) -> Path:
         """Every process writes its part into `partial`; the owner seals and renames it; then rotation.
         `blocked_s`: how long the loop waited for a background save (None: the whole save); `early`: the
-        export and the run files are in `partial` already (`save_async`)."""
+        export and the run files are in `partial` already (`save_async`); `collectives`: the barrier and
+        share a background thread meets the other processes' threads with (default: the launch's)."""
+        barrier, share = collectives or (self.barrier, self.share)
         final = self.folder / f"{PREFIX}{step}"
         try:
             write(partial)  # every process writes its part
@@ -440,7 +459,7 @@ class Checkpointer:
             if self.export and not early:
                 self.export(partial)
             (partial / MARKS / str(self.index)).touch()
-            self.barrier()
+            barrier()  # every process's part is complete before the folder is sealed
             if self.owner:
                 self._finalise(partial, final, trainer, mesh, state, copy_run_files=not early)
         except Exception as err:
@@ -452,13 +471,15 @@ class Checkpointer:
                 "the earlier checkpoints are intact: free some space (or lower --save_total_limit) and resume "
                 "with --resume_from_checkpoint latest"
             ) from None
-        self.barrier()  # complete on every node before anything is announced or deleted
+        barrier()  # complete on every node before anything is announced or deleted
         if self.is_main:
             self._announce(step, final, time.perf_counter() - start, blocked_s)
-        doomed = self.share(self.doomed(step) if self.is_main else None)
+        doomed = share(self.doomed(step) if self.is_main else None)
         if self.owner:
             self.delete(doomed)
-        self.barrier()
+        barrier()
+        with self._lock:
+            self._published.append((step, final))
         return final
 
     def _announce(self, step: int, final: Path, took: float, blocked_s: float | None) -> None:

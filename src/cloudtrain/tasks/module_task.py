@@ -163,7 +163,7 @@ class ModuleTask(Task):
         check_row(train[0], "train_dataset")
         if validation is None:
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.training.seed))  # type: ignore[arg-type]
-            n = max(1, len(order) * cfg.data.validation_split_percentage // 100)
+            n = max(1, int(len(order) * cfg.data.validation_split_percentage // 100))  # the option is a float
             train, validation = Subset(train, order[n:].tolist()), Subset(train, order[:n].tolist())  # type: ignore[arg-type]
         elif len(validation) == 0:  # type: ignore[arg-type]
             raise UserError("eval_dataset= is empty")

@@ -10,14 +10,20 @@ ZeRO 0-3 with offload, FSDP on GPUs), fp16 (GPU) and bf16 mixed precision, gradi
 """
 
 import contextlib
+import copy
+import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import safetensors.torch
 import torch
-from accelerate.utils import SAFE_WEIGHTS_NAME, DistributedType
+from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
+from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME, DistributedType
 from transformers import PreTrainedModel
 
+from cloudtrain.async_save import cpu_copy, weights_snapshot
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.observe.tracking import RunLog
@@ -74,13 +80,16 @@ class AcceleratedTrainer(Trainer):
 
     @classmethod
     def async_refusal(cls, cfg: Config) -> str | None:
-        """Background writes need every process's state copied without a collective; DeepSpeed's engine and
-        FSDP write theirs collectively, and accelerate's save_state reads the live state as it writes."""
+        """DDP and one process: each process copies its part of accelerate's files to CPU (`checkpoint_snapshot`).
+        DeepSpeed's engine, FSDP and tensor-parallel shards are written by code that reads the live, sharded
+        state as it writes (collectively for the first two), so they cannot be handed a CPU copy."""
         if deepspeed_requested(cfg):
-            return "with DeepSpeed ZeRO (its engine writes the partitioned states itself, collectively)"
+            return "with DeepSpeed ZeRO (its engine writes the partitioned states collectively, from live tensors)"
         if fsdp_requested(cfg):
-            return "with FSDP (the sharded states are written collectively)"
-        return "with --training_type accelerated (not yet): use --training_type basic on one process"
+            return "with FSDP (the sharded states are written collectively from the live tensors)"
+        if tensor.degree(cfg) > 1:
+            return "with --tensor_parallel_size (each process's shards are written from the live model)"
+        return None
 
     def setup(self) -> None:
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.
@@ -171,6 +180,46 @@ class AcceleratedTrainer(Trainer):
         if self.checkpoint_owner:
             torch.save(self.scheduler.state_dict(), folder / "scheduler.pt")
 
+    def checkpoint_snapshot(self) -> Callable[[Path], None]:
+        """CPU copies of the files `write_checkpoint` writes under DDP or one process (accelerate's save_state:
+        the model and optimizer by the process that writes shared files, the RNG states by each), taken now."""
+        accelerator = self.accelerator
+        if accelerator._custom_objects:  # cloudtrain registers none; their files would be missing
+            raise ValueError("checkpoint_snapshot does not copy accelerate's registered custom objects")
+        state = accelerator.state
+        on_each_node = accelerator.project_configuration.save_on_each_node
+        shared = state.is_local_main_process if on_each_node else state.is_main_process  # as accelerate's `save`
+        weights: list[dict] = []
+        optimizers: list[dict] = []
+        scaler = None
+        if shared:
+            live = [accelerator.get_state_dict(model, unwrap=False) for model in accelerator._models]
+            for hook in accelerator._save_model_state_pre_hook.values():
+                hook(accelerator._models, live, "")  # adapters: the trainable weights only (`_keep_trainable`)
+            weights = [weights_snapshot(state_dict)[0] for state_dict in live]
+            optimizers = [cpu_copy(optimizer.state_dict()) for optimizer in accelerator._optimizers]
+            scaler = cpu_copy(accelerator.scaler.state_dict()) if accelerator.scaler else None
+        samplers = {i: copy.deepcopy(sampler) for i, sampler in _saved_samplers(accelerator._dataloaders)}
+        rng = cpu_copy(_accelerate_rng_state(accelerator.step))
+        schedule = cpu_copy(self.scheduler.state_dict()) if self.checkpoint_owner else None
+        index = state.process_index
+
+        def write(folder: Path) -> None:
+            for i, tensors in enumerate(weights):
+                name = SAFE_WEIGHTS_NAME if i == 0 else SAFE_WEIGHTS_NAME.replace(".", f"_{i}.")
+                safetensors.torch.save_file(tensors, str(folder / name), metadata={"format": "pt"})
+            for i, optimizer in enumerate(optimizers):
+                torch.save(optimizer, folder / (f"{OPTIMIZER_NAME}.bin" if i == 0 else f"{OPTIMIZER_NAME}_{i}.bin"))
+            for i, sampler in samplers.items() if shared else ():
+                torch.save(sampler, folder / ("sampler.bin" if i == 0 else f"sampler_{i}.bin"))
+            if scaler is not None:
+                torch.save(scaler, folder / SCALER_NAME)
+            torch.save(rng, folder / f"{RNG_STATE_NAME}_{index}.pkl")
+            if schedule is not None:
+                torch.save(schedule, folder / "scheduler.pt")
+
+        return write
+
     def load_checkpoint(self, folder: Path) -> None:
         frozen = {"load_module_strict": False} if self.partial and self.accelerator.state.deepspeed_plugin else {}
         self.accelerator.load_state(str(folder), **frozen)
@@ -195,3 +244,30 @@ class AcceleratedTrainer(Trainer):
         if self.is_main_process:
             save_weights(self.accelerator.unwrap_model(self.model), output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
+
+
+def _saved_samplers(dataloaders: list) -> list[tuple[int, Any]]:
+    """(loader index, sampler) of what accelerate's save_state writes as sampler_<index>.bin: the samplers of
+    sharded iterable datasets. A stateful loader's state it writes too is refused: cloudtrain makes none."""
+    found = []
+    for i, loader in enumerate(dataloaders):
+        if getattr(loader, "use_stateful_dataloader", False):
+            raise ValueError("checkpoint_snapshot does not copy a stateful data loader's state")
+        if isinstance(loader.dataset, IterableDatasetShard):
+            sampler = loader.get_sampler()
+            if isinstance(sampler, SeedableRandomSampler):
+                found.append((i, sampler))
+    return found
+
+
+def _accelerate_rng_state(step: int) -> dict:
+    """This process's RNG states as accelerate's save_state writes them (random_states_<index>.pkl)."""
+    state = {
+        "step": step,
+        "random_state": random.getstate(),
+        "numpy_random_seed": np.random.get_state(),
+        "torch_manual_seed": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["torch_cuda_manual_seed"] = torch.cuda.get_rng_state_all()
+    return state

@@ -42,7 +42,7 @@ class CallbackState:
     total_steps: int
     metrics: dict[str, Any] = field(default_factory=dict)  # the last logged numbers: train/... and eval/...
     output_dir: Path | None = None  # the run's output folder
-    checkpoint: Path | None = None  # on_save: the checkpoint just written
+    checkpoint: Path | None = None  # on_save: the checkpoint just published (complete, under its final name)
     is_main_process: bool = True
     process_index: int = 0
     num_processes: int = 1
@@ -63,7 +63,8 @@ class Callback:
         """After an evaluation during training; `state.metrics` holds its eval/... numbers."""
 
     def on_save(self, state: CallbackState) -> None:
-        """After a checkpoint is written; `state.checkpoint` is its folder."""
+        """After a checkpoint is complete on every process and published under its final name; `state.checkpoint`
+        is its folder, `state.global_step` the step it holds."""
 
     def on_train_end(self, state: CallbackState) -> None:
         """After the last step, before the final evaluation and the final save."""
@@ -161,33 +162,39 @@ class CallbackHook(Hook):
     def on_train_start(self, loop: LoopState) -> None:
         if loop.step > 0:  # resumed: the evaluations in the checkpoint's state were reported by the earlier run
             self.evaluations_seen = len(loop.state.evaluations)
-        self._emit(loop, ["on_train_begin", *self._evaluated(loop)])
+        self._emit(loop, [("on_train_begin", None), *self._evaluated(loop)])
 
     def on_step_end(self, loop: LoopState) -> Request | None:
         if loop.logged:
             self.metrics.update(loop.logged)
-        events = ["on_step_end", *self._evaluated(loop)]
-        self._emit(loop, events + (["on_save"] if loop.saved else []), loop.saved)
+        self._emit(loop, [("on_step_end", None), *self._evaluated(loop), *self._published()])
         return None
 
     def on_train_end(self, loop: LoopState) -> None:
-        self._emit(loop, ["on_train_end"])
+        # the checkpoint hook, before this one, waited for a background save: it is published by now
+        self._emit(loop, [*self._published(), ("on_train_end", None)])
 
-    def _evaluated(self, loop: LoopState) -> list[str]:
+    def _published(self) -> list[tuple[str, tuple[int, Path]]]:
+        """on_save for each checkpoint complete and renamed since the last event: a synchronous save's at its
+        step, a background save's (--async_checkpointing) at the first step end after its thread published it."""
+        saved = self.checkpointer.take_published() if self.checkpointer else []
+        return [("on_save", step_and_path) for step_and_path in saved]
+
+    def _evaluated(self, loop: LoopState) -> list[tuple[str, None]]:
         """on_evaluate when the evaluation hook evaluated since the last event (its numbers join `metrics`)."""
         evaluations = loop.state.evaluations
         if len(evaluations) == self.evaluations_seen:
             return []
         self.evaluations_seen = len(evaluations)
         self.evaluated = {f"eval/{k}": v for k, v in evaluations[-1].items() if k != "step"}
-        return ["on_evaluate"]
+        return [("on_evaluate", None)]
 
-    def _emit(self, loop: LoopState, events: list[str], checkpoint: Path | None = None) -> None:
+    def _emit(self, loop: LoopState, events: list[tuple[str, tuple[int, Path] | None]]) -> None:
         failure = None
-        for event in events:
+        for event, saved in events:
             if event == "on_evaluate":  # its numbers join from this event on (on_step_end comes before it)
                 self.metrics.update(self.evaluated)
-            state = self._state(loop, event, checkpoint if event == "on_save" else None)
+            state = self._state(loop, event, saved)
             failure = failure or self._call_all(event, state)
         if self.must_agree:
             if self.runtime.agree([failure is not None])[0] and failure is None:
@@ -208,15 +215,18 @@ class CallbackHook(Hook):
                 return f"callback {callback_name(callback)} raised {type(err).__name__} in {event}: {_first(err)}"
         return None
 
-    def _state(self, loop: LoopState, event: str, checkpoint: Path | None) -> CallbackState:
+    def _state(self, loop: LoopState, event: str, saved: tuple[int, Path] | None) -> CallbackState:
+        """`saved`: on_save's (step, folder); its step is the checkpoint's (a background save may be published
+        a step or more after the step it holds)."""
+        step = saved[0] if saved else loop.step
         return CallbackState(
             event=event,
-            global_step=loop.step,
-            epoch=loop.epoch,
+            global_step=step,
+            epoch=step / loop.steps_per_epoch,
             total_steps=loop.total_steps,
             metrics=dict(self.metrics),
             output_dir=self.output_dir,
-            checkpoint=checkpoint,
+            checkpoint=saved[1] if saved else None,
             is_main_process=self.runtime.is_main,
             process_index=self.runtime.index,
             num_processes=self.runtime.count,
