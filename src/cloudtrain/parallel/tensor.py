@@ -145,7 +145,7 @@ def check_model_divides(cfg: Config, tp: int) -> Any:
 def check_embeddings_fit(cfg: Config, config: Any, flag: str) -> None:
     """A task that talks through a chat template (sft) adds the template's special tokens to the tokenizer; their
     embedding rows must be in the checkpoint already: transformers' resize_token_embeddings cannot grow a sharded
-    model (the LM head is split by vocabulary rows)."""
+    model (the input embeddings and the LM head are split by vocabulary rows)."""
     from cloudtrain.data.chat import ChatFormat
     from cloudtrain.models.load import load_tokenizer
     from cloudtrain.registry import TASKS as REGISTRY
