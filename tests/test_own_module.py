@@ -1,12 +1,19 @@
 """A user's own nn.Module through cloudtrain.train(model=..., train_dataset=..., eval_dataset=...): it trains with
 both trainers, saves its state_dict and class name, resumes exactly, and what does not apply to it is refused in
-one line."""
+one line; under DDP and DeepSpeed ZeRO-2 on 2 CPU processes it trains, checkpoints and resumes exactly. The same
+launch trains ZeRO-2 with a user's DeepSpeed JSON holding only one of its optimizer and scheduler sections."""
 
 import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file
+from test_distributed import free_port
 from torch import nn
 
 import cloudtrain
@@ -132,3 +139,63 @@ def test_what_does_not_apply_is_refused_in_one_line(tmp_path, options, says):
     with pytest.raises(UserError) as refused:
         cloudtrain.train(**{**call, **options})
     assert says in str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.fixture(scope="module")
+def two_process_launch(tmp_path_factory):
+    """tests/dist_own_module.py under torchrun on 2 CPU processes (one launch for every check below)."""
+    out = tmp_path_factory.mktemp("own-module-dist")
+    port = free_port()
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
+    environment = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run(
+        [*launcher, str(REPO / "tests" / "dist_own_module.py"), str(out)],
+        capture_output=True, text=True, timeout=600, cwd=REPO, env=environment,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return out, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["ddp", "zero2"])
+def test_trains_checkpoints_and_resumes_exactly_under_ddp_and_zero2(two_process_launch, mode):
+    """cloudtrain.train(model=...) on each of 2 processes, under DDP and DeepSpeed ZeRO-2: it learns, saves
+    checkpoints, and a run of its first 4 steps resumed to step 8 ends bit-exact with the run of 8."""
+    out, stdout = two_process_launch
+    result = json.loads((out / f"{mode}.json").read_text())
+    assert (result["whole_step"], result["half_step"], result["resumed_step"]) == (8, 4, 8)
+    assert result["whole_eval"] < 0.5 * result["before_eval"]
+    assert result["checkpoints"] == ["checkpoint-4", "checkpoint-8"]
+    assert result["bit_exact"] and result["keys"] == ["body.0.bias", "body.0.weight", "body.2.bias", "body.2.weight"]
+    # the DDP and ZeRO-2 runs, then the two runs of the DeepSpeed JSONs below (ZeRO-2)
+    assert stdout.count("2 process(es) on cpu (MULTI_CPU, precision no)") == 3
+    assert stdout.count("2 process(es) on cpu (DEEPSPEED ZeRO-2, precision no)") == 5
+
+
+@pytest.mark.slow
+def test_a_deepspeed_json_with_only_an_optimizer_section_runs_cloudtrains_schedule(two_process_launch):
+    """The file's AdamW (its betas in the state DeepSpeed saved), driven by --lr_scheduler_type linear with
+    --warmup_steps 2 over 8 steps: step k logs the rate that schedule gives after k steps."""
+    out, _ = two_process_launch
+    result = json.loads((out / "json_optimizer_only.json").read_text())
+    peak, warmup, total = 1e-2, 2, 8
+    linear = {str(k): peak * (k / warmup if k < warmup else (total - k) / (total - warmup)) for k in range(1, 9)}
+    assert result["steps"] == 8 and result["rates"] == pytest.approx(linear)
+    assert result["betas"] == [[0.9, 0.98], [0.9, 0.98]]
+
+
+@pytest.mark.slow
+def test_a_deepspeed_json_with_only_a_scheduler_section_drives_cloudtrains_optimizer(two_process_launch):
+    """cloudtrain's AdamW (torch's default betas in the state DeepSpeed saved), driven by the file's WarmupDecayLR
+    (log warmup over 3 steps, total_num_steps "auto" from --max_steps 8): step k logs iteration k - 1's rate."""
+    out, _ = two_process_launch
+    result = json.loads((out / "json_scheduler_only.json").read_text())
+    peak, warmup, total = 1e-2, 3, 8
+
+    def file_schedule(i: int) -> float:
+        return peak * math.log(i + 1) / math.log(warmup) if i < warmup else peak * (total - i) / (total - warmup)
+
+    assert result["steps"] == 8 and result["rates"] == pytest.approx(
+        {str(k): file_schedule(k - 1) for k in range(1, 9)}
+    )
+    assert result["betas"] == [[0.9, 0.999], [0.9, 0.999]]

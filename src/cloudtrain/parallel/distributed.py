@@ -15,7 +15,10 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
 - A user JSON may carry its own `optimizer` and `scheduler` sections: DeepSpeed then builds them (the
   optimizer from accelerate's placeholder, cloudtrain.training.optim), their "auto" values filled from
   --learning_rate, --weight_decay, --warmup_steps and --max_steps; --optim or schedule options given
-  beside them are refused, since one of the two would be silently ignored.
+  beside them are refused, since one of the two would be silently ignored. A file with one of the two takes
+  the other from the options, as HF Trainer does: only `optimizer`: --lr_scheduler_type drives the engine's
+  optimizer (cloudtrain.training.optim builds it after prepare()); only `scheduler`: the engine steps the
+  file's schedule over --optim's optimizer.
 Tensor parallelism: cloudtrain.parallel.tensor (the model sharded as it loads); pipelines: --training_type pipeline.
 Not supported: Megatron-LM.
 """
@@ -415,6 +418,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
     fsdp = build_plugin(cfg) if fsdp_shards(cfg) and not tensor_parallel else None
     if fsdp_requested(cfg) and fsdp is None:  # no_shard: DDP, also where an accelerate config asked for FSDP
         os.environ.pop("ACCELERATE_USE_FSDP", None)
+    launcher_said = os.environ.get("ACCELERATE_USE_DEEPSPEED")  # accelerate sets it when handed our plugin
     accelerator = Accelerator(
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -429,6 +433,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ],
     )
+    if launcher_said is None:  # else the process's next run (cloudtrain.train again) would find DeepSpeed asked for
+        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     if fsdp is not None:
         enable_fsdp(accelerator, fsdp, cfg)
     if accelerator.num_processes != launched_processes():
