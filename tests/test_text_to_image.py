@@ -132,6 +132,54 @@ def test_the_lora_saved_loads_into_a_diffusers_pipeline_and_computes_as_trained(
     assert torch.allclose(loaded, trained, atol=1e-5)  # ... exactly as it did in training, scale included
 
 
+def test_the_text_encoder_lora_saves_beside_the_denoisers_and_loads_into_a_pipeline(tiny_sd, tmp_path):
+    """--train_text_encoder with --peft lora: adapters on the CLIP attention projections, in the same file."""
+    from diffusers import StableDiffusionPipeline
+    from safetensors.torch import load_file
+
+    cfg = config(tiny_sd, tmp_path / "out", peft="lora", lora_r=4, lora_alpha=8.0, train_text_encoder=True)
+    model = TextToImageTask(cfg).attach_adapters(load_text_to_image_model(cfg, tiny_sd), cfg).eval()
+    trained = [name for name, param in model.named_parameters() if param.requires_grad]
+    assert any(name.startswith("text_encoder.") and "q_proj.lora_A" in name for name in trained)
+    assert all(".lora_" in name for name in trained)
+    torch.manual_seed(1)
+    for name, param in model.text_encoder.named_parameters():
+        if "lora_B" in name:
+            param.data.normal_(0, 0.5)
+    model.save_pretrained(tmp_path / "lora")
+    saved = load_file(tmp_path / "lora" / "pytorch_lora_weights.safetensors")
+    assert {name.split(".")[0] for name in saved} == {"unet", "text_encoder"}
+
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_sd)
+    ids = pipe.tokenizer(["a red square"], padding="max_length", max_length=16, return_tensors="pt").input_ids
+    with torch.no_grad():
+        base = pipe.text_encoder(ids)[0]
+        pipe.load_lora_weights(tmp_path / "lora")
+        loaded, ours = pipe.text_encoder(ids)[0], model.encode_prompts(ids)
+    assert (loaded - base).abs().max() > 1e-3
+    assert torch.allclose(loaded, ours, atol=1e-5)
+
+
+def test_row_draws_follow_the_rows_numbers_not_the_batch_they_fall_in(tiny_sd, squares, tmp_path):
+    """What makes 2 processes at batch 4 equal 1 at batch 8: a row draws by (seed, step, its number) alone."""
+    from cloudtrain.tasks.text_to_image import row_draws
+
+    cfg = config(tiny_sd, tmp_path / "out", train_data_dir=squares, random_flip=True, noise_offset=0.1,
+                 proportion_empty_prompts=0.5)  # fmt: skip
+    task = TextToImageTask(cfg)
+    data = task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+    model = load_text_to_image_model(cfg, tiny_sd)
+    whole = row_draws(model, data.collator([data.train[i] for i in (3, 0, 5, 1)]), seed=0, step=2)
+    halves = [
+        row_draws(model, data.collator([data.train[i] for i in part]), seed=0, step=2) for part in ((3, 0), (5, 1))
+    ]
+    for key, value in whole.items():
+        assert torch.equal(value, torch.cat([half[key] for half in halves])), key
+    later = row_draws(model, data.collator([data.train[i] for i in (3, 0, 5, 1)]), seed=0, step=3)
+    assert not torch.equal(later["noise"], whole["noise"])  # a new step, new draws
+    assert set(whole) == {"noise", "timesteps", "latent_noise", "flip", "empty_caption"}
+
+
 # ---------------------------------------------------------------- options and data sources
 
 
@@ -178,6 +226,11 @@ def bad_cases(tiny_sd: str, squares: str, tmp: Path) -> dict:
             "--lora_target_modules: q_proj is not a linear or convolution layer of the denoiser",
         ),
         "instance prompt": ({"instance_data_dir": squares}, "--instance_data_dir needs --instance_prompt"),
+        "text encoder cached": (
+            {**data, "train_text_encoder": True, "pre_compute_text_embeddings": True},
+            "--train_text_encoder changes the text embeddings as it trains",
+        ),
+        "empty prompts": ({**data, "proportion_empty_prompts": 1.0}, "--proportion_empty_prompts must be in [0, 1)"),
     }
 
 
@@ -317,6 +370,20 @@ def test_full_fine_tuning_saves_a_whole_pipeline_and_dreambooth_trains(tiny_sd, 
     changed = [n for n, p in base.unet.named_parameters() if not torch.equal(p, trained[n])]
     assert len(changed) > len(trained) // 2  # every weight of the denoiser trained
     assert all(torch.equal(p, dict(base.vae.named_parameters())[n]) for n, p in pipe.vae.named_parameters())
+
+
+def test_train_text_encoder_in_full_trains_it_with_empty_captions(tiny_sd, squares, tmp_path):
+    from diffusers import StableDiffusionPipeline
+
+    extra = dict(train_text_encoder=True, proportion_empty_prompts=0.3, max_steps=2, learning_rate=1e-3)
+    train(options(tiny_sd, tmp_path / "full", train_data_dir=squares, per_device_train_batch_size=6, **extra))
+    pipe, base = (
+        StableDiffusionPipeline.from_pretrained(tmp_path / "full"),
+        StableDiffusionPipeline.from_pretrained(tiny_sd),
+    )
+    trained = dict(pipe.text_encoder.named_parameters())
+    changed = [n for n, p in base.text_encoder.named_parameters() if not torch.equal(p, trained[n])]
+    assert len(changed) > len(trained) // 2
 
 
 def test_a_dataset_with_an_image_column_trains_through_the_data_sources(tiny_sd, tmp_path):

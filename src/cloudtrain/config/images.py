@@ -42,6 +42,16 @@ class ImagesConfig:
         None, "Text-to-image: Min-SNR loss weighting with this gamma (5.0 is the paper's; default: unweighted)."
     )
     noise_offset: float = opt(0.0, "Text-to-image: the scale of the per-channel offset added to the noise.")
+    proportion_empty_prompts: float = opt(
+        0.0,
+        "Text-to-image: the share of training captions replaced by the empty prompt, so the model also learns "
+        "the unconditional prediction that classifier-free guidance (--validation_guidance_scale > 1) needs.",
+    )
+    train_text_encoder: bool = opt(
+        False,
+        "Text-to-image: train the text encoder too: in full without --peft, else with adapters on its attention "
+        "projections (q_proj, k_proj, v_proj, out_proj), saved in the LoRA file beside the denoiser's.",
+    )
     cache_latents: bool = opt(
         False, "Text-to-image: encode every image with the VAE once, before training (each keeps one crop and flip)."
     )
@@ -68,12 +78,18 @@ class ImagesConfig:
         for name in ("prior_loss_weight", "noise_offset"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name} must not be negative")
+        if not 0 <= self.proportion_empty_prompts < 1:
+            raise UserError("--proportion_empty_prompts must be in [0, 1)")
         if self.snr_gamma is not None and self.snr_gamma <= 0:
             raise UserError("--snr_gamma must be positive")
         for name in ("validation_steps", "validation_inference_steps"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise UserError(f"--{name} must be positive")
+        if self.train_text_encoder and self.pre_compute_text_embeddings:
+            raise UserError(
+                "--train_text_encoder changes the text embeddings as it trains: leave out --pre_compute_text_embeddings"
+            )
         if self.train_data_dir and self.instance_data_dir:
             raise UserError("give --train_data_dir (captioned images) or --instance_data_dir (DreamBooth), not both")
         if self.instance_data_dir and not self.instance_prompt:

@@ -150,8 +150,8 @@ def to_pixels(
 
 
 class ImageRows(torch.utils.data.Dataset):
-    """Training or evaluation rows: each image prepared when read (random crop and flip drawn from the global
-    generator, which checkpoints restore), its caption's tokens, and a class image for prior preservation."""
+    """Training or evaluation rows: each image prepared when read (a random crop drawn from the global generator,
+    which checkpoints restore), its caption's tokens, its number, and a class image for prior preservation."""
 
     def __init__(
         self,
@@ -172,22 +172,19 @@ class ImageRows(torch.utils.data.Dataset):
     def __getitem__(self, index: int) -> dict:
         if self.cached is not None:
             return self.cached[index]
-        row = self.prepare(self.examples[index % len(self.examples)])
-        if not self.train:  # evaluation draws its fixed noise by the row's number (text_to_image.fixed_draw)
-            row["row"] = index
+        # each row's draws (noise, timestep, flip, ...) come from its number (text_to_image.row_draws); a class
+        # row's number follows every instance row's
+        row = {**self.prepare(self.examples[index % len(self.examples)]), "row": index}
         if self.class_examples:
-            row.update(
-                {
-                    f"class_{k}": v
-                    for k, v in self.prepare(self.class_examples[index % len(self.class_examples)]).items()
-                }
-            )
+            prior = self.prepare(self.class_examples[index % len(self.class_examples)])
+            row.update({f"class_{k}": v for k, v in {**prior, "row": index + len(self)}.items()})
         return row
 
     def prepare(self, example: Example) -> dict:
-        flip = self.train and self.cfg.random_flip and bool(torch.rand(()) < 0.5)
+        """Pixels and tokens, unflipped: the flip is drawn with the row's other draws. A random crop comes from
+        the global generator (checkpoints restore it)."""
         center = self.cfg.center_crop or not self.train  # evaluation rows are the same every time
-        pixels = to_pixels(load_rgb(example.image), self.cfg.resolution, center, flip)
+        pixels = to_pixels(load_rgb(example.image), self.cfg.resolution, center, False)
         return {"pixel_values": pixels, **self.tokens(example.caption)}
 
 

@@ -9,6 +9,7 @@ pipeline after full fine-tuning.
 
 import importlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from cloudtrain.evaluation import eval_mode
 MODEL_INDEX = "model_index.json"
 NEEDED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the attention projections diffusers' LoRA scripts adapt
+TEXT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]  # the same in a CLIP text encoder
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -90,6 +92,11 @@ class TextToImageModel(torch.nn.Module):
         self.vae.requires_grad_(False)
         self.text_encoder.requires_grad_(False)
         self.lora = False  # until attach_lora: the whole denoiser trains
+        # --train_text_encoder: in full here (without --peft), or its adapters once attach_lora adds them
+        self.text_encoder_trains = cfg.images.train_text_encoder
+        if self.text_encoder_trains and cfg.model.peft == "none":
+            self.text_encoder.requires_grad_(True)
+        self.empty_ids: torch.Tensor | None = None  # the empty prompt's tokens (--proportion_empty_prompts)
         self.prediction_type = cfg.images.prediction_type or self.noise_scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise UserError(f"the scheduler of {path} predicts {self.prediction_type}; use --prediction_type")
@@ -114,7 +121,10 @@ class TextToImageModel(torch.nn.Module):
             self.unet.add_adapter(config)
         except ValueError as err:
             raise UserError(f"--lora_target_modules {','.join(targets)}: {first_line(err)}") from None
-        for param in self.unet.parameters():
+        if self.text_encoder_trains:  # diffusers' scripts adapt the CLIP attention projections
+            self.text_encoder.requires_grad_(False)
+            self.text_encoder.add_adapter(replace(config, target_modules=TEXT_LORA_TARGETS))
+        for param in self.parameters():
             if param.requires_grad:
                 param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
         self.lora = True
@@ -123,7 +133,7 @@ class TextToImageModel(torch.nn.Module):
     def train(self, mode: bool = True) -> "TextToImageModel":
         super().train(mode)
         self.vae.eval()  # frozen: never in training mode (no dropout)
-        self.text_encoder.eval()
+        self.text_encoder.train(mode and self.text_encoder_trains)
         return self
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
@@ -137,9 +147,27 @@ class TextToImageModel(torch.nn.Module):
         scale, shift = self.vae.config.scaling_factor, getattr(self.vae.config, "shift_factor", None) or 0.0
         return (dist.mean.float() - shift) * scale, dist.std.float() * scale
 
-    @torch.no_grad()
     def encode_prompts(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.text_encoder(input_ids)[0]
+        """The text encoder's last hidden states; with gradients only where it trains (--train_text_encoder)."""
+        with torch.set_grad_enabled(torch.is_grad_enabled() and self.text_encoder_trains):
+            return self.text_encoder(input_ids)[0]
+
+    def text_states(
+        self, input_ids: torch.Tensor | None, cached: torch.Tensor | None, empty: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The captions' hidden states (cached or encoded now), the empty prompt's on the rows `empty` marks."""
+        if empty is not None and bool(empty.any()):
+            assert self.empty_ids is not None  # set by the task with --proportion_empty_prompts
+            blank = self.empty_ids.to(empty.device)
+            if input_ids is not None:
+                input_ids = torch.where(empty[:, None], blank[None], input_ids)
+            else:
+                assert cached is not None
+                cached = torch.where(empty[:, None, None], self.encode_prompts(blank[None]).to(cached.dtype), cached)
+        if cached is not None:
+            return cached
+        assert input_ids is not None
+        return self.encode_prompts(input_ids)
 
     def forward(
         self,
@@ -151,21 +179,32 @@ class TextToImageModel(torch.nn.Module):
         input_ids: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
         is_prior: torch.Tensor | None = None,
+        row: torch.Tensor | None = None,  # the rows' numbers, which the task draws by (unused here)
         noise: torch.Tensor | None = None,
         timesteps: torch.Tensor | None = None,
+        latent_noise: torch.Tensor | None = None,
+        flip: torch.Tensor | None = None,
+        empty_caption: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each row's loss: MSE between the denoiser's prediction and its target (the noise, or the velocity
         under v-prediction), averaged over the latent, Min-SNR weighted with --snr_gamma. Cached latents and
-        text embeddings are used when the batch holds them; `noise` and `timesteps` fix the draw (evaluation)."""
+        text embeddings are used when the batch holds them. The task passes each row's draws (cloudtrain.tasks.
+        text_to_image.row_draws): `noise`, `timesteps`, the latent sample's `latent_noise`, `flip` and
+        `empty_caption` (--proportion_empty_prompts); any left out is drawn here from the global generator."""
         if latent_mean is None:
             assert pixel_values is not None
+            if flip is not None:
+                pixel_values = torch.where(flip[:, None, None, None], pixel_values.flip(-1), pixel_values)
             latent_mean, latent_std = self.encode_images(pixel_values)
         assert latent_std is not None
         # a sample of each image's latent distribution while training; its mean in evaluation (no draw)
-        latents = latent_mean + latent_std * torch.randn_like(latent_mean) if self.training else latent_mean
-        if encoder_hidden_states is None:
-            assert input_ids is not None
-            encoder_hidden_states = self.encode_prompts(input_ids)
+        if self.training:
+            latents = latent_mean + latent_std * (
+                latent_noise if latent_noise is not None else torch.randn_like(latent_mean)
+            )
+        else:
+            latents = latent_mean
+        encoder_hidden_states = self.text_states(input_ids, encoder_hidden_states, empty_caption)
         rows = latents.shape[0]
         if noise is None:
             noise = torch.randn_like(latents)
@@ -199,19 +238,22 @@ class TextToImageModel(torch.nn.Module):
         """The LoRA as diffusers' pytorch_lora_weights.safetensors, or the whole pipeline after full training.
         `state_dict` (gathered under ZeRO-3) holds this module's weights when given."""
         if state_dict is not None:
-            own = {k.removeprefix("unet."): v for k, v in state_dict.items() if k.startswith("unet.")}
-            self.unet.load_state_dict(own, strict=False)
+            for part in ("unet", "text_encoder"):
+                own = {k.removeprefix(f"{part}."): v for k, v in state_dict.items() if k.startswith(f"{part}.")}
+                getattr(self, part).load_state_dict(own, strict=False)
         if not self.lora:
             self.pipeline().save_pretrained(output_dir)
             return
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
-        layers = convert_state_dict_to_diffusers(get_peft_model_state_dict(self.unet))
-        metadata = self.unet.peft_config["default"].to_dict()  # lora_alpha: the scale diffusers loads it with
-        self.pipeline_class().save_lora_weights(
-            output_dir, unet_lora_layers=layers, unet_lora_adapter_metadata=metadata, safe_serialization=True
-        )
+        parts: dict[str, Any] = {}
+        for name, module in (("unet", self.unet), ("text_encoder", self.text_encoder)):
+            if getattr(module, "peft_config", None):
+                parts[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+                # lora_alpha: the scale diffusers loads it with
+                parts[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
+        self.pipeline_class().save_lora_weights(output_dir, safe_serialization=True, **parts)
 
     def pipeline_class(self) -> Any:
         import diffusers
@@ -286,8 +328,10 @@ def load_text_to_image_model(cfg: Config, path: str) -> TextToImageModel:
     index = read_model_index(path)
     frozen = DTYPES.get(cfg.training.mixed_precision, torch.float32)
     unet_dtype = frozen if cfg.model.peft != "none" else torch.float32
+    text_dtype = torch.float32 if cfg.images.train_text_encoder and cfg.model.peft == "none" else frozen
+    dtypes = {"unet": unet_dtype, "text_encoder": text_dtype}
     components = {
-        name: load_component(path, name, index, unet_dtype if name == "unet" else frozen)
+        name: load_component(path, name, index, dtypes.get(name, frozen))
         for name in ("unet", "vae", "text_encoder", "scheduler")
     }
     return TextToImageModel(path, index, components, cfg)

@@ -44,6 +44,7 @@ class TextToImageTask(Task):
         self.tokenizer: PreTrainedTokenizerBase | None = None
         self.skipped = 0
         self.rendered: list[tuple[str, object]] = []  # the last evaluation's images, logged by `tables`
+        self.micro_batches = 0  # training forward passes so far: the step each row's draws are keyed by
 
     # ---------------------------------------------------------------- before anything heavy
 
@@ -180,10 +181,11 @@ class TextToImageTask(Task):
         self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
     ) -> torch.nn.Module:
         model = diffusion.load_text_to_image_model(cfg, str(cfg.model.model_name_or_path))
+        model.empty_ids = _tokens(tokenizer, "")["input_ids"]  # what --proportion_empty_prompts trains with
         ic = cfg.images
         if ic.cache_latents or ic.pre_compute_text_embeddings:
             for rows in (data.train, data.validation):
-                cache_rows(model, rows, ic.cache_latents, ic.pre_compute_text_embeddings)  # type: ignore[arg-type]
+                cache_rows(model, rows, cfg.training.seed, ic.cache_latents, ic.pre_compute_text_embeddings)  # type: ignore[arg-type]
         if announce:
             m = cfg.model
             total = sum(p.numel() for p in model.unet.parameters())
@@ -193,8 +195,9 @@ class TextToImageTask(Task):
                 else "full fine-tuning"
             )
             print(
-                f"text_to_image: {how} of the denoiser ({total:,} parameters; {model.prediction_type} loss); "
-                "VAE and text encoder frozen",
+                f"text_to_image: {how} of the denoiser{' and the text encoder' if ic.train_text_encoder else ''} "
+                f"({total:,} denoiser parameters; {model.prediction_type} loss); VAE "
+                f"{'' if ic.train_text_encoder else 'and text encoder '}frozen",
                 flush=True,
             )
         return model
@@ -208,8 +211,24 @@ class TextToImageTask(Task):
         return torch.full((), batch["loss_weight"].shape[0], device=batch["loss_weight"].device)
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        losses = model(**batch)
+        """Each row's draws come from --seed, the step and the row's number (`row_draws`): a global batch draws
+        alike on any number of processes, and a resumed run (the count restored) draws what it would have."""
+        assert self.cfg is not None
+        t = self.cfg.training
+        step = self.micro_batches // t.gradient_accumulation_steps
+        self.micro_batches += 1
+        batch = dict(batch)
+        inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap a TextToImageModel
+        draws = row_draws(inner, batch, t.seed, step)
+        losses = model(**batch, **draws)
         return (losses * batch["loss_weight"]).sum(), self.loss_count(batch)
+
+    def pending_state(self, reduce_sum: Callable) -> list[float] | None:
+        """The training micro-batches so far (the same on every process): the step the draws are keyed by."""
+        return [float(self.micro_batches)]
+
+    def restore_state(self, state: list[float], is_main: bool) -> None:
+        self.micro_batches = int(state[0])
 
     def evaluate(
         self,
@@ -230,9 +249,9 @@ class TextToImageTask(Task):
             loss_sum, rows = 0.0, 0
             for batch in batches:
                 batch = move(batch)
-                noise, timesteps = fixed_draw(inner, batch, seed)
+                draws = row_draws(inner, batch, seed, None)
                 with torch.no_grad(), autocast():
-                    losses = model(**batch, noise=noise, timesteps=timesteps)
+                    losses = model(**batch, **draws)
                 (weighted,) = gather(((losses.float() * batch["loss_weight"]),))
                 loss_sum += weighted.double().sum().item()
                 rows += len(weighted)
@@ -287,26 +306,58 @@ def _tokens(tokenizer: PreTrainedTokenizerBase, caption: str) -> dict:
     return {"input_ids": encoded["input_ids"][0], "attention_mask": encoded["attention_mask"][0]}
 
 
-def fixed_draw(model: diffusion.TextToImageModel, batch: dict, seed: int) -> tuple:
-    """Noise and timesteps for an evaluation batch, each row's from `seed` and the row's number (`batch.pop`s
-    it): a row gets the same draw in every evaluation, whichever process and batch it falls in."""
+def row_seed(seed: int, step: int | None, number: int) -> int:
+    """The seed of one row's draws: from --seed, the optimizer step (None: evaluation, the same every time) and
+    the row's number in the dataset, so a global batch draws alike whichever process holds each row."""
+    if step is None:
+        return seed * 1_000_003 + number
+    return ((seed * 1_000_003 + number) * 2_654_435_761 + (step + 1) * 40_503) % (2**63)
+
+
+def row_draws(model: diffusion.TextToImageModel, batch: dict, seed: int, step: int | None) -> dict:
+    """Each row's noise and timestep (evaluation, `step` None), and while training its latent sample, noise
+    offset, flip and empty caption: all from the row's own generator (`row_seed`; `batch.pop`s the numbers)."""
     numbers = batch.pop("row").tolist()
-    if "latent_mean" in batch:
-        shape = tuple(batch["latent_mean"].shape[1:])
-    else:
-        side = batch["pixel_values"].shape[-1] // (2 ** (len(model.vae.config.block_out_channels) - 1))
-        shape = (model.unet.config.in_channels, side, side)
-    noise, timesteps = [], []
+    shape = latent_shape(model, batch)
+    ic, train = model.images, step is not None
+    flips = train and ic.random_flip and "pixel_values" in batch  # cached latents keep the flip they were cached with
+    drawn: dict[str, list] = {"noise": [], "timesteps": [], "latent_noise": [], "flip": [], "empty_caption": []}
     for number in numbers:
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + number)
-        noise.append(torch.randn(shape, generator=generator))
-        timesteps.append(torch.randint(0, model.noise_scheduler.config.num_train_timesteps, (1,), generator=generator))
+        generator = torch.Generator().manual_seed(row_seed(seed, step, number))
+        noise = torch.randn(shape, generator=generator)
+        drawn["timesteps"].append(
+            torch.randint(0, model.noise_scheduler.config.num_train_timesteps, (1,), generator=generator)
+        )
+        if train:
+            if ic.noise_offset:  # a per-channel shift: learns darker and brighter images than the mean
+                noise = noise + ic.noise_offset * torch.randn(shape[0], 1, 1, generator=generator)
+            drawn["latent_noise"].append(torch.randn(shape, generator=generator))
+            drawn["flip"].append(bool(torch.rand((), generator=generator) < 0.5))
+            drawn["empty_caption"].append(bool(torch.rand((), generator=generator) < ic.proportion_empty_prompts))
+        drawn["noise"].append(noise)
     device = batch["attention_mask"].device
-    return torch.stack(noise).to(device), torch.cat(timesteps).to(device)
+    out = {"noise": torch.stack(drawn["noise"]).to(device), "timesteps": torch.cat(drawn["timesteps"]).to(device)}
+    if train:
+        out["latent_noise"] = torch.stack(drawn["latent_noise"]).to(device)
+        if flips:
+            out["flip"] = torch.tensor(drawn["flip"], device=device)
+        if ic.proportion_empty_prompts:
+            out["empty_caption"] = torch.tensor(drawn["empty_caption"], device=device)
+    return out
 
 
-def cache_rows(model: diffusion.TextToImageModel, rows: images.ImageRows, latents: bool, texts: bool) -> None:
-    """Every row through the frozen VAE (its latent distribution) and text encoder once, before training."""
+def latent_shape(model: diffusion.TextToImageModel, batch: dict) -> tuple[int, ...]:
+    if "latent_mean" in batch:
+        return tuple(batch["latent_mean"].shape[1:])
+    side = batch["pixel_values"].shape[-1] // (2 ** (len(model.vae.config.block_out_channels) - 1))
+    return (model.unet.config.in_channels, side, side)
+
+
+def cache_rows(
+    model: diffusion.TextToImageModel, rows: images.ImageRows, seed: int, latents: bool, texts: bool
+) -> None:
+    """Every row through the frozen VAE (its latent distribution) and text encoder once, before training; with
+    --random_flip a training image is cached flipped or not as drawn from --seed and its number."""
     cached = []
     for index in range(len(rows)):
         row = rows[index]
@@ -314,7 +365,12 @@ def cache_rows(model: diffusion.TextToImageModel, rows: images.ImageRows, latent
             if f"{prefix}attention_mask" not in row:
                 continue
             if latents:
-                mean, std = model.encode_images(row.pop(f"{prefix}pixel_values")[None])
+                pixels = row.pop(f"{prefix}pixel_values")
+                number = index if not prefix else index + len(rows)
+                generator = torch.Generator().manual_seed(row_seed(seed, -1, number))
+                if rows.train and model.images.random_flip and bool(torch.rand((), generator=generator) < 0.5):
+                    pixels = pixels.flip(-1)
+                mean, std = model.encode_images(pixels[None])
                 row[f"{prefix}latent_mean"], row[f"{prefix}latent_std"] = mean[0], std[0]
             if texts:
                 row[f"{prefix}encoder_hidden_states"] = model.encode_prompts(row.pop(f"{prefix}input_ids")[None])[0]
