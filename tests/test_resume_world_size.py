@@ -66,6 +66,31 @@ def test_without_the_global_batch_the_order_is_as_before():
     assert sorted(EpochShuffleSampler(23, seed=5)) == list(range(23))
 
 
+def test_a_replicated_checkpoint_resumes_at_another_count_only_with_its_global_batch(tmp_path):
+    """check_compatible (with the lead's wiring): 2 processes x 2 rows x 1 = 4 rows a step resume on 1 process at
+    4 rows a step; at 2 they are refused in one line naming the product to give; a stream resumes at any batch;
+    a ZeRO checkpoint stays at its layout."""
+    from cloudtrain.checkpointing import check_compatible
+    from cloudtrain.errors import UserError
+    from cloudtrain.parallel.mesh import Mesh
+
+    batch = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    meta = {
+        "trainer": "AcceleratedTrainer",
+        "num_processes": 2,
+        "mesh": {"world": 2, "dp_replicate": 2},
+        "batch": batch,
+    }
+    one = Mesh(world=1, dp_replicate=1)
+    check_compatible(meta, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=4)
+    check_compatible(meta, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=None)  # a stream
+    with pytest.raises(UserError, match="took 4 rows per step .* this run takes 2: .* whose product is 4$"):
+        check_compatible(meta, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=2)
+    zero = {**meta, "mesh": {"world": 2, "dp_shard": 2}}
+    with pytest.raises(UserError, match="resume it the same way"):
+        check_compatible(zero, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=4)
+
+
 # ------------------------------------------------------------------ real launches (slow)
 def lm_run_args(model_dir: str, train: Path, out: Path, *extra: str) -> list[str]:
     return [
