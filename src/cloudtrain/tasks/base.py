@@ -36,6 +36,12 @@ if TYPE_CHECKING:  # parallel.distributed loads accelerate: not at import
     from cloudtrain.parallel.distributed import Sharding
 
 
+def model_label(name: str | None) -> str:
+    """A model as a card names it: a Hub id as given, a local folder by its name (no path of the machine that
+    trained it)."""
+    return Path(name).name if name and Path(name).exists() else name or ""
+
+
 class Task:
     name = "task"  # the --task that picks it (cloudtrain.registry)
     summary = ""  # a line for --help

@@ -24,6 +24,7 @@ import copy
 import inspect
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -61,12 +62,15 @@ from cloudtrain.hardware import autocast as autocast_for
 from cloudtrain.models.load import is_causal_lm, load_tokenizer
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.fsdp import layer_classes
-from cloudtrain.publish.model_card import build_lm_model_card
+from cloudtrain.publish.model_card import SPLITS, build_lm_model_card, dataset_info, table_cell
 from cloudtrain.registry import TASKS, TRAINERS
+from cloudtrain.tasks.base import model_label
 from cloudtrain.tasks.causal_lm import _first
 from cloudtrain.tasks.sft import SFTTask, _last_question, _short
 
 # What the loop and evaluation report, per pair: train/<name> at logging steps, eval/<name> at evaluation.
+# the language-model card's line for a chat model: supervised, which a preference-tuned model is not
+SFT_PHRASE = "fine-tuned (supervised, on its answers only) from"
 PAIR_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -500,8 +504,18 @@ class DPOTask(SFTTask):
 
     # ------------------------------------------------------------ summaries
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-        """The chat model's card, with what it was preference-tuned on and how."""
-        card = build_lm_model_card(output_dir, cfg, results, chat=True)
+        """The chat model's card: the language-model card without its evaluation (perplexity, which a preference
+        run does not measure), then what it was preference-tuned on and how, its pair metrics and sample answers."""
+        lm_results = {key: value for key, value in results.items() if key not in SPLITS}
+        card = build_lm_model_card(output_dir, cfg, lm_results, chat=True)
+        text = card.content.replace(SFT_PHRASE, "preference-tuned (on chosen/rejected pairs) from")
+        text = re.sub(r"\n### Evaluation results\n\n\|[^\n]*\n\|[^\n]*\n", "\n", text)  # a table of no rows
+        card = ModelCard(text.rstrip() + "\n" + "\n".join(self._card_section(cfg, results)) + "\n")
+        data: Any = card.data  # the ModelCardData build_lm_model_card made
+        data.tags = [*(data.tags or []), "dpo", cfg.preference.preference_loss]
+        return card
+
+    def _card_section(self, cfg: Config, results: dict) -> list[str]:
         p, evaluation = cfg.preference, results.get("eval", {})
         reference = (
             "none (reference-free)"
@@ -512,24 +526,32 @@ class DPOTask(SFTTask):
             if cfg.model.peft != "none"
             else "a frozen copy of the starting model"
         )
+        start = model_label(cfg.model.model_name_or_path or cfg.model.model_config)
         lines = [
             "",
             "## Preference tuning",
             "",
-            f"Preference-tuned with cloudtrain (`--task dpo`) from `{cfg.model.model_name_or_path}` on "
-            f"`{cfg.data.dataset_name or cfg.data.train_file}`: loss `{p.preference_loss}`, beta {p.strength}"
+            f"Preference-tuned with cloudtrain (`--task dpo`) from `{start}` on `{dataset_info(cfg.data)[1]}`: "
+            f"loss `{p.preference_loss}`, beta {p.strength}"
             + (f", gamma {p.simpo_gamma}" if p.preference_loss == "simpo" else "")
             + f"; reference: {reference}.",
         ]
-        if "rewards/accuracies" in evaluation:
-            lines.append(
-                f"Validation: pair accuracy {evaluation['rewards/accuracies']:.3f}, reward margin "
-                f"{evaluation['rewards/margins']:.4f} ({evaluation.get('samples', 0)} pairs)."
-            )
-        card = ModelCard(card.content.rstrip() + "\n" + "\n".join(lines) + "\n")
-        data: Any = card.data  # the ModelCardData build_lm_model_card made
-        data.tags = [*(data.tags or []), "dpo", p.preference_loss]
-        return card
+        for key, split in SPLITS.items():
+            metrics = results.get(key, {})
+            if "rewards/accuracies" in metrics:
+                lines.append(
+                    f"\n{split.capitalize()}: loss {metrics['loss']:.4f}, pair accuracy "
+                    f"{metrics['rewards/accuracies']:.3f}, reward margin {metrics['rewards/margins']:.4f} "
+                    f"({metrics.get('samples', 0)} pairs)."
+                )
+        generations = evaluation.get("generations") or []
+        if generations:
+            lines += ["", "### Sample answers", "", "| question | chosen answer | answer |", "|:--|:--|:--|"]
+            lines += [
+                "| " + " | ".join(table_cell(g.get(key, "")) for key in ("question", "reference", "answer")) + " |"
+                for g in generations
+            ]
+        return lines
 
     def describe_data(self, data: ProcessedData) -> str:
         parts = []

@@ -35,8 +35,9 @@ from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import head_labels, resolve_model_path
+from cloudtrain.publish.model_card import dataset_info
 from cloudtrain.registry import TASKS
-from cloudtrain.tasks.base import Task
+from cloudtrain.tasks.base import Task, model_label
 from cloudtrain.tasks.causal_lm import _first
 from cloudtrain.tasks.sft import SFTTask
 
@@ -283,8 +284,8 @@ class RewardTask(Task):
         )
         body = (
             f"# {cfg.hub.hub_model_id.split('/')[-1]}\n\nA reward model trained with cloudtrain (`--task reward`, "
-            f"Bradley-Terry loss) from `{cfg.model.model_name_or_path}` on "
-            f"`{cfg.data.dataset_name or cfg.data.train_file}`: one output, the reward of a text.\n"
+            f"Bradley-Terry loss) from `{model_label(cfg.model.model_name_or_path)}` on "
+            f"`{dataset_info(cfg.data)[1]}`: one output, the reward of a text.\n"
         )
         if "accuracy" in evaluation:
             body += f"\nValidation pair accuracy {evaluation['accuracy']:.3f} ({evaluation['samples']} pairs).\n"
