@@ -213,3 +213,19 @@ def test_two_processes_save_in_the_background_survive_a_kill_and_resume_bit_exac
             assert torch.equal(rng[0]["torch_manual_seed"], rng[1]["torch_manual_seed"])
     events = [json.loads(line) for line in (killed / "metrics.jsonl").read_text().splitlines()]
     assert {8, 12} <= {e["step"] for e in events if "checkpoint/blocked_s" in e}  # the loop's wait, per save
+
+
+@pytest.mark.parametrize(
+    ("options", "named"),
+    [
+        ({}, None),  # one process or DDP: each process snapshots its part
+        ({"zero_stage": 2}, "DeepSpeed ZeRO (its engine writes the partitioned states collectively"),
+        ({"fsdp": True}, "FSDP (the sharded states are written collectively"),
+        ({"tensor_parallel_size": 2}, "--tensor_parallel_size (each process's shards are written from the live"),
+    ],
+)
+def test_the_accelerated_trainer_saves_in_the_background_where_each_process_can_snapshot(options, named):
+    from cloudtrain.training.accelerated import AcceleratedTrainer
+
+    why = AcceleratedTrainer.async_refusal(build_config({"training_type": "accelerated", **options}))
+    assert why == named if named is None else named in why

@@ -212,7 +212,10 @@ class Trainer:
     @classmethod
     def async_refusal(cls, cfg: Config) -> str | None:
         """Why this trainer cannot write checkpoints in the background with `cfg` (None: it can)."""
-        return f"is not supported by --training_type {cls.name}"
+        return (
+            f"with --training_type {cls.name} (it writes its checkpoints from the live state: it has no CPU "
+            "snapshot of them to write in the background)"
+        )
 
     def setup(self) -> None:
         raise NotImplementedError
