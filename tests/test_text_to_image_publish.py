@@ -59,7 +59,7 @@ def test_the_push_holds_the_lora_in_diffusers_format_and_the_grid_but_no_checkpo
     files = set(upload.files) - {".gitattributes"}
     assert LORA_FILE in files and upload.files[LORA_FILE] == (out / LORA_FILE).read_bytes()
     assert "README.md" in files
-    grids = sorted(p for p in files if p.startswith("validation/"))  # the card shows the last: a broken image without
+    grids = sorted(p for p in files if p.startswith("validation/"))  # the card shows the last one
     assert grids and grids[-1] == "validation/eval-step-000006.png"
     assert upload.files[grids[-1]] == (out / grids[-1]).read_bytes()
     assert (out / "checkpoints").is_dir()  # they exist locally, and stay there
