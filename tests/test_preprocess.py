@@ -73,7 +73,7 @@ def test_more_than_one_source_is_one_line(corpus, tmp_path, lm_tokenizer_dir, ca
     assert status == 2 and "one source" in capsys.readouterr().err
 
 
-def sft_encoder(tokenizer_dir: str):
+def sft_encoder(tokenizer_dir: str, limit: int = 32):
     """The SFT task's stream encoder for prompt/completion records, chatml, cut at 32 tokens (as plan_for's rows)."""
     from types import SimpleNamespace
 
@@ -83,7 +83,7 @@ def sft_encoder(tokenizer_dir: str):
 
     chat = ChatFormat.setup(AutoTokenizer.from_pretrained(tokenizer_dir), None)
     columns = detect_columns(["prompt", "completion"], None, None, None)
-    return SFTTask.stream_encoder(SimpleNamespace(chat=chat), columns, DataConfig(max_length=32))  # type: ignore[arg-type]
+    return SFTTask.stream_encoder(SimpleNamespace(chat=chat), columns, DataConfig(max_length=limit))  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -113,6 +113,23 @@ def test_sft_shards_stream_the_examples_with_their_answer_masks(qa, tmp_path, lm
     assert rows_of(shards.loader(2), 30, *keys) == expected and all(any(r[2]) for r in expected)
     shards.encode = lambda records: pytest.fail("a stored example was tokenized again")  # noqa: ARG005
     assert rows_of(shards.loader(2), 30, *keys) == expected
+
+
+def test_packed_sft_shards_are_the_rows_a_stream_packs_with_their_masks(qa, tmp_path, lm_tokenizer, lm_tokenizer_dir):
+    out = tmp_path / "sft-packed"
+    argv = ["preprocess", "--task", "sft", "--train_file", str(qa), "--tokenizer_name_or_path", lm_tokenizer_dir]
+    options = ["--max_length", "128", "--packing", "bfd", "--pack_documents", "16", "--shard_documents", "32"]
+    assert main([*argv, "--output_dir", str(out), *options]) in (0, None)
+    columns = pq.read_table(out / "shard-00000.parquet").column_names
+    assert columns == ["input_ids", "seq_lengths", "documents", "loss_mask"]
+    raw = plan_for(tmp_path, lm_tokenizer, train_file=str(qa), exhausted="stop")
+    raw.encode, raw.block_size = sft_encoder(lm_tokenizer_dir, 128), 128
+    shards = plan_for(tmp_path, lm_tokenizer, train_file=f"{out}/*.parquet", exhausted="stop", packing="none")
+    shards.block_size = 128
+    keys = ("input_ids", "seq_lengths", "loss_mask")
+    got = [tuple(tuple(r[k]) for k in keys) for chunk in shards.loader(1).chunks() for r in chunk]
+    expected = [tuple(tuple(r[k]) for k in keys) for chunk in raw.loader(1).chunks() for r in chunk]
+    assert got == expected and len(got) < 30 and all(len(ids) <= 128 for ids, _, _ in got)  # 49 examples packed
 
 
 @pytest.mark.parametrize("packing", ["bfd", "wrapped"])
