@@ -24,8 +24,12 @@ from cloudtrain.config import (
 )
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import resolve_precision
+from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import GPUS, Gpu, gpu_by_name
+from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts
+from cloudtrain.planning.diffusion import plan as pipeline_plan
+from cloudtrain.planning.diffusion import render as render_pipeline
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, decoder_tasks, is_decoder, model_facts
 from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
@@ -76,6 +80,7 @@ TRAINING_OPTIONS = (
     "lora_dropout",
     "preference_loss",
     "precompute_reference",
+    "resolution",
 )
 
 
@@ -240,6 +245,8 @@ def make_plan(args: argparse.Namespace) -> dict:
     _check(args)
     gpu = gpu_by_name(args.gpu) if args.gpu else None
     name = args.model_config or args.model_name_or_path or default_model_dir()
+    if not args.model_config and is_pipeline(name):
+        return _pipeline_plan(args, name, gpu)
     m = model_facts(
         (not args.model_config and config_folder(name)) or name,  # a well-known model: its shipped config
         args.num_labels,
@@ -352,6 +359,17 @@ def make_plan(args: argparse.Namespace) -> dict:
     return plan
 
 
+def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict:
+    """A diffusers pipeline's rows (cloudtrain.planning.diffusion): one GPU's memory under DDP."""
+    cfg = build_config({"lora_target_modules": args.lora_target_modules})
+    facts = pipeline_facts(name, args.resolution, args.lora_r, diffusion_lora_targets(cfg))
+    budget = round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB)
+    micro_batch = 1 if args.per_device_train_batch_size == "auto" else args.per_device_train_batch_size
+    half = resolve_precision(args.mixed_precision) != "no"
+    result = pipeline_plan(facts, half, budget, micro_batch)
+    return {**result, "pipeline": True, "budget_bytes": budget, "micro_batch": micro_batch}
+
+
 def _split_notes(m: ModelFacts, setup: Setup) -> list[str]:
     """Why a decoder has no tensor-parallel rows, or none at some degree; that context parallel rows do not run."""
     if not m.decoder or setup.num_gpus < 2:
@@ -411,4 +429,7 @@ def _hardware_notes(name: str, args: argparse.Namespace, gpu: Gpu | None) -> lis
 
 def run(args: argparse.Namespace) -> None:
     plan = make_plan(args)
+    if plan.get("pipeline") and not args.json:
+        print(render_pipeline(plan, plan["budget_bytes"], plan["micro_batch"]))
+        return
     print(json.dumps(plan, indent=2) if args.json else render(plan))
