@@ -166,9 +166,11 @@ def two_processes(*args: str, kill_at: str | None = None) -> subprocess.Complete
     return subprocess.run([*launcher, *args], capture_output=True, text=True, env=environment, timeout=600, cwd=REPO)
 
 
-def records(folder: Path, name: str) -> dict[int, object]:
+def records(folder: Path, name: str) -> dict[int, list]:
+    files = {rank: folder / f"{name}.{rank}" for rank in (0, 1)}
     return {
-        rank: [json.loads(line) for line in (folder / f"{name}.{rank}").read_text().splitlines()] for rank in (0, 1)
+        rank: [json.loads(line) for line in f.read_text().splitlines()] if f.exists() else []
+        for rank, f in files.items()
     }
 
 
@@ -192,7 +194,9 @@ def test_two_processes_save_in_the_background_survive_a_kill_and_resume_bit_exac
     assert [step for step, _ in complete_checkpoints(killed / "checkpoints")] == [4]
     for rank in (0, 1):
         assert json.loads((first / f"overlap.{rank}").read_text()) == {"saved_step": 4, "went_on": True}
-    assert records(first, "on_save") == {rank: [[4, "checkpoint-4", True, True]] for rank in (0, 1)}
+    # checkpoint-4's on_save comes at the first step end after its thread published it: the kill, from the thread
+    # writing checkpoint-8, may come first (the resumed run below, not killed, sees every one)
+    assert all(saves in ([], [[4, "checkpoint-4", True, True]]) for saves in records(first, "on_save").values())
 
     result = two_processes(str(DIST), str(second), *run_args, "--resume_from_checkpoint", "latest")
     assert result.returncode == 0, result.stderr[-3000:]
