@@ -19,7 +19,8 @@ files. When the train channel is a saved DatasetDict with validation/test splits
 channel of their own for them, those splits are used. SDK 3's own channels ("code", "sm_drivers")
 are not data. SM_NUM_GPUS and the hosts are read by the SDK's torchrun driver, which starts one
 process per GPU on every host; the application then sees them as torchrun's WORLD_SIZE and ranks.
-Not supported: Pipe and FastFile input modes (the channels must be plain directories).
+A FastFile channel is a folder too (its objects fetched as they are read): with --streaming true its
+files stream from the first step (docs/streaming.md). Not supported: Pipe mode (a FIFO, not a folder).
 """
 
 import json
