@@ -97,7 +97,7 @@ def test_a_dpo_adapter_is_pushed_with_a_card_saying_how_it_was_preference_tuned(
     assert "loss `sigmoid`, beta 0.2" in card.text and "reference: the base with adapters disabled" in card.text
     assert "`tales-pairs.jsonl`" in card.text  # the data by its name
     assert str(out.parent) not in card.text  # no local path of the machine that trained it
-    assert {"dpo", "sigmoid"} <= set(card.data.tags)
+    assert {"dpo", "sigmoid"} <= set(card.data.tags) and not card.data.metrics
     assert "Validation: loss " in card.text and ", pair accuracy " in card.text
     # the language-model card's parts that hold for it, not those of supervised tuning nor perplexity
     assert "preference-tuned (on chosen/rejected pairs) from a local base model" in card.text

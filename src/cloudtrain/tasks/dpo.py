@@ -513,6 +513,7 @@ class DPOTask(SFTTask):
         card = ModelCard(text.rstrip() + "\n" + "\n".join(self._card_section(cfg, results)) + "\n")
         data: Any = card.data  # the ModelCardData build_lm_model_card made
         data.tags = [*(data.tags or []), "dpo", cfg.preference.preference_loss]
+        data.metrics = None  # the language-model card names perplexity, which this run does not report
         return card
 
     def _card_section(self, cfg: Config, results: dict) -> list[str]:
