@@ -299,20 +299,38 @@ def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
             shutil.copy2(checkpoint / name, Path(output_dir) / name)
 
 
-def check_compatible(meta: dict, path: Path, trainer: str, mesh: Mesh, portable: bool = False) -> None:
+def check_compatible(
+    meta: dict, path: Path, trainer: str, mesh: Mesh, portable: bool = False, global_rows: int | None = None
+) -> None:
     """A checkpoint resumes only under the trainer, process count and mesh that wrote it (a ZeRO checkpoint
     holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh.
 
-    `portable`: the data position is a global cursor (a stream's), so a replicated (DDP) checkpoint also
-    resumes at another process count: every process holds the whole model and optimizer state."""
+    `portable`: the data position is global (a stream's cursor; the stored rows' order, micro-batch b to
+    process b % processes), so a replicated (DDP) checkpoint also resumes at another process count: every
+    process holds the whole model and optimizer state. `global_rows` (stored rows: this run's rows per step
+    over all processes) must then be the checkpoint's, since its step is the position; a stream's cursor
+    (None) resumes at any global batch."""
     replicated = {"world", "dp_replicate"}
     if (
         portable
         and meta["trainer"] == trainer
+        and meta["num_processes"] != mesh.world
         and set(meta.get("mesh", {"world": 1})) <= replicated
         and set(mesh.degrees()) <= replicated
     ):
-        return
+        batch = meta.get("batch") or {}
+        rows = batch.get("per_device_train_batch_size", 0) * batch.get("gradient_accumulation_steps", 0)
+        rows *= meta["num_processes"]
+        if global_rows is None or rows == global_rows:
+            return
+        if rows:  # an older checkpoint stored no batch: refused below as before
+            raise UserError(
+                f"checkpoint {path} took {rows} rows per step ({meta['num_processes']} process(es) x "
+                f"{batch.get('per_device_train_batch_size')} rows x {batch.get('gradient_accumulation_steps')} "
+                f"accumulation); this run takes {global_rows}: at {mesh.world} process(es) give "
+                "--per_device_train_batch_size and --gradient_accumulation_steps whose product is "
+                f"{rows / mesh.world:g}"
+            )
     if meta["trainer"] != trainer or meta["num_processes"] != mesh.world:
         raise UserError(
             f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "

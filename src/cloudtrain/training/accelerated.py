@@ -20,7 +20,14 @@ import numpy as np
 import safetensors.torch
 import torch
 from accelerate.data_loader import IterableDatasetShard, SeedableRandomSampler
-from accelerate.utils import OPTIMIZER_NAME, RNG_STATE_NAME, SAFE_WEIGHTS_NAME, SCALER_NAME, DistributedType
+from accelerate.utils import (
+    OPTIMIZER_NAME,
+    RNG_STATE_NAME,
+    SAFE_WEIGHTS_NAME,
+    SCALER_NAME,
+    DistributedType,
+    send_to_device,
+)
 from transformers import PreTrainedModel
 
 from cloudtrain.async_save import cpu_copy, weights_snapshot
@@ -115,6 +122,13 @@ class AcceleratedTrainer(Trainer):
         ):
             self.accelerator.register_save_state_pre_hook(self._keep_trainable)
             self.accelerator.register_load_state_pre_hook(self._load_trainable)
+
+    def move(self, batch: dict) -> dict:
+        """Stored batches come placed by accelerate's prepared loader; a stream's loader is not accelerate's
+        (cloudtrain.data.streaming): its host batches are placed here as accelerate places the others."""
+        if self.streams:
+            return send_to_device(batch, self.accelerator.device, non_blocking=True)
+        return batch
 
     @staticmethod
     def _keep_trainable(models: list, weights: list, folder: str) -> None:

@@ -228,6 +228,8 @@ class LoggingHook(Hook):
             flops = trainer.flops.training_flops(interval["tokens"], interval["squared_lengths"])
             values["train/mfu"] = flops / interval["seconds"] / trainer.num_processes / self.peak
         values.update(interval_values(interval["by_process"], self.device))
+        if trainer.streams:  # per source, the documents and tokens consumed so far (cloudtrain.data.streaming)
+            values.update(trainer.train_dl.source_metrics(loop.step))  # type: ignore[attr-defined]
         own = trainer.task.train_metrics(trainer.runtime.reduce_sum, interval["seconds"])  # every process: a collective
         values.update({f"train/{name}": value for name, value in own.items()})
         self.task_metrics = [f"train/{name}" for name in own]

@@ -169,7 +169,9 @@ class Trainer:
         self.replicas = runtime.mesh.data_parallel  # each takes its own share of a step's rows
         self.counts_batches = True  # whether this process's batches enter the logged sums (Meter)
         self.checkpoint_owner = runtime.is_main  # writes a checkpoint's files shared by processes (Checkpointer)
-        self.train_dl: DataLoader = train_dataloader(data, self.loader_rows(t.micro_batch), t.seed, cfg.data)
+        self.train_dl: DataLoader = train_dataloader(
+            data, self.loader_rows(t.micro_batch), t.seed, cfg.data, step_rows=self.global_rows
+        )
         eval_rows = self.loader_rows(t.per_device_eval_batch_size)
         self.eval_dls = {"validation": eval_dataloader(data.validation, data, eval_rows, cfg.data)}
         if data.test is not None:
@@ -242,6 +244,12 @@ class Trainer:
 
     def store_per_node(self) -> None:
         """Checkpoint folders are node-local: each node's first process must also write the shared files."""
+
+    @property
+    def global_rows(self) -> int:
+        """Rows per optimizer step over all processes: where a stored run's position lies, at any process count."""
+        t = self.cfg.training
+        return t.micro_batch * self.replicas * t.gradient_accumulation_steps
 
     def loader_rows(self, per_process: int) -> int:
         """Rows a data loader yields per batch: one process's share (accelerate shards the loaders)."""
@@ -439,7 +447,8 @@ class Trainer:
     def resume(self, folder: Path) -> TrainerState:
         """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
         meta = read_state(folder)
-        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh, portable=self.streams)
+        global_rows = None if self.streams else self.global_rows  # a stream's cursor resumes at any global batch
+        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh, portable=True, global_rows=global_rows)
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
