@@ -227,8 +227,8 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
     if key in ("tp", "tp_fsdp", "cp_fsdp"):
         if setup.num_gpus < 2 or not m.decoder:
             return "tensor and context parallelism plan a decoder task (--task causal_lm) on at least 2 GPUs per node"
-        if m.model_copy:
-            return "the planner does not estimate the frozen reference copy under TP/CP: --strategy fsdp shards it"
+        if m.model_copy and key == "cp_fsdp":  # (tensor parallelism refuses the task itself: no_tensor_parallel)
+            return "the planner does not estimate the frozen reference copy under CP: --strategy fsdp shards it"
         if key == "cp_fsdp":
             return f"no degree dividing the {setup.num_gpus} GPUs cuts --max_length {setup.max_length} in 2 x cp chunks"
         if key == "tp_fsdp" and not no_tensor_parallel(m, setup):
