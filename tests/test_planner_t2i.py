@@ -100,3 +100,14 @@ def test_plan_on_a_pipeline_folder_prints_its_rows_and_recommends_what_fits(pipe
     assert plan["recommendation"]["peft"] == "lora" and plan["model"]["frozen_params"]["vae"] > 0
     assert [r["max_micro_batch"] >= 2 for r in plan["strategies"]] == [False, True, True]
     assert json.loads(json.dumps(plan)) == plan
+
+
+def test_a_folder_that_is_no_pipeline_is_refused_with_the_run_s_line(tiny_llama_dir, tmp_path, monkeypatch):
+    from cloudtrain.errors import UserError
+    from cloudtrain.registry import TASKS
+
+    # the task's Task.plans_pipeline (set here as text_to_image.py sets it once wired; a no-op after)
+    monkeypatch.setattr(TASKS["text_to_image"], "plans_pipeline", True)
+    args = plan_args(tiny_llama_dir, tmp_path / "p", task="text_to_image", gpu_memory_gb=24)
+    with pytest.raises(UserError, match=r"is not a diffusers pipeline \(no model_index.json\)"):
+        planning.make_plan(args)

@@ -245,8 +245,8 @@ def make_plan(args: argparse.Namespace) -> dict:
     _check(args)
     gpu = gpu_by_name(args.gpu) if args.gpu else None
     name = args.model_config or args.model_name_or_path or default_model_dir()
-    if not args.model_config and is_pipeline(name):
-        return _pipeline_plan(args, name, gpu)
+    if not args.model_config and (is_pipeline(name) or TASKS[args.task].plans_pipeline):
+        return _pipeline_plan(args, name, gpu)  # a folder that is no pipeline: the run's own one line
     m = model_facts(
         (not args.model_config and config_folder(name)) or name,  # a well-known model: its shipped config
         args.num_labels,

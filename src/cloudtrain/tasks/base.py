@@ -55,6 +55,8 @@ class Task:
     adds_head = False  # a new head on a pretrained body: transformers' report of new weights is expected
     load_error = "could not load the model"  # the start of the one line a failed load gives
     runs_in_pipeline = True  # whether its loss can be taken on a pipeline's last stage (--training_type pipeline)
+    # whether its model is a diffusers pipeline folder: the planner counts its parts (cloudtrain.planning.diffusion)
+    plans_pipeline = False
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg
