@@ -51,3 +51,22 @@ def test_unknown_names_are_refused_with_the_registered_choices():
 def test_the_language_model_tasks_are_the_decoder_tasks():
     assert [c.name for c in TASKS if issubclass(c, DecoderTask)] == ["causal_lm", "sft", "dpo"]
     assert [c.name for c in TASKS if c.chat_template] == ["sft", "dpo"]
+
+
+STORED_ROW_TASKS = sorted(name for name, cls in TASKS._loaded().items() if not cls.streams_data)
+
+
+def test_the_language_model_tasks_stream_and_the_others_read_stored_rows():
+    streaming = {name for name, cls in TASKS._loaded().items() if cls.streams_data}
+    assert streaming == {"causal_lm", "sft"}
+
+
+@pytest.mark.parametrize("name", STORED_ROW_TASKS)
+def test_streaming_is_refused_first_for_a_task_that_reads_stored_rows(name, tmp_path):
+    """A task without its own stream would train on one sample record per source: refused before anything."""
+    from cloudtrain.pipeline import preflight
+
+    cfg = build_config({"task": name, "streaming": True, "output_dir": str(tmp_path / "out")})
+    with pytest.raises(UserError, match=f"^--streaming true streams --task causal_lm and sft, not --task {name}: "):
+        preflight(cfg, build_task(cfg))
+    assert not (tmp_path / "out").exists()

@@ -74,6 +74,8 @@ def resolve(cfg: Config, task: Task) -> Config:
 
 def preflight(cfg: Config, task: Task) -> Path:
     """Checks that touch files and devices but load nothing heavy; returns the output dir."""
+    if cfg.data.streaming and not task.streams_data:
+        raise UserError(f"--streaming true streams --task causal_lm and sft, not --task {task.name}: drop --streaming")
     task.check_options(cfg)
     task.check_adapters(cfg)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:

@@ -57,6 +57,7 @@ class Task:
     runs_in_pipeline = True  # whether its loss can be taken on a pipeline's last stage (--training_type pipeline)
     # whether its model is a diffusers pipeline folder: the planner counts its parts (cloudtrain.planning.diffusion)
     plans_pipeline = False
+    streams_data = False  # whether --streaming true reads its training rows on the fly (cloudtrain.data.streaming)
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg

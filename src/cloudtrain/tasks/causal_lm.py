@@ -91,6 +91,7 @@ class CausalLMTask(DecoderTask):
     load_error = "could not build the causal language model"
     peft_task_type = "CAUSAL_LM"
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
+    streams_data = True
     packed_attention = True  # bfd batches carry their documents' lengths, and `loss` passes them (varlen attention)
 
     def __init__(self, cfg: Config):

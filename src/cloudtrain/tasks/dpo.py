@@ -138,6 +138,7 @@ class DPOTask(SFTTask):
     lower_is_better = frozenset({"loss"})
     default_best_metric = "loss"
     default_packing = "none"
+    streams_data = False  # pairs are stored rows (a stream would train on one sample record per source)
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
