@@ -23,6 +23,15 @@ PROMPTS = ["a red square", "a blue square"]
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread_here():
+    """The pipelines run in this process too: these small convolutions are far slower on 2 shared threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tiny_sd(tmp_path_factory) -> str:
     return str(build_tiny_pipeline(tmp_path_factory.mktemp("t2i-publish") / "tiny-sd"))
