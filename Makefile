@@ -151,6 +151,12 @@ pipeline-bench: setup
 tp-bench: setup
 	$(PY) bench/tp_bench.py $(ARGS)
 
+# `make t2i-bench`: text-to-image LoRA, cloudtrain vs a loop written to match diffusers' example script's
+# training step (CPU, one thread, ~5-7 min; docs/t2i-benchmark.md)
+.PHONY: t2i-bench
+t2i-bench: setup
+	$(PY) bench/t2i_bench.py --repetitions 3 $(ARGS)
+
 # `make monitoring-bench`: the same runs with --monitoring true and false, alternated in fresh processes
 # (~17 min; bench/results/monitoring.md).
 .PHONY: monitoring-bench
