@@ -193,13 +193,15 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
     output_dir, hub = Path(output_dir), cfg.hub
     from cloudtrain.tasks import build_task  # the card is the task's: classification or text generation
 
-    build_task(cfg).model_card(output_dir, cfg, results).save(output_dir / CARD)
+    task = build_task(cfg)
+    task.model_card(output_dir, cfg, results).save(output_dir / CARD)
+    files = model_files(output_dir) + task.published_files(output_dir)  # e.g. the card's pictures
     try:
         api = hub_api(hub)
         with hub_errors(api, hub, f"pushing to {hub.hub_model_id}"):
             url = ensure_repo(api, hub)
             commit = commit_model_files(
-                api, hub, output_dir, model_files(output_dir), commit_message(results), base_model_info(cfg.model)[0]
+                api, hub, output_dir, files, commit_message(results), base_model_info(cfg.model)[0]
             )
     except UserError as err:
         raise UserError(
