@@ -15,8 +15,9 @@ from huggingface_hub import ModelCard
 from safetensors.torch import save_file
 
 from cloudtrain.config import build_config
+from cloudtrain.publish.card_sections import table_cell
 from cloudtrain.publish.hub import commit_message
-from cloudtrain.publish.model_card import build_lm_model_card, table_cell
+from cloudtrain.publish.lm_card import build_lm_model_card
 
 TOKEN = "hf_secret_token_for_the_card_test"
 TRAIN = {

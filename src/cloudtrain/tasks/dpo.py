@@ -24,7 +24,6 @@ import copy
 import inspect
 import json
 import math
-import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -62,15 +61,17 @@ from cloudtrain.hardware import autocast as autocast_for
 from cloudtrain.models.load import is_causal_lm, load_tokenizer
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.fsdp import layer_classes
-from cloudtrain.publish.model_card import SPLITS, build_lm_model_card, dataset_info, table_cell
+from cloudtrain.publish.card_metadata import SPLITS, dataset_info
+from cloudtrain.publish.card_sections import table_cell
+from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
 from cloudtrain.tasks.base import model_label
 from cloudtrain.tasks.causal_lm import _first
 from cloudtrain.tasks.sft import SFTTask, _last_question, _short
 
+# how the language-model card says the model was trained from its base
+PREFERENCE_TUNED = "preference-tuned (on chosen/rejected pairs) from"
 # What the loop and evaluation report, per pair: train/<name> at logging steps, eval/<name> at evaluation.
-# the language-model card's line for a chat model: supervised, which a preference-tuned model is not
-SFT_PHRASE = "fine-tuned (supervised, on its answers only) from"
 PAIR_METRICS = (
     "rewards/chosen",
     "rewards/rejected",
@@ -507,14 +508,17 @@ class DPOTask(SFTTask):
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         """The chat model's card: the language-model card without its evaluation (perplexity, which a preference
         run does not measure), then what it was preference-tuned on and how, its pair metrics and sample answers."""
-        lm_results = {key: value for key, value in results.items() if key not in SPLITS}
-        card = build_lm_model_card(output_dir, cfg, lm_results, chat=True)
-        text = card.content.replace(SFT_PHRASE, "preference-tuned (on chosen/rejected pairs) from")
-        text = re.sub(r"\n### Evaluation results\n\n\|[^\n]*\n\|[^\n]*\n", "\n", text)  # a table of no rows
-        card = ModelCard(text.rstrip() + "\n" + "\n".join(self._card_section(cfg, results)) + "\n")
+        card = build_lm_model_card(
+            output_dir,
+            cfg,
+            results,
+            chat=True,
+            tuning=PREFERENCE_TUNED,
+            perplexity=False,
+            sections="\n".join(self._card_section(cfg, results)),
+        )
         data: Any = card.data  # the ModelCardData build_lm_model_card made
         data.tags = [*(data.tags or []), "dpo", cfg.preference.preference_loss]
-        data.metrics = None  # the language-model card names perplexity, which this run does not report
         return card
 
     def _card_section(self, cfg: Config, results: dict) -> list[str]:

@@ -1,0 +1,167 @@
+"""The model card of a text classifier (`build_model_card`): summary, usage snippet (a pipeline, or
+`AutoPeftModelForSequenceClassification` for an adapter), labels, training hyperparameters, training and
+evaluation results, confusion matrices, then the shared footer (cloudtrain.publish.card_sections)."""
+
+import json
+from pathlib import Path
+
+from huggingface_hub import ModelCard, ModelCardData
+
+from cloudtrain.config import Config
+from cloudtrain.publish.card_metadata import REUTERS_HUB_ID, SPLITS, dataset_info, task_card_data
+from cloudtrain.publish.card_model_files import adapter_info, label_names
+from cloudtrain.publish.card_sections import (
+    ADAPTER_MACROS,
+    CURVES_FILE,
+    FOOTER,
+    compute_summary,
+    framework_versions,
+    hyperparameters,
+)
+
+MAX_MATRIX_LABELS = 20  # larger confusion matrices are unreadable as markdown tables
+# (results key, model-index metric type, its display name, its args)
+CLASSIFICATION_METRICS = (
+    ("accuracy", "accuracy", "Accuracy", None),
+    ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
+)
+
+TEMPLATE = (
+    ADAPTER_MACROS
+    + """---
+{{ card_data }}
+---
+
+# {{ model_name }}
+
+This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](https://huggingface.co/{{ base_model }})\
+{% else %}a fine-tuned model{% endif %}
+for text classification into {{ labels | length }} classes, trained on \
+{% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
+{% else %}{{ dataset_display }}{% endif %}
+with cloudtrain ({{ training_type }} trainer).
+{%- if headline %}
+
+It achieves the following results on the {{ headline.split }} set:
+
+- Accuracy: {{ "%.4f" | format(headline.accuracy) }}
+- Macro F1: {{ "%.4f" | format(headline.macro_f1) }}
+- Loss: {{ "%.4f" | format(headline.loss) }}
+{%- endif %}
+
+## Usage
+
+{% if adapter %}```python
+from peft import AutoPeftModelForSequenceClassification
+from transformers import AutoTokenizer
+
+id2label = {{ id2label }}
+tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
+model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
+inputs = tokenizer("{{ example_text }}", return_tensors="pt")
+print(model.config.id2label[model(**inputs).logits.argmax(-1).item()])
+```{{ adapter_note("text-classification") }}{% else %}```python
+from transformers import pipeline
+
+classifier = pipeline("text-classification", model="{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %})
+print(classifier("{{ example_text }}"))
+```{% endif %}
+
+## Labels
+
+| id | label |
+|---:|:------|
+{%- for label in labels %}
+| {{ loop.index0 }} | {{ label }} |
+{%- endfor %}
+
+## Training procedure
+
+### Training hyperparameters
+
+| option | value |
+|:-------|:------|
+{%- for name, value in hyperparameters.items() %}
+| {{ name }} | {{ value }} |
+{%- endfor %}
+{%- if adapter %}{{ adapter_table() }}{% endif %}
+
+### Training results
+
+| steps | epochs | final train loss | runtime (s) | samples/s |
+|---:|---:|---:|---:|---:|
+| {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | \
+{{ train.train_runtime_s }} | {{ train.train_samples_per_s }} |
+
+### Evaluation results
+
+| split | examples | accuracy | macro F1 | loss |
+|:------|---:|---:|---:|---:|
+{%- for row in evaluations %}
+| {{ row.split }} | {{ row.samples }} | {{ "%.4f" | format(row.accuracy) }} | {{ "%.4f" | format(row.macro_f1) }} | \
+{{ "%.4f" | format(row.loss) }} |
+{%- endfor %}
+{%- for row in evaluations if row.confusion_matrix and labels | length <= max_matrix_labels %}
+
+Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
+
+| | {{ labels | join(" | ") }} |
+|:--|{% for _ in labels %}--:|{% endfor %}
+{%- for counts in row.confusion_matrix %}
+| **{{ labels[loop.index0] }}** | {{ counts | join(" | ") }} |
+{%- endfor %}
+{%- endfor %}
+"""
+    + FOOTER
+)  # Jinja drops one trailing newline: the card still ends with one
+
+
+def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+    """The card for the model saved in `output_dir` (its config.json, or an adapter's labels.json, gives the
+    label names)."""
+    output_dir = Path(output_dir)
+    repo_id = cfg.hub.hub_model_id
+    assert repo_id is not None  # a card is for a push, which needs --hub_model_id
+    adapter = adapter_info(output_dir, cfg)
+    data = card_data(cfg, results, adapter)
+    dataset_id, dataset_display = dataset_info(cfg.data)
+    evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
+    names = label_names(output_dir)
+    return ModelCard.from_template(
+        data,
+        template_str=TEMPLATE,
+        model_name=repo_id.split("/")[-1],
+        repo_id=repo_id,
+        revision=cfg.hub.hub_revision,
+        adapter=adapter,
+        dataset_display=dataset_display,
+        training_type=cfg.training.training_type,
+        labels=[name.replace("|", "\\|") for name in names],
+        id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",
+        headline=evaluations[0] if evaluations else None,
+        example_text="Oil prices rose after OPEC agreed to cut output."
+        if dataset_id == REUTERS_HUB_ID
+        else "Replace me by any text you'd like.",
+        hyperparameters=hyperparameters(cfg),
+        train=results["train"],
+        evaluations=evaluations,
+        max_matrix_labels=MAX_MATRIX_LABELS,
+        compute=compute_summary(results),
+        curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
+        versions=framework_versions(cfg),
+    )
+
+
+def card_data(cfg: Config, results: dict, adapter: dict | None = None) -> ModelCardData:
+    """The YAML metadata of a classifier: what the Hub indexes, filters and shows as evaluation results."""
+    return task_card_data(
+        cfg,
+        results,
+        pipeline_tag="text-classification",
+        task_name="Text Classification",
+        metric_ids=["accuracy", "f1"],
+        metrics=CLASSIFICATION_METRICS,
+        adapter=adapter,
+    )
