@@ -1,4 +1,4 @@
-"""A local stand-in for the Hugging Face Hub: the part of its HTTP API that an upload uses.
+"""A local stand-in for the Hugging Face Hub: the part of its HTTP API that an upload and a streamed dataset use.
 
 Serves on 127.0.0.1 (port chosen by the OS), for tests that point `HF_ENDPOINT` at it and run the
 real huggingface_hub client:
@@ -12,6 +12,11 @@ real huggingface_hub client:
   GET  /api/models/<repo>/refs                         branches
   GET  /api/models/<repo>/tree/<rev>[/<path>]          files and folders
   GET|HEAD /<repo>/resolve/<rev>/<path>                file content, with X-Repo-Commit and ETag
+Dataset repos (seeded by `add_dataset`; what HfFileSystem reads, `hf://datasets/<repo>/...`):
+  GET  /api/datasets/<repo>[/revision/<rev>]           dataset info (sha, private, siblings)
+  GET  /api/datasets/<repo>/tree/<rev>[/<path>]        files and folders, `tree_page_size` a page (Link: next)
+  POST /api/datasets/<repo>/paths-info/<rev>           the entries of the form's `paths` that exist
+  GET|HEAD /datasets/<repo>/resolve/<rev>/<path>       file content; a Range header gives 206 and that range
 Like the Hub it answers 401 to an unknown token, 404 for a private repo the caller cannot see,
 and 403 to writes (create, preupload, commit, branch) in a namespace that is neither the user's
 nor one of the user's organisations, or with a read-only token. Every commit, with the whole file
@@ -19,7 +24,7 @@ tree after it, stays in memory for tests to inspect. `refuse_commits` makes comm
 clearing `commits_open` holds them until it is set.
 
 Not supported: LFS/Xet uploads (preupload never asks for them), pull requests, tags, copies,
-pagination, datasets and spaces, deleting repos.
+pagination of model trees, writes to datasets, spaces, deleting repos.
 """
 
 import base64
@@ -50,6 +55,9 @@ class User:
     def can_write(self, namespace: str) -> bool:
         return self.role != "read" and namespace in (self.name, *self.orgs)
 
+    def can_read(self, namespace: str) -> bool:
+        return namespace in (self.name, *self.orgs)
+
 
 @dataclass
 class Commit:
@@ -67,6 +75,7 @@ class Repo:
     private: bool
     commits: dict[str, Commit] = field(default_factory=dict)  # by oid, every branch
     branches: dict[str, str] = field(default_factory=dict)  # branch name -> head oid
+    kind: str = "model"  # or "dataset"
 
     @property
     def namespace(self) -> str:
@@ -109,11 +118,14 @@ class HubServer:
 
     def __init__(self, users: dict[str, User]):
         self.users = users
-        self.repos: dict[str, Repo] = {}
+        self.repos: dict[str, Repo] = {}  # model repos
+        self.datasets: dict[str, Repo] = {}  # dataset repos
+        self.tree_page_size = 1000  # entries per page of a dataset's tree listing, as the Hub's
         self.refuse_commits: str | None = None  # a message: commits then fail with 403
         self.commits_open = threading.Event()  # clear it to hold every commit until it is set again
         self.commits_open.set()
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
+        self.ranges: list[tuple[str, int, int]] = []  # (file, first byte, last byte) of every ranged read
         self.lock = threading.Lock()
         self._httpd: ThreadingHTTPServer | None = None
 
@@ -140,6 +152,12 @@ class HubServer:
     def history(self, repo_id: str, branch: str = "main") -> list[Commit]:
         with self.lock:
             return self.repos[repo_id].history(branch)
+
+    def add_dataset(self, repo_id: str, files: dict[str, bytes], private: bool = False) -> Commit:
+        """A dataset repo whose main branch holds `files` (one commit); a later call commits on top of it."""
+        with self.lock:
+            repo = self.datasets.setdefault(repo_id, Repo(repo_id, private, kind="dataset"))
+            return repo.add_commit("main", "add files", files, [])
 
     # ---------------------------------------------------------------- the API, one method per route
 
@@ -175,7 +193,7 @@ class HubServer:
         commit = self.revision(repo, revision)
         return {
             "id": repo.repo_id,
-            "modelId": repo.repo_id,
+            **({"modelId": repo.repo_id} if repo.kind == "model" else {}),
             "author": repo.namespace,
             "sha": commit.oid,
             "private": repo.private,
@@ -256,6 +274,23 @@ class HubServer:
             raise HttpError(404, f"{path} does not exist", "EntryNotFound")
         return list(entries.values())
 
+    def tree_page(self, repo: Repo, revision: str, path: str, recursive: bool, cursor: int) -> tuple[list, bool]:
+        """A dataset tree from entry `cursor` on, a page long; and whether more follows."""
+        entries = self.tree(repo, revision, path, recursive)
+        return entries[cursor : cursor + self.tree_page_size], cursor + self.tree_page_size < len(entries)
+
+    def paths_info(self, repo: Repo, revision: str, paths: list[str]) -> list[dict]:
+        files = self.revision(repo, revision).files
+        found = []
+        for path in (p.strip("/") for p in paths):
+            if path in files:
+                found.append(
+                    {"type": "file", "path": path, "oid": git_blob_sha1(files[path]), "size": len(files[path])}
+                )
+            elif any(f.startswith(path + "/") for f in files):
+                found.append({"type": "directory", "path": path, "oid": "0" * 40, "size": 0})
+        return found
+
     def revision(self, repo: Repo, revision: str) -> Commit:
         commit = repo.resolve(revision)
         if commit is None:
@@ -303,7 +338,12 @@ def card_metadata_errors(content: str) -> list[str]:
 
 
 REPO = r"(?P<repo>[^/]+/[^/]+)"
+DATASET = r"(?P<kind>datasets)/(?P<repo>[^/]+/[^/]+)"
 ROUTES = [  # (method, pattern, handler name); methods are matched in order
+    ("GET", rf"/api/{DATASET}(?:/revision/(?P<rev>[^/]+))?", "model_info"),
+    ("GET", rf"/api/{DATASET}/tree/(?P<rev>[^/]+)(?:/(?P<path>.*))?", "tree"),
+    ("POST", rf"/api/{DATASET}/paths-info/(?P<rev>[^/]+)", "paths_info"),
+    ("GET", rf"/{DATASET}/resolve/(?P<rev>[^/]+)/(?P<path>.+)", "resolve"),
     ("GET", r"/api/whoami-v2", "whoami"),
     ("POST", r"/api/repos/create", "create_repo"),
     ("POST", r"/api/validate-yaml", "validate_yaml"),
@@ -365,7 +405,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(*self.hub.create_repo(self._need(user), json.loads(body)))
         if name == "validate_yaml":
             return self._send(*self.hub.validate_yaml(json.loads(body)))
-        repo = self._visible_repo(args["repo"], user)
+        repo = self._visible_repo(args["repo"], user, args.get("kind") == "datasets")
         if name in WRITES and not self._need(user).can_write(repo.namespace):
             raise HttpError(403, f"You don't have the rights to write to {repo.repo_id}")
         rev = args.get("rev", "main")
@@ -379,9 +419,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._send(*self.hub.create_branch(repo, rev, json.loads(body or b"{}")))
         elif name == "refs":
             self._send(200, self.hub.refs(repo))
+        elif name == "tree" and args.get("kind"):  # a dataset's tree comes in pages, as the Hub's
+            recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
+            cursor = int(query.get("cursor", ["0"])[0])
+            page, more = self.hub.tree_page(repo, rev, args.get("path", ""), recursive, cursor)
+            after = f"{self.hub.url}{urlsplit(self.path).path}?recursive={recursive}&cursor={cursor + len(page)}"
+            self._send(200, page, link=f'<{after}>; rel="next"' if more else None)
         elif name == "tree":
             recursive = query.get("recursive", ["false"])[0].lower() in ("1", "true")
             self._send(200, self.hub.tree(repo, rev, args.get("path", ""), recursive))
+        elif name == "paths_info":
+            self._send(200, self.hub.paths_info(repo, rev, parse_qs(body.decode()).get("paths", [])))
         elif name == "resolve":
             self._send_file(repo, self.hub.revision(repo, rev), args["path"], head)
 
@@ -400,9 +448,13 @@ class _Handler(BaseHTTPRequestHandler):
             raise HttpError(401, "Invalid credentials in Authorization header")
         return user
 
-    def _visible_repo(self, repo_id: str, user: User | None) -> Repo:
-        repo = self.hub.repos.get(repo_id)
-        if repo is None or (repo.private and not (user and user.can_write(repo.namespace))):
+    def _visible_repo(self, repo_id: str, user: User | None, dataset: bool = False) -> Repo:
+        repo = (self.hub.datasets if dataset else self.hub.repos).get(repo_id)
+        if repo is None:
+            raise HttpError(404, "Repository not found", "RepoNotFound")
+        # a private dataset is read with any token of its namespace; a private model still needs a write token
+        allowed = user and (user.can_read(repo.namespace) if dataset else user.can_write(repo.namespace))
+        if repo.private and not allowed:
             raise HttpError(404, "Repository not found", "RepoNotFound")
         return repo
 
@@ -416,10 +468,12 @@ class _Handler(BaseHTTPRequestHandler):
             return b"".join(chunks)
         return self.rfile.read(int(self.headers.get("Content-Length") or 0))
 
-    def _send(self, status: int, payload, error: HttpError | None = None) -> None:
+    def _send(self, status: int, payload, error: HttpError | None = None, link: str | None = None) -> None:
         data = json.dumps(payload).encode()
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
+        if link:
+            self.send_header("Link", link)
         if error is not None:
             self.send_header("X-Error-Message", error.message)
             if error.code:
@@ -432,11 +486,19 @@ class _Handler(BaseHTTPRequestHandler):
     def _send_file(self, repo: Repo, commit: Commit, path: str, head: bool) -> None:
         if path not in commit.files:
             raise HttpError(404, f"{path} does not exist in {repo.repo_id}", "EntryNotFound")
-        content = commit.files[path]
-        self.send_response(200)
+        content, size = commit.files[path], len(commit.files[path])
+        ranged = re.fullmatch(r"bytes=(\d+)-(\d*)", self.headers.get("Range", "").strip())
+        if ranged and int(ranged.group(1)) >= size:
+            raise HttpError(416, f"range not satisfiable for {size} bytes")
+        self.send_response(206 if ranged else 200)
+        if ranged:  # a ranged read, as HfFileSystem's files make them: bytes first-last, both included
+            first, last = int(ranged.group(1)), min(int(ranged.group(2) or size - 1), size - 1)
+            self.send_header("Content-Range", f"bytes {first}-{last}/{size}")
+            content = content[first : last + 1]
+            self.hub.ranges.append((path, first, last))
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("X-Repo-Commit", commit.oid)
-        self.send_header("ETag", f'"{git_blob_sha1(content)}"')
+        self.send_header("ETag", f'"{git_blob_sha1(commit.files[path])}"')
         self.send_header("Content-Length", str(len(content)))
         self.end_headers()
         if not head:
