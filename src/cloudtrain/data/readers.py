@@ -45,14 +45,15 @@ def file_format(path: str) -> str | None:
 
 
 def is_remote(path: str) -> bool:
-    """An object-store URL (s3://bucket/key, or any protocol fsspec knows) rather than a local path."""
+    """A URL (s3://bucket/key, hf://datasets/owner/name@commit/file, any protocol fsspec knows), not a local path."""
     return "://" in path
 
 
 def storage_options(path: str) -> dict:
     """fsspec options for `path`: for S3, short timeouts and two attempts, so that a wrong endpoint or a dead
     network is an error within seconds instead of botocore's minutes of retries; and no cached filesystem, so
-    the endpoint and credentials of this moment are the ones used (fsspec caches instances across calls)."""
+    the endpoint and credentials of this moment are the ones used (fsspec caches instances across calls).
+    hf:// files keep HfFileSystem's cached instance: their URLs name a commit, whose listing never changes."""
     if not path.startswith(("s3://", "s3a://")):
         return {}
     return {"config_kwargs": dict(REMOTE_TIMEOUTS), "skip_instance_cache": True}
@@ -72,7 +73,7 @@ class _GzipFile(gzip.GzipFile):
 
 
 def _open_raw(path: str) -> Any:
-    if is_remote(path):  # object storage through fsspec: seekable, read in blocks by ranged GETs
+    if is_remote(path):  # object storage or the Hub through fsspec: seekable, read in blocks by ranged GETs
         import fsspec
 
         return fsspec.open(path, "rb", **storage_options(path)).open()

@@ -5,11 +5,19 @@ Reading goes through the same RecordReader as local files (cloudtrain.data.reade
 seeks by byte offset or parquet row group), so a resume reopens an object at its offset without reading what
 lies before it. The client has short timeouts and two attempts (readers.REMOTE_TIMEOUTS): a wrong endpoint or an
 unreachable store fails in seconds, before training, rather than hanging in botocore's retries.
+
+Hub datasets (`hf://datasets/<owner>/<name>[@revision][/path or glob]`) go through huggingface_hub's HfFileSystem,
+which reads a file by ranged GETs of its resolve URL, so they are read, and resumed, like objects. The listing pins
+the revision to its commit: every process and loader worker, and every file opened later, read that commit even
+if the branch moves during training. HF_ENDPOINT and HF_TOKEN (or a stored login) are huggingface_hub's own.
 """
 
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
+from typing import Any
 
 from cloudtrain.data.readers import file_format, storage_options
 from cloudtrain.errors import UserError
@@ -69,6 +77,8 @@ def expand_remote(path: str) -> list[str]:
     """The data files of an object-store source, sorted, as URLs; [] when nothing matches (the caller says so).
     A missing bucket is nothing matching; no credentials, refused ones, or an unreachable endpoint are one line."""
     protocol = path.split("://", 1)[0]
+    if protocol == "hf":
+        return expand_hub(path)
     if protocol in ("s3", "s3a"):
         _check_credentials(path)
     fs = _filesystem(path)
@@ -79,3 +89,110 @@ def expand_remote(path: str) -> list[str]:
     except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
         raise _failure(path, err) from None
     return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in found if file_format(p))
+
+
+# ---------------------------------------------------------------- Hugging Face Hub datasets
+HUB_TIMEOUT = 10  # seconds for the first request (the dataset's info): an unreachable Hub is one line, not a hang
+TOKEN_HINT = "set HF_TOKEN (or run `hf auth login`) with a token that can read it"
+# A file or folder named for a split, as the Hub names them (train-00000-of-00002.parquet, data/test/...)
+SPLIT_WORDS = {"train": "train|training", "other": "validation|valid|val|dev|test|testing|eval|evaluation"}
+
+
+def hub_dataset_source(name: str, config: str | None = None) -> str:
+    """The stream source that `--dataset_name <name> --streaming true` means: the Hub dataset's data files."""
+    if Path(name).is_dir():
+        raise UserError(
+            f"--dataset_name {name} is a saved dataset (save_to_disk), which is not streamed; give its data files "
+            "as --train_file, or drop --streaming"
+        )
+    if config:
+        raise UserError(
+            f"--dataset_config {config} with --streaming true: name that configuration's files instead, "
+            f"--train_file 'hf://datasets/{name}/<its folder or glob>'"
+        )
+    return f"hf://datasets/{name}"
+
+
+def _hub_uri(path: str) -> Any:
+    from huggingface_hub.utils import parse_hf_uri
+
+    try:
+        uri = parse_hf_uri(path)
+    except ValueError as err:
+        raise UserError(
+            f"{path} is not a Hub dataset path ({err}); write hf://datasets/<owner>/<name>[/path]"
+        ) from None
+    if uri.type != "dataset" or uri.is_bucket:
+        raise UserError(f"{path}: only dataset repos stream; write hf://datasets/<owner>/<name>[/path or glob]")
+    return uri
+
+
+def _hub_commit(path: str, repo_id: str, revision: str | None) -> str:
+    """The commit that `revision` (default: main) names, from the dataset's info; every way that fails is one line."""
+    from huggingface_hub import HfApi, constants, get_token
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    endpoint = constants.ENDPOINT
+    if constants.HF_HUB_OFFLINE:
+        raise UserError(f"{path}: HF_HUB_OFFLINE is set; unset it to stream from the Hub, or give local files")
+    try:
+        info = HfApi().dataset_info(repo_id, revision=revision, timeout=HUB_TIMEOUT)
+    except GatedRepoError:
+        raise UserError(
+            f"{path}: the dataset is gated; accept its conditions on its Hub page and {TOKEN_HINT}"
+        ) from None
+    except RepositoryNotFoundError:
+        if get_token() is None:
+            raise UserError(f"{path}: dataset {repo_id} is not on {endpoint}, or is private: {TOKEN_HINT}") from None
+        raise UserError(f"{path}: dataset {repo_id} is not on {endpoint}, or the token cannot read it") from None
+    except RevisionNotFoundError:
+        raise UserError(f"{path}: dataset {repo_id} has no revision {revision!r} (a branch, tag or commit)") from None
+    except Exception as err:  # noqa: BLE001 (httpx and huggingface_hub raise many kinds; each becomes one line)
+        raise _hub_failure(path, endpoint, err) from None
+    if not info.sha:
+        raise UserError(f"{path}: {endpoint} gave no commit for dataset {repo_id}; check HF_ENDPOINT")
+    return info.sha
+
+
+def _hub_failure(path: str, endpoint: str, err: Exception) -> UserError:
+    kind, text = type(err).__name__, " ".join(str(err).split())[:200]
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    if status == 401:
+        return UserError(f"{path}: the Hub at {endpoint} refused the token ({text}); {TOKEN_HINT}")
+    if status is None and ("Connect" in kind or "Timeout" in kind or isinstance(err, OSError)):
+        return UserError(f"{path}: cannot reach the Hub at {endpoint} ({kind}); check HF_ENDPOINT and the network")
+    return UserError(f"{path}: the Hub at {endpoint} failed ({kind}: {text})")
+
+
+def _training_files(found: list[str], root: str) -> list[str]:
+    """A folder's data files; when some are named for a split, its training ones (the Hub's layout of splits)."""
+    relative = {f: f[len(root) :] for f in found}
+    named = {
+        split: {f for f, rel in relative.items() if re.search(rf"(^|[/\-._ 0-9])({words})([/\-._ 0-9]|$)", rel)}
+        for split, words in SPLIT_WORDS.items()
+    }
+    return sorted(named["train"]) if named["train"] or named["other"] else found
+
+
+def expand_hub(path: str) -> list[str]:
+    """The data files of a Hub dataset source, as `hf://datasets/<repo>@<commit>/<file>` URLs, sorted; [] when
+    nothing matches. A repo or folder gives its data files (its training split's, when files are named for splits),
+    a glob its matches, a file itself."""
+    import fsspec
+
+    uri = _hub_uri(path)
+    root = f"datasets/{uri.id}@{_hub_commit(path, uri.id, uri.revision)}/"
+    inside = root + uri.path_in_repo.strip("/")
+    fs = fsspec.filesystem("hf")  # cached: what is listed under a commit never changes, and files opened reuse it
+    try:
+        if any(ch in uri.path_in_repo for ch in "*?["):
+            found = list(fs.glob(inside))
+        elif not uri.path_in_repo or fs.isdir(inside):
+            found = _training_files([f for f in fs.find(inside) if file_format(f)], root)
+        else:
+            found = [inside] if fs.isfile(inside) else []
+    except FileNotFoundError:
+        return []
+    except Exception as err:  # noqa: BLE001 (the listing's own failures: as for the info)
+        raise _hub_failure(path, fs.endpoint, err) from None
+    return sorted(f"hf://{f}" for f in found if file_format(f))
