@@ -1,0 +1,212 @@
+"""The planner's command line: `--json` parses and recommends, the table shows every strategy and the
+nothing-fits advice, bad input is one line, the plan takes the training options with the application's defaults,
+and the emitted ZeRO-3 config trains the tiny model in a real 2-process CPU launch."""
+
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO, run_cli
+from test_planner import (
+    BY_KEY,
+    decoder_dirs_fixture,  # noqa: F401  (the decoder_dirs fixture)
+    plan_args,
+)
+from transformers import AutoModelForSequenceClassification
+
+from cloudtrain import planning
+from cloudtrain.cli import main
+from cloudtrain.config import Config
+from cloudtrain.planning import STRATEGIES
+
+
+@pytest.mark.slow
+def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
+    result = run_cli(
+        "plan",
+        "--model_name_or_path",
+        tiny_model_dir,
+        "--num_gpus",
+        "8",
+        "--gpu_memory_gb",
+        "24",
+        "--per_device_train_batch_size",
+        "8",
+        "--global_batch_size",
+        "128",
+        "--mixed_precision",
+        "no",
+        "--json",
+        "--output_dir",
+        str(tmp_path / "plan"),
+    )
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    one_node = set(BY_KEY) - {"fsdp_hybrid"}  # on one node hybrid sharding is full sharding
+    adapters = 2 * 2 * len(planning.ADAPTER_STRATEGIES)  # LoRA and QLoRA, with and without checkpointing
+    assert len(plan["strategies"]) == 2 * len(one_node) + adapters
+    assert {r["strategy"] for r in plan["strategies"]} == one_node
+    rec = plan["recommendation"]
+    assert (rec["strategy"], rec["gradient_checkpointing"]) == ("ddp", False)  # a tiny model needs nothing more
+    assert (rec["micro_batch"], rec["gradient_accumulation_steps"]) == (8, 2)
+    assert "--per_device_train_batch_size 8 --gradient_accumulation_steps 2 --mixed_precision no" in rec["command"]
+    assert Path(rec["files"]["accelerate_config"]).is_file()
+
+
+@pytest.mark.slow
+def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_dirs, tmp_path):
+    result = run_cli(
+        "plan",
+        "--model_name_or_path",
+        decoder_dirs["7b"],
+        "--gpu_memory_gb",
+        "4",
+        "--max_length",
+        "4096",
+        "--mixed_precision",
+        "no",
+        "--output_dir",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr
+    for strategy in STRATEGIES:  # on one node hybrid sharding is full sharding: no row of its own
+        assert (strategy.label in result.stdout) is (strategy.fsdp_sharding != "hybrid_shard"), strategy.key
+    assert "Nothing fits" in result.stdout and "--max_length" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--model_name_or_path", "{tmp}/no-model"], "--model_name_or_path .*no-model does not exist"),
+        (["--model_name_or_path", "{tmp}"], "could not read a model config from"),
+        (
+            ["--global_batch_size", "100", "--num_gpus", "8"],
+            "--global_batch_size 100 must be a positive multiple of the 8",
+        ),
+        (["--gpu_memory_gb", "0"], "--gpu_memory_gb must be positive"),
+        (["--strategy", "zero4"], "invalid choice: 'zero4'"),
+        (["--task", "causal_lm"], "--task causal_lm needs --model_name_or_path <causal LM> or --model_config"),
+        (["--model_config", "llama-8m"], "--model_config is for --task causal_lm"),
+        (["--task", "causal_lm", "--model_config", "llama-9b"], "neither a config.json file nor a preset"),
+        (
+            ["--task", "causal_lm", "--model_config", "llama-8m", "--peft", "qlora"],
+            "--peft qlora trains adapters on pretrained weights",
+        ),
+        (
+            ["--lora_target_modules", "query,nope"],
+            "--lora_target_modules: nope is not a linear layer of the model; its "
+            "linear layers are dense, key, query, value",
+        ),
+        (["--lora_r", "0"], "--lora_r must be at least 1"),
+        (
+            ["--task", "causal_lm", "--model_config", "llama-8m", "--strategy", "pipeline"],
+            "--strategy pipeline: no pipeline can run here: it needs at least 2 GPUs",
+        ),
+        (["--strategy", "pipeline", "--num_gpus", "2"], "cuts causal LMs of the Llama family and GPT-2 only"),
+    ],
+)
+def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--gpu_memory_gb" not in argv:
+        argv += ["--gpu_memory_gb", "24"]
+    assert main(["plan", *argv, "--output_dir", str(tmp_path / "plan")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    assert __import__("re").search(message, err), err
+
+
+def test_plan_takes_the_training_options_with_the_application_s_defaults(tiny_model_dir, tmp_path, monkeypatch):
+    """One source: the training options `plan` takes default to the application's; auto precision resolves as
+    training resolves it; auto micro-batch keeps the global batch and takes the largest micro-batch that fits."""
+    from cloudtrain.hardware import resolve_precision
+
+    args = plan_args(None, tmp_path, gpu_memory_gb=24)
+    defaults = Config().to_dict()
+    assert {name: getattr(args, name) for name in planning.TRAINING_OPTIONS} == {
+        name: defaults[name] for name in planning.TRAINING_OPTIONS
+    }
+    assert args.mixed_precision == "auto"
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / "auto", gpu_memory_gb=24, num_gpus=2))
+    assert plan["setup"]["mixed_precision"] == resolve_precision("auto")
+    assert any(note.startswith("--mixed_precision auto is") for note in plan["notes"])
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # an accelerate launch's precision, as in training
+    plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / "fp16", gpu_memory_gb=24, num_gpus=2))
+    assert plan["setup"]["mixed_precision"] == "fp16" and "--mixed_precision fp16" in plan["recommendation"]["command"]
+    for global_batch, per_gpu in ((None, 16), (64, 32)):  # training's auto: 16 x processes, or --global_batch_size
+        given = {"global_batch_size": global_batch} if global_batch else {}
+        plan = planning.make_plan(
+            plan_args(
+                tiny_model_dir,
+                tmp_path / "batch",
+                gpu_memory_gb=24,
+                num_gpus=2,
+                per_device_train_batch_size="auto",
+                mixed_precision="no",
+                **given,
+            )
+        )
+        rec = plan["recommendation"]
+        assert (plan["requested_micro_batch"], plan["global_batch_size"]) == (per_gpu, 2 * per_gpu)
+        assert (rec["micro_batch"], rec["gradient_accumulation_steps"]) == (per_gpu, 1)  # a tiny model fits it all
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_csvs, tmp_path):
+    """The printed command, run as printed (plus data and a short run), with the written configs."""
+    plan = planning.make_plan(
+        plan_args(
+            tiny_model_dir,
+            tmp_path / "plan",
+            num_labels=3,
+            num_gpus=2,
+            gpu_memory_gb=24,
+            per_device_train_batch_size=4,
+            global_batch_size=16,
+            strategy="zero3",
+            mixed_precision="no",
+        )
+    )
+    command = shlex.split(plan["recommendation"]["command"])
+    assert command[:3] == ["accelerate", "launch", "--config_file"]
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
+    out = tmp_path / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env.pop("ACCELERATE_USE_CPU", None)
+    result = subprocess.run(
+        launcher
+        + command[2:]
+        + [
+            "--train_file",
+            str(topic_csvs["train"]),
+            "--validation_file",
+            str(topic_csvs["validation"]),
+            "--max_steps",
+            "3",
+            "--eval_strategy",
+            "no",
+            "--output_dir",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
+    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    assert "2 process(es)" in result.stdout and "ZeRO-3" in result.stdout
+    assert "(4 per device x 2 x 2 accumulation)" in result.stdout
+    saved = AutoModelForSequenceClassification.from_pretrained(out)  # the gathered full model, not a shard
+    assert sum(p.numel() for p in saved.parameters()) == plan["model"]["num_params"]
