@@ -15,7 +15,8 @@ from test_lm_card import lm_config, lm_output_dir, lm_results  # noqa: F401 (lm_
 
 from cloudtrain.config import build_config
 from cloudtrain.observe.cost import PRICE_TABLE, compute_used, describe, sagemaker_instances
-from cloudtrain.publish.model_card import build_lm_model_card, build_model_card
+from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.lm_card import build_lm_model_card
 
 SM_ENV = {"SM_MODEL_DIR": "/opt/ml/model"}  # what marks a SageMaker training job
 COST_FIELDS = {"price_per_instance_hour", "estimated_cost_usd", "price_table_date"}

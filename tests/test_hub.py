@@ -20,7 +20,7 @@ from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
 from cloudtrain.publish import hub as cloudhub
-from cloudtrain.publish.model_card import build_model_card
+from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import holds_model
 
 TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search

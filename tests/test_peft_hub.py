@@ -17,7 +17,7 @@ from test_hub import TOKEN, hub_env, run_app, train_args
 from cloudtrain.cli import main
 from cloudtrain.config import build_config, save_arguments
 from cloudtrain.models import adapters
-from cloudtrain.publish.model_card import DEFAULT_BASE_MODEL
+from cloudtrain.publish.card_metadata import DEFAULT_BASE_MODEL
 from cloudtrain.publish.saving import adapter_config
 
 hub, data_files, in_process = test_hub.hub, test_hub.data_files, test_hub.in_process  # fixtures, taken by name

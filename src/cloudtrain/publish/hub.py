@@ -38,7 +38,7 @@ from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineMod
 from cloudtrain.config import Config, HubConfig, build_config, parse_bool
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
-from cloudtrain.publish.model_card import base_model_info
+from cloudtrain.publish.card_metadata import base_model_info
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
 
 CARD = "README.md"

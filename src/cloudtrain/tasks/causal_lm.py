@@ -57,7 +57,7 @@ from cloudtrain.models.load import (
     read_config,
     resolve_model_path,
 )
-from cloudtrain.publish.model_card import build_lm_model_card
+from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import DecoderTask
 

@@ -33,7 +33,7 @@ from cloudtrain.models.load import (
     resolve_model_path,
 )
 from cloudtrain.predict import records
-from cloudtrain.publish.model_card import build_model_card
+from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task

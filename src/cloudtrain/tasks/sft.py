@@ -40,7 +40,7 @@ from cloudtrain.data.streaming import StreamPlan, stream_plan
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
 from cloudtrain.models.load import load_tokenizer
-from cloudtrain.publish.model_card import build_lm_model_card
+from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.causal_lm import CausalLMTask, _first
 
