@@ -78,6 +78,7 @@ PYTEST_WORKERS ?= 2
 text-to-image: setup
 	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py
 	OMP_NUM_THREADS=1 $(PY) src/training_application.py --config configs/text_to_image_digits.yaml $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py --score outputs/t2i-digits
 
 # DeepSpeed's async I/O op (--offload_* nvme), compiled into torch's extension cache where libaio is installed:
 # the NVMe-offload test would otherwise spend minutes compiling it inside its own time limit.
