@@ -9,12 +9,16 @@ test_hub.py does in-process; HF_TOKEN is read by the client at each request, so 
 
 import gzip
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from conftest import ENTRY, REPO
 from hub_server import HubServer, User
 from huggingface_hub import constants
 from test_streaming import data_cfg, numbered, plan_for, take, write_jsonl
@@ -216,3 +220,35 @@ def test_a_streaming_run_trains_on_a_hub_dataset_and_reports_it(on_hub, tiny_lla
     assert results["train"]["global_step"] == 4
     sources = json.loads((out / "train_results.json").read_text())["sources"]
     assert sources[source]["documents"] > 0 and sources[source]["tokens"] > 0
+
+
+@pytest.mark.slow
+def test_the_entry_point_reads_hf_endpoint_and_hf_token_from_the_environment(hub, tmp_path, tiny_llama_dir):
+    """As users run it: huggingface_hub takes HF_ENDPOINT at import and HF_TOKEN per request. Without a token the
+    private dataset is one line naming HF_TOKEN, before any model is loaded; with alice's token it trains."""
+    from test_streaming import stream_run_args
+
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
+    env.update(
+        HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN_PATH=str(tmp_path / "no-token"), PYTHONPATH=str(REPO / "src")
+    )
+    args = stream_run_args(tiny_llama_dir, "hf://datasets/alice/private-corpus", tmp_path / "run", "--max_steps", "2")
+
+    def run(**extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, str(ENTRY), *args],
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=REPO,
+            env={**env, **extra},
+        )
+
+    refused = run()
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    (line,) = [text for text in refused.stderr.splitlines() if text.strip()]
+    assert "or is private" in line and "HF_TOKEN" in line and hub.url in line
+    trained = run(HF_TOKEN=TOKEN)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    sources = json.loads((tmp_path / "run" / "train_results.json").read_text())["sources"]
+    assert sources["hf://datasets/alice/private-corpus"]["documents"] > 0
