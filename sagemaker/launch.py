@@ -20,8 +20,10 @@ What a job gets:
 - options: a YAML/JSON config file as for a local run, overridden by `hyperparameters`, sent as
   hyperparameters (None dropped, lists comma-joined, booleans arriving as true/false). Options that
   name local data or a local model (train_file, validation_file, test_file, dataset_name as a
-  save_to_disk folder, model_name_or_path as a folder) become input channels; local channels are
-  uploaded first to the session's default bucket. output_dir and checkpoint_dir are SageMaker's and
+  save_to_disk folder, model_name_or_path as a folder) become input channels; so do text-to-image
+  folders (train_data_dir as the train channel, instance_data_dir and class_data_dir as the instance
+  and class channels), sent as their paths inside the job; local channels are uploaded first to the
+  session's default bucket. output_dir and checkpoint_dir are SageMaker's and
   dropped: src/cloudtrain/sagemaker_env.py says what the job uses instead.
 - environment: WANDB_API_KEY, WANDB_PROJECT and HF_TOKEN (plus `env_names`) when set here. Their
   values are never printed, and are masked in log records while these functions run.
@@ -89,6 +91,9 @@ LOCAL_PATH_OPTIONS = {
     "test_file": "test",
     "model_name_or_path": "model",
 }
+# text-to-image folders: uploaded as these channels, the option rewritten to the folder's path inside the job
+IMAGE_FOLDER_OPTIONS = {"train_data_dir": "train", "instance_data_dir": "instance", "class_data_dir": "class"}
+JOB_DATA_DIR = "/opt/ml/input/data"
 JOB_OWNED_OPTIONS = ("output_dir", "checkpoint_dir")
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 TERMINAL = ("Completed", "Failed", "Stopped")
@@ -222,6 +227,10 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
                     f"the {option} option and the {channel} channel both give the job's {channel} data; keep one"
                 )
             channels[channel] = values.pop(option)
+    for option, channel in IMAGE_FOLDER_OPTIONS.items():
+        if values.get(option):
+            channels[channel] = image_folder_channel(option, str(values[option]), channel, channels)
+            values[option] = f"{JOB_DATA_DIR}/{channel}"
     for option in JOB_OWNED_OPTIONS:
         if values.pop(option, None) is not None:
             print(
@@ -233,16 +242,30 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
         if "model" not in channels and not values.get("model_name_or_path"):
             values["model_name_or_path"] = HUB_DEFAULT_MODEL
             print(f"note: model_name_or_path {HUB_DEFAULT_MODEL} (the built-in model, from the Hub)")
-        if "train" not in channels and not values.get("dataset_name"):
+        if not {"train", "instance"} & set(channels) and not values.get("dataset_name"):
             raise UserError(
                 "the job has no training data: pass --train (an S3 URI or a local file or "
-                "folder) or a Hub dataset_name option; the built-in R8 data is only in an "
-                "image built from the Dockerfile (--image_uri)"
+                "folder), a Hub dataset_name option or an image folder (train_data_dir, instance_data_dir); "
+                "the built-in R8 data is only in an image built from the Dockerfile (--image_uri)"
             )
-    in_job = {CHANNEL_OPTIONS[name]: f"/opt/ml/input/data/{name}" for name in channels}
+    in_job = {CHANNEL_OPTIONS[name]: f"{JOB_DATA_DIR}/{name}" for name in channels}
     cfg = build_config({**in_job, **values})  # the application's own checks, before anything is uploaded
     validate(cfg)
     return to_hyperparameters(values), channels, cfg
+
+
+def image_folder_channel(option: str, folder: str, channel: str, channels: dict[str, str]) -> str:
+    """The source of the channel an image-folder option becomes: an S3 URI, or a local folder uploaded first."""
+    if channel in channels:
+        raise UserError(
+            f"{option} and the job's {channel} channel ({channels[channel]}) both give its {channel} data; keep one"
+        )
+    if not folder.startswith("s3://") and not Path(folder).is_dir():
+        raise UserError(
+            f"{option} {folder} is not a folder here; give a local image folder (the launcher uploads it as the "
+            f"{channel} channel) or an S3 URI"
+        )
+    return folder
 
 
 def check_option_values(values: dict) -> None:

@@ -377,6 +377,107 @@ def test_mistakes_fail_before_anything_is_uploaded(aws, launcher, topic_data, mo
     assert s3_keys(aws, "cloudtrain-mistake") == []
 
 
+# ---------------------------------------------------------------- text-to-image folders as channels
+
+
+@pytest.fixture(scope="module")
+def t2i_data(tmp_path_factory) -> dict[str, Path]:
+    from t2i_fixtures import build_tiny_pipeline, captioned_folder, plain_folder
+
+    root = tmp_path_factory.mktemp("t2i-data")
+    return {
+        "pipe": build_tiny_pipeline(root / "pipe"),
+        "captioned": captioned_folder(root / "captioned", n=4),
+        "instance": plain_folder(root / "instance", (220, 30, 30), n=3),
+        "class": plain_folder(root / "class", (30, 30, 220), n=2),
+    }
+
+
+def t2i_options(t2i_data: dict[str, Path], **folders) -> dict:
+    options = {"task": "text_to_image", "model_name_or_path": str(t2i_data["pipe"]), "resolution": 16}
+    return {**options, **{name: str(value) for name, value in folders.items()}}
+
+
+DREAMBOOTH = {"instance_prompt": "a photo of sks square", "class_prompt": "a square", "with_prior_preservation": True}
+
+
+@pytest.mark.slow
+def test_image_folders_go_up_as_channels_and_the_job_reads_them(aws, launcher, t2i_data, tmp_path):
+    """train_data_dir -> the train channel, instance/class_data_dir -> their own; the options sent are the folders'
+    paths in the job, and there (this machine playing /opt/ml) the task reads the uploaded images."""
+    from cloudtrain.registry import TASKS
+
+    captioned = t2i_options(t2i_data, train_data_dir=t2i_data["captioned"])
+    dreambooth = {**t2i_options(t2i_data, instance_data_dir=t2i_data["instance"], class_data_dir=t2i_data["class"])}
+    runs = {"captioned": (captioned, {"train"}), "dreambooth": ({**dreambooth, **DREAMBOOTH}, {"instance", "class"})}
+    for label, (options, expected) in runs.items():
+        spec = launcher.JobSpec(instance_type="ml.g5.xlarge", base_job_name=f"t2i-{label}", hyperparameters=options)
+        name = launcher.launch(spec, launcher.make_session())
+        request = aws.request_for(name)
+        uris = channel_uris(request)
+        assert set(uris) == expected | {"model", "code", "sm_drivers"}
+        sent = request["HyperParameters"]
+        for channel, option in (
+            ("train", "train_data_dir"),
+            ("instance", "instance_data_dir"),
+            ("class", "class_data_dir"),
+        ):
+            if channel in expected:
+                assert sent[option] == f"/opt/ml/input/data/{channel}"  # no path of this machine
+                keys = s3_keys(aws, uris[channel].removeprefix(f"s3://{BUCKET}/"))
+                local = sorted(p.name for p in Path(options[option]).iterdir())
+                assert sorted(key.rsplit("/", 1)[-1] for key in keys) == local
+            else:
+                assert option not in sent
+        root = tmp_path / label
+        env = container_environment(request, aws.client("s3"), root)
+        in_job = {key: json.loads(value) if value in ("true", "false") else value for key, value in sent.items()}
+        in_job = {k: v.replace("/opt/ml", str(root)) if isinstance(v, str) else v for k, v in in_job.items()}
+        cfg = build_config({**sagemaker_defaults(env), **in_job})
+        task = TASKS["text_to_image"](cfg)
+        cfg = task.resolve_options(cfg)
+        task.check_data(cfg)  # reads the downloaded folders' names and captions
+        folder = cfg.images.train_data_dir or cfg.images.instance_data_dir
+        assert folder == str(root / "input" / "data" / ("train" if label == "captioned" else "instance"))
+        if label == "dreambooth":
+            assert cfg.images.class_data_dir == str(root / "input" / "data" / "class")
+
+
+@pytest.mark.parametrize(
+    "folders, message",
+    [
+        ({"train_data_dir": "no/such/images"}, "train_data_dir no/such/images is not a folder here"),
+        ({"instance_data_dir": "no/such/instance"}, "instance_data_dir no/such/instance is not a folder here"),
+        ({"train_data_dir": "captioned", "train": "captioned"}, "train_data_dir and the job's train channel"),
+        ({"train_data_dir": "captioned", "train_file": "captioned"}, "train_data_dir and the job's train channel"),
+    ],
+)
+def test_image_folder_mistakes_fail_before_anything_is_uploaded(aws, launcher, t2i_data, folders, message):
+    paths = {k: str(t2i_data.get(v, v)) for k, v in folders.items()}
+    train = paths.pop("train", None)
+    spec = launcher.JobSpec(
+        instance_type="ml.g5.xlarge",
+        train=train,
+        base_job_name="t2i-mistake",
+        hyperparameters=t2i_options(t2i_data, **paths),
+    )
+    jobs_before = len(aws.requests)
+    with pytest.raises(UserError, match=re.escape(message)):
+        launcher.launch(spec)
+    assert len(aws.requests) == jobs_before
+    assert s3_keys(aws, "t2i-mistake") == []
+
+
+def test_inside_a_job_dreambooth_channels_set_their_folders(tmp_path):
+    env = {"SM_MODEL_DIR": str(tmp_path / "model")}
+    env.update({f"SM_CHANNEL_{c.upper()}": str(tmp_path / c) for c in ("instance", "class")})
+    defaults = sagemaker_defaults(env)
+    assert (defaults["instance_data_dir"], defaults["class_data_dir"]) == (
+        str(tmp_path / "instance"),
+        str(tmp_path / "class"),
+    )
+
+
 # ---------------------------------------------------------------- the job side, on this machine
 
 

@@ -6,10 +6,12 @@ and nothing changes. Options from `--config` and the command line (hyperparamete
 override them.
 
     output_dir              SM_MODEL_DIR (/opt/ml/model, uploaded as model.tar.gz when the job ends)
-    train_file              SM_CHANNEL_TRAIN
+    train_file              SM_CHANNEL_TRAIN (with --task text_to_image, the image folder of --train_data_dir)
     validation_file         SM_CHANNEL_VALIDATION, else SM_CHANNEL_VALID, SM_CHANNEL_VAL, SM_CHANNEL_DEV
     test_file               SM_CHANNEL_TEST
     model_name_or_path      SM_CHANNEL_MODEL (a model folder the launcher uploaded)
+    instance_data_dir       SM_CHANNEL_INSTANCE (DreamBooth's instance images, --task text_to_image)
+    class_data_dir          SM_CHANNEL_CLASS (DreamBooth's class images)
     run_name                the training job's name (TRAINING_JOB_NAME, else SM_TRAINING_ENV's job_name)
     checkpoint_dir          /opt/ml/checkpoints (or $CLOUDTRAIN_CHECKPOINT_DIR) when that folder exists,
     resume_from_checkpoint  latest                    which it does when the job has a CheckpointConfig
@@ -39,6 +41,8 @@ CHANNEL_OPTIONS = {
     "dev": "validation_file",
     "test": "test_file",
     "model": "model_name_or_path",
+    "instance": "instance_data_dir",  # DreamBooth's folders (--task text_to_image)
+    "class": "class_data_dir",
 }
 SAVED_SPLIT_OPTIONS = {"validation": "validation_file", "test": "test_file"}
 
