@@ -92,3 +92,14 @@ def test_a_classification_card_keeps_its_core_options_at_their_default(tmp_path)
     assert not {"warmup_ratio", "label_column", "max_length", "packing", "beta"} & set(hyper)  # defaults
     assert not (IMAGE_OPTIONS | STREAMING_OPTIONS) & set(hyper)
     assert not {"hub_model_id", "push_to_hub"} & set(hyper)
+
+
+def test_a_streamed_hub_dataset_is_linked_by_its_repo_id():
+    from cloudtrain.config.data import DataConfig
+    from cloudtrain.publish.card_metadata import dataset_info
+
+    assert dataset_info(DataConfig(train_file="hf://datasets/alice/corpus@v1/data/*.jsonl")) == (
+        "alice/corpus",
+        "alice/corpus",
+    )
+    assert dataset_info(DataConfig(train_file="web.jsonl,hf://datasets/alice/corpus"))[0] is None  # a mixture

@@ -116,6 +116,9 @@ def local_license(model_dir: Path) -> str | None:
     return license if isinstance(license, str) else None
 
 
+HUB_DATASETS = "hf://datasets/"  # a streaming source on the Hub (cloudtrain.data.remote)
+
+
 def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
     """(Hub dataset id or None for local data, a name to show)."""
     if not cfg.dataset_name and not cfg.train_file:
@@ -125,4 +128,7 @@ def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
         return cfg.dataset_name, cfg.dataset_name + suffix
     source = cfg.train_file or cfg.dataset_name
     assert source is not None  # one of them, or the first return
+    if source.startswith(HUB_DATASETS) and "," not in source:  # one streamed Hub dataset: link it
+        repo = "/".join(source.removeprefix(HUB_DATASETS).split("@")[0].split("/")[:2])
+        return repo, repo
     return None, Path(source.rstrip("/")).name  # local files or folder
