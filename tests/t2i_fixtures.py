@@ -110,3 +110,65 @@ def plain_folder(folder: Path, color: tuple[int, int, int], n: int = 3, size: in
     for i in range(n):
         square(color, size, seed=10 + i).save(folder / f"{i}.png")
     return folder
+
+
+def build_tiny_sdxl_pipeline(out: Path, seed: int = 0, width: int = 8) -> Path:
+    """An SDXL-shaped pipeline (StableDiffusionXLPipeline): two CLIP text encoders (the second with a projection,
+    its pooled embedding conditioning the UNet with the size ids through text_time), 16px images, 8x8 latents."""
+    import torch
+    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    tokenizer = write_clip_tokenizer(out.parent / f"{out.name}-vocab")
+    torch.manual_seed(seed)
+    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL))
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": 16,
+        "intermediate_size": 32,
+        "num_hidden_layers": 2,  # SDXL reads the penultimate layer
+        "num_attention_heads": 2,
+        "max_position_embeddings": tokenizer.model_max_length,
+        "bos_token_id": ids[0],
+        "eos_token_id": ids[1],
+        "pad_token_id": ids[1],
+    }
+    text_encoder = CLIPTextModel(CLIPTextConfig(**text))
+    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text, projection_dim=16))
+    time_dim = 8
+    unet = UNet2DConditionModel(
+        sample_size=8,
+        block_out_channels=(width, 2 * width),
+        layers_per_block=1,
+        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+        cross_attention_dim=32,  # both encoders' hidden states side by side
+        norm_num_groups=4,
+        attention_head_dim=4,
+        use_linear_projection=True,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_dim,
+        projection_class_embeddings_input_dim=16 + 6 * time_dim,  # the pooled embedding and six size ids
+    )
+    vae = AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=4,
+        norm_num_groups=4,
+        sample_size=16,
+    )
+    scheduler = EulerDiscreteScheduler(
+        beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, timestep_spacing="leading"
+    )
+    pipeline = StableDiffusionXLPipeline(
+        vae=vae,
+        text_encoder=text_encoder,
+        text_encoder_2=text_encoder_2,
+        tokenizer=tokenizer,
+        tokenizer_2=tokenizer,
+        unet=unet,
+        scheduler=scheduler,
+    )
+    pipeline.save_pretrained(out)
+    return out

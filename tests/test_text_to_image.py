@@ -155,7 +155,7 @@ def test_the_text_encoder_lora_saves_beside_the_denoisers_and_loads_into_a_pipel
     with torch.no_grad():
         base = pipe.text_encoder(ids)[0]
         pipe.load_lora_weights(tmp_path / "lora")
-        loaded, ours = pipe.text_encoder(ids)[0], model.encode_prompts(ids)
+        loaded, ours = pipe.text_encoder(ids)[0], model.encode_prompts(ids)[0]
     assert (loaded - base).abs().max() > 1e-3
     assert torch.allclose(loaded, ours, atol=1e-5)
 
@@ -197,6 +197,42 @@ def test_validation_steps_sets_the_evaluation_cadence(tiny_sd, squares, tmp_path
     assert (resolved.training.eval_strategy, resolved.training.eval_steps) == ("steps", 7)
     plain = config(tiny_sd, tmp_path / "out", train_data_dir=squares)
     assert TextToImageTask(plain).resolve_options(plain).training.eval_strategy == "epoch"
+
+
+def test_a_folder_given_as_train_file_is_read_as_the_image_folder(tiny_sd, squares, tmp_path):
+    """A SageMaker job's train channel arrives as --train_file <the channel's folder>."""
+    cfg = config(tiny_sd, tmp_path / "out", train_file=squares)
+    resolved = TextToImageTask(cfg).resolve_options(cfg)
+    assert (resolved.images.train_data_dir, resolved.data.train_file) == (squares, None)
+    TextToImageTask(resolved).check_data(resolved)  # reads the folder's captions
+    with_dir = config(tiny_sd, tmp_path / "out", train_file=squares, instance_data_dir=squares, instance_prompt="x")
+    assert TextToImageTask(with_dir).resolve_options(with_dir).data.train_file == squares  # given images win
+
+
+def test_the_newest_validation_grid_is_published_as_the_card_shows_it(tiny_sd, tmp_path):
+    task = TextToImageTask(config(tiny_sd, tmp_path / "out"))
+    assert task.published_files(tmp_path / "out") == []
+    (tmp_path / "out" / "validation").mkdir(parents=True)
+    for step in (3, 12, 6):
+        square((1, 2, 3)).save(tmp_path / "out" / "validation" / f"eval-step-{step:06d}.png")
+    assert task.published_files(tmp_path / "out") == [tmp_path / "out" / "validation" / "eval-step-000012.png"]
+
+
+def test_validation_prompts_are_refused_under_zero3_and_fsdp_in_the_planners_line_too(tiny_sd, squares, tmp_path):
+    from cloudtrain.parallel.distributed import Sharding
+
+    cfg = config(tiny_sd, tmp_path / "out", train_data_dir=squares, validation_prompts=[PROMPT])
+    task = TextToImageTask(cfg)
+    line = task.sharding_refusal(cfg, Sharding(zero_stage=3))
+    assert line and line.startswith("--validation_prompts renders on the main process") and "\n" not in line
+    assert task.sharding_refusal(cfg, Sharding(fsdp=True)) == line
+    assert task.sharding_refusal(cfg, Sharding(zero_stage=2)) is None
+    plain = config(tiny_sd, tmp_path / "out", train_data_dir=squares)
+    assert task.sharding_refusal(plain, Sharding(zero_stage=3)) is None
+    zero3 = config(tiny_sd, tmp_path / "out", train_data_dir=squares, validation_prompts=[PROMPT], zero_stage=3)
+    with pytest.raises(UserError) as refused:
+        task.check_options(zero3)
+    assert str(refused.value) == line
 
 
 # ---------------------------------------------------------------- bad input: one line, before heavy work

@@ -181,3 +181,31 @@ def test_a_sagemaker_job_trains_text_to_image_from_a_channel_of_captioned_images
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(model_dir)  # what the job leaves in model.tar.gz loads as diffusers' LoRA
     assert draw(pipe, PROMPTS[0]).shape == (1, 16, 16, 3)
+
+
+# ---------------------------------------------------------------- a Hub id as --model_name_or_path
+
+
+def test_a_pipeline_on_the_hub_trains_by_its_id_and_the_card_names_the_id(hub, in_process, tiny_sd, squares, tmp_path):
+    """The tiny pipeline uploaded to the local Hub server, then trained by its id: downloaded once into the Hub
+    cache, the LoRA reloading into the same pipeline; the card's base_model is the id, not the cache folder."""
+    from huggingface_hub import HfApi
+
+    api = HfApi(endpoint=hub.url, token=TOKEN)
+    api.create_repo("alice/tiny-sd")
+    api.upload_folder(repo_id="alice/tiny-sd", folder_path=tiny_sd)
+    out, cache = tmp_path / "model", tmp_path / "hf-cache"
+    env = {**one_thread(hub_env(hub, tmp_path / "no-stored-token", TOKEN)), "HF_HUB_CACHE": str(cache)}
+    args = ["--task", "text_to_image", "--model_name_or_path", "alice/tiny-sd", "--train_data_dir", squares]
+    args += ["--resolution", "16", "--peft", "lora", "--lora_r", "4", "--max_steps", "2", "--training_type", "basic"]
+    args += ["--mixed_precision", "no", "--report_to", "none", "--output_dir", str(out)]
+    result = run_app(env, *args, "--push_to_hub", "true", "--hub_model_id", "alice/tiny-sd-lora")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / LORA_FILE).is_file() and list(cache.glob("models--alice--tiny-sd/snapshots/*/unet"))
+    card = ModelCard(hub.history("alice/tiny-sd-lora")[-1].files["README.md"].decode())
+    assert card.data.base_model == "alice/tiny-sd" and str(cache) not in card.text
+
+    missing = run_app(env, *[a if a != "alice/tiny-sd" else "alice/no-such-sd" for a in args])
+    assert missing.returncode != 0
+    (line,) = [x for x in missing.stderr.splitlines() if "alice/no-such-sd" in x]
+    assert "could not be downloaded from the Hub" in line and "Traceback" not in missing.stderr

@@ -132,6 +132,13 @@ def to_pixels(
 ) -> torch.Tensor:
     """Shorter side resized to `resolution`, a square crop (centred, or drawn from `rng`), flipped when asked;
     a (3, resolution, resolution) tensor in [-1, 1], as diffusers' examples prepare them."""
+    return cropped_pixels(image, resolution, center_crop, flip, rng)[0]
+
+
+def cropped_pixels(
+    image: Image.Image, resolution: int, center_crop: bool, flip: bool, rng: torch.Generator | None = None
+) -> tuple[torch.Tensor, tuple[int, int]]:
+    """`to_pixels` and the crop's top-left corner (top, left) in the resized image, which SDXL conditions on."""
     w, h = image.size
     scale = resolution / min(w, h)
     image = image.resize(
@@ -146,7 +153,7 @@ def to_pixels(
     image = image.crop((left, top, left + resolution, top + resolution))
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     pixels = torch.from_numpy(array).permute(2, 0, 1).contiguous()
-    return pixels.flip(-1) if flip else pixels
+    return (pixels.flip(-1) if flip else pixels), (top, left)
 
 
 class ImageRows(torch.utils.data.Dataset):
@@ -160,8 +167,10 @@ class ImageRows(torch.utils.data.Dataset):
         cfg: ImagesConfig,
         train: bool,
         class_examples: list[Example] | None = None,
+        size_ids: bool = False,
     ):
         self.examples, self.tokens, self.cfg, self.train = examples, tokens, cfg, train
+        self.size_ids = size_ids  # SDXL: each row's original size and crop (cloudtrain.models.sdxl.time_ids)
         self.class_examples = class_examples or []
         self.cached: list[dict] | None = None  # filled by cache(): latents and text embeddings per row
 
@@ -182,10 +191,17 @@ class ImageRows(torch.utils.data.Dataset):
 
     def prepare(self, example: Example) -> dict:
         """Pixels and tokens, unflipped: the flip is drawn with the row's other draws. A random crop comes from
-        the global generator (checkpoints restore it)."""
+        the global generator (checkpoints restore it). SDXL rows add their `time_ids`: the crop's corner is the
+        unflipped image's (a flip drawn later does not move it)."""
         center = self.cfg.center_crop or not self.train  # evaluation rows are the same every time
-        pixels = to_pixels(load_rgb(example.image), self.cfg.resolution, center, False)
-        return {"pixel_values": pixels, **self.tokens(example.caption)}
+        image = load_rgb(example.image)
+        pixels, corner = cropped_pixels(image, self.cfg.resolution, center, False)
+        row = {"pixel_values": pixels, **self.tokens(example.caption)}
+        if self.size_ids:
+            from cloudtrain.models.sdxl import time_ids
+
+            row["time_ids"] = time_ids((image.height, image.width), corner, self.cfg.resolution)
+        return row
 
 
 def collate(rows: list[dict], prior_loss_weight: float = 1.0) -> dict:

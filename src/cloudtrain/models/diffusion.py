@@ -7,6 +7,7 @@ what diffusers loads: the LoRA in diffusers' format (`pipeline.load_lora_weights
 pipeline after full fine-tuning.
 """
 
+import functools
 import importlib
 import json
 from dataclasses import replace
@@ -16,15 +17,62 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from cloudtrain.config import Config
+from cloudtrain.config import Config, ModelConfig
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
+from cloudtrain.models import sdxl
 
 MODEL_INDEX = "model_index.json"
 NEEDED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
 LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0"]  # the attention projections diffusers' LoRA scripts adapt
 TEXT_LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "out_proj"]  # the same in a CLIP text encoder
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+# what a pipeline repo holds beyond the default weights (other formats, variants): never downloaded
+SKIPPED_FILES = [
+    "*.ckpt",
+    "*.msgpack",
+    "*.onnx",
+    "*.onnx_data",
+    "*.h5",
+    "*.pb",
+    "*openvino*",
+    "*.fp16.*",
+    "*.non_ema.*",
+]
+PARTS = ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+
+
+@functools.cache
+def local_pipeline(name: str) -> str:
+    """The folder of the pipeline --model_name_or_path names: a local folder as given, a Hub id downloaded once
+    (the parts this task reads, default weights only) into the Hub cache. HF_ENDPOINT, HF_TOKEN and
+    HF_HUB_OFFLINE (the cached copy only) are huggingface_hub's own, as for the text tasks."""
+    from cloudtrain.models.load import resolve_model_path
+
+    path = resolve_model_path(ModelConfig(model_name_or_path=name))
+    if Path(path).is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    try:
+        return snapshot_download(
+            path,
+            allow_patterns=[MODEL_INDEX, *(f"{part}/*" for part in PARTS)],
+            ignore_patterns=SKIPPED_FILES,
+        )
+    except LocalEntryNotFoundError as err:  # offline, or the endpoint unreachable, with nothing cached
+        raise UserError(
+            f"--model_name_or_path {name}: no cached copy and the Hub cannot be reached ({first_line(err)}); "
+            "connect (or check HF_ENDPOINT), or give a local pipeline folder"
+        ) from None
+    except (HfHubHTTPError, OSError, ValueError) as err:  # not found, gated, private without a token
+        raise UserError(
+            f"--model_name_or_path {name} could not be downloaded from the Hub: {first_line(err)} (a private or "
+            "gated repo needs HF_TOKEN or `hf auth login`)"
+        ) from None
 
 
 def read_model_index(path: str) -> dict:
@@ -42,15 +90,16 @@ def read_model_index(path: str) -> dict:
         index = json.loads(index_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{index_file} is not valid JSON ({first_line(err)})") from None
-    if "text_encoder_2" in index or "transformer" in index:
+    if "transformer" in index or "unet" not in index:
         raise UserError(
             f"{path} is a {index.get('_class_name', 'diffusers')} pipeline; --task text_to_image trains Stable "
-            "Diffusion 1.x/2.x pipelines (one UNet, one CLIP text encoder) so far"
+            "Diffusion 1.x/2.x and SDXL pipelines (a UNet and CLIP text encoders) so far"
         )
-    missing = [name for name in NEEDED if not isinstance(index.get(name), list) or index[name][0] is None]
-    missing += [name for name in NEEDED if name not in missing and not (folder / name).is_dir()]
+    needed = (*NEEDED, *sdxl.SECOND_ENCODER) if "text_encoder_2" in index else NEEDED
+    missing = [name for name in needed if not isinstance(index.get(name), list) or index[name][0] is None]
+    missing += [name for name in needed if name not in missing and not (folder / name).is_dir()]
     if missing:
-        raise UserError(f"the diffusers pipeline in {path} lacks {', '.join(missing)}; it needs {', '.join(NEEDED)}")
+        raise UserError(f"the diffusers pipeline in {path} lacks {', '.join(missing)}; it needs {', '.join(needed)}")
     return index
 
 
@@ -88,18 +137,30 @@ class TextToImageModel(torch.nn.Module):
         super().__init__()
         self.path, self.index, self.images = path, index, cfg.images
         self.unet, self.vae, self.text_encoder = components["unet"], components["vae"], components["text_encoder"]
+        self.text_encoder_2 = components.get("text_encoder_2")  # SDXL's second (cloudtrain.models.sdxl)
         self.noise_scheduler = components["scheduler"]
         self.vae.requires_grad_(False)
-        self.text_encoder.requires_grad_(False)
+        for encoder in self.text_encoders():
+            encoder.requires_grad_(False)
         self.lora = False  # until attach_lora: the whole denoiser trains
         # --train_text_encoder: in full here (without --peft), or its adapters once attach_lora adds them
         self.text_encoder_trains = cfg.images.train_text_encoder
         if self.text_encoder_trains and cfg.model.peft == "none":
-            self.text_encoder.requires_grad_(True)
-        self.empty_ids: torch.Tensor | None = None  # the empty prompt's tokens (--proportion_empty_prompts)
+            for encoder in self.text_encoders():
+                encoder.requires_grad_(True)
+        # the empty prompt's tokens, for each tokenizer (--proportion_empty_prompts)
+        self.empty_ids: torch.Tensor | None = None
+        self.empty_ids_2: torch.Tensor | None = None
         self.prediction_type = cfg.images.prediction_type or self.noise_scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise UserError(f"the scheduler of {path} predicts {self.prediction_type}; use --prediction_type")
+
+    @property
+    def xl(self) -> bool:
+        return self.text_encoder_2 is not None
+
+    def text_encoders(self) -> list[Any]:  # transformers models (add_adapter is PEFT's integration)
+        return [self.text_encoder] + ([self.text_encoder_2] if self.text_encoder_2 is not None else [])
 
     def attach_lora(self, cfg: Config) -> "TextToImageModel":
         """LoRA (or DoRA, --peft dora) on the denoiser's --lora_target_modules through diffusers' PEFT
@@ -122,8 +183,9 @@ class TextToImageModel(torch.nn.Module):
         except ValueError as err:
             raise UserError(f"--lora_target_modules {','.join(targets)}: {first_line(err)}") from None
         if self.text_encoder_trains:  # diffusers' scripts adapt the CLIP attention projections
-            self.text_encoder.requires_grad_(False)
-            self.text_encoder.add_adapter(replace(config, target_modules=TEXT_LORA_TARGETS))
+            for encoder in self.text_encoders():
+                encoder.requires_grad_(False)
+                encoder.add_adapter(replace(config, target_modules=TEXT_LORA_TARGETS))
         for param in self.parameters():
             if param.requires_grad:
                 param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
@@ -133,7 +195,8 @@ class TextToImageModel(torch.nn.Module):
     def train(self, mode: bool = True) -> "TextToImageModel":
         super().train(mode)
         self.vae.eval()  # frozen: never in training mode (no dropout)
-        self.text_encoder.train(mode and self.text_encoder_trains)
+        for encoder in self.text_encoders():
+            encoder.train(mode and self.text_encoder_trains)
         return self
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
@@ -147,27 +210,44 @@ class TextToImageModel(torch.nn.Module):
         scale, shift = self.vae.config.scaling_factor, getattr(self.vae.config, "shift_factor", None) or 0.0
         return (dist.mean.float() - shift) * scale, dist.std.float() * scale
 
-    def encode_prompts(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The text encoder's last hidden states; with gradients only where it trains (--train_text_encoder)."""
+    def encode_prompts(
+        self, input_ids: torch.Tensor, input_ids_2: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states, pooled embedding): the text encoder's last hidden states and no pooled one, or SDXL's
+        pair (cloudtrain.models.sdxl.encode); with gradients only where they train (--train_text_encoder)."""
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.text_encoder_trains):
-            return self.text_encoder(input_ids)[0]
+            if self.text_encoder_2 is None:
+                return self.text_encoder(input_ids)[0], None
+            assert input_ids_2 is not None
+            return sdxl.encode(self.text_encoder, self.text_encoder_2, input_ids, input_ids_2)
 
     def text_states(
-        self, input_ids: torch.Tensor | None, cached: torch.Tensor | None, empty: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The captions' hidden states (cached or encoded now), the empty prompt's on the rows `empty` marks."""
+        self,
+        ids: tuple[torch.Tensor | None, torch.Tensor | None],
+        cached: tuple[torch.Tensor | None, torch.Tensor | None],
+        empty: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The captions' (hidden states, pooled embedding), cached or encoded now from `ids` (each tokenizer's),
+        the empty prompt's on the rows `empty` marks."""
+        (input_ids, input_ids_2), (hidden, pooled) = ids, cached
         if empty is not None and bool(empty.any()):
             assert self.empty_ids is not None  # set by the task with --proportion_empty_prompts
-            blank = self.empty_ids.to(empty.device)
+            blank = self.empty_ids.to(empty.device)[None]
+            blank_2 = self.empty_ids_2.to(empty.device)[None] if self.empty_ids_2 is not None else None
             if input_ids is not None:
-                input_ids = torch.where(empty[:, None], blank[None], input_ids)
+                input_ids = torch.where(empty[:, None], blank, input_ids)
+                if input_ids_2 is not None and blank_2 is not None:
+                    input_ids_2 = torch.where(empty[:, None], blank_2, input_ids_2)
             else:
-                assert cached is not None
-                cached = torch.where(empty[:, None, None], self.encode_prompts(blank[None]).to(cached.dtype), cached)
-        if cached is not None:
-            return cached
+                assert hidden is not None
+                blank_hidden, blank_pooled = self.encode_prompts(blank, blank_2)
+                hidden = torch.where(empty[:, None, None], blank_hidden.to(hidden.dtype), hidden)
+                if pooled is not None and blank_pooled is not None:
+                    pooled = torch.where(empty[:, None], blank_pooled.to(pooled.dtype), pooled)
+        if hidden is not None:
+            return hidden, pooled
         assert input_ids is not None
-        return self.encode_prompts(input_ids)
+        return self.encode_prompts(input_ids, input_ids_2)
 
     def forward(
         self,
@@ -178,6 +258,9 @@ class TextToImageModel(torch.nn.Module):
         latent_std: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
+        input_ids_2: torch.Tensor | None = None,  # SDXL: the second tokenizer's ids
+        pooled_prompt_embeds: torch.Tensor | None = None,  # SDXL: cached pooled embeddings
+        time_ids: torch.Tensor | None = None,  # SDXL: each row's sizes and crop (cloudtrain.models.sdxl.time_ids)
         is_prior: torch.Tensor | None = None,
         row: torch.Tensor | None = None,  # the rows' numbers, which the task draws by (unused here)
         noise: torch.Tensor | None = None,
@@ -190,7 +273,8 @@ class TextToImageModel(torch.nn.Module):
         under v-prediction), averaged over the latent, Min-SNR weighted with --snr_gamma. Cached latents and
         text embeddings are used when the batch holds them. The task passes each row's draws (cloudtrain.tasks.
         text_to_image.row_draws): `noise`, `timesteps`, the latent sample's `latent_noise`, `flip` and
-        `empty_caption` (--proportion_empty_prompts); any left out is drawn here from the global generator."""
+        `empty_caption` (--proportion_empty_prompts); any left out is drawn here from the global generator. An
+        SDXL denoiser also gets the pooled embedding and `time_ids` (cloudtrain.models.sdxl)."""
         if latent_mean is None:
             assert pixel_values is not None
             if flip is not None:
@@ -204,7 +288,9 @@ class TextToImageModel(torch.nn.Module):
             )
         else:
             latents = latent_mean
-        encoder_hidden_states = self.text_states(input_ids, encoder_hidden_states, empty_caption)
+        encoder_hidden_states, pooled = self.text_states(
+            (input_ids, input_ids_2), (encoder_hidden_states, pooled_prompt_embeds), empty_caption
+        )
         rows = latents.shape[0]
         if noise is None:
             noise = torch.randn_like(latents)
@@ -220,7 +306,13 @@ class TextToImageModel(torch.nn.Module):
         target = (
             noise if self.prediction_type == "epsilon" else self.noise_scheduler.get_velocity(latents, noise, timesteps)
         )
-        predicted = self.unet(noisy, timesteps, encoder_hidden_states.to(self.unet.dtype), return_dict=False)[0]
+        added = None
+        if self.xl:
+            assert pooled is not None and time_ids is not None
+            added = sdxl.added_cond(pooled, time_ids, self.unet.dtype)
+        predicted = self.unet(
+            noisy, timesteps, encoder_hidden_states.to(self.unet.dtype), added_cond_kwargs=added, return_dict=False
+        )[0]
         loss = F.mse_loss(predicted.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return loss * self.snr_weights(timesteps) if self.images.snr_gamma else loss
 
@@ -238,9 +330,10 @@ class TextToImageModel(torch.nn.Module):
         """The LoRA as diffusers' pytorch_lora_weights.safetensors, or the whole pipeline after full training.
         `state_dict` (gathered under ZeRO-3) holds this module's weights when given."""
         if state_dict is not None:
-            for part in ("unet", "text_encoder"):
+            for part in ("unet", "text_encoder", "text_encoder_2"):
                 own = {k.removeprefix(f"{part}."): v for k, v in state_dict.items() if k.startswith(f"{part}.")}
-                getattr(self, part).load_state_dict(own, strict=False)
+                if getattr(self, part) is not None:
+                    getattr(self, part).load_state_dict(own, strict=False)
         if not self.lora:
             self.pipeline().save_pretrained(output_dir)
             return
@@ -248,7 +341,8 @@ class TextToImageModel(torch.nn.Module):
         from peft.utils import get_peft_model_state_dict
 
         parts: dict[str, Any] = {}
-        for name, module in (("unet", self.unet), ("text_encoder", self.text_encoder)):
+        for name in ("unet", "text_encoder", "text_encoder_2"):
+            module = getattr(self, name)
             if getattr(module, "peft_config", None):
                 parts[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
                 # lora_alpha: the scale diffusers loads it with
@@ -260,11 +354,14 @@ class TextToImageModel(torch.nn.Module):
 
         return getattr(diffusers, self.index.get("_class_name", "StableDiffusionPipeline"))
 
-    def pipeline(self, tokenizer: Any = None) -> Any:
+    def pipeline(self, tokenizer: Any = None, tokenizer_2: Any = None) -> Any:
         """The diffusers pipeline over these very modules (the denoiser as it trains, adapters active)."""
         parts: dict[str, Any] = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
-        if tokenizer is not None:
-            parts["tokenizer"] = tokenizer
+        if self.text_encoder_2 is not None:
+            parts["text_encoder_2"] = self.text_encoder_2
+        for name, given in (("tokenizer", tokenizer), ("tokenizer_2", tokenizer_2)):
+            if given is not None:
+                parts[name] = given
         for optional in ("safety_checker", "feature_extractor", "image_encoder"):
             if optional in self.index:
                 parts[optional] = None
@@ -275,11 +372,13 @@ class TextToImageModel(torch.nn.Module):
         return pipe
 
     @torch.no_grad()
-    def render(self, prompts: list[str], tokenizer: Any, seed: int, autocast: Any = None) -> list:
+    def render(
+        self, prompts: list[str], tokenizer: Any, seed: int, autocast: Any = None, tokenizer_2: Any = None
+    ) -> list:
         """One image per prompt, each from the same seed: the same prompts look alike from one evaluation to
         the next, so what changes is what the model learnt."""
         images, cfg = [], self.images
-        pipe = self.pipeline(tokenizer)
+        pipe = self.pipeline(tokenizer, tokenizer_2)
         device = next(self.unet.parameters()).device
         with eval_mode(self):
             for prompt in prompts:
@@ -329,9 +428,10 @@ def load_text_to_image_model(cfg: Config, path: str) -> TextToImageModel:
     frozen = DTYPES.get(cfg.training.mixed_precision, torch.float32)
     unet_dtype = frozen if cfg.model.peft != "none" else torch.float32
     text_dtype = torch.float32 if cfg.images.train_text_encoder and cfg.model.peft == "none" else frozen
-    dtypes = {"unet": unet_dtype, "text_encoder": text_dtype}
-    components = {
-        name: load_component(path, name, index, dtypes.get(name, frozen))
-        for name in ("unet", "vae", "text_encoder", "scheduler")
-    }
+    dtypes = {"unet": unet_dtype, "text_encoder": text_dtype, "text_encoder_2": text_dtype}
+    xl = sdxl.is_xl(index)
+    if xl and json.loads((Path(path) / "vae" / "config.json").read_text()).get("force_upcast", True):
+        dtypes["vae"] = torch.float32  # SDXL's VAE overflows in fp16 (its config says so with force_upcast)
+    names = ("unet", "vae", "text_encoder", "scheduler") + (("text_encoder_2",) if xl else ())
+    components = {name: load_component(path, name, index, dtypes.get(name, frozen)) for name in names}
     return TextToImageModel(path, index, components, cfg)

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from datasets import DatasetDict
@@ -24,9 +24,12 @@ from cloudtrain.data import images
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models import diffusion
+from cloudtrain.models import diffusion, sdxl
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task
+
+if TYPE_CHECKING:  # parallel.distributed loads accelerate: not at import
+    from cloudtrain.parallel.distributed import Sharding
 
 EVAL_ROWS = 8  # evaluation rows (the first training images) when --max_eval_samples is not given
 
@@ -38,10 +41,12 @@ class TextToImageTask(Task):
     metrics = ("loss",)
     auto_class = AutoModel  # not used to load: load_model is the task's own (preflight asks every task for one)
     load_error = "could not load the diffusers pipeline"
+    plans_pipeline = True  # the planner counts the pipeline's parts (cloudtrain.planning.diffusion)
 
     def __init__(self, cfg: Config | None = None):
         super().__init__(cfg)
         self.tokenizer: PreTrainedTokenizerBase | None = None
+        self.tokenizer_2: PreTrainedTokenizerBase | None = None  # SDXL's second (cloudtrain.models.sdxl)
         self.skipped = 0
         self.rendered: list[tuple[str, object]] = []  # the last evaluation's images, logged by `tables`
         self.micro_batches = 0  # training forward passes so far: the step each row's draws are keyed by
@@ -60,9 +65,7 @@ class TextToImageTask(Task):
                 raise UserError(f"--{name} does not apply to --task text_to_image (the pipeline has its own)")
         if cfg.data.group_by_length:
             raise UserError("--group_by_length does not apply to --task text_to_image (every image has one size)")
-        from cloudtrain.models.load import resolve_model_path
-
-        path = resolve_model_path(m)
+        path = diffusion.local_pipeline(m.model_name_or_path)
         diffusion.read_model_index(path)
         factor = diffusion.vae_scale_factor(path)
         if ic.resolution % factor:
@@ -73,7 +76,12 @@ class TextToImageTask(Task):
         self._check_validation(cfg)
 
     def resolve_options(self, cfg: Config) -> Config:
-        """--validation_steps N is diffusers' name for evaluating (and so rendering) every N steps."""
+        """--validation_steps N is diffusers' name for evaluating (and so rendering) every N steps; a folder
+        given as --train_file (a SageMaker job's train channel) is read as --train_data_dir."""
+        ic, d = cfg.images, cfg.data
+        if not (ic.train_data_dir or ic.instance_data_dir or d.dataset_name) and d.train_file:
+            if Path(d.train_file).is_dir():
+                cfg = replace(cfg, images=replace(ic, train_data_dir=d.train_file), data=replace(d, train_file=None))
         every = cfg.images.validation_steps
         if every is None:
             return cfg
@@ -111,9 +119,8 @@ class TextToImageTask(Task):
             return
         if cfg.model.peft == "qlora":
             raise UserError("--task text_to_image trains --peft lora or dora on the denoiser, not qlora")
-        from cloudtrain.models.load import resolve_model_path
-
-        diffusion.check_lora_targets(resolve_model_path(cfg.model), diffusion.lora_targets(cfg))
+        path = diffusion.local_pipeline(str(cfg.model.model_name_or_path))
+        diffusion.check_lora_targets(path, diffusion.lora_targets(cfg))
 
     def attach_adapters(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         assert isinstance(model, diffusion.TextToImageModel)
@@ -123,13 +130,21 @@ class TextToImageTask(Task):
         """Nothing at the root: a LoRA folder holds only the adapter (the base pipeline has the tokenizer), and a
         fully fine-tuned pipeline keeps its own in tokenizer/."""
 
-    def _check_validation(self, cfg: Config) -> None:
-        ic, d = cfg.images, cfg.distributed
-        if ic.validation_prompts and (d.zero_stage == 3 or d.fsdp):
-            raise UserError(
+    def sharding_refusal(self, cfg: Config, shards: "Sharding") -> str | None:
+        """Validation images render on the main process, which holds the whole denoiser only unsharded."""
+        if cfg.images.validation_prompts and (shards.zero_stage == 3 or shards.fsdp):
+            return (
                 "--validation_prompts renders on the main process, which holds the whole denoiser only without "
                 "ZeRO-3 or FSDP; use DDP or --zero_stage 2, or leave out --validation_prompts"
             )
+        return None
+
+    def _check_validation(self, cfg: Config) -> None:
+        from cloudtrain.parallel.distributed import sharding
+
+        refusal = self.sharding_refusal(cfg, sharding(cfg))
+        if refusal:
+            raise UserError(refusal)
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         ic = self.cfg.images if self.cfg else None
@@ -140,11 +155,11 @@ class TextToImageTask(Task):
     # ---------------------------------------------------------------- data and model
 
     def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
-        path = str(cfg.model.model_name_or_path)
-        try:
-            return AutoTokenizer.from_pretrained(path, subfolder="tokenizer")
-        except Exception as err:  # noqa: BLE001 (tokenizers reports a damaged file as a bare Exception)
-            raise UserError(f"could not load the tokenizer of {path}: {first_line(err)}") from None
+        """The pipeline's tokenizer; an SDXL pipeline's second is kept as `tokenizer_2`."""
+        path = diffusion.local_pipeline(str(cfg.model.model_name_or_path))
+        xl = sdxl.is_xl(diffusion.read_model_index(path))
+        self.tokenizer_2 = _read_tokenizer(path, "tokenizer_2") if xl else None
+        return _read_tokenizer(path, "tokenizer")
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         ic = cfg.images
@@ -158,11 +173,12 @@ class TextToImageTask(Task):
             print(f"warning: skipped {self.skipped} images that could not be read", flush=True)
         if cfg.data.max_train_samples:
             examples = examples[: cfg.data.max_train_samples]
-        tokens = functools.lru_cache(maxsize=None)(functools.partial(_tokens, tokenizer))
+        tokens = functools.lru_cache(maxsize=None)(functools.partial(_tokens, tokenizer, self.tokenizer_2))
         evaluated = examples[: cfg.data.max_eval_samples or EVAL_ROWS]
+        xl = self.tokenizer_2 is not None
         return ProcessedData(
-            train=images.ImageRows(examples, tokens, ic, train=True, class_examples=class_examples),  # type: ignore[arg-type]
-            validation=images.ImageRows(evaluated, tokens, ic, train=False),  # type: ignore[arg-type]
+            train=images.ImageRows(examples, tokens, ic, train=True, class_examples=class_examples, size_ids=xl),  # type: ignore[arg-type]
+            validation=images.ImageRows(evaluated, tokens, ic, train=False, size_ids=xl),  # type: ignore[arg-type]
             test=None,
             collator=functools.partial(images.collate, prior_loss_weight=ic.prior_loss_weight),
             prompts=list(ic.validation_prompts),
@@ -180,8 +196,9 @@ class TextToImageTask(Task):
     def load_model(
         self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
     ) -> torch.nn.Module:
-        model = diffusion.load_text_to_image_model(cfg, str(cfg.model.model_name_or_path))
-        model.empty_ids = _tokens(tokenizer, "")["input_ids"]  # what --proportion_empty_prompts trains with
+        model = diffusion.load_text_to_image_model(cfg, diffusion.local_pipeline(str(cfg.model.model_name_or_path)))
+        empty = _tokens(tokenizer, self.tokenizer_2, "")  # what --proportion_empty_prompts trains with
+        model.empty_ids, model.empty_ids_2 = empty["input_ids"], empty.get("input_ids_2")
         ic = cfg.images
         if ic.cache_latents or ic.pre_compute_text_embeddings:
             for rows in (data.train, data.validation):
@@ -257,7 +274,7 @@ class TextToImageTask(Task):
                 rows += len(weighted)
         result = {"loss": loss_sum / max(rows, 1), "samples": rows, "runtime_s": round(time.perf_counter() - start, 3)}
         if data.prompts and _is_main():
-            rendered = inner.render(data.prompts, self.tokenizer, self.cfg.training.seed, autocast)
+            rendered = inner.render(data.prompts, self.tokenizer, self.cfg.training.seed, autocast, self.tokenizer_2)
             self.rendered = list(zip(data.prompts, rendered, strict=True))
             result["validation_images"] = len(rendered)
         return result
@@ -273,6 +290,12 @@ class TextToImageTask(Task):
         from cloudtrain.publish.diffusion_card import build_card
 
         return build_card(output_dir, cfg, results)
+
+    def published_files(self, output_dir: Path) -> list[Path]:
+        """The newest validation grid: the image the card shows (cloudtrain.publish.diffusion_card)."""
+        from cloudtrain.publish.diffusion_card import VALIDATION_DIR
+
+        return sorted((Path(output_dir) / VALIDATION_DIR).glob("*.png"))[-1:]
 
     def describe_data(self, data: ProcessedData) -> str:
         assert self.cfg is not None
@@ -298,12 +321,27 @@ class TextToImageTask(Task):
         return f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); p("a prompt")'
 
 
-def _tokens(tokenizer: PreTrainedTokenizerBase, caption: str) -> dict:
-    """A caption's token ids, padded to the text encoder's length as Stable Diffusion was trained."""
-    encoded = tokenizer(
-        caption, padding="max_length", max_length=tokenizer.model_max_length, truncation=True, return_tensors="pt"
-    )
-    return {"input_ids": encoded["input_ids"][0], "attention_mask": encoded["attention_mask"][0]}
+def _read_tokenizer(path: str, subfolder: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path, subfolder=subfolder)
+    except Exception as err:  # noqa: BLE001 (tokenizers reports a damaged file as a bare Exception)
+        raise UserError(f"could not load the {subfolder} of {path}: {first_line(err)}") from None
+
+
+def _tokens(tokenizer: PreTrainedTokenizerBase, tokenizer_2: PreTrainedTokenizerBase | None, caption: str) -> dict:
+    """A caption's token ids, padded to the text encoder's length as Stable Diffusion was trained (and SDXL's
+    second tokenizer's as `input_ids_2`)."""
+    out = {}
+    for key, tok in (("input_ids", tokenizer), ("input_ids_2", tokenizer_2)):
+        if tok is None:
+            continue
+        encoded = tok(
+            caption, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt"
+        )
+        out[key] = encoded["input_ids"][0]
+        if key == "input_ids":
+            out["attention_mask"] = encoded["attention_mask"][0]
+    return out
 
 
 def row_seed(seed: int, step: int | None, number: int) -> int:
@@ -373,7 +411,13 @@ def cache_rows(
                 mean, std = model.encode_images(pixels[None])
                 row[f"{prefix}latent_mean"], row[f"{prefix}latent_std"] = mean[0], std[0]
             if texts:
-                row[f"{prefix}encoder_hidden_states"] = model.encode_prompts(row.pop(f"{prefix}input_ids")[None])[0]
+                second = row.pop(f"{prefix}input_ids_2", None)
+                hidden, pooled = model.encode_prompts(
+                    row.pop(f"{prefix}input_ids")[None], None if second is None else second[None]
+                )
+                row[f"{prefix}encoder_hidden_states"] = hidden[0]
+                if pooled is not None:
+                    row[f"{prefix}pooled_prompt_embeds"] = pooled[0]
         cached.append(row)
     rows.cached = cached
 
