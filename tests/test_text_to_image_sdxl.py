@@ -262,3 +262,24 @@ def test_the_sdxl_recipe_holds_the_seed_settings():
     assert (ic.resolution, ic.center_crop, ic.instance_prompt) == (1024, True, "a photo of sks person")
     assert (cfg.training.lr_scheduler_type, cfg.training.mixed_precision) == ("constant_with_warmup", "fp16")
     assert ic.validation_prompts and cfg.distributed.zero_stage == 2
+
+
+def test_sdxl_dreambooth_on_cached_latents_and_embeddings_trains_in_full_and_saves_a_pipeline(tiny_sdxl, tmp_path):
+    """The cached path keeps the pooled embeddings and each row's size ids (the class rows' too); empty captions
+    replace both encoders' states; a fully trained SDXL saves a StableDiffusionXLPipeline."""
+    from t2i_fixtures import plain_folder
+
+    inst, cls = plain_folder(tmp_path / "sks", (200, 40, 40)), plain_folder(tmp_path / "reds", (40, 200, 40))
+    results = train(
+        options(
+            tiny_sdxl, tmp_path / "full", instance_data_dir=str(inst), instance_prompt="a sks square",
+            class_data_dir=str(cls), class_prompt="a square", with_prior_preservation=True, cache_latents=True,
+            pre_compute_text_embeddings=True, proportion_empty_prompts=0.5, max_steps=3,
+            per_device_train_batch_size=2, learning_rate=1e-3,
+        )
+    )  # fmt: skip
+    out = Path(results["output_dir"])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/loss"] for r in records if "train/loss" in r]
+    assert json.loads((out / "model_index.json").read_text())["_class_name"] == "StableDiffusionXLPipeline"
+    assert draw(xl_pipeline(str(out))).shape == (1, 16, 16, 3)
