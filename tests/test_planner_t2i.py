@@ -2,9 +2,13 @@
 
 Against the real run's pieces on CPU, on the tiny Stable-Diffusion-shaped pipeline of tests/t2i_fixtures.py:
 - the parameter bytes the run holds (cloudtrain.models.diffusion as the task loads it: full fine-tuning and LoRA,
-  fp32 and bf16) equal the planner's parameters term exactly, the frozen text encoder and VAE its frozen term;
-- the adapters' trainable parameters equal the planner's count, and a real AdamW step's states are 8 bytes each;
-- what autograd saves in a real fp32 forward of the denoiser, for 3 rows, is the planner's meta-device trace;
+  fp32 and bf16, with and without --train_text_encoder) equal the planner's parameters term exactly, the frozen
+  text encoder and VAE weights its frozen term;
+- the trainable parameters (the denoiser's and the text encoder's, in full or their adapters) equal the planner's
+  count, and a real AdamW step's states are 8 bytes each;
+- what autograd saves in a real fp32 forward of the denoiser, for 3 rows, is the planner's meta-device trace, and
+  so for the text encoder trained in full or with LoRA;
+- ZeRO-2's terms by hand; the rows the task refuses (Task.sharding_refusal) are not planned;
 - the command prints the rows and recommends what fits.
 """
 
@@ -19,7 +23,7 @@ from cloudtrain import planning
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.models import diffusion
-from cloudtrain.planning.diffusion import estimate, pipeline_facts
+from cloudtrain.planning.diffusion import PipelineFacts, Training, estimate, pipeline_facts, trained_params
 
 RESOLUTION = 16  # the tiny pipeline's: 8x8 latents
 
@@ -29,11 +33,10 @@ def pipe(tmp_path_factory) -> str:
     return str(build_tiny_pipeline(tmp_path_factory.mktemp("t2i-plan") / "pipe"))
 
 
-def run_model(path: str, peft: str, precision: str) -> diffusion.TextToImageModel:
+def run_model(path: str, peft: str, precision: str, text_encoder: bool = False) -> diffusion.TextToImageModel:
     """The model as the task builds it (load_text_to_image_model, then the adapters)."""
-    cfg = build_config(
-        {"task": "text_to_image", "model_name_or_path": path, "peft": peft, "lora_r": 4, "mixed_precision": precision}
-    )
+    options = {"task": "text_to_image", "model_name_or_path": path, "peft": peft, "lora_r": 4}
+    cfg = build_config({**options, "mixed_precision": precision, "train_text_encoder": text_encoder})
     model = diffusion.load_text_to_image_model(cfg, path)
     return model.attach_lora(cfg) if peft != "none" else model
 
@@ -42,16 +45,21 @@ def nbytes(params) -> int:
     return sum(p.numel() * p.element_size() for p in params)
 
 
+@pytest.mark.parametrize("text_encoder", [False, True])
 @pytest.mark.parametrize("peft", ["none", "lora"])
 @pytest.mark.parametrize("precision", ["no", "bf16"])
-def test_parameter_bytes_and_trainable_counts_equal_the_run_s(pipe, peft, precision):
+def test_parameter_bytes_and_trainable_counts_equal_the_run_s(pipe, peft, precision, text_encoder):
     facts = pipeline_facts(pipe, RESOLUTION, 4, diffusion.LORA_TARGETS)
-    model = run_model(pipe, peft, precision)
-    e = estimate(facts, peft, precision != "no", 1)
+    model = run_model(pipe, peft, precision, text_encoder)
+    e = estimate(facts, peft, precision != "no", 1, Training(peft, text_encoder))
     assert e.parameters == nbytes(model.parameters())
-    assert e.frozen == nbytes(model.vae.parameters()) + nbytes(model.text_encoder.parameters())
+    frozen = [p for part in (model.vae, model.text_encoder) for p in part.parameters() if not p.requires_grad]
+    assert e.frozen == nbytes(frozen)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    assert sum(p.numel() for p in trainable) == (facts.denoiser_params if peft == "none" else facts.adapter_params)
+    unet, text = trained_params(facts, Training(peft, text_encoder))
+    assert sum(p.numel() for p in trainable) == unet + text
+    assert sum(p.numel() for p in model.text_encoder.parameters() if p.requires_grad) == text
+    assert (text > 0) == text_encoder
     assert all(p.dtype == torch.float32 for p in trainable)  # what the optimizer updates
     # AdamW's two fp32 moments per trainable parameter, after a real step
     optimizer = torch.optim.AdamW(trainable)
@@ -85,6 +93,63 @@ def test_the_traced_activations_equal_what_a_real_forward_saves(pipe):
     assert estimate(facts, "none", False, b).activations == b * facts.saved_fp32_per_row
 
 
+@pytest.mark.parametrize("peft", ["none", "lora"])
+def test_the_traced_text_encoder_equals_what_its_real_forward_saves(pipe, peft):
+    """--train_text_encoder: its forward keeps activations for the backward (in full, or to reach its adapters)."""
+    facts = pipeline_facts(pipe, RESOLUTION, 4, diffusion.LORA_TARGETS)
+    encoder = run_model(pipe, peft, "no", text_encoder=True).text_encoder.train()
+    weights = {p.untyped_storage().data_ptr() for p in encoder.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    b = 3
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        encoder(torch.randint(0, 40, (b, facts.text_tokens)))
+    per_row = facts.text_saved_fp32_per_row if peft == "none" else facts.text_lora_saved_fp32_per_row
+    assert 0 < facts.text_lora_saved_fp32_per_row < facts.text_saved_fp32_per_row
+    assert sum(saved.values()) == pytest.approx(b * per_row, rel=0.05)
+    with_text = estimate(facts, peft, False, b, Training(peft, True)).activations
+    assert with_text == estimate(facts, peft, False, b).activations + b * per_row
+
+
+def test_zero2_terms_by_hand():
+    """ZeRO-2 over n processes: trained weights in 16 bits, 16-bit + fp32 gradient partitions, AdamW's two moments
+    and the fp32 master copy partitioned; the frozen parts whole in the compute dtype."""
+    f = PipelineFacts(
+        name="by-hand",
+        denoiser_params=1000,
+        adapter_params=40,
+        dora_params=44,
+        frozen_params={"text_encoder": 100, "vae": 50},
+        text_adapter_params=8,
+        text_dora_params=10,
+        latent_side=8,
+        text_tokens=16,
+        saved_fp32_per_row=0,
+        saved_half_per_row=0,
+        text_saved_fp32_per_row=0,
+        text_saved_half_per_row=0,
+        text_lora_saved_fp32_per_row=0,
+        text_lora_saved_half_per_row=0,
+    )
+    full = estimate(f, "none", True, 1, Training("none", True, "zero2", 4))
+    # 1100 trained (denoiser + text encoder): 2 bytes each; VAE 2 x 50; (2 + 4) x 1100 / 4; 12 x 1100 / 4
+    assert (full.parameters, full.frozen, full.gradients, full.optimizer_states) == (2300, 100, 1650, 3300)
+    lora = estimate(f, "lora", True, 1, Training("lora", True, "zero2", 4))
+    # 48 adapters (40 + 8) in 16 bits over the 16-bit bases (1000 + 100 + 50); 6 x 48 / 4; 12 x 48 / 4
+    assert (lora.parameters, lora.frozen, lora.gradients, lora.optimizer_states) == (96 + 2300, 300, 72, 144)
+    fp32 = estimate(f, "lora", False, 1, Training("lora", False, "zero2", 2))
+    # without mixed precision: 40 fp32 adapters over the fp32 bases; (4 + 4) x 40 / 2; 12 x 40 / 2
+    assert (fp32.parameters, fp32.frozen, fp32.gradients, fp32.optimizer_states) == (160 + 4600, 600, 160, 240)
+    ddp = estimate(f, "none", True, 1, Training("none", True))  # DDP: fp32 weights, gradients, autocast copies
+    assert (ddp.parameters, ddp.gradients, ddp.optimizer_states) == (4400 + 100, 6600, 8800)
+
+
 def test_plan_on_a_pipeline_folder_prints_its_rows_and_recommends_what_fits(pipe, tmp_path, capsys):
     args = ["plan", "--task", "text_to_image", "--model_name_or_path", pipe, "--resolution", str(RESOLUTION)]
     args += ["--mixed_precision", "bf16", "--per_device_train_batch_size", "2", "--output_dir", str(tmp_path / "p")]
@@ -98,8 +163,52 @@ def test_plan_on_a_pipeline_folder_prints_its_rows_and_recommends_what_fits(pipe
     options = dict(task="text_to_image", resolution=RESOLUTION, mixed_precision="bf16", per_device_train_batch_size=2)
     plan = planning.make_plan(plan_args(pipe, tmp_path / "j", gpu_memory_gb=f"{between:.6f}", **options))
     assert plan["recommendation"]["peft"] == "lora" and plan["model"]["frozen_params"]["vae"] > 0
-    assert [r["max_micro_batch"] >= 2 for r in plan["strategies"]] == [False, True, True]
+    rows = [(r["peft"], r["strategy"], r["max_micro_batch"] >= 2) for r in plan["strategies"]]
+    # on one GPU ZeRO-2 partitions nothing and keeps the fp32 master copy: more than DDP
+    assert rows == [(p, s, p != "none") for p in ("none", "lora", "dora") for s in ("ddp", "zero2")]
     assert json.loads(json.dumps(plan)) == plan
+
+
+def test_the_text_encoder_and_zero2_over_several_gpus(pipe, tmp_path, capsys):
+    """--train_text_encoder true: every row trains it too; ZeRO-2 over 4 GPUs partitions what trains, so full
+    fine-tuning fits where DDP's does not, and the recommendation names the options that run it."""
+    options = dict(task="text_to_image", resolution=RESOLUTION, mixed_precision="bf16", num_gpus=4)
+    options["per_device_train_batch_size"] = 1
+    facts = pipeline_facts(pipe, RESOLUTION, 8, diffusion.LORA_TARGETS)
+    ddp = estimate(facts, "none", True, 1, Training("none", True)).total
+    zero2 = estimate(facts, "none", True, 1, Training("none", True, "zero2", 4)).total
+    assert zero2 < ddp and ddp > estimate(facts, "none", True, 1).total  # the text encoder's states count
+    budget = f"{(ddp + zero2) / 2 / 2**30:.6f}"
+    plan = planning.make_plan(
+        plan_args(pipe, tmp_path / "j", gpu_memory_gb=budget, train_text_encoder="true", **options)
+    )
+    assert all(r["text_encoder"] and r["processes"] == 4 for r in plan["strategies"])
+    rec = plan["recommendation"]
+    assert (rec["peft"], rec["strategy"], rec["estimate"]["total"]) == ("none", "zero2", zero2)
+    args = ["plan", "--model_name_or_path", pipe, "--output_dir", str(tmp_path / "p"), "--gpu_memory_gb", budget]
+    args += [f"--{k}={v}" for k, v in options.items()] + ["--train_text_encoder", "true"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "full fine-tuning + text encoder + ZeRO-2" in out
+    assert "Recommended: full fine-tuning --train_text_encoder true --zero_stage 2" in out
+
+
+def test_rows_the_task_refuses_are_not_planned(pipe, tmp_path, monkeypatch):
+    """The task's own Task.sharding_refusal (with each row's --peft) decides, as for the other tasks."""
+    from cloudtrain.registry import TASKS
+
+    asked = []
+
+    def refusal(self, cfg, shards):
+        asked.append((cfg.model.peft, cfg.images.train_text_encoder, shards.zero_stage))
+        return "--peft lora under ZeRO-2: refused here" if shards.zero_stage == 2 and cfg.model.peft == "lora" else None
+
+    monkeypatch.setattr(TASKS["text_to_image"], "sharding_refusal", refusal)
+    options = dict(task="text_to_image", resolution=RESOLUTION, train_text_encoder="true")
+    plan = planning.make_plan(plan_args(pipe, tmp_path / "j", gpu_memory_gb=24, **options))
+    rows = [(r["peft"], r["strategy"]) for r in plan["strategies"]]
+    assert ("lora", "zero2") not in rows and ("lora", "ddp") in rows and ("dora", "zero2") in rows
+    assert ("lora", True, 2) in asked and ("none", True, None) in asked
 
 
 def test_a_folder_that_is_no_pipeline_is_refused_with_the_run_s_line(tiny_llama_dir, tmp_path, monkeypatch):

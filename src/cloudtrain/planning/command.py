@@ -27,7 +27,7 @@ from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import GPUS, Gpu, gpu_by_name
-from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts
+from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
 from cloudtrain.planning.diffusion import plan as pipeline_plan
 from cloudtrain.planning.diffusion import render as render_pipeline
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, decoder_tasks, is_decoder, model_facts
@@ -81,6 +81,7 @@ TRAINING_OPTIONS = (
     "preference_loss",
     "precompute_reference",
     "resolution",
+    "train_text_encoder",
 )
 
 
@@ -360,13 +361,21 @@ def make_plan(args: argparse.Namespace) -> dict:
 
 
 def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict:
-    """A diffusers pipeline's rows (cloudtrain.planning.diffusion): one GPU's memory under DDP."""
-    cfg = build_config({"lora_target_modules": args.lora_target_modules})
+    """A diffusers pipeline's rows (cloudtrain.planning.diffusion): one GPU's memory under DDP and ZeRO-2, less
+    the rows the task refuses (its sharding_refusal, as for the other tasks)."""
+    options = ("task", "lora_target_modules", "mixed_precision", "resolution", "train_text_encoder")
+    cfg = build_config({n: getattr(args, n) for n in options})
     facts = pipeline_facts(name, args.resolution, args.lora_r, diffusion_lora_targets(cfg))
     budget = round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB)
     micro_batch = 1 if args.per_device_train_batch_size == "auto" else args.per_device_train_batch_size
     half = resolve_precision(args.mixed_precision) != "no"
-    result = pipeline_plan(facts, half, budget, micro_batch)
+    task = TASKS[args.task](cfg)
+
+    def refusal(peft: str, shards: Sharding) -> str | None:
+        return task.sharding_refusal(replace(cfg, model=replace(cfg.model, peft=peft)), shards)
+
+    rows = trainings(args.train_text_encoder, args.num_gpus * args.num_nodes, refusal)
+    result = pipeline_plan(facts, half, budget, micro_batch, rows)
     return {**result, "pipeline": True, "budget_bytes": budget, "micro_batch": micro_batch}
 
 

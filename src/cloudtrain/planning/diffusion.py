@@ -1,18 +1,21 @@
 """The planner for a diffusers text-to-image pipeline (`--task text_to_image`): memory per GPU of its denoiser
-trained in full or with LoRA/DoRA, its frozen text encoder and VAE, and the denoiser's activations at the
-resolution, for DDP without gradient checkpointing (not estimated yet). The formulas: docs/planner.md.
+trained in full or with LoRA/DoRA (and its text encoder with --train_text_encoder, in full or with the same
+adapters), the frozen parts, and the activations at the resolution, under DDP and DeepSpeed ZeRO-2, without
+gradient checkpointing (not estimated yet). The formulas: docs/planner.md.
 
 What the run holds (cloudtrain.models.diffusion.load_text_to_image_model): the frozen parts in the compute
-dtype (fp32 without mixed precision), the denoiser in fp32 when it trains in full, in the compute dtype under
-adapters whose weights are fp32. The activations are what autograd saves in one forward of the denoiser,
-traced on the meta device (no memory, no compute) for one row at the resolution, times the micro-batch.
+dtype (fp32 without mixed precision), a part trained in full in fp32, in the compute dtype under adapters whose
+weights are fp32; under ZeRO-2, DeepSpeed's bf16/fp16 mode casts the trained weights to 16 bits and keeps their
+fp32 master copy, gradients and AdamW states partitioned over the processes. The activations are what autograd
+saves in one forward of the denoiser (and of a trained text encoder), traced on the meta device (no memory, no
+compute) for one row at the resolution, times the micro-batch.
 """
 
 import contextlib
 import importlib
 import json
-from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +24,12 @@ import torch.nn.functional as F
 
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.models import diffusion
+from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB, MAX_MICRO_BATCH
 
-FROZEN = ("text_encoder", "vae")  # the parts that never train here (--train_text_encoder is not planned)
+FROZEN = ("text_encoder", "vae")  # the parts frozen unless --train_text_encoder (the VAE always is)
+STRATEGIES = {"ddp": Sharding(), "zero2": Sharding(zero_stage=2)}  # what the task runs and is planned here
+LABELS = {"ddp": "DDP", "zero2": "ZeRO-2"}
 
 
 def is_pipeline(path: str) -> bool:
@@ -38,10 +44,16 @@ class PipelineFacts:
     adapter_params: int  # LoRA on the denoiser's attention projections at --lora_r (DoRA adds a magnitude each)
     dora_params: int
     frozen_params: dict[str, int]  # the text encoder's and the VAE's
+    text_adapter_params: int  # LoRA on the text encoder's q/k/v/out projections (--train_text_encoder --peft lora)
+    text_dora_params: int
     latent_side: int  # the denoiser's input is latent_channels x side x side
     text_tokens: int  # the tokens of a caption (the tokenizer's max length)
     saved_fp32_per_row: int  # what autograd saves in one fp32 forward of the denoiser, per row
     saved_half_per_row: int  # the same in 16 bits
+    text_saved_fp32_per_row: int  # what a text encoder trained in full saves in its forward, for one caption
+    text_saved_half_per_row: int
+    text_lora_saved_fp32_per_row: int  # the same with LoRA on it
+    text_lora_saved_half_per_row: int
 
 
 def _build(path: str, index: dict, name: str) -> torch.nn.Module:
@@ -74,12 +86,12 @@ def _adapter_params(denoiser: torch.nn.Module, r: int, targets: list[str]) -> tu
     return lora, dora
 
 
-def saved_bytes(denoiser: torch.nn.Module, latent: tuple[int, int], text: tuple[int, int], dtype: torch.dtype) -> int:
-    """What autograd saves in one training forward of `denoiser` (on the meta device) for one row: every saved
-    tensor once, the parameters left out (they are counted as parameters)."""
-    denoiser = denoiser.to(dtype).train()
+def _traced(module: torch.nn.Module, dtype: torch.dtype, forward: Callable[[torch.nn.Module], object]) -> int:
+    """What autograd saves in `forward(module)` (on the meta device): every saved tensor once, the parameters
+    left out (they are counted as parameters)."""
+    module = module.to(dtype).train()
     # a storage (its C++ object: meta tensors have no addresses) once, as views and repeats share it
-    params = {p.untyped_storage()._cdata for p in denoiser.parameters()}
+    params = {p.untyped_storage()._cdata for p in module.parameters()}
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -88,13 +100,34 @@ def saved_bytes(denoiser: torch.nn.Module, latent: tuple[int, int], text: tuple[
             saved[storage._cdata] = storage.nbytes()
         return t
 
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
+        forward(module)
+    return sum(saved.values())
+
+
+def saved_bytes(denoiser: torch.nn.Module, latent: tuple[int, int], text: tuple[int, int], dtype: torch.dtype) -> int:
+    """What autograd saves in one training forward of `denoiser` for one row."""
     channels, side = latent
     sample = torch.empty(1, channels, side, side, device="meta", dtype=dtype, requires_grad=True)
     states = torch.empty(1, *text, device="meta", dtype=dtype)
     timestep = torch.zeros(1, dtype=torch.long, device="meta")
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
-        denoiser(sample, timestep, states)
-    return sum(saved.values())
+    return _traced(denoiser, dtype, lambda unet: unet(sample, timestep, states))
+
+
+def text_saved_bytes(encoder: torch.nn.Module, tokens: int, dtype: torch.dtype, lora_r: int = 0) -> int:
+    """What autograd saves in one training forward of a text encoder (--train_text_encoder) for one caption. With
+    LoRA (`lora_r`): only the adapted projections' weights want gradients (a LoRA layer saves the input its base
+    would for its own weight, and its r-wide inner activation), so the frozen layers between keep less."""
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    targets = [m for name, m in encoder.named_modules() if name.rsplit(".", 1)[-1] in diffusion.TEXT_LORA_TARGETS]
+    encoder.requires_grad_(not lora_r)
+    for module in targets if lora_r else []:
+        module.requires_grad_(True)
+    try:
+        inner = len(targets) * tokens * lora_r * dtype.itemsize if lora_r else 0
+        return _traced(encoder, dtype, lambda text_encoder: text_encoder(ids)) + inner
+    finally:
+        encoder.requires_grad_(True)
 
 
 class _FusedAttention(torch.autograd.Function):
@@ -104,7 +137,10 @@ class _FusedAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = q.new_empty(*q.shape[:-1], v.shape[-1])
+        # in the layout the kernels return ([batch, tokens, heads, dim] in memory), so the attention block's
+        # transpose back is a view, not a copy autograd would save again
+        b, h, n = q.shape[:-1]
+        out = q.new_empty(b, n, h, v.shape[-1]).transpose(1, 2)
         ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:-1], dtype=torch.float32))
         return out
 
@@ -142,25 +178,45 @@ def pipeline_facts(path: str, resolution: int, lora_r: int, lora_targets: list[s
     text = (int(tokenizer.get("model_max_length", 77)), int(config.cross_attention_dim))
     latent = (int(config.in_channels), resolution // factor)
     lora, dora = _adapter_params(denoiser, lora_r, lora_targets)
+    text_lora, text_dora = _adapter_params(parts["text_encoder"], lora_r, diffusion.TEXT_LORA_TARGETS)
     return PipelineFacts(
         name=path,
         denoiser_params=sum(p.numel() for p in denoiser.parameters()),
         adapter_params=lora,
         dora_params=dora,
         frozen_params={name: sum(p.numel() for p in parts[name].parameters()) for name in FROZEN},
+        text_adapter_params=text_lora,
+        text_dora_params=text_dora,
         latent_side=latent[1],
         text_tokens=text[0],
         saved_fp32_per_row=saved_bytes(denoiser, latent, text, torch.float32),
         saved_half_per_row=saved_bytes(denoiser, latent, text, torch.bfloat16),
+        **{
+            f"text{'_lora' if adapted else ''}_saved_{name}_per_row": text_saved_bytes(
+                parts["text_encoder"], text[0], dtype, lora_r if adapted else 0
+            )
+            for adapted in (False, True)
+            for name, dtype in (("fp32", torch.float32), ("half", torch.bfloat16))
+        },
     )
 
 
 @dataclass(frozen=True)
-class PipelineEstimate:
-    """Bytes per GPU of one DDP row at one micro-batch."""
+class Training:
+    """One planned way to train: --peft, --train_text_encoder, and the strategy (a key of STRATEGIES)."""
 
-    parameters: int  # the denoiser (and its adapters) and the frozen parts
-    frozen: int  # of which the text encoder and the VAE
+    peft: str = "none"
+    text_encoder: bool = False
+    strategy: str = "ddp"
+    processes: int = 1  # ZeRO-2 partitions over them
+
+
+@dataclass(frozen=True)
+class PipelineEstimate:
+    """Bytes per GPU of one row at one micro-batch."""
+
+    parameters: int  # the trained parts (and their adapters) and the frozen ones
+    frozen: int  # of which the frozen weights of the text encoder and the VAE
     gradients: int
     optimizer_states: int
     activations: int
@@ -171,69 +227,120 @@ class PipelineEstimate:
         return self.parameters + self.gradients + self.optimizer_states + self.activations + self.overhead
 
 
-def estimate(f: PipelineFacts, peft: str, half: bool, micro_batch: int) -> PipelineEstimate:
-    """DDP: the denoiser's fp32 weights, gradients and AdamW states (full), or its compute-dtype base and the
-    adapters' fp32 weights, gradients and states; autocast's 16-bit copies of trained weights with the gradients;
-    the frozen parts in the compute dtype; the saved activations."""
+def trained_params(f: PipelineFacts, t: Training) -> tuple[int, int]:
+    """(the denoiser's, the text encoder's) trained parameters."""
+    adapters = {"lora": (f.adapter_params, f.text_adapter_params), "dora": (f.dora_params, f.text_dora_params)}
+    unet, text = (f.denoiser_params, f.frozen_params["text_encoder"]) if t.peft == "none" else adapters[t.peft]
+    return unet, text if t.text_encoder else 0
+
+
+def estimate(
+    f: PipelineFacts, peft: str, half: bool, micro_batch: int, how: Training | None = None
+) -> PipelineEstimate:
+    """DDP: a part trained in full holds fp32 weights, or its compute-dtype base and the adapters' fp32 weights;
+    fp32 gradients and AdamW states of what trains, and autocast's 16-bit copies of it with the gradients.
+    ZeRO-2 over n processes: the trained weights in DeepSpeed's 16 bits (fp32 without mixed precision), their
+    16-bit and fp32 gradient partitions, AdamW states and the fp32 master copy partitioned. The frozen parts in
+    the compute dtype; the saved activations."""
+    t = replace(how or Training(), peft=peft)
     c = 2 if half else 4
-    U = f.denoiser_params
-    T = U if peft == "none" else (f.dora_params if peft == "dora" else f.adapter_params)
-    frozen = c * sum(f.frozen_params.values())
-    base = 4 * U if peft == "none" else c * U + 4 * T
-    grads = 4 * T + (2 * T if half else 0)
-    per_row = f.saved_half_per_row if half else f.saved_fp32_per_row
+    unet, text = trained_params(f, t)
+    T = unet + text
+    E, V = f.frozen_params["text_encoder"], f.frozen_params["vae"]
+    zero2, n = t.strategy == "zero2", t.processes
+    w = c if zero2 else 4  # a trained weight's bytes: DeepSpeed casts the module to the compute dtype
+    full = t.peft == "none"
+    frozen = c * V + (0 if t.text_encoder and full else c * E)
+    trained = w * T + (0 if full else c * f.denoiser_params)  # a LoRA'd denoiser keeps its base in the compute dtype
+    if zero2:
+        grads, states = (c + 4) * T // n, 12 * T // n
+    else:
+        grads, states = 4 * T + (2 * T if half else 0), 8 * T
+    per_row = (f.saved_half_per_row if half else f.saved_fp32_per_row) + (
+        text_saved(f, full, half) if t.text_encoder else 0
+    )
     saved = per_row * micro_batch
-    states = base + frozen + grads + 8 * T
-    overhead = CUDA_CONTEXT_BYTES + round(FRAGMENTATION * (states + saved))
-    return PipelineEstimate(base + frozen, frozen, grads, 8 * T, saved, overhead)
+    held = trained + frozen + grads + states
+    overhead = CUDA_CONTEXT_BYTES + round(FRAGMENTATION * (held + saved))
+    return PipelineEstimate(trained + frozen, frozen, grads, states, saved, overhead)
 
 
-def max_micro_batch(f: PipelineFacts, peft: str, half: bool, budget: int) -> int:
-    if estimate(f, peft, half, 1).total > budget:
+def text_saved(f: PipelineFacts, full: bool, half: bool) -> int:
+    """What a trained text encoder's forward saves per caption: in full, or with adapters."""
+    if full:
+        return f.text_saved_half_per_row if half else f.text_saved_fp32_per_row
+    return f.text_lora_saved_half_per_row if half else f.text_lora_saved_fp32_per_row
+
+
+def max_micro_batch(f: PipelineFacts, t: Training, half: bool, budget: int) -> int:
+    if estimate(f, t.peft, half, 1, t).total > budget:
         return 0
     low, high = 1, MAX_MICRO_BATCH
     while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if estimate(f, peft, half, mid).total <= budget else (low, mid - 1)
+        low, high = (mid, high) if estimate(f, t.peft, half, mid, t).total <= budget else (low, mid - 1)
     return low
 
 
-def plan(f: PipelineFacts, half: bool, budget: int, micro_batch: int) -> dict:
-    """Every row (full fine-tuning, LoRA, DoRA under DDP), and the first that fits `micro_batch`: full
-    fine-tuning before adapters."""
+def trainings(text_encoder: bool, processes: int, refusal: Callable[[str, Sharding], str | None]) -> list[Training]:
+    """The rows, full fine-tuning before adapters and DDP before ZeRO-2 in each; those the run refuses
+    (`refusal(peft, sharding)`: the task's Task.sharding_refusal) left out."""
+    return [
+        Training(peft, text_encoder, strategy, processes)
+        for peft in ("none", "lora", "dora")
+        for strategy, sharding in STRATEGIES.items()
+        if refusal(peft, sharding) is None
+    ]
+
+
+def plan(f: PipelineFacts, half: bool, budget: int, micro_batch: int, rows_to_plan: list[Training]) -> dict:
+    """Every row and the first that fits `micro_batch`."""
     rows: list[dict[str, Any]] = []
-    for peft in ("none", "lora", "dora"):
-        e = estimate(f, peft, half, micro_batch)
+    for t in rows_to_plan:
+        e = estimate(f, t.peft, half, micro_batch, t)
         rows.append(
             {
-                "peft": peft,
+                **asdict(t),
                 "estimate": {**asdict(e), "total": e.total},
-                "max_micro_batch": max_micro_batch(f, peft, half, budget),
+                "max_micro_batch": max_micro_batch(f, t, half, budget),
             }
         )
     fitting = [r for r in rows if r["max_micro_batch"] >= micro_batch]
     return {"model": asdict(f), "strategies": rows, "recommendation": fitting[0] if fitting else None}
 
 
+def row_label(r: dict) -> str:
+    what = {"none": "full fine-tuning", "lora": "LoRA", "dora": "DoRA"}[r["peft"]]
+    return what + (" + text encoder" if r["text_encoder"] else "") + f" + {LABELS[r['strategy']]}"
+
+
+def launch_flags(r: dict) -> str:
+    """The options that run the row (beside the ones planned with)."""
+    flags = [f"--peft {r['peft']}" if r["peft"] != "none" else "full fine-tuning"]
+    flags += ["--train_text_encoder true"] if r["text_encoder"] else []
+    flags += ["--zero_stage 2 (--training_type accelerated)"] if r["strategy"] == "zero2" else ["under DDP"]
+    return " ".join(flags)
+
+
 def render(result: dict, budget: int, micro_batch: int) -> str:
     m = result["model"]
+    processes = result["strategies"][0]["processes"] if result["strategies"] else 1
     lines = [
         f"{m['name']}: denoiser {m['denoiser_params'] / 1e6:.1f}M parameters (LoRA {m['adapter_params'] / 1e6:.2f}M), "
-        + ", ".join(f"{k} {v / 1e6:.1f}M frozen" for k, v in m["frozen_params"].items())
+        + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in m["frozen_params"].items())
+        + f" (text encoder LoRA {m['text_adapter_params'] / 1e6:.2f}M)"
         + f"; latents {m['latent_side']}x{m['latent_side']}, {m['text_tokens']} caption tokens",
-        f"per GPU at micro-batch {micro_batch}, DDP, budget {budget / GIB:.1f} GiB:",
-        f"  {'row':<36} {'params':>8} {'frozen':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'total':>8} {'max b':>6}",
+        f"per GPU at micro-batch {micro_batch}, ZeRO-2 over {processes} processes, budget {budget / GIB:.1f} GiB:",
+        f"  {'row':<44} {'params':>8} {'frozen':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'total':>8} {'max b':>6}",
     ]
     for r in result["strategies"]:
         e = r["estimate"]
-        label = {"none": "full fine-tuning", "lora": "LoRA", "dora": "DoRA"}[r["peft"]] + " + DDP"
         cells = [e[k] / GIB for k in ("parameters", "frozen", "gradients", "optimizer_states", "activations", "total")]
-        lines.append(f"  {label:<36} " + " ".join(f"{c:>7.2f}G" for c in cells) + f" {r['max_micro_batch']:>6}")
+        lines.append(f"  {row_label(r):<44} " + " ".join(f"{c:>7.2f}G" for c in cells) + f" {r['max_micro_batch']:>6}")
     rec = result["recommendation"]
     if rec is None:
         lines.append("Nothing fits at this micro-batch: a smaller --per_device_train_batch_size or --resolution.")
     else:
-        how = f"--peft {rec['peft']}" if rec["peft"] != "none" else "full fine-tuning"
-        lines.append(f"Recommended: {how} under DDP ({rec['estimate']['total'] / GIB:.1f} GiB per GPU).")
-    lines.append("Gradient checkpointing, ZeRO and FSDP2 are not estimated for a pipeline yet.")
+        lines.append(f"Recommended: {launch_flags(rec)} ({rec['estimate']['total'] / GIB:.1f} GiB per GPU).")
+    lines.append("Gradient checkpointing, ZeRO-3 and FSDP2 are not estimated for a pipeline yet.")
     return "\n".join(lines)
