@@ -57,8 +57,8 @@ class TextToImageTask(Task):
         m, ic = cfg.model, cfg.images
         if not m.model_name_or_path or m.model_config:
             raise UserError(
-                "--task text_to_image needs --model_name_or_path <a diffusers pipeline folder> (model_index.json "
-                "with unet, vae, text_encoder, tokenizer, scheduler)"
+                "--task text_to_image needs --model_name_or_path <a diffusers pipeline folder or Hub id> "
+                "(model_index.json with unet, vae, text_encoder, tokenizer, scheduler)"
             )
         for name in ("attn_implementation", "tokenizer_name_or_path"):
             if getattr(m, name):
@@ -211,10 +211,11 @@ class TextToImageTask(Task):
                 if m.peft != "none"
                 else "full fine-tuning"
             )
+            encoders = "text encoders" if model.xl else "text encoder"
             print(
-                f"text_to_image: {how} of the denoiser{' and the text encoder' if ic.train_text_encoder else ''} "
+                f"text_to_image: {how} of the denoiser{f' and the {encoders}' if ic.train_text_encoder else ''} "
                 f"({total:,} denoiser parameters; {model.prediction_type} loss); VAE "
-                f"{'' if ic.train_text_encoder else 'and text encoder '}frozen",
+                f"{'' if ic.train_text_encoder else f'and {encoders} '}frozen",
                 flush=True,
             )
         return model
