@@ -117,6 +117,50 @@ def test_the_traced_text_encoder_equals_what_its_real_forward_saves(pipe, peft):
     assert with_text == estimate(facts, peft, False, b).activations + b * per_row
 
 
+def test_the_checkpointed_trace_equals_a_real_checkpointed_forward_and_backward(pipe):
+    """--gradient_checkpointing: the denoiser's blocks go through the checkpointing function diffusers takes. Torch's
+    own (reentrant) checkpoint, run for real on CPU, keeps the blocks' inputs and what runs outside them from the
+    forward, and each block's saves while it is recomputed in the backward: the peak is the first plus the
+    largest of the second, what the planner traces per row."""
+    facts = pipeline_facts(pipe, RESOLUTION, 4, diffusion.LORA_TARGETS)
+    unet = run_model(pipe, "none", "no").unet.train()
+    weights = {p.untyped_storage().data_ptr() for p in unet.parameters()}
+    boxes: list[dict[int, int]] = [{}]  # the forward's saves, then each recompute's
+    recomputed: list[int] = []
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            boxes[-1][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def checkpointed(block, *args):
+        def run(*inputs):
+            if not torch.is_grad_enabled():  # the forward: the reentrant checkpoint saves only the inputs
+                return block(*inputs)
+            boxes.append({})
+            try:
+                return block(*inputs)
+            finally:
+                recomputed.append(sum(boxes.pop().values()))
+
+        return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=True)
+
+    unet.enable_gradient_checkpointing(checkpointed)
+    b, side = 3, facts.latent_side
+    sample = torch.randn(b, 4, side, side, requires_grad=True)
+    states = torch.randn(b, facts.text_tokens, unet.config.cross_attention_dim)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = unet(sample, torch.randint(0, 1000, (b,)), states).sample
+        forward = sum(boxes[0].values())
+        out.sum().backward()
+    assert len(recomputed) > 1
+    assert forward + max(recomputed) == pytest.approx(b * facts.checkpointed_fp32_per_row, rel=0.05)
+    assert facts.checkpointed_fp32_per_row < facts.saved_fp32_per_row / 2
+    checkpointed = estimate(facts, "none", False, b, Training(checkpointing=True)).activations
+    assert checkpointed == b * facts.checkpointed_fp32_per_row
+
+
 def test_zero2_terms_by_hand():
     """ZeRO-2 over n processes: trained weights in 16 bits, 16-bit + fp32 gradient partitions, AdamW's two moments
     and the fp32 master copy partitioned; the frozen parts whole in the compute dtype."""
@@ -132,6 +176,8 @@ def test_zero2_terms_by_hand():
         text_tokens=16,
         saved_fp32_per_row=0,
         saved_half_per_row=0,
+        checkpointed_fp32_per_row=0,
+        checkpointed_half_per_row=0,
         text_saved_fp32_per_row=0,
         text_saved_half_per_row=0,
         text_lora_saved_fp32_per_row=0,
@@ -163,9 +209,10 @@ def test_plan_on_a_pipeline_folder_prints_its_rows_and_recommends_what_fits(pipe
     options = dict(task="text_to_image", resolution=RESOLUTION, mixed_precision="bf16", per_device_train_batch_size=2)
     plan = planning.make_plan(plan_args(pipe, tmp_path / "j", gpu_memory_gb=f"{between:.6f}", **options))
     assert plan["recommendation"]["peft"] == "lora" and plan["model"]["frozen_params"]["vae"] > 0
-    rows = [(r["peft"], r["strategy"], r["max_micro_batch"] >= 2) for r in plan["strategies"]]
+    rows = [(r["peft"], r["strategy"], r["checkpointing"], r["max_micro_batch"] >= 2) for r in plan["strategies"]]
     # on one GPU ZeRO-2 partitions nothing and keeps the fp32 master copy: more than DDP
-    assert rows == [(p, s, p != "none") for p in ("none", "lora", "dora") for s in ("ddp", "zero2")]
+    every = [(p, s, c, p != "none") for p in ("none", "lora", "dora") for s in ("ddp", "zero2") for c in (False, True)]
+    assert rows == every
     assert json.loads(json.dumps(plan)) == plan
 
 

@@ -374,7 +374,8 @@ def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict
     def refusal(peft: str, shards: Sharding) -> str | None:
         return task.sharding_refusal(replace(cfg, model=replace(cfg.model, peft=peft)), shards)
 
-    rows = trainings(args.train_text_encoder, args.num_gpus * args.num_nodes, refusal)
+    world = args.num_gpus * args.num_nodes
+    rows = trainings(args.train_text_encoder, world, args.gradient_checkpointing, refusal)
     result = pipeline_plan(facts, half, budget, micro_batch, rows)
     return {**result, "pipeline": True, "budget_bytes": budget, "micro_batch": micro_batch}
 

@@ -1,7 +1,7 @@
 """The planner for a diffusers text-to-image pipeline (`--task text_to_image`): memory per GPU of its denoiser
 trained in full or with LoRA/DoRA (and its text encoder with --train_text_encoder, in full or with the same
-adapters), the frozen parts, and the activations at the resolution, under DDP and DeepSpeed ZeRO-2, without
-gradient checkpointing (not estimated yet). The formulas: docs/planner.md.
+adapters), the frozen parts, and the activations at the resolution, under DDP and DeepSpeed ZeRO-2, with and
+without gradient checkpointing of the denoiser. The formulas: docs/planner.md.
 
 What the run holds (cloudtrain.models.diffusion.load_text_to_image_model): the frozen parts in the compute
 dtype (fp32 without mixed precision), a part trained in full in fp32, in the compute dtype under adapters whose
@@ -50,6 +50,8 @@ class PipelineFacts:
     text_tokens: int  # the tokens of a caption (the tokenizer's max length)
     saved_fp32_per_row: int  # what autograd saves in one fp32 forward of the denoiser, per row
     saved_half_per_row: int  # the same in 16 bits
+    checkpointed_fp32_per_row: int  # the peak of the same with --gradient_checkpointing
+    checkpointed_half_per_row: int
     text_saved_fp32_per_row: int  # what a text encoder trained in full saves in its forward, for one caption
     text_saved_half_per_row: int
     text_lora_saved_fp32_per_row: int  # the same with LoRA on it
@@ -93,6 +95,13 @@ def _traced(module: torch.nn.Module, dtype: torch.dtype, forward: Callable[[torc
     # a storage (its C++ object: meta tensors have no addresses) once, as views and repeats share it
     params = {p.untyped_storage()._cdata for p in module.parameters()}
     saved: dict[int, int] = {}
+    with _saving(saved, params), _fused_attention():
+        forward(module)
+    return sum(saved.values())
+
+
+def _saving(saved: dict[int, int], params: set[int]) -> contextlib.AbstractContextManager:
+    """Saved-tensor hooks that note each saved storage's bytes in `saved` (the parameters' left out)."""
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()
@@ -100,18 +109,51 @@ def _traced(module: torch.nn.Module, dtype: torch.dtype, forward: Callable[[torc
             saved[storage._cdata] = storage.nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
-        forward(module)
-    return sum(saved.values())
+    return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
 
 
 def saved_bytes(denoiser: torch.nn.Module, latent: tuple[int, int], text: tuple[int, int], dtype: torch.dtype) -> int:
     """What autograd saves in one training forward of `denoiser` for one row."""
+    return _traced(denoiser, dtype, _denoiser_forward(latent, text, dtype))
+
+
+def _denoiser_forward(latent: tuple[int, int], text: tuple[int, int], dtype: torch.dtype) -> Callable:
     channels, side = latent
     sample = torch.empty(1, channels, side, side, device="meta", dtype=dtype, requires_grad=True)
     states = torch.empty(1, *text, device="meta", dtype=dtype)
     timestep = torch.zeros(1, dtype=torch.long, device="meta")
-    return _traced(denoiser, dtype, lambda unet: unet(sample, timestep, states))
+    return lambda unet: unet(sample, timestep, states)
+
+
+def checkpointed_saved_bytes(
+    denoiser: torch.nn.Module, latent: tuple[int, int], text: tuple[int, int], dtype: torch.dtype
+) -> int:
+    """The peak of saved activations with --gradient_checkpointing, for one row: what the forward saves outside
+    the checkpointed blocks, the blocks' inputs (kept for their recompute), and the largest block's own saves
+    (recomputed one block at a time in the backward). diffusers hands each block to the checkpointing function
+    its enable_gradient_checkpointing takes; this one runs the block under hooks of its own."""
+    params = {p.untyped_storage()._cdata for p in denoiser.parameters()}
+    saved: dict[int, int] = {}
+    blocks: list[int] = []
+
+    def checkpointed(block: torch.nn.Module, *args: Any) -> Any:
+        for arg in args:
+            if isinstance(arg, torch.Tensor) and arg.untyped_storage()._cdata not in params:
+                saved[arg.untyped_storage()._cdata] = arg.untyped_storage().nbytes()
+        inside: dict[int, int] = {}
+        with _saving(inside, params):
+            out = block(*args)
+        blocks.append(sum(inside.values()))
+        return out
+
+    denoiser.enable_gradient_checkpointing(checkpointed)  # type: ignore[operator]  # diffusers' ModelMixin
+    try:
+        denoiser = denoiser.to(dtype).train()
+        with _saving(saved, params), _fused_attention():
+            _denoiser_forward(latent, text, dtype)(denoiser)
+    finally:
+        denoiser.disable_gradient_checkpointing()  # type: ignore[operator]
+    return sum(saved.values()) + max(blocks, default=0)
 
 
 def text_saved_bytes(encoder: torch.nn.Module, tokens: int, dtype: torch.dtype, lora_r: int = 0) -> int:
@@ -191,6 +233,8 @@ def pipeline_facts(path: str, resolution: int, lora_r: int, lora_targets: list[s
         text_tokens=text[0],
         saved_fp32_per_row=saved_bytes(denoiser, latent, text, torch.float32),
         saved_half_per_row=saved_bytes(denoiser, latent, text, torch.bfloat16),
+        checkpointed_fp32_per_row=checkpointed_saved_bytes(denoiser, latent, text, torch.float32),
+        checkpointed_half_per_row=checkpointed_saved_bytes(denoiser, latent, text, torch.bfloat16),
         **{
             f"text{'_lora' if adapted else ''}_saved_{name}_per_row": text_saved_bytes(
                 parts["text_encoder"], text[0], dtype, lora_r if adapted else 0
@@ -209,6 +253,7 @@ class Training:
     text_encoder: bool = False
     strategy: str = "ddp"
     processes: int = 1  # ZeRO-2 partitions over them
+    checkpointing: bool = False  # --gradient_checkpointing: the denoiser's blocks recomputed in the backward
 
 
 @dataclass(frozen=True)
@@ -256,9 +301,11 @@ def estimate(
         grads, states = (c + 4) * T // n, 12 * T // n
     else:
         grads, states = 4 * T + (2 * T if half else 0), 8 * T
-    per_row = (f.saved_half_per_row if half else f.saved_fp32_per_row) + (
-        text_saved(f, full, half) if t.text_encoder else 0
-    )
+    if t.checkpointing:
+        denoiser = f.checkpointed_half_per_row if half else f.checkpointed_fp32_per_row
+    else:
+        denoiser = f.saved_half_per_row if half else f.saved_fp32_per_row
+    per_row = denoiser + (text_saved(f, full, half) if t.text_encoder else 0)
     saved = per_row * micro_batch
     held = trained + frozen + grads + states
     overhead = CUDA_CONTEXT_BYTES + round(FRAGMENTATION * (held + saved))
@@ -282,14 +329,18 @@ def max_micro_batch(f: PipelineFacts, t: Training, half: bool, budget: int) -> i
     return low
 
 
-def trainings(text_encoder: bool, processes: int, refusal: Callable[[str, Sharding], str | None]) -> list[Training]:
-    """The rows, full fine-tuning before adapters and DDP before ZeRO-2 in each; those the run refuses
-    (`refusal(peft, sharding)`: the task's Task.sharding_refusal) left out."""
+def trainings(
+    text_encoder: bool, processes: int, checkpointing: str, refusal: Callable[[str, Sharding], str | None]
+) -> list[Training]:
+    """The rows, full fine-tuning before adapters, DDP before ZeRO-2 and each without checkpointing (faster)
+    before with it (`checkpointing`: auto, true or false); those the run refuses (`refusal(peft, sharding)`: the
+    task's Task.sharding_refusal) left out."""
     return [
-        Training(peft, text_encoder, strategy, processes)
+        Training(peft, text_encoder, strategy, processes, ckpt)
         for peft in ("none", "lora", "dora")
         for strategy, sharding in STRATEGIES.items()
-        if refusal(peft, sharding) is None
+        for ckpt in (False, True)
+        if checkpointing in ("auto", str(ckpt).lower()) and refusal(peft, sharding) is None
     ]
 
 
@@ -311,13 +362,15 @@ def plan(f: PipelineFacts, half: bool, budget: int, micro_batch: int, rows_to_pl
 
 def row_label(r: dict) -> str:
     what = {"none": "full fine-tuning", "lora": "LoRA", "dora": "DoRA"}[r["peft"]]
-    return what + (" + text encoder" if r["text_encoder"] else "") + f" + {LABELS[r['strategy']]}"
+    text = " + text encoder" if r["text_encoder"] else ""
+    return what + text + f" + {LABELS[r['strategy']]}" + (" + checkpointing" if r["checkpointing"] else "")
 
 
 def launch_flags(r: dict) -> str:
     """The options that run the row (beside the ones planned with)."""
     flags = [f"--peft {r['peft']}" if r["peft"] != "none" else "full fine-tuning"]
     flags += ["--train_text_encoder true"] if r["text_encoder"] else []
+    flags += ["--gradient_checkpointing true"] if r["checkpointing"] else []
     flags += ["--zero_stage 2 (--training_type accelerated)"] if r["strategy"] == "zero2" else ["under DDP"]
     return " ".join(flags)
 
@@ -331,16 +384,16 @@ def render(result: dict, budget: int, micro_batch: int) -> str:
         + f" (text encoder LoRA {m['text_adapter_params'] / 1e6:.2f}M)"
         + f"; latents {m['latent_side']}x{m['latent_side']}, {m['text_tokens']} caption tokens",
         f"per GPU at micro-batch {micro_batch}, ZeRO-2 over {processes} processes, budget {budget / GIB:.1f} GiB:",
-        f"  {'row':<44} {'params':>8} {'frozen':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'total':>8} {'max b':>6}",
+        f"  {'row':<60} {'params':>8} {'frozen':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'total':>8} {'max b':>6}",
     ]
     for r in result["strategies"]:
         e = r["estimate"]
         cells = [e[k] / GIB for k in ("parameters", "frozen", "gradients", "optimizer_states", "activations", "total")]
-        lines.append(f"  {row_label(r):<44} " + " ".join(f"{c:>7.2f}G" for c in cells) + f" {r['max_micro_batch']:>6}")
+        lines.append(f"  {row_label(r):<60} " + " ".join(f"{c:>7.2f}G" for c in cells) + f" {r['max_micro_batch']:>6}")
     rec = result["recommendation"]
     if rec is None:
         lines.append("Nothing fits at this micro-batch: a smaller --per_device_train_batch_size or --resolution.")
     else:
         lines.append(f"Recommended: {launch_flags(rec)} ({rec['estimate']['total'] / GIB:.1f} GiB per GPU).")
-    lines.append("Gradient checkpointing, ZeRO-3 and FSDP2 are not estimated for a pipeline yet.")
+    lines.append("ZeRO-3 and FSDP2 are not estimated for a pipeline yet.")
     return "\n".join(lines)
