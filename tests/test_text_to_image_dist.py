@@ -1,5 +1,6 @@
 """--task text_to_image under real launches (the default accelerated trainer, gloo on CPU): 2-process DDP against
-one process at twice the batch, exact resume, ZeRO-2. Four launches of a tiny pipeline (tests/t2i_fixtures.py).
+one process at twice the batch, exact resume, ZeRO-2 (and SDXL under ZeRO-2). Five launches of tiny pipelines
+(tests/t2i_fixtures.py).
 
 Each row's training draws (noise, timestep, latent sample, noise offset, flip, empty caption) come from the seed,
 the step and the row's number in the dataset, so a global batch draws the same whichever process holds each
@@ -13,7 +14,7 @@ import pytest
 import torch
 from conftest import ENTRY
 from safetensors.torch import load_file
-from t2i_fixtures import build_tiny_pipeline, captioned_folder
+from t2i_fixtures import build_tiny_pipeline, build_tiny_sdxl_pipeline, captioned_folder
 from test_distributed import launch, logged_losses, torchrun
 
 pytestmark = pytest.mark.slow
@@ -102,3 +103,22 @@ def test_zero2_on_two_cpu_processes_trains_the_lora(tiny_sd, squares, tmp_path):
     saved = load_file(tmp_path / "z2" / LORA)
     assert saved and all("lora" in name for name in saved)
     assert all(saved[name].abs().max() > 0 for name in saved if name.endswith("lora.up.weight"))  # B starts at 0
+
+
+def test_an_sdxl_lora_with_both_text_encoders_trains_under_zero2_and_renders(squares, tmp_path):
+    """SDXL's extra conditioning (pooled embedding, size ids) through DeepSpeed on 2 processes; the saved LoRA
+    gathers the denoiser's and both text encoders' adapters; the main process renders the validation prompts."""
+    model = str(build_tiny_sdxl_pipeline(tmp_path / "tiny-sdxl"))
+    extra = ["--zero_stage", "2", "--per_device_train_batch_size", "4", "--train_text_encoder", "true"]
+    extra += ["--validation_prompts", "a red square", "--validation_inference_steps", "2"]
+    extra += ["--validation_guidance_scale", "1.0"]
+    result = launch(torchrun(2), *t2i_args(model, squares, tmp_path / "xl", *extra))
+    assert "ZeRO-2" in result.stdout and "text encoders" in result.stdout
+    losses = [e["eval/loss"] for e in evaluations(tmp_path / "xl")]
+    assert losses[-1] < losses[0], losses
+    saved = load_file(tmp_path / "xl" / LORA)
+    assert {name.split(".")[0] for name in saved} == {"unet", "text_encoder", "text_encoder_2"}
+    assert sorted(p.name for p in (tmp_path / "xl" / "validation").glob("*.png")) == [
+        "eval-step-000000.png",
+        "eval-step-000004.png",
+    ]
