@@ -254,6 +254,10 @@ def bad_cases(tiny_sd: str, squares: str, tmp: Path) -> dict:
             "has no caption column 'text' (its keys: file_name, prompt)",
         ),
         "not a pipeline": ({**data, "model_name_or_path": str(tmp / "not-diffusers")}, "is not a diffusers pipeline"),
+        "hub id offline": (  # the suite runs with HF_HUB_OFFLINE=1 (tests/conftest.py)
+            {**data, "model_name_or_path": "nobody/no-such-sd"},
+            "--model_name_or_path nobody/no-such-sd: no cached copy and the Hub cannot be reached",
+        ),
         "resolution": ({**data, "resolution": 17}, "--resolution 17 is not divisible by 2"),
         "no data": ({}, "needs images: --train_data_dir"),
         "qlora": ({**data, "peft": "qlora"}, "--peft lora or dora on the denoiser, not qlora"),
