@@ -93,6 +93,52 @@ def test_the_traced_activations_equal_what_a_real_forward_saves(pipe):
     assert estimate(facts, "none", False, b).activations == b * facts.saved_fp32_per_row
 
 
+@pytest.fixture(scope="module")
+def xl_pipe(tmp_path_factory) -> str:
+    from t2i_fixtures import build_tiny_sdxl_pipeline
+
+    return str(build_tiny_sdxl_pipeline(tmp_path_factory.mktemp("t2i-plan-xl") / "xl"))
+
+
+@pytest.mark.parametrize("peft, text_encoder", [("none", True), ("lora", True), ("lora", False)])
+def test_sdxl_bytes_counts_and_activations_equal_the_run_s(xl_pipe, peft, text_encoder):
+    """SDXL: both text encoders (trained together with --train_text_encoder), the fp32 VAE its force_upcast asks
+    for, and the denoiser traced with its pooled embedding and time ids."""
+    facts = pipeline_facts(xl_pipe, RESOLUTION, 4, diffusion.LORA_TARGETS)
+    assert set(facts.frozen_params) == {"text_encoder", "text_encoder_2", "vae"} and facts.vae_fp32
+    model = run_model(xl_pipe, peft, "bf16", text_encoder)
+    e = estimate(facts, peft, True, 1, Training(peft, text_encoder))
+    assert e.parameters == nbytes(model.parameters())
+    frozen = [p for part in (model.vae, *model.text_encoders()) for p in part.parameters() if not p.requires_grad]
+    assert e.frozen == nbytes(frozen)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == sum(trained_params(facts, Training(peft, text_encoder)))
+    assert all(any(p.requires_grad for p in enc.parameters()) == text_encoder for enc in model.text_encoders())
+    if peft != "none":
+        return  # the denoiser's trace once
+    unet = run_model(xl_pipe, "none", "no").unet.train()  # what a real fp32 forward with the added conditions saves
+    weights = {p.untyped_storage().data_ptr() for p in unet.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    b, side, config = 3, facts.latent_side, unet.config
+    pooled = config.projection_class_embeddings_input_dim - 6 * config.addition_time_embed_dim
+    added = {"text_embeds": torch.randn(b, pooled), "time_ids": torch.full((b, 6), 16.0)}
+    states = torch.randn(b, facts.text_tokens, config.cross_attention_dim)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        unet(
+            torch.randn(b, 4, side, side, requires_grad=True),
+            torch.randint(0, 1000, (b,)),
+            states,
+            added_cond_kwargs=added,
+        )
+    assert sum(saved.values()) == pytest.approx(b * facts.saved_fp32_per_row, rel=0.05)
+
+
 @pytest.mark.parametrize("peft", ["none", "lora"])
 def test_the_traced_text_encoder_equals_what_its_real_forward_saves(pipe, peft):
     """--train_text_encoder: its forward keeps activations for the backward (in full, or to reach its adapters)."""

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models import diffusion
+from cloudtrain.models import diffusion, sdxl
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB, MAX_MICRO_BATCH
 
-FROZEN = ("text_encoder", "vae")  # the parts frozen unless --train_text_encoder (the VAE always is)
+ENCODERS = ("text_encoder", "text_encoder_2")  # SDXL has the second (cloudtrain.models.sdxl)
 STRATEGIES = {"ddp": Sharding(), "zero2": Sharding(zero_stage=2)}  # what the task runs and is planned here
 LABELS = {"ddp": "DDP", "zero2": "ZeRO-2"}
 
@@ -43,19 +43,20 @@ class PipelineFacts:
     denoiser_params: int
     adapter_params: int  # LoRA on the denoiser's attention projections at --lora_r (DoRA adds a magnitude each)
     dora_params: int
-    frozen_params: dict[str, int]  # the text encoder's and the VAE's
+    frozen_params: dict[str, int]  # the text encoders' (frozen unless --train_text_encoder) and the VAE's
     text_adapter_params: int  # LoRA on the text encoder's q/k/v/out projections (--train_text_encoder --peft lora)
     text_dora_params: int
     latent_side: int  # the denoiser's input is latent_channels x side x side
     text_tokens: int  # the tokens of a caption (the tokenizer's max length)
     saved_fp32_per_row: int  # what autograd saves in one fp32 forward of the denoiser, per row
-    saved_half_per_row: int  # the same in 16 bits
+    saved_half_per_row: int  # the same in 16 bits (SDXL: with its pooled embedding and time ids)
     checkpointed_fp32_per_row: int  # the peak of the same with --gradient_checkpointing
     checkpointed_half_per_row: int
     text_saved_fp32_per_row: int  # what a text encoder trained in full saves in its forward, for one caption
     text_saved_half_per_row: int
     text_lora_saved_fp32_per_row: int  # the same with LoRA on it
     text_lora_saved_half_per_row: int
+    vae_fp32: bool = False  # SDXL's VAE stays in fp32 where its config asks (force_upcast), as the run loads it
 
 
 def _build(path: str, index: dict, name: str) -> torch.nn.Module:
@@ -122,7 +123,19 @@ def _denoiser_forward(latent: tuple[int, int], text: tuple[int, int], dtype: tor
     sample = torch.empty(1, channels, side, side, device="meta", dtype=dtype, requires_grad=True)
     states = torch.empty(1, *text, device="meta", dtype=dtype)
     timestep = torch.zeros(1, dtype=torch.long, device="meta")
-    return lambda unet: unet(sample, timestep, states)
+    return lambda unet: unet(sample, timestep, states, added_cond_kwargs=_added_cond(unet, dtype))
+
+
+def _added_cond(unet: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+    """SDXL's pooled text embedding and six time ids (the UNet's text_time embedding), else nothing."""
+    config: Any = unet.config
+    if config.addition_embed_type != "text_time":
+        return None
+    pooled = int(config.projection_class_embeddings_input_dim) - 6 * int(config.addition_time_embed_dim)
+    return {
+        "text_embeds": torch.empty(1, pooled, device="meta", dtype=dtype),
+        "time_ids": torch.empty(1, 6, device="meta", dtype=dtype),
+    }
 
 
 def checkpointed_saved_bytes(
@@ -160,7 +173,7 @@ def text_saved_bytes(encoder: torch.nn.Module, tokens: int, dtype: torch.dtype, 
     """What autograd saves in one training forward of a text encoder (--train_text_encoder) for one caption. With
     LoRA (`lora_r`): only the adapted projections' weights want gradients (a LoRA layer saves the input its base
     would for its own weight, and its r-wide inner activation), so the frozen layers between keep less."""
-    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")  # SDXL asks for the hidden states: no more saved
     targets = [m for name, m in encoder.named_modules() if name.rsplit(".", 1)[-1] in diffusion.TEXT_LORA_TARGETS]
     encoder.requires_grad_(not lora_r)
     for module in targets if lora_r else []:
@@ -210,9 +223,11 @@ def pipeline_facts(path: str, resolution: int, lora_r: int, lora_targets: list[s
     factor = diffusion.vae_scale_factor(path)
     if resolution % factor:
         raise UserError(f"--resolution {resolution} is not divisible by {factor}, the VAE's downscaling factor")
+    encoders = ENCODERS if sdxl.is_xl(index) else ENCODERS[:1]
     try:
-        parts = {name: _build(path, index, name) for name in ("unet", *FROZEN)}
+        parts = {name: _build(path, index, name) for name in ("unet", "vae", *encoders)}
         tokenizer = json.loads((Path(path) / "tokenizer" / "tokenizer_config.json").read_text())
+        vae_config = json.loads((Path(path) / "vae" / "config.json").read_text())
     except (OSError, ValueError, AttributeError, ImportError) as err:
         raise UserError(f"could not read the pipeline in {path}: {first_line(err)}") from None
     denoiser = parts["unet"]
@@ -220,24 +235,25 @@ def pipeline_facts(path: str, resolution: int, lora_r: int, lora_targets: list[s
     text = (int(tokenizer.get("model_max_length", 77)), int(config.cross_attention_dim))
     latent = (int(config.in_channels), resolution // factor)
     lora, dora = _adapter_params(denoiser, lora_r, lora_targets)
-    text_lora, text_dora = _adapter_params(parts["text_encoder"], lora_r, diffusion.TEXT_LORA_TARGETS)
+    text_adapters = [_adapter_params(parts[name], lora_r, diffusion.TEXT_LORA_TARGETS) for name in encoders]
     return PipelineFacts(
         name=path,
         denoiser_params=sum(p.numel() for p in denoiser.parameters()),
         adapter_params=lora,
         dora_params=dora,
-        frozen_params={name: sum(p.numel() for p in parts[name].parameters()) for name in FROZEN},
-        text_adapter_params=text_lora,
-        text_dora_params=text_dora,
+        frozen_params={name: sum(p.numel() for p in parts[name].parameters()) for name in (*encoders, "vae")},
+        text_adapter_params=sum(lora for lora, _ in text_adapters),
+        text_dora_params=sum(dora for _, dora in text_adapters),
         latent_side=latent[1],
+        vae_fp32=len(encoders) > 1 and bool(vae_config.get("force_upcast", True)),
         text_tokens=text[0],
         saved_fp32_per_row=saved_bytes(denoiser, latent, text, torch.float32),
         saved_half_per_row=saved_bytes(denoiser, latent, text, torch.bfloat16),
         checkpointed_fp32_per_row=checkpointed_saved_bytes(denoiser, latent, text, torch.float32),
         checkpointed_half_per_row=checkpointed_saved_bytes(denoiser, latent, text, torch.bfloat16),
         **{
-            f"text{'_lora' if adapted else ''}_saved_{name}_per_row": text_saved_bytes(
-                parts["text_encoder"], text[0], dtype, lora_r if adapted else 0
+            f"text{'_lora' if adapted else ''}_saved_{name}_per_row": sum(
+                text_saved_bytes(parts[encoder], text[0], dtype, lora_r if adapted else 0) for encoder in encoders
             )
             for adapted in (False, True)
             for name, dtype in (("fp32", torch.float32), ("half", torch.bfloat16))
@@ -272,10 +288,15 @@ class PipelineEstimate:
         return self.parameters + self.gradients + self.optimizer_states + self.activations + self.overhead
 
 
+def text_params(f: PipelineFacts) -> int:
+    """The text encoders' parameters (SDXL's two)."""
+    return sum(n for name, n in f.frozen_params.items() if name in ENCODERS)
+
+
 def trained_params(f: PipelineFacts, t: Training) -> tuple[int, int]:
     """(the denoiser's, the text encoder's) trained parameters."""
     adapters = {"lora": (f.adapter_params, f.text_adapter_params), "dora": (f.dora_params, f.text_dora_params)}
-    unet, text = (f.denoiser_params, f.frozen_params["text_encoder"]) if t.peft == "none" else adapters[t.peft]
+    unet, text = (f.denoiser_params, text_params(f)) if t.peft == "none" else adapters[t.peft]
     return unet, text if t.text_encoder else 0
 
 
@@ -291,11 +312,11 @@ def estimate(
     c = 2 if half else 4
     unet, text = trained_params(f, t)
     T = unet + text
-    E, V = f.frozen_params["text_encoder"], f.frozen_params["vae"]
+    E, V = text_params(f), f.frozen_params["vae"]
     zero2, n = t.strategy == "zero2", t.processes
     w = c if zero2 else 4  # a trained weight's bytes: DeepSpeed casts the module to the compute dtype
     full = t.peft == "none"
-    frozen = c * V + (0 if t.text_encoder and full else c * E)
+    frozen = (4 if f.vae_fp32 else c) * V + (0 if t.text_encoder and full else c * E)
     trained = w * T + (0 if full else c * f.denoiser_params)  # a LoRA'd denoiser keeps its base in the compute dtype
     if zero2:
         grads, states = (c + 4) * T // n, 12 * T // n
@@ -383,7 +404,8 @@ def render(result: dict, budget: int, micro_batch: int) -> str:
         + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in m["frozen_params"].items())
         + f" (text encoder LoRA {m['text_adapter_params'] / 1e6:.2f}M)"
         + f"; latents {m['latent_side']}x{m['latent_side']}, {m['text_tokens']} caption tokens",
-        f"per GPU at micro-batch {micro_batch}, ZeRO-2 over {processes} processes, budget {budget / GIB:.1f} GiB:",
+        f"per GPU at micro-batch {micro_batch}, ZeRO-2 over {processes} process{'es' if processes > 1 else ''}, "
+        f"budget {budget / GIB:.1f} GiB:",
         f"  {'row':<60} {'params':>8} {'frozen':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'total':>8} {'max b':>6}",
     ]
     for r in result["strategies"]:
