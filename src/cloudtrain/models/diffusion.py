@@ -328,37 +328,59 @@ class TextToImageModel(torch.nn.Module):
 
     def save_pretrained(self, output_dir: str | Path, state_dict: dict | None = None) -> None:
         """The LoRA as diffusers' pytorch_lora_weights.safetensors, or the whole pipeline after full training.
-        `state_dict` (gathered under ZeRO-3) holds this module's weights when given."""
-        if state_dict is not None:
-            for part in ("unet", "text_encoder", "text_encoder_2"):
-                own = {k.removeprefix(f"{part}."): v for k, v in state_dict.items() if k.startswith(f"{part}.")}
-                if getattr(self, part) is not None:
-                    getattr(self, part).load_state_dict(own, strict=False)
+        `state_dict` (gathered under ZeRO-3 or FSDP2) holds this module's weights when given."""
+        parts = self._saved_parts(state_dict)
         if not self.lora:
-            self.pipeline().save_pretrained(output_dir)
+            self.pipeline(modules={name: module for name, (module, _) in parts.items()}).save_pretrained(output_dir)
             return
         from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
-        parts: dict[str, Any] = {}
-        for name in ("unet", "text_encoder", "text_encoder_2"):
-            module = getattr(self, name)
+        saved: dict[str, Any] = {}
+        for name, (module, own) in parts.items():
             if getattr(module, "peft_config", None):
-                parts[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(get_peft_model_state_dict(module))
+                lora = get_peft_model_state_dict(module, state_dict=own)
+                saved[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(lora)
                 # lora_alpha: the scale diffusers loads it with
-                parts[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
-        self.pipeline_class().save_lora_weights(output_dir, safe_serialization=True, **parts)
+                saved[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
+        self.pipeline_class().save_lora_weights(output_dir, safe_serialization=True, **saved)
+
+    def _saved_parts(self, state_dict: dict | None) -> dict[str, tuple[Any, dict | None]]:
+        """Each part with the weights to save: `state_dict`'s, loaded into the part where its parameters are
+        whole (ZeRO-3 leaves them whole in shape); FSDP2's are shards (DTensors), which take no plain tensor, so
+        a fully trained part is read again from the pipeline folder and the gathered weights go into that copy
+        (a LoRA is taken from the gathered weights alone)."""
+        parts: dict[str, tuple[Any, dict | None]] = {}
+        for part in ("unet", "vae", "text_encoder", "text_encoder_2"):
+            module = getattr(self, part)
+            if module is None:
+                continue
+            if state_dict is None:
+                parts[part] = (module, None)
+                continue
+            own = {k.removeprefix(f"{part}."): v for k, v in state_dict.items() if k.startswith(f"{part}.")}
+            if _sharded(module):
+                if not self.lora:
+                    dtype = next(iter(own.values())).dtype
+                    module = load_component(self.path, part, self.index, dtype)
+                    module.load_state_dict(own)
+            else:
+                module.load_state_dict(own, strict=False)
+            parts[part] = (module, own)
+        return parts
 
     def pipeline_class(self) -> Any:
         import diffusers
 
         return getattr(diffusers, self.index.get("_class_name", "StableDiffusionPipeline"))
 
-    def pipeline(self, tokenizer: Any = None, tokenizer_2: Any = None) -> Any:
-        """The diffusers pipeline over these very modules (the denoiser as it trains, adapters active)."""
+    def pipeline(self, tokenizer: Any = None, tokenizer_2: Any = None, modules: dict | None = None) -> Any:
+        """The diffusers pipeline over these very modules (the denoiser as it trains, adapters active), or over
+        `modules` (saving: unsharded copies)."""
         parts: dict[str, Any] = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
         if self.text_encoder_2 is not None:
             parts["text_encoder_2"] = self.text_encoder_2
+        parts.update(modules or {})
         for name, given in (("tokenizer", tokenizer), ("tokenizer_2", tokenizer_2)):
             if given is not None:
                 parts[name] = given
@@ -394,6 +416,13 @@ class TextToImageModel(torch.nn.Module):
                     )
                 images.append(out.images[0])
         return images
+
+
+def _sharded(module: torch.nn.Module) -> bool:
+    """Whether FSDP2 holds the module's parameters as shards (DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
 
 
 def lora_targets(cfg: Config) -> list[str]:

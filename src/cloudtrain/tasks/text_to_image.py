@@ -7,9 +7,10 @@ the loss is each image's diffusion loss: a batch's sum over its instance rows (D
 --validation_prompts from a fixed seed. See docs/text-to-image.md.
 """
 
+import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,11 +132,13 @@ class TextToImageTask(Task):
         fully fine-tuned pipeline keeps its own in tokenizer/."""
 
     def sharding_refusal(self, cfg: Config, shards: "Sharding") -> str | None:
-        """Validation images render on the main process, which holds the whole denoiser only unsharded."""
-        if cfg.images.validation_prompts and (shards.zero_stage == 3 or shards.fsdp):
+        """Validation images render on the main process, which holds the whole denoiser only unsharded; under
+        FSDP2 every process renders the same prompts in step (`_gathered_root`), so each layer gathers its
+        shards as in training. ZeRO-3 has no such path here."""
+        if cfg.images.validation_prompts and shards.zero_stage == 3:
             return (
                 "--validation_prompts renders on the main process, which holds the whole denoiser only without "
-                "ZeRO-3 or FSDP; use DDP or --zero_stage 2, or leave out --validation_prompts"
+                "ZeRO-3; use DDP, --zero_stage 2 or --fsdp true, or leave out --validation_prompts"
             )
         return None
 
@@ -274,10 +277,15 @@ class TextToImageTask(Task):
                 loss_sum += weighted.double().sum().item()
                 rows += len(weighted)
         result = {"loss": loss_sum / max(rows, 1), "samples": rows, "runtime_s": round(time.perf_counter() - start, 3)}
-        if data.prompts and _is_main():
-            rendered = inner.render(data.prompts, self.tokenizer, self.cfg.training.seed, autocast, self.tokenizer_2)
-            self.rendered = list(zip(data.prompts, rendered, strict=True))
-            result["validation_images"] = len(rendered)
+        fsdp = _fsdp_root(model)
+        if data.prompts and (_is_main() or fsdp is not None):
+            with _gathered_root(fsdp):
+                rendered = inner.render(
+                    data.prompts, self.tokenizer, self.cfg.training.seed, autocast, self.tokenizer_2
+                )
+            if _is_main():
+                self.rendered = list(zip(data.prompts, rendered, strict=True))
+                result["validation_images"] = len(rendered)
         return result
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
@@ -421,6 +429,28 @@ def cache_rows(
                     row[f"{prefix}pooled_prompt_embeds"] = pooled[0]
         cached.append(row)
     rows.cached = cached
+
+
+def _fsdp_root(model: torch.nn.Module) -> Any:
+    """The model as FSDP2 shards it (its root unit), or None unsharded."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return model if isinstance(model, FSDPModule) else None
+
+
+@contextlib.contextmanager
+def _gathered_root(root: Any) -> Iterator[None]:
+    """The root unit's parameters whole while the pipeline renders (its parts are called one by one, never
+    through the root's forward, whose hooks would gather them); the layers sharded on their own gather
+    themselves when called, on every process alike, so every process renders the same prompts."""
+    if root is None:
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
 
 
 def _is_main() -> bool:
