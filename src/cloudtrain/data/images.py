@@ -136,21 +136,25 @@ def to_pixels(
 
 
 def cropped_pixels(
-    image: Image.Image, resolution: int, center_crop: bool, flip: bool, rng: torch.Generator | None = None
+    image: Image.Image,
+    resolution: int | tuple[int, int],
+    center_crop: bool,
+    flip: bool,
+    rng: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, tuple[int, int]]:
-    """`to_pixels` and the crop's top-left corner (top, left) in the resized image, which SDXL conditions on."""
+    """`to_pixels` and the crop's top-left corner (top, left) in the resized image, which SDXL conditions on.
+    `resolution` (width, height): an aspect-ratio bucket's size, the image resized to cover it, then cropped."""
+    width, height = (resolution, resolution) if isinstance(resolution, int) else resolution
     w, h = image.size
-    scale = resolution / min(w, h)
-    image = image.resize(
-        (max(resolution, round(w * scale)), max(resolution, round(h * scale))), Image.Resampling.BILINEAR
-    )
+    scale = max(width / w, height / h)
+    image = image.resize((max(width, round(w * scale)), max(height, round(h * scale))), Image.Resampling.BILINEAR)
     w, h = image.size
     if center_crop:
-        left, top = (w - resolution) // 2, (h - resolution) // 2
+        left, top = (w - width) // 2, (h - height) // 2
     else:
-        left = int(torch.randint(0, w - resolution + 1, (1,), generator=rng))
-        top = int(torch.randint(0, h - resolution + 1, (1,), generator=rng))
-    image = image.crop((left, top, left + resolution, top + resolution))
+        left = int(torch.randint(0, w - width + 1, (1,), generator=rng))
+        top = int(torch.randint(0, h - height + 1, (1,), generator=rng))
+    image = image.crop((left, top, left + width, top + height))
     array = np.asarray(image, dtype=np.float32) / 127.5 - 1.0
     pixels = torch.from_numpy(array).permute(2, 0, 1).contiguous()
     return (pixels.flip(-1) if flip else pixels), (top, left)
@@ -168,8 +172,12 @@ class ImageRows(torch.utils.data.Dataset):
         train: bool,
         class_examples: list[Example] | None = None,
         size_ids: bool = False,
+        buckets: list[tuple[int, int]] | None = None,
     ):
         self.examples, self.tokens, self.cfg, self.train = examples, tokens, cfg, train
+        # aspect-ratio buckets (cloudtrain.data.image_buckets): each image's (width, height) to crop to
+        self.buckets = buckets
+        self.row_buckets = _row_buckets(examples, buckets) if buckets else []
         self.size_ids = size_ids  # SDXL: each row's original size and crop (cloudtrain.models.sdxl.time_ids)
         self.class_examples = class_examples or []
         self.cached: list[dict] | None = None  # filled by cache(): latents and text embeddings per row
@@ -183,25 +191,50 @@ class ImageRows(torch.utils.data.Dataset):
             return self.cached[index]
         # each row's draws (noise, timestep, flip, ...) come from its number (text_to_image.row_draws); a class
         # row's number follows every instance row's
-        row = {**self.prepare(self.examples[index % len(self.examples)]), "row": index}
+        size = self.buckets[self.row_buckets[index % len(self.examples)]] if self.buckets else None
+        row = {**self.prepare(self.examples[index % len(self.examples)], size), "row": index}
         if self.class_examples:
             prior = self.prepare(self.class_examples[index % len(self.class_examples)])
             row.update({f"class_{k}": v for k, v in {**prior, "row": index + len(self)}.items()})
         return row
 
-    def prepare(self, example: Example) -> dict:
+    def prepare(self, example: Example, size: tuple[int, int] | None = None) -> dict:
         """Pixels and tokens, unflipped: the flip is drawn with the row's other draws. A random crop comes from
         the global generator (checkpoints restore it). SDXL rows add their `time_ids`: the crop's corner is the
         unflipped image's (a flip drawn later does not move it)."""
         center = self.cfg.center_crop or not self.train  # evaluation rows are the same every time
         image = load_rgb(example.image)
-        pixels, corner = cropped_pixels(image, self.cfg.resolution, center, False)
+        target = size or (self.cfg.resolution, self.cfg.resolution)
+        pixels, corner = cropped_pixels(image, target, center, False)
         row = {"pixel_values": pixels, **self.tokens(example.caption)}
         if self.size_ids:
             from cloudtrain.models.sdxl import time_ids
 
-            row["time_ids"] = time_ids((image.height, image.width), corner, self.cfg.resolution)
+            row["time_ids"] = time_ids((image.height, image.width), corner, (target[1], target[0]))
         return row
+
+    def epoch_sampler(self, seed: int, step_rows: int) -> torch.utils.data.Sampler | None:
+        """With buckets, the order that keeps every step in one bucket (image_buckets.BucketSampler); else None:
+        the trainer's own shuffle."""
+        if not self.buckets:
+            return None
+        from cloudtrain.data.image_buckets import BucketSampler
+
+        return BucketSampler(self.row_buckets, step_rows, seed)
+
+
+def _row_buckets(examples: list[Example], buckets: list[tuple[int, int]]) -> list[int]:
+    """Each example's bucket, from its image's size (read from the header, not decoded)."""
+    from cloudtrain.data.image_buckets import assign
+
+    sizes = []
+    for example in examples:
+        if isinstance(example.image, Image.Image):
+            sizes.append(example.image.size)
+        else:
+            with Image.open(example.image) as image:
+                sizes.append(image.size)
+    return assign(sizes, buckets)
 
 
 def collate(rows: list[dict], prior_loss_weight: float = 1.0) -> dict:

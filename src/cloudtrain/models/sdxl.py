@@ -28,9 +28,11 @@ def encode(
     return hidden, second.text_embeds
 
 
-def time_ids(original: tuple[int, int], crop_top_left: tuple[int, int], resolution: int) -> torch.Tensor:
-    """One row's six size numbers: (original height, width, crop top, left, target height, width)."""
-    return torch.tensor([*original, *crop_top_left, resolution, resolution], dtype=torch.float32)
+def time_ids(original: tuple[int, int], crop_top_left: tuple[int, int], target: int | tuple[int, int]) -> torch.Tensor:
+    """One row's six size numbers: (original height, width, crop top, left, target height, width); `target` an
+    int for a square, or (height, width) for an aspect-ratio bucket."""
+    height, width = (target, target) if isinstance(target, int) else target
+    return torch.tensor([*original, *crop_top_left, height, width], dtype=torch.float32)
 
 
 def added_cond(pooled: torch.Tensor, ids: torch.Tensor, dtype: torch.dtype) -> dict[str, torch.Tensor]:
