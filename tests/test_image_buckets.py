@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 
@@ -106,3 +107,22 @@ def test_a_bucketed_sdxl_batch_runs_through_the_denoiser(tmp_path):
     with torch.no_grad():
         out = unet(latents, torch.tensor([1, 500]), hidden, added_cond_kwargs=added_cond(pooled, ids, unet.dtype))
     assert out.sample.shape == latents.shape
+
+
+def test_bucketing_refuses_prior_preservation_and_a_resolution_below_one_bucket(tmp_path):
+    from t2i_fixtures import build_tiny_pipeline, plain_folder
+
+    from cloudtrain.errors import UserError
+    from cloudtrain.tasks.text_to_image import TextToImageTask
+
+    model = str(build_tiny_pipeline(tmp_path / "tiny-sd"))  # VAE factor 2: sides in multiples of 16 px
+    with pytest.raises(UserError, match="--aspect_ratio_bucketing puts each image in a bucket"):
+        prior = build_config({"task": "text_to_image", "aspect_ratio_bucketing": True, "with_prior_preservation": True,
+                      "instance_data_dir": str(plain_folder(tmp_path / "i", (1, 2, 3))), "instance_prompt": "sks",
+                      "class_data_dir": str(plain_folder(tmp_path / "c", (3, 2, 1))), "class_prompt": "a"})  # fmt: skip
+        prior.images.check()
+    cfg = build_config({"task": "text_to_image", "model_name_or_path": model, "aspect_ratio_bucketing": True,
+                        "resolution": 8, "train_data_dir": str(mixed_folder(tmp_path / "m"))})  # fmt: skip
+    with pytest.raises(UserError) as refused:
+        TextToImageTask(cfg).check_options(cfg)
+    assert str(refused.value).startswith("--aspect_ratio_bucketing makes sides of multiples of 16 px")

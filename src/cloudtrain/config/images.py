@@ -33,6 +33,12 @@ class ImagesConfig:
     )
     prior_loss_weight: float = opt(1.0, "DreamBooth: the weight of the class images' loss.")
     resolution: int = opt(512, "Text-to-image: images are resized (shorter side) and cropped to this square size.")
+    aspect_ratio_bucketing: bool = opt(
+        False,
+        "Text-to-image: train on buckets of sizes near --resolution squared (sides in multiples of 8 latent "
+        "pixels, 64 px for SDXL) instead of square crops; each image goes to the bucket of nearest aspect ratio "
+        "and every step's images come from one bucket (kohya's --enable_bucket).",
+    )
     center_crop: bool = opt(False, "Text-to-image: crop the centre of each image (default: a random crop).")
     random_flip: bool = opt(False, "Text-to-image: flip training images horizontally at random.")
     prediction_type: str | None = opt(
@@ -96,6 +102,11 @@ class ImagesConfig:
             raise UserError("--instance_data_dir needs --instance_prompt, e.g. 'a photo of sks dog'")
         if self.with_prior_preservation and not (self.class_data_dir and self.class_prompt):
             raise UserError("--with_prior_preservation needs --class_data_dir and --class_prompt")
+        if self.aspect_ratio_bucketing and self.with_prior_preservation:
+            raise UserError(
+                "--aspect_ratio_bucketing puts each image in a bucket of its own shape, and a class image would "
+                "join its instance image's batch: leave out one of it and --with_prior_preservation"
+            )
         if self.with_prior_preservation and not self.instance_data_dir:
             raise UserError("--with_prior_preservation is DreamBooth's: give --instance_data_dir and --instance_prompt")
 

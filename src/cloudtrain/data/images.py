@@ -91,9 +91,10 @@ def dreambooth_examples(cfg: ImagesConfig) -> tuple[list[Example], list[Example]
     return instance, [Example(f, cfg.class_prompt) for f in check_folder(cfg.class_data_dir, "--class_data_dir")]
 
 
-def readable(examples: list[Example], resolution: int, what: str) -> tuple[list[Example], int]:
+def readable(examples: list[Example], resolution: int, what: str, by_area: bool = False) -> tuple[list[Example], int]:
     """The examples whose images decode, as RGB images in memory-light form (paths kept); refuses images smaller
-    than `resolution` and a set with nothing readable. Returns (kept, skipped)."""
+    than `resolution` (`by_area`, with aspect-ratio buckets: of fewer pixels than its square) and a set with
+    nothing readable. Returns (kept, skipped)."""
     kept, skipped, small = [], [], []
     for example in examples:
         try:
@@ -101,7 +102,7 @@ def readable(examples: list[Example], resolution: int, what: str) -> tuple[list[
         except (OSError, UnidentifiedImageError, ValueError, SyntaxError):  # PIL's ways of saying "not an image"
             skipped.append(example)
             continue
-        if min(image.size) < resolution:
+        if (image.width * image.height < resolution**2) if by_area else (min(image.size) < resolution):
             small.append((example, image.size))
         kept.append(example)
     if not kept:

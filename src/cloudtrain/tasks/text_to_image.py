@@ -74,6 +74,11 @@ class TextToImageTask(Task):
                 f"--resolution {ic.resolution} is not divisible by {factor}, the VAE's downscaling factor of "
                 f"{path}; use {ic.resolution // factor * factor or factor} or {(ic.resolution // factor + 1) * factor}"
             )
+        if ic.aspect_ratio_bucketing and ic.resolution < factor * 8:
+            raise UserError(
+                f"--aspect_ratio_bucketing makes sides of multiples of {factor * 8} px (8 latent pixels): "
+                f"--resolution {ic.resolution} is below that; use {factor * 8} or more"
+            )
         self._check_validation(cfg)
 
     def resolve_options(self, cfg: Config) -> Config:
@@ -168,7 +173,7 @@ class TextToImageTask(Task):
         ic = cfg.images
         self.tokenizer = tokenizer
         examples, class_examples = self._examples(raw, cfg)
-        examples, self.skipped = images.readable(examples, ic.resolution, "training")
+        examples, self.skipped = images.readable(examples, ic.resolution, "training", ic.aspect_ratio_bucketing)
         if class_examples:
             class_examples, skipped = images.readable(class_examples, ic.resolution, "class")
             self.skipped += skipped
@@ -180,12 +185,30 @@ class TextToImageTask(Task):
         evaluated = examples[: cfg.data.max_eval_samples or EVAL_ROWS]
         xl = self.tokenizer_2 is not None
         return ProcessedData(
-            train=images.ImageRows(examples, tokens, ic, train=True, class_examples=class_examples, size_ids=xl),  # type: ignore[arg-type]
+            train=images.ImageRows(
+                examples,
+                tokens,
+                ic,
+                train=True,
+                class_examples=class_examples,
+                size_ids=xl,
+                buckets=self._buckets(cfg),  # type: ignore[arg-type]
+            ),
             validation=images.ImageRows(evaluated, tokens, ic, train=False, size_ids=xl),  # type: ignore[arg-type]
             test=None,
             collator=functools.partial(images.collate, prior_loss_weight=ic.prior_loss_weight),
             prompts=list(ic.validation_prompts),
         )
+
+    def _buckets(self, cfg: Config) -> list[tuple[int, int]] | None:
+        """--aspect_ratio_bucketing's sizes: near --resolution squared, sides in multiples of 8 latent pixels
+        (the VAE's factor x 8: 64 px for SDXL), so every denoiser level halves them evenly."""
+        if not cfg.images.aspect_ratio_bucketing:
+            return None
+        from cloudtrain.data.image_buckets import bucket_sizes
+
+        factor = diffusion.vae_scale_factor(diffusion.local_pipeline(str(cfg.model.model_name_or_path)))
+        return bucket_sizes(cfg.images.resolution**2, factor * 8)
 
     def _examples(self, raw: DatasetDict, cfg: Config) -> tuple[list[images.Example], list[images.Example]]:
         ic = cfg.images
@@ -314,7 +337,10 @@ class TextToImageTask(Task):
             line += f" and {len(train.class_examples)} class images (prior preservation)"  # type: ignore[attr-defined]
         if self.skipped:
             line += f" ({self.skipped} unreadable skipped)"
-        return f"{line}; {self.cfg.images.resolution}px, {len(data.prompts)} validation prompts"
+        size = f"{self.cfg.images.resolution}px"
+        if train.buckets:  # type: ignore[attr-defined]
+            size = f"{len(set(train.row_buckets))} aspect-ratio buckets near {size} squared"  # type: ignore[attr-defined]
+        return f"{line}; {size}, {len(data.prompts)} validation prompts"
 
     def describe_metrics(self, metrics: dict) -> str:
         line = f"loss {metrics['loss']:.4f} ({metrics['samples']} images, fixed noise)"
@@ -396,8 +422,9 @@ def row_draws(model: diffusion.TextToImageModel, batch: dict, seed: int, step: i
 def latent_shape(model: diffusion.TextToImageModel, batch: dict) -> tuple[int, ...]:
     if "latent_mean" in batch:
         return tuple(batch["latent_mean"].shape[1:])
-    side = batch["pixel_values"].shape[-1] // (2 ** (len(model.vae.config.block_out_channels) - 1))
-    return (model.unet.config.in_channels, side, side)
+    factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
+    height, width = batch["pixel_values"].shape[-2:]  # an aspect-ratio bucket's, or the square's
+    return (model.unet.config.in_channels, height // factor, width // factor)
 
 
 def cache_rows(
