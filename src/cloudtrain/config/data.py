@@ -95,8 +95,9 @@ class DataConfig:
         False,
         "Causal LM and SFT: read, tokenize and pack the training data on the fly instead of tokenizing it all "
         "before the first step (corpora larger than memory, weighted mixtures); needs --max_steps or "
-        "--max_tokens. --train_file then takes one or more sources separated by commas (files, folders, globs; "
-        "see docs/streaming.md).",
+        "--max_tokens. --train_file then takes one or more sources separated by commas (files, folders, globs, "
+        "s3://bucket/prefix, hf://datasets/<owner>/<name>[/glob]; see docs/streaming.md), and --dataset_name X "
+        "means hf://datasets/X.",
     )
     train_weights: list = opt(
         [], "Streaming: the sampling weight of each --train_file source, in order (default: equal weights)."

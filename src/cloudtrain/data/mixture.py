@@ -44,8 +44,14 @@ def _entries(data: Any) -> list[dict]:
         entries.append(value)
     if not entries and data.train_file:
         entries = [{"path": part.strip()} for part in data.train_file.split(",") if part.strip()]
+    if not entries and getattr(data, "dataset_name", None):  # --dataset_name X --streaming true: the Hub dataset X
+        from cloudtrain.data.remote import hub_dataset_source
+
+        entries = [{"path": hub_dataset_source(data.dataset_name, getattr(data, "dataset_config", None))}]
     if not entries:
-        raise UserError("--streaming true needs training sources: --train_file (one or more) or datasets:")
+        raise UserError(
+            "--streaming true needs training sources: --train_file (one or more), datasets: or a Hub --dataset_name"
+        )
     weights = data.train_weights
     if weights and len(weights) != len(entries):
         raise UserError(f"--train_weights gives {len(weights)} weight(s) for {len(entries)} source(s); give one each")

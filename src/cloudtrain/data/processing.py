@@ -362,7 +362,11 @@ def train_dataloader(
     if isinstance(data.train, StreamPlan):  # host batches, pinned as a map-style loader's: the trainer places both
         return data.train.loader(batch_size, loader_options(cfg)["pin_memory"])  # type: ignore[return-value]
     sampler: Sampler[int]
-    if cfg.group_by_length:
+    own = getattr(data.train, "epoch_sampler", None)  # a dataset's own order (text-to-image's aspect buckets)
+    order = own(seed, step_rows or batch_size) if own else None
+    if order is not None:
+        sampler = order
+    elif cfg.group_by_length:
         lengths = [len(ids) for ids in data.train["input_ids"]]
         sampler = LengthGroupedSampler(lengths, batch_size, seed, step_rows=step_rows)
     else:
