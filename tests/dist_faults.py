@@ -22,22 +22,32 @@ def install(faults: dict, setattr=setattr) -> None:
     """Patch the classes (with `setattr`: a test passes monkeypatch.setattr, so that it is undone)."""
     rank = int(os.environ.get("RANK", "0"))
     step = [0]  # the optimizer step being computed (the loss scale is computed once per step, in fit only)
-    real_scale, real_move = Trainer._loss_scale, Trainer.move
+    real_scale = Trainer._loss_scale
 
     def loss_scale(self, window):
         step[0] += 1
         return real_scale(self, window)
 
-    def move(self, batch):
-        slow = faults.get("slow_data")
-        if slow and step[0] + 1 >= slow["from_step"]:  # fetched for the coming step
-            time.sleep(slow["seconds"])
-        return real_move(self, batch)
+    def slowed(real_move):
+        def move(self, batch):
+            slow = faults.get("slow_data")
+            if slow and step[0] + 1 >= slow["from_step"]:  # fetched for the coming step
+                time.sleep(slow["seconds"])
+            return real_move(self, batch)
+
+        return move
 
     setattr(Trainer, "_loss_scale", loss_scale)
-    setattr(Trainer, "move", move)
+    for trainer in _trainer_classes():  # each class with its own input path (the accelerated one places streams)
+        setattr(trainer, "move", slowed(trainer.__dict__["move"]))
     for task in _task_classes():
         setattr(task, "loss", _faulty_loss(task.loss, faults, rank, step))
+
+
+def _trainer_classes() -> list[type]:
+    from cloudtrain.registry import TRAINERS
+
+    return [cls for cls in {Trainer, *TRAINERS} if "move" in cls.__dict__]
 
 
 def _task_classes() -> list[type]:
