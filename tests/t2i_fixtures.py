@@ -172,3 +172,21 @@ def build_tiny_sdxl_pipeline(out: Path, seed: int = 0, width: int = 8) -> Path:
     )
     pipeline.save_pretrained(out)
     return out
+
+
+PROMPT = "a red square"
+
+
+def options(model: str, out: Path, **extra) -> dict:
+    """A short text-to-image run's options: the basic trainer, fp32, 16 px, 2 rendering steps."""
+    return {
+        "task": "text_to_image",
+        "model_name_or_path": model,
+        "resolution": 16,
+        "output_dir": str(out),
+        "training_type": "basic",
+        "mixed_precision": "no",
+        "report_to": ["none"],
+        "validation_inference_steps": 2,
+        **extra,
+    }

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from t2i_fixtures import build_tiny_pipeline, captioned_folder, plain_folder, square
+from t2i_fixtures import PROMPT, build_tiny_pipeline, captioned_folder, options, plain_folder, square
 
 from cloudtrain import train
 from cloudtrain.config import build_config
@@ -15,8 +15,6 @@ from cloudtrain.data import images
 from cloudtrain.errors import UserError
 from cloudtrain.models.diffusion import load_text_to_image_model
 from cloudtrain.tasks.text_to_image import TextToImageTask
-
-PROMPT = "a red square"
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -36,20 +34,6 @@ def tiny_sd(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def squares(tmp_path_factory) -> str:
     return str(captioned_folder(tmp_path_factory.mktemp("t2i-data") / "squares"))
-
-
-def options(model: str, out: Path, **extra) -> dict:
-    return {
-        "task": "text_to_image",
-        "model_name_or_path": model,
-        "resolution": 16,
-        "output_dir": str(out),
-        "training_type": "basic",
-        "mixed_precision": "no",
-        "report_to": ["none"],
-        "validation_inference_steps": 2,
-        **extra,
-    }
 
 
 def config(model: str, out: Path, **extra):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from t2i_fixtures import build_tiny_sdxl_pipeline, captioned_folder, square
+from t2i_fixtures import PROMPT, build_tiny_sdxl_pipeline, captioned_folder, options, square
 
 from cloudtrain import train
 from cloudtrain.config import build_config
@@ -17,7 +17,6 @@ from cloudtrain.errors import UserError
 from cloudtrain.models.diffusion import load_text_to_image_model
 from cloudtrain.tasks.text_to_image import TextToImageTask
 
-PROMPT = "a red square"
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
@@ -38,20 +37,6 @@ def tiny_sdxl(tmp_path_factory) -> str:
 @pytest.fixture(scope="module")
 def squares(tmp_path_factory) -> str:
     return str(captioned_folder(tmp_path_factory.mktemp("t2i-xl-data") / "squares"))
-
-
-def options(model: str, out: Path, **extra) -> dict:
-    return {
-        "task": "text_to_image",
-        "model_name_or_path": model,
-        "resolution": 16,
-        "output_dir": str(out),
-        "training_type": "basic",
-        "mixed_precision": "no",
-        "report_to": ["none"],
-        "validation_inference_steps": 2,
-        **extra,
-    }
 
 
 def xl_pipeline(path: str):
