@@ -94,7 +94,15 @@ merged = pipeline("{{ task }}", model=f"{folder}/{{ adapter.merged }}")
 {%- for name, value in adapter.options.items() %}
 | {{ name }} | {{ value }} |
 {%- endfor %}
-{%- endmacro %}"""  # the parts of a card that only an adapter's has: both templates start with these
+{%- endmacro %}{% macro hyperparameters_table() %}### Training hyperparameters
+
+| option | value |
+|:-------|:------|
+{%- for name, value in hyperparameters.items() %}
+| {{ name }} | {{ value }} |
+{%- endfor %}
+{%- if adapter %}{{ adapter_table() }}{% endif %}
+{%- endmacro %}"""  # what both templates share (adapter note and table, hyperparameters): they start with these
 
 
 def hyperparameters(cfg: Config) -> dict[str, str]:

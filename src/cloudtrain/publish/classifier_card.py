@@ -79,14 +79,7 @@ print(classifier("{{ example_text }}"))
 
 ## Training procedure
 
-### Training hyperparameters
-
-| option | value |
-|:-------|:------|
-{%- for name, value in hyperparameters.items() %}
-| {{ name }} | {{ value }} |
-{%- endfor %}
-{%- if adapter %}{{ adapter_table() }}{% endif %}
+{{ hyperparameters_table() }}
 
 ### Training results
 

@@ -82,14 +82,7 @@ print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["g
 {% endif %}
 ## Training procedure
 
-### Training hyperparameters
-
-| option | value |
-|:-------|:------|
-{%- for name, value in hyperparameters.items() %}
-| {{ name }} | {{ value }} |
-{%- endfor %}
-{%- if adapter %}{{ adapter_table() }}{% endif %}
+{{ hyperparameters_table() }}
 
 ### Training results
 
