@@ -187,13 +187,3 @@ def test_a_folder_of_data_files_is_one_split(tmp_path):
     (folder / "extra.json").write_text("[]")
     with pytest.raises(UserError, match="mixes data formats"):
         connect(DataConfig(train_file=str(folder)))
-
-
-def test_classification_refuses_streaming_in_one_line(tmp_path, tokenizer):
-    """A stream's train split is one sample record per source: classification must not train on it."""
-    pd.DataFrame(topic_rows(3)).to_csv(tmp_path / "train.csv", index=False)
-    cfg = DataConfig(train_file=str(tmp_path / "train.csv"), streaming=True)
-    raw = connect(cfg)
-    assert len(raw["train"]) == 1  # what a stream's connection holds
-    with pytest.raises(UserError, match="^--streaming true streams --task causal_lm and sft; .*drop --streaming$"):
-        process_data(raw, tokenizer, cfg, seed=0)

@@ -252,3 +252,12 @@ def test_the_entry_point_reads_hf_endpoint_and_hf_token_from_the_environment(hub
     assert trained.returncode == 0, trained.stderr[-3000:]
     sources = json.loads((tmp_path / "run" / "train_results.json").read_text())["sources"]
     assert sources["hf://datasets/alice/private-corpus"]["documents"] > 0
+
+
+def test_a_folder_keeps_its_plain_files_beside_files_named_for_other_splits():
+    from cloudtrain.data.remote import _training_files
+
+    root = "hf://datasets/o/n@c/"
+    assert _training_files([root + "data.jsonl", root + "test.jsonl"], root) == [root + "data.jsonl"]
+    named = [root + "train-0.jsonl", root + "test.jsonl", root + "notes.jsonl"]
+    assert _training_files(named, root) == [root + "train-0.jsonl"]  # the Hub's split names: the training split only

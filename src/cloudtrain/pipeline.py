@@ -46,6 +46,7 @@ from cloudtrain.publish import atomic, hub
 from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, free_name, holds_saved_model
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
+from cloudtrain.registry import TASKS
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters
 from cloudtrain.training.callbacks import load_callbacks
@@ -74,8 +75,9 @@ def resolve(cfg: Config, task: Task) -> Config:
 
 def preflight(cfg: Config, task: Task) -> Path:
     """Checks that touch files and devices but load nothing heavy; returns the output dir."""
-    if cfg.data.streaming and not task.streams_data:
-        raise UserError(f"--streaming true streams --task causal_lm and sft, not --task {task.name}: drop --streaming")
+    if cfg.data.streaming and not task.streams_data:  # it would train on one sample record per source
+        streaming = " and ".join(t.name for t in TASKS if t.streams_data)
+        raise UserError(f"--streaming true streams --task {streaming}, not --task {task.name}: drop --streaming")
     task.check_options(cfg)
     task.check_adapters(cfg)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:

@@ -162,11 +162,6 @@ def process_data(
 ) -> ProcessedData:
     """Tokenize and encode every split, carve validation if needed, and apply the sample limits.
     `label_order`: see `find_label_names`."""
-    if cfg.streaming:  # its train split would be one sample record per source (cloudtrain.data.sources)
-        raise UserError(
-            "--streaming true streams --task causal_lm and sft; classification reads stored rows (its labels "
-            "come from the whole training split): drop --streaming"
-        )
     check_texts(raw["train"], cfg.text_column)
     names, label2id = find_label_names(raw, cfg.label_column, label_order)
     if len(names) < 2:

@@ -171,7 +171,7 @@ def _training_files(found: list[str], root: str) -> list[str]:
         split: {f for f, rel in relative.items() if re.search(rf"(^|[/\-._ 0-9])({words})([/\-._ 0-9]|$)", rel)}
         for split, words in SPLIT_WORDS.items()
     }
-    return sorted(named["train"]) if named["train"] or named["other"] else found
+    return sorted(named["train"]) if named["train"] else sorted(set(found) - named["other"])
 
 
 def expand_hub(path: str) -> list[str]:

@@ -230,7 +230,7 @@ class TextToImageModel(torch.nn.Module):
         """The captions' (hidden states, pooled embedding), cached or encoded now from `ids` (each tokenizer's),
         the empty prompt's on the rows `empty` marks."""
         (input_ids, input_ids_2), (hidden, pooled) = ids, cached
-        if empty is not None and bool(empty.any()):
+        if empty is not None:  # present only when some row draws the empty prompt
             assert self.empty_ids is not None  # set by the task with --proportion_empty_prompts
             blank = self.empty_ids.to(empty.device)[None]
             blank_2 = self.empty_ids_2.to(empty.device)[None] if self.empty_ids_2 is not None else None

@@ -414,7 +414,7 @@ def row_draws(model: diffusion.TextToImageModel, batch: dict, seed: int, step: i
         out["latent_noise"] = torch.stack(drawn["latent_noise"]).to(device)
         if flips:
             out["flip"] = torch.tensor(drawn["flip"], device=device)
-        if ic.proportion_empty_prompts:
+        if ic.proportion_empty_prompts and any(drawn["empty_caption"]):  # known on the host: no device sync
             out["empty_caption"] = torch.tensor(drawn["empty_caption"], device=device)
     return out
 
