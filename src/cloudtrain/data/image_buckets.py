@@ -12,6 +12,8 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from cloudtrain.data.processing import whole_steps
+
 MAX_RATIO = 4.0  # no bucket longer than 4:1: past that the sides get too thin to learn from
 
 
@@ -62,9 +64,8 @@ class BucketSampler(torch.utils.data.Sampler):
         steps: list[list[int]] = []
         for bucket in sorted(set(self.row_buckets)):
             rows = [i for i, b in enumerate(self.row_buckets) if b == bucket]
-            order = [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
-            short = -len(order) % self.step_rows
-            order += (order * (short // len(order) + 1))[:short]
+            shuffled = [rows[i] for i in torch.randperm(len(rows), generator=generator).tolist()]
+            order = whole_steps(shuffled, self.step_rows)
             steps += [order[i : i + self.step_rows] for i in range(0, len(order), self.step_rows)]
         return [steps[i] for i in torch.randperm(len(steps), generator=generator).tolist()]
 

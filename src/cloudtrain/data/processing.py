@@ -313,9 +313,14 @@ class EpochShuffleSampler(torch.utils.data.Sampler):
         return self.num_examples + short
 
     def _whole_steps(self, order: list[int]) -> list[int]:
-        """`order` completed to whole global steps with its own first rows (again, for an epoch shorter than a step)."""
-        short = len(self) - len(order)
-        return order + (order * (short // len(order) + 1))[:short] if short else order
+        return whole_steps(order, self.step_rows)
+
+
+def whole_steps(order: list[int], step_rows: int | None) -> list[int]:
+    """`order` completed to whole global steps of `step_rows` with its own first rows (again, for an epoch
+    shorter than a step)."""
+    short = -len(order) % step_rows if step_rows and order else 0
+    return order + (order * (short // len(order) + 1))[:short] if short else order
 
 
 class LengthGroupedSampler(EpochShuffleSampler):
