@@ -82,13 +82,13 @@ def test_a_replicated_checkpoint_resumes_at_another_count_only_with_its_global_b
         "batch": batch,
     }
     one = Mesh(world=1, dp_replicate=1)
-    check_compatible(meta, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=4)
-    check_compatible(meta, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=None)  # a stream
+    check_compatible(meta, tmp_path, "AcceleratedTrainer", one, global_rows=4)
+    check_compatible(meta, tmp_path, "AcceleratedTrainer", one, global_rows=None)  # a stream
     with pytest.raises(UserError, match="took 4 rows per step .* this run takes 2: .* whose product is 4$"):
-        check_compatible(meta, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=2)
+        check_compatible(meta, tmp_path, "AcceleratedTrainer", one, global_rows=2)
     zero = {**meta, "mesh": {"world": 2, "dp_shard": 2}}
     with pytest.raises(UserError, match="resume it the same way"):
-        check_compatible(zero, tmp_path, "AcceleratedTrainer", one, portable=True, global_rows=4)
+        check_compatible(zero, tmp_path, "AcceleratedTrainer", one, global_rows=4)
 
 
 # ------------------------------------------------------------------ real launches (slow)

@@ -299,21 +299,18 @@ def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
             shutil.copy2(checkpoint / name, Path(output_dir) / name)
 
 
-def check_compatible(
-    meta: dict, path: Path, trainer: str, mesh: Mesh, portable: bool = False, global_rows: int | None = None
-) -> None:
+def check_compatible(meta: dict, path: Path, trainer: str, mesh: Mesh, global_rows: int | None = None) -> None:
     """A checkpoint resumes only under the trainer, process count and mesh that wrote it (a ZeRO checkpoint
     holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh.
 
-    `portable`: the data position is global (a stream's cursor; the stored rows' order, micro-batch b to
-    process b % processes), so a replicated (DDP) checkpoint also resumes at another process count: every
-    process holds the whole model and optimizer state. `global_rows` (stored rows: this run's rows per step
+    The data position is global (a stream's cursor; the stored rows' order, micro-batch b to process
+    b % processes), so a replicated (DDP) checkpoint also resumes at another process count: every process
+    holds the whole model and optimizer state. `global_rows` (stored rows: this run's rows per step
     over all processes) must then be the checkpoint's, since its step is the position; a stream's cursor
     (None) resumes at any global batch."""
     replicated = {"world", "dp_replicate"}
     if (
-        portable
-        and meta["trainer"] == trainer
+        meta["trainer"] == trainer
         and meta["num_processes"] != mesh.world
         and set(meta.get("mesh", {"world": 1})) <= replicated
         and set(mesh.degrees()) <= replicated

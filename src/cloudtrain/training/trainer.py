@@ -448,7 +448,7 @@ class Trainer:
         """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
         meta = read_state(folder)
         global_rows = None if self.streams else self.global_rows  # a stream's cursor resumes at any global batch
-        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh, portable=True, global_rows=global_rows)
+        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh, global_rows=global_rows)
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
