@@ -5,15 +5,18 @@
 Each process writes to LOG_DIR/overlap.<rank> whether its first background save's writer saw the loop finish
 the next step before it wrote anything: the writer waits for that step (at most 120 s), which comes only if
 the loop was not blocked by the save. `Published` (--callbacks dist_async_checkpoint:Published) records each
-on_save it is called with, and whether the checkpoint was complete and under its final name then.
+on_save it is called with, whether the checkpoint was complete and under its final name then, and after how
+many step ends it fired; process 1's saves publish a second late (`LateLock`).
 """
 
 import json
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 
+from cloudtrain.checkpointing import Checkpointer
 from cloudtrain.cli import main
 from cloudtrain.training.accelerated import AcceleratedTrainer
 from cloudtrain.training.trainer import Trainer
@@ -23,10 +26,15 @@ RANK = os.environ.get("RANK", "0")
 
 class Published:
     all_processes = True
+    step_ends = 0
+
+    def on_step_end(self, state) -> None:
+        self.step_ends += 1
 
     def on_save(self, state) -> None:
         folder = state.checkpoint
         record = [state.global_step, folder.name, (folder / "trainer_state.json").is_file(), folder.is_dir()]
+        record.append(self.step_ends)  # when it fired: the same step end on every process
         with open(Path(os.environ["ASYNC_LOG"]) / f"on_save.{state.process_index}", "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -56,6 +64,34 @@ def watch(log: Path) -> None:
         return waiting_write
 
     Trainer._step, AcceleratedTrainer.checkpoint_snapshot = step, snapshot
+    if RANK == "1":
+        publish_late()
+
+
+class LateLock:
+    """A checkpointer's lock that the background thread of process 1 takes a second late: its saves publish
+    after process 0's, so on_save would fire at different step ends unless the processes agree."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def __enter__(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            time.sleep(1.0)
+        self.lock.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.release()
+
+
+def publish_late() -> None:
+    real_init = Checkpointer.__init__
+
+    def init(self, *args, **kwargs) -> None:
+        real_init(self, *args, **kwargs)
+        self._lock = LateLock()
+
+    Checkpointer.__init__ = init
 
 
 if __name__ == "__main__":

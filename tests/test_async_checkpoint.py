@@ -181,7 +181,8 @@ def test_two_processes_save_in_the_background_survive_a_kill_and_resume_bit_exac
     """DDP on 2 CPU processes (the AcceleratedTrainer): the loop runs the step after a save while that save is
     being written (each process's writer waits for it); both processes killed -9 while checkpoint-8 is written
     leave checkpoint-4 as the newest complete one; the resume picks it and ends bit-exact with a synchronous
-    run, its checkpoints too; on_save fires once a checkpoint is complete and renamed, on both processes."""
+    run, its checkpoints too; on_save fires once a checkpoint is complete and renamed, on both processes at the
+    same step end though process 1 publishes a second late."""
     sync, killed = tmp_path / "sync", tmp_path / "killed"
     first, second = tmp_path / "log-killed", tmp_path / "log-resumed"
     first.mkdir(), second.mkdir()
@@ -196,15 +197,17 @@ def test_two_processes_save_in_the_background_survive_a_kill_and_resume_bit_exac
         assert json.loads((first / f"overlap.{rank}").read_text()) == {"saved_step": 4, "went_on": True}
     # checkpoint-4's on_save comes at the first step end after its thread published it: the kill, from the thread
     # writing checkpoint-8, may come first (the resumed run below, not killed, sees every one)
-    assert all(saves in ([], [[4, "checkpoint-4", True, True]]) for saves in records(first, "on_save").values())
+    for saves in records(first, "on_save").values():
+        assert [save[:4] for save in saves] in ([], [[4, "checkpoint-4", True, True]])
 
     result = two_processes(str(DIST), str(second), *run_args, "--resume_from_checkpoint", "latest")
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"resumed from {killed / 'checkpoints' / 'checkpoint-4'} at step 4" in result.stdout
     for rank in (0, 1):
         assert json.loads((second / f"overlap.{rank}").read_text()) == {"saved_step": 8, "went_on": True}
-    published = [[8, "checkpoint-8", True, True], [12, "checkpoint-12", True, True]]
-    assert records(second, "on_save") == {0: published, 1: published}
+    published = records(second, "on_save")  # at the same step end on both, though process 1 publishes late
+    assert [save[:4] for save in published[0]] == [[8, "checkpoint-8", True, True], [12, "checkpoint-12", True, True]]
+    assert published[0] == published[1], published
     assert same(weights(sync), weights(killed))
     for step in (8, 12):
         mid = Path("checkpoints") / f"checkpoint-{step}"

@@ -379,6 +379,7 @@ class Checkpointer:
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
         self.at_epoch_end = c.checkpointing_steps == "epoch"
         self.limit, self.metric = c.save_total_limit, c.metric_for_best_model
+        self.asynchronous = c.async_checkpointing  # saves publish from a background thread
         self.adapters = adapter_settings(cfg)
         t = cfg.training  # what --per_device_train_batch_size auto chose: a resume takes it instead of searching
         self.batch = {
@@ -408,11 +409,16 @@ class Checkpointer:
         partial = self._open(step)
         return self._save_now(step, partial, write, trainer, mesh, state, start, blocked_s=None)
 
-    def take_published(self) -> list[tuple[int, Path]]:
+    def take_published(self, agreed: Callable[[int], int] | None = None) -> list[tuple[int, Path]]:
         """The (step, path) of each checkpoint complete and renamed (on every process) since the last call:
-        a synchronous save's at once, a background save's once its thread has published it."""
+        a synchronous save's at once, a background save's once its thread has published it. `agreed(count)`
+        (a collective: the smallest count on any process) keeps the processes in step: each process's thread
+        publishes on its own after the last barrier, so one may see a checkpoint a step before another."""
         with self._lock:
-            published, self._published = self._published, []
+            ready = len(self._published)
+        count = agreed(ready) if agreed else ready
+        with self._lock:
+            published, self._published = self._published[:count], self._published[count:]
         return published
 
     def save_async(

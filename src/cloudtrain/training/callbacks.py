@@ -155,6 +155,9 @@ class CallbackHook(Hook):
         self.mine = [c for c in callbacks if runtime.is_main or getattr(c, "all_processes", False)]
         # main-only callbacks fail on the main process alone: the others must hear of it (a collective)
         self.must_agree = runtime.count > 1 and any(not getattr(c, "all_processes", False) for c in callbacks)
+        # callbacks on every process see a background save's on_save at the same step end on each
+        everywhere = runtime.count > 1 and any(getattr(c, "all_processes", False) for c in callbacks)
+        self.agreed_saves = runtime.smallest if everywhere and checkpointer and checkpointer.asynchronous else None
         self.metrics: dict[str, Any] = {}
         self.evaluations_seen = 0
         self.evaluated: dict[str, Any] = {}  # the numbers of the evaluation not yet reported
@@ -176,8 +179,9 @@ class CallbackHook(Hook):
 
     def _published(self) -> list[tuple[str, tuple[int, Path]]]:
         """on_save for each checkpoint complete and renamed since the last event: a synchronous save's at its
-        step, a background save's (--async_checkpointing) at the first step end after its thread published it."""
-        saved = self.checkpointer.take_published() if self.checkpointer else []
+        step, a background save's (--async_checkpointing) at the first step end after its thread published it (on every
+        process, for callbacks that run on every process)."""
+        saved = self.checkpointer.take_published(self.agreed_saves) if self.checkpointer else []
         return [("on_save", step_and_path) for step_and_path in saved]
 
     def _evaluated(self, loop: LoopState) -> list[tuple[str, None]]:
