@@ -1,105 +1,97 @@
-"""Launched by tests/test_context_parallel.py under torchrun: context parallelism (torch's `context_parallel`, ring
-attention over SDPA) on a tiny Llama against the same model on the whole rows, in every process.
+"""Launched by tests/test_context_parallel.py under torchrun (gloo): context parallelism as the trainer runs it,
+against the whole model in every process. Processes form (data parallel, cp) groups as the runtime lays them out;
+each group takes its rows, each process its slice of their tokens (`cut_batch`), attends through the all-to-all
+attention, and scales its summed loss as the trainer does (processes / the global target count). For unpacked
+rows (of uneven lengths, padded, and a width the group does not divide) and packed rows (bfd: several documents a
+row, with their lengths): the logits put back together equal the whole model's (so packed documents stay apart),
+the summed losses and every gradient (averaged over the processes, as DDP does) equal the whole model's.
+Prints one `ok` line per process and case."""
 
-Each process holds chunks r and 2N-1-r of every row (torch's head-tail load balancer, which must be the cut of
-cloudtrain.parallel.context), with their position ids and next-token targets (shifted before the cut). The
-self-attention layers are given no mask: the position ids of a shard jump between its two chunks, which
-transformers reads as two packed documents and masks, while ring attention computes plain causal attention over
-the whole row. The shards' summed losses, and every gradient summed over the processes, must equal the unsplit
-model's. Prints one `ok` line per process; where ring attention cannot run (CPU), one `cannot run` line with the
-error torch raised, and no `ok` line."""
-
-import copy
 import os
+import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
-from cloudtrain.data.packing import IGNORE_INDEX
-from cloudtrain.parallel import context
-
-LENGTH = 64  # 4 chunks of 16 with 2 processes
-
-
-def tiny_llama(device: str) -> LlamaForCausalLM:
-    """No grouped KV heads: transformers would ask SDPA for enable_gqa, which ring attention does not take."""
-    config = LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=LENGTH,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).to(device).train()
+from cloudtrain.data.packing import CausalLMCollator, causal_lm_forward, shifted_loss
+from cloudtrain.parallel import sequence
+from cloudtrain.parallel.context import cut_batch, target_loss, unshard
 
 
-def drop_mask(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    kwargs["attention_mask"] = None  # plain causal attention: transformers' SDPA then passes is_causal=True
-    return args, kwargs
+def batches() -> dict[str, dict]:
+    rng = torch.Generator().manual_seed(0)
+
+    def doc(n: int) -> list[int]:
+        return torch.randint(1, 300, (n,), generator=rng).tolist()
+
+    unpacked = [{"input_ids": doc(n), "seq_lengths": [n]} for n in (19, 11, 19, 6)]  # width 19: cut after padding
+    packed = []
+    for lengths in ((7, 9, 4), (12, 8), (5, 5, 5, 3), (20,)):
+        docs = [doc(n) for n in lengths]
+        packed.append({"input_ids": [t for d in docs for t in d], "seq_lengths": list(lengths)})
+    return {
+        "unpacked": CausalLMCollator(0)(unpacked),
+        "packed": CausalLMCollator(0, cu_seqlens=True)(packed),
+    }
 
 
-def main() -> None:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+def main(model_dir: str, cp: int) -> None:
+    dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
-    mesh = init_device_mesh(device, (world,), mesh_dim_names=("cp",))
+    dp = world // cp
+    mesh = init_device_mesh("cpu", (dp, cp), mesh_dim_names=("dp_replicate", "cp"))
+    group, cp_rank, dp_rank = mesh.get_group("cp"), mesh.get_local_rank("cp"), mesh.get_local_rank("dp_replicate")
+    for name, batch in batches().items():
+        reference = AutoModelForCausalLM.from_pretrained(model_dir, attn_implementation="sdpa")
+        whole_batch = {k: v for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}  # sdpa: positions
+        logits = causal_lm_forward(reference, whole_batch)
+        summed, count = shifted_loss(logits, batch["labels"])
+        (summed / count).backward()
 
-    torch.manual_seed(1)  # the same rows in every process
-    ids = torch.randint(0, 256, (2, LENGTH), device=device)
-    labels = ids.clone()
-    labels[1, 40:] = IGNORE_INDEX  # uneven target counts: the global count matters
-    positions = torch.arange(LENGTH, device=device).expand(2, LENGTH).contiguous()
-    targets = context.shift_labels(labels)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        sequence.install(model, group)
+        rows = slice(dp_rank * 4 // dp, (dp_rank + 1) * 4 // dp)  # this group's rows
+        mine = cut_batch(_rows(batch, rows), cp, cp_rank)
+        sequence.mark_cut(mine["cu_seqlens"])
+        local_logits = causal_lm_forward(model, mine)
+        local_sum, local_count = target_loss(local_logits, mine["targets"])
+        total = local_count.double().clone()
+        dist.all_reduce(total)
+        (local_sum * (world / total).float()).backward()
 
-    reference = tiny_llama(device)
-    model = copy.deepcopy(reference)
-    whole, count = context.shard_loss(reference(input_ids=ids, position_ids=positions, use_cache=False).logits, targets)
-    (whole / count).backward()
-
-    for name, module in model.named_modules():
-        if name.endswith("self_attn"):
-            module.register_forward_pre_hook(drop_mask, with_kwargs=True, prepend=True)
-    from torch.distributed.tensor.experimental import context_parallel
-
-    buffers = [ids.clone(), positions.clone(), targets.clone()]
-    try:
-        with context_parallel(mesh, buffers=buffers, buffer_seq_dims=[1, 1, 1]):
-            for part, full in zip(buffers, (ids, positions, targets), strict=True):
-                assert torch.equal(part, context.shard(full, world, rank)), "torch's cut is not cloudtrain's"
-            summed, n = context.shard_loss(
-                model(input_ids=buffers[0], position_ids=buffers[1], use_cache=False).logits, buffers[2]
-            )
-            total = n.clone()
-            dist.all_reduce(total)  # the global target count, as the trainer normalises by it
-            (summed / total).backward()
-    except (NotImplementedError, RuntimeError) as err:
-        print(f"rank {rank} cannot run on {device}: {type(err).__name__}: {str(err).splitlines()[0]}", flush=True)
-        dist.destroy_process_group()
-        return
-
-    assert total.item() == count.item()
-    summed = summed.detach().clone()
-    dist.all_reduce(summed)
-    torch.testing.assert_close(summed, whole.detach(), rtol=1e-5, atol=1e-4)
-    checked = 0
-    for (name, param), (_, expected) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
-        grad = param.grad.clone()
-        dist.all_reduce(grad)  # each process's gradient comes from its own tokens' losses
-        # the kernel adds in another order over half-length blocks; a wrong mask would differ by far more
-        torch.testing.assert_close(grad, expected.grad, rtol=1e-3, atol=1e-5, msg=name)
-        checked += 1
-    print(f"ok rank {rank}: loss and {checked} gradients equal the unsplit model's", flush=True)
+        parts = [torch.empty_like(local_logits) for _ in range(cp)]
+        dist.all_gather(parts, local_logits.detach().contiguous(), group=group)
+        width = batch["input_ids"].shape[1]
+        real = batch["attention_mask"][rows].bool()  # padding attends otherwise (no target sees it)
+        torch.testing.assert_close(unshard(parts)[:, :width][real], logits[rows][real].detach(), rtol=1e-4, atol=1e-5)
+        loss = local_sum.detach().clone()
+        dist.all_reduce(loss)
+        torch.testing.assert_close(loss, summed.detach(), rtol=1e-5, atol=1e-5)
+        assert int(total) == int(count)
+        grads = dict(reference.named_parameters())
+        for param_name, param in model.named_parameters():
+            assert param.grad is not None
+            grad = param.grad.clone()
+            dist.all_reduce(grad)
+            torch.testing.assert_close(grad / world, grads[param_name].grad, rtol=1e-4, atol=1e-6, msg=param_name)
+        print(f"ok rank {rank} {name}: logits, loss and {len(grads)} gradients equal the whole model's", flush=True)
     dist.destroy_process_group()
 
 
+def _rows(batch: dict, rows: slice) -> dict:
+    """The group's rows of a collated batch; packed rows' lengths re-based to them (whole rows: a bound per row)."""
+    out = {k: v[rows] for k, v in batch.items() if k not in ("cu_seqlens", "max_seqlen")}
+    if "cu_seqlens" in batch:
+        width = batch["input_ids"].shape[1]
+        first, last = rows.start * width, rows.stop * width
+        bounds = batch["cu_seqlens"]
+        kept = bounds[(bounds >= first) & (bounds <= last)] - first
+        out.update(cu_seqlens=kept, max_seqlen=batch["max_seqlen"])
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1], int(sys.argv[2]))
     os._exit(0)

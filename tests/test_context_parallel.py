@@ -1,84 +1,202 @@
-"""--context_parallel_size: what runs on CPU (the sequence cut into load-balanced shards and put back together, the
-loss over split rows equal to the unsplit loss, the refusal), the reason of the refusal on CPU checked against
-the installed torch, and ring attention itself on 2 GPUs (`gpu`: CP=2 equals one process)."""
+"""--context_parallel_size on CPU with gloo (all-to-all sequence parallelism, cloudtrain.parallel.context and
+.sequence): the cut and its re-assembly, the loss over cut rows equal to the whole rows' (fast, in-process);
+the attention over cut rows against the whole model (logits of packed documents kept apart, losses, every
+gradient; one 4-process launch: CP=2 x 2 groups); through the application, CP=2, CP=2 x 2 replicas and CP=2 with
+FSDP2 train like one process on packed rows, a checkpoint resumes exactly, the saved model generates alike in one
+process; every refusal is one line."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_each_refused
-from test_distributed import launch, torchrun
-from test_tensor_parallel import corpus, options  # noqa: F401  (corpus: the fixture, taken by name)
+from conftest import ENTRY, REPO, assert_each_refused
+from safetensors.torch import load_file
+from test_distributed import launch, logged_losses, torchrun
+from test_tensor_parallel import args, corpus, metrics, options, samples  # noqa: F401  (corpus: the fixture)
 
-CPU_ERROR = (
-    "cannot run on cpu: NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu.default "
-    "does not have a sharding strategy registered."
-)
+from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, shifted_loss
+from cloudtrain.parallel.context import cut_batch, target_loss, unshard, widen
 
 
-def test_context_parallel_is_refused_in_one_line_naming_why(tmp_path, corpus, tiny_llama_dir, capsys):  # noqa: F811
-    opts = {**options(tiny_llama_dir, corpus, tmp_path / "out"), "context_parallel_size": "2"}
-    why = "needs CUDA GPUs" if not torch.cuda.is_available() else "is not wired into a trainer yet"
-    assert_each_refused({"context parallel": (opts, why)}, capsys, tmp_path / "out")
+def packed_batch() -> dict:
+    rows = [
+        {"input_ids": list(range(1, 8)), "seq_lengths": [3, 4]},
+        {"input_ids": list(range(10, 15)), "seq_lengths": [5]},
+        {"input_ids": list(range(20, 29)), "seq_lengths": [2, 2, 5]},
+    ]
+    return CausalLMCollator(0, cu_seqlens=True)(rows)  # width 9: 3 does not divide 2 or 4
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_the_cut_puts_back_together_and_keeps_every_target(cp):
+    batch = packed_batch()
+    parts = [cut_batch(batch, cp, rank) for rank in range(cp)]
+    width = batch["input_ids"].shape[1]
+    for key in ("input_ids", "position_ids", "attention_mask"):
+        assert torch.equal(unshard([p[key] for p in parts])[:, :width], batch[key]), key
+    targets = unshard([p["targets"] for p in parts])
+    assert torch.equal(targets[:, : width - 1], batch["labels"][:, 1:])  # shifted before the cut: none lost
+    assert (targets[:, width - 1 :] == IGNORE_INDEX).all()
+    assert all("labels" not in p for p in parts)  # nothing may shift a slice again
+    # the whole rows' lengths, moved with each row's padding: every row still ends on a bound
+    padded = widen(batch, cp)
+    new_width = padded["input_ids"].shape[1]
+    assert new_width % cp == 0 and new_width - width < cp
+    bounds = padded["cu_seqlens"].tolist()
+    assert [b for b in bounds if b % new_width == 0] == [r * new_width for r in range(4)]
+    lengths = [b - a for a, b in zip(bounds, bounds[1:], strict=False)]
+    original = [b - a for a, b in zip(batch["cu_seqlens"].tolist(), batch["cu_seqlens"].tolist()[1:], strict=False)]
+    assert sum(lengths) == sum(original) + 3 * (new_width - width)
+    assert padded["max_seqlen"].shape[-1] == batch["max_seqlen"].shape[-1] + new_width - width
+
+
+def test_unpacked_rows_get_one_sequence_per_row():
+    rows = [{"input_ids": [1, 2, 3], "seq_lengths": [3]}, {"input_ids": [4, 5, 6, 7, 8], "seq_lengths": [5]}]
+    batch = CausalLMCollator(0)(rows)
+    part = cut_batch(batch, 2, 1)
+    assert part["cu_seqlens"].tolist() == [0, 6, 12] and part["max_seqlen"].shape[-1] == 6
+
+
+def test_the_summed_loss_over_the_slices_equals_the_whole_rows_loss():
+    torch.manual_seed(0)
+    batch = packed_batch()
+    logits = torch.randn(*batch["input_ids"].shape, 40)
+    whole_sum, whole_count = shifted_loss(logits, batch["labels"])
+    padded = torch.nn.functional.pad(logits, (0, 0, 0, 1))  # the cut pads the rows to a multiple of 2
+    sums, counts = zip(
+        *(
+            target_loss(part, cut["targets"])
+            for part, cut in zip(padded.chunk(2, dim=1), [cut_batch(batch, 2, 0), cut_batch(batch, 2, 1)], strict=True)
+        ),
+        strict=True,
+    )
+    assert sum(counts) == whole_count
+    torch.testing.assert_close(sum(sums), whole_sum)
 
 
 @pytest.mark.slow
-def test_ring_attention_cannot_run_on_cpu_with_this_torch():
-    """The refusal's reason, as the installed torch gives it: its context_parallel hands SDPA DTensors, and CPU's
-    SDPA kernel has no sharding rule (the math kernel fails too: its causal mask is a plain tensor). If this
-    fails because it ran, torch runs ring attention on CPU now: wire --context_parallel_size for CPU."""
-    result = launch(torchrun(2), str(REPO / "tests" / "dist_cp.py"))
-    assert result.stdout.count(CPU_ERROR) == 2, result.stdout[-2000:]
-    assert "ok rank" not in result.stdout
+def test_attention_over_cut_rows_equals_the_whole_model(tiny_llama_dir):
+    """4 processes: 2 groups of CP=2, each group its rows; unpacked and packed rows (see tests/dist_cp.py)."""
+    result = launch(torchrun(4), str(REPO / "tests" / "dist_cp.py"), tiny_llama_dir, "2")
+    assert result.stdout.count("gradients equal the whole model's") == 8, result.stdout[-2000:]
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2,
-    reason="needs 2 CUDA GPUs: context parallelism runs one process per GPU (NCCL refuses two on one GPU)",
-)
-def test_cp2_equals_one_process_on_two_gpus():
-    """Ring attention over CUDA's SDPA (fp32: the memory-efficient kernel), 2 processes each holding chunks r and
-    3-r of every row: the summed losses and every gradient summed over the processes equal the unsplit model's,
-    and torch's cut of the rows is cloudtrain.parallel.context's (dist_cp.py)."""
-    result = launch(torchrun(2), str(REPO / "tests" / "dist_cp.py"))
-    assert result.stdout.count("gradients equal the unsplit model's") == 2, result.stdout[-2000:]
+@pytest.mark.slow
+def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpus, tmp_path):  # noqa: F811
+    """Packed rows (bfd): one process x 4 rows, CP=2 on 2 processes x 4 rows (both take the same rows, each half of
+    their tokens), CP=2 x 2 replicas on 4 processes x 2 rows each, CP=2 x FSDP2 on 2 processes: the same losses and
+    gradient norms at every step (clipped), the same weights after 4 steps of 2 accumulated micro-batches, the
+    same evaluation over exactly the same tokens and rows. The CP=2 run saves a checkpoint at step 2: resumed there,
+    it ends with the same weights bit for bit; its saved model generates in one process what it sampled."""
+    runs = {"one": (1, "4", {}), "cp2": (2, "4", {}), "cp2x2": (4, "2", {}), "cp2fsdp": (2, "4", {"fsdp": "true"})}
+    outputs = {}
+    for name, (processes, rows, extra) in runs.items():
+        opts = {**options(tiny_llama_dir, corpus, tmp_path / name), "packing": "bfd", "eval_strategy": "steps"}
+        cp = {"context_parallel_size": "2", **extra} if processes > 1 else {}
+        more = {"checkpointing_steps": "2"} if name == "cp2" else {}
+        outputs[name] = launch(
+            torchrun(processes),
+            *args(
+                opts, max_steps="4", eval_steps="4", per_device_train_batch_size=rows, max_grad_norm="1", **cp, **more
+            ),
+        ).stdout
+    assert "context parallel 2 (all-to-all)" in outputs["cp2"] and "4 process(es)" in outputs["cp2x2"]
+    assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["cp2x2"]
+    assert "FSDP" in outputs["cp2fsdp"]
+    initial = load_file(Path(tiny_llama_dir) / "model.safetensors")
+    one = load_file(tmp_path / "one" / "model.safetensors")
+    evaluation = json.loads((tmp_path / "one" / "eval_results.json").read_text())
+    for name in ("cp2", "cp2x2", "cp2fsdp"):
+        out = tmp_path / name
+        assert logged_losses(out) == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-5), name
+        assert metrics(out, "train/grad_norm") == pytest.approx(metrics(tmp_path / "one", "train/grad_norm"), rel=1e-4)
+        saved = load_file(out / "model.safetensors")
+        assert set(saved) == set(one)
+        for key in one:
+            assert (one[key] - initial[key]).abs().max() > 1e-3, key  # it trained, by far more than the tolerance
+            torch.testing.assert_close(saved[key], one[key], rtol=1e-3, atol=3e-4, msg=f"{name} {key}")
+        theirs = json.loads((out / "eval_results.json").read_text())
+        assert (theirs["tokens"], theirs["samples"]) == (evaluation["tokens"], evaluation["samples"]), name
+        assert theirs["loss"] == pytest.approx(evaluation["loss"], rel=1e-5), name
+
+    out = tmp_path / "cp2"
+    weights, losses = load_file(out / "model.safetensors"), logged_losses(out)
+    generations = json.loads((out / "eval_results.json").read_text())["generations"]
+    shutil.copytree(out, tmp_path / "cp2-first")
+    checkpoint = out / "checkpoints" / "checkpoint-2"
+    opts = {**options(tiny_llama_dir, corpus, out), "packing": "bfd", "eval_strategy": "steps"}
+    resumed = launch(
+        torchrun(2),
+        *args(
+            opts,
+            max_steps="4",
+            eval_steps="4",
+            per_device_train_batch_size="4",
+            max_grad_norm="1",
+            context_parallel_size="2",
+            overwrite_output_dir="true",
+            resume_from_checkpoint=str(checkpoint),
+        ),
+    ).stdout
+    assert "at step 2" in resumed
+    again = load_file(out / "model.safetensors")
+    assert all(torch.equal(weights[k], again[k]) for k in weights)
+    assert logged_losses(out) == pytest.approx(losses, rel=1e-12)
+    assert samples(outputs["cp2"]) == samples(resumed)
+    whole = [g for g in generations if "\ufffd" not in g["continuation"]]  # decoded alone, a split character differs
+    assert whole
+    for generation in whole:
+        command = [sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--prompt", generation["prompt"]]
+        done = subprocess.run(
+            [*command, "--max_new_tokens", "4"], capture_output=True, text=True, timeout=300, cwd=REPO
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert done.stdout.strip().splitlines()[-1] == generation["prompt"] + generation["continuation"], done.stdout
 
 
-@pytest.mark.parametrize("cp", [1, 2, 4])
-def test_sequences_split_balanced_and_reassemble(cp):
-    from cloudtrain.parallel import context
+def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_dir, capsys, monkeypatch):  # noqa: F811
+    base = {**options(tiny_llama_dir, corpus, tmp_path / "out"), "context_parallel_size": "2"}
+    cases = {  # name: (processes the launcher started, options, the line's end)
+        "basic trainer": (1, {**base, "training_type": "basic"}, "needs --training_type accelerated"),
+        "pipeline trainer": (4, {**base, "training_type": "pipeline"}, "needs --training_type accelerated"),
+        "odd process count": (3, base, "needs a multiple of 2 processes, and this launch has 3"),
+        "one process": (1, base, "needs a multiple of 2 processes, and this launch has 1"),
+        "tensor parallel": (4, {**base, "tensor_parallel_size": "2"}, "does not combine with --tensor_parallel_size"),
+        "deepspeed": (2, {**base, "zero_stage": "2"}, "does not combine with DeepSpeed ZeRO"),
+        "an accelerate FSDP config": (2, {**base, "env:ACCELERATE_USE_FSDP": "true"}, "not through an accelerate"),
+        "hybrid shard": (
+            2,
+            {**base, "fsdp": "true", "fsdp_sharding_strategy": "hybrid_shard"},
+            "use --fsdp_sharding_strategy full_shard or shard_grad_op",
+        ),
+        "dpo": (2, {**base, "task": "dpo"}, "is supported for --task causal_lm, sft only (this run is dpo)"),
+        "compile": (2, {**base, "torch_compile": "true"}, "does not combine with --torch_compile"),
+        "batch size auto": (2, {**base, "per_device_train_batch_size": "auto"}, "not auto"),
+        "heads": (3, {**base, "context_parallel_size": "3"}, "does not divide the model's attention heads (4)"),
+        "kv heads": (4, {**base, "context_parallel_size": "4"}, "does not divide the model's KV heads (2)"),
+        "zero size": (2, {**base, "context_parallel_size": "0"}, "must be at least 1"),
+    }
+    for name, (processes, opts, message) in cases.items():
+        with monkeypatch.context() as env:
+            env.setenv("WORLD_SIZE", str(processes))
+            for key in [k for k in opts if k.startswith("env:")]:
+                env.setenv(key[4:], opts.pop(key))
+            assert_each_refused({name: (opts, message)}, capsys, tmp_path / "out")
 
-    sequence = torch.arange(3 * 48).reshape(3, 48)
-    shards = [context.shard(sequence, cp, rank) for rank in range(cp)]
-    assert all(part.shape == (3, 48 // cp) for part in shards)
-    assert torch.equal(context.unshard(shards, cp), sequence)
-    work = [context.attention_work(part[0]) for part in shards]  # causal attention: later positions cost more
-    assert len(set(work)) == 1, work  # every process the same (a plain cut in cp pieces would not be)
-    plain = [context.attention_work(part[0]) for part in sequence.chunk(cp, dim=1)]
-    assert cp == 1 or len(set(plain)) == cp
 
+def test_the_mesh_gives_context_parallel_groups_and_replicas_or_shards():
+    from cloudtrain.config import Config
+    from cloudtrain.training.accelerated import AcceleratedTrainer
 
-def test_the_loss_over_split_sequences_equals_the_unsplit_loss(tiny_llama_dir):
-    """Packed rows (two documents each, position ids restarting): the shards' summed losses, each shard's logits
-    computed by the model on the whole row and cut as the shards are, add up to the unsplit shifted loss."""
-    from transformers import AutoModelForCausalLM
-
-    from cloudtrain.data.packing import IGNORE_INDEX, causal_lm_forward, shifted_loss
-    from cloudtrain.parallel import context
-
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    torch.manual_seed(0)
-    ids = torch.randint(0, 300, (2, 32))
-    positions = torch.cat([torch.arange(20), torch.arange(12)]).expand(2, 32)
-    labels = ids.clone()
-    labels[:, 20] = IGNORE_INDEX  # the second document's first token is no target of the first one's last
-    labels[1, 28:] = IGNORE_INDEX
-    batch = {"input_ids": ids, "position_ids": positions, "labels": labels}
-    with torch.no_grad():
-        logits = causal_lm_forward(model, batch)
-    whole, count = shifted_loss(logits, labels)
-    for cp in (2, 4):
-        parts = [context.split_batch(batch, cp, rank) for rank in range(cp)]
-        assert torch.equal(context.unshard([p["position_ids"] for p in parts], cp), positions)
-        losses = [context.shard_loss(context.shard(logits, cp, rank), p["targets"]) for rank, p in enumerate(parts)]
-        assert sum(n for _, n in losses) == count
-        torch.testing.assert_close(sum(s for s, _ in losses), whole, rtol=1e-6, atol=1e-5)
+    cfg = Config()
+    cfg.distributed.context_parallel_size = 2
+    mesh = AcceleratedTrainer.mesh(cfg, 8)
+    assert (mesh.cp, mesh.dp_replicate, mesh.data_parallel, mesh.fits) == (2, 4, 4, True)
+    assert mesh.describe() == "8 process(es): replicated 4 x context 2"
+    cfg.distributed.fsdp = True
+    mesh = AcceleratedTrainer.mesh(cfg, 8)
+    assert (mesh.cp, mesh.dp_shard, mesh.dp_replicate, mesh.data_parallel) == (2, 4, 1, 4)

@@ -1,72 +1,107 @@
-"""Context parallelism (`--context_parallel_size N`): the pieces that do not depend on the attention kernel, and
-the refusal of what cannot run.
+"""Context parallelism (`--context_parallel_size N`): all-to-all (Ulysses-style) sequence parallelism, the same
+on CPU (gloo) and GPUs (NCCL).
 
-Each sequence is cut into 2N chunks and process r takes chunks r and 2N-1-r (a causal mask makes late positions
-attend to more keys: pairing an early chunk with a late one gives every process the same attention work). The
-labels are shifted for next-token prediction before the cut, so a chunk's last position keeps its target from
-the next chunk, and the summed losses of the shards add up to the loss of the whole sequence. Position ids are
-cut alike: RoPE and the document boundaries of packed rows (cloudtrain.data.packing) travel with their tokens.
+The N processes of a context-parallel group take the same rows (accelerate's loaders, told the (data, cp) mesh),
+and each keeps one contiguous Nth of every row's sequence (`cut_batch`): token ids, position ids (RoPE gets the
+global positions) and the next-token targets, shifted before the cut (`shift_labels`) so that a slice's last
+position keeps its target from the next slice. The attention (cloudtrain.parallel.sequence) exchanges heads for
+sequence: every process attends over the whole rows for H/N of the heads, with the whole rows' document lengths,
+so packed documents stay apart. The loss of a slice is summed over its own targets: the trainer's global token
+normalisation then counts each target once, and gradients averaged over the launch equal one process's.
+Evaluation sums a group's per-row partial sums once (`ContextParallelRuntime.gather`).
 
-The attention itself (ring attention through torch.distributed.tensor.experimental.context_parallel) runs only on
-CUDA's SDPA kernels: on CPU, torch (2.13 here) has no sharding rule for its SDPA kernel
-(aten._scaled_dot_product_flash_attention_for_cpu: tests/test_context_parallel.py checks it against the installed
-torch), and its math kernel, tried by hand, adds a plain causal mask to DTensors. cloudtrain does not wire it into a
-trainer yet: --context_parallel_size above 1 is refused in one line. See docs/parallelism.md.
+This module holds the refusals, the mesh, the cut and the runtime; why Ulysses and not ring attention, and the
+limits: docs/parallelism.md.
 """
 
+from typing import Any
+
 import torch
+from accelerate import Accelerator
+from accelerate.utils import gather, recursively_apply
 
 from cloudtrain.config import Config
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.errors import UserError
+from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.parallel.runtime import Runtime
+
+TASKS = ("causal_lm", "sft")  # one decoder's next-token loss; the cut batch carries `targets`
 
 
-def check_context_parallel(cfg: Config) -> None:
-    """Why --context_parallel_size cannot run here, in one line."""
-    cp = cfg.distributed.context_parallel_size
+def degree(cfg: Config) -> int:
+    return cfg.distributed.context_parallel_size
+
+
+def context_mesh(cfg: Config, processes: int) -> Mesh:
+    """The launch's processes as (data-parallel replicas, or FSDP2 shards with --fsdp) x (context-parallel group)."""
+    cp = degree(cfg)
+    dp = max(processes // cp, 1)
+    if cfg.distributed.fsdp:  # FSDP2 shards over every process: the tokens a process holds do not matter to it
+        return Mesh(world=processes, dp_shard=dp, cp=cp)
+    return Mesh(world=processes, dp_replicate=dp, cp=cp)
+
+
+def check_context_parallel(cfg: Config, processes: int) -> None:
+    """Every refusal of --context_parallel_size, before anything heavy loads (reads the model's config only)."""
+    cp = degree(cfg)
     if cp == 1:
         return
-    if not torch.cuda.is_available():
-        raise UserError(
-            f"--context_parallel_size {cp} needs CUDA GPUs: torch's context_parallel runs ring attention only "
-            "through CUDA's SDPA kernels (flash, memory-efficient, cuDNN; its CPU kernel has no sharding rule), and "
-            "this machine has none; leave it at 1"
-        )
-    raise UserError(
-        f"--context_parallel_size {cp} is not wired into a trainer yet (sequence splitting is, attention is not); "
-        "leave it at 1, and use --tensor_parallel_size or --gradient_checkpointing for long sequences"
-    )
+    from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested
+
+    t, d = cfg.training, cfg.distributed
+    refusals = [
+        (t.training_type != "accelerated", f"needs --training_type accelerated (this run is {t.training_type})"),
+        (
+            processes % cp != 0,
+            f"needs a multiple of {cp} processes, and this launch has {processes}: launch with torchrun "
+            f"--nproc_per_node {cp} (or {2 * cp}, ...)",
+        ),
+        (d.tensor_parallel_size > 1, "does not combine with --tensor_parallel_size yet; use one of the two"),
+        (deepspeed_requested(cfg), "does not combine with DeepSpeed ZeRO; drop --zero_stage/--deepspeed_config"),
+        (fsdp_requested(cfg) and not d.fsdp, "shards with FSDP through --fsdp true, not through an accelerate config"),
+        (
+            d.fsdp and d.fsdp_sharding_strategy == "hybrid_shard",
+            "with --fsdp shards over every process: use --fsdp_sharding_strategy full_shard or shard_grad_op",
+        ),
+        (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
+        (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
+        (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
+        (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise UserError(f"--context_parallel_size {cp} {why}")
+    check_model_divides(cfg, cp)
 
 
-def chunk_order(cp: int) -> list[int]:
-    """The 2 x cp chunks of a sequence in the order the processes hold them: process r holds r and 2cp-1-r."""
-    return [chunk for rank in range(cp) for chunk in (rank, 2 * cp - 1 - rank)]
+def check_model_divides(cfg: Config, cp: int) -> None:
+    """Each process attends with heads / N of the heads and KV heads: both must split evenly, and the attention
+    must be plain causal softmax attention (what the varlen kernels compute over the whole rows)."""
+    from cloudtrain.models.load import load_config, read_config
+    from cloudtrain.models.prepare import _varlen_misfit
+
+    if cfg.model.model_config:  # a preset or config.json (causal_lm pretraining)
+        from cloudtrain.tasks.causal_lm import model_config_file
+
+        config = load_config(model_config_file(cfg.model.model_config), cfg.model.trust_remote_code)
+    else:
+        config = read_config(cfg.model)
+    text = config.get_text_config()
+    heads = getattr(text, "num_attention_heads", None)
+    sizes = {"attention heads": heads, "KV heads": getattr(text, "num_key_value_heads", None) or heads}
+    for what, size in sizes.items():
+        if size is not None and size % cp:
+            raise UserError(
+                f"--context_parallel_size {cp} does not divide the model's {what} ({size}): each process attends "
+                f"with 1/{cp} of them; choose a divisor of {size}"
+            )
+    misfit = _varlen_misfit(text)
+    if misfit:
+        raise UserError(f"--context_parallel_size {cp}: the model {misfit}, which its attention does not compute")
 
 
-def check_length(length: int, cp: int) -> None:
-    if length % (2 * cp):
-        raise UserError(
-            f"--context_parallel_size {cp}: rows of {length} tokens do not cut into {2 * cp} equal chunks; "
-            f"choose --max_length a multiple of {2 * cp}"
-        )
-
-
-def shard(sequence: torch.Tensor, cp: int, rank: int) -> torch.Tensor:
-    """Process `rank`'s part of `sequence` (dim 1 is the sequence): chunks rank and 2cp-1-rank, in that order."""
-    check_length(sequence.shape[1], cp)
-    chunks = sequence.chunk(2 * cp, dim=1)
-    return torch.cat([chunks[rank], chunks[2 * cp - 1 - rank]], dim=1)
-
-
-def unshard(shards: list[torch.Tensor], cp: int) -> torch.Tensor:
-    """The whole sequence from every process's shard, in process order (the inverse of `shard`)."""
-    pieces: list[torch.Tensor] = [torch.empty(0)] * (2 * cp)
-    for rank, part in enumerate(shards):
-        first, second = part.chunk(2, dim=1)
-        pieces[rank], pieces[2 * cp - 1 - rank] = first, second
-    return torch.cat(pieces, dim=1)
-
-
+# ------------------------------------------------------------ the cut
 def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     """Each position's target is the next token (the last position has none), so that a cut keeps every target."""
     shifted = torch.full_like(labels, IGNORE_INDEX)
@@ -74,22 +109,105 @@ def shift_labels(labels: torch.Tensor) -> torch.Tensor:
     return shifted
 
 
-def split_batch(batch: dict, cp: int, rank: int) -> dict:
-    """Process `rank`'s share of a collated causal-LM batch: token ids, position ids and next-token targets
-    (`shift_labels`) cut alike; the loss over it is `shard_loss`."""
-    out = {key: shard(batch[key], cp, rank) for key in ("input_ids", "position_ids")}
-    out["targets"] = shard(shift_labels(batch["labels"]), cp, rank)
+def row_bounds(batch: dict) -> tuple[torch.Tensor, int]:
+    """The cumulative lengths of the flattened batch's sequences and the longest: the collator's for packed rows
+    (every document, and each row's padding), else one sequence per row (padding sits at a row's end, after
+    what a causal mask lets real tokens see)."""
+    if "cu_seqlens" in batch:
+        return batch["cu_seqlens"], batch["max_seqlen"].shape[-1]
+    rows, width = batch["input_ids"].shape
+    return torch.arange(0, rows * width + 1, width, dtype=torch.int32, device=batch["input_ids"].device), width
+
+
+def widen(batch: dict, multiple: int) -> dict:
+    """Rows padded at their end to a multiple of `multiple` tokens (ignored targets, not real tokens), each row's
+    last sequence taking the padding; the cumulative lengths moved without a sync with the device."""
+    rows, width = batch["input_ids"].shape
+    pad = -width % multiple
+    bounds, longest = row_bounds(batch)
+    if not pad:
+        return {**batch, "cu_seqlens": bounds, "max_seqlen": bounds.new_empty((0, longest))}
+    fill = {"input_ids": 0, "position_ids": 0, "labels": IGNORE_INDEX, "attention_mask": 0}
+    out = {
+        key: torch.nn.functional.pad(batch[key], (0, pad), value=value) for key, value in fill.items() if key in batch
+    }
+    # a bound x closes a sequence of row r - 1 (ceil(x / width) = r); a row's end moves with the row's padding
+    row = (bounds + width - 1) // width
+    moved = bounds + (row - 1) * pad + pad * (bounds == row * width)
+    out.update(cu_seqlens=moved.to(bounds.dtype), max_seqlen=bounds.new_empty((0, longest + pad)))
     return out
 
 
-def shard_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy, number of targets) of one shard: the shards' sums add up to the whole sequence's."""
+def cut_batch(batch: dict, cp: int, rank: int) -> dict:
+    """Process `rank`'s contiguous 1/cp of every row of a collated causal-LM batch: token ids, position ids, the
+    padding mask and the next-token `targets` (shifted before the cut; no `labels`: nothing may shift again).
+    The whole rows' `cu_seqlens`/`max_seqlen` stay whole: the attention runs over whole rows."""
+    whole = widen(batch, cp)
+    width = whole["input_ids"].shape[1] // cp
+    part = slice(rank * width, (rank + 1) * width)
+    out = {key: whole[key][:, part] for key in ("input_ids", "position_ids", "attention_mask") if key in whole}
+    out.update(targets=shift_labels(whole["labels"])[:, part], cu_seqlens=whole["cu_seqlens"])
+    out["max_seqlen"] = whole["max_seqlen"]
+    return out
+
+
+def unshard(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The whole rows from every process's slice, in process order (the inverse of `cut_batch`'s cut)."""
+    return torch.cat(parts, dim=1)
+
+
+def target_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed cross-entropy, number of targets) of a slice: the slices' sums add up to the whole rows'."""
     loss = torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, 1), targets.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().flatten(0, 1), targets.to(logits.device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
     return loss, (targets != IGNORE_INDEX).sum()
 
 
-def attention_work(positions: torch.Tensor) -> int:
-    """Query-key pairs a causal mask lets the given positions compute: each attends to itself and what precedes."""
-    return int((positions + 1).sum())
+# ------------------------------------------------------------ the runtime
+class ContextParallelRuntime(Runtime):
+    """The accelerate runtime on a (data parallel, cp) mesh: rank = data-parallel index x cp + cp rank, so a
+    group's processes are neighbours (on one node where they fit: the attention's all-to-all is per layer).
+    `share_rows` tells accelerate's loaders the mesh (a group's processes then take the same rows); `gather`
+    adds a group's per-row partial sums, each row once."""
+
+    def __init__(self, accelerator: Accelerator, cp: int, data_parallel: str = "dp_replicate"):
+        super().__init__(accelerator)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.cp = cp
+        self.data_mesh = init_device_mesh(
+            self.device.type, (self.count // cp, cp), mesh_dim_names=(data_parallel, "cp")
+        )
+        self.cp_group = self.data_mesh.get_group("cp")
+        self.cp_rank = self.data_mesh.get_local_rank("cp")
+
+    def share_rows(self) -> None:
+        """Read by accelerate's prepare_data_loader; set after the model is prepared (FSDP2 would take its
+        sharding mesh from it, and it shards over every process)."""
+        assert self.accelerator is not None  # built with one
+        self.accelerator.state.device_mesh = self.data_mesh
+
+    def cut(self, batch: dict) -> dict:
+        from cloudtrain.parallel import sequence
+
+        out = cut_batch(batch, self.cp, self.cp_rank)
+        sequence.mark_cut(out["cu_seqlens"])
+        return out
+
+    def gather(self, tensors: Any) -> Any:
+        """Per-row values of cut batches (sums over a slice's targets: loss and count), added over each group."""
+        assert self.accelerator is not None  # built with one
+        state, every = self.accelerator.gradient_state, gather(tensors)
+
+        def once(tensor: torch.Tensor) -> torch.Tensor:
+            rows = tensor.reshape(self.count // self.cp, self.cp, -1, *tensor.shape[1:]).sum(dim=1).flatten(0, 1)
+            if state.end_of_dataloader and state.remainder > 0:  # the last batch's padding rows
+                rows = rows[: state.remainder]
+            return rows
+
+        return recursively_apply(once, every)
+
+
+def launch_runtime(accelerator: Accelerator, cfg: Config) -> Runtime:
+    return ContextParallelRuntime(accelerator, degree(cfg), "dp_shard" if cfg.distributed.fsdp else "dp_replicate")

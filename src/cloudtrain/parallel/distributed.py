@@ -19,7 +19,8 @@ without `--config_file configs/accelerate/*.yaml`), several nodes, SageMaker (to
   the other from the options, as HF Trainer does: only `optimizer`: --lr_scheduler_type drives the engine's
   optimizer (cloudtrain.training.optim builds it after prepare()); only `scheduler`: the engine steps the
   file's schedule over --optim's optimizer.
-Tensor parallelism: cloudtrain.parallel.tensor (the model sharded as it loads); pipelines: --training_type pipeline.
+Tensor parallelism: cloudtrain.parallel.tensor (the model sharded as it loads); context parallelism:
+cloudtrain.parallel.context (each process a slice of every row's tokens); pipelines: --training_type pipeline.
 Not supported: Megatron-LM.
 """
 
@@ -369,7 +370,7 @@ def check_distributed(cfg: Config) -> None:
                 "src/training_application.py ... (or accelerate launch), also for one process"
             )
     check_tensor_parallel(cfg, launched_processes())  # cloudtrain.parallel.tensor: each refusal in one line
-    check_context_parallel(cfg)  # cloudtrain.parallel.context: refused where it cannot run, saying why
+    check_context_parallel(cfg, launched_processes())  # cloudtrain.parallel.context: each refusal in one line
     check_fsdp_launch(cfg)
 
 

@@ -57,6 +57,7 @@ from cloudtrain.models.load import (
     read_config,
     resolve_model_path,
 )
+from cloudtrain.parallel.context import target_loss
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import DecoderTask
@@ -277,21 +278,23 @@ class CausalLMTask(DecoderTask):
 
     # ------------------------------------------------------------ loss and evaluation
     def loss_count(self, batch: dict) -> torch.Tensor:
-        return (batch["labels"][:, 1:] != IGNORE_INDEX).sum()
+        return (next_targets(batch) != IGNORE_INDEX).sum()
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         kernel = self.loss_kernel
         head = output_head(model) if kernel else None
         # An adapter on the head (PEFT's own module) is more than its weight: the plain path then.
         if kernel is None or head is None or type(head) is not torch.nn.Linear:
+            if "targets" in batch:  # a context-parallel slice: its targets were shifted before the cut
+                return target_loss(causal_lm_forward(model, batch), batch["targets"])
             return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
         # --fused_cross_entropy: from the hidden states, the logits never held whole
         hidden = hidden_states(model, forward_inputs(model, batch))
         weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)
-        targets = batch["labels"][:, 1:].to(hidden.device)
+        targets = next_targets(batch).to(hidden.device)
         total = linear_cross_entropy(
             kernel,
-            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+            predicting(hidden, batch).reshape(-1, hidden.shape[-1]),
             weight,
             bias,
             targets.reshape(-1),
@@ -328,9 +331,12 @@ class CausalLMTask(DecoderTask):
                 batch = move(batch)
                 with autocast():
                     logits = causal_lm_forward(model, batch)
-                targets = batch["labels"][:, 1:]
+                targets = next_targets(batch)
                 per_token = F.cross_entropy(
-                    logits[:, :-1].float().transpose(1, 2), targets, ignore_index=IGNORE_INDEX, reduction="none"
+                    predicting(logits, batch).float().transpose(1, 2),
+                    targets,
+                    ignore_index=IGNORE_INDEX,
+                    reduction="none",
                 )
                 row_sums, row_counts = gather((per_token.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1)))
                 loss_sum += row_sums.double().sum().item()
@@ -404,6 +410,17 @@ class CausalLMTask(DecoderTask):
 
     def inference_hint(self, output_dir: str) -> str:
         return f'python src/training_application.py generate --model_dir {output_dir} --prompt "..."'
+
+
+def next_targets(batch: dict) -> torch.Tensor:
+    """Each predicting position's target: a context-parallel slice's own `targets` (shifted before the cut,
+    cloudtrain.parallel.context), else the next token of the row."""
+    return batch["targets"] if "targets" in batch else batch["labels"][:, 1:]
+
+
+def predicting(values: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The positions of [B, L, ...] `values` that have a target in `next_targets` (a row's last one has none)."""
+    return values if "targets" in batch else values[:, :-1]
 
 
 def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> str:

@@ -34,7 +34,7 @@ from cloudtrain.async_save import cpu_copy, weights_snapshot
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.observe.tracking import RunLog
-from cloudtrain.parallel import fsdp, tensor
+from cloudtrain.parallel import context, fsdp, sequence, tensor
 from cloudtrain.parallel.distributed import build_accelerator, deepspeed_requested, fsdp_requested, sharding
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, join_launch, set_collective_timeout
@@ -55,6 +55,8 @@ class AcceleratedTrainer(Trainer):
         """Tensor parallel groups (x replicas or FSDP shards); ZeRO (any stage) and FSDP shard the data-parallel
         processes' states; plain DDP replicates them."""
         shards = sharding(cfg)
+        if context.degree(cfg) > 1:
+            return context.context_mesh(cfg, processes)
         if tensor.degree(cfg) > 1:
             return tensor.tensor_mesh(cfg, processes)
         if shards.fsdp:
@@ -66,7 +68,11 @@ class AcceleratedTrainer(Trainer):
     @classmethod
     def launch(cls, cfg: Config) -> Runtime:
         join_launch("cuda:nccl,cpu:gloo" if torch.cuda.is_available() else "gloo")  # before accelerate would
-        runtime = tensor.launch_runtime(build_accelerator(cfg), cfg)  # a plain Runtime without --tensor_parallel_size
+        accelerator = build_accelerator(cfg)
+        if context.degree(cfg) > 1:
+            runtime = context.launch_runtime(accelerator, cfg)
+        else:  # a plain Runtime without --tensor_parallel_size
+            runtime = tensor.launch_runtime(accelerator, cfg)
         set_collective_timeout(cfg.distributed.collective_timeout)
         return runtime
 
@@ -84,6 +90,10 @@ class AcceleratedTrainer(Trainer):
         if self.tensor_parallel:  # a group's processes take the same rows: the first one's enter the logged sums
             self.mode += f" tensor parallel {runtime.mesh.tp}" + (" x FSDP2" if runtime.mesh.dp_shard > 1 else "")
             self.counts_batches = tensor.tp_rank(runtime) == 0
+        # context parallel: a group's processes take the same rows, each its slice of their tokens (`move`)
+        self.context = runtime if isinstance(runtime, context.ContextParallelRuntime) else None
+        if self.context:
+            self.mode += f" context parallel {runtime.mesh.cp} (all-to-all)"
 
     @classmethod
     def async_refusal(cls, cfg: Config) -> str | None:
@@ -102,6 +112,13 @@ class AcceleratedTrainer(Trainer):
         # The scheduler stays outside prepare(): the base loop steps it once per optimizer step.
         if self.tensor_parallel:  # the model was sharded as it loaded; only the loaders are accelerate's
             tensor.mixed_precision_forward(self.model, self.accelerator)
+            self.train_dl, *loaders = self.accelerator.prepare(
+                self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
+            )
+        elif self.context:  # the model first: FSDP2 shards over every process, not over the loaders' mesh
+            sequence.install(self.model, self.context.cp_group)
+            self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
+            self.context.share_rows()
             self.train_dl, *loaders = self.accelerator.prepare(
                 self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
             )
@@ -125,10 +142,12 @@ class AcceleratedTrainer(Trainer):
 
     def move(self, batch: dict) -> dict:
         """Stored batches come placed by accelerate's prepared loader; a stream's loader is not accelerate's
-        (cloudtrain.data.streaming): its host batches are placed here as accelerate places the others."""
+        (cloudtrain.data.streaming): its host batches are placed here as accelerate places the others. Under
+        context parallelism each process keeps its slice of the rows' tokens (cloudtrain.parallel.context): the
+        one place a batch is cut, for training and evaluation alike."""
         if self.streams:
-            return send_to_device(batch, self.accelerator.device, non_blocking=True)
-        return batch
+            batch = send_to_device(batch, self.accelerator.device, non_blocking=True)
+        return self.context.cut(batch) if self.context else batch
 
     @staticmethod
     def _keep_trainable(models: list, weights: list, folder: str) -> None:
