@@ -24,28 +24,49 @@ def write_clip_tokenizer(folder: Path, max_length: int = 16):
     return CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"), model_max_length=max_length)
 
 
+def clip_config(tokenizer, layers: int = 1, **extra):
+    """A CLIP text encoder's config of hidden size 16 over `tokenizer`'s vocabulary."""
+    from transformers import CLIPTextConfig
+
+    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL))
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        max_position_embeddings=tokenizer.model_max_length,
+        bos_token_id=ids[0],
+        eos_token_id=ids[1],
+        pad_token_id=ids[1],
+        **extra,
+    )
+
+
+def tiny_vae(latent_channels: int = 4, **extra):
+    """A two-level AutoencoderKL: 16px images to 8x8 latents."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        block_out_channels=(8, 16),
+        down_block_types=("DownEncoderBlock2D",) * 2,
+        up_block_types=("UpDecoderBlock2D",) * 2,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=16,
+        **extra,
+    )
+
+
 def build_tiny_pipeline(out: Path, seed: int = 0, prediction_type: str = "epsilon", width: int = 8) -> Path:
     """A Stable-Diffusion-shaped pipeline of about 0.2M parameters: 16px images, 8x8 latents."""
     import torch
-    from diffusers import AutoencoderKL, DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel
+    from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel
 
     tokenizer = write_clip_tokenizer(out.parent / f"{out.name}-vocab")
     torch.manual_seed(seed)
-    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL))
-    text_encoder = CLIPTextModel(
-        CLIPTextConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=16,
-            intermediate_size=32,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            max_position_embeddings=tokenizer.model_max_length,
-            bos_token_id=ids[0],
-            eos_token_id=ids[1],
-            pad_token_id=ids[1],
-        )
-    )
+    text_encoder = CLIPTextModel(clip_config(tokenizer))
     unet = UNet2DConditionModel(
         sample_size=8,
         block_out_channels=(width, 2 * width),
@@ -56,14 +77,7 @@ def build_tiny_pipeline(out: Path, seed: int = 0, prediction_type: str = "epsilo
         norm_num_groups=4,
         attention_head_dim=4,
     )
-    vae = AutoencoderKL(
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=16,
-    )
+    vae = tiny_vae()
     scheduler = DDPMScheduler(
         beta_schedule="scaled_linear",
         beta_start=0.00085,
@@ -116,25 +130,13 @@ def build_tiny_sdxl_pipeline(out: Path, seed: int = 0, width: int = 8) -> Path:
     """An SDXL-shaped pipeline (StableDiffusionXLPipeline): two CLIP text encoders (the second with a projection,
     its pooled embedding conditioning the UNet with the size ids through text_time), 16px images, 8x8 latents."""
     import torch
-    from diffusers import AutoencoderKL, EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLPipeline, UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     tokenizer = write_clip_tokenizer(out.parent / f"{out.name}-vocab")
     torch.manual_seed(seed)
-    ids = tokenizer.convert_tokens_to_ids(list(SPECIAL))
-    text = {
-        "vocab_size": len(tokenizer),
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 2,  # SDXL reads the penultimate layer
-        "num_attention_heads": 2,
-        "max_position_embeddings": tokenizer.model_max_length,
-        "bos_token_id": ids[0],
-        "eos_token_id": ids[1],
-        "pad_token_id": ids[1],
-    }
-    text_encoder = CLIPTextModel(CLIPTextConfig(**text))
-    text_encoder_2 = CLIPTextModelWithProjection(CLIPTextConfig(**text, projection_dim=16))
+    text_encoder = CLIPTextModel(clip_config(tokenizer, layers=2))  # SDXL reads the penultimate layer
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config(tokenizer, layers=2, projection_dim=16))
     time_dim = 8
     unet = UNet2DConditionModel(
         sample_size=8,
@@ -150,14 +152,7 @@ def build_tiny_sdxl_pipeline(out: Path, seed: int = 0, width: int = 8) -> Path:
         addition_time_embed_dim=time_dim,
         projection_class_embeddings_input_dim=16 + 6 * time_dim,  # the pooled embedding and six size ids
     )
-    vae = AutoencoderKL(
-        block_out_channels=(8, 16),
-        down_block_types=("DownEncoderBlock2D",) * 2,
-        up_block_types=("UpDecoderBlock2D",) * 2,
-        latent_channels=4,
-        norm_num_groups=4,
-        sample_size=16,
-    )
+    vae = tiny_vae()
     scheduler = EulerDiscreteScheduler(
         beta_schedule="scaled_linear", beta_start=0.00085, beta_end=0.012, timestep_spacing="leading"
     )
@@ -190,3 +185,59 @@ def options(model: str, out: Path, **extra) -> dict:
         "validation_inference_steps": 2,
         **extra,
     }
+
+
+def write_t5_tokenizer(folder: Path, max_length: int = 12):
+    """A T5 (unigram) tokenizer over single characters, saved in `folder`."""
+    from transformers import T5TokenizerFast
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -2.0)]
+    pieces += [(c, -3.0) for c in string.ascii_lowercase + string.digits]
+    tokenizer = T5TokenizerFast(vocab=pieces, extra_ids=0, model_max_length=max_length)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def build_tiny_sd3_pipeline(out: Path, seed: int = 0, t5: bool = True) -> Path:
+    """A Stable-Diffusion-3-shaped pipeline (StableDiffusion3Pipeline): two CLIP text encoders with projections
+    (their pooled embeddings side by side condition the transformer), a T5 encoder whose states follow the CLIP
+    ones in the sequence, an SD3Transformer2DModel, a VAE with a shift factor and a flow-matching scheduler; 16px
+    images, 8x8 latents. `t5` False: a pipeline saved without its third encoder, as SD3 may be run."""
+    import torch
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    tokenizer = write_clip_tokenizer(out.parent / f"{out.name}-vocab")
+    tokenizer_3 = write_t5_tokenizer(out.parent / f"{out.name}-t5")
+    torch.manual_seed(seed)
+    text_encoder = CLIPTextModelWithProjection(clip_config(tokenizer, layers=2, projection_dim=16))
+    text_encoder_2 = CLIPTextModelWithProjection(clip_config(tokenizer, layers=2, projection_dim=16))
+    text_encoder_3 = T5EncoderModel(
+        T5Config(vocab_size=len(tokenizer_3), d_model=32, d_kv=8, d_ff=32, num_layers=1, num_heads=2)
+    )
+    transformer = SD3Transformer2DModel(
+        sample_size=8,
+        patch_size=1,
+        in_channels=4,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=32,  # T5's width; the CLIP states (16 + 16) are padded to it
+        caption_projection_dim=16,
+        pooled_projection_dim=32,  # both CLIP encoders' projections
+        out_channels=4,
+        pos_embed_max_size=16,
+    )
+    pipeline = StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=tiny_vae(shift_factor=0.06, scaling_factor=1.5),
+        text_encoder=text_encoder,
+        tokenizer=tokenizer,
+        text_encoder_2=text_encoder_2,
+        tokenizer_2=tokenizer,
+        text_encoder_3=text_encoder_3 if t5 else None,
+        tokenizer_3=tokenizer_3 if t5 else None,
+    )
+    pipeline.save_pretrained(out)
+    return out

@@ -164,6 +164,34 @@ def test_row_draws_follow_the_rows_numbers_not_the_batch_they_fall_in(tiny_sd, s
     assert set(whole) == {"noise", "timesteps", "latent_noise", "flip", "empty_caption"}
 
 
+def test_a_row_repeated_within_a_step_draws_afresh_at_any_process_count(tiny_sd, tmp_path):
+    """3 images and a global step of 8 rows: the step repeats rows (whole_steps), each repetition marked in the
+    sampler's order (row + k * rows), so a repeated row draws its own noise and timestep instead of adding the
+    first one's gradient again; the marks come from the global order, so halves draw as the whole."""
+    from cloudtrain.tasks.text_to_image import row_draws
+
+    folder = captioned_folder(tmp_path / "three", n=3)
+    cfg = config(tiny_sd, tmp_path / "out", train_data_dir=str(folder), random_flip=True)
+    task = TextToImageTask(cfg)
+    data = task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+    sampler = data.train.epoch_sampler(seed=0, step_rows=8)  # type: ignore[attr-defined]
+    order = list(sampler)
+    assert len(order) == 8 and sorted(i // 3 for i in order) == [0, 0, 0, 1, 1, 1, 2, 2]  # 1st, 2nd, 3rd times
+    for row in range(3):  # each row's occurrences numbered 0, 1, ... in the step
+        marks = [i // 3 for i in order if i % 3 == row]
+        assert marks == list(range(len(marks)))
+    model = load_text_to_image_model(cfg, tiny_sd)
+    whole = row_draws(model, data.collator([data.train[i] for i in order]), seed=0, step=0)
+    rows = [i % 3 for i in order]
+    first = rows.index(rows[-1])
+    assert not torch.equal(whole["noise"][first], whole["noise"][7])  # the same image, its own noise
+    halves = [row_draws(model, data.collator([data.train[i] for i in part]), 0, 0) for part in (order[:4], order[4:])]
+    for key, value in whole.items():
+        assert torch.equal(value, torch.cat([half[key] for half in halves])), key
+    unmarked = row_draws(model, data.collator([data.train[i % 3] for i in order]), seed=0, step=0)
+    assert torch.equal(unmarked["noise"][first], unmarked["noise"][7])  # what the repeats drew before the fix
+
+
 # ---------------------------------------------------------------- options and data sources
 
 

@@ -7,6 +7,7 @@ from cloudtrain.config.fields import opt
 from cloudtrain.errors import UserError
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
+WEIGHTING_SCHEMES = ("logit_normal", "sigma_sqrt", "mode", "cosmap", "none")
 
 
 @dataclass
@@ -48,6 +49,24 @@ class ImagesConfig:
         None, "Text-to-image: Min-SNR loss weighting with this gamma (5.0 is the paper's; default: unweighted)."
     )
     noise_offset: float = opt(0.0, "Text-to-image: the scale of the per-channel offset added to the noise.")
+    weighting_scheme: str = opt(
+        "logit_normal",
+        "Text-to-image, SD3 (flow matching): how training noise levels are drawn and weighted: logit_normal "
+        "(--logit_mean, --logit_std) or mode (--mode_scale) draw them from that density; sigma_sqrt and cosmap "
+        "draw uniformly and weight the loss; none: uniform, unweighted.",
+        WEIGHTING_SCHEMES,
+    )
+    logit_mean: float = opt(0.0, "Text-to-image, SD3: the mean of --weighting_scheme logit_normal.")
+    logit_std: float = opt(1.0, "Text-to-image, SD3: the standard deviation of --weighting_scheme logit_normal.")
+    mode_scale: float = opt(1.29, "Text-to-image, SD3: the scale of --weighting_scheme mode.")
+    precondition_outputs: bool = opt(
+        True,
+        "Text-to-image, SD3: take the loss on the clean latents the transformer's velocity implies (EDM's "
+        "preconditioning, as diffusers' SD3 script by default), else on the velocity (noise - latents) itself.",
+    )
+    max_sequence_length: int = opt(
+        77, "Text-to-image, SD3: the T5 encoder's prompt length (tokens), in training and for validation images."
+    )
     proportion_empty_prompts: float = opt(
         0.0,
         "Text-to-image: the share of training captions replaced by the empty prompt, so the model also learns "
@@ -88,6 +107,10 @@ class ImagesConfig:
             raise UserError("--proportion_empty_prompts must be in [0, 1)")
         if self.snr_gamma is not None and self.snr_gamma <= 0:
             raise UserError("--snr_gamma must be positive")
+        if self.logit_std <= 0:
+            raise UserError("--logit_std must be positive")
+        if not 0 < self.max_sequence_length <= 512:
+            raise UserError("--max_sequence_length must be in [1, 512] (T5's limit in StableDiffusion3Pipeline)")
         for name in ("validation_steps", "validation_inference_steps"):
             value = getattr(self, name)
             if value is not None and value <= 0:

@@ -188,15 +188,22 @@ class ImageRows(torch.utils.data.Dataset):
         return max(len(self.examples), len(self.class_examples))
 
     def __getitem__(self, index: int) -> dict:
+        # `index` past the rows: a repetition of row index % rows within one step (`RepeatMarked`), which draws
+        # its own noise (its `repeat` count keys text_to_image.row_draws with the row's number)
+        index, repeat = index % len(self), index // len(self)
         if self.cached is not None:
-            return self.cached[index]
-        # each row's draws (noise, timestep, flip, ...) come from its number (text_to_image.row_draws); a class
-        # row's number follows every instance row's
-        size = self.buckets[self.row_buckets[index % len(self.examples)]] if self.buckets else None
-        row = {**self.prepare(self.examples[index % len(self.examples)], size), "row": index}
-        if self.class_examples:
-            prior = self.prepare(self.class_examples[index % len(self.class_examples)])
-            row.update({f"class_{k}": v for k, v in {**prior, "row": index + len(self)}.items()})
+            row = dict(self.cached[index])
+        else:
+            # each row's draws (noise, timestep, flip, ...) come from its number (text_to_image.row_draws); a class
+            # row's number follows every instance row's
+            size = self.buckets[self.row_buckets[index % len(self.examples)]] if self.buckets else None
+            row = {**self.prepare(self.examples[index % len(self.examples)], size), "row": index}
+            if self.class_examples:
+                prior = self.prepare(self.class_examples[index % len(self.class_examples)])
+                row.update({f"class_{k}": v for k, v in {**prior, "row": index + len(self)}.items()})
+        row["repeat"] = repeat
+        if "class_row" in row:
+            row["class_repeat"] = repeat
         return row
 
     def prepare(self, example: Example, size: tuple[int, int] | None = None) -> dict:
@@ -214,14 +221,47 @@ class ImageRows(torch.utils.data.Dataset):
             row["time_ids"] = time_ids((image.height, image.width), corner, (target[1], target[0]))
         return row
 
-    def epoch_sampler(self, seed: int, step_rows: int) -> torch.utils.data.Sampler | None:
-        """With buckets, the order that keeps every step in one bucket (image_buckets.BucketSampler); else None:
-        the trainer's own shuffle."""
+    def epoch_sampler(self, seed: int, step_rows: int) -> torch.utils.data.Sampler:
+        """The epoch's order in whole steps of `step_rows`: with buckets, the one that keeps every step in one
+        bucket (image_buckets.BucketSampler), else the trainer's own shuffle (EpochShuffleSampler); a row
+        repeated within a step marked (`RepeatMarked`)."""
+        from cloudtrain.data.processing import EpochShuffleSampler
+
         if not self.buckets:
-            return None
+            return RepeatMarked(EpochShuffleSampler(len(self), seed, step_rows), step_rows, len(self))
         from cloudtrain.data.image_buckets import BucketSampler
 
-        return BucketSampler(self.row_buckets, step_rows, seed)
+        return RepeatMarked(BucketSampler(self.row_buckets, step_rows, seed), step_rows, len(self))
+
+
+class RepeatMarked(torch.utils.data.Sampler):
+    """An epoch order whose steps may repeat a row (an epoch, or a bucket, smaller than a step is completed with
+    its own rows again), with the k-th repetition of a row within its step given as row + k * rows. The step's
+    draws are keyed by the row's number and k (text_to_image.row_draws): without k a repeated row would draw
+    the same noise and timestep, adding the very same gradient again instead of another sample."""
+
+    def __init__(self, inner: torch.utils.data.Sampler, step_rows: int, rows: int):
+        self.inner, self.step_rows, self.rows = inner, step_rows, rows
+
+    def set_epoch(self, epoch: int) -> None:
+        self.inner.set_epoch(epoch)  # type: ignore[attr-defined]
+
+    def __len__(self) -> int:
+        return len(self.inner)  # type: ignore[arg-type]
+
+    def __iter__(self):
+        return iter(mark_repeats(list(self.inner), self.step_rows, self.rows))
+
+
+def mark_repeats(order: list[int], step_rows: int, rows: int) -> list[int]:
+    """`order` with each row's k-th repetition within a step (consecutive slices of `step_rows`) as row + k * rows."""
+    marked: list[int] = []
+    for start in range(0, len(order), step_rows):
+        seen: dict[int, int] = {}
+        for row in order[start : start + step_rows]:
+            marked.append(row + seen.get(row, 0) * rows)
+            seen[row] = seen.get(row, 0) + 1
+    return marked
 
 
 def _row_buckets(examples: list[Example], buckets: list[tuple[int, int]]) -> list[int]:

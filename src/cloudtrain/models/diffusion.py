@@ -1,7 +1,9 @@
 """A diffusers text-to-image pipeline as one trainable module (`--task text_to_image`; docs/text-to-image.md).
 
 `TextToImageModel` holds the denoiser (trained in full, or with LoRA/DoRA through PEFT after `attach_lora`), the
-VAE and the text encoder (frozen), and the training noise schedule. Its forward takes a batch and returns each
+VAE and the text encoders (frozen), and the training noise schedule. The denoiser is a UNet (Stable Diffusion
+1.x/2.x, SDXL: cloudtrain.models.sdxl) trained on noise or v-prediction, or SD3's transformer trained by flow
+matching (cloudtrain.models.sd3). Its forward takes a batch and returns each
 row's diffusion loss, so the trainers, DDP and DeepSpeed treat it as any other model; `save_pretrained` writes
 what diffusers loads: the LoRA in diffusers' format (`pipeline.load_lora_weights(output_dir)`), or the whole
 pipeline after full fine-tuning.
@@ -20,7 +22,7 @@ import torch.nn.functional as F
 from cloudtrain.config import Config, ModelConfig
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models import sdxl
+from cloudtrain.models import sd3, sdxl
 
 MODEL_INDEX = "model_index.json"
 NEEDED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -41,7 +43,7 @@ SKIPPED_FILES = [
     "*.fp16.*",
     "*.non_ema.*",
 ]
-PARTS = ("unet", "vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "scheduler")
+PARTS = ("unet", "transformer", "vae", *sd3.ENCODERS, "tokenizer", "tokenizer_2", "tokenizer_3", "scheduler")
 
 
 @functools.cache
@@ -90,12 +92,15 @@ def read_model_index(path: str) -> dict:
         index = json.loads(index_file.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{index_file} is not valid JSON ({first_line(err)})") from None
-    if "transformer" in index or "unet" not in index:
+    if not sd3.is_sd3(index) and ("transformer" in index or "unet" not in index):
         raise UserError(
             f"{path} is a {index.get('_class_name', 'diffusers')} pipeline; --task text_to_image trains Stable "
-            "Diffusion 1.x/2.x and SDXL pipelines (a UNet and CLIP text encoders) so far"
+            "Diffusion 1.x/2.x, SDXL (a UNet and CLIP text encoders) and Stable Diffusion 3 pipelines so far"
         )
-    needed = (*NEEDED, *sdxl.SECOND_ENCODER) if "text_encoder_2" in index else NEEDED
+    if sd3.is_sd3(index):
+        needed = sd3.NEEDED + (sd3.T5 if sd3.has_t5(index) else ())
+    else:
+        needed = (*NEEDED, *sdxl.SECOND_ENCODER) if "text_encoder_2" in index else NEEDED
     missing = [name for name in needed if not isinstance(index.get(name), list) or index[name][0] is None]
     missing += [name for name in needed if name not in missing and not (folder / name).is_dir()]
     if missing:
@@ -118,10 +123,12 @@ def load_component(path: str, name: str, index: dict, dtype: torch.dtype) -> Any
     library, class_name = index[name]
     try:
         cls = getattr(importlib.import_module(library), class_name)
-        if name == "scheduler":
+        if name == "scheduler" and not sd3.is_sd3(index):
             from diffusers import DDPMScheduler  # training adds noise as DDPM does, whatever the pipeline samples with
 
             return DDPMScheduler.from_pretrained(path, subfolder=name)
+        if name == "scheduler":  # SD3: its own flow-matching schedule (the training sigmas)
+            return cls.from_pretrained(path, subfolder=name)
         if name == "tokenizer":
             return cls.from_pretrained(path, subfolder=name)
         key = "torch_dtype" if library == "diffusers" else "dtype"
@@ -131,16 +138,21 @@ def load_component(path: str, name: str, index: dict, dtype: torch.dtype) -> Any
 
 
 class TextToImageModel(torch.nn.Module):
-    """The denoiser, VAE and text encoder of a pipeline; forward gives each row's diffusion loss."""
+    """The denoiser, VAE and text encoders of a pipeline; forward gives each row's diffusion loss. The denoiser
+    is the attribute its pipeline names it by: `unet`, or SD3's `transformer` (`denoiser` either way)."""
 
     def __init__(self, path: str, index: dict, components: dict, cfg: Config):
         super().__init__()
         self.path, self.index, self.images = path, index, cfg.images
-        self.unet, self.vae, self.text_encoder = components["unet"], components["vae"], components["text_encoder"]
-        self.text_encoder_2 = components.get("text_encoder_2")  # SDXL's second (cloudtrain.models.sdxl)
+        self.flow = sd3.is_sd3(index)  # flow matching (cloudtrain.models.sd3), else noise or v-prediction
+        self.denoiser_name = "transformer" if self.flow else "unet"
+        setattr(self, self.denoiser_name, components[self.denoiser_name])
+        self.vae, self.text_encoder = components["vae"], components["text_encoder"]
+        self.text_encoder_2 = components.get("text_encoder_2")  # SDXL's or SD3's second CLIP encoder
+        self.text_encoder_3 = components.get("text_encoder_3")  # SD3's T5: always frozen
         self.noise_scheduler = components["scheduler"]
         self.vae.requires_grad_(False)
-        for encoder in self.text_encoders():
+        for encoder in self.frozen_encoders():
             encoder.requires_grad_(False)
         self.lora = False  # until attach_lora: the whole denoiser trains
         # --train_text_encoder: in full here (without --peft), or its adapters once attach_lora adds them
@@ -149,18 +161,29 @@ class TextToImageModel(torch.nn.Module):
             for encoder in self.text_encoders():
                 encoder.requires_grad_(True)
         # the empty prompt's tokens, for each tokenizer (--proportion_empty_prompts)
-        self.empty_ids: torch.Tensor | None = None
-        self.empty_ids_2: torch.Tensor | None = None
+        self.empty_ids: list[torch.Tensor | None] = []
+        if self.flow:
+            self.prediction_type = "flow_matching"
+            return
         self.prediction_type = cfg.images.prediction_type or self.noise_scheduler.config.prediction_type
         if self.prediction_type not in ("epsilon", "v_prediction"):
             raise UserError(f"the scheduler of {path} predicts {self.prediction_type}; use --prediction_type")
 
     @property
-    def xl(self) -> bool:
-        return self.text_encoder_2 is not None
+    def denoiser(self) -> Any:
+        return getattr(self, self.denoiser_name)
 
-    def text_encoders(self) -> list[Any]:  # transformers models (add_adapter is PEFT's integration)
+    @property
+    def xl(self) -> bool:
+        return self.text_encoder_2 is not None and not self.flow
+
+    def text_encoders(self) -> list[Any]:
+        """The CLIP encoders --train_text_encoder trains (transformers models: add_adapter is PEFT's)."""
         return [self.text_encoder] + ([self.text_encoder_2] if self.text_encoder_2 is not None else [])
+
+    def frozen_encoders(self) -> list[Any]:
+        """Every text encoder, T5 included (never trained: it is large and diffusers' scripts keep it frozen)."""
+        return self.text_encoders() + ([self.text_encoder_3] if self.text_encoder_3 is not None else [])
 
     def attach_lora(self, cfg: Config) -> "TextToImageModel":
         """LoRA (or DoRA, --peft dora) on the denoiser's --lora_target_modules through diffusers' PEFT
@@ -168,8 +191,8 @@ class TextToImageModel(torch.nn.Module):
         from peft import LoraConfig
 
         m = cfg.model
-        targets = lora_targets(cfg)
-        self.unet.requires_grad_(False)
+        targets = lora_targets(cfg, self.index)
+        self.denoiser.requires_grad_(False)
         config = LoraConfig(
             r=m.lora_r,
             lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, scales by any number
@@ -179,7 +202,7 @@ class TextToImageModel(torch.nn.Module):
             use_dora=m.peft == "dora",
         )
         try:
-            self.unet.add_adapter(config)
+            self.denoiser.add_adapter(config)
         except ValueError as err:
             raise UserError(f"--lora_target_modules {','.join(targets)}: {first_line(err)}") from None
         if self.text_encoder_trains:  # diffusers' scripts adapt the CLIP attention projections
@@ -195,13 +218,13 @@ class TextToImageModel(torch.nn.Module):
     def train(self, mode: bool = True) -> "TextToImageModel":
         super().train(mode)
         self.vae.eval()  # frozen: never in training mode (no dropout)
-        for encoder in self.text_encoders():
-            encoder.train(mode and self.text_encoder_trains)
+        for encoder in self.frozen_encoders():
+            encoder.train(mode and self.text_encoder_trains and encoder is not self.text_encoder_3)
         return self
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None) -> None:
         """What models.prepare calls for --gradient_checkpointing: the denoiser recomputes its blocks."""
-        self.unet.enable_gradient_checkpointing()
+        self.denoiser.enable_gradient_checkpointing()
 
     @torch.no_grad()
     def encode_images(self, pixel_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -211,11 +234,22 @@ class TextToImageModel(torch.nn.Module):
         return (dist.mean.float() - shift) * scale, dist.std.float() * scale
 
     def encode_prompts(
-        self, input_ids: torch.Tensor, input_ids_2: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor | None,
+        input_ids_2: torch.Tensor | None = None,
+        input_ids_3: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(hidden states, pooled embedding): the text encoder's last hidden states and no pooled one, or SDXL's
-        pair (cloudtrain.models.sdxl.encode); with gradients only where they train (--train_text_encoder)."""
+        """(hidden states, pooled embedding): the text encoder's last hidden states and no pooled one, SDXL's
+        pair (cloudtrain.models.sdxl.encode) or SD3's (cloudtrain.models.sd3.encode); with gradients only where
+        they train (--train_text_encoder)."""
+        assert input_ids is not None
         with torch.set_grad_enabled(torch.is_grad_enabled() and self.text_encoder_trains):
+            if self.flow:
+                encoders = [self.text_encoder, self.text_encoder_2, self.text_encoder_3]
+                joint = self.denoiser.config.joint_attention_dim
+                return sd3.encode(
+                    encoders, [input_ids, input_ids_2, input_ids_3], joint, self.images.max_sequence_length
+                )
             if self.text_encoder_2 is None:
                 return self.text_encoder(input_ids)[0], None
             assert input_ids_2 is not None
@@ -223,31 +257,37 @@ class TextToImageModel(torch.nn.Module):
 
     def text_states(
         self,
-        ids: tuple[torch.Tensor | None, torch.Tensor | None],
+        ids: tuple[torch.Tensor | None, ...],
         cached: tuple[torch.Tensor | None, torch.Tensor | None],
         empty: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The captions' (hidden states, pooled embedding), cached or encoded now from `ids` (each tokenizer's),
         the empty prompt's on the rows `empty` marks."""
-        (input_ids, input_ids_2), (hidden, pooled) = ids, cached
+        tokens, (hidden, pooled) = list(ids), cached
         if empty is not None:  # present only when some row draws the empty prompt
-            assert self.empty_ids is not None  # set by the task with --proportion_empty_prompts
-            blank = self.empty_ids.to(empty.device)[None]
-            blank_2 = self.empty_ids_2.to(empty.device)[None] if self.empty_ids_2 is not None else None
-            if input_ids is not None:
-                input_ids = torch.where(empty[:, None], blank, input_ids)
-                if input_ids_2 is not None and blank_2 is not None:
-                    input_ids_2 = torch.where(empty[:, None], blank_2, input_ids_2)
+            assert self.empty_ids, "set by the task with --proportion_empty_prompts"
+            blanks = [None if b is None else b.to(empty.device)[None] for b in self.empty_ids]
+            if tokens[0] is not None:
+                tokens = [
+                    t if t is None or blank is None else torch.where(empty[:, None], blank, t)
+                    for t, blank in zip(tokens, blanks, strict=False)
+                ]
             else:
-                assert hidden is not None
-                blank_hidden, blank_pooled = self.encode_prompts(blank, blank_2)
+                assert hidden is not None and blanks[0] is not None
+                blank_hidden, blank_pooled = self.encode_prompts(*blanks)
                 hidden = torch.where(empty[:, None, None], blank_hidden.to(hidden.dtype), hidden)
                 if pooled is not None and blank_pooled is not None:
                     pooled = torch.where(empty[:, None], blank_pooled.to(pooled.dtype), pooled)
         if hidden is not None:
             return hidden, pooled
-        assert input_ids is not None
-        return self.encode_prompts(input_ids, input_ids_2)
+        assert tokens[0] is not None
+        return self.encode_prompts(*tokens)
+
+    def draw_timesteps(self, rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """`rows` training timesteps: uniform over the DDPM schedule, or SD3's by --weighting_scheme."""
+        if self.flow:
+            return sd3.draw_timesteps(self.noise_scheduler, self.images, rows, generator)
+        return torch.randint(0, self.noise_scheduler.config.num_train_timesteps, (rows,), generator=generator)
 
     def forward(
         self,
@@ -258,11 +298,13 @@ class TextToImageModel(torch.nn.Module):
         latent_std: torch.Tensor | None = None,
         input_ids: torch.Tensor | None = None,
         encoder_hidden_states: torch.Tensor | None = None,
-        input_ids_2: torch.Tensor | None = None,  # SDXL: the second tokenizer's ids
-        pooled_prompt_embeds: torch.Tensor | None = None,  # SDXL: cached pooled embeddings
+        input_ids_2: torch.Tensor | None = None,  # SDXL and SD3: the second tokenizer's ids
+        input_ids_3: torch.Tensor | None = None,  # SD3: T5's ids
+        pooled_prompt_embeds: torch.Tensor | None = None,  # SDXL and SD3: cached pooled embeddings
         time_ids: torch.Tensor | None = None,  # SDXL: each row's sizes and crop (cloudtrain.models.sdxl.time_ids)
         is_prior: torch.Tensor | None = None,
         row: torch.Tensor | None = None,  # the rows' numbers, which the task draws by (unused here)
+        repeat: torch.Tensor | None = None,  # which repetition of its row in the step (drawn by; unused here)
         noise: torch.Tensor | None = None,
         timesteps: torch.Tensor | None = None,
         latent_noise: torch.Tensor | None = None,
@@ -270,11 +312,12 @@ class TextToImageModel(torch.nn.Module):
         empty_caption: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Each row's loss: MSE between the denoiser's prediction and its target (the noise, or the velocity
-        under v-prediction), averaged over the latent, Min-SNR weighted with --snr_gamma. Cached latents and
-        text embeddings are used when the batch holds them. The task passes each row's draws (cloudtrain.tasks.
-        text_to_image.row_draws): `noise`, `timesteps`, the latent sample's `latent_noise`, `flip` and
-        `empty_caption` (--proportion_empty_prompts); any left out is drawn here from the global generator. An
-        SDXL denoiser also gets the pooled embedding and `time_ids` (cloudtrain.models.sdxl)."""
+        under v-prediction), averaged over the latent, Min-SNR weighted with --snr_gamma; SD3's flow-matching
+        loss (cloudtrain.models.sd3.flow_loss). Cached latents and text embeddings are used when the batch holds
+        them. The task passes each row's draws (cloudtrain.tasks.text_to_image.row_draws): `noise`,
+        `timesteps`, the latent sample's `latent_noise`, `flip` and `empty_caption` (--proportion_empty_prompts);
+        any left out is drawn here from the global generator. An SDXL denoiser also gets the pooled embedding
+        and `time_ids` (cloudtrain.models.sdxl), SD3's the pooled projections."""
         if latent_mean is None:
             assert pixel_values is not None
             if flip is not None:
@@ -289,7 +332,7 @@ class TextToImageModel(torch.nn.Module):
         else:
             latents = latent_mean
         encoder_hidden_states, pooled = self.text_states(
-            (input_ids, input_ids_2), (encoder_hidden_states, pooled_prompt_embeds), empty_caption
+            (input_ids, input_ids_2, input_ids_3), (encoder_hidden_states, pooled_prompt_embeds), empty_caption
         )
         rows = latents.shape[0]
         if noise is None:
@@ -299,8 +342,12 @@ class TextToImageModel(torch.nn.Module):
                     rows, latents.shape[1], 1, 1, device=noise.device
                 )
         if timesteps is None:
-            timesteps = torch.randint(
-                0, self.noise_scheduler.config.num_train_timesteps, (rows,), device=latents.device
+            timesteps = self.draw_timesteps(rows).to(latents.device)
+        if self.flow:
+            assert pooled is not None
+            steps = self.noise_scheduler.config.num_train_timesteps
+            return sd3.flow_loss(
+                self.denoiser, latents, noise, timesteps, (encoder_hidden_states, pooled), self.images, steps
             )
         noisy = self.noise_scheduler.add_noise(latents, noise, timesteps)
         target = (
@@ -309,9 +356,9 @@ class TextToImageModel(torch.nn.Module):
         added = None
         if self.xl:
             assert pooled is not None and time_ids is not None
-            added = sdxl.added_cond(pooled, time_ids, self.unet.dtype)
-        predicted = self.unet(
-            noisy, timesteps, encoder_hidden_states.to(self.unet.dtype), added_cond_kwargs=added, return_dict=False
+            added = sdxl.added_cond(pooled, time_ids, self.denoiser.dtype)
+        predicted = self.denoiser(
+            noisy, timesteps, encoder_hidden_states.to(self.denoiser.dtype), added_cond_kwargs=added, return_dict=False
         )[0]
         loss = F.mse_loss(predicted.float(), target.float(), reduction="none").mean(dim=(1, 2, 3))
         return loss * self.snr_weights(timesteps) if self.images.snr_gamma else loss
@@ -340,7 +387,9 @@ class TextToImageModel(torch.nn.Module):
         for name, (module, own) in parts.items():
             if getattr(module, "peft_config", None):
                 lora = get_peft_model_state_dict(module, state_dict=own)
-                saved[f"{name}_lora_layers"] = convert_state_dict_to_diffusers(lora)
+                # SD3's loader reads PEFT's names (lora_A/lora_B) as its script saves them; the UNet pipelines'
+                # read diffusers' (lora.down/lora.up)
+                saved[f"{name}_lora_layers"] = lora if self.flow else convert_state_dict_to_diffusers(lora)
                 # lora_alpha: the scale diffusers loads it with
                 saved[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
         self.pipeline_class().save_lora_weights(output_dir, safe_serialization=True, **saved)
@@ -351,7 +400,7 @@ class TextToImageModel(torch.nn.Module):
         a fully trained part is read again from the pipeline folder and the gathered weights go into that copy
         (a LoRA is taken from the gathered weights alone)."""
         parts: dict[str, tuple[Any, dict | None]] = {}
-        for part in ("unet", "vae", "text_encoder", "text_encoder_2"):
+        for part in (self.denoiser_name, "vae", *sd3.ENCODERS):
             module = getattr(self, part)
             if module is None:
                 continue
@@ -374,16 +423,13 @@ class TextToImageModel(torch.nn.Module):
 
         return getattr(diffusers, self.index.get("_class_name", "StableDiffusionPipeline"))
 
-    def pipeline(self, tokenizer: Any = None, tokenizer_2: Any = None, modules: dict | None = None) -> Any:
+    def pipeline(self, tokenizers: dict | None = None, modules: dict | None = None) -> Any:
         """The diffusers pipeline over these very modules (the denoiser as it trains, adapters active), or over
-        `modules` (saving: unsharded copies)."""
-        parts: dict[str, Any] = {"unet": self.unet, "vae": self.vae, "text_encoder": self.text_encoder}
-        if self.text_encoder_2 is not None:
-            parts["text_encoder_2"] = self.text_encoder_2
+        `modules` (saving: unsharded copies); `tokenizers` by part name (tokenizer, tokenizer_2, tokenizer_3)."""
+        parts: dict[str, Any] = {self.denoiser_name: self.denoiser, "vae": self.vae}
+        parts.update({name: getattr(self, name) for name in sd3.ENCODERS if getattr(self, name) is not None})
         parts.update(modules or {})
-        for name, given in (("tokenizer", tokenizer), ("tokenizer_2", tokenizer_2)):
-            if given is not None:
-                parts[name] = given
+        parts.update({name: given for name, given in (tokenizers or {}).items() if given is not None})
         for optional in ("safety_checker", "feature_extractor", "image_encoder"):
             if optional in self.index:
                 parts[optional] = None
@@ -394,14 +440,13 @@ class TextToImageModel(torch.nn.Module):
         return pipe
 
     @torch.no_grad()
-    def render(
-        self, prompts: list[str], tokenizer: Any, seed: int, autocast: Any = None, tokenizer_2: Any = None
-    ) -> list:
+    def render(self, prompts: list[str], tokenizers: dict, seed: int, autocast: Any = None) -> list:
         """One image per prompt, each from the same seed: the same prompts look alike from one evaluation to
         the next, so what changes is what the model learnt."""
         images, cfg = [], self.images
-        pipe = self.pipeline(tokenizer, tokenizer_2)
-        device = next(self.unet.parameters()).device
+        pipe = self.pipeline(tokenizers)
+        device = next(self.denoiser.parameters()).device
+        extra = sd3.render_options(cfg) if self.flow else {}
         with eval_mode(self):
             for prompt in prompts:
                 generator = torch.Generator(device=device).manual_seed(seed)
@@ -413,6 +458,7 @@ class TextToImageModel(torch.nn.Module):
                         num_inference_steps=cfg.validation_inference_steps,
                         guidance_scale=cfg.validation_guidance_scale,
                         generator=generator,
+                        **extra,
                     )
                 images.append(out.images[0])
         return images
@@ -425,42 +471,59 @@ def _sharded(module: torch.nn.Module) -> bool:
     return any(isinstance(p, DTensor) for p in module.parameters())
 
 
-def lora_targets(cfg: Config) -> list[str]:
+def lora_targets(cfg: Config, index: dict | None = None) -> list[str]:
     """--lora_target_modules, whose default (all-linear, a transformers notion) means diffusers' attention
-    projections here."""
+    projections here: the UNet's, or both streams' of SD3's transformer (cloudtrain.models.sd3) when the
+    pipeline's model_index.json `index` says SD3."""
     targets = cfg.model.lora_target_modules
-    return LORA_TARGETS if targets == ["all-linear"] else list(targets)
+    if targets == ["all-linear"]:
+        return sd3.LORA_TARGETS if index is not None and sd3.is_sd3(index) else LORA_TARGETS
+    return list(targets)
+
+
+def denoiser_class(index: dict) -> tuple[str, Any]:
+    """The denoiser's part name and class, as model_index.json names them."""
+    import diffusers
+
+    name = "transformer" if sd3.is_sd3(index) else "unet"
+    return name, getattr(diffusers, index[name][1], diffusers.UNet2DConditionModel)
 
 
 def check_lora_targets(path: str, targets: list[str]) -> None:
     """Each target names linear or convolution layers of the denoiser (as PEFT matches: the whole name or its
-    dotted tail), checked on a weightless copy built from unet/config.json."""
-    from diffusers import UNet2DConditionModel
-
-    config = UNet2DConditionModel.load_config(path, subfolder="unet")
+    dotted tail), checked on a weightless copy built from its config.json."""
+    index = read_model_index(path)
+    name, cls = denoiser_class(index)
+    config = cls.load_config(path, subfolder=name)
     with torch.device("meta"):
-        modules = dict(UNet2DConditionModel.from_config(config).named_modules())
+        modules = dict(cls.from_config(config).named_modules())
     adaptable = {name for name, m in modules.items() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}
     for target in targets:
         if not any(name == target or name.endswith(f".{target}") for name in adaptable):
             layers = sorted({name.rsplit(".", 1)[-1] for name in adaptable if not name.rsplit(".", 1)[-1].isdigit()})
+            default = sd3.LORA_TARGETS if sd3.is_sd3(index) else LORA_TARGETS
             raise UserError(
                 f"--lora_target_modules: {target} is not a linear or convolution layer of the denoiser in {path}; "
-                f"its layers include {', '.join(layers)} (default: {','.join(LORA_TARGETS)})"
+                f"its layers include {', '.join(layers)} (default: {','.join(default)})"
             )
 
 
 def load_text_to_image_model(cfg: Config, path: str) -> TextToImageModel:
     """The pipeline's parts from `path`: frozen ones in the compute dtype (autocast would cast them anyway), the
-    denoiser in fp32 when it trains in full."""
+    denoiser in fp32 when it trains in full; SD3's T5 in the compute dtype, never trained."""
     index = read_model_index(path)
     frozen = DTYPES.get(cfg.training.mixed_precision, torch.float32)
-    unet_dtype = frozen if cfg.model.peft != "none" else torch.float32
+    denoiser, _ = denoiser_class(index)
     text_dtype = torch.float32 if cfg.images.train_text_encoder and cfg.model.peft == "none" else frozen
-    dtypes = {"unet": unet_dtype, "text_encoder": text_dtype, "text_encoder_2": text_dtype}
-    xl = sdxl.is_xl(index)
-    if xl and json.loads((Path(path) / "vae" / "config.json").read_text()).get("force_upcast", True):
+    dtypes = {denoiser: frozen if cfg.model.peft != "none" else torch.float32}
+    dtypes.update({"text_encoder": text_dtype, "text_encoder_2": text_dtype})
+    upcast = sdxl.is_xl(index) or sd3.is_sd3(index)
+    if upcast and json.loads((Path(path) / "vae" / "config.json").read_text()).get("force_upcast", True):
         dtypes["vae"] = torch.float32  # SDXL's VAE overflows in fp16 (its config says so with force_upcast)
-    names = ("unet", "vae", "text_encoder", "scheduler") + (("text_encoder_2",) if xl else ())
+    names = [denoiser, "vae", "scheduler", *(e for e in sd3.ENCODERS if _listed(index, e))]
     components = {name: load_component(path, name, index, dtypes.get(name, frozen)) for name in names}
     return TextToImageModel(path, index, components, cfg)
+
+
+def _listed(index: dict, name: str) -> bool:
+    return isinstance(index.get(name), list) and index[name][0] is not None

@@ -13,8 +13,8 @@ SECOND_ENCODER = ("text_encoder_2", "tokenizer_2")
 
 
 def is_xl(index: dict) -> bool:
-    """Whether a pipeline's model_index.json is SDXL-shaped (a second text encoder)."""
-    return isinstance(index.get("text_encoder_2"), list) and index["text_encoder_2"][0] is not None
+    """Whether a pipeline's model_index.json is SDXL-shaped (a UNet and a second text encoder)."""
+    return "unet" in index and isinstance(index.get("text_encoder_2"), list) and index["text_encoder_2"][0] is not None
 
 
 def encode(

@@ -1,7 +1,8 @@
 """The planner for a diffusers text-to-image pipeline (`--task text_to_image`): memory per GPU of its denoiser
-trained in full or with LoRA/DoRA (and its text encoder with --train_text_encoder, in full or with the same
-adapters), the frozen parts, and the activations at the resolution, under DDP and DeepSpeed ZeRO-2, with and
-without gradient checkpointing of the denoiser. The formulas: docs/planner.md.
+(a UNet, or SD3's transformer) trained in full or with LoRA/DoRA (and its CLIP text encoders with
+--train_text_encoder, in full or with the same adapters), the frozen parts (SD3's T5 encoder among them,
+always), and the activations at the resolution, under DDP and DeepSpeed ZeRO-2, with and without gradient
+checkpointing of the denoiser. The formulas: docs/planner.md.
 
 What the run holds (cloudtrain.models.diffusion.load_text_to_image_model): the frozen parts in the compute
 dtype (fp32 without mixed precision), a part trained in full in fp32, in the compute dtype under adapters whose
@@ -23,11 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models import diffusion, sdxl
+from cloudtrain.models import diffusion, sd3, sdxl
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB, MAX_MICRO_BATCH
 
-ENCODERS = ("text_encoder", "text_encoder_2")  # SDXL has the second (cloudtrain.models.sdxl)
+ENCODERS = ("text_encoder", "text_encoder_2")  # SDXL and SD3 have the second; SD3's T5 is never trained
 STRATEGIES = {"ddp": Sharding(), "zero2": Sharding(zero_stage=2)}  # what the task runs and is planned here
 LABELS = {"ddp": "DDP", "zero2": "ZeRO-2"}
 
@@ -43,11 +44,11 @@ class PipelineFacts:
     denoiser_params: int
     adapter_params: int  # LoRA on the denoiser's attention projections at --lora_r (DoRA adds a magnitude each)
     dora_params: int
-    frozen_params: dict[str, int]  # the text encoders' (frozen unless --train_text_encoder) and the VAE's
+    frozen_params: dict[str, int]  # the text encoders' (frozen unless --train_text_encoder; T5 always) and the VAE's
     text_adapter_params: int  # LoRA on the text encoder's q/k/v/out projections (--train_text_encoder --peft lora)
     text_dora_params: int
     latent_side: int  # the denoiser's input is latent_channels x side x side
-    text_tokens: int  # the tokens of a caption (the tokenizer's max length)
+    text_tokens: int  # the tokens of a caption (the tokenizer's max length; SD3: CLIP's and T5's one after the other)
     saved_fp32_per_row: int  # what autograd saves in one fp32 forward of the denoiser, per row
     saved_half_per_row: int  # the same in 16 bits (SDXL: with its pooled embedding and time ids)
     checkpointed_fp32_per_row: int  # the peak of the same with --gradient_checkpointing
@@ -123,7 +124,21 @@ def _denoiser_forward(latent: tuple[int, int], text: tuple[int, int], dtype: tor
     sample = torch.empty(1, channels, side, side, device="meta", dtype=dtype, requires_grad=True)
     states = torch.empty(1, *text, device="meta", dtype=dtype)
     timestep = torch.zeros(1, dtype=torch.long, device="meta")
-    return lambda unet: unet(sample, timestep, states, added_cond_kwargs=_added_cond(unet, dtype))
+    pooled = torch.empty(1, 0, device="meta", dtype=dtype)
+
+    def forward(denoiser: torch.nn.Module) -> object:
+        config: Any = denoiser.config
+        if "pooled_projection_dim" in config:  # SD3's transformer: the CLIP encoders' pooled projections
+            pooled_projections = pooled.new_empty(1, int(config.pooled_projection_dim))
+            return denoiser(
+                hidden_states=sample,
+                timestep=timestep,
+                encoder_hidden_states=states,
+                pooled_projections=pooled_projections,
+            )
+        return denoiser(sample, timestep, states, added_cond_kwargs=_added_cond(denoiser, dtype))
+
+    return forward
 
 
 def _added_cond(unet: torch.nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
@@ -218,21 +233,31 @@ def _fused_attention() -> Iterator[None]:
         F.scaled_dot_product_attention = original
 
 
-def pipeline_facts(path: str, resolution: int, lora_r: int, lora_targets: list[str]) -> PipelineFacts:
+def pipeline_facts(
+    path: str, resolution: int, lora_r: int, lora_targets: list[str], t5_tokens: int = 77
+) -> PipelineFacts:
+    """The pipeline's sizes and one row's saved activations; `t5_tokens`: SD3's --max_sequence_length."""
     index = diffusion.read_model_index(path)
     factor = diffusion.vae_scale_factor(path)
     if resolution % factor:
         raise UserError(f"--resolution {resolution} is not divisible by {factor}, the VAE's downscaling factor")
-    encoders = ENCODERS if sdxl.is_xl(index) else ENCODERS[:1]
+    flow = sd3.is_sd3(index)
+    encoders = ENCODERS if sdxl.is_xl(index) or flow else ENCODERS[:1]
+    frozen_only = ("text_encoder_3",) if flow and sd3.has_t5(index) else ()
+    name, _ = diffusion.denoiser_class(index)
     try:
-        parts = {name: _build(path, index, name) for name in ("unet", "vae", *encoders)}
+        parts = {part: _build(path, index, part) for part in (name, "vae", *encoders, *frozen_only)}
         tokenizer = json.loads((Path(path) / "tokenizer" / "tokenizer_config.json").read_text())
         vae_config = json.loads((Path(path) / "vae" / "config.json").read_text())
     except (OSError, ValueError, AttributeError, ImportError) as err:
         raise UserError(f"could not read the pipeline in {path}: {first_line(err)}") from None
-    denoiser = parts["unet"]
-    config: Any = denoiser.config  # diffusers' FrozenDict of the UNet's options
-    text = (int(tokenizer.get("model_max_length", 77)), int(config.cross_attention_dim))
+    denoiser = parts[name]
+    config: Any = denoiser.config  # diffusers' FrozenDict of the denoiser's options
+    clip_tokens = int(tokenizer.get("model_max_length", 77))
+    if flow:  # the CLIP states padded to T5's width, then T5's (zeros without T5: as long)
+        text = (clip_tokens + t5_tokens, int(config.joint_attention_dim))
+    else:
+        text = (clip_tokens, int(config.cross_attention_dim))
     latent = (int(config.in_channels), resolution // factor)
     lora, dora = _adapter_params(denoiser, lora_r, lora_targets)
     text_adapters = [_adapter_params(parts[name], lora_r, diffusion.TEXT_LORA_TARGETS) for name in encoders]
@@ -241,7 +266,9 @@ def pipeline_facts(path: str, resolution: int, lora_r: int, lora_targets: list[s
         denoiser_params=sum(p.numel() for p in denoiser.parameters()),
         adapter_params=lora,
         dora_params=dora,
-        frozen_params={name: sum(p.numel() for p in parts[name].parameters()) for name in (*encoders, "vae")},
+        frozen_params={
+            part: sum(p.numel() for p in parts[part].parameters()) for part in (*encoders, *frozen_only, "vae")
+        },
         text_adapter_params=sum(lora for lora, _ in text_adapters),
         text_dora_params=sum(dora for _, dora in text_adapters),
         latent_side=latent[1],
@@ -253,7 +280,7 @@ def pipeline_facts(path: str, resolution: int, lora_r: int, lora_targets: list[s
         checkpointed_half_per_row=checkpointed_saved_bytes(denoiser, latent, text, torch.bfloat16),
         **{
             f"text{'_lora' if adapted else ''}_saved_{name}_per_row": sum(
-                text_saved_bytes(parts[encoder], text[0], dtype, lora_r if adapted else 0) for encoder in encoders
+                text_saved_bytes(parts[encoder], clip_tokens, dtype, lora_r if adapted else 0) for encoder in encoders
             )
             for adapted in (False, True)
             for name, dtype in (("fp32", torch.float32), ("half", torch.bfloat16))
@@ -317,6 +344,7 @@ def estimate(
     w = c if zero2 else 4  # a trained weight's bytes: DeepSpeed casts the module to the compute dtype
     full = t.peft == "none"
     frozen = (4 if f.vae_fp32 else c) * V + (0 if t.text_encoder and full else c * E)
+    frozen += c * f.frozen_params.get("text_encoder_3", 0)  # SD3's T5: frozen, in the compute dtype
     trained = w * T + (0 if full else c * f.denoiser_params)  # a LoRA'd denoiser keeps its base in the compute dtype
     if zero2:
         grads, states = (c + 4) * T // n, 12 * T // n

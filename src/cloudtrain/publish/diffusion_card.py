@@ -1,7 +1,7 @@
 """The model card of a text-to-image run, in the layout of diffusers' LoRA training scripts: YAML metadata the
 Hub reads (base_model, library_name diffusers, the text-to-image tags, DreamBooth's instance_prompt, a widget
 of the validation images), the images, a usage snippet (`load_lora_weights`, or the whole pipeline after full
-fine-tuning) and the training settings."""
+fine-tuning, through the base's pipeline class: StableDiffusion3Pipeline for SD3) and the training settings."""
 
 import json
 from pathlib import Path
@@ -28,6 +28,20 @@ SETTINGS = (
     "prior_loss_weight",
     "seed",
 )
+FLOW_SETTINGS = ("weighting_scheme", "precondition_outputs", "max_sequence_length")  # SD3's, in place of:
+NOT_FLOW = ("snr_gamma", "noise_offset")
+SD3_TAGS = ["sd3", "sd3-diffusers", "stable-diffusion-3"]
+
+
+def pipeline_class(base: str) -> str:
+    """The base pipeline's class as its model_index.json names it; DiffusionPipeline when it cannot be read."""
+    from cloudtrain.errors import UserError
+    from cloudtrain.models.diffusion import local_pipeline, read_model_index
+
+    try:
+        return str(read_model_index(local_pipeline(base)).get("_class_name", "DiffusionPipeline"))
+    except UserError:
+        return "DiffusionPipeline"
 
 
 def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
@@ -36,7 +50,13 @@ def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     repo = cfg.hub.hub_model_id or Path(output_dir).name
     grids = sorted((Path(output_dir) / VALIDATION_DIR).glob("*.png"))
     last = f"{VALIDATION_DIR}/{grids[-1].name}" if grids else None
-    tags = ["text-to-image", "diffusers", "diffusers-training", "stable-diffusion", "stable-diffusion-diffusers"]
+    # SD3's class named (its LoRA loader is StableDiffusion3Pipeline's); the others' cards keep DiffusionPipeline
+    pipeline = "StableDiffusion3Pipeline" if pipeline_class(base) == "StableDiffusion3Pipeline" else "DiffusionPipeline"
+    tags = ["text-to-image", "diffusers", "diffusers-training"]
+    if pipeline == "StableDiffusion3Pipeline":
+        tags += SD3_TAGS
+    else:
+        tags += ["stable-diffusion", "stable-diffusion-diffusers"]
     tags += ["lora"] if lora else []
     tags += ["dreambooth"] if ic.dreambooth else []
     data = ModelCardData(library_name="diffusers", base_model=base if not Path(base).exists() else None, tags=tags)
@@ -47,30 +67,34 @@ def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     if last and ic.validation_prompts:
         extra["widget"] = [{"text": " | ".join(ic.validation_prompts), "output": {"url": last}}]
     header = "---\n" + json_yaml(extra) + "---\n"
-    return ModelCard(header + body(cfg, repo, base, lora, last, results))
+    return ModelCard(header + body(cfg, repo, base, lora, last, results, pipeline))
 
 
-def body(cfg: Config, repo: str, base: str, lora: bool, last: str | None, results: dict) -> str:
+def body(
+    cfg: Config, repo: str, base: str, lora: bool, last: str | None, results: dict, pipeline: str = "DiffusionPipeline"
+) -> str:
     ic = cfg.images
+    sd3 = pipeline == "StableDiffusion3Pipeline"
     what = "LoRA adaption weights" if lora else "a fully fine-tuned pipeline"
     how = "DreamBooth" if ic.dreambooth else "text-to-image fine-tuning"
-    lines = [f"# {'LoRA ' if lora else ''}{how} - {repo}", "", f"These are {what} for {base}, trained with cloudtrain."]
+    lines = [f"# {'SD3 ' if sd3 else ''}{'LoRA ' if lora else ''}{how} - {repo}", ""]
+    lines.append(f"These are {what} for {base}{' (Stable Diffusion 3)' if sd3 else ''}, trained with cloudtrain.")
     if ic.instance_prompt:
         lines.append(f"The subject is called with the prompt: `{ic.instance_prompt}`.")
     if last:
         lines += ["", f"Validation images (prompts: {', '.join(ic.validation_prompts)}):", "", f"![validation]({last})"]
     prompt = ic.instance_prompt or (ic.validation_prompts[0] if ic.validation_prompts else "a photo")
     load = (
-        f'pipeline = DiffusionPipeline.from_pretrained("{base}")\npipeline.load_lora_weights("{repo}")'
+        f'pipeline = {pipeline}.from_pretrained("{base}")\npipeline.load_lora_weights("{repo}")'
         if lora
-        else f'pipeline = DiffusionPipeline.from_pretrained("{repo}")'
+        else f'pipeline = {pipeline}.from_pretrained("{repo}")'
     )
     lines += [
         "",
         "## How to use",
         "",
         "```python",
-        "from diffusers import DiffusionPipeline",
+        f"from diffusers import {pipeline}",
         "",
         load,
         f'image = pipeline("{prompt}").images[0]',
@@ -80,7 +104,8 @@ def body(cfg: Config, repo: str, base: str, lora: bool, last: str | None, result
         "",
     ]
     values = cfg.to_dict()
-    lines += [f"- {name}: {values[name]}" for name in SETTINGS if values.get(name) is not None]
+    settings = [n for n in SETTINGS if n not in NOT_FLOW] + list(FLOW_SETTINGS) if sd3 else SETTINGS
+    lines += [f"- {name}: {values[name]}" for name in settings if values.get(name) is not None]
     train = results.get("train", {})
     if "train_loss" in train:
         lines.append(f"- final training loss: {train['train_loss']:.4f} after {train.get('global_step')} steps")

@@ -25,7 +25,7 @@ from cloudtrain.data import images
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models import diffusion, sdxl
+from cloudtrain.models import diffusion, sd3, sdxl
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task
 
@@ -47,7 +47,8 @@ class TextToImageTask(Task):
     def __init__(self, cfg: Config | None = None):
         super().__init__(cfg)
         self.tokenizer: PreTrainedTokenizerBase | None = None
-        self.tokenizer_2: PreTrainedTokenizerBase | None = None  # SDXL's second (cloudtrain.models.sdxl)
+        self.tokenizer_2: PreTrainedTokenizerBase | None = None  # SDXL's and SD3's second CLIP tokenizer
+        self.tokenizer_3: PreTrainedTokenizerBase | None = None  # SD3's T5 tokenizer (cloudtrain.models.sd3)
         self.skipped = 0
         self.rendered: list[tuple[str, object]] = []  # the last evaluation's images, logged by `tables`
         self.micro_batches = 0  # training forward passes so far: the step each row's draws are keyed by
@@ -67,12 +68,19 @@ class TextToImageTask(Task):
         if cfg.data.group_by_length:
             raise UserError("--group_by_length does not apply to --task text_to_image (every image has one size)")
         path = diffusion.local_pipeline(m.model_name_or_path)
-        diffusion.read_model_index(path)
+        index = diffusion.read_model_index(path)
+        _check_loss_options(cfg, index)
         factor = diffusion.vae_scale_factor(path)
+        what = "the VAE's downscaling factor"
+        if sd3.is_sd3(index):
+            factor = sd3.pixel_multiple(
+                factor, diffusion.denoiser_class(index)[1].load_config(path, subfolder="transformer")
+            )
+            what = "the VAE's downscaling factor times the transformer's patch size"
         if ic.resolution % factor:
             raise UserError(
-                f"--resolution {ic.resolution} is not divisible by {factor}, the VAE's downscaling factor of "
-                f"{path}; use {ic.resolution // factor * factor or factor} or {(ic.resolution // factor + 1) * factor}"
+                f"--resolution {ic.resolution} is not divisible by {factor}, {what} of {path}; use "
+                f"{ic.resolution // factor * factor or factor} or {(ic.resolution // factor + 1) * factor}"
             )
         if ic.aspect_ratio_bucketing and ic.resolution < factor * 8:
             raise UserError(
@@ -126,7 +134,7 @@ class TextToImageTask(Task):
         if cfg.model.peft == "qlora":
             raise UserError("--task text_to_image trains --peft lora or dora on the denoiser, not qlora")
         path = diffusion.local_pipeline(str(cfg.model.model_name_or_path))
-        diffusion.check_lora_targets(path, diffusion.lora_targets(cfg))
+        diffusion.check_lora_targets(path, diffusion.lora_targets(cfg, diffusion.read_model_index(path)))
 
     def attach_adapters(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
         assert isinstance(model, diffusion.TextToImageModel)
@@ -163,11 +171,22 @@ class TextToImageTask(Task):
     # ---------------------------------------------------------------- data and model
 
     def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
-        """The pipeline's tokenizer; an SDXL pipeline's second is kept as `tokenizer_2`."""
+        """The pipeline's tokenizer; an SDXL or SD3 pipeline's second is kept as `tokenizer_2`, SD3's T5
+        tokenizer (when the pipeline has T5) as `tokenizer_3`."""
         path = diffusion.local_pipeline(str(cfg.model.model_name_or_path))
-        xl = sdxl.is_xl(diffusion.read_model_index(path))
-        self.tokenizer_2 = _read_tokenizer(path, "tokenizer_2") if xl else None
+        index = diffusion.read_model_index(path)
+        self.tokenizer_2 = _read_tokenizer(path, "tokenizer_2") if sdxl.is_xl(index) or sd3.is_sd3(index) else None
+        self.tokenizer_3 = _read_tokenizer(path, "tokenizer_3") if sd3.is_sd3(index) and sd3.has_t5(index) else None
         return _read_tokenizer(path, "tokenizer")
+
+    def _tokens(self, caption: str) -> dict:
+        assert self.tokenizer is not None and self.cfg is not None
+        t5_length = self.cfg.images.max_sequence_length
+        return _tokens(self.tokenizer, self.tokenizer_2, caption, self.tokenizer_3, t5_length)
+
+    def tokenizers(self) -> dict[str, Any]:
+        """The pipeline's tokenizers by part name, for rendering."""
+        return {"tokenizer": self.tokenizer, "tokenizer_2": self.tokenizer_2, "tokenizer_3": self.tokenizer_3}
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         ic = cfg.images
@@ -181,9 +200,9 @@ class TextToImageTask(Task):
             print(f"warning: skipped {self.skipped} images that could not be read", flush=True)
         if cfg.data.max_train_samples:
             examples = examples[: cfg.data.max_train_samples]
-        tokens = functools.lru_cache(maxsize=None)(functools.partial(_tokens, tokenizer, self.tokenizer_2))
+        tokens = functools.lru_cache(maxsize=None)(self._tokens)
         evaluated = examples[: cfg.data.max_eval_samples or EVAL_ROWS]
-        xl = self.tokenizer_2 is not None
+        xl = sdxl.is_xl(diffusion.read_model_index(diffusion.local_pipeline(str(cfg.model.model_name_or_path))))
         return ProcessedData(
             train=images.ImageRows(
                 examples,
@@ -222,22 +241,23 @@ class TextToImageTask(Task):
     def load_model(
         self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
     ) -> torch.nn.Module:
+        self.tokenizer = tokenizer
         model = diffusion.load_text_to_image_model(cfg, diffusion.local_pipeline(str(cfg.model.model_name_or_path)))
-        empty = _tokens(tokenizer, self.tokenizer_2, "")  # what --proportion_empty_prompts trains with
-        model.empty_ids, model.empty_ids_2 = empty["input_ids"], empty.get("input_ids_2")
+        empty = self._tokens("")  # what --proportion_empty_prompts trains with
+        model.empty_ids = [empty.get(key) for key in ("input_ids", "input_ids_2", "input_ids_3")]
         ic = cfg.images
         if ic.cache_latents or ic.pre_compute_text_embeddings:
             for rows in (data.train, data.validation):
                 cache_rows(model, rows, cfg.training.seed, ic.cache_latents, ic.pre_compute_text_embeddings)  # type: ignore[arg-type]
         if announce:
             m = cfg.model
-            total = sum(p.numel() for p in model.unet.parameters())
+            total = sum(p.numel() for p in model.denoiser.parameters())
             how = (
-                f"{m.peft} r={m.lora_r} on {','.join(diffusion.lora_targets(cfg))}"
+                f"{m.peft} r={m.lora_r} on {','.join(diffusion.lora_targets(cfg, model.index))}"
                 if m.peft != "none"
                 else "full fine-tuning"
             )
-            encoders = "text encoders" if model.xl else "text encoder"
+            encoders = "text encoders" if model.text_encoder_2 is not None else "text encoder"
             print(
                 f"text_to_image: {how} of the denoiser{f' and the {encoders}' if ic.train_text_encoder else ''} "
                 f"({total:,} denoiser parameters; {model.prediction_type} loss); VAE "
@@ -303,9 +323,7 @@ class TextToImageTask(Task):
         fsdp = _fsdp_root(model)
         if data.prompts and (_is_main() or fsdp is not None):
             with _gathered_root(fsdp):
-                rendered = inner.render(
-                    data.prompts, self.tokenizer, self.cfg.training.seed, autocast, self.tokenizer_2
-                )
+                rendered = inner.render(data.prompts, self.tokenizers(), self.cfg.training.seed, autocast)
             if _is_main():
                 self.rendered = list(zip(data.prompts, rendered, strict=True))
                 result["validation_images"] = len(rendered)
@@ -356,6 +374,26 @@ class TextToImageTask(Task):
         return f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); p("a prompt")'
 
 
+def _check_loss_options(cfg: Config, index: dict) -> None:
+    """The noise-prediction loss's options are refused for SD3's flow matching, and SD3's for the others."""
+    from cloudtrain.config import differs_from_default
+
+    if sd3.is_sd3(index):
+        for name, instead in sd3.NOT_FLOW.items():
+            if differs_from_default(cfg, name):
+                raise UserError(
+                    f"--{name} does not apply to Stable Diffusion 3, trained by flow matching: leave it out (see "
+                    f"{instead})"
+                )
+        return
+    for name in (*sd3.FLOW_OPTIONS, "max_sequence_length"):
+        if differs_from_default(cfg, name):
+            raise UserError(
+                f"--{name} applies to flow-matching pipelines (Stable Diffusion 3) only; "
+                f"{index.get('_class_name', 'this pipeline')} trains on noise prediction: leave it out"
+            )
+
+
 def _read_tokenizer(path: str, subfolder: str) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path, subfolder=subfolder)
@@ -363,44 +401,54 @@ def _read_tokenizer(path: str, subfolder: str) -> PreTrainedTokenizerBase:
         raise UserError(f"could not load the {subfolder} of {path}: {first_line(err)}") from None
 
 
-def _tokens(tokenizer: PreTrainedTokenizerBase, tokenizer_2: PreTrainedTokenizerBase | None, caption: str) -> dict:
-    """A caption's token ids, padded to the text encoder's length as Stable Diffusion was trained (and SDXL's
-    second tokenizer's as `input_ids_2`)."""
+def _tokens(
+    tokenizer: PreTrainedTokenizerBase,
+    tokenizer_2: PreTrainedTokenizerBase | None,
+    caption: str,
+    tokenizer_3: PreTrainedTokenizerBase | None = None,
+    t5_length: int = 77,
+) -> dict:
+    """A caption's token ids, padded to the text encoder's length as Stable Diffusion was trained (and SDXL's or
+    SD3's second tokenizer's as `input_ids_2`, SD3's T5 ids, `t5_length` long, as `input_ids_3`). SD3's CLIP
+    tokenizers both pad to the first one's length, as StableDiffusion3Pipeline does."""
     out = {}
-    for key, tok in (("input_ids", tokenizer), ("input_ids_2", tokenizer_2)):
+    for key, tok in (("input_ids", tokenizer), ("input_ids_2", tokenizer_2), ("input_ids_3", tokenizer_3)):
         if tok is None:
             continue
-        encoded = tok(
-            caption, padding="max_length", max_length=tok.model_max_length, truncation=True, return_tensors="pt"
-        )
+        length = t5_length if key == "input_ids_3" else tok.model_max_length
+        if key == "input_ids_2" and tokenizer_3 is not None:
+            length = tokenizer.model_max_length
+        encoded = tok(caption, padding="max_length", max_length=length, truncation=True, return_tensors="pt")
         out[key] = encoded["input_ids"][0]
         if key == "input_ids":
             out["attention_mask"] = encoded["attention_mask"][0]
     return out
 
 
-def row_seed(seed: int, step: int | None, number: int) -> int:
-    """The seed of one row's draws: from --seed, the optimizer step (None: evaluation, the same every time) and
-    the row's number in the dataset, so a global batch draws alike whichever process holds each row."""
+def row_seed(seed: int, step: int | None, number: int, repeat: int = 0) -> int:
+    """The seed of one row's draws: from --seed, the optimizer step (None: evaluation, the same every time), the
+    row's number in the dataset and which repetition of it in the step this is (a step longer than the epoch
+    repeats rows: cloudtrain.data.images.StepSampler), so a global batch draws alike whichever process holds
+    each row, and a repeated row draws afresh instead of doubling the first one's gradient."""
     if step is None:
         return seed * 1_000_003 + number
-    return ((seed * 1_000_003 + number) * 2_654_435_761 + (step + 1) * 40_503) % (2**63)
+    keyed = ((seed * 1_000_003 + number) * 2_654_435_761 + (step + 1) * 40_503) % (2**63)
+    return (keyed + repeat * 0x9E3779B97F4A7C15) % (2**63) if repeat else keyed
 
 
 def row_draws(model: diffusion.TextToImageModel, batch: dict, seed: int, step: int | None) -> dict:
     """Each row's noise and timestep (evaluation, `step` None), and while training its latent sample, noise
     offset, flip and empty caption: all from the row's own generator (`row_seed`; `batch.pop`s the numbers)."""
     numbers = batch.pop("row").tolist()
+    repeats = batch.pop("repeat", torch.zeros(len(numbers), dtype=torch.long)).tolist()
     shape = latent_shape(model, batch)
     ic, train = model.images, step is not None
     flips = train and ic.random_flip and "pixel_values" in batch  # cached latents keep the flip they were cached with
     drawn: dict[str, list] = {"noise": [], "timesteps": [], "latent_noise": [], "flip": [], "empty_caption": []}
-    for number in numbers:
-        generator = torch.Generator().manual_seed(row_seed(seed, step, number))
+    for number, repeat in zip(numbers, repeats, strict=True):
+        generator = torch.Generator().manual_seed(row_seed(seed, step, number, repeat))
         noise = torch.randn(shape, generator=generator)
-        drawn["timesteps"].append(
-            torch.randint(0, model.noise_scheduler.config.num_train_timesteps, (1,), generator=generator)
-        )
+        drawn["timesteps"].append(model.draw_timesteps(1, generator))
         if train:
             if ic.noise_offset:  # a per-channel shift: learns darker and brighter images than the mean
                 noise = noise + ic.noise_offset * torch.randn(shape[0], 1, 1, generator=generator)
@@ -424,7 +472,7 @@ def latent_shape(model: diffusion.TextToImageModel, batch: dict) -> tuple[int, .
         return tuple(batch["latent_mean"].shape[1:])
     factor = 2 ** (len(model.vae.config.block_out_channels) - 1)
     height, width = batch["pixel_values"].shape[-2:]  # an aspect-ratio bucket's, or the square's
-    return (model.unet.config.in_channels, height // factor, width // factor)
+    return (model.denoiser.config.in_channels, height // factor, width // factor)
 
 
 def cache_rows(
@@ -447,10 +495,8 @@ def cache_rows(
                 mean, std = model.encode_images(pixels[None])
                 row[f"{prefix}latent_mean"], row[f"{prefix}latent_std"] = mean[0], std[0]
             if texts:
-                second = row.pop(f"{prefix}input_ids_2", None)
-                hidden, pooled = model.encode_prompts(
-                    row.pop(f"{prefix}input_ids")[None], None if second is None else second[None]
-                )
+                ids = [row.pop(f"{prefix}{key}", None) for key in ("input_ids", "input_ids_2", "input_ids_3")]
+                hidden, pooled = model.encode_prompts(*(None if i is None else i[None] for i in ids))
                 row[f"{prefix}encoder_hidden_states"] = hidden[0]
                 if pooled is not None:
                     row[f"{prefix}pooled_prompt_embeds"] = pooled[0]
