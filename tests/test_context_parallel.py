@@ -12,14 +12,18 @@ import sys
 from pathlib import Path
 
 import pytest
+import test_sft_dist
 import torch
 from conftest import ENTRY, REPO, assert_each_refused
 from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
+from test_sft_dist import sft_args
 from test_tensor_parallel import args, corpus, metrics, options, samples  # noqa: F401  (corpus: the fixture)
 
 from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, shifted_loss
 from cloudtrain.parallel.context import cut_batch, target_loss, unshard, widen
+
+chats = test_sft_dist.chats  # conversations of uneven answer lengths, the fixture taken by name
 
 
 def packed_batch() -> dict:
@@ -156,6 +160,29 @@ def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpu
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == generation["prompt"] + generation["continuation"], done.stdout
+
+
+@pytest.mark.slow
+def test_sft_cp2_trains_like_one_process(tiny_llama_dir, chats, tmp_path):
+    """--task sft (answer-only targets, chat-template tokens grown in every process alike): CP=2 and one process
+    alike in losses and gradient norms at every step, weights after 3 steps, the evaluation over the same answer
+    tokens, the sample answers."""
+    common = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+    common += ["--max_grad_norm", "1", "--num_sample_prompts", "3"]
+    launch(torchrun(1), *sft_args(tiny_llama_dir, chats, tmp_path / "one", *common))
+    cp2 = launch(
+        torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "cp2", *common, "--context_parallel_size", "2")
+    )
+    assert "context parallel 2" in cp2.stdout
+    a, b = tmp_path / "cp2", tmp_path / "one"
+    assert logged_losses(a) == pytest.approx(logged_losses(b), rel=1e-5)
+    assert metrics(a, "train/grad_norm") == pytest.approx(metrics(b, "train/grad_norm"), rel=1e-4)
+    ours, theirs = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-3, atol=3e-4, msg=key)
+    ours, theirs = (json.loads((folder / "eval_results.json").read_text()) for folder in (a, b))
+    assert ours["tokens"] == theirs["tokens"] and ours["loss"] == pytest.approx(theirs["loss"], rel=1e-5)
+    assert (ours["exact_match"], ours["generations"]) == (theirs["exact_match"], theirs["generations"])
 
 
 def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_dir, capsys, monkeypatch):  # noqa: F811
