@@ -313,3 +313,51 @@ def test_a_folder_that_is_no_pipeline_is_refused_with_the_run_s_line(tiny_llama_
     args = plan_args(tiny_llama_dir, tmp_path / "p", task="text_to_image", gpu_memory_gb=24)
     with pytest.raises(UserError, match=r"is not a diffusers pipeline \(no model_index.json\)"):
         planning.make_plan(args)
+
+
+@pytest.fixture(scope="module")
+def sd3_pipe(tmp_path_factory) -> str:
+    from t2i_fixtures import build_tiny_sd3_pipeline
+
+    return str(build_tiny_sd3_pipeline(tmp_path_factory.mktemp("t2i-plan-sd3") / "sd3"))
+
+
+@pytest.mark.parametrize("peft, text_encoder", [("none", True), ("lora", False)])
+def test_sd3_bytes_counts_and_activations_equal_the_run_s(sd3_pipe, peft, text_encoder):
+    """SD3: the transformer, both CLIP encoders (trained with --train_text_encoder) and T5 (frozen, in the compute
+    dtype, always), the fp32 VAE; the transformer traced with CLIP's and T5's tokens and the pooled projections."""
+    from cloudtrain.models import sd3
+
+    facts = pipeline_facts(sd3_pipe, RESOLUTION, 4, sd3.LORA_TARGETS)
+    assert set(facts.frozen_params) == {"text_encoder", "text_encoder_2", "text_encoder_3", "vae"}
+    assert facts.text_tokens == 16 + 77 and facts.vae_fp32  # CLIP's then T5's (--max_sequence_length 77)
+    model = run_model(sd3_pipe, peft, "bf16", text_encoder)
+    e = estimate(facts, peft, True, 1, Training(peft, text_encoder))
+    assert e.parameters == nbytes(model.parameters())
+    frozen = [p for part in (model.vae, *model.frozen_encoders()) for p in part.parameters() if not p.requires_grad]
+    assert e.frozen == nbytes(frozen)
+    assert model.text_encoder_3.dtype == torch.bfloat16
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert sum(p.numel() for p in trainable) == sum(trained_params(facts, Training(peft, text_encoder)))
+    if peft != "none":
+        return
+    transformer = run_model(sd3_pipe, "none", "no").transformer.train()  # a real fp32 forward's saves
+    weights = {p.untyped_storage().data_ptr() for p in transformer.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    b, side, config = 3, facts.latent_side, transformer.config
+    states = torch.randn(b, facts.text_tokens, config.joint_attention_dim)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        transformer(
+            hidden_states=torch.randn(b, 4, side, side, requires_grad=True),
+            encoder_hidden_states=states,
+            pooled_projections=torch.randn(b, config.pooled_projection_dim),
+            timestep=torch.rand(b) * 1000,
+        )
+    assert sum(saved.values()) == pytest.approx(b * facts.saved_fp32_per_row, rel=0.05)
+    assert facts.checkpointed_fp32_per_row < facts.saved_fp32_per_row

@@ -308,3 +308,28 @@ def test_sd3_defaults_are_diffusers_sd3_scripts():
     assert (ic.weighting_scheme, ic.logit_mean, ic.logit_std, ic.mode_scale) == ("logit_normal", 0.0, 1.0, 1.29)
     assert ic.precondition_outputs and ic.max_sequence_length == 77
     assert "attn.add_q_proj" in sd3.LORA_TARGETS and "attn.to_add_out" in sd3.LORA_TARGETS
+
+
+def test_the_sd3_recipe_runs_its_settings_on_the_tiny_sd3(tiny_sd3, squares, tmp_path):
+    """configs/text_to_image_sd3_lora.yaml's settings (SD3 LoRA targets, logit-normal, preconditioning, cached
+    text embeddings, gradient checkpointing) for 2 steps on the tiny pipeline: only the model, the data, the size
+    and the hardware swapped."""
+    from cloudtrain.config.parse import load_config_file
+
+    recipe = load_config_file(str(Path(__file__).parents[1] / "configs" / "text_to_image_sd3_lora.yaml"))
+    cfg = build_config(recipe)
+    assert (cfg.model.peft, cfg.model.lora_target_modules, cfg.images.weighting_scheme) == (
+        "lora",
+        ["all-linear"],  # the SD3 default targets
+        "logit_normal",
+    )
+    swapped = dict(
+        model_name_or_path=tiny_sd3, instance_data_dir=squares, output_dir=str(tmp_path / "out"), resolution=16,
+        mixed_precision="no", max_steps=2, warmup_steps=0, validation_steps=None,
+        validation_prompts=[], report_to=["none"], max_sequence_length=T5_TOKENS, training_type="basic",
+        lora_r=4, lora_alpha=4,
+    )  # fmt: skip
+    recipe.pop("zero_stage")  # one CPU process: the basic trainer
+    results = train({**recipe, **swapped})
+    assert results["train"]["global_step"] == 2
+    assert (tmp_path / "out" / LORA_FILE).is_file()
