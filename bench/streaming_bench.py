@@ -10,10 +10,15 @@ for both paths, plus the stored path's tokenizing), the peak memory of the proce
 sizes, summed; sampled every 50 ms), the median train/tokens_per_s of the logged steps after --warmup (steady
 state), the seconds the first step waited for its batch and the median share of step time spent waiting for
 data (what the input path costs, whatever the machine's load); per size, streaming's tokens/s over the stored
-path's, measured in the same invocation. With --repeats N the two paths run N times, alternating (a shared
-machine's load drifts: each ratio is taken over runs next to each other), and the ratio reported is the
-median of the per-pair ratios. Streaming's first step and memory should stay flat as the corpus grows; the
-stored path tokenizes the whole corpus before its first step.
+path's, measured in the same invocation. With --repeats N the two paths run N times, alternating, the order
+flipped every pair (a shared machine's load drifts: each ratio is taken over runs next to each other), and the
+median of the per-pair ratios is reported with their spread; every run's line gives the load average at its
+end. Streaming's first step and memory should stay flat as the corpus grows; the stored path tokenizes the
+whole corpus before its first step.
+
+Separate runs see different loads on a shared machine (2x within minutes), which no number of repeats here
+averages away cheaply: for the steady-state tokens/s ratio, bench/streaming_throughput.py interleaves the
+two paths in one process in blocks of a few steps and also counts tokens per CPU second.
 
     python bench/streaming_bench.py --sizes_gb 0.5 1 2 5 --steps 60 --warmup 10   # the figures
     python bench/streaming_bench.py --sizes_gb 0.002 --steps 6 --warmup 2          # a quick check
@@ -21,6 +26,7 @@ stored path tokenizes the whole corpus before its first step.
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
@@ -130,6 +136,7 @@ def run(args: list[str], warmup: int) -> dict:
         "peak_memory_gib": round(peak / 2**30, 2),
         "tokens_per_s": steady_tokens_per_s(out / "metrics.jsonl", warmup),
         **data_wait(out / "metrics.jsonl", warmup),
+        "loadavg_1min": round(os.getloadavg()[0], 2),  # the machine's other load, at the run's end
     }
 
 
@@ -166,8 +173,6 @@ def _rss(process: psutil.Process) -> int:
 
 
 def _env() -> dict:
-    import os
-
     return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
 
 
@@ -193,10 +198,11 @@ def main() -> None:
             corpus = prefix_corpus(largest, folder / f"corpus-{size:g}gb.jsonl", size * 1000)
             runs: dict[str, list[dict]] = {"streaming": [], "stored": []}
             for repeat in range(opts.repeats):
-                for name, extra in (
+                paths = [
                     ("streaming", ["--streaming", "true", "--dataloader_num_workers", str(opts.workers)]),
                     ("stored", []),
-                ):
+                ]
+                for name, extra in paths if repeat % 2 == 0 else paths[::-1]:  # AB, BA, ...: drift cancels
                     if name == "stored" and size > opts.stored_up_to_gb:
                         continue
                     out = Path(tmp) / f"{name}-{size:g}-{repeat}"
@@ -214,6 +220,7 @@ def main() -> None:
                 ]
                 results["streaming_over_stored_tokens_per_s"] = [round(r, 3) for r in pairs]
                 results["median_ratio"] = round(statistics.median(pairs), 3)
+                results["ratio_min_max"] = [round(min(pairs), 3), round(max(pairs), 3)]
             print(json.dumps(results), flush=True)
             report.append(results)
     print(json.dumps(report, indent=2))

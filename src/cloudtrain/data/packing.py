@@ -153,43 +153,53 @@ class CausalLMCollator:
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
         width = max(self.pad_to or 0, *(len(row["input_ids"]) for row in rows))
-        shape = (len(rows), width)
-        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
-        position_ids = torch.zeros(shape, dtype=torch.long)
-        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
-        attention_mask = torch.zeros(shape, dtype=torch.long)
+        # A fixed handful of whole-batch tensor ops, none per row or per document: this is the per-batch cost
+        # of both stored and streamed input paths, which a small model's step on a GPU would feel.
+        tokens: list[int] = []  # the rows' real tokens, concatenated
+        targets: list[int] | None = None  # the same, with IGNORE_INDEX where a loss_mask is 0 (SFT)
+        counts: list[int] = []  # real tokens per row
         sequences: list[int] = []  # the length of every sequence of the flattened batch, in order
         for b, row in enumerate(rows):
-            ids, lengths = row["input_ids"], row["seq_lengths"]
-            if sum(lengths) != len(ids) or min(lengths, default=1) < 1:
-                raise ValueError(f"row {b}: seq_lengths {lengths} do not split its {len(ids)} tokens")
+            ids, lengths = _as_list(row["input_ids"]), _as_list(row["seq_lengths"])
             n = len(ids)
-            input_ids[b, :n] = torch.tensor(ids, dtype=torch.long)
-            labels[b, :n] = input_ids[b, :n]
-            if "loss_mask" in row:  # supervised fine-tuning: only the marked (answer) tokens are targets
-                labels[b, :n][torch.tensor(row["loss_mask"], dtype=torch.bool).logical_not()] = IGNORE_INDEX
-            attention_mask[b, :n] = 1
+            if sum(lengths) != n or min(lengths, default=1) < 1:
+                raise ValueError(f"row {b}: seq_lengths {lengths} do not split its {n} tokens")
+            if "loss_mask" in row and targets is None:
+                targets = list(tokens)
+            if targets is not None:  # supervised fine-tuning: only the marked (answer) tokens are targets
+                mask = _as_list(row["loss_mask"]) if "loss_mask" in row else [1] * n
+                targets += [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
+            tokens += ids
+            counts.append(n)
             # Positions restart per segment, and for the padding too: it then reads as one more
             # segment rather than as a continuation of the last document.
-            start = 0
-            for length in [*lengths, width - n]:
-                position_ids[b, start : start + length] = torch.arange(length)
-                if length and start < n:
-                    # No document's first token is predicted from the previous document's last one.
-                    labels[b, start] = IGNORE_INDEX
-                if length:
-                    sequences.append(length)
-                start += length
+            sequences += [*lengths, width - n] if width > n else lengths
+        shape = (len(rows), width)
+        real = torch.arange(width) < torch.tensor(counts)[:, None]  # row-major order: `tokens`' order
+        input_ids = torch.full(shape, self.pad_token_id, dtype=torch.long)
+        input_ids[real] = torch.tensor(tokens, dtype=torch.long)
+        labels = torch.full(shape, IGNORE_INDEX, dtype=torch.long)
+        labels[real] = input_ids[real] if targets is None else torch.tensor(targets, dtype=torch.long)
+        lengths_all = torch.tensor(sequences, dtype=torch.long)
+        starts = torch.cumsum(lengths_all, 0) - lengths_all  # every sequence's first index, flattened
+        position_ids = (torch.arange(len(rows) * width) - torch.repeat_interleave(starts, lengths_all)).view(shape)
+        # No document's first token is predicted from the previous document's last one (padding is ignored).
+        labels.view(-1)[starts] = IGNORE_INDEX
         batch = {
             "input_ids": input_ids,
             "position_ids": position_ids,
             "labels": labels,
-            "attention_mask": attention_mask,
+            "attention_mask": real.long(),
         }
         if self.cu_seqlens:
             batch["cu_seqlens"] = torch.tensor([0, *accumulate(sequences)], dtype=torch.int32)
             batch["max_seqlen"] = torch.empty((0, max(sequences)), dtype=torch.int32)
         return batch
+
+
+def _as_list(values: Any) -> list:
+    """A row's field as a plain list (rows are lists, but a tensor or an array is taken too)."""
+    return values.tolist() if hasattr(values, "tolist") else list(values)
 
 
 def causal_lm_forward(model: torch.nn.Module, batch: dict) -> torch.Tensor:
