@@ -123,9 +123,10 @@ def test_tp_divides_attention_and_the_mlp_not_the_residual_stream(facts, dense):
     assert tp.logits == logits_bytes(facts, b, s, True)  # the LM head gathers its output: whole
 
 
-def test_context_parallel_divides_the_sequence_and_adds_the_gathered_keys_and_values(facts):
-    """CP=c: every per-token term at s/c tokens (no dense mask: the ring's kernels are causal), the logits of s/c
-    tokens, and the whole sequence's K and V gathered for one layer, with their gradients (2 x 2 x c x b x s x h_kv)."""
+def test_context_parallel_divides_the_sequence_and_adds_the_all_to_all_buffers(facts):
+    """CP=c: every per-token term at s/c tokens (no dense mask: the varlen kernels take the lengths), the logits of
+    s/c tokens, and one layer's all-to-all buffers: q, k, v and the output of its s/c tokens, sent and received
+    (2 x c x b x s/c x (2h + 2h_kv))."""
     facts = replace(facts, attn_implementation="sdpa")
     b, s, c = 1, 1024, 2
     kv = H * KV_HEADS // HEADS
@@ -133,7 +134,7 @@ def test_context_parallel_divides_the_sequence_and_adds_the_gathered_keys_and_va
         setup = Setup(8, 1, 80 * GIB, None, s, "bf16", step_rows=cp)
         est = planning.estimate(facts, Candidate(CONTEXT_FSDP, False, context_parallel=cp), setup, b)
         own = activation_bytes(facts, b, s // cp, True, False, c, autocast32=False, dense_mask=False)
-        assert est.activations == sum(own) + 2 * 2 * c * b * s * kv
+        assert est.activations == sum(own) + 2 * c * b * (s // cp) * (2 * H + 2 * kv)
         assert est.logits == logits_bytes(facts, b, s // cp, True) == logits_bytes(facts, b, s, True) // cp
         fsdp = planning.estimate(facts, Candidate(BY_KEY["fsdp"], False), setup, b)
         assert (est.parameters, est.optimizer_states) == (fsdp.parameters, fsdp.optimizer_states)
@@ -211,16 +212,16 @@ def by_label(plan: dict) -> dict[str, dict]:
 
 def test_llama3_8b_at_8k(tmp_path):
     """At 8k tokens no data-parallel row fits without checkpointing (the 32 layers' activations); the choice is the
-    fastest runnable row that fits, whatever its kind; tensor parallelism divides the activations inside the
-    layers, so a TP row fits where its data-parallel counterpart does not."""
+    fastest row that fits the micro-batch asked, whatever its kind; tensor parallelism divides the activations
+    inside the layers, so a TP row fits where its data-parallel counterpart does not."""
     plan = llama3(tmp_path, 8192)
     rows, rec = by_label(plan), plan["recommendation"]
     plain = [r for r in plan["strategies"] if r["peft"] == "none" and r["pipeline"] is None]
     data_parallel = [r for r in plain if r["tensor_parallel_size"] == r["context_parallel_size"] == 1]
     assert not any(r["fits"] for r in data_parallel if not r["gradient_checkpointing"] and "offload" not in r["label"])
-    # the choice: the fastest runnable row that fits the micro-batch asked (1 row per GPU: t rows per TP group)
-    runnable = [r for r in plan["strategies"] if r["runnable"] and r["peft"] == "none"]
-    asked = [r for r in runnable if r["max_micro_batch"] >= r["tensor_parallel_size"]]
+    # the choice: the fastest row that fits the micro-batch asked (1 row per GPU: t or c rows per TP or CP group)
+    full = [r for r in plan["strategies"] if r["peft"] == "none"]
+    asked = [r for r in full if r["max_micro_batch"] >= r["tensor_parallel_size"] * r["context_parallel_size"]]
     assert rows[rec["label"]]["relative_step_time"] == min(r["relative_step_time"] for r in asked)
     # TP=8 without checkpointing fits 1 row per group of 8 GPUs, not 8: faster, but only at an eighth of the batch
     tp8, ddp = rows["TP=8"], rows["DDP"]
@@ -234,9 +235,9 @@ def test_llama3_8b_at_8k(tmp_path):
 def test_llama3_8b_at_32k(tmp_path):
     """At 32k tokens FSDP2 with checkpointing at micro-batch 1 does not fit (the logits of 32k tokens and the
     residual stream of every layer); tensor parallelism does not help (the gathered logits), context parallelism
-    does (every per-token term / c): CP=8 x FSDP2 fits one row per group without checkpointing, faster than every
-    runnable row that fits, and is named in the reasons as not runnable yet. Where nothing that runs fits, it is
-    the choice."""
+    does (every per-token term / c): CP=8 x FSDP2 fits one row per group without checkpointing (not the 8 asked),
+    faster than the choice, and is named in the reasons and the fallbacks. Where nothing else fits, context
+    parallelism is the choice, with its launch command."""
     plan = llama3(tmp_path, 32768)
     rows, rec = by_label(plan), plan["recommendation"]
     fsdp = rows["FSDP full shard + checkpointing"]
@@ -246,13 +247,15 @@ def test_llama3_8b_at_32k(tmp_path):
     # at the micro-batch asked (8 rows of 4k tokens per group of 8) each GPU holds as many tokens as FSDP2's one row
     assert cp8["estimate"]["logits"] == fsdp["estimate"]["logits"] and not cp8["fits"]
     assert cp8["max_micro_batch"] >= 1  # 1 row per group (4k tokens per GPU) fits, without checkpointing
-    assert rec["runnable"] and rec["label"] != cp8["label"]
-    assert rows[rec["label"]]["relative_step_time"] > cp8["relative_step_time"]
-    assert any("CP=8 x FSDP2 would fit" in line and "not runnable yet" in line for line in rec["reasons"])
+    assert rec["label"] != cp8["label"] and rows[rec["label"]]["relative_step_time"] > cp8["relative_step_time"]
+    assert any("CP=8 x FSDP2 would fit" in line and "--strategy cp_fsdp chooses it" in line for line in rec["reasons"])
+    assert any(f["label"] == "CP=8 x FSDP2" for f in plan["fallbacks"])
     # on 40 GiB GPUs nothing that runs fits (offloading, adapters: the logits of 32k tokens alone are 47 GiB); the
-    # context-parallel row does, and is the recommendation, marked
+    # context-parallel row does, and is the recommendation
     tight = llama3(tmp_path / "tight", 32768, gpu_memory_gb=40)
     chosen = tight["recommendation"]
-    assert chosen["context_parallel_size"] > 1 and not chosen["runnable"]
+    assert chosen["context_parallel_size"] > 1
     assert "--context_parallel_size" in chosen["command"] and "--fsdp true" in chosen["command"]
-    assert "not runnable yet: --context_parallel_size is refused" in planning.render(tight)
+    assert "not runnable" not in planning.render(tight)
+    cfg = emitted_config(chosen["command"])
+    assert (cfg.distributed.context_parallel_size, cfg.distributed.fsdp) == (chosen["context_parallel_size"], True)

@@ -120,7 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="Emit the configs for this strategy instead of the fastest that fits; pipeline: the fastest "
         "pipeline + data parallel row; tp, tp_fsdp: the fastest tensor-parallel row (replicated groups, or with "
-        "FSDP2); cp_fsdp: the fastest context-parallel row (not runnable yet) (default: auto).",
+        "FSDP2); cp_fsdp: the fastest context-parallel row (with FSDP2) (default: auto).",
     )
     plan.add_argument(
         "--gradient_checkpointing",
@@ -231,7 +231,10 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
         if m.model_copy and key == "cp_fsdp":  # (tensor parallelism refuses the task itself: no_tensor_parallel)
             return "the planner does not estimate the frozen reference copy under CP: --strategy fsdp shards it"
         if key == "cp_fsdp":
-            return f"no degree dividing the {setup.num_gpus} GPUs cuts --max_length {setup.max_length} in 2 x cp chunks"
+            return (
+                f"no degree dividing the {setup.num_gpus} GPUs divides the model's heads, its KV heads and "
+                f"--max_length {setup.max_length}"
+            )
         if key == "tp_fsdp" and not no_tensor_parallel(m, setup):
             return "tensor parallel groups on all the processes leave no data-parallel processes to shard over"
         return no_tensor_parallel(m, setup) or "no tensor-parallel row here"

@@ -9,7 +9,7 @@ from cloudtrain.planning.strategies import Candidate, Setup
 # FLOPs a GPU computes in the time one byte crosses one node's links: an H100 at about 40% of its 989 TFLOP/s
 # (dense bf16) over NVLink at about 400 GB/s of all-reduce bus bandwidth. It prices the collectives that sit
 # between a layer's matmuls and do not overlap with them (tensor parallelism's all-reduces, context parallelism's
-# all-gathers of K and V: torch's default rotation); a rule of thumb, not a measurement made here.
+# all-to-alls of q, k, v and the attention's output); a rule of thumb, not a measurement made here.
 FLOPS_PER_LINK_BYTE = 1000
 
 
@@ -28,17 +28,22 @@ def tensor_cost(m: ModelFacts, setup: Setup, tp: int) -> float:
 
 
 def context_cost(m: ModelFacts, setup: Setup, cp: int) -> float:
-    """Time of context parallelism's K/V all-gathers over the compute's: per token and layer, three passes of its
-    K and V (gathered in the forward and the backward, their gradients reduce-scattered) against the layer's FLOPs
-    (each process computes its own tokens whole)."""
+    """Time of context parallelism's all-to-alls over the compute's: per token and layer, its q, k, v and the
+    attention's output exchanged in the forward, their gradients in the backward, against the layer's FLOPs (each
+    process computes its own tokens' projections, and the whole rows' attention for heads/cp of the heads)."""
     c = 2 if setup.half else 4
-    sent = 3 * all_gather(2 * c * m.kv_hidden_size * cp, cp)  # its share of a gather of every process's tokens
+    sent = 2 * all_to_all(c * (2 * m.hidden_size + 2 * m.kv_hidden_size), cp)
     return sent * FLOPS_PER_LINK_BYTE / layer_flops_per_token(m, setup.max_length)
 
 
 def all_reduce(size: float, n: int) -> float:
     """Bytes one process sends in a ring all-reduce of `size` bytes over n processes: reduce-scatter + all-gather."""
     return 2 * (n - 1) / n * size if n > 1 else 0.0
+
+
+def all_to_all(size: float, n: int) -> float:
+    """Bytes one process sends in an all-to-all of its `size` bytes over n processes: all but its own 1/n."""
+    return (n - 1) / n * size if n > 1 else 0.0
 
 
 def all_gather(size: float, n: int) -> float:
@@ -61,10 +66,10 @@ def step_traffic(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int,
         traffic["tensor"] = k * (m.num_layers * per_layer + head)
     if cand.context_parallel > 1:
         cp = cand.context_parallel
-        # each layer gathers the sequence's K and V in the forward, again in the backward, and reduce-scatters
-        # their gradients (three passes of K and V; a fourth when checkpointing recomputes the forward)
-        kv = 2 * c * tokens * m.kv_hidden_size
-        traffic["context"] = k * m.num_layers * (3 + cand.checkpointing) * all_gather(kv, cp)
+        # each layer exchanges its tokens' q, k, v and the attention's output (all-to-all: sequence for heads and
+        # back) in the forward, their gradients in the backward, the forward again when checkpointing recomputes it
+        own = c * tokens // cp * (2 * m.hidden_size + 2 * m.kv_hidden_size)
+        traffic["context"] = k * m.num_layers * (2 + cand.checkpointing) * all_to_all(own, cp)
     if cand.pipeline:
         pipe = cand.pipeline
         # each stage boundary sends one micro-batch's hidden states forward and their gradients back (fp32)

@@ -409,9 +409,11 @@ def _embedding_params(m: ModelFacts) -> int:
 def _split_activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> tuple[int, int, int]:
     """(saved, working space, logits) of one process. TP: attention's and the MLP's tensors divided by tp
     (_layer_terms), under autocast over fp32 weights; the logits whole (the LM head gathers its output). CP: every
-    per-token term at s/cp tokens, no dense mask (the ring's SDPA kernels are causal, without one), the logits of
-    its tokens, and the extra buffers: the whole sequence's K and V gathered for the layer being computed and,
-    in its backward, their gradients before the reduce-scatter."""
+    per-token term at s/cp tokens, no dense mask (the varlen kernels take the documents' lengths), the logits of
+    its tokens, and the extra buffers of the all-to-all (Ulysses) attention: the whole rows' q, k, v and output for
+    heads/cp of the heads are as large as its own tokens' for every head (what the per-token terms count), and the
+    layer being computed holds each exchange's contiguous send buffer and what it receives, in the forward and again
+    (the gradients) in the backward."""
     tp, cp, b, s = cand.tensor_parallel, cand.context_parallel, micro_batch, setup.max_length
     if tp > 1:
         autocast32, dense = setup.half, _dense_mask(m, setup)
@@ -424,9 +426,9 @@ def _split_activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch
     c, tokens = (2 if setup.half else 4), s // cp
     per_layer, outside, working = _layer_terms(m, b, tokens, setup.half, False, False)
     saved, working = _stacked(m, per_layer, outside, working, cand.checkpointing, c * tokens * b * m.hidden_size)
-    gathered_kv = 2 * c * b * s * m.kv_hidden_size * 2  # K and V of the whole sequence, then their gradients
+    exchanged = 2 * c * b * tokens * (2 * m.hidden_size + 2 * m.kv_hidden_size)  # q, k, v, out: sent and received
     hidden = 2 if setup.half else 4
-    return saved, working + gathered_kv, logits_bytes(m, b, tokens, setup.half, setup.fused_loss, hidden)
+    return saved, working + exchanged, logits_bytes(m, b, tokens, setup.half, setup.fused_loss, hidden)
 
 
 def _split_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:

@@ -40,7 +40,6 @@ def candidate_json(c: Candidate) -> dict:
         "peft": c.peft,
         "tensor_parallel_size": c.tensor_parallel,
         "context_parallel_size": c.context_parallel,
-        "runnable": c.context_parallel == 1,  # --context_parallel_size is refused by the application for now
     }
 
 
@@ -164,8 +163,8 @@ def _render_table(rows: list[dict], logits: bool) -> list[str]:
         ),
         (
             lambda r: r["tensor_parallel_size"] > 1 or r["context_parallel_size"] > 1,
-            "tensor parallel (TP=t: --tensor_parallel_size t, x FSDP2: --fsdp true) and context parallel (CP=c, not "
-            "runnable yet: --context_parallel_size is refused): t or c processes take the same rows, so a row's "
+            "tensor parallel (TP=t: --tensor_parallel_size t, x FSDP2: --fsdp true) and context parallel (CP=c: "
+            "--context_parallel_size c, all-to-all attention): t or c processes take the same rows, so a row's "
             "micro-batch is t (or c) times the one asked of each GPU:",
         ),
     )
@@ -207,14 +206,11 @@ def _render_choice(plan: dict) -> list[str]:
     ] + [f"  {reason}" for reason in rec["reasons"]]
     wrote = "Wrote " + ", ".join(rec["files"].values()) + ". " if rec["files"] else ""
     lines += [wrote + "Launch with:", f"  {rec['command']}"]
-    if not rec.get("runnable", True):
-        lines.append("  (not runnable yet: --context_parallel_size is refused by the application; shown for planning)")
     if plan.get("fallbacks"):
         lines.append("If it does not suit, the next best (--strategy and --gradient_checkpointing choose one):")
         lines += [
             f"  - {f['label']}: micro-batch {f['micro_batch']}, gradient accumulation "
             f"{f['gradient_accumulation_steps']}, {f['estimate']['total'] / GIB:.1f} GiB per GPU"
-            + ("" if f.get("runnable", True) else " (not runnable yet)")
             for f in plan["fallbacks"]
         ]
     return lines

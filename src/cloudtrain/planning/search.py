@@ -132,14 +132,16 @@ def no_tensor_parallel(m: ModelFacts, setup: Setup) -> str | None:
 
 
 def context_candidates(m: ModelFacts, setup: Setup) -> list[Candidate]:
-    """CP x FSDP2 for every degree that cuts the rows into 2 x cp equal chunks (a causal LM's, on GPUs), with and
-    without checkpointing; printed and recommended when nothing runnable fits, marked not runnable yet."""
+    """CP x FSDP2 (all-to-all attention, cloudtrain.parallel.sequence) for every degree that divides the model's
+    heads and KV heads (each process attends with 1/cp of them) and the rows' tokens, with and without
+    checkpointing (a causal LM's, on GPUs)."""
     if not m.decoder or setup.num_gpus < 2:
         return []
+    kv_heads = m.num_heads * m.kv_hidden_size // m.hidden_size
     rows = [
         Candidate(CONTEXT_FSDP, gc, context_parallel=c, split_cost=context_cost(m, setup, c))
         for c in degrees(setup)
-        if setup.max_length % (2 * c) == 0
+        if setup.max_length % c == 0 and m.num_heads % c == 0 and kv_heads % c == 0
         for gc in (False, True)
     ]
     return sorted(rows, key=lambda c: c.speed)
@@ -208,11 +210,10 @@ def ranked_choices(m: ModelFacts, rows: list[Row], setup: Setup, requested: int,
     per_gpu = global_batch // setup.world_size
     ranked: list[Choice] = []
     taken: set[int] = set()  # rows already ranked, by position
-    # context parallelism is refused by the application: after every full fine-tuning row that runs
-    tiers = [(peft, later) for peft in PEFT_METHODS for later in ((False, True) if peft == "none" else (False,))]
-    for peft, later in tiers:
-        in_tier = [i for i, r in enumerate(rows) if r.candidate.peft == peft and _not_runnable(r.candidate) == later]
-        tier = sorted(in_tier, key=lambda i: rows[i].candidate.speed)
+    for peft in PEFT_METHODS:
+        tier = sorted(
+            (i for i, r in enumerate(rows) if r.candidate.peft == peft), key=lambda i: rows[i].candidate.speed
+        )
         for first_only in (True, False):
             for i in (i for i in tier if i not in taken):
                 c = rows[i].candidate
@@ -233,14 +234,6 @@ def ranked_choices(m: ModelFacts, rows: list[Row], setup: Setup, requested: int,
                     taken.add(i)
                     ranked.append(Choice(c, b, accumulation(c, per_gpu, b), estimate(m, c, setup, b)))
     return ranked
-
-
-def _not_runnable(c: Candidate) -> bool:
-    """Rows the application refuses for now (--context_parallel_size): shown, recommended only as a last resort."""
-    return c.context_parallel > 1
-
-
-NOT_RUNNABLE = "not runnable yet: --context_parallel_size is refused (ring attention is not wired into a trainer)"
 
 
 def _fits_anything(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> bool:
@@ -358,12 +351,18 @@ def reasons(
             f"global batch {global_batch}."
         )
     lines.append(_traffic_line(m, choice, setup))
-    waiting = [
-        r.candidate for r in rows if _not_runnable(r.candidate) and r.max_micro_batch and r.candidate.speed < c.speed
+    quicker = [  # context parallelism that fits, but fewer rows per group than asked: a fallback, named here
+        r
+        for r in rows
+        if r.candidate.context_parallel > 1 and r.max_micro_batch and r.candidate.speed < c.speed and c.peft == "none"
     ]
-    if waiting and not _not_runnable(c):
-        best = min(waiting, key=lambda w: w.speed)
-        lines.append(f"{best.name} would fit with a relative step time of {best.speed:.2f}, but is {NOT_RUNNABLE}.")
+    if quicker and c.context_parallel == 1:
+        best = min(quicker, key=lambda r: r.candidate.speed)
+        lines.append(
+            f"{best.candidate.name} would fit with a relative step time of {best.candidate.speed:.2f}, at most "
+            f"{best.max_micro_batch} row(s) per group of {best.candidate.context_parallel}; --strategy cp_fsdp "
+            "chooses it."
+        )
     if c.checkpointing:
         plain = estimate(m, replace(c, checkpointing=False), setup, b)
         lines.append(
@@ -412,9 +411,9 @@ def _split_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup,
         )
     else:
         lines.append(
-            f"Context parallel {group}: each row's {setup.max_length} tokens are cut into {2 * group} chunks, two per "
-            f"process, so activations and logits are divided by {group}; attention gathers the whole sequence's keys "
-            f"and values per layer. It is {NOT_RUNNABLE}."
+            f"Context parallel {group}: each process holds 1/{group} of each row's {setup.max_length} tokens, so "
+            f"activations and logits are divided by {group}; attention exchanges sequence for heads (all-to-all), "
+            f"each process attending over whole rows with 1/{group} of the heads."
         )
     if plain:
         lines.append(
