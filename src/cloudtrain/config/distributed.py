@@ -82,7 +82,10 @@ class DistributedConfig:
         "docs/parallelism.md.",
     )
     context_parallel_size: int = opt(
-        1, "Processes that split each sequence for attention (context parallelism); see docs/parallelism.md."
+        1,
+        "Processes that split each row's tokens (context parallelism: all-to-all sequence parallelism, on CPU "
+        "and GPUs; --training_type accelerated, --task causal_lm or sft); they take the same rows, and must "
+        "divide the model's heads and KV heads. See docs/parallelism.md.",
     )
     collective_timeout: float = opt(
         1800.0,

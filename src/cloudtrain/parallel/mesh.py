@@ -2,7 +2,8 @@
 
 `world = dp_replicate x dp_shard x pp x tp x cp`. Data-parallel processes each take their own rows of a step,
 either holding the whole model (replicate: DDP) or a shard of it (shard: ZeRO, FSDP); pipeline processes each
-hold some of the model's layers. Tensor and context parallel degrees are 1 until a trainer uses them.
+hold some of the model's layers; a tensor-parallel group splits each layer's weights, a context-parallel group
+each row's tokens (both take the same rows: cloudtrain.parallel.tensor, .context).
 The trainer class of `--training_type` builds it (`Trainer.mesh`); the trainers, the batch-size finder and
 the checkpoint check read it instead of re-deriving it from the options.
 """
