@@ -87,8 +87,36 @@ def test_a_replicated_checkpoint_resumes_at_another_count_only_with_its_global_b
     with pytest.raises(UserError, match="took 4 rows per step .* this run takes 2: .* whose product is 4$"):
         check_compatible(meta, tmp_path, "AcceleratedTrainer", one, global_rows=2)
     zero = {**meta, "mesh": {"world": 2, "dp_shard": 2}}
-    with pytest.raises(UserError, match="resume it the same way"):
+    with pytest.raises(UserError, match="resume it the same way .*a ZeRO checkpoint cannot change"):
         check_compatible(zero, tmp_path, "AcceleratedTrainer", one, global_rows=4)
+
+
+def test_an_fsdp_checkpoint_resumes_at_another_count_under_fsdp_only(tmp_path):
+    """FSDP's sharded states (torch.distributed.checkpoint folders) are re-cut for any process count, so an FSDP
+    run (`reshards`) reads them at another count with the same global batch; a run that is not FSDP, and a
+    sharded checkpoint without those folders (ZeRO), are refused in one line."""
+    from cloudtrain.checkpointing import DCP_STATES, check_compatible
+    from cloudtrain.errors import UserError
+    from cloudtrain.parallel.mesh import Mesh
+
+    batch = {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 1}
+    meta = {"trainer": "AcceleratedTrainer", "num_processes": 2, "mesh": {"world": 2, "dp_shard": 2}, "batch": batch}
+    one, four = Mesh(world=1), Mesh(world=4, dp_shard=4)
+    with pytest.raises(UserError, match="a ZeRO checkpoint cannot change its process count"):
+        check_compatible(meta, tmp_path, "AcceleratedTrainer", one, global_rows=4, reshards=True)
+    for name in DCP_STATES:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / ".metadata").touch()
+    check_compatible(meta, tmp_path, "AcceleratedTrainer", one, global_rows=4, reshards=True)
+    check_compatible(meta, tmp_path, "AcceleratedTrainer", four, global_rows=4, reshards=True)
+    with pytest.raises(UserError, match="whose product is 1$"):
+        check_compatible(meta, tmp_path, "AcceleratedTrainer", four, global_rows=8, reshards=True)
+    with pytest.raises(UserError, match="resume it the same way"):  # this run is not FSDP
+        check_compatible(meta, tmp_path, "AcceleratedTrainer", one, global_rows=4)
+    single = {**meta, "num_processes": 1, "mesh": {"world": 1}}  # one FSDP process: read by FSDP runs only
+    check_compatible(single, tmp_path, "AcceleratedTrainer", Mesh(world=2, dp_shard=2), global_rows=2, reshards=True)
+    with pytest.raises(UserError, match="resume it the same way"):
+        check_compatible(single, tmp_path, "AcceleratedTrainer", Mesh(world=2, dp_replicate=2), global_rows=2)
 
 
 # ------------------------------------------------------------------ real launches (slow)
@@ -106,7 +134,8 @@ def lm_run_args(model_dir: str, train: Path, out: Path, *extra: str) -> list[str
 def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
     """2 epochs of the stored rows at 8 rows per step (the epoch's last step completed): a checkpoint at step 3
     (mid-epoch) of 2 processes x 1 resumes on 1 process x 2 and the other way round; weights equal the
-    uninterrupted run's within tolerance, and the same layout resumes bit-exactly."""
+    uninterrupted run's within tolerance, and the same layout resumes bit-exactly. An FSDP checkpoint of 2
+    processes resumes on 1 FSDP process likewise."""
     from test_distributed import torchrun
 
     train = tmp_path / "train.jsonl"
@@ -118,6 +147,9 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
         "two_to_one": (one_process(), ["4"], "two"),
         "one_to_two": (torchrun(2), ["2"], "one"),
         "two_to_two": (torchrun(2), ["2"], "two"),
+        # FSDP's sharded states, re-cut for one process
+        "fsdp_two": (torchrun(2), ["2", "--fsdp", "true"], None),
+        "fsdp_two_to_one": (torchrun(1), ["4", "--fsdp", "true"], "fsdp_two"),
     }
     for name, (launcher, extra, resume_from) in runs.items():
         if resume_from:
@@ -127,7 +159,14 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
     steps = {name: json.loads((tmp_path / name / "train_results.json").read_text())["global_step"] for name in runs}
     assert len(set(steps.values())) == 1 and steps["two"] > 4, steps  # step 3 is mid-epoch: 2 epochs of 3+ steps
     weights = {name: load_file(tmp_path / name / "model.safetensors") for name in runs}
-    for resumed, straight in (("two_to_one", "one"), ("one_to_two", "two"), ("one", "two")):
+    pairs = [
+        ("two_to_one", "one"),
+        ("one_to_two", "two"),
+        ("one", "two"),
+        ("fsdp_two", "two"),
+        ("fsdp_two_to_one", "one"),
+    ]
+    for resumed, straight in pairs:
         for key in weights[straight]:
             torch.testing.assert_close(weights[resumed][key], weights[straight][key], rtol=1e-4, atol=1e-5)
     assert all(torch.equal(weights["two_to_two"][k], weights["two"][k]) for k in weights["two"])

@@ -299,39 +299,35 @@ def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
             shutil.copy2(checkpoint / name, Path(output_dir) / name)
 
 
-def check_compatible(meta: dict, path: Path, trainer: str, mesh: Mesh, global_rows: int | None = None) -> None:
+def check_compatible(
+    meta: dict, path: Path, trainer: str, mesh: Mesh, global_rows: int | None = None, reshards: bool = False
+) -> None:
     """A checkpoint resumes only under the trainer, process count and mesh that wrote it (a ZeRO checkpoint
     holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh.
 
     The data position is global (a stream's cursor; the stored rows' order, micro-batch b to process
-    b % processes), so a replicated (DDP) checkpoint also resumes at another process count: every process
-    holds the whole model and optimizer state. `global_rows` (stored rows: this run's rows per step
-    over all processes) must then be the checkpoint's, since its step is the position; a stream's cursor
-    (None) resumes at any global batch."""
-    replicated = {"world", "dp_replicate"}
+    b % processes), so a checkpoint whose states any process count can read also resumes at another count:
+    a replicated (DDP) one, where every process holds the whole model and optimizer state, and an FSDP one
+    (`reshards`: this run loads FSDP's sharded states, which torch.distributed.checkpoint re-cuts for the
+    processes that read them). `global_rows` (stored rows: this run's rows per step over all processes)
+    must then be the checkpoint's, since its step is the position; a stream's cursor (None) resumes at any
+    global batch."""
     if (
         meta["trainer"] == trainer
         and meta["num_processes"] != mesh.world
-        and set(meta.get("mesh", {"world": 1})) <= replicated
-        and set(mesh.degrees()) <= replicated
+        and _any_count_reads(meta, path, mesh, reshards)
     ):
-        batch = meta.get("batch") or {}
-        rows = batch.get("per_device_train_batch_size", 0) * batch.get("gradient_accumulation_steps", 0)
-        rows *= meta["num_processes"]
-        if global_rows is None or rows == global_rows:
-            return
-        if rows:  # an older checkpoint stored no batch: refused below as before
-            raise UserError(
-                f"checkpoint {path} took {rows} rows per step ({meta['num_processes']} process(es) x "
-                f"{batch.get('per_device_train_batch_size')} rows x {batch.get('gradient_accumulation_steps')} "
-                f"accumulation); this run takes {global_rows}: at {mesh.world} process(es) give "
-                "--per_device_train_batch_size and --gradient_accumulation_steps whose product is "
-                f"{rows / mesh.world:g}"
-            )
+        _check_global_rows(meta, path, mesh, global_rows)
+        return
     if meta["trainer"] != trainer or meta["num_processes"] != mesh.world:
+        also = (
+            " (a ZeRO checkpoint cannot change its process count; a DDP or FSDP one can)"
+            if meta["trainer"] == trainer
+            else ""
+        )
         raise UserError(
             f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "
-            f"process(es); this run is the {trainer} with {mesh.world}: resume it the same way"
+            f"process(es); this run is the {trainer} with {mesh.world}: resume it the same way{also}"
         )
     stored = meta.get("mesh", mesh.degrees())
     if stored != mesh.degrees():
@@ -339,6 +335,43 @@ def check_compatible(meta: dict, path: Path, trainer: str, mesh: Mesh, global_ro
             f"checkpoint {path} was written with its processes arranged as {stored}; this run arranges them as "
             f"{mesh.degrees()} (data-parallel sharding, pipeline): resume it with the same options"
         )
+
+
+DCP_STATES = ("pytorch_model_fsdp_0", "optimizer_0")  # accelerate's folders of FSDP's sharded states
+
+
+def _any_count_reads(meta: dict, path: Path, mesh: Mesh, reshards: bool) -> bool:
+    """Whether this run may read the checkpoint's states at another process count: both replicated, or both
+    data-parallel FSDP with the states in torch.distributed.checkpoint folders."""
+    replicated, data_parallel = {"world", "dp_replicate"}, {"world", "dp_replicate", "dp_shard"}
+    stored = set(meta.get("mesh", {"world": 1}))
+    if stored <= replicated and set(mesh.degrees()) <= replicated and not reshards:
+        return not _dcp_states(path)
+    return reshards and stored <= data_parallel and set(mesh.degrees()) <= data_parallel and _dcp_states(path)
+
+
+def _dcp_states(path: Path) -> bool:
+    return all((path / name / ".metadata").is_file() for name in DCP_STATES)
+
+
+def _check_global_rows(meta: dict, path: Path, mesh: Mesh, global_rows: int | None) -> None:
+    batch = meta.get("batch") or {}
+    rows = batch.get("per_device_train_batch_size", 0) * batch.get("gradient_accumulation_steps", 0)
+    rows *= meta["num_processes"]
+    if global_rows is None or rows == global_rows:
+        return
+    if not rows:  # an older checkpoint stored no batch
+        raise UserError(
+            f"checkpoint {path} was written by an older cloudtrain with {meta['num_processes']} process(es); "
+            f"this run has {mesh.world}: resume it the same way"
+        )
+    raise UserError(
+        f"checkpoint {path} took {rows} rows per step ({meta['num_processes']} process(es) x "
+        f"{batch.get('per_device_train_batch_size')} rows x {batch.get('gradient_accumulation_steps')} "
+        f"accumulation); this run takes {global_rows}: at {mesh.world} process(es) give "
+        "--per_device_train_batch_size and --gradient_accumulation_steps whose product is "
+        f"{rows / mesh.world:g}"
+    )
 
 
 class Checkpointer:

@@ -95,6 +95,10 @@ class AcceleratedTrainer(Trainer):
         if self.context:
             self.mode += f" context parallel {runtime.mesh.cp} (all-to-all)"
 
+    @property
+    def reshards_states(self) -> bool:
+        return self.accelerator.distributed_type == DistributedType.FSDP and not self.tensor_parallel
+
     @classmethod
     def async_refusal(cls, cfg: Config) -> str | None:
         """DDP and one process: each process copies its part of accelerate's files to CPU (`checkpoint_snapshot`).

@@ -211,6 +211,12 @@ class Trainer:
         if cfg.checkpoint.async_checkpointing and (why := cls.async_refusal(cfg)):
             raise UserError(f"--async_checkpointing true {why}; leave it false there (checkpoints then block)")
 
+    @property
+    def reshards_states(self) -> bool:
+        """Whether this run reads checkpoint states that torch.distributed.checkpoint re-cuts for any process
+        count (FSDP's sharded states): a checkpoint of such a run resumes at another count."""
+        return False
+
     @classmethod
     def async_refusal(cls, cfg: Config) -> str | None:
         """Why this trainer cannot write checkpoints in the background with `cfg` (None: it can)."""
@@ -448,7 +454,8 @@ class Trainer:
         """Restore weights, optimizer, schedule and RNG from `folder`; returns its trainer state."""
         meta = read_state(folder)
         global_rows = None if self.streams else self.global_rows  # a stream's cursor resumes at any global batch
-        check_compatible(meta, folder, type(self).__name__, self.runtime.mesh, global_rows=global_rows)
+        mesh, reshards = self.runtime.mesh, self.reshards_states
+        check_compatible(meta, folder, type(self).__name__, mesh, global_rows=global_rows, reshards=reshards)
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
