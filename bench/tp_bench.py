@@ -10,7 +10,10 @@ global batch:
 - 1 process (reference): --training_type accelerated, the whole batch;
 - TP=2, 2 processes: --tensor_parallel_size 2; both processes take the same rows (one tensor-parallel group),
   each holding half of every attention and MLP projection and of the LM head;
-- FSDP2, 2 processes: --fsdp true, half the batch each, the weights, gradients and AdamW states sharded.
+- FSDP2, 2 processes: --fsdp true, half the batch each, the weights, gradients and AdamW states sharded;
+- with --context_parallel, also CP=2, 2 processes: --context_parallel_size 2; both processes take the same rows
+  (one context-parallel group), each half of every row's tokens, attention over whole rows with half the heads
+  (all-to-all, cloudtrain.parallel.sequence); the whole model on each.
 
 Measured as bench/pipeline_bench.py measures (its rank entry runs each process): every optimizer step's end is
 timed; tokens/s is the global batch's tokens over rank 0's median step time after --warmup; peak memory is each
@@ -26,6 +29,7 @@ taken there (cloudtrain plan models it: docs/planner-formulas.md).
 
     .venv/bin/python bench/tp_bench.py [--steps 8] [--batch_size 8] [--max_length 128] [--hidden_size 256]
     .venv/bin/python bench/tp_bench.py --quick      # a tiny model, 4 steps (the test)
+    .venv/bin/python bench/tp_bench.py --context_parallel --out bench/results/tp_cp.md   # + CP=2
 
 Writes --out (markdown, default bench/results/tp.md) and the same name with .json.
 """
@@ -77,6 +81,7 @@ class Settings:
     quick: bool = False
     tab: str | None = None  # an Orange .tab corpus other than the Grimm tales (tests)
     timeout: float = 900.0  # seconds per launch
+    context_parallel: bool = False  # also CP=2 on 2 processes
 
 
 def variants(s: Settings) -> list[Variant]:
@@ -85,7 +90,8 @@ def variants(s: Settings) -> list[Variant]:
         Variant("1 process (reference)", 1, ["--per_device_train_batch_size", whole], 1),
         Variant("TP=2, 2 processes", 2, ["--per_device_train_batch_size", whole, "--tensor_parallel_size", "2"], 1),
         Variant("FSDP2, 2 processes", 2, ["--per_device_train_batch_size", half, "--fsdp", "true"], 1),
-    ]
+    ] + ([Variant("CP=2, 2 processes", 2, ["--per_device_train_batch_size", whole, "--context_parallel_size", "2"], 1)]
+         if s.context_parallel else [])  # fmt: skip
 
 
 def shape(s: Settings) -> dict:
@@ -155,7 +161,8 @@ def run(s: Settings, log) -> dict:
 def markdown(result: dict) -> str:
     s, m = result["settings"], result["model"]
     lines = [
-        "# Tensor parallelism on CPU: TP=2 vs 1 process vs FSDP2",
+        "# Tensor parallelism on CPU: TP=2 vs 1 process vs FSDP2"
+        + (" (and context parallelism: CP=2)" if s["context_parallel"] else ""),
         "",
         f"Llama hidden {m['hidden_size']}, {m['num_hidden_layers']} layers, {m['num_attention_heads']} heads "
         f"({m['num_key_value_heads']} KV), MLP {m['intermediate_size']}; {s['batch_size']} rows x {s['max_length']} "
@@ -190,13 +197,24 @@ def parse_args(argv: list[str] | None = None) -> tuple[Settings, argparse.Namesp
     p.add_argument("--hidden_size", type=int, default=d.hidden_size, help="a multiple of 64 (MLP 2.75x)")
     p.add_argument("--quick", action="store_true", help="a tiny model and 4 steps (the test)")
     p.add_argument("--tab", default=None, help="an Orange .tab corpus instead of the Grimm tales")
+    p.add_argument(
+        "--context_parallel", action="store_true", help="also CP=2 on 2 processes (same rows, half the tokens)"
+    )
     p.add_argument("--out", default=str(BENCH / "results" / "tp.md"))
     args = p.parse_args(argv)
     if args.batch_size % 2:
         p.error("--batch_size must be even: FSDP2 gives each of its 2 processes half")
     if args.hidden_size % 64:
         p.error("--hidden_size must be a multiple of 64 (a head per 32, KV heads half as many, split in 2)")
-    s = Settings(args.steps, args.warmup, args.batch_size, args.max_length, hidden_size=args.hidden_size, tab=args.tab)
+    s = Settings(
+        args.steps,
+        args.warmup,
+        args.batch_size,
+        args.max_length,
+        hidden_size=args.hidden_size,
+        tab=args.tab,
+        context_parallel=args.context_parallel,
+    )
     if args.quick:
         s = replace(s, steps=4, warmup=1, batch_size=4, max_length=64, vocab_size=512, quick=True)
     return s, args
