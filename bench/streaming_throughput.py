@@ -202,7 +202,7 @@ def loader_costs(paths: dict, batches: int, profile: int) -> dict:
     """Each path's input path alone, no model: CPU and wall milliseconds per batch over `batches` batches
     from a fresh iterator (the stream's reading, tokenizing, packing and collating; the stored rows' gather
     and collating), taken in turn four times; the medians. `profile` > 0: cProfile's top functions of the
-    streamed input path, by own time, to stderr of the real process."""
+    streamed input path, by own CPU time, to the real stderr."""
     times: dict[str, dict[str, list[float]]] = {name: {"cpu_ms": [], "wall_ms": []} for name in paths}
     for _ in range(4):
         for name, (trainer, *_) in paths.items():
@@ -225,7 +225,7 @@ def _profile(loader, batches: int, top: int) -> None:
     import pstats
 
     batch_iter = iter(loader)
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile(time.process_time)  # CPU time: another process's use of the core is not ours
     profiler.enable()
     for _ in range(batches):
         next(batch_iter)
