@@ -2,13 +2,21 @@
 batch and an exact resume mid-epoch (reward sums pending at the checkpoint included); ZeRO-1 with precomputed
 reference log-probabilities against the live frozen copy; ZeRO-2 with precomputed reference log-probabilities
 against ZeRO-3 with the live one, both with LoRA; LoRA under FSDP2 (the base, adapters disabled, as the reference)
-against one process; a reward model under DDP against one process, resumed bit-exactly mid-epoch."""
+against one process; a reward model under DDP against one process, resumed bit-exactly mid-epoch.
+
+Launches are few (each start of 2 processes costs more than these tiny runs): the 1-process runs that the 2-process
+ones must equal run one after another in one process (`one_process`, tests/dist_runs.py), built once for both of
+`make test`'s workers. (Several 2-process runs in one launch are not done: a second FSDP2 run in a process that ran
+one fails.)"""
 
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENTRY, lm_documents
+from conftest import ENTRY, REPO, built_once, lm_documents
+from dist_runs import run_outputs
 from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
 from test_fsdp import grad_norms
@@ -55,7 +63,6 @@ def chat_llama_dir(tiny_llama_dir, tmp_path_factory) -> str:
 
 def dpo_args(model_dir, pairs, out, *extra: str) -> list[str]:
     return [
-        str(ENTRY),
         *("--task", "dpo", "--model_name_or_path", model_dir, "--output_dir", str(out)),
         *("--train_file", str(pairs / "train.jsonl"), "--validation_file", str(pairs / "validation.jsonl")),
         *("--max_length", "96"),
@@ -78,15 +85,51 @@ def assert_same_numbers(a: list[dict], b: list[dict], rel: float) -> None:
 
 
 FULL = ("--max_steps", "5", "--checkpointing_steps", "3", "--logging_steps", "2")  # full fine-tuning's runs
+LORA = (  # the LoRA runs'
+    *("--peft", "lora", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "2e-2"),
+    *("--max_steps", "4", "--logging_steps", "1"),
+)
+TWO, FOUR = ("--per_device_train_batch_size", "2"), ("--per_device_train_batch_size", "4")
+
+
+def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path) -> None:
+    """Run each of `runs` (name: the application's arguments) one after another in one launch; each one's output
+    to `folder/<name>.out`."""
+    runs_file = folder / "runs.json"
+    runs_file.write_text(json.dumps(list(runs.values())))
+    result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=600)
+    for name, output in zip(runs, run_outputs(result.stdout, len(runs)), strict=True):
+        (folder / f"{name}.out").write_text(output)
 
 
 @pytest.fixture(scope="module")
-def one_process(tiny_llama_dir, pairs, tmp_path_factory):
-    """Full fine-tuning on one process x 4 pairs with the frozen reference copy: what the 2-process runs of
-    full fine-tuning must equal."""
-    out = tmp_path_factory.mktemp("dpo-one") / "out"
-    launch(torchrun(1), *dpo_args(tiny_llama_dir, pairs, out, *FULL, "--per_device_train_batch_size", "4"))
-    return out
+def reward_data(tmp_path_factory) -> Path:
+    """12 preference pairs with margins: 3 steps of 4 pairs an epoch."""
+    data = tmp_path_factory.mktemp("reward-pairs") / "pairs.jsonl"
+    rows = [
+        {"prompt": q, "chosen": c, "rejected": r, "margin": 0.25 * (i % 3)} for i, (q, c, r) in enumerate(PAIRS * 2)
+    ]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return data
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_llama_dir, chat_llama_dir, tiny_model_dir, pairs, reward_data, tmp_path_factory) -> dict:
+    """What the 2-process runs must equal, 1 process x 4 pairs, one after another in one process: full fine-tuning
+    with the frozen reference copy ("full"), LoRA with the base as the reference ("lora"), the reward model
+    ("reward"). Their output folders by name; built once for both of `make test`'s workers (their inputs are
+    the same, seeded)."""
+
+    def build(root: Path) -> None:
+        runs = {
+            "full": dpo_args(tiny_llama_dir, pairs, root / "full", *FULL, *FOUR),
+            "lora": dpo_args(chat_llama_dir, pairs, root / "lora", *LORA, *FOUR),
+            "reward": reward_args(tiny_model_dir, reward_data, root / "reward", *FOUR),
+        }
+        in_one_launch([sys.executable], runs, root)
+
+    root = built_once(tmp_path_factory, "preference-one-process", build)
+    return {name: root / name for name in ("full", "lora", "reward")}
 
 
 def assert_same_model(
@@ -103,34 +146,18 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
     loss is normalised by the global pair count). Logging every 2 steps with a checkpoint at step 3 leaves step 3's
     reward sums pending in the checkpoint: the resumed run's log at step 4 must still cover steps 3 and 4, and its
     weights and every logged number must equal the uninterrupted run's."""
-    common = list(FULL)
-    two = launch(
-        torchrun(2), *dpo_args(tiny_llama_dir, pairs, tmp_path / "two", *common, "--per_device_train_batch_size", "2")
-    )
+    two = launch(torchrun(2), str(ENTRY), *dpo_args(tiny_llama_dir, pairs, tmp_path / "two", *FULL, *TWO))
     assert "2 process(es) on cpu" in two.stdout and two.stdout.count("reference model: a frozen copy") == 1
-    assert_same_model(tmp_path / "two", one_process)
+    assert_same_model(tmp_path / "two", one_process["full"])
     a = load_file(tmp_path / "two" / "model.safetensors")
     numbers = logged(tmp_path / "two")
     assert len(numbers) == 3 and numbers[-1]["train/rewards/margins"] > 0  # steps 2, 4, 5; it learns
-    assert_same_numbers(numbers, logged(one_process), rel=1e-4)
+    assert_same_numbers(numbers, logged(one_process["full"]), rel=1e-4)
 
     checkpoint = tmp_path / "two" / "checkpoints" / "checkpoint-3"
     assert (checkpoint / "task_state.json").is_file()
-    resumed = launch(
-        torchrun(2),
-        *dpo_args(
-            tiny_llama_dir,
-            pairs,
-            tmp_path / "two",
-            *common,
-            "--per_device_train_batch_size",
-            "2",
-            "--overwrite_output_dir",
-            "true",
-            "--resume_from_checkpoint",
-            str(checkpoint),
-        ),  # fmt: skip
-    )
+    resume = ("--overwrite_output_dir", "true", "--resume_from_checkpoint", str(checkpoint))
+    resumed = launch(torchrun(2), str(ENTRY), *dpo_args(tiny_llama_dir, pairs, tmp_path / "two", *FULL, *TWO, *resume))
     assert "at step 3" in resumed.stdout
     again = load_file(tmp_path / "two" / "model.safetensors")
     assert all(torch.equal(a[name], again[name]) for name in a)
@@ -141,24 +168,17 @@ def test_zero2_with_a_precomputed_reference_matches_zero3_with_the_live_one(chat
     """LoRA on 2 processes: ZeRO-2 with the reference's log-probabilities computed before training, ZeRO-3 with
     the base (adapters disabled) as the live reference inside the sharded engine. Same model, pairs and batches:
     the same losses and rewards at every step, and the adapters trained."""
-    common = [
-        *("--peft", "lora", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "2e-2"),
-        *("--max_steps", "4", "--logging_steps", "1", "--per_device_train_batch_size", "2"),
-    ]
-    zero2 = launch(
-        torchrun(2),
-        *dpo_args(
-            chat_llama_dir, pairs, tmp_path / "z2", *common, "--zero_stage", "2", "--precompute_reference", "true"
-        ),
-    )
-    zero3 = launch(torchrun(2), *dpo_args(chat_llama_dir, pairs, tmp_path / "z3", *common, "--zero_stage", "3"))
+    z2_out, z3_out = tmp_path / "z2", tmp_path / "z3"
+    precomputed = ("--zero_stage", "2", "--precompute_reference", "true")
+    zero2 = launch(torchrun(2), str(ENTRY), *dpo_args(chat_llama_dir, pairs, z2_out, *LORA, *TWO, *precomputed))
+    zero3 = launch(torchrun(2), str(ENTRY), *dpo_args(chat_llama_dir, pairs, z3_out, *LORA, *TWO, "--zero_stage", "3"))
     assert "ZeRO-2" in zero2.stdout and "precomputed" in zero2.stdout
     assert "ZeRO-3" in zero3.stdout and "exact_match" in zero3.stdout
-    z2, z3 = logged(tmp_path / "z2"), logged(tmp_path / "z3")
+    z2, z3 = logged(z2_out), logged(z3_out)
     assert z2[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at zero: policy = reference
     assert z2[1]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-4)  # not after a step
     assert_same_numbers(z2, z3, rel=1e-3)
-    for out in (tmp_path / "z2", tmp_path / "z3"):
+    for out in (z2_out, z3_out):
         adapter = load_file(out / "adapter_model.safetensors")
         assert any(".lora_B." in name and adapter[name].abs().max() > 0 for name in adapter)
 
@@ -170,16 +190,13 @@ def test_zero1_with_a_precomputed_reference_matches_one_process_with_the_frozen_
     before training (no copy kept): the same losses, rewards and weights as 1 process x 4 pairs with the live
     frozen copy."""
     out = tmp_path / "z1"
-    run = launch(
-        torchrun(2),
-        *dpo_args(tiny_llama_dir, pairs, out, *FULL, "--per_device_train_batch_size", "2", "--zero_stage", "1",
-                  "--precompute_reference", "true"),
-    )  # fmt: skip
+    precomputed = ("--zero_stage", "1", "--precompute_reference", "true")
+    run = launch(torchrun(2), str(ENTRY), *dpo_args(tiny_llama_dir, pairs, out, *FULL, *TWO, *precomputed))
     assert "ZeRO-1" in run.stdout and "precomputed" in run.stdout and "frozen copy" not in run.stdout
     numbers = logged(out)
     assert len(numbers) == 3 and numbers[0]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-6)
-    assert_same_numbers(numbers, logged(one_process), rel=1e-4)
-    assert_same_model(out, one_process)
+    assert_same_numbers(numbers, logged(one_process["full"]), rel=1e-4)
+    assert_same_model(out, one_process["full"])
 
 
 def test_full_fine_tuning_under_fsdp2_with_the_copy_sharded_matches_one_process(
@@ -188,43 +205,29 @@ def test_full_fine_tuning_under_fsdp2_with_the_copy_sharded_matches_one_process(
     """Full fine-tuning under FSDP2 on 2 processes x 2 pairs, the frozen reference copy sharded as the policy:
     the same losses, rewards and weights as 1 process x 4 pairs with the whole copy."""
     out = tmp_path / "fsdp"
-    run = launch(
-        torchrun(2),
-        *dpo_args(tiny_llama_dir, pairs, out, *FULL, "--per_device_train_batch_size", "2", "--fsdp", "true"),
-    )
+    run = launch(torchrun(2), str(ENTRY), *dpo_args(tiny_llama_dir, pairs, out, *FULL, *TWO, "--fsdp", "true"))
     assert (
         "2 process(es) on cpu (FSDP" in run.stdout and run.stdout.count("reference model: sharded as the policy") == 1
     )
-    assert_same_numbers(logged(out), logged(one_process), rel=1e-4)
-    assert_same_model(out, one_process)
+    assert_same_numbers(logged(out), logged(one_process["full"]), rel=1e-4)
+    assert_same_model(out, one_process["full"])
 
 
-def test_lora_under_fsdp2_with_the_base_as_reference_matches_one_process(chat_llama_dir, pairs, tmp_path):
+def test_lora_under_fsdp2_with_the_base_as_reference_matches_one_process(chat_llama_dir, pairs, one_process, tmp_path):
     """LoRA under FSDP2 on 2 processes x 2 pairs, the reference the sharded base with its adapters disabled: the
     same losses, rewards and adapter as 1 process x 4 pairs."""
-    common = [
-        *("--peft", "lora", "--lora_r", "4", "--lora_dropout", "0", "--learning_rate", "2e-2"),
-        *("--max_steps", "4", "--logging_steps", "1"),
-    ]
-    sharded = launch(
-        torchrun(2),
-        *dpo_args(chat_llama_dir, pairs, tmp_path / "two", *common, "--per_device_train_batch_size", "2",
-                  "--fsdp", "true"),
-    )  # fmt: skip
-    launch(
-        torchrun(1), *dpo_args(chat_llama_dir, pairs, tmp_path / "one", *common, "--per_device_train_batch_size", "4")
-    )
+    out = tmp_path / "two"
+    sharded = launch(torchrun(2), str(ENTRY), *dpo_args(chat_llama_dir, pairs, out, *LORA, *TWO, "--fsdp", "true"))
     assert "2 process(es) on cpu (FSDP" in sharded.stdout
-    two, one = logged(tmp_path / "two"), logged(tmp_path / "one")
+    two, one = logged(out), logged(one_process["lora"])
     assert two[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at zero
     assert two[-1]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-4)  # the adapters moved the policy
     assert_same_numbers(two, one, rel=1e-4)
-    assert_same_model(tmp_path / "two", tmp_path / "one", "adapter_model.safetensors")
+    assert_same_model(out, one_process["lora"], "adapter_model.safetensors")
 
 
 def reward_args(model_dir: str, data, out, *extra: str) -> list[str]:
     return [
-        str(ENTRY),
         *("--task", "reward", "--model_name_or_path", model_dir, "--output_dir", str(out)),
         *("--train_file", str(data), "--validation_file", str(data), "--margin_column", "margin"),
         *("--max_length", "32", "--learning_rate", "1e-2", "--warmup_ratio", "0", "--mixed_precision", "no"),
@@ -248,18 +251,14 @@ def margins(folder) -> list[float]:
     return [float(s[0] - s[1]) for s in scores]
 
 
-def test_reward_model_under_ddp_matches_one_process_and_resumes_mid_epoch_exactly(tiny_model_dir, tmp_path):
+def test_reward_model_under_ddp_matches_one_process_and_resumes_mid_epoch_exactly(
+    tiny_model_dir, reward_data, one_process, tmp_path
+):
     """12 pairs, 4 a step (2 processes x 2, or 1 x 4): 3 steps an epoch, 2 epochs. The 2-process run's losses and
     weights are the 1-process run's; resumed from step 4 (one step into the second, reshuffled epoch) it logs the
     same losses and saves the same weights, bit for bit."""
-    data = tmp_path / "pairs.jsonl"
-    rows = [
-        {"prompt": q, "chosen": c, "rejected": r, "margin": 0.25 * (i % 3)} for i, (q, c, r) in enumerate(PAIRS * 2)
-    ]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    two, one = tmp_path / "two", tmp_path / "one"
-    run = launch(torchrun(2), *reward_args(tiny_model_dir, data, two, "--per_device_train_batch_size", "2"))
-    launch(torchrun(1), *reward_args(tiny_model_dir, data, one, "--per_device_train_batch_size", "4"))
+    two, one = tmp_path / "two", one_process["reward"]
+    run = launch(torchrun(2), str(ENTRY), *reward_args(tiny_model_dir, reward_data, two, *TWO))
     assert "2 process(es) on cpu" in run.stdout
     losses = logged_losses(two)
     assert len(losses) == 6 and losses[-1] < losses[0]  # it learns
@@ -275,9 +274,7 @@ def test_reward_model_under_ddp_matches_one_process_and_resumes_mid_epoch_exactl
 
     checkpoint = two / "checkpoints" / "checkpoint-4"
     resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(checkpoint)]
-    resumed = launch(
-        torchrun(2), *reward_args(tiny_model_dir, data, two, "--per_device_train_batch_size", "2", *resume)
-    )
+    resumed = launch(torchrun(2), str(ENTRY), *reward_args(tiny_model_dir, reward_data, two, *TWO, *resume))
     assert "at step 4" in resumed.stdout
     assert logged_losses(two) == losses  # the same curve, bit for bit
     again = load_file(two / "model.safetensors")

@@ -2,18 +2,23 @@
 SageMaker from a channel folder of pairs, a reward model pushed; `generate` (and `--chat`) on what they leave.
 
 Against the local servers with the real clients (tests/hub_server.py, tests/aws_server.py), the application in a
-subprocess (huggingface_hub reads HF_ENDPOINT at import time) or under the SDK's own torchrun driver.
+subprocess (huggingface_hub reads HF_ENDPOINT at import time; the two pushes one after another in one process,
+tests/dist_runs.py) or under the SDK's own torchrun driver.
 """
 
 import io
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import test_hub
 from aws_server import container_environment, local_aws, run_torchrun_driver
+from conftest import REPO
+from dist_runs import run_outputs
 from huggingface_hub import ModelCard, snapshot_download
-from test_hub import TOKEN, hub_env, run_app
+from test_hub import TOKEN, hub_env
 from test_preference import QUESTIONS, conversational, write_jsonl
 from test_sagemaker import launcher  # noqa: F401  # a fixture, taken by name
 
@@ -69,21 +74,43 @@ def chat_and_prompt(model_dir: Path, monkeypatch, capsys) -> None:
     assert capsys.readouterr().out.startswith("Who")
 
 
+def reward_args(model_dir: str, train_file: str, out: Path, *extra: str) -> list[str]:
+    args = dpo_args(model_dir, train_file, out, *extra)
+    args[args.index("dpo")] = "reward"
+    cut = args.index("--num_sample_prompts")
+    del args[cut : cut + 4]  # no sample answers: a reward model generates nothing
+    return args
+
+
+@pytest.fixture(scope="module")
+def pushed(hub, tiny_llama_dir, tmp_path_factory) -> dict[str, Path]:
+    """Two runs that push, one after another in one process: a DPO LoRA adapter ("dpo", alice/tales-dpo, from
+    tales-pairs.jsonl) and a reward model ("reward", alice/tales-reward, from prefs.jsonl). Output folders by name."""
+    root = tmp_path_factory.mktemp("pushed")
+    pairs = write_jsonl(root / "tales-pairs.jsonl", pair_rows())
+    prefs = write_jsonl(root / "prefs.jsonl", pair_rows())
+    lora = ("--peft", "lora", "--lora_r", "4", "--beta", "0.2")
+    runs = {
+        "dpo": dpo_args(tiny_llama_dir, pairs, root / "dpo", *lora, "--push_to_hub", "true", "--hub_model_id",
+                        "alice/tales-dpo"),
+        "reward": reward_args(tiny_llama_dir, prefs, root / "reward", "--push_to_hub", "true", "--hub_model_id",
+                              "alice/tales-reward"),
+    }  # fmt: skip
+    (root / "runs.json").write_text(json.dumps(list(runs.values())))
+    env = hub_env(hub, root / "no-stored-token", TOKEN)
+    command = [sys.executable, str(REPO / "tests" / "dist_runs.py"), str(root / "runs.json")]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run_outputs(result.stdout, len(runs))  # both ran
+    return {name: root / name for name in runs}
+
+
 # ---------------------------------------------------------------- DPO with LoRA, pushed to the Hub
 
 
 @pytest.fixture(scope="module")
-def pushed_dpo(hub, tiny_llama_dir, tmp_path_factory):
-    root = tmp_path_factory.mktemp("pushed-dpo")
-    pairs = write_jsonl(root / "tales-pairs.jsonl", pair_rows())
-    out = root / "model"
-    extra = ("--peft", "lora", "--lora_r", "4", "--beta", "0.2", "--push_to_hub", "true")
-    result = run_app(
-        hub_env(hub, root / "no-stored-token", TOKEN),
-        *dpo_args(tiny_llama_dir, pairs, out, *extra, "--hub_model_id", "alice/tales-dpo"),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out, hub.history("alice/tales-dpo")[-1]
+def pushed_dpo(hub, pushed):
+    return pushed["dpo"], hub.history("alice/tales-dpo")[-1]
 
 
 @pytest.mark.slow
@@ -118,19 +145,12 @@ def test_the_pushed_dpo_adapter_downloads_and_chats(pushed_dpo, in_process, tmp_
 
 
 @pytest.mark.slow
-def test_a_reward_model_is_pushed_with_its_card_and_scores_through_predict(hub, tiny_llama_dir, tmp_path):
-    pairs = write_jsonl(tmp_path / "prefs.jsonl", pair_rows())
-    out = tmp_path / "reward"
-    args = dpo_args(tiny_llama_dir, pairs, out, "--push_to_hub", "true", "--hub_model_id", "alice/tales-reward")
-    args[args.index("dpo")] = "reward"
-    cut = args.index("--num_sample_prompts")
-    del args[cut : cut + 4]  # no sample answers: a reward model generates nothing
-    result = run_app(hub_env(hub, tmp_path / "no-stored-token", TOKEN), *args)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_a_reward_model_is_pushed_with_its_card_and_scores_through_predict(hub, pushed):
+    out = pushed["reward"]
     upload = hub.history("alice/tales-reward")[-1]
     assert {"README.md", "config.json", "model.safetensors"} <= set(upload.files)
     card = ModelCard(upload.files["README.md"].decode())
-    assert "Bradley-Terry" in card.text and "`prefs.jsonl`" in card.text and str(tmp_path) not in card.text
+    assert "Bradley-Terry" in card.text and "`prefs.jsonl`" in card.text and str(out.parent) not in card.text
     assert "reward-model" in card.data.tags
     assert len(json.loads(upload.files["config.json"])["id2label"]) == 1  # one output
     scores = predict(str(out), ["The poor boy in the snow.", "A wolf in the forest."])
