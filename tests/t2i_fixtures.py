@@ -198,11 +198,12 @@ def write_t5_tokenizer(folder: Path, max_length: int = 12):
     return tokenizer
 
 
-def build_tiny_sd3_pipeline(out: Path, seed: int = 0, t5: bool = True) -> Path:
+def build_tiny_sd3_pipeline(out: Path, seed: int = 0, t5: bool = True, pos_embed_max_size: int = 16) -> Path:
     """A Stable-Diffusion-3-shaped pipeline (StableDiffusion3Pipeline): two CLIP text encoders with projections
     (their pooled embeddings side by side condition the transformer), a T5 encoder whose states follow the CLIP
     ones in the sequence, an SD3Transformer2DModel, a VAE with a shift factor and a flow-matching scheduler; 16px
-    images, 8x8 latents. `t5` False: a pipeline saved without its third encoder, as SD3 may be run."""
+    images, 8x8 latents. `t5` False: a pipeline saved without its third encoder, as SD3 may be run.
+    `pos_embed_max_size`: the position embedding's side in patches (16: images of sides up to 32 px)."""
     import torch
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
@@ -226,7 +227,7 @@ def build_tiny_sd3_pipeline(out: Path, seed: int = 0, t5: bool = True) -> Path:
         caption_projection_dim=16,
         pooled_projection_dim=32,  # both CLIP encoders' projections
         out_channels=4,
-        pos_embed_max_size=16,
+        pos_embed_max_size=pos_embed_max_size,
     )
     pipeline = StableDiffusion3Pipeline(
         transformer=transformer,

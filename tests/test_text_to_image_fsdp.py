@@ -1,8 +1,9 @@
 """--task text_to_image under FSDP2 (torch's fully_shard through accelerate, gloo on 2 CPU processes): a LoRA on
-the denoiser against one process at twice the batch, validation images rendered with every process in step, and
-full fine-tuning with its sharded checkpoint resumed exactly. Tiny pipelines (tests/t2i_fixtures.py).
+the UNet of Stable Diffusion against one process at twice the batch, validation images rendered with every process
+in step; full fine-tuning of Stable Diffusion 3's transformer with its sharded checkpoint resumed exactly and a
+whole StableDiffusion3Pipeline saved. Tiny pipelines (tests/t2i_fixtures.py); four launches.
 
-The frozen VAE and text encoder are sharded with the rest (their layers and the root unit): nothing trains in
+The frozen VAE and text encoders are sharded with the rest (their layers and the root unit): nothing trains in
 them, they are gathered when called. Each row's draws are keyed by the seed, the step and its number
 (cloudtrain.tasks.text_to_image.row_draws), so FSDP2 at batch 4 on 2 processes draws what one process at batch 8
 draws."""
@@ -14,7 +15,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file
-from t2i_fixtures import build_tiny_pipeline, captioned_folder
+from t2i_fixtures import build_tiny_pipeline, build_tiny_sd3_pipeline, captioned_folder
 from test_distributed import launch, logged_losses, torchrun
 from test_text_to_image_dist import LORA, evaluations, t2i_args
 
@@ -71,27 +72,31 @@ def test_an_fsdp2_lora_equals_one_process_at_twice_the_batch_renders_and_loads(t
     assert abs(after - before).max() > 1e-3
 
 
-def test_fsdp2_full_fine_tuning_saves_a_whole_pipeline_and_resumes_exactly(tiny_sd, squares, tmp_path):
-    from diffusers import StableDiffusionPipeline
+def test_fsdp2_full_fine_tuning_of_sd3_saves_a_whole_pipeline_and_resumes_exactly(squares, tmp_path):
+    """SD3's transformer (joint attention blocks, flow matching) trained in full under FSDP2: the loss falls, the
+    gathered transformer is saved whole beside the frozen parts as loaded, and the sharded checkpoint resumes
+    bit-identically."""
+    from diffusers import StableDiffusion3Pipeline
 
-    out = tmp_path / "full"
-    args = t2i_args(tiny_sd, squares, out, "--fsdp", "true", "--peft", "none", "--learning_rate", "1e-3")
-    args += ["--per_device_train_batch_size", "4", "--checkpointing_steps", "2"]
-    launch(torchrun(2), *args)
+    model, out = build_tiny_sd3_pipeline(tmp_path / "tiny-sd3"), tmp_path / "full"
+    args = t2i_args(str(model), squares, out, "--fsdp", "true", "--peft", "none", "--learning_rate", "1e-3")
+    args += ["--per_device_train_batch_size", "4", "--checkpointing_steps", "2", "--max_sequence_length", "12"]
+    full = launch(torchrun(2), *args)
+    assert "(FSDP" in full.stdout and "flow_matching loss" in full.stdout
     losses = [e["eval/loss"] for e in evaluations(out)]
     assert losses[-1] < losses[0], losses
-    unet = out / "unet" / "diffusion_pytorch_model.safetensors"
-    trained, base = load_file(unet), load_file(Path(tiny_sd) / "unet" / "diffusion_pytorch_model.safetensors")
+    denoiser = out / "transformer" / "diffusion_pytorch_model.safetensors"
+    trained, base = load_file(denoiser), load_file(model / "transformer" / "diffusion_pytorch_model.safetensors")
     assert set(trained) == set(base) and any(not torch.equal(trained[k], base[k]) for k in base)
     vae = out / "vae" / "diffusion_pytorch_model.safetensors"  # frozen: saved as loaded
-    frozen = load_file(Path(tiny_sd) / "vae" / "diffusion_pytorch_model.safetensors")
+    frozen = load_file(model / "vae" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(v, frozen[k]) for k, v in load_file(vae).items())
-    StableDiffusionPipeline.from_pretrained(out)  # a whole pipeline, whole tensors
+    StableDiffusion3Pipeline.from_pretrained(out)  # a whole pipeline, whole tensors
     steps = logged_losses(out)
 
     checkpoint = out / "checkpoints" / "checkpoint-2"
     resumed = launch(torchrun(2), *args, "--overwrite_output_dir", "true", "--resume_from_checkpoint", str(checkpoint))
     assert "at step 2" in resumed.stdout
-    again = load_file(unet)
+    again = load_file(denoiser)
     assert all(torch.equal(trained[k], again[k]) for k in trained)  # bit-identical
     assert logged_losses(out) == steps

@@ -333,3 +333,45 @@ def test_the_sd3_recipe_runs_its_settings_on_the_tiny_sd3(tiny_sd3, squares, tmp
     results = train({**recipe, **swapped})
     assert results["train"]["global_step"] == 2
     assert (tmp_path / "out" / LORA_FILE).is_file()
+
+
+# ---------------------------------------------------------------- aspect-ratio buckets (no size conditioning)
+
+
+def test_sd3_trains_on_aspect_ratio_buckets_and_the_lora_renders_a_wide_image(tmp_path, capsys):
+    """Wide, tall and square images at --resolution 32: three buckets (48x16, 16x48, 32x32), every step one
+    shape through the transformer (SD3 has no size ids: the latents' shape is all it sees); the LoRA loads and
+    the pipeline renders a bucket's shape with it."""
+    from test_image_buckets import mixed_folder
+
+    model = str(build_tiny_sd3_pipeline(tmp_path / "sd3-wide", pos_embed_max_size=32))  # sides up to 64 px
+    run = sd3_options(
+        model, tmp_path / "ar", train_data_dir=str(mixed_folder(tmp_path / "mixed")), aspect_ratio_bucketing=True,
+        resolution=32, per_device_train_batch_size=2, max_steps=6, learning_rate=5e-3, logging_steps=1, peft="lora",
+    )  # fmt: skip
+    train(run)
+    assert "3 aspect-ratio buckets near 32px squared" in capsys.readouterr().out
+    logged = [json.loads(line) for line in (tmp_path / "ar" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["train/loss"] for r in logged if "train/loss" in r]
+    assert len(losses) == 6 and all(torch.isfinite(torch.tensor(losses)))
+    pipe = sd3_pipeline(model)
+    generator = torch.Generator().manual_seed(0)
+    wide = dict(num_inference_steps=2, height=16, width=48, output_type="np", guidance_scale=1.0)
+    before = pipe(PROMPT, generator=generator, max_sequence_length=T5_TOKENS, **wide).images
+    pipe.load_lora_weights(tmp_path / "ar")
+    generator = torch.Generator().manual_seed(0)
+    after = pipe(PROMPT, generator=generator, max_sequence_length=T5_TOKENS, **wide).images
+    assert after.shape == (1, 16, 48, 3) and abs(after - before).max() > 1e-3
+
+
+def test_sides_beyond_the_sd3_position_embedding_are_refused_in_one_line(tiny_sd3, squares, tmp_path):
+    """The tiny SD3's embedding covers 16 patches (32 px): 32 px squares fit, a 48x16 bucket does not."""
+    TextToImageTask(cfg := config(tiny_sd3, tmp_path, train_data_dir=squares, resolution=32)).check_options(cfg)
+    for extra, line in (
+        ({"resolution": 48}, "--resolution 48: it has a side of 48 px, beyond the 32 px"),
+        ({"resolution": 32, "aspect_ratio_bucketing": True}, "--resolution 32: its longest aspect-ratio bucket"),
+    ):
+        cfg = config(tiny_sd3, tmp_path, train_data_dir=squares, **extra)
+        with pytest.raises(UserError) as refused:
+            TextToImageTask(cfg).check_options(cfg)
+        assert str(refused.value).startswith(line) and "\n" not in str(refused.value)

@@ -99,7 +99,9 @@ def flow_loss(
     sigmas = (timesteps.float() / train_timesteps).view(-1, 1, 1, 1)
     noisy = (1.0 - sigmas) * latents + sigmas * noise
     hidden, pooled = text
-    dtype = transformer.dtype
+    from cloudtrain.models.diffusion import compute_dtype  # here: diffusion imports this module
+
+    dtype = compute_dtype(transformer)
     predicted = transformer(
         hidden_states=noisy.to(dtype),
         timestep=timesteps,
@@ -118,6 +120,13 @@ def flow_loss(
 def pixel_multiple(vae_factor: int, transformer_config: dict) -> int:
     """What a side in pixels must divide by: the VAE's factor times the transformer's patch size."""
     return vae_factor * int(transformer_config.get("patch_size", 1))
+
+
+def largest_side(vae_factor: int, transformer_config: dict) -> int | None:
+    """The longest side in pixels the transformer's position embedding covers (`pos_embed_max_size` patches:
+    SD3 crops its embedding to the image), or None where it has no such limit."""
+    patches = transformer_config.get("pos_embed_max_size")
+    return pixel_multiple(vae_factor, transformer_config) * int(patches) if patches else None
 
 
 def render_options(cfg: ImagesConfig) -> dict:

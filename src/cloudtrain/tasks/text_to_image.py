@@ -73,9 +73,9 @@ class TextToImageTask(Task):
         factor = diffusion.vae_scale_factor(path)
         what = "the VAE's downscaling factor"
         if sd3.is_sd3(index):
-            factor = sd3.pixel_multiple(
-                factor, diffusion.denoiser_class(index)[1].load_config(path, subfolder="transformer")
-            )
+            transformer = diffusion.denoiser_class(index)[1].load_config(path, subfolder="transformer")
+            _check_sd3_sides(ic, factor, transformer)
+            factor = sd3.pixel_multiple(factor, transformer)
             what = "the VAE's downscaling factor times the transformer's patch size"
         if ic.resolution % factor:
             raise UserError(
@@ -502,6 +502,25 @@ def cache_rows(
                     row[f"{prefix}pooled_prompt_embeds"] = pooled[0]
         cached.append(row)
     rows.cached = cached
+
+
+def _check_sd3_sides(ic: Any, vae_factor: int, transformer: dict) -> None:
+    """SD3's position embedding covers sides up to a size (192 patches: 3072 px for SD3 medium); the square, or
+    with --aspect_ratio_bucketing the longest bucket's side (up to 4:1), must fit in it."""
+    limit = sd3.largest_side(vae_factor, transformer)
+    multiple = sd3.pixel_multiple(vae_factor, transformer) * 8
+    if not limit or (ic.aspect_ratio_bucketing and ic.resolution < multiple):
+        return  # a resolution too small for buckets is refused by check_options' own line
+    from cloudtrain.data.image_buckets import bucket_sizes
+
+    sizes = bucket_sizes(ic.resolution**2, multiple) if ic.aspect_ratio_bucketing else [(ic.resolution,) * 2]
+    if (side := max(max(size) for size in sizes)) > limit:
+        how = "its longest aspect-ratio bucket has" if ic.aspect_ratio_bucketing else "it has"
+        raise UserError(
+            f"--resolution {ic.resolution}: {how} a side of {side} px, beyond the {limit} px the SD3 transformer's "
+            f"position embedding covers (pos_embed_max_size {transformer['pos_embed_max_size']}); use a lower "
+            "--resolution" + (" or leave out --aspect_ratio_bucketing" if ic.aspect_ratio_bucketing else "")
+        )
 
 
 def _fsdp_root(model: torch.nn.Module) -> Any:
