@@ -460,3 +460,16 @@ def test_the_default_output_folder_is_named_after_the_image_folder(tmp_path):
     for option in ("train_data_dir", "instance_data_dir"):
         cfg = build_config({"task": "text_to_image", "model_name_or_path": "sd/tiny-pipe", option: "data/my-dogs"})
         assert resolve_output_dir(cfg, build_task(cfg)) == Path("outputs/tiny-pipe-my-dogs")
+
+
+def test_the_compute_dtype_is_diffusers_and_follows_a_cast_of_the_whole_model():
+    """diffusion.compute_dtype caches diffusers' `.dtype` (a walk of every submodule) per dtype of the first
+    parameter: a model cast afterwards (as DeepSpeed's half-precision engine casts it) is seen."""
+    from t2i_fixtures import tiny_vae
+
+    from cloudtrain.models.diffusion import compute_dtype
+
+    vae = tiny_vae()
+    assert compute_dtype(vae) == vae.dtype == torch.float32
+    vae.to(torch.bfloat16)
+    assert compute_dtype(vae) == vae.dtype == torch.bfloat16
