@@ -192,14 +192,15 @@ def reference_loader(spec: dict, tokenizer, cache_dir: str):
     return loader, sampler
 
 
-def run_reference(spec: dict, out: str) -> dict:
+def reference_loop(spec: dict, out: str):
+    """The script's set-up, then a callable taking one training step as its loop does (returns the step's loss,
+    read back as the script logs it), and the trainable parameters."""
     import torch
     import torch.nn.functional as F
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from diffusers.optimization import get_scheduler
 
-    start = time.perf_counter()
     accelerator = Accelerator(mixed_precision="no", gradient_accumulation_steps=1, cpu=True)
     set_seed(spec["seed"])
     parts = reference_parts(spec)
@@ -213,33 +214,47 @@ def run_reference(spec: dict, out: str) -> dict:
         "constant", optimizer=optimizer, num_warmup_steps=0, num_training_steps=spec["total_steps"]
     )
     unet, optimizer, loader, schedule = accelerator.prepare(unet, optimizer, loader, schedule)
+    unet.train()
+
+    def batches():
+        epoch = 0
+        while True:
+            sampler.set_epoch(epoch)
+            yield from loader
+            epoch += 1
+
+    stream = batches()
+
+    def step() -> float:
+        batch = next(stream)
+        with accelerator.accumulate(unet):
+            latents = vae.encode(batch["pixel_values"]).latent_dist.sample() * vae.config.scaling_factor
+            noise = torch.randn_like(latents)
+            timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],)).long()
+            noisy = noise_scheduler.add_noise(latents, noise, timesteps)
+            hidden = text_encoder(batch["input_ids"], return_dict=False)[0]
+            predicted = unet(noisy, timesteps, hidden, return_dict=False)[0]
+            loss = F.mse_loss(predicted.float(), noise.float(), reduction="mean")
+            accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        return accelerator.gather(loss.detach()).mean().item()  # the script logs each step's loss
+
+    return step, params
+
+
+def run_reference(spec: dict, out: str) -> dict:
+    start = time.perf_counter()
+    step, params = reference_loop(spec, out)
     first = clock()
     ends: list[tuple[float, float]] = []
     losses: list[float] = []
-    epoch = 0
-    unet.train()
     while len(ends) < spec["total_steps"]:
-        sampler.set_epoch(epoch)
-        for batch in loader:
-            with accelerator.accumulate(unet):
-                latents = vae.encode(batch["pixel_values"]).latent_dist.sample() * vae.config.scaling_factor
-                noise = torch.randn_like(latents)
-                timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (latents.shape[0],)).long()
-                noisy = noise_scheduler.add_noise(latents, noise, timesteps)
-                hidden = text_encoder(batch["input_ids"], return_dict=False)[0]
-                predicted = unet(noisy, timesteps, hidden, return_dict=False)[0]
-                loss = F.mse_loss(predicted.float(), noise.float(), reduction="mean")
-                accelerator.backward(loss)
-                if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(params, 1.0)
-                optimizer.step()
-                schedule.step()
-                optimizer.zero_grad()
-            losses.append(accelerator.gather(loss.detach()).mean().item())  # the script logs each step's loss
-            ends.append(clock())
-            if len(ends) == spec["total_steps"]:
-                break
-        epoch += 1
+        losses.append(step())
+        ends.append(clock())
     return {
         "setup_s": first[0] - start, "step_ends": [first, *ends], "peak_rss_mb": peak_rss_mb(),
         "trainable_parameters": sum(p.numel() for p in params), "losses": losses,
