@@ -123,6 +123,10 @@ def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpu
         for key in one:
             assert (one[key] - initial[key]).abs().max() > 1e-3, key  # it trained, by far more than the tolerance
             torch.testing.assert_close(saved[key], one[key], rtol=1e-3, atol=3e-4, msg=f"{name} {key}")
+        trained = [
+            json.loads((run / "train_results.json").read_text())["train_samples"] for run in (out, tmp_path / "one")
+        ]
+        assert trained[0] == trained[1], name  # each row counted once, not once per process of its group
         theirs = json.loads((out / "eval_results.json").read_text())
         assert (theirs["tokens"], theirs["samples"]) == (evaluation["tokens"], evaluation["samples"]), name
         assert theirs["loss"] == pytest.approx(evaluation["loss"], rel=1e-5), name

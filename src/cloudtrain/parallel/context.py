@@ -141,13 +141,16 @@ def widen(batch: dict, multiple: int) -> dict:
 def cut_batch(batch: dict, cp: int, rank: int) -> dict:
     """Process `rank`'s contiguous 1/cp of every row of a collated causal-LM batch: token ids, position ids, the
     padding mask and the next-token `targets` (shifted before the cut; no `labels`: nothing may shift again).
-    The whole rows' `cu_seqlens`/`max_seqlen` stay whole: the attention runs over whole rows."""
+    The whole rows' `cu_seqlens`/`max_seqlen` stay whole: the attention runs over whole rows. `counted_rows`:
+    the rows this slice counts in the logged samples (the group's first process counts them)."""
     whole = widen(batch, cp)
     width = whole["input_ids"].shape[1] // cp
     part = slice(rank * width, (rank + 1) * width)
     out = {key: whole[key][:, part] for key in ("input_ids", "position_ids", "attention_mask") if key in whole}
     out.update(targets=shift_labels(whole["labels"])[:, part], cu_seqlens=whole["cu_seqlens"])
     out["max_seqlen"] = whole["max_seqlen"]
+    # the logged rows: each row once per group, by the process whose slice holds its first token
+    out["counted_rows"] = whole["attention_mask"].any(dim=1) & (rank == 0)
     return out
 
 

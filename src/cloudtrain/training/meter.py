@@ -44,7 +44,7 @@ class Meter:
         loss_sum = stats.loss_sum.double()
         values = torch.stack(
             [
-                sum(m.any(dim=1).sum() for m in masks).to(loss_sum),  # rows with a real token (a pipeline pads)
+                sum(real_rows(batch) for batch in window).to(loss_sum),  # type: ignore[union-attr]
                 sum(m.sum() for m in masks).to(loss_sum),
                 loss_sum,
                 sum(attention_squared_lengths(batch) for batch in window).to(loss_sum),  # type: ignore[union-attr]
@@ -101,3 +101,10 @@ class Meter:
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
+
+
+def real_rows(batch: dict) -> torch.Tensor:
+    """The rows of a batch with a real token (a pipeline pads whole rows); a context-parallel slice counts the
+    rows its group's first process counts (`counted_rows`, cloudtrain.parallel.context), each row once."""
+    counted = batch.get("counted_rows")
+    return (batch["attention_mask"].any(dim=1) if counted is None else counted).sum()
