@@ -84,7 +84,7 @@ def _default_attention(model: Any, cfg: Config, task: Task, announce: bool) -> A
 def default_attention(model: Any, cfg: Config, task: Task) -> str | None:
     """varlen for packed rows of a task that passes their lengths, where it is at least as fast as sdpa with
     the dense mask (docs/language-models.md); None (transformers' choice) otherwise."""
-    if cfg.data.packing != "bfd" or not getattr(task, "packed_attention", False) or _varlen_misfit(model.config):
+    if cfg.data.packing != "bfd" or not getattr(task, "packed_attention", False) or varlen_misfit(model.config):
         return None
     if not torch.cuda.is_available():
         # The per-document reference: no [B, 1, L, L] mask and fewer FLOPs, which outweigh its per-document calls
@@ -100,12 +100,12 @@ def check_varlen(model: Any, cfg: Config, task: Task) -> None:
             f"--attn_implementation {VARLEN} is for decoders on packed rows (--task causal_lm or sft); "
             "leave the option out for transformers' choice"
         )
-    misfit = _varlen_misfit(model.config)
+    misfit = varlen_misfit(model.config)
     if misfit:
         raise UserError(f"--attn_implementation {VARLEN}: {type(model).__name__} {misfit}; use sdpa")
 
 
-def _varlen_misfit(config: Any) -> str | None:
+def varlen_misfit(config: Any) -> str | None:
     """Why a model's attention is more than causal softmax attention, which the varlen kernels compute."""
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "uses sliding-window attention"

@@ -79,7 +79,7 @@ def check_model_divides(cfg: Config, cp: int) -> None:
     """Each process attends with heads / N of the heads and KV heads: both must split evenly, and the attention
     must be plain causal softmax attention (what the varlen kernels compute over the whole rows)."""
     from cloudtrain.models.load import load_config, read_config
-    from cloudtrain.models.prepare import _varlen_misfit
+    from cloudtrain.models.prepare import varlen_misfit
 
     if cfg.model.model_config:  # a preset or config.json (causal_lm pretraining)
         from cloudtrain.tasks.causal_lm import model_config_file
@@ -96,7 +96,7 @@ def check_model_divides(cfg: Config, cp: int) -> None:
                 f"--context_parallel_size {cp} does not divide the model's {what} ({size}): each process attends "
                 f"with 1/{cp} of them; choose a divisor of {size}"
             )
-    misfit = _varlen_misfit(text)
+    misfit = varlen_misfit(text)
     if misfit:
         raise UserError(f"--context_parallel_size {cp}: the model {misfit}, which its attention does not compute")
 
