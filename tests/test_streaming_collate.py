@@ -81,3 +81,13 @@ def test_rows_as_tensors_and_bad_lengths() -> None:
         collate([{"input_ids": [1, 2, 3], "seq_lengths": [2]}])
     with pytest.raises(ValueError, match="do not split"):
         collate([{"input_ids": [1, 2], "seq_lengths": [2, 0]}])
+
+
+def test_rows_with_and_without_answer_masks_in_one_batch() -> None:
+    rng = random.Random(1)
+    plain = random_rows(rng, "bfd", masks=False)
+    masked = random_rows(rng, "bfd", masks=True)
+    for rows in (plain[:2] + masked[:2], masked[:1] + plain[:3], plain[:1] + masked[:1] + plain[1:2]):
+        got, want = CausalLMCollator(pad_token_id=3, cu_seqlens=True)(rows), reference(rows, 3, True, None)
+        for key in want:
+            assert torch.equal(got[key], want[key]), key
