@@ -80,14 +80,17 @@ text-to-image: setup
 	OMP_NUM_THREADS=1 $(PY) src/training_application.py --config configs/text_to_image_digits.yaml $(ARGS)
 	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py --score outputs/t2i-digits
 
-# DeepSpeed's async I/O op (--offload_* nvme), compiled into torch's extension cache where libaio is installed:
-# the NVMe-offload test would otherwise spend minutes compiling it inside its own time limit.
+# DeepSpeed's async I/O op (--offload_* nvme), compiled into torch's extension cache where libaio is installed, as
+# a run loads it: seconds when up to date, minutes when not (a run would otherwise compile it inside its own time).
 .PHONY: deepspeed-ops
 deepspeed-ops: $(PKG)
 	$(PY) scripts/build_deepspeed_ops.py
 
-# Tests marked `alone` run after the others, one at a time, with nothing beside them.
-test: setup deepspeed-ops
+# Tests marked `alone` run after the others, one at a time, with nothing beside them. First the DeepSpeed ops the
+# suite's launches load (async I/O, shared-memory comm), into the suite's own cache in the venv (docs/testing.md):
+# compiled there, not inside a test's time limit.
+test: setup
+	$(PY) scripts/build_deepspeed_ops.py --for_tests
 	$(PY) -m pytest tests -m "not alone" -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
 	$(PY) -m pytest tests -m alone -p no:xdist $(ARGS)
 

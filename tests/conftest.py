@@ -28,6 +28,12 @@ import pytest
 # Before anything imports datasets/huggingface_hub, which read these at import time: no Hub here.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+# DeepSpeed's ops (shared-memory comm, async I/O) compile into torch's extension cache, by default one per user
+# (~/.cache/torch_extensions) whose build names this venv's paths: another checkout's run made every launch here
+# compile them again, minutes inside a test's limit. The suite keeps its own in the venv, as
+# scripts/build_deepspeed_ops.py --for_tests (run by `make test` first) fills it.
+if sys.prefix != sys.base_prefix:
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "src" / "training_application.py"
