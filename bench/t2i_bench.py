@@ -3,6 +3,9 @@
     python bench/t2i_bench.py [--steps 30 --warmup_steps 5 --batch_size 16 --images 256 --repetitions 1]
     python bench/t2i_bench.py --quick        # a few steps on a smaller model: checks the bench, measures little
 
+Separate processes see different loads on a shared machine: bench/t2i_interleaved.py takes both loops' steps in
+turns in one process, with an A/A control, for a comparison robust to load (docs/t2i-benchmark.md).
+
 The reference ("diffusers-loop") is a loop written here to match the training step of diffusers' example script
 examples/text_to_image/train_text_to_image_lora.py; the script itself is not shipped in the diffusers package
 (wheel or sdist), and nothing is downloaded here, so it cannot be run as is. What it does, written by us: an
