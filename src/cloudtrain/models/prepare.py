@@ -1,8 +1,9 @@
 """Model preparation: the ordered transforms every loaded model goes through before a trainer takes it.
 
 The order is fixed (`TRANSFORMS`), each step relying on those before it:
-1. `attention`: --attn_implementation (varlen by default for packed rows), the kernel every later step (and
-   probe) computes with;
+1. `attention`: --attn_implementation (varlen by default for packed rows; the all-to-all attention of
+   cloudtrain.parallel.sequence under --context_parallel_size), the kernel every later step (and probe)
+   computes with;
 2. `gradient_checkpointing`: before adapters, which build on it (QLoRA readies the inputs for it);
 3. `task_checks`: the task's checks of the model as it will compute (document isolation under --packing bfd);
    kernel options (fused modules and losses) belong here, before adapters wrap the modules they replace;
@@ -41,6 +42,10 @@ Transform = Callable[[Any, Config, Task, bool], Any]  # a PreTrainedModel in; it
 def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     """The model computes with --attn_implementation (default: `default_attention`), or the run stops: some
     models cannot switch and would only log a warning."""
+    if cfg.distributed.context_parallel_size > 1:  # the all-to-all attention over whole rows, whatever was asked
+        from cloudtrain.parallel.sequence import attend_across
+
+        return attend_across(model)
     wanted = cfg.model.attn_implementation
     if not wanted:
         return _default_attention(model, cfg, task, announce)

@@ -41,12 +41,24 @@ def is_cut(cu_seqlens: Any) -> bool:
     return ref is not None and ref() is cu_seqlens
 
 
-def install(model: Any, group: Any) -> None:
-    """The model attends through `ulysses_attention` in `group` (PEFT and DDP wrappers looked through)."""
+def attend_across(model: Any) -> Any:
+    """The model attends through `ulysses_attention` (cloudtrain.models.prepare's attention step, under
+    --context_parallel_size); its forwards exchange once the trainer gives the group (`use_group`)."""
     register()
-    _GROUP[:] = [group]
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     inner.set_attn_implementation(ULYSSES)
+    return model
+
+
+def use_group(group: Any) -> None:
+    """The context-parallel process group the exchanges run in (the launch's mesh: one per process)."""
+    _GROUP[:] = [group]
+
+
+def install(model: Any, group: Any) -> None:
+    """Both at once (a model prepared outside the application, as the tests do)."""
+    attend_across(model)
+    use_group(group)
 
 
 def _exchange(x: torch.Tensor, group: Any) -> torch.Tensor:

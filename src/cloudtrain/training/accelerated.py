@@ -120,7 +120,7 @@ class AcceleratedTrainer(Trainer):
                 self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
             )
         elif self.context:  # the model first: FSDP2 shards over every process, not over the loaders' mesh
-            sequence.install(self.model, self.context.cp_group)
+            sequence.use_group(self.context.cp_group)  # the model attends with it (models.prepare)
             self.model, self.optimizer = self.accelerator.prepare(self.model, self.optimizer)
             self.context.share_rows()
             self.train_dl, *loaders = self.accelerator.prepare(
