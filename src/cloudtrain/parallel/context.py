@@ -26,8 +26,6 @@ from cloudtrain.errors import UserError
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime
 
-TASKS = ("causal_lm", "sft")  # one decoder's next-token loss; the cut batch carries `targets`
-
 
 def degree(cfg: Config) -> int:
     return cfg.distributed.context_parallel_size
@@ -48,6 +46,7 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
     if cp == 1:
         return
     from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested
+    from cloudtrain.registry import TASKS as REGISTRY
 
     t, d = cfg.training, cfg.distributed
     refusals = [
@@ -64,7 +63,11 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
             d.fsdp and d.fsdp_sharding_strategy == "hybrid_shard",
             "with --fsdp shards over every process: use --fsdp_sharding_strategy full_shard or shard_grad_op",
         ),
-        (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
+        (
+            not REGISTRY[t.task].context_parallel,  # one decoder's next-token loss over the cut batch's `targets`
+            f"is supported for --task {', '.join(c.name for c in REGISTRY if c.context_parallel)} only "
+            f"(this run is {t.task})",
+        ),
         (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
         (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
         (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),

@@ -25,9 +25,6 @@ from cloudtrain.errors import UserError
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime
 
-# tasks whose model is one decoder loaded as it is (preference tasks keep a reference copy); sft only where the
-# embeddings hold its chat template's tokens (`check_embeddings_fit`)
-TASKS = ("causal_lm", "sft")
 SHARDS = "tensor_parallel"
 # PEFT 0.21 builds a row-split layer's adapter (lora_A) at the local input width, and transformers 5.23's rowwise
 # forward reads that width as the global one (docs/parallelism.md#adapters)
@@ -63,6 +60,7 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
     if tp == 1:
         return
     from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested
+    from cloudtrain.registry import TASKS as REGISTRY
 
     flag = f"--tensor_parallel_size {tp}"
     t, d = cfg.training, cfg.distributed
@@ -88,7 +86,10 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
             "with --fsdp shards fully, through transformers: drop --fsdp_sharding_strategy, --fsdp_cpu_offload and "
             "--fsdp_reshard_after_forward",
         ),
-        (t.task not in TASKS, f"is supported for --task {', '.join(TASKS)} only (this run is {t.task})"),
+        (
+            not REGISTRY[t.task].tensor_parallel,
+            f"is supported for --task {', '.join(supported_tasks())} only (this run is {t.task})",
+        ),
         (cfg.model.peft != "none", PEFT_REFUSAL),
         (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
         (
@@ -108,8 +109,21 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
     for refused, why in refusals:
         if refused:
             raise UserError(f"{flag} {why}")
-    config = check_model_divides(cfg, tp)
-    check_embeddings_fit(cfg, config, flag)
+    check_model_divides(cfg, tp)
+
+
+def supported_tasks() -> tuple[str, ...]:
+    """The tasks that say their model is one decoder loaded as it is (`Task.tensor_parallel`)."""
+    from cloudtrain.registry import TASKS as REGISTRY
+
+    return tuple(task.name for task in REGISTRY if task.tensor_parallel)
+
+
+def __getattr__(name: str) -> Any:
+    """`TASKS`: what the planner (cloudtrain.planning.search) still imports; the tasks decide (`supported_tasks`)."""
+    if name == "TASKS":
+        return supported_tasks()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def check_model_divides(cfg: Config, tp: int) -> Any:
@@ -142,26 +156,19 @@ def check_model_divides(cfg: Config, tp: int) -> Any:
     return config
 
 
-def check_embeddings_fit(cfg: Config, config: Any, flag: str) -> None:
-    """A task that talks through a chat template (sft) adds the template's special tokens to the tokenizer; their
-    embedding rows must be in the checkpoint already: transformers' resize_token_embeddings cannot grow a sharded
-    model (the input embeddings and the LM head are split by vocabulary rows)."""
-    from cloudtrain.data.chat import ChatFormat
-    from cloudtrain.models.load import load_tokenizer
-    from cloudtrain.registry import TASKS as REGISTRY
-
-    if not REGISTRY[cfg.training.task].chat_template:
-        return
-    tokenizer = load_tokenizer(cfg.model)
-    ChatFormat.setup(tokenizer, cfg.data.chat_template)
+def check_embeddings_fit(tokenizer: Any, config: Any, tp: int) -> None:
+    """A task that talks through a chat template (sft) adds the template's special tokens to its tokenizer (set up
+    by the task's check_options, which calls this); their embedding rows must be in the checkpoint already:
+    transformers' resize_token_embeddings cannot grow a sharded model (the input embeddings and the LM head are
+    split by vocabulary rows)."""
     rows = config.get_text_config().vocab_size
     if len(tokenizer) > rows:
         missing = ", ".join(tokenizer.convert_ids_to_tokens(list(range(rows, len(tokenizer)))))
         raise UserError(
-            f"{flag}: the chat template's tokens ({missing}) have no embedding rows in the model ({rows} rows), "
-            "and a sharded model cannot grow them; grow them in one process first (a --task sft run without "
-            "--tensor_parallel_size saves the model with them, e.g. --max_steps 1) and pass its output folder to "
-            "--model_name_or_path, or use a model whose embeddings hold its chat template's tokens"
+            f"--tensor_parallel_size {tp}: the chat template's tokens ({missing}) have no embedding rows in the "
+            f"model ({rows} rows), and a sharded model cannot grow them; grow them in one process first (a --task "
+            "sft run without --tensor_parallel_size saves the model with them, e.g. --max_steps 1) and pass its "
+            "output folder to --model_name_or_path, or use a model whose embeddings hold its chat template's tokens"
         )
 
 

@@ -58,6 +58,10 @@ class Task:
     # whether its model is a diffusers pipeline folder: the planner counts its parts (cloudtrain.planning.diffusion)
     plans_pipeline = False
     streams_data = False  # whether --streaming true reads its training rows on the fly (cloudtrain.data.streaming)
+    # whether its model is one decoder loaded as it is (no reference copy), which --tensor_parallel_size shards
+    tensor_parallel = False
+    # whether its loss is one decoder's next-token loss over the cut batch's `targets` (--context_parallel_size)
+    context_parallel = False
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg

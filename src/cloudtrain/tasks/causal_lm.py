@@ -94,6 +94,8 @@ class CausalLMTask(DecoderTask):
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
     streams_data = True
     packed_attention = True  # bfd batches carry their documents' lengths, and `loss` passes them (varlen attention)
+    tensor_parallel = True
+    context_parallel = True
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)

@@ -40,6 +40,7 @@ from cloudtrain.data.streaming import StreamPlan, stream_plan
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
 from cloudtrain.models.load import load_tokenizer
+from cloudtrain.parallel.tensor import check_embeddings_fit
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.causal_lm import CausalLMTask, _first
@@ -85,7 +86,10 @@ class SFTTask(CausalLMTask):
                 "--metric_for_best_model exact_match compares sample answers with validation references: "
                 "set --num_sample_prompts N (and no --sample_prompts), or pick loss"
             )
-        ChatFormat.setup(load_tokenizer(cfg.model), cfg.data.chat_template)  # a bad template fails here
+        tokenizer = load_tokenizer(cfg.model)
+        ChatFormat.setup(tokenizer, cfg.data.chat_template)  # a bad template fails here
+        if cfg.distributed.tensor_parallel_size > 1:  # the template's tokens need rows a sharded model cannot grow
+            check_embeddings_fit(tokenizer, self.model_config(cfg), cfg.distributed.tensor_parallel_size)
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         named = {
