@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -225,3 +226,23 @@ def test_nvme_offload_options_are_checked_in_one_line():
     ):
         with pytest.raises(UserError, match=message):
             validate(build_config(options))
+
+
+def test_a_cached_async_io_op_counts_as_built_only_when_built_from_this_install(tmp_path, monkeypatch):
+    """torch's extension cache is shared between checkouts: an async_io.so whose build.ninja names another
+    install's DeepSpeed sources would be compiled again by the run, so the "compiled ahead" check says no."""
+    import deepspeed
+
+    from cloudtrain.parallel.distributed import aio_built
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    from torch.utils.cpp_extension import _get_build_directory
+
+    folder = Path(_get_build_directory("async_io", verbose=False))
+    assert not aio_built()
+    (folder / "async_io.so").write_bytes(b"")
+    (folder / "build.ninja").write_text("build aio.o: compile /elsewhere/site-packages/deepspeed/ops/csrc/aio.cpp\n")
+    assert not aio_built()
+    ours = Path(deepspeed.__file__).parent / "ops" / "csrc" / "aio.cpp"
+    (folder / "build.ninja").write_text(f"build aio.o: compile {ours}\n")
+    assert aio_built()

@@ -479,9 +479,14 @@ def check_nvme(path: Path) -> None:
 def aio_built() -> bool:
     """Whether DeepSpeed's async I/O op loads without compiling: installed with DeepSpeed (DS_BUILD_AIO=1) or
     compiled before into torch's extension cache."""
+    import deepspeed
     from deepspeed.git_version_info import installed_ops
     from torch.utils.cpp_extension import _get_build_directory
 
     if installed_ops.get("async_io"):
         return True
-    return (Path(_get_build_directory("async_io", verbose=False)) / "async_io.so").exists()
+    folder = Path(_get_build_directory("async_io", verbose=False))
+    if not (folder / "async_io.so").exists() or not (folder / "build.ninja").is_file():
+        return False
+    # the cache is shared: a build from another install names its own sources, and this run compiles again
+    return str(Path(deepspeed.__file__).parent) in (folder / "build.ninja").read_text(errors="replace")
