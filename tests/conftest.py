@@ -14,6 +14,7 @@ Every process a test starts through `subprocess` (run, Popen, check_output, asyn
 docs/testing.md. `child_auto_precision()` is what `--mixed_precision auto` resolves to in a hidden child.
 """
 
+import contextlib
 import inspect
 import os
 import shutil
@@ -45,6 +46,7 @@ _SUITE_VISIBLE_DEVICES: str | None = None  # CUDA_VISIBLE_DEVICES as the suite w
 _RUNNING_GPU_TEST: bool | None = None  # whether the test being run is marked gpu; None between tests
 _POPEN_INIT = subprocess.Popen.__init__
 _POPEN_SIGNATURE = inspect.signature(_POPEN_INIT)
+_POPEN_KILL = subprocess.Popen.kill
 
 
 def gpu_skip_reason(cuda_build: str | None, cuda_available: bool, visible_devices: str | None) -> str | None:
@@ -85,6 +87,22 @@ def _popen_init(self, *args, **kwargs):
     _POPEN_INIT(*bound.args, **bound.kwargs)
 
 
+def _kill_tree(self) -> None:
+    """subprocess.Popen.kill for the suite: the child and every process under it. A launch that runs out of
+    time is killed by subprocess.run with .kill(), and torchrun's workers run in sessions of their own: they
+    would go on computing (or compiling) beside the rest of the suite."""
+    import psutil
+
+    try:
+        below = psutil.Process(self.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        below = []
+    for process in below:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    _POPEN_KILL(self)
+
+
 def pytest_configure(config):
     global CUDA_AVAILABLE, GPU_SKIP_REASON, _SUITE_VISIBLE_DEVICES
     import torch
@@ -94,6 +112,7 @@ def pytest_configure(config):
     GPU_SKIP_REASON = gpu_skip_reason(torch.version.cuda, torch.cuda.is_available(), _SUITE_VISIBLE_DEVICES)
     CUDA_AVAILABLE = GPU_SKIP_REASON is None
     subprocess.Popen.__init__ = _popen_init  # type: ignore[method-assign]  # undone in pytest_unconfigure
+    subprocess.Popen.kill = _kill_tree  # type: ignore[method-assign]
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # `make test` runs two pytest workers, one per core: each (and each process it starts) computes on one
         # thread, since two 2-thread OpenMP pools on 2 cores spin against each other (measured 10x slower)
@@ -103,6 +122,7 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     subprocess.Popen.__init__ = _POPEN_INIT  # type: ignore[method-assign]
+    subprocess.Popen.kill = _POPEN_KILL  # type: ignore[method-assign]
 
 
 @pytest.hookimpl(hookwrapper=True)

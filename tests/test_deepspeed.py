@@ -2,7 +2,6 @@
 
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -27,16 +26,13 @@ def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("ACCELERATE_USE_CPU", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
-    # its own process group: out of time, the ranks (and a compiler they started) go with torchrun, not on
-    # computing beside the rest of the suite
     launch = subprocess.Popen(
-        [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env,
-        start_new_session=True,
-    )  # fmt: skip
+        [*command, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env
+    )
     try:
         stdout, stderr = launch.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(launch.pid, signal.SIGKILL)
+        launch.kill()  # with the ranks and a compiler they started (conftest._kill_tree)
         stdout, stderr = launch.communicate()  # where it stood when it was stopped
         tail = stdout[-3000:], stderr[-3000:]
         raise AssertionError(f"no end after {timeout} s; the launch's last output: {tail}") from None

@@ -1,8 +1,8 @@
 """Real multi-process runs on CPU (2 processes, tiny model): DDP, DeepSpeed ZeRO-2/3, evaluation.
 
 Each run is a real launch (torchrun or accelerate launch) of the real entry script. DeepSpeed builds
-its shared-memory comm op on first use; it is cached under ~/.cache/torch_extensions, so the build is
-paid once per machine, not once per test. The launches hide any GPU (CUDA_VISIBLE_DEVICES=""): on a
+its shared-memory comm op on first use; `make test` builds it first into the suite's cache
+(<venv>/torch_extensions, tests/conftest.py), so no test pays for it. The launches hide any GPU (CUDA_VISIBLE_DEVICES=""): on a
 machine with one GPU two ranks would otherwise share it; these tests check the CPU (gloo) paths on
 every machine, and tests/test_gpu.py the GPU ones.
 """

@@ -1,0 +1,27 @@
+"""The suite's own process handling (conftest): a launch that runs out of time is stopped whole."""
+
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+# a launcher like torchrun: its worker runs in a session of its own, and the launcher waits for it
+LAUNCHER = """
+import subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+print(worker.pid, flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_launch_out_of_time_is_killed_with_the_workers_in_their_own_sessions(tmp_path):
+    out = tmp_path / "worker.pid"
+    with out.open("w") as sink, pytest.raises(subprocess.TimeoutExpired):
+        subprocess.run([sys.executable, "-c", LAUNCHER], stdout=sink, timeout=3)
+    worker = int(out.read_text().split()[0])
+    deadline = time.monotonic() + 10
+    while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the launcher's worker outlived it"
+        time.sleep(0.05)
