@@ -361,3 +361,17 @@ def test_sd3_bytes_counts_and_activations_equal_the_run_s(sd3_pipe, peft, text_e
         )
     assert sum(saved.values()) == pytest.approx(b * facts.saved_fp32_per_row, rel=0.05)
     assert facts.checkpointed_fp32_per_row < facts.saved_fp32_per_row
+
+
+def test_an_sd3_plan_counts_the_run_s_lora_targets(sd3_pipe, tmp_path):
+    """`cloudtrain plan` on an SD3 folder takes SD3's default LoRA targets (its text stream's add_q/k/v_proj and
+    to_add_out too, as the run does), not the UNet's: the plan's adapter count is the run's trainable count."""
+    from cloudtrain.models import sd3
+
+    options = dict(task="text_to_image", resolution=RESOLUTION, mixed_precision="bf16", lora_r=4)
+    plan = planning.make_plan(plan_args(sd3_pipe, tmp_path / "j", gpu_memory_gb=24, **options))
+    model = run_model(sd3_pipe, "lora", "bf16")
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert plan["model"]["adapter_params"] == trainable
+    unet_only = pipeline_facts(sd3_pipe, RESOLUTION, 4, diffusion.LORA_TARGETS).adapter_params
+    assert unet_only < trainable and any(t.endswith("add_q_proj") for t in sd3.LORA_TARGETS)

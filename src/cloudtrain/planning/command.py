@@ -25,6 +25,7 @@ from cloudtrain.config import (
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
+from cloudtrain.models.diffusion import read_model_index
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import GPUS, Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
@@ -368,7 +369,8 @@ def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict
     the rows the task refuses (its sharding_refusal, as for the other tasks)."""
     options = ("task", "lora_target_modules", "mixed_precision", "resolution", "train_text_encoder")
     cfg = build_config({n: getattr(args, n) for n in options})
-    facts = pipeline_facts(name, args.resolution, args.lora_r, diffusion_lora_targets(cfg))
+    # the index picks the default targets: SD3's include its text stream's projections
+    facts = pipeline_facts(name, args.resolution, args.lora_r, diffusion_lora_targets(cfg, read_model_index(name)))
     budget = round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB)
     micro_batch = 1 if args.per_device_train_batch_size == "auto" else args.per_device_train_batch_size
     half = resolve_precision(args.mixed_precision) != "no"
@@ -384,7 +386,7 @@ def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict
 
 
 def _split_notes(m: ModelFacts, setup: Setup) -> list[str]:
-    """Why a decoder has no tensor-parallel rows, or none at some degree; that context parallel rows do not run."""
+    """Why a decoder has no tensor-parallel rows, or none at some degree."""
     if not m.decoder or setup.num_gpus < 2:
         return []
     why = no_tensor_parallel(m, setup)
@@ -393,10 +395,7 @@ def _split_notes(m: ModelFacts, setup: Setup) -> list[str]:
         notes += [
             f"no TP={t} rows: {problem}" for t in degrees(setup) if (problem := m.tensor_plan.divisor_problem(m, t))
         ]
-    return notes + [
-        "context-parallel rows (CP=c) are shown for planning and recommended only when nothing that runs fits: "
-        "--context_parallel_size is refused by the application for now"
-    ]
+    return notes
 
 
 def _attention_note(m: ModelFacts, args: argparse.Namespace) -> list[str]:
