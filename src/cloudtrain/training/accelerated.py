@@ -136,6 +136,12 @@ class AcceleratedTrainer(Trainer):
         # saves its own way, whole)
         self.partial = not trains_everything(self.model)
         self.sharded = self.accelerator.distributed_type == DistributedType.FSDP or self._zero_stage() == 3
+        # what clipping walks each step: the trainable parameters (a diffusion pipeline has hundreds of frozen
+        # ones); FSDP keeps the model's own list, by which accelerate recognises its path
+        fsdp = self.accelerator.distributed_type == DistributedType.FSDP
+        self.clipped = (
+            list(self.model.parameters()) if fsdp else [p for p in self.model.parameters() if p.requires_grad]
+        )
         if self.partial and self.accelerator.distributed_type in (
             DistributedType.NO,
             DistributedType.MULTI_CPU,
@@ -186,7 +192,7 @@ class AcceleratedTrainer(Trainer):
             loss_sum, count = loss_sum + summed.detach(), count + n
         grad_norm = None
         if self.cfg.training.max_grad_norm > 0:
-            grad_norm = accelerator.clip_grad_norm_(self.model.parameters(), self.cfg.training.max_grad_norm)
+            grad_norm = accelerator.clip_grad_norm_(self.clipped, self.cfg.training.max_grad_norm)
         return StepStats(loss_sum=loss_sum, count=count, grad_norm=grad_norm)
 
     def apply_step(self, bad: torch.Tensor) -> None:
