@@ -174,7 +174,7 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
     facts = planning.model_facts("llama-600m", task="causal_lm", from_config=True)
     s = Setup(8, 1, 24 * GIB, None, 2048, "bf16")
     chosen = next(c for c in planning.candidates() if c.name == rec["label"])
-    assert planning.max_micro_batch(replace(facts, vocab_size=0), chosen, s) > 1.5 * planning.max_micro_batch(
+    assert planning.max_micro_batch(replace(facts, vocab_size=0), chosen, s) >= 1.5 * planning.max_micro_batch(
         facts, chosen, s
     )
     # with the tokenizer, the preset's vocabulary is the one training builds (rounded up to a multiple of 64)

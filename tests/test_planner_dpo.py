@@ -99,7 +99,10 @@ def test_a_7b_whose_copy_fits_only_sharded_is_planned_under_fsdp2(tmp_path, monk
         free[k] for k in ("gradients", "optimizer_states", "activations")
     ]
     rec = plan["recommendation"]
-    assert rec["label"].startswith("FSDP full shard")
+    # FSDP2: shard grad-op with checkpointing fits 8 of the 16 rows asked, 8,192 tokens per GPU, and is faster at
+    # the same global batch than full shard fitting all 16
+    assert rec["strategy"] == "fsdp_grad_op" and rec["gradient_checkpointing"]
+    assert any(f["strategy"] == "fsdp" for f in plan["fallbacks"])
     reasons = " ".join(rec["reasons"])
     assert "frozen fp32 copy of the model sharded as the policy's parameters over 8 process(es)" in reasons
     assert "--peft lora would free it (--precompute_reference true runs under DDP or ZeRO-1/2 only)" in reasons

@@ -57,7 +57,8 @@ def test_smaller_micro_batch_and_more_accumulation_when_the_requested_one_fits_n
     rec = plan["recommendation"]
     assert not any(r["fits"] for r in plan["strategies"])
     assert 1 <= rec["micro_batch"] < 64 and rec["micro_batch"] * 8 * rec["gradient_accumulation_steps"] == 512
-    assert any("fits no strategy" in reason for reason in rec["reasons"])
+    # 2 rows or more of 2,048 tokens keep each GPU busy: the fastest such row is compared with none asked
+    assert any("no option fits the micro-batch asked" in reason for reason in rec["reasons"])
 
 
 def emitted_config(command: str) -> Config:

@@ -1,6 +1,7 @@
 """The strategy search: which candidates exist for a model and set-up, the table's rows, the choice (full
-fine-tuning first, then LoRA, then QLoRA; the fastest that fits, at the largest micro-batch up to the one asked
-for), why, and what would fit when nothing does; and the micro-batch a training run's `auto` gets."""
+fine-tuning first, then LoRA, then QLoRA; the fastest at the same global batch among those whose micro-batch keeps
+each GPU as busy as the one asked for, at the largest micro-batch up to it), why, and what would fit when nothing
+does; and the micro-batch a training run's `auto` gets."""
 
 import math
 from dataclasses import asdict, dataclass, replace
@@ -35,6 +36,13 @@ from cloudtrain.planning.strategies import (
     Strategy,
 )
 from cloudtrain.registry import TASKS, TRAINERS
+
+# Tokens each GPU computes per micro-step from which a smaller micro-batch than asked costs the step little: at a
+# Llama-sized width (h = 4096) a matmul over 4096 tokens does about 4096/3 FLOPs per byte it reads, well above the
+# ~300 at which an H100 stops waiting for memory, and FSDP's per-micro-batch gathers hide behind it. So a candidate
+# that fits 1 row of 32k tokens per group of 8 (4096 tokens per GPU) is compared by its step time with those that
+# fit the micro-batch asked, not ranked after them. A rule of thumb, as the relative step times are.
+BUSY_TOKENS = 4096
 
 
 @dataclass
@@ -188,6 +196,18 @@ def micro_batch_options(requested: int, per_gpu_per_step: int) -> list[int]:
     return [b for b in range(min(requested, per_gpu_per_step), 0, -1) if per_gpu_per_step % b == 0]
 
 
+def gpu_tokens(cand: Candidate, setup: Setup, micro_batch: int) -> int:
+    """Tokens of work each GPU does per micro-step: a TP/CP group's rows are shared by its processes (CP: 1/c of
+    each row's tokens; TP: 1/t of each token's matmuls)."""
+    return micro_batch * setup.max_length // cand.model_parallel
+
+
+def busy_enough(cand: Candidate, setup: Setup, micro_batch: int, asked: int) -> bool:
+    """Whether `micro_batch` keeps each GPU about as busy as `asked` (the largest micro-batch up to the one asked
+    for, a group's rows for TP/CP): as many tokens per GPU per micro-step, or at least BUSY_TOKENS."""
+    return gpu_tokens(cand, setup, micro_batch) >= min(gpu_tokens(cand, setup, asked), BUSY_TOKENS)
+
+
 def accumulation(cand: Candidate, per_gpu: int, micro_batch: int) -> int:
     """Gradient accumulation steps that reach the global batch at `micro_batch` (0: it does not divide);
     a pipeline's step already passes its M micro-batches."""
@@ -204,9 +224,12 @@ def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_
 
 def ranked_choices(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_batch: int) -> list[Choice]:
     """Every candidate that fits, best first: full fine-tuning before LoRA (DoRA) before QLoRA (adapters train a
-    different model, so they are the fallback, not a speed-up); within one, the candidates that fit the
-    requested micro-batch, fastest first, then the rest, fastest first, each at the largest micro-batch it fits.
-    The first is the choice; the next are the fallbacks the plan lists."""
+    different model, so they are the fallback, not a speed-up); within one, the candidates that fit a micro-batch
+    keeping each GPU as busy as the requested one (`busy_enough`), fastest first, then the rest, fastest first,
+    each at the largest micro-batch it fits. Every candidate takes the same global batch (accumulation makes it
+    up), so its relative step time compares them: a CP group fitting 1 row of 32k tokens (4k per GPU) without
+    checkpointing beats ZeRO-3 with offload and checkpointing fitting 1 row per GPU. The first is the choice; the
+    next are the fallbacks the plan lists."""
     per_gpu = global_batch // setup.world_size
     ranked: list[Choice] = []
     taken: set[int] = set()  # rows already ranked, by position
@@ -219,7 +242,7 @@ def ranked_choices(m: ModelFacts, rows: list[Row], setup: Setup, requested: int,
                 c = rows[i].candidate
                 # a TP/CP group's processes share their rows: the micro-batch asked of each GPU, times the group
                 options = micro_batch_options(requested * c.model_parallel, per_gpu * c.model_parallel)
-                allowed = options[:1] if first_only else options
+                allowed = [b for b in options if busy_enough(c, setup, b, options[0])] if first_only else options
                 fitting = [
                     b
                     for b in allowed
@@ -340,7 +363,11 @@ def reasons(
         f"micro-batch it fits is {next(r.max_micro_batch for r in rows if r.candidate == c)}."
     )
     mp = c.model_parallel  # a TP/CP group: its processes' rows together
-    lines += _micro_batch_reason(requested * mp, b, global_batch // setup.world_size * mp)
+    largest = micro_batch_options(requested * mp, global_batch // setup.world_size * mp)[0]
+    if b < largest and busy_enough(c, setup, b, largest):
+        lines.append(_busy_reason(m, rows, choice, setup, requested, global_batch))
+    else:
+        lines += _micro_batch_reason(requested * mp, b, global_batch // setup.world_size * mp)
     if c.pipeline:
         lines += _pipeline_reasons(m, choice, setup, global_batch)
     elif c.model_parallel > 1:
@@ -383,6 +410,32 @@ def reasons(
             "step on the CPU."
         )
     return lines
+
+
+def _busy_reason(
+    m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, requested: int, global_batch: int
+) -> str:
+    """Why a micro-batch below the one asked is taken: its GPUs stay busy, and at the same global batch it is
+    faster than the fastest row that fits the micro-batch asked (named, when one does)."""
+    c, b = choice.candidate, choice.micro_batch
+    per_gpu = global_batch // setup.world_size
+    unit = f"per group of {c.model_parallel}" if c.model_parallel > 1 else "per GPU"
+    line = (
+        f"{c.name} fits {b} row(s) {unit}, fewer than asked, but that is {gpu_tokens(c, setup, b):,} tokens per GPU "
+        f"per micro-step (at least {BUSY_TOKENS:,} keep the matmuls large): at the same global batch, with gradient "
+        f"accumulation, its relative step time is {c.speed:.2f}"
+    )
+    asked = [
+        r.candidate
+        for r in rows
+        if r.candidate.peft == c.peft
+        and r.max_micro_batch
+        >= micro_batch_options(requested * r.candidate.model_parallel, per_gpu * r.candidate.model_parallel)[0]
+    ]
+    if not asked:
+        return line + "; no option fits the micro-batch asked."
+    best = min(asked, key=lambda a: a.speed)
+    return line + f", against {best.speed:.2f} for the fastest that fits the micro-batch asked, {best.name}."
 
 
 def _traffic_line(m: ModelFacts, choice: Choice, setup: Setup) -> str:
