@@ -167,6 +167,32 @@ def test_a_revision_and_the_commit_a_listing_pins(on_hub, hub, tmp_path, lm_toke
     assert "no revision 'nope'" in one_line_error("hf://datasets/alice/moving@nope")
 
 
+def test_every_process_reads_the_commit_the_main_process_listed(on_hub, hub, tmp_path):
+    """Each process lists its sources (`task.connect`); a push between two listings gives another commit, so the
+    pipeline hands every process the main process's listing (`pin_sources`, through the runtime's broadcast)."""
+    from datasets import DatasetDict
+
+    from cloudtrain.data.sources import pin_sources
+
+    write_jsonl(tmp_path / "v1.jsonl", numbered(8, "v1"))
+    first = hub.add_dataset("alice/racing", {"train.jsonl": (tmp_path / "v1.jsonl").read_bytes()})
+    listings = []
+    for version in ("v1", "v2"):  # the main process lists, a push lands, the other process lists
+        if version == "v2":
+            write_jsonl(tmp_path / "v2.jsonl", numbered(8, "v2"))
+            hub.add_dataset("alice/racing", {"train.jsonl": (tmp_path / "v2.jsonl").read_bytes()})
+        raw = DatasetDict()
+        raw.stream_sources = resolve_sources(data_cfg(train_file="hf://datasets/alice/racing").data)
+        listings.append(raw)
+    main, other = listings
+    assert main.stream_sources[0].files != other.stream_sources[0].files  # what each would read on its own
+    broadcast = main.stream_sources  # the main process's value, as Runtime.share gives it to every process
+    pinned = pin_sources(other, lambda value: broadcast)
+    assert pinned.stream_sources[0].files == [f"hf://datasets/alice/racing@{first.oid}/train.jsonl"]
+    stored = DatasetDict()  # stored data has no stream: nothing to share
+    assert pin_sources(stored, lambda value: pytest.fail("shared")) is stored
+
+
 def test_a_private_dataset_needs_a_token_that_can_read_it(on_hub, monkeypatch):
     message = one_line_error("hf://datasets/alice/private-corpus")
     assert "is not on" in message and "or is private" in message and "HF_TOKEN" in message

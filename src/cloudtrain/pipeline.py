@@ -32,6 +32,7 @@ from cloudtrain.checkpointing import (
 )
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
+from cloudtrain.data.sources import pin_sources
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
@@ -169,7 +170,7 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
         hub.check_access_from_main(cfg.hub, runtime.is_main, runtime.share)
     set_seed(cfg.training.seed)  # the same on every process, so every process builds the same model
 
-    raw = task.connect(cfg)
+    raw = pin_sources(task.connect(cfg), runtime.share)  # a stream reads the files the main process listed
     tokenizer = task.load_tokenizer(cfg)
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage

@@ -10,7 +10,9 @@ The result is a DatasetDict with a "train" split and, when the source has them, 
 "test". The columns the task needs are checked here, before any tokenizer or model is loaded.
 """
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import datasets
 from datasets import Dataset, DatasetDict
@@ -104,6 +106,15 @@ def _connect_stream(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> Da
         if split != "train":
             raw[split] = _load_path(path, split, cfg.text_column)
     raw.stream_sources = specs  # type: ignore[attr-defined]
+    return raw
+
+
+def pin_sources(raw: DatasetDict, share: Callable[[Any], Any]) -> DatasetDict:
+    """A stream's sources as the main process listed them, on every process (`share`: its value to all): each
+    process lists for itself, and a Hub branch that moves between two listings (`hf://datasets/...` pins the
+    commit it finds) would give the processes different files."""
+    if hasattr(raw, "stream_sources"):
+        raw.stream_sources = share(raw.stream_sources)  # type: ignore[attr-defined]
     return raw
 
 
