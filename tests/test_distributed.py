@@ -2,9 +2,9 @@
 
 Each run is a real launch (torchrun or accelerate launch) of the real entry script. DeepSpeed builds
 its shared-memory comm op on first use; `make test` builds it first into the suite's cache
-(<venv>/torch_extensions, tests/conftest.py), so no test pays for it. The launches hide any GPU (CUDA_VISIBLE_DEVICES=""): on a
-machine with one GPU two ranks would otherwise share it; these tests check the CPU (gloo) paths on
-every machine, and tests/test_gpu.py the GPU ones.
+(<venv>/torch_extensions, tests/conftest.py), so no test pays for it. The launches hide any GPU
+(CUDA_VISIBLE_DEVICES=""): on a machine with one GPU two ranks would otherwise share it; these tests check
+the CPU (gloo) paths on every machine, and tests/test_gpu.py the GPU ones.
 """
 
 import json
