@@ -18,7 +18,14 @@ from conftest import ENTRY, REPO, assert_each_refused
 from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
 from test_sft_dist import sft_args
-from test_tensor_parallel import args, corpus, metrics, options, samples  # noqa: F401  (corpus: the fixture)
+from test_tensor_parallel import (  # noqa: F401  (corpus: the fixture)
+    args,
+    assert_monitored_like_one_process,
+    corpus,
+    metrics,
+    options,
+    samples,
+)
 
 from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, shifted_loss
 from cloudtrain.parallel.context import cut_batch, target_loss, unshard, widen
@@ -95,12 +102,16 @@ def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpu
     their tokens), CP=2 x 2 replicas on 4 processes x 2 rows each, CP=2 x FSDP2 on 2 processes: the same losses and
     gradient norms at every step (clipped), the same weights after 4 steps of 2 accumulated micro-batches, the
     same evaluation over exactly the same tokens and rows. The CP=2 run saves a checkpoint at step 2: resumed there,
-    it ends with the same weights bit for bit; its saved model generates in one process what it sampled."""
+    it ends with the same weights bit for bit; its saved model generates in one process what it sampled. Every run
+    logs its monitoring like one process; CP=2 with bf16, gradient checkpointing and LoRA trains like the same in
+    one process (`assert_mixed_lora_like_one_process`)."""
+    mixed = {"mixed_precision": "bf16", "gradient_checkpointing": "true", "peft": "lora"}
     runs = {"one": (1, "4", {}), "cp2": (2, "4", {}), "cp2x2": (4, "2", {}), "cp2fsdp": (2, "4", {"fsdp": "true"})}
+    runs |= {"one-mixed": (1, "4", mixed), "cp2-mixed": (2, "4", mixed)}  # bf16, gradient checkpointing, LoRA
     outputs = {}
     for name, (processes, rows, extra) in runs.items():
         opts = {**options(tiny_llama_dir, corpus, tmp_path / name), "packing": "bfd", "eval_strategy": "steps"}
-        cp = {"context_parallel_size": "2", **extra} if processes > 1 else {}
+        cp = {**({"context_parallel_size": "2"} if processes > 1 else {}), **extra}
         more = {"checkpointing_steps": "2"} if name == "cp2" else {}
         outputs[name] = launch(
             torchrun(processes),
@@ -130,6 +141,8 @@ def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpu
         theirs = json.loads((out / "eval_results.json").read_text())
         assert (theirs["tokens"], theirs["samples"]) == (evaluation["tokens"], evaluation["samples"]), name
         assert theirs["loss"] == pytest.approx(evaluation["loss"], rel=1e-5), name
+        assert_monitored_like_one_process(out, tmp_path / "one")
+    assert_mixed_lora_like_one_process(tmp_path / "cp2-mixed", tmp_path / "one-mixed", outputs["cp2-mixed"])
 
     out = tmp_path / "cp2"
     weights, losses = load_file(out / "model.safetensors"), logged_losses(out)
@@ -164,6 +177,23 @@ def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpu
         )
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip().splitlines()[-1] == generation["prompt"] + generation["continuation"], done.stdout
+
+
+def assert_mixed_lora_like_one_process(out: Path, one: Path, stdout: str) -> None:
+    """bf16 autocast, gradient checkpointing and LoRA adapters under CP=2 against the same in one process: losses
+    and the evaluation within bf16 rounding (measured: 1e-5 relative), gradient norms within 1e-2 (measured:
+    2e-3), the same evaluation tokens and rows, the adapters trained and saved (the base model is not)."""
+    assert "context parallel 2" in stdout and "precision bf16" in stdout
+    assert logged_losses(out) == pytest.approx(logged_losses(one), rel=1e-4)
+    assert metrics(out, "train/grad_norm") == pytest.approx(metrics(one, "train/grad_norm"), rel=1e-2)
+    ours, theirs = (json.loads((folder / "eval_results.json").read_text()) for folder in (out, one))
+    assert (ours["tokens"], ours["samples"]) == (theirs["tokens"], theirs["samples"])
+    assert ours["loss"] == pytest.approx(theirs["loss"], rel=1e-4)
+    assert json.loads((out / "args.json").read_text())["gradient_checkpointing"] is True
+    adapters = load_file(out / "adapter_model.safetensors")
+    assert adapters and set(adapters) == set(load_file(one / "adapter_model.safetensors"))
+    assert not (out / "model.safetensors").exists()
+    assert_monitored_like_one_process(out, one)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ every refusal is one line (those need no launch); --task sft (answer-only loss) 
 the chat template's tokens equals one process too."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -54,6 +55,27 @@ def args(opts: dict, **extra) -> list[str]:
 def metrics(out: Path, key: str) -> list[float]:
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [e[key] for e in lines if key in e]
+
+
+MONITORED = ("train/loss", "train/grad_norm", "train/tokens_per_s", "train/samples_per_s", "train/step_time_s")
+
+
+def assert_monitored_like_one_process(out: Path, one: Path) -> None:
+    """The monitoring of a split model's run: at every logging step the loss, gradient norm, throughput, step
+    time and peak memory are logged, finite and positive, and the interval's tokens per sample (tokens/s over
+    samples/s: the seconds cancel) equal one process's: each row and token counted once, not once per process of
+    a group. (No train/mfu on a CPU: it has no known peak; on GPUs it divides these same tokens.)"""
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [e for e in lines if "train/loss" in e]
+    assert logged and all("train/mfu" not in e for e in logged)
+    for entry in logged:
+        for key in (*MONITORED, "train/peak_memory_gib"):
+            assert math.isfinite(entry[key]) and entry[key] > 0, (out.name, entry)
+    per_sample = [e["train/tokens_per_s"] / e["train/samples_per_s"] for e in logged]
+    theirs = metrics(one, "train/tokens_per_s")
+    assert per_sample == pytest.approx(
+        [a / b for a, b in zip(theirs, metrics(one, "train/samples_per_s"), strict=True)]
+    )
 
 
 def samples(stdout: str) -> list[str]:
@@ -105,6 +127,11 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, tmp_pa
         theirs = json.loads((out / "eval_results.json").read_text())
         assert (theirs["tokens"], theirs["samples"]) == (evaluation["tokens"], evaluation["samples"])  # each once
         assert theirs["loss"] == pytest.approx(evaluation["loss"], rel=1e-5)
+        assert_monitored_like_one_process(out, tmp_path / "one")
+        trained = [
+            json.loads((run / "train_results.json").read_text())["train_samples"] for run in (out, tmp_path / "one")
+        ]
+        assert trained[0] == trained[1], name  # each row counted once, not once per process of its group
 
 
 @pytest.mark.slow
