@@ -1,11 +1,12 @@
 """The registries: a task or trainer is one class registered once by name, and every choice, default and help
-text that names tasks or trainers is read from the registered classes."""
+text that names tasks or trainers is read from its row in cloudtrain.registry_table, which says what the
+class says (checked here and at registration)."""
 
 import pytest
 
 from cloudtrain.config import _fields, _help, build_config
 from cloudtrain.errors import UserError
-from cloudtrain.registry import TASKS, TRAINERS
+from cloudtrain.registry import TASKS, TRAINERS, row_of
 from cloudtrain.tasks import build_task
 from cloudtrain.tasks.base import DecoderTask
 from cloudtrain.tasks.classification import ClassificationTask
@@ -39,6 +40,25 @@ def test_a_name_is_registered_once(scratch_registry):
 
     with pytest.raises(ValueError, match="registered twice"):
         TASKS.register(Impostor)
+
+
+def test_the_parser_table_is_exactly_the_registered_classes():
+    """Every registered class has its row, the same summary, metrics and best-metric default, in --help's
+    order, and there is no row without a class: the parser can't describe or accept something else."""
+    for registry in (TASKS, TRAINERS):
+        classes = registry._loaded()
+        assert [(name, row_of(cls)) for name, cls in classes.items()] == list(registry.table.items())
+        assert all(cls.name == name for name, cls in classes.items())
+
+
+def test_a_class_that_differs_from_its_row_is_refused(monkeypatch):
+    monkeypatch.setattr(TASKS, "_classes", {})
+
+    class Relabelled(ClassificationTask):
+        summary = "text -> one of many labels"
+
+    with pytest.raises(ValueError, match="'classification'.*differs from its row in cloudtrain/registry_table.py"):
+        TASKS.register(Relabelled)
 
 
 def test_unknown_names_are_refused_with_the_registered_choices():

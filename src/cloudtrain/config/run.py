@@ -110,10 +110,10 @@ class CheckpointConfig:
         None,
         lambda: (
             "The evaluation metric that names the best checkpoint (default: "
-            + ", ".join(f"{c.default_best_metric} for {c.name}" for c in TASKS)
+            + ", ".join(f"{row.default_best_metric} for {name}" for name, row in TASKS.rows().items())
             + ")."
         ),
-        lambda: tuple(dict.fromkeys(metric for c in TASKS for metric in c.metrics)),
+        lambda: tuple(dict.fromkeys(metric for row in TASKS.rows().values() for metric in row.metrics)),
     )
     nonfinite_loss: str = opt(
         "stop",

@@ -29,11 +29,20 @@ SCHEDULE_OPTIONS = {
 }
 
 
-def muon_available() -> bool:
-    """torch.optim.Muon arrived in torch 2.9; older installs lack it."""
-    import torch
+MUON_TORCH = "2.9"
 
-    return hasattr(torch.optim, "Muon")
+
+def muon_available() -> bool:
+    """torch.optim.Muon arrived in torch 2.9; older installs lack it. Read from the installed version, not by
+    importing torch: --help shows this, and importing torch costs more than the rest of --help."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from packaging.version import Version
+
+    try:
+        return Version(Version(version("torch")).base_version) >= Version(MUON_TORCH)
+    except PackageNotFoundError:
+        return False
 
 
 def _optim_help() -> str:
@@ -54,12 +63,12 @@ ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 class TrainingConfig:
     task: str = opt(
         "classification",
-        lambda: "What to train: " + "; ".join(f"{c.name}: {c.summary}" for c in TASKS) + ".",
+        lambda: "What to train: " + "; ".join(f"{name}: {row.summary}" for name, row in TASKS.rows().items()) + ".",
         TASKS.names,
     )
     training_type: str = opt(
         "accelerated",
-        lambda: "; ".join(f"{c.name}: {c.summary}" for c in TRAINERS) + ".",
+        lambda: "; ".join(f"{name}: {row.summary}" for name, row in TRAINERS.rows().items()) + ".",
         TRAINERS.names,
     )
     num_train_epochs: float = opt(2.0, "Number of passes over the training data.")

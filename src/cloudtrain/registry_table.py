@@ -1,0 +1,65 @@
+"""What the command line needs to know about each task and trainer, without importing them.
+
+`--help`, the choices of --task, --training_type and --metric_for_best_model, and every refusal of a bad
+option read these rows; importing the classes themselves pulls in transformers, datasets and
+torch.distributed (about 6 s of CPU). The registry (cloudtrain.registry) checks each class against its row
+when it registers, and tests/test_registry.py checks the rows against the classes, so the two can't drift.
+Rows are in the order --help lists them, which is the order the packages register them.
+"""
+
+from typing import NamedTuple
+
+
+class Row(NamedTuple):
+    """One registered class as the parser sees it: `metrics` and `default_best_metric` are tasks' only."""
+
+    module: str
+    summary: str
+    metrics: tuple[str, ...] = ()
+    default_best_metric: str | None = None
+
+
+TASK_ROWS: dict[str, Row] = {
+    "classification": Row(
+        "cloudtrain.tasks.classification", "text -> label", ("accuracy", "macro_f1", "loss"), "accuracy"
+    ),
+    "causal_lm": Row(
+        "cloudtrain.tasks.causal_lm",
+        "continued pretraining, or pretraining from scratch, of a decoder on raw text",
+        ("loss", "perplexity"),
+        "loss",
+    ),
+    "sft": Row(
+        "cloudtrain.tasks.sft",
+        "supervised fine-tuning of a decoder on conversations or prompt/completion pairs, with a chat template",
+        ("loss", "perplexity", "exact_match"),
+        "loss",
+    ),
+    "dpo": Row(
+        "cloudtrain.tasks.dpo",
+        "preference tuning of a decoder on chosen/rejected pairs: DPO, IPO, SimPO or ORPO",
+        ("loss", "rewards/accuracies", "rewards/margins", "exact_match"),
+        "loss",
+    ),
+    "reward": Row(
+        "cloudtrain.tasks.reward",
+        "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)",
+        ("loss", "accuracy", "margin"),
+        "accuracy",
+    ),
+    "text_to_image": Row(
+        "cloudtrain.tasks.text_to_image",
+        "captioned images (or DreamBooth) -> a diffusers text-to-image pipeline (LoRA or full)",
+        ("loss",),
+        "loss",
+    ),
+}
+
+TRAINER_ROWS: dict[str, Row] = {
+    "basic": Row("cloudtrain.training.basic", "plain PyTorch loop"),
+    "accelerated": Row("cloudtrain.training.accelerated", "Hugging Face accelerate (DDP, DeepSpeed, FSDP)"),
+    "pipeline": Row(
+        "cloudtrain.training.pipeline",
+        "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun",
+    ),
+}
