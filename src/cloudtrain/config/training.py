@@ -29,7 +29,7 @@ SCHEDULE_OPTIONS = {
 }
 
 
-MUON_TORCH = "2.9"
+MUON_TORCH = (2, 9)
 
 
 def muon_available() -> bool:
@@ -37,12 +37,11 @@ def muon_available() -> bool:
     importing torch: --help shows this, and importing torch costs more than the rest of --help."""
     from importlib.metadata import PackageNotFoundError, version
 
-    from packaging.version import Version
-
     try:
-        return Version(Version(version("torch")).base_version) >= Version(MUON_TORCH)
+        major, minor = version("torch").split(".")[:2]
     except PackageNotFoundError:
         return False
+    return (int(major), int(minor)) >= MUON_TORCH
 
 
 def _optim_help() -> str:
