@@ -119,13 +119,6 @@ def supported_tasks() -> tuple[str, ...]:
     return tuple(task.name for task in REGISTRY if task.tensor_parallel)
 
 
-def __getattr__(name: str) -> Any:
-    """`TASKS`: what the planner (cloudtrain.planning.search) still imports; the tasks decide (`supported_tasks`)."""
-    if name == "TASKS":
-        return supported_tasks()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def check_model_divides(cfg: Config, tp: int) -> Any:
     """The model family has a plan in transformers, and its heads, KV heads and MLP width split evenly; returns the
     model's config."""

@@ -119,14 +119,14 @@ def tensor_candidates(m: ModelFacts, setup: Setup) -> list[Candidate]:
 
 def no_tensor_parallel(m: ModelFacts, setup: Setup) -> str | None:
     """Why there are no tensor-parallel rows (the application's refusals that the plan can know), or None."""
-    from cloudtrain.parallel.tensor import TASKS as TENSOR_TASKS
+    from cloudtrain.parallel.tensor import supported_tasks
 
     if not m.decoder:
         return None  # a classifier: tensor parallelism is for decoders, nothing to say
     if m.tensor_plan is None:
         return f"the {m.architecture} family has no tensor-parallel plan in transformers"
-    if m.task not in TENSOR_TASKS:
-        return f"--tensor_parallel_size runs --task {', '.join(TENSOR_TASKS)} only"
+    if not TASKS[m.task].tensor_parallel:
+        return f"--tensor_parallel_size runs --task {', '.join(supported_tasks())} only"
     if setup.mixed_precision == "fp16":
         return "--tensor_parallel_size needs bf16 or fp32, not fp16"
     if setup.fused_loss:
