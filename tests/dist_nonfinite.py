@@ -1,5 +1,5 @@
-"""Run under torchrun by test_deepspeed.py: the real pipeline with the loss of one training step made nan
-on rank 0 only.
+"""Run under torchrun by test_deepspeed.py and test_context_parallel.py: the real pipeline with the loss of one
+training step made nan on rank 0 only (the options' task; one micro-batch per step).
 
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_nonfinite.py OPTIONS_JSON NAN_STEP
 """
@@ -11,11 +11,13 @@ from pathlib import Path
 
 from cloudtrain.config import build_config
 from cloudtrain.pipeline import run_training
-from cloudtrain.tasks.classification import ClassificationTask
+from cloudtrain.registry import TASKS
 
 
 def main(options_file: str, nan_step: str) -> None:
-    real, calls = ClassificationTask.loss, []
+    cfg = build_config(json.loads(Path(options_file).read_text()))
+    task = TASKS[cfg.training.task]
+    real, calls = task.loss, []
 
     def loss(self, model, batch):  # one micro-batch per step: the n-th call is step n
         calls.append(1)
@@ -23,8 +25,8 @@ def main(options_file: str, nan_step: str) -> None:
         bad = len(calls) == int(nan_step) and os.environ["RANK"] == "0"
         return (summed * float("nan") if bad else summed), count
 
-    ClassificationTask.loss = loss
-    run_training(build_config(json.loads(Path(options_file).read_text())))
+    task.loss = loss
+    run_training(cfg)
 
 
 if __name__ == "__main__":

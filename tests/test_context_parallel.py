@@ -197,6 +197,25 @@ def assert_mixed_lora_like_one_process(out: Path, one: Path, stdout: str) -> Non
 
 
 @pytest.mark.slow
+def test_a_nan_step_is_skipped_on_every_process_under_tp2_and_cp2(tiny_llama_dir, corpus, tmp_path):  # noqa: F811
+    """--nonfinite_loss skip under TP=2 and CP=2: a nan loss on process 0 alone at step 3 is skipped by every
+    process of the group (its slice or shard of the step would otherwise differ), counted once, and training
+    goes on with finite weights."""
+    for name, split in (("tp2", "tensor_parallel_size"), ("cp2", "context_parallel_size")):
+        out = tmp_path / name
+        opts = {**options(tiny_llama_dir, corpus, out), split: "2", "nonfinite_loss": "skip", "max_steps": "6"}
+        opts.update(gradient_accumulation_steps="1", logging_steps="2")
+        (tmp_path / f"{name}.json").write_text(json.dumps(opts))
+        launch(torchrun(2), str(REPO / "tests" / "dist_nonfinite.py"), str(tmp_path / f"{name}.json"), "3")
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        skipped = [(e["step"], e["train/skipped_steps"]) for e in logged if "train/skipped_steps" in e]
+        assert skipped == [(4, 1)], (name, skipped)
+        losses = [e["train/loss"] for e in logged if "train/loss" in e]
+        assert len(losses) == 3 and all(loss == loss for loss in losses), (name, losses)
+        assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values()), name
+
+
+@pytest.mark.slow
 def test_sft_cp2_trains_like_one_process(tiny_llama_dir, chats, tmp_path):
     """--task sft (answer-only targets, chat-template tokens grown in every process alike): CP=2 and one process
     alike in losses and gradient norms at every step, weights after 3 steps, the evaluation over the same answer
