@@ -229,6 +229,8 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
     if key in ("tp", "tp_fsdp", "cp_fsdp"):
         if setup.num_gpus < 2 or not m.decoder:
             return "tensor and context parallelism plan a decoder task (--task causal_lm) on at least 2 GPUs per node"
+        if key == "cp_fsdp" and not TASKS[m.task].context_parallel:
+            return f"--context_parallel_size runs --task {', '.join(t.name for t in TASKS if t.context_parallel)} only"
         if m.model_copy and key == "cp_fsdp":  # (tensor parallelism refuses the task itself: no_tensor_parallel)
             return "the planner does not estimate the frozen reference copy under CP: --strategy fsdp shards it"
         if key == "cp_fsdp":

@@ -143,8 +143,8 @@ def context_candidates(m: ModelFacts, setup: Setup) -> list[Candidate]:
     """CP x FSDP2 (all-to-all attention, cloudtrain.parallel.sequence) for every degree that divides the model's
     heads and KV heads (each process attends with 1/cp of them) and the rows' tokens, with and without
     checkpointing (a causal LM's, on GPUs)."""
-    if not m.decoder or setup.num_gpus < 2:
-        return []
+    if not m.decoder or setup.num_gpus < 2 or not TASKS[m.task].context_parallel:
+        return []  # the run's own rule: the task decides (DPO's pair loss, with or without a reference, does not)
     kv_heads = m.num_heads * m.kv_hidden_size // m.hidden_size
     rows = [
         Candidate(CONTEXT_FSDP, gc, context_parallel=c, split_cost=context_cost(m, setup, c))
