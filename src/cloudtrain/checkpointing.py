@@ -320,11 +320,7 @@ def check_compatible(
         _check_global_rows(meta, path, mesh, global_rows)
         return
     if meta["trainer"] != trainer or meta["num_processes"] != mesh.world:
-        also = (
-            " (a ZeRO checkpoint cannot change its process count; a DDP or FSDP one can)"
-            if meta["trainer"] == trainer
-            else ""
-        )
+        also = f" ({_fixed_count(meta, path, reshards)})" if meta["trainer"] == trainer else ""
         raise UserError(
             f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "
             f"process(es); this run is the {trainer} with {mesh.world}: resume it the same way{also}"
@@ -348,6 +344,18 @@ def _any_count_reads(meta: dict, path: Path, mesh: Mesh, reshards: bool) -> bool
     if stored <= replicated and set(mesh.degrees()) <= replicated and not reshards:
         return not _dcp_states(path)
     return reshards and stored <= data_parallel and set(mesh.degrees()) <= data_parallel and _dcp_states(path)
+
+
+def _fixed_count(meta: dict, path: Path, reshards: bool) -> str:
+    """Why a checkpoint of this trainer does not resume at this run's process count, for the refusal."""
+    stored = set(meta.get("mesh", {"world": 1}))
+    if stored - {"world", "dp_replicate", "dp_shard"}:
+        return "a tensor-, context- or pipeline-parallel checkpoint resumes at its own layout only"
+    if _dcp_states(path):
+        return "an FSDP checkpoint resumes at another process count under --fsdp true only"
+    if "dp_shard" in stored:
+        return "a ZeRO checkpoint cannot change its process count; a DDP or FSDP one can"
+    return "a DDP checkpoint resumes at another process count without FSDP or ZeRO"
 
 
 def _dcp_states(path: Path) -> bool:
