@@ -255,6 +255,7 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         ),
         "dpo": (2, {**base, "task": "dpo"}, "is supported for --task causal_lm, sft only (this run is dpo)"),
         "compile": (2, {**base, "torch_compile": "true"}, "does not combine with --torch_compile"),
+        "attention": (2, {**base, "attn_implementation": "sdpa"}, "leave --attn_implementation out"),
         "batch size auto": (2, {**base, "per_device_train_batch_size": "auto"}, "not auto"),
         "heads": (3, {**base, "context_parallel_size": "3"}, "does not divide the model's attention heads (4)"),
         "kv heads": (4, {**base, "context_parallel_size": "4"}, "does not divide the model's KV heads (2)"),
@@ -280,3 +281,20 @@ def test_the_mesh_gives_context_parallel_groups_and_replicas_or_shards():
     cfg.distributed.fsdp = True
     mesh = AcceleratedTrainer.mesh(cfg, 8)
     assert (mesh.cp, mesh.dp_shard, mesh.dp_replicate, mesh.data_parallel) == (2, 4, 1, 4)
+
+
+def test_a_training_forward_without_a_cut_batch_is_an_error_not_a_local_attention(monkeypatch):
+    """With a context-parallel group in use, attention over an uncut batch would attend within each process's
+    slice only (wrong weights, no error): a training forward refuses it; evaluation and generation of whole
+    prompts (not training) attend locally."""
+    from cloudtrain.parallel import sequence
+
+    monkeypatch.setattr(sequence, "_GROUP", [object()])
+    module = torch.nn.Linear(1, 1)
+    q = torch.randn(1, 2, 4, 8)
+    bounds = torch.tensor([0, 4], dtype=torch.int32)
+    extra = {"cu_seq_lens_q": bounds, "max_length_q": 4}
+    with pytest.raises(RuntimeError, match="no cut batch"):
+        sequence.ulysses_attention(module.train(), q, q, q, None, **extra)
+    out, _ = sequence.ulysses_attention(module.eval(), q, q, q, None, **extra)
+    assert out.shape == (1, 4, 2, 8)

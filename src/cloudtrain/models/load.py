@@ -177,6 +177,16 @@ def read_config(cfg: ModelConfig, **options) -> transformers.PretrainedConfig:
     return load_config(resolve_model_path(cfg), cfg.trust_remote_code, **options)
 
 
+def trained_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
+    """The config of the model a run trains, before loading it: --model_config's preset or file (pretraining
+    from scratch), else the checkpoint's."""
+    if cfg.model_config:
+        from cloudtrain.tasks.causal_lm import model_config_file
+
+        return load_config(model_config_file(cfg.model_config), cfg.trust_remote_code)
+    return read_config(cfg)
+
+
 def load_config(path: str | Path, trust_remote_code: bool, **options) -> transformers.PretrainedConfig:
     """AutoConfig.from_pretrained(path), its failures as one line."""
     try:

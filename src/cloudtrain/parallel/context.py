@@ -68,6 +68,10 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
             f"is supported for --task {', '.join(c.name for c in REGISTRY if c.context_parallel)} only "
             f"(this run is {t.task})",
         ),
+        (
+            cfg.model.attn_implementation not in (None, "", "varlen"),
+            "computes attention with its all-to-all over cloudtrain's varlen kernels: leave --attn_implementation out",
+        ),
         (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
         (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
         (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
@@ -81,15 +85,10 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
 def check_model_divides(cfg: Config, cp: int) -> None:
     """Each process attends with heads / N of the heads and KV heads: both must split evenly, and the attention
     must be plain causal softmax attention (what the varlen kernels compute over the whole rows)."""
-    from cloudtrain.models.load import load_config, read_config
+    from cloudtrain.models.load import trained_config
     from cloudtrain.models.prepare import varlen_misfit
 
-    if cfg.model.model_config:  # a preset or config.json (causal_lm pretraining)
-        from cloudtrain.tasks.causal_lm import model_config_file
-
-        config = load_config(model_config_file(cfg.model.model_config), cfg.model.trust_remote_code)
-    else:
-        config = read_config(cfg.model)
+    config = trained_config(cfg.model)
     text = config.get_text_config()
     heads = getattr(text, "num_attention_heads", None)
     sizes = {"attention heads": heads, "KV heads": getattr(text, "num_key_value_heads", None) or heads}

@@ -96,6 +96,9 @@ def ulysses_attention(
     """The AttentionInterface function: query [B, Hq, S/N, D], key/value [B, Hkv, S/N, D] -> ([B, S/N, Hq, D],
     None), over the whole rows; a forward of no cut batch attends locally (`varlen_attention`)."""
     bounds = kwargs.get("cu_seq_lens_q")
+    if _GROUP and module.training and not is_cut(bounds):
+        # each process would attend within its own slice only: wrong weights, no error
+        raise RuntimeError("context parallelism: a training forward was given no cut batch (trainer.move cuts it)")
     if not is_cut(bounds) or not _GROUP:
         return varlen_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs)
     group = _GROUP[0]

@@ -122,14 +122,9 @@ def supported_tasks() -> tuple[str, ...]:
 def check_model_divides(cfg: Config, tp: int) -> Any:
     """The model family has a plan in transformers, and its heads, KV heads and MLP width split evenly; returns the
     model's config."""
-    from cloudtrain.models.load import load_config, read_config
+    from cloudtrain.models.load import trained_config
 
-    if cfg.model.model_config:  # a preset or config.json (causal_lm pretraining)
-        from cloudtrain.tasks.causal_lm import model_config_file
-
-        config = load_config(model_config_file(cfg.model.model_config), cfg.model.trust_remote_code)
-    else:
-        config = read_config(cfg.model)
+    config = trained_config(cfg.model)
     family = getattr(config, "model_type", type(config).__name__)
     if not getattr(config, "base_model_tp_plan", None):
         raise UserError(
