@@ -93,14 +93,16 @@ def _kill_tree(self) -> None:
     would go on computing (or compiling) beside the rest of the suite."""
     import psutil
 
+    if self.poll() is not None:  # reaped: its pid may be another process's now
+        return
     try:
         below = psutil.Process(self.pid).children(recursive=True)
     except psutil.NoSuchProcess:
         below = []
+    _POPEN_KILL(self)  # the launcher first: it cannot start workers again
     for process in below:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
-    _POPEN_KILL(self)
 
 
 def pytest_configure(config):

@@ -22,6 +22,13 @@ def test_a_launch_out_of_time_is_killed_with_the_workers_in_their_own_sessions(t
         subprocess.run([sys.executable, "-c", LAUNCHER], stdout=sink, timeout=3)
     worker = int(out.read_text().split()[0])
     deadline = time.monotonic() + 10
-    while psutil.pid_exists(worker) and psutil.Process(worker).status() != psutil.STATUS_ZOMBIE:
+    while alive(worker):
         assert time.monotonic() < deadline, "the launcher's worker outlived it"
         time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
