@@ -119,9 +119,8 @@ def supported_tasks() -> tuple[str, ...]:
     return tuple(task.name for task in REGISTRY if task.tensor_parallel)
 
 
-def check_model_divides(cfg: Config, tp: int) -> Any:
-    """The model family has a plan in transformers, and its heads, KV heads and MLP width split evenly; returns the
-    model's config."""
+def check_model_divides(cfg: Config, tp: int) -> None:
+    """The model family has a plan in transformers, and its heads, KV heads and MLP width split evenly."""
     from cloudtrain.models.load import trained_config
 
     config = trained_config(cfg.model)
@@ -141,7 +140,6 @@ def check_model_divides(cfg: Config, tp: int) -> Any:
             raise UserError(
                 f"--tensor_parallel_size {tp} does not divide the model's {what} ({size}); choose a divisor of {size}"
             )
-    return config
 
 
 def check_embeddings_fit(tokenizer: Any, config: Any, tp: int) -> None:
