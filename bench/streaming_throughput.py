@@ -36,6 +36,7 @@ from pathlib import Path
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH), str(BENCH.parent / "src")]
 
+from interleave import spread  # noqa: E402  (how far the pairs scatter)
 from streaming_bench import make_corpus, make_tokenizer  # noqa: E402
 
 
@@ -94,18 +95,6 @@ def block(path: tuple, steps: int) -> dict:
         "waits_per_step": sum(s["waits"] for s in taken) / steps,
         "preempted_per_step": sum(s["preempted"] for s in taken) / steps,
         "load": os.getloadavg()[0],
-    }
-
-
-def spread(values: list[float]) -> dict:
-    """Median, quartiles, min and max (rounded): how far the pairs scatter."""
-    q = statistics.quantiles(values, n=4) if len(values) > 1 else [values[0]] * 3
-    return {
-        "median": round(statistics.median(values), 4),
-        "q1": round(q[0], 4),
-        "q3": round(q[2], 4),
-        "min": round(min(values), 4),
-        "max": round(max(values), 4),
     }
 
 
