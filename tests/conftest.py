@@ -436,6 +436,17 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "bench", run_bench)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Layers as small as the tests' run far faster on one thread than on 2 shared ones (convolutions ~30x)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def lm_documents(n: int, seed: int = 0) -> list[str]:
     """`n` short documents of uneven length (1-3 sentences of LM_TEXT)."""
     import random

@@ -16,14 +16,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.models.diffusion import load_text_to_image_model
 from cloudtrain.tasks.text_to_image import TextToImageTask
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Convolutions this small run ~30x slower on 2 threads than on 1 when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny layers run faster on one
 
 
 @pytest.fixture(scope="session")

@@ -17,16 +17,9 @@ from cloudtrain.errors import UserError
 from cloudtrain.models.diffusion import load_text_to_image_model
 from cloudtrain.tasks.text_to_image import TextToImageTask
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny layers run faster on one
+
 LORA_FILE = "pytorch_lora_weights.safetensors"
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Convolutions this small run far faster on one thread than on 2 shared ones."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
