@@ -45,20 +45,12 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
     cp = degree(cfg)
     if cp == 1:
         return
-    from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested
+    from cloudtrain.parallel.distributed import split_refusals
     from cloudtrain.registry import TASKS as REGISTRY
 
     t, d = cfg.training, cfg.distributed
-    refusals = [
-        (t.training_type != "accelerated", f"needs --training_type accelerated (this run is {t.training_type})"),
-        (
-            processes % cp != 0,
-            f"needs a multiple of {cp} processes, and this launch has {processes}: launch with torchrun "
-            f"--nproc_per_node {cp} (or {2 * cp}, ...)",
-        ),
+    refusals = split_refusals(cfg, cp, processes) + [
         (d.tensor_parallel_size > 1, "does not combine with --tensor_parallel_size yet; use one of the two"),
-        (deepspeed_requested(cfg), "does not combine with DeepSpeed ZeRO; drop --zero_stage/--deepspeed_config"),
-        (fsdp_requested(cfg) and not d.fsdp, "shards with FSDP through --fsdp true, not through an accelerate config"),
         (
             d.fsdp and d.fsdp_sharding_strategy == "hybrid_shard",
             "with --fsdp shards over every process: use --fsdp_sharding_strategy full_shard or shard_grad_op",
@@ -72,9 +64,6 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
             cfg.model.attn_implementation not in (None, "", "varlen"),
             "computes attention with its all-to-all over cloudtrain's varlen kernels: leave --attn_implementation out",
         ),
-        (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
-        (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
-        (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
     ]
     for refused, why in refusals:
         if refused:

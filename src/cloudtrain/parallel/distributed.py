@@ -320,6 +320,28 @@ def fsdp_shards(cfg: Config) -> bool:
     return strategy != "no_shard" and (shard > 1 or processes == 1)
 
 
+def split_refusals(cfg: Config, degree: int, processes: int) -> list[tuple[bool, str]]:
+    """The refusals tensor and context parallelism share (a degree splitting the model or its rows over groups
+    of `degree` processes): (refused, why) pairs, each `why` following the option's flag."""
+    t = cfg.training
+    return [
+        (t.training_type != "accelerated", f"needs --training_type accelerated (this run is {t.training_type})"),
+        (
+            processes % degree != 0,
+            f"needs a multiple of {degree} processes, and this launch has {processes}: launch with torchrun "
+            f"--nproc_per_node {degree} (or {2 * degree}, ...)",
+        ),
+        (deepspeed_requested(cfg), "does not combine with DeepSpeed ZeRO; drop --zero_stage/--deepspeed_config"),
+        (
+            fsdp_requested(cfg) and not cfg.distributed.fsdp,
+            "shards with FSDP through --fsdp true, not through an accelerate FSDP config",
+        ),
+        (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
+        (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
+        (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
+    ]
+
+
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
     from cloudtrain.parallel.context import check_context_parallel

@@ -59,23 +59,12 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
     tp = degree(cfg)
     if tp == 1:
         return
-    from cloudtrain.parallel.distributed import deepspeed_requested, fsdp_requested
+    from cloudtrain.parallel.distributed import split_refusals
     from cloudtrain.registry import TASKS as REGISTRY
 
     flag = f"--tensor_parallel_size {tp}"
     t, d = cfg.training, cfg.distributed
-    refusals = [
-        (t.training_type != "accelerated", f"needs --training_type accelerated (this run is {t.training_type})"),
-        (
-            processes % tp != 0,
-            f"needs a multiple of {tp} processes, and this launch has {processes}: launch with torchrun "
-            f"--nproc_per_node {tp} (or {2 * tp}, ...)",
-        ),
-        (deepspeed_requested(cfg), "does not combine with DeepSpeed ZeRO; drop --zero_stage/--deepspeed_config"),
-        (
-            fsdp_requested(cfg) and not cfg.distributed.fsdp,
-            "shards with FSDP through --fsdp true, not through an accelerate FSDP config",
-        ),
+    refusals = split_refusals(cfg, tp, processes) + [
         (
             cfg.distributed.fsdp
             and (
@@ -91,14 +80,11 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
             f"is supported for --task {', '.join(supported_tasks())} only (this run is {t.task})",
         ),
         (cfg.model.peft != "none", PEFT_REFUSAL),
-        (t.torch_compile, "does not combine with --torch_compile yet; leave it false"),
         (
             cfg.model.fused_cross_entropy == "true",
             "does not combine with --fused_cross_entropy true (the LM head is split); use false or auto",
         ),
         (t.mixed_precision == "fp16", "needs --mixed_precision bf16 or no (fp16's loss scaler is not wired here)"),
-        (t.per_device_train_batch_size == "auto", "needs a number for --per_device_train_batch_size, not auto"),
-        (cfg.data.streaming, "does not combine with --streaming yet; use stored rows"),
         (
             bool(cfg.model.model_config),
             "loads a saved model sharded, not one built from --model_config: save the model built from the config "
