@@ -15,9 +15,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM
 
-from cloudtrain.data.packing import CausalLMCollator, causal_lm_forward, shifted_loss
+from cloudtrain.data.packing import CausalLMCollator, causal_lm_forward, shifted_loss, target_loss
 from cloudtrain.parallel import sequence
-from cloudtrain.parallel.context import cut_batch, target_loss, unshard
+from cloudtrain.parallel.context import cut_batch, unshard
 
 
 def batches() -> dict[str, dict]:

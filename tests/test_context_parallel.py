@@ -27,8 +27,8 @@ from test_tensor_parallel import (  # noqa: F401  (corpus: the fixture)
     samples,
 )
 
-from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, shifted_loss
-from cloudtrain.parallel.context import cut_batch, target_loss, unshard, widen
+from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, shifted_loss, target_loss
+from cloudtrain.parallel.context import cut_batch, unshard, widen
 
 chats = test_sft_dist.chats  # conversations of uneven answer lengths, the fixture taken by name
 

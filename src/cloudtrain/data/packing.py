@@ -48,6 +48,7 @@ __all__ = [
     "pack",
     "pack_examples",
     "shifted_loss",
+    "target_loss",
 ]
 
 PACKING = ("none", "wrapped", "bfd")
@@ -243,12 +244,16 @@ def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tens
 
     Sums rather than a mean, so that batches and processes can be combined exactly by adding.
     """
-    targets = labels[:, 1:].to(logits.device)
-    predictions = logits[:, :-1].float()
-    total = F.cross_entropy(
-        predictions.reshape(-1, predictions.shape[-1]), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    return target_loss(logits[:, :-1], labels[:, 1:])
+
+
+def target_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Summed cross-entropy of each position's logits against its target, number of targets): targets already
+    shifted (a context-parallel slice's, whose sums over slices add up to the whole rows')."""
+    loss = F.cross_entropy(
+        logits.float().flatten(0, 1), targets.to(logits.device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
     )
-    return total, (targets != IGNORE_INDEX).sum()
+    return loss, (targets != IGNORE_INDEX).sum()
 
 
 def _vocab_size(model: Any) -> int:  # a transformers model, or a PeftModel around one

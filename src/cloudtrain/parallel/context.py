@@ -14,17 +14,14 @@ This module holds the refusals, the mesh, the cut and the runtime; why Ulysses a
 limits: docs/parallelism.md.
 """
 
-from typing import Any
-
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather, recursively_apply
 
 from cloudtrain.config import Config
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.errors import UserError
 from cloudtrain.parallel.mesh import Mesh
-from cloudtrain.parallel.runtime import Runtime
+from cloudtrain.parallel.runtime import GroupRuntime, Runtime
 
 
 def degree(cfg: Config) -> int:
@@ -32,12 +29,9 @@ def degree(cfg: Config) -> int:
 
 
 def context_mesh(cfg: Config, processes: int) -> Mesh:
-    """The launch's processes as (data-parallel replicas, or FSDP2 shards with --fsdp) x (context-parallel group)."""
-    cp = degree(cfg)
-    dp = max(processes // cp, 1)
-    if cfg.distributed.fsdp:  # FSDP2 shards over every process: the tokens a process holds do not matter to it
-        return Mesh(world=processes, dp_shard=dp, cp=cp)
-    return Mesh(world=processes, dp_replicate=dp, cp=cp)
+    """The launch's processes as (data-parallel replicas, or FSDP2 shards with --fsdp) x (context-parallel group);
+    FSDP2 shards over every process: the tokens a process holds do not matter to it."""
+    return Mesh.split(processes, sharded=cfg.distributed.fsdp, cp=degree(cfg))
 
 
 def check_context_parallel(cfg: Config, processes: int) -> None:
@@ -150,31 +144,17 @@ def unshard(parts: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat(parts, dim=1)
 
 
-def target_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed cross-entropy, number of targets) of a slice: the slices' sums add up to the whole rows'."""
-    loss = torch.nn.functional.cross_entropy(
-        logits.float().flatten(0, 1), targets.to(logits.device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
-    )
-    return loss, (targets != IGNORE_INDEX).sum()
-
-
 # ------------------------------------------------------------ the runtime
-class ContextParallelRuntime(Runtime):
-    """The accelerate runtime on a (data parallel, cp) mesh: rank = data-parallel index x cp + cp rank, so a
-    group's processes are neighbours (on one node where they fit: the attention's all-to-all is per layer).
+class ContextParallelRuntime(GroupRuntime):
+    """The accelerate runtime on a (data parallel, cp) mesh (neighbours: the attention's all-to-all is per layer).
     `share_rows` tells accelerate's loaders the mesh (a group's processes then take the same rows); `gather`
-    adds a group's per-row partial sums, each row once."""
+    adds a group's per-row partial sums (sums over a slice's targets: loss and count), each row once."""
+
+    dim = "cp"
 
     def __init__(self, accelerator: Accelerator, cp: int, data_parallel: str = "dp_replicate"):
-        super().__init__(accelerator)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.cp = cp
-        self.data_mesh = init_device_mesh(
-            self.device.type, (self.count // cp, cp), mesh_dim_names=(data_parallel, "cp")
-        )
+        super().__init__(accelerator, cp, data_parallel)
         self.cp_group = self.data_mesh.get_group("cp")
-        self.cp_rank = self.data_mesh.get_local_rank("cp")
 
     def share_rows(self) -> None:
         """Read by accelerate's prepare_data_loader; set after the model is prepared (FSDP2 would take its
@@ -185,22 +165,12 @@ class ContextParallelRuntime(Runtime):
     def cut(self, batch: dict) -> dict:
         from cloudtrain.parallel import sequence
 
-        out = cut_batch(batch, self.cp, self.cp_rank)
+        out = cut_batch(batch, self.degree, self.group_rank)
         sequence.mark_cut(out["cu_seqlens"])
         return out
 
-    def gather(self, tensors: Any) -> Any:
-        """Per-row values of cut batches (sums over a slice's targets: loss and count), added over each group."""
-        assert self.accelerator is not None  # built with one
-        state, every = self.accelerator.gradient_state, gather(tensors)
-
-        def once(tensor: torch.Tensor) -> torch.Tensor:
-            rows = tensor.reshape(self.count // self.cp, self.cp, -1, *tensor.shape[1:]).sum(dim=1).flatten(0, 1)
-            if state.end_of_dataloader and state.remainder > 0:  # the last batch's padding rows
-                rows = rows[: state.remainder]
-            return rows
-
-        return recursively_apply(once, every)
+    def combine(self, grouped: torch.Tensor) -> torch.Tensor:
+        return grouped.sum(dim=1)
 
 
 def launch_runtime(accelerator: Accelerator, cfg: Config) -> Runtime:

@@ -30,6 +30,14 @@ class Mesh:
         """Whether the degrees multiply to the launch's processes (a launch that does not fit is refused)."""
         return self.data_parallel * self.pp * self.tp * self.cp == self.world
 
+    @classmethod
+    def split(cls, world: int, sharded: bool, **group: int) -> "Mesh":
+        """`world` processes as groups that take the same rows (`tp=N` or `cp=N`) x data-parallel processes that
+        replicate the states, or shard them (`sharded`: FSDP2)."""
+        (degree,) = group.values()
+        data_parallel = max(world // degree, 1)
+        return cls(world=world, **group, **{"dp_shard" if sharded else "dp_replicate": data_parallel})
+
     def degrees(self) -> dict[str, int]:
         """The degrees above 1 (and the world), as stored with a checkpoint."""
         return {k: v for k, v in asdict(self).items() if k == "world" or v > 1}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
-from accelerate.utils import broadcast_object_list, gather_object
+from accelerate.utils import broadcast_object_list, gather, gather_object, recursively_apply
 
 from cloudtrain.config import Config
 from cloudtrain.parallel.mesh import Mesh
@@ -121,6 +121,41 @@ class Runtime:
     def run_on_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on the main process only; its result on every process."""
         return self.share(fn() if self.is_main else None)
+
+
+class GroupRuntime(Runtime):
+    """The accelerate runtime on a (data parallel, group) mesh, where a group's processes take the same rows
+    (tensor or context parallelism): rank = data-parallel index x degree + group rank, so a group's processes
+    are neighbours (on one node where they fit). `gather` keeps each row once, `combine`d over its group."""
+
+    dim = ""  # the group's mesh dimension: "tp" or "cp"
+
+    def __init__(self, accelerator: Accelerator, degree: int, data_parallel: str = "dp_replicate"):
+        super().__init__(accelerator)
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.degree = degree
+        self.data_mesh = init_device_mesh(
+            self.device.type, (self.count // degree, degree), mesh_dim_names=(data_parallel, self.dim)
+        )
+        self.group_rank: int = self.data_mesh.get_local_rank(self.dim)
+
+    def combine(self, grouped: torch.Tensor) -> torch.Tensor:
+        """[data-parallel, degree, rows, ...] -> [data-parallel, rows, ...]: a group's values of each row as one."""
+        raise NotImplementedError
+
+    def gather(self, tensors: Any) -> Any:
+        assert self.accelerator is not None  # built with one
+        state, every = self.accelerator.gradient_state, gather(tensors)  # in process order
+
+        def once(tensor: torch.Tensor) -> torch.Tensor:
+            grouped = tensor.reshape(self.count // self.degree, self.degree, -1, *tensor.shape[1:])
+            rows = self.combine(grouped).flatten(0, 1)
+            if state.end_of_dataloader and state.remainder > 0:  # the last batch's padding rows
+                rows = rows[: state.remainder]
+            return rows
+
+        return recursively_apply(once, every)
 
 
 class PipelineRuntime(Runtime):

@@ -18,12 +18,11 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import gather, recursively_apply
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 from cloudtrain.parallel.mesh import Mesh
-from cloudtrain.parallel.runtime import Runtime
+from cloudtrain.parallel.runtime import GroupRuntime, Runtime
 
 SHARDS = "tensor_parallel"
 # PEFT 0.21 builds a row-split layer's adapter (lora_A) at the local input width, and transformers 5.23's rowwise
@@ -47,11 +46,7 @@ def shards_states(cfg: Config) -> bool:
 
 def tensor_mesh(cfg: Config, processes: int) -> Mesh:
     """The launch's processes as (data-parallel replicas or shards) x (tensor-parallel group)."""
-    tp = degree(cfg)
-    dp = max(processes // tp, 1)
-    if shards_states(cfg):
-        return Mesh(world=processes, dp_shard=dp, tp=tp)
-    return Mesh(world=processes, dp_replicate=dp, tp=tp)
+    return Mesh.split(processes, sharded=shards_states(cfg), tp=degree(cfg))
 
 
 def check_tensor_parallel(cfg: Config, processes: int) -> None:
@@ -157,32 +152,18 @@ def load_options(cfg: Config, processes: int) -> dict:
     return {"distributed_config": DistributedConfig(tp_size=tp, dp_replicate_size=dp)}
 
 
-class TensorParallelRuntime(Runtime):
+class TensorParallelRuntime(GroupRuntime):
     """The accelerate runtime, told the (dp_replicate, tp) mesh: its loaders give a tensor-parallel group the
     same rows, and `gather` keeps each row once (from the first process of each group)."""
 
+    dim = "tp"
+
     def __init__(self, accelerator: Accelerator, tp: int, data_parallel: str = "dp_replicate"):
-        super().__init__(accelerator)
-        from torch.distributed.device_mesh import init_device_mesh
-
-        self.tp = tp
-        self.data_mesh = init_device_mesh(
-            self.device.type, (self.count // tp, tp), mesh_dim_names=(data_parallel, "tp")
-        )
+        super().__init__(accelerator, tp, data_parallel)
         accelerator.state.device_mesh = self.data_mesh  # read by accelerate's prepare_data_loader
-        self.tp_rank = self.data_mesh.get_local_rank("tp")
 
-    def gather(self, tensors: Any) -> Any:
-        assert self.accelerator is not None  # built with one
-        state, every = self.accelerator.gradient_state, gather(tensors)  # process order: rank = dp x tp + tp_rank
-
-        def once(tensor: torch.Tensor) -> torch.Tensor:
-            rows = tensor.reshape(self.count // self.tp, self.tp, -1, *tensor.shape[1:])[:, 0].flatten(0, 1)
-            if state.end_of_dataloader and state.remainder > 0:  # the last batch's padding rows
-                rows = rows[: state.remainder]
-            return rows
-
-        return recursively_apply(once, every)
+    def combine(self, grouped: torch.Tensor) -> torch.Tensor:
+        return grouped[:, 0]
 
 
 def launch_runtime(accelerator: Accelerator, cfg: Config) -> Runtime:
@@ -252,4 +233,4 @@ def is_tensor_parallel(runtime: Runtime) -> bool:
 
 
 def tp_rank(runtime: Runtime) -> int:
-    return runtime.tp_rank if isinstance(runtime, TensorParallelRuntime) else 0
+    return runtime.group_rank if isinstance(runtime, TensorParallelRuntime) else 0

@@ -42,6 +42,7 @@ from cloudtrain.data.packing import (
     isolation_error,
     pack,
     shifted_loss,
+    target_loss,
 )
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
@@ -57,7 +58,6 @@ from cloudtrain.models.load import (
     read_config,
     resolve_model_path,
 )
-from cloudtrain.parallel.context import target_loss
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import DecoderTask
