@@ -132,6 +132,7 @@ class NoLoss(nn.Module):
         ({"model_name_or_path": "gpt2"}, "model= is the model"),
         ({"train_dataset": [{"x": [1.0]}]}, "rows must be dicts of tensors"),
         ({"model": NoLoss()}, "it must return the batch's loss"),
+        ({"training_type": "pipeline"}, "--training_type pipeline trains decoders"),
     ],
 )
 def test_what_does_not_apply_is_refused_in_one_line(tmp_path, options, says):

@@ -401,8 +401,6 @@ def check_streaming(cfg: Any) -> None:
         raise UserError("--streaming true needs a budget: --max_steps N or --max_tokens N (a stream has no length)")
     if t.per_device_train_batch_size == "auto":
         raise UserError("--streaming true needs a fixed --per_device_train_batch_size (auto probes stored rows)")
-    if cfg.training.training_type == "pipeline":
-        raise UserError("--streaming true runs under the basic and accelerate trainers, not --training_type pipeline")
 
 
 def stream_plan(raw: Any, cfg: Any, encode: Encoder, collator: Callable) -> tuple[StreamPlan, list[dict] | None]:

@@ -325,7 +325,6 @@ def split_refusals(cfg: Config, degree: int, processes: int) -> list[tuple[bool,
     of `degree` processes): (refused, why) pairs, each `why` following the option's flag."""
     t = cfg.training
     return [
-        (t.training_type != "accelerated", f"needs --training_type accelerated (this run is {t.training_type})"),
         (
             processes % degree != 0,
             f"needs a multiple of {degree} processes, and this launch has {processes}: launch with torchrun "

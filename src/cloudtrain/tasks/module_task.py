@@ -107,8 +107,6 @@ class ModuleTask(Task):
             (h.push_to_hub, "--push_to_hub: a plain module has no Hub format (config, card); push its folder yourself"),
             (t.per_device_train_batch_size == "auto", "--per_device_train_batch_size auto probes transformers "
              "models only; give a number for your own module"),
-            (t.training_type == "pipeline", "--training_type pipeline cuts transformers decoders into stages; "
-             "use basic or accelerated for your own module"),
             (m.gradient_checkpointing and not isinstance(self.module, PreTrainedModel),
              "--gradient_checkpointing needs a transformers model; use torch.utils.checkpoint in your module"),
             (m.attn_implementation and not isinstance(self.module, PreTrainedModel),

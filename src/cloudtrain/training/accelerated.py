@@ -49,6 +49,7 @@ from cloudtrain.training.weights import load_trainable_state, trainable_state, t
 class AcceleratedTrainer(Trainer):
     name = "accelerated"
     summary = "Hugging Face accelerate (DDP, DeepSpeed, FSDP)"
+    own_options = ("tensor_parallel_size", "context_parallel_size")  # groups of processes over its device mesh
 
     @classmethod
     def mesh(cls, cfg: Config, processes: int) -> Mesh:

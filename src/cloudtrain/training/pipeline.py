@@ -153,6 +153,10 @@ class PipelineTrainer(Trainer):
             ),
             (t.torch_compile, "--torch_compile does not apply to pipeline stages; remove it"),
             (
+                cfg.data.streaming,
+                "--streaming true runs under --training_type basic and accelerated, not pipeline; use stored rows",
+            ),
+            (
                 t.per_device_train_batch_size == "auto",
                 "--per_device_train_batch_size auto probes one process's model, not a pipeline's stages: give a number",
             ),
