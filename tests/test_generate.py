@@ -1,6 +1,8 @@
 """The `generate` command and `generate_texts`: greedy and sampled continuations of tiny random decoders.
 
-`run` is driven through a parser built here (the command's own add_arguments), stdout captured by capsys.
+The command (cloudtrain.commands.generate: its options and checks, then cloudtrain.generate.run) is driven through
+a parser built here with its own add_arguments, stdout captured by capsys; tests patch the transformers classes
+where cloudtrain.generate uses them.
 """
 
 import logging
@@ -11,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TextStreamer
 
 from cloudtrain import generate
+from cloudtrain.commands import generate as command
 from cloudtrain.config import _Parser
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
@@ -20,7 +23,7 @@ PROMPTS = ["Once upon a time", "The frog said:"]
 
 def parse(*argv: str):
     parser = _Parser(prog="generate")
-    generate.add_arguments(parser)
+    command.add_arguments(parser)
     return parser.parse_args(list(argv))
 
 
@@ -168,7 +171,7 @@ def test_run_streams_each_prompt_and_its_continuation(tiny_llama_dir, llama, tmp
             super().on_finalized_text(text, stream_end)
 
     monkeypatch.setattr(generate, "TextStreamer", Recording)
-    generate.run(
+    command.run(
         parse(
             "--model_dir",
             tiny_llama_dir,
@@ -216,9 +219,9 @@ def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):
         "--device",
         "cpu",
     ]
-    generate.run(parse(*argv))
+    command.run(parse(*argv))
     first = capsys.readouterr().out
-    generate.run(parse(*argv))
+    command.run(parse(*argv))
     assert capsys.readouterr().out == first
     expected = []
     for prompt in PROMPTS:  # seeded before each prompt
@@ -228,7 +231,7 @@ def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):
             + generate_texts(model, tokenizer, [prompt], max_new_tokens=10, do_sample=True, temperature=3.0, top_k=0)[0]
         )
     assert first == f"\n{generate.SEPARATOR}\n".join(expected) + "\n"
-    generate.run(parse(*argv[:-4], "--do_sample", "false", "--device", "cpu"))
+    command.run(parse(*argv[:-4], "--do_sample", "false", "--device", "cpu"))
     assert capsys.readouterr().out != first
 
 
@@ -279,7 +282,7 @@ def nothing_loaded(monkeypatch):
 )
 def test_bad_options_are_refused_before_loading(tiny_llama_dir, nothing_loaded, extra, match):
     with pytest.raises(UserError, match=match) as err:
-        generate.run(parse("--model_dir", tiny_llama_dir, "--prompt", "hi", *extra))
+        command.run(parse("--model_dir", tiny_llama_dir, "--prompt", "hi", *extra))
     assert "\n" not in str(err.value)
 
 
@@ -288,7 +291,7 @@ def test_bad_model_dirs_are_refused_before_loading(
 ):
     def error(model_dir: str, *extra: str) -> str:
         with pytest.raises(UserError) as err:
-            generate.run(parse("--model_dir", model_dir, *extra))
+            command.run(parse("--model_dir", model_dir, *extra))
         assert "\n" not in str(err.value)
         return str(err.value)
 
@@ -317,7 +320,7 @@ def test_a_prompt_past_the_context_length_is_refused(tiny_gpt2_dir):
         match="prompt 2 is .* tokens; with --max_new_tokens 255 that exceeds the model's "
         "context length of 256; shorten it or lower --max_new_tokens",
     ):
-        generate.run(
+        command.run(
             parse(
                 "--model_dir",
                 tiny_gpt2_dir,
@@ -338,7 +341,7 @@ def test_run_on_cuda_in_bf16(tiny_llama_dir, capsys):
     model, tokenizer = generate.load(tiny_llama_dir, torch.device("cuda"))
     assert model.device.type == "cuda" and model.dtype == torch.bfloat16 and not model.training
     texts = generate_texts(model, tokenizer, PROMPTS, max_new_tokens=10)
-    generate.run(
+    command.run(
         parse(
             "--model_dir",
             tiny_llama_dir,

@@ -10,8 +10,10 @@
 `cloudtrain` is the installed console script; `python src/training_application.py` (the SageMaker
 entry script) and `python -m cloudtrain` run the same `main`.
 
-Each command other than train is a module with `add_arguments(parser)` and `run(args)`, imported
-only when used. User mistakes print one `error:` line and exit with status 2; no traceback.
+Each command other than train is a light module with `add_arguments(parser)` and `run(args)`, imported only
+when used (cloudtrain.commands.<name>; preprocess's is cloudtrain.data.preprocess): its `run` imports what does
+the work (torch, transformers, huggingface_hub) only once the options are valid, so that `--help` and a refused
+option answer at once. User mistakes print one `error:` line and exit with status 2; no traceback.
 """
 
 import importlib
@@ -23,14 +25,14 @@ from cloudtrain.config import _fields, _Parser, add_config_arguments, config_fro
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.redact import mask, scrub_argv
 
-COMMANDS = {  # name: (module, one-line description)
-    "predict": ("cloudtrain.predict", "Classify texts with a saved model."),
-    "generate": ("cloudtrain.generate", "Continue prompts with a saved causal language model."),
-    "push": ("cloudtrain.publish.hub", "Upload an existing output dir to the Hugging Face Hub."),
-    "plan": ("cloudtrain.planning.command", "Estimate memory per GPU and pick a distributed strategy."),
+COMMANDS = {  # name: (its light module: add_arguments and run, one-line description)
+    "predict": ("cloudtrain.commands.predict", "Classify texts with a saved model."),
+    "generate": ("cloudtrain.commands.generate", "Continue prompts with a saved causal language model."),
+    "push": ("cloudtrain.commands.push", "Upload an existing output dir to the Hugging Face Hub."),
+    "plan": ("cloudtrain.commands.plan", "Estimate memory per GPU and pick a distributed strategy."),
     "preprocess": ("cloudtrain.data.preprocess", "Tokenize a corpus once into Parquet shards for --streaming true."),
     "merge": (
-        "cloudtrain.models.adapters",
+        "cloudtrain.commands.merge",
         "Merge a trained adapter (--peft) into its base model: <output_dir>/merged.",
     ),
 }

@@ -6,7 +6,7 @@
 Prints one JSON line per text: {"text", "label", "score"}; --output_file writes them to a file.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column.
 A model that needs its own code (auto_map) loads only with --trust_remote_code true; nothing asks on
-standard input.
+standard input. The options are cloudtrain.commands.predict's; `run` is the command once they parsed.
 """
 
 import argparse
@@ -17,49 +17,10 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForSequenceClassification
 
+from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.saving import adapter_config, holds_model, is_adapter_dir, write_jsonl
-
-DEFAULT_MAX_LENGTH = 512
-
-
-def true_or_false(value: str) -> bool:
-    """An argparse type for explicit booleans (`--trust_remote_code true`)."""
-    from cloudtrain.config import parse_bool
-
-    try:
-        return parse_bool(value)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--trust_remote_code",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="true|false",
-        help="Run the model's own Python code (auto_map in its config) to load it; read that code first "
-        "(default: false, such a model is refused).",
-    )
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model_dir", required=True, help="A directory written by the training application.")
-    parser.add_argument("--text", action="append", default=[], help="A text to classify (repeatable).")
-    parser.add_argument("--input_file", help="A .txt file (one text per line) or a csv/tsv/json/jsonl file.")
-    parser.add_argument("--text_column", default="text", help="Column of --input_file holding the texts.")
-    parser.add_argument("--output_file", help="Write the JSON lines here instead of printing them.")
-    parser.add_argument("--batch_size", type=int, default=32, help="Texts per forward pass (default: 32).")
-    parser.add_argument(
-        "--max_length",
-        type=int,
-        help=f"Truncate texts to this many tokens (default: {DEFAULT_MAX_LENGTH}, or the model's context if shorter).",
-    )
-    add_trust_remote_code(parser)
 
 
 def read_texts(path: str, column: str) -> list[str]:

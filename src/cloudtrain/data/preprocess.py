@@ -223,9 +223,9 @@ def _parquet(table: Any) -> bytes:
 
 
 def run(args: argparse.Namespace) -> None:
-    from cloudtrain.models.load import read_tokenizer
-
     _check(args)
+    from cloudtrain.models.load import read_tokenizer  # transformers and torch: only once the options are valid
+
     spec = _source(args)
     out = Output(args.output_dir)
     tokenizer = read_tokenizer(args.tokenizer_name_or_path, trust_remote_code=False)

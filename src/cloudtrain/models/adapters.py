@@ -1,4 +1,5 @@
-"""Parameter-efficient fine-tuning through PEFT (`--peft lora|dora|qlora`), and the `merge` command.
+"""Parameter-efficient fine-tuning through PEFT (`--peft lora|dora|qlora`), and the `merge` command (`run`; its options
+are cloudtrain.commands.merge's).
 
     python src/training_application.py --peft lora [--lora_r 16 --lora_alpha 32 --lora_target_modules all-linear]
     python src/training_application.py merge --output_dir DIR      # writes DIR/merged, a plain transformers model
@@ -299,13 +300,6 @@ def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
     vocab = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
     ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
     return {"input_ids": ids.to(model.device), "attention_mask": torch.ones_like(ids).to(model.device)}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from cloudtrain.predict import add_trust_remote_code
-
-    parser.add_argument("--output_dir", required=True, help="The output directory of a training run with --peft.")
-    add_trust_remote_code(parser)
 
 
 def run(args: argparse.Namespace) -> None:

@@ -6,6 +6,8 @@
 The training options it takes (the model, the batch, the sequence length, the precision, the adapters) are the
 application's own flags, with their help and defaults (cloudtrain.config.add_config_option); the rest say what
 it plans for (GPUs, nodes, their memory) and narrow the search. How it estimates: docs/planner-formulas.md.
+The options are cloudtrain.commands.plan's (parsed without importing the planner); `run` is the command once
+they parsed.
 """
 
 import argparse
@@ -14,11 +16,10 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
+from cloudtrain.commands.plan import TRAINING_OPTIONS, add_arguments  # noqa: F401 (cloudtrain.planning exports them)
 from cloudtrain.config import (
-    PEFT_METHODS,
     Config,
     TrainingConfig,
-    add_config_option,
     build_config,
     differs_from_default,
 )
@@ -27,7 +28,7 @@ from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.models.diffusion import read_model_index
 from cloudtrain.parallel.distributed import Sharding
-from cloudtrain.planning.accelerators import GPUS, Gpu, gpu_by_name
+from cloudtrain.planning.accelerators import Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
 from cloudtrain.planning.diffusion import plan as pipeline_plan
 from cloudtrain.planning.diffusion import render as render_pipeline
@@ -51,7 +52,6 @@ from cloudtrain.planning.search import (
 )
 from cloudtrain.planning.strategies import (
     CHECKPOINTING_COST,
-    MODEL_PARALLEL,
     PIPELINE,
     STRATEGIES,
     Candidate,
@@ -61,83 +61,6 @@ from cloudtrain.planning.strategies import (
 from cloudtrain.planning.writers import launch_command, write_configs
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task
-
-# the training options `plan` takes, as the application defines them (in this order in --help)
-TRAINING_OPTIONS = (
-    "task",
-    "model_name_or_path",
-    "model_config",
-    "tokenizer_name_or_path",
-    "trust_remote_code",
-    "attn_implementation",
-    "packing",
-    "fused_cross_entropy",
-    "per_device_train_batch_size",
-    "max_length",
-    "mixed_precision",
-    "global_batch_size",
-    "lora_r",
-    "lora_target_modules",
-    "lora_dropout",
-    "preference_loss",
-    "precompute_reference",
-    "resolution",
-    "train_text_encoder",
-)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    training = parser.add_argument_group("training options (the application's: the run to plan for)")
-    for name in TRAINING_OPTIONS:
-        add_config_option(training, name)
-    plan = parser.add_argument_group("plan options")
-    plan.add_argument("--num_labels", type=int, default=2, help="Classes of the classification head (default: 2).")
-    plan.add_argument("--num_gpus", type=int, default=1, help="GPUs per node (default: 1).")
-    plan.add_argument("--num_nodes", type=int, default=1, help="Nodes (default: 1).")
-    plan.add_argument(
-        "--gpu",
-        default=None,
-        help=f"The GPU by name, for its memory: {', '.join(GPUS)} (MI250: per die, two per card).",
-    )
-    plan.add_argument(
-        "--gpu_memory_gb", type=float, default=None, help="Memory of one GPU in GiB, e.g. 24 or 80 (wins over --gpu)."
-    )
-    plan.add_argument(
-        "--cpu_memory_gb",
-        type=float,
-        default=None,
-        help="CPU memory per node in GiB; offload plans needing more do not fit (default: unchecked).",
-    )
-    plan.add_argument(
-        "--nvme_gb",
-        type=float,
-        default=None,
-        help="Local NVMe disk per node in GiB for ZeRO-Infinity's swap files; NVMe rows fit only within it "
-        "(default: no NVMe disk, those rows do not fit).",
-    )
-    plan.add_argument(
-        "--strategy",
-        choices=["auto"] + [s.key for s in STRATEGIES] + [PIPELINE.key] + [s.key for s in MODEL_PARALLEL],
-        default="auto",
-        help="Emit the configs for this strategy instead of the fastest that fits; pipeline: the fastest "
-        "pipeline + data parallel row; tp, tp_fsdp: the fastest tensor-parallel row (replicated groups, or with "
-        "FSDP2); cp_fsdp: the fastest context-parallel row (with FSDP2) (default: auto).",
-    )
-    plan.add_argument(
-        "--gradient_checkpointing",
-        choices=["auto", "true", "false"],
-        default="auto",
-        help="Only consider plans with (true) or without (false) checkpointing (default: auto).",
-    )
-    plan.add_argument(
-        "--peft",
-        choices=("auto",) + PEFT_METHODS,
-        default="auto",
-        help="auto: full fine-tuning if any strategy fits it, else LoRA, else QLoRA; none: full "
-        "fine-tuning only; lora, dora or qlora: only those adapters (default: auto).",
-    )
-    plan.add_argument("--output_dir", default="plan", help="Where the configs are written (default: ./plan).")
-    plan.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
 
 
 def _check(args: argparse.Namespace) -> None:

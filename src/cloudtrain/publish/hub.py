@@ -35,7 +35,7 @@ import httpx2  # huggingface_hub's HTTP client: its transport errors mean "the H
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
-from cloudtrain.config import Config, HubConfig, build_config, parse_bool
+from cloudtrain.config import Config, HubConfig, build_config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
@@ -327,26 +327,7 @@ class HubUploader:
             raise UserError(f"{len(failed)} of {len(queued)} background Hub uploads failed; first: {err}")
 
 
-# ---------------------------------------------------------------- the `push` command
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output_dir", required=True, help="A directory written by the training application.")
-    parser.add_argument(
-        "--hub_model_id",
-        help="Hub repository <user or org>/<name> (default: the hub_model_id in <output_dir>/args.json).",
-    )
-    parser.add_argument("--hub_token", help="Hub token; prefer HF_TOKEN or --hub_token_file (never saved).")
-    parser.add_argument("--hub_token_file", help="A file holding the Hub token (default: HF_TOKEN, else the login).")
-    parser.add_argument(
-        "--hub_private_repo",
-        type=parse_bool,
-        nargs="?",
-        const=True,
-        metavar="true|false",
-        help="Create the repository as private (default: as in args.json).",
-    )
-    parser.add_argument("--hub_revision", help="Branch to push to (default: as in args.json, else main).")
+# ---------------------------------------------------------------- the `push` command (its options: commands.push)
 
 
 def run(args: argparse.Namespace) -> None:

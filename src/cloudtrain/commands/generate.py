@@ -1,0 +1,127 @@
+"""`cloudtrain generate`: its options, and the checks of their values. cloudtrain.generate loads the model and
+generates."""
+
+import argparse
+
+from cloudtrain.commands import add_trust_remote_code, true_or_false
+from cloudtrain.errors import UserError
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model_dir",
+        required=True,
+        help="A directory written by the training application holding a causal language model.",
+    )
+    parser.add_argument(
+        "--prompt",
+        action="append",
+        default=[],
+        help="A text to continue (repeatable; an empty prompt starts from the BOS token).",
+    )
+    parser.add_argument(
+        "--input_file",
+        help="A .txt file with one prompt per line (blank lines skipped), "
+        "or a csv/tsv/json/jsonl file with a --text_column.",
+    )
+    parser.add_argument(
+        "--text_column", default="text", help="Column of --input_file holding the prompts (default: text)."
+    )
+    parser.add_argument(
+        "--max_new_tokens",
+        type=int,
+        default=100,
+        help="Tokens to generate per prompt, at most (default: 100; fewer if the model ends the text).",
+    )
+    parser.add_argument(
+        "--do_sample",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Sample the next token (true) or take the most likely one (false: greedy, the default).",
+    )
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=1.0,
+        help="With --do_sample true: divide the logits by this (> 0; below 1 is more conservative, "
+        "above 1 more varied; default: 1.0).",
+    )
+    parser.add_argument(
+        "--top_k",
+        type=int,
+        default=50,
+        help="With --do_sample true: sample among the k most likely tokens only (0: no limit; default: 50).",
+    )
+    parser.add_argument(
+        "--top_p",
+        type=float,
+        default=1.0,
+        help="With --do_sample true: sample among the most likely tokens whose probabilities add up "
+        "to p (0 < p <= 1; 1.0, the default, turns it off).",
+    )
+    parser.add_argument(
+        "--repetition_penalty",
+        type=float,
+        default=1.0,
+        help="Penalise tokens already in the text (> 0; 1.0, the default, turns it off; 1.1-1.3 is typical).",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=42, help="Seed of the random generator, set before each prompt (default: 42)."
+    )
+    parser.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="auto",
+        help="Where to run: auto (a CUDA GPU if one is visible, else the CPU), cpu or cuda.",
+    )
+    parser.add_argument(
+        "--chat",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="An interactive conversation in the terminal with a chat model (its tokenizer has a "
+        "chat template): /reset clears the history, /exit or Ctrl-D quits.",
+    )
+    parser.add_argument(
+        "--raw",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Continue the prompts as plain text even when the model has a chat template "
+        "(default: false, prompts are user messages).",
+    )
+    parser.add_argument("--system_prompt", help="With a chat template: a system message put before the conversation.")
+    add_trust_remote_code(parser)
+
+
+def check_options(args: argparse.Namespace) -> None:
+    """The numeric options are in range; one UserError naming the fix otherwise."""
+    if args.max_new_tokens < 1:
+        raise UserError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.temperature > 0:
+        raise UserError(
+            f"--temperature must be greater than 0, got {args.temperature}; "
+            "for deterministic output use --do_sample false instead"
+        )
+    if not 0 < args.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1], got {args.top_p}; 1.0 turns it off")
+    if args.top_k < 0:
+        raise UserError(f"--top_k must be 0 (no limit) or more, got {args.top_k}")
+    if not args.repetition_penalty > 0:
+        raise UserError(f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; 1.0 turns it off")
+
+
+def run(args: argparse.Namespace) -> None:
+    check_options(args)
+    from cloudtrain import generate  # torch and transformers: only once the options are valid
+
+    generate.run(args)

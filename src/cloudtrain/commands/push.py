@@ -1,0 +1,30 @@
+"""`cloudtrain push`: its options. cloudtrain.publish.hub uploads the output dir."""
+
+import argparse
+
+from cloudtrain.commands import true_or_false
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--output_dir", required=True, help="A directory written by the training application.")
+    parser.add_argument(
+        "--hub_model_id",
+        help="Hub repository <user or org>/<name> (default: the hub_model_id in <output_dir>/args.json).",
+    )
+    parser.add_argument("--hub_token", help="Hub token; prefer HF_TOKEN or --hub_token_file (never saved).")
+    parser.add_argument("--hub_token_file", help="A file holding the Hub token (default: HF_TOKEN, else the login).")
+    parser.add_argument(
+        "--hub_private_repo",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        metavar="true|false",
+        help="Create the repository as private (default: as in args.json).",
+    )
+    parser.add_argument("--hub_revision", help="Branch to push to (default: as in args.json, else main).")
+
+
+def run(args: argparse.Namespace) -> None:
+    from cloudtrain.publish import hub  # huggingface_hub: only once the options parsed
+
+    hub.run(args)
