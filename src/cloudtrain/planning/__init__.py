@@ -6,10 +6,11 @@
 - `search`: the candidates' rows, the choice and its reasons, and the micro-batch of a training run's `auto`;
 - `writers`: the accelerate/DeepSpeed configs and the launch command of the choice (no option parsing);
 - `report`: the plan as JSON and as a table;
-- `command`: the `plan` command, its options (the training ones shared with the application) and its run.
+- `command`: the `plan` command's run (its options: cloudtrain.commands.plan, parsed without torch).
 """
 
-from cloudtrain.planning.command import TRAINING_OPTIONS, add_arguments, make_plan, run
+from cloudtrain.commands.plan import TRAINING_OPTIONS, add_arguments
+from cloudtrain.planning.command import make_plan, run
 from cloudtrain.planning.facts import (
     AdapterFacts,
     LoraSpec,

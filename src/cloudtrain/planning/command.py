@@ -16,7 +16,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
-from cloudtrain.commands.plan import TRAINING_OPTIONS, add_arguments  # noqa: F401 (cloudtrain.planning exports them)
 from cloudtrain.config import (
     Config,
     TrainingConfig,
