@@ -104,6 +104,7 @@ def test_sft_shards_stream_the_examples_with_their_answer_masks(qa, tmp_path, lm
     assert main([*argv, "--output_dir", str(out), "--shard_documents", "20", "--max_length", "32"]) in (0, None)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["documents"] == 50 and manifest["empty_documents"] == 1 and manifest["task"] == "sft"
+    assert (manifest["max_length"], manifest["train_on_prompt"], manifest["chat_template"]) == (32, False, None)
     assert pq.read_table(out / "shard-00000.parquet").column_names == ["prompt", "completion", "input_ids", "loss_mask"]
     encode = sft_encoder(lm_tokenizer_dir)
     raw, shards = (plan_for(tmp_path, lm_tokenizer, train_file=f) for f in (str(qa), f"{out}/*.parquet"))
@@ -182,3 +183,25 @@ def test_packing_without_a_row_length_is_one_line(options, said, corpus, tmp_pat
     assert main([*argv, "--output_dir", str(tmp_path / "o"), *options]) == 2
     err = capsys.readouterr().err
     assert said in err and err.count("\n") <= 1 and not (tmp_path / "o").exists()
+
+
+def test_the_tasks_offered_are_those_that_stream_with_the_options_their_encoders_read(tmp_path, capsys):
+    """--task takes what registry_table.STREAMING names (the tasks whose classes stream), and each one's encoder
+    options are preprocess options and DataConfig fields, so a new streaming task needs no change here."""
+    import argparse
+    import dataclasses
+
+    from cloudtrain.config.data import DataConfig
+    from cloudtrain.data.preprocess import add_arguments
+    from cloudtrain.registry import TASKS
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    task = next(a for a in parser._actions if a.dest == "task")
+    assert task.choices == tuple(name for name, cls in TASKS._loaded().items() if cls.streams_data)
+    fields = {f.name for f in dataclasses.fields(DataConfig)}
+    for name in task.choices:
+        assert set(TASKS[name].stream_options) <= {a.dest for a in parser._actions} & fields, name
+    argv = ["preprocess", "--train_file", "a", "--tokenizer_name_or_path", "t", "--output_dir", str(tmp_path / "o")]
+    assert main([*argv, "--task", "dpo"]) == 2
+    assert "invalid choice: 'dpo' (choose from 'causal_lm', 'sft')" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import pytest
 from cloudtrain.config import _fields, _help, build_config
 from cloudtrain.errors import UserError
 from cloudtrain.registry import TASKS, TRAINERS, row_of
+from cloudtrain.registry_table import STREAMING
 from cloudtrain.tasks import build_task
 from cloudtrain.tasks.base import DecoderTask
 from cloudtrain.tasks.classification import ClassificationTask
@@ -79,6 +80,13 @@ STORED_ROW_TASKS = sorted(name for name, cls in TASKS._loaded().items() if not c
 def test_the_language_model_tasks_stream_and_the_others_read_stored_rows():
     streaming = {name for name, cls in TASKS._loaded().items() if cls.streams_data}
     assert streaming == {"causal_lm", "sft"}
+
+
+def test_the_streaming_table_is_what_the_streaming_classes_say():
+    """`cloudtrain preprocess` offers and checks tasks by registry_table.STREAMING, without importing them."""
+    classes = TASKS._loaded()
+    assert {name: cls.stream_records for name, cls in classes.items() if cls.streams_data} == STREAMING
+    assert list(STREAMING) == [name for name, cls in classes.items() if cls.streams_data]  # in --help's order
 
 
 @pytest.mark.parametrize("name", STORED_ROW_TASKS)

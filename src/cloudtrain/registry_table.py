@@ -3,8 +3,8 @@
 `--help`, the choices of --task, --training_type and --metric_for_best_model, and every refusal of a bad
 option read these rows; importing the classes themselves pulls in transformers, datasets and
 torch.distributed (about 6 s of CPU). The registry (cloudtrain.registry) checks each class against its row
-when it registers, and tests/test_registry.py checks the rows against the classes, so the two can't drift.
-Rows are in the order --help lists them, which is the order the packages register them.
+when it registers, and tests/test_registry.py checks the rows (and STREAMING) against the classes, so the two
+can't drift. Rows are in the order --help lists them, which is the order the packages register them.
 """
 
 from typing import NamedTuple
@@ -54,6 +54,15 @@ TASK_ROWS: dict[str, Row] = {
         "loss",
     ),
 }
+
+# What one record of a task that streams (--streaming true, `cloudtrain preprocess`) encodes to: its class's
+# `stream_records` (cloudtrain.tasks.base).
+DOCUMENT = "document"  # one document: its tokens
+EXAMPLES = "examples"  # several examples, each with its answer mask, cut at --max_length and packed whole
+
+# The tasks whose classes say `streams_data`, by what a record encodes to: `cloudtrain preprocess`'s --task choices
+# and its option checks.
+STREAMING: dict[str, str] = {"causal_lm": DOCUMENT, "sft": EXAMPLES}
 
 TRAINER_ROWS: dict[str, Row] = {
     "basic": Row("cloudtrain.training.basic", "plain PyTorch loop"),

@@ -26,9 +26,13 @@ import contextlib
 import json
 from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cloudtrain.errors import UserError
+from cloudtrain.registry_table import EXAMPLES, STREAMING
+
+if TYPE_CHECKING:  # tasks import torch and transformers: not while the options are parsed and checked
+    from cloudtrain.tasks.base import Task
 
 TOKENS = "input_ids"  # the column a streaming run takes as stored tokens
 MASK = "loss_mask"  # SFT: per example (unpacked) or per row (packed), the tokens the loss is taken on
@@ -36,7 +40,7 @@ LENGTHS = "seq_lengths"  # packed rows: the lengths of the documents (pieces) in
 DOCUMENTS = "documents"  # packed rows: how many documents start in the row (the per-source counts)
 MANIFEST = "manifest.json"
 HISTOGRAM = "length_histogram.png"
-SFT_OPTIONS = ("messages_column", "prompt_column", "completion_column", "system_prompt", "chat_template")
+CHAT_OPTIONS = ("messages_column", "prompt_column", "completion_column", "system_prompt", "chat_template")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--output_dir", required=True, help="Where the shards and manifest.json go (a folder or s3://)."
     )
-    parser.add_argument("--task", choices=("causal_lm", "sft"), default="causal_lm", help="How records are encoded.")
+    parser.add_argument("--task", choices=tuple(STREAMING), default="causal_lm", help="How records are encoded.")
     parser.add_argument("--text_column", default="text", help="causal_lm: the column holding each document's text.")
     parser.add_argument("--shard_documents", type=int, default=100_000, help="Records per shard (100000).")
     parser.add_argument("--format", help="The source's format when its names do not say (jsonl, parquet, ...).")
@@ -62,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max_length", type=int, help="The row length (with --packing) and SFT's cut: training's.")
     parser.add_argument("--pack_documents", type=int, default=1000, help="Documents packed together (1000).")
-    for name in SFT_OPTIONS:
+    for name in CHAT_OPTIONS:
         parser.add_argument(f"--{name}", help=f"SFT: as training's --{name}.")
     parser.add_argument("--train_on_prompt", action="store_true", help="SFT: as training's --train_on_prompt true.")
 
@@ -85,15 +89,21 @@ def _check(args: argparse.Namespace) -> None:
     """Option mistakes, before the tokenizer or the corpus is touched."""
     if args.shard_documents < 1 or args.pack_documents < 1:
         raise UserError("--shard_documents and --pack_documents must be at least 1")
-    if (args.packing != "none" or args.task == "sft") and not args.max_length:
+    examples = _examples(args)  # cut at --max_length and packed whole
+    if (args.packing != "none" or examples) and not args.max_length:
         raise UserError(
-            f"--{'packing ' + args.packing if args.packing != 'none' else 'task sft'} needs --max_length "
+            f"--{'packing ' + args.packing if args.packing != 'none' else 'task ' + args.task} needs --max_length "
             "(the row length, or the cut of an SFT example): give the --max_length training will use"
         )
-    if args.task == "sft" and args.packing == "wrapped":
-        raise UserError("--task sft packs whole examples: --packing none or bfd")
+    if examples and args.packing == "wrapped":
+        raise UserError(f"--task {args.task} packs whole examples: --packing none or bfd")
     if args.max_length is not None and args.max_length < 2:
         raise UserError("--max_length must be at least 2")
+
+
+def _examples(args: argparse.Namespace) -> bool:
+    """Whether the task's records encode to several examples with answer masks (else to one document each)."""
+    return STREAMING[args.task] == EXAMPLES
 
 
 def _documents(spec: Any, chunk: int) -> Any:
@@ -116,22 +126,12 @@ def _documents(spec: Any, chunk: int) -> Any:
         stream.close()
 
 
-def _encoder(args: argparse.Namespace, tokenizer: Any, first: dict) -> tuple[Any, list[str]]:
+def _encoder(args: argparse.Namespace, task: type[Task], tokenizer: Any, first: dict) -> tuple[Any, list[str]]:
     """The task's stream encoder (records -> per record, its examples) and the record columns a shard keeps."""
     from cloudtrain.config.data import DataConfig
 
-    if args.task == "causal_lm":
-        from cloudtrain.tasks.causal_lm import CausalLMTask
-
-        return CausalLMTask.stream_encoder(tokenizer, DataConfig(text_column=args.text_column)), [args.text_column]
-    from cloudtrain.data.chat import ChatFormat, detect_columns
-    from cloudtrain.tasks.sft import SFTTask
-
-    options = {name: getattr(args, name) for name in SFT_OPTIONS}
-    cfg = DataConfig(max_length=args.max_length, train_on_prompt=args.train_on_prompt, **options)
-    columns = detect_columns(list(first), cfg.messages_column, cfg.prompt_column, cfg.completion_column)
-    task = SimpleNamespace(chat=ChatFormat.setup(tokenizer, cfg.chat_template))  # what the encoder reads
-    return SFTTask.stream_encoder(task, columns, cfg), [c for c in columns.names if c in first]  # type: ignore[arg-type]
+    cfg = DataConfig(**{name: getattr(args, name) for name in task.stream_options})
+    return task.preprocess_encoder(tokenizer, cfg, first)
 
 
 def _table(records: list[dict], encoded: list[list[tuple]], keep: list[str], args: argparse.Namespace) -> Any:
@@ -153,7 +153,7 @@ def _table(records: list[dict], encoded: list[list[tuple]], keep: list[str], arg
         return pa.table(table)
     columns = {name: pa.array([r.get(name) for r in records]) for name in keep}
     columns = {name: a.cast(pa.string()) if pa.types.is_null(a.type) else a for name, a in columns.items()}
-    if args.task == "sft":  # per record, its examples and their answer masks
+    if _examples(args):  # per record, its examples and their answer masks
         columns[TOKENS] = pa.array([[ids for ids, _ in e] for e in encoded], pa.list_(pa.list_(pa.int32())))
         columns[MASK] = pa.array([[m for _, m in e] for e in encoded], pa.list_(pa.list_(pa.int8())))
     else:  # causal LM: the document's tokens, [] for an empty one
@@ -225,14 +225,16 @@ def _parquet(table: Any) -> bytes:
 def run(args: argparse.Namespace) -> None:
     _check(args)
     from cloudtrain.models.load import read_tokenizer  # transformers and torch: only once the options are valid
+    from cloudtrain.registry import TASKS
 
+    task = TASKS[args.task]
     spec = _source(args)
     out = Output(args.output_dir)
     tokenizer = read_tokenizer(args.tokenizer_name_or_path, trust_remote_code=False)
     encode, keep, shards, lengths = None, [args.text_column], [], []
     for n, records in enumerate(_documents(spec, args.shard_documents)):
         if encode is None:
-            encode, keep = _encoder(args, tokenizer, next((r for r in records if r), {}))
+            encode, keep = _encoder(args, task, tokenizer, next((r for r in records if r), {}))
         table, doc_lengths = _shard(records, encode, keep, args)
         name = f"shard-{n:05d}.parquet"
         out.write(name, _parquet(table))
@@ -240,7 +242,7 @@ def run(args: argparse.Namespace) -> None:
         lengths += doc_lengths
     if not shards:
         raise UserError(f"{args.train_file} holds no document")
-    manifest = _manifest(args, shards, lengths)
+    manifest = _manifest(args, task.stream_options, shards, lengths)
     out.write(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     out.write(HISTOGRAM, _plot(manifest["length_histogram"]))
     rows = sum(s["rows"] for s in shards)
@@ -250,7 +252,7 @@ def run(args: argparse.Namespace) -> None:
     )
 
 
-def _manifest(args: argparse.Namespace, shards: list[dict], lengths: list[int]) -> dict:
+def _manifest(args: argparse.Namespace, options: tuple[str, ...], shards: list[dict], lengths: list[int]) -> dict:
     import numpy as np
 
     counts, edges = np.histogram(lengths, bins=min(50, max(1, len(set(lengths)))))
@@ -261,7 +263,7 @@ def _manifest(args: argparse.Namespace, shards: list[dict], lengths: list[int]) 
         "text_column": args.text_column,
         "packing": args.packing,
         "max_length": args.max_length,
-        **({name: getattr(args, name) for name in SFT_OPTIONS} if args.task == "sft" else {}),
+        **{name: getattr(args, name) for name in options},  # the task's own (its encoder's)
         "documents": len(lengths),
         "empty_documents": sum(1 for n in lengths if n == 0),
         "tokens": sum(lengths),

@@ -5,6 +5,8 @@ the task for these and branch on nothing else:
 
 - `columns` / `check_options`: what the data must hold and which options make sense, checked before
   anything heavy is loaded;
+- `streams_data`, `stream_records`, `stream_options`, `preprocess_encoder`: whether --streaming true reads its
+  rows on the fly, and how (`cloudtrain preprocess` asks the same);
 - `process`: raw splits -> tokenized, collatable splits (`ProcessedData`);
 - `build_config`, `replaces_head`, `fit_model`: what loading the model needs (cloudtrain.models.load);
 - `loss` and `loss_count`: the loss of a batch as a (sum, count) pair (rows for classification,
@@ -31,6 +33,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.processing import ProcessedData
+from cloudtrain.registry_table import DOCUMENT
 
 if TYPE_CHECKING:  # parallel.distributed loads accelerate: not at import
     from cloudtrain.parallel.distributed import Sharding
@@ -58,6 +61,9 @@ class Task:
     # whether its model is a diffusers pipeline folder: the planner counts its parts (cloudtrain.planning.diffusion)
     plans_pipeline = False
     streams_data = False  # whether --streaming true reads its training rows on the fly (cloudtrain.data.streaming)
+    # what one streamed record encodes to (registry_table.DOCUMENT or EXAMPLES, in its STREAMING row where it streams)
+    stream_records = DOCUMENT
+    stream_options: tuple[str, ...] = ()  # the data options its stream encoder reads: preprocess takes them as training
     # whether its model is one decoder loaded as it is (no reference copy), which --tensor_parallel_size shards
     tensor_parallel = False
     # whether its loss is one decoder's next-token loss over the cut batch's `targets` (--context_parallel_size)
@@ -65,6 +71,14 @@ class Task:
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg
+
+    @classmethod
+    def preprocess_encoder(
+        cls, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, first: dict
+    ) -> tuple[Callable, list[str]]:
+        """`cloudtrain preprocess`'s encoder (records -> per record, its examples, as the task's stream encodes them)
+        and the record columns a shard keeps, from the `stream_options` in `cfg` and the first non-empty record."""
+        raise NotImplementedError(f"--task {cls.name} streams no data")
 
     def check_options(self, cfg: Config) -> None:
         """Reject options this task cannot use (light I/O only: configs, a tokenizer; no data, no weights)."""

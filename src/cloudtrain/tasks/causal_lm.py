@@ -93,6 +93,7 @@ class CausalLMTask(DecoderTask):
     peft_task_type = "CAUSAL_LM"
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
     streams_data = True
+    stream_options: tuple[str, ...] = ("text_column",)
     packed_attention = True  # bfd batches carry their documents' lengths, and `loss` passes them (varlen attention)
     tensor_parallel = True
     context_parallel = True
@@ -181,6 +182,12 @@ class CausalLMTask(DecoderTask):
             collator=collator,
             prompts=[p for p in prompts if p],
         )
+
+    @classmethod
+    def preprocess_encoder(
+        cls, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, first: dict
+    ) -> tuple[Callable, list[str]]:
+        return cls.stream_encoder(tokenizer, cfg), [cfg.text_column]
 
     @staticmethod
     def stream_encoder(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> Callable:

@@ -43,6 +43,7 @@ from cloudtrain.models.load import load_tokenizer
 from cloudtrain.parallel.tensor import check_embeddings_fit
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import EXAMPLES
 from cloudtrain.tasks.causal_lm import CausalLMTask, _first
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
@@ -56,6 +57,25 @@ ROW_FEATURES = datasets.Features(
 )
 
 
+def _stream_encoder(chat: ChatFormat, columns: Columns, cfg: DataConfig) -> Callable:
+    """Streamed records -> per record, its examples (token ids, answer mask) cut to --max_length; an example
+    the chat format refuses, or left with no answer token, trains nothing (the stored path refuses or counts)."""
+    system, train_on_prompt, limit = cfg.system_prompt, cfg.train_on_prompt, cfg.max_length
+
+    def encode(records: list[dict]) -> list[list[tuple[list[int], list[int]]]]:
+        out = []
+        for record in records:
+            try:
+                examples = chat.examples(to_messages(record, columns, system), train_on_prompt)
+            except (ValueError, KeyError, TypeError):
+                examples = []
+            cut = [(ids[:limit], mask[:limit]) for ids, mask in examples]
+            out.append([(ids, mask) for ids, mask in cut if any(mask[1:])])
+        return out
+
+    return encode
+
+
 @TASKS.register
 class SFTTask(CausalLMTask):
     name = "sft"
@@ -64,6 +84,16 @@ class SFTTask(CausalLMTask):
     lower_is_better = frozenset({"loss", "perplexity"})
     default_packing = "none"
     chat_template = True
+    stream_records = EXAMPLES
+    stream_options: tuple[str, ...] = (
+        "max_length",
+        "messages_column",
+        "prompt_column",
+        "completion_column",
+        "system_prompt",
+        "chat_template",
+        "train_on_prompt",
+    )
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -152,24 +182,19 @@ class SFTTask(CausalLMTask):
             references=self.references,
         )
 
+    @classmethod
+    def preprocess_encoder(
+        cls, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, first: dict
+    ) -> tuple[Callable, list[str]]:
+        """The columns are detected from the first record, as training detects them from the data's."""
+        columns = detect_columns(list(first), cfg.messages_column, cfg.prompt_column, cfg.completion_column)
+        encode = _stream_encoder(ChatFormat.setup(tokenizer, cfg.chat_template), columns, cfg)
+        return encode, [c for c in columns.names if c in first]
+
     def stream_encoder(self, columns: Columns, cfg: DataConfig) -> Callable:  # type: ignore[override]
-        """Streamed records -> per record, its examples (token ids, answer mask) cut to --max_length; an example
-        the chat format refuses, or left with no answer token, trains nothing (the stored path refuses or counts)."""
-        chat, system, train_on_prompt, limit = self.chat, cfg.system_prompt, cfg.train_on_prompt, cfg.max_length
-        assert chat is not None  # set by `process`
-
-        def encode(records: list[dict]) -> list[list[tuple[list[int], list[int]]]]:
-            out = []
-            for record in records:
-                try:
-                    examples = chat.examples(to_messages(record, columns, system), train_on_prompt)
-                except (ValueError, KeyError, TypeError):
-                    examples = []
-                cut = [(ids[:limit], mask[:limit]) for ids, mask in examples]
-                out.append([(ids, mask) for ids, mask in cut if any(mask[1:])])
-            return out
-
-        return encode
+        """`_stream_encoder` with the chat format `process` set up."""
+        assert self.chat is not None
+        return _stream_encoder(self.chat, columns, cfg)
 
     @staticmethod
     def _carve_indices(n: int, percentage: float, seed: int) -> tuple[list[int], list[int]]:
