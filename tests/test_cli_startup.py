@@ -68,6 +68,7 @@ REFUSALS = {
     "plan --task regression": "--task: 'regression' is not one of classification",
     "merge --trust_remote_code true": "the following arguments are required: --output_dir",
     "preprocess --train_file a --tokenizer_name_or_path t --output_dir o --shard_documents 0": "--shard_documents",
+    "preprocess --train_file a --tokenizer_name_or_path t --output_dir o --task sft": "--task sft needs --max_length",
 }
 COMMAND_SCRIPT = f"""
 import contextlib, io, json, sys

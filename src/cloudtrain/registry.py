@@ -20,7 +20,8 @@ T = TypeVar("T")
 def row_of(cls: Any) -> Row:
     """The row a registered class answers for itself: what its entry in cloudtrain.registry_table must say."""
     metrics = tuple(getattr(cls, "metrics", ()))
-    return Row(cls.__module__, cls.summary, metrics, getattr(cls, "default_best_metric", None))
+    streams = cls.stream_records if getattr(cls, "streams_data", False) else None
+    return Row(cls.__module__, cls.summary, metrics, getattr(cls, "default_best_metric", None), streams)
 
 
 class Registry(Generic[T]):

@@ -3,20 +3,27 @@
 `--help`, the choices of --task, --training_type and --metric_for_best_model, and every refusal of a bad
 option read these rows; importing the classes themselves pulls in transformers, datasets and
 torch.distributed (about 6 s of CPU). The registry (cloudtrain.registry) checks each class against its row
-when it registers, and tests/test_registry.py checks the rows (and STREAMING) against the classes, so the two
+when it registers, and tests/test_registry.py checks the rows against the classes, so the two
 can't drift. Rows are in the order --help lists them, which is the order the packages register them.
 """
 
 from typing import NamedTuple
 
+# What one record of a task that streams (--streaming true, `cloudtrain preprocess`) encodes to: its class's
+# `stream_records` (cloudtrain.tasks.base).
+DOCUMENT = "document"  # one document: its tokens
+EXAMPLES = "examples"  # several examples, each with its answer mask, cut at --max_length and packed whole
+
 
 class Row(NamedTuple):
-    """One registered class as the parser sees it: `metrics` and `default_best_metric` are tasks' only."""
+    """One registered class as the parser sees it: `metrics`, `default_best_metric` and `stream_records` (None
+    for a task that does not stream) are tasks' only."""
 
     module: str
     summary: str
     metrics: tuple[str, ...] = ()
     default_best_metric: str | None = None
+    stream_records: str | None = None
 
 
 TASK_ROWS: dict[str, Row] = {
@@ -28,12 +35,14 @@ TASK_ROWS: dict[str, Row] = {
         "continued pretraining, or pretraining from scratch, of a decoder on raw text",
         ("loss", "perplexity"),
         "loss",
+        DOCUMENT,
     ),
     "sft": Row(
         "cloudtrain.tasks.sft",
         "supervised fine-tuning of a decoder on conversations or prompt/completion pairs, with a chat template",
         ("loss", "perplexity", "exact_match"),
         "loss",
+        EXAMPLES,
     ),
     "dpo": Row(
         "cloudtrain.tasks.dpo",
@@ -55,14 +64,8 @@ TASK_ROWS: dict[str, Row] = {
     ),
 }
 
-# What one record of a task that streams (--streaming true, `cloudtrain preprocess`) encodes to: its class's
-# `stream_records` (cloudtrain.tasks.base).
-DOCUMENT = "document"  # one document: its tokens
-EXAMPLES = "examples"  # several examples, each with its answer mask, cut at --max_length and packed whole
-
-# The tasks whose classes say `streams_data`, by what a record encodes to: `cloudtrain preprocess`'s --task choices
-# and its option checks.
-STREAMING: dict[str, str] = {"causal_lm": DOCUMENT, "sft": EXAMPLES}
+# The tasks that stream, by what a record encodes to: `cloudtrain preprocess`'s --task choices and its checks.
+STREAMING: dict[str, str] = {name: row.stream_records for name, row in TASK_ROWS.items() if row.stream_records}
 
 TRAINER_ROWS: dict[str, Row] = {
     "basic": Row("cloudtrain.training.basic", "plain PyTorch loop"),
