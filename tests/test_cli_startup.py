@@ -17,47 +17,58 @@ from cloudtrain.config.training import muon_available
 from cloudtrain.planning.accelerators import GPUS
 from cloudtrain.planning.strategies import MODEL_PARALLEL, PIPELINE, STRATEGIES
 
-HEAVY = ("torch", "transformers", "datasets", "torch.distributed", "sympy", "scipy")
-SCRIPT = f"""
+HEAVY = (
+    "torch", "torch.distributed", "transformers", "datasets", "huggingface_hub", "peft", "safetensors", "deepspeed",
+    "diffusers", "sympy", "scipy",
+)  # fmt: skip
+SCRIPT = """
 import contextlib, io, json, sys
 from cloudtrain.cli import run_command
-cases = (["--help"], ["train", "--help"], ["--bogus", "1"], ["--task", "regression"],
-         ["--training_type", "turbo"], ["--metric_for_best_model", "bleu"], ["--optim", "sgd"])
-for argv in cases:
+for argv in json.loads(sys.argv[1]):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
             code = run_command(argv)
         except SystemExit as exit:
             code = exit.code
-    print(json.dumps([" ".join(argv), code, len(out.getvalue().splitlines()), err.getvalue().strip()]))
-print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))
+    heavy = sorted(m for m in json.loads(sys.argv[2]) if m in sys.modules)  # so far: the first case to import shows
+    print(json.dumps([" ".join(argv), code, out.getvalue(), err.getvalue().strip(), heavy]))
 """
 
 
-def test_help_and_refusals_import_no_task_or_trainer():
+def answers(cases: list[str]) -> dict[str, list]:
+    """Each command line through the CLI in one fresh interpreter: {line: [exit code, stdout, stderr, the heavy
+    modules imported by then]}."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env, timeout=300)
+    argvs, heavy = json.dumps([case.split() for case in cases]), json.dumps(HEAVY)
+    result = subprocess.run(
+        [sys.executable, "-c", SCRIPT, argvs, heavy], capture_output=True, text=True, env=env, timeout=300
+    )
     assert result.returncode == 0, result.stderr
-    *cases, heavy = map(json.loads, result.stdout.splitlines())
-    assert heavy == []  # neither the answers nor building the parser imported them
-    answers = {argv: (code, lines, said) for argv, code, lines, said in cases}
-    assert answers["--help"][:2] == answers["train --help"][:2] and answers["--help"][0] == 0
-    assert answers["--help"][1] > 100  # the whole help, task and trainer summaries included
-    for argv, refusal in [
-        ("--bogus 1", "unrecognized arguments: --bogus 1"),
-        ("--task regression", "'regression' is not one of classification, causal_lm, sft, dpo, reward, text_to_image"),
-        ("--training_type turbo", "'turbo' is not one of basic, accelerated, pipeline"),
-        ("--metric_for_best_model bleu", "'bleu' is not one of accuracy, macro_f1, loss, perplexity, exact_match"),
-        ("--optim sgd", "'sgd' is not one of adamw"),
-    ]:
-        code, lines, said = answers[argv]
-        assert (code, lines, said.count("\n")) == (2, 0, 0) and said.startswith("error: ") and refusal in said
+    return {line: rest for line, *rest in map(json.loads, result.stdout.splitlines())}
 
 
-COMMAND_HEAVY = (
-    "torch", "transformers", "huggingface_hub", "peft", "safetensors", "deepspeed", "diffusers", "datasets"
-)  # fmt: skip
+def assert_refused(answer: list, refusal: str) -> None:
+    code, out, said, _ = answer
+    assert (code, out, said.count("\n")) == (2, "", 0) and said.startswith("error: ") and refusal in said, said
+
+
+def test_help_and_refusals_import_no_task_or_trainer():
+    train = {
+        "--bogus 1": "unrecognized arguments: --bogus 1",
+        "--task regression": "'regression' is not one of classification, causal_lm, sft, dpo, reward, text_to_image",
+        "--training_type turbo": "'turbo' is not one of basic, accelerated, pipeline",
+        "--metric_for_best_model bleu": "'bleu' is not one of accuracy, macro_f1, loss, perplexity, exact_match",
+        "--optim sgd": "'sgd' is not one of adamw",
+    }
+    said = answers(["--help", "train --help", *train])
+    assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}  # neither answers nor the parser
+    assert said["--help"][:3] == said["train --help"][:3] and said["--help"][0] == 0
+    assert len(said["--help"][1].splitlines()) > 100  # the whole help, task and trainer summaries included
+    for line, refusal in train.items():
+        assert_refused(said[line], refusal)
+
+
 # refusals of values that need no model, one or more per command, and the start of what each says
 REFUSALS = {
     "generate --model_dir m --temperature 0": "--temperature must be greater than 0",
@@ -70,39 +81,17 @@ REFUSALS = {
     "preprocess --train_file a --tokenizer_name_or_path t --output_dir o --shard_documents 0": "--shard_documents",
     "preprocess --train_file a --tokenizer_name_or_path t --output_dir o --task sft": "--task sft needs --max_length",
 }
-COMMAND_SCRIPT = f"""
-import contextlib, io, json, sys
-from cloudtrain.cli import COMMANDS, run_command
-cases = [[name, extra] for name in COMMANDS for extra in ("--help", "--bogus")]
-cases += [argv.split() for argv in {list(REFUSALS)!r}]
-for argv in cases:
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = run_command(argv)
-        except SystemExit as exit:
-            code = exit.code
-    heavy = sorted(m for m in {COMMAND_HEAVY!r} if m in sys.modules)  # so far: the first case that imports one shows
-    print(json.dumps([" ".join(argv), code, out.getvalue(), err.getvalue().strip(), heavy]))
-"""
 
 
 def test_each_command_s_help_and_refusals_import_nothing_heavy():
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    result = subprocess.run(
-        [sys.executable, "-c", COMMAND_SCRIPT], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert result.returncode == 0, result.stderr
-    answers = {argv: rest for argv, *rest in map(json.loads, result.stdout.splitlines())}
-    assert {argv: heavy for argv, (*_, heavy) in answers.items() if heavy} == {}  # none imported, by any case
+    said = answers([f"{name} {extra}" for name in COMMANDS for extra in ("--help", "--bogus")] + list(REFUSALS))
+    assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}  # none imported, by any case
     for name in COMMANDS:
-        code, out, said, _ = answers[f"{name} --help"]
-        assert (code, said) == (0, "") and out.startswith(f"usage: cloudtrain {name} [-h]") and "options:" in out
-        code, out, said, _ = answers[f"{name} --bogus"]  # unrecognized, or the required options missing first
-        assert (code, out, said.count("\n")) == (2, "", 0) and said.startswith("error: ")
-    for argv, refusal in REFUSALS.items():
-        code, out, said, _ = answers[argv]
-        assert (code, out, said.count("\n")) == (2, "", 0) and said.startswith(f"error: {refusal}"), (argv, said)
+        code, out, err, _ = said[f"{name} --help"]
+        assert (code, err) == (0, "") and out.startswith(f"usage: cloudtrain {name} [-h]") and "options:" in out
+        assert_refused(said[f"{name} --bogus"], "")  # unrecognized, or the required options missing first
+    for line, refusal in REFUSALS.items():
+        assert_refused(said[line], f"error: {refusal}")
 
 
 def test_the_plan_command_names_the_planner_s_gpus_and_strategies():
