@@ -4,7 +4,12 @@ replica takes its own rows and scales its summed loss as the trainer does (proce
 summed over every process); the loss and every gradient, gathered from the shards, must equal the unsharded
 model's. Prints one `ok` line per process. Then LoRA (PEFT, as cloudtrain attaches it) on the sharded model: its
 first forward must still fail as the --peft refusal says (one `refusal holds` line per process); once the
-installed PEFT runs it, this says so, and the refusal can be reconsidered (docs/parallelism.md#adapters)."""
+installed PEFT runs it, this says so, and the refusal can be reconsidered (docs/parallelism.md#adapters).
+
+    python -m torch.distributed.run --nproc_per_node 4 tests/dist_tp.py MODEL_DIR TP MODE...
+
+Each MODE (replicate: data-parallel replicas; fsdp: FSDP2 shards, 2-D) in turn in the one launch: a launch's
+start (torch, transformers imported in every process) costs more than these checks."""
 
 import os
 import sys
@@ -23,8 +28,15 @@ def full(value: torch.Tensor) -> torch.Tensor:
     return value.full_tensor() if isinstance(value, DTensor) else value
 
 
-def main(model_dir: str, tp: int, fsdp: bool) -> None:
+def main(model_dir: str, tp: int, modes: list[str]) -> None:
     dist.init_process_group("gloo")
+    for mode in modes:
+        check(model_dir, tp, mode == "fsdp")
+    dist.destroy_process_group()
+
+
+def check(model_dir: str, tp: int, fsdp: bool) -> None:
+    """The sharded model's loss and gradients against the unsharded one's, then the adapters' refusal."""
     world, rank = dist.get_world_size(), dist.get_rank()
     replicas = world // tp
     torch.manual_seed(0)  # the same batch in every process
@@ -58,9 +70,9 @@ def main(model_dir: str, tp: int, fsdp: bool) -> None:
         torch.testing.assert_close(full(param.grad), grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
         checked += 1
     assert checked == len(grads)
-    print(f"ok rank {rank}: loss and {checked} gradients equal the unsharded model's", flush=True)
+    mode = "fsdp" if fsdp else "replicate"
+    print(f"ok rank {rank} {mode}: loss and {checked} gradients equal the unsharded model's", flush=True)
     check_adapters_still_fail(model_dir, cfg, world, batch)
-    dist.destroy_process_group()
 
 
 def check_adapters_still_fail(model_dir: str, cfg: Config, world: int, batch: dict) -> None:
@@ -84,5 +96,5 @@ def check_adapters_still_fail(model_dir: str, cfg: Config, world: int, batch: di
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:] == ["fsdp"])
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
     os._exit(0)

@@ -7,21 +7,22 @@ process; every refusal is one line."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import test_sft_dist
 import torch
-from conftest import ENTRY, REPO, assert_each_refused
+from conftest import REPO, assert_each_refused, built_once
 from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
 from test_sft_dist import sft_args
 from test_tensor_parallel import (  # noqa: F401  (corpus: the fixture)
     args,
+    assert_generates_alike,
     assert_monitored_like_one_process,
     corpus,
+    in_one_launch,
     metrics,
     options,
     samples,
@@ -96,8 +97,44 @@ def test_attention_over_cut_rows_equals_the_whole_model(tiny_llama_dir):
     assert result.stdout.count("gradients equal the whole model's") == 8, result.stdout[-2000:]
 
 
+MIXED = {"mixed_precision": "bf16", "gradient_checkpointing": "true", "peft": "lora"}  # bf16, checkpointing, LoRA
+SFT = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+SFT += ["--max_grad_norm", "1", "--num_sample_prompts", "3"]  # the sft runs' options beside the model and data
+
+
+def packed_args(model_dir: str, corpus: Path, out: Path, rows: str, **extra: str) -> list[str]:  # noqa: F811
+    """The packed (bfd) causal_lm runs' command line: 4 steps of `rows` per process, evaluated at step 4."""
+    opts = {**options(model_dir, corpus, out), "packing": "bfd", "eval_strategy": "steps"}
+    return args(opts, max_steps="4", eval_steps="4", per_device_train_batch_size=rows, max_grad_norm="1", **extra)
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_llama_dir, corpus, chats, tmp_path_factory) -> Path:  # noqa: F811
+    """The one-process runs the CP=2 runs must equal, one after another in one plain process (no launcher: a run
+    without context parallelism is the same without one), built once for both of `make test`'s workers (their
+    inputs are the same, seeded): "one" and "one-mixed" (packed causal_lm, 4 rows; the second with MIXED), "sft"
+    (sft, its embeddings grown for chatml's tokens). Their folder, with each run's stdout in <name>.out."""
+
+    def build(root: Path) -> None:
+        runs = {
+            "one": packed_args(tiny_llama_dir, corpus, root / "one", "4"),
+            "one-mixed": packed_args(tiny_llama_dir, corpus, root / "one-mixed", "4", **MIXED),
+            "sft": sft_args(tiny_llama_dir, chats, root / "sft", *SFT),
+        }
+        for name, stdout in in_one_launch([sys.executable], runs, root).items():
+            (root / f"{name}.out").write_text(stdout)
+
+    return built_once(tmp_path_factory, "context-parallel-one-process", build)
+
+
 @pytest.mark.slow
-def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpus, tmp_path):  # noqa: F811
+def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(
+    tiny_llama_dir,
+    corpus,  # noqa: F811
+    one_process,
+    tmp_path,
+    capsys,
+):
     """Packed rows (bfd): one process x 4 rows, CP=2 on 2 processes x 4 rows (both take the same rows, each half of
     their tokens), CP=2 x 2 replicas on 4 processes x 2 rows each, CP=2 x FSDP2 on 2 processes: the same losses and
     gradient norms at every step (clipped), the same weights after 4 steps of 2 accumulated micro-batches, the
@@ -105,78 +142,57 @@ def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(tiny_llama_dir, corpu
     it ends with the same weights bit for bit; its saved model generates in one process what it sampled. Every run
     logs its monitoring like one process; CP=2 with bf16, gradient checkpointing and LoRA trains like the same in
     one process (`assert_mixed_lora_like_one_process`)."""
-    mixed = {"mixed_precision": "bf16", "gradient_checkpointing": "true", "peft": "lora"}
-    runs = {"one": (1, "4", {}), "cp2": (2, "4", {}), "cp2x2": (4, "2", {}), "cp2fsdp": (2, "4", {"fsdp": "true"})}
-    runs |= {"one-mixed": (1, "4", mixed), "cp2-mixed": (2, "4", mixed)}  # bf16, gradient checkpointing, LoRA
-    outputs = {}
-    for name, (processes, rows, extra) in runs.items():
-        opts = {**options(tiny_llama_dir, corpus, tmp_path / name), "packing": "bfd", "eval_strategy": "steps"}
-        cp = {**({"context_parallel_size": "2"} if processes > 1 else {}), **extra}
-        more = {"checkpointing_steps": "2"} if name == "cp2" else {}
-        outputs[name] = launch(
-            torchrun(processes),
-            *args(
-                opts, max_steps="4", eval_steps="4", per_device_train_batch_size=rows, max_grad_norm="1", **cp, **more
-            ),
-        ).stdout
+    cp2 = {"context_parallel_size": "2"}
+    runs = {  # name: (processes, rows per process, options)
+        "cp2": (2, "4", {**cp2, "checkpointing_steps": "2"}),
+        "cp2-mixed": (2, "4", {**cp2, **MIXED}),
+        "cp2fsdp": (2, "4", {**cp2, "fsdp": "true"}),
+        "cp2x2": (4, "2", cp2),
+    }
+    outputs = {
+        name: launch(torchrun(processes), *packed_args(tiny_llama_dir, corpus, tmp_path / name, rows, **extra)).stdout
+        for name, (processes, rows, extra) in runs.items()
+    }
     assert "context parallel 2 (all-to-all)" in outputs["cp2"] and "4 process(es)" in outputs["cp2x2"]
     assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["cp2x2"]
     assert "FSDP" in outputs["cp2fsdp"]
     initial = load_file(Path(tiny_llama_dir) / "model.safetensors")
-    one = load_file(tmp_path / "one" / "model.safetensors")
-    evaluation = json.loads((tmp_path / "one" / "eval_results.json").read_text())
+    one = load_file(one_process / "one" / "model.safetensors")
+    evaluation = json.loads((one_process / "one" / "eval_results.json").read_text())
     for name in ("cp2", "cp2x2", "cp2fsdp"):
         out = tmp_path / name
-        assert logged_losses(out) == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-5), name
-        assert metrics(out, "train/grad_norm") == pytest.approx(metrics(tmp_path / "one", "train/grad_norm"), rel=1e-4)
+        assert logged_losses(out) == pytest.approx(logged_losses(one_process / "one"), rel=1e-5), name
+        assert metrics(out, "train/grad_norm") == pytest.approx(
+            metrics(one_process / "one", "train/grad_norm"), rel=1e-4
+        )
         saved = load_file(out / "model.safetensors")
         assert set(saved) == set(one)
         for key in one:
             assert (one[key] - initial[key]).abs().max() > 1e-3, key  # it trained, by far more than the tolerance
             torch.testing.assert_close(saved[key], one[key], rtol=1e-3, atol=3e-4, msg=f"{name} {key}")
         trained = [
-            json.loads((run / "train_results.json").read_text())["train_samples"] for run in (out, tmp_path / "one")
+            json.loads((run / "train_results.json").read_text())["train_samples"] for run in (out, one_process / "one")
         ]
         assert trained[0] == trained[1], name  # each row counted once, not once per process of its group
         theirs = json.loads((out / "eval_results.json").read_text())
         assert (theirs["tokens"], theirs["samples"]) == (evaluation["tokens"], evaluation["samples"]), name
         assert theirs["loss"] == pytest.approx(evaluation["loss"], rel=1e-5), name
-        assert_monitored_like_one_process(out, tmp_path / "one")
-    assert_mixed_lora_like_one_process(tmp_path / "cp2-mixed", tmp_path / "one-mixed", outputs["cp2-mixed"])
+        assert_monitored_like_one_process(out, one_process / "one")
+    assert_mixed_lora_like_one_process(tmp_path / "cp2-mixed", one_process / "one-mixed", outputs["cp2-mixed"])
 
     out = tmp_path / "cp2"
     weights, losses = load_file(out / "model.safetensors"), logged_losses(out)
     generations = json.loads((out / "eval_results.json").read_text())["generations"]
     shutil.copytree(out, tmp_path / "cp2-first")
     checkpoint = out / "checkpoints" / "checkpoint-2"
-    opts = {**options(tiny_llama_dir, corpus, out), "packing": "bfd", "eval_strategy": "steps"}
-    resumed = launch(
-        torchrun(2),
-        *args(
-            opts,
-            max_steps="4",
-            eval_steps="4",
-            per_device_train_batch_size="4",
-            max_grad_norm="1",
-            context_parallel_size="2",
-            overwrite_output_dir="true",
-            resume_from_checkpoint=str(checkpoint),
-        ),
-    ).stdout
+    resume = {"overwrite_output_dir": "true", "resume_from_checkpoint": str(checkpoint)}
+    resumed = launch(torchrun(2), *packed_args(tiny_llama_dir, corpus, out, "4", **cp2, **resume)).stdout
     assert "at step 2" in resumed
     again = load_file(out / "model.safetensors")
     assert all(torch.equal(weights[k], again[k]) for k in weights)
     assert logged_losses(out) == pytest.approx(losses, rel=1e-12)
     assert samples(outputs["cp2"]) == samples(resumed)
-    whole = [g for g in generations if "\ufffd" not in g["continuation"]]  # decoded alone, a split character differs
-    assert whole
-    for generation in whole:
-        command = [sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--prompt", generation["prompt"]]
-        done = subprocess.run(
-            [*command, "--max_new_tokens", "4"], capture_output=True, text=True, timeout=300, cwd=REPO
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.strip().splitlines()[-1] == generation["prompt"] + generation["continuation"], done.stdout
+    assert_generates_alike(out, generations, capsys)
 
 
 def assert_mixed_lora_like_one_process(out: Path, one: Path, stdout: str) -> None:
@@ -216,18 +232,13 @@ def test_a_nan_step_is_skipped_on_every_process_under_tp2_and_cp2(tiny_llama_dir
 
 
 @pytest.mark.slow
-def test_sft_cp2_trains_like_one_process(tiny_llama_dir, chats, tmp_path):
+def test_sft_cp2_trains_like_one_process(tiny_llama_dir, chats, one_process, tmp_path):
     """--task sft (answer-only targets, chat-template tokens grown in every process alike): CP=2 and one process
     alike in losses and gradient norms at every step, weights after 3 steps, the evaluation over the same answer
     tokens, the sample answers."""
-    common = ["--max_steps", "3", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
-    common += ["--max_grad_norm", "1", "--num_sample_prompts", "3"]
-    launch(torchrun(1), *sft_args(tiny_llama_dir, chats, tmp_path / "one", *common))
-    cp2 = launch(
-        torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "cp2", *common, "--context_parallel_size", "2")
-    )
+    cp2 = launch(torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "cp2", *SFT, "--context_parallel_size", "2"))
     assert "context parallel 2" in cp2.stdout
-    a, b = tmp_path / "cp2", tmp_path / "one"
+    a, b = tmp_path / "cp2", one_process / "sft"
     assert logged_losses(a) == pytest.approx(logged_losses(b), rel=1e-5)
     assert metrics(a, "train/grad_norm") == pytest.approx(metrics(b, "train/grad_norm"), rel=1e-4)
     ours, theirs = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")

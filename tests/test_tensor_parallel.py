@@ -7,17 +7,19 @@ the chat template's tokens equals one process too."""
 
 import json
 import math
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import test_sft_dist
 import torch
-from conftest import ENTRY, REPO, assert_each_refused, lm_documents
+from conftest import ENTRY, REPO, assert_each_refused, built_once, lm_documents
+from dist_runs import run_outputs
 from safetensors.torch import load_file
 from test_distributed import launch, logged_losses, torchrun
 from test_sft_dist import sft_args
+
+from cloudtrain.cli import main
 
 chats = test_sft_dist.chats  # conversations of uneven answer lengths, the fixture taken by name
 
@@ -82,40 +84,88 @@ def samples(stdout: str) -> list[str]:
     return [line.strip() for line in stdout.splitlines() if '" -> "' in line]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("data_parallel", ["replicate", "fsdp"])
-def test_sharded_loss_and_every_gradient_equal_the_unsharded_model(tiny_llama_dir, data_parallel):
-    """4 processes: tensor parallel 2 x 2 data-parallel processes (replicas, or FSDP2 shards: 2-D), each taking
-    its own rows, loaded as cloudtrain loads it."""
-    result = launch(torchrun(4), str(REPO / "tests" / "dist_tp.py"), tiny_llama_dir, "2", data_parallel)
-    assert result.stdout.count("gradients equal the unsharded model's") == 4, result.stdout[-2000:]
-    assert result.stdout.count("refusal holds: LoRA on the sharded model fails") == 4, result.stdout[-2000:]
+def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path) -> dict[str, str]:
+    """Each of `runs` (name: `args`-like command line) one after another in one launch of tests/dist_runs.py
+    (`[sys.executable]`: one plain process): a launch's start (torch, transformers imported in every process)
+    costs more than these tiny runs. Each run's stdout by name."""
+    runs_file = folder / f"runs-{'-'.join(runs)}.json"
+    runs_file.write_text(json.dumps([argv[1:] for argv in runs.values()]))  # without ENTRY
+    result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=600)
+    return dict(zip(runs, run_outputs(result.stdout, len(runs)), strict=True))
+
+
+def assert_generates_alike(out: Path, generations: list[dict], capsys) -> None:
+    """The model saved in `out`, loaded in this one process (no launch to start), continues each sample prompt as
+    the training run's model did at the end of training (`generations`, from its eval_results.json)."""
+    whole = [g for g in generations if "\ufffd" not in g["continuation"]]  # decoded alone, a split character differs
+    assert whole, generations
+    for generation in whole:
+        capsys.readouterr()
+        prompt = generation["prompt"]
+        assert main(["generate", "--model_dir", str(out), "--prompt", prompt, "--max_new_tokens", "4"]) == 0
+        assert capsys.readouterr().out.strip().splitlines()[-1] == prompt + generation["continuation"]
 
 
 @pytest.mark.slow
-def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, tmp_path):
+def test_sharded_loss_and_every_gradient_equal_the_unsharded_model(tiny_llama_dir):
+    """4 processes: tensor parallel 2 x 2 data-parallel processes (replicas, then FSDP2 shards: 2-D, in the same
+    launch), each taking its own rows, loaded as cloudtrain loads it."""
+    result = launch(torchrun(4), str(REPO / "tests" / "dist_tp.py"), tiny_llama_dir, "2", "replicate", "fsdp")
+    for mode in ("replicate", "fsdp"):
+        assert result.stdout.count(f"{mode}: loss and") == 4, result.stdout[-2000:]
+    assert result.stdout.count("gradients equal the unsharded model's") == 8, result.stdout[-2000:]
+    assert result.stdout.count("refusal holds: LoRA on the sharded model fails") == 8, result.stdout[-2000:]
+
+
+SFT = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
+SFT += ["--max_grad_norm", "1", "--num_sample_prompts", "3"]  # the sft runs' options beside the model and data
+ONE_STEPS = {"max_steps": "4", "per_device_train_batch_size": "4", "max_grad_norm": "1"}  # one_process's "one"
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_llama_dir, corpus, chats, tmp_path_factory) -> Path:
+    """The one-process runs the TP=2 runs must equal, one after another in one plain process (no launcher: a
+    run without tensor parallelism is the same without one), built once for both of `make test`'s workers (their
+    inputs are the same, seeded): "one" (causal_lm, 4 rows, 4 steps), "grown" (a one-step sft run growing the
+    test model's embeddings for chatml's tokens, the refusal's advice), "sft" (sft from "grown"). Their folder."""
+
+    def build(root: Path) -> None:
+        runs = {
+            "one": args(options(tiny_llama_dir, corpus, root / "one"), **ONE_STEPS),
+            "grown": sft_args(tiny_llama_dir, chats, root / "grown", "--max_steps", "1", "--num_sample_prompts", "0"),
+            "sft": sft_args(str(root / "grown"), chats, root / "sft", *SFT),
+        }
+        for name, stdout in in_one_launch([sys.executable], runs, root).items():
+            (root / f"{name}.out").write_text(stdout)
+
+    return built_once(tmp_path_factory, "tensor-parallel-one-process", build)
+
+
+@pytest.mark.slow
+def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, one_process, tmp_path):
     """One process x 4 rows, TP=2 on 2 processes x 4 rows (both take the same rows), TP=2 x 2 replicas and TP=2 x
     FSDP2 shard 2 on 4 processes x 2 rows each: the same losses and gradient norms at every step (clipped:
     --max_grad_norm 1), the same weights after 4 steps of 2 accumulated micro-batches, the same evaluation over
     exactly the same tokens."""
-    runs = {"one": (1, "4", {}), "tp2": (2, "4", {}), "tp2x2": (4, "2", {}), "tp2xfsdp2": (4, "2", {"fsdp": "true"})}
-    outputs = {}
-    for name, (processes, rows, fsdp) in runs.items():
+    tp2 = {"tensor_parallel_size": "2", "max_steps": "4", "max_grad_norm": "1"}
+    outputs = {"one": (one_process / "one.out").read_text()}
+    opts = options(tiny_llama_dir, corpus, tmp_path / "tp2")
+    outputs["tp2"] = launch(torchrun(2), *args(opts, **tp2, per_device_train_batch_size="4")).stdout
+    for name, fsdp in (("tp2x2", {}), ("tp2xfsdp2", {"fsdp": "true"})):
         opts = options(tiny_llama_dir, corpus, tmp_path / name)
-        tp = {"tensor_parallel_size": "2", **fsdp} if processes > 1 else {}
-        outputs[name] = launch(
-            torchrun(processes), *args(opts, max_steps="4", per_device_train_batch_size=rows, max_grad_norm="1", **tp)
-        ).stdout
+        outputs[name] = launch(torchrun(4), *args(opts, **tp2, per_device_train_batch_size="2", **fsdp)).stdout
     assert "tensor parallel 2" in outputs["tp2"] and "4 process(es)" in outputs["tp2x2"]
     assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["tp2x2"]
     assert "tensor parallel 2 x FSDP2" in outputs["tp2xfsdp2"]
     initial = load_file(Path(tiny_llama_dir) / "model.safetensors")
-    one = load_file(tmp_path / "one" / "model.safetensors")
-    evaluation = json.loads((tmp_path / "one" / "eval_results.json").read_text())
+    one = load_file(one_process / "one" / "model.safetensors")
+    evaluation = json.loads((one_process / "one" / "eval_results.json").read_text())
     for name in ("tp2", "tp2x2", "tp2xfsdp2"):
         out = tmp_path / name
-        assert logged_losses(out) == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-6)
-        assert metrics(out, "train/grad_norm") == pytest.approx(metrics(tmp_path / "one", "train/grad_norm"), rel=1e-5)
+        assert logged_losses(out) == pytest.approx(logged_losses(one_process / "one"), rel=1e-6)
+        assert metrics(out, "train/grad_norm") == pytest.approx(
+            metrics(one_process / "one", "train/grad_norm"), rel=1e-5
+        )
         saved = load_file(out / "model.safetensors")  # gathered from the shards: ordinary full tensors
         assert set(saved) == set(one) and all(saved[k].shape == one[k].shape for k in one)
         for key in one:
@@ -127,27 +177,23 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, tmp_pa
         theirs = json.loads((out / "eval_results.json").read_text())
         assert (theirs["tokens"], theirs["samples"]) == (evaluation["tokens"], evaluation["samples"])  # each once
         assert theirs["loss"] == pytest.approx(evaluation["loss"], rel=1e-5)
-        assert_monitored_like_one_process(out, tmp_path / "one")
+        assert_monitored_like_one_process(out, one_process / "one")
         trained = [
-            json.loads((run / "train_results.json").read_text())["train_samples"] for run in (out, tmp_path / "one")
+            json.loads((run / "train_results.json").read_text())["train_samples"] for run in (out, one_process / "one")
         ]
         assert trained[0] == trained[1], name  # each row counted once, not once per process of its group
 
 
 @pytest.mark.slow
-def test_sft_tp2_trains_like_one_process_from_a_model_grown_in_one_process(tiny_llama_dir, chats, tmp_path):
+def test_sft_tp2_trains_like_one_process_from_a_model_grown_in_one_process(chats, one_process, tmp_path):
     """The test model has no rows for chatml's tokens: a one-process sft run grows them (the refusal's advice),
     then TP=2 and one process fine-tune its output alike: answer-only losses and gradient norms at every step
     (clipped, 2 accumulated micro-batches of uneven answer-token counts), the evaluation over the same answer
     tokens, the sample answers, and the weights after 4 steps."""
-    grown = tmp_path / "grown"
-    launch(torchrun(1), *sft_args(tiny_llama_dir, chats, grown, "--max_steps", "1", "--num_sample_prompts", "0"))
-    common = ["--max_steps", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "2"]
-    common += ["--max_grad_norm", "1", "--num_sample_prompts", "3"]
-    one = launch(torchrun(1), *sft_args(str(grown), chats, tmp_path / "one", *common)).stdout
-    tp2 = launch(torchrun(2), *sft_args(str(grown), chats, tmp_path / "tp2", *common, "--tensor_parallel_size", "2"))
+    grown, one = one_process / "grown", (one_process / "sft.out").read_text()
+    tp2 = launch(torchrun(2), *sft_args(str(grown), chats, tmp_path / "tp2", *SFT, "--tensor_parallel_size", "2"))
     assert "tensor parallel 2" in tp2.stdout and "grew the embeddings" not in one + tp2.stdout
-    a, b = tmp_path / "tp2", tmp_path / "one"
+    a, b = tmp_path / "tp2", one_process / "sft"
     assert logged_losses(a) == pytest.approx(logged_losses(b), rel=1e-6)
     assert metrics(a, "train/grad_norm") == pytest.approx(metrics(b, "train/grad_norm"), rel=1e-5)
     initial, ours, theirs = (load_file(folder / "model.safetensors") for folder in (grown, a, b))
@@ -161,7 +207,7 @@ def test_sft_tp2_trains_like_one_process_from_a_model_grown_in_one_process(tiny_
 
 
 @pytest.mark.slow
-def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(tiny_llama_dir, corpus, tmp_path):
+def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(tiny_llama_dir, corpus, tmp_path, capsys):
     """TP=2: a run with a checkpoint at step 3 of 5, then the same run resumed there (as after kill -9) ends with
     the same weights and losses; the saved model loads in one process and continues the sample prompts as the
     tensor-parallel model did at the end of training."""
@@ -182,16 +228,8 @@ def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(tiny
 
     config = json.loads((out / "config.json").read_text())
     assert "distributed_config" not in config and config["architectures"] == ["LlamaForCausalLM"]
-    generations = json.loads((out / "eval_results.json").read_text())["generations"]
-    whole = [g for g in generations if "\ufffd" not in g["continuation"]]  # decoded alone, a split character differs
-    assert whole and samples(first) == samples(resumed)
-    for generation in whole:
-        command = [sys.executable, str(ENTRY), "generate", "--model_dir", str(out), "--prompt", generation["prompt"]]
-        done = subprocess.run(
-            [*command, "--max_new_tokens", "4"], capture_output=True, text=True, timeout=300, cwd=REPO
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.strip().splitlines()[-1] == generation["prompt"] + generation["continuation"], done.stdout
+    assert samples(first) == samples(resumed)
+    assert_generates_alike(out, json.loads((out / "eval_results.json").read_text())["generations"], capsys)
 
 
 def test_every_refusal_is_one_line(tmp_path, corpus, chats, tiny_llama_dir, tiny_gpt2_dir, capsys, monkeypatch):
