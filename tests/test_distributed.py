@@ -62,6 +62,12 @@ def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", free_port()]
 
 
+# A run of one process needs no launcher: without one the application trains with no process group, to the numbers
+# of a 1-process launch, and a plain process spares the start of torchrun's agent (torch imported once more). A
+# one-process DeepSpeed or FSDP run still needs torchrun (the application refuses to start it without).
+ONE_PROCESS = [sys.executable]
+
+
 def accelerate_launch(config: str, n: int) -> list[str]:
     return [
         sys.executable,
@@ -101,7 +107,7 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir
     )
     two = launch(torchrun(2), str(ENTRY), *common, "--output_dir", str(tmp_path / "two"))
     launch(
-        torchrun(1), str(ENTRY), *common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")
+        ONE_PROCESS, str(ENTRY), *common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")
     )
     assert "2 process(es) on cpu (MULTI_CPU, precision no), effective batch 8 (4 per device x 2 x 1" in two.stdout
     assert two.stdout.count("trained 14 steps") == 1  # only the main process prints
@@ -246,7 +252,8 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
                 }
             )
         )
-        launch(torchrun(n), str(REPO / "tests" / "dist_eval.py"), str(options), str(tmp_path / f"result{n}.json"))
+        launcher = torchrun(n) if n > 1 else ONE_PROCESS
+        launch(launcher, str(REPO / "tests" / "dist_eval.py"), str(options), str(tmp_path / f"result{n}.json"))
         results.append(json.loads((tmp_path / f"result{n}.json").read_text()))
     one, two = results
     assert (one["num_processes"], two["num_processes"]) == (1, 2)

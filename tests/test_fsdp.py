@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import CUDA_AVAILABLE, ENTRY, REPO, assert_each_refused, lm_documents, topic_run_args
 from safetensors.torch import load_file
-from test_distributed import accelerate_launch, free_port, launch, logged_losses
+from test_distributed import ONE_PROCESS, accelerate_launch, free_port, launch, logged_losses
 
 from cloudtrain.config import build_config
 from cloudtrain.parallel import fsdp
@@ -235,7 +235,7 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
         torchrun(2), *classification_args(tiny_model_dir, topic_csvs, two, "--per_device_train_batch_size", "4",
                                           "--fsdp", "true")
     )  # fmt: skip
-    launch(torchrun(1), *classification_args(tiny_model_dir, topic_csvs, one, "--per_device_train_batch_size", "8"))
+    launch(ONE_PROCESS, *classification_args(tiny_model_dir, topic_csvs, one, "--per_device_train_batch_size", "8"))
     assert "2 process(es) on cpu (FSDP, precision no)" in result.stdout
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-5)
     assert grad_norms(two) == pytest.approx(grad_norms(one), rel=1e-4)
@@ -276,7 +276,7 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
         *lm_args(tiny_gpt2_dir, corpus, two, "--per_device_train_batch_size", "1",
                  "--gradient_accumulation_steps", "2", *sharded),
     )  # fmt: skip
-    launch(torchrun(1), *lm_args(tiny_gpt2_dir, corpus, one, "--per_device_train_batch_size", "4"))
+    launch(ONE_PROCESS, *lm_args(tiny_gpt2_dir, corpus, one, "--per_device_train_batch_size", "4"))
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-4)
     saved = load_file(two / "model.safetensors")
     model, info = AutoModelForCausalLM.from_pretrained(two, output_loading_info=True)

@@ -12,7 +12,7 @@ import test_hub
 import torch
 from conftest import ENTRY, REPO, lm_documents
 from safetensors.torch import load_file
-from test_distributed import launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
 from test_hub import TOKEN, hub_env, run_app
 
 hub = test_hub.hub  # the local Hub server fixture, taken by name
@@ -74,7 +74,7 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
         torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "two", *common, "--per_device_train_batch_size", "4")
     )
     launch(
-        torchrun(1), *sft_args(tiny_llama_dir, chats, tmp_path / "one", *common, "--per_device_train_batch_size", "8")
+        ONE_PROCESS, *sft_args(tiny_llama_dir, chats, tmp_path / "one", *common, "--per_device_train_batch_size", "8")
     )
     assert "2 process(es) on cpu" in two.stdout and two.stdout.count("grew the embeddings") == 1
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")

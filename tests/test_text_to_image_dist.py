@@ -18,7 +18,7 @@ import torch
 from conftest import ENTRY
 from safetensors.torch import load_file
 from t2i_fixtures import build_tiny_sd3_pipeline, build_tiny_sdxl_pipeline, captioned_folder
-from test_distributed import launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -66,7 +66,7 @@ def test_sd3_ddp_and_zero2_match_one_process_at_twice_the_batch_and_ddp_resumes_
     two_args = t2i_args(model, squares, tmp_path / "two", *common, "4", "--checkpointing_steps", "2")
     two = launch(torchrun(2), *two_args)
     zero2 = launch(torchrun(2), *t2i_args(model, squares, tmp_path / "z2", *common, "4", "--zero_stage", "2"))
-    launch(torchrun(1), *t2i_args(model, squares, tmp_path / "one", *common, "8"))
+    launch(ONE_PROCESS, *t2i_args(model, squares, tmp_path / "one", *common, "8"))
     assert "2 process(es) on cpu" in two.stdout and "flow_matching loss" in two.stdout
     assert "ZeRO-2" in zero2.stdout
     ddp, single = evaluations(tmp_path / "two"), evaluations(tmp_path / "one")

@@ -16,7 +16,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 from t2i_fixtures import build_tiny_pipeline, build_tiny_sd3_pipeline, captioned_folder
-from test_distributed import launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
 from test_text_to_image_dist import LORA, evaluations, t2i_args
 
 pytestmark = pytest.mark.slow
@@ -47,7 +47,7 @@ def test_an_fsdp2_lora_equals_one_process_at_twice_the_batch_renders_and_loads(t
         torchrun(2), *t2i_args(tiny_sd, squares, tmp_path / "fsdp", *common, "--fsdp", "true",
                                "--per_device_train_batch_size", "4"),
     )  # fmt: skip
-    launch(torchrun(1), *t2i_args(tiny_sd, squares, tmp_path / "one", *common, "--per_device_train_batch_size", "8"))
+    launch(ONE_PROCESS, *t2i_args(tiny_sd, squares, tmp_path / "one", *common, "--per_device_train_batch_size", "8"))
     assert "2 process(es) on cpu (FSDP" in sharded.stdout
     fsdp, single = evaluations(tmp_path / "fsdp"), evaluations(tmp_path / "one")
     assert fsdp[-1]["eval/loss"] < fsdp[0]["eval/loss"]
