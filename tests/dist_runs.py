@@ -7,6 +7,9 @@ command's own `cloudtrain.cli.main`, with accelerate's per-process state reset b
 does (the process group stays: it is the launch's). Process 0 prints `=== run <i>` before run i, so a test reads
 each run's own output (`run_outputs`). One launch instead of one per run spares each run the start of its processes
 (torch, transformers, DeepSpeed imported again), which costs more than these tiny runs themselves.
+Multi-process launches of several runs are not reliable: a DeepSpeed run after another run in one 2-process
+launch hangs at its start (ZeRO-1 then ZeRO-2, DDP then ZeRO-2), as does a second FSDP2 run; keep those in
+launches of their own.
 """
 
 import json
