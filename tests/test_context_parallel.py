@@ -7,7 +7,6 @@ process; every refusal is one line."""
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ import test_sft_dist
 import torch
 from conftest import REPO, assert_each_refused, built_once
 from safetensors.torch import load_file
-from test_distributed import launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
 from test_sft_dist import sft_args
 from test_tensor_parallel import (  # noqa: F401  (corpus: the fixture)
     args,
@@ -121,7 +120,7 @@ def one_process(tiny_llama_dir, corpus, chats, tmp_path_factory) -> Path:  # noq
             "one-mixed": packed_args(tiny_llama_dir, corpus, root / "one-mixed", "4", **MIXED),
             "sft": sft_args(tiny_llama_dir, chats, root / "sft", *SFT),
         }
-        for name, stdout in in_one_launch([sys.executable], runs, root).items():
+        for name, stdout in in_one_launch(ONE_PROCESS, runs, root).items():
             (root / f"{name}.out").write_text(stdout)
 
     return built_once(tmp_path_factory, "context-parallel-one-process", build)

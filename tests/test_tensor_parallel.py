@@ -7,7 +7,6 @@ the chat template's tokens equals one process too."""
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from conftest import ENTRY, REPO, assert_each_refused, built_once, lm_documents
 from dist_runs import run_outputs
 from safetensors.torch import load_file
-from test_distributed import launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
 from test_sft_dist import sft_args
 
 from cloudtrain.cli import main
@@ -86,7 +85,7 @@ def samples(stdout: str) -> list[str]:
 
 def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path) -> dict[str, str]:
     """Each of `runs` (name: `args`-like command line) one after another in one launch of tests/dist_runs.py
-    (`[sys.executable]`: one plain process): a launch's start (torch, transformers imported in every process)
+    (ONE_PROCESS: one plain process): a launch's start (torch, transformers imported in every process)
     costs more than these tiny runs. Each run's stdout by name."""
     runs_file = folder / f"runs-{'-'.join(runs)}.json"
     runs_file.write_text(json.dumps([argv[1:] for argv in runs.values()]))  # without ENTRY
@@ -135,7 +134,7 @@ def one_process(tiny_llama_dir, corpus, chats, tmp_path_factory) -> Path:
             "grown": sft_args(tiny_llama_dir, chats, root / "grown", "--max_steps", "1", "--num_sample_prompts", "0"),
             "sft": sft_args(str(root / "grown"), chats, root / "sft", *SFT),
         }
-        for name, stdout in in_one_launch([sys.executable], runs, root).items():
+        for name, stdout in in_one_launch(ONE_PROCESS, runs, root).items():
             (root / f"{name}.out").write_text(stdout)
 
     return built_once(tmp_path_factory, "tensor-parallel-one-process", build)
