@@ -5,21 +5,21 @@ seed), the same batch order (EpochShuffleSampler, or LengthGroupedSampler for --
 the same thread count, so only the training loop differs. Not supported: several processes.
 """
 
+from __future__ import annotations
+
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
 from itertools import pairwise
-
-import torch
-from transformers import DataCollatorWithPadding, set_seed
+from typing import TYPE_CHECKING
 
 from cloudtrain.config import Config, build_config
-from cloudtrain.data.processing import ProcessedData
-from cloudtrain.data.sources import connect_data
-from cloudtrain.models import prepare as model_prepare
-from cloudtrain.models.load import load_model, load_tokenizer
-from cloudtrain.tasks import build_task
+
+if TYPE_CHECKING:
+    import torch
+
+    from cloudtrain.data.processing import ProcessedData
 
 
 @dataclass
@@ -77,6 +77,16 @@ class Spec:
 
 def prepare(spec: Spec) -> tuple[Config, ProcessedData, torch.nn.Module, object]:
     """(config, tokenized data, freshly loaded model, tokenizer), the same for every runner."""
+    # Imported here, not at the top: bench/run.py and the data bench's process need only Spec, and
+    # transformers.set_seed alone pulls in peft (seconds of every such process's start-up).
+    import torch
+    from transformers import DataCollatorWithPadding, set_seed
+
+    from cloudtrain.data.sources import connect_data
+    from cloudtrain.models import prepare as model_prepare
+    from cloudtrain.models.load import load_model, load_tokenizer
+    from cloudtrain.tasks import build_task
+
     if spec.threads:
         torch.set_num_threads(spec.threads)
     cfg = spec.config()
