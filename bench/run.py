@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--lm_repetitions", type=int, default=2)
     p.add_argument("--lm_token_budget", type=int, default=lm.token_budget, help="real training tokens per variant")
+    p.add_argument("--lm_block_size", type=int, default=lm.block_size, help="tokens per LM row (smaller: tests)")
+    p.add_argument("--lm_batch_size", type=int, default=lm.batch_size, help="full LM rows per step (smaller: tests)")
     p.add_argument("--lm_threads", type=int, default=lm.threads, help="torch threads in each LM run (0: default)")
     p.add_argument("--lm_tab", default=None, help="an Orange .tab corpus instead of the Grimm tales (tests)")
     p.add_argument(
@@ -175,6 +177,8 @@ def measure_lm(args: argparse.Namespace, log) -> dict:
     settings = replace(
         lm_bench.LMSettings(),
         token_budget=args.lm_token_budget,
+        block_size=args.lm_block_size,
+        batch_size=args.lm_batch_size,
         threads=args.lm_threads,
         mixed_precision=args.mixed_precision,
         tab=args.lm_tab,

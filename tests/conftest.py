@@ -394,8 +394,8 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
     """The folder of one `make bench`-like run of bench/run.py on a tiny budget, shared by tests/test_bench.py
     and tests/test_bench_lm.py (one run instead of two): the data bench, all four runners (3 steps, 32 test
     examples), the group_by_length ablation, and the causal-LM packing comparison (none/wrapped/bfd, one
-    repetition, 4096 tokens) on a small synthetic corpus (write_tab) instead of the Grimm tales; the SFT
-    comparison is left out (tests/test_bench_sft.py runs its section)."""
+    repetition, 2 steps of 4 rows x 32 tokens) on a small synthetic corpus (write_tab) instead of the Grimm
+    tales; the SFT comparison is left out (tests/test_bench_sft.py runs its section)."""
 
     def run_bench(out: Path) -> None:
         tab = write_tab(out / "tales.tab")
@@ -416,7 +416,11 @@ def bench_results(tiny_model_dir, tmp_path_factory) -> Path:
                 "--lm_repetitions",
                 "1",
                 "--lm_token_budget",
-                "4096",
+                "256",
+                "--lm_block_size",
+                "32",
+                "--lm_batch_size",
+                "4",
                 "--lm_tab",
                 str(tab),
                 "--sft",

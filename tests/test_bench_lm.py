@@ -243,7 +243,7 @@ def test_the_report_carries_the_lm_section_or_why_it_was_skipped(tmp_path):
 @pytest.mark.slow
 def test_make_bench_runs_the_lm_comparison_in_fresh_processes(bench_results):
     """bench/run.py with the LM comparison on a tiny budget: the run conftest.bench_results shares with
-    tests/test_bench.py (4096 tokens per packing, one repetition, a write_tab corpus)."""
+    tests/test_bench.py (2 steps of 4 rows x 32 tokens per packing, one repetition, a write_tab corpus)."""
     results = json.loads((bench_results / "latest.json").read_text())
     lm = results["lm"]
     assert set(lm["variants"]) == set(lm_bench.PACKINGS) and results["phases"]["lm_s"] > 0
