@@ -631,6 +631,16 @@ def write(report: dict, out: Path) -> None:
     out.with_suffix(".md").write_text("# bench/gpu.py\n\n```\n" + render(report) + "\n```\n")
 
 
+def shared_spec(args: argparse.Namespace, corpus) -> dict:
+    """What every variant's spec holds besides its own {variant, runner, options} and output_dir."""
+    shared = {k: getattr(args, k) for k in ("preset", "packing", "max_length", "batch_size", "steps", "device")}
+    shared |= {k: getattr(args, k) for k in ("logging_steps", "learning_rate", "mixed_precision", "profile_steps")}
+    shared |= {"tokenizer": str(corpus.tokenizer_dir), "train_file": str(corpus.train_file)}
+    shared |= {"validation_file": str(corpus.validation_file)}
+    shared["gradient_checkpointing"] = args.gradient_checkpointing == "true"
+    return shared
+
+
 def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     args = parse_args(argv)
@@ -651,11 +661,7 @@ def main(argv: list[str] | None = None) -> int:
     report["corpus"] = {"train_documents": corpus.train_documents, "vocab_size": corpus.vocab_size}
     report |= {"runs": [], "planner": {"error": "not run yet"}}
     out = Path(args.out)
-    shared = {k: getattr(args, k) for k in ("preset", "packing", "max_length", "batch_size", "steps", "device")}
-    shared |= {k: getattr(args, k) for k in ("logging_steps", "learning_rate", "mixed_precision", "profile_steps")}
-    shared |= {"tokenizer": str(corpus.tokenizer_dir), "train_file": str(corpus.train_file)}
-    shared |= {"validation_file": str(corpus.validation_file)}
-    shared["gradient_checkpointing"] = args.gradient_checkpointing == "true"
+    shared = shared_spec(args, corpus)
     with tempfile.TemporaryDirectory() as tmp:
         for run in plan_runs:
             left = args.budget_s - (time.monotonic() - started) - PLANNER_RESERVE_S

@@ -111,11 +111,28 @@ def test_a_spent_budget_skips_the_variants_and_says_so(tab, tmp_path):
     assert "plain: skipped: --budget_s 1" in out.with_suffix(".md").read_text()
 
 
-@pytest.mark.slow  # five fresh processes through the application: 9 minutes on 2 cores shared with other jobs
-def test_dry_run_runs_every_variant_through_the_same_code_path_on_cpu(tab, tmp_path):
+# The dry run's kernel-option variants take the defaults' code path (run_cloudtrain with one option more): the
+# fresh-process run below takes the three runners and the planner, and these two go through that code in this
+# process (a fresh interpreter each costs ~10 s of imports, more than the run).
+OPTION_VARIANTS = ("varlen", "fused_cross_entropy")
+
+
+@pytest.fixture
+def on_cpu(monkeypatch):
+    """This process sees no GPU, as a --device cpu variant's process does (gpu.run_one hides it)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+
+
+@pytest.mark.slow  # 4 fresh processes through the application (3 variants and the planner)
+def test_dry_run_runs_every_variant_through_the_same_code_path_on_cpu(tab, tmp_path, on_cpu):
     out = tmp_path / "gpu.json"
+    assert gpu.parse_args(["--dry_run"]).variants.split(",") == ["defaults", *OPTION_VARIANTS, "plain", "hf_trainer"]
+    fresh = "defaults,plain,hf_trainer"
     proc = subprocess.run(
-        [sys.executable, str(BENCH / "gpu.py"), "--dry_run", "--tab", str(tab), "--out", str(out)],
+        [sys.executable, str(BENCH / "gpu.py"), "--dry_run", "--tab", str(tab), "--out", str(out)]
+        + ["--variants", fresh],
         capture_output=True,
         text=True,
         timeout=900,
@@ -124,7 +141,7 @@ def test_dry_run_runs_every_variant_through_the_same_code_path_on_cpu(tab, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads(out.read_text())
     runs = {r["variant"]: r for r in report["runs"]}
-    assert list(runs) == gpu.DRY_RUN["variants"].split(",")
+    assert list(runs) == fresh.split(",")
     assert report["device"] == "cpu" and report["peak_flops"] is None
     for name in ("defaults", "plain", "hf_trainer"):
         run = runs[name]
@@ -137,12 +154,32 @@ def test_dry_run_runs_every_variant_through_the_same_code_path_on_cpu(tab, tmp_p
     assert runs["plain"]["flops_per_token"] > runs["defaults"]["flops_per_token"]
     assert runs["plain"]["vs_plain"] == 1.0 and runs["defaults"]["vs_plain"] > 0
     assert runs["defaults"]["row_fill"] > 0.8  # bfd fills its rows
-    for name in ("varlen", "fused_cross_entropy"):  # each either runs or says why not in one line
-        assert runs[name]["status"] == "ok" or runs[name]["error"].startswith("refused: "), runs[name]
     plan = report["planner"]
     assert "error" in plan or plan["total"] > plan["without_overhead"] > 0
     assert "vs plain" in proc.stdout and "profile defaults:" in proc.stdout
     assert out.with_suffix(".md").read_text().startswith("# bench/gpu.py")
+    for run in option_runs(tab, tmp_path):  # each either runs or says why not in one line
+        assert run["status"] == "ok" or run["error"].startswith("refused: "), run
+        if run["status"] == "ok":
+            assert run["steps"] == 3 + 1 + 1 and run["eval_loss"] > 0 and run["profile"]["steps"] == 1, run
+
+
+def option_runs(tab: Path, tmp_path: Path) -> list[dict]:
+    """The dry run's kernel-option variants through gpu.outcome (what each one's process runs), with the spec
+    gpu.main gives it."""
+    import lm_corpus
+    from accelerate.state import AcceleratorState, GradientState
+
+    args = gpu.parse_args(["--dry_run", "--tab", str(tab), "--variants", ",".join(OPTION_VARIANTS)])
+    corpus = lm_corpus.prepare(args.vocab_size, tab)  # the one the fresh-process run prepared
+    shared = gpu.shared_spec(args, corpus)
+    runs = []
+    for run in gpu.variants(args):
+        AcceleratorState._reset_state(reset_partial_state=True)  # one Accelerator per run, as in a process
+        GradientState._reset_state()
+        runs.append(gpu.outcome(run | shared | {"output_dir": str(tmp_path / run["variant"])}))
+    assert [r["variant"] for r in runs] == list(OPTION_VARIANTS)
+    return runs
 
 
 @pytest.mark.gpu
