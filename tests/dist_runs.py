@@ -4,12 +4,11 @@
 
 RUNS_JSON holds a list of command lines (lists of arguments, as after `training_application.py`). Each run is the
 command's own `cloudtrain.cli.main`, with accelerate's per-process state reset before it as `cloudtrain.train`
-does (the process group stays: it is the launch's). Process 0 prints `=== run <i>` before run i, so a test reads
-each run's own output (`run_outputs`). One launch instead of one per run spares each run the start of its processes
-(torch, transformers, DeepSpeed imported again), which costs more than these tiny runs themselves.
-Multi-process launches of several runs are not reliable: a DeepSpeed run after another run in one 2-process
-launch hangs at its start (ZeRO-1 then ZeRO-2, DDP then ZeRO-2), as does a second FSDP2 run; keep those in
-launches of their own.
+does; each run joins the launch's process group and leaves it at its end (under keys of its own in torchrun's
+store: cloudtrain.parallel.runtime.join_launch), and undoes the environment flags accelerate set for it. Process 0
+prints `=== run <i>` before run i, so a test reads each run's own output (`run_outputs`). One launch instead of one
+per run spares each run the start of its processes (torch, transformers, DeepSpeed imported again), which costs
+more than these tiny runs themselves.
 """
 
 import json

@@ -41,7 +41,7 @@ from cloudtrain.models.load import resolve_model_path
 from cloudtrain.models.prepare import compile_model, prepare
 from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
-from cloudtrain.parallel.distributed import check_distributed, launched_processes
+from cloudtrain.parallel.distributed import check_distributed, launch_environment_kept, launched_processes
 from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.publish import atomic, hub
 from cloudtrain.publish import output_dir as output_dir_module
@@ -214,11 +214,12 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
 def run_training(cfg: Config, task: Task | None = None, callbacks: list | None = None) -> dict:
     """Run the whole pipeline; returns the final results (train, eval and, if present, test) and the output dir.
     `task` and `callbacks`: objects the Python API was given (see `build_run`)."""
-    run = build_run(cfg, task, callbacks)
-    try:
-        return _train_evaluate_save(run)
-    finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
-        run.runtime.close()
+    with launch_environment_kept():
+        run = build_run(cfg, task, callbacks)
+        try:
+            return _train_evaluate_save(run)
+        finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
+            run.runtime.close()
 
 
 def _train_evaluate_save(run: Run) -> dict:

@@ -30,6 +30,7 @@ import importlib.util
 import io
 import json
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,6 +51,9 @@ from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings, processes_per_
 from cloudtrain.parallel.fsdp import enable as enable_fsdp
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
+# What building a run's Accelerator writes into (or takes out of) the environment, where the next Accelerator of
+# the same process (cloudtrain.train again) would read it as a launcher's request
+ACCELERATE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_CONFIG_DS_FIELDS")
 
 
 def env_flag(name: str) -> bool:
@@ -341,6 +345,22 @@ def split_refusals(cfg: Config, degree: int, processes: int) -> list[tuple[bool,
     ]
 
 
+@contextlib.contextmanager
+def launch_environment_kept() -> Iterator[None]:
+    """A run's changes to accelerate's flags (`ACCELERATE_FLAGS`) undone when it ends: accelerate sets
+    ACCELERATE_USE_FSDP/_DEEPSPEED when handed a plugin, and the process's next run would otherwise find FSDP or
+    DeepSpeed asked for by the launcher."""
+    before = {name: os.environ.get(name) for name in ACCELERATE_FLAGS}
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def check_distributed(cfg: Config) -> None:
     """Cheap checks of the distributed options, before anything is loaded."""
     from cloudtrain.parallel.context import check_context_parallel
@@ -440,7 +460,6 @@ def build_accelerator(cfg: Config) -> Accelerator:
     fsdp = build_plugin(cfg) if fsdp_shards(cfg) and not tensor_parallel else None
     if fsdp_requested(cfg) and fsdp is None:  # no_shard: DDP, also where an accelerate config asked for FSDP
         os.environ.pop("ACCELERATE_USE_FSDP", None)
-    launcher_said = os.environ.get("ACCELERATE_USE_DEEPSPEED")  # accelerate sets it when handed our plugin
     accelerator = Accelerator(
         mixed_precision=t.mixed_precision,
         gradient_accumulation_steps=t.gradient_accumulation_steps,
@@ -455,8 +474,6 @@ def build_accelerator(cfg: Config) -> Accelerator:
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ],
     )
-    if launcher_said is None:  # else the process's next run (cloudtrain.train again) would find DeepSpeed asked for
-        os.environ.pop("ACCELERATE_USE_DEEPSPEED", None)
     if fsdp is not None:
         enable_fsdp(accelerator, fsdp, cfg)
     if accelerator.num_processes != launched_processes():

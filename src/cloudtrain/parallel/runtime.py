@@ -13,6 +13,7 @@ else asks whether it runs under accelerate:
 import atexit
 import contextlib
 import datetime
+import itertools
 import os
 import socket
 from collections.abc import Callable, Iterator
@@ -257,12 +258,15 @@ def set_collective_timeout(seconds: float, group: Any = None) -> None:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
+_JOINS = itertools.count()  # this process's joins of the launch's process group
+
+
 def join_launch(backend: str) -> None:
     """Join the launch's process group (a no-op for one process, or when joined already).
 
     torchrun keeps one store for the whole launch, also across the restarts of --max-restarts: workers of
     a restart that joined through it directly would find the dead workers' keys (tried: gloo then fails
-    to connect, or waits forever). Each attempt's keys get a prefix of their own."""
+    to connect, or waits forever). Each attempt's keys, and each join of a process, get a prefix of their own."""
     env = os.environ
     if dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) == 1 or "MASTER_ADDR" not in env:
         return  # (no MASTER_ADDR: a launcher of another kind; accelerate joins its way)
@@ -270,9 +274,10 @@ def join_launch(backend: str) -> None:
     hosts_store = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else torchrun's agent does
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts_store)
     attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    dist.init_process_group(
-        backend, store=dist.PrefixStore(f"cloudtrain/attempt-{attempt}", store), rank=rank, world_size=world
-    )
+    # a process joins again for each run (cloudtrain.train twice; each run's close() leaves the group): every
+    # process joins as often, so the counts agree, and no join reads the keys of the process's previous group
+    prefix = f"cloudtrain/attempt-{attempt}/join-{next(_JOINS)}"
+    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world)
     atexit.register(_leave)  # the group goes before the interpreter does: gloo's threads can abort its exit
 
 
