@@ -140,18 +140,15 @@ def test_cp2_cp2_x_dp2_and_cp2_fsdp_train_like_one_process(
     same evaluation over exactly the same tokens and rows. The CP=2 run saves a checkpoint at step 2: resumed there,
     it ends with the same weights bit for bit; its saved model generates in one process what it sampled. Every run
     logs its monitoring like one process; CP=2 with bf16, gradient checkpointing and LoRA trains like the same in
-    one process (`assert_mixed_lora_like_one_process`)."""
+    one process (`assert_mixed_lora_like_one_process`). The 2-process runs share one launch."""
     cp2 = {"context_parallel_size": "2"}
-    runs = {  # name: (processes, rows per process, options)
-        "cp2": (2, "4", {**cp2, "checkpointing_steps": "2"}),
-        "cp2-mixed": (2, "4", {**cp2, **MIXED}),
-        "cp2fsdp": (2, "4", {**cp2, "fsdp": "true"}),
-        "cp2x2": (4, "2", cp2),
+    two = {  # the 2-process runs in one launch; FSDP2 first: the next runs must not find its settings
+        "cp2fsdp": packed_args(tiny_llama_dir, corpus, tmp_path / "cp2fsdp", "4", **cp2, fsdp="true"),
+        "cp2": packed_args(tiny_llama_dir, corpus, tmp_path / "cp2", "4", **cp2, checkpointing_steps="2"),
+        "cp2-mixed": packed_args(tiny_llama_dir, corpus, tmp_path / "cp2-mixed", "4", **cp2, **MIXED),
     }
-    outputs = {
-        name: launch(torchrun(processes), *packed_args(tiny_llama_dir, corpus, tmp_path / name, rows, **extra)).stdout
-        for name, (processes, rows, extra) in runs.items()
-    }
+    outputs = in_one_launch(torchrun(2), two, tmp_path)
+    outputs["cp2x2"] = launch(torchrun(4), *packed_args(tiny_llama_dir, corpus, tmp_path / "cp2x2", "2", **cp2)).stdout
     assert "context parallel 2 (all-to-all)" in outputs["cp2"] and "4 process(es)" in outputs["cp2x2"]
     assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["cp2x2"]
     assert "FSDP" in outputs["cp2fsdp"]

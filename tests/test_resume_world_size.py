@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate.data_loader import BatchSamplerShard
-from conftest import lm_documents
+from conftest import ENTRY, lm_documents
 from safetensors.torch import load_file
 from test_streaming import one_process, run_entry
 from torch.utils.data import BatchSampler
@@ -137,28 +137,34 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
     uninterrupted run's within tolerance, and the same layout resumes bit-exactly. An FSDP checkpoint of 2
     processes resumes on 1 FSDP process likewise."""
     from test_distributed import torchrun
+    from test_tensor_parallel import in_one_launch
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"text": t}) + "\n" for t in lm_documents(30, 3)))
     common = ["--num_train_epochs", "2", "--checkpointing_steps", "3", "--gradient_accumulation_steps"]
-    runs = {
-        "two": (torchrun(2), ["2"], None),
+    # the uninterrupted 2-process runs in one launch
+    straight = {name: ["2", *extra] for name, extra in (("two", []), ("fsdp_two", ["--fsdp", "true"]))}
+    entry = [str(ENTRY)]  # in_one_launch's command lines start with the entry script
+    commands = {
+        name: entry + lm_run_args(tiny_llama_dir, train, tmp_path / name, *common, *e) for name, e in straight.items()
+    }
+    in_one_launch(torchrun(2), commands, tmp_path)
+    runs = {  # each resume in a process of its own, to show what it restores
         "one": (one_process(), ["4"], None),
         "two_to_one": (one_process(), ["4"], "two"),
         "one_to_two": (torchrun(2), ["2"], "one"),
         "two_to_two": (torchrun(2), ["2"], "two"),
-        # FSDP's sharded states, re-cut for one process
-        "fsdp_two": (torchrun(2), ["2", "--fsdp", "true"], None),
-        "fsdp_two_to_one": (torchrun(1), ["4", "--fsdp", "true"], "fsdp_two"),
+        "fsdp_two_to_one": (torchrun(1), ["4", "--fsdp", "true"], "fsdp_two"),  # FSDP's states, re-cut for one
     }
     for name, (launcher, extra, resume_from) in runs.items():
         if resume_from:
             extra = [*extra, "--resume_from_checkpoint", str(tmp_path / resume_from / "checkpoints" / "checkpoint-3")]
         result = run_entry(launcher, lm_run_args(tiny_llama_dir, train, tmp_path / name, *common, *extra))
         assert result.returncode == 0, (name, result.stdout[-2000:], result.stderr[-3000:])
-    steps = {name: json.loads((tmp_path / name / "train_results.json").read_text())["global_step"] for name in runs}
+    names = [*straight, *runs]
+    steps = {name: json.loads((tmp_path / name / "train_results.json").read_text())["global_step"] for name in names}
     assert len(set(steps.values())) == 1 and steps["two"] > 4, steps  # step 3 is mid-epoch: 2 epochs of 3+ steps
-    weights = {name: load_file(tmp_path / name / "model.safetensors") for name in runs}
+    weights = {name: load_file(tmp_path / name / "model.safetensors") for name in names}
     pairs = [
         ("two_to_one", "one"),
         ("one_to_two", "two"),

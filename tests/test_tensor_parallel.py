@@ -145,14 +145,16 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, one_pr
     """One process x 4 rows, TP=2 on 2 processes x 4 rows (both take the same rows), TP=2 x 2 replicas and TP=2 x
     FSDP2 shard 2 on 4 processes x 2 rows each: the same losses and gradient norms at every step (clipped:
     --max_grad_norm 1), the same weights after 4 steps of 2 accumulated micro-batches, the same evaluation over
-    exactly the same tokens."""
+    exactly the same tokens. (The two 4-process runs share one launch.)"""
     tp2 = {"tensor_parallel_size": "2", "max_steps": "4", "max_grad_norm": "1"}
     outputs = {"one": (one_process / "one.out").read_text()}
     opts = options(tiny_llama_dir, corpus, tmp_path / "tp2")
     outputs["tp2"] = launch(torchrun(2), *args(opts, **tp2, per_device_train_batch_size="4")).stdout
-    for name, fsdp in (("tp2x2", {}), ("tp2xfsdp2", {"fsdp": "true"})):
-        opts = options(tiny_llama_dir, corpus, tmp_path / name)
-        outputs[name] = launch(torchrun(4), *args(opts, **tp2, per_device_train_batch_size="2", **fsdp)).stdout
+    four = {  # one launch, the FSDP2 run last (FSDP's settings stay in the environment)
+        name: args(options(tiny_llama_dir, corpus, tmp_path / name), **tp2, per_device_train_batch_size="2", **fsdp)
+        for name, fsdp in (("tp2x2", {}), ("tp2xfsdp2", {"fsdp": "true"}))
+    }
+    outputs |= in_one_launch(torchrun(4), four, tmp_path)
     assert "tensor parallel 2" in outputs["tp2"] and "4 process(es)" in outputs["tp2x2"]
     assert "effective batch 8 (2 per device x 2 x 2 accumulation)" in outputs["tp2x2"]
     assert "tensor parallel 2 x FSDP2" in outputs["tp2xfsdp2"]
