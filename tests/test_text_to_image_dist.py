@@ -1,7 +1,7 @@
 """--task text_to_image under real launches (the default accelerated trainer, gloo on CPU): on Stable Diffusion 3
 (with rows repeated within a step), 2-process DDP and 2-process ZeRO-2 against one process at twice the batch, and
-DDP's exact resume; SDXL (a UNet, both text encoders trained) under ZeRO-2; SDXL with aspect-ratio buckets. Seven
-launches of tiny pipelines (tests/t2i_fixtures.py).
+DDP's exact resume; SDXL (a UNet, both text encoders trained) under ZeRO-2; SDXL with aspect-ratio buckets. Six
+launches of tiny pipelines (tests/t2i_fixtures.py): SD3's DDP and ZeRO-2 runs share one.
 
 Each row's training draws (noise, timestep, latent sample, noise offset, flip, empty caption) come from the seed,
 the step, the row's number in the dataset and its repetition in the step, so a global batch draws the same
@@ -19,6 +19,7 @@ from conftest import ENTRY
 from safetensors.torch import load_file
 from t2i_fixtures import build_tiny_sd3_pipeline, build_tiny_sdxl_pipeline, captioned_folder
 from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
+from test_tensor_parallel import in_one_launch
 
 pytestmark = pytest.mark.slow
 
@@ -64,11 +65,11 @@ def test_sd3_ddp_and_zero2_match_one_process_at_twice_the_batch_and_ddp_resumes_
     common = ["--random_flip", "true", "--proportion_empty_prompts", "0.3"]
     common += ["--max_train_samples", "6", "--max_sequence_length", "12", "--per_device_train_batch_size"]
     two_args = t2i_args(model, squares, tmp_path / "two", *common, "4", "--checkpointing_steps", "2")
-    two = launch(torchrun(2), *two_args)
-    zero2 = launch(torchrun(2), *t2i_args(model, squares, tmp_path / "z2", *common, "4", "--zero_stage", "2"))
+    runs = {"two": two_args, "z2": t2i_args(model, squares, tmp_path / "z2", *common, "4", "--zero_stage", "2")}
+    outputs = in_one_launch(torchrun(2), runs, tmp_path)  # DDP, then ZeRO-2 in the same 2 processes
     launch(ONE_PROCESS, *t2i_args(model, squares, tmp_path / "one", *common, "8"))
-    assert "2 process(es) on cpu" in two.stdout and "flow_matching loss" in two.stdout
-    assert "ZeRO-2" in zero2.stdout
+    assert "2 process(es) on cpu" in outputs["two"] and "flow_matching loss" in outputs["two"]
+    assert "ZeRO-2" in outputs["z2"]
     ddp, single = evaluations(tmp_path / "two"), evaluations(tmp_path / "one")
     assert [e["eval/samples"] for e in ddp] == [6, 6] == [e["eval/samples"] for e in single]  # each image once
     assert ddp[0]["eval/loss"] == pytest.approx(single[0]["eval/loss"], rel=1e-5)  # same weights, same draws
