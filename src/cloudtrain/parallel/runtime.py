@@ -16,6 +16,7 @@ import datetime
 import itertools
 import os
 import socket
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -117,7 +118,7 @@ class Runtime:
         the interpreter's exit (SIGABRT after a complete ZeRO-3 run, seen under load). One process has no group of
         its own (accelerate's state, which in-process runs share, stays)."""
         if self.count > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+            _destroy_group()
 
     def run_on_main(self, fn: Callable[[], Any]) -> Any:
         """`fn()` on the main process only; its result on every process."""
@@ -225,7 +226,7 @@ class PipelineRuntime(Runtime):
 
     def close(self) -> None:
         if dist.is_initialized():  # left alive, gloo's threads can abort the interpreter's exit
-            dist.destroy_process_group()
+            _destroy_group()
 
 
 def node_index() -> int:
@@ -283,7 +284,7 @@ def join_launch(backend: str) -> None:
 
 def _leave() -> None:
     if dist.is_initialized():
-        dist.destroy_process_group()
+        _destroy_group()
 
 
 def use_tf32(runtime: Runtime) -> None:
@@ -295,3 +296,13 @@ def use_tf32(runtime: Runtime) -> None:
         return
     torch.backends.cuda.matmul.fp32_precision = "tf32"
     torch.backends.cudnn.conv.fp32_precision = "tf32"  # type: ignore[attr-defined]  # present, not in the stubs
+
+
+def _destroy_group() -> None:
+    """Leave the process group; through DeepSpeed where it is loaded, which then forgets the groups it cached
+    (a next run in this process would otherwise use a group of the destroyed one: "not registered")."""
+    ds_comm = sys.modules.get("deepspeed.comm.comm")
+    if ds_comm is not None and ds_comm.cdb is not None:
+        ds_comm.destroy_process_group()
+    else:
+        dist.destroy_process_group()
