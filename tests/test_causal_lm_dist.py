@@ -5,14 +5,16 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import test_hub
 import torch
-from conftest import ENTRY, REPO, lm_documents
+from conftest import ENTRY, REPO, built_once, lm_documents
 from safetensors.torch import load_file
 from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
 from test_hub import TOKEN, hub_env, run_app
+from test_tensor_parallel import in_one_launch
 
 hub = test_hub.hub  # the local Hub server fixture, taken by name
 
@@ -102,29 +104,35 @@ def grad_norms(out) -> list[float]:
     return [e["train/grad_norm"] for e in lines if "train/grad_norm" in e]
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_stages_train_and_save_the_full_model(stage, tiny_llama_dir, corpus, tmp_path):
+ZERO_STAGES = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def zero_runs(tiny_llama_dir, corpus, tmp_path_factory) -> Path:
+    """The three ZeRO stages' 2-process runs one after another in one launch (a launch's start, DeepSpeed imported
+    in both processes, costs more than these 2-step runs): each run's output folder zero<stage> and its stdout
+    zero<stage>.out."""
+
+    def build(root: Path) -> None:
+        runs = {}
+        for stage in ZERO_STAGES:
+            extra = ["--gradient_checkpointing", "true", "--packing", "bfd"] if stage == 3 else ["--packing", "wrapped"]
+            zero = ["--zero_stage", str(stage), "--max_steps", "2", "--per_device_train_batch_size", "2", *extra]
+            runs[f"zero{stage}"] = lm_args(tiny_llama_dir, corpus, root / f"zero{stage}", *zero)
+        for name, stdout in in_one_launch(torchrun(2), runs, root).items():
+            (root / f"{name}.out").write_text(stdout)
+
+    return built_once(tmp_path_factory, "causal-lm-zero-stages", build)
+
+
+@pytest.mark.parametrize("stage", ZERO_STAGES)
+def test_zero_stages_train_and_save_the_full_model(stage, tiny_llama_dir, zero_runs):
     """ZeRO-1/2/3 on 2 processes; ZeRO-3 with gradient checkpointing and bfd packing (its isolation probe is
-    skipped there, said in one line)."""
-    out = tmp_path / f"zero{stage}"
-    extra = ["--gradient_checkpointing", "true", "--packing", "bfd"] if stage == 3 else ["--packing", "wrapped"]
-    result = launch(
-        torchrun(2),
-        *lm_args(
-            tiny_llama_dir,
-            corpus,
-            out,
-            "--zero_stage",
-            str(stage),
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "2",
-            *extra,
-        ),
-    )
-    assert f"ZeRO-{stage}" in result.stdout and "perplexity" in result.stdout
-    assert result.stdout.count("not probed under ZeRO-3") == (stage == 3)
+    skipped there, said in one line). The three runs share one launch (zero_runs)."""
+    out = zero_runs / f"zero{stage}"
+    stdout = (zero_runs / f"zero{stage}.out").read_text()
+    assert f"ZeRO-{stage}" in stdout and "perplexity" in stdout
+    assert stdout.count("not probed under ZeRO-3") == (stage == 3)
     saved, initial = load_file(out / "model.safetensors"), load_file(f"{tiny_llama_dir}/model.safetensors")
     assert set(saved) == set(initial) and all(saved[k].shape == initial[k].shape for k in saved)
     assert any(not torch.equal(saved[k], initial[k]) for k in saved)  # it trained

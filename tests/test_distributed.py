@@ -117,27 +117,55 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir
     assert logged_losses(tmp_path / "two") == pytest.approx(logged_losses(tmp_path / "one"), rel=1e-4)
 
 
+USERS_DS_JSON = {
+    "train_micro_batch_size_per_gpu": "auto",
+    "gradient_accumulation_steps": "auto",
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 2},
+}
+
+
+@pytest.fixture(scope="module")
+def zero2_runs(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[str, Path]]:
+    """The 2-process torchrun ZeRO-2 runs (plain, optimizer offloaded to the CPU, a user's DeepSpeed JSON with
+    "auto" values) one after another in one launch of tests/dist_runs.py: a launch's start (DeepSpeed imported in
+    both processes) costs more than these runs. Each run's stdout and output folder by name."""
+    from dist_runs import run_outputs
+
+    root = tmp_path_factory.mktemp("zero2-runs")
+    csvs = {}
+    for split, n, offset in (("train", 20, 0), ("validation", 4, 1)):  # topic_csvs' two splits these runs read
+        csvs[split] = root / f"{split}.csv"
+        pd.DataFrame(topic_rows(n, offset)).to_csv(csvs[split], index=False)
+    (root / "ds.json").write_text(json.dumps(USERS_DS_JSON))
+    common = [*data_args(csvs, tiny_model_dir), *TINY_RUN]
+    runs = {
+        "zero2-torchrun": [*common, "--num_train_epochs", "5", "--zero_stage", "2"],
+        "zero2-offload-torchrun": [*common, "--num_train_epochs", "5", "--zero_stage", "2"],
+        "users-json": [*common, "--gradient_accumulation_steps", "2", "--max_steps", "3"],
+    }
+    runs["zero2-offload-torchrun"] += ["--offload_optimizer", "cpu"]
+    runs["users-json"] += ["--deepspeed_config", str(root / "ds.json")]
+    argvs = [[*argv, "--output_dir", str(root / name)] for name, argv in runs.items()]
+    (root / "runs.json").write_text(json.dumps(argvs))
+    result = launch(torchrun(2), str(REPO / "tests" / "dist_runs.py"), str(root / "runs.json"), timeout=600)
+    outputs = run_outputs(result.stdout, len(runs))
+    return {name: (stdout, root / name) for name, stdout in zip(runs, outputs, strict=True)}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["zero2-torchrun", "zero2-offload-torchrun", "zero3-accelerate-launch"])
-def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_csvs, tmp_path):
-    out = tmp_path / "out"
-    args = [
-        str(ENTRY),
-        *data_args(topic_csvs, tiny_model_dir),
-        *TINY_RUN,
-        "--num_train_epochs",
-        "5",
-        "--output_dir",
-        str(out),
-    ]
+def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_csvs, tmp_path, request):
+    """ZeRO-2 (the two torchrun runs share one launch: zero2_runs) and ZeRO-3 through accelerate launch."""
     if mode == "zero3-accelerate-launch":
-        result = launch(accelerate_launch("configs/accelerate/zero3.yaml", 2), *args)
+        out = tmp_path / "out"
+        args = [str(ENTRY), *data_args(topic_csvs, tiny_model_dir), *TINY_RUN, "--num_train_epochs", "5"]
+        stdout = launch(accelerate_launch("configs/accelerate/zero3.yaml", 2), *args, "--output_dir", str(out)).stdout
     else:
-        extra = ["--zero_stage", "2"] + (["--offload_optimizer", "cpu"] if "offload" in mode else [])
-        result = launch(torchrun(2), *args, *extra)
+        stdout, out = request.getfixturevalue("zero2_runs")[mode]
     stage = 3 if "zero3" in mode else 2
     # the ranks see no GPU, so --mixed_precision auto resolves as on a CPU
-    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage}, precision {child_auto_precision()})" in result.stdout
+    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage}, precision {child_auto_precision()})" in stdout
     losses = logged_losses(out)
     assert losses[-1] < 0.8 * losses[0], losses  # it learned
     reference = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
@@ -150,35 +178,11 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
 
 
 @pytest.mark.slow
-def test_users_deepspeed_json_with_auto_values(tiny_model_dir, topic_csvs, tmp_path):
-    ds_json = tmp_path / "ds.json"
-    ds_json.write_text(
-        json.dumps(
-            {
-                "train_micro_batch_size_per_gpu": "auto",
-                "gradient_accumulation_steps": "auto",
-                "gradient_clipping": 1.0,
-                "zero_optimization": {"stage": 2},
-            }
-        )
-    )
-    out = tmp_path / "out"
-    result = launch(
-        torchrun(2),
-        str(ENTRY),
-        *data_args(topic_csvs, tiny_model_dir),
-        *TINY_RUN,
-        "--gradient_accumulation_steps",
-        "2",
-        "--max_steps",
-        "3",
-        "--deepspeed_config",
-        str(ds_json),
-        "--output_dir",
-        str(out),
-    )
-    assert "(DEEPSPEED ZeRO-2, precision " in result.stdout
-    assert "effective batch 16 (4 per device x 2 x 2 accumulation)" in result.stdout
+def test_users_deepspeed_json_with_auto_values(zero2_runs):
+    """A user's DeepSpeed JSON with "auto" values, filled from the options (run in zero2_runs' launch)."""
+    stdout, out = zero2_runs["users-json"]
+    assert "(DEEPSPEED ZeRO-2, precision " in stdout
+    assert "effective batch 16 (4 per device x 2 x 2 accumulation)" in stdout
     assert (out / "model.safetensors").exists()
 
 
