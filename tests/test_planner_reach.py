@@ -5,10 +5,10 @@ import json
 import re
 
 import pytest
-from conftest import run_cli
 from test_planner import plan_args
 
 from cloudtrain import planning
+from cloudtrain.cli import main
 from cloudtrain.errors import UserError
 from cloudtrain.planning.known_models import KNOWN_MODELS, hub_id, known_name
 
@@ -98,17 +98,18 @@ def test_a_forced_strategy_that_fits_nothing_gets_its_own_advice(tmp_path):
     assert float(needs.group(2)) > 24 > smallest_of_all  # the old advice quoted a row that fits already
 
 
-def test_plan_command_by_names_and_json(tmp_path):
-    result = run_cli(
+def test_plan_command_by_names_and_json(tmp_path, capsys):
+    """Through the command line, in this process (the plan command's own process is tests/test_cli_startup.py's)."""
+    code = main([
         "plan", "--model_name_or_path", "llama-2-13b", "--task", "causal_lm", "--gpu", "h100", "--num_gpus", "8",
         "--json", "--output_dir", str(tmp_path),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    plan = json.loads(result.stdout)
+    ])  # fmt: skip
+    said = capsys.readouterr()
+    assert code == 0, said.err
+    plan = json.loads(said.out)
     assert plan["model"]["num_params"] == PUBLISHED_PARAMS["llama-2-13b"] and plan["fallbacks"]
-    missing = run_cli("plan", "--model_name_or_path", "llama-2-13b", "--task", "causal_lm")
-    assert missing.returncode == 2
-    assert missing.stderr.strip() == "error: give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"
+    assert main(["plan", "--model_name_or_path", "llama-2-13b", "--task", "causal_lm"]) == 2
+    assert capsys.readouterr().err.strip() == "error: give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"
 
 
 # ---------------------------------------------------------------- ZeRO-Infinity
