@@ -84,9 +84,9 @@ def samples(stdout: str) -> list[str]:
 
 
 def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path) -> dict[str, str]:
-    """Each of `runs` (name: `args`-like command line) one after another in one launch of tests/dist_runs.py
-    (ONE_PROCESS: one plain process): a launch's start (torch, transformers imported in every process)
-    costs more than these tiny runs. Each run's stdout by name."""
+    """Each of `runs` (name: `args`-like command line) one after another in one launch of tests/dist_runs.py by
+    `launcher` (torchrun, or ONE_PROCESS: one plain process): a launch's start (torch, transformers imported in
+    every process) costs more than these tiny runs. Each run's stdout by name."""
     runs_file = folder / f"runs-{'-'.join(runs)}.json"
     runs_file.write_text(json.dumps([argv[1:] for argv in runs.values()]))  # without ENTRY
     result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=600)
@@ -150,7 +150,7 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, one_pr
     outputs = {"one": (one_process / "one.out").read_text()}
     opts = options(tiny_llama_dir, corpus, tmp_path / "tp2")
     outputs["tp2"] = launch(torchrun(2), *args(opts, **tp2, per_device_train_batch_size="4")).stdout
-    four = {  # one launch, the FSDP2 run last (FSDP's settings stay in the environment)
+    four = {  # one launch
         name: args(options(tiny_llama_dir, corpus, tmp_path / name), **tp2, per_device_train_batch_size="2", **fsdp)
         for name, fsdp in (("tp2x2", {}), ("tp2xfsdp2", {"fsdp": "true"}))
     }
