@@ -12,9 +12,8 @@ import test_hub
 import torch
 from conftest import ENTRY, REPO, built_once, lm_documents
 from safetensors.torch import load_file
-from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, in_one_launch, launch, logged_losses, torchrun
 from test_hub import TOKEN, hub_env, run_app
-from test_tensor_parallel import in_one_launch
 
 hub = test_hub.hub  # the local Hub server fixture, taken by name
 

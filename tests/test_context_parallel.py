@@ -14,14 +14,13 @@ import test_sft_dist
 import torch
 from conftest import REPO, assert_each_refused, built_once
 from safetensors.torch import load_file
-from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, in_one_launch, launch, logged_losses, torchrun
 from test_sft_dist import sft_args
 from test_tensor_parallel import (  # noqa: F401  (corpus: the fixture)
     args,
     assert_generates_alike,
     assert_monitored_like_one_process,
     corpus,
-    in_one_launch,
     metrics,
     options,
     samples,

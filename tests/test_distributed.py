@@ -58,6 +58,19 @@ def launch(launcher: list[str], *args: str, timeout: int = 300) -> subprocess.Co
     return result
 
 
+def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path) -> dict[str, str]:
+    """Each of `runs` (name: a command line as `launch` takes it after the launcher: the entry script, then the
+    application's arguments) one after another in one launch of tests/dist_runs.py by `launcher` (torchrun, or
+    ONE_PROCESS): a launch's start (torch, transformers imported in every process) costs more than these tiny runs.
+    Each run's stdout by name."""
+    from dist_runs import run_outputs
+
+    runs_file = folder / f"runs-{'-'.join(runs)}.json"
+    runs_file.write_text(json.dumps([argv[1:] for argv in runs.values()]))  # dist_runs calls the entry's main
+    result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=600)
+    return dict(zip(runs, run_outputs(result.stdout, len(runs)), strict=True))
+
+
 def torchrun(n: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_port", free_port()]
 
@@ -130,8 +143,6 @@ def zero2_runs(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[str, Path]]:
     """The 2-process torchrun ZeRO-2 runs (plain, optimizer offloaded to the CPU, a user's DeepSpeed JSON with
     "auto" values) one after another in one launch of tests/dist_runs.py: a launch's start (DeepSpeed imported in
     both processes) costs more than these runs. Each run's stdout and output folder by name."""
-    from dist_runs import run_outputs
-
     root = tmp_path_factory.mktemp("zero2-runs")
     csvs = {}
     for split, n, offset in (("train", 20, 0), ("validation", 4, 1)):  # topic_csvs' two splits these runs read
@@ -146,11 +157,8 @@ def zero2_runs(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[str, Path]]:
     }
     runs["zero2-offload-torchrun"] += ["--offload_optimizer", "cpu"]
     runs["users-json"] += ["--deepspeed_config", str(root / "ds.json")]
-    argvs = [[*argv, "--output_dir", str(root / name)] for name, argv in runs.items()]
-    (root / "runs.json").write_text(json.dumps(argvs))
-    result = launch(torchrun(2), str(REPO / "tests" / "dist_runs.py"), str(root / "runs.json"), timeout=600)
-    outputs = run_outputs(result.stdout, len(runs))
-    return {name: (stdout, root / name) for name, stdout in zip(runs, outputs, strict=True)}
+    lines = {name: [str(ENTRY), *argv, "--output_dir", str(root / name)] for name, argv in runs.items()}
+    return {name: (stdout, root / name) for name, stdout in in_one_launch(torchrun(2), lines, root).items()}
 
 
 @pytest.mark.slow

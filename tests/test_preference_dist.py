@@ -10,15 +10,13 @@ ones must equal run one after another in one process (`one_process`, tests/dist_
 one fails.)"""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ENTRY, REPO, built_once, lm_documents
-from dist_runs import run_outputs
+from conftest import ENTRY, built_once, lm_documents
 from safetensors.torch import load_file
-from test_distributed import launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, in_one_launch, launch, logged_losses, torchrun
 from test_fsdp import grad_norms
 from test_reward import PAIRS
 
@@ -92,16 +90,6 @@ LORA = (  # the LoRA runs'
 TWO, FOUR = ("--per_device_train_batch_size", "2"), ("--per_device_train_batch_size", "4")
 
 
-def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path) -> None:
-    """Run each of `runs` (name: the application's arguments) one after another in one launch; each one's output
-    to `folder/<name>.out`."""
-    runs_file = folder / "runs.json"
-    runs_file.write_text(json.dumps(list(runs.values())))
-    result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=600)
-    for name, output in zip(runs, run_outputs(result.stdout, len(runs)), strict=True):
-        (folder / f"{name}.out").write_text(output)
-
-
 @pytest.fixture(scope="module")
 def reward_data(tmp_path_factory) -> Path:
     """12 preference pairs with margins: 3 steps of 4 pairs an epoch."""
@@ -126,7 +114,9 @@ def one_process(tiny_llama_dir, chat_llama_dir, tiny_model_dir, pairs, reward_da
             "lora": dpo_args(chat_llama_dir, pairs, root / "lora", *LORA, *FOUR),
             "reward": reward_args(tiny_model_dir, reward_data, root / "reward", *FOUR),
         }
-        in_one_launch([sys.executable], runs, root)
+        lines = {name: [str(ENTRY), *argv] for name, argv in runs.items()}
+        for name, stdout in in_one_launch(ONE_PROCESS, lines, root).items():
+            (root / f"{name}.out").write_text(stdout)
 
     root = built_once(tmp_path_factory, "preference-one-process", build)
     return {name: root / name for name in ("full", "lora", "reward")}

@@ -136,8 +136,7 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
     (mid-epoch) of 2 processes x 1 resumes on 1 process x 2 and the other way round; weights equal the
     uninterrupted run's within tolerance, and the same layout resumes bit-exactly. An FSDP checkpoint of 2
     processes resumes on 1 FSDP process likewise."""
-    from test_distributed import torchrun
-    from test_tensor_parallel import in_one_launch
+    from test_distributed import in_one_launch, torchrun
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"text": t}) + "\n" for t in lm_documents(30, 3)))

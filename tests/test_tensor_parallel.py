@@ -13,9 +13,8 @@ import pytest
 import test_sft_dist
 import torch
 from conftest import ENTRY, REPO, assert_each_refused, built_once, lm_documents
-from dist_runs import run_outputs
 from safetensors.torch import load_file
-from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, in_one_launch, launch, logged_losses, torchrun
 from test_sft_dist import sft_args
 
 from cloudtrain.cli import main
@@ -81,16 +80,6 @@ def assert_monitored_like_one_process(out: Path, one: Path) -> None:
 
 def samples(stdout: str) -> list[str]:
     return [line.strip() for line in stdout.splitlines() if '" -> "' in line]
-
-
-def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path) -> dict[str, str]:
-    """Each of `runs` (name: `args`-like command line) one after another in one launch of tests/dist_runs.py by
-    `launcher` (torchrun, or ONE_PROCESS: one plain process): a launch's start (torch, transformers imported in
-    every process) costs more than these tiny runs. Each run's stdout by name."""
-    runs_file = folder / f"runs-{'-'.join(runs)}.json"
-    runs_file.write_text(json.dumps([argv[1:] for argv in runs.values()]))  # without ENTRY
-    result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=600)
-    return dict(zip(runs, run_outputs(result.stdout, len(runs)), strict=True))
 
 
 def assert_generates_alike(out: Path, generations: list[dict], capsys) -> None:

@@ -18,8 +18,7 @@ import torch
 from conftest import ENTRY
 from safetensors.torch import load_file
 from t2i_fixtures import build_tiny_sd3_pipeline, build_tiny_sdxl_pipeline, captioned_folder
-from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
-from test_tensor_parallel import in_one_launch
+from test_distributed import ONE_PROCESS, in_one_launch, launch, logged_losses, torchrun
 
 pytestmark = pytest.mark.slow
 
