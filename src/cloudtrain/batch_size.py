@@ -29,7 +29,7 @@ import torch
 from cloudtrain.config import Config, TrainingConfig
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
-from cloudtrain.planning import run_micro_batch
+from cloudtrain.planning.search import run_micro_batch
 
 DEFAULT_MICRO_BATCH = 16  # the option's default; `auto` without --global_batch_size keeps its global batch
 

@@ -13,11 +13,13 @@
 
 import json
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from cloudtrain.config import Config
 from cloudtrain.redact import mask_value
+
+if TYPE_CHECKING:  # importing torch here would make the commands' checks of a model directory slow to answer
+    import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 LABELS = "labels.json"  # an adapter classifier's label names (the base model knows none)
@@ -38,7 +40,7 @@ def holds_model(output_dir: Path) -> bool:
     return any((Path(output_dir) / name).exists() for name in MODEL_FILES)
 
 
-def final_save_bytes(cfg: Config, model: torch.nn.Module) -> int:
+def final_save_bytes(cfg: Config, model: "torch.nn.Module") -> int:
     """About what the final save writes: the weights saved (the adapter's alone with --peft), plus the
     merged full model with --merge_adapters. ZeRO-3 keeps a parameter's full size in `ds_numel`."""
 
