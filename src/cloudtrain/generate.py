@@ -40,7 +40,6 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_config, load_failure, read_tokenizer
-from cloudtrain.publish import atomic
 from cloudtrain.publish.saving import adapter_config, is_adapter_dir
 from cloudtrain.registry import TASKS
 
@@ -52,11 +51,8 @@ SEPARATOR = "-" * 60
 
 def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
     """`model_dir` holds the config of a causal language model and readable weights, or a UserError says what it
-    holds instead."""
+    holds instead. The command checked that it exists and finished any interrupted final save."""
     path = Path(model_dir)
-    if not path.is_dir():
-        raise UserError(f"--model_dir {model_dir} does not exist; pass the output_dir of a training run")
-    atomic.recover(path)  # a final save a kill interrupted is finished before anything is read
     if is_adapter_dir(path):
         task_type = adapter_config(path).get("task_type")
         if task_type != "CAUSAL_LM":
@@ -93,16 +89,14 @@ def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.chat:
-        if args.prompt or args.input_file:
-            raise UserError("--chat reads the conversation from the terminal; leave out --prompt and --input_file")
         return []
     prompts = list(args.prompt)
     if args.input_file:
         from cloudtrain.predict import read_texts
 
         prompts += [text for text in read_texts(args.input_file, args.text_column) if text.strip()]
-    if not prompts:
-        raise UserError('nothing to generate from: pass --prompt "..." (repeatable) or --input_file FILE')
+    if not prompts:  # an input file of blank lines
+        raise UserError(f"nothing to generate from: --input_file {args.input_file} holds no prompt")
     return prompts
 
 

@@ -19,14 +19,11 @@ from transformers import AutoModelForSequenceClassification
 
 from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.publish import atomic
-from cloudtrain.publish.saving import adapter_config, holds_model, is_adapter_dir, write_jsonl
+from cloudtrain.publish.saving import adapter_config, is_adapter_dir, write_jsonl
 
 
 def read_texts(path: str, column: str) -> list[str]:
-    file = Path(path)
-    if not file.is_file():
-        raise UserError(f"--input_file {path} does not exist")
+    file = Path(path)  # there: the commands' check_input_file
     if file.suffix == ".txt":
         try:
             return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
@@ -56,12 +53,8 @@ def predict(
     trust_remote_code: bool = False,
 ) -> list[dict]:
     """Label and probability of the top class for each text; texts are truncated to `max_length` tokens
-    (default: 512, or the model's context where shorter; longer is refused)."""
-    if batch_size < 1:
-        raise UserError(f"--batch_size must be at least 1, got {batch_size}")
-    atomic.recover(Path(model_dir))  # a final save a kill interrupted is finished before anything is read
-    if not holds_model(Path(model_dir)):
-        raise UserError(f"--model_dir {model_dir} holds no saved model (no config.json/model.safetensors)")
+    (default: 512, or the model's context where shorter; longer is refused). `model_dir` as the command checked
+    it (cloudtrain.commands.predict.check_options: a saved model, any interrupted final save finished)."""
     model, tokenizer = load(model_dir, trust_remote_code)
     max_length = truncation_length(model.config, max_length)
     results = []
@@ -84,8 +77,6 @@ def truncation_length(config, requested: int | None) -> int:
     context = context_length(config)
     if requested is None:
         return min(DEFAULT_MAX_LENGTH, context or DEFAULT_MAX_LENGTH)
-    if requested < 1:
-        raise UserError(f"--max_length must be at least 1, got {requested}")
     if context and requested > context:
         raise UserError(f"--max_length {requested} is longer than the model's context ({context} positions)")
     return requested
@@ -151,8 +142,8 @@ def records(texts: list[str], ids: list[int], scores: list[float], id2label: dic
 
 def run(args: argparse.Namespace) -> None:
     texts = list(args.text) + (read_texts(args.input_file, args.text_column) if args.input_file else [])
-    if not texts:
-        raise UserError('nothing to classify: pass --text "..." or --input_file FILE')
+    if not texts:  # an input file of blank lines
+        raise UserError(f"nothing to classify: --input_file {args.input_file} holds no text")
     rows = predict(args.model_dir, texts, args.batch_size, args.max_length, args.trust_remote_code)
     if args.output_file:
         write_jsonl(Path(args.output_file), rows)

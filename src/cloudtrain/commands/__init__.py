@@ -1,16 +1,22 @@
 """The options of the commands whose work needs torch, transformers or huggingface_hub: `predict`, `generate`,
 `push`, `plan` and `merge`, one module each with `add_arguments(parser)` and `run(args)`.
 
-A module here imports only the standard library and cloudtrain.config, so that `--help`, a refused option and
-the checks of values that need no model answer at once; its `run` imports the module that does the work
-(cloudtrain.predict, cloudtrain.generate, cloudtrain.publish.hub, cloudtrain.planning, cloudtrain.models.adapters)
-once the options are valid. (`preprocess` is light as it is: its options are in cloudtrain.data.preprocess.)
-tests/test_cli_startup.py checks what a fresh interpreter has imported after each command's `--help`.
+A module here imports no torch, transformers or task (the standard library and cloudtrain's light modules:
+config, errors, publish.atomic and .saving, planning.accelerators and .strategies), so that `--help`, a refused
+option and the checks that need no model (numbers in range, files and directories there) answer at once; its
+`run` imports the module that does the work (cloudtrain.predict, cloudtrain.generate, cloudtrain.publish.hub,
+cloudtrain.planning, cloudtrain.models.adapters) once the options are valid. (`preprocess` is light as it is:
+its options are in cloudtrain.data.preprocess.) tests/test_cli_startup.py checks what a fresh interpreter has
+imported after each command's `--help` and refusals.
 """
 
 import argparse
+from collections.abc import Iterable
+from pathlib import Path
 
 from cloudtrain.config import parse_bool
+from cloudtrain.errors import UserError
+from cloudtrain.publish import atomic
 
 
 def true_or_false(value: str) -> bool:
@@ -32,3 +38,24 @@ def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
         help="Run the model's own Python code (auto_map in its config) to load it; read that code first "
         "(default: false, such a model is refused).",
     )
+
+
+def refuse_first(checks: Iterable[tuple[bool, str]]) -> None:
+    """The message of the first check that failed, as a UserError; nothing when all passed."""
+    for failed, message in checks:
+        if failed:
+            raise UserError(message)
+
+
+def existing_run_dir(flag: str, path: str) -> Path:
+    """`path` (given as `flag`) is a directory, with any final save a kill interrupted finished, so that what is
+    read next is the previous model or the new one complete; a UserError otherwise."""
+    if not Path(path).is_dir():
+        raise UserError(f"{flag} {path} does not exist; pass the output_dir of a training run")
+    atomic.recover(Path(path))
+    return Path(path)
+
+
+def check_input_file(path: str | None) -> None:
+    if path is not None and not Path(path).is_file():
+        raise UserError(f"--input_file {path} does not exist")

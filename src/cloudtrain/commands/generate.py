@@ -3,7 +3,7 @@ generates."""
 
 import argparse
 
-from cloudtrain.commands import add_trust_remote_code, true_or_false
+from cloudtrain.commands import add_trust_remote_code, check_input_file, existing_run_dir, true_or_false
 from cloudtrain.errors import UserError
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -104,7 +104,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """The numeric options are in range; one UserError naming the fix otherwise."""
+    """What needs no model: the numbers in range, something to generate from, the files named; one UserError
+    naming the fix otherwise."""
     if args.max_new_tokens < 1:
         raise UserError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
     if not args.temperature > 0:
@@ -118,6 +119,12 @@ def check_options(args: argparse.Namespace) -> None:
         raise UserError(f"--top_k must be 0 (no limit) or more, got {args.top_k}")
     if not args.repetition_penalty > 0:
         raise UserError(f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; 1.0 turns it off")
+    if args.chat and (args.prompt or args.input_file):
+        raise UserError("--chat reads the conversation from the terminal; leave out --prompt and --input_file")
+    if not (args.chat or args.prompt or args.input_file):
+        raise UserError('nothing to generate from: pass --prompt "..." (repeatable) or --input_file FILE')
+    check_input_file(args.input_file)
+    existing_run_dir("--model_dir", args.model_dir)
 
 
 def run(args: argparse.Namespace) -> None:

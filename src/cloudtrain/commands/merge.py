@@ -2,7 +2,9 @@
 
 import argparse
 
-from cloudtrain.commands import add_trust_remote_code
+from cloudtrain.commands import add_trust_remote_code, existing_run_dir
+from cloudtrain.errors import UserError
+from cloudtrain.publish.saving import ADAPTER_CONFIG, is_adapter_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -10,7 +12,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_remote_code(parser)
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """--output_dir holds an adapter (any interrupted final save finished first); one UserError otherwise."""
+    if not is_adapter_dir(existing_run_dir("--output_dir", args.output_dir)):
+        raise UserError(
+            f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
+            "output of a run with --peft lora, dora or qlora"
+        )
+
+
 def run(args: argparse.Namespace) -> None:
+    check_options(args)
     from cloudtrain.models import adapters  # torch, transformers and peft: only once the options parsed
 
     adapters.run(args)

@@ -3,19 +3,14 @@ their help and defaults) and the plan's. cloudtrain.planning estimates and choos
 
 import argparse
 
+from cloudtrain.commands import refuse_first
 from cloudtrain.config import PEFT_METHODS, add_config_option
+from cloudtrain.planning.accelerators import GPUS, gpu_by_name
+from cloudtrain.planning.strategies import MODEL_PARALLEL, PIPELINE, STRATEGIES
 
-# The planner's GPUs (planning.accelerators.GPUS) and strategies (planning.strategies: "auto", STRATEGIES, PIPELINE,
-# MODEL_PARALLEL) by name, in its order: importing the planner for them would import the tasks and torch.
-# tests/test_cli_startup.py checks them against the planner's own.
-GPU_NAMES = (
-    "t4", "v100-16gb", "v100-32gb", "a10g", "l4", "rtx-4090", "l40s", "a100-40gb", "a100-80gb", "h100", "h200", "b200",
-    "mi210", "mi250", "mi250x", "mi300x",
-)  # fmt: skip
-STRATEGY_CHOICES = (
-    "auto", "ddp", "zero1", "zero2", "fsdp_no_shard", "fsdp_grad_op", "fsdp_hybrid", "fsdp", "zero3", "zero2_offload",
-    "zero3_offload", "fsdp_offload", "zero3_offload_all", "zero3_nvme", "pipeline", "tp", "tp_fsdp", "cp_fsdp",
-)  # fmt: skip
+# The planner's GPUs and strategies, by name: these two modules import no task, transformers or torch.
+GPU_NAMES = tuple(GPUS)
+STRATEGY_CHOICES = ("auto", *(strategy.key for strategy in (*STRATEGIES, PIPELINE, *MODEL_PARALLEL)))
 
 # the training options `plan` takes, as the application defines them (in this order in --help)
 TRAINING_OPTIONS = (
@@ -95,7 +90,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
 
 
+def check_options(args: argparse.Namespace) -> None:
+    """What needs no model: the numbers in range and the GPU known; one UserError naming the fix otherwise (what
+    depends on the task and the model: cloudtrain.planning.command)."""
+    world = args.num_gpus * args.num_nodes
+    micro_batch = args.per_device_train_batch_size  # a number, or auto
+    refuse_first(
+        [
+            (args.num_gpus < 1, "--num_gpus must be at least 1"),
+            (args.num_nodes < 1, "--num_nodes must be at least 1"),
+            (args.gpu_memory_gb is None and args.gpu is None, "give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"),
+            (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
+            (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
+            (args.nvme_gb is not None and args.nvme_gb <= 0, "--nvme_gb must be positive"),
+            (args.num_labels < 1, "--num_labels must be at least 1"),
+            (
+                args.model_config and args.model_name_or_path,
+                "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them",
+            ),
+            (isinstance(micro_batch, int) and micro_batch < 1, "--per_device_train_batch_size must be at least 1"),
+            (args.lora_r < 1, "--lora_r must be at least 1"),
+            (not 0 <= args.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
+            (not args.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
+            (args.max_length < 2, "--max_length must be at least 2"),
+            (
+                args.global_batch_size is not None and args.global_batch_size % world != 0,
+                f"--global_batch_size {args.global_batch_size} must be a positive multiple of the {world} GPUs",
+            ),
+            (
+                args.global_batch_size is not None and args.global_batch_size < world,
+                f"--global_batch_size must be at least the number of GPUs ({world})",
+            ),
+        ]
+    )
+    if args.gpu_memory_gb is None:
+        gpu_by_name(args.gpu)  # a UserError for a GPU it does not know
+
+
 def run(args: argparse.Namespace) -> None:
+    check_options(args)
     from cloudtrain import planning  # the tasks, transformers and torch: only once the options parsed
 
     planning.run(args)

@@ -47,8 +47,7 @@ from transformers.utils import GENERATION_CONFIG_NAME
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
-from cloudtrain.publish import atomic
-from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, adapter_config, is_adapter_dir
+from cloudtrain.publish.saving import LABELS, MERGED, adapter_config
 
 AUTO_CLASSES = {"SEQ_CLS": AutoModelForSequenceClassification, "CAUSAL_LM": AutoModelForCausalLM}
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -303,10 +302,5 @@ def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
 
 
 def run(args: argparse.Namespace) -> None:
-    atomic.recover(Path(args.output_dir))  # a final save a kill interrupted is finished before anything is read
-    if not is_adapter_dir(Path(args.output_dir)):
-        raise UserError(
-            f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
-            "output of a run with --peft lora, dora or qlora"
-        )
+    """The merge command, once cloudtrain.commands.merge checked that --output_dir holds an adapter."""
     merge(Path(args.output_dir), args.trust_remote_code)

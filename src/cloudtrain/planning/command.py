@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
+from cloudtrain.commands import refuse_first
 from cloudtrain.config import (
     Config,
     TrainingConfig,
@@ -63,48 +64,22 @@ from cloudtrain.tasks.base import Task
 
 
 def _check(args: argparse.Namespace) -> None:
-    world = args.num_gpus * args.num_nodes
+    """What depends on the task, once cloudtrain.commands.plan.check_options checked the rest."""
     decoder = is_decoder(args.task)
-    micro_batch = args.per_device_train_batch_size  # a number, or auto
-    checks = [
-        (args.num_gpus < 1, "--num_gpus must be at least 1"),
-        (args.num_nodes < 1, "--num_nodes must be at least 1"),
-        (args.gpu_memory_gb is None and args.gpu is None, "give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"),
-        (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
-        (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
-        (args.nvme_gb is not None and args.nvme_gb <= 0, "--nvme_gb must be positive"),
-        (args.num_labels < 1, "--num_labels must be at least 1"),
-        (args.model_config and not decoder, f"--model_config is for --task {decoder_tasks()}"),
-        (
-            args.model_config and args.model_name_or_path,
-            "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them",
-        ),
-        (
-            decoder and not (args.model_config or args.model_name_or_path),
-            f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>",
-        ),
-        (isinstance(micro_batch, int) and micro_batch < 1, "--per_device_train_batch_size must be at least 1"),
-        (args.lora_r < 1, "--lora_r must be at least 1"),
-        (not 0 <= args.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
-        (not args.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
-        (
-            args.model_config and args.peft not in ("auto", "none"),
-            f"--peft {args.peft} trains adapters on pretrained weights, but --model_config builds a model with random "
-            "weights; plan for a checkpoint with --model_name_or_path",
-        ),
-        (args.max_length < 2, "--max_length must be at least 2"),
-        (
-            args.global_batch_size is not None and args.global_batch_size % world != 0,
-            f"--global_batch_size {args.global_batch_size} must be a positive multiple of the {world} GPUs",
-        ),
-        (
-            args.global_batch_size is not None and args.global_batch_size < world,
-            f"--global_batch_size must be at least the number of GPUs ({world})",
-        ),
-    ]
-    for failed, message in checks:
-        if failed:
-            raise UserError(message)
+    refuse_first(
+        [
+            (args.model_config and not decoder, f"--model_config is for --task {decoder_tasks()}"),
+            (
+                decoder and not (args.model_config or args.model_name_or_path),
+                f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>",
+            ),
+            (
+                args.model_config and args.peft not in ("auto", "none"),
+                f"--peft {args.peft} trains adapters on pretrained weights, but --model_config builds a model with "
+                "random weights; plan for a checkpoint with --model_name_or_path",
+            ),
+        ]
+    )
 
 
 def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
