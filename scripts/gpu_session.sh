@@ -23,15 +23,29 @@ BENCH_S=${BENCH_S:-420}
 rm -rf "$OUT"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
+PY=${PY:-python3}
+SITE=${GPU_SITE:-/tmp/site}  # where the wheelhouse is installed (GPU_SITE: elsewhere, e.g. to rehearse it on CPU)
 if [ -d .gpu-wheels ]; then  # the carried wheelhouse, installed beside the machine's own torch
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
     .gpu-wheels/*.whl || exit 1
-  cp -r .gpu-wheels/site/. /tmp/site/
-  export PYTHONPATH=/tmp/site:$PWD/src
+  cp -r .gpu-wheels/site/. "$SITE/"
+  export PYTHONPATH=$SITE:$PWD/src
+  # Tests that launch children (tests/test_gpu.py, test_fsdp.py, test_distributed.py) give them PYTHONPATH=src
+  # alone: without the wheelhouse they would import the machine's transformers and find no datasets. A .pth
+  # file in the interpreter's first writable site directory puts $SITE first in every process; removed at exit.
+  pth_dir=$("$PY" -c 'import os, site
+dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
+print(next((d for d in dirs if os.path.isdir(d) and os.access(d, os.W_OK)), ""))')
+  if [ -n "$pth_dir" ]; then
+    PTH=$pth_dir/zz-cloudtrain-gpu-session.pth
+    echo "import sys; '$SITE' in sys.path or sys.path.insert(0, '$SITE')" >"$PTH"
+    trap 'rm -f "$PTH"' EXIT
+  else
+    echo "warning: no writable site directory for $PY: launched tests will not see $SITE" >&2
+  fi
 else
   export PYTHONPATH=$PWD/src
 fi
-PY=${PY:-python3}
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; "$PY" -c \
   'import torch, transformers, accelerate; print("torch", torch.__version__, "transformers", transformers.__version__, "accelerate", accelerate.__version__)'
 } 2>&1 | tee "$OUT/versions.txt"
