@@ -37,6 +37,15 @@ if sys.prefix != sys.base_prefix:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def child_pythonpath(*more: object) -> str:
+    """PYTHONPATH for a launched child: src (and `more`) ahead of the suite's own PYTHONPATH, which is kept: a
+    machine that carries packages on PYTHONPATH (the lent GPU machine's wheelhouse) has them in children too."""
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([str(REPO / "src"), *map(str, more), *inherited])
+
+
 ENTRY = REPO / "src" / "training_application.py"
 MINILM_CONFIG = Path(__file__).resolve().parent / "assets" / "all-MiniLM-L6-v2" / "config.json"
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, child_pythonpath
 from safetensors.torch import load_file
 from test_checkpointing import args_for, env, run
 from test_distributed import free_port
@@ -160,7 +160,7 @@ TWO = ["--training_type", "accelerated", "--max_steps", "12", "--checkpointing_s
 
 def two_processes(*args: str, kill_at: str | None = None) -> subprocess.CompletedProcess:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
-    environment = {**env(), "PYTHONPATH": f"{REPO / 'src'}:{REPO / 'tests'}", "CUDA_VISIBLE_DEVICES": ""}
+    environment = {**env(), "PYTHONPATH": child_pythonpath(REPO / "tests"), "CUDA_VISIBLE_DEVICES": ""}
     if kill_at:
         environment["CLOUDTRAIN_TEST_KILL_AT"] = kill_at
     return subprocess.run([*launcher, *args], capture_output=True, text=True, env=environment, timeout=600, cwd=REPO)

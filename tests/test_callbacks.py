@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ENTRY, REPO, run_cli, topic_run_args
+from conftest import ENTRY, REPO, child_pythonpath, run_cli, topic_run_args
 
 import cloudtrain
 from cloudtrain.errors import UserError
@@ -176,7 +176,7 @@ def test_main_only_and_all_process_callbacks_under_two_processes(tiny_model_dir,
     (tmp_path / "dist_callbacks.py").write_text(DIST_CALLBACKS)
     logs = tmp_path / "logs"
     logs.mkdir()
-    env = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}:{tmp_path}", "OMP_NUM_THREADS": "1", "CALLBACK_LOG": str(logs)}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(tmp_path), "OMP_NUM_THREADS": "1", "CALLBACK_LOG": str(logs)}
     out = tmp_path / "run"
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
     args = [*topic_run_args(tiny_model_dir, topic_csvs, out), *RUN_FLAGS, "--training_type", "accelerated"]

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import test_hub
 import torch
-from conftest import ENTRY, REPO, built_once, lm_documents
+from conftest import ENTRY, REPO, built_once, child_pythonpath, lm_documents
 from safetensors.torch import load_file
 from test_distributed import ONE_PROCESS, in_one_launch, launch, logged_losses, torchrun
 from test_hub import TOKEN, hub_env, run_app
@@ -147,7 +147,7 @@ def test_sagemaker_job_trains_a_language_model_from_its_channels(tiny_llama_dir,
         "SM_MODEL_DIR": str(model_dir),
         "SM_CHANNEL_TRAIN": str(corpus),
         "SM_CHANNEL_MODEL": tiny_llama_dir,
-        "PYTHONPATH": str(REPO / "src"),
+        "PYTHONPATH": child_pythonpath(),
         "CUDA_VISIBLE_DEVICES": "",
     }
     (corpus / "validation.txt").rename(tmp_path / "validation.txt")  # the train channel holds one split

@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ENTRY, REPO
+from conftest import ENTRY, REPO, child_pythonpath
 from safetensors.torch import load_file
 
 from cloudtrain.checkpointing import (
@@ -60,7 +60,7 @@ def args_for(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:
 
 
 def env() -> dict:
-    return {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    return {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
 
 
 def run(cmd: list[str], expect: int = 0) -> subprocess.CompletedProcess:

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import torch
-from conftest import REPO
+from conftest import child_pythonpath
 
 from cloudtrain.cli import COMMANDS
 from cloudtrain.config.training import muon_available
@@ -36,7 +36,7 @@ for argv in json.loads(sys.argv[1]):
 def answers(cases: list[str]) -> dict[str, list]:
     """Each command line through the CLI in one fresh interpreter: {line: [exit code, stdout, stderr, the heavy
     modules imported by then]}."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     argvs, heavy = json.dumps([case.split() for case in cases]), json.dumps(HEAVY)
     result = subprocess.run(
         [sys.executable, "-c", SCRIPT, argvs, heavy], capture_output=True, text=True, env=env, timeout=300

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, child_pythonpath
 from safetensors.torch import load_file
 from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
 
@@ -23,7 +23,7 @@ def free_port() -> str:
 
 
 def torchrun(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("ACCELERATE_USE_CPU", None)
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()]
     launch = subprocess.Popen(

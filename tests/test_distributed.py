@@ -17,7 +17,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import ENTRY, REPO, child_auto_precision, topic_rows
+from conftest import ENTRY, REPO, child_auto_precision, child_pythonpath, topic_rows
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -51,7 +51,7 @@ def free_port() -> str:
 
 
 def launch(launcher: list[str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("ACCELERATE_USE_CPU", None)
     result = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
@@ -278,7 +278,7 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
 
 @pytest.mark.slow
 def test_basic_trainer_under_a_multi_process_launcher_is_refused(tiny_model_dir, topic_csvs):
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "CUDA_VISIBLE_DEVICES": ""}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
         [*torchrun(2), str(ENTRY), "--training_type", "basic", *data_args(topic_csvs, tiny_model_dir)],
         capture_output=True,

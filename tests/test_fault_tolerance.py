@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from conftest import ENTRY, REPO
+from conftest import ENTRY, REPO, child_pythonpath
 from safetensors.torch import load_file
 from test_checkpointing import args_for, kill_all, wait_for
 
@@ -40,7 +40,7 @@ def free_port() -> str:
 def node_env(node_dir: Path) -> dict:
     return {
         **os.environ,
-        "PYTHONPATH": f"{REPO / 'src'}{os.pathsep}{REPO / 'tests'}",
+        "PYTHONPATH": child_pythonpath(REPO / "tests"),
         "OMP_NUM_THREADS": "1",
         "CLOUDTRAIN_CACHE": str(node_dir / "cache"),  # each node tokenizes into its own cache
     }

@@ -15,7 +15,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import CUDA_AVAILABLE, ENTRY, REPO, assert_each_refused, lm_documents, topic_run_args
+from conftest import (
+    CUDA_AVAILABLE,
+    ENTRY,
+    REPO,
+    assert_each_refused,
+    child_pythonpath,
+    lm_documents,
+    topic_run_args,
+)
 from safetensors.torch import load_file
 from test_distributed import ONE_PROCESS, accelerate_launch, free_port, launch, logged_losses
 
@@ -163,7 +171,7 @@ def torchrun(n: int) -> list[str]:
 
 def launch_on_gpus(launcher: list[str], *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
     """Like test_distributed.launch, but the children see this suite's GPUs (the gpu fixture restored them)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("ACCELERATE_USE_CPU", None)
     result = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])

@@ -20,7 +20,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
-from conftest import ENTRY, REPO, TOPICS, run_cli
+from conftest import ENTRY, REPO, TOPICS, child_pythonpath, run_cli
 from safetensors.torch import load_file
 from transformers import AutoModelForSequenceClassification
 
@@ -76,7 +76,7 @@ def free_port() -> str:
 
 
 def launch(cmd: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "PYTHONUNBUFFERED": "1"}
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO, env=env)
     assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
     return result
@@ -316,7 +316,7 @@ def test_peak_memory_is_within_the_planners_estimate(precision, minilm_shapes_di
         "mixed_precision": precision,
         "training_type": "accelerated",
     }
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     result = subprocess.run(
         [sys.executable, "-c", MEASURE, json.dumps(options)],
         capture_output=True,

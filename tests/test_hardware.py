@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, child_auto_precision, run_cli
+from conftest import child_auto_precision, child_pythonpath, run_cli
 
 from cloudtrain import hardware
 from cloudtrain.config import build_config
@@ -135,7 +135,7 @@ def test_keeping_freed_memory_stops_the_page_faults_of_reused_buffers():
             capture_output=True,
             text=True,
             check=True,
-            env={**os.environ, "PYTHONPATH": str(REPO / "src")},
+            env={**os.environ, "PYTHONPATH": child_pythonpath()},
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
         return result["applied"], result["faults"][-6:]

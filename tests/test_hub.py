@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from conftest import ENTRY, REPO, topic_rows
+from conftest import ENTRY, REPO, child_pythonpath, topic_rows
 from hub_server import HubServer, User
 from huggingface_hub import ModelCard, constants, hf_hub_download, metadata_load
 
@@ -423,7 +423,7 @@ def torchrun_app(env: dict, *args: str) -> subprocess.CompletedProcess:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    env = {**env, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    env = {**env, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.run(
         [
             sys.executable,

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, child_pythonpath
 from safetensors.torch import load_file
 from test_distributed import free_port
 from torch import nn
@@ -148,7 +148,7 @@ def two_process_launch(tmp_path_factory):
     out = tmp_path_factory.mktemp("own-module-dist")
     port = free_port()
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port]
-    environment = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    environment = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     result = subprocess.run(
         [*launcher, str(REPO / "tests" / "dist_own_module.py"), str(out)],
         capture_output=True, text=True, timeout=600, cwd=REPO, env=environment,

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_cli
+from conftest import REPO, child_pythonpath, run_cli
 from test_planner import (
     BY_KEY,
     decoder_dirs_fixture,  # noqa: F401  (the decoder_dirs fixture)
@@ -182,7 +182,7 @@ def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_
     assert command[:3] == ["accelerate", "launch", "--config_file"]
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--main_process_port", free_port()]
     out = tmp_path / "run"
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1"}
     env.pop("ACCELERATE_USE_CPU", None)
     result = subprocess.run(
         launcher

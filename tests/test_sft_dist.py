@@ -10,7 +10,7 @@ import sys
 import pytest
 import test_hub
 import torch
-from conftest import ENTRY, REPO, lm_documents
+from conftest import ENTRY, REPO, child_pythonpath, lm_documents
 from safetensors.torch import load_file
 from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
 from test_hub import TOKEN, hub_env, run_app
@@ -147,7 +147,7 @@ def test_sagemaker_job_fine_tunes_from_its_channels(tiny_llama_dir, chats, tmp_p
         "SM_MODEL_DIR": str(model_dir),
         "SM_CHANNEL_TRAIN": str(channel),
         "SM_CHANNEL_MODEL": tiny_llama_dir,
-        "PYTHONPATH": str(REPO / "src"),
+        "PYTHONPATH": child_pythonpath(),
         "CUDA_VISIBLE_DEVICES": "",
     }
     result = subprocess.run(

@@ -18,7 +18,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import ENTRY, REPO
+from conftest import ENTRY, REPO, child_pythonpath
 from hub_server import HubServer, User
 from huggingface_hub import constants
 from test_streaming import data_cfg, numbered, plan_for, take, write_jsonl
@@ -256,7 +256,7 @@ def test_the_entry_point_reads_hf_endpoint_and_hf_token_from_the_environment(hub
 
     env = {k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")}
     env.update(
-        HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN_PATH=str(tmp_path / "no-token"), PYTHONPATH=str(REPO / "src")
+        HF_ENDPOINT=hub.url, HF_HUB_OFFLINE="0", HF_TOKEN_PATH=str(tmp_path / "no-token"), PYTHONPATH=child_pythonpath()
     )
     args = stream_run_args(tiny_llama_dir, "hf://datasets/alice/private-corpus", tmp_path / "run", "--max_steps", "2")
 

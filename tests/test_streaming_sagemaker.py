@@ -13,7 +13,7 @@ import sys
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from conftest import ENTRY, REPO, lm_documents
+from conftest import ENTRY, REPO, child_pythonpath, lm_documents
 from test_streaming import data_cfg, write_jsonl
 
 from cloudtrain.data.mixture import resolve_sources
@@ -30,7 +30,7 @@ def test_the_entry_point_streams_a_fastfile_train_channel(tiny_llama_dir, tmp_pa
     pq.write_table(pa.table({"text": ["not this source"]}), root / "input" / "data" / "elsewhere.parquet")
     env = {
         **os.environ,
-        "PYTHONPATH": str(REPO / "src"),
+        "PYTHONPATH": child_pythonpath(),
         "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",
         "SM_MODEL_DIR": str(root / "model"),

@@ -18,7 +18,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from conftest import ENTRY, REPO, run_cli
+from conftest import ENTRY, REPO, child_pythonpath, run_cli
 
 from cloudtrain import pipeline
 from cloudtrain.config import TrackingConfig, build_config
@@ -215,7 +215,7 @@ def tracked_part(
         text=True,
         timeout=300,
         cwd=REPO,
-        env={**os.environ, "PYTHONPATH": str(REPO / "src"), **env},
+        env={**os.environ, "PYTHONPATH": child_pythonpath(), **env},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout

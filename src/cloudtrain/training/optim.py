@@ -11,7 +11,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from accelerate.utils import DummyOptim
 from transformers import get_scheduler
 from transformers.optimization import Adafactor
 
@@ -71,6 +70,9 @@ def build_optimizer(model: torch.nn.Module, cfg: Config) -> Any:
     t = cfg.training
     if "optimizer" in deepspeed_sections(cfg):
         # the file's weight_decay applies to the matrices; "auto" lr and weight_decay are filled from ours
+        # accelerate.utils exports DummyOptim only where deepspeed is installed; this branch needs it anyway
+        from accelerate.utils.deepspeed import DummyOptim
+
         groups = weight_decay_groups(model.parameters(), None)
         return DummyOptim(groups, lr=t.learning_rate, weight_decay=t.weight_decay)
     groups = weight_decay_groups(model.parameters(), t.weight_decay)
