@@ -127,3 +127,37 @@ def test_the_library_api_runs_the_pipeline_again_and_again(tiny_model_dir, topic
         assert results["train"]["global_step"] == 2 and 0 <= results["eval"]["accuracy"] <= 1
         assert Path(results["output_dir"], "model.safetensors").is_file()
         assert json.loads(Path(results["output_dir"], "args.json").read_text())["mixed_precision"] == precision
+
+
+# The optional extras' top-level modules (pyproject.toml's optional-dependencies, and the kernels cloudtrain uses
+# where installed): a machine without them (pip install cloudtrain; the lent GPU machine) still imports everything.
+OPTIONAL = (
+    "deepspeed", "bitsandbytes", "sagemaker", "wandb", "trackio", "tensorboard", "mlflow", "diffusers", "s3fs",
+    "liger_kernel", "flash_attn", "zstandard",
+)  # fmt: skip
+IMPORT_ALL = """
+import importlib, json, pkgutil, sys
+for name in json.loads(sys.argv[1]):
+    sys.modules[name] = None  # `import name` fails, and importlib.util.find_spec(name) is None, as if not installed
+import cloudtrain
+failed = {}
+for info in pkgutil.walk_packages(cloudtrain.__path__, "cloudtrain."):
+    if info.name != "cloudtrain.__main__":  # it runs the command line
+        try:
+            importlib.import_module(info.name)
+        except Exception as err:
+            failed[info.name] = f"{type(err).__name__}: {err}"
+print(json.dumps({"failed": failed, "imported": sorted(m for m in sys.modules if m.startswith("cloudtrain."))}))
+"""
+
+
+@pytest.mark.slow
+def test_every_module_imports_without_the_optional_extras():
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    done = subprocess.run(
+        [sys.executable, "-c", IMPORT_ALL, json.dumps(OPTIONAL)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.splitlines()[-1])
+    assert report["failed"] == {}
+    assert {"cloudtrain.pipeline", "cloudtrain.cli", "cloudtrain.training.optim"} <= set(report["imported"])
