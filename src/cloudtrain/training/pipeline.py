@@ -235,17 +235,15 @@ class PipelineTrainer(Trainer):
 
     # ------------------------------------------------------------ placement and data
     def setup(self) -> None:
-        d, device = self.cfg.distributed, self.rt.device
+        device = self.rt.device
         for stage in self.stages:
             stage.to(device)
-        pipes = [PipelineStage(s, s.index, self.n_stages, device, group=self.rt.pp_group) for s in self.stages]
-        schedule = SCHEDULES[d.pipeline_schedule]
-        self.schedule = schedule(
-            pipes if d.pipeline_schedule == "interleaved_1f1b" else pipes[0],  # type: ignore[arg-type]
-            n_microbatches=d.pipeline_microbatches,
-            loss_fn=self._loss,
-            scale_grads=False,  # the loss is already normalised by the step's global count
-        )
+        self.schedule = self._make_schedule()
+        # torch 2.11's schedules infer the stages' shapes once, at the first step, and refuse evaluation's larger
+        # micro-batches (PipeliningShapeError); 2.13's infer them again when switching between step and eval
+        # (_initialize_pp_stages). Where they do not, evaluation runs through its own stages over the same modules.
+        reinfers = hasattr(Schedule1F1B, "_initialize_pp_stages")
+        self.eval_schedule = self.schedule if reinfers else self._make_schedule()
         if self.is_main_process:
             layout = ", ".join(
                 f"{s}: layers {r.start}-{r.stop - 1}" if r else f"{s}: no layers" for s, r in enumerate(self.ranges)
@@ -253,6 +251,17 @@ class PipelineTrainer(Trainer):
             print(f"pipeline stages ({layout}); the first holds the embeddings, the last the norm and head", flush=True)
             if self.data.prompts:
                 print("note: no sample generations under the pipeline; `generate` the saved model", flush=True)
+
+    def _make_schedule(self) -> ScheduleGPipe | Schedule1F1B | ScheduleInterleaved1F1B:
+        """The launch's schedule over fresh PipelineStage wrappers of this process's stage modules."""
+        d, device = self.cfg.distributed, self.rt.device
+        pipes = [PipelineStage(s, s.index, self.n_stages, device, group=self.rt.pp_group) for s in self.stages]
+        return SCHEDULES[d.pipeline_schedule](
+            pipes if d.pipeline_schedule == "interleaved_1f1b" else pipes[0],  # type: ignore[arg-type]
+            n_microbatches=d.pipeline_microbatches,
+            loss_fn=self._loss,
+            scale_grads=False,  # the loss is already normalised by the step's global count
+        )
 
     def autocast(self):
         return autocast(self.cfg.training.mixed_precision, self.rt.device)
@@ -362,7 +371,7 @@ class PipelineTrainer(Trainer):
         rows = math.ceil(self.cfg.training.per_device_eval_batch_size / m) * m
         for batch in self.eval_dls[split]:
             batch = self._shard(batch, rows)
-            loss_sum = self._run(self.schedule.eval, batch)
+            loss_sum = self._run(self.eval_schedule.eval, batch)
             if self.holds_last:
                 real = batch["attention_mask"].any(dim=1).sum()
                 sums += torch.stack([loss_sum, self.task.loss_count(batch), real]).double()
