@@ -30,9 +30,9 @@ if [ -d .gpu-wheels ]; then  # the carried wheelhouse, installed beside the mach
     .gpu-wheels/*.whl || exit 1
   cp -r .gpu-wheels/site/. "$SITE/"
   export PYTHONPATH=$SITE:$PWD/src
-  # Tests that launch children (tests/test_gpu.py, test_fsdp.py, test_distributed.py) give them PYTHONPATH=src
-  # alone: without the wheelhouse they would import the machine's transformers and find no datasets. A .pth
-  # file in the interpreter's first writable site directory puts $SITE first in every process; removed at exit.
+  # A process started with a PYTHONPATH of its own (the suite's children keep ours: conftest.child_pythonpath)
+  # would import the machine's older transformers and find no datasets. A .pth file in the interpreter's first
+  # writable site directory puts $SITE first in every process; removed at exit.
   pth_dir=$("$PY" -c 'import os, site
 dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
 print(next((d for d in dirs if os.path.isdir(d) and os.access(d, os.W_OK)), ""))')
