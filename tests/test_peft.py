@@ -521,3 +521,16 @@ def test_sft_lora_in_bf16_with_a_grown_vocabulary_generates_its_samples(
     options.update(model_name_or_path=tiny_llama_dir, mixed_precision="bf16", training_type=training_type, max_steps=1)
     results = run_training(build_config(options))
     assert results["eval"]["generations"] and all("answer" in g for g in results["eval"]["generations"])
+
+
+def test_bitsandbytes_cpu_kernel_warning_stays_off_stderr(caplog):
+    """bitsandbytes logs it at import on CPUs with AVX512-BF16 (peft imports it wherever it is installed); the
+    same logger's warning, emitted here whether or not bitsandbytes is installed, reaches no handler."""
+    import logging
+
+    import cloudtrain  # noqa: F401  (what every entry point imports first)
+
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward")
+        logging.getLogger("bitsandbytes.other").warning("a warning of another bitsandbytes module")
+    assert [r.getMessage() for r in caplog.records] == ["a warning of another bitsandbytes module"]

@@ -15,10 +15,15 @@ From Python or a notebook, the same pipeline as the `cloudtrain` command:
 Mistakes raise cloudtrain.errors.UserError (one line saying what and how to fix), before anything heavy.
 """
 
+import logging
 from pathlib import Path
 from typing import Any
 
 from cloudtrain.config import Config
+
+# bitsandbytes (imported by peft wherever it is installed) warns on every CPU with AVX512-BF16 that it could not
+# fetch a CPU 4-bit kernel from the Hub: noise on every command's stderr, as cloudtrain runs QLoRA on CUDA only.
+logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(logging.ERROR)
 
 __version__ = "0.1.0"
 __all__ = ["Config", "train", "__version__"]
