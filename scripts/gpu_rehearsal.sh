@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Rehearse the lent GPU machine on this CPU machine before spending device time: a Python 3.12 venv holding only
+# the packages that machine has (../shared/notes/FACTS.md, "The GPU machine"), the carried wheelhouse installed
+# beside them as scripts/gpu_session.sh installs it there, then every cloudtrain module imported and the gpu
+# tier's test modules run (their gpu tests skip here; the rest of those modules runs). A module that imports
+# something the machine lacks, or a launched child that loses the wheelhouse, fails here instead of there.
+#
+#   ../shared/tools/gpu-wheelhouse.sh .gpu-wheels     (once)
+#   scripts/gpu_rehearsal.sh                          (first run builds the venv: ~4 GB, a few minutes)
+#
+# GPU_SIM_VENV: where the venv lives (default /work/venv-gpusim, outside the checkout). Exit 1 when a module
+# fails to import or a test fails; tests that need the default model or deepspeed, neither of which that
+# machine has, are not part of the gpu tier and are deselected.
+set -uo pipefail
+VENV=${GPU_SIM_VENV:-/work/venv-gpusim}
+PY312=${PY312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}
+[ -d .gpu-wheels ] || { echo "error: no .gpu-wheels here; build it with ../shared/tools/gpu-wheelhouse.sh .gpu-wheels"; exit 2; }
+[ -n "$PY312" ] || { echo "error: no python3.12 found; set PY312 to one"; exit 2; }
+
+if [ ! -x "$VENV/bin/python" ]; then  # what the GPU machine has installed, with their dependencies
+  "$PY312" -m venv "$VENV" && "$VENV/bin/pip" install -q torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 \
+    huggingface_hub==1.33.0 tokenizers==0.23.2 safetensors==0.8.0 peft pyarrow pandas matplotlib pytest \
+    pytest-xdist pytest-timeout || exit 1
+fi
+SITE=$(mktemp -d)
+trap 'rm -rf "$SITE"' EXIT
+"$VENV/bin/python" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" .gpu-wheels/*.whl || exit 1
+cp -r .gpu-wheels/site/. "$SITE/"
+export PYTHONPATH=$SITE:$PWD/src PYTHONUNBUFFERED=1
+
+status=0
+"$VENV/bin/python" - <<'EOF' || status=1
+import importlib, pkgutil, sys
+import cloudtrain, transformers
+print(f"python {sys.version.split()[0]}, transformers {transformers.__version__} from {transformers.__file__}")
+failed = 0
+for info in pkgutil.walk_packages(cloudtrain.__path__, "cloudtrain."):
+    if info.name != "cloudtrain.__main__":  # it runs the command line
+        try:
+            importlib.import_module(info.name)
+        except Exception as err:
+            failed += 1
+            print(f"import {info.name}: {type(err).__name__}: {err}")
+print(f"{failed} of the modules failed to import")
+sys.exit(1 if failed else 0)
+EOF
+"$VENV/bin/python" -m pytest $(grep -lw 'mark\.gpu' tests/test_*.py) -q -p no:cacheprovider -n 2 --timeout 900 \
+  --deselect tests/test_fsdp.py::test_each_refusal_is_one_line \
+  --deselect "tests/test_peft.py::test_lora_under_zero_on_two_processes_trains_saves_and_resumes" \
+  --deselect tests/test_peft.py::test_lora_on_minilm_learns_r8_well_above_the_majority_class || status=1
+exit $status
