@@ -3,8 +3,7 @@ generates."""
 
 import argparse
 
-from cloudtrain.commands import add_trust_remote_code, check_input_file, existing_run_dir, true_or_false
-from cloudtrain.errors import UserError
+from cloudtrain.commands import add_trust_remote_code, check_input_file, existing_run_dir, refuse_first, true_or_false
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -106,23 +105,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_options(args: argparse.Namespace) -> None:
     """What needs no model: the numbers in range, something to generate from, the files named; one UserError
     naming the fix otherwise."""
-    if args.max_new_tokens < 1:
-        raise UserError(f"--max_new_tokens must be at least 1, got {args.max_new_tokens}")
-    if not args.temperature > 0:
-        raise UserError(
-            f"--temperature must be greater than 0, got {args.temperature}; "
-            "for deterministic output use --do_sample false instead"
-        )
-    if not 0 < args.top_p <= 1:
-        raise UserError(f"--top_p must be in (0, 1], got {args.top_p}; 1.0 turns it off")
-    if args.top_k < 0:
-        raise UserError(f"--top_k must be 0 (no limit) or more, got {args.top_k}")
-    if not args.repetition_penalty > 0:
-        raise UserError(f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; 1.0 turns it off")
-    if args.chat and (args.prompt or args.input_file):
-        raise UserError("--chat reads the conversation from the terminal; leave out --prompt and --input_file")
-    if not (args.chat or args.prompt or args.input_file):
-        raise UserError('nothing to generate from: pass --prompt "..." (repeatable) or --input_file FILE')
+    refuse_first(
+        [
+            (args.max_new_tokens < 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}"),
+            (
+                not args.temperature > 0,
+                f"--temperature must be greater than 0, got {args.temperature}; "
+                "for deterministic output use --do_sample false instead",
+            ),
+            (not 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}; 1.0 turns it off"),
+            (args.top_k < 0, f"--top_k must be 0 (no limit) or more, got {args.top_k}"),
+            (
+                not args.repetition_penalty > 0,
+                f"--repetition_penalty must be greater than 0, got {args.repetition_penalty}; 1.0 turns it off",
+            ),
+            (
+                args.chat and bool(args.prompt or args.input_file),
+                "--chat reads the conversation from the terminal; leave out --prompt and --input_file",
+            ),
+            (
+                not (args.chat or args.prompt or args.input_file),
+                'nothing to generate from: pass --prompt "..." (repeatable) or --input_file FILE',
+            ),
+        ]
+    )
     check_input_file(args.input_file)
     existing_run_dir("--model_dir", args.model_dir)
 
