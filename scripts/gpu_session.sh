@@ -30,19 +30,6 @@ if [ -d .gpu-wheels ]; then  # the carried wheelhouse, installed beside the mach
     .gpu-wheels/*.whl || exit 1
   cp -r .gpu-wheels/site/. "$SITE/"
   export PYTHONPATH=$SITE:$PWD/src
-  # A process started with a PYTHONPATH of its own (the suite's children keep ours: conftest.child_pythonpath)
-  # would import the machine's older transformers and find no datasets. A .pth file in the interpreter's first
-  # writable site directory puts $SITE first in every process; removed at exit.
-  pth_dir=$("$PY" -c 'import os, site
-dirs = site.getsitepackages() + ([site.getusersitepackages()] if site.ENABLE_USER_SITE else [])
-print(next((d for d in dirs if os.path.isdir(d) and os.access(d, os.W_OK)), ""))')
-  if [ -n "$pth_dir" ]; then
-    PTH=$pth_dir/zz-cloudtrain-gpu-session.pth
-    echo "import sys; '$SITE' in sys.path or sys.path.insert(0, '$SITE')" >"$PTH"
-    trap 'rm -f "$PTH"' EXIT
-  else
-    echo "warning: no writable site directory for $PY: launched tests will not see $SITE" >&2
-  fi
 else
   export PYTHONPATH=$PWD/src
 fi

@@ -10,7 +10,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO, built_once, topic_run_args
+from conftest import REPO, built_once, child_pythonpath, topic_run_args
 
 import cloudtrain
 from cloudtrain.cli import COMMANDS
@@ -153,7 +153,7 @@ print(json.dumps({"failed": failed, "imported": sorted(m for m in sys.modules if
 
 @pytest.mark.slow
 def test_every_module_imports_without_the_optional_extras():
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
     done = subprocess.run(
         [sys.executable, "-c", IMPORT_ALL, json.dumps(OPTIONAL)], capture_output=True, text=True, timeout=300, env=env
     )
