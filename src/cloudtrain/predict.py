@@ -29,7 +29,8 @@ def read_texts(path: str, column: str) -> list[str]:
             return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
         except UnicodeDecodeError:
             raise UserError(f"--input_file {path} is not UTF-8 text; save it as UTF-8 and try again") from None
-    from cloudtrain.data.sources import FILE_FORMATS, load_files  # only needed for tabular inputs
+    from cloudtrain.data.files import FILE_FORMATS
+    from cloudtrain.data.sources import load_files  # only needed for tabular inputs
 
     if file.suffix not in FILE_FORMATS:
         raise UserError(f"--input_file {path}: unsupported format; use .txt or one of {', '.join(FILE_FORMATS)}")

@@ -20,48 +20,21 @@ from datasets.exceptions import DatasetGenerationError
 
 from cloudtrain.assets import R8_FILES, r8_dir
 from cloudtrain.config import DataConfig
+from cloudtrain.data.files import FILE_FORMATS, check_data_files, data_files, split_files
 from cloudtrain.errors import UserError, first_line
 
-FILE_FORMATS = {  # extension -> (datasets builder, builder options)
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"sep": "\t"}),
-    ".json": ("json", {}),
-    ".jsonl": ("json", {}),
-    ".parquet": ("parquet", {}),
-    ".txt": ("text", {}),
-}
 SPLIT_ALIASES = {"valid": "validation", "val": "validation", "dev": "validation"}
 BUILTIN_NAME = "reuters-r8"
 
 
-def _split_files(cfg: DataConfig) -> dict[str, str]:
-    files = {"train": cfg.train_file, "validation": cfg.validation_file, "test": cfg.test_file}
-    return {split: path for split, path in files.items() if path}
-
-
 def check_data_sources(cfg: DataConfig) -> None:
-    """Cheap checks of the data options: files exist and have a format we read."""
-    files = _split_files(cfg)
+    """Cheap checks of the data options: files exist and have a format we read; streamed sources are found."""
     if cfg.streaming:  # training sources: globs, folders and weights, checked without reading them
         from cloudtrain.data.mixture import resolve_sources
 
         resolve_sources(cfg)
-        files.pop("train", None)
-    if files and "train" not in files:
-        raise UserError("--validation_file/--test_file need a --train_file too")
-    for split, path in files.items():
-        p = Path(path)
-        if not p.exists():
-            raise UserError(f"--{split}_file {path} does not exist")
-        if p.is_file() and p.suffix.lower() not in FILE_FORMATS:
-            raise UserError(
-                f"--{split}_file {path}: unsupported format {p.suffix!r}; "
-                f"use one of {', '.join(FILE_FORMATS)} or a save_to_disk directory"
-            )
-        for file in [p] if p.is_file() else _data_files(p):
-            if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
-                raise UserError(f"--{split}_file {file} is empty; give a file with a header and rows")
-    if not files and not cfg.dataset_name and not cfg.streaming:
+    check_data_files(cfg)
+    if not split_files(cfg) and not cfg.dataset_name and not cfg.streaming:
         r8_dir()  # raises with the set-up command when the built-in data is missing
 
 
@@ -81,9 +54,7 @@ def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = 
     if cfg.streaming:
         raw = _connect_stream(cfg, columns)
     elif cfg.train_file:
-        raw = DatasetDict(
-            {split: _load_path(path, split, cfg.text_column) for split, path in _split_files(cfg).items()}
-        )
+        raw = DatasetDict({split: _load_path(path, split, cfg.text_column) for split, path in split_files(cfg).items()})
     elif cfg.dataset_name and Path(cfg.dataset_name).is_dir():
         raw = _as_dict(_load_saved(cfg.dataset_name))
     elif cfg.dataset_name:
@@ -102,9 +73,8 @@ def _connect_stream(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> Da
     sample, specs = connect_stream(cfg, [column for column, _ in columns.values()])
     common = [key for key in sample[0] if all(key in record for record in sample)]
     raw = DatasetDict({"train": Dataset.from_list([{k: record[k] for k in common} for record in sample])})
-    for split, path in _split_files(cfg).items():
-        if split != "train":
-            raw[split] = _load_path(path, split, cfg.text_column)
+    for split, path in split_files(cfg).items():  # the held-out files: a stream's training files are not among them
+        raw[split] = _load_path(path, split, cfg.text_column)
     raw.stream_sources = specs  # type: ignore[attr-defined]
     return raw
 
@@ -120,10 +90,10 @@ def pin_sources(raw: DatasetDict, share: Callable[[Any], Any]) -> DatasetDict:
 
 def _load_path(path: str, split: str, text_column: str) -> Dataset:
     p = Path(path)
-    if p.is_dir() and not _data_files(p):
+    if p.is_dir() and not data_files(p):
         loaded = _load_saved(path)
         return _pick_split(loaded, split, path) if isinstance(loaded, DatasetDict) else loaded
-    files = _data_files(p) if p.is_dir() else [p]  # a folder of data files (e.g. a SageMaker channel) is one split
+    files = data_files(p) if p.is_dir() else [p]  # a folder of data files (e.g. a SageMaker channel) is one split
     suffixes = {f.suffix.lower() for f in files}
     if len(suffixes) > 1:
         raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
@@ -180,13 +150,6 @@ def _pick_split(saved: DatasetDict, split: str, path: str) -> Dataset:
             f"give a file or directory that holds the {split} data"
         )
     return saved[names[0]]
-
-
-def _data_files(folder: Path) -> list[Path]:
-    """The data files directly in `folder`; none for a save_to_disk directory (its JSON files are metadata)."""
-    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
-        return []
-    return sorted(f for f in folder.iterdir() if f.is_file() and f.suffix.lower() in FILE_FORMATS)
 
 
 def _load_saved(path: str) -> Dataset | DatasetDict:

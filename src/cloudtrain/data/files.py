@@ -1,0 +1,49 @@
+"""The data files the options name (--train_file, --validation_file, --test_file), checked with light I/O:
+they exist, have a format the data sources read, and are not empty. Imports no `datasets`, so the CLI runs
+these checks before the heavy imports; the data sources run them again before loading."""
+
+from pathlib import Path
+
+from cloudtrain.config import DataConfig
+from cloudtrain.errors import UserError
+
+FILE_FORMATS = {  # extension -> (datasets builder, builder options)
+    ".csv": ("csv", {}),
+    ".tsv": ("csv", {"sep": "\t"}),
+    ".json": ("json", {}),
+    ".jsonl": ("json", {}),
+    ".parquet": ("parquet", {}),
+    ".txt": ("text", {}),
+}
+
+
+def split_files(cfg: DataConfig) -> dict[str, str]:
+    """{split: path} of the files given; a streamed --train_file is a source list, not one of them."""
+    files = {"train": cfg.train_file, "validation": cfg.validation_file, "test": cfg.test_file}
+    return {split: path for split, path in files.items() if path and not (cfg.streaming and split == "train")}
+
+
+def data_files(folder: Path) -> list[Path]:
+    """The data files directly in `folder`; none for a save_to_disk directory (its JSON files are metadata)."""
+    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+        return []
+    return sorted(f for f in folder.iterdir() if f.is_file() and f.suffix.lower() in FILE_FORMATS)
+
+
+def check_data_files(cfg: DataConfig) -> None:
+    """Each file given exists, has a format we read and is not empty; held-out files come with training data."""
+    files = split_files(cfg)
+    if files and not (cfg.train_file or cfg.streaming):  # a stream's held-out files are its own (its sources
+        raise UserError("--validation_file/--test_file need a --train_file too")  # may be --dataset_name)
+    for split, path in files.items():
+        p = Path(path)
+        if not p.exists():
+            raise UserError(f"--{split}_file {path} does not exist")
+        if p.is_file() and p.suffix.lower() not in FILE_FORMATS:
+            raise UserError(
+                f"--{split}_file {path}: unsupported format {p.suffix!r}; "
+                f"use one of {', '.join(FILE_FORMATS)} or a save_to_disk directory"
+            )
+        for file in [p] if p.is_file() else data_files(p):
+            if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
+                raise UserError(f"--{split}_file {file} is empty; give a file with a header and rows")
