@@ -107,5 +107,28 @@ def test_each_command_s_help_and_refusals_import_nothing_heavy():
         assert_refused(said[line], f"error: {refusal}")
 
 
+def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
+    a_file, empty, sheet = tmp_path / "notes.txt", tmp_path / "empty.csv", tmp_path / "sheet.xlsx"
+    a_file.write_text("not a folder\n")
+    empty.write_text("")
+    sheet.write_text("a,b\n")
+    no = tmp_path / "no"
+    refusals = {
+        f"--train_file {no}.csv": f"--train_file {no}.csv does not exist",
+        f"--train_file {a_file} --test_file {empty}": f"--test_file {empty} is empty",
+        f"--train_file {sheet}": f"--train_file {sheet}: unsupported format '.xlsx'; use one of .csv",
+        f"--validation_file {a_file}": "--validation_file/--test_file need a --train_file too",
+        f"--model_name_or_path {no}": f"--model_name_or_path {no} does not exist; give a model directory or a Hub id",
+        f"--tokenizer_name_or_path {no}": f"--tokenizer_name_or_path {no} does not exist",
+        f"--task text_to_image --train_data_dir {no}": f"--train_data_dir {no} is not a folder",
+        f"--output_dir {a_file}": f"--output_dir {a_file} is a file; give a directory",
+        f"--output_dir {a_file}/run": "cannot be written",
+    }
+    said = answers(list(refusals))
+    assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}
+    for line, refusal in refusals.items():
+        assert_refused(said[line], refusal)
+
+
 def test_muon_is_known_available_without_importing_torch():
     assert muon_available() == hasattr(torch.optim, "Muon")

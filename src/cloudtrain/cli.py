@@ -23,6 +23,7 @@ from pathlib import Path
 
 from cloudtrain.config import _fields, _Parser, add_config_arguments, config_from_namespace
 from cloudtrain.errors import TrainingStopped, UserError
+from cloudtrain.paths import check_local_paths
 from cloudtrain.redact import mask, scrub_argv
 
 COMMANDS = {  # name: (its light module: add_arguments and run, one-line description)
@@ -52,21 +53,31 @@ def prog() -> str:
     return path.name if path.name.endswith(".py") and path.name != "__main__.py" else "cloudtrain"
 
 
-def train_main(argv: list[str]) -> None:
+def train_parser() -> _Parser:
     parser = _Parser(prog=prog(), description=DESCRIPTION)
     add_config_arguments(parser)
-    cfg = config_from_namespace(parser.parse_args(argv))
-    from cloudtrain.pipeline import run_training  # heavy imports only once the options are valid
+    return parser
+
+
+def command_parser(name: str) -> _Parser:
+    """The parser of command `name`; its module (light, cloudtrain.commands) is imported here."""
+    module_name, description = COMMANDS[name]
+    parser = _Parser(prog=f"{prog()} {name}", description=description)
+    importlib.import_module(module_name).add_arguments(parser)
+    return parser
+
+
+def train_main(argv: list[str]) -> None:
+    cfg = config_from_namespace(train_parser().parse_args(argv))
+    check_local_paths(cfg)
+    from cloudtrain.pipeline import run_training  # heavy imports only once the options and paths are valid
 
     run_training(cfg)
 
 
 def command_main(name: str, argv: list[str]) -> None:
-    module_name, description = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = _Parser(prog=f"{prog()} {name}", description=description)
-    module.add_arguments(parser)
-    module.run(parser.parse_args(argv))
+    args = command_parser(name).parse_args(argv)
+    importlib.import_module(COMMANDS[name][0]).run(args)
 
 
 def secret_options() -> list[str]:

@@ -37,12 +37,12 @@ from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
-from cloudtrain.models.load import resolve_model_path
 from cloudtrain.models.prepare import compile_model, prepare
 from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launch_environment_kept, launched_processes
 from cloudtrain.parallel.runtime import Runtime
+from cloudtrain.paths import check_output_folder, resolve_model_path
 from cloudtrain.publish import atomic, hub
 from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, free_name, holds_saved_model
@@ -97,8 +97,7 @@ def preflight(cfg: Config, task: Task) -> Path:
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     check_trackers(cfg.tracking)
     output_dir = resolve_output_dir(cfg, task)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"--output_dir {output_dir} is a file; give a directory")
+    check_output_folder(output_dir)
     model_dirs = [] if cfg.model.model_config else [resolve_model_path(cfg.model)]
     model_dirs += [resolve_model_path(cfg.model, tokenizer)] if tokenizer else []
     check_location(cfg, output_dir, model_dirs, cfg.checkpoint.resume_from_checkpoint)

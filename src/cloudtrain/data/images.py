@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 
+from cloudtrain import paths
 from cloudtrain.config import ImagesConfig
 from cloudtrain.errors import UserError
 
@@ -34,12 +35,9 @@ def image_files(folder: Path) -> list[Path]:
     return sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
 
 
-def check_folder(folder: str, flag: str) -> list[Path]:
+def folder_images(folder: str, flag: str) -> list[Path]:
     """The images of `folder`, or one line saying why there are none (cheap: names only)."""
-    path = Path(folder)
-    if not path.is_dir():
-        raise UserError(f"{flag} {folder} is not a folder")
-    files = image_files(path)
+    files = image_files(paths.check_folder(flag, folder))
     if not files:
         raise UserError(f"{flag} {folder} holds no images ({', '.join(IMAGE_SUFFIXES)})")
     return files
@@ -48,7 +46,7 @@ def check_folder(folder: str, flag: str) -> list[Path]:
 def captioned_examples(folder: str, caption_column: str) -> list[Example]:
     """--train_data_dir's images and captions: metadata.jsonl when present, else a .txt file per image."""
     path = Path(folder)
-    files = check_folder(folder, "--train_data_dir")
+    files = folder_images(folder, "--train_data_dir")
     metadata = path / METADATA
     if metadata.is_file():
         return _metadata_examples(path, metadata, caption_column)
@@ -84,11 +82,11 @@ def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> lis
 def dreambooth_examples(cfg: ImagesConfig) -> tuple[list[Example], list[Example]]:
     """(instance examples, class examples: empty without --with_prior_preservation)."""
     assert cfg.instance_data_dir and cfg.instance_prompt  # ImagesConfig.check
-    instance = [Example(f, cfg.instance_prompt) for f in check_folder(cfg.instance_data_dir, "--instance_data_dir")]
+    instance = [Example(f, cfg.instance_prompt) for f in folder_images(cfg.instance_data_dir, "--instance_data_dir")]
     if not cfg.with_prior_preservation:
         return instance, []
     assert cfg.class_data_dir and cfg.class_prompt
-    return instance, [Example(f, cfg.class_prompt) for f in check_folder(cfg.class_data_dir, "--class_data_dir")]
+    return instance, [Example(f, cfg.class_prompt) for f in folder_images(cfg.class_data_dir, "--class_data_dir")]
 
 
 def readable(examples: list[Example], resolution: int, what: str, by_area: bool = False) -> tuple[list[Example], int]:

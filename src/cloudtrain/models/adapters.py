@@ -109,7 +109,7 @@ def check_target_modules(cfg: Config, auto_class: type) -> None:
 
 def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
     """The task's model built on the meta device from the checkpoint's config: names and shapes, no weights."""
-    from cloudtrain.models.load import resolve_model_path
+    from cloudtrain.paths import resolve_model_path
 
     path = resolve_model_path(cfg.model)
     try:

@@ -51,7 +51,7 @@ def local_pipeline(name: str) -> str:
     """The folder of the pipeline --model_name_or_path names: a local folder as given, a Hub id downloaded once
     (the parts this task reads, default weights only) into the Hub cache. HF_ENDPOINT, HF_TOKEN and
     HF_HUB_OFFLINE (the cached copy only) are huggingface_hub's own, as for the text tasks."""
-    from cloudtrain.models.load import resolve_model_path
+    from cloudtrain.paths import resolve_model_path
 
     path = resolve_model_path(ModelConfig(model_name_or_path=name))
     if Path(path).is_dir():

@@ -30,26 +30,16 @@ from transformers.modeling_utils import load_state_dict
 from transformers.models.auto.auto_factory import _get_model_class
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-from cloudtrain.assets import default_model_dir
 from cloudtrain.config import Config, ModelConfig
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.models import adapters
 from cloudtrain.parallel import tensor as tensor_parallel
 from cloudtrain.parallel.distributed import launched_processes
+from cloudtrain.paths import resolve_model_path
 
 if TYPE_CHECKING:
     from cloudtrain.tasks.base import Task
-
-
-def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
-    """The path or Hub id to load (`name`, else the model's); a path that looks local must exist."""
-    flag = "--tokenizer_name_or_path" if name else "--model_name_or_path"
-    name = name or cfg.model_name_or_path or default_model_dir()
-    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
-    if looks_local and not Path(name).expanduser().is_dir():
-        raise UserError(f"{flag} {name} does not exist; give a model directory or a Hub id like <org>/<name>")
-    return str(Path(name).expanduser()) if looks_local else name
 
 
 def load_tokenizer(cfg: ModelConfig) -> transformers.PreTrainedTokenizerBase:

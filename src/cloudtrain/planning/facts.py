@@ -15,8 +15,9 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from cloudtrain.config import Config, ModelConfig, TrainingConfig
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models.load import is_causal_lm, load_tokenizer, remote_code_refusal, resolve_model_path
+from cloudtrain.models.load import is_causal_lm, load_tokenizer, remote_code_refusal
 from cloudtrain.parallel.stages import family_of
+from cloudtrain.paths import resolve_model_path
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks import DecoderTask, Task
 

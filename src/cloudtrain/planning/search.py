@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, replace
 
 from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, Config
 from cloudtrain.hardware import resolve_precision
-from cloudtrain.models.load import resolve_model_path
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.stages import balanced_split
+from cloudtrain.paths import resolve_model_path
 from cloudtrain.planning.communication import context_cost, step_traffic, tensor_cost
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
 from cloudtrain.planning.memory import (

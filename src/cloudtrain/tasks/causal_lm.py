@@ -56,8 +56,8 @@ from cloudtrain.models.load import (
     is_causal_lm,
     load_failure,
     read_config,
-    resolve_model_path,
 )
+from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import DecoderTask

@@ -30,8 +30,8 @@ from cloudtrain.models.load import (
     head_labels,
     load_tokenizer,
     read_config,
-    resolve_model_path,
 )
+from cloudtrain.paths import resolve_model_path
 from cloudtrain.predict import records
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl

@@ -34,7 +34,8 @@ from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import head_labels, resolve_model_path
+from cloudtrain.models.load import head_labels
+from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task, model_label

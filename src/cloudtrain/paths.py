@@ -1,0 +1,52 @@
+"""The local paths a training run's options name, checked with light I/O and no torch, transformers or datasets
+import: the CLI checks them before the heavy imports, so a mistyped path answers at once; the pipeline's
+preflight (which the Python API also runs) checks them again, with the same messages."""
+
+from pathlib import Path
+
+from cloudtrain.assets import default_model_dir
+from cloudtrain.config import Config, ModelConfig
+from cloudtrain.data.files import check_data_files
+from cloudtrain.errors import UserError
+from cloudtrain.publish.atomic import check_writable
+
+
+def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
+    """The path or Hub id to load (`name`, else the model's); a path that looks local must exist."""
+    flag = "--tokenizer_name_or_path" if name else "--model_name_or_path"
+    name = name or cfg.model_name_or_path or default_model_dir()
+    looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
+    if looks_local and not Path(name).expanduser().is_dir():
+        raise UserError(f"{flag} {name} does not exist; give a model directory or a Hub id like <org>/<name>")
+    return str(Path(name).expanduser()) if looks_local else name
+
+
+def check_folder(flag: str, folder: str) -> Path:
+    if not Path(folder).is_dir():
+        raise UserError(f"{flag} {folder} is not a folder")
+    return Path(folder)
+
+
+def check_output_folder(output_dir: Path) -> None:
+    if output_dir.exists() and not output_dir.is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file; give a directory")
+
+
+def check_local_paths(cfg: Config) -> None:
+    """The paths the user typed: data files and image folders exist, the model and tokenizer folders exist,
+    --output_dir is a folder this machine can write. (Which of them the task reads, and what they hold, is the
+    preflight's.)"""
+    check_data_files(cfg.data)
+    images = cfg.images
+    folders = {"--train_data_dir": images.train_data_dir, "--instance_data_dir": images.instance_data_dir,
+               "--class_data_dir": images.class_data_dir}  # fmt: skip
+    for flag, folder in folders.items():
+        if folder:
+            check_folder(flag, folder)
+    if cfg.model.model_name_or_path:
+        resolve_model_path(cfg.model)
+    if cfg.model.tokenizer_name_or_path:
+        resolve_model_path(cfg.model, cfg.model.tokenizer_name_or_path)
+    if cfg.output.output_dir:
+        check_output_folder(Path(cfg.output.output_dir))
+        check_writable(Path(cfg.output.output_dir))
