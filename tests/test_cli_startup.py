@@ -121,6 +121,7 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
         f"--model_name_or_path {no}": f"--model_name_or_path {no} does not exist; give a model directory or a Hub id",
         f"--tokenizer_name_or_path {no}": f"--tokenizer_name_or_path {no} does not exist",
         f"--task text_to_image --train_data_dir {no}": f"--train_data_dir {no} is not a folder",
+        f"--deepspeed_config {no}.json": f"DeepSpeed config {no}.json does not exist; give a DeepSpeed JSON file",
         f"--output_dir {a_file}": f"--output_dir {a_file} is a file; give a directory",
         f"--output_dir {a_file}/run": "cannot be written",
     }

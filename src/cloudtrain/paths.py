@@ -27,15 +27,25 @@ def check_folder(flag: str, folder: str) -> Path:
     return Path(folder)
 
 
+def check_deepspeed_config(path: str) -> Path:
+    """--deepspeed_config (or the accelerate config's deepspeed_config_file) names a file."""
+    if not Path(path).is_file():
+        raise UserError(
+            f"DeepSpeed config {path} does not exist; give a DeepSpeed JSON file (configs/deepspeed/ has "
+            "examples) or --zero_stage 1|2|3"
+        )
+    return Path(path)
+
+
 def check_output_folder(output_dir: Path) -> None:
     if output_dir.exists() and not output_dir.is_dir():
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
 
 
 def check_local_paths(cfg: Config) -> None:
-    """The paths the user typed: data files and image folders exist, the model and tokenizer folders exist,
-    --output_dir is a folder this machine can write. (Which of them the task reads, and what they hold, is the
-    preflight's.)"""
+    """The paths the user typed: data files, image folders, the DeepSpeed config, the model and tokenizer folders
+    exist; --output_dir is a folder this machine can write. (Which of them the task reads, and what they hold,
+    is the preflight's.)"""
     check_data_files(cfg.data)
     images = cfg.images
     folders = {"--train_data_dir": images.train_data_dir, "--instance_data_dir": images.instance_data_dir,
@@ -43,6 +53,8 @@ def check_local_paths(cfg: Config) -> None:
     for flag, folder in folders.items():
         if folder:
             check_folder(flag, folder)
+    if cfg.distributed.deepspeed_config not in (None, "none"):
+        check_deepspeed_config(cfg.distributed.deepspeed_config)
     if cfg.model.model_name_or_path:
         resolve_model_path(cfg.model)
     if cfg.model.tokenizer_name_or_path:

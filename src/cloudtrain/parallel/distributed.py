@@ -49,6 +49,7 @@ from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
 from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings, processes_per_node, shard_degrees
 from cloudtrain.parallel.fsdp import enable as enable_fsdp
+from cloudtrain.paths import check_deepspeed_config
 
 DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `make setup`)"
 # What building a run's Accelerator writes into (or takes out of) the environment, where the next Accelerator of
@@ -164,8 +165,7 @@ def sharding(cfg: Config) -> Sharding:
 
 
 def _read_json(path: str) -> dict:
-    if not Path(path).is_file():
-        raise UserError(f"DeepSpeed config {path} does not exist")
+    check_deepspeed_config(path)
     try:
         return json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
