@@ -104,7 +104,11 @@ def run(args: list[str], warmup: int) -> dict:
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env={"PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "2", **_env()},
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO / "src"), os.environ.get("PYTHONPATH")])),
+            "OMP_NUM_THREADS": "2",
+        },
     )
     lines: list[str] = []
     ready: list[float] = []  # when the trainer's banner came: the model is built and the data ready
@@ -170,10 +174,6 @@ def _rss(process: psutil.Process) -> int:
         return getattr(info, "pss", info.rss)
     except psutil.Error:
         return 0
-
-
-def _env() -> dict:
-    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "OMP_NUM_THREADS")}
 
 
 def main() -> None:
