@@ -61,6 +61,38 @@ def test_bad_boolean_is_one_clear_error():
         parse("--trust_remote_code", "maybe")
 
 
+@pytest.mark.parametrize(
+    "argv, hint",
+    [
+        (["--num_epochs", "2"], "; did you mean --num_train_epochs?"),  # Transformers' Trainer's names
+        (["--per_gpu_train_batch_size", "8"], "; did you mean --per_device_train_batch_size?"),
+        (["--evaluation_strategy", "steps"], "; did you mean --eval_strategy?"),
+        (["--fp16"], "; did you mean --mixed_precision fp16?"),
+        (["--do_train"], "; not needed: a run always trains"),
+        (["--lerning_rate", "1e-4"], "; did you mean --learning_rate?"),  # a typo: the closest name
+        (["--zzz", "1"], " (see"),  # nothing close: no guess
+    ],
+)
+def test_an_unknown_flag_is_told_cloudtrains_name_for_it(argv, hint):
+    with pytest.raises(UserError) as refused:
+        parse(*argv)
+    assert str(refused.value).startswith(f"unrecognized arguments: {' '.join(argv)}{hint}"), refused.value
+
+
+def test_a_config_file_is_told_the_section_and_the_yaml_spelling(tmp_path):
+    file = tmp_path / "run.yaml"
+    for text, message in [
+        ("trainig:\n  learning_rate: 0.1\n", "unknown option 'trainig'; did you mean the section training?"),
+        ("num_epochs: 2\n", "unknown option 'num_epochs'; did you mean num_train_epochs?"),
+        ("run_name: yes\n", "--run_name: got true (YAML reads an unquoted yes, no, on or off as true); quote"),
+    ]:
+        file.write_text(text)
+        with pytest.raises(UserError, match=re.escape(message)):
+            parse("--config", str(file))
+    file.write_text("mixed_precision: no\n")  # YAML's false, where the choices spell it no
+    assert parse("--config", str(file)).training.mixed_precision == "no"
+
+
 def test_unknown_file_key_suggests_the_right_one(tmp_path):
     file = tmp_path / "run.yaml"
     file.write_text("learning_rat: 0.1\n")

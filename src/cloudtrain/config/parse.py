@@ -25,6 +25,34 @@ from cloudtrain.config.root import Config, _default, _fields
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.sagemaker_env import sagemaker_defaults
 
+# Other trainers' names for our options (Transformers' Trainer, TRL, PEFT): a user coming from them is told ours.
+PEER_OPTIONS = {
+    "num_epochs": "num_train_epochs", "epochs": "num_train_epochs", "lr": "learning_rate",
+    "per_gpu_train_batch_size": "per_device_train_batch_size", "train_batch_size": "per_device_train_batch_size",
+    "batch_size": "per_device_train_batch_size", "per_gpu_eval_batch_size": "per_device_eval_batch_size",
+    "eval_batch_size": "per_device_eval_batch_size", "evaluation_strategy": "eval_strategy",
+    "save_steps": "checkpointing_steps", "fp16": "mixed_precision fp16", "bf16": "mixed_precision bf16",
+    "max_seq_length": "max_length", "max_seq_len": "max_length", "dataset_text_field": "text_column",
+    "lora_rank": "lora_r", "target_modules": "lora_target_modules", "use_peft": "peft lora",
+    "deepspeed": "deepspeed_config", "model_name": "model_name_or_path", "tokenizer_name": "tokenizer_name_or_path",
+}  # fmt: skip
+NOT_NEEDED = {
+    "do_train": "a run always trains",
+    "do_eval": "evaluation follows --eval_strategy",
+    "do_predict": "a --test_file is evaluated after training",
+}
+
+
+def unknown_option_hint(name: str, known: list[str], flag: str = "") -> str:
+    """What to write instead of the unknown option `name`, as '; ...' (or ''): cloudtrain's name for another
+    trainer's option, else the closest of `known`; `flag` is "--" on the command line."""
+    if name in NOT_NEEDED:
+        return f"; not needed: {NOT_NEEDED[name]}"
+    target = PEER_OPTIONS.get(name)
+    if target is None or target.split()[0] not in known:
+        target = next(iter(difflib.get_close_matches(name, known, n=1)), None)
+    return f"; did you mean {flag}{target}?" if target else ""
+
 
 def parse_bool(value: Any) -> bool:
     if isinstance(value, bool):
@@ -57,6 +85,11 @@ def _coerce(name: str, value: Any) -> Any:
     optional = type(None) in typing.get_args(f.type)
     if f.metadata["auto"] and isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
+    if isinstance(value, bool) and tp is str:  # YAML reads an unquoted no, off, yes or on as a boolean
+        if value is False and "no" in (_meta(f, "choices") or []):
+            return "no"
+        word = str(value).lower()
+        raise UserError(f"--{name}: got {word} (YAML reads an unquoted yes, no, on or off as {word}); quote the value")
     try:
         # `none`/`null` unsets any `X | None` option (so a SageMaker hyperparameter can turn off a default);
         # for a required option it is an ordinary value, like `--report_to none`.
@@ -116,6 +149,10 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:
+        if message.startswith("unrecognized arguments:"):
+            known = [o[2:] for o in self._option_string_actions if o.startswith("--")]
+            unknown = [w[2:].split("=")[0] for w in message.split(":", 1)[1].split() if w.startswith("--")]
+            message += "".join(unknown_option_hint(name, known, "--") for name in unknown[:1])
         raise UserError(f"{message} (see {self.prog} --help)")
 
 
@@ -218,9 +255,9 @@ def build_config(values: dict) -> Config:
     sections: dict[str, dict] = {s.name: {} for s in dataclasses.fields(Config)}
     for name, value in values.items():
         if name not in known:
-            close = difflib.get_close_matches(name, list(known), n=1)
-            hint = f"; did you mean {close[0]}?" if close else "; see --help for the options"
-            raise UserError(f"unknown option {name!r}{hint}")
+            section = difflib.get_close_matches(name, list(sections), n=1) if isinstance(value, dict) else []
+            hint = f"; did you mean the section {section[0]}?" if section else unknown_option_hint(name, list(known))
+            raise UserError(f"unknown option {name!r}{hint or '; see --help for the options'}")
         sections[known[name][0]][name] = _coerce(name, value)
     hints = typing.get_type_hints(Config)
     return Config(**{name: hints[name](**kw) for name, kw in sections.items()})
