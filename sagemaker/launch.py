@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import boto3
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 from sagemaker.core import image_uris
 from sagemaker.core.helper.iam_role_resolver import RoleValidationError
 from sagemaker.core.helper.session_helper import Session
@@ -344,6 +344,13 @@ def checkpoint_config(spec: JobSpec) -> CheckpointConfig | None:
     return CheckpointConfig(s3_uri=spec.checkpoint_s3_uri, local_path=DEFAULT_CHECKPOINT_DIR)
 
 
+def check_channels(channels: dict[str, str]) -> None:
+    """Local data exists (checked before any AWS call: a typo answers without credentials or a network)."""
+    for name, source in channels.items():
+        if not source.startswith("s3://") and not Path(source).exists():
+            raise UserError(f"{name} data {source} does not exist; give an S3 URI or a local file or folder")
+
+
 def upload_channels(session: Session, channels: dict[str, str], prefix: str) -> dict[str, str]:
     """{channel: S3 URI}; local files and folders are uploaded to the session's default bucket."""
     uris = {}
@@ -351,8 +358,6 @@ def upload_channels(session: Session, channels: dict[str, str], prefix: str) -> 
         if source.startswith("s3://"):
             uris[name] = source
             continue
-        if not Path(source).exists():
-            raise UserError(f"{name} data {source} does not exist; give an S3 URI or a local file or folder")
         uris[name] = session.upload_data(source, bucket=session.default_bucket(), key_prefix=f"{prefix}/{name}")
         print(f"uploaded {source} to {uris[name]}")
     return uris
@@ -362,6 +367,7 @@ def upload_channels(session: Session, channels: dict[str, str], prefix: str) -> 
 def build_trainer(spec: JobSpec, session: Session | None = None) -> tuple[ModelTrainer, list[InputData]]:
     """The ModelTrainer and its input channels; local data is uploaded once everything is checked."""
     hyperparameters, channels, cfg = job_options(spec)
+    check_channels(channels)
     environment = passthrough_environment(spec.env_names)
     check_environment(spec, cfg, environment, hyperparameters)
     compute = Compute(
@@ -626,6 +632,16 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except NoCredentialsError:
+        print(
+            "error: no AWS credentials: run `aws configure` (or `aws sso login`), set AWS_PROFILE, or set "
+            "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY",
+            file=sys.stderr,
+        )
+        return 2
+    except (BotoCoreError, ClientError) as err:  # the network, a permission, a service limit: one line
+        print(f"error: AWS: {first_line(err)}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("interrupted (a launched job keeps running)", file=sys.stderr)
         return 130

@@ -358,6 +358,7 @@ def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_dat
         ({"max_wait": 7200}, "--max_wait applies to spot capacity only"),
         ({"hyperparameters": {"deepspeed_config": "configs/deepspeed/zero2.json"}}, "use the zero_stage"),
         ({"hyperparameters": {"test_file": "no/such/test.csv"}}, "test_file no/such/test.csv does not exist here"),
+        ({"train": "no/such/train.csv"}, "train data no/such/train.csv does not exist; give an S3 URI or a local"),
     ],
 )
 def test_mistakes_fail_before_anything_is_uploaded(aws, launcher, topic_data, monkeypatch, change, message):
@@ -375,6 +376,23 @@ def test_mistakes_fail_before_anything_is_uploaded(aws, launcher, topic_data, mo
         launcher.launch(spec)
     assert len(aws.requests) == jobs_before
     assert s3_keys(aws, "cloudtrain-mistake") == []
+
+
+def test_without_aws_credentials_each_command_says_so_in_one_line(launcher, topic_data, tmp_path, monkeypatch, capsys):
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask for
+    monkeypatch.setenv("AWS_DEFAULT_REGION", REGION)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # nothing is sent: signing fails first
+    launch = ["--instance_type", "ml.g5.xlarge", "--train", str(topic_data["train"])]
+    for argv in (launch, ["logs", "some-job"], ["download", "some-job", "--dest", str(tmp_path / "model")]):
+        assert launcher.main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: no AWS credentials: run `aws configure`"), err
+    assert launcher.main(["--instance_type", "ml.g5.xlarge", "--train", "no/such.csv"]) == 2  # before credentials
+    assert capsys.readouterr().err.startswith("error: train data no/such.csv does not exist")
 
 
 # ---------------------------------------------------------------- text-to-image folders as channels
