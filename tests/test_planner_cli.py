@@ -210,3 +210,65 @@ def test_emitted_zero3_config_trains_two_processes_on_cpu(tiny_model_dir, topic_
     assert "(4 per device x 2 x 2 accumulation)" in result.stdout
     saved = AutoModelForSequenceClassification.from_pretrained(out)  # the gathered full model, not a shard
     assert sum(p.numel() for p in saved.parameters()) == plan["model"]["num_params"]
+
+
+def zero_plan(model: str, out: Path, capsys, **options) -> tuple[dict, str]:
+    """`cloudtrain plan --json` for a ZeRO row (it writes ds_config.json and accelerate_config.yaml): the plan and
+    what it said on stderr."""
+    argv = ["plan", "--model_name_or_path", model, "--num_gpus", "2", "--gpu_memory_gb", "24", "--json"]
+    argv += ["--mixed_precision", "no", "--output_dir", str(out)]
+    for name, value in {"strategy": "zero2", **options}.items():
+        argv += [f"--{name}", str(value)]
+    assert main(argv) in (0, None)
+    said = capsys.readouterr()
+    return json.loads(said.out), said.err
+
+
+def test_a_rerun_replaces_the_configs_plan_wrote_and_keeps_the_ones_the_user_edited(tiny_model_dir, tmp_path, capsys):
+    """docs/planner.md tells users to edit nvme_path in ds_config.json: a re-run never replaces an edit. Files
+    plan wrote and nobody touched are replaced in place (the re-run workflow); an edited folder is kept byte for
+    byte and the new configs go to <output_dir>-2, which the plan names; later runs reuse that folder."""
+    out = tmp_path / "plan"
+    zero_plan(tiny_model_dir, out, capsys)
+    first = (out / "ds_config.json").read_bytes()
+    plan, said = zero_plan(tiny_model_dir, out, capsys, strategy="zero3")  # nobody touched them: replaced quietly
+    assert said == "" and "files_moved" not in plan["recommendation"]
+    assert (out / "ds_config.json").read_bytes() != first
+    assert json.loads((out / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3
+    assert plan["recommendation"]["files"]["deepspeed_config"] == str(out / "ds_config.json")
+    assert not (tmp_path / "plan-2").exists()
+
+    edited = (out / "ds_config.json").read_text().replace('"stage": 3', '"stage": 3, "nvme_path": "/mnt/mine"')
+    (out / "ds_config.json").write_text(edited)
+    yaml_before = (out / "accelerate_config.yaml").read_bytes()
+    plan, said = zero_plan(tiny_model_dir, out, capsys)
+    assert (out / "ds_config.json").read_text() == edited and (
+        out / "accelerate_config.yaml"
+    ).read_bytes() == yaml_before
+    moved = tmp_path / "plan-2"
+    assert said.count("\n") == 1 and f"{out / 'ds_config.json'} changed since plan wrote it (kept as is)" in said
+    assert f"this plan's configs are in {moved}" in said and plan["recommendation"]["files_moved"] in said
+    files = plan["recommendation"]["files"]
+    assert files == {
+        "deepspeed_config": str(moved / "ds_config.json"),
+        "accelerate_config": str(moved / "accelerate_config.yaml"),
+    }
+    assert json.loads((moved / "ds_config.json").read_text())["zero_optimization"]["stage"] == 2
+    assert f"--config_file {moved / 'accelerate_config.yaml'}" in plan["recommendation"]["command"]
+    pointed = __import__("yaml").safe_load((moved / "accelerate_config.yaml").read_text())
+    assert pointed["deepspeed_config"]["deepspeed_config_file"] == str((moved / "ds_config.json").resolve())
+
+    zero_plan(tiny_model_dir, out, capsys, strategy="zero3")  # plan-2 is plan's own now: replaced there
+    assert json.loads((moved / "ds_config.json").read_text())["zero_optimization"]["stage"] == 3
+    assert (out / "ds_config.json").read_text() == edited and not (tmp_path / "plan-3").exists()
+
+
+def test_a_config_plan_did_not_write_is_kept(tiny_model_dir, tmp_path, capsys):
+    """A folder already holding the user's own accelerate_config.yaml (no record of plan's): kept, configs go beside."""
+    out = tmp_path / "plan"
+    out.mkdir()
+    (out / "accelerate_config.yaml").write_text("compute_environment: LOCAL_MACHINE\n")
+    plan, said = zero_plan(tiny_model_dir, out, capsys)
+    assert (out / "accelerate_config.yaml").read_text() == "compute_environment: LOCAL_MACHINE\n"
+    assert not (out / "ds_config.json").exists() and "(kept as is)" in said
+    assert plan["recommendation"]["files"]["accelerate_config"] == str(tmp_path / "plan-2" / "accelerate_config.yaml")

@@ -12,6 +12,7 @@ they parsed.
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -252,14 +253,17 @@ def make_plan(args: argparse.Namespace) -> dict:
         # what would make the allowed candidates fit (a forced --strategy's, not the leanest of all)
         plan["suggestions"] = suggestions(m, setup, [r.candidate for r in allowed] or cands)
         return plan
-    files = write_configs(m, choice, setup, Path(args.output_dir))
-    plan["recommendation"] = recommendation_json(
+    files, moved = write_configs(m, choice, setup, Path(args.output_dir))
+    recommendation = recommendation_json(
         choice,
         global_batch,
         files,
         reasons(m, allowed, choice, setup, requested, global_batch),
         launch_command(m, choice, setup, files),
     )
+    if moved:  # an edited config in --output_dir was kept: where this plan's went instead
+        recommendation["files_moved"] = moved
+    plan["recommendation"] = recommendation
     return plan
 
 
@@ -344,3 +348,6 @@ def run(args: argparse.Namespace) -> None:
         print(render_pipeline(plan, plan["budget_bytes"], plan["micro_batch"]))
         return
     print(json.dumps(plan, indent=2) if args.json else render(plan))
+    moved = (plan.get("recommendation") or {}).get("files_moved")
+    if moved:  # on stderr: --json's output stays one JSON document
+        print(f"note: {moved}", file=sys.stderr)

@@ -1,9 +1,22 @@
 """The chosen plan as files and a command: the accelerate config (and the DeepSpeed JSON it points to) that
 `accelerate launch --config_file` takes unchanged, and the launch command with the training options that give
-the chosen micro-batch, accumulation, checkpointing, adapters or pipeline. A library: it parses no options."""
+the chosen micro-batch, accumulation, checkpointing, adapters or pipeline. A library: it parses no options.
 
+The configs are the user's to edit (docs/planner.md says to set `nvme_path`), so a re-run never replaces an
+edit: `.cloudtrain-plan.json` in the folder keeps the SHA-256 of each file as plan wrote it. A file plan wrote
+and nobody changed (or one holding exactly what plan writes now) is replaced; a folder holding any other file
+of those names is left alone and the configs go to the first of `<output_dir>-2`, `-3`, ... that may take
+them, which the plan names. (Chosen over a refusal: the estimate and the launch command stay one command away,
+the printed command names the folder its configs are in, and re-runs keep going to the same free folder.)
+Every file is written whole, then renamed into place.
+"""
+
+import hashlib
+import itertools
 import json
+import os
 import shlex
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +30,8 @@ from cloudtrain.planning.strategies import Candidate, Setup, Strategy
 
 TRAINING_APPLICATION = "src/training_application.py"
 NVME_PATH = "/local_nvme/cloudtrain-swap"  # ZeRO-Infinity's swap folder in an emitted config: edit to your disk's
+DS_CONFIG, YAML = "ds_config.json", "accelerate_config.yaml"
+WRITTEN = ".cloudtrain-plan.json"  # {"written": {name: [SHA-256 of a content plan wrote]}}
 
 
 def deepspeed_config(strategy: Strategy) -> dict:
@@ -61,23 +76,108 @@ def accelerate_config(m: ModelFacts, cand: Candidate, setup: Setup, ds_path: Pat
     return config
 
 
-def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path) -> dict[str, str]:
-    """Write the accelerate YAML (and the DeepSpeed JSON it points to); returns their paths. A pipeline and FSDP2,
-    launched by torchrun with their flags, need none."""
+def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path) -> tuple[dict[str, str], str | None]:
+    """Write the accelerate YAML (and the DeepSpeed JSON it points to); returns their paths, and a line saying where
+    they went when `output_dir` holds a file the user edited (kept as is). A pipeline and FSDP2, launched by
+    torchrun with their flags, need none."""
     c = choice.candidate
     if c.pipeline or c.strategy.fsdp or c.model_parallel > 1:
-        return {}
-    output_dir.mkdir(parents=True, exist_ok=True)
+        return {}, None
+    folder = next(f for f in _folders(output_dir) if _replaceable(f, _contents(m, choice, setup, f)))
+    contents = _contents(m, choice, setup, folder)
+    _write_all(folder, contents)
+    files = {key: str(folder / name) for key, name in (("deepspeed_config", DS_CONFIG), ("accelerate_config", YAML))}
+    files = {key: path for key, path in files.items() if Path(path).name in contents}
+    if folder == output_dir:
+        return files, None
+    if not output_dir.is_dir():
+        return files, f"{output_dir} is not a folder; this plan's configs are in {folder}"
+    edited = [str(output_dir / name) for name in _foreign(output_dir, _contents(m, choice, setup, output_dir))]
+    return files, (
+        f"{', '.join(edited)} changed since plan wrote {'them' if len(edited) > 1 else 'it'} (kept as is); "
+        f"this plan's configs are in {folder}"
+    )
+
+
+def _contents(m: ModelFacts, choice: Choice, setup: Setup, folder: Path) -> dict[str, bytes]:
+    """What the plan writes in `folder`, by name (the YAML names the DeepSpeed JSON by its path)."""
     files = {}
     ds_path = None
     if choice.candidate.strategy.zero_stage is not None:
-        ds_path = output_dir / "ds_config.json"
-        ds_path.write_text(json.dumps(deepspeed_config(choice.candidate.strategy), indent=2) + "\n")
-        files["deepspeed_config"] = str(ds_path)
-    yaml_path = output_dir / "accelerate_config.yaml"
-    yaml_path.write_text(yaml.safe_dump(accelerate_config(m, choice.candidate, setup, ds_path), sort_keys=False))
-    files["accelerate_config"] = str(yaml_path)
+        ds_path = folder / DS_CONFIG
+        files[DS_CONFIG] = (json.dumps(deepspeed_config(choice.candidate.strategy), indent=2) + "\n").encode()
+    config = accelerate_config(m, choice.candidate, setup, ds_path)
+    files[YAML] = yaml.safe_dump(config, sort_keys=False).encode()
     return files
+
+
+def _folders(output_dir: Path) -> Iterator[Path]:
+    """`output_dir`, then `<output_dir>-2`, `-3`, ...: where the configs may go."""
+    yield output_dir
+    for i in itertools.count(2):
+        yield Path(f"{output_dir}-{i}")
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _written(folder: Path) -> dict[str, list[str]]:
+    """The contents plan wrote in `folder`, by name (nothing when its record is missing or unreadable)."""
+    try:
+        written = json.loads((folder / WRITTEN).read_text())["written"]
+        return {str(name): [str(h) for h in hashes] for name, hashes in written.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def _foreign(folder: Path, contents: dict[str, bytes]) -> list[str]:
+    """The names plan would write that hold something else than what plan wrote there or writes now: an edit."""
+    ours = _written(folder)
+    foreign = []
+    for name, data in contents.items():
+        try:
+            present = (folder / name).read_bytes()
+        except FileNotFoundError:
+            continue
+        except OSError:  # a folder of that name, unreadable: not plan's to replace
+            foreign.append(name)
+            continue
+        if present != data and _digest(present) not in ours.get(name, []):
+            foreign.append(name)
+    return foreign
+
+
+def _replaceable(folder: Path, contents: dict[str, bytes]) -> bool:
+    return not folder.exists() or (folder.is_dir() and not _foreign(folder, contents))
+
+
+def _write_all(folder: Path, contents: dict[str, bytes]) -> None:
+    """Each file whole, then renamed into place. The record accepts the old and the new content while the files
+    are replaced, so a kill at any moment leaves each file as plan wrote it (old or new) and known as such."""
+    folder.mkdir(parents=True, exist_ok=True)
+    written = _written(folder)
+    during = dict(written)
+    for name, data in contents.items():
+        try:
+            present = [_digest((folder / name).read_bytes())]
+        except OSError:
+            present = []
+        during[name] = [h for h in written.get(name, []) if h in present] + [_digest(data)]
+    _replace(folder / WRITTEN, (json.dumps({"written": during}, indent=1) + "\n").encode())
+    for name, data in contents.items():
+        _replace(folder / name, data)
+    after = {**written, **{name: [_digest(data)] for name, data in contents.items()}}
+    _replace(folder / WRITTEN, (json.dumps({"written": after}, indent=1) + "\n").encode())
+
+
+def _replace(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str, str]) -> str:
