@@ -205,3 +205,114 @@ def test_the_tasks_offered_are_those_that_stream_with_the_options_their_encoders
     argv = ["preprocess", "--train_file", "a", "--tokenizer_name_or_path", "t", "--output_dir", str(tmp_path / "o")]
     assert main([*argv, "--task", "dpo"]) == 2
     assert "invalid choice: 'dpo' (choose from 'causal_lm', 'sft')" in capsys.readouterr().err
+
+
+def run_preprocess(corpus, out, tokenizer_dir, *options: str) -> int | None:
+    argv = ["preprocess", "--train_file", f"{corpus}/*.jsonl", "--tokenizer_name_or_path", tokenizer_dir]
+    return main([*argv, "--output_dir", str(out), *options])
+
+
+def globbed(out) -> tuple[list[str], int]:
+    """What the documented `--train_file 'shards/*.parquet'` reads: the files, and their rows together."""
+    import glob
+    import os
+
+    files = sorted(glob.glob(f"{out}/*.parquet"))
+    return [os.path.basename(f) for f in files], sum(pq.read_metadata(f).num_rows for f in files)
+
+
+def snapshot(folder) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_a_second_preprocess_into_the_same_folder_is_refused_and_overwrite_replaces_the_whole_set(
+    corpus, tmp_path, lm_tokenizer_dir, capsys
+):
+    """Shards of 10 documents, then 50: without --overwrite_output_dir the first set stays as it was (a glob
+    reads it alone); with it, the glob reads exactly the second set (no shard of the first one left beside)."""
+    out = tmp_path / "shards"
+    assert run_preprocess(corpus, out, lm_tokenizer_dir, "--shard_documents", "10") in (0, None)
+    first, first_said = snapshot(out), capsys.readouterr().out
+    assert globbed(out) == ([f"shard-{i:05d}.parquet" for i in range(7)], 70) and "70 rows in 7 shard(s)" in first_said
+
+    assert run_preprocess(corpus, out, lm_tokenizer_dir, "--shard_documents", "50") == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds shards from an earlier preprocess (kept)" in err
+    assert f"--output_dir {tmp_path / 'shards-2'}" in err and "--overwrite_output_dir true" in err
+    assert snapshot(out) == first and sorted(p.name for p in tmp_path.iterdir()) == ["raw", "shards"]
+
+    options = ("--shard_documents", "50", "--packing", "bfd", "--max_length", "32", "--overwrite_output_dir", "true")
+    assert run_preprocess(corpus, out, lm_tokenizer_dir, *options) in (0, None)
+    said = capsys.readouterr().out
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = sum(s["rows"] for s in manifest["shards"])
+    assert f"{rows} rows in 2 shard(s)" in said and rows != 70  # packed rows of 32 tokens, not one per document
+    assert globbed(out) == (["shard-00000.parquet", "shard-00001.parquet"], rows)
+    assert sorted(p.name for p in out.iterdir()) == ["length_histogram.png", "manifest.json", *globbed(out)[0]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "shards"]  # nothing staged or set aside is left
+
+
+def test_a_folder_of_the_users_files_is_refused_and_untouched(corpus, tmp_path, lm_tokenizer_dir, capsys):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("my notes")
+    (mine / "part.parquet").write_bytes(b"not ours")
+    for options in ((), ("--overwrite_output_dir", "true")):
+        assert run_preprocess(corpus, mine, lm_tokenizer_dir, *options) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "holds notes.txt, part.parquet, which preprocess did not write" in err
+        assert snapshot(mine) == {"notes.txt": b"my notes", "part.parquet": b"not ours"}
+    out = tmp_path / "shards"  # an earlier preprocess's folder the user added a file to: not replaced with it
+    assert run_preprocess(corpus, out, lm_tokenizer_dir) in (0, None)
+    (out / "README.md").write_text("where these came from")
+    before = snapshot(out)
+    assert run_preprocess(corpus, out, lm_tokenizer_dir, "--overwrite_output_dir") == 2
+    assert "holds README.md beside an earlier preprocess's shards" in capsys.readouterr().err
+    assert snapshot(out) == before
+    (tmp_path / "empty").mkdir()  # an empty folder is fine
+    assert run_preprocess(corpus, tmp_path / "empty", lm_tokenizer_dir) in (0, None)
+    assert globbed(tmp_path / "empty")[1] == 70
+
+
+@pytest.mark.parametrize("kill_at", ["preprocess.shard:3", "preprocess.staged"])
+def test_a_killed_overwrite_leaves_the_earlier_set(kill_at, corpus, tmp_path, lm_tokenizer_dir):
+    """Killed while writing the new shards, or with all of them written but not yet swapped in: the folder holds
+    the earlier set, byte for byte; the next run clears what the killed one staged and replaces the set."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ENTRY, REPO, child_pythonpath
+
+    out = tmp_path / "shards"
+    assert run_preprocess(corpus, out, lm_tokenizer_dir, "--shard_documents", "10") in (0, None)
+    first = snapshot(out)
+    argv = [sys.executable, str(ENTRY), "preprocess", "--train_file", f"{corpus}/*.jsonl", "--output_dir", str(out)]
+    argv += ["--tokenizer_name_or_path", lm_tokenizer_dir, "--shard_documents", "20", "--overwrite_output_dir", "true"]
+    env = {**os.environ, "PYTHONPATH": child_pythonpath(), "CLOUDTRAIN_TEST_KILL_AT": kill_at}
+    killed = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert snapshot(out) == first and globbed(out)[1] == 70
+    assert run_preprocess(corpus, out, lm_tokenizer_dir, "--shard_documents", "20", "--overwrite_output_dir") in (
+        0,
+        None,
+    )
+    assert globbed(out) == ([f"shard-{i:05d}.parquet" for i in range(4)], 70)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "shards"]
+
+
+def test_a_swap_killed_between_its_renames_is_finished_by_the_next_run(tmp_path):
+    """Where folders cannot be exchanged in one step: the old set aside, the complete new one not yet in place."""
+    from cloudtrain.data.preprocess import recover
+
+    out = tmp_path / "shards"
+    for suffix, shards in ((".preprocess-old", 5), (".preprocess-new", 2)):
+        folder = tmp_path / f".shards{suffix}"
+        folder.mkdir()
+        for i in range(shards):
+            (folder / f"shard-{i:05d}.parquet").write_bytes(suffix.encode())
+        (folder / "manifest.json").write_text("{}")
+    recover(out)
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard-00000.parquet", "shard-00001.parquet"]
+    assert (out / "shard-00000.parquet").read_bytes() == b".preprocess-new"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]

@@ -17,18 +17,32 @@ hold no text, so such a run takes its validation from --validation_file.
 `manifest.json` holds the counts per shard and a length histogram, drawn in `length_histogram.png`. An
 `s3://bucket/prefix` output is written through fsspec (s3fs) with the same settings and one-line failures as
 an object-store source (cloudtrain.data.remote).
+
+The output folder is the user's corpus: a glob over it (`shards/*.parquet`) must read one set of shards.
+So a folder holding an earlier preprocess's output is refused unless --overwrite_output_dir true, and one
+holding anything else is refused unless empty (nothing we did not write is deleted or mixed into). A local
+set is written whole into `.<name>.preprocess-new` beside the folder, then swapped in at once (Linux's
+renameat2 exchange; elsewhere two renames, a kill between which the next preprocess finishes), so a glob
+reads the old set or the new one, never a mix or a half. An object store cannot swap a set at once:
+replacing there is refused (choose a new prefix).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
-from collections.abc import Iterator
+import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from cloudtrain.errors import UserError
+from cloudtrain.faults import kill_point
 from cloudtrain.registry_table import EXAMPLES, STREAMING
 
 if TYPE_CHECKING:  # tasks import torch and transformers: not while the options are parsed and checked
@@ -40,6 +54,7 @@ LENGTHS = "seq_lengths"  # packed rows: the lengths of the documents (pieces) in
 DOCUMENTS = "documents"  # packed rows: how many documents start in the row (the per-source counts)
 MANIFEST = "manifest.json"
 HISTOGRAM = "length_histogram.png"
+STAGED, ASIDE = ".preprocess-new", ".preprocess-old"  # `.<name><suffix>` beside a local output folder
 CHAT_OPTIONS = ("messages_column", "prompt_column", "completion_column", "system_prompt", "chat_template")
 
 
@@ -69,6 +84,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name in CHAT_OPTIONS:
         parser.add_argument(f"--{name}", help=f"SFT: as training's --{name}.")
     parser.add_argument("--train_on_prompt", action="store_true", help="SFT: as training's --train_on_prompt true.")
+    parser.add_argument(
+        "--overwrite_output_dir",
+        type=boolean,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Replace the shards an earlier preprocess wrote in --output_dir (false: such a folder is refused).",
+    )
+
+
+def boolean(value: str) -> bool:
+    text = value.strip().lower()
+    if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
+        return text in ("true", "1", "yes", "on")
+    raise ValueError(value)
 
 
 def _source(args: argparse.Namespace) -> Any:
@@ -163,14 +194,25 @@ def _table(records: list[dict], encoded: list[list[tuple]], keep: list[str], arg
 
 class Output:
     """The output folder, local or object storage, written through fsspec; an object store's failures are one
-    line each (cloudtrain.data.remote), local ones are the OSError as is."""
+    line each (cloudtrain.data.remote), local ones are the OSError as is. A folder already holding files is
+    refused here, before the corpus or the tokenizer is read; a local set is staged beside it and swapped in by
+    `publish`."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, overwrite: bool = False):
         import fsspec
 
         from cloudtrain.data.readers import storage_options
 
-        self.url = url.rstrip("/")
+        self.url = url.rstrip("/") or url
+        self.target: Path | None = None
+        if "://" not in self.url:  # local: staged beside the folder, swapped in at the end
+            self.target = Path(self.url).expanduser().resolve()  # a link's folder; `.`: its name, for `_beside`
+            recover(self.target)
+            _claim(str(self.url), _local_names(self.target), (self.target / MANIFEST).read_text, overwrite, False)
+            self.staged = _beside(self.target, STAGED)
+            self.staged.mkdir(parents=True)
+            self.fs, self.root = fsspec.filesystem("file"), str(self.staged)
+            return
         if self.url.startswith(("s3://", "s3a://")):
             from cloudtrain.data.remote import _check_credentials
 
@@ -182,11 +224,43 @@ class Output:
                 f"{url}: writing {url.split('://', 1)[0]}:// needs s3fs: pip install 'cloudtrain[s3]'"
             ) from None
         with self._said():
+            names = self._names(self.root)
+            _claim(self.url, names, lambda: self.fs.cat_file(f"{self.root}/{MANIFEST}").decode(), overwrite, True)
             self.fs.makedirs(self.root, exist_ok=True)
+
+    def _names(self, root: str) -> list[str]:
+        try:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(root, detail=False, refresh=True))
+        except FileNotFoundError:
+            return []
 
     def write(self, name: str, data: bytes) -> None:
         with self._said(), self.fs.open(f"{self.root}/{name}", "wb") as f:
             f.write(data)
+
+    def publish(self) -> None:
+        """A local set: synced, then put in the folder's place at once (the previous set, if any, goes)."""
+        if self.target is None:
+            return
+        target, staged, aside = self.target, self.staged, _beside(self.target, ASIDE)
+        for path in (*staged.iterdir(), staged):
+            _fsync(path)
+        kill_point("preprocess.staged")
+        if _local_names(target):  # an earlier set (_claim allowed it): swapped out, then removed
+            if not _exchange(staged, target):
+                os.replace(target, aside)
+                kill_point("preprocess.moved_aside")
+                os.replace(staged, target)
+        else:  # no folder, or an empty one
+            os.replace(staged, target)
+        _fsync(target.parent)
+        shutil.rmtree(staged, ignore_errors=True)  # after an exchange: the previous set
+        shutil.rmtree(aside, ignore_errors=True)
+
+    def discard(self) -> None:
+        """A failed run's staged shards (a local one's; nothing in the folder was touched)."""
+        if self.target is not None:
+            shutil.rmtree(self.staged, ignore_errors=True)
 
     @contextlib.contextmanager
     def _said(self) -> Iterator[None]:
@@ -194,10 +268,107 @@ class Output:
 
         try:
             yield
+        except UserError:
+            raise
         except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
             if "://" not in self.url:
                 raise
             raise _failure(self.url, err) from None
+
+
+def _beside(target: Path, suffix: str) -> Path:
+    return target.parent / f".{target.name}{suffix}"
+
+
+def _local_names(target: Path) -> list[str]:
+    if not target.exists():
+        return []
+    if not target.is_dir():
+        raise UserError(f"--output_dir {target} is a file; give a folder for the shards")
+    return sorted(p.name for p in target.iterdir())
+
+
+def recover(target: Path) -> None:
+    """Finish a swap that a kill interrupted between its two renames (the old set aside, the new one complete and
+    not yet in place), or drop what a killed run staged: the folder then holds the old set, untouched."""
+    staged, aside = _beside(target, STAGED), _beside(target, ASIDE)
+    if aside.is_dir() and not target.exists():
+        os.replace(staged if (staged / MANIFEST).is_file() else aside, target)
+    shutil.rmtree(staged, ignore_errors=True)
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _claim(where: str, names: list[str], manifest: Callable[[], str], overwrite: bool, remote: bool) -> None:
+    """Refuse a folder that holds anything unless it is an earlier preprocess's output, --overwrite_output_dir
+    true is given, and the folder holds nothing the manifest does not list (replacing the folder would lose it)."""
+    if not names:
+        return
+    free = _free_name(where, remote)
+    ours = _listed(manifest) if MANIFEST in names else None
+    if ours is None:
+        raise UserError(
+            f"--output_dir {where} holds {_some(names)}, which preprocess did not write; choose a new or empty "
+            f"folder, e.g. --output_dir {free}"
+        )
+    if remote:
+        raise UserError(
+            f"--output_dir {where} already holds shards from an earlier preprocess (kept), and an object store "
+            f"cannot replace a set of shards at once; choose a new prefix, e.g. --output_dir {free}"
+        )
+    if not overwrite:
+        raise UserError(
+            f"--output_dir {where} already holds shards from an earlier preprocess (kept); choose a new folder, "
+            f"e.g. --output_dir {free}, or pass --overwrite_output_dir true to replace them"
+        )
+    foreign = [name for name in names if name not in ours]
+    if foreign:
+        raise UserError(
+            f"--output_dir {where} holds {_some(foreign)} beside an earlier preprocess's shards, which preprocess "
+            f"did not write and replacing the shards would remove; move it out or choose a new folder, e.g. "
+            f"--output_dir {free}"
+        )
+
+
+def _listed(manifest: Callable[[], str]) -> set[str] | None:
+    """The names an earlier preprocess wrote, from its manifest (None: not a manifest of ours)."""
+    try:
+        shards = json.loads(manifest())["shards"]
+        return {str(s["file"]) for s in shards} | {MANIFEST, HISTOGRAM}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _free_name(where: str, remote: bool) -> str:
+    """`<output_dir>-2`, `-3`, ...: the first free one on this disk (on an object store: -2)."""
+    if remote:
+        return f"{where}-2"
+    return next(name for i in itertools.count(2) if not Path(name := f"{where}-{i}").expanduser().exists())
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two folders in one step (Linux renameat2 with RENAME_EXCHANGE); False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    import ctypes
+
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _shard(records: list[dict], encode: Any, keep: list[str], args: argparse.Namespace) -> tuple[Any, list[int]]:
@@ -224,12 +395,26 @@ def _parquet(table: Any) -> bytes:
 
 def run(args: argparse.Namespace) -> None:
     _check(args)
+    out = Output(args.output_dir, args.overwrite_output_dir)  # an occupied folder: refused before anything heavy
+    try:
+        rows, shards, manifest = _write(args, out)
+        out.publish()
+    except BaseException:
+        out.discard()
+        raise
+    print(
+        f"{manifest['documents']} documents, {manifest['tokens']} tokens, {rows} rows in {len(shards)} shard(s): "
+        f"{out.url}"
+    )
+
+
+def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict]:
+    """Every shard, the picture, and the manifest last (what marks a staged set complete)."""
     from cloudtrain.models.load import read_tokenizer  # transformers and torch: only once the options are valid
     from cloudtrain.registry import TASKS
 
     task = TASKS[args.task]
     spec = _source(args)
-    out = Output(args.output_dir)
     tokenizer = read_tokenizer(args.tokenizer_name_or_path, trust_remote_code=False)
     encode, keep, shards, lengths = None, [args.text_column], [], []
     for n, records in enumerate(_documents(spec, args.shard_documents)):
@@ -238,18 +423,15 @@ def run(args: argparse.Namespace) -> None:
         table, doc_lengths = _shard(records, encode, keep, args)
         name = f"shard-{n:05d}.parquet"
         out.write(name, _parquet(table))
+        kill_point("preprocess.shard")
         shards.append({"file": name, "documents": len(records), "rows": table.num_rows, "tokens": sum(doc_lengths)})
         lengths += doc_lengths
     if not shards:
         raise UserError(f"{args.train_file} holds no document")
     manifest = _manifest(args, task.stream_options, shards, lengths)
-    out.write(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     out.write(HISTOGRAM, _plot(manifest["length_histogram"]))
-    rows = sum(s["rows"] for s in shards)
-    print(
-        f"{manifest['documents']} documents, {manifest['tokens']} tokens, {rows} rows in {len(shards)} shard(s): "
-        f"{out.url}"
-    )
+    out.write(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
+    return sum(s["rows"] for s in shards), shards, manifest
 
 
 def _manifest(args: argparse.Namespace, options: tuple[str, ...], shards: list[dict], lengths: list[int]) -> dict:
