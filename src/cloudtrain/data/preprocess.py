@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import itertools
 import json
 import os
 import shutil
@@ -41,8 +40,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
+from cloudtrain.commands import true_or_false
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
+from cloudtrain.publish.atomic import fsync
+from cloudtrain.publish.output_dir import free_name
 from cloudtrain.registry_table import EXAMPLES, STREAMING
 
 if TYPE_CHECKING:  # tasks import torch and transformers: not while the options are parsed and checked
@@ -86,20 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train_on_prompt", action="store_true", help="SFT: as training's --train_on_prompt true.")
     parser.add_argument(
         "--overwrite_output_dir",
-        type=boolean,
+        type=true_or_false,
         nargs="?",
         const=True,
         default=False,
         metavar="true|false",
         help="Replace the shards an earlier preprocess wrote in --output_dir (false: such a folder is refused).",
     )
-
-
-def boolean(value: str) -> bool:
-    text = value.strip().lower()
-    if text in ("true", "1", "yes", "on", "false", "0", "no", "off"):
-        return text in ("true", "1", "yes", "on")
-    raise ValueError(value)
 
 
 def _source(args: argparse.Namespace) -> Any:
@@ -210,7 +205,13 @@ class Output:
             recover(self.target)
             _claim(str(self.url), _local_names(self.target), (self.target / MANIFEST).read_text, overwrite, False)
             self.staged = _beside(self.target, STAGED)
-            self.staged.mkdir(parents=True)
+            try:  # the set is staged beside the folder: its parent must take new entries
+                self.staged.mkdir(parents=True)
+            except OSError as err:
+                raise UserError(
+                    f"--output_dir {url} cannot be written ({err.strerror} in {self.staged.parent}); choose a "
+                    "folder you can write to"
+                ) from None
             self.fs, self.root = fsspec.filesystem("file"), str(self.staged)
             return
         if self.url.startswith(("s3://", "s3a://")):
@@ -244,7 +245,7 @@ class Output:
             return
         target, staged, aside = self.target, self.staged, _beside(self.target, ASIDE)
         for path in (*staged.iterdir(), staged):
-            _fsync(path)
+            fsync(path)
         kill_point("preprocess.staged")
         if _local_names(target):  # an earlier set (_claim allowed it): swapped out, then removed
             if not _exchange(staged, target):
@@ -253,7 +254,7 @@ class Output:
                 os.replace(staged, target)
         else:  # no folder, or an empty one
             os.replace(staged, target)
-        _fsync(target.parent)
+        fsync(target.parent)
         shutil.rmtree(staged, ignore_errors=True)  # after an exchange: the previous set
         shutil.rmtree(aside, ignore_errors=True)
 
@@ -343,10 +344,8 @@ def _some(names: list[str]) -> str:
 
 
 def _free_name(where: str, remote: bool) -> str:
-    """`<output_dir>-2`, `-3`, ...: the first free one on this disk (on an object store: -2)."""
-    if remote:
-        return f"{where}-2"
-    return next(name for i in itertools.count(2) if not Path(name := f"{where}-{i}").expanduser().exists())
+    """`<output_dir>-2`, or the first free `-N` on this disk (an object store's listing is not asked)."""
+    return f"{where}-2" if remote else str(free_name(Path(where).expanduser()))
 
 
 def _exchange(a: Path, b: Path) -> bool:
@@ -361,14 +360,6 @@ def _exchange(a: Path, b: Path) -> bool:
         return False
     at_fdcwd, rename_exchange = -100, 2
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _shard(records: list[dict], encode: Any, keep: list[str], args: argparse.Namespace) -> tuple[Any, list[int]]:
