@@ -30,28 +30,12 @@ def suite_extensions_dir() -> Path | None:
     return Path(sys.prefix) / "torch_extensions" if sys.prefix != sys.base_prefix else None
 
 
-COMPILERS = {"ninja", "cc1plus", "c++", "g++", "gcc", "cc", "x86_64-linux-gnu-g++"}
-
-
-def remove_stale_lock(folder: Path) -> None:
-    """torch's extension build holds `lock` while it compiles and waits, without end or message, while another
-    holds it; a build that was killed (a run or test out of time) leaves it behind. Older than a minute with no
-    compiler running on this machine, it is stale."""
-    import psutil
-
-    lock = folder / "lock"
-    if not lock.exists() or time.time() - lock.stat().st_mtime < 60:
-        return
-    if any(p.info["name"] in COMPILERS for p in psutil.process_iter(["name"])):
-        return
-    lock.unlink(missing_ok=True)
-    print(f"deepspeed-ops: removed {lock}, left by a build that was killed", flush=True)
-
-
 def load(builder_name: str) -> None:
     """Load one op as a run does (compiling what is stale) and say whether it had to compile."""
     from deepspeed.accelerator import get_accelerator
     from torch.utils.cpp_extension import _get_build_directory
+
+    from cloudtrain.parallel.distributed import clear_stale_build_locks
 
     builder = get_accelerator().create_op_builder(builder_name)
     with contextlib.redirect_stdout(io.StringIO()):  # its verbose compatibility report goes to stdout
@@ -63,7 +47,7 @@ def load(builder_name: str) -> None:
     library = Path(_get_build_directory(builder.NAME, verbose=False)) / f"{builder.NAME}.so"
     before = library.stat().st_mtime_ns if library.exists() else None
     print(f"deepspeed-ops: {builder.NAME} into {library.parent.parent} ...", flush=True)
-    remove_stale_lock(library.parent)
+    clear_stale_build_locks()
     start = time.monotonic()
     builder.load(verbose=False)
     took = time.monotonic() - start

@@ -2,9 +2,11 @@
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -222,6 +224,32 @@ def test_nvme_offload_options_are_checked_in_one_line():
     ):
         with pytest.raises(UserError, match=message):
             validate(build_config(options))
+
+
+def test_a_lock_left_by_a_killed_op_build_is_removed_unless_a_build_is_running(tmp_path, monkeypatch, capsys):
+    """torch waits forever on an op build's lock; one a killed build left (old, no compiler running) goes."""
+    from cloudtrain.parallel.distributed import clear_stale_build_locks
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    old, fresh = tmp_path / "extensions" / "async_io" / "lock", tmp_path / "extensions" / "cpu_adam" / "lock"
+    for lock in (old, fresh):
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        lock.touch()
+    os.utime(old, (time.time() - 600, time.time() - 600))
+    ninja = tmp_path / "bin" / "ninja"  # a process named ninja in the op's folder: a build under way
+    ninja.parent.mkdir()
+    ninja.symlink_to(shutil.which("sleep"))
+    building = subprocess.Popen([str(ninja), "30"], cwd=old.parent)
+    try:
+        time.sleep(0.2)
+        clear_stale_build_locks()
+        assert old.exists() and fresh.exists()  # the build may hold it
+    finally:
+        building.kill()
+        building.wait()
+    clear_stale_build_locks()
+    assert not old.exists() and fresh.exists()  # a minute old at least, before it counts as stale
+    assert f"removed {old}, left by an op build that was killed" in capsys.readouterr().out
 
 
 def test_a_cached_async_io_op_counts_as_built_only_when_built_from_this_install(tmp_path, monkeypatch):

@@ -30,6 +30,7 @@ import importlib.util
 import io
 import json
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -443,6 +444,7 @@ def build_accelerator(cfg: Config) -> Accelerator:
     deepspeed = requested_deepspeed(cfg)
     plugin = None
     if deepspeed:
+        clear_stale_build_locks()  # DeepSpeed compiles its ops as it starts
         ds_config = resolve_deepspeed_config(*deepspeed, cfg, launched_processes())
         zero = ds_config["zero_optimization"]
         # The launcher's deepspeed_config fields are folded into ds_config already; without this,
@@ -512,6 +514,32 @@ def check_nvme(path: Path) -> None:
             "cached in torch's extension folder): `make deepspeed-ops` compiles it ahead",
             flush=True,
         )
+
+
+COMPILERS = {"ninja", "cc1plus", "c++", "g++", "gcc", "cc", "x86_64-linux-gnu-g++", "nvcc", "cicc"}
+
+
+def clear_stale_build_locks() -> None:
+    """torch's extension builds (DeepSpeed's ops, compiled on first use) hold `<op>/lock` while they compile, and
+    a build waits without end or message while another holds it: a build that was killed (Ctrl-C, a launch out of
+    time) leaves it behind. Older than a minute with no compiler running in that folder, a lock is stale."""
+    import psutil
+    from torch.utils.cpp_extension import _get_build_directory
+
+    root = Path(_get_build_directory("async_io", verbose=False)).parent
+    stale = [lock for lock in root.glob("*/lock") if time.time() - lock.stat().st_mtime > 60]
+
+    def building(process: psutil.Process) -> bool:  # torch runs ninja, and ninja the compiler, in the op's folder
+        try:
+            return process.info["name"] in COMPILERS and Path(process.cwd()).is_relative_to(root)
+        except psutil.Error:
+            return process.info["name"] in COMPILERS  # not ours to look into: it may be building
+
+    if not stale or any(building(p) for p in psutil.process_iter(["name"])):
+        return
+    for lock in stale:
+        lock.unlink(missing_ok=True)
+        print(f"removed {lock}, left by an op build that was killed (it would wait forever)", flush=True)
 
 
 def aio_built() -> bool:
