@@ -206,6 +206,25 @@ def test_every_bad_input_is_one_line_exit_2_and_nothing_written(
     assert_each_refused(cases, capsys, tmp_path / "out")
 
 
+def test_a_row_longer_than_the_context_is_refused_before_the_data_is_read(
+    tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir, lm_tokenizer_dir, capsys
+):
+    cases = bad_inputs(tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir, lm_tokenizer_dir)
+    options, message = cases["context too short"]
+    from cloudtrain.cli import main
+
+    for task in ("causal_lm", "sft"):  # sft's check is causal_lm's
+        argv = [
+            f"--{k}={','.join(v) if isinstance(v, list) else v}"
+            for k, v in {**options, "task": task}.items()
+            if v is not None
+        ]
+        assert main(argv) == 2
+        said = capsys.readouterr()
+        assert len(said.err.strip().splitlines()) == 1 and message in said.err, said.err
+        assert "data:" not in said.out and "Tokenizing" not in said.err, said  # nothing was read or tokenized
+
+
 @pytest.mark.slow  # three fresh interpreters
 def test_generate_on_a_saved_model(tiny_llama_dir, corpus, tmp_path):
     out = tmp_path / "run"

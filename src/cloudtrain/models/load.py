@@ -142,6 +142,11 @@ def check_sizes(
             f"the tokenizer has {len(tokenizer)} tokens but the model's vocabulary has {vocab}; "
             "use the model's own tokenizer (only a chat template's new tokens grow the embeddings)"
         )
+    check_positions(config, max_length)
+
+
+def check_positions(config: transformers.PretrainedConfig, max_length: int) -> None:
+    """--max_length fits the model's position table (checked from its config, before any data is read)."""
     context = context_length(config)
     if context and max_length > context:
         raise UserError(

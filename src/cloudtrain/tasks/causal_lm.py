@@ -52,6 +52,7 @@ from cloudtrain.generate import generate_texts
 from cloudtrain.models.kernels import hidden_states, linear_cross_entropy, output_head
 from cloudtrain.models.load import (
     check_checkpoint,
+    check_positions,
     check_sizes,
     is_causal_lm,
     load_failure,
@@ -125,8 +126,9 @@ class CausalLMTask(DecoderTask):
             )
             raise UserError(
                 f"{m.model_name_or_path or m.model_config} is not a causal language model ({kind}); "
-                f"--task causal_lm needs one that AutoModelForCausalLM loads (…ForCausalLM){hint}"
+                f"--task {self.name} needs one that AutoModelForCausalLM loads (…ForCausalLM){hint}"
             )
+        check_positions(config, cfg.data.max_length)  # before the data is read and tokenized
 
     def model_config(self, cfg: Config) -> transformers.PretrainedConfig:
         m = cfg.model
