@@ -44,6 +44,7 @@ from transformers import (
 )
 from transformers.utils import GENERATION_CONFIG_NAME
 
+from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
@@ -101,8 +102,9 @@ def check_target_modules(cfg: Config, auto_class: type) -> None:
         if not matches & adaptable:
             what = "is not a linear or embedding layer" if matches else "is not a module"
             layers = sorted({name.rsplit(".", 1)[-1] for name in adaptable})
+            model = cfg.model.model_name_or_path or cfg.model.model_config or f"the default {DEFAULT_MODEL_NAME}"
             raise UserError(
-                f"--lora_target_modules: {target} {what} of {cfg.model.model_name_or_path}; its "
+                f"--lora_target_modules: {target} {what} of {model}; its "
                 f"linear and embedding layers are {', '.join(layers)} (or use all-linear)"
             )
 

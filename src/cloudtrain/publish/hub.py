@@ -75,7 +75,7 @@ def hub_api(cfg: HubConfig) -> HfApi:
     """A client holding the token from --hub_token, else HF_TOKEN, else the stored login."""
     token = cfg.hub_token or token_from_file(cfg.hub_token_file) or get_token()
     if not token:
-        raise UserError(f"--push_to_hub needs a Hub token with write access: {TOKEN_HELP}")
+        raise UserError(f"pushing to the Hub needs a token with write access: {TOKEN_HELP}")
     return HfApi(token=token)
 
 
