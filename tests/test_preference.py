@@ -360,6 +360,16 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     assert capsys.readouterr().out.startswith("Who found the golden key?\n")
 
 
+def test_no_sample_answers_is_said_when_no_prompt_leaves_room_for_one(tiny_llama_dir, pairs_file, tmp_path, capsys):
+    options = dpo_options(tiny_llama_dir, pairs_file, tmp_path / "out", max_steps=1, sample_max_new_tokens=60)
+    results = run_training(build_config(options))
+    assert "exact_match" not in results["eval"] and not results["eval"].get("generations")
+    assert (
+        "note: no validation prompt fits in 4 tokens (--max_length 64 less --sample_max_new_tokens 60), so "
+        "evaluations show no sample answers or exact_match" in capsys.readouterr().out
+    )
+
+
 def test_a_reference_from_whole_weights_is_refused_under_sharding_in_one_line(tiny_llama_dir):
     """Under ZeRO-3 the full-fine-tuning copy and the precomputed reference are refused; under FSDP2 only the
     precomputed one (the copy is sharded as the policy); the live reference of LoRA (the base) passes both."""

@@ -572,6 +572,13 @@ class DPOTask(SFTTask):
             for split, r in self.report.items()
             if r["truncated"]
         ]
+        d, room = self.cfg.data, self.cfg.data.max_length - self.cfg.training.sample_max_new_tokens
+        if d.num_sample_prompts and not data.prompts:  # every validation prompt is longer than that room
+            notes.append(
+                f"no validation prompt fits in {room} tokens (--max_length {d.max_length} less "
+                f"--sample_max_new_tokens {self.cfg.training.sample_max_new_tokens}), so evaluations show no sample "
+                "answers or exact_match: raise --max_length or lower --sample_max_new_tokens"
+            )
         assert self.chat is not None  # set by `process`
         p = self.cfg.preference
         return (
