@@ -2,24 +2,31 @@
 
     python src/training_application.py predict --model_dir outputs/run --text "oil prices fell" --text "..."
     python src/training_application.py predict --model_dir outputs/run --input_file texts.txt
+    python src/training_application.py predict --model_dir outputs/nli --text "a man sleeps" --text_pair "he rests"
 
-Prints one JSON line per text: {"text", "label", "score"}; --output_file writes them to a file.
-Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column.
+Prints one JSON line per text: {"text", "label", "score"} ("text_pair" too for a sentence-pair model); --output_file
+writes them to a new file (an existing one only with --overwrite_output_file true), whole or not at all.
+Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
+A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first.
 A model that needs its own code (auto_map) loads only with --trust_remote_code true; nothing asks on
 standard input. The options are cloudtrain.commands.predict's; `run` is the command once they parsed.
 """
 
 import argparse
 import json
+import os
+import stat
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForSequenceClassification
 
-from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH
+from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, training_arguments
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.publish.saving import adapter_config, is_adapter_dir, write_jsonl
+from cloudtrain.faults import kill_point
+from cloudtrain.publish.atomic import fsync, is_no_space
+from cloudtrain.publish.saving import adapter_config, is_adapter_dir
 
 
 def read_texts(path: str, column: str) -> list[str]:
@@ -29,6 +36,14 @@ def read_texts(path: str, column: str) -> list[str]:
             return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
         except UnicodeDecodeError:
             raise UserError(f"--input_file {path} is not UTF-8 text; save it as UTF-8 and try again") from None
+    return read_columns(path, [column])[0]
+
+
+def read_columns(path: str, columns: list[str]) -> list[list[str]]:
+    """Each named column of a csv/tsv/json/jsonl --input_file, as texts (a missing value: "", as in training)."""
+    file = Path(path)
+    if file.suffix == ".txt":
+        raise UserError(f"--input_file {path} holds one text per line; a csv/tsv/json/jsonl file has columns")
     from cloudtrain.data.files import FILE_FORMATS
     from cloudtrain.data.sources import load_files  # only needed for tabular inputs
 
@@ -38,11 +53,12 @@ def read_texts(path: str, column: str) -> list[str]:
         raise UserError(f"--input_file {path} is empty")
     builder, options = FILE_FORMATS[file.suffix]
     ds = load_files(builder, [file], options=options)
-    if column not in ds.column_names:
-        raise UserError(
-            f"column {column!r} is not in {path} (its columns: {', '.join(ds.column_names)}); pass --text_column"
-        )
-    return [str(t) for t in ds[column]]
+    for column, flag in zip(columns, ("--text_column", "--text_pair_column"), strict=False):
+        if column not in ds.column_names:
+            raise UserError(
+                f"column {column!r} is not in {path} (its columns: {', '.join(ds.column_names)}); pass {flag}"
+            )
+    return [["" if t is None else str(t) for t in ds[column]] for column in columns]
 
 
 @torch.no_grad()
@@ -52,23 +68,44 @@ def predict(
     batch_size: int = 32,
     max_length: int | None = None,
     trust_remote_code: bool = False,
+    pairs: list[str] | None = None,
 ) -> list[dict]:
-    """Label and probability of the top class for each text; texts are truncated to `max_length` tokens
+    """Label and probability of the top class for each text (with `pairs`: each text and its second text, as a
+    sentence-pair model was trained); they are truncated to `max_length` tokens, a pair longest part first
     (default: 512, or the model's context where shorter; longer is refused). `model_dir` as the command checked
-    it (cloudtrain.commands.predict.check_options: a saved model, any interrupted final save finished)."""
+    it (cloudtrain.commands.predict.check_options: a saved model, any interrupted final save finished; whether
+    the model reads pairs is checked there too)."""
+    if pairs is not None and len(pairs) != len(texts):
+        raise ValueError(f"{len(pairs)} second texts for {len(texts)} texts")
     model, tokenizer = load(model_dir, trust_remote_code)
     max_length = truncation_length(model.config, max_length)
+    names = model_inputs(model_dir, tokenizer)
     results = []
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
-        inputs = tokenizer(chunk, truncation=True, max_length=max_length, padding=True, return_tensors="pt")
+        second = pairs[i : i + batch_size] if pairs is not None else None
+        # as training encodes (cloudtrain.data.processing, the reward task): truncation longest first
+        encoded = tokenizer(
+            chunk, second, truncation="longest_first", max_length=max_length, padding=True, return_tensors="pt"
+        )
+        inputs = {name: encoded[name] for name in names if name in encoded}
         logits = model(**inputs).logits.float()
         if logits.shape[-1] == 1:  # a reward model (--task reward): its one output is the score
             scores, ids = logits[:, 0], torch.zeros(len(chunk), dtype=torch.long)
         else:
             scores, ids = logits.softmax(dim=-1).max(dim=-1)
-        results += records(chunk, ids.tolist(), scores.tolist(), model.config.id2label)
+        results += records(chunk, ids.tolist(), scores.tolist(), model.config.id2label, second)
     return results
+
+
+def model_inputs(model_dir: str, tokenizer) -> list[str]:
+    """The inputs the model was trained with: those the tokenizer names (a generic class can add token_type_ids
+    that classification training leaves out), and for a cloudtrain reward model only input_ids and attention_mask
+    (its loss calls the model with those two: an encoder's second segment keeps token type 0)."""
+    names = list(tokenizer.model_input_names)
+    if training_arguments(Path(model_dir)).get("task") == "reward":
+        names = [name for name in names if name in ("input_ids", "attention_mask")]
+    return names
 
 
 def truncation_length(config, requested: int | None) -> int:
@@ -133,21 +170,83 @@ def check_sequence_classifier(model_dir: str) -> None:
         )
 
 
-def records(texts: list[str], ids: list[int], scores: list[float], id2label: dict) -> list[dict]:
-    """One {"text", "label", "score"} per text: the predicted label's name and its probability."""
-    return [
+def records(
+    texts: list[str], ids: list[int], scores: list[float], id2label: dict, pairs: list[str] | None = None
+) -> list[dict]:
+    """One {"text", "label", "score"} per text (with "text_pair" after "text" for a pair): the predicted label's
+    name and its probability."""
+    rows = [
         {"text": text, "label": id2label[int(idx)], "score": round(float(score), 4)}
         for text, idx, score in zip(texts, ids, scores, strict=True)
     ]
+    if pairs is not None:
+        rows = [{"text": row["text"], "text_pair": pair, **row} for row, pair in zip(rows, pairs, strict=True)]
+    return rows
+
+
+def write_predictions(path: Path, rows: list[dict], overwrite: bool) -> None:
+    """The JSON lines written to a file beside `path` and renamed onto it once complete and on disk, so a crash or
+    a full disk leaves the previous file (if any) whole. Without `overwrite` a file that appeared at `path` since
+    the command checked it stays too. A symlink's target is written, the link kept; a missing folder is made."""
+    target = path.resolve()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(staged, "x", encoding="utf-8") as f:
+            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+            f.flush()
+            os.fsync(f.fileno())
+        if target.is_file():  # the replaced file's permissions, not the umask's
+            os.chmod(staged, stat.S_IMODE(target.stat().st_mode))
+        kill_point("predict.output_staged")
+        _put_in_place(staged, target, overwrite, path)
+    except BaseException as err:
+        staged.unlink(missing_ok=True)
+        if is_no_space(err):
+            raise UserError(
+                f"the disk of {target.parent} filled up while the predictions were written ({first_line(err)}); "
+                f"{path} was not replaced: free some space and run again"
+            ) from None
+        raise
+    fsync(target.parent)
+
+
+def _put_in_place(staged: Path, target: Path, overwrite: bool, path: Path) -> None:
+    if overwrite:
+        os.replace(staged, target)
+        return
+    try:
+        os.link(staged, target)  # fails on an existing target: never replaces one
+    except FileExistsError:
+        raise UserError(
+            f"--output_file {path} appeared while the predictions were computed and is not replaced; run again "
+            "with a new name or with --overwrite_output_file true"
+        ) from None
+    except OSError:  # a filesystem without hard links
+        if target.exists():
+            raise UserError(
+                f"--output_file {path} appeared while the predictions were computed and is not replaced"
+            ) from None
+        os.replace(staged, target)
+        return
+    staged.unlink()
 
 
 def run(args: argparse.Namespace) -> None:
-    texts = list(args.text) + (read_texts(args.input_file, args.text_column) if args.input_file else [])
+    """The command once cloudtrain.commands.predict.check_options passed (it resolved args.text_pair_column)."""
+    texts, pairs = list(args.text), (list(args.text_pair) if args.text_pair else None)
+    if args.input_file:
+        if args.text_pair_column:
+            file_texts, file_pairs = read_columns(args.input_file, [args.text_column, args.text_pair_column])
+            pairs = (pairs or []) + file_pairs
+        else:
+            file_texts = read_texts(args.input_file, args.text_column)
+        texts += file_texts
     if not texts:  # an input file of blank lines
         raise UserError(f"nothing to classify: --input_file {args.input_file} holds no text")
-    rows = predict(args.model_dir, texts, args.batch_size, args.max_length, args.trust_remote_code)
+    rows = predict(args.model_dir, texts, args.batch_size, args.max_length, args.trust_remote_code, pairs)
     if args.output_file:
-        write_jsonl(Path(args.output_file), rows)
+        write_predictions(Path(args.output_file), rows, args.overwrite_output_file)
         print(f"wrote {len(rows)} predictions to {args.output_file}")
     else:
         print("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))

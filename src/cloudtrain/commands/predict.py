@@ -1,8 +1,24 @@
-"""`cloudtrain predict`: its options. cloudtrain.predict classifies the texts."""
+"""`cloudtrain predict`: its options. cloudtrain.predict classifies the texts.
+
+Everything that needs no model is checked here, before torch and transformers are imported: the numbers, that
+there is something to classify, the files named (an --output_file is never the --input_file, and replaces an
+existing file only with --overwrite_output_file true), and that the texts come in pairs exactly when the saved
+model was trained on pairs (its args.json: a classifier's text_pair_column; an encoder reward model reads
+prompt and answer as a pair).
+"""
 
 import argparse
+import json
+import os
+from pathlib import Path
 
-from cloudtrain.commands import add_trust_remote_code, check_input_file, existing_run_dir, refuse_first
+from cloudtrain.commands import (
+    add_trust_remote_code,
+    check_input_file,
+    existing_run_dir,
+    refuse_first,
+    true_or_false,
+)
 from cloudtrain.errors import UserError
 from cloudtrain.publish.saving import holds_model
 
@@ -12,9 +28,29 @@ DEFAULT_MAX_LENGTH = 512
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model_dir", required=True, help="A directory written by the training application.")
     parser.add_argument("--text", action="append", default=[], help="A text to classify (repeatable).")
+    parser.add_argument(
+        "--text_pair",
+        action="append",
+        default=[],
+        help="The second text of a sentence-pair model, one per --text, in the same order (repeatable).",
+    )
     parser.add_argument("--input_file", help="A .txt file (one text per line) or a csv/tsv/json/jsonl file.")
     parser.add_argument("--text_column", default="text", help="Column of --input_file holding the texts.")
+    parser.add_argument(
+        "--text_pair_column",
+        help="Column of --input_file holding the second texts of a sentence-pair model "
+        "(default: the text_pair_column the model was trained with, from its args.json).",
+    )
     parser.add_argument("--output_file", help="Write the JSON lines here instead of printing them.")
+    parser.add_argument(
+        "--overwrite_output_file",
+        type=true_or_false,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Replace an existing --output_file (default: false, an existing file is refused).",
+    )
     parser.add_argument("--batch_size", type=int, default=32, help="Texts per forward pass (default: 32).")
     parser.add_argument(
         "--max_length",
@@ -25,7 +61,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """What needs no model: the numbers, something to classify, and the files named; one UserError otherwise."""
+    """What needs no model: the numbers, something to classify, the files named and the text pairs; one UserError
+    otherwise. Sets args.text_pair_column to the model's recorded one where the user named none."""
     refuse_first(
         [
             (args.batch_size < 1, f"--batch_size must be at least 1, got {args.batch_size}"),
@@ -34,11 +71,151 @@ def check_options(args: argparse.Namespace) -> None:
                 f"--max_length must be at least 1, got {args.max_length}",
             ),
             (not (args.text or args.input_file), 'nothing to classify: pass --text "..." or --input_file FILE'),
+            (
+                bool(args.text_pair) and len(args.text_pair) != len(args.text),
+                f"{len(args.text_pair)} --text_pair for {len(args.text)} --text: give each --text its second text "
+                "with one --text_pair, in the same order",
+            ),
+            (
+                args.text_pair_column is not None and args.text_pair_column == args.text_column,
+                "--text_pair_column must differ from --text_column",
+            ),
         ]
     )
     check_input_file(args.input_file)
+    check_output_file(args.output_file, args.input_file, args.overwrite_output_file)
     if not holds_model(existing_run_dir("--model_dir", args.model_dir)):
         raise UserError(f"--model_dir {args.model_dir} holds no saved model (no config.json/model.safetensors)")
+    check_pairs(args, *trained_on_pairs(Path(args.model_dir)))
+
+
+# ---------------------------------------------------------------- the output file
+
+
+def check_output_file(output_file: str | None, input_file: str | None, overwrite: bool) -> None:
+    """An --output_file that is not the --input_file, not an existing file (unless `overwrite`), in a folder that
+    can be written (made at the end if missing): so nothing of the user's is replaced unasked, and a run that
+    would fail to write its predictions fails before it loads the model."""
+    if output_file is None:
+        return
+    out = Path(output_file)
+    if input_file is not None and same_file(out, Path(input_file)):
+        raise UserError(
+            f"--output_file {output_file} is the --input_file: the predictions would replace the texts; "
+            f"write them to another file, such as {free_name(out.with_name(out.stem + '-predictions.jsonl'))}"
+        )
+    if out.is_dir():
+        raise UserError(
+            f"--output_file {output_file} is a folder; name a file in it, such as {out / 'predictions.jsonl'}"
+        )
+    if (out.exists() or out.is_symlink()) and not overwrite:
+        raise UserError(
+            f"--output_file {output_file} exists and is not replaced: name a new file, such as {free_name(out)}, "
+            "or pass --overwrite_output_file true to replace it"
+        )
+    folder = out.resolve().parent  # a symlink's target is what gets written; a missing folder is made then
+    there = next(p for p in (folder, *folder.parents) if p.exists())
+    if not there.is_dir():
+        raise UserError(f"--output_file {output_file}: {there} is a file, not a folder; name a file in a folder")
+    probe = there / f".cloudtrain-write-probe-{os.getpid()}"
+    try:  # root ignores permission bits, not a read-only filesystem: so try
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        probe.unlink()
+    except OSError as err:
+        raise UserError(
+            f"--output_file {output_file}: {there} cannot be written ({err.strerror}); choose a folder you can write to"
+        ) from None
+
+
+def same_file(a: Path, b: Path) -> bool:
+    """Whether two paths name one file: through relative paths, symlinks and hard links."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one of them does not exist (yet): the same path once resolved
+        return a.resolve() == b.resolve()
+
+
+def free_name(path: Path) -> Path:
+    """`path` with -2, -3, ... added to its stem: the first name no file has."""
+    suffix = path.suffix or ".jsonl"
+    stem = path.stem if path.suffix else path.name
+    candidate, n = path.with_name(stem + suffix), 2
+    while candidate.exists() or candidate.is_symlink():
+        candidate, n = path.with_name(f"{stem}-{n}{suffix}"), n + 1
+    return candidate
+
+
+# ---------------------------------------------------------------- text pairs
+
+
+def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
+    """(whether the saved model reads text pairs, how it was trained in words, the recorded text_pair_column), from
+    the args.json the training application saved with it; (None, "", None) for a model from elsewhere."""
+    recorded = training_arguments(model_dir)
+    task = recorded.get("task")
+    if task == "classification":
+        column = recorded.get("text_pair_column")
+        if column:
+            return (
+                True,
+                f"on text pairs (--text_column {recorded.get('text_column')} --text_pair_column {column})",
+                column,
+            )
+        return False, "on single texts (its args.json records no text_pair_column)", None
+    if task == "reward":
+        if recorded.get("chat_template") or has_chat_template(model_dir):
+            return False, "on conversations rendered through its chat template, one text each", None
+        if (model_dir / "tokenizer_config.json").is_file():
+            return True, "on prompt and answer as a text pair", None
+    return None, "", None
+
+
+def training_arguments(model_dir: Path) -> dict:
+    """The args.json the training application saved with the model ({} for a model from elsewhere)."""
+    try:
+        recorded = json.loads((Path(model_dir) / "args.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
+def has_chat_template(model_dir: Path) -> bool:
+    if (model_dir / "chat_template.jinja").is_file() or (model_dir / "chat_template.json").is_file():
+        return True
+    try:
+        config = json.loads((model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and bool(config.get("chat_template"))
+
+
+def check_pairs(args: argparse.Namespace, pairs: bool | None, how: str, recorded_column: str | None) -> None:
+    """The texts come in pairs exactly when the model reads pairs (`pairs`; None: the model does not say, so the
+    user's options decide), inline and from the file alike; one UserError saying which option to add or drop."""
+    txt_file = args.input_file is not None and Path(args.input_file).suffix == ".txt"
+    if args.input_file and args.text_pair_column is None and pairs and recorded_column and not txt_file:
+        args.text_pair_column = recorded_column
+    model = f"the model in {args.model_dir} was trained {how}"
+    if pairs is False:
+        given = "--text_pair" if args.text_pair else "--text_pair_column" if args.text_pair_column else None
+        if given:
+            raise UserError(f"{model}: drop {given}")
+        return
+    if txt_file and (pairs or args.text_pair_column or args.text_pair):
+        raise UserError(
+            f"--input_file {args.input_file} holds one text per line, with no second text; "
+            + (f"{model}: " if pairs else "")
+            + "give a csv/tsv/json/jsonl file and name its columns with --text_column and --text_pair_column"
+        )
+    if pairs and args.text and not args.text_pair:
+        raise UserError(f'{model}: give each --text its second text with --text_pair "..."')
+    if pairs and args.input_file and args.text_pair_column is None:
+        raise UserError(f"{model}: name the column of --input_file holding the second texts with --text_pair_column")
+    if args.text and args.input_file and bool(args.text_pair) != (args.text_pair_column is not None):
+        raise UserError(
+            "the --text options and --input_file must both come with second texts or both without: "
+            + ("add --text_pair_column" if args.text_pair else 'add --text_pair "..." after each --text')
+        )
 
 
 def run(args: argparse.Namespace) -> None:
