@@ -1,0 +1,216 @@
+"""`cloudtrain predict` never replaces a file of the user's unasked, and feeds a sentence-pair model both texts.
+
+- The output: an --output_file that is the --input_file (by its path, a relative path or a symlink), an existing
+  file without --overwrite_output_file true, a folder that is a file or cannot be written: each refused in one
+  line (exit 2) before any model loads, the files left as they were. A missing folder is made. With the flag the
+  file is replaced, whole: a kill between writing and renaming leaves the previous file.
+- Pairs: a classifier trained with --text_pair_column (and an encoder reward model: prompt and answer) gets
+  (text, second text) through its tokenizer as in training, from --text/--text_pair or from the file's columns
+  (the pair column defaults to the one in args.json); single texts for a pair model, or pairs for a single-text
+  model, are refused naming the option to add or drop.
+Real tiny models trained here in a few seconds; refusals through a fresh interpreter that must not have imported
+torch or transformers.
+"""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ENTRY, REPO
+from test_cli_startup import answers, assert_refused
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+import cloudtrain
+from cloudtrain.cli import main
+from cloudtrain.predict import predict
+
+PREMISES = [
+    "the team won the match",
+    "shares fell on weak earnings",
+    "a storm hit the coast",
+    "the striker scored twice",
+    "the bank raised interest rates",
+    "snow closed the mountain roads",
+]
+# the label follows the second text alone: a model that sees only the premise cannot get both rows of a premise
+HYPOTHESES = {"yes that is right": "agree", "no that is wrong": "disagree"}
+COMMON = {
+    "max_length": 32, "per_device_train_batch_size": 12, "warmup_ratio": 0.0, "mixed_precision": "no",
+    "report_to": "none", "eval_strategy": "no", "logging_steps": 100,
+}  # fmt: skip
+
+
+def pair_rows() -> list[dict]:
+    return [{"premise": p, "hypothesis": h, "label": label} for p in PREMISES for h, label in HYPOTHESES.items()]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
+    """A sentence-pair classifier, an encoder reward model (no chat template: prompt and answer as a pair) and a
+    single-text classifier's run folder (the pair classifier's, its args.json saying no text_pair_column)."""
+    root = tmp_path_factory.mktemp("predict-runs")
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps(row) + "\n" for row in pair_rows()))
+    cloudtrain.train(
+        {**COMMON, "model_name_or_path": tiny_model_dir, "train_file": str(data), "validation_file": str(data)},
+        text_column="premise", text_pair_column="hypothesis", output_dir=str(root / "nli"), max_steps=25,
+        learning_rate=3e-3,
+    )  # fmt: skip
+    prefs = root / "prefs.jsonl"
+    prefs.write_text(
+        "".join(json.dumps({"prompt": p, "chosen": "yes that is right", "rejected": "no"}) + "\n" for p in PREMISES)
+    )
+    cloudtrain.train(
+        {**COMMON, "model_name_or_path": tiny_model_dir, "train_file": str(prefs), "validation_file": str(prefs)},
+        task="reward", output_dir=str(root / "reward"), max_steps=20, learning_rate=3e-3,
+    )  # fmt: skip
+    single = root / "single"
+    shutil.copytree(root / "nli", single)
+    recorded = json.loads((single / "args.json").read_text())
+    (single / "args.json").write_text(json.dumps({**recorded, "text_column": "text", "text_pair_column": None}))
+    return {"nli": root / "nli", "reward": root / "reward", "single": single, "data": data, "prefs": prefs}
+
+
+def manual_forward(model_dir: Path, texts: list[str], pairs: list[str], inputs: tuple[str, ...]) -> torch.Tensor:
+    """The logits of the saved model on each (text, pair), one at a time: the tokenizer's own pair encoding, of
+    which the model gets `inputs` (what its training passed)."""
+    model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    logits = []
+    with torch.no_grad():
+        for text, pair in zip(texts, pairs, strict=True):
+            encoded = tokenizer(text, pair, truncation=True, max_length=512, return_tensors="pt")
+            logits.append(model(**{name: encoded[name] for name in inputs}).logits)
+    return torch.cat(logits)
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["predict", *argv])
+    said = capsys.readouterr()
+    return code, said.out, said.err
+
+
+def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_path, monkeypatch):
+    texts = tmp_path / "texts.txt"
+    texts.write_text("the team won\na storm hit\n")
+    (tmp_path / "link.txt").symlink_to(texts)
+    (tmp_path / "sub").mkdir()
+    old = tmp_path / "preds.jsonl"
+    old.write_text("earlier predictions\n")
+    nli, single, reward, data = runs["nli"], runs["single"], runs["reward"], runs["data"]
+    predict_single = f"predict --model_dir {single} --input_file {texts}"
+    cases = {
+        f"{predict_single} --output_file {texts}": f"--output_file {texts} is the --input_file: the predictions "
+        f"would replace the texts; write them to another file, such as {tmp_path / 'texts-predictions.jsonl'}",
+        f"{predict_single} --output_file {tmp_path / 'link.txt'} --overwrite_output_file true": "is the --input_file",
+        f"{predict_single} --output_file {tmp_path / 'sub' / '..' / 'texts.txt'}": "is the --input_file",
+        f"{predict_single} --output_file ./sub/../texts.txt": "--output_file ./sub/../texts.txt is the --input_file",
+        f"{predict_single} --output_file {old}": f"--output_file {old} exists and is not replaced: name a new file, "
+        f"such as {tmp_path / 'preds-2.jsonl'}, or pass --overwrite_output_file true to replace it",
+        f"{predict_single} --output_file {tmp_path / 'sub'}": "is a folder; name a file in it",
+        f"{predict_single} --output_file {texts}/p.jsonl": f"{texts} is a file, not a folder; name a file in a folder",
+        f"{predict_single} --output_file /proc/p.jsonl": "--output_file /proc/p.jsonl: /proc cannot be written",
+        f"predict --model_dir {nli} --text hi": f"the model in {nli} was trained on text pairs (--text_column "
+        'premise --text_pair_column hypothesis): give each --text its second text with --text_pair "..."',
+        f"predict --model_dir {nli} --input_file {texts}": f"--input_file {texts} holds one text per line, with no "
+        "second text; the model in",
+        f"predict --model_dir {nli} --text a --text_pair b --text c": "1 --text_pair for 2 --text",
+        f"predict --model_dir {nli} --input_file {data} --text_column premise --text_pair_column premise": (
+            "--text_pair_column must differ from --text_column"
+        ),
+        f"predict --model_dir {nli} --input_file {data} --text a": "give each --text its second text",
+        f"{predict_single} --text_pair_column b": f"the model in {single} was trained on single texts (its args.json "
+        "records no text_pair_column): drop --text_pair_column",
+        f"predict --model_dir {single} --text a --text_pair b": "drop --text_pair",
+        f"predict --model_dir {reward} --text hi": "was trained on prompt and answer as a text pair: give each --text",
+        f"predict --model_dir {reward} --input_file {data} --text_column premise": "with --text_pair_column",
+    }
+    if not Path("/proc").is_dir():  # root may write anywhere else
+        cases = {line: refusal for line, refusal in cases.items() if "/proc" not in line}
+    monkeypatch.chdir(tmp_path)  # the fresh interpreter's working folder: the relative path
+    said = answers(list(cases))
+    for line, refusal in cases.items():
+        assert_refused(said[line], refusal)
+        assert said[line][3] == [], line  # nothing heavy imported: no model was loaded
+    assert texts.read_text() == "the team won\na storm hit\n" and old.read_text() == "earlier predictions\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "preds.jsonl", "sub", "texts.txt"]
+
+
+def test_the_output_is_new_or_replaced_only_with_the_flag(runs, tmp_path, capsys):
+    single = str(runs["single"])
+    out = tmp_path / "new" / "preds.jsonl"  # a missing folder is made
+    assert run_main(capsys, "--model_dir", single, "--text", "a storm", "--output_file", str(out))[:2] == (
+        0,
+        f"wrote 1 predictions to {out}\n",
+    )
+    first = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["text"] for row in first] == ["a storm"] and set(first[0]) == {"text", "label", "score"}
+    out.chmod(0o640)
+    link = tmp_path / "link.jsonl"
+    link.symlink_to(out)
+    argv = ["--model_dir", single, "--text", "one", "--text", "two", "--output_file", str(link)]
+    assert run_main(capsys, *argv)[0] == 2 and out.read_text().count("\n") == 1  # refused: the link's file exists
+    assert run_main(capsys, *argv, "--overwrite_output_file", "true")[0] == 0
+    assert link.is_symlink() and [json.loads(line)["text"] for line in out.read_text().splitlines()] == ["one", "two"]
+    assert out.stat().st_mode & 0o777 == 0o640  # the replaced file's permissions kept
+    assert sorted(p.name for p in out.parent.iterdir()) == ["preds.jsonl"]  # no staged file left
+
+
+def test_a_kill_between_writing_and_renaming_leaves_the_previous_file(runs, tmp_path):
+    out = tmp_path / "preds.jsonl"
+    out.write_text("earlier predictions\n")
+    env = {**os.environ, "CLOUDTRAIN_TEST_KILL_AT": "predict.output_staged"}
+    command = [sys.executable, str(ENTRY), "predict", "--model_dir", str(runs["single"]), "--text", "hi"]
+    command += ["--output_file", str(out), "--overwrite_output_file", "true"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env, cwd=REPO)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert out.read_text() == "earlier predictions\n"
+    staged = [p for p in tmp_path.iterdir() if p != out]  # the complete new file, under a hidden name
+    assert len(staged) == 1 and staged[0].name.startswith(".preds.jsonl.") and '"text": "hi"' in staged[0].read_text()
+
+
+def test_a_pair_model_gets_both_texts_as_its_tokenizer_pairs_them(runs, tmp_path, capsys):
+    nli, rows = runs["nli"], pair_rows()
+    premises, hypotheses = [r["premise"] for r in rows], [r["hypothesis"] for r in rows]
+    out = tmp_path / "preds.jsonl"
+    # the pair column comes from the run's args.json; the batch size splits the rows into padded batches
+    argv = ["--model_dir", str(nli), "--input_file", str(runs["data"]), "--text_column", "premise"]
+    assert run_main(capsys, *argv, "--batch_size", "5", "--output_file", str(out))[0] == 0
+    predicted = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(p["text"], p["text_pair"]) for p in predicted] == list(zip(premises, hypotheses, strict=True))
+    # classification training passes what the tokenizer names: the pair's token types too
+    probabilities = manual_forward(nli, premises, hypotheses, ("input_ids", "token_type_ids", "attention_mask"))
+    probabilities = probabilities.softmax(-1)
+    labels = AutoModelForSequenceClassification.from_pretrained(nli).config.id2label
+    assert [p["label"] for p in predicted] == [labels[int(i)] for i in probabilities.argmax(-1)]
+    assert [p["score"] for p in predicted] == pytest.approx(probabilities.max(-1).values.tolist(), abs=1e-4)
+    assert [p["label"] for p in predicted] == [r["label"] for r in rows]  # it learned to read the second text
+    # inline pairs answer the same
+    inline = [arg for r in rows[:4] for arg in ("--text", r["premise"], "--text_pair", r["hypothesis"])]
+    code, printed, _ = run_main(capsys, "--model_dir", str(nli), *inline)
+    assert code == 0 and [json.loads(line) for line in printed.splitlines()] == predicted[:4]
+    # what predict did before: the premise alone, the same answer for both rows of a premise, half of them wrong
+    alone = predict(str(nli), premises)
+    assert [a["label"] for a in alone[::2]] == [a["label"] for a in alone[1::2]]
+    assert sum(a["label"] != p["label"] for a, p in zip(alone, predicted, strict=True)) == len(PREMISES)
+
+
+def test_an_encoder_reward_model_scores_prompt_and_answer_as_a_pair(runs, capsys):
+    reward = runs["reward"]
+    argv = ["--model_dir", str(reward), "--text", PREMISES[0], "--text_pair", "yes that is right"]
+    code, printed, _ = run_main(capsys, *argv, "--text", PREMISES[0], "--text_pair", "no")
+    scores = [json.loads(line) for line in printed.splitlines()]
+    assert code == 0 and [s["label"] for s in scores] == ["reward", "reward"]
+    # the reward loss calls the model with input_ids and attention_mask alone (cloudtrain.tasks.reward.rewards)
+    inputs = ("input_ids", "attention_mask")
+    expected = manual_forward(reward, [PREMISES[0]] * 2, ["yes that is right", "no"], inputs)[:, 0]
+    assert [s["score"] for s in scores] == pytest.approx(expected.tolist(), abs=1e-4)
+    with_types = manual_forward(reward, [PREMISES[0]] * 2, ["yes that is right", "no"], (*inputs, "token_type_ids"))
+    assert (with_types[:, 0] - expected).abs().max() > 1e-3  # which the scores' 4 decimals would show
+    assert scores[0]["score"] > scores[1]["score"]  # it learned to prefer the chosen answer, read as a pair
