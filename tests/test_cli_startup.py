@@ -131,5 +131,20 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
         assert_refused(said[line], refusal)
 
 
+def test_a_text_to_image_output_given_to_a_text_command_is_named_for_what_it_is(tmp_path):
+    pipeline, lora = tmp_path / "pipeline", tmp_path / "lora"
+    for folder, file in ((pipeline, "model_index.json"), (lora, "pytorch_lora_weights.safetensors")):
+        folder.mkdir()
+        (folder / file).write_text("{}")
+    refusals = {
+        f"generate --model_dir {pipeline} --prompt hi": f"--model_dir {pipeline} holds a diffusers pipeline from",
+        f"merge --output_dir {lora}": f"--output_dir {lora} holds a diffusers LoRA from --task text_to_image, not a",
+    }
+    said = answers(list(refusals))
+    assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}
+    for line, refusal in refusals.items():
+        assert_refused(said[line], refusal)
+
+
 def test_muon_is_known_available_without_importing_torch():
     assert muon_available() == hasattr(torch.optim, "Muon")

@@ -4,6 +4,7 @@ generates."""
 import argparse
 
 from cloudtrain.commands import add_trust_remote_code, check_input_file, existing_run_dir, refuse_first, true_or_false
+from cloudtrain.publish.saving import check_not_diffusion
 
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -130,7 +131,7 @@ def check_options(args: argparse.Namespace) -> None:
         ]
     )
     check_input_file(args.input_file)
-    existing_run_dir("--model_dir", args.model_dir)
+    check_not_diffusion("--model_dir", existing_run_dir("--model_dir", args.model_dir))
 
 
 def run(args: argparse.Namespace) -> None:

@@ -1,10 +1,11 @@
 """`cloudtrain merge`: its options. cloudtrain.models.adapters merges the adapter into its base."""
 
 import argparse
+from pathlib import Path
 
 from cloudtrain.commands import add_trust_remote_code, existing_run_dir
 from cloudtrain.errors import UserError
-from cloudtrain.publish.saving import ADAPTER_CONFIG, is_adapter_dir
+from cloudtrain.publish.saving import ADAPTER_CONFIG, check_not_diffusion, is_adapter_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -15,6 +16,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_options(args: argparse.Namespace) -> None:
     """--output_dir holds an adapter (any interrupted final save finished first); one UserError otherwise."""
     if not is_adapter_dir(existing_run_dir("--output_dir", args.output_dir)):
+        check_not_diffusion("--output_dir", Path(args.output_dir))
         raise UserError(
             f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
             "output of a run with --peft lora, dora or qlora"

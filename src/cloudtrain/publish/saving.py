@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cloudtrain.config import Config
+from cloudtrain.errors import UserError
 from cloudtrain.redact import mask_value
 
 if TYPE_CHECKING:  # importing torch here would make the commands' checks of a model directory slow to answer
@@ -59,6 +60,20 @@ def write_arguments(cfg: Config, path: Path) -> None:
 
 def is_adapter_dir(path: Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
+
+
+def check_not_diffusion(flag: str, path: Path) -> None:
+    """A text_to_image run's output given to a command for text models: one line saying what it is."""
+    if (Path(path) / "model_index.json").is_file():
+        what = "a diffusers pipeline"
+    elif (Path(path) / "pytorch_lora_weights.safetensors").is_file():
+        what = "a diffusers LoRA"
+    else:
+        return
+    raise UserError(
+        f"{flag} {path} holds {what} from --task text_to_image, not a text model; render images with diffusers as "
+        "the run's last line (use it: ...) shows"
+    )
 
 
 def adapter_config(path: Path) -> dict:
