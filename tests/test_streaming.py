@@ -25,7 +25,7 @@ from cloudtrain.config import resolve_options
 from cloudtrain.data.mixture import MixtureStream, initial_state, resolve_sources
 from cloudtrain.data.packing import CausalLMCollator
 from cloudtrain.data.readers import RecordReader
-from cloudtrain.data.streaming import StreamLoader, StreamPlan
+from cloudtrain.data.streaming import StreamLoader, StreamPlan, connect_stream
 from cloudtrain.errors import UserError
 from cloudtrain.tasks.causal_lm import CausalLMTask
 
@@ -277,6 +277,10 @@ def test_each_bad_stream_input_is_one_line(tmp_path):
         assert "\n" not in str(err.value)
     with pytest.raises(UserError, match="--train_weights needs --streaming true"):
         resolve_options({"train_weights": "1"}, {})
+    (tmp_path / "reviews.csv").write_text("review,label\na good tale,1\n")
+    told = "has no column 'text' (its columns: review, label); name its column with --text_column (every source)"
+    with pytest.raises(UserError, match=re.escape(told)):
+        connect_stream(data_cfg(train_file=str(tmp_path / "reviews.csv")).data, {"text": "--text_column"})
 
 
 def test_a_corrupted_shard_mid_stream_is_skipped_and_counted_or_stops(tmp_path, lm_tokenizer):

@@ -70,7 +70,7 @@ def _connect_stream(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> Da
     themselves in `raw.stream_sources`; validation and test files load as usual."""
     from cloudtrain.data.streaming import connect_stream
 
-    sample, specs = connect_stream(cfg, [column for column, _ in columns.values()])
+    sample, specs = connect_stream(cfg, {column: flag for flag, (column, _) in columns.items()})
     common = [key for key in sample[0] if all(key in record for record in sample)]
     raw = DatasetDict({"train": Dataset.from_list([{k: record[k] for k in common} for record in sample])})
     for split, path in split_files(cfg).items():  # the held-out files: a stream's training files are not among them

@@ -333,10 +333,11 @@ class StreamLoader:
         return values
 
 
-def connect_stream(cfg: Any, needed: list[str]) -> tuple[list[dict], list[SourceSpec]]:
+def connect_stream(cfg: Any, needed: dict[str, str]) -> tuple[list[dict], list[SourceSpec]]:
     """The sources of a DataConfig checked (files, weights, columns) and the first record of each.
 
-    `needed`: the task's columns every source's records must hold (a source's `columns:` maps its own names).
+    `needed`: {column: its flag} of the task's columns every source's records must hold (a source's `columns:` maps
+    its own names).
     Nothing is read beyond one record per source.
     """
     from cloudtrain.data.mixture import resolve_sources
@@ -371,7 +372,7 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
     return records, stream.state
 
 
-def _first_record(spec: SourceSpec, needed: list[str]) -> dict:
+def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
     from cloudtrain.data.readers import BadFile, BadRecord, RecordReader
 
     for path in spec.files:
@@ -388,7 +389,8 @@ def _first_record(spec: SourceSpec, needed: list[str]) -> dict:
         if missing:
             raise UserError(
                 f"training source {spec.name} has no column {missing[0]!r} (its columns: {', '.join(record)}); "
-                f"name it for this source: datasets: - path: {spec.name}, columns: {{{missing[0]}: <its column>}}"
+                f"name its column with {needed[missing[0]]} (every source), or for this source alone in a config "
+                f"file: datasets: - path: {spec.name}, columns: {{{missing[0]}: <its column>}}"
             )
         return record
     raise UserError(f"training source {spec.name} holds no readable record")
