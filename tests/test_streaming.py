@@ -330,13 +330,16 @@ def test_a_streaming_run_trains_and_reports_each_source(tiny_llama_dir, tmp_path
     assert [m[f"data/{a}/documents"] for m in counts] == sorted(m[f"data/{a}/documents"] for m in counts)
 
 
-def test_a_streaming_run_evaluates_on_its_validation_file(tiny_llama_dir, tmp_path, two_sources):
+def test_a_streaming_run_evaluates_on_its_validation_file(tiny_llama_dir, tmp_path, two_sources, capsys):
     from cloudtrain import train
 
     held_out = write_jsonl(tmp_path / "held-out.jsonl", numbered(5, "held-out"))
     out = tmp_path / "run"
-    args = stream_run_args(tiny_llama_dir, two_sources, out, "--max_steps", "2", "--validation_file", str(held_out))
+    budget = ["--max_steps", "2", "--max_tokens", "99999"]  # both: the steps win, and the run says so
+    args = stream_run_args(tiny_llama_dir, two_sources, out, *budget, "--validation_file", str(held_out))
     results = train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)})
+    assert results["train"]["global_step"] == 2
+    assert "note: --max_steps 2 sets the run's length; --max_tokens 99999 is not used" in capsys.readouterr().out
     assert results["eval"]["tokens"] > 0  # sample prompts come from the validation rows: these are the file's
     assert [g["prompt"].split()[0] for g in results["eval"]["generations"]] == ["held-out"]
 

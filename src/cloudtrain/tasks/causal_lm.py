@@ -438,9 +438,14 @@ def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> s
     """The data line of a streaming run: its sources and weights, and the stored validation rows."""
     total = sum(source.weight for source in plan.sources) or 1.0
     sources = ", ".join(f"{s.name} ({len(s.files)} file(s), weight {s.weight / total:.2f})" for s in plan.sources)
+    steps, tokens = plan.budget.get("max_steps"), plan.budget.get("max_tokens")
     return (
         f"data: streaming {sources}; packing {cfg.packing} in buffers of {cfg.stream_buffer} documents, "
         f"{cfg.max_length} tokens per row; {len(validation)} validation rows"
+    ) + (
+        f"\nnote: --max_steps {steps} sets the run's length; --max_tokens {tokens} is not used"
+        if steps and tokens
+        else ""
     )
 
 
