@@ -453,7 +453,9 @@ def test_a_bf16_run_keeps_the_frozen_base_in_bf16_and_trains_fp32_adapters(train
     assert {p.dtype for p in run.model.parameters() if p.requires_grad} == {torch.float32}
 
 
-def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_it(tiny_model_dir, topic_csvs, tmp_path):
+def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_it(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
     out = tmp_path / "out"
     options = {
         "model_name_or_path": tiny_model_dir,
@@ -468,6 +470,7 @@ def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_i
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     run_training(build_config({**options, "peft": "lora", "overwrite_output_dir": True, "merge_adapters": True}))
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "model.safetensors").is_file()
+    assert f"wrote {out / 'merged'}: the adapter merged into a copy of {tiny_model_dir}" in capsys.readouterr().out
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     assert (out / "checkpoints").is_dir()  # checkpoints and logs are not the model: they stay
 

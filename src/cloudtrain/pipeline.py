@@ -288,7 +288,7 @@ def save_final(run: Run, results: dict, predictions: dict) -> None:
         write_results(staging, results)
         if cfg.output.merge_adapters:
             try:
-                adapters.merge(staging)
+                adapters.merge(staging, lands_in=output_dir)
             except UserError as err:  # the adapter is saved and pushed all the same; `merge` can be run again
                 print(f"warning: {err}", flush=True)
         staged = sorted(p.name for p in staging.iterdir())

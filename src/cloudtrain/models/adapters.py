@@ -264,9 +264,10 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     return model.eval(), tokenizer
 
 
-def merge(output_dir: Path, trust_remote_code: bool = False) -> Path:
+def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | None = None) -> Path:
     """Write <output_dir>/merged: the base with the adapter folded in, once its logits on a probe batch
-    equal the adapter model's within float tolerance (the largest difference is printed)."""
+    equal the adapter model's within float tolerance (the largest difference is printed). `lands_in`: the folder
+    `output_dir`'s files are published to, when it is a run's staging folder (the path printed)."""
     output_dir = Path(output_dir)
     model, tokenizer = load_adapter_model(output_dir, dtype="auto", trust_remote_code=trust_remote_code)
     batch = probe_batch(model, tokenizer)
@@ -288,9 +289,10 @@ def merge(output_dir: Path, trust_remote_code: bool = False) -> Path:
     tokenizer.save_pretrained(partial)
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
+    base = adapter_config(output_dir)["base_model_name_or_path"]
     print(
-        f"merged the adapter into {adapter_config(output_dir)['base_model_name_or_path']} ({dtype}): largest "
-        f"logit difference {difference:.2e} on a probe batch; wrote {target}",
+        f"wrote {(lands_in or output_dir) / MERGED}: the adapter merged into a copy of {base} ({dtype}), its logits "
+        f"within {difference:.2e} of the adapter model's on a probe batch",
         flush=True,
     )
     return target
