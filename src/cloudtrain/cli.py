@@ -26,8 +26,11 @@ from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.paths import check_local_paths
 from cloudtrain.redact import mask, scrub_argv
 
-COMMANDS = {  # name: (its light module: add_arguments and run, one-line description)
-    "predict": ("cloudtrain.commands.predict", "Classify texts with a saved model."),
+COMMANDS = {  # name: (its light module: add_arguments and run, one-line description, ending in a period)
+    "predict": (
+        "cloudtrain.commands.predict",
+        "Classify texts (or score them, with a reward model) with a saved model.",
+    ),
     "generate": ("cloudtrain.commands.generate", "Continue prompts with a saved causal language model."),
     "push": ("cloudtrain.commands.push", "Upload an existing output dir to the Hugging Face Hub."),
     "plan": ("cloudtrain.commands.plan", "Estimate memory per GPU and pick a distributed strategy."),
@@ -38,10 +41,12 @@ COMMANDS = {  # name: (its light module: add_arguments and run, one-line descrip
     ),
 }
 DESCRIPTION = (
-    "Train a Hugging Face model: a sequence classifier (--task classification), or a decoder language "
-    "model on raw text (--task causal_lm: continued pretraining, or from scratch with --model_config).\n"
+    "Train a Hugging Face model (--task, default classification): a sequence classifier (classification), "
+    "a decoder on raw text (causal_lm: continued pretraining, or from scratch with --model_config), a chat "
+    "model on conversations (sft), a decoder preference-tuned on chosen/rejected pairs (dpo: DPO, IPO, SimPO "
+    "or ORPO), a reward model (reward), or a diffusers text-to-image pipeline (text_to_image).\n"
     "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n"
-    "Other commands: " + "; ".join(f"`{name}`: {text}" for name, (_, text) in COMMANDS.items())
+    "Other commands: " + "; ".join(f"`{name}`: {text.rstrip('.')}" for name, (_, text) in COMMANDS.items()) + "."
 )
 
 
