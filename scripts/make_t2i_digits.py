@@ -151,7 +151,7 @@ def main() -> None:
         return
     root = Path(args.data_dir)
     pixels = write_digits(root / "t2i-digits", args.images)
-    model_dir = build_tiny_pipeline(root / "t2i-digits-model", width=32)
+    model_dir = build_tiny_pipeline(root / "t2i-digits-model", width=32, image_size=SIZE)
     loss = fit_vae(model_dir, pixels, args.vae_steps)
     text_loss = fit_text_encoder(model_dir, args.text_steps)
     print(

@@ -53,13 +53,15 @@ def tiny_vae(latent_channels: int = 4, **extra):
         up_block_types=("UpDecoderBlock2D",) * 2,
         latent_channels=latent_channels,
         norm_num_groups=4,
-        sample_size=16,
-        **extra,
+        **{"sample_size": 16, **extra},
     )
 
 
-def build_tiny_pipeline(out: Path, seed: int = 0, prediction_type: str = "epsilon", width: int = 8) -> Path:
-    """A Stable-Diffusion-shaped pipeline of about 0.2M parameters: 16px images, 8x8 latents."""
+def build_tiny_pipeline(
+    out: Path, seed: int = 0, prediction_type: str = "epsilon", width: int = 8, image_size: int = 16
+) -> Path:
+    """A Stable-Diffusion-shaped pipeline of about 0.2M parameters (width 8): `image_size` px images (the size the
+    pipeline draws when called without height and width), latents half as wide."""
     import torch
     from diffusers import DDPMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel
@@ -68,7 +70,7 @@ def build_tiny_pipeline(out: Path, seed: int = 0, prediction_type: str = "epsilo
     torch.manual_seed(seed)
     text_encoder = CLIPTextModel(clip_config(tokenizer))
     unet = UNet2DConditionModel(
-        sample_size=8,
+        sample_size=image_size // 2,
         block_out_channels=(width, 2 * width),
         layers_per_block=1,
         down_block_types=("CrossAttnDownBlock2D", "DownBlock2D"),
@@ -77,7 +79,7 @@ def build_tiny_pipeline(out: Path, seed: int = 0, prediction_type: str = "epsilo
         norm_num_groups=4,
         attention_head_dim=4,
     )
-    vae = tiny_vae()
+    vae = tiny_vae(sample_size=image_size)
     scheduler = DDPMScheduler(
         beta_schedule="scaled_linear",
         beta_start=0.00085,
