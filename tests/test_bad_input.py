@@ -216,6 +216,12 @@ def test_model_and_options_that_do_not_fit_together(models, topic_csvs, tmp_path
             ["predict", "--model_dir", str(classifier), "--text", "hi", "--batch_size", "0"],
             "--batch_size must be at least 1, got 0",
         ),
+        "a classifier from a config": (
+            ["--train_file", str(train), "--output_dir", str(out), "--model_config", "llama-8m"]
+            + ["--tokenizer_name_or_path", str(classifier)],
+            "--model_config builds a decoder from scratch (--task causal_lm, sft or dpo); a classifier starts from "
+            "a pretrained model: pass --model_name_or_path",
+        ),
         "a nan learning rate": (
             train_args(classifier, train, out, "--learning_rate", "nan"),
             "--learning_rate: expected a finite number, got 'nan'",

@@ -76,7 +76,12 @@ def hub_env(hub: HubServer, token_file, token: str | None = None) -> dict:
 
 def run_app(env: dict, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, str(ENTRY), *args], capture_output=True, text=True, timeout=600, env=env, cwd=REPO
+        [sys.executable, "src/training_application.py", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=REPO,
     )
 
 
@@ -278,7 +283,9 @@ def test_a_repo_of_another_user_is_refused_before_training(in_process, repo_id, 
 def test_a_read_only_token_and_a_missing_token_are_refused(in_process):
     with pytest.raises(UserError, match="the token of user carol is read-only; .*write access"):
         cloudhub.check_access(hub_config("carol/model", token=READ_TOKEN).hub)
-    with pytest.raises(UserError, match="pushing to the Hub needs a token with write access: set HF_TOKEN, pass --hub_token"):
+    with pytest.raises(
+        UserError, match="pushing to the Hub needs a token with write access: set HF_TOKEN, pass --hub_token"
+    ):
         cloudhub.check_access(hub_config("alice/model", token=None).hub)
 
 

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, child_pythonpath, run_cli
+from conftest import ENTRY, REPO, child_pythonpath, run_cli
 from test_planner import (
     BY_KEY,
     decoder_dirs_fixture,  # noqa: F401  (the decoder_dirs fixture)
@@ -55,6 +55,7 @@ def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
     assert (rec["strategy"], rec["gradient_checkpointing"]) == ("ddp", False)  # a tiny model needs nothing more
     assert (rec["micro_batch"], rec["gradient_accumulation_steps"]) == (8, 2)
     assert "--per_device_train_batch_size 8 --gradient_accumulation_steps 2 --mixed_precision no" in rec["command"]
+    assert f" {ENTRY} --training_type " in rec["command"]  # the script the user ran, as they gave its path
     assert Path(rec["files"]["accelerate_config"]).is_file()
 
 

@@ -112,7 +112,7 @@ def test_a_7b_whose_copy_fits_only_sharded_is_planned_under_fsdp2(tmp_path, monk
     assert all(not rows[(k, c)]["max_micro_batch"] for k in ("ddp", "zero1", "zero2") for c in (True, False))
     # the launch command is one the run accepts: --task dpo under FSDP2, full fine-tuning, a live reference
     argv = shlex.split(rec["command"])
-    flags = argv[argv.index("src/training_application.py") + 1 :]
+    flags = argv[argv.index("--training_type") :]
     assert flags[flags.index("--task") + 1] == "dpo" and flags[flags.index("--fsdp") + 1] == "true"
     assert "--precompute_reference" not in flags and "--peft" not in flags
     # the fallbacks are rows the run takes too

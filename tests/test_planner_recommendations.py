@@ -62,13 +62,13 @@ def test_smaller_micro_batch_and_more_accumulation_when_the_requested_one_fits_n
 
 
 def emitted_config(command: str) -> Config:
-    """The training configuration the printed launch command builds (its flags after the script)."""
+    """The training configuration the printed launch command builds (its flags from --training_type on)."""
     from cloudtrain.config import add_config_arguments, build_config
 
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     argv = shlex.split(command)
-    return build_config(vars(parser.parse_args(argv[argv.index(planning.TRAINING_APPLICATION) + 1 :])))
+    return build_config(vars(parser.parse_args(argv[argv.index("--training_type") :])))
 
 
 @pytest.mark.parametrize("max_length,expect", [(1024, "lora"), (4096, "qlora")])

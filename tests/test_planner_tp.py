@@ -31,11 +31,11 @@ def plan_args(model: str, output_dir, **options) -> argparse.Namespace:
 
 
 def emitted_config(command: str):
-    """The training configuration the printed launch command builds (its flags after the script)."""
+    """The training configuration the printed launch command builds (its flags from --training_type on)."""
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
     argv = shlex.split(command)
-    return build_config(vars(parser.parse_args(argv[argv.index(planning.TRAINING_APPLICATION) + 1 :])))
+    return build_config(vars(parser.parse_args(argv[argv.index("--training_type") :])))
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,10 @@ option answer at once. User mistakes print one `error:` line and exit with statu
 import importlib
 import os
 import sys
-from pathlib import Path
 
 from cloudtrain.config import _fields, _Parser, add_config_arguments, config_from_namespace
 from cloudtrain.errors import TrainingStopped, UserError
+from cloudtrain.invocation import prog
 from cloudtrain.paths import check_local_paths
 from cloudtrain.redact import mask, scrub_argv
 
@@ -48,14 +48,6 @@ DESCRIPTION = (
     "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n"
     "Other commands: " + "; ".join(f"`{name}`: {text.rstrip('.')}" for name, (_, text) in COMMANDS.items()) + "."
 )
-
-
-def prog() -> str:
-    """How the user called us, for usage lines: cloudtrain, training_application.py or python -m cloudtrain."""
-    path = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path("cloudtrain")
-    if path.name == "__main__.py" and path.parent.name == "cloudtrain":
-        return "python -m cloudtrain"
-    return path.name if path.name.endswith(".py") and path.name != "__main__.py" else "cloudtrain"
 
 
 def train_parser() -> _Parser:

@@ -46,6 +46,7 @@ from accelerate.utils import (
     InitProcessGroupKwargs,
 )
 
+from cloudtrain import invocation
 from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
 from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings, processes_per_node, shard_degrees
@@ -409,7 +410,7 @@ def check_distributed(cfg: Config) -> None:
         if "WORLD_SIZE" not in os.environ and not torch.cuda.is_available():
             raise UserError(
                 "DeepSpeed on CPU needs a launcher to start its process group: torchrun --nproc_per_node N "
-                "src/training_application.py ... (or accelerate launch), also for one process"
+                f"{' '.join(invocation.launch_target())} ... (or accelerate launch), also for one process"
             )
     check_tensor_parallel(cfg, launched_processes())  # cloudtrain.parallel.tensor: each refusal in one line
     check_context_parallel(cfg, launched_processes())  # cloudtrain.parallel.context: each refusal in one line
@@ -421,7 +422,7 @@ def check_fsdp_launch(cfg: Config) -> None:
     if fsdp_requested(cfg) and "WORLD_SIZE" not in os.environ:
         raise UserError(
             "FSDP needs a launcher to start its process group: torchrun --nproc_per_node N "
-            "src/training_application.py ... (or accelerate launch), also for one process"
+            f"{' '.join(invocation.launch_target())} ... (or accelerate launch), also for one process"
         )
 
 

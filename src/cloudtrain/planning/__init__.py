@@ -68,7 +68,7 @@ _EXPORTS = {
         "Strategy",
         "candidates",
     ),
-    "cloudtrain.planning.writers": ("TRAINING_APPLICATION", "accelerate_config", "deepspeed_config", "launch_command"),
+    "cloudtrain.planning.writers": ("accelerate_config", "deepspeed_config", "launch_command"),
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 __all__ = sorted(_WHERE)

@@ -22,13 +22,13 @@ from typing import Any
 
 import yaml
 
+from cloudtrain import invocation
 from cloudtrain.parallel.distributed import zero_config
 from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.known_models import hub_id
 from cloudtrain.planning.search import Choice
 from cloudtrain.planning.strategies import Candidate, Setup, Strategy
 
-TRAINING_APPLICATION = "src/training_application.py"
 NVME_PATH = "/local_nvme/cloudtrain-swap"  # ZeRO-Infinity's swap folder in an emitted config: edit to your disk's
 DS_CONFIG, YAML = "ds_config.json", "accelerate_config.yaml"
 WRITTEN = ".cloudtrain-plan.json"  # {"written": {name: [SHA-256 of a content plan wrote]}}
@@ -187,7 +187,7 @@ def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str,
     pipe = c.pipeline
     rows = choice.micro_batch * (pipe.microbatches if pipe else 1)  # a pipeline's --per_device_train_batch_size
     args = _launcher(setup, files) + (
-        [TRAINING_APPLICATION, "--training_type", c.strategy.trainer]
+        [*invocation.launch_target(), "--training_type", c.strategy.trainer]
         + _model_args(m)
         + [
             "--per_device_train_batch_size",

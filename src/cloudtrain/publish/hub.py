@@ -35,6 +35,7 @@ import httpx2  # huggingface_hub's HTTP client: its transport errors mean "the H
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
 from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
 
+from cloudtrain import invocation
 from cloudtrain.config import Config, HubConfig, build_config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
@@ -62,7 +63,6 @@ UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its 
     "training_curves.png",
 ]
 RESULT_NAMES = ("train", "eval", "test", "compute")
-ENTRY = "python src/training_application.py"
 TOKEN_HELP = (
     "set HF_TOKEN, pass --hub_token_file, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
 )
@@ -259,7 +259,7 @@ def retry_command(output_dir: Path, cfg: HubConfig) -> str:
     """The `push` command that uploads `output_dir` again; the token comes from the environment."""
     assert cfg.hub_model_id is not None  # check_access checked it
     parts = [
-        ENTRY,
+        invocation.command(),
         "push",
         "--output_dir",
         shlex.quote(str(Path(output_dir).resolve())),

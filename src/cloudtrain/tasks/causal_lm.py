@@ -19,6 +19,7 @@ Does not support: chat templates and prompt masking (supervised fine-tuning), en
 import copy
 import json
 import math
+import shlex
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -33,6 +34,7 @@ from huggingface_hub import ModelCard
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.packing import (
     IGNORE_INDEX,
@@ -420,7 +422,7 @@ class CausalLMTask(DecoderTask):
         return line
 
     def inference_hint(self, output_dir: str) -> str:
-        return f'python src/training_application.py generate --model_dir {output_dir} --prompt "..."'
+        return f'{invocation.command()} generate --model_dir {shlex.quote(output_dir)} --prompt "..."'
 
 
 def next_targets(batch: dict) -> torch.Tensor:

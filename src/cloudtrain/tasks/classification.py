@@ -6,6 +6,7 @@ unlabelled evaluation splits (predictions only), accuracy / macro F1 / loss and 
 Does not support: multi-label or regression targets.
 """
 
+import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.processing import ProcessedData, process_data
 from cloudtrain.errors import UserError
@@ -55,8 +57,8 @@ class ClassificationTask(Task):
         tokenizer's and whose positions hold --max_length (past either, training fails mid-run)."""
         if cfg.model.model_config:
             raise UserError(
-                "--model_config builds a model from scratch for --task causal_lm; a classifier "
-                "starts from --model_name_or_path"
+                "--model_config builds a decoder from scratch (--task causal_lm, sft or dpo); a classifier "
+                "starts from a pretrained model: pass --model_name_or_path"
             )
         check_checkpoint(resolve_model_path(cfg.model), "--model_name_or_path")
         check_sizes(read_config(cfg.model), load_tokenizer(cfg.model), cfg.data.max_length)
@@ -157,4 +159,5 @@ class ClassificationTask(Task):
         )
 
     def inference_hint(self, output_dir: str) -> str:
-        return f'python src/training_application.py predict --model_dir {output_dir} --text "..."'
+        pair = ' --text_pair "..."' if self.cfg and self.cfg.data.text_pair_column else ""
+        return f'{invocation.command()} predict --model_dir {shlex.quote(output_dir)} --text "..."{pair}'

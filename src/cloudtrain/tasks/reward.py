@@ -11,6 +11,7 @@ Supports:
 Does not support: packing, the pipeline trainer.
 """
 
+import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,7 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
+from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat
 from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
@@ -313,4 +315,6 @@ class RewardTask(Task):
         )
 
     def inference_hint(self, output_dir: str) -> str:
-        return f'python src/training_application.py predict --model_dir {output_dir} --text "..."'
+        # without a chat template the model was trained on (prompt, answer) as a text pair
+        texts = '--text "..."' if self.chat else '--text "<prompt>" --text_pair "<answer>"'
+        return f"{invocation.command()} predict --model_dir {shlex.quote(output_dir)} {texts}"

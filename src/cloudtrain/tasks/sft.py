@@ -20,6 +20,7 @@ Does not support: `--packing wrapped` (it cuts examples apart), tool calls, mult
 
 import json
 import math
+import shlex
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +33,7 @@ from huggingface_hub import ModelCard
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
 from cloudtrain.data.packing import CausalLMCollator, pack_examples
@@ -403,7 +405,7 @@ class SFTTask(CausalLMTask):
         return line
 
     def inference_hint(self, output_dir: str) -> str:
-        return f"python src/training_application.py generate --model_dir {output_dir} --chat"
+        return f"{invocation.command()} generate --model_dir {shlex.quote(output_dir)} --chat"
 
 
 def _targets(mask: list[int], lengths: list[int]) -> int:

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from transformers import PreTrainedModel
 
+from cloudtrain import invocation
 from cloudtrain.config import Config, DistributedConfig
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.data.processing import ProcessedData
@@ -136,7 +137,7 @@ class PipelineTrainer(Trainer):
             (
                 not cls.mesh(cfg, world).fits,
                 f"--training_type pipeline with --pipeline_parallel_size {pp} needs a multiple of {pp} processes "
-                f"(this launch has {world}): torchrun --nproc_per_node {pp} src/training_application.py ...",
+                f"(this launch has {world}): torchrun --nproc_per_node {pp} {' '.join(invocation.launch_target())} ...",
             ),
             (
                 deepspeed_requested(cfg) or fsdp_requested(cfg),

@@ -1,0 +1,43 @@
+"""How this process was started, so that the command lines cloudtrain prints (`use it:`, plan's launch line, the
+push hint) run as printed: `cloudtrain`, `python -m cloudtrain` or `python <the path given>/training_application.py`.
+Light: imported before anything heavy."""
+
+import shlex
+import sys
+from pathlib import Path
+
+ENTRY_SCRIPT = "training_application.py"  # the script entry point (SageMaker's, and the README's)
+
+
+def _script() -> str | None:
+    """The entry script as the user typed its path (relative to the folder they are in), when started through it."""
+    arg0 = sys.argv[0] if sys.argv else ""
+    return arg0 if Path(arg0).name == ENTRY_SCRIPT else None
+
+
+def _as_module() -> bool:
+    path = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    return path.name == "__main__.py" and path.parent.name == "cloudtrain"
+
+
+def prog() -> str:
+    """The program's name in usage lines: cloudtrain, training_application.py or python -m cloudtrain."""
+    if _as_module():
+        return "python -m cloudtrain"
+    name = Path(sys.argv[0]).name if sys.argv else ""
+    return name if name.endswith(".py") else "cloudtrain"
+
+
+def command() -> str:
+    """The start of a command line that runs cloudtrain the way this process was run."""
+    script = _script()
+    if script:
+        return f"python {shlex.quote(script)}"
+    return "python -m cloudtrain" if _as_module() else "cloudtrain"
+
+
+def launch_target() -> list[str]:
+    """What torchrun or accelerate launch is given to run cloudtrain: the entry script when this process was started
+    through it, else the installed module (both launchers take `-m`; neither runs a console script)."""
+    script = _script()
+    return [script] if script else ["-m", "cloudtrain"]
