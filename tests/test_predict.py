@@ -8,6 +8,9 @@
   (text, second text) through its tokenizer as in training, from --text/--text_pair or from the file's columns
   (the pair column defaults to the one in args.json); single texts for a pair model, or pairs for a single-text
   model, are refused naming the option to add or drop.
+- Length: texts are truncated at the max_length in the run's args.json (what its evaluation used) unless
+  --max_length says otherwise; a folder without one (or recording more than the model's positions) gets the
+  model's context. A classifier, a sentence-pair classifier, a reward model and a --peft lora adapter alike.
 Real tiny models trained here in a few seconds; refusals through a fresh interpreter that must not have imported
 torch or transformers.
 """
@@ -77,15 +80,18 @@ def runs(tiny_model_dir, tmp_path_factory) -> dict[str, Path]:
     return {"nli": root / "nli", "reward": root / "reward", "single": single, "data": data, "prefs": prefs}
 
 
-def manual_forward(model_dir: Path, texts: list[str], pairs: list[str], inputs: tuple[str, ...]) -> torch.Tensor:
-    """The logits of the saved model on each (text, pair), one at a time: the tokenizer's own pair encoding, of
-    which the model gets `inputs` (what its training passed)."""
+def manual_forward(
+    model_dir: Path, texts: list[str], pairs: list[str] | list[None], inputs: tuple[str, ...], max_length: int = 512
+) -> torch.Tensor:
+    """The logits of the saved model on each (text, pair), one at a time: the tokenizer's own pair encoding
+    (its first `max_length` tokens, the longer part cut first), of which the model gets `inputs` (what its
+    training passed)."""
     model = AutoModelForSequenceClassification.from_pretrained(model_dir).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     logits = []
     with torch.no_grad():
         for text, pair in zip(texts, pairs, strict=True):
-            encoded = tokenizer(text, pair, truncation=True, max_length=512, return_tensors="pt")
+            encoded = tokenizer(text, pair, truncation=True, max_length=max_length, return_tensors="pt")
             logits.append(model(**{name: encoded[name] for name in inputs}).logits)
     return torch.cat(logits)
 
@@ -214,3 +220,86 @@ def test_an_encoder_reward_model_scores_prompt_and_answer_as_a_pair(runs, capsys
     with_types = manual_forward(reward, [PREMISES[0]] * 2, ["yes that is right", "no"], (*inputs, "token_type_ids"))
     assert (with_types[:, 0] - expected).abs().max() > 1e-3  # which the scores' 4 decimals would show
     assert scores[0]["score"] > scores[1]["score"]  # it learned to prefer the chosen answer, read as a pair
+
+
+LONG = "the bank raised interest rates again as shares fell on weak earnings and a storm closed the mountain roads"
+TRAINED_NOTE = "{} of {} {} were truncated to the 8 tokens the model was trained with; --max_length N to change"
+
+
+def with_max_length(run: Path, folder: Path, max_length: int | None) -> Path:
+    """A copy of a run folder whose args.json records `max_length` (None: a folder without args.json)."""
+    shutil.copytree(run, folder)
+    recorded = json.loads((folder / "args.json").read_text())
+    if max_length is None:
+        (folder / "args.json").unlink()
+    else:
+        (folder / "args.json").write_text(json.dumps({**recorded, "max_length": max_length}))
+    return folder
+
+
+def scores(code_out_err: tuple[int, str, str]) -> list[float]:
+    code, out, _ = code_out_err
+    assert code == 0
+    return [json.loads(line)["score"] for line in out.splitlines()]
+
+
+def notes(err: str) -> list[str]:
+    """The note lines of stderr (transformers' progress bars write there too)."""
+    return [line[len("note: ") :] for line in err.splitlines() if line.startswith("note: ")]
+
+
+def test_texts_are_truncated_at_the_length_the_model_was_trained_with(runs, tmp_path, capsys):
+    short = with_max_length(runs["single"], tmp_path / "short", 8)
+    assert len(AutoTokenizer.from_pretrained(short)(LONG)["input_ids"]) > 16  # cut at 8 and at 16 alike
+    inputs = ("input_ids", "token_type_ids", "attention_mask")
+    logits = {n: manual_forward(short, [LONG], [None], inputs, n).softmax(-1).max(-1).values for n in (8, 16, 512)}
+    assert min(abs(float(logits[a] - logits[b])) for a, b in ((8, 16), (8, 512), (16, 512))) > 2e-4  # told apart
+    code, out, err = run_main(capsys, "--model_dir", str(short), "--text", LONG, "--text", "a storm")
+    assert scores((code, out, err))[0] == pytest.approx(float(logits[8]), abs=1e-4)
+    assert notes(err) == [TRAINED_NOTE.format(1, 2, "texts")]  # the short text kept all its tokens
+    # an explicit --max_length wins, without a note
+    code, out, err = run_main(capsys, "--model_dir", str(short), "--text", LONG, "--max_length", "16")
+    assert scores((code, out, err)) == pytest.approx([float(logits[16])], abs=1e-4) and notes(err) == []
+    # a folder without args.json, or recording more than the model's positions: the model's context
+    for folder in (with_max_length(short, tmp_path / "none", None), with_max_length(short, tmp_path / "far", 4096)):
+        code, out, err = run_main(capsys, "--model_dir", str(folder), "--text", LONG)
+        assert scores((code, out, err)) == pytest.approx([float(logits[512])], abs=1e-4) and notes(err) == []
+
+
+def test_pairs_and_reward_models_are_truncated_at_their_trained_length(runs, tmp_path, capsys):
+    # the second text is the long one: cut first, longest first, as training cut it
+    pair = ["a storm hit the coast", LONG]
+    nli = with_max_length(runs["nli"], tmp_path / "nli", 8)
+    inputs = ("input_ids", "token_type_ids", "attention_mask")
+    probabilities = {n: manual_forward(nli, pair[:1], pair[1:], inputs, n).softmax(-1).max() for n in (8, 512)}
+    assert abs(float(probabilities[8] - probabilities[512])) > 2e-4  # which the scores' 4 decimals would show
+    code, out, err = run_main(capsys, "--model_dir", str(nli), "--text", pair[0], "--text_pair", pair[1])
+    assert scores((code, out, err)) == pytest.approx([float(probabilities[8])], abs=1e-4)
+    assert notes(err) == [TRAINED_NOTE.format(1, 1, "text pairs")]
+    reward = with_max_length(runs["reward"], tmp_path / "reward", 8)
+    expected = {n: manual_forward(reward, pair[:1], pair[1:], ("input_ids", "attention_mask"), n) for n in (8, 512)}
+    assert abs(float(expected[8] - expected[512])) > 1e-3  # which the scores' 4 decimals would show
+    code, out, err = run_main(capsys, "--model_dir", str(reward), "--text", pair[0], "--text_pair", pair[1])
+    assert scores((code, out, err)) == pytest.approx([float(expected[8][0, 0])], abs=1e-4)
+
+
+def test_an_adapter_is_truncated_at_the_length_it_was_trained_with(runs, tmp_path, tiny_model_dir, capsys):
+    from cloudtrain.commands.predict import training_arguments
+    from cloudtrain.predict import load, trained_length, truncation_length
+
+    out = tmp_path / "lora"
+    cloudtrain.train(
+        {**COMMON, "model_name_or_path": tiny_model_dir, "train_file": str(runs["data"]),
+         "validation_file": str(runs["data"]), "max_length": 8, "peft": "lora", "lora_r": 4, "lora_dropout": 0.0},
+        text_column="premise", output_dir=str(out), max_steps=1,
+    )  # fmt: skip
+    assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
+    # the adapter's folder holds the args.json; the base model's config its positions
+    model, _ = load(str(out))
+    assert truncation_length(model.config, None, trained_length(training_arguments(out))) == 8
+    assert truncation_length(model.config, None, None) == 512
+    # a one-step head barely moves with the length, so the note (from the tokenizer's own cut) tells it was 8
+    code, _, err = run_main(capsys, "--model_dir", str(out), "--text", LONG, "--text", "a storm")
+    assert code == 0 and notes(err) == [TRAINED_NOTE.format(1, 2, "texts")]
+    code, _, err = run_main(capsys, "--model_dir", str(out), "--text", LONG, "--max_length", "8")
+    assert code == 0 and notes(err) == []

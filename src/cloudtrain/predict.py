@@ -8,6 +8,8 @@ Prints one JSON line per text: {"text", "label", "score"} ("text_pair" too for a
 writes them to a new file (an existing one only with --overwrite_output_file true), whole or not at all.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
 A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first.
+Texts are truncated at the --max_length the model was trained with (its args.json), so the predictions match the
+run's evaluation; --max_length sets another, up to the model's context.
 A model that needs its own code (auto_map) loads only with --trust_remote_code true; nothing asks on
 standard input. The options are cloudtrain.commands.predict's; `run` is the command once they parsed.
 """
@@ -16,6 +18,7 @@ import argparse
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import torch
@@ -72,22 +75,25 @@ def predict(
 ) -> list[dict]:
     """Label and probability of the top class for each text (with `pairs`: each text and its second text, as a
     sentence-pair model was trained); they are truncated to `max_length` tokens, a pair longest part first
-    (default: 512, or the model's context where shorter; longer is refused). `model_dir` as the command checked
-    it (cloudtrain.commands.predict.check_options: a saved model, any interrupted final save finished; whether
-    the model reads pairs is checked there too)."""
+    (default: the max_length in the run's args.json, else 512 or the model's context where shorter; longer than
+    the context is refused). `model_dir` as the command checked it (cloudtrain.commands.predict.check_options: a
+    saved model, any interrupted final save finished; whether the model reads pairs is checked there too)."""
     if pairs is not None and len(pairs) != len(texts):
         raise ValueError(f"{len(pairs)} second texts for {len(texts)} texts")
     model, tokenizer = load(model_dir, trust_remote_code)
-    max_length = truncation_length(model.config, max_length)
-    names = model_inputs(model_dir, tokenizer)
-    results = []
+    recorded = training_arguments(Path(model_dir))
+    trained = trained_length(recorded)
+    limit = truncation_length(model.config, max_length, trained)
+    names = model_inputs(recorded, tokenizer)
+    results, truncated = [], 0
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
         second = pairs[i : i + batch_size] if pairs is not None else None
         # as training encodes (cloudtrain.data.processing, the reward task): truncation longest first
         encoded = tokenizer(
-            chunk, second, truncation="longest_first", max_length=max_length, padding=True, return_tensors="pt"
+            chunk, second, truncation="longest_first", max_length=limit, padding=True, return_tensors="pt"
         )
+        truncated += count_truncated(encoded)
         inputs = {name: encoded[name] for name in names if name in encoded}
         logits = model(**inputs).logits.float()
         if logits.shape[-1] == 1:  # a reward model (--task reward): its one output is the score
@@ -95,29 +101,54 @@ def predict(
         else:
             scores, ids = logits.softmax(dim=-1).max(dim=-1)
         results += records(chunk, ids.tolist(), scores.tolist(), model.config.id2label, second)
+    if truncated and max_length is None and limit == trained:  # the user chose no length: say what was cut
+        what = "text pairs" if pairs is not None else "texts"
+        print(
+            f"note: {truncated} of {len(texts)} {what} were truncated to the {limit} tokens the model was trained "
+            "with; --max_length N to change",
+            file=sys.stderr,
+        )
     return results
 
 
-def model_inputs(model_dir: str, tokenizer) -> list[str]:
-    """The inputs the model was trained with: those the tokenizer names (a generic class can add token_type_ids
-    that classification training leaves out), and for a cloudtrain reward model only input_ids and attention_mask
-    (its loss calls the model with those two: an encoder's second segment keeps token type 0)."""
+def model_inputs(recorded: dict, tokenizer) -> list[str]:
+    """The inputs the model was trained with (`recorded`: its args.json): those the tokenizer names (a generic
+    class can add token_type_ids that classification training leaves out), and for a cloudtrain reward model only
+    input_ids and attention_mask (its loss calls the model with those two: an encoder's second segment keeps
+    token type 0)."""
     names = list(tokenizer.model_input_names)
-    if training_arguments(Path(model_dir)).get("task") == "reward":
+    if recorded.get("task") == "reward":
         names = [name for name in names if name in ("input_ids", "attention_mask")]
     return names
 
 
-def truncation_length(config, requested: int | None) -> int:
-    """--max_length, checked against the model's positions (past them the model fails on an IndexError)."""
+def trained_length(recorded: dict) -> int | None:
+    """The --max_length a run trained and evaluated at, from its args.json (`recorded`); None if it names none."""
+    length = recorded.get("max_length")
+    return length if isinstance(length, int) and not isinstance(length, bool) and length > 0 else None
+
+
+def truncation_length(config, requested: int | None, trained: int | None = None) -> int:
+    """--max_length, checked against the model's positions (past them the model fails on an IndexError); by
+    default the length the model was `trained` at, so predictions match the run's evaluation, else 512 or the
+    context where shorter."""
     from cloudtrain.models.load import context_length
 
     context = context_length(config)
     if requested is None:
+        if trained is not None and (not context or trained <= context):
+            return trained
         return min(DEFAULT_MAX_LENGTH, context or DEFAULT_MAX_LENGTH)
     if context and requested > context:
         raise UserError(f"--max_length {requested} is longer than the model's context ({context} positions)")
     return requested
+
+
+def count_truncated(encoded) -> int:
+    """How many rows of a batch lost tokens to truncation: a fast tokenizer keeps the cut-off tokens in each
+    encoding's `overflowing` at no extra cost; a slow one keeps nothing, so 0 (no note rather than a second,
+    untruncated tokenization)."""
+    return sum(1 for encoding in encoded.encodings or [] if encoding.overflowing)
 
 
 def load(model_dir: str, trust_remote_code: bool = False):

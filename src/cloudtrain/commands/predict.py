@@ -55,7 +55,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max_length",
         type=int,
-        help=f"Truncate texts to this many tokens (default: {DEFAULT_MAX_LENGTH}, or the model's context if shorter).",
+        help="Truncate texts to this many tokens, at most the model's context (default: the max_length the model "
+        f"was trained with, from its args.json; for a model without one {DEFAULT_MAX_LENGTH}, or its context if "
+        "shorter).",
     )
     add_trust_remote_code(parser)
 
