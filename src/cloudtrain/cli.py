@@ -40,6 +40,10 @@ COMMANDS = {  # name: (its light module: add_arguments and run, one-line descrip
         "Merge a trained adapter (--peft) into its base model: <output_dir>/merged.",
     ),
 }
+INTERRUPTED_TRAINING = (
+    ": no checkpoint saved now (one Ctrl-C during training saves one first); checkpoints saved earlier are kept: "
+    "continue with --resume_from_checkpoint latest"
+)
 DESCRIPTION = (
     "Train a Hugging Face model (--task, default classification): a sequence classifier (classification), "
     "a decoder on raw text (causal_lm: continued pretraining, or from scratch with --model_config), a chat "
@@ -113,9 +117,11 @@ def run_command(argv: list[str]) -> int:
         return 2
     except TrainingStopped as err:
         if not err.quiet:
-            print(f"{'stopped' if err.exit_code == 143 else 'error'}: {mask(str(err))}", file=sys.stderr)
+            print(f"{'stopped' if err.exit_code in (130, 143) else 'error'}: {mask(str(err))}", file=sys.stderr)
         return err.exit_code
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        training = not (argv and argv[0] in COMMANDS)
+        # inside the training loop a first Ctrl-C saves a checkpoint; here it came elsewhere, or came twice
+        print(f"interrupted{INTERRUPTED_TRAINING if training else ''}", file=sys.stderr)
         return 130
     return 0

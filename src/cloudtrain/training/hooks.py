@@ -11,7 +11,7 @@ and every process agrees on what comes next.
 
 The hooks, in the order `Trainer.hooks` runs them:
     NonfiniteHook    stop on a nan/inf loss, or count the skipped steps (--nonfinite_loss)
-    PreemptionHook   SIGTERM on any process: a checkpoint, then stop (exit status 143)
+    PreemptionHook   SIGTERM or Ctrl-C on any process: a checkpoint, then stop (exit status 143 or 130)
     LoggingHook      the interval's loss, learning rate, throughput, MFU and step-time numbers, and the task's own
                      (Task.train_metrics), to the run log (metrics.jsonl and the --report_to trackers) and the console
     AnomalyHook      the monitoring detector's warnings (--monitoring); --on_anomaly checkpoint or stop
@@ -162,16 +162,19 @@ class NonfiniteHook(Hook):
 
 
 class PreemptionHook(Hook):
-    """At each sync point: whether any process received SIGTERM (one small collective); then a
-    checkpoint, and stop."""
+    """At each sync point: whether any process received SIGTERM or Ctrl-C (one small collective); then a
+    checkpoint, and stop: exit status 143 (a scheduler restarts the job), 130 after Ctrl-C (as for any program)."""
 
     def __init__(self, runtime: Runtime, signal: PreemptionSignal):
         self.runtime, self.signal = runtime, signal
 
     def on_step_end(self, loop: LoopState) -> Request | None:
-        if loop.sync and self.runtime.agree([self.signal.received])[0]:
-            return Request(f"stopped by SIGTERM at step {loop.step}", RESUME, 143)
-        return None
+        if not (loop.sync and self.runtime.agree([self.signal.received])[0]):
+            return None
+        if self.signal.by == "SIGINT":
+            return Request(f"stopped by Ctrl-C at step {loop.step}", RESUME, 130)
+        by = "SIGTERM" if self.signal.received else "a signal to another process"
+        return Request(f"stopped by {by} at step {loop.step}", RESUME, 143)
 
 
 class LoggingHook(Hook):

@@ -1,0 +1,79 @@
+"""Ctrl-C during training, as a terminal sends it (SIGINT to the whole process group, data-loader workers included):
+once, a checkpoint and a clean stop; twice, a stop at once, without one. The real entry script, a tiny model."""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from test_checkpointing import args_for, complete_checkpoints, start
+
+PROMISE = "Ctrl-C: a checkpoint is saved at the next logging step"
+
+
+class Stderr:
+    """The child's standard error as it comes (tqdm redraws without newlines, so bytes, not lines)."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc, self.text = proc, ""
+        self.thread = threading.Thread(target=self._read, daemon=True)
+        self.thread.start()
+
+    def _read(self) -> None:
+        assert self.proc.stderr is not None
+        while chunk := os.read(self.proc.stderr.fileno(), 4096):
+            self.text += chunk.decode(errors="replace")
+
+    def wait_for(self, text: str, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.text:
+            assert self.proc.poll() is None or text in self.text, f"exited early: {self.text[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {text!r}: {self.text[-3000:]}"
+            time.sleep(0.01)
+
+    def end(self) -> int:
+        code = self.proc.wait(timeout=120)
+        self.thread.join(timeout=30)
+        return code
+
+
+def ctrl_c(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGINT)  # start() gives the run its own session: its group is the run's
+
+
+@pytest.mark.slow
+def test_one_ctrl_c_saves_a_checkpoint_then_stops(tiny_model_dir, topic_csvs, tmp_path):
+    out = tmp_path / "out"
+    options = ["--max_steps", "3000", "--eval_strategy", "no", "--dataloader_num_workers", "1"]
+    proc = start([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, *options))
+    err = Stderr(proc)
+    err.wait_for("training:")
+    ctrl_c(proc)
+    assert err.end() == 130
+    assert err.text.count(PROMISE) == 1  # from the run, not again from its data-loader worker
+    assert "stopped: stopped by Ctrl-C at step" in err.text and "--resume_from_checkpoint latest" in err.text
+    assert "Traceback" not in err.text
+    ((step, path),) = complete_checkpoints(out / "checkpoints")  # no --checkpointing_steps: saved all the same
+    assert 0 < step < 3000 and (path / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, topic_csvs, tmp_path):
+    out = tmp_path / "out"
+    never = ["--max_steps", "100000", "--logging_steps", "100000", "--eval_strategy", "no"]  # no step syncs
+    proc = start([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, *never))
+    err = Stderr(proc)
+    err.wait_for("training:")
+    ctrl_c(proc)
+    err.wait_for(PROMISE)
+    ctrl_c(proc)
+    assert err.end() == 130
+    assert err.text.rstrip().endswith(
+        "interrupted: no checkpoint saved now (one Ctrl-C during training saves one first); checkpoints saved "
+        "earlier are kept: continue with --resume_from_checkpoint latest"
+    )
+    assert "Traceback" not in err.text
+    assert not (out / "checkpoints").exists() or not complete_checkpoints(out / "checkpoints")
