@@ -470,6 +470,7 @@ def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_i
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     run_training(build_config({**options, "peft": "lora", "overwrite_output_dir": True, "merge_adapters": True}))
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "model.safetensors").is_file()
+    assert (out / "merged" / "args.json").read_bytes() == (out / "args.json").read_bytes()  # predict's max_length
     assert f"wrote {out / 'merged'}: the adapter merged into a copy of {tiny_model_dir}" in capsys.readouterr().out
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     assert (out / "checkpoints").is_dir()  # checkpoints and logs are not the model: they stay

@@ -284,8 +284,8 @@ def test_pairs_and_reward_models_are_truncated_at_their_trained_length(runs, tmp
 
 
 def test_an_adapter_is_truncated_at_the_length_it_was_trained_with(runs, tmp_path, tiny_model_dir, capsys):
-    from cloudtrain.commands.predict import training_arguments
     from cloudtrain.predict import load, trained_length, truncation_length
+    from cloudtrain.publish.saving import read_arguments
 
     out = tmp_path / "lora"
     cloudtrain.train(
@@ -296,7 +296,7 @@ def test_an_adapter_is_truncated_at_the_length_it_was_trained_with(runs, tmp_pat
     assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
     # the adapter's folder holds the args.json; the base model's config its positions
     model, _ = load(str(out))
-    assert truncation_length(model.config, None, trained_length(training_arguments(out))) == 8
+    assert truncation_length(model.config, None, trained_length(read_arguments(out))) == 8
     assert truncation_length(model.config, None, None) == 512
     # a one-step head barely moves with the length, so the note (from the tokenizer's own cut) tells it was 8
     code, _, err = run_main(capsys, "--model_dir", str(out), "--text", LONG, "--text", "a storm")

@@ -29,7 +29,6 @@ unless given a streamer.
 """
 
 import argparse
-import json
 from pathlib import Path
 
 import torch
@@ -40,7 +39,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_config, load_failure, read_tokenizer
-from cloudtrain.publish.saving import adapter_config, is_adapter_dir
+from cloudtrain.publish.saving import adapter_config, is_adapter_dir, read_arguments
 from cloudtrain.registry import TASKS
 
 SEPARATOR = "-" * 60
@@ -234,14 +233,6 @@ def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add
             )
 
 
-def training_arguments(model_dir: str) -> dict:
-    """The args.json the training application saved with the model ({} for a model from elsewhere)."""
-    try:
-        return json.loads((Path(model_dir) / "args.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _system(args: argparse.Namespace) -> list[dict]:
     return [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
 
@@ -258,7 +249,7 @@ def run(args: argparse.Namespace) -> None:
     prompts = read_prompts(args)
     device = resolve_device(args.device)
     model, tokenizer = load(args.model_dir, device, args.trust_remote_code)
-    trained = training_arguments(args.model_dir)
+    trained = read_arguments(args.model_dir)
     # A chat model (trained with --task sft, or not by cloudtrain) gets user messages; a causal LM that was
     # continued from an instruct checkpoint keeps its template but was trained, and is used, on plain text.
     task = trained.get("task")  # none: not trained by cloudtrain; an unknown one: by another version

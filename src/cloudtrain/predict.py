@@ -25,11 +25,11 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForSequenceClassification
 
-from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, training_arguments
+from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync, is_no_space
-from cloudtrain.publish.saving import adapter_config, is_adapter_dir
+from cloudtrain.publish.saving import adapter_config, is_adapter_dir, read_arguments
 
 
 def read_texts(path: str, column: str) -> list[str]:
@@ -81,7 +81,7 @@ def predict(
     if pairs is not None and len(pairs) != len(texts):
         raise ValueError(f"{len(pairs)} second texts for {len(texts)} texts")
     model, tokenizer = load(model_dir, trust_remote_code)
-    recorded = training_arguments(Path(model_dir))
+    recorded = read_arguments(model_dir)
     trained = trained_length(recorded)
     limit = truncation_length(model.config, max_length, trained)
     names = model_inputs(recorded, tokenizer)

@@ -20,7 +20,7 @@ from cloudtrain.commands import (
     true_or_false,
 )
 from cloudtrain.errors import UserError
-from cloudtrain.publish.saving import holds_model
+from cloudtrain.publish.saving import holds_model, read_arguments
 
 DEFAULT_MAX_LENGTH = 512
 
@@ -153,7 +153,7 @@ def free_name(path: Path) -> Path:
 def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
     """(whether the saved model reads text pairs, how it was trained in words, the recorded text_pair_column), from
     the args.json the training application saved with it; (None, "", None) for a model from elsewhere."""
-    recorded = training_arguments(model_dir)
+    recorded = read_arguments(model_dir)
     task = recorded.get("task")
     if task == "classification":
         column = recorded.get("text_pair_column")
@@ -170,15 +170,6 @@ def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
         if (model_dir / "tokenizer_config.json").is_file():
             return True, "on prompt and answer as a text pair", None
     return None, "", None
-
-
-def training_arguments(model_dir: Path) -> dict:
-    """The args.json the training application saved with the model ({} for a model from elsewhere)."""
-    try:
-        recorded = json.loads((Path(model_dir) / "args.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return recorded if isinstance(recorded, dict) else {}
 
 
 def has_chat_template(model_dir: Path) -> bool:

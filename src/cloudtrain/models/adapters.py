@@ -287,6 +287,8 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
     shutil.rmtree(partial, ignore_errors=True)
     merged.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    if (output_dir / "args.json").is_file():  # predict and generate read how the model was trained (length, pairs)
+        shutil.copyfile(output_dir / "args.json", partial / "args.json")
     shutil.rmtree(target, ignore_errors=True)
     partial.rename(target)
     base = adapter_config(output_dir)["base_model_name_or_path"]

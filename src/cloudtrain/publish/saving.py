@@ -58,6 +58,15 @@ def write_arguments(cfg: Config, path: Path) -> None:
     write_json(path, mask_value(cfg.to_dict()))
 
 
+def read_arguments(model_dir: Path | str) -> dict:
+    """The args.json a run saved with its model ({} for a model from elsewhere, or an unreadable file)."""
+    try:
+        recorded = json.loads((Path(model_dir) / "args.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return recorded if isinstance(recorded, dict) else {}
+
+
 def is_adapter_dir(path: Path) -> bool:
     return (Path(path) / ADAPTER_CONFIG).is_file()
 
