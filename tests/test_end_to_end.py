@@ -42,6 +42,7 @@ def trained(request, tmp_path_factory):
         result = run_cli("--training_type", request.param, "--output_dir", str(folder / "model"), *R8_QUICK)
         assert result.returncode == 0, result.stderr[-3000:]
         (folder / "stdout.txt").write_text(result.stdout)
+        (folder / "stderr.txt").write_text(result.stderr)
 
     folder = built_once(tmp_path_factory, f"e2e-{request.param}", train)
     return request.param, folder / "model", (folder / "stdout.txt").read_text()
@@ -57,6 +58,7 @@ def test_the_model_learned(trained):
     assert f"{'BasicTrainer' if training_type == 'basic' else 'AcceleratedTrainer'}:" in stdout
     assert f"model saved to {out.resolve()}" in stdout
     assert "test: accuracy" in stdout
+    assert "Setting accelerator to CPU" not in (out.parent / "stderr.txt").read_text()  # DeepSpeed's, on CPU
 
 
 def test_reload_and_predict(trained):

@@ -71,9 +71,11 @@ def command_parser(name: str) -> _Parser:
 def train_main(argv: list[str]) -> None:
     cfg = config_from_namespace(train_parser().parse_args(argv))
     check_local_paths(cfg)
+    from cloudtrain.hardware import quiet_deepspeed_on_cpu
     from cloudtrain.pipeline import run_training  # heavy imports only once the options and paths are valid
 
-    run_training(cfg)
+    with quiet_deepspeed_on_cpu():
+        run_training(cfg)
 
 
 def command_main(name: str, argv: list[str]) -> None:
