@@ -471,6 +471,10 @@ def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_i
     run_training(build_config({**options, "peft": "lora", "overwrite_output_dir": True, "merge_adapters": True}))
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "model.safetensors").is_file()
     assert (out / "merged" / "args.json").read_bytes() == (out / "args.json").read_bytes()  # predict's max_length
+    (tmp_path / "new").touch()
+    readable = (tmp_path / "new").stat().st_mode & 0o777  # safetensors writes 0600: the weights read like the rest
+    files = [f for folder in (out, out / "merged") for f in folder.iterdir() if f.is_file()]
+    assert {f.stat().st_mode & 0o777 for f in files} == {readable}
     assert f"wrote {out / 'merged'}: the adapter merged into a copy of {tiny_model_dir}" in capsys.readouterr().out
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
     assert (out / "checkpoints").is_dir()  # checkpoints and logs are not the model: they stay

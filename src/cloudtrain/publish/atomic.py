@@ -96,8 +96,11 @@ def seal(output_dir: Path, remove: list[str]) -> list[str]:
     full model's weights when an adapter is saved). Returns the staged names."""
     staging = staging_dir(output_dir)
     names = sorted(p.name for p in staging.iterdir() if p.name != SEALED)
+    mode = _new_file_mode(staging)
     for path in staging.rglob("*"):
         if path.is_file():
+            if path.stat().st_mode & 0o777 != mode:  # safetensors writes its files 0600, unlike every other
+                path.chmod(mode)  # file of the model: a model shared with a team or a server is readable as a whole
             fsync(path)
     tmp = staging / f"{SEALED}.tmp"
     tmp.write_text(json.dumps({"names": names, "remove": sorted(set(remove) - set(names))}) + "\n")
@@ -106,6 +109,16 @@ def seal(output_dir: Path, remove: list[str]) -> list[str]:
     fsync(staging)
     kill_point("publish.sealed")
     return names
+
+
+def _new_file_mode(folder: Path) -> int:
+    """The permissions a file created in `folder` gets (the umask applied), read off a probe file."""
+    probe = folder / f".cloudtrain-mode-probe-{os.getpid()}"
+    probe.touch()
+    try:
+        return probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
 
 
 def publish(output_dir: Path) -> None:
