@@ -151,7 +151,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(tiny_model_d
             "latest",
         )
     )
-    assert f"at step {step}" in result.stdout and f"trained {step + 10} steps" in result.stdout
+    launch = f"trained steps {step + 1}-{step + 10} of {step + 10} (10 this launch, resumed at step {step}) in "
+    assert f"at step {step}" in result.stdout and launch in result.stdout
 
 
 @pytest.mark.slow
@@ -189,7 +190,10 @@ def test_a_kill_during_a_save_leaves_the_previous_checkpoint_as_latest(tmp_path)
 
     result = run(cmd + ["--resume_from_checkpoint", "latest"])
     assert f"checkpoint-{previous} at step {previous}" in result.stdout
-    assert "trained 12 steps" in result.stdout
+    assert (
+        f"trained steps {previous + 1}-12 of 12 ({12 - previous} this launch, resumed at step {previous})"
+        in result.stdout
+    )
     assert not list(folder.glob("*.partial"))
 
 
@@ -325,6 +329,45 @@ def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_
         == 0
     )
     assert "no complete checkpoint in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("training_type", ["basic", "accelerated"])
+def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_model_dir, topic_csvs, tmp_path, capsys):
+    """Steps 3-4 from checkpoint-2, with the throughput over this launch's samples (the checkpoint's logging sums
+    not yet logged belong to the launch before); then checkpoint-4, the last step: nothing trained, nothing
+    invented, no step trained twice."""
+    from cloudtrain import train
+
+    out = tmp_path / "out"
+    args = args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "4", "--checkpointing_steps", "2")[1:]
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    options |= {"training_type": training_type, "logging_steps": "10", "eval_strategy": "no"}  # logged at step 4 only
+    first = train(options)["train"]
+    assert "trained 4 steps in " in capsys.readouterr().out and "resumed_at_step" not in first
+
+    resumed = train(options | {"resume_from_checkpoint": str(out / "checkpoints" / "checkpoint-2")})["train"]
+    said = capsys.readouterr().out
+    assert "trained steps 3-4 of 4 (2 this launch, resumed at step 2) in " in said, said[-600:]
+    assert resumed["launch_steps"] == 2 and resumed["launch_samples"] == 2 * 4  # steps x per-device batch
+    assert resumed["train_samples"] == 4 * 4 and resumed["train_loss"] == first["train_loss"]
+    rate = resumed["launch_samples_per_s"]  # over those 8 samples, within the rounding of launch_runtime_s
+    assert rate * resumed["launch_runtime_s"] == pytest.approx(8, abs=rate * 0.006)
+    assert f"({resumed['launch_samples_per_s']:.1f} samples/s" in said
+
+    finished = train(options | {"resume_from_checkpoint": "latest"})["train"]
+    said = capsys.readouterr().out
+    assert "checkpoint-4 is at step 4 of 4: nothing left to train; evaluating and saving its model" in said
+    assert "trained no steps this launch (resumed at step 4: nothing was left to train)" in said, said[-600:]
+    assert "samples/s" not in said.split("trained no steps")[1].splitlines()[0]
+    assert (finished["global_step"], finished["launch_steps"], finished["launch_samples"]) == (4, 0, 0)
+    assert "launch_samples_per_s" not in finished and finished["train_loss"] == first["train_loss"]
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in logged if "train/loss" in e] == [4]
+    final, last = (
+        load_file(out / "model.safetensors"),
+        load_file(out / "checkpoints" / "checkpoint-4" / "model.safetensors"),
+    )
+    assert all(torch.equal(final[name], last[name]) for name in final if name in last)
 
 
 def views(*steps_by_node: list[int], named: bool = True) -> list[dict]:

@@ -344,6 +344,23 @@ def test_a_streaming_run_evaluates_on_its_validation_file(tiny_llama_dir, tmp_pa
     assert [g["prompt"].split()[0] for g in results["eval"]["generations"]] == ["held-out"]
 
 
+def test_a_stream_resumed_at_its_last_step_trains_no_step_past_it(tiny_llama_dir, tmp_path, two_sources, capsys):
+    """A stream has more rows than the run takes: resumed at its last step, the loop must not take one more."""
+    from cloudtrain import train
+
+    out = tmp_path / "run"
+    args = stream_run_args(tiny_llama_dir, two_sources, out, "--max_steps", "2", "--checkpointing_steps", "2")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    first = train(options)["train"]
+    again = train(options | {"resume_from_checkpoint": "latest"})["train"]
+    assert "checkpoint-2 is at step 2 of 2: nothing left to train" in capsys.readouterr().out
+    assert (again["global_step"], again["launch_steps"], again["sources"]) == (2, 0, first["sources"])
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged if "train/loss" in m] == [1, 2]
+    final, saved = weights(out), load_file(out / "checkpoints" / "checkpoint-2" / "model.safetensors")
+    assert all(torch.equal(final[name], saved[name]) for name in final)
+
+
 # ------------------------------------------------------------------ real launches (slow)
 def run_entry(launcher: list[str], args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -322,14 +322,28 @@ def hub_hooks(cfg: Config, task: Task, trainer, tokenizer, uploader, is_main: bo
 
 
 def _print_summary(task: Task, results: dict, output_dir: Path) -> None:
-    train = results["train"]
-    print(
-        f"trained {train['global_step']} steps in {train['train_runtime_s']:.0f}s "
-        f"({train['train_samples_per_s']:.1f} samples/s, {train['train_tokens_per_s']:.0f} tokens/s), "
-        f"final train loss {train['train_loss']:.4f}"
-    )
+    print(f"{describe_training(results['train'])}, final train loss {results['train']['train_loss']:.4f}")
     for name in ("eval", "test"):
         if name in results:
             print(f"{name}: {task.describe_metrics(results[name])}")
     print(cost.describe(results["compute"]))
     print(f"model saved to {output_dir.resolve()}\nuse it: {task.inference_hint(str(output_dir))}")
+
+
+def describe_training(train: dict) -> str:
+    """What this launch trained: a resumed one names the steps it took the run through, and its throughput is
+    over its own samples and time (train_results.json's launch_*), not over the run's."""
+    if "resumed_at_step" not in train:
+        return (
+            f"trained {train['global_step']} steps in {train['train_runtime_s']:.0f}s "
+            f"({train['train_samples_per_s']:.1f} samples/s, {train['train_tokens_per_s']:.0f} tokens/s)"
+        )
+    first, last, steps = train["resumed_at_step"] + 1, train["global_step"], train["launch_steps"]
+    if not steps:
+        return f"trained no steps this launch (resumed at step {last}: nothing was left to train)"
+    which = f"step {last}" if steps == 1 else f"steps {first}-{last}"
+    return (
+        f"trained {which} of {last} ({steps} this launch, resumed at step {first - 1}) in "
+        f"{train['launch_runtime_s']:.0f}s ({train['launch_samples_per_s']:.1f} samples/s, "
+        f"{train['launch_tokens_per_s']:.0f} tokens/s)"
+    )

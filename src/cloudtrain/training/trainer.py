@@ -83,31 +83,67 @@ from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
 
 
+@dataclass(frozen=True)
+class LaunchStart:
+    """Where this launch took the run up: the step, and the run's samples and tokens so far (logged, or pending
+    in the checkpoint's logging sums: the first logging step of this launch adds those to the run's totals)."""
+
+    step: int = 0
+    samples: int = 0
+    tokens: int = 0
+
+    @classmethod
+    def of(cls, state: TrainerState) -> "LaunchStart":
+        pending = list(state.interval) + [0.0, 0.0]  # examples, tokens, ... (every process's, in the checkpoint)
+        return cls(state.global_step, state.samples + int(pending[0]), state.tokens + int(pending[1]))
+
+
 @dataclass
 class TrainResult:
     global_step: int = 0
     epoch: float = 0.0
     train_loss: float = float("nan")
-    runtime_s: float = 0.0
+    runtime_s: float = 0.0  # the run's training time, earlier launches included
     train_samples: int = 0
     train_tokens: int = 0
     sources: dict | None = None  # a stream's documents and tokens per source (cloudtrain.data.streaming)
+    resumed_at: int | None = None  # the checkpoint's step this launch resumed at; None: a fresh run
+    launch_runtime_s: float = 0.0  # this launch's training time
+    launch_samples: int = 0
+    launch_tokens: int = 0
 
     @classmethod
-    def of(cls, loop: LoopState) -> "TrainResult":
-        state = loop.state
+    def of(cls, loop: LoopState, start: LaunchStart | None = None) -> "TrainResult":
+        """The run's result; `start`: where a resumed launch began (None: a fresh run, the launch is the run)."""
+        state, elapsed = loop.state, loop.meter.elapsed()
+        if start is None:
+            launch = (state.samples, state.tokens)
+        elif state.global_step > start.step:
+            launch = (state.samples - start.samples, state.tokens - start.tokens)
+        else:  # resumed at or past the last step: the checkpoint's pending sums were never added
+            launch = (0, 0)
         return cls(
             global_step=state.global_step,
             epoch=state.global_step / loop.steps_per_epoch,
             train_loss=state.loss_sum / max(state.loss_count or state.samples, 1),
-            runtime_s=state.runtime_s + loop.meter.elapsed(),
+            runtime_s=state.runtime_s + elapsed,
             train_samples=state.samples,
             train_tokens=state.tokens,
+            resumed_at=start.step if start else None,
+            launch_runtime_s=elapsed,
+            launch_samples=launch[0],
+            launch_tokens=launch[1],
         )
 
+    @property
+    def launch_steps(self) -> int:
+        return self.global_step - (self.resumed_at or 0)
+
     def summary(self) -> dict:
+        """train_results.json: the run's totals; a resumed launch adds what it trained itself (launch_*), its
+        throughput only where it trained a step."""
         runtime = max(self.runtime_s, 1e-9)
-        return {
+        summary = {
             "global_step": self.global_step,
             "epoch": round(self.epoch, 4),
             "train_loss": self.train_loss,
@@ -115,7 +151,21 @@ class TrainResult:
             "train_samples": self.train_samples,
             "train_samples_per_s": round(self.train_samples / runtime, 2),
             "train_tokens_per_s": round(self.train_tokens / runtime, 1),
-        } | ({"sources": self.sources} if self.sources is not None else {})
+        }
+        if self.resumed_at is not None:
+            summary |= {
+                "resumed_at_step": self.resumed_at,
+                "launch_steps": self.launch_steps,
+                "launch_runtime_s": round(self.launch_runtime_s, 2),
+                "launch_samples": self.launch_samples,
+            }
+            if self.launch_steps:
+                launch = max(self.launch_runtime_s, 1e-9)
+                summary |= {
+                    "launch_samples_per_s": round(self.launch_samples / launch, 2),
+                    "launch_tokens_per_s": round(self.launch_tokens / launch, 1),
+                }
+        return summary | ({"sources": self.sources} if self.sources is not None else {})
 
 
 def micro_batch_windows(batches: Iterable[dict], size: int) -> Iterator[list[dict]]:
@@ -184,6 +234,7 @@ class Trainer:
         # this process's step, data and forward time; on CUDA the GPU's own (cloudtrain.training.prefetch)
         self.clock = InputClock(runtime.device)
         self.callbacks: list[Any] = []  # the user's (cloudtrain.training.callbacks); the pipeline sets them
+        self.launch_start: LaunchStart | None = None  # where a resumed launch began (`resume`); None: a fresh run
 
     # ------------------------------------------------------------ what subclasses provide
     mode = "plain PyTorch"
@@ -301,7 +352,7 @@ class Trainer:
         finally:
             for hook in hooks:  # a run that fails still lets a checkpoint in flight complete
                 hook.close()
-        result = TrainResult.of(loop)
+        result = TrainResult.of(loop, self.launch_start)
         if self.streams:
             result.sources = self.train_dl.consumed(loop.state.global_step)  # type: ignore[attr-defined]
         return result
@@ -356,6 +407,13 @@ class Trainer:
         self.scheduler = build_scheduler(self.optimizer, self.cfg, total_steps)
         state = self.resume(resume_from) if resume_from else TrainerState()
         self._announce(steps_per_epoch, total_steps)
+        if resume_from and state.global_step >= total_steps and self.is_main_process:
+            at = f" of {total_steps}" if state.global_step == total_steps else f", past this run's {total_steps} steps"
+            print(
+                f"{resume_from.name} is at step {state.global_step}{at}: nothing left to train; evaluating and "
+                "saving its model",
+                flush=True,
+            )
         bar = tqdm(
             total=total_steps,
             initial=state.global_step,
@@ -370,6 +428,8 @@ class Trainer:
         """Each step's window of micro-batches, epoch after epoch, until the last step: each epoch's order
         from seed + epoch; the batches a resumed run had consumed are skipped by index, unread."""
         k = self.cfg.training.gradient_accumulation_steps
+        if loop.done:  # resumed at (or past) the last step: a stream would yield a step past the run's end
+            return
         if self.streams:  # a stream starts at its own cursor (restored by `resume`) and has no epochs
             self.clock.start_step()
             yield from micro_batch_windows(self.input_batches(self.train_dl), k)
@@ -472,6 +532,7 @@ class Trainer:
             self.train_dl.load_state_dict(read_data_state(folder))  # type: ignore[attr-defined]
         if (folder / TASK_STATE_FILE).is_file():  # the task's own sums not yet logged (preference rewards)
             self.task.restore_state(json.loads((folder / TASK_STATE_FILE).read_text()), self.is_main_process)
+        self.launch_start = LaunchStart.of(state)  # before the pending sums leave the other processes
         if not self.is_main_process:  # the pending logging sums of all processes live on the main one
             state.interval = [0.0] * len(state.interval)
         if self.is_main_process:
