@@ -316,3 +316,17 @@ def test_a_swap_killed_between_its_renames_is_finished_by_the_next_run(tmp_path)
     assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "shard-00000.parquet", "shard-00001.parquet"]
     assert (out / "shard-00000.parquet").read_bytes() == b".preprocess-new"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards"]
+
+
+def test_train_on_prompt_takes_true_as_training_does(qa, tmp_path, lm_tokenizer_dir):
+    out = tmp_path / "sft-shards"
+    argv = ["preprocess", "--task", "sft", "--train_file", str(qa), "--tokenizer_name_or_path", lm_tokenizer_dir]
+    masks = {}
+    for given in ("false", "true"):
+        folder = out / given
+        assert main([*argv, "--output_dir", str(folder), "--max_length", "32", "--train_on_prompt", given]) in (0, None)
+        assert json.loads((folder / "manifest.json").read_text())["train_on_prompt"] is (given == "true")
+        rows = pq.read_table(folder / "shard-00000.parquet").column("loss_mask").to_pylist()
+        masks[given] = [flag for row in rows for piece in row for flag in piece]  # a row: its pieces' masks
+    assert all(masks["true"])  # the prompt's tokens are trained on too
+    assert 0 < sum(masks["false"]) < len(masks["false"])  # by default the answers alone

@@ -27,15 +27,18 @@ def true_or_false(value: str) -> bool:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
-def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+def add_switch(parser: argparse.ArgumentParser, flag: str, help: str, default: bool | None = False) -> None:
+    """A true|false option; given alone (`--chat`) it means true."""
     parser.add_argument(
+        flag, type=true_or_false, nargs="?", const=True, default=default, metavar="true|false", help=help
+    )
+
+
+def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
+    add_switch(
+        parser,
         "--trust_remote_code",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="true|false",
-        help="Run the model's own Python code (auto_map in its config) to load it; read that code first "
+        "Run the model's own Python code (auto_map in its config) to load it; read that code first "
         "(default: false, such a model is refused).",
     )
 

@@ -3,7 +3,7 @@ generates."""
 
 import argparse
 
-from cloudtrain.commands import add_trust_remote_code, check_input_file, existing_run_dir, refuse_first, true_or_false
+from cloudtrain.commands import add_switch, add_trust_remote_code, check_input_file, existing_run_dir, refuse_first
 from cloudtrain.publish.saving import check_not_diffusion
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -35,14 +35,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=100,
         help="Tokens to generate per prompt, at most (default: 100; fewer if the model ends the text).",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--do_sample",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="true|false",
-        help="Sample the next token (true) or take the most likely one (false: greedy, the default).",
+        "Sample the next token (true) or take the most likely one (false: greedy, the default).",
     )
     parser.add_argument(
         "--temperature",
@@ -79,24 +75,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="auto",
         help="Where to run: auto (a CUDA GPU if one is visible, else the CPU), cpu or cuda.",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--chat",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="true|false",
-        help="An interactive conversation in the terminal with a chat model (its tokenizer has a "
+        "An interactive conversation in the terminal with a chat model (its tokenizer has a "
         "chat template): /reset clears the history, /exit or Ctrl-D quits.",
     )
-    parser.add_argument(
+    add_switch(
+        parser,
         "--raw",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="true|false",
-        help="Continue the prompts as plain text even when the model has a chat template "
+        "Continue the prompts as plain text even when the model has a chat template "
         "(default: false, prompts are user messages).",
     )
     parser.add_argument("--system_prompt", help="With a chat template: a system message put before the conversation.")

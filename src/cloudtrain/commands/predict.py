@@ -13,11 +13,11 @@ import os
 from pathlib import Path
 
 from cloudtrain.commands import (
+    add_switch,
     add_trust_remote_code,
     check_input_file,
     existing_run_dir,
     refuse_first,
-    true_or_false,
 )
 from cloudtrain.errors import UserError
 from cloudtrain.publish.saving import holds_model, read_arguments
@@ -42,14 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the text_pair_column the model was trained with, from its args.json).",
     )
     parser.add_argument("--output_file", help="Write the JSON lines here instead of printing them.")
-    parser.add_argument(
+    add_switch(
+        parser,
         "--overwrite_output_file",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="true|false",
-        help="Replace an existing --output_file (default: false, an existing file is refused).",
+        "Replace an existing --output_file (default: false, an existing file is refused).",
     )
     parser.add_argument("--batch_size", type=int, default=32, help="Texts per forward pass (default: 32).")
     parser.add_argument(

@@ -2,7 +2,7 @@
 
 import argparse
 
-from cloudtrain.commands import true_or_false
+from cloudtrain.commands import add_switch
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -13,13 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--hub_token", help="Hub token; prefer HF_TOKEN or --hub_token_file (never saved).")
     parser.add_argument("--hub_token_file", help="A file holding the Hub token (default: HF_TOKEN, else the login).")
-    parser.add_argument(
+    add_switch(
+        parser,
         "--hub_private_repo",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        metavar="true|false",
-        help="Create the repository as private (default: as in args.json).",
+        "Create the repository as private (default: as in args.json).",
+        default=None,
     )
     parser.add_argument("--hub_revision", help="Branch to push to (default: as in args.json, else main).")
 

@@ -40,7 +40,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
-from cloudtrain.commands import true_or_false
+from cloudtrain.commands import add_switch
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync
@@ -85,15 +85,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pack_documents", type=int, default=1000, help="Documents packed together (1000).")
     for name in CHAT_OPTIONS:
         parser.add_argument(f"--{name}", help=f"SFT: as training's --{name}.")
-    parser.add_argument("--train_on_prompt", action="store_true", help="SFT: as training's --train_on_prompt true.")
-    parser.add_argument(
+    add_switch(parser, "--train_on_prompt", "SFT: as training's --train_on_prompt (default: false).")
+    add_switch(
+        parser,
         "--overwrite_output_dir",
-        type=true_or_false,
-        nargs="?",
-        const=True,
-        default=False,
-        metavar="true|false",
-        help="Replace the shards an earlier preprocess wrote in --output_dir (false: such a folder is refused).",
+        "Replace the shards an earlier preprocess wrote in --output_dir (false: such a folder is refused).",
     )
 
 
