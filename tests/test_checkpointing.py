@@ -363,6 +363,8 @@ def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_mode
     assert "launch_samples_per_s" not in finished and finished["train_loss"] == first["train_loss"]
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in logged if "train/loss" in e] == [4]
+    kinds = [next(k.split("/")[0] for k in e if "/" in k) for e in logged if e["step"] == 4]
+    assert "eval" in kinds and sorted(kinds) == sorted(set(kinds)), kinds  # the final evaluation once, not per launch
     final, last = (
         load_file(out / "model.safetensors"),
         load_file(out / "checkpoints" / "checkpoint-4" / "model.safetensors"),

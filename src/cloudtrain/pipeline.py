@@ -195,6 +195,7 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
         output_dir,
         runtime.is_main,
         resume_step=resumed["state"]["global_step"] if resumed else None,
+        checkpoint=resume_from,
         run_info={
             "task": task.name,
             "training_type": cfg.training.training_type,

@@ -20,6 +20,7 @@ Not supported: accelerate's other trackers (comet_ml, aim, clearml, dvclive, swa
 """
 
 import importlib.util
+import itertools
 import json
 import os
 import shlex
@@ -81,11 +82,21 @@ class RunContext:
         return self.cfg.tracking
 
 
+def _is_save_line(record: dict) -> bool:
+    return all(key.startswith("checkpoint/") for key in record if key not in ("step", "time"))
+
+
 class RunLog:
     """The run's record: metrics.jsonl and the trackers on the main process; a no-op on the others."""
 
     def __init__(
-        self, cfg: Config, output_dir: Path, is_main_process: bool, run_info: dict, resume_step: int | None = None
+        self,
+        cfg: Config,
+        output_dir: Path,
+        is_main_process: bool,
+        run_info: dict,
+        resume_step: int | None = None,
+        checkpoint: Path | None = None,
     ):
         self.output_dir = Path(output_dir)
         self.path = self.output_dir / "metrics.jsonl"
@@ -97,7 +108,7 @@ class RunLog:
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._start_metrics_file(resume_step)
+        self._start_metrics_file(resume_step, checkpoint)
         saved = load_runs(self.output_dir) if resume_step is not None else {}
         run_name = saved.get("run_name") or cfg.tracking.run_name or default_run_name(self.output_dir)
         context = RunContext(cfg, self.output_dir, run_name, resume_step)
@@ -113,11 +124,20 @@ class RunLog:
             self.trackers.append(tracker)
         (self.output_dir / RUNS_FILE).write_text(json.dumps(state, indent=2) + "\n")
 
-    def _start_metrics_file(self, resume_step: int | None) -> None:
-        """A fresh file, or on resume the lines up to the checkpoint's step (later ones are redone)."""
+    def _start_metrics_file(self, resume_step: int | None, checkpoint: Path | None) -> None:
+        """A fresh file, or on resume the lines up to the checkpoint (later ones are redone). At the checkpoint's
+        own step, the lines its copy of the log holds and the save's own line: not what came after it there (a
+        finished run's final evaluation, which a resume at its last step writes again)."""
         kept = []
         if resume_step is not None and self.path.exists():
-            kept = [r for r in read_metrics(self.path) if r["step"] <= resume_step]
+            logged = read_metrics(self.path)
+            kept = [r for r in logged if r["step"] < resume_step]
+            at_step = [r for r in logged if r["step"] == resume_step]
+            copy = checkpoint / "metrics.jsonl" if checkpoint else None
+            if copy and copy.is_file():
+                seen = sum(r["step"] == resume_step for r in read_metrics(copy))
+                at_step = at_step[:seen] + list(itertools.takewhile(_is_save_line, at_step[seen:]))
+            kept += at_step
         self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     def log(self, values: dict, step: int) -> None:
