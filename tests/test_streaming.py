@@ -361,6 +361,27 @@ def test_a_stream_resumed_at_its_last_step_trains_no_step_past_it(tiny_llama_dir
     assert all(torch.equal(final[name], saved[name]) for name in final)
 
 
+def test_a_stream_that_runs_out_first_ends_the_run_with_its_last_steps_counted(tiny_llama_dir, tmp_path, capsys):
+    """--mixture_exhausted stop on a short source: the run ends at the stream's last whole step, says so, and logs
+    and counts the steps since its last logging step (they were left out of the totals)."""
+    from cloudtrain import train
+
+    short = write_jsonl(tmp_path / "short.jsonl", numbered(12, "a"))
+    out = tmp_path / "run"
+    args = stream_run_args(tiny_llama_dir, str(short), out, "--max_steps", "50", "--mixture_exhausted", "stop")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)} | {"logging_steps": "1000"}
+    result = train(options)["train"]
+    steps = result["global_step"]
+    assert 0 < steps < 50
+    assert (
+        f"note: the training data ran out after step {steps} of 50 (--mixture_exhausted stop)"
+        in capsys.readouterr().out
+    )
+    assert result["train_samples"] == steps * 2  # every step's rows, none left out at the end
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged if "train/loss" in m] == [steps]
+
+
 # ------------------------------------------------------------------ real launches (slow)
 def run_entry(launcher: list[str], args: list[str], kill_at: str | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}

@@ -347,6 +347,8 @@ class Trainer:
                         break
                     self.clock.start_step()  # what the hooks did is not step time
                     self.phase = "loading the data"
+                if not loop.done:  # a stream ran out first (--mixture_exhausted stop or drop)
+                    self._end_here(hooks, loop)
                 for hook in hooks:
                     hook.on_train_end(loop)
         finally:
@@ -459,6 +461,18 @@ class Trainer:
         self.scheduler.step()
         self.clock.end_step()
         loop.step_ended(stats)
+
+    def _end_here(self, hooks: list[Hook], loop: LoopState) -> None:
+        """The step just taken becomes the run's last: its hooks run again as at a last step, so the steps since the
+        last logging step are logged and counted in the run's totals (they were left out)."""
+        if self.runtime.is_main:
+            loop.bar.write(
+                f"note: the training data ran out after step {loop.step} of {loop.total_steps} (--mixture_exhausted "
+                f"{self.cfg.data.mixture_exhausted}); the run ends there"
+            )
+        loop.total_steps = loop.step
+        loop.sync, loop.interval, loop.logged, loop.requests, loop.saved = False, None, None, [], None
+        self._after_step(hooks, loop)
 
     def _after_step(self, hooks: list[Hook], loop: LoopState) -> None:
         """The hooks in order, then the stop one of them asked for (once its checkpoint is saved)."""
