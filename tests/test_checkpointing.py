@@ -372,6 +372,28 @@ def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_mode
     assert all(torch.equal(final[name], last[name]) for name in final if name in last)
 
 
+def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, topic_csvs, tmp_path):
+    """The checkpoint's step is its position in the data: 8 rows a step from a step taken at 4 would skip rows."""
+    from cloudtrain import train
+
+    out = tmp_path / "out"
+    args = args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "2", "--checkpointing_steps", "2")[1:]
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)} | {"eval_strategy": "no"}
+    train(options)
+    checkpoint = out / "checkpoints" / "checkpoint-2"
+    again = options | {"max_steps": "4", "resume_from_checkpoint": str(checkpoint), "output_dir": str(tmp_path / "b")}
+    with pytest.raises(UserError) as refused:
+        train(again | {"per_device_train_batch_size": "8"})
+    assert str(refused.value) == (
+        f"checkpoint {checkpoint} took 4 rows per process per step (4 rows x 1 accumulation); this run takes 8, and "
+        "the checkpoint's step is its position in the data: give --per_device_train_batch_size and "
+        "--gradient_accumulation_steps whose product is 4"
+    )
+    assert not (tmp_path / "b" / "model.safetensors").exists()
+    result = train(again | {"per_device_train_batch_size": "2", "gradient_accumulation_steps": "2"})["train"]
+    assert result["global_step"] == 4  # the same rows per step, cut another way: accepted
+
+
 def views(*steps_by_node: list[int], named: bool = True) -> list[dict]:
     """One process per node, each seeing its own folder's complete steps."""
     return [{"node": n, "host": f"host{n}", "steps": s, "named": named} for n, s in enumerate(steps_by_node)]

@@ -301,7 +301,13 @@ def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
 
 
 def check_compatible(
-    meta: dict, path: Path, trainer: str, mesh: Mesh, global_rows: int | None = None, reshards: bool = False
+    meta: dict,
+    path: Path,
+    trainer: str,
+    mesh: Mesh,
+    global_rows: int | None = None,
+    reshards: bool = False,
+    rows_per_process: int | None = None,
 ) -> None:
     """A checkpoint resumes only under the trainer, process count and mesh that wrote it (a ZeRO checkpoint
     holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh.
@@ -312,7 +318,8 @@ def check_compatible(
     (`reshards`: this run loads FSDP's sharded states, which torch.distributed.checkpoint re-cuts for the
     processes that read them). `global_rows` (stored rows: this run's rows per step over all processes)
     must then be the checkpoint's, since its step is the position; a stream's cursor (None) resumes at any
-    global batch."""
+    global batch. At the same count, `rows_per_process` (per-device rows x accumulation) must be the checkpoint's,
+    for the same reason."""
     if (
         meta["trainer"] == trainer
         and meta["num_processes"] != mesh.world
@@ -331,6 +338,15 @@ def check_compatible(
         raise UserError(
             f"checkpoint {path} was written with its processes arranged as {stored}; this run arranges them as "
             f"{mesh.degrees()} (data-parallel sharding, pipeline): resume it with the same options"
+        )
+    batch = meta.get("batch") or {}
+    stored = batch.get("per_device_train_batch_size", 0) * batch.get("gradient_accumulation_steps", 0)
+    if global_rows is not None and rows_per_process is not None and stored and stored != rows_per_process:
+        raise UserError(
+            f"checkpoint {path} took {stored} rows per process per step ({batch['per_device_train_batch_size']} "
+            f"rows x {batch['gradient_accumulation_steps']} accumulation); this run takes {rows_per_process}, and "
+            "the checkpoint's step is its position in the data: give --per_device_train_batch_size and "
+            f"--gradient_accumulation_steps whose product is {stored}"
         )
 
 

@@ -529,7 +529,9 @@ class Trainer:
         meta = read_state(folder)
         global_rows = None if self.streams else self.global_rows  # a stream's cursor resumes at any global batch
         mesh, reshards = self.runtime.mesh, self.reshards_states
-        check_compatible(meta, folder, type(self).__name__, mesh, global_rows=global_rows, reshards=reshards)
+        pdb, accumulation = self.cfg.training.per_device_train_batch_size, self.cfg.training.gradient_accumulation_steps
+        per_process = pdb * accumulation if isinstance(pdb, int) else None  # auto: resolved from the checkpoint
+        check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
         start = time.perf_counter()
         try:
             self.load_checkpoint(folder)
