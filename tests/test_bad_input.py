@@ -210,7 +210,7 @@ def test_model_and_options_that_do_not_fit_together(models, topic_csvs, tmp_path
         ),
         "predict's max_length beyond the positions": (
             ["predict", "--model_dir", str(classifier), "--text", "hi", "--max_length", "513"],
-            "--max_length 513 is longer than the model's context (512 positions)",
+            "--max_length 513 is longer than the model's context (512 positions); pass --max_length 512 or less",
         ),
         "predict's batch size": (
             ["predict", "--model_dir", str(classifier), "--text", "hi", "--batch_size", "0"],

@@ -134,6 +134,8 @@ def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_pa
         f"{predict_single} --text_pair_column b": f"the model in {single} was trained on single texts (its args.json "
         "records no text_pair_column): drop --text_pair_column",
         f"predict --model_dir {single} --text a --text_pair b": "drop --text_pair",
+        f"predict --model_dir {single} --text a --max_length 4096": "--max_length 4096 is longer than the model's "
+        "context (512 positions); pass --max_length 512 or less",
         f"predict --model_dir {reward} --text hi": "was trained on prompt and answer as a text pair: give each --text",
         f"predict --model_dir {reward} --input_file {data} --text_column premise": "with --text_pair_column",
     }

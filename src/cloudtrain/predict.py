@@ -25,7 +25,7 @@ import torch
 from safetensors import SafetensorError
 from transformers import AutoModelForSequenceClassification
 
-from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH
+from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, too_long
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync, is_no_space
@@ -140,7 +140,7 @@ def truncation_length(config, requested: int | None, trained: int | None = None)
             return trained
         return min(DEFAULT_MAX_LENGTH, context or DEFAULT_MAX_LENGTH)
     if context and requested > context:
-        raise UserError(f"--max_length {requested} is longer than the model's context ({context} positions)")
+        raise UserError(too_long(requested, context))
     return requested
 
 

@@ -20,6 +20,7 @@ from cloudtrain.commands import (
     refuse_first,
 )
 from cloudtrain.errors import UserError
+from cloudtrain.models.positions import saved_positions
 from cloudtrain.publish.saving import holds_model, read_arguments
 
 DEFAULT_MAX_LENGTH = 512
@@ -58,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trust_remote_code(parser)
 
 
+def too_long(max_length: int, context: int) -> str:
+    return (
+        f"--max_length {max_length} is longer than the model's context ({context} positions); pass --max_length "
+        f"{context} or less"
+    )
+
+
 def check_options(args: argparse.Namespace) -> None:
     """What needs no model: the numbers, something to classify, the files named and the text pairs; one UserError
     otherwise. Sets args.text_pair_column to the model's recorded one where the user named none."""
@@ -84,6 +92,9 @@ def check_options(args: argparse.Namespace) -> None:
     check_output_file(args.output_file, args.input_file, args.overwrite_output_file)
     if not holds_model(existing_run_dir("--model_dir", args.model_dir)):
         raise UserError(f"--model_dir {args.model_dir} holds no saved model (no config.json/model.safetensors)")
+    context = saved_positions(args.model_dir)  # an adapter's base is checked once it loads
+    if args.max_length is not None and context and args.max_length > context:
+        raise UserError(too_long(args.max_length, context))
     check_pairs(args, *trained_on_pairs(Path(args.model_dir)))
 
 
