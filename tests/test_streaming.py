@@ -25,7 +25,7 @@ from cloudtrain.config import resolve_options
 from cloudtrain.data.mixture import MixtureStream, initial_state, resolve_sources
 from cloudtrain.data.packing import CausalLMCollator
 from cloudtrain.data.readers import RecordReader
-from cloudtrain.data.streaming import StreamLoader, StreamPlan, connect_stream
+from cloudtrain.data.streaming import StreamLoader, StreamPlan, connect_stream, hold_out
 from cloudtrain.errors import UserError
 from cloudtrain.tasks.causal_lm import CausalLMTask
 
@@ -281,6 +281,13 @@ def test_each_bad_stream_input_is_one_line(tmp_path):
     told = "has no column 'text' (its columns: review, label); name its column with --text_column (every source)"
     with pytest.raises(UserError, match=re.escape(told)):
         connect_stream(data_cfg(train_file=str(tmp_path / "reviews.csv")).data, {"text": "--text_column"})
+    # a corpus smaller than the held-out validation documents: restart would train on every one of them again
+    few = data_cfg(train_file=str(a), stream_validation_docs=8).data
+    told = f"training source {a} holds 5 documents, all held out for validation by --stream_validation_docs 8"
+    with pytest.raises(UserError, match=re.escape(told)):
+        hold_out(resolve_sources(few), few, seed=0)
+    enough = data_cfg(train_file=str(a), stream_validation_docs=4).data
+    assert len(hold_out(resolve_sources(enough), enough, seed=0)[0]) == 4
 
 
 def test_a_corrupted_shard_mid_stream_is_skipped_and_counted_or_stops(tmp_path, lm_tokenizer):

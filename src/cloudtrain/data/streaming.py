@@ -356,7 +356,7 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
 
     stream = MixtureStream(specs, initial_state(specs), seed, cfg.mixture_exhausted, cfg.on_bad_data)
     try:
-        records = [stream.next()[2] or {} for _ in range(cfg.stream_validation_docs)]
+        drawn = [stream.next() for _ in range(cfg.stream_validation_docs)]
     except StopIteration:
         raise UserError(
             f"the training sources hold fewer than --stream_validation_docs {cfg.stream_validation_docs} "
@@ -364,6 +364,14 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
         ) from None
     finally:
         stream.close()
+    if wrapped := [i for i, source in enumerate(stream.state["sources"]) if source["pass"] > 0]:
+        size = sum(1 for i, (_, done, _), _ in drawn if i == wrapped[0] and done == 0)  # its first pass
+        raise UserError(
+            f"training source {specs[wrapped[0]].name} holds {size} documents, all held out for validation by "
+            f"--stream_validation_docs {cfg.stream_validation_docs} (training would read them again): give "
+            f"--validation_file, or --stream_validation_docs well below {size}"
+        )
+    records = [record or {} for _, _, record in drawn]
     if any(isinstance(r.get(PACKED_LENGTHS), list) for r in records):
         raise UserError(
             "the training sources include packed shards (cloudtrain preprocess --packing), which hold no text to "
