@@ -161,7 +161,7 @@ def test_users_json_trains_with_its_own_optimizer_and_schedule(tiny_model_dir, t
         "--mixed_precision", "no", "--checkpointing_steps", str(total),
     ]  # fmt: skip
     result = torchrun(str(REPO / "src" / "training_application.py"), *options)
-    assert "(DEEPSPEED ZeRO-2, precision no)" in result.stdout
+    assert "(DeepSpeed ZeRO-2, precision no)" in result.stdout
 
     def file_schedule(i: int) -> float:  # WarmupDecayLR, linear warmup, at the engine's iteration i
         return peak * i / warmup if i < warmup else peak * (total - i) / (total - warmup)
@@ -206,7 +206,7 @@ def test_zero_infinity_offloads_to_nvme_where_async_io_builds_else_refuses_in_on
         assert main(options) == 2 and not out.exists()
         return
     result = torchrun(str(REPO / "src" / "training_application.py"), *options)
-    assert "(DEEPSPEED ZeRO-3, precision no)" in result.stdout
+    assert "(DeepSpeed ZeRO-3, precision no)" in result.stdout
     assert any(p.suffix == ".swp" for p in swap.rglob("*")), sorted(swap.rglob("*"))  # the states went to disk
     saved = load_file(out / "model.safetensors")
     reference = BertForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)

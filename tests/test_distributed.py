@@ -122,7 +122,7 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch(tiny_model_dir
     launch(
         ONE_PROCESS, str(ENTRY), *common, "--per_device_train_batch_size", "8", "--output_dir", str(tmp_path / "one")
     )
-    assert "2 process(es) on cpu (MULTI_CPU, precision no), effective batch 8 (4 per device x 2 x 1" in two.stdout
+    assert "2 process(es) on cpu (DDP, precision no), effective batch 8 (4 per device x 2 x 1" in two.stdout
     assert two.stdout.count("trained 14 steps") == 1  # only the main process prints
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     for name in a:
@@ -173,7 +173,7 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
         stdout, out = request.getfixturevalue("zero2_runs")[mode]
     stage = 3 if "zero3" in mode else 2
     # the ranks see no GPU, so --mixed_precision auto resolves as on a CPU
-    assert f"2 process(es) on cpu (DEEPSPEED ZeRO-{stage}, precision {child_auto_precision()})" in stdout
+    assert f"2 process(es) on cpu (DeepSpeed ZeRO-{stage}, precision {child_auto_precision()})" in stdout
     losses = logged_losses(out)
     assert losses[-1] < 0.8 * losses[0], losses  # it learned
     reference = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3)
@@ -189,7 +189,7 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
 def test_users_deepspeed_json_with_auto_values(zero2_runs):
     """A user's DeepSpeed JSON with "auto" values, filled from the options (run in zero2_runs' launch)."""
     stdout, out = zero2_runs["users-json"]
-    assert "(DEEPSPEED ZeRO-2, precision " in stdout
+    assert "(DeepSpeed ZeRO-2, precision " in stdout
     assert "effective batch 16 (4 per device x 2 x 2 accumulation)" in stdout
     assert (out / "model.safetensors").exists()
 

@@ -244,7 +244,7 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
                                           "--fsdp", "true")
     )  # fmt: skip
     launch(ONE_PROCESS, *classification_args(tiny_model_dir, topic_csvs, one, "--per_device_train_batch_size", "8"))
-    assert "2 process(es) on cpu (FSDP, precision no)" in result.stdout
+    assert "2 process(es) on cpu (FSDP2, precision no)" in result.stdout
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-5)
     assert grad_norms(two) == pytest.approx(grad_norms(one), rel=1e-4)
     saved, reference = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
@@ -261,7 +261,7 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
                              "--overwrite_output_dir", "true", "--resume_from_checkpoint",
                              str(two / "checkpoints" / "checkpoint-3")),
     )  # fmt: skip
-    assert "at step 3" in resumed.stdout and "(FSDP, precision no)" in resumed.stdout
+    assert "at step 3" in resumed.stdout and "(FSDP2, precision no)" in resumed.stdout
     assert logged_losses(two) == pytest.approx(losses, rel=1e-6)
     again = load_file(two / "model.safetensors")
     for name in saved:
@@ -321,7 +321,7 @@ def gpu_processes() -> int:
 
 def runs_on(n: int, precision: str = "bf16") -> str:
     """The trainer's announcement of an FSDP run on `n` GPUs."""
-    return f"{n} process(es) on cuda (FSDP, precision {precision})"
+    return f"{n} process(es) on cuda (FSDP2, precision {precision})"
 
 
 @pytest.mark.gpu

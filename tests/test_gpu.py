@@ -139,7 +139,7 @@ def test_fsdp2_trains_and_saves_the_full_model(how, tiny_model_dir, topic_csvs, 
             *args,
         ]
     result = launch(cmd)
-    assert f"{n} process(es) on cuda (FSDP, precision {precision})" in result.stdout
+    assert f"{n} process(es) on cuda (FSDP2, precision {precision})" in result.stdout
     assert result.stdout.count("model saved to") == 1  # only the main process prints
     trained = losses(out)
     assert trained[-1] < 0.8 * trained[0], trained
@@ -398,7 +398,7 @@ def test_causal_lm_fsdp2_with_bfd_packing_trains_and_saves(tiny_llama_dir, tmp_p
         "4",
     ]
     result = launch(cmd)
-    assert f"{n} process(es) on cuda (FSDP, precision {precision})" in result.stdout
+    assert f"{n} process(es) on cuda (FSDP2, precision {precision})" in result.stdout
     trained = losses(out)
     assert trained[-1] < 0.8 * trained[0], trained
     model = AutoModelForCausalLM.from_pretrained(out)

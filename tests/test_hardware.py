@@ -105,7 +105,7 @@ def test_a_default_run_records_and_prints_the_resolved_precision(tiny_model_dir,
     assert proc.returncode == 0, proc.stderr[-2000:]
     expected = child_auto_precision()  # the run is a child process, which sees no GPU (conftest)
     assert json.loads((out / "args.json").read_text())["mixed_precision"] == expected
-    assert f"on cpu (NO, precision {expected})" in proc.stdout
+    assert f"on cpu (accelerate, precision {expected})" in proc.stdout
 
 
 # Training-like churn: tensors of 64 and 16 MiB allocated and freed each cycle; prints the pages faulted

@@ -169,8 +169,8 @@ def test_trains_checkpoints_and_resumes_exactly_under_ddp_and_zero2(two_process_
     assert result["checkpoints"] == ["checkpoint-4", "checkpoint-8"]
     assert result["bit_exact"] and result["keys"] == ["body.0.bias", "body.0.weight", "body.2.bias", "body.2.weight"]
     # the DDP and ZeRO-2 runs, then the two runs of the DeepSpeed JSONs below (ZeRO-2)
-    assert stdout.count("2 process(es) on cpu (MULTI_CPU, precision no)") == 3
-    assert stdout.count("2 process(es) on cpu (DEEPSPEED ZeRO-2, precision no)") == 5
+    assert stdout.count("2 process(es) on cpu (DDP, precision no)") == 3
+    assert stdout.count("2 process(es) on cpu (DeepSpeed ZeRO-2, precision no)") == 5
 
 
 @pytest.mark.slow

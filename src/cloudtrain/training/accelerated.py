@@ -44,6 +44,9 @@ from cloudtrain.training.meter import StepStats
 from cloudtrain.training.trainer import Trainer, save_weights
 from cloudtrain.training.weights import load_trainable_state, trainable_state, trains_everything
 
+# how the run line names accelerate's distributed types (its own names: NO, MULTI_CPU, ...)
+MODES = {"NO": "accelerate", "MULTI_CPU": "DDP", "MULTI_GPU": "DDP", "DEEPSPEED": "DeepSpeed", "FSDP": "FSDP2"}
+
 
 @TRAINERS.register
 class AcceleratedTrainer(Trainer):
@@ -84,17 +87,19 @@ class AcceleratedTrainer(Trainer):
         if runtime.accelerator is None:
             raise ValueError("the AcceleratedTrainer needs a Runtime built with an Accelerator")
         accelerator = self.accelerator = runtime.accelerator  # built by cloudtrain.parallel.distributed for this launch
-        self.mode = accelerator.distributed_type.value
+        kind = MODES.get(accelerator.distributed_type.value, accelerator.distributed_type.value)
         if self._zero_stage() is not None:
-            self.mode += f" ZeRO-{self._zero_stage()}"
+            kind += f" ZeRO-{self._zero_stage()}"
+        parts = []
         self.tensor_parallel = tensor.is_tensor_parallel(runtime)
         if self.tensor_parallel:  # a group's processes take the same rows: the first one's enter the logged sums
-            self.mode += f" tensor parallel {runtime.mesh.tp}" + (" x FSDP2" if runtime.mesh.dp_shard > 1 else "")
+            parts.append(f"tensor parallel {runtime.mesh.tp}" + (" x FSDP2" if runtime.mesh.dp_shard > 1 else ""))
             self.counts_batches = tensor.tp_rank(runtime) == 0
         # context parallel: a group's processes take the same rows, each its slice of their tokens (`move`)
         self.context = runtime if isinstance(runtime, context.ContextParallelRuntime) else None
         if self.context:
-            self.mode += f" context parallel {runtime.mesh.cp} (all-to-all)"
+            parts.append(f"context parallel {runtime.mesh.cp} (all-to-all)")
+        self.mode = " ".join(parts if parts and kind in ("DDP", "accelerate") else [kind, *parts])  # what the run does
 
     @property
     def reshards_states(self) -> bool:
