@@ -338,6 +338,8 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     assert evaluation["samples"] == 4 and evaluation["rewards/accuracies"] == 1.0
     assert {"rewards/chosen", "rewards/rejected", "logps/chosen", "logps/rejected", "exact_match"} <= set(evaluation)
     assert evaluation["logps/accuracies"] in (0.0, 0.25, 0.5, 0.75, 1.0)  # a share of the 4 pairs
+    first = evaluation["generations"][0]  # the printed answers show the chosen one beside them, as SFT's do
+    assert f"-> {json.dumps(first['answer'])} (chosen {json.dumps(first['reference'])})" in printed
     assert any(r.get("eval/rewards/accuracies") == 1.0 for r in records)
     preference = set(curve_data(records)["preference"])  # the curves plot's third panel
     assert preference == {

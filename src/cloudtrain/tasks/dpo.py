@@ -597,4 +597,6 @@ class DPOTask(SFTTask):
             line += f" | exact_match {metrics['exact_match']:.3f} ({len(metrics['generations'])} answers)"
         for g in metrics.get("generations", [])[:3]:
             line += f"\n  {_short(g['question'])} -> {json.dumps(g['answer'], ensure_ascii=False)}"
+            if "reference" in g:  # the chosen answer, which exact_match compares with
+                line += f" (chosen {json.dumps(g['reference'], ensure_ascii=False)})"
         return line
