@@ -93,6 +93,82 @@ def test_a_config_file_is_told_the_section_and_the_yaml_spelling(tmp_path):
     assert parse("--config", str(file)).training.mixed_precision == "no"
 
 
+@pytest.mark.parametrize(
+    "text, where",
+    [
+        ("a:\n  b: 1\n c: 2\n", "line 3, column 2: expected <block end>, but found '<block mapping start>' "
+         "(while parsing a block mapping at line 1, column 1)"),
+        ("seed: [1, 2\nmax_steps: 3\n", "line 2, column 10: expected ',' or ']', but got ':' "
+         "(while parsing a flow sequence at line 1, column 7)"),
+        ("training:\n  seed: 1\n   lr: 2\n", "line 3, column 6: mapping values are not allowed here"),
+        ('run_name: "open\n', "line 2, column 1: found unexpected end of stream (while scanning a quoted scalar at "
+         "line 1, column 11)"),
+    ],
+)  # fmt: skip
+def test_bad_yaml_says_where_in_one_line(tmp_path, text, where):
+    """PyYAML's marks (problem, and the construct it was reading) stay in the one line, counted from 1."""
+    file = tmp_path / "bad.yaml"
+    file.write_text(text)
+    with pytest.raises(UserError) as caught:
+        parse("--config", str(file))
+    assert str(caught.value) == f"config file {file} is not valid YAML/JSON: {where}"
+
+
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        ("max_steps", "two", "a whole number"),
+        ("learning_rate", "fast", "a number"),
+        ("max_length", "1e3", "a whole number"),
+    ],
+)
+def test_a_bad_number_says_the_same_in_a_file_and_on_the_command_line(tmp_path, name, value, expected):
+    message = f"--{name}: expected {expected}, got {value!r}"
+    with pytest.raises(UserError) as flag:
+        parse(f"--{name}", value)
+    file = tmp_path / "run.yaml"
+    file.write_text(f"{name}: {value}\n")
+    with pytest.raises(UserError) as in_file:
+        parse("--config", str(file))
+    assert str(flag.value) == str(in_file.value) == message
+
+
+def test_an_option_under_another_section_is_refused_naming_its_own(tmp_path):
+    """Sections group options by where they belong: `training: {max_length: 64}` is a misplaced data option, told
+    where it goes; under its own section or at the top level it is read."""
+    file = tmp_path / "run.yaml"
+    file.write_text("training:\n  seed: 3\n  max_length: 64\n")
+    with pytest.raises(UserError) as caught:
+        parse("--config", str(file))
+    assert str(caught.value) == (
+        f"config file {file}: max_length belongs to the data section, not training; move it under data: "
+        "(or to the top level)"
+    )
+    with pytest.raises(UserError, match="^the config: peft belongs to the model section, not data;"):
+        resolve_options({"data": {"peft": "lora"}}, {})  # a dict given to train(...) alike
+    file.write_text("training:\n  seed: 3\ndata:\n  max_length: 64\nlora_r: 8\n")
+    cfg = parse("--config", str(file))
+    assert (cfg.training.seed, cfg.data.max_length, cfg.model.lora_r) == (3, 64, 8)
+    file.write_text("training:\n  lerning_rate: 0.1\n")  # a typo under a section keeps its hint
+    with pytest.raises(UserError, match="unknown option 'lerning_rate'; did you mean learning_rate"):
+        parse("--config", str(file))
+
+
+def test_a_mistyped_required_option_is_named_not_reported_missing():
+    """argparse checks the required options first; a required option mistyped is both missing and unknown, and
+    the unknown one is the cause."""
+    parser = _Parser(prog="t")
+    parser.add_argument("--model_dir", required=True)
+    parser.add_argument("--text")
+    with pytest.raises(UserError) as caught:
+        parser.parse_args(["--modeldir", "x", "--text", "hi"])
+    assert str(caught.value) == "unrecognized arguments: --modeldir x; did you mean --model_dir? (see t --help)"
+    with pytest.raises(UserError) as caught:
+        parser.parse_args(["--text", "hi"])
+    assert str(caught.value) == "the following arguments are required: --model_dir (see t --help)"
+    assert parser.parse_args(["--model_dir", "m"]).model_dir == "m"
+
+
 def test_unknown_file_key_suggests_the_right_one(tmp_path):
     file = tmp_path / "run.yaml"
     file.write_text("learning_rat: 0.1\n")
@@ -127,7 +203,7 @@ def test_help_lists_every_option_with_its_default():
         (["--eval_strategy", "steps"], "needs --eval_steps"),
         (["--push_to_hub", "true"], "needs --hub_model_id"),
         (["--report_to", "none,wandb"], "cannot be combined"),
-        (["--max_length", "abc"], "--max_length: invalid literal"),
+        (["--max_length", "abc"], "--max_length: expected a whole number, got 'abc'"),
     ],
 )
 def test_contradictory_or_invalid_values_fail_early(argv, message):

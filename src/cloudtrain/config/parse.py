@@ -132,7 +132,12 @@ def _convert(tp: type, value: Any, separator: str) -> Any:
         if not value.is_integer():
             raise ValueError(f"expected a whole number, got {value!r}")
         return int(value)
-    converted = tp(value)
+    try:
+        converted = tp(value)
+    except ValueError:  # int('two'): Python's wording names int(), not what the option takes
+        if tp not in (int, float):
+            raise
+        raise ValueError(f"expected a {_type_word(tp)}, got {value!r}") from None
     if tp is float and not math.isfinite(converted):
         raise ValueError(f"expected a finite number, got {value!r}")
     return converted
@@ -147,6 +152,27 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def parse_known_args(  # type: ignore[override]  # one of typeshed's overloads: the one argparse calls
+        self, args: typing.Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        """argparse reports a missing required option before an unknown one, yet a mistyped required option
+        (`--modeldir x` for `--model_dir`) is both, and the unknown one is the cause: it is checked first."""
+        required = [action for action in self._actions if action.required]
+        for action in required:
+            action.required = False
+        try:
+            parsed, extras = super().parse_known_args(args, namespace)
+        finally:
+            for action in required:
+                action.required = True
+        if any(word.startswith("--") for word in extras):
+            return parsed, extras  # parse_args reports them, with the did-you-mean
+        missing = [action for action in required if getattr(parsed, action.dest, None) is None]
+        if missing:
+            names = ", ".join("/".join(action.option_strings) or action.dest for action in missing)
+            self.error(f"the following arguments are required: {names}")
+        return parsed, extras
 
     def error(self, message: str) -> typing.NoReturn:
         if message.startswith("unrecognized arguments:"):
@@ -213,7 +239,7 @@ def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
     try:
         data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}  # YAML is a superset of JSON
     except yaml.YAMLError as err:
-        raise UserError(f"config file {path} is not valid YAML/JSON: {str(err).splitlines()[0]}") from None
+        raise UserError(f"config file {path} is not valid YAML/JSON: {_yaml_problem(err)}") from None
     except (OSError, UnicodeDecodeError) as err:
         raise UserError(f"could not read config file {path} (UTF-8 YAML or JSON): {first_line(err)}") from None
     if not isinstance(data, dict):
@@ -221,12 +247,30 @@ def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
     return with_bases(data, file.parent, chain, f"config file {path}")
 
 
+def _yaml_problem(err: yaml.YAMLError) -> str:
+    """PyYAML's complaint in one line, with where it is: its str() spreads the problem and the construct it was
+    reading (the context) over several lines, each with its own mark; line and column count from 1, as an
+    editor's do."""
+    if not isinstance(err, yaml.MarkedYAMLError):
+        return first_line(err)
+
+    def at(mark: typing.Any) -> str:
+        return f"line {mark.line + 1}, column {mark.column + 1}"
+
+    problem = err.problem or err.context or "invalid"
+    where = err.problem_mark or err.context_mark
+    text = f"{at(where)}: {problem}" if where is not None else problem
+    if err.problem and err.context:
+        text += f" ({err.context}" + (f" at {at(err.context_mark)}" if err.context_mark is not None else "") + ")"
+    return text
+
+
 def with_bases(data: dict, folder: Path, chain: tuple[Path, ...] = (), origin: str = "the config") -> dict:
     """flatten(data) over the options of the config file it names with `extends` (a path relative to `folder`,
     the extending file's own), which may extend another in turn; the extending file's values win."""
     data = dict(data)
     base = data.pop("extends", None)
-    values = flatten(data)
+    values = flatten(data, origin)
     if base is None:
         return values
     if not isinstance(base, str) or not base.strip():
@@ -237,12 +281,22 @@ def with_bases(data: dict, folder: Path, chain: tuple[Path, ...] = (), origin: s
     return {**load_config_file(str(base_file), chain), **values}
 
 
-def flatten(data: dict) -> dict:
-    """{flag name: value} from options given flat or grouped under their section names."""
+def flatten(data: dict, origin: str = "the config") -> dict:
+    """{flag name: value} from options given flat or grouped under their section names. A section holds its own
+    options only: an option under another section's name is a mistake (the file's reader would look for it
+    there), refused naming the section it belongs to; unknown names are left to build_config's hints."""
     sections = {f.name for f in dataclasses.fields(Config)}
+    known = _fields()
     flat = {}
     for key, value in data.items():
         if key in sections and isinstance(value, dict):
+            for name in value:
+                home = known[name][0] if name in known else key
+                if home != key:
+                    raise UserError(
+                        f"{origin}: {name} belongs to the {home} section, not {key}; move it under {home}: "
+                        "(or to the top level)"
+                    )
             flat.update(value)
         else:
             flat[key] = value
