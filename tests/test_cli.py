@@ -140,3 +140,47 @@ def test_sagemaker_folder_never_shadows_the_sdk():
     assert not (REPO / "sagemaker" / "__init__.py").exists()
     entry_dir = REPO / "src"  # the entry script's folder is what Python puts first on sys.path
     assert not (entry_dir / "sagemaker").exists() and not (entry_dir / "sagemaker.py").exists()
+
+
+def test_options_this_run_leaves_unused_are_noted_once_before_its_work(
+    tmp_path, topic_csvs, tiny_model_dir, capsys, monkeypatch
+):
+    """`--lora_r` without `--peft` (every weight trains) and sft's options on a classifier: one note each, printed
+    before the run reads any data (here it then stops at a missing column), and by the first process only."""
+    argv = ["--model_name_or_path", tiny_model_dir, "--train_file", str(topic_csvs["train"]), "--text_column", "body"]
+    argv += ["--lora_r", "4", "--chat_template", "chatml", "--output_dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert [line for line in out.splitlines() if line.startswith("note: ")] == [
+        "note: --lora_r 4 has no effect without --peft lora, dora or qlora",
+        "note: --chat_template chatml has no effect on --task classification; it counts for --task sft, dpo or reward",
+    ]
+    assert out.startswith("note: ") and "column 'body' is not in the train data" in err.strip().splitlines()[-1]
+    assert main([*argv, "--peft", "lora"]) == 2  # adapters: --lora_r counts
+    assert "--lora_r" not in capsys.readouterr().out
+    monkeypatch.setenv("RANK", "1")  # another process of a launch: rank 0 says it
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "note: " not in out and "column 'body' is not in the train data" in err.strip().splitlines()[-1]
+
+
+def test_generate_notes_sampling_options_under_greedy_decoding(tmp_path, capsys):
+    """--temperature, --top_k and --top_p shape sampling only: without --do_sample true each is one note, before
+    the model loads (here: a folder with none)."""
+    argv = ["generate", "--model_dir", str(tmp_path), "--prompt", "hi", "--temperature", "0.5", "--top_k", "5"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "note: --temperature 0.5 has no effect without --do_sample true",
+        "note: --top_k 5 has no effect without --do_sample true",
+        f"error: --model_dir {tmp_path} holds no config.json; pass a directory written by the training application",
+    ]
+    assert main([*argv, "--do_sample", "true"]) == 2
+    assert "note:" not in capsys.readouterr().err
+
+
+def test_plan_tells_a_decoder_preset_to_add_the_task(capsys):
+    assert main(["plan", "--model_config", "llama-600m", "--gpu", "h100"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --model_config is for --task causal_lm, sft or dpo, not classification: add --task causal_lm "
+        "(or sft or dpo)"
+    )

@@ -60,7 +60,10 @@ def test_help_and_refusals_import_no_task_or_trainer():
     }
     said = answers(["--help", "train --help", *train])
     assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}  # neither answers nor the parser
-    assert said["--help"][:3] == said["train --help"][:3] and said["--help"][0] == 0
+    assert said["--help"][0] == said["train --help"][0] == 0 and said["--help"][2] == said["train --help"][2] == ""
+    assert said["--help"][1].startswith("usage: cloudtrain [-h] ")  # the usage as the user wrote the command
+    assert said["train --help"][1].startswith("usage: cloudtrain train [-h] ")
+    assert said["--help"][1].split("options:", 1)[1] == said["train --help"][1].split("options:", 1)[1]
     assert len(said["--help"][1].splitlines()) > 100  # the whole help, task and trainer summaries included
     for line, refusal in train.items():
         assert_refused(said[line], refusal)
@@ -94,6 +97,26 @@ REFUSALS = {
     "preprocess --train_file a --tokenizer_name_or_path t --output_dir o --shard_documents 0": "--shard_documents",
     "preprocess --train_file a --tokenizer_name_or_path t --output_dir o --task sft": "--task sft needs --max_length",
 }
+
+
+def test_a_mistyped_command_is_told_the_command_before_any_import():
+    """Training takes no positional arguments: a first word that is not an option is a command, and a mistyped
+    one is told the closest command (or all of them), not training's 'unrecognized arguments'."""
+    commands = ", ".join(["train", *COMMANDS])
+    refusals = {
+        "predcit --model_dir x": "error: unknown command 'predcit'; did you mean predict?",
+        "genrate --prompt hi": "error: unknown command 'genrate'; did you mean generate?",
+        "trian --max_steps 1": "error: unknown command 'trian'; did you mean train?",
+        "fit --max_steps 1": f"error: unknown command 'fit'; the commands are {commands}",
+        "predict --modeldir x": "error: unrecognized arguments: --modeldir x; did you mean --model_dir? (see "
+        "cloudtrain predict --help)",  # the cause, not the required --model_dir it leaves missing
+        "generate --prompt hi --model-dir m": "error: unrecognized arguments: --model-dir m; did you mean "
+        "--model_dir? (see cloudtrain generate --help)",
+    }
+    said = answers(list(refusals))
+    assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}
+    for line, refusal in refusals.items():
+        assert said[line][:3] == [2, "", refusal]
 
 
 def test_each_command_s_help_and_refusals_import_nothing_heavy():

@@ -16,11 +16,13 @@ the work (torch, transformers, huggingface_hub) only once the options are valid,
 option answer at once. User mistakes print one `error:` line and exit with status 2; no traceback.
 """
 
+import difflib
 import importlib
 import os
 import sys
 
 from cloudtrain.config import _fields, _Parser, add_config_arguments, config_from_namespace
+from cloudtrain.config.inert import print_inert_notes
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.invocation import prog
 from cloudtrain.paths import check_local_paths
@@ -54,8 +56,9 @@ DESCRIPTION = (
 )
 
 
-def train_parser() -> _Parser:
-    parser = _Parser(prog=prog(), description=DESCRIPTION)
+def train_parser(named: bool = False) -> _Parser:
+    """The training options' parser; `named`: the user wrote `train`, which its usage line then shows."""
+    parser = _Parser(prog=f"{prog()} train" if named else prog(), description=DESCRIPTION)
     add_config_arguments(parser)
     return parser
 
@@ -68,14 +71,24 @@ def command_parser(name: str) -> _Parser:
     return parser
 
 
-def train_main(argv: list[str]) -> None:
-    cfg = config_from_namespace(train_parser().parse_args(argv))
+def train_main(argv: list[str], named: bool = False) -> None:
+    cfg = config_from_namespace(train_parser(named).parse_args(argv))
     check_local_paths(cfg)
+    print_inert_notes(cfg)
     from cloudtrain.hardware import quiet_deepspeed_on_cpu
     from cloudtrain.pipeline import run_training  # heavy imports only once the options and paths are valid
 
     with quiet_deepspeed_on_cpu():
         run_training(cfg)
+
+
+def check_command(word: str) -> None:
+    """Training takes no positional arguments, so a first word that is not an option names a command: a
+    mistyped one is told the closest (or every command), not parsed as training's stray arguments."""
+    names = ["train", *COMMANDS]
+    close = difflib.get_close_matches(word, names, n=1)
+    hint = f"did you mean {close[0]}?" if close else f"the commands are {', '.join(names)}"
+    raise UserError(f"unknown command {word!r}; {hint}")
 
 
 def command_main(name: str, argv: list[str]) -> None:
@@ -111,8 +124,12 @@ def run_command(argv: list[str]) -> int:
     try:
         if argv and argv[0] in COMMANDS:
             command_main(argv[0], argv[1:])
+        elif argv and argv[0] == "train":
+            train_main(argv[1:], named=True)
         else:
-            train_main(argv[1:] if argv and argv[0] == "train" else argv)
+            if argv and not argv[0].startswith("-"):
+                check_command(argv[0])
+            train_main(argv)
     except UserError as err:
         if not err.quiet:
             print(f"error: {mask(str(err))}", file=sys.stderr)

@@ -2,11 +2,14 @@
 generates."""
 
 import argparse
+import sys
 
 from cloudtrain.commands import add_switch, add_trust_remote_code, check_input_file, existing_run_dir, refuse_first
+from cloudtrain.config.inert import GENERATE, unused
 from cloudtrain.publish.saving import check_not_diffusion
 
 DEVICES = ("auto", "cpu", "cuda")
+SAMPLING = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}  # the defaults of the options only sampling reads
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,20 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--temperature",
         type=float,
-        default=1.0,
+        default=SAMPLING["temperature"],
         help="With --do_sample true: divide the logits by this (> 0; below 1 is more conservative, "
         "above 1 more varied; default: 1.0).",
     )
     parser.add_argument(
         "--top_k",
         type=int,
-        default=50,
+        default=SAMPLING["top_k"],
         help="With --do_sample true: sample among the k most likely tokens only (0: no limit; default: 50).",
     )
     parser.add_argument(
         "--top_p",
         type=float,
-        default=1.0,
+        default=SAMPLING["top_p"],
         help="With --do_sample true: sample among the most likely tokens whose probabilities add up "
         "to p (0 < p <= 1; 1.0, the default, turns it off).",
     )
@@ -124,6 +127,8 @@ def check_options(args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> None:
     check_options(args)
+    for note in unused(GENERATE, vars(args), SAMPLING):
+        print(f"note: {note}", file=sys.stderr)  # stdout holds the generated text
     from cloudtrain import generate  # torch and transformers: only once the options are valid
 
     generate.run(args)

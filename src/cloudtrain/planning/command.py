@@ -33,7 +33,7 @@ from cloudtrain.planning.accelerators import Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
 from cloudtrain.planning.diffusion import plan as pipeline_plan
 from cloudtrain.planning.diffusion import render as render_pipeline
-from cloudtrain.planning.facts import LoraSpec, ModelFacts, decoder_tasks, is_decoder, model_facts
+from cloudtrain.planning.facts import LoraSpec, ModelFacts, is_decoder, model_config_refusal, model_facts
 from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
 from cloudtrain.planning.report import choice_json, recommendation_json, render, row_json
@@ -69,7 +69,7 @@ def _check(args: argparse.Namespace) -> None:
     decoder = is_decoder(args.task)
     refuse_first(
         [
-            (args.model_config and not decoder, f"--model_config is for --task {decoder_tasks()}"),
+            (args.model_config and not decoder, model_config_refusal(args.task)),
             (
                 decoder and not (args.model_config or args.model_name_or_path),
                 f"--task {args.task} needs --model_name_or_path <causal LM> or --model_config <config.json or preset>",

@@ -132,6 +132,16 @@ def decoder_tasks(conjunction: str = "or") -> str:
     return f" {conjunction} ".join(t.name for t in TASKS if issubclass(t, DecoderTask))
 
 
+def model_config_refusal(task: str) -> str:
+    """Why `plan` refuses --model_config for the task `task` (not a decoder's), naming the --task to add."""
+    names = [t.name for t in TASKS if issubclass(t, DecoderTask)]
+    first, others = names[0], " or ".join(names[1:])
+    either = f"{', '.join(names[:-1])} or {names[-1]}" if others else first
+    return f"--model_config is for --task {either}, not {task}: add --task {first}" + (
+        f" (or {others})" if others else ""
+    )
+
+
 def task_for(task: str, model: ModelConfig | None = None) -> Task:
     """The registered task `task`, for a run of `model` (only its options: a task loads nothing when built)."""
     return TASKS[task](Config(model=model or ModelConfig()))
@@ -170,7 +180,7 @@ def _load_config(task: Task, model: ModelConfig, num_labels: int):
     name = model.model_config or model.model_name_or_path
     if not isinstance(task, DecoderTask):
         if model.model_config:
-            raise UserError(f"--model_config is for --task {decoder_tasks()}")
+            raise UserError(model_config_refusal(task.name))
         path = resolve_model_path(model)
         try:
             return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, num_labels=num_labels)

@@ -1,0 +1,156 @@
+"""Options a run leaves unused get one `note:` each, saying what would make them count; the table behind the
+notes (cloudtrain.config.inert) names real options, tasks and enabling values, and covers whole sections."""
+
+import dataclasses
+
+import pytest
+
+from cloudtrain.config import Config, DataConfig, ImagesConfig, ModelConfig, _coerce, _fields, build_config
+from cloudtrain.config.inert import GENERATE, STREAMED, TRAINING, inert_notes, unused
+from cloudtrain.registry_table import STREAMING, TASK_ROWS
+
+
+def notes(**values) -> list[str]:
+    return inert_notes(build_config(values))
+
+
+def test_lora_options_without_peft_say_peft_enables_them():
+    assert notes(lora_r=4, max_steps=1) == ["--lora_r 4 has no effect without --peft lora, dora or qlora"]
+    assert notes(lora_r=4, lora_alpha=8, lora_target_modules="q_proj,v_proj") == [
+        "--lora_r 4 has no effect without --peft lora, dora or qlora",
+        "--lora_alpha 8.0 has no effect without --peft lora, dora or qlora",
+        "--lora_target_modules q_proj,v_proj has no effect without --peft lora, dora or qlora",
+    ]
+    for peft in ("lora", "dora", "qlora"):
+        assert notes(peft=peft, lora_r=4) == []
+    assert notes(task="text_to_image", peft="lora", lora_r=4) == []  # every task trains adapters
+
+
+def test_a_classification_run_names_the_tasks_that_read_its_language_model_options():
+    said = notes(packing="bfd", chat_template="chatml", beta=0.5, sample_prompts="hello|world")
+    assert said == [
+        "--packing bfd has no effect on --task classification; it counts for --task causal_lm or sft",
+        "--chat_template chatml has no effect on --task classification; it counts for --task sft, dpo or reward",
+        "--sample_prompts 'hello|world' has no effect on --task classification; it counts for --task causal_lm or sft",
+        "--beta 0.5 has no effect on --task classification; it counts for --task dpo",
+    ]
+
+
+@pytest.mark.parametrize(
+    "task, values",
+    [
+        ("causal_lm", {"packing": "bfd", "sample_prompts": "once upon", "num_sample_prompts": 1}),
+        ("sft", {"packing": "bfd", "chat_template": "chatml", "system_prompt": "Be brief.", "train_on_prompt": True}),
+        ("dpo", {"beta": 0.5, "chat_template": "chatml", "preference_loss": "ipo", "sample_max_new_tokens": 8}),
+        ("dpo", {"preference_loss": "simpo", "simpo_gamma": 0.5}),
+        ("reward", {"chosen_column": "good", "rejected_column": "bad", "margin_column": "margin"}),
+        ("text_to_image", {"resolution": 256, "validation_prompts": "a dog|a cat", "snr_gamma": 5.0}),
+    ],
+)
+def test_no_note_where_the_task_reads_the_option(task, values):
+    assert notes(task=task, **values) == []
+
+
+@pytest.mark.parametrize(
+    "values, note",
+    [
+        (
+            {"task": "dpo", "sample_prompts": "hi"},  # dpo's sample prompts are its validation pairs'
+            "--sample_prompts hi has no effect on --task dpo; it counts for --task causal_lm or sft",
+        ),
+        (
+            {"task": "dpo", "system_prompt": "Be brief."},  # pairs are encoded without one
+            "--system_prompt 'Be brief.' has no effect on --task dpo; it counts for --task sft",
+        ),
+        (
+            {"task": "reward", "beta": 0.5},
+            "--beta 0.5 has no effect on --task reward; it counts for --task dpo",
+        ),
+        (
+            {"task": "dpo", "simpo_gamma": 2.0},
+            "--simpo_gamma 2.0 has no effect without --preference_loss simpo",
+        ),
+        (
+            {"task": "causal_lm", "resolution": 256},
+            "--resolution 256 has no effect on --task causal_lm; it counts for --task text_to_image",
+        ),
+        (
+            {"task": "causal_lm", "stream_buffer": 16},
+            "--stream_buffer 16 has no effect without --streaming true",
+        ),
+        (
+            {"task": "classification", "on_bad_data": "stop"},
+            "--on_bad_data stop has no effect on --task classification; it counts for --task causal_lm or sft "
+            "with --streaming true",
+        ),
+        ({"compile_layers": True}, "--compile_layers true has no effect without --torch_compile true"),
+    ],
+)
+def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):
+    assert notes(**values) == [note]
+
+
+def test_streaming_options_count_with_streaming():
+    assert notes(task="sft", streaming=True, max_steps=5, stream_buffer=16, on_bad_data="stop") == []
+
+
+def test_defaults_and_options_given_their_default_value_say_nothing():
+    for task in TASK_ROWS:
+        assert inert_notes(build_config({"task": task})) == []
+    assert notes(lora_r=16, packing="auto", beta=None, resolution=512) == []  # the defaults, given explicitly
+    assert inert_notes(Config()) == []
+
+
+def test_a_task_registered_at_run_time_gets_only_the_enabling_notes():
+    """An extension's task may read any option: only what another option enables is said."""
+    values = Config().to_dict() | {"packing": "bfd", "lora_r": 4}
+    defaults = Config().to_dict()
+    assert unused(TRAINING, values, defaults, task="my_own_task") == [
+        "--lora_r 4 has no effect without --peft lora, dora or qlora"
+    ]
+
+
+def test_generate_sampling_options_need_do_sample():
+    defaults = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
+    greedy = {"do_sample": False, "temperature": 0.5, "top_k": 50, "top_p": 0.9}
+    assert unused(GENERATE, greedy, defaults) == [
+        "--temperature 0.5 has no effect without --do_sample true",
+        "--top_p 0.9 has no effect without --do_sample true",
+    ]
+    assert unused(GENERATE, {**greedy, "do_sample": True}, defaults) == []
+
+
+def test_the_table_names_real_options_tasks_and_enabling_values():
+    fields = _fields()
+    for name, use in TRAINING.items():
+        assert name in fields, name
+        assert set(use.tasks) <= set(TASK_ROWS), (name, use.tasks)
+        if use.needs:
+            assert use.needs in fields and use.values, name
+            for value in use.values:  # each enabling value is one the enabling option takes
+                assert _coerce(use.needs, value) == value, (name, use.needs, value)
+
+
+def test_the_table_covers_whole_sections_and_every_streaming_option():
+    """Derived from the config: every text-to-image option, every LoRA option, and every data option whose help
+    says it is streaming's, so a new one is covered without an edit here."""
+    assert {f.name for f in dataclasses.fields(ImagesConfig)} <= {
+        n for n, u in TRAINING.items() if u.tasks == ("text_to_image",)
+    }
+    assert {f.name for f in dataclasses.fields(ModelConfig) if f.name.startswith("lora_")} <= {
+        n for n, u in TRAINING.items() if u.needs == "peft"
+    }
+    streaming_help = {f.name for f in dataclasses.fields(DataConfig) if f.metadata["help"].startswith("Streaming")}
+    assert streaming_help and streaming_help == {n for n, u in TRAINING.items() if u == STREAMED}
+    assert STREAMED.tasks == tuple(STREAMING)
+
+
+def test_a_streaming_task_reads_every_data_option_its_stream_encoder_takes():
+    """The tasks' own list of what their stream encoder reads (Task.stream_options) agrees with the table."""
+    from cloudtrain.registry import TASKS
+
+    for cls in TASKS:
+        if cls.streams_data:
+            for name in cls.stream_options:
+                use = TRAINING.get(name)
+                assert use is None or not use.tasks or cls.name in use.tasks, (cls.name, name)
