@@ -99,7 +99,10 @@ def check_options(args: argparse.Namespace) -> None:
         [
             (args.num_gpus < 1, "--num_gpus must be at least 1"),
             (args.num_nodes < 1, "--num_nodes must be at least 1"),
-            (args.gpu_memory_gb is None and args.gpu is None, "give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb"),
+            (
+                args.gpu_memory_gb is None and args.gpu is None,
+                f"give --gpu NAME (one of {', '.join(GPU_NAMES)}) or --gpu_memory_gb",
+            ),
             (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
             (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
             (args.nvme_gb is not None and args.nvme_gb <= 0, "--nvme_gb must be positive"),
