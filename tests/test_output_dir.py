@@ -11,8 +11,9 @@ from conftest import topic_run_args
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
+from cloudtrain.paths import check_local_paths
 from cloudtrain.publish import atomic
-from cloudtrain.publish.output_dir import MANIFEST, RUN_PATTERNS, check_location, is_run_name, written
+from cloudtrain.publish.output_dir import MANIFEST, RUN_PATTERNS, check_location, is_run_name, record, written
 
 QUICK = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--mixed_precision", "no"]
 
@@ -112,6 +113,48 @@ def test_a_run_writes_only_its_own_names_keeps_other_files_and_replaces_a_model_
     assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
     assert (out / "notes.txt").read_text() == "a user's file beside the run"
     assert not (out / atomic.PREVIOUS).exists()
+
+
+def test_an_earlier_model_is_refused_early_and_by_the_pipeline_in_the_same_words(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    out = tmp_path / "out"
+    steps = ["--max_steps", "2", "--checkpointing_steps", "2", "--eval_strategy", "no"]
+    assert train(tiny_model_dir, topic_csvs, out, *steps) == 0
+    capsys.readouterr()
+    before = tree(out)
+    refused = (
+        f"error: --output_dir {out} already holds a model from an earlier run (kept); choose a new folder, e.g. "
+        f"--output_dir {out}-2, or pass --overwrite_output_dir true to replace it"
+    )
+    assert train(tiny_model_dir, topic_csvs, out) == 2  # before the heavy imports (paths.check_earlier_model)
+    assert capsys.readouterr().err.strip() == refused
+    # `latest` where no checkpoint is: only the pipeline learns the run starts fresh, and it refuses alike
+    no_checkpoints = ["--resume_from_checkpoint", "latest", "--checkpoint_dir", str(tmp_path / "none")]
+    assert train(tiny_model_dir, topic_csvs, out, *no_checkpoints) == 2
+    said = capsys.readouterr()
+    assert "starting fresh" in said.out and said.err.strip() == refused
+    assert tree(out) == before
+    # the run resumed into its own folder is no earlier run's: it goes on
+    assert (
+        train(tiny_model_dir, topic_csvs, out, *steps[2:], "--max_steps", "4", "--resume_from_checkpoint", "latest")
+        == 0
+    )
+    assert json.loads((out / "train_results.json").read_text())["global_step"] == 4
+
+
+def test_the_early_check_leaves_overwriting_resumed_and_restarted_runs_to_the_pipeline(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors").write_text("weights")
+    record(out, ["model.safetensors"])
+    with pytest.raises(UserError, match="already holds a model from an earlier run"):
+        check_local_paths(build_config({"output_dir": str(out)}))
+    for extra in ({"overwrite_output_dir": True}, {"resume_from_checkpoint": "latest"},
+                  {"resume_from_checkpoint": str(out / "checkpoints" / "checkpoint-2")}):  # fmt: skip
+        check_local_paths(build_config({"output_dir": str(out), **extra}))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted worker resumes from the latest checkpoint
+    check_local_paths(build_config({"output_dir": str(out)}))
 
 
 def test_run_patterns_name_no_users_usual_files():

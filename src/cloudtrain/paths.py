@@ -2,6 +2,7 @@
 import: the CLI checks them before the heavy imports, so a mistyped path answers at once; the pipeline's
 preflight (which the Python API also runs) checks them again, with the same messages."""
 
+import os
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
@@ -9,6 +10,7 @@ from cloudtrain.config import Config, ModelConfig
 from cloudtrain.data.files import check_data_files
 from cloudtrain.errors import UserError
 from cloudtrain.publish.atomic import check_writable
+from cloudtrain.publish.output_dir import earlier_model_refusal, holds_saved_model
 
 
 def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
@@ -42,10 +44,23 @@ def check_output_folder(output_dir: Path) -> None:
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
 
 
+def check_earlier_model(cfg: Config, output_dir: Path) -> None:
+    """The pipeline's refusal of a model an earlier run saved in --output_dir (pipeline.check_output_dir), where
+    the options and the folder decide it alone: with --overwrite_output_dir, or a run resumed into its folder
+    (--resume_from_checkpoint, or a worker torchrun restarted: it resumes from the latest checkpoint), the
+    pipeline decides once it knows the checkpoint."""
+    if cfg.output.overwrite_output_dir or cfg.checkpoint.resume_from_checkpoint is not None:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:  # checkpointing.restarted_defaults
+        return
+    if holds_saved_model(output_dir):
+        raise UserError(earlier_model_refusal(output_dir))
+
+
 def check_local_paths(cfg: Config) -> None:
     """The paths the user typed: data files, image folders, the DeepSpeed config, the model and tokenizer folders
-    exist; --output_dir is a folder this machine can write. (Which of them the task reads, and what they hold,
-    is the preflight's.)"""
+    exist; --output_dir is a folder this machine can write, holding no model an earlier run saved (unless asked
+    to replace it). (Which of them the task reads, and what they hold, is the preflight's.)"""
     check_data_files(cfg.data)
     images = cfg.images
     folders = {"--train_data_dir": images.train_data_dir, "--instance_data_dir": images.instance_data_dir,
@@ -62,3 +77,4 @@ def check_local_paths(cfg: Config) -> None:
     if cfg.output.output_dir:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))
+        check_earlier_model(cfg, Path(cfg.output.output_dir))

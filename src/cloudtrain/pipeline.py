@@ -45,7 +45,7 @@ from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.paths import check_output_folder, resolve_model_path
 from cloudtrain.publish import atomic, hub
 from cloudtrain.publish import output_dir as output_dir_module
-from cloudtrain.publish.output_dir import check_location, claim, free_name, holds_saved_model
+from cloudtrain.publish.output_dir import check_location, claim, earlier_model_refusal, holds_saved_model
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks import Task, build_task
@@ -115,10 +115,7 @@ def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None, ru
             return str(err)
         atomic.recover(output_dir)
         if holds_saved_model(output_dir) and not cfg.output.overwrite_output_dir and resume_from is None:
-            return (
-                f"--output_dir {output_dir} already holds a model from an earlier run (kept); "
-                f"choose a new folder, e.g. --output_dir {free_name(output_dir)}"
-            )
+            return earlier_model_refusal(output_dir)
         try:
             claim(output_dir)
         except UserError as err:

@@ -93,6 +93,15 @@ def holds_saved_model(output_dir: Path) -> bool:
     return any(is_run_name(name, MODEL_PATTERNS) and (Path(output_dir) / name).exists() for name in ours)
 
 
+def earlier_model_refusal(output_dir: Path) -> str:
+    """Why a run may not write into `output_dir`, which holds a model an earlier run saved: one message for the
+    check before the heavy imports (paths.check_earlier_model) and the pipeline's (check_output_dir)."""
+    return (
+        f"--output_dir {output_dir} already holds a model from an earlier run (kept); choose a new folder, e.g. "
+        f"--output_dir {free_name(output_dir)}, or pass --overwrite_output_dir true to replace it"
+    )
+
+
 def replaced_at_end(output_dir: Path, staged: list[str]) -> list[str]:
     """The previous final files of cloudtrain's that the new set does not overwrite but makes stale."""
     return sorted(
