@@ -1,6 +1,7 @@
 """The local paths a training run's options name, checked with light I/O and no torch, transformers or datasets
-import: the CLI checks them before the heavy imports, so a mistyped path answers at once; the pipeline's
-preflight (which the Python API also runs) checks them again, with the same messages."""
+import: the CLI and the Python API check them before the heavy imports, so a mistyped path answers at once; the
+pipeline's preflight checks them again, with the same messages. Last, the Hub ids among them: one that only the
+Hub can give while it cannot be reached is refused here too (cloudtrain.hub_reach)."""
 
 import os
 from pathlib import Path
@@ -9,6 +10,7 @@ from cloudtrain.assets import default_model_dir
 from cloudtrain.config import Config, ModelConfig
 from cloudtrain.data.files import check_data_files
 from cloudtrain.errors import UserError
+from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.publish.atomic import check_writable
 from cloudtrain.publish.output_dir import earlier_model_refusal, holds_saved_model
 
@@ -57,10 +59,26 @@ def check_earlier_model(cfg: Config, output_dir: Path) -> None:
         raise UserError(earlier_model_refusal(output_dir))
 
 
+def hub_ids(cfg: Config) -> list[HubId]:
+    """The model, tokenizer and dataset that the options name by Hub id (not a local path)."""
+    named = [
+        ("--model_name_or_path", cfg.model.model_name_or_path, "model"),
+        ("--tokenizer_name_or_path", cfg.model.tokenizer_name_or_path, "model"),
+    ]
+    if not cfg.data.streaming:  # streamed, it is hf://datasets/<id>: data.remote checks the Hub itself
+        named.append(("--dataset_name", cfg.data.dataset_name, "dataset"))
+    return [
+        HubId(flag, name, kind)
+        for flag, name, kind in named
+        if name and looks_like_repo_id(name) and not Path(name).exists()
+    ]
+
+
 def check_local_paths(cfg: Config) -> None:
     """The paths the user typed: data files, image folders, the DeepSpeed config, the model and tokenizer folders
     exist; --output_dir is a folder this machine can write, holding no model an earlier run saved (unless asked
-    to replace it). (Which of them the task reads, and what they hold, is the preflight's.)"""
+    to replace it). (Which of them the task reads, and what they hold, is the preflight's.) Then the Hub ids
+    named: cached, or the Hub answers."""
     check_data_files(cfg.data)
     images = cfg.images
     folders = {"--train_data_dir": images.train_data_dir, "--instance_data_dir": images.instance_data_dir,
@@ -78,3 +96,4 @@ def check_local_paths(cfg: Config) -> None:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))
         check_earlier_model(cfg, Path(cfg.output.output_dir))
+    check_hub_ids(hub_ids(cfg))  # last: the local mistakes answer without a network request
