@@ -171,3 +171,60 @@ def test_a_text_to_image_output_given_to_a_text_command_is_named_for_what_it_is(
 
 def test_muon_is_known_available_without_importing_torch():
     assert muon_available() == hasattr(torch.optim, "Muon")
+
+
+# cloudtrain.train(...) from a fresh interpreter: what it raised, and the heavy modules imported by then
+API_SCRIPT = """
+import json, sys
+import cloudtrain
+from cloudtrain.errors import UserError
+try:
+    cloudtrain.train(**json.loads(sys.argv[1]))
+    said = None
+except UserError as err:
+    said = str(err)
+print(json.dumps([said, sorted(m for m in json.loads(sys.argv[2]) if m in sys.modules)]))
+"""
+
+
+def api_answer(options: dict) -> tuple[str | None, list[str]]:
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+    result = subprocess.run(
+        [sys.executable, "-c", API_SCRIPT, json.dumps(options), json.dumps(HEAVY)],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    said, heavy = json.loads(result.stdout.splitlines()[-1])
+    return said, heavy
+
+
+def earlier_run(folder):
+    """A folder holding a model an earlier run saved (the names are in cloudtrain's manifest)."""
+    from cloudtrain.publish.output_dir import record
+
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors", "args.json"):
+        (folder / name).write_text("{}")
+    record(folder, ["config.json", "model.safetensors", "args.json"])
+    return folder
+
+
+def test_the_python_api_checks_paths_as_the_command_line_does_before_the_hub_and_the_imports(tmp_path):
+    corpus = tmp_path / "corpus.txt"  # docs/getting-started.md's example, its corpus missing
+    said, heavy = api_answer({"task": "causal_lm", "model_name_or_path": "gpt2", "train_file": str(corpus)})
+    assert (said, heavy) == (f"--train_file {corpus} does not exist", [])
+    out = earlier_run(tmp_path / "run")
+    said, heavy = api_answer({"output_dir": str(out)})
+    assert said and said.startswith(f"--output_dir {out} already holds a model from an earlier run") and not heavy
+
+
+def test_an_output_folder_holding_an_earlier_model_is_refused_before_the_training_imports(tmp_path):
+    out = earlier_run(tmp_path / "run")
+    (tmp_path / "run-2").mkdir()  # taken: the suggestion is the first free name
+    said = answers([f"--output_dir {out}"])
+    assert said[f"--output_dir {out}"][-1] == []
+    assert_refused(
+        said[f"--output_dir {out}"],
+        f"error: --output_dir {out} already holds a model from an earlier run (kept); choose a new folder, e.g. "
+        f"--output_dir {tmp_path / 'run-3'}, or pass --overwrite_output_dir true to replace it",
+    )

@@ -43,6 +43,7 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     name importable ones, as --callbacks does; docs/extending.md, Callbacks).
     """
     from cloudtrain.config import resolve_options
+    from cloudtrain.paths import check_local_paths
 
     module = options.pop("model") if not isinstance(options.get("model", {}), dict) else None  # a dict: the section
     train_dataset, eval_dataset = options.pop("train_dataset", None), options.pop("eval_dataset", None)
@@ -51,6 +52,9 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     if names:
         options["callbacks"] = names
     cfg = resolve_options(config, options)
+    own_module = module is not None or train_dataset is not None
+    if not own_module:  # the command line's checks, in its order: a missing file before the Hub or the imports
+        check_local_paths(cfg)  # (a module's run is checked by its task first: what does not apply to a module)
     from accelerate.state import AcceleratorState, GradientState  # heavy imports only once the options are valid
 
     from cloudtrain.pipeline import run_training
@@ -60,7 +64,7 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     task = None
-    if module is not None or train_dataset is not None:  # the user's own module: a task object, not a --task name
+    if own_module:  # the user's own module: a task object, not a --task name
         from cloudtrain.tasks.module_task import ModuleTask
 
         task = ModuleTask(module, train_dataset, eval_dataset, cfg)
