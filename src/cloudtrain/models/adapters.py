@@ -232,8 +232,7 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     if (model_dir / LABELS).is_file():
         id2label = {int(i): name for i, name in json.loads((model_dir / LABELS).read_text())["id2label"].items()}
         options.update(
-            num_labels=len(id2label),
-            id2label=id2label,
+            id2label=id2label,  # the number of labels with it (num_labels too: a warning against the base's labels)
             label2id={n: i for i, n in id2label.items()},
             ignore_mismatched_sizes=True,
         )  # the base's own head, if any, is replaced by the adapter's
@@ -245,7 +244,8 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
             options["pad_token_id"] = tokenizer.pad_token_id  # a decoder classifier finds its last token by it
         model = AUTO_CLASSES[task_type].from_pretrained(base, **options)
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:  # a chat template's tokens
-            model.resize_token_embeddings(len(tokenizer))
+            # their rows come from the adapter (trained in full with it): mean resizing's covariance would be waste
+            model.resize_token_embeddings(len(tokenizer), mean_resizing=False)
         if (model_dir / GENERATION_CONFIG_NAME).is_file():
             model.generation_config = GenerationConfig.from_pretrained(model_dir)
         with warnings.catch_warnings():

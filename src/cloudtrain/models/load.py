@@ -15,6 +15,7 @@ vocabulary, --max_length within its positions.
 """
 
 import json
+import logging
 import zipfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -290,3 +291,23 @@ def body_weights(path: str, model_class: type[PreTrainedModel]) -> dict:
         for key, value in load_state_dict(file, "meta" if meta else "cpu").items()
         if key.startswith(prefix)
     }
+
+
+class _MeanResizingNotice(logging.Filter):
+    """transformers' notice, at every resize that adds rows, that it draws them around the old rows' mean."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        return not (message.startswith("The new ") and "multivariate normal distribution" in message)
+
+
+def grow_embeddings(model: PreTrainedModel, rows: int, pad_to_multiple_of: int | None = None) -> None:
+    """`model.resize_token_embeddings(rows)`: the new input and output rows drawn around the old rows' mean and
+    covariance (transformers' mean resizing), so a new token starts as an average one, with an average logit,
+    rather than at zero; said here, so transformers' notice about that choice is left off the console."""
+    logger, notice = logging.getLogger("transformers.modeling_utils"), _MeanResizingNotice()
+    logger.addFilter(notice)
+    try:
+        model.resize_token_embeddings(rows, pad_to_multiple_of=pad_to_multiple_of, mean_resizing=True)
+    finally:
+        logger.removeFilter(notice)

@@ -75,9 +75,9 @@ class ClassificationTask(Task):
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
         """The checkpoint's config with a head for the data's labels (names by id), padding as the tokenizer."""
         id2label = dict(enumerate(data.label_names))
-        config = read_config(
-            cfg.model, num_labels=len(id2label), id2label=id2label, label2id={n: i for i, n in id2label.items()}
-        )
+        # id2label alone sets the number of labels; num_labels beside it made transformers warn that it disagrees
+        # with a checkpoint head's own labels, just before the line saying that head is replaced
+        config = read_config(cfg.model, id2label=id2label, label2id={n: i for i, n in id2label.items()})
         config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
         return config
 

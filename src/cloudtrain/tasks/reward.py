@@ -36,7 +36,7 @@ from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import head_labels
+from cloudtrain.models.load import grow_embeddings, head_labels
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
@@ -191,8 +191,7 @@ class RewardTask(Task):
         try:
             config = AutoConfig.from_pretrained(
                 path,
-                num_labels=1,
-                id2label={0: "reward"},
+                id2label={0: "reward"},  # one output; num_labels beside it: a warning against a classifier's labels
                 label2id={"reward": 0},
                 trust_remote_code=cfg.model.trust_remote_code,
             )
@@ -216,7 +215,7 @@ class RewardTask(Task):
     ) -> None:
         embeddings: Any = model.get_input_embeddings()
         if len(tokenizer) > embeddings.num_embeddings:  # a chat template's new tokens
-            model.resize_token_embeddings(len(tokenizer))
+            grow_embeddings(model, len(tokenizer))
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """The head (and the embeddings when a chat template added tokens): new weights adapters cannot train."""

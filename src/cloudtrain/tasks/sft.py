@@ -41,7 +41,7 @@ from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
 from cloudtrain.data.streaming import StreamPlan, stream_plan
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
-from cloudtrain.models.load import load_tokenizer
+from cloudtrain.models.load import grow_embeddings, load_tokenizer
 from cloudtrain.parallel.tensor import check_embeddings_fit
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
@@ -307,7 +307,7 @@ class SFTTask(CausalLMTask):
         if len(tokenizer) > rows:
             # a multiple of 64 suits matmul kernels; an adapter's base grows to len(tokenizer) exactly, as
             # PEFT's AutoPeftModel... grows it when loading the adapter
-            model.resize_token_embeddings(len(tokenizer), pad_to_multiple_of=None if cfg.model.peft != "none" else 64)
+            grow_embeddings(model, len(tokenizer), pad_to_multiple_of=None if cfg.model.peft != "none" else 64)
             if announce:
                 print(
                     f"grew the embeddings from {rows} to {model.get_input_embeddings().num_embeddings} rows for "
