@@ -41,6 +41,7 @@ from cloudtrain.async_save import BackgroundSave, ThreadCollectives
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
+from cloudtrain.observe import console
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.publish.atomic import fsync, is_no_space
 
@@ -565,10 +566,9 @@ class Checkpointer:
         size = sum(f.stat().st_size for f in final.rglob("*") if f.is_file())
         blocked = took if blocked_s is None else blocked_s
         how = "" if blocked_s is None else ", in the background"
-        print(
+        console.say(  # through the training bar, else the line would continue the bar's
             f"checkpoint saved to {final} ({size / 2**20:.0f} MiB, {took:.1f}s{how}; "
-            f"the training loop was blocked {blocked:.2f}s)",
-            flush=True,
+            f"the training loop was blocked {blocked:.2f}s)"
         )
         if self.on_saved:
             self.on_saved(step, final)

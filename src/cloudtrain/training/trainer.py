@@ -57,6 +57,7 @@ from cloudtrain.config import PRECISIONS, Config, differs_from_default
 from cloudtrain.data.processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.evaluation import scalar_metrics
+from cloudtrain.observe import console
 from cloudtrain.observe.flops import ModelFlops
 from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.mesh import Mesh
@@ -421,7 +422,7 @@ class Trainer:
             initial=state.global_step,
             desc="training",
             dynamic_ncols=True,
-            disable=not self.is_main_process,
+            disable=not self.is_main_process or not console.progress_bars(),  # a log file: the step lines say it
         )
         meter, guard = Meter(self.runtime, state, self._device), NonfiniteGuard(self._device, state.global_step)
         return LoopState(state, total_steps, steps_per_epoch, meter, guard, bar)

@@ -1,0 +1,116 @@
+"""The console: progress bars only where a person watches them, each printed line whole, and no library notices
+that tell a cloudtrain user nothing.
+
+A log file (`> run.log 2>&1`, SageMaker's CloudWatch, `kubectl logs`) gets no progress bars: their carriage
+returns pile every refresh into one line, and the step lines carry the progress already. `setup()`, called once by
+every entry point before the heavy imports, decides from CLOUDTRAIN_PROGRESS_BARS (1 or 0 forces them on or off),
+else TQDM_DISABLE, else whether stderr is a terminal (or a notebook kernel). Without `setup()` (train() from
+Python) the bars stay as the libraries show them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from typing import TextIO
+
+from cloudtrain.errors import UserError
+
+BARS = "CLOUDTRAIN_PROGRESS_BARS"
+TRUE = {"1", "true", "yes", "on"}
+FALSE = {"0", "false", "no", "off"}
+# Each library's own switch, read when it is imported; set only where the user left it unset (theirs wins).
+LIBRARY_SWITCHES = {
+    "datasets": "HF_DATASETS_DISABLE_PROGRESS_BARS",
+    "huggingface_hub": "HF_HUB_DISABLE_PROGRESS_BARS",  # transformers' bars follow the Hub's at its import
+}
+# DeepSpeed's notice whenever it is imported (accelerate imports it to unwrap any model) without CUDA: it picks its
+# CPU accelerator anyway, and cloudtrain names the device a run trains on.
+DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
+
+_bars: bool | None = None  # decided by setup(); None: not called, the libraries' defaults
+
+
+def progress_bars() -> bool:
+    """Whether cloudtrain shows its own progress bars (the training bar): as setup() decided; True without it."""
+    return True if _bars is None else _bars
+
+
+def wanted(environ: Mapping[str, str] = os.environ, stderr: TextIO | None = None) -> bool:
+    """Whether this process should show progress bars: CLOUDTRAIN_PROGRESS_BARS, else TQDM_DISABLE (tqdm's own
+    switch), else whether `stderr` (sys.stderr) is a terminal or a notebook kernel shows its output."""
+    forced = environ.get(BARS, "").strip().lower()
+    if forced in TRUE:
+        return True
+    if forced in FALSE:
+        return False
+    if forced:
+        raise UserError(f"{BARS}={environ[BARS]!r}: set it to 1 (progress bars), 0 (none), or leave it unset")
+    if environ.get("TQDM_DISABLE", "").strip().lower() in TRUE:
+        return False
+    terminal = _is_terminal(sys.stderr if stderr is None else stderr)
+    return terminal or "ipykernel" in sys.modules  # a notebook renders tqdm.auto's bars as widgets
+
+
+def setup() -> None:
+    """Once per process, first thing in every entry point (before datasets, transformers or DeepSpeed load)."""
+    global _bars
+    _bars = wanted()
+    if not _bars:
+        disable_library_bars()
+    quiet_deepspeed_cpu_notice()
+    if not _is_terminal(sys.stdout):
+        # A file or a pipe is block-buffered: a log shows lines minutes late and out of order with stderr's.
+        reconfigure = getattr(sys.stdout, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(line_buffering=True)
+
+
+def disable_library_bars() -> None:
+    """No progress bars from datasets, huggingface_hub and transformers in this process and the ones it starts."""
+    for module, variable in LIBRARY_SWITCHES.items():
+        if variable in os.environ:
+            continue  # the user's choice, which the library honours over any call
+        os.environ[variable] = "1"
+        if module in sys.modules:  # imported already: it read the variable before we set it
+            importlib.import_module(f"{module}.utils").disable_progress_bars()
+            if module == "huggingface_hub" and "transformers" in sys.modules:  # it read the Hub's state at import
+                importlib.import_module("transformers.utils.logging").disable_progress_bar()
+
+
+class _DropNotice(logging.Filter):
+    """Drops one exact message of the logger it is added to."""
+
+    def __init__(self, message: str):
+        super().__init__()
+        self.message = message
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() != self.message
+
+
+def quiet_deepspeed_cpu_notice() -> None:
+    """Keep DeepSpeed's "unable to detect" notice off the console. Its logger ("DeepSpeed") is set up when it is
+    imported, keeping filters added before; any other DeepSpeed message still shows."""
+    logger = logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _DropNotice) and f.message == DEEPSPEED_CPU_NOTICE for f in logger.filters):
+        logger.addFilter(_DropNotice(DEEPSPEED_CPU_NOTICE))
+
+
+def say(line: str) -> None:
+    """Print one line to stdout on a line of its own, also while a progress bar is shown (the bar is cleared and
+    drawn again below it; a plain print would continue the bar's line)."""
+    from tqdm import tqdm
+
+    tqdm.write(line, file=sys.stdout)
+    sys.stdout.flush()
+
+
+def _is_terminal(stream: TextIO | None) -> bool:
+    try:  # a stream may have no isatty, or be closed
+        return stream is not None and stream.isatty()
+    except (AttributeError, ValueError):
+        return False
