@@ -105,7 +105,7 @@ def test_an_earlier_model_is_never_overwritten_by_default(existing_output, capsy
     assert main(["--output_dir", str(existing_output)]) == 2
     assert capsys.readouterr().err.strip() == (
         f"error: --output_dir {existing_output} already holds a model from an earlier run (kept); "
-        f"choose a new folder, e.g. --output_dir {existing_output}-2"
+        f"choose a new folder, e.g. --output_dir {existing_output}-2, or pass --overwrite_output_dir true to replace it"
     )
     assert snapshot(existing_output) == before
 

@@ -89,7 +89,7 @@ REFUSALS = {
     "generate --model_dir /no/such/run --prompt hi": "--model_dir /no/such/run does not exist",
     "generate --model_dir m": "nothing to generate from: pass --prompt",
     "generate --model_dir m --chat --prompt hi": "--chat reads the conversation from the terminal",
-    "plan": "give --gpu NAME (e.g. a100-80gb) or --gpu_memory_gb",
+    "plan": "give --gpu NAME (one of t4, v100-16gb, ",
     "plan --gpu h1000": "--gpu h1000 is not a GPU the planner knows (t4, ",
     "plan --gpu tpu-v5e": "--gpu tpu-v5e: Google TPUs (XLA) are not supported",
     "plan --gpu h100 --num_gpus 0": "--num_gpus must be at least 1",

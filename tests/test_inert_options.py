@@ -154,3 +154,21 @@ def test_a_streaming_task_reads_every_data_option_its_stream_encoder_takes():
             for name in cls.stream_options:
                 use = TRAINING.get(name)
                 assert use is None or not use.tasks or cls.name in use.tasks, (cls.name, name)
+
+
+def test_train_from_python_prints_the_notes_as_the_command_line_does(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    from cloudtrain import train
+
+    files = {"train_file": str(topic_csvs["train"]), "validation_file": str(topic_csvs["validation"])}
+    train(
+        {
+            "model_name_or_path": tiny_model_dir,
+            **files,
+            "output_dir": str(tmp_path / "out"),
+            "max_steps": 1,
+            "lora_r": 4,
+        }
+    )
+    said = capsys.readouterr().out
+    assert said.count("note: --lora_r 4 has no effect without --peft lora, dora or qlora") == 1
+    assert said.index("note: --lora_r") < said.index("trained 1 step in")  # before the work, as on the command line

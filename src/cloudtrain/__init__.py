@@ -43,6 +43,7 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     name importable ones, as --callbacks does; docs/extending.md, Callbacks).
     """
     from cloudtrain.config import resolve_options
+    from cloudtrain.config.inert import print_inert_notes
     from cloudtrain.paths import check_local_paths
 
     module = options.pop("model") if not isinstance(options.get("model", {}), dict) else None  # a dict: the section
@@ -55,6 +56,7 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     own_module = module is not None or train_dataset is not None
     if not own_module:  # the command line's checks, in its order: a missing file before the Hub or the imports
         check_local_paths(cfg)  # (a module's run is checked by its task first: what does not apply to a module)
+        print_inert_notes(cfg)
     from accelerate.state import AcceleratorState, GradientState  # heavy imports only once the options are valid
 
     from cloudtrain.pipeline import run_training

@@ -333,7 +333,8 @@ def describe_training(train: dict) -> str:
     over its own samples and time (train_results.json's launch_*), not over the run's."""
     if "resumed_at_step" not in train:
         return (
-            f"trained {train['global_step']} steps in {train['train_runtime_s']:.0f}s "
+            f"trained {train['global_step']} step{'' if train['global_step'] == 1 else 's'} in "
+            f"{train['train_runtime_s']:.0f}s "
             f"({train['train_samples_per_s']:.1f} samples/s, {train['train_tokens_per_s']:.0f} tokens/s)"
         )
     first, last, steps = train["resumed_at_step"] + 1, train["global_step"], train["launch_steps"]
