@@ -2,6 +2,7 @@
 once, a checkpoint and a clean stop; twice, a stop at once, without one. The real entry script, a tiny model."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import pytest
 from test_checkpointing import args_for, complete_checkpoints, start
 
 PROMISE = "Ctrl-C: a checkpoint is saved at the next logging step"
+STEPPING = r"training: .*\| *[1-9][0-9]*/[0-9]+ "  # the bar past its first step: inside the loop
 
 
 class Stderr:
@@ -27,11 +29,11 @@ class Stderr:
         while chunk := os.read(self.proc.stderr.fileno(), 4096):
             self.text += chunk.decode(errors="replace")
 
-    def wait_for(self, text: str, timeout: float = 300) -> None:
+    def wait_for(self, pattern: str, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
-        while text not in self.text:
-            assert self.proc.poll() is None or text in self.text, f"exited early: {self.text[-3000:]}"
-            assert time.monotonic() < deadline, f"timed out waiting for {text!r}: {self.text[-3000:]}"
+        while not re.search(pattern, self.text):
+            assert self.proc.poll() is None, f"exited early: {self.text[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {pattern!r}: {self.text[-3000:]}"
             time.sleep(0.01)
 
     def end(self) -> int:
@@ -45,12 +47,13 @@ def ctrl_c(proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
-def test_one_ctrl_c_saves_a_checkpoint_then_stops(tiny_model_dir, topic_csvs, tmp_path):
+def test_one_ctrl_c_saves_a_checkpoint_then_stops(tiny_model_dir, topic_csvs, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLOUDTRAIN_PROGRESS_BARS", "1")  # the bar tells the test the loop has started
     out = tmp_path / "out"
     options = ["--max_steps", "3000", "--eval_strategy", "no", "--dataloader_num_workers", "1"]
     proc = start([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, *options))
     err = Stderr(proc)
-    err.wait_for("training:")
+    err.wait_for(STEPPING)
     ctrl_c(proc)
     assert err.end() == 130
     assert err.text.count(PROMISE) == 1  # from the run, not again from its data-loader worker
@@ -61,14 +64,15 @@ def test_one_ctrl_c_saves_a_checkpoint_then_stops(tiny_model_dir, topic_csvs, tm
 
 
 @pytest.mark.slow
-def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, topic_csvs, tmp_path):
+def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, topic_csvs, tmp_path, monkeypatch):
+    monkeypatch.setenv("CLOUDTRAIN_PROGRESS_BARS", "1")  # the bar tells the test the loop has started
     out = tmp_path / "out"
     never = ["--max_steps", "100000", "--logging_steps", "100000", "--eval_strategy", "no"]  # no step syncs
     proc = start([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, *never))
     err = Stderr(proc)
-    err.wait_for("training:")
+    err.wait_for(STEPPING)
     ctrl_c(proc)
-    err.wait_for(PROMISE)
+    err.wait_for(re.escape(PROMISE))
     ctrl_c(proc)
     assert err.end() == 130
     assert err.text.rstrip().endswith(

@@ -25,6 +25,7 @@ from cloudtrain.config import _fields, _Parser, add_config_arguments, config_fro
 from cloudtrain.config.inert import print_inert_notes
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.invocation import prog
+from cloudtrain.observe import console
 from cloudtrain.paths import check_local_paths
 from cloudtrain.redact import mask, scrub_argv
 
@@ -75,11 +76,9 @@ def train_main(argv: list[str], named: bool = False) -> None:
     cfg = config_from_namespace(train_parser(named).parse_args(argv))
     check_local_paths(cfg)
     print_inert_notes(cfg)
-    from cloudtrain.hardware import quiet_deepspeed_on_cpu
     from cloudtrain.pipeline import run_training  # heavy imports only once the options and paths are valid
 
-    with quiet_deepspeed_on_cpu():
-        run_training(cfg)
+    run_training(cfg)
 
 
 def check_command(word: str) -> None:
@@ -122,6 +121,7 @@ def run_command(argv: list[str]) -> int:
         )
     scrub_argv(secrets)  # read already; trackers record sys.argv as the program's arguments
     try:
+        console.setup()  # bars only on a terminal; before datasets, transformers or DeepSpeed are imported
         if argv and argv[0] in COMMANDS:
             command_main(argv[0], argv[1:])
         elif argv and argv[0] == "train":

@@ -11,28 +11,12 @@ import ctypes
 import functools
 import os
 import sys
-from collections.abc import Iterator
 
 import torch
 
 # For tests only: "1" or "0" makes `native_bf16("cpu")` answer as on a CPU with or without native bf16, so the
 # suite can be run as on the other kind of CPU (`make test-other-cpu`). Children of a run inherit it.
 FORCE_CPU_BF16 = "CLOUDTRAIN_TEST_CPU_BF16"
-
-
-@contextlib.contextmanager
-def quiet_deepspeed_on_cpu() -> Iterator[None]:
-    """Without CUDA DeepSpeed takes its CPU accelerator anyway, but warns that it found no GPU whenever it is
-    imported, which accelerate does to unwrap any model; naming that choice keeps the warning off CPU runs. The
-    variable is removed afterwards, so that nothing else this process starts inherits it."""
-    named = "DS_ACCELERATOR" not in os.environ and not torch.cuda.is_available()
-    if named:
-        os.environ["DS_ACCELERATOR"] = "cpu"
-    try:
-        yield
-    finally:
-        if named:
-            os.environ.pop("DS_ACCELERATOR", None)
 
 
 def native_bf16(device_type: str) -> bool:

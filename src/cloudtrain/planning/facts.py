@@ -183,7 +183,8 @@ def _load_config(task: Task, model: ModelConfig, num_labels: int):
             raise UserError(model_config_refusal(task.name))
         path = resolve_model_path(model)
         try:
-            return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, num_labels=num_labels)
+            labels = {i: f"LABEL_{i}" for i in range(num_labels)}  # num_labels= warns when the head had other labels
+            return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, id2label=labels)
         except (OSError, ValueError, KeyError) as err:
             if "trust_remote_code" in str(err):  # transformers' refusal: the checkpoint's own code must run
                 raise remote_code_refusal(path) from None
