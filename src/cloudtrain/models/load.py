@@ -35,6 +35,7 @@ from cloudtrain.config import Config, ModelConfig
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.models import adapters
+from cloudtrain.models.positions import positions
 from cloudtrain.parallel import tensor as tensor_parallel
 from cloudtrain.parallel.distributed import launched_processes
 from cloudtrain.paths import resolve_model_path
@@ -125,10 +126,6 @@ def check_checkpoint(path: str | Path, flag: str) -> None:
             raise UserError(f"{file} is damaged ({first_line(err)}); save or download the model again") from None
 
 
-# Position embeddings that start after the padding index (RoBERTa's family): padding_idx + 1 rows are unused.
-PADDING_OFFSET_POSITIONS = ("roberta", "xlm-roberta", "camembert", "roberta-prelayernorm", "data2vec-text", "xmod")
-
-
 def check_sizes(
     config: transformers.PretrainedConfig,
     tokenizer: transformers.PreTrainedTokenizerBase,
@@ -158,14 +155,7 @@ def check_positions(config: transformers.PretrainedConfig, max_length: int) -> N
 
 def context_length(config: transformers.PretrainedConfig) -> int | None:
     """The most tokens a row may hold: the rows of its position table; None where positions are relative."""
-    text = config.get_text_config(decoder=True)
-    context = getattr(text, "max_position_embeddings", None)
-    if not context or getattr(text, "position_biased_input", True) is False:  # DeBERTa's relative positions
-        return None
-    if getattr(text, "model_type", "") in PADDING_OFFSET_POSITIONS:
-        pad = getattr(text, "pad_token_id", None)
-        context -= (1 if pad is None else pad) + 1
-    return context
+    return positions(config.get_text_config(decoder=True))
 
 
 def read_config(cfg: ModelConfig, **options) -> transformers.PretrainedConfig:
