@@ -175,3 +175,24 @@ def test_a_model_on_a_reachable_hub_trains_as_before(hub, tiny_model_dir, topic_
     assert hub.requests[before] == ("HEAD", "/")  # the check asked, then the loaders went on as before
     assert (tmp_path / "out" / "model.safetensors").is_file()
     assert list((tmp_path / "hf-home" / "hub").glob("models--alice--tiny-bert/snapshots/*/config.json"))
+
+
+def test_a_cached_id_goes_offline_at_once_when_the_hub_does_not_answer(empty_caches, monkeypatch, capsys):
+    """Without this, each loader retries for half a minute before it falls back to the cache."""
+    model = HubId("--model_name_or_path", "org/Some-Model")
+    snapshot = empty_caches / "hub" / "models--org--Some-Model" / "snapshots" / "0123abcd"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    url = f"http://127.0.0.1:{closed_port()}"
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        monkeypatch.setenv(variable, "0")  # restored after the test, as the constants are
+    check_hub_ids([model])
+    assert capsys.readouterr().out == (
+        f"note: cannot reach {url} ([Errno 111] Connection refused): org/Some-Model from the local cache "
+        "(HF_HUB_OFFLINE=1 for this run)\n"
+    )
+    assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
+    assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"  # for the processes it starts

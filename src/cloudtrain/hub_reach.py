@@ -3,8 +3,8 @@
 An id that is no local folder and that nothing in the local caches holds can only come from the Hub. When the
 endpoint does not answer, huggingface_hub retries each request for about half a minute, a line each time, before
 transformers or datasets fail: one request with a short timeout says so here, in one line. With HF_HUB_OFFLINE
-set such an id is refused at once. A cached id is left to the loaders (offline they use the cache), and so is
-every id when the endpoint answers.
+set such an id is refused at once. When every id is cached and the endpoint does not answer, the run goes offline
+(the loaders use their caches at once, not after their retries); when it answers, the loaders have every id.
 
 Imports neither huggingface_hub nor datasets (seconds of CPU): their settings are read as they read them, from
 their modules where something imported them already (a notebook; a test that points the client at a local
@@ -151,7 +151,8 @@ def unreachable(url: str, timeout: float = TIMEOUT_S) -> str | None:
 
 def check_hub_ids(wanted: list[HubId]) -> None:
     """Refuse, in one line, an id that only the Hub can give while the Hub cannot be reached or may not be used."""
-    missing = [hub_id for hub_id in dict.fromkeys(wanted) if not cached(hub_id)]
+    ids = list(dict.fromkeys(wanted))
+    missing = [hub_id for hub_id in ids if not cached(hub_id)]
     for hub_id in missing:
         variable = offline(hub_id.kind)
         if variable:
@@ -162,6 +163,7 @@ def check_hub_ids(wanted: list[HubId]) -> None:
                 f"nothing of it in {cache}); unset {variable} to download it, or {local}"
             )
     if not missing:
+        _use_the_cache_if_unreachable(ids)
         return
     url = endpoint()
     reason = unreachable(url)
@@ -177,3 +179,19 @@ def check_hub_ids(wanted: list[HubId]) -> None:
             f"cannot reach {url}{named} to download {first.repo_id} ({first.flag}): {reason}; {connect}, {local}, "
             "or set HF_HUB_OFFLINE=1 to use only what is cached"
         )
+
+
+def _use_the_cache_if_unreachable(ids: list[HubId]) -> None:
+    """Every id is cached. A Hub that does not answer would cost each loader half a minute of retries before it
+    falls back to its cache: the run goes offline at once instead (this process and the ones it starts), saying so."""
+    online = [hub_id for hub_id in ids if offline(hub_id.kind) is None]
+    url = endpoint()
+    if not online or not (reason := unreachable(url)):
+        return
+    for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        os.environ[variable] = "1"
+    for module in ("huggingface_hub.constants", "datasets.config"):  # imported already: they read the variable then
+        if (loaded := sys.modules.get(module)) is not None:
+            setattr(loaded, "HF_HUB_OFFLINE", True)  # noqa: B010 (a module found at run time)
+    names = ", ".join(hub_id.repo_id for hub_id in online)
+    print(f"note: cannot reach {url} ({reason}): {names} from the local cache (HF_HUB_OFFLINE=1 for this run)")
