@@ -346,7 +346,9 @@ def test_a_streaming_run_evaluates_on_its_validation_file(tiny_llama_dir, tmp_pa
     args = stream_run_args(tiny_llama_dir, two_sources, out, *budget, "--validation_file", str(held_out))
     results = train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)})
     assert results["train"]["global_step"] == 2
-    assert "note: --max_steps 2 sets the run's length; --max_tokens 99999 is not used" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "note: --max_steps 2 sets the run's length; --max_tokens 99999 is not used" in said
+    assert "2 steps (streamed: no epochs)" in said and "step 2/2 | loss" in said  # a stream has no epochs to count
     assert results["eval"]["tokens"] > 0  # sample prompts come from the validation rows: these are the file's
     assert [g["prompt"].split()[0] for g in results["eval"]["generations"]] == ["held-out"]
 

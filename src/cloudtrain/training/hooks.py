@@ -238,10 +238,10 @@ class LoggingHook(Hook):
         self.task_metrics = [f"train/{name}" for name in own]
         return values
 
-    @staticmethod
-    def _line(loop: LoopState, values: dict) -> str:
+    def _line(self, loop: LoopState, values: dict) -> str:
+        epoch = "" if self.trainer.streams else f" | epoch {loop.epoch:.2f}"  # a stream has no epochs
         line = (
-            f"step {loop.step}/{loop.bar.total} | epoch {loop.epoch:.2f} | loss {values['train/loss']:.4f}"
+            f"step {loop.step}/{loop.bar.total}{epoch} | loss {values['train/loss']:.4f}"
             f" | lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s"
             f" | {values['train/tokens_per_s']:.0f} tokens/s"
         )

@@ -603,6 +603,6 @@ class Trainer:
                 f"{t.mixed_precision}), effective batch {effective} "
                 f"({t.per_device_train_batch_size} per device x {self.replicas} x "
                 f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
-                f"({steps_per_epoch} per epoch)",
+                f"({'streamed: no epochs' if self.streams else f'{steps_per_epoch} per epoch'})",
                 flush=True,
             )
