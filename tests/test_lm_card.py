@@ -313,3 +313,11 @@ def test_commit_message_names_accuracy_for_a_classifier_and_perplexity_for_a_lan
         == "Upload model trained with cloudtrain (10 steps, eval perplexity 24.53)"
     )
     assert commit_message({"train": {"global_step": 5}}) == "Upload model trained with cloudtrain (5 steps)"
+
+
+def test_a_system_prompt_shows_in_the_chat_usage_only_where_training_used_it(lm_output_dir, tmp_path):
+    """SFT puts --system_prompt before each conversation; DPO's pairs are encoded without it."""
+    for task, shown in (("sft", True), ("dpo", False)):
+        cfg = lm_config(tmp_path, task=task, system_prompt="You are terse.")
+        text = str(build_lm_model_card(lm_output_dir, cfg, lm_results(), chat=True))
+        assert ('"content": "You are terse."' in text) is shown, task
