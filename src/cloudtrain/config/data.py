@@ -72,8 +72,14 @@ class DataConfig:
         "headers); by default only assistant tokens are in the loss.",
     )
     validation_split_percentage: float = opt(10.0, "Percent of train carved out for validation when there is none.")
-    max_train_samples: int | None = opt(None, "Use at most this many training examples (quick runs).")
-    max_eval_samples: int | None = opt(None, "Use at most this many validation and test examples (quick runs).")
+    max_train_samples: int | None = opt(
+        None,
+        "Use at most this many training examples (quick runs): rows of a classifier's data, documents for "
+        "causal_lm (before packing cuts them into rows), conversations or pairs for sft, dpo and reward, images.",
+    )
+    max_eval_samples: int | None = opt(
+        None, "Use at most this many validation and test examples (quick runs), counted as --max_train_samples."
+    )
     cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).")
     group_by_length: bool = opt(
         False,
