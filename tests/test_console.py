@@ -83,6 +83,7 @@ def logged_run(tmp_path_factory, eight_label_classifier) -> tuple[Path, str]:
 # ---------------------------------------------------------------- a log file
 
 
+@pytest.mark.slow  # one training run in a fresh interpreter, shared by four tests
 def test_a_logged_run_has_no_progress_bars(logged_run):
     _, log = logged_run
     assert "\r" not in log  # every refresh of a bar starts with one
@@ -91,6 +92,7 @@ def test_a_logged_run_has_no_progress_bars(logged_run):
     assert "step 4/4 | epoch" in log  # the progress a log needs
 
 
+@pytest.mark.slow  # one training run in a fresh interpreter, shared by four tests
 def test_each_checkpoint_line_is_a_line_of_its_own(logged_run):
     out, log = logged_run
     lines = log.splitlines()
@@ -101,12 +103,14 @@ def test_each_checkpoint_line_is_a_line_of_its_own(logged_run):
     assert lines.index(saved[0]) > next(i for i, line in enumerate(lines) if line.startswith("step 2/4 "))
 
 
+@pytest.mark.slow  # one training run in a fresh interpreter, shared by four tests
 def test_a_replaced_head_is_said_once_in_cloudtrains_words(logged_run):
     _, log = logged_run
     assert "replacing the 8-label head of" in log and "new 3-label head" in log
     assert "num_labels" not in log and "incompatible" not in log  # transformers' own warning about the same
 
 
+@pytest.mark.slow  # one training run in a fresh interpreter, shared by four tests
 def test_predict_from_a_log_has_no_loading_bar_and_no_deepspeed_notice(logged_run):
     out, _ = logged_run
     code, log = logged("predict", "--model_dir", str(out), "--text", "heavy rain is expected tomorrow")

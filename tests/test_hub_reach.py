@@ -158,6 +158,7 @@ def test_a_reachable_endpoint_passes_with_one_request(hub, tmp_path, monkeypatch
     assert hub.requests[before:] == [("HEAD", "/")]  # a 404 is an answer: the loader says what is missing
 
 
+@pytest.mark.slow
 def test_a_model_on_a_reachable_hub_trains_as_before(hub, tiny_model_dir, topic_csvs, tmp_path, monkeypatch):
     """The check lets the run through unchanged: the model downloads from the local server into the cache."""
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)  # for the upload, here

@@ -156,6 +156,7 @@ def test_a_streaming_task_reads_every_data_option_its_stream_encoder_takes():
                 assert use is None or not use.tasks or cls.name in use.tasks, (cls.name, name)
 
 
+@pytest.mark.slow
 def test_train_from_python_prints_the_notes_as_the_command_line_does(tiny_model_dir, topic_csvs, tmp_path, capsys):
     from cloudtrain import train
 
