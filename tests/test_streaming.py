@@ -389,6 +389,13 @@ def test_a_stream_that_runs_out_first_ends_the_run_with_its_last_steps_counted(t
     assert result["train_samples"] == steps * 2  # every step's rows, none left out at the end
     logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in logged if "train/loss" in m] == [steps]
+    # a last step that logged and saved already: nothing of it again (no second, empty log line; one save)
+    every = options | {"logging_steps": "1", "checkpointing_steps": "1", "output_dir": str(tmp_path / "every")}
+    assert train(every)["train"]["global_step"] == steps
+    said = capsys.readouterr().out
+    logged = [json.loads(line) for line in (tmp_path / "every" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in logged if "train/loss" in m] == list(range(1, steps + 1))
+    assert said.count(f"checkpoint-{steps} (") == 1
 
 
 # ------------------------------------------------------------------ real launches (slow)

@@ -464,16 +464,19 @@ class Trainer:
         loop.step_ended(stats)
 
     def _end_here(self, hooks: list[Hook], loop: LoopState) -> None:
-        """The step just taken becomes the run's last: its hooks run again as at a last step, so the steps since the
-        last logging step are logged and counted in the run's totals (they were left out)."""
+        """The step just taken becomes the run's last: the hooks that a last step makes due (logging: the steps since
+        the last logging step, left out of the run's totals otherwise) run now; those that ran at it do not again."""
         if self.runtime.is_main:
             loop.bar.write(
                 f"note: the training data ran out after step {loop.step} of {loop.total_steps} (--mixture_exhausted "
                 f"{self.cfg.data.mixture_exhausted}); the run ends there"
             )
+        ran = [hook.due(loop) for hook in hooks]
         loop.total_steps = loop.step
-        loop.sync, loop.interval, loop.logged, loop.requests, loop.saved = False, None, None, [], None
-        self._after_step(hooks, loop)
+        ending = [hook for hook, was_due in zip(hooks, ran, strict=True) if hook.due(loop) and not was_due]
+        if ending:
+            loop.sync, loop.interval, loop.logged, loop.requests, loop.saved = False, None, None, [], None
+            self._after_step(ending, loop)
 
     def _after_step(self, hooks: list[Hook], loop: LoopState) -> None:
         """The hooks in order, then the stop one of them asked for (once its checkpoint is saved)."""
