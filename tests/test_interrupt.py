@@ -10,7 +10,8 @@ import threading
 import time
 
 import pytest
-from test_checkpointing import args_for, complete_checkpoints, start
+from conftest import REPO
+from test_checkpointing import args_for, complete_checkpoints, env, start
 
 PROMISE = "Ctrl-C: a checkpoint is saved at the next logging step"
 STEPPING = r"training: .*\| *[1-9][0-9]*/[0-9]+ "  # the bar past its first step: inside the loop
@@ -81,3 +82,33 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, topi
     )
     assert "Traceback" not in err.text
     assert not (out / "checkpoints").exists() or not complete_checkpoints(out / "checkpoints")
+
+
+WORKERS_SCRIPT = """
+import os, signal, sys, time
+import torch
+from cloudtrain.checkpointing import PreemptionSignal
+from cloudtrain.config import DataConfig
+from cloudtrain.data.processing import loader_options
+
+options = loader_options(DataConfig(dataloader_num_workers=1)) | {"multiprocessing_context": sys.argv[1]}
+loader = iter(torch.utils.data.DataLoader(list(range(400)), batch_size=2, **options))
+with PreemptionSignal() as stop:
+    next(loader)  # the worker runs
+    os.killpg(os.getpid(), signal.SIGINT)  # as a terminal sends it: to the worker too
+    time.sleep(0.5)
+    batches = sum(1 for _ in loader)
+print(stop.by, batches)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_a_loader_worker_not_forked_from_the_run_survives_the_first_ctrl_c(start):
+    """Workers started by spawn or forkserver (macOS; Linux from Python 3.14) do not inherit the run's handler."""
+    done = subprocess.run(
+        [sys.executable, "-c", WORKERS_SCRIPT, start],
+        capture_output=True, text=True, timeout=300, env=env(), cwd=REPO, start_new_session=True,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["SIGINT", "199"]  # every batch after the first, none lost with the worker

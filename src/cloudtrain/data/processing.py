@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import signal
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -393,4 +394,11 @@ def loader_options(cfg: DataConfig) -> dict:
         "persistent_workers": workers > 0,
         "generator": torch.Generator(),
         "pin_memory": cfg.dataloader_pin_memory and torch.cuda.is_available(),
+        "worker_init_fn": ignore_interrupts if workers else None,
     }
+
+
+def ignore_interrupts(worker_id: int) -> None:
+    """A loader worker leaves Ctrl-C to the training process, whose first one saves a checkpoint with the workers
+    still needed (a terminal sends it to the whole process group; a spawned worker would die of it)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

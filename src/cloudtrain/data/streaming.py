@@ -263,10 +263,14 @@ class StreamLoader:
             print(f"note: the stream ended; its last {len(step)} row(s) fill no whole step and are left out")
 
     def _buffers(self, start: dict) -> Iterator[_Buffer]:
+        from cloudtrain.data.processing import ignore_interrupts
+
         workers = self.plan.budget.get("workers", 0)
         dataset = BufferDataset(self.plan, start["stream"], start["buffer"])
         items: Any = (
-            DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_identity)
+            DataLoader(
+                dataset, batch_size=None, num_workers=workers, collate_fn=_identity, worker_init_fn=ignore_interrupts
+            )
             if workers
             else iter(dataset)
         )
