@@ -112,3 +112,16 @@ def test_a_loader_worker_not_forked_from_the_run_survives_the_first_ctrl_c(start
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["SIGINT", "199"]  # every batch after the first, none lost with the worker
+
+
+def test_a_ctrl_c_the_loop_never_read_is_said_not_to_have_stopped_it(capsys):
+    """Past the last step's check the flag has no reader: the run goes on to evaluate and save, and says so."""
+    from cloudtrain.checkpointing import PreemptionSignal
+
+    before = signal.getsignal(signal.SIGINT)
+    with PreemptionSignal() as stop:
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stop.by == "SIGINT" and signal.getsignal(signal.SIGINT) is before  # restored
+    said = capsys.readouterr().err
+    assert said.endswith("Ctrl-C came after the last step was checked: the run finishes (evaluation, the model "
+                         "saved); Ctrl-C again stops it without them\n")  # fmt: skip

@@ -683,3 +683,10 @@ class PreemptionSignal:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)  # type: ignore[arg-type]
         self._previous = {}
+        if self.by == "SIGINT" and exc[0] is None and os.environ.get("RANK", "0") == "0":  # the loop ended first
+            print(
+                "Ctrl-C came after the last step was checked: the run finishes (evaluation, the model saved); Ctrl-C "
+                "again stops it without them",
+                file=sys.stderr,
+                flush=True,
+            )
