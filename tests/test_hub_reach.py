@@ -16,7 +16,7 @@ from hub_server import HubServer, User
 from huggingface_hub import HfApi, constants
 
 from cloudtrain.errors import UserError
-from cloudtrain.hub_reach import HubId, check_hub_ids
+from cloudtrain.hub_reach import HubId, back_online, check_hub_ids
 
 TOKEN = "hf_alice_reach_0a1b2c3d4e5f"
 HEAVY = ("torch", "transformers", "datasets", "huggingface_hub", "accelerate")
@@ -190,6 +190,8 @@ def test_a_cached_id_goes_offline_at_once_when_the_hub_does_not_answer(empty_cac
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
         monkeypatch.setenv(variable, "0")  # restored after the test, as the constants are
+    check_hub_ids([model], may_go_offline=False)  # a run that pushes: offline, its push would be refused
+    assert capsys.readouterr().out == "" and not constants.HF_HUB_OFFLINE
     check_hub_ids([model])
     assert capsys.readouterr().out == (
         f"note: cannot reach {url} ([Errno 111] Connection refused): org/Some-Model from the local cache "
@@ -197,3 +199,6 @@ def test_a_cached_id_goes_offline_at_once_when_the_hub_does_not_answer(empty_cac
     )
     assert constants.HF_HUB_OFFLINE and datasets.config.HF_HUB_OFFLINE
     assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"  # for the processes it starts
+    back_online()  # after the run (train() from a notebook): the next one asks the Hub again
+    assert not constants.HF_HUB_OFFLINE and not datasets.config.HF_HUB_OFFLINE
+    assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "0"

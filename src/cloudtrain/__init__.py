@@ -44,6 +44,7 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     """
     from cloudtrain.config import resolve_options
     from cloudtrain.config.inert import print_inert_notes
+    from cloudtrain.hub_reach import back_online
     from cloudtrain.paths import check_local_paths
 
     module = options.pop("model") if not isinstance(options.get("model", {}), dict) else None  # a dict: the section
@@ -54,20 +55,23 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
         options["callbacks"] = names
     cfg = resolve_options(config, options)
     own_module = module is not None or train_dataset is not None
-    if not own_module:  # the command line's checks, in its order: a missing file before the Hub or the imports
-        check_local_paths(cfg)  # (a module's run is checked by its task first: what does not apply to a module)
-        print_inert_notes(cfg)
-    from accelerate.state import AcceleratorState, GradientState  # heavy imports only once the options are valid
+    try:
+        if not own_module:  # the command line's checks, in its order: a missing file before the Hub or the imports
+            check_local_paths(cfg)  # (a module's run is checked by its task first: what does not apply to a module)
+            print_inert_notes(cfg)
+        from accelerate.state import AcceleratorState, GradientState  # heavy imports only once the options are valid
 
-    from cloudtrain.pipeline import run_training
+        from cloudtrain.pipeline import run_training
 
-    # accelerate keeps one state per process, made by the first Accelerator: a notebook's next run (another
-    # precision, DeepSpeed set-up, ...) must not find the last one's
-    AcceleratorState._reset_state(reset_partial_state=True)
-    GradientState._reset_state()
-    task = None
-    if own_module:  # the user's own module: a task object, not a --task name
-        from cloudtrain.tasks.module_task import ModuleTask
+        # accelerate keeps one state per process, made by the first Accelerator: a notebook's next run (another
+        # precision, DeepSpeed set-up, ...) must not find the last one's
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        task = None
+        if own_module:  # the user's own module: a task object, not a --task name
+            from cloudtrain.tasks.module_task import ModuleTask
 
-        task = ModuleTask(module, train_dataset, eval_dataset, cfg)
-    return run_training(cfg, task=task, callbacks=[c for c in given if not isinstance(c, str)])
+            task = ModuleTask(module, train_dataset, eval_dataset, cfg)
+        return run_training(cfg, task=task, callbacks=[c for c in given if not isinstance(c, str)])
+    finally:
+        back_online()  # an unreachable Hub switched this run to the cache, not the notebook's next one

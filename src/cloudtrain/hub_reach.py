@@ -149,7 +149,7 @@ def unreachable(url: str, timeout: float = TIMEOUT_S) -> str | None:
     return why[0] if why else None
 
 
-def check_hub_ids(wanted: list[HubId]) -> None:
+def check_hub_ids(wanted: list[HubId], may_go_offline: bool = True) -> None:
     """Refuse, in one line, an id that only the Hub can give while the Hub cannot be reached or may not be used."""
     ids = list(dict.fromkeys(wanted))
     missing = [hub_id for hub_id in ids if not cached(hub_id)]
@@ -163,7 +163,8 @@ def check_hub_ids(wanted: list[HubId]) -> None:
                 f"nothing of it in {cache}); unset {variable} to download it, or {local}"
             )
     if not missing:
-        _use_the_cache_if_unreachable(ids)
+        if may_go_offline:  # not when the run pushes to the Hub: offline, the push would be refused
+            _use_the_cache_if_unreachable(ids)
         return
     url = endpoint()
     reason = unreachable(url)
@@ -181,17 +182,37 @@ def check_hub_ids(wanted: list[HubId]) -> None:
         )
 
 
+_SWITCHED: dict = {}  # what going offline changed: {variable or (module, attribute): the value before}
+
+
 def _use_the_cache_if_unreachable(ids: list[HubId]) -> None:
     """Every id is cached. A Hub that does not answer would cost each loader half a minute of retries before it
-    falls back to its cache: the run goes offline at once instead (this process and the ones it starts), saying so."""
+    falls back to its cache: the run goes offline at once instead (this process and the ones it starts, until
+    `back_online`), saying so."""
     online = [hub_id for hub_id in ids if offline(hub_id.kind) is None]
     url = endpoint()
     if not online or not (reason := unreachable(url)):
         return
     for variable in ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE"):
+        _SWITCHED.setdefault(variable, os.environ.get(variable))
         os.environ[variable] = "1"
     for module in ("huggingface_hub.constants", "datasets.config"):  # imported already: they read the variable then
         if (loaded := sys.modules.get(module)) is not None:
+            _SWITCHED.setdefault((module, "HF_HUB_OFFLINE"), loaded.HF_HUB_OFFLINE)
             setattr(loaded, "HF_HUB_OFFLINE", True)  # noqa: B010 (a module found at run time)
-    names = ", ".join(hub_id.repo_id for hub_id in online)
-    print(f"note: cannot reach {url} ({reason}): {names} from the local cache (HF_HUB_OFFLINE=1 for this run)")
+    if os.environ.get("RANK", "0") == "0":
+        names = ", ".join(hub_id.repo_id for hub_id in online)
+        print(f"note: cannot reach {url} ({reason}): {names} from the local cache (HF_HUB_OFFLINE=1 for this run)")
+
+
+def back_online() -> None:
+    """Undo what going offline changed: a notebook's next run asks the Hub again."""
+    for key, value in _SWITCHED.items():
+        if isinstance(key, tuple):
+            if (loaded := sys.modules.get(key[0])) is not None:
+                setattr(loaded, key[1], value)
+        elif value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _SWITCHED.clear()

@@ -96,4 +96,4 @@ def check_local_paths(cfg: Config) -> None:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))
         check_earlier_model(cfg, Path(cfg.output.output_dir))
-    check_hub_ids(hub_ids(cfg))  # last: the local mistakes answer without a network request
+    check_hub_ids(hub_ids(cfg), may_go_offline=not cfg.hub.push_to_hub)  # last: local mistakes need no request
