@@ -237,3 +237,25 @@ def test_sft_that_adds_chat_tokens_and_its_merge_print_no_library_notices(tmp_pa
     assert code == 0, log[-3000:]
     assert DEEPSPEED_NOTICE not in log and "\r" not in log and "multivariate normal" not in log
     assert (out / "merged" / "config.json").is_file()
+
+
+AGAIN = """
+import os
+import datasets.utils
+from cloudtrain.observe import console
+
+console.setup()  # a pipe: no bars
+off = (datasets.utils.is_progress_bar_enabled(), os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS"))
+os.environ["CLOUDTRAIN_PROGRESS_BARS"] = "1"
+console.setup()  # the next run of this process asks for them
+on = (datasets.utils.is_progress_bar_enabled(), os.environ.get("HF_DATASETS_DISABLE_PROGRESS_BARS"))
+print(off, on)
+"""
+
+
+def test_a_later_setup_in_the_same_process_takes_back_the_switches_it_set():
+    """A notebook or an in-process caller runs more than once: the first run's choice must not stick."""
+    env = {k: v for k, v in os.environ.items() if "PROGRESS_BARS" not in k and k != "TQDM_DISABLE"}
+    done = subprocess.run([sys.executable, "-c", AGAIN], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "(False, '1') (True, None)"

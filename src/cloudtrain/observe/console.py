@@ -32,6 +32,7 @@ LIBRARY_SWITCHES = {
 DEEPSPEED_CPU_NOTICE = "Setting accelerator to CPU. If you have GPU or other accelerator, we were unable to detect it."
 
 _bars: bool | None = None  # decided by setup(); None: not called, the libraries' defaults
+_ours: set[str] = set()  # the library switches setup() set (not the user's): a later setup() may take them back
 
 
 def progress_bars() -> bool:
@@ -59,7 +60,9 @@ def setup() -> None:
     """Once per process, first thing in every entry point (before datasets, transformers or DeepSpeed load)."""
     global _bars
     _bars = wanted()
-    if not _bars:
+    if _bars:
+        enable_library_bars()
+    else:
         disable_library_bars()
     quiet_deepspeed_cpu_notice()
     if not _is_terminal(sys.stdout):
@@ -73,12 +76,25 @@ def disable_library_bars() -> None:
     """No progress bars from datasets, huggingface_hub and transformers in this process and the ones it starts."""
     for module, variable in LIBRARY_SWITCHES.items():
         if variable in os.environ:
-            continue  # the user's choice, which the library honours over any call
+            continue  # the user's choice (or ours already), which the library honours over any call
         os.environ[variable] = "1"
+        _ours.add(variable)
         if module in sys.modules:  # imported already: it read the variable before we set it
             importlib.import_module(f"{module}.utils").disable_progress_bars()
             if module == "huggingface_hub" and "transformers" in sys.modules:  # it read the Hub's state at import
                 importlib.import_module("transformers.utils.logging").disable_progress_bar()
+
+
+def enable_library_bars() -> None:
+    """Take back the switches an earlier setup() of this process set (in-process runs: a notebook, the tests)."""
+    for module, variable in LIBRARY_SWITCHES.items():
+        if variable in _ours:
+            del os.environ[variable]
+            _ours.discard(variable)
+            if module in sys.modules:
+                importlib.import_module(f"{module}.utils").enable_progress_bars()
+                if module == "huggingface_hub" and "transformers" in sys.modules:
+                    importlib.import_module("transformers.utils.logging").enable_progress_bar()
 
 
 class _DropNotice(logging.Filter):
