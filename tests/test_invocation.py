@@ -30,7 +30,8 @@ CASES = [  # sys.argv[0]: (prog, command, launch target)
     ("/venv/bin/cloudtrain", ("cloudtrain", "cloudtrain", ["-m", "cloudtrain"])),
     ("/repo/src/cloudtrain/__main__.py", ("python -m cloudtrain", "python -m cloudtrain", ["-m", "cloudtrain"])),
     # a notebook's kernel or another program importing cloudtrain: the installed command
-    ("/venv/lib/ipykernel_launcher.py", ("ipykernel_launcher.py", "cloudtrain", ["-m", "cloudtrain"])),
+    ("/venv/lib/ipykernel_launcher.py", ("cloudtrain", "cloudtrain", ["-m", "cloudtrain"])),
+    ("/venv/lib/python3.11/site-packages/pytest/__main__.py", ("cloudtrain", "cloudtrain", ["-m", "cloudtrain"])),
     ("", ("cloudtrain", "cloudtrain", ["-m", "cloudtrain"])),
 ]
 

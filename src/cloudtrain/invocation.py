@@ -25,7 +25,7 @@ def prog() -> str:
     if _as_module():
         return "python -m cloudtrain"
     name = Path(sys.argv[0]).name if sys.argv else ""
-    return name if name.endswith(".py") else "cloudtrain"
+    return name if name.endswith(".py") and name not in ("__main__.py", "ipykernel_launcher.py") else "cloudtrain"
 
 
 def command() -> str:
