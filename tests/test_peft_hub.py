@@ -24,6 +24,7 @@ hub, data_files, in_process = test_hub.hub, test_hub.data_files, test_hub.in_pro
 
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors"}
 MERGED_FILES = {
+    "merged/args.json",  # how it was trained: predict and generate read its length, pairs and task there too
     "merged/config.json",
     "merged/model.safetensors",
     "merged/tokenizer.json",
