@@ -72,4 +72,9 @@ def rank_main(result_dir: str, app_args: list[str]) -> int:
 
 if __name__ == "__main__":
     rest = sys.argv[2:]
-    sys.exit(rank_main(sys.argv[1], rest[1:] if rest[:1] == ["--"] else rest))
+    status = rank_main(sys.argv[1], rest[1:] if rest[:1] == ["--"] else rest)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # as cloudtrain.cli.main: skip the teardown where gloo's threads
+        sys.stdout.flush()  # can abort a finished process (and torchrun then stops the others mid-save)
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)
