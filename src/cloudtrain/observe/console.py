@@ -79,10 +79,7 @@ def disable_library_bars() -> None:
             continue  # the user's choice (or ours already), which the library honours over any call
         os.environ[variable] = "1"
         _ours.add(variable)
-        if module in sys.modules:  # imported already: it read the variable before we set it
-            importlib.import_module(f"{module}.utils").disable_progress_bars()
-            if module == "huggingface_hub" and "transformers" in sys.modules:  # it read the Hub's state at import
-                importlib.import_module("transformers.utils.logging").disable_progress_bar()
+        _tell_library(module, "disable")  # imported already: it read the variable before we set it
 
 
 def enable_library_bars() -> None:
@@ -91,10 +88,16 @@ def enable_library_bars() -> None:
         if variable in _ours:
             del os.environ[variable]
             _ours.discard(variable)
-            if module in sys.modules:
-                importlib.import_module(f"{module}.utils").enable_progress_bars()
-                if module == "huggingface_hub" and "transformers" in sys.modules:
-                    importlib.import_module("transformers.utils.logging").enable_progress_bar()
+            _tell_library(module, "enable")
+
+
+def _tell_library(module: str, how: str) -> None:
+    """`how` ("enable" or "disable") the bars of `module` where it is imported (transformers follows the Hub's
+    state, which it read at its own import)."""
+    if module in sys.modules:
+        getattr(importlib.import_module(f"{module}.utils"), f"{how}_progress_bars")()
+        if module == "huggingface_hub" and "transformers" in sys.modules:
+            getattr(importlib.import_module("transformers.utils.logging"), f"{how}_progress_bar")()
 
 
 class _DropNotice(logging.Filter):
