@@ -43,6 +43,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.observe import console
 from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.paths import torchrun_restarts
 from cloudtrain.publish.atomic import fsync, is_no_space
 
 STATE_FILE = "trainer_state.json"
@@ -87,7 +88,7 @@ def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
     """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint: with no
     --resume_from_checkpoint, and with a named one once this run has saved its own (a restart must not go
     back to where the launch began)."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    restarts = torchrun_restarts()
     wanted = cfg.checkpoint.resume_from_checkpoint
     if restarts == 0 or wanted == "latest":
         return cfg

@@ -46,6 +46,11 @@ def check_output_folder(output_dir: Path) -> None:
         raise UserError(f"--output_dir {output_dir} is a file; give a directory")
 
 
+def torchrun_restarts() -> int:
+    """How often torchrun restarted this launch's workers (--max-restarts): a restarted one resumes."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def check_earlier_model(cfg: Config, output_dir: Path) -> None:
     """The pipeline's refusal of a model an earlier run saved in --output_dir (pipeline.check_output_dir), where
     the options and the folder decide it alone: with --overwrite_output_dir, or a run resumed into its folder
@@ -53,7 +58,7 @@ def check_earlier_model(cfg: Config, output_dir: Path) -> None:
     pipeline decides once it knows the checkpoint."""
     if cfg.output.overwrite_output_dir or cfg.checkpoint.resume_from_checkpoint is not None:
         return
-    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0:  # checkpointing.restarted_defaults
+    if torchrun_restarts() > 0:  # checkpointing.restarted_defaults
         return
     if holds_saved_model(output_dir):
         raise UserError(earlier_model_refusal(output_dir))
