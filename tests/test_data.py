@@ -156,6 +156,46 @@ def test_sample_limits(tokenizer):
     assert (len(data.train), len(data.validation), len(data.test)) == (7, 5, 5)
 
 
+@pytest.mark.parametrize("stratified", [True, False])
+def test_limits_tokenize_only_the_rows_they_keep_and_keep_the_rows_chosen_from_the_tokenized_split(
+    tokenizer, tmp_path, monkeypatch, stratified
+):
+    """The reference chooses as before: tokenize everything, carve validation from the tokenized rows, then
+    draw the limits from them. Choosing first must keep the same rows in the same order."""
+    rows = topic_rows(200) if stratified else [*topic_rows(100), {"text": "hail all day", "label": "hail"}]
+    raw = DatasetDict({"train": Dataset.from_list(rows)})
+    names, label2id = find_label_names(raw, "label")
+    tokenized = raw["train"].map(
+        lambda b: {**tokenizer(b["text"], truncation=True, max_length=16), "labels": [label2id[v] for v in b["label"]]},
+        batched=True,
+        remove_columns=["text", "label"],
+    )
+    tokenized = tokenized.cast_column("labels", ClassLabel(names=names))
+    n_val = -(-len(rows) // 10)
+    parts = tokenized.train_test_split(test_size=n_val, seed=3, stratify_by_column="labels" if stratified else None)
+    expected = [parts[side].shuffle(seed=3).select(range(n))["input_ids"] for side, n in (("train", 11), ("test", 6))]
+
+    tokenized_rows = []
+    call = type(tokenizer).__call__
+    monkeypatch.setattr(
+        type(tokenizer),
+        "__call__",
+        lambda self, texts, *a, **k: (tokenized_rows.append(len(texts)), call(self, texts, *a, **k))[1],
+    )
+    cfg = DataConfig(
+        max_length=16,
+        max_train_samples=11,
+        max_eval_samples=6,
+        validation_split_percentage=10,
+        cache_dir=str(tmp_path),
+    )
+    data = process_data(raw, tokenizer, cfg, seed=3)
+    assert [data.train["input_ids"], data.validation["input_ids"]] == expected
+    assert sum(tokenized_rows) == 11 + 6  # of 600 rows
+    carved = torch.bincount(torch.tensor(parts["test"]["labels"]), minlength=len(names)).tolist()
+    assert (carved[:3] == [20, 20, 20]) is stratified  # the reference drew a stratified split where it could
+
+
 def test_processing_is_cached_across_runs(tmp_path, tokenizer, topic_csvs):
     cfg = DataConfig(
         train_file=str(topic_csvs["train"]),

@@ -7,6 +7,8 @@
 - The tokenized splits are cached under --cache_dir, keyed by the source data, the tokenizer and the
   options, so a second run with the same inputs reads them back instead of tokenizing again.
 - With no validation split, one is carved from train (stratified by label when every class allows).
+  The carve and the sample limits choose rows before tokenizing: a quick run on a large file tokenizes only
+  the rows it keeps.
 - Rows without a label (empty, or -1 in a ClassLabel column): none are allowed in train; a validation or
   test split with no labels at all (a GLUE-style test split, or no label column) is kept for
   predictions only (`<split>_predictions.jsonl`; validation is then carved from train); a split with
@@ -174,22 +176,28 @@ def process_data(
         split: is_labelled(ds, split, cfg.label_column, label2id) if split != "train" else True
         for split, ds in raw.items()
     }
-    splits = {
-        split: _encode(ds, split, tokenizer, cfg, names, label2id if labelled[split] else None)
-        for split, ds in raw.items()
-    }
-    train, validation = splits["train"], splits.get("validation")
+    # The rows are chosen before tokenizing (a quick run on a large file tokenizes only what it uses); the
+    # choice depends on the row count, the labels and the seed alone, as it did on tokenized rows.
+    train, validation = raw["train"], raw.get("validation")
     if validation is None or not labelled["validation"]:
-        train, validation = _carve_validation(train, cfg.validation_split_percentage, seed)
-    unlabelled = {split: _first(splits[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
+        ids = [label2id[v] for v in train[cfg.label_column]]
+        train, validation = _carve_validation(train, ids, names, cfg.validation_split_percentage, seed)
+    chosen = {
+        "train": _limit(train, cfg.max_train_samples, seed),
+        "validation": _limit(validation, cfg.max_eval_samples, seed),
+    }
+    if labelled.get("test"):
+        chosen["test"] = _limit(raw["test"], cfg.max_eval_samples, seed)
+    unlabelled = {split: _first(raw[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
+    splits = {split: _encode(ds, split, tokenizer, cfg, names, label2id) for split, ds in chosen.items()}
     return ProcessedData(
-        train=_limit(train, cfg.max_train_samples, seed),
-        validation=_limit(validation, cfg.max_eval_samples, seed),
-        test=_limit(splits["test"], cfg.max_eval_samples, seed) if labelled.get("test") else None,
+        train=splits["train"],
+        validation=splits["validation"],
+        test=splits.get("test"),
         collator=DataCollatorWithPadding(tokenizer),
         label_names=names,
-        unlabelled=unlabelled,
-        unlabelled_texts={split: list(raw[split][cfg.text_column][: len(ds)]) for split, ds in unlabelled.items()},
+        unlabelled={split: _encode(ds, split, tokenizer, cfg, names, None) for split, ds in unlabelled.items()},
+        unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
     )
 
 
@@ -269,9 +277,12 @@ def cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, *options) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def _carve_validation(train: Dataset, percentage: float, seed: int) -> tuple[Dataset, Dataset]:
-    """Stratified by label when every class has members for both sides, else a plain random split."""
-    counts = np.bincount(np.asarray(train["labels"]))
+def _carve_validation(
+    train: Dataset, ids: list[int], names: list[str], percentage: float, seed: int
+) -> tuple[Dataset, Dataset]:
+    """Stratified by label (`ids`, one per row) when every class has members for both sides, else a plain
+    random split. The split is drawn on the row numbers, so `train` can be untokenized."""
+    counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=len(names))
     present = int((counts > 0).sum())
     n_val = math.ceil(len(train) * percentage / 100)
     stratify = counts[counts > 0].min() >= 2 and present <= n_val <= len(train) - present
@@ -279,8 +290,10 @@ def _carve_validation(train: Dataset, percentage: float, seed: int) -> tuple[Dat
         raise UserError(
             f"the training data has only {len(train)} rows, too few to carve a validation split; give --validation_file"
         )
-    parts = train.train_test_split(test_size=n_val, seed=seed, stratify_by_column="labels" if stratify else None)
-    return parts["train"], parts["test"]
+    features = datasets.Features({"row": datasets.Value("int64"), "labels": ClassLabel(names=names)})
+    rows = Dataset.from_dict({"row": list(range(len(train))), "labels": ids}, features=features)
+    parts = rows.train_test_split(test_size=n_val, seed=seed, stratify_by_column="labels" if stratify else None)
+    return train.select(parts["train"]["row"]), train.select(parts["test"]["row"])
 
 
 def _limit(ds: Dataset, n: int | None, seed: int) -> Dataset:
