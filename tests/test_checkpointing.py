@@ -353,6 +353,9 @@ def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_mode
     rate = resumed["launch_samples_per_s"]  # over those 8 samples, within the rounding of launch_runtime_s
     assert rate * resumed["launch_runtime_s"] == pytest.approx(8, abs=rate * 0.006)
     assert f"({resumed['launch_samples_per_s']:.1f} samples/s" in said
+    saved = json.loads((out / "checkpoints" / "checkpoint-2" / "trainer_state.json").read_text())["state"]
+    assert saved["device_s"] == pytest.approx(saved["runtime_s"])  # one process
+    assert "in this launch, " in said and "with the launches before it" in said  # the compute line
 
     finished = train(options | {"resume_from_checkpoint": "latest"})["train"]
     said = capsys.readouterr().out

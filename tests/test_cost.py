@@ -130,6 +130,15 @@ def test_describe_names_the_device_hours_instances_and_cost():
     assert "spot costs less" in line
 
 
+def test_a_resumed_launch_counts_its_own_hours_and_adds_the_runs_over_every_launch():
+    usage = compute_used(1800, 2000, processes=4, device_type="cuda", environ={}, earlier_device_seconds=3 * 3600)
+    assert (usage["device_hours"], usage["train_hours"], usage["run_device_hours"]) == (2.0, 0.5, 5.0)
+    assert describe(usage) == (
+        "compute: 2.00 GPU-hours (4 processes x 0.5 h) in this launch, 5.00 with the launches before it"
+    )
+    assert "run_device_hours" not in compute_used(1800, 2000, 4, "cuda", environ={})  # a fresh run: one launch
+
+
 def test_describe_outside_sagemaker_is_only_the_device_hours():
     line = describe(compute_used(train_seconds=15, wall_seconds=20, processes=1, device_type="cpu", environ={}))
     assert line == "compute: 0.0042 CPU-process-hours (1 process x 0.0042 h)"
@@ -214,6 +223,9 @@ def test_a_language_model_card_shows_the_compute(lm_output_dir, tmp_path):  # no
     section = compute_section(text)
     assert "- Training: 0.0083 CPU-process-hours (2 x 0.0042 h)" in section
     assert "SageMaker" not in section and "$" not in section
+    resumed = results | {"compute": compute_used(15, 20, 2, "cpu", environ={}, earlier_device_seconds=90)}
+    text = build_lm_model_card(lm_output_dir, lm_config(tmp_path), resumed).text
+    assert "(2 x 0.0042 h) in the last launch, 0.033 over every launch\n" in compute_section(text)
     assert "### Compute" not in build_lm_model_card(lm_output_dir, lm_config(tmp_path), lm_results()).text
 
 

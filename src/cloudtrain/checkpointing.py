@@ -68,6 +68,11 @@ class TrainerState:
     interval: list = field(default_factory=lambda: [0.0] * 5)  # logging sums not yet logged (Meter)
     evaluations: list = field(default_factory=list)
     skipped_steps: int = 0  # non-finite steps skipped with --nonfinite_loss skip
+    device_s: float | None = None  # training time x processes of all earlier sessions (None: from before it)
+
+    def earlier_device_s(self, processes: int) -> float:
+        """The earlier sessions' device-seconds; a checkpoint from before they were kept counts `processes`."""
+        return self.device_s if self.device_s is not None else self.runtime_s * processes
 
 
 def checkpoint_dir(cfg: Config, output_dir: Path) -> Path:

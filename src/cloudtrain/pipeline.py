@@ -240,8 +240,13 @@ def _train_evaluate_save(run: Run) -> dict:
 
     results = {"train": train_result.summary()}
     session_s = time.time() - psutil.Process().create_time()  # this session, loading and evaluation included
+    launch_s = train_result.launch_runtime_s  # a resumed launch's compute is its own, as its job's bill is
     results["compute"] = cost.compute_used(
-        train_result.runtime_s, max(session_s, train_result.runtime_s), runtime.count, runtime.device.type
+        launch_s,
+        max(session_s, launch_s),
+        runtime.count,
+        runtime.device.type,
+        earlier_device_seconds=train_result.earlier_device_s,
     )
     for split, name in (("validation", "eval"), ("test", "test")):
         if split in trainer.eval_dls:

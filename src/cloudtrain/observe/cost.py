@@ -5,11 +5,12 @@ there to the model card); `describe` writes that dict as the one line printed at
 
 What it does:
 - device-hours: training time x the number of processes (one per GPU, or per CPU process), the compute the
-  training loop held, whatever the machine;
+  training loop held, whatever the machine; a resumed launch counts its own, and adds the run's total over
+  every launch (`run_device_hours`, from the training time its checkpoint recorded);
 - inside a SageMaker training job (`SM_MODEL_DIR` set): the instance type and count from the job's environment
   (SM_CURRENT_INSTANCE_TYPE, SM_HOSTS, else SM_RESOURCE_CONFIG, else /opt/ml/input/config/resourceconfig.json),
-  instance-hours = the run's wall time x the count, and a cost = instance-hours x the on-demand list price per
-  instance-hour from prices.json (dated, one region).
+  instance-hours = this launch's wall time x the count (each job is billed on its own), and a cost =
+  instance-hours x the on-demand list price per instance-hour from prices.json (dated, one region).
 
 What it does not:
 - it is not the bill. AWS bills the whole job, from instance start to model upload, at the rate of the job's
@@ -42,9 +43,11 @@ def compute_used(
     device_type: str,
     environ: Mapping[str, str] | None = None,
     table: Path = PRICE_TABLE,
+    earlier_device_seconds: float | None = None,
 ) -> dict:
-    """The compute a run used: device-hours always; instance type, count, instance-hours and an estimated cost
-    inside a SageMaker training job (`environ`: os.environ unless given)."""
+    """The compute a launch used: device-hours always; instance type, count, instance-hours and an estimated cost
+    inside a SageMaker training job (`environ`: os.environ unless given). `train_seconds` and `wall_seconds` are
+    this launch's; `earlier_device_seconds`, for a resumed launch, the device-seconds of the launches before it."""
     env = os.environ if environ is None else environ
     usage: dict = {
         "device": DEVICE_NAMES.get(device_type, f"{device_type} device"),
@@ -53,6 +56,8 @@ def compute_used(
         "device_hours": round(train_seconds * processes / 3600, 4),
         "wall_hours": round(wall_seconds / 3600, 4),
     }
+    if earlier_device_seconds is not None:
+        usage["run_device_hours"] = round((earlier_device_seconds + train_seconds * processes) / 3600, 4)
     if "SM_MODEL_DIR" not in env:
         return usage
     instance_type, count = sagemaker_instances(env)
@@ -150,6 +155,8 @@ def describe(usage: dict) -> str:
         f"compute: {format_hours(usage['device_hours'])} {usage['device'].replace(' ', '-')}-hours "
         f"({processes} process{'es' if processes != 1 else ''} x {format_hours(usage['train_hours'])} h)"
     )
+    if "run_device_hours" in usage:
+        line += f" in this launch, {format_hours(usage['run_device_hours'])} with the launches before it"
     if "instance_type" in usage:
         line += (
             f"; SageMaker {usage['instance_count']} x {usage['instance_type']} "

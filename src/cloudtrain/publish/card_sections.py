@@ -40,6 +40,7 @@ FOOTER = """{%- if compute %}
 
 - Training: {{ compute.device_hours }} {{ compute.device }}-hours \
 ({{ compute.processes }} x {{ compute.train_hours }} h)
+{%- if compute.run_device_hours %} in the last launch, {{ compute.run_device_hours }} over every launch{% endif %}
 {%- if compute.instances %}
 - SageMaker training job: {{ compute.instances }} for {{ compute.instance_hours }} instance-hours
 {%- endif %}
@@ -150,6 +151,9 @@ def compute_summary(results: dict) -> dict | None:
         "processes": usage.get("processes", "?"),
         "train_hours": format_hours(finite(usage.get("train_hours")) or 0.0),
     }
+    run_device_hours = finite(usage.get("run_device_hours"))  # a resumed run's, over every launch
+    if run_device_hours is not None:
+        summary["run_device_hours"] = format_hours(run_device_hours)
     instance_hours = finite(usage.get("instance_hours"))
     if usage.get("instance_type") and instance_hours is not None:
         summary["instances"] = f"{usage.get('instance_count', 1)} x `{usage['instance_type']}`"

@@ -356,8 +356,12 @@ class CheckpointHook(Hook):
         self.checkpointer.background.wait()  # the previous save first: one snapshot in memory at a time
         start = time.perf_counter()
         runtime_s = trainer.runtime.share(state.runtime_s + loop.meter.elapsed())  # every node writes the same
+        count = trainer.runtime.count
+        device_s = state.earlier_device_s(count) + (runtime_s - state.runtime_s) * count
         # a deep copy: the evaluations list grows while a background save writes this state
-        snapshot = copy.deepcopy(dataclasses.replace(state, interval=loop.meter.pending(), runtime_s=runtime_s))
+        snapshot = copy.deepcopy(
+            dataclasses.replace(state, interval=loop.meter.pending(), runtime_s=runtime_s, device_s=device_s)
+        )
         task_state = trainer.task.pending_state(trainer.runtime.reduce_sum)  # every process: a collective
         data_state = trainer.data_state(step)  # taken now: the stream moves on
         now = self.asynchronous and not any(request.reason for request in loop.requests)

@@ -92,11 +92,13 @@ class LaunchStart:
     step: int = 0
     samples: int = 0
     tokens: int = 0
+    device_s: float = 0.0  # the earlier launches' training time x their processes
 
     @classmethod
-    def of(cls, state: TrainerState) -> "LaunchStart":
+    def of(cls, state: TrainerState, processes: int) -> "LaunchStart":
         pending = list(state.interval) + [0.0, 0.0]  # examples, tokens, ... (every process's, in the checkpoint)
-        return cls(state.global_step, state.samples + int(pending[0]), state.tokens + int(pending[1]))
+        samples, tokens = state.samples + int(pending[0]), state.tokens + int(pending[1])
+        return cls(state.global_step, samples, tokens, state.earlier_device_s(processes))
 
 
 @dataclass
@@ -112,6 +114,7 @@ class TrainResult:
     launch_runtime_s: float = 0.0  # this launch's training time
     launch_samples: int = 0
     launch_tokens: int = 0
+    earlier_device_s: float | None = None  # a resumed launch: the earlier launches' training time x processes
 
     @classmethod
     def of(cls, loop: LoopState, start: LaunchStart | None = None) -> "TrainResult":
@@ -134,6 +137,7 @@ class TrainResult:
             launch_runtime_s=elapsed,
             launch_samples=launch[0],
             launch_tokens=launch[1],
+            earlier_device_s=start.device_s if start else None,
         )
 
     @property
@@ -552,7 +556,9 @@ class Trainer:
             self.train_dl.load_state_dict(read_data_state(folder))  # type: ignore[attr-defined]
         if (folder / TASK_STATE_FILE).is_file():  # the task's own sums not yet logged (preference rewards)
             self.task.restore_state(json.loads((folder / TASK_STATE_FILE).read_text()), self.is_main_process)
-        self.launch_start = LaunchStart.of(state)  # before the pending sums leave the other processes
+        self.launch_start = LaunchStart.of(
+            state, self.runtime.count
+        )  # before the pending sums leave the other processes
         if not self.is_main_process:  # the pending logging sums of all processes live on the main one
             state.interval = [0.0] * len(state.interval)
         if self.is_main_process:
