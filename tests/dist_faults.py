@@ -5,7 +5,8 @@
 or `install(faults)` in the test process. FAULTS_JSON keys (steps count from 1, ranks from RANK):
     hang          {"rank": r, "step": n}: rank r stops answering at step n (sleeps in its forward pass)
     slow_forward  {"rank": r, "seconds": s}: rank r's every forward pass takes s longer (a straggler)
-    loss_scale    {"step": n, "factor": f}: step n's loss (and so its gradients) times f
+    loss_scale    {"step": n, "factor": f}: step n's loss (and so its gradients) times f; with "from_step": n
+                  instead, every step from n on (a factor of -1: gradient ascent, a model that gets worse)
     slow_data     {"from_step": n, "seconds": s}: from step n on, each batch arrives s later
 """
 
@@ -65,7 +66,7 @@ def _faulty_loss(real, faults: dict, rank: int, step: list[int]):
         if slow and rank == slow["rank"]:
             time.sleep(slow["seconds"])
         summed, count = real(self, model, batch)
-        if scale and step[0] == scale["step"]:
+        if scale and (step[0] == scale.get("step") or step[0] >= scale.get("from_step", float("inf"))):
             summed = summed * scale["factor"]
         return summed, count
 

@@ -7,6 +7,7 @@ import pytest
 
 from cloudtrain.config import Config, DataConfig, ImagesConfig, ModelConfig, _coerce, _fields, build_config
 from cloudtrain.config.inert import GENERATE, STREAMED, TRAINING, inert_notes, unused
+from cloudtrain.config.root import _default
 from cloudtrain.registry_table import STREAMING, TASK_ROWS
 
 
@@ -84,6 +85,10 @@ def test_no_note_where_the_task_reads_the_option(task, values):
             "with --streaming true",
         ),
         ({"compile_layers": True}, "--compile_layers true has no effect without --torch_compile true"),
+        (  # an enabling option that takes any number: named with N
+            {"early_stopping_threshold": 0.01},
+            "--early_stopping_threshold 0.01 has no effect without --early_stopping_patience N",
+        ),
     ],
 )
 def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):
@@ -92,6 +97,7 @@ def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note)
 
 def test_streaming_options_count_with_streaming():
     assert notes(task="sft", streaming=True, max_steps=5, stream_buffer=16, on_bad_data="stop") == []
+    assert notes(early_stopping_patience=2, early_stopping_threshold=0.01) == []
 
 
 def test_defaults_and_options_given_their_default_value_say_nothing():
@@ -126,7 +132,7 @@ def test_the_table_names_real_options_tasks_and_enabling_values():
         assert name in fields, name
         assert set(use.tasks) <= set(TASK_ROWS), (name, use.tasks)
         if use.needs:
-            assert use.needs in fields and use.values, name
+            assert use.needs in fields and (use.values or _default(fields[use.needs][1]) is None), name
             for value in use.values:  # each enabling value is one the enabling option takes
                 assert _coerce(use.needs, value) == value, (name, use.needs, value)
 

@@ -42,6 +42,15 @@ def validate(cfg: Config) -> None:
             "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)",
         ),
         (t.eval_steps is not None and t.eval_steps < 1, "--eval_steps must be at least 1"),
+        (
+            t.early_stopping_patience is not None and t.early_stopping_patience < 1,
+            "--early_stopping_patience must be at least 1",
+        ),
+        (t.early_stopping_threshold < 0, "--early_stopping_threshold must not be negative"),
+        (
+            t.early_stopping_patience and t.eval_strategy == "no",
+            "--early_stopping_patience counts evaluations: set --eval_strategy steps (with --eval_steps N) or epoch",
+        ),
         (t.sample_max_new_tokens < 1, "--sample_max_new_tokens must be at least 1"),
         (d.num_sample_prompts < 0, "--num_sample_prompts must not be negative (0: no sample generations)"),
         (
@@ -86,6 +95,33 @@ def validate(cfg: Config) -> None:
     for failed, message in checks:
         if failed:
             raise UserError(message)
+    if c.load_best_model_at_end:
+        check_best_model_schedule(cfg)
     for section in cfg.sections():  # the checks a section owns about its own options
         if hasattr(section, "check"):
             section.check()
+
+
+def check_best_model_schedule(cfg: Config) -> None:
+    """--load_best_model_at_end picks a checkpoint by its score: the last evaluation before it, which must be its own
+    model's, so every checkpoint has to fall on an evaluation step."""
+    t, every = cfg.training, cfg.checkpoint.checkpointing_steps
+    if not every:
+        raise UserError(
+            "--load_best_model_at_end true picks among checkpoints: set --checkpointing_steps (a multiple of "
+            "--eval_steps, or epoch with --eval_strategy epoch)"
+        )
+    if every == "epoch" and t.eval_strategy == "epoch":
+        return
+    if every.isdigit() and t.eval_strategy == "steps" and t.eval_steps and int(every) % t.eval_steps == 0:
+        return
+    evaluates = {"steps": f"every {t.eval_steps} steps", "epoch": "at each epoch's end", "no": "never"}
+    fix = "epoch" if t.eval_strategy == "epoch" else f"a multiple of --eval_steps {t.eval_steps}"
+    if t.eval_strategy == "no":
+        fix = "N with --eval_strategy steps --eval_steps N (or epoch for both)"
+    checkpoints = "at each epoch's end" if every == "epoch" else f"every {every} steps"
+    raise UserError(
+        f"--load_best_model_at_end true needs each checkpoint at an evaluation step (its score is its own model's), "
+        f"but the run evaluates {evaluates[t.eval_strategy]} and checkpoints {checkpoints}; set --checkpointing_steps "
+        f"{fix}"
+    )

@@ -21,7 +21,7 @@ from cloudtrain.registry_table import STREAMING, TASK_ROWS
 
 class Use(NamedTuple):
     """When an option counts: for one of `tasks` (empty: any task), and when option `needs` holds one of
-    `values` (no `needs`: always)."""
+    `values` (no `needs`: always; no `values`: any value but its default)."""
 
     tasks: tuple[str, ...] = ()
     needs: str = ""
@@ -63,6 +63,7 @@ TRAINING: dict[str, Use] = {
     ),
     **dict.fromkeys(("preference_loss", "beta", "precompute_reference"), Use(("dpo",))),
     "simpo_gamma": Use(("dpo",), "preference_loss", ("simpo",)),
+    "early_stopping_threshold": Use(needs="early_stopping_patience"),
     "chosen_column": Use(("dpo", "reward")),
     "rejected_column": Use(("dpo", "reward")),
     "margin_column": Use(("reward",)),
@@ -89,13 +90,16 @@ def unused(
         if name not in values or values[name] == defaults[name]:
             continue
         given = f"--{name} {_shown(values[name], (separators or {}).get(name, ','))}"
-        enabled = not use.needs or values[use.needs] in use.values
-        condition = f" with --{use.needs} {_either(use.values)}" if use.needs else ""
+        wanted = _either(use.values) if use.values else "N"
+        enabled = not use.needs or (
+            values[use.needs] in use.values if use.values else values[use.needs] != defaults[use.needs]
+        )
+        condition = f" with --{use.needs} {wanted}" if use.needs else ""
         if use.tasks and task in TASK_ROWS and task not in use.tasks:
             tasks = _either(use.tasks)
             notes.append(f"{given} has no effect on --task {task}; it counts for --task {tasks}{condition}")
         elif not enabled:
-            notes.append(f"{given} has no effect without --{use.needs} {_either(use.values)}")
+            notes.append(f"{given} has no effect without --{use.needs} {wanted}")
     return notes
 
 

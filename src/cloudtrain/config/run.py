@@ -115,6 +115,12 @@ class CheckpointConfig:
         ),
         lambda: tuple(dict.fromkeys(metric for row in TASKS.rows().values() for metric in row.metrics)),
     )
+    load_best_model_at_end: bool = opt(
+        False,
+        "End with the best model (by --metric_for_best_model): the best checkpoint's, where it beats the last "
+        "step's (evaluated for the comparison), is evaluated, saved and pushed. Needs a checkpoint at evaluation "
+        "steps: --checkpointing_steps a multiple of --eval_steps, or epoch for both.",
+    )
     nonfinite_loss: str = opt(
         "stop",
         "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the step and count it.",

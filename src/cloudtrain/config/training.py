@@ -124,6 +124,14 @@ class TrainingConfig:
     eval_strategy: str = opt("epoch", "When to evaluate during training (always at the end).", EVAL_STRATEGIES)
     eval_steps: int | None = opt(None, "Evaluate every N steps with --eval_strategy steps.")
     eval_on_start: bool = opt(False, "Also evaluate before the first step (the starting point of the curves).")
+    early_stopping_patience: int | None = opt(
+        None,
+        "End the run when --metric_for_best_model has not improved for N evaluations in a row; it then ends as "
+        "at its last step (logged, evaluated, saved, pushed). Default: no early stopping.",
+    )
+    early_stopping_threshold: float = opt(
+        0.0, "Early stopping: how much the metric must improve on its best to count, in the metric's own units."
+    )
     torch_compile: bool = opt(
         False, "Compile the model with torch.compile (slow first steps, and a recompile per new sequence length)."
     )

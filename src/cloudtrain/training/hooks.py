@@ -16,6 +16,8 @@ The hooks, in the order `Trainer.hooks` runs them:
                      (Task.train_metrics), to the run log (metrics.jsonl and the --report_to trackers) and the console
     AnomalyHook      the monitoring detector's warnings (--monitoring); --on_anomaly checkpoint or stop
     EvaluationHook   the validation split on --eval_strategy, and before the first step (--eval_on_start)
+    EarlyStoppingHook  --early_stopping_patience: the run ends after an evaluation that used up the patience
+                     (cloudtrain.training.best_model)
     CheckpointHook   a checkpoint on its schedule, or now when a hook above asked for one (with the task's own
                      sums not yet logged, in task_state.json)
     CallbackHook     the user's callbacks (--callbacks, cloudtrain.train(callbacks=...)), in
@@ -86,6 +88,7 @@ class LoopState:
     logged: dict | None = None  # at a logging step: the numbers logged (train/loss, train/learning_rate, ...)
     requests: list[Request] = field(default_factory=list)  # what the hooks so far asked for
     saved: Path | None = None  # the checkpoint saved after this step
+    ending: str = ""  # why this step becomes the run's last before its planned end (a hook's note)
 
     @property
     def step(self) -> int:

@@ -65,6 +65,7 @@ from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.tasks.module_task import is_plain_module, save_module
+from cloudtrain.training.best_model import EarlyStoppingHook, keep_best_model
 from cloudtrain.training.callbacks import CallbackHook
 from cloudtrain.training.hooks import (
     TASK_STATE_FILE,
@@ -115,6 +116,7 @@ class TrainResult:
     launch_samples: int = 0
     launch_tokens: int = 0
     earlier_device_s: float | None = None  # a resumed launch: the earlier launches' training time x processes
+    model_step: int | None = None  # the step whose model the run ends with, where not its last (best_model)
 
     @classmethod
     def of(cls, loop: LoopState, start: LaunchStart | None = None) -> "TrainResult":
@@ -170,6 +172,7 @@ class TrainResult:
                     "launch_samples_per_s": round(self.launch_samples / launch, 2),
                     "launch_tokens_per_s": round(self.launch_tokens / launch, 1),
                 }
+        summary |= {"model_from_step": self.model_step} if self.model_step is not None else {}
         return summary | ({"sources": self.sources} if self.sources is not None else {})
 
 
@@ -342,24 +345,33 @@ class Trainer:
         hooks = self.hooks(checkpointer, preemption)
         for hook in hooks:
             hook.on_train_start(loop)
-        self.phase = "the first step"
+        self.phase, best = "the first step", None
         try:
             with self._collective_errors(loop.state), preemption, loop.bar:
                 for window in self._windows(loop):
                     self._step(window, loop)
                     self._after_step(hooks, loop)
+                    if loop.ending and not loop.done:  # a hook ended the run here (early stopping)
+                        self._end_here(hooks, loop)
                     if loop.done:
                         break
                     self.clock.start_step()  # what the hooks did is not step time
                     self.phase = "loading the data"
                 if not loop.done:  # a stream ran out first (--mixture_exhausted stop or drop)
+                    loop.ending = (
+                        f"the training data ran out after step {loop.step} of {loop.total_steps} (--mixture_exhausted "
+                        f"{self.cfg.data.mixture_exhausted}); the run ends there"
+                    )
                     self._end_here(hooks, loop)
                 for hook in hooks:
                     hook.on_train_end(loop)
+                if checkpointer and self.cfg.checkpoint.load_best_model_at_end:
+                    best = keep_best_model(self, checkpointer, loop.step)
         finally:
             for hook in hooks:  # a run that fails still lets a checkpoint in flight complete
                 hook.close()
         result = TrainResult.of(loop, self.launch_start)
+        result.model_step = best
         if self.streams:
             result.sources = self.train_dl.consumed(loop.state.global_step)  # type: ignore[attr-defined]
         return result
@@ -387,6 +399,8 @@ class Trainer:
         if self.cfg.monitoring.monitoring:
             hooks.append(AnomalyHook(self))
         hooks.append(EvaluationHook(self))
+        if self.cfg.training.early_stopping_patience:
+            hooks.append(EarlyStoppingHook(self))
         if checkpointer:
             hooks.append(CheckpointHook(self, checkpointer))
         if self.callbacks:  # last: a callback sees what every hook did at the step
@@ -468,13 +482,11 @@ class Trainer:
         loop.step_ended(stats)
 
     def _end_here(self, hooks: list[Hook], loop: LoopState) -> None:
-        """The step just taken becomes the run's last: the hooks that a last step makes due (logging: the steps since
-        the last logging step, left out of the run's totals otherwise) run now; those that ran at it do not again."""
+        """The step just taken becomes the run's last (why: `loop.ending`): the hooks that a last step makes due
+        (logging: the steps since the last logging step, left out of the run's totals otherwise) run now; those
+        that ran at it do not again."""
         if self.runtime.is_main:
-            loop.bar.write(
-                f"note: the training data ran out after step {loop.step} of {loop.total_steps} (--mixture_exhausted "
-                f"{self.cfg.data.mixture_exhausted}); the run ends there"
-            )
+            loop.bar.write(f"note: {loop.ending}")
         ran = [hook.due(loop) for hook in hooks]
         loop.total_steps = loop.step
         ending = [hook for hook, was_due in zip(hooks, ran, strict=True) if hook.due(loop) and not was_due]

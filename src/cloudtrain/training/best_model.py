@@ -1,0 +1,110 @@
+"""Ending a run at its best, judged by --metric_for_best_model: early stopping (--early_stopping_patience) and the
+best model at the end (--load_best_model_at_end).
+
+- Patience counts the run's evaluations as a checkpoint keeps them (TrainerState.evaluations): a resumed run stops
+  where the run it continues would have, and one resumed at the step where it had stopped trains nothing more.
+- A run that stops early ends as at its last step: the steps since the last logging step are logged, and the run
+  evaluates, saves and pushes its model (`Trainer._end_here`).
+- The best model at the end: the last step's model is evaluated and compared with the best checkpoint's (scored by
+  the evaluation at its own step); the better one is the run's model, evaluated, saved and pushed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING
+
+from cloudtrain.checkpointing import LOWER_IS_BETTER, PREFIX, STATE_FILE, Checkpointer, complete_checkpoints
+from cloudtrain.evaluation import scalar_metrics
+from cloudtrain.training.hooks import Hook, LoopState, Request
+
+if TYPE_CHECKING:
+    from cloudtrain.training.trainer import Trainer
+
+
+def better(value: float, than: float, metric: str, by: float = 0.0) -> bool:
+    """Whether `value` beats `than` by more than `by` (lower is better for a loss or a perplexity)."""
+    if math.isnan(value):
+        return False
+    return (than - value if metric in LOWER_IS_BETTER else value - than) > by or math.isnan(than)
+
+
+def since_best(evaluations: list[dict], metric: str, threshold: float) -> tuple[int, dict | None]:
+    """(how many evaluations in a row have not beaten the best by more than `threshold`, the best evaluation)."""
+    best, waited = None, 0
+    for record in evaluations:
+        if best is None or better(record[metric], best[metric], metric, threshold):
+            best, waited = record, 0
+        else:
+            waited += 1
+    return waited, best
+
+
+class EarlyStoppingHook(Hook):
+    """After an evaluation that leaves the metric --early_stopping_patience evaluations without improving, the
+    step just taken becomes the run's last. Every process ends at the same step: the main process decides."""
+
+    phase = "early stopping"
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, t = trainer, trainer.cfg.training
+        self.metric = trainer.cfg.checkpoint.metric_for_best_model or trainer.task.default_best_metric
+        self.patience, self.threshold = t.early_stopping_patience or 0, t.early_stopping_threshold
+
+    def on_train_start(self, loop: LoopState) -> None:
+        if loop.step and not loop.done and (why := self._exhausted(loop)):  # resumed where the run had stopped
+            if self.trainer.is_main_process:
+                print(f"note: the run had stopped early at step {loop.step}: {why}; nothing left to train", flush=True)
+            loop.total_steps = loop.step
+
+    def on_step_end(self, loop: LoopState) -> Request | None:
+        if not loop.done and (why := self._exhausted(loop)):
+            loop.ending = f"early stopping after step {loop.step} of {loop.total_steps}: {why}; the run ends there"
+        return None
+
+    def _exhausted(self, loop: LoopState) -> str:
+        """Why the evaluation at this step used up the patience; empty where it did not (or there was none)."""
+        evaluations = loop.state.evaluations
+        if not evaluations or evaluations[-1]["step"] != loop.step:
+            return ""
+        waited, best = since_best(evaluations, self.metric, self.threshold)
+        if not self.trainer.runtime.share(waited >= self.patience) or best is None:
+            return ""
+        return (
+            f"eval {self.metric} has not improved on {best[self.metric]:.4g} (step {best['step']}) for {waited} "
+            f"evaluations (--early_stopping_patience {self.patience})"
+        )
+
+
+def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, last_step: int) -> int | None:
+    """--load_best_model_at_end: load the best checkpoint's model where it beats the last step's. Returns the step
+    of the model the run ends with when it is not the last step's, else None. Every process takes part."""
+    metric = trainer.cfg.checkpoint.metric_for_best_model or trainer.task.default_best_metric
+    last = scalar_metrics(trainer.evaluate("validation"), "")[metric]  # every process: a collective
+    chosen = None
+    if trainer.is_main_process:
+        values = checkpoint_values(checkpointer, metric)
+        ranked = sorted(values, key=lambda step: (-values[step] if metric in LOWER_IS_BETTER else values[step], step))
+        best = ranked[-1] if ranked else None
+        if best is not None and best != last_step and better(values[best], last, metric):
+            chosen = best
+            said = f"{PREFIX}{best}'s (eval {metric} {values[best]:.4g}; the last step's {last:.4g})"
+        else:
+            said = f"the last step's (eval {metric} {last:.4g})"
+        print(f"best model: {said}; --load_best_model_at_end", flush=True)
+    chosen = trainer.runtime.share(chosen)
+    if chosen is not None:
+        trainer.load_checkpoint(checkpointer.folder / f"{PREFIX}{chosen}")
+        trainer.runtime.barrier()
+    return chosen
+
+
+def checkpoint_values(checkpointer: Checkpointer, metric: str) -> dict[int, float]:
+    """Each complete checkpoint's `metric` at the evaluation of its own step (a number, not nan)."""
+    values = {}
+    for step, path in complete_checkpoints(checkpointer.folder):
+        evaluations = json.loads((path / STATE_FILE).read_text())["state"]["evaluations"]
+        if evaluations and evaluations[-1]["step"] == step and not math.isnan(evaluations[-1].get(metric, math.nan)):
+            values[step] = evaluations[-1][metric]
+    return values
