@@ -154,6 +154,7 @@ def zero2_runs(tiny_model_dir, tmp_path_factory) -> dict[str, tuple[str, Path]]:
         "zero2-torchrun": [*common, "--num_train_epochs", "5", "--zero_stage", "2"],
         "zero2-offload-torchrun": [*common, "--num_train_epochs", "5", "--zero_stage", "2"],
         "users-json": [*common, "--gradient_accumulation_steps", "2", "--max_steps", "3"],
+        "zero2-best": [*common, "--zero_stage", "2", "--max_steps", "40", *BEST_MODEL],
     }
     runs["zero2-offload-torchrun"] += ["--offload_optimizer", "cpu"]
     runs["users-json"] += ["--deepspeed_config", str(root / "ds.json")]
@@ -183,6 +184,25 @@ def test_deepspeed_trains_and_saves_the_full_model(mode, tiny_model_dir, topic_c
     assert not info["missing_keys"] and not info["mismatched_keys"]  # every weight came from the file
     torch.testing.assert_close(model.classifier.weight, saved["classifier.weight"], rtol=0, atol=0)
     assert model.config.id2label == {0: "finance", 1: "sports", 2: "weather"}
+
+
+# evaluations and checkpoints every 2 steps; at this learning rate the loss soon fails to improve once
+BEST_MODEL = ["--eval_strategy", "steps", "--eval_steps", "2", "--checkpointing_steps", "2", "--learning_rate", "0.05"]
+BEST_MODEL += ["--early_stopping_patience", "1", "--load_best_model_at_end", "true", "--metric_for_best_model", "loss"]
+
+
+@pytest.mark.slow
+def test_zero2_stops_early_and_ends_with_the_best_checkpoint_s_model(zero2_runs):
+    """Both processes stop at the same step and load the same checkpoint (run in zero2_runs' launch). The last
+    step's evaluation was no better than the best (patience 1), so the best checkpoint's model is the run's."""
+    stdout, out = zero2_runs["zero2-best"]
+    stopped = int(stdout.split("note: early stopping after step ")[1].split()[0])
+    chosen = int(stdout.split("best model: checkpoint-")[1].split("'")[0])
+    assert chosen < stopped and f"trained {stopped} steps" in stdout
+    state = json.loads((out / "checkpoints" / f"checkpoint-{chosen}" / "trainer_state.json").read_text())["state"]
+    final = json.loads((out / "eval_results.json").read_text())
+    assert final["loss"] == pytest.approx(state["evaluations"][-1]["loss"], rel=1e-4)  # that model, evaluated again
+    assert json.loads((out / "train_results.json").read_text())["model_from_step"] == chosen
 
 
 @pytest.mark.slow
