@@ -87,7 +87,7 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, topi
 WORKERS_SCRIPT = """
 import os, signal, sys, time
 import torch
-from cloudtrain.checkpointing import PreemptionSignal
+from cloudtrain.training.preemption import PreemptionSignal
 from cloudtrain.config import DataConfig
 from cloudtrain.data.processing import loader_options
 
@@ -116,7 +116,7 @@ def test_a_loader_worker_not_forked_from_the_run_survives_the_first_ctrl_c(start
 
 def test_a_ctrl_c_the_loop_never_read_is_said_not_to_have_stopped_it(capsys):
     """Past the last step's check the flag has no reader: the run goes on to evaluate and save, and says so."""
-    from cloudtrain.checkpointing import PreemptionSignal
+    from cloudtrain.training.preemption import PreemptionSignal
 
     before = signal.getsignal(signal.SIGINT)
     with PreemptionSignal() as stop:

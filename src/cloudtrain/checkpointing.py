@@ -18,8 +18,8 @@
 - Loading is safe: weights from safetensors, everything else through `torch.load(weights_only=True)`
   or JSON; a corrupt or foreign directory is one clear error. (DeepSpeed's own engine states are
   read by DeepSpeed's loader.)
-- SIGTERM (spot reclaim, Kubernetes, SLURM preemption) sets a flag that the loop reads at its next
-  logging or checkpoint step: it saves a checkpoint and exits with status 143.
+- SIGTERM (spot reclaim, Kubernetes, SLURM preemption) sets a flag (training/preemption.py) that the loop reads
+  at its next logging or checkpoint step: it saves a checkpoint and exits with status 143.
 """
 
 import contextlib
@@ -27,8 +27,6 @@ import json
 import math
 import os
 import shutil
-import signal
-import sys
 import threading
 import time
 import uuid
@@ -651,48 +649,3 @@ def _write_synced(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-class PreemptionSignal:
-    """While active, SIGTERM, and a first Ctrl-C (SIGINT), only set `received` (and `by`, the signal's name); the
-    training loop saves and stops when it reads it. A second Ctrl-C stops at once (KeyboardInterrupt), unsaved."""
-
-    def __init__(self):
-        self.received = False
-        self.by = ""
-        self._previous: dict[int, object] = {}
-        self._pid = os.getpid()
-
-    def __enter__(self) -> "PreemptionSignal":
-        if threading.current_thread() is threading.main_thread():  # signals only reach the main thread
-            self._pid = os.getpid()
-            for signum in (signal.SIGTERM, signal.SIGINT):
-                self._previous[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def _handle(self, signum, frame) -> None:
-        if os.getpid() != self._pid:
-            return  # a data-loader worker forked meanwhile (a Ctrl-C reaches it too): its process ends it
-        if signum == signal.SIGINT:
-            if self.received:  # asked twice: the user will not wait for the checkpoint
-                raise KeyboardInterrupt
-            if os.environ.get("RANK", "0") == "0":  # one line, not one per process
-                print(
-                    "\nCtrl-C: a checkpoint is saved at the next logging step, then the run stops (Ctrl-C again: "
-                    "stop now, without one)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        self.received, self.by = True, self.by or signal.Signals(signum).name
-
-    def __exit__(self, *exc) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)  # type: ignore[arg-type]
-        self._previous = {}
-        if self.by == "SIGINT" and exc[0] is None and os.environ.get("RANK", "0") == "0":  # the loop ended first
-            print(
-                "Ctrl-C came after the last step was checked: the run finishes (evaluation, the model saved); Ctrl-C "
-                "again stops it without them",
-                file=sys.stderr,
-                flush=True,
-            )

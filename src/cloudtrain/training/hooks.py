@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm.auto import tqdm
 
-from cloudtrain.checkpointing import DATA_STATE_FILE, PREFIX, Checkpointer, PreemptionSignal, TrainerState
+from cloudtrain.checkpointing import DATA_STATE_FILE, PREFIX, Checkpointer, TrainerState
 from cloudtrain.errors import TrainingStopped
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.observe.flops import matmul_precision, no_peak_reason, peak_flops
@@ -48,6 +48,7 @@ from cloudtrain.observe.monitoring import AnomalyDetector, interval_values, peak
 from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
+from cloudtrain.training.preemption import PreemptionSignal
 
 if TYPE_CHECKING:
     from cloudtrain.training.trainer import Trainer

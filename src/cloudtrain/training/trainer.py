@@ -47,7 +47,6 @@ from transformers import PreTrainedModel
 
 from cloudtrain.checkpointing import (
     Checkpointer,
-    PreemptionSignal,
     TrainerState,
     check_compatible,
     read_data_state,
@@ -81,6 +80,7 @@ from cloudtrain.training.hooks import (
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import build_optimizer, build_scheduler
+from cloudtrain.training.preemption import PreemptionSignal
 from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
 
