@@ -118,8 +118,11 @@ def test_a_run_that_stops_improving_ends_early_logs_saves_and_resumes_to_the_sam
     at_end = ["--resume_from_checkpoint", str(checkpoints / "checkpoint-15")]
     assert run(tiny_model_dir, topic_csvs, tmp_path / "at-end", "--early_stopping_patience", "2", *fast, *at_end) == 0
     said = capsys.readouterr().out
-    assert "note: the run had stopped early at step 15: eval loss has not improved" in said
+    assert "note: early stopping at step 15, where this run resumed: eval loss has not improved" in said
     assert "nothing left to train" in said and same_weights(out, tmp_path / "at-end")
+    # the checkpoint at the stop step holds the steps logged at the end: the totals are the first run's
+    totals = json.loads((tmp_path / "at-end" / "train_results.json").read_text())
+    assert (totals["train_samples"], totals["train_loss"]) == (results["train_samples"], results["train_loss"])
 
 
 # ---------------------------------------------------------------- the best model at the end
@@ -142,6 +145,11 @@ def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
     assert json.loads((out / "train_results.json").read_text())["model_from_step"] == best
     final = json.loads((out / "eval_results.json").read_text())
     assert final["loss"] == pytest.approx(losses[best], rel=1e-5)  # the evaluation is the best model's
+
+    # resumed from checkpoint-10 to end at step 12: the better checkpoints 15 and 20 are a run it abandoned
+    again = ["--resume_from_checkpoint", str(checkpoints / "checkpoint-10"), "--max_steps", "12"]
+    assert run(tiny_model_dir, topic_csvs, out, "--load_best_model_at_end", "true", *fast, *again) == 0
+    assert json.loads((out / "train_results.json").read_text()).get("model_from_step") in (None, 5, 10)
 
 
 def test_the_last_step_s_model_stays_when_no_checkpoint_beats_it(tiny_model_dir, topic_csvs, tmp_path, capsys):

@@ -211,6 +211,9 @@ def fake_checkpoint(folder: Path, step: int, score: float | None) -> None:
         (2, [0.5, 0.6, 0.7, 0.9], [3, 4]),  # the newest is the best: the two newest stay
         (1, [None, None, None], [3]),  # never evaluated: only the newest
         (3, [0.9, 0.1, 0.2, 0.3, 0.4], [1, 4, 5]),
+        # steps 3 and 4 saved after the same evaluation (4: the last step, or a save on SIGTERM): the best is 3,
+        # the model that evaluation scored
+        (1, [0.5, 0.6, 0.9, 0.9, 0.8], [3, 5]),
     ],
 )
 def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):

@@ -65,6 +65,7 @@ def test_printed_commands_start_as_this_process_was_started(arg0, expected, monk
         ({"python": False, "python3": True}, False, "python3"),  # `python` is another interpreter
         ({"python": False}, True, ".venv/bin/python"),  # a venv not activated, below the current folder
         ({}, False, "{exe}"),  # elsewhere: its full path
+        ({}, "bin", "./python"),  # in its own folder: not a bare name, which the shell looks up on PATH
     ],
 )
 def test_the_interpreter_is_named_as_it_can_be_run_from_here(on_path, inside, expected, monkeypatch, tmp_path):
@@ -73,7 +74,8 @@ def test_the_interpreter_is_named_as_it_can_be_run_from_here(on_path, inside, ex
     venv.mkdir(parents=True)
     exe = venv / "python"
     exe.symlink_to(sys.executable)
-    monkeypatch.chdir(tmp_path / "project" if inside else tmp_path / "bin")  # not above the venv
+    here = {True: tmp_path / "project", False: tmp_path / "bin", "bin": venv}[inside]  # bin: not above the venv
+    monkeypatch.chdir(here)
     monkeypatch.setattr(sys, "executable", str(exe))
     if on_path.get("python") or on_path.get("python3"):  # the names on PATH link to this interpreter's file
         monkeypatch.setattr(sys, "executable", str(tmp_path / "bin" / expected))

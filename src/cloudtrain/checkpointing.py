@@ -626,7 +626,10 @@ class Checkpointer:
         scored = [
             (score, step, path) for step, path in found if (score := scores[path]) is not None and not math.isnan(score)
         ]
-        keep = {self.folder / f"{PREFIX}{saved}"} | ({max(scored)[2]} if scored else set())
+        # on a tie the earliest: checkpoints saved after the same evaluation share its score, and the first of them
+        # is the model it evaluated (the one --load_best_model_at_end loads)
+        best = max(scored, key=lambda entry: (entry[0], -entry[1]))[2] if scored else None
+        keep = {self.folder / f"{PREFIX}{saved}"} | ({best} if best else set())
         doomed: list[int] = []
         for step, path in found:
             if len(found) - len(doomed) <= max(self.limit, len(keep)):

@@ -41,7 +41,10 @@ def python() -> str:
         if found and Path(found).absolute() == exe:
             return name
     here = Path.cwd()
-    return shlex.quote(str(exe.relative_to(here) if exe.is_relative_to(here) else exe))
+    if not exe.is_relative_to(here):
+        return shlex.quote(str(exe))
+    relative = str(exe.relative_to(here))
+    return shlex.quote(relative if "/" in relative else f"./{relative}")  # a bare name would be looked up on PATH
 
 
 def command() -> str:

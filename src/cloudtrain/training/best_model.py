@@ -53,9 +53,12 @@ class EarlyStoppingHook(Hook):
         self.patience, self.threshold = t.early_stopping_patience or 0, t.early_stopping_threshold
 
     def on_train_start(self, loop: LoopState) -> None:
-        if loop.step and not loop.done and (why := self._exhausted(loop)):  # resumed where the run had stopped
+        if loop.step and not loop.done and (why := self._exhausted(loop)):  # resumed where the patience ran out
             if self.trainer.is_main_process:
-                print(f"note: the run had stopped early at step {loop.step}: {why}; nothing left to train", flush=True)
+                print(
+                    f"note: early stopping at step {loop.step}, where this run resumed: {why}; nothing left to train",
+                    flush=True,
+                )
             loop.total_steps = loop.step
 
     def on_step_end(self, loop: LoopState) -> Request | None:
@@ -69,22 +72,28 @@ class EarlyStoppingHook(Hook):
         if not evaluations or evaluations[-1]["step"] != loop.step:
             return ""
         waited, best = since_best(evaluations, self.metric, self.threshold)
-        if not self.trainer.runtime.share(waited >= self.patience) or best is None:
+        if not self.trainer.runtime.share(waited >= self.patience):
             return ""
+        assert best is not None  # there were evaluations
         return (
             f"eval {self.metric} has not improved on {best[self.metric]:.4g} (step {best['step']}) for {waited} "
             f"evaluations (--early_stopping_patience {self.patience})"
         )
 
 
-def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, last_step: int) -> int | None:
+def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopState) -> int | None:
     """--load_best_model_at_end: load the best checkpoint's model where it beats the last step's. Returns the step
     of the model the run ends with when it is not the last step's, else None. Every process takes part."""
     metric = trainer.cfg.checkpoint.metric_for_best_model or trainer.task.default_best_metric
-    last = scalar_metrics(trainer.evaluate("validation"), "")[metric]  # every process: a collective
+    last_step, evaluations = loop.step, loop.state.evaluations
+    if evaluations and evaluations[-1]["step"] == last_step:  # the last step was evaluated (early stopping)
+        last = evaluations[-1][metric]
+    else:
+        last = scalar_metrics(trainer.evaluate("validation"), "")[metric]  # every process: a collective
     chosen = None
     if trainer.is_main_process:
-        values = checkpoint_values(checkpointer, metric)
+        # checkpoints past this step are an abandoned run's (this one resumed from an earlier one)
+        values = {step: v for step, v in checkpoint_values(checkpointer, metric).items() if step <= last_step}
         ranked = sorted(values, key=lambda step: (-values[step] if metric in LOWER_IS_BETTER else values[step], step))
         best = ranked[-1] if ranked else None
         if best is not None and best != last_step and better(values[best], last, metric):

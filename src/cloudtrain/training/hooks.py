@@ -133,7 +133,8 @@ class Hook:
         return None
 
     def on_train_end(self, loop: LoopState) -> None:
-        """Once, after the last step (not when the run stops early)."""
+        """Once, after the last step (also one that early stopping or a stream's end made the last; not when the
+        run stops on an error, a signal or --on_anomaly stop)."""
 
     def close(self) -> None:
         """Once, when the loop ends for any reason (an error too): finish what runs in the background."""

@@ -345,14 +345,14 @@ class Trainer:
         hooks = self.hooks(checkpointer, preemption)
         for hook in hooks:
             hook.on_train_start(loop)
-        self.phase, best = "the first step", None
+        self.phase = "the first step"
         try:
             with self._collective_errors(loop.state), preemption, loop.bar:
                 for window in self._windows(loop):
                     self._step(window, loop)
-                    self._after_step(hooks, loop)
-                    if loop.ending and not loop.done:  # a hook ended the run here (early stopping)
-                        self._end_here(hooks, loop)
+                    ran = self._after_step(hooks, loop)
+                    if loop.ending and not loop.done:  # a hook made this step the last (early stopping)
+                        self._end_here(hooks, loop, ran)
                     if loop.done:
                         break
                     self.clock.start_step()  # what the hooks did is not step time
@@ -362,16 +362,16 @@ class Trainer:
                         f"the training data ran out after step {loop.step} of {loop.total_steps} (--mixture_exhausted "
                         f"{self.cfg.data.mixture_exhausted}); the run ends there"
                     )
-                    self._end_here(hooks, loop)
+                    self._end_here(hooks, loop, hooks)
                 for hook in hooks:
                     hook.on_train_end(loop)
+                result = TrainResult.of(loop, self.launch_start)
                 if checkpointer and self.cfg.checkpoint.load_best_model_at_end:
-                    best = keep_best_model(self, checkpointer, loop.step)
+                    self.phase = "loading the best model (--load_best_model_at_end)"
+                    result.model_step = keep_best_model(self, checkpointer, loop)
         finally:
             for hook in hooks:  # a run that fails still lets a checkpoint in flight complete
                 hook.close()
-        result = TrainResult.of(loop, self.launch_start)
-        result.model_step = best
         if self.streams:
             result.sources = self.train_dl.consumed(loop.state.global_step)  # type: ignore[attr-defined]
         return result
@@ -481,28 +481,36 @@ class Trainer:
         self.clock.end_step()
         loop.step_ended(stats)
 
-    def _end_here(self, hooks: list[Hook], loop: LoopState) -> None:
-        """The step just taken becomes the run's last (why: `loop.ending`): the hooks that a last step makes due
-        (logging: the steps since the last logging step, left out of the run's totals otherwise) run now; those
-        that ran at it do not again."""
+    def _end_here(self, hooks: list[Hook], loop: LoopState, ran: list[Hook]) -> None:
+        """The step just taken becomes the run's last (why: `loop.ending`). The hooks that did not run at it (`ran`:
+        those that did), and those that a last step makes due (logging: the steps since the last logging step, which
+        the totals and a checkpoint at this step then include), run now, in order; the others do not run again."""
+        note, loop.ending = loop.ending, ""
         if self.runtime.is_main:
-            loop.bar.write(f"note: {loop.ending}")
-        ran = [hook.due(loop) for hook in hooks]
+            loop.bar.write(f"note: {note}")
+        was_due = {id(hook): hook.due(loop) for hook in ran}
         loop.total_steps = loop.step
-        ending = [hook for hook, was_due in zip(hooks, ran, strict=True) if hook.due(loop) and not was_due]
-        if ending:
+        rest = [hook for hook in hooks if id(hook) not in was_due or (hook.due(loop) and not was_due[id(hook)])]
+        if rest:
             loop.sync, loop.interval, loop.logged, loop.requests, loop.saved = False, None, None, [], None
-            self._after_step(ending, loop)
+            self._after_step(rest, loop)
 
-    def _after_step(self, hooks: list[Hook], loop: LoopState) -> None:
-        """The hooks in order, then the stop one of them asked for (once its checkpoint is saved)."""
+    def _after_step(self, hooks: list[Hook], loop: LoopState) -> list[Hook]:
+        """The hooks in order, then the stop one of them asked for (once its checkpoint is saved). A hook that makes
+        this step the last (`loop.ending`) is the last to run, unless a checkpoint was asked for: the rest run as at
+        the run's last step (`_end_here`). Returns the hooks that ran."""
         loop.sync = any(hook.due(loop) for hook in hooks)  # where the loop syncs anyway: the flags are read
+        ran = []
         for hook in hooks:
             self.phase = hook.phase or self.phase
             if request := hook.on_step_end(loop):
                 loop.requests.append(request)
+            ran.append(hook)
+            if loop.ending and not loop.requests:
+                break
         if stop := next((request for request in loop.requests if request.reason), None):
             raise stop.stopped(loop.saved)
+        return ran
 
     @contextlib.contextmanager
     def _collective_errors(self, state: TrainerState) -> Iterator[None]:
