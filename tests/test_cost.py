@@ -14,7 +14,15 @@ import pytest
 from test_lm_card import lm_config, lm_output_dir, lm_results  # noqa: F401 (lm_output_dir is a fixture)
 
 from cloudtrain.config import build_config
-from cloudtrain.observe.cost import PRICE_TABLE, compute_used, describe, sagemaker_instances
+from cloudtrain.observe.cost import (
+    PRICE_TABLE,
+    compute_used,
+    describe,
+    earlier_job_seconds,
+    job_wall,
+    sagemaker_instances,
+    session_seconds,
+)
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.lm_card import build_lm_model_card
 
@@ -137,6 +145,18 @@ def test_a_resumed_launch_counts_its_own_hours_and_adds_the_runs_over_every_laun
         "compute: 2.00 GPU-hours (4 processes x 0.5 h) in this launch, 5.00 with the launches before it"
     )
     assert "run_device_hours" not in compute_used(1800, 2000, 4, "cuda", environ={})  # a fresh run: one launch
+
+
+def test_a_job_s_wall_time_adds_its_earlier_sessions_and_not_another_job_s():
+    """A managed-spot restart resumes the same job (billed for every session); a new job from a checkpoint does not."""
+    env = SM_ENV | {"TRAINING_JOB_NAME": "spot-job"}
+    assert earlier_job_seconds("spot-job", 900.0, env) == 900.0
+    assert earlier_job_seconds("other-job", 900.0, env) == 0.0  # another job's checkpoint
+    assert earlier_job_seconds(None, 0.0, env) == 0.0  # a checkpoint from outside a job
+    assert earlier_job_seconds("spot-job", 900.0, {"TRAINING_JOB_NAME": "spot-job"}) == 0.0  # not in a job now
+    name, seconds = job_wall("spot-job", 900.0, env)  # what a checkpoint written now keeps
+    assert name == "spot-job" and 900.0 < seconds <= 900.0 + session_seconds()
+    assert job_wall("spot-job", 900.0, {}) == (None, 0.0)
 
 
 def test_describe_outside_sagemaker_is_only_the_device_hours():

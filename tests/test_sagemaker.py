@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -577,6 +578,12 @@ def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
     checkpoints = job_run.root / "checkpoints"
     assert sorted(checkpoint_steps(checkpoints)) == [2, 4, 6]
     shutil.rmtree(checkpoint_steps(checkpoints)[6])  # the interruption came before step 6 was saved
+    # the job had run an hour when checkpoint-4 was written (its sessions' wall time, which the job is billed for)
+    state_file = checkpoint_steps(checkpoints)[4] / "trainer_state.json"
+    meta = json.loads(state_file.read_text())
+    assert meta["state"]["job"] == job_run.request["TrainingJobName"] and meta["state"]["job_wall_s"] > 0
+    meta["state"]["job_wall_s"] = 3600.0
+    state_file.write_text(json.dumps(meta))
     written_before = {
         step: (path / "trainer_state.json").stat().st_mtime_ns for step, path in checkpoint_steps(checkpoints).items()
     }
@@ -584,7 +591,9 @@ def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
     shutil.rmtree(model_dir)
     model_dir.mkdir()
 
+    began = time.monotonic()
     second = run_torchrun_driver(job_run.env, job_run.root, checkpoints)
+    took = time.monotonic() - began
 
     assert second.returncode == 0, run_output(second)
     assert sorted(checkpoint_steps(checkpoints)) == [2, 4, 6]
@@ -593,7 +602,12 @@ def test_job_resumes_from_its_checkpoint_after_an_interruption(job_run):
     logged = [json.loads(line) for line in (model_dir / "metrics.jsonl").read_text().splitlines()]
     train_steps = [r["step"] for r in logged if "train/loss" in r]
     assert train_steps == [1, 2, 3, 4, 5, 6]  # steps 1-4 came back with checkpoint-4, 5-6 were trained again
-    assert json.loads((model_dir / "train_results.json").read_text())["global_step"] == 6
+    train = json.loads((model_dir / "train_results.json").read_text())
+    assert train["global_step"] == 6
+    # the same job resumed: it is billed for both sessions, so its wall time adds the first one's hour
+    compute = json.loads((model_dir / "compute_results.json").read_text())
+    assert 3600 + train["launch_runtime_s"] - 1 <= compute["wall_hours"] * 3600 <= 3600 + took + 1  # hours rounded
+    assert compute["instance_hours"] == compute["wall_hours"]  # one instance
 
 
 # ---------------------------------------------------------------- the notebook

@@ -67,6 +67,8 @@ class TrainerState:
     evaluations: list = field(default_factory=list)
     skipped_steps: int = 0  # non-finite steps skipped with --nonfinite_loss skip
     device_s: float | None = None  # training time x processes of all earlier sessions (None: from before it)
+    job: str | None = None  # the SageMaker job that wrote it; its wall time over its sessions so far (cost.job_wall)
+    job_wall_s: float = 0.0
 
     def earlier_device_s(self, processes: int) -> float:
         """The earlier sessions' device-seconds; a checkpoint from before they were kept counts `processes`."""

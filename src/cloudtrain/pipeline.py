@@ -11,11 +11,9 @@ job. What differs between tasks is the task's (cloudtrain.tasks); between launch
 and the trainer's (cloudtrain.parallel.runtime, cloudtrain.training).
 """
 
-import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import psutil
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
@@ -239,11 +237,11 @@ def _train_evaluate_save(run: Run) -> dict:
     train_result = trainer.fit(checkpointer, run.resume_from)
 
     results = {"train": train_result.summary()}
-    session_s = time.time() - psutil.Process().create_time()  # this session, loading and evaluation included
-    launch_s = train_result.launch_runtime_s  # a resumed launch's compute is its own, as its job's bill is
+    launch_s = train_result.launch_runtime_s  # a resumed launch counts its own device-hours
+    job_s = max(cost.session_seconds(), launch_s) + train_result.earlier_job_s  # a job's earlier sessions: billed
     results["compute"] = cost.compute_used(
         launch_s,
-        max(session_s, launch_s),
+        job_s,
         runtime.count,
         runtime.device.type,
         earlier_device_seconds=train_result.earlier_device_s,

@@ -9,8 +9,10 @@ What it does:
   every launch (`run_device_hours`, from the training time its checkpoint recorded);
 - inside a SageMaker training job (`SM_MODEL_DIR` set): the instance type and count from the job's environment
   (SM_CURRENT_INSTANCE_TYPE, SM_HOSTS, else SM_RESOURCE_CONFIG, else /opt/ml/input/config/resourceconfig.json),
-  instance-hours = this launch's wall time x the count (each job is billed on its own), and a cost =
-  instance-hours x the on-demand list price per instance-hour from prices.json (dated, one region).
+  instance-hours = the job's wall time x the count, and a cost = instance-hours x the on-demand list price per
+  instance-hour from prices.json (dated, one region). The job's wall time is this session's, plus that of earlier
+  sessions of the same job (a managed-spot restart or a torchrun restart resumes the job, which bills them all;
+  `job_wall`, kept in each checkpoint); a new job that resumes another's checkpoint counts only its own.
 
 What it does not:
 - it is not the bill. AWS bills the whole job, from instance start to model upload, at the rate of the job's
@@ -27,8 +29,13 @@ dict then has no cost, only a `price_note` saying why.
 import json
 import math
 import os
+import time
 from collections.abc import Mapping
 from pathlib import Path
+
+import psutil
+
+from cloudtrain.sagemaker_env import job_name
 
 PRICE_TABLE = Path(__file__).parents[1] / "prices.json"  # cloudtrain/prices.json, shipped as package data
 RESOURCE_CONFIG = Path("/opt/ml/input/config/resourceconfig.json")  # what SageMaker writes in every job
@@ -46,8 +53,9 @@ def compute_used(
     earlier_device_seconds: float | None = None,
 ) -> dict:
     """The compute a launch used: device-hours always; instance type, count, instance-hours and an estimated cost
-    inside a SageMaker training job (`environ`: os.environ unless given). `train_seconds` and `wall_seconds` are
-    this launch's; `earlier_device_seconds`, for a resumed launch, the device-seconds of the launches before it."""
+    inside a SageMaker training job (`environ`: os.environ unless given). `train_seconds` is this launch's training
+    time, `wall_seconds` the job's wall time; `earlier_device_seconds`, for a resumed launch, the device-seconds of
+    the launches before it."""
     env = os.environ if environ is None else environ
     usage: dict = {
         "device": DEVICE_NAMES.get(device_type, f"{device_type} device"),
@@ -66,6 +74,28 @@ def compute_used(
     instance_hours = wall_seconds * count / 3600
     usage |= {"instance_type": instance_type, "instance_count": count, "instance_hours": round(instance_hours, 4)}
     return usage | estimated_cost(instance_type, instance_hours, table)
+
+
+def session_seconds() -> float:
+    """This process's wall time so far: loading, training and evaluation."""
+    return time.time() - psutil.Process().create_time()
+
+
+def earlier_job_seconds(job: str | None, job_wall_s: float, environ: Mapping[str, str] | None = None) -> float:
+    """The wall time of earlier sessions of this SageMaker job, from a checkpoint written by `job` after `job_wall_s`
+    seconds of it; 0 for a checkpoint of another job, or outside one."""
+    env = os.environ if environ is None else environ
+    same = "SM_MODEL_DIR" in env and job is not None and job == job_name(env)
+    return job_wall_s if same else 0.0
+
+
+def job_wall(job: str | None, job_wall_s: float, environ: Mapping[str, str] | None = None) -> tuple[str | None, float]:
+    """What a checkpoint written now keeps (TrainerState.job, .job_wall_s): this SageMaker job's name and its wall
+    time so far, over its sessions; `job` and `job_wall_s` are what the checkpoint this session resumed kept."""
+    env = os.environ if environ is None else environ
+    if "SM_MODEL_DIR" not in env:
+        return None, 0.0
+    return job_name(env), earlier_job_seconds(job, job_wall_s, env) + session_seconds()
 
 
 def sagemaker_instances(env: Mapping[str, str], resource_config_file: Path = RESOURCE_CONFIG) -> tuple[str | None, int]:

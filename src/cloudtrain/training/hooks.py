@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 from cloudtrain.checkpointing import DATA_STATE_FILE, PREFIX, Checkpointer, TrainerState
 from cloudtrain.errors import TrainingStopped
 from cloudtrain.evaluation import scalar_metrics
+from cloudtrain.observe import cost
 from cloudtrain.observe.flops import matmul_precision, no_peak_reason, peak_flops
 from cloudtrain.observe.monitoring import AnomalyDetector, interval_values, peak_memory
 from cloudtrain.parallel.runtime import Runtime
@@ -364,8 +365,16 @@ class CheckpointHook(Hook):
         count = trainer.runtime.count
         device_s = state.earlier_device_s(count) + (runtime_s - state.runtime_s) * count
         # a deep copy: the evaluations list grows while a background save writes this state
+        job, job_wall_s = cost.job_wall(state.job, state.job_wall_s)
         snapshot = copy.deepcopy(
-            dataclasses.replace(state, interval=loop.meter.pending(), runtime_s=runtime_s, device_s=device_s)
+            dataclasses.replace(
+                state,
+                interval=loop.meter.pending(),
+                runtime_s=runtime_s,
+                device_s=device_s,
+                job=job,
+                job_wall_s=trainer.runtime.share(job_wall_s),
+            )
         )
         task_state = trainer.task.pending_state(trainer.runtime.reduce_sum)  # every process: a collective
         data_state = trainer.data_state(step)  # taken now: the stream moves on

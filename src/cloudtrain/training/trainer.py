@@ -56,7 +56,7 @@ from cloudtrain.config import PRECISIONS, Config, differs_from_default
 from cloudtrain.data.processing import ProcessedData, eval_dataloader, train_dataloader
 from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.evaluation import scalar_metrics
-from cloudtrain.observe import console
+from cloudtrain.observe import console, cost
 from cloudtrain.observe.flops import ModelFlops
 from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.mesh import Mesh
@@ -94,12 +94,14 @@ class LaunchStart:
     samples: int = 0
     tokens: int = 0
     device_s: float = 0.0  # the earlier launches' training time x their processes
+    job_s: float = 0.0  # the wall time of earlier sessions of this SageMaker job (cost.earlier_job_seconds)
 
     @classmethod
     def of(cls, state: TrainerState, processes: int) -> "LaunchStart":
         pending = list(state.interval) + [0.0, 0.0]  # examples, tokens, ... (every process's, in the checkpoint)
         samples, tokens = state.samples + int(pending[0]), state.tokens + int(pending[1])
-        return cls(state.global_step, samples, tokens, state.earlier_device_s(processes))
+        job_s = cost.earlier_job_seconds(state.job, state.job_wall_s)
+        return cls(state.global_step, samples, tokens, state.earlier_device_s(processes), job_s)
 
 
 @dataclass
@@ -117,6 +119,7 @@ class TrainResult:
     launch_tokens: int = 0
     earlier_device_s: float | None = None  # a resumed launch: the earlier launches' training time x processes
     model_step: int | None = None  # the step whose model the run ends with, where not its last (best_model)
+    earlier_job_s: float = 0.0  # the wall time of earlier sessions of this SageMaker job
 
     @classmethod
     def of(cls, loop: LoopState, start: LaunchStart | None = None) -> "TrainResult":
@@ -140,6 +143,7 @@ class TrainResult:
             launch_samples=launch[0],
             launch_tokens=launch[1],
             earlier_device_s=start.device_s if start else None,
+            earlier_job_s=start.job_s if start else 0.0,
         )
 
     @property
