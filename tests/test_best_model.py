@@ -41,6 +41,15 @@ def same_weights(a: Path, b: Path) -> bool:
     return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
 
 
+def model_card(out: Path) -> str:
+    """The card a push of `out` would upload (README.md), from the run's options and results."""
+    from cloudtrain.publish.classifier_card import build_model_card
+
+    options = json.loads((out / "args.json").read_text()) | {"push_to_hub": True, "hub_model_id": "alice/best"}
+    results = {name: json.loads((out / f"{name}_results.json").read_text()) for name in ("train", "eval")}
+    return build_model_card(out, resolve_options(None, options), results).text
+
+
 # ---------------------------------------------------------------- the rule
 
 
@@ -145,6 +154,8 @@ def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
     assert json.loads((out / "train_results.json").read_text())["model_from_step"] == best
     final = json.loads((out / "eval_results.json").read_text())
     assert final["loss"] == pytest.approx(losses[best], rel=1e-5)  # the evaluation is the best model's
+    card = model_card(out)
+    assert f"The model is the run's best checkpoint, at step {best} of 40, by its validation `loss`" in card
 
     # resumed from checkpoint-10 to end at step 12: the better checkpoints 15 and 20 are a run it abandoned
     again = ["--resume_from_checkpoint", str(checkpoints / "checkpoint-10"), "--max_steps", "12"]
@@ -158,3 +169,4 @@ def test_the_last_step_s_model_stays_when_no_checkpoint_beats_it(tiny_model_dir,
     said = capsys.readouterr().out  # nothing learns: every evaluation ties, and a tie keeps the last step's
     assert "best model: the last step's (eval loss " in said
     assert "model_from_step" not in json.loads((out / "train_results.json").read_text())
+    assert "best checkpoint" not in model_card(out)

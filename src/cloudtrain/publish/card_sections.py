@@ -103,6 +103,13 @@ merged = pipeline("{{ task }}", model=f"{folder}/{{ adapter.merged }}")
 | {{ name }} | {{ value }} |
 {%- endfor %}
 {%- if adapter %}{{ adapter_table() }}{% endif %}
+{%- endmacro %}{% macro model_origin() %}
+{%- if train.model_from_step is defined %}
+
+The model is the run's best checkpoint, at step {{ train.model_from_step }} of {{ train.global_step }}, by its \
+validation `{{ hyperparameters.metric_for_best_model | default("metric") }}` (`--load_best_model_at_end`); the \
+evaluation results below are that model's.
+{%- endif %}
 {%- endmacro %}"""  # what both templates share (adapter note and table, hyperparameters): they start with these
 
 

@@ -87,6 +87,7 @@ print(classifier("{{ example_text }}"))
 |---:|---:|---:|---:|---:|
 | {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | \
 {{ train.train_runtime_s }} | {{ train.train_samples_per_s }} |
+{{ model_origin() }}
 
 ### Evaluation results
 
