@@ -94,8 +94,8 @@ def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopStat
     if trainer.is_main_process:
         # checkpoints past this step are an abandoned run's (this one resumed from an earlier one)
         values = {step: v for step, v in checkpoint_values(checkpointer, metric).items() if step <= last_step}
-        ranked = sorted(values, key=lambda step: (-values[step] if metric in LOWER_IS_BETTER else values[step], step))
-        best = ranked[-1] if ranked else None
+        oriented = {step: -value if metric in LOWER_IS_BETTER else value for step, value in values.items()}
+        best = max(oriented, key=lambda step: (oriented[step], -step), default=None)  # a tie: the earliest, as rotation
         if best is not None and best != last_step and better(values[best], last, metric):
             chosen = best
             said = f"{PREFIX}{best}'s (eval {metric} {values[best]:.4g}; the last step's {last:.4g})"
