@@ -141,9 +141,12 @@ def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
     tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch
 ):
     fast = ascend(monkeypatch, 21)  # learns for 20 steps, then gets worse
-    out = tmp_path / "out"
-    assert run(tiny_model_dir, topic_csvs, out, "--load_best_model_at_end", "true", *fast) == 0
+    out, ends = tmp_path / "out", tmp_path / "ends.py"
+    ends.write_text("def at_end(state):\n    if state.event == 'on_train_end':\n        print('callback: train end')\n")
+    at_end = ["--callbacks", f"{ends}:at_end"]
+    assert run(tiny_model_dir, topic_csvs, out, "--load_best_model_at_end", "true", *fast, *at_end) == 0
     said = capsys.readouterr().out
+    assert said.index("best model: ") < said.index("callback: train end")  # on_train_end comes with the best model
     checkpoints = out / "checkpoints"
     losses = {int(p.name.split("-")[1]): evaluations(p)[-1]["loss"] for p in checkpoints.iterdir() if evaluations(p)}
     best = min(losses, key=losses.get)  # checkpoint-40 has no score: the run evaluates no step after its last
@@ -154,6 +157,7 @@ def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
     assert json.loads((out / "train_results.json").read_text())["model_from_step"] == best
     final = json.loads((out / "eval_results.json").read_text())
     assert final["loss"] == pytest.approx(losses[best], rel=1e-5)  # the evaluation is the best model's
+    assert f"(the model of step {best}, --load_best_model_at_end)" in said.split("\neval: ")[1].splitlines()[0]
     card = model_card(out)
     assert f"The model is the run's best checkpoint, at step {best} of 40, by its validation `loss`" in card
 

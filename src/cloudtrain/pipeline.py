@@ -324,9 +324,11 @@ def hub_hooks(cfg: Config, task: Task, trainer, tokenizer, uploader, is_main: bo
 
 def _print_summary(task: Task, results: dict, output_dir: Path) -> None:
     print(f"{describe_training(results['train'])}, final train loss {results['train']['train_loss']:.4f}")
+    best = results["train"].get("model_from_step")  # --load_best_model_at_end chose an earlier step's model
+    of_model = f" (the model of step {best}, --load_best_model_at_end)" if best is not None else ""
     for name in ("eval", "test"):
         if name in results:
-            print(f"{name}: {task.describe_metrics(results[name])}")
+            print(f"{name}: {task.describe_metrics(results[name])}{of_model}")
     print(cost.describe(results["compute"]))
     print(f"model saved to {output_dir.resolve()}\nuse it: {task.inference_hint(str(output_dir))}")
 

@@ -6,7 +6,8 @@ best model at the end (--load_best_model_at_end).
 - A run that stops early ends as at its last step: the steps since the last logging step are logged, and the run
   evaluates, saves and pushes its model (`Trainer._end_here`).
 - The best model at the end: the last step's model is evaluated and compared with the best checkpoint's (scored by
-  the evaluation at its own step); the better one is the run's model, evaluated, saved and pushed.
+  the evaluation at its own step); the better one is the run's model, evaluated, saved and pushed. It is loaded
+  after the checkpoint hook's end (a background save completes first) and before the callbacks' on_train_end.
 """
 
 from __future__ import annotations
@@ -79,6 +80,20 @@ class EarlyStoppingHook(Hook):
             f"eval {self.metric} has not improved on {best[self.metric]:.4g} (step {best['step']}) for {waited} "
             f"evaluations (--early_stopping_patience {self.patience})"
         )
+
+
+class BestModelHook(Hook):
+    """--load_best_model_at_end: at the run's end, the model becomes the best checkpoint's where it beats the last
+    step's (`keep_best_model`); `loop.model_step` says which step's model the run ends with."""
+
+    phase = "loading the best model (--load_best_model_at_end)"
+
+    def __init__(self, trainer: Trainer, checkpointer: Checkpointer):
+        self.trainer, self.checkpointer = trainer, checkpointer
+
+    def on_train_end(self, loop: LoopState) -> None:
+        self.trainer.phase = self.phase
+        loop.model_step = keep_best_model(self.trainer, self.checkpointer, loop)
 
 
 def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopState) -> int | None:

@@ -67,7 +67,8 @@ class Callback:
         is its folder, `state.global_step` the step it holds."""
 
     def on_train_end(self, state: CallbackState) -> None:
-        """After the last step, before the final evaluation and the final save."""
+        """After the last step (and after --load_best_model_at_end chose the model), before the final evaluation
+        and the final save."""
 
 
 def callback_name(callback: Any) -> str:

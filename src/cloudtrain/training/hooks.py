@@ -91,6 +91,7 @@ class LoopState:
     requests: list[Request] = field(default_factory=list)  # what the hooks so far asked for
     saved: Path | None = None  # the checkpoint saved after this step
     ending: str = ""  # why this step becomes the run's last before its planned end (a hook's note)
+    model_step: int | None = None  # the step whose model the run ends with, where not its last (best_model)
 
     @property
     def step(self) -> int:

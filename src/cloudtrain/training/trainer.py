@@ -64,7 +64,7 @@ from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.tasks.module_task import is_plain_module, save_module
-from cloudtrain.training.best_model import EarlyStoppingHook, keep_best_model
+from cloudtrain.training.best_model import BestModelHook, EarlyStoppingHook
 from cloudtrain.training.callbacks import CallbackHook
 from cloudtrain.training.hooks import (
     TASK_STATE_FILE,
@@ -144,6 +144,7 @@ class TrainResult:
             launch_tokens=launch[1],
             earlier_device_s=start.device_s if start else None,
             earlier_job_s=start.job_s if start else 0.0,
+            model_step=loop.model_step,
         )
 
     @property
@@ -370,9 +371,6 @@ class Trainer:
                 for hook in hooks:
                     hook.on_train_end(loop)
                 result = TrainResult.of(loop, self.launch_start)
-                if checkpointer and self.cfg.checkpoint.load_best_model_at_end:
-                    self.phase = "loading the best model (--load_best_model_at_end)"
-                    result.model_step = keep_best_model(self, checkpointer, loop)
         finally:
             for hook in hooks:  # a run that fails still lets a checkpoint in flight complete
                 hook.close()
@@ -407,6 +405,8 @@ class Trainer:
             hooks.append(EarlyStoppingHook(self))
         if checkpointer:
             hooks.append(CheckpointHook(self, checkpointer))
+            if self.cfg.checkpoint.load_best_model_at_end:  # after the last checkpoint is complete
+                hooks.append(BestModelHook(self, checkpointer))
         if self.callbacks:  # last: a callback sees what every hook did at the step
             hooks.append(CallbackHook(self.callbacks, self.runtime, self.run_log.output_dir, checkpointer))
         from cloudtrain.observe.profile import profile_hooks  # here: that module builds on training.hooks
