@@ -309,6 +309,18 @@ def test_a_spike_is_reported_and_a_lasting_new_level_becomes_normal():
     assert spikes[-1] < 100  # the new level is normal again before the window has turned over
 
 
+def test_a_gradient_norm_spike_must_also_be_over_twice_the_window_s_largest():
+    d = detector(grad_norm_spike_threshold=6.0)
+    climbing = [1.0 + 0.01 * (i % 3) for i in range(40)] + [1.6, 2.5, 3.0]  # a fine-tune finding its task
+    leap = [7.0]  # more than twice 3.0
+    norms = climbing + leap
+    found = d.check_steps(list(range(len(norms))), [math.nan] * len(norms), norms)
+    assert [(a.kind, a.step) for a in found] == [("grad_norm_spike", len(climbing))]
+    loss = detector(loss_spike_threshold=6.0)  # the loss has no such floor: each step of the climb is a spike
+    steps = list(range(len(climbing)))
+    assert [a.step for a in loss.check_steps(steps, climbing, [math.nan] * len(climbing))] == [40, 41, 42]
+
+
 def test_throughput_must_stay_under_half_the_median_for_two_intervals():
     d = detector()
     rates = [1000.0, 1010.0, 990.0, 400.0, 1000.0, 400.0, 380.0, 390.0]

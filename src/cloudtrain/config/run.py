@@ -21,7 +21,9 @@ class MonitoringConfig:
         6.0, "Warn when a step's loss exceeds its running mean by this many standard deviations (0: off)."
     )
     grad_norm_spike_threshold: float = opt(
-        6.0, "The same for the gradient norm (logged when --max_grad_norm > 0; 0: off)."
+        6.0,
+        "The same for the gradient norm, which must also be over twice the largest of the last 100 steps' "
+        "(logged when --max_grad_norm > 0; 0: off).",
     )
     on_anomaly: str = opt(
         "warn",

@@ -42,6 +42,9 @@ from cloudtrain.config import MonitoringConfig
 
 WARMUP_STEPS = 10  # steps of running statistics before a spike can be judged
 WINDOW = 100  # steps (or logging intervals) the running statistics cover
+# A gradient norm is heavy-tailed, and it climbs while a fine-tune's loss falls fastest: a spike in it must also be
+# unlike anything in the window, more than this many times its largest value (the loss needs no such floor).
+GRAD_NORM_OVER_MAX = 2.0
 STRAGGLER_RATIO = 1.5
 STRAGGLER_MIN_S = 0.005  # per step: smaller gaps are noise, not a straggler
 GIB = 2**30
@@ -144,19 +147,21 @@ def measured(by_process: list[list[float]]) -> bool:
 
 
 class RunningStats:
-    """Mean and standard deviation of the last WINDOW accepted values."""
+    """Mean and standard deviation of the last WINDOW accepted values; `over_max`: a spike must also be more than
+    this many times the largest of them (0: no such floor)."""
 
-    def __init__(self) -> None:
+    def __init__(self, over_max: float = 0.0) -> None:
         self.values: deque[float] = deque(maxlen=WINDOW)
+        self.over_max = over_max
 
     def spike(self, value: float, threshold: float) -> tuple[float, float] | None:
-        """(mean, std) if `value` is above mean + threshold * std."""
+        """(mean, std) if `value` is above mean + threshold * std (and above the floor)."""
         if not math.isfinite(value):
             return None
         if threshold > 0 and len(self.values) >= WARMUP_STEPS:
             mean, std = statistics.fmean(self.values), statistics.pstdev(self.values)
             std = max(std, 1e-3 * abs(mean))  # a flat curve: a tiny wobble is no spike
-            if value > mean + threshold * std:
+            if value > mean + threshold * std and value > self.over_max * max(self.values):
                 # enters clipped: one spike barely moves the statistics, a lasting new level becomes normal
                 self.values.append(mean + threshold * std)
                 return mean, std
@@ -173,7 +178,7 @@ class AnomalyDetector:
         self.cfg, self.places = cfg, places
         self.memory_gib = memory_gib or device_memory_gib()
         self.memory_warned = False  # peaks are since the start: one warning says it
-        self.loss, self.grad_norm = RunningStats(), RunningStats()
+        self.loss, self.grad_norm = RunningStats(), RunningStats(over_max=GRAD_NORM_OVER_MAX)
         self.throughputs: deque[float] = deque(maxlen=WINDOW)
         self.slow = 0  # logging intervals in a row under half the median throughput
         self.straggler: int | None = None  # the process reported as a straggler, while it stays one
