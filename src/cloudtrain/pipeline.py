@@ -77,6 +77,9 @@ def preflight(cfg: Config, task: Task) -> Path:
     if cfg.data.streaming and not task.streams_data:  # it would train on one sample record per source
         streaming = " and ".join(t.name for t in TASKS if t.streams_data)
         raise UserError(f"--streaming true streams --task {streaming}, not --task {task.name}: drop --streaming")
+    if cfg.training.neftune_noise_alpha and not task.embedding_noise:
+        noisy = ", ".join(t.name for t in TASKS if t.embedding_noise)
+        raise UserError(f"--neftune_noise_alpha applies to --task {noisy}, not --task {task.name}: drop it")
     task.check_options(cfg)
     task.check_adapters(cfg)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:

@@ -47,6 +47,13 @@ def validate(cfg: Config) -> None:
             "--early_stopping_patience must be at least 1",
         ),
         (t.early_stopping_threshold < 0, "--early_stopping_threshold must not be negative"),
+        (t.neftune_noise_alpha < 0, "--neftune_noise_alpha must not be negative (0: off)"),
+        (
+            t.neftune_noise_alpha > 0
+            and (cfg.distributed.tensor_parallel_size > 1 or cfg.distributed.context_parallel_size > 1),
+            "--neftune_noise_alpha does not run under --tensor_parallel_size or --context_parallel_size (the "
+            "embeddings are split there); drop one of them",
+        ),
         (
             t.early_stopping_patience and t.eval_strategy == "no",
             "--early_stopping_patience counts evaluations: set --eval_strategy steps (with --eval_steps N) or epoch",

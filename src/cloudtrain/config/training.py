@@ -132,6 +132,12 @@ class TrainingConfig:
     early_stopping_threshold: float = opt(
         0.0, "Early stopping: how much the metric must improve on its best to count, in the metric's own units."
     )
+    neftune_noise_alpha: float = opt(
+        0.0,
+        "NEFTune: uniform noise of scale alpha / sqrt(row length x hidden size) added to the input embeddings "
+        "while training (5 is a common choice for instruction tuning; 0: off). Not under tensor, context or "
+        "pipeline parallelism.",
+    )
     torch_compile: bool = opt(
         False, "Compile the model with torch.compile (slow first steps, and a recompile per new sequence length)."
     )

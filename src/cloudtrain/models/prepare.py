@@ -10,6 +10,7 @@ The order is fixed (`TRANSFORMS`), each step relying on those before it:
    `fused_cross_entropy`: --fused_cross_entropy, the loss from the hidden states; `liger_modules`: --liger_kernels;
 4. `task_before_adapters`: what the task keeps of the model before adapters change it (a DPO reference);
 5. `adapters`: --peft freezes the base and adds adapters, and the modules the task trains in full;
+   `embedding_noise`: --neftune_noise_alpha's hook on the input embeddings (the model as it trains);
 6. `compile`: --torch_compile, last, over the final module or each decoder layer (--compile_layers), in place:
    its class, keys and saving stay.
 After these the trainers only wrap and shard (DDP, DeepSpeed, FSDP, pipeline stages). A new transform is
@@ -26,6 +27,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.attention import VARLEN, varlen_kernel_available
+from cloudtrain.models.embedding_noise import add_embedding_noise, has_input_embeddings
 from cloudtrain.models.kernels import (
     apply_liger_modules,
     compile_layers,
@@ -189,6 +191,19 @@ def adapters_for_task(model: Any, cfg: Config, task: Task, announce: bool) -> An
     return task.attach_adapters(model, cfg)
 
 
+def embedding_noise(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
+    """--neftune_noise_alpha: NEFTune's noise on the input embeddings while training (models.embedding_noise)."""
+    alpha = cfg.training.neftune_noise_alpha
+    if not alpha:
+        return model
+    if not has_input_embeddings(model):
+        raise UserError(f"--neftune_noise_alpha: {type(model).__name__} names no input embeddings; drop it")
+    add_embedding_noise(model, alpha)
+    if announce:
+        print(f"NEFTune: noise of alpha {alpha:g} on the input embeddings in training", flush=True)
+    return model
+
+
 def compile_model(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     if not cfg.training.torch_compile:
         return model
@@ -214,6 +229,7 @@ TRANSFORMS: list[Transform] = [
     liger_modules,
     task_before_adapters,
     adapters_for_task,
+    embedding_noise,
     compile_model,
 ]
 

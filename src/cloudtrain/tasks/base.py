@@ -68,6 +68,8 @@ class Task:
     tensor_parallel = False
     # whether its loss is one decoder's next-token loss over the cut batch's `targets` (--context_parallel_size)
     context_parallel = False
+    # whether --neftune_noise_alpha applies: one text model trained on its own (no reference sharing its embeddings)
+    embedding_noise = False
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg

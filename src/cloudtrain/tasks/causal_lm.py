@@ -100,6 +100,7 @@ class CausalLMTask(DecoderTask):
     packed_attention = True  # bfd batches carry their documents' lengths, and `loss` passes them (varlen attention)
     tensor_parallel = True
     context_parallel = True
+    embedding_noise = True
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)

@@ -51,6 +51,7 @@ class ClassificationTask(Task):
     adds_head = True
     load_error = "could not load a sequence-classification model"
     peft_task_type = "SEQ_CLS"
+    embedding_noise = True
 
     def check_options(self, cfg: Config) -> None:
         """Before any data or weights load: a checkpoint with readable weights, whose vocabulary holds the

@@ -153,6 +153,7 @@ class PipelineTrainer(Trainer):
                 "--training_type pipeline does not train adapters; use --training_type accelerated",
             ),
             (t.torch_compile, "--torch_compile does not apply to pipeline stages; remove it"),
+            (t.neftune_noise_alpha > 0, "--neftune_noise_alpha does not apply to pipeline stages; remove it"),
             (
                 cfg.data.streaming,
                 "--streaming true runs under --training_type basic and accelerated, not pipeline; use stored rows",
