@@ -253,8 +253,8 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
         "or pass --text_column <name>",
         "fractions.csv": "the 'label' column holds fractional numbers (0.25, 0.5, 0.75, ...): regression is not "
         "supported; classification needs class names or whole-number class ids",
-        "multi.jsonl": "the 'label' column holds lists or records, not one label per row; multi-label targets are "
-        "not supported: give each row one class name or id",
+        "multi.jsonl": "the 'label' column holds lists or records, not one label per row: --task multi_label trains "
+        "any number of labels per text; for --task classification give each row one class name or id",
     }
     for name, message in cases.items():
         assert refused(train_args(classifier, tmp_path / name, out), capsys) == message, name

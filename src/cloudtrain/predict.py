@@ -4,7 +4,9 @@
     python src/training_application.py predict --model_dir outputs/run --input_file texts.txt
     python src/training_application.py predict --model_dir outputs/nli --text "a man sleeps" --text_pair "he rests"
 
-Prints one JSON line per text: {"text", "label", "score"} ("text_pair" too for a sentence-pair model); --output_file
+Prints one JSON line per text: {"text", "label", "score"} ("text_pair" too for a sentence-pair model); for a
+multi-label model (--task multi_label) {"text", "labels", "scores"}: the labels over 0.5, every label's probability.
+--output_file
 writes them to a new file (an existing one only with --overwrite_output_file true), whole or not at all.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
 A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first.
@@ -96,6 +98,10 @@ def predict(
         truncated += count_truncated(encoded)
         inputs = {name: encoded[name] for name in names if name in encoded}
         logits = model(**inputs).logits.float()
+        if model.config.problem_type == "multi_label_classification":  # --task multi_label: a sigmoid per label
+            labels = [model.config.id2label[i] for i in range(logits.shape[-1])]
+            results += label_sets(chunk, logits.sigmoid().tolist(), labels, second)
+            continue
         if logits.shape[-1] == 1:  # a reward model (--task reward): its one output is the score
             scores, ids = logits[:, 0], torch.zeros(len(chunk), dtype=torch.long)
         else:
@@ -212,6 +218,21 @@ def records(
     ]
     if pairs is not None:
         rows = [{"text": row["text"], "text_pair": pair, **row} for row, pair in zip(rows, pairs, strict=True)]
+    return rows
+
+
+def label_sets(
+    texts: list[str], probabilities: list[list[float]], names: list[str], pairs: list[str] | None = None
+) -> list[dict]:
+    """One {"text", "labels", "scores"} per text (with "text_pair" after "text" for a pair) for a multi-label model:
+    the labels whose probability is over 0.5, most probable first, and every label's probability."""
+    rows = []
+    for k, (text, probs) in enumerate(zip(texts, probabilities, strict=True)):
+        ranked = sorted(range(len(names)), key=lambda i: -probs[i])
+        row: dict = {"text": text, **({"text_pair": pairs[k]} if pairs is not None else {})}
+        row["labels"] = [names[i] for i in ranked if probs[i] > 0.5]
+        row["scores"] = {names[i]: round(probs[i], 4) for i in ranked}
+        rows.append(row)
     return rows
 
 

@@ -30,6 +30,12 @@ TASK_ROWS: dict[str, Row] = {
     "classification": Row(
         "cloudtrain.tasks.classification", "text -> label", ("accuracy", "macro_f1", "loss"), "accuracy"
     ),
+    "multi_label": Row(
+        "cloudtrain.tasks.multi_label",
+        "text -> any number of labels",
+        ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
+        "micro_f1",
+    ),
     "causal_lm": Row(
         "cloudtrain.tasks.causal_lm",
         "continued pretraining, or pretraining from scratch, of a decoder on raw text",

@@ -17,6 +17,7 @@ def validate(cfg: Config) -> None:
             "--text_pair_column must differ from --text_column",
         ),
         (d.label_column in (d.text_column, d.text_pair_column), "--label_column must differ from the text columns"),
+        (not d.label_separator, "--label_separator must not be empty"),
         (d.max_length < 2, "--max_length must be at least 2"),
         (not 0 < d.validation_split_percentage < 100, "--validation_split_percentage must be between 0 and 100"),
         (d.max_train_samples is not None and d.max_train_samples < 1, "--max_train_samples must be at least 1"),
@@ -51,8 +52,8 @@ def validate(cfg: Config) -> None:
         (
             t.neftune_noise_alpha > 0
             and (cfg.distributed.tensor_parallel_size > 1 or cfg.distributed.context_parallel_size > 1),
-            "--neftune_noise_alpha does not run under --tensor_parallel_size or --context_parallel_size (the "
-            "embeddings are split there); drop one of them",
+            "--neftune_noise_alpha does not run under --tensor_parallel_size or --context_parallel_size (each "
+            "process holds part of the embeddings or of the row, and the noise's scale needs the whole); drop one",
         ),
         (
             t.early_stopping_patience and t.eval_strategy == "no",

@@ -28,6 +28,9 @@ class DataConfig:
     )
     text_pair_column: str | None = opt(None, "Column holding the second text of sentence-pair tasks.")
     label_column: str = opt("label", "Column holding the label (strings or integers).")
+    label_separator: str = opt(
+        ",", "--task multi_label: what separates a row's labels in a text column (a column of lists needs none)."
+    )
     max_length: int = opt(
         128,
         "Classification: truncate inputs to this many tokens. Causal LM: the block size "

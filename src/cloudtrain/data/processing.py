@@ -1,7 +1,8 @@
 """Stage 2, data processing: labels to ids, tokenization, splits, collation, data loaders.
 
 - Labels may be strings or integers; their names are kept (sorted) and become the model's id2label.
-  Validation or test labels that the training data never saw are an error.
+  Validation or test labels that the training data never saw are an error. A `LabelScheme` says how a
+  task reads its label column: one class per row here, any number per row in cloudtrain.data.multi_labels.
 - Tokenization is a batched `map` with a fast tokenizer, truncating at --max_length and padding
   nothing: the collator pads each batch to its own longest row (dynamic padding).
 - The tokenized splits are cached under --cache_dir, keyed by the source data, the tokenizer and the
@@ -94,8 +95,8 @@ def check_label_kind(train: Dataset, column: str) -> None:
     feature = train.features[column]
     if not isinstance(feature, (ClassLabel, datasets.Value)):
         raise UserError(
-            f"the {column!r} column holds lists or records, not one label per row; multi-label targets are not "
-            "supported: give each row one class name or id"
+            f"the {column!r} column holds lists or records, not one label per row: --task multi_label trains "
+            "any number of labels per text; for --task classification give each row one class name or id"
         )
     if feature.dtype.startswith("float"):
         fractional = [v for v in train[column] if v is not None and not math.isnan(v) and not float(v).is_integer()]
@@ -156,32 +157,52 @@ def is_labelled(ds: Dataset, split: str, column: str, label2id: dict) -> bool:
     return True
 
 
+@dataclass
+class LabelScheme:
+    """How a task reads its label column: the label names by id, and per raw value what the model trains on."""
+
+    names: list[str]
+    encode: Callable[[Any], Any]  # a raw label -> the `labels` entry (a class id, or a multi-hot row)
+    feature: Any  # the encoded `labels` column's datasets feature
+    labelled: Callable[[Dataset, str], bool]  # whether an evaluation split has labels (all rows) or none
+    strata: Callable[[Dataset], list[int] | None]  # a class id per training row to stratify the carve by, or None
+
+
+def single_label_scheme(raw: DatasetDict, column: str, order: list[str] | None = None) -> LabelScheme:
+    """One class per row (`--task classification`); `order`: see `find_label_names`."""
+    names, label2id = find_label_names(raw, column, order)
+    if len(names) < 2:
+        raise UserError(
+            f"the training data has only {len(names)} distinct label(s) in {column!r}; classification needs at least 2"
+        )
+    return LabelScheme(
+        names=names,
+        encode=label2id.__getitem__,
+        feature=ClassLabel(names=names),
+        labelled=lambda ds, split: is_labelled(ds, split, column, label2id),
+        strata=lambda train: [label2id[v] for v in train[column]],
+    )
+
+
 def process_data(
     raw: DatasetDict,
     tokenizer: PreTrainedTokenizerBase,
     cfg: DataConfig,
     seed: int,
     label_order: list[str] | None = None,
+    labels: LabelScheme | None = None,
 ) -> ProcessedData:
     """Tokenize and encode every split, carve validation if needed, and apply the sample limits.
-    `label_order`: see `find_label_names`."""
+    `labels`: how the label column reads (default: one class per row, ids in `label_order`'s order)."""
     check_texts(raw["train"], cfg.text_column)
-    names, label2id = find_label_names(raw, cfg.label_column, label_order)
-    if len(names) < 2:
-        raise UserError(
-            f"the training data has only {len(names)} distinct label(s) in "
-            f"{cfg.label_column!r}; classification needs at least 2"
-        )
-    labelled = {
-        split: is_labelled(ds, split, cfg.label_column, label2id) if split != "train" else True
-        for split, ds in raw.items()
-    }
+    scheme = labels or single_label_scheme(raw, cfg.label_column, label_order)
+    names = scheme.names
+    labelled = {split: scheme.labelled(ds, split) if split != "train" else True for split, ds in raw.items()}
     # The rows are chosen before tokenizing (a quick run on a large file tokenizes only what it uses); the
     # choice depends on the row count, the labels and the seed alone, as it did on tokenized rows.
     train, validation = raw["train"], raw.get("validation")
     if validation is None or not labelled["validation"]:
-        ids = [label2id[v] for v in train[cfg.label_column]]
-        train, validation = _carve_validation(train, ids, names, cfg.validation_split_percentage, seed)
+        train, validation = _carve_validation(train, scheme.strata(train), names, cfg.validation_split_percentage, seed)
     chosen = {
         "train": _limit(train, cfg.max_train_samples, seed),
         "validation": _limit(validation, cfg.max_eval_samples, seed),
@@ -189,14 +210,14 @@ def process_data(
     if labelled.get("test"):
         chosen["test"] = _limit(raw["test"], cfg.max_eval_samples, seed)
     unlabelled = {split: _first(raw[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
-    splits = {split: _encode(ds, split, tokenizer, cfg, names, label2id) for split, ds in chosen.items()}
+    splits = {split: _encode(ds, split, tokenizer, cfg, scheme) for split, ds in chosen.items()}
     return ProcessedData(
         train=splits["train"],
         validation=splits["validation"],
         test=splits.get("test"),
         collator=DataCollatorWithPadding(tokenizer),
         label_names=names,
-        unlabelled={split: _encode(ds, split, tokenizer, cfg, names, None) for split, ds in unlabelled.items()},
+        unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
         unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
     )
 
@@ -211,10 +232,9 @@ def _encode(
     split: str,
     tokenizer: PreTrainedTokenizerBase,
     cfg: DataConfig,
-    names: list[str],
-    label2id: dict | None,
+    scheme: LabelScheme | None,
 ) -> Dataset:
-    """Tokenized rows with their label ids, or without labels when `label2id` is None."""
+    """Tokenized rows with their encoded labels, or without labels when `scheme` is None."""
     columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
 
     def encode(batch: dict) -> dict:
@@ -223,14 +243,15 @@ def _encode(
         # only what the tokenizer says the model takes: a tokenizer loaded under a generic class can emit more
         # (token_type_ids), which the features below would refuse
         out = {name: encoded[name] for name in tokenizer.model_input_names}
-        if label2id is not None:
-            out["labels"] = [label2id[v] for v in batch[cfg.label_column]]
+        if scheme is not None:
+            out["labels"] = [scheme.encode(v) for v in batch[cfg.label_column]]
         return out
 
     features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in tokenizer.model_input_names})
-    if label2id is not None:
-        features["labels"] = ClassLabel(names=names)
-    key = _cache_key(ds, tokenizer, cfg, columns, names if label2id is not None else None)
+    if scheme is not None:
+        features["labels"] = scheme.feature
+    labels = [scheme.names, str(scheme.feature)] if scheme is not None else None  # a multi-hot row is not an id
+    key = _cache_key(ds, tokenizer, cfg, columns, labels)
     return cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}")
 
 
@@ -278,20 +299,23 @@ def cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, *options) -> str:
 
 
 def _carve_validation(
-    train: Dataset, ids: list[int], names: list[str], percentage: float, seed: int
+    train: Dataset, ids: list[int] | None, names: list[str], percentage: float, seed: int
 ) -> tuple[Dataset, Dataset]:
-    """Stratified by label (`ids`, one per row) when every class has members for both sides, else a plain
-    random split. The split is drawn on the row numbers, so `train` can be untokenized."""
-    counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=len(names))
-    present = int((counts > 0).sum())
+    """Stratified by label (`ids`, one per row) when every class has members for both sides, else (or with no
+    `ids`) a plain random split. The split is drawn on the row numbers, so `train` can be untokenized."""
     n_val = math.ceil(len(train) * percentage / 100)
-    stratify = counts[counts > 0].min() >= 2 and present <= n_val <= len(train) - present
+    stratify = False
+    if ids is not None:
+        counts = np.bincount(np.asarray(ids, dtype=np.int64), minlength=len(names))
+        present = int((counts > 0).sum())
+        stratify = counts[counts > 0].min() >= 2 and present <= n_val <= len(train) - present
     if n_val >= len(train):
         raise UserError(
             f"the training data has only {len(train)} rows, too few to carve a validation split; give --validation_file"
         )
     features = datasets.Features({"row": datasets.Value("int64"), "labels": ClassLabel(names=names)})
-    rows = Dataset.from_dict({"row": list(range(len(train))), "labels": ids}, features=features)
+    strata = ids if ids is not None else [0] * len(train)
+    rows = Dataset.from_dict({"row": list(range(len(train))), "labels": strata}, features=features)
     parts = rows.train_test_split(test_size=n_val, seed=seed, stratify_by_column="labels" if stratify else None)
     return train.select(parts["train"]["row"]), train.select(parts["test"]["row"])
 

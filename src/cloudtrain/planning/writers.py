@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from cloudtrain import invocation
+from cloudtrain.config import TrainingConfig
 from cloudtrain.parallel.distributed import zero_config
 from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.known_models import hub_id
@@ -255,10 +256,11 @@ def _launcher(setup: Setup, files: dict[str, str]) -> list[str]:
 
 
 def _model_args(m: ModelFacts) -> list[str]:
-    """The launch command's task and model flags (a classifier's: the model alone, --task's default)."""
+    """The launch command's task and model flags (a classifier's: the model, and --task where not the default)."""
     name = m.name if m.from_config else hub_id(m.name)  # a well-known model by its short name: the Hub id
     if not m.decoder:
-        return ["--model_name_or_path", name]
+        task = ["--task", m.task] if m.task != TrainingConfig.task else []
+        return [*task, "--model_name_or_path", name]
     args = ["--task", m.task, "--model_config" if m.from_config else "--model_name_or_path", name]
     if m.from_config or m.tokenizer:
         args += ["--tokenizer_name_or_path", m.tokenizer or "<tokenizer dir or Hub id>"]

@@ -1,6 +1,7 @@
 """The model card of a text classifier (`build_model_card`): summary, usage snippet (a pipeline, or
 `AutoPeftModelForSequenceClassification` for an adapter), labels, training hyperparameters, training and
-evaluation results, confusion matrices, then the shared footer (cloudtrain.publish.card_sections)."""
+evaluation results, confusion matrices, then the shared footer (cloudtrain.publish.card_sections). A multi-label
+classifier (`--task multi_label`) has its own metrics and a snippet that reads every label's probability."""
 
 import json
 from pathlib import Path
@@ -25,6 +26,11 @@ CLASSIFICATION_METRICS = (
     ("accuracy", "accuracy", "Accuracy", None),
     ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
 )
+MULTI_LABEL_METRICS = (
+    ("micro_f1", "f1", "Micro F1", {"average": "micro"}),
+    ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
+    ("subset_accuracy", "accuracy", "Subset accuracy", None),
+)
 
 TEMPLATE = (
     ADAPTER_MACROS
@@ -36,7 +42,8 @@ TEMPLATE = (
 
 This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](https://huggingface.co/{{ base_model }})\
 {% else %}a fine-tuned model{% endif %}
-for text classification into {{ labels | length }} classes, trained on \
+for {% if multi_label %}multi-label text classification over {{ labels | length }} labels (each predicted where its \
+probability is over 0.5){% else %}text classification into {{ labels | length }} classes{% endif %}, trained on \
 {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
 {% else %}{{ dataset_display }}{% endif %}
 with cloudtrain ({{ training_type }} trainer).
@@ -44,8 +51,9 @@ with cloudtrain ({{ training_type }} trainer).
 
 It achieves the following results on the {{ headline.split }} set:
 
-- Accuracy: {{ "%.4f" | format(headline.accuracy) }}
-- Macro F1: {{ "%.4f" | format(headline.macro_f1) }}
+{% for key, name in metric_names %}
+- {{ name }}: {{ "%.4f" | format(headline[key]) }}
+{%- endfor %}
 - Loss: {{ "%.4f" | format(headline.loss) }}
 {%- endif %}
 
@@ -60,13 +68,15 @@ tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revi
 model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
 inputs = tokenizer("{{ example_text }}", return_tensors="pt")
-print(model.config.id2label[model(**inputs).logits.argmax(-1).item()])
+{% if multi_label %}probabilities = model(**inputs).logits.sigmoid()[0]
+print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])
+{%- else %}print(model.config.id2label[model(**inputs).logits.argmax(-1).item()]){% endif %}
 ```{{ adapter_note("text-classification") }}{% else %}```python
 from transformers import pipeline
 
 classifier = pipeline("text-classification", model="{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %})
-print(classifier("{{ example_text }}"))
+print(classifier("{{ example_text }}"{% if multi_label %}, top_k=None{% endif %}))
 ```{% endif %}
 
 ## Labels
@@ -91,10 +101,10 @@ print(classifier("{{ example_text }}"))
 
 ### Evaluation results
 
-| split | examples | accuracy | macro F1 | loss |
-|:------|---:|---:|---:|---:|
+| split | examples |{% for _, name in metric_names %} {{ name }} |{% endfor %} loss |
+|:------|---:|{% for _ in metric_names %}---:|{% endfor %}---:|
 {%- for row in evaluations %}
-| {{ row.split }} | {{ row.samples }} | {{ "%.4f" | format(row.accuracy) }} | {{ "%.4f" | format(row.macro_f1) }} | \
+| {{ row.split }} | {{ row.samples }} |{% for key, _ in metric_names %} {{ "%.4f" | format(row[key]) }} |{% endfor %} \
 {{ "%.4f" | format(row.loss) }} |
 {%- endfor %}
 {%- for row in evaluations if row.confusion_matrix and labels | length <= max_matrix_labels %}
@@ -112,14 +122,15 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 )  # Jinja drops one trailing newline: the card still ends with one
 
 
-def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+def build_model_card(output_dir: Path, cfg: Config, results: dict, multi_label: bool = False) -> ModelCard:
     """The card for the model saved in `output_dir` (its config.json, or an adapter's labels.json, gives the
-    label names)."""
+    label names); `multi_label`: any number of labels per text."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
     assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
-    data = card_data(cfg, results, adapter)
+    metrics = MULTI_LABEL_METRICS if multi_label else CLASSIFICATION_METRICS
+    data = card_data(cfg, results, adapter, metrics)
     dataset_id, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
     names = label_names(output_dir)
@@ -132,6 +143,8 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         adapter=adapter,
         dataset_display=dataset_display,
         training_type=cfg.training.training_type,
+        multi_label=multi_label,
+        metric_names=[(key, name) for key, _, name, _ in metrics],
         labels=[name.replace("|", "\\|") for name in names],
         id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",
         headline=evaluations[0] if evaluations else None,
@@ -148,14 +161,16 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     )
 
 
-def card_data(cfg: Config, results: dict, adapter: dict | None = None) -> ModelCardData:
+def card_data(
+    cfg: Config, results: dict, adapter: dict | None = None, metrics: tuple = CLASSIFICATION_METRICS
+) -> ModelCardData:
     """The YAML metadata of a classifier: what the Hub indexes, filters and shows as evaluation results."""
     return task_card_data(
         cfg,
         results,
         pipeline_tag="text-classification",
         task_name="Text Classification",
-        metric_ids=["accuracy", "f1"],
-        metrics=CLASSIFICATION_METRICS,
+        metric_ids=sorted({kind for _, kind, _, _ in metrics}),
+        metrics=metrics,
         adapter=adapter,
     )

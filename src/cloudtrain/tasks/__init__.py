@@ -9,6 +9,7 @@ from cloudtrain.registry import TASKS
 # isort: off
 # registered in the order --help lists them
 from cloudtrain.tasks import classification  # noqa: F401
+from cloudtrain.tasks import multi_label  # noqa: F401
 from cloudtrain.tasks import causal_lm  # noqa: F401
 from cloudtrain.tasks import sft  # noqa: F401
 from cloudtrain.tasks import dpo  # noqa: F401

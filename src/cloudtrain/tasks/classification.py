@@ -3,7 +3,7 @@
 Supports: string or integer labels (their names become the model's id2label), encoders and decoders
 with a sequence-classification head (a checkpoint's own head is kept when it has the data's labels),
 unlabelled evaluation splits (predictions only), accuracy / macro F1 / loss and confusion matrices.
-Does not support: multi-label or regression targets.
+Does not support: regression targets; several labels per text are --task multi_label's.
 """
 
 import shlex
@@ -45,7 +45,7 @@ from cloudtrain.tasks.base import Task
 class ClassificationTask(Task):
     name = "classification"
     summary = "text -> label"
-    metrics = ("accuracy", "macro_f1", "loss")
+    metrics: tuple[str, ...] = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
     auto_class = AutoModelForSequenceClassification
     adds_head = True
@@ -127,7 +127,7 @@ class ClassificationTask(Task):
 
     def predict(
         self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable, autocast: Callable
-    ) -> tuple[list[int], list[float]]:
+    ) -> tuple[list, list]:
         """Predicted label ids and their probabilities for an unlabelled split, in the split's order."""
         return predict_labels(model, batches, gather=gather, move=move, autocast=autocast)
 
