@@ -134,9 +134,10 @@ class TrainingConfig:
     )
     neftune_noise_alpha: float = opt(
         0.0,
-        "NEFTune: uniform noise of scale alpha / sqrt(row length x hidden size) added to the input embeddings "
-        "while training (5 is a common choice for instruction tuning; 0: off). Not under tensor, context or "
-        "pipeline parallelism.",
+        "NEFTune (--task sft, causal_lm, classification, multi_label): uniform noise of scale alpha / sqrt(row "
+        "length x hidden size) added to the input embeddings while training (5 is a common choice for instruction "
+        "tuning; 0: off). The row length is the padded or packed row's. Not under tensor, context or pipeline "
+        "parallelism.",
     )
     torch_compile: bool = opt(
         False, "Compile the model with torch.compile (slow first steps, and a recompile per new sequence length)."

@@ -140,7 +140,8 @@ class DPOTask(SFTTask):
     default_best_metric = "loss"
     default_packing = "none"
     streams_data = False  # pairs are stored rows (a stream would train on one sample record per source)
-    tensor_parallel = context_parallel = embedding_noise = False  # a pair's loss, beside a reference model
+    tensor_parallel = context_parallel = False  # a pair's loss, beside a reference model
+    embedding_noise = False  # NEFTune is an instruction-tuning method: not offered (nor tested) for preference pairs
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
