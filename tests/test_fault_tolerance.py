@@ -316,6 +316,10 @@ def test_a_gradient_norm_spike_must_also_be_over_twice_the_window_s_largest():
     norms = climbing + leap
     found = d.check_steps(list(range(len(norms))), [math.nan] * len(norms), norms)
     assert [(a.kind, a.step) for a in found] == [("grad_norm_spike", len(climbing))]
+    # large norms at the start of a run (falling from 10 to 1) do not hide a spike long after them
+    early = [10.0 - i for i in range(10)] + [1.0 + 0.01 * (i % 3) for i in range(40)] + [20.0]
+    found = detector(grad_norm_spike_threshold=6.0).check_steps(list(range(51)), [math.nan] * 51, early)
+    assert [a.step for a in found] == [50]
     loss = detector(loss_spike_threshold=6.0)  # the loss has no such floor: each step of the climb is a spike
     steps = list(range(len(climbing)))
     assert [a.step for a in loss.check_steps(steps, climbing, [math.nan] * len(climbing))] == [40, 41, 42]

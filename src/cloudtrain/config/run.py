@@ -22,7 +22,7 @@ class MonitoringConfig:
     )
     grad_norm_spike_threshold: float = opt(
         6.0,
-        "The same for the gradient norm, which must also be over twice the largest of the last 100 steps' "
+        "The same for the gradient norm, which must also be over twice the largest of the last 20 steps' "
         "(logged when --max_grad_norm > 0; 0: off).",
     )
     on_anomaly: str = opt(

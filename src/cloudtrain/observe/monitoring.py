@@ -9,7 +9,8 @@ At each logging step (`--monitoring true`, the default):
 Anomalies, each one warning line on the main process, an `anomaly/<kind>` value and an event line in
 metrics.jsonl, and a W&B alert when W&B is online:
     loss_spike        a step's loss above the running mean by --loss_spike_threshold standard deviations
-    grad_norm_spike   the same for the gradient norm (--grad_norm_spike_threshold; needs clipping on)
+    grad_norm_spike   the same for the gradient norm (--grad_norm_spike_threshold; needs clipping on), when it is
+                      also over GRAD_NORM_OVER_MAX times the largest of the last RECENT_STEPS steps' norms
     throughput_drop   tokens per second of step time below half the running median of earlier intervals,
                       two logging intervals in a row
     straggler         with several processes: one process's own work (data loading and forward passes)
@@ -26,6 +27,7 @@ pipeline stage is slow (a pipeline process's forward passes run inside the sched
 """
 
 import contextlib
+import itertools
 import math
 import os
 import resource
@@ -43,8 +45,10 @@ from cloudtrain.config import MonitoringConfig
 WARMUP_STEPS = 10  # steps of running statistics before a spike can be judged
 WINDOW = 100  # steps (or logging intervals) the running statistics cover
 # A gradient norm is heavy-tailed, and it climbs while a fine-tune's loss falls fastest: a spike in it must also be
-# unlike anything in the window, more than this many times its largest value (the loss needs no such floor).
+# unlike the steps just before it, more than this many times their largest (the loss needs no such floor). Recent
+# steps only: a large norm long ago (the first steps of a run) must not hide a spike now.
 GRAD_NORM_OVER_MAX = 2.0
+RECENT_STEPS = 20
 STRAGGLER_RATIO = 1.5
 STRAGGLER_MIN_S = 0.005  # per step: smaller gaps are noise, not a straggler
 GIB = 2**30
@@ -148,7 +152,7 @@ def measured(by_process: list[list[float]]) -> bool:
 
 class RunningStats:
     """Mean and standard deviation of the last WINDOW accepted values; `over_max`: a spike must also be more than
-    this many times the largest of them (0: no such floor)."""
+    this many times the largest of the last RECENT_STEPS of them (0: no such floor)."""
 
     def __init__(self, over_max: float = 0.0) -> None:
         self.values: deque[float] = deque(maxlen=WINDOW)
@@ -161,7 +165,8 @@ class RunningStats:
         if threshold > 0 and len(self.values) >= WARMUP_STEPS:
             mean, std = statistics.fmean(self.values), statistics.pstdev(self.values)
             std = max(std, 1e-3 * abs(mean))  # a flat curve: a tiny wobble is no spike
-            if value > mean + threshold * std and value > self.over_max * max(self.values):
+            recent = itertools.islice(self.values, max(len(self.values) - RECENT_STEPS, 0), None)
+            if value > mean + threshold * std and value > self.over_max * max(recent):
                 # enters clipped: one spike barely moves the statistics, a lasting new level becomes normal
                 self.values.append(mean + threshold * std)
                 return mean, std
