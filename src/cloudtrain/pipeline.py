@@ -331,7 +331,8 @@ def _print_summary(task: Task, results: dict, output_dir: Path) -> None:
     of_model = f" (the model of step {best}, --load_best_model_at_end)" if best is not None else ""
     for name in ("eval", "test"):
         if name in results:
-            print(f"{name}: {task.describe_metrics(results[name])}{of_model}")
+            first, newline, rest = task.describe_metrics(results[name]).partition("\n")  # sample answers follow
+            print(f"{name}: {first}{of_model}{newline}{rest}")
     print(cost.describe(results["compute"]))
     print(f"model saved to {output_dir.resolve()}\nuse it: {task.inference_hint(str(output_dir))}")
 

@@ -92,7 +92,6 @@ class BestModelHook(Hook):
         self.trainer, self.checkpointer = trainer, checkpointer
 
     def on_train_end(self, loop: LoopState) -> None:
-        self.trainer.phase = self.phase
         loop.model_step = keep_best_model(self.trainer, self.checkpointer, loop)
 
 

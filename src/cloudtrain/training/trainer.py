@@ -369,6 +369,7 @@ class Trainer:
                     )
                     self._end_here(hooks, loop, hooks)
                 for hook in hooks:
+                    self.phase = hook.phase or self.phase
                     hook.on_train_end(loop)
                 result = TrainResult.of(loop, self.launch_start)
         finally:
