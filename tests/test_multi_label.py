@@ -47,6 +47,12 @@ def test_metrics_equal_scikit_learn_s():
     assert got["macro_f1"] == pytest.approx(f1_score(y, p, average="macro"))
     assert got["subset_accuracy"] == pytest.approx((y == p).all(axis=1).mean())
     assert list(got["label_f1"].values()) == pytest.approx(list(f1_score(y, p, average=None)), abs=1e-4)
+    absent = multi_label_metrics(
+        torch.tensor([[True, False, False]]), torch.tensor([[True, False, False]]), list("abc")
+    )
+    assert absent["label_f1"] == {"a": 1.0} and absent["macro_f1"] == 1.0  # labels that never occur are left out
+    nothing = torch.zeros(2, 3, dtype=torch.bool)
+    assert multi_label_metrics(nothing, nothing, list("abc"))["micro_f1"] == 0.0  # as scikit-learn
 
 
 def test_a_column_of_lists_and_one_of_separated_texts_read_the_same():
@@ -56,8 +62,28 @@ def test_a_column_of_lists_and_one_of_separated_texts_read_the_same():
     a = multi_label_scheme(lists, DataConfig(label_column="labels"))
     b = multi_label_scheme(texts, DataConfig(label_column="labels", label_separator="|"))
     assert a.names == b.names == NAMES
-    assert [a.encode(v) for v in lists["train"]["labels"]] == [b.encode(v) for v in texts["train"]["labels"]]
-    assert a.encode(["finance", "weather"]) == [1.0, 0.0, 1.0] and a.encode([]) == [0.0, 0.0, 0.0]
+    encode_a, encode_b = a.encoder(lists["train"]), b.encoder(texts["train"])
+    assert [encode_a(v) for v in lists["train"]["labels"]] == [encode_b(v) for v in texts["train"]["labels"]]
+    assert encode_a(["finance", "weather"]) == [1.0, 0.0, 1.0] and encode_a([]) == [0.0, 0.0, 0.0]
+
+
+def test_each_split_is_read_by_its_own_column_type_and_an_empty_one_is_for_predictions():
+    rows = labelled_rows(30, 0)
+    raw = DatasetDict(
+        {
+            "train": Dataset.from_list(rows),  # lists
+            "validation": Dataset.from_list([{**r, "labels": "|".join(r["labels"])} for r in rows[:6]]),  # texts
+            "test": Dataset.from_list([{"text": r["text"], "labels": None} for r in rows[:3]]),  # no labels at all
+        }
+    )
+    scheme = multi_label_scheme(raw, DataConfig(label_column="labels", label_separator="|"))
+    train, validation = (scheme.encoder(raw[split]) for split in ("train", "validation"))
+    assert [validation(v) for v in raw["validation"]["labels"]] == [train(r["labels"]) for r in rows[:6]]
+    assert scheme.labelled(raw["validation"], "validation") and not scheme.labelled(raw["test"], "test")
+    ids = DatasetDict({"train": Dataset.from_list([{"text": "t", "labels": [n]} for n in (10, 2, 1)])})
+    assert multi_label_scheme(ids, DataConfig(label_column="labels")).names == ["1", "2", "10"]  # by value
+    head = ["weather", "sports", "finance"]  # a checkpoint head's order is kept
+    assert multi_label_scheme(raw, DataConfig(label_column="labels"), order=head).names == head
 
 
 def test_a_run_learns_predicts_saves_and_the_saved_model_reads_as_multi_label(tiny_model_dir, tmp_path, capsys):
@@ -131,7 +157,7 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
         "max_steps": 2,
     }
     cases = {
-        "numbers": ({**base, "train_file": numbers}, "column holds Value('float64'), not a row's labels"),
+        "numbers": ({**base, "train_file": numbers}, "a label of 0.5 is not a name or a whole-number id"),
         "one label": ({**base, "train_file": one}, "has 1 distinct label(s) in 'labels'; --task multi_label needs"),
         "unseen": (
             {**base, "validation_file": unseen},
@@ -147,3 +173,40 @@ def test_the_planner_s_launch_command_keeps_the_task(tiny_model_dir, tmp_path, c
     assert main([*argv, "--gpu_memory_gb", "24", "--json", "--output_dir", str(tmp_path / "plan")]) == 0
     command = json.loads(capsys.readouterr().out)["recommendation"]["command"]
     assert f"--task multi_label --model_name_or_path {tiny_model_dir}" in command, command
+
+
+def test_an_adapter_and_its_merged_model_read_as_multi_label(tiny_model_dir, tmp_path):
+    out = tmp_path / "lora"
+    options = {
+        "task": "multi_label",
+        "model_name_or_path": tiny_model_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", labelled_rows(40, 0)),
+        "label_column": "labels",
+        "output_dir": str(out),
+        "peft": "lora",
+        "merge_adapters": "true",
+        "max_steps": 3,
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    assert json.loads((out / "labels.json").read_text())["problem_type"] == "multi_label_classification"
+    assert json.loads((out / "merged" / "config.json").read_text())["problem_type"] == "multi_label_classification"
+    for model_dir in (out, out / "merged"):
+        rows = predict(str(model_dir), ["the team won the match"])
+        assert set(rows[0]) == {"text", "labels", "scores"} and set(rows[0]["scores"]) == set(NAMES), rows
+
+
+def test_a_classifier_trained_from_a_multi_label_checkpoint_is_single_label(tiny_model_dir, topic_csvs, tmp_path):
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    checkpoint = tmp_path / "multi"
+    head = AutoModelForSequenceClassification.from_pretrained(
+        tiny_model_dir, num_labels=3, problem_type="multi_label_classification"
+    )
+    head.save_pretrained(checkpoint)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(checkpoint)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(checkpoint), "--train_file", str(topic_csvs["train"]), "--output_dir", str(out)]
+    assert main([*argv, "--max_steps", "2", "--report_to", "none"]) == 0
+    assert json.loads((out / "config.json").read_text())["problem_type"] == "single_label_classification"
+    assert set(predict(str(out), ["the team won the match"])[0]) == {"text", "label", "score"}

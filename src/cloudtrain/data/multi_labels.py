@@ -1,12 +1,19 @@
 """The label column of `--task multi_label`: any number of labels per row, as a multi-hot row.
 
 A row's labels are a list (JSON lines, Parquet, a Hub `Sequence` column; ids of a `Sequence(ClassLabel)` by its
-names) or one text with the labels between `--label_separator`s (CSV). An empty list, an empty text or no value
-is a row to which no label applies. The names are the training data's, sorted; an evaluation split with labels
-the training data never saw is an error, and one without the label column is for predictions only.
+names), one text with the labels between `--label_separator`s (CSV), or one whole-number id. An empty list, an
+empty text or no value is a row to which no label applies. The names are a `Sequence(ClassLabel)`'s, else the
+training data's in order (numbers by value); a checkpoint head's order is kept where it has the same names. Each
+split is read by its own column's type (a JSON lines train and a CSV validation mix). An evaluation split with labels
+the training data never saw is an error; one without the label column, or with no label in any row, is for
+predictions only.
 """
 
 from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
 
 import datasets
 from datasets import ClassLabel, Dataset, DatasetDict
@@ -16,29 +23,35 @@ from cloudtrain.data.processing import LabelScheme
 from cloudtrain.errors import UserError
 
 
-def multi_label_scheme(raw: DatasetDict, cfg: DataConfig) -> LabelScheme:
-    """The multi-hot encoding of `cfg.label_column` over the training data's label names."""
-    column = cfg.label_column
-    read = reader(raw["train"], column, cfg.label_separator)
-    names = sorted({name for value in raw["train"][column] for name in read(value)})
+def multi_label_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | None = None) -> LabelScheme:
+    """The multi-hot encoding of `cfg.label_column` over the label names; `order`: a checkpoint head's names."""
+    column, separator = cfg.label_column, cfg.label_separator
+    names = label_names(raw["train"], column, separator)
     if len(names) < 2:
         raise UserError(
             f"the training data has {len(names)} distinct label(s) in {column!r}; --task multi_label needs at least 2 "
             "(a column of lists, or texts of labels between --label_separator)"
         )
+    if order is not None and sorted(order) == sorted(names):
+        names = list(order)  # the head keeps its rows
     index = {name: i for i, name in enumerate(names)}
 
-    def encode(value) -> list[float]:
-        row = [0.0] * len(names)
-        for name in read(value):
-            row[index[name]] = 1.0
-        return row
+    def encoder(ds: Dataset) -> Callable[[Any], list[float]]:
+        read = reader(ds, column, separator)
+
+        def encode(value: Any) -> list[float]:
+            row = [0.0] * len(names)
+            for name in read(value):
+                row[index[name]] = 1.0
+            return row
+
+        return encode
 
     def labelled(ds: Dataset, split: str) -> bool:
-        if column not in ds.column_names:
+        if column not in ds.column_names or all(is_empty(value) for value in ds[column]):
             return False
-        split_read = reader(ds, column, cfg.label_separator)
-        unseen = {name for value in ds[column] for name in split_read(value)} - set(index)
+        read = reader(ds, column, separator)
+        unseen = {name for value in ds[column] for name in read(value)} - set(index)
         if unseen:
             raise UserError(
                 f"the {split} data has labels the training data never saw: {', '.join(sorted(unseen)[:10])}; "
@@ -48,24 +61,58 @@ def multi_label_scheme(raw: DatasetDict, cfg: DataConfig) -> LabelScheme:
 
     return LabelScheme(
         names=names,
-        encode=encode,
+        encoder=encoder,
         feature=datasets.List(datasets.Value("float32")),
+        key=[names, "multi-hot", separator],
         labelled=labelled,
         strata=lambda train: None,  # no one class per row to stratify by
     )
 
 
-def reader(ds: Dataset, column: str, separator: str):
-    """value -> the row's label names (strings), for the column's type."""
+def label_names(train: Dataset, column: str, separator: str) -> list[str]:
+    """A `Sequence(ClassLabel)`'s names; else those in the training rows, numbers by value, others sorted."""
+    inner = getattr(train.features[column], "feature", None)
+    if isinstance(inner, ClassLabel):
+        return list(inner.names)
+    read = reader(train, column, separator)
+    found = {name for value in train[column] for name in read(value)}
+    if all(name.lstrip("-").isdigit() for name in found):
+        return sorted(found, key=int)
+    return sorted(found)
+
+
+def is_empty(value: Any) -> bool:
+    """No label in this row: None, NaN, an empty text or an empty list."""
+    if isinstance(value, float):
+        return math.isnan(value)
+    return value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, list) and not value)
+
+
+def reader(ds: Dataset, column: str, separator: str) -> Callable[[Any], list[str]]:
+    """value -> the row's label names (strings), for this split's column type."""
     feature = ds.features[column]
     inner = getattr(feature, "feature", None)  # a list column's element type
     if isinstance(inner, ClassLabel):
-        return lambda value: [inner.int2str(int(i)) for i in value or []]
+        return lambda value: [inner.int2str(int(i)) for i in value or [] if i is not None and i >= 0]
     if inner is not None:
-        return lambda value: [str(v).strip() for v in value or [] if v is not None and str(v).strip()]
+        return lambda value: [name for v in value or [] for name in _whole(v)]
     if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
         return lambda value: [part.strip() for part in (value or "").split(separator) if part.strip()]
+    if isinstance(feature, datasets.Value) and feature.dtype != "bool":  # one id per row; null: no label at all
+        return _whole
     raise UserError(
-        f"the {column!r} column holds {feature}, not a row's labels: --task multi_label reads a column of lists, or "
-        f"texts of labels between --label_separator {separator!r}"
+        f"the {column!r} column holds {feature}, not a row's labels: --task multi_label reads a column of lists, "
+        f"texts of labels between --label_separator {separator!r}, or whole-number ids"
     )
+
+
+def _whole(value: Any) -> list[str]:
+    """One label from a list item or a numeric cell: text as it is, a number as a whole-number id (a CSV column
+    with empty cells reads as floats)."""
+    if is_empty(value):
+        return []
+    if isinstance(value, float):
+        if not value.is_integer():
+            raise UserError(f"a label of {value:g} is not a name or a whole-number id; --task multi_label reads those")
+        return [str(int(value))]
+    return [str(value).strip()] if str(value).strip() else []

@@ -162,8 +162,9 @@ class LabelScheme:
     """How a task reads its label column: the label names by id, and per raw value what the model trains on."""
 
     names: list[str]
-    encode: Callable[[Any], Any]  # a raw label -> the `labels` entry (a class id, or a multi-hot row)
+    encoder: Callable[[Dataset], Callable[[Any], Any]]  # for a split: its raw label -> a class id, or a multi-hot row
     feature: Any  # the encoded `labels` column's datasets feature
+    key: list  # what the encoding depends on beyond the rows: part of the tokenized split's cache key
     labelled: Callable[[Dataset, str], bool]  # whether an evaluation split has labels (all rows) or none
     strata: Callable[[Dataset], list[int] | None]  # a class id per training row to stratify the carve by, or None
 
@@ -177,8 +178,9 @@ def single_label_scheme(raw: DatasetDict, column: str, order: list[str] | None =
         )
     return LabelScheme(
         names=names,
-        encode=label2id.__getitem__,
+        encoder=lambda ds: label2id.__getitem__,
         feature=ClassLabel(names=names),
+        key=names,
         labelled=lambda ds, split: is_labelled(ds, split, column, label2id),
         strata=lambda train: [label2id[v] for v in train[column]],
     )
@@ -237,21 +239,22 @@ def _encode(
     """Tokenized rows with their encoded labels, or without labels when `scheme` is None."""
     columns = [cfg.text_column] + ([cfg.text_pair_column] if cfg.text_pair_column else [])
 
+    encode_label = scheme.encoder(ds) if scheme is not None else None
+
     def encode(batch: dict) -> dict:
         texts = [["" if t is None else str(t) for t in batch[c]] for c in columns]
         encoded = tokenizer(*texts, truncation=True, max_length=cfg.max_length)
         # only what the tokenizer says the model takes: a tokenizer loaded under a generic class can emit more
         # (token_type_ids), which the features below would refuse
         out = {name: encoded[name] for name in tokenizer.model_input_names}
-        if scheme is not None:
-            out["labels"] = [scheme.encode(v) for v in batch[cfg.label_column]]
+        if encode_label is not None:
+            out["labels"] = [encode_label(v) for v in batch[cfg.label_column]]
         return out
 
     features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in tokenizer.model_input_names})
     if scheme is not None:
         features["labels"] = scheme.feature
-    labels = [scheme.names, str(scheme.feature)] if scheme is not None else None  # a multi-hot row is not an id
-    key = _cache_key(ds, tokenizer, cfg, columns, labels)
+    key = _cache_key(ds, tokenizer, cfg, columns, scheme.key if scheme is not None else None)
     return cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}")
 
 

@@ -201,14 +201,16 @@ def is_adapter(model: torch.nn.Module) -> bool:
 
 
 def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
-    """The adapter in PEFT's layout, and a classifier's label names (labels.json: the base knows none)."""
+    """The adapter in PEFT's layout, and a classifier's label names and problem type (labels.json: the base knows
+    neither; a multi-label head is read with a sigmoid per label)."""
     # grown embeddings are in the modules trained in full already; PEFT would add 2 more copies of each
     model.save_pretrained(output_dir, state_dict=state_dict, save_embedding_layers=False)
     if model.peft_config["default"].task_type == "CAUSAL_LM":  # a chat model's end-of-turn stop is not the base's
         model.generation_config.save_pretrained(output_dir)
     else:
         id2label = {str(i): name for i, name in model.config.id2label.items()}
-        (Path(output_dir) / LABELS).write_text(json.dumps({"id2label": id2label}, indent=2) + "\n")
+        labels = {"id2label": id2label, "problem_type": model.config.problem_type}
+        (Path(output_dir) / LABELS).write_text(json.dumps(labels, indent=2) + "\n")
 
 
 # ---------------------------------------------------------------- using a saved adapter
@@ -230,10 +232,12 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
         raise UserError(f"{model_dir}/adapter_config.json names no base model (base_model_name_or_path)")
     options: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if (model_dir / LABELS).is_file():
-        id2label = {int(i): name for i, name in json.loads((model_dir / LABELS).read_text())["id2label"].items()}
+        labels = json.loads((model_dir / LABELS).read_text())
+        id2label = {int(i): name for i, name in labels["id2label"].items()}
         options.update(
             id2label=id2label,  # the number of labels with it (num_labels too: a warning against the base's labels)
             label2id={n: i for i, n in id2label.items()},
+            problem_type=labels.get("problem_type"),  # written since --task multi_label; before: single-label
             ignore_mismatched_sizes=True,
         )  # the base's own head, if any, is replaced by the adapter's
     verbosity = transformers.logging.get_verbosity()

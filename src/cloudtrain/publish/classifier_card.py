@@ -50,7 +50,6 @@ with cloudtrain ({{ training_type }} trainer).
 {%- if headline %}
 
 It achieves the following results on the {{ headline.split }} set:
-
 {% for key, name in metric_names %}
 - {{ name }}: {{ "%.4f" | format(headline[key]) }}
 {%- endfor %}

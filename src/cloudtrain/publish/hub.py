@@ -250,6 +250,8 @@ def commit_message(results: dict) -> str:
         metrics = results.get(name, {})
         if "accuracy" in metrics:
             scores += f", {name} accuracy {metrics['accuracy']:.4f}"
+        elif "micro_f1" in metrics:
+            scores += f", {name} micro F1 {metrics['micro_f1']:.4f}"
         elif "perplexity" in metrics:
             scores += f", {name} perplexity {metrics['perplexity']:.2f}"
     return f"Upload model trained with cloudtrain ({steps} steps{scores})"

@@ -79,6 +79,7 @@ class ClassificationTask(Task):
         # id2label alone sets the number of labels; num_labels beside it made transformers warn that it disagrees
         # with a checkpoint head's own labels, just before the line saying that head is replaced
         config = read_config(cfg.model, id2label=id2label, label2id={n: i for i, n in id2label.items()})
+        config.problem_type = "single_label_classification"  # a multi-label checkpoint's would make readers sigmoid
         config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
         return config
 

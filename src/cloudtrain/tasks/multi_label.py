@@ -8,6 +8,7 @@ unlabelled evaluation splits (predictions only); everything else as `--task clas
 Does not support: per-label thresholds, label weights, hierarchical labels.
 """
 
+import math
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from cloudtrain.config import Config
 from cloudtrain.data.multi_labels import multi_label_scheme
 from cloudtrain.data.processing import ProcessedData, process_data
 from cloudtrain.evaluation import eval_mode
+from cloudtrain.models.load import head_labels
 from cloudtrain.predict import label_sets
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
@@ -36,7 +38,7 @@ class MultiLabelTask(ClassificationTask):
     default_best_metric = "micro_f1"
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
-        labels = multi_label_scheme(raw, cfg.data)
+        labels = multi_label_scheme(raw, cfg.data, order=head_labels(cfg.model))
         return process_data(raw, tokenizer, cfg.data, cfg.training.seed, labels=labels)
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
@@ -110,17 +112,18 @@ class MultiLabelTask(ClassificationTask):
 
 def multi_label_metrics(predicted: torch.Tensor, referenced: torch.Tensor, names: list[str]) -> dict:
     """Micro F1 (over every label decision), macro F1 (the mean of each label's F1, over the labels that occur in
-    the references or the predictions), subset accuracy (rows with every label right) and each label's F1."""
+    the references or the predictions), subset accuracy (rows with every label right) and the F1 of each label
+    that occurs."""
     tp = (predicted & referenced).sum(dim=0).double()
     fp = (predicted & ~referenced).sum(dim=0).double()
     fn = (~predicted & referenced).sum(dim=0).double()
     wrong = fp + fn
     occurs = (tp + wrong) > 0
-    per_label = torch.where(occurs, 2 * tp / (2 * tp + wrong).clamp(min=1), torch.ones_like(tp))
+    per_label = torch.where(occurs, 2 * tp / (2 * tp + wrong).clamp(min=1), torch.full_like(tp, math.nan))
     total = 2 * tp.sum() + wrong.sum()
     return {
-        "micro_f1": (2 * tp.sum() / total).item() if total else 1.0,
-        "macro_f1": per_label[occurs].mean().item() if occurs.any() else 1.0,
+        "micro_f1": (2 * tp.sum() / total).item() if total else 0.0,  # nothing to find, nothing found: as sklearn
+        "macro_f1": per_label[occurs].mean().item() if occurs.any() else 0.0,
         "subset_accuracy": (predicted == referenced).all(dim=-1).double().mean().item(),
         "label_f1": {name: round(f1, 4) for name, f1 in zip(names, per_label.tolist(), strict=True) if f1 == f1},
     }
