@@ -9,6 +9,7 @@ Does not support: per-label thresholds, label weights, hierarchical labels.
 """
 
 import math
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
@@ -64,6 +65,7 @@ class MultiLabelTask(ClassificationTask):
         autocast: Callable,
     ) -> dict:
         predicted, referenced, losses = [], [], []
+        start = time.perf_counter()
         with eval_mode(model):
             for batch in batches:
                 batch = move(batch)
@@ -75,11 +77,18 @@ class MultiLabelTask(ClassificationTask):
                 predicted.append(pred.cpu())
                 referenced.append(ref.cpu())
                 losses.append(loss.cpu())
+        samples, runtime = sum(len(r) for r in referenced), time.perf_counter() - start
         return {
             **multi_label_metrics(torch.cat(predicted), torch.cat(referenced), data.label_names),
             "loss": torch.cat(losses).mean().item(),
-            "samples": sum(len(r) for r in referenced),
+            "samples": samples,
+            "runtime_s": round(runtime, 3),
+            "samples_per_s": round(samples / runtime, 2),
         }
+
+    def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
+        """Each label's F1, logged as a table with the evaluation."""
+        return {"label_f1": (["label", "f1"], [[name, f1] for name, f1 in metrics.get("label_f1", {}).items()])}
 
     @torch.no_grad()
     def predict(
