@@ -43,9 +43,9 @@ from streaming_bench import make_corpus, make_tokenizer  # noqa: E402
 def build(name: str, options: dict, out: Path):
     """A run of the application (trainer, model, data) for one path, ready to step: (trainer, loop, hooks,
     windows)."""
-    from cloudtrain.checkpointing import PreemptionSignal
     from cloudtrain.config.parse import resolve_options
     from cloudtrain.pipeline import build_run
+    from cloudtrain.training.preemption import PreemptionSignal
 
     cfg = resolve_options(None, {**options, "output_dir": str(out / name), "cache_dir": str(out / f"cache-{name}")})
     trainer = build_run(cfg).trainer

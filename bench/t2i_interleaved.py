@@ -38,9 +38,9 @@ REF, CT, TWIN = "diffusers-loop", "cloudtrain", "cloudtrain-twin"
 
 def cloudtrain_loop(spec: dict, out: Path):
     """cloudtrain's run for `spec`, built and started as `Trainer.fit` starts it: a callable taking one step."""
-    from cloudtrain.checkpointing import PreemptionSignal
     from cloudtrain.config import build_config
     from cloudtrain.pipeline import build_run
+    from cloudtrain.training.preemption import PreemptionSignal
 
     trainer = build_run(build_config(cloudtrain_options(spec, str(out)))).trainer
     loop = trainer._start(None, None)
