@@ -67,6 +67,7 @@ TRAINING: dict[str, Use] = {
     "chosen_column": Use(("dpo", "reward")),
     "rejected_column": Use(("dpo", "reward")),
     "margin_column": Use(("reward",)),
+    "label_separator": Use(("multi_label",)),
     **{f.name: Use(("text_to_image",)) for f in dataclasses.fields(ImagesConfig)},
 }
 
