@@ -251,8 +251,8 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
         "UTF-8 and try again",
         "blank.csv": "the training data has no text in column 'text' (every row is empty); give data with text, "
         "or pass --text_column <name>",
-        "fractions.csv": "the 'label' column holds fractional numbers (0.25, 0.5, 0.75, ...): regression is not "
-        "supported; classification needs class names or whole-number class ids",
+        "fractions.csv": "the 'label' column holds fractional numbers (0.25, 0.5, 0.75, ...): --task regression "
+        "learns numbers; classification needs class names or whole-number class ids",
         "multi.jsonl": "the 'label' column holds lists or records, not one label per row: --task multi_label trains "
         "any number of labels per text; for --task classification give each row one class name or id",
     }

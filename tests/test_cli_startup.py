@@ -53,11 +53,11 @@ def assert_refused(answer: list, refusal: str) -> None:
 def test_help_and_refusals_import_no_task_or_trainer():
     train = {
         "--bogus 1": "unrecognized arguments: --bogus 1",
-        "--task regression": "'regression' is not one of classification, multi_label, causal_lm, sft, dpo, reward, "
-        "text_to_image",
+        "--task translation": "'translation' is not one of classification, multi_label, regression, causal_lm, sft, "
+        "dpo, reward, text_to_image",
         "--training_type turbo": "'turbo' is not one of basic, accelerated, pipeline",
         "--metric_for_best_model bleu": "'bleu' is not one of accuracy, macro_f1, loss, micro_f1, subset_accuracy, "
-        "perplexity, exact_match",
+        "rmse, mae, pearson, spearman, perplexity, exact_match",
         "--optim sgd": "'sgd' is not one of adamw",
     }
     said = answers(["--help", "train --help", *train])
@@ -78,7 +78,7 @@ REFUSALS = {
     "predict --model_dir m --batch_size x": "argument --batch_size: invalid int value: 'x'",
     "push --output_dir d --hub_private_repo maybe": "argument --hub_private_repo: expected true or false, got 'maybe'",
     "plan --strategy turbo": "argument --strategy: invalid choice: 'turbo'",
-    "plan --task regression": "--task: 'regression' is not one of classification",
+    "plan --task translation": "--task: 'translation' is not one of classification",
     "merge --trust_remote_code true": "the following arguments are required: --output_dir",
     "merge --output_dir /no/such/run": "--output_dir /no/such/run does not exist; pass the output_dir of a training",
     "merge --output_dir /": "--output_dir / holds no adapter (adapter_config.json)",

@@ -78,9 +78,10 @@ def test_each_refusal_is_one_line(tiny_llama_dir, tiny_model_dir, chats_file, tm
     sft = sft_options(tiny_llama_dir, chats_file, out, report_to="none")
     cases = {
         "negative": ({**sft, "neftune_noise_alpha": "-1"}, "--neftune_noise_alpha must not be negative (0: off)"),
-        "a reference shares the embeddings": (
+        "preference pairs": (
             {**sft, "task": "dpo", "neftune_noise_alpha": "5"},
-            "--neftune_noise_alpha applies to --task classification, multi_label, causal_lm, sft, not --task dpo",
+            "--neftune_noise_alpha applies to --task classification, multi_label, regression, causal_lm, sft, not "
+            "--task dpo",
         ),
         "tensor parallel": (
             {**sft, "neftune_noise_alpha": "5", "tensor_parallel_size": "2"},

@@ -63,8 +63,8 @@ def test_a_class_that_differs_from_its_row_is_refused(monkeypatch):
 
 
 def test_unknown_names_are_refused_with_the_registered_choices():
-    with pytest.raises(UserError, match="--task: 'regression' is not one of classification, multi_label, causal_lm"):
-        build_config({"task": "regression"})
+    with pytest.raises(UserError, match="--task: 'translation' is not one of classification, multi_label, regression"):
+        build_config({"task": "translation"})
     with pytest.raises(KeyError, match="--training_type 'turbo' is not one of basic, accelerated, pipeline"):
         TRAINERS["turbo"]
 

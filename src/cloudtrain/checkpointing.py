@@ -50,7 +50,7 @@ MARKS = "written-by"  # <checkpoint>/written-by/<process index>: that process's 
 RUN_FILES = ("metrics.jsonl", "tracker_runs.json")  # the run's log and tracker ids travel with each checkpoint
 FORMAT = "cloudtrain-checkpoint/1"
 PREFIX = "checkpoint-"
-LOWER_IS_BETTER = ("loss", "perplexity")
+LOWER_IS_BETTER = ("loss", "perplexity", "rmse", "mae")  # the metrics an improvement lowers
 
 
 @dataclass

@@ -5,7 +5,8 @@
     python src/training_application.py predict --model_dir outputs/nli --text "a man sleeps" --text_pair "he rests"
 
 Prints one JSON line per text: {"text", "label", "score"} ("text_pair" too for a sentence-pair model); for a
-multi-label model (--task multi_label) {"text", "labels", "scores"}: the labels over 0.5, every label's probability.
+multi-label model (--task multi_label) {"text", "labels", "scores"}: the labels over 0.5, every label's probability;
+for a regression model (--task regression) {"text", "score"}: the predicted number.
 --output_file
 writes them to a new file (an existing one only with --overwrite_output_file true), whole or not at all.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
@@ -101,6 +102,9 @@ def predict(
         if model.config.problem_type == "multi_label_classification":  # --task multi_label: a sigmoid per label
             labels = [model.config.id2label[i] for i in range(logits.shape[-1])]
             results += label_sets(chunk, logits.sigmoid().tolist(), labels, second)
+            continue
+        if model.config.problem_type == "regression":  # --task regression: the one output is the number
+            results += scored(chunk, logits[:, 0].tolist(), second)
             continue
         if logits.shape[-1] == 1:  # a reward model (--task reward): its one output is the score
             scores, ids = logits[:, 0], torch.zeros(len(chunk), dtype=torch.long)
@@ -219,6 +223,14 @@ def records(
     if pairs is not None:
         rows = [{"text": row["text"], "text_pair": pair, **row} for row, pair in zip(rows, pairs, strict=True)]
     return rows
+
+
+def scored(texts: list[str], values: list[float], pairs: list[str] | None = None) -> list[dict]:
+    """One {"text", "score"} per text (with "text_pair" after "text" for a pair) for a regression model."""
+    return [
+        {"text": text, **({"text_pair": pairs[k]} if pairs is not None else {}), "score": round(float(value), 4)}
+        for k, (text, value) in enumerate(zip(texts, values, strict=True))
+    ]
 
 
 def label_sets(

@@ -36,6 +36,9 @@ TASK_ROWS: dict[str, Row] = {
         ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
         "micro_f1",
     ),
+    "regression": Row(
+        "cloudtrain.tasks.regression", "text -> a number", ("loss", "rmse", "mae", "pearson", "spearman"), "loss"
+    ),
     "causal_lm": Row(
         "cloudtrain.tasks.causal_lm",
         "continued pretraining, or pretraining from scratch, of a decoder on raw text",

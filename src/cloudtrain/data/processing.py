@@ -103,7 +103,7 @@ def check_label_kind(train: Dataset, column: str) -> None:
         if fractional:
             shown = ", ".join(f"{v:g}" for v in fractional[:3]) + (", ..." if len(fractional) > 3 else "")
             raise UserError(
-                f"the {column!r} column holds fractional numbers ({shown}): regression is not supported; "
+                f"the {column!r} column holds fractional numbers ({shown}): --task regression learns numbers; "
                 "classification needs class names or whole-number class ids"
             )
 

@@ -1,7 +1,8 @@
 """The model card of a text classifier (`build_model_card`): summary, usage snippet (a pipeline, or
 `AutoPeftModelForSequenceClassification` for an adapter), labels, training hyperparameters, training and
 evaluation results, confusion matrices, then the shared footer (cloudtrain.publish.card_sections). A multi-label
-classifier (`--task multi_label`) has its own metrics and a snippet that reads every label's probability."""
+classifier (`--task multi_label`) has its own metrics and a snippet that reads every label's probability; a
+regression model (`--task regression`) its metrics and a snippet that reads the number."""
 
 import json
 from pathlib import Path
@@ -26,6 +27,12 @@ CLASSIFICATION_METRICS = (
     ("accuracy", "accuracy", "Accuracy", None),
     ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
 )
+REGRESSION_METRICS = (
+    ("rmse", "rmse", "RMSE", None),
+    ("mae", "mae", "MAE", None),
+    ("pearson", "pearsonr", "Pearson", None),
+    ("spearman", "spearmanr", "Spearman", None),
+)
 MULTI_LABEL_METRICS = (
     ("micro_f1", "f1", "Micro F1", {"average": "micro"}),
     ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
@@ -42,8 +49,9 @@ TEMPLATE = (
 
 This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](https://huggingface.co/{{ base_model }})\
 {% else %}a fine-tuned model{% endif %}
-for {% if multi_label %}multi-label text classification over {{ labels | length }} labels (each predicted where its \
-probability is over 0.5){% else %}text classification into {{ labels | length }} classes{% endif %}, trained on \
+for {% if kind == "multi_label" %}multi-label text classification over {{ labels | length }} labels (each predicted \
+where its probability is over 0.5){% elif kind == "regression" %}text regression (one number per text, \
+`{{ labels[0] }}`){% else %}text classification into {{ labels | length }} classes{% endif %}, trained on \
 {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
 {% else %}{{ dataset_display }}{% endif %}
 with cloudtrain ({{ training_type }} trainer).
@@ -67,7 +75,8 @@ tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revi
 model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
 inputs = tokenizer("{{ example_text }}", return_tensors="pt")
-{% if multi_label %}probabilities = model(**inputs).logits.sigmoid()[0]
+{% if kind == "regression" %}print(model(**inputs).logits[0, 0].item())
+{%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]
 print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])
 {%- else %}print(model.config.id2label[model(**inputs).logits.argmax(-1).item()]){% endif %}
 ```{{ adapter_note("text-classification") }}{% else %}```python
@@ -75,17 +84,18 @@ from transformers import pipeline
 
 classifier = pipeline("text-classification", model="{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %})
-print(classifier("{{ example_text }}"{% if multi_label %}, top_k=None{% endif %}))
+print(classifier("{{ example_text }}"{% if kind == "multi_label" %}, top_k=None\
+{% elif kind == "regression" %}, function_to_apply="none"{% endif %}))
 ```{% endif %}
 
-## Labels
+{% if kind != "regression" %}## Labels
 
 | id | label |
 |---:|:------|
 {%- for label in labels %}
 | {{ loop.index0 }} | {{ label }} |
 {%- endfor %}
-
+{% endif %}
 ## Training procedure
 
 {{ hyperparameters_table() }}
@@ -121,14 +131,14 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 )  # Jinja drops one trailing newline: the card still ends with one
 
 
-def build_model_card(output_dir: Path, cfg: Config, results: dict, multi_label: bool = False) -> ModelCard:
+def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "classification") -> ModelCard:
     """The card for the model saved in `output_dir` (its config.json, or an adapter's labels.json, gives the
-    label names); `multi_label`: any number of labels per text."""
+    label names); `kind`: classification, multi_label (any number of labels per text) or regression."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
     assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
-    metrics = MULTI_LABEL_METRICS if multi_label else CLASSIFICATION_METRICS
+    metrics = {"multi_label": MULTI_LABEL_METRICS, "regression": REGRESSION_METRICS}.get(kind, CLASSIFICATION_METRICS)
     data = card_data(cfg, results, adapter, metrics)
     dataset_id, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
@@ -142,7 +152,7 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, multi_label: 
         adapter=adapter,
         dataset_display=dataset_display,
         training_type=cfg.training.training_type,
-        multi_label=multi_label,
+        kind=kind,
         metric_names=[(key, name) for key, _, name, _ in metrics],
         labels=[name.replace("|", "\\|") for name in names],
         id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",

@@ -3,7 +3,7 @@
 Supports: string or integer labels (their names become the model's id2label), encoders and decoders
 with a sequence-classification head (a checkpoint's own head is kept when it has the data's labels),
 unlabelled evaluation splits (predictions only), accuracy / macro F1 / loss and confusion matrices.
-Does not support: regression targets; several labels per text are --task multi_label's.
+Does not support: several labels per text (--task multi_label) or a number per text (--task regression).
 """
 
 import shlex

@@ -110,7 +110,7 @@ class MultiLabelTask(ClassificationTask):
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-        return build_model_card(output_dir, cfg, results, multi_label=True)
+        return build_model_card(output_dir, cfg, results, kind="multi_label")
 
     def describe_metrics(self, metrics: dict) -> str:
         return (
