@@ -89,6 +89,18 @@ def test_a_run_learns_predicts_saves_and_the_saved_model_reads_as_a_number(tiny_
     card = build_task(cfg).model_card(out, cfg, {"train": train, "eval": results}).text
     assert "text regression (one number per text, `score`)" in card and 'function_to_apply="none"' in card
     assert f"- RMSE: {results['rmse']:.4f}" in card and "## Labels" not in card
+    constant = {**results, "pearson": float("nan"), "spearman": None}  # constant predictions: in memory, on file
+    card = build_task(cfg).model_card(out, cfg, {"train": train, "eval": constant}).text
+    assert "- Pearson: n/a" in card and "- Spearman: n/a" in card
+
+
+def test_results_files_are_strict_json_with_null_for_a_number_that_is_not_finite(tmp_path):
+    from cloudtrain.publish.saving import write_json
+
+    write_json(tmp_path / "r.json", {"pearson": float("nan"), "rmse": 0.5, "rows": [float("inf"), 1.0]})
+    text = (tmp_path / "r.json").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert json.loads(text) == {"pearson": None, "rmse": 0.5, "rows": [None, 1.0]}
 
 
 def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):

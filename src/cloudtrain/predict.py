@@ -226,9 +226,10 @@ def records(
 
 
 def scored(texts: list[str], values: list[float], pairs: list[str] | None = None) -> list[dict]:
-    """One {"text", "score"} per text (with "text_pair" after "text" for a pair) for a regression model."""
+    """One {"text", "score"} per text (with "text_pair" after "text" for a pair) for a regression model: the number
+    to 7 significant digits (about float32's)."""
     return [
-        {"text": text, **({"text_pair": pairs[k]} if pairs is not None else {}), "score": round(float(value), 4)}
+        {"text": text, **({"text_pair": pairs[k]} if pairs is not None else {}), "score": float(f"{value:.7g}")}
         for k, (text, value) in enumerate(zip(texts, values, strict=True))
     ]
 

@@ -28,7 +28,7 @@ CLASSIFICATION_METRICS = (
     ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
 )
 REGRESSION_METRICS = (
-    ("rmse", "rmse", "RMSE", None),
+    ("rmse", "mse", "RMSE", {"squared": False}),
     ("mae", "mae", "MAE", None),
     ("pearson", "pearsonr", "Pearson", None),
     ("spearman", "spearmanr", "Spearman", None),
@@ -41,7 +41,8 @@ MULTI_LABEL_METRICS = (
 
 TEMPLATE = (
     ADAPTER_MACROS
-    + """---
+    + """{% macro number(value) %}{{ "%.4f" | format(value) if value is not none and value == value else "n/a" }}\
+{% endmacro %}---
 {{ card_data }}
 ---
 
@@ -59,7 +60,7 @@ with cloudtrain ({{ training_type }} trainer).
 
 It achieves the following results on the {{ headline.split }} set:
 {% for key, name in metric_names %}
-- {{ name }}: {{ "%.4f" | format(headline[key]) }}
+- {{ name }}: {{ number(headline[key]) }}
 {%- endfor %}
 - Loss: {{ "%.4f" | format(headline.loss) }}
 {%- endif %}
@@ -113,7 +114,7 @@ print(classifier("{{ example_text }}"{% if kind == "multi_label" %}, top_k=None\
 | split | examples |{% for _, name in metric_names %} {{ name }} |{% endfor %} loss |
 |:------|---:|{% for _ in metric_names %}---:|{% endfor %}---:|
 {%- for row in evaluations %}
-| {{ row.split }} | {{ row.samples }} |{% for key, _ in metric_names %} {{ "%.4f" | format(row[key]) }} |{% endfor %} \
+| {{ row.split }} | {{ row.samples }} |{% for key, _ in metric_names %} {{ number(row[key]) }} |{% endfor %} \
 {{ "%.4f" | format(row.loss) }} |
 {%- endfor %}
 {%- for row in evaluations if row.confusion_matrix and labels | length <= max_matrix_labels %}
@@ -179,7 +180,7 @@ def card_data(
         results,
         pipeline_tag="text-classification",
         task_name="Text Classification",
-        metric_ids=sorted({kind for _, kind, _, _ in metrics}),
+        metric_ids=sorted({metric_id for _, metric_id, _, _ in metrics}),
         metrics=metrics,
         adapter=adapter,
     )

