@@ -4,12 +4,12 @@ pipeline read as one number, its card, best-model choice by a lower-is-better me
 
 import json
 import random
-from pathlib import Path
 
 import pytest
 import torch
 from conftest import TOPICS, assert_each_refused
 from scipy.stats import pearsonr, spearmanr
+from test_multi_label import write_jsonl
 
 from cloudtrain.cli import main
 from cloudtrain.predict import predict
@@ -26,11 +26,6 @@ def scored_rows(n: int, seed: int) -> list[dict]:
         topic = rng.choice(sorted(TOPICS))
         rows.append({"text": f"{TOPICS[topic][(i + seed) % 5]} {i}", "score": LEVEL[topic] + rng.uniform(-0.3, 0.3)})
     return rows
-
-
-def write_jsonl(path: Path, rows: list[dict]) -> str:
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return str(path)
 
 
 def test_metrics_equal_scipy_s():
