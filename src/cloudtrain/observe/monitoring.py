@@ -165,13 +165,16 @@ class RunningStats:
         if threshold > 0 and len(self.values) >= WARMUP_STEPS:
             mean, std = statistics.fmean(self.values), statistics.pstdev(self.values)
             std = max(std, 1e-3 * abs(mean))  # a flat curve: a tiny wobble is no spike
-            recent = itertools.islice(self.values, max(len(self.values) - RECENT_STEPS, 0), None)
-            if value > mean + threshold * std and value > self.over_max * max(recent):
+            if value > mean + threshold * std and value > self.over_max * self.recent_max():
                 # enters clipped: one spike barely moves the statistics, a lasting new level becomes normal
                 self.values.append(mean + threshold * std)
                 return mean, std
         self.values.append(value)
         return None
+
+    def recent_max(self) -> float:
+        """The largest of the last RECENT_STEPS accepted values (read only for a value already above the mean)."""
+        return max(itertools.islice(self.values, max(len(self.values) - RECENT_STEPS, 0), None))
 
 
 class AnomalyDetector:
