@@ -11,7 +11,6 @@ predictions only.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -19,7 +18,7 @@ import datasets
 from datasets import ClassLabel, Dataset, DatasetDict
 
 from cloudtrain.config import DataConfig
-from cloudtrain.data.processing import LabelScheme
+from cloudtrain.data.processing import LabelScheme, is_missing
 from cloudtrain.errors import UserError
 
 
@@ -82,10 +81,8 @@ def label_names(train: Dataset, column: str, separator: str) -> list[str]:
 
 
 def is_empty(value: Any) -> bool:
-    """No label in this row: None, NaN, an empty text or an empty list."""
-    if isinstance(value, float):
-        return math.isnan(value)
-    return value is None or (isinstance(value, str) and not value.strip()) or (isinstance(value, list) and not value)
+    """No label in this row: a missing value (processing.is_missing) or an empty list."""
+    return is_missing(value, None) or (isinstance(value, list) and not value)
 
 
 def reader(ds: Dataset, column: str, separator: str) -> Callable[[Any], list[str]]:

@@ -7,14 +7,11 @@ with no value in any row, is for predictions only; one with some rows missing is
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import datasets
 from datasets import Dataset, DatasetDict
 
 from cloudtrain.config import DataConfig
-from cloudtrain.data.processing import LabelScheme
+from cloudtrain.data.processing import LabelScheme, is_missing
 from cloudtrain.errors import UserError
 
 
@@ -27,7 +24,7 @@ def regression_scheme(raw: DatasetDict, cfg: DataConfig) -> LabelScheme:
         raise UserError(f"every training row has the {column!r} value {values[0]:g}: there is nothing to learn")
 
     def labelled(ds: Dataset, split: str) -> bool:
-        if column not in ds.column_names or all(is_missing(v) for v in ds[column]):
+        if column not in ds.column_names or all(is_missing(v, None) for v in ds[column]):
             return False
         check_numbers(ds, column, split)
         return True
@@ -42,10 +39,6 @@ def regression_scheme(raw: DatasetDict, cfg: DataConfig) -> LabelScheme:
     )
 
 
-def is_missing(value: Any) -> bool:
-    return value is None or (isinstance(value, float) and math.isnan(value)) or (isinstance(value, str) and not value)
-
-
 def check_numbers(ds: Dataset, column: str, split: str) -> None:
     """Every row of `ds` has a number in `column`."""
     feature = ds.features[column]
@@ -55,7 +48,7 @@ def check_numbers(ds: Dataset, column: str, split: str) -> None:
             f"the {column!r} column of the {split} data holds {feature} ({shown}, ...), not numbers: --task "
             "regression learns one number per row"
         )
-    missing = sum(is_missing(v) for v in ds[column])
+    missing = sum(is_missing(v, None) for v in ds[column])
     if missing:
         raise UserError(
             f"{missing} of {len(ds)} rows of the {split} data have no {column!r} value; give each a number or drop "
