@@ -220,18 +220,21 @@ def records(
         {"text": text, "label": id2label[int(idx)], "score": round(float(score), 4)}
         for text, idx, score in zip(texts, ids, scores, strict=True)
     ]
-    if pairs is not None:
-        rows = [{"text": row["text"], "text_pair": pair, **row} for row, pair in zip(rows, pairs, strict=True)]
-    return rows
+    return with_pairs(rows, pairs)
+
+
+def with_pairs(rows: list[dict], pairs: list[str] | None) -> list[dict]:
+    """Each row with its second text as "text_pair", after "text" (the rows as they are without pairs)."""
+    if pairs is None:
+        return rows
+    return [{"text": row["text"], "text_pair": pair, **row} for row, pair in zip(rows, pairs, strict=True)]
 
 
 def scored(texts: list[str], values: list[float], pairs: list[str] | None = None) -> list[dict]:
     """One {"text", "score"} per text (with "text_pair" after "text" for a pair) for a regression model: the number
     to 7 significant digits (about float32's)."""
-    return [
-        {"text": text, **({"text_pair": pairs[k]} if pairs is not None else {}), "score": float(f"{value:.7g}")}
-        for k, (text, value) in enumerate(zip(texts, values, strict=True))
-    ]
+    rows = [{"text": text, "score": float(f"{value:.7g}")} for text, value in zip(texts, values, strict=True)]
+    return with_pairs(rows, pairs)
 
 
 def label_sets(
@@ -240,13 +243,11 @@ def label_sets(
     """One {"text", "labels", "scores"} per text (with "text_pair" after "text" for a pair) for a multi-label model:
     the labels whose probability is over 0.5, most probable first, and every label's probability."""
     rows = []
-    for k, (text, probs) in enumerate(zip(texts, probabilities, strict=True)):
+    for text, probs in zip(texts, probabilities, strict=True):
         ranked = sorted(range(len(names)), key=lambda i: -probs[i])
-        row: dict = {"text": text, **({"text_pair": pairs[k]} if pairs is not None else {})}
-        row["labels"] = [names[i] for i in ranked if probs[i] > 0.5]
-        row["scores"] = {names[i]: round(probs[i], 4) for i in ranked}
-        rows.append(row)
-    return rows
+        labels = [names[i] for i in ranked if probs[i] > 0.5]
+        rows.append({"text": text, "labels": labels, "scores": {names[i]: round(probs[i], 4) for i in ranked}})
+    return with_pairs(rows, pairs)
 
 
 def write_predictions(path: Path, rows: list[dict], overwrite: bool) -> None:
