@@ -52,7 +52,7 @@ class ProcessedData:
     references: list[str] = field(default_factory=list)  # SFT: the expected answer to each prompt, if known
     # Splits without labels (a GLUE-style test split): tokenized for predictions, with their texts in order
     unlabelled: dict[str, Dataset] = field(default_factory=dict)
-    unlabelled_texts: dict[str, list[str]] = field(default_factory=dict)
+    unlabelled_texts: dict[str, list] = field(default_factory=dict)  # token classification: each row's words
 
 
 def default_cache_dir() -> Path:
@@ -198,13 +198,32 @@ def process_data(
     `labels`: how the label column reads (default: one class per row, ids in `label_order`'s order)."""
     check_texts(raw["train"], cfg.text_column)
     scheme = labels or single_label_scheme(raw, cfg.label_column, label_order)
-    names = scheme.names
+    chosen, unlabelled = choose_rows(raw, scheme, cfg, seed)
+    splits = {split: _encode(ds, split, tokenizer, cfg, scheme) for split, ds in chosen.items()}
+    return ProcessedData(
+        train=splits["train"],
+        validation=splits["validation"],
+        test=splits.get("test"),
+        collator=DataCollatorWithPadding(tokenizer),
+        label_names=scheme.names,
+        unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
+        unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
+    )
+
+
+def choose_rows(
+    raw: DatasetDict, scheme: LabelScheme, cfg: DataConfig, seed: int
+) -> tuple[dict[str, Dataset], dict[str, Dataset]]:
+    """The rows each split trains or evaluates on, still untokenized: ({train, validation[, test]}: labelled,
+    validation carved from train where the source has no labelled one; {split: rows for predictions only}).
+
+    The rows are chosen before tokenizing (a quick run on a large file tokenizes only what it uses); the choice
+    depends on the row count, the labels and the seed alone."""
     labelled = {split: scheme.labelled(ds, split) if split != "train" else True for split, ds in raw.items()}
-    # The rows are chosen before tokenizing (a quick run on a large file tokenizes only what it uses); the
-    # choice depends on the row count, the labels and the seed alone, as it did on tokenized rows.
     train, validation = raw["train"], raw.get("validation")
     if validation is None or not labelled["validation"]:
-        train, validation = _carve_validation(train, scheme.strata(train), names, cfg.validation_split_percentage, seed)
+        strata = scheme.strata(train)
+        train, validation = _carve_validation(train, strata, scheme.names, cfg.validation_split_percentage, seed)
     chosen = {
         "train": _limit(train, cfg.max_train_samples, seed),
         "validation": _limit(validation, cfg.max_eval_samples, seed),
@@ -212,16 +231,7 @@ def process_data(
     if labelled.get("test"):
         chosen["test"] = _limit(raw["test"], cfg.max_eval_samples, seed)
     unlabelled = {split: _first(raw[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
-    splits = {split: _encode(ds, split, tokenizer, cfg, scheme) for split, ds in chosen.items()}
-    return ProcessedData(
-        train=splits["train"],
-        validation=splits["validation"],
-        test=splits.get("test"),
-        collator=DataCollatorWithPadding(tokenizer),
-        label_names=names,
-        unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
-        unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
-    )
+    return chosen, unlabelled
 
 
 def _first(ds: Dataset, n: int | None) -> Dataset:
@@ -254,7 +264,7 @@ def _encode(
     features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in tokenizer.model_input_names})
     if scheme is not None:
         features["labels"] = scheme.feature
-    key = _cache_key(ds, tokenizer, cfg, columns, scheme.key if scheme is not None else None)
+    key = split_cache_key(ds, tokenizer, cfg, columns, scheme.key if scheme is not None else None)
     return cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}")
 
 
@@ -284,7 +294,7 @@ def cached_map(
     )
 
 
-def _cache_key(
+def split_cache_key(
     ds: Dataset, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, columns: list, names: list | None
 ) -> str:
     """Same source rows + same tokenizer + same options -> same key -> cached result reused."""

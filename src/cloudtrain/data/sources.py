@@ -61,7 +61,7 @@ def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = 
         raw = _load_hub(cfg.dataset_name, cfg.dataset_config)
     else:
         raw = _load_builtin()
-    _check_columns(raw, columns)
+    check_columns(raw, columns)
     return raw
 
 
@@ -191,7 +191,7 @@ def _as_dict(loaded: Dataset | DatasetDict) -> DatasetDict:
     return DatasetDict({name: splits[name] for name in ("train", "validation", "test") if name in splits})
 
 
-def _check_columns(raw: DatasetDict, columns: dict[str, tuple[str, bool]]) -> None:
+def check_columns(raw: DatasetDict, columns: dict[str, tuple[str, bool]]) -> None:
     if len(raw["train"]) == 0:
         raise UserError("the training data is empty")
     for split, ds in raw.items():

@@ -18,7 +18,7 @@ import json
 import logging
 import zipfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import huggingface_hub
 import torch
@@ -44,12 +44,13 @@ if TYPE_CHECKING:
     from cloudtrain.tasks.base import Task
 
 
-def load_tokenizer(cfg: ModelConfig) -> transformers.PreTrainedTokenizerBase:
-    """--tokenizer_name_or_path, else the model's own tokenizer; a missing pad token becomes EOS (no new token)."""
+def load_tokenizer(cfg: ModelConfig, **options: Any) -> transformers.PreTrainedTokenizerBase:
+    """--tokenizer_name_or_path, else the model's own tokenizer (`options`: for its from_pretrained); a missing pad
+    token becomes EOS (no new token)."""
     path = (
         resolve_model_path(cfg, cfg.tokenizer_name_or_path) if cfg.tokenizer_name_or_path else resolve_model_path(cfg)
     )
-    tokenizer = read_tokenizer(path, cfg.trust_remote_code)
+    tokenizer = read_tokenizer(path, cfg.trust_remote_code, **options)
     if not tokenizer.is_fast:
         raise UserError(f"{path} has no fast tokenizer (tokenizer.json); cloudtrain needs one")
     if tokenizer.pad_token is None:  # decoders: pad with EOS, the usual choice for classification
@@ -57,11 +58,11 @@ def load_tokenizer(cfg: ModelConfig) -> transformers.PreTrainedTokenizerBase:
     return tokenizer
 
 
-def read_tokenizer(path: str | Path, trust_remote_code: bool) -> transformers.PreTrainedTokenizerBase:
+def read_tokenizer(path: str | Path, trust_remote_code: bool, **options: Any) -> transformers.PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained(path), its failures as one line. The tokenizers library reports a damaged
     tokenizer.json as a bare Exception, and only the user's files are read here, so any failure is theirs."""
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **options)
     except Exception as err:  # noqa: BLE001 (see above)
         raise load_failure(err, f"the tokenizer in {path}", path) from None
 
@@ -194,10 +195,11 @@ def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.is_encoder_decoder
 
 
-def head_labels(cfg: ModelConfig) -> list[str] | None:
-    """The label names, by id, of the checkpoint's sequence-classification head; None when it has none."""
+def head_labels(cfg: ModelConfig, head: str = "ForSequenceClassification") -> list[str] | None:
+    """The label names, by id, of the checkpoint's classification head (`head`: how its architecture's name ends;
+    a token classifier's is ForTokenClassification); None when it has none."""
     config = read_config(cfg)
-    if not any(name.endswith("ForSequenceClassification") for name in config.architectures or []):
+    if not any(name.endswith(head) for name in config.architectures or []):
         return None
     id2label: dict = config.id2label or {}  # transformers fills it for every config
     return [str(id2label[i]) for i in range(len(id2label))]

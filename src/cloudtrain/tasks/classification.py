@@ -20,6 +20,7 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
@@ -47,11 +48,12 @@ class ClassificationTask(Task):
     summary = "text -> label"
     metrics: tuple[str, ...] = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
-    auto_class = AutoModelForSequenceClassification
+    auto_class: type[_BaseAutoModelClass] = AutoModelForSequenceClassification
     adds_head = True
     load_error = "could not load a sequence-classification model"
     peft_task_type = "SEQ_CLS"
     embedding_noise = True
+    head = "ForSequenceClassification"  # how the name of a checkpoint architecture with this task's head ends
 
     def check_options(self, cfg: Config) -> None:
         """Before any data or weights load: a checkpoint with readable weights, whose vocabulary holds the
@@ -86,7 +88,7 @@ class ClassificationTask(Task):
     def replaces_head(self, cfg: Config, data: ProcessedData, announce: bool) -> bool:
         """A checkpoint's head is kept when it has exactly the data's labels (data processing ordered them as the
         head's), else replaced by a new one, said in one line when `announce`."""
-        existing = head_labels(cfg.model)
+        existing = head_labels(cfg.model, self.head)
         if existing is None or existing == data.label_names:
             return False
         if announce:
