@@ -1,4 +1,5 @@
-"""Run under torchrun by test_distributed.py: evaluate fixed weights with the AcceleratedTrainer.
+"""Run under torchrun by test_distributed.py: evaluate fixed weights with the AcceleratedTrainer, once per run of
+OPTIONS_JSON (a list of option dicts: one launch for all); RESULT_JSON gets the list of their results.
 
 python -m torch.distributed.run --nproc_per_node N tests/dist_eval.py OPTIONS_JSON RESULT_JSON
 """
@@ -12,12 +13,14 @@ from cloudtrain.pipeline import build_run
 
 
 def main(options_file: str, result_file: str) -> None:
-    cfg = build_config({"mixed_precision": "no", **json.loads(Path(options_file).read_text())})  # exact fp32 sums
-    run = build_run(cfg)  # a saved classifier: the same weights everywhere
-    run.trainer.setup()
-    result = run.trainer.evaluate("validation")
-    if run.runtime.is_main:
-        Path(result_file).write_text(json.dumps({**result, "num_processes": run.runtime.count}))
+    results = []
+    for options in json.loads(Path(options_file).read_text()):
+        cfg = build_config({"mixed_precision": "no", **options})  # exact fp32 sums
+        run = build_run(cfg)  # a saved model: the same weights everywhere
+        run.trainer.setup()
+        results.append({**run.trainer.evaluate("validation"), "num_processes": run.runtime.count})
+        if run.runtime.is_main:
+            Path(result_file).write_text(json.dumps(results))
 
 
 if __name__ == "__main__":

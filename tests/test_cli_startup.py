@@ -53,11 +53,11 @@ def assert_refused(answer: list, refusal: str) -> None:
 def test_help_and_refusals_import_no_task_or_trainer():
     train = {
         "--bogus 1": "unrecognized arguments: --bogus 1",
-        "--task translation": "'translation' is not one of classification, multi_label, regression, causal_lm, sft, "
-        "dpo, reward, text_to_image",
+        "--task translation": "'translation' is not one of classification, multi_label, regression, "
+        "token_classification, causal_lm, sft, dpo, reward, text_to_image",
         "--training_type turbo": "'turbo' is not one of basic, accelerated, pipeline",
         "--metric_for_best_model bleu": "'bleu' is not one of accuracy, macro_f1, loss, micro_f1, subset_accuracy, "
-        "rmse, mae, pearson, spearman, perplexity, exact_match",
+        "rmse, mae, pearson, spearman, f1, precision, recall, perplexity, exact_match",
         "--optim sgd": "'sgd' is not one of adamw",
     }
     said = answers(["--help", "train --help", *train])

@@ -27,6 +27,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.models.load import load_model
 from cloudtrain.parallel.distributed import check_distributed, resolve_deepspeed_config, zero_config
 from cloudtrain.tasks.classification import ClassificationTask
+from cloudtrain.tasks.token_classification import TokenClassificationTask
 
 TINY_RUN = [
     "--training_type",
@@ -257,43 +258,62 @@ def test_auto_values_are_filled_from_the_options():
 
 @pytest.mark.slow
 def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
-    """13 examples on 2 processes x batch 4: the gathered predictions are exactly the 13, metrics as 1 process."""
+    """13 examples on 2 processes x batch 4: the gathered predictions are exactly the 13, metrics as 1 process; for
+    a sequence classifier, and for a token classifier (rows of different lengths)."""
+    from test_token_classification import TAGS, tagged_rows, write_jsonl
+
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     torch.manual_seed(0)
-    classifier = tmp_path / "classifier"
-    labels = ProcessedData(
-        train=None, validation=None, test=None, collator=None, label_names=["finance", "sports", "weather"]
-    )
-    load_model(
-        build_config({"model_name_or_path": tiny_model_dir}), ClassificationTask(), labels, tokenizer
-    ).save_pretrained(classifier)
-    tokenizer.save_pretrained(classifier)
+    saved = {
+        "classifier": (ClassificationTask(), ["finance", "sports", "weather"]),
+        "tagger": (TokenClassificationTask(), TAGS),
+    }
+    for name, (task, names) in saved.items():
+        labels = ProcessedData(train=None, validation=None, test=None, collator=None, label_names=names)
+        model = load_model(build_config({"model_name_or_path": tiny_model_dir}), task, labels, tokenizer)
+        model.save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
     pd.DataFrame(topic_rows(10)).to_csv(tmp_path / "train.csv", index=False)
     pd.DataFrame(topic_rows(5, offset=3)[:13]).to_csv(tmp_path / "val.csv", index=False)
+    runs = [
+        {"train_file": str(tmp_path / "train.csv"), "validation_file": str(tmp_path / "val.csv")},
+        {
+            "task": "token_classification",
+            "train_file": write_jsonl(tmp_path / "train.jsonl", tagged_rows(20, 0)),
+            "validation_file": write_jsonl(tmp_path / "val.jsonl", tagged_rows(13, 1)),
+        },
+    ]
     results = []
     for n in (1, 2):
         options = tmp_path / f"options{n}.json"
+        common = {"per_device_eval_batch_size": 4}
         options.write_text(
             json.dumps(
-                {
-                    "model_name_or_path": str(classifier),
-                    "train_file": str(tmp_path / "train.csv"),
-                    "validation_file": str(tmp_path / "val.csv"),
-                    "per_device_eval_batch_size": 4,
-                    "output_dir": str(tmp_path / f"eval{n}"),
-                }
+                [
+                    {
+                        **run,
+                        **common,
+                        "model_name_or_path": str(tmp_path / name),
+                        "output_dir": str(tmp_path / f"{name}{n}"),
+                    }
+                    for run, name in zip(runs, saved, strict=True)
+                ]
             )
         )
         launcher = torchrun(n) if n > 1 else ONE_PROCESS
         launch(launcher, str(REPO / "tests" / "dist_eval.py"), str(options), str(tmp_path / f"result{n}.json"))
         results.append(json.loads((tmp_path / f"result{n}.json").read_text()))
-    one, two = results
+    (one, one_tags), (two, two_tags) = results
     assert (one["num_processes"], two["num_processes"]) == (1, 2)
     assert one["samples"] == two["samples"] == 13
     assert sum(map(sum, two["confusion_matrix"])) == 13
     assert two["confusion_matrix"] == one["confusion_matrix"]
     assert (two["accuracy"], two["macro_f1"]) == (one["accuracy"], one["macro_f1"])
     assert two["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert one_tags["samples"] == two_tags["samples"] == 13
+    for metric in ("f1", "precision", "recall", "accuracy", "entity_f1"):
+        assert two_tags[metric] == one_tags[metric], metric
+    assert two_tags["loss"] == pytest.approx(one_tags["loss"], rel=1e-5)
 
 
 @pytest.mark.slow

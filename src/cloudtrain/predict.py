@@ -6,7 +6,9 @@
 
 Prints one JSON line per text: {"text", "label", "score"} ("text_pair" too for a sentence-pair model); for a
 multi-label model (--task multi_label) {"text", "labels", "scores"}: the labels over 0.5, every label's probability;
-for a regression model (--task regression) {"text", "score"}: the predicted number.
+for a regression model (--task regression) {"text", "score"}: the predicted number; for a token classifier (--task
+token_classification) {"text", "entities", "tags"}: the text's words are split at whitespace, as in training, and
+each entity has its type, text, character offsets and mean probability.
 --output_file
 writes them to a new file (an existing one only with --overwrite_output_file true), whole or not at all.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
@@ -20,13 +22,14 @@ standard input. The options are cloudtrain.commands.predict's; `run` is the comm
 import argparse
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForSequenceClassification
+from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
 
 from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, too_long
 from cloudtrain.errors import UserError, first_line
@@ -88,6 +91,8 @@ def predict(
     trained = trained_length(recorded)
     limit = truncation_length(model.config, max_length, trained)
     names = model_inputs(recorded, tokenizer)
+    if type(model).__name__.endswith("ForTokenClassification"):  # a PeftModelForTokenClassification too
+        return tag_words(model, tokenizer, texts, batch_size, limit, names, max_length is None and limit == trained)
     results, truncated = [], 0
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
@@ -168,27 +173,30 @@ def load(model_dir: str, trust_remote_code: bool = False):
 
     if is_adapter_dir(Path(model_dir)):
         task_type = adapter_config(Path(model_dir)).get("task_type")
-        if task_type != "SEQ_CLS":
+        if task_type not in ("SEQ_CLS", "TOKEN_CLS"):
             hint = "; continue prompts with the generate command" if task_type == "CAUSAL_LM" else ""
-            raise UserError(
-                f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a sequence classifier{hint}"
-            )
+            raise UserError(f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a classifier{hint}")
         return adapters.load_adapter_model(Path(model_dir), trust_remote_code=trust_remote_code)
-    check_sequence_classifier(model_dir)
+    auto_class = CLASSIFIERS[classifier_kind(model_dir)]
     check_checkpoint(model_dir, "--model_dir")
     config = load_config(model_dir, trust_remote_code)  # first: a model that needs its own code stops here
     tokenizer = read_tokenizer(model_dir, trust_remote_code)
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, config=config, trust_remote_code=trust_remote_code
-        )
+        model = auto_class.from_pretrained(model_dir, config=config, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise load_failure(err, f"the model in {model_dir}", model_dir) from None
     return model.eval(), tokenizer
 
 
-def check_sequence_classifier(model_dir: str) -> None:
-    """config.json names a sequence classifier, or a UserError says what it holds instead."""
+CLASSIFIERS = {
+    "ForSequenceClassification": AutoModelForSequenceClassification,
+    "ForTokenClassification": AutoModelForTokenClassification,
+}
+
+
+def classifier_kind(model_dir: str) -> str:
+    """How the name of the classifier config.json names ends (a key of CLASSIFIERS), or a UserError saying what the
+    folder holds instead."""
     config = Path(model_dir) / "config.json"
     if not config.is_file():
         own = " (its module.json: your own nn.Module; load its model.safetensors into your class)"
@@ -200,7 +208,8 @@ def check_sequence_classifier(model_dir: str) -> None:
         architectures = json.loads(config.read_text(encoding="utf-8")).get("architectures") or []
     except (ValueError, AttributeError) as err:  # not JSON, not UTF-8, or not an object
         raise UserError(f"{config} is not a valid config file ({first_line(err)}); save the model again") from None
-    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+    kind = next((kind for kind in CLASSIFIERS for name in architectures if name.endswith(kind)), None)
+    if kind is None:
         hint = (
             "; continue prompts with the generate command"
             if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
@@ -209,6 +218,49 @@ def check_sequence_classifier(model_dir: str) -> None:
         raise UserError(
             f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence classifier{hint}"
         )
+    return kind
+
+
+@torch.no_grad()
+def tag_words(
+    model, tokenizer, texts: list[str], batch_size: int, limit: int, inputs: list[str], note: bool
+) -> list[dict]:
+    """A token classifier's tag for each word of each text (split at whitespace, as training reads a text column)
+    and the entities they make; with `note`, a line on stderr counts the texts whose last words were cut at `limit`
+    tokens (and so have no tag)."""
+    from cloudtrain.entities import entity_spans
+
+    results, truncated = [], 0
+    for i in range(0, len(texts), batch_size):
+        chunk = texts[i : i + batch_size]
+        spans = [[(m.start(), m.end()) for m in re.finditer(r"\S+", text)] for text in chunk]
+        words = [[text[a:b] for a, b in row] for text, row in zip(chunk, spans, strict=True)]
+        encoded = tokenizer(
+            words, is_split_into_words=True, truncation=True, max_length=limit, padding=True, return_tensors="pt"
+        )
+        probs, best = model(**{n: encoded[n] for n in inputs if n in encoded}).logits.float().softmax(-1).max(-1)
+        for row, (text, offsets) in enumerate(zip(chunk, spans, strict=True)):
+            first = {}  # word -> its first token
+            for token, word in enumerate(encoded.word_ids(row)):
+                if word is not None and word not in first:
+                    first[word] = token
+            truncated += len(first) < len(offsets)
+            tags = [model.config.id2label[int(best[row, first[w]])] for w in range(len(first))]
+            entities = []
+            for kind, a, b in entity_spans(tags):
+                score = sum(probs[row, first[w]].item() for w in range(a, b)) / (b - a)
+                start, end = offsets[a][0], offsets[b - 1][1]
+                entities.append(
+                    {"type": kind, "text": text[start:end], "start": start, "end": end, "score": round(score, 4)}
+                )
+            results.append({"text": text, "entities": entities, "tags": tags + [None] * (len(offsets) - len(tags))})
+    if truncated and note:
+        print(
+            f"note: {truncated} of {len(texts)} texts were cut at the {limit} tokens the model was trained with; their "
+            "last words have no tag (null); --max_length N to change",
+            file=sys.stderr,
+        )
+    return results
 
 
 def records(

@@ -39,6 +39,12 @@ TASK_ROWS: dict[str, Row] = {
     "regression": Row(
         "cloudtrain.tasks.regression", "text -> a number", ("loss", "rmse", "mae", "pearson", "spearman"), "loss"
     ),
+    "token_classification": Row(
+        "cloudtrain.tasks.token_classification",
+        "a tag per word: named entities, parts of speech",
+        ("f1", "precision", "recall", "accuracy", "loss"),
+        "f1",
+    ),
     "causal_lm": Row(
         "cloudtrain.tasks.causal_lm",
         "continued pretraining, or pretraining from scratch, of a decoder on raw text",

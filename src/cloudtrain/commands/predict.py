@@ -162,7 +162,7 @@ def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
     the args.json the training application saved with it; (None, "", None) for a model from elsewhere."""
     recorded = read_arguments(model_dir)
     task = recorded.get("task")
-    if task in ("classification", "multi_label", "regression"):
+    if task in ("classification", "multi_label", "regression", "token_classification"):
         column = recorded.get("text_pair_column")
         if column:
             return (

@@ -134,7 +134,7 @@ class TrainingConfig:
     )
     neftune_noise_alpha: float = opt(
         0.0,
-        "NEFTune (--task sft, causal_lm, classification, multi_label): uniform noise of scale alpha / sqrt(row "
+        "NEFTune (--task sft, causal_lm and the classifiers): uniform noise of scale alpha / sqrt(row "
         "length x hidden size) added to the input embeddings while training (5 is a common choice for instruction "
         "tuning; 0: off). The row length is the padded or packed row's. Not under tensor, context or pipeline "
         "parallelism.",

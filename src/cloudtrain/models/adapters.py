@@ -39,6 +39,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     GenerationConfig,
 )
@@ -50,7 +51,11 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
 from cloudtrain.publish.saving import LABELS, MERGED, adapter_config
 
-AUTO_CLASSES = {"SEQ_CLS": AutoModelForSequenceClassification, "CAUSAL_LM": AutoModelForCausalLM}
+AUTO_CLASSES = {
+    "SEQ_CLS": AutoModelForSequenceClassification,
+    "TOKEN_CLS": AutoModelForTokenClassification,
+    "CAUSAL_LM": AutoModelForCausalLM,
+}
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Conv1D)  # what LoRA adapts here
 
@@ -226,7 +231,7 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     base, task_type = config.get("base_model_name_or_path"), config.get("task_type")
     if task_type not in AUTO_CLASSES:
         raise UserError(
-            f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads SEQ_CLS and CAUSAL_LM ones"
+            f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads SEQ_CLS, TOKEN_CLS and CAUSAL_LM ones"
         )
     if not base:
         raise UserError(f"{model_dir}/adapter_config.json names no base model (base_model_name_or_path)")

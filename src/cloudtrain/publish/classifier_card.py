@@ -2,7 +2,8 @@
 `AutoPeftModelForSequenceClassification` for an adapter), labels, training hyperparameters, training and
 evaluation results, confusion matrices, then the shared footer (cloudtrain.publish.card_sections). A multi-label
 classifier (`--task multi_label`) has its own metrics and a snippet that reads every label's probability; a
-regression model (`--task regression`) its metrics and a snippet that reads the number."""
+regression model (`--task regression`) its metrics and a snippet that reads the number; a token classifier
+(`--task token_classification`) its entity-level metrics and a token-classification pipeline."""
 
 import json
 from pathlib import Path
@@ -38,6 +39,18 @@ MULTI_LABEL_METRICS = (
     ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
     ("subset_accuracy", "accuracy", "Subset accuracy", None),
 )
+TOKEN_METRICS = (
+    ("f1", "f1", "F1", None),
+    ("precision", "precision", "Precision", None),
+    ("recall", "recall", "Recall", None),
+    ("accuracy", "accuracy", "Accuracy", None),
+)
+METRICS = {"multi_label": MULTI_LABEL_METRICS, "regression": REGRESSION_METRICS, "token_classification": TOKEN_METRICS}
+# (pipeline tag, the Hub's task name, the PEFT class of an adapter) by kind
+PIPELINES = {
+    "token_classification": ("token-classification", "Token Classification", "AutoPeftModelForTokenClassification")
+}
+TEXT_CLASSIFICATION = ("text-classification", "Text Classification", "AutoPeftModelForSequenceClassification")
 
 TEMPLATE = (
     ADAPTER_MACROS
@@ -52,7 +65,9 @@ This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](http
 {% else %}a fine-tuned model{% endif %}
 for {% if kind == "multi_label" %}multi-label text classification over {{ labels | length }} labels (each predicted \
 where its probability is over 0.5){% elif kind == "regression" %}text regression (one number per text, \
-`{{ labels[0] }}`){% else %}text classification into {{ labels | length }} classes{% endif %}, trained on \
+`{{ labels[0] }}`){% elif kind == "token_classification" %}token classification (a tag per word, \
+entity-level scores) with {{ labels | length }} tags{% else %}text classification into {{ labels | length }} \
+classes{% endif %}, trained on \
 {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
 {% else %}{{ dataset_display }}{% endif %}
 with cloudtrain ({{ training_type }} trainer).
@@ -68,23 +83,26 @@ It achieves the following results on the {{ headline.split }} set:
 ## Usage
 
 {% if adapter %}```python
-from peft import AutoPeftModelForSequenceClassification
+from peft import {{ peft_class }}
 from transformers import AutoTokenizer
 
 id2label = {{ id2label }}
 tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-model = AutoPeftModelForSequenceClassification.from_pretrained("{{ repo_id }}"\
+model = {{ peft_class }}.from_pretrained("{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
 inputs = tokenizer("{{ example_text }}", return_tensors="pt")
 {% if kind == "regression" %}print(model(**inputs).logits[0, 0].item())
 {%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]
 print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])
+{%- elif kind == "token_classification" %}tags = model(**inputs).logits.argmax(-1)[0].tolist()
+print([model.config.id2label[i] for i in tags])  # a tag per token: the first of each word is the word's
 {%- else %}print(model.config.id2label[model(**inputs).logits.argmax(-1).item()]){% endif %}
-```{{ adapter_note("text-classification") }}{% else %}```python
+```{{ adapter_note(pipeline_tag) }}{% else %}```python
 from transformers import pipeline
 
-classifier = pipeline("text-classification", model="{{ repo_id }}"\
-{% if revision %}, revision="{{ revision }}"{% endif %})
+classifier = pipeline("{{ pipeline_tag }}", model="{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %}\
+{% if kind == "token_classification" %}, aggregation_strategy="simple"{% endif %})
 print(classifier("{{ example_text }}"{% if kind == "multi_label" %}, top_k=None\
 {% elif kind == "regression" %}, function_to_apply="none"{% endif %}))
 ```{% endif %}
@@ -134,13 +152,15 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 
 def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "classification") -> ModelCard:
     """The card for the model saved in `output_dir` (its config.json, or an adapter's labels.json, gives the
-    label names); `kind`: classification, multi_label (any number of labels per text) or regression."""
+    label names); `kind`: classification, multi_label (any number of labels per text), regression or
+    token_classification (a tag per word)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
     assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
-    metrics = {"multi_label": MULTI_LABEL_METRICS, "regression": REGRESSION_METRICS}.get(kind, CLASSIFICATION_METRICS)
-    data = card_data(cfg, results, adapter, metrics)
+    metrics = METRICS.get(kind, CLASSIFICATION_METRICS)
+    pipeline_tag, task_name, peft_class = PIPELINES.get(kind, TEXT_CLASSIFICATION)
+    data = card_data(cfg, results, adapter, metrics, pipeline_tag, task_name)
     dataset_id, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
     names = label_names(output_dir)
@@ -154,6 +174,8 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         dataset_display=dataset_display,
         training_type=cfg.training.training_type,
         kind=kind,
+        pipeline_tag=pipeline_tag,
+        peft_class=peft_class,
         metric_names=[(key, name) for key, _, name, _ in metrics],
         labels=[name.replace("|", "\\|") for name in names],
         id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",
@@ -172,14 +194,19 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
 
 
 def card_data(
-    cfg: Config, results: dict, adapter: dict | None = None, metrics: tuple = CLASSIFICATION_METRICS
+    cfg: Config,
+    results: dict,
+    adapter: dict | None = None,
+    metrics: tuple = CLASSIFICATION_METRICS,
+    pipeline_tag: str = TEXT_CLASSIFICATION[0],
+    task_name: str = TEXT_CLASSIFICATION[1],
 ) -> ModelCardData:
     """The YAML metadata of a classifier: what the Hub indexes, filters and shows as evaluation results."""
     return task_card_data(
         cfg,
         results,
-        pipeline_tag="text-classification",
-        task_name="Text Classification",
+        pipeline_tag=pipeline_tag,
+        task_name=task_name,
         metric_ids=sorted({metric_id for _, metric_id, _, _ in metrics}),
         metrics=metrics,
         adapter=adapter,

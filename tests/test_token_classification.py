@@ -1,0 +1,230 @@
+"""--task token_classification (cloudtrain.tasks.token_classification, cloudtrain.data.word_tags,
+cloudtrain.entities): entities and scores against seqeval's, words and tags read from lists and texts, each word's
+tag on its first token, a run that learns and predicts for an unlabelled split, `predict` and transformers' pipeline
+on the saved model, its card, an adapter, and every refusal in one line (two processes: test_distributed.py)."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+from conftest import assert_each_refused
+from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
+from seqeval.metrics import accuracy_score, f1_score, precision_score, recall_score
+from seqeval.metrics.sequence_labeling import get_entities
+
+from cloudtrain.cli import main
+from cloudtrain.config import DataConfig
+from cloudtrain.data.word_tags import IGNORED, process_word_tags, tag_scheme
+from cloudtrain.entities import entity_scores, entity_spans
+from cloudtrain.predict import predict
+
+PEOPLE = [["john", "smith"], ["mary"], ["peter", "jones"], ["anna", "brown"], ["david"]]
+PLACES = [["paris"], ["new", "york"], ["london"], ["berlin"], ["san", "francisco"]]
+ORGS = [["acme", "corp"], ["the", "bank"], ["general", "motors"], ["apple"], ["oxford", "university"]]
+FILLERS = ["visited", "met", "saw", "left", "joined", "called", "in", "with", "today", "yesterday", "and", "later"]
+TAGS = ["O", "B-LOC", "B-ORG", "B-PER", "I-LOC", "I-ORG", "I-PER"]  # sorted, "O" first
+
+
+def tagged_rows(n: int, seed: int) -> list[dict]:
+    """Rows of CoNLL's shape ("tokens", "ner_tags"): people, places and organisations among filler words."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words, tags = [], []
+        for _ in range(rng.randint(2, 5)):
+            if rng.random() < 0.6:
+                kind, pool = rng.choice([("PER", PEOPLE), ("LOC", PLACES), ("ORG", ORGS)])
+                entity = rng.choice(pool)
+                words += entity
+                tags += [f"B-{kind}"] + [f"I-{kind}"] * (len(entity) - 1)
+            else:
+                words.append(rng.choice(FILLERS))
+                tags.append("O")
+        rows.append({"tokens": words, "ner_tags": tags})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_entities_and_scores_equal_seqeval_s():
+    rng = random.Random(0)
+    tags = ["O", "B-PER", "I-PER", "B-LOC", "I-LOC", "E-PER", "S-LOC", "I-ORG"]  # IOB2, IOB1 and IOBES mixed
+    for _ in range(2000):
+        row = [rng.choice(tags) for _ in range(rng.randint(0, 10))]
+        assert [(kind, a, b - 1) for kind, a, b in entity_spans(row)] == get_entities(row), row
+    references = [[rng.choice(tags[:5]) for _ in range(rng.randint(1, 10))] for _ in range(300)]
+    predictions = [[rng.choice(tags[:5]) if rng.random() < 0.3 else t for t in row] for row in references]
+    got = entity_scores(references, predictions)
+    assert got["f1"] == pytest.approx(f1_score(references, predictions))
+    assert got["precision"] == pytest.approx(precision_score(references, predictions))
+    assert got["recall"] == pytest.approx(recall_score(references, predictions))
+    assert got["accuracy"] == pytest.approx(accuracy_score(references, predictions))
+    assert set(got["entity_f1"]) == {"PER", "LOC"}
+    # plain IO tags (no prefix) are entities too; BILOU reads as IOBES
+    assert entity_spans(["PER", "PER", "O", "LOC"]) == [("PER", 0, 2), ("LOC", 3, 4)]
+    assert entity_spans(["B-PER", "L-PER", "U-LOC"]) == [("PER", 0, 2), ("LOC", 2, 3)]
+
+
+def test_lists_and_texts_read_the_same_and_each_word_s_tag_is_on_its_first_token(bert_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    rows = [{"text": ["unbelievably", "john", "smith"], "label": ["O", "B-PER", "I-PER"]}] + [
+        {"text": r["tokens"], "label": r["ner_tags"]} for r in tagged_rows(30, 0)
+    ]
+    texts = [{"text": " ".join(r["text"]), "label": " ".join(r["label"])} for r in rows]
+    cfg = DataConfig(validation_split_percentage=20)
+    a = process_word_tags(DatasetDict({"train": Dataset.from_list(rows)}), tokenizer, cfg, seed=0)
+    b = process_word_tags(DatasetDict({"train": Dataset.from_list(texts)}), tokenizer, cfg, seed=0)
+    assert a.label_names == b.label_names == TAGS
+    assert a.train["labels"] == b.train["labels"] and a.validation["input_ids"] == b.validation["input_ids"]
+
+    first = next(r for r in a.train.to_list() + a.validation.to_list() if r["input_ids"][1:3] != [101, 102])
+    words = tokenizer.convert_ids_to_tokens(first["input_ids"])
+    for token, label in zip(words, first["labels"], strict=True):  # a word's later pieces and [CLS]/[SEP]: -100
+        assert (label == IGNORED) == (token.startswith("##") or token in ("[CLS]", "[SEP]")), (words, first)
+    batch = a.collator([a.train[0], a.train[1]])
+    assert batch["labels"].shape == batch["input_ids"].shape  # padded with -100 to the batch's longest row
+
+    names = ["O", "B-X", "I-X"]  # a Sequence(ClassLabel) column is read by its names, in its order
+    features = Features({"tokens": List(Value("string")), "ner_tags": List(ClassLabel(names=names))})
+    hub = DatasetDict({"train": Dataset.from_dict({"tokens": [["a", "b"]], "ner_tags": [[1, 2]]}, features=features)})
+    scheme = tag_scheme(hub, DataConfig(label_column="ner_tags"))
+    assert scheme.names == names and scheme.encoder(hub["train"])([1, 2]) == [1, 2]
+
+
+@pytest.mark.parametrize("kind", ["generic", "roberta"])
+def test_a_byte_level_tokenizer_reads_each_word_as_in_running_text(lm_tokenizer_dir, tmp_path, kind):
+    """Split into words, a byte-level BPE tokenizer would read "upon" as a word's start, not the " upon" of running
+    text; the task's tokenizer puts a space before each word, and so does the one saved with the model."""
+    from transformers import AutoTokenizer, RobertaTokenizerFast
+
+    from cloudtrain.config import build_config
+    from cloudtrain.tasks.token_classification import TokenClassificationTask
+
+    folder = tmp_path / kind
+    if kind == "roberta":  # a class with its own add_prefix_space option, which it saves and reapplies on loading
+        RobertaTokenizerFast(tokenizer_file=str(Path(lm_tokenizer_dir) / "tokenizer.json")).save_pretrained(folder)
+    else:
+        AutoTokenizer.from_pretrained(lm_tokenizer_dir).save_pretrained(folder)
+    words = ["once", "upon", "a", "time"]
+    plain = AutoTokenizer.from_pretrained(folder)
+    running = plain.tokenize(" " + " ".join(words))
+    assert plain.tokenize(words, is_split_into_words=True) != running  # the problem: "upon" without its space
+    cfg = build_config({"task": "token_classification", "model_name_or_path": str(folder)})
+    TokenClassificationTask(cfg).load_tokenizer(cfg).save_pretrained(tmp_path / "saved")
+    assert AutoTokenizer.from_pretrained(tmp_path / "saved").tokenize(words, is_split_into_words=True) == running
+
+
+def test_a_run_learns_predicts_and_the_saved_model_reads_as_a_token_classifier(tiny_model_dir, tmp_path, capsys):
+    unlabelled = [{"tokens": r["tokens"]} for r in tagged_rows(6, 2)]
+    out = tmp_path / "out"
+    options = {  # CoNLL's column names: read without --text_column/--label_column
+        "task": "token_classification",
+        "model_name_or_path": tiny_model_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", tagged_rows(120, 0)),
+        "validation_file": write_jsonl(tmp_path / "validation.jsonl", tagged_rows(30, 1)),
+        "test_file": write_jsonl(tmp_path / "test.jsonl", unlabelled),
+        "output_dir": str(out),
+        "num_train_epochs": 20,
+        "per_device_train_batch_size": 8,
+        "learning_rate": 3e-3,
+        "mixed_precision": "no",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    said = capsys.readouterr().out
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["f1"] > 0.8 and results["samples"] == 30, results  # the entities are words no other tag has
+    assert set(results["entity_f1"]) == {"PER", "LOC", "ORG"}
+    assert f"eval: f1 {results['f1']:.4f} | precision " in said and "7 tags: O, B-LOC" in said
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["BertForTokenClassification"] and list(config["label2id"]) == sorted(TAGS)
+
+    written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
+    assert [r["words"] for r in written] == [r["tokens"] for r in unlabelled]
+    texts = [" ".join(r["tokens"]) for r in unlabelled]
+    predicted = predict(str(out), texts)  # the `predict` command's rows
+    for mine, theirs, text in zip(written, predicted, texts, strict=True):
+        assert mine["tags"] == theirs["tags"] and len(mine["tags"]) == len(mine["words"])
+        assert [e["text"] for e in mine["entities"]] == [e["text"] for e in theirs["entities"]]
+        assert all(text[e["start"] : e["end"]] == e["text"] for e in theirs["entities"])
+
+    from transformers import pipeline  # transformers reads the saved model as a token classifier
+
+    grouped = pipeline("token-classification", model=str(out), aggregation_strategy="simple")(texts[0])
+    assert [(g["entity_group"], g["word"]) for g in grouped] == [
+        (e["type"], e["text"]) for e in predicted[0]["entities"]
+    ]
+
+    from cloudtrain.config.parse import resolve_options
+    from cloudtrain.tasks import build_task
+
+    cfg = resolve_options(None, {**options, "push_to_hub": True, "hub_model_id": "me/ner"})
+    card = build_task(cfg).model_card(
+        out, cfg, {"train": json.loads((out / "train_results.json").read_text()), "eval": results}
+    )
+    assert card.data.pipeline_tag == "token-classification"
+    assert "token classification (a tag per word, entity-level scores) with 7 tags" in card.text
+    assert 'aggregation_strategy="simple"' in card.text and f"- F1: {results['f1']:.4f}" in card.text
+
+
+@pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_llama_dir"])  # an encoder, and a decoder's last layer
+def test_an_adapter_and_its_merged_model_tag_words(model, tmp_path, request):
+    out = tmp_path / "lora"
+    options = {
+        "task": "token_classification",
+        "model_name_or_path": request.getfixturevalue(model),
+        "train_file": write_jsonl(tmp_path / "train.jsonl", tagged_rows(40, 0)),
+        "output_dir": str(out),
+        "peft": "lora",
+        "merge_adapters": "true",
+        "max_steps": 3,
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "TOKEN_CLS"
+    rows = [predict(str(model_dir), ["john smith visited paris"])[0] for model_dir in (out, out / "merged")]
+    assert rows[0]["tags"] == rows[1]["tags"] and len(rows[0]["tags"]) == 4 and set(rows[0]["tags"]) <= set(TAGS)
+
+
+def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    rows = tagged_rows(20, 0)
+    short = [{**rows[0], "ner_tags": rows[0]["ner_tags"][:-1]}, *rows[1:]]
+    base = {
+        "task": "token_classification",
+        "model_name_or_path": tiny_model_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", rows),
+        "output_dir": str(out),
+        "report_to": "none",
+        "max_steps": 2,
+    }
+    one = [{"tokens": r["tokens"], "ner_tags": ["O"] * len(r["tokens"])} for r in rows]
+    numbers = [{"tokens": 7, "ner_tags": ["O"]} for _ in range(4)]
+    cases = {
+        "pairs": ({**base, "text_pair_column": "other"}, "tags the words of one text; drop --text_pair_column"),
+        "a tag short": (
+            {**base, "train_file": write_jsonl(tmp_path / "short.jsonl", short)},
+            f"row 0 of the train data has {len(rows[0]['tokens'])} words in 'tokens' and "
+            f"{len(rows[0]['tokens']) - 1} tags in 'ner_tags'; --task token_classification needs one tag per word",
+        ),
+        "one tag": (
+            {**base, "train_file": write_jsonl(tmp_path / "one.jsonl", one)},
+            "has 1 distinct tag(s) in 'ner_tags'; --task token_classification needs at least 2",
+        ),
+        "unseen": (
+            {**base, "validation_file": write_jsonl(tmp_path / "v.jsonl", [{"tokens": ["x"], "ner_tags": ["B-DATE"]}])},
+            "the validation data has tags the training data never saw: B-DATE",
+        ),
+        "numbers": (
+            {**base, "train_file": write_jsonl(tmp_path / "n.jsonl", numbers)},
+            "not a row's words: --task token_classification reads a list of words per row",
+        ),
+        "missing column": ({**base, "label_column": "tags"}, "column 'tags' is not in the train data"),
+    }
+    assert_each_refused(cases, capsys, out)
