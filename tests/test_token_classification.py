@@ -228,3 +228,11 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
         "missing column": ({**base, "label_column": "tags"}, "column 'tags' is not in the train data"),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def test_the_planner_s_launch_command_keeps_the_task(tiny_model_dir, tmp_path, capsys):
+    argv = ["plan", "--task", "token_classification", "--model_name_or_path", tiny_model_dir, "--num_gpus", "1"]
+    assert main([*argv, "--gpu_memory_gb", "24", "--output_dir", str(tmp_path / "plan")]) == 0
+    said = capsys.readouterr().out
+    assert f"--task token_classification --model_name_or_path {tiny_model_dir}" in said, said
+    assert "No process sends anything to another in an optimizer step." in said  # one GPU: nothing to exchange

@@ -442,7 +442,9 @@ def _traffic_line(m: ModelFacts, choice: Choice, setup: Setup) -> str:
     """The bytes each process sends per optimizer step, by kind."""
     sent = step_traffic(m, choice.candidate, setup, choice.micro_batch, choice.accumulation)
     parts = ", ".join(f"{kind} parallel {size / GIB:.1f}" for kind, size in sent.items() if size)
-    return f"Each process sends about {sum(sent.values()) / GIB:.1f} GiB per optimizer step ({parts or 'none'} GiB)."
+    if not parts:  # one process: no gradients or shards to exchange
+        return "No process sends anything to another in an optimizer step."
+    return f"Each process sends about {sum(sent.values()) / GIB:.1f} GiB per optimizer step ({parts} GiB)."
 
 
 def _split_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, global_batch: int) -> list[str]:
