@@ -235,7 +235,10 @@ def test_generate_on_a_saved_model(tiny_llama_dir, corpus, tmp_path):
     bad = run_cli("generate", "--model_dir", str(tmp_path / "missing"), "--prompt", "x")
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     wrong = run_cli("predict", "--model_dir", str(out), "--text", "x")
-    assert wrong.returncode == 2 and "not a sequence classifier; continue prompts with the generate" in wrong.stderr
+    assert (
+        wrong.returncode == 2
+        and "not a sequence or token classifier; continue prompts with the generate" in wrong.stderr
+    )
 
 
 def test_a_gpt2_style_model_from_a_csv_with_bfd_packing(tiny_gpt2_dir, tmp_path):

@@ -281,6 +281,7 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
             "task": "token_classification",
             "train_file": write_jsonl(tmp_path / "train.jsonl", tagged_rows(20, 0)),
             "validation_file": write_jsonl(tmp_path / "val.jsonl", tagged_rows(13, 1)),
+            "test_file": write_jsonl(tmp_path / "test.jsonl", [{"tokens": r["tokens"]} for r in tagged_rows(7, 2)]),
         },
     ]
     results = []
@@ -314,6 +315,11 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     for metric in ("f1", "precision", "recall", "accuracy", "entity_f1"):
         assert two_tags[metric] == one_tags[metric], metric
     assert two_tags["loss"] == pytest.approx(one_tags["loss"], rel=1e-5)
+    tags, probabilities = two_tags["test"]  # an unlabelled split's predictions: each row's words, in order
+    assert [len(row) for row in tags] == [len(r["tokens"]) for r in tagged_rows(7, 2)]
+    assert tags == one_tags["test"][0]
+    for mine, theirs in zip(probabilities, one_tags["test"][1], strict=True):
+        assert mine == pytest.approx(theirs)
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ from seqeval.metrics.sequence_labeling import get_entities
 
 from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
-from cloudtrain.data.word_tags import IGNORED, process_word_tags, tag_scheme
+from cloudtrain.data.packing import IGNORE_INDEX
+from cloudtrain.data.word_tags import process_word_tags, tag_scheme
 from cloudtrain.entities import entity_scores, entity_spans
 from cloudtrain.predict import predict
 
@@ -69,7 +70,7 @@ def test_entities_and_scores_equal_seqeval_s():
     assert entity_spans(["B-PER", "L-PER", "U-LOC"]) == [("PER", 0, 2), ("LOC", 2, 3)]
 
 
-def test_lists_and_texts_read_the_same_and_each_word_s_tag_is_on_its_first_token(bert_tokenizer_dir):
+def test_lists_and_texts_read_the_same_and_each_word_s_tag_is_on_its_first_token(bert_tokenizer_dir, tmp_path):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
@@ -86,15 +87,22 @@ def test_lists_and_texts_read_the_same_and_each_word_s_tag_is_on_its_first_token
     first = next(r for r in a.train.to_list() + a.validation.to_list() if r["input_ids"][1:3] != [101, 102])
     words = tokenizer.convert_ids_to_tokens(first["input_ids"])
     for token, label in zip(words, first["labels"], strict=True):  # a word's later pieces and [CLS]/[SEP]: -100
-        assert (label == IGNORED) == (token.startswith("##") or token in ("[CLS]", "[SEP]")), (words, first)
+        assert (label == IGNORE_INDEX) == (token.startswith("##") or token in ("[CLS]", "[SEP]")), (words, first)
     batch = a.collator([a.train[0], a.train[1]])
     assert batch["labels"].shape == batch["input_ids"].shape  # padded with -100 to the batch's longest row
+
+    csv = tmp_path / "test.csv"  # a CSV split whose tag column is empty throughout reads as numbers: no tags
+    csv.write_text("text,label\njohn smith left,\nmary saw paris,\n")
+    raw = DatasetDict({"train": Dataset.from_list(rows), "test": Dataset.from_csv(str(csv))})
+    assert set(process_word_tags(raw, tokenizer, cfg, seed=0).unlabelled) == {"test"}
 
     names = ["O", "B-X", "I-X"]  # a Sequence(ClassLabel) column is read by its names, in its order
     features = Features({"tokens": List(Value("string")), "ner_tags": List(ClassLabel(names=names))})
     hub = DatasetDict({"train": Dataset.from_dict({"tokens": [["a", "b"]], "ner_tags": [[1, 2]]}, features=features)})
     scheme = tag_scheme(hub, DataConfig(label_column="ner_tags"))
     assert scheme.names == names and scheme.encoder(hub["train"])([1, 2]) == [1, 2]
+    hidden = Dataset.from_dict({"tokens": [["a", "b"]], "ner_tags": [[-1, -1]]}, features=features)  # GLUE-style test
+    assert not scheme.labelled(hidden, "test")
 
 
 @pytest.mark.parametrize("kind", ["generic", "roberta"])
@@ -122,6 +130,7 @@ def test_a_byte_level_tokenizer_reads_each_word_as_in_running_text(lm_tokenizer_
 
 def test_a_run_learns_predicts_and_the_saved_model_reads_as_a_token_classifier(tiny_model_dir, tmp_path, capsys):
     unlabelled = [{"tokens": r["tokens"]} for r in tagged_rows(6, 2)]
+    unlabelled[0]["tokens"] = ["john", "\u200b", "smith", "visited", "paris"]  # the second: no token at all
     out = tmp_path / "out"
     options = {  # CoNLL's column names: read without --text_column/--label_column
         "task": "token_classification",
@@ -147,18 +156,24 @@ def test_a_run_learns_predicts_and_the_saved_model_reads_as_a_token_classifier(t
 
     written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
     assert [r["words"] for r in written] == [r["tokens"] for r in unlabelled]
+    assert written[0]["tags"][1] is None and None not in written[0]["tags"][2:]  # the later words keep their own
+    assert written[0]["entities"][0]["text"].startswith("john")
     texts = [" ".join(r["tokens"]) for r in unlabelled]
     predicted = predict(str(out), texts)  # the `predict` command's rows
     for mine, theirs, text in zip(written, predicted, texts, strict=True):
         assert mine["tags"] == theirs["tags"] and len(mine["tags"]) == len(mine["words"])
         assert [e["text"] for e in mine["entities"]] == [e["text"] for e in theirs["entities"]]
         assert all(text[e["start"] : e["end"]] == e["text"] for e in theirs["entities"])
+    from_file = tmp_path / "from_file.jsonl"  # `predict --input_file` of the test file: its word lists
+    argv = ["predict", "--model_dir", str(out), "--input_file", str(options["test_file"]), "--text_column", "tokens"]
+    assert main([*argv, "--output_file", str(from_file)]) == 0
+    assert [json.loads(line)["tags"] for line in from_file.read_text().splitlines()] == [r["tags"] for r in written]
 
     from transformers import pipeline  # transformers reads the saved model as a token classifier
 
-    grouped = pipeline("token-classification", model=str(out), aggregation_strategy="simple")(texts[0])
+    grouped = pipeline("token-classification", model=str(out), aggregation_strategy="first")(texts[1])
     assert [(g["entity_group"], g["word"]) for g in grouped] == [
-        (e["type"], e["text"]) for e in predicted[0]["entities"]
+        (e["type"], e["text"]) for e in predicted[1]["entities"]
     ]
 
     from cloudtrain.config.parse import resolve_options
@@ -170,7 +185,7 @@ def test_a_run_learns_predicts_and_the_saved_model_reads_as_a_token_classifier(t
     )
     assert card.data.pipeline_tag == "token-classification"
     assert "token classification (a tag per word, entity-level scores) with 7 tags" in card.text
-    assert 'aggregation_strategy="simple"' in card.text and f"- F1: {results['f1']:.4f}" in card.text
+    assert 'aggregation_strategy="first"' in card.text and f"- F1: {results['f1']:.4f}" in card.text
 
 
 @pytest.mark.parametrize("model", ["tiny_model_dir", "tiny_llama_dir"])  # an encoder, and a decoder's last layer
@@ -205,6 +220,8 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
         "max_steps": 2,
     }
     one = [{"tokens": r["tokens"], "ner_tags": ["O"] * len(r["tokens"])} for r in rows]
+    ids = [{"tokens": r["tokens"], "ner_tags": [TAGS.index(t) for t in r["ner_tags"]]} for r in rows]
+    partly = [rows[0], {"tokens": ["mary", "left"], "ner_tags": []}, {"tokens": ["x"], "ner_tags": None}]
     numbers = [{"tokens": 7, "ner_tags": ["O"]} for _ in range(4)]
     cases = {
         "pairs": ({**base, "text_pair_column": "other"}, "tags the words of one text; drop --text_pair_column"),
@@ -226,6 +243,14 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
             "not a row's words: --task token_classification reads a list of words per row",
         ),
         "missing column": ({**base, "label_column": "tags"}, "column 'tags' is not in the train data"),
+        "bare ids": (
+            {**base, "train_file": write_jsonl(tmp_path / "ids.jsonl", ids)},
+            "the 'ner_tags' column holds tag ids (0, 1, 2, 3, ...) without their names: entities are read from names",
+        ),
+        "some rows untagged": (
+            {**base, "validation_file": write_jsonl(tmp_path / "partly.jsonl", partly)},
+            "2 of 3 rows of the validation data have words but no tags; tag them or drop them",
+        ),
     }
     assert_each_refused(cases, capsys, out)
 

@@ -37,6 +37,13 @@ def entity_spans(tags: list[str]) -> list[tuple[str, int, int]]:
     return spans
 
 
+def scored_entities(tags: list[str | None], scores: list[float]) -> list[tuple[str, int, int, float]]:
+    """(type, first word, one past the last word, the mean probability of its words' tags) of each entity; a word
+    without a tag (None: it had no token to predict from) is outside every entity."""
+    spans = entity_spans([tag or "O" for tag in tags])
+    return [(kind, a, b, round(sum(scores[a:b]) / (b - a), 4)) for kind, a, b in spans]
+
+
 def entity_scores(references: list[list[str]], predictions: list[list[str]]) -> dict:
     """Entity-level micro precision, recall and F1, the share of words tagged right, and the F1 of each type found
     or expected, over rows of tags (each prediction as long as its reference)."""

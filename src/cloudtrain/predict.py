@@ -67,7 +67,15 @@ def read_columns(path: str, columns: list[str]) -> list[list[str]]:
             raise UserError(
                 f"column {column!r} is not in {path} (its columns: {', '.join(ds.column_names)}); pass {flag}"
             )
-    return [["" if t is None else str(t) for t in ds[column]] for column in columns]
+    return [[_text(t) for t in ds[column]] for column in columns]
+
+
+def _text(value) -> str:
+    """A cell as text: a missing value is "", a list (a row's words, as a token classifier's data holds them) its
+    items between spaces."""
+    if isinstance(value, list):
+        return " ".join("" if item is None else str(item) for item in value)
+    return "" if value is None else str(value)
 
 
 @torch.no_grad()
@@ -216,7 +224,8 @@ def classifier_kind(model_dir: str) -> str:
             else ""
         )
         raise UserError(
-            f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence classifier{hint}"
+            f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence or token "
+            f"classifier{hint}"
         )
     return kind
 
@@ -226,9 +235,10 @@ def tag_words(
     model, tokenizer, texts: list[str], batch_size: int, limit: int, inputs: list[str], note: bool
 ) -> list[dict]:
     """A token classifier's tag for each word of each text (split at whitespace, as training reads a text column)
-    and the entities they make; with `note`, a line on stderr counts the texts whose last words were cut at `limit`
-    tokens (and so have no tag)."""
-    from cloudtrain.entities import entity_spans
+    and the entities they make, with character offsets. A word with no token to predict from (cut at `limit`
+    tokens, or tokenized to nothing) has no tag (null); with `note`, a line on stderr counts the texts cut."""
+    from cloudtrain.data.word_tags import aligned
+    from cloudtrain.entities import scored_entities
 
     results, truncated = [], 0
     for i in range(0, len(texts), batch_size):
@@ -238,22 +248,18 @@ def tag_words(
         encoded = tokenizer(
             words, is_split_into_words=True, truncation=True, max_length=limit, padding=True, return_tensors="pt"
         )
+        truncated += count_truncated(encoded)
         probs, best = model(**{n: encoded[n] for n in inputs if n in encoded}).logits.float().softmax(-1).max(-1)
         for row, (text, offsets) in enumerate(zip(chunk, spans, strict=True)):
-            first = {}  # word -> its first token
-            for token, word in enumerate(encoded.word_ids(row)):
-                if word is not None and word not in first:
-                    first[word] = token
-            truncated += len(first) < len(offsets)
-            tags = [model.config.id2label[int(best[row, first[w]])] for w in range(len(first))]
-            entities = []
-            for kind, a, b in entity_spans(tags):
-                score = sum(probs[row, first[w]].item() for w in range(a, b)) / (b - a)
-                start, end = offsets[a][0], offsets[b - 1][1]
-                entities.append(
-                    {"type": kind, "text": text[start:end], "start": start, "end": end, "score": round(score, 4)}
-                )
-            results.append({"text": text, "entities": entities, "tags": tags + [None] * (len(offsets) - len(tags))})
+            at = {w: t for t, w in enumerate(aligned(encoded.word_ids(row), list(range(len(offsets))))) if w >= 0}
+            tags = [model.config.id2label[int(best[row, at[w]])] if w in at else None for w in range(len(offsets))]
+            scores = [probs[row, at[w]].item() if w in at else 0.0 for w in range(len(offsets))]
+            entities = [
+                {"type": kind, "text": text[offsets[a][0] : offsets[b - 1][1]], "start": offsets[a][0],
+                 "end": offsets[b - 1][1], "score": score}
+                for kind, a, b, score in scored_entities(tags, scores)
+            ]  # fmt: skip
+            results.append({"text": text, "entities": entities, "tags": tags})
     if truncated and note:
         print(
             f"note: {truncated} of {len(texts)} texts were cut at the {limit} tokens the model was trained with; their "

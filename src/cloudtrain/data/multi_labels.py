@@ -18,7 +18,7 @@ import datasets
 from datasets import ClassLabel, Dataset, DatasetDict
 
 from cloudtrain.config import DataConfig
-from cloudtrain.data.processing import LabelScheme, is_missing
+from cloudtrain.data.processing import LabelScheme, is_missing, refuse_unseen
 from cloudtrain.errors import UserError
 
 
@@ -50,12 +50,7 @@ def multi_label_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | Non
         if column not in ds.column_names or all(is_empty(value) for value in ds[column]):
             return False
         read = reader(ds, column, separator)
-        unseen = {name for value in ds[column] for name in read(value)} - set(index)
-        if unseen:
-            raise UserError(
-                f"the {split} data has labels the training data never saw: {', '.join(sorted(unseen)[:10])}; "
-                "fix the labels or move those rows into the training data"
-            )
+        refuse_unseen(split, {name for value in ds[column] for name in read(value)} - set(index))
         return True
 
     return LabelScheme(
@@ -68,12 +63,13 @@ def multi_label_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | Non
     )
 
 
-def label_names(train: Dataset, column: str, separator: str) -> list[str]:
-    """A `Sequence(ClassLabel)`'s names; else those in the training rows, numbers by value, others sorted."""
+def label_names(train: Dataset, column: str, separator: str | None, how: str = "") -> list[str]:
+    """A `Sequence(ClassLabel)`'s names; else those in the training rows, numbers by value, others sorted.
+    `separator` and `how`: as `reader` takes them."""
     inner = getattr(train.features[column], "feature", None)
     if isinstance(inner, ClassLabel):
         return list(inner.names)
-    read = reader(train, column, separator)
+    read = reader(train, column, separator, how)
     found = {name for value in train[column] for name in read(value)}
     if all(name.lstrip("-").isdigit() for name in found):
         return sorted(found, key=int)
@@ -85,8 +81,9 @@ def is_empty(value: Any) -> bool:
     return is_missing(value, None) or (isinstance(value, list) and not value)
 
 
-def reader(ds: Dataset, column: str, separator: str) -> Callable[[Any], list[str]]:
-    """value -> the row's label names (strings), for this split's column type."""
+def reader(ds: Dataset, column: str, separator: str | None, how: str = "") -> Callable[[Any], list[str]]:
+    """value -> the row's label names (strings), for this split's column type; a text is split at `separator` (None:
+    at whitespace). `how`: what the task reads, for the refusal of a column of another type."""
     feature = ds.features[column]
     inner = getattr(feature, "feature", None)  # a list column's element type
     if isinstance(inner, ClassLabel):
@@ -97,10 +94,11 @@ def reader(ds: Dataset, column: str, separator: str) -> Callable[[Any], list[str
         return lambda value: [part.strip() for part in (value or "").split(separator) if part.strip()]
     if isinstance(feature, datasets.Value) and feature.dtype != "bool":  # one id per row; null: no label at all
         return _whole
-    raise UserError(
-        f"the {column!r} column holds {feature}, not a row's labels: --task multi_label reads a column of lists, "
-        f"texts of labels between --label_separator {separator!r}, or whole-number ids"
+    how = how or (
+        f"--task multi_label reads a column of lists, texts of labels between --label_separator {separator!r}, or "
+        "whole-number ids"
     )
+    raise UserError(f"the {column!r} column holds {feature}, not a row's labels: {how}")
 
 
 def _whole(value: Any) -> list[str]:
@@ -110,6 +108,6 @@ def _whole(value: Any) -> list[str]:
         return []
     if isinstance(value, float):
         if not value.is_integer():
-            raise UserError(f"a label of {value:g} is not a name or a whole-number id; --task multi_label reads those")
+            raise UserError(f"a label of {value:g} is not a name or a whole-number id; give names or whole-number ids")
         return [str(int(value))]
     return [str(value).strip()] if str(value).strip() else []

@@ -147,14 +147,18 @@ def is_labelled(ds: Dataset, split: str, column: str, label2id: dict) -> bool:
             f"or drop them (a {split} split with no labels at all is used for predictions only)"
         )
     if not isinstance(feature, ClassLabel):
-        unseen = set(values) - set(label2id)
-        if unseen:
-            shown = ", ".join(map(str, sorted(unseen, key=str)[:10]))
-            raise UserError(
-                f"the {split} data has labels the training data never saw: {shown}; "
-                "fix the labels or move those rows into the training data"
-            )
+        refuse_unseen(split, set(values) - set(label2id))
     return True
+
+
+def refuse_unseen(split: str, unseen: set, noun: str = "labels") -> None:
+    """A UserError naming the `unseen` labels (or tags: `noun`) of an evaluation split, if there are any."""
+    if unseen:
+        shown = ", ".join(map(str, sorted(unseen, key=str)[:10]))
+        raise UserError(
+            f"the {split} data has {noun} the training data never saw: {shown}; fix the {noun} or move those rows "
+            "into the training data"
+        )
 
 
 @dataclass

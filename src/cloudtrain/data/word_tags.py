@@ -1,16 +1,16 @@
 """The data of `--task token_classification`: one tag per word (named entities, parts of speech, chunks).
 
 A row is its words and their tags. Words: a list per row (JSON lines, Parquet, a Hub `Sequence` column such as
-CoNLL-2003's `tokens`) or a text split at whitespace (CSV). Tags: a list per row (a `Sequence(ClassLabel)` read by
-its names, such as CoNLL-2003's `ner_tags`; strings; whole-number ids) or a text of tags split at whitespace, one
-tag per word. The tag names are the `ClassLabel`'s, else the training data's, sorted with "O" first; a checkpoint's
-token-classification head keeps its order where it has the same names.
+CoNLL-2003's `tokens`) or a text split at whitespace (CSV). Tags: a list of names per row (a `Sequence(ClassLabel)` is
+read by its names, such as CoNLL-2003's `ner_tags`) or a text of names split at whitespace, one tag per word; bare ids
+are refused, since entities are read from the names. The tag names are the `ClassLabel`'s, else the training data's,
+sorted with "O" first; a checkpoint's token-classification head keeps its order where it has the same names.
 
 Each word's tag goes to its first sub-word token; the word's other tokens and the special tokens are left out of
 the loss and the metrics (-100), as transformers' token-classification examples do. Words past --max_length tokens
 are cut off: neither trained on nor evaluated. An evaluation split without the tag column, or without a tag in any
-row, is for predictions only: its `labels` mark each word's first token with 0 (the rest -100), so that the
-predictions are read back one per word.
+row, is for predictions only: its `labels` hold each word's index on the word's first token (the rest -100), so that
+the predictions are read back per word.
 """
 
 import json
@@ -24,10 +24,19 @@ from tokenizers import pre_tokenizers
 from transformers import DataCollatorForTokenClassification, PreTrainedTokenizerBase
 
 from cloudtrain.config import DataConfig
-from cloudtrain.data.processing import LabelScheme, ProcessedData, cached_map, choose_rows, split_cache_key
+from cloudtrain.data.multi_labels import label_names, reader
+from cloudtrain.data.packing import IGNORE_INDEX
+from cloudtrain.data.processing import (
+    LabelScheme,
+    ProcessedData,
+    cached_map,
+    choose_rows,
+    refuse_unseen,
+    split_cache_key,
+)
 from cloudtrain.errors import UserError
 
-IGNORED = -100  # a token outside the loss and the metrics (transformers' ignore index)
+HOW_TAGS = "--task token_classification reads a list of tags per row (names), or a text of tags split at whitespace"
 CONLL_COLUMNS = {"text_column": "tokens", "label_column": "ner_tags"}  # what CoNLL-2003 and its kin name them
 
 
@@ -60,7 +69,7 @@ def process_word_tags(
         train=splits["train"],
         validation=splits["validation"],
         test=splits.get("test"),
-        collator=DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORED),
+        collator=DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX),
         label_names=scheme.names,
         unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
         unlabelled_texts={split: [read[split](v) for v in ds[cfg.text_column]] for split, ds in unlabelled.items()},
@@ -89,15 +98,8 @@ def tag_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | None = None
             return False
         read = read_tags(ds, column)
         found = {tag for value in ds[column] for tag in read(value)}
-        if not found:
-            return False
-        unseen = found - set(index)
-        if unseen:
-            raise UserError(
-                f"the {split} data has tags the training data never saw: {', '.join(sorted(unseen)[:10])}; "
-                "fix the tags or move those rows into the training data"
-            )
-        return True
+        refuse_unseen(split, found - set(index), "tags")
+        return bool(found)
 
     return LabelScheme(
         names=names,
@@ -110,18 +112,23 @@ def tag_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | None = None
 
 
 def tag_names(train: Dataset, column: str) -> list[str]:
-    """A `Sequence(ClassLabel)`'s names; else the tags of the training rows, sorted with "O" (outside) first."""
-    inner = getattr(train.features[column], "feature", None)
-    if isinstance(inner, ClassLabel):
-        return list(inner.names)
-    read = read_tags(train, column)
-    found = {tag for value in train[column] for tag in read(value)}
-    return sorted(found, key=lambda tag: (tag != "O", tag))
+    """A `Sequence(ClassLabel)`'s names; else the tags of the training rows, sorted with "O" (outside) first. Bare ids
+    are refused: entities are read from the tags' names."""
+    names = label_names(train, column, None, HOW_TAGS)
+    if isinstance(getattr(train.features[column], "feature", None), ClassLabel):
+        return names
+    if names and all(name.lstrip("-").isdigit() for name in names):
+        raise UserError(
+            f"the {column!r} column holds tag ids ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) without "
+            "their names: entities are read from names such as B-PER, I-PER and O; write the names in the data, or "
+            "load the Hub dataset, whose tag column carries them"
+        )
+    return sorted(names, key=lambda tag: tag != "O")  # stable: the rest stay sorted
 
 
 def check_rows(ds: Dataset, split: str, cfg: DataConfig) -> None:
-    """Every row with tags has one per word (a split without the tag column, or a row without tags in an
-    evaluation split, is for predictions); the training data has words."""
+    """Every row with tags has one per word, and an evaluation split has tags in every row with words or in none
+    (then it is for predictions); the training data has words."""
     words = read_words(ds, cfg.text_column)
     rows = [words(value) for value in ds[cfg.text_column]]
     if split == "train" and not any(rows):
@@ -132,8 +139,14 @@ def check_rows(ds: Dataset, split: str, cfg: DataConfig) -> None:
     if cfg.label_column not in ds.column_names:
         return
     tags = read_tags(ds, cfg.label_column)
-    for i, (row, value) in enumerate(zip(rows, ds[cfg.label_column], strict=True)):
-        n = len(tags(value))
+    counts = [len(tags(value)) for value in ds[cfg.label_column]]
+    untagged = sum(1 for row, n in zip(rows, counts, strict=True) if row and not n)
+    if split != "train" and untagged and untagged < sum(1 for row in rows if row):
+        raise UserError(
+            f"{untagged} of {len(rows)} rows of the {split} data have words but no tags; tag them or drop them (a "
+            f"{split} split with no tags at all is used for predictions only)"
+        )
+    for i, (row, n) in enumerate(zip(rows, counts, strict=True)):
         if n != len(row) and (n or split == "train"):
             raise UserError(
                 f"row {i} of the {split} data has {len(row)} words in {cfg.text_column!r} and {n} tags in "
@@ -155,25 +168,9 @@ def read_words(ds: Dataset, column: str) -> Callable[[Any], list[str]]:
 
 
 def read_tags(ds: Dataset, column: str) -> Callable[[Any], list[str]]:
-    """value -> the row's tag names, for this split's column type."""
-    feature = ds.features[column]
-    inner = getattr(feature, "feature", None)
-    if isinstance(inner, ClassLabel):
-        return lambda value: [inner.int2str(int(i)) for i in value or []]
-    if inner is not None:
-        return lambda value: [_tag(v) for v in value or []]
-    if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
-        return lambda value: (value or "").split()
-    raise UserError(
-        f"the {column!r} column holds {feature}, not a row's tags: --task token_classification reads a list of tags "
-        "per row (names or whole-number ids), or a text of tags split at whitespace"
-    )
-
-
-def _tag(value: Any) -> str:
-    if isinstance(value, float) and value.is_integer():  # ids read as floats (a null among them)
-        return str(int(value))
-    return str(value).strip()
+    """value -> the row's tag names, for this split's column type (cloudtrain.data.multi_labels reads them as a row's
+    labels: a text is split at whitespace; a null, or a `ClassLabel` -1, is no tag)."""
+    return reader(ds, column, None, HOW_TAGS)
 
 
 def joins_words(tokenizer: PreTrainedTokenizerBase) -> bool:
@@ -199,7 +196,7 @@ def aligned(word_ids: list[int | None], tags: list[int]) -> list[int]:
     """Per token: the tag of the word it starts, or -100 (a word's later tokens, special tokens)."""
     out, previous = [], None
     for word in word_ids:
-        out.append(IGNORED if word is None or word == previous else tags[word])
+        out.append(IGNORE_INDEX if word is None or word == previous else tags[word])
         previous = word
     return out
 
@@ -207,7 +204,8 @@ def aligned(word_ids: list[int | None], tags: list[int]) -> list[int]:
 def _encode(
     ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, scheme: LabelScheme | None
 ) -> Dataset:
-    """Tokenized rows with each word's tag on its first token; without `scheme`, 0 there (predictions only)."""
+    """Tokenized rows with each word's tag on its first token; without `scheme` (predictions only), the word's
+    index there: a word that tokenizes to nothing (a zero-width space) or is cut off has no token to predict from."""
     words_of = read_words(ds, cfg.text_column)
     tags_of = scheme.encoder(ds) if scheme is not None else None
 
@@ -215,7 +213,7 @@ def _encode(
         words = [words_of(value) for value in batch[cfg.text_column]]
         encoded = tokenizer(words, is_split_into_words=True, truncation=True, max_length=cfg.max_length)
         out = {name: encoded[name] for name in tokenizer.model_input_names}
-        tags = [tags_of(value) for value in batch[cfg.label_column]] if tags_of else [[0] * len(w) for w in words]
+        tags = [tags_of(v) for v in batch[cfg.label_column]] if tags_of else [list(range(len(w))) for w in words]
         out["labels"] = [aligned(encoded.word_ids(i), row) for i, row in enumerate(tags)]
         return out
 

@@ -102,7 +102,7 @@ from transformers import pipeline
 
 classifier = pipeline("{{ pipeline_tag }}", model="{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %}\
-{% if kind == "token_classification" %}, aggregation_strategy="simple"{% endif %})
+{% if kind == "token_classification" %}, aggregation_strategy="first"{% endif %})
 print(classifier("{{ example_text }}"{% if kind == "multi_label" %}, top_k=None\
 {% elif kind == "regression" %}, function_to_apply="none"{% endif %}))
 ```{% endif %}

@@ -54,6 +54,7 @@ class ClassificationTask(Task):
     peft_task_type = "SEQ_CLS"
     embedding_noise = True
     head = "ForSequenceClassification"  # how the name of a checkpoint architecture with this task's head ends
+    nouns = ("examples", "labels")  # what the data summary calls the rows and the classes
 
     def check_options(self, cfg: Config) -> None:
         """Before any data or weights load: a checkpoint with readable weights, whose vocabulary holds the
@@ -145,13 +146,14 @@ class ClassificationTask(Task):
         return build_model_card(output_dir, cfg, results)
 
     def describe_data(self, data: ProcessedData) -> str:
+        rows, labels = self.nouns
         lines = [
             f"data: {len(data.train)} train / {len(data.validation)} validation"
-            f"{f' / {len(data.test)} test' if data.test is not None else ''} examples, "
-            f"{len(data.label_names)} labels: {', '.join(data.label_names)}"
+            f"{f' / {len(data.test)} test' if data.test is not None else ''} {rows}, "
+            f"{len(data.label_names)} {labels}: {', '.join(data.label_names)}"
         ]
         lines += [
-            f"the {split} data has no labels: it is used for predictions only ({split}_predictions.jsonl)"
+            f"the {split} data has no {labels}: it is used for predictions only ({split}_predictions.jsonl)"
             for split in data.unlabelled
         ]
         return "\n".join(lines)

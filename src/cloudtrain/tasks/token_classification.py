@@ -21,15 +21,15 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForTokenClassification, PretrainedConfig, PreTrainedTokenizerBase
 
 from cloudtrain.config import Config
+from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.data.word_tags import (
-    IGNORED,
     joins_words,
     process_word_tags,
     space_words,
     with_conll_columns,
 )
-from cloudtrain.entities import entity_scores, entity_spans
+from cloudtrain.entities import entity_scores, scored_entities
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import head_labels, load_tokenizer
@@ -49,6 +49,7 @@ class TokenClassificationTask(ClassificationTask):
     load_error = "could not load a token-classification model"
     peft_task_type = "TOKEN_CLS"
     head = "ForTokenClassification"
+    nouns = ("rows", "tags")
 
     def check_options(self, cfg: Config) -> None:
         if cfg.data.text_pair_column:
@@ -82,18 +83,21 @@ class TokenClassificationTask(ClassificationTask):
         return config
 
     def loss_count(self, batch: dict) -> torch.Tensor:
-        return (batch["labels"] != IGNORED).sum()
+        return (batch["labels"] != IGNORE_INDEX).sum()
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Cross-entropy summed over the words' first tokens."""
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs).logits.float()
-        loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORED, reduction="sum")
+        loss = F.cross_entropy(
+            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        )
         return loss, self.loss_count(batch)
 
     def _padded(self, t: torch.Tensor, value: float) -> torch.Tensor:
-        """A batch's [rows, tokens] padded to --max_length tokens: every process gathers the same width."""
-        assert self.cfg is not None
+        """A batch's [rows, tokens] padded to --max_length tokens: every process gathers the same width (rows are cut
+        at --max_length; a wider batch would lose columns to a negative pad)."""
+        assert self.cfg is not None and t.shape[1] <= self.cfg.data.max_length, t.shape
         return F.pad(t, (0, self.cfg.data.max_length - t.shape[1]), value=value)
 
     @torch.no_grad()
@@ -116,19 +120,19 @@ class TokenClassificationTask(ClassificationTask):
                 labels = batch.pop("labels").long()
                 with autocast():
                     logits = model(**batch).logits.float()
-                losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORED, reduction="none")
-                counted = labels != IGNORED
+                losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE_INDEX, reduction="none")
+                counted = labels != IGNORE_INDEX
                 pred, ref, loss, count = gather(
                     (
-                        self._padded(logits.argmax(-1), IGNORED),
-                        self._padded(labels, IGNORED),
+                        self._padded(logits.argmax(-1), IGNORE_INDEX),
+                        self._padded(labels, IGNORE_INDEX),
                         losses.sum(-1),
                         counted.sum(-1),
                     )
                 )
                 loss_sum, tokens = loss_sum + loss.sum().item(), tokens + count.sum().item()
                 for p, r in zip(pred.cpu(), ref.cpu(), strict=True):
-                    kept = r != IGNORED
+                    kept = r != IGNORE_INDEX
                     references.append([data.label_names[i] for i in r[kept].tolist()])
                     predictions.append([data.label_names[i] for i in p[kept].tolist()])
         runtime = time.perf_counter() - start
@@ -148,52 +152,39 @@ class TokenClassificationTask(ClassificationTask):
     def predict(
         self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable, autocast: Callable
     ) -> tuple[list, list]:
-        """Each word's tag id and its probability, per row of an unlabelled split, in the split's order (the words
-        cut off at --max_length have none)."""
-        ids: list[list[int]] = []
-        scores: list[list[float]] = []
+        """Per row of an unlabelled split, in the split's order: {word index: tag id} and {word index: probability},
+        for each word with a token to predict from (word_tags put each word's index on its first token)."""
+        ids: list[dict[int, int]] = []
+        scores: list[dict[int, float]] = []
         with eval_mode(model):
             for batch in batches:
                 batch = move(batch)
-                starts = (batch.pop("labels") != IGNORED).long()  # each word's first token (word_tags marks them)
+                words = batch.pop("labels")
                 with autocast():
                     probs, best = model(**batch).logits.float().softmax(-1).max(-1)
-                best, probs, starts = gather(
-                    (self._padded(best, IGNORED), self._padded(probs, 0.0), self._padded(starts, 0))
-                )
-                for b, p, s in zip(best.cpu(), probs.cpu(), starts.cpu(), strict=True):
-                    ids.append(b[s.bool()].tolist())
-                    scores.append(p[s.bool()].tolist())
+                padded = (self._padded(best, IGNORE_INDEX), self._padded(probs, 0.0), self._padded(words, IGNORE_INDEX))
+                for b, p, w in zip(*(t.cpu() for t in gather(padded)), strict=True):
+                    at = w != IGNORE_INDEX
+                    ids.append(dict(zip(w[at].tolist(), b[at].tolist(), strict=True)))
+                    scores.append(dict(zip(w[at].tolist(), p[at].tolist(), strict=True)))
         return ids, scores
 
     def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted: tuple) -> None:
+        """Each row's words, their tags (null for a word with no token: cut off at --max_length, or tokenized to
+        nothing) and its entities, with word offsets."""
         rows = []
-        for words, ids, scores in zip(data.unlabelled_texts[split], *predicted, strict=True):
-            tags = [data.label_names[i] for i in ids]
+        for words, ids, probs in zip(data.unlabelled_texts[split], *predicted, strict=True):
+            tags = [data.label_names[ids[i]] if i in ids else None for i in range(len(words))]
+            found = scored_entities(tags, [probs.get(i, 0.0) for i in range(len(words))])
             entities = [
-                {
-                    "type": kind,
-                    "text": " ".join(words[a:b]),
-                    "start": a,
-                    "end": b,
-                    "score": round(sum(scores[a:b]) / (b - a), 4),
-                }
-                for kind, a, b in entity_spans(tags)
+                {"type": kind, "text": " ".join(words[a:b]), "start": a, "end": b, "score": score}
+                for kind, a, b, score in found
             ]
-            rows.append({"words": words, "tags": tags + [None] * (len(words) - len(tags)), "entities": entities})
+            rows.append({"words": words, "tags": tags, "entities": entities})
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         return build_model_card(output_dir, cfg, results, kind="token_classification")
-
-    def describe_data(self, data: ProcessedData) -> str:
-        test = f" / {len(data.test)} test" if data.test is not None else ""
-        lines = [
-            f"data: {len(data.train)} train / {len(data.validation)} validation{test} rows, "
-            f"{len(data.label_names)} tags: {', '.join(data.label_names)}"
-        ]
-        lines += [f"the {split} data has no tags: it is used for predictions only" for split in data.unlabelled]
-        return "\n".join(lines)
 
     def describe_metrics(self, metrics: dict) -> str:
         return (
