@@ -18,6 +18,7 @@
   shuffled chunk of 50 batches by length, so batches hold similar lengths and carry less padding.
 """
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -53,10 +54,24 @@ class ProcessedData:
     # Splits without labels (a GLUE-style test split): tokenized for predictions, with their texts in order
     unlabelled: dict[str, Dataset] = field(default_factory=dict)
     unlabelled_texts: dict[str, list] = field(default_factory=dict)  # token classification: each row's words
+    extras: dict[str, Any] = field(default_factory=dict)  # what a task keeps beside the rows (answer windows)
 
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("CLOUDTRAIN_CACHE", Path.home() / ".cache" / "cloudtrain")) / "processed"
+
+
+def with_named_columns(cfg: DataConfig, columns: list[str], names: dict[str, str]) -> DataConfig:
+    """`cfg` reading a dataset family's column names (`names`: option -> column, as CoNLL's or SQuAD's) for the
+    options left at their defaults, where the data (`columns`) has no column of the default's name and has the
+    family's."""
+    defaults = DataConfig()
+    chosen: dict[str, Any] = {}
+    for option, name in names.items():
+        given = getattr(cfg, option)
+        if given == getattr(defaults, option) and given not in columns and name in columns:
+            chosen[option] = name
+    return dataclasses.replace(cfg, **chosen)
 
 
 def find_label_names(raw: DatasetDict, column: str, order: list[str] | None = None) -> tuple[list[str], dict]:

@@ -15,7 +15,6 @@ the predictions are read back per word.
 
 import json
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 import datasets
@@ -38,20 +37,6 @@ from cloudtrain.errors import UserError
 
 HOW_TAGS = "--task token_classification reads a list of tags per row (names), or a text of tags split at whitespace"
 CONLL_COLUMNS = {"text_column": "tokens", "label_column": "ner_tags"}  # what CoNLL-2003 and its kin name them
-
-
-def with_conll_columns(cfg: DataConfig, columns: list[str]) -> DataConfig:
-    """`cfg` reading CoNLL's column names where --text_column/--label_column are at their defaults, the training
-    data (`columns`) has no such column and has CoNLL's."""
-    defaults = DataConfig()
-    text, label = (
-        conll if given == default and given not in columns and conll in columns else given
-        for given, default, conll in (
-            (cfg.text_column, defaults.text_column, CONLL_COLUMNS["text_column"]),
-            (cfg.label_column, defaults.label_column, CONLL_COLUMNS["label_column"]),
-        )
-    )
-    return replace(cfg, text_column=text, label_column=label)
 
 
 def process_word_tags(

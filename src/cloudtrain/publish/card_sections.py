@@ -66,7 +66,7 @@ savings plans cost less, and the job's start-up and upload time, storage and dat
 
 """  # the end of every card: the compute used, the curves and the versions
 
-ADAPTER_MACROS = """{% macro adapter_note(task) %}
+ADAPTER_MACROS = """{% macro adapter_note(task, model_class=none) %}
 
 This repository holds a {{ adapter.name }} adapter (PEFT), not full weights: `from_pretrained` loads the base model
 named in adapter_config.json{% if base_model %} ([{{ base_model }}](https://huggingface.co/{{ base_model }})){% else %}
@@ -79,11 +79,12 @@ copy (given the repository, `from_pretrained` finds the adapter at its top, what
 
 ```python
 from huggingface_hub import snapshot_download
-from transformers import pipeline
+from transformers import {{ model_class or "pipeline" }}
 
 folder = snapshot_download("{{ repo_id }}", allow_patterns="{{ adapter.merged }}/*"\
 {% if revision %}, revision="{{ revision }}"{% endif %})
-merged = pipeline("{{ task }}", model=f"{folder}/{{ adapter.merged }}")
+{% if model_class %}merged = {{ model_class }}.from_pretrained(f"{folder}/{{ adapter.merged }}")
+{%- else %}merged = pipeline("{{ task }}", model=f"{folder}/{{ adapter.merged }}"){% endif %}
 ```
 {%- endif %}
 {%- endmacro %}{% macro adapter_table() %}

@@ -22,12 +22,12 @@ from transformers import AutoModelForTokenClassification, PretrainedConfig, PreT
 
 from cloudtrain.config import Config
 from cloudtrain.data.packing import IGNORE_INDEX
-from cloudtrain.data.processing import ProcessedData
+from cloudtrain.data.processing import ProcessedData, with_named_columns
 from cloudtrain.data.word_tags import (
+    CONLL_COLUMNS,
     joins_words,
     process_word_tags,
     space_words,
-    with_conll_columns,
 )
 from cloudtrain.entities import entity_scores, scored_entities
 from cloudtrain.errors import UserError
@@ -57,11 +57,11 @@ class TokenClassificationTask(ClassificationTask):
         super().check_options(cfg)
 
     def connect(self, cfg: Config) -> DatasetDict:
-        """The raw splits, holding the columns `with_conll_columns` reads."""
+        """The raw splits, holding the columns it reads (CoNLL's where the column options are at their defaults)."""
         from cloudtrain.data.sources import check_columns, connect_data
 
         raw = connect_data(cfg.data, {})
-        check_columns(raw, self.columns(with_conll_columns(cfg.data, raw["train"].column_names)))
+        check_columns(raw, self.columns(with_named_columns(cfg.data, raw["train"].column_names, CONLL_COLUMNS)))
         return raw
 
     def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
@@ -74,7 +74,7 @@ class TokenClassificationTask(ClassificationTask):
         return tokenizer
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
-        data = with_conll_columns(cfg.data, raw["train"].column_names)
+        data = with_named_columns(cfg.data, raw["train"].column_names, CONLL_COLUMNS)
         return process_word_tags(raw, tokenizer, data, cfg.training.seed, head_labels(cfg.model, self.head))
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
