@@ -27,6 +27,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.models.load import load_model
 from cloudtrain.parallel.distributed import check_distributed, resolve_deepspeed_config, zero_config
 from cloudtrain.tasks.classification import ClassificationTask
+from cloudtrain.tasks.question_answering import QuestionAnsweringTask
 from cloudtrain.tasks.token_classification import TokenClassificationTask
 
 TINY_RUN = [
@@ -259,7 +260,9 @@ def test_auto_values_are_filled_from_the_options():
 @pytest.mark.slow
 def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     """13 examples on 2 processes x batch 4: the gathered predictions are exactly the 13, metrics as 1 process; for
-    a sequence classifier, and for a token classifier (rows of different lengths)."""
+    a sequence classifier, a token classifier (rows of different lengths) and a question-answering model (questions
+    over several windows)."""
+    from test_question_answering import squad_rows
     from test_token_classification import TAGS, tagged_rows, write_jsonl
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -267,6 +270,7 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     saved = {
         "classifier": (ClassificationTask(), ["finance", "sports", "weather"]),
         "tagger": (TokenClassificationTask(), TAGS),
+        "reader": (QuestionAnsweringTask(), []),
     }
     for name, (task, names) in saved.items():
         labels = ProcessedData(train=None, validation=None, test=None, collator=None, label_names=names)
@@ -282,6 +286,13 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
             "train_file": write_jsonl(tmp_path / "train.jsonl", tagged_rows(20, 0)),
             "validation_file": write_jsonl(tmp_path / "val.jsonl", tagged_rows(13, 1)),
             "test_file": write_jsonl(tmp_path / "test.jsonl", [{"tokens": r["tokens"]} for r in tagged_rows(7, 2)]),
+        },
+        {  # contexts over several windows of 48 tokens: an example's windows may land on both processes
+            "task": "question_answering",
+            "train_file": write_jsonl(tmp_path / "qa.jsonl", squad_rows(20, 0)),
+            "validation_file": write_jsonl(tmp_path / "qa-val.jsonl", squad_rows(13, 1, unanswerable=0.2)),
+            "max_length": 48,
+            "doc_stride": 16,
         },
     ]
     results = []
@@ -304,7 +315,7 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
         launcher = torchrun(n) if n > 1 else ONE_PROCESS
         launch(launcher, str(REPO / "tests" / "dist_eval.py"), str(options), str(tmp_path / f"result{n}.json"))
         results.append(json.loads((tmp_path / f"result{n}.json").read_text()))
-    (one, one_tags), (two, two_tags) = results
+    (one, one_tags, one_answers), (two, two_tags, two_answers) = results
     assert (one["num_processes"], two["num_processes"]) == (1, 2)
     assert one["samples"] == two["samples"] == 13
     assert sum(map(sum, two["confusion_matrix"])) == 13
@@ -320,6 +331,9 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     assert tags == one_tags["test"][0]
     for mine, theirs in zip(probabilities, one_tags["test"][1], strict=True):
         assert mine == pytest.approx(theirs)
+    assert one_answers["samples"] == two_answers["samples"] == 13  # questions, whatever their windows
+    assert (two_answers["f1"], two_answers["exact_match"]) == (one_answers["f1"], one_answers["exact_match"])
+    assert two_answers["loss"] == pytest.approx(one_answers["loss"], rel=1e-5)
 
 
 @pytest.mark.slow

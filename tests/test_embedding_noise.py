@@ -81,7 +81,7 @@ def test_each_refusal_is_one_line(tiny_llama_dir, tiny_model_dir, chats_file, tm
         "preference pairs": (
             {**sft, "task": "dpo", "neftune_noise_alpha": "5"},
             "--neftune_noise_alpha applies to --task classification, multi_label, regression, token_classification, "
-            "causal_lm, sft, not --task dpo",
+            "question_answering, causal_lm, sft, not --task dpo",
         ),
         "tensor parallel": (
             {**sft, "neftune_noise_alpha": "5", "tensor_parallel_size": "2"},

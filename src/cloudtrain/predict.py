@@ -27,9 +27,14 @@ import stat
 import sys
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers import (
+    AutoModelForQuestionAnswering,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+)
 
 from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, too_long
 from cloudtrain.errors import UserError, first_line
@@ -101,6 +106,9 @@ def predict(
     names = model_inputs(recorded, tokenizer)
     if type(model).__name__.endswith("ForTokenClassification"):  # a PeftModelForTokenClassification too
         return tag_words(model, tokenizer, texts, batch_size, limit, names, max_length is None and limit == trained)
+    if type(model).__name__.endswith("ForQuestionAnswering"):
+        assert pairs is not None  # the command checked that the model reads (question, context) pairs
+        return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names)
     results, truncated = [], 0
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
@@ -181,7 +189,7 @@ def load(model_dir: str, trust_remote_code: bool = False):
 
     if is_adapter_dir(Path(model_dir)):
         task_type = adapter_config(Path(model_dir)).get("task_type")
-        if task_type not in ("SEQ_CLS", "TOKEN_CLS"):
+        if task_type not in ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS"):
             hint = "; continue prompts with the generate command" if task_type == "CAUSAL_LM" else ""
             raise UserError(f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a classifier{hint}")
         return adapters.load_adapter_model(Path(model_dir), trust_remote_code=trust_remote_code)
@@ -199,6 +207,7 @@ def load(model_dir: str, trust_remote_code: bool = False):
 CLASSIFIERS = {
     "ForSequenceClassification": AutoModelForSequenceClassification,
     "ForTokenClassification": AutoModelForTokenClassification,
+    "ForQuestionAnswering": AutoModelForQuestionAnswering,
 }
 
 
@@ -225,7 +234,7 @@ def classifier_kind(model_dir: str) -> str:
         )
         raise UserError(
             f"--model_dir {model_dir} holds a {', '.join(architectures) or 'model'}, not a sequence or token "
-            f"classifier{hint}"
+            f"classifier, nor a question-answering model{hint}"
         )
     return kind
 
@@ -267,6 +276,34 @@ def tag_words(
             file=sys.stderr,
         )
     return results
+
+
+@torch.no_grad()
+def answer_questions(
+    model, tokenizer, questions: list[str], contexts: list[str], limit: int, recorded: dict, inputs: list[str]
+) -> list[dict]:
+    """Each question's answer in its context: read in windows of `limit` tokens that overlap by the run's
+    --doc_stride, the best span no longer than its --max_answer_length (as its evaluation chose). Never "no answer":
+    as transformers' pipeline, the best span is given with its probability."""
+    from cloudtrain.answers import Window, best_answer
+    from cloudtrain.config import DataConfig
+
+    stride = recorded.get("doc_stride", DataConfig.doc_stride)
+    longest = recorded.get("max_answer_length", DataConfig.max_answer_length)
+    rows = []
+    for question, context in zip(questions, contexts, strict=True):
+        encoded = tokenizer(
+            question.lstrip(), context, truncation="only_second", max_length=limit, stride=min(stride, limit // 2),
+            return_overflowing_tokens=True, return_offsets_mapping=True, padding=True, return_tensors="pt",
+        )  # fmt: skip
+        out = model(**{n: encoded[n] for n in inputs if n in encoded})
+        windows = [
+            Window(0, np.asarray([o if s == 1 else (-1, -1) for o, s in zip(row.tolist(), parts, strict=True)]))
+            for row, parts in ((row, encoded.sequence_ids(w)) for w, row in enumerate(encoded["offset_mapping"]))
+        ]
+        text, start, score = best_answer(windows, list(out.start_logits), list(out.end_logits), context, longest, False)
+        rows.append({"answer": text, "start": start, "end": start + len(text), "score": round(score, 4)})
+    return with_pairs([{"text": q, **row} for q, row in zip(questions, rows, strict=True)], contexts)
 
 
 def records(

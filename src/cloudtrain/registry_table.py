@@ -45,6 +45,12 @@ TASK_ROWS: dict[str, Row] = {
         ("f1", "precision", "recall", "accuracy", "loss"),
         "f1",
     ),
+    "question_answering": Row(
+        "cloudtrain.tasks.question_answering",
+        "a question and a context -> the answer's span in the context",
+        ("f1", "exact_match", "loss"),
+        "f1",
+    ),
     "causal_lm": Row(
         "cloudtrain.tasks.causal_lm",
         "continued pretraining, or pretraining from scratch, of a decoder on raw text",

@@ -162,6 +162,10 @@ def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
     the args.json the training application saved with it; (None, "", None) for a model from elsewhere."""
     recorded = read_arguments(model_dir)
     task = recorded.get("task")
+    if task == "question_answering":
+        # a run that read SQuAD's columns without options recorded none: its contexts were in "context"
+        context = recorded.get("text_pair_column") or "context"
+        return True, "on a question and its context (--text QUESTION --text_pair CONTEXT)", context
     if task in ("classification", "multi_label", "regression", "token_classification"):
         column = recorded.get("text_pair_column")
         if column:

@@ -31,6 +31,12 @@ class DataConfig:
     label_separator: str = opt(
         ",", "--task multi_label: what separates a row's labels in a text column (a column of lists needs none)."
     )
+    doc_stride: int = opt(
+        64,
+        "--task question_answering: a context longer than --max_length is read in windows that overlap by this "
+        "many tokens.",
+    )
+    max_answer_length: int = opt(30, "--task question_answering: the longest answer predicted, in tokens.")
     max_length: int = opt(
         128,
         "Classification: truncate inputs to this many tokens. Causal LM: the block size "
@@ -142,7 +148,11 @@ class DataConfig:
     )
 
     def check(self) -> None:
-        """Streaming options need no I/O to be refused."""
+        """Streaming options need no I/O to be refused, nor the window options of question answering."""
+        if self.doc_stride < 0:
+            raise UserError("--doc_stride must be at least 0")
+        if self.max_answer_length < 1:
+            raise UserError("--max_answer_length must be at least 1")
         if self.stream_buffer < 1:
             raise UserError("--stream_buffer must be at least 1 document")
         if self.max_tokens is not None and self.max_tokens < 1:

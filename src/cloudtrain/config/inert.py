@@ -68,6 +68,8 @@ TRAINING: dict[str, Use] = {
     "rejected_column": Use(("dpo", "reward")),
     "margin_column": Use(("reward",)),
     "label_separator": Use(("multi_label",)),
+    "doc_stride": Use(("question_answering",)),
+    "max_answer_length": Use(("question_answering",)),
     **{f.name: Use(("text_to_image",)) for f in dataclasses.fields(ImagesConfig)},
 }
 

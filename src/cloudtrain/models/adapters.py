@@ -38,6 +38,7 @@ from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
+    AutoModelForQuestionAnswering,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -54,6 +55,7 @@ from cloudtrain.publish.saving import LABELS, MERGED, adapter_config
 AUTO_CLASSES = {
     "SEQ_CLS": AutoModelForSequenceClassification,
     "TOKEN_CLS": AutoModelForTokenClassification,
+    "QUESTION_ANS": AutoModelForQuestionAnswering,
     "CAUSAL_LM": AutoModelForCausalLM,
 }
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -231,7 +233,7 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     base, task_type = config.get("base_model_name_or_path"), config.get("task_type")
     if task_type not in AUTO_CLASSES:
         raise UserError(
-            f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads SEQ_CLS, TOKEN_CLS and CAUSAL_LM ones"
+            f"{model_dir} holds a {task_type or 'PEFT'} adapter; cloudtrain loads {', '.join(AUTO_CLASSES)} ones"
         )
     if not base:
         raise UserError(f"{model_dir}/adapter_config.json names no base model (base_model_name_or_path)")
@@ -273,6 +275,13 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     return model.eval(), tokenizer
 
 
+def _scores(output) -> torch.Tensor:
+    """A model's output scores as one float tensor: its logits, or a question-answering model's start and end."""
+    if hasattr(output, "start_logits"):
+        return torch.stack([output.start_logits, output.end_logits]).float()
+    return output.logits.float()
+
+
 def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | None = None) -> Path:
     """Write <output_dir>/merged: the base with the adapter folded in, once its logits on a probe batch
     equal the adapter model's within float tolerance (the largest difference is printed). `lands_in`: the folder
@@ -281,9 +290,9 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
     model, tokenizer = load_adapter_model(output_dir, dtype="auto", trust_remote_code=trust_remote_code)
     batch = probe_batch(model, tokenizer)
     with torch.no_grad():
-        expected = model(**batch).logits.float()
+        expected = _scores(model(**batch))
         merged = model.merge_and_unload()
-        actual = merged(**batch).logits.float()
+        actual = _scores(merged(**batch))
     difference = (expected - actual).abs().max().item()
     dtype = next(merged.parameters()).dtype
     tolerance = (1e-4 if dtype == torch.float32 else 5e-2) * max(1.0, expected.abs().max().item())

@@ -45,11 +45,21 @@ TOKEN_METRICS = (
     ("recall", "recall", "Recall", None),
     ("accuracy", "accuracy", "Accuracy", None),
 )
-METRICS = {"multi_label": MULTI_LABEL_METRICS, "regression": REGRESSION_METRICS, "token_classification": TOKEN_METRICS}
-# (pipeline tag, the Hub's task name, the PEFT class of an adapter) by kind
-PIPELINES = {
-    "token_classification": ("token-classification", "Token Classification", "AutoPeftModelForTokenClassification")
+ANSWER_METRICS = (("exact_match", "exact_match", "Exact match", None), ("f1", "f1", "F1", None))
+METRICS = {
+    "multi_label": MULTI_LABEL_METRICS,
+    "regression": REGRESSION_METRICS,
+    "token_classification": TOKEN_METRICS,
+    "question_answering": ANSWER_METRICS,
 }
+# (pipeline tag, the Hub's task name, the PEFT class of an adapter) by kind; transformers 5 has no question-answering
+# pipeline: that card loads the model class (MODEL_CLASSES) in its snippets
+PIPELINES = {
+    "token_classification": ("token-classification", "Token Classification", "AutoPeftModelForTokenClassification"),
+    "question_answering": ("question-answering", "Question Answering", "AutoPeftModelForQuestionAnswering"),
+}
+UNLABELLED = ("regression", "question_answering")  # kinds whose head has no classes to list
+MODEL_CLASSES = {"question_answering": "AutoModelForQuestionAnswering"}
 TEXT_CLASSIFICATION = ("text-classification", "Text Classification", "AutoPeftModelForSequenceClassification")
 
 TEMPLATE = (
@@ -66,8 +76,9 @@ This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](http
 for {% if kind == "multi_label" %}multi-label text classification over {{ labels | length }} labels (each predicted \
 where its probability is over 0.5){% elif kind == "regression" %}text regression (one number per text, \
 `{{ labels[0] }}`){% elif kind == "token_classification" %}token classification (a tag per word, \
-entity-level scores) with {{ labels | length }} tags{% else %}text classification into {{ labels | length }} \
-classes{% endif %}, trained on \
+entity-level scores) with {{ labels | length }} tags{% elif kind == "question_answering" %}extractive question \
+answering (the answer is a span of the context given with the question){% else %}text classification into \
+{{ labels | length }} classes{% endif %}, trained on \
 {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
 {% else %}{{ dataset_display }}{% endif %}
 with cloudtrain ({{ training_type }} trainer).
@@ -82,22 +93,30 @@ It achieves the following results on the {{ headline.split }} set:
 
 ## Usage
 
-{% if adapter %}```python
-from peft import {{ peft_class }}
+{% if adapter or kind == "question_answering" %}```python
+{% if adapter %}from peft import {{ peft_class }}
 from transformers import AutoTokenizer
-
-id2label = {{ id2label }}
-tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"{% if revision %}, revision="{{ revision }}"{% endif %})
-model = {{ peft_class }}.from_pretrained("{{ repo_id }}"\
-{% if revision %}, revision="{{ revision }}"{% endif %}, num_labels={{ labels | length }}, id2label=id2label)
-inputs = tokenizer("{{ example_text }}", return_tensors="pt")
-{% if kind == "regression" %}print(model(**inputs).logits[0, 0].item())
+{% else %}from transformers import {{ model_class }}, AutoTokenizer
+{% endif %}
+{% if kind not in unlabelled %}id2label = {{ id2label }}
+{% endif %}tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %})
+model = {{ peft_class if adapter else model_class }}.from_pretrained("{{ repo_id }}"\
+{% if revision %}, revision="{{ revision }}"{% endif %}\
+{% if kind not in unlabelled %}, num_labels={{ labels | length }}, id2label=id2label{% endif %})
+{% if kind == "question_answering" %}inputs = tokenizer("{{ example_question }}", "{{ example_text }}", \
+return_tensors="pt")
+{%- else %}inputs = tokenizer("{{ example_text }}", return_tensors="pt"){% endif %}
+{% if kind == "question_answering" %}out = model(**inputs)
+start, end = out.start_logits.argmax(-1).item(), out.end_logits.argmax(-1).item()
+print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))
+{%- elif kind == "regression" %}print(model(**inputs).logits[0, 0].item())
 {%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]
 print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])
 {%- elif kind == "token_classification" %}tags = model(**inputs).logits.argmax(-1)[0].tolist()
 print([model.config.id2label[i] for i in tags])  # a tag per token: the first of each word is the word's
 {%- else %}print(model.config.id2label[model(**inputs).logits.argmax(-1).item()]){% endif %}
-```{{ adapter_note(pipeline_tag) }}{% else %}```python
+```{% if adapter %}{{ adapter_note(pipeline_tag, model_class) }}{% endif %}{% else %}```python
 from transformers import pipeline
 
 classifier = pipeline("{{ pipeline_tag }}", model="{{ repo_id }}"\
@@ -107,7 +126,7 @@ print(classifier("{{ example_text }}"{% if kind == "multi_label" %}, top_k=None\
 {% elif kind == "regression" %}, function_to_apply="none"{% endif %}))
 ```{% endif %}
 
-{% if kind != "regression" %}## Labels
+{% if kind not in unlabelled %}## Labels
 
 | id | label |
 |---:|:------|
@@ -152,8 +171,8 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 
 def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "classification") -> ModelCard:
     """The card for the model saved in `output_dir` (its config.json, or an adapter's labels.json, gives the
-    label names); `kind`: classification, multi_label (any number of labels per text), regression or
-    token_classification (a tag per word)."""
+    label names); `kind`: classification, multi_label (any number of labels per text), regression,
+    token_classification (a tag per word) or question_answering (a span of a context)."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
     assert repo_id is not None  # a card is for a push, which needs --hub_model_id
@@ -174,6 +193,9 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         dataset_display=dataset_display,
         training_type=cfg.training.training_type,
         kind=kind,
+        unlabelled=UNLABELLED,
+        model_class=MODEL_CLASSES.get(kind),
+        example_question="What did OPEC agree to?" if dataset_id == REUTERS_HUB_ID else "What is this about?",
         pipeline_tag=pipeline_tag,
         peft_class=peft_class,
         metric_names=[(key, name) for key, _, name, _ in metrics],

@@ -1,0 +1,89 @@
+"""Answers from a question-answering model's start and end scores, and SQuAD's exact match and F1.
+
+A context longer than --max_length is read in windows (cloudtrain.data.answer_spans); the answer is the best span
+over all windows of an example: the highest start + end score among the spans that lie in the context, end at or
+after their start and are at most --max_answer_length tokens long. Where the data has questions without an answer
+(SQuAD 2.0), "no answer" (the empty string) wins when its score (the first token's start + end score, the lowest
+over the windows) beats the best span's. Scores are reported as the span's probability within its window.
+
+The metrics follow SQuAD's evaluation script: answers are compared after lower-casing and removing punctuation,
+articles (a, an, the) and extra whitespace; an example scores the best over its reference answers.
+"""
+
+import collections
+import re
+import string
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+ARTICLES = re.compile(r"\b(a|an|the)\b")
+PUNCTUATION = set(string.punctuation)
+
+
+@dataclass
+class Window:
+    """One window of an example's context: its tokens' character offsets into the context, [tokens, 2] ((-1, -1) for
+    a token outside the context: the question, special tokens)."""
+
+    example: int
+    offsets: np.ndarray
+
+
+def best_answer(
+    windows: list[Window],
+    start_scores: list[torch.Tensor],
+    end_scores: list[torch.Tensor],
+    context: str,
+    max_answer_length: int,
+    allow_none: bool,
+    candidates: int = 20,
+) -> tuple[str, int, float]:
+    """(answer text, its first character in `context` (-1 for no answer), its probability) over an example's
+    windows and their [tokens] scores."""
+    best: tuple[float, str, int, float] = (-float("inf"), "", -1, 0.0)
+    none_score = float("inf")
+    for window, start, end in zip(windows, start_scores, end_scores, strict=True):
+        start, end = start[: len(window.offsets)].float(), end[: len(window.offsets)].float()
+        none_score = min(none_score, (start[0] + end[0]).item())
+        probability = torch.softmax(start, 0)[:, None] * torch.softmax(end, 0)[None, :]
+        for i in torch.topk(start, min(candidates, len(start))).indices.tolist():
+            for j in torch.topk(end, min(candidates, len(end))).indices.tolist():
+                first, last = window.offsets[i], window.offsets[j]
+                if first[0] < 0 or last[0] < 0 or j < i or j - i + 1 > max_answer_length:
+                    continue
+                score = (start[i] + end[j]).item()
+                if score > best[0]:
+                    best = (score, context[first[0] : last[1]], int(first[0]), probability[i, j].item())
+    if allow_none and none_score > best[0]:
+        return "", -1, 0.0
+    return best[1], best[2], best[3]
+
+
+def normalize(text: str) -> str:
+    """SQuAD's normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in PUNCTUATION)
+    return " ".join(ARTICLES.sub(" ", text).split())
+
+
+def token_f1(prediction: str, reference: str) -> float:
+    predicted, referenced = normalize(prediction).split(), normalize(reference).split()
+    if not predicted or not referenced:  # "no answer" on either side: right only if both are
+        return float(predicted == referenced)
+    common = sum((collections.Counter(predicted) & collections.Counter(referenced)).values())
+    if not common:
+        return 0.0
+    precision, recall = common / len(predicted), common / len(referenced)
+    return 2 * precision * recall / (precision + recall)
+
+
+def squad_scores(predictions: list[str], references: list[list[str]]) -> dict:
+    """Exact match and F1 in percent, each example scored against its best reference ([""]: no answer)."""
+    exact = f1 = 0.0
+    for prediction, answers in zip(predictions, references, strict=True):
+        answers = answers or [""]
+        exact += max(float(normalize(prediction) == normalize(answer)) for answer in answers)
+        f1 += max(token_f1(prediction, answer) for answer in answers)
+    n = len(predictions)
+    return {"exact_match": 100 * exact / n if n else 0.0, "f1": 100 * f1 / n if n else 0.0}

@@ -1,0 +1,191 @@
+"""The data of `--task question_answering`: a question, a context, and where in the context the answer is.
+
+Rows are SQuAD's: `question`, `context` and `answers` ({"text": [...], "answer_start": [...]}, character offsets into
+the context), read without options where --text_column/--text_pair_column/--label_column are left at their defaults;
+an answer may also be a plain text (a CSV column), found at its first place in the context. A row whose answers are
+empty has none (SQuAD 2.0): the model then learns to point at the first token, and evaluation may answer "".
+
+A context longer than --max_length tokens (with its question) is read in overlapping windows, --doc_stride tokens of
+overlap: each window is one training row, whose targets are the answer's first and last tokens when the answer lies
+in it, else the first token. Evaluation and prediction windows carry a `window` id; the windows' character offsets
+and their examples' contexts and answers stay beside the rows (ProcessedData.extras), where the task's evaluation
+finds them to turn the scores back into text. An evaluation split without the answer column is for predictions.
+"""
+
+from collections.abc import Callable
+from typing import Any
+
+import datasets
+import numpy as np
+from datasets import Dataset, DatasetDict
+from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+
+from cloudtrain.answers import Window
+from cloudtrain.config import DataConfig
+from cloudtrain.data.processing import LabelScheme, ProcessedData, cached_map, choose_rows, split_cache_key
+from cloudtrain.errors import UserError
+
+SQUAD_COLUMNS = {"text_column": "question", "text_pair_column": "context", "label_column": "answers"}
+SPLIT_IDS = 1 << 40  # window and example ids of split k start at k * SPLIT_IDS: unique over the run's splits
+
+
+def process_answer_spans(
+    raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int
+) -> ProcessedData:
+    """Training windows with their targets; evaluation windows with ids, and the windows and examples beside them."""
+    answered = {split for split, ds in raw.items() if cfg.label_column in ds.column_names}
+    allow_none = any(not answers for answers in read_answers(raw["train"], cfg))  # also checks every answer's place
+    for split in answered - {"train"}:
+        read_answers(raw[split], cfg)  # before rows are chosen: a refusal names the row of the file
+    scheme = LabelScheme(
+        names=["answer"],  # no classes: a span
+        encoder=lambda ds: lambda value: value,  # unused: the windows' targets come from read_answers
+        feature=None,
+        key=["answer-spans"],
+        labelled=lambda ds, split: split in answered,
+        strata=lambda train: None,
+    )
+    chosen, unlabelled = choose_rows(raw, scheme, cfg, seed)
+    extras: dict[str, Any] = {"windows": {}, "examples": {}, "allow_none": allow_none}
+    splits = {}
+    for k, (split, ds) in enumerate({**chosen, **unlabelled}.items()):
+        answers = read_answers(ds, cfg) if split in chosen else None
+        splits[split] = _encode(ds, split, tokenizer, cfg, answers, k * SPLIT_IDS, extras if split != "train" else None)
+    return ProcessedData(
+        train=splits["train"],
+        validation=splits["validation"],
+        test=splits.get("test"),
+        collator=DataCollatorWithPadding(tokenizer),
+        unlabelled={split: splits[split] for split in unlabelled},
+        unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
+        extras=extras,
+    )
+
+
+def read_answers(ds: Dataset, cfg: DataConfig) -> list[list[tuple[str, int]]]:
+    """Each row's answers as (text, first character in the context); a UserError names a row whose answer is not in
+    its context where it says."""
+    rows = []
+    for i, (value, context) in enumerate(zip(ds[cfg.label_column], ds[cfg.text_pair_column], strict=True)):
+        context = context or ""
+        found = []
+        for text, start in _answers(value, cfg.label_column):
+            start = context.find(text) if start is None else start
+            if start < 0 or context[start : start + len(text)] != text:
+                where = "in its context" if start < 0 else f"at character {start} of its context"
+                raise UserError(
+                    f"row {i} of the {ds.split or 'given'} data: the answer {text[:40]!r} is not {where}; an answer is "
+                    "a span of the context (SQuAD's answer_start counts characters)"
+                )
+            found.append((text, start))
+        rows.append(found)
+    return rows
+
+
+def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
+    """SQuAD's {"text": [...], "answer_start": [...]}, a list of such records, or one answer's text."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return []
+    if isinstance(value, str):
+        return [(value, None)]
+    if isinstance(value, dict) and isinstance(value.get("text"), list):
+        starts = value.get("answer_start") or [None] * len(value["text"])
+        return [(str(t), None if s is None else int(s)) for t, s in zip(value["text"], starts, strict=True)]
+    if isinstance(value, list) and all(isinstance(v, dict) and "text" in v for v in value):
+        return [(str(v["text"]), v.get("answer_start")) for v in value]
+    raise UserError(
+        f"the {column!r} column holds {type(value).__name__} values: --task question_answering reads SQuAD's "
+        '{"text": [...], "answer_start": [...]} or an answer\'s text'
+    )
+
+
+def _encode(
+    ds: Dataset,
+    split: str,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
+    answers: list[list[tuple[str, int]]] | None,
+    first_id: int,
+    extras: dict | None,
+) -> Dataset:
+    """The windows of `ds`: targets where `answers` are given; for evaluation (`extras`), window ids, with the
+    windows and examples put in `extras`."""
+    question, context = cfg.text_column, cfg.text_pair_column
+    assert context is not None  # the task resolved it
+
+    def encode(batch: dict, indices: list[int]) -> dict:
+        encoded = tokenizer(
+            [str(q or "").lstrip() for q in batch[question]],  # leading spaces only shift a question's tokens
+            [str(c or "") for c in batch[context]],
+            truncation="only_second",
+            max_length=cfg.max_length,
+            stride=cfg.doc_stride,
+            return_overflowing_tokens=True,
+            return_offsets_mapping=True,
+        )
+        out = {name: encoded[name] for name in tokenizer.model_input_names}
+        examples = encoded["overflow_to_sample_mapping"]
+        offsets = [
+            [pair if part == 1 else (-1, -1) for pair, part in zip(row, encoded.sequence_ids(w), strict=True)]
+            for w, row in enumerate(encoded["offset_mapping"])
+        ]
+        if answers is not None:
+            targets = [_targets(row, answers[indices[e]]) for row, e in zip(offsets, examples, strict=True)]
+            out["start_positions"], out["end_positions"] = [t[0] for t in targets], [t[1] for t in targets]
+        if extras is not None:
+            out["example"] = [first_id + indices[e] for e in examples]
+            out["offsets"] = offsets
+        return out
+
+    features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in tokenizer.model_input_names})
+    if answers is not None:
+        features["start_positions"] = features["end_positions"] = datasets.Value("int32")
+    if extras is not None:
+        features["example"] = datasets.Value("int64")
+        features["offsets"] = datasets.List(datasets.List(datasets.Value("int32")))
+    key = split_cache_key(ds, tokenizer, cfg, [question, context], ["answer-spans", cfg.doc_stride, extras is None])
+    windows = cached_map(ds, _checked(encode, cfg), features, cfg, split, key, f"Tokenizing {split}", with_indices=True)
+    if extras is None:
+        return windows
+    for w, (example, offsets) in enumerate(zip(windows["example"], windows["offsets"], strict=True)):
+        extras["windows"][first_id + w] = Window(example, np.asarray(offsets, dtype=np.int32))
+    for i, text in enumerate(ds[context]):
+        extras["examples"][first_id + i] = (text or "", [a for a, _ in answers[i]] if answers is not None else [])
+    ids = list(range(first_id, first_id + len(windows)))
+    return windows.remove_columns(["example", "offsets"]).add_column("window", ids)
+
+
+def _targets(offsets: list, answers: list[tuple[str, int]]) -> tuple[int, int]:
+    """The first and last token of the first answer where it lies whole in this window, else (0, 0)."""
+    if not answers:
+        return 0, 0
+    text, start = answers[0]
+    end = start + len(text)
+    inside = [i for i, (a, b) in enumerate(offsets) if a >= 0]
+    if not inside or offsets[inside[0]][0] > start or offsets[inside[-1]][1] < end:
+        return 0, 0
+    first = next(i for i in inside if offsets[i][1] > start)
+    last = next(i for i in reversed(inside) if offsets[i][0] < end)
+    return first, last
+
+
+def _checked(encode: Callable, cfg: DataConfig) -> Callable:
+    """`encode`, with the tokenizer's refusal of a question that leaves no room for the context as one line."""
+
+    def run(batch: dict, indices: list[int]) -> dict:
+        try:
+            return encode(batch, indices)
+        except Exception as err:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
+            if "stride" in str(err).lower():  # the windows' overlap is not shorter than the room for the context
+                raise UserError(
+                    f"--doc_stride {cfg.doc_stride} leaves no room to move the window over a context next to its "
+                    "question; lower --doc_stride or raise --max_length"
+                ) from None
+            if "truncat" in str(err).lower():
+                raise UserError(
+                    "a question is too long to leave room for its context in --max_length tokens; raise --max_length "
+                    "or shorten the question"
+                ) from None
+            raise
+
+    return run

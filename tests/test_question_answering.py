@@ -1,0 +1,216 @@
+"""--task question_answering (cloudtrain.tasks.question_answering, cloudtrain.data.answer_spans, cloudtrain.answers):
+SQuAD's metrics, answers chosen over windows, answers read as records or texts and their targets, a run that
+learns (questions without an answer among them) and predicts for an unlabelled split, `predict` and transformers'
+pipeline on the saved model, its card, an adapter, and every refusal in one line (two processes:
+test_distributed.py)."""
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import assert_each_refused
+from datasets import Dataset, DatasetDict
+
+from cloudtrain.answers import Window, best_answer, normalize, squad_scores
+from cloudtrain.cli import main
+from cloudtrain.config import DataConfig
+from cloudtrain.data.answer_spans import process_answer_spans
+from cloudtrain.predict import predict
+
+PEOPLE = ["john", "mary", "peter", "anna", "david", "susan"]
+CITIES = ["paris", "london", "berlin", "madrid", "rome", "vienna"]
+FILLER = "the weather was mild and the market was busy while trains came and left all day long".split()
+
+
+def squad_rows(n: int, seed: int, unanswerable: float = 0.0) -> list[dict]:
+    """SQuAD-shaped rows: a trip among filler words; "who travelled?" asks for the person, "where did someone go?"
+    for the city; a share of the contexts have no trip (no answer)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        person, city = rng.choice(PEOPLE), rng.choice(CITIES)
+        filler = [rng.choice(FILLER) for _ in range(rng.randint(5, 60))]
+        at = rng.randint(0, len(filler))
+        trip = f"{person} went to {city}"
+        context = " ".join([*filler[:at], trip, *filler[at:]])
+        question, answer = rng.choice([("who travelled?", person), ("where did someone go?", city)])
+        if rng.random() < unanswerable:
+            rows.append(
+                {"question": question, "context": " ".join(filler), "answers": {"text": [], "answer_start": []}}
+            )
+            continue
+        start = context.index(trip) + (0 if answer == person else len(trip) - len(city))
+        rows.append({"question": question, "context": context, "answers": {"text": [answer], "answer_start": [start]}})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def test_squad_metrics():
+    assert normalize("The  Eiffel Tower!") == "eiffel tower"
+    scores = squad_scores(
+        ["the Eiffel tower", "in Paris", "", "Rome"],
+        [["Eiffel Tower"], ["Paris", "in Paris"], [], ["Vienna"]],
+    )
+    assert scores["exact_match"] == pytest.approx(75.0)  # 1, 1 ("in Paris" is a reference), 1 (no answer), 0
+    # F1 per example: 1, 1, 1, 0
+    assert scores["f1"] == pytest.approx(75.0)
+    partial = squad_scores(["paris france"], [["in Paris, France"]])  # 2 of 2 predicted words, 2 of 3 expected
+    assert partial["exact_match"] == 0 and partial["f1"] == pytest.approx(100 * 2 * 1 * (2 / 3) / (1 + 2 / 3))
+
+
+def test_the_best_span_over_windows_in_the_context_and_no_answer_where_it_scores_higher():
+    context = "john went to paris"
+    offsets = np.array([(-1, -1), (0, 4), (5, 9), (10, 12), (13, 18), (-1, -1)])  # [CLS] question.. context [SEP]
+    first, second = Window(0, offsets), Window(0, offsets)
+    low, high = torch.zeros(6), torch.zeros(6)
+    high[4] = 5.0  # the second window is sure of "paris"
+    text, start, probability = best_answer([first, second], [low, high], [low, high], context, 30, False)
+    assert (text, start) == ("paris", 13) and 0 < probability <= 1
+    outside = torch.zeros(6)
+    outside[5] = 9.0  # a special token's high score is never an answer
+    assert best_answer([first], [outside], [outside], context, 30, False)[0] != ""
+    none = torch.zeros(6)
+    none[0] = 9.0  # the first token's score: no answer, where the data has such questions
+    assert best_answer([first], [none], [none], context, 30, True)[:2] == ("", -1)
+    assert best_answer([first], [high], [high], context, 30, True)[0] == "paris"
+    long = torch.zeros(6)
+    long[1], long[4] = 5.0, 0.0
+    ends = torch.zeros(6)
+    ends[4] = 5.0  # "john went to paris" is 4 tokens: too long for --max_answer_length 2
+    assert best_answer([first], [long], [ends], context, 2, False)[0] != context
+
+
+def test_answers_as_records_or_texts_and_their_targets_over_windows(bert_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    rows = squad_rows(20, 0)
+    texts = [{**r, "answers": r["answers"]["text"][0]} for r in rows]  # a CSV's answer column: the text alone
+    cfg = DataConfig(text_column="question", text_pair_column="context", label_column="answers", max_length=32,
+                     doc_stride=8, validation_split_percentage=20)  # fmt: skip
+    a = process_answer_spans(DatasetDict({"train": Dataset.from_list(rows)}), tokenizer, cfg, seed=0)
+    b = process_answer_spans(DatasetDict({"train": Dataset.from_list(texts)}), tokenizer, cfg, seed=0)
+    assert a.train["start_positions"] == b.train["start_positions"] and len(a.train) > 16  # windows: more rows
+    found = 0
+    for window in a.train:
+        start, end = window["start_positions"], window["end_positions"]
+        if start:  # the window holds the answer: its tokens are it
+            found += 1
+            answer = tokenizer.decode(window["input_ids"][start : end + 1])
+            assert answer in PEOPLE + CITIES, answer
+        else:
+            assert end == 0
+    assert 16 <= found < len(a.train)  # each training question's answer is in a window, not in all of them
+    assert all(w.offsets.shape[1] == 2 for w in a.extras["windows"].values())
+    assert len(a.extras["examples"]) == 4 and not a.extras["allow_none"]  # the carved validation questions
+
+
+@pytest.mark.slow  # about 40 s: the tiny model needs ten epochs of windows to tell a person from a city
+def test_a_run_learns_predicts_and_the_saved_model_answers(tiny_model_dir, tmp_path, capsys):
+    unlabelled = [{"question": r["question"], "context": r["context"]} for r in squad_rows(5, 3)]
+    out = tmp_path / "out"
+    options = {  # SQuAD's column names: read without options
+        "task": "question_answering",
+        "model_name_or_path": tiny_model_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", squad_rows(240, 0, unanswerable=0.1)),
+        "validation_file": write_jsonl(tmp_path / "validation.jsonl", squad_rows(40, 1, unanswerable=0.1)),
+        "test_file": write_jsonl(tmp_path / "test.jsonl", unlabelled),
+        "output_dir": str(out),
+        "max_length": 48,
+        "doc_stride": 16,
+        "num_train_epochs": 10,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 3e-3,
+        "mixed_precision": "no",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    said = capsys.readouterr().out
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["f1"] > 70 and results["samples"] == 40, results  # the answer's kind follows the question
+    assert f"eval: f1 {results['f1']:.2f} | exact_match " in said
+    assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForQuestionAnswering"]
+
+    written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
+    questions, contexts = [r["question"] for r in unlabelled], [r["context"] for r in unlabelled]
+    predicted = predict(str(out), questions, pairs=contexts)  # the `predict` command's rows
+    for mine, theirs, context in zip(written, predicted, contexts, strict=True):
+        assert mine["answer"] == theirs["answer"] and mine["start"] == theirs["start"]
+        assert context[theirs["start"] : theirs["end"]] == theirs["answer"]
+
+    from transformers import AutoModelForQuestionAnswering, AutoTokenizer  # as the card's snippet reads it
+
+    tokenizer, model = AutoTokenizer.from_pretrained(out), AutoModelForQuestionAnswering.from_pretrained(out)
+    short = next(i for i, c in enumerate(contexts) if len(tokenizer(questions[i], c)["input_ids"]) <= 48)
+    inputs = tokenizer(questions[short], contexts[short], return_tensors="pt")  # one window: the argmax is the span
+    scores = model(**inputs)
+    first, last = scores.start_logits.argmax(-1).item(), scores.end_logits.argmax(-1).item()
+    assert tokenizer.decode(inputs["input_ids"][0, first : last + 1]) == predicted[short]["answer"]
+
+    from cloudtrain.config.parse import resolve_options
+    from cloudtrain.tasks import build_task
+
+    cfg = resolve_options(None, {**options, "push_to_hub": True, "hub_model_id": "me/qa"})
+    card = build_task(cfg).model_card(
+        out, cfg, {"train": json.loads((out / "train_results.json").read_text()), "eval": results}
+    )
+    assert card.data.pipeline_tag == "question-answering" and "extractive question answering" in card.text
+    assert "AutoModelForQuestionAnswering.from_pretrained" in card.text and "## Labels" not in card.text
+
+
+def test_an_adapter_and_its_merged_model_answer(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "lora"
+    options = {
+        "task": "question_answering",
+        "model_name_or_path": tiny_model_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", squad_rows(40, 0)),
+        "output_dir": str(out),
+        "peft": "lora",
+        "merge_adapters": "true",
+        "max_steps": 3,
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "QUESTION_ANS"
+    context = "the market was busy and john went to paris"
+    rows = [predict(str(d), ["who travelled?"], pairs=[context])[0] for d in (out, out / "merged")]
+    assert rows[0]["answer"] == rows[1]["answer"] and rows[0]["answer"] in context
+    assert main(["predict", "--model_dir", str(out), "--text", "who travelled?"]) == 2  # a question needs a context
+    assert "was trained on a question and its context (--text QUESTION --text_pair CONTEXT): give each --text its " in (
+        capsys.readouterr().err
+    )
+
+
+def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    rows = squad_rows(20, 0)
+    moved = [{**rows[0], "answers": {"text": ["nowhere"], "answer_start": [3]}}, *rows[1:]]
+    base = {
+        "task": "question_answering",
+        "model_name_or_path": tiny_model_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", rows),
+        "output_dir": str(out),
+        "report_to": "none",
+        "max_steps": 2,
+    }
+    no_context = [{"question": r["question"], "passage": r["context"], "answers": r["answers"]} for r in rows]
+    cases = {
+        "no context column": (
+            {**base, "train_file": write_jsonl(tmp_path / "nc.jsonl", no_context)},
+            "the data has no 'context' column; pass --text_pair_column <name>",
+        ),
+        "answer elsewhere": (
+            {**base, "train_file": write_jsonl(tmp_path / "moved.jsonl", moved)},
+            "row 0 of the train data: the answer 'nowhere' is not at character 3 of its context",
+        ),
+        "stride": ({**base, "doc_stride": "128", "max_length": "128"}, "--doc_stride 128 must be less than --max_length 128"),
+        "answer length": ({**base, "max_answer_length": "0"}, "--max_answer_length must be at least 1"),
+    }
+    assert_each_refused(cases, capsys, out)
