@@ -210,7 +210,10 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
             {**base, "train_file": write_jsonl(tmp_path / "moved.jsonl", moved)},
             "row 0 of the train data: the answer 'nowhere' is not at character 3 of its context",
         ),
-        "stride": ({**base, "doc_stride": "128", "max_length": "128"}, "--doc_stride 128 must be less than --max_length 128"),
+        "stride": (
+            {**base, "doc_stride": "128", "max_length": "128"},
+            "--doc_stride 128 must be less than --max_length 128",
+        ),
         "answer length": ({**base, "max_answer_length": "0"}, "--max_answer_length must be at least 1"),
     }
     assert_each_refused(cases, capsys, out)

@@ -17,7 +17,7 @@ from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.data.word_tags import process_word_tags, tag_scheme
-from cloudtrain.entities import entity_scores, entity_spans
+from cloudtrain.entities import entity_scores, entity_spans, scored_entities
 from cloudtrain.predict import predict
 
 PEOPLE = [["john", "smith"], ["mary"], ["peter", "jones"], ["anna", "brown"], ["david"]]
@@ -68,6 +68,8 @@ def test_entities_and_scores_equal_seqeval_s():
     # plain IO tags (no prefix) are entities too; BILOU reads as IOBES
     assert entity_spans(["PER", "PER", "O", "LOC"]) == [("PER", 0, 2), ("LOC", 3, 4)]
     assert entity_spans(["B-PER", "L-PER", "U-LOC"]) == [("PER", 0, 2), ("LOC", 2, 3)]
+    # a word with no tag (no token to predict from) is passed over, as evaluation leaves it out
+    assert scored_entities(["B-LOC", None, "I-LOC", "O"], [0.5, 0.0, 0.7, 0.9]) == [("LOC", 0, 3, 0.6)]
 
 
 def test_lists_and_texts_read_the_same_and_each_word_s_tag_is_on_its_first_token(bert_tokenizer_dir, tmp_path):
@@ -131,6 +133,7 @@ def test_a_byte_level_tokenizer_reads_each_word_as_in_running_text(lm_tokenizer_
 def test_a_run_learns_predicts_and_the_saved_model_reads_as_a_token_classifier(tiny_model_dir, tmp_path, capsys):
     unlabelled = [{"tokens": r["tokens"]} for r in tagged_rows(6, 2)]
     unlabelled[0]["tokens"] = ["john", "\u200b", "smith", "visited", "paris"]  # the second: no token at all
+    unlabelled.append({"tokens": ["mary", "saw", "new york"]})  # one word with a space in it: still one word
     out = tmp_path / "out"
     options = {  # CoNLL's column names: read without --text_column/--label_column
         "task": "token_classification",
@@ -159,11 +162,12 @@ def test_a_run_learns_predicts_and_the_saved_model_reads_as_a_token_classifier(t
     assert written[0]["tags"][1] is None and None not in written[0]["tags"][2:]  # the later words keep their own
     assert written[0]["entities"][0]["text"].startswith("john")
     texts = [" ".join(r["tokens"]) for r in unlabelled]
-    predicted = predict(str(out), texts)  # the `predict` command's rows
+    predicted = predict(str(out), [r["tokens"] for r in unlabelled])  # the `predict` command's rows, of word lists
     for mine, theirs, text in zip(written, predicted, texts, strict=True):
         assert mine["tags"] == theirs["tags"] and len(mine["tags"]) == len(mine["words"])
         assert [e["text"] for e in mine["entities"]] == [e["text"] for e in theirs["entities"]]
-        assert all(text[e["start"] : e["end"]] == e["text"] for e in theirs["entities"])
+        assert theirs["text"] == text and all(text[e["start"] : e["end"]] == e["text"] for e in theirs["entities"])
+    assert predict(str(out), texts[:2]) == predicted[:2]  # a text's words are split at whitespace
     from_file = tmp_path / "from_file.jsonl"  # `predict --input_file` of the test file: its word lists
     argv = ["predict", "--model_dir", str(out), "--input_file", str(options["test_file"]), "--text_column", "tokens"]
     assert main([*argv, "--output_file", str(from_file)]) == 0
@@ -249,7 +253,7 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
         ),
         "some rows untagged": (
             {**base, "validation_file": write_jsonl(tmp_path / "partly.jsonl", partly)},
-            "2 of 3 rows of the validation data have words but no tags; tag them or drop them",
+            "2 of the 3 rows with words of the validation data have no tags; tag them or drop them",
         ),
     }
     assert_each_refused(cases, capsys, out)

@@ -38,10 +38,15 @@ def entity_spans(tags: list[str]) -> list[tuple[str, int, int]]:
 
 
 def scored_entities(tags: list[str | None], scores: list[float]) -> list[tuple[str, int, int, float]]:
-    """(type, first word, one past the last word, the mean probability of its words' tags) of each entity; a word
-    without a tag (None: it had no token to predict from) is outside every entity."""
-    spans = entity_spans([tag or "O" for tag in tags])
-    return [(kind, a, b, round(sum(scores[a:b]) / (b - a), 4)) for kind, a, b in spans]
+    """(type, first word, one past the last word, the mean probability of its tagged words' tags) of each entity; a
+    word without a tag (None: it had no token to predict from) is passed over, as evaluation leaves it out, so it
+    may sit inside an entity."""
+    tagged = [i for i, tag in enumerate(tags) if tag is not None]
+    found = []
+    for kind, a, b in entity_spans([tag for tag in tags if tag is not None]):
+        inside = tagged[a:b]
+        found.append((kind, inside[0], inside[-1] + 1, round(sum(scores[i] for i in inside) / len(inside), 4)))
+    return found
 
 
 def entity_scores(references: list[list[str]], predictions: list[list[str]]) -> dict:

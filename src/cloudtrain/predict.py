@@ -53,8 +53,9 @@ def read_texts(path: str, column: str) -> list[str]:
     return read_columns(path, [column])[0]
 
 
-def read_columns(path: str, columns: list[str]) -> list[list[str]]:
-    """Each named column of a csv/tsv/json/jsonl --input_file, as texts (a missing value: "", as in training)."""
+def read_columns(path: str, columns: list[str]) -> list[list]:
+    """Each named column of a csv/tsv/json/jsonl --input_file, as texts (a missing value: "", as in training; a list
+    cell as its items: a token classifier's words)."""
     file = Path(path)
     if file.suffix == ".txt":
         raise UserError(f"--input_file {path} holds one text per line; a csv/tsv/json/jsonl file has columns")
@@ -75,11 +76,11 @@ def read_columns(path: str, columns: list[str]) -> list[list[str]]:
     return [[_text(t) for t in ds[column]] for column in columns]
 
 
-def _text(value) -> str:
-    """A cell as text: a missing value is "", a list (a row's words, as a token classifier's data holds them) its
-    items between spaces."""
+def _text(value) -> str | list[str]:
+    """A cell as text ("" where missing), or a list cell as its items (a row's words, as a token classifier's data
+    holds them; `predict` gives other models the list's text, as training read it)."""
     if isinstance(value, list):
-        return " ".join("" if item is None else str(item) for item in value)
+        return ["" if item is None else str(item) for item in value]
     return "" if value is None else str(value)
 
 
@@ -106,6 +107,7 @@ def predict(
     names = model_inputs(recorded, tokenizer)
     if type(model).__name__.endswith("ForTokenClassification"):  # a PeftModelForTokenClassification too
         return tag_words(model, tokenizer, texts, batch_size, limit, names, max_length is None and limit == trained)
+    texts = [str(text) for text in texts]  # a list cell of an input file: its text, as training's str() read it
     if type(model).__name__.endswith("ForQuestionAnswering"):
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
         return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names)
@@ -240,19 +242,17 @@ def classifier_kind(model_dir: str) -> str:
 
 
 @torch.no_grad()
-def tag_words(
-    model, tokenizer, texts: list[str], batch_size: int, limit: int, inputs: list[str], note: bool
-) -> list[dict]:
-    """A token classifier's tag for each word of each text (split at whitespace, as training reads a text column)
-    and the entities they make, with character offsets. A word with no token to predict from (cut at `limit`
-    tokens, or tokenized to nothing) has no tag (null); with `note`, a line on stderr counts the texts cut."""
+def tag_words(model, tokenizer, texts: list, batch_size: int, limit: int, inputs: list[str], note: bool) -> list[dict]:
+    """A token classifier's tag for each word of each text (split at whitespace, as training reads a text column; a
+    list is the words themselves, as a column of word lists) and the entities they make, with character offsets into
+    the text (a list's words joined by spaces). A word with no token to predict from (cut at `limit` tokens, or
+    tokenized to nothing) has no tag (null); with `note`, a line on stderr counts the texts cut."""
     from cloudtrain.data.word_tags import aligned
     from cloudtrain.entities import scored_entities
 
     results, truncated = [], 0
     for i in range(0, len(texts), batch_size):
-        chunk = texts[i : i + batch_size]
-        spans = [[(m.start(), m.end()) for m in re.finditer(r"\S+", text)] for text in chunk]
+        chunk, spans = zip(*(_word_spans(text) for text in texts[i : i + batch_size]), strict=True)
         words = [[text[a:b] for a, b in row] for text, row in zip(chunk, spans, strict=True)]
         encoded = tokenizer(
             words, is_split_into_words=True, truncation=True, max_length=limit, padding=True, return_tensors="pt"
@@ -276,6 +276,18 @@ def tag_words(
             file=sys.stderr,
         )
     return results
+
+
+def _word_spans(text: str | list[str]) -> tuple[str, list[tuple[int, int]]]:
+    """(the text, each word's character span in it): a text's words are split at whitespace; a list's are its items,
+    joined by single spaces."""
+    if isinstance(text, str):
+        return text, [(m.start(), m.end()) for m in re.finditer(r"\S+", text)]
+    spans, at = [], 0
+    for word in text:
+        spans.append((at, at + len(word)))
+        at += len(word) + 1
+    return " ".join(text), spans
 
 
 @torch.no_grad()

@@ -126,9 +126,10 @@ def check_rows(ds: Dataset, split: str, cfg: DataConfig) -> None:
     tags = read_tags(ds, cfg.label_column)
     counts = [len(tags(value)) for value in ds[cfg.label_column]]
     untagged = sum(1 for row, n in zip(rows, counts, strict=True) if row and not n)
-    if split != "train" and untagged and untagged < sum(1 for row in rows if row):
+    worded = sum(1 for row in rows if row)
+    if split != "train" and 0 < untagged < worded:
         raise UserError(
-            f"{untagged} of {len(rows)} rows of the {split} data have words but no tags; tag them or drop them (a "
+            f"{untagged} of the {worded} rows with words of the {split} data have no tags; tag them or drop them (a "
             f"{split} split with no tags at all is used for predictions only)"
         )
     for i, (row, n) in enumerate(zip(rows, counts, strict=True)):
@@ -204,6 +205,7 @@ def _encode(
 
     features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in tokenizer.model_input_names})
     features["labels"] = datasets.List(datasets.Value("int32"))
-    names = [*scheme.key, "words"] if scheme is not None else ["words"]
+    # unlabelled rows hold word indices where labelled ones hold tags: a key of their own
+    names = [*scheme.key, "words"] if scheme is not None else ["word-index"]
     key = split_cache_key(ds, tokenizer, cfg, [cfg.text_column], names)
     return cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}")
