@@ -80,6 +80,8 @@ def test_the_best_span_over_windows_in_the_context_and_no_answer_where_it_scores
     none[0] = 9.0  # the first token's score: no answer, where the data has such questions
     assert best_answer([first], [none], [none], context, 30, True)[:2] == ("", -1)
     assert best_answer([first], [high], [high], context, 30, True)[0] == "paris"
+    spaced = np.array([(-1, -1), (0, 4), (4, 9), (9, 12), (12, 18), (-1, -1)])  # byte-level: a word takes its space
+    assert best_answer([Window(0, spaced)], [high], [high], context, 30, False)[:2] == ("paris", 13)
     long = torch.zeros(6)
     long[1], long[4] = 5.0, 0.0
     ends = torch.zeros(6)
@@ -201,6 +203,8 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
         "max_steps": 2,
     }
     no_context = [{"question": r["question"], "passage": r["context"], "answers": r["answers"]} for r in rows]
+    uneven = [{**rows[0], "answers": {"text": ["a", "b"], "answer_start": [0]}}, *rows[1:]]
+    wordy = [{**rows[0], "question": "who " * 40}, *rows[1:]]
     cases = {
         "no context column": (
             {**base, "train_file": write_jsonl(tmp_path / "nc.jsonl", no_context)},
@@ -215,5 +219,51 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
             "--doc_stride 128 must be less than --max_length 128",
         ),
         "answer length": ({**base, "max_answer_length": "0"}, "--max_answer_length must be at least 1"),
+        "starts": (
+            {**base, "train_file": write_jsonl(tmp_path / "uneven.jsonl", uneven)},
+            "the 'answers' column has a row with 2 answer texts and 1 answer_start values; give one start per answer",
+        ),
+        "long question": (
+            {**base, "train_file": write_jsonl(tmp_path / "wordy.jsonl", wordy), "max_length": "48", "doc_stride": "8"},
+            "row 0 of the train data: the question is 40 tokens, which leaves 5 of --max_length 48 for its context, "
+            "not more than --doc_stride 8; raise --max_length, lower --doc_stride or shorten the question",
+        ),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def test_an_unanswered_validation_file_is_for_predictions_and_a_decoder_pads_on_the_right(tiny_llama_dir, tmp_path):
+    """A decoder's tokenizer saved padding on the left still trains on the right targets (its loss is that of a
+    guess among the window's tokens, not of padded positions), and a validation file without answers is predicted
+    while validation is carved from train; empty answer texts are questions without an answer."""
+    from transformers import AutoTokenizer
+
+    model = tmp_path / "left"
+    AutoTokenizer.from_pretrained(tiny_llama_dir, padding_side="left").save_pretrained(model)
+    for name in ("config.json", "model.safetensors"):
+        (model / name).write_bytes((Path(tiny_llama_dir) / name).read_bytes())
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    assert tokenizer.padding_side == "left"
+    rows = squad_rows(30, 0)
+    rows[1]["answers"] = {"text": [""], "answer_start": [0]}  # no answer
+    questions = [{"question": r["question"], "context": r["context"]} for r in squad_rows(6, 1)]
+    out = tmp_path / "out"
+    options = {
+        "task": "question_answering",
+        "model_name_or_path": str(model),
+        "train_file": write_jsonl(tmp_path / "train.jsonl", rows),
+        "validation_file": write_jsonl(tmp_path / "questions.jsonl", questions),
+        "output_dir": str(out),
+        "max_length": "64",
+        "doc_stride": "16",
+        "max_steps": "2",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    assert AutoTokenizer.from_pretrained(out).padding_side == "right"
+    loss = json.loads((out / "train_results.json").read_text())["train_loss"]
+    assert loss < 2 * np.log(64), loss  # a padded target would cost about 1e4
+    answers = [json.loads(line) for line in (out / "validation_predictions.jsonl").read_text().splitlines()]
+    assert [a["question"] for a in answers] == [q["question"] for q in questions]
+    for answer, question in zip(answers, questions, strict=True):
+        assert question["context"][answer["start"] : answer["start"] + len(answer["answer"])] == answer["answer"]

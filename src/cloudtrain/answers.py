@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+PADDED = -1e4  # the score of a padded position: below any real token's
 ARTICLES = re.compile(r"\b(a|an|the)\b")
 PUNCTUATION = set(string.punctuation)
 
@@ -55,10 +56,22 @@ def best_answer(
                     continue
                 score = (start[i] + end[j]).item()
                 if score > best[0]:
-                    best = (score, context[first[0] : last[1]], int(first[0]), probability[i, j].item())
+                    span = context[first[0] : last[1]]  # a byte-level BPE token's offsets take its leading space
+                    lead = len(span) - len(span.lstrip())
+                    best = (score, span.strip(), int(first[0]) + lead, probability[i, j].item())
     if allow_none and none_score > best[0]:
         return "", -1, 0.0
     return best[1], best[2], best[3]
+
+
+def span_scores(out, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """A question-answering model's start and end scores in float32, a padded position's at PADDED: out of the
+    softmax, so that a window's loss and probabilities do not depend on the batch it was padded in."""
+    start, end = out.start_logits.float(), out.end_logits.float()
+    if "attention_mask" in inputs:
+        padded = inputs["attention_mask"] == 0
+        start, end = start.masked_fill(padded, PADDED), end.masked_fill(padded, PADDED)
+    return start, end
 
 
 def normalize(text: str) -> str:

@@ -22,6 +22,13 @@ if TYPE_CHECKING:
 METRIC_DIR = Path(__file__).resolve().parent / "metrics" / "classification"
 
 
+def pad_to_width(t: torch.Tensor, width: int, value: float) -> torch.Tensor:
+    """A batch's [rows, positions] padded to `width` positions, so that every process gathers the same shape (rows
+    are cut at --max_length: a wider batch would lose columns to a negative pad, hence the check)."""
+    assert t.shape[1] <= width, (t.shape, width)
+    return F.pad(t, (0, width - t.shape[1]), value=value)
+
+
 @contextlib.contextmanager
 def eval_mode(model: torch.nn.Module) -> Iterator[None]:
     """`model` in eval mode inside the block, and back in the mode it had after it (also when the block raises)."""

@@ -296,25 +296,22 @@ def answer_questions(
 ) -> list[dict]:
     """Each question's answer in its context: read in windows of `limit` tokens that overlap by the run's
     --doc_stride, the best span no longer than its --max_answer_length (as its evaluation chose). Never "no answer":
-    as transformers' pipeline, the best span is given with its probability."""
-    from cloudtrain.answers import Window, best_answer
+    the best span is given with its probability, as transformers' pipeline did."""
+    from cloudtrain.answers import Window, best_answer, span_scores
     from cloudtrain.config import DataConfig
+    from cloudtrain.data.answer_spans import check_questions, context_offsets, windows_of
 
     stride = recorded.get("doc_stride", DataConfig.doc_stride)
     longest = recorded.get("max_answer_length", DataConfig.max_answer_length)
+    check_questions(questions, tokenizer, limit, stride, lambda i: f"question {i + 1}")
     rows = []
     for question, context in zip(questions, contexts, strict=True):
-        encoded = tokenizer(
-            question.lstrip(), context, truncation="only_second", max_length=limit, stride=min(stride, limit // 2),
-            return_overflowing_tokens=True, return_offsets_mapping=True, padding=True, return_tensors="pt",
-        )  # fmt: skip
-        out = model(**{n: encoded[n] for n in inputs if n in encoded})
-        windows = [
-            Window(0, np.asarray([o if s == 1 else (-1, -1) for o, s in zip(row.tolist(), parts, strict=True)]))
-            for row, parts in ((row, encoded.sequence_ids(w)) for w, row in enumerate(encoded["offset_mapping"]))
-        ]
-        text, start, score = best_answer(windows, list(out.start_logits), list(out.end_logits), context, longest, False)
-        rows.append({"answer": text, "start": start, "end": start + len(text), "score": round(score, 4)})
+        encoded = windows_of(tokenizer, [question], [context], limit, stride)
+        windows = [Window(0, np.asarray(context_offsets(encoded, w))) for w in range(len(encoded["input_ids"]))]
+        batch = tokenizer.pad({n: encoded[n] for n in inputs if n in encoded}, return_tensors="pt")
+        start, end = span_scores(model(**batch), batch)
+        text, first, score = best_answer(windows, list(start), list(end), context, longest, False)
+        rows.append({"answer": text, "start": first, "end": first + len(text), "score": round(score, 4)})
     return with_pairs([{"text": q, **row} for q, row in zip(questions, rows, strict=True)], contexts)
 
 

@@ -161,7 +161,7 @@ def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
     """(whether the saved model reads text pairs, how it was trained in words, the recorded text_pair_column), from
     the args.json the training application saved with it; (None, "", None) for a model from elsewhere."""
     recorded = read_arguments(model_dir)
-    task = recorded.get("task")
+    task = recorded.get("task") or ("question_answering" if _answers_questions(model_dir) else None)
     if task == "question_answering":
         # a run that read SQuAD's columns without options recorded none: its contexts were in "context"
         context = recorded.get("text_pair_column") or "context"
@@ -181,6 +181,16 @@ def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
         if (model_dir / "tokenizer_config.json").is_file():
             return True, "on prompt and answer as a text pair", None
     return None, "", None
+
+
+def _answers_questions(model_dir: Path) -> bool:
+    """Whether config.json names a question-answering model (one trained elsewhere has no args.json to say so)."""
+    try:
+        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    architectures = config.get("architectures") if isinstance(config, dict) else None
+    return any(str(name).endswith("ForQuestionAnswering") for name in architectures or [])
 
 
 def has_chat_template(model_dir: Path) -> bool:

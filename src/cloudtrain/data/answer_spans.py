@@ -45,18 +45,25 @@ def process_answer_spans(
         labelled=lambda ds, split: split in answered,
         strata=lambda train: None,
     )
-    chosen, unlabelled = choose_rows(raw, scheme, cfg, seed)
+    for split, ds in raw.items():
+        where = f"row {{}} of the {split} data".format  # question i as the file numbers it
+        check_questions(ds[cfg.text_column], tokenizer, cfg.max_length, cfg.doc_stride, where)
+    chosen, unlabelled = choose_rows(raw, scheme, cfg, seed)  # a split may be in both: validation carved from train
     extras: dict[str, Any] = {"windows": {}, "examples": {}, "allow_none": allow_none}
-    splits = {}
-    for k, (split, ds) in enumerate({**chosen, **unlabelled}.items()):
-        answers = read_answers(ds, cfg) if split in chosen else None
-        splits[split] = _encode(ds, split, tokenizer, cfg, answers, k * SPLIT_IDS, extras if split != "train" else None)
+    ids = iter(range(0, (len(chosen) + len(unlabelled)) * SPLIT_IDS, SPLIT_IDS))  # each split's first id
+    splits = {
+        split: _encode(
+            ds, split, tokenizer, cfg, read_answers(ds, cfg), next(ids), extras if split != "train" else None
+        )
+        for split, ds in chosen.items()
+    }
+    predicted = {split: _encode(ds, split, tokenizer, cfg, None, next(ids), extras) for split, ds in unlabelled.items()}
     return ProcessedData(
         train=splits["train"],
         validation=splits["validation"],
         test=splits.get("test"),
         collator=DataCollatorWithPadding(tokenizer),
-        unlabelled={split: splits[split] for split in unlabelled},
+        unlabelled=predicted,
         unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
         extras=extras,
     )
@@ -83,20 +90,67 @@ def read_answers(ds: Dataset, cfg: DataConfig) -> list[list[tuple[str, int]]]:
 
 
 def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
-    """SQuAD's {"text": [...], "answer_start": [...]}, a list of such records, or one answer's text."""
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return []
-    if isinstance(value, str):
-        return [(value, None)]
-    if isinstance(value, dict) and isinstance(value.get("text"), list):
+    """SQuAD's {"text": [...], "answer_start": [...]}, a list of such records, or one answer's text; an empty text is
+    no answer."""
+    found: list[tuple[Any, Any]]
+    if value is None or isinstance(value, str):
+        found = [(value, None)]
+    elif isinstance(value, dict) and isinstance(value.get("text"), list):
         starts = value.get("answer_start") or [None] * len(value["text"])
-        return [(str(t), None if s is None else int(s)) for t, s in zip(value["text"], starts, strict=True)]
-    if isinstance(value, list) and all(isinstance(v, dict) and "text" in v for v in value):
-        return [(str(v["text"]), v.get("answer_start")) for v in value]
-    raise UserError(
-        f"the {column!r} column holds {type(value).__name__} values: --task question_answering reads SQuAD's "
-        '{"text": [...], "answer_start": [...]} or an answer\'s text'
+        if len(starts) != len(value["text"]):
+            raise UserError(
+                f"the {column!r} column has a row with {len(value['text'])} answer texts and {len(starts)} "
+                "answer_start values; give one start per answer"
+            )
+        found = list(zip(value["text"], starts, strict=True))
+    elif isinstance(value, list) and all(isinstance(v, dict) and "text" in v for v in value):
+        found = [(v["text"], v.get("answer_start")) for v in value]
+    else:
+        raise UserError(
+            f"the {column!r} column holds {type(value).__name__} values: --task question_answering reads SQuAD's "
+            '{"text": [...], "answer_start": [...]} or an answer\'s text'
+        )
+    return [(str(t), None if s is None else int(s)) for t, s in found if t is not None and str(t).strip()]
+
+
+def windows_of(tokenizer: PreTrainedTokenizerBase, questions: list, contexts: list, max_length: int, stride: int):
+    """Each question with its context, cut into windows of `max_length` tokens that overlap by `stride` (only the
+    context is cut: `check_questions` made sure it has room); a fast tokenizer's encoding with offsets."""
+    return tokenizer(
+        [str(q or "").lstrip() for q in questions],  # leading spaces only shift a question's tokens
+        [str(c or "") for c in contexts],
+        truncation="only_second",
+        max_length=max_length,
+        stride=stride,
+        return_overflowing_tokens=True,
+        return_offsets_mapping=True,
     )
+
+
+def context_offsets(encoded, window: int) -> list[tuple[int, int]]:
+    """A window's character offsets into its context, (-1, -1) for a token outside it (question, special tokens)."""
+    parts = encoded.sequence_ids(window)
+    return [
+        pair if part == 1 else (-1, -1) for pair, part in zip(encoded["offset_mapping"][window], parts, strict=True)
+    ]
+
+
+def check_questions(
+    questions: list, tokenizer: PreTrainedTokenizerBase, max_length: int, stride: int, where: Callable[[int], str]
+) -> None:
+    """Every question leaves its context more room than `stride` in `max_length` tokens (the windows move by the
+    difference; the tokenizers library panics deep inside otherwise); a UserError names the first that does not
+    (`where`: question i as the user knows it)."""
+    texts = [str(q or "").lstrip() for q in questions]
+    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
+    room = max_length - tokenizer.num_special_tokens_to_add(pair=True)
+    for i, n in enumerate(lengths):
+        if room - n <= stride:
+            raise UserError(
+                f"{where(i)}: the question is {n} tokens, which leaves {room - n} of --max_length {max_length} for its "
+                f"context, not more than --doc_stride {stride}; raise --max_length, lower --doc_stride or shorten "
+                "the question"
+            )
 
 
 def _encode(
@@ -114,26 +168,15 @@ def _encode(
     assert context is not None  # the task resolved it
 
     def encode(batch: dict, indices: list[int]) -> dict:
-        encoded = tokenizer(
-            [str(q or "").lstrip() for q in batch[question]],  # leading spaces only shift a question's tokens
-            [str(c or "") for c in batch[context]],
-            truncation="only_second",
-            max_length=cfg.max_length,
-            stride=cfg.doc_stride,
-            return_overflowing_tokens=True,
-            return_offsets_mapping=True,
-        )
+        encoded = windows_of(tokenizer, batch[question], batch[context], cfg.max_length, cfg.doc_stride)
         out = {name: encoded[name] for name in tokenizer.model_input_names}
         examples = encoded["overflow_to_sample_mapping"]
-        offsets = [
-            [pair if part == 1 else (-1, -1) for pair, part in zip(row, encoded.sequence_ids(w), strict=True)]
-            for w, row in enumerate(encoded["offset_mapping"])
-        ]
+        offsets = [context_offsets(encoded, w) for w in range(len(examples))]
         if answers is not None:
             targets = [_targets(row, answers[indices[e]]) for row, e in zip(offsets, examples, strict=True)]
             out["start_positions"], out["end_positions"] = [t[0] for t in targets], [t[1] for t in targets]
         if extras is not None:
-            out["example"] = [first_id + indices[e] for e in examples]
+            out["example"] = [indices[e] for e in examples]  # the split's row: ids are made unique after the cache
             out["offsets"] = offsets
         return out
 
@@ -144,11 +187,11 @@ def _encode(
         features["example"] = datasets.Value("int64")
         features["offsets"] = datasets.List(datasets.List(datasets.Value("int32")))
     key = split_cache_key(ds, tokenizer, cfg, [question, context], ["answer-spans", cfg.doc_stride, extras is None])
-    windows = cached_map(ds, _checked(encode, cfg), features, cfg, split, key, f"Tokenizing {split}", with_indices=True)
+    windows = cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}", with_indices=True)
     if extras is None:
         return windows
     for w, (example, offsets) in enumerate(zip(windows["example"], windows["offsets"], strict=True)):
-        extras["windows"][first_id + w] = Window(example, np.asarray(offsets, dtype=np.int32))
+        extras["windows"][first_id + w] = Window(first_id + example, np.asarray(offsets, dtype=np.int32))
     for i, text in enumerate(ds[context]):
         extras["examples"][first_id + i] = (text or "", [a for a, _ in answers[i]] if answers is not None else [])
     ids = list(range(first_id, first_id + len(windows)))
@@ -167,25 +210,3 @@ def _targets(offsets: list, answers: list[tuple[str, int]]) -> tuple[int, int]:
     first = next(i for i in inside if offsets[i][1] > start)
     last = next(i for i in reversed(inside) if offsets[i][0] < end)
     return first, last
-
-
-def _checked(encode: Callable, cfg: DataConfig) -> Callable:
-    """`encode`, with the tokenizer's refusal of a question that leaves no room for the context as one line."""
-
-    def run(batch: dict, indices: list[int]) -> dict:
-        try:
-            return encode(batch, indices)
-        except Exception as err:  # noqa: BLE001 (the tokenizers library raises a bare Exception)
-            if "stride" in str(err).lower():  # the windows' overlap is not shorter than the room for the context
-                raise UserError(
-                    f"--doc_stride {cfg.doc_stride} leaves no room to move the window over a context next to its "
-                    "question; lower --doc_stride or raise --max_length"
-                ) from None
-            if "truncat" in str(err).lower():
-                raise UserError(
-                    "a question is too long to leave room for its context in --max_length tokens; raise --max_length "
-                    "or shorten the question"
-                ) from None
-            raise
-
-    return run

@@ -94,7 +94,8 @@ It achieves the following results on the {{ headline.split }} set:
 ## Usage
 
 {% if adapter or kind == "question_answering" %}```python
-{% if adapter %}from peft import {{ peft_class }}
+{% if kind == "question_answering" %}import torch
+{% endif %}{% if adapter %}from peft import {{ peft_class }}
 from transformers import AutoTokenizer
 {% else %}from transformers import {{ model_class }}, AutoTokenizer
 {% endif %}
@@ -108,7 +109,9 @@ model = {{ peft_class if adapter else model_class }}.from_pretrained("{{ repo_id
 return_tensors="pt")
 {%- else %}inputs = tokenizer("{{ example_text }}", return_tensors="pt"){% endif %}
 {% if kind == "question_answering" %}out = model(**inputs)
-start, end = out.start_logits.argmax(-1).item(), out.end_logits.argmax(-1).item()
+outside = torch.tensor([part != 1 for part in inputs.sequence_ids()])  # the question and special tokens
+start = out.start_logits[0].masked_fill(outside, -1e4).argmax().item()
+end = out.end_logits[0].masked_fill(outside, -1e4).argmax().item()
 print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))
 {%- elif kind == "regression" %}print(model(**inputs).logits[0, 0].item())
 {%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]

@@ -22,19 +22,17 @@ from huggingface_hub import ModelCard
 from transformers import AutoModelForQuestionAnswering, PretrainedConfig, PreTrainedTokenizerBase
 
 from cloudtrain import invocation
-from cloudtrain.answers import best_answer, squad_scores
+from cloudtrain.answers import PADDED, best_answer, span_scores, squad_scores
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.answer_spans import SQUAD_COLUMNS, process_answer_spans
 from cloudtrain.data.processing import ProcessedData, with_named_columns
 from cloudtrain.errors import UserError
-from cloudtrain.evaluation import eval_mode
+from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.models.load import read_config
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.classification import ClassificationTask
-
-PADDED = -1e4  # the score of a padded position: below any real token's
 
 
 @TASKS.register
@@ -48,6 +46,17 @@ class QuestionAnsweringTask(ClassificationTask):
     peft_task_type = "QUESTION_ANS"
     head = "ForQuestionAnswering"
     nouns = ("questions", "answers")
+
+    def __init__(self, cfg: Config | None = None):
+        super().__init__(cfg)
+        self.extras: dict = {}  # process() keeps the windows and contexts here: predict() is given no data
+
+    def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
+        """The model's tokenizer, padding on the right: the targets and the windows' offsets count from a row's
+        first token (a decoder's tokenizer may pad on the left; the choice is saved with the model)."""
+        tokenizer = super().load_tokenizer(cfg)
+        tokenizer.padding_side = "right"
+        return tokenizer
 
     def check_options(self, cfg: Config) -> None:
         if cfg.data.doc_stride >= cfg.data.max_length:
@@ -78,7 +87,7 @@ class QuestionAnsweringTask(ClassificationTask):
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         data = self.data_options(cfg.data, raw["train"].column_names)
         processed = process_answer_spans(raw, tokenizer, data, cfg.training.seed)
-        self.extras = processed.extras  # predict is given no data: the windows' offsets and the contexts stay here
+        self.extras = processed.extras
         return processed
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
@@ -97,7 +106,7 @@ class QuestionAnsweringTask(ClassificationTask):
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """The mean of the start's and the end's cross-entropy, summed over windows (transformers' loss, summed)."""
         inputs = {k: v for k, v in batch.items() if k not in ("start_positions", "end_positions")}
-        start, end = _span_scores(model(**inputs), inputs)
+        start, end = span_scores(model(**inputs), inputs)
         return _window_losses(start, end, batch).sum(), self.loss_count(batch)
 
     def _scores(self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable, autocast):
@@ -113,11 +122,10 @@ class QuestionAnsweringTask(ClassificationTask):
                 targets = {k: batch.pop(k) for k in ("start_positions", "end_positions") if k in batch}
                 with autocast():
                     out = model(**batch)
-                start, end = _span_scores(out, batch)
+                start, end = span_scores(out, batch)
                 loss = _window_losses(start, end, targets) if targets else torch.zeros_like(start[:, 0])
-                pad = (0, width - start.shape[1])  # every process gathers the same width (rows are cut at max_length)
                 start, end, windows, loss = gather(
-                    (F.pad(start, pad, value=PADDED), F.pad(end, pad, value=PADDED), windows, loss)
+                    (pad_to_width(start, width, PADDED), pad_to_width(end, width, PADDED), windows, loss)
                 )
                 losses.append(loss.cpu())
                 for w, s, e in zip(windows.tolist(), start.cpu(), end.cpu(), strict=True):
@@ -200,16 +208,6 @@ class QuestionAnsweringTask(ClassificationTask):
             f'{invocation.command()} predict --model_dir {shlex.quote(output_dir)} --text "<question>" '
             '--text_pair "<context>"'
         )
-
-
-def _span_scores(out, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """The start and end scores in float32, a padded position's at PADDED: out of the softmax, so that the loss of a
-    window does not depend on the batch it was padded in."""
-    start, end = out.start_logits.float(), out.end_logits.float()
-    if "attention_mask" in inputs:
-        padded = inputs["attention_mask"] == 0
-        start, end = start.masked_fill(padded, PADDED), end.masked_fill(padded, PADDED)
-    return start, end
 
 
 def _window_losses(start: torch.Tensor, end: torch.Tensor, targets: dict) -> torch.Tensor:

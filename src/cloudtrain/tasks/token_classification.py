@@ -31,7 +31,7 @@ from cloudtrain.data.word_tags import (
 )
 from cloudtrain.entities import entity_scores, scored_entities
 from cloudtrain.errors import UserError
-from cloudtrain.evaluation import eval_mode
+from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.models.load import head_labels, load_tokenizer
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
@@ -95,10 +95,8 @@ class TokenClassificationTask(ClassificationTask):
         return loss, self.loss_count(batch)
 
     def _padded(self, t: torch.Tensor, value: float) -> torch.Tensor:
-        """A batch's [rows, tokens] padded to --max_length tokens: every process gathers the same width (rows are cut
-        at --max_length; a wider batch would lose columns to a negative pad)."""
-        assert self.cfg is not None and t.shape[1] <= self.cfg.data.max_length, t.shape
-        return F.pad(t, (0, self.cfg.data.max_length - t.shape[1]), value=value)
+        assert self.cfg is not None
+        return pad_to_width(t, self.cfg.data.max_length, value)
 
     @torch.no_grad()
     def evaluate(
