@@ -80,6 +80,10 @@ def test_the_best_span_over_windows_in_the_context_and_no_answer_where_it_scores
     none[0] = 9.0  # the first token's score: no answer, where the data has such questions
     assert best_answer([first], [none], [none], context, 30, True)[:2] == ("", -1)
     assert best_answer([first], [high], [high], context, 30, True)[0] == "paris"
+    blank = np.array([(-1, -1), (0, 1), (1, 3), (3, 4), (-1, -1), (-1, -1)])  # "a", "\n\n", "b"
+    sure = torch.zeros(6)
+    sure[2] = 9.0  # whitespace alone is never an answer, however sure the model is
+    assert best_answer([Window(0, blank)], [sure], [sure], "a\n\nb", 30, False)[0] in ("a", "b", "a\n\nb")
     spaced = np.array([(-1, -1), (0, 4), (4, 9), (9, 12), (12, 18), (-1, -1)])  # byte-level: a word takes its space
     assert best_answer([Window(0, spaced)], [high], [high], context, 30, False)[:2] == ("paris", 13)
     long = torch.zeros(6)
@@ -184,6 +188,15 @@ def test_an_adapter_and_its_merged_model_answer(tiny_model_dir, tmp_path, capsys
     context = "the market was busy and john went to paris"
     rows = [predict(str(d), ["who travelled?"], pairs=[context])[0] for d in (out, out / "merged")]
     assert rows[0]["answer"] == rows[1]["answer"] and rows[0]["answer"] in context
+    short = predict(str(out), ["who travelled?"], max_length=24, pairs=[context * 3])[0]  # shorter windows than trained
+    assert short["answer"] in context and (context * 3)[short["start"] : short["end"]] == short["answer"]
+    elsewhere = tmp_path / "elsewhere"  # an adapter from another tool: no args.json
+    elsewhere.mkdir()
+    for file in out.iterdir():
+        if file.is_file() and file.name != "args.json":
+            (elsewhere / file.name).write_bytes(file.read_bytes())
+    assert main(["predict", "--model_dir", str(elsewhere), "--text", "who travelled?"]) == 2
+    assert "give each --text its second text" in capsys.readouterr().err
     assert main(["predict", "--model_dir", str(out), "--text", "who travelled?"]) == 2  # a question needs a context
     assert "was trained on a question and its context (--text QUESTION --text_pair CONTEXT): give each --text its " in (
         capsys.readouterr().err

@@ -57,6 +57,8 @@ def best_answer(
                 score = (start[i] + end[j]).item()
                 if score > best[0]:
                     span = context[first[0] : last[1]]  # a byte-level BPE token's offsets take its leading space
+                    if not span.strip():  # a token of whitespace alone ("\n\n") is no answer
+                        continue
                     lead = len(span) - len(span.lstrip())
                     best = (score, span.strip(), int(first[0]) + lead, probability[i, j].item())
     if allow_none and none_score > best[0]:

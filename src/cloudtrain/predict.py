@@ -299,16 +299,19 @@ def answer_questions(
     the best span is given with its probability, as transformers' pipeline did."""
     from cloudtrain.answers import Window, best_answer, span_scores
     from cloudtrain.config import DataConfig
-    from cloudtrain.data.answer_spans import check_questions, context_offsets, windows_of
+    from cloudtrain.data.answer_spans import context_offsets, context_room, windows_of
 
     stride = recorded.get("doc_stride", DataConfig.doc_stride)
     longest = recorded.get("max_answer_length", DataConfig.max_answer_length)
-    check_questions(questions, tokenizer, limit, stride, lambda i: f"question {i + 1}")
     rows = []
-    for question, context in zip(questions, contexts, strict=True):
-        encoded = windows_of(tokenizer, [question], [context], limit, stride)
+    for i, (question, context) in enumerate(zip(questions, contexts, strict=True)):
+        room = context_room(tokenizer, question, limit)  # a shorter --max_length than training's moves by less
+        if room < 2:
+            raise UserError(f"question {i + 1} leaves no room for its context in --max_length {limit}; raise it")
+        encoded = windows_of(tokenizer, [question], [context], limit, min(stride, room - 1))
         windows = [Window(0, np.asarray(context_offsets(encoded, w))) for w in range(len(encoded["input_ids"]))]
-        batch = tokenizer.pad({n: encoded[n] for n in inputs if n in encoded}, return_tensors="pt")
+        batch = {n: encoded[n] for n in inputs if n in encoded}  # the offsets count from the right-padded rows' start
+        batch = tokenizer.pad(batch, padding_side="right", return_tensors="pt")
         start, end = span_scores(model(**batch), batch)
         text, first, score = best_answer(windows, list(start), list(end), context, longest, False)
         rows.append({"answer": text, "start": first, "end": first + len(text), "score": round(score, 4)})

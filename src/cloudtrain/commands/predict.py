@@ -184,13 +184,19 @@ def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
 
 
 def _answers_questions(model_dir: Path) -> bool:
-    """Whether config.json names a question-answering model (one trained elsewhere has no args.json to say so)."""
-    try:
-        config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    architectures = config.get("architectures") if isinstance(config, dict) else None
-    return any(str(name).endswith("ForQuestionAnswering") for name in architectures or [])
+    """Whether config.json names a question-answering model, or adapter_config.json a QUESTION_ANS adapter (one
+    trained elsewhere has no args.json to say so)."""
+    for name, says in (
+        ("config.json", lambda c: any(str(a).endswith("ForQuestionAnswering") for a in c.get("architectures") or [])),
+        ("adapter_config.json", lambda c: c.get("task_type") == "QUESTION_ANS"),
+    ):
+        try:
+            config = json.loads((model_dir / name).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(config, dict) and says(config):
+            return True
+    return False
 
 
 def has_chat_template(model_dir: Path) -> bool:

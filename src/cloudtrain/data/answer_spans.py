@@ -142,15 +142,21 @@ def check_questions(
     difference; the tokenizers library panics deep inside otherwise); a UserError names the first that does not
     (`where`: question i as the user knows it)."""
     texts = [str(q or "").lstrip() for q in questions]
-    lengths = [len(ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]]
-    room = max_length - tokenizer.num_special_tokens_to_add(pair=True)
-    for i, n in enumerate(lengths):
-        if room - n <= stride:
+    specials = tokenizer.num_special_tokens_to_add(pair=True)
+    for i, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
+        n, room = len(ids), max_length - specials - len(ids)
+        if room <= stride:
             raise UserError(
-                f"{where(i)}: the question is {n} tokens, which leaves {room - n} of --max_length {max_length} for its "
+                f"{where(i)}: the question is {n} tokens, which leaves {room} of --max_length {max_length} for its "
                 f"context, not more than --doc_stride {stride}; raise --max_length, lower --doc_stride or shorten "
                 "the question"
             )
+
+
+def context_room(tokenizer: PreTrainedTokenizerBase, question: Any, max_length: int) -> int:
+    """How many of `max_length` tokens a window leaves its context, after the question and the special tokens."""
+    n = len(tokenizer(str(question or "").lstrip(), add_special_tokens=False)["input_ids"])
+    return max_length - tokenizer.num_special_tokens_to_add(pair=True) - n
 
 
 def _encode(

@@ -185,7 +185,6 @@ def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str]):  
         target_modules="all-linear" if m.lora_target_modules == ["all-linear"] else m.lora_target_modules,
         use_dora=m.peft == "dora",
         modules_to_save=train_in_full or None,
-        exclude_modules=train_in_full or None,  # trained in full already: no adapter on them (all-linear would)
         task_type=task_type,
         ensure_weight_tying=tied and bool(train_in_full),
     )
