@@ -30,4 +30,7 @@ def main(options_file: str, nan_step: str) -> None:
 
 
 if __name__ == "__main__":
+    from dist_runs import exit_without_teardown
+
     main(*sys.argv[1:])
+    exit_without_teardown()

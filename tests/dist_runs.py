@@ -26,6 +26,14 @@ def run_outputs(stdout: str, count: int) -> list[str]:
     return [p.split("\n", 1)[1] if "\n" in p else "" for p in parts]
 
 
+def exit_without_teardown(code: int = 0) -> None:
+    """Leave as cloudtrain.cli.main does once its output is written: the interpreter's teardown is where gloo's and
+    DeepSpeed's threads can abort a finished ZeRO-3 run (SIGABRT) on a loaded machine."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main(runs_file: str) -> None:
     from accelerate.state import AcceleratorState, GradientState
 
@@ -39,10 +47,7 @@ def main(runs_file: str) -> None:
         code = run_command(argv)
         if code != 0:
             sys.exit(code)
-    # as cloudtrain.cli.main: skip the teardown, where gloo's and DeepSpeed's threads can abort a finished ZeRO-3 run
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown()
 
 
 if __name__ == "__main__":

@@ -37,4 +37,7 @@ def main(options_file: str, result_dir: str) -> None:
 
 
 if __name__ == "__main__":
+    from dist_runs import exit_without_teardown
+
     main(*sys.argv[1:])
+    exit_without_teardown()
