@@ -1,13 +1,13 @@
 """Token classification (`--task token_classification`): a tag per word (named entities, parts of speech, chunks).
 
 Supports: rows of words and tags (CoNLL-2003's `tokens`/`ner_tags` are read without options; else --text_column
-and --label_column), lists or whitespace-separated texts, tags as names, ids or a `Sequence(ClassLabel)`; IOB2,
+and --label_column), lists or whitespace-separated texts, tags as names or a `Sequence(ClassLabel)`; IOB2,
 IOB1, IOBES/BILOU and IO tags; each word's tag trained on its first token; entity-level precision, recall and F1
 (seqeval's default mode), word accuracy and each entity type's F1; unlabelled evaluation splits (each word's tag in
 `<split>_predictions.jsonl`); `cloudtrain predict` (entities with character offsets); adapters, both trainers and the
 Hub push as `--task classification`.
-Does not support: text pairs, tags on every sub-word token, words longer than --max_length tokens in all (the words
-past it are neither trained nor evaluated).
+Does not support: text pairs, tags on every sub-word token, bare tag ids (entities are read from names), rows longer
+than --max_length tokens (the words past it are neither trained nor evaluated).
 """
 
 import time
