@@ -24,7 +24,7 @@ from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data.processing import ProcessedData, process_data
+from cloudtrain.data.processing import ProcessedData, process_data, with_named_columns
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import evaluate_model, predict_labels
 from cloudtrain.models.load import (
@@ -55,6 +55,8 @@ class ClassificationTask(Task):
     embedding_noise = True
     head = "ForSequenceClassification"  # how the name of a checkpoint architecture with this task's head ends
     nouns = ("examples", "labels")  # what the data summary calls the rows and the classes
+    # a dataset family's column names (option -> column: CoNLL's, SQuAD's), read where the options are at defaults
+    named_columns: dict[str, str] = {}
 
     def check_options(self, cfg: Config) -> None:
         """Before any data or weights load: a checkpoint with readable weights, whose vocabulary holds the
@@ -66,6 +68,18 @@ class ClassificationTask(Task):
             )
         check_checkpoint(resolve_model_path(cfg.model), "--model_name_or_path")
         check_sizes(read_config(cfg.model), load_tokenizer(cfg.model), cfg.data.max_length)
+
+    def connect(self, cfg: Config) -> DatasetDict:
+        """The raw splits, holding the columns `data_options` reads."""
+        from cloudtrain.data.sources import check_columns, connect_data
+
+        raw = connect_data(cfg.data, {})
+        check_columns(raw, self.columns(self.data_options(cfg, raw)))
+        return raw
+
+    def data_options(self, cfg: Config, raw: DatasetDict) -> DataConfig:
+        """The data options as this data is read: `named_columns` where the column options are at their defaults."""
+        return with_named_columns(cfg.data, raw["train"].column_names, self.named_columns)
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         needed = {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}

@@ -23,9 +23,9 @@ from transformers import AutoModelForQuestionAnswering, PretrainedConfig, PreTra
 
 from cloudtrain import invocation
 from cloudtrain.answers import PADDED, best_answer, span_scores, squad_scores
-from cloudtrain.config import Config, DataConfig
+from cloudtrain.config import Config
 from cloudtrain.data.answer_spans import SQUAD_COLUMNS, process_answer_spans
-from cloudtrain.data.processing import ProcessedData, with_named_columns
+from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.models.load import read_config
@@ -46,6 +46,7 @@ class QuestionAnsweringTask(ClassificationTask):
     peft_task_type = "QUESTION_ANS"
     head = "ForQuestionAnswering"
     nouns = ("questions", "answers")
+    named_columns = SQUAD_COLUMNS
 
     def __init__(self, cfg: Config | None = None):
         super().__init__(cfg)
@@ -66,26 +67,18 @@ class QuestionAnsweringTask(ClassificationTask):
             )
         super().check_options(cfg)
 
-    def data_options(self, data: DataConfig, columns: list[str]) -> DataConfig:
-        """The data options with SQuAD's column names where the column options are at their defaults."""
-        return with_named_columns(data, columns, SQUAD_COLUMNS)
-
     def connect(self, cfg: Config) -> DatasetDict:
         """The raw splits, holding a question, a context and (in training) an answer column."""
-        from cloudtrain.data.sources import check_columns, connect_data
-
-        raw = connect_data(cfg.data, {})
-        data = self.data_options(cfg.data, raw["train"].column_names)
-        if data.text_pair_column is None:
+        raw = super().connect(cfg)
+        if self.data_options(cfg, raw).text_pair_column is None:
             raise UserError(
                 "--task question_answering reads a context beside each question: the data has no 'context' column; "
                 "pass --text_pair_column <name>"
             )
-        check_columns(raw, self.columns(data))
         return raw
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
-        data = self.data_options(cfg.data, raw["train"].column_names)
+        data = self.data_options(cfg, raw)
         processed = process_answer_spans(raw, tokenizer, data, cfg.training.seed)
         self.extras = processed.extras
         return processed

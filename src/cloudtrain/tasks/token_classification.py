@@ -22,7 +22,7 @@ from transformers import AutoModelForTokenClassification, PretrainedConfig, PreT
 
 from cloudtrain.config import Config
 from cloudtrain.data.packing import IGNORE_INDEX
-from cloudtrain.data.processing import ProcessedData, with_named_columns
+from cloudtrain.data.processing import ProcessedData
 from cloudtrain.data.word_tags import (
     CONLL_COLUMNS,
     joins_words,
@@ -50,19 +50,12 @@ class TokenClassificationTask(ClassificationTask):
     peft_task_type = "TOKEN_CLS"
     head = "ForTokenClassification"
     nouns = ("rows", "tags")
+    named_columns = CONLL_COLUMNS
 
     def check_options(self, cfg: Config) -> None:
         if cfg.data.text_pair_column:
             raise UserError("--task token_classification tags the words of one text; drop --text_pair_column")
         super().check_options(cfg)
-
-    def connect(self, cfg: Config) -> DatasetDict:
-        """The raw splits, holding the columns it reads (CoNLL's where the column options are at their defaults)."""
-        from cloudtrain.data.sources import check_columns, connect_data
-
-        raw = connect_data(cfg.data, {})
-        check_columns(raw, self.columns(with_named_columns(cfg.data, raw["train"].column_names, CONLL_COLUMNS)))
-        return raw
 
     def load_tokenizer(self, cfg: Config) -> PreTrainedTokenizerBase:
         """The model's tokenizer; a byte-level BPE one (RoBERTa's, GPT-2's) with a space before every word, so a
@@ -74,7 +67,7 @@ class TokenClassificationTask(ClassificationTask):
         return tokenizer
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
-        data = with_named_columns(cfg.data, raw["train"].column_names, CONLL_COLUMNS)
+        data = self.data_options(cfg, raw)
         return process_word_tags(raw, tokenizer, data, cfg.training.seed, head_labels(cfg.model, self.head))
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
