@@ -519,6 +519,44 @@ def tiny_llama_dir(tmp_path_factory, lm_tokenizer_dir) -> str:
     return _save_tiny_lm(tmp_path_factory.mktemp("tiny-llama"), config, lm_tokenizer_dir)
 
 
+SEQ2SEQ_WORDS = "red blue green cat dog bird runs jumps sleeps the a big small fast slow house tree river".split()
+
+
+@pytest.fixture(scope="session")
+def tiny_t5_dir(tmp_path_factory) -> str:
+    """A 2+2-layer, d_model-32 T5 (relative positions, the decoder starting from the pad token) with random weights
+    and a byte-level BPE tokenizer trained on SEQ2SEQ_WORDS that adds no EOS itself (the task adds it)."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    backend.train_from_iterator([" ".join(SEQ2SEQ_WORDS)] * 20, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>")
+    config = T5Config(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    out = tmp_path_factory.mktemp("tiny-t5")
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory, lm_tokenizer_dir) -> str:
     """A 2-layer, hidden-32 GPT-2-style decoder (learned positions, tied embeddings), no dropout."""

@@ -219,8 +219,8 @@ def test_model_and_options_that_do_not_fit_together(models, topic_csvs, tmp_path
         "a classifier from a config": (
             ["--train_file", str(train), "--output_dir", str(out), "--model_config", "llama-8m"]
             + ["--tokenizer_name_or_path", str(classifier)],
-            "--model_config builds a decoder from scratch (--task causal_lm, sft or dpo); a classifier starts from "
-            "a pretrained model: pass --model_name_or_path",
+            "--model_config builds a decoder from scratch (--task causal_lm, sft or dpo); --task classification "
+            "starts from a pretrained model: pass --model_name_or_path",
         ),
         "a nan learning rate": (
             train_args(classifier, train, out, "--learning_rate", "nan"),

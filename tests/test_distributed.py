@@ -258,11 +258,13 @@ def test_auto_values_are_filled_from_the_options():
 
 
 @pytest.mark.slow
-def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
+def test_evaluation_counts_every_example_once(tiny_model_dir, tiny_t5_dir, tmp_path):
     """13 examples on 2 processes x batch 4: the gathered predictions are exactly the 13, metrics as 1 process; for
-    a sequence classifier, a token classifier (rows of different lengths) and a question-answering model (questions
-    over several windows)."""
+    a sequence classifier, a token classifier (rows of different lengths), a question-answering model (questions
+    over several windows) and an encoder-decoder (generations of different lengths, every process stepping
+    together)."""
     from test_question_answering import squad_rows
+    from test_seq2seq import headline_rows, headline_writer
     from test_token_classification import TAGS, tagged_rows, write_jsonl
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -294,7 +296,17 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
             "max_length": 48,
             "doc_stride": 16,
         },
+        {
+            "task": "seq2seq",
+            "train_file": write_jsonl(tmp_path / "s2s.jsonl", headline_rows(20, 0)),
+            "validation_file": write_jsonl(tmp_path / "s2s-val.jsonl", headline_rows(13, 1)),
+            "test_file": write_jsonl(
+                tmp_path / "s2s-test.jsonl", [{"document": r["document"]} for r in headline_rows(7, 2)]
+            ),
+            "max_target_length": 8,
+        },
     ]
+    models = [str(tmp_path / name) for name in saved] + [headline_writer(tiny_t5_dir, tmp_path)]
     results = []
     for n in (1, 2):
         options = tmp_path / f"options{n}.json"
@@ -305,17 +317,17 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
                     {
                         **run,
                         **common,
-                        "model_name_or_path": str(tmp_path / name),
-                        "output_dir": str(tmp_path / f"{name}{n}"),
+                        "model_name_or_path": model,
+                        "output_dir": str(tmp_path / f"run{i}-{n}"),
                     }
-                    for run, name in zip(runs, saved, strict=True)
+                    for i, (run, model) in enumerate(zip(runs, models, strict=True))
                 ]
             )
         )
         launcher = torchrun(n) if n > 1 else ONE_PROCESS
         launch(launcher, str(REPO / "tests" / "dist_eval.py"), str(options), str(tmp_path / f"result{n}.json"))
         results.append(json.loads((tmp_path / f"result{n}.json").read_text()))
-    (one, one_tags, one_answers), (two, two_tags, two_answers) = results
+    (one, one_tags, one_answers, one_texts), (two, two_tags, two_answers, two_texts) = results
     assert (one["num_processes"], two["num_processes"]) == (1, 2)
     assert one["samples"] == two["samples"] == 13
     assert sum(map(sum, two["confusion_matrix"])) == 13
@@ -334,6 +346,13 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tmp_path):
     assert one_answers["samples"] == two_answers["samples"] == 13  # questions, whatever their windows
     assert (two_answers["f1"], two_answers["exact_match"]) == (one_answers["f1"], one_answers["exact_match"])
     assert two_answers["loss"] == pytest.approx(one_answers["loss"], rel=1e-5)
+    assert one_texts["samples"] == two_texts["samples"] == 13
+    for metric in ("rougeL", "rouge1", "rouge2", "bleu", "generated_tokens"):
+        assert two_texts[metric] == one_texts[metric], metric
+    assert two_texts["loss"] == pytest.approx(one_texts["loss"], rel=1e-5)
+    texts, lengths = two_texts["test"]
+    assert len(texts) == 7 and two_texts["test"] == one_texts["test"]  # in the split's order
+    assert len(set(texts)) > 1 and len(set(lengths)) > 1 and min(lengths) < 8  # generations stop apart
 
 
 @pytest.mark.slow

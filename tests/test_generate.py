@@ -305,7 +305,7 @@ def test_bad_model_dirs_are_refused_before_loading(
         error(classifier_dir, "--prompt", "hi") == f"--model_dir {classifier_dir} is a sequence-classification "
         "model; use the predict command to classify texts with it"
     )
-    assert "holds a BertModel, not a causal language model" in error(tiny_model_dir, "--prompt", "hi")
+    assert "holds a BertModel, not a language model" in error(tiny_model_dir, "--prompt", "hi")
     assert "nothing to generate from: pass --prompt" in error(tiny_llama_dir)
     empty = tmp_path / "empty.txt"
     empty.write_text("\n  \n")

@@ -183,7 +183,7 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
     (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}))
     cases = [
         (["merge", "--output_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),
-        (["predict", "--model_dir", str(adapter), "--text", "hi"], "continue prompts with the generate command"),
+        (["predict", "--model_dir", str(adapter), "--text", "hi"], "write texts with it through the generate command"),
     ]
     for argv, message in cases:
         result = subprocess.run([sys.executable, str(ENTRY), *argv], capture_output=True, text=True, cwd=REPO)

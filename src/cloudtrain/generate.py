@@ -1,4 +1,5 @@
-"""The `generate` entry: continue prompts with a causal language model saved by the training application.
+"""The `generate` entry: continue prompts with a causal language model saved by the training application, or
+write the target of each prompt with an encoder-decoder (--task seq2seq).
 
     python src/training_application.py generate --model_dir outputs/run --prompt "Once upon a time"
     python src/training_application.py generate --model_dir outputs/run --input_file prompts.txt --do_sample true
@@ -19,9 +20,11 @@ Prompts come from --prompt (repeatable) and --input_file: .txt (one prompt per l
 skipped) or .csv/.tsv/.json/.jsonl with a --text_column. An empty prompt starts from the BOS token.
 The model runs in fp32 on CPU and in bf16 on a CUDA GPU that computes it natively.
 
-Not supported: sequence-classification or encoder-decoder models (use `predict` for classifiers),
-batched or multi-GPU generation, beam search. Prompt plus --max_new_tokens must fit
-the model's context length.
+An encoder-decoder reads each prompt whole and writes a new text (the training's --source_prefix, T5's
+"summarize: ", goes before each prompt).
+
+Not supported: sequence-classification models (use `predict`), batched or multi-GPU generation, beam search.
+Prompt plus --max_new_tokens must fit a decoder's context length.
 
 The options, and the checks of their values, are cloudtrain.commands.generate's; `run` is the command once they
 parsed. `generate_texts` is the library entry, used by training for its sample generations: it prints nothing
@@ -33,13 +36,18 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer  # noqa: F401 (AutoTokenizer: tests patch it here)
+from transformers import (  # noqa: F401 (AutoTokenizer: tests patch it here)
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoTokenizer,
+    TextStreamer,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_config, load_failure, read_tokenizer
-from cloudtrain.publish.saving import adapter_config, is_adapter_dir, read_arguments
+from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
 from cloudtrain.registry import TASKS
 
 SEPARATOR = "-" * 60
@@ -54,7 +62,7 @@ def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
     path = Path(model_dir)
     if is_adapter_dir(path):
         task_type = adapter_config(path).get("task_type")
-        if task_type != "CAUSAL_LM":
+        if task_type not in GENERATIVE:
             hint = "; use the predict command to classify texts with it" if task_type == "SEQ_CLS" else ""
             raise UserError(
                 f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a causal language model{hint}"
@@ -65,7 +73,7 @@ def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
             f"--model_dir {model_dir} holds no config.json; pass a directory written by the training application"
         )
     config = load_config(path, trust_remote_code)
-    if is_causal_lm(config):
+    if is_causal_lm(config) or config.is_encoder_decoder:
         check_checkpoint(path, "--model_dir")
         return
     architectures = list(getattr(config, "architectures", None) or [])
@@ -76,8 +84,8 @@ def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
         )
     if architectures:
         raise UserError(
-            f"--model_dir {model_dir} holds a {architectures[0]}, not a causal language model; "
-            "generate needs a model with a language-modelling head (a ...ForCausalLM)"
+            f"--model_dir {model_dir} holds a {architectures[0]}, not a language model; generate needs a model "
+            "with a language-modelling head (a ...ForCausalLM, or an encoder-decoder's ...ForConditionalGeneration)"
         )
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise UserError(
@@ -120,8 +128,10 @@ def load(model_dir: str, device: torch.device, trust_remote_code: bool = False):
         model, tokenizer = adapters.load_adapter_model(Path(model_dir), dtype, trust_remote_code)
         return model.to(device).eval(), tokenizer
     tokenizer = read_tokenizer(model_dir, trust_remote_code)
+    config = load_config(model_dir, trust_remote_code)
+    auto_class = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
+        model = auto_class.from_pretrained(model_dir, dtype=dtype, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError, SafetensorError) as err:
         raise load_failure(err, f"the model in {model_dir}", model_dir) from None
     return model.to(device).eval(), tokenizer  # type: ignore[arg-type]  # transformers' wrapped `to`
@@ -201,7 +211,10 @@ def generate_texts(
                 else _prompt_ids(tokenizer, prompts[start], add_special_tokens)
             )
             output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
-            texts += tokenizer.batch_decode(output[:, ids.shape[1] :], skip_special_tokens=True)
+            new = (
+                output if model.config.is_encoder_decoder else output[:, ids.shape[1] :]
+            )  # a decoder repeats the prompt
+            texts += tokenizer.batch_decode(new, skip_special_tokens=True)
     return texts
 
 
@@ -222,7 +235,7 @@ def _context(model) -> int | None:
 def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add_special_tokens: bool = True) -> None:
     """Each prompt plus max_new_tokens fits the model's context length (when its config states one)."""
     limit = _context(model)
-    if not limit:
+    if not limit or model.config.is_encoder_decoder:  # the encoder reads the prompt: its length is the tokenizer's cut
         return
     for number, prompt in enumerate(prompts, 1):
         length = _prompt_ids(tokenizer, prompt, add_special_tokens)[0].shape[1]
@@ -260,6 +273,8 @@ def run(args: argparse.Namespace) -> None:
             f"--chat needs a chat model, and {args.model_dir} is not one"
             + (" (leave out --raw)" if args.raw else "; train one with --task sft, or use --prompt")
         )
+    if model.config.is_encoder_decoder:  # as its training's sources
+        prompts = [trained.get("source_prefix", "") + prompt for prompt in prompts]
     if args.system_prompt is None and trained.get("system_prompt"):
         args.system_prompt = trained["system_prompt"]  # what every training example began with
     texts = (
@@ -284,7 +299,8 @@ def run(args: argparse.Namespace) -> None:
     for number, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
         if number:
             print(SEPARATOR)
-        print(f"{prompt}\n" if templated else prompt, end="", flush=True)
+        # a chat model answers, an encoder-decoder writes a new text: on its own line; a decoder continues the prompt
+        print(f"{prompt}\n" if templated or model.config.is_encoder_decoder else prompt, end="", flush=True)
         torch.manual_seed(args.seed)
         generate_texts(model, tokenizer, [text], **options)
 

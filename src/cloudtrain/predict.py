@@ -40,7 +40,7 @@ from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, too_long
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync, is_no_space
-from cloudtrain.publish.saving import adapter_config, is_adapter_dir, read_arguments
+from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
 
 
 def read_texts(path: str, column: str) -> list[str]:
@@ -192,7 +192,7 @@ def load(model_dir: str, trust_remote_code: bool = False):
     if is_adapter_dir(Path(model_dir)):
         task_type = adapter_config(Path(model_dir)).get("task_type")
         if task_type not in ("SEQ_CLS", "TOKEN_CLS", "QUESTION_ANS"):
-            hint = "; continue prompts with the generate command" if task_type == "CAUSAL_LM" else ""
+            hint = "; write texts with it through the generate command" if task_type in GENERATIVE else ""
             raise UserError(f"--model_dir {model_dir} holds a {task_type or 'PEFT'} adapter, not a classifier{hint}")
         return adapters.load_adapter_model(Path(model_dir), trust_remote_code=trust_remote_code)
     auto_class = CLASSIFIERS[classifier_kind(model_dir)]
@@ -230,8 +230,8 @@ def classifier_kind(model_dir: str) -> str:
     kind = next((kind for kind in CLASSIFIERS for name in architectures if name.endswith(kind)), None)
     if kind is None:
         hint = (
-            "; continue prompts with the generate command"
-            if any(name.endswith(("ForCausalLM", "LMHeadModel")) for name in architectures)
+            "; write texts with it through the generate command"
+            if any(name.endswith(("ForCausalLM", "LMHeadModel", "ForConditionalGeneration")) for name in architectures)
             else ""
         )
         raise UserError(

@@ -51,6 +51,12 @@ TASK_ROWS: dict[str, Row] = {
         ("f1", "exact_match", "loss"),
         "f1",
     ),
+    "seq2seq": Row(
+        "cloudtrain.tasks.seq2seq",
+        "a source text -> a target text (summaries, translations) with an encoder-decoder",
+        ("rougeL", "rouge1", "rouge2", "bleu", "loss"),
+        "rougeL",
+    ),
     "causal_lm": Row(
         "cloudtrain.tasks.causal_lm",
         "continued pretraining, or pretraining from scratch, of a decoder on raw text",

@@ -37,6 +37,15 @@ class DataConfig:
         "many tokens.",
     )
     max_answer_length: int = opt(30, "--task question_answering: the longest answer predicted, in tokens.")
+    max_target_length: int = opt(
+        128,
+        "--task seq2seq: truncate targets to this many tokens (--max_length truncates the sources); evaluation and "
+        "predictions generate up to this many.",
+    )
+    source_prefix: str = opt(
+        "",
+        '--task seq2seq: text put before every source, as T5 expects ("summarize: ", "translate English to German: ").',
+    )
     max_length: int = opt(
         128,
         "Classification: truncate inputs to this many tokens. Causal LM: the block size "
@@ -153,6 +162,8 @@ class DataConfig:
             raise UserError("--doc_stride must be at least 0")
         if self.max_answer_length < 1:
             raise UserError("--max_answer_length must be at least 1")
+        if self.max_target_length < 1:
+            raise UserError("--max_target_length must be at least 1")
         if self.stream_buffer < 1:
             raise UserError("--stream_buffer must be at least 1 document")
         if self.max_tokens is not None and self.max_tokens < 1:

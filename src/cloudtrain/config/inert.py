@@ -70,6 +70,8 @@ TRAINING: dict[str, Use] = {
     "label_separator": Use(("multi_label",)),
     "doc_stride": Use(("question_answering",)),
     "max_answer_length": Use(("question_answering",)),
+    "max_target_length": Use(("seq2seq",)),
+    "source_prefix": Use(("seq2seq",)),
     **{f.name: Use(("text_to_image",)) for f in dataclasses.fields(ImagesConfig)},
 }
 

@@ -39,6 +39,7 @@ from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
     AutoModelForQuestionAnswering,
+    AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
     AutoTokenizer,
@@ -50,13 +51,14 @@ from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
-from cloudtrain.publish.saving import LABELS, MERGED, adapter_config
+from cloudtrain.publish.saving import GENERATIVE, LABELS, MERGED, adapter_config
 
 AUTO_CLASSES = {
     "SEQ_CLS": AutoModelForSequenceClassification,
     "TOKEN_CLS": AutoModelForTokenClassification,
     "QUESTION_ANS": AutoModelForQuestionAnswering,
     "CAUSAL_LM": AutoModelForCausalLM,
+    "SEQ_2_SEQ_LM": AutoModelForSeq2SeqLM,
 }
 COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Conv1D)  # what LoRA adapts here
@@ -212,7 +214,7 @@ def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
     neither; a multi-label head is read with a sigmoid per label)."""
     # grown embeddings are in the modules trained in full already; PEFT would add 2 more copies of each
     model.save_pretrained(output_dir, state_dict=state_dict, save_embedding_layers=False)
-    if model.peft_config["default"].task_type == "CAUSAL_LM":  # a chat model's end-of-turn stop is not the base's
+    if model.peft_config["default"].task_type in GENERATIVE:  # a chat model's end-of-turn stop is not the base's
         model.generation_config.save_pretrained(output_dir)
     else:
         id2label = {str(i): name for i, name in model.config.id2label.items()}
@@ -321,8 +323,11 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
 def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
     """Token ids drawn from a fixed seed: the same batch for the adapter and the merged model."""
     vocab = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
-    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0))
-    return {"input_ids": ids.to(model.device), "attention_mask": torch.ones_like(ids).to(model.device)}
+    ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0)).to(model.device)
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    if model.config.is_encoder_decoder:  # its decoder reads the same ids
+        batch["decoder_input_ids"] = ids
+    return batch
 
 
 def run(args: argparse.Namespace) -> None:

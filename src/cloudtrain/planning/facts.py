@@ -241,6 +241,11 @@ def model_facts(
     run_task = task_for(task, options)
     decoder = isinstance(run_task, DecoderTask)
     config = _load_config(run_task, options, num_labels)
+    if config.is_encoder_decoder:  # the formulas count one stack of layers: an encoder-decoder has two
+        raise UserError(
+            f"{name} is an encoder-decoder; the planner estimates one stack of layers (a decoder's or an encoder's) "
+            "and does not plan two yet: measure a short run instead (--max_steps 20 prints the peak memory)"
+        )
     model = _meta_model(config, run_task, trust_remote_code)
     text = config.get_text_config()
     hidden, heads = _config_value(text, ("hidden_size",)), _config_value(text, ("num_attention_heads",))

@@ -19,6 +19,8 @@ def label_names(output_dir: Path) -> list[str]:
     """Label names in id order, from the saved config.json (an adapter's labels.json)."""
 
     saved = Path(output_dir) / (LABELS if is_adapter_dir(output_dir) else "config.json")
+    if not saved.is_file():  # a text-writing model's adapter (--task seq2seq) has no labels
+        return []
     id2label = json.loads(saved.read_text()).get("id2label", {})
     return [id2label[key] for key in sorted(id2label, key=int)]
 

@@ -46,20 +46,29 @@ TOKEN_METRICS = (
     ("accuracy", "accuracy", "Accuracy", None),
 )
 ANSWER_METRICS = (("exact_match", "exact_match", "Exact match", None), ("f1", "f1", "F1", None))
+SEQ2SEQ_METRICS = (
+    ("rougeL", "rouge", "ROUGE-L", None),
+    ("rouge1", "rouge", "ROUGE-1", None),
+    ("rouge2", "rouge", "ROUGE-2", None),
+    ("bleu", "sacrebleu", "BLEU", None),
+)
 METRICS = {
     "multi_label": MULTI_LABEL_METRICS,
     "regression": REGRESSION_METRICS,
     "token_classification": TOKEN_METRICS,
     "question_answering": ANSWER_METRICS,
+    "seq2seq": SEQ2SEQ_METRICS,
 }
 # (pipeline tag, the Hub's task name, the PEFT class of an adapter) by kind; transformers 5 has no question-answering
 # pipeline: that card loads the model class (MODEL_CLASSES) in its snippets
 PIPELINES = {
     "token_classification": ("token-classification", "Token Classification", "AutoPeftModelForTokenClassification"),
     "question_answering": ("question-answering", "Question Answering", "AutoPeftModelForQuestionAnswering"),
+    "seq2seq": ("text2text-generation", "Text2Text Generation", "AutoPeftModelForSeq2SeqLM"),
 }
-UNLABELLED = ("regression", "question_answering")  # kinds whose head has no classes to list
-MODEL_CLASSES = {"question_answering": "AutoModelForQuestionAnswering"}
+UNLABELLED = ("regression", "question_answering", "seq2seq")  # kinds whose head has no classes to list
+# kinds without a pipeline in transformers 5: their snippets load the model class
+MODEL_CLASSES = {"question_answering": "AutoModelForQuestionAnswering", "seq2seq": "AutoModelForSeq2SeqLM"}
 TEXT_CLASSIFICATION = ("text-classification", "Text Classification", "AutoPeftModelForSequenceClassification")
 
 TEMPLATE = (
@@ -77,7 +86,9 @@ for {% if kind == "multi_label" %}multi-label text classification over {{ labels
 where its probability is over 0.5){% elif kind == "regression" %}text regression (one number per text, \
 `{{ labels[0] }}`){% elif kind == "token_classification" %}token classification (a tag per word, \
 entity-level scores) with {{ labels | length }} tags{% elif kind == "question_answering" %}extractive question \
-answering (the answer is a span of the context given with the question){% else %}text classification into \
+answering (the answer is a span of the context given with the question){% elif kind == "seq2seq" %}\
+sequence-to-sequence generation (a target text written from a source text: summaries, translations)\
+{% else %}text classification into \
 {{ labels | length }} classes{% endif %}, trained on \
 {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
 {% else %}{{ dataset_display }}{% endif %}
@@ -93,7 +104,7 @@ It achieves the following results on the {{ headline.split }} set:
 
 ## Usage
 
-{% if adapter or kind == "question_answering" %}```python
+{% if adapter or model_class %}```python
 {% if kind == "question_answering" %}import torch
 {% endif %}{% if adapter %}from peft import {{ peft_class }}
 from transformers import AutoTokenizer
@@ -107,12 +118,15 @@ model = {{ peft_class if adapter else model_class }}.from_pretrained("{{ repo_id
 {% if kind not in unlabelled %}, num_labels={{ labels | length }}, id2label=id2label{% endif %})
 {% if kind == "question_answering" %}inputs = tokenizer("{{ example_question }}", "{{ example_text }}", \
 return_tensors="pt")
+{%- elif kind == "seq2seq" %}inputs = tokenizer("{{ source_prefix }}{{ example_text }}", return_tensors="pt")
 {%- else %}inputs = tokenizer("{{ example_text }}", return_tensors="pt"){% endif %}
 {% if kind == "question_answering" %}out = model(**inputs)
 outside = torch.tensor([part != 1 for part in inputs.sequence_ids()])  # the question and special tokens
 start = out.start_logits[0].masked_fill(outside, -1e4).argmax().item()
 end = out.end_logits[0].masked_fill(outside, -1e4).argmax().item()
 print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))
+{%- elif kind == "seq2seq" %}output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }})
+print(tokenizer.decode(output[0], skip_special_tokens=True))
 {%- elif kind == "regression" %}print(model(**inputs).logits[0, 0].item())
 {%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]
 print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])
@@ -198,6 +212,8 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         kind=kind,
         unlabelled=UNLABELLED,
         model_class=MODEL_CLASSES.get(kind),
+        source_prefix=cfg.data.source_prefix.replace("\\", "\\\\").replace('"', '\\"'),
+        max_new_tokens=cfg.data.max_target_length,
         example_question="What did OPEC agree to?" if dataset_id == REUTERS_HUB_ID else "What is this about?",
         pipeline_tag=pipeline_tag,
         peft_class=peft_class,

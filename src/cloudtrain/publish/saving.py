@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # importing torch here would make the commands' checks of a m
 ADAPTER_CONFIG = "adapter_config.json"
 LABELS = "labels.json"  # an adapter classifier's label names (the base model knows none)
 MERGED = "merged"  # --merge_adapters / the merge command: the merged full model
+GENERATIVE = ("CAUSAL_LM", "SEQ_2_SEQ_LM")  # PEFT task types of text-writing models: no labels, a generation config
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", ADAPTER_CONFIG)
 # what a saved model is made of: replaced as a whole, so an adapter never lands next to an older full model
 MODEL_PATTERNS = (

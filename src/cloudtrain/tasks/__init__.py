@@ -13,6 +13,7 @@ from cloudtrain.tasks import multi_label  # noqa: F401
 from cloudtrain.tasks import regression  # noqa: F401
 from cloudtrain.tasks import token_classification  # noqa: F401
 from cloudtrain.tasks import question_answering  # noqa: F401
+from cloudtrain.tasks import seq2seq  # noqa: F401
 from cloudtrain.tasks import causal_lm  # noqa: F401
 from cloudtrain.tasks import sft  # noqa: F401
 from cloudtrain.tasks import dpo  # noqa: F401

@@ -63,8 +63,8 @@ class ClassificationTask(Task):
         tokenizer's and whose positions hold --max_length (past either, training fails mid-run)."""
         if cfg.model.model_config:
             raise UserError(
-                "--model_config builds a decoder from scratch (--task causal_lm, sft or dpo); a classifier "
-                "starts from a pretrained model: pass --model_name_or_path"
+                "--model_config builds a decoder from scratch (--task causal_lm, sft or dpo); --task "
+                f"{self.name} starts from a pretrained model: pass --model_name_or_path"
             )
         check_checkpoint(resolve_model_path(cfg.model), "--model_name_or_path")
         check_sizes(read_config(cfg.model), load_tokenizer(cfg.model), cfg.data.max_length)

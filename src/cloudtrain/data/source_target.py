@@ -1,0 +1,159 @@
+"""The rows of `--task seq2seq`: a source text and the target text an encoder-decoder learns to write from it.
+
+- Columns: --text_column (the source) and --label_column (the target). A dataset family's names are read without
+  options where the defaults are absent: XSum's `document`/`summary`, CNN/DailyMail's `article`/`highlights`, or
+  `source`/`target`.
+- Sources get --source_prefix in front (T5's "summarize: ") and are cut at --max_length tokens; targets are cut at
+  --max_target_length and end with the tokenizer's EOS (added where the tokenizer adds none), so the model learns
+  where to stop.
+- Every training row needs a target. An evaluation split with no target at all (or no target column) is for
+  predictions only (`<split>_predictions.jsonl`); one with some rows missing is an error naming the count.
+- The collator pads sources with the pad token and targets with -100 (ignored by the loss), to each batch's longest.
+"""
+
+import datasets
+import torch
+from datasets import Dataset, DatasetDict
+from transformers import PreTrainedTokenizerBase
+
+from cloudtrain.config import DataConfig
+from cloudtrain.data.processing import (
+    LabelScheme,
+    ProcessedData,
+    cached_map,
+    check_texts,
+    choose_rows,
+    is_missing,
+    split_cache_key,
+)
+from cloudtrain.errors import UserError
+
+IGNORED = -100  # a padded target position: cross-entropy skips it
+# (--text_column, --label_column) of the dataset families read without options, in the order they are tried
+FAMILIES = (("document", "summary"), ("article", "highlights"), ("source", "target"))
+
+
+def family_columns(columns: list[str]) -> dict[str, str]:
+    """{option: column} of the first family whose two columns the data has (none: {})."""
+    for source, target in FAMILIES:
+        if source in columns and target in columns:
+            return {"text_column": source, "label_column": target}
+    return {}
+
+
+def target_scheme(column: str) -> LabelScheme:
+    """The target column as the row chooser reads it: a text per row; no classes to stratify the carve by."""
+
+    def labelled(ds: Dataset, split: str) -> bool:
+        if column not in ds.column_names:
+            return False
+        missing = count_missing(ds, column)
+        if missing == len(ds):
+            return False
+        if missing:
+            raise UserError(
+                f"{missing} of {len(ds)} rows of the {split} data have no {column!r} text; give each a target or "
+                f"drop those rows (a {split} split with no targets at all is used for predictions only)"
+            )
+        return True
+
+    return LabelScheme(
+        names=[column],
+        encoder=lambda ds: str,
+        feature=datasets.Value("string"),
+        key=[column, "seq2seq"],
+        labelled=labelled,
+        strata=lambda train: None,
+    )
+
+
+def count_missing(ds: Dataset, column: str) -> int:
+    return sum(is_missing(value, None) for value in ds[column])
+
+
+def process_source_target(
+    raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int
+) -> ProcessedData:
+    """Tokenized (source, target) rows for every split; unlabelled splits keep their sources for predictions."""
+    check_texts(raw["train"], cfg.text_column)
+    missing = count_missing(raw["train"], cfg.label_column)
+    if missing:
+        raise UserError(
+            f"{missing} of {len(raw['train'])} training rows have no {cfg.label_column!r} text; give each a target "
+            "or drop those rows"
+        )
+    chosen, unlabelled = choose_rows(raw, target_scheme(cfg.label_column), cfg, seed)
+    return ProcessedData(
+        train=_encode(chosen["train"], "train", tokenizer, cfg, True),
+        validation=_encode(chosen["validation"], "validation", tokenizer, cfg, True),
+        test=_encode(chosen["test"], "test", tokenizer, cfg, True) if "test" in chosen else None,
+        collator=SourceTargetCollator(int(tokenizer.pad_token_id)),
+        unlabelled={split: _encode(ds, split, tokenizer, cfg, False) for split, ds in unlabelled.items()},
+        unlabelled_texts={split: [_text(t) for t in ds[cfg.text_column]] for split, ds in unlabelled.items()},
+    )
+
+
+def _text(value) -> str:
+    return "" if value is None else str(value)
+
+
+def adds_eos(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer ends an encoded text with EOS itself (T5's and BART's do; a generic one may not)."""
+    ids = tokenizer("a")["input_ids"]
+    return bool(ids) and ids[-1] == tokenizer.eos_token_id
+
+
+def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, targets: bool) -> Dataset:
+    """input_ids and attention_mask of the prefixed sources; with `targets`, labels: the target's ids, EOS last."""
+    if tokenizer.eos_token_id is None:
+        raise UserError("the tokenizer has no EOS token, so a target could not end; give a tokenizer with one")
+    own_eos = adds_eos(tokenizer)
+    room = cfg.max_target_length - (0 if own_eos else 1)
+
+    def encode(batch: dict) -> dict:
+        sources = [cfg.source_prefix + _text(t) for t in batch[cfg.text_column]]
+        encoded = tokenizer(sources, truncation=True, max_length=cfg.max_length)
+        out = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+        if targets:
+            texts = [_text(t) for t in batch[cfg.label_column]]
+            if room > 0:
+                labels = tokenizer(text_target=texts, truncation=True, max_length=room)["input_ids"]
+            else:  # --max_target_length 1 with a tokenizer that adds no EOS: EOS alone
+                labels = [[] for _ in texts]
+            out["labels"] = labels if own_eos else [ids + [tokenizer.eos_token_id] for ids in labels]
+        return out
+
+    columns = ["input_ids", "attention_mask"] + (["labels"] if targets else [])
+    features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in columns})
+    options = [cfg.max_target_length, cfg.source_prefix, targets, "seq2seq-v1"]
+    key = split_cache_key(ds, tokenizer, cfg, [cfg.text_column], options)
+    return cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}")
+
+
+class SourceTargetCollator:
+    """A batch of rows padded to its longest source (pad token, mask 0) and longest target (-100)."""
+
+    def __init__(self, pad_token_id: int):
+        self.pad_token_id = pad_token_id
+
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        batch = {
+            "input_ids": _pad([row["input_ids"] for row in rows], self.pad_token_id),
+            "attention_mask": _pad([row["attention_mask"] for row in rows], 0),
+        }
+        if "labels" in rows[0]:
+            batch["labels"] = _pad([row["labels"] for row in rows], IGNORED)
+        return batch
+
+
+def _pad(rows: list, value: int) -> torch.Tensor:
+    width = max(len(row) for row in rows)
+    return torch.tensor([list(row) + [value] * (width - len(row)) for row in rows], dtype=torch.long)
+
+
+def shift_right(labels: torch.Tensor, start_id: int, pad_id: int) -> torch.Tensor:
+    """The decoder's inputs for `labels`: the start token, then each target token but the last (-100 as pad)."""
+    inputs = torch.full_like(labels, pad_id)
+    inputs[:, 0] = start_id
+    inputs[:, 1:] = labels[:, :-1].masked_fill(labels[:, :-1] == IGNORED, pad_id)
+    return inputs

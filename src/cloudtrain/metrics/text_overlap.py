@@ -1,0 +1,106 @@
+"""How close generated texts are to their references: ROUGE (summaries) and BLEU (translations), as percentages.
+
+ROUGE-1, ROUGE-2 and ROUGE-L are F1 scores per example, averaged: the words are rouge_score's (lower-cased runs of
+letters and digits, no stemming), except that letters outside ASCII count as letters too (rouge_score drops them,
+so a summary in Greek scores 0). BLEU is corpus BLEU over the whole split as sacreBLEU computes it by default: its
+13a tokenization, n-grams up to 4, the brevity penalty over the corpus, exponential smoothing of empty orders.
+tests/test_seq2seq.py checks both against those packages.
+"""
+
+import math
+import re
+from collections import Counter
+from collections.abc import Sequence
+
+_WORD = re.compile(r"[^\W_]+")  # letters and digits, any script
+
+
+def rouge_words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def _ngrams(words: Sequence[str], n: int) -> Counter:
+    return Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+
+
+def _f1(overlap: int, predicted: int, reference: int) -> float:
+    if not overlap:
+        return 0.0
+    precision, recall = overlap / predicted, overlap / reference
+    return 2 * precision * recall / (precision + recall)
+
+
+def _lcs(a: Sequence[str], b: Sequence[str]) -> int:
+    """The length of the longest common subsequence (one row of the table at a time)."""
+    previous = [0] * (len(b) + 1)
+    for x in a:
+        row = [0]
+        for j, y in enumerate(b):
+            row.append(previous[j] + 1 if x == y else max(previous[j + 1], row[j]))
+        previous = row
+    return previous[-1]
+
+
+def rouge_pair(prediction: str, reference: str) -> dict[str, float]:
+    """ROUGE-1/2/L F1 of one prediction against its reference, each in [0, 1]."""
+    pred, ref = rouge_words(prediction), rouge_words(reference)
+    scores = {}
+    for n in (1, 2):
+        p, r = _ngrams(pred, n), _ngrams(ref, n)
+        scores[f"rouge{n}"] = _f1(sum((p & r).values()), sum(p.values()), sum(r.values()))
+    scores["rougeL"] = _f1(_lcs(pred, ref), len(pred), len(ref))
+    return scores
+
+
+def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
+    """The mean ROUGE-1/2/L F1 over the examples, in percent (0 for none)."""
+    totals = Counter({"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0})
+    for prediction, reference in zip(predictions, references, strict=True):
+        totals.update(rouge_pair(prediction, reference))
+    return {name: 100 * total / max(len(predictions), 1) for name, total in totals.items()}
+
+
+# mteval-v13a's tokenization, as sacreBLEU applies it: punctuation and symbols split off, periods and commas
+# except between digits, a dash after a digit
+_13A_RULES = [
+    (re.compile(r"([\{-\~\[-\` -\&\(-\+\:-\@\/])"), r" \1 "),
+    (re.compile(r"([^0-9])([\.,])"), r"\1 \2 "),
+    (re.compile(r"([\.,])([^0-9])"), r" \1 \2"),
+    (re.compile(r"([0-9])(-)"), r"\1 \2 "),
+]
+_ENTITIES = {"&quot;": '"', "&amp;": "&", "&lt;": "<", "&gt;": ">"}
+
+
+def bleu_words(text: str) -> list[str]:
+    text = text.replace("<skipped>", "").replace("-\n", "").replace("\n", " ")
+    if "&" in text:
+        for entity, char in _ENTITIES.items():
+            text = text.replace(entity, char)
+    text = f" {text} "
+    for rule, replacement in _13A_RULES:
+        text = rule.sub(replacement, text)
+    return text.split()
+
+
+def bleu(predictions: Sequence[str], references: Sequence[str], order: int = 4) -> float:
+    """Corpus BLEU of the predictions against one reference each, in percent."""
+    matches, totals = [0] * order, [0] * order
+    predicted_length = reference_length = 0
+    for prediction, reference in zip(predictions, references, strict=True):
+        pred, ref = bleu_words(prediction), bleu_words(reference)
+        predicted_length, reference_length = predicted_length + len(pred), reference_length + len(ref)
+        for n in range(1, order + 1):
+            p = _ngrams(pred, n)
+            matches[n - 1] += sum((p & _ngrams(ref, n)).values())
+            totals[n - 1] += max(len(pred) - n + 1, 0)
+    if not predicted_length:
+        return 0.0
+    log_precision, halvings = 0.0, 1.0
+    for matched, total in zip(matches, totals, strict=True):
+        if not total:
+            return 0.0  # a corpus shorter than `order` words has no n-grams of that order
+        if not matched:  # exponential smoothing: each order without a match counts half the one before
+            halvings *= 2
+        log_precision += math.log((matched or 1 / halvings) / total)
+    brevity = 1.0 if predicted_length > reference_length else math.exp(1 - reference_length / predicted_length)
+    return 100 * brevity * math.exp(log_precision / order)

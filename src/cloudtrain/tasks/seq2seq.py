@@ -1,0 +1,264 @@
+"""Sequence to sequence (`--task seq2seq`): a source text -> a target text, with an encoder-decoder (T5, BART, Marian).
+
+Supports: summarization and translation data as two text columns (XSum's, CNN/DailyMail's or `source`/`target` are
+read without options; else --text_column and --label_column), T5's task prefixes (--source_prefix), targets cut at
+--max_target_length; the loss over target tokens, and at each evaluation greedy generations scored by ROUGE-1/2/L
+and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled evaluation splits (generations in
+`<split>_predictions.jsonl`); `cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both
+trainers, DDP and DeepSpeed ZeRO 1-3 (every process generates in step), and the Hub push.
+Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), beam search or
+sampling in evaluation, `translation` columns of {language: text} records (give two text columns), pretraining from
+--model_config, FSDP (the encoder's and decoder's shared embedding), --training_type pipeline, tensor or context
+parallelism, packing, planning its memory (`cloudtrain plan`).
+"""
+
+import shlex
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from datasets import DatasetDict
+from huggingface_hub import ModelCard
+from transformers import AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+from cloudtrain import invocation
+from cloudtrain.config import Config, DataConfig
+from cloudtrain.data.processing import ProcessedData, with_named_columns
+from cloudtrain.data.source_target import IGNORED, family_columns, process_source_target, shift_right
+from cloudtrain.errors import UserError
+from cloudtrain.evaluation import eval_mode, pad_to_width
+from cloudtrain.metrics.text_overlap import bleu, rouge
+from cloudtrain.models.load import check_positions, context_length, read_config
+from cloudtrain.parallel.distributed import Sharding, sharding
+from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.saving import write_jsonl
+from cloudtrain.registry import TASKS
+from cloudtrain.tasks.classification import ClassificationTask
+
+SHOWN = 5  # generations logged in the evaluation's table
+
+
+@TASKS.register
+class Seq2SeqTask(ClassificationTask):
+    name = "seq2seq"
+    summary = "a source text -> a target text (summaries, translations) with an encoder-decoder"
+    metrics: tuple[str, ...] = ("rougeL", "rouge1", "rouge2", "bleu", "loss")
+    default_best_metric = "rougeL"
+    auto_class = AutoModelForSeq2SeqLM
+    adds_head = False
+    load_error = "could not load an encoder-decoder model"
+    peft_task_type = "SEQ_2_SEQ_LM"
+    embedding_noise = False  # NEFTune's noise is for a decoder's prompt embeddings
+    runs_in_pipeline = False  # the pipeline trainer cuts one stack of decoder layers
+    nouns = ("pairs", "targets")
+
+    def __init__(self, cfg: Config | None = None):
+        super().__init__(cfg)
+        self.tokenizer: PreTrainedTokenizerBase | None = None  # process() keeps it: evaluation decodes generations
+        self.decoder_ids = (0, 0)  # (start, pad) of the decoder's inputs, from the model's config (build_config)
+
+    def check_options(self, cfg: Config) -> None:
+        """The classifier's checks (a pretrained checkpoint, the tokenizer within its vocabulary, --max_length within
+        its positions), then: an encoder-decoder whose decoder knows its start token, --max_target_length within its
+        positions."""
+        super().check_options(cfg)
+        config = read_config(cfg.model)
+        if not config.is_encoder_decoder:
+            kind = ", ".join(config.architectures or [config.model_type])
+            raise UserError(
+                f"{cfg.model.model_name_or_path} is not an encoder-decoder model ({kind}); --task seq2seq trains "
+                "models such as T5, BART or Marian; for a decoder use --task sft with --prompt_column and "
+                "--completion_column"
+            )
+        if config.decoder_start_token_id is None:
+            raise UserError(
+                f"the config of {cfg.model.model_name_or_path} has no decoder_start_token_id, so the decoder "
+                "could not start; set it in its config.json"
+            )
+        decoder_positions = context_length(config)
+        if decoder_positions and cfg.data.max_target_length > decoder_positions:
+            raise UserError(
+                f"--max_target_length {cfg.data.max_target_length} is longer than the model's context "
+                f"({decoder_positions} positions); pass --max_target_length {decoder_positions} or less"
+            )
+        check_positions(config, cfg.data.max_length)
+        refusal = self.sharding_refusal(cfg, sharding(cfg))
+        if refusal:
+            raise UserError(refusal)
+
+    def sharding_refusal(self, cfg: Config, shards: Sharding) -> str | None:
+        """FSDP2 as accelerate applies it groups the input embedding with the head, but not the encoder's and the
+        decoder's copies of that shared embedding (T5, BART and Marian share one), and fails on them."""
+        if shards.fsdp:
+            return (
+                "--task seq2seq under --fsdp: the encoder and the decoder share one embedding, which FSDP2 cannot "
+                "shard as accelerate groups it; use --zero_stage 3 (or 1 or 2)"
+            )
+        return None
+
+    def data_options(self, cfg: Config, raw: DatasetDict) -> DataConfig:
+        columns = raw["train"].column_names
+        return with_named_columns(cfg.data, columns, family_columns(columns))
+
+    def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        self.tokenizer = tokenizer
+        return process_source_target(raw, tokenizer, self.data_options(cfg, raw), cfg.training.seed)
+
+    def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
+        config = read_config(cfg.model)
+        if config.pad_token_id is None:
+            config.pad_token_id = tokenizer.pad_token_id
+        self.decoder_ids = (int(config.decoder_start_token_id), int(config.pad_token_id))
+        return config
+
+    def replaces_head(self, cfg: Config, data: ProcessedData, announce: bool) -> bool:
+        return False  # the LM head is the checkpoint's own
+
+    def train_in_full(self, model: PreTrainedModel) -> list[str]:
+        return []  # nothing new: adapters train alone
+
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        return (batch["labels"] != IGNORED).sum()
+
+    def row_losses(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """Each row's summed cross-entropy over its target tokens, the decoder fed the targets shifted right."""
+        labels = batch["labels"]
+        logits = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            decoder_input_ids=shift_right(labels, *self.decoder_ids),
+        ).logits
+        losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORED, reduction="none")
+        return losses.view(labels.shape).sum(1)
+
+    def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.row_losses(model, batch).sum(), self.loss_count(batch)
+
+    def generate(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
+        """Greedy targets of a batch's sources, padded to --max_target_length + 1 (the start token) so that every
+        process gathers the same shape. Every process steps together where the model's weights are sharded or
+        several processes run (generation's collectives)."""
+        assert self.cfg is not None
+        width = self.cfg.data.max_target_length
+        bare: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it
+        out = bare.generate(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            max_new_tokens=width,
+            do_sample=False,
+            num_beams=1,
+            pad_token_id=self.decoder_ids[1],
+            use_cache=True,
+            synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1,
+        )
+        return pad_to_width(out, width + 1, self.decoder_ids[1])
+
+    def written(self, generated: torch.Tensor) -> torch.Tensor:
+        """Per row, the tokens generated: after the start token, padding left out."""
+        return (generated[:, 1:] != self.decoder_ids[1]).sum(1)
+
+    def decode(self, ids: torch.Tensor) -> list[str]:
+        assert self.tokenizer is not None  # process() kept it
+        ids = ids.masked_fill(ids == IGNORED, self.tokenizer.pad_token_id)
+        return [text.strip() for text in self.tokenizer.batch_decode(ids, skip_special_tokens=True)]
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        batches: Iterable[dict],
+        data: ProcessedData,
+        gather: Callable,
+        move: Callable,
+        autocast: Callable,
+    ) -> dict:
+        assert self.cfg is not None
+        start = time.perf_counter()
+        predictions: list[str] = []
+        references: list[str] = []
+        sources: list[str] = []
+        loss_sum, tokens, written = 0.0, 0, 0
+        with eval_mode(model):
+            for batch in batches:
+                batch = move(batch)
+                with autocast():
+                    losses = self.row_losses(model, batch)
+                    generated = self.generate(model, batch)
+                counts = (batch["labels"] != IGNORED).sum(1)
+                labels = pad_to_width(batch["labels"], self.cfg.data.max_target_length, IGNORED)
+                losses, counts, generated, labels = gather((losses, counts, generated, labels))
+                if len(sources) < SHOWN:  # every process has gathered as many: all gather here, or none
+                    inputs = pad_to_width(batch["input_ids"], self.cfg.data.max_length, IGNORED)
+                    sources += self.decode(gather(inputs).cpu())
+                loss_sum, tokens = loss_sum + losses.sum().item(), tokens + int(counts.sum().item())
+                written += int(self.written(generated).sum().item())
+                predictions += self.decode(generated.cpu())
+                references += self.decode(labels.cpu())
+        runtime = time.perf_counter() - start
+        return {
+            **rouge(predictions, references),
+            "bleu": bleu(predictions, references),
+            "loss": loss_sum / max(tokens, 1),
+            "generated_tokens": written / max(len(predictions), 1),
+            "samples": len(predictions),
+            "runtime_s": round(runtime, 3),
+            "samples_per_s": round(len(predictions) / max(runtime, 1e-9), 2),
+            "generations": [
+                {"source": s, "target": r, "generated": p}
+                for s, r, p in zip(sources[:SHOWN], references[:SHOWN], predictions[:SHOWN], strict=False)
+            ],
+        }
+
+    @torch.no_grad()
+    def predict(
+        self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable, autocast: Callable
+    ) -> tuple[list, list]:
+        """The generated target of each source of an unlabelled split, in the split's order, and its length in
+        tokens (--max_target_length: maybe cut short)."""
+        texts: list[str] = []
+        lengths: list[int] = []
+        with eval_mode(model):
+            for batch in batches:
+                batch = move(batch)
+                with autocast():
+                    ids = gather(self.generate(model, batch)).cpu()
+                texts += self.decode(ids)
+                lengths += self.written(ids).tolist()
+        return texts, lengths
+
+    def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted: tuple) -> None:
+        rows = [
+            {"source": source, "generated": text, "tokens": length}
+            for source, text, length in zip(data.unlabelled_texts[split], *predicted, strict=True)
+        ]
+        write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
+
+    def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
+        shown = metrics.get("generations") or []
+        rows = [[g["source"], g["target"], g["generated"]] for g in shown]
+        return {"generations": (["source", "target", "generated"], rows)} if rows else {}
+
+    def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+        return build_model_card(output_dir, cfg, results, kind="seq2seq")
+
+    def describe_data(self, data: ProcessedData) -> str:
+        test = f" / {len(data.test)} test" if data.test is not None else ""
+        lines = [f"data: {len(data.train)} train / {len(data.validation)} validation{test} (source, target) pairs"]
+        lines += [
+            f"the {split} data has no targets: it is used for predictions only ({split}_predictions.jsonl)"
+            for split in data.unlabelled
+        ]
+        return "\n".join(lines)
+
+    def describe_metrics(self, metrics: dict) -> str:
+        return (
+            f"rougeL {metrics['rougeL']:.2f} | rouge1 {metrics['rouge1']:.2f} | rouge2 {metrics['rouge2']:.2f} | "
+            f"bleu {metrics['bleu']:.2f} | loss {metrics['loss']:.4f} ({metrics['samples']} pairs)"
+        )
+
+    def inference_hint(self, output_dir: str) -> str:
+        return f'{invocation.command()} generate --model_dir {shlex.quote(output_dir)} --prompt "..."'

@@ -1,0 +1,276 @@
+"""--task seq2seq (cloudtrain.tasks.seq2seq, cloudtrain.data.source_target, cloudtrain.metrics.text_overlap): ROUGE
+and BLEU against rouge_score and sacreBLEU, sources and targets as rows (prefix, EOS, truncation, padding), a run
+that learns and writes predictions, `generate` and the card's snippet on the saved model, an adapter, and every
+refusal in one line (two processes: test_distributed.py)."""
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+import sacrebleu
+import torch
+from conftest import SEQ2SEQ_WORDS, assert_each_refused
+from datasets import Dataset, DatasetDict
+from rouge_score import rouge_scorer
+from transformers import AutoTokenizer
+
+from cloudtrain import generate
+from cloudtrain.cli import main
+from cloudtrain.config import DataConfig
+from cloudtrain.data.source_target import SourceTargetCollator, family_columns, process_source_target, shift_right
+from cloudtrain.errors import UserError
+from cloudtrain.metrics.text_overlap import bleu, rouge, rouge_pair
+
+
+def headline_rows(n: int, seed: int, source: str = "document", target: str = "summary") -> list[dict]:
+    """XSum-shaped rows: a few words, and their first four as the summary."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        words = rng.choices(SEQ2SEQ_WORDS, k=rng.randint(5, 9))
+        rows.append({source: " ".join(words), target: " ".join(words[:4])})
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> str:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def headline_writer(model_dir: str, folder: Path) -> str:
+    """`model_dir` trained to write headlines (about 5 s): its generations stop at different lengths, as a random
+    model's do not."""
+    options = {
+        "task": "seq2seq",
+        "model_name_or_path": model_dir,
+        "train_file": write_jsonl(folder / "headlines.jsonl", headline_rows(320, 0)),
+        "output_dir": str(folder / "headline-writer"),
+        "max_target_length": 12,
+        "num_train_epochs": 12,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 3e-3,
+        "eval_strategy": "no",
+        "mixed_precision": "no",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    return options["output_dir"]
+
+
+def test_rouge_and_bleu_equal_the_reference_packages():
+    rng = random.Random(0)
+    words = 'the cat sat on a mat . , 3.5 10-20 dog\'s "quoted" &amp; x-ray (big) over! Yes? CAT'.split()
+    predictions = [" ".join(rng.choices(words, k=rng.randint(0, 14))) for _ in range(300)]
+    references = [" ".join(rng.choices(words, k=rng.randint(1, 14))) for _ in range(300)]
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
+    for prediction, reference in zip(predictions, references, strict=True):
+        theirs = scorer.score(reference, prediction)
+        for name, value in rouge_pair(prediction, reference).items():
+            assert value == pytest.approx(theirs[name].fmeasure, abs=1e-12), (prediction, reference, name)
+    for size in (300, 40, 3):
+        ours = bleu(predictions[:size], references[:size])
+        assert ours == pytest.approx(sacrebleu.corpus_bleu(predictions[:size], [references[:size]]).score, abs=1e-9)
+    assert bleu(["a b c"], ["a b c"]) == 0.0 == sacrebleu.corpus_bleu(["a b c"], [["a b c"]]).score  # no 4-grams
+    assert bleu(["the cat sat on the mat"], ["the cat sat on the mat"]) == pytest.approx(100)
+    # letters outside ASCII are words here (rouge_score drops them: every Greek summary would score 0)
+    assert rouge(["καλή μέρα φίλε"], ["καλή μέρα"]) == pytest.approx(
+        {"rouge1": 80.0, "rouge2": 200 / 3, "rougeL": 80.0}
+    )
+
+
+def test_sources_and_targets_as_rows(tiny_t5_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    train = headline_rows(20, 0)
+    train[0]["summary"] = " ".join(SEQ2SEQ_WORDS)  # longer than --max_target_length
+    raw = DatasetDict(
+        {"train": Dataset.from_list(train), "test": Dataset.from_list([{"document": "red cat"}, {"document": "dog"}])}
+    )
+    cfg = DataConfig(
+        text_column="document",
+        label_column="summary",
+        max_target_length=6,
+        source_prefix="sum: ",
+        cache_dir=str(tmp_path),
+    )
+    data = process_source_target(raw, tokenizer, cfg, seed=0)
+    assert len(data.train) + len(data.validation) == 20 and data.test is None  # validation carved from train
+    assert data.unlabelled_texts == {"test": ["red cat", "dog"]}
+    row = next(r for r in data.train if tokenizer.decode(r["input_ids"]) == "sum: " + train[0]["document"])
+    assert len(row["labels"]) == 6 and row["labels"][-1] == eos  # cut at 6 tokens, EOS last
+    assert tokenizer.decode(row["labels"][:-1]) == tokenizer.decode(tokenizer(train[0]["summary"])["input_ids"][:5])
+    short = data.train[1]
+    assert short["labels"].count(eos) == 1 and short["labels"][-1] == eos  # EOS added once
+    assert "labels" not in data.unlabelled["test"].column_names
+
+    batch = SourceTargetCollator(pad)(
+        [
+            {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [8, eos]},
+            {"input_ids": [5], "attention_mask": [1], "labels": [9, 10, 11, eos]},
+        ]
+    )
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [5, pad, pad]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[8, eos, -100, -100], [9, 10, 11, eos]]
+    assert shift_right(batch["labels"], 0, pad).tolist() == [[0, 8, eos, pad], [0, 9, 10, 11]]
+
+    assert family_columns(["id", "article", "highlights"]) == {"text_column": "article", "label_column": "highlights"}
+    assert family_columns(["document", "highlights"]) == {}
+
+
+def test_a_tokenizer_that_adds_eos_gets_no_second_one(tiny_t5_dir, tmp_path):
+    from tokenizers import processors
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)
+    eos = tokenizer.eos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", eos)]
+    )  # as T5's own tokenizer
+    raw = DatasetDict(
+        {"train": Dataset.from_list(headline_rows(10, 1)), "validation": Dataset.from_list(headline_rows(2, 2))}
+    )
+    cfg = DataConfig(text_column="document", label_column="summary", max_target_length=3, cache_dir=str(tmp_path))
+    data = process_source_target(raw, tokenizer, cfg, seed=0)
+    for row in data.validation:
+        assert len(row["labels"]) == 3 and row["labels"][-1] == eos and row["labels"].count(eos) == 1
+
+
+@pytest.mark.slow  # about 6 s: twelve short epochs, then generate and the card's snippet
+def test_a_run_learns_predicts_and_the_saved_model_generates(tiny_t5_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    sources = [row["document"] for row in headline_rows(4, 3)]
+    options = {  # XSum's column names: read without options
+        "task": "seq2seq",
+        "model_name_or_path": tiny_t5_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", headline_rows(320, 0)),
+        "validation_file": write_jsonl(tmp_path / "validation.jsonl", headline_rows(40, 1)),
+        "test_file": write_jsonl(tmp_path / "test.jsonl", [{"document": s} for s in sources]),
+        "output_dir": str(out),
+        "max_target_length": 12,
+        "num_train_epochs": 12,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 3e-3,
+        "mixed_precision": "no",
+        "eval_on_start": "true",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    said = capsys.readouterr().out
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    before = next(row for row in logged if "eval/rougeL" in row)
+    assert before["eval/rougeL"] < 5 and before["eval/bleu"] < 1, before  # the random model writes no headline
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["rougeL"] > 45 and results["bleu"] > 4 and results["samples"] == 40, results
+    assert f"eval: rougeL {results['rougeL']:.2f} | rouge1 " in said
+    assert 0 < results["generated_tokens"] <= 12
+    shown = results["generations"][0]
+    assert set(shown) == {"source", "target", "generated"} and shown["target"] == headline_rows(40, 1)[0]["summary"]
+
+    written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
+    assert [row["source"] for row in written] == sources
+    model, tokenizer = generate.load(str(out), torch.device("cpu"))
+    again = generate.generate_texts(model, tokenizer, sources, max_new_tokens=12)
+    assert [text.strip() for text in again] == [row["generated"] for row in written]  # greedy: the same texts
+    assert all(0 < row["tokens"] <= 12 for row in written)
+
+    assert main(["generate", "--model_dir", str(out), "--prompt", sources[0], "--max_new_tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{sources[0]}\n{again[0]}" in printed  # the source, then the new text on its own line
+
+    from cloudtrain.config.parse import resolve_options
+    from cloudtrain.tasks import build_task
+
+    cfg = resolve_options(None, {**options, "push_to_hub": True, "hub_model_id": "me/headlines"})
+    card = build_task(cfg).model_card(
+        out, cfg, {"train": json.loads((out / "train_results.json").read_text()), "eval": results}
+    )
+    assert card.data.pipeline_tag == "text2text-generation" and "sequence-to-sequence generation" in card.text
+    assert "## Labels" not in card.text and "- ROUGE-L: " in card.text and "- BLEU: " in card.text
+    snippet = card.text.split("```python\n")[1].split("```")[0].replace('"me/headlines"', repr(str(out)))
+    snippet = snippet.replace("Replace me by any text you'd like.", sources[0])
+    exec(snippet, {})  # the card's usage, as a reader runs it
+    assert capsys.readouterr().out.strip() == again[0].strip()
+
+
+def test_an_adapter_writes_as_its_merged_model(tiny_t5_dir, tmp_path, capsys):
+    out = tmp_path / "lora"
+    options = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_t5_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", headline_rows(40, 0, "source", "target")),
+        "output_dir": str(out),
+        "source_prefix": "headline: ",
+        "peft": "lora",
+        "lora_r": "4",
+        "merge_adapters": "true",
+        "max_steps": "3",
+        "max_target_length": "8",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    assert json.loads((out / "adapter_config.json").read_text())["task_type"] == "SEQ_2_SEQ_LM"
+    assert not (out / "labels.json").exists() and (out / "generation_config.json").is_file()
+    capsys.readouterr()
+    texts = []
+    for folder in (out, out / "merged"):
+        assert main(["generate", "--model_dir", str(folder), "--prompt", "red cat runs", "--max_new_tokens", "6"]) == 0
+        texts.append(capsys.readouterr().out)
+    assert texts[0] == texts[1] and texts[0].startswith("headline: red cat runs\n")  # the training's prefix first
+    assert main(["predict", "--model_dir", str(out), "--text", "hi"]) == 2
+    assert "holds a SEQ_2_SEQ_LM adapter, not a classifier; write texts with it through the generate command" in (
+        capsys.readouterr().err
+    )
+    assert main(["generate", "--model_dir", str(out / "merged"), "--chat"]) == 2
+    assert "--chat needs a chat model" in capsys.readouterr().err
+
+
+def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    rows = headline_rows(20, 0)
+    base = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_t5_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", rows),
+        "output_dir": str(out),
+        "report_to": "none",
+        "max_steps": 2,
+    }
+    untargeted = [{**row, "summary": ""} if i % 5 == 0 else row for i, row in enumerate(rows)]
+    partly = [{**row, "summary": None} if i == 1 else row for i, row in enumerate(headline_rows(6, 1))]
+    cases = {
+        "a decoder": (
+            {**base, "model_name_or_path": tiny_llama_dir},
+            "is not an encoder-decoder model (LlamaForCausalLM); --task seq2seq trains models such as T5, BART or "
+            "Marian; for a decoder use --task sft with --prompt_column and --completion_column",
+        ),
+        "training rows without a target": (
+            {**base, "train_file": write_jsonl(tmp_path / "untargeted.jsonl", untargeted)},
+            "4 of 20 training rows have no 'summary' text; give each a target or drop those rows",
+        ),
+        "a validation file partly without targets": (
+            {**base, "validation_file": write_jsonl(tmp_path / "partly.jsonl", partly)},
+            "1 of 6 rows of the validation data have no 'summary' text; give each a target or drop those rows",
+        ),
+        "no source column": (
+            {**base, "text_column": "body"},
+            "column 'body' is not in the train data (its columns: document, summary); pass --text_column <name>",
+        ),
+        "target length": ({**base, "max_target_length": "0"}, "--max_target_length must be at least 1"),
+        "fsdp": (
+            {**base, "fsdp": "true"},
+            "--task seq2seq under --fsdp: the encoder and the decoder share one embedding",
+        ),
+        "from a config": (
+            {**base, "model_config": "llama-8m", "tokenizer_name_or_path": tiny_t5_dir, "model_name_or_path": None},
+            "--task seq2seq starts from a pretrained model: pass --model_name_or_path",
+        ),
+    }
+    assert_each_refused(cases, capsys, out)
+
+
+def test_the_planner_says_it_does_not_plan_an_encoder_decoder(tiny_t5_dir):
+    from cloudtrain.planning.facts import model_facts
+
+    with pytest.raises(UserError, match="is an encoder-decoder; the planner estimates one stack of layers"):
+        model_facts(tiny_t5_dir, task="seq2seq")
