@@ -236,7 +236,8 @@ def test_generate_on_a_saved_model(tiny_llama_dir, corpus, tmp_path):
     assert bad.returncode == 2 and "Traceback" not in bad.stderr
     wrong = run_cli("predict", "--model_dir", str(out), "--text", "x")
     assert (
-        wrong.returncode == 2 and "nor a question-answering model; continue prompts with the generate" in wrong.stderr
+        wrong.returncode == 2
+        and "nor a question-answering model; write texts with it through the generate" in wrong.stderr
     )
 
 

@@ -54,10 +54,11 @@ def test_help_and_refusals_import_no_task_or_trainer():
     train = {
         "--bogus 1": "unrecognized arguments: --bogus 1",
         "--task translation": "'translation' is not one of classification, multi_label, regression, "
-        "token_classification, question_answering, causal_lm, sft, dpo, reward, text_to_image",
+        "token_classification, question_answering, seq2seq, causal_lm, sft, dpo, reward, text_to_image",
         "--training_type turbo": "'turbo' is not one of basic, accelerated, pipeline",
-        "--metric_for_best_model bleu": "'bleu' is not one of accuracy, macro_f1, loss, micro_f1, subset_accuracy, "
-        "rmse, mae, pearson, spearman, f1, precision, recall, exact_match, perplexity",
+        "--metric_for_best_model meteor": "'meteor' is not one of accuracy, macro_f1, loss, micro_f1, "
+        "subset_accuracy, rmse, mae, pearson, spearman, f1, precision, recall, exact_match, rougeL, rouge1, rouge2, "
+        "bleu, perplexity",
         "--optim sgd": "'sgd' is not one of adamw",
     }
     said = answers(["--help", "train --help", *train])

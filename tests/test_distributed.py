@@ -352,7 +352,7 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tiny_t5_dir, tmp_p
     assert two_texts["loss"] == pytest.approx(one_texts["loss"], rel=1e-5)
     texts, lengths = two_texts["test"]
     assert len(texts) == 7 and two_texts["test"] == one_texts["test"]  # in the split's order
-    assert len(set(texts)) > 1 and len(set(lengths)) > 1 and min(lengths) < 8  # generations stop apart
+    assert len(set(texts)) > 1 and len({n for n, _ in lengths}) > 1 and any(ended for _, ended in lengths)
 
 
 @pytest.mark.slow

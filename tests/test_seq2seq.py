@@ -73,6 +73,11 @@ def test_rouge_and_bleu_equal_the_reference_packages():
         assert ours == pytest.approx(sacrebleu.corpus_bleu(predictions[:size], [references[:size]]).score, abs=1e-9)
     assert bleu(["a b c"], ["a b c"]) == 0.0 == sacrebleu.corpus_bleu(["a b c"], [["a b c"]]).score  # no 4-grams
     assert bleu(["the cat sat on the mat"], ["the cat sat on the mat"]) == pytest.approx(100)
+    assert (
+        bleu(["a b c d", ""], ["e f g h", "x"])
+        == 0.0
+        == sacrebleu.corpus_bleu(["a b c d", ""], [["e f g h", "x"]]).score
+    )
     # letters outside ASCII are words here (rouge_score drops them: every Greek summary would score 0)
     assert rouge(["καλή μέρα φίλε"], ["καλή μέρα"]) == pytest.approx(
         {"rouge1": 80.0, "rouge2": 200 / 3, "rougeL": 80.0}
@@ -172,7 +177,7 @@ def test_a_run_learns_predicts_and_the_saved_model_generates(tiny_t5_dir, tmp_pa
     model, tokenizer = generate.load(str(out), torch.device("cpu"))
     again = generate.generate_texts(model, tokenizer, sources, max_new_tokens=12)
     assert [text.strip() for text in again] == [row["generated"] for row in written]  # greedy: the same texts
-    assert all(0 < row["tokens"] <= 12 for row in written)
+    assert all(0 < row["tokens"] <= 12 and row["ended"] for row in written)
 
     assert main(["generate", "--model_dir", str(out), "--prompt", sources[0], "--max_new_tokens", "12"]) == 0
     printed = capsys.readouterr().out
@@ -182,15 +187,23 @@ def test_a_run_learns_predicts_and_the_saved_model_generates(tiny_t5_dir, tmp_pa
     from cloudtrain.tasks import build_task
 
     cfg = resolve_options(None, {**options, "push_to_hub": True, "hub_model_id": "me/headlines"})
-    card = build_task(cfg).model_card(
-        out, cfg, {"train": json.loads((out / "train_results.json").read_text()), "eval": results}
-    )
+    run_results = {"train": json.loads((out / "train_results.json").read_text()), "eval": results}
+    card = build_task(cfg).model_card(out, cfg, run_results)
     assert card.data.pipeline_tag == "text2text-generation" and "sequence-to-sequence generation" in card.text
     assert "## Labels" not in card.text and "- ROUGE-L: " in card.text and "- BLEU: " in card.text
     snippet = card.text.split("```python\n")[1].split("```")[0].replace('"me/headlines"', repr(str(out)))
     snippet = snippet.replace("Replace me by any text you'd like.", sources[0])
     exec(snippet, {})  # the card's usage, as a reader runs it
     assert capsys.readouterr().out.strip() == again[0].strip()
+    prefixed = resolve_options(  # a prefix with a quote, a backslash and a line break: still one Python string
+        None, {**options, "push_to_hub": True, "hub_model_id": "me/h", "source_prefix": 'say "a"\\\n'}
+    )
+    card = build_task(prefixed).model_card(out, prefixed, run_results)
+    line = next(line for line in card.text.splitlines() if line.startswith("inputs = tokenizer("))
+    assert (
+        eval(line.split("tokenizer(", 1)[1].rsplit(", return_tensors", 1)[0])
+        == 'say "a"\\\nReplace me by any text you\'d like.'
+    )
 
 
 def test_an_adapter_writes_as_its_merged_model(tiny_t5_dir, tmp_path, capsys):
@@ -241,8 +254,8 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
     cases = {
         "a decoder": (
             {**base, "model_name_or_path": tiny_llama_dir},
-            "is not an encoder-decoder model (LlamaForCausalLM); --task seq2seq trains models such as T5, BART or "
-            "Marian; for a decoder use --task sft with --prompt_column and --completion_column",
+            "is not an encoder-decoder model (LlamaForCausalLM); --task seq2seq trains models such as T5 or BART; "
+            "for a decoder use --task sft with --prompt_column and --completion_column",
         ),
         "training rows without a target": (
             {**base, "train_file": write_jsonl(tmp_path / "untargeted.jsonl", untargeted)},
@@ -274,3 +287,133 @@ def test_the_planner_says_it_does_not_plan_an_encoder_decoder(tiny_t5_dir):
 
     with pytest.raises(UserError, match="is an encoder-decoder; the planner estimates one stack of layers"):
         model_facts(tiny_t5_dir, task="seq2seq")
+
+
+@pytest.fixture(scope="module")
+def tiny_bart_dir(tiny_t5_dir, tmp_path_factory) -> str:
+    """A 2+2-layer BART (learned positions: 32; the decoder starts from EOS, not pad) whose tokenizer puts BOS and
+    EOS around every text itself, and whose saved generation config asks for beam search and a minimum length, as
+    bart-large-cnn's does."""
+    from tokenizers import processors
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)
+    tokenizer.add_special_tokens({"bos_token": "<s>"})
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A </s>", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
+    config = BartConfig(
+        vocab_size=len(tokenizer),
+        d_model=32,
+        encoder_layers=2,
+        decoder_layers=2,
+        encoder_attention_heads=4,
+        decoder_attention_heads=4,
+        encoder_ffn_dim=64,
+        decoder_ffn_dim=64,
+        max_position_embeddings=32,
+        dropout=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        decoder_start_token_id=eos,
+        forced_eos_token_id=eos,
+    )
+    torch.manual_seed(0)
+    model = BartForConditionalGeneration(config)
+    model.generation_config.update(num_beams=4, min_length=6, no_repeat_ngram_size=3)
+    out = tmp_path_factory.mktemp("tiny-bart")
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return str(out)
+
+
+def test_bart_trains_and_writes_in_one_pass_whatever_its_saved_beams(tiny_bart_dir, tmp_path, capsys):
+    """BOS and EOS from the tokenizer (none added twice), the decoder started from EOS, and both evaluation and
+    `generate` decoding greedily although the checkpoint saved beam search (with a streamer, beams would fail)."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_bart_dir)
+    raw = DatasetDict({"train": Dataset.from_list(headline_rows(10, 0))})
+    cfg = DataConfig(text_column="document", label_column="summary", max_target_length=4, cache_dir=str(tmp_path))
+    labels = process_source_target(raw, tokenizer, cfg, seed=0).train[0]["labels"]
+    assert len(labels) == 4 and labels[0] == tokenizer.bos_token_id and labels[-1] == tokenizer.eos_token_id
+    assert labels.count(tokenizer.eos_token_id) == 1
+
+    out = tmp_path / "out"
+    options = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_bart_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", headline_rows(40, 0)),
+        "output_dir": str(out),
+        "max_length": 16,
+        "max_target_length": 8,
+        "max_steps": 3,
+        "mixed_precision": "no",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["generated_tokens"] <= 8  # one greedy pass (min_length 6 with no EOS before it would not hold)
+    capsys.readouterr()
+    model, tokenizer = generate.load(str(out), torch.device("cpu"))
+    expected = generate.generate_texts(model, tokenizer, ["red cat runs"], max_new_tokens=5)[0]
+    assert main(["generate", "--model_dir", str(out), "--prompt", "red cat runs", "--max_new_tokens", "5"]) == 0
+    assert capsys.readouterr().out.startswith(f"red cat runs\n{expected}")
+    for extra, message in (
+        (
+            ["--prompt", "red " * 40, "--max_new_tokens", "5"],
+            "tokens, more than the model's encoder reads (32 positions); shorten it",
+        ),
+        (["--prompt", "red", "--max_new_tokens", "32"], "--max_new_tokens 32 does not fit the model's decoder"),
+    ):
+        assert main(["generate", "--model_dir", str(out), *extra]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_bart_refusals_and_an_encoder_decoder_classifier_is_not_for_generate(tiny_bart_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    base = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_bart_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", headline_rows(20, 0)),
+        "output_dir": str(out),
+        "max_length": 16,
+        "report_to": "none",
+    }
+    cases = {
+        "no room for text": (
+            {**base, "max_target_length": "2"},
+            "--max_target_length 2 leaves no room for a target's text beside its 2 special token(s); pass "
+            "--max_target_length 3 or more",
+        ),
+        "past the decoder": (
+            {**base, "max_target_length": "40"},
+            "--max_target_length 40 is longer than the model's context (32 positions); pass --max_target_length 32",
+        ),
+        "a second text": (
+            {**base, "text_pair_column": "summary"},
+            "--task seq2seq reads one source column (--text_column); drop --text_pair_column",
+        ),
+    }
+    assert_each_refused(cases, capsys, out)
+
+    from transformers import BartForSequenceClassification
+
+    classifier = tmp_path / "classifier"
+    BartForSequenceClassification.from_pretrained(tiny_bart_dir).save_pretrained(classifier)
+    AutoTokenizer.from_pretrained(tiny_bart_dir).save_pretrained(classifier)
+    assert main(["generate", "--model_dir", str(classifier), "--prompt", "hi"]) == 2
+    assert "is a sequence-classification model; use the predict command" in capsys.readouterr().err
+
+
+def test_the_batch_size_probe_pairs_the_longest_source_with_the_longest_target(tiny_t5_dir, tmp_path):
+    from cloudtrain.tasks.seq2seq import Seq2SeqTask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)
+    rows = [{"document": "red " * 20, "summary": "cat"}, {"document": "dog", "summary": "bird " * 9}]
+    raw = DatasetDict({"train": Dataset.from_list(rows), "validation": Dataset.from_list(rows)})
+    cfg = DataConfig(text_column="document", label_column="summary", cache_dir=str(tmp_path))
+    train = process_source_target(raw, tokenizer, cfg, seed=0).train
+    row = Seq2SeqTask().probe_row(train)
+    assert len(row["input_ids"]) == max(len(r["input_ids"]) for r in train)
+    assert len(row["labels"]) == max(len(r["labels"]) for r in train) > len(train[0]["labels"])

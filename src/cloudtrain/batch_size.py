@@ -158,13 +158,10 @@ def search(
 def worst_case_probe(
     model: torch.nn.Module, data, task, precision: str, device: torch.device
 ) -> tuple[Callable[[int], None], int]:
-    """(probe, the longest row's tokens): probe(b) runs forward and backward of b copies of the longest
-    training row on `device`, then frees the gradients."""
-    import pyarrow.compute as pc
-
-    lengths = pc.list_value_length(data.train.with_format("arrow")["input_ids"])  # no Python list of rows
-    longest = pc.max(lengths).as_py()
-    row = data.train[pc.index(lengths, longest).as_py()]
+    """(probe, the longest row's tokens): probe(b) runs forward and backward of b copies of the task's costliest
+    training row (`Task.probe_row`) on `device`, then frees the gradients."""
+    row = task.probe_row(data.train)
+    longest = len(row["input_ids"])
 
     def probe(size: int) -> None:
         try:

@@ -46,11 +46,22 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_config, load_failure, read_tokenizer
+from cloudtrain.models.load import (
+    check_checkpoint,
+    is_causal_lm,
+    is_seq2seq_lm,
+    load_config,
+    load_failure,
+    read_tokenizer,
+)
+from cloudtrain.models.positions import positions
 from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
 from cloudtrain.registry import TASKS
 
 SEPARATOR = "-" * 60
+# One greedy or sampled pass whatever the checkpoint saved: summarization checkpoints save beam search and length
+# rules in their generation_config (bart-large-cnn: 4 beams, at least 56 tokens, no repeated trigram)
+ONE_PASS = {"num_beams": 1, "min_length": 0, "no_repeat_ngram_size": 0}
 
 
 # ---------------------------------------------------------------- checks (before anything is loaded)
@@ -73,7 +84,7 @@ def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
             f"--model_dir {model_dir} holds no config.json; pass a directory written by the training application"
         )
     config = load_config(path, trust_remote_code)
-    if is_causal_lm(config) or config.is_encoder_decoder:
+    if is_causal_lm(config) or is_seq2seq_lm(config):
         check_checkpoint(path, "--model_dir")
         return
     architectures = list(getattr(config, "architectures", None) or [])
@@ -189,8 +200,10 @@ def generate_texts(
     Generation stops at any of the model's generation_config.eos_token_id (a chat model's end of turn).
     """
     options = dict(
+        **ONE_PASS,
         max_new_tokens=max_new_tokens,
         do_sample=do_sample,
+        repetition_penalty=repetition_penalty,
         pad_token_id=_pad_token_id(model, tokenizer),
         use_cache=True,
         synced_gpus=synced_gpus,
@@ -198,8 +211,6 @@ def generate_texts(
     )
     if do_sample:  # set only when used: generate warns about sampling options under greedy decoding
         options.update(temperature=temperature, top_k=top_k, top_p=top_p)
-    if repetition_penalty != 1.0:
-        options["repetition_penalty"] = repetition_penalty
     device = next(model.parameters()).device
     texts = []
     batched = batch_size > 1 and streamer is None and all(prompts) and tokenizer.pad_token_id is not None
@@ -235,7 +246,9 @@ def _context(model) -> int | None:
 def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add_special_tokens: bool = True) -> None:
     """Each prompt plus max_new_tokens fits the model's context length (when its config states one)."""
     limit = _context(model)
-    if not limit or model.config.is_encoder_decoder:  # the encoder reads the prompt: its length is the tokenizer's cut
+    if model.config.is_encoder_decoder:
+        return _check_encoder_decoder(model, tokenizer, prompts, max_new_tokens)
+    if not limit:
         return
     for number, prompt in enumerate(prompts, 1):
         length = _prompt_ids(tokenizer, prompt, add_special_tokens)[0].shape[1]
@@ -243,6 +256,24 @@ def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add
             raise UserError(
                 f"prompt {number} is {length} tokens; with --max_new_tokens {max_new_tokens} that "
                 f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens"
+            )
+
+
+def _check_encoder_decoder(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
+    """Each prompt fits the encoder's positions, and --max_new_tokens the decoder's (where they are learned)."""
+    encoder = positions(model.config.get_text_config(encoder=True))
+    decoder = positions(model.config.get_text_config(decoder=True))
+    if decoder and max_new_tokens >= decoder:  # the start token takes a position
+        raise UserError(
+            f"--max_new_tokens {max_new_tokens} does not fit the model's decoder ({decoder} positions, one for its "
+            f"start); pass --max_new_tokens {decoder - 1} or less"
+        )
+    for number, prompt in enumerate(prompts, 1):
+        length = _prompt_ids(tokenizer, prompt)[0].shape[1]
+        if encoder and length > encoder:
+            raise UserError(
+                f"prompt {number} is {length} tokens, more than the model's encoder reads ({encoder} positions); "
+                "shorten it"
             )
 
 

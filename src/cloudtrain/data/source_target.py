@@ -116,16 +116,13 @@ def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: Da
         out = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if targets:
             texts = [_text(t) for t in batch[cfg.label_column]]
-            if room > 0:
-                labels = tokenizer(text_target=texts, truncation=True, max_length=room)["input_ids"]
-            else:  # --max_target_length 1 with a tokenizer that adds no EOS: EOS alone
-                labels = [[] for _ in texts]
+            labels = tokenizer(text_target=texts, truncation=True, max_length=room)["input_ids"]
             out["labels"] = labels if own_eos else [ids + [tokenizer.eos_token_id] for ids in labels]
         return out
 
     columns = ["input_ids", "attention_mask"] + (["labels"] if targets else [])
     features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in columns})
-    options = [cfg.max_target_length, cfg.source_prefix, targets, "seq2seq-v1"]
+    options = [cfg.max_target_length, cfg.source_prefix, targets, tokenizer.eos_token_id, "seq2seq-v1"]
     key = split_cache_key(ds, tokenizer, cfg, [cfg.text_column], options)
     return cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}")
 

@@ -93,7 +93,7 @@ def bleu(predictions: Sequence[str], references: Sequence[str], order: int = 4) 
             p = _ngrams(pred, n)
             matches[n - 1] += sum((p & _ngrams(ref, n)).values())
             totals[n - 1] += max(len(pred) - n + 1, 0)
-    if not predicted_length:
+    if not any(matches):  # no word in common anywhere (an untrained model): 0, not a smoothed guess
         return 0.0
     log_precision, halvings = 0.0, 1.0
     for matched, total in zip(matches, totals, strict=True):

@@ -29,7 +29,10 @@ from transformers.dynamic_module_utils import get_class_from_dynamic_module
 from transformers.integrations import is_deepspeed_zero3_enabled
 from transformers.modeling_utils import load_state_dict
 from transformers.models.auto.auto_factory import _get_model_class
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
+)
 
 from cloudtrain.config import Config, ModelConfig
 from cloudtrain.data.processing import ProcessedData
@@ -193,6 +196,16 @@ def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
         }
         return any(name.endswith(("ForCausalLM", "LMHeadModel")) or name in causal for name in config.architectures)
     return config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.is_encoder_decoder
+
+
+def is_seq2seq_lm(config: transformers.PretrainedConfig) -> bool:
+    """An encoder-decoder with a language-modelling head (T5's, BART's ...ForConditionalGeneration); not one with a
+    classification head, nor an encoder alone."""
+    if config.architectures:
+        return config.is_encoder_decoder and any(
+            name.endswith("ForConditionalGeneration") for name in config.architectures
+        )
+    return config.model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
 
 
 def head_labels(cfg: ModelConfig, head: str = "ForSequenceClassification") -> list[str] | None:

@@ -118,7 +118,7 @@ model = {{ peft_class if adapter else model_class }}.from_pretrained("{{ repo_id
 {% if kind not in unlabelled %}, num_labels={{ labels | length }}, id2label=id2label{% endif %})
 {% if kind == "question_answering" %}inputs = tokenizer("{{ example_question }}", "{{ example_text }}", \
 return_tensors="pt")
-{%- elif kind == "seq2seq" %}inputs = tokenizer("{{ source_prefix }}{{ example_text }}", return_tensors="pt")
+{%- elif kind == "seq2seq" %}inputs = tokenizer({{ source_text }}, return_tensors="pt")
 {%- else %}inputs = tokenizer("{{ example_text }}", return_tensors="pt"){% endif %}
 {% if kind == "question_answering" %}out = model(**inputs)
 outside = torch.tensor([part != 1 for part in inputs.sequence_ids()])  # the question and special tokens
@@ -200,6 +200,11 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
     dataset_id, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
     names = label_names(output_dir)
+    example_text = (
+        "Oil prices rose after OPEC agreed to cut output."
+        if dataset_id == REUTERS_HUB_ID
+        else "Replace me by any text you'd like."
+    )
     return ModelCard.from_template(
         data,
         template_str=TEMPLATE,
@@ -212,7 +217,8 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         kind=kind,
         unlabelled=UNLABELLED,
         model_class=MODEL_CLASSES.get(kind),
-        source_prefix=cfg.data.source_prefix.replace("\\", "\\\\").replace('"', '\\"'),
+        # the training's prefix and the example as one Python string (json's escapes are Python's)
+        source_text=json.dumps(cfg.data.source_prefix + example_text, ensure_ascii=False),
         max_new_tokens=cfg.data.max_target_length,
         example_question="What did OPEC agree to?" if dataset_id == REUTERS_HUB_ID else "What is this about?",
         pipeline_tag=pipeline_tag,
@@ -221,9 +227,7 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         labels=[name.replace("|", "\\|") for name in names],
         id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",
         headline=evaluations[0] if evaluations else None,
-        example_text="Oil prices rose after OPEC agreed to cut output."
-        if dataset_id == REUTERS_HUB_ID
-        else "Replace me by any text you'd like.",
+        example_text=example_text,
         hyperparameters=hyperparameters(cfg),
         train=results["train"],
         evaluations=evaluations,

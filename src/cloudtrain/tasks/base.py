@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from datasets import DatasetDict
+from datasets import Dataset, DatasetDict
 from huggingface_hub import ModelCard
 from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.models.auto.auto_factory import _BaseAutoModelClass
@@ -191,6 +191,13 @@ class Task:
         from cloudtrain.models.load import load_model
 
         return load_model(cfg, self, data, tokenizer, announce)
+
+    def probe_row(self, train: Dataset) -> dict:
+        """The training row that takes the most memory, which --per_device_train_batch_size auto repeats to find
+        the largest batch that fits (cloudtrain.batch_size): the one with the most tokens."""
+        from cloudtrain.data.processing import longest_row
+
+        return longest_row(train, "input_ids")
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """Modules that train in full next to adapters (--peft): what the task added or changed in the model."""

@@ -1,4 +1,4 @@
-"""Sequence to sequence (`--task seq2seq`): a source text -> a target text, with an encoder-decoder (T5, BART, Marian).
+"""Sequence to sequence (`--task seq2seq`): a source text -> a target text, with an encoder-decoder (T5, BART).
 
 Supports: summarization and translation data as two text columns (XSum's, CNN/DailyMail's or `source`/`target` are
 read without options; else --text_column and --label_column), T5's task prefixes (--source_prefix), targets cut at
@@ -21,18 +21,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from datasets import DatasetDict
+from datasets import Dataset, DatasetDict
 from huggingface_hub import ModelCard
 from transformers import AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
-from cloudtrain.data.processing import ProcessedData, with_named_columns
-from cloudtrain.data.source_target import IGNORED, family_columns, process_source_target, shift_right
+from cloudtrain.data.processing import ProcessedData, longest_row, with_named_columns
+from cloudtrain.data.source_target import IGNORED, adds_eos, family_columns, process_source_target, shift_right
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
+from cloudtrain.generate import ONE_PASS
 from cloudtrain.metrics.text_overlap import bleu, rouge
-from cloudtrain.models.load import check_positions, context_length, read_config
+from cloudtrain.models.load import context_length, load_tokenizer, read_config
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
@@ -63,42 +64,33 @@ class Seq2SeqTask(ClassificationTask):
 
     def check_options(self, cfg: Config) -> None:
         """The classifier's checks (a pretrained checkpoint, the tokenizer within its vocabulary, --max_length within
-        its positions), then: an encoder-decoder whose decoder knows its start token, --max_target_length within its
-        positions."""
+        its positions), then: one source column, an encoder-decoder whose decoder knows its start token,
+        --max_target_length within its positions and past the tokenizer's special tokens, no FSDP."""
+        if cfg.data.text_pair_column:
+            raise UserError(
+                "--task seq2seq reads one source column (--text_column); drop --text_pair_column, or join the two "
+                "texts into one column"
+            )
         super().check_options(cfg)
         config = read_config(cfg.model)
-        if not config.is_encoder_decoder:
-            kind = ", ".join(config.architectures or [config.model_type])
-            raise UserError(
-                f"{cfg.model.model_name_or_path} is not an encoder-decoder model ({kind}); --task seq2seq trains "
-                "models such as T5, BART or Marian; for a decoder use --task sft with --prompt_column and "
-                "--completion_column"
-            )
-        if config.decoder_start_token_id is None:
-            raise UserError(
-                f"the config of {cfg.model.model_name_or_path} has no decoder_start_token_id, so the decoder "
-                "could not start; set it in its config.json"
-            )
-        decoder_positions = context_length(config)
-        if decoder_positions and cfg.data.max_target_length > decoder_positions:
-            raise UserError(
-                f"--max_target_length {cfg.data.max_target_length} is longer than the model's context "
-                f"({decoder_positions} positions); pass --max_target_length {decoder_positions} or less"
-            )
-        check_positions(config, cfg.data.max_length)
+        _check_model(config, cfg.model.model_name_or_path)
+        _check_target_length(config, load_tokenizer(cfg.model), cfg.data.max_target_length)
         refusal = self.sharding_refusal(cfg, sharding(cfg))
         if refusal:
             raise UserError(refusal)
 
     def sharding_refusal(self, cfg: Config, shards: Sharding) -> str | None:
         """FSDP2 as accelerate applies it groups the input embedding with the head, but not the encoder's and the
-        decoder's copies of that shared embedding (T5, BART and Marian share one), and fails on them."""
+        decoder's copies of that shared embedding (T5 and BART share one), and fails on them."""
         if shards.fsdp:
             return (
                 "--task seq2seq under --fsdp: the encoder and the decoder share one embedding, which FSDP2 cannot "
                 "shard as accelerate groups it; use --zero_stage 3 (or 1 or 2)"
             )
         return None
+
+    def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
+        return {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}
 
     def data_options(self, cfg: Config, raw: DatasetDict) -> DataConfig:
         columns = raw["train"].column_names
@@ -120,6 +112,11 @@ class Seq2SeqTask(ClassificationTask):
 
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         return []  # nothing new: adapters train alone
+
+    def probe_row(self, train: Dataset) -> dict:
+        """The longest source with the longest target: the two stacks' worst cases, which one row may not hold."""
+        target = longest_row(train, "labels")
+        return {**longest_row(train, "input_ids"), "labels": target["labels"]}
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"] != IGNORED).sum()
@@ -148,18 +145,23 @@ class Seq2SeqTask(ClassificationTask):
         out = bare.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
+            **ONE_PASS,  # greedy, whatever beam search or length rules the checkpoint saved
             max_new_tokens=width,
             do_sample=False,
-            num_beams=1,
+            repetition_penalty=1.0,
             pad_token_id=self.decoder_ids[1],
             use_cache=True,
             synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1,
         )
         return pad_to_width(out, width + 1, self.decoder_ids[1])
 
-    def written(self, generated: torch.Tensor) -> torch.Tensor:
-        """Per row, the tokens generated: after the start token, padding left out."""
-        return (generated[:, 1:] != self.decoder_ids[1]).sum(1)
+    def written(self, generated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per row, the text's tokens generated (after the start token; EOS and padding left out), and whether it
+        ended with EOS (else --max_target_length cut it)."""
+        assert self.tokenizer is not None  # process() kept it
+        new = generated[:, 1:]
+        ended = new == self.tokenizer.eos_token_id
+        return ((new != self.decoder_ids[1]) & ~ended).sum(1), ended.any(1)
 
     def decode(self, ids: torch.Tensor) -> list[str]:
         assert self.tokenizer is not None  # process() kept it
@@ -195,7 +197,7 @@ class Seq2SeqTask(ClassificationTask):
                     inputs = pad_to_width(batch["input_ids"], self.cfg.data.max_length, IGNORED)
                     sources += self.decode(gather(inputs).cpu())
                 loss_sum, tokens = loss_sum + losses.sum().item(), tokens + int(counts.sum().item())
-                written += int(self.written(generated).sum().item())
+                written += int(self.written(generated)[0].sum().item())
                 predictions += self.decode(generated.cpu())
                 references += self.decode(labels.cpu())
         runtime = time.perf_counter() - start
@@ -217,23 +219,23 @@ class Seq2SeqTask(ClassificationTask):
     def predict(
         self, model: torch.nn.Module, batches: Iterable[dict], gather: Callable, move: Callable, autocast: Callable
     ) -> tuple[list, list]:
-        """The generated target of each source of an unlabelled split, in the split's order, and its length in
-        tokens (--max_target_length: maybe cut short)."""
+        """The generated target of each source of an unlabelled split, in the split's order, with its length in
+        tokens and whether it ended (EOS) before --max_target_length."""
         texts: list[str] = []
-        lengths: list[int] = []
+        lengths: list[tuple[int, bool]] = []
         with eval_mode(model):
             for batch in batches:
                 batch = move(batch)
                 with autocast():
                     ids = gather(self.generate(model, batch)).cpu()
                 texts += self.decode(ids)
-                lengths += self.written(ids).tolist()
+                lengths += list(zip(*(part.tolist() for part in self.written(ids)), strict=True))
         return texts, lengths
 
     def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted: tuple) -> None:
         rows = [
-            {"source": source, "generated": text, "tokens": length}
-            for source, text, length in zip(data.unlabelled_texts[split], *predicted, strict=True)
+            {"source": source, "generated": text, "tokens": tokens, "ended": ended}
+            for source, text, (tokens, ended) in zip(data.unlabelled_texts[split], *predicted, strict=True)
         ]
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
@@ -262,3 +264,34 @@ class Seq2SeqTask(ClassificationTask):
 
     def inference_hint(self, output_dir: str) -> str:
         return f'{invocation.command()} generate --model_dir {shlex.quote(output_dir)} --prompt "..."'
+
+
+def _check_model(config: PretrainedConfig, name: str | None) -> None:
+    if not config.is_encoder_decoder:
+        kind = ", ".join(config.architectures or [config.model_type])
+        raise UserError(
+            f"{name} is not an encoder-decoder model ({kind}); --task seq2seq trains models such as T5 or BART; for "
+            "a decoder use --task sft with --prompt_column and --completion_column"
+        )
+    if config.decoder_start_token_id is None:
+        raise UserError(
+            f"the config of {name} has no decoder_start_token_id, so the decoder could not start; set it in its "
+            "config.json"
+        )
+
+
+def _check_target_length(config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, length: int) -> None:
+    """--max_target_length within the decoder's positions, with room for text beside the special tokens (the
+    tokenizer's own, and EOS where the task adds it): a shorter cut is one the tokenizer cannot make."""
+    decoder = context_length(config)
+    if decoder and length > decoder:
+        raise UserError(
+            f"--max_target_length {length} is longer than the model's context ({decoder} positions); pass "
+            f"--max_target_length {decoder} or less"
+        )
+    specials = tokenizer.num_special_tokens_to_add() + (0 if adds_eos(tokenizer) else 1)
+    if length <= specials:
+        raise UserError(
+            f"--max_target_length {length} leaves no room for a target's text beside its {specials} special "
+            f"token(s); pass --max_target_length {specials + 1} or more"
+        )
