@@ -5,6 +5,7 @@ refusal in one line (two processes: test_distributed.py)."""
 
 import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -417,3 +418,47 @@ def test_the_batch_size_probe_pairs_the_longest_source_with_the_longest_target(t
     row = Seq2SeqTask().probe_row(train)
     assert len(row["input_ids"]) == max(len(r["input_ids"]) for r in train)
     assert len(row["labels"]) == max(len(r["labels"]) for r in train) > len(train[0]["labels"])
+
+
+def test_wmt_translation_records_are_read_by_language(tiny_t5_dir, tmp_path, capsys):
+    """A `translation` column of {language: text} records: JSON objects in a file, or a saved dataset's Translation
+    feature; --source_lang and --target_lang pick two keys, and each mistake is one line naming the keys."""
+    rows = [{"translation": {"en": row["document"], "de": row["summary"], "fr": "x"}} for row in headline_rows(30, 0)]
+    out = tmp_path / "out"
+    base = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_t5_dir,
+        "train_file": write_jsonl(tmp_path / "wmt.jsonl", rows),
+        "output_dir": str(out),
+        "max_steps": 1,
+        "max_target_length": 8,
+        "report_to": "none",
+    }
+    cases = {
+        "no languages": (base, "--source_lang: the 'translation' column holds de, en, fr; pass --source_lang"),
+        "an unknown one": (
+            {**base, "source_lang": "en", "target_lang": "es"},
+            "--target_lang es: the 'translation' column holds de, en, fr; pass --target_lang <one of them>",
+        ),
+        "no such column": (
+            {**base, "train_file": write_jsonl(tmp_path / "plain.jsonl", headline_rows(30, 0)), "source_lang": "en"},
+            "--source_lang and --target_lang read a 'translation' column of {language: text} records, which the "
+            "training data has not (its columns: document, summary)",
+        ),
+    }
+    assert_each_refused(cases, capsys, out)
+
+    from datasets import Features, Translation
+
+    features = Features({"translation": Translation(languages=["de", "en"])})
+    pairs = [{"translation": {"en": r["translation"]["en"], "de": r["translation"]["de"]}} for r in rows]
+    saved = tmp_path / "wmt-saved"
+    DatasetDict({"train": Dataset.from_list(pairs, features=features)}).save_to_disk(str(saved))
+    for source in ({"train_file": base["train_file"]}, {"train_file": None, "dataset_name": str(saved)}):
+        options = {**base, **source, "source_lang": "en", "target_lang": "de"}
+        assert main([f"--{k}={v}" for k, v in options.items() if v is not None]) == 0
+        said = capsys.readouterr().out
+        assert "data: 27 train / 3 validation (source, target) pairs" in said
+        recorded = json.loads((out / "args.json").read_text())
+        assert (recorded["source_lang"], recorded["target_lang"]) == ("en", "de")
+        shutil.rmtree(out)

@@ -42,6 +42,12 @@ class DataConfig:
         "--task seq2seq: truncate targets to this many tokens (--max_length truncates the sources); evaluation and "
         "predictions generate up to this many.",
     )
+    source_lang: str | None = opt(
+        None,
+        "--task seq2seq: with a 'translation' column of {language: text} records (WMT's), the language to translate "
+        "from (its key: en).",
+    )
+    target_lang: str | None = opt(None, "--task seq2seq: with a 'translation' column, the language to translate to.")
     source_prefix: str = opt(
         "",
         '--task seq2seq: text put before every source, as T5 expects ("summarize: ", "translate English to German: ").',

@@ -2,7 +2,8 @@
 
 - Columns: --text_column (the source) and --label_column (the target). A dataset family's names are read without
   options where the defaults are absent: XSum's `document`/`summary`, CNN/DailyMail's `article`/`highlights`, or
-  `source`/`target`.
+  `source`/`target`. WMT's `translation` column of {language: text} records is read into one column per language
+  (named by its key), --source_lang and --target_lang saying which.
 - Sources get --source_prefix in front (T5's "summarize: ") and are cut at --max_length tokens; targets are cut at
   --max_target_length and end with the tokenizer's EOS (added where the tokenizer adds none), so the model learns
   where to stop.
@@ -31,6 +32,7 @@ from cloudtrain.errors import UserError
 IGNORED = -100  # a padded target position: cross-entropy skips it
 # (--text_column, --label_column) of the dataset families read without options, in the order they are tried
 FAMILIES = (("document", "summary"), ("article", "highlights"), ("source", "target"))
+TRANSLATION = "translation"  # WMT's column: one {language: text} record per row
 
 
 def family_columns(columns: list[str]) -> dict[str, str]:
@@ -39,6 +41,53 @@ def family_columns(columns: list[str]) -> dict[str, str]:
         if source in columns and target in columns:
             return {"text_column": source, "label_column": target}
     return {}
+
+
+def with_translations(raw: DatasetDict, source: str | None, target: str | None) -> DatasetDict:
+    """The splits with their `translation` records read into one text column per language (named by its key); as
+    they are where the training data has no such column."""
+    columns = raw["train"].column_names
+    if TRANSLATION not in columns:
+        if source or target:
+            raise UserError(
+                f"--source_lang and --target_lang read a {TRANSLATION!r} column of {{language: text}} records, which "
+                f"the training data has not (its columns: {', '.join(columns)}); name the source and target columns "
+                "with --text_column and --label_column instead"
+            )
+        return raw
+    languages = _languages(raw["train"])
+    for flag, language in (("--source_lang", source), ("--target_lang", target)):
+        if language not in languages:
+            given = f" {language}" if language else ""
+            raise UserError(
+                f"{flag}{given}: the {TRANSLATION!r} column holds {', '.join(languages)}; pass {flag} <one of them>"
+            )
+
+    def split_languages(batch: dict) -> dict:
+        return {lang: [(record or {}).get(lang) for record in batch[TRANSLATION]] for lang in (source, target)}
+
+    return DatasetDict(
+        {
+            split: ds.map(split_languages, batched=True, remove_columns=[TRANSLATION], desc=f"Reading {split} pairs")
+            if TRANSLATION in ds.column_names
+            else ds
+            for split, ds in raw.items()
+        }
+    )
+
+
+def _languages(train: Dataset) -> list[str]:
+    """The language keys of the `translation` column: a datasets Translation feature's, else the first record's."""
+    feature = train.features[TRANSLATION]
+    if isinstance(feature, datasets.Translation):
+        return list(feature.languages)
+    first = train[0][TRANSLATION]
+    if not isinstance(first, dict):
+        raise UserError(
+            f"the {TRANSLATION!r} column holds {type(first).__name__} values, not {{language: text}} records; give "
+            "one, or name the source and target columns with --text_column and --label_column"
+        )
+    return sorted(first)
 
 
 def target_scheme(column: str) -> LabelScheme:

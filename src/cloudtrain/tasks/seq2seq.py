@@ -1,20 +1,21 @@
 """Sequence to sequence (`--task seq2seq`): a source text -> a target text, with an encoder-decoder (T5, BART).
 
-Supports: summarization and translation data as two text columns (XSum's, CNN/DailyMail's or `source`/`target` are
-read without options; else --text_column and --label_column), T5's task prefixes (--source_prefix), targets cut at
---max_target_length; the loss over target tokens, and at each evaluation greedy generations scored by ROUGE-1/2/L
-and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled evaluation splits (generations in
-`<split>_predictions.jsonl`); `cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both
-trainers, DDP and DeepSpeed ZeRO 1-3 (every process generates in step), and the Hub push.
+Supports: summarization and translation data as two text columns (XSum's, CNN/DailyMail's or `source`/`target`
+are read without options; else --text_column and --label_column) or WMT's `translation` records (--source_lang,
+--target_lang), T5's task prefixes (--source_prefix), targets cut at --max_target_length; the loss over target
+tokens, and at each evaluation greedy generations scored by ROUGE-1/2/L and BLEU (cloudtrain.metrics.text_overlap),
+a table of the first few; unlabelled evaluation splits (generations in `<split>_predictions.jsonl`);
+`cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both trainers, DDP and DeepSpeed
+ZeRO 1-3 (every process generates in step), and the Hub push.
 Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), beam search or
-sampling in evaluation, `translation` columns of {language: text} records (give two text columns), pretraining from
---model_config, FSDP (the encoder's and decoder's shared embedding), --training_type pipeline, tensor or context
-parallelism, packing, planning its memory (`cloudtrain plan`).
+sampling in evaluation, pretraining from --model_config, FSDP (the encoder's and decoder's shared embedding),
+--training_type pipeline, tensor or context parallelism, packing, planning its memory (`cloudtrain plan`).
 """
 
 import shlex
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,14 @@ from transformers import AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedMode
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.processing import ProcessedData, longest_row, with_named_columns
-from cloudtrain.data.source_target import IGNORED, adds_eos, family_columns, process_source_target, shift_right
+from cloudtrain.data.source_target import (
+    IGNORED,
+    adds_eos,
+    family_columns,
+    process_source_target,
+    shift_right,
+    with_translations,
+)
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.generate import ONE_PASS
@@ -92,7 +100,19 @@ class Seq2SeqTask(ClassificationTask):
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         return {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}
 
+    def connect(self, cfg: Config) -> DatasetDict:
+        """The raw splits, a `translation` column read into one column per language, holding the source and
+        (in training) the target columns."""
+        from cloudtrain.data.sources import check_columns, connect_data
+
+        raw = with_translations(connect_data(cfg.data, {}), cfg.data.source_lang, cfg.data.target_lang)
+        check_columns(raw, self.columns(self.data_options(cfg, raw)))
+        return raw
+
     def data_options(self, cfg: Config, raw: DatasetDict) -> DataConfig:
+        """The source and target columns: the translation's languages, a dataset family's names or the options."""
+        if cfg.data.source_lang and cfg.data.target_lang:
+            return replace(cfg.data, text_column=cfg.data.source_lang, label_column=cfg.data.target_lang)
         columns = raw["train"].column_names
         return with_named_columns(cfg.data, columns, family_columns(columns))
 
