@@ -345,6 +345,7 @@ def test_bart_trains_and_writes_in_one_pass_whatever_its_saved_beams(tiny_bart_d
         "task": "seq2seq",
         "model_name_or_path": tiny_bart_dir,
         "train_file": write_jsonl(tmp_path / "train.jsonl", headline_rows(40, 0)),
+        "test_file": write_jsonl(tmp_path / "test.jsonl", [{"document": "red cat runs"}, {"document": "a dog"}]),
         "output_dir": str(out),
         "max_length": 16,
         "max_target_length": 8,
@@ -355,6 +356,18 @@ def test_bart_trains_and_writes_in_one_pass_whatever_its_saved_beams(tiny_bart_d
     assert main([f"--{k}={v}" for k, v in options.items()]) == 0
     results = json.loads((out / "eval_results.json").read_text())
     assert results["generated_tokens"] <= 8  # one greedy pass (min_length 6 with no EOS before it would not hold)
+    written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
+    assert [row["source"] for row in written] == ["red cat runs", "a dog"]
+
+    from cloudtrain.tasks.seq2seq import Seq2SeqTask
+
+    task, eos, pad = Seq2SeqTask(), tokenizer.eos_token_id, tokenizer.pad_token_id
+    task.tokenizer, task.decoder_ids = tokenizer, (eos, pad)
+    generated = torch.tensor([[eos, 7, 7, 7, eos], [eos, 7, eos, pad, pad]])  # cut with a forced EOS; ended
+    for forced, ended in ((True, [False, True]), (False, [True, True])):
+        task.forced_eos = forced
+        tokens, stopped = task.written(generated)
+        assert tokens.tolist() == [3, 1] and stopped.tolist() == ended
     capsys.readouterr()
     model, tokenizer = generate.load(str(out), torch.device("cpu"))
     expected = generate.generate_texts(model, tokenizer, ["red cat runs"], max_new_tokens=5)[0]
@@ -365,7 +378,7 @@ def test_bart_trains_and_writes_in_one_pass_whatever_its_saved_beams(tiny_bart_d
             ["--prompt", "red " * 40, "--max_new_tokens", "5"],
             "tokens, more than the model's encoder reads (32 positions); shorten it",
         ),
-        (["--prompt", "red", "--max_new_tokens", "32"], "--max_new_tokens 32 does not fit the model's decoder"),
+        (["--prompt", "red", "--max_new_tokens", "33"], "--max_new_tokens 33 does not fit the model's decoder"),
     ):
         assert main(["generate", "--model_dir", str(out), *extra]) == 2
         assert message in capsys.readouterr().err
@@ -435,7 +448,22 @@ def test_wmt_translation_records_are_read_by_language(tiny_t5_dir, tmp_path, cap
         "report_to": "none",
     }
     cases = {
-        "no languages": (base, "--source_lang: the 'translation' column holds de, en, fr; pass --source_lang"),
+        "no languages": (
+            base,
+            "the training data holds 'translation' records of de, en, fr: pass --source_lang and --target_lang",
+        ),
+        "one language": (
+            {**base, "source_lang": "en"},
+            "--target_lang: the 'translation' column holds de, en, fr; pass --target_lang <one of them>",
+        ),
+        "the same one": (
+            {**base, "source_lang": "en", "target_lang": "en"},
+            "--source_lang and --target_lang are both en: a translation needs two languages",
+        ),
+        "columns as well": (
+            {**base, "source_lang": "en", "target_lang": "de", "text_column": "src"},
+            "--source_lang and --target_lang name the source and the target: drop --text_column",
+        ),
         "an unknown one": (
             {**base, "source_lang": "en", "target_lang": "es"},
             "--target_lang es: the 'translation' column holds de, en, fr; pass --target_lang <one of them>",
@@ -462,3 +490,13 @@ def test_wmt_translation_records_are_read_by_language(tiny_t5_dir, tmp_path, cap
         recorded = json.loads((out / "args.json").read_text())
         assert (recorded["source_lang"], recorded["target_lang"]) == ("en", "de")
         shutil.rmtree(out)
+
+
+def test_generate_reads_an_encoder_decoder_saved_under_an_old_class_name(tiny_t5_dir, tmp_path, capsys):
+    """t5-small's own config.json names T5WithLMHeadModel: still a model with a language-modelling head."""
+    old = tmp_path / "t5-old"
+    shutil.copytree(tiny_t5_dir, old)
+    config = json.loads((old / "config.json").read_text())
+    (old / "config.json").write_text(json.dumps({**config, "architectures": ["T5WithLMHeadModel"]}))
+    assert main(["generate", "--model_dir", str(old), "--prompt", "red cat", "--max_new_tokens", "3"]) == 0
+    assert capsys.readouterr().out.startswith("red cat\n")

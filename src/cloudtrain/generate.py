@@ -59,9 +59,17 @@ from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir
 from cloudtrain.registry import TASKS
 
 SEPARATOR = "-" * 60
-# One greedy or sampled pass whatever the checkpoint saved: summarization checkpoints save beam search and length
-# rules in their generation_config (bart-large-cnn: 4 beams, at least 56 tokens, no repeated trigram)
-ONE_PASS = {"num_beams": 1, "min_length": 0, "no_repeat_ngram_size": 0}
+# One greedy (or sampled) pass whatever the checkpoint's generation_config saved: summarization checkpoints save
+# beam search and length rules (bart-large-cnn: 4 beams, at least 56 tokens, no repeated trigram), which the
+# streamer cannot take and evaluation does not score. Given to generate() as arguments: a GenerationConfig's unset
+# fields are filled from the saved one.
+ONE_PASS = {
+    "num_beams": 1,
+    "min_length": 0,
+    "min_new_tokens": None,
+    "no_repeat_ngram_size": 0,
+    "encoder_no_repeat_ngram_size": 0,
+}
 
 
 # ---------------------------------------------------------------- checks (before anything is loaded)
@@ -200,15 +208,16 @@ def generate_texts(
     Generation stops at any of the model's generation_config.eos_token_id (a chat model's end of turn).
     """
     options = dict(
-        **ONE_PASS,
         max_new_tokens=max_new_tokens,
         do_sample=do_sample,
-        repetition_penalty=repetition_penalty,
         pad_token_id=_pad_token_id(model, tokenizer),
         use_cache=True,
         synced_gpus=synced_gpus,
         streamer=streamer,
     )
+    options.update(ONE_PASS)
+    if repetition_penalty != 1.0:  # a checkpoint's own (Qwen's 1.05) applies otherwise
+        options["repetition_penalty"] = repetition_penalty
     if do_sample:  # set only when used: generate warns about sampling options under greedy decoding
         options.update(temperature=temperature, top_k=top_k, top_p=top_p)
     device = next(model.parameters()).device
@@ -263,10 +272,10 @@ def _check_encoder_decoder(model, tokenizer, prompts: list[str], max_new_tokens:
     """Each prompt fits the encoder's positions, and --max_new_tokens the decoder's (where they are learned)."""
     encoder = positions(model.config.get_text_config(encoder=True))
     decoder = positions(model.config.get_text_config(decoder=True))
-    if decoder and max_new_tokens >= decoder:  # the start token takes a position
+    if decoder and max_new_tokens > decoder:  # the last token written is never read back
         raise UserError(
-            f"--max_new_tokens {max_new_tokens} does not fit the model's decoder ({decoder} positions, one for its "
-            f"start); pass --max_new_tokens {decoder - 1} or less"
+            f"--max_new_tokens {max_new_tokens} does not fit the model's decoder ({decoder} positions); pass "
+            f"--max_new_tokens {decoder} or less"
         )
     for number, prompt in enumerate(prompts, 1):
         length = _prompt_ids(tokenizer, prompt)[0].shape[1]

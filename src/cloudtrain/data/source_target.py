@@ -43,25 +43,44 @@ def family_columns(columns: list[str]) -> dict[str, str]:
     return {}
 
 
-def with_translations(raw: DatasetDict, source: str | None, target: str | None) -> DatasetDict:
-    """The splits with their `translation` records read into one text column per language (named by its key); as
-    they are where the training data has no such column."""
-    columns = raw["train"].column_names
-    if TRANSLATION not in columns:
-        if source or target:
+def check_translations(train: Dataset, cfg: DataConfig) -> None:
+    """--source_lang and --target_lang against the training data's `translation` column, or that column named
+    where the run reads no other (each mistake one line, before anything is tokenized)."""
+    columns, source, target = train.column_names, cfg.source_lang, cfg.target_lang
+    if not (source or target):
+        if TRANSLATION in columns and cfg.text_column not in columns and not family_columns(columns):
             raise UserError(
-                f"--source_lang and --target_lang read a {TRANSLATION!r} column of {{language: text}} records, which "
-                f"the training data has not (its columns: {', '.join(columns)}); name the source and target columns "
-                "with --text_column and --label_column instead"
+                f"the training data holds {TRANSLATION!r} records of {', '.join(_languages(train))}: pass "
+                "--source_lang and --target_lang (or name text columns with --text_column and --label_column)"
             )
-        return raw
-    languages = _languages(raw["train"])
+        return
+    if TRANSLATION not in columns:
+        raise UserError(
+            f"--source_lang and --target_lang read a {TRANSLATION!r} column of {{language: text}} records, which the "
+            f"training data has not (its columns: {', '.join(columns)}); name the source and target columns with "
+            "--text_column and --label_column instead"
+        )
+    defaults = DataConfig()
+    given = [f"--{name}" for name in ("text_column", "label_column") if getattr(cfg, name) != getattr(defaults, name)]
+    if given:
+        raise UserError(f"--source_lang and --target_lang name the source and the target: drop {' and '.join(given)}")
+    languages = _languages(train)
     for flag, language in (("--source_lang", source), ("--target_lang", target)):
         if language not in languages:
-            given = f" {language}" if language else ""
+            named = f" {language}" if language else ""
             raise UserError(
-                f"{flag}{given}: the {TRANSLATION!r} column holds {', '.join(languages)}; pass {flag} <one of them>"
+                f"{flag}{named}: the {TRANSLATION!r} column holds {', '.join(languages)}; pass {flag} <one of them>"
             )
+    if source == target:
+        raise UserError(f"--source_lang and --target_lang are both {source}: a translation needs two languages")
+
+
+def with_translations(raw: DatasetDict, cfg: DataConfig) -> DatasetDict:
+    """The splits with their `translation` records read into one text column per language (named by its key), for
+    --source_lang and --target_lang (checked by `check_translations`); as they are without those options."""
+    source, target = cfg.source_lang, cfg.target_lang
+    if not (source and target):
+        return raw
 
     def split_languages(batch: dict) -> dict:
         return {lang: [(record or {}).get(lang) for record in batch[TRANSLATION]] for lang in (source, target)}
@@ -77,17 +96,16 @@ def with_translations(raw: DatasetDict, source: str | None, target: str | None) 
 
 
 def _languages(train: Dataset) -> list[str]:
-    """The language keys of the `translation` column: a datasets Translation feature's, else the first record's."""
+    """The language keys of the `translation` column: a datasets Translation feature's, or a struct's fields."""
     feature = train.features[TRANSLATION]
     if isinstance(feature, datasets.Translation):
         return list(feature.languages)
-    first = train[0][TRANSLATION]
-    if not isinstance(first, dict):
-        raise UserError(
-            f"the {TRANSLATION!r} column holds {type(first).__name__} values, not {{language: text}} records; give "
-            "one, or name the source and target columns with --text_column and --label_column"
-        )
-    return sorted(first)
+    if isinstance(feature, dict):  # JSON objects: one field per key met in the file
+        return sorted(feature)
+    raise UserError(
+        f"the {TRANSLATION!r} column holds {feature}, not {{language: text}} records; give those, or name the "
+        "source and target columns with --text_column and --label_column"
+    )
 
 
 def target_scheme(column: str) -> LabelScheme:

@@ -199,13 +199,12 @@ def is_causal_lm(config: transformers.PretrainedConfig) -> bool:
 
 
 def is_seq2seq_lm(config: transformers.PretrainedConfig) -> bool:
-    """An encoder-decoder with a language-modelling head (T5's, BART's ...ForConditionalGeneration); not one with a
-    classification head, nor an encoder alone."""
-    if config.architectures:
-        return config.is_encoder_decoder and any(
-            name.endswith("ForConditionalGeneration") for name in config.architectures
-        )
-    return config.model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
+    """An encoder-decoder that AutoModelForSeq2SeqLM builds with its language-modelling head (T5's, BART's); not
+    one saved with a classification head, nor an encoder alone."""
+    other_heads = ("ForSequenceClassification", "ForQuestionAnswering", "ForTokenClassification", "EncoderModel")
+    return config.model_type in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES and not any(
+        name.endswith(other_heads) for name in config.architectures or []
+    )
 
 
 def head_labels(cfg: ModelConfig, head: str = "ForSequenceClassification") -> list[str] | None:

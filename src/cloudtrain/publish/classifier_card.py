@@ -125,7 +125,9 @@ outside = torch.tensor([part != 1 for part in inputs.sequence_ids()])  # the que
 start = out.start_logits[0].masked_fill(outside, -1e4).argmax().item()
 end = out.end_logits[0].masked_fill(outside, -1e4).argmax().item()
 print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))
-{%- elif kind == "seq2seq" %}output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }})
+{%- elif kind == "seq2seq" %}# one greedy pass, as evaluated (not any beam search the base model saved)
+output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }}, num_beams=1, min_length=0, \
+no_repeat_ngram_size=0)
 print(tokenizer.decode(output[0], skip_special_tokens=True))
 {%- elif kind == "regression" %}print(model(**inputs).logits[0, 0].item())
 {%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]

@@ -32,6 +32,7 @@ from cloudtrain.data.processing import ProcessedData, longest_row, with_named_co
 from cloudtrain.data.source_target import (
     IGNORED,
     adds_eos,
+    check_translations,
     family_columns,
     process_source_target,
     shift_right,
@@ -69,6 +70,7 @@ class Seq2SeqTask(ClassificationTask):
         super().__init__(cfg)
         self.tokenizer: PreTrainedTokenizerBase | None = None  # process() keeps it: evaluation decodes generations
         self.decoder_ids = (0, 0)  # (start, pad) of the decoder's inputs, from the model's config (build_config)
+        self.forced_eos = False  # whether generation ends every text with EOS, cut or not (BART's forced_eos_token_id)
 
     def check_options(self, cfg: Config) -> None:
         """The classifier's checks (a pretrained checkpoint, the tokenizer within its vocabulary, --max_length within
@@ -101,12 +103,14 @@ class Seq2SeqTask(ClassificationTask):
         return {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}
 
     def connect(self, cfg: Config) -> DatasetDict:
-        """The raw splits, a `translation` column read into one column per language, holding the source and
-        (in training) the target columns."""
+        """The raw splits, holding the source and (in training) the target columns, or the `translation` records
+        --source_lang and --target_lang name (read into two columns by `process`, once per node)."""
         from cloudtrain.data.sources import check_columns, connect_data
 
-        raw = with_translations(connect_data(cfg.data, {}), cfg.data.source_lang, cfg.data.target_lang)
-        check_columns(raw, self.columns(self.data_options(cfg, raw)))
+        raw = connect_data(cfg.data, {})
+        check_translations(raw["train"], cfg.data)
+        if not cfg.data.source_lang:
+            check_columns(raw, self.columns(self.data_options(cfg, raw)))
         return raw
 
     def data_options(self, cfg: Config, raw: DatasetDict) -> DataConfig:
@@ -117,8 +121,13 @@ class Seq2SeqTask(ClassificationTask):
         return with_named_columns(cfg.data, columns, family_columns(columns))
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
+        from cloudtrain.data.sources import check_columns
+
         self.tokenizer = tokenizer
-        return process_source_target(raw, tokenizer, self.data_options(cfg, raw), cfg.training.seed)
+        raw = with_translations(raw, cfg.data)
+        data = self.data_options(cfg, raw)
+        check_columns(raw, self.columns(data))  # a translation's evaluation split may lack the source language
+        return process_source_target(raw, tokenizer, data, cfg.training.seed)
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
         config = read_config(cfg.model)
@@ -165,23 +174,24 @@ class Seq2SeqTask(ClassificationTask):
         out = bare.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
-            **ONE_PASS,  # greedy, whatever beam search or length rules the checkpoint saved
+            **ONE_PASS,  # greedy, whatever beam search the checkpoint saved
             max_new_tokens=width,
             do_sample=False,
-            repetition_penalty=1.0,
             pad_token_id=self.decoder_ids[1],
             use_cache=True,
             synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1,
         )
+        self.forced_eos = bare.generation_config.forced_eos_token_id is not None
         return pad_to_width(out, width + 1, self.decoder_ids[1])
 
     def written(self, generated: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row, the text's tokens generated (after the start token; EOS and padding left out), and whether it
-        ended with EOS (else --max_target_length cut it)."""
+        """Per row, the text's tokens generated (after the start token; EOS, BOS and padding left out), and whether
+        it ended with EOS (else --max_target_length cut it; a forced EOS in the last place is a cut)."""
         assert self.tokenizer is not None  # process() kept it
         new = generated[:, 1:]
-        ended = new == self.tokenizer.eos_token_id
-        return ((new != self.decoder_ids[1]) & ~ended).sum(1), ended.any(1)
+        eos = new == self.tokenizer.eos_token_id
+        text = (new != self.decoder_ids[1]) & ~eos & (new != self.tokenizer.bos_token_id)
+        return text.sum(1), (eos[:, :-1] if self.forced_eos else eos).any(1)
 
     def decode(self, ids: torch.Tensor) -> list[str]:
         assert self.tokenizer is not None  # process() kept it
