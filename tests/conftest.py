@@ -468,9 +468,8 @@ def lm_documents(n: int, seed: int = 0) -> list[str]:
     return [" ".join(rng.sample(LM_TEXT, rng.randint(1, 3))) for _ in range(n)]
 
 
-@pytest.fixture(scope="session")
-def lm_tokenizer_dir(tmp_path_factory) -> str:
-    """A byte-level BPE tokenizer (vocab ~400) trained here on LM_TEXT; EOS, no pad token (like GPT-2/Llama)."""
+def byte_level_bpe(texts: list[str], vocab_size: int, special_tokens: list[str], **tokens: str):
+    """A byte-level BPE tokenizer (as GPT-2's) trained here on `texts`, with `tokens` (eos_token=...) named."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -478,10 +477,17 @@ def lm_tokenizer_dir(tmp_path_factory) -> str:
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size, special_tokens=special_tokens, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
     )
-    backend.train_from_iterator(LM_TEXT * 3, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    backend.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, **tokens)
+
+
+@pytest.fixture(scope="session")
+def lm_tokenizer_dir(tmp_path_factory) -> str:
+    """A byte-level BPE tokenizer (vocab ~400) trained here on LM_TEXT; EOS, no pad token (like GPT-2/Llama)."""
+    end = "<|endoftext|>"
+    tokenizer = byte_level_bpe(LM_TEXT * 3, 400, [end], eos_token=end, bos_token=end)
     out = tmp_path_factory.mktemp("lm-tokenizer")
     tokenizer.save_pretrained(out)
     return str(out)
@@ -527,17 +533,10 @@ def tiny_t5_dir(tmp_path_factory) -> str:
     """A 2+2-layer, d_model-32 T5 (relative positions, the decoder starting from the pad token) with random weights
     and a byte-level BPE tokenizer trained on SEQ2SEQ_WORDS that adds no EOS itself (the task adds it)."""
     import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast, T5Config, T5ForConditionalGeneration
+    from transformers import T5Config, T5ForConditionalGeneration
 
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<pad>", "</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
-    )
-    backend.train_from_iterator([" ".join(SEQ2SEQ_WORDS)] * 20, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="</s>", pad_token="<pad>")
+    words = [" ".join(SEQ2SEQ_WORDS)] * 20
+    tokenizer = byte_level_bpe(words, 300, ["<pad>", "</s>"], eos_token="</s>", pad_token="<pad>")
     config = T5Config(
         vocab_size=len(tokenizer),
         d_model=32,

@@ -161,13 +161,14 @@ class ClassificationTask(Task):
 
     def describe_data(self, data: ProcessedData) -> str:
         rows, labels = self.nouns
-        lines = [
-            f"data: {len(data.train)} train / {len(data.validation)} validation"
-            f"{f' / {len(data.test)} test' if data.test is not None else ''} {rows}, "
-            f"{len(data.label_names)} {labels}: {', '.join(data.label_names)}"
-        ]
+        return self.data_summary(data, f"{rows}, {len(data.label_names)} {labels}: {', '.join(data.label_names)}")
+
+    def data_summary(self, data: ProcessedData, held: str) -> str:
+        """The splits' sizes and what they hold (`held`), then a line per split kept for predictions only."""
+        test = f" / {len(data.test)} test" if data.test is not None else ""
+        lines = [f"data: {len(data.train)} train / {len(data.validation)} validation{test} {held}"]
         lines += [
-            f"the {split} data has no {labels}: it is used for predictions only ({split}_predictions.jsonl)"
+            f"the {split} data has no {self.nouns[1]}: it is used for predictions only ({split}_predictions.jsonl)"
             for split in data.unlabelled
         ]
         return "\n".join(lines)

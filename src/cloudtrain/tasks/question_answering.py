@@ -185,10 +185,7 @@ class QuestionAnsweringTask(ClassificationTask):
         return build_model_card(output_dir, cfg, results, kind="question_answering")
 
     def describe_data(self, data: ProcessedData) -> str:
-        test = f" / {len(data.test)} test" if data.test is not None else ""
-        lines = [f"data: {len(data.train)} train / {len(data.validation)} validation{test} windows of questions"]
-        lines += [f"the {split} data has no answers: it is used for predictions only" for split in data.unlabelled]
-        return "\n".join(lines)
+        return self.data_summary(data, "windows of questions")
 
     def describe_metrics(self, metrics: dict) -> str:
         return (

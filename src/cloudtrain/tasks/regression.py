@@ -36,6 +36,7 @@ class RegressionTask(ClassificationTask):
     summary = "text -> a number"
     metrics: tuple[str, ...] = ("loss", "rmse", "mae", "pearson", "spearman")
     default_best_metric = "loss"
+    nouns = ("examples", "targets")
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         return process_data(raw, tokenizer, cfg.data, cfg.training.seed, labels=regression_scheme(raw, cfg.data))
@@ -99,11 +100,7 @@ class RegressionTask(ClassificationTask):
         return build_model_card(output_dir, cfg, results, kind="regression")
 
     def describe_data(self, data: ProcessedData) -> str:
-        target = data.label_names[0]
-        test = f" / {len(data.test)} test" if data.test is not None else ""
-        lines = [f"data: {len(data.train)} train / {len(data.validation)} validation{test} examples, target {target!r}"]
-        lines += [f"the {split} data has no targets: it is used for predictions only" for split in data.unlabelled]
-        return "\n".join(lines)
+        return self.data_summary(data, f"examples, target {data.label_names[0]!r}")
 
     def describe_metrics(self, metrics: dict) -> str:
         return (

@@ -278,13 +278,7 @@ class Seq2SeqTask(ClassificationTask):
         return build_model_card(output_dir, cfg, results, kind="seq2seq")
 
     def describe_data(self, data: ProcessedData) -> str:
-        test = f" / {len(data.test)} test" if data.test is not None else ""
-        lines = [f"data: {len(data.train)} train / {len(data.validation)} validation{test} (source, target) pairs"]
-        lines += [
-            f"the {split} data has no targets: it is used for predictions only ({split}_predictions.jsonl)"
-            for split in data.unlabelled
-        ]
-        return "\n".join(lines)
+        return self.data_summary(data, "(source, target) pairs")
 
     def describe_metrics(self, metrics: dict) -> str:
         return (
