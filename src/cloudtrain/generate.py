@@ -231,9 +231,8 @@ def generate_texts(
                 else _prompt_ids(tokenizer, prompts[start], add_special_tokens)
             )
             output = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **options)
-            new = (
-                output if model.config.is_encoder_decoder else output[:, ids.shape[1] :]
-            )  # a decoder repeats the prompt
+            # a decoder's output repeats the prompt; an encoder-decoder's is the new text alone
+            new = output if model.config.is_encoder_decoder else output[:, ids.shape[1] :]
             texts += tokenizer.batch_decode(new, skip_special_tokens=True)
     return texts
 
