@@ -67,7 +67,12 @@ class ClassificationTask(Task):
                 f"{self.name} starts from a pretrained model: pass --model_name_or_path"
             )
         check_checkpoint(resolve_model_path(cfg.model), "--model_name_or_path")
-        check_sizes(read_config(cfg.model), load_tokenizer(cfg.model), cfg.data.max_length)
+        config, tokenizer = read_config(cfg.model), load_tokenizer(cfg.model)
+        check_sizes(config, tokenizer, cfg.data.max_length)
+        self.check_fit(config, tokenizer, cfg)
+
+    def check_fit(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> None:
+        """A task's own checks of the checkpoint's config and tokenizer (read once, by `check_options`)."""
 
     def connect(self, cfg: Config) -> DatasetDict:
         """The raw splits, holding the columns `data_options` reads."""

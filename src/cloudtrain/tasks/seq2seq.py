@@ -42,7 +42,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.generate import ONE_PASS
 from cloudtrain.metrics.text_overlap import bleu, rouge
-from cloudtrain.models.load import context_length, load_tokenizer, read_config
+from cloudtrain.models.load import context_length, read_config
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
@@ -73,21 +73,23 @@ class Seq2SeqTask(ClassificationTask):
         self.forced_eos = False  # whether generation ends every text with EOS, cut or not (BART's forced_eos_token_id)
 
     def check_options(self, cfg: Config) -> None:
-        """The classifier's checks (a pretrained checkpoint, the tokenizer within its vocabulary, --max_length within
-        its positions), then: one source column, an encoder-decoder whose decoder knows its start token,
-        --max_target_length within its positions and past the tokenizer's special tokens, no FSDP."""
+        """One source column, then the classifier's checks (a pretrained checkpoint, the tokenizer within its
+        vocabulary, --max_length within its positions, and `check_fit`), then no FSDP."""
         if cfg.data.text_pair_column:
             raise UserError(
                 "--task seq2seq reads one source column (--text_column); drop --text_pair_column, or join the two "
                 "texts into one column"
             )
         super().check_options(cfg)
-        config = read_config(cfg.model)
-        _check_model(config, cfg.model.model_name_or_path)
-        _check_target_length(config, load_tokenizer(cfg.model), cfg.data.max_target_length)
         refusal = self.sharding_refusal(cfg, sharding(cfg))
         if refusal:
             raise UserError(refusal)
+
+    def check_fit(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> None:
+        """An encoder-decoder whose decoder knows its start token; --max_target_length within its positions and
+        past the tokenizer's special tokens."""
+        _check_model(config, cfg.model.model_name_or_path)
+        _check_target_length(config, tokenizer, cfg.data.max_target_length)
 
     def sharding_refusal(self, cfg: Config, shards: Sharding) -> str | None:
         """FSDP2 as accelerate applies it groups the input embedding with the head, but not the encoder's and the
