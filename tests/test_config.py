@@ -203,6 +203,8 @@ def test_help_lists_every_option_with_its_default():
         (["--eval_strategy", "steps"], "needs --eval_steps"),
         (["--push_to_hub", "true"], "needs --hub_model_id"),
         (["--report_to", "none,wandb"], "cannot be combined"),
+        (["--throughput_drop_ratio", "1.5"], "--throughput_drop_ratio must be in .0, 1. .a share"),
+        (["--straggler_ratio", "0.8"], "--straggler_ratio must be above 1"),
         (["--max_length", "abc"], "--max_length: expected a whole number, got 'abc'"),
     ],
 )

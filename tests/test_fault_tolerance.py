@@ -252,9 +252,13 @@ def test_a_loss_spike_is_warned_logged_and_acted_on(action, tiny_model_dir, topi
 
     install({"loss_scale": {"step": 25, "factor": 1000.0}}, monkeypatch.setattr)
     out = tmp_path / "out"
-    code = main(in_process(tiny_model_dir, topic_csvs, out, "--on_anomaly", action, "--max_grad_norm", "1.0"))
+    # A machine busy with other tests slows the run: a throughput drop would act too (a second checkpoint, or a
+    # stop before the spike), so only spikes are watched here.
+    timing_off = ("--throughput_drop_ratio", "0", "--straggler_ratio", "0")
+    code = main(
+        in_process(tiny_model_dir, topic_csvs, out, "--on_anomaly", action, "--max_grad_norm", "1.0", *timing_off)
+    )
     printed = capsys.readouterr()
-    # (a machine busy with other tests may also slow the run: throughput warnings are not what this checks)
     warnings = [line for line in printed.out.splitlines() if line.startswith("warning:") and "spike" in line]
     assert warnings[0].startswith("warning: loss spike at step 25: ") and "standard deviations above" in warnings[0]
     assert warnings[1].startswith("warning: gradient norm spike at step 25: "), warnings
@@ -299,6 +303,20 @@ def test_a_straggler_is_reported_once_when_it_begins_and_again_only_after_it_rec
     found = [d.check_interval(step, 1000.0, work) for step, work in enumerate([fine, slow, slow, fine, slow])]
     assert [[a.kind for a in f] for f in found] == [[], ["straggler"], [], [], ["straggler"]]
     assert "process 3 (node 1, b) spends 200 ms per step" in found[1][0].message
+
+
+def test_the_timing_anomalies_follow_their_ratios_and_turn_off_at_zero():
+    slow = [0.05, 0.05, 0.05, 0.2]  # 4x the median process
+    throughputs = [1000.0, 1000.0, 1000.0, 600.0, 600.0]  # 0.6 of the median, twice
+
+    def kinds(**options) -> list[str]:
+        d = detector(**options)
+        return [a.kind for step, tps in enumerate(throughputs) for a in d.check_interval(step, tps, slow)]
+
+    assert kinds() == ["straggler"]  # 0.6 is above half the median; 4x is above 1.5x
+    assert kinds(throughput_drop_ratio=0.7) == ["straggler", "throughput_drop"]
+    assert kinds(straggler_ratio=5.0) == []
+    assert kinds(throughput_drop_ratio=0.0, straggler_ratio=0.0) == []
 
 
 def test_a_spike_is_reported_and_a_lasting_new_level_becomes_normal():

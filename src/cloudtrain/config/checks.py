@@ -79,6 +79,14 @@ def validate(cfg: Config) -> None:
         (cfg.distributed.collective_timeout <= 0, "--collective_timeout must be positive (seconds)"),
         (cfg.monitoring.loss_spike_threshold < 0, "--loss_spike_threshold must not be negative (0: off)"),
         (cfg.monitoring.grad_norm_spike_threshold < 0, "--grad_norm_spike_threshold must not be negative (0: off)"),
+        (
+            not 0 <= cfg.monitoring.throughput_drop_ratio < 1,
+            "--throughput_drop_ratio must be in [0, 1) (a share of the running median; 0: off)",
+        ),
+        (
+            cfg.monitoring.straggler_ratio != 0 and cfg.monitoring.straggler_ratio <= 1,
+            "--straggler_ratio must be above 1 (times the median process; 0: off)",
+        ),
         (cfg.model.lora_r < 1, "--lora_r must be at least 1"),
         (cfg.model.lora_alpha <= 0, "--lora_alpha must be positive"),
         (not 0 <= cfg.model.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),

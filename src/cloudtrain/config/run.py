@@ -25,6 +25,16 @@ class MonitoringConfig:
         "The same for the gradient norm, which must also be over twice the largest of the last 20 steps' "
         "(logged when --max_grad_norm > 0; 0: off).",
     )
+    throughput_drop_ratio: float = opt(
+        0.5,
+        "Warn when tokens/s stays below this share of its running median for two logging intervals in a row "
+        "(0: off; a node shared with other jobs may want it lower).",
+    )
+    straggler_ratio: float = opt(
+        1.5,
+        "With several processes, warn when one spends more than this many times the median on its own data "
+        "loading and forward passes (0: off).",
+    )
     on_anomaly: str = opt(
         "warn",
         "On a loss or gradient-norm spike, a throughput drop or a straggler: warn, save a checkpoint at once "

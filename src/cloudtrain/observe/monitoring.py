@@ -11,10 +11,10 @@ metrics.jsonl, and a W&B alert when W&B is online:
     loss_spike        a step's loss above the running mean by --loss_spike_threshold standard deviations
     grad_norm_spike   the same for the gradient norm (--grad_norm_spike_threshold; needs clipping on), when it is
                       also over GRAD_NORM_OVER_MAX times the largest of the last RECENT_STEPS steps' norms
-    throughput_drop   tokens per second of step time below half the running median of earlier intervals,
-                      two logging intervals in a row
+    throughput_drop   tokens per second of step time below --throughput_drop_ratio (half) of the running median
+                      of earlier intervals, two logging intervals in a row
     straggler         with several processes: one process's own work (data loading and forward passes)
-                      above STRAGGLER_RATIO times the median of all processes; once when it begins.
+                      above --straggler_ratio (1.5) times the median of all processes; once when it begins.
                       Under ZeRO-3 a forward pass gathers parameters, so it waits on the others too.
     memory_pressure   a process's peak memory (CUDA: the larger of allocated and reserved; CPU: resident
                       set size) above MEMORY_WARNING_SHARE of its device's memory (CUDA: the GPU's; CPU:
@@ -49,7 +49,6 @@ WINDOW = 100  # steps (or logging intervals) the running statistics cover
 # steps only: a large norm long ago (the first steps of a run) must not hide a spike now.
 GRAD_NORM_OVER_MAX = 2.0
 RECENT_STEPS = 20
-STRAGGLER_RATIO = 1.5
 STRAGGLER_MIN_S = 0.005  # per step: smaller gaps are noise, not a straggler
 GIB = 2**30
 MEMORY_WARNING_SHARE = 0.9  # of the device's memory: above it, the next longer batch may be out of memory
@@ -250,7 +249,8 @@ class AnomalyDetector:
         """`tokens_per_s` over step time; `work_per_step[r]`: process r's own seconds per step."""
         found = []
         median = statistics.median(self.throughputs) if len(self.throughputs) >= 3 else 0.0
-        if tokens_per_s < 0.5 * median:
+        drop = self.cfg.throughput_drop_ratio
+        if drop > 0 and tokens_per_s < drop * median:
             self.slow += 1
             if self.slow == 2:  # two intervals in a row: one slow interval is noise (a GC pause, a busy disk)
                 found.append(
@@ -259,18 +259,18 @@ class AnomalyDetector:
                         step,
                         tokens_per_s,
                         f"throughput dropped at step {step}: {tokens_per_s:.0f} tokens/s for two logging intervals, "
-                        f"under half the running median {median:.0f}; see train/data_time_share (the input) and the "
-                        "machine's other load",
+                        f"under {drop:g} of the running median {median:.0f}; see train/data_time_share (the input) "
+                        "and the machine's other load (--throughput_drop_ratio 0: off)",
                     )
                 )
         else:
             self.slow = 0
             self.throughputs.append(tokens_per_s)
-        if len(work_per_step) > 1:
+        if len(work_per_step) > 1 and self.cfg.straggler_ratio > 0:
             typical = statistics.median(work_per_step)
             slowest = max(range(len(work_per_step)), key=work_per_step.__getitem__)
             worst = work_per_step[slowest]
-            lagging = worst > STRAGGLER_RATIO * typical and worst - typical > STRAGGLER_MIN_S
+            lagging = worst > self.cfg.straggler_ratio * typical and worst - typical > STRAGGLER_MIN_S
             reported, self.straggler = self.straggler, slowest if lagging else None
             if lagging and slowest != reported:  # once when it begins, not at every interval it lasts
                 found.append(
