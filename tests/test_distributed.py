@@ -261,8 +261,8 @@ def test_auto_values_are_filled_from_the_options():
 def test_evaluation_counts_every_example_once(tiny_model_dir, tiny_t5_dir, tmp_path):
     """13 examples on 2 processes x batch 4: the gathered predictions are exactly the 13, metrics as 1 process; for
     a sequence classifier, a token classifier (rows of different lengths), a question-answering model (questions
-    over several windows) and an encoder-decoder (generations of different lengths, every process stepping
-    together)."""
+    over several windows) and an encoder-decoder (beam-searched generations of different lengths, every process
+    stepping together)."""
     from test_question_answering import squad_rows
     from test_seq2seq import headline_rows, headline_writer
     from test_token_classification import TAGS, tagged_rows, write_jsonl
@@ -304,6 +304,7 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tiny_t5_dir, tmp_p
                 tmp_path / "s2s-test.jsonl", [{"document": r["document"]} for r in headline_rows(7, 2)]
             ),
             "max_target_length": 8,
+            "generation_num_beams": 2,  # beam search, every process stepping together
         },
     ]
     models = [str(tmp_path / name) for name in saved] + [headline_writer(tiny_t5_dir, tmp_path)]

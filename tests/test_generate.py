@@ -235,6 +235,22 @@ def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):
     assert capsys.readouterr().out != first
 
 
+def test_beam_search_prints_each_whole_continuation_as_model_generate_writes_it(tiny_llama_dir, llama, capsys):
+    model, tokenizer = llama
+    command.run(parse("--model_dir", tiny_llama_dir, "--prompt", PROMPTS[0], "--prompt", PROMPTS[1],
+                      "--max_new_tokens", "12", "--num_beams", "3", "--device", "cpu"))  # fmt: skip
+    expected = []
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer(prompt, return_tensors="pt")
+        output = model.generate(**ids, num_beams=3, max_new_tokens=12, do_sample=False)
+        expected.append(prompt + tokenizer.decode(output[0, ids["input_ids"].shape[1] :], skip_special_tokens=True))
+    assert capsys.readouterr().out == f"\n{generate.SEPARATOR}\n".join(expected) + "\n"
+    greedy = generate_texts(model, tokenizer, PROMPTS[:1], max_new_tokens=12)[0]
+    assert expected[0] != PROMPTS[0] + greedy  # beams found another continuation than the greedy one
+    with pytest.raises(ValueError, match="beam search cannot stream"):
+        generate_texts(model, tokenizer, PROMPTS[:1], num_beams=2, streamer=TextStreamer(tokenizer))
+
+
 def test_flags_and_defaults():
     args = parse("--model_dir", "m", "--prompt", "a")
     assert (
@@ -276,6 +292,7 @@ def nothing_loaded(monkeypatch):
         (["--top_p", "1.5"], r"--top_p must be in \(0, 1\]"),
         (["--top_k", "-1"], "--top_k must be 0 .no limit. or more"),
         (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
+        (["--num_beams", "0"], "--num_beams must be at least 1"),
         (["--repetition_penalty", "0"], "--repetition_penalty must be greater than 0"),
         (["--input_file", "/no/such/prompts.txt"], "--input_file /no/such/prompts.txt does not exist"),
     ],

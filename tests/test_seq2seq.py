@@ -271,6 +271,7 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
             "column 'body' is not in the train data (its columns: document, summary); pass --text_column <name>",
         ),
         "target length": ({**base, "max_target_length": "0"}, "--max_target_length must be at least 1"),
+        "no beams": ({**base, "generation_num_beams": "0"}, "--generation_num_beams must be at least 1 (1: greedy)"),
         "fsdp": (
             {**base, "fsdp": "true"},
             "--task seq2seq under --fsdp: the encoder and the decoder share one embedding",
@@ -382,6 +383,59 @@ def test_bart_trains_and_writes_in_one_pass_whatever_its_saved_beams(tiny_bart_d
     ):
         assert main(["generate", "--model_dir", str(out), *extra]) == 2
         assert message in capsys.readouterr().err
+
+
+def test_beam_search_scores_writes_and_generates_as_the_checkpoint_configures_it(tiny_bart_dir, tmp_path, capsys):
+    """--generation_num_beams 3: evaluation, predictions, `generate` (by default, from args.json) and the card's
+    snippet all decode as transformers' generate() does with 3 beams, under the checkpoint's saved length rules
+    (its minimum length holds here, as it does not in one greedy pass)."""
+    out = tmp_path / "out"
+    sources = ["red cat runs", "a dog"]
+    options = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_bart_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", headline_rows(40, 0)),
+        "test_file": write_jsonl(tmp_path / "test.jsonl", [{"document": s} for s in sources]),
+        "output_dir": str(out),
+        "max_length": 16,
+        "max_target_length": 8,
+        "generation_num_beams": 3,
+        "max_steps": 3,
+        "mixed_precision": "no",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    assert ", 3 beams)" in capsys.readouterr().out  # the evaluation line says how it decoded
+    written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
+    model, tokenizer = generate.load(str(out), torch.device("cpu"))
+    expected = []
+    for source in sources:  # transformers' own beam search, the saved rules included
+        ids = model.generate(**tokenizer(source, return_tensors="pt"), num_beams=3, max_new_tokens=8)
+        expected.append(tokenizer.decode(ids[0], skip_special_tokens=True).strip())
+    assert [row["generated"] for row in written] == expected
+    assert all(row["tokens"] >= 5 for row in written)  # the saved min_length 6 (start token included)
+    greedy = generate.generate_texts(model, tokenizer, sources, max_new_tokens=8)
+    assert [text.strip() for text in greedy] != expected  # one pass ignores the saved rules: other texts
+
+    assert main(["generate", "--model_dir", str(out), "--prompt", sources[0], "--max_new_tokens", "8"]) == 0
+    assert capsys.readouterr().out == f"{sources[0]}\n{expected[0]}\n"  # 3 beams, printed whole
+    assert (
+        main(["generate", "--model_dir", str(out), "--prompt", sources[0], "--max_new_tokens", "8", "--num_beams", "1"])
+        == 0
+    )
+    assert capsys.readouterr().out.startswith(f"{sources[0]}\n{greedy[0].strip()}")
+    assert main(["generate", "--model_dir", str(out), "--prompt", "x", "--num_beams", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --num_beams must be at least 1 (1: no beam search), got 0"
+
+    from cloudtrain.config.parse import resolve_options
+    from cloudtrain.tasks import build_task
+
+    cfg = resolve_options(None, {**options, "push_to_hub": True, "hub_model_id": "me/beams"})
+    results = {name: json.loads((out / f"{name}_results.json").read_text()) for name in ("train", "eval")}
+    card = build_task(cfg).model_card(out, cfg, results)
+    snippet = card.text.split("```python\n")[1].split("```")[0].replace('"me/beams"', repr(str(out)))
+    exec(snippet.replace("Replace me by any text you'd like.", sources[1]), {})
+    assert "num_beams=3)" in snippet and capsys.readouterr().out.strip() == expected[1]
 
 
 def test_bart_refusals_and_an_encoder_decoder_classifier_is_not_for_generate(tiny_bart_dir, tmp_path, capsys):

@@ -72,6 +72,12 @@ ONE_PASS = {
 }
 
 
+def search_options(num_beams: int) -> dict:
+    """generate()'s arguments for one pass (ONE_PASS) or for beam search with `num_beams` beams, which keeps the
+    checkpoint's saved length penalty and length rules (as transformers' Seq2SeqTrainer does)."""
+    return dict(ONE_PASS) if num_beams == 1 else {"num_beams": num_beams}
+
+
 # ---------------------------------------------------------------- checks (before anything is loaded)
 
 
@@ -193,6 +199,7 @@ def generate_texts(
     synced_gpus: bool = False,
     add_special_tokens: bool = True,
     batch_size: int = 1,
+    num_beams: int = 1,
 ) -> list[str]:
     """The continuation of each prompt: the new text only, special tokens skipped.
 
@@ -205,6 +212,7 @@ def generate_texts(
     Sampling uses torch's global generator: seed it before calling for reproducible samples.
     `model` is the bare model (unwrap DDP/DeepSpeed first); `synced_gpus`: every rank calls this with
     the same prompts (ZeRO-3). `add_special_tokens=False` for prompts rendered by a chat template.
+    `num_beams` > 1: beam search (search_options), which no streamer can follow.
     Generation stops at any of the model's generation_config.eos_token_id (a chat model's end of turn).
     """
     options = dict(
@@ -215,7 +223,9 @@ def generate_texts(
         synced_gpus=synced_gpus,
         streamer=streamer,
     )
-    options.update(ONE_PASS)
+    if num_beams > 1 and streamer is not None:
+        raise ValueError("beam search cannot stream: pass streamer=None with num_beams > 1")
+    options.update(search_options(num_beams))
     if repetition_penalty != 1.0:  # a checkpoint's own (Qwen's 1.05) applies otherwise
         options["repetition_penalty"] = repetition_penalty
     if do_sample:  # set only when used: generate warns about sampling options under greedy decoding
@@ -312,8 +322,11 @@ def run(args: argparse.Namespace) -> None:
             f"--chat needs a chat model, and {args.model_dir} is not one"
             + (" (leave out --raw)" if args.raw else "; train one with --task sft, or use --prompt")
         )
-    if model.config.is_encoder_decoder:  # as its training's sources
+    seq2seq = model.config.is_encoder_decoder
+    if seq2seq:  # as its training's sources
         prompts = [trained.get("source_prefix", "") + prompt for prompt in prompts]
+    if args.num_beams is None:  # as the run's evaluation decoded
+        args.num_beams = trained.get("generation_num_beams", 1) if seq2seq else 1
     if args.system_prompt is None and trained.get("system_prompt"):
         args.system_prompt = trained["system_prompt"]  # what every training example began with
     texts = (
@@ -322,7 +335,8 @@ def run(args: argparse.Namespace) -> None:
         else prompts
     )
     check_lengths(model, tokenizer, texts, args.max_new_tokens, add_special_tokens=not templated)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    # beam search knows its text only at the end: printed whole (show), not streamed
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.num_beams == 1 else None
     options = dict(
         max_new_tokens=args.max_new_tokens,
         do_sample=args.do_sample,
@@ -332,6 +346,7 @@ def run(args: argparse.Namespace) -> None:
         repetition_penalty=args.repetition_penalty,
         streamer=streamer,
         add_special_tokens=not templated,
+        num_beams=args.num_beams,
     )
     if args.chat:
         return chat(model, tokenizer, args, options)
@@ -339,9 +354,15 @@ def run(args: argparse.Namespace) -> None:
         if number:
             print(SEPARATOR)
         # a chat model answers, an encoder-decoder writes a new text: on its own line; a decoder continues the prompt
-        print(f"{prompt}\n" if templated or model.config.is_encoder_decoder else prompt, end="", flush=True)
+        print(f"{prompt}\n" if templated or seq2seq else prompt, end="", flush=True)
         torch.manual_seed(args.seed)
-        generate_texts(model, tokenizer, [text], **options)
+        show(generate_texts(model, tokenizer, [text], **options)[0], streamed=streamer is not None)
+
+
+def show(text: str, streamed: bool) -> None:
+    """A generation's text where no streamer printed it as it was written (beam search)."""
+    if not streamed:
+        print(text, flush=True)
 
 
 def _too_long(tokenizer, text: str, max_new_tokens: int, limit: int) -> bool:
@@ -387,4 +408,5 @@ def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
         print("assistant> ", end="", flush=True)
         torch.manual_seed(args.seed)
         answer = generate_texts(model, tokenizer, [text], **options)[0]
+        show(answer, streamed=options["streamer"] is not None)
         history.append({"role": "assistant", "content": answer.strip()})

@@ -38,6 +38,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=100,
         help="Tokens to generate per prompt, at most (default: 100; fewer if the model ends the text).",
     )
+    parser.add_argument(
+        "--num_beams",
+        type=int,
+        help="Beam search with this many beams (1: none); the text then prints when it is complete, not as it is "
+        "written, and the checkpoint's saved length penalty and length rules apply. Default: as the run evaluated "
+        "(--generation_num_beams of a seq2seq run), else 1.",
+    )
     add_switch(
         parser,
         "--do_sample",
@@ -100,6 +107,10 @@ def check_options(args: argparse.Namespace) -> None:
     refuse_first(
         [
             (args.max_new_tokens < 1, f"--max_new_tokens must be at least 1, got {args.max_new_tokens}"),
+            (
+                args.num_beams is not None and args.num_beams < 1,
+                f"--num_beams must be at least 1 (1: no beam search), got {args.num_beams}",
+            ),
             (
                 not args.temperature > 0,
                 f"--temperature must be greater than 0, got {args.temperature}; "

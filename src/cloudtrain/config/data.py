@@ -42,6 +42,12 @@ class DataConfig:
         "--task seq2seq: truncate targets to this many tokens (--max_length truncates the sources); evaluation and "
         "predictions generate up to this many.",
     )
+    generation_num_beams: int = opt(
+        1,
+        "--task seq2seq: beams of the generations that evaluation scores and predictions write (1: greedy; more: "
+        "beam search under the checkpoint's saved length penalty and length rules, as transformers' "
+        "Seq2SeqTrainer; 4 is usual for summaries; evaluation takes about as many times longer).",
+    )
     source_lang: str | None = opt(
         None,
         "--task seq2seq: with a 'translation' column of {language: text} records (WMT's), the language to translate "
@@ -170,6 +176,8 @@ class DataConfig:
             raise UserError("--max_answer_length must be at least 1")
         if self.max_target_length < 1:
             raise UserError("--max_target_length must be at least 1")
+        if self.generation_num_beams < 1:
+            raise UserError("--generation_num_beams must be at least 1 (1: greedy)")
         if self.stream_buffer < 1:
             raise UserError("--stream_buffer must be at least 1 document")
         if self.max_tokens is not None and self.max_tokens < 1:

@@ -125,10 +125,12 @@ outside = torch.tensor([part != 1 for part in inputs.sequence_ids()])  # the que
 start = out.start_logits[0].masked_fill(outside, -1e4).argmax().item()
 end = out.end_logits[0].masked_fill(outside, -1e4).argmax().item()
 print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))
-{%- elif kind == "seq2seq" %}# one greedy pass, as evaluated (not any beam search the base model saved)
+{%- elif kind == "seq2seq" %}{% if num_beams > 1 %}# beam search, as evaluated
+output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }}, num_beams={{ num_beams }})
+{% else %}# one greedy pass, as evaluated (not any beam search the base model saved)
 output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }}, num_beams=1, min_length=0, \
 no_repeat_ngram_size=0)
-print(tokenizer.decode(output[0], skip_special_tokens=True))
+{% endif %}print(tokenizer.decode(output[0], skip_special_tokens=True))
 {%- elif kind == "regression" %}print(model(**inputs).logits[0, 0].item())
 {%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]
 print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])
@@ -222,6 +224,7 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         # the training's prefix and the example as one Python string (json's escapes are Python's)
         source_text=json.dumps(cfg.data.source_prefix + example_text, ensure_ascii=False),
         max_new_tokens=cfg.data.max_target_length,
+        num_beams=cfg.data.generation_num_beams,
         example_question="What did OPEC agree to?" if dataset_id == REUTERS_HUB_ID else "What is this about?",
         pipeline_tag=pipeline_tag,
         peft_class=peft_class,

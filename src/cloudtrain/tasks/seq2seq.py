@@ -3,12 +3,12 @@
 Supports: summarization and translation data as two text columns (XSum's, CNN/DailyMail's or `source`/`target`
 are read without options; else --text_column and --label_column) or WMT's `translation` records (--source_lang,
 --target_lang), T5's task prefixes (--source_prefix), targets cut at --max_target_length; the loss over target
-tokens, and at each evaluation greedy generations scored by ROUGE-1/2/L and BLEU (cloudtrain.metrics.text_overlap),
-a table of the first few; unlabelled evaluation splits (generations in `<split>_predictions.jsonl`);
-`cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both trainers, DDP and DeepSpeed
-ZeRO 1-3 (every process generates in step), and the Hub push.
-Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), beam search or
-sampling in evaluation, pretraining from --model_config, FSDP (the encoder's and decoder's shared embedding),
+tokens, and at each evaluation generations (greedy, or --generation_num_beams beams) scored by ROUGE-1/2/L and
+BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled evaluation splits (generations in
+`<split>_predictions.jsonl`); `cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both
+trainers, DDP and DeepSpeed ZeRO 1-3 (every process generates in step), and the Hub push.
+Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), sampling in
+evaluation, pretraining from --model_config, FSDP (the encoder's and decoder's shared embedding),
 --training_type pipeline, tensor or context parallelism, packing, planning its memory (`cloudtrain plan`).
 """
 
@@ -40,7 +40,7 @@ from cloudtrain.data.source_target import (
 )
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
-from cloudtrain.generate import ONE_PASS
+from cloudtrain.generate import search_options
 from cloudtrain.metrics.text_overlap import bleu, rouge
 from cloudtrain.models.load import context_length, read_config
 from cloudtrain.parallel.distributed import Sharding, sharding
@@ -167,16 +167,17 @@ class Seq2SeqTask(ClassificationTask):
         return self.row_losses(model, batch).sum(), self.loss_count(batch)
 
     def generate(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        """Greedy targets of a batch's sources, padded to --max_target_length + 1 (the start token) so that every
-        process gathers the same shape. Every process steps together where the model's weights are sharded or
-        several processes run (generation's collectives)."""
+        """The targets of a batch's sources (greedy, or beam search with --generation_num_beams), padded to
+        --max_target_length + 1 (the start token) so that every process gathers the same shape. Every process
+        steps together where the model's weights are sharded or several processes run (generation's
+        collectives)."""
         assert self.cfg is not None
         width = self.cfg.data.max_target_length
         bare: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it
         out = bare.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
-            **ONE_PASS,  # greedy, whatever beam search the checkpoint saved
+            **search_options(self.cfg.data.generation_num_beams),  # not whatever beam search the checkpoint saved
             max_new_tokens=width,
             do_sample=False,
             pad_token_id=self.decoder_ids[1],
@@ -285,8 +286,12 @@ class Seq2SeqTask(ClassificationTask):
     def describe_metrics(self, metrics: dict) -> str:
         return (
             f"rougeL {metrics['rougeL']:.2f} | rouge1 {metrics['rouge1']:.2f} | rouge2 {metrics['rouge2']:.2f} | "
-            f"bleu {metrics['bleu']:.2f} | loss {metrics['loss']:.4f} ({metrics['samples']} pairs)"
+            f"bleu {metrics['bleu']:.2f} | loss {metrics['loss']:.4f} ({metrics['samples']} pairs{self._beams()})"
         )
+
+    def _beams(self) -> str:
+        beams = self.cfg.data.generation_num_beams if self.cfg else 1
+        return f", {beams} beams" if beams > 1 else ""
 
     def inference_hint(self, output_dir: str) -> str:
         return f'{invocation.command()} generate --model_dir {shlex.quote(output_dir)} --prompt "..."'
