@@ -348,7 +348,7 @@ def test_evaluation_counts_every_example_once(tiny_model_dir, tiny_t5_dir, tmp_p
     assert (two_answers["f1"], two_answers["exact_match"]) == (one_answers["f1"], one_answers["exact_match"])
     assert two_answers["loss"] == pytest.approx(one_answers["loss"], rel=1e-5)
     assert one_texts["samples"] == two_texts["samples"] == 13
-    for metric in ("rougeL", "rouge1", "rouge2", "bleu", "generated_tokens"):
+    for metric in ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "generated_tokens"):
         assert two_texts[metric] == one_texts[metric], metric
     assert two_texts["loss"] == pytest.approx(one_texts["loss"], rel=1e-5)
     texts, lengths = two_texts["test"]

@@ -21,7 +21,7 @@ from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
 from cloudtrain.data.source_target import SourceTargetCollator, family_columns, process_source_target, shift_right
 from cloudtrain.errors import UserError
-from cloudtrain.metrics.text_overlap import bleu, rouge, rouge_pair
+from cloudtrain.metrics.text_overlap import bleu, rouge, rouge_pair, sentences
 
 
 def headline_rows(n: int, seed: int, source: str = "document", target: str = "summary") -> list[dict]:
@@ -67,8 +67,9 @@ def test_rouge_and_bleu_equal_the_reference_packages():
     scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL"], use_stemmer=False)
     for prediction, reference in zip(predictions, references, strict=True):
         theirs = scorer.score(reference, prediction)
-        for name, value in rouge_pair(prediction, reference).items():
-            assert value == pytest.approx(theirs[name].fmeasure, abs=1e-12), (prediction, reference, name)
+        ours = rouge_pair(prediction, reference)
+        for name in ("rouge1", "rouge2", "rougeL"):  # rougeLsum splits sentences: the next test
+            assert ours[name] == pytest.approx(theirs[name].fmeasure, abs=1e-12), (prediction, reference, name)
     for size in (300, 40, 3):
         ours = bleu(predictions[:size], references[:size])
         assert ours == pytest.approx(sacrebleu.corpus_bleu(predictions[:size], [references[:size]]).score, abs=1e-9)
@@ -81,8 +82,28 @@ def test_rouge_and_bleu_equal_the_reference_packages():
     )
     # letters outside ASCII are words here (rouge_score drops them: every Greek summary would score 0)
     assert rouge(["καλή μέρα φίλε"], ["καλή μέρα"]) == pytest.approx(
-        {"rouge1": 80.0, "rouge2": 200 / 3, "rougeL": 80.0}
+        {"rouge1": 80.0, "rouge2": 200 / 3, "rougeL": 80.0, "rougeLsum": 80.0}
     )
+
+
+def test_rouge_lsum_equals_rouge_score_on_the_same_sentences():
+    """Summaries of a few sentences over five words (many repeats and ties between LCSs): ours, with sentences
+    ending at . ! ? or a line break, equals rouge_score's rougeLsum given one sentence a line."""
+    rng = random.Random(1)
+
+    def summary() -> list[str]:
+        return [" ".join(rng.choices("a b c d e".split(), k=rng.randint(1, 7))) for _ in range(rng.randint(1, 4))]
+
+    scorer = rouge_scorer.RougeScorer(["rougeLsum"], use_stemmer=False)
+    for _ in range(300):
+        predicted, reference = summary(), summary()
+        ends = [rng.choice([". ", "! ", "? ", '." ', "\n"]) for _ in predicted]
+        written = "".join(sentence + end for sentence, end in zip(predicted, ends, strict=True))
+        theirs = scorer.score("\n".join(reference), "\n".join(predicted))["rougeLsum"].fmeasure
+        assert rouge_pair(written, " ".join(s + "." for s in reference))["rougeLsum"] == pytest.approx(theirs)
+    assert sentences("He paid 3.5 dollars. (Really!) Then\nleft.") == [["he", "paid", "3", "5", "dollars"],
+                                                                     ["really"], ["then"], ["left"]]  # fmt: skip
+    assert rouge_pair("b a. d c.", "a b c d")["rougeLsum"] == pytest.approx(0.5)  # one reference sentence: LCS 2
 
 
 def test_sources_and_targets_as_rows(tiny_t5_dir, tmp_path):

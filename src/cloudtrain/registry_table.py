@@ -54,7 +54,7 @@ TASK_ROWS: dict[str, Row] = {
     "seq2seq": Row(
         "cloudtrain.tasks.seq2seq",
         "a source text -> a target text (summaries, translations) with an encoder-decoder",
-        ("rougeL", "rouge1", "rouge2", "bleu", "loss"),
+        ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss"),
         "rougeL",
     ),
     "causal_lm": Row(

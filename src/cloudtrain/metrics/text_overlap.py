@@ -1,10 +1,12 @@
 """How close generated texts are to their references: ROUGE (summaries) and BLEU (translations), as percentages.
 
-ROUGE-1, ROUGE-2 and ROUGE-L are F1 scores per example, averaged: the words are rouge_score's (lower-cased runs of
-letters and digits, no stemming), except that letters outside ASCII count as letters too (rouge_score drops them,
-so a summary in Greek scores 0). BLEU is corpus BLEU over the whole split as sacreBLEU computes it by default: its
-13a tokenization, n-grams up to 4, the brevity penalty over the corpus, exponential smoothing of empty orders.
-tests/test_seq2seq.py checks both against those packages.
+ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum are F1 scores per example, averaged: the words are rouge_score's
+(lower-cased runs of letters and digits, no stemming), except that letters outside ASCII count as letters too
+(rouge_score drops them, so a summary in Greek scores 0). ROUGE-Lsum is the summary-level LCS over sentences
+(`sentences`: lines, and breaks after . ! or ? before a space), as rouge_score scores texts of one sentence a line.
+BLEU is corpus BLEU over the whole split as sacreBLEU computes it by default: its 13a tokenization, n-grams up to 4,
+the brevity penalty over the corpus, exponential smoothing of empty orders. tests/test_seq2seq.py checks both
+against those packages.
 """
 
 import math
@@ -13,6 +15,8 @@ from collections import Counter
 from collections.abc import Sequence
 
 _WORD = re.compile(r"[^\W_]+")  # letters and digits, any script
+# a sentence ends at a line break, or at . ! ? (and any closing quotes or brackets) before white space
+_SENTENCE_END = re.compile(r"\n|(?<=[.!?])[\"'”’)\]]*\s+")
 
 
 def rouge_words(text: str) -> list[str]:
@@ -41,20 +45,62 @@ def _lcs(a: Sequence[str], b: Sequence[str]) -> int:
     return previous[-1]
 
 
+def _lcs_positions(a: Sequence[str], b: Sequence[str]) -> set[int]:
+    """The positions in `a` of one longest common subsequence with `b`: read back from the end of the full table,
+    dropping a word of `a` where both ways keep the length (rouge_score's choice, which the union below depends on)."""
+    table = [[0] * (len(b) + 1)]
+    for x in a:
+        row = [0]
+        for j, y in enumerate(b):
+            row.append(table[-1][j] + 1 if x == y else max(table[-1][j + 1], row[j]))
+        table.append(row)
+    i, j, found = len(a), len(b), set()
+    while i and j:
+        if a[i - 1] == b[j - 1]:
+            i, j = i - 1, j - 1
+            found.add(i)
+        elif table[i][j - 1] > table[i - 1][j]:
+            j -= 1
+        else:
+            i -= 1
+    return found
+
+
+def sentences(text: str) -> list[list[str]]:
+    """The words of each sentence of `text` (empty sentences left out)."""
+    return [words for part in _SENTENCE_END.split(text) if (words := rouge_words(part))]
+
+
+def _summary_lcs(predicted: list[list[str]], reference: list[list[str]]) -> float:
+    """ROUGE-Lsum F1: for each reference sentence, the union of its words in an LCS with each predicted sentence;
+    a word counts as often as it occurs on both sides, at most."""
+    left_p = Counter(word for sentence in predicted for word in sentence)
+    left_r = Counter(word for sentence in reference for word in sentence)
+    size_p, size_r = sum(left_p.values()), sum(left_r.values())
+    hits = 0
+    for sentence in reference:
+        union = set().union(*(_lcs_positions(sentence, other) for other in predicted))
+        for word in (sentence[i] for i in sorted(union)):
+            if left_p[word] > 0 and left_r[word] > 0:
+                hits, left_p[word], left_r[word] = hits + 1, left_p[word] - 1, left_r[word] - 1
+    return _f1(hits, size_p, size_r)
+
+
 def rouge_pair(prediction: str, reference: str) -> dict[str, float]:
-    """ROUGE-1/2/L F1 of one prediction against its reference, each in [0, 1]."""
+    """ROUGE-1/2/L/Lsum F1 of one prediction against its reference, each in [0, 1]."""
     pred, ref = rouge_words(prediction), rouge_words(reference)
     scores = {}
     for n in (1, 2):
         p, r = _ngrams(pred, n), _ngrams(ref, n)
         scores[f"rouge{n}"] = _f1(sum((p & r).values()), sum(p.values()), sum(r.values()))
     scores["rougeL"] = _f1(_lcs(pred, ref), len(pred), len(ref))
+    scores["rougeLsum"] = _summary_lcs(sentences(prediction), sentences(reference))
     return scores
 
 
 def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """The mean ROUGE-1/2/L F1 over the examples, in percent (0 for none)."""
-    totals = Counter({"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0})
+    """The mean ROUGE-1/2/L/Lsum F1 over the examples, in percent (0 for none)."""
+    totals = Counter({"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0, "rougeLsum": 0.0})
     for prediction, reference in zip(predictions, references, strict=True):
         totals.update(rouge_pair(prediction, reference))
     return {name: 100 * total / max(len(predictions), 1) for name, total in totals.items()}

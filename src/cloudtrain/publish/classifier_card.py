@@ -50,6 +50,7 @@ SEQ2SEQ_METRICS = (
     ("rougeL", "rouge", "ROUGE-L", None),
     ("rouge1", "rouge", "ROUGE-1", None),
     ("rouge2", "rouge", "ROUGE-2", None),
+    ("rougeLsum", "rouge", "ROUGE-Lsum", None),
     ("bleu", "sacrebleu", "BLEU", None),
 )
 METRICS = {

@@ -3,8 +3,8 @@
 Supports: summarization and translation data as two text columns (XSum's, CNN/DailyMail's or `source`/`target`
 are read without options; else --text_column and --label_column) or WMT's `translation` records (--source_lang,
 --target_lang), T5's task prefixes (--source_prefix), targets cut at --max_target_length; the loss over target
-tokens, and at each evaluation generations (greedy, or --generation_num_beams beams) scored by ROUGE-1/2/L and
-BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled evaluation splits (generations in
+tokens, and at each evaluation generations (greedy, or --generation_num_beams beams) scored by ROUGE-1/2/L/Lsum
+and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled evaluation splits (generations in
 `<split>_predictions.jsonl`); `cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both
 trainers, DDP and DeepSpeed ZeRO 1-3 (every process generates in step), and the Hub push.
 Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), sampling in
@@ -56,7 +56,7 @@ SHOWN = 5  # generations logged in the evaluation's table
 class Seq2SeqTask(ClassificationTask):
     name = "seq2seq"
     summary = "a source text -> a target text (summaries, translations) with an encoder-decoder"
-    metrics: tuple[str, ...] = ("rougeL", "rouge1", "rouge2", "bleu", "loss")
+    metrics: tuple[str, ...] = ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss")
     default_best_metric = "rougeL"
     auto_class = AutoModelForSeq2SeqLM
     adds_head = False
@@ -286,6 +286,7 @@ class Seq2SeqTask(ClassificationTask):
     def describe_metrics(self, metrics: dict) -> str:
         return (
             f"rougeL {metrics['rougeL']:.2f} | rouge1 {metrics['rouge1']:.2f} | rouge2 {metrics['rouge2']:.2f} | "
+            f"rougeLsum {metrics['rougeLsum']:.2f} | "
             f"bleu {metrics['bleu']:.2f} | loss {metrics['loss']:.4f} ({metrics['samples']} pairs{self._beams()})"
         )
 
