@@ -6,6 +6,7 @@ refusal in one line (two processes: test_distributed.py)."""
 import json
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
 from cloudtrain.data.source_target import SourceTargetCollator, family_columns, process_source_target, shift_right
 from cloudtrain.errors import UserError
-from cloudtrain.metrics.text_overlap import bleu, rouge, rouge_pair, sentences
+from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge, rouge_pair, sentences
 
 
 def headline_rows(n: int, seed: int, source: str = "document", target: str = "summary") -> list[dict]:
@@ -104,6 +105,38 @@ def test_rouge_lsum_equals_rouge_score_on_the_same_sentences():
     assert sentences("He paid 3.5 dollars. (Really!) Then\nleft.") == [["he", "paid", "3", "5", "dollars"],
                                                                      ["really"], ["then"], ["left"]]  # fmt: skip
     assert rouge_pair("b a. d c.", "a b c d")["rougeLsum"] == pytest.approx(0.5)  # one reference sentence: LCS 2
+
+
+def test_stemmed_rouge_equals_rouge_score_with_its_stemmer():
+    rng = random.Random(2)
+    words = "running runs runner ran cats cat's generously generous happiness happy the a Flies flying".split()
+
+    def text() -> str:
+        return ". ".join(" ".join(rng.choices(words, k=rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+
+    stem = porter_stemmer()
+    scorer = rouge_scorer.RougeScorer(["rouge1", "rouge2", "rougeL", "rougeLsum"], use_stemmer=True)
+    for _ in range(200):
+        prediction, reference = text(), text()
+        theirs = scorer.score(reference.replace(". ", "\n"), prediction.replace(". ", "\n"))
+        ours = rouge_pair(prediction, reference, stem)
+        for name, score in theirs.items():
+            assert ours[name] == pytest.approx(score.fmeasure), (prediction, reference, name)
+    assert rouge(["the cats ran"], ["a cat runs"], stem)["rouge1"] == pytest.approx(100 / 3)  # "cat" alike
+    assert rouge(["the cats ran"], ["a cat runs"])["rouge1"] == 0.0
+
+
+def test_the_stemmer_is_refused_in_one_line_where_nltk_is_missing(tiny_t5_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "nltk.stem.porter", None)  # what an environment without nltk imports
+    options = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_t5_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", headline_rows(8, 0)),
+        "output_dir": str(tmp_path / "out"),
+        "rouge_stemmer": "true",
+    }
+    cases = {"no nltk": (options, "error: --rouge_stemmer true needs NLTK's Porter stemmer: pip install nltk")}
+    assert_each_refused(cases, capsys, tmp_path / "out")
 
 
 def test_sources_and_targets_as_rows(tiny_t5_dir, tmp_path):
@@ -406,10 +439,21 @@ def test_bart_trains_and_writes_in_one_pass_whatever_its_saved_beams(tiny_bart_d
         assert message in capsys.readouterr().err
 
 
-def test_beam_search_scores_writes_and_generates_as_the_checkpoint_configures_it(tiny_bart_dir, tmp_path, capsys):
+def test_beam_search_scores_writes_and_generates_as_the_checkpoint_configures_it(
+    tiny_bart_dir, tmp_path, capsys, monkeypatch
+):
     """--generation_num_beams 3: evaluation, predictions, `generate` (by default, from args.json) and the card's
     snippet all decode as transformers' generate() does with 3 beams, under the checkpoint's saved length rules
-    (its minimum length holds here, as it does not in one greedy pass)."""
+    (its minimum length holds here, as it does not in one greedy pass). --rouge_stemmer reaches the scores."""
+    from cloudtrain.tasks import seq2seq
+
+    stemmed: list[str] = []
+
+    def watched_stemmer():
+        stem = porter_stemmer()
+        return lambda word: stemmed.append(word) or stem(word)
+
+    monkeypatch.setattr(seq2seq, "porter_stemmer", watched_stemmer)
     out = tmp_path / "out"
     sources = ["red cat runs", "a dog"]
     options = {
@@ -421,12 +465,14 @@ def test_beam_search_scores_writes_and_generates_as_the_checkpoint_configures_it
         "max_length": 16,
         "max_target_length": 8,
         "generation_num_beams": 3,
+        "rouge_stemmer": "true",
         "max_steps": 3,
         "mixed_precision": "no",
         "report_to": "none",
     }
     assert main([f"--{k}={v}" for k, v in options.items()]) == 0
     assert ", 3 beams)" in capsys.readouterr().out  # the evaluation line says how it decoded
+    assert stemmed  # the evaluation's ROUGE stemmed its words
     written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
     model, tokenizer = generate.load(str(out), torch.device("cpu"))
     expected = []

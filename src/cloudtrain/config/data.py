@@ -42,6 +42,11 @@ class DataConfig:
         "--task seq2seq: truncate targets to this many tokens (--max_length truncates the sources); evaluation and "
         "predictions generate up to this many.",
     )
+    rouge_stemmer: bool = opt(
+        False,
+        "--task seq2seq: stem words (NLTK's Porter stemmer, pip install nltk) before ROUGE counts them, as "
+        "transformers' run_summarization.py does (rouge_score's use_stemmer=True); off: words as written.",
+    )
     generation_num_beams: int = opt(
         1,
         "--task seq2seq: beams of the generations that evaluation scores and predictions write (1: greedy; more: "

@@ -73,6 +73,7 @@ TRAINING: dict[str, Use] = {
     "max_target_length": Use(("seq2seq",)),
     "source_prefix": Use(("seq2seq",)),
     "generation_num_beams": Use(("seq2seq",)),
+    "rouge_stemmer": Use(("seq2seq",)),
     "source_lang": Use(("seq2seq",)),
     "target_lang": Use(("seq2seq",)),
     **{f.name: Use(("text_to_image",)) for f in dataclasses.fields(ImagesConfig)},

@@ -4,23 +4,40 @@ ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum are F1 scores per example, averaged: th
 (lower-cased runs of letters and digits, no stemming), except that letters outside ASCII count as letters too
 (rouge_score drops them, so a summary in Greek scores 0). ROUGE-Lsum is the summary-level LCS over sentences
 (`sentences`: lines, and breaks after . ! or ? before a space), as rouge_score scores texts of one sentence a line.
+With `porter_stemmer()` words of more than three letters are stemmed first, as rouge_score's use_stemmer=True (what
+transformers' run_summarization.py reports).
 BLEU is corpus BLEU over the whole split as sacreBLEU computes it by default: its 13a tokenization, n-grams up to 4,
 the brevity penalty over the corpus, exponential smoothing of empty orders. tests/test_seq2seq.py checks both
 against those packages.
 """
 
+import functools
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+
+from cloudtrain.errors import UserError
+
+Stemmer = Callable[[str], str]
 
 _WORD = re.compile(r"[^\W_]+")  # letters and digits, any script
 # a sentence ends at a line break, or at . ! ? (and any closing quotes or brackets) before white space
 _SENTENCE_END = re.compile(r"\n|(?<=[.!?])[\"'”’)\]]*\s+")
 
 
-def rouge_words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
+def rouge_words(text: str, stem: Stemmer | None = None) -> list[str]:
+    words = _WORD.findall(text.lower())
+    return [stem(word) if len(word) > 3 else word for word in words] if stem else words
+
+
+def porter_stemmer() -> Stemmer:
+    """NLTK's Porter stemmer (rouge_score's), or a UserError saying how to install it."""
+    try:
+        from nltk.stem.porter import PorterStemmer
+    except ImportError:
+        raise UserError("--rouge_stemmer true needs NLTK's Porter stemmer: pip install nltk") from None
+    return functools.lru_cache(maxsize=1 << 16)(PorterStemmer().stem)  # summaries repeat their words
 
 
 def _ngrams(words: Sequence[str], n: int) -> Counter:
@@ -66,9 +83,9 @@ def _lcs_positions(a: Sequence[str], b: Sequence[str]) -> set[int]:
     return found
 
 
-def sentences(text: str) -> list[list[str]]:
+def sentences(text: str, stem: Stemmer | None = None) -> list[list[str]]:
     """The words of each sentence of `text` (empty sentences left out)."""
-    return [words for part in _SENTENCE_END.split(text) if (words := rouge_words(part))]
+    return [words for part in _SENTENCE_END.split(text) if (words := rouge_words(part, stem))]
 
 
 def _summary_lcs(predicted: list[list[str]], reference: list[list[str]]) -> float:
@@ -86,23 +103,23 @@ def _summary_lcs(predicted: list[list[str]], reference: list[list[str]]) -> floa
     return _f1(hits, size_p, size_r)
 
 
-def rouge_pair(prediction: str, reference: str) -> dict[str, float]:
+def rouge_pair(prediction: str, reference: str, stem: Stemmer | None = None) -> dict[str, float]:
     """ROUGE-1/2/L/Lsum F1 of one prediction against its reference, each in [0, 1]."""
-    pred, ref = rouge_words(prediction), rouge_words(reference)
+    pred, ref = rouge_words(prediction, stem), rouge_words(reference, stem)
     scores = {}
     for n in (1, 2):
         p, r = _ngrams(pred, n), _ngrams(ref, n)
         scores[f"rouge{n}"] = _f1(sum((p & r).values()), sum(p.values()), sum(r.values()))
     scores["rougeL"] = _f1(_lcs(pred, ref), len(pred), len(ref))
-    scores["rougeLsum"] = _summary_lcs(sentences(prediction), sentences(reference))
+    scores["rougeLsum"] = _summary_lcs(sentences(prediction, stem), sentences(reference, stem))
     return scores
 
 
-def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, float]:
-    """The mean ROUGE-1/2/L/Lsum F1 over the examples, in percent (0 for none)."""
+def rouge(predictions: Sequence[str], references: Sequence[str], stem: Stemmer | None = None) -> dict[str, float]:
+    """The mean ROUGE-1/2/L/Lsum F1 over the examples, in percent (0 for none); `stem`: porter_stemmer() or none."""
     totals = Counter({"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0, "rougeLsum": 0.0})
     for prediction, reference in zip(predictions, references, strict=True):
-        totals.update(rouge_pair(prediction, reference))
+        totals.update(rouge_pair(prediction, reference, stem))
     return {name: 100 * total / max(len(predictions), 1) for name, total in totals.items()}
 
 

@@ -4,9 +4,10 @@ Supports: summarization and translation data as two text columns (XSum's, CNN/Da
 are read without options; else --text_column and --label_column) or WMT's `translation` records (--source_lang,
 --target_lang), T5's task prefixes (--source_prefix), targets cut at --max_target_length; the loss over target
 tokens, and at each evaluation generations (greedy, or --generation_num_beams beams) scored by ROUGE-1/2/L/Lsum
-and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled evaluation splits (generations in
-`<split>_predictions.jsonl`); `cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both
-trainers, DDP and DeepSpeed ZeRO 1-3 (every process generates in step), and the Hub push.
+(--rouge_stemmer: stemmed) and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled
+evaluation splits (generations in `<split>_predictions.jsonl`); `cloudtrain generate` with the saved model;
+adapters (LoRA, DoRA, QLoRA), both trainers, DDP and DeepSpeed ZeRO 1-3 (every process generates in step), and
+the Hub push.
 Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), sampling in
 evaluation, pretraining from --model_config, FSDP (the encoder's and decoder's shared embedding),
 --training_type pipeline, tensor or context parallelism, packing, planning its memory (`cloudtrain plan`).
@@ -41,7 +42,7 @@ from cloudtrain.data.source_target import (
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.generate import search_options
-from cloudtrain.metrics.text_overlap import bleu, rouge
+from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge
 from cloudtrain.models.load import context_length, read_config
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.publish.classifier_card import build_model_card
@@ -73,13 +74,15 @@ class Seq2SeqTask(ClassificationTask):
         self.forced_eos = False  # whether generation ends every text with EOS, cut or not (BART's forced_eos_token_id)
 
     def check_options(self, cfg: Config) -> None:
-        """One source column, then the classifier's checks (a pretrained checkpoint, the tokenizer within its
-        vocabulary, --max_length within its positions, and `check_fit`), then no FSDP."""
+        """One source column, the stemmer where asked for, then the classifier's checks (a pretrained checkpoint,
+        the tokenizer within its vocabulary, --max_length within its positions, and `check_fit`), then no FSDP."""
         if cfg.data.text_pair_column:
             raise UserError(
                 "--task seq2seq reads one source column (--text_column); drop --text_pair_column, or join the two "
                 "texts into one column"
             )
+        if cfg.data.rouge_stemmer:
+            porter_stemmer()  # installed, or refused before any work
         super().check_options(cfg)
         refusal = self.sharding_refusal(cfg, sharding(cfg))
         if refusal:
@@ -235,7 +238,7 @@ class Seq2SeqTask(ClassificationTask):
                 references += self.decode(labels.cpu())
         runtime = time.perf_counter() - start
         return {
-            **rouge(predictions, references),
+            **rouge(predictions, references, porter_stemmer() if self.cfg.data.rouge_stemmer else None),
             "bleu": bleu(predictions, references),
             "loss": loss_sum / max(tokens, 1),
             "generated_tokens": written / max(len(predictions), 1),
