@@ -58,7 +58,7 @@ def test_help_and_refusals_import_no_task_or_trainer():
         "--training_type turbo": "'turbo' is not one of basic, accelerated, pipeline",
         "--metric_for_best_model meteor": "'meteor' is not one of accuracy, macro_f1, loss, micro_f1, "
         "subset_accuracy, rmse, mae, pearson, spearman, f1, precision, recall, exact_match, rougeL, rouge1, rouge2, "
-        "bleu, perplexity",
+        "rougeLsum, bleu, perplexity",
         "--optim sgd": "'sgd' is not one of adamw",
     }
     said = answers(["--help", "train --help", *train])
