@@ -8,6 +8,7 @@ or `install(faults)` in the test process. FAULTS_JSON keys (steps count from 1, 
     loss_scale    {"step": n, "factor": f}: step n's loss (and so its gradients) times f; with "from_step": n
                   instead, every step from n on (a factor of -1: gradient ascent, a model that gets worse)
     slow_data     {"from_step": n, "seconds": s}: from step n on, each batch arrives s later
+    slow_prepare  {"rank": r, "seconds": s}: rank r's data processing (tokenizing) takes s longer
 """
 
 import json
@@ -43,6 +44,7 @@ def install(faults: dict, setattr=setattr) -> None:
         setattr(trainer, "move", slowed(trainer.__dict__["move"]))
     for task in _task_classes():
         setattr(task, "loss", _faulty_loss(task.loss, faults, rank, step))
+        setattr(task, "process", _slow_process(task.process, faults, rank))
 
 
 def _trainer_classes() -> list[type]:
@@ -56,6 +58,16 @@ def _task_classes() -> list[type]:
     from cloudtrain.tasks.classification import ClassificationTask
 
     return [ClassificationTask, CausalLMTask]
+
+
+def _slow_process(real, faults: dict, rank: int):
+    def process(self, *args, **kwargs):
+        slow = faults.get("slow_prepare")
+        if slow and rank == slow["rank"]:
+            time.sleep(slow["seconds"])
+        return real(self, *args, **kwargs)
+
+    return process
 
 
 def _faulty_loss(real, faults: dict, rank: int, step: list[int]):

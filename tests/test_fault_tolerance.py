@@ -12,7 +12,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -196,10 +195,11 @@ def test_zero2_on_two_nodes_killed_and_restarted_equals_a_run_never_stopped(tiny
 def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_named(
     tiny_model_dir, topic_csvs, tmp_path
 ):
-    faults = json.dumps({"hang": {"rank": 1, "step": 3}})
+    """Rank 1 hangs at step 3: rank 0 stops after 5 s, naming the operation. Before that, rank 0 tokenizes for
+    longer than the timeout while rank 1 waits for its cache: work, which the timeout does not cut."""
+    faults = json.dumps({"hang": {"rank": 1, "step": 3}, "slow_prepare": {"rank": 0, "seconds": 8}})
     cmd = [*torchrun(), str(FAULTS), faults, *options(tiny_model_dir, topic_csvs, "--collective_timeout", "5")]
     proc = start(cmd, tmp_path)
-    began = time.monotonic()
     lines: list[str] = []
 
     def said() -> bool:  # rank 0's error line; rank 1 sleeps on until the launcher kills it
@@ -213,7 +213,6 @@ def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_n
     line = next(line for line in lines if "collective_timeout" in line)
     assert line.startswith("error: process 0 (node 0) waited longer than --collective_timeout 5s"), line
     assert "in forward and backward (the gradient all-reduce) after step 2" in line, line
-    assert time.monotonic() - began < 120
 
 
 def in_process(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:

@@ -28,9 +28,16 @@ from accelerate.utils import broadcast_object_list, gather, gather_object, recur
 from cloudtrain.config import Config
 from cloudtrain.parallel.mesh import Mesh
 
+# How long the others wait while the owners of a cache fill it (tokenizing a large dataset once per node): work of
+# unknown length, not a hung peer, so it is not cut at --collective_timeout (transformers' users meet that as the
+# watchdog's timeout in main_process_first and raise ddp_timeout for it).
+PREPARATION_WAIT_S = 24 * 3600.0
+
 
 class Runtime:
     """Process identity and collectives; `accelerator` is None for a plain one-process run."""
+
+    collective_timeout: float | None = None  # --collective_timeout once set on the launch's process group
 
     def __init__(self, accelerator: Accelerator | None = None):
         self.accelerator = accelerator
@@ -63,12 +70,26 @@ class Runtime:
     @contextlib.contextmanager
     def owner_first(self, owner: bool) -> Iterator[None]:
         """The owners of a folder (checkpointing.Storage: one per node on local disks, one in all on a shared
-        filesystem) run the block first, filling a cache there; then the others, which read it."""
+        filesystem) run the block first, filling a cache there; then the others, which read it. Their wait is
+        not cut at --collective_timeout (PREPARATION_WAIT_S)."""
         if self.count > 1 and not owner:
-            self.barrier()
+            self.patient_barrier()
         yield
         if self.count > 1 and owner:
-            self.barrier()
+            self.patient_barrier()
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """How long a collective of every process waits for the others before the run stops."""
+        set_collective_timeout(seconds)
+        self.collective_timeout = seconds
+
+    def patient_barrier(self) -> None:
+        """A barrier that waits up to PREPARATION_WAIT_S (or --collective_timeout if longer)."""
+        if self.collective_timeout is None:
+            return self.barrier()
+        set_collective_timeout(max(self.collective_timeout, PREPARATION_WAIT_S))
+        self.barrier()
+        set_collective_timeout(self.collective_timeout)
 
     def gather_objects(self, value: Any) -> list:
         """Every process's `value` (picklable), in process order, on every process."""
@@ -188,6 +209,7 @@ class PipelineRuntime(Runtime):
         for group in (None, self.pp_group, self.dp_group, self.ends_group):
             if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a middle stage is in no ends group
                 set_collective_timeout(collective_timeout, group)
+        self.collective_timeout = collective_timeout
 
     def barrier(self) -> None:
         dist.barrier()

@@ -37,7 +37,7 @@ from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel import context, fsdp, sequence, tensor
 from cloudtrain.parallel.distributed import build_accelerator, deepspeed_requested, fsdp_requested, sharding
 from cloudtrain.parallel.mesh import Mesh
-from cloudtrain.parallel.runtime import Runtime, join_launch, set_collective_timeout
+from cloudtrain.parallel.runtime import Runtime, join_launch
 from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import Task
 from cloudtrain.training.meter import StepStats
@@ -77,7 +77,7 @@ class AcceleratedTrainer(Trainer):
             runtime = context.launch_runtime(accelerator, cfg)
         else:  # a plain Runtime without --tensor_parallel_size
             runtime = tensor.launch_runtime(accelerator, cfg)
-        set_collective_timeout(cfg.distributed.collective_timeout)
+        runtime.set_collective_timeout(cfg.distributed.collective_timeout)
         return runtime
 
     def __init__(
