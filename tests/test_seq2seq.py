@@ -105,6 +105,7 @@ def test_rouge_lsum_equals_rouge_score_on_the_same_sentences():
     assert sentences("He paid 3.5 dollars. (Really!) Then\nleft.") == [["he", "paid", "3", "5", "dollars"],
                                                                      ["really"], ["then"], ["left"]]  # fmt: skip
     assert rouge_pair("b a. d c.", "a b c d")["rougeLsum"] == pytest.approx(0.5)  # one reference sentence: LCS 2
+    assert rouge_pair("猫が好き。犬も好き。", "犬も好き。猫が好き。")["rougeLsum"] == 1.0  # full stops without spaces
 
 
 def test_stemmed_rouge_equals_rouge_score_with_its_stemmer():
@@ -493,6 +494,14 @@ def test_beam_search_scores_writes_and_generates_as_the_checkpoint_configures_it
     assert capsys.readouterr().out.startswith(f"{sources[0]}\n{greedy[0].strip()}")
     assert main(["generate", "--model_dir", str(out), "--prompt", "x", "--num_beams", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --num_beams must be at least 1 (1: no beam search), got 0"
+    assert main(["generate", "--model_dir", str(out), "--prompt", "x", "--max_new_tokens", "4"]) == 2
+    assert "asks beam search for at least 5 new tokens, more than --max_new_tokens 4" in capsys.readouterr().err
+    assert (
+        main(["generate", "--model_dir", str(out), "--prompt", sources[0], "--max_new_tokens", "8", "--do_sample"]) == 0
+    )
+    torch.manual_seed(42)  # generate's --seed: asked to sample, it samples, one beam, streamed
+    sampled = generate.generate_texts(model, tokenizer, sources[:1], max_new_tokens=8, do_sample=True)[0]
+    assert capsys.readouterr().out.startswith(f"{sources[0]}\n{sampled}")
 
     from cloudtrain.config.parse import resolve_options
     from cloudtrain.tasks import build_task
@@ -528,6 +537,12 @@ def test_bart_refusals_and_an_encoder_decoder_classifier_is_not_for_generate(tin
         "a second text": (
             {**base, "text_pair_column": "summary"},
             "--task seq2seq reads one source column (--text_column); drop --text_pair_column",
+        ),
+        "beams that could not end": (  # the saved min_length 6: five new tokens at least
+            {**base, "max_target_length": "4", "generation_num_beams": "2"},
+            "the model's saved generation config asks beam search for at least 5 new tokens, more than "
+            "--max_target_length 4: no generation could end; raise --max_target_length, or pass "
+            "--generation_num_beams 1",
         ),
     }
     assert_each_refused(cases, capsys, out)

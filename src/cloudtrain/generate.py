@@ -14,16 +14,18 @@ starts over, `/exit` or Ctrl-D ends it.
 
 For each prompt it prints the prompt and streams the continuation to the terminal as it is produced,
 one prompt after another, with a separator line between them. Greedy decoding by default;
-`--do_sample true` samples with --temperature, --top_k and --top_p. The random generator is seeded
+`--do_sample true` samples with --temperature, --top_k and --top_p; `--num_beams N` runs beam search, whose
+text prints when it is complete (nothing can stream it). The random generator is seeded
 from --seed before each prompt, so a prompt gives the same text whatever other prompts are run with it.
 Prompts come from --prompt (repeatable) and --input_file: .txt (one prompt per line, blank lines
 skipped) or .csv/.tsv/.json/.jsonl with a --text_column. An empty prompt starts from the BOS token.
 The model runs in fp32 on CPU and in bf16 on a CUDA GPU that computes it natively.
 
 An encoder-decoder reads each prompt whole and writes a new text (the training's --source_prefix, T5's
-"summarize: ", goes before each prompt).
+"summarize: ", goes before each prompt), with the beams its evaluation used (--generation_num_beams) unless
+--num_beams or --do_sample true says otherwise.
 
-Not supported: sequence-classification models (use `predict`), batched or multi-GPU generation, beam search.
+Not supported: sequence-classification models (use `predict`), batched or multi-GPU generation.
 Prompt plus --max_new_tokens must fit a decoder's context length.
 
 The options, and the checks of their values, are cloudtrain.commands.generate's; `run` is the command once they
@@ -74,8 +76,20 @@ ONE_PASS = {
 
 def search_options(num_beams: int) -> dict:
     """generate()'s arguments for one pass (ONE_PASS) or for beam search with `num_beams` beams, which keeps the
-    checkpoint's saved length penalty and length rules (as transformers' Seq2SeqTrainer does)."""
-    return dict(ONE_PASS) if num_beams == 1 else {"num_beams": num_beams}
+    checkpoint's saved length penalty and length rules (as transformers' Seq2SeqTrainer does); one text per
+    prompt either way, whatever number of return sequences the checkpoint saved."""
+    return {**(ONE_PASS if num_beams == 1 else {"num_beams": num_beams}), "num_return_sequences": 1}
+
+
+def beam_length_problem(generation_config, max_new_tokens: int, encoder_decoder: bool) -> str | None:
+    """Why beam search under a checkpoint's saved minimum length could not end a text within `max_new_tokens`
+    (every text would run to the cut), or None. An encoder-decoder's min_length counts its start token too."""
+    least = generation_config.min_new_tokens or 0
+    if encoder_decoder and generation_config.min_length:
+        least = max(least, generation_config.min_length - 1)
+    if least <= max_new_tokens:
+        return None
+    return f"the model's saved generation config asks beam search for at least {least} new tokens"
 
 
 # ---------------------------------------------------------------- checks (before anything is loaded)
@@ -325,8 +339,8 @@ def run(args: argparse.Namespace) -> None:
     seq2seq = model.config.is_encoder_decoder
     if seq2seq:  # as its training's sources
         prompts = [trained.get("source_prefix", "") + prompt for prompt in prompts]
-    if args.num_beams is None:  # as the run's evaluation decoded
-        args.num_beams = trained.get("generation_num_beams", 1) if seq2seq else 1
+    if args.num_beams is None:  # as the run's evaluation decoded, unless asked to sample
+        args.num_beams = trained.get("generation_num_beams", 1) if seq2seq and not args.do_sample else 1
     if args.system_prompt is None and trained.get("system_prompt"):
         args.system_prompt = trained["system_prompt"]  # what every training example began with
     texts = (
@@ -335,6 +349,11 @@ def run(args: argparse.Namespace) -> None:
         else prompts
     )
     check_lengths(model, tokenizer, texts, args.max_new_tokens, add_special_tokens=not templated)
+    if args.num_beams > 1 and (problem := beam_length_problem(model.generation_config, args.max_new_tokens, seq2seq)):
+        raise UserError(
+            f"{problem}, more than --max_new_tokens {args.max_new_tokens}: no text could end; raise "
+            "--max_new_tokens, or pass --num_beams 1"
+        )
     # beam search knows its text only at the end: printed whole (show), not streamed
     streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True) if args.num_beams == 1 else None
     options = dict(
@@ -370,7 +389,8 @@ def _too_long(tokenizer, text: str, max_new_tokens: int, limit: int) -> bool:
 
 
 def chat(model, tokenizer, args: argparse.Namespace, options: dict) -> None:
-    """Read a user turn, stream the answer, keep both; /reset and /exit are commands."""
+    """Read a user turn, stream the answer (print it whole with beams), keep both; /reset and /exit are
+    commands."""
     system = _system(args)
     history: list[dict] = []
     limit = _context(model)

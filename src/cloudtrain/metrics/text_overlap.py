@@ -3,12 +3,11 @@
 ROUGE-1, ROUGE-2, ROUGE-L and ROUGE-Lsum are F1 scores per example, averaged: the words are rouge_score's
 (lower-cased runs of letters and digits, no stemming), except that letters outside ASCII count as letters too
 (rouge_score drops them, so a summary in Greek scores 0). ROUGE-Lsum is the summary-level LCS over sentences
-(`sentences`: lines, and breaks after . ! or ? before a space), as rouge_score scores texts of one sentence a line.
-With `porter_stemmer()` words of more than three letters are stemmed first, as rouge_score's use_stemmer=True (what
-transformers' run_summarization.py reports).
-BLEU is corpus BLEU over the whole split as sacreBLEU computes it by default: its 13a tokenization, n-grams up to 4,
-the brevity penalty over the corpus, exponential smoothing of empty orders. tests/test_seq2seq.py checks both
-against those packages.
+(`sentences`: lines, and breaks after . ! or ? before a space, or after 。！？), as rouge_score scores texts of one
+sentence a line. With `porter_stemmer()` words of more than three letters are stemmed first, as rouge_score's
+use_stemmer=True (what transformers' run_summarization.py reports). BLEU is corpus BLEU over the whole split as
+sacreBLEU computes it by default: its 13a tokenization, n-grams up to 4, the brevity penalty over the corpus,
+exponential smoothing of empty orders. tests/test_seq2seq.py checks both against those packages.
 """
 
 import functools
@@ -22,8 +21,9 @@ from cloudtrain.errors import UserError
 Stemmer = Callable[[str], str]
 
 _WORD = re.compile(r"[^\W_]+")  # letters and digits, any script
-# a sentence ends at a line break, or at . ! ? (and any closing quotes or brackets) before white space
-_SENTENCE_END = re.compile(r"\n|(?<=[.!?])[\"'”’)\]]*\s+")
+# a sentence ends at a line break, at . ! ? (and any closing quotes or brackets) before white space, or at a full
+# stop of a script written without spaces (Chinese and Japanese 。！？)
+_SENTENCE_END = re.compile(r"\n|(?<=[.!?])[\"'”’)\]]*\s+|(?<=[。！？])[」』”’）]*\s*")
 
 
 def rouge_words(text: str, stem: Stemmer | None = None) -> list[str]:

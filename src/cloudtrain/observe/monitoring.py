@@ -280,7 +280,8 @@ class AnomalyDetector:
                         float(slowest),
                         f"straggler at step {step}: process {slowest} ({self.places[slowest]}) spends "
                         f"{worst * 1000:.0f} ms per step on its own data and forward passes, {worst / typical:.1f}x "
-                        f"the median {typical * 1000:.0f} ms; every other process waits for it at each all-reduce",
+                        f"the median {typical * 1000:.0f} ms; every other process waits for it at each all-reduce "
+                        "(--straggler_ratio 0: off)",
                     )
                 )
         return found

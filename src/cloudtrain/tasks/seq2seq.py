@@ -25,7 +25,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from datasets import Dataset, DatasetDict
 from huggingface_hub import ModelCard
-from transformers import AutoModelForSeq2SeqLM, PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
 
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
@@ -41,10 +47,11 @@ from cloudtrain.data.source_target import (
 )
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
-from cloudtrain.generate import search_options
+from cloudtrain.generate import beam_length_problem, search_options
 from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge
 from cloudtrain.models.load import context_length, read_config
 from cloudtrain.parallel.distributed import Sharding, sharding
+from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
@@ -90,9 +97,11 @@ class Seq2SeqTask(ClassificationTask):
 
     def check_fit(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> None:
         """An encoder-decoder whose decoder knows its start token; --max_target_length within its positions and
-        past the tokenizer's special tokens."""
+        past the tokenizer's special tokens, and past the minimum length beam search would keep."""
         _check_model(config, cfg.model.model_name_or_path)
         _check_target_length(config, tokenizer, cfg.data.max_target_length)
+        if cfg.data.generation_num_beams > 1:
+            _check_beam_length(config, cfg)
 
     def sharding_refusal(self, cfg: Config, shards: Sharding) -> str | None:
         """FSDP2 as accelerate applies it groups the input embedding with the head, but not the encoder's and the
@@ -180,7 +189,8 @@ class Seq2SeqTask(ClassificationTask):
         out = bare.generate(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
-            **search_options(self.cfg.data.generation_num_beams),  # not whatever beam search the checkpoint saved
+            # our beams (greedy by default), not the checkpoint's; beam search keeps its saved length rules
+            **search_options(self.cfg.data.generation_num_beams),
             max_new_tokens=width,
             do_sample=False,
             pad_token_id=self.decoder_ids[1],
@@ -312,6 +322,22 @@ def _check_model(config: PretrainedConfig, name: str | None) -> None:
         raise UserError(
             f"the config of {name} has no decoder_start_token_id, so the decoder could not start; set it in its "
             "config.json"
+        )
+
+
+def _check_beam_length(config: PretrainedConfig, cfg: Config) -> None:
+    """Beam search keeps the checkpoint's saved minimum length (bart-large-cnn: 56): past --max_target_length, no
+    generation could end, and every one would run to the cut."""
+    path = resolve_model_path(cfg.model)
+    try:
+        saved = GenerationConfig.from_pretrained(path)
+    except OSError:  # none saved: the model config's legacy generation fields
+        saved = GenerationConfig.from_model_config(config)
+    n = cfg.data.max_target_length
+    if problem := beam_length_problem(saved, n, encoder_decoder=True):
+        raise UserError(
+            f"{problem}, more than --max_target_length {n}: no generation could end; raise --max_target_length, "
+            "or pass --generation_num_beams 1 (one pass, without the saved length rules)"
         )
 
 
