@@ -52,11 +52,17 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def launch(launcher: list[str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def launch(
+    launcher: list[str], *args: str, timeout: int = 300, kill_at: str | None = None
+) -> subprocess.CompletedProcess:
+    """The launch, which must succeed; with `kill_at` (a kill point, cloudtrain.faults) every process kills itself
+    there, and the launch must fail."""
     env = {**os.environ, "PYTHONPATH": child_pythonpath(), "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
     env.pop("ACCELERATE_USE_CPU", None)
+    if kill_at:
+        env["CLOUDTRAIN_TEST_KILL_AT"] = kill_at
     result = subprocess.run([*launcher, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
-    assert result.returncode == 0, (result.stdout[-2000:], result.stderr[-4000:])
+    assert (result.returncode != 0) == bool(kill_at), (result.stdout[-2000:], result.stderr[-4000:])
     return result
 
 
@@ -365,7 +371,7 @@ def test_basic_trainer_under_a_multi_process_launcher_is_refused(tiny_model_dir,
         text=True,
         env=env,
         cwd=REPO,
-        timeout=120,
+        timeout=300,
     )
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]

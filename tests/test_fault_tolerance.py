@@ -155,7 +155,8 @@ def test_ddp_on_two_nodes_survives_losing_every_node_and_losing_one_worker(tiny_
     out0, _ = finish(start_two_nodes(straight, args, program=slow_node1))
     assert checkpoints(straight, 0) == checkpoints(straight, 1) == [7, 14, 21, 28, 35]
     stragglers = [line for line in out0.splitlines() if line.startswith("warning: straggler")]
-    assert len(stragglers) == 1 and "process 1 (node 1, " in stragglers[0], out0  # once, when it began
+    # once when it began (a unit test below); a busy machine may slow process 0 enough to end it for an interval
+    assert stragglers and all("process 1 (node 1, " in line for line in stragglers), out0
     assert "straggler" in {e["event"] for e in events(straight / "node0" / "out")}
     reference = straight / "node0" / "out" / "model.safetensors"
 
@@ -278,7 +279,8 @@ def test_a_slowed_data_loader_shows_in_the_data_share_and_as_a_throughput_drop(
 
     install({"slow_data": {"from_step": 26, "seconds": 0.5}}, monkeypatch.setattr)  # a step takes ~20 ms
     out = tmp_path / "out"
-    assert main(in_process(tiny_model_dir, topic_csvs, out)) == 0
+    # 0.5 s a batch is a few percent of the running median: a busy machine rarely slows a run that far
+    assert main(in_process(tiny_model_dir, topic_csvs, out, "--throughput_drop_ratio", "0.1")) == 0
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     # the second slow interval (steps 31-35) warns, or the first when the interval before was slow already (a
     # machine busy with other tests slows a run too); never before the data slowed down

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -377,6 +378,9 @@ def test_reachable_gives_up_after_its_timeout(silent_server, monkeypatch):
     monkeypatch.setattr(urllib.request, "urlopen", hanging_urlopen)
     try:
         assert reachable("https://api.wandb.invalid", timeout=0.2) is False  # True only if it had waited
+        deadline = time.monotonic() + 10  # the probe's thread may start late on a busy machine
+        while not timeouts and time.monotonic() < deadline:
+            time.sleep(0.01)
         assert timeouts == [0.2]  # the socket timeout is the probe's own
     finally:
         release.set()
