@@ -49,6 +49,7 @@ def validate(cfg: Config) -> None:
         ),
         (t.early_stopping_threshold < 0, "--early_stopping_threshold must not be negative"),
         (t.neftune_noise_alpha < 0, "--neftune_noise_alpha must not be negative (0: off)"),
+        (not 0 <= t.label_smoothing < 1, "--label_smoothing must be in [0, 1) (0: off; 0.1 is usual)"),
         (
             t.neftune_noise_alpha > 0
             and (cfg.distributed.tensor_parallel_size > 1 or cfg.distributed.context_parallel_size > 1),

@@ -35,6 +35,7 @@ PEER_OPTIONS = {
     "max_seq_length": "max_length", "max_seq_len": "max_length", "dataset_text_field": "text_column",
     "lora_rank": "lora_r", "target_modules": "lora_target_modules", "use_peft": "peft lora",
     "deepspeed": "deepspeed_config", "model_name": "model_name_or_path", "tokenizer_name": "tokenizer_name_or_path",
+    "label_smoothing_factor": "label_smoothing",
 }  # fmt: skip
 NOT_NEEDED = {
     "do_train": "a run always trains",

@@ -132,6 +132,12 @@ class TrainingConfig:
     early_stopping_threshold: float = opt(
         0.0, "Early stopping: how much the metric must improve on its best to count, in the metric's own units."
     )
+    label_smoothing: float = opt(
+        0.0,
+        "Label smoothing of the training loss (--task classification, token_classification and seq2seq): the "
+        "target gets 1 - e + e/K of the probability, each of the K classes e/K (0.1 is usual for translation; 0: "
+        "off). Evaluation reports the plain cross-entropy.",
+    )
     neftune_noise_alpha: float = opt(
         0.0,
         "NEFTune (--task sft, causal_lm and the classifiers): uniform noise of scale alpha / sqrt(row "

@@ -135,7 +135,12 @@ class ClassificationTask(Task):
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs).logits
-        return F.cross_entropy(logits.float(), batch["labels"], reduction="sum"), self.loss_count(batch)
+        loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum", label_smoothing=self.smoothing())
+        return loss, self.loss_count(batch)
+
+    def smoothing(self) -> float:
+        """--label_smoothing of the training loss (evaluation's loss is the plain cross-entropy)."""
+        return self.cfg.training.label_smoothing if self.cfg else 0.0
 
     def evaluate(
         self,

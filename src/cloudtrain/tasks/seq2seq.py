@@ -164,19 +164,26 @@ class Seq2SeqTask(ClassificationTask):
     def loss_count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"] != IGNORED).sum()
 
-    def row_losses(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
-        """Each row's summed cross-entropy over its target tokens, the decoder fed the targets shifted right."""
+    def row_losses(self, model: torch.nn.Module, batch: dict, smoothing: float = 0.0) -> torch.Tensor:
+        """Each row's summed cross-entropy over its target tokens (label-smoothed by `smoothing`), the decoder fed
+        the targets shifted right."""
         labels = batch["labels"]
         logits = model(
             input_ids=batch["input_ids"],
             attention_mask=batch["attention_mask"],
             decoder_input_ids=shift_right(labels, *self.decoder_ids),
         ).logits
-        losses = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORED, reduction="none")
+        losses = F.cross_entropy(
+            logits.flatten(0, 1).float(),
+            labels.flatten(),
+            ignore_index=IGNORED,
+            reduction="none",
+            label_smoothing=smoothing,
+        )
         return losses.view(labels.shape).sum(1)
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.row_losses(model, batch).sum(), self.loss_count(batch)
+        return self.row_losses(model, batch, self.smoothing()).sum(), self.loss_count(batch)
 
     def generate(self, model: torch.nn.Module, batch: dict) -> torch.Tensor:
         """The targets of a batch's sources (greedy, or beam search with --generation_num_beams), padded to

@@ -83,7 +83,11 @@ class TokenClassificationTask(ClassificationTask):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs).logits.float()
         loss = F.cross_entropy(
-            logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            logits.flatten(0, 1),
+            batch["labels"].flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            label_smoothing=self.smoothing(),
         )
         return loss, self.loss_count(batch)
 
