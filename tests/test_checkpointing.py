@@ -85,10 +85,16 @@ def wait_for(condition, proc: subprocess.Popen, timeout: float = 300) -> None:
 
 def kill_all(proc: subprocess.Popen) -> None:
     """SIGKILL the launcher and every worker it started (torchrun's workers have their own sessions)."""
-    parent = psutil.Process(proc.pid)
-    everyone = parent.children(recursive=True) + [parent]
+    try:
+        parent = psutil.Process(proc.pid)
+        everyone = parent.children(recursive=True) + [parent]
+    except psutil.NoSuchProcess:  # it ended (and wait_for reaped it): its own failure is what the test reports
+        return
     for p in everyone:
-        p.kill()
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
     psutil.wait_procs(everyone, timeout=30)
     proc.wait()
 
@@ -130,8 +136,8 @@ def test_sigterm_saves_a_checkpoint_and_exits_then_resume_continues(tiny_model_d
     wait_for(lambda: (out / "metrics.jsonl").exists() and "train/loss" in (out / "metrics.jsonl").read_text(), proc)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=60)
-    assert time.monotonic() - sent < 60  # inside a spot/Kubernetes grace period (2 s when the machine is idle)
+    _, stderr = proc.communicate(timeout=120)
+    assert time.monotonic() - sent < 30  # inside Kubernetes' default grace period (2 s when the machine is idle)
     assert proc.returncode == 143
     assert "stopped: stopped by SIGTERM at step" in stderr and "--resume_from_checkpoint latest" in stderr
     ((step, path),) = complete_checkpoints(out / "checkpoints")

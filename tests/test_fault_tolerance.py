@@ -279,8 +279,9 @@ def test_a_slowed_data_loader_shows_in_the_data_share_and_as_a_throughput_drop(
 
     install({"slow_data": {"from_step": 26, "seconds": 0.5}}, monkeypatch.setattr)  # a step takes ~20 ms
     out = tmp_path / "out"
-    # 0.5 s a batch is a few percent of the running median: a busy machine rarely slows a run that far
-    assert main(in_process(tiny_model_dir, topic_csvs, out, "--throughput_drop_ratio", "0.1")) == 0
+    # 0.5 s a batch is a few percent of the running median (under a fifth while a step takes up to 125 ms): a busy
+    # machine rarely slows a run that far for two intervals
+    assert main(in_process(tiny_model_dir, topic_csvs, out, "--throughput_drop_ratio", "0.2")) == 0
     warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
     # the second slow interval (steps 31-35) warns, or the first when the interval before was slow already (a
     # machine busy with other tests slows a run too); never before the data slowed down

@@ -2,11 +2,18 @@
 LabelSmoother (what Trainer's label_smoothing_factor applies) on real tiny models; evaluation's loss stays the plain
 cross-entropy; bad values and tasks that do not read it are told in one line."""
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_each_refused
-from transformers import AutoModelForSeq2SeqLM, AutoModelForSequenceClassification, AutoModelForTokenClassification
+from transformers import (
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    AutoModelForTokenClassification,
+    AutoTokenizer,
+)
 from transformers.trainer_pt_utils import LabelSmoother
 
 from cloudtrain.config import build_config
@@ -67,6 +74,13 @@ def test_seq2seq_smooths_the_target_tokens(tiny_t5_dir):
     out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels)
     assert smoothed == pytest.approx(reference(out.logits, labels), rel=1e-5)
     assert plain == pytest.approx(out.loss.item(), rel=1e-5)  # transformers' own loss, unsmoothed
+
+    task = build_task(build_config({"task": "seq2seq", "label_smoothing": EPSILON, "max_target_length": 6}))
+    decoder_ids(task)
+    task.tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)  # evaluation decodes what it generates
+    same = lambda x: x  # noqa: E731 (one process: gathering and moving change nothing)
+    evaluated = task.evaluate(model, [dict(batch)], None, same, same, contextlib.nullcontext)
+    assert evaluated["loss"] == pytest.approx(out.loss.item(), rel=1e-5)  # evaluation's loss is not smoothed
 
 
 def test_bad_values_are_refused_and_other_tasks_are_told(tmp_path, capsys):

@@ -494,8 +494,8 @@ def test_beam_search_scores_writes_and_generates_as_the_checkpoint_configures_it
     assert capsys.readouterr().out.startswith(f"{sources[0]}\n{greedy[0].strip()}")
     assert main(["generate", "--model_dir", str(out), "--prompt", "x", "--num_beams", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --num_beams must be at least 1 (1: no beam search), got 0"
-    assert main(["generate", "--model_dir", str(out), "--prompt", "x", "--max_new_tokens", "4"]) == 2
-    assert "asks beam search for at least 5 new tokens, more than --max_new_tokens 4" in capsys.readouterr().err
+    assert main(["generate", "--model_dir", str(out), "--prompt", "x", "--max_new_tokens", "5"]) == 2
+    assert "end a text only after 5 new tokens, and --max_new_tokens 5 leaves no room" in capsys.readouterr().err
     assert (
         main(["generate", "--model_dir", str(out), "--prompt", sources[0], "--max_new_tokens", "8", "--do_sample"]) == 0
     )
@@ -539,9 +539,9 @@ def test_bart_refusals_and_an_encoder_decoder_classifier_is_not_for_generate(tin
             "--task seq2seq reads one source column (--text_column); drop --text_pair_column",
         ),
         "beams that could not end": (  # the saved min_length 6: five new tokens at least
-            {**base, "max_target_length": "4", "generation_num_beams": "2"},
-            "the model's saved generation config asks beam search for at least 5 new tokens, more than "
-            "--max_target_length 4: no generation could end; raise --max_target_length, or pass "
+            {**base, "max_target_length": "5", "generation_num_beams": "2"},
+            "the model's saved generation config lets beam search end a text only after 5 new tokens, and "
+            "--max_target_length 5 leaves no room for its end: raise --max_target_length, or pass "
             "--generation_num_beams 1",
         ),
     }

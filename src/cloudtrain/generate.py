@@ -42,6 +42,7 @@ from transformers import (  # noqa: F401 (AutoTokenizer: tests patch it here)
     AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoTokenizer,
+    GenerationConfig,
     TextStreamer,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
@@ -81,15 +82,16 @@ def search_options(num_beams: int) -> dict:
     return {**(ONE_PASS if num_beams == 1 else {"num_beams": num_beams}), "num_return_sequences": 1}
 
 
-def beam_length_problem(generation_config, max_new_tokens: int, encoder_decoder: bool) -> str | None:
+def beam_length_problem(generation_config: GenerationConfig, max_new_tokens: int, encoder_decoder: bool) -> str | None:
     """Why beam search under a checkpoint's saved minimum length could not end a text within `max_new_tokens`
-    (every text would run to the cut), or None. An encoder-decoder's min_length counts its start token too."""
+    (every text would run to the cut), or None. An encoder-decoder's min_length counts its start token too; the
+    text's end (EOS) comes after the minimum, so it needs one token more."""
     least = generation_config.min_new_tokens or 0
     if encoder_decoder and generation_config.min_length:
         least = max(least, generation_config.min_length - 1)
-    if least <= max_new_tokens:
+    if least < max_new_tokens:
         return None
-    return f"the model's saved generation config asks beam search for at least {least} new tokens"
+    return f"the model's saved generation config lets beam search end a text only after {least} new tokens"
 
 
 # ---------------------------------------------------------------- checks (before anything is loaded)
@@ -351,7 +353,7 @@ def run(args: argparse.Namespace) -> None:
     check_lengths(model, tokenizer, texts, args.max_new_tokens, add_special_tokens=not templated)
     if args.num_beams > 1 and (problem := beam_length_problem(model.generation_config, args.max_new_tokens, seq2seq)):
         raise UserError(
-            f"{problem}, more than --max_new_tokens {args.max_new_tokens}: no text could end; raise "
+            f"{problem}, and --max_new_tokens {args.max_new_tokens} leaves no room for its end: raise "
             "--max_new_tokens, or pass --num_beams 1"
         )
     # beam search knows its text only at the end: printed whole (show), not streamed

@@ -150,7 +150,7 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
     """Check the options, set up the launch, and build data, model, trainer and run log. The Python API may
     give a `task` object (one not chosen by --task: the user's own module) and callback objects."""
     task = task or build_task(cfg)
-    cfg = resolve(cfg, task)
+    cfg = task.cfg = resolve(cfg, task)  # a task object from the Python API reads the run's options too
     mesh = TRAINERS[cfg.training.training_type].mesh(cfg, launched_processes())
     cfg = batch_size.fixed(cfg, mesh.data_parallel)  # --global_batch_size: the accumulation (DeepSpeed checks it)
     output_dir = preflight(cfg, task)

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="Beam search with this many beams (1: none); the text then prints when it is complete, not as it is "
         "written, and the checkpoint's saved length penalty and length rules apply. Default: as the run evaluated "
-        "(--generation_num_beams of a seq2seq run), else 1.",
+        "(--generation_num_beams of a seq2seq run), else 1; 1 with --do_sample true.",
     )
     add_switch(
         parser,

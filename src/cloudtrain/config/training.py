@@ -134,9 +134,9 @@ class TrainingConfig:
     )
     label_smoothing: float = opt(
         0.0,
-        "Label smoothing of the training loss (--task classification, token_classification and seq2seq): the "
-        "target gets 1 - e + e/K of the probability, each of the K classes e/K (0.1 is usual for translation; 0: "
-        "off). Evaluation reports the plain cross-entropy.",
+        "Label smoothing of the training loss (--task classification, token_classification and seq2seq): of K "
+        "classes the target gets 1 - e + e/K of the probability, every other class e/K (0.1 is usual for "
+        "translation; 0: off). Evaluation reports the plain cross-entropy.",
     )
     neftune_noise_alpha: float = opt(
         0.0,

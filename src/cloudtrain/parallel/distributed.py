@@ -533,7 +533,7 @@ def clear_stale_build_locks() -> None:
     def building(process: psutil.Process) -> bool:  # torch runs ninja, and ninja the compiler, in the op's folder
         try:
             return process.info["name"] in COMPILERS and Path(process.cwd()).is_relative_to(root)
-        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+        except psutil.NoSuchProcess:  # (a zombie too)
             return False  # ended while we looked: it builds nothing now
         except psutil.Error:
             return process.info["name"] in COMPILERS  # not ours to look into: it may be building

@@ -88,8 +88,10 @@ class Runtime:
         if self.collective_timeout is None:
             return self.barrier()
         set_collective_timeout(max(self.collective_timeout, PREPARATION_WAIT_S))
-        self.barrier()
-        set_collective_timeout(self.collective_timeout)
+        try:
+            self.barrier()
+        finally:  # a notebook's run that failed here leaves the group as it found it
+            set_collective_timeout(self.collective_timeout)
 
     def gather_objects(self, value: Any) -> list:
         """Every process's `value` (picklable), in process order, on every process."""

@@ -343,8 +343,8 @@ def _check_beam_length(config: PretrainedConfig, cfg: Config) -> None:
     n = cfg.data.max_target_length
     if problem := beam_length_problem(saved, n, encoder_decoder=True):
         raise UserError(
-            f"{problem}, more than --max_target_length {n}: no generation could end; raise --max_target_length, "
-            "or pass --generation_num_beams 1 (one pass, without the saved length rules)"
+            f"{problem}, and --max_target_length {n} leaves no room for its end: raise --max_target_length, or "
+            "pass --generation_num_beams 1 (one pass, without the saved length rules)"
         )
 
 
