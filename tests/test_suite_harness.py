@@ -18,8 +18,11 @@ time.sleep(120)
 
 def test_a_launch_out_of_time_is_killed_with_the_workers_in_their_own_sessions(tmp_path):
     out = tmp_path / "worker.pid"
-    with out.open("w") as sink, pytest.raises(subprocess.TimeoutExpired):
-        subprocess.run([sys.executable, "-c", LAUNCHER], stdout=sink, timeout=15)
+    for limit in (3, 20):  # a busy machine may take longer than 3 s to start both interpreters: then again
+        with out.open("w") as sink, pytest.raises(subprocess.TimeoutExpired):
+            subprocess.run([sys.executable, "-c", LAUNCHER], stdout=sink, timeout=limit)
+        if out.read_text().split():
+            break
     worker = int(out.read_text().split()[0])
     deadline = time.monotonic() + 10
     while alive(worker):
