@@ -19,8 +19,9 @@ from cloudtrain.registry import TASKS
 MODELS = ("tiny_llama_dir", "tiny_gpt2_dir")
 
 
-def plain(hidden, weight, bias, targets):
-    return F.cross_entropy(F.linear(hidden, weight, bias).float(), targets, ignore_index=-100, reduction="sum")
+def plain(hidden, weight, bias, targets, smoothing=0.0):
+    logits = F.linear(hidden, weight, bias).float()
+    return F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum", label_smoothing=smoothing)
 
 
 def gradients(loss_fn, *inputs) -> tuple[float, list[torch.Tensor]]:
@@ -30,15 +31,17 @@ def gradients(loss_fn, *inputs) -> tuple[float, list[torch.Tensor]]:
     return loss.item(), [x.grad for x in leaves if x is not None and x.requires_grad]
 
 
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])  # --label_smoothing
 @pytest.mark.parametrize("chunk_rows", [1, 7, 50, 4096])
-def test_chunked_loss_and_gradients_equal_the_plain_ones(chunk_rows):
+def test_chunked_loss_and_gradients_equal_the_plain_ones(chunk_rows, smoothing):
     torch.manual_seed(0)
     hidden, weight, bias = torch.randn(50, 16), torch.randn(37, 16), torch.randn(37)
     targets = torch.randint(0, 37, (50,))
     targets[::4] = -100  # prompt tokens and document starts have no target
     inputs = (hidden.requires_grad_(), weight.requires_grad_(), bias.requires_grad_(), targets)
-    expected, expected_grads = gradients(plain, *inputs)
-    got, got_grads = gradients(lambda *a: chunked_linear_cross_entropy(*a, chunk_rows=chunk_rows), *inputs)
+    expected, expected_grads = gradients(lambda *a: plain(*a, smoothing=smoothing), *inputs)
+    chunked = lambda *a: chunked_linear_cross_entropy(*a, chunk_rows=chunk_rows, smoothing=smoothing)  # noqa: E731
+    got, got_grads = gradients(chunked, *inputs)
     assert got == pytest.approx(expected, rel=1e-6)
     for g, e in zip(got_grads, expected_grads, strict=True):
         assert torch.allclose(g, e, atol=1e-5)
@@ -69,11 +72,11 @@ def batch_of(vocab: int, cu_seqlens: bool) -> dict:
 
 
 @pytest.mark.parametrize("model_dir", MODELS)
-@pytest.mark.parametrize("task_name", ["causal_lm", "sft"])
-def test_task_loss_from_hidden_states_equals_the_logits_loss(model_dir, task_name, request):
+@pytest.mark.parametrize(("task_name", "smoothing"), [("causal_lm", 0.0), ("sft", 0.0), ("sft", 0.1)])
+def test_task_loss_from_hidden_states_equals_the_logits_loss(model_dir, task_name, smoothing, request):
     reference = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_dir)).train()
     model = copy.deepcopy(reference)
-    task, _ = task_for(task_name, request.getfixturevalue(model_dir))
+    task, _ = task_for(task_name, request.getfixturevalue(model_dir), label_smoothing=smoothing)
     batch = batch_of(reference.config.vocab_size, cu_seqlens=True)
     assert task.use_loss_kernel(None)
     expected, expected_count = task.loss(reference, batch)

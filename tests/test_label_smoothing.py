@@ -1,6 +1,6 @@
-"""--label_smoothing: the training loss of classification, token classification and seq2seq equals transformers'
-LabelSmoother (what Trainer's label_smoothing_factor applies) on real tiny models; evaluation's loss stays the plain
-cross-entropy; bad values and tasks that do not read it are told in one line."""
+"""--label_smoothing: the training loss of classification, token classification, seq2seq, causal LM and SFT equals
+transformers' LabelSmoother (what Trainer's label_smoothing_factor applies) on real tiny models; evaluation's loss
+stays the plain cross-entropy; bad values and tasks that do not read it are told in one line."""
 
 import contextlib
 
@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import assert_each_refused
 from transformers import (
+    AutoModelForCausalLM,
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
@@ -18,6 +19,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 
 from cloudtrain.config import build_config
 from cloudtrain.config.inert import inert_notes
+from cloudtrain.data.packing import CausalLMCollator, causal_lm_forward, pack
 from cloudtrain.tasks import build_task
 
 EPSILON = 0.2
@@ -83,6 +85,19 @@ def test_seq2seq_smooths_the_target_tokens(tiny_t5_dir):
     assert evaluated["loss"] == pytest.approx(out.loss.item(), rel=1e-5)  # evaluation's loss is not smoothed
 
 
+@pytest.mark.parametrize("task_name", ["causal_lm", "sft"])
+def test_a_decoder_s_next_token_loss_over_packed_documents_is_transformers_shifted_one(task_name, tiny_llama_dir):
+    """The plain logits path (the fused one equals it: tests/test_kernels.py), over bfd-packed documents."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    documents = [torch.randint(3, 200, (n,)).tolist() for n in (9, 30, 4, 17, 22)]
+    batch = CausalLMCollator(0)(pack(documents, 40, "bfd"))
+    smoothed, _ = smoothed_and_plain(task_name, model, batch)
+    logits = causal_lm_forward(model, batch)
+    expected = LabelSmoother(epsilon=EPSILON)({"logits": logits}, batch["labels"], shift_labels=True).item()
+    assert smoothed == pytest.approx(expected, rel=1e-5)
+
+
 def test_bad_values_are_refused_and_other_tasks_are_told(tmp_path, capsys):
     out = tmp_path / "out"
     cases = {
@@ -90,8 +105,8 @@ def test_bad_values_are_refused_and_other_tasks_are_told(tmp_path, capsys):
         "negative": ({"label_smoothing": "-0.1", "output_dir": str(out)}, "--label_smoothing must be in [0, 1)"),
     }
     assert_each_refused(cases, capsys, out)
-    assert inert_notes(build_config({"task": "sft", "label_smoothing": 0.1})) == [
-        "--label_smoothing 0.1 has no effect on --task sft; it counts for --task classification, "
-        "token_classification or seq2seq"
+    assert inert_notes(build_config({"task": "dpo", "label_smoothing": 0.1})) == [
+        "--label_smoothing 0.1 has no effect on --task dpo; it counts for --task classification, "
+        "token_classification, seq2seq, causal_lm or sft"
     ]
     assert inert_notes(build_config({"task": "seq2seq", "label_smoothing": 0.1})) == []

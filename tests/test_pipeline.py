@@ -135,6 +135,7 @@ def test_each_refusal_is_one_line_before_anything_loads(
         "fsdp": ({**lm, "fsdp": "true"}, "do not combine with --training_type pipeline"),
         "compile": ({**lm, "torch_compile": "true"}, "--torch_compile does not apply to pipeline stages"),
         "neftune": ({**lm, "neftune_noise_alpha": "5"}, "--neftune_noise_alpha does not apply to pipeline stages"),
+        "label smoothing": ({**lm, "label_smoothing": "0.1"}, "--label_smoothing does not apply to pipeline stages"),
         "streaming": ({**lm, "streaming": "true", "max_steps": "2", "validation_file": None}, "basic and accelerated"),
         "no stages": ({**lm, "pipeline_parallel_size": "0"}, "--pipeline_parallel_size must be at least 1"),
         "no micro-batches": ({**lm, "pipeline_microbatches": "0"}, "--pipeline_microbatches must be at least 1"),

@@ -68,7 +68,7 @@ TRAINING: dict[str, Use] = {
     "rejected_column": Use(("dpo", "reward")),
     "margin_column": Use(("reward",)),
     "label_separator": Use(("multi_label",)),
-    "label_smoothing": Use(("classification", "token_classification", "seq2seq")),
+    "label_smoothing": Use(("classification", "token_classification", "seq2seq", "causal_lm", "sft")),
     "doc_stride": Use(("question_answering",)),
     "max_answer_length": Use(("question_answering",)),
     "max_target_length": Use(("seq2seq",)),

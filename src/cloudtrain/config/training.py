@@ -134,7 +134,8 @@ class TrainingConfig:
     )
     label_smoothing: float = opt(
         0.0,
-        "Label smoothing of the training loss (--task classification, token_classification and seq2seq): of K "
+        "Label smoothing of the training loss (--task classification, token_classification, seq2seq, causal_lm "
+        "and sft; not under --training_type pipeline): of K "
         "classes the target gets 1 - e + e/K of the probability, every other class e/K (0.1 is usual for "
         "translation; 0: off). Evaluation reports the plain cross-entropy.",
     )

@@ -239,19 +239,28 @@ def attention_implementation(model: Any) -> str | None:
     return getattr(getattr(inner, "config", None), "_attn_implementation", None)
 
 
-def shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(Summed next-token cross-entropy, number of predicted tokens), both on the logits' device.
+def shifted_loss(
+    logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(Summed next-token cross-entropy, number of predicted tokens), both on the logits' device; `smoothing`:
+    --label_smoothing.
 
     Sums rather than a mean, so that batches and processes can be combined exactly by adding.
     """
-    return target_loss(logits[:, :-1], labels[:, 1:])
+    return target_loss(logits[:, :-1], labels[:, 1:], smoothing)
 
 
-def target_loss(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def target_loss(
+    logits: torch.Tensor, targets: torch.Tensor, smoothing: float = 0.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(Summed cross-entropy of each position's logits against its target, number of targets): targets already
     shifted (a context-parallel slice's, whose sums over slices add up to the whole rows')."""
     loss = F.cross_entropy(
-        logits.float().flatten(0, 1), targets.to(logits.device).flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().flatten(0, 1),
+        targets.to(logits.device).flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+        label_smoothing=smoothing,
     )
     return loss, (targets != IGNORE_INDEX).sum()
 

@@ -65,7 +65,8 @@ def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """sum over rows of cross_entropy(hidden @ weight.T + bias, targets), one chunk of rows at a time."""
+    """sum over rows of cross_entropy(hidden @ weight.T + bias, targets, label_smoothing), one chunk of rows at a
+    time."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -75,6 +76,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         bias: torch.Tensor | None,
         targets: torch.Tensor,
         chunk_rows: int,
+        smoothing: float,
     ) -> torch.Tensor:
         dtype = _compute_dtype(hidden)
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
@@ -89,14 +91,18 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 h = hidden[start : start + chunk_rows].to(dtype)
                 t = targets[start : start + chunk_rows]
                 logits = F.linear(h, w, b).float()
-                total += F.cross_entropy(logits, t, ignore_index=IGNORE_INDEX, reduction="sum")
+                total += F.cross_entropy(
+                    logits, t, ignore_index=IGNORE_INDEX, reduction="sum", label_smoothing=smoothing
+                )
                 if grads:
-                    # d(sum CE)/d logits = softmax - one-hot, on the rows that have a target
+                    # d(sum CE)/d logits = softmax - the smoothed one-hot ((1 - e) on the target, e / V on every
+                    # class), on the rows that have a target
                     grad_logits = logits.softmax(dim=-1)
+                    if smoothing:
+                        grad_logits.sub_(smoothing / logits.shape[-1])
                     keep = t != IGNORE_INDEX
-                    grad_logits.scatter_add_(1, t.clamp(min=0)[:, None], -keep[:, None].to(grad_logits.dtype)).mul_(
-                        keep[:, None]
-                    )
+                    hit = -(1 - smoothing) * keep[:, None].to(grad_logits.dtype)
+                    grad_logits.scatter_add_(1, t.clamp(min=0)[:, None], hit).mul_(keep[:, None])
                     g = grad_logits.to(dtype)
                     grad_hidden[start : start + chunk_rows] = g @ w  # type: ignore[index]
                     grad_weight.addmm_(g.t().float(), h.float())  # type: ignore[union-attr]
@@ -117,6 +123,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             None if grad_bias is None else (grad_bias * scale).to(bias_dtype),
             None,
             None,
+            None,
         )
 
 
@@ -126,16 +133,24 @@ def chunked_linear_cross_entropy(
     bias: torch.Tensor | None,
     targets: torch.Tensor,
     chunk_rows: int = CHUNK_ROWS,
+    smoothing: float = 0.0,
 ) -> torch.Tensor:
     """Summed cross-entropy of `hidden` [N, H] through the head (`weight` [V, H], `bias`) against `targets` [N]
-    (IGNORE_INDEX: no loss), with at most `chunk_rows` rows of logits alive at a time."""
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows)
+    (IGNORE_INDEX: no loss; `smoothing`: label smoothing), with at most `chunk_rows` rows of logits alive at a
+    time."""
+    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, chunk_rows, smoothing)
 
 
 def linear_cross_entropy(
-    backend: str, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor
+    backend: str,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    smoothing: float = 0.0,
 ) -> torch.Tensor:
-    """The summed cross-entropy of `hidden` through the head, by `backend` (one of BACKENDS)."""
+    """The summed cross-entropy of `hidden` through the head (label-smoothed by `smoothing`), by `backend` (one
+    of BACKENDS)."""
     if backend == "liger":
         liger = _liger()
         assert liger is not None
@@ -147,9 +162,10 @@ def linear_cross_entropy(
                 targets,
                 None if bias is None else bias.to(dtype),
                 ignore_index=IGNORE_INDEX,
+                label_smoothing=smoothing,
                 reduction="sum",
             ).float()
-    return chunked_linear_cross_entropy(hidden, weight, bias, targets)
+    return chunked_linear_cross_entropy(hidden, weight, bias, targets, smoothing=smoothing)
 
 
 def hidden_states(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tensor:

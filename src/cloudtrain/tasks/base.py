@@ -211,6 +211,10 @@ class Task:
         """(summed loss, count) of one batch."""
         raise NotImplementedError
 
+    def smoothing(self) -> float:
+        """--label_smoothing, for a training loss that reads it (evaluation's loss is the plain cross-entropy)."""
+        return self.cfg.training.label_smoothing if self.cfg else 0.0
+
     def evaluate(
         self,
         model: torch.nn.Module,

@@ -298,10 +298,11 @@ class CausalLMTask(DecoderTask):
         kernel = self.loss_kernel
         head = output_head(model) if kernel else None
         # An adapter on the head (PEFT's own module) is more than its weight: the plain path then.
+        smoothing = self.smoothing()
         if kernel is None or head is None or type(head) is not torch.nn.Linear:
             if "targets" in batch:  # a context-parallel slice: its targets were shifted before the cut
-                return target_loss(causal_lm_forward(model, batch), batch["targets"])
-            return self.logits_loss(causal_lm_forward(model, batch), batch["labels"])
+                return target_loss(causal_lm_forward(model, batch), batch["targets"], smoothing)
+            return self.logits_loss(causal_lm_forward(model, batch), batch["labels"], smoothing)
         # --fused_cross_entropy: from the hidden states, the logits never held whole
         hidden = hidden_states(model, forward_inputs(model, batch))
         weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)
@@ -312,6 +313,7 @@ class CausalLMTask(DecoderTask):
             weight,
             bias,
             targets.reshape(-1),
+            smoothing,
         )
         return total, (targets != IGNORE_INDEX).sum()
 
@@ -323,9 +325,11 @@ class CausalLMTask(DecoderTask):
         self.loss_kernel = backend
         return True
 
-    def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def logits_loss(
+        self, logits: torch.Tensor, labels: torch.Tensor, smoothing: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, count) from the logits (a pipeline's last stage computes them, not `loss`)."""
-        return shifted_loss(logits, labels)
+        return shifted_loss(logits, labels, smoothing)
 
     @torch.no_grad()
     def evaluate(

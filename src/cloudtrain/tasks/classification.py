@@ -138,10 +138,6 @@ class ClassificationTask(Task):
         loss = F.cross_entropy(logits.float(), batch["labels"], reduction="sum", label_smoothing=self.smoothing())
         return loss, self.loss_count(batch)
 
-    def smoothing(self) -> float:
-        """--label_smoothing of the training loss (evaluation's loss is the plain cross-entropy)."""
-        return self.cfg.training.label_smoothing if self.cfg else 0.0
-
     def evaluate(
         self,
         model: torch.nn.Module,

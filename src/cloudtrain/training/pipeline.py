@@ -155,6 +155,11 @@ class PipelineTrainer(Trainer):
             (t.torch_compile, "--torch_compile does not apply to pipeline stages; remove it"),
             (t.neftune_noise_alpha > 0, "--neftune_noise_alpha does not apply to pipeline stages; remove it"),
             (
+                t.label_smoothing > 0,
+                "--label_smoothing does not apply to pipeline stages (they train on the plain loss); use "
+                "--training_type accelerated",
+            ),
+            (
                 cfg.data.streaming,
                 "--streaming true runs under --training_type basic and accelerated, not pipeline; use stored rows",
             ),
