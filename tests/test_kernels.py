@@ -131,8 +131,9 @@ def test_refusals_are_one_line(tiny_llama_dir):
 
 # ---------------------------------------------------------------- on a GPU
 @pytest.mark.gpu
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])  # --label_smoothing
 @pytest.mark.parametrize("backend", ["chunked", "liger"])
-def test_fused_loss_on_cuda_in_bf16(backend):
+def test_fused_loss_on_cuda_in_bf16(backend, smoothing):
     if backend == "liger" and not kernels.liger_available():
         pytest.skip("liger-kernel is not installed here")
     torch.manual_seed(0)
@@ -140,8 +141,9 @@ def test_fused_loss_on_cuda_in_bf16(backend):
     targets = torch.randint(0, 32000, (3000,), device="cuda")
     targets[::3] = -100
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        expected, expected_grads = gradients(plain, hidden.requires_grad_(), weight.requires_grad_(), None, targets)
-        got, got_grads = gradients(lambda *a: linear_cross_entropy(backend, *a), hidden, weight, None, targets)
+        leaves = (hidden.requires_grad_(), weight.requires_grad_(), None, targets)
+        expected, expected_grads = gradients(lambda *a: plain(*a, smoothing=smoothing), *leaves)
+        got, got_grads = gradients(lambda *a: linear_cross_entropy(backend, *a, smoothing), *leaves)
     assert got == pytest.approx(expected, rel=1e-2)
     for g, e in zip(got_grads, expected_grads, strict=True):
         assert (g.float() - e.float()).abs().max() <= 0.03 * e.float().abs().max()
