@@ -72,7 +72,9 @@ def batch_of(vocab: int, cu_seqlens: bool) -> dict:
 
 
 @pytest.mark.parametrize("model_dir", MODELS)
-@pytest.mark.parametrize(("task_name", "smoothing"), [("causal_lm", 0.0), ("sft", 0.0), ("sft", 0.1)])
+@pytest.mark.parametrize(
+    ("task_name", "smoothing"), [("causal_lm", 0.0), ("sft", 0.0), ("causal_lm", 0.1), ("sft", 0.1)]
+)
 def test_task_loss_from_hidden_states_equals_the_logits_loss(model_dir, task_name, smoothing, request):
     reference = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(model_dir)).train()
     model = copy.deepcopy(reference)

@@ -20,6 +20,7 @@ from transformers.trainer_pt_utils import LabelSmoother
 from cloudtrain.config import build_config
 from cloudtrain.config.inert import inert_notes
 from cloudtrain.data.packing import CausalLMCollator, causal_lm_forward, pack
+from cloudtrain.data.processing import ProcessedData
 from cloudtrain.tasks import build_task
 
 EPSILON = 0.2
@@ -92,10 +93,20 @@ def test_a_decoder_s_next_token_loss_over_packed_documents_is_transformers_shift
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
     documents = [torch.randint(3, 200, (n,)).tolist() for n in (9, 30, 4, 17, 22)]
     batch = CausalLMCollator(0)(pack(documents, 40, "bfd"))
-    smoothed, _ = smoothed_and_plain(task_name, model, batch)
+    smoothed, plain = smoothed_and_plain(task_name, model, batch)
     logits = causal_lm_forward(model, batch)
     expected = LabelSmoother(epsilon=EPSILON)({"logits": logits}, batch["labels"], shift_labels=True).item()
-    assert smoothed == pytest.approx(expected, rel=1e-5)
+    assert smoothed == pytest.approx(expected, rel=1e-5) and plain != smoothed
+
+    task = build_task(build_config({"task": task_name, "label_smoothing": EPSILON}))
+    targets = torch.full_like(batch["labels"], -100)
+    targets[:, :-1] = batch["labels"][:, 1:]  # a context-parallel slice's targets come shifted already
+    total, count = task.loss(model, {**batch, "targets": targets})
+    assert (total / count).item() == pytest.approx(smoothed, rel=1e-5)
+    same = lambda x: x  # noqa: E731 (one process: gathering and moving change nothing)
+    data = ProcessedData(train=None, validation=None, test=None, collator=None)  # no sample prompts
+    evaluated = task.evaluate(model, [dict(batch)], data, same, same, contextlib.nullcontext)
+    assert evaluated["loss"] == pytest.approx(plain, rel=1e-5)  # evaluation's loss is not smoothed
 
 
 def test_bad_values_are_refused_and_other_tasks_are_told(tmp_path, capsys):

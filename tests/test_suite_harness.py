@@ -23,6 +23,7 @@ def test_a_launch_out_of_time_is_killed_with_the_workers_in_their_own_sessions(t
             subprocess.run([sys.executable, "-c", LAUNCHER], stdout=sink, timeout=limit)
         if out.read_text().split():
             break
+    assert out.read_text().split(), "the launcher did not start its worker within 20 s"
     worker = int(out.read_text().split()[0])
     deadline = time.monotonic() + 10
     while alive(worker):
