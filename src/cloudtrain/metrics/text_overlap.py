@@ -13,8 +13,8 @@ exponential smoothing of empty orders. tests/test_seq2seq.py checks both against
 import functools
 import math
 import re
-from collections import Counter
-from collections.abc import Callable, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Iterator, Sequence
 
 from cloudtrain.errors import UserError
 
@@ -51,26 +51,28 @@ def _f1(overlap: int, predicted: int, reference: int) -> float:
     return 2 * precision * recall / (precision + recall)
 
 
-def _lcs(a: Sequence[str], b: Sequence[str]) -> int:
-    """The length of the longest common subsequence (one row of the table at a time)."""
+def _lcs_rows(a: Sequence[str], b: Sequence[str]) -> Iterator[list[int]]:
+    """The rows of the longest-common-subsequence table of `a` against `b`, one per word of `a` (after a row of 0s):
+    row i, column j is the LCS length of a[:i] and b[:j]."""
     previous = [0] * (len(b) + 1)
+    yield previous
     for x in a:
         row = [0]
         for j, y in enumerate(b):
             row.append(previous[j] + 1 if x == y else max(previous[j + 1], row[j]))
+        yield row
         previous = row
-    return previous[-1]
+
+
+def _lcs(a: Sequence[str], b: Sequence[str]) -> int:
+    """The length of the longest common subsequence (one row of the table kept at a time)."""
+    return deque(_lcs_rows(a, b), maxlen=1)[0][-1]
 
 
 def _lcs_positions(a: Sequence[str], b: Sequence[str]) -> set[int]:
     """The positions in `a` of one longest common subsequence with `b`: read back from the end of the full table,
     dropping a word of `a` where both ways keep the length (rouge_score's choice, which the union below depends on)."""
-    table = [[0] * (len(b) + 1)]
-    for x in a:
-        row = [0]
-        for j, y in enumerate(b):
-            row.append(table[-1][j] + 1 if x == y else max(table[-1][j + 1], row[j]))
-        table.append(row)
+    table = list(_lcs_rows(a, b))
     i, j, found = len(a), len(b), set()
     while i and j:
         if a[i - 1] == b[j - 1]:
