@@ -12,12 +12,13 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import psutil
 import pytest
 import torch
-from conftest import ENTRY, REPO, child_pythonpath
+from conftest import ENTRY, REPO, child_pythonpath, lm_documents
 from safetensors.torch import load_file
 from test_checkpointing import args_for, kill_all, wait_for
 
@@ -192,28 +193,63 @@ def test_zero2_on_two_nodes_killed_and_restarted_equals_a_run_never_stopped(tiny
     )
 
 
+def hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind: str) -> list[str]:
+    """The launcher's options and the program's for a run whose rank 1 hangs at step 3, rank 0 waiting in:
+    - ddp: the launch's group, after tokenizing for longer than the timeout while rank 1 waited for its cache
+      (work, which the timeout does not cut);
+    - zero2: DeepSpeed's data-parallel group, made in accelerate's prepare();
+    - tp: the tensor-parallel group {0, 1} of 2 x 2 processes, made with the device mesh.
+    torch gives groups made after the launch's their own 30 minutes."""
+    if kind == "ddp":
+        faults = {"hang": {"rank": 1, "step": 3}, "slow_prepare": {"rank": 0, "seconds": 8}}
+        return [json.dumps(faults), *options(tiny_model_dir, topic_csvs, "--collective_timeout", "5")]
+    if kind == "zero2":
+        faults = {"hang": {"rank": 1, "step": 3}}
+        return [
+            json.dumps(faults),
+            *options(tiny_model_dir, topic_csvs, "--collective_timeout", "5", "--zero_stage", "2"),
+        ]
+    corpus = tmp_path / "train.txt"
+    corpus.write_text("\n".join(lm_documents(24, 0)) + "\n")
+    tp = ["--task", "causal_lm", "--model_name_or_path", tiny_llama_dir, "--train_file", str(corpus)]
+    tp += ["--max_length", "32", "--mixed_precision", "no", "--eval_strategy", "no", "--output_dir", "out"]
+    tp += ["--tensor_parallel_size", "2", "--collective_timeout", "5", "--max_steps", "10"]
+    return [json.dumps({"hang": {"rank": 1, "step": 3}}), *tp]
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "kind, waited_in",
+    [
+        ("ddp", "the gradient all-reduce"),
+        ("zero2", "the gradient all-reduce"),
+        ("tp", "the tensor-parallel all-reduces, the gradient all-reduce"),
+    ],
+)
 def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_named(
-    tiny_model_dir, topic_csvs, tmp_path
+    kind, waited_in, tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path
 ):
-    """Rank 1 hangs at step 3: rank 0 stops after 5 s, naming the operation. Before that, rank 0 tokenizes for
-    longer than the timeout while rank 1 waits for its cache: work, which the timeout does not cut."""
-    faults = json.dumps({"hang": {"rank": 1, "step": 3}, "slow_prepare": {"rank": 0, "seconds": 8}})
-    cmd = [*torchrun(), str(FAULTS), faults, *options(tiny_model_dir, topic_csvs, "--collective_timeout", "5")]
-    proc = start(cmd, tmp_path)
+    """Rank 1 hangs at step 3: rank 0 stops after 5 s, naming the operation, whichever group it waits in."""
+    args = hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind)
+    processes = ["--nproc_per_node", "4"] if kind == "tp" else []
+    proc = start([*torchrun(*processes), str(FAULTS), *args], tmp_path)
     lines: list[str] = []
 
+    def read() -> None:  # in a thread: a run that never says it must fail at the deadline, not block in readline
+        for line in proc.stderr:
+            lines.append(line)
+
     def said() -> bool:  # rank 0's error line; rank 1 sleeps on until the launcher kills it
-        lines.append(proc.stderr.readline())
         return any("waited longer than --collective_timeout 5s" in line for line in lines)
 
+    threading.Thread(target=read, daemon=True).start()
     try:
         wait_for(said, proc, timeout=180)
     finally:
         kill_all(proc)
     line = next(line for line in lines if "collective_timeout" in line)
     assert line.startswith("error: process 0 (node 0) waited longer than --collective_timeout 5s"), line
-    assert "in forward and backward (the gradient all-reduce) after step 2" in line, line
+    assert f"in forward and backward ({waited_in}) after step 2" in line, line
 
 
 def in_process(tiny_model_dir, topic_csvs, out: Path, *extra: str) -> list[str]:

@@ -15,6 +15,7 @@ thread's barrier with the other's all-reduce.
 from __future__ import annotations
 
 import copy
+import datetime
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -95,10 +96,11 @@ class BackgroundSave:
 
 class ThreadCollectives:
     """The background save's barrier and broadcast, in a gloo group of its own (made by every process, in the
-    main thread, at the first asynchronous save: creating a group is itself a collective of the launch)."""
+    main thread, at the first asynchronous save: creating a group is itself a collective of the launch), whose
+    collectives wait `timeout` seconds (--collective_timeout) for the other processes' saves."""
 
-    def __init__(self) -> None:
-        self.group = dist.new_group(backend="gloo")
+    def __init__(self, timeout: float) -> None:
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
 
     @staticmethod
     def needed() -> bool:

@@ -440,6 +440,7 @@ class Checkpointer:
         self._published: list[tuple[int, Path]] = []  # complete, renamed and not yet taken (`take_published`)
         self._lock = threading.Lock()
         self.owner, self.share, self.index = self.storage.owner, share, index
+        self.collective_timeout = cfg.distributed.collective_timeout
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
         self.at_epoch_end = c.checkpointing_steps == "epoch"
@@ -495,7 +496,7 @@ class Checkpointer:
         loop was blocked since `start`."""
         self.background.wait()
         if self.thread_collectives is None and ThreadCollectives.needed():
-            self.thread_collectives = ThreadCollectives()  # every process is here, at the same step
+            self.thread_collectives = ThreadCollectives(self.collective_timeout)  # every process is here, now
         partial = self._open(step)
         self._copy_run_files(partial)  # now: the loop logs on while the thread writes
         if self.export:

@@ -208,10 +208,7 @@ class PipelineRuntime(Runtime):
         # The first and last process of each pipeline (tied embeddings); every process creates every group.
         ends = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(self.dp_size)]
         self.ends_group = ends[self.dp_rank]
-        for group in (None, self.pp_group, self.dp_group, self.ends_group):
-            if group is not dist.GroupMember.NON_GROUP_MEMBER:  # a middle stage is in no ends group
-                set_collective_timeout(collective_timeout, group)
-        self.collective_timeout = collective_timeout
+        self.set_collective_timeout(collective_timeout)
 
     def barrier(self) -> None:
         dist.barrier()
@@ -273,13 +270,18 @@ def collective_failure(err: BaseException, timeout: float) -> str | None:
     return None
 
 
-def set_collective_timeout(seconds: float, group: Any = None) -> None:
-    """How long a collective of `group` (default: every process) waits for the others.
+def set_collective_timeout(seconds: float) -> None:
+    """How long a collective of any group this process is in waits for the others: the launch's group and those
+    made since (a device mesh's, DeepSpeed's, the pipeline's), which torch otherwise gives its defaults (10 min
+    on NCCL, 30 min on gloo). Groups made later need it again: the AcceleratedTrainer sets it after prepare()
+    (DeepSpeed's and FSDP's groups), the background save makes its group with it.
 
     Set after the group exists, not through init_process_group(timeout=...): under torchrun that argument
     makes restarted workers read the dead workers' gloo addresses from the store (tried: --max-restarts
     then fails to connect)."""
-    if dist.is_initialized():
+    if not dist.is_initialized():
+        return
+    for group in list(dist.distributed_c10d._world.pg_map):  # only the groups this process is a member of
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 

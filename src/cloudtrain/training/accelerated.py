@@ -95,9 +95,11 @@ class AcceleratedTrainer(Trainer):
         if self.tensor_parallel:  # a group's processes take the same rows: the first one's enter the logged sums
             parts.append(f"tensor parallel {runtime.mesh.tp}" + (" x FSDP2" if runtime.mesh.dp_shard > 1 else ""))
             self.counts_batches = tensor.tp_rank(runtime) == 0
+            self.step_collectives = "the tensor-parallel all-reduces, the gradient all-reduce"
         # context parallel: a group's processes take the same rows, each its slice of their tokens (`move`)
         self.context = runtime if isinstance(runtime, context.ContextParallelRuntime) else None
         if self.context:
+            self.step_collectives = "the context-parallel all-to-alls, the gradient all-reduce"
             parts.append(f"context parallel {runtime.mesh.cp} (all-to-all)")
         self.mode = " ".join(parts if parts and kind in ("DDP", "accelerate") else [kind, *parts])  # what the run does
 
@@ -136,6 +138,7 @@ class AcceleratedTrainer(Trainer):
             self.model, self.optimizer, self.train_dl, *loaders = self.accelerator.prepare(
                 self.model, self.optimizer, self.train_dl, *self.eval_dls.values(), *self.predict_dls.values()
             )
+        self.runtime.set_collective_timeout(self.cfg.distributed.collective_timeout)  # groups prepare() made
         self.eval_dls = dict(zip(self.eval_dls, loaders[: len(self.eval_dls)], strict=True))
         self.predict_dls = dict(zip(self.predict_dls, loaders[len(self.eval_dls) :], strict=True))
         # adapters: checkpoints hold the trainable weights only (DeepSpeed is told in save/load_state; FSDP

@@ -213,6 +213,7 @@ class Trainer:
 
     name = "trainer"  # the --training_type that picks it (cloudtrain.registry)
     summary = ""  # a line for --help
+    step_collectives = "the gradient all-reduce"  # what a process waits for in forward and backward
 
     def __init__(
         self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime
@@ -475,7 +476,7 @@ class Trainer:
         self.clock.data_ready()
         self.phase = "the all-reduce of the step's token count"
         scale = self._loss_scale(window)
-        self.phase = "forward and backward (the gradient all-reduce)"
+        self.phase = f"forward and backward ({self.step_collectives})"
         stats = self.backward_window(window, scale)
         self.phase = "the optimizer step"
         bad = self.runtime.any_process(~torch.isfinite(stats.loss_sum))  # stays on the device
