@@ -78,7 +78,8 @@ def test_the_best_span_over_windows_in_the_context_and_no_answer_where_it_scores
     assert best_answer([first], [outside], [outside], context, 30, False)[0] != ""
     none = torch.zeros(6)
     none[0] = 9.0  # the first token's score: no answer, where the data has such questions
-    assert best_answer([first], [none], [none], context, 30, True)[:2] == ("", -1)
+    text, start, probability = best_answer([first], [none], [none], context, 30, True)
+    assert (text, start) == ("", -1) and probability == pytest.approx(torch.softmax(none, 0)[0].item() ** 2)
     assert best_answer([first], [high], [high], context, 30, True)[0] == "paris"
     blank = np.array([(-1, -1), (0, 1), (1, 3), (3, 4), (-1, -1), (-1, -1)])  # "a", "\n\n", "b"
     sure = torch.zeros(6)
@@ -121,6 +122,7 @@ def test_answers_as_records_or_texts_and_their_targets_over_windows(bert_tokeniz
 @pytest.mark.slow  # about 40 s: the tiny model needs ten epochs of windows to tell a person from a city
 def test_a_run_learns_predicts_and_the_saved_model_answers(tiny_model_dir, tmp_path, capsys):
     unlabelled = [{"question": r["question"], "context": r["context"]} for r in squad_rows(5, 3)]
+    unlabelled += [{"question": "who travelled?", "context": " ".join(FILLER)}] * 2  # no trip: no answer
     out = tmp_path / "out"
     options = {  # SQuAD's column names: read without options
         "task": "question_answering",
@@ -146,10 +148,15 @@ def test_a_run_learns_predicts_and_the_saved_model_answers(tiny_model_dir, tmp_p
 
     written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]
     questions, contexts = [r["question"] for r in unlabelled], [r["context"] for r in unlabelled]
-    predicted = predict(str(out), questions, pairs=contexts)  # the `predict` command's rows
+    assert [r["answer"] for r in written[5:]] == ["", ""]  # it learnt "no answer" from the training data's
+    assert "predict --model_dir " in said and '--text_pair "<context>" --handle_impossible_answer true' in said
+    predicted = predict(str(out), questions, pairs=contexts, allow_none=True)  # --handle_impossible_answer
     for mine, theirs, context in zip(written, predicted, contexts, strict=True):
         assert mine["answer"] == theirs["answer"] and mine["start"] == theirs["start"]
-        assert context[theirs["start"] : theirs["end"]] == theirs["answer"]
+        assert context[theirs["start"] : theirs["end"]] == theirs["answer"] or theirs["end"] == -1
+    assert predicted[5]["score"] > 0.5  # no answer's probability
+    spans = predict(str(out), questions, pairs=contexts)  # by default the best span, as transformers' pipeline
+    assert spans[:5] == predicted[:5] and all(row["answer"] in " ".join(FILLER) and row["answer"] for row in spans[5:])
 
     from transformers import AutoModelForQuestionAnswering, AutoTokenizer  # as the card's snippet reads it
 

@@ -41,14 +41,14 @@ def best_answer(
     allow_none: bool,
     candidates: int = 20,
 ) -> tuple[str, int, float]:
-    """(answer text, its first character in `context` (-1 for no answer), its probability) over an example's
-    windows and their [tokens] scores."""
+    """(answer text, its first character in `context` (-1 for no answer), its probability within its window)
+    over an example's windows and their [tokens] scores."""
     best: tuple[float, str, int, float] = (-float("inf"), "", -1, 0.0)
-    none_score = float("inf")
+    none: tuple[float, float] = (float("inf"), 0.0)  # the lowest score of no answer over the windows, its probability
     for window, start, end in zip(windows, start_scores, end_scores, strict=True):
         start, end = start[: len(window.offsets)].float(), end[: len(window.offsets)].float()
-        none_score = min(none_score, (start[0] + end[0]).item())
         probability = torch.softmax(start, 0)[:, None] * torch.softmax(end, 0)[None, :]
+        none = min(none, ((start[0] + end[0]).item(), probability[0, 0].item()))
         for i in torch.topk(start, min(candidates, len(start))).indices.tolist():
             for j in torch.topk(end, min(candidates, len(end))).indices.tolist():
                 first, last = window.offsets[i], window.offsets[j]
@@ -61,8 +61,8 @@ def best_answer(
                         continue
                     lead = len(span) - len(span.lstrip())
                     best = (score, span.strip(), int(first[0]) + lead, probability[i, j].item())
-    if allow_none and none_score > best[0]:
-        return "", -1, 0.0
+    if allow_none and none[0] > best[0]:
+        return "", -1, none[1]
     return best[1], best[2], best[3]
 
 

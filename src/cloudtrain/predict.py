@@ -92,12 +92,15 @@ def predict(
     max_length: int | None = None,
     trust_remote_code: bool = False,
     pairs: list[str] | None = None,
+    allow_none: bool = False,
 ) -> list[dict]:
     """Label and probability of the top class for each text (with `pairs`: each text and its second text, as a
     sentence-pair model was trained); they are truncated to `max_length` tokens, a pair longest part first
     (default: the max_length in the run's args.json, else 512 or the model's context where shorter; longer than
-    the context is refused). `model_dir` as the command checked it (cloudtrain.commands.predict.check_options: a
-    saved model, any interrupted final save finished; whether the model reads pairs is checked there too)."""
+    the context is refused). A question-answering model answers "" where that scores higher than its best span
+    only with `allow_none` (--handle_impossible_answer). `model_dir` as the command checked it
+    (cloudtrain.commands.predict.check_options: a saved model, any interrupted final save finished; whether the
+    model reads pairs is checked there too)."""
     if pairs is not None and len(pairs) != len(texts):
         raise ValueError(f"{len(pairs)} second texts for {len(texts)} texts")
     model, tokenizer = load(model_dir, trust_remote_code)
@@ -110,7 +113,7 @@ def predict(
     texts = [str(text) for text in texts]  # a list cell of an input file: its text, as training's str() read it
     if type(model).__name__.endswith("ForQuestionAnswering"):
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
-        return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names)
+        return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names, allow_none)
     results, truncated = [], 0
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
@@ -292,11 +295,19 @@ def _word_spans(text: str | list[str]) -> tuple[str, list[tuple[int, int]]]:
 
 @torch.no_grad()
 def answer_questions(
-    model, tokenizer, questions: list[str], contexts: list[str], limit: int, recorded: dict, inputs: list[str]
+    model,
+    tokenizer,
+    questions: list[str],
+    contexts: list[str],
+    limit: int,
+    recorded: dict,
+    inputs: list[str],
+    allow_none: bool = False,
 ) -> list[dict]:
     """Each question's answer in its context: read in windows of `limit` tokens that overlap by the run's
-    --doc_stride, the best span no longer than its --max_answer_length (as its evaluation chose). Never "no answer":
-    the best span is given with its probability, as transformers' pipeline did."""
+    --doc_stride, the best span no longer than its --max_answer_length (as its evaluation chose), with its
+    probability; with `allow_none`, "" (start -1) where no answer scores higher, as evaluation chose after
+    training on questions without one."""
     from cloudtrain.answers import Window, best_answer, span_scores
     from cloudtrain.config import DataConfig
     from cloudtrain.data.answer_spans import context_offsets, context_room, windows_of
@@ -313,8 +324,10 @@ def answer_questions(
         batch = {n: encoded[n] for n in inputs if n in encoded}  # the offsets count from the right-padded rows' start
         batch = tokenizer.pad(batch, padding_side="right", return_tensors="pt")
         start, end = span_scores(model(**batch), batch)
-        text, first, score = best_answer(windows, list(start), list(end), context, longest, False)
-        rows.append({"answer": text, "start": first, "end": first + len(text), "score": round(score, 4)})
+        text, first, score = best_answer(windows, list(start), list(end), context, longest, allow_none)
+        rows.append(
+            {"answer": text, "start": first, "end": first + len(text) if text else -1, "score": round(score, 4)}
+        )
     return with_pairs([{"text": q, **row} for q, row in zip(questions, rows, strict=True)], contexts)
 
 
@@ -417,7 +430,15 @@ def run(args: argparse.Namespace) -> None:
         texts += file_texts
     if not texts:  # an input file of blank lines
         raise UserError(f"nothing to classify: --input_file {args.input_file} holds no text")
-    rows = predict(args.model_dir, texts, args.batch_size, args.max_length, args.trust_remote_code, pairs)
+    rows = predict(
+        args.model_dir,
+        texts,
+        args.batch_size,
+        args.max_length,
+        args.trust_remote_code,
+        pairs,
+        args.handle_impossible_answer,
+    )
     if args.output_file:
         write_predictions(Path(args.output_file), rows, args.overwrite_output_file)
         print(f"wrote {len(rows)} predictions to {args.output_file}")

@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"was trained with, from its args.json; for a model without one {DEFAULT_MAX_LENGTH}, or its context if "
         "shorter).",
     )
+    add_switch(
+        parser,
+        "--handle_impossible_answer",
+        'A question-answering model answers "" (no answer) where that scores higher than its best span, as the '
+        "run's evaluation did when its training data had questions without an answer (SQuAD 2.0); default: false, "
+        "always the best span, as transformers' pipeline.",
+    )
     add_trust_remote_code(parser)
 
 
@@ -96,6 +103,11 @@ def check_options(args: argparse.Namespace) -> None:
     if args.max_length is not None and context and args.max_length > context:
         raise UserError(too_long(args.max_length, context))
     check_pairs(args, *trained_on_pairs(Path(args.model_dir)))
+    if args.handle_impossible_answer and saved_task(Path(args.model_dir)) != "question_answering":
+        raise UserError(
+            f"--handle_impossible_answer is for question-answering models; the model in {args.model_dir} is "
+            f"{saved_task(Path(args.model_dir)) or 'not one'}: drop it"
+        )
 
 
 # ---------------------------------------------------------------- the output file
@@ -160,8 +172,7 @@ def free_name(path: Path) -> Path:
 def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
     """(whether the saved model reads text pairs, how it was trained in words, the recorded text_pair_column), from
     the args.json the training application saved with it; (None, "", None) for a model from elsewhere."""
-    recorded = read_arguments(model_dir)
-    task = recorded.get("task") or ("question_answering" if _answers_questions(model_dir) else None)
+    recorded, task = read_arguments(model_dir), saved_task(model_dir)
     if task == "question_answering":
         # a run that read SQuAD's columns without options recorded none: its contexts were in "context"
         context = recorded.get("text_pair_column") or "context"
@@ -181,6 +192,13 @@ def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
         if (model_dir / "tokenizer_config.json").is_file():
             return True, "on prompt and answer as a text pair", None
     return None, "", None
+
+
+def saved_task(model_dir: Path) -> str | None:
+    """The --task a saved model was trained for (its args.json), or question_answering for such a model trained
+    elsewhere; None where neither says."""
+    recorded = read_arguments(model_dir)
+    return recorded.get("task") or ("question_answering" if _answers_questions(model_dir) else None)
 
 
 def _answers_questions(model_dir: Path) -> bool:

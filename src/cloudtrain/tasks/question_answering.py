@@ -194,9 +194,10 @@ class QuestionAnsweringTask(ClassificationTask):
         )
 
     def inference_hint(self, output_dir: str) -> str:
+        none = " --handle_impossible_answer true" if self.extras.get("allow_none") else ""  # as evaluation answered
         return (
             f'{invocation.command()} predict --model_dir {shlex.quote(output_dir)} --text "<question>" '
-            '--text_pair "<context>"'
+            f'--text_pair "<context>"{none}'
         )
 
 
