@@ -61,8 +61,15 @@ def test_squad_metrics():
     assert scores["exact_match"] == pytest.approx(75.0)  # 1, 1 ("in Paris" is a reference), 1 (no answer), 0
     # F1 per example: 1, 1, 1, 0
     assert scores["f1"] == pytest.approx(75.0)
+    # SQuAD 2.0's breakdown: the three answered questions (HasAns), the one without (NoAns)
+    assert (scores["has_answer_total"], scores["no_answer_total"]) == (3, 1)
+    assert scores["has_answer_exact_match"] == scores["has_answer_f1"] == pytest.approx(200 / 3)
+    assert scores["no_answer_exact_match"] == scores["no_answer_f1"] == 100.0
+    wrong = squad_scores(["paris", "london"], [["the"], ["London"]])  # a reference of an article alone: no answer
+    assert (wrong["no_answer_f1"], wrong["has_answer_f1"], wrong["f1"]) == (0.0, 100.0, 50.0)
     partial = squad_scores(["paris france"], [["in Paris, France"]])  # 2 of 2 predicted words, 2 of 3 expected
     assert partial["exact_match"] == 0 and partial["f1"] == pytest.approx(100 * 2 * 1 * (2 / 3) / (1 + 2 / 3))
+    assert set(partial) == {"exact_match", "f1"}  # every question answerable: no breakdown
 
 
 def test_the_best_span_over_windows_in_the_context_and_no_answer_where_it_scores_higher():
@@ -143,7 +150,8 @@ def test_a_run_learns_predicts_and_the_saved_model_answers(tiny_model_dir, tmp_p
     said = capsys.readouterr().out
     results = json.loads((out / "eval_results.json").read_text())
     assert results["f1"] > 70 and results["samples"] == 40, results  # the answer's kind follows the question
-    assert f"eval: f1 {results['f1']:.2f} | exact_match " in said
+    assert results["has_answer_total"] + results["no_answer_total"] == 40 and results["no_answer_total"] > 0
+    assert f"eval: f1 {results['f1']:.2f} | exact_match {results['exact_match']:.2f} | has_answer_f1 " in said
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForQuestionAnswering"]
 
     written = [json.loads(line) for line in (out / "test_predictions.jsonl").read_text().splitlines()]

@@ -94,11 +94,26 @@ def token_f1(prediction: str, reference: str) -> float:
 
 
 def squad_scores(predictions: list[str], references: list[list[str]]) -> dict:
-    """Exact match and F1 in percent, each example scored against its best reference ([""]: no answer)."""
-    exact = f1 = 0.0
+    """Exact match and F1 in percent, each example scored against its best reference ([] or [""]: no answer).
+    Where some questions have no answer (SQuAD 2.0), also each kind's own: has_answer_* and no_answer_*, with
+    their counts (SQuAD 2.0's script calls them HasAns and NoAns)."""
+    kinds: dict[str, list[tuple[float, float]]] = {"has_answer": [], "no_answer": []}
     for prediction, answers in zip(predictions, references, strict=True):
-        answers = answers or [""]
-        exact += max(float(normalize(prediction) == normalize(answer)) for answer in answers)
-        f1 += max(token_f1(prediction, answer) for answer in answers)
-    n = len(predictions)
-    return {"exact_match": 100 * exact / n if n else 0.0, "f1": 100 * f1 / n if n else 0.0}
+        answers = [answer for answer in answers if normalize(answer)] or [""]
+        exact = max(float(normalize(prediction) == normalize(answer)) for answer in answers)
+        kinds["has_answer" if answers != [""] else "no_answer"].append(
+            (exact, max(token_f1(prediction, a) for a in answers))
+        )
+    scores = _percent(kinds["has_answer"] + kinds["no_answer"], "")
+    if kinds["no_answer"]:
+        for kind, scored in kinds.items():
+            scores |= _percent(scored, f"{kind}_") | {f"{kind}_total": len(scored)}
+    return scores
+
+
+def _percent(scored: list[tuple[float, float]], prefix: str) -> dict[str, float]:
+    n = len(scored)
+    return {
+        f"{prefix}exact_match": 100 * sum(e for e, _ in scored) / n if n else 0.0,
+        f"{prefix}f1": 100 * sum(f for _, f in scored) / n if n else 0.0,
+    }

@@ -188,8 +188,11 @@ class QuestionAnsweringTask(ClassificationTask):
         return self.data_summary(data, "windows of questions")
 
     def describe_metrics(self, metrics: dict) -> str:
+        kinds = ""
+        if "no_answer_f1" in metrics:  # SQuAD 2.0: how each kind of question fared
+            kinds = f" | has_answer_f1 {metrics['has_answer_f1']:.2f} | no_answer_f1 {metrics['no_answer_f1']:.2f}"
         return (
-            f"f1 {metrics['f1']:.2f} | exact_match {metrics['exact_match']:.2f} | loss {metrics['loss']:.4f} "
+            f"f1 {metrics['f1']:.2f} | exact_match {metrics['exact_match']:.2f}{kinds} | loss {metrics['loss']:.4f} "
             f"({metrics['samples']} questions)"
         )
 
