@@ -62,15 +62,19 @@ OPTIONS = {
 
 
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
-def test_trains_with_each_trainer_and_saves_its_state_dict(tmp_path, training_type):
+def test_trains_with_each_trainer_and_saves_its_state_dict(tmp_path, training_type, capsys):
     train, evaluation = rows(64, 0), rows(16, 1)
     module = fresh_module()
     before = eval_loss(module, evaluation)
     out = tmp_path / "run"
     results = cloudtrain.train(
         model=module, train_dataset=train, eval_dataset=evaluation, output_dir=str(out),
-        training_type=training_type, **OPTIONS,
+        training_type=training_type, label_smoothing=0.1, **OPTIONS,
     )  # fmt: skip
+    # the module's forward computes its own loss: a task's option is said to be unused, as for a --task
+    assert "note: --label_smoothing 0.1 has no effect on your own module (model=); it counts for --task " in (
+        capsys.readouterr().out
+    )
     assert results["train"]["global_step"] == 8
     assert results["eval"]["loss"] < 0.8 * before
     saved = fresh_module()

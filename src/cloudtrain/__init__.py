@@ -43,7 +43,7 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     name importable ones, as --callbacks does; docs/extending.md, Callbacks).
     """
     from cloudtrain.config import resolve_options
-    from cloudtrain.config.inert import print_inert_notes
+    from cloudtrain.config.inert import OWN_MODULE, print_inert_notes
     from cloudtrain.hub_reach import back_online
     from cloudtrain.paths import check_local_paths
 
@@ -58,7 +58,7 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     try:
         if not own_module:  # the command line's checks, in its order: a missing file before the Hub or the imports
             check_local_paths(cfg)  # (a module's run is checked by its task first: what does not apply to a module)
-            print_inert_notes(cfg)
+        print_inert_notes(cfg, OWN_MODULE if own_module else None)
         from accelerate.state import AcceleratorState, GradientState  # heavy imports only once the options are valid
 
         from cloudtrain.pipeline import run_training

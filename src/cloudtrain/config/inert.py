@@ -80,6 +80,8 @@ TRAINING: dict[str, Use] = {
     **{f.name: Use(("text_to_image",)) for f in dataclasses.fields(ImagesConfig)},
 }
 
+OWN_MODULE = "own_module"  # the Python API's model= (ModuleTask): it reads none of the tasks' own options
+
 # option -> when it counts, for `cloudtrain generate` (greedy decoding reads no sampling option)
 GENERATE: dict[str, Use] = dict.fromkeys(("temperature", "top_k", "top_p"), Use(needs="do_sample", values=(True,)))
 
@@ -92,9 +94,11 @@ def unused(
     separators: Mapping[str, str] | None = None,
 ) -> list[str]:
     """One note per option of `table` whose value in `values` differs from `defaults` and that this run leaves
-    unused, in the table's order. `task`: the run's --task; one the tables do not know (an extension registered
-    at run time) may read anything, so only the enabling options are checked for it. `separators`: how a list
-    option's items are written on the command line (default: commas)."""
+    unused, in the table's order. `task`: the run's --task (or OWN_MODULE); one the tables do not know (an
+    extension registered at run time) may read anything, so only the enabling options are checked for it.
+    `separators`: how a list option's items are written on the command line (default: commas)."""
+    known = task in TASK_ROWS or task == OWN_MODULE
+    run = "your own module (model=)" if task == OWN_MODULE else f"--task {task}"
     notes = []
     for name, use in table.items():
         if name not in values or values[name] == defaults[name]:
@@ -105,27 +109,27 @@ def unused(
             values[use.needs] in use.values if use.values else values[use.needs] != defaults[use.needs]
         )
         condition = f" with --{use.needs} {wanted}" if use.needs else ""
-        if use.tasks and task in TASK_ROWS and task not in use.tasks:
+        if use.tasks and known and task not in use.tasks:
             tasks = _either(use.tasks)
-            notes.append(f"{given} has no effect on --task {task}; it counts for --task {tasks}{condition}")
+            notes.append(f"{given} has no effect on {run}; it counts for --task {tasks}{condition}")
         elif not enabled:
             notes.append(f"{given} has no effect without --{use.needs} {wanted}")
     return notes
 
 
-def inert_notes(cfg: Config) -> list[str]:
-    """The notes of a training run: the options set in `cfg` that it will not use."""
+def inert_notes(cfg: Config, task: str | None = None) -> list[str]:
+    """The notes of a training run: the options set in `cfg` that it will not use (`task`: default its --task)."""
     fields = _fields()
     defaults = {name: _default(f) for name, (_, f) in fields.items()}
     separators = {name: f.metadata["separator"] for name, (_, f) in fields.items()}
-    return unused(TRAINING, cfg.to_dict(include_secrets=True), defaults, cfg.training.task, separators)
+    return unused(TRAINING, cfg.to_dict(include_secrets=True), defaults, task or cfg.training.task, separators)
 
 
-def print_inert_notes(cfg: Config) -> None:
+def print_inert_notes(cfg: Config, task: str | None = None) -> None:
     """The notes of `inert_notes`, printed once per launch (by the process of rank 0; a launcher sets RANK), before
     the run loads anything: the command line's and train(...)'s way in."""
     if int(os.environ.get("RANK", "0")) == 0:
-        for note in inert_notes(cfg):
+        for note in inert_notes(cfg, task):
             print(f"note: {note}", flush=True)
 
 

@@ -22,6 +22,7 @@ from torch.utils.data import Dataset, Subset, default_collate
 from transformers import PreTrainedModel
 
 from cloudtrain.config import Config
+from cloudtrain.config.inert import OWN_MODULE
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
@@ -83,7 +84,7 @@ def is_plain_module(model: torch.nn.Module) -> bool:
 class ModuleTask(Task):
     """A user's module and datasets; never registered by name (the API builds it)."""
 
-    name = "own_module"  # what run logs and the model card would call it; no --task takes it
+    name = OWN_MODULE  # what run logs and the model card would call it; no --task takes it
     summary = "the user's own nn.Module, its forward returning the loss"
 
     def __init__(
