@@ -142,7 +142,10 @@ def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
 ):
     fast = ascend(monkeypatch, 21)  # learns for 20 steps, then gets worse
     out, ends = tmp_path / "out", tmp_path / "ends.py"
-    ends.write_text("def at_end(state):\n    if state.event == 'on_train_end':\n        print('callback: train end')\n")
+    ends.write_text(
+        "def at_end(state):\n    if state.event == 'on_train_end':\n"
+        "        print(f'callback: train end at {state.global_step} with the model of {state.model_step}')\n"
+    )
     at_end = ["--callbacks", f"{ends}:at_end"]
     assert run(tiny_model_dir, topic_csvs, out, "--load_best_model_at_end", "true", *fast, *at_end) == 0
     said = capsys.readouterr().out
@@ -155,6 +158,7 @@ def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
     assert best <= 20 and last > losses[best]  # the ascent made the last step's model worse
     assert same_weights(out, checkpoints / f"checkpoint-{best}")
     assert json.loads((out / "train_results.json").read_text())["model_from_step"] == best
+    assert f"callback: train end at 40 with the model of {best}\n" in said  # CallbackState.model_step
     final = json.loads((out / "eval_results.json").read_text())
     assert final["loss"] == pytest.approx(losses[best], rel=1e-5)  # the evaluation is the best model's
     assert f"(the model of step {best}, --load_best_model_at_end)" in said.split("\neval: ")[1].splitlines()[0]

@@ -46,9 +46,11 @@ class Recorder(Callback):
     def __init__(self):
         self.calls: list[tuple[str, int, dict, Path | None]] = []
         self.checkpoint_existed: list[bool] = []
+        self.model_steps: list[int | None] = []
 
     def _record(self, state: CallbackState) -> None:
         self.calls.append((state.event, state.global_step, state.metrics, state.checkpoint))
+        self.model_steps.append(state.model_step)
 
     on_train_begin = on_step_end = on_evaluate = on_train_end = _record
 
@@ -79,6 +81,7 @@ def test_events_come_in_order_with_the_state(tiny_model_dir, topic_csvs, tmp_pat
         ("on_train_end", 4),
     ]
     assert [(event, step) for event, step, *_ in seen] == events
+    assert recorder.model_steps == [None, 1, 2, 2, 2, 3, 4, 4, 4]  # the model's own step (none before training)
     assert all(where == out and total == 4 for *_, where, total in seen)
     steps_per_epoch = 60 // 8 + 1  # 60 training rows in batches of 8
     assert seen[2][2] == pytest.approx(2 / steps_per_epoch)

@@ -43,6 +43,9 @@ class CallbackState:
     metrics: dict[str, Any] = field(default_factory=dict)  # the last logged numbers: train/... and eval/...
     output_dir: Path | None = None  # the run's output folder
     checkpoint: Path | None = None  # on_save: the checkpoint just published (complete, under its final name)
+    # the step whose weights the model holds: global_step, but at on_train_end after --load_best_model_at_end
+    # the best evaluation's step (None before the first step)
+    model_step: int | None = None
     is_main_process: bool = True
     process_index: int = 0
     num_processes: int = 1
@@ -232,6 +235,9 @@ class CallbackHook(Hook):
             metrics=dict(self.metrics),
             output_dir=self.output_dir,
             checkpoint=saved[1] if saved else None,
+            model_step=loop.model_step
+            if event == "on_train_end" and loop.model_step is not None
+            else loop.step or None,
             is_main_process=self.runtime.is_main,
             process_index=self.runtime.index,
             num_processes=self.runtime.count,
