@@ -24,11 +24,13 @@ def install(faults: dict, setattr=setattr) -> None:
     """Patch the classes (with `setattr`: a test passes monkeypatch.setattr, so that it is undone)."""
     rank = int(os.environ.get("RANK", "0"))
     step = [0]  # the optimizer step being computed (the loss scale is computed once per step, in fit only)
-    real_scale = Trainer._loss_scale
 
-    def loss_scale(self, window):
-        step[0] += 1
-        return real_scale(self, window)
+    def counted(real_scale):
+        def loss_scale(self, window):
+            step[0] += 1
+            return real_scale(self, window)
+
+        return loss_scale
 
     def slowed(real_move):
         def move(self, batch):
@@ -39,18 +41,32 @@ def install(faults: dict, setattr=setattr) -> None:
 
         return move
 
-    setattr(Trainer, "_loss_scale", loss_scale)
-    for trainer in _trainer_classes():  # each class with its own input path (the accelerated one places streams)
+    for trainer in _trainer_classes("_loss_scale"):  # the pipeline's scale is its own
+        setattr(trainer, "_loss_scale", counted(trainer.__dict__["_loss_scale"]))
+    from cloudtrain.training.pipeline import PipelineTrainer  # its last stage's loss is not the task's
+
+    setattr(PipelineTrainer, "_loss", _hanging(PipelineTrainer._loss, faults, rank, step))
+    for trainer in _trainer_classes("move"):  # each class with its own input path (the accelerated one places streams)
         setattr(trainer, "move", slowed(trainer.__dict__["move"]))
     for task in _task_classes():
         setattr(task, "loss", _faulty_loss(task.loss, faults, rank, step))
         setattr(task, "process", _slow_process(task.process, faults, rank))
 
 
-def _trainer_classes() -> list[type]:
+def _trainer_classes(method: str) -> list[type]:
     from cloudtrain.registry import TRAINERS
 
-    return [cls for cls in {Trainer, *TRAINERS} if "move" in cls.__dict__]
+    return [cls for cls in {Trainer, *TRAINERS} if method in cls.__dict__]
+
+
+def _hanging(real, faults: dict, rank: int, step: list[int]):
+    def loss(*args, **kwargs):
+        hang = faults.get("hang")
+        if hang and rank == hang["rank"] and step[0] == hang["step"]:
+            time.sleep(600)
+        return real(*args, **kwargs)
+
+    return loss
 
 
 def _task_classes() -> list[type]:

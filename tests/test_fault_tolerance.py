@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -82,13 +83,13 @@ def assert_same_weights(a: Path, b: Path) -> None:
     assert x.keys() == y.keys() and all(torch.equal(x[name], y[name]) for name in x), "final weights differ"
 
 
-def torchrun(*extra: str) -> list[str]:
+def torchrun(*extra: str, processes: int = 2) -> list[str]:
     return [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node",
-        "2",
+        str(processes),
         "--master_port",
         free_port(),
         *extra,
@@ -198,7 +199,8 @@ def hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind: st
     - ddp: the launch's group, after tokenizing for longer than the timeout while rank 1 waited for its cache
       (work, which the timeout does not cut);
     - zero2: DeepSpeed's data-parallel group, made in accelerate's prepare();
-    - tp: the tensor-parallel group {0, 1} of 2 x 2 processes, made with the device mesh.
+    - tp: the tensor-parallel group {0, 1} of 2 x 2 processes, made with the device mesh;
+    - pp: a receive from the next stage, on its way back (gloo's sends and receives keep a group's first timeout).
     torch gives groups made after the launch's their own 30 minutes."""
     if kind == "ddp":
         faults = {"hang": {"rank": 1, "step": 3}, "slow_prepare": {"rank": 0, "seconds": 8}}
@@ -213,7 +215,11 @@ def hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind: st
     corpus.write_text("\n".join(lm_documents(24, 0)) + "\n")
     tp = ["--task", "causal_lm", "--model_name_or_path", tiny_llama_dir, "--train_file", str(corpus)]
     tp += ["--max_length", "32", "--mixed_precision", "no", "--eval_strategy", "no", "--output_dir", "out"]
-    tp += ["--tensor_parallel_size", "2", "--collective_timeout", "5", "--max_steps", "10"]
+    tp += ["--collective_timeout", "5", "--max_steps", "10"]
+    if kind == "pp":
+        tp += ["--training_type", "pipeline", "--pipeline_parallel_size", "2"]
+    else:
+        tp += ["--tensor_parallel_size", "2"]
     return [json.dumps({"hang": {"rank": 1, "step": 3}}), *tp]
 
 
@@ -224,15 +230,16 @@ def hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind: st
         ("ddp", "the gradient all-reduce"),
         ("zero2", "the gradient all-reduce"),
         ("tp", "the tensor-parallel all-reduces, the gradient all-reduce"),
+        ("pp", "the stages' sends and receives, the gradient all-reduce"),
     ],
+    ids=["ddp", "zero2", "tp", "pp"],
 )
 def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_named(
     kind, waited_in, tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path
 ):
     """Rank 1 hangs at step 3: rank 0 stops after 5 s, naming the operation, whichever group it waits in."""
     args = hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind)
-    processes = ["--nproc_per_node", "4"] if kind == "tp" else []
-    proc = start([*torchrun(*processes), str(FAULTS), *args], tmp_path)
+    proc = start([*torchrun(processes=4 if kind == "tp" else 2), str(FAULTS), *args], tmp_path)
     lines: list[str] = []
 
     def read() -> None:  # in a thread: a run that never says it must fail at the deadline, not block in readline
@@ -243,8 +250,12 @@ def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_n
         return any("waited longer than --collective_timeout 5s" in line for line in lines)
 
     threading.Thread(target=read, daemon=True).start()
+    deadline = time.monotonic() + 180
     try:
-        wait_for(said, proc, timeout=180)
+        while not said():  # (the thread owns stderr: what the run said is in `lines`)
+            assert proc.poll() is None, f"exited early: {''.join(lines)[-3000:]}"
+            assert time.monotonic() < deadline, f"timed out: {''.join(lines)[-3000:]}"
+            time.sleep(0.05)
     finally:
         kill_all(proc)
     line = next(line for line in lines if "collective_timeout" in line)

@@ -139,7 +139,7 @@ def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_pa
         f"predict --model_dir {reward} --text hi": "was trained on prompt and answer as a text pair: give each --text",
         f"predict --model_dir {reward} --input_file {data} --text_column premise": "with --text_pair_column",
         f"predict --model_dir {single} --text a --handle_impossible_answer": "--handle_impossible_answer is for "
-        f"question-answering models; the model in {single} is classification: drop it",
+        f"question-answering models; the model in {single} was trained for --task classification: drop it",
     }
     if not Path("/proc").is_dir():  # root may write anywhere else
         cases = {line: refusal for line, refusal in cases.items() if "/proc" not in line}

@@ -65,8 +65,10 @@ def test_squad_metrics():
     assert (scores["has_answer_total"], scores["no_answer_total"]) == (3, 1)
     assert scores["has_answer_exact_match"] == scores["has_answer_f1"] == pytest.approx(200 / 3)
     assert scores["no_answer_exact_match"] == scores["no_answer_f1"] == 100.0
-    wrong = squad_scores(["paris", "london"], [["the"], ["London"]])  # a reference of an article alone: no answer
-    assert (wrong["no_answer_f1"], wrong["has_answer_f1"], wrong["f1"]) == (0.0, 100.0, 50.0)
+    article = squad_scores(["paris", "london"], [["the"], ["London"]])  # a reference of an article alone scores
+    assert article["f1"] == 50.0 and set(article) == {"exact_match", "f1"}  # as "", yet the question has an answer
+    unanswerable = squad_scores(["", "rome"], [[], []])  # no question with an answer: no has_answer scores
+    assert unanswerable["no_answer_f1"] == 50.0 and not [k for k in unanswerable if k.startswith("has_answer")]
     partial = squad_scores(["paris france"], [["in Paris, France"]])  # 2 of 2 predicted words, 2 of 3 expected
     assert partial["exact_match"] == 0 and partial["f1"] == pytest.approx(100 * 2 * 1 * (2 / 3) / (1 + 2 / 3))
     assert set(partial) == {"exact_match", "f1"}  # every question answerable: no breakdown

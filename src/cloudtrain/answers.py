@@ -94,20 +94,20 @@ def token_f1(prediction: str, reference: str) -> float:
 
 
 def squad_scores(predictions: list[str], references: list[list[str]]) -> dict:
-    """Exact match and F1 in percent, each example scored against its best reference ([] or [""]: no answer).
-    Where some questions have no answer (SQuAD 2.0), also each kind's own: has_answer_* and no_answer_*, with
-    their counts (SQuAD 2.0's script calls them HasAns and NoAns)."""
+    """Exact match and F1 in percent, each example scored against its best reference ([] or references that
+    normalise to nothing: ""). Where some questions have no answer ([]: SQuAD 2.0), also each kind's own,
+    has_answer_* and no_answer_* with their counts, as SQuAD 2.0's script reports HasAns and NoAns."""
     kinds: dict[str, list[tuple[float, float]]] = {"has_answer": [], "no_answer": []}
     for prediction, answers in zip(predictions, references, strict=True):
+        kind = "has_answer" if answers else "no_answer"  # the script's grouping: by the raw list
         answers = [answer for answer in answers if normalize(answer)] or [""]
         exact = max(float(normalize(prediction) == normalize(answer)) for answer in answers)
-        kinds["has_answer" if answers != [""] else "no_answer"].append(
-            (exact, max(token_f1(prediction, a) for a in answers))
-        )
+        kinds[kind].append((exact, max(token_f1(prediction, answer) for answer in answers)))
     scores = _percent(kinds["has_answer"] + kinds["no_answer"], "")
     if kinds["no_answer"]:
         for kind, scored in kinds.items():
-            scores |= _percent(scored, f"{kind}_") | {f"{kind}_total": len(scored)}
+            if scored:
+                scores |= _percent(scored, f"{kind}_") | {f"{kind}_total": len(scored)}
     return scores
 
 

@@ -53,9 +53,11 @@ def weights_snapshot(state_dict: dict[str, torch.Tensor]) -> tuple[dict[str, tor
 
 
 class BackgroundSave:
-    """One background save at a time; its error, if any, is raised by `wait` or `check` in the caller."""
+    """One background save at a time; its error, if any, is raised by `wait` or `check` in the caller (`timeout`:
+    --collective_timeout, named where a peer's save hung)."""
 
-    def __init__(self) -> None:
+    def __init__(self, timeout: float | None = None) -> None:
+        self.timeout = timeout
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
@@ -88,9 +90,12 @@ class BackgroundSave:
             return
         if isinstance(error, UserError):
             raise error
+        from cloudtrain.parallel.runtime import collective_failure  # (its module imports accelerate)
+
+        what = collective_failure(error, self.timeout) if self.timeout else None  # a peer's save hung or died
         raise UserError(
-            f"the asynchronous checkpoint save failed ({type(error).__name__}: {first_line(error)}); the earlier "
-            "checkpoints are intact: resume with --resume_from_checkpoint latest"
+            f"the asynchronous checkpoint save failed ({what or f'{type(error).__name__}: {first_line(error)}'}); "
+            "the earlier checkpoints are intact: resume with --resume_from_checkpoint latest"
         ) from error
 
 
@@ -99,8 +104,9 @@ class ThreadCollectives:
     main thread, at the first asynchronous save: creating a group is itself a collective of the launch), whose
     collectives wait `timeout` seconds (--collective_timeout) for the other processes' saves."""
 
-    def __init__(self, timeout: float) -> None:
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+    def __init__(self, timeout: float | None) -> None:
+        wait = None if timeout is None else datetime.timedelta(seconds=timeout)
+        self.group = dist.new_group(backend="gloo", timeout=wait)
 
     @staticmethod
     def needed() -> bool:

@@ -435,12 +435,11 @@ class Checkpointer:
         )
         self.export, self.on_saved, self.before_delete = export, on_saved, before_delete
         self.storage = storage or Storage(owner=is_main_process)
-        self.background = BackgroundSave()  # the save in flight with --async_checkpointing
+        self.background = BackgroundSave(cfg.distributed.collective_timeout)  # in flight: --async_checkpointing
         self.thread_collectives: ThreadCollectives | None = None  # its barrier and broadcast (several processes)
         self._published: list[tuple[int, Path]] = []  # complete, renamed and not yet taken (`take_published`)
         self._lock = threading.Lock()
         self.owner, self.share, self.index = self.storage.owner, share, index
-        self.collective_timeout = cfg.distributed.collective_timeout
         c = cfg.checkpoint
         self.every = None if c.checkpointing_steps in (None, "epoch") else int(c.checkpointing_steps)
         self.at_epoch_end = c.checkpointing_steps == "epoch"
@@ -496,7 +495,7 @@ class Checkpointer:
         loop was blocked since `start`."""
         self.background.wait()
         if self.thread_collectives is None and ThreadCollectives.needed():
-            self.thread_collectives = ThreadCollectives(self.collective_timeout)  # every process is here, now
+            self.thread_collectives = ThreadCollectives(self.background.timeout)  # every process is here, now
         partial = self._open(step)
         self._copy_run_files(partial)  # now: the loop logs on while the thread writes
         if self.export:

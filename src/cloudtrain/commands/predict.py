@@ -103,10 +103,12 @@ def check_options(args: argparse.Namespace) -> None:
     if args.max_length is not None and context and args.max_length > context:
         raise UserError(too_long(args.max_length, context))
     check_pairs(args, *trained_on_pairs(Path(args.model_dir)))
-    if args.handle_impossible_answer and saved_task(Path(args.model_dir)) != "question_answering":
+    task = saved_task(Path(args.model_dir))
+    if args.handle_impossible_answer and task != "question_answering":
+        what = f"was trained for --task {task}" if task else "is not a question-answering model"
         raise UserError(
-            f"--handle_impossible_answer is for question-answering models; the model in {args.model_dir} is "
-            f"{saved_task(Path(args.model_dir)) or 'not one'}: drop it"
+            f"--handle_impossible_answer is for question-answering models; the model in {args.model_dir} {what}: "
+            "drop it"
         )
 
 

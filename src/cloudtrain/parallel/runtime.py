@@ -37,7 +37,7 @@ PREPARATION_WAIT_S = 24 * 3600.0
 class Runtime:
     """Process identity and collectives; `accelerator` is None for a plain one-process run."""
 
-    collective_timeout: float | None = None  # --collective_timeout once set on the launch's process group
+    collective_timeout: float | None = None  # --collective_timeout once set on the launch's process groups
 
     def __init__(self, accelerator: Accelerator | None = None):
         self.accelerator = accelerator
@@ -79,7 +79,7 @@ class Runtime:
             self.patient_barrier()
 
     def set_collective_timeout(self, seconds: float) -> None:
-        """How long a collective of every process waits for the others before the run stops."""
+        """How long a collective of any group this process is in waits for the others before the run stops."""
         set_collective_timeout(seconds)
         self.collective_timeout = seconds
 
@@ -189,8 +189,6 @@ class PipelineRuntime(Runtime):
     Runtime interface span every process."""
 
     def __init__(self, pp_size: int, collective_timeout: float):
-        from torch.distributed.device_mesh import init_device_mesh
-
         local = int(os.environ.get("LOCAL_RANK", "0"))
         if torch.cuda.is_available():
             torch.cuda.set_device(local)
@@ -202,12 +200,16 @@ class PipelineRuntime(Runtime):
         self.is_main = self.index == 0
         self.pp_size, self.dp_size = pp_size, self.count // pp_size
         self.mesh = Mesh(world=self.count, dp_replicate=self.dp_size, pp=pp_size)
-        mesh = init_device_mesh(self.device.type, (self.dp_size, pp_size), mesh_dim_names=("dp", "pp"))
-        self.pp_group, self.dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-        self.pp_rank, self.dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
-        # The first and last process of each pipeline (tied embeddings); every process creates every group.
-        ends = [dist.new_group([d * pp_size, d * pp_size + pp_size - 1]) for d in range(self.dp_size)]
-        self.ends_group = ends[self.dp_rank]
+        self.dp_rank, self.pp_rank = divmod(self.index, pp_size)
+        # Every process creates every group, each with the timeout from the start: gloo's sends and receives
+        # (stage to stage) keep a group's first timeout, whatever is set later.
+        timeout = datetime.timedelta(seconds=collective_timeout)
+        pipes = [list(range(d * pp_size, (d + 1) * pp_size)) for d in range(self.dp_size)]
+        self.pp_group = [dist.new_group(ranks, timeout=timeout) for ranks in pipes][self.dp_rank]
+        replicas = [list(range(p, self.count, pp_size)) for p in range(pp_size)]  # each stage's, across pipelines
+        self.dp_group = [dist.new_group(ranks, timeout=timeout) for ranks in replicas][self.pp_rank]
+        # the first and last process of each pipeline (tied embeddings)
+        self.ends_group = [dist.new_group([p[0], p[-1]], timeout=timeout) for p in pipes][self.dp_rank]
         self.set_collective_timeout(collective_timeout)
 
     def barrier(self) -> None:

@@ -189,8 +189,8 @@ class QuestionAnsweringTask(ClassificationTask):
 
     def describe_metrics(self, metrics: dict) -> str:
         kinds = ""
-        if "no_answer_f1" in metrics:  # SQuAD 2.0: how each kind of question fared
-            kinds = f" | has_answer_f1 {metrics['has_answer_f1']:.2f} | no_answer_f1 {metrics['no_answer_f1']:.2f}"
+        for kind in ("has_answer", "no_answer"):  # SQuAD 2.0: how each kind of question fared
+            kinds += f" | {kind}_f1 {metrics[f'{kind}_f1']:.2f}" if f"{kind}_f1" in metrics else ""
         return (
             f"f1 {metrics['f1']:.2f} | exact_match {metrics['exact_match']:.2f}{kinds} | loss {metrics['loss']:.4f} "
             f"({metrics['samples']} questions)"

@@ -106,6 +106,7 @@ def schedule_problem(schedule: str, pp: int, stages_per_rank: int, microbatches:
 class PipelineTrainer(Trainer):
     name = "pipeline"
     summary = "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun"
+    step_collectives = "the stages' sends and receives, the gradient all-reduce"
 
     own_options = tuple(f.name for f in dataclasses.fields(DistributedConfig) if f.name.startswith("pipeline_"))
     schedule_problem = staticmethod(schedule_problem)  # the planner asks it which pipelines can run
