@@ -21,7 +21,6 @@ from cloudtrain import generate
 from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
 from cloudtrain.data.source_target import SourceTargetCollator, family_columns, process_source_target, shift_right
-from cloudtrain.errors import UserError
 from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge, rouge_pair, sentences
 
 
@@ -337,13 +336,6 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
         ),
     }
     assert_each_refused(cases, capsys, out)
-
-
-def test_the_planner_says_it_does_not_plan_an_encoder_decoder(tiny_t5_dir):
-    from cloudtrain.planning.facts import model_facts
-
-    with pytest.raises(UserError, match="is an encoder-decoder; the planner estimates one stack of layers"):
-        model_facts(tiny_t5_dir, task="seq2seq")
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ TRAINING_OPTIONS = (
     "fused_cross_entropy",
     "per_device_train_batch_size",
     "max_length",
+    "max_target_length",
     "mixed_precision",
     "global_batch_size",
     "lora_r",
@@ -116,6 +117,7 @@ def check_options(args: argparse.Namespace) -> None:
             (not 0 <= args.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
             (not args.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
             (args.max_length < 2, "--max_length must be at least 2"),
+            (args.max_target_length < 1, "--max_target_length must be at least 1"),
             (
                 args.global_batch_size is not None and args.global_batch_size % world != 0,
                 f"--global_batch_size {args.global_batch_size} must be a positive multiple of the {world} GPUs",

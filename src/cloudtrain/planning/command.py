@@ -95,7 +95,7 @@ def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
 
 def task_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The task's own options given another value than their default, as launch flags: the estimate assumed them."""
-    names = ("preference_loss", "precompute_reference")
+    names = ("preference_loss", "precompute_reference", "max_target_length")
     cfg = build_config({name: getattr(args, name) for name in names})
     given = [(name, getattr(args, name)) for name in names if differs_from_default(cfg, name)]
     return tuple(part for name, value in given for part in (f"--{name}", str(value).lower()))
@@ -163,7 +163,9 @@ def make_plan(args: argparse.Namespace) -> dict:
     )
     if not args.model_config and known_name(name):
         m = replace(m, name=name)
-    task_cfg = build_config({n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference")})
+    task_cfg = build_config(
+        {n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference", "max_target_length")}
+    )
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
     no_copy = replace(task_cfg, preference=replace(task_cfg.preference, precompute_reference=True))
     precision = resolve_precision(args.mixed_precision)
@@ -193,7 +195,12 @@ def make_plan(args: argparse.Namespace) -> dict:
     )
     requested, global_batch = _batch(args, setup.world_size)
     # a step of one micro-batch holds no gradients; auto fuses the loss only where Liger Kernel is installed
-    setup = replace(setup, step_rows=global_batch // setup.world_size, fused_loss=args.fused_cross_entropy == "true")
+    setup = replace(
+        setup,
+        step_rows=global_batch // setup.world_size,
+        fused_loss=args.fused_cross_entropy == "true",
+        target_length=run_task.target_length(task_cfg) if m.encoder else None,
+    )
     adapters = (
         () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
     )  # DoRA only when asked for

@@ -3,7 +3,7 @@
 (`DecoderTask`) reads its config and fits a preset to the tokenizer as training does, and every task says which
 modules train in full next to adapters."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -112,6 +112,13 @@ class ModelFacts:
     copy_free: tuple[str, ...] = ()
     task_args: tuple[str, ...] = ()  # the task's own options the estimate assumed, passed on to the launch command
     tensor_plan: TensorPlanFacts | None = None  # None: the family has no tensor-parallel plan in transformers
+    attention_width: int = 0  # q's width where not hidden_size (T5-3B: 32 heads of 128 over a hidden size of 1024)
+    attention_bias: bool = False  # relative positions added to the scores per head (T5): a float mask per layer
+    intermediate_dropout: bool = False  # dropout inside the MLP, after its activation (T5, BART's activation_dropout)
+    fp32_down_projection: bool = False  # the MLP's output projection stays fp32 (T5's wo): its input is cast to fp32
+    # an encoder-decoder (T5, BART): these facts are its decoder stack's, whose layers also attend to the encoder's
+    # output (cross-attention); `encoder` holds the encoder stack's, read over the source length
+    encoder: "ModelFacts | None" = None
 
     @property
     def decoder(self) -> bool:
@@ -170,7 +177,8 @@ def _activation_saved(act_name) -> float:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        ACT2FN[act_name](x * 1.0)
+        out = ACT2FN[act_name](x * 1.0)
+    saved.pop(out.untyped_storage().data_ptr(), None)  # ReLU keeps its output: the next projection's input anyway
     return sum(saved.values()) / x.untyped_storage().nbytes()
 
 
@@ -241,52 +249,46 @@ def model_facts(
     run_task = task_for(task, options)
     decoder = isinstance(run_task, DecoderTask)
     config = _load_config(run_task, options, num_labels)
-    if config.is_encoder_decoder:  # the formulas count one stack of layers: an encoder-decoder has two
-        raise UserError(
-            f"{name} is an encoder-decoder; the planner estimates one stack of layers (a decoder's or an encoder's) "
-            "and does not plan two yet: measure a short run instead (--max_steps 20 prints the peak memory)"
-        )
     model = _meta_model(config, run_task, trust_remote_code)
     text = config.get_text_config()
     hidden, heads = _config_value(text, ("hidden_size",)), _config_value(text, ("num_attention_heads",))
     if not hidden or not heads:
         raise UserError(f"the config of {name} has no hidden_size/num_attention_heads; cannot estimate activations")
-    layers = _layer_stack(model)
-    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    layers = _layer_stack(model)  # an encoder-decoder's largest: the decoder's (cross-attention)
     num_params = sum(p.numel() for p in model.parameters())
-    intermediate = _config_value(text, ("intermediate_size", "n_inner", "ffn_dim", "d_ff"), 4 * hidden)
-    mlp_shaped = [p for p in layers[0].parameters() if p.ndim == 2 and set(p.shape) == {hidden, intermediate}]
     kv_heads = _config_value(text, ("num_key_value_heads",), heads)
-    head = model.get_output_embeddings() if decoder else None  # the LM head, tied to the input embeddings or not
-    return ModelFacts(
+    head = model.get_output_embeddings() if decoder or config.is_encoder_decoder else None  # the LM head
+    stacks, encoder = [layers], None
+    if config.is_encoder_decoder:
+        stacks.append(_layer_stack(model.get_encoder()))
+        encoder_heads = _config_value(text, ("encoder_attention_heads",), heads)
+        encoder = _stack_facts(stacks[1], text, hidden, encoder_heads, encoder_heads)
+        heads = kv_heads = _config_value(text, ("decoder_attention_heads",), heads)
+    facts = ModelFacts(
         name=name,
         architecture=type(model).__name__,
         num_params=num_params,
-        num_layers=len(layers),
-        layer_class=type(layers[0]).__name__,
-        layer_params=max(layer_sizes),
-        root_params=num_params - sum(layer_sizes),
+        **_stack_facts(layers, text, hidden, heads, kv_heads, cross=encoder is not None),
+        root_params=num_params - sum(p.numel() for stack in stacks for p in stack.parameters()),
         largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
         hidden_size=hidden,
-        num_heads=heads,
-        kv_hidden_size=hidden * kv_heads // heads,
-        intermediate_size=intermediate,
-        gated_mlp=len(mlp_shaped) >= 3,
         activation_saved=_activation_saved(
-            _config_value(text, ("hidden_act", "activation_function", "hidden_activation"))
+            _config_value(text, ("hidden_act", "activation_function", "hidden_activation", "dense_act_fn"))
         ),
         hidden_dropout=float(
-            _config_value(text, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout"), 0.0)
+            _config_value(text, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "dropout_rate"), 0)
         )
         > 0,
         attention_dropout=float(
-            _config_value(text, ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout"), 0.0)
+            _config_value(
+                text, ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate"), 0.0
+            )
         )
         > 0,
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
-        rms_norm=any("RMSNorm" in type(module).__name__ for module in layers[0].modules()),
-        attention_inputs=max(_projections(layers[0], hidden, intermediate, into_mlp=False) - 1, 1),  # less o
-        mlp_inputs=max(_projections(layers[0], hidden, intermediate, into_mlp=True), 1),
+        attention_bias=hasattr(text, "relative_attention_num_buckets"),
+        fp32_down_projection="wo" in (getattr(model, "_keep_in_fp32_modules", None) or ()),
+        intermediate_dropout=float(_config_value(text, ("activation_dropout", "dropout_rate"), 0.0)) > 0,
         task=task,
         vocab_size=0 if head is None else head.weight.shape[0],
         from_config=from_config,
@@ -295,6 +297,47 @@ def model_facts(
         stages=stage_facts(model) if decoder else None,
         tensor_plan=tensor_plan_facts(model, layers, kv_heads) if decoder else None,
     )
+    if encoder is None:
+        return facts
+    adapters = facts.adapters and adapter_facts(model, run_task.train_in_full(model), lora, stacks[1][0])
+    return replace(facts, encoder=replace(facts, **encoder, root_params=0, vocab_size=0, adapters=adapters))
+
+
+def _rms_norm(module) -> bool:
+    """An RMSNorm-style norm written in Python (Llama's, T5's LayerNorm without bias or mean)."""
+    name = type(module).__name__
+    return "RMSNorm" in name or (
+        name.endswith("LayerNorm")
+        and not isinstance(module, nn.LayerNorm)
+        and getattr(module, "bias", None) is None
+        and hasattr(module, "variance_epsilon")
+    )
+
+
+def _stack_facts(layers, text, hidden: int, heads: int, kv_heads: int, cross: bool = False) -> dict:
+    """The ModelFacts fields of one stack of layers (an encoder-decoder has two; `cross`: its decoder's, whose
+    layers attend to the encoder's output too). An encoder-decoder's MLP width is read off the layer where its
+    config names none (BART's encoder_ffn_dim); T5 names its attention's width (d_kv per head)."""
+    layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
+    widths = [shape for module in layers[0].modules() if (shape := _in_out(module)) and shape[0] == hidden]
+    named = _config_value(text, ("intermediate_size", "n_inner", "ffn_dim", "d_ff"))
+    intermediate = named or (max(out for _, out in widths) if text.is_encoder_decoder else 4 * hidden)
+    attention = heads * _config_value(text, ("d_kv",), hidden // heads)
+    mlp_shaped = [p for p in layers[0].parameters() if p.ndim == 2 and set(p.shape) == {hidden, intermediate}]
+    reading = _projections(layers[0], hidden, intermediate, into_mlp=False) // (2 if cross else 1)
+    return {
+        "num_layers": len(layers),
+        "layer_class": type(layers[0]).__name__,
+        "layer_params": max(layer_sizes),
+        "num_heads": heads,
+        "kv_hidden_size": attention * kv_heads // heads,
+        "intermediate_size": intermediate,
+        "gated_mlp": len(mlp_shaped) >= 3,
+        "rms_norm": any(_rms_norm(module) for module in layers[0].modules()),
+        "attention_inputs": max(reading - (attention == hidden), 1),  # a self-attention's q, k, v (o reads hidden)
+        "mlp_inputs": max(_projections(layers[0], hidden, intermediate, into_mlp=True), 1),
+        "attention_width": 0 if attention == hidden else attention,
+    }
 
 
 def tensor_plan_facts(model, layers, kv_heads: int) -> TensorPlanFacts | None:

@@ -144,6 +144,8 @@ def _attention_bytes(m: ModelFacts, seq: int, c: int, dense_mask: bool, tp: int 
     divides the heads, not the mask (one [b, 1, s, s] per process)."""
     if not _fused_attention(m):
         return m.num_heads * seq * _attention_scores(m, c) / tp
+    if m.attention_bias:  # T5's relative positions: a float mask per head, made and kept by every layer
+        return 4 * m.num_heads / tp + c * seq * m.num_heads / tp
     return 4 * m.num_heads / tp + (c * seq if dense_mask else 0)
 
 
@@ -151,7 +153,7 @@ def _kv_width(m: ModelFacts, dense_mask: bool) -> int:
     """The width of k and v as attention keeps them: grouped-query heads are repeated to every query head by
     eager attention, and by sdpa when a mask is given (transformers passes enable_gqa only without one)."""
     repeated = m.attn_implementation == "eager" or (dense_mask and m.attn_implementation == "sdpa")
-    return m.hidden_size if repeated else m.kv_hidden_size
+    return (m.attention_width or m.hidden_size) if repeated else m.kv_hidden_size
 
 
 def _stacked(
@@ -186,8 +188,10 @@ def _layer_terms(
         2 * 4 * h  # the two norms' inputs in fp32 (the residual stream, or the norm's fp32 copy of it)
         + 2 * normalized * h  # what an RMSNorm keeps for its weight's gradient: the normalised input
         + c * inputs * h  # the projections' inputs: one per block, or under autocast each projection's own cast
-        + c * (2 * h + 2 * _kv_width(m, dense_mask)) / tp  # q, k, v as attention keeps them; its output
+        + c * (2 * (m.attention_width or h) + 2 * _kv_width(m, dense_mask)) / tp  # q, k, v as kept; the output
         + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp) / tp
+        + (1 + c) * inter * m.intermediate_dropout / tp  # its mask and output, the down projection's input
+        + (c if autocast32 else 4 - c) * inter * m.fp32_down_projection / tp  # T5: a cast copy for its fp32 wo
         + 2 * h * mask
         + _attention_bytes(m, seq, c, dense_mask, tp)
     )
@@ -204,9 +208,12 @@ def activation_bytes(
     residual_bytes: int,
     autocast32: bool = False,
     dense_mask: bool = False,
+    cross: float = 0.0,
 ) -> tuple[int, int]:
-    """(saved for backward at the end of the forward pass, backward working space) per GPU."""
+    """(saved for backward at the end of the forward pass, backward working space) per GPU; cross: a decoder
+    layer's cross-attention (`cross_attention_bytes`)."""
     per_layer, outside, working = _layer_terms(m, micro_batch, seq, half, autocast32, dense_mask)
+    per_layer += cross
     if checkpointing and dense_mask:  # the boolean mask is an input of every checkpointed layer: kept whole
         outside += micro_batch * seq * seq
     return _stacked(m, per_layer, outside, working, checkpointing, residual_bytes * seq * micro_batch * m.hidden_size)
@@ -221,6 +228,7 @@ def adapter_activation_bytes(
     checkpointing: bool,
     dense_mask: bool = False,
     hidden_bytes: int | None = None,
+    cross: float = 0.0,
 ) -> tuple[int, int]:
     """(saved for backward, backward working space) per GPU with adapters: the frozen linear layers keep no
     inputs, each adapter keeps its own copy of its input (cast to its dtype or dropped out) with the dropout
@@ -236,12 +244,16 @@ def adapter_activation_bytes(
         + (a.layer_inputs if a.spec.dropout > 0 else 0)
         + (2 * c * a.layer_outputs if peft == "dora" else 0)
     )
-    per_layer = sb * (
-        hidden * (2 * h + inter * (m.activation_saved + 2 * m.gated_mlp))
-        + c * (2 * h + 2 * _kv_width(m, dense_mask))
-        + adapters
-        + 2 * h * mask
-        + _attention_bytes(m, seq, c, dense_mask)
+    per_layer = (
+        sb
+        * (
+            hidden * (2 * h + inter * (m.activation_saved + 2 * m.gated_mlp))
+            + c * (2 * h + 2 * _kv_width(m, dense_mask))
+            + adapters
+            + 2 * h * mask
+            + _attention_bytes(m, seq, c, dense_mask)
+        )
+        + cross
     )
     outside = sb * h * (hidden + mask)  # the final norm's input: frozen, the embeddings' output needs no copy
     return _stacked(m, per_layer, outside, hidden * sb * (h + inter), checkpointing, hidden * sb * h)
@@ -353,7 +365,7 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     saved, working = _activations(m, cand, setup, micro_batch)
     activations = saved + working
     hidden = 4 if not setup.half or not cand.strategy.shards else 2  # the final norm's output: fp32 under autocast
-    logits = logits_bytes(m, micro_batch, setup.max_length, setup.half, setup.fused_loss, hidden)
+    logits = logits_bytes(m, micro_batch, target_length(m, setup), setup.half, setup.fused_loss, hidden)
     if full and not accumulating(setup, micro_batch) and not cand.strategy.zero_stage:
         grads -= min(_released_gradients(m, cand.strategy, setup), saved + logits)
     if full:
@@ -473,19 +485,56 @@ def _dense_mask(m: ModelFacts, setup: Setup) -> bool:
 
 
 def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> tuple[int, int]:
-    """(saved for backward, backward working space) of the candidate."""
-    dense = _dense_mask(m, setup)
+    """(saved for backward, backward working space) of the candidate. An encoder-decoder: its encoder's stack
+    over the source (--max_length), its decoder's over the target (--max_target_length) with cross-attention;
+    padded rows give each attention a mask."""
+    if m.encoder is None:
+        return _stack_activations(m, cand, setup, micro_batch, setup.max_length, _dense_mask(m, setup))
+    target = target_length(m, setup)
+    encoder = _stack_activations(m.encoder, cand, setup, micro_batch, setup.max_length, True)
+    casts = _autocast32(cand, setup) and cand.peft == "none"  # (an adapter's frozen base is in c already)
+    cross = cross_attention_bytes(m, micro_batch, target, setup.max_length, setup.half, casts)
+    decoder = _stack_activations(m, cand, setup, micro_batch, target, True, cross)
+    return encoder[0] + decoder[0], max(encoder[1], decoder[1])
+
+
+def _stack_activations(
+    m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int, seq: int, dense: bool, cross: float = 0.0
+) -> tuple[int, int]:
     if cand.peft != "none":
         # QLoRA's residual stream is fp32 under DDP only (prepare_model_for_kbit_training); sharded, in c
         hidden = 4 if cand.peft == "qlora" and not cand.strategy.shards else (2 if setup.half else 4)
         return adapter_activation_bytes(
-            m, cand.peft, micro_batch, setup.max_length, setup.half, cand.checkpointing, dense, hidden
+            m, cand.peft, micro_batch, seq, setup.half, cand.checkpointing, dense, hidden, cross
         )
     residual = _residual_bytes(cand.strategy, setup)
-    autocast32 = setup.half and not cand.strategy.shards
     return activation_bytes(
-        m, micro_batch, setup.max_length, setup.half, cand.checkpointing, residual, autocast32, dense
+        m, micro_batch, seq, setup.half, cand.checkpointing, residual, _autocast32(cand, setup), dense, cross
     )
+
+
+def _autocast32(cand: Candidate, setup: Setup) -> bool:
+    """16-bit autocast over fp32 weights: every process holds its weights whole (DDP, adapters' frozen base)."""
+    return setup.half and not cand.strategy.shards
+
+
+def target_length(m: ModelFacts, setup: Setup) -> int:
+    """The tokens per row the LM head reads: an encoder-decoder's target length, else every token's."""
+    return setup.target_length if m.encoder is not None and setup.target_length else setup.max_length
+
+
+def cross_attention_bytes(
+    m: ModelFacts, micro_batch: int, target: int, source: int, half: bool, autocast32: bool
+) -> float:
+    """What a decoder layer's cross-attention keeps: per target token the block's norm input, q's input, q, the
+    attention's output twice (the kernel's, and the output projection's input: a contiguous copy), the dropout
+    mask and the attention's own over the source's keys (the padding mask, or T5's bias); per source token its
+    k and v, and under autocast each projection's cast of the encoder's output (without, they read the one the
+    encoder's final norm keeps). Measured against autograd in tests/test_planner_seq2seq.py."""
+    c, h, q = (2 if half else 4), m.hidden_size, m.attention_width or m.hidden_size
+    per_target = 4 * h + c * h + 3 * c * q + (h if m.hidden_dropout else 0) + _attention_bytes(m, source, c, True)
+    per_source = 2 * c * m.kv_hidden_size + (2 * c * h if autocast32 else 0)
+    return micro_batch * (target * per_target + source * per_source)
 
 
 def _residual_bytes(s: Strategy, setup: Setup) -> int:

@@ -3,7 +3,6 @@ candidate under its group's title, and the recommendation with its reasons and l
 
 from dataclasses import asdict
 
-from cloudtrain.planning.facts import is_decoder
 from cloudtrain.planning.memory import GIB, Estimate
 from cloudtrain.planning.search import Choice, Row
 from cloudtrain.planning.strategies import Candidate
@@ -95,15 +94,19 @@ def _size(n: int) -> str:
 def render(plan: dict) -> str:
     """The human-readable plan: model, setup, the table of all candidates, the recommendation."""
     m, s = plan["model"], plan["setup"]
-    lm = is_decoder(m["task"])  # a decoder's logits have their own column
+    lm = m["vocab_size"] > 0  # an LM head's logits (a decoder's, an encoder-decoder's) have their own column
     vocab = f", vocab {m['vocab_size']}" if lm else ""
+    encoder = m.get("encoder")
+    layers = f"{encoder['num_layers']} encoder + {m['num_layers']} decoder" if encoder else str(m["num_layers"])
+    target = s.get("target_length") if encoder else None  # the decoder's tokens: the logits' rows
     lines = [
         f"model: {m['architecture']} ({m['name']}), {m['num_params'] / 1e6:,.1f}M parameters, "
-        f"{m['num_layers']} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, intermediate "
+        f"{layers} layers, hidden {m['hidden_size']}, {m['num_heads']} heads, intermediate "
         f"{m['intermediate_size']}{' (gated)' if m['gated_mlp'] else ''}"
         f"{vocab}, {m['attn_implementation']} attention",
         f"setup: {s['num_nodes']} node(s) x {s['num_gpus']} GPU(s) x {s['gpu_memory_bytes'] / GIB:g} GiB, "
-        f"max_length {s['max_length']}, mixed precision {s['mixed_precision']}, micro-batch "
+        f"max_length {s['max_length']}{f', max_target_length {target}' if target else ''}, "
+        f"mixed precision {s['mixed_precision']}, micro-batch "
         f"{plan['requested_micro_batch']}, global batch {plan['global_batch_size']}",
         f"memory per GPU at micro-batch {plan['requested_micro_batch']}; time: relative step time, fastest "
         "first; overhd: 1 GiB CUDA context + communication buffers + 5% fragmentation; max mb: the largest "
@@ -116,7 +119,8 @@ def render(plan: dict) -> str:
         )
     elif lm:
         lines.append(
-            "logits: micro-batch x max_length x vocab x 12 bytes (the logits with their fp32 copy and "
+            f"logits: micro-batch x {'max_target_length' if target else 'max_length'} x vocab x 12 bytes (the "
+            "logits with their fp32 copy and "
             "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing; a pipeline's on its last "
             "stage, of every micro-batch under GPipe"
         )

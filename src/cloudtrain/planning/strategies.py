@@ -156,6 +156,7 @@ class Setup:
     step_rows: int | None = None  # examples per GPU per optimizer step; None: unknown (as if accumulating)
     dense_mask: bool = True  # a decoder's packed rows under sdpa get a dense [b, 1, s, s] mask (False: varlen, flash)
     fused_loss: bool = False  # a fused linear cross-entropy: the logits are never whole
+    target_length: int | None = None  # an encoder-decoder's target tokens (--max_target_length); max_length: source
 
     @property
     def world_size(self) -> int:

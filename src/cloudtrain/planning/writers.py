@@ -260,7 +260,7 @@ def _model_args(m: ModelFacts) -> list[str]:
     name = m.name if m.from_config else hub_id(m.name)  # a well-known model by its short name: the Hub id
     if not m.decoder:
         task = ["--task", m.task] if m.task != TrainingConfig.task else []
-        return [*task, "--model_name_or_path", name]
+        return [*task, "--model_name_or_path", name, *m.task_args]
     args = ["--task", m.task, "--model_config" if m.from_config else "--model_name_or_path", name]
     if m.from_config or m.tokenizer:
         args += ["--tokenizer_name_or_path", m.tokenizer or "<tokenizer dir or Hub id>"]

@@ -211,6 +211,11 @@ class Task:
         """(summed loss, count) of one batch."""
         raise NotImplementedError
 
+    def target_length(self, cfg: Config) -> int | None:
+        """The tokens an encoder-decoder's decoder reads per row, where they are not its input's (the planner's
+        question); None: the task feeds the decoder its input."""
+        return None
+
     def smoothing(self) -> float:
         """--label_smoothing, for a training loss that reads it (evaluation's loss is the plain cross-entropy)."""
         return self.cfg.training.label_smoothing if self.cfg else 0.0

@@ -113,6 +113,9 @@ class Seq2SeqTask(ClassificationTask):
             )
         return None
 
+    def target_length(self, cfg: Config) -> int | None:
+        return cfg.data.max_target_length  # labels, EOS included; the decoder reads them shifted by one
+
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         return {"--text_column": (cfg.text_column, True), "--label_column": (cfg.label_column, False)}
 
