@@ -134,6 +134,28 @@ def test_plan_seq2seq_end_to_end(folders, tmp_path):
         assert row["estimate"]["activations"] > before["estimate"]["activations"], key
 
 
+# the model cards' counts; FLAN-T5's less its LM head (32128 x d_model), which transformers 5 ties to the embeddings
+PUBLISHED_PARAMS = {
+    "t5-base": 222_903_552,
+    "flan-t5-small": 76_961_152 - 32128 * 512,
+    "flan-t5-base": 247_577_856 - 32128 * 768,
+    "flan-t5-large": 783_150_080 - 32128 * 1024,
+    "bart-base": 139_420_416,
+    "bart-large-cnn": 406_290_432,
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_PARAMS))
+def test_well_known_encoder_decoders_plan_offline_with_their_published_sizes(name, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the shapes come from the shipped table
+    plan = planning.make_plan(plan_args(name, tmp_path, task="seq2seq", gpu="a10g", max_length=512))
+    assert plan["model"]["num_params"] == PUBLISHED_PARAMS[name] and plan["model"]["encoder"] is not None
+    assert (
+        plan["recommendation"] is not None
+        and "--task seq2seq --model_name_or_path " in (plan["recommendation"]["command"])
+    )
+
+
 def test_a_bart_classifier_reads_its_input_in_both_stacks(folders, tmp_path):
     facts = planning.model_facts(folders["bart"], task="classification", num_labels=3)
     assert facts.architecture == "BartForSequenceClassification" and facts.encoder is not None

@@ -13,6 +13,39 @@ from transformers import AutoConfig, PretrainedConfig
 _LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32)
 _LLAMA_13B = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40)
 
+
+def _t5(d_model: int, d_ff: int, heads: int, layers: int, gated: bool = True) -> dict:
+    return dict(
+        d_model=d_model,
+        d_ff=d_ff,
+        d_kv=64,
+        num_heads=heads,
+        num_layers=layers,
+        num_decoder_layers=layers,
+        vocab_size=32128,
+        feed_forward_proj="gated-gelu" if gated else "relu",
+        tie_word_embeddings=not gated,
+        dropout_rate=0.1,
+    )
+
+
+def _bart(d_model: int, ffn: int, heads: int, layers: int, vocab: int, dropouts: float) -> dict:
+    return dict(
+        d_model=d_model,
+        encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn,
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_layers=layers,
+        decoder_layers=layers,
+        vocab_size=vocab,
+        max_position_embeddings=1024,
+        dropout=0.1,
+        attention_dropout=dropouts,
+        activation_dropout=dropouts,
+    )
+
+
 # short name -> (Hub id, model_type, the config's architecture fields)
 KNOWN_MODELS: dict[str, tuple[str, str, dict]] = {
     "llama-7b": ("huggyllama/llama-7b", "llama", {**_LLAMA_7B, "vocab_size": 32000, "max_position_embeddings": 2048}),
@@ -89,6 +122,15 @@ KNOWN_MODELS: dict[str, tuple[str, str, dict]] = {
         ),
     ),
     "gpt2": ("openai-community/gpt2", "gpt2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257)),
+    # encoder-decoders (--task seq2seq): FLAN-T5 is T5 1.1 (gated GELU; small's 6 heads of 64 are narrower than
+    # its d_model), the original T5 a ReLU MLP. transformers 5 ties every T5's LM head to its embeddings (its
+    # tie_word_embeddings only says whether to scale the decoder's output): flan-t5-small counts 60.5M, not 77M
+    "flan-t5-small": ("google/flan-t5-small", "t5", _t5(512, 1024, 6, 8)),
+    "flan-t5-base": ("google/flan-t5-base", "t5", _t5(768, 2048, 12, 12)),
+    "flan-t5-large": ("google/flan-t5-large", "t5", _t5(1024, 2816, 16, 24)),
+    "t5-base": ("google-t5/t5-base", "t5", _t5(768, 3072, 12, 12, gated=False)),
+    "bart-base": ("facebook/bart-base", "bart", _bart(768, 3072, 12, 6, 50265, dropouts=0.1)),
+    "bart-large-cnn": ("facebook/bart-large-cnn", "bart", _bart(1024, 4096, 16, 12, 50264, dropouts=0.0)),
     "bert-base-uncased": (
         "google-bert/bert-base-uncased",
         "bert",
