@@ -258,6 +258,7 @@ def model_facts(
     num_params = sum(p.numel() for p in model.parameters())
     kv_heads = _config_value(text, ("num_key_value_heads",), heads)
     head = model.get_output_embeddings() if decoder or config.is_encoder_decoder else None  # the LM head
+    num_params += _untied_head(text, model, head)
     stacks, encoder = [layers], None
     if config.is_encoder_decoder:
         stacks.append(_layer_stack(model.get_encoder()))
@@ -301,6 +302,13 @@ def model_facts(
         return facts
     adapters = facts.adapters and adapter_facts(model, run_task.train_in_full(model), lora, stacks[1][0])
     return replace(facts, encoder=replace(facts, **encoder, root_params=0, vocab_size=0, adapters=adapters))
+
+
+def _untied_head(text, model, head) -> int:
+    """The LM head's parameters where transformers 5 builds a T5 1.1 (FLAN-T5) tied but its checkpoint holds a head
+    of its own, which loading keeps apart (its config's tie_word_embeddings false, read as scale_decoder_outputs)."""
+    tied = head is not None and head.weight is model.get_input_embeddings().weight
+    return head.weight.numel() if tied and getattr(text, "scale_decoder_outputs", True) is False else 0
 
 
 def _rms_norm(module) -> bool:

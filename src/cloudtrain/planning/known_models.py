@@ -123,8 +123,7 @@ KNOWN_MODELS: dict[str, tuple[str, str, dict]] = {
     ),
     "gpt2": ("openai-community/gpt2", "gpt2", dict(n_embd=768, n_layer=12, n_head=12, vocab_size=50257)),
     # encoder-decoders (--task seq2seq): FLAN-T5 is T5 1.1 (gated GELU; small's 6 heads of 64 are narrower than
-    # its d_model), the original T5 a ReLU MLP. transformers 5 ties every T5's LM head to its embeddings (its
-    # tie_word_embeddings only says whether to scale the decoder's output): flan-t5-small counts 60.5M, not 77M
+    # its d_model, and its LM head its own), the original T5 a ReLU MLP with a tied head
     "flan-t5-small": ("google/flan-t5-small", "t5", _t5(512, 1024, 6, 8)),
     "flan-t5-base": ("google/flan-t5-base", "t5", _t5(768, 2048, 12, 12)),
     "flan-t5-large": ("google/flan-t5-large", "t5", _t5(1024, 2816, 16, 24)),
