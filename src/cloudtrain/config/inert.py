@@ -86,6 +86,13 @@ OWN_MODULE = "own_module"  # the Python API's model= (ModuleTask): it reads none
 GENERATE: dict[str, Use] = dict.fromkeys(("temperature", "top_k", "top_p"), Use(needs="do_sample", values=(True,)))
 
 
+def reads(task: str, name: str) -> bool:
+    """Whether a run of --task `task` reads the training option `name` (by the table; an option it does not
+    list counts for every task)."""
+    use = TRAINING.get(name)
+    return use is None or not use.tasks or task in use.tasks
+
+
 def unused(
     table: Mapping[str, Use],
     values: Mapping[str, Any],

@@ -24,6 +24,7 @@ from cloudtrain.config import (
     build_config,
     differs_from_default,
 )
+from cloudtrain.config.inert import inert_notes, reads
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import resolve_precision
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
@@ -95,7 +96,7 @@ def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
 
 def task_args(args: argparse.Namespace) -> tuple[str, ...]:
     """The task's own options given another value than their default, as launch flags: the estimate assumed them."""
-    names = ("preference_loss", "precompute_reference", "max_target_length")
+    names = [n for n in ("preference_loss", "precompute_reference", "max_target_length") if reads(args.task, n)]
     cfg = build_config({name: getattr(args, name) for name in names})
     given = [(name, getattr(args, name)) for name in names if differs_from_default(cfg, name)]
     return tuple(part for name, value in given for part in (f"--{name}", str(value).lower()))
@@ -242,7 +243,8 @@ def make_plan(args: argparse.Namespace) -> dict:
         "recommendation": None,
         "suggestions": [],
         "fallbacks": [choice_json(c) for c in ranked[1:4]],  # the next best, in the order the choice takes
-        "notes": _notes(m, setup, args.mixed_precision)
+        "notes": _unused_notes(args)
+        + _notes(m, setup, args.mixed_precision)
         + _split_notes(m, setup)
         + _hardware_notes(name, args, gpu)
         + _attention_note(m, args),
@@ -337,6 +339,13 @@ def _notes(m: ModelFacts, setup: Setup, precision: str) -> list[str]:
             "it runs (bf16 on GPUs from Ampere on); pass bf16, fp16 or no to plan for other GPUs"
         )
     return notes
+
+
+def _unused_notes(args: argparse.Namespace) -> list[str]:
+    """The training options given that the planned run would not use, as the run itself notes them."""
+    from cloudtrain.commands.plan import TRAINING_OPTIONS  # (that module's package imports this one)
+
+    return inert_notes(build_config({name: getattr(args, name) for name in TRAINING_OPTIONS}))
 
 
 def _hardware_notes(name: str, args: argparse.Namespace, gpu: Gpu | None) -> list[str]:
