@@ -47,6 +47,10 @@ class AdapterFacts:
     layer_adapted: int  # adapted modules in one transformer layer
     layer_inputs: int  # their input features summed (what each adapter keeps for backward)
     layer_outputs: int  # their output features summed (DoRA keeps two output-sized tensors each)
+    # an encoder-decoder's decoder layer: its adapted cross-attention k and v, which read the encoder's output
+    # (source tokens, not target ones): how many, and their input features summed
+    cross_adapted: int = 0
+    cross_inputs: int = 0
 
     def trainable(self, peft: str) -> int:
         return self.lora_params + self.head_params + (self.magnitude_params if peft == "dora" else 0)
@@ -93,7 +97,7 @@ class ModelFacts:
     kv_hidden_size: int
     intermediate_size: int
     gated_mlp: bool
-    activation_saved: float  # tensors of the intermediate size the activation function saves
+    activation_saved: float  # tensors of the intermediate size the activation function saves, besides its output
     hidden_dropout: bool
     attention_dropout: bool
     attn_implementation: str
@@ -119,6 +123,7 @@ class ModelFacts:
     # an encoder-decoder (T5, BART): these facts are its decoder stack's, whose layers also attend to the encoder's
     # output (cross-attention); `encoder` holds the encoder stack's, read over the source length
     encoder: "ModelFacts | None" = None
+    activation_output_saved: bool = False  # the activation keeps its output (ReLU): the down projection's input
 
     @property
     def decoder(self) -> bool:
@@ -165,10 +170,11 @@ def _config_value(config, names: tuple[str, ...], default=None):
     return default
 
 
-def _activation_saved(act_name) -> float:
-    """How many input-sized fp32 tensors the activation function keeps for backward, measured."""
+def _activation_saved(act_name) -> tuple[float, bool]:
+    """(how many input-sized fp32 tensors the activation function keeps for backward besides its output, whether
+    it keeps its output: ReLU), measured."""
     if not isinstance(act_name, str) or act_name not in ACT2FN:
-        return 1.0  # an unknown or fused activation: assume it saves its input only
+        return 1.0, False  # an unknown or fused activation: assume it saves its input only
     x = torch.zeros(64, requires_grad=True)
     saved = {}
 
@@ -178,8 +184,8 @@ def _activation_saved(act_name) -> float:
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         out = ACT2FN[act_name](x * 1.0)
-    saved.pop(out.untyped_storage().data_ptr(), None)  # ReLU keeps its output: the next projection's input anyway
-    return sum(saved.values()) / x.untyped_storage().nbytes()
+    output = saved.pop(out.untyped_storage().data_ptr(), None) is not None
+    return sum(saved.values()) / x.untyped_storage().nbytes(), output
 
 
 def _load_config(task: Task, model: ModelConfig, num_labels: int):
@@ -212,7 +218,7 @@ def _load_config(task: Task, model: ModelConfig, num_labels: int):
 def _meta_model(config, task: Task, trust_remote_code: bool):
     auto = task.auto_class
     assert auto is not None  # every registered task names its Auto class
-    kind = "causal-LM" if isinstance(task, DecoderTask) else "sequence-classification"
+    kind = auto.__name__.removeprefix("AutoModelFor")  # CausalLM, Seq2SeqLM, SequenceClassification, ...
     try:
         with torch.device("meta"):  # shapes only: a 7B model builds in a fraction of a second
             return auto.from_config(config, trust_remote_code=trust_remote_code)
@@ -254,7 +260,10 @@ def model_facts(
     hidden, heads = _config_value(text, ("hidden_size",)), _config_value(text, ("num_attention_heads",))
     if not hidden or not heads:
         raise UserError(f"the config of {name} has no hidden_size/num_attention_heads; cannot estimate activations")
-    layers = _layer_stack(model)  # an encoder-decoder's largest: the decoder's (cross-attention)
+    layers = _layer_stack(model.get_decoder() if config.is_encoder_decoder else model)
+    activation = _activation_saved(
+        _config_value(text, ("hidden_act", "activation_function", "hidden_activation", "dense_act_fn"))
+    )
     num_params = sum(p.numel() for p in model.parameters())
     kv_heads = _config_value(text, ("num_key_value_heads",), heads)
     head = model.get_output_embeddings() if decoder or config.is_encoder_decoder else None  # the LM head
@@ -273,9 +282,8 @@ def model_facts(
         root_params=num_params - sum(p.numel() for stack in stacks for p in stack.parameters()),
         largest_module_params=max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()),
         hidden_size=hidden,
-        activation_saved=_activation_saved(
-            _config_value(text, ("hidden_act", "activation_function", "hidden_activation", "dense_act_fn"))
-        ),
+        activation_saved=activation[0],
+        activation_output_saved=activation[1],
         hidden_dropout=float(
             _config_value(text, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "dropout_rate"), 0)
         )
@@ -287,9 +295,12 @@ def model_facts(
         )
         > 0,
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
-        attention_bias=hasattr(text, "relative_attention_num_buckets"),
+        # what the encoder-decoders measured in tests/test_planner_seq2seq.py add (OPT names an activation_dropout
+        # it never applies; MPNet's relative positions go to eager attention, which keeps the scores anyway)
+        attention_bias=config.is_encoder_decoder and hasattr(text, "relative_attention_num_buckets"),
         fp32_down_projection="wo" in (getattr(model, "_keep_in_fp32_modules", None) or ()),
-        intermediate_dropout=float(_config_value(text, ("activation_dropout", "dropout_rate"), 0.0)) > 0,
+        intermediate_dropout=config.is_encoder_decoder
+        and float(_config_value(text, ("activation_dropout", "dropout_rate"), 0.0)) > 0,
         task=task,
         vocab_size=0 if head is None else head.weight.shape[0],
         from_config=from_config,
@@ -403,6 +414,7 @@ def adapter_facts(model, heads: list[str], spec: LoraSpec, layer) -> AdapterFact
     adapted = _adapted_shapes(model, spec.target_modules, heads)
     prefix = next(name for name, module in model.named_modules() if module is layer) + "."
     in_layer = [shape for name, shape in adapted.items() if name.startswith(prefix)]
+    cross = [shape for name, shape in adapted.items() if name.startswith(prefix) and _reads_encoder(name)]
     quantized = _quantized_sizes(model)
     return AdapterFacts(
         spec,
@@ -413,8 +425,20 @@ def adapter_facts(model, heads: list[str], spec: LoraSpec, layer) -> AdapterFact
         largest_quantized=max(quantized, default=0),
         layer_adapted=len(in_layer),
         layer_inputs=sum(i for i, _ in in_layer),
+        cross_adapted=len(cross),
+        cross_inputs=sum(i for i, _ in cross),
         layer_outputs=sum(o for _, o in in_layer),
     )
+
+
+CROSS_ATTENTION = ("encdecattention", "encoder_attn", "crossattention", "cross_attn")  # T5's, BART's, others'
+
+
+def _reads_encoder(name: str) -> bool:
+    """Whether the module `name` is a cross-attention's k or v projection (T5's EncDecAttention.k, BART's
+    encoder_attn.v_proj): its input is the encoder's output."""
+    *path, last = name.lower().split(".")
+    return any(marker in part for part in path for marker in CROSS_ATTENTION) and last[:1] in ("k", "v")
 
 
 def _in_out(module) -> tuple[int, int] | None:

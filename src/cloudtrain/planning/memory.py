@@ -156,6 +156,18 @@ def _kv_width(m: ModelFacts, dense_mask: bool) -> int:
     return (m.attention_width or m.hidden_size) if repeated else m.kv_hidden_size
 
 
+def _ungated_output(m: ModelFacts) -> bool:
+    """Whether the activation keeps its output and no gate's product keeps it already."""
+    return m.activation_output_saved and not m.gated_mlp
+
+
+def _own_output(m: ModelFacts, autocast32: bool) -> bool:
+    """Whether an ungated MLP's activation keeps an output (ReLU's) that is not the down projection's input: a
+    dropout comes between them, or T5's cast of it for its fp32 wo (under autocast, cast back)."""
+    copied = m.intermediate_dropout or (m.fp32_down_projection and autocast32)
+    return _ungated_output(m) and copied
+
+
 def _stacked(
     m: ModelFacts, per_layer: float, outside: float, working: float, checkpointing: bool, residual: float
 ) -> tuple[int, int]:
@@ -189,9 +201,9 @@ def _layer_terms(
         + 2 * normalized * h  # what an RMSNorm keeps for its weight's gradient: the normalised input
         + c * inputs * h  # the projections' inputs: one per block, or under autocast each projection's own cast
         + c * (2 * (m.attention_width or h) + 2 * _kv_width(m, dense_mask)) / tp  # q, k, v as kept; the output
-        + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp) / tp
-        + (1 + c) * inter * m.intermediate_dropout / tp  # its mask and output, the down projection's input
-        + (c if autocast32 else 4 - c) * inter * m.fp32_down_projection / tp  # T5: a cast copy for its fp32 wo
+        + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp) / tp  # its input, its output, gated: up's
+        + inter * m.intermediate_dropout / tp  # dropout after the activation: its mask
+        + c * inter * _own_output(m, autocast32) / tp
         + 2 * h * mask
         + _attention_bytes(m, seq, c, dense_mask, tp)
     )
@@ -247,8 +259,10 @@ def adapter_activation_bytes(
     per_layer = (
         sb
         * (
-            hidden * (2 * h + inter * (m.activation_saved + 2 * m.gated_mlp))
-            + c * (2 * h + 2 * _kv_width(m, dense_mask))
+            # frozen, the down projection keeps no input: ReLU's kept output counts on its own
+            hidden * (2 * h + inter * (m.activation_saved + 2 * m.gated_mlp + _ungated_output(m)))
+            + inter * m.intermediate_dropout
+            + c * (2 * (m.attention_width or h) + 2 * _kv_width(m, dense_mask))
             + adapters
             + 2 * h * mask
             + _attention_bytes(m, seq, c, dense_mask)
@@ -490,20 +504,42 @@ def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int)
     padded rows give each attention a mask."""
     if m.encoder is None:
         return _stack_activations(m, cand, setup, micro_batch, setup.max_length, _dense_mask(m, setup))
-    target = target_length(m, setup)
-    encoder = _stack_activations(m.encoder, cand, setup, micro_batch, setup.max_length, True)
+    source, target = setup.max_length, target_length(m, setup)
+    encoder = _stack_activations(m.encoder, cand, setup, micro_batch, source, True)
     casts = _autocast32(cand, setup) and cand.peft == "none"  # (an adapter's frozen base is in c already)
-    cross = cross_attention_bytes(m, micro_batch, target, setup.max_length, setup.half, casts)
+    cross = cross_attention_bytes(m, micro_batch, target, source, setup.half, casts)
+    if cand.peft != "none":  # the cross-attention's k and v adapters: counted per target token, kept per source one
+        cross += (source - target) * micro_batch * _cross_adapters(m, setup.half)
     decoder = _stack_activations(m, cand, setup, micro_batch, target, True, cross)
-    return encoder[0] + decoder[0], max(encoder[1], decoder[1])
+    kept = _checkpointed_inputs(m, cand, setup, micro_batch, target) if cand.checkpointing else 0
+    return encoder[0] + decoder[0] + kept, max(encoder[1], decoder[1])
+
+
+def _cross_adapters(m: ModelFacts, half: bool) -> float:
+    """Per token, what a decoder layer's cross-attention k and v adapters keep (their inputs and r-wide middles)."""
+    a, c = m.adapters, (2 if half else 4)
+    assert a is not None  # adapter candidates exist only with adapter facts
+    return c * (a.cross_inputs + a.cross_adapted * a.spec.r) + (a.cross_inputs if a.spec.dropout > 0 else 0)
+
+
+def _checkpointed_inputs(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int, target: int) -> int:
+    """What an encoder-decoder's checkpointed layers keep as inputs beyond the residual stream (one tensor each,
+    shared by the layers): the decoder's padding mask over the source (bool), T5's fp32 position biases of the
+    three attentions ([1, H, q, k]), and with adapters the encoder's output (full fine-tuning counts it already)."""
+    source, h = setup.max_length, m.hidden_size
+    kept = micro_batch * target * source
+    if m.attention_bias:
+        kept += 4 * m.num_heads * (source * source + target * target + target * source)
+    if cand.peft != "none":
+        kept += _adapter_hidden_bytes(cand, setup) * h * source * micro_batch
+    return kept
 
 
 def _stack_activations(
     m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int, seq: int, dense: bool, cross: float = 0.0
 ) -> tuple[int, int]:
     if cand.peft != "none":
-        # QLoRA's residual stream is fp32 under DDP only (prepare_model_for_kbit_training); sharded, in c
-        hidden = 4 if cand.peft == "qlora" and not cand.strategy.shards else (2 if setup.half else 4)
+        hidden = _adapter_hidden_bytes(cand, setup)
         return adapter_activation_bytes(
             m, cand.peft, micro_batch, seq, setup.half, cand.checkpointing, dense, hidden, cross
         )
@@ -511,6 +547,12 @@ def _stack_activations(
     return activation_bytes(
         m, micro_batch, seq, setup.half, cand.checkpointing, residual, _autocast32(cand, setup), dense, cross
     )
+
+
+def _adapter_hidden_bytes(cand: Candidate, setup: Setup) -> int:
+    """Bytes of the hidden states next to adapters: QLoRA's residual stream is fp32 under DDP only
+    (prepare_model_for_kbit_training); sharded, and with the other adapters, in the compute dtype."""
+    return 4 if cand.peft == "qlora" and not cand.strategy.shards else (2 if setup.half else 4)
 
 
 def _autocast32(cand: Candidate, setup: Setup) -> bool:
@@ -526,13 +568,16 @@ def target_length(m: ModelFacts, setup: Setup) -> int:
 def cross_attention_bytes(
     m: ModelFacts, micro_batch: int, target: int, source: int, half: bool, autocast32: bool
 ) -> float:
-    """What a decoder layer's cross-attention keeps: per target token the block's norm input, q's input, q, the
-    attention's output twice (the kernel's, and the output projection's input: a contiguous copy), the dropout
-    mask and the attention's own over the source's keys (the padding mask, or T5's bias); per source token its
-    k and v, and under autocast each projection's cast of the encoder's output (without, they read the one the
-    encoder's final norm keeps). Measured against autograd in tests/test_planner_seq2seq.py."""
+    """What a decoder layer's cross-attention keeps: per target token the block's norm input (and an RMSNorm's
+    normalised input), q's input, q, the attention's output, the dropout mask and the attention's own over the
+    source's keys (the padding mask, or T5's bias); per source token its k and v, and under autocast each
+    projection's cast of the encoder's output (without, they read the one the encoder's final norm keeps).
+    Measured against autograd in tests/test_planner_seq2seq.py."""
     c, h, q = (2 if half else 4), m.hidden_size, m.attention_width or m.hidden_size
-    per_target = 4 * h + c * h + 3 * c * q + (h if m.hidden_dropout else 0) + _attention_bytes(m, source, c, True)
+    normalized = (4 if autocast32 or not half else c) if m.rms_norm else 0
+    per_target = (
+        (4 + normalized + c) * h + 2 * c * q + (h if m.hidden_dropout else 0) + _attention_bytes(m, source, c, True)
+    )
     per_source = 2 * c * m.kv_hidden_size + (2 * c * h if autocast32 else 0)
     return micro_batch * (target * per_target + source * per_source)
 
