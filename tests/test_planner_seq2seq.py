@@ -12,6 +12,7 @@ from cloudtrain import planning
 from cloudtrain.config import Config, ModelConfig
 from cloudtrain.models import adapters
 from cloudtrain.planning import GIB, Candidate, Setup
+from cloudtrain.planning.known_models import KNOWN_MODELS
 from cloudtrain.planning.memory import target_length
 
 VOCAB = 4000
@@ -195,10 +196,8 @@ def test_well_known_encoder_decoders_plan_offline_with_their_published_sizes(nam
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the shapes come from the shipped table
     plan = planning.make_plan(plan_args(name, tmp_path, task="seq2seq", gpu="a10g", max_length=512))
     assert plan["model"]["num_params"] == PUBLISHED_PARAMS[name] and plan["model"]["encoder"] is not None
-    assert (
-        plan["recommendation"] is not None
-        and "--task seq2seq --model_name_or_path " in (plan["recommendation"]["command"])
-    )
+    hub = KNOWN_MODELS[name][0]  # the launch command loads the checkpoint by its Hub id
+    assert f"--task seq2seq --model_name_or_path {hub} " in plan["recommendation"]["command"]
 
 
 def test_a_bart_classifier_reads_its_input_in_both_stacks(folders, tmp_path):

@@ -322,6 +322,11 @@ def _untied_head(text, model, head) -> int:
     return head.weight.numel() if tied and getattr(text, "scale_decoder_outputs", True) is False else 0
 
 
+def _widest(layer, hidden: int) -> int:
+    """The widest output of a projection reading a hidden-sized input: the MLP's up projection."""
+    return max(shape[1] for module in layer.modules() if (shape := _in_out(module)) and shape[0] == hidden)
+
+
 def _rms_norm(module) -> bool:
     """An RMSNorm-style norm written in Python (Llama's, T5's LayerNorm without bias or mean)."""
     name = type(module).__name__
@@ -338,9 +343,8 @@ def _stack_facts(layers, text, hidden: int, heads: int, kv_heads: int, cross: bo
     layers attend to the encoder's output too). An encoder-decoder's MLP width is read off the layer where its
     config names none (BART's encoder_ffn_dim); T5 names its attention's width (d_kv per head)."""
     layer_sizes = [sum(p.numel() for p in layer.parameters()) for layer in layers]
-    widths = [shape for module in layers[0].modules() if (shape := _in_out(module)) and shape[0] == hidden]
     named = _config_value(text, ("intermediate_size", "n_inner", "ffn_dim", "d_ff"))
-    intermediate = named or (max(out for _, out in widths) if text.is_encoder_decoder else 4 * hidden)
+    intermediate = named or (_widest(layers[0], hidden) if text.is_encoder_decoder else 4 * hidden)
     attention = heads * _config_value(text, ("d_kv",), hidden // heads)
     mlp_shaped = [p for p in layers[0].parameters() if p.ndim == 2 and set(p.shape) == {hidden, intermediate}]
     reading = _projections(layers[0], hidden, intermediate, into_mlp=False) // (2 if cross else 1)

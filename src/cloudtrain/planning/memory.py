@@ -140,8 +140,8 @@ def _fused_attention(m: ModelFacts) -> bool:
 def _attention_bytes(m: ModelFacts, seq: int, c: int, dense_mask: bool, tp: int = 1) -> float:
     """Per token and layer, what the attention kernel keeps beyond q, k, v and its output: eager's s*s scores;
     a fused kernel's fp32 log-sum-exp per head and, given a dense mask, the additive bias it converts the
-    boolean [b, 1, s, s] mask into (compute dtype, one per layer, kept for its backward). Tensor parallelism
-    divides the heads, not the mask (one [b, 1, s, s] per process)."""
+    boolean [b, 1, s, s] mask into (compute dtype, one per layer, kept for its backward); T5's relative positions
+    make that mask per head. Tensor parallelism divides the heads, not the mask (one [b, 1, s, s] per process)."""
     if not _fused_attention(m):
         return m.num_heads * seq * _attention_scores(m, c) / tp
     if m.attention_bias:  # T5's relative positions: a float mask per head, made and kept by every layer
