@@ -319,6 +319,7 @@ def test_a_loss_spike_is_warned_logged_and_acted_on(action, tiny_model_dir, topi
         assert code == 0 and "trained 40 steps" in printed.out
 
 
+@pytest.mark.slow  # a real run (about 10 s): the full tier's, to keep `make test-fast` under 3 minutes
 def test_a_slowed_data_loader_shows_in_the_data_share_and_as_a_throughput_drop(
     tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch
 ):

@@ -298,6 +298,7 @@ def test_truncation_is_counted_and_reported(tiny_llama_dir, tmp_path, capsys):
     assert run.data.references == [a for _, a in CHATS[:3]]
 
 
+@pytest.mark.slow  # a real run (about 10 s): the full tier's, to keep `make test-fast` under 3 minutes
 def test_chat_in_the_terminal_keeps_history_and_resets(tiny_llama_dir, chats_file, tmp_path):
     out = tmp_path / "run"
     run_training(
