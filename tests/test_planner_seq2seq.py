@@ -219,3 +219,20 @@ def test_an_option_the_planned_task_does_not_read_is_noted_and_not_passed_on(tmp
     ]
     command = plan["recommendation"]["command"]
     assert "--max_target_length" not in command and "--preference_loss" not in command
+
+
+def test_a_plan_that_fits_nothing_names_a_target_length_that_would(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = dict(
+        task="seq2seq", gpu_memory_gb=1.6, max_length=512, per_device_train_batch_size=8, mixed_precision="bf16"
+    )
+    plan = planning.make_plan(plan_args("bart-large-cnn", tmp_path / "a", **args, max_target_length=1024))
+    assert plan["recommendation"] is None
+    idea = next(s for s in plan["suggestions"] if s.startswith("a shorter target"))
+    shorter = int(idea.rsplit(" ", 1)[1])
+    assert (
+        shorter < 1024
+        and planning.make_plan(plan_args("bart-large-cnn", tmp_path / "b", **args, max_target_length=shorter))[
+            "recommendation"
+        ]
+    )

@@ -304,6 +304,11 @@ def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str
     shorter = [s for s in lengths if _fits_anything(m, replace(setup, max_length=s), cands)]
     if shorter:
         ideas.append(f"a shorter sequence: --max_length {max(shorter)}")
+    if m.encoder is not None and setup.target_length:  # an encoder-decoder's target: the decoder and the logits
+        targets = [s for s in lengths if s < setup.target_length]
+        fitting = [s for s in targets if _fits_anything(m, replace(setup, target_length=s), cands)]
+        if fitting:
+            ideas.append(f"a shorter target: --max_target_length {max(fitting)}")
     if not setup.half and _fits_anything(m, replace(setup, mixed_precision="bf16"), cands):
         ideas.append("--mixed_precision bf16 (halves the activations and, with DeepSpeed, the weights)")
     if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None), cands):
