@@ -49,7 +49,7 @@ def install(faults: dict, setattr=setattr) -> None:
     for trainer in _trainer_classes("move"):  # each class with its own input path (the accelerated one places streams)
         setattr(trainer, "move", slowed(trainer.__dict__["move"]))
     for task in _task_classes():
-        setattr(task, "loss", _faulty_loss(task.loss, faults, rank, step))
+        setattr(task, "loss", _faulty_loss(_hanging(task.loss, faults, rank, step), faults, rank, step))
         setattr(task, "process", _slow_process(task.process, faults, rank))
 
 
@@ -60,6 +60,8 @@ def _trainer_classes(method: str) -> list[type]:
 
 
 def _hanging(real, faults: dict, rank: int, step: list[int]):
+    """`real` (a loss), made to stop answering on the faulty rank at the faulty step."""
+
     def loss(*args, **kwargs):
         hang = faults.get("hang")
         if hang and rank == hang["rank"] and step[0] == hang["step"]:
@@ -88,9 +90,7 @@ def _slow_process(real, faults: dict, rank: int):
 
 def _faulty_loss(real, faults: dict, rank: int, step: list[int]):
     def loss(self, model, batch):
-        hang, slow, scale = faults.get("hang"), faults.get("slow_forward"), faults.get("loss_scale")
-        if hang and rank == hang["rank"] and step[0] == hang["step"]:
-            time.sleep(600)
+        slow, scale = faults.get("slow_forward"), faults.get("loss_scale")
         if slow and rank == slow["rank"]:
             time.sleep(slow["seconds"])
         summed, count = real(self, model, batch)

@@ -102,8 +102,8 @@ def check_options(args: argparse.Namespace) -> None:
     context = saved_positions(args.model_dir)  # an adapter's base is checked once it loads
     if args.max_length is not None and context and args.max_length > context:
         raise UserError(too_long(args.max_length, context))
-    check_pairs(args, *trained_on_pairs(Path(args.model_dir)))
     task = saved_task(Path(args.model_dir))
+    check_pairs(args, *trained_on_pairs(Path(args.model_dir), task))
     if args.handle_impossible_answer and task != "question_answering":
         what = f"was trained for --task {task}" if task else "is not a question-answering model"
         raise UserError(
@@ -171,10 +171,11 @@ def free_name(path: Path) -> Path:
 # ---------------------------------------------------------------- text pairs
 
 
-def trained_on_pairs(model_dir: Path) -> tuple[bool | None, str, str | None]:
+def trained_on_pairs(model_dir: Path, task: str | None) -> tuple[bool | None, str, str | None]:
     """(whether the saved model reads text pairs, how it was trained in words, the recorded text_pair_column), from
-    the args.json the training application saved with it; (None, "", None) for a model from elsewhere."""
-    recorded, task = read_arguments(model_dir), saved_task(model_dir)
+    the args.json the training application saved with it and its `task` (`saved_task`); (None, "", None) for a
+    model from elsewhere."""
+    recorded = read_arguments(model_dir)
     if task == "question_answering":
         # a run that read SQuAD's columns without options recorded none: its contexts were in "context"
         context = recorded.get("text_pair_column") or "context"

@@ -156,6 +156,14 @@ def _kv_width(m: ModelFacts, dense_mask: bool) -> int:
     return (m.attention_width or m.hidden_size) if repeated else m.kv_hidden_size
 
 
+def _normalized_bytes(m: ModelFacts, half: bool, autocast32: bool) -> int:
+    """Bytes per element of what an RMSNorm keeps for its weight's gradient (its normalised input): fp32 under
+    autocast over fp32 weights and in fp32, the compute dtype with 16-bit weights; 0 for a LayerNorm kernel."""
+    if not m.rms_norm:
+        return 0
+    return 4 if autocast32 or not half else 2
+
+
 def _ungated_output(m: ModelFacts) -> bool:
     """Whether the activation keeps its output and no gate's product keeps it already."""
     return m.activation_output_saved and not m.gated_mlp
@@ -194,7 +202,7 @@ def _layer_terms(
     not the residual stream, the norms or the projections' inputs (no sequence parallelism in transformers' plan)."""
     c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
-    normalized = (4 if autocast32 or not half else c) if m.rms_norm else 0
+    normalized = _normalized_bytes(m, half, autocast32)
     inputs = m.attention_inputs + m.mlp_inputs if autocast32 else 2
     per_token = (
         2 * 4 * h  # the two norms' inputs in fp32 (the residual stream, or the norm's fp32 copy of it)
@@ -574,7 +582,7 @@ def cross_attention_bytes(
     projection's cast of the encoder's output (without, they read the one the encoder's final norm keeps).
     Measured against autograd in tests/test_planner_seq2seq.py."""
     c, h, q = (2 if half else 4), m.hidden_size, m.attention_width or m.hidden_size
-    normalized = (4 if autocast32 or not half else c) if m.rms_norm else 0
+    normalized = _normalized_bytes(m, half, autocast32)
     per_target = (
         (4 + normalized + c) * h + 2 * c * q + (h if m.hidden_dropout else 0) + _attention_bytes(m, source, c, True)
     )
