@@ -28,10 +28,12 @@ from safetensors.torch import load_file
 from test_distributed import ONE_PROCESS, accelerate_launch, free_port, launch, logged_losses
 
 from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
 from cloudtrain.parallel import fsdp
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.fsdp import fsdp_settings, layer_classes, shard_degrees
 from cloudtrain.parallel.mesh import Mesh
+from cloudtrain.training.trainer import save_weights
 
 FSDP_YAML = "configs/accelerate/fsdp.yaml"
 
@@ -112,6 +114,64 @@ def test_the_sharded_units_are_the_repeated_layers_never_an_embedding_block(
             self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(4, 4)) for _ in range(3))
 
     assert layer_classes(Plain()) == ["Sequential"]
+
+
+def test_an_encoder_decoders_stacks_get_the_shared_embedding_module_itself(tiny_t5_dir, tiny_llama_dir, tmp_path):
+    """T5 and BART hold their shared embedding as three modules tied by weight; FSDP2 needs a weight in one unit,
+    so the encoder and the decoder are given the model's module: the same logits and state-dict names. A tied
+    copy that computes differently (BART's scale) is refused; a decoder has nothing to replace."""
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, BartConfig, BartForConditionalGeneration
+
+    torch.manual_seed(0)
+    bart_config = dict(
+        vocab_size=40,
+        d_model=16,
+        encoder_layers=1,
+        decoder_layers=1,
+        encoder_attention_heads=2,
+        decoder_attention_heads=2,
+        encoder_ffn_dim=32,
+        decoder_ffn_dim=32,
+        scale_embedding=True,
+    )
+    t5, bart = (
+        AutoModelForSeq2SeqLM.from_pretrained(tiny_t5_dir),
+        BartForConditionalGeneration(BartConfig(**bart_config)),
+    )
+    ids, starts = torch.randint(3, 40, (2, 7)), torch.randint(3, 40, (2, 5))
+    for model, stacks in ((t5.eval(), t5), (bart.eval(), bart.model)):  # eval: no dropout
+        before, names = model(input_ids=ids, decoder_input_ids=starts).logits, set(model.state_dict())
+        assert stacks.encoder.embed_tokens is not model.get_input_embeddings()
+        assert fsdp.one_shared_embedding(model) == 2
+        assert stacks.encoder.embed_tokens is stacks.decoder.embed_tokens is model.get_input_embeddings()
+        assert torch.equal(model(input_ids=ids, decoder_input_ids=starts).logits, before)
+        assert set(model.state_dict()) == names
+    assert fsdp.one_shared_embedding(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)) == 0
+
+    unscaled = BartForConditionalGeneration(BartConfig(**bart_config))
+    unscaled.model.decoder.embed_tokens.embed_scale = 1.0
+    with pytest.raises(
+        UserError,
+        match="--fsdp: BartForConditionalGeneration's embed_tokens shares the input "
+        "embedding's weight but computes differently",
+    ):
+        fsdp.one_shared_embedding(unscaled)
+
+
+def test_a_gathered_state_dict_saves_each_tied_weight_once(tiny_t5_dir, tmp_path):
+    """FSDP and ZeRO-3 gather a tied weight as one copy per name: saved, the file holds the names a live model's
+    save writes (T5: the shared embedding once), not three copies."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(tiny_t5_dir)
+    model.save_pretrained(tmp_path / "live")
+    save_weights(model, tmp_path / "gathered", state_dict={k: v.clone() for k, v in model.state_dict().items()})
+    live, gathered = (
+        load_file(tmp_path / "live" / "model.safetensors"),
+        load_file(tmp_path / "gathered" / "model.safetensors"),
+    )
+    assert gathered.keys() == live.keys() and "encoder.embed_tokens.weight" not in gathered
+    assert all(torch.equal(gathered[name], live[name]) for name in live)
 
 
 def test_qlora_under_fsdp_stores_the_4bit_base_in_the_compute_dtype(tiny_llama_dir, monkeypatch):
@@ -287,6 +347,7 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
     launch(ONE_PROCESS, *lm_args(tiny_gpt2_dir, corpus, one, "--per_device_train_batch_size", "4"))
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-4)
     saved = load_file(two / "model.safetensors")
+    assert saved.keys() == load_file(one / "model.safetensors").keys()  # the tied head's weight once
     model, info = AutoModelForCausalLM.from_pretrained(two, output_loading_info=True)
     assert model.lm_head.weight is model.get_input_embeddings().weight  # still tied
     assert not info["missing_keys"] and not info["mismatched_keys"], info
@@ -310,6 +371,60 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
     assert logged_losses(lora) == losses  # the same curve, bit for bit
     again = load_file(lora / "adapter_model.safetensors")
     assert all(torch.equal(again[name], adapter[name]) for name in adapter)
+
+
+def flan_shaped_t5(t5_dir: str, out: Path) -> str:
+    """`t5_dir` as a FLAN-T5 checkpoint is: a gated MLP, and an LM head of its own beside the shared embedding
+    (transformers 5 loads it untied), so under FSDP2 the encoder and decoder share a unit the head is not in."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+
+    config = json.loads((Path(t5_dir) / "config.json").read_text())
+    out.mkdir()
+    for name in os.listdir(t5_dir):
+        if name != "model.safetensors":
+            (out / name).write_bytes((Path(t5_dir) / name).read_bytes())
+    (out / "config.json").write_text(
+        json.dumps({**config, "tie_word_embeddings": False, "feed_forward_proj": "gated-gelu"})
+    )
+    torch.manual_seed(0)
+    state = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(out)).state_dict()
+    weights = {name: t.clone() for name, t in state.items() if ".embed_tokens." not in name}
+    weights["lm_head.weight"] = torch.randn_like(weights["shared.weight"])
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return str(out)
+
+
+@pytest.mark.slow
+def test_fsdp2_encoder_decoder_matches_one_process_and_saves_each_weight_once(tiny_t5_dir, tmp_path):
+    """A FLAN-shaped T5 (the shared embedding read by both stacks, the head apart): 2 FSDP2 processes x 4 rows
+    give the losses of 1 process x 8 rows and save the same file, each weight once, that loads with every weight
+    from it; the evaluation's generations run on both processes."""
+    from test_seq2seq import headline_rows, write_jsonl
+    from transformers import AutoModelForSeq2SeqLM
+
+    model = flan_shaped_t5(tiny_t5_dir, tmp_path / "flan")
+    two, one = tmp_path / "two", tmp_path / "one"
+    common = [
+        str(ENTRY), "--task", "seq2seq", "--model_name_or_path", model, "--max_target_length", "8",
+        "--train_file", write_jsonl(tmp_path / "train.jsonl", headline_rows(64, 0)), "--report_to", "none",
+        "--max_steps", "4", "--learning_rate", "1e-2", "--logging_steps", "1", "--mixed_precision", "no",
+    ]  # fmt: skip
+    result = launch(torchrun(2), *common, "--output_dir", str(two), "--per_device_train_batch_size", "4",
+                    "--fsdp", "true")  # fmt: skip
+    launch(ONE_PROCESS, *common, "--output_dir", str(one), "--per_device_train_batch_size", "8")
+    assert "2 process(es) on cpu (FSDP2, precision no)" in result.stdout
+    assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-5)
+    saved, reference = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
+    assert saved.keys() == reference.keys() and "encoder.embed_tokens.weight" not in saved
+    for name in saved:
+        torch.testing.assert_close(saved[name], reference[name], rtol=1e-3, atol=1e-5)
+    loaded, info = AutoModelForSeq2SeqLM.from_pretrained(two, output_loading_info=True)
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert loaded.lm_head.weight is not loaded.shared.weight  # the head stayed its own
+    evaluated = [json.loads((run / "eval_results.json").read_text()) for run in (two, one)]
+    assert evaluated[0]["samples"] == evaluated[1]["samples"] > 0
+    assert evaluated[0]["loss"] == pytest.approx(evaluated[1]["loss"], rel=1e-4)
 
 
 # ---------------------------------------------------------------- the same on CUDA

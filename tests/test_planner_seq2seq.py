@@ -1,7 +1,8 @@
 """The memory planner on encoder-decoders (T5, BART): the facts of both stacks; what autograd keeps for the backward
 pass of a real forward, encoder over the source and decoder over the target (with cross-attention), within 10% of
 the estimate for T5 (ReLU and gated) and BART, in fp32 and under bf16 autocast; `plan --task seq2seq` end to end
-(logits over the target, no FSDP rows, --max_target_length in the launch command); a BART classifier."""
+(logits over the target, FSDP2 rows with both stacks' layers, --max_target_length in the launch command); a BART
+classifier."""
 
 import pytest
 import torch
@@ -167,7 +168,12 @@ def test_plan_seq2seq_end_to_end(folders, tmp_path):
     rows, rec = plan["strategies"], plan["recommendation"]
     assert plan["setup"]["target_length"] == 64 and plan["model"]["encoder"]["num_layers"] == 2
     assert all(row["estimate"]["logits"] == 8 * 64 * VOCAB * 12 for row in rows)  # over the target, not the source
-    assert not [row for row in rows if "fsdp" in row["strategy"]]  # the run refuses FSDP2 for seq2seq
+    fsdp = {row["strategy"]: row["estimate"] for row in rows if row["peft"] == "none" and "fsdp" in row["strategy"]}
+    assert {"fsdp", "fsdp_grad_op"} <= set(fsdp)  # the run shards T5 (its shared embedding one unit)
+    # shard_grad_op keeps every layer gathered from its forward to its backward: the encoder's as well
+    facts, both = planning.model_facts(folders["flan-t5"], task="seq2seq"), 2 + 2
+    held = fsdp["fsdp_grad_op"]["parameters"] - fsdp["fsdp"]["parameters"]
+    assert held == 2 * (both - 2) * facts.layer_params  # bf16 copies; full_shard holds two
     assert {row["peft"] for row in rows} == {"none", "lora", "qlora"}
     assert "--task seq2seq" in rec["command"] and "--max_target_length 64" in rec["command"]
     text = planning.render(plan)

@@ -326,10 +326,6 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
         ),
         "target length": ({**base, "max_target_length": "0"}, "--max_target_length must be at least 1"),
         "no beams": ({**base, "generation_num_beams": "0"}, "--generation_num_beams must be at least 1 (1: greedy)"),
-        "fsdp": (
-            {**base, "fsdp": "true"},
-            "--task seq2seq under --fsdp: the encoder and the decoder share one embedding",
-        ),
         "from a config": (
             {**base, "model_config": "llama-8m", "tokenizer_name_or_path": tiny_t5_dir, "model_name_or_path": None},
             "--task seq2seq starts from a pretrained model: pass --model_name_or_path",

@@ -17,6 +17,8 @@ from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, Pa
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from cloudtrain.config import Config
+from cloudtrain.errors import UserError
+from cloudtrain.models.embedding_noise import has_input_embeddings
 from cloudtrain.parallel.mesh import Mesh
 
 STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
@@ -32,9 +34,40 @@ class LayerWrapPlugin(FullyShardedDataParallelPlugin):
     """accelerate's FSDP plugin, wrapping the model's repeated layers (`layer_classes`) unless told which."""
 
     def set_auto_wrap_policy(self, model: torch.nn.Module) -> None:
+        one_shared_embedding(model)
         if getattr(self, "transformer_cls_names_to_wrap", None) is None:
             self.transformer_cls_names_to_wrap = layer_classes(model)
         super().set_auto_wrap_policy(model)
+
+
+def one_shared_embedding(model: torch.nn.Module) -> int:
+    """Encoder-decoders (T5, BART) hold their shared input embedding as three modules tied by weight: the model's,
+    the encoder's and the decoder's. FSDP2 keeps a parameter in one group and accelerate groups only the model's
+    module, so the stacks are given that module itself (as transformers 4 built them); the forward is the same.
+    Returns how many modules were replaced; a tied copy that computes differently is refused."""
+    if not has_input_embeddings(model):  # a plain module of the user's, a diffusion model
+        return 0
+    shared = model.get_input_embeddings()  # type: ignore[operator]
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if child is shared or not isinstance(child, torch.nn.Embedding) or child.weight is not shared.weight:
+                continue
+            if type(child) is not type(shared) or _settings(child) != _settings(shared):
+                raise UserError(
+                    f"--fsdp: {type(model).__name__}'s {name} shares the input embedding's weight but computes "
+                    "differently, which FSDP2 cannot shard; use --zero_stage 3 (or 1 or 2)"
+                )
+            setattr(parent, name, shared)
+            replaced += 1
+    return replaced
+
+
+def _settings(module: torch.nn.Module) -> dict[str, Any]:
+    """What an embedding computes with besides its weight (padding index, BART's scale) and its hooks."""
+    hooks = (module._forward_hooks, module._forward_pre_hooks)
+    public = {key: value for key, value in vars(module).items() if not key.startswith("_")}
+    return {**public, "hooks": [list(h.values()) for h in hooks]}
 
 
 def layer_classes(model: torch.nn.Module) -> list[str]:

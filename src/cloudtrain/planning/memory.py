@@ -67,10 +67,19 @@ def _fsdp_states(m: ModelFacts, strategy: Strategy, setup: Setup) -> tuple[int, 
     dtype (the root and two layers; every layer with reshard_after_forward false), one layer's unsharded
     gradients; with CPU offload the shards, their gradients and AdamW states live in CPU memory."""
     P, S, c = m.num_params, strategy.shard_degree(setup), 2 if setup.half else 4
-    gathered = c * (m.root_params + (m.num_layers if not strategy.reshard_after_forward else 2) * m.layer_params)
+    gathered = c * (m.root_params + _gathered_layers(m, strategy) * m.layer_params)
     if strategy.offload_param:
         return gathered, c * m.layer_params, 0
     return 4 * P // S + gathered, 4 * P // S + c * m.layer_params, 8 * P // S
+
+
+def _gathered_layers(m: ModelFacts, strategy: Strategy) -> int:
+    """How many layers FSDP2 holds gathered at once: the one computing and the one prefetched, or with
+    reshard_after_forward false every layer (an encoder-decoder's of both stacks, each counted at the larger
+    decoder layer's size) from its forward to its backward."""
+    if strategy.reshard_after_forward:
+        return 2
+    return m.num_layers + (m.encoder.num_layers if m.encoder else 0)
 
 
 def _trainable_facts(m: ModelFacts) -> ModelFacts:
@@ -120,7 +129,7 @@ def frozen_base_bytes(m: ModelFacts, peft: str, strategy: Strategy, setup: Setup
         return whole + dequantised
     layer = NF4_BYTES * layer_q + per_weight_rest * (m.layer_params - layer_q)
     if strategy.fsdp:  # the root and two layers gathered
-        gathered = per_weight_rest * m.root_params + (m.num_layers if not strategy.reshard_after_forward else 2) * layer
+        gathered = per_weight_rest * m.root_params + _gathered_layers(m, strategy) * layer
     else:  # ZeRO-3: the largest module gathered
         gathered = layer if peft == "qlora" else c * m.largest_module_params
     return whole / S + gathered + dequantised

@@ -6,11 +6,10 @@ are read without options; else --text_column and --label_column) or WMT's `trans
 tokens, and at each evaluation generations (greedy, or --generation_num_beams beams) scored by ROUGE-1/2/L/Lsum
 (--rouge_stemmer: stemmed) and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled
 evaluation splits (generations in `<split>_predictions.jsonl`); `cloudtrain generate` with the saved model;
-adapters (LoRA, DoRA, QLoRA), both trainers, DDP and DeepSpeed ZeRO 1-3 (every process generates in step), and
-the Hub push.
+adapters (LoRA, DoRA, QLoRA), both trainers, DDP, DeepSpeed ZeRO 1-3 and FSDP2 (every process generates in
+step), planning its memory (`cloudtrain plan --task seq2seq`), and the Hub push.
 Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), sampling in
-evaluation, pretraining from --model_config, FSDP (the encoder's and decoder's shared embedding),
---training_type pipeline, tensor or context parallelism, packing, planning its memory (`cloudtrain plan`).
+evaluation, pretraining from --model_config, --training_type pipeline, tensor or context parallelism, packing.
 """
 
 import shlex
@@ -50,7 +49,6 @@ from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.generate import beam_length_problem, search_options
 from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge
 from cloudtrain.models.load import context_length, read_config
-from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
@@ -82,7 +80,7 @@ class Seq2SeqTask(ClassificationTask):
 
     def check_options(self, cfg: Config) -> None:
         """One source column, the stemmer where asked for, then the classifier's checks (a pretrained checkpoint,
-        the tokenizer within its vocabulary, --max_length within its positions, and `check_fit`), then no FSDP."""
+        the tokenizer within its vocabulary, --max_length within its positions, and `check_fit`)."""
         if cfg.data.text_pair_column:
             raise UserError(
                 "--task seq2seq reads one source column (--text_column); drop --text_pair_column, or join the two "
@@ -91,9 +89,6 @@ class Seq2SeqTask(ClassificationTask):
         if cfg.data.rouge_stemmer:
             porter_stemmer()  # installed, or refused before any work
         super().check_options(cfg)
-        refusal = self.sharding_refusal(cfg, sharding(cfg))
-        if refusal:
-            raise UserError(refusal)
 
     def check_fit(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> None:
         """An encoder-decoder whose decoder knows its start token; --max_target_length within its positions and
@@ -102,16 +97,6 @@ class Seq2SeqTask(ClassificationTask):
         _check_target_length(config, tokenizer, cfg.data.max_target_length)
         if cfg.data.generation_num_beams > 1:
             _check_beam_length(config, cfg)
-
-    def sharding_refusal(self, cfg: Config, shards: Sharding) -> str | None:
-        """FSDP2 as accelerate applies it groups the input embedding with the head, but not the encoder's and the
-        decoder's copies of that shared embedding (T5 and BART share one), and fails on them."""
-        if shards.fsdp:
-            return (
-                "--task seq2seq under --fsdp: the encoder and the decoder share one embedding, which FSDP2 cannot "
-                "shard as accelerate groups it; use --zero_stage 3 (or 1 or 2)"
-            )
-        return None
 
     def target_length(self, cfg: Config) -> int | None:
         return cfg.data.max_target_length  # labels, EOS included; the decoder reads them shifted by one

@@ -23,10 +23,24 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def save_pretrained(model: torch.nn.Module, output_dir: Path, state_dict: dict | None = None) -> None:
     """A full model in transformers' layout, or an adapter in PEFT's (cloudtrain.models.adapters.save)."""
+    if state_dict is not None:
+        state_dict = tied_once(model, state_dict)
     if adapters.is_adapter(model):
         adapters.save(model, output_dir, state_dict)
     else:
         model.save_pretrained(output_dir, state_dict=state_dict)  # type: ignore[operator]  # a PreTrainedModel
+
+
+def tied_once(model: torch.nn.Module, state_dict: dict) -> dict:
+    """A gathered state dict (FSDP, ZeRO-3) holds a tied weight (T5's shared embedding, GPT-2's head) as one copy
+    per name; given one tensor under each of its names, transformers' save keeps the name the model loads from,
+    as it does for a live model, instead of writing every copy."""
+    names: dict[int, list[str]] = {}
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if name in state_dict:
+            names.setdefault(id(parameter), []).append(name)
+    tied = {name: state_dict[group[0]] for group in names.values() for name in group[1:]}
+    return {**state_dict, **tied} if tied else state_dict
 
 
 def load_trainable_state(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
