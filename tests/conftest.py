@@ -341,9 +341,9 @@ def topic_run_args(model_dir: str, csvs: dict[str, Path], out: Path) -> list[str
     ]  # fmt: skip
 
 
-def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    """The application as a user runs it: a fresh interpreter, the real entry script."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+def run_cli(*args: str, timeout: int = 600, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """The application as a user runs it: a fresh interpreter, the real entry script (`env`: variables added)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     return subprocess.run(
         [sys.executable, str(ENTRY), *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO
     )

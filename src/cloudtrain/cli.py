@@ -1,6 +1,7 @@
-"""Command line: `train` (the default), `predict`, `generate`, `push`, `plan` and `merge`.
+"""Command line: `train` (the default), `launch`, `predict`, `generate`, `push`, `plan` and `merge`.
 
     cloudtrain [train] [--config FILE] [--<option> VALUE ...]
+    cloudtrain launch --nproc_per_node 8 [--<option> VALUE ...]
     cloudtrain predict --model_dir DIR --text "..."
     cloudtrain generate --model_dir DIR --prompt "..."
     cloudtrain push --output_dir DIR --hub_model_id USER/NAME
@@ -23,13 +24,17 @@ import sys
 
 from cloudtrain.config import _fields, _Parser, add_config_arguments, config_from_namespace
 from cloudtrain.config.inert import print_inert_notes
-from cloudtrain.errors import TrainingStopped, UserError
+from cloudtrain.errors import TrainingStopped, UserError, report
 from cloudtrain.invocation import prog
 from cloudtrain.observe import console
 from cloudtrain.paths import check_local_paths
 from cloudtrain.redact import mask, scrub_argv
 
 COMMANDS = {  # name: (its light module: add_arguments and run, one-line description, ending in a period)
+    "launch": (
+        "cloudtrain.commands.launch",
+        "Train on several processes (one per GPU) and nodes, through torchrun; each error printed once.",
+    ),
     "predict": (
         "cloudtrain.commands.predict",
         "Classify texts (or score them, with a reward model) with a saved model.",
@@ -122,6 +127,8 @@ def run_command(argv: list[str]) -> int:
     scrub_argv(secrets)  # read already; trackers record sys.argv as the program's arguments
     try:
         console.setup()  # bars only on a terminal; before datasets, transformers or DeepSpeed are imported
+        if argv and argv[0] == "launch":  # the training options too, as typed, for the processes it starts
+            return importlib.import_module(COMMANDS["launch"][0]).main(argv[1:], command_parser("launch"))
         if argv and argv[0] in COMMANDS:
             command_main(argv[0], argv[1:])
         elif argv and argv[0] == "train":
@@ -132,11 +139,11 @@ def run_command(argv: list[str]) -> int:
             train_main(argv)
     except UserError as err:
         if not err.quiet:
-            print(f"error: {mask(str(err))}", file=sys.stderr)
+            report(f"error: {mask(str(err))}", 2)
         return 2
     except TrainingStopped as err:
         if not err.quiet:
-            print(f"{'stopped' if err.exit_code in (130, 143) else 'error'}: {mask(str(err))}", file=sys.stderr)
+            report(f"{'stopped' if err.exit_code in (130, 143) else 'error'}: {mask(str(err))}", err.exit_code)
         return err.exit_code
     except KeyboardInterrupt:
         training = not (argv and argv[0] in COMMANDS)

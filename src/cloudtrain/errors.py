@@ -1,9 +1,16 @@
-"""The one exception type for user mistakes.
+"""The one exception type for user mistakes, and how its line reaches the user.
 
 Anything a user can fix (a bad flag, a missing file, a column that is not there) is raised as a
 `UserError`; the CLI prints its message as one line and exits non-zero, with no traceback.
 Everything else is a bug and keeps its traceback.
 """
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ERROR_DIR = "CLOUDTRAIN_ERROR_DIR"  # set by `cloudtrain launch`: where each process records its error line
 
 
 class UserError(Exception):
@@ -29,3 +36,18 @@ class TrainingStopped(Exception):
         """`quiet`: another process of the launch prints the same message."""
         super().__init__(message)
         self.exit_code, self.quiet = exit_code, quiet
+
+
+def report(line: str, status: int) -> None:
+    """An error line on stderr; under `cloudtrain launch`, recorded for the launcher instead, which prints each
+    distinct line of the launch's processes once."""
+    folder = os.environ.get(ERROR_DIR)
+    rank, attempt = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    record = {"rank": rank, "attempt": attempt, "line": line, "status": status}
+    try:
+        if folder:
+            (Path(folder) / f"{attempt}-{rank}.json").write_text(json.dumps(record))
+            return
+    except OSError:  # the launcher's folder is gone: say it here
+        pass
+    print(line, file=sys.stderr)
