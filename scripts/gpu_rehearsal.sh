@@ -5,7 +5,7 @@
 # tier's test modules run (their gpu tests skip here; the rest of those modules runs). A module that imports
 # something the machine lacks, or a launched child that loses the wheelhouse, fails here instead of there.
 #
-#   ../shared/tools/gpu-wheelhouse.sh .gpu-wheels     (once)
+#   scripts/gpu_wheels.sh                             (once)
 #   scripts/gpu_rehearsal.sh                          (first run builds the venv: ~4 GB, a few minutes)
 #
 # GPU_SIM_VENV: where the venv lives (default /work/venv-gpusim, outside the checkout). Non-zero exit when a module
@@ -13,9 +13,13 @@
 # machine has, are not part of the gpu tier and are deselected.
 set -uo pipefail
 VENV=${GPU_SIM_VENV:-/work/venv-gpusim}
-PY312=${PY312:-$(command -v python3.12 || ls /root/.pyenv/versions/3.12*/bin/python3.12 2>/dev/null | head -1)}
-[ -d .gpu-wheels ] || { echo "error: no .gpu-wheels here; build it with ../shared/tools/gpu-wheelhouse.sh .gpu-wheels"; exit 2; }
-[ -n "$PY312" ] || { echo "error: no python3.12 found; set PY312 to one"; exit 2; }
+if [ -z "${PY312:-}" ]; then  # the first python3.12 that runs (a pyenv shim may name a version it does not enable)
+  for candidate in $(command -v python3.12) /root/.pyenv/versions/3.12*/bin/python3.12; do
+    "$candidate" -V >/dev/null 2>&1 && { PY312=$candidate; break; }
+  done
+fi
+[ -d .gpu-wheels ] || { echo "error: no .gpu-wheels here; build it with scripts/gpu_wheels.sh"; exit 2; }
+[ -n "${PY312:-}" ] || { echo "error: no python3.12 found; set PY312 to one"; exit 2; }
 
 if [ ! -x "$VENV/bin/python" ]; then  # what the GPU machine has installed, with their dependencies
   "$PY312" -m venv "$VENV" && "$VENV/bin/pip" install -q torch==2.11.0 transformers==5.17.0 accelerate==1.15.0 \

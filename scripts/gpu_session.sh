@@ -2,7 +2,7 @@
 # Everything GPU-specific in one prepared run, on a GPU machine that reaches no package registry (the
 # project's lent H100: torch 2.11 and some packages installed, the rest carried as wheels).
 #
-# Here, once:   ../shared/tools/gpu-wheelhouse.sh .gpu-wheels      (about 30 MB; ignored by git)
+# Here, once:   scripts/gpu_wheels.sh                             (about 36 MB; ignored by git)
 #               make data/grimm/train.txt                           (the Grimm tales bench/gpu.py trains on)
 # There:        scripts/gpu_session.sh [tier|bench|all]             (carry .gpu-wheels and data/grimm)
 #

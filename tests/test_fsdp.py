@@ -9,6 +9,7 @@ same on CUDA (one process per GPU), and QLoRA, which needs bitsandbytes on CUDA.
 
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from conftest import (
     CUDA_AVAILABLE,
     ENTRY,
     REPO,
+    SEQ2SEQ_WORDS,
     assert_each_refused,
     child_pythonpath,
     lm_documents,
@@ -400,14 +402,16 @@ def test_fsdp2_encoder_decoder_matches_one_process_and_saves_each_weight_once(ti
     """A FLAN-shaped T5 (the shared embedding read by both stacks, the head apart): 2 FSDP2 processes x 4 rows
     give the losses of 1 process x 8 rows and save the same file, each weight once, that loads with every weight
     from it; the evaluation's generations run on both processes."""
-    from test_seq2seq import headline_rows, write_jsonl
     from transformers import AutoModelForSeq2SeqLM
 
     model = flan_shaped_t5(tiny_t5_dir, tmp_path / "flan")
-    two, one = tmp_path / "two", tmp_path / "one"
+    two, one, rng = tmp_path / "two", tmp_path / "one", random.Random(0)
+    texts = [" ".join(rng.choices(SEQ2SEQ_WORDS, k=rng.randint(5, 9))) for _ in range(64)]
+    rows = "".join(json.dumps({"document": text, "summary": " ".join(text.split()[:4])}) + "\n" for text in texts)
+    (tmp_path / "train.jsonl").write_text(rows)  # headlines: a text and its first four words
     common = [
         str(ENTRY), "--task", "seq2seq", "--model_name_or_path", model, "--max_target_length", "8",
-        "--train_file", write_jsonl(tmp_path / "train.jsonl", headline_rows(64, 0)), "--report_to", "none",
+        "--train_file", str(tmp_path / "train.jsonl"), "--report_to", "none",
         "--max_steps", "4", "--learning_rate", "1e-2", "--logging_steps", "1", "--mixed_precision", "no",
     ]  # fmt: skip
     result = launch(torchrun(2), *common, "--output_dir", str(two), "--per_device_train_batch_size", "4",
