@@ -149,15 +149,52 @@ def test_an_encoder_decoders_stacks_get_the_shared_embedding_module_itself(tiny_
         assert torch.equal(model(input_ids=ids, decoder_input_ids=starts).logits, before)
         assert set(model.state_dict()) == names
     assert fsdp.one_shared_embedding(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)) == 0
+    # an adapter's wrapper holds the embedding's weight in its own module (SFT's added chat tokens train it in
+    # full): nothing to replace, nothing refused
+    from peft import LoraConfig, get_peft_model
+
+    for adapter in ({"modules_to_save": ["embed_tokens"]}, {"target_modules": ["embed_tokens", "q_proj"]}):
+        wrapped = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), LoraConfig(r=2, **adapter))
+        assert fsdp.one_shared_embedding(wrapped) == 0, adapter
 
     unscaled = BartForConditionalGeneration(BartConfig(**bart_config))
     unscaled.model.decoder.embed_tokens.embed_scale = 1.0
     with pytest.raises(
         UserError,
-        match="--fsdp: BartForConditionalGeneration's embed_tokens shares the input "
-        "embedding's weight but computes differently",
+        match="--fsdp: BartForConditionalGeneration's model.decoder.embed_tokens shares the input embedding's "
+        "weight but not its class, settings or hooks",
     ):
         fsdp.one_shared_embedding(unscaled)
+
+
+def test_generation_after_a_training_step_gathers_the_root_unit(tiny_t5_dir, monkeypatch):
+    """FSDP2 reshards the root unit (embedding, final norms) after backward; generation calls the encoder itself,
+    not the root's forward whose hook would gather it, so the task gathers it around generate. One gloo process
+    in this one: the code path of many."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForSeq2SeqLM
+
+    from cloudtrain.tasks.seq2seq import Seq2SeqTask
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", free_port())
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        model = AutoModelForSeq2SeqLM.from_pretrained(tiny_t5_dir)
+        fsdp.one_shared_embedding(model)
+        for block in (*model.encoder.block, *model.decoder.block):
+            fully_shard(block)
+        fully_shard(model)
+        ids = torch.randint(3, 40, (2, 7))
+        model(input_ids=ids, labels=ids[:, :4].contiguous()).loss.backward()
+        task = Seq2SeqTask(build_config({"task": "seq2seq", "max_target_length": 4}))
+        task.decoder_ids = (model.config.decoder_start_token_id, model.config.pad_token_id)
+        assert task.generate(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}).shape == (2, 5)
+        with pytest.raises(RuntimeError, match="DTensor"):  # what the task's gathering spares it
+            model.generate(input_ids=ids, max_new_tokens=2)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_gathered_state_dict_saves_each_tied_weight_once(tiny_t5_dir, tmp_path):

@@ -40,6 +40,23 @@ def eval_mode(model: torch.nn.Module) -> Iterator[None]:
         model.train(was_training)
 
 
+@contextlib.contextmanager
+def whole_root(model: torch.nn.Module) -> Iterator[None]:
+    """Under FSDP2, the root unit's parameters whole inside the block, for code that calls the model's parts one by
+    one (generation's encoder, a pipeline's denoiser) and so never runs the root's forward, whose hooks would
+    gather them; the layers sharded on their own gather themselves when called, on every process alike."""
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.unshard()
+    try:
+        yield
+    finally:
+        model.reshard()
+
+
 @functools.cache
 def load_metric() -> "evaluate.EvaluationModule":
     """The classification metric module that lives in this repository (no Hub access); loaded once."""

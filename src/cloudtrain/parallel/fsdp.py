@@ -43,20 +43,24 @@ class LayerWrapPlugin(FullyShardedDataParallelPlugin):
 def one_shared_embedding(model: torch.nn.Module) -> int:
     """Encoder-decoders (T5, BART) hold their shared input embedding as three modules tied by weight: the model's,
     the encoder's and the decoder's. FSDP2 keeps a parameter in one group and accelerate groups only the model's
-    module, so the stacks are given that module itself (as transformers 4 built them); the forward is the same.
-    Returns how many modules were replaced; a tied copy that computes differently is refused."""
+    module, so the stacks are given that module itself; the forward is the same. Returns how many modules were
+    replaced; a tied copy that computes differently is refused. (An adapter's wrapper of the embedding holds the
+    weight in a module of its own, which is left as it is.)"""
     if not has_input_embeddings(model):  # a plain module of the user's, a diffusion model
         return 0
     shared = model.get_input_embeddings()  # type: ignore[operator]
+    weight, own = getattr(shared, "weight", None), set(shared.modules())
     replaced = 0
-    for parent in list(model.modules()):
+    for path, parent in list(model.named_modules()):
+        if parent in own:
+            continue
         for name, child in list(parent.named_children()):
-            if child is shared or not isinstance(child, torch.nn.Embedding) or child.weight is not shared.weight:
+            if child in own or not isinstance(child, torch.nn.Embedding) or child.weight is not weight:
                 continue
             if type(child) is not type(shared) or _settings(child) != _settings(shared):
                 raise UserError(
-                    f"--fsdp: {type(model).__name__}'s {name} shares the input embedding's weight but computes "
-                    "differently, which FSDP2 cannot shard; use --zero_stage 3 (or 1 or 2)"
+                    f"--fsdp: {type(model).__name__}'s {path}.{name} shares the input embedding's weight but not "
+                    "its class, settings or hooks, so FSDP2 cannot shard them as one; use --zero_stage 3 (or 1 or 2)"
                 )
             setattr(parent, name, shared)
             replaced += 1

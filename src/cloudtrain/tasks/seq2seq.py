@@ -45,7 +45,7 @@ from cloudtrain.data.source_target import (
     with_translations,
 )
 from cloudtrain.errors import UserError
-from cloudtrain.evaluation import eval_mode, pad_to_width
+from cloudtrain.evaluation import eval_mode, pad_to_width, whole_root
 from cloudtrain.generate import beam_length_problem, search_options
 from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge
 from cloudtrain.models.load import context_length, read_config
@@ -181,17 +181,18 @@ class Seq2SeqTask(ClassificationTask):
         assert self.cfg is not None
         width = self.cfg.data.max_target_length
         bare: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it
-        out = bare.generate(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            # our beams (greedy by default), not the checkpoint's; beam search keeps its saved length rules
-            **search_options(self.cfg.data.generation_num_beams),
-            max_new_tokens=width,
-            do_sample=False,
-            pad_token_id=self.decoder_ids[1],
-            use_cache=True,
-            synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1,
-        )
+        with whole_root(bare):  # FSDP2: generate calls the encoder itself, not the root's forward
+            out = bare.generate(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                # our beams (greedy by default), not the checkpoint's; beam search keeps its saved length rules
+                **search_options(self.cfg.data.generation_num_beams),
+                max_new_tokens=width,
+                do_sample=False,
+                pad_token_id=self.decoder_ids[1],
+                use_cache=True,
+                synced_gpus=dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1,
+            )
         self.forced_eos = bare.generation_config.forced_eos_token_id is not None
         return pad_to_width(out, width + 1, self.decoder_ids[1])
 

@@ -7,10 +7,9 @@ the loss is each image's diffusion loss: a batch's sum over its instance rows (D
 --validation_prompts from a fixed seed. See docs/text-to-image.md.
 """
 
-import contextlib
 import functools
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,7 +23,7 @@ from cloudtrain.config import Config, DataConfig
 from cloudtrain.data import images
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.evaluation import eval_mode
+from cloudtrain.evaluation import eval_mode, whole_root
 from cloudtrain.models import diffusion, sd3, sdxl
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task
@@ -146,7 +145,7 @@ class TextToImageTask(Task):
 
     def sharding_refusal(self, cfg: Config, shards: "Sharding") -> str | None:
         """Validation images render on the main process, which holds the whole denoiser only unsharded; under
-        FSDP2 every process renders the same prompts in step (`_gathered_root`), so each layer gathers its
+        FSDP2 every process renders the same prompts in step (`evaluation.whole_root`), so each layer gathers its
         shards as in training. ZeRO-3 has no such path here."""
         if cfg.images.validation_prompts and shards.zero_stage == 3:
             return (
@@ -320,9 +319,11 @@ class TextToImageTask(Task):
                 loss_sum += weighted.double().sum().item()
                 rows += len(weighted)
         result = {"loss": loss_sum / max(rows, 1), "samples": rows, "runtime_s": round(time.perf_counter() - start, 3)}
-        fsdp = _fsdp_root(model)
-        if data.prompts and (_is_main() or fsdp is not None):
-            with _gathered_root(fsdp):
+        from torch.distributed.fsdp import FSDPModule
+
+        fsdp = isinstance(model, FSDPModule)
+        if data.prompts and (_is_main() or fsdp):
+            with whole_root(model):
                 rendered = inner.render(data.prompts, self.tokenizers(), self.cfg.training.seed, autocast)
             if _is_main():
                 self.rendered = list(zip(data.prompts, rendered, strict=True))
@@ -521,28 +522,6 @@ def _check_sd3_sides(ic: Any, vae_factor: int, transformer: dict) -> None:
             f"position embedding covers (pos_embed_max_size {transformer['pos_embed_max_size']}); use a lower "
             "--resolution" + (" or leave out --aspect_ratio_bucketing" if ic.aspect_ratio_bucketing else "")
         )
-
-
-def _fsdp_root(model: torch.nn.Module) -> Any:
-    """The model as FSDP2 shards it (its root unit), or None unsharded."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return model if isinstance(model, FSDPModule) else None
-
-
-@contextlib.contextmanager
-def _gathered_root(root: Any) -> Iterator[None]:
-    """The root unit's parameters whole while the pipeline renders (its parts are called one by one, never
-    through the root's forward, whose hooks would gather them); the layers sharded on their own gather
-    themselves when called, on every process alike, so every process renders the same prompts."""
-    if root is None:
-        yield
-        return
-    root.unshard()
-    try:
-        yield
-    finally:
-        root.reshard()
 
 
 def _is_main() -> bool:
