@@ -96,7 +96,7 @@ REFUSALS = {
     "plan --gpu h1000": "--gpu h1000 is not a GPU the planner knows (t4, ",
     "plan --gpu tpu-v5e": "--gpu tpu-v5e: Google TPUs (XLA) are not supported",
     "plan --gpu h100 --num_gpus 0": "--num_gpus must be at least 1",
-    "launch --node_rank 2": "--node_rank 2 is not a node of --nnodes 1; give 0 to 0",
+    "launch --node_rank 2": "--node_rank 2 is not a node of --nnodes 1; give 0",
     "launch --nproc_per_node 2 --learning_rate -1": "--learning_rate must be positive",
     "plan --gpu h100 --lora_dropout 1": "--lora_dropout must be in [0, 1)",
     "preprocess --train_file a --tokenizer_name_or_path t --output_dir o --shard_documents 0": "--shard_documents",

@@ -1,10 +1,16 @@
 """`cloudtrain launch` (cloudtrain.commands.launch): its options apart from the training run's, torchrun's arguments,
 refusals before any process starts, the processes' error lines recorded and printed once; then real launches of
-2 CPU processes: a run that trains, a data mistake every process meets (one line, no launcher traceback), and a
-process killed mid-run."""
+2 CPU processes: a run that trains, one stopped by SIGTERM (its checkpoint saved, one line), a data mistake every
+process meets (one line, no launcher traceback), and a process killed mid-run."""
+
+import os
+import signal
+import subprocess
+import sys
+from types import SimpleNamespace
 
 import pytest
-from conftest import run_cli, topic_run_args
+from conftest import ENTRY, REPO, run_cli, topic_run_args
 
 from cloudtrain import errors
 from cloudtrain.cli import command_parser, main
@@ -23,15 +29,17 @@ def test_the_launchers_options_are_taken_out_and_the_rest_kept_in_order():
     )
 
 
-def test_torchrun_is_given_one_node_on_a_free_port_or_each_nodes_rendezvous():
+def test_torchrun_is_given_one_node_standalone_or_each_nodes_rendezvous():
     parser = command_parser("launch")
     one = launch.torchrun_argv(parser.parse_args(["--nproc_per_node", "2"]), ["--task", "sft"])
-    assert one[:4] == ["--nproc_per_node", "2", "--nnodes", "1"] and one[-2:] == ["--task", "sft"]
-    assert one[one.index("--master_port") + 1] != "29500" and one[one.index("--master_addr") + 1] == "127.0.0.1"
+    assert one[:3] == ["--nproc_per_node", "2", "--standalone"] and one[-2:] == ["--task", "sft"]
+    assert one[one.index("--shutdown_timeout") + 1] == "300"  # time to save a checkpoint on Ctrl-C
     several = parser.parse_args(["--nproc_per_node", "8", "--nnodes", "2", "--node_rank", "1", "--master_addr", "n0"])
     argv = launch.torchrun_argv(several, [])
     assert argv[argv.index("--node_rank") + 1] == "1" and argv[argv.index("--master_port") + 1] == "29500"
     assert argv[argv.index("--master_addr") + 1] == "n0" and argv[-2:] == ["-m", "cloudtrain"]
+    port = launch.torchrun_argv(parser.parse_args(["--nproc_per_node", "2", "--master_port", "29600"]), [])
+    assert "--standalone" not in port and port[port.index("--master_port") + 1] == "29600"
 
 
 def test_mistakes_are_refused_before_any_process_starts(monkeypatch, capsys, tmp_path):
@@ -40,7 +48,15 @@ def test_mistakes_are_refused_before_any_process_starts(monkeypatch, capsys, tmp
 
     monkeypatch.setattr(launch, "_run", started)
     cases = {
-        ("--node_rank", "2"): "error: --node_rank 2 is not a node of --nnodes 1; give 0 to 0",
+        ("--node_rank", "2"): "error: --node_rank 2 is not a node of --nnodes 1; give 0",
+        (
+            "--nnodes",
+            "2",
+            "--node_rank",
+            "1",
+        ): "error: --nnodes 2: give --master_addr, the address of the node of rank 0",
+        ("--master_port", "70000"): "error: --master_port must be 1 to 65535",
+        ("--nnodes", "2", "--master_addr", "n0", "--max_restarts", "1"): "restarts one node's processes only",
         ("--nproc_per_node", "0"): "error: --nproc_per_node must be at least 1",
         ("--nproc_per_node", "2", "--learning_rate", "-1"): "error: --learning_rate must be positive",
         ("--nproc_per_node", "2", "--train_file", str(tmp_path / "none.csv")): f"{tmp_path / 'none.csv'}",
@@ -51,37 +67,72 @@ def test_mistakes_are_refused_before_any_process_starts(monkeypatch, capsys, tmp
         assert len(err) == 1 and err[0].startswith("error: ") and line in err[0], (argv, err)
 
 
-def test_each_process_records_its_line_and_the_last_attempts_are_read_in_rank_order(monkeypatch, tmp_path, capsys):
+def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monkeypatch, tmp_path, capsys):
     monkeypatch.setenv(errors.ERROR_DIR, str(tmp_path))
-    for attempt, rank, line in ((0, 0, "error: old"), (1, 1, "error: b"), (1, 0, "error: a")):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "1")
+    for attempt, rank in ((0, 0), (1, 0), (1, 1)):
         monkeypatch.setenv("RANK", str(rank))
         monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(attempt))
-        errors.report(line, 2)
-    assert capsys.readouterr().err == ""  # recorded, not printed
-    assert launch.recorded_errors(tmp_path) == [("error: a", 2), ("error: b", 2)]
+        errors.report(f"error: the data of attempt {attempt}", 2)
+    assert capsys.readouterr().err == "error: the data of attempt 0\n"  # an attempt to restart says it at once
+    records = launch.recorded_errors(tmp_path)
+    assert [(r["attempt"], r["rank"]) for r in records] == [(0, 0), (1, 0), (1, 1)]
+
+    mine = records[-1]["pid"]  # this process wrote them all: as rank 1, and as a rank 0 of attempt 0 too
+    same = {0: SimpleNamespace(pid=mine, exitcode=2), 1: SimpleNamespace(pid=mine, exitcode=2)}
+    assert launch.failure_lines(same, records[1:], 0) == (["error: the data of attempt 1"], 2)
+    killed = {0: SimpleNamespace(pid=mine, exitcode=1), 1: SimpleNamespace(pid=-1, exitcode=-9)}
+    lines, status = launch.failure_lines(killed, records[1:], first=1)
+    assert status == 137 and lines[0].startswith("error: the process of rank 1 was killed by SIGKILL (often")
+    assert lines[1:] == ["error: the data of attempt 1"]
+    (tmp_path / "2-0.json").write_text('{"rank": 0, "pi')  # cut short by a kill: skipped
+    assert len(launch.recorded_errors(tmp_path)) == 3
+
     monkeypatch.setenv(errors.ERROR_DIR, str(tmp_path / "gone"))
     errors.report("error: c", 2)  # the launcher's folder is gone: printed here
     assert capsys.readouterr().err == "error: c\n"
-    assert launch.exit_reason(1) == "exited with status 1"
-    assert launch.exit_reason(-9) == "was killed by SIGKILL (often the kernel's out-of-memory killer)"
+    assert launch.exit_reason(1) == "exited with status 1; its output is above"
 
 
 @pytest.mark.slow
-def test_two_processes_train_and_every_failure_is_one_line(tiny_model_dir, topic_csvs, tmp_path):
-    """A launch that trains on 2 processes; the same with a column no file has (every process meets it after the
-    launch started): one error line, status 2, no traceback; a process killed mid-run: the launcher names it."""
-    common = ["launch", "--nproc_per_node", "2", "--max_steps", "2", "--eval_strategy", "no", "--report_to", "none"]
-    trained = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "a"))
+def test_two_processes_train_stop_and_fail_each_with_one_line(tiny_model_dir, topic_csvs, tmp_path):
+    """A launch that trains on 2 processes; one sent SIGTERM mid-run: the processes save a checkpoint and the
+    launcher says so once, status 143; a column no file has (met after the processes started): one error line,
+    status 2, no traceback; a process killed mid-run: named with its signal, status 137."""
+    common = ["launch", "--nproc_per_node", "2", "--eval_strategy", "no", "--report_to", "none"]
+    trained = run_cli(*common, "--max_steps", "2", *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "a"))
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "2 process(es) on cpu" in trained.stdout and (tmp_path / "a" / "model.safetensors").exists()
 
-    mistaken = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "b"), "--text_column", "body")
+    stopped = sigterm_after_first_step(*common, "--max_steps", "500", "--logging_steps", "1",
+                                       *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "b"))  # fmt: skip
+    said = [line for line in stopped.stderr.splitlines() if line.startswith(("stopped", "error"))]
+    assert stopped.returncode == 143 and len(said) == 1 and "--resume_from_checkpoint" in said[0], stopped.stderr
+    assert list((tmp_path / "b" / "checkpoints").glob("checkpoint-*"))
+
+    mistaken = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "c"), "--text_column", "body")
     lines = [line for line in mistaken.stderr.splitlines() if line.startswith("error")]
     assert mistaken.returncode == 2 and len(lines) == 1 and "column 'body' is not in the train data" in lines[0]
     assert "Traceback" not in mistaken.stderr and "ChildFailedError" not in mistaken.stderr
 
-    killed = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "c"), "--checkpointing_steps",
-                     "1", env={"CLOUDTRAIN_TEST_KILL_AT": "checkpoint.written"})  # fmt: skip
-    assert killed.returncode == 1 and "Traceback" not in killed.stderr
-    assert killed.stderr.strip().splitlines()[-1].startswith("error: the process of rank ")
-    assert "was killed by SIGKILL" in killed.stderr
+    killed = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "d"), "--max_steps", "2",
+                     "--checkpointing_steps", "1", env={"CLOUDTRAIN_TEST_KILL_AT": "checkpoint.written"})  # fmt: skip
+    assert killed.returncode == 137 and "Traceback" not in killed.stderr
+    assert "error: the process of rank " in killed.stderr and "was killed by SIGKILL" in killed.stderr
+
+
+def sigterm_after_first_step(*args: str) -> subprocess.CompletedProcess:
+    """The application launched as run_cli does, sent SIGTERM once a training step is logged."""
+    process = subprocess.Popen(
+        [sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"}, cwd=REPO,
+    )  # fmt: skip
+    stdout = []
+    assert process.stdout is not None
+    for line in process.stdout:
+        stdout.append(line)
+        if line.startswith("step "):
+            process.send_signal(signal.SIGTERM)
+            break
+    rest, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, "".join(stdout) + rest, stderr)

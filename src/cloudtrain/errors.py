@@ -40,14 +40,19 @@ class TrainingStopped(Exception):
 
 def report(line: str, status: int) -> None:
     """An error line on stderr; under `cloudtrain launch`, recorded for the launcher instead, which prints each
-    distinct line of the launch's processes once."""
-    folder = os.environ.get(ERROR_DIR)
-    rank, attempt = int(os.environ.get("RANK", "0")), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    record = {"rank": rank, "attempt": attempt, "line": line, "status": status}
-    try:
-        if folder:
-            (Path(folder) / f"{attempt}-{rank}.json").write_text(json.dumps(record))
-            return
-    except OSError:  # the launcher's folder is gone: say it here
-        pass
+    distinct line of the launch's failed processes once. An attempt torchrun will restart also prints it here, as
+    the launcher sees only the last attempt's."""
+    env = os.environ
+    folder, rank, pid = env.get(ERROR_DIR), int(env.get("RANK", "0")), os.getpid()
+    attempt, restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if folder:
+        record = {"rank": rank, "pid": pid, "attempt": attempt, "line": line, "status": status}
+        path = Path(folder) / f"{attempt}-{rank}.json"
+        try:
+            path.with_suffix(".tmp").write_text(json.dumps(record))
+            path.with_suffix(".tmp").replace(path)  # whole or absent, were this process killed while writing
+            if attempt >= restarts:
+                return
+        except OSError:  # the launcher's folder is gone: say it here
+            pass
     print(line, file=sys.stderr)

@@ -11,25 +11,26 @@ import json
 import os
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 from pathlib import Path
 
 from cloudtrain.config import add_config_arguments, config_from_namespace
-from cloudtrain.errors import ERROR_DIR, UserError
+from cloudtrain.errors import ERROR_DIR, UserError, first_line
 from cloudtrain.invocation import launch_target
 from cloudtrain.paths import check_local_paths
 
 # the launcher's own options: (default, help); every other option is the training run's
 LAUNCHER = {
     "nproc_per_node": (None, "Processes on this node (default: one per visible GPU; 1 without a GPU)."),
-    "nnodes": (1, "Nodes in the launch; run the same command on each with its --node_rank."),
+    "nnodes": (1, "Nodes in the launch; run the same command on each with its --node_rank and --master_addr."),
     "node_rank": (0, "This node's rank, 0 to --nnodes - 1."),
-    "master_addr": ("127.0.0.1", "Address of the node of rank 0 (several nodes)."),
-    "master_port": (None, "Port on the node of rank 0 (default: a free one on one node; 29500 on several)."),
-    "max_restarts": (0, "Restart the processes this often after a failure; each restart resumes from the latest "
-                        "checkpoint."),
+    "master_addr": (None, "Address of the node of rank 0, the same on every node (needed with --nnodes > 1)."),
+    "master_port": (None, "Port on the node of rank 0 (default: one node picks a free one; several use 29500)."),
+    "max_restarts": (0, "Restart this node's processes this often after a failure; each restart resumes from the "
+                        "latest checkpoint (one node)."),
+    "stop_timeout": (300, "Seconds the processes get after Ctrl-C or SIGTERM to save a checkpoint and stop, "
+                          "before they are killed."),
 }  # fmt: skip
 
 
@@ -58,25 +59,36 @@ def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def torchrun_argv(args: argparse.Namespace, training: list[str]) -> list[str]:
-    """torch.distributed.run's arguments: one node standalone on a free port, or the static rendezvous at
-    --master_addr:--master_port that each node's launch joins."""
-    port = args.master_port or (29500 if args.nnodes > 1 else _free_port())
-    rendezvous = ["--nnodes", str(args.nnodes), "--node_rank", str(args.node_rank),
-                  "--master_addr", args.master_addr, "--master_port", str(port)]  # fmt: skip
+    """torch.distributed.run's arguments: one node standalone (torch picks a free port unless one is given), or
+    the static rendezvous at --master_addr:--master_port that each node's launch joins."""
+    rendezvous = ["--standalone"]
+    if args.nnodes > 1 or args.master_port is not None:
+        address = ["--master_addr", args.master_addr or "127.0.0.1", "--master_port", str(args.master_port or 29500)]
+        rendezvous = ["--nnodes", str(args.nnodes), "--node_rank", str(args.node_rank), *address]
     return ["--nproc_per_node", str(args.nproc_per_node), *rendezvous, "--max_restarts", str(args.max_restarts),
-            *launch_target(), *training]  # fmt: skip
+            "--shutdown_timeout", str(args.stop_timeout), *launch_target(), *training]  # fmt: skip
 
 
 def check_options(args: argparse.Namespace) -> None:
+    nodes = "0" if args.nnodes == 1 else f"0 to {args.nnodes - 1}"
+    several = f"--nnodes {args.nnodes}: give --master_addr, the address of the node of rank 0 (the same on each)"
+    restarts = (
+        "--max_restarts restarts one node's processes only; over several nodes use torchrun with a c10d "
+        "rendezvous (scripts/slurm_train.sbatch)"
+    )
     problems = [
         (args.nproc_per_node is not None and args.nproc_per_node < 1, "--nproc_per_node must be at least 1"),
         (args.nnodes < 1, "--nnodes must be at least 1"),
         (
             not 0 <= args.node_rank < args.nnodes,
-            f"--node_rank {args.node_rank} is not a node of --nnodes {args.nnodes}; give 0 to {args.nnodes - 1}",
+            f"--node_rank {args.node_rank} is not a node of --nnodes {args.nnodes}; give {nodes}",
         ),
+        (args.nnodes > 1 and not args.master_addr, several),
+        (args.master_port is not None and not 0 < args.master_port < 65536, "--master_port must be 1 to 65535"),
         (args.max_restarts < 0, "--max_restarts must be 0 or more"),
-    ]  # fmt: skip
+        (args.max_restarts > 0 and args.nnodes > 1, restarts),
+        (args.stop_timeout < 0, "--stop_timeout must be 0 or more"),
+    ]
     for failed, message in problems:
         if failed:
             raise UserError(message)
@@ -84,60 +96,106 @@ def check_options(args: argparse.Namespace) -> None:
 
 def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     """Check the launcher's and the training run's options here, then start the processes; returns the exit
-    status: 0, the status of the error lines the processes recorded (2 for a user's mistake), or 1."""
+    status: 0, or the failed process's (2 for a user's mistake, 128 + the signal for a killed one)."""
     args = parser.parse_args(argv)  # types and choices of every option
     check_options(args)
     check_local_paths(config_from_namespace(args))  # what `train` checks before it imports anything heavy
     _, training = split_argv(argv)
     args.nproc_per_node = args.nproc_per_node or _visible_gpus() or 1
     errors = Path(tempfile.mkdtemp(prefix="cloudtrain-launch-"))
+    threads = str(max(1, len(os.sched_getaffinity(0)) // args.nproc_per_node))  # the cores this launch may use
+    saved = {name: os.environ.get(name) for name in (ERROR_DIR, "OMP_NUM_THREADS")}
     os.environ[ERROR_DIR] = str(errors)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc_per_node)))  # the cores
+    os.environ.setdefault("OMP_NUM_THREADS", threads)
     try:
         return _run(torchrun_argv(args, training), errors)
     finally:
         shutil.rmtree(errors, ignore_errors=True)
+        for name, value in saved.items():
+            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
 
 
 def _run(torchrun: list[str], errors: Path) -> int:
     import logging
 
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
+    options = parse_args(torchrun)
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are summed up below
     try:
-        run(parse_args(torchrun))
+        run(options)
     except ChildFailedError as err:
-        recorded = recorded_errors(errors)
-        for line in dict.fromkeys(line for line, _ in recorded):  # each distinct line once, in rank order
-            print(line, file=sys.stderr)
-        if recorded:
-            return recorded[0][1]
-        rank, failure = err.get_first_failure()
-        print(
-            f"error: the process of rank {rank} {exit_reason(failure.exitcode)}; its output is above", file=sys.stderr
-        )
-        return 1
+        lines, status = failure_lines(err.failures, recorded_errors(errors), err.get_first_failure()[0])
+        print("\n".join(lines), file=sys.stderr)
+        return status
     except SignalException as err:
-        print(f"stopped: the launch received {signal.Signals(err.sigval).name}", file=sys.stderr)
+        records = recorded_errors(errors)
+        attempt = max((r["attempt"] for r in records), default=0)
+        lines = list(dict.fromkeys(r["line"] for r in records if r["attempt"] == attempt))
+        name = signal.Signals(err.sigval).name
+        unsaid = (
+            f"stopped: the launch received {name}, and its processes ended without saying what they saved; "
+            "continue with --resume_from_checkpoint latest"
+        )
+        print("\n".join(lines) or unsaid, file=sys.stderr)
         return 128 + err.sigval
+    except (DistError, RendezvousError) as err:
+        where = f"{options.master_addr}:{options.master_port}" if not options.standalone else "this machine"
+        advice = "check --master_addr and --master_port (a port in use: give another, or leave it out on one node)"
+        print(f"error: the launch's processes could not meet at {where} ({first_line(err)}); {advice}", file=sys.stderr)
+        return 1
     return 0
 
 
-def recorded_errors(folder: Path) -> list[tuple[str, int]]:
-    """(line, exit status) the processes of the last attempt recorded (cloudtrain.errors.report), by rank."""
-    records = [json.loads(path.read_text()) for path in folder.glob("*.json")]
-    last = max((r["attempt"] for r in records), default=0)
-    return [(r["line"], r["status"]) for r in sorted(records, key=lambda r: r["rank"]) if r["attempt"] == last]
+def failure_lines(failures: dict, records: list[dict], first: int) -> tuple[list[str], int]:
+    """The lines that say why a launch failed, each once, the first failure's first, and its exit status: what each
+    failed process recorded (cloudtrain.errors.report, matched by its pid), else how it ended."""
+    by_pid = {r["pid"]: r for r in records}
+    lines, status = [], 1
+    for rank in sorted(failures, key=lambda rank: rank != first):
+        failure = failures[rank]
+        record = by_pid.get(failure.pid)
+        lines.append(record["line"] if record else f"error: the process of rank {rank} {exit_reason(failure.exitcode)}")
+        if rank == first:
+            status = (
+                record["status"]
+                if record
+                else (128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1)
+            )
+    return list(dict.fromkeys(lines)), status
+
+
+def _status(code: int) -> int:
+    """A process's exit code as a shell reports it: 128 + the signal that killed it."""
+    return 128 - code if code < 0 else code or 1
+
+
+def recorded_errors(folder: Path) -> list[dict]:
+    """The records the processes wrote (cloudtrain.errors.report); one cut short by a kill is skipped."""
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return records
 
 
 def exit_reason(code: int) -> str:
+    if code == 2:
+        return "exited with status 2 (a mistake in the options or the data, reported by the node of rank 0)"
     if code >= 0:
-        return f"exited with status {code}"
+        return f"exited with status {code}; its output is above"
     name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-    hint = " (often the kernel's out-of-memory killer)" if -code == signal.SIGKILL else ""
+    hint = (
+        " (often the kernel's out-of-memory killer: try a smaller batch, and see dmesg)"
+        if -code == signal.SIGKILL
+        else ""
+    )
     return f"was killed by {name}{hint}"
 
 
@@ -149,9 +207,3 @@ def _visible_gpus() -> int:
     import torch
 
     return torch.cuda.device_count()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
