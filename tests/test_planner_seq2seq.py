@@ -79,10 +79,11 @@ def cuda_like_dropout(x, p=0.5, training=True, inplace=False):
 
 def measured(folder: str, precision: str, peft: str, checkpointing: bool, source: int, target: int, b: int = 3):
     """(encoder, whole model) bytes kept for backward, rows padded as batches are. The base in bf16 with adapters
-    (as training loads it), fp32 under autocast otherwise. T5's relative position bias is frozen and its attention
+    (as training loads it), fp32 under autocast otherwise; "bf16-weights": every weight bf16 and no autocast, as
+    DeepSpeed's bf16 engine runs ZeRO. T5's relative position bias is frozen and its attention
     dropout off: with either, CPU's sdpa falls back to a math kernel keeping the s x s matrix, where CUDA's fused
     kernels take the bias's gradient and draw the dropout inside."""
-    half = precision == "bf16" and peft != "none"
+    half = (precision == "bf16" and peft != "none") or precision == "bf16-weights"
     model = AutoModelForSeq2SeqLM.from_config(
         AutoConfig.from_pretrained(folder), dtype=torch.bfloat16 if half else None
     )
@@ -120,6 +121,7 @@ CASES = [  # kind, precision, peft, checkpointing, source, target
     ("flan-t5", "no", "none", True, 100, 40),
     ("bart", "bf16", "none", True, 100, 40),
     ("bart", "bf16", "lora", True, 100, 40),
+    *((kind, "bf16-weights", "none", False, 100, 40) for kind in ("t5", "flan-t5", "bart")),  # ZeRO's norms
 ]  # fmt: skip
 
 
@@ -133,8 +135,8 @@ def test_each_stack_keeps_what_the_estimate_says(
     torch.manual_seed(0)
     encoder, whole = measured(folders[kind], precision, peft, checkpointing, source, target)
     facts = planning.model_facts(folders[kind], task="seq2seq")
-    s = Setup(1, 1, 80 * GIB, None, source, precision, target_length=target)
-    run = Candidate(BY_KEY["ddp"], checkpointing, peft)
+    s = Setup(1, 1, 80 * GIB, None, source, precision.removesuffix("-weights"), target_length=target)
+    run = Candidate(BY_KEY["zero2" if precision == "bf16-weights" else "ddp"], checkpointing, peft)
     estimated = planning.memory._activations(facts, run, s, 3)[0]
     estimated_encoder = planning.memory._stack_activations(facts.encoder, run, s, 3, source, dense=True)[0]
     print(f"{kind} {precision} {peft} checkpointing={checkpointing}: encoder {encoder} vs {estimated_encoder}, "
@@ -148,7 +150,8 @@ def test_the_facts_of_both_stacks(folders, tmp_path):
     t5 = planning.model_facts(folders["t5-3b"], task="seq2seq")
     assert (t5.architecture, t5.num_layers, t5.encoder.num_layers) == ("T5ForConditionalGeneration", 2, 2)
     assert t5.attention_width == t5.encoder.attention_width == 8 * 32  # q is wider than d_model 64
-    assert t5.attention_bias and t5.fp32_down_projection and t5.rms_norm and t5.vocab_size == VOCAB
+    assert t5.attention_bias and t5.fp32_down_projection and t5.rms_norm and t5.norm_scales_input
+    assert t5.vocab_size == VOCAB
     model = AutoModelForSeq2SeqLM.from_config(AutoConfig.from_pretrained(folders["t5-3b"]))
     assert t5.num_params == sum(p.numel() for p in model.parameters())
     in_layers = sum(p.numel() for stack in (model.encoder.block, model.decoder.block) for p in stack.parameters())
@@ -159,6 +162,7 @@ def test_the_facts_of_both_stacks(folders, tmp_path):
     bart = planning.model_facts(str(uneven), task="seq2seq")
     assert (bart.intermediate_size, bart.encoder.intermediate_size) == (256, 384)
     assert bart.intermediate_dropout and not bart.attention_bias and not bart.rms_norm and not bart.attention_width
+    assert not bart.norm_scales_input
     assert bart.attention_inputs == bart.encoder.attention_inputs == 3  # q, k, v of the self-attention
 
 

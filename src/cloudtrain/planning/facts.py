@@ -102,6 +102,9 @@ class ModelFacts:
     attention_dropout: bool
     attn_implementation: str
     rms_norm: bool = False  # RMSNorm-style: the weight multiplies outside the kernel, keeping the normalised input
+    # T5's RMSNorm (named LayerNorm) scales its 16-bit input itself, not the fp32 copy it takes the variance of:
+    # with 16-bit weights it keeps that input too
+    norm_scales_input: bool = False
     attention_inputs: int = 1  # projections reading the attention block's input (q, k, v: 3; a fused qkv: 1)
     mlp_inputs: int = 1  # projections reading the MLP's input (gated: gate and up, 2)
     task: str = TrainingConfig.task  # the --task (its default: classification)
@@ -329,9 +332,13 @@ def _widest(layer, hidden: int) -> int:
 
 def _rms_norm(module) -> bool:
     """An RMSNorm-style norm written in Python (Llama's, T5's LayerNorm without bias or mean)."""
-    name = type(module).__name__
-    return "RMSNorm" in name or (
-        name.endswith("LayerNorm")
+    return "RMSNorm" in type(module).__name__ or _t5_norm(module)
+
+
+def _t5_norm(module) -> bool:
+    """T5's RMSNorm, named LayerNorm (and its copies in mT5, LongT5, UMT5): no bias, no mean."""
+    return (
+        type(module).__name__.endswith("LayerNorm")
         and not isinstance(module, nn.LayerNorm)
         and getattr(module, "bias", None) is None
         and hasattr(module, "variance_epsilon")
@@ -357,6 +364,7 @@ def _stack_facts(layers, text, hidden: int, heads: int, kv_heads: int, cross: bo
         "intermediate_size": intermediate,
         "gated_mlp": len(mlp_shaped) >= 3,
         "rms_norm": any(_rms_norm(module) for module in layers[0].modules()),
+        "norm_scales_input": any(_t5_norm(module) for module in layers[0].modules()),
         "attention_inputs": max(reading - (attention == hidden), 1),  # a self-attention's q, k, v (o reads hidden)
         "mlp_inputs": max(_projections(layers[0], hidden, intermediate, into_mlp=True), 1),
         "attention_width": 0 if attention == hidden else attention,

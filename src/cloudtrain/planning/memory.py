@@ -165,12 +165,17 @@ def _kv_width(m: ModelFacts, dense_mask: bool) -> int:
     return (m.attention_width or m.hidden_size) if repeated else m.kv_hidden_size
 
 
-def _normalized_bytes(m: ModelFacts, half: bool, autocast32: bool) -> int:
-    """Bytes per element of what an RMSNorm keeps for its weight's gradient (its normalised input): fp32 under
-    autocast over fp32 weights and in fp32, the compute dtype with 16-bit weights; 0 for a LayerNorm kernel."""
+def _norm_bytes(m: ModelFacts, half: bool, autocast32: bool, no_autocast: bool = False) -> int:
+    """Bytes per element a norm keeps for the backward pass. A LayerNorm kernel: its input as it runs it, fp32
+    (autocast casts a 16-bit input up) but for the 16-bit input under DeepSpeed's bf16 engine (`no_autocast`). An
+    RMSNorm: its fp32 copy of the input and its normalised input (fp32 with fp32 weights, else the 16-bit cast
+    its weight multiplies), T5's also the 16-bit input it scales itself."""
+    c = 2 if half else 4
     if not m.rms_norm:
-        return 0
-    return 4 if autocast32 or not half else 2
+        return c if half and no_autocast else 4
+    if autocast32 or not half:
+        return 8
+    return 4 + c + (c if m.norm_scales_input else 0)
 
 
 def _ungated_output(m: ModelFacts) -> bool:
@@ -203,19 +208,20 @@ def _layer_terms(
     autocast32: bool = False,
     dense_mask: bool = False,
     tp: int = 1,
+    no_autocast: bool = False,
 ) -> tuple[float, int, int]:
     """(per layer A, outside the layers E, backward working space W) of full fine-tuning, in bytes.
+    no_autocast: 16-bit weights and no autocast (DeepSpeed's bf16 engine), the norms run on the 16-bit input.
     autocast32: 16-bit autocast over fp32 weights (the residual stream and norms in fp32, every projection casting
     its own copy of its input); dense_mask: a [b, 1, s, s] mask given to sdpa (packed rows); tp: the tensor-parallel
     degree, which divides what lives inside attention and the MLP (q, k, v, their heads, the intermediate size),
     not the residual stream, the norms or the projections' inputs (no sequence parallelism in transformers' plan)."""
     c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
-    normalized = _normalized_bytes(m, half, autocast32)
+    norm = _norm_bytes(m, half, autocast32, no_autocast)
     inputs = m.attention_inputs + m.mlp_inputs if autocast32 else 2
     per_token = (
-        2 * 4 * h  # the two norms' inputs in fp32 (the residual stream, or the norm's fp32 copy of it)
-        + 2 * normalized * h  # what an RMSNorm keeps for its weight's gradient: the normalised input
+        2 * norm * h  # what the two norms keep: their inputs (an RMSNorm also its normalised input)
         + c * inputs * h  # the projections' inputs: one per block, or under autocast each projection's own cast
         + c * (2 * (m.attention_width or h) + 2 * _kv_width(m, dense_mask)) / tp  # q, k, v as kept; the output
         + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp) / tp  # its input, its output, gated: up's
@@ -224,7 +230,7 @@ def _layer_terms(
         + 2 * h * mask
         + _attention_bytes(m, seq, c, dense_mask, tp)
     )
-    outside = sb * h * (4 + normalized + c + mask)  # the final norm's input and output, the head's input
+    outside = sb * h * (norm + c + mask)  # the final norm's input and output, the head's input
     return sb * per_token, outside, round(c * sb * (h + inter / tp))
 
 
@@ -238,10 +244,13 @@ def activation_bytes(
     autocast32: bool = False,
     dense_mask: bool = False,
     cross: float = 0.0,
+    no_autocast: bool = False,
 ) -> tuple[int, int]:
     """(saved for backward at the end of the forward pass, backward working space) per GPU; cross: a decoder
-    layer's cross-attention (`cross_attention_bytes`)."""
-    per_layer, outside, working = _layer_terms(m, micro_batch, seq, half, autocast32, dense_mask)
+    layer's cross-attention (`cross_attention_bytes`); no_autocast: DeepSpeed's bf16 engine (`_layer_terms`)."""
+    per_layer, outside, working = _layer_terms(
+        m, micro_batch, seq, half, autocast32, dense_mask, no_autocast=no_autocast
+    )
     per_layer += cross
     if checkpointing and dense_mask:  # the boolean mask is an input of every checkpointed layer: kept whole
         outside += micro_batch * seq * seq
@@ -524,7 +533,7 @@ def _activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int)
     source, target = setup.max_length, target_length(m, setup)
     encoder = _stack_activations(m.encoder, cand, setup, micro_batch, source, True)
     casts = _autocast32(cand, setup) and cand.peft == "none"  # (an adapter's frozen base is in c already)
-    cross = cross_attention_bytes(m, micro_batch, target, source, setup.half, casts)
+    cross = cross_attention_bytes(m, micro_batch, target, source, setup.half, casts, _no_autocast(cand, setup))
     if cand.peft != "none":  # the cross-attention's k and v adapters: counted per target token, kept per source one
         cross += (source - target) * micro_batch * _cross_adapters(m, setup.half)
     decoder = _stack_activations(m, cand, setup, micro_batch, target, True, cross)
@@ -561,8 +570,9 @@ def _stack_activations(
             m, cand.peft, micro_batch, seq, setup.half, cand.checkpointing, dense, hidden, cross
         )
     residual = _residual_bytes(cand.strategy, setup)
+    autocast32, no_autocast = _autocast32(cand, setup), _no_autocast(cand, setup)
     return activation_bytes(
-        m, micro_batch, seq, setup.half, cand.checkpointing, residual, _autocast32(cand, setup), dense, cross
+        m, micro_batch, seq, setup.half, cand.checkpointing, residual, autocast32, dense, cross, no_autocast
     )
 
 
@@ -570,6 +580,11 @@ def _adapter_hidden_bytes(cand: Candidate, setup: Setup) -> int:
     """Bytes of the hidden states next to adapters: QLoRA's residual stream is fp32 under DDP only
     (prepare_model_for_kbit_training); sharded, and with the other adapters, in the compute dtype."""
     return 4 if cand.peft == "qlora" and not cand.strategy.shards else (2 if setup.half else 4)
+
+
+def _no_autocast(cand: Candidate, setup: Setup) -> bool:
+    """16-bit weights without autocast: DeepSpeed's bf16 engine (accelerate turns autocast on for the others)."""
+    return setup.half and cand.strategy.zero_stage is not None
 
 
 def _autocast32(cand: Candidate, setup: Setup) -> bool:
@@ -583,7 +598,7 @@ def target_length(m: ModelFacts, setup: Setup) -> int:
 
 
 def cross_attention_bytes(
-    m: ModelFacts, micro_batch: int, target: int, source: int, half: bool, autocast32: bool
+    m: ModelFacts, micro_batch: int, target: int, source: int, half: bool, autocast32: bool, no_autocast: bool = False
 ) -> float:
     """What a decoder layer's cross-attention keeps: per target token the block's norm input (and an RMSNorm's
     normalised input), q's input, q, the attention's output, the dropout mask and the attention's own over the
@@ -591,10 +606,8 @@ def cross_attention_bytes(
     projection's cast of the encoder's output (without, they read the one the encoder's final norm keeps).
     Measured against autograd in tests/test_planner_seq2seq.py."""
     c, h, q = (2 if half else 4), m.hidden_size, m.attention_width or m.hidden_size
-    normalized = _normalized_bytes(m, half, autocast32)
-    per_target = (
-        (4 + normalized + c) * h + 2 * c * q + (h if m.hidden_dropout else 0) + _attention_bytes(m, source, c, True)
-    )
+    norm = _norm_bytes(m, half, autocast32, no_autocast)
+    per_target = (norm + c) * h + 2 * c * q + (h if m.hidden_dropout else 0) + _attention_bytes(m, source, c, True)
     per_source = 2 * c * m.kv_hidden_size + (2 * c * h if autocast32 else 0)
     return micro_batch * (target * per_target + source * per_source)
 
