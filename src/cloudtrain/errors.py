@@ -51,7 +51,7 @@ def report(line: str, status: int) -> None:
         try:
             path.with_suffix(".tmp").write_text(json.dumps(record))
             path.with_suffix(".tmp").replace(path)  # whole or absent, were this process killed while writing
-            if attempt >= restarts:
+            if attempt >= restarts or status in (130, 143):  # the last attempt, or stopped: never restarted
                 return
         except OSError:  # the launcher's folder is gone: say it here
             pass

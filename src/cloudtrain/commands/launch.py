@@ -61,8 +61,8 @@ def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 def torchrun_argv(args: argparse.Namespace, training: list[str]) -> list[str]:
     """torch.distributed.run's arguments: one node standalone (torch picks a free port unless one is given), or
     the static rendezvous at --master_addr:--master_port that each node's launch joins."""
-    rendezvous = ["--standalone"]
-    if args.nnodes > 1 or args.master_port is not None:
+    rendezvous = ["--standalone", "--local_addr", "127.0.0.1"]  # not the host's name, which may not resolve
+    if args.nnodes > 1 or args.master_port is not None or args.master_addr:
         address = ["--master_addr", args.master_addr or "127.0.0.1", "--master_port", str(args.master_port or 29500)]
         rendezvous = ["--nnodes", str(args.nnodes), "--node_rank", str(args.node_rank), *address]
     return ["--nproc_per_node", str(args.nproc_per_node), *rendezvous, "--max_restarts", str(args.max_restarts),
@@ -103,16 +103,19 @@ def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     _, training = split_argv(argv)
     args.nproc_per_node = args.nproc_per_node or _visible_gpus() or 1
     errors = Path(tempfile.mkdtemp(prefix="cloudtrain-launch-"))
-    threads = str(max(1, len(os.sched_getaffinity(0)) // args.nproc_per_node))  # the cores this launch may use
-    saved = {name: os.environ.get(name) for name in (ERROR_DIR, "OMP_NUM_THREADS")}
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    saved = {name: os.environ.get(name) for name in (ERROR_DIR, "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # torch's agent sets its own
     os.environ[ERROR_DIR] = str(errors)
-    os.environ.setdefault("OMP_NUM_THREADS", threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc_per_node)))  # the cores each may use
     try:
         return _run(torchrun_argv(args, training), errors)
     finally:
         shutil.rmtree(errors, ignore_errors=True)
         for name, value in saved.items():
             os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def _run(torchrun: list[str], errors: Path) -> int:
@@ -125,7 +128,8 @@ def _run(torchrun: list[str], errors: Path) -> int:
     from torch.distributed.run import parse_args, run
 
     options = parse_args(torchrun)
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # failures are summed up below
+    for name in QUIETED:  # failures are summed up below; the agent's loggers set their own levels
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     try:
         run(options)
     except ChildFailedError as err:
@@ -133,40 +137,54 @@ def _run(torchrun: list[str], errors: Path) -> int:
         print("\n".join(lines), file=sys.stderr)
         return status
     except SignalException as err:
-        records = recorded_errors(errors)
-        attempt = max((r["attempt"] for r in records), default=0)
-        lines = list(dict.fromkeys(r["line"] for r in records if r["attempt"] == attempt))
-        name = signal.Signals(err.sigval).name
-        unsaid = (
-            f"stopped: the launch received {name}, and its processes ended without saying what they saved; "
-            "continue with --resume_from_checkpoint latest"
-        )
-        print("\n".join(lines) or unsaid, file=sys.stderr)
+        print("\n".join(stopped_lines(recorded_errors(errors), signal.Signals(err.sigval).name)), file=sys.stderr)
         return 128 + err.sigval
     except (DistError, RendezvousError) as err:
-        where = f"{options.master_addr}:{options.master_port}" if not options.standalone else "this machine"
+        where = "this machine" if options.standalone else f"{options.master_addr}:{options.master_port}"
         advice = "check --master_addr and --master_port (a port in use: give another, or leave it out on one node)"
         print(f"error: the launch's processes could not meet at {where} ({first_line(err)}); {advice}", file=sys.stderr)
         return 1
     return 0
 
 
+QUIETED = (
+    "torch.distributed.elastic",
+    "torch.distributed.elastic.agent.server.api",
+    "torch.distributed.elastic.agent.server.local_elastic_agent",
+)
+
+
 def failure_lines(failures: dict, records: list[dict], first: int) -> tuple[list[str], int]:
     """The lines that say why a launch failed, each once, the first failure's first, and its exit status: what each
-    failed process recorded (cloudtrain.errors.report, matched by its pid), else how it ended."""
+    failed process recorded (cloudtrain.errors.report, matched by its pid), else how it ended. Not told: a process
+    the launcher itself stopped (SIGTERM) after the first failure, and a process that left its mistake to rank 0's
+    line (status 2) where a line was recorded."""
     by_pid = {r["pid"]: r for r in records}
+    recorded = any(failure.pid in by_pid for failure in failures.values())
     lines, status = [], 1
     for rank in sorted(failures, key=lambda rank: rank != first):
-        failure = failures[rank]
-        record = by_pid.get(failure.pid)
-        lines.append(record["line"] if record else f"error: the process of rank {rank} {exit_reason(failure.exitcode)}")
+        code, record = failures[rank].exitcode, by_pid.get(failures[rank].pid)
+        stopped_by_launcher = code in (-signal.SIGTERM, -signal.SIGINT) and rank != first
+        if record:
+            lines.append(record["line"])
+        elif not stopped_by_launcher and not (code == 2 and recorded):
+            lines.append(f"error: the process of rank {rank} {exit_reason(code)}")
         if rank == first:
-            status = (
-                record["status"]
-                if record
-                else (128 - failure.exitcode if failure.exitcode < 0 else failure.exitcode or 1)
-            )
+            status = record["status"] if record else _status(code)
     return list(dict.fromkeys(lines)), status
+
+
+def stopped_lines(records: list[dict], signal_name: str) -> list[str]:
+    """After Ctrl-C or SIGTERM: what the processes of the last attempt said as they stopped (where their checkpoint
+    went), each line once; else that they said nothing."""
+    stopped = [r for r in records if r["status"] in (130, 143)]
+    attempt = max((r["attempt"] for r in stopped), default=0)
+    lines = list(dict.fromkeys(r["line"] for r in stopped if r["attempt"] == attempt))
+    unsaid = (
+        f"stopped: the launch received {signal_name} and its processes ended without saying whether they saved a "
+        "checkpoint; checkpoints saved earlier are kept (--resume_from_checkpoint latest continues from the newest)"
+    )
+    return lines or [unsaid]
 
 
 def _status(code: int) -> int:
@@ -187,16 +205,12 @@ def recorded_errors(folder: Path) -> list[dict]:
 
 def exit_reason(code: int) -> str:
     if code == 2:
-        return "exited with status 2 (a mistake in the options or the data, reported by the node of rank 0)"
+        return "exited with status 2 (a mistake in the options or the data)"
     if code >= 0:
         return f"exited with status {code}; its output is above"
     name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ else f"signal {-code}"
-    hint = (
-        " (often the kernel's out-of-memory killer: try a smaller batch, and see dmesg)"
-        if -code == signal.SIGKILL
-        else ""
-    )
-    return f"was killed by {name}{hint}"
+    oom = " (often the kernel's out-of-memory killer: see dmesg, and try a smaller batch)"
+    return f"was killed by {name}{oom if -code == signal.SIGKILL else ''}"
 
 
 def _visible_gpus() -> int:

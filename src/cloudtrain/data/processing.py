@@ -476,6 +476,8 @@ def loader_options(cfg: DataConfig) -> dict:
 
 
 def ignore_interrupts(worker_id: int) -> None:
-    """A loader worker leaves Ctrl-C to the training process, whose first one saves a checkpoint with the workers
-    still needed (a terminal sends it to the whole process group; a spawned worker would die of it)."""
+    """A loader worker leaves Ctrl-C and SIGTERM to the training process, which then saves a checkpoint with the
+    workers still needed (a terminal sends Ctrl-C to the whole process group, torchrun's agent its SIGTERM; a
+    worker would die of either). A worker ends when the training process does (torch's watchdog)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
