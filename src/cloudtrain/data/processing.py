@@ -18,6 +18,7 @@
   shuffled chunk of 50 batches by length, so batches hold similar lengths and carry less padding.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -476,8 +477,9 @@ def loader_options(cfg: DataConfig) -> dict:
 
 
 def ignore_interrupts(worker_id: int) -> None:
-    """A loader worker leaves Ctrl-C and SIGTERM to the training process, which then saves a checkpoint with the
-    workers still needed (a terminal sends Ctrl-C to the whole process group, torchrun's agent its SIGTERM; a
-    worker would die of either). A worker ends when the training process does (torch's watchdog)."""
+    """A loader worker leaves Ctrl-C and a launcher's SIGTERM to the training process, which then saves a
+    checkpoint with the workers still needed: a terminal sends Ctrl-C, torchrun's agent its SIGTERM, to the whole
+    process group, of which the worker leaves. (SIGTERM itself it keeps: multiprocessing ends workers with it.)"""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    with contextlib.suppress(OSError):  # a session leader cannot leave its group (never a loader worker)
+        os.setpgrp()
