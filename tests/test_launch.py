@@ -21,14 +21,9 @@ from cloudtrain.commands import launch
 
 def test_the_launchers_options_are_taken_out_and_the_rest_kept_in_order():
     argv = ["--nproc_per_node", "4", "--task", "sft", "--master_port=29600", "--lora_r", "8", "--nnodes", "1"]
-    assert launch.split_argv(argv) == (
-        {"nproc_per_node": "4", "master_port": "29600", "nnodes": "1"},
-        ["--task", "sft", "--lora_r", "8"],
-    )
-    assert launch.split_argv(["--output_dir=out", "--max_restarts", "2"]) == (
-        {"max_restarts": "2"},
-        ["--output_dir=out"],
-    )
+    assert launch.training_argv(argv) == ["--task", "sft", "--lora_r", "8"]
+    kept = ["--output_dir=out", "--seed", "3"]
+    assert launch.training_argv(["--output_dir=out", "--max_restarts", "2", "--seed", "3"]) == kept
 
 
 def test_torchrun_is_given_one_node_standalone_or_each_nodes_rendezvous():

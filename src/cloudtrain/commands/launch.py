@@ -42,20 +42,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
 
 
-def split_argv(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """({launcher option: value as typed}, the training run's arguments in their order)."""
-    launcher, training, i = {}, [], 0
+def training_argv(argv: list[str]) -> list[str]:
+    """The training run's arguments as typed, in their order: `argv` less the launcher's options and values."""
+    training, i = [], 0
     while i < len(argv):
-        name, has_value, value = argv[i].partition("=")
+        name, has_value, _ = argv[i].partition("=")
         if name.startswith("--") and name[2:] in LAUNCHER:
-            if not has_value:
-                i += 1
-                value = argv[i] if i < len(argv) else ""
-            launcher[name[2:]] = value
-        else:
-            training.append(argv[i])
+            i += 1 if has_value else 2
+            continue
+        training.append(argv[i])
         i += 1
-    return launcher, training
+    return training
 
 
 def torchrun_argv(args: argparse.Namespace, training: list[str]) -> list[str]:
@@ -100,7 +97,7 @@ def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     args = parser.parse_args(argv)  # types and choices of every option
     check_options(args)
     check_local_paths(config_from_namespace(args))  # what `train` checks before it imports anything heavy
-    _, training = split_argv(argv)
+    training = training_argv(argv)
     args.nproc_per_node = args.nproc_per_node or _visible_gpus() or 1
     errors = Path(tempfile.mkdtemp(prefix="cloudtrain-launch-"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -113,7 +110,10 @@ def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     finally:
         shutil.rmtree(errors, ignore_errors=True)
         for name, value in saved.items():
-            os.environ.pop(name, None) if value is None else os.environ.__setitem__(name, value)
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
 
