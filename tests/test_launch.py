@@ -109,17 +109,15 @@ def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monke
 
 @pytest.mark.slow
 def test_two_processes_train_stop_and_fail_each_with_one_line(tiny_model_dir, topic_csvs, tmp_path):
-    """A launch that trains on 2 processes; one sent SIGTERM mid-run (a loader worker each, which torchrun's
-    agent signals too): the processes save a checkpoint and the launcher says so once, status 143; a column no
-    file has (met after the processes started): one error line, status 2, no traceback; a process killed mid-run:
-    named with its signal, status 137."""
+    """A launch that trains on 2 processes; one sent SIGTERM mid-run: the processes save a checkpoint and the
+    launcher says so once, status 143; a column no file has (met after the processes started): one error line,
+    status 2, no traceback; a process killed mid-run: named with its signal, status 137."""
     common = ["launch", "--nproc_per_node", "2", "--eval_strategy", "no", "--report_to", "none"]
     trained = run_cli(*common, "--max_steps", "2", *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "a"))
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "2 process(es) on cpu" in trained.stdout and (tmp_path / "a" / "model.safetensors").exists()
 
     stopped = sigterm_after_first_step(*common, "--max_steps", "500", "--logging_steps", "1",
-                                       "--dataloader_num_workers", "1",  # torchrun signals the workers too
                                        *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "b"))  # fmt: skip
     said = [line for line in stopped.stderr.splitlines() if line.startswith(("stopped", "error"))]
     # one line: each process says the same (a signal landing between a process's two reads of it may make a

@@ -18,7 +18,6 @@
   shuffled chunk of 50 batches by length, so batches hold similar lengths and carry less padding.
 """
 
-import contextlib
 import dataclasses
 import hashlib
 import json
@@ -477,9 +476,6 @@ def loader_options(cfg: DataConfig) -> dict:
 
 
 def ignore_interrupts(worker_id: int) -> None:
-    """A loader worker leaves Ctrl-C and a launcher's SIGTERM to the training process, which then saves a
-    checkpoint with the workers still needed: a terminal sends Ctrl-C, torchrun's agent its SIGTERM, to the whole
-    process group, of which the worker leaves. (SIGTERM itself it keeps: multiprocessing ends workers with it.)"""
+    """A loader worker leaves Ctrl-C to the training process, whose first one saves a checkpoint with the workers
+    still needed (a terminal sends it to the whole process group; a spawned worker would die of it)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    with contextlib.suppress(OSError):  # a session leader cannot leave its group (never a loader worker)
-        os.setpgrp()
