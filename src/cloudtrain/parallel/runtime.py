@@ -17,6 +17,7 @@ import itertools
 import os
 import socket
 import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -335,9 +336,17 @@ def _destroy_group() -> None:
 
     A process of a launch keeps the groups' objects: else the last reference to a gloo group can be a DDP model's,
     freed with the GIL held just after the last collective, and the group's destructor then waits for its worker
-    thread, which waits for the GIL to free that collective's tensors (a stopped launch hung, 1 in 12 under load)."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    thread, which waits for the GIL to free that collective's tensors (a stopped launch hung, 1 in 12 under load).
+    They go at the interpreter's exit, before its teardown (where gloo's threads can abort it)."""
+    if dist.get_world_size() > 1:
+        if not _LEFT:
+            atexit.register(_free_left)
         _LEFT.extend(dist.distributed_c10d._world.pg_map)
+
+
+def _free_left() -> None:
+    time.sleep(0.1)  # without the GIL: a group's thread still freeing its last collective can finish
+    _LEFT.clear()
     ds_comm = sys.modules.get("deepspeed.comm.comm")
     if ds_comm is not None and ds_comm.cdb is not None:
         ds_comm.destroy_process_group()
