@@ -1,5 +1,6 @@
 """Ctrl-C during training, as a terminal sends it (SIGINT to the whole process group, data-loader workers included):
-once, a checkpoint and a clean stop; twice, a stop at once, without one. The real entry script, a tiny model."""
+once, a checkpoint and a clean stop; twice, a stop at once, without one. The real entry script, a tiny model.
+A launcher's SIGTERM, which reaches the loader workers too, leaves them alive."""
 
 import os
 import re
@@ -112,6 +113,70 @@ def test_a_loader_worker_not_forked_from_the_run_survives_the_first_ctrl_c(start
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["SIGINT", "199"]  # every batch after the first, none lost with the worker
+
+
+SIGTERM_SCRIPT = """
+import multiprocessing, os, subprocess, threading, time
+import psutil
+from cloudtrain.data.processing import leave_stops_to_the_run
+
+def serve(ready, threaded):
+    if threaded:  # as a spawned or forkserver worker, whose imports start BLAS threads before its init
+        threading.Thread(target=time.sleep, args=(120,), daemon=True).start()
+    leave_stops_to_the_run(0)
+    ready.set()
+    time.sleep(120)
+
+def start(context, threaded=False):
+    ready = context.Event()
+    worker = context.Process(target=serve, args=(ready, threaded), daemon=True)
+    worker.start()
+    assert ready.wait(120)
+    return worker
+
+def train(pids):  # a training process with a worker, killed by the test
+    pids.put(start(multiprocessing.get_context("fork")).pid)
+    time.sleep(120)
+
+def gone(pid):
+    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+if __name__ == "__main__":
+    context = multiprocessing.get_context("fork")  # Linux's default before Python 3.14
+    worker = start(context)
+    subprocess.run(["kill", "-TERM", str(worker.pid)], check=True)  # from another process: a launcher, SLURM
+    time.sleep(1)
+    survived = worker.is_alive()
+    worker.terminate()  # from its own process, as multiprocessing and the DataLoader end a worker
+    worker.join(60)
+    threaded = start(context, threaded=True)
+    own_group = os.getpgid(threaded.pid) == threaded.pid
+    threaded.terminate()
+    pids = context.Queue()
+    trainer = context.Process(target=train, args=(pids,))
+    trainer.start()
+    orphan = pids.get(timeout=120)
+    trainer.kill()
+    deadline = time.monotonic() + 30
+    while not gone(orphan) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    print(survived, worker.exitcode, own_group, gone(orphan))
+"""
+
+
+def test_a_loader_worker_outlives_a_sigterm_from_elsewhere_and_ends_with_its_run(tmp_path):
+    """The SIGTERM of a stop reaches the workers too (torchrun's agent signals each process's group, SLURM every
+    process of the job): a worker outlives it, so the stop's checkpoint can be saved; the training process still
+    ends it with SIGTERM (status 0, as torch's own handler leaves), and a worker whose training process was killed
+    ends by itself. A worker that runs threads already (BLAS threads of a spawned or forkserver worker, which the
+    signal could reach) leaves the process group instead."""
+    script = tmp_path / "worker.py"
+    script.write_text(SIGTERM_SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env(), cwd=REPO
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "0", "True", "True"]
 
 
 def test_a_ctrl_c_the_loop_never_read_is_said_not_to_have_stopped_it(capsys):

@@ -3,6 +3,7 @@ refusals before any process starts, the processes' error lines recorded and prin
 2 CPU processes: a run that trains, one stopped by SIGTERM (its checkpoint saved, one line), a data mistake every
 process meets (one line, no launcher traceback), and a process killed mid-run."""
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -11,6 +12,7 @@ import tempfile
 import threading
 from types import SimpleNamespace
 
+import psutil
 import pytest
 from conftest import ENTRY, REPO, run_cli, topic_run_args
 
@@ -109,15 +111,17 @@ def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monke
 
 @pytest.mark.slow
 def test_two_processes_train_stop_and_fail_each_with_one_line(tiny_model_dir, topic_csvs, tmp_path):
-    """A launch that trains on 2 processes; one sent SIGTERM mid-run: the processes save a checkpoint and the
-    launcher says so once, status 143; a column no file has (met after the processes started): one error line,
-    status 2, no traceback; a process killed mid-run: named with its signal, status 137."""
+    """A launch that trains on 2 processes; one sent SIGTERM mid-run, to every process as SLURM does (a loader
+    worker each): the processes save a checkpoint and the launcher says so once, status 143; a column no file
+    has (met after the processes started): one error line, status 2, no traceback; a process killed mid-run:
+    named with its signal, status 137."""
     common = ["launch", "--nproc_per_node", "2", "--eval_strategy", "no", "--report_to", "none"]
     trained = run_cli(*common, "--max_steps", "2", *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "a"))
     assert trained.returncode == 0, trained.stderr[-3000:]
     assert "2 process(es) on cpu" in trained.stdout and (tmp_path / "a" / "model.safetensors").exists()
 
     stopped = sigterm_after_first_step(*common, "--max_steps", "500", "--logging_steps", "1",
+                                       "--dataloader_num_workers", "1",
                                        *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "b"))  # fmt: skip
     said = [line for line in stopped.stderr.splitlines() if line.startswith(("stopped", "error"))]
     # one line: each process says the same (a signal landing between a process's two reads of it may make a
@@ -138,8 +142,9 @@ def test_two_processes_train_stop_and_fail_each_with_one_line(tiny_model_dir, to
 
 
 def sigterm_after_first_step(*args: str) -> subprocess.CompletedProcess:
-    """The application launched as run_cli does, sent SIGTERM once a training step is logged (stderr goes to a
-    file, so that a chatty failure cannot fill a pipe nobody reads; killed after 300 s)."""
+    """The application launched as run_cli does; once a training step is logged, SIGTERM to it and every process
+    under it (the ranks and their loader workers, which torchrun's agent signals again). Stderr goes to a file, so
+    that a chatty failure cannot fill a pipe nobody reads; killed after 300 s."""
     with tempfile.TemporaryFile("w+") as errors:
         process = subprocess.Popen(
             [sys.executable, str(ENTRY), *args], stdout=subprocess.PIPE, stderr=errors, text=True,
@@ -152,7 +157,9 @@ def sigterm_after_first_step(*args: str) -> subprocess.CompletedProcess:
         for line in process.stdout:
             stdout.append(line)
             if line.startswith("step "):
-                process.send_signal(signal.SIGTERM)
+                for each in [psutil.Process(process.pid), *psutil.Process(process.pid).children(recursive=True)]:
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        each.send_signal(signal.SIGTERM)
                 break
         rest, _ = process.communicate()
         timer.cancel()

@@ -18,12 +18,15 @@
   shuffled chunk of 50 batches by length, so batches hold similar lengths and carry less padding.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
 import math
+import multiprocessing
 import os
 import signal
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,11 +474,40 @@ def loader_options(cfg: DataConfig) -> dict:
         "persistent_workers": workers > 0,
         "generator": torch.Generator(),
         "pin_memory": cfg.dataloader_pin_memory and torch.cuda.is_available(),
-        "worker_init_fn": ignore_interrupts if workers else None,
+        "worker_init_fn": leave_stops_to_the_run if workers else None,
     }
 
 
-def ignore_interrupts(worker_id: int) -> None:
-    """A loader worker leaves Ctrl-C to the training process, whose first one saves a checkpoint with the workers
-    still needed (a terminal sends it to the whole process group; a spawned worker would die of it)."""
+def leave_stops_to_the_run(worker_id: int) -> None:
+    """A loader worker leaves Ctrl-C and a stop's SIGTERM to the training process, which then saves a checkpoint
+    with the workers still needed: a terminal sends Ctrl-C, torchrun's agent its SIGTERM, to the whole process
+    group, SLURM to every process of the job. The worker ends when the training process ends it (multiprocessing's
+    SIGTERM), or once that process is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not _only_thread():  # (spawned workers run BLAS threads already, which a SIGTERM could reach)
+        with contextlib.suppress(OSError):  # out of the group the agent signals, at least
+            os.setpgrp()
+        return
+    # blocked in this thread and the threads started from here on (and processes the worker starts: SIGKILL ends
+    # those); taken by one thread, which knows the sender
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = multiprocessing.parent_process()  # the training process (forkserver's workers have another parent)
+    run = parent.pid if parent else os.getppid()
+    threading.Thread(target=_end_at_the_runs_sigterm, args=(run, os.getppid()), daemon=True).start()
+
+
+def _only_thread() -> bool:
+    try:
+        return hasattr(signal, "sigtimedwait") and len(os.listdir("/proc/self/task")) == 1
+    except OSError:  # no /proc (macOS)
+        return False
+
+
+def _end_at_the_runs_sigterm(run: int, parent: int) -> None:
+    """End the worker at the training process's SIGTERM, with status 0 as torch's own handler does (the training
+    process does not take it for a worker's failure), or once the worker is orphaned."""
+    while os.getppid() == parent:
+        taken = signal.sigtimedwait({signal.SIGTERM}, 1.0)
+        if taken is not None and taken.si_pid == run:
+            break
+    os._exit(0)

@@ -263,14 +263,12 @@ class StreamLoader:
             print(f"note: the stream ended; its last {len(step)} row(s) fill no whole step and are left out")
 
     def _buffers(self, start: dict) -> Iterator[_Buffer]:
-        from cloudtrain.data.processing import ignore_interrupts
+        from cloudtrain.data.processing import leave_stops_to_the_run as init
 
         workers = self.plan.budget.get("workers", 0)
         dataset = BufferDataset(self.plan, start["stream"], start["buffer"])
         items: Any = (
-            DataLoader(
-                dataset, batch_size=None, num_workers=workers, collate_fn=_identity, worker_init_fn=ignore_interrupts
-            )
+            DataLoader(dataset, batch_size=None, num_workers=workers, collate_fn=_identity, worker_init_fn=init)
             if workers
             else iter(dataset)
         )
