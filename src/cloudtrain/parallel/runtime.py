@@ -342,13 +342,13 @@ def _destroy_group() -> None:
         if not _LEFT:
             atexit.register(_free_left)
         _LEFT.extend(dist.distributed_c10d._world.pg_map)
-
-
-def _free_left() -> None:
-    time.sleep(0.1)  # without the GIL: a group's thread still freeing its last collective can finish
-    _LEFT.clear()
     ds_comm = sys.modules.get("deepspeed.comm.comm")
     if ds_comm is not None and ds_comm.cdb is not None:
         ds_comm.destroy_process_group()
     else:
         dist.destroy_process_group()
+
+
+def _free_left() -> None:
+    time.sleep(0.1)  # without the GIL: a group's thread still freeing its last collective can finish
+    _LEFT.clear()
