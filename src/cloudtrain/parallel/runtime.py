@@ -339,8 +339,6 @@ def _destroy_group() -> None:
     thread, which waits for the GIL to free that collective's tensors (a stopped launch hung, 1 in 12 under load).
     They go at the interpreter's exit, before its teardown (where gloo's threads can abort it)."""
     if dist.get_world_size() > 1:
-        if not _LEFT:
-            atexit.register(_free_left)
         _LEFT.extend(dist.distributed_c10d._world.pg_map)
     ds_comm = sys.modules.get("deepspeed.comm.comm")
     if ds_comm is not None and ds_comm.cdb is not None:
@@ -349,6 +347,8 @@ def _destroy_group() -> None:
         dist.destroy_process_group()
 
 
+@atexit.register  # at import: the last to run, after a group left by _leave
 def _free_left() -> None:
-    time.sleep(0.1)  # without the GIL: a group's thread still freeing its last collective can finish
-    _LEFT.clear()
+    if _LEFT:
+        time.sleep(0.1)  # without the GIL: a group's thread still freeing its last collective can finish
+        _LEFT.clear()
