@@ -97,7 +97,7 @@ loader = iter(torch.utils.data.DataLoader(list(range(400)), batch_size=2, **opti
 with PreemptionSignal() as stop:
     next(loader)  # the worker runs
     os.killpg(os.getpid(), signal.SIGINT)  # as a terminal sends it: to the worker too,
-    os.kill(loader._workers[0].pid, signal.SIGINT)  # which left the group (it runs BLAS threads already)
+    os.kill(loader._workers[0].pid, signal.SIGINT)  # which leaves the group when it runs threads already
     time.sleep(0.5)
     batches = sum(1 for _ in loader)
 print(stop.by, batches)
