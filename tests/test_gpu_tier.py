@@ -12,6 +12,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import conftest
@@ -246,6 +247,30 @@ def test_gpu_check_writes_its_report(tmp_path):
     assert "| defaults | error: OutOfMemoryError: CUDA out of memory |" in (out / "report.md").read_text()
     report = gpu_check.write_report(out, FAKE_ENV, None, None, 1.0)
     assert len(report["problems"]) == 2 and "No result" in (out / "report.md").read_text()
+
+
+def test_gpu_check_skips_the_nameless_entry_xdist_writes(tmp_path):
+    """pytest-xdist wrote one <testcase/> with no test into the H100's junit; it is no test of the report."""
+    gpu_check = load_gpu_check()
+    junit = real_junit(tmp_path, FAKE_TESTS)
+    junit.write_text(junit.read_text().replace("</testsuite>", '<testcase time="0.001" /></testsuite>'))
+    tests = gpu_check.parse_junit(junit)
+    assert len(tests) == 5 and all(t.test.split("::")[-1].startswith("test_") for t in tests)
+
+
+def test_gpu_check_interrupts_a_tier_past_its_time_as_ctrl_c_would(tmp_path):
+    """--tier_timeout: pytest gets SIGINT (so it still writes its junit and summary), not a kill."""
+    gpu_check = load_gpu_check()
+    said = tmp_path / "interrupted"
+    child = (
+        "import signal, sys, time, pathlib\n"
+        f"signal.signal(signal.SIGINT, lambda *_: (pathlib.Path({str(said)!r}).write_text('yes'), sys.exit(2)))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    started = time.monotonic()
+    gpu_check.run_tier([sys.executable, "-c", child], limit=3)
+    assert said.read_text() == "yes" and time.monotonic() - started < 30
 
 
 def test_gpu_check_passes_options_bench_gpu_accepts():
