@@ -172,7 +172,52 @@ def test_varlen_is_refused_where_it_cannot_compute_the_attention(tiny_llama_dir)
         attention(LlamaForCausalLM(config), classification, TASKS["classification"](classification), False)
 
 
+def test_under_autocast_the_kernel_is_chosen_in_autocasts_dtype(tiny_llama_dir, token_docs, monkeypatch):
+    """fp32 weights under bf16 autocast: Llama's rotary embedding hands over fp32 queries and keys (cos/sin follow
+    the fp32 residual stream). The kernel is chosen in autocast's dtype, as sdpa would cast; chosen by the queries'
+    fp32 it was the dense-mask fallback on CUDA (seen on an H100: 0.75x a plain loop)."""
+    _, model = pair(tiny_llama_dir)
+    chosen = []
+    choose = varlen.kernel_name
+    monkeypatch.setattr(
+        varlen, "kernel_name", lambda device, dtype, dropout=0.0: chosen.append(dtype) or choose(device, dtype, dropout)
+    )
+    batch, _ = packed(token_docs, cu_seqlens=True)
+    layers = model.config.num_hidden_layers
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            causal_lm_forward(model, batch)
+        assert chosen == [torch.bfloat16] * layers
+        chosen.clear()
+        causal_lm_forward(model, batch)
+    assert chosen == [torch.float32] * layers  # no autocast: the tensors' own
+
+
 # ---------------------------------------------------------------- the CUDA kernels
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_dir", MODELS)
+def test_cuda_varlen_kernel_under_autocast_over_fp32_weights(model_dir, token_docs, request, monkeypatch):
+    """As the trainers run: fp32 weights, bf16 autocast. The 16-bit kernel runs (not the dense-mask fallback) and
+    the loss and gradients equal sdpa's under the same autocast."""
+    reference, model = (m.to("cuda") for m in pair(request.getfixturevalue(model_dir)))
+    chosen = []
+    name = varlen.kernel_name
+    monkeypatch.setattr(varlen, "kernel_name", lambda *a, **k: chosen.append(name(*a, **k)) or chosen[-1])
+    batch, _ = packed(token_docs, cu_seqlens=True)
+    batch = {k: v.cuda() for k, v in batch.items()}
+    losses = []
+    for net in (reference, model):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            total, count = shifted_loss(causal_lm_forward(net, batch), batch["labels"])
+        (total / count).backward()
+        losses.append((total / count).item())
+    assert chosen and set(chosen) <= {"flash_attn", "torch_varlen"}
+    assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+    for (pname, expected), got in zip(reference.named_parameters(), model.parameters(), strict=True):
+        scale = expected.grad.abs().max().item() + 1e-6
+        assert (got.grad - expected.grad).abs().max().item() <= 0.05 * scale, pname
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_dir", MODELS)
 def test_cuda_varlen_kernel_matches_sdpa_and_keeps_documents_apart(model_dir, token_docs, request):

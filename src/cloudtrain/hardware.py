@@ -74,3 +74,12 @@ def autocast(precision: str, device: torch.device) -> contextlib.AbstractContext
     """The training step's autocast for a resolved --mixed_precision (no autocast for fp32)."""
     dtype = AUTOCAST_DTYPES.get(precision)
     return torch.autocast(device.type, dtype=dtype) if dtype else contextlib.nullcontext()
+
+
+def autocast_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """The dtype a matmul or attention kernel of `tensor` runs in: autocast's where it is on for its device (fp32
+    master weights, 16-bit compute), else the tensor's own. For code that switches autocast off, or that picks a
+    kernel by dtype, to do the cast autocast would do."""
+    if torch.is_autocast_enabled(tensor.device.type):
+        return torch.get_autocast_dtype(tensor.device.type)
+    return tensor.dtype

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from cloudtrain.hardware import autocast_dtype
+
 __all__ = ["VARLEN", "kernel_name", "register", "varlen_attention", "varlen_kernel_available"]
 
 VARLEN = "varlen"
@@ -99,13 +101,17 @@ def _packed(
     dropout: float,
 ) -> torch.Tensor:
     batch, heads, length, dim = query.shape
-    kernel = kernel_name(query.device, query.dtype, dropout)
+    # Under autocast over fp32 weights, transformers' rotary embedding hands over fp32 queries and keys (its cos
+    # and sin follow the fp32 residual stream): the kernel is chosen, and fed, in autocast's dtype, the cast sdpa
+    # would do. Chosen by the queries' own fp32, it was the dense-mask fallback (measured on an H100).
+    dtype = autocast_dtype(query)
+    kernel = kernel_name(query.device, dtype, dropout)
     if kernel == "per_document_sdpa":
         return _per_document(query, key, value, cu_seqlens, scaling, dropout)
     if kernel == "block_mask_sdpa":
         return _block_mask_sdpa(query, key, value, cu_seqlens, scaling, dropout)
     # [B, H, L, D] -> [B*L, H, D]: the flattened batch the cumulative lengths index.
-    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim) for x in (query, key, value))
+    q, k, v = (x.transpose(1, 2).reshape(batch * length, x.shape[1], dim).to(dtype) for x in (query, key, value))
     if kernel == "flash_attn":
         flash = _flash_attn()
         assert flash is not None

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from cloudtrain.evaluation import eval_mode
+from cloudtrain.hardware import autocast_dtype
 
 __all__ = [
     "BACKENDS",
@@ -57,13 +58,6 @@ def liger_available() -> bool:
     return torch.cuda.is_available() and _liger() is not None
 
 
-def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    """The dtype the head's matmul runs in: autocast's where it is on (fp32 master weights, 16-bit compute)."""
-    if torch.is_autocast_enabled(tensor.device.type):
-        return torch.get_autocast_dtype(tensor.device.type)
-    return tensor.dtype
-
-
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """sum over rows of cross_entropy(hidden @ weight.T + bias, targets, label_smoothing), one chunk of rows at a
     time."""
@@ -78,7 +72,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         chunk_rows: int,
         smoothing: float,
     ) -> torch.Tensor:
-        dtype = _compute_dtype(hidden)
+        dtype = autocast_dtype(hidden)
         grads = ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         w = weight.to(dtype)
         b = None if bias is None else bias.to(dtype)
@@ -154,7 +148,7 @@ def linear_cross_entropy(
     if backend == "liger":
         liger = _liger()
         assert liger is not None
-        dtype = _compute_dtype(hidden)
+        dtype = autocast_dtype(hidden)
         with torch.autocast(hidden.device.type, enabled=False):
             return liger(
                 hidden.to(dtype),
