@@ -62,6 +62,25 @@ def test_accumulation_equals_one_big_batch(tiny_model_dir, tmp_path, trainer_cls
     assert not torch.equal(params_big["classifier.weight"], initial["classifier.weight"])  # the step did move
 
 
+@pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
+def test_the_task_loss_runs_under_the_steps_autocast(tiny_model_dir, tmp_path, trainer_cls):
+    """A loss that runs matmuls of its own (the fused cross-entropy: the head over the hidden states) runs them in
+    the step's 16-bit dtype. accelerate's prepare() wraps only the model's forward in autocast: outside it, on an
+    H100, the head's matmuls ran in fp32."""
+    trainer = tiny_setup(tiny_model_dir, tmp_path, trainer_cls, mixed_precision="bf16")
+    trainer.setup()
+    seen, task_loss = [], trainer.task.loss
+
+    def loss(model, batch):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return task_loss(model, batch)
+
+    trainer.task.loss = loss
+    window = [trainer.move(trainer.data.collator([trainer.data.train[i] for i in range(4)]))]
+    stats = trainer.backward_window(window, trainer._loss_scale(window))
+    assert seen == [torch.bfloat16] and torch.isfinite(stats.loss_sum)
+
+
 def run_tiny(tiny_model_dir, topic_csvs, out, **overrides):
     cfg = build_config(
         {

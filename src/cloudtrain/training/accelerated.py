@@ -183,8 +183,8 @@ class AcceleratedTrainer(Trainer):
         models.clear()  # loaded: accelerate must not load them again, strictly
 
     def autocast(self):
-        # prepare() wrapped the model's forward in autocast already, but not what generate() calls underneath
-        # (a PEFT model's base model)
+        # prepare() wrapped the model's forward in autocast, but not what runs around it: a task's loss with matmuls
+        # of its own (the fused cross-entropy's head), and what generate() calls underneath (a PEFT base model)
         return self.accelerator.autocast()
 
     def backward_window(self, window: list[dict], scale: torch.Tensor) -> StepStats:
@@ -195,7 +195,7 @@ class AcceleratedTrainer(Trainer):
             last = i == len(window) - 1
             accelerator.sync_gradients = last  # the accumulation boundary (DeepSpeed steps here)
             with contextlib.nullcontext() if last else accelerator.no_sync(self.model):
-                with self.clock.forward():
+                with self.clock.forward(), self.autocast():
                     summed, n = self.task.loss(self.model, batch)
                 accelerator.backward(summed * scale * k)  # backward() divides by k; the scale is already exact
             loss_sum, count = loss_sum + summed.detach(), count + n
