@@ -135,6 +135,21 @@ def test_check_model_refuses_a_leaking_kernel_in_one_line(tiny_llama_dir):
     assert "\n" not in str(err.value)
 
 
+def refuses_flash_attention_without_the_package(model_dir: str) -> None:
+    cfg = lm_config(model_dir, packing="bfd", attn_implementation="flash_attention_2")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with pytest.raises(UserError, match="^--attn_implementation flash_attention_2: ") as err:
+        attention(model, cfg, TASKS["causal_lm"](cfg), False)
+    assert "\n" not in str(err.value) and "installed" in str(err.value)
+    assert str(err.value).endswith("install its package, or leave the option out for the default kernel")
+
+
+def test_flash_attention_without_flash_attn_is_refused_in_one_line(tiny_llama_dir):
+    if varlen._flash_attn():
+        pytest.skip("flash-attn is installed here: the gpu probe runs it")
+    refuses_flash_attention_without_the_package(tiny_llama_dir)
+
+
 def test_a_kernel_that_needs_a_gpu_is_refused_on_a_cpu(tiny_llama_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     cfg = lm_config(tiny_llama_dir, packing="bfd")
@@ -243,7 +258,9 @@ def test_cuda_varlen_kernel_matches_sdpa_and_keeps_documents_apart(model_dir, to
 @pytest.mark.parametrize("implementation", ["sdpa", VARLEN, "flash_attention_2"])
 def test_gpu_probe_of_a_one_layer_copy(tiny_llama_dir, implementation):
     if implementation == "flash_attention_2" and not varlen._flash_attn():
-        pytest.skip("flash-attn is not installed here")
+        # where flash-attn is not installed (the lent H100), asking for it is refused in one line before any work
+        refuses_flash_attention_without_the_package(tiny_llama_dir)
+        return
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, attn_implementation=implementation)
     small = one_layer_copy(model, "cuda", torch.bfloat16)
     assert small.config.num_hidden_layers == 1 and small.config._attn_implementation == implementation

@@ -58,7 +58,10 @@ def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     try:
         model.set_attn_implementation(wanted)
     except (ImportError, ValueError) as err:
-        raise UserError(f"--attn_implementation {wanted}: {first_line(err)}") from None
+        fix = "install its package, or leave the option out" if "install" in str(err) else "leave the option out"
+        raise UserError(
+            f"--attn_implementation {wanted}: {first_line(err).rstrip('.')}; {fix} for the default kernel"
+        ) from None
     if model.config._attn_implementation != wanted:
         raise UserError(
             f"--attn_implementation {wanted}: {type(model).__name__} cannot use it (it computes with "
