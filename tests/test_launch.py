@@ -1,7 +1,8 @@
 """`cloudtrain launch` (cloudtrain.commands.launch): its options apart from the training run's, torchrun's arguments,
 refusals before any process starts, the processes' error lines recorded and printed once; then real launches of
-2 CPU processes: a run that trains, one stopped by SIGTERM (its checkpoint saved, one line), a data mistake every
-process meets (one line, no launcher traceback), and a process killed mid-run."""
+2 CPU processes: a run that trains, one stopped by SIGTERM (its checkpoint saved, one line), one stopped at once by
+a second Ctrl-C, a data mistake every process meets (one line, no launcher traceback), and a process killed
+mid-run."""
 
 import contextlib
 import os
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from types import SimpleNamespace
 
 import psutil
@@ -107,6 +109,76 @@ def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monke
     errors.report("error: c", 2)  # the launcher's folder is gone: printed here
     assert capsys.readouterr().err == "error: c\n"
     assert launch.exit_reason(1) == "exited with status 1; its output is above"
+
+
+SECOND_CTRL_C = """
+import signal, subprocess, sys, time
+import psutil
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from cloudtrain.commands.launch import SecondInterruptKills
+
+sleep = "import time; time.sleep(120)"
+sleeper = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {sleep!r}]); time.sleep(120)"
+subprocess.Popen([sys.executable, "-c", sleeper], start_new_session=True)  # a rank: its own session, as torch does
+while len(psutil.Process().children(recursive=True)) < 2:  # the rank and its own child (a loader worker)
+    time.sleep(0.05)
+tree = psutil.Process().children(recursive=True)
+handler = SecondInterruptKills()
+try:
+    handler(signal.SIGINT, None)
+except SignalException as err:
+    print("first", err.sigval.name, all(p.is_running() for p in tree), flush=True)
+handler(signal.SIGINT, None)
+gone, alive = psutil.wait_procs(tree, timeout=20)
+print("second", handler.killed, len(gone), len(alive))
+"""
+
+
+def test_the_first_ctrl_c_goes_to_torchs_agent_and_a_second_kills_every_process_under_the_launcher():
+    """In a process of its own: the handler kills whatever runs under the process it is installed in."""
+    ran = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert ran.stdout.splitlines() == ["first SIGINT True", "second True 2 0"], ran.stderr[-2000:]
+    command = launch.torchrun_argv(command_parser("launch").parse_args(["--nproc_per_node", "2"]), [])
+    assert command[command.index("--signals_to_handle") + 1] == "SIGTERM,SIGHUP,SIGQUIT"  # SIGINT is the launcher's
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_stops_a_launch_at_once_without_a_checkpoint(tiny_model_dir, topic_csvs, tmp_path):
+    """The first Ctrl-C asks the processes to save and stop at their next logging step, which is far away here;
+    a second stops the launch at once (status 130, one line), where torch's agent would wait --stop_timeout."""
+    args = ["launch", "--nproc_per_node", "2", "--eval_strategy", "no", "--report_to", "none", "--stop_timeout", "120"]
+    args += ["--max_steps", "100000", "--logging_steps", "100000", "--dataloader_num_workers", "1"]
+    out = tmp_path / "run"
+    launched = subprocess.Popen(
+        [sys.executable, str(ENTRY), *args, *topic_run_args(tiny_model_dir, topic_csvs, out)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    timer = threading.Timer(300, launched.kill)
+    timer.start()
+    assert launched.stdout is not None
+    for line in launched.stdout:
+        if "process(es) on cpu" in line:  # the banner at the start of training
+            break
+    deadline, tree = time.monotonic() + 60, []
+    while len(tree) < 4 and time.monotonic() < deadline:  # two ranks and a loader worker each: training
+        time.sleep(0.2)
+        tree = psutil.Process(launched.pid).children(recursive=True)
+    if len(tree) < 4:
+        launched.kill()
+        pytest.fail(f"the launch's loader workers never started: {launched.communicate()[1][-3000:]}")
+    launched.send_signal(signal.SIGINT)
+    time.sleep(2)
+    assert launched.poll() is None  # the first: the ranks train on towards their next logging step
+    launched.send_signal(signal.SIGINT)
+    second = time.monotonic()
+    _, stderr = launched.communicate()
+    timer.cancel()
+    assert launched.returncode == 130 and time.monotonic() - second < 60, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if line.startswith(("stopped", "error"))]
+    assert said == [launch.KILLED_AT_ONCE] and "Traceback" not in stderr
+    _, alive = psutil.wait_procs(tree, timeout=10)
+    assert not alive and not list(out.glob("checkpoints/checkpoint-*"))
 
 
 @pytest.mark.slow

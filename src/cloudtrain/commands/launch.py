@@ -7,6 +7,7 @@ printed once, without the launcher's traceback. See docs/distributed.md (One com
 """
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -62,8 +63,10 @@ def torchrun_argv(args: argparse.Namespace, training: list[str]) -> list[str]:
     if args.nnodes > 1 or args.master_port is not None or args.master_addr:
         address = ["--master_addr", args.master_addr or "127.0.0.1", "--master_port", str(args.master_port or 29500)]
         rendezvous = ["--nnodes", str(args.nnodes), "--node_rank", str(args.node_rank), *address]
+    # Ctrl-C is this launcher's own (SecondInterruptKills); torch's agent keeps SIGTERM, SIGHUP and SIGQUIT
     return ["--nproc_per_node", str(args.nproc_per_node), *rendezvous, "--max_restarts", str(args.max_restarts),
-            "--shutdown_timeout", str(args.stop_timeout), *launch_target(), *training]  # fmt: skip
+            "--shutdown_timeout", str(args.stop_timeout), "--signals_to_handle", "SIGTERM,SIGHUP,SIGQUIT",
+            *launch_target(), *training]  # fmt: skip
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -130,14 +133,18 @@ def _run(torchrun: list[str], errors: Path) -> int:
     options = parse_args(torchrun)
     for name in QUIETED:  # failures are summed up below; the agent's loggers set their own levels
         logging.getLogger(name).setLevel(logging.CRITICAL)
+    interrupts = SecondInterruptKills()
     try:
+        signal.signal(signal.SIGINT, interrupts)  # main() puts the caller's handler back
         run(options)
     except ChildFailedError as err:
         lines, status = failure_lines(err.failures, recorded_errors(errors), err.get_first_failure()[0])
         print("\n".join(lines), file=sys.stderr)
         return status
     except SignalException as err:
-        print("\n".join(stopped_lines(recorded_errors(errors), signal.Signals(err.sigval).name)), file=sys.stderr)
+        name = signal.Signals(err.sigval).name
+        said = [KILLED_AT_ONCE] if interrupts.killed else stopped_lines(recorded_errors(errors), name)
+        print("\n".join(said), file=sys.stderr)
         return 128 + err.sigval
     except (DistError, RendezvousError) as err:
         where = "this machine" if options.standalone else f"{options.master_addr}:{options.master_port}"
@@ -145,6 +152,36 @@ def _run(torchrun: list[str], errors: Path) -> int:
         print(f"error: the launch's processes could not meet at {where} ({first_line(err)}); {advice}", file=sys.stderr)
         return 1
     return 0
+
+
+KILLED_AT_ONCE = (
+    "stopped at once: a second Ctrl-C killed the launch's processes without a checkpoint; checkpoints saved earlier "
+    "are kept (--resume_from_checkpoint latest continues from the newest)"
+)
+
+
+class SecondInterruptKills:
+    """The launcher's Ctrl-C handler. The first is handed to torch's agent as its own handler would (it asks each
+    process to save a checkpoint and stop, within --stop_timeout); a second kills every process under the
+    launcher at once, as a second Ctrl-C does in a one-process run. torch's agent would pass it on as one more
+    SIGTERM and wait out --stop_timeout again."""
+
+    def __init__(self) -> None:
+        self.count, self.killed = 0, False
+
+    def __call__(self, signum: int, frame: object) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException
+
+        self.count += 1
+        if self.count == 1:
+            raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
+        import psutil
+
+        # the ranks are leaders of their own sessions (torch starts them so), out of the terminal's reach
+        for process in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        self.killed = True  # the agent's wait for them now ends, and it re-raises the first Ctrl-C
 
 
 QUIETED = (
