@@ -5,6 +5,7 @@ a second Ctrl-C, a data mistake every process meets (one line, no launcher trace
 mid-run."""
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -105,6 +106,24 @@ def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monke
     (tmp_path / "2-0.json").write_text('{"rank": 0, "pi')  # cut short by a kill: skipped
     assert len(launch.recorded_errors(tmp_path)) == 4
 
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # attempt 0 ended with a user's mistake (status 2)
+    assert errors.earlier_mistake() == "error: the data of attempt 0"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert errors.earlier_mistake() == "error: the data of attempt 1"
+    for stale in tmp_path.glob("1-*.json"):
+        stale.write_text(json.dumps({**json.loads(stale.read_text()), "status": 1}))  # a crash: worth a restart
+    assert errors.earlier_mistake() is None
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    assert errors.earlier_mistake() is None  # the first attempt has none before it
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # an attempt to restart: each line said once, by anyone
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    for rank, line in ((0, "error: a"), (1, "error: a"), (2, "error: b")):
+        monkeypatch.setenv("RANK", str(rank))
+        errors.report(line, 2)
+    assert capsys.readouterr().err == "error: a\nerror: b\n"
+    assert len(launch.recorded_errors(tmp_path)) == 7  # each still recorded for the launcher
+
     monkeypatch.setenv(errors.ERROR_DIR, str(tmp_path / "gone"))
     errors.report("error: c", 2)  # the launcher's folder is gone: printed here
     assert capsys.readouterr().err == "error: c\n"
@@ -202,9 +221,13 @@ def test_two_processes_train_stop_and_fail_each_with_one_line(tiny_model_dir, to
     assert all(line.startswith("stopped") and "--resume_from_checkpoint" in line for line in said), said
     assert list((tmp_path / "b" / "checkpoints").glob("checkpoint-*"))
 
-    mistaken = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "c"), "--text_column", "body")
+    # restarts cannot mend it: the attempt that meets it says it, the restarted ones end at once without saying it
+    # again, and the launcher says the last attempt's (without that, each restart said it again)
+    mistaken = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "c"), "--text_column", "body",
+                       "--max_restarts", "2")  # fmt: skip
     lines = [line for line in mistaken.stderr.splitlines() if line.startswith("error")]
-    assert mistaken.returncode == 2 and len(lines) == 1 and "column 'body' is not in the train data" in lines[0]
+    assert mistaken.returncode == 2 and len(lines) == 2 and len(set(lines)) == 1, mistaken.stderr[-3000:]
+    assert "column 'body' is not in the train data" in lines[0]
     assert "Traceback" not in mistaken.stderr and "ChildFailedError" not in mistaken.stderr
 
     killed = run_cli(*common, *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "d"), "--max_steps", "2",

@@ -24,7 +24,7 @@ import sys
 
 from cloudtrain.config import _fields, _Parser, add_config_arguments, config_from_namespace
 from cloudtrain.config.inert import print_inert_notes
-from cloudtrain.errors import TrainingStopped, UserError, report
+from cloudtrain.errors import TrainingStopped, UserError, earlier_mistake, report
 from cloudtrain.invocation import prog
 from cloudtrain.observe import console
 from cloudtrain.paths import check_local_paths
@@ -125,6 +125,10 @@ def run_command(argv: list[str]) -> int:
             file=sys.stderr,
         )
     scrub_argv(secrets)  # read already; trackers record sys.argv as the program's arguments
+    mistake = earlier_mistake()
+    if mistake is not None:  # a restarted attempt of a launch: the same mistake would end it again
+        report(mistake, 2, echo=False)
+        return 2
     try:
         console.setup()  # bars only on a terminal; before datasets, transformers or DeepSpeed are imported
         if argv and argv[0] == "launch":  # the training options too, as typed, for the processes it starts

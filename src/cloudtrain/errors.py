@@ -5,6 +5,7 @@ Anything a user can fix (a bad flag, a missing file, a column that is not there)
 Everything else is a bug and keeps its traceback.
 """
 
+import hashlib
 import json
 import os
 import sys
@@ -38,10 +39,10 @@ class TrainingStopped(Exception):
         self.exit_code, self.quiet = exit_code, quiet
 
 
-def report(line: str, status: int) -> None:
+def report(line: str, status: int, echo: bool = True) -> None:
     """An error line on stderr; under `cloudtrain launch`, recorded for the launcher instead, which prints each
-    distinct line of the launch's failed processes once. An attempt torchrun will restart also prints it here, as
-    the launcher sees only the last attempt's."""
+    distinct line of the launch's failed processes once. An attempt torchrun will restart also prints it here, once
+    for all its processes, as the launcher sees only the last attempt's (`echo` False: recorded only)."""
     env = os.environ
     folder, rank, pid = env.get(ERROR_DIR), int(env.get("RANK", "0")), os.getpid()
     attempt, restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
@@ -51,8 +52,38 @@ def report(line: str, status: int) -> None:
         try:
             path.with_suffix(".tmp").write_text(json.dumps(record))
             path.with_suffix(".tmp").replace(path)  # whole or absent, were this process killed while writing
-            if attempt >= restarts or status in (130, 143):  # the last attempt, or stopped: never restarted
+            if attempt >= restarts or status in (130, 143) or not echo:  # the last attempt, or stopped: never restarted
+                return
+            if not _first_to_say(Path(folder), attempt, line):  # another process of this attempt said it
                 return
         except OSError:  # the launcher's folder is gone: say it here
             pass
     print(line, file=sys.stderr)
+
+
+def _first_to_say(folder: Path, attempt: int, line: str) -> bool:
+    """Whether this process is the first of its attempt to say `line`: an atomic claim, one file per line (not a
+    record: the launcher reads only *.json)."""
+    claim = folder / f"{attempt}-said-{hashlib.sha256(line.encode()).hexdigest()[:16]}"
+    try:
+        os.close(os.open(claim, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
+
+
+def earlier_mistake() -> str | None:
+    """In an attempt that torchrun restarted under `cloudtrain launch --max_restarts`: the line of the user's mistake
+    (status 2) that ended the attempt before, else None. A restart cannot mend a mistake in the options or the
+    data, so such an attempt ends at once with the same line instead of loading the model and the data again."""
+    folder, attempt = os.environ.get(ERROR_DIR), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if not folder or attempt == 0:
+        return None
+    for path in sorted(Path(folder).glob(f"{attempt - 1}-*.json")):
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError):  # cut short by a kill
+            continue
+        if record.get("status") == 2:
+            return str(record["line"])
+    return None
