@@ -22,6 +22,7 @@ from conftest import ENTRY, REPO, run_cli, topic_run_args
 from cloudtrain import errors
 from cloudtrain.cli import command_parser, main
 from cloudtrain.commands import launch
+from cloudtrain.data import remote
 
 
 def test_the_launchers_options_are_taken_out_and_the_rest_kept_in_order():
@@ -115,6 +116,14 @@ def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monke
     assert errors.earlier_mistake() is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert errors.earlier_mistake() is None  # the first attempt has none before it
+    unreachable = remote._failure("s3://bucket/data", ConnectionError("no route to host"))
+    assert unreachable.transient and "cannot reach the object store" in str(unreachable)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # a service that did not answer: tried again
+    errors.report(f"error: {unreachable}", 2, transient=True)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "4")
+    assert errors.earlier_mistake() is None
+    for stale in tmp_path.glob("3-*.json"):
+        stale.unlink()
 
     monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")  # an attempt to restart: each line said once, by anyone
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
@@ -147,18 +156,37 @@ try:
     handler(signal.SIGINT, None)
 except SignalException as err:
     print("first", err.sigval.name, all(p.is_running() for p in tree), flush=True)
-handler(signal.SIGINT, None)
-gone, alive = psutil.wait_procs(tree, timeout=20)
-print("second", handler.killed, len(gone), len(alive))
+try:
+    handler(signal.SIGINT, None)
+except SignalException:  # raised again: the agent stops from whatever it was doing
+    gone, alive = psutil.wait_procs(tree, timeout=20)
+    print("second", handler.killed, len(gone), len(alive), flush=True)
+try:
+    handler(signal.SIGINT, None)
+except SignalException:
+    print("third", handler.killed)  # nothing left to kill: still says the second killed them
 """
 
 
 def test_the_first_ctrl_c_goes_to_torchs_agent_and_a_second_kills_every_process_under_the_launcher():
     """In a process of its own: the handler kills whatever runs under the process it is installed in."""
     ran = subprocess.run([sys.executable, "-c", SECOND_CTRL_C], capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert ran.stdout.splitlines() == ["first SIGINT True", "second True 2 0"], ran.stderr[-2000:]
-    command = launch.torchrun_argv(command_parser("launch").parse_args(["--nproc_per_node", "2"]), [])
+    assert ran.stdout.splitlines() == ["first SIGINT True", "second True 2 0", "third True"], ran.stderr[-2000:]
+
+
+def test_torchrun_is_given_only_the_options_the_installed_torch_takes():
+    """torch 2.9 takes neither --shutdown_timeout nor --signals_to_handle, 2.11 not the first: the launch would
+    end in torchrun's usage text."""
+    from torch.distributed.run import parse_args
+
+    args = command_parser("launch").parse_args(["--nproc_per_node", "2", "--stop_timeout", "90"])
+    command = launch.torchrun_argv(args, ["--task", "sft"])
+    parsed = parse_args(command)  # the installed torch's own parser
+    if "--shutdown_timeout" in launch.torchrun_options():
+        assert parsed.shutdown_timeout == 90
     assert command[command.index("--signals_to_handle") + 1] == "SIGTERM,SIGHUP,SIGQUIT"  # SIGINT is the launcher's
+    older = launch.torchrun_argv(args, [], known=frozenset({"--nproc_per_node", "--max_restarts"}))
+    assert "--shutdown_timeout" not in older and "--signals_to_handle" not in older
 
 
 @pytest.mark.slow

@@ -143,7 +143,7 @@ def run_command(argv: list[str]) -> int:
             train_main(argv)
     except UserError as err:
         if not err.quiet:
-            report(f"error: {mask(str(err))}", 2)
+            report(f"error: {mask(str(err))}", 2, transient=err.transient)
         return 2
     except TrainingStopped as err:
         if not err.quiet:

@@ -18,11 +18,12 @@ class UserError(Exception):
     """A mistake in the user's input: the message says what was wrong and how to fix it.
 
     `quiet`: another process of the same launch prints this error, so this one exits without repeating it.
+    `transient`: a service that did not answer (the network): a restart may get past it, unlike a mistake.
     """
 
-    def __init__(self, message: str, quiet: bool = False):
+    def __init__(self, message: str, quiet: bool = False, transient: bool = False):
         super().__init__(message)
-        self.quiet = quiet
+        self.quiet, self.transient = quiet, transient
 
 
 def first_line(err: BaseException) -> str:
@@ -39,7 +40,7 @@ class TrainingStopped(Exception):
         self.exit_code, self.quiet = exit_code, quiet
 
 
-def report(line: str, status: int, echo: bool = True) -> None:
+def report(line: str, status: int, echo: bool = True, transient: bool = False) -> None:
     """An error line on stderr; under `cloudtrain launch`, recorded for the launcher instead, which prints each
     distinct line of the launch's failed processes once. An attempt torchrun will restart also prints it here, once
     for all its processes, as the launcher sees only the last attempt's (`echo` False: recorded only)."""
@@ -47,7 +48,7 @@ def report(line: str, status: int, echo: bool = True) -> None:
     folder, rank, pid = env.get(ERROR_DIR), int(env.get("RANK", "0")), os.getpid()
     attempt, restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if folder:
-        record = {"rank": rank, "pid": pid, "attempt": attempt, "line": line, "status": status}
+        record = {"rank": rank, "pid": pid, "attempt": attempt, "line": line, "status": status, "transient": transient}
         path = Path(folder) / f"{attempt}-{rank}.json"
         try:
             path.with_suffix(".tmp").write_text(json.dumps(record))
@@ -75,7 +76,8 @@ def _first_to_say(folder: Path, attempt: int, line: str) -> bool:
 def earlier_mistake() -> str | None:
     """In an attempt that torchrun restarted under `cloudtrain launch --max_restarts`: the line of the user's mistake
     (status 2) that ended the attempt before, else None. A restart cannot mend a mistake in the options or the
-    data, so such an attempt ends at once with the same line instead of loading the model and the data again."""
+    data, so such an attempt ends at once with the same line instead of loading the model and the data again. A
+    service that did not answer (`UserError(transient=True)`) is tried again."""
     folder, attempt = os.environ.get(ERROR_DIR), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not folder or attempt == 0:
         return None
@@ -84,6 +86,6 @@ def earlier_mistake() -> str | None:
             record = json.loads(path.read_text())
         except (OSError, ValueError):  # cut short by a kill
             continue
-        if record.get("status") == 2:
+        if record.get("status") == 2 and not record.get("transient"):
             return str(record["line"])
     return None

@@ -8,6 +8,7 @@ printed once, without the launcher's traceback. See docs/distributed.md (One com
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
+
+import psutil
 
 from cloudtrain.config import add_config_arguments, config_from_namespace
 from cloudtrain.errors import ERROR_DIR, UserError, first_line
@@ -56,17 +59,28 @@ def training_argv(argv: list[str]) -> list[str]:
     return training
 
 
-def torchrun_argv(args: argparse.Namespace, training: list[str]) -> list[str]:
+def torchrun_argv(args: argparse.Namespace, training: list[str], known: frozenset[str] | None = None) -> list[str]:
     """torch.distributed.run's arguments: one node standalone (torch picks a free port unless one is given), or
-    the static rendezvous at --master_addr:--master_port that each node's launch joins."""
+    the static rendezvous at --master_addr:--master_port that each node's launch joins. `known`: the options the
+    installed torchrun takes (torch 2.9 has neither of the last two below, 2.11 no --shutdown_timeout)."""
+    known = torchrun_options() if known is None else known
     rendezvous = ["--standalone", "--local_addr", "127.0.0.1"]  # not the host's name, which may not resolve
     if args.nnodes > 1 or args.master_port is not None or args.master_addr:
         address = ["--master_addr", args.master_addr or "127.0.0.1", "--master_port", str(args.master_port or 29500)]
         rendezvous = ["--nnodes", str(args.nnodes), "--node_rank", str(args.node_rank), *address]
-    # Ctrl-C is this launcher's own (SecondInterruptKills); torch's agent keeps SIGTERM, SIGHUP and SIGQUIT
-    return ["--nproc_per_node", str(args.nproc_per_node), *rendezvous, "--max_restarts", str(args.max_restarts),
-            "--shutdown_timeout", str(args.stop_timeout), "--signals_to_handle", "SIGTERM,SIGHUP,SIGQUIT",
-            *launch_target(), *training]  # fmt: skip
+    argv = ["--nproc_per_node", str(args.nproc_per_node), *rendezvous, "--max_restarts", str(args.max_restarts)]
+    if "--shutdown_timeout" in known:
+        argv += ["--shutdown_timeout", str(args.stop_timeout)]
+    if "--signals_to_handle" in known:  # Ctrl-C is the launcher's own (SecondInterruptKills)
+        argv += ["--signals_to_handle", "SIGTERM,SIGHUP,SIGQUIT"]
+    return [*argv, *launch_target(), *training]
+
+
+@functools.cache
+def torchrun_options() -> frozenset[str]:
+    from torch.distributed.run import get_args_parser
+
+    return frozenset(option for action in get_args_parser()._actions for option in action.option_strings)
 
 
 def check_options(args: argparse.Namespace) -> None:
@@ -102,6 +116,12 @@ def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     check_local_paths(config_from_namespace(args))  # what `train` checks before it imports anything heavy
     training = training_argv(argv)
     args.nproc_per_node = args.nproc_per_node or _visible_gpus() or 1
+    if "--shutdown_timeout" not in torchrun_options():
+        print(
+            "note: this torch's launcher gives the processes its own 30 s, not --stop_timeout, to save a checkpoint "
+            "after Ctrl-C or SIGTERM (torch 2.13 takes the option)",
+            file=sys.stderr,
+        )
     errors = Path(tempfile.mkdtemp(prefix="cloudtrain-launch-"))
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     saved = {name: os.environ.get(name) for name in (ERROR_DIR, "OMP_NUM_THREADS", "TORCHELASTIC_SIGNALS_TO_HANDLE")}
@@ -142,6 +162,8 @@ def _run(torchrun: list[str], errors: Path) -> int:
         print("\n".join(lines), file=sys.stderr)
         return status
     except SignalException as err:
+        # a Ctrl-C in the middle of starting the ranks can leave some outside the agent's reach
+        kill_everything_under_this_process()
         name = signal.Signals(err.sigval).name
         said = [KILLED_AT_ONCE] if interrupts.killed else stopped_lines(recorded_errors(errors), name)
         print("\n".join(said), file=sys.stderr)
@@ -164,24 +186,38 @@ class SecondInterruptKills:
     """The launcher's Ctrl-C handler. The first is handed to torch's agent as its own handler would (it asks each
     process to save a checkpoint and stop, within --stop_timeout); a second kills every process under the
     launcher at once, as a second Ctrl-C does in a one-process run. torch's agent would pass it on as one more
-    SIGTERM and wait out --stop_timeout again."""
+    SIGTERM and wait out --stop_timeout again. (torch before 2.11 takes SIGINT for its agent all the same.)"""
 
     def __init__(self) -> None:
+        from torch.distributed.elastic.multiprocessing.api import SignalException  # here, not in the handler
+
+        self.signal_exception = SignalException
         self.count, self.killed = 0, False
 
     def __call__(self, signum: int, frame: object) -> None:
-        from torch.distributed.elastic.multiprocessing.api import SignalException
-
         self.count += 1
-        if self.count == 1:
-            raise SignalException(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
-        import psutil
+        if self.count > 1:  # killed: any was still running (not: all had saved and ended already)
+            self.killed = kill_everything_under_this_process() > 0 or self.killed
+        # raised each time: the agent shuts down from whatever it was doing (its wait for the killed ones is short)
+        raise self.signal_exception(f"Process {os.getpid()} got signal: SIGINT", sigval=signal.SIGINT)
 
-        # the ranks are leaders of their own sessions (torch starts them so), out of the terminal's reach
-        for process in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                process.kill()
-        self.killed = True  # the agent's wait for them now ends, and it re-raises the first Ctrl-C
+
+def kill_everything_under_this_process() -> int:
+    """SIGKILL to each process under this one: each rank's process group (torch starts every rank as the leader of
+    its own session, with its loader workers in it), then any descendant left; how many were still running."""
+    children = psutil.Process().children(recursive=True)
+    running = 0
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            running += child.status() != psutil.STATUS_ZOMBIE
+    for child in children:
+        with contextlib.suppress(OSError):
+            if os.getpgid(child.pid) == child.pid:
+                os.killpg(child.pid, signal.SIGKILL)
+    for child in children:
+        with contextlib.suppress(psutil.Error):
+            child.kill()
+    return running
 
 
 QUIETED = (

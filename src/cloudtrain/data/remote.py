@@ -68,7 +68,8 @@ def _failure(path: str, err: Exception) -> UserError:
         return UserError(f"{path}: the object store refused the credentials ({text}); {CREDENTIALS_HINT}")
     if "Connect" in kind or "Endpoint" in kind or "Timeout" in kind or isinstance(err, ConnectionError):
         return UserError(
-            f"{path}: cannot reach the object store at {_endpoint()} ({kind}); check AWS_ENDPOINT_URL and the network"
+            f"{path}: cannot reach the object store at {_endpoint()} ({kind}); check AWS_ENDPOINT_URL and the network",
+            transient=True,
         )
     return UserError(f"{path}: listing the object store at {_endpoint()} failed ({kind}: {text})")
 
@@ -160,7 +161,9 @@ def _hub_failure(path: str, endpoint: str, err: Exception) -> UserError:
     if status == 401:
         return UserError(f"{path}: the Hub at {endpoint} refused the token ({text}); {TOKEN_HINT}")
     if status is None and ("Connect" in kind or "Timeout" in kind or isinstance(err, OSError)):
-        return UserError(f"{path}: cannot reach the Hub at {endpoint} ({kind}); check HF_ENDPOINT and the network")
+        return UserError(
+            f"{path}: cannot reach the Hub at {endpoint} ({kind}); check HF_ENDPOINT and the network", transient=True
+        )
     return UserError(f"{path}: the Hub at {endpoint} failed ({kind}: {text})")
 
 

@@ -148,9 +148,10 @@ def hub_errors(api: HfApi, cfg: HubConfig, action: str, user: str | None = None)
 def as_user_error(err: BaseException, api: HfApi, cfg: HubConfig, action: str, user: str | None = None) -> UserError:
     if isinstance(err, UserError):
         return err
+    unreachable = isinstance(err, httpx2.TransportError)  # the network: a restart may get past it
     if isinstance(err, OfflineModeIsEnabled):
         text = f"{action}: HF_HUB_OFFLINE is set; unset it to push to the Hub"
-    elif isinstance(err, httpx2.TransportError):
+    elif unreachable:
         text = f"{action}: cannot reach {api.endpoint} ({first_line(err)}); check the network (and HF_ENDPOINT)"
     elif isinstance(err, HFValidationError):
         text = f"--hub_model_id {cfg.hub_model_id!r} is not a valid repo id: {first_line(err)}"
@@ -158,7 +159,7 @@ def as_user_error(err: BaseException, api: HfApi, cfg: HubConfig, action: str, u
         text = f"{action} failed: {describe(err, cfg, user)}"
     else:
         text = f"{action} failed: {first_line(err)}"
-    return UserError(scrub(text, api.token))
+    return UserError(scrub(text, api.token), transient=unreachable)
 
 
 def describe(err: HfHubHTTPError, cfg: HubConfig, user: str | None) -> str:
