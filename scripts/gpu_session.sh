@@ -15,8 +15,8 @@
 #   all    both, in that order
 #
 # Everything is written to outputs/gpu-session, the benchmarks' .json and .md straight to $OUT where it is set;
-# at the end the versions and the check's report.md are copied there with one archive of all logs and JSON (the
-# device tool's $OUT returns at most 8 files). Each stage ends inside its own time limit, so what it measured comes back.
+# at the end the versions and the check's report.md are copied there with one archive of the rest (the logs, the
+# check's JSON and junit; the device tool's $OUT returns at most 8 files). Each stage ends inside its own time limit, so what it measured comes back.
 set -uo pipefail
 STAGE=${1:-all}
 RESULTS=${OUT:-}
@@ -45,8 +45,10 @@ status=0
 if [ "$STAGE" = tier ] || [ "$STAGE" = all ]; then
   # gpu_check.py writes report.md/.json, the tier's junit and the bench JSON into one folder (one level down)
   # TIER_S bounds the tier (pytest is interrupted and still reports), CHECK_BENCH_S the short benchmark after it
+  # the outer limit stays under the device tool's 600 s a command; gpu_check writes its report after the tier too
   TIER_S=${TIER_S:-300} CHECK_BENCH_S=${CHECK_BENCH_S:-150}
-  timeout $((TIER_S + CHECK_BENCH_S + 180)) "$PY" scripts/gpu_check.py --out "$OUT/check" --workers "${WORKERS:-4}" \
+  limit=$((TIER_S + CHECK_BENCH_S + 240)); [ "$limit" -gt 590 ] && limit=590
+  timeout "$limit" "$PY" scripts/gpu_check.py --out "$OUT/check" --workers "${WORKERS:-6}" \
     --tier_timeout "$TIER_S" --steps 40 --bench_budget_s "$CHECK_BENCH_S" \
     --bench_variants "${CHECK_VARIANTS:-defaults}" >"$OUT/check.log" 2>&1 || status=1
   tail -n 40 "$OUT/check.log"

@@ -269,8 +269,12 @@ def test_gpu_check_interrupts_a_tier_past_its_time_as_ctrl_c_would(tmp_path):
         "time.sleep(60)\n"
     )
     started = time.monotonic()
-    gpu_check.run_tier([sys.executable, "-c", child], limit=3)
+    assert gpu_check.run_tier([sys.executable, "-c", child], limit=5)  # 5 s: its handler is set long before
     assert said.read_text() == "yes" and time.monotonic() - started < 30
+    assert not gpu_check.run_tier([sys.executable, "-c", "pass"], limit=30)
+    report = gpu_check.write_report(tmp_path / "r", FAKE_ENV, [], fake_bench(), 1.0, interrupted=5)
+    # the tests cut short are in no result: the check cannot pass on the ones that finished
+    assert report["problems"][0] == "the gpu tier was interrupted after 5 s (--tier_timeout)"
 
 
 def test_gpu_check_passes_options_bench_gpu_accepts():
@@ -288,6 +292,8 @@ def test_gpu_check_passes_options_bench_gpu_accepts():
     tier = gpu_check.tier_command(args, Path("j.xml"))
     assert tier[1:3] == ["-m", "pytest"] and any(tier[i : i + 2] == ["-m", "gpu"] for i in range(3, len(tier)))
     assert "tests/test_gpu.py" in tier and "tests/test_gpu_tier.py" not in tier  # the modules with gpu tests
+    files = [arg for arg in tier if arg.startswith("tests/")]
+    assert files[0] == "tests/test_bench_gpu.py" and files[1:] == sorted(files[1:])  # the longest test first
 
 
 # ---------------------------------------------------------------- the default model's stand-in
