@@ -119,7 +119,7 @@ def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     if "--shutdown_timeout" not in torchrun_options():
         print(
             "note: this torch's launcher gives the processes its own 30 s, not --stop_timeout, to save a checkpoint "
-            "after Ctrl-C or SIGTERM (torch 2.13 takes the option)",
+            "after Ctrl-C or SIGTERM (a newer torch, such as 2.13, takes the option)",
             file=sys.stderr,
         )
     errors = Path(tempfile.mkdtemp(prefix="cloudtrain-launch-"))
@@ -186,7 +186,8 @@ class SecondInterruptKills:
     """The launcher's Ctrl-C handler. The first is handed to torch's agent as its own handler would (it asks each
     process to save a checkpoint and stop, within --stop_timeout); a second kills every process under the
     launcher at once, as a second Ctrl-C does in a one-process run. torch's agent would pass it on as one more
-    SIGTERM and wait out --stop_timeout again. (torch before 2.11 takes SIGINT for its agent all the same.)"""
+    SIGTERM and wait out --stop_timeout again. (Where torchrun has no --signals_to_handle, as in torch 2.9, its
+    agent keeps SIGINT, and a second Ctrl-C is torch's.)"""
 
     def __init__(self) -> None:
         from torch.distributed.elastic.multiprocessing.api import SignalException  # here, not in the handler
