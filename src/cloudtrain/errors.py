@@ -81,11 +81,18 @@ def earlier_mistake() -> str | None:
     folder, attempt = os.environ.get(ERROR_DIR), int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     if not folder or attempt == 0:
         return None
-    for path in sorted(Path(folder).glob(f"{attempt - 1}-*.json")):
-        try:
-            record = json.loads(path.read_text())
-        except (OSError, ValueError):  # cut short by a kill
-            continue
-        if record.get("status") == 2 and not record.get("transient"):
+    for record in recorded_errors(Path(folder)):
+        if record["attempt"] == attempt - 1 and record["status"] == 2 and not record.get("transient"):
             return str(record["line"])
     return None
+
+
+def recorded_errors(folder: Path) -> list[dict]:
+    """The records the processes of a launch wrote (`report`); one cut short by a kill is skipped."""
+    records = []
+    for path in sorted(folder.glob("*.json")):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return records

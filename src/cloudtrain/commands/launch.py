@@ -9,7 +9,6 @@ printed once, without the launcher's traceback. See docs/distributed.md (One com
 import argparse
 import contextlib
 import functools
-import json
 import os
 import shutil
 import signal
@@ -20,7 +19,7 @@ from pathlib import Path
 import psutil
 
 from cloudtrain.config import add_config_arguments, config_from_namespace
-from cloudtrain.errors import ERROR_DIR, UserError, first_line
+from cloudtrain.errors import ERROR_DIR, UserError, first_line, recorded_errors
 from cloudtrain.invocation import launch_target
 from cloudtrain.paths import check_local_paths
 
@@ -264,17 +263,6 @@ def stopped_lines(records: list[dict], signal_name: str) -> list[str]:
 def _status(code: int) -> int:
     """A process's exit code as a shell reports it: 128 + the signal that killed it."""
     return 128 - code if code < 0 else code or 1
-
-
-def recorded_errors(folder: Path) -> list[dict]:
-    """The records the processes wrote (cloudtrain.errors.report); one cut short by a kill is skipped."""
-    records = []
-    for path in sorted(folder.glob("*.json")):
-        try:
-            records.append(json.loads(path.read_text()))
-        except (OSError, ValueError):
-            continue
-    return records
 
 
 def exit_reason(code: int) -> str:
