@@ -7,7 +7,7 @@
 # There:        scripts/gpu_session.sh [tier|bench|all]             (carry .gpu-wheels and data/grimm)
 #
 #   tier   scripts/gpu_check.py: versions and device, the gpu tier, bench/gpu.py's defaults for 40 steps
-#          (issue 29's checks; under 8 minutes on one H100). TIER_S, WORKERS, CHECK_BENCH_S and
+#          (issue 29's checks; meant to take under 8 minutes on one H100). TIER_S, WORKERS, CHECK_BENCH_S and
 #          CHECK_VARIANTS (bench/gpu.py's --variants) size it to the device time left
 #   bench  bench/gpu.py, every variant (or BENCH_VARIANTS) on the 515M preset and then the 1.04B shape, within
 #          BENCH_S seconds (BENCH_VARIANTS_1B: other variants for the 1.04B shape; BENCH_STEPS: timed steps)
@@ -16,7 +16,8 @@
 #
 # Everything is written to outputs/gpu-session, the benchmarks' .json and .md straight to $OUT where it is set;
 # at the end the versions and the check's report.md are copied there with one archive of the rest (the logs, the
-# check's JSON and junit; the device tool's $OUT returns at most 8 files). Each stage ends inside its own time limit, so what it measured comes back.
+# check's JSON and junit; the device tool's $OUT returns at most 8 files). Each stage ends inside its own time
+# limit, so what it measured comes back.
 set -uo pipefail
 STAGE=${1:-all}
 RESULTS=${OUT:-}
