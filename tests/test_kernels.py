@@ -158,9 +158,35 @@ def test_liger_modules_are_refused_in_one_line_where_they_cannot_run(tiny_llama_
     message = "--liger_kernels true: Liger Kernel's triton kernels need a CUDA GPU; use false"
     with pytest.raises(UserError, match=message):
         prepare.liger_modules(AutoModelForCausalLM.from_pretrained(tiny_llama_dir), cfg, task, False)
-    task, cfg = task_for("causal_lm", tiny_llama_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
-    assert prepare.liger_modules(model, cfg, task, False) is model  # off by default: nothing asked, nothing checked
+    for choice in ("auto", "false"):  # auto (the default) is off, silently, where Liger cannot run
+        task, cfg = task_for("causal_lm", tiny_llama_dir, liger_kernels=choice)
+        model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+        forwards = [m.forward for m in model.modules()]
+        assert prepare.liger_modules(model, cfg, task, False) is model
+        assert [m.forward for m in model.modules()] == forwards
+
+
+@pytest.mark.parametrize(
+    "options, reason",
+    [
+        ({}, None),
+        ({"fsdp": True, "zero_stage": 0}, None),
+        ({"peft": "lora"}, "adapters"),
+        ({"torch_compile": True}, "--torch_compile"),
+        ({"tensor_parallel_size": 2}, "tensor and context parallelism"),
+        ({"context_parallel_size": 2}, "tensor and context parallelism"),
+    ],
+)
+def test_liger_auto_is_on_for_full_fine_tuning_and_says_why_not_elsewhere(options, reason):
+    why = kernels.liger_auto_off(build_config({"task": "causal_lm", **options}))
+    assert why == reason if reason is None else why.startswith(reason)
+
+
+@pytest.mark.parametrize("value, parsed", [("auto", "auto"), ("true", True), ("FALSE", False), (True, True)])
+def test_liger_kernels_takes_true_false_and_auto(value, parsed):
+    assert build_config({"liger_kernels": value}).model.liger_kernels == parsed
+    with pytest.raises(UserError, match="--liger_kernels: expected true, false or auto, got 'sometimes'"):
+        build_config({"liger_kernels": "sometimes"})
 
 
 @pytest.mark.slow
@@ -188,13 +214,15 @@ def test_compiled_layers_compute_what_the_eager_model_does(tiny_llama_dir):
 
 
 @pytest.mark.gpu
-def test_liger_modules_keep_the_loss_on_cuda(tiny_llama_dir):
+def test_liger_modules_are_on_by_default_on_cuda_and_keep_the_loss(tiny_llama_dir):
     if kernels.liger_modules_error(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)):
         pytest.skip("liger-kernel is not installed here")
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama_dir).cuda().train()
     model = copy.deepcopy(reference)
-    task, cfg = task_for("causal_lm", tiny_llama_dir, liger_kernels="true")
+    task, cfg = task_for("causal_lm", tiny_llama_dir)  # --liger_kernels auto: on here, full fine-tuning on CUDA
+    forwards = [m.forward for m in model.modules()]
     prepare.liger_modules(model, cfg, task, False)
+    assert [m.forward for m in model.modules()] != forwards
     batch = {k: v.cuda() for k, v in batch_of(reference.config.vocab_size, cu_seqlens=True).items()}
     with torch.autocast("cuda", dtype=torch.bfloat16):
         losses = [task.loss(net, batch)[0].item() for net in (reference, model)]

@@ -102,7 +102,8 @@ def _coerce(name: str, value: Any) -> Any:
             raise ValueError("a value is required")
         value = _convert(tp, value, f.metadata["separator"])
     except (ValueError, TypeError) as err:  # TypeError: int([1, 2]), a config file's list where a number belongs
-        reason = f"expected a number or auto, got {value!r}" if f.metadata["auto"] else str(err)
+        kind = "true, false" if tp is bool else "a number"
+        reason = f"expected {kind} or auto, got {value!r}" if f.metadata["auto"] else str(err)
         raise UserError(f"--{name}: {reason}") from None
     choices = _meta(f, "choices")
     for item in value if isinstance(value, list) else [value]:
@@ -212,7 +213,7 @@ def _flag(f: dataclasses.Field) -> dict[str, Any]:
     """The argparse keywords every flag of field `f` shares: its help, and how its value is shown."""
     kwargs: dict[str, Any] = dict(help=_help(f), metavar=_base_type(f).__name__.upper())
     if _base_type(f) is bool:
-        kwargs.update(nargs="?", const="true", metavar="true|false")
+        kwargs.update(nargs="?", const="true", metavar="true|false|auto" if f.metadata["auto"] else "true|false")
     elif _meta(f, "choices"):
         kwargs["metavar"] = "{" + ",".join(map(str, _meta(f, "choices"))) + "}"
     elif f.metadata["auto"]:

@@ -33,7 +33,10 @@ __all__ = [
     "compile_layers",
     "decoder_layers",
     "hidden_states",
+    "liger_auto_off",
     "liger_available",
+    "liger_installed",
+    "liger_knows",
     "linear_cross_entropy",
 ]
 
@@ -56,6 +59,20 @@ def _liger() -> Callable | None:
 def liger_available() -> bool:
     """Liger Kernel is installed and this machine has the CUDA GPU its triton kernels need."""
     return torch.cuda.is_available() and _liger() is not None
+
+
+def liger_installed() -> bool:
+    """Liger Kernel can be imported here: the planner's question, whose GPU runs its kernels."""
+    return _liger() is not None
+
+
+def liger_knows(model_type: str | None) -> bool:
+    """Whether Liger Kernel, installed here, has fused decoder modules for `model_type` models."""
+    if _liger() is None:
+        return False
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -200,11 +217,22 @@ def liger_modules_error(model: Any) -> str | None:
         return "Liger Kernel's triton kernels need a CUDA GPU"
     if _liger() is None:
         return "the liger-kernel package is not installed (pip install liger-kernel)"
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+    if not liger_knows(model_type):
         return f"Liger Kernel has no fused modules for {model_type!r} models"
+    return None
+
+
+def liger_auto_off(cfg: Any) -> str | None:
+    """Why --liger_kernels auto leaves Liger's modules off for these options, or None. They were measured faster
+    for full fine-tuning on an H100 (docs/benchmarks.md); adapters and compiled models are not measured yet."""
+    d = cfg.distributed
+    if d.tensor_parallel_size > 1 or d.context_parallel_size > 1:
+        return "tensor and context parallelism hold the weights as DTensors, which Liger's kernels do not take"
+    if cfg.model.peft != "none":
+        return "adapters: not measured yet"
+    if cfg.training.torch_compile:
+        return "--torch_compile: the compiler fuses these operations itself"
     return None
 
 

@@ -7,7 +7,8 @@ The order is fixed (`TRANSFORMS`), each step relying on those before it:
 2. `gradient_checkpointing`: before adapters, which build on it (QLoRA readies the inputs for it);
 3. `task_checks`: the task's checks of the model as it will compute (document isolation under --packing bfd);
    kernel options (fused modules and losses) belong here, before adapters wrap the modules they replace;
-   `fused_cross_entropy`: --fused_cross_entropy, the loss from the hidden states; `liger_modules`: --liger_kernels;
+   `fused_cross_entropy`: --fused_cross_entropy, the loss from the hidden states; `liger_modules`: --liger_kernels
+   (both on by default where Liger Kernel runs);
 4. `task_before_adapters`: what the task keeps of the model before adapters change it (a DPO reference);
 5. `adapters`: --peft freezes the base and adds adapters, and the modules the task trains in full;
    `embedding_noise`: --neftune_noise_alpha's hook on the input embeddings (the model as it trains);
@@ -32,6 +33,7 @@ from cloudtrain.models.kernels import (
     apply_liger_modules,
     compile_layers,
     hidden_states_error,
+    liger_auto_off,
     liger_available,
     liger_modules_error,
 )
@@ -161,15 +163,20 @@ def fused_cross_entropy(model: Any, cfg: Config, task: Task, announce: bool) -> 
 
 
 def liger_modules(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
-    """--liger_kernels: Liger's fused RMSNorm, SwiGLU and RoPE (cloudtrain.models.kernels), or one line why not."""
-    if not cfg.model.liger_kernels:
+    """--liger_kernels: Liger's fused RMSNorm, SwiGLU and RoPE (cloudtrain.models.kernels). true: on, or one line
+    why they cannot be; auto: on where Liger can run and bench/gpu.py measured them faster (`liger_auto_off`)."""
+    choice = cfg.model.liger_kernels
+    if choice is False:
         return model
     problem = liger_modules_error(model)
+    if choice == "auto" and (problem or liger_auto_off(cfg)):
+        return model
     if problem:
         raise UserError(f"--liger_kernels true: {problem}; use false")
     apply_liger_modules(model)
     if announce:
-        print("kernels: Liger's fused RMSNorm, SwiGLU and RoPE", flush=True)
+        chosen = " (--liger_kernels auto; false turns them off)" if choice == "auto" else ""
+        print(f"kernels: Liger's fused RMSNorm, SwiGLU and RoPE{chosen}", flush=True)
     return model
 
 
