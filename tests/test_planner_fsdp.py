@@ -6,6 +6,9 @@
   tokenizer's 7552-token vocabulary) and 53.82 GiB for a 1.04B Llama shape (vocabulary 32000). The estimate the
   `plan` command gives for those runs (its DDP row, less the overhead term the allocator does not count) is
   within 10% of each, with the per-term breakdown printed. The figures are recorded, not measured here.
+- The same check for the runs of 2026-12-05 (bench/gpu.py at 9150f81, docs/benchmarks.md): the plain PyTorch loop
+  (no mask, the full logits), the application's defaults then (the dense-mask fallback, Liger's fused loss) and
+  --liger_kernels (varlen, Liger's loss and fused modules), for both shapes.
 - The same terms on CPU: autograd's saved tensors of a tiny Llama under bf16 autocast, with and without a
   dense mask and grouped-query heads, within 5% of the formula.
 - Each FSDP2 variant (full shard, shard grad-op, hybrid shard, no shard, CPU offload) and LoRA/QLoRA under DDP,
@@ -15,6 +18,7 @@
 """
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -90,6 +94,39 @@ def test_regression_of_the_fit_against_peaks_recorded_on_an_h100(tmp_path, capsy
         assert "--packing bfd" in plan["recommendation"]["command"]
     with capsys.disabled():
         print("\nplanner estimate (GiB) against the peak allocated on one H100 (recorded):\n" + "\n".join(lines))
+
+
+# bench/gpu.py's runs of 2026-12-05 on one H100 80GB (code at 9150f81): shape, variant, a dense mask, the loss
+# kernel, Liger's modules, the peak allocated GiB (the 1.04B shape's liger_kernels run: its own log line)
+MEASURED_2026_12_05 = (
+    ("llama-600m", "plain loop", False, None, False, 33.14),
+    ("llama-600m", "defaults", True, "liger", False, 34.69),
+    ("llama-600m", "liger_kernels", False, "liger", True, 27.08),
+    ("llama-1.04b", "plain loop", False, None, False, 51.31),
+    ("llama-1.04b", "defaults", True, "liger", False, 48.76),
+    ("llama-1.04b", "liger_kernels", False, "liger", True, 39.64),
+)
+
+
+def test_the_kernel_terms_against_the_peaks_recorded_on_an_h100_on_2026_12_05(tmp_path, capsys):
+    """Each variant's estimate (its DDP row without the overhead term) within 10% of what it measured. The defaults
+    then took the block-mask sdpa fallback (a dense mask per layer, K/V repeated: the sdpa terms); the loss was
+    Liger's fused one (a 16-bit chunk at a time), and --liger_kernels also Liger's RMSNorm and SwiGLU."""
+    lines = []
+    for name, variant, dense, loss, modules, peak in MEASURED_2026_12_05:
+        m = planning.model_facts(measured_config(tmp_path, name), task="causal_lm", from_config=True)
+        setup = Setup(1, 1, 80 * GIB, None, 2048, "bf16", step_rows=8, dense_mask=dense, fused_loss=loss)
+        est = planning.estimate(m, Candidate(BY_KEY["ddp"], False), replace(setup, fused_modules=modules), 8)
+        allocated = est.total - est.overhead
+        lines.append(f"{name:12} {variant:14} {allocated / GIB:6.2f} {peak:6.2f} {peak * GIB / allocated - 1:+6.1%}")
+        assert allocated == pytest.approx(peak * GIB, rel=0.10), (name, variant)
+        if modules:  # the modules' terms alone: each norm keeps only its fp32 input, the MLP 3 tensors, not 4
+            without = planning.estimate(m, Candidate(BY_KEY["ddp"], False), setup, 8)
+            h, inter, tokens = m.hidden_size, m.intermediate_size, 8 * 2048
+            expected = tokens * (m.num_layers * (2 * 4 * h + 2 * inter) + 4 * h)
+            assert without.activations - est.activations == expected
+    with capsys.disabled():
+        print("\nplanner estimate (GiB) against the peaks of 2026-12-05 on one H100:\n" + "\n".join(lines))
 
 
 def test_the_layer_terms_of_the_measured_configuration_by_hand(tmp_path):

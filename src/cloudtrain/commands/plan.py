@@ -22,6 +22,7 @@ TRAINING_OPTIONS = (
     "attn_implementation",
     "packing",
     "fused_cross_entropy",
+    "liger_kernels",
     "per_device_train_batch_size",
     "max_length",
     "max_target_length",

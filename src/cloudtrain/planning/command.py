@@ -35,6 +35,7 @@ from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
 from cloudtrain.planning.diffusion import plan as pipeline_plan
 from cloudtrain.planning.diffusion import render as render_pipeline
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, is_decoder, model_config_refusal, model_facts
+from cloudtrain.planning.kernels import planned_kernels
 from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
 from cloudtrain.planning.report import choice_json, recommendation_json, render, row_json
@@ -175,6 +176,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         (("--attn_implementation", args.attn_implementation) if args.attn_implementation else ())
         + (("--packing", args.packing) if args.packing != "auto" else ())
         + (("--fused_cross_entropy", args.fused_cross_entropy) if args.fused_cross_entropy != "auto" else ())
+        + (("--liger_kernels", str(args.liger_kernels).lower()) if args.liger_kernels != "auto" else ())
     )
     m = replace(
         m,
@@ -195,11 +197,14 @@ def make_plan(args: argparse.Namespace) -> dict:
         None if args.nvme_gb is None else round(args.nvme_gb * GIB),
     )
     requested, global_batch = _batch(args, setup.world_size)
-    # a step of one micro-batch holds no gradients; auto fuses the loss only where Liger Kernel is installed
+    # a step of one micro-batch holds no gradients; the GPU runs Liger Kernel's auto choices if it is installed
+    loss, modules = planned_kernels(args.fused_cross_entropy, args.liger_kernels, m.model_type)
     setup = replace(
         setup,
         step_rows=global_batch // setup.world_size,
-        fused_loss=args.fused_cross_entropy == "true",
+        fused_loss=loss,
+        fused_loss_asked=args.fused_cross_entropy == "true",
+        fused_modules=modules,
         target_length=run_task.target_length(task_cfg) if m.encoder else None,
     )
     adapters = (

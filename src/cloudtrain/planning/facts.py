@@ -127,6 +127,7 @@ class ModelFacts:
     # output (cross-attention); `encoder` holds the encoder stack's, read over the source length
     encoder: "ModelFacts | None" = None
     activation_output_saved: bool = False  # the activation keeps its output (ReLU): the down projection's input
+    model_type: str | None = None  # the config's model_type (llama): whether Liger Kernel has modules for it
 
     @property
     def decoder(self) -> bool:
@@ -280,6 +281,7 @@ def model_facts(
     facts = ModelFacts(
         name=name,
         architecture=type(model).__name__,
+        model_type=getattr(model.config, "model_type", None),
         num_params=num_params,
         **_stack_facts(layers, text, hidden, heads, kv_heads, cross=encoder is not None),
         root_params=num_params - sum(p.numel() for stack in stacks for p in stack.parameters()),

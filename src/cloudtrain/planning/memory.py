@@ -3,9 +3,9 @@ micro-batch that fits. The formulas, with their sources and measurements: docs/p
 
 from dataclasses import dataclass, replace
 
-from cloudtrain.models.kernels import CHUNK_ROWS
 from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.planning.facts import ModelFacts
+from cloudtrain.planning.kernels import logits_bytes
 from cloudtrain.planning.strategies import PIPELINE, Candidate, Setup, Strategy
 
 GIB = 2**30
@@ -13,7 +13,6 @@ CUDA_CONTEXT_BYTES = GIB
 FRAGMENTATION = 0.05
 MAX_MICRO_BATCH = 1 << 16
 NF4_BYTES = 0.5 + 1 / 64 + 4 / (64 * 256)  # a 4-bit weight, its 8-bit absmax per 64 and fp32 absmax per 256 blocks
-FUSED_CHUNK_TOKENS = CHUNK_ROWS  # tokens whose logits the chunked linear cross-entropy holds at once
 STRATEGY_DDP = Strategy("ddp", "DDP", 1.0)
 
 
@@ -165,17 +164,28 @@ def _kv_width(m: ModelFacts, dense_mask: bool) -> int:
     return (m.attention_width or m.hidden_size) if repeated else m.kv_hidden_size
 
 
-def _norm_bytes(m: ModelFacts, half: bool, autocast32: bool, no_autocast: bool = False) -> int:
+def _norm_bytes(m: ModelFacts, half: bool, autocast32: bool, no_autocast: bool = False, fused: bool = False) -> int:
     """Bytes per element a norm keeps for the backward pass. A LayerNorm kernel: its input as it runs it, fp32
     (autocast casts a 16-bit input up) but for the 16-bit input under DeepSpeed's bf16 engine (`no_autocast`). An
     RMSNorm: its fp32 copy of the input and its normalised input (fp32 with fp32 weights, else the 16-bit cast
-    its weight multiplies), T5's also the 16-bit input it scales itself."""
+    its weight multiplies), T5's also the 16-bit input it scales itself; Liger's (`fused`) only its input."""
     c = 2 if half else 4
+    if fused and m.rms_norm:
+        return 4 if autocast32 or not half else c
     if not m.rms_norm:
         return c if half and no_autocast else 4
     if autocast32 or not half:
         return 8
     return 4 + c + (c if m.norm_scales_input else 0)
+
+
+def _mlp_saved(m: ModelFacts, fused: bool) -> float:
+    """Intermediate-sized tensors the MLP keeps: the activation's input (and what else it saves), its output and,
+    gated, up's output and the product; Liger's SwiGLU (`fused`) keeps gate's and up's outputs, recomputing the
+    activation, and the down projection its input."""
+    if fused and m.gated_mlp:
+        return 3
+    return m.activation_saved + 1 + 2 * m.gated_mlp
 
 
 def _ungated_output(m: ModelFacts) -> bool:
@@ -209,22 +219,24 @@ def _layer_terms(
     dense_mask: bool = False,
     tp: int = 1,
     no_autocast: bool = False,
+    fused_modules: bool = False,
 ) -> tuple[float, int, int]:
     """(per layer A, outside the layers E, backward working space W) of full fine-tuning, in bytes.
     no_autocast: 16-bit weights and no autocast (DeepSpeed's bf16 engine), the norms run on the 16-bit input.
+    fused_modules: Liger's RMSNorm and SwiGLU (`_norm_bytes`, `_mlp_saved`); its RoPE keeps nothing more.
     autocast32: 16-bit autocast over fp32 weights (the residual stream and norms in fp32, every projection casting
     its own copy of its input); dense_mask: a [b, 1, s, s] mask given to sdpa (packed rows); tp: the tensor-parallel
     degree, which divides what lives inside attention and the MLP (q, k, v, their heads, the intermediate size),
     not the residual stream, the norms or the projections' inputs (no sequence parallelism in transformers' plan)."""
     c, h, inter, sb = (2 if half else 4), m.hidden_size, m.intermediate_size, seq * micro_batch
     mask = 1 if m.hidden_dropout else 0
-    norm = _norm_bytes(m, half, autocast32, no_autocast)
+    norm = _norm_bytes(m, half, autocast32, no_autocast, fused_modules)
     inputs = m.attention_inputs + m.mlp_inputs if autocast32 else 2
     per_token = (
         2 * norm * h  # what the two norms keep: their inputs (an RMSNorm also its normalised input)
         + c * inputs * h  # the projections' inputs: one per block, or under autocast each projection's own cast
         + c * (2 * (m.attention_width or h) + 2 * _kv_width(m, dense_mask)) / tp  # q, k, v as kept; the output
-        + c * inter * (m.activation_saved + 1 + 2 * m.gated_mlp) / tp  # its input, its output, gated: up's
+        + c * inter * _mlp_saved(m, fused_modules) / tp
         + inter * m.intermediate_dropout / tp  # dropout after the activation: its mask
         + c * inter * _own_output(m, autocast32) / tp
         + 2 * h * mask
@@ -245,11 +257,13 @@ def activation_bytes(
     dense_mask: bool = False,
     cross: float = 0.0,
     no_autocast: bool = False,
+    fused_modules: bool = False,
 ) -> tuple[int, int]:
     """(saved for backward at the end of the forward pass, backward working space) per GPU; cross: a decoder
-    layer's cross-attention (`cross_attention_bytes`); no_autocast: DeepSpeed's bf16 engine (`_layer_terms`)."""
+    layer's cross-attention (`cross_attention_bytes`); no_autocast: DeepSpeed's bf16 engine, fused_modules:
+    Liger's (`_layer_terms`)."""
     per_layer, outside, working = _layer_terms(
-        m, micro_batch, seq, half, autocast32, dense_mask, no_autocast=no_autocast
+        m, micro_batch, seq, half, autocast32, dense_mask, no_autocast=no_autocast, fused_modules=fused_modules
     )
     per_layer += cross
     if checkpointing and dense_mask:  # the boolean mask is an input of every checkpointed layer: kept whole
@@ -297,26 +311,6 @@ def adapter_activation_bytes(
     )
     outside = sb * h * (hidden + mask)  # the final norm's input: frozen, the embeddings' output needs no copy
     return _stacked(m, per_layer, outside, hidden * sb * (h + inter), checkpointing, hidden * sb * h)
-
-
-def logits_bytes(
-    m: ModelFacts, micro_batch: int, seq: int, half: bool, fused: bool = False, hidden_bytes: int = 4
-) -> int:
-    """The logits and the loss's fp32 buffers per GPU (0 without an LM head): per logit, the forward holds
-    the logits (c bytes), their fp32 copy and the log-softmax (4 + 4); the cross-entropy's backward holds
-    the log-softmax, its gradient and the copy's gradient (3 x 4). Checkpointing does not shrink them.
-    fused (--fused_cross_entropy true): the loss's forward keeps the hidden states' gradient (hidden_bytes
-    each: their dtype), the head's fp32 weight gradient and its 16-bit copy, and one chunk of logits at a
-    time (FUSED_CHUNK_TOKENS rows: the logits in 16 bits and fp32, the log-softmax, the softmax, its 16-bit
-    copy: 2 + 4 + 4 + 4 + 2 bytes)."""
-    c, tokens, V, h = (2 if half else 4), micro_batch * seq, m.vocab_size, m.hidden_size
-    if not V:
-        return 0
-    if fused:
-        chunk = min(tokens, FUSED_CHUNK_TOKENS)
-        head = 4 * V * h + (2 * V * h if half else 0)
-        return tokens * h * hidden_bytes + head + chunk * V * (16 if half else 12)
-    return tokens * V * max(c + 4 + 4, 3 * 4)
 
 
 def overhead_bytes(m: ModelFacts, strategy: Strategy, setup: Setup, rest: int, trainable: int) -> int:
@@ -405,7 +399,7 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
     saved, working = _activations(m, cand, setup, micro_batch)
     activations = saved + working
     hidden = 4 if not setup.half or not cand.strategy.shards else 2  # the final norm's output: fp32 under autocast
-    logits = logits_bytes(m, micro_batch, target_length(m, setup), setup.half, setup.fused_loss, hidden)
+    logits = logits_bytes(m, micro_batch, target_length(m, setup), setup.half, _loss_kernel(cand, setup), hidden)
     if full and not accumulating(setup, micro_batch) and not cand.strategy.zero_stage:
         grads -= min(_released_gradients(m, cand.strategy, setup), saved + logits)
     if full:
@@ -480,7 +474,7 @@ def _split_activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch
     saved, working = _stacked(m, per_layer, outside, working, cand.checkpointing, c * tokens * b * m.hidden_size)
     exchanged = 2 * c * b * tokens * (2 * m.hidden_size + 2 * m.kv_hidden_size)  # q, k, v, out: sent and received
     hidden = 2 if setup.half else 4
-    return saved, working + exchanged, logits_bytes(m, b, tokens, setup.half, setup.fused_loss, hidden)
+    return saved, working + exchanged, logits_bytes(m, b, tokens, setup.half, None, hidden)
 
 
 def _split_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> Estimate:
@@ -517,6 +511,13 @@ def _released_gradients(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
     if strategy.fsdp:
         return 0 if strategy.offload_param else 4 * m.num_params // strategy.shard_degree(setup)
     return 4 * m.num_params  # DDP; ZeRO keeps its gradient partitions and buckets allocated
+
+
+def _loss_kernel(cand: Candidate, setup: Setup) -> str | bool | None:
+    """The fused loss of this row: none where the LM head's weight is sharded or split (ZeRO-3, FSDP, tensor or
+    context parallelism), as the run refuses or leaves it there (cloudtrain.models.prepare._fused_misfit)."""
+    s = cand.strategy
+    return None if s.zero_stage == 3 or s.fsdp or cand.model_parallel > 1 else setup.fused_loss
 
 
 def _dense_mask(m: ModelFacts, setup: Setup) -> bool:
@@ -572,7 +573,17 @@ def _stack_activations(
     residual = _residual_bytes(cand.strategy, setup)
     autocast32, no_autocast = _autocast32(cand, setup), _no_autocast(cand, setup)
     return activation_bytes(
-        m, micro_batch, seq, setup.half, cand.checkpointing, residual, autocast32, dense, cross, no_autocast
+        m,
+        micro_batch,
+        seq,
+        setup.half,
+        cand.checkpointing,
+        residual,
+        autocast32,
+        dense,
+        cross,
+        no_autocast,
+        setup.fused_modules,
     )
 
 
@@ -631,7 +642,10 @@ def _rank_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: in
     first, last = 0 in ids, pipe.stages - 1 in ids
     held = sum(len(ranges[s]) for s in ids) * m.layer_params + first * st.embedding_params + last * st.head_params
     params, grads, optim = model_state_bytes(replace(m, num_params=held), PIPELINE, setup)
-    per_layer, outside, working = _layer_terms(m, micro_batch, seq, setup.half, setup.half, _dense_mask(m, setup))
+    dense = _dense_mask(m, setup)
+    per_layer, outside, working = _layer_terms(
+        m, micro_batch, seq, setup.half, setup.half, dense, fused_modules=setup.fused_modules
+    )
     hidden = _residual_bytes(PIPELINE, setup) * seq * micro_batch * m.hidden_size  # one micro-batch's hidden states
     largest = replace(m, num_layers=max(len(ranges[s]) for s in ids))
     saved, working = _stacked(largest, per_layer, outside if first or last else 0, working, cand.checkpointing, hidden)

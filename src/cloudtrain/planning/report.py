@@ -113,9 +113,10 @@ def render(plan: dict) -> str:
         "micro-batch that fits",
     ]
     if lm and s.get("fused_loss"):
+        kernel = "Liger's" if s["fused_loss"] == "liger" else "a chunked"
         lines.append(
-            "logits: a fused linear cross-entropy: the input's gradient, the head's fp32 weight gradient and one "
-            "chunk of logits at a time"
+            f"logits: {kernel} fused linear cross-entropy (--fused_cross_entropy): the input's and the head's "
+            "gradients and one chunk of logits at a time; the full logits under ZeRO-3, FSDP, TP and CP"
         )
     elif lm:
         lines.append(
@@ -123,6 +124,10 @@ def render(plan: dict) -> str:
             "logits with their fp32 copy and "
             "the cross-entropy's fp32 buffers), whatever the strategy or checkpointing; a pipeline's on its last "
             "stage, of every micro-batch under GPipe"
+        )
+    if s.get("fused_modules"):
+        lines.append(
+            "kernels: Liger's fused RMSNorm and SwiGLU keep less (--liger_kernels) in full fine-tuning without TP or CP"
         )
     if m["adapters"]:
         lines.append(_adapters_line(m["adapters"], m["num_params"], s["mixed_precision"]))

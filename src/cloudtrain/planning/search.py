@@ -8,11 +8,13 @@ from dataclasses import asdict, dataclass, replace
 
 from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, Config
 from cloudtrain.hardware import resolve_precision
+from cloudtrain.models.kernels import liger_auto_off, liger_available, liger_knows
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.planning.communication import context_cost, step_traffic, tensor_cost
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
+from cloudtrain.planning.kernels import loss_kernel
 from cloudtrain.planning.memory import (
     GIB,
     Estimate,
@@ -129,7 +131,7 @@ def no_tensor_parallel(m: ModelFacts, setup: Setup) -> str | None:
         return f"--tensor_parallel_size runs --task {', '.join(supported_tasks())} only"
     if setup.mixed_precision == "fp16":
         return "--tensor_parallel_size needs bf16 or fp32, not fp16"
-    if setup.fused_loss:
+    if setup.fused_loss_asked:
         return "--tensor_parallel_size refuses --fused_cross_entropy true (its LM head is split)"
     if setup.num_gpus < 2:
         return "tensor parallelism needs at least 2 GPUs on a node"
@@ -625,6 +627,14 @@ def run_attention(attention: str | None, packing: str, task: str, precision: str
     return "varlen" if rows == "bfd" and packed and precision != "no" else None
 
 
+def _liger_modules(cfg: Config, facts: ModelFacts) -> bool:
+    """Whether this run takes Liger's fused modules (cloudtrain.models.prepare.liger_modules), as the estimate
+    counts them: asked for, or auto where it would take them, on a machine where they run."""
+    choice = cfg.model.liger_kernels
+    wanted = choice is True or (choice == "auto" and liger_auto_off(cfg) is None)
+    return wanted and liger_available() and liger_knows(facts.model_type)
+
+
 def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:
     """The largest micro-batch the estimate fits into `memory` bytes per process for a training run's model,
     strategy, gradient checkpointing and adapters, at rows of `seq_len` tokens (0: none fits)."""
@@ -645,6 +655,7 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
         seq_len,
         cfg.training.mixed_precision,
         dense_mask=(attention or "sdpa") == "sdpa",
-        fused_loss=m.fused_cross_entropy == "true",
+        fused_loss=loss_kernel(m.fused_cross_entropy, liger_available()),
+        fused_modules=_liger_modules(cfg, facts),
     )
     return max_micro_batch(facts, candidate, setup)

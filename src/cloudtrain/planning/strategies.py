@@ -155,7 +155,9 @@ class Setup:
     nvme_memory_bytes: int | None = None  # per node, for ZeRO-Infinity's swap files; None: no NVMe disk given
     step_rows: int | None = None  # examples per GPU per optimizer step; None: unknown (as if accumulating)
     dense_mask: bool = True  # a decoder's packed rows under sdpa get a dense [b, 1, s, s] mask (False: varlen, flash)
-    fused_loss: bool = False  # a fused linear cross-entropy: the logits are never whole
+    fused_loss: str | bool | None = None  # a fused linear cross-entropy (liger, chunked): the logits never whole
+    fused_loss_asked: bool = False  # --fused_cross_entropy true: the run refuses rows that shard the LM head
+    fused_modules: bool = False  # Liger's fused RMSNorm, SwiGLU and RoPE (full fine-tuning, no TP or CP)
     target_length: int | None = None  # an encoder-decoder's target tokens (--max_target_length); max_length: source
 
     @property

@@ -1,0 +1,92 @@
+"""The planner's kernel options (cloudtrain.planning.kernels): which loss and modules a run takes, chosen as the run
+chooses them; Liger's fused loss by hand; where a fused loss or Liger's modules count, and where they do not (rows
+that shard or split the LM head, adapters, tensor-parallel rows); `plan` passing --liger_kernels on. The terms
+against GPU measurements: tests/test_planner_fsdp.py."""
+
+import pytest
+from test_planner import (
+    decoder_dirs_fixture,  # noqa: F401  (the decoder_dirs fixture)
+    plan_args,
+)
+from test_planner_fsdp import BY_KEY, measured_config
+
+from cloudtrain import planning
+from cloudtrain.planning import GIB, Candidate, Setup
+from cloudtrain.planning.kernels import loss_kernel, planned_kernels
+from cloudtrain.planning.search import no_tensor_parallel
+from cloudtrain.planning.strategies import TENSOR_PARALLEL
+
+B, S = 8, 2048
+
+
+@pytest.mark.parametrize(
+    "choice, liger, kernel",
+    [
+        ("auto", True, "liger"),
+        ("auto", False, None),  # auto fuses only where Liger Kernel runs, as the run does
+        ("true", True, "liger"),
+        ("true", False, "chunked"),
+        ("false", True, None),
+    ],
+)
+def test_the_loss_kernel_is_chosen_as_the_run_chooses_it(choice, liger, kernel):
+    assert loss_kernel(choice, liger) == kernel
+
+
+def test_without_liger_installed_the_plan_counts_the_models_own_modules():
+    assert planned_kernels("auto", "auto", "llama") == (None, False)
+    assert planned_kernels("true", True, "llama") == ("chunked", False)
+
+
+@pytest.fixture(name="facts")
+def facts_fixture(tmp_path):
+    return planning.model_facts(measured_config(tmp_path, "llama-1.04b"), task="causal_lm", from_config=True)
+
+
+def estimate(facts, key: str, peft: str = "none", gpus: int = 1, **kernels) -> planning.Estimate:
+    setup = Setup(gpus, 1, 80 * GIB, None, S, "bf16", step_rows=B, dense_mask=False, **kernels)
+    return planning.estimate(facts, Candidate(BY_KEY[key], False, peft), setup, B)
+
+
+def test_ligers_loss_by_hand(facts):
+    """bf16: the hidden states and the head cast to it, their gradients, one chunk of logits: 32000 / 2048 makes 16
+    chunks, 1024 rows each."""
+    h, V = 2048, 32000
+    assert facts.model_type == "llama"
+    assert estimate(facts, "ddp", fused_loss="liger").logits == 2 * 2 * (B * S + V) * h + 2 * 1024 * V
+    assert estimate(facts, "ddp").logits == B * S * V * 12
+
+
+@pytest.mark.parametrize("key", ["zero3", "fsdp", "fsdp_grad_op"])
+def test_rows_that_shard_the_head_count_the_full_logits(facts, key):
+    assert estimate(facts, key, gpus=2, fused_loss="liger").logits == estimate(facts, key, gpus=2).logits
+    assert estimate(facts, "zero2", gpus=2, fused_loss="liger").logits < estimate(facts, "zero2", gpus=2).logits
+
+
+def test_ligers_modules_count_in_full_fine_tuning_only(decoder_dirs):
+    facts = planning.model_facts(decoder_dirs["8b"], task="causal_lm")  # a checkpoint: adapter rows too
+    full = estimate(facts, "ddp", fused_modules=True).activations
+    assert full < estimate(facts, "ddp").activations
+    lora = estimate(facts, "ddp", peft="lora", fused_modules=True).activations
+    assert lora == estimate(facts, "ddp", peft="lora").activations  # auto leaves adapters to the model's modules
+    tensor = Candidate(TENSOR_PARALLEL, False, tensor_parallel=2)
+    setups = [Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_modules=on) for on in (True, False)]
+    split = [planning.estimate(facts, tensor, setup, B).activations for setup in setups]
+    assert split[0] == split[1]  # nor with the weights split (DTensors)
+
+
+def test_an_auto_fused_loss_keeps_the_tensor_parallel_rows(facts):
+    setup = Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_loss="liger")
+    assert no_tensor_parallel(facts, setup) is None
+    asked = Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_loss="liger", fused_loss_asked=True)
+    assert "refuses --fused_cross_entropy true" in no_tensor_parallel(facts, asked)
+
+
+def test_plan_passes_liger_kernels_on_to_the_launch_command(tmp_path):
+    options = dict(task="causal_lm", model_config=measured_config(tmp_path, "llama-600m"), max_length=512)
+    options |= dict(num_gpus=1, gpu_memory_gb=80)
+    plan = planning.make_plan(plan_args(None, tmp_path / "plan", liger_kernels="false", **options))
+    assert "--liger_kernels false" in plan["recommendation"]["command"]
+    assert plan["setup"]["fused_modules"] is False
+    plan = planning.make_plan(plan_args(None, tmp_path / "auto", **options))
+    assert "--liger_kernels" not in plan["recommendation"]["command"]  # auto: the run's own default
