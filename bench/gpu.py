@@ -9,8 +9,8 @@ Every variant trains `--steps` timed steps, then one profiler warm-up step and `
 steps, on the same rows (same tokens, so the losses after the same tokens compare):
 
 - `defaults`: the application (`build_run` + `fit`) at its defaults;
-- one variant per kernel option in OPTIONS (the application with that option on); a variant whose option
-  does not exist yet, or that the application refuses on this machine, is reported "refused: <its line>";
+- one variant per kernel option in OPTIONS (the application with that option changed from its default); a
+  variant whose option does not exist yet, or that the application refuses here, is reported "refused: <its line>";
 - `plain`: the floor, a plain PyTorch loop on the same HF model class, precision and optimizer, fed the same
   rows as full causal rows with no document mask (the cheapest attention: documents see each other);
 - `hf_trainer`: transformers.Trainer on the same model and rows, given position_ids (documents kept apart
@@ -20,7 +20,8 @@ Timed: tokens/s is the median over logging intervals after the first (warm-up), 
 tokens/s x FLOPs per token / the device's dense peak (cloudtrain.observe.flops; docs/benchmarks.md), with
 attention counted per document where documents are kept apart and per row for `plain`, whose attention
 spans rows. Peak memory is torch.cuda's over training. The profile summary comes from torch.profiler over
-the profiled steps. The planner (`plan`, run as a user runs it) is compared with the `defaults` peak.
+the profiled steps. Each variant's peak is compared with the planner's estimate for its options (`plan`, run as a
+user runs it: bench/gpu_report.py). Each variant's wall time, its start-up and its training loop are reported.
 
     python bench/gpu.py [--steps 50] [--budget_s 450] [--variants defaults,plain,...] [--out report.json]
     python bench/gpu.py --dry_run      # the same code path, tiny, on CPU
@@ -40,18 +41,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from gpu_report import GIB, attach_planner, compare, planner_estimates, render, write
+
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-ENTRY = REPO / "src" / "training_application.py"
-GIB = 2**30
-# Kernel options of the application, one variant each: name -> options on top of the defaults. A new option
-# is one line here; one the installed application does not have yet is reported as refused, not an error.
+STARTED = time.monotonic()  # a variant's process: its start-up is the time to its training loop
+# Kernel options of the application, one variant each: name -> options on top of the defaults (which on CUDA with
+# liger-kernel installed are varlen, Liger's fused loss and modules). A new option is one line here; one the
+# installed application does not have yet is reported as refused, not an error.
 OPTIONS = {
     "varlen": {"attn_implementation": "varlen"},
     "flash_attention_2": {"attn_implementation": "flash_attention_2"},
     "flex_attention": {"attn_implementation": "flex_attention"},
     "fused_cross_entropy": {"fused_cross_entropy": "true"},  # values as on the command line
-    "liger_kernels": {"liger_kernels": "true"},
+    "no_liger_kernels": {"liger_kernels": "false"},  # the model's own RMSNorm, SwiGLU and RoPE
     "compile_layers": {"torch_compile": "true", "compile_layers": "true"},
 }
 VARIANTS = ("defaults", *OPTIONS, "plain", "hf_trainer")
@@ -231,6 +234,7 @@ def run_cloudtrain(spec: dict) -> dict:
     run = build_run(cfg, callbacks=[profiler])
     _memory(reset=True)
     start = time.perf_counter()
+    startup_s = time.monotonic() - STARTED
     result = run.trainer.fit()
     fit_s, peak = time.perf_counter() - start, _memory()
     logged = [r for r in read_metrics(run.run_log.path) if "train/tokens_per_s" in r]
@@ -249,6 +253,7 @@ def run_cloudtrain(spec: dict) -> dict:
         "peak_memory": peak,
         "eval_loss": run.trainer.evaluate("validation")["loss"],
         "fit_s": fit_s,
+        "startup_s": startup_s,
         "profile": profiler.summary(),
         **_shape(run.model, rows, spec),
     }
@@ -361,7 +366,7 @@ def run_plain(spec: dict) -> dict:
     scaler = torch.amp.GradScaler(device.type, enabled=spec["mixed_precision"] == "fp16")
     profiler = StepProfiler(spec["steps"], spec["profile_steps"], cuda)
     _memory(reset=True)
-    start, step = time.perf_counter(), 0
+    start, step, startup_s = time.perf_counter(), 0, time.monotonic() - STARTED
     profiler.on_train_begin()
     while step < t.max_steps:
         for batch in loader:
@@ -383,10 +388,10 @@ def run_plain(spec: dict) -> dict:
                 break
     profiler.on_train_end()
     fit_s, peak = time.perf_counter() - start, _memory()
-    return _floor_result(spec, model, data, clock, profiler, fit_s, peak, per_document=False)
+    return _floor_result(spec, model, data, clock, profiler, (startup_s, fit_s), peak, per_document=False)
 
 
-def _floor_result(spec, model, data, clock, profiler, fit_s, peak, per_document: bool) -> dict:
+def _floor_result(spec, model, data, clock, profiler, times: tuple[float, float], peak, per_document: bool) -> dict:
     return {
         **measured(model, data.train, spec, per_document, clock.intervals),
         "attention": getattr(model.config, "_attn_implementation", None),
@@ -394,7 +399,8 @@ def _floor_result(spec, model, data, clock, profiler, fit_s, peak, per_document:
         "train_tokens": sum(clock.tokens),
         "peak_memory": peak,
         "eval_loss": _eval_loss(model, data, spec),
-        "fit_s": fit_s,
+        "startup_s": times[0],
+        "fit_s": times[1],
         "profile": profiler.summary(),
         **_shape(model, data.train, spec),
     }
@@ -449,11 +455,11 @@ def run_hf_trainer(spec: dict) -> dict:
     )
     trainer = Trainer(model=model, args=args, train_dataset=data.train, data_collator=collate, callbacks=[Timing()])
     _memory(reset=True)
-    start = time.perf_counter()
+    start, startup_s = time.perf_counter(), time.monotonic() - STARTED
     trainer.train()
     profiler.on_train_end()
     fit_s, peak = time.perf_counter() - start, _memory()
-    return _floor_result(spec, model, data, clock, profiler, fit_s, peak, per_document=True)
+    return _floor_result(spec, model, data, clock, profiler, (startup_s, fit_s), peak, per_document=True)
 
 
 RUNNERS = {"cloudtrain": run_cloudtrain, "plain": run_plain, "hf_trainer": run_hf_trainer}
@@ -491,6 +497,7 @@ def _one_main(spec_json: str, result_path: str) -> None:
 def run_one(spec: dict, timeout: float) -> dict:
     """One variant in a fresh interpreter; a failure is reported, not raised (the other variants still run)."""
     head = {"variant": spec["variant"], "runner": spec["runner"], "options": spec["options"]}
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         try:
@@ -509,126 +516,7 @@ def run_one(spec: dict, timeout: float) -> dict:
             error = result.with_suffix(".err")
             reason = error.read_text().strip() if error.is_file() else f"exit {proc.returncode}"
             return {**head, "status": "error", "error": reason}
-        return json.loads(result.read_text())
-
-
-# ---------------------------------------------------------------- the planner
-def planner_estimate(args: argparse.Namespace, tokenizer_dir: Path, gpu_memory_gb: float) -> dict:
-    """The planner's single-GPU DDP row for this run, through its command line; {"error": ...} when it
-    cannot plan a causal LM (yet)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [sys.executable, str(ENTRY), "plan", "--task", "causal_lm", "--model_config", args.preset]
-        command += ["--tokenizer_name_or_path", str(tokenizer_dir), "--num_gpus", "1"]
-        command += ["--gpu_memory_gb", f"{gpu_memory_gb:g}", "--per_device_train_batch_size", str(args.batch_size)]
-        command += ["--max_length", str(args.max_length), "--mixed_precision", args.mixed_precision]
-        command += ["--packing", args.packing]  # bfd plans the varlen kernel (no dense mask), as the defaults run
-        command += ["--json", "--output_dir", tmp]
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}  # the planner needs no GPU
-        proc = subprocess.run(command, capture_output=True, text=True, cwd=REPO, env=env, timeout=600)
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        return {"error": lines[-1][:300] if lines else f"exit {proc.returncode}"}
-    try:
-        plan = json.loads(proc.stdout)
-        checkpointing = args.gradient_checkpointing == "true"
-        row = next(
-            r for r in plan["strategies"] if r["strategy"] == "ddp" and r["gradient_checkpointing"] == checkpointing
-        )
-    except (ValueError, KeyError, StopIteration) as err:
-        return {"error": f"unexpected planner output ({type(err).__name__})"}
-    estimate = row["estimate"]
-    if plan["model"].get("vocab_size", 1) == 0 or plan["model"].get("task", "causal_lm") != "causal_lm":
-        return {"error": "the planner estimated a classification model, not the causal LM"}
-    parts = ("parameters", "gradients", "optimizer_states", "activations", "logits", "overhead")
-    return {
-        "total": estimate["total"],
-        "overhead": estimate["overhead"],
-        "without_overhead": estimate["total"] - estimate["overhead"],
-        "parts": {k: estimate.get(k, 0) for k in parts},
-        "parameters": plan["model"].get("num_params"),
-        "fits": row["fits"],
-    }
-
-
-# ---------------------------------------------------------------- report
-def compare(report: dict) -> None:
-    """Each run's tokens/s over the plain loop's, and peak memory over the defaults'."""
-    ok = {r["variant"]: r for r in report["runs"] if r.get("status") == "ok"}
-    plain, base = ok.get("plain"), next((r for r in report["runs"] if r.get("runner") == "cloudtrain"), None)
-    for r in ok.values():
-        r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"] if plain else None
-        base_peak = (base or {}).get("peak_memory") if base and base.get("status") == "ok" else None
-        mine = r.get("peak_memory")
-        r["memory_vs_defaults"] = mine["allocated"] / base_peak["allocated"] if mine and base_peak else None
-
-
-def _gib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / GIB:.2f}"
-
-
-def _pct(x: float | None) -> str:
-    return "n/a" if x is None else f"{x:.1%}"
-
-
-def render(report: dict) -> str:
-    a, plan = report["settings"], report["planner"]
-    peak = report.get("peak_flops")
-    lines = [
-        f"{a['preset']} (random weights), precision {a['mixed_precision']}, packing {a['packing']}, "
-        f"{a['batch_size']} rows x {a['max_length']} tokens per step, {a['steps']} timed steps, on {report['device']}",
-        f"corpus: {report['corpus']['train_documents']} Grimm paragraphs, tokenizer {report['corpus']['vocab_size']}"
-        f" tokens; MFU against {f'{peak / 1e12:.0f} TFLOP/s' if peak else report.get('peak_note') or 'no peak'}",
-        "",
-    ]
-    header = ("variant", "tokens/s", "vs plain", "MFU", "peak alloc GiB", "reserved GiB", "loss @ steps", "eval loss")
-    table = [header]
-    runs = report["runs"]
-    for r in (r for r in runs if r.get("status") == "ok"):
-        peak_mem = r.get("peak_memory") or {}
-        table.append(
-            (
-                r["variant"],
-                f"{r['tokens_per_s']:,.0f}",
-                "n/a" if r.get("vs_plain") is None else f"{r['vs_plain']:.2f}x",
-                _pct(r.get("mfu")),
-                _gib(peak_mem.get("allocated")),
-                _gib(peak_mem.get("reserved")),
-                "n/a" if r.get("loss_at_steps") is None else f"{r['loss_at_steps']:.3f}",
-                f"{r['eval_loss']:.3f}",
-            )
-        )
-    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
-    lines += [f"{r['variant']}: {r['error']}" for r in runs if r.get("status") != "ok"] + [""]
-    lines += _planner_lines(a, plan, runs) + [""]
-    from cloudtrain.observe.profile import summary_line
-
-    lines += [f"profile {r['variant']}: {summary_line(r['profile'])}" for r in runs if r.get("profile")]
-    return "\n".join(lines).rstrip()
-
-
-def _planner_lines(a: dict, plan: dict, runs: list[dict]) -> list[str]:
-    if "error" in plan:
-        return [f"planner estimate: n/a ({plan['error']})"]
-    parts = ", ".join(f"{k.replace('_', ' ')} {v / GIB:.2f}" for k, v in plan["parts"].items() if v)
-    lines = [
-        f"planner estimate (1 GPU, DDP row, checkpointing {a['gradient_checkpointing']}): "
-        f"{plan['total'] / GIB:.2f} GiB in all, {plan['without_overhead'] / GIB:.2f} GiB without "
-        f"its overhead term (CUDA context, DDP buckets, fragmentation) [{parts}]"
-    ]
-    for r in (r for r in runs if r.get("status") == "ok" and r.get("peak_memory")):
-        allocated = r["peak_memory"]["allocated"]
-        lines.append(
-            f"  {r['variant']}: measured peak allocated {allocated / GIB:.2f} GiB = "
-            f"{allocated / plan['without_overhead']:.0%} of the estimate without overhead"
-        )
-    return lines
-
-
-def write(report: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    out.with_suffix(".md").write_text("# bench/gpu.py\n\n```\n" + render(report) + "\n```\n")
+        return json.loads(result.read_text()) | {"wall_s": time.monotonic() - started}
 
 
 def shared_spec(args: argparse.Namespace, corpus) -> dict:
@@ -677,9 +565,10 @@ def main(argv: list[str] | None = None) -> int:
             write(report, out)  # after every variant: a run cut short still leaves what it measured
     done = [r for r in report["runs"] if r.get("status") == "ok"]
     memory = report.get("device_memory") or 80 * GIB
-    report["planner"] = (
-        planner_estimate(args, corpus.tokenizer_dir, memory / GIB) if done else {"error": "no variant ran"}
-    )
+    if done:
+        attach_planner(report, planner_estimates(args, done, corpus.tokenizer_dir, memory / GIB))
+    else:
+        report["planner"] = {"error": "no variant ran"}
     report["seconds"] = time.monotonic() - started
     write(report, out)
     print(render(report))

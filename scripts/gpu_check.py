@@ -197,7 +197,7 @@ def bench_command(args: argparse.Namespace, out: Path) -> list[str]:
 
 def bench_rows(bench: dict) -> list[dict]:
     """One row per run (variant) of bench/gpu.py's JSON: tokens/s, MFU, peak memory and the planner's
-    estimate (its total, and without its overhead term: what the allocator's peak is compared with);
+    estimate for its options (its total, and without its overhead term: what the allocator's peak is compared with);
     {name, error} for a run that was refused, failed or skipped."""
     plan = bench.get("planner") or {}
     rows = []
@@ -208,15 +208,15 @@ def bench_rows(bench: dict) -> list[dict]:
             error = run.get("error") or ""
             rows.append({"name": name, "error": error if error.startswith(status) else f"{status}: {error}"})
             continue
-        peak = run.get("peak_memory") or {}
+        peak, own = run.get("peak_memory") or {}, run.get("planner") or plan  # its own options' estimate
         row = {
             "name": name,
             "tokens_per_s": run.get("tokens_per_s"),
             "mfu": run.get("mfu"),
             "peak_allocated": peak.get("allocated"),
             "peak_reserved": peak.get("reserved"),
-            "planner_total": plan.get("total"),
-            "planner_without_overhead": plan.get("without_overhead"),
+            "planner_total": own.get("total"),
+            "planner_without_overhead": own.get("without_overhead"),
         }
         if row["peak_allocated"] and row["planner_without_overhead"]:
             row["allocated_vs_planner"] = row["peak_allocated"] / row["planner_without_overhead"]

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import gpu
+import gpu_report
 import pytest
 from conftest import write_tab
 
@@ -102,6 +103,35 @@ def test_the_report_compares_with_the_plain_loop_and_the_planner():
     assert "defaults: measured peak allocated 30.00 GiB = 83% of the estimate without overhead" in gpu.render(report)
 
 
+def test_each_variant_is_planned_with_its_own_options():
+    runs = {r["variant"]: r for r in gpu.variants(gpu.parse_args([]))}
+    planned = {name: gpu_report.planner_options(run) for name, run in runs.items()}
+    assert planned["defaults"] == {} and planned["flex_attention"] == {"attn_implementation": "flex_attention"}
+    assert planned["no_liger_kernels"] == planned["compile_layers"] == {"liger_kernels": "false"}  # auto: off compiled
+    assert planned["plain"] == {
+        "attn_implementation": "varlen",
+        "fused_cross_entropy": "false",
+        "liger_kernels": "false",
+    }
+    assert planned["hf_trainer"]["attn_implementation"] == "sdpa"
+    ok = [fake_run(name, runs[name]["runner"], 5e4, 30) | {"options": runs[name]["options"]} for name in runs]
+    estimates = {
+        json.dumps(options, sort_keys=True): {"options": options, "without_overhead": (30 + len(options)) * GIB}
+        for options in planned.values()
+    }
+    report = {"runs": ok}
+    gpu_report.attach_planner(report, estimates)
+    assert report["planner"]["options"] == {}  # the defaults' estimate heads the report
+    mine = {r["variant"]: r["planner"]["without_overhead"] / GIB for r in report["runs"]}
+    assert mine["defaults"] == 30 and mine["no_liger_kernels"] == 31 and mine["plain"] == 33
+    report["planner"] |= {"total": 31 * GIB, "overhead": GIB, "parts": {}}
+    lines = gpu_report._planner_lines({"gradient_checkpointing": "false"}, report["planner"], report["runs"])
+    assert (
+        "  no_liger_kernels: measured peak allocated 30.00 GiB = 97% of the estimate without overhead (31.00 GiB, "
+        "planned with --liger_kernels false)" in lines
+    )
+
+
 def test_a_spent_budget_skips_the_variants_and_says_so(tab, tmp_path):
     out = tmp_path / "gpu.json"
     code = gpu.main(["--dry_run", "--tab", str(tab), "--out", str(out), "--budget_s", "1"])
@@ -147,6 +177,8 @@ def test_dry_run_runs_every_variant_through_the_same_code_path_on_cpu(tab, tmp_p
         run = runs[name]
         assert run["status"] == "ok", run
         assert run["tokens_per_s"] > 0 and run["mfu"] is None and run["peak_memory"] is None
+        assert run["wall_s"] > run["fit_s"] > 0 and run["wall_s"] > run["startup_s"] > 0
+        assert "error" in run["planner"] or run["planner"]["without_overhead"] > 0
         assert run["steps"] == 3 + 1 + 1 and run["eval_loss"] > 0 and run["flops_per_token"] > 0
         assert run["profile"]["steps"] == 1 and run["profile"]["shares"]["matmul"] > 0
         assert sum(run["profile"]["shares"].values()) == pytest.approx(1.0)
