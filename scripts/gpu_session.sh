@@ -9,8 +9,8 @@
 #   tier   scripts/gpu_check.py: versions and device, the gpu tier, bench/gpu.py's defaults for 40 steps
 #          (issue 29's checks; meant to take under 8 minutes on one H100). TIER_S, WORKERS, CHECK_BENCH_S and
 #          CHECK_VARIANTS (bench/gpu.py's --variants) size it to the device time left
-#   bench  bench/gpu.py, every variant (or BENCH_VARIANTS) on the 515M preset and then the 1.04B shape, within
-#          BENCH_S seconds (BENCH_VARIANTS_1B: other variants for the 1.04B shape; BENCH_STEPS: timed steps)
+#   bench  bench/gpu.py on the 515M preset and then the 1.04B shape, within BENCH_S seconds: the variants that
+#          say most first (BENCH_VARIANTS, BENCH_VARIANTS_1B: others; "all": every one; BENCH_STEPS: timed steps)
 #          (issue 30's figures and issue 29's planner comparison)
 #   all    both, in that order
 #
@@ -23,6 +23,9 @@ STAGE=${1:-all}
 RESULTS=${OUT:-}
 OUT=outputs/gpu-session
 BENCH_S=${BENCH_S:-420}
+# the defaults against the floor, then what each default choice is worth, then the options not yet measured
+BENCH_VARIANTS=${BENCH_VARIANTS:-defaults,plain,no_liger_kernels,hf_trainer,compile_layers,flex_attention}
+BENCH_VARIANTS_1B=${BENCH_VARIANTS_1B:-defaults,plain,no_liger_kernels}
 [ -f data/grimm/grimm-tales.tab ] || { echo "error: no data/grimm/grimm-tales.tab (bench/gpu.py's corpus; that" \
   "machine cannot download it): run python bench/lm_corpus.py here and carry data/grimm"; exit 2; }
 rm -rf "$OUT"; mkdir -p "$OUT"
@@ -59,7 +62,7 @@ if [ "$STAGE" = bench ] || [ "$STAGE" = all ]; then
   # each variant's figures are written as it ends, straight to $OUT where it is set: a cut run keeps them
   BENCH_OUT=${RESULTS:-$OUT}
   bench=(--steps "${BENCH_STEPS:-50}" --budget_s "$half")
-  timeout $((half + 60)) "$PY" bench/gpu.py "${bench[@]}" --variants "${BENCH_VARIANTS:-all}" \
+  timeout $((half + 60)) "$PY" bench/gpu.py "${bench[@]}" --variants "$BENCH_VARIANTS" \
     --out "$BENCH_OUT/gpu-600m.json" >"$OUT/bench-600m.log" 2>&1 || status=1
   # the 1.04B Llama shape of issues 29 and 30 (hidden 2048, 16 layers, 32 heads, 8 KV heads, 8192 MLP, a
   # 32,000-token vocabulary: a config.json keeps its own), as tests/test_planner_fsdp.py fits it
@@ -68,7 +71,7 @@ c.update(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key
          intermediate_size=8192, vocab_size=32000)
 json.dump(c, open(sys.argv[1], "w"))' /tmp/llama-1.04b.json
   timeout $((half + 60)) "$PY" bench/gpu.py --preset /tmp/llama-1.04b.json "${bench[@]}" \
-    --variants "${BENCH_VARIANTS_1B:-${BENCH_VARIANTS:-all}}" --out "$BENCH_OUT/gpu-1b.json" \
+    --variants "$BENCH_VARIANTS_1B" --out "$BENCH_OUT/gpu-1b.json" \
     >"$OUT/bench-1b.log" 2>&1 || status=1
   tail -n 30 "$OUT/bench-600m.log" "$OUT/bench-1b.log"
 fi
