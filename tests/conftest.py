@@ -182,6 +182,19 @@ def fresh_accelerator_state():
     GradientState._reset_state()
 
 
+@pytest.fixture(autouse=True)
+def planned_without_liger(request, monkeypatch):
+    """The planner's tests plan as on a machine without liger-kernel (the [liger] extra and the GPU wheelhouse
+    install it): their bytes are the model's own modules' and the full logits'. A test that plans with Liger's
+    patches cloudtrain.planning.kernels itself."""
+    if request.node.module.__name__.startswith("test_planner"):
+        from cloudtrain.planning import kernels, search
+
+        monkeypatch.setattr(kernels, "liger_installed", lambda: False)
+        monkeypatch.setattr(search, "liger_available", lambda: False)
+    yield
+
+
 @pytest.fixture(scope="session")
 def minilm_dir() -> str:
     from cloudtrain.assets import default_model_dir

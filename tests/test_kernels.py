@@ -166,6 +166,19 @@ def test_liger_modules_are_refused_in_one_line_where_they_cannot_run(tiny_llama_
         assert [m.forward for m in model.modules()] == forwards
 
 
+def test_a_model_without_a_transformers_config_keeps_its_modules_under_auto(monkeypatch):
+    """Where Liger could run (CUDA and the package, faked here), a module of one's own or a diffusion model: auto
+    leaves it as it is, true refuses in one line."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(kernels, "_liger", lambda: len)
+    module = torch.nn.Linear(2, 2)
+    assert kernels.liger_modules_error(module).startswith("Linear is not a transformers model with a model type")
+    cfg = build_config({"task": "causal_lm"})
+    assert prepare.liger_modules(module, cfg, None, False) is module
+    with pytest.raises(UserError, match="--liger_kernels true: Linear is not a transformers model"):
+        prepare.liger_modules(module, build_config({"task": "causal_lm", "liger_kernels": "true"}), None, False)
+
+
 @pytest.mark.parametrize(
     "options, reason",
     [
@@ -173,8 +186,8 @@ def test_liger_modules_are_refused_in_one_line_where_they_cannot_run(tiny_llama_
         ({"fsdp": True, "zero_stage": 0}, None),
         ({"peft": "lora"}, "adapters"),
         ({"torch_compile": True}, "--torch_compile"),
-        ({"tensor_parallel_size": 2}, "tensor and context parallelism"),
-        ({"context_parallel_size": 2}, "tensor and context parallelism"),
+        ({"tensor_parallel_size": 2}, "tensor parallelism"),
+        ({"context_parallel_size": 2}, "context parallelism"),
     ],
 )
 def test_liger_auto_is_on_for_full_fine_tuning_and_says_why_not_elsewhere(options, reason):

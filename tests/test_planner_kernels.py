@@ -11,8 +11,9 @@ from test_planner import (
 from test_planner_fsdp import BY_KEY, measured_config
 
 from cloudtrain import planning
-from cloudtrain.planning import GIB, Candidate, Setup
+from cloudtrain.planning import GIB, Candidate, Setup, kernels
 from cloudtrain.planning.kernels import loss_kernel, planned_kernels
+from cloudtrain.planning.memory import rank_estimates
 from cloudtrain.planning.search import no_tensor_parallel
 from cloudtrain.planning.strategies import TENSOR_PARALLEL
 
@@ -33,9 +34,18 @@ def test_the_loss_kernel_is_chosen_as_the_run_chooses_it(choice, liger, kernel):
     assert loss_kernel(choice, liger) == kernel
 
 
-def test_without_liger_installed_the_plan_counts_the_models_own_modules():
-    assert planned_kernels("auto", "auto", "llama") == (None, False)
-    assert planned_kernels("true", True, "llama") == ("chunked", False)
+def test_the_plan_takes_ligers_kernels_where_it_is_installed_and_the_task_can_use_them(monkeypatch):
+    causal, dpo = (planning.task_for(name) for name in ("causal_lm", "dpo"))
+    assert planned_kernels("auto", "auto", "llama", causal) == (None, False)  # not installed (conftest)
+    assert planned_kernels("true", True, "llama", causal) == ("chunked", False)
+    monkeypatch.setattr(kernels, "liger_installed", lambda: True)
+    monkeypatch.setattr(kernels, "liger_knows", lambda model_type: model_type == "llama")
+    assert planned_kernels("auto", "auto", "llama", causal) == ("liger", True)
+    assert planned_kernels("auto", "auto", "gpt2", causal) == ("liger", False)  # a family Liger has no modules for
+    assert planned_kernels("auto", False, "llama", causal) == ("liger", False)
+    assert planned_kernels("auto", "auto", "llama", dpo) == (None, True)  # DPO's loss is its own
+    seq2seq = planning.task_for("seq2seq")
+    assert planned_kernels("true", "auto", "t5", seq2seq) == (None, False)
 
 
 @pytest.fixture(name="facts")
@@ -61,6 +71,14 @@ def test_ligers_loss_by_hand(facts):
 def test_rows_that_shard_the_head_count_the_full_logits(facts, key):
     assert estimate(facts, key, gpus=2, fused_loss="liger").logits == estimate(facts, key, gpus=2).logits
     assert estimate(facts, "zero2", gpus=2, fused_loss="liger").logits < estimate(facts, "zero2", gpus=2).logits
+
+
+def test_a_pipelines_loss_holds_the_full_logits(decoder_dirs):
+    facts = planning.model_facts(decoder_dirs["8b"], task="causal_lm")
+    pipe = Candidate(planning.PIPELINE, False, pipeline=planning.Pipeline(2, "1f1b", 4, rows=4))
+    setups = [Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_loss=loss) for loss in ("liger", None)]
+    fused, full = (rank_estimates(facts, pipe, setup, 2)[-1].logits for setup in setups)  # the last stage's
+    assert fused == full == planning.logits_bytes(facts, 2, S, True) > 0
 
 
 def test_ligers_modules_count_in_full_fine_tuning_only(decoder_dirs):

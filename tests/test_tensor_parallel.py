@@ -234,6 +234,7 @@ def test_every_refusal_is_one_line(tmp_path, corpus, chats, tiny_llama_dir, tiny
         "an accelerate FSDP config": (2, {**base, "env:ACCELERATE_USE_FSDP": "true"}, "not through an accelerate FSDP"),
         "adapters": (2, {**base, "peft": "lora"}, "does not combine with --peft"),
         "fused loss": (2, {**base, "fused_cross_entropy": "true"}, "does not combine with --fused_cross_entropy true"),
+        "liger": (2, {**base, "liger_kernels": "true"}, "does not combine with --liger_kernels true"),
         "fsdp options": (
             2,
             {**base, "fsdp": "true", "fsdp_cpu_offload": "true"},

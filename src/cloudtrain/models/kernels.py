@@ -70,8 +70,10 @@ def liger_knows(model_type: str | None) -> bool:
     """Whether Liger Kernel, installed here, has fused decoder modules for `model_type` models."""
     if _liger() is None:
         return False
-    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
-
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:  # a liger-kernel made for another transformers: no modules it can patch
+        return False
     return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
@@ -217,7 +219,10 @@ def liger_modules_error(model: Any) -> str | None:
         return "Liger Kernel's triton kernels need a CUDA GPU"
     if _liger() is None:
         return "the liger-kernel package is not installed (pip install liger-kernel)"
-    model_type = getattr(model.config, "model_type", None)
+    config = getattr(model, "config", None)
+    if config is None:  # not a transformers model (a diffusion pipeline, a module of one's own)
+        return f"{type(model).__name__} is not a transformers model with a model type Liger Kernel knows"
+    model_type = getattr(config, "model_type", None)
     if not liger_knows(model_type):
         return f"Liger Kernel has no fused modules for {model_type!r} models"
     return None
@@ -227,8 +232,10 @@ def liger_auto_off(cfg: Any) -> str | None:
     """Why --liger_kernels auto leaves Liger's modules off for these options, or None. They were measured faster
     for full fine-tuning on an H100 (docs/benchmarks.md); adapters and compiled models are not measured yet."""
     d = cfg.distributed
-    if d.tensor_parallel_size > 1 or d.context_parallel_size > 1:
-        return "tensor and context parallelism hold the weights as DTensors, which Liger's kernels do not take"
+    if d.tensor_parallel_size > 1:
+        return "tensor parallelism: its weights and activations are DTensors (refused with true)"
+    if d.context_parallel_size > 1:
+        return "context parallelism: not measured yet"
     if cfg.model.peft != "none":
         return "adapters: not measured yet"
     if cfg.training.torch_compile:

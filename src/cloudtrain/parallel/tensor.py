@@ -79,6 +79,11 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
             cfg.model.fused_cross_entropy == "true",
             "does not combine with --fused_cross_entropy true (the LM head is split); use false or auto",
         ),
+        (
+            cfg.model.liger_kernels is True,
+            "does not combine with --liger_kernels true (its kernels are not tested on DTensor weights and "
+            "activations); use false or auto",
+        ),
         (t.mixed_precision == "fp16", "needs --mixed_precision bf16 or no (fp16's loss scaler is not wired here)"),
         (
             bool(cfg.model.model_config),

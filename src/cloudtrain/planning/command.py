@@ -198,7 +198,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     )
     requested, global_batch = _batch(args, setup.world_size)
     # a step of one micro-batch holds no gradients; the GPU runs Liger Kernel's auto choices if it is installed
-    loss, modules = planned_kernels(args.fused_cross_entropy, args.liger_kernels, m.model_type)
+    loss, modules = planned_kernels(args.fused_cross_entropy, args.liger_kernels, m.model_type, run_task)
     setup = replace(
         setup,
         step_rows=global_batch // setup.world_size,

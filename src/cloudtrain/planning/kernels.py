@@ -3,6 +3,7 @@ the loss (`--fused_cross_entropy`: the full logits, Liger's fused linear cross-e
 Liger's fused decoder modules (`--liger_kernels`). The formulas and their measurements: docs/planner-formulas.md."""
 
 import math
+from typing import Any
 
 from cloudtrain.models.kernels import CHUNK_ROWS, liger_installed, liger_knows
 from cloudtrain.planning.facts import ModelFacts
@@ -10,20 +11,29 @@ from cloudtrain.planning.facts import ModelFacts
 FUSED_CHUNK_TOKENS = CHUNK_ROWS  # tokens whose logits the chunked linear cross-entropy holds at once
 
 
-def loss_kernel(choice: str, liger: bool) -> str | None:
+def fuses_loss(task: Any) -> bool:
+    """Whether the task's training loss can be a fused one (`use_loss_kernel`: causal LM and SFT; DPO keeps its
+    own loss, sequence-to-sequence and classification have no such loss)."""
+    setter = getattr(task, "use_loss_kernel", None)
+    return bool(setter and setter(None))
+
+
+def loss_kernel(choice: str, liger: bool, fuses: bool = True) -> str | None:
     """The loss --fused_cross_entropy `choice` runs: "liger", "chunked", or None (the full logits). auto fuses it
-    where Liger Kernel runs (`liger`), as the run does; true takes the chunked one elsewhere."""
-    if choice == "false" or (choice == "auto" and not liger):
+    where Liger Kernel runs (`liger`), as the run does; true takes the chunked one elsewhere; none where the task's
+    loss is not one that fuses (`fuses`)."""
+    if not fuses or choice == "false" or (choice == "auto" and not liger):
         return None
     return "liger" if liger else "chunked"
 
 
-def planned_kernels(fused_choice: str, liger_choice: bool | str, model_type: str | None) -> tuple[str | None, bool]:
+def planned_kernels(fused_choice: str, liger_choice: bool | str, model_type: str | None, task: Any) -> tuple:
     """(the loss kernel, whether Liger's fused modules run) for a GPU where Liger Kernel runs if it is installed
-    here. The modules count only where the run's auto would take them (cloudtrain.models.prepare.liger_auto_off:
+    here. The modules count only where the run's auto would take them (cloudtrain.models.kernels.liger_auto_off:
     full fine-tuning, no tensor or context parallelism); elsewhere the estimate keeps the model's own modules."""
     liger = liger_installed()
-    return loss_kernel(fused_choice, liger), liger_choice is not False and liger_knows(model_type)
+    modules = liger and liger_choice is not False and liger_knows(model_type)
+    return loss_kernel(fused_choice, liger, fuses_loss(task)), modules
 
 
 def logits_bytes(

@@ -514,8 +514,9 @@ def _released_gradients(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
 
 
 def _loss_kernel(cand: Candidate, setup: Setup) -> str | bool | None:
-    """The fused loss of this row: none where the LM head's weight is sharded or split (ZeRO-3, FSDP, tensor or
-    context parallelism), as the run refuses or leaves it there (cloudtrain.models.prepare._fused_misfit)."""
+    """The fused loss of this row: none where the LM head's weight is sharded or split (ZeRO-3, FSDP, tensor
+    parallelism; the planner's context-parallel rows use FSDP), as the run refuses or leaves it there
+    (cloudtrain.models.prepare._fused_misfit). A pipeline's loss takes the full logits (`_rank_estimate`)."""
     s = cand.strategy
     return None if s.zero_stage == 3 or s.fsdp or cand.model_parallel > 1 else setup.fused_loss
 
@@ -651,7 +652,7 @@ def _rank_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: in
     saved, working = _stacked(largest, per_layer, outside if first or last else 0, working, cand.checkpointing, hidden)
     activations = pipe.in_flight(rank) * saved + working
     kept = pipe.microbatches if pipe.schedule == "gpipe" else 1  # micro-batches whose loss awaits its backward
-    logits = last * kept * logits_bytes(m, micro_batch, seq, setup.half, setup.fused_loss)
+    logits = last * kept * logits_bytes(m, micro_batch, seq, setup.half)  # its loss: the full logits
     receives = pipe.microbatches * hidden * sum((s > 0) + (s < pipe.stages - 1) for s in ids)
     # the gradients all-reduced across the data-parallel pipelines, as one flat copy
     flat = 4 * held if cand.mesh(setup).data_parallel > 1 else 0

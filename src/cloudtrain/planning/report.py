@@ -116,7 +116,7 @@ def render(plan: dict) -> str:
         kernel = "Liger's" if s["fused_loss"] == "liger" else "a chunked"
         lines.append(
             f"logits: {kernel} fused linear cross-entropy (--fused_cross_entropy): the input's and the head's "
-            "gradients and one chunk of logits at a time; the full logits under ZeRO-3, FSDP, TP and CP"
+            "gradients and one chunk of logits at a time; the full logits under ZeRO-3, FSDP, TP, CP and pipelines"
         )
     elif lm:
         lines.append(

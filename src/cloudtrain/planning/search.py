@@ -14,7 +14,7 @@ from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.planning.communication import context_cost, step_traffic, tensor_cost
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
-from cloudtrain.planning.kernels import loss_kernel
+from cloudtrain.planning.kernels import fuses_loss, loss_kernel
 from cloudtrain.planning.memory import (
     GIB,
     Estimate,
@@ -655,7 +655,7 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
         seq_len,
         cfg.training.mixed_precision,
         dense_mask=(attention or "sdpa") == "sdpa",
-        fused_loss=loss_kernel(m.fused_cross_entropy, liger_available()),
+        fused_loss=loss_kernel(m.fused_cross_entropy, liger_available(), fuses_loss(TASKS[cfg.training.task](cfg))),
         fused_modules=_liger_modules(cfg, facts),
     )
     return max_micro_batch(facts, candidate, setup)
