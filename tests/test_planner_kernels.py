@@ -11,6 +11,7 @@ from test_planner import (
 from test_planner_fsdp import BY_KEY, measured_config
 
 from cloudtrain import planning
+from cloudtrain.errors import UserError
 from cloudtrain.planning import GIB, Candidate, Setup, kernels
 from cloudtrain.planning.kernels import loss_kernel, planned_kernels
 from cloudtrain.planning.memory import rank_estimates
@@ -108,3 +109,14 @@ def test_plan_passes_liger_kernels_on_to_the_launch_command(tmp_path):
     assert plan["setup"]["fused_modules"] is False
     plan = planning.make_plan(plan_args(None, tmp_path / "auto", **options))
     assert "--liger_kernels" not in plan["recommendation"]["command"]  # auto: the run's own default
+
+
+def test_a_fused_loss_asked_for_drops_the_rows_the_run_refuses(tmp_path):
+    options = dict(task="causal_lm", model_config=measured_config(tmp_path, "llama-600m"), max_length=512)
+    options |= dict(num_gpus=2, gpu_memory_gb=80, fused_cross_entropy="true")
+    plan = planning.make_plan(plan_args(None, tmp_path / "plan", **options))
+    keys = {r["strategy"] for r in plan["strategies"]}
+    assert {"ddp", "zero1", "zero2"} <= keys and not keys & {"zero3", "fsdp", "fsdp_grad_op", "cp_fsdp"}
+    assert "no ZeRO-3 or FSDP rows: --fused_cross_entropy true refuses them" in plan["notes"]
+    with pytest.raises(UserError, match="--strategy fsdp: the run refuses it: --fused_cross_entropy true reads"):
+        planning.make_plan(plan_args(None, tmp_path / "fsdp", strategy="fsdp", **options))

@@ -35,7 +35,7 @@ from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
 from cloudtrain.planning.diffusion import plan as pipeline_plan
 from cloudtrain.planning.diffusion import render as render_pipeline
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, is_decoder, model_config_refusal, model_facts
-from cloudtrain.planning.kernels import planned_kernels
+from cloudtrain.planning.kernels import planned_kernels, shards_head
 from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
 from cloudtrain.planning.report import choice_json, recommendation_json, render, row_json
@@ -117,6 +117,13 @@ def runnable(m: ModelFacts, task: Task, cfg: Config, c: Candidate) -> bool:
     if m.model_copy and c.peft == "none" and c.model_parallel > 1:
         return False  # the tensor- and context-parallel estimates do not count the frozen copy: no rows, not wrong ones
     return sharding_refusal(task, cfg, c) is None
+
+
+def _fused_refusal(setup: Setup, c: Candidate) -> str | None:
+    """The run's refusal of --fused_cross_entropy true on a row that shards the LM head (ZeRO-3, FSDP)."""
+    if setup.fused_loss_asked and shards_head(c):
+        return "--fused_cross_entropy true reads the LM head's weight whole, which ZeRO-3 and FSDP shard; use auto"
+    return None
 
 
 def _distinct(c: Candidate, setup: Setup) -> bool:
@@ -216,9 +223,9 @@ def make_plan(args: argparse.Namespace) -> dict:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
     splits = tensor_candidates(m, setup) + context_candidates(m, setup)
     every = [c for c in candidates(adapters, pipes, splits) if _distinct(c, setup)]
-    cands = [c for c in every if runnable(m, run_task, task_cfg, c)]
+    cands = [c for c in every if runnable(m, run_task, task_cfg, c) and not _fused_refusal(setup, c)]
     asked = [c for c in every if c.strategy.key == args.strategy and args.peft in ("auto", c.peft)]
-    refused = [why for c in asked if (why := sharding_refusal(run_task, task_cfg, c))]
+    refused = [why for c in asked if (why := _fused_refusal(setup, c) or sharding_refusal(run_task, task_cfg, c))]
     if asked and len(refused) == len(asked):  # the run refuses every row asked for: its own line
         raise UserError(f"--strategy {args.strategy}: the run refuses it: {refused[0]}")
     if args.strategy not in ("auto", PIPELINE.key) and not any(c.strategy.key == args.strategy for c in cands):
@@ -251,6 +258,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         "notes": _unused_notes(args)
         + _notes(m, setup, args.mixed_precision)
         + _split_notes(m, setup)
+        + (["no ZeRO-3 or FSDP rows: --fused_cross_entropy true refuses them"] if setup.fused_loss_asked else [])
         + _hardware_notes(name, args, gpu)
         + _attention_note(m, args),
     }

@@ -7,6 +7,7 @@ from typing import Any
 
 from cloudtrain.models.kernels import CHUNK_ROWS, liger_installed, liger_knows
 from cloudtrain.planning.facts import ModelFacts
+from cloudtrain.planning.strategies import Candidate
 
 FUSED_CHUNK_TOKENS = CHUNK_ROWS  # tokens whose logits the chunked linear cross-entropy holds at once
 
@@ -34,6 +35,13 @@ def planned_kernels(fused_choice: str, liger_choice: bool | str, model_type: str
     liger = liger_installed()
     modules = liger and liger_choice is not False and liger_knows(model_type)
     return loss_kernel(fused_choice, liger, fuses_loss(task)), modules
+
+
+def shards_head(cand: Candidate) -> bool:
+    """Whether the row shards or splits the LM head's weight where a fused loss would read it whole (ZeRO-3, FSDP,
+    tensor parallelism; the plan's context-parallel rows use FSDP): the run refuses --fused_cross_entropy true
+    there and auto leaves it off (cloudtrain.models.prepare._fused_misfit)."""
+    return cand.strategy.zero_stage == 3 or cand.strategy.fsdp or cand.model_parallel > 1
 
 
 def logits_bytes(

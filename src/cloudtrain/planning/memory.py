@@ -5,7 +5,7 @@ from dataclasses import dataclass, replace
 
 from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.planning.facts import ModelFacts
-from cloudtrain.planning.kernels import logits_bytes
+from cloudtrain.planning.kernels import logits_bytes, shards_head
 from cloudtrain.planning.strategies import PIPELINE, Candidate, Setup, Strategy
 
 GIB = 2**30
@@ -514,11 +514,9 @@ def _released_gradients(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
 
 
 def _loss_kernel(cand: Candidate, setup: Setup) -> str | bool | None:
-    """The fused loss of this row: none where the LM head's weight is sharded or split (ZeRO-3, FSDP, tensor
-    parallelism; the planner's context-parallel rows use FSDP), as the run refuses or leaves it there
-    (cloudtrain.models.prepare._fused_misfit). A pipeline's loss takes the full logits (`_rank_estimate`)."""
-    s = cand.strategy
-    return None if s.zero_stage == 3 or s.fsdp or cand.model_parallel > 1 else setup.fused_loss
+    """The fused loss of this row: none where the LM head's weight is sharded (`shards_head`). A pipeline's loss
+    takes the full logits (`_rank_estimate`)."""
+    return None if shards_head(cand) else setup.fused_loss
 
 
 def _dense_mask(m: ModelFacts, setup: Setup) -> bool:
