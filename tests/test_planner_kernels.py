@@ -45,6 +45,10 @@ def test_the_plan_takes_ligers_kernels_where_it_is_installed_and_the_task_can_us
     assert planned_kernels("auto", "auto", "gpt2", causal) == ("liger", False)  # a family Liger has no modules for
     assert planned_kernels("auto", False, "llama", causal) == ("liger", False)
     assert planned_kernels("auto", "auto", "llama", dpo) == (None, True)  # DPO's loss is its own
+    # in a run (batch size auto): where Liger runs there, and the run's own reason for auto to leave them off
+    assert planned_kernels("auto", "auto", "llama", causal, liger=False) == (None, False)
+    assert planned_kernels("auto", "auto", "llama", causal, auto_off="adapters: ...") == ("liger", False)
+    assert planned_kernels("auto", True, "llama", causal, auto_off="adapters: ...") == ("liger", True)
     seq2seq = planning.task_for("seq2seq")
     assert planned_kernels("true", "auto", "t5", seq2seq) == (None, False)
 

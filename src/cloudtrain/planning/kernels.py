@@ -28,13 +28,21 @@ def loss_kernel(choice: str, liger: bool, fuses: bool = True) -> str | None:
     return "liger" if liger else "chunked"
 
 
-def planned_kernels(fused_choice: str, liger_choice: bool | str, model_type: str | None, task: Any) -> tuple:
-    """(the loss kernel, whether Liger's fused modules run) for a GPU where Liger Kernel runs if it is installed
-    here. The modules count only where the run's auto would take them (cloudtrain.models.kernels.liger_auto_off:
-    full fine-tuning, no tensor or context parallelism); elsewhere the estimate keeps the model's own modules."""
-    liger = liger_installed()
-    modules = liger and liger_choice is not False and liger_knows(model_type)
-    return loss_kernel(fused_choice, liger, fuses_loss(task)), modules
+def planned_kernels(
+    fused_choice: str,
+    liger_choice: bool | str,
+    model_type: str | None,
+    task: Any,
+    liger: bool | None = None,
+    auto_off: str | None = None,
+) -> tuple[str | None, bool]:
+    """(the loss kernel, whether Liger's fused modules run), chosen as the run chooses them where Liger Kernel runs
+    (`liger`; None: the GPU planned for runs it if it is installed here). `auto_off`: why the run's auto would leave
+    the modules off (cloudtrain.models.kernels.liger_auto_off), where its options are known. The estimate counts
+    the modules on the rows auto takes them on (full fine-tuning without tensor or context parallelism)."""
+    liger = liger_installed() if liger is None else liger
+    wanted = liger_choice is True or (liger_choice == "auto" and not auto_off)
+    return loss_kernel(fused_choice, liger, fuses_loss(task)), liger and wanted and liger_knows(model_type)
 
 
 def shards_head(cand: Candidate) -> bool:

@@ -8,13 +8,13 @@ from dataclasses import asdict, dataclass, replace
 
 from cloudtrain.config import PEFT_METHODS, PIPELINE_SCHEDULES, Config
 from cloudtrain.hardware import resolve_precision
-from cloudtrain.models.kernels import liger_auto_off, liger_available, liger_knows
+from cloudtrain.models.kernels import liger_auto_off, liger_available
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.stages import balanced_split
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.planning.communication import context_cost, step_traffic, tensor_cost
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, model_facts
-from cloudtrain.planning.kernels import fuses_loss, loss_kernel
+from cloudtrain.planning.kernels import planned_kernels
 from cloudtrain.planning.memory import (
     GIB,
     Estimate,
@@ -627,14 +627,6 @@ def run_attention(attention: str | None, packing: str, task: str, precision: str
     return "varlen" if rows == "bfd" and packed and precision != "no" else None
 
 
-def _liger_modules(cfg: Config, facts: ModelFacts) -> bool:
-    """Whether this run takes Liger's fused modules (cloudtrain.models.prepare.liger_modules), as the estimate
-    counts them: asked for, or auto where it would take them, on a machine where they run."""
-    choice = cfg.model.liger_kernels
-    wanted = choice is True or (choice == "auto" and liger_auto_off(cfg) is None)
-    return wanted and liger_available() and liger_knows(facts.model_type)
-
-
 def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:
     """The largest micro-batch the estimate fits into `memory` bytes per process for a training run's model,
     strategy, gradient checkpointing and adapters, at rows of `seq_len` tokens (0: none fits)."""
@@ -647,6 +639,10 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
     candidate = Candidate(run_strategy(sharding(cfg), cfg), m.gradient_checkpointing, m.peft)
     precision = resolve_precision(cfg.training.mixed_precision)
     attention = run_attention(m.attn_implementation, cfg.data.packing, cfg.training.task, precision)
+    task = TASKS[cfg.training.task](cfg)
+    loss, modules = planned_kernels(
+        m.fused_cross_entropy, m.liger_kernels, facts.model_type, task, liger_available(), liger_auto_off(cfg)
+    )
     setup = Setup(
         gpus_per_node,
         nodes,
@@ -655,7 +651,7 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
         seq_len,
         cfg.training.mixed_precision,
         dense_mask=(attention or "sdpa") == "sdpa",
-        fused_loss=loss_kernel(m.fused_cross_entropy, liger_available(), fuses_loss(TASKS[cfg.training.task](cfg))),
-        fused_modules=_liger_modules(cfg, facts),
+        fused_loss=loss,
+        fused_modules=modules,
     )
     return max_micro_batch(facts, candidate, setup)
