@@ -167,7 +167,7 @@ class StepProfiler:
     def summary(self) -> dict | None:
         from cloudtrain.observe.profile import summarize
 
-        return summarize(self.prof.events(), self.active, self.cuda) if self.prof and self.done else None
+        return summarize(self.prof, self.active, self.cuda) if self.prof and self.done else None
 
 
 def flops_per_token(model, rows, per_document: bool) -> float:

@@ -9,7 +9,14 @@ from torch.profiler import record_function
 
 from cloudtrain.config.run import MonitoringConfig, profile_window
 from cloudtrain.errors import UserError
-from cloudtrain.observe.profile import ProfileHook, category, profile_hooks, summarize, summary_line
+from cloudtrain.observe.profile import (
+    ProfileHook,
+    category,
+    profile_hooks,
+    summarize,
+    summary_line,
+    timed_events,
+)
 
 
 class Bar:
@@ -125,13 +132,41 @@ def test_the_summary_sorts_the_profiled_steps_time_by_kind():
         optimizer.step()
         profiler.step()
     profiler.stop()
-    summary = summarize(profiler.events(), 2, cuda=False)
+    summary = summarize(profiler, 2, cuda=False)
     assert summary["steps"] == 2 and summary["ms_per_step"] > 0
     assert sum(summary["shares"].values()) == pytest.approx(1.0)
     assert all(summary["shares"][kind] > 0 for kind in ("attention", "matmul", "optimizer"))
     assert summary["data_wait"] > 0 and 0 < summary["device_busy"] <= 1.0
     assert summary["top"][0]["share"] >= summary["top"][-1]["share"]
     assert summary_line(summary).startswith("2 steps, ")
+
+
+def test_the_events_read_from_kineto_keep_torch_s_own_times_and_nesting():
+    """timed_events reads the profiler's records without torch's event list: each op's self time (its time less
+    the ops nested in it, on its thread) per name equals what torch's own list says, up to rounding, and so does a
+    marked range's total. (torch's list also folds an op into a same-named parent: self times are unchanged.)"""
+    layer = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    with torch.profiler.profile() as profiler:
+        for _ in range(3):
+            with torch.profiler.record_function("step"):
+                layer(torch.randn(8, 32)).sum().backward()
+    ours: dict[str, float] = {}
+    for e in timed_events(profiler):
+        assert not e.gpu
+        ours[e.name] = ours.get(e.name, 0.0) + e.self_us
+    torch_s: dict[str, list[float]] = {}
+    for e in profiler.events():
+        torch_s.setdefault(e.name, [0.0, 0])
+        torch_s[e.name][0] += e.self_cpu_time_total
+        torch_s[e.name][1] += 1
+    assert set(torch_s) == set(ours) and "aten::addmm" in ours
+    for name, (own, count) in torch_s.items():  # torch rounds each time to a nanosecond, in microseconds
+        assert ours[name] == pytest.approx(own, abs=0.004 * count + 1e-6), name
+    steps = [e for e in timed_events(profiler) if e.name == "step"]
+    assert len(steps) == 3 and all(e.self_us < e.us for e in steps)  # the ops inside it are not its own time
+    assert sum(e.us for e in steps) == pytest.approx(
+        sum(e.cpu_time_total for e in profiler.events() if e.name == "step")
+    )
 
 
 @pytest.mark.parametrize(
@@ -164,6 +199,8 @@ def test_a_gpu_trace_holds_cuda_kernels(tmp_path):
     hook.close()
     events = json.loads(hook.path.read_text())["traceEvents"]
     assert any(e.get("cat") == "kernel" for e in events)
+    summary = next(line for line in loop.bar.lines if "ms/step" in line)  # from kineto's records: GPU kernels
+    assert summary.startswith("2 steps, ") and "matmul 0%" not in summary, summary
 
 
 def test_a_real_run_writes_the_trace_of_its_profiled_steps(tiny_model_dir, tmp_path, monkeypatch, capsys):

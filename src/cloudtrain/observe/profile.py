@@ -19,10 +19,12 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, schedule
 
 from cloudtrain.config.run import profile_window
@@ -31,7 +33,7 @@ from cloudtrain.training.hooks import Hook, LoopState, Request
 if TYPE_CHECKING:
     from cloudtrain.training.trainer import Trainer
 
-__all__ = ["ProfileHook", "profile_hooks", "summarize", "summary_line"]
+__all__ = ["ProfileHook", "profile_hooks", "summarize", "summary_line", "timed_events"]
 
 CATEGORIES = (  # checked in order on the lower-cased kernel (CPU: aten op) name
     ("attention", re.compile(r"flash|fmha|attention|attn|sdpa|varlen")),
@@ -95,7 +97,7 @@ class ProfileHook(Hook):
         self.path = path
         self.say(f"profile of steps {first}-{last} written to {path} (open it in ui.perfetto.dev or TensorBoard)")
         cuda = ProfilerActivity.CUDA in self.activities
-        self.say("  " + summary_line(summarize(profiler.events(), last - first + 1, cuda)))
+        self.say("  " + summary_line(summarize(profiler, last - first + 1, cuda)))
 
 
 def profile_hooks(trainer: Trainer, device: torch.device) -> list[Hook]:
@@ -114,25 +116,87 @@ def category(name: str) -> str:
     return next((cat for cat, pattern in CATEGORIES if pattern.search(low)), "other")
 
 
-def summarize(events: list, steps: int, cuda: bool) -> dict:
-    """Where `steps` profiled steps' time went, from the profiler's events: device kernels on CUDA (on CPU, the
-    aten ops' self time) by category and the top ones, the host's time in DataLoader.__next__, the step time."""
-    on_gpu = [str(getattr(e, "device_type", "")).endswith("CUDA") for e in events]
-    host = [e for e, gpu in zip(events, on_gpu, strict=True) if not gpu]
-    step_us = sum(e.cpu_time_total for e in host if e.name.startswith("ProfilerStep"))
+@dataclass(frozen=True)
+class Timed:
+    """One profiled event, as the summary needs it: its name, whether it ran on the GPU, its duration and (for a
+    host event) the part of it not spent in host events nested inside it, in microseconds."""
+
+    name: str
+    gpu: bool
+    us: float
+    self_us: float
+    annotation: bool
+
+
+# torch's own bookkeeping ops, which its event list leaves out too
+_UTILITY = {"profiler::_record_function_enter", "profiler::_record_function_enter_new"}
+_UTILITY |= {"profiler::_record_function_exit", "aten::is_leaf", "aten::output_nr", "aten::_version"}
+
+
+def timed_events(profiler: profile) -> list[Timed]:
+    """The events of a stopped profiler, read from kineto's records directly. `profiler.events()` builds a
+    Python object per event first: 2.7 s for 69k events on this CPU, against 0.04 s here, once per profile."""
+    results = getattr(profiler.profiler, "kineto_results", None)
+    if results is None:
+        return []
+    kept = [e for e in results.events() if e.name() not in _UTILITY and not _hidden(e)]
+    children_us = _nested_host_time(kept)
+    return [
+        Timed(
+            e.name(),
+            e.device_type() != DeviceType.CPU,
+            e.duration_ns() / 1000,
+            (e.duration_ns() - children_us.get(i, 0)) / 1000,
+            e.is_user_annotation(),
+        )
+        for i, e in enumerate(kept)
+    ]
+
+
+def _hidden(event) -> bool:
+    return getattr(event, "is_hidden_event", lambda: False)()  # newer torch marks some events hidden
+
+
+def _nested_host_time(events: list) -> dict[int, int]:
+    """Nanoseconds of host events directly inside each host event (by index), per thread, as torch nests them:
+    a child lies within its parent's interval; async events (ending on another thread) nest nothing."""
+    by_thread: dict[int, list[int]] = {}
+    for i, e in enumerate(events):
+        if e.device_type() == DeviceType.CPU and not e.is_async() and e.start_thread_id() == e.end_thread_id():
+            by_thread.setdefault(e.start_thread_id(), []).append(i)
+    nested: dict[int, int] = {}
+    for indices in by_thread.values():
+        indices.sort(key=lambda i: (events[i].start_ns(), -events[i].end_ns()))
+        open_: list[int] = []  # each interval holds all those below it
+        for i in indices:
+            start, end = events[i].start_ns(), events[i].end_ns()
+            while open_ and (start >= events[open_[-1]].end_ns() or end > events[open_[-1]].end_ns()):
+                open_.pop()
+            if open_:
+                nested[open_[-1]] = nested.get(open_[-1], 0) + end - start
+            open_.append(i)
+    return nested
+
+
+def summarize(profiler: profile, steps: int, cuda: bool) -> dict:
+    """Where `steps` profiled steps' time went, from a stopped profiler: device kernels on CUDA (on CPU, the aten
+    ops' self time) by category and the top ones, the host's time in DataLoader.__next__, the step time."""
+    events = timed_events(profiler)
+    host = [e for e in events if not e.gpu]
+    step_us = sum(e.us for e in host if e.name.startswith("ProfilerStep"))
     busy: dict[str, float] = {}
-    for e, gpu in zip(events, on_gpu, strict=True):
-        if getattr(e, "is_user_annotation", False) or e.name.startswith("ProfilerStep"):
+    for e in events:
+        if e.annotation or e.name.startswith("ProfilerStep"):
             continue  # a range marked on the GPU's timeline (record_function), not a kernel
-        if cuda and gpu:
-            busy[e.name] = busy.get(e.name, 0.0) + e.time_range.elapsed_us()
-        elif not cuda and e.name.startswith("aten::") and e.self_cpu_time_total > 0:
-            busy[e.name] = busy.get(e.name, 0.0) + e.self_cpu_time_total
+        if cuda and e.gpu:
+            busy[e.name] = busy.get(e.name, 0.0) + e.us
+        elif not cuda and e.name.startswith("aten::") and e.self_us > 0:
+            busy[e.name] = busy.get(e.name, 0.0) + e.self_us
     total = sum(busy.values()) or 1.0
     shares = dict.fromkeys([c for c, _ in CATEGORIES] + ["other"], 0.0)
     for name, us in busy.items():
         shares[category(name)] += us / total
-    data_us = sum(e.cpu_time_total for e in host if e.name.startswith("enumerate(DataLoader)"))
+    data_us = sum(e.us for e in host if e.name.startswith("enumerate(DataLoader)"))
     top = sorted(busy.items(), key=lambda item: -item[1])[:8]
     return {
         "steps": steps,
