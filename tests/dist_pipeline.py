@@ -5,7 +5,8 @@ python -m torch.distributed.run --nproc_per_node N tests/dist_pipeline.py SCENAR
 For each scenario (a dict of options; one launch runs them all, one process group), builds the run as the
 application does (build_run), takes the first accumulation window, and runs the trainer's own
 backward_window (schedule, loss scale, data-parallel and tied-embedding sums). RESULT_DIR/<i>/rank<R>.pt
-gets that process's gradients by checkpoint name and its summed loss and count; rank 0 also writes
+gets that process's gradients by checkpoint name, its summed loss and count, and whether its last stage hands
+the loss its hidden states (--fused_cross_entropy); rank 0 also writes
 <i>/reference.pt: the gradients, loss and count of one process training the whole model on the same
 window, every row of every pipeline.
 """
@@ -40,7 +41,11 @@ def one_step(options: dict, out: Path) -> None:
     window = [trainer.move(batch) for batch in raw]
     stats = trainer.backward_window(window, trainer._loss_scale(window))
     grads = {name: p.grad.clone() for stage in trainer.stages for name, p in stage.named_parameters()}
-    torch.save({"grads": grads, "loss_sum": stats.loss_sum, "count": stats.count}, out / f"rank{rank}.pt")
+    head_in_loss = any(stage.head_in_loss for stage in trainer.stages)  # the last stage's loss applies the head
+    torch.save(
+        {"grads": grads, "loss_sum": stats.loss_sum, "count": stats.count, "head_in_loss": head_in_loss},
+        out / f"rank{rank}.pt",
+    )
     if rank == 0:
         reference(run, raw, out)
 

@@ -218,13 +218,17 @@ TWO_STAGES = {
     ),
     "interleaved 1f1b": ("llama", {"pipeline_schedule": "interleaved_1f1b", "pipeline_stages_per_rank": 2}),
     "gpt2, tied embeddings": ("gpt2", {"pipeline_schedule": "1f1b"}),  # stage 0 and the last stage hold a copy each
+    # the last stage hands its hidden states to the chunked loss, which applies the head (its tied copy)
+    "gpt2, tied, fused cross-entropy": ("gpt2", {"pipeline_schedule": "1f1b", "fused_cross_entropy": "true"}),
+    "gpipe, fused cross-entropy": ("llama", {"pipeline_schedule": "gpipe", "fused_cross_entropy": "true"}),
 }
 
 
 @pytest.mark.slow
 def test_one_step_gradients_equal_one_process_on_the_whole_batch(tiny_llama_dir, tiny_gpt2_dir, corpus_files, tmp_path):
     """2 processes, 2 stages (4 with interleaving), every schedule: the gradients after one optimizer step equal
-    those of one process on the same rows (clipping applied to both by the global norm)."""
+    those of one process on the same rows (clipping applied to both by the global norm); with
+    --fused_cross_entropy true the last stage's loss applies the head, and the reference takes the same loss."""
     dirs = {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir}
     scenarios = [
         lm_options(dirs[model], corpus_files, tmp_path / f"run{i}", per_device_train_batch_size=8, **extra)
@@ -238,6 +242,8 @@ def test_one_step_gradients_equal_one_process_on_the_whole_batch(tiny_llama_dir,
             norm = torch.cat([g.flatten() for g in ref["grads"].values()]).norm()
             ref["grads"] = {n: g * min(1.0, max_norm / (float(norm) + 1e-6)) for n, g in ref["grads"].items()}
         assert_equal_to_one_process(ranks, ref, pp=2, case=case)
+        fused = options.get("fused_cross_entropy") == "true"
+        assert [r["head_in_loss"] for r in ranks] == [False, fused], case  # rank 1 holds the last stage
 
 
 def saved_weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -103,7 +103,8 @@ def mask_kind(config, index: int) -> str:
 class Stage(nn.Module):
     """Layers `layer_ids` of `model` (+ the embeddings on the first stage, norm and head on the last).
 
-    forward(input_ids or hidden states, position_ids) -> hidden states, or logits on the last stage.
+    forward(input_ids or hidden states, position_ids) -> hidden states, or logits on the last stage (its normed
+    hidden states where `head_in_loss`: the loss applies the head, --fused_cross_entropy).
     """
 
     def __init__(
@@ -127,6 +128,7 @@ class Stage(nn.Module):
         if last:
             setattr(part, family.norm, getattr(body, family.norm))
             self.lm_head = model.lm_head
+        self.head_in_loss = False
 
     @property
     def body(self) -> Any:  # the decoder body's part: its submodules are the checkpoint's
@@ -140,7 +142,9 @@ class Stage(nn.Module):
             hidden = self._embed(x, position_ids) if self.first else x
             hidden = self._layers(hidden, position_ids)
             if self.last:
-                hidden = self.lm_head(getattr(self.body, self.family.norm)(hidden))
+                hidden = getattr(self.body, self.family.norm)(hidden)
+                if not self.head_in_loss:
+                    hidden = self.lm_head(hidden)
         return hidden
 
     def _embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:

@@ -277,8 +277,17 @@ class DecoderTask(Task):
         """Make a config built from --model_config `name` fit the tokenizer (vocabulary, special tokens)."""
         raise NotImplementedError
 
+    loss_kernel: str | None = None  # --fused_cross_entropy's backend where the loss takes it (models.prepare)
+
     def logits_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed loss, count) from the logits (a pipeline's last stage computes them, not `loss`)."""
+        raise NotImplementedError
+
+    def head_loss(
+        self, hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, smoothing: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, count) from the hidden states through the LM head by `loss_kernel`, the logits never held
+        whole (a pipeline's last stage under --fused_cross_entropy)."""
         raise NotImplementedError
 
     @staticmethod

@@ -305,15 +305,17 @@ class CausalLMTask(DecoderTask):
             return self.logits_loss(causal_lm_forward(model, batch), batch["labels"], smoothing)
         # --fused_cross_entropy: from the hidden states, the logits never held whole
         hidden = hidden_states(model, forward_inputs(model, batch))
+        return self.head_loss(predicting(hidden, batch), head, next_targets(batch).to(hidden.device), smoothing)
+
+    def head_loss(
+        self, hidden: torch.Tensor, head: torch.nn.Linear, targets: torch.Tensor, smoothing: float = 0.0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed loss, count) of [B, T, h] hidden states through `head` against their [B, T] targets by the loss
+        kernel (`use_loss_kernel`): the logits are never held whole. A pipeline's last stage calls it too."""
+        assert self.loss_kernel is not None
         weight, bias = cast(torch.Tensor, head.weight), cast("torch.Tensor | None", head.bias)
-        targets = next_targets(batch).to(hidden.device)
         total = linear_cross_entropy(
-            kernel,
-            predicting(hidden, batch).reshape(-1, hidden.shape[-1]),
-            weight,
-            bias,
-            targets.reshape(-1),
-            smoothing,
+            self.loss_kernel, hidden.reshape(-1, hidden.shape[-1]), weight, bias, targets.reshape(-1), smoothing
         )
         return total, (targets != IGNORE_INDEX).sum()
 

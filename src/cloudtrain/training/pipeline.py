@@ -239,6 +239,7 @@ class PipelineTrainer(Trainer):
             f"{d.pipeline_schedule}, {d.pipeline_microbatches} micro-batches"
         )
         self._scale: torch.Tensor | float = 1.0  # what the last stage multiplies each micro-batch's summed loss by
+        self._head = self._head_in_loss()
         self.width = longest_row(data, cfg.data.max_length)
 
     # ------------------------------------------------------------ placement and data
@@ -294,10 +295,24 @@ class PipelineTrainer(Trainer):
             out[key] = padded[self.rt.dp_rank * rows : (self.rt.dp_rank + 1) * rows].to(self.rt.device)
         return out
 
+    def _head_in_loss(self) -> nn.Linear | None:
+        """The last stage's LM head where --fused_cross_entropy gave the task a loss kernel (models.prepare): that
+        stage then hands the loss its hidden states, and the loss applies the head in chunks."""
+        last = next((s for s in self.stages if s.last), None)
+        if last is None or self.decoder.loss_kernel is None or type(last.lm_head) is not nn.Linear:
+            return None
+        last.head_in_loss = True
+        return last.lm_head
+
     # ------------------------------------------------------------ the step
-    def _loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """A micro-batch's loss on the last stage: the task's summed loss times the step's scale."""
-        summed, _ = self.decoder.logits_loss(logits, labels)
+    def _loss(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """A micro-batch's loss on the last stage (from its logits, or its hidden states through the head): the
+        task's summed loss times the step's scale."""
+        if self._head is None:
+            summed, _ = self.decoder.logits_loss(output, labels)
+        else:
+            with self.autocast():  # the head's matmuls in the stages' precision
+                summed, _ = self.decoder.head_loss(output[:, :-1], self._head, labels[:, 1:].to(output.device))
         return summed * self._scale
 
     def _run(self, run, batch: dict) -> torch.Tensor:
