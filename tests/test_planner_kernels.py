@@ -78,12 +78,17 @@ def test_rows_that_shard_the_head_count_the_full_logits(facts, key):
     assert estimate(facts, "zero2", gpus=2, fused_loss="liger").logits < estimate(facts, "zero2", gpus=2).logits
 
 
-def test_a_pipelines_loss_holds_the_full_logits(decoder_dirs):
+def test_a_pipelines_last_stage_takes_the_fused_loss_and_the_others_hold_no_logits(decoder_dirs):
+    """PipelineTrainer hands the fused loss its last stage's hidden states (fp32 under autocast: the residual
+    stream of fp32 weights); without one the last stage holds the full logits, of each micro-batch under GPipe."""
     facts = planning.model_facts(decoder_dirs["8b"], task="causal_lm")
-    pipe = Candidate(planning.PIPELINE, False, pipeline=planning.Pipeline(2, "1f1b", 4, rows=4))
-    setups = [Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_loss=loss) for loss in ("liger", None)]
-    fused, full = (rank_estimates(facts, pipe, setup, 2)[-1].logits for setup in setups)  # the last stage's
-    assert fused == full == planning.logits_bytes(facts, 2, S, True) > 0
+    for schedule, kept in (("1f1b", 1), ("gpipe", 4)):
+        pipe = Candidate(planning.PIPELINE, False, pipeline=planning.Pipeline(2, schedule, 4, rows=4))
+        setups = [Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_loss=loss) for loss in ("liger", None)]
+        fused, full = (rank_estimates(facts, pipe, setup, 2) for setup in setups)
+        assert fused[0].logits == full[0].logits == 0  # the first stage has no head
+        assert full[-1].logits == kept * planning.logits_bytes(facts, 2, S, True)
+        assert fused[-1].logits == kept * planning.logits_bytes(facts, 2, S, True, "liger", 4) < full[-1].logits
 
 
 def test_ligers_modules_count_in_full_fine_tuning_only(decoder_dirs):

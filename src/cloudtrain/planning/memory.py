@@ -514,8 +514,8 @@ def _released_gradients(m: ModelFacts, strategy: Strategy, setup: Setup) -> int:
 
 
 def _loss_kernel(cand: Candidate, setup: Setup) -> str | bool | None:
-    """The fused loss of this row: none where the LM head's weight is sharded (`shards_head`). A pipeline's loss
-    takes the full logits (`_rank_estimate`)."""
+    """The fused loss of this row: none where the LM head's weight is sharded (`shards_head`). A pipeline's last
+    stage keeps its head whole (`_rank_estimate`)."""
     return None if shards_head(cand) else setup.fused_loss
 
 
@@ -650,7 +650,9 @@ def _rank_estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: in
     saved, working = _stacked(largest, per_layer, outside if first or last else 0, working, cand.checkpointing, hidden)
     activations = pipe.in_flight(rank) * saved + working
     kept = pipe.microbatches if pipe.schedule == "gpipe" else 1  # micro-batches whose loss awaits its backward
-    logits = last * kept * logits_bytes(m, micro_batch, seq, setup.half)  # its loss: the full logits
+    # its loss: the full logits, or the fused loss from the hidden states (PipelineTrainer._head_in_loss)
+    residual = _residual_bytes(PIPELINE, setup)
+    logits = last * kept * logits_bytes(m, micro_batch, seq, setup.half, setup.fused_loss, residual)
     receives = pipe.microbatches * hidden * sum((s > 0) + (s < pipe.stages - 1) for s in ids)
     # the gradients all-reduced across the data-parallel pipelines, as one flat copy
     flat = 4 * held if cand.mesh(setup).data_parallel > 1 else 0

@@ -116,7 +116,8 @@ def render(plan: dict) -> str:
         kernel = "Liger's" if s["fused_loss"] == "liger" else "a chunked"
         lines.append(
             f"logits: {kernel} fused linear cross-entropy (--fused_cross_entropy): the input's and the head's "
-            "gradients and one chunk of logits at a time; the full logits under ZeRO-3, FSDP, TP, CP and pipelines"
+            "gradients and one chunk of logits at a time (a pipeline's on its last stage); the full logits under "
+            "ZeRO-3, FSDP, TP and CP"
         )
     elif lm:
         lines.append(
