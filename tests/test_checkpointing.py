@@ -324,6 +324,36 @@ def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_
     assert "no complete checkpoint in" in capsys.readouterr().out
 
 
+def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_or_starts_over(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    """An earlier run's checkpoints (killed before it saved a model) in the checkpoint folder: a fresh run there
+    is refused in one line before it loads anything (resuming, rotating and choosing the best would mix the two
+    runs); with --overwrite_output_dir they are deleted first. Another trainer's checkpoint-N (the HF Trainer's
+    trainer_state.json) is neither counted nor deleted, even by rotation."""
+    folder = tmp_path / "checkpoints"
+    for step in (6, 8):
+        fake_checkpoint(folder, step, None)
+    foreign = folder / "checkpoint-500"
+    foreign.mkdir()
+    (foreign / STATE_FILE).write_text(json.dumps({"global_step": 500, "log_history": []}))
+    options = ["--max_steps", "2", "--checkpointing_steps", "1", "--save_total_limit", "1"]
+    options += ["--checkpoint_dir", str(folder)]
+    assert main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *options)[1:]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (
+        f"error: {folder} holds checkpoints of an earlier run (up to checkpoint-8): continue it with "
+        "--resume_from_checkpoint latest, or pass --overwrite_output_dir true to start over (they are deleted)"
+    )
+    assert [step for step, _ in complete_checkpoints(folder)] == [6, 8] and not (tmp_path / "b").exists()
+    assert (
+        main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *options, "--overwrite_output_dir", "true")[1:]) == 0
+    )
+    assert "the earlier run's checkpoints" in capsys.readouterr().out
+    assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's newest, rotation at 1
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-2", "checkpoint-500"]  # the foreign one kept
+
+
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
 def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_model_dir, topic_csvs, tmp_path, capsys):
     """Steps 3-4 from checkpoint-2, with the throughput over this launch's samples (the checkpoint's logging sums

@@ -80,13 +80,23 @@ def checkpoint_dir(cfg: Config, output_dir: Path) -> Path:
 
 
 def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every complete checkpoint in `folder`, oldest first."""
+    """(step, path) of every complete cloudtrain checkpoint in `folder`, oldest first. Another trainer's
+    `checkpoint-N` folders (the Hugging Face Trainer's hold a trainer_state.json too) are not ours to resume
+    or rotate away."""
     found = []
     for path in Path(folder).glob(f"{PREFIX}*"):
         step = path.name[len(PREFIX) :]
-        if step.isdigit() and (path / STATE_FILE).is_file():
+        if step.isdigit() and _written_by_cloudtrain(path / STATE_FILE):
             found.append((int(step), path))
     return sorted(found)
+
+
+def _written_by_cloudtrain(state_file: Path) -> bool:
+    try:
+        data = json.loads(state_file.read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("format") == FORMAT
 
 
 def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
@@ -126,6 +136,8 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
     try:
         views = runtime.gather_objects(local_view(cfg, folder, runtime.index, runtime.node, runtime.host))
         path = choose_resume(cfg, folder, views, announce=runtime.is_main)  # from the same views everywhere
+        if path is None:
+            start_over(cfg, folder, views, runtime)
     except UserError as err:
         raise UserError(str(err), quiet=not runtime.is_main) from None
     problem = None
@@ -138,6 +150,29 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
     if problems:
         raise UserError(problems[0], quiet=not runtime.is_main)
     return path
+
+
+def start_over(cfg: Config, folder: Path, views: list[dict], runtime: Any) -> None:
+    """A fresh run in a folder holding an earlier run's checkpoints: refused (resuming, rotating or choosing the
+    best would mix the two runs), or with --overwrite_output_dir those checkpoints are deleted first (once per
+    node: each node may hold its own folder)."""
+    newest = max((step for v in views for step in v["steps"]), default=None)
+    if newest is None:
+        return
+    if not cfg.output.overwrite_output_dir:
+        raise UserError(
+            f"{folder} holds checkpoints of an earlier run (up to checkpoint-{newest}): continue it with "
+            "--resume_from_checkpoint latest, or pass --overwrite_output_dir true to start over (they are deleted)"
+        )
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        for _, path in complete_checkpoints(folder):
+            gone = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")  # no longer a checkpoint at once
+            with contextlib.suppress(OSError):  # another node on the same storage took it first
+                path.rename(gone)
+                shutil.rmtree(gone, ignore_errors=True)
+        if runtime.is_main:
+            print(f"--overwrite_output_dir: the earlier run's checkpoints in {folder} are deleted", flush=True)
+    runtime.barrier()
 
 
 def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool = True) -> Path | None:
