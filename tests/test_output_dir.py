@@ -13,7 +13,16 @@ from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
 from cloudtrain.paths import check_local_paths
 from cloudtrain.publish import atomic
-from cloudtrain.publish.output_dir import MANIFEST, RUN_PATTERNS, check_location, is_run_name, record, written
+from cloudtrain.publish.output_dir import (
+    MANIFEST,
+    RUN_PATTERNS,
+    check_location,
+    claim,
+    is_run_name,
+    record,
+    users_files,
+    written,
+)
 
 QUICK = ["--num_train_epochs", "1", "--per_device_train_batch_size", "8", "--mixed_precision", "no"]
 
@@ -155,6 +164,24 @@ def test_the_early_check_leaves_overwriting_resumed_and_restarted_runs_to_the_pi
         check_local_paths(build_config({"output_dir": str(out), **extra}))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted worker resumes from the latest checkpoint
     check_local_paths(build_config({"output_dir": str(out)}))
+
+
+def test_a_users_diffusers_files_are_theirs_and_a_pipeline_saved_there_is_an_earlier_model(tmp_path):
+    """--task text_to_image writes a diffusers pipeline (its index and components' folders) or its LoRA weights,
+    and validation images: found in a folder without a manifest, they are the user's (claim refuses them); listed,
+    they are an earlier run's model."""
+    out = tmp_path / "out"
+    for folder in ("unet", "text_encoder_2", "validation"):
+        (out / folder).mkdir(parents=True)
+    for name in ("pytorch_lora_weights.safetensors", "model_index.json", "notes.txt"):
+        (out / name).write_text("mine")
+    found = ["model_index.json", "pytorch_lora_weights.safetensors", "text_encoder_2", "unet", "validation"]
+    assert users_files(out) == found
+    with pytest.raises(UserError, match="holds model_index.json, pytorch_lora_weights.safetensors, text_encoder_2"):
+        claim(out)  # the pipeline's check, with or without --overwrite_output_dir
+    record(out, ["pytorch_lora_weights.safetensors", "validation"])  # a LoRA run of ours
+    with pytest.raises(UserError, match="already holds a model from an earlier run"):
+        check_local_paths(build_config({"output_dir": str(out)}))
 
 
 def test_run_patterns_name_no_users_usual_files():

@@ -14,6 +14,7 @@ from cloudtrain.config import build_config
 from cloudtrain.data import images
 from cloudtrain.errors import UserError
 from cloudtrain.models.diffusion import load_text_to_image_model
+from cloudtrain.publish.output_dir import MANIFEST, holds_saved_model, is_run_name, written
 from cloudtrain.tasks.text_to_image import TextToImageTask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny layers run faster on one
@@ -358,9 +359,13 @@ def test_lora_training_lowers_the_fixed_noise_loss(lora_run):
 
 
 def test_a_lora_output_holds_the_adapter_and_no_tokenizer(lora_run):
-    """The base pipeline has the tokenizer: a LoRA folder is what diffusers' scripts write, and the run's files."""
+    """The base pipeline has the tokenizer: a LoRA folder is what diffusers' scripts write, and the run's files,
+    each a name the manifest lists, so a second run there is refused unless it overwrites."""
     out = Path(lora_run["output_dir"])
     assert (out / "pytorch_lora_weights.safetensors").is_file()
+    names = {p.name for p in out.iterdir()} - {MANIFEST}
+    assert all(is_run_name(name) for name in names) and names <= written(out), sorted(names - written(out))
+    assert holds_saved_model(out)
     assert not [p.name for p in out.iterdir() if p.name.startswith(("tokenizer", "vocab", "merges", "special"))]
     assert json.loads((out / "args.json").read_text())["eval_steps"] == 30
 
@@ -409,6 +414,9 @@ def test_full_fine_tuning_saves_a_whole_pipeline_and_dreambooth_trains(tiny_sd, 
         )
     )  # fmt: skip
     assert results["train"]["global_step"] == 4
+    names = {p.name for p in (tmp_path / "full").iterdir()} - {MANIFEST}
+    assert {"unet", "vae", "model_index.json"} <= names <= written(tmp_path / "full")
+    assert all(is_run_name(name) for name in names) and holds_saved_model(tmp_path / "full")
     pipe = StableDiffusionPipeline.from_pretrained(tmp_path / "full")
     base = StableDiffusionPipeline.from_pretrained(tiny_sd)
     trained = dict(pipe.unet.named_parameters())

@@ -30,7 +30,7 @@ TOKENIZER_PATTERNS = (
     "chat_template.*",
 )
 RESULT_PATTERNS = ("args.json", "*_results.json", "*_predictions.jsonl", "README.md")
-LOG_NAMES = ("metrics.jsonl", "tracker_runs.json", "training_curves.png", "checkpoints")
+LOG_NAMES = ("metrics.jsonl", "tracker_runs.json", "training_curves.png", "checkpoints", "validation")  # + images
 TRACKER_DIRS = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlruns"}
 # every top-level name a run may write (tests/test_output_dir.py checks a run writes nothing else)
 RUN_PATTERNS = (*MODEL_PATTERNS, *TOKENIZER_PATTERNS, *RESULT_PATTERNS, *LOG_NAMES, *TRACKER_DIRS.values())
