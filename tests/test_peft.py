@@ -181,14 +181,18 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}))
+    (adapter / "merged").mkdir()
+    (adapter / "merged" / "my-weights.safetensors").write_text("a user's own merge")  # no manifest lists it
     cases = [
         (["merge", "--output_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),
+        (["merge", "--output_dir", str(adapter)], "merged is not one cloudtrain wrote, and merge would replace it"),
         (["predict", "--model_dir", str(adapter), "--text", "hi"], "write texts with it through the generate command"),
     ]
     for argv, message in cases:
         result = subprocess.run([sys.executable, str(ENTRY), *argv], capture_output=True, text=True, cwd=REPO)
         assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
         assert message in result.stderr.strip().splitlines()[-1], result.stderr
+    assert (adapter / "merged" / "my-weights.safetensors").read_text() == "a user's own merge"
     check_model_dir(str(adapter))  # generate takes a causal-LM adapter ...
     (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "SEQ_CLS"}))
     with pytest.raises(UserError, match="use the predict command"):  # ... and not a classifier's

@@ -5,7 +5,8 @@ from pathlib import Path
 
 from cloudtrain.commands import add_trust_remote_code, existing_run_dir
 from cloudtrain.errors import UserError
-from cloudtrain.publish.saving import ADAPTER_CONFIG, check_not_diffusion, is_adapter_dir
+from cloudtrain.publish.output_dir import written
+from cloudtrain.publish.saving import ADAPTER_CONFIG, MERGED, check_not_diffusion, is_adapter_dir
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -14,12 +15,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check_options(args: argparse.Namespace) -> None:
-    """--output_dir holds an adapter (any interrupted final save finished first); one UserError otherwise."""
+    """--output_dir holds an adapter (any interrupted final save finished first), and no merged/ folder that
+    cloudtrain did not write (it would be replaced); one UserError otherwise."""
     if not is_adapter_dir(existing_run_dir("--output_dir", args.output_dir)):
         check_not_diffusion("--output_dir", Path(args.output_dir))
         raise UserError(
             f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
             "output of a run with --peft lora, dora or qlora"
+        )
+    merged = Path(args.output_dir) / MERGED
+    if merged.exists() and MERGED not in written(Path(args.output_dir)):
+        raise UserError(
+            f"{merged} is not one cloudtrain wrote, and merge would replace it: move it elsewhere, then merge again"
         )
 
 

@@ -51,6 +51,7 @@ from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
+from cloudtrain.publish.output_dir import record
 from cloudtrain.publish.saving import GENERATIVE, LABELS, MERGED, adapter_config
 
 AUTO_CLASSES = {
@@ -309,8 +310,12 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
     tokenizer.save_pretrained(partial)
     if (output_dir / "args.json").is_file():  # predict and generate read how the model was trained (length, pairs)
         shutil.copyfile(output_dir / "args.json", partial / "args.json")
-    shutil.rmtree(target, ignore_errors=True)
+    replaced = output_dir / f"{MERGED}.replaced"  # an earlier merge of ours (the merge command checked it is)
+    shutil.rmtree(replaced, ignore_errors=True)
+    if target.exists():
+        target.rename(replaced)  # a kill from here on leaves one whole merged model, old or new
     partial.rename(target)
+    shutil.rmtree(replaced, ignore_errors=True)
     base = adapter_config(output_dir)["base_model_name_or_path"]
     print(
         f"wrote {(lands_in or output_dir) / MERGED}: the adapter merged into a copy of {base} ({dtype}), its logits "
@@ -331,5 +336,7 @@ def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
 
 
 def run(args: argparse.Namespace) -> None:
-    """The merge command, once cloudtrain.commands.merge checked that --output_dir holds an adapter."""
+    """The merge command, once cloudtrain.commands.merge checked that --output_dir holds an adapter and no
+    merged/ folder of the user's."""
     merge(Path(args.output_dir), args.trust_remote_code)
+    record(Path(args.output_dir), [MERGED])  # cloudtrain's now: a later merge or run may replace it
