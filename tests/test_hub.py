@@ -21,6 +21,8 @@ from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
 from cloudtrain.publish import hub as cloudhub
 from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.hub import write_card
+from cloudtrain.publish.output_dir import written
 from cloudtrain.publish.saving import holds_model
 
 TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search
@@ -263,6 +265,24 @@ def test_a_failed_push_keeps_the_run_and_the_retry_command_pushes_it(hub, tiny_m
     assert len(hub.history("alice/retry", "main")) == 1  # the branch got the push, main did not
     assert 'revision="dev"' in upload.added["README.md"].decode()
     assert TOKEN not in result.stdout + result.stderr + retry.stdout + retry.stderr
+    assert "README.md" in written(out)  # the card is cloudtrain's: a later run with --overwrite_output_dir takes it
+
+
+def test_the_card_is_written_whole_and_a_users_own_readme_is_kept_and_pushed_as_it_is(tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "README.md").write_text("# my own card")
+    write_card(out, lambda path: path.write_text("generated"))
+    assert (out / "README.md").read_text() == "# my own card" and "README.md" not in written(out)
+    assert "is not one cloudtrain wrote: it is kept, and pushed as the model card" in capsys.readouterr().out
+    (out / "README.md").unlink()
+    write_card(out, lambda path: path.write_text("generated"))
+    assert (out / "README.md").read_text() == "generated" and "README.md" in written(out)
+    write_card(out, lambda path: path.write_text("generated again"))  # its own card is replaced
+    assert (out / "README.md").read_text() == "generated again" and sorted(p.name for p in out.iterdir()) == [
+        ".cloudtrain-manifest.json",
+        "README.md",
+    ]
 
 
 @pytest.mark.parametrize("repo_id, existing", [("bob/new-model", False), ("bob/his-model", True)])

@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import fnmatch
 import json
+import os
 import shlex
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -40,6 +41,7 @@ from cloudtrain.config import Config, HubConfig, build_config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
+from cloudtrain.publish.output_dir import record, written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
 
 CARD = "README.md"
@@ -195,7 +197,7 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
     from cloudtrain.tasks import build_task  # the card is the task's: classification or text generation
 
     task = build_task(cfg)
-    task.model_card(output_dir, cfg, results).save(output_dir / CARD)
+    write_card(output_dir, lambda path: task.model_card(output_dir, cfg, results).save(path))
     files = model_files(output_dir) + task.published_files(output_dir)  # e.g. the card's pictures
     try:
         api = hub_api(hub)
@@ -210,6 +212,19 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
         ) from None
     print(f"pushed {output_dir} to {url} (commit {commit.oid[:8]})", flush=True)
     return url
+
+
+def write_card(output_dir: Path, save: Callable[[Path], None]) -> None:
+    """The model card into <output_dir>/README.md (written whole, then renamed), and listed as cloudtrain's; a
+    README.md the user put there is theirs: kept, and pushed as the card."""
+    card = output_dir / CARD
+    if card.exists() and CARD not in written(output_dir):
+        print(f"{card} is not one cloudtrain wrote: it is kept, and pushed as the model card", flush=True)
+        return
+    partial = output_dir / f"{CARD}.partial"
+    save(partial)
+    os.replace(partial, card)
+    record(output_dir, [CARD])
 
 
 def model_files(folder: Path) -> list[Path]:
