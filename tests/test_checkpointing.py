@@ -3,11 +3,13 @@ a diverging loss, and damaged checkpoints."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pytest
@@ -16,18 +18,18 @@ from conftest import ENTRY, REPO, child_pythonpath
 from safetensors.torch import load_file
 
 from cloudtrain.checkpointing import (
+    FORMAT,
     MARKS,
     STATE_FILE,
     Checkpointer,
     Storage,
-    choose_resume,
     complete_checkpoints,
-    local_view,
     storage_from,
 )
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
+from cloudtrain.resume import choose_resume, local_view, restarted_defaults
 
 FAST = [
     "--per_device_train_batch_size",
@@ -329,29 +331,46 @@ def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_or_starts_ove
 ):
     """An earlier run's checkpoints (killed before it saved a model) in the checkpoint folder: a fresh run there
     is refused in one line before it loads anything (resuming, rotating and choosing the best would mix the two
-    runs); with --overwrite_output_dir they are deleted first. Another trainer's checkpoint-N (the HF Trainer's
-    trainer_state.json) is neither counted nor deleted, even by rotation."""
+    runs); with --overwrite_output_dir they are deleted once the run is built. Another trainer's checkpoint-N
+    (the HF Trainer's trainer_state.json), which a save of that step would replace, is refused either way."""
     folder = tmp_path / "checkpoints"
     for step in (6, 8):
         fake_checkpoint(folder, step, None)
-    foreign = folder / "checkpoint-500"
-    foreign.mkdir()
-    (foreign / STATE_FILE).write_text(json.dumps({"global_step": 500, "log_history": []}))
     options = ["--max_steps", "2", "--checkpointing_steps", "1", "--save_total_limit", "1"]
     options += ["--checkpoint_dir", str(folder)]
     assert main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *options)[1:]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err == (
+    assert capsys.readouterr().err.strip() == (
         f"error: {folder} holds checkpoints of an earlier run (up to checkpoint-8): continue it with "
         "--resume_from_checkpoint latest, or pass --overwrite_output_dir true to start over (they are deleted)"
     )
     assert [step for step, _ in complete_checkpoints(folder)] == [6, 8] and not (tmp_path / "b").exists()
-    assert (
-        main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *options, "--overwrite_output_dir", "true")[1:]) == 0
+    foreign = folder / "checkpoint-1"  # the step this run saves first
+    foreign.mkdir()
+    (foreign / STATE_FILE).write_text(json.dumps({"global_step": 1, "log_history": []}))
+    assert complete_checkpoints(folder)[0][0] == 6  # not ours: not counted, not resumed
+    overwrite = [*options, "--overwrite_output_dir", "true"]
+    assert main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *overwrite)[1:]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {folder} holds checkpoint-1, which cloudtrain did not write and a save of that step would replace; "
+        "give the run a --checkpoint_dir of its own"
     )
+    shutil.rmtree(foreign)
+    assert main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *overwrite)[1:]) == 0
     assert "the earlier run's checkpoints" in capsys.readouterr().out
     assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's newest, rotation at 1
-    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint-2", "checkpoint-500"]  # the foreign one kept
+
+
+def test_a_restarted_attempt_resumes_only_what_its_launch_saved(tmp_path, monkeypatch):
+    """Under torchrun --max-restarts, attempt 1 goes back to the latest checkpoint only when this launch wrote
+    it: an earlier run's (older than the launch) leaves the attempt to start as the first did, and be refused."""
+    fake_checkpoint(tmp_path, 4, None)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    runtime = SimpleNamespace(agree=lambda flags: flags, is_main=False)
+    cfg = build_config({})
+    os.utime(tmp_path / "checkpoint-4" / STATE_FILE, (1, 1))  # written in 1970: before this launch
+    assert restarted_defaults(cfg, tmp_path, runtime).checkpoint.resume_from_checkpoint is None
+    os.utime(tmp_path / "checkpoint-4" / STATE_FILE)  # now: this launch's
+    assert restarted_defaults(cfg, tmp_path, runtime).checkpoint.resume_from_checkpoint == "latest"
 
 
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
@@ -442,11 +461,11 @@ def test_latest_is_the_newest_step_every_node_holds(tmp_path, capsys):
 def test_a_step_counts_for_a_process_only_once_its_own_files_are_written(tmp_path):
     for step in (7, 14):
         (tmp_path / f"checkpoint-{step}" / MARKS).mkdir(parents=True)
-        (tmp_path / f"checkpoint-{step}" / STATE_FILE).write_text("{}")
+        (tmp_path / f"checkpoint-{step}" / STATE_FILE).write_text(json.dumps({"format": FORMAT}))
         (tmp_path / f"checkpoint-{step}" / MARKS / "0").touch()
     (tmp_path / "checkpoint-14" / MARKS / "1").touch()
     (tmp_path / "checkpoint-3").mkdir()  # written before the marks existed: whole
-    (tmp_path / "checkpoint-3" / STATE_FILE).write_text("{}")
+    (tmp_path / "checkpoint-3" / STATE_FILE).write_text(json.dumps({"format": FORMAT}))
     cfg = build_config({"resume_from_checkpoint": "latest"})
     assert local_view(cfg, tmp_path, index=0)["steps"] == [3, 7, 14]
     assert local_view(cfg, tmp_path, index=1)["steps"] == [3, 14]  # process 1's part of step 7 never arrived

@@ -481,7 +481,7 @@ def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_i
     assert {f.stat().st_mode & 0o777 for f in files} == {readable}
     assert f"wrote {out / 'merged'}: the adapter merged into a copy of {tiny_model_dir}" in capsys.readouterr().out
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
-    assert (out / "checkpoints").is_dir()  # checkpoints and logs are not the model: they stay
+    assert (out / "checkpoints").is_dir()  # this run's checkpoints (the earlier run's were deleted at its start)
 
 
 def test_the_head_and_whatever_sits_outside_the_pretrained_body_train_in_full():

@@ -10,7 +10,7 @@
   folder for all (a shared filesystem: the main process finalises), or one per node (node-local disks,
   SageMaker's /opt/ml/checkpoints: each node's first process finalises its own, and every node writes
   every file it needs to resume). `latest` is the newest step complete on every node, agreed before
-  anything loads (`agree_on_resume`); rotation deletes the same steps everywhere. Files from all nodes
+  anything loads (cloudtrain.resume); rotation deletes the same steps everywhere. Files from all nodes
   can be merged into one folder (SageMaker restores one S3 prefix to every instance): they carry the
   same names with the same contents, or names of their own (per-process files).
 - Rotation (`--save_total_limit K`) deletes the oldest checkpoints but never the newest or the best
@@ -31,7 +31,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,6 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.observe import console
 from cloudtrain.parallel.mesh import Mesh
-from cloudtrain.paths import torchrun_restarts
 from cloudtrain.publish.atomic import fsync, is_no_space
 
 STATE_FILE = "trainer_state.json"
@@ -86,135 +85,22 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     found = []
     for path in Path(folder).glob(f"{PREFIX}*"):
         step = path.name[len(PREFIX) :]
-        if step.isdigit() and _written_by_cloudtrain(path / STATE_FILE):
+        if step.isdigit() and written_by_cloudtrain(path / STATE_FILE):
             found.append((int(step), path))
     return sorted(found)
 
 
-def _written_by_cloudtrain(state_file: Path) -> bool:
+def written_by_cloudtrain(state_file: Path) -> bool:
+    return state_format(state_file) == FORMAT
+
+
+def state_format(state_file: Path) -> str | None:
+    """The format a readable state file names ("" where it names none: another trainer's), None if unreadable."""
     try:
         data = json.loads(state_file.read_text())
     except (OSError, ValueError):
-        return False
-    return isinstance(data, dict) and data.get("format") == FORMAT
-
-
-def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
-    """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint: with no
-    --resume_from_checkpoint, and with a named one once this run has saved its own (a restart must not go
-    back to where the launch began)."""
-    restarts = torchrun_restarts()
-    wanted = cfg.checkpoint.resume_from_checkpoint
-    if restarts == 0 or wanted == "latest":
-        return cfg
-    if wanted is not None and not runtime.agree([bool(complete_checkpoints(folder))])[0]:
-        return cfg
-    if runtime.is_main:
-        print(f"restart {restarts} of this launch: resuming from the latest complete checkpoint", flush=True)
-    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume_from_checkpoint="latest"))
-
-
-def local_view(cfg: Config, folder: Path, index: int = 0, node: int = 0, host: str = "") -> dict:
-    """What process `index` sees of the checkpoints: the steps in `folder` complete with its own files, and
-    whether a named checkpoint is there."""
-    wanted = cfg.checkpoint.resume_from_checkpoint
-    named = wanted not in (None, "latest") and Path(wanted).is_dir()
-    steps = [step for step, path in complete_checkpoints(folder) if holds_files_of(path, index)]
-    return {"node": node, "host": host, "steps": steps, "named": named}
-
-
-def holds_files_of(path: Path, index: int) -> bool:
-    """Whether process `index` finished writing its part of checkpoint `path` (checkpoints written before
-    these marks existed count as whole)."""
-    marks = Path(path) / MARKS
-    return not marks.is_dir() or (marks / str(index)).exists()
-
-
-def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
-    """The checkpoint every process resumes from (or None), agreed across processes before anything loads;
-    a problem on any process is the same error on all (the main process prints it)."""
-    try:
-        views = runtime.gather_objects(local_view(cfg, folder, runtime.index, runtime.node, runtime.host))
-        path = choose_resume(cfg, folder, views, announce=runtime.is_main)  # from the same views everywhere
-        if path is None:
-            start_over(cfg, folder, views, runtime)
-    except UserError as err:
-        raise UserError(str(err), quiet=not runtime.is_main) from None
-    problem = None
-    if path:
-        try:
-            check_resumable(cfg, path)
-        except UserError as err:
-            problem = str(err) + (f" (on node {runtime.node})" if runtime.count > 1 else "")
-    problems = [p for p in runtime.gather_objects(problem) if p]
-    if problems:
-        raise UserError(problems[0], quiet=not runtime.is_main)
-    return path
-
-
-def start_over(cfg: Config, folder: Path, views: list[dict], runtime: Any) -> None:
-    """A fresh run in a folder holding an earlier run's checkpoints: refused (resuming, rotating or choosing the
-    best would mix the two runs), or with --overwrite_output_dir those checkpoints are deleted first (once per
-    node: each node may hold its own folder)."""
-    newest = max((step for v in views for step in v["steps"]), default=None)
-    if newest is None:
-        return
-    if not cfg.output.overwrite_output_dir:
-        raise UserError(
-            f"{folder} holds checkpoints of an earlier run (up to checkpoint-{newest}): continue it with "
-            "--resume_from_checkpoint latest, or pass --overwrite_output_dir true to start over (they are deleted)"
-        )
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
-        for _, path in complete_checkpoints(folder):
-            gone = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")  # no longer a checkpoint at once
-            with contextlib.suppress(OSError):  # another node on the same storage took it first
-                path.rename(gone)
-                shutil.rmtree(gone, ignore_errors=True)
-        if runtime.is_main:
-            print(f"--overwrite_output_dir: the earlier run's checkpoints in {folder} are deleted", flush=True)
-    runtime.barrier()
-
-
-def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool = True) -> Path | None:
-    """The checkpoint --resume_from_checkpoint names, given each process's `local_view`: a directory every
-    process sees, or `latest`, the newest step complete on every node (None: a fresh start)."""
-    wanted = cfg.checkpoint.resume_from_checkpoint
-    if wanted is None:
         return None
-    nodes = len({v["node"] for v in views})
-    if wanted != "latest":
-        without = [v for v in views if not v["named"]]
-        if without:
-            where = f" on {_node(without[0])}" if nodes > 1 else ""
-            raise UserError(
-                f"--resume_from_checkpoint {wanted} does not exist{where}; give a checkpoint directory"
-                + (" every node holds" if nodes > 1 else "")
-                + ", or latest"
-            )
-        path = Path(wanted)
-    else:
-        common = set.intersection(*(set(v["steps"]) for v in views))
-        newest = max((max(v["steps"]) for v in views if v["steps"]), default=None)
-        if newest is None:
-            if announce:
-                print(f"no complete checkpoint in {folder}: starting fresh", flush=True)
-            return None
-        lacking = next((v for v in views if newest not in v["steps"]), views[0])
-        if not common:
-            raise UserError(
-                f"{_node(lacking)} holds no complete checkpoint in {folder}, while others hold up to "
-                f"checkpoint-{newest}: restore that node's folder (SageMaker restores it from S3), or clear "
-                "every node's folder to start fresh"
-            )
-        step = max(common)
-        if step < newest and announce:
-            print(
-                f"checkpoint-{newest} is not complete on {_node(lacking)}: resuming from checkpoint-{step}, "
-                "the newest that every node holds",
-                flush=True,
-            )
-        path = Path(folder) / f"{PREFIX}{step}"
-    return path
+    return str(data.get("format", "")) if isinstance(data, dict) else None
 
 
 def check_resumable(cfg: Config, path: Path) -> None:
@@ -227,7 +113,7 @@ def check_resumable(cfg: Config, path: Path) -> None:
         )
 
 
-def _node(view: dict) -> str:
+def node_name(view: dict) -> str:
     return f"node {view['node']}" + (f" ({view['host']})" if view.get("host") else "")
 
 
@@ -276,7 +162,7 @@ def storage_from(views: list[dict], index: int) -> Storage:
         if view["seen"] != same_node:
             raise UserError(
                 f"--checkpoint_dir is neither one folder shared by every node nor one per node: process {rank} "
-                f"on {_node(view)} sees the files of processes {view['seen']}; give every node its own disk, "
+                f"on {node_name(view)} sees the files of processes {view['seen']}; give every node its own disk, "
                 "or every node the same shared folder"
             )
     return Storage(owner=index == views[index]["seen"][0], per_node=True)

@@ -58,7 +58,7 @@ def check_earlier_model(cfg: Config, output_dir: Path) -> None:
     pipeline decides once it knows the checkpoint."""
     if cfg.output.overwrite_output_dir or cfg.checkpoint.resume_from_checkpoint is not None:
         return
-    if torchrun_restarts() > 0:  # checkpointing.restarted_defaults
+    if torchrun_restarts() > 0:  # resume.restarted_defaults
         return
     if holds_saved_model(output_dir):
         raise UserError(earlier_model_refusal(output_dir))

@@ -19,15 +19,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from cloudtrain import batch_size
 from cloudtrain.assets import DEFAULT_MODEL_NAME
-from cloudtrain.checkpointing import (
-    Checkpointer,
-    agree_on_resume,
-    checkpoint_dir,
-    probe_storage,
-    read_state,
-    restarted_defaults,
-    restore_run_files,
-)
+from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, probe_storage, read_state, restore_run_files
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
 from cloudtrain.data.sources import pin_sources
@@ -46,6 +38,7 @@ from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, earlier_model_refusal, holds_saved_model
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.registry import TASKS
+from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, restarted_defaults
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters
 from cloudtrain.training.callbacks import load_callbacks
@@ -206,6 +199,8 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
     )
     trainer = TRAINERS[cfg.training.training_type](cfg, task, model, data, run_log, runtime)
     trainer.callbacks = user_callbacks
+    if resume_from is None and cfg.output.overwrite_output_dir:  # built, checked: it starts over
+        drop_earlier_checkpoints(checkpoints, runtime)
     return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from)
 
 

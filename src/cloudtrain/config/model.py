@@ -30,7 +30,8 @@ class ModelConfig:
         "auto",
         "Language-model loss straight from the hidden states, never holding the full logits: true (Liger Kernel's "
         "fused linear cross-entropy on CUDA where liger-kernel is installed, else a chunked PyTorch one), false, or "
-        "auto (on where it is faster: Liger on CUDA). Evaluation keeps the exact logits.",
+        "auto (on where it is faster: Liger on CUDA). Evaluation keeps the exact logits (a pipeline's takes the "
+        "same loss).",
         ("auto", "true", "false"),
     )
     liger_kernels: bool | str = opt(

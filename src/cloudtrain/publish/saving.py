@@ -30,8 +30,10 @@ GENERATIVE = ("CAUSAL_LM", "SEQ_2_SEQ_LM")  # PEFT task types of text-writing mo
 MODEL_FILES = ("config.json", "model.safetensors", "model.safetensors.index.json", ADAPTER_CONFIG)
 # --task text_to_image: a diffusers pipeline's index and its components' folders (its tokenizers' are tokenizer*),
 # or the LoRA weights diffusers' load_lora_weights reads
-PIPELINE_PATTERNS = ("model_index.json", "pytorch_lora_weights.safetensors", "unet", "transformer", "vae")
-PIPELINE_PATTERNS += ("text_encoder*", "scheduler", "feature_extractor", "image_encoder", "safety_checker")
+PIPELINE_PATTERNS = (
+    *("model_index.json", "pytorch_lora_weights.safetensors", "unet", "transformer", "vae", "text_encoder*"),
+    *("scheduler", "feature_extractor", "image_encoder", "safety_checker"),
+)
 # what a saved model is made of: replaced as a whole, so an adapter never lands next to an older full model
 MODEL_PATTERNS = (
     *MODEL_FILES,

@@ -1,0 +1,184 @@
+"""Where a launch starts: the checkpoint every process resumes from (`agree_on_resume`: a named one, or `latest`,
+the newest complete on every node), an earlier run's checkpoints that a fresh run must not mix with its own
+(`start_over`, `drop_earlier_checkpoints`), and the attempt torchrun restarts (`restarted_defaults`). The
+checkpoints themselves: cloudtrain.checkpointing."""
+
+import contextlib
+import os
+import shutil
+import threading
+import uuid
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from cloudtrain.checkpointing import (
+    FORMAT,
+    MARKS,
+    PREFIX,
+    STATE_FILE,
+    check_resumable,
+    complete_checkpoints,
+    node_name,
+    state_format,
+)
+from cloudtrain.config import Config
+from cloudtrain.errors import UserError
+from cloudtrain.paths import torchrun_restarts
+
+
+def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
+    """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint: with no
+    --resume_from_checkpoint, and with a named one once this run has saved its own (a restart must not go
+    back to where the launch began)."""
+    restarts = torchrun_restarts()
+    wanted = cfg.checkpoint.resume_from_checkpoint
+    if restarts == 0 or wanted == "latest":
+        return cfg
+    if not runtime.agree([saved_since_launch(folder)])[0]:
+        return cfg  # nothing of this launch's to go back to: the attempt starts as the first did
+    if runtime.is_main:
+        print(f"restart {restarts} of this launch: resuming from the latest complete checkpoint", flush=True)
+    return replace(cfg, checkpoint=replace(cfg.checkpoint, resume_from_checkpoint="latest"))
+
+
+def saved_since_launch(folder: Path) -> bool:
+    """Whether the newest complete checkpoint in `folder` was written after this launch began (the start of the
+    torchrun agent whose worker this is): only those are a restarted attempt's to resume, not an earlier run's."""
+    found = complete_checkpoints(folder)
+    if not found:
+        return False
+    try:
+        started = psutil.Process(os.getppid()).create_time()
+    except psutil.Error:
+        return True
+    return (found[-1][1] / STATE_FILE).stat().st_mtime >= started
+
+
+def foreign_checkpoints(folder: Path) -> list[str]:
+    """`checkpoint-N` folders in `folder` that another trainer wrote (a readable state file of another format):
+    a run must not replace them. One of ours whose state file is damaged is no checkpoint (resuming it says so)."""
+    names = [p.name for p in Path(folder).glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit()]
+    return sorted(name for name in names if state_format(Path(folder) / name / STATE_FILE) not in (None, FORMAT))
+
+
+def local_view(cfg: Config, folder: Path, index: int = 0, node: int = 0, host: str = "") -> dict:
+    """What process `index` sees of the checkpoints: the steps in `folder` complete with its own files, and
+    whether a named checkpoint is there."""
+    wanted = cfg.checkpoint.resume_from_checkpoint
+    named = wanted not in (None, "latest") and Path(wanted).is_dir()
+    steps = [step for step, path in complete_checkpoints(folder) if holds_files_of(path, index)]
+    return {"node": node, "host": host, "steps": steps, "named": named, "foreign": foreign_checkpoints(folder)}
+
+
+def holds_files_of(path: Path, index: int) -> bool:
+    """Whether process `index` finished writing its part of checkpoint `path` (checkpoints written before
+    these marks existed count as whole)."""
+    marks = Path(path) / MARKS
+    return not marks.is_dir() or (marks / str(index)).exists()
+
+
+def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
+    """The checkpoint every process resumes from (or None), agreed across processes before anything loads;
+    a problem on any process is the same error on all (the main process prints it)."""
+    try:
+        views = runtime.gather_objects(local_view(cfg, folder, runtime.index, runtime.node, runtime.host))
+        path = choose_resume(cfg, folder, views, announce=runtime.is_main)  # from the same views everywhere
+        start_over(cfg, folder, [v if path is None else {**v, "steps": []} for v in views])
+    except UserError as err:
+        raise UserError(str(err), quiet=not runtime.is_main) from None
+    problem = None
+    if path:
+        try:
+            check_resumable(cfg, path)
+        except UserError as err:
+            problem = str(err) + (f" (on node {runtime.node})" if runtime.count > 1 else "")
+    problems = [p for p in runtime.gather_objects(problem) if p]
+    if problems:
+        raise UserError(problems[0], quiet=not runtime.is_main)
+    return path
+
+
+def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:
+    """A fresh run in a folder holding an earlier run's checkpoints is refused (resuming, rotating or choosing
+    the best would mix the two runs) unless --overwrite_output_dir, whose run deletes them once it is built
+    (`drop_earlier_checkpoints`). Another trainer's checkpoint-N, which a save of that step would replace, is
+    refused either way."""
+    foreign = sorted({name for v in views for name in v.get("foreign", [])})
+    if foreign:
+        raise UserError(
+            f"{folder} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, which cloudtrain did not "
+            "write and a save of that step would replace; give the run a --checkpoint_dir of its own"
+        )
+    newest = max((step for v in views for step in v["steps"]), default=None)
+    if newest is not None and not cfg.output.overwrite_output_dir:
+        raise UserError(
+            f"{folder} holds checkpoints of an earlier run (up to checkpoint-{newest}): continue it with "
+            "--resume_from_checkpoint latest, or pass --overwrite_output_dir true to start over (they are deleted)"
+        )
+
+
+def drop_earlier_checkpoints(folder: Path, runtime: Any) -> None:
+    """--overwrite_output_dir, a fresh run built and about to train: the earlier run's checkpoints leave at once
+    (renamed, once per node: each node may hold its own folder) and are deleted in the background."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        gone = []
+        for _, path in complete_checkpoints(folder):
+            hidden = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")
+            with contextlib.suppress(OSError):  # another node on the same storage took it first
+                path.rename(hidden)
+                gone.append(hidden)
+        if gone:
+            threading.Thread(target=_delete, args=(gone,), daemon=True).start()
+            if runtime.is_main:
+                print(f"--overwrite_output_dir: the earlier run's checkpoints in {folder} are deleted", flush=True)
+    runtime.barrier()
+
+
+def _delete(folders: list[Path]) -> None:
+    for folder in folders:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool = True) -> Path | None:
+    """The checkpoint --resume_from_checkpoint names, given each process's `local_view`: a directory every
+    process sees, or `latest`, the newest step complete on every node (None: a fresh start)."""
+    wanted = cfg.checkpoint.resume_from_checkpoint
+    if wanted is None:
+        return None
+    nodes = len({v["node"] for v in views})
+    if wanted != "latest":
+        without = [v for v in views if not v["named"]]
+        if without:
+            where = f" on {node_name(without[0])}" if nodes > 1 else ""
+            raise UserError(
+                f"--resume_from_checkpoint {wanted} does not exist{where}; give a checkpoint directory"
+                + (" every node holds" if nodes > 1 else "")
+                + ", or latest"
+            )
+        path = Path(wanted)
+    else:
+        common = set.intersection(*(set(v["steps"]) for v in views))
+        newest = max((max(v["steps"]) for v in views if v["steps"]), default=None)
+        if newest is None:
+            if announce:
+                print(f"no complete checkpoint in {folder}: starting fresh", flush=True)
+            return None
+        lacking = next((v for v in views if newest not in v["steps"]), views[0])
+        if not common:
+            raise UserError(
+                f"{node_name(lacking)} holds no complete checkpoint in {folder}, while others hold up to "
+                f"checkpoint-{newest}: restore that node's folder (SageMaker restores it from S3), or clear "
+                "every node's folder to start fresh"
+            )
+        step = max(common)
+        if step < newest and announce:
+            print(
+                f"checkpoint-{newest} is not complete on {node_name(lacking)}: resuming from checkpoint-{step}, "
+                "the newest that every node holds",
+                flush=True,
+            )
+        path = Path(folder) / f"{PREFIX}{step}"
+    return path
