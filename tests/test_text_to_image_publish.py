@@ -205,7 +205,9 @@ def test_a_pipeline_on_the_hub_trains_by_its_id_and_the_card_names_the_id(hub, i
     card = ModelCard(hub.history("alice/tiny-sd-lora")[-1].files["README.md"].decode())
     assert card.data.base_model == "alice/tiny-sd" and str(cache) not in card.text
 
-    missing = run_app(env, *[a if a != "alice/tiny-sd" else "alice/no-such-sd" for a in args])
+    # (into a folder of its own: `out` holds the LoRA just trained, which a run there without
+    # --overwrite_output_dir is refused to replace)
+    missing = run_app(env, *[{"alice/tiny-sd": "alice/no-such-sd", str(out): f"{out}-2"}.get(a, a) for a in args])
     assert missing.returncode != 0
     (line,) = [x for x in missing.stderr.splitlines() if "alice/no-such-sd" in x]
     assert "could not be downloaded from the Hub" in line and "Traceback" not in missing.stderr
