@@ -152,6 +152,12 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
         f"--deepspeed_config {no}.json": f"DeepSpeed config {no}.json does not exist; give a DeepSpeed JSON file",
         f"--output_dir {a_file}": f"--output_dir {a_file} is a file; give a directory",
         f"--output_dir {a_file}/run": "cannot be written",
+        # folders a run writes into as it goes: refused now, not after the first step
+        f"--checkpoint_dir {a_file}": f"--checkpoint_dir {a_file} is a file; give a directory",
+        f"--profile true --profile_dir {a_file}/p": f"--profile_dir {a_file}/p cannot be written (Not a directory)",
+        f"--cache_dir {a_file}": f"--cache_dir {a_file} is a file; give a directory",
+        "--dataloader_num_workers 100000": "--dataloader_num_workers 100000 is more than",
+        "--gradient_accumulation_steps 10000000000000000000": "--gradient_accumulation_steps take at most 1,000,000",
     }
     said = answers(list(refusals))
     assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}

@@ -73,6 +73,19 @@ def test_more_than_one_source_is_one_line(corpus, tmp_path, lm_tokenizer_dir, ca
     assert status == 2 and "one source" in capsys.readouterr().err
 
 
+def test_a_corpus_without_the_text_column_is_one_line_and_publishes_nothing(tmp_path, lm_tokenizer_dir, capsys):
+    corpus = tmp_path / "notes.csv"
+    corpus.write_text("foo,bar\nsome words,more words\n")
+    out = tmp_path / "o"
+    status = main(["preprocess", "--train_file", str(corpus), "--tokenizer_name_or_path", lm_tokenizer_dir,
+                   "--output_dir", str(out)])  # fmt: skip
+    assert status == 2 and capsys.readouterr().err.strip() == (
+        f"error: {corpus} gave no tokens: no record has text in column 'text' (its columns: bar, foo); "
+        "pass --text_column"
+    )
+    assert not out.exists() or not any(out.iterdir())
+
+
 def sft_encoder(tokenizer_dir: str, limit: int = 32):
     """The SFT task's stream encoder for prompt/completion records, chatml, cut at 32 tokens (as plan_for's rows)."""
     from types import SimpleNamespace

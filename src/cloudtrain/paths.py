@@ -41,9 +41,9 @@ def check_deepspeed_config(path: str) -> Path:
     return Path(path)
 
 
-def check_output_folder(output_dir: Path) -> None:
+def check_output_folder(output_dir: Path, flag: str = "--output_dir") -> None:
     if output_dir.exists() and not output_dir.is_dir():
-        raise UserError(f"--output_dir {output_dir} is a file; give a directory")
+        raise UserError(f"{flag} {output_dir} is a file; give a directory")
 
 
 def torchrun_restarts() -> int:
@@ -101,4 +101,10 @@ def check_local_paths(cfg: Config) -> None:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))
         check_earlier_model(cfg, Path(cfg.output.output_dir))
+    written = {"--checkpoint_dir": cfg.checkpoint.checkpoint_dir, "--profile_dir": cfg.monitoring.profile_dir,
+               "--cache_dir": cfg.data.cache_dir}  # fmt: skip
+    for flag, folder in written.items():  # folders the run writes into as it goes: refused now, not mid-run
+        if folder:
+            check_output_folder(Path(folder), flag)
+            check_writable(Path(folder), flag)
     check_hub_ids(hub_ids(cfg), may_go_offline=not cfg.hub.push_to_hub)  # last: local mistakes need no request

@@ -105,9 +105,9 @@ def check_options(args: argparse.Namespace) -> None:
                 args.gpu_memory_gb is None and args.gpu is None,
                 f"give --gpu NAME (one of {', '.join(GPU_NAMES)}) or --gpu_memory_gb",
             ),
-            (args.gpu_memory_gb is not None and args.gpu_memory_gb <= 0, "--gpu_memory_gb must be positive, e.g. 24"),
-            (args.cpu_memory_gb is not None and args.cpu_memory_gb <= 0, "--cpu_memory_gb must be positive"),
-            (args.nvme_gb is not None and args.nvme_gb <= 0, "--nvme_gb must be positive"),
+            (_not_gib(args.gpu_memory_gb), f"--gpu_memory_gb {args.gpu_memory_gb} must be a positive number, e.g. 24"),
+            (_not_gib(args.cpu_memory_gb), f"--cpu_memory_gb {args.cpu_memory_gb} must be a positive number, e.g. 512"),
+            (_not_gib(args.nvme_gb), f"--nvme_gb {args.nvme_gb} must be a positive number, e.g. 3500"),
             (args.num_labels < 1, "--num_labels must be at least 1"),
             (
                 args.model_config and args.model_name_or_path,
@@ -138,3 +138,8 @@ def run(args: argparse.Namespace) -> None:
     from cloudtrain import planning  # the tasks, transformers and torch: only once the options parsed
 
     planning.run(args)
+
+
+def _not_gib(size: float | None) -> bool:
+    """A memory size given but not a positive number of GiB a machine could have (nan, inf, 1e300 too)."""
+    return size is not None and not 0 < size < 2**30

@@ -1,7 +1,12 @@
 """Checks of values and combinations that need no I/O: run on every resolved `Config`."""
 
+import os
+
 from cloudtrain.config.root import Config
 from cloudtrain.errors import UserError
+
+MAX_LOADER_WORKERS = max(64, 4 * (os.cpu_count() or 1))  # each is a process
+MAX_ROWS = 1_000_000  # rows in a batch, or micro-batches in a step: more is a typo (and overflows an index)
 
 
 def validate(cfg: Config) -> None:
@@ -23,6 +28,11 @@ def validate(cfg: Config) -> None:
         (d.max_train_samples is not None and d.max_train_samples < 1, "--max_train_samples must be at least 1"),
         (d.max_eval_samples is not None and d.max_eval_samples < 1, "--max_eval_samples must be at least 1"),
         (d.dataloader_num_workers < 0, "--dataloader_num_workers must not be negative"),
+        (
+            d.dataloader_num_workers > MAX_LOADER_WORKERS,
+            f"--dataloader_num_workers {d.dataloader_num_workers} is more than {MAX_LOADER_WORKERS} (4 x this "
+            "machine's CPUs, at least 64): each is a process; give fewer",
+        ),
         (t.num_train_epochs <= 0 and t.max_steps is None, "--num_train_epochs must be positive (or set --max_steps)"),
         (t.max_steps is not None and t.max_steps < 1, "--max_steps must be at least 1"),
         (
@@ -32,6 +42,17 @@ def validate(cfg: Config) -> None:
         (t.global_batch_size is not None and t.global_batch_size < 1, "--global_batch_size must be at least 1"),
         (t.per_device_eval_batch_size < 1, "--per_device_eval_batch_size must be at least 1"),
         (t.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be at least 1"),
+        (
+            max(
+                t.gradient_accumulation_steps,
+                t.per_device_eval_batch_size,
+                t.global_batch_size or 0,
+                t.per_device_train_batch_size if isinstance(t.per_device_train_batch_size, int) else 0,
+            )
+            > MAX_ROWS,
+            f"--per_device_train_batch_size, --per_device_eval_batch_size, --global_batch_size and "
+            f"--gradient_accumulation_steps take at most {MAX_ROWS:,}",
+        ),  # fmt: skip
         (t.learning_rate <= 0, "--learning_rate must be positive"),
         (t.weight_decay < 0, "--weight_decay must not be negative"),
         (t.max_grad_norm < 0, "--max_grad_norm must not be negative (0 disables clipping)"),

@@ -415,6 +415,14 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
         lengths += doc_lengths
     if not shards:
         raise UserError(f"{args.train_file} holds no document")
+    if not sum(lengths):  # nothing published: the staged shards are discarded
+        columns = ", ".join(sorted({name for record in records for name in record})[:8]) or "none"
+        if _examples(args):
+            raise UserError(f"{args.train_file} gave no tokens: no record holds a --task {args.task} example")
+        raise UserError(
+            f"{args.train_file} gave no tokens: no record has text in column {args.text_column!r} (its columns: "
+            f"{columns}); pass --text_column"
+        )
     manifest = _manifest(args, task.stream_options, shards, lengths)
     out.write(HISTOGRAM, _plot(manifest["length_histogram"]))
     out.write(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())

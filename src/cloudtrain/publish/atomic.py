@@ -76,7 +76,7 @@ def is_no_space(err: BaseException) -> bool:
     return any(text in str(err) for text in NO_SPACE_TEXT)
 
 
-def check_writable(output_dir: Path) -> None:
+def check_writable(output_dir: Path, flag: str = "--output_dir") -> None:
     """A folder the run cannot write to is refused before it trains (root ignores permission bits, not a
     read-only filesystem: so try)."""
     folder = Path(output_dir)
@@ -87,7 +87,7 @@ def check_writable(output_dir: Path) -> None:
         probe.unlink()
     except OSError as err:
         raise UserError(
-            f"--output_dir {output_dir} cannot be written ({err.strerror}); choose a folder you can write to"
+            f"{flag} {output_dir} cannot be written ({err.strerror}); choose a folder you can write to"
         ) from None
 
 
