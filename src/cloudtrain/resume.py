@@ -30,9 +30,9 @@ from cloudtrain.paths import torchrun_restarts
 
 
 def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
-    """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint: with no
-    --resume_from_checkpoint, and with a named one once this run has saved its own (a restart must not go
-    back to where the launch began)."""
+    """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint once this launch has
+    saved one (a restart must not go back to where the launch began, nor take an earlier run's checkpoints);
+    before that it starts as the first attempt did."""
     restarts = torchrun_restarts()
     wanted = cfg.checkpoint.resume_from_checkpoint
     if restarts == 0 or wanted == "latest":
