@@ -3,6 +3,9 @@ final files land whole (publish.atomic) or not at all."""
 
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,12 +17,15 @@ from cloudtrain.errors import UserError
 from cloudtrain.paths import check_local_paths
 from cloudtrain.publish import atomic
 from cloudtrain.publish.output_dir import (
+    LOCK,
     MANIFEST,
     RUN_PATTERNS,
     check_location,
     claim,
+    hold,
     is_run_name,
     record,
+    release,
     users_files,
     written,
 )
@@ -113,7 +119,7 @@ def test_a_run_writes_only_its_own_names_keeps_other_files_and_replaces_a_model_
     out.mkdir()
     (out / "notes.txt").write_text("a user's file beside the run")
     assert train(tiny_model_dir, topic_csvs, out, "--report_to", "tensorboard") == 0
-    names = {p.name for p in out.iterdir()} - {"notes.txt", MANIFEST}
+    names = {p.name for p in out.iterdir()} - {"notes.txt", MANIFEST, LOCK}
     assert names and all(is_run_name(name) for name in names), sorted(n for n in names if not is_run_name(n))
     assert names <= written(out)
     assert "model.safetensors" in names and not (out / atomic.STAGING).exists()
@@ -241,3 +247,49 @@ def test_a_folder_an_earlier_version_wrote_is_recognised_by_its_arguments(tmp_pa
     assert {"model.safetensors", "args.json"} <= written(out)
     (out / "args.json").write_text(json.dumps({"my": "notes"}))  # a user's own args.json
     assert written(out) == set()
+
+
+HOLDER = (
+    "import sys; from cloudtrain.publish.output_dir import hold; hold(sys.argv[1]); print('held', flush=True); input()"
+)
+
+
+def another_run_holding(out: Path) -> subprocess.Popen:
+    """A process that holds `out` as a run does, until its stdin closes or it is killed."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+    return holder
+
+
+def test_a_second_run_in_a_folder_in_use_is_refused_in_one_line_and_the_first_runs_files_are_kept(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    """Two runs in one folder would write over each other's checkpoints, log and model: the second is refused
+    before it reads any data, naming the first; the lock goes with the first run's process, even when killed."""
+    out = tmp_path / "out"
+    holder = another_run_holding(out)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n')
+    record(out, ["metrics.jsonl"])
+    before = tree(out)
+    for extra in ([], ["--overwrite_output_dir", "true"], ["--resume_from_checkpoint", "latest"]):
+        assert train(tiny_model_dir, topic_csvs, out, *extra) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --output_dir {out} is in use by another run (pid {holder.pid} on "), err
+        assert err.endswith(f"wait for it to end, or choose another folder, e.g. --output_dir {out}-2"), err
+        assert "\n" not in err and "Traceback" not in err
+    assert tree(out) == before
+    holder.kill()
+    holder.wait()
+    hold(out)  # a killed run's lock file is not held
+    hold(out)  # nor is this process's own, for its next run (the Python API)
+    release(out)
+    assert LOCK in before and tree(out) == {k: v for k, v in before.items() if k != LOCK}  # it went with the lock
+
+
+def test_the_lock_is_released_at_the_end_of_a_run(tmp_path):
+    out = tmp_path / "out"
+    hold(out)
+    held = subprocess.run([sys.executable, "-c", HOLDER, str(out)], input=b"", capture_output=True)
+    assert held.returncode == 1 and b"is in use by another run (pid %d on " % os.getpid() in held.stderr
+    release(out)
+    assert subprocess.run([sys.executable, "-c", HOLDER, str(out)], input=b"", capture_output=True).stdout == b"held\n"

@@ -123,6 +123,21 @@ def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None, ru
         raise UserError(message, quiet=not runtime.is_main)
 
 
+def hold_output_dir(output_dir: Path, runtime: Runtime) -> None:
+    """The main process holds the output folder for the run (a second run there is refused, on every process)."""
+
+    def refusal() -> str | None:
+        try:
+            output_dir_module.hold(output_dir)
+        except UserError as err:
+            return str(err)
+        return None
+
+    message = runtime.run_on_main(refusal)
+    if message:
+        raise UserError(message, quiet=not runtime.is_main)
+
+
 @dataclass
 class Run:
     """Everything a training run is made of, built and checked, before the first step."""
@@ -151,6 +166,7 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
+    hold_output_dir(output_dir, runtime)  # before anything reads what a run still going there writes
     checkpoints = checkpoint_dir(cfg, output_dir)
     cfg = restarted_defaults(cfg, checkpoints, runtime)
     resume_from = agree_on_resume(cfg, checkpoints, runtime)  # on every node, before loading
@@ -208,11 +224,14 @@ def run_training(cfg: Config, task: Task | None = None, callbacks: list | None =
     """Run the whole pipeline; returns the final results (train, eval and, if present, test) and the output dir.
     `task` and `callbacks`: objects the Python API was given (see `build_run`)."""
     with launch_environment_kept():
-        run = build_run(cfg, task, callbacks)
         try:
-            return _train_evaluate_save(run)
-        finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
-            run.runtime.close()
+            run = build_run(cfg, task, callbacks)
+            try:
+                return _train_evaluate_save(run)
+            finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
+                run.runtime.close()
+        finally:
+            output_dir_module.release()  # the output folder, held since build_run's start
 
 
 def _train_evaluate_save(run: Run) -> dict:

@@ -6,12 +6,18 @@
   writes that the manifest does not list is the user's: the run is refused before anything is written
   (`claim`), and never replaces it. `--overwrite_output_dir` replaces the model cloudtrain saved there,
   and only that.
+- A run holds `.cloudtrain-lock` in the folder while it lives (`hold`): a second run there is refused, naming
+  the first. The kernel drops the lock when the process ends, however it ends: a file a kill leaves is not held.
 """
 
+import contextlib
+import fcntl
 import fnmatch
 import itertools
 import json
 import os
+import socket
+import time
 from pathlib import Path
 
 from cloudtrain.assets import r8_folder
@@ -20,6 +26,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.publish.saving import MODEL_PATTERNS
 
 MANIFEST = ".cloudtrain-manifest.json"
+LOCK = ".cloudtrain-lock"
 TOKENIZER_PATTERNS = (
     "tokenizer*",
     "special_tokens_map.json",
@@ -120,6 +127,68 @@ def claim(output_dir: Path) -> None:
             f"cloudtrain did not write and a run would replace; choose a new folder, e.g. --output_dir "
             f"{free_name(output_dir)}"
         )
+
+
+_held: dict[Path, tuple[int, bool]] = {}  # folder -> (the open lock file this process holds it by, created it)
+
+
+def hold(output_dir: Path) -> None:
+    """Make `output_dir` this process's until it ends or calls `release`: an exclusive lock on its lock file,
+    refused in one line while another run holds it. Where the filesystem has no locks, nothing is held."""
+    folder = Path(output_dir).resolve()
+    if folder in _held:  # the Python API's runs, one after another in one process
+        return
+    created = not folder.exists()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = _lock(folder / LOCK)
+    except BlockingIOError:
+        raise UserError(
+            f"--output_dir {output_dir} is in use by another run ({_holder(folder / LOCK)}); wait for it to end, "
+            f"or choose another folder, e.g. --output_dir {free_name(output_dir)}"
+        ) from None
+    except OSError:  # unwritable (check_output_dir says so), or a filesystem without locks (some network mounts)
+        return
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _held[folder] = (fd, created)
+
+
+def _lock(path: Path) -> int:
+    """The open lock file at `path`, locked; BlockingIOError while another process holds it."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not one its holder removed as this one opened it
+                os.ftruncate(fd, 0)
+                return fd
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+def _holder(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace").strip() or "its process is starting"
+    except OSError:
+        return "its process is ending"
+
+
+def release(output_dir: Path | None = None) -> None:
+    """The end of `hold` (of every folder this process holds, without one): the lock file goes, and the folder
+    too if `hold` made it and nothing else was written there (a refused run leaves no trace)."""
+    folders = [Path(output_dir).resolve()] if output_dir else list(_held)
+    for folder in folders:
+        fd, created = _held.pop(folder, (None, False))
+        if fd is None:
+            continue
+        with contextlib.suppress(OSError):
+            (folder / LOCK).unlink()  # while still held: a run opening it now takes a new one (_lock)
+        os.close(fd)
+        if created:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only when empty
 
 
 def record_run_start(cfg: Config, output_dir: Path) -> None:
