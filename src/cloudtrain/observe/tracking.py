@@ -122,7 +122,9 @@ class RunLog:
             tracker.log_config(config)
             state[name] = tracker.state()
             self.trackers.append(tracker)
-        (self.output_dir / RUNS_FILE).write_text(json.dumps(state, indent=2) + "\n")
+        partial = self.output_dir / f"{RUNS_FILE}.partial"
+        partial.write_text(json.dumps(state, indent=2) + "\n")
+        os.replace(partial, self.output_dir / RUNS_FILE)
 
     def _start_metrics_file(self, resume_step: int | None, checkpoint: Path | None) -> None:
         """A fresh file, or on resume the lines up to the checkpoint (later ones are redone). At the checkpoint's
@@ -138,7 +140,9 @@ class RunLog:
                 seen = sum(r["step"] == resume_step for r in read_metrics(copy))
                 at_step = at_step[:seen] + list(itertools.takewhile(_is_save_line, at_step[seen:]))
             kept += at_step
-        self.path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        partial = self.path.with_name(f"{self.path.name}.partial")  # a kill now leaves the old log whole
+        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(partial, self.path)
 
     def log(self, values: dict, step: int) -> None:
         if not self.enabled:
