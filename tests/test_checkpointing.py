@@ -24,6 +24,7 @@ from cloudtrain.checkpointing import (
     Checkpointer,
     Storage,
     complete_checkpoints,
+    finish_replacement,
     storage_from,
 )
 from cloudtrain.cli import main
@@ -488,3 +489,30 @@ def test_storage_is_one_shared_folder_or_one_per_node_and_nothing_else():
     mixed = [{"node": r // 2, "host": "", "seen": [0, 1, 2] if r != 3 else [3]} for r in range(4)]
     with pytest.raises(UserError, match="neither one folder shared by every node nor one per node"):
         storage_from(mixed, 0)
+
+
+@pytest.mark.parametrize("sealed", [True, False])
+def test_a_kill_between_the_renames_of_a_step_saved_again_loses_neither_checkpoint(tmp_path, sealed):
+    """A checkpoint saved again at its step (after a resume) renames the old one aside, then the new one in: a kill
+    between the two leaves no checkpoint-N. The next start gives the name to the new one when it was sealed, else
+    back to the old one; it used to resume from an older step, and the old one was never removed."""
+    fake_checkpoint(tmp_path, 2, 0.5)
+    fake_checkpoint(tmp_path, 4, 0.1)
+    (tmp_path / "checkpoint-4").rename(tmp_path / "checkpoint-4.replaced")  # what the kill left
+    new = tmp_path / "checkpoint-4.partial"
+    new.mkdir()
+    (new / "model.safetensors").write_text("new weights")
+    if sealed:
+        (new / STATE_FILE).write_text(json.dumps({"format": FORMAT, "score": 0.9}))
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [2]
+    finish_replacement(tmp_path)
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [2, 4]
+    score = json.loads((tmp_path / "checkpoint-4" / STATE_FILE).read_text())["score"]
+    assert score == (0.9 if sealed else 0.1)
+    assert not (tmp_path / "checkpoint-4.replaced").exists()
+    # the second rename had happened (the kill came before the old one was removed): the new one stays
+    (tmp_path / "checkpoint-4.replaced").mkdir()
+    finish_replacement(tmp_path)
+    assert not (tmp_path / "checkpoint-4.replaced").exists() and json.loads(
+        (tmp_path / "checkpoint-4" / STATE_FILE).read_text()
+    )["score"] == (0.9 if sealed else 0.1)

@@ -90,6 +90,19 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     return sorted(found)
 
 
+def finish_replacement(folder: Path) -> None:
+    """A kill between the two renames of a checkpoint saved again at its step (`_finalise`) left no
+    checkpoint-N, the old one as checkpoint-N.replaced and the new one sealed or not in checkpoint-N.partial:
+    the new one takes the name when it is complete, else the old one gets it back."""
+    for aside in Path(folder).glob(f"{PREFIX}*.replaced"):
+        final = aside.with_name(aside.name.removesuffix(".replaced"))
+        partial = final.with_name(f"{final.name}.partial")
+        with contextlib.suppress(OSError):  # another node on the same storage finished it first
+            if not final.exists():
+                os.replace(partial if written_by_cloudtrain(partial / STATE_FILE) else aside, final)
+            shutil.rmtree(aside)
+
+
 def written_by_cloudtrain(state_file: Path) -> bool:
     return state_format(state_file) == FORMAT
 
@@ -529,6 +542,7 @@ class Checkpointer:
         if final.exists():  # the same step saved again after a resume: renamed away whole, never half-deleted
             shutil.rmtree(aside, ignore_errors=True)
             os.replace(final, aside)
+            kill_point("checkpoint.replaced")  # finish_replacement finishes what a kill here leaves
         os.replace(partial, final)
         shutil.rmtree(aside, ignore_errors=True)
         fsync(self.folder)

@@ -38,7 +38,7 @@ from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, earlier_model_refusal, holds_saved_model
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.registry import TASKS
-from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, restarted_defaults
+from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_interrupted_saves, restarted_defaults
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters
 from cloudtrain.training.callbacks import load_callbacks
@@ -168,6 +168,7 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
     runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
     hold_output_dir(output_dir, runtime)  # before anything reads what a run still going there writes
     checkpoints = checkpoint_dir(cfg, output_dir)
+    finish_interrupted_saves(checkpoints, runtime)
     cfg = restarted_defaults(cfg, checkpoints, runtime)
     resume_from = agree_on_resume(cfg, checkpoints, runtime)  # on every node, before loading
     check_output_dir(cfg, output_dir, resume_from, runtime)

@@ -1,7 +1,7 @@
 """Where a launch starts: the checkpoint every process resumes from (`agree_on_resume`: a named one, or `latest`,
 the newest complete on every node), an earlier run's checkpoints that a fresh run must not mix with its own
-(`start_over`, `drop_earlier_checkpoints`), and the attempt torchrun restarts (`restarted_defaults`). The
-checkpoints themselves: cloudtrain.checkpointing."""
+(`start_over`, `drop_earlier_checkpoints`), the attempt torchrun restarts (`restarted_defaults`), and a save
+a kill cut between its renames (`finish_interrupted_saves`). The checkpoints themselves: cloudtrain.checkpointing."""
 
 import contextlib
 import os
@@ -21,12 +21,21 @@ from cloudtrain.checkpointing import (
     STATE_FILE,
     check_resumable,
     complete_checkpoints,
+    finish_replacement,
     node_name,
     state_format,
 )
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 from cloudtrain.paths import torchrun_restarts
+
+
+def finish_interrupted_saves(folder: Path, runtime: Any) -> None:
+    """Before any process looks at the checkpoints: a checkpoint saved again at its step, cut by a kill between
+    its renames, is finished (once per node: each node may hold its own folder)."""
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        finish_replacement(folder)
+    runtime.barrier()
 
 
 def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
