@@ -86,13 +86,16 @@ text-to-image: setup
 deepspeed-ops: $(PKG)
 	$(PY) scripts/build_deepspeed_ops.py
 
+# only the modules holding `alone` tests are collected for that pass (collecting every module took a minute)
+ALONE_TESTS = $(shell grep -lw 'mark\.alone' tests/test_*.py)
+
 # Tests marked `alone` run after the others, one at a time, with nothing beside them. First the DeepSpeed ops the
 # suite's launches load (async I/O, shared-memory comm), into the suite's own cache in the venv (docs/testing.md):
 # compiled there, not inside a test's time limit.
 test: setup
 	$(PY) scripts/build_deepspeed_ops.py --for_tests
 	$(PY) -m pytest tests -m "not alone" -n $(PYTEST_WORKERS) --dist worksteal $(ARGS)
-	$(PY) -m pytest tests -m alone -p no:xdist $(ARGS)
+	$(PY) -m pytest $(ALONE_TESTS) -m alone -p no:xdist $(ARGS)
 
 # ruff (lint and format; settings in pyproject.toml) and mypy over the package; .ci/run runs it before the tests.
 lint: $(PKG)

@@ -29,7 +29,7 @@ from cloudtrain.config import MonitoringConfig
 from cloudtrain.observe.monitoring import AnomalyDetector
 
 FAULTS = REPO / "tests" / "dist_faults.py"
-STEPS = ["--max_steps", "40", "--checkpointing_steps", "7"]  # 8 steps per epoch with 2 processes
+STEPS = ["--max_steps", "30", "--checkpointing_steps", "7"]  # 8 steps per epoch with 2 processes
 
 
 def free_port() -> str:
@@ -155,7 +155,7 @@ def test_ddp_on_two_nodes_survives_losing_every_node_and_losing_one_worker(tiny_
     slow_node1 = [str(FAULTS), json.dumps({"slow_forward": {"rank": 1, "seconds": 0.05}})]
     straight = tmp_path / "straight"
     out0, _ = finish(start_two_nodes(straight, args, program=slow_node1))
-    assert checkpoints(straight, 0) == checkpoints(straight, 1) == [7, 14, 21, 28, 35]
+    assert checkpoints(straight, 0) == checkpoints(straight, 1) == [7, 14, 21, 28]
     stragglers = [line for line in out0.splitlines() if line.startswith("warning: straggler")]
     # once when it began (a unit test below); a busy machine may slow process 0 enough to end it for an interval
     assert stragglers and all("process 1 (node 1, " in line for line in stragglers), out0
@@ -185,7 +185,7 @@ def test_zero2_on_two_nodes_killed_and_restarted_equals_a_run_never_stopped(tiny
     shared = tmp_path / "shared-checkpoints"
     finish(start_two_nodes(tmp_path / "straight", [*args, "--checkpoint_dir", str(shared)]))
     found = complete_checkpoints(shared)
-    assert found[-1][0] == 35 and len(found) <= 3  # the newest, the best and one more at most
+    assert found[-1][0] == 28 and len(found) <= 3  # the newest, the best and one more at most
     assert sorted(p.name for p in (found[-1][1] / MARKS).iterdir()) == ["0", "1"] and not list(shared.glob("*.partial"))
     killed_and_restarted_two_nodes(tmp_path / "resumed", args, zero=2, merge=True)
     assert_same_weights(  # bitwise: DeepSpeed's ZeRO-2 on gloo reduces in the same order every time
