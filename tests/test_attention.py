@@ -6,10 +6,12 @@ import copy
 
 import pytest
 import torch
-from conftest import lm_documents
+from conftest import lm_documents, topic_run_args
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.utils import import_utils
 
+from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.data.packing import CausalLMCollator, causal_lm_forward, isolation_error, pack, shifted_loss
 from cloudtrain.errors import UserError
@@ -290,3 +292,22 @@ def test_torch_varlen_call_adapts_to_the_older_signature(monkeypatch):
     got = varlen._torch_varlen_call(q, k, v, cu, 6, 0.2)
     assert calls == [True]
     assert torch.allclose(got, reference(q, k, v, cu, 0.2), atol=1e-6)
+
+
+def test_an_unknown_kernel_is_refused_in_one_line_before_the_data_is_read(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    """transformers refuses it only inside the model's loading, after the data, in a message a screen long."""
+    out = tmp_path / "out"
+    assert main([*topic_run_args(tiny_model_dir, topic_csvs, out), "--attn_implementation", "flash"]) == 2
+    said = capsys.readouterr()
+    assert said.err.strip().startswith(
+        "error: --attn_implementation flash is not an attention kernel transformers knows: use one of varlen, eager,"
+    )
+    assert said.err.strip().endswith("or a Hub kernel (<org>/<repo>), or leave it out for the default")
+    assert "\n" not in said.err.strip() and "data:" not in said.out and said.err.count("varlen") == 1
+    if not import_utils.is_kernels_available():
+        assert main([*topic_run_args(tiny_model_dir, topic_csvs, out), "--attn_implementation", "org/attn"]) == 2
+        said = capsys.readouterr()
+        assert said.err.startswith(
+            "error: --attn_implementation org/attn is a Hub kernel: it needs pip install 'kernels>="
+        )
+        assert "data:" not in said.out

@@ -148,6 +148,8 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
         f"--validation_file {a_file}": "--validation_file/--test_file need a --train_file too",
         f"--model_name_or_path {no}": f"--model_name_or_path {no} does not exist; give a model directory or a Hub id",
         f"--tokenizer_name_or_path {no}": f"--tokenizer_name_or_path {no} does not exist",
+        f"--model_name_or_path {a_file}": f"--model_name_or_path {a_file} is a file; give the folder it lies in",
+        f"--tokenizer_name_or_path {tmp_path}": f"--tokenizer_name_or_path {tmp_path} holds no tokenizer (no tokenizer",
         f"--task text_to_image --train_data_dir {no}": f"--train_data_dir {no} is not a folder",
         f"--deepspeed_config {no}.json": f"DeepSpeed config {no}.json does not exist; give a DeepSpeed JSON file",
         f"--output_dir {a_file}": f"--output_dir {a_file} is a file; give a directory",

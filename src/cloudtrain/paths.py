@@ -14,15 +14,27 @@ from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.publish.atomic import check_writable
 from cloudtrain.publish.output_dir import earlier_model_refusal, holds_saved_model
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.*", "*.model", "merges.txt")
+
 
 def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
     """The path or Hub id to load (`name`, else the model's); a path that looks local must exist."""
     flag = "--tokenizer_name_or_path" if name else "--model_name_or_path"
     name = name or cfg.model_name_or_path or default_model_dir()
     looks_local = name.startswith(("/", ".", "~")) or name.count("/") > 1 or Path(name).exists()
-    if looks_local and not Path(name).expanduser().is_dir():
+    if not looks_local:
+        return name
+    folder = Path(name).expanduser()
+    if folder.is_file():
+        raise UserError(f"{flag} {name} is a file; give the folder it lies in")
+    if not folder.is_dir():
         raise UserError(f"{flag} {name} does not exist; give a model directory or a Hub id like <org>/<name>")
-    return str(Path(name).expanduser()) if looks_local else name
+    if flag == "--tokenizer_name_or_path" and not any(any(folder.glob(p)) for p in TOKENIZER_FILES):
+        raise UserError(
+            f"{flag} {name} holds no tokenizer (no tokenizer.json, tokenizer_config.json or vocabulary file); give "
+            "a folder a tokenizer was saved to (save_pretrained), or a Hub id"
+        )
+    return str(folder)
 
 
 def check_folder(flag: str, folder: str) -> Path:

@@ -27,7 +27,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
-from cloudtrain.models.prepare import compile_model, prepare
+from cloudtrain.models.prepare import check_attention_name, compile_model, prepare
 from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launch_environment_kept, launched_processes
@@ -75,6 +75,7 @@ def preflight(cfg: Config, task: Task) -> Path:
         raise UserError(f"--neftune_noise_alpha applies to --task {noisy}, not --task {task.name}: drop it")
     task.check_options(cfg)
     task.check_adapters(cfg)
+    check_attention_name(cfg)
     if cfg.checkpoint.metric_for_best_model not in task.metrics:
         raise UserError(
             f"--metric_for_best_model {cfg.checkpoint.metric_for_best_model} is not a metric of "

@@ -72,6 +72,27 @@ def attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     return model
 
 
+def check_attention_name(cfg: Config) -> None:
+    """An --attn_implementation transformers cannot load is refused before data or model (it fails inside the
+    model's loading otherwise, its message a screen long)."""
+    from transformers.integrations.hub_kernels import is_kernel
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.utils import import_utils
+
+    wanted = cfg.model.attn_implementation
+    known = list(dict.fromkeys([VARLEN, "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]))
+    if not wanted or wanted in known:
+        return
+    if not is_kernel(wanted):
+        raise UserError(
+            f"--attn_implementation {wanted} is not an attention kernel transformers knows: use one of "
+            f"{', '.join(known)} or a Hub kernel (<org>/<repo>), or leave it out for the default"
+        )
+    if not import_utils.is_kernels_available():
+        versions = f"kernels>={import_utils.KERNELS_MIN_VERSION},<{import_utils.KERNELS_MAX_VERSION}"
+        raise UserError(f"--attn_implementation {wanted} is a Hub kernel: it needs pip install '{versions}'")
+
+
 def _default_attention(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     """The default kernel where it applies and the model takes it; else the model keeps transformers' choice
     (the isolation probe still judges that one)."""
