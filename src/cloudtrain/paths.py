@@ -14,7 +14,15 @@ from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.publish.atomic import check_writable
 from cloudtrain.publish.output_dir import earlier_model_refusal, holds_saved_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.*", "*.model", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "vocab.*",
+    "*.model",
+    "merges.txt",
+    "*.tiktoken",
+    "tekken.json",
+)
 
 
 def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
