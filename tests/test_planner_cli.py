@@ -68,7 +68,7 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
         "--gpu_memory_gb",
         "4",
         "--max_length",
-        "4096",
+        "2048",  # its whole context (more is refused, as training refuses it)
         "--mixed_precision",
         "no",
         "--output_dir",
@@ -85,6 +85,11 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
     [
         (["--model_name_or_path", "{tmp}/no-model"], "--model_name_or_path .*no-model does not exist"),
         (["--model_name_or_path", "{tmp}"], "could not read a model config from"),
+        (  # the suite is offline (HF_HUB_OFFLINE): refused as training refuses it, not in the Hub client's words
+            ["--model_name_or_path", "org/no-such-model"],
+            "--model_name_or_path org/no-such-model: no cached copy and the Hub cannot be reached",
+        ),
+        (["--max_length", "100000"], r"--max_length 100000 is longer than the model's context \(512 positions\)"),
         (
             ["--global_batch_size", "100", "--num_gpus", "8"],
             "--global_batch_size 100 must be a positive multiple of the 8",

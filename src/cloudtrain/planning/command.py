@@ -27,8 +27,10 @@ from cloudtrain.config import (
 from cloudtrain.config.inert import inert_notes, reads
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import resolve_precision
+from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.models.diffusion import read_model_index
+from cloudtrain.models.load import check_context
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
@@ -161,8 +163,11 @@ def make_plan(args: argparse.Namespace) -> dict:
     name = args.model_config or args.model_name_or_path or default_model_dir()
     if not args.model_config and (is_pipeline(name) or TASKS[args.task].plans_pipeline):
         return _pipeline_plan(args, name, gpu)  # a folder that is no pipeline: the run's own one line
+    local = (not args.model_config and config_folder(name)) or name  # a well-known model: its shipped config
+    if not args.model_config and looks_like_repo_id(local) and not Path(local).exists():  # as training says it
+        check_hub_ids([HubId("--model_name_or_path", local, "model")])
     m = model_facts(
-        (not args.model_config and config_folder(name)) or name,  # a well-known model: its shipped config
+        local,
         args.num_labels,
         args.trust_remote_code,
         args.task,
@@ -172,6 +177,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     )
     if not args.model_config and known_name(name):
         m = replace(m, name=name)
+    check_context(m.context, args.max_length)  # as training refuses it
     task_cfg = build_config(
         {n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference", "max_target_length")}
     )

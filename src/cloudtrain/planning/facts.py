@@ -15,7 +15,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from cloudtrain.config import Config, ModelConfig, TrainingConfig
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models.load import is_causal_lm, load_tokenizer, remote_code_refusal
+from cloudtrain.models.load import context_length, is_causal_lm, load_tokenizer, remote_code_refusal
 from cloudtrain.parallel.stages import family_of
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.registry import TASKS
@@ -128,6 +128,7 @@ class ModelFacts:
     encoder: "ModelFacts | None" = None
     activation_output_saved: bool = False  # the activation keeps its output (ReLU): the down projection's input
     model_type: str | None = None  # the config's model_type (llama): whether Liger Kernel has modules for it
+    context: int | None = None  # the most tokens a row may hold (its position table); None: relative positions
 
     @property
     def decoder(self) -> bool:
@@ -313,6 +314,7 @@ def model_facts(
         adapters=None if from_config else adapter_facts(model, run_task.train_in_full(model), lora, layers[0]),
         stages=stage_facts(model) if decoder else None,
         tensor_plan=tensor_plan_facts(model, layers, kv_heads) if decoder else None,
+        context=context_length(config),
     )
     if encoder is None:
         return facts
