@@ -242,6 +242,8 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
         "fractions.csv": b"text,label\n" + b"".join(f"text {i},{i * 0.25}\n".encode() for i in range(8)),
         "multi.jsonl": b"".join(json.dumps({"text": f"t {i}", "label": ["a", "b"][: 1 + i % 2]}).encode() + b"\n"
                                 for i in range(6)),
+        "broken.jsonl": b'{"text": "a", "label": "x"}\n\n{"text": "b", "label": "y"}\n{"text": "c" "label": "y"}\n',
+        "broken.json": b'[{"text": "a", "label": "x"},\n {"text": "b" "label": "y"}]\n',
     }  # fmt: skip
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
@@ -255,6 +257,11 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
         "learns numbers; classification needs class names or whole-number class ids",
         "multi.jsonl": "the 'label' column holds lists or records, not one label per row: --task multi_label trains "
         "any number of labels per text; for --task classification give each row one class name or id",
+        # the line an editor shows (arrow said "in row 2", counting records from 0)
+        "broken.jsonl": f"{tmp_path / 'broken.jsonl'} line 4, column 14: not valid JSON (Expecting ',' delimiter); "
+        "fix that line and try again",
+        "broken.json": f"{tmp_path / 'broken.json'} line 2, column 15: not valid JSON (Expecting ',' delimiter); fix "
+        "that line and try again",
     }
     for name, message in cases.items():
         assert refused(train_args(classifier, tmp_path / name, out), capsys) == message, name

@@ -10,6 +10,7 @@ The result is a DatasetDict with a "train" split and, when the source has them, 
 "test". The columns the task needs are checked here, before any tokenizer or model is loaded.
 """
 
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -127,8 +128,41 @@ def read_error(err: BaseException, builder: str, files: list[Path], split: str) 
     text = " ".join(str(c) for c in causes)
     if "corresponds to no data" in text or "No columns to parse" in text:
         return UserError(f"the {split} data in {where} is empty; give a file with a header and rows")
+    if builder == "json":  # the reader says "row 1" (arrow counts records from 0) or a byte position
+        bad_line = first_bad_json_line(files)
+        if bad_line:
+            return UserError(bad_line)
     cause = next((c for c in causes if not isinstance(c, DatasetGenerationError)), causes[-1])
     return UserError(f"could not read {where} as {builder}: {type(cause).__name__}: {first_line(cause)}")
+
+
+def first_bad_json_line(files: list[Path]) -> str | None:
+    """Where the first of `files` that is not valid JSON (lines, one record each) breaks, counted as editors do."""
+    for file in files:
+        with open(file, encoding="utf-8", errors="replace") as f:
+            if file.suffix.lower() == ".json":
+                try:
+                    json.load(f)
+                    continue
+                except json.JSONDecodeError as err:
+                    number, column, reason = err.lineno, err.colno, err.msg
+            else:
+                number, column, reason = next(
+                    ((n, e.colno, e.msg) for n, line in enumerate(f, 1) if line.strip() and (e := _json_error(line))),
+                    (0, 0, ""),
+                )
+                if not number:
+                    continue
+        return f"{file} line {number}, column {column}: not valid JSON ({reason}); fix that line and try again"
+    return None
+
+
+def _json_error(line: str) -> json.JSONDecodeError | None:
+    try:
+        json.loads(line)
+    except json.JSONDecodeError as err:
+        return err
+    return None
 
 
 def _is_utf8(file: Path) -> bool:
