@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
 from cloudtrain.generate import check_model_dir, generate_texts, load
+from cloudtrain.models.adapters import load_adapter_model
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.predict import predict
 
@@ -197,6 +198,22 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
     (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "SEQ_CLS"}))
     with pytest.raises(UserError, match="use the predict command"):  # ... and not a classifier's
         check_model_dir(str(adapter))
+
+
+def test_an_adapter_whose_base_model_was_moved_says_so_and_how_to_point_it_elsewhere(tmp_path):
+    """predict, merge and generate load the base its config names; a folder gone since training was "Repo id must
+    be in the form 'repo_name' or 'namespace/repo_name'" (taken for a Hub id)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    gone = tmp_path / "base-model"
+    config = {"task_type": "SEQ_CLS", "base_model_name_or_path": str(gone)}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as refused:
+        load_adapter_model(adapter)
+    assert str(refused.value) == (
+        f"the adapter in {adapter} was trained on {gone}, which is no longer there: put the base model back, or set "
+        f"base_model_name_or_path in {adapter}/adapter_config.json to a copy of it (a folder or Hub id)"
+    )
 
 
 # ---------------------------------------------------------------- real launches

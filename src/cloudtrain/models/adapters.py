@@ -240,6 +240,12 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
         )
     if not base:
         raise UserError(f"{model_dir}/adapter_config.json names no base model (base_model_name_or_path)")
+    local = base.startswith(("/", ".", "~")) or base.count("/") > 1  # else a Hub id
+    if local and not Path(base).expanduser().is_dir():  # moved or deleted since training
+        raise UserError(
+            f"the adapter in {model_dir} was trained on {base}, which is no longer there: put the base model back, "
+            f"or set base_model_name_or_path in {model_dir}/adapter_config.json to a copy of it (a folder or Hub id)"
+        )
     options: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if (model_dir / LABELS).is_file():
         labels = json.loads((model_dir / LABELS).read_text())
