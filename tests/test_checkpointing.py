@@ -516,3 +516,43 @@ def test_a_kill_between_the_renames_of_a_step_saved_again_loses_neither_checkpoi
     assert not (tmp_path / "checkpoint-4.replaced").exists() and json.loads(
         (tmp_path / "checkpoint-4" / STATE_FILE).read_text()
     )["score"] == (0.9 if sealed else 0.1)
+
+
+def wider_copy(model_dir: str, folder: Path) -> str:
+    """The same kind of model with a wider hidden size (random weights), its tokenizer beside it."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.hidden_size, config.intermediate_size = config.hidden_size * 2, config.intermediate_size * 2
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.mark.slow
+def test_a_checkpoint_of_another_model_is_refused_before_the_data_and_named_as_such_when_older(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    """It used to load the data and the model, then call the checkpoint "damaged"."""
+    first, other = tmp_path / "first", wider_copy(tiny_model_dir, tmp_path / "wider")
+    assert main(args_for(tiny_model_dir, topic_csvs, first, "--max_steps", "2", "--checkpointing_steps", "1")[1:]) == 0
+    checkpoint = first / "checkpoints" / "checkpoint-1"
+    again = [*args_for(other, topic_csvs, tmp_path / "second", "--max_steps", "3")[1:]]
+    capsys.readouterr()
+    assert main([*again, "--resume_from_checkpoint", str(checkpoint)]) == 2
+    said = capsys.readouterr()
+    hidden = json.loads((Path(tiny_model_dir) / "config.json").read_text())["hidden_size"]
+    assert said.err.strip() == (
+        f"error: checkpoint {checkpoint} was written for another model ({tiny_model_dir}, hidden_size {hidden}; "
+        f"{other} has {hidden * 2}): resume with the model that wrote it, or start a fresh run without "
+        "--resume_from_checkpoint"
+    )
+    assert "data:" not in said.out
+    state = json.loads((checkpoint / STATE_FILE).read_text())
+    del state["model"]  # as the checkpoints written before the record: loading finds out, and says what it found
+    (checkpoint / STATE_FILE).write_text(json.dumps(state))
+    assert main([*again, "--resume_from_checkpoint", str(checkpoint)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: checkpoint {checkpoint} does not fit the model this run builds (size mismatch for ")
+    assert err.endswith("resume with the model and options that wrote it, or start a fresh run without "
+                        "--resume_from_checkpoint") and "damaged" not in err  # fmt: skip

@@ -117,13 +117,40 @@ def state_format(state_file: Path) -> str | None:
 
 
 def check_resumable(cfg: Config, path: Path) -> None:
-    """A readable cloudtrain checkpoint of the adapters this run trains (checked before loading anything)."""
-    saved = read_state(path).get("adapters")
+    """A readable cloudtrain checkpoint of the model and adapters this run trains (checked before loading
+    anything)."""
+    meta = read_state(path)
+    saved = meta.get("adapters")
     if saved != adapter_settings(cfg):  # other adapters cannot take these weights
         raise UserError(
             f"checkpoint {path} trained {_describe(saved)}, this run asks for "
             f"{_describe(adapter_settings(cfg))}; resume with the same --peft and --lora_* options"
         )
+    written_for, now = meta.get("model") or {}, model_record(cfg)
+    differ = [k for k, v in written_for.get("shape", {}).items() if k in now["shape"] and now["shape"][k] != v]
+    if differ:  # checkpoints before the record hold none: loading them tells
+        field = differ[0]
+        raise UserError(
+            f"checkpoint {path} was written for another model ({written_for['source']}, {field} "
+            f"{written_for['shape'][field]}; {now['source']} has {now['shape'][field]}): resume with the model that "
+            "wrote it, or start a fresh run without --resume_from_checkpoint"
+        )
+
+
+SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "d_model")
+
+
+def model_record(cfg: Config) -> dict:
+    """What model a run trains, from its config (read before the model loads): a checkpoint of another shape cannot
+    be resumed. Empty where there is no config to read (a diffusers pipeline, a user's own module)."""
+    from cloudtrain.models.load import trained_config  # transformers' config reading; load imports this module's users
+
+    source = cfg.model.model_config or cfg.model.model_name_or_path or "the default model"
+    try:
+        config = trained_config(cfg.model).get_text_config()
+    except UserError:
+        return {"source": source, "shape": {}}
+    return {"source": source, "shape": {k: getattr(config, k) for k in SHAPE_FIELDS if hasattr(config, k)}}
 
 
 def node_name(view: dict) -> str:
@@ -380,6 +407,7 @@ class Checkpointer:
         self.limit, self.metric = c.save_total_limit, c.metric_for_best_model
         self.asynchronous = c.async_checkpointing  # saves publish from a background thread
         self.adapters = adapter_settings(cfg)
+        self.model = model_record(cfg)
         t = cfg.training  # what --per_device_train_batch_size auto chose: a resume takes it instead of searching
         self.batch = {
             "per_device_train_batch_size": t.per_device_train_batch_size,
@@ -529,6 +557,7 @@ class Checkpointer:
             "num_processes": mesh.world,
             "mesh": mesh.degrees(),
             "adapters": self.adapters,
+            "model": self.model,
             "batch": self.batch,
             "metric": self.metric,
             "score": self._score(state),

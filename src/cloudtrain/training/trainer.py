@@ -33,6 +33,7 @@ data time as the time the GPU waits for input).
 import contextlib
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -83,6 +84,9 @@ from cloudtrain.training.optim import build_optimizer, build_scheduler
 from cloudtrain.training.preemption import PreemptionSignal
 from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
+
+# what torch says of a checkpoint written for another model (not a damaged file)
+MISFIT = re.compile(r"size mismatch|Missing key|Unexpected key|shape mismatch")
 
 
 @dataclass(frozen=True)
@@ -572,10 +576,14 @@ class Trainer:
         except UserError:
             raise
         except Exception as err:  # torch, safetensors and accelerate raise many kinds for a damaged file
+            text = str(err)
+            why = next((line.strip() for line in text.splitlines() if MISFIT.search(line)), None)
             raise UserError(
-                f"checkpoint {folder} could not be loaded ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:200]}); it may be damaged: pass another "
-                "--resume_from_checkpoint"
+                f"checkpoint {folder} does not fit the model this run builds ({why[:200]}): resume with the model and "
+                "options that wrote it, or start a fresh run without --resume_from_checkpoint"
+                if why
+                else f"checkpoint {folder} could not be loaded ({type(err).__name__}: {text.splitlines()[0][:200]}); "
+                "it may be damaged: pass another --resume_from_checkpoint"
             ) from None
         state = TrainerState(**meta["state"])
         if self.streams:
