@@ -142,12 +142,13 @@ SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention
 
 def model_record(cfg: Config) -> dict:
     """What model a run trains, from its config (read before the model loads): a checkpoint of another shape cannot
-    be resumed. Empty where there is no config to read (a diffusers pipeline, a user's own module)."""
+    be resumed. No shape where there is no config on this machine to read (a diffusers pipeline, a Hub model not
+    downloaded yet): loading the checkpoint then tells."""
     from cloudtrain.models.load import trained_config  # transformers' config reading; load imports this module's users
 
     source = cfg.model.model_config or cfg.model.model_name_or_path or "the default model"
     try:
-        config = trained_config(cfg.model).get_text_config()
+        config = trained_config(cfg.model, local_files_only=True).get_text_config()  # no network: loading has it
     except UserError:
         return {"source": source, "shape": {}}
     return {"source": source, "shape": {k: getattr(config, k) for k in SHAPE_FIELDS if hasattr(config, k)}}

@@ -171,14 +171,14 @@ def read_config(cfg: ModelConfig, **options) -> transformers.PretrainedConfig:
     return load_config(resolve_model_path(cfg), cfg.trust_remote_code, **options)
 
 
-def trained_config(cfg: ModelConfig) -> transformers.PretrainedConfig:
+def trained_config(cfg: ModelConfig, **options) -> transformers.PretrainedConfig:
     """The config of the model a run trains, before loading it: --model_config's preset or file (pretraining
-    from scratch), else the checkpoint's."""
+    from scratch), else the checkpoint's (AutoConfig with `options`)."""
     if cfg.model_config:
         from cloudtrain.tasks.causal_lm import model_config_file
 
-        return load_config(model_config_file(cfg.model_config), cfg.trust_remote_code)
-    return read_config(cfg)
+        return load_config(model_config_file(cfg.model_config), cfg.trust_remote_code, **options)
+    return read_config(cfg, **options)
 
 
 def load_config(path: str | Path, trust_remote_code: bool, **options) -> transformers.PretrainedConfig:
