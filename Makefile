@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 PKG    := $(VENV)/.cloudtrain-installed
 R8     := data/reuters-r8/reuters-r8-train.tab
-GRIMM  := data/grimm/train.txt
+GRIMM  := data/grimm/grimm-tales.tab
 SFT_DATA := data/r8-sft/train.jsonl
 # `make sft` starts from `make pretrain`'s model when it exists, else from a llama-8m it builds with random weights.
 PRETRAINED := outputs/grimm-pretrain

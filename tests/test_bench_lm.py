@@ -97,8 +97,8 @@ def test_a_corpus_that_cannot_be_fetched_is_one_clear_error(tmp_path, monkeypatc
     assert not list((tmp_path / "grimm").iterdir())  # nothing half-written
 
 
-@pytest.mark.skipif(not (lm_corpus.GRIMM_DIR / lm_corpus.TAB_NAME).is_file(), reason="data/grimm not fetched")
 def test_the_real_grimm_tales():
+    """`make setup` (scripts/fetch_grimm.py) keeps the source table beside the corpus it writes."""
     tales = lm_corpus.read_tales(lm_corpus.GRIMM_DIR / lm_corpus.TAB_NAME)
     train, validation = lm_corpus.split_documents(tales)
     assert len(tales) == 54 and len(train) + len(validation) > 900
