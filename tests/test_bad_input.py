@@ -244,6 +244,7 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
                                 for i in range(6)),
         "broken.jsonl": b'{"text": "a", "label": "x"}\n\n{"text": "b", "label": "y"}\n{"text": "c" "label": "y"}\n',
         "broken.json": b'[{"text": "a", "label": "x"},\n {"text": "b" "label": "y"}]\n',
+        "lines.json": b'{"text": "a", "label": "x"}\n{"text": "b", "label": "y"}\n{"text": "c", "label" "y"}\n',
     }  # fmt: skip
     for name, content in files.items():
         (tmp_path / name).write_bytes(content)
@@ -261,6 +262,9 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
         "broken.jsonl": f"{tmp_path / 'broken.jsonl'} line 4, column 14: not valid JSON (Expecting ',' delimiter); "
         "fix that line and try again",
         "broken.json": f"{tmp_path / 'broken.json'} line 2, column 15: not valid JSON (Expecting ',' delimiter); fix "
+        "that line and try again",
+        # JSON lines in a .json file, as the reader takes them
+        "lines.json": f"{tmp_path / 'lines.json'} line 3, column 23: not valid JSON (Expecting ':' delimiter); fix "
         "that line and try again",
     }
     for name, message in cases.items():

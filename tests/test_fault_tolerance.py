@@ -127,6 +127,7 @@ def killed_and_restarted_two_nodes(run_dir: Path, args: list[str], zero: int | N
         wait_for(lambda node=node: 14 in checkpoints(run_dir, node), procs[node])
     for proc in procs:
         kill_all(proc)
+    assert not (run_dir / "node0" / "out" / "model.safetensors").exists()  # killed before the end
     if merge:
         folders = [run_dir / f"node{node}" / "out" / "checkpoints" for node in (0, 1)]
         for source, target in (folders, folders[::-1]):

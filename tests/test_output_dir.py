@@ -293,3 +293,35 @@ def test_the_lock_is_released_at_the_end_of_a_run(tmp_path):
     assert held.returncode == 1 and b"is in use by another run (pid %d on " % os.getpid() in held.stderr
     release(out)
     assert subprocess.run([sys.executable, "-c", HOLDER, str(out)], input=b"", capture_output=True).stdout == b"held\n"
+
+
+FORKING_HOLDER = """
+import os, sys, time
+from cloudtrain.publish.output_dir import hold
+hold(sys.argv[1])
+child = os.fork()
+if child == 0:  # a loader worker, say, that outlives its run
+    time.sleep(120)
+    os._exit(0)
+print(child, flush=True)
+input()
+"""
+
+
+def test_a_forked_child_outliving_a_killed_run_does_not_keep_its_folder(tmp_path):
+    out = tmp_path / "out"
+    run = subprocess.Popen(
+        [sys.executable, "-c", FORKING_HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert run.stdout is not None
+    child = int(run.stdout.readline())
+    try:
+        with pytest.raises(UserError, match="is in use by another run"):
+            hold(out)
+        run.kill()
+        run.wait()
+        os.kill(child, 0)  # still alive
+        hold(out)
+        release(out)
+    finally:
+        os.kill(child, 9)

@@ -137,7 +137,8 @@ def check_resumable(cfg: Config, path: Path) -> None:
         )
 
 
-SHAPE_FIELDS = ("model_type", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "d_model")
+# sizes, not model_type: a transformers upgrade may rename a composite model's text config type
+SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "d_model")
 
 
 def model_record(cfg: Config) -> dict:
@@ -147,11 +148,12 @@ def model_record(cfg: Config) -> dict:
     from cloudtrain.models.load import trained_config  # transformers' config reading; load imports this module's users
 
     source = cfg.model.model_config or cfg.model.model_name_or_path or "the default model"
-    try:
-        config = trained_config(cfg.model, local_files_only=True).get_text_config()  # no network: loading has it
-    except UserError:
+    try:  # no network: loading has read it already
+        config = trained_config(cfg.model, local_files_only=True).get_text_config(decoder=True)
+        shape = {k: getattr(config, k) for k in SHAPE_FIELDS if hasattr(config, k)}
+        return {"source": source, "shape": json.loads(json.dumps(shape))}  # as a state file gives it back
+    except Exception:  # noqa: BLE001 (no config, remote code, an odd one: nothing recorded, the load tells)
         return {"source": source, "shape": {}}
-    return {"source": source, "shape": {k: getattr(config, k) for k in SHAPE_FIELDS if hasattr(config, k)}}
 
 
 def node_name(view: dict) -> str:

@@ -168,6 +168,15 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
     hold_output_dir(output_dir, runtime)  # before anything reads what a run still going there writes
+    try:
+        return _build_in(output_dir, cfg, task, runtime, user_callbacks)
+    except BaseException:  # refused or failed: the folder is free again (and gone, if holding it made it)
+        output_dir_module.release(output_dir)
+        raise
+
+
+def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_callbacks: list) -> Run:
+    """build_run's part in the held output folder: checkpoints, data, model, trainer, run log."""
     checkpoints = checkpoint_dir(cfg, output_dir)
     finish_interrupted_saves(checkpoints, runtime)
     cfg = restarted_defaults(cfg, checkpoints, runtime)
@@ -226,14 +235,12 @@ def run_training(cfg: Config, task: Task | None = None, callbacks: list | None =
     """Run the whole pipeline; returns the final results (train, eval and, if present, test) and the output dir.
     `task` and `callbacks`: objects the Python API was given (see `build_run`)."""
     with launch_environment_kept():
+        run = build_run(cfg, task, callbacks)
         try:
-            run = build_run(cfg, task, callbacks)
-            try:
-                return _train_evaluate_save(run)
-            finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
-                run.runtime.close()
-        finally:
-            output_dir_module.release()  # the output folder, held since build_run's start
+            return _train_evaluate_save(run)
+        finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
+            run.runtime.close()
+            output_dir_module.release(run.output_dir)  # held since build_run's start
 
 
 def _train_evaluate_save(run: Run) -> dict:

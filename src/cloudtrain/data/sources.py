@@ -137,31 +137,27 @@ def read_error(err: BaseException, builder: str, files: list[Path], split: str) 
 
 
 def first_bad_json_line(files: list[Path]) -> str | None:
-    """Where the first of `files` that is not valid JSON (lines, one record each) breaks, counted as editors do."""
+    """Where the first of `files` that is not valid JSON (a document, or a record per line) breaks, counted as
+    editors count; None where each parses (the reader's own message then says what it could not take)."""
     for file in files:
         with open(file, encoding="utf-8", errors="replace") as f:
-            if file.suffix.lower() == ".json":
-                try:
-                    json.load(f)
-                    continue
-                except json.JSONDecodeError as err:
-                    number, column, reason = err.lineno, err.colno, err.msg
-            else:
-                number, column, reason = next(
-                    ((n, e.colno, e.msg) for n, line in enumerate(f, 1) if line.strip() and (e := _json_error(line))),
-                    (0, 0, ""),
-                )
-                if not number:
-                    continue
-        return f"{file} line {number}, column {column}: not valid JSON ({reason}); fix that line and try again"
+            found = _json_error(f.read()) if file.suffix.lower() == ".json" else None
+            if file.suffix.lower() != ".json" or (found and found[2] == "Extra data" and found[1] == 1):
+                f.seek(0)  # JSON lines (in a .json file too, as the reader takes them): one record per line
+                found = next((e for n, line in enumerate(f, 1) if line.strip() and (e := _json_error(line, n))), None)
+        if found:
+            return (
+                f"{file} line {found[0]}, column {found[1]}: not valid JSON ({found[2]}); fix that line and try again"
+            )
     return None
 
 
-def _json_error(line: str) -> json.JSONDecodeError | None:
+def _json_error(text: str, first_line: int = 1) -> tuple[int, int, str] | None:
+    """(line, column, what) of the first error in `text` (whose first line is `first_line` of its file)."""
     try:
-        json.loads(line)
+        json.loads(text)
     except json.JSONDecodeError as err:
-        return err
+        return first_line + err.lineno - 1, err.colno, err.msg
     return None
 
 

@@ -81,7 +81,7 @@ def check_attention_name(cfg: Config) -> None:
 
     wanted = cfg.model.attn_implementation
     known = list(dict.fromkeys([VARLEN, "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]))
-    if not wanted or wanted in known:
+    if not wanted or wanted in known or wanted.removeprefix("paged|") in known:  # paged|<kernel>: generation's
         return
     if not is_kernel(wanted):
         raise UserError(
@@ -89,7 +89,8 @@ def check_attention_name(cfg: Config) -> None:
             f"{', '.join(known)} or a Hub kernel (<org>/<repo>), or leave it out for the default"
         )
     if not import_utils.is_kernels_available():
-        versions = f"kernels>={import_utils.KERNELS_MIN_VERSION},<{import_utils.KERNELS_MAX_VERSION}"
+        low, high = (getattr(import_utils, f"KERNELS_{end}_VERSION", None) for end in ("MIN", "MAX"))
+        versions = f"kernels>={low},<{high}" if low and high else "kernels"
         raise UserError(f"--attn_implementation {wanted} is a Hub kernel: it needs pip install '{versions}'")
 
 

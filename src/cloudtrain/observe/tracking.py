@@ -374,7 +374,7 @@ class WandB(RunMethods, WandBTracker):
             metadata = mask_value(dict(list(given.items())[:100]))
             artifact = wandb.Artifact(f"model-{self.run.id}", type="model", metadata=metadata)
             for file in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
-                if file.is_file() and file.name != RUNS_FILE:
+                if file.is_file() and file.name != RUNS_FILE and not file.name.startswith("."):  # lock, manifest
                     artifact.add_file(str(file))
             self.run.log_artifact(artifact)
 

@@ -177,11 +177,12 @@ def make_plan(args: argparse.Namespace) -> dict:
     )
     if not args.model_config and known_name(name):
         m = replace(m, name=name)
-    check_context(m.context, args.max_length)  # as training refuses it
     task_cfg = build_config(
         {n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference", "max_target_length")}
     )
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
+    if run_task.bounds_length:  # as its training refuses it
+        check_context(m.context, args.max_length)
     no_copy = replace(task_cfg, preference=replace(task_cfg.preference, precompute_reference=True))
     precision = resolve_precision(args.mixed_precision)
     attention = run_attention(args.attn_implementation, args.packing, args.task, precision)

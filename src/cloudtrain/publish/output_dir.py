@@ -148,6 +148,7 @@ def hold(output_dir: Path) -> None:
             f"or choose another folder, e.g. --output_dir {free_name(output_dir)}"
         ) from None
     except OSError:  # unwritable (check_output_dir says so), or a filesystem without locks (some network mounts)
+        _tidy(folder, created)
         return
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     _held[folder] = (fd, created)
@@ -162,10 +163,24 @@ def _lock(path: Path) -> int:
             if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not one its holder removed as this one opened it
                 os.ftruncate(fd, 0)
                 return fd
+        except FileNotFoundError:  # its holder removed it as this one opened it: take the next one
+            pass
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)
+
+
+def _forget_in_child() -> None:
+    """A forked child (a loader or tokenizing worker) drops its copy of the lock, so that a child outliving a
+    killed run does not keep the folder held; the run's own copy keeps the lock."""
+    for fd, _ in _held.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _held.clear()
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _holder(path: Path) -> str:
@@ -175,20 +190,22 @@ def _holder(path: Path) -> str:
         return "its process is ending"
 
 
-def release(output_dir: Path | None = None) -> None:
-    """The end of `hold` (of every folder this process holds, without one): the lock file goes, and the folder
-    too if `hold` made it and nothing else was written there (a refused run leaves no trace)."""
-    folders = [Path(output_dir).resolve()] if output_dir else list(_held)
-    for folder in folders:
-        fd, created = _held.pop(folder, (None, False))
-        if fd is None:
-            continue
-        with contextlib.suppress(OSError):
-            (folder / LOCK).unlink()  # while still held: a run opening it now takes a new one (_lock)
+def release(output_dir: Path) -> None:
+    """The end of `hold`: the lock file goes, and the folder too if `hold` made it and nothing else was written
+    there (a refused run leaves no trace)."""
+    folder = Path(output_dir).resolve()
+    fd, created = _held.pop(folder, (None, False))
+    if fd is not None:
+        _tidy(folder, created)  # while still held: a run opening the file now takes a new one (_lock)
         os.close(fd)
-        if created:
-            with contextlib.suppress(OSError):
-                folder.rmdir()  # only when empty
+
+
+def _tidy(folder: Path, created: bool) -> None:
+    with contextlib.suppress(OSError):
+        (folder / LOCK).unlink()
+    if created:
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when empty
 
 
 def record_run_start(cfg: Config, output_dir: Path) -> None:

@@ -61,6 +61,7 @@ class Task:
     # whether its model is a diffusers pipeline folder: the planner counts its parts (cloudtrain.planning.diffusion)
     plans_pipeline = False
     streams_data = False  # whether --streaming true reads its training rows on the fly (cloudtrain.data.streaming)
+    bounds_length = False  # whether it refuses a --max_length beyond the model's positions (models.load.check_sizes)
     # what one streamed record encodes to (registry_table.DOCUMENT or EXAMPLES, in its STREAMING row where it streams)
     stream_records = DOCUMENT
     stream_options: tuple[str, ...] = ()  # the data options its stream encoder reads: preprocess takes them as training

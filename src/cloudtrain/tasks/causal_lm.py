@@ -96,6 +96,7 @@ class CausalLMTask(DecoderTask):
     peft_task_type = "CAUSAL_LM"
     added_tokens = 0  # tokens the task adds to the tokenizer, and so to the model's vocabulary
     streams_data = True
+    bounds_length = True
     stream_options: tuple[str, ...] = ("text_column",)
     packed_attention = True  # bfd batches carry their documents' lengths, and `loss` passes them (varlen attention)
     tensor_parallel = True

@@ -53,6 +53,7 @@ class ClassificationTask(Task):
     load_error = "could not load a sequence-classification model"
     peft_task_type = "SEQ_CLS"
     embedding_noise = True
+    bounds_length = True
     head = "ForSequenceClassification"  # how the name of a checkpoint architecture with this task's head ends
     nouns = ("examples", "labels")  # what the data summary calls the rows and the classes
     # a dataset family's column names (option -> column: CoNLL's, SQuAD's), read where the options are at defaults
