@@ -3,6 +3,7 @@ ZeRO-3 with gradient checkpointing, a Hub push with a text-generation card, and 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -57,18 +58,20 @@ def lm_args(model_dir, corpus, out, *extra: str) -> list[str]:
     ]
 
 
-def test_ddp_two_processes_match_one_process_with_twice_the_batch_and_resume_exactly(tiny_llama_dir, corpus, tmp_path):
+DDP = ["--packing", "none", "--max_steps", "6", "--checkpointing_steps", "4"]  # the DDP test's runs' options
+
+
+def test_ddp_two_processes_match_one_process_with_twice_the_batch_and_resume_exactly(
+    tiny_llama_dir, corpus, two_process_runs, tmp_path
+):
     """Unpadded rows of uneven token counts: the loss is normalised by the global token count, so 2 processes
-    x 4 rows give the update of 1 process x 8 rows. Then the 2-process run, resumed from its mid-epoch
-    checkpoint, ends with the same weights and losses."""
-    common = ["--packing", "none", "--max_steps", "6", "--checkpointing_steps", "4"]
-    two = launch(
-        torchrun(2), *lm_args(tiny_llama_dir, corpus, tmp_path / "two", *common, "--per_device_train_batch_size", "4")
-    )
-    launch(
-        ONE_PROCESS, *lm_args(tiny_llama_dir, corpus, tmp_path / "one", *common, "--per_device_train_batch_size", "8")
-    )
-    assert "2 process(es) on cpu" in two.stdout and two.stdout.count("trained 6 steps") == 1
+    x 4 rows give the update of 1 process x 8 rows. Then the 2-process run (two_process_runs's "two", copied
+    here: the resume rewrites its folder), resumed from its mid-epoch checkpoint, ends with the same weights and
+    losses."""
+    shutil.copytree(two_process_runs / "two", tmp_path / "two")
+    two = (two_process_runs / "two.out").read_text()
+    launch(ONE_PROCESS, *lm_args(tiny_llama_dir, corpus, tmp_path / "one", *DDP, "--per_device_train_batch_size", "8"))
+    assert "2 process(es) on cpu" in two and two.count("trained 6 steps") == 1
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
@@ -83,7 +86,7 @@ def test_ddp_two_processes_match_one_process_with_twice_the_batch_and_resume_exa
             tiny_llama_dir,
             corpus,
             tmp_path / "two",
-            *common,
+            *DDP,
             "--per_device_train_batch_size",
             "4",
             "--overwrite_output_dir",
@@ -107,13 +110,14 @@ ZERO_STAGES = (1, 2, 3)
 
 
 @pytest.fixture(scope="module")
-def zero_runs(tiny_llama_dir, corpus, tmp_path_factory) -> Path:
-    """The three ZeRO stages' 2-process runs one after another in one launch (a launch's start, DeepSpeed imported
-    in both processes, costs more than these 2-step runs): each run's output folder zero<stage> and its stdout
-    zero<stage>.out."""
+def two_process_runs(tiny_llama_dir, corpus, tmp_path_factory) -> Path:
+    """The module's uninterrupted 2-process runs one after another in one launch (a launch's start, DeepSpeed
+    imported in both processes, costs more than these few-step runs), built once for both of `make test`'s
+    workers: the DDP test's "two" first (4 rows, 6 steps, a checkpoint at step 4), then the three ZeRO stages'
+    zero<stage>. Each run's output folder and its stdout <name>.out."""
 
     def build(root: Path) -> None:
-        runs = {}
+        runs = {"two": lm_args(tiny_llama_dir, corpus, root / "two", *DDP, "--per_device_train_batch_size", "4")}
         for stage in ZERO_STAGES:
             extra = ["--gradient_checkpointing", "true", "--packing", "bfd"] if stage == 3 else ["--packing", "wrapped"]
             zero = ["--zero_stage", str(stage), "--max_steps", "2", "--per_device_train_batch_size", "2", *extra]
@@ -121,15 +125,15 @@ def zero_runs(tiny_llama_dir, corpus, tmp_path_factory) -> Path:
         for name, stdout in in_one_launch(torchrun(2), runs, root).items():
             (root / f"{name}.out").write_text(stdout)
 
-    return built_once(tmp_path_factory, "causal-lm-zero-stages", build)
+    return built_once(tmp_path_factory, "causal-lm-two-process-runs", build)
 
 
 @pytest.mark.parametrize("stage", ZERO_STAGES)
-def test_zero_stages_train_and_save_the_full_model(stage, tiny_llama_dir, zero_runs):
+def test_zero_stages_train_and_save_the_full_model(stage, tiny_llama_dir, two_process_runs):
     """ZeRO-1/2/3 on 2 processes; ZeRO-3 with gradient checkpointing and bfd packing (its isolation probe is
-    skipped there, said in one line). The three runs share one launch (zero_runs)."""
-    out = zero_runs / f"zero{stage}"
-    stdout = (zero_runs / f"zero{stage}.out").read_text()
+    skipped there, said in one line). The three runs share one launch (two_process_runs)."""
+    out = two_process_runs / f"zero{stage}"
+    stdout = (two_process_runs / f"zero{stage}.out").read_text()
     assert f"ZeRO-{stage}" in stdout and "perplexity" in stdout
     assert stdout.count("not probed under ZeRO-3") == (stage == 3)
     saved, initial = load_file(out / "model.safetensors"), load_file(f"{tiny_llama_dir}/model.safetensors")

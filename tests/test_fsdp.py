@@ -10,6 +10,7 @@ same on CUDA (one process per GPU), and QLoRA, which needs bitsandbytes on CUDA.
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -22,12 +23,14 @@ from conftest import (
     REPO,
     SEQ2SEQ_WORDS,
     assert_each_refused,
+    built_once,
     child_pythonpath,
     lm_documents,
+    topic_rows,
     topic_run_args,
 )
 from safetensors.torch import load_file
-from test_distributed import ONE_PROCESS, accelerate_launch, free_port, launch, logged_losses
+from test_distributed import ONE_PROCESS, accelerate_launch, free_port, in_one_launch, launch, logged_losses
 
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
@@ -330,18 +333,107 @@ def load_classifier(folder: Path):
     return model
 
 
+def t5_args(model: str, train: Path, out: Path, *extra: str) -> list[str]:
+    return [
+        str(ENTRY), "--task", "seq2seq", "--model_name_or_path", model, "--max_target_length", "8",
+        "--train_file", str(train), "--report_to", "none", "--output_dir", str(out),
+        "--max_steps", "4", "--learning_rate", "1e-2", "--logging_steps", "1", "--mixed_precision", "no", *extra,
+    ]  # fmt: skip
+
+
+FSDP, FOUR, EIGHT = ("--fsdp", "true"), ("--per_device_train_batch_size", "4"), ("--per_device_train_batch_size", "8")
+GPT2_SHARDED = ["--fsdp", "true", "--fsdp_cpu_offload", "true", "--gradient_checkpointing", "true"]
+# in bf16: the frozen base in bf16 beside fp32 adapters in each unit, gathered in bf16 (the GPU set-up)
+ADAPTERS = ["--peft", "lora", "--lora_r", "4", "--learning_rate", "1e-2", "--mixed_precision", "bf16"]
+
+
+def lora_args(model_dir: str, corpus: Path, out: Path, *extra: str) -> list[str]:
+    return lm_args(model_dir, corpus, out, "--per_device_train_batch_size", "2", "--fsdp", "true", *ADAPTERS, *extra)
+
+
+@pytest.fixture(scope="module")
+def inputs(tiny_t5_dir, tmp_path_factory) -> Path:
+    """The launches' data, built once for both of `make test`'s workers: the topic task's csvs (topics/), a
+    FLAN-shaped T5 (flan/) and its headlines (headlines.jsonl: a text and its first four words)."""
+
+    def build(root: Path) -> None:
+        import pandas as pd
+
+        (root / "topics").mkdir()
+        for split, n, offset in (("train", 20, 0), ("validation", 4, 1), ("test", 4, 2)):
+            pd.DataFrame(topic_rows(n, offset)).to_csv(root / "topics" / f"{split}.csv", index=False)
+        flan_shaped_t5(tiny_t5_dir, root / "flan")
+        rng = random.Random(0)
+        texts = [" ".join(rng.choices(SEQ2SEQ_WORDS, k=rng.randint(5, 9))) for _ in range(64)]
+        rows = "".join(json.dumps({"document": text, "summary": " ".join(text.split()[:4])}) + "\n" for text in texts)
+        (root / "headlines.jsonl").write_text(rows)
+
+    return built_once(tmp_path_factory, "fsdp-inputs", build)
+
+
+def topics(inputs: Path) -> dict[str, Path]:
+    return {split: inputs / "topics" / f"{split}.csv" for split in ("train", "validation", "test")}
+
+
+@pytest.fixture(scope="module")
+def one_process(tiny_model_dir, tiny_gpt2_dir, corpus, inputs, tmp_path_factory) -> Path:
+    """The one-process runs the FSDP2 runs must equal, one after another in one plain process (a launch's start
+    costs more than these tiny runs), built once for both of `make test`'s workers: "classifier" (8 rows),
+    "gpt2" (causal LM, 4 rows), "t5" (the FLAN-shaped T5, 8 rows). Their folder."""
+
+    def build(root: Path) -> None:
+        runs = {
+            "classifier": classification_args(tiny_model_dir, topics(inputs), root / "classifier", *EIGHT),
+            "gpt2": lm_args(tiny_gpt2_dir, corpus, root / "gpt2", "--per_device_train_batch_size", "4"),
+            "t5": t5_args(str(inputs / "flan"), inputs / "headlines.jsonl", root / "t5", *EIGHT),
+        }
+        in_one_launch(ONE_PROCESS, runs, root)
+
+    return built_once(tmp_path_factory, "fsdp-one-process", build)
+
+
+@pytest.fixture(scope="module")
+def fsdp2_runs(tiny_model_dir, tiny_gpt2_dir, tiny_llama_dir, corpus, inputs, tmp_path_factory) -> Path:
+    """The uninterrupted FSDP2 runs on 2 processes, one after another in one launch (a launch's start costs more
+    than these few-step runs; each run's accelerate flags are undone at its end), built once for both of `make
+    test`'s workers: "classifier" (4 rows), "gpt2" (1 row x 2 micro-batches, CPU offload, gradient
+    checkpointing), "lora" (LoRA on the Llama in bf16), "t5" (4 rows). The resume tests resume copies of their
+    runs' folders. Each run's folder and its stdout <name>.out."""
+
+    def build(root: Path) -> None:
+        runs = {
+            "classifier": classification_args(tiny_model_dir, topics(inputs), root / "classifier", *FOUR, *FSDP),
+            "gpt2": lm_args(
+                tiny_gpt2_dir,
+                corpus,
+                root / "gpt2",
+                "--per_device_train_batch_size",
+                "1",
+                "--gradient_accumulation_steps",
+                "2",
+                *GPT2_SHARDED,
+            ),  # fmt: skip
+            "lora": lora_args(tiny_llama_dir, corpus, root / "lora"),
+            "t5": t5_args(str(inputs / "flan"), inputs / "headlines.jsonl", root / "t5", *FOUR, *FSDP),
+        }
+        for name, stdout in in_one_launch(torchrun(2), runs, root).items():
+            (root / f"{name}.out").write_text(stdout)
+
+    return built_once(tmp_path_factory, "fsdp2-runs", build)
+
+
 @pytest.mark.slow
-def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tiny_model_dir, topic_csvs, tmp_path):
+def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(
+    tiny_model_dir, inputs, one_process, fsdp2_runs, tmp_path
+):
     """2 FSDP2 processes x 4 rows give the steps of 1 process x 8 rows; the saved model loads with every
     weight from its file and is the last checkpoint's; resumed at step 3 through `accelerate launch` with the
-    shipped FSDP config, the run ends with the same losses and weights."""
-    two, one = tmp_path / "two", tmp_path / "one"
-    result = launch(
-        torchrun(2), *classification_args(tiny_model_dir, topic_csvs, two, "--per_device_train_batch_size", "4",
-                                          "--fsdp", "true")
-    )  # fmt: skip
-    launch(ONE_PROCESS, *classification_args(tiny_model_dir, topic_csvs, one, "--per_device_train_batch_size", "8"))
-    assert "2 process(es) on cpu (FSDP2, precision no)" in result.stdout
+    shipped FSDP config, the run ends with the same losses and weights. (The runs are fsdp2_runs's and
+    one_process's "classifier", the 2-process one copied here: the resume rewrites its folder.)"""
+    two, one = tmp_path / "two", one_process / "classifier"
+    shutil.copytree(fsdp2_runs / "classifier", two)
+    result = (fsdp2_runs / "classifier.out").read_text()
+    assert "2 process(es) on cpu (FSDP2, precision no)" in result
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-5)
     assert grad_norms(two) == pytest.approx(grad_norms(one), rel=1e-4)
     saved, reference = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
@@ -354,7 +446,7 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
     losses = logged_losses(two)
     resumed = launch(
         accelerate_launch(FSDP_YAML, 2),
-        *classification_args(tiny_model_dir, topic_csvs, two, "--per_device_train_batch_size", "4",
+        *classification_args(tiny_model_dir, topics(inputs), two, "--per_device_train_batch_size", "4",
                              "--overwrite_output_dir", "true", "--resume_from_checkpoint",
                              str(two / "checkpoints" / "checkpoint-3")),
     )  # fmt: skip
@@ -366,22 +458,17 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(tin
 
 
 @pytest.mark.slow
-def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny_llama_dir, corpus, tmp_path):
+def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_llama_dir, corpus, one_process, fsdp2_runs, tmp_path):
     """Full fine-tuning of a decoder with tied embeddings (GPT-2) with bfd packing, CPU offload, gradient
     checkpointing and accumulation: 2 FSDP2 processes x 1 row x 2 micro-batches match 1 process x 4 rows (the
     loss is normalised by the global token count); then LoRA on a Llama under FSDP2 in bf16 saves an adapter that
-    loads onto the base and holds the trained adapter weights, and resumes from its mid-run checkpoint exactly."""
+    loads onto the base and holds the trained adapter weights, and resumes from its mid-run checkpoint exactly.
+    (The runs are fsdp2_runs's and one_process's "gpt2" and fsdp2_runs's "lora", copied here: the resume rewrites
+    its folder.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    two, one, lora = tmp_path / "two", tmp_path / "one", tmp_path / "lora"
-    sharded = ["--fsdp", "true", "--fsdp_cpu_offload", "true", "--gradient_checkpointing", "true"]
-    launch(
-        torchrun(2),
-        *lm_args(tiny_gpt2_dir, corpus, two, "--per_device_train_batch_size", "1",
-                 "--gradient_accumulation_steps", "2", *sharded),
-    )  # fmt: skip
-    launch(ONE_PROCESS, *lm_args(tiny_gpt2_dir, corpus, one, "--per_device_train_batch_size", "4"))
+    two, one, lora = fsdp2_runs / "gpt2", one_process / "gpt2", tmp_path / "lora"
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-4)
     saved = load_file(two / "model.safetensors")
     assert saved.keys() == load_file(one / "model.safetensors").keys()  # the tied head's weight once
@@ -390,10 +477,7 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
     assert not info["missing_keys"] and not info["mismatched_keys"], info
     assert_saved_is_the_trained(saved, checkpoint_model(two / "checkpoints" / "checkpoint-4", tmp_path))
 
-    # in bf16: the frozen base in bf16 beside fp32 adapters in each unit, gathered in bf16 (the GPU set-up)
-    adapters = ["--peft", "lora", "--lora_r", "4", "--learning_rate", "1e-2", "--mixed_precision", "bf16"]
-    lora_args = lm_args(tiny_llama_dir, corpus, lora, "--per_device_train_batch_size", "2", "--fsdp", "true", *adapters)
-    launch(torchrun(2), *lora_args)
+    shutil.copytree(fsdp2_runs / "lora", lora)
     adapter, losses = load_file(lora / "adapter_model.safetensors"), logged_losses(lora)
     assert adapter and any("lora_B" in name and tensor.abs().sum() > 0 for name, tensor in adapter.items())
     trained = checkpoint_model(lora / "checkpoints" / "checkpoint-4", tmp_path)
@@ -404,7 +488,7 @@ def test_fsdp2_causal_lm_with_bfd_packing_and_a_lora_adapter(tiny_gpt2_dir, tiny
         assert torch.equal(state[full], tensor) and torch.equal(trained[full], tensor), name
 
     resume = ["--overwrite_output_dir", "true", "--resume_from_checkpoint", str(lora / "checkpoints" / "checkpoint-2")]
-    assert "at step 2" in launch(torchrun(2), *lora_args, *resume).stdout
+    assert "at step 2" in launch(torchrun(2), *lora_args(tiny_llama_dir, corpus, lora, *resume)).stdout
     assert logged_losses(lora) == losses  # the same curve, bit for bit
     again = load_file(lora / "adapter_model.safetensors")
     assert all(torch.equal(again[name], adapter[name]) for name in adapter)
@@ -433,26 +517,15 @@ def flan_shaped_t5(t5_dir: str, out: Path) -> str:
 
 
 @pytest.mark.slow
-def test_fsdp2_encoder_decoder_matches_one_process_and_saves_each_weight_once(tiny_t5_dir, tmp_path):
+def test_fsdp2_encoder_decoder_matches_one_process_and_saves_each_weight_once(one_process, fsdp2_runs):
     """A FLAN-shaped T5 (the shared embedding read by both stacks, the head apart): 2 FSDP2 processes x 4 rows
     give the losses of 1 process x 8 rows and save the same file, each weight once, that loads with every weight
-    from it; the evaluation's generations run on both processes."""
+    from it; the evaluation's generations run on both processes. (The runs are fsdp2_runs's and one_process's
+    "t5".)"""
     from transformers import AutoModelForSeq2SeqLM
 
-    model = flan_shaped_t5(tiny_t5_dir, tmp_path / "flan")
-    two, one, rng = tmp_path / "two", tmp_path / "one", random.Random(0)
-    texts = [" ".join(rng.choices(SEQ2SEQ_WORDS, k=rng.randint(5, 9))) for _ in range(64)]
-    rows = "".join(json.dumps({"document": text, "summary": " ".join(text.split()[:4])}) + "\n" for text in texts)
-    (tmp_path / "train.jsonl").write_text(rows)  # headlines: a text and its first four words
-    common = [
-        str(ENTRY), "--task", "seq2seq", "--model_name_or_path", model, "--max_target_length", "8",
-        "--train_file", str(tmp_path / "train.jsonl"), "--report_to", "none",
-        "--max_steps", "4", "--learning_rate", "1e-2", "--logging_steps", "1", "--mixed_precision", "no",
-    ]  # fmt: skip
-    result = launch(torchrun(2), *common, "--output_dir", str(two), "--per_device_train_batch_size", "4",
-                    "--fsdp", "true")  # fmt: skip
-    launch(ONE_PROCESS, *common, "--output_dir", str(one), "--per_device_train_batch_size", "8")
-    assert "2 process(es) on cpu (FSDP2, precision no)" in result.stdout
+    two, one = fsdp2_runs / "t5", one_process / "t5"
+    assert "2 process(es) on cpu (FSDP2, precision no)" in (fsdp2_runs / "t5.out").read_text()
     assert logged_losses(two) == pytest.approx(logged_losses(one), rel=1e-5)
     saved, reference = load_file(two / "model.safetensors"), load_file(one / "model.safetensors")
     assert saved.keys() == reference.keys() and "encoder.embed_tokens.weight" not in saved

@@ -5,11 +5,12 @@ against ZeRO-3 with the live one, both with LoRA; LoRA under FSDP2 (the base, ad
 against one process; a reward model under DDP against one process, resumed bit-exactly mid-epoch.
 
 Launches are few (each start of 2 processes costs more than these tiny runs): the 1-process runs that the 2-process
-ones must equal run one after another in one process (`one_process`, tests/dist_runs.py), built once for both of
-`make test`'s workers. (Several 2-process runs in one launch are not done: a second FSDP2 run in a process that ran
-one fails.)"""
+ones must equal run one after another in one process (`one_process`, tests/dist_runs.py), and every uninterrupted
+2-process run one after another in one launch (`two_process_runs`), each built once for both of `make test`'s
+workers; a resume copies its run's folder first and keeps a launch of its own."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -122,6 +123,45 @@ def one_process(tiny_llama_dir, chat_llama_dir, tiny_model_dir, pairs, reward_da
     return {name: root / name for name in ("full", "lora", "reward")}
 
 
+def reward_args(model_dir: str, data, out, *extra: str) -> list[str]:
+    return [
+        *("--task", "reward", "--model_name_or_path", model_dir, "--output_dir", str(out)),
+        *("--train_file", str(data), "--validation_file", str(data), "--margin_column", "margin"),
+        *("--max_length", "32", "--learning_rate", "1e-2", "--warmup_ratio", "0", "--mixed_precision", "no"),
+        *("--eval_strategy", "no", "--logging_steps", "1", "--num_train_epochs", "2", "--checkpointing_steps", "2"),
+        *extra,
+    ]
+
+
+PRECOMPUTED = ("--precompute_reference", "true")
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tiny_llama_dir, chat_llama_dir, tiny_model_dir, pairs, reward_data, tmp_path_factory) -> Path:
+    """The uninterrupted runs on 2 processes x 2 pairs, one after another in one launch (a launch's start,
+    DeepSpeed imported in both processes, costs more than these few-step runs), built once for both of `make
+    test`'s workers: "fsdp" (full fine-tuning under FSDP2, the copy sharded), "lora-fsdp" (LoRA under FSDP2), then
+    under DDP "two" (full, the frozen copy) and "reward" (the reward model), then "z1" (full, ZeRO-1, precomputed
+    reference), "z2" (LoRA, ZeRO-2, precomputed), "z3" (LoRA, ZeRO-3, the live base). Each run's output folder
+    and its stdout <name>.out."""
+
+    def build(root: Path) -> None:
+        runs = {
+            "fsdp": dpo_args(tiny_llama_dir, pairs, root / "fsdp", *FULL, *TWO, "--fsdp", "true"),
+            "lora-fsdp": dpo_args(chat_llama_dir, pairs, root / "lora-fsdp", *LORA, *TWO, "--fsdp", "true"),
+            "two": dpo_args(tiny_llama_dir, pairs, root / "two", *FULL, *TWO),
+            "reward": reward_args(tiny_model_dir, reward_data, root / "reward", *TWO),
+            "z1": dpo_args(tiny_llama_dir, pairs, root / "z1", *FULL, *TWO, "--zero_stage", "1", *PRECOMPUTED),
+            "z2": dpo_args(chat_llama_dir, pairs, root / "z2", *LORA, *TWO, "--zero_stage", "2", *PRECOMPUTED),
+            "z3": dpo_args(chat_llama_dir, pairs, root / "z3", *LORA, *TWO, "--zero_stage", "3"),
+        }
+        lines = {name: [str(ENTRY), *argv] for name, argv in runs.items()}
+        for name, stdout in in_one_launch(torchrun(2), lines, root).items():
+            (root / f"{name}.out").write_text(stdout)
+
+    return built_once(tmp_path_factory, "preference-two-process-runs", build)
+
+
 def assert_same_model(
     out, reference_out, name: str = "model.safetensors", atol: float = 1e-5, skip: tuple[str, ...] = ()
 ) -> None:
@@ -131,13 +171,17 @@ def assert_same_model(
         torch.testing.assert_close(a[key], b[key], rtol=1e-3, atol=atol, msg=lambda m, key=key: f"{key}: {m}")
 
 
-def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, pairs, one_process, tmp_path):
+def test_ddp_two_processes_match_one_process_and_resume_exactly(
+    tiny_llama_dir, pairs, one_process, two_process_runs, tmp_path
+):
     """Full fine-tuning with a frozen reference copy: 2 processes x 2 pairs give the update of 1 process x 4 (the
     loss is normalised by the global pair count). Logging every 2 steps with a checkpoint at step 3 leaves step 3's
     reward sums pending in the checkpoint: the resumed run's log at step 4 must still cover steps 3 and 4, and its
-    weights and every logged number must equal the uninterrupted run's."""
-    two = launch(torchrun(2), str(ENTRY), *dpo_args(tiny_llama_dir, pairs, tmp_path / "two", *FULL, *TWO))
-    assert "2 process(es) on cpu" in two.stdout and two.stdout.count("reference model: a frozen copy") == 1
+    weights and every logged number must equal the uninterrupted run's (two_process_runs's "two", copied here:
+    the resume rewrites its folder)."""
+    shutil.copytree(two_process_runs / "two", tmp_path / "two")
+    two = (two_process_runs / "two.out").read_text()
+    assert "2 process(es) on cpu" in two and two.count("reference model: a frozen copy") == 1
     assert_same_model(tmp_path / "two", one_process["full"])
     a = load_file(tmp_path / "two" / "model.safetensors")
     numbers = logged(tmp_path / "two")
@@ -154,16 +198,14 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
     assert_same_numbers(logged(tmp_path / "two"), numbers, rel=1e-12)
 
 
-def test_zero2_with_a_precomputed_reference_matches_zero3_with_the_live_one(chat_llama_dir, pairs, tmp_path):
+def test_zero2_with_a_precomputed_reference_matches_zero3_with_the_live_one(two_process_runs):
     """LoRA on 2 processes: ZeRO-2 with the reference's log-probabilities computed before training, ZeRO-3 with
-    the base (adapters disabled) as the live reference inside the sharded engine. Same model, pairs and batches:
-    the same losses and rewards at every step, and the adapters trained."""
-    z2_out, z3_out = tmp_path / "z2", tmp_path / "z3"
-    precomputed = ("--zero_stage", "2", "--precompute_reference", "true")
-    zero2 = launch(torchrun(2), str(ENTRY), *dpo_args(chat_llama_dir, pairs, z2_out, *LORA, *TWO, *precomputed))
-    zero3 = launch(torchrun(2), str(ENTRY), *dpo_args(chat_llama_dir, pairs, z3_out, *LORA, *TWO, "--zero_stage", "3"))
-    assert "ZeRO-2" in zero2.stdout and "precomputed" in zero2.stdout
-    assert "ZeRO-3" in zero3.stdout and "exact_match" in zero3.stdout
+    the base (adapters disabled) as the live reference inside the sharded engine (two_process_runs's "z2" and
+    "z3"). Same model, pairs and batches: the same losses and rewards at every step, and the adapters trained."""
+    z2_out, z3_out = two_process_runs / "z2", two_process_runs / "z3"
+    zero2, zero3 = (two_process_runs / "z2.out").read_text(), (two_process_runs / "z3.out").read_text()
+    assert "ZeRO-2" in zero2 and "precomputed" in zero2
+    assert "ZeRO-3" in zero3 and "exact_match" in zero3
     z2, z3 = logged(z2_out), logged(z3_out)
     assert z2[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at zero: policy = reference
     assert z2[1]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-4)  # not after a step
@@ -173,57 +215,40 @@ def test_zero2_with_a_precomputed_reference_matches_zero3_with_the_live_one(chat
         assert any(".lora_B." in name and adapter[name].abs().max() > 0 for name in adapter)
 
 
-def test_zero1_with_a_precomputed_reference_matches_one_process_with_the_frozen_copy(
-    tiny_llama_dir, pairs, one_process, tmp_path
-):
-    """Full fine-tuning under ZeRO-1 on 2 processes x 2 pairs, the reference's log-probabilities computed once
-    before training (no copy kept): the same losses, rewards and weights as 1 process x 4 pairs with the live
-    frozen copy."""
-    out = tmp_path / "z1"
-    precomputed = ("--zero_stage", "1", "--precompute_reference", "true")
-    run = launch(torchrun(2), str(ENTRY), *dpo_args(tiny_llama_dir, pairs, out, *FULL, *TWO, *precomputed))
-    assert "ZeRO-1" in run.stdout and "precomputed" in run.stdout and "frozen copy" not in run.stdout
+def test_zero1_with_a_precomputed_reference_matches_one_process_with_the_frozen_copy(one_process, two_process_runs):
+    """Full fine-tuning under ZeRO-1 on 2 processes x 2 pairs (two_process_runs's "z1"), the reference's
+    log-probabilities computed once before training (no copy kept): the same losses, rewards and weights as 1
+    process x 4 pairs with the live frozen copy."""
+    out = two_process_runs / "z1"
+    run = (two_process_runs / "z1.out").read_text()
+    assert "ZeRO-1" in run and "precomputed" in run and "frozen copy" not in run
     numbers = logged(out)
     assert len(numbers) == 3 and numbers[0]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-6)
     assert_same_numbers(numbers, logged(one_process["full"]), rel=1e-4)
     assert_same_model(out, one_process["full"])
 
 
-def test_full_fine_tuning_under_fsdp2_with_the_copy_sharded_matches_one_process(
-    tiny_llama_dir, pairs, one_process, tmp_path
-):
-    """Full fine-tuning under FSDP2 on 2 processes x 2 pairs, the frozen reference copy sharded as the policy:
-    the same losses, rewards and weights as 1 process x 4 pairs with the whole copy."""
-    out = tmp_path / "fsdp"
-    run = launch(torchrun(2), str(ENTRY), *dpo_args(tiny_llama_dir, pairs, out, *FULL, *TWO, "--fsdp", "true"))
-    assert (
-        "2 process(es) on cpu (FSDP" in run.stdout and run.stdout.count("reference model: sharded as the policy") == 1
-    )
+def test_full_fine_tuning_under_fsdp2_with_the_copy_sharded_matches_one_process(one_process, two_process_runs):
+    """Full fine-tuning under FSDP2 on 2 processes x 2 pairs (two_process_runs's "fsdp"), the frozen reference copy
+    sharded as the policy: the same losses, rewards and weights as 1 process x 4 pairs with the whole copy."""
+    out = two_process_runs / "fsdp"
+    run = (two_process_runs / "fsdp.out").read_text()
+    assert "2 process(es) on cpu (FSDP" in run and run.count("reference model: sharded as the policy") == 1
     assert_same_numbers(logged(out), logged(one_process["full"]), rel=1e-4)
     assert_same_model(out, one_process["full"])
 
 
-def test_lora_under_fsdp2_with_the_base_as_reference_matches_one_process(chat_llama_dir, pairs, one_process, tmp_path):
-    """LoRA under FSDP2 on 2 processes x 2 pairs, the reference the sharded base with its adapters disabled: the
-    same losses, rewards and adapter as 1 process x 4 pairs."""
-    out = tmp_path / "two"
-    sharded = launch(torchrun(2), str(ENTRY), *dpo_args(chat_llama_dir, pairs, out, *LORA, *TWO, "--fsdp", "true"))
-    assert "2 process(es) on cpu (FSDP" in sharded.stdout
+def test_lora_under_fsdp2_with_the_base_as_reference_matches_one_process(one_process, two_process_runs):
+    """LoRA under FSDP2 on 2 processes x 2 pairs (two_process_runs's "lora-fsdp"), the reference the sharded base
+    with its adapters disabled: the same losses, rewards and adapter as 1 process x 4 pairs."""
+    out = two_process_runs / "lora-fsdp"
+    sharded = (two_process_runs / "lora-fsdp.out").read_text()
+    assert "2 process(es) on cpu (FSDP" in sharded
     two, one = logged(out), logged(one_process["lora"])
     assert two[0]["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)  # LoRA's B starts at zero
     assert two[-1]["train/rewards/margins"] != pytest.approx(0.0, abs=1e-4)  # the adapters moved the policy
     assert_same_numbers(two, one, rel=1e-4)
     assert_same_model(out, one_process["lora"], "adapter_model.safetensors")
-
-
-def reward_args(model_dir: str, data, out, *extra: str) -> list[str]:
-    return [
-        *("--task", "reward", "--model_name_or_path", model_dir, "--output_dir", str(out)),
-        *("--train_file", str(data), "--validation_file", str(data), "--margin_column", "margin"),
-        *("--max_length", "32", "--learning_rate", "1e-2", "--warmup_ratio", "0", "--mixed_precision", "no"),
-        *("--eval_strategy", "no", "--logging_steps", "1", "--num_train_epochs", "2", "--checkpointing_steps", "2"),
-        *extra,
-    ]
 
 
 def margins(folder) -> list[float]:
@@ -242,14 +267,16 @@ def margins(folder) -> list[float]:
 
 
 def test_reward_model_under_ddp_matches_one_process_and_resumes_mid_epoch_exactly(
-    tiny_model_dir, reward_data, one_process, tmp_path
+    tiny_model_dir, reward_data, one_process, two_process_runs, tmp_path
 ):
     """12 pairs, 4 a step (2 processes x 2, or 1 x 4): 3 steps an epoch, 2 epochs. The 2-process run's losses and
-    weights are the 1-process run's; resumed from step 4 (one step into the second, reshuffled epoch) it logs the
-    same losses and saves the same weights, bit for bit."""
+    weights (two_process_runs's "reward", copied here: the resume rewrites its folder) are the 1-process run's;
+    resumed from step 4 (one step into the second, reshuffled epoch) it logs the same losses and saves the same
+    weights, bit for bit."""
     two, one = tmp_path / "two", one_process["reward"]
-    run = launch(torchrun(2), str(ENTRY), *reward_args(tiny_model_dir, reward_data, two, *TWO))
-    assert "2 process(es) on cpu" in run.stdout
+    shutil.copytree(two_process_runs / "reward", two)
+    run = (two_process_runs / "reward.out").read_text()
+    assert "2 process(es) on cpu" in run
     losses = logged_losses(two)
     assert len(losses) == 6 and losses[-1] < losses[0]  # it learns
     assert losses == pytest.approx(logged_losses(one), rel=1e-5)

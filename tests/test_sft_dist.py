@@ -4,15 +4,17 @@ template's tokens grow partitioned embeddings), a SageMaker-style job and a Hub 
 import json
 import os
 import random
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import test_hub
 import torch
-from conftest import ENTRY, REPO, child_pythonpath, lm_documents
+from conftest import ENTRY, REPO, built_once, child_pythonpath, lm_documents
 from safetensors.torch import load_file
-from test_distributed import ONE_PROCESS, launch, logged_losses, torchrun
+from test_distributed import ONE_PROCESS, in_one_launch, launch, logged_losses, torchrun
 from test_hub import TOKEN, hub_env, run_app
 
 hub = test_hub.hub  # the local Hub server fixture, taken by name
@@ -65,18 +67,37 @@ def sft_args(model_dir, chats, out, *extra: str) -> list[str]:
     ]
 
 
-def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, chats, tmp_path):
+DDP = ["--max_steps", "5", "--checkpointing_steps", "3"]  # the DDP test's runs' options
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tiny_llama_dir, chats, tmp_path_factory):
+    """The module's uninterrupted 2-process runs one after another in one launch (a launch's start, DeepSpeed
+    imported in both processes, costs more than these few-step runs), built once for both of `make test`'s
+    workers: the DDP test's "two" first (4 examples, 5 steps, a checkpoint at step 3), then "zero3" (2 steps, bfd
+    packing). Each run's output folder and its stdout <name>.out."""
+
+    def build(root: Path) -> None:
+        zero3 = ["--zero_stage", "3", "--max_steps", "2", "--per_device_train_batch_size", "2", "--packing", "bfd"]
+        runs = {
+            "two": sft_args(tiny_llama_dir, chats, root / "two", *DDP, "--per_device_train_batch_size", "4"),
+            "zero3": sft_args(tiny_llama_dir, chats, root / "zero3", *zero3),
+        }
+        for name, stdout in in_one_launch(torchrun(2), runs, root).items():
+            (root / f"{name}.out").write_text(stdout)
+
+    return built_once(tmp_path_factory, "sft-two-process-runs", build)
+
+
+def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, chats, two_process_runs, tmp_path):
     """Examples with uneven answer-token counts: the loss is normalised by the global count of answer tokens,
-    so 2 processes x 4 examples give the update of 1 process x 8. The 2-process run, resumed from its
-    mid-epoch checkpoint, ends with the same weights and losses."""
-    common = ["--max_steps", "5", "--checkpointing_steps", "3"]
-    two = launch(
-        torchrun(2), *sft_args(tiny_llama_dir, chats, tmp_path / "two", *common, "--per_device_train_batch_size", "4")
-    )
-    launch(
-        ONE_PROCESS, *sft_args(tiny_llama_dir, chats, tmp_path / "one", *common, "--per_device_train_batch_size", "8")
-    )
-    assert "2 process(es) on cpu" in two.stdout and two.stdout.count("grew the embeddings") == 1
+    so 2 processes x 4 examples give the update of 1 process x 8. The 2-process run (two_process_runs's "two",
+    copied here: the resume rewrites its folder), resumed from its mid-epoch checkpoint, ends with the same
+    weights and losses."""
+    shutil.copytree(two_process_runs / "two", tmp_path / "two")
+    two = (two_process_runs / "two.out").read_text()
+    launch(ONE_PROCESS, *sft_args(tiny_llama_dir, chats, tmp_path / "one", *DDP, "--per_device_train_batch_size", "8"))
+    assert "2 process(es) on cpu" in two and two.count("grew the embeddings") == 1
     a, b = load_file(tmp_path / "two" / "model.safetensors"), load_file(tmp_path / "one" / "model.safetensors")
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
@@ -90,7 +111,7 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
             tiny_llama_dir,
             chats,
             tmp_path / "two",
-            *common,
+            *DDP,
             "--per_device_train_batch_size",
             "4",
             "--overwrite_output_dir",
@@ -105,25 +126,12 @@ def test_ddp_two_processes_match_one_process_and_resume_exactly(tiny_llama_dir, 
     assert logged_losses(tmp_path / "two") == pytest.approx(losses, rel=1e-12)
 
 
-def test_zero3_grows_the_partitioned_embeddings_and_saves_the_full_model(tiny_llama_dir, chats, tmp_path):
-    out = tmp_path / "zero3"
-    result = launch(
-        torchrun(2),
-        *sft_args(
-            tiny_llama_dir,
-            chats,
-            out,
-            "--zero_stage",
-            "3",
-            "--max_steps",
-            "2",
-            "--per_device_train_batch_size",
-            "2",
-            "--packing",
-            "bfd",
-        ),
-    )
-    assert "ZeRO-3" in result.stdout and "exact_match" in result.stdout
+def test_zero3_grows_the_partitioned_embeddings_and_saves_the_full_model(tiny_llama_dir, two_process_runs):
+    """ZeRO-3 on 2 processes (two_process_runs's "zero3"): the chat template's tokens grow the partitioned
+    embeddings, and the full model is saved."""
+    out = two_process_runs / "zero3"
+    stdout = (two_process_runs / "zero3.out").read_text()
+    assert "ZeRO-3" in stdout and "exact_match" in stdout
     saved, initial = load_file(out / "model.safetensors"), load_file(f"{tiny_llama_dir}/model.safetensors")
     grown = saved["model.embed_tokens.weight"]
     assert grown.shape[0] % 64 == 0 and grown.shape[0] > initial["model.embed_tokens.weight"].shape[0]

@@ -7,6 +7,7 @@ the chat template's tokens equals one process too."""
 
 import json
 import math
+import shutil
 from pathlib import Path
 
 import pytest
@@ -129,18 +130,38 @@ def one_process(tiny_llama_dir, corpus, chats, tmp_path_factory) -> Path:
     return built_once(tmp_path_factory, "tensor-parallel-one-process", build)
 
 
+TP2 = {"tensor_parallel_size": "2", "max_steps": "4", "max_grad_norm": "1"}  # the tp2 run's options
+RESUMED = dict(max_steps="5", checkpointing_steps="3", per_device_train_batch_size="4", tensor_parallel_size="2")
+
+
+@pytest.fixture(scope="module")
+def tp2_runs(tiny_llama_dir, corpus, chats, one_process, tmp_path_factory) -> Path:
+    """The uninterrupted TP=2 runs on 2 processes, one after another in one launch (its start, torch imported in
+    both processes, costs more than these few steps), built once for both of `make test`'s workers: "tp2"
+    (causal_lm, 4 rows, 4 steps), "first" (5 steps, a checkpoint at step 3: the resume test resumes a copy of
+    it), "sft" (sft from one_process's "grown"). Each run's folder and its stdout <name>.out."""
+
+    def build(root: Path) -> None:
+        runs = {
+            "tp2": args(options(tiny_llama_dir, corpus, root / "tp2"), **TP2, per_device_train_batch_size="4"),
+            "first": args(options(tiny_llama_dir, corpus, root / "first"), **RESUMED),
+            "sft": sft_args(str(one_process / "grown"), chats, root / "sft", *SFT, "--tensor_parallel_size", "2"),
+        }
+        for name, stdout in in_one_launch(torchrun(2), runs, root).items():
+            (root / f"{name}.out").write_text(stdout)
+
+    return built_once(tmp_path_factory, "tensor-parallel-tp2", build)
+
+
 @pytest.mark.slow
-def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, one_process, tmp_path):
+def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, one_process, tp2_runs, tmp_path):
     """One process x 4 rows, TP=2 on 2 processes x 4 rows (both take the same rows), TP=2 x 2 replicas and TP=2 x
     FSDP2 shard 2 on 4 processes x 2 rows each: the same losses and gradient norms at every step (clipped:
     --max_grad_norm 1), the same weights after 4 steps of 2 accumulated micro-batches, the same evaluation over
-    exactly the same tokens. (The two 4-process runs share one launch.)"""
-    tp2 = {"tensor_parallel_size": "2", "max_steps": "4", "max_grad_norm": "1"}
-    outputs = {"one": (one_process / "one.out").read_text()}
-    opts = options(tiny_llama_dir, corpus, tmp_path / "tp2")
-    outputs["tp2"] = launch(torchrun(2), *args(opts, **tp2, per_device_train_batch_size="4")).stdout
+    exactly the same tokens. (The two 4-process runs share one launch; the TP=2 run is tp2_runs's.)"""
+    outputs = {"one": (one_process / "one.out").read_text(), "tp2": (tp2_runs / "tp2.out").read_text()}
     four = {  # one launch
-        name: args(options(tiny_llama_dir, corpus, tmp_path / name), **tp2, per_device_train_batch_size="2", **fsdp)
+        name: args(options(tiny_llama_dir, corpus, tmp_path / name), **TP2, per_device_train_batch_size="2", **fsdp)
         for name, fsdp in (("tp2x2", {}), ("tp2xfsdp2", {"fsdp": "true"}))
     }
     outputs |= in_one_launch(torchrun(4), four, tmp_path)
@@ -151,7 +172,7 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, one_pr
     one = load_file(one_process / "one" / "model.safetensors")
     evaluation = json.loads((one_process / "one" / "eval_results.json").read_text())
     for name in ("tp2", "tp2x2", "tp2xfsdp2"):
-        out = tmp_path / name
+        out = tp2_runs / name if name == "tp2" else tmp_path / name
         assert logged_losses(out) == pytest.approx(logged_losses(one_process / "one"), rel=1e-6)
         assert metrics(out, "train/grad_norm") == pytest.approx(
             metrics(one_process / "one", "train/grad_norm"), rel=1e-5
@@ -175,15 +196,15 @@ def test_tp2_and_tp2_x_dp2_train_like_one_process(tiny_llama_dir, corpus, one_pr
 
 
 @pytest.mark.slow
-def test_sft_tp2_trains_like_one_process_from_a_model_grown_in_one_process(chats, one_process, tmp_path):
+def test_sft_tp2_trains_like_one_process_from_a_model_grown_in_one_process(one_process, tp2_runs):
     """The test model has no rows for chatml's tokens: a one-process sft run grows them (the refusal's advice),
-    then TP=2 and one process fine-tune its output alike: answer-only losses and gradient norms at every step
-    (clipped, 2 accumulated micro-batches of uneven answer-token counts), the evaluation over the same answer
-    tokens, the sample answers, and the weights after 4 steps."""
+    then TP=2 (tp2_runs's "sft") and one process fine-tune its output alike: answer-only losses and gradient norms
+    at every step (clipped, 2 accumulated micro-batches of uneven answer-token counts), the evaluation over the
+    same answer tokens, the sample answers, and the weights after 4 steps."""
     grown, one = one_process / "grown", (one_process / "sft.out").read_text()
-    tp2 = launch(torchrun(2), *sft_args(str(grown), chats, tmp_path / "tp2", *SFT, "--tensor_parallel_size", "2"))
-    assert "tensor parallel 2" in tp2.stdout and "grew the embeddings" not in one + tp2.stdout
-    a, b = tmp_path / "tp2", one_process / "sft"
+    tp2 = (tp2_runs / "sft.out").read_text()
+    assert "tensor parallel 2" in tp2 and "grew the embeddings" not in one + tp2
+    a, b = tp2_runs / "sft", one_process / "sft"
     assert logged_losses(a) == pytest.approx(logged_losses(b), rel=1e-6)
     assert metrics(a, "train/grad_norm") == pytest.approx(metrics(b, "train/grad_norm"), rel=1e-5)
     initial, ours, theirs = (load_file(folder / "model.safetensors") for folder in (grown, a, b))
@@ -197,19 +218,22 @@ def test_sft_tp2_trains_like_one_process_from_a_model_grown_in_one_process(chats
 
 
 @pytest.mark.slow
-def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(tiny_llama_dir, corpus, tmp_path, capsys):
-    """TP=2: a run with a checkpoint at step 3 of 5, then the same run resumed there (as after kill -9) ends with
-    the same weights and losses; the saved model loads in one process and continues the sample prompts as the
-    tensor-parallel model did at the end of training."""
+def test_resume_is_exact_and_the_saved_model_generates_alike_in_one_process(
+    tiny_llama_dir, corpus, tp2_runs, tmp_path, capsys
+):
+    """TP=2: a run with a checkpoint at step 3 of 5 (tp2_runs's "first", copied here: the resume rewrites its
+    folder), then the same run resumed there (as after kill -9) ends with the same weights and losses; the saved
+    model loads in one process and continues the sample prompts as the tensor-parallel model did at the end of
+    training."""
     out = tmp_path / "tp"
+    shutil.copytree(tp2_runs / "first", out)
     opts = options(tiny_llama_dir, corpus, out)
-    common = dict(max_steps="5", checkpointing_steps="3", per_device_train_batch_size="4", tensor_parallel_size="2")
-    first = launch(torchrun(2), *args(opts, **common)).stdout
+    first = (tp2_runs / "first.out").read_text()
     weights, losses = load_file(out / "model.safetensors"), logged_losses(out)
     checkpoint = out / "checkpoints" / "checkpoint-3"
     assert (checkpoint / "tensor_parallel" / ".metadata").is_file()  # every process's shards
     resumed = launch(
-        torchrun(2), *args(opts, **common, overwrite_output_dir="true", resume_from_checkpoint=str(checkpoint))
+        torchrun(2), *args(opts, **RESUMED, overwrite_output_dir="true", resume_from_checkpoint=str(checkpoint))
     ).stdout
     assert "at step 3" in resumed
     again = load_file(out / "model.safetensors")
