@@ -75,7 +75,8 @@ def in_one_launch(launcher: list[str], runs: dict[str, list[str]], folder: Path)
 
     runs_file = folder / f"runs-{'-'.join(runs)}.json"
     runs_file.write_text(json.dumps([argv[1:] for argv in runs.values()]))  # dist_runs calls the entry's main
-    result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=600)
+    timeout = 300 + 120 * len(runs)  # a launch's start, then each run (a loaded machine takes minutes for 7)
+    result = launch(launcher, str(REPO / "tests" / "dist_runs.py"), str(runs_file), timeout=timeout)
     return dict(zip(runs, run_outputs(result.stdout, len(runs)), strict=True))
 
 

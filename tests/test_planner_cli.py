@@ -68,7 +68,7 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
         "--gpu_memory_gb",
         "4",
         "--max_length",
-        "2048",  # its whole context (more is refused, as training refuses it)
+        "4096",
         "--mixed_precision",
         "no",
         "--output_dir",
@@ -89,7 +89,6 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
             ["--model_name_or_path", "org/no-such-model"],
             "--model_name_or_path org/no-such-model: no cached copy and the Hub cannot be reached",
         ),
-        (["--max_length", "100000"], r"--max_length 100000 is longer than the model's context \(512 positions\)"),
         (
             ["--global_batch_size", "100", "--num_gpus", "8"],
             "--global_batch_size 100 must be a positive multiple of the 8",
@@ -127,6 +126,18 @@ def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
     assert __import__("re").search(message, err), err
+
+
+def test_a_length_beyond_the_models_positions_is_planned_with_a_note_that_the_run_refuses_it(tmp_path):
+    """Long-context sizing (context parallelism) plans it; the run would refuse the model's config as given."""
+    plan = planning.make_plan(plan_args(None, tmp_path, gpu_memory_gb=24, max_length=4096))
+    assert (
+        "--max_length 4096 is beyond the model's 512 positions: the run refuses it as given; extend them in a copy of "
+        "its config (max_position_embeddings, and rope_scaling for RoPE models)"
+    ) in plan["notes"]
+    assert not any(
+        "positions" in note for note in planning.make_plan(plan_args(None, tmp_path / "b", gpu_memory_gb=24))["notes"]
+    )
 
 
 def test_plan_takes_the_training_options_with_the_application_s_defaults(tiny_model_dir, tmp_path, monkeypatch):

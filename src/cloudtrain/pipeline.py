@@ -167,8 +167,8 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
     if cfg.training.keep_freed_memory and not torch.cuda.is_available():
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
-    hold_output_dir(output_dir, runtime)  # before anything reads what a run still going there writes
     try:
+        hold_output_dir(output_dir, runtime)  # before anything reads what a run still going there writes
         return _build_in(output_dir, cfg, task, runtime, user_callbacks)
     except BaseException:  # refused or failed: the folder is free again (and gone, if holding it made it)
         output_dir_module.release(output_dir)
@@ -239,8 +239,10 @@ def run_training(cfg: Config, task: Task | None = None, callbacks: list | None =
         try:
             return _train_evaluate_save(run)
         finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
-            run.runtime.close()
-            output_dir_module.release(run.output_dir)  # held since build_run's start
+            try:
+                run.runtime.close()
+            finally:
+                output_dir_module.release(run.output_dir)  # held since build_run's start
 
 
 def _train_evaluate_save(run: Run) -> dict:

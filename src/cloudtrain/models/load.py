@@ -149,11 +149,7 @@ def check_sizes(
 
 def check_positions(config: transformers.PretrainedConfig, max_length: int) -> None:
     """--max_length fits the model's position table (checked from its config, before any data is read)."""
-    check_context(context_length(config), max_length)
-
-
-def check_context(context: int | None, max_length: int) -> None:
-    """The refusal of training and of `cloudtrain plan`, for a context of `context` positions (None: relative)."""
+    context = context_length(config)
     if context and max_length > context:
         raise UserError(
             f"--max_length {max_length} is longer than the model's context ({context} positions); "

@@ -30,7 +30,6 @@ from cloudtrain.hardware import resolve_precision
 from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.models.diffusion import read_model_index
-from cloudtrain.models.load import check_context
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
@@ -181,8 +180,6 @@ def make_plan(args: argparse.Namespace) -> dict:
         {n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference", "max_target_length")}
     )
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
-    if run_task.bounds_length:  # as its training refuses it
-        check_context(m.context, args.max_length)
     no_copy = replace(task_cfg, preference=replace(task_cfg.preference, precompute_reference=True))
     precision = resolve_precision(args.mixed_precision)
     attention = run_attention(args.attn_implementation, args.packing, args.task, precision)
@@ -352,6 +349,11 @@ def _notes(m: ModelFacts, setup: Setup, precision: str) -> list[str]:
         notes.append(
             "adapters: a chat template that adds tokens also trains the embeddings and LM head in full "
             "(not counted here)"
+        )
+    if TASKS[m.task].bounds_length and m.context and setup.max_length > m.context:
+        notes.append(
+            f"--max_length {setup.max_length} is beyond the model's {m.context} positions: the run refuses it as "
+            "given; extend them in a copy of its config (max_position_embeddings, and rope_scaling for RoPE models)"
         )
     if precision != setup.mixed_precision:
         notes.append(

@@ -11,6 +11,7 @@
 """
 
 import contextlib
+import errno
 import fcntl
 import fnmatch
 import itertools
@@ -147,17 +148,32 @@ def hold(output_dir: Path) -> None:
             f"--output_dir {output_dir} is in use by another run ({_holder(folder / LOCK)}); wait for it to end, "
             f"or choose another folder, e.g. --output_dir {free_name(output_dir)}"
         ) from None
-    except OSError:  # unwritable (check_output_dir says so), or a filesystem without locks (some network mounts)
+    except NoLocks:  # a filesystem without locks (some network mounts): the other checks still apply
         _tidy(folder, created)
+        return
+    except OSError:  # unwritable: check_output_dir says so in its own words
         return
     os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
     _held[folder] = (fd, created)
 
 
+class NoLocks(OSError):
+    """flock is not supported where the folder lies."""
+
+
 def _lock(path: Path) -> int:
-    """The open lock file at `path`, locked; BlockingIOError while another process holds it."""
+    """The open lock file at `path`, locked; BlockingIOError while another process holds it, NoLocks where the
+    filesystem has no locks (the file removed again if this call made it)."""
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            made = True
+        except FileExistsError:
+            made = False
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except FileNotFoundError:  # its holder removed it between the two opens: take the next one
+                continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if os.fstat(fd).st_ino == os.stat(path).st_ino:  # not one its holder removed as this one opened it
@@ -165,8 +181,16 @@ def _lock(path: Path) -> int:
                 return fd
         except FileNotFoundError:  # its holder removed it as this one opened it: take the next one
             pass
-        except BaseException:
+        except BlockingIOError:
             os.close(fd)
+            raise
+        except OSError as err:
+            os.close(fd)
+            if err.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                if made:
+                    with contextlib.suppress(OSError):
+                        path.unlink()
+                raise NoLocks(err.errno, err.strerror) from None
             raise
         os.close(fd)
 
@@ -197,10 +221,13 @@ def release(output_dir: Path) -> None:
     fd, created = _held.pop(folder, (None, False))
     if fd is not None:
         _tidy(folder, created)  # while still held: a run opening the file now takes a new one (_lock)
-        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 def _tidy(folder: Path, created: bool) -> None:
+    """The lock file (this process's: it holds it, or made it) goes, and the folder if `hold` made it and it is
+    empty."""
     with contextlib.suppress(OSError):
         (folder / LOCK).unlink()
     if created:
