@@ -286,6 +286,20 @@ def test_a_second_run_in_a_folder_in_use_is_refused_in_one_line_and_the_first_ru
     assert LOCK in before and tree(out) == {k: v for k, v in before.items() if k != LOCK}  # it went with the lock
 
 
+def test_a_checkpoint_folder_outside_the_output_folder_is_held_too(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    shared = tmp_path / "checkpoints"
+    holder = another_run_holding(shared)
+    try:
+        assert train(tiny_model_dir, topic_csvs, tmp_path / "out", "--checkpoint_dir", str(shared)) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --checkpoint_dir {shared} is in use by another run (pid {holder.pid} on ")
+        assert err.endswith(f"or choose another folder, e.g. --checkpoint_dir {shared}-2") and "\n" not in err
+        assert not (tmp_path / "out").exists()  # held first, then let go whole: the refused run left nothing
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_lock_is_released_at_the_end_of_a_run(tmp_path):
     out = tmp_path / "out"
     hold(out)

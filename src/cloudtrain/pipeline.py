@@ -124,12 +124,20 @@ def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None, ru
         raise UserError(message, quiet=not runtime.is_main)
 
 
-def hold_output_dir(output_dir: Path, runtime: Runtime) -> None:
-    """The main process holds the output folder for the run (a second run there is refused, on every process)."""
+def held_folders(cfg: Config, output_dir: Path) -> dict[Path, str]:
+    """The folders a run holds while it lives: its output folder, and a --checkpoint_dir outside it."""
+    checkpoints = checkpoint_dir(cfg, output_dir)
+    inside = checkpoints.resolve().is_relative_to(output_dir.resolve())
+    return {output_dir: "--output_dir", **({} if inside else {checkpoints: "--checkpoint_dir"})}
+
+
+def hold_folders(cfg: Config, output_dir: Path, runtime: Runtime) -> None:
+    """The main process holds the run's folders (a second run in one of them is refused, on every process)."""
 
     def refusal() -> str | None:
         try:
-            output_dir_module.hold(output_dir)
+            for folder, flag in held_folders(cfg, output_dir).items():
+                output_dir_module.hold(folder, flag)
         except UserError as err:
             return str(err)
         return None
@@ -137,6 +145,11 @@ def hold_output_dir(output_dir: Path, runtime: Runtime) -> None:
     message = runtime.run_on_main(refusal)
     if message:
         raise UserError(message, quiet=not runtime.is_main)
+
+
+def release_folders(cfg: Config, output_dir: Path) -> None:
+    for folder in held_folders(cfg, output_dir):
+        output_dir_module.release(folder)
 
 
 @dataclass
@@ -168,10 +181,10 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
         keep_freed_memory()  # before the model and data take their memory
     runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
     try:
-        hold_output_dir(output_dir, runtime)  # before anything reads what a run still going there writes
+        hold_folders(cfg, output_dir, runtime)  # before anything reads what a run still going there writes
         return _build_in(output_dir, cfg, task, runtime, user_callbacks)
     except BaseException:  # refused or failed: the folder is free again (and gone, if holding it made it)
-        output_dir_module.release(output_dir)
+        release_folders(cfg, output_dir)
         raise
 
 
@@ -242,7 +255,7 @@ def run_training(cfg: Config, task: Task | None = None, callbacks: list | None =
             try:
                 run.runtime.close()
             finally:
-                output_dir_module.release(run.output_dir)  # held since build_run's start
+                release_folders(run.cfg, run.output_dir)  # held since build_run's start
 
 
 def _train_evaluate_save(run: Run) -> dict:

@@ -133,7 +133,7 @@ def claim(output_dir: Path) -> None:
 _held: dict[Path, tuple[int, bool]] = {}  # folder -> (the open lock file this process holds it by, created it)
 
 
-def hold(output_dir: Path) -> None:
+def hold(output_dir: Path, flag: str = "--output_dir") -> None:
     """Make `output_dir` this process's until it ends or calls `release`: an exclusive lock on its lock file,
     refused in one line while another run holds it. Where the filesystem has no locks, nothing is held."""
     folder = Path(output_dir).resolve()
@@ -145,8 +145,8 @@ def hold(output_dir: Path) -> None:
         fd = _lock(folder / LOCK)
     except BlockingIOError:
         raise UserError(
-            f"--output_dir {output_dir} is in use by another run ({_holder(folder / LOCK)}); wait for it to end, "
-            f"or choose another folder, e.g. --output_dir {free_name(output_dir)}"
+            f"{flag} {output_dir} is in use by another run ({_holder(folder / LOCK)}); wait for it to end, "
+            f"or choose another folder, e.g. {flag} {free_name(output_dir)}"
         ) from None
     except NoLocks:  # a filesystem without locks (some network mounts): the other checks still apply
         _tidy(folder, created)
