@@ -516,21 +516,19 @@ def test_check_trackers_rejects_unusable_choices(monkeypatch):
 
 def test_a_kill_while_a_resumed_run_cuts_its_log_back_leaves_the_old_log_whole(tmp_path, monkeypatch):
     """On resume, metrics.jsonl is cut back to the checkpoint's step: written beside the old log and renamed
-    over it, so a kill in the middle loses no line (it used to be truncated in place)."""
+    over it, so a kill before the rename loses no line (it used to be truncated and rewritten in place)."""
+    from cloudtrain.publish import atomic
+
     lines = "".join(json.dumps({"step": s, "time": 0.0, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3))
     (tmp_path / "metrics.jsonl").write_text(lines)
-    real_write_text = Path.write_text
 
-    def killed_while_writing(path: Path, text: str, *args, **kwargs) -> int:
-        if path.name.startswith("metrics.jsonl"):
-            real_write_text(path, text[: len(text) // 2])
-            raise KeyboardInterrupt("killed")
-        return real_write_text(path, text, *args, **kwargs)
+    def killed_before_the_rename(source, target) -> None:
+        raise KeyboardInterrupt("killed")
 
-    monkeypatch.setattr(Path, "write_text", killed_while_writing)
+    monkeypatch.setattr(atomic.os, "replace", killed_before_the_rename)
     with pytest.raises(KeyboardInterrupt):
         tracking.RunLog(build_config({"report_to": ["none"]}), tmp_path, True, {}, resume_step=2)
     assert (tmp_path / "metrics.jsonl").read_text() == lines
-    monkeypatch.setattr(Path, "write_text", real_write_text)
+    monkeypatch.undo()
     tracking.RunLog(build_config({"report_to": ["none"]}), tmp_path, True, {}, resume_step=2)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]

@@ -39,6 +39,7 @@ from PIL import Image
 from cloudtrain.config import Config, TrackingConfig, differs_from_default
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
+from cloudtrain.publish.atomic import write_whole
 from cloudtrain.redact import mask_value
 
 RUNS_FILE = "tracker_runs.json"
@@ -122,9 +123,7 @@ class RunLog:
             tracker.log_config(config)
             state[name] = tracker.state()
             self.trackers.append(tracker)
-        partial = self.output_dir / f"{RUNS_FILE}.partial"
-        partial.write_text(json.dumps(state, indent=2) + "\n")
-        os.replace(partial, self.output_dir / RUNS_FILE)
+        write_whole(self.output_dir / RUNS_FILE, json.dumps(state, indent=2) + "\n")
 
     def _start_metrics_file(self, resume_step: int | None, checkpoint: Path | None) -> None:
         """A fresh file, or on resume the lines up to the checkpoint (later ones are redone). At the checkpoint's
@@ -140,9 +139,7 @@ class RunLog:
                 seen = sum(r["step"] == resume_step for r in read_metrics(copy))
                 at_step = at_step[:seen] + list(itertools.takewhile(_is_save_line, at_step[seen:]))
             kept += at_step
-        partial = self.path.with_name(f"{self.path.name}.partial")  # a kill now leaves the old log whole
-        partial.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(partial, self.path)
+        write_whole(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a kill now leaves the old log whole
 
     def log(self, values: dict, step: int) -> None:
         if not self.enabled:

@@ -14,7 +14,6 @@ Every file is written whole, then renamed into place.
 import hashlib
 import itertools
 import json
-import os
 import shlex
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.known_models import hub_id
 from cloudtrain.planning.search import Choice
 from cloudtrain.planning.strategies import Candidate, Setup, Strategy
+from cloudtrain.publish.atomic import write_whole
 
 NVME_PATH = "/local_nvme/cloudtrain-swap"  # ZeRO-Infinity's swap folder in an emitted config: edit to your disk's
 DS_CONFIG, YAML = "ds_config.json", "accelerate_config.yaml"
@@ -165,20 +165,11 @@ def _write_all(folder: Path, contents: dict[str, bytes]) -> None:
         except OSError:
             present = []
         during[name] = [h for h in written.get(name, []) if h in present] + [_digest(data)]
-    _replace(folder / WRITTEN, (json.dumps({"written": during}, indent=1) + "\n").encode())
+    write_whole(folder / WRITTEN, (json.dumps({"written": during}, indent=1) + "\n").encode(), sync=True)
     for name, data in contents.items():
-        _replace(folder / name, data)
+        write_whole(folder / name, data, sync=True)
     after = {**written, **{name: [_digest(data)] for name, data in contents.items()}}
-    _replace(folder / WRITTEN, (json.dumps({"written": after}, indent=1) + "\n").encode())
-
-
-def _replace(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_whole(folder / WRITTEN, (json.dumps({"written": after}, indent=1) + "\n").encode(), sync=True)
 
 
 def launch_command(m: ModelFacts, choice: Choice, setup: Setup, files: dict[str, str]) -> str:

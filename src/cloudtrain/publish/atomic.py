@@ -159,6 +159,19 @@ def _move(source: Path, target: Path) -> None:
     os.replace(source, target)
 
 
+def write_whole(path: Path, data: str | bytes, sync: bool = False) -> None:
+    """`data` into `path` whole or not at all: written beside it, then renamed over it (a kill leaves the old
+    file or the new one); `sync`: on disk before the rename, for a power cut too."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
 def fsync(path: Path) -> None:
     """A file's or a folder's data and entries on disk before anything counts on them."""
     fd = os.open(path, os.O_RDONLY)

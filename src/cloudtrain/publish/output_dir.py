@@ -24,6 +24,7 @@ from pathlib import Path
 from cloudtrain.assets import r8_folder
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
+from cloudtrain.publish.atomic import write_whole
 from cloudtrain.publish.saving import MODEL_PATTERNS
 
 MANIFEST = ".cloudtrain-manifest.json"
@@ -76,9 +77,9 @@ def record(output_dir: Path, names: set[str] | list[str]) -> None:
     """Add `names` to the manifest (written whole, then renamed: a kill leaves the old or the new one)."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    tmp = output_dir / f"{MANIFEST}.tmp"
-    tmp.write_text(json.dumps({"written": sorted(written(output_dir) | set(names))}, indent=1) + "\n")
-    os.replace(tmp, output_dir / MANIFEST)
+    write_whole(
+        output_dir / MANIFEST, json.dumps({"written": sorted(written(output_dir) | set(names))}, indent=1) + "\n"
+    )
 
 
 def record_run_files(output_dir: Path) -> None:
@@ -149,7 +150,9 @@ def hold(output_dir: Path, flag: str = "--output_dir") -> None:
             f"or choose another folder, e.g. {flag} {free_name(output_dir)}"
         ) from None
     except NoLocks:  # a filesystem without locks (some network mounts): the other checks still apply
-        _tidy(folder, created)
+        if created:  # (_lock took its file away again)
+            with contextlib.suppress(OSError):
+                folder.rmdir()
         return
     except OSError:  # unwritable: check_output_dir says so in its own words
         return
