@@ -12,17 +12,7 @@ from cloudtrain.data.files import check_data_files
 from cloudtrain.errors import UserError
 from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.publish.atomic import check_writable
-from cloudtrain.publish.output_dir import earlier_model_refusal, holds_saved_model
-
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "vocab.*",
-    "*.model",
-    "merges.txt",
-    "*.tiktoken",
-    "tekken.json",
-)
+from cloudtrain.publish.output_dir import TOKENIZER_PATTERNS, earlier_model_refusal, holds_saved_model
 
 
 def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
@@ -37,7 +27,7 @@ def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
         raise UserError(f"{flag} {name} is a file; give the folder it lies in")
     if not folder.is_dir():
         raise UserError(f"{flag} {name} does not exist; give a model directory or a Hub id like <org>/<name>")
-    if flag == "--tokenizer_name_or_path" and not any(any(folder.glob(p)) for p in TOKENIZER_FILES):
+    if flag == "--tokenizer_name_or_path" and not any(any(folder.glob(p)) for p in TOKENIZER_PATTERNS):
         raise UserError(
             f"{flag} {name} holds no tokenizer (no tokenizer.json, tokenizer_config.json or vocabulary file); give "
             "a folder a tokenizer was saved to (save_pretrained), or a Hub id"

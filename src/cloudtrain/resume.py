@@ -30,10 +30,15 @@ from cloudtrain.errors import UserError
 from cloudtrain.paths import torchrun_restarts
 
 
+def first_on_node() -> bool:
+    """Whether this process is its node's first (local rank 0): the one that changes a folder each node may hold."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0
+
+
 def finish_interrupted_saves(folder: Path, runtime: Any) -> None:
     """Before any process looks at the checkpoints: a checkpoint saved again at its step, cut by a kill between
     its renames, is finished (once per node: each node may hold its own folder)."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if first_on_node():
         finish_replacement(folder)
     runtime.barrier()
 
@@ -132,7 +137,7 @@ def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:
 def drop_earlier_checkpoints(folder: Path, runtime: Any) -> None:
     """--overwrite_output_dir, a fresh run built and about to train: the earlier run's checkpoints leave at once
     (renamed, once per node: each node may hold its own folder) and are deleted in the background."""
-    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+    if first_on_node():
         gone = []
         for _, path in complete_checkpoints(folder):
             hidden = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")

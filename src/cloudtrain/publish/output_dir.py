@@ -37,6 +37,8 @@ TOKENIZER_PATTERNS = (
     "merges.txt",
     "*.model",  # sentencepiece
     "chat_template.*",
+    "*.tiktoken",
+    "tekken.json",
 )
 RESULT_PATTERNS = ("args.json", "*_results.json", "*_predictions.jsonl", "README.md")
 LOG_NAMES = ("metrics.jsonl", "tracker_runs.json", "training_curves.png", "checkpoints", "validation")  # + images
