@@ -117,7 +117,7 @@ def test_a_model_cloudtrain_did_not_write_is_never_replaced_even_with_overwrite(
         assert main(["--output_dir", str(out), "--overwrite_output_dir", overwrite]) == 2
         assert capsys.readouterr().err.strip() == (
             f"error: --output_dir {out} holds config.json, model.safetensors, which cloudtrain did not "
-            f"write and a run would replace; choose a new folder, e.g. --output_dir {out}-2"
+            f"write and a run would replace; move them elsewhere, or choose a new folder, e.g. --output_dir {out}-2"
         )
     assert snapshot(out) == before
 

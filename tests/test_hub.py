@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from conftest import ENTRY, REPO, child_pythonpath, topic_rows
@@ -22,7 +23,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.publish import hub as cloudhub
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.hub import write_card
-from cloudtrain.publish.output_dir import written
+from cloudtrain.publish.output_dir import claim, edited, record, written
 from cloudtrain.publish.saving import holds_model
 
 TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search
@@ -283,6 +284,36 @@ def test_the_card_is_written_whole_and_a_users_own_readme_is_kept_and_pushed_as_
         ".cloudtrain-manifest.json",
         "README.md",
     ]
+
+
+def test_a_card_the_user_edited_after_the_run_is_kept_by_a_push_and_by_an_overwriting_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    write_card(out_made(out), lambda path: path.write_text("generated"))
+    record(out, ["config.json"])  # other names recorded later keep the card's digest
+    assert "README.md" in written(out)
+    (out / "README.md").write_text("generated\n\n## Limitations\nmy own words")
+    assert "README.md" not in written(out) and edited(out) == {"README.md"}
+    write_card(out, lambda path: path.write_text("generated again"))
+    assert (out / "README.md").read_text().endswith("my own words")
+    assert "was edited since cloudtrain wrote it: it is kept, and pushed as the model card" in capsys.readouterr().out
+    with pytest.raises(UserError, match=r"holds README.md, which cloudtrain did not write \(README.md edited since\)"):
+        claim(out)  # a run with --overwrite_output_dir would replace it: refused before anything is written
+    (out / "README.md").unlink()  # gone: nothing of the user's is left to keep
+    write_card(out, lambda path: path.write_text("generated"))
+    assert "README.md" in written(out) and not edited(out)
+
+
+def test_a_card_cloudtrain_writes_again_is_its_own(tmp_path):
+    out = out_made(tmp_path / "run")
+    write_card(out, lambda path: path.write_text("generated"))
+    (out / "README.md").write_text("a blank card a PEFT save writes")
+    record(out, ["README.md"])  # written again by the run: its new digest replaces the card's
+    assert "README.md" in written(out) and not edited(out)
+
+
+def out_made(out: Path) -> Path:
+    out.mkdir(parents=True)
+    return out
 
 
 @pytest.mark.parametrize("repo_id, existing", [("bob/new-model", False), ("bob/his-model", True)])

@@ -107,7 +107,7 @@ def test_a_users_files_are_never_replaced_and_the_run_says_which(tiny_model_dir,
     assert train(tiny_model_dir, topic_csvs, out, "--overwrite_output_dir", "true") == 2
     assert capsys.readouterr().err.strip() == (
         f"error: --output_dir {out} holds args.json, metrics.jsonl, which cloudtrain did not write and a run "
-        f"would replace; choose a new folder, e.g. --output_dir {out}-2"
+        f"would replace; move them elsewhere, or choose a new folder, e.g. --output_dir {out}-2"
     )
     assert tree(out) == before
 

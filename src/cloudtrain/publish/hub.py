@@ -41,7 +41,7 @@ from cloudtrain.config import Config, HubConfig, build_config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
-from cloudtrain.publish.output_dir import record, written
+from cloudtrain.publish.output_dir import edited, record, written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
 
 CARD = "README.md"
@@ -216,10 +216,11 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
 
 def write_card(output_dir: Path, save: Callable[[Path], None]) -> None:
     """The model card into <output_dir>/README.md (written whole, then renamed), and listed as cloudtrain's; a
-    README.md the user put there is theirs: kept, and pushed as the card."""
+    README.md the user put there, or edited since cloudtrain wrote it, is theirs: kept, and pushed as the card."""
     card = output_dir / CARD
     if card.exists() and CARD not in written(output_dir):
-        print(f"{card} is not one cloudtrain wrote: it is kept, and pushed as the model card", flush=True)
+        how = "was edited since cloudtrain wrote it" if CARD in edited(output_dir) else "is not one cloudtrain wrote"
+        print(f"{card} {how}: it is kept, and pushed as the model card", flush=True)
         return
     partial = output_dir / f"{CARD}.partial"
     save(partial)

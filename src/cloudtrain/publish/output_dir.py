@@ -5,7 +5,8 @@
 - `.cloudtrain-manifest.json` lists the names cloudtrain wrote in the folder. A file with a name a run
   writes that the manifest does not list is the user's: the run is refused before anything is written
   (`claim`), and never replaces it. `--overwrite_output_dir` replaces the model cloudtrain saved there,
-  and only that.
+  and only that. The model card is the file people edit by hand: the manifest keeps its digest, and a card
+  changed since cloudtrain wrote it is the user's.
 - A run holds `.cloudtrain-lock` in the folder while it lives (`hold`): a second run there is refused, naming
   the first. The kernel drops the lock when the process ends, however it ends: a file a kill leaves is not held.
 """
@@ -14,6 +15,7 @@ import contextlib
 import errno
 import fcntl
 import fnmatch
+import hashlib
 import itertools
 import json
 import os
@@ -47,6 +49,7 @@ TRACKER_DIRS = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlrun
 RUN_PATTERNS = (*MODEL_PATTERNS, *TOKENIZER_PATTERNS, *RESULT_PATTERNS, *LOG_NAMES, *TRACKER_DIRS.values())
 CHECKPOINT = "the checkpoint being resumed"
 FINAL_PATTERNS = (*MODEL_PATTERNS, *TOKENIZER_PATTERNS, *RESULT_PATTERNS)  # replaced as a whole at the end
+DIGESTED = ("README.md",)  # edited by hand after a run: an edited one is the user's, kept
 
 
 def is_run_name(name: str, patterns: tuple[str, ...] = RUN_PATTERNS) -> bool:
@@ -55,12 +58,29 @@ def is_run_name(name: str, patterns: tuple[str, ...] = RUN_PATTERNS) -> bool:
 
 def written(output_dir: Path) -> set[str]:
     """The names cloudtrain wrote in `output_dir`, from its manifest (or, for a folder an earlier version
-    wrote, from its args.json)."""
-    path = Path(output_dir) / MANIFEST
+    wrote, from its args.json), less a card edited since."""
+    return set(_manifest(Path(output_dir))["written"]) - edited(output_dir)
+
+
+def edited(output_dir: Path) -> set[str]:
+    """The names cloudtrain wrote whose file has changed since (the model card, DIGESTED): the user's now."""
+    digests = _manifest(Path(output_dir))["digests"]
+    return {name for name, digest in digests.items() if _digest(Path(output_dir) / name) not in (digest, None)}
+
+
+def _manifest(output_dir: Path) -> dict:
     try:
-        return set(json.loads(path.read_text())["written"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return _written_before_manifests(Path(output_dir))
+        manifest = json.loads((output_dir / MANIFEST).read_text())
+        return {"written": list(manifest["written"]), "digests": dict(manifest.get("digests", {}))}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {"written": sorted(_written_before_manifests(output_dir)), "digests": {}}
+
+
+def _digest(path: Path) -> str | None:
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:  # gone: nothing of the user's to keep
+        return None
 
 
 def _written_before_manifests(output_dir: Path) -> set[str]:
@@ -76,12 +96,18 @@ def _written_before_manifests(output_dir: Path) -> set[str]:
 
 
 def record(output_dir: Path, names: set[str] | list[str]) -> None:
-    """Add `names` to the manifest (written whole, then renamed: a kill leaves the old or the new one)."""
+    """Add `names`, just written, to the manifest (written whole, then renamed: a kill leaves the old or the new
+    one), with the digest of each that is a card."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    write_whole(
-        output_dir / MANIFEST, json.dumps({"written": sorted(written(output_dir) | set(names))}, indent=1) + "\n"
-    )
+    ours = written(output_dir) | set(names)
+    digests = {name: digest for name, digest in _manifest(output_dir)["digests"].items() if name in ours}
+    for name in set(names) & set(DIGESTED):
+        digests.pop(name, None)
+        if (digest := _digest(output_dir / name)) is not None:
+            digests[name] = digest
+    manifest = {"written": sorted(ours), **({"digests": dict(sorted(digests.items()))} if digests else {})}
+    write_whole(output_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 def record_run_files(output_dir: Path) -> None:
@@ -126,10 +152,12 @@ def claim(output_dir: Path) -> None:
     """Refuse a folder holding the user's files under names a run writes."""
     mine = users_files(output_dir)
     if mine:
+        changed = sorted(edited(output_dir) & set(mine))
+        since = f" ({', '.join(changed)} edited since)" if changed else ""
         raise UserError(
             f"--output_dir {output_dir} holds {', '.join(mine[:4])}{' ...' if len(mine) > 4 else ''}, which "
-            f"cloudtrain did not write and a run would replace; choose a new folder, e.g. --output_dir "
-            f"{free_name(output_dir)}"
+            f"cloudtrain did not write{since} and a run would replace; move them elsewhere, or choose a new "
+            f"folder, e.g. --output_dir {free_name(output_dir)}"
         )
 
 
