@@ -30,6 +30,7 @@ from cloudtrain.config import Config, TrainingConfig
 from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
 from cloudtrain.planning.search import run_micro_batch
+from cloudtrain.training.out_of_memory import is_out_of_memory
 
 DEFAULT_MICRO_BATCH = 16  # the option's default; `auto` without --global_batch_size keeps its global batch
 
@@ -93,11 +94,6 @@ def fixed(cfg: Config, processes: int) -> Config:
 def largest_divisor(n: int, at_most: int) -> int:
     """The largest divisor of n that is at most `at_most` (1 at least)."""
     return next(d for d in range(min(n, max(at_most, 1)), 0, -1) if n % d == 0)
-
-
-def is_out_of_memory(err: BaseException) -> bool:
-    text = str(err)
-    return isinstance(err, torch.OutOfMemoryError) or "out of memory" in text or "CUBLAS_STATUS_ALLOC_FAILED" in text
 
 
 def search(

@@ -40,7 +40,7 @@ from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_r
 from cloudtrain.registry import TASKS
 from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_interrupted_saves, restarted_defaults
 from cloudtrain.tasks import Task, build_task
-from cloudtrain.training import TRAINERS, Trainer, count_parameters
+from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
 from cloudtrain.training.callbacks import load_callbacks
 
 
@@ -250,7 +250,8 @@ def run_training(cfg: Config, task: Task | None = None, callbacks: list | None =
     with launch_environment_kept():
         run = build_run(cfg, task, callbacks)
         try:
-            return _train_evaluate_save(run)
+            with out_of_memory.said_in_one_line(run.cfg, lambda: run.trainer.phase):
+                return _train_evaluate_save(run)
         finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
             try:
                 run.runtime.close()
@@ -292,6 +293,7 @@ def _train_evaluate_save(run: Run) -> dict:
             results[name] = trainer.evaluate(split)
             trainer.log_evaluation(results[name], name, train_result.global_step)
     predictions = {split: trainer.predict(split) for split in trainer.predict_dls}
+    trainer.phase = "saving the model"
     save_final(run, results, predictions)
     run.run_log.finish(results, run.data.label_names)
     if runtime.is_main:

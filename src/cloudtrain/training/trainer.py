@@ -218,6 +218,7 @@ class Trainer:
     name = "trainer"  # the --training_type that picks it (cloudtrain.registry)
     summary = ""  # a line for --help
     step_collectives = "the gradient all-reduce"  # what a process waits for in forward and backward
+    phase = "placing the model and the optimizer"  # what the run is doing: named when it fails
 
     def __init__(
         self, cfg: Config, task: Task, model: PreTrainedModel, data: ProcessedData, run_log: RunLog, runtime: Runtime
@@ -609,6 +610,7 @@ class Trainer:
 
     def evaluate(self, split: str) -> dict:
         """The task's metrics of the current weights on one split, counted over every example exactly once."""
+        self.phase = "evaluation"
         return self.task.evaluate(
             self.model,
             self.eval_dls[split],
@@ -620,6 +622,7 @@ class Trainer:
 
     def predict(self, split: str):
         """The task's predictions for an unlabelled split, in the split's order."""
+        self.phase = "prediction"
         return self.task.predict(
             self.model, self.predict_dls[split], gather=self.runtime.gather, move=self.move, autocast=self.autocast
         )

@@ -1,0 +1,70 @@
+"""Out of memory during a run, said in one line instead of a traceback: what the run was doing, what it asked
+for, and the options that need less memory, where the step with the same global batch comes first (a checkpoint
+of the run resumes with it). `cloudtrain plan` estimates each choice (docs/planner.md)."""
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+
+import torch
+
+from cloudtrain.config import Config
+from cloudtrain.errors import UserError
+
+ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)? ?[KMGT]i?B|\d+ bytes)")
+SIGNS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "can't allocate memory")  # CUDA, cuBLAS, the CPU allocator
+
+
+def is_out_of_memory(err: BaseException) -> bool:
+    return isinstance(err, (torch.OutOfMemoryError, MemoryError)) or any(sign in str(err) for sign in SIGNS)
+
+
+@contextlib.contextmanager
+def said_in_one_line(cfg: Config, doing: Callable[[], str]) -> Iterator[None]:
+    """Turn running out of memory into a UserError naming `doing()` (what the run was doing) and the remedies."""
+    try:
+        yield
+    except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+        if not is_out_of_memory(err):
+            raise
+        raise UserError(explain(cfg, doing(), err)) from None
+
+
+def explain(cfg: Config, doing: str, err: BaseException) -> str:
+    where = doing.split(" (")[0]  # a step's phase names its collectives in brackets: not what ran out
+    asked = ASKED.search(str(err))
+    size = f" (asked for {readable(asked.group(1))})" if asked else ""
+    fixes = "; or ".join(remedies(cfg, where))
+    return (
+        f"out of memory in {where}{size}: {fixes}; `cloudtrain plan` with the same options estimates the memory "
+        "each choice needs"
+    )
+
+
+def remedies(cfg: Config, where: str) -> list[str]:
+    """What needs less memory where the run ran out, the first the least change to the training itself."""
+    if where.startswith(("evaluation", "prediction")):
+        rows = cfg.training.per_device_eval_batch_size
+        return [f"lower --per_device_eval_batch_size {rows} to {rows // 2}" if rows > 1 else "a shorter --max_length"]
+    t, fixes = cfg.training, []
+    micro = t.per_device_train_batch_size
+    if isinstance(micro, int) and micro > 1:
+        smaller = next(d for d in range(micro // 2, 0, -1) if micro % d == 0)
+        fixes.append(
+            f"--per_device_train_batch_size {smaller} --gradient_accumulation_steps "
+            f"{t.gradient_accumulation_steps * micro // smaller} (the same global batch)"
+        )
+    if not cfg.model.gradient_checkpointing:
+        fixes.append("--gradient_checkpointing true")
+    if not isinstance(micro, int) or micro == 1:
+        fixes.append(f"a shorter --max_length than {cfg.data.max_length}")
+    if cfg.model.peft == "none":
+        fixes.append("--peft lora (or qlora on CUDA)")
+    return fixes[:3]
+
+
+def readable(size: str) -> str:
+    """'6553600000 bytes' as GiB; a size torch already wrote in units as it is."""
+    if size.endswith("bytes"):
+        return f"{int(size.split()[0]) / 2**30:.1f} GiB"
+    return size
