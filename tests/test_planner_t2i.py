@@ -22,6 +22,7 @@ from test_planner import plan_args
 from cloudtrain import planning
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
 from cloudtrain.models import diffusion
 from cloudtrain.planning.diffusion import PipelineFacts, Training, estimate, pipeline_facts, trained_params
 
@@ -375,3 +376,20 @@ def test_an_sd3_plan_counts_the_run_s_lora_targets(sd3_pipe, tmp_path):
     assert plan["model"]["adapter_params"] == trainable
     unet_only = pipeline_facts(sd3_pipe, RESOLUTION, 4, diffusion.LORA_TARGETS).adapter_params
     assert unet_only < trainable and any(t.endswith("add_q_proj") for t in sd3.LORA_TARGETS)
+
+
+def test_an_sd3_plan_counts_the_run_s_t5_prompt_length(sd3_pipe, tmp_path):
+    """`plan --max_sequence_length` is the run's T5 prompt length: a longer one makes every row's activations the
+    ones a forward with that many text tokens saves (the same facts as the run's), where the plan assumed 77."""
+    options = dict(task="text_to_image", resolution=RESOLUTION, mixed_precision="bf16", lora_r=4, gpu_memory_gb=24)
+    rows = {
+        tokens: planning.make_plan(plan_args(sd3_pipe, tmp_path / str(tokens), max_sequence_length=tokens, **options))
+        for tokens in (77, 512)
+    }
+    short, long = (rows[n]["strategies"][0]["estimate"]["activations"] for n in (77, 512))
+    facts = {n: pipeline_facts(sd3_pipe, RESOLUTION, 4, [], t5_tokens=n) for n in (77, 512)}
+    assert facts[512].text_tokens - facts[77].text_tokens == 512 - 77
+    assert long / short == pytest.approx(facts[512].saved_half_per_row / facts[77].saved_half_per_row, rel=1e-6)
+    assert long > short
+    with pytest.raises(UserError, match=r"--max_sequence_length must be in \[1, 512\]"):  # the run's own bound
+        planning.make_plan(plan_args(sd3_pipe, tmp_path / "x", max_sequence_length=600, **options))

@@ -34,6 +34,7 @@ TRAINING_OPTIONS = (
     "preference_loss",
     "precompute_reference",
     "resolution",
+    "max_sequence_length",
     "train_text_encoder",
 )
 

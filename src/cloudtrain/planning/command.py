@@ -296,10 +296,12 @@ def make_plan(args: argparse.Namespace) -> dict:
 def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict:
     """A diffusers pipeline's rows (cloudtrain.planning.diffusion): one GPU's memory under DDP and ZeRO-2, less
     the rows the task refuses (its sharding_refusal, as for the other tasks)."""
-    options = ("task", "lora_target_modules", "mixed_precision", "resolution", "train_text_encoder")
+    options = ("task", "lora_target_modules", "mixed_precision", "resolution", "max_sequence_length", "train_text_encoder")
     cfg = build_config({n: getattr(args, n) for n in options})
+    cfg.images.check()  # the run's own bounds (--max_sequence_length, --resolution), in its words
     # the index picks the default targets: SD3's include its text stream's projections
-    facts = pipeline_facts(name, args.resolution, args.lora_r, diffusion_lora_targets(cfg, read_model_index(name)))
+    targets = diffusion_lora_targets(cfg, read_model_index(name))
+    facts = pipeline_facts(name, args.resolution, args.lora_r, targets, cfg.images.max_sequence_length)
     budget = round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB)
     micro_batch = 1 if args.per_device_train_batch_size == "auto" else args.per_device_train_batch_size
     half = resolve_precision(args.mixed_precision) != "no"
