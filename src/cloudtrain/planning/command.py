@@ -296,9 +296,8 @@ def make_plan(args: argparse.Namespace) -> dict:
 def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict:
     """A diffusers pipeline's rows (cloudtrain.planning.diffusion): one GPU's memory under DDP and ZeRO-2, less
     the rows the task refuses (its sharding_refusal, as for the other tasks)."""
-    options = ("task", "lora_target_modules", "mixed_precision", "resolution", "max_sequence_length")
-    options += ("train_text_encoder",)
-    cfg = build_config({n: getattr(args, n) for n in options})
+    options = ["task", "lora_target_modules", "mixed_precision", "resolution", "max_sequence_length"]
+    cfg = build_config({n: getattr(args, n) for n in [*options, "train_text_encoder"]})
     cfg.images.check()  # the run's own bounds (--max_sequence_length, --resolution), in its words
     # the index picks the default targets: SD3's include its text stream's projections
     targets = diffusion_lora_targets(cfg, read_model_index(name))
