@@ -118,7 +118,7 @@ def _default_attention(model: Any, cfg: Config, task: Task, announce: bool) -> A
 def default_attention(model: Any, cfg: Config, task: Task) -> str | None:
     """varlen for packed rows of a task that passes their lengths, where it is at least as fast as sdpa with
     the dense mask (docs/language-models.md); None (transformers' choice) otherwise."""
-    if cfg.data.packing != "bfd" or not getattr(task, "packed_attention", False) or varlen_misfit(model.config):
+    if cfg.data.packing != "bfd" or not task.packed_attention or varlen_misfit(model.config):
         return None
     if not torch.cuda.is_available():
         # The per-document reference: no [B, 1, L, L] mask and fewer FLOPs, which outweigh its per-document calls
@@ -129,7 +129,7 @@ def default_attention(model: Any, cfg: Config, task: Task) -> str | None:
 
 
 def check_varlen(model: Any, cfg: Config, task: Task) -> None:
-    if not getattr(task, "packed_attention", False):
+    if not task.packed_attention:
         raise UserError(
             f"--attn_implementation {VARLEN} is for decoders on packed rows (--task causal_lm or sft); "
             "leave the option out for transformers' choice"
@@ -164,10 +164,9 @@ def fused_cross_entropy(model: Any, cfg: Config, task: Task, announce: bool) -> 
     where it is faster (Liger Kernel on CUDA); true also takes the chunked PyTorch one, and refuses where neither
     can run."""
     choice = cfg.model.fused_cross_entropy
-    setter = getattr(task, "use_loss_kernel", None)
     if choice == "false" or (choice == "auto" and not liger_available()):
         return model
-    if setter is None or not setter(None):
+    if not task.use_loss_kernel(None):
         if choice == "true":
             task_name = cfg.training.task
             raise UserError(f"--fused_cross_entropy true: --task {task_name} has no language-model loss; use false")
@@ -178,7 +177,7 @@ def fused_cross_entropy(model: Any, cfg: Config, task: Task, announce: bool) -> 
             raise UserError(f"--fused_cross_entropy true: {problem}; use false")
         return model
     backend = "liger" if liger_available() else "chunked"
-    setter(backend)
+    task.use_loss_kernel(backend)
     if announce:
         print(f"loss: fused linear cross-entropy ({backend}), no full logits in training", flush=True)
     return model

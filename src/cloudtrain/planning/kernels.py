@@ -3,20 +3,22 @@ the loss (`--fused_cross_entropy`: the full logits, Liger's fused linear cross-e
 Liger's fused decoder modules (`--liger_kernels`). The formulas and their measurements: docs/planner-formulas.md."""
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING
 
 from cloudtrain.models.kernels import CHUNK_ROWS, liger_installed, liger_knows
 from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.strategies import Candidate
 
+if TYPE_CHECKING:
+    from cloudtrain.tasks.base import Task
+
 FUSED_CHUNK_TOKENS = CHUNK_ROWS  # tokens whose logits the chunked linear cross-entropy holds at once
 
 
-def fuses_loss(task: Any) -> bool:
+def fuses_loss(task: "Task") -> bool:
     """Whether the task's training loss can be a fused one (`use_loss_kernel`: causal LM and SFT; DPO keeps its
     own loss, sequence-to-sequence and classification have no such loss)."""
-    setter = getattr(task, "use_loss_kernel", None)
-    return bool(setter and setter(None))
+    return task.use_loss_kernel(None)
 
 
 def loss_kernel(choice: str, liger: bool, fuses: bool = True) -> str | None:
@@ -32,7 +34,7 @@ def planned_kernels(
     fused_choice: str,
     liger_choice: bool | str,
     model_type: str | None,
-    task: Any,
+    task: "Task",
     liger: bool | None = None,
     auto_off: str | None = None,
 ) -> tuple[str | None, bool]:

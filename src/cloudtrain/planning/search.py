@@ -623,8 +623,7 @@ def run_attention(attention: str | None, packing: str, task: str, precision: str
     if attention:
         return attention
     rows = packing if packing != "auto" else TASKS[task].default_packing
-    packed = getattr(TASKS[task], "packed_attention", False)
-    return "varlen" if rows == "bfd" and packed and precision != "no" else None
+    return "varlen" if rows == "bfd" and TASKS[task].packed_attention and precision != "no" else None
 
 
 def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:

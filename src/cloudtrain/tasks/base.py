@@ -71,9 +71,16 @@ class Task:
     context_parallel = False
     # whether --neftune_noise_alpha applies: one text model trained on its own (no reference sharing its embeddings)
     embedding_noise = False
+    # whether its batches of packed rows carry their documents' lengths to the attention (varlen: no dense mask)
+    packed_attention = False
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg
+
+    def use_loss_kernel(self, backend: str | None) -> bool:
+        """Compute the training loss with `backend` (cloudtrain.models.kernels), or plainly (None); False where the
+        task has no language-model loss to fuse."""
+        return False
 
     @classmethod
     def preprocess_encoder(
