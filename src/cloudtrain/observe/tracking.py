@@ -1,4 +1,4 @@
-"""Experiment tracking shared by both trainers: `metrics.jsonl` always, plus the trackers of `--report_to`.
+"""Experiment tracking shared by the trainers: `metrics.jsonl` always, plus the trackers of `--report_to`.
 
 Every logging event is one line of `<output_dir>/metrics.jsonl`: {"step": N, "time": unix seconds,
 <name>: value}; at the end `<output_dir>/training_curves.png` is drawn from those lines, so a run can
