@@ -1,7 +1,7 @@
 """Evaluation shared by the trainers: predictions per example, gathered, then the repo's metric.
 
-Each process predicts its shard; `gather` (accelerate's `gather_for_metrics` in the
-AcceleratedTrainer, identity in a lone process) collects per-example tensors, never per-batch
+Each process predicts its shard; `gather` (the runtime's: accelerate's `gather_for_metrics`, or
+torch.distributed's all-gather) collects per-example tensors, never per-batch
 averages, so duplicated padding samples of the last batch are dropped by count and every example
 counts exactly once.
 """
