@@ -31,8 +31,8 @@ def test_a_classification_run_names_the_tasks_that_read_its_language_model_optio
     said = notes(packing="bfd", chat_template="chatml", beta=0.5, sample_prompts="hello|world")
     assert said == [
         "--packing bfd has no effect on --task classification; it counts for --task causal_lm or sft",
-        "--chat_template chatml has no effect on --task classification; it counts for --task sft, dpo or reward",
         "--sample_prompts 'hello|world' has no effect on --task classification; it counts for --task causal_lm or sft",
+        "--chat_template chatml has no effect on --task classification; it counts for --task sft, dpo or reward",
         "--beta 0.5 has no effect on --task classification; it counts for --task dpo",
     ]
 

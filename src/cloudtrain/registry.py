@@ -21,7 +21,8 @@ def row_of(cls: Any) -> Row:
     """The row a registered class answers for itself: what its entry in cloudtrain.registry_table must say."""
     metrics = tuple(getattr(cls, "metrics", ()))
     streams = cls.stream_records if getattr(cls, "streams_data", False) else None
-    return Row(cls.__module__, cls.summary, metrics, getattr(cls, "default_best_metric", None), streams)
+    best, reads = getattr(cls, "default_best_metric", None), tuple(getattr(cls, "reads_options", ()))
+    return Row(cls.__module__, cls.summary, metrics, best, streams, reads)
 
 
 class Registry(Generic[T]):

@@ -16,25 +16,31 @@ EXAMPLES = "examples"  # several examples, each with its answer mask, cut at --m
 
 
 class Row(NamedTuple):
-    """One registered class as the parser sees it: `metrics`, `default_best_metric` and `stream_records` (None
-    for a task that does not stream) are tasks' only."""
+    """One registered class as the parser sees it: `metrics`, `default_best_metric`, `stream_records` (None
+    for a task that does not stream) and `reads_options` (its Task.reads_options) are tasks' only."""
 
     module: str
     summary: str
     metrics: tuple[str, ...] = ()
     default_best_metric: str | None = None
     stream_records: str | None = None
+    reads_options: tuple[str, ...] = ()
 
 
 TASK_ROWS: dict[str, Row] = {
     "classification": Row(
-        "cloudtrain.tasks.classification", "text -> label", ("accuracy", "macro_f1", "loss"), "accuracy"
+        "cloudtrain.tasks.classification",
+        "text -> label",
+        ("accuracy", "macro_f1", "loss"),
+        "accuracy",
+        reads_options=("label_smoothing",),
     ),
     "multi_label": Row(
         "cloudtrain.tasks.multi_label",
         "text -> any number of labels",
         ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
         "micro_f1",
+        reads_options=("label_separator",),
     ),
     "regression": Row(
         "cloudtrain.tasks.regression", "text -> a number", ("loss", "rmse", "mae", "pearson", "spearman"), "loss"
@@ -44,18 +50,29 @@ TASK_ROWS: dict[str, Row] = {
         "a tag per word: named entities, parts of speech",
         ("f1", "precision", "recall", "accuracy", "loss"),
         "f1",
+        reads_options=("label_smoothing",),
     ),
     "question_answering": Row(
         "cloudtrain.tasks.question_answering",
         "a question and a context -> the answer's span in the context",
         ("f1", "exact_match", "loss"),
         "f1",
+        reads_options=("doc_stride", "max_answer_length"),
     ),
     "seq2seq": Row(
         "cloudtrain.tasks.seq2seq",
         "a source text -> a target text (summaries, translations) with an encoder-decoder",
         ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss"),
         "rougeL",
+        reads_options=(
+            "label_smoothing",
+            "max_target_length",
+            "source_prefix",
+            "generation_num_beams",
+            "rouge_stemmer",
+            "source_lang",
+            "target_lang",
+        ),
     ),
     "causal_lm": Row(
         "cloudtrain.tasks.causal_lm",
@@ -63,6 +80,7 @@ TASK_ROWS: dict[str, Row] = {
         ("loss", "perplexity"),
         "loss",
         DOCUMENT,
+        reads_options=("packing", "label_smoothing", "sample_prompts", "num_sample_prompts", "sample_max_new_tokens"),
     ),
     "sft": Row(
         "cloudtrain.tasks.sft",
@@ -70,24 +88,51 @@ TASK_ROWS: dict[str, Row] = {
         ("loss", "perplexity", "exact_match"),
         "loss",
         EXAMPLES,
+        reads_options=(
+            "packing",
+            "chat_template",
+            "prompt_column",
+            "messages_column",
+            "completion_column",
+            "system_prompt",
+            "train_on_prompt",
+            "label_smoothing",
+            "sample_prompts",
+            "num_sample_prompts",
+            "sample_max_new_tokens",
+        ),
     ),
     "dpo": Row(
         "cloudtrain.tasks.dpo",
         "preference tuning of a decoder on chosen/rejected pairs: DPO, IPO, SimPO or ORPO",
         ("loss", "rewards/accuracies", "rewards/margins", "exact_match"),
         "loss",
+        reads_options=(
+            "chat_template",
+            "prompt_column",
+            "chosen_column",
+            "rejected_column",
+            "num_sample_prompts",
+            "sample_max_new_tokens",
+            "preference_loss",
+            "beta",
+            "simpo_gamma",
+            "precompute_reference",
+        ),
     ),
     "reward": Row(
         "cloudtrain.tasks.reward",
         "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)",
         ("loss", "accuracy", "margin"),
         "accuracy",
+        reads_options=("chat_template", "prompt_column", "chosen_column", "rejected_column", "margin_column"),
     ),
     "text_to_image": Row(
         "cloudtrain.tasks.text_to_image",
         "captioned images (or DreamBooth) -> a diffusers text-to-image pipeline (LoRA or full)",
         ("loss",),
         "loss",
+        reads_options=("images",),
     ),
 }
 

@@ -3,8 +3,8 @@
 Recipes and config files are shared between tasks, so an option that a run does not use is not an error; but
 set silently, it looks like it counted (`--lora_r 4` without `--peft` trains every weight). A run prints one
 `note:` per option the user set (a value other than its default) that it will not use, saying what would make
-it count. The tables say where each option is read in the tasks' code; tests/test_inert_options.py keeps them
-in step with the config sections and the task registry rows.
+it count. Which task reads which option is each task's own declaration (Task.reads_options, mirrored in its registry
+row); tests/test_inert_options.py keeps that in step with the config sections and the tasks' code.
 """
 
 import dataclasses
@@ -28,57 +28,51 @@ class Use(NamedTuple):
     values: tuple[Any, ...] = ()
 
 
-ADAPTERS = Use(needs="peft", values=tuple(method for method in PEFT_METHODS if method != "none"))
+ADAPTER_METHODS = tuple(method for method in PEFT_METHODS if method != "none")
+SECTIONS = {"images": ImagesConfig}  # read whole by a task whose reads_options names the section
 STREAMED = Use(tuple(STREAMING), "streaming", (True,))  # the tasks whose rows a stream can feed
-SFT = ("sft",)
-CHAT = ("sft", "dpo", "reward")  # the chat template, and the prompt column of pairs (cloudtrain.data.pairs)
-SAMPLES = ("causal_lm", "sft", "dpo")  # greedy answers at evaluation; dpo's prompts come from its pairs
+STREAM_OPTIONS = (
+    "train_weights",
+    "datasets",
+    "max_tokens",
+    "mixture_exhausted",
+    "stream_buffer",
+    "stream_validation_docs",
+    "on_bad_data",
+)
+# option -> the option that enables it, and the values that do (none: any value but its default)
+ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
+    **{f.name: ("peft", ADAPTER_METHODS) for f in dataclasses.fields(ModelConfig) if f.name.startswith("lora_")},
+    "compile_layers": ("torch_compile", (True,)),
+    "simpo_gamma": ("preference_loss", ("simpo",)),
+    "early_stopping_threshold": ("early_stopping_patience", ()),
+}
+
+
+def _readers() -> dict[str, tuple[str, ...]]:
+    """Option -> the tasks that read it, from the tasks' rows (Task.reads_options): the options only some read."""
+    readers: dict[str, list[str]] = {}
+    for task, row in TASK_ROWS.items():
+        for entry in row.reads_options:
+            names = [f.name for f in dataclasses.fields(SECTIONS[entry])] if entry in SECTIONS else [entry]
+            for name in names:
+                readers.setdefault(name, []).append(task)
+    return {name: tuple(tasks) for name, tasks in readers.items()}
+
+
+def _training_table() -> dict[str, Use]:
+    """When each option counts that a run may leave unused, in the order of the config's sections."""
+    readers, table = _readers(), {}
+    for name in _fields():
+        if name in STREAM_OPTIONS:
+            table[name] = STREAMED
+        elif name in readers or name in ENABLED_BY:
+            table[name] = Use(readers.get(name, ()), *ENABLED_BY.get(name, ("", ())))
+    return table
+
 
 # option -> when it counts, for `cloudtrain train` (a Config)
-TRAINING: dict[str, Use] = {
-    **{f.name: ADAPTERS for f in dataclasses.fields(ModelConfig) if f.name.startswith("lora_")},
-    "compile_layers": Use(needs="torch_compile", values=(True,)),
-    # rows of documents or examples; dpo and reward pad their pairs (and refuse any other --packing)
-    "packing": Use(("causal_lm", "sft")),
-    "chat_template": Use(CHAT),
-    "prompt_column": Use(CHAT),
-    "messages_column": Use(SFT),
-    "completion_column": Use(SFT),
-    "system_prompt": Use(SFT),
-    "train_on_prompt": Use(SFT),
-    "sample_prompts": Use(("causal_lm", "sft")),  # dpo samples the prompts of its validation pairs
-    "num_sample_prompts": Use(SAMPLES),
-    "sample_max_new_tokens": Use(SAMPLES),
-    **dict.fromkeys(
-        (
-            "train_weights",
-            "datasets",
-            "max_tokens",
-            "mixture_exhausted",
-            "stream_buffer",
-            "stream_validation_docs",
-            "on_bad_data",
-        ),
-        STREAMED,
-    ),
-    **dict.fromkeys(("preference_loss", "beta", "precompute_reference"), Use(("dpo",))),
-    "simpo_gamma": Use(("dpo",), "preference_loss", ("simpo",)),
-    "early_stopping_threshold": Use(needs="early_stopping_patience"),
-    "chosen_column": Use(("dpo", "reward")),
-    "rejected_column": Use(("dpo", "reward")),
-    "margin_column": Use(("reward",)),
-    "label_separator": Use(("multi_label",)),
-    "label_smoothing": Use(("classification", "token_classification", "seq2seq", "causal_lm", "sft")),
-    "doc_stride": Use(("question_answering",)),
-    "max_answer_length": Use(("question_answering",)),
-    "max_target_length": Use(("seq2seq",)),
-    "source_prefix": Use(("seq2seq",)),
-    "generation_num_beams": Use(("seq2seq",)),
-    "rouge_stemmer": Use(("seq2seq",)),
-    "source_lang": Use(("seq2seq",)),
-    "target_lang": Use(("seq2seq",)),
-    **{f.name: Use(("text_to_image",)) for f in dataclasses.fields(ImagesConfig)},
-}
+TRAINING = _training_table()
 
 OWN_MODULE = "own_module"  # the Python API's model= (ModuleTask): it reads none of the tasks' own options
 

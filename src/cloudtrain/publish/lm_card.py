@@ -11,7 +11,7 @@ from pathlib import Path
 from huggingface_hub import ModelCard
 
 from cloudtrain.config import Config
-from cloudtrain.config.inert import TRAINING
+from cloudtrain.config.inert import reads
 from cloudtrain.publish.card_metadata import SPLITS, dataset_info, task_card_data
 from cloudtrain.publish.card_model_files import adapter_info, model_summary
 from cloudtrain.publish.card_sections import (
@@ -194,7 +194,7 @@ def build_lm_model_card(
         chat=chat,
         exact_match=finite(evaluated.get("eval", {}).get("exact_match")),
         system_prompt=json.dumps(cfg.data.system_prompt, ensure_ascii=False)
-        if chat and cfg.data.system_prompt and cfg.training.task in TRAINING["system_prompt"].tasks  # dpo: unused
+        if chat and cfg.data.system_prompt and reads(cfg.training.task, "system_prompt")  # dpo: unused
         else None,
         max_new_tokens=cfg.training.sample_max_new_tokens,
         hyperparameters=hyperparameters(cfg),

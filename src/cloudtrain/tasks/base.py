@@ -48,6 +48,9 @@ def model_label(name: str | None) -> str:
 class Task:
     name = "task"  # the --task that picks it (cloudtrain.registry)
     summary = ""  # a line for --help
+    # the options only some tasks read that this one reads, or a config section's name for all of its options: the
+    # others it leaves unused, and a run setting one says so (cloudtrain.config.inert)
+    reads_options: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ("loss",)  # evaluation metrics --metric_for_best_model may name
     lower_is_better: frozenset[str] = frozenset({"loss"})
     default_best_metric = "loss"

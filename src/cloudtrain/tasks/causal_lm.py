@@ -87,6 +87,13 @@ def model_config_file(name: str) -> Path:
 class CausalLMTask(DecoderTask):
     name = "causal_lm"
     summary = "continued pretraining, or pretraining from scratch, of a decoder on raw text"
+    reads_options: tuple[str, ...] = (
+        "packing",
+        "label_smoothing",
+        "sample_prompts",
+        "num_sample_prompts",
+        "sample_max_new_tokens",
+    )
     metrics: tuple[str, ...] = ("loss", "perplexity")
     lower_is_better = frozenset(metrics)
     default_best_metric = "loss"

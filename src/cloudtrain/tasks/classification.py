@@ -46,6 +46,7 @@ from cloudtrain.tasks.base import Task
 class ClassificationTask(Task):
     name = "classification"
     summary = "text -> label"
+    reads_options: tuple[str, ...] = ("label_smoothing",)
     metrics: tuple[str, ...] = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
     auto_class: type[_BaseAutoModelClass] = AutoModelForSequenceClassification

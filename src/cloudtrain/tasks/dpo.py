@@ -135,6 +135,18 @@ def pair_logps(
 class DPOTask(SFTTask):
     name = "dpo"
     summary = "preference tuning of a decoder on chosen/rejected pairs: DPO, IPO, SimPO or ORPO"
+    reads_options: tuple[str, ...] = (
+        "chat_template",
+        "prompt_column",
+        "chosen_column",
+        "rejected_column",
+        "num_sample_prompts",
+        "sample_max_new_tokens",
+        "preference_loss",
+        "beta",
+        "simpo_gamma",
+        "precompute_reference",
+    )
     metrics: tuple[str, ...] = ("loss", "rewards/accuracies", "rewards/margins", "exact_match")
     lower_is_better = frozenset({"loss"})
     default_best_metric = "loss"

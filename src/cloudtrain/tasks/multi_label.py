@@ -35,6 +35,7 @@ from cloudtrain.tasks.classification import ClassificationTask
 class MultiLabelTask(ClassificationTask):
     name = "multi_label"
     summary = "text -> any number of labels"
+    reads_options: tuple[str, ...] = ("label_separator",)
     metrics: tuple[str, ...] = ("micro_f1", "macro_f1", "subset_accuracy", "loss")
     default_best_metric = "micro_f1"
 

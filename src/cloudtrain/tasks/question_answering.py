@@ -39,6 +39,7 @@ from cloudtrain.tasks.classification import ClassificationTask
 class QuestionAnsweringTask(ClassificationTask):
     name = "question_answering"
     summary = "a question and a context -> the answer's span in the context"
+    reads_options: tuple[str, ...] = ("doc_stride", "max_answer_length")
     metrics: tuple[str, ...] = ("f1", "exact_match", "loss")
     default_best_metric = "f1"
     auto_class = AutoModelForQuestionAnswering

@@ -34,6 +34,7 @@ from cloudtrain.tasks.classification import ClassificationTask
 class RegressionTask(ClassificationTask):
     name = "regression"
     summary = "text -> a number"
+    reads_options: tuple[str, ...] = ()  # not a classifier's label smoothing
     metrics: tuple[str, ...] = ("loss", "rmse", "mae", "pearson", "spearman")
     default_best_metric = "loss"
     nouns = ("examples", "targets")

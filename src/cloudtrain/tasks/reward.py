@@ -81,6 +81,13 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
 class RewardTask(Task):
     name = "reward"
     summary = "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)"
+    reads_options: tuple[str, ...] = (
+        "chat_template",
+        "prompt_column",
+        "chosen_column",
+        "rejected_column",
+        "margin_column",
+    )
     metrics: tuple[str, ...] = ("loss", "accuracy", "margin")
     lower_is_better = frozenset({"loss"})
     default_best_metric = "accuracy"

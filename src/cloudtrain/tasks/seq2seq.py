@@ -62,6 +62,15 @@ SHOWN = 5  # generations logged in the evaluation's table
 class Seq2SeqTask(ClassificationTask):
     name = "seq2seq"
     summary = "a source text -> a target text (summaries, translations) with an encoder-decoder"
+    reads_options: tuple[str, ...] = (
+        "label_smoothing",
+        "max_target_length",
+        "source_prefix",
+        "generation_num_beams",
+        "rouge_stemmer",
+        "source_lang",
+        "target_lang",
+    )
     metrics: tuple[str, ...] = ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss")
     default_best_metric = "rougeL"
     auto_class = AutoModelForSeq2SeqLM

@@ -82,6 +82,19 @@ def _stream_encoder(chat: ChatFormat, columns: Columns, cfg: DataConfig) -> Call
 class SFTTask(CausalLMTask):
     name = "sft"
     summary = "supervised fine-tuning of a decoder on conversations or prompt/completion pairs, with a chat template"
+    reads_options: tuple[str, ...] = (
+        "packing",
+        "chat_template",
+        "prompt_column",
+        "messages_column",
+        "completion_column",
+        "system_prompt",
+        "train_on_prompt",
+        "label_smoothing",
+        "sample_prompts",
+        "num_sample_prompts",
+        "sample_max_new_tokens",
+    )
     metrics: tuple[str, ...] = ("loss", "perplexity", "exact_match")
     lower_is_better = frozenset({"loss", "perplexity"})
     default_packing = "none"

@@ -38,6 +38,7 @@ EVAL_ROWS = 8  # evaluation rows (the first training images) when --max_eval_sam
 class TextToImageTask(Task):
     name = "text_to_image"
     summary = "captioned images (or DreamBooth) -> a diffusers text-to-image pipeline (LoRA or full)"
+    reads_options: tuple[str, ...] = ("images",)
     metrics = ("loss",)
     auto_class = AutoModel  # not used to load: load_model is the task's own (preflight asks every task for one)
     load_error = "could not load the diffusers pipeline"

@@ -43,6 +43,7 @@ from cloudtrain.tasks.classification import ClassificationTask
 class TokenClassificationTask(ClassificationTask):
     name = "token_classification"
     summary = "a tag per word: named entities, parts of speech"
+    reads_options: tuple[str, ...] = ("label_smoothing",)
     metrics: tuple[str, ...] = ("f1", "precision", "recall", "accuracy", "loss")
     default_best_metric = "f1"
     auto_class = AutoModelForTokenClassification
