@@ -152,8 +152,8 @@ def test_options_this_run_leaves_unused_are_noted_once_before_its_work(
     assert main(argv) == 2
     out, err = capsys.readouterr()
     assert [line for line in out.splitlines() if line.startswith("note: ")] == [
-        "note: --lora_r 4 has no effect without --peft lora, dora or qlora",
         "note: --chat_template chatml has no effect on --task classification; it counts for --task sft, dpo or reward",
+        "note: --lora_r 4 has no effect without --peft lora, dora or qlora",
     ]
     assert out.startswith("note: ") and "column 'body' is not in the train data" in err.strip().splitlines()[-1]
     assert main([*argv, "--peft", "lora"]) == 2  # adapters: --lora_r counts

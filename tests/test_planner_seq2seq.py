@@ -224,8 +224,8 @@ def test_an_option_the_planned_task_does_not_read_is_noted_and_not_passed_on(tmp
     args = dict(task="causal_lm", gpu_memory_gb=24, max_target_length=64, preference_loss="ipo")
     plan = planning.make_plan(plan_args(None, tmp_path, model_config="llama-8m", **args))
     assert plan["notes"][:2] == [
-        "--preference_loss ipo has no effect on --task causal_lm; it counts for --task dpo",
         "--max_target_length 64 has no effect on --task causal_lm; it counts for --task seq2seq",
+        "--preference_loss ipo has no effect on --task causal_lm; it counts for --task dpo",
     ]
     command = plan["recommendation"]["command"]
     assert "--max_target_length" not in command and "--preference_loss" not in command
