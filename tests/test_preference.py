@@ -370,6 +370,15 @@ def test_no_sample_answers_is_said_when_no_prompt_leaves_room_for_one(tiny_llama
         "note: no validation prompt fits in 4 tokens (--max_length 64 less --sample_max_new_tokens 60), so "
         "evaluations show no sample answers or exact_match" in capsys.readouterr().out
     )
+    best = {
+        **options,
+        "metric_for_best_model": "exact_match",
+        "num_sample_prompts": 2,
+        "output_dir": str(tmp_path / "b"),
+    }
+    with pytest.raises(UserError, match=r"^--metric_for_best_model exact_match: no validation prompt fits in 4 tokens"):
+        run_training(build_config(best))  # before training: it crashed at the first checkpoint
+    assert not (tmp_path / "b").exists()
 
 
 def test_a_reference_from_whole_weights_is_refused_under_sharding_in_one_line(tiny_llama_dir):

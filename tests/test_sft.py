@@ -362,7 +362,22 @@ def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
             "--metric_for_best_model exact_match compares sample answers",
         ),
         "every answer truncated away": ({**base, "max_length": 8}, "have no answer token within --max_length 8"),
+        "exact_match where no prompt leaves room for an answer": (  # it crashed at the first checkpoint
+            {**base, "metric_for_best_model": "exact_match", "num_sample_prompts": 2, "sample_max_new_tokens": 62},
+            "--metric_for_best_model exact_match: no validation prompt fits in 2 tokens (--max_length 64 less "
+            "--sample_max_new_tokens 62), so evaluations show no sample answers or exact_match: raise --max_length "
+            "or lower --sample_max_new_tokens, or pick loss",
+        ),
     }
+
+
+def test_no_sample_answers_is_said_when_no_prompt_leaves_room_for_one(tiny_llama_dir, chats_file, tmp_path, capsys):
+    options = sft_options(tiny_llama_dir, chats_file, tmp_path / "out", max_steps=1, num_sample_prompts=2)
+    results = run_training(build_config({**options, "sample_max_new_tokens": 62}))
+    assert "exact_match" not in results["eval"] and not results["eval"].get("generations")
+    assert "note: no validation prompt fits in 2 tokens (--max_length 64 less --sample_max_new_tokens 62)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_every_bad_input_is_one_line_exit_2_and_nothing_written(tmp_path, tiny_llama_dir, chats_file, capsys):

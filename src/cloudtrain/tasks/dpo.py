@@ -67,7 +67,7 @@ from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
 from cloudtrain.tasks.base import model_label
 from cloudtrain.tasks.causal_lm import _first
-from cloudtrain.tasks.sft import SFTTask, _last_question, _short
+from cloudtrain.tasks.sft import SFTTask, _last_question, _short, check_prompts_fit, no_prompt_fits
 
 # how the language-model card says the model was trained from its base
 PREFERENCE_TUNED = "preference-tuned (on chosen/rejected pairs) from"
@@ -295,6 +295,7 @@ class DPOTask(SFTTask):
                 self.prompts.append(text)
                 self.references.append(chosen[0]["content"])
                 self.questions.append(_last_question([*prompt, *chosen]))
+        check_prompts_fit(self.prompts, cfg)
 
     # ------------------------------------------------------------ the reference
     runs_in_pipeline = False  # a pair's loss needs both answers' log-probabilities at once
@@ -585,13 +586,8 @@ class DPOTask(SFTTask):
             for split, r in self.report.items()
             if r["truncated"]
         ]
-        d, room = self.cfg.data, self.cfg.data.max_length - self.cfg.training.sample_max_new_tokens
-        if d.num_sample_prompts and not data.prompts:  # every validation prompt is longer than that room
-            notes.append(
-                f"no validation prompt fits in {room} tokens (--max_length {d.max_length} less "
-                f"--sample_max_new_tokens {self.cfg.training.sample_max_new_tokens}), so evaluations show no sample "
-                "answers or exact_match: raise --max_length or lower --sample_max_new_tokens"
-            )
+        if self.cfg.data.num_sample_prompts and not data.prompts:  # every validation prompt is longer than the room
+            notes.append(no_prompt_fits(self.cfg))
         assert self.chat is not None  # set by `process`
         p = self.cfg.preference
         return (

@@ -309,6 +309,7 @@ class SFTTask(CausalLMTask):
                     self.references.append(chat[last_answer(chat)]["content"])
         self.prompts = [chat_format.prompt(chat) for chat in chats]
         self.questions = [_last_question(chat) for chat in chats]
+        check_prompts_fit(self.prompts, cfg)
 
     # ------------------------------------------------------------ the model
     def fit_model(
@@ -400,6 +401,8 @@ class SFTTask(CausalLMTask):
             for split, r in self.report.items()
             if r["truncated"]
         ]
+        if self.cfg.data.num_sample_prompts and not data.prompts:  # every validation prompt is longer than the room
+            notes.append(no_prompt_fits(self.cfg))
         assert self.chat is not None  # set by `process`
         return f"data: {'; '.join(parts)}; template: {self.chat.source}; packing {self.cfg.data.packing}" + "".join(
             f"\nnote: {n}" for n in notes
@@ -428,6 +431,22 @@ def _targets(mask: list[int], lengths: list[int]) -> int:
         starts.add(total)
         total += length
     return sum(m for i, m in enumerate(mask) if i not in starts)
+
+
+def no_prompt_fits(cfg: Config) -> str:
+    """Why evaluations hold no sample answers: no validation prompt leaves room for the answer's tokens."""
+    new_tokens = cfg.training.sample_max_new_tokens
+    return (
+        f"no validation prompt fits in {cfg.data.max_length - new_tokens} tokens (--max_length {cfg.data.max_length} "
+        f"less --sample_max_new_tokens {new_tokens}), so evaluations show no sample answers or exact_match: raise "
+        "--max_length or lower --sample_max_new_tokens"
+    )
+
+
+def check_prompts_fit(prompts: list[str], cfg: Config) -> None:
+    """Refuse, before training, a run whose best checkpoint would be chosen by an exact_match never computed."""
+    if not prompts and cfg.checkpoint.metric_for_best_model == "exact_match":
+        raise UserError(f"--metric_for_best_model exact_match: {no_prompt_fits(cfg)}, or pick loss")
 
 
 def _last_question(messages: list[dict]) -> str:
