@@ -418,7 +418,7 @@ def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_mode
     assert all(torch.equal(final[name], last[name]) for name in final if name in last)
 
 
-def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, topic_csvs, tmp_path):
+def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, topic_csvs, tmp_path, capsys):
     """The checkpoint's step is its position in the data: 8 rows a step from a step taken at 4 would skip rows."""
     from cloudtrain import train
 
@@ -436,8 +436,14 @@ def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, t
         "--gradient_accumulation_steps whose product is 4"
     )
     assert not (tmp_path / "b" / "model.safetensors").exists()
+    capsys.readouterr()
     result = train(again | {"per_device_train_batch_size": "2", "gradient_accumulation_steps": "2"})["train"]
     assert result["global_step"] == 4  # the same rows per step, cut another way: accepted
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["state"]["total_steps"] == 2
+    assert (  # --max_steps 4 extends a run planned for 2: its schedule is rebuilt, and the run says so
+        "note: checkpoint-2 was trained on a learning-rate schedule of 2 steps; this run's has 4, and from step 2 the "
+        "learning rate follows it (as if 4 had been planned from the start)" in capsys.readouterr().out
+    )
 
 
 def views(*steps_by_node: list[int], named: bool = True) -> list[dict]:

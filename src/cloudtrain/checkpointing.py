@@ -68,6 +68,7 @@ class TrainerState:
     device_s: float | None = None  # training time x processes of all earlier sessions (None: from before it)
     job: str | None = None  # the SageMaker job that wrote it; its wall time over its sessions so far (cost.job_wall)
     job_wall_s: float = 0.0
+    total_steps: int | None = None  # the steps its learning-rate schedule was built for (None: from before it)
 
     def earlier_device_s(self, processes: int) -> float:
         """The earlier sessions' device-seconds; a checkpoint from before they were kept counts `processes`."""

@@ -446,6 +446,14 @@ class Trainer:
                 "saving its model",
                 flush=True,
             )
+        elif resume_from and state.total_steps not in (None, total_steps) and self.is_main_process:
+            print(
+                f"note: {resume_from.name} was trained on a learning-rate schedule of {state.total_steps} steps; this "
+                f"run's has {total_steps}, and from step {state.global_step} the learning rate follows it (as if "
+                f"{total_steps} had been planned from the start)",
+                flush=True,
+            )
+        state.total_steps = total_steps  # what this run's checkpoints were trained on
         bar = tqdm(
             total=total_steps,
             initial=state.global_step,
