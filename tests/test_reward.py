@@ -72,3 +72,35 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
         "chosen equals rejected": ({**base, "train_file": str(equal)}, "chosen and rejected answers are equal"),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def test_predict_renders_a_chat_template_reward_model_s_prompt_and_answer_as_training_did(
+    tiny_llama_dir, tmp_path, capsys
+):
+    """A decoder reward model trained through chatml: `predict --text PROMPT --text_pair ANSWER` scores the pair
+    rendered through the saved template, so its scores reproduce the run's own evaluation (it scored the raw text
+    before); a lone --text is refused in one line, as it is for an encoder reward model."""
+    from cloudtrain.cli import main
+
+    data, out = write_pairs(tmp_path / "pairs.jsonl"), tmp_path / "out"
+    options = {
+        "task": "reward", "model_name_or_path": tiny_llama_dir, "train_file": data, "validation_file": data,
+        "output_dir": str(out), "chat_template": "chatml", "max_length": 48, "per_device_train_batch_size": 6,
+        "max_steps": 4, "learning_rate": 1e-2, "mixed_precision": "no", "report_to": "none", "eval_strategy": "no",
+    }  # fmt: skip
+    evaluation = run_training(build_config(options))["eval"]
+    capsys.readouterr()
+    scores = {}
+    for side, column in (("chosen", 1), ("rejected", 2)):
+        argv = ["predict", "--model_dir", str(out)]
+        for pair in PAIRS:
+            argv += ["--text", pair[0], "--text_pair", pair[column]]
+        assert main(argv) == 0
+        scores[side] = [json.loads(line)["score"] for line in capsys.readouterr().out.splitlines()]
+    assert sum(scores["chosen"]) / len(PAIRS) == pytest.approx(evaluation["rewards/chosen"], abs=1e-4)  # printed to 4 places
+    assert sum(scores["rejected"]) / len(PAIRS) == pytest.approx(evaluation["rewards/rejected"], abs=1e-4)
+    assert main(["predict", "--model_dir", str(out), "--text", PAIRS[0][0]]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: the model in {out} was trained on a prompt and an answer rendered through its chat template: give "
+        'each --text its second text with --text_pair "..."'
+    )

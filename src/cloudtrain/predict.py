@@ -12,7 +12,9 @@ each entity has its type, text, character offsets and mean probability.
 --output_file
 writes them to a new file (an existing one only with --overwrite_output_file true), whole or not at all.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
-A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first.
+A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first. A
+reward model trained through a chat template gets the prompt (--text) and the answer (--text_pair) rendered through
+it, as its training rendered each side.
 Texts are truncated at the --max_length the model was trained with (its args.json), so the predictions match the
 run's evaluation; --max_length sets another, up to the model's context.
 A model that needs its own code (auto_map) loads only with --trust_remote_code true; nothing asks on
@@ -26,6 +28,7 @@ import re
 import stat
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -41,6 +44,9 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync, is_no_space
 from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
+
+if TYPE_CHECKING:
+    from cloudtrain.data.chat import ChatFormat
 
 
 def read_texts(path: str, column: str) -> list[str]:
@@ -114,15 +120,20 @@ def predict(
     if type(model).__name__.endswith("ForQuestionAnswering"):
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
         return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names, allow_none)
+    chat = reward_chat(recorded, tokenizer)
     results, truncated = [], 0
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
         second = pairs[i : i + batch_size] if pairs is not None else None
-        # as training encodes (cloudtrain.data.processing, the reward task): truncation longest first
-        encoded = tokenizer(
-            chunk, second, truncation="longest_first", max_length=limit, padding=True, return_tensors="pt"
-        )
-        truncated += count_truncated(encoded)
+        if chat is not None:  # the command checked that a chat-template reward model gets (prompt, answer) pairs
+            assert second is not None
+            encoded, cut = rendered_pairs(chat, chunk, second, limit, model.config.pad_token_id or 0)
+            truncated += cut
+        else:  # as training encodes (cloudtrain.data.processing, the reward task): truncation longest first
+            encoded = tokenizer(
+                chunk, second, truncation="longest_first", max_length=limit, padding=True, return_tensors="pt"
+            )
+            truncated += count_truncated(encoded)
         inputs = {name: encoded[name] for name in names if name in encoded}
         logits = model(**inputs).logits.float()
         if model.config.problem_type == "multi_label_classification":  # --task multi_label: a sigmoid per label
@@ -145,6 +156,34 @@ def predict(
             file=sys.stderr,
         )
     return results
+
+
+def reward_chat(recorded: dict, tokenizer) -> "ChatFormat | None":
+    """The chat format a cloudtrain reward model was trained through (its saved tokenizer's template), or None for
+    a model that read its texts as they are."""
+    if recorded.get("task") != "reward" or not tokenizer.chat_template:
+        return None
+    from cloudtrain.data.chat import ChatFormat
+
+    return ChatFormat.setup(tokenizer, None)
+
+
+def rendered_pairs(
+    chat: "ChatFormat", prompts: list[str], answers: list[str], limit: int, pad: int
+) -> tuple[dict, int]:
+    """(input_ids and attention_mask, how many rows were cut at `limit`) of each prompt as the user's turn and its
+    answer as the assistant's, rendered and cut as the reward task encodes a side, right-padded with `pad`."""
+    rows = [
+        chat.answer([{"role": "user", "content": p}], [{"role": "assistant", "content": a}])[0]
+        for p, a in zip(prompts, answers, strict=True)
+    ]
+    width = min(max(len(ids) for ids in rows), limit)
+    input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for b, ids in enumerate(rows):
+        input_ids[b, : min(len(ids), limit)] = torch.tensor(ids[:limit], dtype=torch.long)
+        attention_mask[b, : min(len(ids), limit)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}, sum(len(ids) > limit for ids in rows)
 
 
 def model_inputs(recorded: dict, tokenizer) -> list[str]:

@@ -191,7 +191,7 @@ def trained_on_pairs(model_dir: Path, task: str | None) -> tuple[bool | None, st
         return False, "on single texts (its args.json records no text_pair_column)", None
     if task == "reward":
         if recorded.get("chat_template") or has_chat_template(model_dir):
-            return False, "on conversations rendered through its chat template, one text each", None
+            return True, "on a prompt and an answer rendered through its chat template", None
         if (model_dir / "tokenizer_config.json").is_file():
             return True, "on prompt and answer as a text pair", None
     return None, "", None

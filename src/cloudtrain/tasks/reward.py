@@ -321,6 +321,6 @@ class RewardTask(Task):
         )
 
     def inference_hint(self, output_dir: str) -> str:
-        # without a chat template the model was trained on (prompt, answer) as a text pair
-        texts = '--text "..."' if self.chat else '--text "<prompt>" --text_pair "<answer>"'
+        # a prompt and an answer: rendered through the chat template, or (without one) read as a text pair
+        texts = '--text "<prompt>" --text_pair "<answer>"'
         return f"{invocation.command()} predict --model_dir {shlex.quote(output_dir)} {texts}"
