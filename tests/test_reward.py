@@ -97,7 +97,8 @@ def test_predict_renders_a_chat_template_reward_model_s_prompt_and_answer_as_tra
             argv += ["--text", pair[0], "--text_pair", pair[column]]
         assert main(argv) == 0
         scores[side] = [json.loads(line)["score"] for line in capsys.readouterr().out.splitlines()]
-    assert sum(scores["chosen"]) / len(PAIRS) == pytest.approx(evaluation["rewards/chosen"], abs=1e-4)  # printed to 4 places
+    # the scores are printed to 4 places
+    assert sum(scores["chosen"]) / len(PAIRS) == pytest.approx(evaluation["rewards/chosen"], abs=1e-4)
     assert sum(scores["rejected"]) / len(PAIRS) == pytest.approx(evaluation["rewards/rejected"], abs=1e-4)
     assert main(["predict", "--model_dir", str(out), "--text", PAIRS[0][0]]) == 2
     assert capsys.readouterr().err.strip() == (
