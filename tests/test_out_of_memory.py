@@ -15,7 +15,7 @@ from conftest import ENTRY, REPO, _save_tiny_lm, lm_documents
 from cloudtrain.config import build_config
 from cloudtrain.training.out_of_memory import explain, is_out_of_memory, remedies
 
-CAP = 8 * 2**30  # the child's address space; the run itself needs well under it, a big batch's logits 32 GB
+CAP = 8 * 2**30  # the child's address space; the run itself needs well under it, a big batch's logits 122 GiB
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ def run_capped(*args: str) -> subprocess.CompletedProcess:
     "batches, said",
     [
         (
-            ["--per_device_train_batch_size", "128"],
-            "error: out of memory in forward and backward (asked for 30.5 GiB): --per_device_train_batch_size 64 "
+            ["--per_device_train_batch_size", "512"],
+            "error: out of memory in forward and backward (asked for 122.1 GiB): --per_device_train_batch_size 256 "
             "--gradient_accumulation_steps 2 (the same global batch); or --gradient_checkpointing true; or --peft "
             "lora (or qlora on CUDA); `cloudtrain plan` with the same options estimates the memory each choice needs",
         ),
@@ -68,6 +68,8 @@ def test_running_out_of_memory_is_said_in_one_line(wide_vocab_llama, tmp_path, b
     errors = [line for line in result.stderr.splitlines() if line.startswith("error")]
     assert len(errors) == 1 and errors[0].startswith(said), result.stderr[-3000:]
     assert "Traceback" not in result.stderr
+    # a micro-batch of 512 needs more than the machine has: the planner said so before training; one row fits
+    assert ("warning: micro-batch 512 may not fit: the planner fits at most " in result.stdout) == (batches[1] == "512")
     assert not (out / "config.json").exists()  # no model saved after the failure
 
 

@@ -203,6 +203,39 @@ def planner_estimate(
         return 0, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
+def warn_beyond_estimate(cfg: Config, data, task, runtime) -> None:
+    """A fixed micro-batch larger than the planner fits in the memory this process has: one warning before training
+    (the estimate is within about 10% where measured: a warning, not a refusal). Silent where it cannot tell."""
+    micro, processes = cfg.training.micro_batch, runtime.mesh.data_parallel
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(processes)))
+    memory = available_bytes(runtime.device, local)
+    try:  # a stream's rows are --max_length long; a task without token rows is not planned
+        longest = (
+            cfg.data.max_length
+            if not hasattr(data.train, "column_names")
+            else len(task.probe_row(data.train)["input_ids"])
+        )
+    except Exception:
+        return
+    estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, local, memory, longest)
+    if why or estimate >= micro:
+        return
+    fits = f"at most {estimate}" if estimate else "not even one"
+    keep = ""
+    if estimate:
+        smaller = largest_divisor(micro, estimate)
+        accumulation = cfg.training.gradient_accumulation_steps * micro // smaller
+        keep = (
+            f" (--per_device_train_batch_size {smaller} --gradient_accumulation_steps {accumulation} keeps the batch)"
+        )
+    print(
+        f"warning: micro-batch {micro} may not fit: the planner fits {fits} row(s) of {longest} tokens in the "
+        f"{memory / 2**30:.1f} GiB this process has; lower --per_device_train_batch_size{keep}, or pass "
+        "--per_device_train_batch_size auto",
+        flush=True,
+    )
+
+
 def choose(cfg: Config, model: torch.nn.Module, data, task, runtime, stored: dict | None) -> Config:
     """`cfg` with `auto` replaced by the micro-batch found (or stored in the checkpoint being resumed), and
     the accumulation that keeps the global batch."""

@@ -212,6 +212,8 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     if cfg.training.per_device_train_batch_size == "auto":  # probes the prepared model, before it is compiled
         cfg = batch_size.choose(cfg, model, data, task, runtime, resumed.get("batch") if resumed else None)
         runtime.set_batch(cfg.training.micro_batch, cfg.training.gradient_accumulation_steps)
+    elif runtime.is_main:
+        batch_size.warn_beyond_estimate(cfg, data, task, runtime)
     model = prepare(model, cfg, task, runtime.is_main, start=compile_model)  # the last transform
     set_seed(cfg.training.seed + runtime.index)  # dropout differs per process
     if runtime.is_main:  # a run that cannot save its model is refused before it trains
