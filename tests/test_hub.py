@@ -23,7 +23,7 @@ from cloudtrain.errors import UserError
 from cloudtrain.publish import hub as cloudhub
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.hub import write_card
-from cloudtrain.publish.output_dir import claim, edited, record, written
+from cloudtrain.publish.output_dir import claim, edited, record, record_run_files, written
 from cloudtrain.publish.saving import holds_model
 
 TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search
@@ -303,12 +303,17 @@ def test_a_card_the_user_edited_after_the_run_is_kept_by_a_push_and_by_an_overwr
     assert "README.md" in written(out) and not edited(out)
 
 
-def test_a_card_cloudtrain_writes_again_is_its_own(tmp_path):
-    out = out_made(tmp_path / "run")
+def test_a_card_cloudtrain_writes_again_is_its_own_and_an_edit_stays_the_users(tmp_path):
+    out, staging = out_made(tmp_path / "run"), out_made(tmp_path / "staging")
     write_card(out, lambda path: path.write_text("generated"))
-    (out / "README.md").write_text("a blank card a PEFT save writes")
-    record(out, ["README.md"])  # written again by the run: its new digest replaces the card's
+    (staging / "README.md").write_text("a blank card a PEFT save writes")
+    record(out, ["README.md"], source=staging)  # recorded before the publish moves it in, as save_final does
+    os.replace(staging / "README.md", out / "README.md")
     assert "README.md" in written(out) and not edited(out)
+    (out / "README.md").write_text("edited while a run went on")
+    record_run_files(out)  # the end of that run: the edit is not taken for the run's
+    record(out, ["merged"])  # nor by a later record of other names
+    assert edited(out) == {"README.md"} and "README.md" not in written(out) and "merged" in written(out)
 
 
 def out_made(out: Path) -> Path:

@@ -74,23 +74,67 @@ def test_running_out_of_memory_is_said_in_one_line(wide_vocab_llama, tmp_path, b
 
 
 def test_remedies_keep_the_global_batch_and_fit_each_place(tiny_model_dir):
+    from cloudtrain.tasks import build_task
+
     def cfg(**options):
         return build_config({"model_name_or_path": tiny_model_dir, "max_length": 256, **options})
 
-    odd = remedies(cfg(per_device_train_batch_size=9, gradient_accumulation_steps=2), "forward")
+    text, images = build_task(cfg()), build_task(cfg(task="text_to_image"))
+    odd = remedies(cfg(per_device_train_batch_size=9, gradient_accumulation_steps=2), text, "forward")
     assert odd[0] == "--per_device_train_batch_size 3 --gradient_accumulation_steps 6 (the same global batch)"
     lean = cfg(per_device_train_batch_size=1, gradient_checkpointing=True, peft="lora")
-    assert remedies(lean, "the optimizer step") == ["a shorter --max_length than 256"]
-    assert remedies(cfg(per_device_eval_batch_size=64), "evaluation") == ["lower --per_device_eval_batch_size 64 to 32"]
+    assert remedies(lean, text, "the optimizer step") == ["a smaller --max_length than 256"]
+    assert remedies(lean, images, "the optimizer step") == ["a smaller --resolution than 512"]
+    assert remedies(cfg(per_device_eval_batch_size=64), text, "evaluation") == [
+        "lower --per_device_eval_batch_size 64 to 32"
+    ]
+    assert remedies(cfg(), text, "loading the model") == [
+        "--peft lora (or qlora on CUDA)",
+        "--zero_stage 3 or --fsdp true over several GPUs (the weights and states sharded)",
+    ]
     cuda = RuntimeError("CUDA out of memory. Tried to allocate 2.50 GiB. GPU 0 has a total capacity of 79.19 GiB")
-    line = explain(cfg(), "forward and backward (the gradient all-reduce)", cuda)
+    line = explain(cfg(), text, "forward and backward (the gradient all-reduce)", cuda)
     assert line.startswith("out of memory in forward and backward (asked for 2.50 GiB): ")
     assert is_out_of_memory(MemoryError()) and not is_out_of_memory(RuntimeError("shape mismatch"))
 
 
 def test_a_failure_other_than_memory_keeps_its_traceback(tiny_model_dir):
+    from cloudtrain.tasks import build_task
     from cloudtrain.training.out_of_memory import said_in_one_line
 
+    cfg = build_config({"model_name_or_path": tiny_model_dir})
     with pytest.raises(RuntimeError, match="shape mismatch"):
-        with said_in_one_line(build_config({"model_name_or_path": tiny_model_dir}), lambda: "evaluation"):
+        with said_in_one_line(cfg, build_task(cfg), lambda: "evaluation"):
             raise RuntimeError("shape mismatch")
+
+
+def test_the_micro_batch_warning_speaks_only_where_the_planner_can_tell(tiny_model_dir, capsys):
+    """A micro-batch far beyond the machine gets the warning; the same run says nothing for a task the planner does
+    not plan (the Python API's own module), for a model split over processes, or under ZeRO-3 (whose model
+    building, on the main process alone, would wait for the others)."""
+    from types import SimpleNamespace
+
+    import torch
+    from datasets import Dataset
+
+    from cloudtrain.batch_size import warn_beyond_estimate
+    from cloudtrain.parallel.mesh import Mesh
+    from cloudtrain.tasks import build_task
+    from cloudtrain.tasks.module_task import ModuleTask
+
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "per_device_train_batch_size": 10**7})
+    data = SimpleNamespace(train=Dataset.from_dict({"input_ids": [[1] * 64]}), label_names=["a", "b"])
+    one = SimpleNamespace(mesh=Mesh(), device=torch.device("cpu"))
+    warn_beyond_estimate(cfg, data, build_task(cfg), one)
+    said = capsys.readouterr().out
+    assert (
+        said.startswith("warning: micro-batch 10000000 may not fit: the planner fits at most ")
+        and "of 64 tokens" in said
+    )
+    own = ModuleTask(torch.nn.Linear(2, 1), [{"x": torch.zeros(2)}], cfg=cfg)
+    warn_beyond_estimate(cfg, data, own, one)
+    split = SimpleNamespace(mesh=Mesh(world=2, tp=2), device=torch.device("cpu"))
+    warn_beyond_estimate(cfg, data, build_task(cfg), split)
+    zero3 = build_config({"model_name_or_path": tiny_model_dir, "per_device_train_batch_size": 10**7, "zero_stage": 3})
+    warn_beyond_estimate(zero3, data, build_task(zero3), one)
+    assert capsys.readouterr().out == ""

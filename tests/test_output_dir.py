@@ -313,11 +313,10 @@ FORKING_HOLDER = """
 import os, sys, time
 from cloudtrain.publish.output_dir import hold
 hold(sys.argv[1])
-child = os.fork()
-if child == 0:  # a loader worker, say, that outlives its run
+if os.fork() == 0:  # a loader worker, say, that outlives its run; it says its pid once its at-fork hooks ran
+    print(os.getpid(), flush=True)
     time.sleep(120)
     os._exit(0)
-print(child, flush=True)
 input()
 """
 

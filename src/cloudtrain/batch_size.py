@@ -23,6 +23,7 @@ import gc
 import os
 from collections.abc import Callable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +32,11 @@ from cloudtrain.errors import UserError
 from cloudtrain.hardware import autocast
 from cloudtrain.planning.search import run_micro_batch
 from cloudtrain.training.out_of_memory import is_out_of_memory
+
+if TYPE_CHECKING:
+    from cloudtrain.data.processing import ProcessedData
+    from cloudtrain.parallel.runtime import Runtime
+    from cloudtrain.tasks.base import Task
 
 DEFAULT_MICRO_BATCH = 16  # the option's default; `auto` without --global_batch_size keeps its global batch
 
@@ -203,10 +209,17 @@ def planner_estimate(
         return 0, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
-def warn_beyond_estimate(cfg: Config, data, task, runtime) -> None:
+def warn_beyond_estimate(cfg: Config, data: "ProcessedData", task: "Task", runtime: "Runtime") -> None:
     """A fixed micro-batch larger than the planner fits in the memory this process has: one warning before training
-    (the estimate is within about 10% where measured: a warning, not a refusal). Silent where it cannot tell."""
-    micro, processes = cfg.training.micro_batch, runtime.mesh.data_parallel
+    (the estimate is within about 10% where measured: a warning, not a refusal). Silent where it cannot tell: a
+    task it does not plan, a model split over processes, and under ZeRO-3, where building the planner's model on
+    one process would join collectives the others never enter (deepspeed.zero.Init)."""
+    from cloudtrain.parallel.distributed import sharding
+
+    mesh = runtime.mesh
+    if not task.plans_micro_batch or mesh.data_parallel != mesh.world or sharding(cfg).zero_stage == 3:
+        return
+    micro, processes = cfg.training.micro_batch, mesh.data_parallel
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(processes)))
     memory = available_bytes(runtime.device, local)
     try:  # a stream's rows are --max_length long; a task without token rows is not planned

@@ -182,7 +182,8 @@ def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = No
     runtime = Runtime.for_launch(cfg, mesh)  # before the model is loaded: ZeRO-3 partitions it while loading
     try:
         hold_folders(cfg, output_dir, runtime)  # before anything reads what a run still going there writes
-        return _build_in(output_dir, cfg, task, runtime, user_callbacks)
+        with out_of_memory.said_in_one_line(cfg, task, lambda: "loading the model"):
+            return _build_in(output_dir, cfg, task, runtime, user_callbacks)
     except BaseException:  # refused or failed: the folder is free again (and gone, if holding it made it)
         release_folders(cfg, output_dir)
         raise
@@ -252,7 +253,7 @@ def run_training(cfg: Config, task: Task | None = None, callbacks: list | None =
     with launch_environment_kept():
         run = build_run(cfg, task, callbacks)
         try:
-            with out_of_memory.said_in_one_line(run.cfg, lambda: run.trainer.phase):
+            with out_of_memory.said_in_one_line(run.cfg, run.task, lambda: run.trainer.phase):
                 return _train_evaluate_save(run)
         finally:  # also when stopped (SIGTERM, a non-finite loss) or refused
             try:
@@ -290,10 +291,12 @@ def _train_evaluate_save(run: Run) -> dict:
         runtime.device.type,
         earlier_device_seconds=train_result.earlier_device_s,
     )
+    trainer.phase = "evaluation"
     for split, name in (("validation", "eval"), ("test", "test")):
         if split in trainer.eval_dls:
             results[name] = trainer.evaluate(split)
             trainer.log_evaluation(results[name], name, train_result.global_step)
+    trainer.phase = "prediction"
     predictions = {split: trainer.predict(split) for split in trainer.predict_dls}
     trainer.phase = "saving the model"
     save_final(run, results, predictions)
@@ -338,7 +341,8 @@ def save_final(run: Run, results: dict, predictions: dict) -> None:
             except UserError as err:  # the adapter is saved and pushed all the same; `merge` can be run again
                 print(f"warning: {err}", flush=True)
         staged = sorted(p.name for p in staging.iterdir())
-        output_dir_module.record(output_dir, staged)  # before the seal: a recovered publish is the run's too
+        # before the seal: a recovered publish is the run's too; a card's digest is the staged one's
+        output_dir_module.record(output_dir, staged, source=staging)
         atomic.seal(output_dir, output_dir_module.replaced_at_end(output_dir, staged))
     atomic.publish(output_dir)
 

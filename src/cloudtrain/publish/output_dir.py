@@ -95,24 +95,28 @@ def _written_before_manifests(output_dir: Path) -> set[str]:
     return {p.name for p in output_dir.iterdir() if is_run_name(p.name)}
 
 
-def record(output_dir: Path, names: set[str] | list[str]) -> None:
-    """Add `names`, just written, to the manifest (written whole, then renamed: a kill leaves the old or the new
-    one), with the digest of each that is a card."""
+def record(output_dir: Path, names: set[str] | list[str], source: Path | None = None) -> None:
+    """Add `names`, just written into `output_dir` (or into `source`, to be moved there: a publish's staging folder),
+    to the manifest, with the digest of each that is a card (written whole, then renamed: a kill leaves the old
+    manifest or the new one). A card edited since it was recorded keeps its digest: it stays the user's."""
     output_dir = Path(output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    ours = written(output_dir) | set(names)
-    digests = {name: digest for name, digest in _manifest(output_dir)["digests"].items() if name in ours}
+    manifest = _manifest(output_dir)
+    ours = set(manifest["written"]) | set(names)
+    digests = {name: digest for name, digest in manifest["digests"].items() if name in ours}
     for name in set(names) & set(DIGESTED):
         digests.pop(name, None)
-        if (digest := _digest(output_dir / name)) is not None:
+        if (digest := _digest((source or output_dir) / name)) is not None:
             digests[name] = digest
     manifest = {"written": sorted(ours), **({"digests": dict(sorted(digests.items()))} if digests else {})}
     write_whole(output_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
 
 
 def record_run_files(output_dir: Path) -> None:
-    """At the end of a run: every name a run writes that is there now is this run's (claim refused the user's)."""
-    record(output_dir, [p.name for p in Path(output_dir).iterdir() if is_run_name(p.name)])
+    """At the end of a run: every name a run writes that is there now is this run's (claim refused the user's),
+    less a card recorded as it was written (its digest stays that one: an edit made during the run is the user's)."""
+    kept = set(_manifest(Path(output_dir))["digests"])
+    record(output_dir, [p.name for p in Path(output_dir).iterdir() if is_run_name(p.name) and p.name not in kept])
 
 
 def users_files(output_dir: Path) -> list[str]:

@@ -63,6 +63,8 @@ class Task:
     runs_in_pipeline = True  # whether its loss can be taken on a pipeline's last stage (--training_type pipeline)
     # whether its model is a diffusers pipeline folder: the planner counts its parts (cloudtrain.planning.diffusion)
     plans_pipeline = False
+    plans_micro_batch = True  # whether the planner estimates its micro-batch (run_micro_batch: rows of tokens)
+    size_option = "max_length"  # the option that sets how large one row is (named where memory runs out)
     streams_data = False  # whether --streaming true reads its training rows on the fly (cloudtrain.data.streaming)
     bounds_length = False  # whether it refuses a --max_length beyond the model's positions (models.load.check_sizes)
     # what one streamed record encodes to (registry_table.DOCUMENT or EXAMPLES, in its STREAMING row where it streams)

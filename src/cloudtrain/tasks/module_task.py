@@ -86,6 +86,7 @@ class ModuleTask(Task):
 
     name = OWN_MODULE  # what run logs and the model card would call it; no --task takes it
     summary = "the user's own nn.Module, its forward returning the loss"
+    plans_micro_batch = False  # the planner knows Hugging Face models only
 
     def __init__(
         self,

@@ -435,11 +435,15 @@ def _targets(mask: list[int], lengths: list[int]) -> int:
 
 def no_prompt_fits(cfg: Config) -> str:
     """Why evaluations hold no sample answers: no validation prompt leaves room for the answer's tokens."""
-    new_tokens = cfg.training.sample_max_new_tokens
+    new_tokens, length = cfg.training.sample_max_new_tokens, cfg.data.max_length
+    room = (
+        f"fits in {length - new_tokens} tokens (--max_length {length} less --sample_max_new_tokens {new_tokens})"
+        if new_tokens < length
+        else f"fits: --sample_max_new_tokens {new_tokens} leaves no room within --max_length {length}"
+    )
     return (
-        f"no validation prompt fits in {cfg.data.max_length - new_tokens} tokens (--max_length {cfg.data.max_length} "
-        f"less --sample_max_new_tokens {new_tokens}), so evaluations show no sample answers or exact_match: raise "
-        "--max_length or lower --sample_max_new_tokens"
+        f"no validation prompt {room}, so evaluations show no sample answers or exact_match: raise --max_length or "
+        "lower --sample_max_new_tokens"
     )
 
 

@@ -43,6 +43,8 @@ class TextToImageTask(Task):
     auto_class = AutoModel  # not used to load: load_model is the task's own (preflight asks every task for one)
     load_error = "could not load the diffusers pipeline"
     plans_pipeline = True  # the planner counts the pipeline's parts (cloudtrain.planning.diffusion)
+    plans_micro_batch = False
+    size_option = "resolution"
 
     def __init__(self, cfg: Config | None = None):
         super().__init__(cfg)

@@ -5,11 +5,15 @@ of the run resumes with it). `cloudtrain plan` estimates each choice (docs/plann
 import contextlib
 import re
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
+
+if TYPE_CHECKING:
+    from cloudtrain.tasks.base import Task
 
 ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)? ?[KMGT]i?B|\d+ bytes)")
 SIGNS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "can't allocate memory")  # CUDA, cuBLAS, the CPU allocator
@@ -20,32 +24,36 @@ def is_out_of_memory(err: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def said_in_one_line(cfg: Config, doing: Callable[[], str]) -> Iterator[None]:
+def said_in_one_line(cfg: Config, task: "Task", doing: Callable[[], str]) -> Iterator[None]:
     """Turn running out of memory into a UserError naming `doing()` (what the run was doing) and the remedies."""
     try:
         yield
     except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
         if not is_out_of_memory(err):
             raise
-        raise UserError(explain(cfg, doing(), err)) from None
+        raise UserError(explain(cfg, task, doing(), err)) from None
 
 
-def explain(cfg: Config, doing: str, err: BaseException) -> str:
+def explain(cfg: Config, task: "Task", doing: str, err: BaseException) -> str:
     where = doing.split(" (")[0]  # a step's phase names its collectives in brackets: not what ran out
     asked = ASKED.search(str(err))
     size = f" (asked for {readable(asked.group(1))})" if asked else ""
-    fixes = "; or ".join(remedies(cfg, where))
+    fixes = "; or ".join(remedies(cfg, task, where))
     return (
         f"out of memory in {where}{size}: {fixes}; `cloudtrain plan` with the same options estimates the memory "
         "each choice needs"
     )
 
 
-def remedies(cfg: Config, where: str) -> list[str]:
+def remedies(cfg: Config, task: "Task", where: str) -> list[str]:
     """What needs less memory where the run ran out, the first the least change to the training itself."""
+    adapters = ["--peft lora (or qlora on CUDA)"] if cfg.model.peft == "none" else []
+    if where.startswith(("loading", "placing", "saving")):  # the whole model at once, before or after the steps
+        return [*adapters, "--zero_stage 3 or --fsdp true over several GPUs (the weights and states sharded)"]
+    size = f"a smaller --{task.size_option} than {cfg.to_dict()[task.size_option]}"
     if where.startswith(("evaluation", "prediction")):
         rows = cfg.training.per_device_eval_batch_size
-        return [f"lower --per_device_eval_batch_size {rows} to {rows // 2}" if rows > 1 else "a shorter --max_length"]
+        return [f"lower --per_device_eval_batch_size {rows} to {rows // 2}" if rows > 1 else size]
     t, fixes = cfg.training, []
     micro = t.per_device_train_batch_size
     if isinstance(micro, int) and micro > 1:
@@ -57,10 +65,8 @@ def remedies(cfg: Config, where: str) -> list[str]:
     if not cfg.model.gradient_checkpointing:
         fixes.append("--gradient_checkpointing true")
     if not isinstance(micro, int) or micro == 1:
-        fixes.append(f"a shorter --max_length than {cfg.data.max_length}")
-    if cfg.model.peft == "none":
-        fixes.append("--peft lora (or qlora on CUDA)")
-    return fixes[:3]
+        fixes.append(size)
+    return [*fixes, *adapters][:3]
 
 
 def readable(size: str) -> str:

@@ -618,7 +618,6 @@ class Trainer:
 
     def evaluate(self, split: str) -> dict:
         """The task's metrics of the current weights on one split, counted over every example exactly once."""
-        self.phase = "evaluation"
         return self.task.evaluate(
             self.model,
             self.eval_dls[split],
@@ -630,7 +629,6 @@ class Trainer:
 
     def predict(self, split: str):
         """The task's predictions for an unlabelled split, in the split's order."""
-        self.phase = "prediction"
         return self.task.predict(
             self.model, self.predict_dls[split], gather=self.runtime.gather, move=self.move, autocast=self.autocast
         )
