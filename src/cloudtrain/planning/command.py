@@ -162,6 +162,51 @@ def make_plan(args: argparse.Namespace) -> dict:
     name = args.model_config or args.model_name_or_path or default_model_dir()
     if not args.model_config and (is_pipeline(name) or TASKS[args.task].plans_pipeline):
         return _pipeline_plan(args, name, gpu)  # a folder that is no pipeline: the run's own one line
+    m, run_task, task_cfg = _model(args, name)
+    setup, requested, global_batch = _setup(args, m, run_task, task_cfg, gpu)
+    rows, allowed, cands, adapters = _rows(args, m, setup, run_task, task_cfg, requested, global_batch)
+    ranked = ranked_choices(m, allowed, setup, requested, global_batch)
+    plan = {
+        "model": asdict(m),
+        "setup": {**asdict(setup), "world_size": setup.world_size},
+        "requested_micro_batch": requested,
+        "global_batch_size": global_batch,
+        "assumptions": {
+            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
+            "fragmentation": FRAGMENTATION,
+            "checkpointing_cost": CHECKPOINTING_COST,
+            "optimizer": "AdamW",
+        },
+        "strategies": [row_json(r) for r in rows],
+        "recommendation": None,
+        "suggestions": [],
+        "fallbacks": [choice_json(c) for c in ranked[1:4]],  # the next best, in the order the choice takes
+        "notes": _unused_notes(args)
+        + _notes(m, setup, args.mixed_precision)
+        + _split_notes(m, setup)
+        + (["no ZeRO-3 or FSDP rows: --fused_cross_entropy true refuses them"] if setup.fused_loss_asked else [])
+        + _hardware_notes(name, args, gpu)
+        + _attention_note(m, args),
+    }
+    if not ranked:
+        return _nothing_fits(plan, args, m, setup, rows, [r.candidate for r in allowed] or cands, adapters)
+    choice = ranked[0]
+    files, moved = write_configs(m, choice, setup, Path(args.output_dir))
+    recommendation = recommendation_json(
+        choice,
+        global_batch,
+        files,
+        reasons(m, allowed, choice, setup, requested, global_batch),
+        launch_command(m, choice, setup, files),
+    )
+    if moved:  # an edited config in --output_dir was kept: where this plan's went instead
+        recommendation["files_moved"] = moved
+    plan["recommendation"] = recommendation
+    return plan
+
+
+def _model(args: argparse.Namespace, name: str) -> tuple[ModelFacts, Task, Config]:
+    """(the model's facts with the task's answers about memory and sharding, the task, the task's options)."""
     local = (not args.model_config and config_folder(name)) or name  # a well-known model: its shipped config
     if not args.model_config and looks_like_repo_id(local) and not Path(local).exists():  # as training says it
         check_hub_ids([HubId("--model_name_or_path", local, "model")])
@@ -198,6 +243,13 @@ def make_plan(args: argparse.Namespace) -> dict:
         task_args=task_args(args) + passed,
         attn_implementation=attention or m.attn_implementation,
     )
+    return m, run_task, task_cfg
+
+
+def _setup(
+    args: argparse.Namespace, m: ModelFacts, run_task: Task, task_cfg: Config, gpu: Gpu | None
+) -> tuple[Setup, int, int]:
+    """(the machines and the run's batch, kernels and lengths; the micro-batch asked for; the global batch)."""
     setup = Setup(
         args.num_gpus,
         args.num_nodes,
@@ -218,6 +270,20 @@ def make_plan(args: argparse.Namespace) -> dict:
         fused_modules=modules,
         target_length=run_task.target_length(task_cfg) if m.encoder else None,
     )
+    return setup, requested, global_batch
+
+
+def _rows(
+    args: argparse.Namespace,
+    m: ModelFacts,
+    setup: Setup,
+    run_task: Task,
+    task_cfg: Config,
+    requested: int,
+    global_batch: int,
+) -> tuple[list, list, list[Candidate], tuple[str, ...]]:
+    """(every row the run may take, those the pinned options allow, the candidates, the adapters planned); a pinned
+    --strategy the run refuses or that has no row here is refused in one line."""
     adapters = (
         () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
     )  # DoRA only when asked for
@@ -242,54 +308,30 @@ def make_plan(args: argparse.Namespace) -> dict:
         and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())
         and args.peft in ("auto", r.candidate.peft)
     ]
-    ranked = ranked_choices(m, allowed, setup, requested, global_batch)
-    choice = ranked[0] if ranked else None
-    plan = {
-        "model": asdict(m),
-        "setup": {**asdict(setup), "world_size": setup.world_size},
-        "requested_micro_batch": requested,
-        "global_batch_size": global_batch,
-        "assumptions": {
-            "cuda_context_bytes": CUDA_CONTEXT_BYTES,
-            "fragmentation": FRAGMENTATION,
-            "checkpointing_cost": CHECKPOINTING_COST,
-            "optimizer": "AdamW",
-        },
-        "strategies": [row_json(r) for r in rows],
-        "recommendation": None,
-        "suggestions": [],
-        "fallbacks": [choice_json(c) for c in ranked[1:4]],  # the next best, in the order the choice takes
-        "notes": _unused_notes(args)
-        + _notes(m, setup, args.mixed_precision)
-        + _split_notes(m, setup)
-        + (["no ZeRO-3 or FSDP rows: --fused_cross_entropy true refuses them"] if setup.fused_loss_asked else [])
-        + _hardware_notes(name, args, gpu)
-        + _attention_note(m, args),
-    }
-    if choice is None:
-        forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
-        leanest = "full offload and checkpointing" + (", nor QLoRA with checkpointing" if "qlora" in adapters else "")
-        plan["message"] = (
-            f"Nothing fits, not even micro-batch 1 with {leanest}."
-            if not forced or not any(r.max_micro_batch for r in rows)
-            else "The requested strategy does not fit "
-            "(see the table); drop --strategy/--gradient_checkpointing/--peft to let the planner "
-            "choose."
-        )
-        # what would make the allowed candidates fit (a forced --strategy's, not the leanest of all)
-        plan["suggestions"] = suggestions(m, setup, [r.candidate for r in allowed] or cands)
-        return plan
-    files, moved = write_configs(m, choice, setup, Path(args.output_dir))
-    recommendation = recommendation_json(
-        choice,
-        global_batch,
-        files,
-        reasons(m, allowed, choice, setup, requested, global_batch),
-        launch_command(m, choice, setup, files),
+    return rows, allowed, cands, adapters
+
+
+def _nothing_fits(
+    plan: dict,
+    args: argparse.Namespace,
+    m: ModelFacts,
+    setup: Setup,
+    rows: list,
+    considered: list[Candidate],
+    adapters: tuple[str, ...],
+) -> dict:
+    """The plan without a recommendation: why, and what would make the `considered` candidates fit (a pinned
+    --strategy's, not the leanest of all)."""
+    forced = args.strategy != "auto" or args.gradient_checkpointing != "auto" or args.peft != "auto"
+    leanest = "full offload and checkpointing" + (", nor QLoRA with checkpointing" if "qlora" in adapters else "")
+    plan["message"] = (
+        f"Nothing fits, not even micro-batch 1 with {leanest}."
+        if not forced or not any(r.max_micro_batch for r in rows)
+        else "The requested strategy does not fit "
+        "(see the table); drop --strategy/--gradient_checkpointing/--peft to let the planner "
+        "choose."
     )
-    if moved:  # an edited config in --output_dir was kept: where this plan's went instead
-        recommendation["files_moved"] = moved
-    plan["recommendation"] = recommendation
+    plan["suggestions"] = suggestions(m, setup, considered)
     return plan
 
 
