@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 ERROR_DIR = "CLOUDTRAIN_ERROR_DIR"  # set by `cloudtrain launch`: where each process records its error line
@@ -96,3 +97,10 @@ def recorded_errors(folder: Path) -> list[dict]:
         except (OSError, ValueError):
             continue
     return records
+
+
+def refuse_first(checks: Iterable[tuple[object, str]]) -> None:
+    """The message of the first check that failed (a true value), as a UserError; nothing when all passed."""
+    for failed, message in checks:
+        if failed:
+            raise UserError(message)

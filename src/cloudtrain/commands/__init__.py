@@ -11,7 +11,6 @@ imported after each command's `--help` and refusals.
 """
 
 import argparse
-from collections.abc import Iterable
 from pathlib import Path
 
 from cloudtrain.config import parse_bool
@@ -41,13 +40,6 @@ def add_trust_remote_code(parser: argparse.ArgumentParser) -> None:
         "Run the model's own Python code (auto_map in its config) to load it; read that code first "
         "(default: false, such a model is refused).",
     )
-
-
-def refuse_first(checks: Iterable[tuple[bool, str]]) -> None:
-    """The message of the first check that failed, as a UserError; nothing when all passed."""
-    for failed, message in checks:
-        if failed:
-            raise UserError(message)
 
 
 def existing_run_dir(flag: str, path: str) -> Path:

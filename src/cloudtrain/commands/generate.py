@@ -4,8 +4,9 @@ generates."""
 import argparse
 import sys
 
-from cloudtrain.commands import add_switch, add_trust_remote_code, check_input_file, existing_run_dir, refuse_first
+from cloudtrain.commands import add_switch, add_trust_remote_code, check_input_file, existing_run_dir
 from cloudtrain.config.inert import GENERATE, unused
+from cloudtrain.errors import refuse_first
 from cloudtrain.publish.saving import check_not_diffusion
 
 DEVICES = ("auto", "cpu", "cuda")

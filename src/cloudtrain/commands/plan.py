@@ -3,8 +3,8 @@ their help and defaults) and the plan's. cloudtrain.planning estimates and choos
 
 import argparse
 
-from cloudtrain.commands import refuse_first
 from cloudtrain.config import PEFT_METHODS, add_config_option
+from cloudtrain.errors import refuse_first
 from cloudtrain.planning.accelerators import GPUS, gpu_by_name
 from cloudtrain.planning.strategies import MODEL_PARALLEL, PIPELINE, STRATEGIES
 

@@ -17,9 +17,8 @@ from cloudtrain.commands import (
     add_trust_remote_code,
     check_input_file,
     existing_run_dir,
-    refuse_first,
 )
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.models.positions import saved_positions
 from cloudtrain.publish.saving import holds_model, read_arguments
 

@@ -1,9 +1,12 @@
 """Options of the data: where it comes from, its columns and how it becomes rows."""
 
+import os
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
+
+MAX_LOADER_WORKERS = max(64, 4 * (os.cpu_count() or 1))  # each is a process
 
 PACKING = ("auto", "none", "wrapped", "bfd")
 MIXTURE_EXHAUSTED = ("restart", "drop", "stop")
@@ -174,7 +177,44 @@ class DataConfig:
     )
 
     def check(self) -> None:
-        """Streaming options need no I/O to be refused, nor the window options of question answering."""
+        """The data options' values and combinations, streaming's and question answering's included: no I/O."""
+        refuse_first(
+            [
+                (
+                    self.dataset_name and self.train_file,
+                    "--dataset_name and --train_file both name the training data; give one of them",
+                ),
+                (
+                    self.text_pair_column and self.text_pair_column == self.text_column,
+                    "--text_pair_column must differ from --text_column",
+                ),
+                (
+                    self.label_column in (self.text_column, self.text_pair_column),
+                    "--label_column must differ from the text columns",
+                ),
+                (not self.label_separator, "--label_separator must not be empty"),
+                (self.max_length < 2, "--max_length must be at least 2"),
+                (
+                    not 0 < self.validation_split_percentage < 100,
+                    "--validation_split_percentage must be between 0 and 100",
+                ),
+                (
+                    self.max_train_samples is not None and self.max_train_samples < 1,
+                    "--max_train_samples must be at least 1",
+                ),
+                (
+                    self.max_eval_samples is not None and self.max_eval_samples < 1,
+                    "--max_eval_samples must be at least 1",
+                ),
+                (self.dataloader_num_workers < 0, "--dataloader_num_workers must not be negative"),
+                (
+                    self.dataloader_num_workers > MAX_LOADER_WORKERS,
+                    f"--dataloader_num_workers {self.dataloader_num_workers} is more than {MAX_LOADER_WORKERS} (4 x "
+                    "this machine's CPUs, at least 64): each is a process; give fewer",
+                ),
+                (self.num_sample_prompts < 0, "--num_sample_prompts must not be negative (0: no sample generations)"),
+            ]
+        )
         if self.doc_stride < 0:
             raise UserError("--doc_stride must be at least 0")
         if self.max_answer_length < 1:

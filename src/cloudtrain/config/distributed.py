@@ -4,7 +4,7 @@ import os
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 OFFLOAD = ("none", "cpu", "nvme")
@@ -94,6 +94,14 @@ class DistributedConfig:
     )
 
     def check(self) -> None:
+        refuse_first(
+            [
+                (self.pipeline_parallel_size < 1, "--pipeline_parallel_size must be at least 1"),
+                (self.pipeline_microbatches < 1, "--pipeline_microbatches must be at least 1"),
+                (self.pipeline_stages_per_rank < 1, "--pipeline_stages_per_rank must be at least 1"),
+                (self.collective_timeout <= 0, "--collective_timeout must be positive (seconds)"),
+            ]
+        )
         nvme = "nvme" in (self.offload_optimizer, self.offload_param)
         if nvme and not self.nvme_path:
             raise UserError("--offload_* nvme needs --nvme_path <folder on a fast local disk>")

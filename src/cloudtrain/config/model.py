@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
+from cloudtrain.errors import refuse_first
 
 PEFT_METHODS = ("none", "lora", "dora", "qlora")
 
@@ -72,3 +73,22 @@ class ModelConfig:
         "the output head), or comma-separated module names "
         "(q_proj,v_proj).",
     )
+
+    def check(self) -> None:
+        refuse_first(
+            [
+                (
+                    self.model_config and self.model_name_or_path,
+                    "--model_config builds a model from scratch and --model_name_or_path loads one; give one of them",
+                ),
+                (
+                    self.model_config and not self.tokenizer_name_or_path,
+                    "--model_config needs --tokenizer_name_or_path (a model built from scratch comes with no "
+                    "tokenizer)",
+                ),
+                (self.lora_r < 1, "--lora_r must be at least 1"),
+                (self.lora_alpha <= 0, "--lora_alpha must be positive"),
+                (not 0 <= self.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
+                (not self.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
+            ]
+        )

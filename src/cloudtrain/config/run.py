@@ -3,7 +3,7 @@
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.registry import TASKS
 
 TRACKERS = ("none", "wandb", "trackio", "tensorboard", "mlflow")
@@ -53,7 +53,22 @@ class MonitoringConfig:
     profile_dir: str | None = opt(None, "Where --profile writes its trace (default: <output_dir>/profile).")
 
     def check(self) -> None:
-        """--profile_steps is read as first:last before any work; the profile options need --profile."""
+        """The thresholds' ranges; --profile_steps is read as first:last before any work; the profile options need
+        --profile."""
+        refuse_first(
+            [
+                (self.loss_spike_threshold < 0, "--loss_spike_threshold must not be negative (0: off)"),
+                (self.grad_norm_spike_threshold < 0, "--grad_norm_spike_threshold must not be negative (0: off)"),
+                (
+                    not 0 <= self.throughput_drop_ratio < 1,
+                    "--throughput_drop_ratio must be in [0, 1) (a share of the running median; 0: off)",
+                ),
+                (
+                    self.straggler_ratio != 0 and self.straggler_ratio <= 1,
+                    "--straggler_ratio must be above 1 (times the median process; 0: off)",
+                ),
+            ]
+        )
         profile_window(self.profile_steps)
         if self.profile_dir and not self.profile:
             raise UserError("--profile_dir needs --profile true")
@@ -79,6 +94,10 @@ class TrackingConfig:
     tags: list = opt([], "Tags for the tracker run, comma-separated.")
     log_model: bool = opt(False, "Also upload the saved model as a W&B artifact.")
 
+    def check(self) -> None:
+        if "none" in self.report_to and len(self.report_to) > 1:
+            raise UserError("--report_to none cannot be combined with other trackers")
+
 
 @dataclass
 class HubConfig:
@@ -101,6 +120,10 @@ class HubConfig:
         "background; checkpoint: also push the latest checkpoint.",
         HUB_STRATEGIES,
     )
+
+    def check(self) -> None:
+        if self.push_to_hub and not self.hub_model_id:
+            raise UserError("--push_to_hub true needs --hub_model_id <user>/<name>")
 
 
 @dataclass
@@ -143,6 +166,13 @@ class CheckpointConfig:
         "Write checkpoints in the background: the loop waits only while the state is copied to CPU memory "
         "(one process, the basic or accelerated trainer without DeepSpeed or FSDP).",
     )
+
+    def check(self) -> None:
+        every = self.checkpointing_steps
+        if every is not None and every != "epoch" and not (every.isdigit() and int(every) > 0):
+            raise UserError("--checkpointing_steps takes a number of steps or epoch")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise UserError("--save_total_limit must be at least 1")
 
 
 @dataclass

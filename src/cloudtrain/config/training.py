@@ -4,10 +4,11 @@ import dataclasses
 from dataclasses import dataclass
 
 from cloudtrain.config.fields import opt
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.registry import TASKS, TRAINERS
 
 PRECISIONS = ("no", "fp16", "bf16")
+MAX_ROWS = 1_000_000  # rows in a batch, or micro-batches in a step: more is a typo (and overflows an index)
 MIXED_PRECISION = ("auto", *PRECISIONS)
 SCHEDULERS = (
     "linear",
@@ -176,7 +177,66 @@ class TrainingConfig:
     )
 
     def check(self) -> None:
-        """The optimizer and schedule options that contradict each other (the device is checked in preflight)."""
+        """The loop's values, and the optimizer and schedule options that contradict each other (the device is
+        checked in preflight)."""
+        rows = self.per_device_train_batch_size if isinstance(self.per_device_train_batch_size, int) else 0
+        refuse_first(
+            [
+                (
+                    self.num_train_epochs <= 0 and self.max_steps is None,
+                    "--num_train_epochs must be positive (or set --max_steps)",
+                ),
+                (self.max_steps is not None and self.max_steps < 1, "--max_steps must be at least 1"),
+                (
+                    isinstance(self.per_device_train_batch_size, int) and self.per_device_train_batch_size < 1,
+                    "--per_device_train_batch_size must be at least 1 (or auto)",
+                ),
+                (
+                    self.global_batch_size is not None and self.global_batch_size < 1,
+                    "--global_batch_size must be at least 1",
+                ),
+                (self.per_device_eval_batch_size < 1, "--per_device_eval_batch_size must be at least 1"),
+                (self.gradient_accumulation_steps < 1, "--gradient_accumulation_steps must be at least 1"),
+                (
+                    max(
+                        self.gradient_accumulation_steps,
+                        self.per_device_eval_batch_size,
+                        self.global_batch_size or 0,
+                        rows,
+                    )
+                    > MAX_ROWS,
+                    "--per_device_train_batch_size, --per_device_eval_batch_size, --global_batch_size and "
+                    f"--gradient_accumulation_steps take at most {MAX_ROWS:,}",
+                ),  # fmt: skip
+                (self.learning_rate <= 0, "--learning_rate must be positive"),
+                (self.weight_decay < 0, "--weight_decay must not be negative"),
+                (self.max_grad_norm < 0, "--max_grad_norm must not be negative (0 disables clipping)"),
+                (not 0 <= self.warmup_ratio < 1, "--warmup_ratio must be in [0, 1)"),
+                (self.logging_steps < 1, "--logging_steps must be at least 1"),
+                (
+                    not 0 <= self.seed < 2**32,
+                    "--seed must be between 0 and 4294967295 (2**32 - 1), as numpy's generator takes",
+                ),
+                (
+                    self.eval_strategy == "steps" and not self.eval_steps,
+                    "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)",
+                ),
+                (self.eval_steps is not None and self.eval_steps < 1, "--eval_steps must be at least 1"),
+                (
+                    self.early_stopping_patience is not None and self.early_stopping_patience < 1,
+                    "--early_stopping_patience must be at least 1",
+                ),
+                (self.early_stopping_threshold < 0, "--early_stopping_threshold must not be negative"),
+                (self.neftune_noise_alpha < 0, "--neftune_noise_alpha must not be negative (0: off)"),
+                (not 0 <= self.label_smoothing < 1, "--label_smoothing must be in [0, 1) (0: off; 0.1 is usual)"),
+                (
+                    self.early_stopping_patience and self.eval_strategy == "no",
+                    "--early_stopping_patience counts evaluations: set --eval_strategy steps (with --eval_steps N) "
+                    "or epoch",
+                ),
+                (self.sample_max_new_tokens < 1, "--sample_max_new_tokens must be at least 1"),
+            ]
+        )
         changed = {f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
         for name, schedules in SCHEDULE_OPTIONS.items():
             if name in changed and self.lr_scheduler_type not in schedules:

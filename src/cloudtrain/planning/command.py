@@ -17,7 +17,6 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
-from cloudtrain.commands import refuse_first
 from cloudtrain.config import (
     Config,
     TrainingConfig,
@@ -25,7 +24,7 @@ from cloudtrain.config import (
     differs_from_default,
 )
 from cloudtrain.config.inert import inert_notes, reads
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.hardware import resolve_precision
 from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
