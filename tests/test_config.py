@@ -8,19 +8,19 @@ import pytest
 
 from cloudtrain.config import (
     Config,
-    _fields,
-    _Parser,
+    ConfigParser,
     add_config_arguments,
     build_config,
     config_from_namespace,
     load_config_file,
+    option_fields,
     resolve_options,
 )
 from cloudtrain.errors import UserError
 
 
 def parse(*argv: str) -> Config:
-    parser = _Parser(prog="t")
+    parser = ConfigParser(prog="t")
     add_config_arguments(parser)
     return config_from_namespace(parser.parse_args(list(argv)))
 
@@ -157,7 +157,7 @@ def test_an_option_under_another_section_is_refused_naming_its_own(tmp_path):
 def test_a_mistyped_required_option_is_named_not_reported_missing():
     """argparse checks the required options first; a required option mistyped is both missing and unknown, and
     the unknown one is the cause."""
-    parser = _Parser(prog="t")
+    parser = ConfigParser(prog="t")
     parser.add_argument("--model_dir", required=True)
     parser.add_argument("--text")
     with pytest.raises(UserError) as caught:
@@ -187,7 +187,7 @@ def test_help_lists_every_option_with_its_default():
     parser = argparse.ArgumentParser(prog="t", formatter_class=lambda prog: argparse.HelpFormatter(prog, width=400))
     add_config_arguments(parser)
     text = parser.format_help()
-    for name in _fields():
+    for name in option_fields():
         assert f"--{name}" in text
     assert "(default: 16)" in text and "(default: accelerated)" in text
 
@@ -220,7 +220,7 @@ def test_secrets_stay_out_of_saved_arguments():
     assert cfg.to_dict()["hub_model_id"] == "me/model"
 
 
-OPTIONAL = [name for name, (_, f) in _fields().items() if "None" in str(f.type)]
+OPTIONAL = [name for name, (_, f) in option_fields().items() if "None" in str(f.type)]
 
 
 @pytest.mark.parametrize("word", ["none", "null", "None", "NULL"])

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from cloudtrain import generate
 from cloudtrain.commands import generate as command
-from cloudtrain.config import _Parser
+from cloudtrain.config import ConfigParser
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
 
@@ -22,7 +22,7 @@ PROMPTS = ["Once upon a time", "The frog said:"]
 
 
 def parse(*argv: str):
-    parser = _Parser(prog="generate")
+    parser = ConfigParser(prog="generate")
     command.add_arguments(parser)
     return parser.parse_args(list(argv))
 

@@ -5,9 +5,9 @@ import dataclasses
 
 import pytest
 
-from cloudtrain.config import Config, DataConfig, ImagesConfig, ModelConfig, _coerce, _fields, build_config
+from cloudtrain.config import Config, DataConfig, ImagesConfig, ModelConfig, _coerce, build_config, option_fields
 from cloudtrain.config.inert import GENERATE, STREAMED, TRAINING, inert_notes, unused
-from cloudtrain.config.root import _default
+from cloudtrain.config.root import option_default
 from cloudtrain.registry_table import STREAMING, TASK_ROWS
 
 
@@ -127,12 +127,12 @@ def test_generate_sampling_options_need_do_sample():
 
 
 def test_the_table_names_real_options_tasks_and_enabling_values():
-    fields = _fields()
+    fields = option_fields()
     for name, use in TRAINING.items():
         assert name in fields, name
         assert set(use.tasks) <= set(TASK_ROWS), (name, use.tasks)
         if use.needs:
-            assert use.needs in fields and (use.values or _default(fields[use.needs][1]) is None), name
+            assert use.needs in fields and (use.values or option_default(fields[use.needs][1]) is None), name
             for value in use.values:  # each enabling value is one the enabling option takes
                 assert _coerce(use.needs, value) == value, (name, use.needs, value)
 

@@ -210,7 +210,10 @@ def alone(model, chat, row: dict) -> list[float]:
     encoded = encode_pair(chat, row, PairColumns("prompt", "chosen", "rejected"))
     out = []
     for side in ("chosen", "rejected"):
-        ids, mask = torch.tensor(encoded[f"{side}_ids"]), torch.tensor(encoded[f"{side}_mask"], dtype=torch.bool)
+        ids, mask = (
+            torch.tensor(encoded[f"{side}_ids"]),
+            torch.tensor(encoded[f"{side}_mask"], dtype=torch.bool),
+        )
         logps = model(input_ids=ids[None]).logits[0, :-1].log_softmax(-1).gather(-1, ids[1:, None])[:, 0]
         out.append(float(logps[mask[1:]].sum()))
     return out

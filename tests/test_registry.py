@@ -4,7 +4,7 @@ class says (checked here and at registration)."""
 
 import pytest
 
-from cloudtrain.config import _fields, _help, build_config
+from cloudtrain.config import _help, build_config, option_fields
 from cloudtrain.errors import UserError
 from cloudtrain.registry import TASKS, TRAINERS, row_of
 from cloudtrain.registry_table import STREAMING
@@ -28,8 +28,10 @@ def test_a_new_task_is_one_class_and_its_registration(scratch_registry):
 
     cfg = build_config({"task": "balanced_classification"})
     assert isinstance(build_task(cfg), BalancedClassification)
-    assert "balanced_classification: text -> label, the best checkpoint by macro F1" in _help(_fields()["task"][1])
-    assert "macro_f1 for balanced_classification" in _help(_fields()["metric_for_best_model"][1])
+    assert "balanced_classification: text -> label, the best checkpoint by macro F1" in _help(
+        option_fields()["task"][1]
+    )
+    assert "macro_f1 for balanced_classification" in _help(option_fields()["metric_for_best_model"][1])
     from cloudtrain.pipeline import resolve
 
     assert resolve(cfg, build_task(cfg)).checkpoint.metric_for_best_model == "macro_f1"

@@ -22,7 +22,7 @@ import importlib
 import os
 import sys
 
-from cloudtrain.config import _fields, _Parser, add_config_arguments, config_from_namespace
+from cloudtrain.config import ConfigParser, add_config_arguments, config_from_namespace, option_fields
 from cloudtrain.config.inert import print_inert_notes
 from cloudtrain.errors import TrainingStopped, UserError, earlier_mistake, report
 from cloudtrain.invocation import prog
@@ -62,17 +62,17 @@ DESCRIPTION = (
 )
 
 
-def train_parser(named: bool = False) -> _Parser:
+def train_parser(named: bool = False) -> ConfigParser:
     """The training options' parser; `named`: the user wrote `train`, which its usage line then shows."""
-    parser = _Parser(prog=f"{prog()} train" if named else prog(), description=DESCRIPTION)
+    parser = ConfigParser(prog=f"{prog()} train" if named else prog(), description=DESCRIPTION)
     add_config_arguments(parser)
     return parser
 
 
-def command_parser(name: str) -> _Parser:
+def command_parser(name: str) -> ConfigParser:
     """The parser of command `name`; its module (light, cloudtrain.commands) is imported here."""
     module_name, description = COMMANDS[name]
-    parser = _Parser(prog=f"{prog()} {name}", description=description)
+    parser = ConfigParser(prog=f"{prog()} {name}", description=description)
     importlib.import_module(module_name).add_arguments(parser)
     return parser
 
@@ -101,7 +101,7 @@ def command_main(name: str, argv: list[str]) -> None:
 
 
 def secret_options() -> list[str]:
-    return [name for name, (_, f) in _fields().items() if f.metadata["secret"]]
+    return [name for name, (_, f) in option_fields().items() if f.metadata["secret"]]
 
 
 def main(argv: list[str] | None = None) -> int:

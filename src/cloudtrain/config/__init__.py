@@ -12,9 +12,9 @@ from cloudtrain.config.fields import opt
 from cloudtrain.config.images import ImagesConfig
 from cloudtrain.config.model import PEFT_METHODS, ModelConfig
 from cloudtrain.config.parse import (
+    ConfigParser,
     _coerce,
     _help,
-    _Parser,
     add_config_arguments,
     add_config_option,
     build_config,
@@ -25,7 +25,7 @@ from cloudtrain.config.parse import (
     resolve_options,
 )
 from cloudtrain.config.preference import PREFERENCE_LOSSES, PreferenceConfig
-from cloudtrain.config.root import Config, _default, _fields, differs_from_default, save_arguments
+from cloudtrain.config.root import Config, differs_from_default, option_default, option_fields, save_arguments
 from cloudtrain.config.run import (
     HUB_STRATEGIES,
     ON_ANOMALY,
@@ -71,10 +71,10 @@ __all__ = [
     "PreferenceConfig",
     "TrackingConfig",
     "TrainingConfig",
-    "_Parser",
+    "ConfigParser",
     "_coerce",
-    "_default",
-    "_fields",
+    "option_default",
+    "option_fields",
     "_help",
     "add_config_arguments",
     "add_config_option",

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 from cloudtrain.config.images import ImagesConfig
 from cloudtrain.config.model import PEFT_METHODS, ModelConfig
-from cloudtrain.config.root import Config, _default, _fields
+from cloudtrain.config.root import Config, option_default, option_fields
 from cloudtrain.registry_table import STREAMING, TASK_ROWS
 
 
@@ -63,7 +63,7 @@ def _readers() -> dict[str, tuple[str, ...]]:
 def _training_table() -> dict[str, Use]:
     """When each option counts that a run may leave unused, in the order of the config's sections."""
     readers, table = _readers(), {}
-    for name in _fields():
+    for name in option_fields():
         if name in STREAM_OPTIONS:
             table[name] = STREAMED
         elif name in readers or name in ENABLED_BY:
@@ -120,8 +120,8 @@ def unused(
 
 def inert_notes(cfg: Config, task: str | None = None) -> list[str]:
     """The notes of a training run: the options set in `cfg` that it will not use (`task`: default its --task)."""
-    fields = _fields()
-    defaults = {name: _default(f) for name, (_, f) in fields.items()}
+    fields = option_fields()
+    defaults = {name: option_default(f) for name, (_, f) in fields.items()}
     separators = {name: f.metadata["separator"] for name, (_, f) in fields.items()}
     return unused(TRAINING, cfg.to_dict(include_secrets=True), defaults, task or cfg.training.task, separators)
 

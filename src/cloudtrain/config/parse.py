@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from cloudtrain.config.checks import validate
-from cloudtrain.config.root import Config, _default, _fields
+from cloudtrain.config.root import Config, option_default, option_fields
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.sagemaker_env import sagemaker_defaults
 
@@ -81,7 +81,7 @@ def _base_type(f: dataclasses.Field) -> type:
 
 def _coerce(name: str, value: Any) -> Any:
     """Turn a value from the command line or a config file into the field's type, or raise UserError."""
-    _, f = _fields()[name]
+    _, f = option_fields()[name]
     tp = _base_type(f)
     optional = type(None) in typing.get_args(f.type)
     if f.metadata["auto"] and isinstance(value, str) and value.strip().lower() == "auto":
@@ -149,7 +149,7 @@ def _type_word(tp: type) -> str:
     return {int: "whole number", float: "number", str: "value"}.get(tp, tp.__name__)
 
 
-class _Parser(argparse.ArgumentParser):
+class ConfigParser(argparse.ArgumentParser):
     """argparse that reports mistakes as one line instead of usage + error, and takes no abbreviations."""
 
     def __init__(self, *args, **kwargs):
@@ -188,7 +188,7 @@ def _help(f: dataclasses.Field) -> str:
     text, choices = _meta(f, "help"), _meta(f, "choices")
     if choices:
         text += f" Choices: {', '.join(map(str, choices))}."
-    default = _default(f)
+    default = option_default(f)
     if default not in (None, []) and not f.metadata["secret"]:
         text += f" (default: {','.join(default) if isinstance(default, list) else default})"
     return text.replace("%", "%%")
@@ -204,7 +204,7 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         "another with `extends: <file>` (a path relative to it).",
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
-    for name, (section, f) in _fields().items():
+    for name, (section, f) in option_fields().items():
         group = groups.setdefault(section, parser.add_argument_group(f"{section} options"))
         group.add_argument(f"--{name}", default=argparse.SUPPRESS, **_flag(f))
 
@@ -224,8 +224,8 @@ def _flag(f: dataclasses.Field) -> dict[str, Any]:
 def add_config_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup, name: str) -> None:
     """The flag of option `name` alone, for a command that shares some of the training options (`plan`): the same
     help, choices and default as the application's, the value converted and checked as the application does."""
-    _, f = _fields()[name]
-    default = _default(f)
+    _, f = option_fields()[name]
+    default = option_default(f)
     parser.add_argument(f"--{name}", default=default, type=lambda value: _coerce(name, value), **_flag(f))
 
 
@@ -288,7 +288,7 @@ def flatten(data: dict, origin: str = "the config") -> dict:
     options only: an option under another section's name is a mistake (the file's reader would look for it
     there), refused naming the section it belongs to; unknown names are left to build_config's hints."""
     sections = {f.name for f in dataclasses.fields(Config)}
-    known = _fields()
+    known = option_fields()
     flat = {}
     for key, value in data.items():
         if key in sections and isinstance(value, dict):
@@ -307,7 +307,7 @@ def flatten(data: dict, origin: str = "the config") -> dict:
 
 def build_config(values: dict) -> Config:
     """A Config from flat {flag name: value}; unknown names get a 'did you mean' hint."""
-    known = _fields()
+    known = option_fields()
     sections: dict[str, dict] = {s.name: {} for s in dataclasses.fields(Config)}
     for name, value in values.items():
         if name not in known:
@@ -322,7 +322,7 @@ def build_config(values: dict) -> Config:
 def config_from_namespace(namespace: argparse.Namespace) -> Config:
     """Merge defaults < --config file < command-line flags, then check the values."""
     given = vars(namespace).copy()
-    return resolve_options(given.pop("config", None), {k: v for k, v in given.items() if k in _fields()})
+    return resolve_options(given.pop("config", None), {k: v for k, v in given.items() if k in option_fields()})
 
 
 def resolve_options(config: "Config | dict | str | Path | None", overrides: dict) -> Config:

@@ -43,7 +43,7 @@ class Config:
         return [getattr(self, s.name) for s in dataclasses.fields(self)]
 
 
-def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
+def option_fields() -> dict[str, tuple[str, dataclasses.Field]]:
     """{flag name: (section name, field)} over every section."""
     hints = typing.get_type_hints(Config)
     return {
@@ -53,14 +53,14 @@ def _fields() -> dict[str, tuple[str, dataclasses.Field]]:
     }
 
 
-def _default(f: dataclasses.Field) -> Any:
+def option_default(f: dataclasses.Field) -> Any:
     return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
 
 
 def differs_from_default(cfg: Config, name: str) -> bool:
     """Whether option `name` was given a value other than its default."""
-    section, f = _fields()[name]
-    default = _default(f)
+    section, f = option_fields()[name]
+    default = option_default(f)
     return getattr(getattr(cfg, section), name) != default
 
 

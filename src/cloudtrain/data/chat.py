@@ -73,7 +73,7 @@ def detect_columns(available: list[str], messages: str | None, prompt: str | Non
 def to_messages(row: dict, columns: Columns, system_prompt: str | None = None) -> list[dict]:
     """One example as [{role, content}, ...], checked; ValueError says what is wrong with it."""
     if columns.format == "conversations":
-        messages = _conversation(row[columns.names[0]], columns.names[0])
+        messages = conversation(row[columns.names[0]], columns.names[0])
     elif columns.format == "prompt_completion":
         prompt, completion = (row[name] for name in columns.names)
         messages = [
@@ -97,7 +97,7 @@ def _text(value, column: str) -> str:
     return value
 
 
-def _conversation(value, column: str) -> list[dict]:
+def conversation(value, column: str) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise ValueError(f"column {column!r} holds {type(value).__name__}, not a list of {{role, content}} messages")
     messages = []

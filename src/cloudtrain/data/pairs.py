@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import datasets
 import torch
 
-from cloudtrain.data.chat import ChatFormat, _conversation
+from cloudtrain.data.chat import ChatFormat, conversation
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.errors import UserError
 
@@ -63,9 +63,7 @@ def to_pair(row: dict, columns: PairColumns) -> tuple[list[dict], list[dict], li
         prompt, chosen, rejected = _implicit(chosen, rejected, columns)
     else:
         value = row[columns.prompt]
-        prompt = (
-            [{"role": "user", "content": value}] if isinstance(value, str) else _conversation(value, columns.prompt)
-        )
+        prompt = [{"role": "user", "content": value}] if isinstance(value, str) else conversation(value, columns.prompt)
     answers = [_answer(value, column) for value, column in ((chosen, columns.chosen), (rejected, columns.rejected))]
     if answers[0] == answers[1]:
         raise ValueError("its chosen and rejected answers are equal, so there is no preference to learn")
@@ -84,7 +82,7 @@ def _implicit(chosen, rejected, columns: PairColumns) -> tuple[list[dict], list 
                 "add a prompt column or pass --prompt_column"
             )
         return [{"role": "user", "content": chosen[:k]}], chosen[k:], rejected[k:]
-    chosen, rejected = _conversation(chosen, columns.chosen), _conversation(rejected, columns.rejected)
+    chosen, rejected = conversation(chosen, columns.chosen), conversation(rejected, columns.rejected)
     k = common_prefix(chosen, rejected)
     if k == 0:
         raise ValueError(
@@ -106,7 +104,7 @@ def _answer(value, column: str) -> list[dict]:
     if isinstance(value, str):
         messages = [{"role": "assistant", "content": value}]
     else:
-        messages = _conversation(value, column) if value else []
+        messages = conversation(value, column) if value else []
     if not messages or any(m["role"] != "assistant" for m in messages):
         raise ValueError(f"its {column!r} answer is not one or more assistant messages (after the prompt)")
     return messages

@@ -211,9 +211,9 @@ class Output:
             self.fs, self.root = fsspec.filesystem("file"), str(self.staged)
             return
         if self.url.startswith(("s3://", "s3a://")):
-            from cloudtrain.data.remote import _check_credentials
+            from cloudtrain.data.remote import check_credentials
 
-            _check_credentials(url)
+            check_credentials(url)
         try:
             self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options(self.url))
         except ImportError:
@@ -261,7 +261,7 @@ class Output:
 
     @contextlib.contextmanager
     def _said(self) -> Iterator[None]:
-        from cloudtrain.data.remote import _failure
+        from cloudtrain.data.remote import remote_failure
 
         try:
             yield
@@ -270,7 +270,7 @@ class Output:
         except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
             if "://" not in self.url:
                 raise
-            raise _failure(self.url, err) from None
+            raise remote_failure(self.url, err) from None
 
 
 def _beside(target: Path, suffix: str) -> Path:

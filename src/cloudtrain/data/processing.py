@@ -260,11 +260,11 @@ def choose_rows(
     }
     if labelled.get("test"):
         chosen["test"] = _limit(raw["test"], cfg.max_eval_samples, seed)
-    unlabelled = {split: _first(raw[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
+    unlabelled = {split: first_rows(raw[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
     return chosen, unlabelled
 
 
-def _first(ds: Dataset, n: int | None) -> Dataset:
+def first_rows(ds: Dataset, n: int | None) -> Dataset:
     """The first `n` rows, in order (predictions line up with the split's rows)."""
     return ds if n is None or n >= len(ds) else ds.select(range(n))
 

@@ -32,7 +32,7 @@ def _endpoint() -> str:
     return os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL") or "AWS's default endpoint"
 
 
-def _check_credentials(path: str) -> None:
+def check_credentials(path: str) -> None:
     """No credentials anywhere botocore looks: say so before any request (botocore would only fail per call)."""
     import botocore.session
 
@@ -59,7 +59,7 @@ def _list(fs, path: str) -> list[str]:  # noqa: ANN001
     return [path] if fs.isfile(path) else []
 
 
-def _failure(path: str, err: Exception) -> UserError:
+def remote_failure(path: str, err: Exception) -> UserError:
     """One line for a listing that failed: unreachable endpoint, refused credentials, or something else."""
     kind, text = type(err).__name__, " ".join(str(err).split())[:200]
     if kind in ("NoCredentialsError", "PartialCredentialsError"):
@@ -81,14 +81,14 @@ def expand_remote(path: str) -> list[str]:
     if protocol == "hf":
         return expand_hub(path)
     if protocol in ("s3", "s3a"):
-        _check_credentials(path)
+        check_credentials(path)
     fs = _filesystem(path)
     try:
         found = _list(fs, path)
     except FileNotFoundError:
         return []
     except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
-        raise _failure(path, err) from None
+        raise remote_failure(path, err) from None
     return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in found if file_format(p))
 
 

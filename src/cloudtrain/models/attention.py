@@ -257,7 +257,7 @@ def _sdpa(
     return out.transpose(1, 2).contiguous()
 
 
-def _mask(
+def document_mask(
     batch_size: int,
     q_length: int,
     kv_length: int,
@@ -279,7 +279,7 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(VARLEN, varlen_attention)
-    AttentionMaskInterface.register(VARLEN, _mask)
+    AttentionMaskInterface.register(VARLEN, document_mask)
 
 
 register()  # at import: `from_pretrained(attn_implementation=VARLEN)` may come before any transform

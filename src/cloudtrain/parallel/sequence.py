@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol  # torch's collectives with autograd
 
-from cloudtrain.models.attention import _mask, varlen_attention
+from cloudtrain.models.attention import document_mask, varlen_attention
 
 ULYSSES = "ulysses"
 
@@ -115,4 +115,4 @@ def register() -> None:
     from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ULYSSES, ulysses_attention)
-    AttentionMaskInterface.register(ULYSSES, _mask)
+    AttentionMaskInterface.register(ULYSSES, document_mask)

@@ -46,7 +46,7 @@ from cloudtrain.data.packing import (
     shifted_loss,
     target_loss,
 )
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
@@ -176,10 +176,10 @@ class CausalLMTask(DecoderTask):
                 docs["train"], d.validation_split_percentage, cfg.training.seed
             )
         if plan is None:
-            docs["train"] = _first(docs["train"], d.max_train_samples)
+            docs["train"] = first_rows(docs["train"], d.max_train_samples)
         for split in ("validation", "test"):
             if split in docs:
-                docs[split] = _first(docs[split], d.max_eval_samples)
+                docs[split] = first_rows(docs[split], d.max_eval_samples)
         rows = {split: _rows(split_docs, d.max_length, d.packing) for split, split_docs in docs.items()}
         prompts = (
             list(d.sample_prompts)
@@ -482,10 +482,6 @@ def one_layer_copy(model: PreTrainedModel, device: str, dtype: torch.dtype) -> P
     with torch.device(device):
         small = type(model)._from_config(config, dtype=dtype, attn_implementation=model.config._attn_implementation)
     return small.eval()
-
-
-def _first(ds: Dataset, n: int | None) -> Dataset:
-    return ds if n is None or n >= len(ds) else ds.select(range(n))
 
 
 def _rows(docs: Dataset, block_size: int, packing: str) -> Dataset:

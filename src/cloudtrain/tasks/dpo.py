@@ -54,7 +54,7 @@ from cloudtrain.data.pairs import (
     to_pair,
     truncate_pairs,
 )
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
@@ -66,8 +66,7 @@ from cloudtrain.publish.card_sections import table_cell
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
 from cloudtrain.tasks.base import model_label
-from cloudtrain.tasks.causal_lm import _first
-from cloudtrain.tasks.sft import SFTTask, _last_question, _short, check_prompts_fit, no_prompt_fits
+from cloudtrain.tasks.sft import SFTTask, check_prompts_fit, last_question, no_prompt_fits, shortened
 
 # how the language-model card says the model was trained from its base
 PREFERENCE_TUNED = "preference-tuned (on chosen/rejected pairs) from"
@@ -224,7 +223,7 @@ class DPOTask(SFTTask):
             ("test", d.max_eval_samples),
         ):
             if split in raw:
-                raw[split], pairs[split] = _first(raw[split], limit), _first(pairs[split], limit)
+                raw[split], pairs[split] = first_rows(raw[split], limit), first_rows(pairs[split], limit)
         rows = {split: self._pair_rows(split, ds, d) for split, ds in pairs.items()}
         self._pair_prompts(raw["validation"], columns["validation"], cfg)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -294,7 +293,7 @@ class DPOTask(SFTTask):
             if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= room:
                 self.prompts.append(text)
                 self.references.append(chosen[0]["content"])
-                self.questions.append(_last_question([*prompt, *chosen]))
+                self.questions.append(last_question([*prompt, *chosen]))
         check_prompts_fit(self.prompts, cfg)
 
     # ------------------------------------------------------------ the reference
@@ -605,7 +604,7 @@ class DPOTask(SFTTask):
         if "exact_match" in metrics:
             line += f" | exact_match {metrics['exact_match']:.3f} ({len(metrics['generations'])} answers)"
         for g in metrics.get("generations", [])[:3]:
-            line += f"\n  {_short(g['question'])} -> {json.dumps(g['answer'], ensure_ascii=False)}"
+            line += f"\n  {shortened(g['question'])} -> {json.dumps(g['answer'], ensure_ascii=False)}"
             if "reference" in g:  # the chosen answer, which exact_match compares with
                 line += f" (chosen {json.dumps(g['reference'], ensure_ascii=False)})"
         return line

@@ -33,7 +33,7 @@ from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat
 from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import grow_embeddings, head_labels
@@ -41,7 +41,6 @@ from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
 from cloudtrain.tasks.base import Task, model_label
-from cloudtrain.tasks.causal_lm import _first
 from cloudtrain.tasks.sft import SFTTask
 
 REWARD_FEATURES = datasets.Features(
@@ -138,10 +137,10 @@ class RewardTask(Task):
                 len(pairs["train"]), d.validation_split_percentage, cfg.training.seed
             )
             pairs["train"], pairs["validation"] = pairs["train"].select(train), pairs["train"].select(validation)
-        pairs["train"] = _first(pairs["train"], d.max_train_samples)
+        pairs["train"] = first_rows(pairs["train"], d.max_train_samples)
         for split in ("validation", "test"):
             if split in pairs:
-                pairs[split] = _first(pairs[split], d.max_eval_samples)
+                pairs[split] = first_rows(pairs[split], d.max_eval_samples)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(
             train=pairs["train"],

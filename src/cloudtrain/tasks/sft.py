@@ -37,7 +37,7 @@ from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
 from cloudtrain.data.packing import CausalLMCollator, pack_examples
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.data.streaming import StreamPlan, stream_plan
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
@@ -46,7 +46,7 @@ from cloudtrain.parallel.tensor import check_embeddings_fit
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import EXAMPLES
-from cloudtrain.tasks.causal_lm import CausalLMTask, _first
+from cloudtrain.tasks.causal_lm import CausalLMTask
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
 ANSWER_BATCH = 16  # sample answers generated this many at a time
@@ -185,7 +185,7 @@ class SFTTask(CausalLMTask):
             ("test", d.max_eval_samples),
         ):
             if split in raw and not (split == "train" and plan is not None):
-                raw[split], examples[split] = _first(raw[split], limit), _first(examples[split], limit)
+                raw[split], examples[split] = first_rows(raw[split], limit), first_rows(examples[split], limit)
         rows = {split: self._rows(split, ds, d) for split, ds in examples.items()}
         self._sample_prompts(raw["validation"], columns, cfg)
         return ProcessedData(
@@ -308,7 +308,7 @@ class SFTTask(CausalLMTask):
                     chats.append(chat)
                     self.references.append(chat[last_answer(chat)]["content"])
         self.prompts = [chat_format.prompt(chat) for chat in chats]
-        self.questions = [_last_question(chat) for chat in chats]
+        self.questions = [last_question(chat) for chat in chats]
         check_prompts_fit(self.prompts, cfg)
 
     # ------------------------------------------------------------ the model
@@ -415,7 +415,7 @@ class SFTTask(CausalLMTask):
         if "exact_match" in metrics:
             line += f" | exact_match {metrics['exact_match']:.3f} ({len(metrics['generations'])} answers)"
         for g in metrics.get("generations", [])[:3]:
-            line += f"\n  {_short(g['question'])} -> {json.dumps(g['answer'], ensure_ascii=False)}"
+            line += f"\n  {shortened(g['question'])} -> {json.dumps(g['answer'], ensure_ascii=False)}"
             if "reference" in g:
                 line += f" (reference {json.dumps(g['reference'], ensure_ascii=False)})"
         return line
@@ -453,11 +453,11 @@ def check_prompts_fit(prompts: list[str], cfg: Config) -> None:
         raise UserError(f"--metric_for_best_model exact_match: {no_prompt_fits(cfg)}, or pick loss")
 
 
-def _last_question(messages: list[dict]) -> str:
+def last_question(messages: list[dict]) -> str:
     return next((m["content"] for m in reversed(messages[: last_answer(messages)]) if m["role"] == "user"), "")
 
 
-def _short(text: str, head: int = 24, tail: int = 45) -> str:
+def shortened(text: str, head: int = 24, tail: int = 45) -> str:
     """`text` on one line, its middle elided when long (questions often share their opening)."""
     text = " ".join(text.split())
     return json.dumps(text if len(text) <= head + tail + 1 else f"{text[:head]}…{text[-tail:]}", ensure_ascii=False)
