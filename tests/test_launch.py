@@ -116,7 +116,7 @@ def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monke
     assert errors.earlier_mistake() is None
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     assert errors.earlier_mistake() is None  # the first attempt has none before it
-    unreachable = remote._failure("s3://bucket/data", ConnectionError("no route to host"))
+    unreachable = remote.remote_failure("s3://bucket/data", ConnectionError("no route to host"))
     assert unreachable.transient and "cannot reach the object store" in str(unreachable)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # a service that did not answer: tried again
     errors.report(f"error: {unreachable}", 2, transient=True)
