@@ -114,6 +114,7 @@ def run_entry(*args: str) -> subprocess.Popen:
     )
 
 
+@pytest.mark.slow  # a fresh interpreter per case: the full suite runs it
 def test_one_line_and_no_question_through_the_real_entry_script(models, topic_csvs, tmp_path):
     """A `y` on standard input answers nothing: transformers is never left to ask. Both run at once (each
     interpreter starts in seconds)."""

@@ -86,6 +86,7 @@ def test_unresolved_auto_is_refused_by_the_trainer(tiny_model_dir):
         BasicTrainer(build_config({"model_name_or_path": tiny_model_dir}), None, None, None, None, None)
 
 
+@pytest.mark.slow  # a fresh interpreter per case: the full suite runs it
 def test_a_default_run_records_and_prints_the_resolved_precision(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "run"
     proc = run_cli(

@@ -160,6 +160,7 @@ def test_cuda_only_optimizers_are_refused_on_cpu(optim):
         check_distributed(resolve_options(None, {"optim": optim}))
 
 
+@pytest.mark.slow  # a fresh interpreter per case: the full suite runs it
 def test_cuda_only_optimizer_is_one_line_from_the_command(tmp_path, tiny_model_dir, topic_csvs):
     result = run_cli(*topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "out"), "--optim", "paged_adamw_8bit")
     assert result.returncode == 2
