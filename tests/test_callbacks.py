@@ -96,6 +96,7 @@ def test_events_come_in_order_with_the_state(tiny_model_dir, topic_csvs, tmp_pat
     assert [c.name for c in saves] == ["checkpoint-2", "checkpoint-4"] and recorder.checkpoint_existed == [True, True]
 
 
+@pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it
 def test_a_raising_callback_stops_the_run_with_its_message_and_keeps_the_checkpoint(
     tiny_model_dir, topic_csvs, tmp_path
 ):

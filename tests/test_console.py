@@ -175,6 +175,7 @@ def run_python(code: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it
 def test_deepspeeds_cpu_notice_is_dropped_and_its_other_messages_kept():
     """Without a GPU DeepSpeed warns on import that it found none (the child of a test not marked gpu sees none);
     after console.setup() only that message is gone."""
@@ -190,6 +191,7 @@ def test_deepspeeds_cpu_notice_is_dropped_and_its_other_messages_kept():
     assert "accelerator cpu" in printed and "another DeepSpeed warning" in printed
 
 
+@pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it
 def test_grown_embeddings_start_at_the_old_rows_mean_without_transformers_notice(tiny_llama_dir):
     """grow_embeddings keeps transformers' mean resizing (new rows drawn around the old rows' mean, input and
     output), and its notice about that choice is not printed."""

@@ -165,6 +165,7 @@ if __name__ == "__main__":
 """
 
 
+@pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it
 def test_a_loader_worker_outlives_a_sigterm_from_elsewhere_and_ends_with_its_run(tmp_path):
     """The SIGTERM of a stop reaches the workers too (torchrun's agent signals each process's group, SLURM every
     process of the job): a worker outlives it, so the stop's checkpoint can be saved; the training process still

@@ -178,6 +178,7 @@ def test_bad_adapter_options_are_refused_in_one_line_before_loading(
     assert_each_refused(cases, capsys, out)
 
 
+@pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it
 def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_path):
     adapter = tmp_path / "adapter"
     adapter.mkdir()

@@ -287,6 +287,7 @@ def test_a_folder_of_the_users_files_is_refused_and_untouched(corpus, tmp_path, 
     assert globbed(tmp_path / "empty")[1] == 70
 
 
+@pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it
 @pytest.mark.parametrize("kill_at", ["preprocess.shard:3", "preprocess.staged"])
 def test_a_killed_overwrite_leaves_the_earlier_set(kill_at, corpus, tmp_path, lm_tokenizer_dir):
     """Killed while writing the new shards, or with all of them written but not yet swapped in: the folder holds
