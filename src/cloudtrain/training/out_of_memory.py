@@ -57,7 +57,9 @@ def remedies(cfg: Config, task: "Task", where: str) -> list[str]:
     t, fixes = cfg.training, []
     micro = t.per_device_train_batch_size
     if isinstance(micro, int) and micro > 1:
-        smaller = next(d for d in range(micro // 2, 0, -1) if micro % d == 0)
+        from cloudtrain.batch_size import largest_divisor  # (that module imports this one)
+
+        smaller = largest_divisor(micro, micro // 2)
         fixes.append(
             f"--per_device_train_batch_size {smaller} --gradient_accumulation_steps "
             f"{t.gradient_accumulation_steps * micro // smaller} (the same global batch)"
