@@ -1,38 +1,8 @@
-"""Training FLOPs of a transformer, for the model FLOPs utilization (MFU).
-
-The estimate follows the one in appendix B of the PaLM paper (Chowdhery et al., 2022), which
-nanoGPT's `estimate_mfu` also uses. Per real (non-padding) token:
-
-- Matmul weights. Every weight that multiplies activations costs 2 FLOPs per token in the forward
-  pass (a multiply and an add), 2 more in the backward pass for the gradient with respect to the
-  activations, and 2 more for the gradient with respect to the weight itself. With N such
-  parameters, N_t of them trainable: 2N + 2N + 2N_t, which is the familiar 6N when everything
-  trains. A frozen weight skips only its own gradient GEMM.
-- Embedding tables (word, position, token type: `torch.nn.Embedding` modules) are looked up, not
-  multiplied, so they are left out of N. The output embedding / LM head (`get_output_embeddings()`)
-  does a d_model x vocab matmul per token, so it is counted, once, also when it shares its weight
-  with the input embedding.
-- Attention. Per layer, the scores Q K^T and the weighted sum of V each cost 2 * l * d_attn FLOPs
-  per token of a sequence of length l (d_attn = heads * head_dim, usually hidden_size), so
-  4 * l * d_attn forward and three times that for forward plus backward: 12 * n_layers * d_attn * l
-  per token, or 12 * n_layers * d_attn * l^2 for the whole sequence. Summed over the sequences of an
-  interval this needs the sum of their squared lengths, not only the token count. A sequence is a
-  document: a packed row of documents kept apart costs the sum of their len^2, not row_len^2
-  (`attention_squared_lengths`).
-
-What is left out or approximated: non-matmul work (softmax, normalisation, activations, the loss,
-the optimizer step); causal masking (a decoder needs only about half the attention scores, counted
-in full here as PaLM and nanoGPT do); padding (only real tokens count, which is the point of MFU);
-heads that run once per sequence rather than per token (BERT's pooler, counted per token, under 1%
-of MiniLM); and recomputation under activation checkpointing. The backward pass is assumed to reach
-every matmul weight: when the frozen parts come first (a frozen base under a trainable head), autograd
-stops earlier and the true count lies below 4N + 2N_t. If the config gives no layer count or width,
-the attention term is left out (`ModelFlops.attention` is False).
-
-The MFU divides by the device's dense peak for the run's matmul precision (bf16/fp16 under autocast, tf32
-or fp32 otherwise), from the vendor's data sheet for the device identified by its name, SM count and memory
-(`DEVICES`, `identify`: an H100 PCIe is not taken for the SXM part). On a CPU, or a GPU not in the table, no
-MFU is logged, and the run says so once. docs/benchmarks.md gives the formula, the constants and sources.
+"""Training FLOPs of a transformer, for the model FLOPs utilization (MFU): PaLM's appendix-B count (as nanoGPT's
+`estimate_mfu`), 4N + 2N_t per real token for the matmul weights plus attention summed per document
+(`attention_squared_lengths`), over the device's dense peak for the run's matmul precision (`DEVICES`,
+`identify`; no MFU on a CPU or an unknown GPU). docs/benchmarks.md gives the formula, what it leaves out, the
+constants and their sources.
 """
 
 from __future__ import annotations
