@@ -1,33 +1,8 @@
-"""The Trainer base: the outer loop every trainer runs, and what a subclass supplies.
-
-A subclass supplies only what differs between a plain PyTorch loop, accelerate and a pipeline: how the
-model and data are placed (`setup`), forward and backward over the micro-batches of one step
-(`backward_window`), the optimizer step, and how its state is written to and read from a checkpoint.
-Who this process is and how tensors meet across processes is the launch's `Runtime`; what the loss
-and the metrics are is the `Task`'s.
-
-`fit` is the outer loop: get a step's window of micro-batches, step, then the hooks (cloudtrain.training.
-hooks): logging, evaluation, checkpoints, the preemption check, anomaly handling, each one object; a new
-concern is a new hook in `Trainer.hooks`.
-
-Resuming is exact: each epoch's order comes from seed + epoch, consumed batches are skipped by
-index without being read, and RNG states, optimizer, schedule and logging sums (the task's own too) are
-restored.
-
-The loss is normalised by the global count: the micro-batches of one optimizer step are fetched
-together, the task counts what their losses sum over (rows, or target tokens after the shift), and
-that count is summed over the window and all processes (one small all-reduce per step). Each
-micro-batch's summed loss is divided by it (times the process count, which DDP and DeepSpeed divide
-by when they average gradients), so the update equals that of one batch holding every example or
-token of the step: for uneven token counts, a short last window and unequal shards too.
-
-No host sync in the step: losses, counts and the non-finite flag stay on the device (cloudtrain.training.
-meter, .nonfinite). A nan/inf loss on any process (one small all-reduce) skips that step on the device
-(fused AdamW's `found_inf`); the flags are read, and SIGTERM agreed on, only where the loop syncs anyway
-(logging, evaluation and checkpoint steps, the last step), always before anything is logged, evaluated
-or saved. Batches reach the device without the host waiting either: pinned and copied without blocking
-(the BasicTrainer's on a CUDA stream of their own: cloudtrain.training.prefetch, which also measures the
-data time as the time the GPU waits for input).
+"""The Trainer base: the outer loop every trainer runs (`fit`: a step's window of micro-batches, the step, then
+the hooks of cloudtrain.training.hooks), resume and evaluation. A subclass supplies only what differs between a
+plain PyTorch loop, accelerate and a pipeline: `setup`, `backward_window`, the optimizer step and its checkpoint
+state. docs/architecture.md ("The training step") says how the loss is normalised, why the step never waits on
+the host, and what makes a resume exact.
 """
 
 import contextlib
