@@ -49,7 +49,8 @@ class Task:
     name = "task"  # the --task that picks it (cloudtrain.registry)
     summary = ""  # a line for --help
     # the options only some tasks read that this one reads, or a config section's name for all of its options: the
-    # others it leaves unused, and a run setting one says so (cloudtrain.config.inert)
+    # others it leaves unused, and a run setting one says so (cloudtrain.config.inert); a built-in task takes its
+    # list from its registry row, which the parser reads without importing the task
     reads_options: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ("loss",)  # evaluation metrics --metric_for_best_model may name
     lower_is_better: frozenset[str] = frozenset({"loss"})

@@ -63,6 +63,7 @@ from cloudtrain.models.load import (
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.base import DecoderTask
 
 PRESETS_DIR = Path(__file__).resolve().parents[1] / "model_presets"
@@ -87,13 +88,7 @@ def model_config_file(name: str) -> Path:
 class CausalLMTask(DecoderTask):
     name = "causal_lm"
     summary = "continued pretraining, or pretraining from scratch, of a decoder on raw text"
-    reads_options: tuple[str, ...] = (
-        "packing",
-        "label_smoothing",
-        "sample_prompts",
-        "num_sample_prompts",
-        "sample_max_new_tokens",
-    )
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("loss", "perplexity")
     lower_is_better = frozenset(metrics)
     default_best_metric = "loss"

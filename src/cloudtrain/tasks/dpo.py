@@ -65,6 +65,7 @@ from cloudtrain.publish.card_metadata import SPLITS, dataset_info
 from cloudtrain.publish.card_sections import table_cell
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.base import model_label
 from cloudtrain.tasks.sft import SFTTask, check_prompts_fit, last_question, no_prompt_fits, shortened
 
@@ -134,18 +135,7 @@ def pair_logps(
 class DPOTask(SFTTask):
     name = "dpo"
     summary = "preference tuning of a decoder on chosen/rejected pairs: DPO, IPO, SimPO or ORPO"
-    reads_options: tuple[str, ...] = (
-        "chat_template",
-        "prompt_column",
-        "chosen_column",
-        "rejected_column",
-        "num_sample_prompts",
-        "sample_max_new_tokens",
-        "preference_loss",
-        "beta",
-        "simpo_gamma",
-        "precompute_reference",
-    )
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("loss", "rewards/accuracies", "rewards/margins", "exact_match")
     lower_is_better = frozenset({"loss"})
     default_best_metric = "loss"

@@ -28,6 +28,7 @@ from cloudtrain.predict import label_sets
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
 
 
@@ -35,7 +36,7 @@ from cloudtrain.tasks.classification import ClassificationTask
 class MultiLabelTask(ClassificationTask):
     name = "multi_label"
     summary = "text -> any number of labels"
-    reads_options: tuple[str, ...] = ("label_separator",)
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("micro_f1", "macro_f1", "subset_accuracy", "loss")
     default_best_metric = "micro_f1"
 

@@ -27,6 +27,7 @@ from cloudtrain.predict import scored
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
 
 
@@ -34,7 +35,7 @@ from cloudtrain.tasks.classification import ClassificationTask
 class RegressionTask(ClassificationTask):
     name = "regression"
     summary = "text -> a number"
-    reads_options: tuple[str, ...] = ()  # not a classifier's label smoothing
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("loss", "rmse", "mae", "pearson", "spearman")
     default_best_metric = "loss"
     nouns = ("examples", "targets")

@@ -40,6 +40,7 @@ from cloudtrain.models.load import grow_embeddings, head_labels
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.base import Task, model_label
 from cloudtrain.tasks.sft import SFTTask
 
@@ -80,13 +81,7 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
 class RewardTask(Task):
     name = "reward"
     summary = "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)"
-    reads_options: tuple[str, ...] = (
-        "chat_template",
-        "prompt_column",
-        "chosen_column",
-        "rejected_column",
-        "margin_column",
-    )
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("loss", "accuracy", "margin")
     lower_is_better = frozenset({"loss"})
     default_best_metric = "accuracy"

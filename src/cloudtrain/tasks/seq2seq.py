@@ -53,6 +53,7 @@ from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
 
 SHOWN = 5  # generations logged in the evaluation's table
@@ -62,15 +63,7 @@ SHOWN = 5  # generations logged in the evaluation's table
 class Seq2SeqTask(ClassificationTask):
     name = "seq2seq"
     summary = "a source text -> a target text (summaries, translations) with an encoder-decoder"
-    reads_options: tuple[str, ...] = (
-        "label_smoothing",
-        "max_target_length",
-        "source_prefix",
-        "generation_num_beams",
-        "rouge_stemmer",
-        "source_lang",
-        "target_lang",
-    )
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss")
     default_best_metric = "rougeL"
     auto_class = AutoModelForSeq2SeqLM

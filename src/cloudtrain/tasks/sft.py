@@ -45,7 +45,7 @@ from cloudtrain.models.load import grow_embeddings, load_tokenizer
 from cloudtrain.parallel.tensor import check_embeddings_fit
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
-from cloudtrain.registry_table import EXAMPLES
+from cloudtrain.registry_table import EXAMPLES, TASK_ROWS
 from cloudtrain.tasks.causal_lm import CausalLMTask
 
 MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
@@ -82,19 +82,7 @@ def _stream_encoder(chat: ChatFormat, columns: Columns, cfg: DataConfig) -> Call
 class SFTTask(CausalLMTask):
     name = "sft"
     summary = "supervised fine-tuning of a decoder on conversations or prompt/completion pairs, with a chat template"
-    reads_options: tuple[str, ...] = (
-        "packing",
-        "chat_template",
-        "prompt_column",
-        "messages_column",
-        "completion_column",
-        "system_prompt",
-        "train_on_prompt",
-        "label_smoothing",
-        "sample_prompts",
-        "num_sample_prompts",
-        "sample_max_new_tokens",
-    )
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("loss", "perplexity", "exact_match")
     lower_is_better = frozenset({"loss", "perplexity"})
     default_packing = "none"

@@ -26,6 +26,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode, whole_root
 from cloudtrain.models import diffusion, sd3, sdxl
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.base import Task
 
 if TYPE_CHECKING:  # parallel.distributed loads accelerate: not at import
@@ -38,7 +39,7 @@ EVAL_ROWS = 8  # evaluation rows (the first training images) when --max_eval_sam
 class TextToImageTask(Task):
     name = "text_to_image"
     summary = "captioned images (or DreamBooth) -> a diffusers text-to-image pipeline (LoRA or full)"
-    reads_options: tuple[str, ...] = ("images",)
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics = ("loss",)
     auto_class = AutoModel  # not used to load: load_model is the task's own (preflight asks every task for one)
     load_error = "could not load the diffusers pipeline"

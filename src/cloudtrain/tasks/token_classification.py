@@ -36,6 +36,7 @@ from cloudtrain.models.load import head_labels, load_tokenizer
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
+from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
 
 
@@ -43,7 +44,7 @@ from cloudtrain.tasks.classification import ClassificationTask
 class TokenClassificationTask(ClassificationTask):
     name = "token_classification"
     summary = "a tag per word: named entities, parts of speech"
-    reads_options: tuple[str, ...] = ("label_smoothing",)
+    reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics: tuple[str, ...] = ("f1", "precision", "recall", "accuracy", "loss")
     default_best_metric = "f1"
     auto_class = AutoModelForTokenClassification
