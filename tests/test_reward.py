@@ -105,3 +105,11 @@ def test_predict_renders_a_chat_template_reward_model_s_prompt_and_answer_as_tra
         f"error: the model in {out} was trained on a prompt and an answer rendered through its chat template: give "
         'each --text its second text with --text_pair "..."'
     )
+    # a prompt that fills the 48 tokens leaves no answer to score: null, as training dropped such a pair
+    long_prompt = "Which topic: " + "the storm hit the coast again " * 20
+    argv = ["predict", "--model_dir", str(out), "--text", PAIRS[0][0], "--text_pair", "sports"]
+    assert main([*argv, "--text", long_prompt, "--text_pair", "weather"]) == 0
+    printed = capsys.readouterr()
+    assert [json.loads(line)["score"] for line in printed.out.splitlines()][1:] == [None]
+    assert json.loads(printed.out.splitlines()[0])["score"] == scores["chosen"][0]
+    assert "note: 1 of 2 pairs keep no token of their answer within 48 tokens" in printed.err

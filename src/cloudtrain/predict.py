@@ -44,6 +44,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync, is_no_space
 from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
+from cloudtrain.registry_table import PROMPT_ANSWERS, predict_input
 
 if TYPE_CHECKING:
     from cloudtrain.data.chat import ChatFormat
@@ -121,14 +122,15 @@ def predict(
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
         return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names, allow_none)
     chat = reward_chat(recorded, tokenizer)
-    results, truncated = [], 0
+    results, truncated, answerless = [], 0, []
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
         second = pairs[i : i + batch_size] if pairs is not None else None
         if chat is not None:  # the command checked that a chat-template reward model gets (prompt, answer) pairs
             assert second is not None
-            encoded, cut = rendered_pairs(chat, chunk, second, limit, model.config.pad_token_id or 0)
+            encoded, cut, lost = rendered_pairs(chat, chunk, second, limit, model.config.pad_token_id or 0)
             truncated += cut
+            answerless += [len(results) + b for b in lost]
         else:  # as training encodes (cloudtrain.data.processing, the reward task): truncation longest first
             encoded = tokenizer(
                 chunk, second, truncation="longest_first", max_length=limit, padding=True, return_tensors="pt"
@@ -148,6 +150,14 @@ def predict(
         else:
             scores, ids = logits.softmax(dim=-1).max(dim=-1)
         results += records(chunk, ids.tolist(), scores.tolist(), model.config.id2label, second)
+    for row in answerless:  # training dropped such pairs: a score of the prompt alone would say nothing
+        results[row]["score"] = None
+    if answerless:
+        print(
+            f"note: {len(answerless)} of {len(texts)} pairs keep no token of their answer within {limit} tokens (the "
+            "prompt fills them): their score is null; pass a larger --max_length or shorten the prompts",
+            file=sys.stderr,
+        )
     if truncated and max_length is None and limit == trained:  # the user chose no length: say what was cut
         what = "text pairs" if pairs is not None else "texts"
         print(
@@ -161,7 +171,7 @@ def predict(
 def reward_chat(recorded: dict, tokenizer) -> "ChatFormat | None":
     """The chat format a cloudtrain reward model was trained through (its saved tokenizer's template), or None for
     a model that read its texts as they are."""
-    if recorded.get("task") != "reward" or not tokenizer.chat_template:
+    if predict_input(recorded.get("task")) != PROMPT_ANSWERS or not tokenizer.chat_template:
         return None
     from cloudtrain.data.chat import ChatFormat
 
@@ -170,20 +180,23 @@ def reward_chat(recorded: dict, tokenizer) -> "ChatFormat | None":
 
 def rendered_pairs(
     chat: "ChatFormat", prompts: list[str], answers: list[str], limit: int, pad: int
-) -> tuple[dict, int]:
-    """(input_ids and attention_mask, how many rows were cut at `limit`) of each prompt as the user's turn and its
-    answer as the assistant's, rendered and cut as the reward task encodes a side, right-padded with `pad`."""
-    rows = [
-        chat.answer([{"role": "user", "content": p}], [{"role": "assistant", "content": a}])[0]
+) -> tuple[dict, int, list[int]]:
+    """(input_ids and attention_mask, how many rows were cut at `limit`, the rows that keep no answer token) of each
+    prompt as the user's turn and its answer as the assistant's, rendered and cut as the reward task encodes a side,
+    right-padded with `pad`."""
+    rendered = [
+        chat.answer([{"role": "user", "content": p}], [{"role": "assistant", "content": a}])
         for p, a in zip(prompts, answers, strict=True)
     ]
+    rows = [ids for ids, _ in rendered]
     width = min(max(len(ids) for ids in rows), limit)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for b, ids in enumerate(rows):
         input_ids[b, : min(len(ids), limit)] = torch.tensor(ids[:limit], dtype=torch.long)
         attention_mask[b, : min(len(ids), limit)] = 1
-    return {"input_ids": input_ids, "attention_mask": attention_mask}, sum(len(ids) > limit for ids in rows)
+    answerless = [b for b, (_, mask) in enumerate(rendered) if not any(mask[:limit])]
+    return {"input_ids": input_ids, "attention_mask": attention_mask}, sum(len(ids) > limit for ids in rows), answerless
 
 
 def model_inputs(recorded: dict, tokenizer) -> list[str]:
@@ -192,7 +205,7 @@ def model_inputs(recorded: dict, tokenizer) -> list[str]:
     input_ids and attention_mask (its loss calls the model with those two: an encoder's second segment keeps
     token type 0)."""
     names = list(tokenizer.model_input_names)
-    if recorded.get("task") == "reward":
+    if predict_input(recorded.get("task")) == PROMPT_ANSWERS:
         names = [name for name in names if name in ("input_ids", "attention_mask")]
     return names
 

@@ -14,10 +14,17 @@ from typing import NamedTuple
 DOCUMENT = "document"  # one document: its tokens
 EXAMPLES = "examples"  # several examples, each with its answer mask, cut at --max_length and packed whole
 
+# What `cloudtrain predict` gives a saved model of the task (Row.predicts; None: predict refuses it, `generate` or
+# the diffusers pipeline is its way in).
+TEXTS = "texts"  # a text, or a text pair where the run read a --text_pair_column
+QUESTIONS = "questions"  # a question and its context
+PROMPT_ANSWERS = "prompt_answers"  # a prompt and an answer: through the saved chat template where the run had one
+
 
 class Row(NamedTuple):
     """One registered class as the parser sees it: `metrics`, `default_best_metric`, `stream_records` (None
-    for a task that does not stream) and `reads_options` (its Task.reads_options) are tasks' only."""
+    for a task that does not stream), `reads_options` (its Task.reads_options) and `predicts` (what `cloudtrain
+    predict` gives its saved model) are tasks' only."""
 
     module: str
     summary: str
@@ -25,6 +32,7 @@ class Row(NamedTuple):
     default_best_metric: str | None = None
     stream_records: str | None = None
     reads_options: tuple[str, ...] = ()
+    predicts: str | None = None
 
 
 TASK_ROWS: dict[str, Row] = {
@@ -34,6 +42,7 @@ TASK_ROWS: dict[str, Row] = {
         ("accuracy", "macro_f1", "loss"),
         "accuracy",
         reads_options=("label_smoothing",),
+        predicts=TEXTS,
     ),
     "multi_label": Row(
         "cloudtrain.tasks.multi_label",
@@ -41,9 +50,14 @@ TASK_ROWS: dict[str, Row] = {
         ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
         "micro_f1",
         reads_options=("label_separator",),
+        predicts=TEXTS,
     ),
     "regression": Row(
-        "cloudtrain.tasks.regression", "text -> a number", ("loss", "rmse", "mae", "pearson", "spearman"), "loss"
+        "cloudtrain.tasks.regression",
+        "text -> a number",
+        ("loss", "rmse", "mae", "pearson", "spearman"),
+        "loss",
+        predicts=TEXTS,
     ),
     "token_classification": Row(
         "cloudtrain.tasks.token_classification",
@@ -51,6 +65,7 @@ TASK_ROWS: dict[str, Row] = {
         ("f1", "precision", "recall", "accuracy", "loss"),
         "f1",
         reads_options=("label_smoothing",),
+        predicts=TEXTS,
     ),
     "question_answering": Row(
         "cloudtrain.tasks.question_answering",
@@ -58,6 +73,7 @@ TASK_ROWS: dict[str, Row] = {
         ("f1", "exact_match", "loss"),
         "f1",
         reads_options=("doc_stride", "max_answer_length"),
+        predicts=QUESTIONS,
     ),
     "seq2seq": Row(
         "cloudtrain.tasks.seq2seq",
@@ -126,6 +142,7 @@ TASK_ROWS: dict[str, Row] = {
         ("loss", "accuracy", "margin"),
         "accuracy",
         reads_options=("chat_template", "prompt_column", "chosen_column", "rejected_column", "margin_column"),
+        predicts=PROMPT_ANSWERS,
     ),
     "text_to_image": Row(
         "cloudtrain.tasks.text_to_image",
@@ -135,6 +152,14 @@ TASK_ROWS: dict[str, Row] = {
         reads_options=("images",),
     ),
 }
+
+
+def predict_input(task: str | None) -> str | None:
+    """What `cloudtrain predict` gives a saved model of `task` (its row's `predicts`); None for a task without one
+    or a name no task has."""
+    row = TASK_ROWS.get(task or "")
+    return row.predicts if row else None
+
 
 # The tasks that stream, by what a record encodes to: `cloudtrain preprocess`'s --task choices and its checks.
 STREAMING: dict[str, str] = {name: row.stream_records for name, row in TASK_ROWS.items() if row.stream_records}

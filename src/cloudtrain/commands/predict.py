@@ -21,6 +21,7 @@ from cloudtrain.commands import (
 from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.models.positions import saved_positions
 from cloudtrain.publish.saving import holds_model, read_arguments
+from cloudtrain.registry_table import PROMPT_ANSWERS, QUESTIONS, TEXTS, predict_input
 
 DEFAULT_MAX_LENGTH = 512
 
@@ -101,9 +102,9 @@ def check_options(args: argparse.Namespace) -> None:
     context = saved_positions(args.model_dir)  # an adapter's base is checked once it loads
     if args.max_length is not None and context and args.max_length > context:
         raise UserError(too_long(args.max_length, context))
-    task = saved_task(Path(args.model_dir))
-    check_pairs(args, *trained_on_pairs(Path(args.model_dir), task))
-    if args.handle_impossible_answer and task != "question_answering":
+    task, reads = saved_task(Path(args.model_dir))
+    check_pairs(args, *trained_on_pairs(Path(args.model_dir), reads))
+    if args.handle_impossible_answer and reads != QUESTIONS:
         what = f"was trained for --task {task}" if task else "is not a question-answering model"
         raise UserError(
             f"--handle_impossible_answer is for question-answering models; the model in {args.model_dir} {what}: "
@@ -170,16 +171,16 @@ def free_name(path: Path) -> Path:
 # ---------------------------------------------------------------- text pairs
 
 
-def trained_on_pairs(model_dir: Path, task: str | None) -> tuple[bool | None, str, str | None]:
+def trained_on_pairs(model_dir: Path, reads: str | None) -> tuple[bool | None, str, str | None]:
     """(whether the saved model reads text pairs, how it was trained in words, the recorded text_pair_column), from
-    the args.json the training application saved with it and its `task` (`saved_task`); (None, "", None) for a
-    model from elsewhere."""
+    the args.json the training application saved with it and what it `reads` (`saved_task`); (None, "", None)
+    for a model from elsewhere."""
     recorded = read_arguments(model_dir)
-    if task == "question_answering":
+    if reads == QUESTIONS:
         # a run that read SQuAD's columns without options recorded none: its contexts were in "context"
         context = recorded.get("text_pair_column") or "context"
         return True, "on a question and its context (--text QUESTION --text_pair CONTEXT)", context
-    if task in ("classification", "multi_label", "regression", "token_classification"):
+    if reads == TEXTS:
         column = recorded.get("text_pair_column")
         if column:
             return (
@@ -188,7 +189,7 @@ def trained_on_pairs(model_dir: Path, task: str | None) -> tuple[bool | None, st
                 column,
             )
         return False, "on single texts (its args.json records no text_pair_column)", None
-    if task == "reward":
+    if reads == PROMPT_ANSWERS:
         if recorded.get("chat_template") or has_chat_template(model_dir):
             return True, "on a prompt and an answer rendered through its chat template", None
         if (model_dir / "tokenizer_config.json").is_file():
@@ -196,11 +197,13 @@ def trained_on_pairs(model_dir: Path, task: str | None) -> tuple[bool | None, st
     return None, "", None
 
 
-def saved_task(model_dir: Path) -> str | None:
-    """The --task a saved model was trained for (its args.json), or question_answering for such a model trained
-    elsewhere; None where neither says."""
-    recorded = read_arguments(model_dir)
-    return recorded.get("task") or ("question_answering" if _answers_questions(model_dir) else None)
+def saved_task(model_dir: Path) -> tuple[str | None, str | None]:
+    """(the --task a saved model was trained for, from its args.json; what predict gives it, from the task's
+    registry row): a question-answering model trained elsewhere reads questions; (None, None) where nothing says."""
+    task = read_arguments(model_dir).get("task")
+    if task:
+        return task, predict_input(task)
+    return None, QUESTIONS if _answers_questions(model_dir) else None
 
 
 def _answers_questions(model_dir: Path) -> bool:

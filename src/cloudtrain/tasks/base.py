@@ -53,6 +53,9 @@ class Task:
     # list from its registry row, which the parser reads without importing the task
     reads_options: tuple[str, ...] = ()
     metrics: tuple[str, ...] = ("loss",)  # evaluation metrics --metric_for_best_model may name
+    # what `cloudtrain predict` gives its saved model (registry_table.TEXTS, QUESTIONS, PROMPT_ANSWERS; None: not
+    # a predict model)
+    predicts: str | None = None
     lower_is_better: frozenset[str] = frozenset({"loss"})
     default_best_metric = "loss"
     default_packing: str | None = None  # what --packing auto means (language-model tasks)

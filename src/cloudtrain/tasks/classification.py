@@ -39,7 +39,7 @@ from cloudtrain.predict import records
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
-from cloudtrain.registry_table import TASK_ROWS
+from cloudtrain.registry_table import TASK_ROWS, TEXTS
 from cloudtrain.tasks.base import Task
 
 
@@ -48,6 +48,7 @@ class ClassificationTask(Task):
     name = "classification"
     summary = "text -> label"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
+    predicts = TEXTS
     metrics: tuple[str, ...] = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
     auto_class: type[_BaseAutoModelClass] = AutoModelForSequenceClassification

@@ -32,7 +32,7 @@ from cloudtrain.models.load import read_config
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
-from cloudtrain.registry_table import TASK_ROWS
+from cloudtrain.registry_table import QUESTIONS, TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
 
 
@@ -41,6 +41,7 @@ class QuestionAnsweringTask(ClassificationTask):
     name = "question_answering"
     summary = "a question and a context -> the answer's span in the context"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
+    predicts = QUESTIONS
     metrics: tuple[str, ...] = ("f1", "exact_match", "loss")
     default_best_metric = "f1"
     auto_class = AutoModelForQuestionAnswering

@@ -40,7 +40,7 @@ from cloudtrain.models.load import grow_embeddings, head_labels
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
-from cloudtrain.registry_table import TASK_ROWS
+from cloudtrain.registry_table import PROMPT_ANSWERS, TASK_ROWS
 from cloudtrain.tasks.base import Task, model_label
 from cloudtrain.tasks.sft import SFTTask
 
@@ -82,6 +82,7 @@ class RewardTask(Task):
     name = "reward"
     summary = "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
+    predicts = PROMPT_ANSWERS
     metrics: tuple[str, ...] = ("loss", "accuracy", "margin")
     lower_is_better = frozenset({"loss"})
     default_best_metric = "accuracy"

@@ -64,6 +64,7 @@ class Seq2SeqTask(ClassificationTask):
     name = "seq2seq"
     summary = "a source text -> a target text (summaries, translations) with an encoder-decoder"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
+    predicts = None  # an encoder-decoder: `generate` writes with it
     metrics: tuple[str, ...] = ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss")
     default_best_metric = "rougeL"
     auto_class = AutoModelForSeq2SeqLM
