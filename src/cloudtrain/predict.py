@@ -14,7 +14,7 @@ writes them to a new file (an existing one only with --overwrite_output_file tru
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
 A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first. A
 reward model trained through a chat template gets the prompt (--text) and the answer (--text_pair) rendered through
-it, as its training rendered each side.
+it, as its training rendered each side; a pair whose answer keeps no token within the length scores null.
 Texts are truncated at the --max_length the model was trained with (its args.json), so the predictions match the
 run's evaluation; --max_length sets another, up to the model's context.
 A model that needs its own code (auto_map) loads only with --trust_remote_code true; nothing asks on
