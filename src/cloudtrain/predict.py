@@ -122,7 +122,8 @@ def predict(
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
         return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names, allow_none)
     chat = reward_chat(recorded, tokenizer)
-    results, truncated, answerless = [], 0, []
+    results: list[dict] = []
+    truncated, answerless = 0, []
     for i in range(0, len(texts), batch_size):
         chunk = texts[i : i + batch_size]
         second = pairs[i : i + batch_size] if pairs is not None else None

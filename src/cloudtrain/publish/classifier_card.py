@@ -1,13 +1,15 @@
-"""The model card of a text classifier (`build_model_card`): summary, usage snippet (a pipeline, or
-`AutoPeftModelForSequenceClassification` for an adapter), labels, training hyperparameters, training and
-evaluation results, confusion matrices, then the shared footer (cloudtrain.publish.card_sections). A multi-label
-classifier (`--task multi_label`) has its own metrics and a snippet that reads every label's probability; a
-regression model (`--task regression`) its metrics and a snippet that reads the number; a token classifier
-(`--task token_classification`) its entity-level metrics and a token-classification pipeline."""
+"""The model card of an encoder task's model (`build_model_card`): summary, usage snippet (a pipeline, the model
+class, or the PEFT auto class for an adapter), labels, training hyperparameters, training and evaluation results,
+confusion matrices, then the shared footer (cloudtrain.publish.card_sections). What one task's card says that
+another's does not (its purpose, metrics, pipeline and snippet) is the task's `CardKind`, in its own module."""
 
+import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import jinja2
 from huggingface_hub import ModelCard, ModelCardData
 
 from cloudtrain.config import Config
@@ -28,49 +30,27 @@ CLASSIFICATION_METRICS = (
     ("accuracy", "accuracy", "Accuracy", None),
     ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
 )
-REGRESSION_METRICS = (
-    ("rmse", "mse", "RMSE", {"squared": False}),
-    ("mae", "mae", "MAE", None),
-    ("pearson", "pearsonr", "Pearson", None),
-    ("spearman", "spearmanr", "Spearman", None),
-)
-MULTI_LABEL_METRICS = (
-    ("micro_f1", "f1", "Micro F1", {"average": "micro"}),
-    ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
-    ("subset_accuracy", "accuracy", "Subset accuracy", None),
-)
-TOKEN_METRICS = (
-    ("f1", "f1", "F1", None),
-    ("precision", "precision", "Precision", None),
-    ("recall", "recall", "Recall", None),
-    ("accuracy", "accuracy", "Accuracy", None),
-)
-ANSWER_METRICS = (("exact_match", "exact_match", "Exact match", None), ("f1", "f1", "F1", None))
-SEQ2SEQ_METRICS = (
-    ("rougeL", "rouge", "ROUGE-L", None),
-    ("rouge1", "rouge", "ROUGE-1", None),
-    ("rouge2", "rouge", "ROUGE-2", None),
-    ("rougeLsum", "rouge", "ROUGE-Lsum", None),
-    ("bleu", "sacrebleu", "BLEU", None),
-)
-METRICS = {
-    "multi_label": MULTI_LABEL_METRICS,
-    "regression": REGRESSION_METRICS,
-    "token_classification": TOKEN_METRICS,
-    "question_answering": ANSWER_METRICS,
-    "seq2seq": SEQ2SEQ_METRICS,
-}
-# (pipeline tag, the Hub's task name, the PEFT class of an adapter) by kind; transformers 5 has no question-answering
-# pipeline: that card loads the model class (MODEL_CLASSES) in its snippets
-PIPELINES = {
-    "token_classification": ("token-classification", "Token Classification", "AutoPeftModelForTokenClassification"),
-    "question_answering": ("question-answering", "Question Answering", "AutoPeftModelForQuestionAnswering"),
-    "seq2seq": ("text2text-generation", "Text2Text Generation", "AutoPeftModelForSeq2SeqLM"),
-}
-UNLABELLED = ("regression", "question_answering", "seq2seq")  # kinds whose head has no classes to list
-# kinds without a pipeline in transformers 5: their snippets load the model class
-MODEL_CLASSES = {"question_answering": "AutoModelForQuestionAnswering", "seq2seq": "AutoModelForSeq2SeqLM"}
 TEXT_CLASSIFICATION = ("text-classification", "Text Classification", "AutoPeftModelForSequenceClassification")
+
+
+@dataclass(frozen=True)
+class CardKind:
+    """What a task's card says that another encoder task's does not. The strings are Jinja, rendered with the
+    card's variables (labels, example_text, example_question, source_text, num_beams, max_new_tokens)."""
+
+    purpose: str = "text classification into {{ labels | length }} classes"  # "This model is ... for <purpose>"
+    metrics: tuple = CLASSIFICATION_METRICS  # (results key, model-index metric type, display name, its args)
+    pipeline: tuple[str, str, str] = TEXT_CLASSIFICATION  # (pipeline tag, the Hub's task name, the PEFT class)
+    labelled: bool = True  # whether its head has classes to list (and a snippet passes id2label)
+    model_class: str | None = None  # without a transformers pipeline: the class its snippet loads
+    imports: str = ""  # lines a model-class snippet imports first
+    inputs: str = 'inputs = tokenizer("{{ example_text }}", return_tensors="pt")'
+    output: str = "print(model.config.id2label[model(**inputs).logits.argmax(-1).item()])"
+    pipeline_options: str = ""  # more arguments of pipeline(...)
+    call_options: str = ""  # more arguments of the pipeline's call
+
+
+CLASSIFICATION = CardKind()
 
 TEMPLATE = (
     ADAPTER_MACROS
@@ -83,14 +63,7 @@ TEMPLATE = (
 
 This model is {% if base_model %}a fine-tuned version of [{{ base_model }}](https://huggingface.co/{{ base_model }})\
 {% else %}a fine-tuned model{% endif %}
-for {% if kind == "multi_label" %}multi-label text classification over {{ labels | length }} labels (each predicted \
-where its probability is over 0.5){% elif kind == "regression" %}text regression (one number per text, \
-`{{ labels[0] }}`){% elif kind == "token_classification" %}token classification (a tag per word, \
-entity-level scores) with {{ labels | length }} tags{% elif kind == "question_answering" %}extractive question \
-answering (the answer is a span of the context given with the question){% elif kind == "seq2seq" %}\
-sequence-to-sequence generation (a target text written from a source text: summaries, translations)\
-{% else %}text classification into \
-{{ labels | length }} classes{% endif %}, trained on \
+for {{ kind.purpose }}, trained on \
 {% if datasets %}[{{ dataset_display }}](https://huggingface.co/datasets/{{ datasets[0] }})\
 {% else %}{{ dataset_display }}{% endif %}
 with cloudtrain ({{ training_type }} trainer).
@@ -106,49 +79,28 @@ It achieves the following results on the {{ headline.split }} set:
 ## Usage
 
 {% if adapter or model_class %}```python
-{% if kind == "question_answering" %}import torch
-{% endif %}{% if adapter %}from peft import {{ peft_class }}
+{{ kind.imports }}{% if adapter %}from peft import {{ peft_class }}
 from transformers import AutoTokenizer
 {% else %}from transformers import {{ model_class }}, AutoTokenizer
 {% endif %}
-{% if kind not in unlabelled %}id2label = {{ id2label }}
+{% if kind.labelled %}id2label = {{ id2label }}
 {% endif %}tokenizer = AutoTokenizer.from_pretrained("{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %})
 model = {{ peft_class if adapter else model_class }}.from_pretrained("{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %}\
-{% if kind not in unlabelled %}, num_labels={{ labels | length }}, id2label=id2label{% endif %})
-{% if kind == "question_answering" %}inputs = tokenizer("{{ example_question }}", "{{ example_text }}", \
-return_tensors="pt")
-{%- elif kind == "seq2seq" %}inputs = tokenizer({{ source_text }}, return_tensors="pt")
-{%- else %}inputs = tokenizer("{{ example_text }}", return_tensors="pt"){% endif %}
-{% if kind == "question_answering" %}out = model(**inputs)
-outside = torch.tensor([part != 1 for part in inputs.sequence_ids()])  # the question and special tokens
-start = out.start_logits[0].masked_fill(outside, -1e4).argmax().item()
-end = out.end_logits[0].masked_fill(outside, -1e4).argmax().item()
-print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))
-{%- elif kind == "seq2seq" %}{% if num_beams > 1 %}# beam search, as evaluated
-output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }}, num_beams={{ num_beams }})
-{% else %}# one greedy pass, as evaluated (not any beam search the base model saved)
-output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }}, num_beams=1, min_length=0, \
-no_repeat_ngram_size=0)
-{% endif %}print(tokenizer.decode(output[0], skip_special_tokens=True))
-{%- elif kind == "regression" %}print(model(**inputs).logits[0, 0].item())
-{%- elif kind == "multi_label" %}probabilities = model(**inputs).logits.sigmoid()[0]
-print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])
-{%- elif kind == "token_classification" %}tags = model(**inputs).logits.argmax(-1)[0].tolist()
-print([model.config.id2label[i] for i in tags])  # a tag per token: the first of each word is the word's
-{%- else %}print(model.config.id2label[model(**inputs).logits.argmax(-1).item()]){% endif %}
+{% if kind.labelled %}, num_labels={{ labels | length }}, id2label=id2label{% endif %})
+{{ kind.inputs }}
+{{ kind.output }}
 ```{% if adapter %}{{ adapter_note(pipeline_tag, model_class) }}{% endif %}{% else %}```python
 from transformers import pipeline
 
 classifier = pipeline("{{ pipeline_tag }}", model="{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %}\
-{% if kind == "token_classification" %}, aggregation_strategy="first"{% endif %})
-print(classifier("{{ example_text }}"{% if kind == "multi_label" %}, top_k=None\
-{% elif kind == "regression" %}, function_to_apply="none"{% endif %}))
+{{ kind.pipeline_options }})
+print(classifier("{{ example_text }}"{{ kind.call_options }}))
 ```{% endif %}
 
-{% if kind not in unlabelled %}## Labels
+{% if kind.labelled %}## Labels
 
 | id | label |
 |---:|:------|
@@ -191,25 +143,31 @@ Confusion matrix, {{ row.split }} set (rows: true label, columns: predicted):
 )  # Jinja drops one trailing newline: the card still ends with one
 
 
-def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "classification") -> ModelCard:
+def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: CardKind = CLASSIFICATION) -> ModelCard:
     """The card for the model saved in `output_dir` (its config.json, or an adapter's labels.json, gives the
-    label names); `kind`: classification, multi_label (any number of labels per text), regression,
-    token_classification (a tag per word) or question_answering (a span of a context)."""
+    label names), as the task's `kind` describes it."""
     output_dir = Path(output_dir)
     repo_id = cfg.hub.hub_model_id
     assert repo_id is not None  # a card is for a push, which needs --hub_model_id
     adapter = adapter_info(output_dir, cfg)
-    metrics = METRICS.get(kind, CLASSIFICATION_METRICS)
-    pipeline_tag, task_name, peft_class = PIPELINES.get(kind, TEXT_CLASSIFICATION)
-    data = card_data(cfg, results, adapter, metrics, pipeline_tag, task_name)
+    pipeline_tag, task_name, peft_class = kind.pipeline
+    data = card_data(cfg, results, adapter, kind.metrics, pipeline_tag, task_name)
     dataset_id, dataset_display = dataset_info(cfg.data)
     evaluations = [{"split": SPLITS[key], **results[key]} for key in SPLITS if key in results]
     names = label_names(output_dir)
+    reuters = dataset_id == REUTERS_HUB_ID
     example_text = (
-        "Oil prices rose after OPEC agreed to cut output."
-        if dataset_id == REUTERS_HUB_ID
-        else "Replace me by any text you'd like."
+        "Oil prices rose after OPEC agreed to cut output." if reuters else "Replace me by any text you'd like."
     )
+    examples: dict[str, Any] = {
+        "labels": [name.replace("|", "\\|") for name in names],
+        "example_text": example_text,
+        "example_question": "What did OPEC agree to?" if reuters else "What is this about?",
+        # the training's prefix and the example as one Python string (json's escapes are Python's)
+        "source_text": json.dumps(cfg.data.source_prefix + example_text, ensure_ascii=False),
+        "max_new_tokens": cfg.data.max_target_length,
+        "num_beams": cfg.data.generation_num_beams,
+    }
     return ModelCard.from_template(
         data,
         template_str=TEMPLATE,
@@ -219,21 +177,13 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         adapter=adapter,
         dataset_display=dataset_display,
         training_type=cfg.training.training_type,
-        kind=kind,
-        unlabelled=UNLABELLED,
-        model_class=MODEL_CLASSES.get(kind),
-        # the training's prefix and the example as one Python string (json's escapes are Python's)
-        source_text=json.dumps(cfg.data.source_prefix + example_text, ensure_ascii=False),
-        max_new_tokens=cfg.data.max_target_length,
-        num_beams=cfg.data.generation_num_beams,
-        example_question="What did OPEC agree to?" if dataset_id == REUTERS_HUB_ID else "What is this about?",
+        kind=rendered(kind, examples),
+        model_class=kind.model_class,
         pipeline_tag=pipeline_tag,
         peft_class=peft_class,
-        metric_names=[(key, name) for key, _, name, _ in metrics],
-        labels=[name.replace("|", "\\|") for name in names],
+        metric_names=[(key, name) for key, _, name, _ in kind.metrics],
         id2label="{" + ", ".join(f"{i}: {json.dumps(name, ensure_ascii=False)}" for i, name in enumerate(names)) + "}",
         headline=evaluations[0] if evaluations else None,
-        example_text=example_text,
         hyperparameters=hyperparameters(cfg),
         train=results["train"],
         evaluations=evaluations,
@@ -241,7 +191,17 @@ def build_model_card(output_dir: Path, cfg: Config, results: dict, kind: str = "
         compute=compute_summary(results),
         curves=CURVES_FILE if (output_dir / CURVES_FILE).is_file() else None,
         versions=framework_versions(cfg),
+        **examples,
     )
+
+
+def rendered(kind: CardKind, examples: dict) -> dict:
+    """`kind` with its Jinja strings rendered with the card's `examples` (its labels and example texts)."""
+    fields = dataclasses.asdict(kind)
+    for name, value in fields.items():
+        if isinstance(value, str):  # a trailing newline is part of the text (imports end in one)
+            fields[name] = jinja2.Template(value, keep_trailing_newline=True).render(**examples)
+    return fields
 
 
 def card_data(

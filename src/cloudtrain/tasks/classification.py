@@ -48,7 +48,7 @@ class ClassificationTask(Task):
     name = "classification"
     summary = "text -> label"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
-    predicts = TEXTS
+    predicts: str | None = TEXTS
     metrics: tuple[str, ...] = ("accuracy", "macro_f1", "loss")
     default_best_metric = "accuracy"
     auto_class: type[_BaseAutoModelClass] = AutoModelForSequenceClassification

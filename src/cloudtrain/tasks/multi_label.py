@@ -25,11 +25,25 @@ from cloudtrain.data.processing import ProcessedData, process_data
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import head_labels
 from cloudtrain.predict import label_sets
-from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.classifier_card import CardKind, build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
+
+# its card: every label's probability, those over 0.5 predicted
+CARD = CardKind(
+    purpose="multi-label text classification over {{ labels | length }} labels (each predicted where its probability "
+    "is over 0.5)",
+    metrics=(
+        ("micro_f1", "f1", "Micro F1", {"average": "micro"}),
+        ("macro_f1", "f1", "Macro F1", {"average": "macro"}),
+        ("subset_accuracy", "accuracy", "Subset accuracy", None),
+    ),
+    output="probabilities = model(**inputs).logits.sigmoid()[0]\n"
+    "print([model.config.id2label[i] for i, p in enumerate(probabilities.tolist()) if p > 0.5])",
+    call_options=", top_k=None",
+)
 
 
 @TASKS.register
@@ -112,7 +126,7 @@ class MultiLabelTask(ClassificationTask):
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-        return build_model_card(output_dir, cfg, results, kind="multi_label")
+        return build_model_card(output_dir, cfg, results, CARD)
 
     def describe_metrics(self, metrics: dict) -> str:
         return (

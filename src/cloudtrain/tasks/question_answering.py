@@ -29,11 +29,28 @@ from cloudtrain.data.processing import ProcessedData
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.models.load import read_config
-from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.classifier_card import CardKind, build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import QUESTIONS, TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
+
+# its card: transformers 5 has no question-answering pipeline, so the snippet loads the model class and picks the
+# best span of the context
+CARD = CardKind(
+    purpose="extractive question answering (the answer is a span of the context given with the question)",
+    metrics=(("exact_match", "exact_match", "Exact match", None), ("f1", "f1", "F1", None)),
+    pipeline=("question-answering", "Question Answering", "AutoPeftModelForQuestionAnswering"),
+    labelled=False,
+    model_class="AutoModelForQuestionAnswering",
+    imports="import torch\n",
+    inputs='inputs = tokenizer("{{ example_question }}", "{{ example_text }}", return_tensors="pt")',
+    output="out = model(**inputs)\n"
+    "outside = torch.tensor([part != 1 for part in inputs.sequence_ids()])  # the question and special tokens\n"
+    "start = out.start_logits[0].masked_fill(outside, -1e4).argmax().item()\n"
+    "end = out.end_logits[0].masked_fill(outside, -1e4).argmax().item()\n"
+    'print(tokenizer.decode(inputs["input_ids"][0, start : end + 1]))',
+)
 
 
 @TASKS.register
@@ -185,7 +202,7 @@ class QuestionAnsweringTask(ClassificationTask):
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-        return build_model_card(output_dir, cfg, results, kind="question_answering")
+        return build_model_card(output_dir, cfg, results, CARD)
 
     def describe_data(self, data: ProcessedData) -> str:
         return self.data_summary(data, "windows of questions")

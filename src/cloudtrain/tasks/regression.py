@@ -24,11 +24,25 @@ from cloudtrain.data.regression_targets import regression_scheme
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import read_config
 from cloudtrain.predict import scored
-from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.classifier_card import CardKind, build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
+
+# its card: the one output is the number
+CARD = CardKind(
+    purpose="text regression (one number per text, `{{ labels[0] }}`)",
+    metrics=(
+        ("rmse", "mse", "RMSE", {"squared": False}),
+        ("mae", "mae", "MAE", None),
+        ("pearson", "pearsonr", "Pearson", None),
+        ("spearman", "spearmanr", "Spearman", None),
+    ),
+    labelled=False,
+    output="print(model(**inputs).logits[0, 0].item())",
+    call_options=', function_to_apply="none"',
+)
 
 
 @TASKS.register
@@ -99,7 +113,7 @@ class RegressionTask(ClassificationTask):
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-        return build_model_card(output_dir, cfg, results, kind="regression")
+        return build_model_card(output_dir, cfg, results, CARD)
 
     def describe_data(self, data: ProcessedData) -> str:
         return self.data_summary(data, f"examples, target {data.label_names[0]!r}")

@@ -50,13 +50,36 @@ from cloudtrain.generate import beam_length_problem, search_options
 from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge
 from cloudtrain.models.load import context_length, read_config
 from cloudtrain.paths import resolve_model_path
-from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.classifier_card import CardKind, build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
 
 SHOWN = 5  # generations logged in the evaluation's table
+
+
+# its card: the snippet generates as the run evaluated (its beams, or one greedy pass whatever the base model saved)
+CARD = CardKind(
+    purpose="sequence-to-sequence generation (a target text written from a source text: summaries, translations)",
+    metrics=(
+        ("rougeL", "rouge", "ROUGE-L", None),
+        ("rouge1", "rouge", "ROUGE-1", None),
+        ("rouge2", "rouge", "ROUGE-2", None),
+        ("rougeLsum", "rouge", "ROUGE-Lsum", None),
+        ("bleu", "sacrebleu", "BLEU", None),
+    ),
+    pipeline=("text2text-generation", "Text2Text Generation", "AutoPeftModelForSeq2SeqLM"),
+    labelled=False,
+    model_class="AutoModelForSeq2SeqLM",
+    inputs='inputs = tokenizer({{ source_text }}, return_tensors="pt")',
+    output="{% if num_beams > 1 %}# beam search, as evaluated\n"
+    "output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }}, num_beams={{ num_beams }})\n"
+    "{% else %}# one greedy pass, as evaluated (not any beam search the base model saved)\n"
+    "output = model.generate(**inputs, max_new_tokens={{ max_new_tokens }}, num_beams=1, min_length=0, "
+    "no_repeat_ngram_size=0)\n"
+    "{% endif %}print(tokenizer.decode(output[0], skip_special_tokens=True))",
+)
 
 
 @TASKS.register
@@ -290,7 +313,7 @@ class Seq2SeqTask(ClassificationTask):
         return {"generations": (["source", "target", "generated"], rows)} if rows else {}
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-        return build_model_card(output_dir, cfg, results, kind="seq2seq")
+        return build_model_card(output_dir, cfg, results, CARD)
 
     def describe_data(self, data: ProcessedData) -> str:
         return self.data_summary(data, "(source, target) pairs")

@@ -33,11 +33,26 @@ from cloudtrain.entities import entity_scores, scored_entities
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode, pad_to_width
 from cloudtrain.models.load import head_labels, load_tokenizer
-from cloudtrain.publish.classifier_card import build_model_card
+from cloudtrain.publish.classifier_card import CardKind, build_model_card
 from cloudtrain.publish.saving import write_jsonl
 from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.classification import ClassificationTask
+
+# its card: a tag per token, entity-level scores
+CARD = CardKind(
+    purpose="token classification (a tag per word, entity-level scores) with {{ labels | length }} tags",
+    metrics=(
+        ("f1", "f1", "F1", None),
+        ("precision", "precision", "Precision", None),
+        ("recall", "recall", "Recall", None),
+        ("accuracy", "accuracy", "Accuracy", None),
+    ),
+    pipeline=("token-classification", "Token Classification", "AutoPeftModelForTokenClassification"),
+    output="tags = model(**inputs).logits.argmax(-1)[0].tolist()\n"
+    "print([model.config.id2label[i] for i in tags])  # a tag per token: the first of each word is the word's",
+    pipeline_options=', aggregation_strategy="first"',
+)
 
 
 @TASKS.register
@@ -181,7 +196,7 @@ class TokenClassificationTask(ClassificationTask):
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
-        return build_model_card(output_dir, cfg, results, kind="token_classification")
+        return build_model_card(output_dir, cfg, results, CARD)
 
     def describe_metrics(self, metrics: dict) -> str:
         return (
