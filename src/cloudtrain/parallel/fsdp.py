@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator, PartialState
+from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin, ParallelismConfig
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
@@ -187,3 +189,27 @@ def enable_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlug
     state.fsdp_plugin = plugin
     if state.mixed_precision != "no":
         plugin.set_mixed_precision(state.mixed_precision)
+
+
+def place_like(copy: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> bool:
+    """A frozen `copy` of `model` (DPO's reference) put where the trainer put `model`: sharded over its mesh under
+    FSDP2, as accelerate sharded it (each repeated layer one unit, then the rest, with the launch's precision and
+    offload), else moved whole to `device`. True once placed."""
+    weight = next(model.parameters())
+    if not isinstance(weight, DTensor):
+        copy.to(device)
+        return True
+    plugin = AcceleratorState().fsdp_plugin
+    options: dict[str, Any] = {
+        "mesh": weight.device_mesh,
+        "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
+        "offload_policy": plugin.cpu_offload,
+    }
+    layers = set(getattr(plugin, "transformer_cls_names_to_wrap", None) or layer_classes(copy))
+    for module in copy.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, **options)
+    fully_shard(copy, **options)
+    if PartialState().is_main_process:
+        print(f"reference model: sharded as the policy, {len(layers)} layer class(es) a unit each", flush=True)
+    return True

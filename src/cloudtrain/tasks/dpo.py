@@ -31,11 +31,9 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from accelerate.state import AcceleratorState, PartialState
 from datasets import Dataset, DatasetDict
 from huggingface_hub import ModelCard
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
@@ -60,7 +58,7 @@ from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
 from cloudtrain.models.load import is_causal_lm, load_tokenizer
 from cloudtrain.parallel.distributed import Sharding, sharding
-from cloudtrain.parallel.fsdp import layer_classes
+from cloudtrain.parallel.fsdp import place_like
 from cloudtrain.publish.card_metadata import SPLITS, dataset_info
 from cloudtrain.publish.card_sections import table_cell
 from cloudtrain.publish.lm_card import build_lm_model_card
@@ -291,7 +289,7 @@ class DPOTask(SFTTask):
 
     def sharding_refusal(self, cfg: Config, shards: Sharding) -> str | None:
         """The precomputed reference needs whole weights (no ZeRO-3, no FSDP); the full-fine-tuning copy is sharded
-        under FSDP2 (_place_reference) but would be whole in every process under ZeRO-3."""
+        under FSDP2 (parallel.fsdp.place_like) but would be whole in every process under ZeRO-3."""
         p = cfg.preference
         if p.needs_reference and p.precompute_reference and (shards.zero_stage == 3 or shards.fsdp):
             where, instead = (
@@ -396,8 +394,8 @@ class DPOTask(SFTTask):
         device = batch["input_ids"].device
         with autocast_for(self.cfg.training.mixed_precision, device):
             if self.reference is not None:
-                if not self.placed:
-                    self._place_reference(model, device)  # once: the trainer has placed the policy
+                if not self.placed:  # once: the trainer has placed the policy
+                    self.placed = place_like(self.reference, model, device)
                 logps = self.logps(self.reference, batch)[0]
                 if isinstance(self.reference, FSDPModule):
                     self.reference.reshard()  # FSDP2 keeps its root gathered after a forward, for a backward
@@ -405,30 +403,6 @@ class DPOTask(SFTTask):
             inner: Any = getattr(model, "module", model)  # DDP and DeepSpeed wrap it; a PeftModel inside
             with eval_mode(inner), inner.disable_adapter():
                 return self.logps(inner, batch)[0]
-
-    def _place_reference(self, model: torch.nn.Module, device: torch.device) -> None:
-        """The frozen copy where the policy is: sharded over the policy's mesh under FSDP2, as accelerate shards
-        the policy (each repeated layer one unit, then the rest, with the launch's precision and offload), else
-        moved whole to the policy's device."""
-        assert self.reference is not None
-        weight = next(model.parameters())
-        if isinstance(weight, DTensor):  # FSDP2 sharded the policy
-            plugin = AcceleratorState().fsdp_plugin
-            options: dict[str, Any] = {
-                "mesh": weight.device_mesh,
-                "mp_policy": plugin.mixed_precision_policy or MixedPrecisionPolicy(),
-                "offload_policy": plugin.cpu_offload,
-            }
-            layers = set(getattr(plugin, "transformer_cls_names_to_wrap", None) or layer_classes(self.reference))
-            for module in self.reference.modules():
-                if type(module).__name__ in layers:
-                    fully_shard(module, **options)
-            fully_shard(self.reference, **options)
-            if PartialState().is_main_process:
-                print(f"reference model: sharded as the policy, {len(layers)} layer class(es) a unit each", flush=True)
-        else:
-            self.reference.to(device)  # type: ignore[arg-type]  # transformers' wrapped `to`
-        self.placed = True
 
     # ------------------------------------------------------------ loss and metrics
     def loss_count(self, batch: dict) -> torch.Tensor:
