@@ -290,23 +290,12 @@ def model_facts(
         hidden_size=hidden,
         activation_saved=activation[0],
         activation_output_saved=activation[1],
-        hidden_dropout=float(
-            _config_value(text, ("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "dropout_rate"), 0)
-        )
-        > 0,
-        attention_dropout=float(
-            _config_value(
-                text, ("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate"), 0.0
-            )
-        )
-        > 0,
+        **_dropouts(text, config.is_encoder_decoder),
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
-        # what the encoder-decoders measured in tests/test_planner_seq2seq.py add (OPT names an activation_dropout
-        # it never applies; MPNet's relative positions go to eager attention, which keeps the scores anyway)
+        # what the encoder-decoders measured in tests/test_planner_seq2seq.py add (MPNet's relative positions go to
+        # eager attention, which keeps the scores anyway)
         attention_bias=config.is_encoder_decoder and hasattr(text, "relative_attention_num_buckets"),
         fp32_down_projection="wo" in (getattr(model, "_keep_in_fp32_modules", None) or ()),
-        intermediate_dropout=config.is_encoder_decoder
-        and float(_config_value(text, ("activation_dropout", "dropout_rate"), 0.0)) > 0,
         task=task,
         vocab_size=0 if head is None else head.weight.shape[0],
         from_config=from_config,
@@ -320,6 +309,20 @@ def model_facts(
         return facts
     adapters = facts.adapters and adapter_facts(model, run_task.train_in_full(model), lora, stacks[1][0])
     return replace(facts, encoder=replace(facts, **encoder, root_params=0, vocab_size=0, adapters=adapters))
+
+
+def _dropouts(text, encoder_decoder: bool) -> dict[str, bool]:
+    """Which dropouts the model applies, each keeping a mask for the backward, by the names configs give them
+    (only an encoder-decoder's activation dropout counts: OPT names one it never applies)."""
+
+    def applies(*names: str) -> bool:
+        return float(_config_value(text, names, 0.0)) > 0
+
+    return {
+        "hidden_dropout": applies("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "dropout_rate"),
+        "attention_dropout": applies("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate"),
+        "intermediate_dropout": encoder_decoder and applies("activation_dropout", "dropout_rate"),
+    }
 
 
 def _untied_head(text, model, head) -> int:
