@@ -279,6 +279,7 @@ def model_facts(
         encoder_heads = _config_value(text, ("encoder_attention_heads",), heads)
         encoder = _stack_facts(stacks[1], text, hidden, encoder_heads, encoder_heads)
         heads = kv_heads = _config_value(text, ("decoder_attention_heads",), heads)
+    dropouts = _dropouts(text, config.is_encoder_decoder)
     facts = ModelFacts(
         name=name,
         architecture=type(model).__name__,
@@ -290,7 +291,9 @@ def model_facts(
         hidden_size=hidden,
         activation_saved=activation[0],
         activation_output_saved=activation[1],
-        **_dropouts(text, config.is_encoder_decoder),
+        hidden_dropout=dropouts[0],
+        attention_dropout=dropouts[1],
+        intermediate_dropout=dropouts[2],
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
         # what the encoder-decoders measured in tests/test_planner_seq2seq.py add (MPNet's relative positions go to
         # eager attention, which keeps the scores anyway)
@@ -311,18 +314,19 @@ def model_facts(
     return replace(facts, encoder=replace(facts, **encoder, root_params=0, vocab_size=0, adapters=adapters))
 
 
-def _dropouts(text, encoder_decoder: bool) -> dict[str, bool]:
-    """Which dropouts the model applies, each keeping a mask for the backward, by the names configs give them
-    (only an encoder-decoder's activation dropout counts: OPT names one it never applies)."""
+def _dropouts(text, encoder_decoder: bool) -> tuple[bool, bool, bool]:
+    """Whether the model applies hidden, attention and intermediate dropout (each keeps a mask for the backward),
+    by the names configs give them (only an encoder-decoder's activation dropout counts: OPT names one it never
+    applies)."""
 
     def applies(*names: str) -> bool:
         return float(_config_value(text, names, 0.0)) > 0
 
-    return {
-        "hidden_dropout": applies("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "dropout_rate"),
-        "attention_dropout": applies("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate"),
-        "intermediate_dropout": encoder_decoder and applies("activation_dropout", "dropout_rate"),
-    }
+    return (
+        applies("hidden_dropout_prob", "resid_pdrop", "hidden_dropout", "dropout", "dropout_rate"),
+        applies("attention_probs_dropout_prob", "attn_pdrop", "attention_dropout", "dropout_rate"),
+        encoder_decoder and applies("activation_dropout", "dropout_rate"),
+    )
 
 
 def _untied_head(text, model, head) -> int:

@@ -348,20 +348,7 @@ def reasons(
 ) -> list[str]:
     """A few lines on why this candidate, this micro-batch and this accumulation."""
     c, gib, b = choice.candidate, setup.gpu_memory_bytes / GIB, choice.micro_batch
-    faster = sorted(
-        (r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed), key=lambda f: f.speed
-    )
-    lines = _adapter_reasons(m, rows, c, setup)
-    if faster:  # over budget at the requested micro-batch, or (when it fits nothing) even at 1
-        at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
-        shown = ", ".join(
-            f"{f.name} {estimate(m, f, setup, at * f.model_parallel).total / GIB:.1f}" for f in faster[:4]
-        )
-        lines.append(
-            f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB"
-            + (" (and more)" if len(faster) > 4 else "")
-            + "."
-        )
+    lines = _adapter_reasons(m, rows, c, setup) + _faster_reason(m, rows, choice, setup, requested, global_batch)
     e = choice.estimate
     logits = f", logits {e.logits / GIB:.1f}" if e.logits else ""
     lines.append(
@@ -385,6 +372,31 @@ def reasons(
             f"global batch {global_batch}."
         )
     lines.append(_traffic_line(m, choice, setup))
+    return lines + _cost_reasons(m, rows, choice, setup)
+
+
+def _faster_reason(
+    m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, requested: int, global_batch: int
+) -> list[str]:
+    """Why not a faster candidate: over budget at the requested micro-batch, or (when it fits nothing) even at 1."""
+    c, b = choice.candidate, choice.micro_batch
+    faster = sorted(
+        (r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed), key=lambda f: f.speed
+    )
+    if not faster:
+        return []
+    at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
+    shown = ", ".join(f"{f.name} {estimate(m, f, setup, at * f.model_parallel).total / GIB:.1f}" for f in faster[:4])
+    more = " (and more)" if len(faster) > 4 else ""
+    gib = setup.gpu_memory_bytes / GIB
+    return [f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB{more}."]
+
+
+def _cost_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup) -> list[str]:
+    """What the choice costs beyond its memory: a context-parallel fallback not taken, recomputation, the frozen
+    copy, offloading."""
+    c, b, e = choice.candidate, choice.micro_batch, choice.estimate
+    lines = []
     quicker = [  # context parallelism that fits, but fewer rows per group than asked: a fallback, named here
         r
         for r in rows
