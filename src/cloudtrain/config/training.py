@@ -260,6 +260,4 @@ class TrainingConfig:
                 "--warmup_ratio + --decay_ratio exceed 1: warmup_stable_decay has no steps left to run them",
             ),
         ]
-        for failed, message in bad:
-            if failed:
-                raise UserError(message)
+        refuse_first(bad)

@@ -24,7 +24,7 @@ from transformers import PreTrainedModel
 from cloudtrain.config import Config
 from cloudtrain.config.inert import OWN_MODULE
 from cloudtrain.data.processing import ProcessedData
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.tasks.base import Task
 
@@ -116,9 +116,7 @@ class ModuleTask(Task):
             (m.model_config or m.model_name_or_path, "model= is the model: leave out --model_name_or_path and "
              "--model_config"),
         ]  # fmt: skip
-        for failed, message in refusals:
-            if failed:
-                raise UserError(message)
+        refuse_first(refusals)
 
     def resolve_options(self, cfg: Config) -> Config:
         """The default output folder is named after the module's class (there is no checkpoint name)."""

@@ -43,7 +43,7 @@ from cloudtrain import invocation
 from cloudtrain.config import Config, DistributedConfig
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.data.processing import ProcessedData
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.hardware import autocast
 from cloudtrain.observe.flops import ModelFlops
 from cloudtrain.observe.tracking import RunLog
@@ -183,9 +183,7 @@ class PipelineTrainer(Trainer):
         ]
         if not hasattr(Schedule1F1B, "eval"):  # evaluation runs through it (torch 2.13 tested)
             problems.append((True, f"--training_type pipeline needs a newer torch than {torch.__version__}"))
-        for failed, message in problems:
-            if failed:
-                raise UserError(message)
+        refuse_first(problems)
         cls._check_model(cfg, task.model_config(cfg))
 
     @staticmethod
