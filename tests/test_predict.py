@@ -19,6 +19,7 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -109,6 +110,8 @@ def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_pa
     (tmp_path / "sub").mkdir()
     old = tmp_path / "preds.jsonl"
     old.write_text("earlier predictions\n")
+    fifo = tmp_path / "fifo"  # a reader may be waiting on it: a device or a FIFO is never replaced by a file
+    os.mkfifo(fifo)
     nli, single, reward, data = runs["nli"], runs["single"], runs["reward"], runs["data"]
     predict_single = f"predict --model_dir {single} --input_file {texts}"
     cases = {
@@ -120,6 +123,8 @@ def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_pa
         f"{predict_single} --output_file {old}": f"--output_file {old} exists and is not replaced: name a new file, "
         f"such as {tmp_path / 'preds-2.jsonl'}, or pass --overwrite_output_file true to replace it",
         f"{predict_single} --output_file {tmp_path / 'sub'}": "is a folder; name a file in it",
+        f"{predict_single} --output_file {fifo} --overwrite_output_file true": f"--output_file {fifo} is a FIFO, not "
+        "a regular file, and is never replaced: name a regular file, or leave out --output_file to print",
         f"{predict_single} --output_file {texts}/p.jsonl": f"{texts} is a file, not a folder; name a file in a folder",
         f"{predict_single} --output_file /proc/p.jsonl": "--output_file /proc/p.jsonl: /proc cannot be written",
         f"predict --model_dir {nli} --text hi": f"the model in {nli} was trained on text pairs (--text_column "
@@ -149,7 +154,8 @@ def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_pa
         assert_refused(said[line], refusal)
         assert said[line][3] == [], line  # nothing heavy imported: no model was loaded
     assert texts.read_text() == "the team won\na storm hit\n" and old.read_text() == "earlier predictions\n"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.txt", "preds.jsonl", "sub", "texts.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link.txt", "preds.jsonl", "sub", "texts.txt"]
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
 
 
 def test_the_output_is_new_or_replaced_only_with_the_flag(runs, tmp_path, capsys):

@@ -451,6 +451,8 @@ def write_predictions(path: Path, rows: list[dict], overwrite: bool) -> None:
 
 
 def _put_in_place(staged: Path, target: Path, overwrite: bool, path: Path) -> None:
+    if target.exists() and not target.is_file():  # became a device or FIFO since the command checked it
+        raise UserError(f"--output_file {path} is not a regular file now and is not replaced")
     if overwrite:
         os.replace(staged, target)
         return

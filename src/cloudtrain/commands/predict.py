@@ -10,6 +10,7 @@ prompt and answer as a pair).
 import argparse
 import json
 import os
+import stat
 from pathlib import Path
 
 from cloudtrain.commands import (
@@ -131,6 +132,11 @@ def check_output_file(output_file: str | None, input_file: str | None, overwrite
         raise UserError(
             f"--output_file {output_file} is a folder; name a file in it, such as {out / 'predictions.jsonl'}"
         )
+    if out.exists() and not out.is_file():  # a device or a FIFO (through a symlink too): never replaced by a file
+        raise UserError(
+            f"--output_file {output_file} is {special_kind(out)}, not a regular file, and is never replaced: name a "
+            "regular file, or leave out --output_file to print the predictions (and pipe them where you want)"
+        )
     if (out.exists() or out.is_symlink()) and not overwrite:
         raise UserError(
             f"--output_file {output_file} exists and is not replaced: name a new file, such as {free_name(out)}, "
@@ -148,6 +154,19 @@ def check_output_file(output_file: str | None, input_file: str | None, overwrite
         raise UserError(
             f"--output_file {output_file}: {there} cannot be written ({err.strerror}); choose a folder you can write to"
         ) from None
+
+
+def special_kind(path: Path) -> str:
+    """What a path that is neither a folder nor a regular file is, in words."""
+    mode = path.stat().st_mode
+    for test, kind in (
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISFIFO, "a FIFO"),
+    ):
+        if test(mode):
+            return kind
+    return "a socket" if stat.S_ISSOCK(mode) else "a special file"
 
 
 def same_file(a: Path, b: Path) -> bool:
