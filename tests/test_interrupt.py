@@ -2,6 +2,7 @@
 once, a checkpoint and a clean stop; twice, a stop at once, without one. The real entry script, a tiny model.
 A launcher's SIGTERM, which reaches the loader workers too, leaves them alive."""
 
+import json
 import os
 import re
 import signal
@@ -78,11 +79,42 @@ def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tiny_model_dir, topi
     ctrl_c(proc)
     assert err.end() == 130
     assert err.text.rstrip().endswith(
-        "interrupted: no checkpoint saved now (one Ctrl-C during training saves one first); checkpoints saved "
-        "earlier are kept: continue with --resume_from_checkpoint latest"
+        "interrupted: nothing saved now (a first Ctrl-C during training saves a checkpoint, one after it the model); a "
+        "run that saved checkpoints before continues from the newest with --resume_from_checkpoint latest"
     )
     assert "Traceback" not in err.text
     assert not (out / "checkpoints").exists() or not complete_checkpoints(out / "checkpoints")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_the_final_evaluation_skips_it_and_saves_the_trained_model(
+    sig, tiny_model_dir, topic_csvs, tmp_path, monkeypatch
+):
+    """No --checkpointing_steps: a spot reclaim or a Ctrl-C while the trained model is evaluated used to lose every
+    step. The evaluation stops at its next batch; the model is saved whole, without the cut-short metrics, and the
+    run ends as a stopped run does (143, 130), saying so."""
+    import pandas as pd
+    from conftest import topic_rows
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("CLOUDTRAIN_PROGRESS_BARS", "1")  # the evaluation's bar tells the test it has started
+    long_validation = tmp_path / "long.csv"
+    pd.DataFrame(topic_rows(4, 1) * 4000).to_csv(long_validation, index=False)  # minutes of evaluation
+    out = tmp_path / "out"
+    options = ["--max_steps", "2", "--eval_strategy", "no", "--validation_file", str(long_validation)]
+    proc = start([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, *options))
+    err = Stderr(proc)
+    err.wait_for("evaluation of validation: .*[1-9][0-9]*/")  # a few batches in
+    os.killpg(proc.pid, getattr(signal, sig))
+    assert err.end() == (143 if sig == "SIGTERM" else 130), err.text[-3000:]
+    assert f"{sig}: the evaluation stops and the trained model is saved" in err.text
+    assert f"stopped: stopped by {sig} after the last step: the trained model is saved in {out}" in err.text
+    assert "Traceback" not in err.text
+    assert load_file(out / "model.safetensors")  # published whole: the manifest's check passes below
+    assert json.loads((out / "train_results.json").read_text())["global_step"] == 2
+    assert not (out / "eval_results.json").exists()  # a cut-short evaluation says nothing
+    assert not (out / "checkpoints").exists()
 
 
 WORKERS_SCRIPT = """

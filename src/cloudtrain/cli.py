@@ -49,8 +49,8 @@ COMMANDS = {  # name: (its light module: add_arguments and run, one-line descrip
     ),
 }
 INTERRUPTED_TRAINING = (
-    ": no checkpoint saved now (one Ctrl-C during training saves one first); checkpoints saved earlier are kept: "
-    "continue with --resume_from_checkpoint latest"
+    ": nothing saved now (a first Ctrl-C during training saves a checkpoint, one after it the model); a run that "
+    "saved checkpoints before continues from the newest with --resume_from_checkpoint latest"
 )
 DESCRIPTION = (
     "Train a Hugging Face model (--task, default classification): a sequence classifier (classification), "

@@ -23,7 +23,7 @@ from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, probe_storage
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
 from cloudtrain.data.sources import pin_sources
-from cloudtrain.errors import UserError
+from cloudtrain.errors import TrainingStopped, UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
@@ -42,6 +42,7 @@ from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
 from cloudtrain.training.callbacks import load_callbacks
+from cloudtrain.training.preemption import AfterTraining
 
 
 def resolve_output_dir(cfg: Config, task: Task) -> Path:
@@ -279,31 +280,24 @@ def _train_evaluate_save(run: Run) -> dict:
         share=runtime.share,
         index=runtime.index,
     )
-    train_result = trainer.fit(checkpointer, run.resume_from)
-
-    results = {"train": train_result.summary()}
-    launch_s = train_result.launch_runtime_s  # a resumed launch counts its own device-hours
-    job_s = max(cost.session_seconds(), launch_s) + train_result.earlier_job_s  # a job's earlier sessions: billed
-    results["compute"] = cost.compute_used(
-        launch_s,
-        job_s,
-        runtime.count,
-        runtime.device.type,
-        earlier_device_seconds=train_result.earlier_device_s,
-    )
-    trainer.phase = "evaluation"
-    for split, name in (("validation", "eval"), ("test", "test")):
-        if split in trainer.eval_dls:
-            results[name] = trainer.evaluate(split)
-            trainer.log_evaluation(results[name], name, train_result.global_step)
-    trainer.phase = "prediction"
-    predictions = {split: trainer.predict(split) for split in trainer.predict_dls}
-    trainer.phase = "saving the model"
-    save_final(run, results, predictions)
-    run.run_log.finish(results, run.data.label_names)
-    if runtime.is_main:
-        output_dir_module.record_run_files(output_dir)  # what the trackers added: the run's, not the user's
-        _print_summary(task, results, output_dir)
+    stop = AfterTraining(runtime.agree, alone=runtime.count == 1)
+    with stop:  # SIGTERM or Ctrl-C once the loop ended: what is left of the evaluation is skipped, the model saved
+        train_result = trainer.fit(checkpointer, run.resume_from)
+        stop.armed = True
+        results = {"train": train_result.summary(), "compute": _compute_used(train_result, runtime)}
+        results |= _evaluate(trainer, stop, train_result.global_step)
+        trainer.phase = "prediction"
+        predictions = {split: trainer.predict(split, stop.cut_short()) for split in trainer.predict_dls}
+        if predictions and stop.stopped():  # some rows predicted: none written
+            predictions = {}
+        trainer.phase = "saving the model"
+        save_final(run, results, predictions)
+        run.run_log.finish(results, run.data.label_names)
+        if runtime.is_main:
+            output_dir_module.record_run_files(output_dir)  # what the trackers added: the run's, not the user's
+            _print_summary(task, results, output_dir)
+    if stop.stopped():
+        _stopped_after_training(stop.by, cfg, output_dir, quiet=not runtime.is_main)
     if cfg.hub.push_to_hub and runtime.is_main:
         if uploader:
             try:
@@ -312,6 +306,41 @@ def _train_evaluate_save(run: Run) -> dict:
                 print(f"warning: {err}", flush=True)
         hub.push_output_dir(output_dir, cfg, results)
     return {**results, "output_dir": str(output_dir)}
+
+
+def _compute_used(train_result, runtime: Runtime) -> dict:
+    """Device-hours and their cost: a resumed launch counts its own, a job's earlier sessions are billed too."""
+    launch_s = train_result.launch_runtime_s
+    job_s = max(cost.session_seconds(), launch_s) + train_result.earlier_job_s
+    return cost.compute_used(
+        launch_s, job_s, runtime.count, runtime.device.type, earlier_device_seconds=train_result.earlier_device_s
+    )
+
+
+def _evaluate(trainer: Trainer, stop: AfterTraining, step: int) -> dict:
+    """The trained model's metrics on the validation and test splits, logged; a split a signal cut short is left
+    out, and the splits after it are not evaluated."""
+    trainer.phase = "evaluation"
+    results = {}
+    for split, name in (("validation", "eval"), ("test", "test")):
+        if split not in trainer.eval_dls or stop.stopped():
+            continue
+        metrics = trainer.evaluate(split, stop.cut_short())
+        if not stop.stopped():
+            results[name] = metrics
+            trainer.log_evaluation(metrics, name, step)
+    return results
+
+
+def _stopped_after_training(by: str, cfg: Config, output_dir: Path, quiet: bool) -> None:
+    """A signal after the last step: the model is saved; say what was skipped, and end as a stopped run does."""
+    push = f"; push it with: cloudtrain push --output_dir {output_dir}" if cfg.hub.push_to_hub else ""
+    raise TrainingStopped(
+        f"stopped by {by or 'a signal to another process'} after the last step: the trained model is saved in "
+        f"{output_dir}, with the evaluations finished before it (the rest skipped){push}",
+        130 if by == "SIGINT" else 143,
+        quiet,
+    )
 
 
 def save_final(run: Run, results: dict, predictions: dict) -> None:

@@ -29,6 +29,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow.compute as pc
@@ -55,7 +56,7 @@ from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import DecoderTask, Task
 from cloudtrain.training.basic import rng_state, set_rng_state
 from cloudtrain.training.meter import StepStats
-from cloudtrain.training.trainer import Trainer
+from cloudtrain.training.trainer import Trainer, until
 from cloudtrain.training.weights import count_parameters
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
@@ -382,15 +383,16 @@ class PipelineTrainer(Trainer):
 
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, split: str) -> dict:
-        """Token-weighted loss and perplexity through the schedule's evaluation path, on every process."""
+    def evaluate(self, split: str, stop: Callable[[], bool] | None = None) -> dict:
+        """Token-weighted loss and perplexity through the schedule's evaluation path, on every process (a launch:
+        `stop` is None, as every stage must run every batch)."""
         start = time.perf_counter()
         self.model.eval()
         self._scale = 1.0
         sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)  # loss, target tokens, rows
         m = self.cfg.distributed.pipeline_microbatches
         rows = math.ceil(self.cfg.training.per_device_eval_batch_size / m) * m
-        for batch in self.eval_dls[split]:
+        for batch in until(stop, self.eval_dls[split]):
             batch = self._shard(batch, rows)
             loss_sum = self._run(self.eval_schedule.eval, batch)
             if self.holds_last:

@@ -6,6 +6,7 @@ the host, and what makes a resume exact.
 """
 
 import contextlib
+import itertools
 import json
 import math
 import re
@@ -591,21 +592,41 @@ class Trainer:
     def _device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def evaluate(self, split: str) -> dict:
-        """The task's metrics of the current weights on one split, counted over every example exactly once."""
+    def evaluate(self, split: str, stop: Callable[[], bool] | None = None) -> dict:
+        """The task's metrics of the current weights on one split, counted over every example exactly once (or
+        over fewer, and meaningless, once `stop` says so: AfterTraining.cut_short)."""
         return self.task.evaluate(
             self.model,
-            self.eval_dls[split],
+            self._batches(self.eval_dls[split], f"evaluation of {split}", stop),
             self.data,
             gather=self.runtime.gather,
             move=self.move,
             autocast=self.autocast,
         )
 
-    def predict(self, split: str):
-        """The task's predictions for an unlabelled split, in the split's order."""
+    def predict(self, split: str, stop: Callable[[], bool] | None = None):
+        """The task's predictions for an unlabelled split, in the split's order (some of them once `stop` says so)."""
         return self.task.predict(
-            self.model, self.predict_dls[split], gather=self.runtime.gather, move=self.move, autocast=self.autocast
+            self.model,
+            self._batches(self.predict_dls[split], f"predictions for {split}", stop),
+            gather=self.runtime.gather,
+            move=self.move,
+            autocast=self.autocast,
+        )
+
+    def _batches(self, loader: Iterable, what: str, stop: Callable[[], bool] | None) -> Iterable:
+        """`loader`'s batches (until `stop`), under a bar that goes once they are done, where bars show."""
+        try:
+            total: int | None = len(loader)  # type: ignore[arg-type]
+        except TypeError:  # a stream's loader has no length
+            total = None
+        return tqdm(
+            until(stop, loader),
+            desc=what,
+            total=total,
+            leave=False,
+            dynamic_ncols=True,
+            disable=not self.is_main_process or not console.progress_bars(),
         )
 
     def log_evaluation(self, metrics: dict, prefix: str, step: int) -> None:
@@ -633,3 +654,8 @@ class Trainer:
                 f"({'streamed: no epochs' if self.streams else f'{steps_per_epoch} per epoch'})",
                 flush=True,
             )
+
+
+def until(stop: Callable[[], bool] | None, batches: Iterable) -> Iterable:
+    """`batches`, or those before `stop()` turned true."""
+    return batches if stop is None else itertools.takewhile(lambda _: not stop(), batches)
