@@ -222,5 +222,5 @@ def test_a_ctrl_c_the_loop_never_read_is_said_not_to_have_stopped_it(capsys):
         os.kill(os.getpid(), signal.SIGINT)
     assert stop.by == "SIGINT" and signal.getsignal(signal.SIGINT) is before  # restored
     said = capsys.readouterr().err
-    assert said.endswith("Ctrl-C came after the last step was checked: the run finishes (evaluation, the model "
-                         "saved); Ctrl-C again stops it without them\n")  # fmt: skip
+    assert said.endswith("Ctrl-C came after the last step was checked: the run evaluates and saves the model; "
+                         "Ctrl-C again skips the evaluation, a third stops at once, unsaved\n")  # fmt: skip

@@ -47,8 +47,8 @@ class PreemptionSignal:
         self._previous = {}
         if self.by == "SIGINT" and exc[0] is None and os.environ.get("RANK", "0") == "0":  # the loop ended first
             print(
-                "Ctrl-C came after the last step was checked: the run finishes (evaluation, the model saved); Ctrl-C "
-                "again stops it without them",
+                "Ctrl-C came after the last step was checked: the run evaluates and saves the model; Ctrl-C again "
+                "skips the evaluation, a third stops at once, unsaved",
                 file=sys.stderr,
                 flush=True,
             )
