@@ -169,3 +169,31 @@ def test_a_full_disk_while_a_checkpoint_is_written_is_one_line_and_keeps_the_mod
     assert "Traceback" not in result.stderr
     assert not (out / "checkpoints" / "checkpoint-1.partial").exists()
     assert model_hashes(out) == model_hashes(runs["old"])
+
+
+def test_merge_through_a_dotted_path_and_on_a_full_disk_keeps_the_merged_model(tiny_model_dir, tmp_path):
+    """`merge` works on the folder a path names, not on its spelling (`out/merged/..` stopped resolving once merged/
+    was moved aside: a traceback, merged/ gone); a merge that cannot write its weights is one line and leaves the
+    earlier merged model as it was, with no partial folder."""
+    from cloudtrain.cli import main
+    from cloudtrain.config import build_config
+    from cloudtrain.pipeline import run_training
+
+    csv = tmp_path / "train.csv"
+    pd.DataFrame(topic_rows(4)).to_csv(csv, index=False)
+    out = tmp_path / "out"
+    options = {"model_name_or_path": tiny_model_dir, "train_file": str(csv), "output_dir": str(out), "peft": "lora",
+               "max_steps": 1, "eval_strategy": "no", "report_to": "none", "mixed_precision": "no"}  # fmt: skip
+    run_training(build_config(options))
+    assert main(["merge", "--output_dir", str(out)]) == 0
+    assert main(["merge", "--output_dir", str(out / "merged" / "..")]) == 0  # replaces the first
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("merged")) == ["merged"]
+    before = model_hashes(out / "merged")
+    limit = (out / "merged" / "model.safetensors").stat().st_size // 2
+    result = cli("merge", "--output_dir", str(out), file_limit=limit)
+    assert result.returncode == 2, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: the disk of {out} filled up while the merged model was written"), last
+    assert "Traceback" not in result.stderr
+    assert model_hashes(out / "merged") == before
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("merged")) == ["merged"]

@@ -51,6 +51,7 @@ from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
+from cloudtrain.publish.atomic import is_no_space
 from cloudtrain.publish.output_dir import record
 from cloudtrain.publish.saving import GENERATIVE, LABELS, MERGED, adapter_config
 
@@ -310,13 +311,10 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
             f"the merged model's logits differ from the adapter model's by {difference:.3g} (more than "
             f"{tolerance:.1g}); {output_dir / MERGED} was not written"
         )
-    target, partial = output_dir / MERGED, output_dir / f"{MERGED}.partial"
-    shutil.rmtree(partial, ignore_errors=True)
-    merged.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    if (output_dir / "args.json").is_file():  # predict and generate read how the model was trained (length, pairs)
-        shutil.copyfile(output_dir / "args.json", partial / "args.json")
-    replaced = output_dir / f"{MERGED}.replaced"  # an earlier merge of ours (the merge command checked it is)
+    folder = output_dir.resolve()  # as typed, `run/merged/..` would stop resolving once merged/ is moved aside
+    target, partial = folder / MERGED, folder / f"{MERGED}.partial"
+    _write_merged(merged, tokenizer, folder, partial)
+    replaced = folder / f"{MERGED}.replaced"  # an earlier merge of ours (the merge command checked it is)
     shutil.rmtree(replaced, ignore_errors=True)
     if target.exists():
         target.rename(replaced)  # a kill from here on leaves one whole merged model, old or new
@@ -329,6 +327,25 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
         flush=True,
     )
     return target
+
+
+def _write_merged(merged, tokenizer, folder: Path, partial: Path) -> None:
+    """The merged model, its tokenizer and the run's args.json into `partial`; a full disk leaves nothing of it,
+    in one line."""
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        merged.save_pretrained(partial)
+        tokenizer.save_pretrained(partial)
+        if (folder / "args.json").is_file():  # predict and generate read how the model was trained (length, pairs)
+            shutil.copyfile(folder / "args.json", partial / "args.json")
+    except BaseException as err:
+        shutil.rmtree(partial, ignore_errors=True)
+        if is_no_space(err):
+            raise UserError(
+                f"the disk of {folder} filled up while the merged model was written ({first_line(err)}); any earlier "
+                f"{MERGED}/ is kept: free some space and run again"
+            ) from None
+        raise
 
 
 def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
