@@ -167,6 +167,29 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
         assert_refused(said[line], refusal)
 
 
+def test_a_launcher_s_variables_or_a_cache_that_is_a_file_in_the_environment_are_refused_in_one_line(
+    tmp_path, monkeypatch
+):
+    """Both used to end in a traceback: WORLD_SIZE left over from a launch (accelerate waited for an address), a
+    CLOUDTRAIN_CACHE naming a file (after the model loaded)."""
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("not a folder\n")
+    monkeypatch.setenv("CLOUDTRAIN_CACHE", str(a_file))
+    said = answers(["--max_steps 1"])["--max_steps 1"]
+    assert_refused(said, f"CLOUDTRAIN_CACHE {a_file} is a file; give a directory")
+    monkeypatch.setenv("CLOUDTRAIN_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    for world, refusal in (
+        ("2", "the environment sets WORLD_SIZE=2 but no launcher started this process (no MASTER_ADDR): start it "
+         "with torchrun --nproc_per_node 2 (or cloudtrain launch), or unset WORLD_SIZE"),
+        ("two", "the environment sets WORLD_SIZE=two, not a number of processes: unset it"),
+    ):  # fmt: skip
+        monkeypatch.setenv("WORLD_SIZE", world)
+        said = answers(["--max_steps 1"])["--max_steps 1"]
+        assert_refused(said, refusal)
+        assert said[-1] == []  # before the training's imports
+
+
 def test_a_text_to_image_output_given_to_a_text_command_is_named_for_what_it_is(tmp_path):
     pipeline, lora = tmp_path / "pipeline", tmp_path / "lora"
     for folder, file in ((pipeline, "model_index.json"), (lora, "pytorch_lora_weights.safetensors")):

@@ -270,6 +270,7 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
     for name, (processes, opts, message) in cases.items():
         with monkeypatch.context() as env:
             env.setenv("WORLD_SIZE", str(processes))
+            env.setenv("MASTER_ADDR", "127.0.0.1")  # as a launcher sets them
             for key in [k for k in opts if k.startswith("env:")]:
                 env.setenv(key[4:], opts.pop(key))
             assert_each_refused({name: (opts, message)}, capsys, tmp_path / "out")

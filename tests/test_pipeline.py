@@ -118,6 +118,7 @@ def test_each_refusal_is_one_line_before_anything_loads(
         out,
     )
     monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # as a launcher sets them
     cases = {
         "classification": (
             {"model_name_or_path": tiny_model_dir, "training_type": "pipeline", "output_dir": str(out)},

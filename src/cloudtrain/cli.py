@@ -25,7 +25,7 @@ import sys
 from cloudtrain.config import ConfigParser, add_config_arguments, config_from_namespace, option_fields
 from cloudtrain.config.inert import print_inert_notes
 from cloudtrain.errors import TrainingStopped, UserError, earlier_mistake, report
-from cloudtrain.invocation import prog
+from cloudtrain.invocation import check_launcher_variables, prog
 from cloudtrain.observe import console
 from cloudtrain.paths import check_local_paths
 from cloudtrain.redact import mask, scrub_argv
@@ -80,6 +80,7 @@ def command_parser(name: str) -> ConfigParser:
 def train_main(argv: list[str], named: bool = False) -> None:
     cfg = config_from_namespace(train_parser(named).parse_args(argv))
     check_local_paths(cfg)
+    check_launcher_variables()
     print_inert_notes(cfg)
     from cloudtrain.pipeline import run_training  # heavy imports only once the options and paths are valid
 

@@ -1,12 +1,16 @@
 """How this process was started, so that the command lines cloudtrain prints (`use it:`, plan's launch line, the
 push hint) run as printed: `cloudtrain`, `python -m cloudtrain` or `python <the path given>/training_application.py`,
 with this interpreter's name (`python`, `python3`, or its path where neither on PATH is this one).
-Light: imported before anything heavy."""
+`check_launcher_variables`: a launcher's variables left where no launcher started the process. Light: imported before
+anything heavy."""
 
+import os
 import shlex
 import shutil
 import sys
 from pathlib import Path
+
+from cloudtrain.errors import UserError
 
 ENTRY_SCRIPT = "training_application.py"  # the script entry point (SageMaker's, and the README's)
 
@@ -60,3 +64,16 @@ def launch_target() -> list[str]:
     through it, else the installed module (both launchers take `-m`; neither runs a console script)."""
     script = _script()
     return [script] if script else ["-m", "cloudtrain"]
+
+
+def check_launcher_variables() -> None:
+    """A WORLD_SIZE over 1 left in the environment of a process no launcher started (it would wait for a
+    rendezvous address that nothing set) is refused in one line."""
+    world = os.environ.get("WORLD_SIZE", "1")
+    if not world.isdigit():
+        raise UserError(f"the environment sets WORLD_SIZE={world}, not a number of processes: unset it")
+    if int(world) > 1 and not os.environ.get("MASTER_ADDR"):
+        raise UserError(
+            f"the environment sets WORLD_SIZE={world} but no launcher started this process (no MASTER_ADDR): start "
+            f"it with torchrun --nproc_per_node {world} (or cloudtrain launch), or unset WORLD_SIZE"
+        )

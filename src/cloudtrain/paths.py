@@ -113,6 +113,8 @@ def check_local_paths(cfg: Config) -> None:
         check_earlier_model(cfg, Path(cfg.output.output_dir))
     written = {"--checkpoint_dir": cfg.checkpoint.checkpoint_dir, "--profile_dir": cfg.monitoring.profile_dir,
                "--cache_dir": cfg.data.cache_dir}  # fmt: skip
+    if not cfg.data.cache_dir and os.environ.get("CLOUDTRAIN_CACHE"):  # the default cache's own variable
+        written["CLOUDTRAIN_CACHE"] = os.environ["CLOUDTRAIN_CACHE"]
     for flag, folder in written.items():  # folders the run writes into as it goes: refused now, not mid-run
         if folder:
             check_output_folder(Path(folder), flag)

@@ -49,6 +49,7 @@ from accelerate.utils import (
 from cloudtrain import invocation
 from cloudtrain.config import Config, differs_from_default
 from cloudtrain.errors import UserError
+from cloudtrain.invocation import check_launcher_variables
 from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings, processes_per_node, shard_degrees
 from cloudtrain.parallel.fsdp import enable as enable_fsdp
 from cloudtrain.paths import check_deepspeed_config
@@ -371,6 +372,7 @@ def check_distributed(cfg: Config) -> None:
     from cloudtrain.training.optim import check_optimizer
 
     check_optimizer(cfg)  # the device the optimizer needs: refused here, in preflight, with the launch's checks
+    check_launcher_variables()  # the command line checked it already; the Python API comes here first
     d = cfg.distributed
     wants_deepspeed, wants_fsdp = deepspeed_requested(cfg), fsdp_requested(cfg)
     launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
