@@ -436,6 +436,18 @@ def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, t
         "--gradient_accumulation_steps whose product is 4"
     )
     assert not (tmp_path / "b" / "model.safetensors").exists()
+    # a label renamed between the runs sorts elsewhere: two outputs would silently swap meanings (the audit's
+    # resume fell from accuracy 1.0 to 0.33 in one step)
+    renamed = {split: tmp_path / f"renamed-{split}.csv" for split in ("train", "validation")}
+    for split, path in renamed.items():
+        path.write_text(Path(topic_csvs[split]).read_text().replace(",sports", ",athletics"))
+    with pytest.raises(UserError) as refused:
+        train(again | {f"{split}_file": str(path) for split, path in renamed.items()})
+    assert str(refused.value).startswith(
+        f"checkpoint {checkpoint} was trained on 3 labels and this run's data names 3: label 0 is 'finance' there and "
+        "'athletics' here, so the model's outputs would mean other labels; resume with the data it was trained on"
+    )
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["labels"] == ["finance", "sports", "weather"]
     capsys.readouterr()
     result = train(again | {"per_device_train_batch_size": "2", "gradient_accumulation_steps": "2"})["train"]
     assert result["global_step"] == 4  # the same rows per step, cut another way: accepted

@@ -30,7 +30,7 @@ import shutil
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -136,6 +136,21 @@ def check_resumable(cfg: Config, path: Path) -> None:
             f"{written_for['shape'][field]}; {now['source']} has {now['shape'][field]}): resume with the model that "
             "wrote it, or start a fresh run without --resume_from_checkpoint"
         )
+
+
+def check_labels(state: dict, labels: list[str], path: Path) -> None:
+    """A checkpoint's outputs mean the labels this run's data names, in the same order (a renamed label sorts
+    elsewhere and silently swaps two outputs); checkpoints written before the record hold none."""
+    saved = state.get("labels")
+    if saved is None or saved == list(labels):
+        return
+    i = next((i for i, (a, b) in enumerate(zip(saved, labels, strict=False)) if a != b), min(len(saved), len(labels)))
+    there, here = (repr(names[i]) if i < len(names) else "missing" for names in (saved, labels))
+    raise UserError(
+        f"checkpoint {path} was trained on {len(saved)} labels and this run's data names {len(labels)}: label {i} is "
+        f"{there} there and {here} here, so the model's outputs would mean other labels; resume with the data it was "
+        "trained on, or start a fresh run without --resume_from_checkpoint"
+    )
 
 
 # sizes, not model_type: a transformers upgrade may rename a composite model's text config type
@@ -388,10 +403,12 @@ class Checkpointer:
         storage: Storage | None = None,
         share: Callable[[Any], Any] = lambda value: value,
         index: int = 0,
+        labels: Sequence[str] = (),
     ):
         """`export(folder)` (every process) adds files to a checkpoint being written; `on_saved(step,
         path)` (main) sees each complete one; `before_delete()` (main) runs before rotation deletes;
-        `share(value)` hands the main process's value to every process (a collective)."""
+        `share(value)` hands the main process's value to every process (a collective); `labels`: a classifier's,
+        by output (`check_labels`)."""
         self.folder, self.output_dir, self.is_main, self.barrier = (
             Path(folder),
             Path(output_dir),
@@ -412,6 +429,7 @@ class Checkpointer:
         self.asynchronous = c.async_checkpointing  # saves publish from a background thread
         self.adapters = adapter_settings(cfg)
         self.model = model_record(cfg)
+        self.labels = list(labels)  # what each output of a classifier means: a resume on renamed labels is refused
         t = cfg.training  # what --per_device_train_batch_size auto chose: a resume takes it instead of searching
         self.batch = {
             "per_device_train_batch_size": t.per_device_train_batch_size,
@@ -563,6 +581,7 @@ class Checkpointer:
             "adapters": self.adapters,
             "model": self.model,
             "batch": self.batch,
+            "labels": self.labels,
             "metric": self.metric,
             "score": self._score(state),
             "state": asdict(state),

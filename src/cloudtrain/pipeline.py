@@ -19,7 +19,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
 
 from cloudtrain import batch_size
 from cloudtrain.assets import DEFAULT_MODEL_NAME
-from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, probe_storage, read_state, restore_run_files
+from cloudtrain.checkpointing import (
+    Checkpointer,
+    check_labels,
+    checkpoint_dir,
+    probe_storage,
+    read_state,
+    restore_run_files,
+)
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
 from cloudtrain.data.sources import pin_sources
@@ -207,6 +214,8 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage
         data = task.process(raw, tokenizer, cfg)
+    if resumed and resume_from:  # before the model loads: a resume onto renamed labels would swap the outputs
+        check_labels(resumed, data.label_names, resume_from)
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
     model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
@@ -279,6 +288,7 @@ def _train_evaluate_save(run: Run) -> dict:
         storage=probe_storage(folder, runtime),
         share=runtime.share,
         index=runtime.index,
+        labels=run.data.label_names,
     )
     stop = AfterTraining(runtime.agree, alone=runtime.count == 1)
     with stop:  # SIGTERM or Ctrl-C once the loop ended: what is left of the evaluation is skipped, the model saved
