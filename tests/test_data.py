@@ -49,6 +49,19 @@ def test_local_files_every_format(tmp_path, fmt):
     assert raw["train"]["text"] == df["text"].tolist() and raw["train"]["label"] == df["label"].tolist()
 
 
+def test_a_file_rewritten_under_its_old_modification_time_is_read_anew(tmp_path):
+    """datasets knows a local file by its path and modification time: a file rewritten and given its old time back
+    (rsync -t, tar, reproducible builds) was read from the cache as it had been, labels and all."""
+    path = tmp_path / "train.csv"
+    pd.DataFrame(topic_rows(2)).to_csv(path, index=False)
+    os.utime(path, ns=(10**18, 10**18))
+    assert sorted(set(connect(DataConfig(train_file=str(path)))["train"]["label"])) == ["finance", "sports", "weather"]
+    renamed = [{**row, "label": row["label"].upper()} for row in topic_rows(2)]
+    pd.DataFrame(renamed).to_csv(path, index=False)
+    os.utime(path, ns=(10**18, 10**18))
+    assert sorted(set(connect(DataConfig(train_file=str(path)))["train"]["label"])) == ["FINANCE", "SPORTS", "WEATHER"]
+
+
 def test_save_to_disk_directory(tmp_path):
     DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}).save_to_disk(
         tmp_path / "ds"

