@@ -53,24 +53,35 @@ def train(model_dir, csvs, out, *extra) -> int:
         ("inside model", "is inside the input model's folder"),
         ("data folder", "holds the data"),
         ("checkpoint", "is the checkpoint being resumed"),
+        ("checkpoints inside model", "is inside the input model's folder"),
+        ("checkpoints over data", "holds the data"),
     ],
 )
 def test_an_output_folder_over_the_runs_inputs_is_refused_even_with_overwrite(
     where, message, tiny_model_dir, topic_csvs, tmp_path, capsys
 ):
+    """--output_dir, and --checkpoint_dir (a run from m1 with --checkpoint_dir m1/checkpoints wrote into, and rotated
+    away, the input run's own checkpoints)."""
     checkpoint = tmp_path / "run" / "checkpoints" / "checkpoint-3"
     checkpoint.mkdir(parents=True)
-    out = {
+    folder = {
         "model": Path(tiny_model_dir),
         "inside model": Path(tiny_model_dir) / "sub",
         "data folder": topic_csvs["train"].parent,
         "checkpoint": checkpoint,
+        "checkpoints inside model": Path(tiny_model_dir) / "checkpoints",
+        "checkpoints over data": topic_csvs["train"].parent,
     }[where]
+    flag = "--checkpoint_dir" if where.startswith("checkpoints") else "--output_dir"
+    out = tmp_path / "out" if flag == "--checkpoint_dir" else folder
     before = {folder: tree(folder) for folder in (Path(tiny_model_dir), topic_csvs["train"].parent)}
     extra = ["--resume_from_checkpoint", str(checkpoint)] if where == "checkpoint" else []
+    if flag == "--checkpoint_dir":
+        extra = ["--checkpoint_dir", str(folder), "--checkpointing_steps", "1"]
     assert train(tiny_model_dir, topic_csvs, out, "--overwrite_output_dir", "true", *extra) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and message in err[0] and "choose a folder apart from it, e.g. --output_dir" in err[0], err
+    assert len(err) == 1 and f"{flag} {folder} {message}" in err[0], err
+    assert f"choose a folder apart from it, e.g. {flag}" in err[0], err
     assert {folder: tree(folder) for folder in before} == before
 
 

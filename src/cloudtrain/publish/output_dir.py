@@ -285,9 +285,18 @@ def free_name(output_dir: Path) -> Path:
 
 
 def check_location(cfg: Config, output_dir: Path, model_dirs: list[str], resume_from: str | None) -> None:
-    """Refuse an output folder that overlaps what the run reads, with or without --overwrite_output_dir."""
-    out = output_dir.expanduser().resolve()
-    for path, what in _inputs(cfg, model_dirs, resume_from):
+    """Refuse an output or checkpoint folder that overlaps what the run reads, with or without
+    --overwrite_output_dir."""
+    inputs = _inputs(cfg, model_dirs, resume_from)
+    _apart("--output_dir", output_dir, inputs)
+    if cfg.checkpoint.checkpoint_dir:
+        _apart("--checkpoint_dir", Path(cfg.checkpoint.checkpoint_dir), inputs)
+
+
+def _apart(flag: str, folder: Path, inputs: list[tuple[str, str]]) -> None:
+    """`folder` (what `flag` names) neither is, lies in, nor holds anything the run reads."""
+    out = folder.expanduser().resolve()
+    for path, what in inputs:
         source = Path(path).expanduser().resolve()
         if source.is_file():  # a data file: only a folder holding it would mix outputs into the data
             clash = "holds" if source.is_relative_to(out) else None
@@ -297,8 +306,8 @@ def check_location(cfg: Config, output_dir: Path, model_dirs: list[str], resume_
                 clash = clash or ("holds" if source.is_relative_to(out) else None)
         if clash:
             raise UserError(
-                f"--output_dir {output_dir} {clash} {what} {path}; the run would write over what it reads: "
-                f"choose a folder apart from it, e.g. --output_dir {free_name(Path('outputs') / out.name)}"
+                f"{flag} {folder} {clash} {what} {path}; the run would write over what it reads: "
+                f"choose a folder apart from it, e.g. {flag} {free_name(Path('outputs') / out.name)}"
             )
 
 
