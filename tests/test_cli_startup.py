@@ -170,13 +170,15 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
 def test_a_launcher_s_variables_or_a_cache_that_is_a_file_in_the_environment_are_refused_in_one_line(
     tmp_path, monkeypatch
 ):
-    """Both used to end in a traceback: WORLD_SIZE left over from a launch (accelerate waited for an address), a
-    CLOUDTRAIN_CACHE naming a file (after the model loaded)."""
+    """Each used to end in a traceback or blame the data file: WORLD_SIZE left over from a launch (accelerate waited
+    for an address), a CLOUDTRAIN_CACHE naming a file (after the model loaded), an HF_DATASETS_CACHE naming one."""
     a_file = tmp_path / "notes.txt"
     a_file.write_text("not a folder\n")
-    monkeypatch.setenv("CLOUDTRAIN_CACHE", str(a_file))
-    said = answers(["--max_steps 1"])["--max_steps 1"]
-    assert_refused(said, f"CLOUDTRAIN_CACHE {a_file} is a file; give a directory")
+    for variable in ("CLOUDTRAIN_CACHE", "HF_DATASETS_CACHE"):
+        with monkeypatch.context() as env:
+            env.setenv(variable, str(a_file))
+            said = answers(["--max_steps 1"])["--max_steps 1"]
+            assert_refused(said, f"{variable} {a_file} is a file; give a directory")
     monkeypatch.setenv("CLOUDTRAIN_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     for world, refusal in (

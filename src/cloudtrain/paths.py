@@ -115,6 +115,9 @@ def check_local_paths(cfg: Config) -> None:
                "--cache_dir": cfg.data.cache_dir}  # fmt: skip
     if not cfg.data.cache_dir and os.environ.get("CLOUDTRAIN_CACHE"):  # the default cache's own variable
         written["CLOUDTRAIN_CACHE"] = os.environ["CLOUDTRAIN_CACHE"]
+    for variable in ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE"):  # a file there was blamed on the data file
+        if os.environ.get(variable):
+            check_output_folder(Path(os.environ[variable]), variable)
     for flag, folder in written.items():  # folders the run writes into as it goes: refused now, not mid-run
         if folder:
             check_output_folder(Path(folder), flag)
