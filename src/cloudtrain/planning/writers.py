@@ -93,11 +93,11 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
         return files, None
     if not output_dir.is_dir():
         return files, f"{output_dir} is not a folder; this plan's configs are in {folder}"
-    edited = [str(output_dir / name) for name in _foreign(output_dir, _contents(m, choice, setup, output_dir))]
-    return files, (
-        f"{', '.join(edited)} changed since plan wrote {'them' if len(edited) > 1 else 'it'} (kept as is); "
-        f"this plan's configs are in {folder}"
-    )
+    foreign, ours = _foreign(output_dir, _contents(m, choice, setup, output_dir)), _written(output_dir)
+    edited, theirs = ([str(output_dir / n) for n in foreign if (n in ours) == mine] for mine in (True, False))
+    said = [f"{', '.join(edited)} changed since plan wrote {'them' if len(edited) > 1 else 'it'}"] if edited else []
+    said += [f"plan did not write {', '.join(theirs)}"] if theirs else []
+    return files, f"{'; '.join(said)} (kept as is); this plan's configs are in {folder}"
 
 
 def _contents(m: ModelFacts, choice: Choice, setup: Setup, folder: Path) -> dict[str, bytes]:
