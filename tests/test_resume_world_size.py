@@ -16,7 +16,7 @@ import torch
 from accelerate.data_loader import BatchSamplerShard
 from conftest import ENTRY, lm_documents
 from safetensors.torch import load_file
-from test_streaming import one_process, run_entry
+from test_streaming import run_entry
 from torch.utils.data import BatchSampler
 
 from cloudtrain.data.processing import EpochShuffleSampler, LengthGroupedSampler
@@ -136,7 +136,7 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
     (mid-epoch) of 2 processes x 1 resumes on 1 process x 2 and the other way round; weights equal the
     uninterrupted run's within tolerance, and the same layout resumes bit-exactly. An FSDP checkpoint of 2
     processes resumes on 1 FSDP process likewise."""
-    from test_distributed import in_one_launch, torchrun
+    from test_distributed import ONE_PROCESS, in_one_launch, torchrun
 
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"text": t}) + "\n" for t in lm_documents(30, 3)))
@@ -148,18 +148,20 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
         name: entry + lm_run_args(tiny_llama_dir, train, tmp_path / name, *common, *e) for name, e in straight.items()
     }
     in_one_launch(torchrun(2), commands, tmp_path)
-    runs = {  # each resume in a process of its own, to show what it restores
-        "one": (one_process(), ["4"], None),
-        "two_to_one": (one_process(), ["4"], "two"),
-        "one_to_two": (torchrun(2), ["2"], "one"),
-        "two_to_two": (torchrun(2), ["2"], "two"),
-        "fsdp_two_to_one": (torchrun(1), ["4", "--fsdp", "true"], "fsdp_two"),  # FSDP's states, re-cut for one
-    }
-    for name, (launcher, extra, resume_from) in runs.items():
-        if resume_from:
-            extra = [*extra, "--resume_from_checkpoint", str(tmp_path / resume_from / "checkpoints" / "checkpoint-3")]
-        result = run_entry(launcher, lm_run_args(tiny_llama_dir, train, tmp_path / name, *common, *extra))
-        assert result.returncode == 0, (name, result.stdout[-2000:], result.stderr[-3000:])
+
+    def command(name: str, accumulation: str, resume_from: str | None = None, *extra: str) -> list[str]:
+        """A run's command line; `resume_from`: the run whose mid-epoch checkpoint (step 3) it resumes."""
+        checkpoint = tmp_path / str(resume_from) / "checkpoints" / "checkpoint-3"
+        resume = ["--resume_from_checkpoint", str(checkpoint)] if resume_from else []
+        return [*entry, *lm_run_args(tiny_llama_dir, train, tmp_path / name, *common, accumulation, *extra, *resume)]
+
+    # each layout's resumes in a launch of their own, after a fresh run (a resume restores every state it uses)
+    in_one_launch(ONE_PROCESS, {"one": command("one", "4"), "two_to_one": command("two_to_one", "4", "two")}, tmp_path)
+    two = {"one_to_two": command("one_to_two", "2", "one"), "two_to_two": command("two_to_two", "2", "two")}
+    in_one_launch(torchrun(2), two, tmp_path)
+    fsdp = run_entry(torchrun(1), command("fsdp_two_to_one", "4", "fsdp_two", "--fsdp", "true")[1:])
+    assert fsdp.returncode == 0, (fsdp.stdout[-2000:], fsdp.stderr[-3000:])  # FSDP's states, re-cut for one
+    runs = ["one", "two_to_one", *two, "fsdp_two_to_one"]
     names = [*straight, *runs]
     steps = {name: json.loads((tmp_path / name / "train_results.json").read_text())["global_step"] for name in names}
     assert len(set(steps.values())) == 1 and steps["two"] > 4, steps  # step 3 is mid-epoch: 2 epochs of 3+ steps
