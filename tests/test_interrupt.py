@@ -108,8 +108,12 @@ def test_a_signal_during_the_final_evaluation_skips_it_and_saves_the_trained_mod
     err.wait_for("evaluation of validation: .*[1-9][0-9]*/")  # a few batches in
     os.killpg(proc.pid, getattr(signal, sig))
     assert err.end() == (143 if sig == "SIGTERM" else 130), err.text[-3000:]
-    assert f"{sig}: the evaluation stops and the trained model is saved" in err.text
-    assert f"stopped: stopped by {sig} after the last step: the trained model is saved in {out}" in err.text
+    said = "Ctrl-C" if sig == "SIGINT" else sig
+    assert f"{said}: the evaluation stops and the trained model is saved" in err.text
+    assert (
+        f"stopped: stopped by {sig} after the last step: the trained model is saved in {out}, without its "
+        "validation evaluation" in err.text
+    )
     assert "Traceback" not in err.text
     assert load_file(out / "model.safetensors")  # published whole: the manifest's check passes below
     assert json.loads((out / "train_results.json").read_text())["global_step"] == 2
@@ -213,14 +217,100 @@ def test_a_loader_worker_outlives_a_sigterm_from_elsewhere_and_ends_with_its_run
     assert done.stdout.split() == ["True", "0", "True", "True"]
 
 
-def test_a_ctrl_c_the_loop_never_read_is_said_not_to_have_stopped_it(capsys):
-    """Past the last step's check the flag has no reader: the run goes on to evaluate and save, and says so."""
-    from cloudtrain.training.preemption import PreemptionSignal
+def test_after_the_loop_a_ctrl_c_stops_the_evaluation_and_a_second_stops_at_once(capsys):
+    """Once the loop has ended a first Ctrl-C says the model is saved (the pipeline skips the rest of the
+    evaluation); a second raises KeyboardInterrupt; the handlers are restored at the end."""
+    from cloudtrain.training.preemption import PreemptionSignal, until
 
     before = signal.getsignal(signal.SIGINT)
-    with PreemptionSignal() as stop:
+    with pytest.raises(KeyboardInterrupt), PreemptionSignal() as stop:
+        stop.loop_ended = True
         os.kill(os.getpid(), signal.SIGINT)
-    assert stop.by == "SIGINT" and signal.getsignal(signal.SIGINT) is before  # restored
-    said = capsys.readouterr().err
-    assert said.endswith("Ctrl-C came after the last step was checked: the run evaluates and saves the model; "
-                         "Ctrl-C again skips the evaluation, a third stops at once, unsaved\n")  # fmt: skip
+        assert stop.stopped() and capsys.readouterr().err == (
+            "\nCtrl-C: the evaluation stops and the trained model is saved (Ctrl-C again: stop now, unsaved)\n"
+        )
+        assert list(until(stop.cut_short(), iter([1, 2, 3]))) == [1]  # the first batch always: no split is empty
+        os.kill(os.getpid(), signal.SIGINT)
+    assert stop.by == "SIGINT" and signal.getsignal(signal.SIGINT) is before
+    assert PreemptionSignal(alone=False).cut_short() is None  # a launch's processes run every batch
+
+
+class Split:
+    """A trainer's evaluation and prediction as the pipeline calls them, recording which ran."""
+
+    def __init__(self, stop, signal_during: str | None = None):
+        self.eval_dls, self.predict_dls = {"validation": [], "test": []}, {"unlabelled": []}
+        self.ran, self.stop, self.signal_during, self.phase = [], stop, signal_during, ""
+
+    def evaluate(self, split, cut_short):
+        self.ran.append(split)
+        if split == self.signal_during:
+            self.stop.received = True
+        return {"loss": 1.0}
+
+    def predict(self, split, cut_short):
+        self.ran.append(split)
+        return [0]
+
+    def log_evaluation(self, metrics, name, step):
+        pass
+
+
+@pytest.mark.parametrize("alone", [True, False])
+def test_a_signal_during_the_first_split_skips_the_splits_after_it(alone):
+    """Every process asks `stopped` (agreed) before each split, so a launch skips the rest as one process does; a
+    lone process's cut-short split is left out, a launch's (which ran every batch) kept."""
+    from cloudtrain.pipeline import _evaluate, _predict
+    from cloudtrain.training.preemption import PreemptionSignal
+
+    stop = PreemptionSignal(alone=alone)
+    trainer = Split(stop, signal_during="validation")
+    results = {}
+    skipped = _evaluate(trainer, stop, 3, results) + _predict(trainer, stop)[1]
+    assert trainer.ran == ["validation"]
+    assert skipped == (["validation evaluation"] if alone else []) + ["test evaluation", "unlabelled predictions"]
+    assert list(results) == ([] if alone else ["eval"])
+    calm = PreemptionSignal(alone=alone)
+    trainer, results = Split(calm), {}
+    assert _evaluate(trainer, calm, 3, results) == [] and _predict(trainer, calm) == ({"unlabelled": [0]}, [])
+    assert trainer.ran == ["validation", "test", "unlabelled"] and list(results) == ["eval", "test"]
+
+
+@pytest.mark.parametrize("when", ["as the loop's hooks end it", "before the first evaluation batch"])
+def test_a_sigterm_once_the_loop_ended_saves_the_model_without_the_evaluation(
+    when, tiny_model_dir, topic_csvs, tmp_path, monkeypatch
+):
+    """Found in review: a SIGTERM in the loop's own end (the best model's evaluation, a checkpoint completing) was
+    dropped, the evaluation ran in full and the run ended 0; one just before the first evaluation batch gave the task
+    no batch, and its crash lost the model. Either way now: the model saved, its evaluation skipped, 143."""
+    from conftest import topic_run_args
+
+    from cloudtrain import evaluation
+    from cloudtrain.config import build_config
+    from cloudtrain.errors import TrainingStopped
+    from cloudtrain.pipeline import run_training
+    from cloudtrain.training import hooks
+
+    sent = []
+
+    def signalling(original):
+        def call(*args, **kwargs):
+            if not sent:
+                sent.append(os.kill(os.getpid(), signal.SIGTERM))  # our handler: a flag, nothing more
+            return original(*args, **kwargs)
+
+        return call
+
+    if when == "as the loop's hooks end it":
+        monkeypatch.setattr(hooks.Hook, "on_train_end", signalling(hooks.Hook.on_train_end))
+    else:
+        monkeypatch.setattr(evaluation, "load_metric", signalling(evaluation.load_metric))
+    out = tmp_path / "out"
+    args = topic_run_args(tiny_model_dir, topic_csvs, out)
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    options |= {"max_steps": 1, "eval_strategy": "no", "report_to": "none", "mixed_precision": "no"}
+    with pytest.raises(TrainingStopped) as stopped:
+        run_training(build_config(options))
+    assert sent and stopped.value.exit_code == 143
+    assert str(stopped.value).endswith(f"the trained model is saved in {out}, without its validation evaluation")
+    assert (out / "model.safetensors").is_file() and not (out / "eval_results.json").exists()

@@ -49,7 +49,7 @@ from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
 from cloudtrain.training.callbacks import load_callbacks
-from cloudtrain.training.preemption import AfterTraining
+from cloudtrain.training.preemption import PreemptionSignal
 
 
 def resolve_output_dir(cfg: Config, task: Task) -> Path:
@@ -215,7 +215,10 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage
         data = task.process(raw, tokenizer, cfg)
     if resumed and resume_from:  # before the model loads: a resume onto renamed labels would swap the outputs
-        check_labels(resumed, data.label_names, resume_from)
+        try:
+            check_labels(resumed, data.label_names, resume_from)
+        except UserError as err:  # every process read the same data: one line, from the main process
+            raise UserError(str(err), quiet=not runtime.is_main) from None
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
     model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
@@ -273,41 +276,24 @@ def run_training(cfg: Config, task: Task | None = None, callbacks: list | None =
 
 
 def _train_evaluate_save(run: Run) -> dict:
-    cfg, task, runtime, trainer, output_dir = run.cfg, run.task, run.runtime, run.trainer, run.output_dir
+    cfg, runtime, trainer, output_dir = run.cfg, run.runtime, run.trainer, run.output_dir
     uploader = (
         hub.HubUploader(cfg) if runtime.is_main and cfg.hub.push_to_hub and cfg.hub.hub_strategy != "end" else None
     )
-    folder = checkpoint_dir(cfg, output_dir)
-    checkpointer = Checkpointer(
-        cfg,
-        folder,
-        output_dir,
-        runtime.is_main,
-        runtime.barrier,
-        **hub_hooks(cfg, task, trainer, run.tokenizer, uploader, runtime.is_main),
-        storage=probe_storage(folder, runtime),
-        share=runtime.share,
-        index=runtime.index,
-        labels=run.data.label_names,
-    )
-    stop = AfterTraining(runtime.agree, alone=runtime.count == 1)
-    with stop:  # SIGTERM or Ctrl-C once the loop ended: what is left of the evaluation is skipped, the model saved
-        train_result = trainer.fit(checkpointer, run.resume_from)
-        stop.armed = True
+    stop = PreemptionSignal(runtime.agree, alone=runtime.count == 1)
+    with stop:  # in the loop a checkpoint and a stop; after it, the evaluation skipped and the model saved
+        train_result = trainer.fit(_checkpointer(run, uploader), run.resume_from, stop)
         results = {"train": train_result.summary(), "compute": _compute_used(train_result, runtime)}
-        results |= _evaluate(trainer, stop, train_result.global_step)
-        trainer.phase = "prediction"
-        predictions = {split: trainer.predict(split, stop.cut_short()) for split in trainer.predict_dls}
-        if predictions and stop.stopped():  # some rows predicted: none written
-            predictions = {}
+        skipped = _evaluate(trainer, stop, train_result.global_step, results)
+        predictions, cut = _predict(trainer, stop)
         trainer.phase = "saving the model"
         save_final(run, results, predictions)
         run.run_log.finish(results, run.data.label_names)
         if runtime.is_main:
             output_dir_module.record_run_files(output_dir)  # what the trackers added: the run's, not the user's
-            _print_summary(task, results, output_dir)
+            _print_summary(run.task, results, output_dir)
     if stop.stopped():
-        _stopped_after_training(stop.by, cfg, output_dir, quiet=not runtime.is_main)
+        _after_a_signal(stop.by, skipped + cut, cfg, output_dir, quiet=not runtime.is_main)
     if cfg.hub.push_to_hub and runtime.is_main:
         if uploader:
             try:
@@ -316,6 +302,23 @@ def _train_evaluate_save(run: Run) -> dict:
                 print(f"warning: {err}", flush=True)
         hub.push_output_dir(output_dir, cfg, results)
     return {**results, "output_dir": str(output_dir)}
+
+
+def _checkpointer(run: Run, uploader: "hub.HubUploader | None") -> Checkpointer:
+    cfg, runtime = run.cfg, run.runtime
+    folder = checkpoint_dir(cfg, run.output_dir)
+    return Checkpointer(
+        cfg,
+        folder,
+        run.output_dir,
+        runtime.is_main,
+        runtime.barrier,
+        **hub_hooks(cfg, run.task, run.trainer, run.tokenizer, uploader, runtime.is_main),
+        storage=probe_storage(folder, runtime),
+        share=runtime.share,
+        index=runtime.index,
+        labels=run.data.label_names,
+    )
 
 
 def _compute_used(train_result, runtime: Runtime) -> dict:
@@ -327,27 +330,51 @@ def _compute_used(train_result, runtime: Runtime) -> dict:
     )
 
 
-def _evaluate(trainer: Trainer, stop: AfterTraining, step: int) -> dict:
-    """The trained model's metrics on the validation and test splits, logged; a split a signal cut short is left
-    out, and the splits after it are not evaluated."""
+def _evaluate(trainer: Trainer, stop: PreemptionSignal, step: int, results: dict) -> list[str]:
+    """The trained model's metrics on the validation and test splits, logged into `results`; once a signal came,
+    the split it cut short is left out and those after it are not evaluated: their names are returned."""
     trainer.phase = "evaluation"
-    results = {}
+    skipped = []
     for split, name in (("validation", "eval"), ("test", "test")):
-        if split not in trainer.eval_dls or stop.stopped():
+        if split not in trainer.eval_dls:
+            continue
+        if stop.stopped():
+            skipped.append(f"{split} evaluation")
             continue
         metrics = trainer.evaluate(split, stop.cut_short())
+        if stop.stopped() and stop.alone:  # a launch's processes finished the split: its numbers hold
+            skipped.append(f"{split} evaluation")
+            continue
+        results[name] = metrics
+        trainer.log_evaluation(metrics, name, step)
+    return skipped
+
+
+def _predict(trainer: Trainer, stop: PreemptionSignal) -> tuple[dict, list[str]]:
+    """The predictions for each unlabelled split, and the splits a signal left unpredicted (or cut short)."""
+    trainer.phase = "prediction"
+    predictions, skipped = {}, []
+    for split in trainer.predict_dls:
         if not stop.stopped():
-            results[name] = metrics
-            trainer.log_evaluation(metrics, name, step)
-    return results
+            predicted = trainer.predict(split, stop.cut_short())
+            if not (stop.stopped() and stop.alone):
+                predictions[split] = predicted
+                continue
+        skipped.append(f"{split} predictions")
+    return predictions, skipped
 
 
-def _stopped_after_training(by: str, cfg: Config, output_dir: Path, quiet: bool) -> None:
-    """A signal after the last step: the model is saved; say what was skipped, and end as a stopped run does."""
+def _after_a_signal(by: str, skipped: list[str], cfg: Config, output_dir: Path, quiet: bool) -> None:
+    """A signal once the loop had ended: the model is saved. With something skipped the run ends as a stopped run
+    does (a scheduler restarts it); a signal that came after the evaluation left nothing undone: a note."""
+    if not skipped:
+        if not quiet:
+            print(f"note: {by or 'a signal'} came as the run saved its model: the run had finished", flush=True)
+        return
     push = f"; push it with: cloudtrain push --output_dir {output_dir}" if cfg.hub.push_to_hub else ""
     raise TrainingStopped(
         f"stopped by {by or 'a signal to another process'} after the last step: the trained model is saved in "
-        f"{output_dir}, with the evaluations finished before it (the rest skipped){push}",
+        f"{output_dir}, without its {', '.join(skipped)}{push}",
         130 if by == "SIGINT" else 143,
         quiet,
     )

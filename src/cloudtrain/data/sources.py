@@ -116,12 +116,27 @@ def load_files(builder: str, files: list[Path], split: str = "train", options: d
         raise read_error(err, builder, files, split) from None
 
 
+HASHED_BYTES = 64 * 2**20  # files up to this size are known by their contents; larger ones by size and times
+
+
 def stamp(files: list[Path]) -> str:
-    """A name for the files as they are now, which the datasets cache keys on: datasets itself knows a local file
-    by its path and modification time, so a file rewritten under an old time (rsync -t, tar, a reproducible build)
-    would be read from the cache as it was. The change time and size are in the name, and no tool sets those back."""
-    facts = [(str(f.resolve()), s.st_size, s.st_mtime_ns, s.st_ctime_ns, s.st_ino) for f in files for s in [f.stat()]]
+    """A name for the files as they are now, which the datasets cache keys on: datasets itself knows a local file by
+    its path and modification time, so a file rewritten under an old time (rsync -t, tar, a reproducible build) was
+    read from the cache as it had been. A file of up to 64 MiB is named by its contents (so copies on each node
+    share one cache); a larger one by its size and change time, which no tool sets back."""
+    facts = []
+    for f in files:
+        s = f.stat()
+        facts.append(_digest(f) if s.st_size <= HASHED_BYTES else f"{s.st_size}:{s.st_mtime_ns}:{s.st_ctime_ns}")
     return "files-" + hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
+
+
+def _digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(2**20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def read_error(err: BaseException, builder: str, files: list[Path], split: str) -> UserError:

@@ -56,7 +56,8 @@ from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import DecoderTask, Task
 from cloudtrain.training.basic import rng_state, set_rng_state
 from cloudtrain.training.meter import StepStats
-from cloudtrain.training.trainer import Trainer, until
+from cloudtrain.training.preemption import until
+from cloudtrain.training.trainer import Trainer
 from cloudtrain.training.weights import count_parameters
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}

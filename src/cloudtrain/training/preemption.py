@@ -1,21 +1,26 @@
-"""SIGTERM (spot reclaim, Kubernetes, SLURM preemption) and Ctrl-C during the training loop: a flag the loop reads at
-its next sync point, where it saves a checkpoint and stops (training/hooks.py: PreemptionHook). After the loop
-(`AfterTraining`): the final evaluation and predictions stop, and the trained model is saved before the run ends."""
+"""SIGTERM (spot reclaim, Kubernetes, SLURM preemption) and Ctrl-C, from the start of training to the saved model. In
+the training loop: a flag the loop reads at its next sync point, where it saves a checkpoint and stops
+(training/hooks.py: PreemptionHook). Once the loop has ended: what is left of the final evaluation and predictions is
+skipped and the trained model saved before the run ends (cloudtrain.pipeline)."""
 
 import os
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 
 class PreemptionSignal:
-    """While active, SIGTERM, and a first Ctrl-C (SIGINT), only set `received` (and `by`, the signal's name); the
-    training loop saves and stops when it reads it. A second Ctrl-C stops at once (KeyboardInterrupt), unsaved."""
+    """While active, SIGTERM and a first Ctrl-C (SIGINT) only set `received` (and `by`, the signal's name), and what
+    they do depends on the phase: in the loop a checkpoint and a stop; once `loop_ended`, the evaluation stops and
+    the model is saved. A second Ctrl-C stops at once (KeyboardInterrupt), unsaved. `agree` (Runtime.agree) makes
+    every process of a launch see the same answer; `alone`: a lone process may stop within an evaluation."""
 
-    def __init__(self):
+    def __init__(self, agree: Callable[[list[bool]], list[bool]] = lambda flags: flags, alone: bool = True):
         self.received = False
         self.by = ""
+        self.loop_ended = False
+        self.agree, self.alone = agree, alone
         self._previous: dict[int, object] = {}
         self._pid = os.getpid()
 
@@ -29,58 +34,25 @@ class PreemptionSignal:
     def _handle(self, signum, frame) -> None:
         if os.getpid() != self._pid:
             return  # a data-loader worker forked meanwhile (a Ctrl-C reaches it too): its process ends it
-        if signum == signal.SIGINT:
-            if self.received:  # asked twice: the user will not wait for the checkpoint
-                raise KeyboardInterrupt
-            if os.environ.get("RANK", "0") == "0":  # one line, not one per process
-                print(
-                    "\nCtrl-C: a checkpoint is saved at the next logging step, then the run stops (Ctrl-C again: "
-                    "stop now, without one)",
-                    file=sys.stderr,
-                    flush=True,
-                )
-        self.received, self.by = True, self.by or signal.Signals(signum).name
-
-    def __exit__(self, *exc) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)  # type: ignore[arg-type]
-        self._previous = {}
-        if self.by == "SIGINT" and exc[0] is None and os.environ.get("RANK", "0") == "0":  # the loop ended first
-            print(
-                "Ctrl-C came after the last step was checked: the run evaluates and saves the model; Ctrl-C again "
-                "skips the evaluation, a third stops at once, unsaved",
-                file=sys.stderr,
-                flush=True,
-            )
-
-
-class AfterTraining(PreemptionSignal):
-    """While the trained model is evaluated and saved: SIGTERM or a first Ctrl-C skips what is left of the
-    evaluation and predictions, and the run saves the model with the results it has, then ends with 143 or 130; a
-    second Ctrl-C stops at once, unsaved. A lone process stops within the split under way (`cut_short`); the
-    processes of a launch finish it and agree (`stopped`) before the next, as their collectives must match."""
-
-    def __init__(self, agree: Callable[[list[bool]], list[bool]], alone: bool):
-        super().__init__()
-        self.agree, self.alone = agree, alone
-        self.armed = False  # set once the loop ended: before, a signal does what it did without this handler
-
-    def _handle(self, signum, frame) -> None:
-        if os.getpid() != self._pid:
-            return
-        if not self.armed:
-            _as_before(self._previous.get(signum), signum, frame)
-            return
-        if signum == signal.SIGINT and self.received:
+        if signum == signal.SIGINT and self.received:  # asked twice: the user will not wait for the save
             raise KeyboardInterrupt
-        if not self.received and os.environ.get("RANK", "0") == "0":
-            again = " (Ctrl-C again: stop now, unsaved)" if signum == signal.SIGINT else ""
-            print(
-                f"\n{signal.Signals(signum).name}: the evaluation stops and the trained model is saved{again}",
-                file=sys.stderr,
-                flush=True,
-            )
+        if not self.received and os.environ.get("RANK", "0") == "0":  # one line, not one per process
+            said = self._saying(signum)
+            if said:
+                print(f"\n{said}", file=sys.stderr, flush=True)
         self.received, self.by = True, self.by or signal.Signals(signum).name
+
+    def _saying(self, signum: int) -> str:
+        ctrl_c = signum == signal.SIGINT
+        if self.loop_ended:
+            again = " (Ctrl-C again: stop now, unsaved)" if ctrl_c else ""
+            return f"{'Ctrl-C' if ctrl_c else 'SIGTERM'}: the evaluation stops and the trained model is saved{again}"
+        if ctrl_c:  # a scheduler's SIGTERM needs no word: the stop line follows at the next sync point
+            return (
+                "Ctrl-C: a checkpoint is saved at the next logging step, then the run stops (Ctrl-C again: stop now, "
+                "without one)"
+            )
+        return ""
 
     def __exit__(self, *exc) -> None:
         for signum, previous in self._previous.items():
@@ -92,14 +64,18 @@ class AfterTraining(PreemptionSignal):
         return self.agree([self.received])[0]
 
     def cut_short(self) -> Callable[[], bool] | None:
-        """What an evaluation's batches stop at: the signal, in a lone process; None (every batch) in a launch."""
+        """What an evaluation's batches stop at: the signal, in a lone process; None (every batch) in a launch,
+        whose processes must run the same collectives."""
         return (lambda: self.received) if self.alone else None
 
 
-def _as_before(previous, signum: int, frame) -> None:
-    """What the handler `previous` would have done: call it, ignore the signal, or its default (end the process)."""
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:
-        signal.signal(signum, signal.SIG_DFL)
-        os.kill(os.getpid(), signum)
+def until(stop: Callable[[], bool] | None, batches: Iterable) -> Iterable:
+    """`batches`, or those before `stop()` turned true: the first always, so no task sees an empty split."""
+    return batches if stop is None else _until(stop, batches)
+
+
+def _until(stop: Callable[[], bool], batches: Iterable) -> Iterator:
+    for i, batch in enumerate(batches):
+        if i and stop():
+            return
+        yield batch

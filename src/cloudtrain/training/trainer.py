@@ -6,7 +6,6 @@ the host, and what makes a resume exact.
 """
 
 import contextlib
-import itertools
 import json
 import math
 import re
@@ -57,7 +56,7 @@ from cloudtrain.training.hooks import (
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import build_optimizer, build_scheduler
-from cloudtrain.training.preemption import PreemptionSignal
+from cloudtrain.training.preemption import PreemptionSignal, until
 from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
 
@@ -325,16 +324,24 @@ class Trainer:
         raise NotImplementedError
 
     # ------------------------------------------------------------ the loop
-    def fit(self, checkpointer: Checkpointer | None = None, resume_from: Path | None = None) -> TrainResult:
-        """Train for the configured steps: get a step's window of micro-batches, step, then the hooks."""
+    def fit(
+        self,
+        checkpointer: Checkpointer | None = None,
+        resume_from: Path | None = None,
+        preemption: PreemptionSignal | None = None,
+    ) -> TrainResult:
+        """Train for the configured steps: get a step's window of micro-batches, step, then the hooks. `preemption`:
+        the pipeline's, active around the evaluation and save too (else one of the loop's own)."""
         loop = self._start(checkpointer, resume_from)
-        preemption = PreemptionSignal()  # SIGTERM only sets a flag while the loop runs
+        signals: contextlib.AbstractContextManager = contextlib.nullcontext()  # the pipeline's is active already
+        if preemption is None:
+            preemption = signals = PreemptionSignal()
         hooks = self.hooks(checkpointer, preemption)
         for hook in hooks:
             hook.on_train_start(loop)
         self.phase = "the first step"
         try:
-            with self._collective_errors(loop.state), preemption, loop.bar:
+            with self._collective_errors(loop.state), signals, loop.bar:
                 for window in self._windows(loop):
                     self._step(window, loop)
                     ran = self._after_step(hooks, loop)
@@ -350,6 +357,7 @@ class Trainer:
                         f"{self.cfg.data.mixture_exhausted}); the run ends there"
                     )
                     self._end_here(hooks, loop, hooks)
+                preemption.loop_ended = True  # a signal from here on: the model is saved, its evaluation skipped
                 for hook in hooks:
                     self.phase = hook.phase or self.phase
                     hook.on_train_end(loop)
@@ -594,7 +602,7 @@ class Trainer:
 
     def evaluate(self, split: str, stop: Callable[[], bool] | None = None) -> dict:
         """The task's metrics of the current weights on one split, counted over every example exactly once (or
-        over fewer, and meaningless, once `stop` says so: AfterTraining.cut_short)."""
+        over fewer, and meaningless, once `stop` says so: PreemptionSignal.cut_short)."""
         return self.task.evaluate(
             self.model,
             self._batches(self.eval_dls[split], f"evaluation of {split}", stop),
@@ -654,8 +662,3 @@ class Trainer:
                 f"({'streamed: no epochs' if self.streams else f'{steps_per_epoch} per epoch'})",
                 flush=True,
             )
-
-
-def until(stop: Callable[[], bool] | None, batches: Iterable) -> Iterable:
-    """`batches`, or those before `stop()` turned true."""
-    return batches if stop is None else itertools.takewhile(lambda _: not stop(), batches)
