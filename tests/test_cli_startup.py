@@ -183,7 +183,7 @@ def test_a_launcher_s_variables_or_a_cache_that_is_a_file_in_the_environment_are
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     for world, refusal in (
         ("2", "the environment sets WORLD_SIZE=2 but no launcher started this process (no MASTER_ADDR): start it "
-         "with torchrun --nproc_per_node 2 (or cloudtrain launch), or unset WORLD_SIZE"),
+         "with torchrun or cloudtrain launch, which set both, or unset WORLD_SIZE"),
         ("two", "the environment sets WORLD_SIZE=two, not a number of processes: unset it"),
     ):  # fmt: skip
         monkeypatch.setenv("WORLD_SIZE", world)

@@ -75,5 +75,5 @@ def check_launcher_variables() -> None:
     if int(world) > 1 and not os.environ.get("MASTER_ADDR"):
         raise UserError(
             f"the environment sets WORLD_SIZE={world} but no launcher started this process (no MASTER_ADDR): start "
-            f"it with torchrun --nproc_per_node {world} (or cloudtrain launch), or unset WORLD_SIZE"
+            "it with torchrun or cloudtrain launch, which set both, or unset WORLD_SIZE"
         )

@@ -27,6 +27,7 @@ names are in labels.json (pass them as id2label when loading the base).
 import argparse
 import importlib.util
 import json
+import os
 import shutil
 import warnings
 from pathlib import Path
@@ -320,9 +321,10 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
         target.rename(replaced)  # a kill from here on leaves one whole merged model, old or new
     partial.rename(target)
     shutil.rmtree(replaced, ignore_errors=True)
-    base = adapter_config(output_dir)["base_model_name_or_path"]
+    base = adapter_config(folder)["base_model_name_or_path"]
+    shown = (lands_in or Path(os.path.normpath(output_dir))) / MERGED  # as the user named it, less any `..`
     print(
-        f"wrote {(lands_in or output_dir) / MERGED}: the adapter merged into a copy of {base} ({dtype}), its logits "
+        f"wrote {shown}: the adapter merged into a copy of {base} ({dtype}), its logits "
         f"within {difference:.2e} of the adapter model's on a probe batch",
         flush=True,
     )

@@ -191,14 +191,14 @@ def enable_on_cpu(accelerator: Accelerator, plugin: FullyShardedDataParallelPlug
         plugin.set_mixed_precision(state.mixed_precision)
 
 
-def place_like(copy: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> bool:
+def place_like(copy: torch.nn.Module, model: torch.nn.Module, device: torch.device) -> None:
     """A frozen `copy` of `model` (DPO's reference) put where the trainer put `model`: sharded over its mesh under
     FSDP2, as accelerate sharded it (each repeated layer one unit, then the rest, with the launch's precision and
-    offload), else moved whole to `device`. True once placed."""
+    offload), else moved whole to `device`."""
     weight = next(model.parameters())
     if not isinstance(weight, DTensor):
         copy.to(device)
-        return True
+        return
     plugin = AcceleratorState().fsdp_plugin
     options: dict[str, Any] = {
         "mesh": weight.device_mesh,
@@ -212,4 +212,3 @@ def place_like(copy: torch.nn.Module, model: torch.nn.Module, device: torch.devi
     fully_shard(copy, **options)
     if PartialState().is_main_process:
         print(f"reference model: sharded as the policy, {len(layers)} layer class(es) a unit each", flush=True)
-    return True

@@ -299,7 +299,7 @@ def join_launch(backend: str) -> None:
     to connect, or waits forever). Each attempt's keys, and each join of a process, get a prefix of their own."""
     env = os.environ
     if dist.is_initialized() or int(env.get("WORLD_SIZE", "1")) == 1 or "MASTER_ADDR" not in env:
-        return  # (no MASTER_ADDR: a launcher of another kind; accelerate joins its way)
+        return  # (no MASTER_ADDR: the Python API under a launcher of another kind; accelerate joins its way)
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     hosts_store = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else torchrun's agent does
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts_store)

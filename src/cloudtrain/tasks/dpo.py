@@ -395,7 +395,8 @@ class DPOTask(SFTTask):
         with autocast_for(self.cfg.training.mixed_precision, device):
             if self.reference is not None:
                 if not self.placed:  # once: the trainer has placed the policy
-                    self.placed = place_like(self.reference, model, device)
+                    place_like(self.reference, model, device)
+                    self.placed = True
                 logps = self.logps(self.reference, batch)[0]
                 if isinstance(self.reference, FSDPModule):
                     self.reference.reshard()  # FSDP2 keeps its root gathered after a forward, for a backward
