@@ -292,9 +292,9 @@ def _train_evaluate_save(run: Run) -> dict:
         if runtime.is_main:
             output_dir_module.record_run_files(output_dir)  # what the trackers added: the run's, not the user's
             _print_summary(run.task, results, output_dir)
-    if stop.stopped():
+    if stop.stopped():  # the model is saved: a stopped run, or (nothing skipped) a finished one without its push
         _after_a_signal(stop.by, skipped + cut, cfg, output_dir, quiet=not runtime.is_main)
-    if cfg.hub.push_to_hub and runtime.is_main:
+    elif cfg.hub.push_to_hub and runtime.is_main:
         if uploader:
             try:
                 uploader.wait()
@@ -366,12 +366,12 @@ def _predict(trainer: Trainer, stop: PreemptionSignal) -> tuple[dict, list[str]]
 
 def _after_a_signal(by: str, skipped: list[str], cfg: Config, output_dir: Path, quiet: bool) -> None:
     """A signal once the loop had ended: the model is saved. With something skipped the run ends as a stopped run
-    does (a scheduler restarts it); a signal that came after the evaluation left nothing undone: a note."""
+    does (a scheduler restarts it); a signal that came after the evaluation left only the push undone: a note."""
+    push = f"; push it with: cloudtrain push --output_dir {output_dir}" if cfg.hub.push_to_hub else ""
     if not skipped:
         if not quiet:
-            print(f"note: {by or 'a signal'} came as the run saved its model: the run had finished", flush=True)
+            print(f"note: {by or 'a signal'} came as the run saved its model: the run had finished{push}", flush=True)
         return
-    push = f"; push it with: cloudtrain push --output_dir {output_dir}" if cfg.hub.push_to_hub else ""
     raise TrainingStopped(
         f"stopped by {by or 'a signal to another process'} after the last step: the trained model is saved in "
         f"{output_dir}, without its {', '.join(skipped)}{push}",
