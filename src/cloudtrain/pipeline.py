@@ -11,8 +11,10 @@ job. What differs between tasks is the task's (cloudtrain.tasks); between launch
 and the trainer's (cloudtrain.parallel.runtime, cloudtrain.training).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase, set_seed
@@ -331,37 +333,37 @@ def _compute_used(train_result, runtime: Runtime) -> dict:
 
 
 def _evaluate(trainer: Trainer, stop: PreemptionSignal, step: int, results: dict) -> list[str]:
-    """The trained model's metrics on the validation and test splits, logged into `results`; once a signal came,
-    the split it cut short is left out and those after it are not evaluated: their names are returned."""
+    """The trained model's metrics on the validation and test splits, logged into `results`; what a signal left
+    undone is returned, in words."""
     trainer.phase = "evaluation"
-    skipped = []
-    for split, name in (("validation", "eval"), ("test", "test")):
-        if split not in trainer.eval_dls:
-            continue
-        if stop.stopped():
-            skipped.append(f"{split} evaluation")
-            continue
-        metrics = trainer.evaluate(split, stop.cut_short())
-        if stop.stopped() and stop.alone:  # a launch's processes finished the split: its numbers hold
-            skipped.append(f"{split} evaluation")
-            continue
-        results[name] = metrics
-        trainer.log_evaluation(metrics, name, step)
-    return skipped
+    names = {split: name for split, name in (("validation", "eval"), ("test", "test")) if split in trainer.eval_dls}
+    done, skipped = _unless_stopped(stop, list(names), lambda split: trainer.evaluate(split, stop.cut_short()))
+    for split, metrics in done.items():
+        results[names[split]] = metrics
+        trainer.log_evaluation(metrics, names[split], step)
+    return [f"{split} evaluation" for split in skipped]
 
 
 def _predict(trainer: Trainer, stop: PreemptionSignal) -> tuple[dict, list[str]]:
-    """The predictions for each unlabelled split, and the splits a signal left unpredicted (or cut short)."""
+    """The predictions for each unlabelled split, and what a signal left undone, in words."""
     trainer.phase = "prediction"
-    predictions, skipped = {}, []
-    for split in trainer.predict_dls:
+    done, skipped = _unless_stopped(stop, list(trainer.predict_dls), lambda s: trainer.predict(s, stop.cut_short()))
+    return done, [f"{split} predictions" for split in skipped]
+
+
+def _unless_stopped(stop: PreemptionSignal, splits: list[str], run: Callable[[str], Any]) -> tuple[dict, list[str]]:
+    """`run(split)` for each split until a signal (every process of a launch agrees before each): ({split: what it
+    gave}, the splits skipped). A split a lone process cut short counts as skipped: some batches say nothing; a
+    launch's processes finish theirs."""
+    done, skipped = {}, []
+    for split in splits:
         if not stop.stopped():
-            predicted = trainer.predict(split, stop.cut_short())
-            if not (stop.stopped() and stop.alone):
-                predictions[split] = predicted
+            value = run(split)
+            if not (stop.alone and stop.stopped()):
+                done[split] = value
                 continue
-        skipped.append(f"{split} predictions")
-    return predictions, skipped
+        skipped.append(split)
+    return done, skipped
 
 
 def _after_a_signal(by: str, skipped: list[str], cfg: Config, output_dir: Path, quiet: bool) -> None:
