@@ -116,18 +116,20 @@ def load_files(builder: str, files: list[Path], split: str = "train", options: d
         raise read_error(err, builder, files, split) from None
 
 
-HASHED_BYTES = 64 * 2**20  # files up to this size are known by their contents; larger ones by size and times
+HASHED_BYTES = 64 * 2**20  # data up to this size in all is known by its contents; more by sizes and times
 
 
 def stamp(files: list[Path]) -> str:
     """A name for the files as they are now, which the datasets cache keys on: datasets itself knows a local file by
     its path and modification time, so a file rewritten under an old time (rsync -t, tar, a reproducible build) was
-    read from the cache as it had been. A file of up to 64 MiB is named by its contents (so copies on each node
-    share one cache); a larger one by its size and change time, which no tool sets back."""
-    facts = []
-    for f in files:
-        s = f.stat()
-        facts.append(_digest(f) if s.st_size <= HASHED_BYTES else f"{s.st_size}:{s.st_mtime_ns}:{s.st_ctime_ns}")
+    read from the cache as it had been. Files of up to 64 MiB in all are named by their contents (copies on each
+    node share one cache); more (hashing them at every start would cost) by their sizes and change times, which no
+    tool sets back."""
+    stats = [f.stat() for f in files]
+    if sum(s.st_size for s in stats) <= HASHED_BYTES:
+        facts = [_digest(f) for f in files]
+    else:
+        facts = [f"{s.st_size}:{s.st_mtime_ns}:{s.st_ctime_ns}" for s in stats]
     return "files-" + hashlib.sha256(repr(facts).encode()).hexdigest()[:16]
 
 
