@@ -49,9 +49,13 @@ def test_local_files_every_format(tmp_path, fmt):
     assert raw["train"]["text"] == df["text"].tolist() and raw["train"]["label"] == df["label"].tolist()
 
 
-def test_a_file_rewritten_under_its_old_modification_time_is_read_anew(tmp_path):
+@pytest.mark.parametrize("hashed_bytes", [2**20, 0])  # small data by its contents, large by its sizes and times
+def test_a_file_rewritten_under_its_old_modification_time_is_read_anew(tmp_path, monkeypatch, hashed_bytes):
     """datasets knows a local file by its path and modification time: a file rewritten and given its old time back
     (rsync -t, tar, reproducible builds) was read from the cache as it had been, labels and all."""
+    from cloudtrain.data import sources
+
+    monkeypatch.setattr(sources, "HASHED_BYTES", hashed_bytes)
     path = tmp_path / "train.csv"
     pd.DataFrame(topic_rows(2)).to_csv(path, index=False)
     os.utime(path, ns=(10**18, 10**18))
