@@ -370,6 +370,34 @@ def test_a_stream_resumed_at_its_last_step_trains_no_step_past_it(tiny_llama_dir
     assert all(torch.equal(final[name], saved[name]) for name in final)
 
 
+def test_a_stream_resumed_on_other_files_or_another_cut_is_refused(tiny_llama_dir, tmp_path):
+    """Found in an audit: the cursor names a file by its place among a source's files and counts rows of one cut of
+    documents, so a glob that gained an earlier file, or another --stream_buffer, --max_length, --packing or --seed,
+    resumed into other documents without a word (mid-line, some trained twice)."""
+    from cloudtrain import train
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_jsonl(folder / "a.jsonl", numbered(40, "a"))
+    write_jsonl(folder / "c.jsonl", numbered(40, "c"))
+    out = tmp_path / "run"
+    args = stream_run_args(tiny_llama_dir, f"{folder}/*.jsonl", out, "--max_steps", "2", "--checkpointing_steps", "2")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    train(options)
+    checkpoint = out / "checkpoints" / "checkpoint-2"
+    assert json.loads((checkpoint / "data_state.json").read_text())["layout"]["files"] == [["a.jsonl", "c.jsonl"]]
+    again = options | {"max_steps": "3", "resume_from_checkpoint": str(checkpoint), "output_dir": str(tmp_path / "b")}
+    with pytest.raises(UserError, match=r"cut with --stream_buffer 16, this run's with --stream_buffer 8: its cursor"):
+        train(again | {"stream_buffer": "8"})
+    write_jsonl(folder / "b.jsonl", numbered(10, "b"))
+    with pytest.raises(UserError) as refused:
+        train(again)
+    assert str(refused.value).startswith(
+        f"training source {folder}/*.jsonl lists b.jsonl as file 2 where the checkpoint read c.jsonl: its cursor names"
+    )
+    assert not (tmp_path / "b" / "model.safetensors").exists()
+
+
 def test_a_stream_that_runs_out_first_ends_the_run_with_its_last_steps_counted(tiny_llama_dir, tmp_path, capsys):
     """--mixture_exhausted stop on a short source: the run ends at the stream's last whole step, says so, and logs
     and counts the steps since its last logging step (they were left out of the totals)."""

@@ -190,6 +190,35 @@ def _add_row(stats: dict, row: dict) -> None:
         stats["documents"][key[0]] += 1
 
 
+LAYOUT_OPTIONS = {
+    "buffer_docs": "--stream_buffer",
+    "block_size": "--max_length",
+    "packing": "--packing",
+    "seed": "--seed",
+}
+
+
+def check_layout(saved: dict, now: dict, sources: list[SourceSpec]) -> None:
+    """A resumed stream reads the same files and cuts the same rows as the run that saved its cursor; else one
+    line naming the first difference (the cursor would point into other documents, without a word)."""
+    for key, option in LAYOUT_OPTIONS.items():
+        if saved.get(key) != now[key]:
+            raise UserError(
+                f"the checkpoint's data stream was cut with {option} {saved.get(key)}, this run's with {option} "
+                f"{now[key]}: its cursor counts rows of that cut; resume with {option} {saved.get(key)}"
+            )
+    for spec, was, is_now in zip(sources, saved["files"], now["files"], strict=True):
+        if was != is_now:
+            i = next(
+                (i for i, (a, b) in enumerate(zip(was, is_now, strict=False)) if a != b), min(len(was), len(is_now))
+            )
+            then, here = (names[i] if i < len(names) else "nothing" for names in (was, is_now))
+            raise UserError(
+                f"training source {spec.name} lists {here} as file {i + 1} where the checkpoint read {then}: its "
+                "cursor names a file by its place; resume with the files it was trained on, or start a fresh run"
+            )
+
+
 class StreamLoader:
     """This process's micro-batches of the global row stream, with the cursor a checkpoint stores.
 
@@ -224,7 +253,22 @@ class StreamLoader:
                 f"the checkpoint's data stream has {len(state['stats']['documents'])} source(s), this run "
                 f"{len(self.plan.sources)}: resume with the same training sources"
             )
+        if "layout" in state:  # checkpoints before the record hold none
+            check_layout(state["layout"], self.layout(), self.plan.sources)
         self.resume = state
+
+    def layout(self) -> dict:
+        """What the cursor's numbers mean: each source's files (by name, in order; the cursor names a file by its
+        place) and how documents are cut and packed into rows (the cursor counts rows of a buffer)."""
+        p = self.plan
+        files = [[f.rsplit("/", 1)[-1] for f in spec.files] for spec in p.sources]  # a Hub source's too
+        return {
+            "files": files,
+            "buffer_docs": p.buffer_docs,
+            "block_size": p.block_size,
+            "packing": p.packing,
+            "seed": p.seed,
+        }
 
     def __iter__(self) -> Iterator[dict]:
         """This process's collated micro-batches, on the host (pinned with `pin_memory`)."""
@@ -302,6 +346,7 @@ class StreamLoader:
                     "rows": rows,
                     "step": step,
                     "stats": stats,
+                    "layout": self.layout(),
                 }
         raise RuntimeError(f"no buffer holds row {rows} of the stream (step {step}); the cursor was pruned")
 
