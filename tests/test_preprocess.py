@@ -67,6 +67,18 @@ def test_stored_tokens_are_read_not_tokenized_again(tmp_path, lm_tokenizer):
     assert mixed == [[([42], None)], [([1, 2], None)]]
 
 
+def test_a_text_that_is_a_number_in_a_json_record_is_kept_as_training_reads_it(tmp_path, lm_tokenizer_dir):
+    """Found in an audit: one {"text": 12345} among string texts ended preprocess in a pyarrow traceback; a streamed
+    run trains it as the text "12345", and so do the shards."""
+    raw = tmp_path / "mixed.jsonl"
+    raw.write_text("".join(json.dumps({"text": t}) + "\n" for t in ["once upon a time", 12345, "the end"]))
+    out = tmp_path / "shards"
+    argv = ["preprocess", "--train_file", str(raw), "--tokenizer_name_or_path", lm_tokenizer_dir]
+    assert main([*argv, "--output_dir", str(out)]) in (0, None)
+    (shard,) = sorted(out.glob("*.parquet"))
+    assert pq.read_table(shard).column("text").to_pylist() == ["once upon a time", "12345", "the end"]
+
+
 def test_more_than_one_source_is_one_line(corpus, tmp_path, lm_tokenizer_dir, capsys):
     argv = ["preprocess", "--train_file", f"{corpus}/part0.jsonl,{corpus}/part1.jsonl"]
     status = main([*argv, "--tokenizer_name_or_path", lm_tokenizer_dir, "--output_dir", str(tmp_path / "o")])

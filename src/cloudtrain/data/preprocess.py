@@ -156,6 +156,17 @@ def _encoder(args: argparse.Namespace, task: type[Task], tokenizer: Any, first: 
     return task.preprocess_encoder(tokenizer, cfg, first)
 
 
+def _column(values: list):
+    """One kept column as arrow takes it; values of mixed types (a text that is a number in one JSON record) as the
+    strings training reads them as (str()), not a pyarrow traceback."""
+    import pyarrow as pa
+
+    try:
+        return pa.array(values)
+    except (pa.ArrowTypeError, pa.ArrowInvalid):
+        return pa.array([None if v is None else v if isinstance(v, str) else str(v) for v in values], pa.string())
+
+
 def _table(records: list[dict], encoded: list[list[tuple]], keep: list[str], args: argparse.Namespace) -> Any:
     """One shard's table: a row per record (its columns and tokens), or the packed rows of its records."""
     import pyarrow as pa
@@ -173,7 +184,7 @@ def _table(records: list[dict], encoded: list[list[tuple]], keep: list[str], arg
         if any(mask is not None for _, _, _, mask in items):
             table[MASK] = pa.array([r.get(MASK) for r in rows], pa.list_(pa.int8()))
         return pa.table(table)
-    columns = {name: pa.array([r.get(name) for r in records]) for name in keep}
+    columns = {name: _column([r.get(name) for r in records]) for name in keep}
     columns = {name: a.cast(pa.string()) if pa.types.is_null(a.type) else a for name, a in columns.items()}
     if _examples(args):  # per record, its examples and their answer masks
         columns[TOKENS] = pa.array([[ids for ids, _ in e] for e in encoded], pa.list_(pa.list_(pa.int32())))
