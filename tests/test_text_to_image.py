@@ -252,9 +252,15 @@ def bad_cases(tiny_sd: str, squares: str, tmp: Path) -> dict:
     (nocap / "metadata.jsonl").write_text(
         '{"file_name": "0.png", "prompt": "x"}\n{"file_name": "1.png", "prompt": "y"}\n'
     )
+    null, gone = captioned_folder(tmp / "null", n=2), captioned_folder(tmp / "gone", n=2)
+    (null / "metadata.jsonl").write_text('{"file_name": "0.png", "text": null}\n{"file_name": "1.png", "text": "y"}\n')
+    (gone / "metadata.jsonl").write_text('{"file_name": "0.png", "text": "x"}\n{"file_name": "9.png", "text": "y"}\n')
     data = {"train_data_dir": squares}
     return {
         "no images": ({"train_data_dir": str(tmp / "empty")}, "holds no images"),
+        # an audit's: a null caption trained as the text "None"; a missing file was skipped as unreadable
+        "null caption": ({"train_data_dir": str(null)}, "row 1: its caption 'text' is null, not a text; give it one"),
+        "missing file": ({"train_data_dir": str(gone)}, f"row 2 names 9.png, which is not a file in {gone}"),
         "caption column": (
             {"train_data_dir": str(nocap)},
             "has no caption column 'text' (its keys: file_name, prompt)",
@@ -313,6 +319,15 @@ def test_images_smaller_than_the_resolution_are_refused(tiny_sd, tmp_path):
         UserError, match=r"1 training images are smaller than --resolution 16 \(first: .*1.png, 10x10\)"
     ):
         TextToImageTask(cfg).process(None, TextToImageTask(cfg).load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+
+
+def test_images_a_metadata_file_leaves_out_are_named_in_a_note(tmp_path, capsys):
+    folder = captioned_folder(tmp_path / "some", n=3)
+    (folder / "metadata.jsonl").write_text('{"file_name": "0.png", "text": "x"}\n')
+    assert [e.caption for e in images.captioned_examples(str(folder), "text")] == ["x"]
+    assert f"note: 2 image(s) in {folder} are not in its metadata.jsonl and are left out (first: 1.png)" in (
+        capsys.readouterr().out
+    )
 
 
 def test_caption_files_beside_the_images_are_read(tmp_path):

@@ -49,7 +49,16 @@ def captioned_examples(folder: str, caption_column: str) -> list[Example]:
     files = folder_images(folder, "--train_data_dir")
     metadata = path / METADATA
     if metadata.is_file():
-        return _metadata_examples(path, metadata, caption_column)
+        examples = _metadata_examples(path, metadata, caption_column)
+        listed = {e.image.resolve() for e in examples}
+        unlisted = [f for f in files if f.resolve() not in listed]
+        if unlisted:  # the .txt layout refuses an image without a caption; here it is a choice the file may have made
+            print(
+                f"note: {len(unlisted)} image(s) in {folder} are not in its {METADATA} and are left out (first: "
+                f"{unlisted[0].relative_to(path)})",
+                flush=True,
+            )
+        return examples
     missing = [f for f in files if not f.with_suffix(".txt").is_file()]
     if missing:
         raise UserError(
@@ -76,7 +85,14 @@ def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> lis
             )
         if "file_name" not in row:
             raise UserError(f"{metadata} row {number} has no file_name")
-    return [Example(folder / row["file_name"], str(row[caption_column])) for row in rows]
+        if not isinstance(row[caption_column], str):  # str(None) would train on the caption "None"
+            raise UserError(
+                f"{metadata} row {number}: its caption {caption_column!r} is {json.dumps(row[caption_column])}, not "
+                'a text; give it one ("" for an image trained without a caption)'
+            )
+        if not (folder / row["file_name"]).is_file():
+            raise UserError(f"{metadata} row {number} names {row['file_name']}, which is not a file in {folder}")
+    return [Example(folder / row["file_name"], row[caption_column]) for row in rows]
 
 
 def dreambooth_examples(cfg: ImagesConfig) -> tuple[list[Example], list[Example]]:
