@@ -2,6 +2,7 @@
 trains on exactly the rows that streaming the raw corpus gives, from the stored tokens (not tokenized again)."""
 
 import json
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -47,6 +48,9 @@ def test_the_shards_stream_the_same_rows_as_the_raw_corpus(corpus, tmp_path, lm_
     )
     assert manifest["tokens"] == expected_tokens  # every non-empty document with its EOS
     assert sum(manifest["length_histogram"]["counts"]) == 70 and (out / "length_histogram.png").stat().st_size > 0
+    from cloudtrain.data.mixture import expand  # the folder names its shards, not its manifest (json beside parquet)
+
+    assert [Path(f).name for f in expand(str(out))] == [Path(s["file"]).name for s in manifest["shards"]]
     steps = 60  # past the end of the first pass: the second pass starts at the same document too
     raw = take(plan_for(tmp_path, lm_tokenizer, train_file=f"{corpus}/*.jsonl").loader(2), steps)
     shards = take(plan_for(tmp_path, lm_tokenizer, train_file=f"{out}/*.parquet").loader(2), steps)

@@ -80,7 +80,10 @@ def expand(path: str) -> list[str]:
         return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     p = Path(path)
     if p.is_dir():
-        return sorted(str(f) for f in p.rglob("*") if f.is_file() and file_format(str(f)))
+        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and file_format(str(f)))
+        if any(f.endswith(".parquet") for f in files):  # a `cloudtrain preprocess` folder: its manifest is no data
+            files = [f for f in files if Path(f).name != "manifest.json"]
+        return files
     return [path] if p.is_file() else []
 
 
@@ -95,7 +98,11 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
         formats = {entry.get("format") or file_format(f) for f in files}
         if None in formats or len(formats) > 1:
             shown = ", ".join(sorted(str(f) for f in formats))
-            raise UserError(f"training source {name}: one known format per source (found {shown}); give format:")
+            raise UserError(
+                f"training source {name}: one known format per source (found {shown}); name the files of one "
+                f"kind (a glob such as {name.rstrip('/')}/*.parquet), or give a --datasets entry its format: in a "
+                "config file"
+            )
         columns = entry.get("columns") or {}
         if not isinstance(columns, dict):
             raise UserError(f"training source {name}: columns must map the task's column names to the source's")
