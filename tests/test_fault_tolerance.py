@@ -8,6 +8,7 @@ its own working directory with its own output, checkpoint and cache folders."""
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -238,7 +239,7 @@ def hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind: st
 def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_named(
     kind, waited_in, tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path
 ):
-    """Rank 1 hangs at step 3: rank 0 stops after 5 s, naming the operation, whichever group it waits in."""
+    """Rank 1 hangs at step 3: a waiting rank stops after 5 s, naming the operation, whichever group it waits in."""
     args = hung_peer_run(tiny_model_dir, topic_csvs, tiny_llama_dir, tmp_path, kind)
     proc = start([*torchrun(processes=4 if kind == "tp" else 2), str(FAULTS), *args], tmp_path)
     lines: list[str] = []
@@ -260,7 +261,8 @@ def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_n
     finally:
         kill_all(proc)
     line = next(line for line in lines if "collective_timeout" in line)
-    assert line.startswith("error: process 0 (node 0) waited longer than --collective_timeout 5s"), line
+    # the first to time out: rank 0, or under tp2 x dp2 (its other group waits too) as often rank 2 on a busy machine
+    assert re.match(r"error: process [02] \(node 0\) waited longer than --collective_timeout 5s", line), line
     assert f"in forward and backward ({waited_in}) after step 2" in line, line
 
 
