@@ -261,8 +261,8 @@ def test_a_hung_peer_ends_the_run_at_the_collective_timeout_with_the_operation_n
     finally:
         kill_all(proc)
     line = next(line for line in lines if "collective_timeout" in line)
-    # the first to time out: rank 0, or under tp2 x dp2 (its other group waits too) as often rank 2 on a busy machine
-    assert re.match(r"error: process [02] \(node 0\) waited longer than --collective_timeout 5s", line), line
+    # the first to time out: rank 0, or under tp2 x dp2 (the other group waits too) rank 2 or 3 on a busy machine
+    assert re.match(r"error: process [023] \(node 0\) waited longer than --collective_timeout 5s", line), line
     assert f"in forward and backward ({waited_in}) after step 2" in line, line
 
 
