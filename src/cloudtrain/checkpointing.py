@@ -37,7 +37,7 @@ from typing import Any
 
 from cloudtrain.async_save import BackgroundSave, ThreadCollectives
 from cloudtrain.config import Config
-from cloudtrain.errors import UserError, first_line
+from cloudtrain.errors import UserError, first_difference, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.observe import console
 from cloudtrain.parallel.mesh import Mesh
@@ -144,8 +144,7 @@ def check_labels(state: dict, labels: list[str], path: Path) -> None:
     saved = state.get("labels")
     if saved is None or saved == list(labels):
         return
-    i = next((i for i, (a, b) in enumerate(zip(saved, labels, strict=False)) if a != b), min(len(saved), len(labels)))
-    there, here = (repr(names[i]) if i < len(names) else "missing" for names in (saved, labels))
+    i, there, here = first_difference([repr(name) for name in saved], [repr(name) for name in labels], "missing")
     raise UserError(
         f"checkpoint {path} was trained on {len(saved)} labels and this run's data names {len(labels)}: label {i} is "
         f"{there} there and {here} here, so the model's outputs would mean other labels; resume with the data it was "

@@ -104,3 +104,11 @@ def refuse_first(checks: Iterable[tuple[object, str]]) -> None:
     for failed, message in checks:
         if failed:
             raise UserError(message)
+
+
+def first_difference(was: list, now: list, absent: str = "nothing") -> tuple[int, str, str]:
+    """(the first place two lists differ, what each holds there, or `absent` past its end): for a refusal that
+    names what changed."""
+    i = next((i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b), min(len(was), len(now)))
+    there, here = (str(items[i]) if i < len(items) else absent for items in (was, now))
+    return i, there, here

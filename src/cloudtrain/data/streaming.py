@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from cloudtrain.data.mixture import MixtureStream, SourceSpec
 from cloudtrain.data.packing import pack_buffer
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, first_difference
 
 STATE_FILE = "data_state.json"  # the stream's cursor in a checkpoint
 STORED_TOKENS = "input_ids"  # the column of pre-tokenized shards (cloudtrain.data.preprocess)
@@ -209,10 +209,7 @@ def check_layout(saved: dict, now: dict, sources: list[SourceSpec]) -> None:
             )
     for spec, was, is_now in zip(sources, saved["files"], now["files"], strict=True):
         if was != is_now:
-            i = next(
-                (i for i, (a, b) in enumerate(zip(was, is_now, strict=False)) if a != b), min(len(was), len(is_now))
-            )
-            then, here = (names[i] if i < len(names) else "nothing" for names in (was, is_now))
+            i, then, here = first_difference(was, is_now)
             raise UserError(
                 f"training source {spec.name} lists {here} as file {i + 1} where the checkpoint read {then}: its "
                 "cursor names a file by its place; resume with the files it was trained on, or start a fresh run"
