@@ -286,8 +286,31 @@ def test_each_bad_stream_input_is_one_line(tmp_path):
     told = f"training source {a} holds 5 documents, all held out for validation by --stream_validation_docs 8"
     with pytest.raises(UserError, match=re.escape(told)):
         hold_out(resolve_sources(few), few, seed=0)
+    exactly = data_cfg(train_file=str(a), stream_validation_docs=5).data  # none would be left to train on
+    with pytest.raises(UserError, match=re.escape(told.replace("docs 8", "docs 5"))):
+        hold_out(resolve_sources(exactly), exactly, seed=0)
     enough = data_cfg(train_file=str(a), stream_validation_docs=4).data
     assert len(hold_out(resolve_sources(enough), enough, seed=0)[0]) == 4
+    with pytest.raises(UserError, match="--stream_validation_docs must be at least 1: .* give --validation_file"):
+        data_cfg(train_file=str(a), stream_validation_docs=0)
+
+
+@pytest.mark.parametrize("mixture", [False, True], ids=["one source, later passes", "a small source in a mixture"])
+def test_documents_held_out_for_validation_are_never_trained_on(tmp_path, mixture):
+    small = write_jsonl(tmp_path / "small.jsonl", numbered(6, "small"))
+    big = write_jsonl(tmp_path / "big.jsonl", numbered(400, "big"))
+    files = f"{small},{big}" if mixture else str(small)
+    cfg = data_cfg(train_file=files, stream_validation_docs=8 if mixture else 2).data
+    specs = resolve_sources(cfg)
+    held, start = hold_out(specs, cfg, seed=0)
+    held_small = {r["text"] for r in held if r["text"].startswith("small")}
+    assert held_small, "the test needs documents of the small source held out"
+    stream = MixtureStream(specs, start, 0, "restart")
+    trained = [stream.next()[2]["text"] for _ in range(300)]
+    small_trained = Counter(t for t in trained if t.startswith("small"))
+    assert not held_small & set(small_trained)  # on its first pass, and on every restart
+    assert set(small_trained) == set(numbered(6, "small")) - held_small  # the rest trains, pass after pass
+    assert min(small_trained.values()) >= 2
 
 
 def test_a_corrupted_shard_mid_stream_is_skipped_and_counted_or_stops(tmp_path, lm_tokenizer):

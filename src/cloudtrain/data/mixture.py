@@ -3,8 +3,8 @@
 The global document sequence is a function of the seed alone: document k comes from the source that a
 counter-based draw (splitmix64 of seed and k: no generator state to store) picks among the active sources
 by weight. A source is read file after file (sorted) and record after record; its position is
-(pass, file, offset). When a source runs out (`--mixture_exhausted`): restart begins its next pass; drop
-takes it out and renormalises the others' weights; stop ends the stream. The whole state is a small
+(pass, file, offset). When a source runs out (`--mixture_exhausted`): restart begins its next pass (past its
+documents held out for validation, `held_out`: only the first pass reads them); drop takes it out and renormalises the others' weights; stop ends the stream. The whole state is a small
 JSON-able dict (`MixtureStream.state`), which is what a checkpoint stores and a resume seeks to.
 """
 
@@ -173,6 +173,8 @@ class MixtureStream:
             position = self.state["sources"][i]
             key = (i, position["pass"], position["record"])
             position["record"] += 1
+            if position["pass"] > 0 and key[2] < position.get("held_out", 0):
+                continue  # validation's: read on the first pass only, never trained on (the draw is the same again)
             self.state["doc"] += 1
             return i, key, got[0]
         raise StopIteration
@@ -181,10 +183,14 @@ class MixtureStream:
         position = self.state["sources"][i]
         if self.exhausted == "stop":
             self.state["ended"] = True
-        elif self.exhausted == "drop" or position["record"] == 0:  # a pass with no record would loop forever
+        elif self.exhausted == "drop" or position["record"] <= position.get("held_out", 0):  # else: loops forever
             position["active"] = False
         else:
             position.update({"pass": position["pass"] + 1, "file": 0, "offset": 0, "record": 0})
+
+    def holds_more(self, i: int) -> bool:
+        """Whether source i has a record after its position (reads it unparsed: the position moves past it)."""
+        return self._read(i, parse=False) is not None
 
     def _read(self, i: int, parse: bool) -> tuple[dict | None] | None:
         """(record,) from source i, moving to its next file at each end; None when the source has no more."""

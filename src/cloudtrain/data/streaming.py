@@ -395,12 +395,16 @@ def connect_stream(cfg: Any, needed: dict[str, str]) -> tuple[list[dict], list[S
 
 def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], dict]:
     """The first --stream_validation_docs documents of the mixture (validation) and the state after them,
-    where training starts, so no document is in both."""
+    where training starts. Each source's state counts its documents held out, which its later passes skip, so no
+    document is in both."""
     from cloudtrain.data.mixture import initial_state
 
     stream = MixtureStream(specs, initial_state(specs), seed, cfg.mixture_exhausted, cfg.on_bad_data)
     try:
         drawn = [stream.next() for _ in range(cfg.stream_validation_docs)]
+        start = copy.deepcopy(stream.state)
+        held = [sum(1 for i, _, _ in drawn if i == source) for source in range(len(specs))]
+        spent = [i for i, n in enumerate(held) if start["sources"][i]["pass"] > 0 or (n and not stream.holds_more(i))]
     except StopIteration:
         raise UserError(
             f"the training sources hold fewer than --stream_validation_docs {cfg.stream_validation_docs} "
@@ -408,20 +412,22 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
         ) from None
     finally:
         stream.close()
-    if wrapped := [i for i, source in enumerate(stream.state["sources"]) if source["pass"] > 0]:
-        size = sum(1 for i, (_, done, _), _ in drawn if i == wrapped[0] and done == 0)  # its first pass
+    if spent:
+        size = sum(1 for i, (_, done, _), _ in drawn if i == spent[0] and done == 0)  # its first pass
         raise UserError(
-            f"training source {specs[wrapped[0]].name} holds {size} documents, all held out for validation by "
-            f"--stream_validation_docs {cfg.stream_validation_docs} (training would read them again): give "
+            f"training source {specs[spent[0]].name} holds {size} documents, all held out for validation by "
+            f"--stream_validation_docs {cfg.stream_validation_docs} (none would be left to train on): give "
             f"--validation_file, or --stream_validation_docs well below {size}"
         )
+    for position, n in zip(start["sources"], held, strict=True):
+        position["held_out"] = n
     records = [record or {} for _, _, record in drawn]
     if any(isinstance(r.get(PACKED_LENGTHS), list) for r in records):
         raise UserError(
             "the training sources include packed shards (cloudtrain preprocess --packing), which hold no text to "
             "validate on: give --validation_file"
         )
-    return records, stream.state
+    return records, start
 
 
 def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
