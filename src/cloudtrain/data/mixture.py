@@ -4,8 +4,9 @@ The global document sequence is a function of the seed alone: document k comes f
 counter-based draw (splitmix64 of seed and k: no generator state to store) picks among the active sources
 by weight. A source is read file after file (sorted) and record after record; its position is
 (pass, file, offset). When a source runs out (`--mixture_exhausted`): restart begins its next pass (past its
-documents held out for validation, `held_out`: only the first pass reads them); drop takes it out and renormalises the others' weights; stop ends the stream. The whole state is a small
-JSON-able dict (`MixtureStream.state`), which is what a checkpoint stores and a resume seeks to.
+documents held out for validation, `held_out`: only the first pass reads them); drop takes it out and
+renormalises the others' weights; stop ends the stream. The whole state is a small JSON-able dict
+(`MixtureStream.state`), which is what a checkpoint stores and a resume seeks to.
 """
 
 from __future__ import annotations
