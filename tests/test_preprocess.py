@@ -7,9 +7,11 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from test_streaming import data_cfg, numbered, plan_for, take, write_jsonl
+from conftest import assert_each_refused, byte_level_bpe
+from test_streaming import numbered, plan_for, stream_run_args, take, write_jsonl
 from transformers import AutoTokenizer
 
+from cloudtrain import train
 from cloudtrain.cli import main
 from cloudtrain.data.streaming import encode_stored
 from cloudtrain.errors import UserError
@@ -187,16 +189,68 @@ def test_packed_shards_are_the_rows_a_stream_of_the_raw_corpus_packs(
     assert counts[0] == counts[1] and counts[0]["documents"] == 67  # the 70 documents but the 3 empty ones
 
 
-def test_packed_shards_need_a_validation_file(corpus, tmp_path, lm_tokenizer_dir):
-    from cloudtrain.data.mixture import resolve_sources
-    from cloudtrain.data.streaming import hold_out
-
+def test_packed_shards_train_from_the_command_line_with_a_validation_file(
+    corpus, tmp_path, tiny_llama_dir, lm_tokenizer_dir, capsys
+):
     out = tmp_path / "packed"
     argv = ["preprocess", "--train_file", f"{corpus}/*.jsonl", "--tokenizer_name_or_path", lm_tokenizer_dir]
     assert main([*argv, "--output_dir", str(out), "--packing", "bfd", "--max_length", "32"]) in (0, None)
-    cfg = data_cfg(train_file=f"{out}/*.parquet", stream_validation_docs=2)
-    with pytest.raises(UserError, match="--validation_file"):
-        hold_out(resolve_sources(cfg.data), cfg.data, 0)
+    held_out = write_jsonl(tmp_path / "held-out.jsonl", numbered(5, "held-out"))
+    run = tmp_path / "run"
+    args = stream_run_args(tiny_llama_dir, f"{out}/*.parquet", run, "--max_steps", "3")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    refused = {"no validation file": (options, "holds packed shards (cloudtrain preprocess --packing), which hold")}
+    assert_each_refused(refused, capsys, run)
+    results = train({**options, "validation_file": str(held_out)})
+    assert results["train"]["global_step"] == 3 and results["eval"]["tokens"] > 0
+    assert results["train"]["sources"][f"{out}/*.parquet"]["tokens"] > 0
+
+
+def test_shards_made_otherwise_than_the_run_would_make_them_are_refused_before_training(
+    corpus, qa, tmp_path, tiny_llama_dir, lm_tokenizer_dir, capsys
+):
+    """Another tokenizer's ids, another task's encoding, rows longer than --max_length, and (no manifest to
+    vouch for them) ids beyond the vocabulary: each one line, before the first step."""
+    other_tokenizer = tmp_path / "tokenizer-b"
+    byte_level_bpe(["zebra quantum lattice " * 40] * 3, 300, ["<eos>"], eos_token="<eos>").save_pretrained(
+        other_tokenizer
+    )
+    made = {
+        "other-tokenizer": (f"{corpus}/*.jsonl", other_tokenizer, []),
+        "sft": (str(qa), lm_tokenizer_dir, ["--task", "sft", "--max_length", "32"]),
+        "packed-64": (f"{corpus}/*.jsonl", lm_tokenizer_dir, ["--packing", "bfd", "--max_length", "64"]),
+    }
+    for name, (source, tokenizer, extra) in made.items():
+        argv = ["preprocess", "--train_file", source, "--tokenizer_name_or_path", str(tokenizer), *extra]
+        assert main([*argv, "--output_dir", str(tmp_path / name)]) in (0, None)
+    bare = tmp_path / "bare"  # shards copied without their manifest, from a tokenizer with a larger vocabulary
+    bare.mkdir()
+    pq.write_table(pa.table({"text": ["a", "b"], "input_ids": [[9999, 2], [3, 4]]}), bare / "shard-00000.parquet")
+    held_out = write_jsonl(tmp_path / "held-out.jsonl", numbered(5, "held-out"))
+    run = tmp_path / "run"
+
+    def options(source: str) -> dict:
+        args = stream_run_args(tiny_llama_dir, source, run, "--max_steps", "2", "--validation_file", str(held_out))
+        return {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+
+    assert_each_refused(
+        {
+            "another tokenizer": (
+                options(f"{tmp_path}/other-tokenizer/*.parquet"),
+                "tokenized by " + str(other_tokenizer),
+            ),
+            "another task": (
+                options(f"{tmp_path}/sft/*.parquet"),
+                "holds shards cloudtrain preprocess made for --task sft",
+            ),
+            "longer rows": (options(f"{tmp_path}/packed-64/*.parquet"), "packed to 64 tokens and --max_length 32"),
+            "no manifest": (options(f"{bare}/*.parquet"), "holds token id 9999, beyond this run's tokenizer"),
+        },
+        capsys,
+        run,
+    )
+    raw_manifest = json.loads((tmp_path / "sft" / "manifest.json").read_text())
+    assert raw_manifest["vocabulary"] >= 400 and len(raw_manifest["tokenizer_digest"]) == 16
 
 
 @pytest.mark.parametrize(
@@ -360,3 +414,16 @@ def test_train_on_prompt_takes_true_as_training_does(qa, tmp_path, lm_tokenizer_
         masks[given] = [flag for row in rows for piece in row for flag in piece]  # a row: its pieces' masks
     assert all(masks["true"])  # the prompt's tokens are trained on too
     assert 0 < sum(masks["false"]) < len(masks["false"])  # by default the answers alone
+
+
+def test_a_stored_id_beyond_the_vocabulary_mid_stream_is_one_line_naming_its_source(tmp_path, lm_tokenizer):
+    """Past the first record (what the check before training reads), a shard's id beyond the tokenizer stops the
+    stream with the source named, not with the embedding's IndexError inside the model."""
+    ids = [[5, 6, 7]] * 40 + [[8, 99999, 9]] + [[5, 6, 7]] * 40
+    pq.write_table(pa.table({"text": ["t"] * len(ids), "input_ids": ids}), tmp_path / "shard-00000.parquet")
+    plan = plan_for(tmp_path, lm_tokenizer, train_file=f"{tmp_path}/*.parquet", exhausted="stop")
+    plan.vocabulary = len(lm_tokenizer)
+    batches = iter(plan.loader(2))
+    assert int(next(batches)["input_ids"].max()) == 7
+    with pytest.raises(UserError, match=r"\*.parquet holds token id 99999, beyond this run's tokenizer \(4\d\d tokens"):
+        list(batches)

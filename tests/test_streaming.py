@@ -280,7 +280,7 @@ def test_each_bad_stream_input_is_one_line(tmp_path):
     (tmp_path / "reviews.csv").write_text("review,label\na good tale,1\n")
     told = "has no column 'text' (its columns: review, label); name its column with --text_column (every source)"
     with pytest.raises(UserError, match=re.escape(told)):
-        connect_stream(data_cfg(train_file=str(tmp_path / "reviews.csv")).data, {"text": "--text_column"})
+        connect_stream(data_cfg(train_file=str(tmp_path / "reviews.csv")).data, {"text": "--text_column"}, False)
     # a corpus smaller than the held-out validation documents: restart would train on every one of them again
     few = data_cfg(train_file=str(a), stream_validation_docs=8).data
     told = f"training source {a} holds 5 documents, all held out for validation by --stream_validation_docs 8"

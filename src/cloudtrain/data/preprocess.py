@@ -41,6 +41,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from cloudtrain.commands import add_switch
+from cloudtrain.data.shards import MANIFEST
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync
@@ -48,13 +49,13 @@ from cloudtrain.publish.output_dir import free_name
 from cloudtrain.registry_table import EXAMPLES, STREAMING
 
 if TYPE_CHECKING:  # tasks import torch and transformers: not while the options are parsed and checked
+    from cloudtrain.config.data import DataConfig
     from cloudtrain.tasks.base import Task
 
 TOKENS = "input_ids"  # the column a streaming run takes as stored tokens
 MASK = "loss_mask"  # SFT: per example (unpacked) or per row (packed), the tokens the loss is taken on
 LENGTHS = "seq_lengths"  # packed rows: the lengths of the documents (pieces) in the row; marks a row as packed
 DOCUMENTS = "documents"  # packed rows: how many documents start in the row (the per-source counts)
-MANIFEST = "manifest.json"
 HISTOGRAM = "length_histogram.png"
 STAGED, ASIDE = ".preprocess-new", ".preprocess-old"  # `.<name><suffix>` beside a local output folder
 CHAT_OPTIONS = ("messages_column", "prompt_column", "completion_column", "system_prompt", "chat_template")
@@ -148,12 +149,11 @@ def _documents(spec: Any, chunk: int) -> Any:
         stream.close()
 
 
-def _encoder(args: argparse.Namespace, task: type[Task], tokenizer: Any, first: dict) -> tuple[Any, list[str]]:
-    """The task's stream encoder (records -> per record, its examples) and the record columns a shard keeps."""
+def _data_config(args: argparse.Namespace, task: type[Task]) -> DataConfig:
+    """The options the task's stream encoder reads, as training's data config holds them."""
     from cloudtrain.config.data import DataConfig
 
-    cfg = DataConfig(**{name: getattr(args, name) for name in task.stream_options})
-    return task.preprocess_encoder(tokenizer, cfg, first)
+    return DataConfig(**{name: getattr(args, name) for name in task.stream_options})
 
 
 def _column(values: list):
@@ -408,16 +408,18 @@ def run(args: argparse.Namespace) -> None:
 
 def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict]:
     """Every shard, the picture, and the manifest last (what marks a staged set complete)."""
+    from cloudtrain.data.shards import made_with
     from cloudtrain.models.load import read_tokenizer  # transformers and torch: only once the options are valid
     from cloudtrain.registry import TASKS
 
     task = TASKS[args.task]
+    cfg = _data_config(args, task)
     spec = _source(args)
     tokenizer = read_tokenizer(args.tokenizer_name_or_path, trust_remote_code=False)
     encode, keep, shards, lengths = None, [args.text_column], [], []
     for n, records in enumerate(_documents(spec, args.shard_documents)):
         if encode is None:
-            encode, keep = _encoder(args, task, tokenizer, next((r for r in records if r), {}))
+            encode, keep = task.preprocess_encoder(tokenizer, cfg, next((r for r in records if r), {}))
         table, doc_lengths = _shard(records, encode, keep, args)
         name = f"shard-{n:05d}.parquet"
         out.write(name, _parquet(table))
@@ -434,13 +436,14 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
             f"{args.train_file} gave no tokens: no record has text in column {args.text_column!r} (its columns: "
             f"{columns}); pass --text_column"
         )
-    manifest = _manifest(args, task.stream_options, shards, lengths)
+    manifest = _manifest(args, made_with(task, tokenizer, cfg), shards, lengths)
     out.write(HISTOGRAM, _plot(manifest["length_histogram"]))
     out.write(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return sum(s["rows"] for s in shards), shards, manifest
 
 
-def _manifest(args: argparse.Namespace, options: tuple[str, ...], shards: list[dict], lengths: list[int]) -> dict:
+def _manifest(args: argparse.Namespace, made: dict, shards: list[dict], lengths: list[int]) -> dict:
+    """The counts, and what the shards were made with (`made`: checked by each run that trains on them)."""
     import numpy as np
 
     counts, edges = np.histogram(lengths, bins=min(50, max(1, len(set(lengths)))))
@@ -451,7 +454,7 @@ def _manifest(args: argparse.Namespace, options: tuple[str, ...], shards: list[d
         "text_column": args.text_column,
         "packing": args.packing,
         "max_length": args.max_length,
-        **{name: getattr(args, name) for name in options},  # the task's own (its encoder's)
+        **made,  # the task's encoder's options and the tokenizer's digest
         "documents": len(lengths),
         "empty_documents": sum(1 for n in lengths if n == 0),
         "tokens": sum(lengths),

@@ -72,7 +72,7 @@ class _GzipFile(gzip.GzipFile):
             raw.close()
 
 
-def _open_raw(path: str) -> Any:
+def open_raw(path: str) -> Any:
     if is_remote(path):  # object storage or the Hub through fsspec: seekable, read in blocks by ranged GETs
         import fsspec
 
@@ -82,7 +82,7 @@ def _open_raw(path: str) -> Any:
 
 def _open_binary(path: str) -> Any:
     """The file's decompressed bytes; compression wraps the raw handle, so s3:// .gz and .zst read too."""
-    raw = _open_raw(path)
+    raw = open_raw(path)
     if path.endswith(".gz"):
         return _GzipFile(fileobj=raw, mode="rb")
     if path.endswith(".zst"):

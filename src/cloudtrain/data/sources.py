@@ -72,11 +72,13 @@ def _connect_stream(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> Da
     themselves in `raw.stream_sources`; validation and test files load as usual."""
     from cloudtrain.data.streaming import connect_stream
 
-    sample, specs = connect_stream(cfg, {column: flag for flag, (column, _) in columns.items()})
+    held = split_files(cfg)  # the held-out files: a stream's training files are not among them
+    sample, specs = connect_stream(cfg, {column: flag for flag, (column, _) in columns.items()}, "validation" in held)
+    loaded = {split: _load_path(path, split, cfg.text_column) for split, path in held.items()}
+    if not sample:  # packed shards alone hold no records: the task's column checks read the validation data's
+        sample = [loaded["validation"][0]]
     common = [key for key in sample[0] if all(key in record for record in sample)]
-    raw = DatasetDict({"train": Dataset.from_list([{k: record[k] for k in common} for record in sample])})
-    for split, path in split_files(cfg).items():  # the held-out files: a stream's training files are not among them
-        raw[split] = _load_path(path, split, cfg.text_column)
+    raw = DatasetDict({"train": Dataset.from_list([{k: record[k] for k in common} for record in sample]), **loaded})
     raw.stream_sources = specs  # type: ignore[attr-defined]
     return raw
 

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from cloudtrain.data.mixture import MixtureStream, SourceSpec
 from cloudtrain.data.packing import pack_buffer
+from cloudtrain.data.shards import check_shards, read_manifest
 from cloudtrain.errors import UserError, first_difference
 
 STATE_FILE = "data_state.json"  # the stream's cursor in a checkpoint
@@ -58,6 +59,7 @@ class StreamPlan:
     encode: Encoder  # a buffer's records -> per record, its examples (token ids, loss mask or None)
     collator: Callable[[list[dict]], dict] | None = None
     budget: dict = field(default_factory=dict)  # max_steps, max_tokens, micro, accumulation, workers
+    vocabulary: int | None = None  # the tokenizer's size: a stored id at or beyond it is refused
 
     def __len__(self) -> int:  # rows planned: printed by the trainer as the training rows
         return self.budget.get("rows", 0)
@@ -153,10 +155,10 @@ class BufferDataset(IterableDataset):
 
     def _rows(self, docs: list[tuple]) -> list[dict]:
         """The buffer's rows: its packed shard rows as they are, then the other documents packed."""
-        packed = [d for d in docs if isinstance((d[2] or {}).get(PACKED_LENGTHS), list)]
+        packed = [d for d in docs if is_packed(d[2])]
         rows = [_packed_row(record, source, key, self.plan.block_size) for source, key, record in packed]
         if len(packed) < len(docs):
-            rows += self._pack([d for d in docs if not isinstance((d[2] or {}).get(PACKED_LENGTHS), list)])
+            rows += self._pack([d for d in docs if not is_packed(d[2])])
         return rows
 
     def _pack(self, docs: list[tuple]) -> list[dict]:
@@ -270,9 +272,23 @@ class StreamLoader:
     def __iter__(self) -> Iterator[dict]:
         """This process's collated micro-batches, on the host (pinned with `pin_memory`)."""
         assert self.plan.collator is not None
+        vocabulary = self.plan.vocabulary
         for chunk in self.chunks():
             batch = self.plan.collator([{k: v for k, v in r.items() if k not in ("starts", "tokens")} for r in chunk])
+            if vocabulary and int(batch["input_ids"].max()) >= vocabulary:
+                self._beyond(chunk, vocabulary)
             yield {k: v.pin_memory() if self.pin else v for k, v in batch.items()}
+
+    def _beyond(self, chunk: list[dict], vocabulary: int) -> None:
+        """Stored tokens no id of this run's tokenizer reaches (shards made by another, with no manifest to say it):
+        one line naming the source, not an embedding's IndexError."""
+        row = next(r for r in chunk if max(r["input_ids"], default=0) >= vocabulary)
+        source = self.plan.sources[row["starts"][0][0]].name if row["starts"] else "a training source"
+        raise UserError(
+            f"{source} holds token id {max(row['input_ids'])}, beyond this run's tokenizer ({vocabulary} tokens): "
+            "its shards were made by another tokenizer; run cloudtrain preprocess again with "
+            "--tokenizer_name_or_path naming this run's"
+        )
 
     def chunks(self) -> Iterator[list[dict]]:
         """This process's micro-batches as rows (with the keys of the documents starting in each, `starts`)."""
@@ -377,8 +393,9 @@ class StreamLoader:
         return values
 
 
-def connect_stream(cfg: Any, needed: dict[str, str]) -> tuple[list[dict], list[SourceSpec]]:
-    """The sources of a DataConfig checked (files, weights, columns) and the first record of each.
+def connect_stream(cfg: Any, needed: dict[str, str], validation: bool) -> tuple[list[dict], list[SourceSpec]]:
+    """The sources of a DataConfig checked (files, weights, columns), and the first record of each that holds the
+    task's records (packed shards hold training rows instead: they need a `validation` split given).
 
     `needed`: {column: its flag} of the task's columns every source's records must hold (a source's `columns:` maps
     its own names).
@@ -390,7 +407,19 @@ def connect_stream(cfg: Any, needed: dict[str, str]) -> tuple[list[dict], list[S
     for spec in specs:
         if spec.format == "txt":  # a line arrives as "text": it is the task's text column
             spec.columns.setdefault(cfg.text_column, "text")
-    return [_first_record(spec, needed) for spec in specs], specs
+    first = [_first_record(spec, needed) for spec in specs]
+    packed = [spec.name for spec, record in zip(specs, first, strict=True) if is_packed(record)]
+    if packed and not validation:
+        raise UserError(
+            f"training source {packed[0]} holds packed shards (cloudtrain preprocess --packing), which hold no text "
+            "to validate on: give --validation_file"
+        )
+    return [record for record in first if not is_packed(record)], specs
+
+
+def is_packed(record: dict | None) -> bool:
+    """A training row packed by `cloudtrain preprocess --packing` (passed through as it is), not a record."""
+    return isinstance((record or {}).get(PACKED_LENGTHS), list)
 
 
 def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], dict]:
@@ -422,7 +451,7 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
     for position, n in zip(start["sources"], held, strict=True):
         position["held_out"] = n
     records = [record or {} for _, _, record in drawn]
-    if any(isinstance(r.get(PACKED_LENGTHS), list) for r in records):
+    if any(is_packed(r) for r in records):  # a source of packed shards and records both
         raise UserError(
             "the training sources include packed shards (cloudtrain preprocess --packing), which hold no text to "
             "validate on: give --validation_file"
@@ -443,7 +472,16 @@ def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
         except (StopIteration, BadFile, BadRecord):
             continue
         record = MixtureStream._columns(record or {}, spec)
+        if is_packed(record):
+            return record
         missing = [c for c in needed if c not in record]
+        manifest = read_manifest(path.rsplit("/", 1)[0]) if missing else None
+        if missing and manifest:
+            raise UserError(
+                f"training source {spec.name} has no column {missing[0]!r}: it holds shards cloudtrain preprocess "
+                f"made for --task {manifest.get('task')} (columns: {', '.join(record)}); train them with the options "
+                "they were made with, or preprocess the corpus again with this run's"
+            )
         if missing:
             raise UserError(
                 f"training source {spec.name} has no column {missing[0]!r} (its columns: {', '.join(record)}); "
@@ -463,11 +501,15 @@ def check_streaming(cfg: Any) -> None:
         raise UserError("--streaming true needs a fixed --per_device_train_batch_size (auto probes stored rows)")
 
 
-def stream_plan(raw: Any, cfg: Any, encode: Encoder, collator: Callable) -> tuple[StreamPlan, list[dict] | None]:
+def stream_plan(
+    raw: Any, cfg: Any, encode: Encoder, collator: Callable, made: dict
+) -> tuple[StreamPlan, list[dict] | None]:
     """The training stream of a streaming run, and the held-out validation records when there is no
-    validation split (None otherwise)."""
+    validation split (None otherwise). `made`: what this run would make shards with (data.shards.made_with),
+    checked against each source's preprocess manifest first."""
     d, t = cfg.data, cfg.training
     specs = raw.stream_sources
+    check_shards(specs, made, d.max_length)
     held_out, start = None, None
     if "validation" not in raw:
         held_out, start = hold_out(specs, d, t.seed)
@@ -490,5 +532,6 @@ def stream_plan(raw: Any, cfg: Any, encode: Encoder, collator: Callable) -> tupl
             "accumulation": t.gradient_accumulation_steps,
             "workers": d.dataloader_num_workers,
         },
+        vocabulary=made["vocabulary"],
     )
     return plan, held_out

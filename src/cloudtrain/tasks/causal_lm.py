@@ -47,6 +47,7 @@ from cloudtrain.data.packing import (
     target_loss,
 )
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
+from cloudtrain.data.shards import made_with
 from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
@@ -161,7 +162,9 @@ class CausalLMTask(DecoderTask):
         )
         plan = None
         if d.streaming:
-            plan, held_out = stream_plan(raw, cfg, self.stream_encoder(tokenizer, d), collator)
+            plan, held_out = stream_plan(
+                raw, cfg, self.stream_encoder(tokenizer, d), collator, made_with(self, tokenizer, d)
+            )
             raw = DatasetDict({split: ds for split, ds in raw.items() if split != "train"})
             if held_out is not None:
                 raw["validation"] = Dataset.from_list([{d.text_column: r.get(d.text_column)} for r in held_out])

@@ -38,6 +38,7 @@ from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
 from cloudtrain.data.packing import CausalLMCollator, pack_examples
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
+from cloudtrain.data.shards import made_with
 from cloudtrain.data.streaming import StreamPlan, stream_plan
 from cloudtrain.errors import UserError
 from cloudtrain.generate import generate_texts
@@ -153,7 +154,9 @@ class SFTTask(CausalLMTask):
         )
         plan = None
         if d.streaming:  # training examples are encoded and packed on the fly (cloudtrain.data.streaming)
-            plan, held_out = stream_plan(raw, cfg, self.stream_encoder(columns, d), collator)
+            plan, held_out = stream_plan(
+                raw, cfg, self.stream_encoder(columns, d), collator, made_with(self, tokenizer, d)
+            )
             raw = DatasetDict({split: ds for split, ds in raw.items() if split != "train"})
             if held_out is not None:
                 names = [c for c in columns.names if any(c in r for r in held_out)]

@@ -1,0 +1,127 @@
+"""What `cloudtrain preprocess` shards were made with, and the check a streaming run makes before its first step.
+
+A manifest records the task, the options its encoder read and the tokenizer (a digest of its vocabulary, special
+tokens and chat template): `made_with`. A run computes the same for itself and compares each source's manifest
+with it, so tokens made by another tokenizer, for another task or with other options never train unseen. Shards
+without a manifest (copied without it) are checked by the range of their first record's token ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import TYPE_CHECKING, Any
+
+from cloudtrain.errors import UserError
+
+if TYPE_CHECKING:
+    from cloudtrain.config.data import DataConfig
+    from cloudtrain.data.mixture import SourceSpec
+
+MANIFEST = "manifest.json"
+TOKENS, LENGTHS = "input_ids", "seq_lengths"  # a shard row's stored tokens; a packed row's document lengths
+
+
+def tokenizer_digest(tokenizer: Any) -> str:
+    """The tokenizer as its ids mean: vocabulary (added tokens included), special tokens and chat template."""
+    described = [
+        sorted(tokenizer.get_vocab().items()),
+        sorted(tokenizer.all_special_ids),
+        getattr(tokenizer, "chat_template", None),
+    ]
+    return hashlib.sha256(json.dumps(described, default=str).encode()).hexdigest()[:16]
+
+
+def made_with(task: Any, tokenizer: Any, data: DataConfig) -> dict:
+    """The task, the options its stream encoder reads, and the tokenizer's digest and size."""
+    return {
+        "task": task.name,
+        **{name: getattr(data, name) for name in task.stream_options},
+        "tokenizer_digest": tokenizer_digest(tokenizer),
+        "vocabulary": len(tokenizer),
+    }
+
+
+def check_shards(specs: list[SourceSpec], run: dict, max_length: int) -> None:
+    """Every source's shards made as this run (`made_with` of it) would make them; one line naming the first
+    difference otherwise."""
+    for spec in specs:
+        folders = list(dict.fromkeys(path.rsplit("/", 1)[0] for path in spec.files))
+        checked = False
+        for folder in folders:
+            manifest = read_manifest(folder)
+            if manifest is not None:
+                _compare(folder, manifest, run, max_length)
+                checked = checked or "tokenizer_digest" in manifest
+        if not checked:
+            _check_ids(spec, run["vocabulary"])
+
+
+def read_manifest(folder: str) -> dict | None:
+    """The preprocess manifest in `folder` (local or a URL), or None where there is none of ours."""
+    from cloudtrain.data.readers import open_raw
+
+    try:
+        with open_raw(f"{folder}/{MANIFEST}") as handle:
+            manifest = json.loads(handle.read())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("shards"), list) else None
+
+
+def _compare(folder: str, manifest: dict, run: dict, max_length: int) -> None:
+    again = "run cloudtrain preprocess again with this run's options"
+    if manifest.get("task", run["task"]) != run["task"]:
+        raise UserError(
+            f"{folder} holds shards made for --task {manifest['task']} and this run is --task {run['task']}: "
+            f"{again} (--task {run['task']}), or train them with --task {manifest['task']}"
+        )
+    if manifest.get("tokenizer_digest", run["tokenizer_digest"]) != run["tokenizer_digest"]:
+        raise UserError(
+            f"{folder} holds shards tokenized by {manifest.get('tokenizer')} ({manifest.get('vocabulary')} tokens), "
+            f"not by this run's tokenizer ({run['vocabulary']} tokens; the ids would mean other tokens): {again} "
+            "(--tokenizer_name_or_path naming this run's tokenizer)"
+        )
+    for name, value in run.items():
+        if name not in ("task", "tokenizer_digest", "vocabulary") and manifest.get(name, value) != value:
+            theirs = _shown(manifest[name])
+            raise UserError(
+                f"{folder} holds shards made with --{name} {theirs} and this run has --{name} {_shown(value)}: "
+                f"give --{name} {theirs}, or {again}"
+            )
+    made = manifest.get("max_length")
+    if manifest.get("packing", "none") != "none" and made and made > max_length:
+        raise UserError(
+            f"{folder} holds rows packed to {made} tokens and --max_length {max_length} would cut them: give "
+            f"--max_length {made}, or {again}"
+        )
+
+
+def _shown(value: Any) -> str:
+    return "unset" if value is None else str(value)
+
+
+def _check_ids(spec: SourceSpec, vocabulary: int) -> None:
+    """Shards with no manifest to vouch for them: their first record's token ids within this tokenizer's range."""
+    from cloudtrain.data.readers import BadFile, BadRecord, RecordReader
+
+    for path in spec.files:
+        try:
+            reader = RecordReader(path, spec.format)
+            try:
+                record, _ = reader.next()
+            finally:
+                reader.close()
+        except (StopIteration, BadFile, BadRecord):
+            continue
+        ids = (record or {}).get(TOKENS)
+        if not isinstance(ids, list):
+            return
+        flat = [i for example in ids for i in example] if ids and isinstance(ids[0], list) else ids
+        if flat and max(flat) >= vocabulary:
+            raise UserError(
+                f"{path} holds token id {max(flat)}, beyond this run's tokenizer ({vocabulary} tokens): the shards "
+                "were made by another tokenizer; run cloudtrain preprocess again with --tokenizer_name_or_path "
+                "naming this run's"
+            )
+        return
