@@ -452,10 +452,25 @@ def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, t
     result = train(again | {"per_device_train_batch_size": "2", "gradient_accumulation_steps": "2"})["train"]
     assert result["global_step"] == 4  # the same rows per step, cut another way: accepted
     assert json.loads((checkpoint / "trainer_state.json").read_text())["state"]["total_steps"] == 2
+    said = capsys.readouterr().out
     assert (  # --max_steps 4 extends a run planned for 2: its schedule is rebuilt, and the run says so
         "note: checkpoint-2 was trained on a learning-rate schedule of 2 steps; this run's has 4, and from step 2 the "
-        "learning rate follows it (as if 4 had been planned from the start)" in capsys.readouterr().out
+        "learning rate follows it (as if 4 had been planned from the start)" in said
     )
+    assert "other training data" not in said  # the same rows: the run goes on as the one that stopped
+    # the same labels, edited rows: the step means other batches now, which the run says (it may be meant)
+    edited = tmp_path / "edited-train.csv"
+    lines = Path(topic_csvs["train"]).read_text().splitlines()
+    edited.write_text("\n".join([lines[0], *["today " + line for line in lines[1:]]]) + "\n")
+    train(again | {"train_file": str(edited), "output_dir": str(tmp_path / "c")})
+    rows = len(lines) - 1
+    assert (
+        f"note: checkpoint-2 was trained on other training data (the same {rows} rows in number, other in content)"
+        in capsys.readouterr().out
+    )
+    edited.write_text("\n".join([*lines, lines[1]]) + "\n")
+    train(again | {"train_file": str(edited), "output_dir": str(tmp_path / "d")})
+    assert f"other training data ({rows} rows there, {rows + 1} here)" in capsys.readouterr().out
 
 
 def views(*steps_by_node: list[int], named: bool = True) -> list[dict]:

@@ -330,6 +330,26 @@ def test_images_a_metadata_file_leaves_out_are_named_in_a_note(tmp_path, capsys)
     )
 
 
+def test_a_resume_on_another_image_folder_or_resolution_is_told_the_rows_differ(tmp_path):
+    """The record a checkpoint keeps of an image set (no image read), and the resume's note when it differs."""
+    from cloudtrain.config import ImagesConfig
+    from cloudtrain.data.fingerprint import data_record, other_data_note
+
+    def record(folder: Path, **options) -> dict:
+        examples = images.captioned_examples(str(folder), "text")
+        return data_record(images.ImageRows(examples, lambda caption: {}, ImagesConfig(**options), train=True))
+
+    first = record(captioned_folder(tmp_path / "a"), resolution=16)
+    assert first == record(tmp_path / "a", resolution=16) and first["rows"] == 6
+    checkpoint = tmp_path / "checkpoint-4"
+    assert other_data_note({"data": first}, record(tmp_path / "a", resolution=16), checkpoint) is None
+    assert other_data_note({}, first, checkpoint) is None  # a checkpoint from before the record
+    larger = other_data_note({"data": first}, record(tmp_path / "a", resolution=32), checkpoint)
+    assert larger is not None and "checkpoint-4 was trained on other training data (the same 6 rows" in larger
+    other = other_data_note({"data": first}, record(captioned_folder(tmp_path / "b", n=4), resolution=16), checkpoint)
+    assert other is not None and "(6 rows there, 4 here)" in other
+
+
 def test_caption_files_beside_the_images_are_read(tmp_path):
     folder = plain_folder(tmp_path / "txt", (10, 10, 10), n=2)
     (folder / "0.txt").write_text("first caption\n")

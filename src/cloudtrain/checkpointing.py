@@ -403,11 +403,12 @@ class Checkpointer:
         share: Callable[[Any], Any] = lambda value: value,
         index: int = 0,
         labels: Sequence[str] = (),
+        data: dict | None = None,
     ):
         """`export(folder)` (every process) adds files to a checkpoint being written; `on_saved(step,
         path)` (main) sees each complete one; `before_delete()` (main) runs before rotation deletes;
         `share(value)` hands the main process's value to every process (a collective); `labels`: a classifier's,
-        by output (`check_labels`)."""
+        by output (`check_labels`); `data`: the training rows' record (cloudtrain.data.fingerprint)."""
         self.folder, self.output_dir, self.is_main, self.barrier = (
             Path(folder),
             Path(output_dir),
@@ -429,6 +430,7 @@ class Checkpointer:
         self.adapters = adapter_settings(cfg)
         self.model = model_record(cfg)
         self.labels = list(labels)  # what each output of a classifier means: a resume on renamed labels is refused
+        self.data = data or {}  # the rows trained on: a resume on other rows is told so
         t = cfg.training  # what --per_device_train_batch_size auto chose: a resume takes it instead of searching
         self.batch = {
             "per_device_train_batch_size": t.per_device_train_batch_size,
@@ -581,6 +583,7 @@ class Checkpointer:
             "model": self.model,
             "batch": self.batch,
             "labels": self.labels,
+            "data": self.data,
             "metric": self.metric,
             "score": self._score(state),
             "state": asdict(state),

@@ -30,6 +30,7 @@ from cloudtrain.checkpointing import (
     restore_run_files,
 )
 from cloudtrain.config import Config
+from cloudtrain.data.fingerprint import data_record, other_data_note
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
 from cloudtrain.data.sources import pin_sources
 from cloudtrain.errors import TrainingStopped, UserError
@@ -223,6 +224,8 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
             raise UserError(str(err), quiet=not runtime.is_main) from None
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
+        if resumed and resume_from and (note := other_data_note(resumed, data_record(data.train), resume_from)):
+            print(note, flush=True)
     model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
     model = prepare(model, cfg, task, runtime.is_main, stop=compile_model)  # attention ... adapters, in order
     if cfg.training.per_device_train_batch_size == "auto":  # probes the prepared model, before it is compiled
@@ -320,6 +323,7 @@ def _checkpointer(run: Run, uploader: "hub.HubUploader | None") -> Checkpointer:
         share=runtime.share,
         index=runtime.index,
         labels=run.data.label_names,
+        data=data_record(run.data.train),
     )
 
 

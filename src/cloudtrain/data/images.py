@@ -19,6 +19,7 @@ from PIL import Image, UnidentifiedImageError
 
 from cloudtrain import paths
 from cloudtrain.config import ImagesConfig
+from cloudtrain.data.fingerprint import digest
 from cloudtrain.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
@@ -29,6 +30,11 @@ METADATA = "metadata.jsonl"
 class Example:
     image: Any  # a file path, or a PIL image from a dataset
     caption: str
+
+
+def _named(image: Any) -> str:
+    """A file image by its path; a dataset's image by its size (reading its pixels would cost a pass)."""
+    return str(image) if isinstance(image, (str, Path)) else f"{getattr(image, 'size', None)}"
 
 
 def image_files(folder: Path) -> list[Path]:
@@ -196,6 +202,13 @@ class ImageRows(torch.utils.data.Dataset):
         self.size_ids = size_ids  # SDXL: each row's original size and crop (cloudtrain.models.sdxl.time_ids)
         self.class_examples = class_examples or []
         self.cached: list[dict] | None = None  # filled by cache(): latents and text embeddings per row
+
+    def fingerprint(self) -> str:
+        """The rows without reading an image: files (or sizes), captions, and the options that shape them."""
+        c = self.cfg
+        options = [c.resolution, c.center_crop, c.random_flip, c.max_sequence_length, self.buckets]
+        described = [[_named(e.image), e.caption] for e in [*self.examples, *self.class_examples]]
+        return digest([options, described])
 
     def __len__(self) -> int:
         # DreamBooth pairs each instance image with a class image, cycling the shorter list (as diffusers does)
