@@ -56,7 +56,6 @@ from cloudtrain.registry import TRAINERS
 from cloudtrain.tasks.base import DecoderTask, Task
 from cloudtrain.training.basic import rng_state, set_rng_state
 from cloudtrain.training.meter import StepStats
-from cloudtrain.training.preemption import until
 from cloudtrain.training.trainer import Trainer
 from cloudtrain.training.weights import count_parameters
 
@@ -393,7 +392,7 @@ class PipelineTrainer(Trainer):
         sums = torch.zeros(3, dtype=torch.float64, device=self.rt.device)  # loss, target tokens, rows
         m = self.cfg.distributed.pipeline_microbatches
         rows = math.ceil(self.cfg.training.per_device_eval_batch_size / m) * m
-        for batch in until(stop, self.eval_dls[split]):
+        for batch in self._batches(self.eval_dls[split], f"evaluation of {split}", stop):
             batch = self._shard(batch, rows)
             loss_sum = self._run(self.eval_schedule.eval, batch)
             if self.holds_last:
