@@ -209,12 +209,14 @@ def check_layout(saved: dict, now: dict, sources: list[SourceSpec]) -> None:
                 f"the checkpoint's data stream was cut with {option} {saved.get(key)}, this run's with {option} "
                 f"{now[key]}: its cursor counts rows of that cut; resume with {option} {saved.get(key)}"
             )
-    if "held_out" in saved and saved["held_out"] != now["held_out"]:  # recorded since the hold-out is skipped
+    # recorded since the hold-out is skipped; the cursor keeps skipping what it held out, so fewer (or a
+    # --validation_file instead) validate on none of its training documents, and only more would
+    if any(n > was for n, was in zip(now["held_out"], saved.get("held_out", now["held_out"]), strict=True)):
         was, held = sum(saved["held_out"]), sum(now["held_out"])
         give = f"--stream_validation_docs {was}" if was else "--validation_file, as the run that saved it did"
         raise UserError(
             f"the checkpoint's data stream held out {was} documents for validation and this run's {held}: it would "
-            f"validate on documents the run trained on, or never train on some; resume with {give}"
+            f"validate on documents the run trained on; resume with {give}"
         )
     for spec, was, is_now in zip(sources, saved["files"], now["files"], strict=True):
         if was != is_now:
