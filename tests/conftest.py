@@ -602,3 +602,15 @@ def assert_each_refused(cases: dict, capsys, out: Path) -> None:
         assert "Traceback" not in err and message in err.splitlines()[-1], (case, err)
         assert sum(line.startswith("error: ") for line in err.splitlines()) == 1, (case, err)
         assert not out.exists(), case
+
+
+HOLDER = (
+    "import sys; from cloudtrain.publish.output_dir import hold; hold(sys.argv[1]); print('held', flush=True); input()"
+)
+
+
+def another_run_holding(out: Path) -> subprocess.Popen:
+    """A process that holds `out` as a run does, until its stdin closes or it is killed."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+    return holder

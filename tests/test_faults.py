@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ENTRY, REPO, topic_rows, topic_run_args
+from conftest import ENTRY, REPO, another_run_holding, topic_rows, topic_run_args
 
 from cloudtrain.publish import atomic
 
@@ -197,3 +197,14 @@ def test_merge_through_a_dotted_path_and_on_a_full_disk_keeps_the_merged_model(t
     assert "Traceback" not in result.stderr
     assert model_hashes(out / "merged") == before
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("merged")) == ["merged"]
+    holder = another_run_holding(out)  # a run writing there (a resume, say): its adapter may be half-written
+    try:
+        result = cli("merge", "--output_dir", str(out))
+        assert result.returncode == 2 and "Traceback" not in result.stderr
+        last = result.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"error: --output_dir {out} is in use by another run (pid {holder.pid} on ")
+        assert last.endswith("); wait for it to end")  # no other folder to suggest: the adapter is there
+        assert model_hashes(out / "merged") == before
+    finally:
+        holder.kill()
+        holder.wait()

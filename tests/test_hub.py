@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENTRY, REPO, child_pythonpath, topic_rows
+from conftest import ENTRY, REPO, another_run_holding, child_pythonpath, topic_rows
 from hub_server import HubServer, User
 from huggingface_hub import ModelCard, constants, hf_hub_download, metadata_load
 
@@ -258,6 +258,14 @@ def test_a_failed_push_keeps_the_run_and_the_retry_command_pushes_it(hub, tiny_m
     stored = tmp_path / "stored-token"
     stored.write_text(TOKEN)
     argv = shlex.split(command)
+    holder = another_run_holding(out)  # a run writing the folder again: its model is not pushed half-written
+    try:
+        held = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=hub_env(hub, stored), cwd=REPO)
+    finally:
+        holder.kill()
+        holder.wait()
+    assert held.returncode == 2 and "is in use by another run" in held.stderr.strip().splitlines()[-1]
+    assert len(hub.history("alice/retry", "dev")) == 1
     retry = subprocess.run(argv, capture_output=True, text=True, timeout=300, env=hub_env(hub, stored), cwd=REPO)
     assert retry.returncode == 0, retry.stderr[-3000:]
     upload = hub.history("alice/retry", "dev")[-1]

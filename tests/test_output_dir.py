@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import topic_run_args
+from conftest import HOLDER, another_run_holding, topic_run_args
 
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
@@ -258,18 +258,6 @@ def test_a_folder_an_earlier_version_wrote_is_recognised_by_its_arguments(tmp_pa
     assert {"model.safetensors", "args.json"} <= written(out)
     (out / "args.json").write_text(json.dumps({"my": "notes"}))  # a user's own args.json
     assert written(out) == set()
-
-
-HOLDER = (
-    "import sys; from cloudtrain.publish.output_dir import hold; hold(sys.argv[1]); print('held', flush=True); input()"
-)
-
-
-def another_run_holding(out: Path) -> subprocess.Popen:
-    """A process that holds `out` as a run does, until its stdin closes or it is killed."""
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
-    return holder
 
 
 def test_a_second_run_in_a_folder_in_use_is_refused_in_one_line_and_the_first_runs_files_are_kept(

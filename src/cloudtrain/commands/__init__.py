@@ -11,6 +11,8 @@ imported after each command's `--help` and refusals.
 """
 
 import argparse
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 
 from cloudtrain.config import parse_bool
@@ -54,3 +56,16 @@ def existing_run_dir(flag: str, path: str) -> Path:
 def check_input_file(path: str | None) -> None:
     if path is not None and not Path(path).is_file():
         raise UserError(f"--input_file {path} does not exist")
+
+
+@contextlib.contextmanager
+def holding(folder: Path) -> Iterator[None]:
+    """`folder` held as a run holds its output folder (cloudtrain.publish.output_dir.hold) while a command works in
+    it: refused in one line while a run holds it."""
+    from cloudtrain.publish.output_dir import hold, release
+
+    hold(folder, "--output_dir", elsewhere=False)
+    try:
+        yield
+    finally:
+        release(folder)

@@ -3,7 +3,7 @@
 import argparse
 from pathlib import Path
 
-from cloudtrain.commands import add_trust_remote_code, existing_run_dir
+from cloudtrain.commands import add_trust_remote_code, existing_run_dir, holding
 from cloudtrain.errors import UserError
 from cloudtrain.publish.output_dir import written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, MERGED, check_not_diffusion, is_adapter_dir
@@ -34,4 +34,5 @@ def run(args: argparse.Namespace) -> None:
     check_options(args)
     from cloudtrain.models import adapters  # torch, transformers and peft: only once the options parsed
 
-    adapters.run(args)
+    with holding(Path(args.output_dir)):  # not while a run writes the adapter, nor a run starting there meanwhile
+        adapters.run(args)

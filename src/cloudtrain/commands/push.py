@@ -1,8 +1,9 @@
 """`cloudtrain push`: its options. cloudtrain.publish.hub uploads the output dir."""
 
 import argparse
+from pathlib import Path
 
-from cloudtrain.commands import add_switch
+from cloudtrain.commands import add_switch, holding
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -25,4 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from cloudtrain.publish import hub  # huggingface_hub: only once the options parsed
 
-    hub.run(args)
+    folder = Path(args.output_dir)
+    if not folder.is_dir():
+        hub.run(args)  # which says so in its own words
+        return
+    with holding(folder):  # not a model a run is still writing, nor one a run starting there would replace
+        hub.run(args)

@@ -168,9 +168,10 @@ def claim(output_dir: Path) -> None:
 _held: dict[Path, tuple[int, bool]] = {}  # folder -> (the open lock file this process holds it by, created it)
 
 
-def hold(output_dir: Path, flag: str = "--output_dir") -> None:
+def hold(output_dir: Path, flag: str = "--output_dir", elsewhere: bool = True) -> None:
     """Make `output_dir` this process's until it ends or calls `release`: an exclusive lock on its lock file,
-    refused in one line while another run holds it. Where the filesystem has no locks, nothing is held."""
+    refused in one line while another run holds it (suggesting another folder where `elsewhere`: a new run's).
+    Where the filesystem has no locks, nothing is held."""
     folder = Path(output_dir).resolve()
     if folder in _held:  # the Python API's runs, one after another in one process
         return
@@ -179,9 +180,9 @@ def hold(output_dir: Path, flag: str = "--output_dir") -> None:
         folder.mkdir(parents=True, exist_ok=True)
         fd = _lock(folder / LOCK)
     except BlockingIOError:
+        other = f", or choose another folder, e.g. {flag} {free_name(output_dir)}" if elsewhere else ""
         raise UserError(
-            f"{flag} {output_dir} is in use by another run ({_holder(folder / LOCK)}); wait for it to end, "
-            f"or choose another folder, e.g. {flag} {free_name(output_dir)}"
+            f"{flag} {output_dir} is in use by another run ({_holder(folder / LOCK)}); wait for it to end{other}"
         ) from None
     except NoLocks:  # a filesystem without locks (some network mounts): the other checks still apply
         if created:  # (_lock took its file away again)
