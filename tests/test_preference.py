@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.data.chat import ChatFormat
+from cloudtrain.data.fingerprint import data_record
 from cloudtrain.data.pairs import (
     SIDES,
     PairCollator,
@@ -280,6 +281,10 @@ def test_precomputed_reference_equals_the_live_reference(tiny_llama_dir, pairs_f
     assert live_run.task.reference_logps(live_run.model, live_batch).tolist() == pytest.approx(
         batch["ref_logps"].tolist(), abs=1e-4
     )
+    # the rows a checkpoint records are those processed, before the reference's columns: a resume of either run
+    # on the same data is not told its data differs (the audit saw that note on every precomputed resume)
+    assert run.trained_on == live_run.trained_on and run.trained_on["rows"] == len(run.data.train)
+    assert data_record(run.data.train) != run.trained_on  # what the columns added would have given
 
 
 # ---------------------------------------------------------------- refusals

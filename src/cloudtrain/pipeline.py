@@ -177,6 +177,7 @@ class Run:
     run_log: RunLog
     output_dir: Path
     resume_from: Path | None
+    trained_on: dict  # the training rows as processed (data.fingerprint), before a task adds columns of its own
 
 
 def build_run(cfg: Config, task: Task | None = None, callbacks: list | None = None) -> Run:
@@ -222,9 +223,10 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
             check_labels(resumed, data.label_names, resume_from)
         except UserError as err:  # every process read the same data: one line, from the main process
             raise UserError(str(err), quiet=not runtime.is_main) from None
+    trained_on = data_record(data.train)  # now: DPO's precomputed reference adds columns once the model loads
     if runtime.is_main:
         print(task.describe_data(data), flush=True)
-        if resumed and resume_from and (note := other_data_note(resumed, data_record(data.train), resume_from)):
+        if resumed and resume_from and (note := other_data_note(resumed, trained_on, resume_from)):
             print(note, flush=True)
     model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)
     model = prepare(model, cfg, task, runtime.is_main, stop=compile_model)  # attention ... adapters, in order
@@ -262,7 +264,7 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     trainer.callbacks = user_callbacks
     if resume_from is None and cfg.output.overwrite_output_dir:  # built, checked: it starts over
         drop_earlier_checkpoints(checkpoints, runtime)
-    return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from)
+    return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from, trained_on)
 
 
 def run_training(cfg: Config, task: Task | None = None, callbacks: list | None = None) -> dict:
@@ -323,7 +325,7 @@ def _checkpointer(run: Run, uploader: "hub.HubUploader | None") -> Checkpointer:
         share=runtime.share,
         index=runtime.index,
         labels=run.data.label_names,
-        data=data_record(run.data.train),
+        data=run.trained_on,
     )
 
 
