@@ -3,6 +3,8 @@ rank the chosen answer higher and saves a one-output model that `predict` loads,
 
 import json
 import math
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,21 +76,33 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
     assert_each_refused(cases, capsys, out)
 
 
+@pytest.mark.parametrize("own_pad", [False, True], ids=["no pad id in its config", "a pad id of its own"])
 def test_predict_renders_a_chat_template_reward_model_s_prompt_and_answer_as_training_did(
-    tiny_llama_dir, tmp_path, capsys
+    own_pad, tiny_llama_dir, tmp_path, capsys
 ):
     """A decoder reward model trained through chatml: `predict --text PROMPT --text_pair ANSWER` scores the pair
     rendered through the saved template, so its scores reproduce the run's own evaluation (it scored the raw text
-    before); a lone --text is refused in one line, as it is for an encoder reward model."""
+    before); a lone --text is refused in one line, as it is for an encoder reward model. A checkpoint whose config
+    names a pad id beside a tokenizer padding with EOS (older Llamas) read each row's reward on its padding, so the
+    scores hung on the batch's widths and predict disagreed (found in audit)."""
     from cloudtrain.cli import main
 
+    model = tiny_llama_dir
+    if own_pad:
+        model = str(tmp_path / "llama-with-pad")
+        shutil.copytree(tiny_llama_dir, model)
+        config = json.loads((Path(model) / "config.json").read_text())
+        (Path(model) / "config.json").write_text(json.dumps({**config, "pad_token_id": 5}))
     data, out = write_pairs(tmp_path / "pairs.jsonl"), tmp_path / "out"
     options = {
-        "task": "reward", "model_name_or_path": tiny_llama_dir, "train_file": data, "validation_file": data,
+        "task": "reward", "model_name_or_path": model, "train_file": data, "validation_file": data,
         "output_dir": str(out), "chat_template": "chatml", "max_length": 48, "per_device_train_batch_size": 6,
         "max_steps": 4, "learning_rate": 1e-2, "mixed_precision": "no", "report_to": "none", "eval_strategy": "no",
     }  # fmt: skip
     evaluation = run_training(build_config(options))["eval"]
+    if own_pad:  # one row per batch: no padding at all
+        alone = run_training(build_config({**options, "per_device_eval_batch_size": 1, "output_dir": str(out) + "-1"}))
+        assert alone["eval"]["margin"] == pytest.approx(evaluation["margin"], abs=1e-5)
     capsys.readouterr()
     scores = {}
     for side, column in (("chosen", 1), ("rejected", 2)):

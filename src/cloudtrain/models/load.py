@@ -61,6 +61,15 @@ def load_tokenizer(cfg: ModelConfig, **options: Any) -> transformers.PreTrainedT
     return tokenizer
 
 
+def pad_as_batches(config: transformers.PretrainedConfig, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """The config's pad id as the batches' (the tokenizer's), where the config has none or the tokenizer pads with
+    EOS: a decoder classifier reads each row at its last token that is not config.pad_token_id, so a checkpoint's
+    own pad id beside a tokenizer padding with EOS read the padding, and every score hung on the batch's widths."""
+    pad = tokenizer.pad_token_id
+    if pad is not None and (config.pad_token_id is None or pad == tokenizer.eos_token_id):
+        config.pad_token_id = pad
+
+
 def read_tokenizer(path: str | Path, trust_remote_code: bool, **options: Any) -> transformers.PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained(path), its failures as one line. The tokenizers library reports a damaged
     tokenizer.json as a bare Exception, and only the user's files are read here, so any failure is theirs."""

@@ -32,6 +32,7 @@ from cloudtrain.models.load import (
     check_sizes,
     head_labels,
     load_tokenizer,
+    pad_as_batches,
     read_config,
 )
 from cloudtrain.paths import resolve_model_path
@@ -106,7 +107,7 @@ class ClassificationTask(Task):
         # with a checkpoint head's own labels, just before the line saying that head is replaced
         config = read_config(cfg.model, id2label=id2label, label2id={n: i for i, n in id2label.items()})
         config.problem_type = "single_label_classification"  # a multi-label checkpoint's would make readers sigmoid
-        config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
+        pad_as_batches(config, tokenizer)
         return config
 
     def replaces_head(self, cfg: Config, data: ProcessedData, announce: bool) -> bool:

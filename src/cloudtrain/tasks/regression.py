@@ -22,7 +22,7 @@ from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData, process_data
 from cloudtrain.data.regression_targets import regression_scheme
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import read_config
+from cloudtrain.models.load import pad_as_batches, read_config
 from cloudtrain.predict import scored
 from cloudtrain.publish.classifier_card import CardKind, build_model_card
 from cloudtrain.publish.saving import write_jsonl
@@ -60,7 +60,7 @@ class RegressionTask(ClassificationTask):
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
         config = read_config(cfg.model, id2label={0: data.label_names[0]}, label2id={data.label_names[0]: 0})
         config.problem_type = "regression"  # transformers' name: one raw output, mean squared error
-        config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else tokenizer.pad_token_id
+        pad_as_batches(config, tokenizer)
         return config
 
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:

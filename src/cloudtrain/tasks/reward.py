@@ -36,7 +36,7 @@ from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import grow_embeddings, head_labels
+from cloudtrain.models.load import grow_embeddings, head_labels, pad_as_batches
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
@@ -199,8 +199,7 @@ class RewardTask(Task):
             )
         except (OSError, ValueError) as err:
             raise UserError(f"could not read the model config in {path}: {first_line(err)}") from None
-        if getattr(config, "pad_token_id", None) is None:  # a decoder finds each row's last token by it
-            config.pad_token_id = tokenizer.pad_token_id
+        pad_as_batches(config, tokenizer)  # a decoder finds each row's last token by it
         return config
 
     def replaces_head(self, cfg: Config, data: ProcessedData, announce: bool) -> bool:
