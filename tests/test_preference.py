@@ -173,6 +173,23 @@ def test_only_the_answer_and_its_end_of_turn_token_are_targets(chat):
         assert chat.tokenizer.decode(ids).startswith("<|im_start|>user\nWho found the golden key?")
 
 
+def test_an_answer_of_several_assistant_messages_trains_each_as_sft_takes_the_conversation(chat):
+    """Found in audit: one span over the whole answer ended its targets at the first end-of-turn token, so a pair
+    whose answers share their first message trained nothing (loss 0.6931 at every step)."""
+    think = {"role": "assistant", "content": "Let me think."}
+    row = {
+        "prompt": [{"role": "user", "content": "Who found the golden key?"}],
+        "chosen": [think, {"role": "assistant", "content": "A poor boy."}],
+        "rejected": [think, {"role": "assistant", "content": "A king."}],
+    }
+    encoded = encode_pair(chat, row, PairColumns("prompt", "chosen", "rejected"))
+    for side, last in (("chosen", "A poor boy."), ("rejected", "A king.")):
+        ids, mask = encoded[f"{side}_ids"], encoded[f"{side}_mask"]
+        targets = chat.tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
+        assert targets == f"Let me think.<|im_end|>{last}<|im_end|>"  # no header between them, no prompt
+        assert (ids, mask) == chat.encode(row["prompt"] + row[side])  # SFT's own targets of the conversation
+
+
 def test_truncation_drops_and_counts_pairs_that_lose_an_answer():
     rows = {
         "chosen_ids": [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6]],

@@ -215,15 +215,20 @@ class ChatFormat:
         return ids, mask
 
     def answer(self, prompt: list[dict], answer: list[dict]) -> tuple[list[int], list[int]]:
-        """(token ids, loss mask) of `prompt` followed by `answer` (a preference pair's side): 1 on the answer's
-        tokens through its end-of-turn token, 0 on the prompt's, which is rendered as inference renders it."""
-        head, text = self.render(prompt, add_generation_prompt=True), self.render(prompt + answer)
-        if not text.startswith(head):
-            raise ValueError(
-                f"the chat template ({self.source}) renders the answer not after its own generation prompt, so "
-                "the answer's tokens cannot be found; use --chat_template chatml"
-            )
-        return self._example(text, [(len(head), len(text))], False)
+        """(token ids, loss mask) of `prompt` followed by `answer` (a preference pair's side: one or more assistant
+        messages): 1 on each answer message's tokens through its end-of-turn token, 0 on the prompt's (rendered as
+        inference renders it) and on the headers between the messages."""
+        messages = prompt + answer
+        text, spans = self.render(messages), []
+        for i in range(len(prompt), len(messages)):  # each message of the answer, as SFT takes each assistant turn
+            head, through = self.render(messages[:i], add_generation_prompt=True), self.render(messages[: i + 1])
+            if not (text.startswith(through) and through.startswith(head)):
+                raise ValueError(
+                    f"the chat template ({self.source}) renders the answer not after its own generation prompt, so "
+                    "the answer's tokens cannot be found; use --chat_template chatml"
+                )
+            spans.append((len(head), len(through)))
+        return self._example(text, spans, False)
 
     def prompt(self, messages: list[dict]) -> str:
         """The text a model is given to answer the last assistant turn of `messages` (or to answer after them)."""
