@@ -366,3 +366,22 @@ def test_a_known_device_without_the_precision_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: FakeProperties("Tesla T4", GIB, 40))
     assert "T4 has no native bf16 peak" in no_peak_reason(torch.device("cuda", 0), "bf16")
     assert no_peak_reason(torch.device("cuda", 0), "fp16") is None
+
+
+def test_a_resumes_pending_sums_are_rated_over_the_seconds_they_took():
+    """A checkpoint between logging steps keeps the sums not yet logged, and now their seconds: the first rates of
+    a resume (samples/s, tokens/s, MFU, DPO's pairs/s) were those sums over this launch's seconds alone (found in
+    audit: 26.8 samples/s against 5.3 in the run that never stopped)."""
+    import time
+
+    from cloudtrain.checkpointing import TrainerState
+    from cloudtrain.parallel.runtime import Runtime
+    from cloudtrain.training.meter import Meter
+
+    state = TrainerState(interval=[8.0, 80.0, 4.0, 0.0, 8.0], interval_s=4.0)
+    meter = Meter(Runtime(), state, torch.device("cpu"))
+    assert 4.0 <= meter.since_logged() < 5.0
+    time.sleep(0.05)
+    interval = meter.flush()
+    assert 4.05 <= interval["seconds"] < 5.0 and interval["samples_per_s"] == pytest.approx(8 / interval["seconds"])
+    assert meter.since_logged() < 1.0  # the next interval is this launch's own

@@ -63,6 +63,7 @@ class TrainerState:
     loss_sum: float = 0.0
     loss_count: int = 0  # what loss_sum sums over: rows or target tokens (0 in checkpoints from before it)
     interval: list = field(default_factory=lambda: [0.0] * 5)  # logging sums not yet logged (Meter)
+    interval_s: float = 0.0  # the seconds those sums took: a resume's first rates divide by them too
     evaluations: list = field(default_factory=list)
     skipped_steps: int = 0  # non-finite steps skipped with --nonfinite_loss skip
     device_s: float | None = None  # training time x processes of all earlier sessions (None: from before it)

@@ -371,6 +371,7 @@ class CheckpointHook(Hook):
             dataclasses.replace(
                 state,
                 interval=loop.meter.pending(),
+                interval_s=trainer.runtime.share(loop.meter.since_logged()),  # the main process's, as its sums
                 runtime_s=runtime_s,
                 device_s=device_s,
                 job=job,

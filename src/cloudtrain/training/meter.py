@@ -32,7 +32,8 @@ class Meter:
     def __init__(self, runtime: Runtime, state: TrainerState, device: torch.device):
         self.reduce_sum, self.state = runtime.reduce_sum, state
         self.processes, self.index = runtime.count, runtime.index
-        self.start = self.last = time.perf_counter()
+        self.start = time.perf_counter()
+        self.last = self.start - state.interval_s  # a resume's pending sums: their rates over their own time too
         sums = list(state.interval) + [0.0] * (4 - len(state.interval))  # checkpoints before the 4th sum had 3
         if len(sums) == 4:  # ... and before the 5th, the loss summed over examples
             sums.append(sums[0])
@@ -98,6 +99,10 @@ class Meter:
             "grad_norms": norms_read,
             "by_process": [total[5 + 3 * n + r * width : 5 + 3 * n + (r + 1) * width] for r in range(self.processes)],
         }
+
+    def since_logged(self) -> float:
+        """The seconds of the sums not yet logged."""
+        return time.perf_counter() - self.last
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
