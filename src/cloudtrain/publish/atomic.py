@@ -24,8 +24,18 @@ PREVIOUS = ".cloudtrain-previous"  # the previous files, renamed aside until the
 SEALED = "SEALED"
 NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 MARGIN = 16 * 2**20  # what a tokenizer, results and filesystem metadata may take beyond the weights
-# safetensors (Rust) reports a full disk in its own exception type, with the OS error in the text
-NO_SPACE_TEXT = ("No space left on device", "File too large", "Disk quota exceeded", "os error 28", "os error 27")
+# safetensors (Rust) reports a full disk in its own exception type, with the OS error in the text; torch.save's
+# zip writer as a failed stream ("unexpected pos", from an "iostream error") with no OS error at all
+NO_SPACE_TEXT = (
+    "No space left on device",
+    "File too large",
+    "Disk quota exceeded",
+    "os error 28",
+    "os error 27",
+    "unexpected pos",
+    "iostream error",
+    "failed writing file",
+)
 
 
 def staging_dir(output_dir: Path) -> Path:
@@ -70,10 +80,16 @@ def no_space_is_a_user_error(output_dir: Path, what: str) -> Iterator[None]:
         ) from None
 
 
-def is_no_space(err: BaseException) -> bool:
-    if isinstance(err, OSError) and err.errno in NO_SPACE:
-        return True
-    return any(text in str(err) for text in NO_SPACE_TEXT)
+def is_no_space(err: BaseException | None) -> bool:
+    """A write that failed for want of space (or a file-size limit), as any library in the chain reports it."""
+    seen = 0
+    while err is not None and seen < 8:
+        if isinstance(err, OSError) and err.errno in NO_SPACE:
+            return True
+        if any(text in str(err) for text in NO_SPACE_TEXT):
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 def check_writable(output_dir: Path, flag: str = "--output_dir") -> None:
