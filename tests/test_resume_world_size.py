@@ -177,3 +177,25 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
         for key in weights[straight]:
             torch.testing.assert_close(weights[resumed][key], weights[straight][key], rtol=1e-4, atol=1e-5)
     assert all(torch.equal(weights["two_to_two"][k], weights["two"][k]) for k in weights["two"])
+
+
+def test_latest_counts_a_checkpoint_of_fewer_processes_as_held_by_the_extra_ones(tmp_path):
+    """A 1-process checkpoint resumed with `latest` on 2 processes: process 1 wrote no part of it (no mark of its
+    own), which made `latest` refuse the node as one that lost its files (found in audit); a process that did write
+    a part and lacks its mark still lacks it."""
+    from cloudtrain.checkpointing import MARKS, STATE_FILE
+    from cloudtrain.resume import holds_files_of
+
+    def checkpoint(name: str, writers: int, marks: list[int]) -> Path:
+        path = tmp_path / name
+        (path / MARKS).mkdir(parents=True)
+        (path / STATE_FILE).write_text(json.dumps({"num_processes": writers}))
+        for index in marks:
+            (path / MARKS / str(index)).touch()
+        return path
+
+    one = checkpoint("checkpoint-10", 1, [0])
+    assert holds_files_of(one, 0) and holds_files_of(one, 1) and holds_files_of(one, 3)
+    two = checkpoint("checkpoint-20", 2, [0])  # process 1's part was never finished
+    assert holds_files_of(two, 0) and not holds_files_of(two, 1)
+    assert holds_files_of(two, 2)  # a third process: none of its own, and the node's part is complete

@@ -4,6 +4,7 @@ the newest complete on every node), an earlier run's checkpoints that a fresh ru
 a kill cut between its renames (`finish_interrupted_saves`). The checkpoints themselves: cloudtrain.checkpointing."""
 
 import contextlib
+import json
 import os
 import shutil
 import threading
@@ -89,9 +90,16 @@ def local_view(cfg: Config, folder: Path, index: int = 0, node: int = 0, host: s
 
 def holds_files_of(path: Path, index: int) -> bool:
     """Whether process `index` finished writing its part of checkpoint `path` (checkpoints written before
-    these marks existed count as whole)."""
+    these marks existed count as whole). A process beyond those that wrote it (a resume on more processes) has no
+    part of its own: it holds what it needs where the checkpoint is complete on its node (a mark is there)."""
     marks = Path(path) / MARKS
-    return not marks.is_dir() or (marks / str(index)).exists()
+    if not marks.is_dir() or (marks / str(index)).exists():
+        return True
+    try:
+        writers = int(json.loads((Path(path) / STATE_FILE).read_text())["num_processes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return index >= writers and any(marks.iterdir())
 
 
 def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
