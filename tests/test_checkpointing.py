@@ -297,6 +297,8 @@ def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_di
         ("state", "is not a usable cloudtrain checkpoint"),
         ("weights", "could not be loaded"),
         ("foreign", "is not a usable cloudtrain checkpoint"),
+        ("random states missing", "random_states_0.pkl"),  # accelerate skipped them with an info log (audit)
+        ("random states cut", "could not be loaded"),
     ],
 )
 def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
@@ -310,6 +312,11 @@ def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
         (checkpoint / STATE_FILE).write_text("{not json")
     elif damage == "weights":
         (checkpoint / "model.safetensors").write_bytes(b"\x00" * 100)
+    elif damage == "random states missing":
+        (checkpoint / "random_states_0.pkl").unlink()
+    elif damage == "random states cut":
+        states = checkpoint / "random_states_0.pkl"
+        states.write_bytes(states.read_bytes()[:200])
     else:
         checkpoint = Path(tiny_model_dir)  # a model folder, not a checkpoint
     capsys.readouterr()

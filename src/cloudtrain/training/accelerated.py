@@ -26,11 +26,13 @@ from accelerate.utils import (
     SAFE_WEIGHTS_NAME,
     SCALER_NAME,
     DistributedType,
+    load,
     send_to_device,
 )
 from transformers import PreTrainedModel
 
 from cloudtrain.async_save import cpu_copy, weights_snapshot
+from cloudtrain.checkpointing import read_state
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
 from cloudtrain.observe.tracking import RunLog
@@ -273,6 +275,7 @@ class AcceleratedTrainer(Trainer):
         return write
 
     def load_checkpoint(self, folder: Path) -> None:
+        _check_rng_states(folder, self.accelerator.process_index)
         frozen = {"load_module_strict": False} if self.partial and self.accelerator.state.deepspeed_plugin else {}
         self.accelerator.load_state(str(folder), **frozen)
         if self.tensor_parallel:
@@ -296,6 +299,14 @@ class AcceleratedTrainer(Trainer):
         if self.is_main_process:
             save_weights(self.accelerator.unwrap_model(self.model), output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
+
+
+def _check_rng_states(folder: Path, index: int) -> None:
+    """This process's RNG states readable (FileNotFoundError, or a damaged file's error, for Trainer.resume to say):
+    accelerate skips a missing or damaged one with an info-level log, and the resume then draws other dropout and
+    noise than the run that stopped. A process beyond those that wrote the checkpoint has none to read."""
+    if index < int(read_state(folder).get("num_processes", 1)):
+        load(folder / f"{RNG_STATE_NAME}_{index}.pkl")
 
 
 def _saved_samplers(dataloaders: list) -> list[tuple[int, Any]]:
