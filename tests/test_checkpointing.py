@@ -465,6 +465,27 @@ def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, t
         "learning rate follows it (as if 4 had been planned from the start)" in said
     )
     assert "other training data" not in said  # the same rows: the run goes on as the one that stopped
+    assert "was trained with --" not in said  # the same learning rate and weight decay
+    # another --learning_rate and --weight_decay: the checkpoint's optimizer and schedule states brought back the
+    # old ones, silently (found in audit); now this run's take over, the schedule's shape kept
+    changed = {"learning_rate": "0.004", "weight_decay": "0.5", "output_dir": str(tmp_path / "lr")}
+    train(again | changed | {"logging_steps": "1"})
+    said = capsys.readouterr().out
+    assert (
+        "note: checkpoint-2 was trained with --learning_rate " in said
+        and "(this run's 0.004) and --weight_decay" in said
+    )
+    fresh = train(options | changed | {"max_steps": "4", "logging_steps": "1", "output_dir": str(tmp_path / "fresh")})
+    assert fresh["train"]["global_step"] == 4
+    rates = {
+        name: [
+            json.loads(line)["train/learning_rate"]
+            for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+            if "train/learning_rate" in line
+        ][-2:]
+        for name in ("lr", "fresh")
+    }
+    assert rates["lr"] == pytest.approx(rates["fresh"], rel=1e-9)  # steps 3 and 4 as if planned at 0.004
     # the same labels, edited rows: the step means other batches now, which the run says (it may be meant)
     edited = tmp_path / "edited-train.csv"
     lines = Path(topic_csvs["train"]).read_text().splitlines()

@@ -158,6 +158,37 @@ def build_scheduler(optimizer: Any, cfg: Config, total_steps: int) -> Any:
     )
 
 
+def settings(optimizer: Any, scheduler: Any) -> dict:
+    """The learning rates the schedule scales and each group's weight decay: what loading a checkpoint's optimizer
+    and schedule states brings back as they were trained."""
+    schedule = getattr(scheduler, "scheduler", scheduler)  # accelerate wraps it
+    return {
+        "lr": list(getattr(schedule, "base_lrs", [])),  # none for a DeepSpeed JSON's own schedule
+        "weight_decay": [group.get("weight_decay") for group in optimizer.param_groups],
+    }
+
+
+def keep_settings(optimizer: Any, scheduler: Any, ours: dict) -> list[str]:
+    """This run's `settings` over those a checkpoint's states brought back: a changed --learning_rate scales the
+    schedule (its shape kept), a changed --weight_decay applies from the next step. The options that differed, as
+    they were and are."""
+    theirs, changed = settings(optimizer, scheduler), []
+    groups = optimizer.param_groups
+    if ours["lr"] and theirs["lr"] != ours["lr"] and len(theirs["lr"]) == len(ours["lr"]) == len(groups):
+        for group, old, new in zip(groups, theirs["lr"], ours["lr"], strict=True):
+            group["lr"] = group["lr"] * new / old if old else new  # lr = base x the schedule's factor
+            group["initial_lr"] = new
+        schedule = getattr(scheduler, "scheduler", scheduler)
+        schedule.base_lrs = list(ours["lr"])
+        schedule._last_lr = [group["lr"] for group in groups]
+        changed.append(f"--learning_rate {max(theirs['lr']):g} (this run's {max(ours['lr']):g})")
+    if theirs["weight_decay"] != ours["weight_decay"] and len(ours["weight_decay"]) == len(groups):
+        for group, decay in zip(groups, ours["weight_decay"], strict=True):
+            group["weight_decay"] = decay
+        changed.append(f"--weight_decay {max(theirs['weight_decay'])} (this run's {max(ours['weight_decay'])})")
+    return changed
+
+
 class EngineSchedule:
     """The schedule a DeepSpeed engine built from the user's JSON and steps itself, at each optimizer step:
     the loop's step() is a no-op, the learning rate is read from the optimizer, and the state travels in the

@@ -55,7 +55,7 @@ from cloudtrain.training.hooks import (
 )
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
-from cloudtrain.training.optim import build_optimizer, build_scheduler
+from cloudtrain.training.optim import build_optimizer, build_scheduler, keep_settings, settings
 from cloudtrain.training.preemption import PreemptionSignal, until
 from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
@@ -564,6 +564,7 @@ class Trainer:
         per_process = pdb * accumulation if isinstance(pdb, int) else None  # auto: resolved from the checkpoint
         check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
         start = time.perf_counter()
+        ours = settings(self.optimizer, self.scheduler)  # before the checkpoint's states replace them
         try:
             self.load_checkpoint(folder)
         except UserError:
@@ -579,6 +580,12 @@ class Trainer:
                 "it may be damaged: pass another --resume_from_checkpoint"
             ) from None
         state = TrainerState(**meta["state"])
+        if (changed := keep_settings(self.optimizer, self.scheduler, ours)) and self.is_main_process:
+            print(
+                f"note: {folder.name} was trained with {' and '.join(changed)}: this run's take over from step "
+                f"{state.global_step} (the learning-rate schedule keeps its shape)",
+                flush=True,
+            )
         if self.streams:
             self.train_dl.load_state_dict(read_data_state(folder))  # type: ignore[attr-defined]
         if (folder / TASK_STATE_FILE).is_file():  # the task's own sums not yet logged (preference rewards)
