@@ -425,6 +425,22 @@ def test_a_stream_resumed_on_other_files_or_another_cut_is_refused(tiny_llama_di
     assert not (tmp_path / "b" / "model.safetensors").exists()
 
 
+def test_a_max_tokens_budget_resumed_at_another_batch_trains_the_rows_left(tiny_llama_dir, tmp_path, two_sources):
+    """--max_tokens 640 at 2 rows x 32 tokens is 20 rows, 10 steps; resumed from step 4 (8 rows) at 4 rows a step,
+    the 12 rows left are 3 steps: 7 in all. The step count was the budget over this run's batch, against the
+    checkpoint's step counter, so the run stopped 4 rows short (found in audit)."""
+    from cloudtrain import train
+
+    out = tmp_path / "run"
+    args = stream_run_args(tiny_llama_dir, two_sources, out, "--max_tokens", "640", "--checkpointing_steps", "4")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    assert train(options)["train"]["global_step"] == 10
+    checkpoint = out / "checkpoints" / "checkpoint-4"
+    resumed = options | {"resume_from_checkpoint": str(checkpoint), "output_dir": str(tmp_path / "b")}
+    assert train(resumed | {"per_device_train_batch_size": "4"})["train"]["global_step"] == 7
+    assert train(resumed | {"output_dir": str(tmp_path / "c")})["train"]["global_step"] == 10  # the same batch
+
+
 def test_a_stream_that_runs_out_first_ends_the_run_with_its_last_steps_counted(tiny_llama_dir, tmp_path, capsys):
     """--mixture_exhausted stop on a short source: the run ends at the stream's last whole step, says so, and logs
     and counts the steps since its last logging step (they were left out of the totals)."""

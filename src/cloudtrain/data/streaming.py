@@ -264,6 +264,10 @@ class StreamLoader:
         if "layout" in state:  # checkpoints before the record hold none
             check_layout(state["layout"], self.layout(), self.plan.sources)
         self.resume = state
+        if not self.plan.budget.get("max_steps"):  # --max_tokens: the rows left of the budget, at this run's batch
+            left = max(math.ceil(self.plan.budget["max_tokens"] / self.plan.block_size) - state["rows"], 0)
+            self.total_steps = state["step"] + math.ceil(left / self.step_rows)
+            self.plan.budget["rows"] = self.total_steps * self.step_rows
 
     def layout(self) -> dict:
         """What the cursor's numbers mean: each source's files (by name, in order; the cursor names a file by its

@@ -414,6 +414,8 @@ class Trainer:
         self.setup()
         self.model.train()  # from_pretrained returns the model in eval mode: dropout would stay off
         t = self.cfg.training
+        if resume_from and self.streams:  # its cursor first: a --max_tokens budget counts the rows it has trained
+            self.train_dl.load_state_dict(read_data_state(resume_from))  # type: ignore[attr-defined]
         steps_per_epoch = math.ceil(len(self.train_dl) / t.gradient_accumulation_steps)
         total_steps = (
             t.max_steps
@@ -586,8 +588,6 @@ class Trainer:
                 f"{state.global_step} (the learning-rate schedule keeps its shape)",
                 flush=True,
             )
-        if self.streams:
-            self.train_dl.load_state_dict(read_data_state(folder))  # type: ignore[attr-defined]
         if (folder / TASK_STATE_FILE).is_file():  # the task's own sums not yet logged (preference rewards)
             self.task.restore_state(json.loads((folder / TASK_STATE_FILE).read_text()), self.is_main_process)
         self.launch_start = LaunchStart.of(
