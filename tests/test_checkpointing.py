@@ -325,6 +325,24 @@ def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
     assert code == 2 and err[-1].startswith("error: ") and message in err[-1]
 
 
+def test_a_step_back_to_an_older_checkpoint_sets_the_newer_ones_aside(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    """Resumed from checkpoint-2 of 4, a run that ends at step 3 left the old checkpoint-4 as `latest`: a later
+    resume took the abandoned branch (found in audit). The newer ones now move to abandoned-<time>/, kept whole."""
+    out = tmp_path / "out"
+    base = args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "4", "--checkpointing_steps", "1")[1:]
+    assert main(base) == 0
+    old_four = (out / "checkpoints" / "checkpoint-4" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    back = ["--resume_from_checkpoint", str(out / "checkpoints" / "checkpoint-2"), "--max_steps", "3"]
+    assert main([*base, *back, "--overwrite_output_dir", "true", "--lr_scheduler_type", "constant"]) == 0
+    said = capsys.readouterr().out
+    assert "note: checkpoint-3, checkpoint-4 in " in said and "came after checkpoint-2, which this run resumes" in said
+    assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3]  # latest is this run's
+    (aside,) = (out / "checkpoints").glob("abandoned-*")
+    assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    assert (aside / "checkpoint-4" / "model.safetensors").read_bytes() == old_four
+
+
 def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_path, capsys):
     out = tmp_path / "out"
     assert (

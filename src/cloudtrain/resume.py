@@ -1,13 +1,15 @@
 """Where a launch starts: the checkpoint every process resumes from (`agree_on_resume`: a named one, or `latest`,
 the newest complete on every node), an earlier run's checkpoints that a fresh run must not mix with its own
-(`start_over`, `drop_earlier_checkpoints`), the attempt torchrun restarts (`restarted_defaults`), and a save
-a kill cut between its renames (`finish_interrupted_saves`). The checkpoints themselves: cloudtrain.checkpointing."""
+(`start_over`, `drop_earlier_checkpoints`), the checkpoints after an older one resumed (`set_aside_newer`), the
+attempt torchrun restarts (`restarted_defaults`), and a save a kill cut between its renames
+(`finish_interrupted_saves`). The checkpoints themselves: cloudtrain.checkpointing."""
 
 import contextlib
 import json
 import os
 import shutil
 import threading
+import time
 import uuid
 from dataclasses import replace
 from pathlib import Path
@@ -24,6 +26,7 @@ from cloudtrain.checkpointing import (
     complete_checkpoints,
     finish_replacement,
     node_name,
+    read_state,
     state_format,
 )
 from cloudtrain.config import Config
@@ -156,6 +159,29 @@ def drop_earlier_checkpoints(folder: Path, runtime: Any) -> None:
             threading.Thread(target=_delete, args=(gone,), daemon=True).start()
             if runtime.is_main:
                 print(f"--overwrite_output_dir: the earlier run's checkpoints in {folder} are deleted", flush=True)
+    runtime.barrier()
+
+
+def set_aside_newer(folder: Path, resumed: Path, runtime: Any) -> None:
+    """A resume from a checkpoint older than others in this run's checkpoint folder (a step back, after a loss
+    spike): the newer ones belong to the branch it leaves, and `latest`, rotation and the best model would mix the
+    two. They are moved (once per node) into `abandoned-<time>/` beside them: nothing deleted, nothing mixed."""
+    step = int(read_state(resumed)["state"]["global_step"])
+    stamp = runtime.share(time.strftime("%Y%m%d-%H%M%S"))  # one name on every node
+    if first_on_node():
+        newer = [path for s, path in complete_checkpoints(folder) if s > step]
+        aside = Path(folder) / f"abandoned-{stamp}"
+        for path in newer:
+            with contextlib.suppress(OSError):  # another node on the same storage took it first
+                aside.mkdir(exist_ok=True)
+                path.rename(aside / path.name)
+        if newer and runtime.is_main:
+            names = ", ".join(path.name for path in newer[:3]) + (" ..." if len(newer) > 3 else "")
+            print(
+                f"note: {names} in {folder} came after {resumed.name}, which this run resumes from: moved to "
+                f"{aside}, so that latest, rotation and the best model follow this run (delete them when done)",
+                flush=True,
+            )
     runtime.barrier()
 
 
