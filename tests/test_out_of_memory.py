@@ -108,6 +108,37 @@ def test_a_failure_other_than_memory_keeps_its_traceback(tiny_model_dir):
             raise RuntimeError("shape mismatch")
 
 
+@pytest.mark.parametrize(
+    "torch_said, told",
+    [
+        (
+            "DataLoader worker (pid 4242) is killed by signal: Killed. ",
+            "a data loader worker (pid 4242) was killed by signal: Killed (most often the host's out-of-memory "
+            "killer):",
+        ),
+        (
+            "DataLoader worker (pid(s) 17, 18) exited unexpectedly",
+            "a data loader worker (pid 17, 18) exited unexpectedly",
+        ),
+    ],
+)
+def test_a_loader_worker_killed_under_the_run_is_one_line(torch_said, told, tiny_model_dir):
+    """Found in audit: kill -9 of a streaming run's loader worker (what the OOM killer does) ended in a traceback."""
+    from cloudtrain.errors import UserError
+    from cloudtrain.tasks import build_task
+    from cloudtrain.training.out_of_memory import said_in_one_line
+
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "dataloader_num_workers": 2, "checkpointing_steps": 5})
+    with pytest.raises(UserError) as said:
+        with said_in_one_line(cfg, build_task(cfg), lambda: "training step 3"):
+            raise RuntimeError(torch_said)
+    assert str(said.value).startswith(told)
+    assert str(said.value).endswith(
+        "give fewer --dataloader_num_workers than 2, or more host memory; then --resume_from_checkpoint latest "
+        "continues"
+    )
+
+
 def test_the_micro_batch_warning_speaks_only_where_the_planner_can_tell(tiny_model_dir, capsys):
     """A micro-batch far beyond the machine gets the warning; the same run says nothing for a task the planner does
     not plan (the Python API's own module), for a model split over processes, or under ZeRO-3 (whose model

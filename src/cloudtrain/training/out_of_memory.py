@@ -1,6 +1,7 @@
 """Out of memory during a run, said in one line instead of a traceback: what the run was doing, what it asked
 for, and the options that need less memory, where the step with the same global batch comes first (a checkpoint
-of the run resumes with it). `cloudtrain plan` estimates each choice (docs/planner.md)."""
+of the run resumes with it). `cloudtrain plan` estimates each choice (docs/planner.md). A data loader worker
+killed under the run (most often by the host's out-of-memory killer) is one line too."""
 
 import contextlib
 import re
@@ -16,6 +17,10 @@ if TYPE_CHECKING:
     from cloudtrain.tasks.base import Task
 
 ASKED = re.compile(r"[Tt]ried to allocate (\d+(?:\.\d+)? ?[KMGT]i?B|\d+ bytes)")
+# torch's words for a worker gone: its SIGCHLD handler's, and the loader's when the worker's queue goes quiet
+WORKER_KILLED = re.compile(
+    r"DataLoader worker \(pid(?:\(s\))? ([\d, ]+)\) (is killed by signal: [^.]+|exited unexpectedly)"
+)
 SIGNS = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "can't allocate memory")  # CUDA, cuBLAS, the CPU allocator
 
 
@@ -29,9 +34,21 @@ def said_in_one_line(cfg: Config, task: "Task", doing: Callable[[], str]) -> Ite
     try:
         yield
     except (RuntimeError, MemoryError) as err:  # torch.OutOfMemoryError is a RuntimeError
+        if killed := WORKER_KILLED.search(str(err)):
+            raise UserError(worker_killed(cfg, killed)) from None
         if not is_out_of_memory(err):
             raise
         raise UserError(explain(cfg, task, doing(), err)) from None
+
+
+def worker_killed(cfg: Config, killed: re.Match) -> str:
+    workers = cfg.data.dataloader_num_workers
+    fewer = f"fewer --dataloader_num_workers than {workers}, or " if workers > 1 else ""
+    resume = "; then --resume_from_checkpoint latest continues" if cfg.checkpoint.checkpointing_steps else ""
+    return (
+        f"a data loader worker (pid {killed.group(1)}) {killed.group(2).replace('is killed', 'was killed')} (most "
+        f"often the host's out-of-memory killer): give {fewer}more host memory{resume}"
+    )
 
 
 def explain(cfg: Config, task: "Task", doing: str, err: BaseException) -> str:
