@@ -461,6 +461,8 @@ def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, t
         "--gradient_accumulation_steps whose product is 4"
     )
     assert not (tmp_path / "b" / "model.safetensors").exists()
+    with pytest.raises(UserError, match=r"trained with --seed \d+ and this run has --seed 12345: its step is a posi"):
+        train(again | {"seed": "12345"})  # the rows' order is the seed's (accepted silently before: audit)
     # a label renamed between the runs sorts elsewhere: two outputs would silently swap meanings (the audit's
     # resume fell from accuracy 1.0 to 0.33 in one step)
     renamed = {split: tmp_path / f"renamed-{split}.csv" for split in ("train", "validation")}

@@ -436,6 +436,7 @@ class Checkpointer:
         self.batch = {
             "per_device_train_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
+            "seed": t.seed,  # the stored rows' order: a resume's step is a position in it
         }
 
     def latest(self) -> Path | None:
