@@ -343,6 +343,21 @@ def test_a_step_back_to_an_older_checkpoint_sets_the_newer_ones_aside(tiny_model
     assert (aside / "checkpoint-4" / "model.safetensors").read_bytes() == old_four
 
 
+def test_latest_passes_over_a_damaged_newer_checkpoint_and_says_so(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    out = tmp_path / "out"
+    base = args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "4", "--checkpointing_steps", "2")[1:]
+    assert main(base) == 0
+    state = out / "checkpoints" / "checkpoint-4" / STATE_FILE
+    state.write_text(state.read_text()[:40])  # a truncated copy
+    capsys.readouterr()
+    assert main([*base, "--resume_from_checkpoint", "latest", "--overwrite_output_dir", "true"]) == 0
+    said = capsys.readouterr().out
+    assert (
+        f"note: checkpoint-4 in {out / 'checkpoints'} cannot be read (its {STATE_FILE} is missing or damaged): " in said
+    )
+    assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in said
+
+
 def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_path, capsys):
     out = tmp_path / "out"
     assert (

@@ -162,6 +162,24 @@ def drop_earlier_checkpoints(folder: Path, runtime: Any) -> None:
     runtime.barrier()
 
 
+def _note_damaged_after(folder: Path, step: int) -> None:
+    """Newer checkpoint-N folders whose trainer_state.json cannot be read (a damaged disk, a truncated copy):
+    `latest` passes over them, and says so."""
+    damaged = sorted(
+        (int(path.name[len(PREFIX) :]), path.name)
+        for path in Path(folder).glob(f"{PREFIX}*")
+        if path.name[len(PREFIX) :].isdigit()
+        and int(path.name[len(PREFIX) :]) > step
+        and state_format(path / STATE_FILE) is None
+    )
+    if damaged:
+        print(
+            f"note: {', '.join(name for _, name in damaged)} in {folder} cannot be read (its {STATE_FILE} is "
+            f"missing or damaged): resuming from checkpoint-{step}, the newest complete one",
+            flush=True,
+        )
+
+
 def set_aside_newer(folder: Path, resumed: Path, runtime: Any) -> None:
     """A resume from a checkpoint older than others in this run's checkpoint folder (a step back, after a loss
     spike): the newer ones belong to the branch it leaves, and `latest`, rotation and the best model would mix the
@@ -222,6 +240,8 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
                 "every node's folder to start fresh"
             )
         step = max(common)
+        if announce:
+            _note_damaged_after(folder, step)
         if step < newest and announce:
             print(
                 f"checkpoint-{newest} is not complete on {node_name(lacking)}: resuming from checkpoint-{step}, "

@@ -185,7 +185,8 @@ class RecordReader:
         try:
             return self._record(json.loads(text))
         except json.JSONDecodeError as err:
-            raise BadRecord(f"not JSON ({err.msg})") from None
+            at = "" if err.msg.endswith(" at") else " at"  # json's "Invalid control character at" names no place
+            raise BadRecord(f"not JSON ({err.msg}{at} column {err.colno})") from None
 
     @staticmethod
     def _record(value: Any) -> dict:
