@@ -436,8 +436,8 @@ class Checkpointer:
         self.batch = {
             "per_device_train_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
-            "seed": t.seed,  # the stored rows' order: a resume's step is a position in it
         }
+        self.seed = t.seed  # the stored rows' order: a resume's step is a position in it
 
     def latest(self) -> Path | None:
         found = complete_checkpoints(self.folder)
@@ -584,6 +584,7 @@ class Checkpointer:
             "adapters": self.adapters,
             "model": self.model,
             "batch": self.batch,
+            "seed": self.seed,
             "labels": self.labels,
             "data": self.data,
             "metric": self.metric,

@@ -565,7 +565,7 @@ class Trainer:
         pdb, accumulation = self.cfg.training.per_device_train_batch_size, self.cfg.training.gradient_accumulation_steps
         per_process = pdb * accumulation if isinstance(pdb, int) else None  # auto: resolved from the checkpoint
         check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
-        seed, saved = self.cfg.training.seed, (meta.get("batch") or {}).get("seed", self.cfg.training.seed)
+        seed, saved = self.cfg.training.seed, meta.get("seed", self.cfg.training.seed)
         if global_rows is not None and saved != seed:  # a stream's cursor checks its own (data.streaming)
             raise UserError(
                 f"checkpoint {folder} was trained with --seed {saved} and this run has --seed {seed}: its step is a "
