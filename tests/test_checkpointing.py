@@ -334,6 +334,9 @@ def test_a_step_back_to_an_older_checkpoint_sets_the_newer_ones_aside(tiny_model
     old_four = (out / "checkpoints" / "checkpoint-4" / "model.safetensors").read_bytes()
     capsys.readouterr()
     back = ["--resume_from_checkpoint", str(out / "checkpoints" / "checkpoint-2"), "--max_steps", "3"]
+    assert main([*base, *back, "--overwrite_output_dir", "true", "--seed", "777"]) == 2  # a refused resume: as it was
+    assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3, 4]
+    assert not list((out / "checkpoints").glob("abandoned-*"))
     assert main([*base, *back, "--overwrite_output_dir", "true", "--lr_scheduler_type", "constant"]) == 0
     said = capsys.readouterr().out
     assert "note: checkpoint-3, checkpoint-4 in " in said and "came after checkpoint-2, which this run resumes" in said

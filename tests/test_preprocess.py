@@ -207,7 +207,7 @@ def test_packed_shards_train_from_the_command_line_with_a_validation_file(
 
 
 def test_shards_made_otherwise_than_the_run_would_make_them_are_refused_before_training(
-    corpus, qa, tmp_path, tiny_llama_dir, lm_tokenizer_dir, capsys
+    corpus, qa, tmp_path, tiny_llama_dir, lm_tokenizer_dir, capsys, monkeypatch
 ):
     """Another tokenizer's ids, another task's encoding, rows longer than --max_length, and (no manifest to
     vouch for them) ids beyond the vocabulary: each one line, before the first step."""
@@ -246,6 +246,12 @@ def test_shards_made_otherwise_than_the_run_would_make_them_are_refused_before_t
             "longer rows": (options(f"{tmp_path}/packed-64/*.parquet"), "packed to 64 tokens and --max_length 32"),
             "no manifest": (options(f"{bare}/*.parquet"), "holds token id 9999, beyond this run's tokenizer"),
         },
+        capsys,
+        run,
+    )
+    monkeypatch.chdir(tmp_path / "other-tokenizer")  # named from inside their folder, the manifest is still read
+    assert_each_refused(
+        {"another tokenizer, from its folder": (options("*.parquet"), "tokenized by " + str(other_tokenizer))},
         capsys,
         run,
     )

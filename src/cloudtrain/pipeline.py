@@ -53,7 +53,6 @@ from cloudtrain.resume import (
     drop_earlier_checkpoints,
     finish_interrupted_saves,
     restarted_defaults,
-    set_aside_newer,
 )
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
@@ -270,8 +269,6 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     trainer.callbacks = user_callbacks
     if resume_from is None and cfg.output.overwrite_output_dir:  # built, checked: it starts over
         drop_earlier_checkpoints(checkpoints, runtime)
-    elif resume_from is not None:  # a step back: the branch it leaves goes aside
-        set_aside_newer(checkpoints, resume_from, runtime)
     return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from, trained_on)
 
 

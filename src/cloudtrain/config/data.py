@@ -225,7 +225,7 @@ class DataConfig:
             raise UserError("--generation_num_beams must be at least 1 (1: greedy)")
         if self.stream_buffer < 1:
             raise UserError("--stream_buffer must be at least 1 document")
-        if self.stream_validation_docs < 1:
+        if self.streaming and self.stream_validation_docs < 1:
             raise UserError(
                 "--stream_validation_docs must be at least 1: a stream without --validation_file validates on the "
                 "documents it holds out; give --validation_file to hold none out"

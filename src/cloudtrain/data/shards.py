@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from typing import TYPE_CHECKING, Any
 
 from cloudtrain.errors import UserError
@@ -32,6 +33,12 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(described, default=str).encode()).hexdigest()[:16]
 
 
+def columns_made_with(manifest: dict) -> str:
+    """The column options a manifest's shards were made with, as options (for a run that names others)."""
+    named = [f"--{name} {value}" for name, value in manifest.items() if name.endswith("_column") and value]
+    return " ".join(named) or "no column option"
+
+
 def made_with(task: Any, tokenizer: Any, data: DataConfig) -> dict:
     """The task, the options its stream encoder reads, and the tokenizer's digest and size."""
     return {
@@ -46,7 +53,7 @@ def check_shards(specs: list[SourceSpec], run: dict, max_length: int) -> None:
     """Every source's shards made as this run (`made_with` of it) would make them; one line naming the first
     difference otherwise."""
     for spec in specs:
-        folders = list(dict.fromkeys(path.rsplit("/", 1)[0] for path in spec.files))
+        folders = list(dict.fromkeys(folder_of(path) for path in spec.files))
         checked = False
         for folder in folders:
             manifest = read_manifest(folder)
@@ -55,6 +62,11 @@ def check_shards(specs: list[SourceSpec], run: dict, max_length: int) -> None:
                 checked = checked or "tokenizer_digest" in manifest
         if not checked:
             _check_ids(spec, run["vocabulary"])
+
+
+def folder_of(path: str) -> str:
+    """The folder of a data file named locally (relative too: `shard-00000.parquet` is in `.`) or by URL."""
+    return os.path.dirname(path) or "."
 
 
 def read_manifest(folder: str) -> dict | None:
@@ -82,8 +94,10 @@ def _compare(folder: str, manifest: dict, run: dict, max_length: int) -> None:
             f"not by this run's tokenizer ({run['vocabulary']} tokens; the ids would mean other tokens): {again} "
             "(--tokenizer_name_or_path naming this run's tokenizer)"
         )
-    for name, value in run.items():
-        if name not in ("task", "tokenizer_digest", "vocabulary") and manifest.get(name, value) != value:
+    for name, value in run.items():  # a column option names where text was read, not what the tokens mean
+        if name in ("task", "tokenizer_digest", "vocabulary") or name.endswith("_column"):
+            continue
+        if manifest.get(name, value) != value:
             theirs = _shown(manifest[name])
             raise UserError(
                 f"{folder} holds shards made with --{name} {theirs} and this run has --{name} {_shown(value)}: "

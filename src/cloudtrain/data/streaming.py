@@ -34,7 +34,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from cloudtrain.data.mixture import MixtureStream, SourceSpec
 from cloudtrain.data.packing import pack_buffer
-from cloudtrain.data.shards import check_shards, read_manifest
+from cloudtrain.data.shards import check_shards, columns_made_with, folder_of, read_manifest
 from cloudtrain.errors import UserError, first_difference
 
 STATE_FILE = "data_state.json"  # the stream's cursor in a checkpoint
@@ -489,12 +489,13 @@ def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
         if is_packed(record):
             return record
         missing = [c for c in needed if c not in record]
-        manifest = read_manifest(path.rsplit("/", 1)[0]) if missing else None
+        manifest = read_manifest(folder_of(path)) if missing else None
         if missing and manifest:
             raise UserError(
                 f"training source {spec.name} has no column {missing[0]!r}: it holds shards cloudtrain preprocess "
-                f"made for --task {manifest.get('task')} (columns: {', '.join(record)}); train them with the options "
-                "they were made with, or preprocess the corpus again with this run's"
+                f"made for --task {manifest.get('task')} with {columns_made_with(manifest)} (columns: "
+                f"{', '.join(record)}); train them with the options they were made with, or preprocess the corpus "
+                "again with this run's"
             )
         if missing:
             raise UserError(

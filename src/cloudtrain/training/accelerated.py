@@ -35,6 +35,7 @@ from cloudtrain.async_save import cpu_copy, weights_snapshot
 from cloudtrain.checkpointing import read_state
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
+from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel import context, fsdp, sequence, tensor
 from cloudtrain.parallel.distributed import build_accelerator, deepspeed_requested, fsdp_requested, sharding
@@ -274,8 +275,16 @@ class AcceleratedTrainer(Trainer):
 
         return write
 
+    def check_resume_files(self, folder: Path) -> None:
+        """Every process's RNG states readable, agreed before any loads (accelerate skips a missing or damaged
+        one with an info-level log, and the resume then draws other dropout and noise than the run that
+        stopped); one line on every process, so none waits inside a sharded load for one that stopped."""
+        problem = _rng_states_problem(folder, self.accelerator.process_index)
+        problems = [p for p in self.runtime.gather_objects(problem) if p]
+        if problems:
+            raise UserError(problems[0], quiet=not self.is_main_process)
+
     def load_checkpoint(self, folder: Path) -> None:
-        _check_rng_states(folder, self.accelerator.process_index)
         frozen = {"load_module_strict": False} if self.partial and self.accelerator.state.deepspeed_plugin else {}
         self.accelerator.load_state(str(folder), **frozen)
         if self.tensor_parallel:
@@ -301,12 +310,20 @@ class AcceleratedTrainer(Trainer):
         self.accelerator.wait_for_everyone()
 
 
-def _check_rng_states(folder: Path, index: int) -> None:
-    """This process's RNG states readable (FileNotFoundError, or a damaged file's error, for Trainer.resume to say):
-    accelerate skips a missing or damaged one with an info-level log, and the resume then draws other dropout and
-    noise than the run that stopped. A process beyond those that wrote the checkpoint has none to read."""
-    if index < int(read_state(folder).get("num_processes", 1)):
-        load(folder / f"{RNG_STATE_NAME}_{index}.pkl")
+def _rng_states_problem(folder: Path, index: int) -> str | None:
+    """Why process `index` cannot read its RNG states from checkpoint `folder` (None: it can, or, beyond the
+    processes that wrote it, has none to read)."""
+    if index >= int(read_state(folder).get("num_processes", 1)):
+        return None
+    path = folder / f"{RNG_STATE_NAME}_{index}.pkl"
+    try:
+        load(path)
+    except Exception as err:  # noqa: BLE001 (a missing file, or any unpickling error of a damaged one)
+        return (
+            f"checkpoint {folder} could not be loaded ({path.name}: {type(err).__name__}: {first_line(err)[:150]}); "
+            "it may be damaged: pass another --resume_from_checkpoint"
+        )
+    return None
 
 
 def _saved_samplers(dataloaders: list) -> list[tuple[int, Any]]:

@@ -38,6 +38,7 @@ from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
+from cloudtrain.resume import set_aside_newer
 from cloudtrain.tasks.base import Task
 from cloudtrain.tasks.module_task import is_plain_module, save_module
 from cloudtrain.training.best_model import BestModelHook, EarlyStoppingHook
@@ -323,6 +324,10 @@ class Trainer:
     def load_checkpoint(self, folder: Path) -> None:
         raise NotImplementedError
 
+    def check_resume_files(self, folder: Path) -> None:
+        """What a resume needs beyond `load_checkpoint`'s own files, checked on every process before it loads
+        (the accelerated trainer's RNG states, which accelerate skips with an info log); by default nothing."""
+
     # ------------------------------------------------------------ the loop
     def fit(
         self,
@@ -424,6 +429,8 @@ class Trainer:
         )
         self.scheduler = build_scheduler(self.optimizer, self.cfg, total_steps)
         state = self.resume(resume_from) if resume_from else TrainerState()
+        if resume_from and checkpointer:  # resumed: a step back sets the branch it leaves aside
+            set_aside_newer(checkpointer.folder, resume_from, self.runtime)
         self._announce(steps_per_epoch, total_steps)
         if resume_from and state.global_step >= total_steps and self.is_main_process:
             at = f" of {total_steps}" if state.global_step == total_steps else f", past this run's {total_steps} steps"
@@ -573,6 +580,7 @@ class Trainer:
             )
         start = time.perf_counter()
         ours = settings(self.optimizer, self.scheduler)  # before the checkpoint's states replace them
+        self.check_resume_files(folder)
         try:
             self.load_checkpoint(folder)
         except UserError:
