@@ -115,6 +115,21 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
     return specs
 
 
+def first_record(spec: SourceSpec) -> tuple[str, dict] | None:
+    """(file, record) of the source's first readable record, as read (its own column names); None if it has none."""
+    for path in spec.files:
+        try:
+            reader = RecordReader(path, spec.format)
+            try:
+                record, _ = reader.next()
+            finally:
+                reader.close()
+        except (StopIteration, BadFile, BadRecord):
+            continue
+        return path, record or {}
+    return None
+
+
 def uniform(seed: int, k: int) -> float:
     """A number in [0, 1) from (seed, k) alone: splitmix64, so any document's draw needs no earlier one."""
     z = (seed * 0x9E3779B97F4A7C15 + (k + 1) * 0xBF58476D1CE4E5B9) & MASK64

@@ -117,25 +117,16 @@ def _shown(value: Any) -> str:
 
 def _check_ids(spec: SourceSpec, vocabulary: int) -> None:
     """Shards with no manifest to vouch for them: their first record's token ids within this tokenizer's range."""
-    from cloudtrain.data.readers import BadFile, BadRecord, RecordReader
+    from cloudtrain.data.mixture import first_record
 
-    for path in spec.files:
-        try:
-            reader = RecordReader(path, spec.format)
-            try:
-                record, _ = reader.next()
-            finally:
-                reader.close()
-        except (StopIteration, BadFile, BadRecord):
-            continue
-        ids = (record or {}).get(TOKENS)
-        if not isinstance(ids, list):
-            return
-        flat = [i for example in ids for i in example] if ids and isinstance(ids[0], list) else ids
-        if flat and max(flat) >= vocabulary:
-            raise UserError(
-                f"{path} holds token id {max(flat)}, beyond this run's tokenizer ({vocabulary} tokens): the shards "
-                "were made by another tokenizer; run cloudtrain preprocess again with --tokenizer_name_or_path "
-                "naming this run's"
-            )
+    path, record = first_record(spec) or ("", {})
+    ids = record.get(TOKENS)
+    if not isinstance(ids, list):
         return
+    flat = [i for example in ids for i in example] if ids and isinstance(ids[0], list) else ids
+    if flat and max(flat) >= vocabulary:
+        raise UserError(
+            f"{path} holds token id {max(flat)}, beyond this run's tokenizer ({vocabulary} tokens): the shards "
+            "were made by another tokenizer; run cloudtrain preprocess again with --tokenizer_name_or_path "
+            "naming this run's"
+        )

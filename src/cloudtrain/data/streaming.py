@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from cloudtrain.data.mixture import MixtureStream, SourceSpec
+from cloudtrain.data.mixture import MixtureStream, SourceSpec, first_record
 from cloudtrain.data.packing import pack_buffer
 from cloudtrain.data.shards import check_shards, columns_made_with, folder_of, read_manifest
 from cloudtrain.errors import UserError, first_difference
@@ -474,37 +474,25 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
 
 
 def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
-    from cloudtrain.data.readers import BadFile, BadRecord, RecordReader
-
-    for path in spec.files:
-        try:
-            reader = RecordReader(path, spec.format)
-            try:
-                record, _ = reader.next()
-            finally:
-                reader.close()
-        except (StopIteration, BadFile, BadRecord):
-            continue
-        record = MixtureStream._columns(record or {}, spec)
-        if is_packed(record):
-            return record
-        missing = [c for c in needed if c not in record]
-        manifest = read_manifest(folder_of(path)) if missing else None
-        if missing and manifest:
-            raise UserError(
-                f"training source {spec.name} has no column {missing[0]!r}: it holds shards cloudtrain preprocess "
-                f"made for --task {manifest.get('task')} with {columns_made_with(manifest)} (columns: "
-                f"{', '.join(record)}); train them with the options they were made with, or preprocess the corpus "
-                "again with this run's"
-            )
-        if missing:
-            raise UserError(
-                f"training source {spec.name} has no column {missing[0]!r} (its columns: {', '.join(record)}); "
-                f"name its column with {needed[missing[0]]} (every source), or for this source alone in a config "
-                f"file: datasets: - path: {spec.name}, columns: {{{missing[0]}: <its column>}}"
-            )
+    found = first_record(spec)
+    if found is None:
+        raise UserError(f"training source {spec.name} holds no readable record")
+    path, record = found[0], MixtureStream._columns(found[1], spec)
+    missing = [c for c in needed if c not in record]
+    if is_packed(record) or not missing:
         return record
-    raise UserError(f"training source {spec.name} holds no readable record")
+    if manifest := read_manifest(folder_of(path)):
+        raise UserError(
+            f"training source {spec.name} has no column {missing[0]!r}: it holds shards cloudtrain preprocess "
+            f"made for --task {manifest.get('task')} with {columns_made_with(manifest)} (columns: "
+            f"{', '.join(record)}); train them with the options they were made with, or preprocess the corpus "
+            "again with this run's"
+        )
+    raise UserError(
+        f"training source {spec.name} has no column {missing[0]!r} (its columns: {', '.join(record)}); "
+        f"name its column with {needed[missing[0]]} (every source), or for this source alone in a config "
+        f"file: datasets: - path: {spec.name}, columns: {{{missing[0]}: <its column>}}"
+    )
 
 
 def check_streaming(cfg: Any) -> None:
