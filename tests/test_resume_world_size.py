@@ -199,3 +199,32 @@ def test_latest_counts_a_checkpoint_of_fewer_processes_as_held_by_the_extra_ones
     two = checkpoint("checkpoint-20", 2, [0])  # process 1's part was never finished
     assert holds_files_of(two, 0) and not holds_files_of(two, 1)
     assert holds_files_of(two, 2)  # a third process: none of its own, and the node's part is complete
+
+
+def test_a_checkpoint_of_another_sharding_engine_or_a_bare_load_error_is_one_line(tmp_path):
+    """Found in audit: ZeRO and FSDP record the same mesh, so a ZeRO-2 checkpoint resumed under FSDP (or ZeRO-3)
+    ended in a 200-line traceback; DeepSpeed's bare AssertionError (no message) broke the error's own wording;
+    torch.distributed.checkpoint's CheckpointException is a BaseException that `except Exception` let through."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from cloudtrain.checkpointing import check_engine, load_failure, sharding_engine
+    from cloudtrain.config import build_config
+    from cloudtrain.errors import UserError
+
+    fsdp, zero3 = build_config({"fsdp": "true"}), build_config({"zero_stage": "3"})
+    assert (sharding_engine(fsdp), sharding_engine(zero3), sharding_engine(build_config({}))) == (
+        "FSDP2",
+        "ZeRO-3",
+        "none",
+    )
+    check_engine({"engine": "FSDP2"}, tmp_path, fsdp)
+    check_engine({}, tmp_path, fsdp)  # a checkpoint from before the record
+    with pytest.raises(UserError, match=r"holds the states of ZeRO-2 and this run uses FSDP2: .* with --zero_stage 2,"):
+        check_engine({"engine": "ZeRO-2"}, tmp_path, fsdp)
+    with pytest.raises(UserError, match="holds the states of FSDP2 and this run uses ZeRO-3: .* with --fsdp true,"):
+        check_engine({"engine": "FSDP2"}, tmp_path, zero3)
+    assert str(load_failure(tmp_path, AssertionError())) == (
+        f"checkpoint {tmp_path} could not be loaded (AssertionError); it may be damaged: pass another "
+        "--resume_from_checkpoint"
+    )
+    assert not issubclass(CheckpointException, Exception)  # why Trainer.resume names it beside Exception

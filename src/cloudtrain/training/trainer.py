@@ -8,7 +8,6 @@ the host, and what makes a resume exact.
 import contextlib
 import json
 import math
-import re
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -17,6 +16,7 @@ from typing import Any
 
 import torch
 from accelerate import skip_first_batches
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 from transformers import PreTrainedModel
@@ -25,6 +25,8 @@ from cloudtrain.checkpointing import (
     Checkpointer,
     TrainerState,
     check_compatible,
+    check_engine,
+    load_failure,
     read_data_state,
     read_state,
 )
@@ -62,7 +64,6 @@ from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
 
 # what torch says of a checkpoint written for another model (not a damaged file)
-MISFIT = re.compile(r"size mismatch|Missing key|Unexpected key|shape mismatch")
 
 
 @dataclass(frozen=True)
@@ -572,6 +573,7 @@ class Trainer:
         pdb, accumulation = self.cfg.training.per_device_train_batch_size, self.cfg.training.gradient_accumulation_steps
         per_process = pdb * accumulation if isinstance(pdb, int) else None  # auto: resolved from the checkpoint
         check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
+        check_engine(meta, folder, self.cfg)
         seed, saved = self.cfg.training.seed, meta.get("seed", self.cfg.training.seed)
         if global_rows is not None and saved != seed:  # a stream's cursor checks its own (data.streaming)
             raise UserError(
@@ -585,16 +587,8 @@ class Trainer:
             self.load_checkpoint(folder)
         except UserError:
             raise
-        except Exception as err:  # torch, safetensors and accelerate raise many kinds for a damaged file
-            text = str(err)
-            why = next((line.strip() for line in text.splitlines() if MISFIT.search(line)), None)
-            raise UserError(
-                f"checkpoint {folder} does not fit the model this run builds ({why[:200]}): resume with the model and "
-                "options that wrote it, or start a fresh run without --resume_from_checkpoint"
-                if why
-                else f"checkpoint {folder} could not be loaded ({type(err).__name__}: {text.splitlines()[0][:200]}); "
-                "it may be damaged: pass another --resume_from_checkpoint"
-            ) from None
+        except (Exception, CheckpointException) as err:  # torch's DCP error is a BaseException; many kinds besides
+            raise load_failure(folder, err) from None
         state = TrainerState(**meta["state"])
         if (changed := keep_settings(self.optimizer, self.scheduler, ours)) and self.is_main_process:
             print(
