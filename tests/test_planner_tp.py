@@ -192,6 +192,16 @@ def test_no_tensor_parallel_rows_without_a_plan_or_a_divisor(tmp_path):
         )
 
 
+def test_context_parallel_rows_at_a_length_the_degree_does_not_divide(tmp_path):
+    """The run pads each row's end to a multiple of the degree, so CP trains at --max_length 63 (found in audit:
+    the plan refused it, and `auto` never offered CP for such lengths)."""
+    twelve = tmp_path / "twelve"
+    LlamaConfig(hidden_size=384, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=4,
+                intermediate_size=1024, vocab_size=500).save_pretrained(twelve)  # fmt: skip
+    plan = planning.make_plan(plan_args(str(twelve), tmp_path / "a", num_gpus=2, gpu_memory_gb=24, max_length=63))
+    assert {r["context_parallel_size"] for r in plan["strategies"]} >= {1, 2}
+
+
 # ---------------------------------------------------------------- Llama-3-8B on 8 x 80 GiB
 
 

@@ -141,10 +141,7 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
         if m.model_copy and key == "cp_fsdp":  # (tensor parallelism refuses the task itself: no_tensor_parallel)
             return "the planner does not estimate the frozen reference copy under CP: --strategy fsdp shards it"
         if key == "cp_fsdp":
-            return (
-                f"no degree dividing the {setup.num_gpus} GPUs divides the model's heads, its KV heads and "
-                f"--max_length {setup.max_length}"
-            )
+            return f"no degree dividing the {setup.num_gpus} GPUs divides the model's heads and its KV heads"
         if key == "tp_fsdp" and not no_tensor_parallel(m, setup):
             return "tensor parallel groups on all the processes leave no data-parallel processes to shard over"
         return no_tensor_parallel(m, setup) or "no tensor-parallel row here"

@@ -143,15 +143,15 @@ def no_tensor_parallel(m: ModelFacts, setup: Setup) -> str | None:
 
 def context_candidates(m: ModelFacts, setup: Setup) -> list[Candidate]:
     """CP x FSDP2 (all-to-all attention, cloudtrain.parallel.sequence) for every degree that divides the model's
-    heads and KV heads (each process attends with 1/cp of them) and the rows' tokens, with and without
-    checkpointing (a causal LM's, on GPUs)."""
+    heads and KV heads (each process attends with 1/cp of them), with and without checkpointing (a causal LM's, on
+    GPUs). The rows' length need not divide: the run pads each row to a multiple of the degree."""
     if not m.decoder or setup.num_gpus < 2 or not TASKS[m.task].context_parallel:
         return []  # the run's own rule: the task decides (DPO's pair loss, with or without a reference, does not)
     kv_heads = m.num_heads * m.kv_hidden_size // m.hidden_size
     rows = [
         Candidate(CONTEXT_FSDP, gc, context_parallel=c, split_cost=context_cost(m, setup, c))
         for c in degrees(setup)
-        if setup.max_length % c == 0 and m.num_heads % c == 0 and kv_heads % c == 0
+        if m.num_heads % c == 0 and kv_heads % c == 0
         for gc in (False, True)
     ]
     return sorted(rows, key=lambda c: c.speed)
