@@ -383,7 +383,11 @@ def _after_a_signal(by: str, skipped: list[str], cfg: Config, output_dir: Path, 
     push = f"; push it with: cloudtrain push --output_dir {output_dir}" if cfg.hub.push_to_hub else ""
     if not skipped:
         if not quiet:
-            print(f"note: {by or 'a signal'} came as the run saved its model: the run had finished{push}", flush=True)
+            print(
+                f"note: {by or 'a signal'} came after the last step with nothing left to skip (it came as the model "
+                f"was saved, or a launch finished the split it was on): the model is saved and the run finished{push}",
+                flush=True,
+            )
         return
     raise TrainingStopped(
         f"stopped by {by or 'a signal to another process'} after the last step: the trained model is saved in "
