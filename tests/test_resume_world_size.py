@@ -207,9 +207,10 @@ def test_a_checkpoint_of_another_sharding_engine_or_a_bare_load_error_is_one_lin
     torch.distributed.checkpoint's CheckpointException is a BaseException that `except Exception` let through."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from cloudtrain.checkpointing import check_engine, load_failure, sharding_engine
+    from cloudtrain.checkpointing import sharding_engine
     from cloudtrain.config import build_config
     from cloudtrain.errors import UserError
+    from cloudtrain.resume import check_engine, load_failure
 
     fsdp, zero3 = build_config({"fsdp": "true"}), build_config({"zero_stage": "3"})
     assert (sharding_engine(fsdp), sharding_engine(zero3), sharding_engine(build_config({}))) == (

@@ -26,7 +26,6 @@ import contextlib
 import json
 import math
 import os
-import re
 import shutil
 import threading
 import time
@@ -50,7 +49,6 @@ MARKS = "written-by"  # <checkpoint>/written-by/<process index>: that process's 
 RUN_FILES = ("metrics.jsonl", "tracker_runs.json")  # the run's log and tracker ids travel with each checkpoint
 FORMAT = "cloudtrain-checkpoint/1"
 PREFIX = "checkpoint-"
-MISFIT = re.compile(r"size mismatch|Missing key|Unexpected key|shape mismatch")  # a load error: another model
 LOWER_IS_BETTER = ("loss", "perplexity", "rmse", "mae")  # the metrics an improvement lowers
 
 
@@ -370,35 +368,6 @@ def sharding_engine(cfg: Config) -> str:
 
     shards = sharding(cfg)
     return f"ZeRO-{shards.zero_stage}" if shards.zero_stage is not None else "FSDP2" if shards.fsdp else "none"
-
-
-def check_engine(meta: dict, path: Path, cfg: Config) -> None:
-    """A checkpoint's states are those of the engine that wrote them (checkpoints before the record hold none)."""
-    written, now = meta.get("engine"), sharding_engine(cfg)
-    if written is not None and written != now:
-        options = {"none": "neither --zero_stage nor --fsdp", "FSDP2": "--fsdp true"}.get(
-            written, f"--zero_stage {written.removeprefix('ZeRO-')}"
-        )
-        raise UserError(
-            f"checkpoint {path} holds the states of {written} and this run uses {now}: each engine reads only its "
-            f"own; resume it with {options}, or start a fresh run without --resume_from_checkpoint"
-        )
-
-
-def load_failure(path: Path, err: BaseException) -> UserError:
-    """A checkpoint that failed to load, in one line: one that does not fit this model, or a damaged one."""
-    text = str(err)
-    why = next((line.strip() for line in text.splitlines() if MISFIT.search(line)), None)
-    if why:
-        return UserError(
-            f"checkpoint {path} does not fit the model this run builds ({why[:200]}): resume with the model and "
-            "options that wrote it, or start a fresh run without --resume_from_checkpoint"
-        )
-    said = f": {first_line(err)[:200]}" if text.strip() else ""
-    return UserError(
-        f"checkpoint {path} could not be loaded ({type(err).__name__}{said}); it may be damaged: pass another "
-        "--resume_from_checkpoint"
-    )
 
 
 def _dcp_states(path: Path) -> bool:

@@ -1,12 +1,14 @@
 """Where a launch starts: the checkpoint every process resumes from (`agree_on_resume`: a named one, or `latest`,
 the newest complete on every node), an earlier run's checkpoints that a fresh run must not mix with its own
 (`start_over`, `drop_earlier_checkpoints`), the checkpoints after an older one resumed (`set_aside_newer`), the
-attempt torchrun restarts (`restarted_defaults`), and a save a kill cut between its renames
-(`finish_interrupted_saves`). The checkpoints themselves: cloudtrain.checkpointing."""
+attempt torchrun restarts (`restarted_defaults`), a save a kill cut between its renames
+(`finish_interrupted_saves`), what a checkpoint must match beyond its layout (`check_engine`, `check_seed`) and
+a load that failed, in one line (`load_failure`). The checkpoints themselves: cloudtrain.checkpointing."""
 
 import contextlib
 import json
 import os
+import re
 import shutil
 import threading
 import time
@@ -27,10 +29,11 @@ from cloudtrain.checkpointing import (
     finish_replacement,
     node_name,
     read_state,
+    sharding_engine,
     state_format,
 )
 from cloudtrain.config import Config
-from cloudtrain.errors import UserError
+from cloudtrain.errors import UserError, first_line
 from cloudtrain.paths import torchrun_restarts
 
 
@@ -250,3 +253,46 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
             )
         path = Path(folder) / f"{PREFIX}{step}"
     return path
+
+
+MISFIT = re.compile(r"size mismatch|Missing key|Unexpected key|shape mismatch")  # a load error: another model
+
+
+def check_engine(meta: dict, path: Path, cfg: Config) -> None:
+    """A checkpoint's states are those of the engine that wrote them (checkpoints before the record hold none)."""
+    written, now = meta.get("engine"), sharding_engine(cfg)
+    if written is not None and written != now:
+        options = {"none": "neither --zero_stage nor --fsdp", "FSDP2": "--fsdp true"}.get(
+            written, f"--zero_stage {written.removeprefix('ZeRO-')}"
+        )
+        raise UserError(
+            f"checkpoint {path} holds the states of {written} and this run uses {now}: each engine reads only its "
+            f"own; resume it with {options}, or start a fresh run without --resume_from_checkpoint"
+        )
+
+
+def check_seed(meta: dict, path: Path, seed: int) -> None:
+    """Stored rows: a checkpoint's step is a position in its seed's order of the rows (checkpoints before the
+    record hold none)."""
+    saved = meta.get("seed", seed)
+    if saved != seed:
+        raise UserError(
+            f"checkpoint {path} was trained with --seed {saved} and this run has --seed {seed}: its step is a "
+            f"position in that seed's order of the rows; resume with --seed {saved}"
+        )
+
+
+def load_failure(path: Path, err: BaseException) -> UserError:
+    """A checkpoint that failed to load, in one line: one that does not fit this model, or a damaged one."""
+    text = str(err)
+    why = next((line.strip() for line in text.splitlines() if MISFIT.search(line)), None)
+    if why:
+        return UserError(
+            f"checkpoint {path} does not fit the model this run builds ({why[:200]}): resume with the model and "
+            "options that wrote it, or start a fresh run without --resume_from_checkpoint"
+        )
+    said = f": {first_line(err)[:200]}" if text.strip() else ""
+    return UserError(
+        f"checkpoint {path} could not be loaded ({type(err).__name__}{said}); it may be damaged: pass another "
+        "--resume_from_checkpoint"
+    )

@@ -25,8 +25,6 @@ from cloudtrain.checkpointing import (
     Checkpointer,
     TrainerState,
     check_compatible,
-    check_engine,
-    load_failure,
     read_data_state,
     read_state,
 )
@@ -40,7 +38,7 @@ from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
-from cloudtrain.resume import set_aside_newer
+from cloudtrain.resume import check_engine, check_seed, load_failure, set_aside_newer
 from cloudtrain.tasks.base import Task
 from cloudtrain.tasks.module_task import is_plain_module, save_module
 from cloudtrain.training.best_model import BestModelHook, EarlyStoppingHook
@@ -574,12 +572,8 @@ class Trainer:
         per_process = pdb * accumulation if isinstance(pdb, int) else None  # auto: resolved from the checkpoint
         check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
         check_engine(meta, folder, self.cfg)
-        seed, saved = self.cfg.training.seed, meta.get("seed", self.cfg.training.seed)
-        if global_rows is not None and saved != seed:  # a stream's cursor checks its own (data.streaming)
-            raise UserError(
-                f"checkpoint {folder} was trained with --seed {saved} and this run has --seed {seed}: its step is a "
-                f"position in that seed's order of the rows; resume with --seed {saved}"
-            )
+        if global_rows is not None:  # stored rows; a stream's cursor checks its own seed (data.streaming)
+            check_seed(meta, folder, self.cfg.training.seed)
         start = time.perf_counter()
         ours = settings(self.optimizer, self.scheduler)  # before the checkpoint's states replace them
         self.check_resume_files(folder)
