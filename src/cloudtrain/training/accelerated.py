@@ -35,13 +35,14 @@ from cloudtrain.async_save import cpu_copy, weights_snapshot
 from cloudtrain.checkpointing import read_state
 from cloudtrain.config import Config
 from cloudtrain.data.processing import ProcessedData
-from cloudtrain.errors import UserError, first_line
+from cloudtrain.errors import UserError
 from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel import context, fsdp, sequence, tensor
 from cloudtrain.parallel.distributed import build_accelerator, deepspeed_requested, fsdp_requested, sharding
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, join_launch
 from cloudtrain.registry import TRAINERS
+from cloudtrain.resume import load_failure
 from cloudtrain.tasks.base import Task
 from cloudtrain.training.meter import StepStats
 from cloudtrain.training.trainer import Trainer, save_weights
@@ -315,14 +316,10 @@ def _rng_states_problem(folder: Path, index: int) -> str | None:
     processes that wrote it, has none to read)."""
     if index >= int(read_state(folder).get("num_processes", 1)):
         return None
-    path = folder / f"{RNG_STATE_NAME}_{index}.pkl"
     try:
-        load(path)
+        load(folder / f"{RNG_STATE_NAME}_{index}.pkl")
     except Exception as err:  # noqa: BLE001 (a missing file, or any unpickling error of a damaged one)
-        return (
-            f"checkpoint {folder} could not be loaded ({path.name}: {type(err).__name__}: {first_line(err)[:150]}); "
-            "it may be damaged: pass another --resume_from_checkpoint"
-        )
+        return str(load_failure(folder, err))
     return None
 
 
