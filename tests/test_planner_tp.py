@@ -202,6 +202,19 @@ def test_context_parallel_rows_at_a_length_the_degree_does_not_divide(tmp_path):
     assert {r["context_parallel_size"] for r in plan["strategies"]} >= {1, 2}
 
 
+def test_a_pinned_split_does_not_claim_data_parallelism_fits_nothing(tmp_path):
+    """--strategy tp leaves no data-parallel row among those compared: the reasons said "Data parallelism alone ...
+    fits no micro-batch here" under a table where DDP fits (found in audit)."""
+    twelve = tmp_path / "twelve"
+    LlamaConfig(hidden_size=384, num_hidden_layers=2, num_attention_heads=12, num_key_value_heads=4,
+                intermediate_size=1024, vocab_size=500).save_pretrained(twelve)  # fmt: skip
+    args = plan_args(str(twelve), tmp_path / "a", num_gpus=2, gpu_memory_gb=24, max_length=256, strategy="tp")
+    reasons = " ".join(planning.make_plan(args)["recommendation"]["reasons"])
+    assert "Tensor parallel 2:" in reasons and "fits no micro-batch" not in reasons
+    auto = planning.make_plan(plan_args(str(twelve), tmp_path / "b", num_gpus=2, gpu_memory_gb=24, max_length=256))
+    assert any(r["fits"] and r["tensor_parallel_size"] == 1 for r in auto["strategies"])  # DDP does fit
+
+
 # ---------------------------------------------------------------- Llama-3-8B on 8 x 80 GiB
 
 

@@ -471,9 +471,10 @@ def _split_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup,
     batch arithmetic (a group's processes take the same rows)."""
     c, b = choice.candidate, choice.micro_batch
     group, dp = c.model_parallel, setup.world_size // c.model_parallel
-    plain = [r for r in rows if r.candidate.model_parallel == 1 and not r.candidate.pipeline]
+    # `rows` are those --strategy allows: pinned to a split, they hold no data-parallel row to compare with
+    considered = [r for r in rows if r.candidate.model_parallel == 1 and not r.candidate.pipeline]
     plain = sorted(
-        (r for r in plain if r.candidate.peft == "none" and r.max_micro_batch), key=lambda r: r.candidate.speed
+        (r for r in considered if r.candidate.peft == "none" and r.max_micro_batch), key=lambda r: r.candidate.speed
     )
     lines = []
     if c.tensor_parallel > 1:
@@ -495,7 +496,7 @@ def _split_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup,
             f"{plain[0].max_micro_batch}), has a relative step time of {plain[0].candidate.speed:.2f}; this one "
             f"{c.speed:.2f}, its collectives included ({c.split_cost:.1%} of its compute)."
         )
-    else:
+    elif considered:
         lines.append(
             "Data parallelism alone (DDP, ZeRO, FSDP2) fits no micro-batch here, not even 1 with checkpointing."
         )
