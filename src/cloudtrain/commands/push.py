@@ -26,9 +26,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     from cloudtrain.publish import hub  # huggingface_hub: only once the options parsed
 
-    folder = Path(args.output_dir)
-    if not folder.is_dir():
-        hub.run(args)  # which says so in its own words
-        return
-    with holding(folder):  # not a model a run is still writing, nor one a run starting there would replace
+    with holding(Path(args.output_dir)):  # not a model a run is still writing, nor one a run starting there replaces
         hub.run(args)

@@ -450,11 +450,10 @@ def _manifest(args: argparse.Namespace, made: dict, shards: list[dict], lengths:
     return {
         "source": args.train_file,
         "tokenizer": str(args.tokenizer_name_or_path),
-        "task": args.task,
         "text_column": args.text_column,
         "packing": args.packing,
         "max_length": args.max_length,
-        **made,  # the task's encoder's options and the tokenizer's digest
+        **made,  # the task, its encoder's options and the tokenizer's digest
         "documents": len(lengths),
         "empty_documents": sum(1 for n in lengths if n == 0),
         "tokens": sum(lengths),
