@@ -215,6 +215,24 @@ def test_a_pinned_split_does_not_claim_data_parallelism_fits_nothing(tmp_path):
     assert any(r["fits"] and r["tensor_parallel_size"] == 1 for r in auto["strategies"])  # DDP does fit
 
 
+@pytest.mark.parametrize(
+    "strategy, peft, why",
+    [
+        ("tp", "lora", "tensor parallelism does not combine with --peft"),
+        ("cp_fsdp", "qlora", "the planner estimates adapters under --strategy ddp, zero1, zero2, zero3, fsdp only"),
+        ("zero2_offload", "lora", "under --strategy ddp, zero1"),
+    ],
+)
+def test_a_pinned_strategy_without_rows_for_the_pinned_adapter_says_why(small, tmp_path, strategy, peft, why):
+    """Such a pin said "The requested strategy does not fit" under a table where every row fits, and advised more
+    GPU memory (found in audit): the rows are not there at all, which the plan now says in one line."""
+    args = plan_args(small, tmp_path, num_gpus=2, gpu_memory_gb=24, max_length=256, strategy=strategy, peft=peft)
+    with pytest.raises(UserError, match=f"^--strategy {strategy} --peft {peft}: .*{why}"):
+        planning.make_plan(args)
+    fits = planning.make_plan(plan_args(small, tmp_path / "none", num_gpus=2, gpu_memory_gb=24, strategy=strategy))
+    assert fits["recommendation"] is not None  # the strategy itself is planned here
+
+
 # ---------------------------------------------------------------- Llama-3-8B on 8 x 80 GiB
 
 

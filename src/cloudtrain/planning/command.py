@@ -54,6 +54,7 @@ from cloudtrain.planning.search import (
     tensor_candidates,
 )
 from cloudtrain.planning.strategies import (
+    ADAPTER_STRATEGIES,
     CHECKPOINTING_COST,
     PIPELINE,
     STRATEGIES,
@@ -294,6 +295,8 @@ def _rows(
     refused = [why for c in asked if (why := _fused_refusal(setup, c) or sharding_refusal(run_task, task_cfg, c))]
     if asked and len(refused) == len(asked):  # the run refuses every row asked for: its own line
         raise UserError(f"--strategy {args.strategy}: the run refuses it: {refused[0]}")
+    if not asked and any(c.strategy.key == args.strategy for c in every):  # rows, none with the adapter asked for
+        raise UserError(f"--strategy {args.strategy} --peft {args.peft}: {_no_adapter_row(args.strategy)}")
     if args.strategy not in ("auto", PIPELINE.key) and not any(c.strategy.key == args.strategy for c in cands):
         raise UserError(f"--strategy {args.strategy}: {_no_row(m, setup, args.strategy)}")
     rows = [row(m, c, setup, requested * c.model_parallel) for c in cands]  # a TP/CP group: its processes' rows
@@ -305,6 +308,20 @@ def _rows(
         and args.peft in ("auto", r.candidate.peft)
     ]
     return rows, allowed, cands, adapters
+
+
+def _no_adapter_row(key: str) -> str:
+    """Why a pinned --strategy has rows but none with the pinned adapter."""
+    if key in ("tp", "tp_fsdp"):
+        from cloudtrain.parallel.tensor import PEFT_REFUSAL  # (accelerate: loaded only for this line)
+
+        return f"tensor parallelism {PEFT_REFUSAL}"
+    if key == PIPELINE.key:
+        return "--training_type pipeline does not train adapters; drop --strategy to plan them under DDP, ZeRO or FSDP2"
+    return (
+        f"the planner estimates adapters under --strategy {', '.join(ADAPTER_STRATEGIES)} only; pin one of those, "
+        "or --peft none for full fine-tuning"
+    )
 
 
 def _nothing_fits(
