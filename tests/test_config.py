@@ -331,3 +331,41 @@ def test_a_config_file_that_is_not_utf8_is_one_line(tmp_path):
     (tmp_path / "run.yaml").write_bytes("run_name: caf\xe9\n".encode("latin-1"))
     with pytest.raises(UserError, match=r"could not read config file .*run.yaml \(UTF-8 YAML or JSON\)"):
         parse("--config", str(tmp_path / "run.yaml"))
+
+
+def test_a_leading_tilde_is_the_home_folder_wherever_the_path_comes_from(tmp_path, monkeypatch):
+    """The shell expands ~ only at a word's start: `--output_dir=~/run` and a config file's `~/run` made a folder
+    named ~ in the working directory (found in audit)."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    home = str(tmp_path / "home")
+    file = tmp_path / "run.yaml"
+    file.write_text("output_dir: ~/run\nstreaming: true\ndatasets:\n  - path: ~/c.jsonl\n")
+    cfg = parse("--config", str(file), "--validation_file=~/v.csv", "--text_column", "~text")
+    assert cfg.output.output_dir == f"{home}/run"
+    assert cfg.data.datasets == [{"path": f"{home}/c.jsonl"}]
+    assert cfg.data.validation_file == f"{home}/v.csv"
+    assert cfg.data.text_column == "~text"  # not a path: as given
+    (tmp_path / "home").mkdir()
+    (tmp_path / "home" / "seed.yaml").write_text("seed: 5\n")
+    assert parse("--config=~/seed.yaml").training.seed == 5
+    sources = parse("--train_file", "a.csv,~/b.csv", "--validation_file", "v.csv").data.train_file
+    assert sources == f"a.csv,{home}/b.csv"  # each source of a comma-separated list
+
+
+def test_config_given_twice_applies_both_files_in_order(tmp_path):
+    """The second --config replaced the first without a word (found in audit): now each overrides the ones
+    before it, and the flags override them all."""
+    base, over = tmp_path / "base.yaml", tmp_path / "over.yaml"
+    base.write_text("learning_rate: 0.5\nmax_steps: 2\nseed: 1\n")
+    over.write_text("seed: 3\n")
+    cfg = parse("--config", str(base), "--config", str(over), "--max_steps", "4")
+    assert (cfg.training.learning_rate, cfg.training.seed, cfg.training.max_steps) == (0.5, 3, 4)
+
+
+def test_a_commands_own_path_options_expand_a_leading_tilde(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = ConfigParser(prog="t")
+    parser.add_argument("--model_dir")
+    parser.add_argument("--hub_model_id")
+    args = parser.parse_args(["--model_dir=~/run", "--hub_model_id=~me/x"])
+    assert (args.model_dir, args.hub_model_id) == (f"{tmp_path}/run", "~me/x")

@@ -22,10 +22,12 @@ class DataConfig:
     )
     dataset_config: str | None = opt(None, "Hub dataset configuration name.")
     train_file: str | None = opt(
-        None, "Training data: a csv/tsv/json/jsonl/parquet file, a folder of such files, or a save_to_disk directory."
+        None,
+        "Training data: a csv/tsv/json/jsonl/parquet file, a folder of such files, or a save_to_disk directory.",
+        path=True,
     )
-    validation_file: str | None = opt(None, "Validation data, same formats as --train_file.")
-    test_file: str | None = opt(None, "Test data, same formats as --train_file.")
+    validation_file: str | None = opt(None, "Validation data, same formats as --train_file.", path=True)
+    test_file: str | None = opt(None, "Test data, same formats as --train_file.", path=True)
     text_column: str = opt(
         "text", "Column holding the text (--task causal_lm also reads .txt files: one document per line)."
     )
@@ -118,7 +120,7 @@ class DataConfig:
     max_eval_samples: int | None = opt(
         None, "Use at most this many validation and test examples (quick runs), counted as --max_train_samples."
     )
-    cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).")
+    cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).", path=True)
     group_by_length: bool = opt(
         False,
         "Batch training examples of similar length together (less padding); the "
@@ -151,6 +153,7 @@ class DataConfig:
         "Streaming: the training sources as a list in a config file, each a mapping with path, and optionally "
         "format, weight and columns (a mapping of the task's column names to the source's).",
         separator="\n",
+        path=True,
     )
     mixture_exhausted: str = opt(
         "restart",

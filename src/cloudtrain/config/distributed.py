@@ -29,11 +29,12 @@ class DistributedConfig:
         None,
         "Offload nvme: a folder on a fast local disk for the offloaded states (each process writes its own "
         "swap files there; needs DeepSpeed's async I/O, built against libaio).",
+        path=True,
     )
     aio_block_size: int = opt(1048576, "Offload nvme: bytes per async I/O request (DeepSpeed's aio block_size).")
     aio_queue_depth: int = opt(8, "Offload nvme: async I/O requests in flight (DeepSpeed's aio queue_depth).")
     deepspeed_config: str | None = opt(
-        None, 'A DeepSpeed JSON config, used as-is; its "auto" values are filled from these options.'
+        None, 'A DeepSpeed JSON config, used as-is; its "auto" values are filled from these options.', path=True
     )
     fsdp: bool = opt(
         False, "Shard the model with FSDP2 (torch's fully_shard, through accelerate); GPUs, or CPU processes (gloo)."

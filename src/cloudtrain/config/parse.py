@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -109,7 +110,20 @@ def _coerce(name: str, value: Any) -> Any:
     for item in value if isinstance(value, list) else [value]:
         if choices and item not in choices:
             raise UserError(f"--{name}: {item!r} is not one of {', '.join(map(str, choices))}")
-    return value
+    return _home(value) if f.metadata["path"] else value
+
+
+def _home(value: Any) -> Any:
+    """A path option with ~ expanded as a shell would: the shell does not where the path comes from a config file
+    or follows `=` (`--output_dir=~/run` would make a folder named ~); each of a comma-separated list of sources,
+    and a `datasets:` entry's path."""
+    if isinstance(value, list):
+        return [_home(item) for item in value]
+    if isinstance(value, dict):
+        return {**value, "path": _home(value["path"])} if isinstance(value.get("path"), str) else value
+    if not isinstance(value, str) or "~" not in value:
+        return value
+    return ",".join(os.path.expanduser(p.strip()) if p.strip().startswith("~") else p for p in value.split(","))
 
 
 def _convert(tp: type, value: Any, separator: str) -> Any:
@@ -149,6 +163,9 @@ def _type_word(tp: type) -> str:
     return {int: "whole number", float: "number", str: "value"}.get(tp, tp.__name__)
 
 
+PATH_ENDINGS = ("_dir", "_file", "_path", "_or_path")  # a command's options that name a file or folder
+
+
 class ConfigParser(argparse.ArgumentParser):
     """argparse that reports mistakes as one line instead of usage + error, and takes no abbreviations."""
 
@@ -174,6 +191,9 @@ class ConfigParser(argparse.ArgumentParser):
         if missing:
             names = ", ".join("/".join(action.option_strings) or action.dest for action in missing)
             self.error(f"the following arguments are required: {names}")
+        for name, value in vars(parsed).items():  # a command's own paths (a config option's: _coerce)
+            if name.endswith(PATH_ENDINGS) and name not in option_fields():
+                setattr(parsed, name, _home(value))
         return parsed, extras
 
     def error(self, message: str) -> typing.NoReturn:
@@ -199,9 +219,10 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         metavar="FILE",
+        action="append",
         default=argparse.SUPPRESS,
-        help="YAML or JSON file of options; flags given on the command line override it. The file may start from "
-        "another with `extends: <file>` (a path relative to it).",
+        help="YAML or JSON file of options; flags given on the command line override it. Given again, each file "
+        "overrides the ones before it. A file may start from another with `extends: <file>` (a path relative to it).",
     )
     groups: dict[str, argparse._ArgumentGroup] = {}
     for name, (section, f) in option_fields().items():
@@ -232,7 +253,7 @@ def add_config_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
 def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
     """Read a YAML/JSON config file into flat {flag name: value}, over the options of the file it `extends`.
     `_chain`: the files that extend this one, nearest last (a cycle is refused)."""
-    file = Path(path)
+    file = Path(path).expanduser()
     if not file.is_file():
         raise UserError(f"config file {path} does not exist")
     chain = (*_chain, file)
@@ -325,14 +346,18 @@ def config_from_namespace(namespace: argparse.Namespace) -> Config:
     return resolve_options(given.pop("config", None), {k: v for k, v in given.items() if k in option_fields()})
 
 
-def resolve_options(config: "Config | dict | str | Path | None", overrides: dict) -> Config:
+def resolve_options(config: "Config | dict | str | Path | list | None", overrides: dict) -> Config:
     """Options from lowest precedence up, merged and checked: the defaults, a SageMaker job's, `config` (a
-    Config, a dict of options or a config file's path: cloudtrain.train, --config), then `overrides`."""
+    Config, a dict of options, a config file's path or a list of them, each over the ones before: cloudtrain.train,
+    --config), then `overrides`."""
     values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
     if isinstance(config, Config):
         values.update(config.to_dict(include_secrets=True))
     elif isinstance(config, dict):
         values.update(with_bases(config, Path.cwd()))
+    elif isinstance(config, list):
+        for file in config:
+            values.update(load_config_file(str(file)))
     elif config is not None:
         values.update(load_config_file(str(config)))
     values.update(flatten(overrides))

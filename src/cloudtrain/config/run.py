@@ -50,7 +50,7 @@ class MonitoringConfig:
         "The optimizer steps --profile traces, first:last (from 1, inclusive); the step before first warms "
         "the profiler up.",
     )
-    profile_dir: str | None = opt(None, "Where --profile writes its trace (default: <output_dir>/profile).")
+    profile_dir: str | None = opt(None, "Where --profile writes its trace (default: <output_dir>/profile).", path=True)
 
     def check(self) -> None:
         """The thresholds' ranges; --profile_steps is read as first:last before any work; the profile options need
@@ -110,7 +110,9 @@ class HubConfig:
         secret=True,
     )
     hub_token_file: str | None = opt(
-        None, "A file holding the Hub token (a mounted secret, say). Default: HF_TOKEN, else the stored login."
+        None,
+        "A file holding the Hub token (a mounted secret, say). Default: HF_TOKEN, else the stored login.",
+        path=True,
     )
     hub_private_repo: bool = opt(False, "Create the Hub repository as private.")
     hub_revision: str | None = opt(None, "Branch of the Hub repository to push to (default: main).")
@@ -131,7 +133,7 @@ class CheckpointConfig:
     checkpointing_steps: str | None = opt(
         None, "Save a checkpoint every N optimizer steps, or at every epoch end (epoch). Unset: no checkpoints."
     )
-    checkpoint_dir: str | None = opt(None, "Where checkpoints go (default: <output_dir>/checkpoints).")
+    checkpoint_dir: str | None = opt(None, "Where checkpoints go (default: <output_dir>/checkpoints).", path=True)
     save_total_limit: int | None = opt(
         None, "Keep at most this many checkpoints; the newest and the best are always kept."
     )
@@ -140,6 +142,7 @@ class CheckpointConfig:
         "A checkpoint directory, or latest: the newest checkpoint complete on every node in "
         "--checkpoint_dir (a fresh start if none). Default: none, but latest for a worker that torchrun "
         "--max-restarts restarted, and inside a SageMaker job with checkpoints.",
+        path=True,
     )
     metric_for_best_model: str | None = opt(
         None,
@@ -178,7 +181,7 @@ class CheckpointConfig:
 @dataclass
 class OutputConfig:
     output_dir: str | None = opt(
-        None, "Where the model, metrics and arguments are saved (default: outputs/<model>-<dataset>)."
+        None, "Where the model, metrics and arguments are saved (default: outputs/<model>-<dataset>).", path=True
     )
     overwrite_output_dir: bool = opt(False, "Allow replacing a model already saved in --output_dir.")
     merge_adapters: bool = opt(
