@@ -337,3 +337,14 @@ def test_a_forked_child_outliving_a_killed_run_does_not_keep_its_folder(tmp_path
         release(out)
     finally:
         os.kill(child, 9)
+
+
+@pytest.mark.parametrize(
+    "args, overwrites", [("", True), ("--output_dir runs/a", False), ("--output_dir=runs/a --seed 1", False)]
+)
+def test_make_train_overwrites_its_own_default_folder_only(args, overwrites):
+    """`make train ARGS="--output_dir X"` replaced an earlier model in X without being asked (found in audit)."""
+    root = Path(__file__).resolve().parents[1]
+    shown = subprocess.run(["make", "-n", "train", f"ARGS={args}"], cwd=root, capture_output=True, text=True)
+    command = next(line for line in shown.stdout.splitlines() if "training_application.py" in line)
+    assert ("--overwrite_output_dir true" in command) == overwrites and command.rstrip().endswith(args)
