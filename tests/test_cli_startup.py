@@ -141,6 +141,9 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
     empty.write_text("")
     sheet.write_text("a,b\n")
     no = tmp_path / "no"
+    mine = tmp_path / "mine"  # the user's own files under names a run writes: refused 6 s later before (audit)
+    mine.mkdir()
+    (mine / "args.json").write_text("{}")
     refusals = {
         f"--train_file {no}.csv": f"--train_file {no}.csv does not exist",
         f"--train_file {a_file} --test_file {empty}": f"--test_file {empty} is empty",
@@ -158,6 +161,10 @@ def test_a_mistyped_path_is_refused_before_the_training_imports(tmp_path):
         f"--checkpoint_dir {a_file}": f"--checkpoint_dir {a_file} is a file; give a directory",
         f"--profile true --profile_dir {a_file}/p": f"--profile_dir {a_file}/p cannot be written (Not a directory)",
         f"--cache_dir {a_file}": f"--cache_dir {a_file} is a file; give a directory",
+        f"--output_dir {mine}": f"--output_dir {mine} holds args.json, which cloudtrain did not write",
+        "--zero_stage 2 --fsdp true": "DeepSpeed and FSDP were both requested; choose one",
+        "--offload_param cpu": "--offload_optimizer/--offload_param need DeepSpeed: add --zero_stage 2 or 3",
+        "--optim muon --fsdp true": "--optim muon orthogonalises whole weight matrices",
         "--dataloader_num_workers 100000": "--dataloader_num_workers 100000 is more than",
         "--gradient_accumulation_steps 10000000000000000000": "--gradient_accumulation_steps take at most 1,000,000",
     }

@@ -11,8 +11,14 @@ from cloudtrain.config import Config, ModelConfig
 from cloudtrain.data.files import check_data_files
 from cloudtrain.errors import UserError
 from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
-from cloudtrain.publish.atomic import check_writable
-from cloudtrain.publish.output_dir import TOKENIZER_PATTERNS, earlier_model_refusal, holds_saved_model
+from cloudtrain.publish.atomic import SEALED, check_writable, staging_dir
+from cloudtrain.publish.output_dir import (
+    TOKENIZER_PATTERNS,
+    check_location,
+    claim,
+    earlier_model_refusal,
+    holds_saved_model,
+)
 
 
 def resolve_model_path(cfg: ModelConfig, name: str | None = None) -> str:
@@ -74,6 +80,13 @@ def check_earlier_model(cfg: Config, output_dir: Path) -> None:
         raise UserError(earlier_model_refusal(output_dir))
 
 
+def check_users_files(output_dir: Path) -> None:
+    """The pipeline's refusal of the user's files under names a run writes (output_dir.claim), before the heavy
+    imports; where a kill left a sealed save to finish, the pipeline finishes it first and decides then."""
+    if not (staging_dir(output_dir) / SEALED).is_file():
+        claim(output_dir)
+
+
 def hub_ids(cfg: Config) -> list[HubId]:
     """The model, tokenizer and dataset that the options name by Hub id (not a local path)."""
     named = [
@@ -110,7 +123,12 @@ def check_local_paths(cfg: Config) -> None:
     if cfg.output.output_dir:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))
+        m = cfg.model  # the folders the run reads (the default model's: the pipeline checks it)
+        models = [resolve_model_path(m)] if m.model_name_or_path and not m.model_config else []
+        models += [resolve_model_path(m, m.tokenizer_name_or_path)] if m.tokenizer_name_or_path else []
+        check_location(cfg, Path(cfg.output.output_dir), models, cfg.checkpoint.resume_from_checkpoint)
         check_earlier_model(cfg, Path(cfg.output.output_dir))
+        check_users_files(Path(cfg.output.output_dir))
     written = {"--checkpoint_dir": cfg.checkpoint.checkpoint_dir, "--profile_dir": cfg.monitoring.profile_dir,
                "--cache_dir": cfg.data.cache_dir}  # fmt: skip
     if not cfg.data.cache_dir and os.environ.get("CLOUDTRAIN_CACHE"):  # the default cache's own variable

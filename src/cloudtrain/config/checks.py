@@ -29,8 +29,28 @@ def validate(cfg: Config) -> None:
             ),
         ]
     )
+    # the options alone ask for DeepSpeed or FSDP here; check_distributed asks again with the launcher's variables
+    refuse_first(engine_conflicts(cfg, d.zero_stage is not None or bool(d.deepspeed_config), d.fsdp))
     if c.load_best_model_at_end:
         check_best_model_schedule(cfg)
+
+
+def engine_conflicts(cfg: Config, deepspeed: bool, fsdp: bool) -> list[tuple[bool, str]]:
+    """The refusals of the sharding engine's options, given whether DeepSpeed and FSDP were asked for."""
+    d = cfg.distributed
+    return [
+        (
+            cfg.training.optim == "muon" and (deepspeed or fsdp),
+            "--optim muon orthogonalises whole weight matrices, which DeepSpeed ZeRO and FSDP split into flat "
+            "shards; use plain multi-process (DDP) training for it",
+        ),
+        (deepspeed and fsdp, "DeepSpeed and FSDP were both requested; choose one"),
+        (
+            (d.offload_optimizer != "none" or d.offload_param != "none") and d.zero_stage is None,
+            "--offload_optimizer/--offload_param need DeepSpeed: add --zero_stage 2 or 3",
+        ),
+        (d.offload_param != "none" and d.zero_stage != 3, "--offload_param needs --zero_stage 3"),
+    ]
 
 
 def check_best_model_schedule(cfg: Config) -> None:

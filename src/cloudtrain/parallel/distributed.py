@@ -48,7 +48,8 @@ from accelerate.utils import (
 
 from cloudtrain import invocation
 from cloudtrain.config import Config, differs_from_default
-from cloudtrain.errors import UserError
+from cloudtrain.config.checks import engine_conflicts
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.invocation import check_launcher_variables
 from cloudtrain.parallel.fsdp import build_plugin, fsdp_settings, processes_per_node, shard_degrees
 from cloudtrain.parallel.fsdp import enable as enable_fsdp
@@ -382,17 +383,7 @@ def check_distributed(cfg: Config) -> None:
             f"the accelerate config asks for {launcher_precision} mixed precision but --mixed_precision "
             f"is {cfg.training.mixed_precision}; pass --mixed_precision {launcher_precision}"
         )
-    if cfg.training.optim == "muon" and (wants_deepspeed or wants_fsdp):
-        raise UserError(
-            "--optim muon orthogonalises whole weight matrices, which DeepSpeed ZeRO and FSDP split into "
-            "flat shards; use plain multi-process (DDP) training for it"
-        )
-    if wants_deepspeed and wants_fsdp:
-        raise UserError("DeepSpeed and FSDP were both requested; choose one")
-    if (d.offload_optimizer != "none" or d.offload_param != "none") and d.zero_stage is None:
-        raise UserError("--offload_optimizer/--offload_param need DeepSpeed: add --zero_stage 2 or 3")
-    if d.offload_param != "none" and d.zero_stage != 3:
-        raise UserError("--offload_param needs --zero_stage 3")
+    refuse_first(engine_conflicts(cfg, wants_deepspeed, wants_fsdp))  # (the options alone: config.validate)
     if wants_deepspeed:
         if importlib.util.find_spec("deepspeed") is None:
             raise UserError(f"DeepSpeed was requested but the deepspeed package is not installed: {DEEPSPEED_INSTALL}")
