@@ -155,6 +155,11 @@ def test_plan_takes_the_training_options_with_the_application_s_defaults(tiny_mo
     plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / "auto", gpu_memory_gb=24, num_gpus=2))
     assert plan["setup"]["mixed_precision"] == resolve_precision("auto")
     assert any(note.startswith("--mixed_precision auto is") for note in plan["notes"])
+    for gpu, precision in (("t4", "no"), ("h100", "bf16")):  # --gpu named: what auto becomes there (audit)
+        plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / gpu, gpu=gpu, num_gpus=2))
+        assert plan["setup"]["mixed_precision"] == precision
+        assert f"--mixed_precision {precision}" in plan["recommendation"]["command"]
+        assert f"--mixed_precision auto is {precision} on the {gpu}," in " ".join(plan["notes"])
     monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # an accelerate launch's precision, as in training
     plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / "fp16", gpu_memory_gb=24, num_gpus=2))
     assert plan["setup"]["mixed_precision"] == "fp16" and "--mixed_precision fp16" in plan["recommendation"]["command"]

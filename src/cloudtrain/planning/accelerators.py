@@ -15,6 +15,7 @@ class Gpu:
     name: str
     memory_gib: float
     vendor: str  # nvidia or amd
+    bf16: bool = True  # computes bf16 natively (Ampere, Ada, Hopper, Blackwell; CDNA2 on): training's auto picks it
 
     def notes(self) -> list[str]:
         """What a plan for this GPU should say beyond the memory."""
@@ -30,9 +31,9 @@ class Gpu:
 GPUS = {
     gpu.name: gpu
     for gpu in (
-        Gpu("t4", 16, "nvidia"),
-        Gpu("v100-16gb", 16, "nvidia"),
-        Gpu("v100-32gb", 32, "nvidia"),
+        Gpu("t4", 16, "nvidia", bf16=False),
+        Gpu("v100-16gb", 16, "nvidia", bf16=False),
+        Gpu("v100-32gb", 32, "nvidia", bf16=False),
         Gpu("a10g", 24, "nvidia"),
         Gpu("l4", 24, "nvidia"),
         Gpu("rtx-4090", 24, "nvidia"),

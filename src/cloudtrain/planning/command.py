@@ -12,6 +12,7 @@ they parsed.
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -159,7 +160,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     name = args.model_config or args.model_name_or_path or default_model_dir()
     if not args.model_config and (is_pipeline(name) or TASKS[args.task].plans_pipeline):
         return _pipeline_plan(args, name, gpu)  # a folder that is no pipeline: the run's own one line
-    m, run_task, task_cfg = _model(args, name)
+    m, run_task, task_cfg = _model(args, name, gpu)
     setup, requested, global_batch = _setup(args, m, run_task, task_cfg, gpu)
     rows, allowed, cands, adapters = _rows(args, m, setup, run_task, task_cfg, requested, global_batch)
     ranked = ranked_choices(m, allowed, setup, requested, global_batch)
@@ -179,7 +180,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         "suggestions": [],
         "fallbacks": [choice_json(c) for c in ranked[1:4]],  # the next best, in the order the choice takes
         "notes": _unused_notes(args)
-        + _notes(m, setup, args.mixed_precision)
+        + _notes(m, setup, args.mixed_precision, gpu)
         + _split_notes(m, setup)
         + (["no ZeRO-3 or FSDP rows: --fused_cross_entropy true refuses them"] if setup.fused_loss_asked else [])
         + _hardware_notes(name, args, gpu)
@@ -202,7 +203,7 @@ def make_plan(args: argparse.Namespace) -> dict:
     return plan
 
 
-def _model(args: argparse.Namespace, name: str) -> tuple[ModelFacts, Task, Config]:
+def _model(args: argparse.Namespace, name: str, gpu: Gpu | None) -> tuple[ModelFacts, Task, Config]:
     """(the model's facts with the task's answers about memory and sharding, the task, the task's options)."""
     local = (not args.model_config and config_folder(name)) or name  # a well-known model: its shipped config
     if not args.model_config and looks_like_repo_id(local) and not Path(local).exists():  # as training says it
@@ -223,7 +224,7 @@ def _model(args: argparse.Namespace, name: str) -> tuple[ModelFacts, Task, Confi
     )
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
     no_copy = replace(task_cfg, preference=replace(task_cfg.preference, precompute_reference=True))
-    precision = resolve_precision(args.mixed_precision)
+    precision = planned_precision(args.mixed_precision, gpu)
     attention = run_attention(args.attn_implementation, args.packing, args.task, precision)
     passed = (
         (("--attn_implementation", args.attn_implementation) if args.attn_implementation else ())
@@ -253,7 +254,7 @@ def _setup(
         round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB),
         None if args.cpu_memory_gb is None else round(args.cpu_memory_gb * GIB),
         args.max_length,
-        resolve_precision(args.mixed_precision),  # auto: as training resolves it, on this machine
+        planned_precision(args.mixed_precision, gpu),  # auto: as training resolves it on --gpu, or this machine
         None if args.nvme_gb is None else round(args.nvme_gb * GIB),
     )
     requested, global_batch = _batch(args, setup.world_size)
@@ -359,7 +360,7 @@ def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict
     facts = pipeline_facts(name, args.resolution, args.lora_r, targets, cfg.images.max_sequence_length)
     budget = round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB)
     micro_batch = 1 if args.per_device_train_batch_size == "auto" else args.per_device_train_batch_size
-    half = resolve_precision(args.mixed_precision) != "no"
+    half = planned_precision(args.mixed_precision, gpu) != "no"
     task = TASKS[args.task](cfg)
 
     def refusal(peft: str, shards: Sharding) -> str | None:
@@ -393,7 +394,15 @@ def _attention_note(m: ModelFacts, args: argparse.Namespace) -> list[str]:
     ]
 
 
-def _notes(m: ModelFacts, setup: Setup, precision: str) -> list[str]:
+def planned_precision(requested: str, gpu: Gpu | None) -> str:
+    """The precision the run takes: as given, or for auto what training resolves on the --gpu named (bf16 where
+    it computes bf16 natively, else fp32), or without --gpu on this machine; an accelerate launch's first."""
+    if requested != "auto" or gpu is None or os.environ.get("ACCELERATE_MIXED_PRECISION", "no") != "no":
+        return resolve_precision(requested)
+    return "bf16" if gpu.bf16 else "no"
+
+
+def _notes(m: ModelFacts, setup: Setup, precision: str, gpu: Gpu | None) -> list[str]:
     notes = []
     if m.from_config and not m.tokenizer:
         notes.append(
@@ -413,9 +422,10 @@ def _notes(m: ModelFacts, setup: Setup, precision: str) -> list[str]:
             "given; extend them in a copy of its config (max_position_embeddings, and rope_scaling for RoPE models)"
         )
     if precision != setup.mixed_precision:
+        where = f"on the {gpu.name}" if gpu else "on this machine"
         notes.append(
-            f"--mixed_precision {precision} is {setup.mixed_precision} on this machine, as training resolves it where "
-            "it runs (bf16 on GPUs from Ampere on); pass bf16, fp16 or no to plan for other GPUs"
+            f"--mixed_precision {precision} is {setup.mixed_precision} {where}, as training resolves it where "
+            "it runs (bf16 on GPUs from Ampere on); pass bf16, fp16 or no to plan for another precision"
         )
     return notes
 
