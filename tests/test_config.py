@@ -174,6 +174,9 @@ def test_unknown_file_key_suggests_the_right_one(tmp_path):
     file.write_text("learning_rat: 0.1\n")
     with pytest.raises(UserError, match="did you mean learning_rate"):
         parse("--config", str(file))
+    file.write_text("model: gpt2\n")  # a section given a value: "did you mean log_model?" before (audit)
+    with pytest.raises(UserError, match=r"'model'; model is a section: give its options under it \(model_name_or_"):
+        parse("--config", str(file))
 
 
 def test_unknown_flag_and_bad_choice():

@@ -353,6 +353,8 @@ def test_a_read_only_token_and_a_missing_token_are_refused(in_process):
 def test_push_command_needs_a_finished_run(tmp_path, capsys):
     assert main(["push", "--output_dir", str(tmp_path), "--hub_model_id", "alice/x"]) == 2
     assert "holds no finished run" in capsys.readouterr().err
+    assert main(["push", "--output_dir", str(tmp_path / "typo"), "--hub_model_id", "alice/x"]) == 2
+    assert f"--output_dir {tmp_path / 'typo'} does not exist; give a directory" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- pushes during training

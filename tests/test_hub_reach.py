@@ -58,6 +58,9 @@ def cli(env: dict, *args: str) -> tuple[int, list[str], list[str]]:
     return done.returncode, done.stderr.splitlines(), heavy
 
 
+NO_FOLDER = "no local folder has that name either"  # an id that is a mistyped path gets that said (audit)
+
+
 @pytest.fixture
 def corpus(tmp_path):
     path = tmp_path / "corpus.txt"
@@ -72,15 +75,17 @@ def test_an_unreachable_endpoint_is_one_line_at_once_without_retries(tmp_path, c
     refused = "[Errno 111] Connection refused; check HF_ENDPOINT and the network, give a local folder"
     cases = {
         ("--task", "causal_lm", "--model_name_or_path", "gpt2", "--train_file", str(corpus)): (
-            f"error: cannot reach {url} (HF_ENDPOINT) to download gpt2 (--model_name_or_path): {refused}, or set "
-            "HF_HUB_OFFLINE=1 to use only what is cached"
+            f"error: cannot reach {url} (HF_ENDPOINT) to download gpt2 (--model_name_or_path; {NO_FOLDER}): "
+            f"{refused}, or set HF_HUB_OFFLINE=1 to use only what is cached"
         ),
         ("--model_name_or_path", "org/some-bert", "--tokenizer_name_or_path", "org/its-tokenizer"): (
-            f"error: cannot reach {url} (HF_ENDPOINT) to download org/some-bert (--model_name_or_path): {refused}"
+            f"error: cannot reach {url} (HF_ENDPOINT) to download org/some-bert (--model_name_or_path; {NO_FOLDER}): "
+            f"{refused}"
         ),
         ("--dataset_name", "ag_news", "--max_steps", "2"): (
-            f"error: cannot reach {url} (HF_ENDPOINT) to download ag_news (--dataset_name): [Errno 111] Connection "
-            "refused; check HF_ENDPOINT and the network, give local files (--train_file), or set HF_HUB_OFFLINE=1"
+            f"error: cannot reach {url} (HF_ENDPOINT) to download ag_news (--dataset_name; {NO_FOLDER}): [Errno 111] "
+            "Connection refused; check HF_ENDPOINT and the network, give local files (--train_file), or set "
+            "HF_HUB_OFFLINE=1"
         ),
     }
     for args, message in cases.items():
@@ -96,7 +101,9 @@ def test_an_endpoint_that_never_answers_is_refused_after_the_short_timeout(tmp_p
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
         code, err, heavy = cli(user_env(tmp_path, HF_ENDPOINT=url), "--model_name_or_path", "gpt2")
     assert code == 2 and len(err) == 1, err
-    assert err[0].startswith(f"error: cannot reach {url} (HF_ENDPOINT) to download gpt2 (--model_name_or_path): ")
+    assert err[0].startswith(
+        f"error: cannot reach {url} (HF_ENDPOINT) to download gpt2 (--model_name_or_path; {NO_FOLDER}): "
+    )
     assert "timed out" in err[0] and heavy == [], err
 
 

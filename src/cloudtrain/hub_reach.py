@@ -177,7 +177,8 @@ def check_hub_ids(wanted: list[HubId], may_go_offline: bool = True) -> None:
         )
         local = "give local files (--train_file)" if first.kind == "dataset" else "give a local folder"
         raise UserError(
-            f"cannot reach {url}{named} to download {first.repo_id} ({first.flag}): {reason}; {connect}, {local}, "
+            f"cannot reach {url}{named} to download {first.repo_id} ({first.flag}; no local folder has that name "
+            f"either): {reason}; {connect}, {local}, "
             "or set HF_HUB_OFFLINE=1 to use only what is cached",
             transient=True,
         )

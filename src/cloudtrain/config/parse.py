@@ -334,6 +334,9 @@ def build_config(values: dict) -> Config:
         if name not in known:
             section = difflib.get_close_matches(name, list(sections), n=1) if isinstance(value, dict) else []
             hint = f"; did you mean the section {section[0]}?" if section else unknown_option_hint(name, list(known))
+            if name in sections:  # `model: gpt2`: a section given a value
+                own = [n for n, (home, _) in known.items() if home == name][:3]
+                hint = f"; {name} is a section: give its options under it ({', '.join(own)}, ...)"
             raise UserError(f"unknown option {name!r}{hint or '; see --help for the options'}")
         sections[known[name][0]][name] = _coerce(name, value)
     hints = typing.get_type_hints(Config)

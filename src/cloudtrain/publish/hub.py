@@ -365,6 +365,10 @@ def run(args: argparse.Namespace) -> None:
 def load_output_dir(output_dir: Path) -> tuple[Config, dict]:
     """The configuration (args.json) and results (*_results.json) of a finished run."""
     args_file = output_dir / "args.json"
+    if not output_dir.is_dir():
+        raise UserError(
+            f"--output_dir {output_dir} does not exist; give a directory written by the training application"
+        )
     if not holds_model(output_dir) or not args_file.is_file():
         raise UserError(
             f"--output_dir {output_dir} holds no finished run (model and args.json); "
