@@ -265,3 +265,29 @@ def test_the_planner_s_launch_command_keeps_the_task(tiny_model_dir, tmp_path, c
     said = capsys.readouterr().out
     assert f"--task token_classification --model_name_or_path {tiny_model_dir}" in said, said
     assert "No process sends anything to another in an optimizer step." in said  # one GPU: nothing to exchange
+
+
+@pytest.mark.parametrize("labels", [3, len(TAGS)])
+def test_a_sentence_classifier_s_head_gives_way_to_a_token_classifier_s(labels, tiny_model_dir, tmp_path, capsys):
+    """BERT names both heads `classifier`: another label count was transformers' size-mismatch traceback, the same
+    count loaded the sentence head's weights as the tagger's, unsaid (found in audit). Now a new head, said."""
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    source = tmp_path / "sentiment"
+    BertForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=labels).save_pretrained(source)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(source)
+    out = tmp_path / "out"
+    options = {
+        "task": "token_classification",
+        "model_name_or_path": str(source),
+        "train_file": write_jsonl(tmp_path / "train.jsonl", tagged_rows(16, 0)),
+        "output_dir": str(out),
+        "max_steps": 1,
+        "eval_strategy": "no",
+        "mixed_precision": "no",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    said = capsys.readouterr().out
+    assert f"replacing the head of {source} (BertForSequenceClassification) with a new 7-label token-" in said
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["BertForTokenClassification"] and len(config["id2label"]) == len(TAGS)

@@ -216,6 +216,16 @@ def is_seq2seq_lm(config: transformers.PretrainedConfig) -> bool:
     )
 
 
+CLASSIFIER_HEADS = ("ForSequenceClassification", "ForTokenClassification")  # both name their layer `classifier`
+
+
+def other_classifier(cfg: ModelConfig, head: str) -> str | None:
+    """The checkpoint's architecture where it has the other kind of classifier head than `head` (a sentence
+    classifier's for token classification): its layer has the same name and another shape, or another meaning."""
+    names = read_config(cfg).architectures or []
+    return next((n for n in names if n.endswith(CLASSIFIER_HEADS) and not n.endswith(head)), None)
+
+
 def head_labels(cfg: ModelConfig, head: str = "ForSequenceClassification") -> list[str] | None:
     """The label names, by id, of the checkpoint's classification head (`head`: how its architecture's name ends;
     a token classifier's is ForTokenClassification); None when it has none."""
