@@ -147,6 +147,7 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
     numbers = write_jsonl(tmp_path / "numbers.jsonl", [{"text": f"t {i}", "labels": i * 0.5} for i in range(8)])
     one = write_jsonl(tmp_path / "one.jsonl", [{"text": f"t {i}", "labels": ["sports"]} for i in range(8)])
     unseen = write_jsonl(tmp_path / "unseen.jsonl", [{"text": "t", "labels": ["politics"]}])
+    nested = write_jsonl(tmp_path / "nested.jsonl", [{"text": f"t {i}", "labels": [["sports"]]} for i in range(8)])
     base = {
         "task": "multi_label",
         "model_name_or_path": tiny_model_dir,
@@ -164,6 +165,7 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
             "the validation data has labels the training data never saw: politics",
         ),
         "separator": ({**base, "label_separator": ""}, "--label_separator must not be empty"),
+        "nested lists": ({**base, "train_file": nested}, "a row's labels hold lists (['sports']), not label names"),
     }
     assert_each_refused(cases, capsys, out)
 

@@ -104,11 +104,14 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
     words = write_jsonl(tmp_path / "words.jsonl", [{"text": f"t {i}", "score": "high"} for i in range(8)])
     gaps = write_jsonl(tmp_path / "gaps.jsonl", [{"text": f"t {i}", "score": None if i % 2 else i} for i in range(8)])
     flat = write_jsonl(tmp_path / "flat.jsonl", [{"text": f"t {i}", "score": 2.0} for i in range(8)])
+    endless = tmp_path / "endless.csv"  # one infinite target: a non-finite loss, blamed on the learning rate (audit)
+    endless.write_text("text,score\n" + "".join(f"t {i},{'inf' if i == 3 else i}\n" for i in range(8)))
     base = {"task": "regression", "model_name_or_path": tiny_model_dir, "train_file": train, "label_column": "score",
             "output_dir": str(out), "report_to": "none", "max_steps": 2}  # fmt: skip
     cases = {
         "words": ({**base, "train_file": words}, "column of the training data holds Value('string') ('high',"),
         "gaps": ({**base, "train_file": gaps}, "4 of 8 rows of the training data have no 'score' value"),
+        "infinite": ({**base, "train_file": str(endless)}, "1 of 8 rows of the training data have an infinite 'score'"),
         "flat": ({**base, "train_file": flat}, "every training row has the 'score' value 2: there is nothing to learn"),
         "a metric of another task": ({**base, "metric_for_best_model": "accuracy"}, "is not a metric of --task"),
     }

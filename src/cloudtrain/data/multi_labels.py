@@ -110,4 +110,9 @@ def _whole(value: Any) -> list[str]:
         if not value.is_integer():
             raise UserError(f"a label of {value:g} is not a name or a whole-number id; give names or whole-number ids")
         return [str(int(value))]
+    if isinstance(value, (list, tuple, dict)):  # [["sports"]]: its Python spelling would become a label name
+        raise UserError(
+            f"a row's labels hold {type(value).__name__}s ({str(value)[:40]}), not label names; give each row a "
+            "flat list of names or ids"
+        )
     return [str(value).strip()] if str(value).strip() else []

@@ -7,6 +7,8 @@ with no value in any row, is for predictions only; one with some rows missing is
 
 from __future__ import annotations
 
+import math
+
 import datasets
 from datasets import Dataset, DatasetDict
 
@@ -48,9 +50,16 @@ def check_numbers(ds: Dataset, column: str, split: str) -> None:
             f"the {column!r} column of the {split} data holds {feature} ({shown}, ...), not numbers: --task "
             "regression learns one number per row"
         )
-    missing = sum(is_missing(v, None) for v in ds[column])
+    values = ds[column]
+    missing = sum(is_missing(v, None) for v in values)
     if missing:
         raise UserError(
             f"{missing} of {len(ds)} rows of the {split} data have no {column!r} value; give each a number or drop "
             "those rows"
+        )
+    endless = sum(isinstance(v, float) and math.isinf(v) for v in values)  # a non-finite loss at its first batch
+    if endless:
+        raise UserError(
+            f"{endless} of {len(ds)} rows of the {split} data have an infinite {column!r} value; give each a finite "
+            "number or drop those rows"
         )

@@ -143,6 +143,9 @@ def process_source_target(
 ) -> ProcessedData:
     """Tokenized (source, target) rows for every split; unlabelled splits keep their sources for predictions."""
     check_texts(raw["train"], cfg.text_column)
+    for split, ds in raw.items():
+        for column, what in ((cfg.text_column, "source"), (cfg.label_column, "target")):
+            check_one_text(ds, split, column, what)
     missing = count_missing(raw["train"], cfg.label_column)
     if missing:
         raise UserError(
@@ -157,6 +160,20 @@ def process_source_target(
         collator=SourceTargetCollator(int(tokenizer.pad_token_id)),
         unlabelled={split: _encode(ds, split, tokenizer, cfg, False) for split, ds in unlabelled.items()},
         unlabelled_texts={split: [_text(t) for t in ds[cfg.text_column]] for split, ds in unlabelled.items()},
+    )
+
+
+def check_one_text(ds: Dataset, split: str, column: str, what: str) -> None:
+    """A source or target is one text (or a number) per row: a list (several references) or a record would be
+    read as its Python spelling, "['ref 1', 'ref 2']", and trained and scored so."""
+    feature = ds.features.get(column)
+    if feature is None or isinstance(feature, datasets.Value):
+        return
+    first = next((v for v in ds[column] if v is not None), None)
+    kind = "lists" if isinstance(first, (list, tuple)) else "records"
+    raise UserError(
+        f"the {split} data's {column!r} column holds {kind} ({str(first)[:60]}), not one {what} text per row; give "
+        f"one text per row (for several references: one row each, or the first)"
     )
 
 
