@@ -39,7 +39,10 @@ COMMANDS = {  # name: (its light module: add_arguments and run, one-line descrip
         "cloudtrain.commands.predict",
         "Classify texts (or score them, with a reward model) with a saved model.",
     ),
-    "generate": ("cloudtrain.commands.generate", "Continue prompts with a saved causal language model."),
+    "generate": (
+        "cloudtrain.commands.generate",
+        "Continue prompts with a saved causal language model, or answer them with a seq2seq model.",
+    ),
     "push": ("cloudtrain.commands.push", "Upload an existing output dir to the Hugging Face Hub."),
     "plan": ("cloudtrain.commands.plan", "Estimate memory per GPU and pick a distributed strategy."),
     "preprocess": ("cloudtrain.data.preprocess", "Tokenize a corpus once into Parquet shards for --streaming true."),

@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model_dir",
         required=True,
-        help="A directory written by the training application holding a causal language model.",
+        help="A directory written by the training application holding a causal language model or a seq2seq model.",
     )
     parser.add_argument(
         "--prompt",
