@@ -6,6 +6,7 @@ HOME (so no real login is found) and, where a network is needed, at servers on 1
 
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
@@ -532,3 +533,15 @@ def test_a_kill_while_a_resumed_run_cuts_its_log_back_leaves_the_old_log_whole(t
     monkeypatch.undo()
     tracking.RunLog(build_config({"report_to": ["none"]}), tmp_path, True, {}, resume_step=2)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_an_mlflow_run_whose_store_was_emptied_resumes_into_a_new_run(tracker_env):
+    """A spot restart into an emptied output folder brings tracker_runs.json back from the checkpoint, naming a run
+    its SQLite store no longer has: MLflow's "Run not found" traceback ended the job (found in audit)."""
+    out = tracker_env / "out"
+    tracked_part(out, "mlflow", 1, 3, finish=False)
+    lost = json.loads((out / "tracker_runs.json").read_text())["mlflow"]["run_id"]
+    shutil.rmtree(out / "mlruns")
+    said = tracked_part(out, "mlflow", 3, 4, resume_step=2)
+    assert f"note: MLflow run {lost} is not in sqlite:///" in said and "logs to a new MLflow run" in said
+    assert json.loads((out / "tracker_runs.json").read_text())["mlflow"]["run_id"] != lost

@@ -541,14 +541,32 @@ class MLflow(RunMethods, MLflowTracker):
             or f"sqlite:///{(store / 'mlflow.db').resolve()}"
         )
         mlflow.set_tracking_uri(self.tracking_uri)
-        self.resumed = bool(saved)
+        run_id = saved.get("run_id")
+        if run_id and not self._exists(run_id):  # a spot restart into an emptied output folder: its store went too
+            print(
+                f"note: MLflow run {run_id} is not in {self.tracking_uri} any more (the store was emptied or "
+                "replaced since the checkpoint); this part of the run logs to a new MLflow run",
+                flush=True,
+            )
+            run_id = None
+        self.resumed = run_id is not None
         super().__init__(
             experiment_name=context.tracking.project_name,
             logging_dir=str((store / "artifacts").resolve()),
-            run_id=saved.get("run_id"),
+            run_id=run_id,
             tags={tag: "true" for tag in context.tracking.tags} or None,
             run_name=context.run_name,
         )
+
+    def _exists(self, run_id: str) -> bool:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        try:
+            MlflowClient(self.tracking_uri).get_run(run_id)
+        except MlflowException:
+            return False
+        return True
 
     def state(self) -> dict:
         return {"run_id": self.active_run.info.run_id, "tracking_uri": self.tracking_uri}
