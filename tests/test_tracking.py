@@ -513,6 +513,20 @@ def test_check_trackers_rejects_unusable_choices(monkeypatch):
     with pytest.raises(UserError, match="--report_to mlflow needs the mlflow_not_installed_here package"):
         tracking.check_trackers(TrackingConfig(report_to=["mlflow"]))
     tracking.check_trackers(TrackingConfig(report_to=["wandb", "trackio", "tensorboard"], log_model=True))
+    monkeypatch.setenv("WANDB_MODE", "ofline")  # W&B's own 50-line pydantic traceback, after the data (audit)
+    with pytest.raises(UserError, match="WANDB_MODE=ofline is not a W&B mode: set one of online, offline"):
+        tracking.check_trackers(TrackingConfig(report_to=["wandb"]))
+    tracking.check_trackers(TrackingConfig(report_to=["tensorboard"]))  # not W&B's run: its variable is not read
+
+
+def test_w_and_b_settings_it_refuses_are_one_line(monkeypatch, tmp_path):
+    import wandb
+
+    wandb.teardown()  # wandb.setup() reads the variables once per process: not an earlier test's
+    monkeypatch.setenv("WANDB_BASE_URL", "localhost:8080/x y")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    with pytest.raises(UserError, match=r"^W&B refuses its settings \(base_url: .+\): check the WANDB_\* variables"):
+        tracking.wandb_offline_reason()
 
 
 def test_a_kill_while_a_resumed_run_cuts_its_log_back_leaves_the_old_log_whole(tmp_path, monkeypatch):
@@ -545,3 +559,16 @@ def test_an_mlflow_run_whose_store_was_emptied_resumes_into_a_new_run(tracker_en
     said = tracked_part(out, "mlflow", 3, 4, resume_step=2)
     assert f"note: MLflow run {lost} is not in sqlite:///" in said and "logs to a new MLflow run" in said
     assert json.loads((out / "tracker_runs.json").read_text())["mlflow"]["run_id"] != lost
+
+
+def test_a_resume_says_which_offline_w_and_b_parts_are_gone_and_syncs_the_rest(tracker_env):
+    """A spot restart into an emptied output folder: the sync command named part one's missing folder, so `wandb
+    sync` failed and the loss went unsaid (found in audit)."""
+    out = tracker_env / "out"
+    tracked_part(out, "wandb", 1, 3, finish=False)
+    (lost,) = json.loads((out / "tracker_runs.json").read_text())["wandb"]["offline_dirs"]
+    shutil.rmtree(lost)
+    said = tracked_part(out, "wandb", 3, 4, resume_step=2)
+    assert f"W&B: 1 earlier offline part(s) of this run are gone with their folder ({lost})" in said
+    (kept,) = offline_dirs(said)
+    assert kept.is_dir() and str(kept) != lost

@@ -45,6 +45,7 @@ from cloudtrain.redact import mask_value
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0
 WANDB_INIT_TIMEOUT_S = 30.0
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # what wandb 0.2x's settings take
 PACKAGES = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 
 
@@ -58,6 +59,9 @@ def check_trackers(cfg: TrackingConfig) -> None:
             )
     if cfg.log_model and "wandb" not in cfg.report_to:
         raise UserError("--log_model true uploads the model to W&B: add wandb to --report_to")
+    mode = os.environ.get("WANDB_MODE")
+    if "wandb" in cfg.report_to and mode is not None and mode.strip().lower() not in WANDB_MODES:
+        raise UserError(f"WANDB_MODE={mode} is not a W&B mode: set one of {', '.join(WANDB_MODES)}, or unset it")
 
 
 def requested(cfg: TrackingConfig) -> list[str]:
@@ -378,6 +382,14 @@ class WandB(RunMethods, WandBTracker):
     def finish(self) -> None:
         state = self.state()
         super().finish()
+        gone = [d for d in state["offline_dirs"] if not Path(d).is_dir()]  # an emptied output folder's (spot restart)
+        state["offline_dirs"] = [d for d in state["offline_dirs"] if d not in gone]
+        if gone:
+            print(
+                f"W&B: {len(gone)} earlier offline part(s) of this run are gone with their folder ({gone[0]}): "
+                "their history cannot be uploaded",
+                flush=True,
+            )
         if state["offline_dirs"]:
             print(f"W&B ran offline; to upload this run: {wandb_sync_command(state, bool(self.saved))}", flush=True)
 
@@ -390,7 +402,15 @@ def wandb_offline_reason() -> str | None:
     """
     import wandb
 
-    settings = wandb.setup().settings  # WANDB_* variables and `wandb login`/`wandb offline` settings
+    try:
+        settings = wandb.setup().settings  # WANDB_* variables and `wandb login`/`wandb offline` settings
+    except Exception as err:  # pydantic's ValidationError of a WANDB_* value: 50 lines, raised inside wandb
+        problems = err.errors() if callable(getattr(err, "errors", None)) else []  # type: ignore[attr-defined]
+        said = f"{problems[0]['loc'][0]}: {problems[0]['msg']}" if problems else first_line(err)
+        raise UserError(
+            f"W&B refuses its settings ({said}): check the WANDB_* variables (WANDB_BASE_URL, WANDB_MODE) and "
+            "~/.config/wandb/settings"
+        ) from None
     if settings.mode in ("offline", "dryrun", "disabled"):
         return None  # the user's choice (WANDB_MODE or `wandb offline`): wandb handles it
     if not wandb_credentials(settings):
