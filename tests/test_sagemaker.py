@@ -149,6 +149,8 @@ def test_inside_a_job_the_defaults_follow_the_contract(tmp_path):
         "test_file": str(data / "test"),  # a channel of its own wins over the saved split
         "model_name_or_path": str(data / "model"),
         "run_name": "cloudtrain-20261122101010",
+        # an on-demand job's checkpoints: the instance's, never packed into model.tar.gz (they were; audit)
+        "checkpoint_dir": str(tmp_path / "checkpoints"),
     }
 
     (tmp_path / "checkpoints").mkdir()  # SageMaker makes it when the job has a CheckpointConfig

@@ -13,8 +13,9 @@ override them.
     instance_data_dir       SM_CHANNEL_INSTANCE (DreamBooth's instance images, --task text_to_image)
     class_data_dir          SM_CHANNEL_CLASS (DreamBooth's class images)
     run_name                the training job's name (TRAINING_JOB_NAME, else SM_TRAINING_ENV's job_name)
-    checkpoint_dir          /opt/ml/checkpoints (or $CLOUDTRAIN_CHECKPOINT_DIR) when that folder exists,
-    resume_from_checkpoint  latest                    which it does when the job has a CheckpointConfig
+    checkpoint_dir          /opt/ml/checkpoints (or $CLOUDTRAIN_CHECKPOINT_DIR), synced to S3 with a CheckpointConfig;
+                            without one a folder of the instance's, never packed into model.tar.gz
+    resume_from_checkpoint  latest, when that folder exists at the start (the job has a CheckpointConfig)
 
 A channel is a directory: a `datasets.save_to_disk` folder or a folder of csv/tsv/json/jsonl/parquet
 files. When the train channel is a saved DatasetDict with validation/test splits and there is no
@@ -61,9 +62,12 @@ def sagemaker_defaults(environ: Mapping[str, str] | None = None) -> dict:
     name = job_name(env)
     if name:
         defaults["run_name"] = name
+    # checkpoints never go into /opt/ml/model (model.tar.gz): without a CheckpointConfig the folder is the
+    # instance's own, gone with it, and there is nothing to resume from
     checkpoints = Path(env.get(CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR))
+    defaults["checkpoint_dir"] = str(checkpoints)
     if checkpoints.is_dir():
-        defaults.update(checkpoint_dir=str(checkpoints), resume_from_checkpoint="latest")
+        defaults["resume_from_checkpoint"] = "latest"
     return defaults
 
 
