@@ -37,6 +37,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import os
 import sys
@@ -197,11 +198,16 @@ def to_hyperparameters(values: dict) -> dict:
     The SDK JSON-encodes numbers and booleans, and its container driver passes each as `--key value`,
     so booleans reach the application as true/false.
     """
-    return {
-        key: ",".join(map(str, value)) if isinstance(value, (list, tuple)) else value
-        for key, value in values.items()
-        if value is not None
-    }
+    return {key: _hyperparameter(value) for key, value in values.items() if value is not None}
+
+
+def _hyperparameter(value: object) -> object:
+    """A list comma-joined; a list of mappings (a config's `datasets:` sources) as JSON, which the job reads back."""
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(item, dict) for item in value):
+            return json.dumps(list(value))
+        return ",".join(map(str, value))
+    return value
 
 
 def is_data_source(value: str) -> bool:
@@ -238,11 +244,12 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
                 "(see src/cloudtrain/sagemaker_env.py)"
             )
     check_option_values(values)
+    check_stream_sources(values.get("datasets") or [])
     if spec.image_uri is None:  # the Hugging Face image has neither the built-in model nor the R8 data
         if "model" not in channels and not values.get("model_name_or_path"):
             values["model_name_or_path"] = HUB_DEFAULT_MODEL
             print(f"note: model_name_or_path {HUB_DEFAULT_MODEL} (the built-in model, from the Hub)")
-        if not {"train", "instance"} & set(channels) and not values.get("dataset_name"):
+        if not {"train", "instance"} & set(channels) and not values.get("dataset_name") and not values.get("datasets"):
             raise UserError(
                 "the job has no training data: pass --train (an S3 URI or a local file or "
                 "folder), a Hub dataset_name option or an image folder (train_data_dir, instance_data_dir); "
@@ -252,6 +259,18 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
     cfg = build_config({**in_job, **values})  # the application's own checks, before anything is uploaded
     validate(cfg)
     return to_hyperparameters(values), channels, cfg
+
+
+def check_stream_sources(sources: list) -> None:
+    """A config's `datasets:` sources are read by the job itself, from where it can reach: an object store or the
+    Hub, not this machine's files (only --train's are uploaded)."""
+    for entry in sources:
+        path = str(entry.get("path", "")) if isinstance(entry, dict) else str(entry)
+        if "://" not in path:
+            raise UserError(
+                f"datasets: {path} is a path on this machine, which the job cannot read; give its sources as s3:// "
+                "URIs (or hf://datasets/<id>), or one local source with --train"
+            )
 
 
 def image_folder_channel(option: str, folder: str, channel: str, channels: dict[str, str]) -> str:

@@ -685,3 +685,17 @@ def test_dockerfile_copies_what_exists_and_installs_the_projects_requirements():
     assert re.search(r"pip install [^&]*-c constraints\.txt[^&]* torch", runs)  # the pinned torch, first
     assert re.search(r'CMD \["make", "train"\]', text)
     assert "ENV PATH=/opt/cloudtrain/.venv/bin:$PATH" in text  # SageMaker's drivers find python3 and torchrun
+
+
+def test_a_config_s_stream_sources_reach_the_job_as_they_were(launcher, tmp_path):
+    """A `datasets:` list was comma-joined as Python text, which the job read as one path and died on; and the
+    Hugging Face image refused such a config as having no training data (found in audit)."""
+    sources = [{"path": "s3://b/a/*.jsonl", "weight": 0.7}, {"path": "hf://datasets/org/c", "weight": 0.3}]
+    config = tmp_path / "mix.json"
+    options = {"streaming": True, "task": "causal_lm", "max_steps": 10, "model_name_or_path": "gpt2"}
+    config.write_text(json.dumps({**options, "datasets": sources}))
+    sent, channels, _ = launcher.job_options(launcher.JobSpec(instance_type="ml.g5.xlarge", config=str(config)))
+    assert channels == {} and build_config({"streaming": True, "datasets": sent["datasets"]}).data.datasets == sources
+    config.write_text(json.dumps({**options, "datasets": [*sources, {"path": "data/local.jsonl"}]}))
+    with pytest.raises(UserError, match="datasets: data/local.jsonl is a path on this machine, which the job"):
+        launcher.job_options(launcher.JobSpec(instance_type="ml.g5.xlarge", config=str(config)))

@@ -12,6 +12,7 @@ true for a number and nan or infinities for any number are refused in one line.
 import argparse
 import dataclasses
 import difflib
+import json
 import math
 import os
 import types
@@ -135,6 +136,8 @@ def _convert(tp: type, value: Any, separator: str) -> Any:
     if tp is list:
         if isinstance(value, dict):
             raise ValueError(f"expected a list, got a mapping {value!r}")
+        if isinstance(value, str) and value.lstrip().startswith("[{"):  # mappings as JSON: a SageMaker hyperparameter
+            value = json.loads(value)
         items = value if isinstance(value, list) else [value]
         # a mapping in a config file's list (a `datasets:` entry) stays a mapping; strings split at the separator
         parts = [[item] if isinstance(item, dict) else str(item).split(separator) for item in items]
