@@ -23,6 +23,7 @@ from aws_server import BUCKET, REGION, container_environment, local_aws, run_tor
 from conftest import REPO, TOPICS, topic_rows
 from datasets import Dataset, DatasetDict
 
+from cloudtrain import errors
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
 from cloudtrain.sagemaker_env import CHECKPOINT_DIR_ENV, sagemaker_defaults
@@ -699,3 +700,21 @@ def test_a_config_s_stream_sources_reach_the_job_as_they_were(launcher, tmp_path
     config.write_text(json.dumps({**options, "datasets": [*sources, {"path": "data/local.jsonl"}]}))
     with pytest.raises(UserError, match="datasets: data/local.jsonl is a path on this machine, which the job"):
         launcher.job_options(launcher.JobSpec(instance_type="ml.g5.xlarge", config=str(config)))
+
+
+def test_a_job_s_error_line_is_its_failure_reason(tmp_path, monkeypatch):
+    """Each process of a multi-GPU job printed its line and the SDK's driver wrote torchrun's traceback as the
+    FailureReason (found in audit): the first process to fail now writes its line there, and the driver keeps it."""
+    from cloudtrain.cli import run_command
+
+    failure = tmp_path / "output" / "failure"
+    failure.parent.mkdir()
+    monkeypatch.setenv("SM_OUTPUT_FAILURE", str(failure))
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    assert run_command(["--learning_rate", "fast"]) == 2
+    assert failure.read_text() == "--learning_rate: expected a number, got 'fast'"
+    assert run_command(["--seed", "x"]) == 2  # a second process's line: the first one's stays
+    assert failure.read_text().startswith("--learning_rate")
+    failure.unlink()
+    errors.report("stopped: interrupted", 143)  # a stop (a spot interruption) is no failure
+    assert not failure.exists()

@@ -48,6 +48,8 @@ def report(line: str, status: int, echo: bool = True, transient: bool = False) -
     env = os.environ
     folder, rank, pid = env.get(ERROR_DIR), int(env.get("RANK", "0")), os.getpid()
     attempt, restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    if attempt >= restarts and status not in (130, 143):  # the job's last word, not a stop: SageMaker's reason
+        _sagemaker_failure(line)
     if folder:
         record = {"rank": rank, "pid": pid, "attempt": attempt, "line": line, "status": status, "transient": transient}
         path = Path(folder) / f"{attempt}-{rank}.json"
@@ -61,6 +63,21 @@ def report(line: str, status: int, echo: bool = True, transient: bool = False) -
         except OSError:  # the launcher's folder is gone: say it here
             pass
     print(line, file=sys.stderr)
+
+
+def _sagemaker_failure(line: str) -> None:
+    """Inside a SageMaker job, `line` as the job's FailureReason: its failure file, written by the first process to
+    fail (the SDK's driver writes its own, a CalledProcessError traceback, only where none is there)."""
+    env = os.environ
+    path = env.get("SM_OUTPUT_FAILURE") or (env.get("SM_OUTPUT_DIR") and f"{env['SM_OUTPUT_DIR']}/failure")
+    if not path:
+        return
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except OSError:  # another process said it first, or no such folder
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(line.removeprefix("error: "))
 
 
 def _first_to_say(folder: Path, attempt: int, line: str) -> bool:
