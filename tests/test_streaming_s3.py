@@ -101,6 +101,14 @@ def test_nothing_matching_is_one_line(s3):
     assert "matches no data file" in one_line_error(f"s3://{BUCKET}/no-such-prefix")
 
 
+def test_a_mistyped_or_uninstalled_protocol_is_one_line():
+    """`s4://` was fsspec's "Protocol not known" traceback and `gs://` was told to install s3fs (found in audit)."""
+    assert one_line_error("s4://bucket/corpus/*.jsonl").endswith(
+        "s4:// is not a storage protocol; did you mean s3://? give s3://, hf:// or a local path"
+    )
+    assert one_line_error("gs://bucket/corpus/*.jsonl").endswith("reading gs:// needs gcsfs: pip install gcsfs")
+
+
 def test_no_credentials_is_one_line_naming_what_to_set(s3, monkeypatch):
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"):
         monkeypatch.delenv(name)

@@ -14,6 +14,7 @@ if the branch moves during training. HF_ENDPOINT and HF_TOKEN (or a stored login
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -42,12 +43,19 @@ def check_credentials(path: str) -> None:
 
 def _filesystem(path: str):  # noqa: ANN202 (fsspec's AbstractFileSystem; s3fs is an optional dependency)
     import fsspec
+    from fsspec.registry import known_implementations
 
     protocol = path.split("://", 1)[0]
+    if protocol not in known_implementations and protocol not in fsspec.available_protocols():
+        close = difflib.get_close_matches(protocol, ["s3", "hf", "gs", "az", "http", "https"], n=1, cutoff=0.5)
+        hint = f"did you mean {close[0]}://? " if close else ""
+        raise UserError(f"{path}: {protocol}:// is not a storage protocol; {hint}give s3://, hf:// or a local path")
     try:
         return fsspec.filesystem(protocol, **storage_options(path))
     except ImportError:
-        raise UserError(f"{path}: reading {protocol}:// needs s3fs: pip install 'cloudtrain[s3]'") from None
+        package = known_implementations[protocol]["class"].split(".")[0]
+        how = "pip install 'cloudtrain[s3]'" if package == "s3fs" else f"pip install {package}"
+        raise UserError(f"{path}: reading {protocol}:// needs {package}: {how}") from None
 
 
 def _list(fs, path: str) -> list[str]:  # noqa: ANN001
