@@ -341,6 +341,17 @@ def test_a_repo_of_another_user_is_refused_before_training(in_process, repo_id, 
     assert (repo_id in in_process.repos) == existing
 
 
+def test_a_private_push_into_an_existing_public_repo_is_refused_before_training(in_process):
+    """--hub_private_repo true pushed into an existing public repository without a word (found in audit)."""
+    cloudhub.check_access(hub_config("alice/open").hub)  # made public
+    with pytest.raises(UserError, match="--hub_private_repo true, but alice/open already exists and is public"):
+        cloudhub.check_access(hub_config("alice/open", hub_private_repo=True).hub)
+    assert not in_process.repos["alice/open"].private
+    cloudhub.check_access(hub_config("alice/closed", hub_private_repo=True).hub)
+    cloudhub.check_access(hub_config("alice/closed", hub_private_repo=True).hub)  # private already: goes on
+    assert in_process.repos["alice/closed"].private
+
+
 def test_a_read_only_token_and_a_missing_token_are_refused(in_process):
     with pytest.raises(UserError, match="the token of user carol is read-only; .*write access"):
         cloudhub.check_access(hub_config("carol/model", token=READ_TOKEN).hub)

@@ -129,6 +129,11 @@ def ensure_repo(api: HfApi, cfg: HubConfig) -> str:
     """Create the repo (and branch) when missing; returns the repo's URL."""
     assert cfg.hub_model_id is not None  # check_access checked it
     url = api.create_repo(cfg.hub_model_id, private=cfg.hub_private_repo, exist_ok=True)
+    if cfg.hub_private_repo and not api.repo_info(cfg.hub_model_id).private:  # create_repo keeps an existing one's
+        raise UserError(
+            f"--hub_private_repo true, but {cfg.hub_model_id} already exists and is public: the model would be "
+            "public; make the repository private in its settings on the Hub, or choose a new --hub_model_id"
+        )
     if cfg.hub_revision:
         api.create_branch(cfg.hub_model_id, branch=cfg.hub_revision, exist_ok=True)
         return f"{url}/tree/{cfg.hub_revision}"
