@@ -29,8 +29,9 @@ What a job gets:
   values are never printed, and are masked in log records while these functions run.
 - spot capacity with `max_wait`; with spot (or `checkpoint_s3_uri`) /opt/ml/checkpoints is synced
   to S3 and the application resumes from it.
-Not supported: local mode (needs Docker), heterogeneous clusters, Pipe/FastFile input, network
-isolation (the job installs its requirements and downloads Hub models), warm pools.
+Not supported: local mode (needs Docker), heterogeneous clusters, Pipe or FastFile input (its channels are
+File mode; the application itself reads a FastFile channel, set up with your own SDK code, as a folder:
+docs/streaming.md), network isolation (the job installs its requirements and downloads Hub models), warm pools.
 """
 
 import argparse
