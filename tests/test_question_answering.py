@@ -235,7 +235,12 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
     no_context = [{"question": r["question"], "passage": r["context"], "answers": r["answers"]} for r in rows]
     uneven = [{**rows[0], "answers": {"text": ["a", "b"], "answer_start": [0]}}, *rows[1:]]
     wordy = [{**rows[0], "question": "who " * 40}, *rows[1:]]
+    unset = [rows[0], {**rows[1], "context": None}, *rows[2:]]  # "'x' is not at character 12 of its context" (audit)
     cases = {
+        "a row without its context": (
+            {**base, "train_file": write_jsonl(tmp_path / "unset.jsonl", unset)},
+            "row 1 of the train data has an answer but an empty 'context' column; give each question its context",
+        ),
         "no context column": (
             {**base, "train_file": write_jsonl(tmp_path / "nc.jsonl", no_context)},
             "the data has no 'context' column; pass --text_pair_column <name>",

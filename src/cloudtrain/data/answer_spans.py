@@ -74,9 +74,14 @@ def read_answers(ds: Dataset, cfg: DataConfig) -> list[list[tuple[str, int]]]:
     its context where it says."""
     rows = []
     for i, (value, context) in enumerate(zip(ds[cfg.label_column], ds[cfg.text_pair_column], strict=True)):
-        context = context or ""
         found = []
-        for text, start in _answers(value, cfg.label_column):
+        answers = _answers(value, cfg.label_column)
+        if not context and answers:
+            raise UserError(
+                f"row {i} of the {ds.split or 'given'} data has an answer but an empty {cfg.text_pair_column!r} "
+                "column; give each question its context, or drop the row"
+            )
+        for text, start in answers:
             start = context.find(text) if start is None else start
             if start < 0 or context[start : start + len(text)] != text:
                 where = "in its context" if start < 0 else f"at character {start} of its context"
