@@ -22,6 +22,7 @@ from transformers import AutoModelForSequenceClassification
 from cloudtrain import planning
 from cloudtrain.cli import main
 from cloudtrain.config import Config
+from cloudtrain.errors import UserError
 from cloudtrain.planning import STRATEGIES
 
 
@@ -298,3 +299,25 @@ def test_a_config_plan_did_not_write_is_kept(tiny_model_dir, tmp_path, capsys):
     assert not (out / "ds_config.json").exists()
     assert f"plan did not write {out / 'accelerate_config.yaml'} (kept as is)" in said  # not "changed since"
     assert plan["recommendation"]["files"]["accelerate_config"] == str(tmp_path / "plan-2" / "accelerate_config.yaml")
+
+
+def test_plan_s_switches_take_values_as_the_training_flags_do():
+    """`--json true` and a bare `--gradient_checkpointing` were refused, unlike training's flags (found in audit)."""
+    from cloudtrain.config import ConfigParser
+
+    parser = ConfigParser(prog="plan")
+    planning.add_arguments(parser)
+    parsed = {
+        " ".join(argv): (args.json, args.gradient_checkpointing)
+        for argv in (["--json"], ["--json", "true"], ["--json", "false"], ["--gradient_checkpointing"], [])
+        for args in [parser.parse_args(argv)]
+    }
+    assert parsed == {
+        "--json": (True, "auto"),
+        "--json true": (True, "auto"),
+        "--json false": (False, "auto"),
+        "--gradient_checkpointing": (False, "true"),
+        "": (False, "auto"),
+    }
+    with pytest.raises(UserError, match="argument --json: expected true or false, got 'maybe'"):
+        parser.parse_args(["--json", "maybe"])

@@ -3,7 +3,7 @@ their help and defaults) and the plan's. cloudtrain.planning estimates and choos
 
 import argparse
 
-from cloudtrain.config import PEFT_METHODS, add_config_option
+from cloudtrain.config import PEFT_METHODS, add_config_option, parse_bool
 from cloudtrain.errors import refuse_first
 from cloudtrain.planning.accelerators import GPUS, gpu_by_name
 from cloudtrain.planning.strategies import MODEL_PARALLEL, PIPELINE, STRATEGIES
@@ -79,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     plan.add_argument(
         "--gradient_checkpointing",
         choices=["auto", "true", "false"],
+        type=str.lower,
+        nargs="?",
+        const="true",  # bare, as the training flag takes it
         default="auto",
         help="Only consider plans with (true) or without (false) checkpointing (default: auto).",
     )
@@ -90,7 +93,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "fine-tuning only; lora, dora or qlora: only those adapters (default: auto).",
     )
     plan.add_argument("--output_dir", default="plan", help="Where the configs are written (default: ./plan).")
-    plan.add_argument("--json", action="store_true", help="Print the plan as JSON instead of a table.")
+    plan.add_argument(
+        "--json",
+        type=_boolean,
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="true|false",
+        help="Print the plan as JSON instead of a table.",
+    )
+
+
+def _boolean(value: str) -> bool:
+    try:
+        return parse_bool(value)
+    except ValueError as err:  # argparse's own wording would name the function
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def check_options(args: argparse.Namespace) -> None:
