@@ -187,6 +187,7 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
     (adapter / "merged" / "my-weights.safetensors").write_text("a user's own merge")  # no manifest lists it
     cases = [
         (["merge", "--output_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),
+        (["merge", "--model_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),  # predict's name too
         (["merge", "--output_dir", str(adapter)], "merged is not one cloudtrain wrote, and merge would replace it"),
         (["predict", "--model_dir", str(adapter), "--text", "hi"], "write texts with it through the generate command"),
     ]

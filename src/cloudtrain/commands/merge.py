@@ -10,7 +10,13 @@ from cloudtrain.publish.saving import ADAPTER_CONFIG, MERGED, check_not_diffusio
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output_dir", required=True, help="The output directory of a training run with --peft.")
+    parser.add_argument(
+        "--output_dir",
+        "--model_dir",  # as predict and generate name the run they read
+        dest="output_dir",
+        required=True,
+        help="The output directory of a training run with --peft (also --model_dir).",
+    )
     add_trust_remote_code(parser)
 
 
