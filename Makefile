@@ -40,9 +40,10 @@ data $(R8): $(PKG)
 $(GRIMM): $(PKG)
 	$(PY) scripts/fetch_grimm.py
 
-# --overwrite_output_dir true for its own default folder only: a folder given in ARGS keeps its model unless asked.
+# --overwrite_output_dir true for its own default folder only: a folder given in ARGS (or in a --config file there)
+# keeps its model unless asked.
 train: setup
-	$(PY) src/training_application.py --training_type accelerated $(if $(findstring --output_dir,$(ARGS)),,--overwrite_output_dir true) $(ARGS)
+	$(PY) src/training_application.py --training_type accelerated $(if $(findstring --output_dir,$(ARGS))$(findstring --config,$(ARGS)),,--overwrite_output_dir true) $(ARGS)
 
 # Pretrain a small decoder from scratch on the Grimm tales (configs/pretrain_grimm.yaml), ~7 min on 2 cores;
 # prints the perplexity before and after and a few generations.

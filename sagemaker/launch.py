@@ -65,7 +65,7 @@ from sagemaker.core.training.configs import (
 from sagemaker.train import ModelTrainer
 from sagemaker.train.distributed import Torchrun
 
-from cloudtrain.config import Config, build_config, load_config_file, validate
+from cloudtrain.config import Config, build_config, load_config_file, option_fields, validate
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.sagemaker_env import CHANNEL_OPTIONS, DEFAULT_CHECKPOINT_DIR
 
@@ -107,7 +107,7 @@ class JobSpec:
 
     instance_type: str
     instance_count: int = 1
-    config: str | None = None  # YAML/JSON options file, as for a local run
+    config: str | list | None = None  # YAML/JSON options file(s), as for a local run; later files win
     hyperparameters: dict = field(default_factory=dict)  # application options, overriding `config`
     train: str | None = None  # S3 URI, or a local file/folder that is uploaded first
     validation: str | None = None
@@ -194,21 +194,22 @@ def passthrough_environment(extra_names: list | tuple = ()) -> dict[str, str]:
 
 
 def to_hyperparameters(values: dict) -> dict:
-    """Application options as the SDK sends them: None dropped (the default applies), lists comma-joined.
+    """Application options as the SDK sends them: None dropped (the default applies), lists joined as the option
+    splits them (its separator: a comma, `|` for prompts), a list that may hold mappings (`datasets:`) as JSON.
 
     The SDK JSON-encodes numbers and booleans, and its container driver passes each as `--key value`,
     so booleans reach the application as true/false.
     """
-    return {key: _hyperparameter(value) for key, value in values.items() if value is not None}
+    return {key: _hyperparameter(key, value) for key, value in values.items() if value is not None}
 
 
-def _hyperparameter(value: object) -> object:
-    """A list comma-joined; a list of mappings (a config's `datasets:` sources) as JSON, which the job reads back."""
-    if isinstance(value, (list, tuple)):
-        if any(isinstance(item, dict) for item in value):
-            return json.dumps(list(value))
-        return ",".join(map(str, value))
-    return value
+def _hyperparameter(name: str, value: object) -> object:
+    if not isinstance(value, (list, tuple)):
+        return value
+    field = option_fields()[name][1] if name in option_fields() else None
+    if field is not None and field.metadata["mappings"]:
+        return json.dumps(list(value))  # the job reads it back (config.parse._coerce)
+    return (field.metadata["separator"] if field is not None else ",").join(map(str, value))
 
 
 def is_data_source(value: str) -> bool:
@@ -218,7 +219,9 @@ def is_data_source(value: str) -> bool:
 
 def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
     """(hyperparameters, {channel: S3 URI or local path}, the options as the job will see them)."""
-    values = load_config_file(spec.config) if spec.config else {}
+    values: dict = {}
+    for file in [spec.config] if isinstance(spec.config, str) else spec.config or []:
+        values.update(load_config_file(file))
     values.update(spec.hyperparameters)
     channels = {name: getattr(spec, name) for name in DATA_CHANNELS if getattr(spec, name)}
     for option, channel in LOCAL_PATH_OPTIONS.items():
@@ -245,7 +248,7 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
                 "(see src/cloudtrain/sagemaker_env.py)"
             )
     check_option_values(values)
-    check_stream_sources(values.get("datasets") or [])
+    check_stream_sources(values)
     if spec.image_uri is None:  # the Hugging Face image has neither the built-in model nor the R8 data
         if "model" not in channels and not values.get("model_name_or_path"):
             values["model_name_or_path"] = HUB_DEFAULT_MODEL
@@ -262,15 +265,17 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
     return to_hyperparameters(values), channels, cfg
 
 
-def check_stream_sources(sources: list) -> None:
-    """A config's `datasets:` sources are read by the job itself, from where it can reach: an object store or the
-    Hub, not this machine's files (only --train's are uploaded)."""
+def check_stream_sources(values: dict) -> None:
+    """A config's `datasets:` sources are read by the job itself, from where it can reach: an object store, the
+    Hub or the job's own channel folders, not this machine's files (only --train's are uploaded)."""
+    sources = build_config({"datasets": values["datasets"]}).data.datasets if values.get("datasets") else []
     for entry in sources:
-        path = str(entry.get("path", "")) if isinstance(entry, dict) else str(entry)
-        if "://" not in path:
+        path = str(entry.get("path") or "") if isinstance(entry, dict) else str(entry)
+        if "://" not in path and not path.startswith(f"{JOB_DATA_DIR}/"):
             raise UserError(
-                f"datasets: {path} is a path on this machine, which the job cannot read; give its sources as s3:// "
-                "URIs (or hf://datasets/<id>), or one local source with --train"
+                f"datasets: {path or entry} is not a source the job can read (a path on this machine is not "
+                f"uploaded); give s3:// URIs, hf://datasets/<id> or {JOB_DATA_DIR}/<channel>, or one local "
+                "source with --train"
             )
 
 
@@ -565,7 +570,11 @@ def _launch_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("--instance_type", required=True, help="e.g. ml.g5.xlarge (1 GPU), ml.g5.12xlarge (4), ml.p4d.24xlarge (8)")
     add("--instance_count", type=int, help=f"instances (default {defaults['instance_count']})")
-    add("--config", help="YAML/JSON file of application options, as for a local run")
+    add(
+        "--config",
+        action="append",
+        help="YAML/JSON file of application options, as for a local run (again: each overrides the ones before)",
+    )
     add("--hp", action="append", metavar="KEY=VALUE", help="an application option, overriding --config (repeatable)")
     for name in DATA_CHANNELS:
         add(f"--{name}", help=f"{name} data: an S3 URI, or a local file or folder (uploaded first)")

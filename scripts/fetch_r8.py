@@ -11,4 +11,4 @@ import sys
 from cloudtrain.assets import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(prog="scripts/fetch_r8.py"))

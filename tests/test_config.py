@@ -369,6 +369,20 @@ def test_a_commands_own_path_options_expand_a_leading_tilde(tmp_path, monkeypatc
     monkeypatch.setenv("HOME", str(tmp_path))
     parser = ConfigParser(prog="t")
     parser.add_argument("--model_dir")
+    parser.add_argument("--output_dir")  # push's and preprocess's, named as a training option is (review)
     parser.add_argument("--hub_model_id")
-    args = parser.parse_args(["--model_dir=~/run", "--hub_model_id=~me/x"])
-    assert (args.model_dir, args.hub_model_id) == (f"{tmp_path}/run", "~me/x")
+    args = parser.parse_args(["--model_dir=~/run", "--output_dir=~/out", "--hub_model_id=~me/x"])
+    assert (args.model_dir, args.output_dir, args.hub_model_id) == (f"{tmp_path}/run", f"{tmp_path}/out", "~me/x")
+
+
+def test_only_a_list_of_sources_takes_mappings_or_json():
+    """datasets: may hold mappings, as YAML or as JSON text (a SageMaker hyperparameter); another list option keeps
+    JSON-looking text as its text, and refuses a mapping in a config file (review)."""
+    sources = '[{"path": "s3://b/a.jsonl", "weight": 2}]'
+    assert build_config({"streaming": True, "datasets": sources}).data.datasets == [
+        {"path": "s3://b/a.jsonl", "weight": 2}
+    ]
+    chat = '[{"role": "user", "content": "Hi"}]'
+    assert build_config({"sample_prompts": chat}).data.sample_prompts == [chat]
+    with pytest.raises(UserError, match="--sample_prompts: expected a list of values, got"):
+        build_config({"sample_prompts": [{"role": "user", "content": "Hi"}]})

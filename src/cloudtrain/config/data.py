@@ -154,6 +154,7 @@ class DataConfig:
         "format, weight and columns (a mapping of the task's column names to the source's).",
         separator="\n",
         path=True,
+        mappings=True,
     )
     mixture_exhausted: str = opt(
         "restart",

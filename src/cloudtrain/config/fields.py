@@ -13,11 +13,20 @@ def opt(
     separator: str = ",",
     auto: bool = False,
     path: bool = False,
+    mappings: bool = False,
 ) -> Any:
     """A config field with its help text; `secret` keeps it out of saved arguments and logs; a list option's
     items are split at `separator` when given as one string; `auto` also takes the word auto; `path`: a file or
-    folder (a leading ~ is the home folder). `help` and `choices` may be functions, read when needed: those a
-    registry (cloudtrain.registry) answers."""
+    folder (a leading ~ is the home folder); `mappings`: a list whose items may be mappings, also given as JSON
+    text. `help` and `choices` may be functions, read when needed: those a registry (cloudtrain.registry) answers."""
     kind = dict(default_factory=lambda: list(default)) if isinstance(default, list) else dict(default=default)
-    metadata = {"help": help, "choices": choices, "secret": secret, "separator": separator, "auto": auto, "path": path}
+    metadata = {
+        "help": help,
+        "choices": choices,
+        "secret": secret,
+        "separator": separator,
+        "auto": auto,
+        "path": path,
+        "mappings": mappings,
+    }
     return field(**kind, metadata=metadata)

@@ -102,7 +102,9 @@ def _coerce(name: str, value: Any) -> Any:
             if optional:
                 return None
             raise ValueError("a value is required")
-        value = _convert(tp, value, f.metadata["separator"])
+        if f.metadata["mappings"] and isinstance(value, str) and value.lstrip().startswith("["):
+            value = json.loads(value)  # a list as JSON text: a SageMaker hyperparameter (sagemaker/launch.py)
+        value = _convert(tp, value, f.metadata["separator"], f.metadata["mappings"])
     except (ValueError, TypeError) as err:  # TypeError: int([1, 2]), a config file's list where a number belongs
         kind = "true, false" if tp is bool else "a number"
         reason = f"expected {kind} or auto, got {value!r}" if f.metadata["auto"] else str(err)
@@ -127,7 +129,7 @@ def _home(value: Any) -> Any:
     return ",".join(os.path.expanduser(p.strip()) if p.strip().startswith("~") else p for p in value.split(","))
 
 
-def _convert(tp: type, value: Any, separator: str) -> Any:
+def _convert(tp: type, value: Any, separator: str, mappings: bool = False) -> Any:
     """`value` as type `tp`. A config file's value keeps its YAML type, so what Python would convert silently is
     refused here: a list or mapping for a single value (str([1, 2]) is a string), true for a number (int(True) is
     1), 2.5 for a whole number (int(2.5) is 2); and a float must be finite (nan passes every `<= 0` check)."""
@@ -136,9 +138,9 @@ def _convert(tp: type, value: Any, separator: str) -> Any:
     if tp is list:
         if isinstance(value, dict):
             raise ValueError(f"expected a list, got a mapping {value!r}")
-        if isinstance(value, str) and value.lstrip().startswith("[{"):  # mappings as JSON: a SageMaker hyperparameter
-            value = json.loads(value)
         items = value if isinstance(value, list) else [value]
+        if not mappings and any(isinstance(item, (dict, list)) for item in items):
+            raise ValueError(f"expected a list of values, got {value!r}")
         # a mapping in a config file's list (a `datasets:` entry) stays a mapping; strings split at the separator
         parts = [[item] if isinstance(item, dict) else str(item).split(separator) for item in items]
         return [p if isinstance(p, dict) else p.strip() for ps in parts for p in ps if isinstance(p, dict) or p.strip()]
@@ -194,8 +196,8 @@ class ConfigParser(argparse.ArgumentParser):
         if missing:
             names = ", ".join("/".join(action.option_strings) or action.dest for action in missing)
             self.error(f"the following arguments are required: {names}")
-        for name, value in vars(parsed).items():  # a command's own paths (a config option's: _coerce)
-            if name.endswith(PATH_ENDINGS) and name not in option_fields():
+        for name, value in vars(parsed).items():  # a command's paths (a training option's again in _coerce)
+            if name.endswith(PATH_ENDINGS):
                 setattr(parsed, name, _home(value))
         return parsed, extras
 

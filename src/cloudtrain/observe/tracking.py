@@ -400,12 +400,13 @@ def wandb_offline_reason() -> str | None:
     Credentials are looked up locally (env, settings, .netrc) and the server gets a few seconds to
     answer, so a missing key or network costs seconds, not W&B's minute-long init retries.
     """
+    import pydantic
     import wandb
 
     try:
         settings = wandb.setup().settings  # WANDB_* variables and `wandb login`/`wandb offline` settings
-    except Exception as err:  # pydantic's ValidationError of a WANDB_* value: 50 lines, raised inside wandb
-        problems = err.errors() if callable(getattr(err, "errors", None)) else []  # type: ignore[attr-defined]
+    except pydantic.ValidationError as err:  # a WANDB_* value it refuses: 50 lines, raised inside wandb
+        problems = err.errors()
         said = f"{problems[0]['loc'][0]}: {problems[0]['msg']}" if problems else first_line(err)
         raise UserError(
             f"W&B refuses its settings ({said}): check the WANDB_* variables (WANDB_BASE_URL, WANDB_MODE) and "
@@ -579,13 +580,20 @@ class MLflow(RunMethods, MLflowTracker):
         )
 
     def _exists(self, run_id: str) -> bool:
+        """Whether the store holds the run; a store that does not answer is the run's error, not a lost run."""
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
         try:
             MlflowClient(self.tracking_uri).get_run(run_id)
-        except MlflowException:
-            return False
+        except MlflowException as err:
+            if err.error_code == "RESOURCE_DOES_NOT_EXIST":
+                return False
+            raise UserError(
+                f"MLflow at {self.tracking_uri} could not be asked for run {run_id} ({first_line(err)}); start its "
+                "server or check MLFLOW_TRACKING_URI, then resume again",
+                transient=True,
+            ) from None
         return True
 
     def state(self) -> dict:
