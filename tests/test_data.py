@@ -137,6 +137,23 @@ def test_validation_labels_unseen_in_training(tmp_path, tokenizer):
         process_data(raw, tokenizer, DataConfig(), seed=0)
 
 
+def test_numbered_labels_are_read_by_name_in_every_split(tmp_path, tokenizer):
+    """save_to_disk splits whose ClassLabel numbers the same names in another order were read by number: finance
+    counted as weather in the metrics, silently; a name training never saw was a KeyError traceback (audit)."""
+
+    def numbered(rows: list[dict], names: list[str]) -> Dataset:
+        return Dataset.from_list(rows).cast_column("label", ClassLabel(names=names))
+
+    train = numbered(topic_rows(4), ["finance", "sports", "weather"])
+    rows = [{"text": "shares fell", "label": "finance"}] * 3 + [{"text": "rain", "label": "weather"}]
+    for validation in (numbered(rows, ["weather", "sports", "finance"]), Dataset.from_list(rows)):  # or plain text
+        data = process_data(DatasetDict(train=train, validation=validation), tokenizer, DataConfig(), seed=0)
+        assert [data.label_names[i] for i in data.validation["labels"]] == ["finance"] * 3 + ["weather"]
+    extra = numbered([*rows, {"text": "the vote", "label": "politics"}], ["weather", "finance", "politics"])
+    with pytest.raises(UserError, match="validation data has labels the training data never saw: politics"):
+        process_data(DatasetDict(train=train, validation=extra), tokenizer, DataConfig(), seed=0)
+
+
 def test_processing_truncates_pads_dynamically_and_carves_validation(tokenizer):
     rows = topic_rows(40)
     rows[0]["text"] = "word " * 500  # long enough to be truncated

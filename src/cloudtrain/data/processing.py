@@ -146,11 +146,12 @@ def is_missing(value, feature) -> bool:
     )
 
 
-def is_labelled(ds: Dataset, split: str, column: str, label2id: dict) -> bool:
+def is_labelled(ds: Dataset, split: str, column: str, label2id: dict, names: list[str] | None = None) -> bool:
     """Whether an evaluation split has labels: all of its rows (True) or none (False, predictions only).
 
     An integer -1 that training never saw counts as no label too (GLUE test splits written to csv).
-    Some rows without labels, or labels training never saw, are errors.
+    Some rows without labels, or labels training never saw, are errors: read by name (`names`: the training
+    labels' names by id) where a split numbers its own (a ClassLabel) or training did.
     """
     if column not in ds.column_names:
         return False
@@ -164,9 +165,25 @@ def is_labelled(ds: Dataset, split: str, column: str, label2id: dict) -> bool:
             f"{missing} of {len(values)} rows of the {split} data have no {column!r} value; label them "
             f"or drop them (a {split} split with no labels at all is used for predictions only)"
         )
-    if not isinstance(feature, ClassLabel):
+    if names is None:
         refuse_unseen(split, set(values) - set(label2id))
+    else:
+        read = label_reader(feature, label2id, names)
+        refuse_unseen(split, {_label_name(feature, v) for v in set(values) if read(v) is None})
     return True
+
+
+def label_reader(feature: Any, label2id: dict, names: list[str]) -> Callable[[Any], int | None]:
+    """A split's raw label -> the training id of the same name (None: a name training never saw). A ClassLabel
+    column numbers its own names, in its own order: its ids mean nothing to another split's."""
+    by_name = {name: i for i, name in enumerate(names)}
+    if isinstance(feature, ClassLabel):
+        return lambda value: by_name.get(feature.int2str(value))
+    return lambda value: label2id[value] if value in label2id else by_name.get(str(value))
+
+
+def _label_name(feature: Any, value: Any) -> str:
+    return feature.int2str(value) if isinstance(feature, ClassLabel) else str(value)
 
 
 def refuse_unseen(split: str, unseen: set, noun: str = "labels") -> None:
@@ -200,10 +217,10 @@ def single_label_scheme(raw: DatasetDict, column: str, order: list[str] | None =
         )
     return LabelScheme(
         names=names,
-        encoder=lambda ds: label2id.__getitem__,
+        encoder=lambda ds: label_reader(ds.features[column], label2id, names),
         feature=ClassLabel(names=names),
         key=names,
-        labelled=lambda ds, split: is_labelled(ds, split, column, label2id),
+        labelled=lambda ds, split: is_labelled(ds, split, column, label2id, names),
         strata=lambda train: [label2id[v] for v in train[column]],
     )
 
