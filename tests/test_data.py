@@ -261,3 +261,18 @@ def test_a_folder_of_data_files_is_one_split(tmp_path):
     (folder / "extra.json").write_text("[]")
     with pytest.raises(UserError, match="mixes data formats"):
         connect(DataConfig(train_file=str(folder)))
+
+
+def test_na_null_and_none_in_a_csv_are_words_and_only_an_empty_cell_is_missing(tmp_path):
+    """pandas' default read a class named NA as no label ("20 of 60 rows have no label") and the text null as
+    nothing, silently; `predict --input_file` lost such texts from its output too (found in audit)."""
+    from cloudtrain.predict import read_columns
+
+    path = tmp_path / "train.tsv"
+    path.write_text("text\tlabel\nnull\tNA\nNone\tsports\nn/a\tNA\n\tsports\n")
+    train = connect(DataConfig(train_file=str(path)))["train"]
+    assert train["label"] == ["NA", "sports", "NA", "sports"]
+    assert train["text"] == ["null", "None", "n/a", None]  # the empty cell alone is missing
+    upper = tmp_path / "UPPER.TSV"  # predict took only lower-case suffixes, which training does not ask
+    upper.write_text(path.read_text())
+    assert read_columns(str(upper), ["text"]) == [["null", "None", "n/a", ""]]

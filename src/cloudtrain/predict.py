@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 def read_texts(path: str, column: str) -> list[str]:
     file = Path(path)  # there: the commands' check_input_file
-    if file.suffix == ".txt":
+    if file.suffix.lower() == ".txt":
         try:
             return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
         except UnicodeDecodeError:
@@ -64,16 +64,16 @@ def read_columns(path: str, columns: list[str]) -> list[list]:
     """Each named column of a csv/tsv/json/jsonl --input_file, as texts (a missing value: "", as in training; a list
     cell as its items: a token classifier's words)."""
     file = Path(path)
-    if file.suffix == ".txt":
+    if file.suffix.lower() == ".txt":
         raise UserError(f"--input_file {path} holds one text per line; a csv/tsv/json/jsonl file has columns")
     from cloudtrain.data.files import FILE_FORMATS
     from cloudtrain.data.sources import load_files  # only needed for tabular inputs
 
-    if file.suffix not in FILE_FORMATS:
+    if file.suffix.lower() not in FILE_FORMATS:
         raise UserError(f"--input_file {path}: unsupported format; use .txt or one of {', '.join(FILE_FORMATS)}")
     if file.stat().st_size == 0:
         raise UserError(f"--input_file {path} is empty")
-    builder, options = FILE_FORMATS[file.suffix]
+    builder, options = FILE_FORMATS[file.suffix.lower()]
     ds = load_files(builder, [file], options=options)
     for column, flag in zip(columns, ("--text_column", "--text_pair_column"), strict=False):
         if column not in ds.column_names:

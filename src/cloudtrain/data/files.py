@@ -7,9 +7,11 @@ from pathlib import Path
 from cloudtrain.config import DataConfig
 from cloudtrain.errors import UserError
 
+# pandas reads NA, N/A, null, None, nan, ... as missing: a class named NA, or the text "null", would be lost
+CSV_MISSING = {"keep_default_na": False, "na_values": [""]}  # only an empty cell is missing
 FILE_FORMATS = {  # extension -> (datasets builder, builder options)
-    ".csv": ("csv", {}),
-    ".tsv": ("csv", {"sep": "\t"}),
+    ".csv": ("csv", CSV_MISSING),
+    ".tsv": ("csv", {"sep": "\t", **CSV_MISSING}),
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
