@@ -14,7 +14,7 @@ metrics.jsonl, and a W&B alert when W&B is online:
     throughput_drop   tokens per second of step time below --throughput_drop_ratio (half) of the running median
                       of earlier intervals, two logging intervals in a row
     straggler         with several processes: one process's own work (data loading and forward passes)
-                      above --straggler_ratio (1.5) times the median of all processes; once when it begins.
+                      above --straggler_ratio (1.5) times the median of the other processes; once when it begins.
                       Under ZeRO-3 a forward pass gathers parameters, so it waits on the others too.
     memory_pressure   a process's peak memory (CUDA: the larger of allocated and reserved; CPU: resident
                       set size) above MEMORY_WARNING_SHARE of its device's memory (CUDA: the GPU's; CPU:
@@ -267,9 +267,10 @@ class AnomalyDetector:
             self.slow = 0
             self.throughputs.append(tokens_per_s)
         if len(work_per_step) > 1 and self.cfg.straggler_ratio > 0:
-            typical = statistics.median(work_per_step)
             slowest = max(range(len(work_per_step)), key=work_per_step.__getitem__)
             worst = work_per_step[slowest]
+            # the others' median: with the slowest in it, 2 processes could never be R >= 2 apart
+            typical = statistics.median(w for i, w in enumerate(work_per_step) if i != slowest)
             lagging = worst > self.cfg.straggler_ratio * typical and worst - typical > STRAGGLER_MIN_S
             reported, self.straggler = self.straggler, slowest if lagging else None
             if lagging and slowest != reported:  # once when it begins, not at every interval it lasts
@@ -280,8 +281,8 @@ class AnomalyDetector:
                         float(slowest),
                         f"straggler at step {step}: process {slowest} ({self.places[slowest]}) spends "
                         f"{worst * 1000:.0f} ms per step on its own data and forward passes, {worst / typical:.1f}x "
-                        f"the median {typical * 1000:.0f} ms; every other process waits for it at each all-reduce "
-                        "(--straggler_ratio 0: off)",
+                        f"the other processes' median {typical * 1000:.0f} ms; every other process waits for it at "
+                        "each all-reduce (--straggler_ratio 0: off)",
                     )
                 )
         return found
