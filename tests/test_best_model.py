@@ -162,6 +162,11 @@ def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
     final = json.loads((out / "eval_results.json").read_text())
     assert final["loss"] == pytest.approx(losses[best], rel=1e-5)  # the evaluation is the best model's
     assert f"(the model of step {best}, --load_best_model_at_end)" in said.split("\neval: ")[1].splitlines()[0]
+    # the curve's step 40 is step 40's own model, once; the best model's numbers are in the results (audit: the
+    # best checkpoint's were drawn at step 40, a false rebound)
+    logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    at_end = [r["eval/loss"] for r in logged if r["step"] == 40 and "eval/loss" in r]
+    assert at_end == [pytest.approx(last, rel=1e-3)] and last != pytest.approx(final["loss"], rel=1e-3)
     card = model_card(out)
     assert f"The model is the run's best checkpoint, at step {best} of 40, by its validation `loss`" in card
 

@@ -291,7 +291,7 @@ def _train_evaluate_save(run: Run) -> dict:
     with stop:  # in the loop a checkpoint and a stop; after it, the evaluation skipped and the model saved
         train_result = trainer.fit(_checkpointer(run, uploader), run.resume_from, stop)
         results = {"train": train_result.summary(), "compute": _compute_used(train_result, runtime)}
-        skipped = _evaluate(trainer, stop, train_result.global_step, results)
+        skipped = _evaluate(trainer, stop, train_result.global_step, results, train_result.model_step is None)
         predictions, cut = _predict(trainer, stop)
         trainer.phase = "saving the model"
         save_final(run, results, predictions)
@@ -338,15 +338,16 @@ def _compute_used(train_result, runtime: Runtime) -> dict:
     )
 
 
-def _evaluate(trainer: Trainer, stop: PreemptionSignal, step: int, results: dict) -> list[str]:
+def _evaluate(trainer: Trainer, stop: PreemptionSignal, step: int, results: dict, own_step: bool = True) -> list[str]:
     """The trained model's metrics on the validation and test splits, logged into `results`; what a signal left
-    undone is returned, in words."""
+    undone is returned, in words. A model from an earlier step (not `own_step`: --load_best_model_at_end) is not
+    drawn as the last step's point of the validation curve (that step's own model was, by best_model)."""
     trainer.phase = "evaluation"
     names = {split: name for split, name in (("validation", "eval"), ("test", "test")) if split in trainer.eval_dls}
     done, skipped = _unless_stopped(stop, list(names), lambda split: trainer.evaluate(split, stop.cut_short()))
     for split, metrics in done.items():
         results[names[split]] = metrics
-        trainer.log_evaluation(metrics, names[split], step)
+        trainer.log_evaluation(metrics, names[split], step, scalars=own_step or split != "validation")
     return [f"{split} evaluation" for split in skipped]
 
 

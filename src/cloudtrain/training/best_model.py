@@ -99,11 +99,12 @@ def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopStat
     """--load_best_model_at_end: load the best checkpoint's model where it beats the last step's. Returns the step
     of the model the run ends with when it is not the last step's, else None. Every process takes part."""
     metric = trainer.cfg.checkpoint.metric_for_best_model or trainer.task.default_best_metric
-    last_step, evaluations = loop.step, loop.state.evaluations
+    last_step, evaluations, own = loop.step, loop.state.evaluations, None
     if evaluations and evaluations[-1]["step"] == last_step:  # the last step was evaluated (early stopping)
         last = evaluations[-1][metric]
     else:
-        last = scalar_metrics(trainer.evaluate("validation"), "")[metric]  # every process: a collective
+        own = trainer.evaluate("validation")  # every process: a collective
+        last = scalar_metrics(own, "")[metric]
     chosen = None
     if trainer.is_main_process:
         # checkpoints past this step are an abandoned run's (this one resumed from an earlier one)
@@ -118,6 +119,8 @@ def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopStat
         print(f"best model: {said}; --load_best_model_at_end", flush=True)
     chosen = trainer.runtime.share(chosen)
     if chosen is not None:
+        if own is not None:  # the curve's last point is this step's own model (the final evaluation is the best's)
+            trainer.log_evaluation(own, "eval", last_step)
         trainer.load_checkpoint(checkpointer.folder / f"{PREFIX}{chosen}")
         trainer.runtime.barrier()
     return chosen
