@@ -27,9 +27,12 @@ class Bar:
         self.lines.append(line)
 
 
-def drive(hook: ProfileHook, steps: int, start: int = 0, stop_early: bool = False) -> SimpleNamespace:
-    """What Trainer.fit does: on_train_start, then each step's work followed by on_step_end."""
-    loop = SimpleNamespace(state=SimpleNamespace(global_step=start), bar=Bar())
+def drive(
+    hook: ProfileHook, steps: int, start: int = 0, stop_early: bool = False, total: int | None = None
+) -> SimpleNamespace:
+    """What Trainer.fit does: on_train_start, then each step's work followed by on_step_end; `total`: the steps the
+    run plans (default: those it trains)."""
+    loop = SimpleNamespace(state=SimpleNamespace(global_step=start), bar=Bar(), total_steps=total or start + steps)
     loop.step = start
     hook.on_train_start(loop)
     a = torch.randn(16, 16)
@@ -70,8 +73,24 @@ def test_the_first_step_can_be_profiled(tmp_path):
 
 def test_a_run_that_ends_inside_the_window_writes_what_it_profiled(tmp_path):
     hook = ProfileHook(tmp_path, 3, 8, torch.device("cpu"))
-    drive(hook, 5, stop_early=True)  # an error after step 5: only close() runs
-    assert traced_steps(hook.path) == {3, 4, 5}
+    drive(hook, 5, stop_early=True, total=10)  # an error after step 5: only close() runs
+    assert traced_steps(hook.path) == {3, 4, 5} and hook.path.name == "steps_3-5.pt.trace.json"
+
+
+def test_a_window_past_the_run_s_end_is_cut_to_it_or_said_to_be_empty(tmp_path):
+    """A 6-step run with --profile_steps 4:9 named its trace steps_4-9 and halved the ms/step (6 steps counted for
+    3 traced); a 3-step run with the default 5:8 wrote nothing and said nothing (found in audit)."""
+    hook = ProfileHook(tmp_path, 4, 9, torch.device("cpu"))
+    loop = drive(hook, 6)
+    assert hook.path.name == "steps_4-6.pt.trace.json" and traced_steps(hook.path) == {4, 5, 6}
+    cut, trace, summary = loop.bar.lines
+    assert cut == "--profile_steps 4:9: the run ends at step 6; profiling steps 4-6"
+    assert summary.strip().startswith("3 steps, ")
+    beyond = ProfileHook(tmp_path / "beyond", 5, 8, torch.device("cpu"))
+    loop = drive(beyond, 3)
+    assert beyond.path is None and loop.bar.lines == [
+        "--profile_steps 5:8: the run ends at step 3, nothing to profile; give steps within 1:3"
+    ]
 
 
 def test_a_resumed_run_counts_steps_as_the_run_log_does(tmp_path):

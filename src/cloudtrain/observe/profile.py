@@ -51,21 +51,28 @@ class ProfileHook(Hook):
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         self.profiler: profile | None = None
         self.say: Callable[[str], None] = print
-        self.window = (first, last)  # what is traced: first moves on after a resume past it
+        self.window = (first, last)  # what is traced: first moves on after a resume past it, last ends with the run
+        self.reached = 0  # the last step ended under the profiler: a run that stops early traces fewer
         self.path: Path | None = None  # the trace, once written
 
     def on_train_start(self, loop: LoopState) -> None:
         self.say = loop.bar.write
-        done = loop.step  # after a resume, the steps already trained
+        done, total = loop.step, loop.total_steps  # after a resume, the steps already trained
+        asked = f"--profile_steps {self.first}:{self.last}"
         if self.last <= done:
-            self.say(f"--profile_steps {self.first}:{self.last}: the run resumes after step {done}, nothing to profile")
+            self.say(f"{asked}: the run resumes after step {done}, nothing to profile")
             return
-        first = max(self.first, done + 1)
+        if self.first > total:
+            self.say(f"{asked}: the run ends at step {total}, nothing to profile; give steps within 1:{total}")
+            return
+        first, last = max(self.first, done + 1), min(self.last, total)
+        if last < self.last:
+            self.say(f"{asked}: the run ends at step {total}; profiling steps {first}-{last}")
         warmup = 1 if first - 1 > done else 0
-        self.window = (first, self.last)
+        self.window = (first, last)
         with warnings.catch_warnings():  # no warm-up when the first step is profiled: torch warns, we know
             warnings.simplefilter("ignore", UserWarning)
-            steps = schedule(wait=first - 1 - done - warmup, warmup=warmup, active=self.last - first + 1, repeat=1)
+            steps = schedule(wait=first - 1 - done - warmup, warmup=warmup, active=last - first + 1, repeat=1)
         self.profiler = profile(
             activities=self.activities, schedule=steps, on_trace_ready=self._write, record_shapes=True
         )
@@ -73,8 +80,9 @@ class ProfileHook(Hook):
 
     def on_step_end(self, loop: LoopState) -> Request | None:
         if self.profiler is not None:
+            self.reached = loop.step  # (the last active step's profiler.step() writes the trace)
             self.profiler.step()
-            if loop.step >= self.last:
+            if loop.step >= self.window[1]:
                 self._stop()
         return None
 
@@ -91,7 +99,7 @@ class ProfileHook(Hook):
 
     def _write(self, profiler: profile) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        first, last = self.window
+        first, last = self.window[0], min(self.window[1], self.reached)
         path = self.folder / f"steps_{first}-{last}.pt.trace.json"
         profiler.export_chrome_trace(str(path))
         self.path = path
