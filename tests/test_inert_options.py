@@ -89,6 +89,14 @@ def test_no_note_where_the_task_reads_the_option(task, values):
             {"early_stopping_threshold": 0.01},
             "--early_stopping_threshold 0.01 has no effect without --early_stopping_patience N",
         ),
+        (  # the anomaly watcher is off: its settings were ignored without a word (audit)
+            {"monitoring": False, "on_anomaly": "stop"},
+            "--on_anomaly stop has no effect without --monitoring true",
+        ),
+        (
+            {"monitoring": False, "loss_spike_threshold": 3.0},
+            "--loss_spike_threshold 3.0 has no effect without --monitoring true",
+        ),
     ],
 )
 def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):

@@ -46,6 +46,16 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "compile_layers": ("torch_compile", (True,)),
     "simpo_gamma": ("preference_loss", ("simpo",)),
     "early_stopping_threshold": ("early_stopping_patience", ()),
+    **{  # the anomaly watcher's settings: it runs only with --monitoring true
+        name: ("monitoring", (True,))
+        for name in (
+            "loss_spike_threshold",
+            "grad_norm_spike_threshold",
+            "throughput_drop_ratio",
+            "straggler_ratio",
+            "on_anomaly",
+        )
+    },
 }
 
 
