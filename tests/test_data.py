@@ -168,7 +168,7 @@ def test_processing_truncates_pads_dynamically_and_carves_validation(tokenizer):
     assert batch["input_ids"].shape[1] == int(batch["attention_mask"].sum(1).max())  # padded to the longest row
 
 
-def test_sentence_pairs(tokenizer):
+def test_sentence_pairs(tokenizer, tmp_path):
     raw = DatasetDict(
         {
             "train": Dataset.from_dict(
@@ -182,6 +182,14 @@ def test_sentence_pairs(tokenizer):
     row = data.train[0]
     assert 1 in row["token_type_ids"]  # the second segment is there
     assert tokenizer.decode(row["input_ids"]).count("[SEP]") == 2
+    # an unlabelled split keeps its second texts for the predictions file (rows sharing a premise were told apart
+    # by nothing there; found in audit)
+    raw["test"] = Dataset.from_dict({"a": ["who won", "who won"], "b": ["rain", "the team"]})
+    data = process_data(raw, tokenizer, DataConfig(text_column="a", text_pair_column="b"), seed=0)
+    ids, scores = [0, 1], [0.9, 0.6]
+    ClassificationTask().write_predictions(tmp_path, data, "test", (ids, scores))
+    written = [json.loads(line) for line in (tmp_path / "test_predictions.jsonl").read_text().splitlines()]
+    assert [(r["text"], r["text_pair"]) for r in written] == [("who won", "rain"), ("who won", "the team")]
 
 
 def test_sample_limits(tokenizer):

@@ -57,6 +57,7 @@ class ProcessedData:
     # Splits without labels (a GLUE-style test split): tokenized for predictions, with their texts in order
     unlabelled: dict[str, Dataset] = field(default_factory=dict)
     unlabelled_texts: dict[str, list] = field(default_factory=dict)  # token classification: each row's words
+    unlabelled_pairs: dict[str, list] = field(default_factory=dict)  # sentence pairs: each row's second text
     extras: dict[str, Any] = field(default_factory=dict)  # what a task keeps beside the rows (answer windows)
 
 
@@ -247,6 +248,11 @@ def process_data(
         label_names=scheme.names,
         unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
         unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
+        unlabelled_pairs={
+            split: ["" if t is None else str(t) for t in ds[cfg.text_pair_column]]
+            for split, ds in unlabelled.items()
+            if cfg.text_pair_column
+        },
     )
 
 

@@ -175,7 +175,13 @@ class ClassificationTask(Task):
         ids, scores = predicted
         write_jsonl(
             Path(output_dir) / f"{split}_predictions.jsonl",
-            records(data.unlabelled_texts[split], ids, scores, dict(enumerate(data.label_names))),
+            records(
+                data.unlabelled_texts[split],
+                ids,
+                scores,
+                dict(enumerate(data.label_names)),
+                data.unlabelled_pairs.get(split),
+            ),
         )
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:

@@ -122,7 +122,7 @@ class MultiLabelTask(ClassificationTask):
 
     def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted: tuple) -> None:
         texts, (_, probabilities) = data.unlabelled_texts[split], predicted
-        rows = label_sets(texts, probabilities, data.label_names)
+        rows = label_sets(texts, probabilities, data.label_names, data.unlabelled_pairs.get(split))
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:

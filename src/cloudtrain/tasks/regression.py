@@ -109,7 +109,7 @@ class RegressionTask(ClassificationTask):
         return values, values
 
     def write_predictions(self, output_dir: Path, data: ProcessedData, split: str, predicted: tuple) -> None:
-        rows = scored(data.unlabelled_texts[split], predicted[0])
+        rows = scored(data.unlabelled_texts[split], predicted[0], data.unlabelled_pairs.get(split))
         write_jsonl(Path(output_dir) / f"{split}_predictions.jsonl", rows)
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
