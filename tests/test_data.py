@@ -137,6 +137,17 @@ def test_validation_labels_unseen_in_training(tmp_path, tokenizer):
         process_data(raw, tokenizer, DataConfig(), seed=0)
 
 
+def test_spaces_around_a_label_name_make_no_new_class(tokenizer):
+    """A CSV's "sports " trained a class of its own beside "sports" (found in audit)."""
+    train = Dataset.from_list(
+        [{"text": f"t{i}", "label": ["sports", "sports ", " finance", "finance"][i % 4]} for i in range(8)]
+    )
+    validation = Dataset.from_list([{"text": "v", "label": "sports  "}, {"text": "w", "label": "finance"}])
+    data = process_data(DatasetDict(train=train, validation=validation), tokenizer, DataConfig(), seed=0)
+    assert data.label_names == ["finance", "sports"]
+    assert [data.label_names[i] for i in data.validation["labels"]] == ["sports", "finance"]
+
+
 def test_numbered_labels_are_read_by_name_in_every_split(tmp_path, tokenizer):
     """save_to_disk splits whose ClassLabel numbers the same names in another order were read by number: finance
     counted as weather in the metrics, silently; a name training never saw was a KeyError traceback (audit)."""

@@ -105,7 +105,10 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
         names = list(feature.names)
         return names, {i: i for i in range(len(names))}
     values = sorted(set(train[column]))
-    return [str(v) for v in values], {value: i for i, value in enumerate(values)}
+    if not all(isinstance(v, str) for v in values):  # ids: in numeric order
+        return [str(v) for v in values], {value: i for i, value in enumerate(values)}
+    names = sorted({v.strip() for v in values})  # "sports " is "sports": a stray space makes no new class
+    return names, {value: names.index(value.strip()) for value in values}
 
 
 def check_label_kind(train: Dataset, column: str) -> None:
@@ -180,7 +183,7 @@ def label_reader(feature: Any, label2id: dict, names: list[str]) -> Callable[[An
     by_name = {name: i for i, name in enumerate(names)}
     if isinstance(feature, ClassLabel):
         return lambda value: by_name.get(feature.int2str(value))
-    return lambda value: label2id[value] if value in label2id else by_name.get(str(value))
+    return lambda value: label2id[value] if value in label2id else by_name.get(str(value).strip())
 
 
 def _label_name(feature: Any, value: Any) -> str:
