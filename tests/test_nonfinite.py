@@ -33,7 +33,7 @@ def nan_at(monkeypatch, trainer_cls, step: int) -> None:
 
 
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
-def test_a_nan_step_is_skipped_and_counted(trainer_cls, tiny_model_dir, tmp_path, monkeypatch):
+def test_a_nan_step_is_skipped_and_counted(trainer_cls, tiny_model_dir, tmp_path, monkeypatch, capsys):
     trainer = tiny_setup(
         tiny_model_dir,
         tmp_path,
@@ -47,6 +47,12 @@ def test_a_nan_step_is_skipped_and_counted(trainer_cls, tiny_model_dir, tmp_path
     nan_at(monkeypatch, trainer_cls, 2)
     result = trainer.fit()
     assert result.global_step == 6
+    assert result.summary()["skipped_steps"] == 1  # in train_results.json, and said (it was neither: audit)
+    said = capsys.readouterr()
+    assert (
+        "warning: skipped 1 step(s) with a non-finite loss since the last sync, the first at step 2"
+        in said.out + said.err
+    )
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     assert {int(state["step"]) for state in optimizer.state.values()} == {5}  # AdamW applied 5 of 6 steps
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())

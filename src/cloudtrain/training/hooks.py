@@ -157,6 +157,11 @@ class NonfiniteHook(Hook):
         if count and self.skip:
             loop.state.skipped_steps += count
             self.run_log.log({"train/skipped_steps": loop.state.skipped_steps}, step=loop.step)
+            if self.run_log.enabled:  # the main process: one line, not one per process
+                loop.bar.write(
+                    f"warning: skipped {count} step(s) with a non-finite loss since the last sync, the first at step "
+                    f"{first} (--nonfinite_loss skip; {loop.state.skipped_steps} in all)"
+                )
         elif count:
             last = self.checkpointer.latest() if self.checkpointer else None
             where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"

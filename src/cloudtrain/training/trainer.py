@@ -99,6 +99,7 @@ class TrainResult:
     earlier_device_s: float | None = None  # a resumed launch: the earlier launches' training time x processes
     model_step: int | None = None  # the step whose model the run ends with, where not its last (best_model)
     earlier_job_s: float = 0.0  # the wall time of earlier sessions of this SageMaker job
+    skipped_steps: int = 0  # --nonfinite_loss skip: the steps not applied
 
     @classmethod
     def of(cls, loop: LoopState, start: LaunchStart | None = None) -> "TrainResult":
@@ -124,6 +125,7 @@ class TrainResult:
             earlier_device_s=start.device_s if start else None,
             earlier_job_s=start.job_s if start else 0.0,
             model_step=loop.model_step,
+            skipped_steps=state.skipped_steps,
         )
 
     @property
@@ -157,6 +159,7 @@ class TrainResult:
                     "launch_tokens_per_s": round(self.launch_tokens / launch, 1),
                 }
         summary |= {"model_from_step": self.model_step} if self.model_step is not None else {}
+        summary |= {"skipped_steps": self.skipped_steps} if self.skipped_steps else {}
         return summary | ({"sources": self.sources} if self.sources is not None else {})
 
 
