@@ -384,16 +384,15 @@ class TextToImageModel(torch.nn.Module):
         if not self.lora:
             self.pipeline(modules={name: module for name, (module, _) in parts.items()}).save_pretrained(output_dir)
             return
-        from diffusers.utils import convert_state_dict_to_diffusers
         from peft.utils import get_peft_model_state_dict
 
         saved: dict[str, Any] = {}
         for name, (module, own) in parts.items():
             if getattr(module, "peft_config", None):
-                lora = get_peft_model_state_dict(module, state_dict=own)
-                # SD3's loader reads PEFT's names (lora_A/lora_B) as its script saves them; the UNet pipelines'
-                # read diffusers' (lora.down/lora.up)
-                saved[f"{name}_lora_layers"] = lora if self.flow else convert_state_dict_to_diffusers(lora)
+                # PEFT's names (lora_A/lora_B), which every pipeline's loader reads: diffusers' conversion to its
+                # own names (lora.down/up) renames only attention layers, and its loader then drops one of the two
+                # kinds (an SDXL LoRA on attention and feed-forward layers lost 32 of its 48 adapters)
+                saved[f"{name}_lora_layers"] = get_peft_model_state_dict(module, state_dict=own)
                 # lora_alpha: the scale diffusers loads it with
                 saved[f"{name}_lora_adapter_metadata"] = module.peft_config["default"].to_dict()
         self.pipeline_class().save_lora_weights(output_dir, safe_serialization=True, **saved)
