@@ -460,6 +460,21 @@ def test_full_fine_tuning_saves_a_whole_pipeline_and_dreambooth_trains(tiny_sd, 
     assert all(torch.equal(p, dict(base.vae.named_parameters())[n]) for n, p in pipe.vae.named_parameters())
 
 
+def test_a_full_fine_tuning_in_bf16_saves_a_pipeline_that_runs_with_the_base_s_frozen_parts(tiny_sd, squares, tmp_path):
+    """The frozen VAE and text encoder were saved in bf16 beside the fp32 UNet: the documented from_pretrained call
+    failed on mixed dtypes, and they had lost precision against the base (found in audit)."""
+    from diffusers import StableDiffusionPipeline
+
+    out = tmp_path / "bf16"
+    train(options(tiny_sd, out, train_data_dir=squares, mixed_precision="bf16", max_steps=1, eval_strategy="no"))
+    pipe, base = StableDiffusionPipeline.from_pretrained(out), StableDiffusionPipeline.from_pretrained(tiny_sd)
+    for part in ("vae", "text_encoder"):
+        theirs = dict(getattr(base, part).named_parameters())
+        assert all(torch.equal(p, theirs[n]) for n, p in getattr(pipe, part).named_parameters()), part
+    pipe.set_progress_bar_config(disable=True)
+    pipe("a square", num_inference_steps=2, height=16, width=16, output_type="np")  # one dtype throughout
+
+
 def test_train_text_encoder_in_full_trains_it_with_empty_captions(tiny_sd, squares, tmp_path):
     from diffusers import StableDiffusionPipeline
 

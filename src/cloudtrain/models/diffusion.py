@@ -382,7 +382,15 @@ class TextToImageModel(torch.nn.Module):
         `state_dict` (gathered under ZeRO-3 or FSDP2) holds this module's weights when given."""
         parts = self._saved_parts(state_dict)
         if not self.lora:
-            self.pipeline(modules={name: module for name, (module, _) in parts.items()}).save_pretrained(output_dir)
+            # the frozen parts as the base holds them, in fp32 like the trained ones: those in the compute dtype
+            # beside an fp32 denoiser made a pipeline that from_pretrained loads and cannot run (mixed dtypes)
+            modules = {
+                name: module
+                if any(p.requires_grad for p in module.parameters())
+                else load_component(self.path, name, self.index, torch.float32)
+                for name, (module, _) in parts.items()
+            }
+            self.pipeline(modules=modules).save_pretrained(output_dir)
             return
         from peft.utils import get_peft_model_state_dict
 
