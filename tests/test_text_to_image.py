@@ -5,6 +5,7 @@ take a few seconds on one thread (the whole file about 15 s)."""
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from t2i_fixtures import PROMPT, build_tiny_pipeline, captioned_folder, options, plain_folder, square
@@ -255,9 +256,29 @@ def bad_cases(tiny_sd: str, squares: str, tmp: Path) -> dict:
     null, gone = captioned_folder(tmp / "null", n=2), captioned_folder(tmp / "gone", n=2)
     (null / "metadata.jsonl").write_text('{"file_name": "0.png", "text": null}\n{"file_name": "1.png", "text": "y"}\n')
     (gone / "metadata.jsonl").write_text('{"file_name": "0.png", "text": "x"}\n{"file_name": "9.png", "text": "y"}\n')
+    unnamed, latin = captioned_folder(tmp / "unnamed", n=2), captioned_folder(tmp / "latin", n=2)
+    (unnamed / "metadata.jsonl").write_text('{"file_name": null, "text": "x"}\n{"file_name": 1, "text": "y"}\n')
+    (latin / "metadata.jsonl").unlink()  # the .txt layout
+    (latin / "0.txt").write_text("a square")
+    (latin / "1.txt").write_bytes("un carré".encode("latin-1"))
+    headless = tmp / "headless"  # a pipeline without its UNet's config (an audit's OSError traceback)
+    headless.mkdir()
+    for part in Path(tiny_sd).iterdir():
+        (headless / part.name).symlink_to(part)
+    (headless / "unet").unlink()
+    (headless / "unet").mkdir()  # its weights, not its config
+    for weights in (Path(tiny_sd) / "unet").glob("*.safetensors"):
+        (headless / "unet" / weights.name).symlink_to(weights)
     data = {"train_data_dir": squares}
     return {
         "no images": ({"train_data_dir": str(tmp / "empty")}, "holds no images"),
+        # an audit's tracebacks: a file_name that is no text, a caption file not in UTF-8, no unet/config.json
+        "file name": ({"train_data_dir": str(unnamed)}, "row 1 has no file_name (the image's path in"),
+        "latin-1 caption": ({"train_data_dir": str(latin)}, "1.txt is not UTF-8 text; save it as UTF-8"),
+        "no unet config": (
+            {**data, "model_name_or_path": str(headless), "peft": "lora"},
+            "names a unet in model_index.json but has no unet/config.json",
+        ),
         # an audit's: a null caption trained as the text "None"; a missing file was skipped as unreadable
         "null caption": ({"train_data_dir": str(null)}, "row 1: its caption 'text' is null, not a text; give it one"),
         "missing file": ({"train_data_dir": str(gone)}, f"row 2 names 9.png, which is not a file in {gone}"),
@@ -319,6 +340,39 @@ def test_images_smaller_than_the_resolution_are_refused(tiny_sd, tmp_path):
         UserError, match=r"1 training images are smaller than --resolution 16 \(first: .*1.png, 10x10\)"
     ):
         TextToImageTask(cfg).process(None, TextToImageTask(cfg).load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+
+
+def test_images_are_read_upright_and_16_bit_grey_keeps_its_tones(tmp_path):
+    """A phone photo (EXIF orientation 6) trained on its side, and its bucket took the sideways size; a 16-bit grey
+    ramp became white (PIL clips it at 255); a dataset row without its image was an AttributeError (audit)."""
+    from PIL import Image
+
+    upright = np.zeros((64, 32, 3), np.uint8)  # 32 wide, 64 tall: red over blue
+    upright[:32, :, 0], upright[32:, :, 2] = 255, 255
+    stored = Image.fromarray(upright).transpose(Image.Transpose.ROTATE_90)  # as the sensor wrote it: 64 x 32
+    exif = stored.getexif()
+    exif[images.ORIENTATION] = 6
+    stored.save(tmp_path / "phone.jpg", exif=exif, quality=95)
+    photo = images.load_rgb(tmp_path / "phone.jpg")
+    assert photo.size == (32, 64) and np.asarray(photo)[8, 16, 0] > 200 and np.asarray(photo)[56, 16, 2] > 200
+    with Image.open(tmp_path / "phone.jpg") as image:
+        assert images.upright_size(image) == (32, 64)
+    ramp = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    Image.fromarray(ramp).save(tmp_path / "ramp.png")  # mode I;16
+    grey = np.asarray(images.load_rgb(tmp_path / "ramp.png"))[..., 0]
+    assert grey.min() == 0 and grey.max() == 255 and len(np.unique(grey)) > 200
+    kept, skipped = images.readable([images.Example(None, "x"), images.Example(tmp_path / "ramp.png", "y")], 16, "t")
+    assert (len(kept), skipped) == (1, 1)
+
+
+def test_caption_files_without_an_image_read_here_are_named_in_a_note(tmp_path, capsys):
+    folder = captioned_folder(tmp_path / "orphans", n=2)
+    (folder / "metadata.jsonl").unlink()  # the .txt layout
+    for name in ("0", "1"):
+        (folder / f"{name}.txt").write_text("a square")
+    (folder / "photo.txt").write_text("a caption whose image is a .heic")
+    assert len(images.captioned_examples(str(folder), "text")) == 2
+    assert f"note: 1 caption file(s) in {folder} have no image in a format read here" in capsys.readouterr().out
 
 
 def test_images_a_metadata_file_leaves_out_are_named_in_a_note(tmp_path, capsys):
@@ -501,6 +555,17 @@ def test_a_dataset_with_an_image_column_trains_through_the_data_sources(tiny_sd,
         train(options(tiny_sd, tmp_path / "wrong", **common))
     results = train(options(tiny_sd, tmp_path / "out", caption_column="caption", **common))
     assert results["train"]["global_step"] == 1 and results["eval"]["samples"] == 3
+    rows["caption"][1] = None  # trained as the caption "None" (found in audit)
+    datasets.Dataset.from_dict(rows, features=features).save_to_disk(str(tmp_path / "uncaptioned"))
+    with pytest.raises(UserError, match=r"1 rows of --dataset_name .* have no 'caption' text \(first: row 1, None\)"):
+        train(
+            options(
+                tiny_sd,
+                tmp_path / "none",
+                caption_column="caption",
+                **{**common, "dataset_name": str(tmp_path / "uncaptioned")},
+            )
+        )
 
 
 def test_the_default_output_folder_is_named_after_the_image_folder(tmp_path):

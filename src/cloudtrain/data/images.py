@@ -15,15 +15,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from PIL import Image, UnidentifiedImageError
+from PIL import Image, ImageOps, UnidentifiedImageError
 
 from cloudtrain import paths
 from cloudtrain.config import ImagesConfig
 from cloudtrain.data.fingerprint import digest
 from cloudtrain.errors import UserError
 
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp", ".bmp", ".gif", ".tif", ".tiff")
+IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jfif", ".webp", ".avif", ".bmp", ".gif", ".tif", ".tiff")
 METADATA = "metadata.jsonl"
+ORIENTATION = 0x0112  # the EXIF tag a camera turns its photo by
 
 
 @dataclass
@@ -71,12 +72,27 @@ def captioned_examples(folder: str, caption_column: str) -> list[Example]:
             f"--train_data_dir {folder} has no {METADATA} and {len(missing)} images without a caption file "
             f"(first: {missing[0].name} has no {missing[0].with_suffix('.txt').name})"
         )
-    return [Example(f, f.with_suffix(".txt").read_text(encoding="utf-8").strip()) for f in files]
+    captioned = {f.with_suffix(".txt") for f in files}
+    orphans = sorted(t for t in path.rglob("*.txt") if t not in captioned)
+    if orphans:  # an image in a format not read here, or one deleted: said, not dropped silently
+        print(
+            f"note: {len(orphans)} caption file(s) in {folder} have no image in a format read here "
+            f"({', '.join(IMAGE_SUFFIXES)}) and are left out (first: {orphans[0].relative_to(path)})",
+            flush=True,
+        )
+    return [Example(f, _read_text(f.with_suffix(".txt")).strip()) for f in files]
+
+
+def _read_text(file: Path) -> str:
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise UserError(f"{file} is not UTF-8 text; save it as UTF-8") from None
 
 
 def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> list[Example]:
     rows = []
-    for number, line in enumerate(metadata.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(_read_text(metadata).splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -89,8 +105,8 @@ def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> lis
                 f"{metadata} row {number} has no caption column {caption_column!r} (its keys: "
                 f"{', '.join(row)}); pass --caption_column <name>"
             )
-        if "file_name" not in row:
-            raise UserError(f"{metadata} row {number} has no file_name")
+        if not isinstance(row.get("file_name"), str) or not row["file_name"]:
+            raise UserError(f"{metadata} row {number} has no file_name (the image's path in {folder}, a text)")
         if not isinstance(row[caption_column], str):  # str(None) would train on the caption "None"
             raise UserError(
                 f"{metadata} row {number}: its caption {caption_column!r} is {json.dumps(row[caption_column])}, not "
@@ -141,11 +157,23 @@ def name(example: Example) -> str:
 
 
 def load_rgb(source: Any) -> Image.Image:
+    """An image as RGB, turned upright as its EXIF orientation says (a phone's photo is stored on its side)."""
+    if source is None:  # a dataset row without its image: skipped as an unreadable one
+        raise ValueError("no image")
     if isinstance(source, Image.Image):
-        return source.convert("RGB")
+        return _rgb(ImageOps.exif_transpose(source))
     with Image.open(source) as image:
         image.load()  # decodes it all: a truncated file fails here, not in the middle of training
-        return image.convert("RGB")
+        return _rgb(ImageOps.exif_transpose(image))
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """RGB; 16- and 32-bit grey scaled to 8 bits (PIL's own conversion clips every value over 255 to white)."""
+    if image.mode.startswith("I"):  # I;16, I;16B, I: 16-bit PNGs and TIFFs
+        values = np.asarray(image, dtype=np.float64)
+        top = 65535.0 if image.mode.startswith("I;16") or values.max(initial=0) > 255 else 255.0
+        image = Image.fromarray(np.clip(values / top * 255.0 + 0.5, 0, 255).astype(np.uint8), mode="L")
+    return image.convert("RGB")
 
 
 def to_pixels(
@@ -298,11 +326,17 @@ def _row_buckets(examples: list[Example], buckets: list[tuple[int, int]]) -> lis
     sizes = []
     for example in examples:
         if isinstance(example.image, Image.Image):
-            sizes.append(example.image.size)
+            sizes.append(upright_size(example.image))
         else:
             with Image.open(example.image) as image:
-                sizes.append(image.size)
+                sizes.append(upright_size(image))
     return assign(sizes, buckets)
+
+
+def upright_size(image: Image.Image) -> tuple[int, int]:
+    """(width, height) as load_rgb turns the image: EXIF orientations 5-8 are a quarter turn."""
+    width, height = image.size
+    return (height, width) if image.getexif().get(ORIENTATION) in (5, 6, 7, 8) else (width, height)
 
 
 def collate(rows: list[dict], prior_loss_weight: float = 1.0) -> dict:

@@ -518,7 +518,13 @@ def check_lora_targets(path: str, targets: list[str]) -> None:
     dotted tail), checked on a weightless copy built from its config.json."""
     index = read_model_index(path)
     name, cls = denoiser_class(index)
-    config = cls.load_config(path, subfolder=name)
+    try:
+        config = cls.load_config(path, subfolder=name)
+    except OSError:  # diffusers: "... does not appear to have a file named config.json", with its traceback
+        raise UserError(
+            f"{path} names a {name} in model_index.json but has no {name}/config.json; give a whole diffusers "
+            "pipeline folder (save_pretrained of the pipeline)"
+        ) from None
     with torch.device("meta"):
         modules = dict(cls.from_config(config).named_modules())
     adaptable = {name for name, m in modules.items() if isinstance(m, (torch.nn.Linear, torch.nn.Conv2d))}

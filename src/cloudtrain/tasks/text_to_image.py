@@ -239,7 +239,14 @@ class TextToImageTask(Task):
         if ic.train_data_dir:
             return images.captioned_examples(ic.train_data_dir, ic.caption_column), []
         train = raw["train"]
-        return [images.Example(row[ic.image_column], str(row[ic.caption_column])) for row in train], []
+        captions = train[ic.caption_column]
+        unset = [i for i, caption in enumerate(captions) if not isinstance(caption, str)]
+        if unset:  # str(None) would train on the caption "None"
+            raise UserError(
+                f"{len(unset)} rows of --dataset_name {cfg.data.dataset_name} have no {ic.caption_column!r} text "
+                f"(first: row {unset[0]}, {captions[unset[0]]!r}); caption them, or drop those rows"
+            )
+        return [images.Example(row[ic.image_column], row[ic.caption_column]) for row in train], []
 
     def load_model(
         self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
