@@ -207,6 +207,8 @@ def test_a_text_to_image_output_given_to_a_text_command_is_named_for_what_it_is(
     refusals = {
         f"generate --model_dir {pipeline} --prompt hi": f"--model_dir {pipeline} holds a diffusers pipeline from",
         f"merge --output_dir {lora}": f"--output_dir {lora} holds a diffusers LoRA from --task text_to_image, not a",
+        # predict said "holds no saved model" (found in audit)
+        f"predict --model_dir {lora} --text hi": f"--model_dir {lora} holds a diffusers LoRA from --task text_to_",
     }
     said = answers(list(refusals))
     assert {line: heavy for line, (*_, heavy) in said.items() if heavy} == {}

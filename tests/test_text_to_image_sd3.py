@@ -212,6 +212,9 @@ def test_the_sd3_lora_changes_the_pipelines_images_and_the_card_says_sd3(lora_ru
     card = build_card(out, build_config(json.loads((out / "args.json").read_text())), lora_run)
     assert "sd3" in card.data.tags and "lora" in card.data.tags and "stable-diffusion" not in card.data.tags
     assert "StableDiffusion3Pipeline.from_pretrained" in card.content and "load_lora_weights" in card.content
+    # the snippet renders at the T5 length the run trained with, not diffusers' 256 (found in audit)
+    trained = json.loads((out / "args.json").read_text())["max_sequence_length"]
+    assert f", max_sequence_length={trained}).images[0]" in card.content
     assert "weighting_scheme: logit_normal" in card.content and "snr_gamma" not in card.content
 
 

@@ -97,7 +97,8 @@ def body(
         f"from diffusers import {pipeline}",
         "",
         load,
-        f'image = pipeline("{prompt}").images[0]',
+        # SD3 renders at the T5 length it trained with (diffusers' default, 256, gives other images than the grid)
+        f'image = pipeline("{prompt}"{f", max_sequence_length={ic.max_sequence_length}" if sd3 else ""}).images[0]',
         "```",
         "",
         "## Training details",
