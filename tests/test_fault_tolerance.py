@@ -429,3 +429,19 @@ def test_of_two_processes_a_straggler_is_measured_against_the_other():
         (found,) = d.check_interval(1, 1000.0, times)
         assert found.kind == "straggler" and f"{told} the other processes' median 50 ms" in found.message
     assert AnomalyDetector(MonitoringConfig(), ["a", "a"]).check_interval(1, 1000.0, [0.05, 0.07]) == []
+
+
+def test_the_memory_warning_counts_a_container_s_limit(tmp_path, monkeypatch):
+    """On CPU the warning compared with the host's RAM: in a container the OOM killer acts at its limit first
+    (found in audit)."""
+    from cloudtrain.observe import monitoring
+
+    monkeypatch.setattr(monitoring.torch.cuda, "is_available", lambda: False)  # the CPU path, on a GPU machine too
+    ram = monitoring.device_memory_gib()
+    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
+    monkeypatch.setattr(monitoring, "CGROUP_LIMITS", (str(v2), str(v1)))
+    v2.write_text("max\n")
+    v1.write_text(f"{2**63 - 4096}\n")
+    assert monitoring.device_memory_gib() == ram  # no limit either way
+    v2.write_text(f"{2 * 2**30}\n")
+    assert monitoring.device_memory_gib() == 2.0

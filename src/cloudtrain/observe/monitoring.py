@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -120,11 +121,23 @@ def peak_memory(device: torch.device) -> list[float]:
     return [rss / (GIB if sys.platform == "darwin" else 2**20), 0.0]
 
 
+CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+
+
 def device_memory_gib() -> float:
-    """The memory of this process's device: its CUDA device's, else the machine's RAM."""
+    """The memory of this process's device: its CUDA device's, else the machine's RAM or its container's limit,
+    whichever is less (the container's OOM killer acts at its limit, long before the host's RAM is full)."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GIB
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    for path in CGROUP_LIMITS:
+        try:
+            limit = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if limit.isdigit():  # "max" (v2) or a number near 2**63 (v1): no limit
+            ram = min(ram, int(limit))
+    return ram / GIB
 
 
 def interval_values(by_process: list[list[float]], device: torch.device) -> dict:
