@@ -365,6 +365,13 @@ def test_images_are_read_upright_and_16_bit_grey_keeps_its_tones(tmp_path):
     assert (len(kept), skipped) == (1, 1)
 
 
+def test_a_metadata_file_one_folder_down_is_pointed_to(tmp_path):
+    """Hugging Face's imagefolder layout (train/metadata.jsonl) was told "0.png has no 0.txt" (found in audit)."""
+    captioned_folder(tmp_path / "set" / "train", n=2)
+    with pytest.raises(UserError, match=f"is one: pass --train_data_dir {tmp_path / 'set' / 'train'}$"):
+        images.captioned_examples(str(tmp_path / "set"), "text")
+
+
 def test_caption_files_without_an_image_read_here_are_named_in_a_note(tmp_path, capsys):
     folder = captioned_folder(tmp_path / "orphans", n=2)
     (folder / "metadata.jsonl").unlink()  # the .txt layout

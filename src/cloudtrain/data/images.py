@@ -68,9 +68,11 @@ def captioned_examples(folder: str, caption_column: str) -> list[Example]:
         return examples
     missing = [f for f in files if not f.with_suffix(".txt").is_file()]
     if missing:
+        nested = sorted(path.glob(f"*/{METADATA}"))  # Hugging Face's imagefolder layout: train/metadata.jsonl
+        hint = f"; {nested[0]} is one: pass --train_data_dir {nested[0].parent}" if nested else ""
         raise UserError(
             f"--train_data_dir {folder} has no {METADATA} and {len(missing)} images without a caption file "
-            f"(first: {missing[0].name} has no {missing[0].with_suffix('.txt').name})"
+            f"(first: {missing[0].name} has no {missing[0].with_suffix('.txt').name}){hint}"
         )
     captioned = {f.with_suffix(".txt") for f in files}
     orphans = sorted(t for t in path.rglob("*.txt") if t not in captioned)
