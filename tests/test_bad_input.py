@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ENTRY, REPO
+from conftest import ENTRY, REPO, run_cli
 
 from cloudtrain.cli import main
 
@@ -303,3 +303,12 @@ def test_tokenizers_that_differ_only_in_their_inputs_do_not_share_a_cache(models
     generic = AutoTokenizer.from_pretrained(models["classifier"], model_input_names=["input_ids", "attention_mask"])
     assert "token_type_ids" in process_data(raw, full, cfg, seed=0).train.column_names
     assert process_data(raw, generic, cfg, seed=0).train.column_names == ["input_ids", "attention_mask", "labels"]
+
+
+def test_a_file_datasets_cannot_read_is_said_once(models, tmp_path):
+    """datasets logged its own "Failed to read file ... UnicodeDecodeError" line before ours (found in audit)."""
+    latin = tmp_path / "latin1.csv"
+    latin.write_bytes("text,label\ncaf\xe9 au lait,drink\nna\xefve,word\n".encode("latin-1"))
+    result = run_cli(*train_args(models["classifier"], latin, tmp_path / "out"))
+    said = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(said) == 1 and said[0].startswith("error: "), said

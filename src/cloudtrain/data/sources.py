@@ -12,6 +12,7 @@ The result is a DatasetDict with a "train" split and, when the source has them, 
 
 import hashlib
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -110,12 +111,17 @@ def _load_path(path: str, split: str, text_column: str) -> Dataset:
 def load_files(builder: str, files: list[Path], split: str = "train", options: dict | None = None) -> Dataset:
     """`files` read by the datasets `builder` as one split; what the files hold that the reader cannot take is
     one line naming the file and what to do."""
+    readers = logging.getLogger("datasets.packaged_modules")  # its "Failed to read file" line: ours says it
+    level = readers.level
+    readers.setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(
             builder, name=stamp(files), data_files={split: [str(f) for f in files]}, split=split, **(options or {})
         )
     except Exception as err:  # noqa: BLE001 (pandas/arrow/json parse errors: a malformed file is the user's)
         raise read_error(err, builder, files, split) from None
+    finally:
+        readers.setLevel(level)
 
 
 HASHED_BYTES = 64 * 2**20  # data up to this size in all is known by its contents; more by sizes and times
