@@ -146,6 +146,9 @@ def test_spaces_around_a_label_name_make_no_new_class(tokenizer):
     data = process_data(DatasetDict(train=train, validation=validation), tokenizer, DataConfig(), seed=0)
     assert data.label_names == ["finance", "sports"]
     assert [data.label_names[i] for i in data.validation["labels"]] == ["sports", "finance"]
+    # a head saved before the names were stripped keeps its order and ids (review: it was replaced)
+    names, mapping = find_label_names(DatasetDict(train=train), "label", order=[" sports", " finance"])
+    assert names == ["sports", "finance"] and mapping["sports "] == 0 and mapping[" finance"] == 1
 
 
 def test_numbered_labels_are_read_by_name_in_every_split(tmp_path, tokenizer):
@@ -288,10 +291,21 @@ def test_na_null_and_none_in_a_csv_are_words_and_only_an_empty_cell_is_missing(t
     from cloudtrain.predict import read_columns
 
     path = tmp_path / "train.tsv"
-    path.write_text("text\tlabel\nnull\tNA\nNone\tsports\nn/a\tNA\n\tsports\n")
+    path.write_text("text\tlabel\tscore\nnull\tNA\t1.5\nNone\tsports\tNA\na goal\tNA\tnan\n\tsports\t2\n")
     train = connect(DataConfig(train_file=str(path)))["train"]
     assert train["label"] == ["NA", "sports", "NA", "sports"]
-    assert train["text"] == ["null", "None", "n/a", None]  # the empty cell alone is missing
+    assert train["text"] == ["null", "None", "a goal", None]  # the empty cell alone is missing
+    # numbers with NA or nan in some cells (R's write.csv) stay numbers with gaps, as pandas reads them (review)
+    assert train["score"] == [1.5, None, None, 2.0]
     upper = tmp_path / "UPPER.TSV"  # predict took only lower-case suffixes, which training does not ask
     upper.write_text(path.read_text())
-    assert read_columns(str(upper), ["text"]) == [["null", "None", "n/a", ""]]
+    assert read_columns(str(upper), ["text"]) == [["null", "None", "a goal", ""]]
+
+
+def test_a_checkpoint_whose_labels_were_saved_with_spaces_resumes(tmp_path):
+    """Its labels (" finance") are this run's stripped names (review: the resume was refused)."""
+    from cloudtrain.checkpointing import check_labels
+
+    check_labels({"labels": [" finance", " sports"]}, ["finance", "sports"], tmp_path)
+    with pytest.raises(UserError, match="label 0 is ' sports' there and 'finance' here"):
+        check_labels({"labels": [" sports", " finance"]}, ["finance", "sports"], tmp_path)

@@ -81,6 +81,7 @@ def test_fsdp2_full_fine_tuning_of_sd3_saves_a_whole_pipeline_and_resumes_exactl
     model, out = build_tiny_sd3_pipeline(tmp_path / "tiny-sd3"), tmp_path / "full"
     args = t2i_args(str(model), squares, out, "--fsdp", "true", "--peft", "none", "--learning_rate", "1e-3")
     args += ["--per_device_train_batch_size", "4", "--checkpointing_steps", "2", "--max_sequence_length", "12"]
+    args += ["--mixed_precision", "bf16"]  # the frozen parts, loaded in bf16, were saved so beside the fp32 (review)
     full = launch(torchrun(2), *args)
     assert "(FSDP" in full.stdout and "flow_matching loss" in full.stdout
     losses = [e["eval/loss"] for e in evaluations(out)]
@@ -91,7 +92,10 @@ def test_fsdp2_full_fine_tuning_of_sd3_saves_a_whole_pipeline_and_resumes_exactl
     vae = out / "vae" / "diffusion_pytorch_model.safetensors"  # frozen: saved as loaded
     frozen = load_file(model / "vae" / "diffusion_pytorch_model.safetensors")
     assert all(torch.equal(v, frozen[k]) for k, v in load_file(vae).items())
-    StableDiffusion3Pipeline.from_pretrained(out)  # a whole pipeline, whole tensors
+    pipe = StableDiffusion3Pipeline.from_pretrained(out)  # a whole pipeline, whole tensors, one dtype
+    assert {p.dtype for part in (pipe.transformer, pipe.vae, pipe.text_encoder) for p in part.parameters()} == {
+        torch.float32
+    }
     steps = logged_losses(out)
 
     checkpoint = out / "checkpoints" / "checkpoint-2"

@@ -143,7 +143,7 @@ def check_labels(state: dict, labels: list[str], path: Path) -> None:
     """A checkpoint's outputs mean the labels this run's data names, in the same order (a renamed label sorts
     elsewhere and silently swaps two outputs); checkpoints written before the record hold none."""
     saved = state.get("labels")
-    if saved is None or saved == list(labels):
+    if saved is None or [str(name).strip() for name in saved] == list(labels):  # (before names were stripped)
         return
     i, there, here = first_difference([repr(name) for name in saved], [repr(name) for name in labels], "missing")
     raise UserError(

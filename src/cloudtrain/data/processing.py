@@ -85,6 +85,7 @@ def find_label_names(raw: DatasetDict, column: str, order: list[str] | None = No
     the data's label names; otherwise ids follow the sorted names.
     """
     names, mapping = _label_names(raw, column)
+    order = [str(name).strip() for name in order] if order is not None else None  # a head saved with " sports"
     if order is not None and sorted(order) == sorted(names) and order != names:
         position = {name: i for i, name in enumerate(order)}
         return list(order), {value: position[names[i]] for value, i in mapping.items()}
@@ -355,7 +356,8 @@ def split_cache_key(
 ) -> str:
     """Same source rows + same tokenizer + same options -> same key -> cached result reused."""
     inputs = list(tokenizer.model_input_names)  # the columns kept: two tokenizers may differ only in these
-    return cache_key(ds, tokenizer, cfg.max_length, columns, cfg.label_column, names, inputs, "v1")
+    # v2: labels read by name in every split (a split's own ClassLabel ids were taken as training's in v1)
+    return cache_key(ds, tokenizer, cfg.max_length, columns, cfg.label_column, names, inputs, "v2")
 
 
 def cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, *options) -> str:

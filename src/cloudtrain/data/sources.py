@@ -115,13 +115,38 @@ def load_files(builder: str, files: list[Path], split: str = "train", options: d
     level = readers.level
     readers.setLevel(logging.CRITICAL)
     try:
-        return datasets.load_dataset(
+        loaded = datasets.load_dataset(
             builder, name=stamp(files), data_files={split: [str(f) for f in files]}, split=split, **(options or {})
         )
     except Exception as err:  # noqa: BLE001 (pandas/arrow/json parse errors: a malformed file is the user's)
         raise read_error(err, builder, files, split) from None
     finally:
         readers.setLevel(level)
+    return numbers_with_gaps(loaded) if builder == "csv" else loaded
+
+
+def numbers_with_gaps(ds: Dataset) -> Dataset:
+    """A csv column of numbers with NA, nan or null in some cells (R's write.csv, Python's csv of a float nan), or
+    of such words alone, as numbers with missing values, as pandas' default reads it: the csv reader keeps those
+    words as text (a class named NA, the text "null" among other texts), which would make such a column text."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    from pandas._libs.parsers import STR_NA_VALUES
+
+    words, order = pa.array(sorted(STR_NA_VALUES)), ds.column_names
+    for name, feature in ds.features.items():
+        if not isinstance(feature, datasets.Value) or feature.dtype not in ("string", "large_string"):
+            continue
+        column = ds.data.column(name)
+        gaps = pc.is_in(column, value_set=words)
+        if not pc.any(gaps).as_py():
+            continue  # text: pandas had numbers read as numbers already
+        try:
+            numbers = pc.cast(pc.if_else(gaps, pa.scalar(None, column.type), column), pa.float64())
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            continue  # words beside the NA words: text, whose NA stays a word
+        ds = ds.remove_columns(name).add_column(name, numbers.to_pylist(), feature=datasets.Value("float64"))
+    return ds.select_columns(order)
 
 
 HASHED_BYTES = 64 * 2**20  # data up to this size in all is known by its contents; more by sizes and times

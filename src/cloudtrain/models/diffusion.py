@@ -5,8 +5,8 @@ VAE and the text encoders (frozen), and the training noise schedule. The denoise
 1.x/2.x, SDXL: cloudtrain.models.sdxl) trained on noise or v-prediction, or SD3's transformer trained by flow
 matching (cloudtrain.models.sd3). Its forward takes a batch and returns each
 row's diffusion loss, so the trainers, DDP and DeepSpeed treat it as any other model; `save_pretrained` writes
-what diffusers loads: the LoRA in diffusers' format (`pipeline.load_lora_weights(output_dir)`), or the whole
-pipeline after full fine-tuning.
+what diffusers loads: the LoRA under PEFT's names through diffusers' save_lora_weights
+(`pipeline.load_lora_weights(output_dir)`), or the whole pipeline after full fine-tuning.
 """
 
 import functools
@@ -187,7 +187,8 @@ class TextToImageModel(torch.nn.Module):
 
     def attach_lora(self, cfg: Config) -> "TextToImageModel":
         """LoRA (or DoRA, --peft dora) on the denoiser's --lora_target_modules through diffusers' PEFT
-        integration, so the adapter saves in diffusers' format; the rest of the denoiser frozen."""
+        integration, so the adapter saves under PEFT's names (diffusers' save_lora_weights); the rest of the
+        denoiser frozen."""
         from peft import LoraConfig
 
         m = cfg.model
@@ -384,9 +385,10 @@ class TextToImageModel(torch.nn.Module):
         if not self.lora:
             # the frozen parts as the base holds them, in fp32 like the trained ones: those in the compute dtype
             # beside an fp32 denoiser made a pipeline that from_pretrained loads and cannot run (mixed dtypes)
+            # (trained or not by the live part: under FSDP2 `parts` holds fresh copies, every weight trainable)
             modules = {
                 name: module
-                if any(p.requires_grad for p in module.parameters())
+                if any(p.requires_grad for p in getattr(self, name).parameters())
                 else load_component(self.path, name, self.index, torch.float32)
                 for name, (module, _) in parts.items()
             }

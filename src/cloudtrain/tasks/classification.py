@@ -126,7 +126,8 @@ class ClassificationTask(Task):
                 )
             return True
         existing = head_labels(cfg.model, self.head)
-        if existing is None or existing == data.label_names:
+        # a head saved before names were stripped (" sports") keeps its order and ids under the stripped names
+        if existing is None or [name.strip() for name in existing] == data.label_names:
             return False
         if announce:
             print(
