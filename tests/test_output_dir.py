@@ -349,3 +349,15 @@ def test_make_train_overwrites_its_own_default_folder_only(args, overwrites):
     shown = subprocess.run(["make", "-n", "train", f"ARGS={args}"], cwd=root, capture_output=True, text=True)
     command = next(line for line in shown.stdout.splitlines() if "training_application.py" in line)
     assert ("--overwrite_output_dir true" in command) == overwrites and command.rstrip().endswith(args)
+
+
+def test_another_node_s_folder_of_its_checkpoints_passes_the_early_check(tmp_path):
+    """Node 1 of a node-local launch keeps its checkpoints in its own folder, which only the main process's manifest
+    lists: the check before the imports refused node 1's restart, and node 0 waited for it (review)."""
+    from cloudtrain.paths import check_users_files
+
+    (tmp_path / "out" / "checkpoints" / "checkpoint-7").mkdir(parents=True)
+    check_users_files(tmp_path / "out")
+    (tmp_path / "out" / "args.json").write_text("{}")
+    with pytest.raises(UserError, match="holds args.json, which cloudtrain did not write"):
+        check_users_files(tmp_path / "out")

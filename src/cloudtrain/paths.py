@@ -84,7 +84,8 @@ def check_users_files(output_dir: Path) -> None:
     """The pipeline's refusal of the user's files under names a run writes (output_dir.claim), before the heavy
     imports; where a kill left a sealed save to finish, the pipeline finishes it first and decides then."""
     if not (staging_dir(output_dir) / SEALED).is_file():
-        claim(output_dir)
+        # another node's folder holds its own checkpoints, which only the main process's manifest lists
+        claim(output_dir, ignore=("checkpoints",))
 
 
 def hub_ids(cfg: Config) -> list[HubId]:

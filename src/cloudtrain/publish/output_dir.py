@@ -152,9 +152,9 @@ def replaced_at_end(output_dir: Path, staged: list[str]) -> list[str]:
     )
 
 
-def claim(output_dir: Path) -> None:
-    """Refuse a folder holding the user's files under names a run writes."""
-    mine = users_files(output_dir)
+def claim(output_dir: Path, ignore: tuple[str, ...] = ()) -> None:
+    """Refuse a folder holding the user's files under names a run writes (but `ignore`)."""
+    mine = [name for name in users_files(output_dir) if name not in ignore]
     if mine:
         changed = sorted(edited(output_dir) & set(mine))
         since = f" ({', '.join(changed)} edited since)" if changed else ""
