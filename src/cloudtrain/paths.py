@@ -80,6 +80,14 @@ def check_earlier_model(cfg: Config, output_dir: Path) -> None:
         raise UserError(earlier_model_refusal(output_dir))
 
 
+def model_folders(cfg: Config, default: bool = True) -> list[str]:
+    """The model and tokenizer the run reads (paths or Hub ids); without `default`, the model only when named."""
+    m = cfg.model
+    named = m.model_name_or_path or default
+    models = [resolve_model_path(m)] if named and not m.model_config else []
+    return models + ([resolve_model_path(m, m.tokenizer_name_or_path)] if m.tokenizer_name_or_path else [])
+
+
 def check_users_files(output_dir: Path) -> None:
     """The pipeline's refusal of the user's files under names a run writes (output_dir.claim), before the heavy
     imports; where a kill left a sealed save to finish, the pipeline finishes it first and decides then."""
@@ -124,9 +132,7 @@ def check_local_paths(cfg: Config) -> None:
     if cfg.output.output_dir:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))
-        m = cfg.model  # the folders the run reads (the default model's: the pipeline checks it)
-        models = [resolve_model_path(m)] if m.model_name_or_path and not m.model_config else []
-        models += [resolve_model_path(m, m.tokenizer_name_or_path)] if m.tokenizer_name_or_path else []
+        models = model_folders(cfg, default=False)  # (the default model's: the pipeline checks it)
         check_location(cfg, Path(cfg.output.output_dir), models, cfg.checkpoint.resume_from_checkpoint)
         check_earlier_model(cfg, Path(cfg.output.output_dir))
         check_users_files(Path(cfg.output.output_dir))

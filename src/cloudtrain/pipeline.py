@@ -42,7 +42,7 @@ from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launch_environment_kept, launched_processes
 from cloudtrain.parallel.runtime import Runtime
-from cloudtrain.paths import check_output_folder, resolve_model_path
+from cloudtrain.paths import check_output_folder, model_folders, resolve_model_path
 from cloudtrain.publish import atomic, hub
 from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, earlier_model_refusal, holds_saved_model
@@ -104,9 +104,7 @@ def preflight(cfg: Config, task: Task) -> Path:
     check_trackers(cfg.tracking)
     output_dir = resolve_output_dir(cfg, task)
     check_output_folder(output_dir)
-    model_dirs = [] if cfg.model.model_config else [resolve_model_path(cfg.model)]
-    model_dirs += [resolve_model_path(cfg.model, tokenizer)] if tokenizer else []
-    check_location(cfg, output_dir, model_dirs, cfg.checkpoint.resume_from_checkpoint)
+    check_location(cfg, output_dir, model_folders(cfg), cfg.checkpoint.resume_from_checkpoint)
     return output_dir
 
 

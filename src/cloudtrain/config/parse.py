@@ -117,9 +117,9 @@ def _coerce(name: str, value: Any) -> Any:
 
 
 def _home(value: Any) -> Any:
-    """A path option with ~ expanded as a shell would: the shell does not where the path comes from a config file
-    or follows `=` (`--output_dir=~/run` would make a folder named ~); each of a comma-separated list of sources,
-    and a `datasets:` entry's path."""
+    """A path option with a leading ~ expanded, as the shell does only at a word's start: not in a config file nor
+    after `=` (`--output_dir=~/run` made a folder named ~); each of a comma-separated list of sources, and a
+    `datasets:` entry's path."""
     if isinstance(value, list):
         return [_home(item) for item in value]
     if isinstance(value, dict):

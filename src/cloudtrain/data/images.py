@@ -163,10 +163,15 @@ def load_rgb(source: Any) -> Image.Image:
     if source is None:  # a dataset row without its image: skipped as an unreadable one
         raise ValueError("no image")
     if isinstance(source, Image.Image):
-        return _rgb(ImageOps.exif_transpose(source))
+        return _rgb(_upright(source))
     with Image.open(source) as image:
         image.load()  # decodes it all: a truncated file fails here, not in the middle of training
-        return _rgb(ImageOps.exif_transpose(image))
+        return _rgb(_upright(image))
+
+
+def _upright(image: Image.Image) -> Image.Image:
+    """Turned as its EXIF orientation says; an image without one as it is (no copy on every read)."""
+    return ImageOps.exif_transpose(image) if image.getexif().get(ORIENTATION, 1) != 1 else image
 
 
 def _rgb(image: Image.Image) -> Image.Image:
