@@ -252,7 +252,7 @@ class Split:
         self.ran.append(split)
         return [0]
 
-    def log_evaluation(self, metrics, name, step):
+    def log_evaluation(self, metrics, name, step, scalars=True):
         pass
 
 
