@@ -305,6 +305,7 @@ def test_tokenizers_that_differ_only_in_their_inputs_do_not_share_a_cache(models
     assert process_data(raw, generic, cfg, seed=0).train.column_names == ["input_ids", "attention_mask", "labels"]
 
 
+@pytest.mark.slow  # fresh processes: the full suite runs it
 def test_a_file_datasets_cannot_read_is_said_once(models, tmp_path):
     """datasets logged its own "Failed to read file ... UnicodeDecodeError" line before ours (found in audit)."""
     latin = tmp_path / "latin1.csv"

@@ -549,6 +549,7 @@ def test_a_kill_while_a_resumed_run_cuts_its_log_back_leaves_the_old_log_whole(t
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
 
 
+@pytest.mark.slow  # fresh processes: the full suite runs it
 def test_an_mlflow_run_whose_store_was_emptied_resumes_into_a_new_run(tracker_env):
     """A spot restart into an emptied output folder brings tracker_runs.json back from the checkpoint, naming a run
     its SQLite store no longer has: MLflow's "Run not found" traceback ended the job (found in audit)."""
@@ -561,6 +562,7 @@ def test_an_mlflow_run_whose_store_was_emptied_resumes_into_a_new_run(tracker_en
     assert json.loads((out / "tracker_runs.json").read_text())["mlflow"]["run_id"] != lost
 
 
+@pytest.mark.slow  # fresh processes: the full suite runs it
 def test_a_resume_says_which_offline_w_and_b_parts_are_gone_and_syncs_the_rest(tracker_env):
     """A spot restart into an emptied output folder: the sync command named part one's missing folder, so `wandb
     sync` failed and the loss went unsaid (found in audit)."""
