@@ -90,7 +90,7 @@ class TextToImageTask(Task):
                 f"--aspect_ratio_bucketing makes sides of multiples of {factor * 8} px (8 latent pixels): "
                 f"--resolution {ic.resolution} is below that; use {factor * 8} or more"
             )
-        self._check_validation(cfg)
+        self._check_sharding(cfg)
 
     def resolve_options(self, cfg: Config) -> Config:
         """--validation_steps N is diffusers' name for evaluating (and so rendering) every N steps; a folder
@@ -148,17 +148,18 @@ class TextToImageTask(Task):
         fully fine-tuned pipeline keeps its own in tokenizer/."""
 
     def sharding_refusal(self, cfg: Config, shards: "Sharding") -> str | None:
-        """Validation images render on the main process, which holds the whole denoiser only unsharded; under
-        FSDP2 every process renders the same prompts in step (`evaluation.whole_root`), so each layer gathers its
-        shards as in training. ZeRO-3 has no such path here."""
-        if cfg.images.validation_prompts and shards.zero_stage == 3:
+        """ZeRO-3's set-up sizes its buckets from a transformers model's config, which a diffusers pipeline has not
+        (DeepSpeed stopped at start-up on "Can't find model.config entry"), and validation images would render on
+        the main process from a sharded denoiser; FSDP2 shards the same states and renders in step on every
+        process (`evaluation.whole_root`)."""
+        if shards.zero_stage == 3:
             return (
-                "--validation_prompts renders on the main process, which holds the whole denoiser only without "
-                "ZeRO-3; use DDP, --zero_stage 2 or --fsdp true, or leave out --validation_prompts"
+                "--task text_to_image does not run under ZeRO-3 (--zero_stage 3); use --fsdp true, which shards the "
+                "same states, or --zero_stage 2"
             )
         return None
 
-    def _check_validation(self, cfg: Config) -> None:
+    def _check_sharding(self, cfg: Config) -> None:
         from cloudtrain.parallel.distributed import sharding
 
         refusal = self.sharding_refusal(cfg, sharding(cfg))
