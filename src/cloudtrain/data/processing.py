@@ -109,7 +109,8 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
     if not all(isinstance(v, str) for v in values):  # ids: in numeric order
         return [str(v) for v in values], {value: i for i, value in enumerate(values)}
     names = sorted({v.strip() for v in values})  # "sports " is "sports": a stray space makes no new class
-    return names, {value: names.index(value.strip()) for value in values}
+    ids = {name: i for i, name in enumerate(names)}
+    return names, {value: ids[value.strip()] for value in values}
 
 
 def check_label_kind(train: Dataset, column: str) -> None:

@@ -115,9 +115,9 @@ class ClassificationTask(Task):
         """A checkpoint's head is kept when it has exactly the data's labels (data processing ordered them as the
         head's), else replaced by a new one, said in one line when `announce`; so is the other kind of classifier
         head (a sentence classifier's on a token classification run), whatever its labels."""
-        name = cfg.model.model_name_or_path or resolve_model_path(cfg.model)
         if other := other_classifier(cfg.model, self.head):
             if announce:
+                name = cfg.model.model_name_or_path or resolve_model_path(cfg.model)
                 kind = "token" if self.head == "ForTokenClassification" else "sequence"
                 print(
                     f"replacing the head of {name} ({other}) with a new {len(data.label_names)}-label "
@@ -130,6 +130,7 @@ class ClassificationTask(Task):
         if existing is None or [name.strip() for name in existing] == data.label_names:
             return False
         if announce:
+            name = cfg.model.model_name_or_path or resolve_model_path(cfg.model)
             print(
                 f"replacing the {len(existing)}-label head of {name} with a new "
                 f"{len(data.label_names)}-label head (its labels: {', '.join(existing)})",
