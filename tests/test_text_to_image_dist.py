@@ -101,11 +101,13 @@ def test_sd3_ddp_and_zero2_match_one_process_at_twice_the_batch_and_ddp_resumes_
     assert logged_losses(tmp_path / "two") == losses  # steps 3 and 4 drew the same noise again
 
 
-def test_an_sdxl_lora_with_both_text_encoders_trains_under_zero2_and_renders(squares, tmp_path):
-    """SDXL's extra conditioning (pooled embedding, size ids) through DeepSpeed on 2 processes; the saved LoRA
-    gathers the denoiser's and both text encoders' adapters; the main process renders the validation prompts."""
+def test_an_sdxl_lora_with_both_text_encoders_trains_under_zero2_in_bf16_and_renders(squares, tmp_path):
+    """SDXL's extra conditioning (pooled embedding, size ids) through DeepSpeed's bf16 engine on 2 processes (it
+    casts the model and runs without autocast: a UNet fed fp32 latents stopped on "Float and BFloat16"); the saved
+    LoRA gathers the denoiser's and both text encoders' adapters; the main process renders the validation prompts."""
     model = str(build_tiny_sdxl_pipeline(tmp_path / "tiny-sdxl"))
     extra = ["--zero_stage", "2", "--per_device_train_batch_size", "4", "--train_text_encoder", "true"]
+    extra += ["--mixed_precision", "bf16"]
     extra += ["--validation_prompts", "a red square", "--validation_inference_steps", "2"]
     extra += ["--validation_guidance_scale", "1.0"]
     result = launch(torchrun(2), *t2i_args(model, squares, tmp_path / "xl", *extra))

@@ -354,14 +354,17 @@ class TextToImageModel(torch.nn.Module):
         target = (
             noise if self.prediction_type == "epsilon" else self.noise_scheduler.get_velocity(latents, noise, timesteps)
         )
+        dtype = compute_dtype(self.denoiser)
         added = None
         if self.xl:
             assert pooled is not None and time_ids is not None
-            added = sdxl.added_cond(pooled, time_ids, compute_dtype(self.denoiser))
+            added = sdxl.added_cond(pooled, time_ids, dtype)
+        # in the denoiser's dtype: DeepSpeed's bf16/fp16 engine casts the model and runs without autocast, and
+        # the UNet embeds the timesteps in the dtype of its input
         predicted = self.denoiser(
-            noisy,
+            noisy.to(dtype),
             timesteps,
-            encoder_hidden_states.to(compute_dtype(self.denoiser)),
+            encoder_hidden_states.to(dtype),
             added_cond_kwargs=added,
             return_dict=False,
         )[0]
