@@ -101,20 +101,21 @@ def build_tiny_pipeline(
     return out
 
 
-def square(color: tuple[int, int, int], size: int = 20, seed: int = 0) -> Image.Image:
-    """A flat colour with a little noise: two colours are two concepts a tiny model can tell apart."""
+def square(color: tuple[int, int, int], size: int = 20, seed: int = 0, width: int | None = None) -> Image.Image:
+    """A flat colour with a little noise: two colours are two concepts a tiny model can tell apart. `width`: a
+    wider image, where a random crop has places to choose from."""
     rng = np.random.default_rng(seed)
-    pixels = np.clip(np.array(color, np.int16) + rng.integers(-20, 20, (size, size, 3)), 0, 255)
+    pixels = np.clip(np.array(color, np.int16) + rng.integers(-20, 20, (size, width or size, 3)), 0, 255)
     return Image.fromarray(pixels.astype(np.uint8))
 
 
-def captioned_folder(folder: Path, n: int = 6, size: int = 20) -> Path:
+def captioned_folder(folder: Path, n: int = 6, size: int = 20, width: int | None = None) -> Path:
     """n images, red and blue by turns, captioned in metadata.jsonl (diffusers' imagefolder layout)."""
     folder.mkdir(parents=True, exist_ok=True)
     rows = []
     for i in range(n):
         name, color = ("red", (220, 30, 30)) if i % 2 else ("blue", (30, 30, 220))
-        square(color, size, seed=i).save(folder / f"{i}.png")
+        square(color, size, seed=i, width=width).save(folder / f"{i}.png")
         rows.append({"file_name": f"{i}.png", "text": f"a {name} square"})
     (folder / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     return folder

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from PIL import Image
 from t2i_fixtures import PROMPT, build_tiny_pipeline, captioned_folder, options, plain_folder, square
 
 from cloudtrain import train
@@ -170,7 +171,7 @@ def test_a_row_repeated_within_a_step_draws_afresh_at_any_process_count(tiny_sd,
     task = TextToImageTask(cfg)
     data = task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
     sampler = data.train.epoch_sampler(seed=0, step_rows=8)  # type: ignore[attr-defined]
-    order = list(sampler)
+    order = [i % (3 * 8) for i in sampler]  # above rows x step: the place in the run (keys the random crop)
     assert len(order) == 8 and sorted(i // 3 for i in order) == [0, 0, 0, 1, 1, 1, 2, 2]  # 1st, 2nd, 3rd times
     for row in range(3):  # each row's occurrences numbered 0, 1, ... in the step
         marks = [i // 3 for i in order if i % 3 == row]
@@ -185,6 +186,38 @@ def test_a_row_repeated_within_a_step_draws_afresh_at_any_process_count(tiny_sd,
         assert torch.equal(value, torch.cat([half[key] for half in halves])), key
     unmarked = row_draws(model, data.collator([data.train[i % 3] for i in order]), seed=0, step=0)
     assert torch.equal(unmarked["noise"][first], unmarked["noise"][7])  # what the repeats drew before the fix
+
+
+def test_a_random_crop_follows_the_rows_place_in_the_run_not_who_reads_it(tiny_sd, tmp_path):
+    """A random crop keyed by --seed and the row's place in the run (epoch, position, repetition): the same in a
+    loader worker as in the main process, whatever the global generator's state (a resume, a prefetch), and new
+    at each place: the crops a resumed or multi-process run reads are the uninterrupted run's."""
+    from torch.utils.data import DataLoader
+
+    folder = captioned_folder(tmp_path / "wide", n=4)
+    for i in range(4):  # 64 x 16 noise: a 16 px crop has 49 places
+        Image.fromarray(np.random.default_rng(i).integers(0, 255, (16, 64, 3), np.uint8)).save(folder / f"{i}.png")
+    cfg = config(tiny_sd, tmp_path / "out", train_data_dir=str(folder))
+    task = TextToImageTask(cfg)
+    data = task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+    sampler = data.train.epoch_sampler(seed=0, step_rows=4)  # type: ignore[attr-defined]
+
+    def crops(epoch: int, workers: int) -> dict[int, torch.Tensor]:
+        sampler.set_epoch(epoch)
+        loader = DataLoader(data.train, batch_size=2, sampler=sampler, collate_fn=data.collator, num_workers=workers)
+        return {int(r): p for b in loader for r, p in zip(b["row"], b["pixel_values"], strict=True)}
+
+    torch.manual_seed(1)
+    first = crops(0, 0)
+    torch.manual_seed(2)
+    in_workers = crops(0, 2)
+    assert sorted(first) == [0, 1, 2, 3] and all(torch.equal(first[r], in_workers[r]) for r in first)
+    again = crops(1, 0)
+    assert sum(not torch.equal(first[r], again[r]) for r in first) >= 2  # a new epoch crops afresh
+    centred = config(tiny_sd, tmp_path / "out", train_data_dir=str(folder), center_crop=True)
+    fixed = TextToImageTask(centred).process(None, task.load_tokenizer(centred), centred)  # type: ignore[arg-type]
+    fixed.train.epoch_sampler(seed=0, step_rows=4)  # type: ignore[attr-defined]
+    assert torch.equal(fixed.train[0]["pixel_values"], fixed.train[4 * 4 * 3]["pixel_values"])
 
 
 # ---------------------------------------------------------------- options and data sources
@@ -347,7 +380,6 @@ def test_images_smaller_than_the_resolution_are_refused(tiny_sd, tmp_path):
 def test_images_are_read_upright_and_16_bit_grey_keeps_its_tones(tmp_path):
     """A phone photo (EXIF orientation 6) trained on its side, and its bucket took the sideways size; a 16-bit grey
     ramp became white (PIL clips it at 255); a dataset row without its image was an AttributeError (audit)."""
-    from PIL import Image
 
     upright = np.zeros((64, 32, 3), np.uint8)  # 32 wide, 64 tall: red over blue
     upright[:32, :, 0], upright[32:, :, 2] = 255, 255

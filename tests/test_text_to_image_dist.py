@@ -57,16 +57,17 @@ def evaluations(out: Path) -> list[dict]:
 
 
 def test_sd3_ddp_and_zero2_match_one_process_at_twice_the_batch_and_ddp_resumes_exactly(squares, tmp_path):
-    # every draw in play: a flip, empty captions, SD3's logit-normal timesteps (a random crop would come from each
-    # process's generator: center_crop keeps the rows alike); 6 images in steps of 8 rows: each step repeats 2
-    # rows, which draw afresh (text_to_image.row_draws) and alike on both process counts
+    # every draw in play: a random crop (keyed by the row's place in the run, the one process reading through a
+    # loader worker), a flip, empty captions, SD3's logit-normal timesteps; 6 images in steps of 8 rows: each
+    # step repeats 2 rows, which draw afresh (text_to_image.row_draws) and alike on both process counts
     model = str(build_tiny_sd3_pipeline(tmp_path / "tiny-sd3"))
-    common = ["--random_flip", "true", "--proportion_empty_prompts", "0.3"]
+    squares = str(captioned_folder(tmp_path / "wide", n=8, size=16, width=32))  # 17 places for each crop
+    common = ["--random_flip", "true", "--proportion_empty_prompts", "0.3", "--center_crop", "false"]
     common += ["--max_train_samples", "6", "--max_sequence_length", "12", "--per_device_train_batch_size"]
     two_args = t2i_args(model, squares, tmp_path / "two", *common, "4", "--checkpointing_steps", "2")
     runs = {"two": two_args, "z2": t2i_args(model, squares, tmp_path / "z2", *common, "4", "--zero_stage", "2")}
     outputs = in_one_launch(torchrun(2), runs, tmp_path)  # DDP, then ZeRO-2 in the same 2 processes
-    launch(ONE_PROCESS, *t2i_args(model, squares, tmp_path / "one", *common, "8"))
+    launch(ONE_PROCESS, *t2i_args(model, squares, tmp_path / "one", *common, "8", "--dataloader_num_workers", "1"))
     assert "2 process(es) on cpu" in outputs["two"] and "flow_matching loss" in outputs["two"]
     assert "ZeRO-2" in outputs["z2"]
     ddp, single = evaluations(tmp_path / "two"), evaluations(tmp_path / "one")

@@ -217,8 +217,8 @@ def cropped_pixels(
 
 
 class ImageRows(torch.utils.data.Dataset):
-    """Training or evaluation rows: each image prepared when read (a random crop drawn from the global generator,
-    which checkpoints restore), its caption's tokens, its number, and a class image for prior preservation."""
+    """Training or evaluation rows: each image prepared when read (a random crop keyed by the row's place in the
+    run, `crop_seed`), its caption's tokens, its number, and a class image for prior preservation."""
 
     def __init__(
         self,
@@ -237,6 +237,8 @@ class ImageRows(torch.utils.data.Dataset):
         self.size_ids = size_ids  # SDXL: each row's original size and crop (cloudtrain.models.sdxl.time_ids)
         self.class_examples = class_examples or []
         self.cached: list[dict] | None = None  # filled by cache(): latents and text embeddings per row
+        # set by epoch_sampler: the seed, and how many indices one place in the run spans (RepeatMarked)
+        self.seed, self.span = 0, 0
 
     def fingerprint(self) -> str:
         """The rows without reading an image: files (or sizes), captions, and the options that shape them."""
@@ -251,7 +253,9 @@ class ImageRows(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict:
         # `index` past the rows: a repetition of row index % rows within one step (`RepeatMarked`), which draws
-        # its own noise (its `repeat` count keys text_to_image.row_draws with the row's number)
+        # its own noise (its `repeat` count keys text_to_image.row_draws with the row's number); above `span`,
+        # the row's place in the run, which keys its random crop
+        place, index = divmod(index, self.span) if self.span else (0, index)
         index, repeat = index % len(self), index // len(self)
         if self.cached is not None:
             row = dict(self.cached[index])
@@ -259,23 +263,32 @@ class ImageRows(torch.utils.data.Dataset):
             # each row's draws (noise, timestep, flip, ...) come from its number (text_to_image.row_draws); a class
             # row's number follows every instance row's
             size = self.buckets[self.row_buckets[index % len(self.examples)]] if self.buckets else None
-            row = {**self.prepare(self.examples[index % len(self.examples)], size), "row": index}
+            crop = self._crop_generator(place, index, repeat)
+            row = {**self.prepare(self.examples[index % len(self.examples)], size, crop), "row": index}
             if self.class_examples:
-                prior = self.prepare(self.class_examples[index % len(self.class_examples)])
+                crop = self._crop_generator(place, index + len(self), repeat)
+                prior = self.prepare(self.class_examples[index % len(self.class_examples)], rng=crop)
                 row.update({f"class_{k}": v for k, v in {**prior, "row": index + len(self)}.items()})
         row["repeat"] = repeat
         if "class_row" in row:
             row["class_repeat"] = repeat
         return row
 
-    def prepare(self, example: Example, size: tuple[int, int] | None = None) -> dict:
+    def _crop_generator(self, place: int, number: int, repeat: int) -> torch.Generator | None:
+        if self.cfg.center_crop or not self.train:
+            return None
+        return torch.Generator().manual_seed(crop_seed(self.seed, place, number, repeat))
+
+    def prepare(
+        self, example: Example, size: tuple[int, int] | None = None, rng: torch.Generator | None = None
+    ) -> dict:
         """Pixels and tokens, unflipped: the flip is drawn with the row's other draws. A random crop comes from
-        the global generator (checkpoints restore it). SDXL rows add their `time_ids`: the crop's corner is the
-        unflipped image's (a flip drawn later does not move it)."""
+        `rng`. SDXL rows add their `time_ids`: the crop's corner is the unflipped image's (a flip drawn later does
+        not move it)."""
         center = self.cfg.center_crop or not self.train  # evaluation rows are the same every time
         image = load_rgb(example.image)
         target = size or (self.cfg.resolution, self.cfg.resolution)
-        pixels, corner = cropped_pixels(image, target, center, False)
+        pixels, corner = cropped_pixels(image, target, center, False, rng)
         row = {"pixel_values": pixels, **self.tokens(example.caption)}
         if self.size_ids:
             from cloudtrain.models.sdxl import time_ids
@@ -289,6 +302,7 @@ class ImageRows(torch.utils.data.Dataset):
         repeated within a step marked (`RepeatMarked`)."""
         from cloudtrain.data.processing import EpochShuffleSampler
 
+        self.seed, self.span = seed, len(self) * step_rows
         if not self.buckets:
             return RepeatMarked(EpochShuffleSampler(len(self), seed, step_rows), step_rows, len(self))
         from cloudtrain.data.image_buckets import BucketSampler
@@ -303,16 +317,28 @@ class RepeatMarked(torch.utils.data.Sampler):
     the same noise and timestep, adding the very same gradient again instead of another sample."""
 
     def __init__(self, inner: torch.utils.data.Sampler, step_rows: int, rows: int):
-        self.inner, self.step_rows, self.rows = inner, step_rows, rows
+        self.inner, self.step_rows, self.rows, self.epoch = inner, step_rows, rows, 0
 
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         self.inner.set_epoch(epoch)  # type: ignore[attr-defined]
 
     def __len__(self) -> int:
         return len(self.inner)  # type: ignore[arg-type]
 
     def __iter__(self):
-        return iter(mark_repeats(list(self.inner), self.step_rows, self.rows))
+        # each index also carries its place in the run (epoch and position, in multiples of rows * step_rows):
+        # the row's random crop is keyed by it, so it does not depend on which process, loader worker or
+        # prefetch reads the row, and a resumed run crops as the uninterrupted one did
+        marked = mark_repeats(list(self.inner), self.step_rows, self.rows)
+        span, first = self.rows * self.step_rows, self.epoch * len(marked)
+        return iter(index + span * (first + position) for position, index in enumerate(marked))
+
+
+def crop_seed(seed: int, place: int, number: int, repeat: int) -> int:
+    """The seed of a training row's random crop: --seed, its place in the run, its number and repetition."""
+    keyed = ((seed * 1_000_003 + number) * 2_654_435_761 + (place + 1) * 40_503 + 0x5DEECE66D) % (2**63)
+    return (keyed + repeat * 0x9E3779B97F4A7C15) % (2**63)
 
 
 def mark_repeats(order: list[int], step_rows: int, rows: int) -> list[int]:
