@@ -3,7 +3,8 @@
     python -m torch.distributed.run --nproc_per_node 2 tests/dist_zero3.py OPTIONS_JSON RESULT_JSON
 
 Reports the AdamW parameter groups (sizes by their real, unpartitioned shapes) and the gathered full
-state dict, so the test can check weight decay grouping and head replacement under zero.Init.
+state dict, so the test can check weight decay grouping and head replacement under zero.Init, and saves the
+model as a run does (`saved/`).
 """
 
 import json
@@ -31,6 +32,7 @@ def main(options_file: str, result_dir: str) -> None:
     ]
     trainer.setup()
     state = accelerator.get_state_dict(trainer.model)  # every rank: gathers the partitions
+    trainer.save_model(Path(result_dir) / "saved")  # every rank too: the model as a run saves it
     if accelerator.is_main_process:
         save_file({k: v.contiguous() for k, v in state.items()}, str(Path(result_dir) / "gathered.safetensors"))
         (Path(result_dir) / "result.json").write_text(json.dumps({"groups": groups, "labels": data.label_names}))

@@ -85,6 +85,9 @@ def test_zero3_groups_weight_decay_by_real_shape_and_replaces_a_head(tiny_model_
     assert gathered["classifier.weight"].std() > 0 and torch.all(gathered["classifier.bias"] == 0)
     body = [name for name in saved if not name.startswith("classifier")]
     assert all(torch.equal(saved[name], gathered[name]) for name in body if name in gathered)
+    # saved under the checkpoint's own names: transformers' ZeRO-3 load recorded BERT's legacy renaming and the
+    # save reverted it, writing every LayerNorm as gamma/beta (found in audit)
+    assert set(load_file(tmp_path / "saved" / "model.safetensors")) == set(saved)
 
 
 @pytest.mark.parametrize("precision", ["no", "bf16"])

@@ -274,6 +274,7 @@ def load_model(
         raise UserError(f"{task.load_error} from {source}: {first_line(err)}") from None
     finally:
         transformers.logging.set_verbosity(verbosity)
+    keep_used_conversions(model)
     if announce and m.model_config:
         params = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
         print(
@@ -283,6 +284,15 @@ def load_model(
         )
     task.fit_model(model, tokenizer, cfg, announce)
     return model
+
+
+def keep_used_conversions(model: PreTrainedModel) -> None:
+    """Only the key renamings the checkpoint's names needed. transformers' ZeRO-3 load path records every one it
+    knows for the class, used or not, and saving reverts them all: a BERT trained under ZeRO-3 was saved with
+    its LayerNorms under the legacy names `gamma`/`beta`, which readers of safetensors files do not know."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions if c.was_used()]
 
 
 def concrete_class(
