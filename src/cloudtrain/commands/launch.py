@@ -19,7 +19,8 @@ from pathlib import Path
 import psutil
 
 from cloudtrain.config import add_config_arguments, config_from_namespace
-from cloudtrain.errors import ERROR_DIR, UserError, first_line, recorded_errors
+from cloudtrain.config.checks import process_count_refusals
+from cloudtrain.errors import ERROR_DIR, UserError, first_line, recorded_errors, refuse_first
 from cloudtrain.invocation import launch_target
 from cloudtrain.paths import check_local_paths
 
@@ -112,9 +113,11 @@ def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     status: 0, or the failed process's (2 for a user's mistake, 128 + the signal for a killed one)."""
     args = parser.parse_args(argv)  # types and choices of every option
     check_options(args)
-    check_local_paths(config_from_namespace(args))  # what `train` checks before it imports anything heavy
+    cfg = config_from_namespace(args)
+    check_local_paths(cfg)  # what `train` checks before it imports anything heavy
     training = training_argv(argv)
     args.nproc_per_node = args.nproc_per_node or _visible_gpus() or 1
+    refuse_first(process_count_refusals(cfg, args.nproc_per_node * args.nnodes, "cloudtrain launch"))
     if "--shutdown_timeout" not in torchrun_options():
         print(
             "note: this torch's launcher gives the processes its own 30 s, not --stop_timeout, to save a checkpoint "

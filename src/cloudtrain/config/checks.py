@@ -76,3 +76,21 @@ def check_best_model_schedule(cfg: Config) -> None:
         f"but the run evaluates {evaluates[t.eval_strategy]} and checkpoints {checkpoints}; set --checkpointing_steps "
         f"{fix}"
     )
+
+
+def process_count_refusals(cfg: Config, processes: int, launcher: str) -> list[tuple[bool, str]]:
+    """The parallel sizes against a launch's process count: `cloudtrain launch` knows the count before any process
+    starts (each would import torch before saying so); `launcher`, the command the remedy names."""
+    d = cfg.distributed
+    sizes = [("--tensor_parallel_size", d.tensor_parallel_size), ("--context_parallel_size", d.context_parallel_size)]
+    if cfg.training.training_type == "pipeline":
+        sizes.append(("--training_type pipeline with --pipeline_parallel_size", d.pipeline_parallel_size))
+    return [
+        (
+            processes % size != 0,
+            f"{flag} {size} needs a multiple of {size} processes, and this launch has {processes}: launch with "
+            f"{launcher} --nproc_per_node {size} (or {2 * size}, ...)",
+        )
+        for flag, size in sizes
+        if size > 1
+    ]
