@@ -324,8 +324,13 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
         ]
         * 4,
     )
+    empty = data("empty", [{"prompt": "Q?", "chosen": " ", "rejected": "No."}] * 4)  # it would teach stopping
+    # one text begins the other: the shorter answer ("Yes") would become part of the prompt, its side empty
+    prefix = data("prefix", [{"chosen": "Is the king old? Yes", "rejected": "Is the king old? Yes, very."}] * 4)
     base = {"model_name_or_path": tiny_llama_dir, "output_dir": str(out), "task": "dpo", "report_to": "none"}
     cases = {
+        "an empty chosen answer": ({**base, "train_file": empty}, "train pair 0: its 'chosen' answer is empty"),
+        "one text begins the other": ({**base, "train_file": prefix}, "the prompt cannot be told from the answers"),
         "missing column": (
             {**base, "train_file": pairs_file, "rejected_column": "worse"},
             "column 'worse' is not in the train data",

@@ -65,6 +65,8 @@ def to_pair(row: dict, columns: PairColumns) -> tuple[list[dict], list[dict], li
         value = row[columns.prompt]
         prompt = [{"role": "user", "content": value}] if isinstance(value, str) else conversation(value, columns.prompt)
     answers = [_answer(value, column) for value, column in ((chosen, columns.chosen), (rejected, columns.rejected))]
+    if not any(str(m.get("content") or "").strip() for m in answers[0]):  # it would teach stopping at once
+        raise ValueError(f"its {columns.chosen!r} answer is empty; remove the pair or give its chosen answer")
     if answers[0] == answers[1]:
         raise ValueError("its chosen and rejected answers are equal, so there is no preference to learn")
     return prompt, answers[0], answers[1]
@@ -80,6 +82,12 @@ def _implicit(chosen, rejected, columns: PairColumns) -> tuple[list[dict], list 
             raise ValueError(
                 "its chosen and rejected texts share no prefix, so no prompt can be found (no prompt column); "
                 "add a prompt column or pass --prompt_column"
+            )
+        if k == min(len(chosen), len(rejected)) and chosen != rejected:
+            # the shorter answer would become part of the prompt, its side left empty
+            raise ValueError(
+                "one of its chosen and rejected texts begins the other, so the prompt cannot be told from the "
+                "answers (no prompt column); add a prompt column or pass --prompt_column"
             )
         return [{"role": "user", "content": chosen[:k]}], chosen[k:], rejected[k:]
     chosen, rejected = conversation(chosen, columns.chosen), conversation(rejected, columns.rejected)

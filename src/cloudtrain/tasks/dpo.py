@@ -243,7 +243,7 @@ class DPOTask(SFTTask):
 
         key = cache_key(
             ds, self.tokenizer, *columns.names, columns.prompt, self.tokenizer.chat_template,
-            self.tokenizer.special_tokens_map, "pairs-v2",  # v2: every message of an answer is a target
+            self.tokenizer.special_tokens_map, "pairs-v3",  # v3: empty chosen answers refused
         )  # fmt: skip
         return cached_map(
             ds, encode, PAIR_FEATURES, cfg, f"pairs-{split}", key, f"Tokenizing {split} pairs", with_indices=True

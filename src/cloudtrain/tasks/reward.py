@@ -167,7 +167,7 @@ class RewardTask(Task):
             return out
 
         template = tokenizer.chat_template if chat else None
-        key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v1")
+        key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v2")
         desc = f"Tokenizing {split} pairs"
         encoded = cached_map(ds, encode, REWARD_FEATURES, cfg.data, f"reward-{split}", key, desc, with_indices=True)
         self.report[split] = {"pairs": len(ds), "dropped": len(ds) - len(encoded)}
