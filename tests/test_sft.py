@@ -233,10 +233,13 @@ def test_overfit_then_generate_answers_exactly_and_stops(tiny_llama_dir, chats_f
             num_sample_prompts=4,
             sample_max_new_tokens=20,
             eval_strategy="no",
+            test_file=chats_file,
         )
     )
     results = run_training(cfg)
     assert results["eval"]["exact_match"] == 1.0, results["eval"]["generations"]
+    # the sample answers are the validation prompts': the test results had them too, as the test's exact_match
+    assert "loss" in results["test"] and not {"exact_match", "generations"} & set(results["test"])
     printed = capsys.readouterr().out
     assert "grew the embeddings from" in printed and "<|im_start|>, <|im_end|>" in printed
     assert "exact_match 1.000 (4 answers)" in printed

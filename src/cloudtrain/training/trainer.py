@@ -10,7 +10,7 @@ import json
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -614,11 +614,13 @@ class Trainer:
 
     def evaluate(self, split: str, stop: Callable[[], bool] | None = None) -> dict:
         """The task's metrics of the current weights on one split, counted over every example exactly once (or
-        over fewer, and meaningless, once `stop` says so: PreemptionSignal.cut_short)."""
+        over fewer, and meaningless, once `stop` says so: PreemptionSignal.cut_short). The sample answers (and
+        their exact_match) come from validation prompts: they belong to the validation split's results only."""
+        data = self.data if split == "validation" else replace(self.data, prompts=[], references=[])
         return self.task.evaluate(
             self.model,
             self._batches(self.eval_dls[split], f"evaluation of {split}", stop),
-            self.data,
+            data,
             gather=self.runtime.gather,
             move=self.move,
             autocast=self.autocast,
