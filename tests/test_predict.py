@@ -313,3 +313,41 @@ def test_an_adapter_is_truncated_at_the_length_it_was_trained_with(runs, tmp_pat
     assert code == 0 and notes(err) == [TRAINED_NOTE.format(1, 2, "texts")]
     code, _, err = run_main(capsys, "--model_dir", str(out), "--text", LONG, "--max_length", "8")
     assert code == 0 and notes(err) == []
+
+
+def test_a_left_padding_tokenizer_gives_the_same_predictions_at_any_batch_size(tiny_gpt2_dir, tmp_path):
+    """GPT-2 learns absolute positions: a left-padded row was read at shifted positions, so a decoder classifier
+    whose tokenizer pads on the left (every SFT output's did) predicted other labels at --batch_size 1 (audit).
+    Training's collator and predict pad on the right whatever the tokenizer's side."""
+    from transformers import GPT2ForSequenceClassification
+
+    from cloudtrain.data.processing import RightPadded
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    tokenizer.pad_token, tokenizer.padding_side = tokenizer.eos_token, "left"
+    torch.manual_seed(0)
+    model = GPT2ForSequenceClassification.from_pretrained(tiny_gpt2_dir, num_labels=3)
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(tmp_path / "cls")
+    tokenizer(["a", "a b"], padding=True)  # saved as the SFT outputs were: the fast backend padding on the left
+    tokenizer.save_pretrained(tmp_path / "cls")
+    assert AutoTokenizer.from_pretrained(tmp_path / "cls").padding_side == "left"
+    texts = ["once upon a time there was a king", "the wolf", "a golden key in the snow, and a box"]
+    batched, alone = predict(str(tmp_path / "cls"), texts, batch_size=3), predict(str(tmp_path / "cls"), texts, 1)
+    assert [r["score"] for r in batched] == pytest.approx([r["score"] for r in alone], abs=1e-5)
+    batch = RightPadded(tokenizer)([{"input_ids": [5, 6, 7], "label": 1}, {"input_ids": [5], "label": 0}])
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and batch["labels"].tolist() == [1, 0]
+
+
+def test_a_saved_tokenizer_keeps_its_side_after_a_left_padded_generation(tiny_gpt2_dir, tmp_path):
+    """Batched generation pads on the left; transformers then saved the backend's left padding into
+    tokenizer.json and read it back as the tokenizer's side: every SFT output's tokenizer padded on the left."""
+    from cloudtrain.generate import _batch_ids
+    from cloudtrain.models.load import save_tokenizer_files
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    tokenizer.pad_token = tokenizer.eos_token
+    ids, _ = _batch_ids(tokenizer, ["the wolf", "once upon a time"], add_special_tokens=False)
+    assert ids[0, 0] == tokenizer.pad_token_id  # left-padded for generation
+    save_tokenizer_files(tokenizer, tmp_path / "tok")
+    assert AutoTokenizer.from_pretrained(tmp_path / "tok").padding_side == "right"

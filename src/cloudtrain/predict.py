@@ -134,8 +134,9 @@ def predict(
             answerless += [len(results) + b for b in lost]
         else:  # as training encodes (cloudtrain.data.processing, the reward task): truncation longest first
             encoded = tokenizer(
-                chunk, second, truncation="longest_first", max_length=limit, padding=True, return_tensors="pt"
-            )
+                chunk, second, truncation="longest_first", max_length=limit, padding=True, padding_side="right",
+                return_tensors="pt",
+            )  # fmt: skip
             truncated += count_truncated(encoded)
         inputs = {name: encoded[name] for name in names if name in encoded}
         logits = model(**inputs).logits.float()
@@ -311,8 +312,9 @@ def tag_words(model, tokenizer, texts: list, batch_size: int, limit: int, inputs
         chunk, spans = zip(*(_word_spans(text) for text in texts[i : i + batch_size]), strict=True)
         words = [[text[a:b] for a, b in row] for text, row in zip(chunk, spans, strict=True)]
         encoded = tokenizer(
-            words, is_split_into_words=True, truncation=True, max_length=limit, padding=True, return_tensors="pt"
-        )
+            words, is_split_into_words=True, truncation=True, max_length=limit, padding=True, padding_side="right",
+            return_tensors="pt",
+        )  # fmt: skip
         truncated += count_truncated(encoded)
         probs, best = model(**{n: encoded[n] for n in inputs if n in encoded}).logits.float().softmax(-1).max(-1)
         for row, (text, offsets) in enumerate(zip(chunk, spans, strict=True)):

@@ -18,11 +18,18 @@ from typing import Any
 import datasets
 import numpy as np
 from datasets import Dataset, DatasetDict
-from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from cloudtrain.answers import Window
 from cloudtrain.config import DataConfig
-from cloudtrain.data.processing import LabelScheme, ProcessedData, cached_map, choose_rows, split_cache_key
+from cloudtrain.data.processing import (
+    LabelScheme,
+    ProcessedData,
+    RightPadded,
+    cached_map,
+    choose_rows,
+    split_cache_key,
+)
 from cloudtrain.errors import UserError
 
 SQUAD_COLUMNS = {"text_column": "question", "text_pair_column": "context", "label_column": "answers"}
@@ -62,7 +69,7 @@ def process_answer_spans(
         train=splits["train"],
         validation=splits["validation"],
         test=splits.get("test"),
-        collator=DataCollatorWithPadding(tokenizer),
+        collator=RightPadded(tokenizer),
         unlabelled=predicted,
         unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
         extras=extras,

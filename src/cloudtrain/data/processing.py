@@ -38,6 +38,7 @@ import torch
 from datasets import ClassLabel, Dataset, DatasetDict
 from torch.utils.data import DataLoader, Sampler
 from transformers import DataCollatorWithPadding, PreTrainedTokenizerBase
+from transformers.data.data_collator import pad_without_fast_tokenizer_warning
 
 from cloudtrain.config import DataConfig
 from cloudtrain.errors import UserError
@@ -59,6 +60,26 @@ class ProcessedData:
     unlabelled_texts: dict[str, list] = field(default_factory=dict)  # token classification: each row's words
     unlabelled_pairs: dict[str, list] = field(default_factory=dict)  # sentence pairs: each row's second text
     extras: dict[str, Any] = field(default_factory=dict)  # what a task keeps beside the rows (answer windows)
+
+
+class RightPadded(DataCollatorWithPadding):
+    """transformers' padding collator, padding on the right whatever the tokenizer's side: a model of absolute
+    positions (GPT-2) read a left-padded row at shifted positions, so its results depended on the batch."""
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = pad_without_fast_tokenizer_warning(
+            self.tokenizer,
+            features,
+            padding=self.padding,
+            max_length=self.max_length,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            padding_side="right",
+            return_tensors=self.return_tensors,
+        )
+        for name in ("label", "label_ids"):  # the names the model's forward takes, as the parent class renames
+            if name in batch:
+                batch["labels"] = batch.pop(name)
+        return batch
 
 
 def default_cache_dir() -> Path:
@@ -249,7 +270,7 @@ def process_data(
         train=splits["train"],
         validation=splits["validation"],
         test=splits.get("test"),
-        collator=DataCollatorWithPadding(tokenizer),
+        collator=RightPadded(tokenizer),
         label_names=scheme.names,
         unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
         unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},

@@ -337,7 +337,9 @@ def _write_merged(merged, tokenizer, folder: Path, partial: Path) -> None:
     shutil.rmtree(partial, ignore_errors=True)
     try:
         merged.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+        from cloudtrain.models.load import save_tokenizer_files  # load imports this module
+
+        save_tokenizer_files(tokenizer, partial)
         if (folder / "args.json").is_file():  # predict and generate read how the model was trained (length, pairs)
             shutil.copyfile(folder / "args.json", partial / "args.json")
     except BaseException as err:

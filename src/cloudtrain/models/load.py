@@ -286,6 +286,16 @@ def load_model(
     return model
 
 
+def save_tokenizer_files(tokenizer: transformers.PreTrainedTokenizerBase, folder: Path | str) -> None:
+    """`tokenizer.save_pretrained(folder)`, padding on the side its config says: a call that padded on the left
+    (batched generation) leaves the fast backend padding left, which transformers writes into tokenizer.json and
+    reads back as the tokenizer's side (every SFT output's tokenizer came back padding on the left)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None and backend.padding is not None:
+        backend.no_padding()
+    tokenizer.save_pretrained(folder)
+
+
 def keep_used_conversions(model: PreTrainedModel) -> None:
     """Only the key renamings the checkpoint's names needed. transformers' ZeRO-3 load path records every one it
     knows for the class, used or not, and saving reverts them all: a BERT trained under ZeRO-3 was saved with

@@ -151,7 +151,9 @@ class Task:
 
     def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
         """The tokenizer beside the saved model (a task whose model folder holds its own may skip it)."""
-        tokenizer.save_pretrained(folder)
+        from cloudtrain.models.load import save_tokenizer_files  # models.load names tasks in its types
+
+        save_tokenizer_files(tokenizer, folder)
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         """{flag: (column, needed in every split)}; a column needed in train only may be absent elsewhere."""
