@@ -491,7 +491,9 @@ def test_overwriting_a_full_model_with_an_adapter_leaves_no_old_weights_beside_i
     }
     run_training(build_config(options))
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
-    run_training(build_config({**options, "peft": "lora", "overwrite_output_dir": True, "merge_adapters": True}))
+    # a LoRA on the word embeddings too: merging it stopped on the wrapped layer's missing num_embeddings (audit)
+    lora = {"peft": "lora", "lora_target_modules": "query,word_embeddings"}
+    run_training(build_config({**options, **lora, "overwrite_output_dir": True, "merge_adapters": True}))
     assert (out / "adapter_model.safetensors").is_file() and (out / "merged" / "model.safetensors").is_file()
     assert (out / "merged" / "args.json").read_bytes() == (out / "args.json").read_bytes()  # predict's max_length
     (tmp_path / "new").touch()
@@ -565,3 +567,24 @@ def test_bitsandbytes_cpu_kernel_warning_stays_off_stderr(caplog):
         logging.getLogger("bitsandbytes.backends.cpu.ops").warning("Failed to load CPU gemm_4bit_forward")
         logging.getLogger("bitsandbytes.other").warning("a warning of another bitsandbytes module")
     assert [r.getMessage() for r in caplog.records] == ["a warning of another bitsandbytes module"]
+
+
+def test_a_merge_that_fails_leaves_the_trained_adapter_published(
+    tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch
+):
+    """An unforeseen error in --merge_adapters (one was a LoRA on the embeddings) stopped the run after training,
+    its adapter left in the hidden staging folder: the adapter is published and the warning says how to merge."""
+    from cloudtrain.models import adapters
+
+    def broken(*args, **kwargs):
+        raise AttributeError("'Embedding' object has no attribute 'num_embeddings'")
+
+    monkeypatch.setattr(adapters, "merge", broken)
+    out = tmp_path / "out"
+    options = {"model_name_or_path": tiny_model_dir, "train_file": str(topic_csvs["train"]), "max_steps": 1}
+    options |= {"output_dir": str(out), "training_type": "basic", "eval_strategy": "no", "peft": "lora"}
+    run_training(build_config({**options, "merge_adapters": True}))
+    assert (out / "adapter_model.safetensors").is_file() and not (out / "merged").exists()
+    printed = capsys.readouterr().out
+    assert "warning: merging failed: AttributeError: 'Embedding' object" in printed
+    assert "the adapter is saved (`cloudtrain merge` merges it)" in printed

@@ -33,7 +33,7 @@ from cloudtrain.config import Config
 from cloudtrain.data.fingerprint import data_record, other_data_note
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
 from cloudtrain.data.sources import pin_sources
-from cloudtrain.errors import TrainingStopped, UserError
+from cloudtrain.errors import TrainingStopped, UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
@@ -415,8 +415,9 @@ def save_final(run: Run, results: dict, predictions: dict) -> None:
         if cfg.output.merge_adapters:
             try:
                 adapters.merge(staging, lands_in=output_dir)
-            except UserError as err:  # the adapter is saved and pushed all the same; `merge` can be run again
-                print(f"warning: {err}", flush=True)
+            except Exception as err:  # the adapter is saved and pushed all the same; `merge` can be run again
+                why = str(err) if isinstance(err, UserError) else f"merging failed: {type(err).__name__}: {err}"
+                print(f"warning: {first_line(why)}; the adapter is saved (`cloudtrain merge` merges it)", flush=True)
         staged = sorted(p.name for p in staging.iterdir())
         # before the seal: a recovered publish is the run's too; a card's digest is the staged one's
         output_dir_module.record(output_dir, staged, source=staging)

@@ -354,7 +354,9 @@ def _write_merged(merged, tokenizer, folder: Path, partial: Path) -> None:
 
 def probe_batch(model, tokenizer, rows: int = 2, length: int = 16) -> dict:
     """Token ids drawn from a fixed seed: the same batch for the adapter and the merged model."""
-    vocab = min(len(tokenizer), model.get_input_embeddings().num_embeddings)
+    embeddings = model.get_input_embeddings()
+    embeddings = getattr(embeddings, "base_layer", embeddings)  # a LoRA on the embeddings wraps the layer
+    vocab = min(len(tokenizer), embeddings.num_embeddings)
     ids = torch.randint(0, vocab, (rows, length), generator=torch.Generator().manual_seed(0)).to(model.device)
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
     if model.config.is_encoder_decoder:  # its decoder reads the same ids
