@@ -580,3 +580,16 @@ def test_a_config_files_datasets_list_gives_each_source_its_weight_and_columns(t
     )
     specs = resolve_sources(resolve_options(str(config), {}).data)
     assert [(s.format, s.weight, s.columns) for s in specs] == [("jsonl", 0.25, {"text": "body"}), ("txt", 0.75, {})]
+
+
+def test_a_stream_of_empty_texts_is_one_line_not_an_endless_loop(tiny_llama_dir, tmp_path):
+    """Every text empty: each buffer gave no rows and the restarting source was read again for ever, at full CPU
+    and deaf to SIGTERM (found in audit). Once every source has gone a whole pass without a row, one line."""
+    from cloudtrain import train
+
+    empty = write_jsonl(tmp_path / "empty.jsonl", [""] * 20)
+    held_out = write_jsonl(tmp_path / "held-out.jsonl", numbered(3, "held-out"))
+    args = stream_run_args(tiny_llama_dir, str(empty), tmp_path / "run", "--max_steps", "2")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    with pytest.raises(UserError, match="the training sources gave no tokens in a whole pass"):
+        train({**options, "validation_file": str(held_out)})

@@ -345,9 +345,11 @@ class StreamLoader:
         )
         first_row, stats = start["rows"] - start["skip_rows"], copy.deepcopy(start["stats"])
         skipped = start["skip_rows"]
+        productive: list[int] | None = None  # the sources' passes at the last buffer that gave rows
         for item in items:
             if "error" in item:
                 raise UserError(item["error"])
+            productive = self._check_progress(item, productive)
             stats["bad_records"] += item["bad"]["records"]
             stats["bad_files"] += item["bad"]["files"]
             buffer = _Buffer(item["index"], item["start"], first_row, item["rows"], skipped, copy.deepcopy(stats))
@@ -357,6 +359,21 @@ class StreamLoader:
                 _add_row(stats, row)
             first_row += len(buffer.rows)
             skipped = 0
+
+    def _check_progress(self, item: dict, productive: list[int] | None) -> list[int]:
+        """The passes to compare the next buffer with; a UserError once every active source has gone through a
+        whole pass without a row (all texts empty, or every record bad): the stream would spin for ever."""
+        sources = item["start"]["sources"]
+        passes = [source["pass"] for source in sources]
+        if item["rows"] or productive is None:
+            return passes
+        active = [i for i, source in enumerate(sources) if source["active"]]
+        if active and all(passes[i] >= productive[i] + 2 for i in active):
+            raise UserError(
+                "the training sources gave no tokens in a whole pass (every text empty, or every record unreadable): "
+                "check the files and --text_column (or the datasets: entries' columns)"
+            )
+        return productive
 
     def state_dict(self, step: int) -> dict:
         """The cursor after optimizer step `step`: where a resume starts reading, and the counts so far."""
