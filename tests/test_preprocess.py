@@ -2,6 +2,7 @@
 trains on exactly the rows that streaming the raw corpus gives, from the stored tokens (not tokenized again)."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -215,8 +216,14 @@ def test_shards_made_otherwise_than_the_run_would_make_them_are_refused_before_t
     byte_level_bpe(["zebra quantum lattice " * 40] * 3, 300, ["<eos>"], eos_token="<eos>").save_pretrained(
         other_tokenizer
     )
+    lowercase = tmp_path / "tokenizer-lowercase"  # this run's vocabulary, another encoding (found in audit)
+    shutil.copytree(lm_tokenizer_dir, lowercase)
+    spec = json.loads((lowercase / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (lowercase / "tokenizer.json").write_text(json.dumps(spec))
     made = {
         "other-tokenizer": (f"{corpus}/*.jsonl", other_tokenizer, []),
+        "lowercase": (f"{corpus}/*.jsonl", lowercase, []),
         "sft": (str(qa), lm_tokenizer_dir, ["--task", "sft", "--max_length", "32"]),
         "packed-64": (f"{corpus}/*.jsonl", lm_tokenizer_dir, ["--packing", "bfd", "--max_length", "64"]),
     }
@@ -238,6 +245,10 @@ def test_shards_made_otherwise_than_the_run_would_make_them_are_refused_before_t
             "another tokenizer": (
                 options(f"{tmp_path}/other-tokenizer/*.parquet"),
                 "tokenized by " + str(other_tokenizer),
+            ),
+            "the same vocabulary, another encoding": (
+                options(f"{tmp_path}/lowercase/*.parquet"),
+                "whose vocabulary is this run's but whose encoding is not",
             ),
             "another task": (
                 options(f"{tmp_path}/sft/*.parquet"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 from typing import TYPE_CHECKING, Any
 
 from cloudtrain.errors import UserError
@@ -33,6 +34,17 @@ def tokenizer_digest(tokenizer: Any) -> str:
     return hashlib.sha256(json.dumps(described, default=str).encode()).hexdigest()[:16]
 
 
+def encoding_digest(tokenizer: Any) -> str | None:
+    """The fast tokenizer's whole pipeline (normalizer, pre-tokenizer, model, post-processor): the same vocabulary
+    can encode a text to other ids (lowercased, a BOS added). None for a tokenizer without one."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    spec.pop("truncation", None), spec.pop("padding", None)  # state a call leaves, not what the ids mean
+    return hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def columns_made_with(manifest: dict) -> str:
     """The column options a manifest's shards were made with, as options (for a run that names others)."""
     named = [f"--{name} {value}" for name, value in manifest.items() if name.endswith("_column") and value]
@@ -45,6 +57,7 @@ def made_with(task: Any, tokenizer: Any, data: DataConfig) -> dict:
         "task": task.name,
         **{name: getattr(data, name) for name in task.stream_options},
         "tokenizer_digest": tokenizer_digest(tokenizer),
+        "tokenizer_encoding": encoding_digest(tokenizer),
         "vocabulary": len(tokenizer),
     }
 
@@ -94,8 +107,15 @@ def _compare(folder: str, manifest: dict, run: dict, max_length: int) -> None:
             f"not by this run's tokenizer ({run['vocabulary']} tokens; the ids would mean other tokens): {again} "
             "(--tokenizer_name_or_path naming this run's tokenizer)"
         )
+    if manifest.get("tokenizer_encoding", run["tokenizer_encoding"]) != run["tokenizer_encoding"]:  # (older: none)
+        raise UserError(
+            f"{folder} holds shards tokenized by {manifest.get('tokenizer')}, whose vocabulary is this run's but "
+            "whose encoding is not (its normalizer, pre-tokenizer or post-processor differ: lowercasing, a BOS "
+            f"added), so the shards hold other ids than this run would read: {again} (--tokenizer_name_or_path "
+            "naming this run's tokenizer)"
+        )
     for name, value in run.items():  # a column option names where text was read, not what the tokens mean
-        if name in ("task", "tokenizer_digest", "vocabulary") or name.endswith("_column"):
+        if name in ("task", "tokenizer_digest", "tokenizer_encoding", "vocabulary") or name.endswith("_column"):
             continue
         if manifest.get(name, value) != value:
             theirs = _shown(manifest[name])
@@ -112,7 +132,8 @@ def _compare(folder: str, manifest: dict, run: dict, max_length: int) -> None:
 
 
 def _shown(value: Any) -> str:
-    return "unset" if value is None else str(value)
+    """A value as the option takes it: `none` unsets one (`unset` would be read as the text "unset")."""
+    return "none" if value is None else shlex.quote(str(value))
 
 
 def _check_ids(spec: SourceSpec, vocabulary: int) -> None:
