@@ -271,6 +271,15 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
     for name, message in cases.items():
         assert refused(train_args(classifier, tmp_path / name, out), capsys) == message, name
         assert not out.exists(), name
+    folder = tmp_path / "folder"  # a held-out file inside the training folder was trained on too (audit)
+    folder.mkdir()
+    (folder / "train.csv").write_bytes(b"text,label\na,x\nb,y\n")
+    (folder / "valid.csv").write_bytes(b"text,label\nc,x\n")
+    argv = [*train_args(classifier, folder, out), "--validation_file", str(folder / "valid.csv")]
+    assert refused(argv, capsys) == (
+        f"--validation_file {folder / 'valid.csv'} is also in the --train_file folder {folder}, so it would be "
+        "trained on: move it out of that folder"
+    )
     predict = ["predict", "--model_dir", str(classifier), "--output_file", str(out / "p.jsonl"), "--input_file"]
     assert refused([*predict, str(tmp_path / "latin1.csv")], capsys) == cases["latin1.csv"]
     assert refused([*predict, str(tmp_path / "latin1.txt")], capsys) == (

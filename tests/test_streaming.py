@@ -580,6 +580,28 @@ def test_a_config_files_datasets_list_gives_each_source_its_weight_and_columns(t
     )
     specs = resolve_sources(resolve_options(str(config), {}).data)
     assert [(s.format, s.weight, s.columns) for s in specs] == [("jsonl", 0.25, {"text": "body"}), ("txt", 0.75, {})]
+    # a misspelt key trained the source at the default weight, without a word (found in audit)
+    config.write_text(f"task: causal_lm\nstreaming: true\ndatasets:\n  - {{path: {tmp_path / 'a.jsonl'}, wieght: 3}}\n")
+    with pytest.raises(UserError, match="the entry of .*a.jsonl has 'wieght', which is not one of its keys"):
+        resolve_sources(resolve_options(str(config), {}).data)
+
+
+def test_a_folder_source_leaves_out_hidden_folders_and_the_validation_file(tmp_path):
+    """A folder read recursively took in `.<name>.preprocess-new`, a killed preprocess's half-written shards; a
+    --validation_file inside the training folder (or glob) was trained on (found in audit)."""
+    corpus = tmp_path / "corpus"
+    (corpus / ".books.preprocess-new").mkdir(parents=True)
+    write_jsonl(corpus / "web.jsonl", numbered(3, "web"))
+    write_jsonl(corpus / ".books.preprocess-new" / "half.jsonl", numbered(3, "half"))
+    write_jsonl(corpus / "valid.jsonl", numbered(3, "valid"))
+    (spec,) = resolve_sources(data_cfg(train_file=str(corpus)).data)
+    assert [Path(f).name for f in spec.files] == ["valid.jsonl", "web.jsonl"]
+    for source in (str(corpus), f"{corpus}/*.jsonl"):
+        cfg = data_cfg(train_file=source, validation_file=str(corpus / "valid.jsonl")).data
+        with pytest.raises(UserError, match=f"--validation_file {corpus}/valid.jsonl is also read by training source"):
+            connect_stream(cfg, {"text": "--text_column"}, True)
+    apart = data_cfg(train_file=str(corpus / "web.jsonl"), validation_file=str(corpus / "valid.jsonl")).data
+    assert len(connect_stream(apart, {"text": "--text_column"}, True)[1]) == 1
 
 
 def test_a_stream_of_empty_texts_is_one_line_not_an_endless_loop(tiny_llama_dir, tmp_path):

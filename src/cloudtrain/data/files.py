@@ -49,3 +49,18 @@ def check_data_files(cfg: DataConfig) -> None:
         for file in [p] if p.is_file() else data_files(p):
             if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
                 raise UserError(f"--{split}_file {file} is empty; give a file with a header and rows")
+    _check_held_out_apart(files)
+
+
+def _check_held_out_apart(files: dict[str, str]) -> None:
+    """A held-out file inside the training folder would be trained on as well as evaluated on."""
+    train = Path(files.get("train", ""))
+    if "train" not in files or not train.is_dir():
+        return
+    read = {f.resolve() for f in data_files(train)}
+    for split in ("validation", "test"):
+        if split in files and Path(files[split]).resolve() in read:
+            raise UserError(
+                f"--{split}_file {files[split]} is also in the --train_file folder {files['train']}, so it would be "
+                "trained on: move it out of that folder"
+            )

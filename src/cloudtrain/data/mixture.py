@@ -35,6 +35,9 @@ class SourceSpec:
     columns: dict[str, str] = field(default_factory=dict)  # the task's column name -> this source's
 
 
+ENTRY_KEYS = ("path", "weight", "format", "columns")  # what a `datasets:` entry may say
+
+
 def _entries(data: Any) -> list[dict]:
     """--datasets items (a config file's mappings, or paths) or --train_file's comma list."""
     entries = []
@@ -42,6 +45,12 @@ def _entries(data: Any) -> list[dict]:
         value = item if isinstance(item, dict) else {"path": item}
         if not isinstance(value, dict) or "path" not in value:
             raise UserError(f"--datasets: each item needs a path (got {item!r})")
+        unknown = sorted(set(value) - set(ENTRY_KEYS))
+        if unknown:  # a misspelt `wieght` was ignored: the source trained at the default weight
+            raise UserError(
+                f"--datasets: the entry of {value['path']} has {', '.join(map(repr, unknown))}, which is not one "
+                f"of its keys ({', '.join(ENTRY_KEYS)})"
+            )
         entries.append(value)
     if not entries and data.train_file:
         entries = [{"path": part.strip()} for part in data.train_file.split(",") if part.strip()]
@@ -81,7 +90,12 @@ def expand(path: str) -> list[str]:
         return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     p = Path(path)
     if p.is_dir():
-        files = sorted(str(f) for f in p.rglob("*") if f.is_file() and file_format(str(f)))
+        # not in hidden folders: `.<name>.preprocess-new` is a killed preprocess's half-written set
+        files = sorted(
+            str(f)
+            for f in p.rglob("*")
+            if f.is_file() and file_format(str(f)) and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        )
         if any(f.endswith(".parquet") for f in files):  # a `cloudtrain preprocess` folder: its manifest is no data
             files = [f for f in files if Path(f).name != "manifest.json"]
         return files

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -435,6 +436,7 @@ def connect_stream(cfg: Any, needed: dict[str, str], validation: bool) -> tuple[
     from cloudtrain.data.mixture import resolve_sources
 
     specs = resolve_sources(cfg)
+    _check_validation_apart(specs, getattr(cfg, "validation_file", None))
     for spec in specs:
         if spec.format == "txt":  # a line arrives as "text": it is the task's text column
             spec.columns.setdefault(cfg.text_column, "text")
@@ -446,6 +448,19 @@ def connect_stream(cfg: Any, needed: dict[str, str], validation: bool) -> tuple[
             "to validate on: give --validation_file"
         )
     return [record for record in first if not is_packed(record)], specs
+
+
+def _check_validation_apart(specs: list[SourceSpec], validation_file: str | None) -> None:
+    """A --validation_file that a training source's folder or glob also reads would be trained on."""
+    if not validation_file or "://" in validation_file:
+        return
+    held = os.path.realpath(validation_file)
+    for spec in specs:
+        if any("://" not in f and os.path.realpath(f) == held for f in spec.files):
+            raise UserError(
+                f"--validation_file {validation_file} is also read by training source {spec.name}, so it would be "
+                "trained on: move it out of that folder, or name the training files with a glob that leaves it out"
+            )
 
 
 def is_packed(record: dict | None) -> bool:
