@@ -82,6 +82,22 @@ def test_every_format_reads_every_record_and_resumes_at_a_position(tmp_path):
         assert again.next()[0]["text"] == expected[20], kind
 
 
+def test_a_byte_order_mark_is_no_part_of_the_first_record(tmp_path):
+    """Excel's UTF-8 CSV starts with a BOM: the stream named the column '\ufefftext' and refused the file with a
+    line that read as a contradiction ("has no column 'text' (its columns: text, id)"), where stored data trained."""
+    bom = "\ufeff"
+    contents = {
+        "csv": "text,id\nhello,1\n",
+        "jsonl": '{"text": "hello"}\n',
+        "txt": "hello\n",
+        "json": '[{"text": "hello"}]',
+    }
+    for fmt, content in contents.items():
+        path = tmp_path / f"bom.{fmt}"
+        path.write_text(bom + content, encoding="utf-8")
+        assert RecordReader(str(path), fmt).next()[0]["text"] == "hello", fmt
+
+
 # ------------------------------------------------------------------ mixtures
 def test_a_mixture_draws_each_source_by_its_weight_from_the_seed(tmp_path):
     a = write_jsonl(tmp_path / "a.jsonl", numbered(50, "a"))

@@ -129,17 +129,18 @@ class RecordReader:
             self._total = meta.num_rows
             return
         self._handle = _open_binary(self.path)
-        if self.format == "json" and self._handle.read(1) == b"[":  # an array: read whole (one file)
+        if self.format == "json" and self._handle.read(4).lstrip(b"\xef\xbb\xbf")[:1] == b"[":  # an array: read whole
             self._handle.close()
             self._handle = _open_binary(self.path)
-            self._rows = json.load(io.TextIOWrapper(self._handle, encoding="utf-8"))
+            self._rows = json.load(io.TextIOWrapper(self._handle, encoding="utf-8-sig"))
             return
         elif self.format == "json":
             self._handle.close()
             self._handle = _open_binary(self.path)
         if self.format in ("csv", "tsv"):
             header_line = self._handle.readline()
-            self._header = next(csv.reader([header_line.decode("utf-8")], delimiter=self._delimiter))
+            # utf-8-sig: a byte-order mark (Excel's UTF-8 CSV) is no part of the first column's name
+            self._header = next(csv.reader([header_line.decode("utf-8-sig")], delimiter=self._delimiter))
             self.position = max(self.position, len(header_line))
             if self.path.endswith(".zst"):
                 self._handle = _open_binary(self.path)  # forward only: from the start again
@@ -175,7 +176,7 @@ class RecordReader:
 
     def _parse_line(self, line: bytes) -> dict:
         try:
-            text = line.decode("utf-8")
+            text = line.decode("utf-8-sig" if self.position == len(line) else "utf-8")  # a first line's BOM
         except UnicodeDecodeError:
             raise BadRecord("not UTF-8") from None
         if self.format == "txt":
