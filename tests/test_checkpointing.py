@@ -404,6 +404,35 @@ def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_or_starts_ove
     assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's newest, rotation at 1
 
 
+def test_another_folders_checkpoint_resumed_here_starts_a_run_of_its_own(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    """A checkpoint of run A resumed into a folder holding run X's model replaced that model unasked and drew
+    X's steps and A's as one curve; into a folder holding X's checkpoints, rotation and the best model mixed them
+    (found in audit). Another folder's checkpoint starts a run of its own here: refused as a fresh run would be,
+    and with --overwrite_output_dir its log is the checkpoint's."""
+    a, x = tmp_path / "a", tmp_path / "x"
+    steps = ["--logging_steps", "1", "--checkpointing_steps", "2"]
+    assert main(args_for(tiny_model_dir, topic_csvs, a, "--max_steps", "4", *steps)[1:]) == 0
+    assert main(args_for(tiny_model_dir, topic_csvs, x, "--max_steps", "3", *steps)[1:]) == 0
+    kept = (x / "model.safetensors").read_bytes()
+    resume = [*steps, "--max_steps", "4", "--resume_from_checkpoint", str(a / "checkpoints" / "checkpoint-2")]
+    capsys.readouterr()
+    assert main(args_for(tiny_model_dir, topic_csvs, x, *resume)[1:]) == 2
+    assert "already holds a model from an earlier run (kept)" in capsys.readouterr().err
+    assert (x / "model.safetensors").read_bytes() == kept
+    y = tmp_path / "y"  # X's checkpoints without its model: a run killed before it saved one
+    shutil.copytree(x / "checkpoints", y / "checkpoints")
+    assert main(args_for(tiny_model_dir, topic_csvs, y, *resume)[1:]) == 2
+    assert f"{y / 'checkpoints'} holds checkpoints of an earlier run (up to checkpoint-2)" in capsys.readouterr().err
+    assert main(args_for(tiny_model_dir, topic_csvs, x, *resume, "--overwrite_output_dir", "true")[1:]) == 0
+
+    def losses(folder: Path) -> dict[int, float]:
+        lines = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        return {e["step"]: e["train/loss"] for e in lines if "train/loss" in e}
+
+    assert losses(x) == losses(a)  # A's steps 1-2 from its checkpoint's log, then the same steps 3-4
+    assert [step for step, _ in complete_checkpoints(x / "checkpoints")] == [4]  # X's were deleted
+
+
 def test_a_restarted_attempt_resumes_only_what_its_launch_saved(tmp_path, monkeypatch):
     """Under torchrun --max-restarts, attempt 1 goes back to the latest checkpoint only when this launch wrote
     it: an earlier run's (older than the launch) leaves the attempt to start as the first did, and be refused."""

@@ -279,11 +279,12 @@ def read_data_state(path: Path) -> dict:
         ) from None
 
 
-def restore_run_files(checkpoint: Path, output_dir: Path) -> None:
-    """Put the run's log and tracker ids back from the checkpoint when the output dir lost them."""
+def restore_run_files(checkpoint: Path, output_dir: Path, replace: bool = False) -> None:
+    """Put the run's log and tracker ids back from the checkpoint when the output dir lost them (`replace`: also
+    over those of another run, when the checkpoint is another folder's)."""
     Path(output_dir).mkdir(parents=True, exist_ok=True)
     for name in RUN_FILES:
-        if (checkpoint / name).is_file() and not (Path(output_dir) / name).exists():
+        if (checkpoint / name).is_file() and (replace or not (Path(output_dir) / name).exists()):
             shutil.copy2(checkpoint / name, Path(output_dir) / name)
 
 

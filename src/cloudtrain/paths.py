@@ -70,9 +70,14 @@ def torchrun_restarts() -> int:
 def check_earlier_model(cfg: Config, output_dir: Path) -> None:
     """The pipeline's refusal of a model an earlier run saved in --output_dir (pipeline.check_output_dir), where
     the options and the folder decide it alone: with --overwrite_output_dir, or a run resumed into its folder
-    (--resume_from_checkpoint, or a worker torchrun restarted: it resumes from the latest checkpoint), the
-    pipeline decides once it knows the checkpoint."""
-    if cfg.output.overwrite_output_dir or cfg.checkpoint.resume_from_checkpoint is not None:
+    (--resume_from_checkpoint latest or one of the folder's checkpoints, or a worker torchrun restarted: it resumes
+    from the latest checkpoint), the pipeline decides once it knows the checkpoint. Another folder's checkpoint
+    starts a run of its own here, refused like a fresh one."""
+    resume = cfg.checkpoint.resume_from_checkpoint
+    checkpoints = Path(cfg.checkpoint.checkpoint_dir or output_dir / "checkpoints")
+    if cfg.output.overwrite_output_dir or resume == "latest":
+        return
+    if resume is not None and Path(resume).resolve().parent == checkpoints.resolve():  # resume.resumes_here
         return
     if torchrun_restarts() > 0:  # resume.restarted_defaults
         return

@@ -48,7 +48,13 @@ from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, earlier_model_refusal, holds_saved_model
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.registry import TASKS
-from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_interrupted_saves, restarted_defaults
+from cloudtrain.resume import (
+    agree_on_resume,
+    drop_earlier_checkpoints,
+    finish_interrupted_saves,
+    restarted_defaults,
+    resumes_here,
+)
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
 from cloudtrain.training.callbacks import load_callbacks
@@ -108,9 +114,10 @@ def preflight(cfg: Config, task: Task) -> Path:
     return output_dir
 
 
-def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None, runtime: Runtime) -> None:
+def check_output_dir(cfg: Config, output_dir: Path, resumed_here: bool, runtime: Runtime) -> None:
     """A save a kill interrupted is finished first; the user's files are never replaced; a model saved there
-    earlier is replaced only when asked, or by the run resumed there. Then the folder is the run's."""
+    earlier is replaced only when asked, or by the run resumed there (from one of its checkpoints: `resumed_here`).
+    Then the folder is the run's."""
 
     def refusal() -> str | None:
         try:
@@ -118,13 +125,13 @@ def check_output_dir(cfg: Config, output_dir: Path, resume_from: Path | None, ru
         except UserError as err:
             return str(err)
         atomic.recover(output_dir)
-        if holds_saved_model(output_dir) and not cfg.output.overwrite_output_dir and resume_from is None:
+        if holds_saved_model(output_dir) and not cfg.output.overwrite_output_dir and not resumed_here:
             return earlier_model_refusal(output_dir)
         try:
             claim(output_dir)
         except UserError as err:
             return str(err)
-        if holds_saved_model(output_dir) and resume_from is None:
+        if holds_saved_model(output_dir) and not resumed_here:
             print(f"--overwrite_output_dir: the model saved in {output_dir} earlier is replaced at the end", flush=True)
         return None
 
@@ -205,7 +212,8 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     finish_interrupted_saves(checkpoints, runtime)
     cfg = restarted_defaults(cfg, checkpoints, runtime)
     resume_from = agree_on_resume(cfg, checkpoints, runtime)  # on every node, before loading
-    check_output_dir(cfg, output_dir, resume_from, runtime)
+    here = resumes_here(resume_from, checkpoints)  # else another run's checkpoint: this folder's run starts here
+    check_output_dir(cfg, output_dir, here, runtime)
     resumed = read_state(resume_from) if resume_from else None
     if cfg.hub.push_to_hub:  # a bad token fails now, not after hours of training
         hub.check_access_from_main(cfg.hub, runtime.is_main, runtime.share)
@@ -240,8 +248,8 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
 
     if runtime.is_main:
         output_dir_module.record_run_start(cfg, output_dir)
-    if resume_from and runtime.is_main:
-        restore_run_files(resume_from, output_dir)
+    if resume_from and runtime.is_main:  # another run's checkpoint brings its own log
+        restore_run_files(resume_from, output_dir, replace=not here)
     run_log = RunLog(
         cfg,
         output_dir,
@@ -260,7 +268,7 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     )
     trainer = TRAINERS[cfg.training.training_type](cfg, task, model, data, run_log, runtime)
     trainer.callbacks = user_callbacks
-    if resume_from is None and cfg.output.overwrite_output_dir:  # built, checked: it starts over
+    if not here and cfg.output.overwrite_output_dir:  # built, checked: it starts over
         drop_earlier_checkpoints(checkpoints, runtime)
     return Run(cfg, task, runtime, tokenizer, data, model, trainer, run_log, output_dir, resume_from, trained_on)
 

@@ -114,7 +114,9 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
     try:
         views = runtime.gather_objects(local_view(cfg, folder, runtime.index, runtime.node, runtime.host))
         path = choose_resume(cfg, folder, views, announce=runtime.is_main)  # from the same views everywhere
-        start_over(cfg, folder, [v if path is None else {**v, "steps": []} for v in views])
+        # the folder's checkpoints are this run's when it resumes one of them; another folder's checkpoint starts a
+        # run of its own here, which the folder's earlier checkpoints must not mix into (latest, rotation, best)
+        start_over(cfg, folder, [{**v, "steps": []} if resumes_here(path, folder) else v for v in views])
     except UserError as err:
         raise UserError(str(err), quiet=not runtime.is_main) from None
     problem = None
@@ -127,6 +129,12 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
     if problems:
         raise UserError(problems[0], quiet=not runtime.is_main)
     return path
+
+
+def resumes_here(path: Path | None, folder: Path) -> bool:
+    """Whether the checkpoint resumed is one of `folder`'s (the run that wrote this folder's checkpoints and log
+    goes on), not another run's copied in."""
+    return path is not None and path.resolve().parent == Path(folder).resolve()
 
 
 def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:
