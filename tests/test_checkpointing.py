@@ -219,6 +219,26 @@ def test_rotation_keeps_the_newest_and_the_best(tmp_path, limit, scores, kept):
     assert [step for step, _ in complete_checkpoints(tmp_path)] == kept
 
 
+def test_rotation_scores_checkpoints_of_another_metric_by_this_runs(tmp_path):
+    """Resumed with --metric_for_best_model loss, checkpoints the first launch scored by accuracy (+0.33) beat
+    every -loss score, and rotation kept the worst model as the best (found in audit): scored again here."""
+    first = {"accuracy": 0.33, "loss": 1.10}, {"accuracy": 0.40, "loss": 0.90}
+    for step, evaluation in enumerate(first, start=1):
+        path = tmp_path / f"checkpoint-{step}"
+        path.mkdir()
+        state = {"evaluations": [evaluation]}
+        meta = {"format": "cloudtrain-checkpoint/1", "metric": "accuracy", "score": evaluation["accuracy"]}
+        (path / STATE_FILE).write_text(json.dumps({**meta, "state": state}))
+    for step, loss in ((3, 0.57), (4, 0.70)):
+        fake_checkpoint(tmp_path, step, -loss)  # this run's: scored by -loss
+        meta = json.loads((tmp_path / f"checkpoint-{step}" / STATE_FILE).read_text())
+        (tmp_path / f"checkpoint-{step}" / STATE_FILE).write_text(json.dumps({**meta, "metric": "loss"}))
+    options = {"save_total_limit": 1, "checkpointing_steps": "1", "metric_for_best_model": "loss"}
+    checkpointer = Checkpointer(build_config(options), tmp_path, tmp_path, True, lambda: None)
+    checkpointer.delete(checkpointer.doomed(saved=4))
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [3, 4]  # the lowest loss, and the newest
+
+
 def test_rotation_keeps_the_step_just_saved_though_an_abandoned_later_one_exists(tmp_path):
     """Resumed from step 2 (steps 3 and 4 were complete on one node only), the run saves step 2 again."""
     for step, score in enumerate([0.5, 0.9, 0.7, 0.6], start=1):

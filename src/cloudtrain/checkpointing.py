@@ -622,12 +622,23 @@ class Checkpointer:
         value = state.evaluations[-1][self.metric]
         return -value if self.metric in LOWER_IS_BETTER else value
 
+    def _stored_score(self, meta: dict) -> float | None:
+        """A checkpoint's score by this run's metric: one saved while another --metric_for_best_model was set is
+        scored again from its evaluations (its stored score, say accuracy, beside this run's -loss won every time)."""
+        if meta.get("metric", self.metric) == self.metric:
+            return meta.get("score")
+        evaluations = (meta.get("state") or {}).get("evaluations") or []
+        value = evaluations[-1].get(self.metric) if evaluations else None
+        if value is None:
+            return None
+        return -value if self.metric in LOWER_IS_BETTER else value
+
     def doomed(self, saved: int) -> list[int]:
         """The oldest steps beyond the limit, never the one just `saved` or the best; judged from this folder."""
         found = complete_checkpoints(self.folder)
         if not self.limit or len(found) <= self.limit:
             return []
-        scores = {path: json.loads((path / STATE_FILE).read_text()).get("score") for _, path in found}
+        scores = {path: self._stored_score(json.loads((path / STATE_FILE).read_text())) for _, path in found}
         scored = [
             (score, step, path) for step, path in found if (score := scores[path]) is not None and not math.isnan(score)
         ]
