@@ -218,6 +218,31 @@ def test_an_adapter_whose_base_model_was_moved_says_so_and_how_to_point_it_elsew
     )
 
 
+def test_a_damaged_adapter_folder_is_one_line(tmp_path, tiny_model_dir, monkeypatch):
+    """A hand-edited adapter_config.json or labels.json with a typo was json's traceback in predict, merge and
+    generate; a folder without the weights was "Repo id must be a string"; a Hub base neither cached nor reachable
+    was a minute of retries (found in audit)."""
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"task_type": "SEQ_CLS", base_model_name_or_path: 1}')
+    with pytest.raises(UserError, match=r"adapter_config.json is not valid JSON \(line 1, column 26: Expecting"):
+        load_adapter_model(adapter)
+    config = {"task_type": "SEQ_CLS", "base_model_name_or_path": tiny_model_dir}
+    (adapter / "adapter_config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError, match=f"^{adapter} holds adapter_config.json but not the adapter's weights"):
+        load_adapter_model(adapter)
+    (adapter / "adapter_model.safetensors").write_bytes(b"")
+    (adapter / "labels.json").write_text("{bad")
+    with pytest.raises(UserError, match="labels.json is not valid JSON"):
+        load_adapter_model(adapter)
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "someorg/gone"}))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(
+        UserError, match="base_model_name_or_path in .*adapter_config.json someorg/gone: no cached copy"
+    ):
+        load_adapter_model(adapter)
+
+
 # ---------------------------------------------------------------- real launches
 
 

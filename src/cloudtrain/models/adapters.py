@@ -54,7 +54,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
 from cloudtrain.publish.atomic import is_no_space
 from cloudtrain.publish.output_dir import record
-from cloudtrain.publish.saving import GENERATIVE, LABELS, MERGED, adapter_config
+from cloudtrain.publish.saving import GENERATIVE, LABELS, MERGED, adapter_config, read_json
 
 AUTO_CLASSES = {
     "SEQ_CLS": AutoModelForSequenceClassification,
@@ -228,6 +228,9 @@ def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
 # ---------------------------------------------------------------- using a saved adapter
 
 
+SAFE_ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
 def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32, trust_remote_code: bool = False):
     """(the base named in the adapter's config with the adapter on top, in eval mode; its tokenizer). A base that
     needs its own code is refused unless `trust_remote_code`: transformers never asks on standard input."""
@@ -249,8 +252,14 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
             f"or set base_model_name_or_path in {model_dir}/adapter_config.json to a copy of it (a folder or Hub id)"
         )
     options: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
+    if not any((model_dir / name).is_file() for name in (SAFE_ADAPTER_WEIGHTS, "adapter_model.bin")):
+        raise UserError(f"{model_dir} holds adapter_config.json but not the adapter's weights ({SAFE_ADAPTER_WEIGHTS})")
+    if not local:  # a Hub id: one line at once when it is neither cached nor reachable, not a minute of retries
+        from cloudtrain.hub_reach import HubId, check_hub_ids
+
+        check_hub_ids([HubId(f"base_model_name_or_path in {model_dir}/adapter_config.json", base)])
     if (model_dir / LABELS).is_file():
-        labels = json.loads((model_dir / LABELS).read_text())
+        labels = read_json(model_dir / LABELS)
         id2label = {int(i): name for i, name in labels["id2label"].items()}
         options.update(
             id2label=id2label,  # the number of labels with it (num_labels too: a warning against the base's labels)

@@ -95,7 +95,21 @@ def check_not_diffusion(flag: str, path: Path) -> None:
 
 
 def adapter_config(path: Path) -> dict:
-    return json.loads((Path(path) / ADAPTER_CONFIG).read_text())
+    return read_json(Path(path) / ADAPTER_CONFIG)
+
+
+def read_json(path: Path) -> dict:
+    """A JSON object a user may have edited by hand (adapter_config.json's base path), its mistakes in one line."""
+    try:
+        value = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        where = f"line {err.lineno}, column {err.colno}: {err.msg}"
+        raise UserError(f"{path} is not valid JSON ({where}); fix it") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; fix it") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a {type(value).__name__}, not a JSON object; fix it")
+    return value
 
 
 def write_json(path: Path, data: dict) -> None:
