@@ -97,6 +97,10 @@ def test_no_note_where_the_task_reads_the_option(task, values):
             {"monitoring": False, "loss_spike_threshold": 3.0},
             "--loss_spike_threshold 3.0 has no effect without --monitoring true",
         ),
+        (  # a stream has no stored split to cut (found in audit: the run trained past 10 documents unsaid)
+            {"task": "causal_lm", "streaming": True, "max_steps": 5, "max_train_samples": 10},
+            "--max_train_samples 10 has no effect without --streaming false",
+        ),
     ],
 )
 def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):

@@ -46,6 +46,9 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "compile_layers": ("torch_compile", (True,)),
     "simpo_gamma": ("preference_loss", ("simpo",)),
     "early_stopping_threshold": ("early_stopping_patience", ()),
+    # a stream has no stored training split to cut or carve (--max_tokens/--max_steps and --stream_validation_docs)
+    "max_train_samples": ("streaming", (False,)),
+    "validation_split_percentage": ("streaming", (False,)),
     **{  # the anomaly watcher's settings: it runs only with --monitoring true
         name: ("monitoring", (True,))
         for name in (
