@@ -337,8 +337,8 @@ def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
     elif damage == "random states cut":
         states = checkpoint / "random_states_0.pkl"
         states.write_bytes(states.read_bytes()[:200])
-    else:
-        checkpoint = Path(tiny_model_dir)  # a model folder, not a checkpoint
+    else:  # a model folder, not a checkpoint; another folder's: a run of its own here, which must replace the model
+        checkpoint, base = Path(tiny_model_dir), [*base, "--overwrite_output_dir", "true"]
     capsys.readouterr()
     code = main(base + ["--resume_from_checkpoint", str(checkpoint), "--max_steps", "8"])
     err = capsys.readouterr().err.strip().splitlines()
