@@ -14,6 +14,7 @@ from transformers import AutoTokenizer
 
 from cloudtrain import train
 from cloudtrain.cli import main
+from cloudtrain.data.mixture import SourceSpec
 from cloudtrain.data.streaming import encode_stored
 from cloudtrain.errors import UserError
 
@@ -372,6 +373,18 @@ def test_a_folder_of_the_users_files_is_refused_and_untouched(corpus, tmp_path, 
     (tmp_path / "empty").mkdir()  # an empty folder is fine
     assert run_preprocess(corpus, tmp_path / "empty", lm_tokenizer_dir) in (0, None)
     assert globbed(tmp_path / "empty")[1] == 70
+    # shards without the manifest written last: what a killed preprocess to an object store leaves (audit: told
+    # "which preprocess did not write"; and training read the part set without a word)
+    (tmp_path / "empty" / "manifest.json").unlink()
+    before = snapshot(tmp_path / "empty")
+    assert run_preprocess(corpus, tmp_path / "empty", lm_tokenizer_dir) == 2
+    assert "and no manifest.json: the shards of a preprocess that did not finish" in capsys.readouterr().err
+    assert snapshot(tmp_path / "empty") == before
+    from cloudtrain.data.shards import check_shards
+
+    spec = SourceSpec("part", [str(tmp_path / "empty" / name) for name in globbed(tmp_path / "empty")[0]], "parquet")
+    check_shards([spec], {"vocabulary": 10**6}, 32)
+    assert "preprocess shard(s) but no manifest.json, which preprocess writes last" in capsys.readouterr().out
 
 
 @pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it

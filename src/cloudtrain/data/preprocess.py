@@ -41,7 +41,7 @@ from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 from cloudtrain.commands import add_switch
-from cloudtrain.data.shards import MANIFEST
+from cloudtrain.data.shards import MANIFEST, is_shard_name
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync
@@ -313,6 +313,11 @@ def _claim(where: str, names: list[str], manifest: Callable[[], str], overwrite:
         return
     free = _free_name(where, remote)
     ours = _listed(manifest) if MANIFEST in names else None
+    if ours is None and all(is_shard_name(name) or name == HISTOGRAM for name in names):  # a set killed midway
+        raise UserError(
+            f"--output_dir {where} holds {_some(names)} and no {MANIFEST}: the shards of a preprocess that did not "
+            f"finish (its manifest is written last); delete them, or choose a new prefix, e.g. --output_dir {free}"
+        )
     if ours is None:
         raise UserError(
             f"--output_dir {where} holds {_some(names)}, which preprocess did not write; choose a new or empty "
@@ -421,7 +426,7 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
         if encode is None:
             encode, keep = task.preprocess_encoder(tokenizer, cfg, next((r for r in records if r), {}))
         table, doc_lengths = _shard(records, encode, keep, args)
-        name = f"shard-{n:05d}.parquet"
+        name = f"shard-{n:05d}.parquet"  # (shards.is_shard_name knows the form)
         out.write(name, _parquet(table))
         kill_point("preprocess.shard")
         shards.append({"file": name, "documents": len(records), "rows": table.num_rows, "tokens": sum(doc_lengths)})

@@ -73,8 +73,26 @@ def check_shards(specs: list[SourceSpec], run: dict, max_length: int) -> None:
             if manifest is not None:
                 _compare(folder, manifest, run, max_length)
                 checked = checked or "tokenizer_digest" in manifest
+            else:
+                _note_unfinished(folder, [path for path in spec.files if folder_of(path) == folder])
         if not checked and spec.format == "parquet":  # preprocess writes parquet: nothing else holds tokens
             _check_ids(spec, run["vocabulary"])
+
+
+def is_shard_name(name: str) -> bool:
+    """A shard's name as preprocess writes them: `shard-00000.parquet`."""
+    return name.startswith("shard-") and name.endswith(".parquet") and name[6:-8].isdigit()
+
+
+def _note_unfinished(folder: str, files: list[str]) -> None:
+    """Shards named as preprocess names them, without the manifest it writes last: maybe a killed preprocess's
+    part of a set (an object store cannot stage a set), maybe a copy. Said, not refused."""
+    if files and all(is_shard_name(os.path.basename(path)) for path in files) and os.environ.get("RANK", "0") == "0":
+        print(
+            f"note: {folder} holds {len(files)} preprocess shard(s) but no {MANIFEST}, which preprocess writes last: "
+            "if its preprocess did not finish, these are part of the corpus only; run it again into a new folder",
+            flush=True,
+        )
 
 
 def folder_of(path: str) -> str:
