@@ -4,13 +4,17 @@ object at its byte offset; an unreachable endpoint, missing credentials or a glo
 
 import gzip
 import json
+import os
 import socket
+import subprocess
+import sys
 
 import boto3
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from aws_server import BUCKET, local_aws
+from conftest import child_pythonpath
 from test_streaming import data_cfg, numbered, plan_for, take, write_jsonl
 from transformers import AutoTokenizer
 
@@ -97,6 +101,11 @@ def one_line_error(train_file: str) -> str:
 
 def test_nothing_matching_is_one_line(s3):
     assert "matches no data file" in one_line_error(f"s3://{BUCKET}/corpus/*.csv")
+    # the command line's stderr: fsspec's 6 lines about the pinned s3fs came before every such line (audit)
+    listing = f"from cloudtrain.data.mixture import expand; print(expand('s3://{BUCKET}/corpus/*.csv'))"
+    env = {**os.environ, "PYTHONPATH": child_pythonpath()}
+    result = subprocess.run([sys.executable, "-c", listing], capture_output=True, text=True, env=env)
+    assert result.stdout.strip() == "[]" and "s3fs" not in result.stderr, result.stderr
     assert "matches no data file" in one_line_error("s3://no-such-bucket/corpus/*.jsonl")
     assert "matches no data file" in one_line_error(f"s3://{BUCKET}/no-such-prefix")
 

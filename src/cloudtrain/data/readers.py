@@ -18,6 +18,7 @@ import csv
 import gzip
 import io
 import json
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,10 @@ def file_format(path: str) -> str | None:
 def is_remote(path: str) -> bool:
     """A URL (s3://bucket/key, hf://datasets/owner/name@commit/file, any protocol fsspec knows), not a local path."""
     return "://" in path
+
+
+# fsspec's 6-line warning about s3fs 0.4 (the pin: every newer s3fs needs aiobotocore) before every s3:// line
+warnings.filterwarnings("ignore", message="Your installed version of s3fs is very old", category=UserWarning)
 
 
 def storage_options(path: str) -> dict:
