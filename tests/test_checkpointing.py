@@ -364,6 +364,12 @@ def test_a_step_back_to_an_older_checkpoint_sets_the_newer_ones_aside(tiny_model
     (aside,) = (out / "checkpoints").glob("abandoned-*")
     assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-3", "checkpoint-4"]
     assert (aside / "checkpoint-4" / "model.safetensors").read_bytes() == old_four
+    # the branch set aside is still this folder's run: going back to it needs no --overwrite_output_dir, which
+    # would delete the branch left (found in review: it was taken for another folder's checkpoint)
+    again = ["--resume_from_checkpoint", str(aside / "checkpoint-4"), "--max_steps", "5"]
+    assert main([*base, *again, "--lr_scheduler_type", "constant"]) == 0
+    assert f"resumed from {aside / 'checkpoint-4'} at step 4" in capsys.readouterr().out
+    assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3, 5]
 
 
 def test_latest_passes_over_a_damaged_newer_checkpoint_and_says_so(tiny_model_dir, topic_csvs, tmp_path, capsys):
@@ -437,7 +443,12 @@ def test_another_folders_checkpoint_resumed_here_starts_a_run_of_its_own(tiny_mo
     resume = [*steps, "--max_steps", "4", "--resume_from_checkpoint", str(a / "checkpoints" / "checkpoint-2")]
     capsys.readouterr()
     assert main(args_for(tiny_model_dir, topic_csvs, x, *resume)[1:]) == 2
-    assert "already holds a model from an earlier run (kept)" in capsys.readouterr().err
+    assert capsys.readouterr().err.strip() == (
+        f"error: --resume_from_checkpoint {a / 'checkpoints' / 'checkpoint-2'} is not in this run's checkpoint "
+        f"folder {x / 'checkpoints'}, and --output_dir {x} already holds a model: give --checkpoint_dir "
+        f"{a / 'checkpoints'} if it is this run's, or pass --overwrite_output_dir true to continue it here as a run "
+        "of its own"
+    )
     assert (x / "model.safetensors").read_bytes() == kept
     y = tmp_path / "y"  # X's checkpoints without its model: a run killed before it saved one
     shutil.copytree(x / "checkpoints", y / "checkpoints")

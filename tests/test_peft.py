@@ -2,6 +2,7 @@
 real launches (1 and 2 processes, DDP and ZeRO), and a LoRA run on the real MiniLM and R8."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -241,6 +242,13 @@ def test_a_damaged_adapter_folder_is_one_line(tmp_path, tiny_model_dir, monkeypa
         UserError, match="base_model_name_or_path in .*adapter_config.json someorg/gone: no cached copy"
     ):
         load_adapter_model(adapter)
+    (adapter / "labels.json").unlink()
+    shutil.copytree(tiny_model_dir, tmp_path / "bertcopy")  # a folder named relatively is no Hub id (review)
+    monkeypatch.chdir(tmp_path)
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": "bertcopy"}))
+    with pytest.raises(UserError) as refused:  # the empty weights file, read once the base has loaded
+        load_adapter_model(adapter)
+    assert "could not load the adapter" in str(refused.value) and "no cached copy" not in str(refused.value)
 
 
 # ---------------------------------------------------------------- real launches

@@ -337,6 +337,13 @@ def test_a_left_padding_tokenizer_gives_the_same_predictions_at_any_batch_size(t
     assert [r["score"] for r in batched] == pytest.approx([r["score"] for r in alone], abs=1e-5)
     batch = RightPadded(tokenizer)([{"input_ids": [5, 6, 7], "label": 1}, {"input_ids": [5], "label": 0}])
     assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]] and batch["labels"].tolist() == [1, 0]
+    from cloudtrain.data.word_tags import RightPaddedTags  # a tagger's batches too (found in review)
+
+    tags = RightPaddedTags(tokenizer, label_pad_token_id=-100)(
+        [{"input_ids": [5, 6], "labels": [1, 2]}, {"input_ids": [5], "labels": [0]}]
+    )
+    assert tags["attention_mask"].tolist() == [[1, 1], [1, 0]] and tags["labels"].tolist() == [[1, 2], [0, -100]]
+    assert tokenizer.padding_side == "left"  # the tokenizer's own side is left as it was
 
 
 def test_a_saved_tokenizer_keeps_its_side_after_a_left_padded_generation(tiny_gpt2_dir, tmp_path):

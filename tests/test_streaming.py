@@ -616,6 +616,12 @@ def test_a_folder_source_leaves_out_hidden_folders_and_the_validation_file(tmp_p
         cfg = data_cfg(train_file=source, validation_file=str(corpus / "valid.jsonl")).data
         with pytest.raises(UserError, match=f"--validation_file {corpus}/valid.jsonl is also read by training source"):
             connect_stream(cfg, {"text": "--text_column"}, True)
+    (corpus / "held").mkdir()  # a held-out folder inside, and a test file (found in review)
+    write_jsonl(corpus / "held" / "test.jsonl", numbered(3, "test"))
+    for option, path in (("validation_file", corpus / "held"), ("test_file", corpus / "held" / "test.jsonl")):
+        cfg = data_cfg(train_file=str(corpus), **{option: str(path)}).data
+        with pytest.raises(UserError, match=f"--{option} {path} is also read by training source"):
+            connect_stream(cfg, {"text": "--text_column"}, True)
     apart = data_cfg(train_file=str(corpus / "web.jsonl"), validation_file=str(corpus / "valid.jsonl")).data
     assert len(connect_stream(apart, {"text": "--text_column"}, True)[1]) == 1
 

@@ -214,6 +214,14 @@ def test_a_random_crop_follows_the_rows_place_in_the_run_not_who_reads_it(tiny_s
     assert sorted(first) == [0, 1, 2, 3] and all(torch.equal(first[r], in_workers[r]) for r in first)
     again = crops(1, 0)
     assert sum(not torch.equal(first[r], again[r]) for r in first) >= 2  # a new epoch crops afresh
+    from cloudtrain.tasks.text_to_image import cache_rows
+
+    cached = {}  # --cache_latents reads the rows before the sampler: the crops still follow --seed (review)
+    for seed in (1, 2):
+        fresh = task.process(None, task.load_tokenizer(cfg), cfg)  # type: ignore[arg-type]
+        cache_rows(None, fresh.train, seed, latents=False, texts=False)  # type: ignore[arg-type]
+        cached[seed] = torch.stack([row["pixel_values"] for row in fresh.train.cached])  # type: ignore[attr-defined]
+    assert not torch.equal(cached[1], cached[2])
     centred = config(tiny_sd, tmp_path / "out", train_data_dir=str(folder), center_crop=True)
     fixed = TextToImageTask(centred).process(None, task.load_tokenizer(centred), centred)  # type: ignore[arg-type]
     fixed.train.epoch_sampler(seed=0, step_rows=4)  # type: ignore[attr-defined]

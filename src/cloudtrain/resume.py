@@ -133,8 +133,8 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
 
 def resumes_here(path: Path | None, folder: Path) -> bool:
     """Whether the checkpoint resumed is one of `folder`'s (the run that wrote this folder's checkpoints and log
-    goes on), not another run's copied in."""
-    return path is not None and path.resolve().parent == Path(folder).resolve()
+    goes on; a branch set aside in `abandoned-<time>/` too), not another run's copied in."""
+    return path is not None and path.resolve().is_relative_to(Path(folder).resolve())
 
 
 def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:

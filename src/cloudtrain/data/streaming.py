@@ -436,7 +436,7 @@ def connect_stream(cfg: Any, needed: dict[str, str], validation: bool) -> tuple[
     from cloudtrain.data.mixture import resolve_sources
 
     specs = resolve_sources(cfg)
-    _check_validation_apart(specs, getattr(cfg, "validation_file", None))
+    _check_held_out_apart(specs, {split: getattr(cfg, f"{split}_file", None) for split in ("validation", "test")})
     for spec in specs:
         if spec.format == "txt":  # a line arrives as "text": it is the task's text column
             spec.columns.setdefault(cfg.text_column, "text")
@@ -450,17 +450,21 @@ def connect_stream(cfg: Any, needed: dict[str, str], validation: bool) -> tuple[
     return [record for record in first if not is_packed(record)], specs
 
 
-def _check_validation_apart(specs: list[SourceSpec], validation_file: str | None) -> None:
-    """A --validation_file that a training source's folder or glob also reads would be trained on."""
-    if not validation_file or "://" in validation_file:
-        return
-    held = os.path.realpath(validation_file)
-    for spec in specs:
-        if any("://" not in f and os.path.realpath(f) == held for f in spec.files):
-            raise UserError(
-                f"--validation_file {validation_file} is also read by training source {spec.name}, so it would be "
-                "trained on: move it out of that folder, or name the training files with a glob that leaves it out"
-            )
+def _check_held_out_apart(specs: list[SourceSpec], held_out: dict[str, str | None]) -> None:
+    """A --validation_file or --test_file (a file or a folder) that a training source's folder or glob also
+    reads would be trained on."""
+    from cloudtrain.data.mixture import expand
+
+    trained = {os.path.realpath(f): spec.name for spec in specs for f in spec.files if "://" not in f}
+    for split, path in held_out.items():
+        if not path or "://" in path:
+            continue
+        for held in expand(path):
+            if (source := trained.get(os.path.realpath(held))) is not None:
+                raise UserError(
+                    f"--{split}_file {path} is also read by training source {source}, so it would be trained on: "
+                    "move it out of that folder, or name the training files with a glob that leaves it out"
+                )
 
 
 def is_packed(record: dict | None) -> bool:

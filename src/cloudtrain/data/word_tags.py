@@ -39,6 +39,19 @@ HOW_TAGS = "--task token_classification reads a list of tags per row (names), or
 CONLL_COLUMNS = {"text_column": "tokens", "label_column": "ner_tags"}  # what CoNLL-2003 and its kin name them
 
 
+class RightPaddedTags(DataCollatorForTokenClassification):
+    """transformers' token-classification collator, padding on the right whatever the tokenizer's side, as
+    processing.RightPadded does for sentences (and `predict` for both): a decoder of learned positions read a
+    left-padded row at shifted positions."""
+
+    def __call__(self, features: list[dict], return_tensors: str | None = None) -> dict:
+        side, self.tokenizer.padding_side = self.tokenizer.padding_side, "right"
+        try:
+            return super().__call__(features, return_tensors)
+        finally:
+            self.tokenizer.padding_side = side
+
+
 def process_word_tags(
     raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int, order: list[str] | None = None
 ) -> ProcessedData:
@@ -54,7 +67,7 @@ def process_word_tags(
         train=splits["train"],
         validation=splits["validation"],
         test=splits.get("test"),
-        collator=DataCollatorForTokenClassification(tokenizer, label_pad_token_id=IGNORE_INDEX),
+        collator=RightPaddedTags(tokenizer, label_pad_token_id=IGNORE_INDEX),
         label_names=scheme.names,
         unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
         unlabelled_texts={split: [read[split](v) for v in ds[cfg.text_column]] for split, ds in unlabelled.items()},

@@ -254,7 +254,7 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     options: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if not any((model_dir / name).is_file() for name in (SAFE_ADAPTER_WEIGHTS, "adapter_model.bin")):
         raise UserError(f"{model_dir} holds adapter_config.json but not the adapter's weights ({SAFE_ADAPTER_WEIGHTS})")
-    if not local:  # a Hub id: one line at once when it is neither cached nor reachable, not a minute of retries
+    if not local and not Path(base).is_dir():  # a Hub id: one line at once when neither cached nor reachable
         from cloudtrain.hub_reach import HubId, check_hub_ids
 
         check_hub_ids([HubId(f"base_model_name_or_path in {model_dir}/adapter_config.json", base)])

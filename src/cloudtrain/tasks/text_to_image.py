@@ -494,6 +494,7 @@ def cache_rows(
     """Every row through the frozen VAE (its latent distribution) and text encoder once, before training; with
     --random_flip a training image is cached flipped or not as drawn from --seed and its number."""
     cached = []
+    rows.seed = seed  # a random crop is keyed by it (images.crop_seed); the sampler, which sets it, comes later
     for index in range(len(rows)):
         row = rows[index]
         for prefix in ("", "class_"):
