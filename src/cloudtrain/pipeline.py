@@ -424,8 +424,9 @@ def save_final(run: Run, results: dict, predictions: dict) -> None:
             try:
                 adapters.merge(staging, lands_in=output_dir)
             except Exception as err:  # the adapter is saved and pushed all the same; `merge` can be run again
-                why = str(err) if isinstance(err, UserError) else f"merging failed: {type(err).__name__}: {err}"
-                print(f"warning: {first_line(why)}; the adapter is saved (`cloudtrain merge` merges it)", flush=True)
+                why = f"merging failed: {type(err).__name__}: {first_line(err)}"
+                why = str(err) if isinstance(err, UserError) else why
+                print(f"warning: {why}; the adapter is saved (`cloudtrain merge` merges it)", flush=True)
         staged = sorted(p.name for p in staging.iterdir())
         # before the seal: a recovered publish is the run's too; a card's digest is the staged one's
         output_dir_module.record(output_dir, staged, source=staging)

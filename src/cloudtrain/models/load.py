@@ -302,7 +302,7 @@ def keep_used_conversions(model: PreTrainedModel) -> None:
     its LayerNorms under the legacy names `gamma`/`beta`, which readers of safetensors files do not know."""
     conversions = getattr(model, "_weight_conversions", None)
     if conversions:
-        model._weight_conversions = [c for c in conversions if c.was_used()]
+        model._weight_conversions = [c for c in conversions if c.was_used()]  # type: ignore[assignment]
 
 
 def concrete_class(
