@@ -551,14 +551,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     shared = shared_spec(args, corpus)
     with tempfile.TemporaryDirectory() as tmp:
+        longest = 0.0  # the longest variant so far: one started with less time left would be cut, its time lost
         for run in plan_runs:
             left = args.budget_s - (time.monotonic() - started) - PLANNER_RESERVE_S
-            if left < 10:
+            if left < max(10.0, longest):
                 report["runs"].append({**run, "status": "skipped", "error": f"skipped: --budget_s {args.budget_s:g}"})
                 continue
+            begun = time.monotonic()
             print(f"[{time.strftime('%H:%M:%S')}] {run['variant']}: {args.steps} steps", flush=True)
             spec = run | shared | {"output_dir": str(Path(tmp) / run["variant"])}
             report["runs"].append(run_one(spec, min(args.timeout, left)))
+            longest = max(longest, time.monotonic() - begun)
             report |= report["runs"][-1].pop("device_facts", None) or {}  # the device as the runs saw it
             compare(report)
             report["seconds"] = time.monotonic() - started

@@ -143,19 +143,29 @@ def run_tier(command: list[str], limit: int) -> bool:
     that it still reports what ran (its junit XML and summary) instead of losing everything to an outer timeout;
     a minute later its whole session (the xdist workers and what they started) is killed."""
     tier = subprocess.Popen(command, cwd=REPO, start_new_session=True)
-    try:
-        tier.wait(timeout=limit or None)
-        return False
-    except subprocess.TimeoutExpired:
-        print(f"the gpu tier was interrupted after {limit} s (--tier_timeout)", flush=True)
-        tier.send_signal(signal.SIGINT)
-    try:
-        tier.wait(timeout=60)
-    except subprocess.TimeoutExpired:
+
+    def stop(signum: int, frame: object) -> None:  # an outer timeout: the tier's own session would hold the GPU on
         with contextlib.suppress(OSError):
             os.killpg(tier.pid, signal.SIGKILL)
-        tier.wait()
-    return True
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        try:
+            tier.wait(timeout=limit or None)
+            return False
+        except subprocess.TimeoutExpired:
+            print(f"the gpu tier was interrupted after {limit} s (--tier_timeout)", flush=True)
+            tier.send_signal(signal.SIGINT)
+        try:
+            tier.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(OSError):
+                os.killpg(tier.pid, signal.SIGKILL)
+            tier.wait()
+        return True
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def parse_junit(path: Path) -> list[TestResult]:

@@ -369,3 +369,32 @@ def test_gpu_check_reads_bench_gpus_real_output(tmp_path):
     report = gpu_check.write_report(tmp_path / "report", FAKE_ENV, [], json.loads(out.read_text()), 1.0)
     assert report["problems"] == ["no test is marked gpu"]  # the benchmark's result was read
     assert f"| defaults | {row['tokens_per_s']:,.0f} | n/a | n/a |" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_an_outer_timeout_takes_the_tiers_own_session_with_the_check(tmp_path):
+    """gpu_check runs the tier in a session of its own (so that its interrupt reaches every xdist worker); the
+    session script's `timeout` ended gpu_check alone and left that session holding the GPU into the next device
+    call (found in review). SIGTERM to gpu_check now kills the tier's session first."""
+    marker = tmp_path / "tier-pid"
+    tier = f"import os, time; open({str(marker)!r}, 'w').write(str(os.getpid())); time.sleep(120)"
+    script = str(REPO / "scripts" / "gpu_check.py")
+    check = (
+        f"import importlib.util, sys; spec = importlib.util.spec_from_file_location('g', {script!r}); "
+        "g = importlib.util.module_from_spec(spec); spec.loader.exec_module(g); "
+        f"g.run_tier([sys.executable, '-c', {tier!r}], 0)"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", check], cwd=REPO)
+    deadline = time.monotonic() + 60
+    while not (marker.is_file() and marker.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pid = int(marker.read_text())
+    parent.terminate()
+    assert parent.wait(timeout=30) == 128 + 15
+    for _ in range(50):  # the tier's process is gone with it
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the tier's process {pid} outlived the check")
