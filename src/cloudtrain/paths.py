@@ -79,16 +79,15 @@ def check_earlier_model(cfg: Config, output_dir: Path) -> None:
         return
     if resume is not None and Path(resume).resolve().is_relative_to(checkpoints.resolve()):  # resume.resumes_here
         return
-    if torchrun_restarts() > 0:  # resume.restarted_defaults
+    if torchrun_restarts() > 0 or not holds_saved_model(output_dir):  # restarts: resume.restarted_defaults
         return
-    if holds_saved_model(output_dir) and resume is not None:
+    if resume is not None:
         raise UserError(
             f"--resume_from_checkpoint {resume} is not in this run's checkpoint folder {checkpoints}, and "
             f"--output_dir {output_dir} already holds a model: give --checkpoint_dir {Path(resume).parent} if it is "
             "this run's, or pass --overwrite_output_dir true to continue it here as a run of its own"
         )
-    if holds_saved_model(output_dir):
-        raise UserError(earlier_model_refusal(output_dir))
+    raise UserError(earlier_model_refusal(output_dir))
 
 
 def model_folders(cfg: Config, default: bool = True) -> list[str]:

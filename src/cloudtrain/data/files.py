@@ -54,10 +54,9 @@ def check_data_files(cfg: DataConfig) -> None:
 
 def _check_held_out_apart(files: dict[str, str]) -> None:
     """A held-out file inside the training folder would be trained on as well as evaluated on."""
-    train = Path(files.get("train", ""))
-    if "train" not in files or not train.is_dir():
+    if "train" not in files or not Path(files["train"]).is_dir():
         return
-    read = {f.resolve() for f in data_files(train)}
+    read = {f.resolve() for f in data_files(Path(files["train"]))}
     for split in ("validation", "test"):
         if split in files and Path(files[split]).resolve() in read:
             raise UserError(
