@@ -430,6 +430,7 @@ def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_or_starts_ove
     assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's newest, rotation at 1
 
 
+@pytest.mark.slow  # fresh training runs: the full suite's, not the fast tier's
 def test_another_folders_checkpoint_resumed_here_starts_a_run_of_its_own(tiny_model_dir, topic_csvs, tmp_path, capsys):
     """A checkpoint of run A resumed into a folder holding run X's model replaced that model unasked and drew
     X's steps and A's as one curve; into a folder holding X's checkpoints, rotation and the best model mixed them

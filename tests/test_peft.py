@@ -602,6 +602,7 @@ def test_bitsandbytes_cpu_kernel_warning_stays_off_stderr(caplog):
     assert [r.getMessage() for r in caplog.records] == ["a warning of another bitsandbytes module"]
 
 
+@pytest.mark.slow  # fresh training runs: the full suite's, not the fast tier's
 def test_a_merge_that_fails_leaves_the_trained_adapter_published(
     tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch
 ):

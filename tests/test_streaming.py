@@ -626,6 +626,7 @@ def test_a_folder_source_leaves_out_hidden_folders_and_the_validation_file(tmp_p
     assert len(connect_stream(apart, {"text": "--text_column"}, True)[1]) == 1
 
 
+@pytest.mark.slow  # fresh training runs: the full suite's, not the fast tier's
 def test_a_stream_of_empty_texts_is_one_line_not_an_endless_loop(tiny_llama_dir, tmp_path):
     """Every text empty: each buffer gave no rows and the restarting source was read again for ever, at full CPU
     and deaf to SIGTERM (found in audit). Once every source has gone a whole pass without a row, one line."""
