@@ -188,7 +188,7 @@ def test_a_row_repeated_within_a_step_draws_afresh_at_any_process_count(tiny_sd,
     assert torch.equal(unmarked["noise"][first], unmarked["noise"][7])  # what the repeats drew before the fix
 
 
-@pytest.mark.slow  # fresh training runs: the full suite's, not the fast tier's
+@pytest.mark.slow  # loader workers and three tokenized folders: the full suite's, not the fast tier's
 def test_a_random_crop_follows_the_rows_place_in_the_run_not_who_reads_it(tiny_sd, tmp_path):
     """A random crop keyed by --seed and the row's place in the run (epoch, position, repetition): the same in a
     loader worker as in the main process, whatever the global generator's state (a resume, a prefetch), and new
