@@ -522,6 +522,7 @@ def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_mode
     assert all(torch.equal(final[name], last[name]) for name in final if name in last)
 
 
+@pytest.mark.slow  # the fast tier's slowest (5-6 s): the full suite runs it
 def test_a_resume_at_another_batch_is_refused_before_it_trains(tiny_model_dir, topic_csvs, tmp_path, capsys):
     """The checkpoint's step is its position in the data: 8 rows a step from a step taken at 4 would skip rows."""
     from cloudtrain import train

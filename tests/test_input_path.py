@@ -108,6 +108,7 @@ def test_loader_workers_and_prefetching_train_on_the_same_batches(tiny_setup_bas
     assert runs[0].losses == runs[1].losses and all(map(math.isfinite, runs[0].losses))
 
 
+@pytest.mark.slow  # the fast tier's slowest (5-6 s): the full suite runs it
 def test_a_resumed_epoch_keeps_accelerates_non_blocking_copies(tiny_model_dir, tmp_path, monkeypatch):
     """accelerate's skip_first_batches builds its loader without the non-blocking flag: the loop carries it over,
     or the rest of a resumed epoch would copy each batch with a blocking copy (a sync per step on CUDA)."""

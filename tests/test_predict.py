@@ -178,6 +178,7 @@ def test_the_output_is_new_or_replaced_only_with_the_flag(runs, tmp_path, capsys
     assert sorted(p.name for p in out.parent.iterdir()) == ["preds.jsonl"]  # no staged file left
 
 
+@pytest.mark.slow  # the fast tier's slowest (5-6 s): the full suite runs it
 def test_a_kill_between_writing_and_renaming_leaves_the_previous_file(runs, tmp_path):
     out = tmp_path / "preds.jsonl"
     out.write_text("earlier predictions\n")
