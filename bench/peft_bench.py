@@ -253,8 +253,9 @@ def train_once(spec: dict) -> dict:
     import torch
     from sft_bench import peak_rss_mb
 
-    from cloudtrain.checkpointing import Checkpointer, checkpoint_dir, complete_checkpoints
+    from cloudtrain.checkpointing import Checkpointer, complete_checkpoints
     from cloudtrain.config import build_config
+    from cloudtrain.paths import checkpoint_dir
     from cloudtrain.pipeline import build_run
 
     if spec["threads"]:

@@ -76,10 +76,6 @@ class TrainerState:
         return self.device_s if self.device_s is not None else self.runtime_s * processes
 
 
-def checkpoint_dir(cfg: Config, output_dir: Path) -> Path:
-    return Path(cfg.checkpoint.checkpoint_dir) if cfg.checkpoint.checkpoint_dir else Path(output_dir) / "checkpoints"
-
-
 def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     """(step, path) of every complete cloudtrain checkpoint in `folder`, oldest first. Another trainer's
     `checkpoint-N` folders (the Hugging Face Trainer's hold a trainer_state.json too) are not ours to resume

@@ -67,6 +67,17 @@ def torchrun_restarts() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def checkpoint_dir(cfg: Config, output_dir: Path) -> Path:
+    """Where the run's checkpoints go: --checkpoint_dir, else <output_dir>/checkpoints."""
+    return Path(cfg.checkpoint.checkpoint_dir) if cfg.checkpoint.checkpoint_dir else Path(output_dir) / "checkpoints"
+
+
+def resumes_here(path: Path | str | None, folder: Path) -> bool:
+    """Whether the checkpoint resumed is one of `folder`'s (the run that wrote this folder's checkpoints and log
+    goes on; a branch set aside in `abandoned-<time>/` too), not another run's copied in."""
+    return path is not None and Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
 def check_earlier_model(cfg: Config, output_dir: Path) -> None:
     """The pipeline's refusal of a model an earlier run saved in --output_dir (pipeline.check_output_dir), where
     the options and the folder decide it alone: with --overwrite_output_dir, or a run resumed into its folder
@@ -74,10 +85,8 @@ def check_earlier_model(cfg: Config, output_dir: Path) -> None:
     from the latest checkpoint), the pipeline decides once it knows the checkpoint. Another folder's checkpoint
     starts a run of its own here, refused like a fresh one."""
     resume = cfg.checkpoint.resume_from_checkpoint
-    checkpoints = Path(cfg.checkpoint.checkpoint_dir or output_dir / "checkpoints")
-    if cfg.output.overwrite_output_dir or resume == "latest":
-        return
-    if resume is not None and Path(resume).resolve().is_relative_to(checkpoints.resolve()):  # resume.resumes_here
+    checkpoints = checkpoint_dir(cfg, output_dir)
+    if cfg.output.overwrite_output_dir or resume == "latest" or resumes_here(resume, checkpoints):
         return
     if torchrun_restarts() > 0 or not holds_saved_model(output_dir):  # restarts: resume.restarted_defaults
         return

@@ -24,7 +24,6 @@ from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.checkpointing import (
     Checkpointer,
     check_labels,
-    checkpoint_dir,
     probe_storage,
     read_state,
     restore_run_files,
@@ -42,19 +41,13 @@ from cloudtrain.observe import cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launch_environment_kept, launched_processes
 from cloudtrain.parallel.runtime import Runtime
-from cloudtrain.paths import check_output_folder, model_folders, resolve_model_path
+from cloudtrain.paths import check_output_folder, checkpoint_dir, model_folders, resolve_model_path, resumes_here
 from cloudtrain.publish import atomic, hub
 from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, earlier_model_refusal, holds_saved_model
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.registry import TASKS
-from cloudtrain.resume import (
-    agree_on_resume,
-    drop_earlier_checkpoints,
-    finish_interrupted_saves,
-    restarted_defaults,
-    resumes_here,
-)
+from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_interrupted_saves, restarted_defaults
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
 from cloudtrain.training.callbacks import load_callbacks
@@ -424,9 +417,9 @@ def save_final(run: Run, results: dict, predictions: dict) -> None:
             try:
                 adapters.merge(staging, lands_in=output_dir)
             except Exception as err:  # the adapter is saved and pushed all the same; `merge` can be run again
-                why = f"merging failed: {type(err).__name__}: {first_line(err)}"
-                why = str(err) if isinstance(err, UserError) else why
-                print(f"warning: {why}; the adapter is saved (`cloudtrain merge` merges it)", flush=True)
+                if not isinstance(err, UserError):  # a fault of ours: named, not the run's end
+                    err = UserError(f"merging failed: {type(err).__name__}: {first_line(err)}")
+                print(f"warning: {err}; the adapter is saved (`cloudtrain merge` merges it)", flush=True)
         staged = sorted(p.name for p in staging.iterdir())
         # before the seal: a recovered publish is the run's too; a card's digest is the staged one's
         output_dir_module.record(output_dir, staged, source=staging)

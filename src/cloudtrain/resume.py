@@ -34,7 +34,7 @@ from cloudtrain.checkpointing import (
 )
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.paths import torchrun_restarts
+from cloudtrain.paths import resumes_here, torchrun_restarts
 
 
 def first_on_node() -> bool:
@@ -129,12 +129,6 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
     if problems:
         raise UserError(problems[0], quiet=not runtime.is_main)
     return path
-
-
-def resumes_here(path: Path | None, folder: Path) -> bool:
-    """Whether the checkpoint resumed is one of `folder`'s (the run that wrote this folder's checkpoints and log
-    goes on; a branch set aside in `abandoned-<time>/` too), not another run's copied in."""
-    return path is not None and path.resolve().is_relative_to(Path(folder).resolve())
 
 
 def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:
