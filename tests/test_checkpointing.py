@@ -250,6 +250,17 @@ def test_rotation_keeps_the_step_just_saved_though_an_abandoned_later_one_exists
     assert [step for step, _ in complete_checkpoints(tmp_path)] == [2]  # the saved one, also the best
 
 
+def test_a_folder_removed_while_listed_holds_no_checkpoint(tmp_path, monkeypatch):
+    """Another process's storage probe may remove the checkpoint folder between glob's look and its listing."""
+    fake_checkpoint(tmp_path, 1, 0.5)
+
+    def vanished(self, pattern):
+        raise FileNotFoundError(2, "No such file or directory", str(self))
+
+    monkeypatch.setattr(Path, "glob", vanished)
+    assert complete_checkpoints(tmp_path) == []
+
+
 @pytest.mark.slow
 def test_rotation_in_a_real_run(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"

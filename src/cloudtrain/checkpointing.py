@@ -81,7 +81,11 @@ def complete_checkpoints(folder: Path) -> list[tuple[int, Path]]:
     `checkpoint-N` folders (the Hugging Face Trainer's hold a trainer_state.json too) are not ours to resume
     or rotate away."""
     found = []
-    for path in Path(folder).glob(f"{PREFIX}*"):
+    try:
+        paths = list(Path(folder).glob(f"{PREFIX}*"))
+    except FileNotFoundError:  # removed while listed: a run's storage probe removes the folder it made
+        return []
+    for path in paths:
         step = path.name[len(PREFIX) :]
         if step.isdigit() and written_by_cloudtrain(path / STATE_FILE):
             found.append((int(step), path))
