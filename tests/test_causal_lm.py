@@ -62,6 +62,17 @@ def test_a_run_trains_evaluates_and_saves(tiny_llama_dir, corpus, tmp_path, pack
     assert (out / "training_curves.png").is_file() and "eval/perplexity" in curves["evaluation metrics"]
 
 
+@pytest.mark.slow
+def test_an_evaluation_cut_short_by_a_signal_generates_no_samples(tiny_llama_dir, corpus, tmp_path):
+    """Its numbers are meaningless and a reclaim's grace period short: the samples are skipped, not generated."""
+    run = build_run(build_config(lm_options(tiny_llama_dir, corpus, tmp_path / "out", num_sample_prompts=2)))
+    run.trainer.setup()
+    whole = run.trainer.evaluate("validation", stop=lambda: False)
+    assert len(whole["generations"]) == 2
+    cut = run.trainer.evaluate("validation", stop=lambda: True)
+    assert cut["tokens"] > 0 and "generations" not in cut
+
+
 def test_token_level_accumulation_equals_one_big_batch(tiny_llama_dir, corpus, tmp_path):
     """3 micro-batches of uneven token counts give the update of one batch holding all of them; averaging
     per-micro-batch means (the classic mistake) would not."""

@@ -7,7 +7,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 
 class PreemptionSignal:
@@ -79,3 +79,25 @@ def _until(stop: Callable[[], bool], batches: Iterable) -> Iterator:
         if i and stop():
             return
         yield batch
+
+
+class UnlessCutShort(Sequence[str]):
+    """An evaluation's sample prompts, or none where `stop` holds when a task first reads them (after the
+    evaluation's batches): a cut-short evaluation's generations or renders are meaningless, and may take minutes
+    of a reclaim's grace period. Read once, it keeps its answer, so a task that zips prompts with outputs sees one
+    list."""
+
+    def __init__(self, prompts: Sequence[str], stop: Callable[[], bool]):
+        self._prompts, self._stop = prompts, stop
+        self._kept: list[str] | None = None
+
+    def _items(self) -> list[str]:
+        if self._kept is None:
+            self._kept = [] if self._stop() else list(self._prompts)
+        return self._kept
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._items()[index]
+
+    def __len__(self) -> int:
+        return len(self._items())

@@ -57,7 +57,7 @@ from cloudtrain.training.hooks import (
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import build_optimizer, build_scheduler, keep_settings, settings
-from cloudtrain.training.preemption import PreemptionSignal, until
+from cloudtrain.training.preemption import PreemptionSignal, UnlessCutShort, until
 from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
 
@@ -615,8 +615,11 @@ class Trainer:
     def evaluate(self, split: str, stop: Callable[[], bool] | None = None) -> dict:
         """The task's metrics of the current weights on one split, counted over every example exactly once (or
         over fewer, and meaningless, once `stop` says so: PreemptionSignal.cut_short). The sample answers (and
-        their exact_match) come from validation prompts: they belong to the validation split's results only."""
+        their exact_match) come from validation prompts: they belong to the validation split's results only, and to an
+        evaluation that was not cut short."""
         data = self.data if split == "validation" else replace(self.data, prompts=[], references=[])
+        if stop is not None:
+            data = replace(data, prompts=UnlessCutShort(data.prompts, stop))  # type: ignore[arg-type]
         return self.task.evaluate(
             self.model,
             self._batches(self.eval_dls[split], f"evaluation of {split}", stop),
