@@ -65,11 +65,33 @@ def test_mistakes_are_refused_before_any_process_starts(monkeypatch, capsys, tmp
         ("--nproc_per_node", "2", "--learning_rate", "-1"): "error: --learning_rate must be positive",
         ("--nproc_per_node", "2", "--train_file", str(tmp_path / "none.csv")): f"{tmp_path / 'none.csv'}",
         # the parallel sizes against the launch's processes (each process would import torch first to say so)
-        ("--nproc_per_node", "3", "--tensor_parallel_size", "2"): "--tensor_parallel_size 2 needs a multiple of 2 "
+        (
+            "--nproc_per_node",
+            "3",
+            "--task",
+            "causal_lm",
+            "--tensor_parallel_size",
+            "2",
+        ): "--tensor_parallel_size 2 needs a multiple of 2 "
         "processes, and this launch has 3: launch with cloudtrain launch --nproc_per_node 2 (or 4, ...)",
-        ("--nnodes", "2", "--master_addr", "n0", "--nproc_per_node", "1", "--context_parallel_size", "4"): "this "
-        "launch has 2",
+        (
+            "--nnodes",
+            "2",
+            "--master_addr",
+            "n0",
+            "--nproc_per_node",
+            "1",
+            "--task",
+            "sft",
+            "--context_parallel_size",
+            "4",
+        ): "this launch has 2",
         ("--nproc_per_node", "2", "--training_type", "pipeline", "--pipeline_parallel_size", "3"): "pipeline_parallel",
+        # a task that does not take the size: its registry row says so without importing it
+        ("--nproc_per_node", "2", "--task", "classification", "--tensor_parallel_size", "2"): "--tensor_parallel_size"
+        " 2 is supported for --task causal_lm, sft only (this run is classification)",
+        ("--nproc_per_node", "2", "--task", "dpo", "--context_parallel_size", "2"): "--context_parallel_size 2 is "
+        "supported for --task causal_lm, sft only (this run is dpo)",
     }
     for argv, line in cases.items():
         assert main(["launch", *argv]) == 2, argv

@@ -22,7 +22,8 @@ def row_of(cls: Any) -> Row:
     metrics = tuple(getattr(cls, "metrics", ()))
     streams = cls.stream_records if getattr(cls, "streams_data", False) else None
     best, reads = getattr(cls, "default_best_metric", None), tuple(getattr(cls, "reads_options", ()))
-    return Row(cls.__module__, cls.summary, metrics, best, streams, reads, getattr(cls, "predicts", None))
+    parallel = (bool(getattr(cls, f"{kind}_parallel", False)) for kind in ("tensor", "context"))
+    return Row(cls.__module__, cls.summary, metrics, best, streams, reads, getattr(cls, "predicts", None), *parallel)
 
 
 class Registry(Generic[T]):

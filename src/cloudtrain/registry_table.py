@@ -24,7 +24,8 @@ PROMPT_ANSWERS = "prompt_answers"  # a prompt and an answer: through the saved c
 class Row(NamedTuple):
     """One registered class as the parser sees it: `metrics`, `default_best_metric`, `stream_records` (None
     for a task that does not stream), `reads_options` (its Task.reads_options) and `predicts` (what `cloudtrain
-    predict` gives its saved model) are tasks' only."""
+    predict` gives its saved model), `tensor_parallel` and `context_parallel` (its Task's: whether the task takes
+    those sizes) are tasks' only."""
 
     module: str
     summary: str
@@ -33,6 +34,8 @@ class Row(NamedTuple):
     stream_records: str | None = None
     reads_options: tuple[str, ...] = ()
     predicts: str | None = None
+    tensor_parallel: bool = False
+    context_parallel: bool = False
 
 
 TASK_ROWS: dict[str, Row] = {
@@ -97,6 +100,8 @@ TASK_ROWS: dict[str, Row] = {
         "loss",
         DOCUMENT,
         reads_options=("packing", "label_smoothing", "sample_prompts", "num_sample_prompts", "sample_max_new_tokens"),
+        tensor_parallel=True,
+        context_parallel=True,
     ),
     "sft": Row(
         "cloudtrain.tasks.sft",
@@ -117,6 +122,8 @@ TASK_ROWS: dict[str, Row] = {
             "num_sample_prompts",
             "sample_max_new_tokens",
         ),
+        tensor_parallel=True,
+        context_parallel=True,
     ),
     "dpo": Row(
         "cloudtrain.tasks.dpo",

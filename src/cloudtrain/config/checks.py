@@ -29,10 +29,28 @@ def validate(cfg: Config) -> None:
             ),
         ]
     )
+    refuse_first(parallel_task_refusals(cfg))
     # the options alone ask for DeepSpeed or FSDP here; check_distributed asks again with the launcher's variables
     refuse_first(engine_conflicts(cfg, d.zero_stage is not None or bool(d.deepspeed_config), d.fsdp))
     if c.load_best_model_at_end:
         check_best_model_schedule(cfg)
+
+
+def parallel_task_refusals(cfg: Config) -> list[tuple[bool, str]]:
+    """--tensor_parallel_size or --context_parallel_size for a task that does not take it (its registry row says,
+    read without importing the task): refused before `cloudtrain launch` starts any process."""
+    from cloudtrain.registry import TASKS
+
+    d, task, rows = cfg.distributed, cfg.training.task, TASKS.rows()
+    sizes = (("tensor_parallel", d.tensor_parallel_size), ("context_parallel", d.context_parallel_size))
+    return [
+        (
+            size > 1 and task in rows and not getattr(rows[task], kind),
+            f"--{kind}_size {size} is supported for --task "
+            f"{', '.join(name for name, row in rows.items() if getattr(row, kind))} only (this run is {task})",
+        )
+        for kind, size in sizes
+    ]
 
 
 def engine_conflicts(cfg: Config, deepspeed: bool, fsdp: bool) -> list[tuple[bool, str]]:

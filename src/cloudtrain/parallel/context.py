@@ -40,19 +40,13 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
     if cp == 1:
         return
     from cloudtrain.parallel.distributed import split_refusals
-    from cloudtrain.registry import TASKS as REGISTRY
 
-    t, d = cfg.training, cfg.distributed
+    d = cfg.distributed
     refusals = split_refusals(cfg, cp, processes) + [
         (d.tensor_parallel_size > 1, "does not combine with --tensor_parallel_size yet; use one of the two"),
         (
             d.fsdp and d.fsdp_sharding_strategy == "hybrid_shard",
             "with --fsdp shards over every process: use --fsdp_sharding_strategy full_shard or shard_grad_op",
-        ),
-        (
-            not REGISTRY[t.task].context_parallel,  # one decoder's next-token loss over the cut batch's `targets`
-            f"is supported for --task {', '.join(c.name for c in REGISTRY if c.context_parallel)} only "
-            f"(this run is {t.task})",
         ),
         (
             cfg.model.attn_implementation not in (None, "", "varlen"),

@@ -55,7 +55,6 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
     if tp == 1:
         return
     from cloudtrain.parallel.distributed import split_refusals
-    from cloudtrain.registry import TASKS as REGISTRY
 
     flag = f"--tensor_parallel_size {tp}"
     t, d = cfg.training, cfg.distributed
@@ -69,10 +68,6 @@ def check_tensor_parallel(cfg: Config, processes: int) -> None:
             ),
             "with --fsdp shards fully, through transformers: drop --fsdp_sharding_strategy, --fsdp_cpu_offload and "
             "--fsdp_reshard_after_forward",
-        ),
-        (
-            not REGISTRY[t.task].tensor_parallel,
-            f"is supported for --task {', '.join(supported_tasks())} only (this run is {t.task})",
         ),
         (cfg.model.peft != "none", PEFT_REFUSAL),
         (
