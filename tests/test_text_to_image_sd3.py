@@ -6,6 +6,7 @@ output, full fine-tuning saves a pipeline that loads and resumes bit-exactly, va
 noise-prediction options are refused. 2-process DDP against one process: tests/test_text_to_image_dist.py."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -220,14 +221,23 @@ def test_the_sd3_lora_changes_the_pipelines_images_and_the_card_says_sd3(lora_ru
 
 def test_full_fine_tuning_saves_an_sd3_pipeline_and_resumes_bit_exactly(tiny_sd3, squares, tmp_path):
     """The transformer and both CLIP encoders trained in full (T5 and the VAE untouched), with empty captions; the
-    saved folder loads as a StableDiffusion3Pipeline; a run resumed from step 2 ends bit-identical."""
+    saved folder loads as a StableDiffusion3Pipeline; a run resumed from step 2 ends bit-identical. T5, stored in
+    16 bits (as the Hub's SD3 is), is saved as stored, not doubled to fp32."""
+    from transformers import T5EncoderModel
+
+    base_dir = tmp_path / "base"
+    shutil.copytree(tiny_sd3, base_dir)
+    T5EncoderModel.from_pretrained(tiny_sd3, subfolder="text_encoder_3", dtype=torch.bfloat16).save_pretrained(
+        base_dir / "text_encoder_3"
+    )
     run = sd3_options(
-        tiny_sd3, tmp_path / "full", train_data_dir=squares, train_text_encoder=True, proportion_empty_prompts=0.3,
+        str(base_dir), tmp_path / "full", train_data_dir=squares, train_text_encoder=True, proportion_empty_prompts=0.3,
         random_flip=True, max_steps=4, per_device_train_batch_size=4, learning_rate=1e-3, checkpointing_steps=2,
         logging_steps=1,
     )  # fmt: skip
     train(run)
-    pipe, base = sd3_pipeline(str(tmp_path / "full")), sd3_pipeline(tiny_sd3)
+    pipe, base = sd3_pipeline(str(tmp_path / "full")), sd3_pipeline(str(base_dir))
+    assert pipe.text_encoder_3.dtype == torch.bfloat16 and pipe.transformer.dtype == torch.float32
     for part in ("transformer", "text_encoder", "text_encoder_2"):
         trained = dict(getattr(pipe, part).named_parameters())
         changed = [n for n, p in getattr(base, part).named_parameters() if not torch.equal(p, trained[n])]

@@ -118,8 +118,9 @@ def vae_scale_factor(path: str) -> int:
     return 2 ** (len(blocks) - 1)
 
 
-def load_component(path: str, name: str, index: dict, dtype: torch.dtype) -> Any:
-    """One part of the pipeline, by the library and class model_index.json names for it."""
+def load_component(path: str, name: str, index: dict, dtype: torch.dtype | str) -> Any:
+    """One part of the pipeline, by the library and class model_index.json names for it (in `dtype`, or "auto":
+    as stored)."""
     library, class_name = index[name]
     try:
         cls = getattr(importlib.import_module(library), class_name)
@@ -388,11 +389,12 @@ class TextToImageModel(torch.nn.Module):
         if not self.lora:
             # the frozen parts as the base holds them, in fp32 like the trained ones: those in the compute dtype
             # beside an fp32 denoiser made a pipeline that from_pretrained loads and cannot run (mixed dtypes)
-            # (trained or not by the live part: under FSDP2 `parts` holds fresh copies, every weight trainable)
+            # (trained or not by the live part: under FSDP2 `parts` holds fresh copies, every weight trainable).
+            # SD3's T5 stays as stored (fp16 in the Hub's SD3: 9.5 GB, not 19): its pipeline casts T5's states
             modules = {
                 name: module
                 if any(p.requires_grad for p in getattr(self, name).parameters())
-                else load_component(self.path, name, self.index, torch.float32)
+                else load_component(self.path, name, self.index, "auto" if name == "text_encoder_3" else torch.float32)
                 for name, (module, _) in parts.items()
             }
             self.pipeline(modules=modules).save_pretrained(output_dir)
