@@ -131,12 +131,14 @@ def rows_of(loader, steps: int, *keys: str) -> list[tuple]:
     return [tuple(tuple(r.get(k) or ()) for k in keys) for chunk in take(loader, steps) for r in chunk]
 
 
-def test_sft_shards_stream_the_examples_with_their_answer_masks(qa, tmp_path, lm_tokenizer, lm_tokenizer_dir):
+def test_sft_shards_stream_the_examples_with_their_answer_masks(qa, tmp_path, lm_tokenizer, lm_tokenizer_dir, capsys):
     out = tmp_path / "sft-shards"
     argv = ["preprocess", "--task", "sft", "--train_file", str(qa), "--tokenizer_name_or_path", lm_tokenizer_dir]
     assert main([*argv, "--output_dir", str(out), "--shard_documents", "20", "--max_length", "32"]) in (0, None)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["documents"] == 50 and manifest["empty_documents"] == 1 and manifest["task"] == "sft"
+    assert manifest["records_refused"] == 1  # said, not left out unsaid
+    assert f"warning: left out record 5 of {qa}: no column 'completion'" in capsys.readouterr().err
     assert (manifest["max_length"], manifest["train_on_prompt"], manifest["chat_template"]) == (32, False, None)
     assert pq.read_table(out / "shard-00000.parquet").column_names == ["prompt", "completion", "input_ids", "loss_mask"]
     encode = sft_encoder(lm_tokenizer_dir)

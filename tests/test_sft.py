@@ -133,6 +133,52 @@ def test_a_template_that_rewrites_earlier_turns_gives_one_example_per_answer(lm_
     assert "(earlier)" in chat.tokenizer.decode(examples[1][0])
 
 
+REWRITING = (  # Qwen3-like: earlier answers are rendered otherwise, so each answer is an example of its own
+    "{% for m in messages %}{% if m['role'] == 'assistant' and not loop.last %}"
+    "{{ 'assistant: (earlier)' + eos_token }}{% else %}{{ m['role'] + ': ' + "
+    "m['content'] + eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}"
+)
+
+
+def test_a_carved_split_and_sample_limits_count_conversations_and_evaluation_answers(lm_tokenizer_dir, tmp_path):
+    """Two examples per conversation: the carve and --max_train_samples pick conversations, every answer of a
+    conversation lands in its split, and no conversation is in both (the carve once mixed examples and rows)."""
+    from datasets import Dataset, DatasetDict
+
+    template = tmp_path / "rewriting.jinja"
+    template.write_text(REWRITING)
+    chats = [
+        [{"role": "user", "content": f"Q{i}a"}, {"role": "assistant", "content": f"A{i}x"},
+         {"role": "user", "content": f"Q{i}b"}, {"role": "assistant", "content": f"A{i}y"}]
+        for i in range(20)
+    ]  # fmt: skip
+    raw = DatasetDict({"train": Dataset.from_list([{"messages": chat} for chat in chats])})
+
+    def answers(rows) -> set[str]:
+        text = " ".join(tokenizer.decode(r["input_ids"]) for r in rows)
+        return {f"A{i}{k}" for i in range(20) for k in "xy" if f"A{i}{k}" in text}
+
+    masks = {}
+    for limit, trained, on_prompt in ((None, 15, False), (6, 6, False), (None, 15, True)):
+        cfg = build_config(
+            sft_options(lm_tokenizer_dir, "", tmp_path / "out", validation_file="", chat_template=str(template),
+                        validation_split_percentage=25, max_train_samples=limit, max_length=64, packing="none",
+                        train_on_prompt=on_prompt)
+        )  # fmt: skip
+        tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+        data = build_task(cfg).process(raw, tokenizer, cfg)
+        masks[limit, on_prompt] = {s: sum(map(sum, getattr(data, s)["loss_mask"])) for s in ("train", "validation")}
+        train, validation = answers(data.train), answers(data.validation)
+        assert len(train) == 2 * trained and len(validation) == 2 * 5 and not train & validation
+        assert all(f"A{i}x" in split and f"A{i}y" in split for split in (train, validation) for i in range(20)
+                   if f"A{i}x" in split)  # fmt: skip
+        assert data.references and set(data.references) <= {a for a in validation if a.endswith("y")}
+    # --train_on_prompt trains on every token; evaluation still measures the answers alone
+    assert masks[None, True]["train"] > masks[None, False]["train"]
+    assert masks[None, True]["validation"] == masks[None, False]["validation"]
+
+
 def test_an_end_of_turn_token_outside_the_special_tokens_map_is_found(lm_tokenizer_dir):
     """Llama-3's <|eot_id|> is an added special token that the special-tokens map does not list."""
     from tokenizers import AddedToken

@@ -568,18 +568,29 @@ def test_resumed_at_another_process_count_consumes_the_same_documents(tiny_llama
             torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=1e-5)
 
 
-def test_a_streaming_sft_run_packs_examples_with_their_answer_masks(tiny_llama_dir, tmp_path):
-    """SFT streamed from a prompt/completion jsonl: rows carry loss masks, and the run trains to its step budget."""
+@pytest.mark.slow
+def test_a_streaming_sft_run_packs_examples_with_their_answer_masks(tiny_llama_dir, tmp_path, capsys):
+    """SFT streamed from a prompt/completion jsonl: rows carry loss masks, and the run trains to its step budget.
+    Records the chat format refuses are skipped with a warning and counted (they vanished unsaid), or stop it."""
     from cloudtrain import train
 
     rows = [{"prompt": f"What is {i} plus one?", "completion": f"It is {i + 1}."} for i in range(60)]
+    rows[20:40:4] = [{"prompt": "Who?", "completion": None}] * 5
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    args = stream_run_args(tiny_llama_dir, str(tmp_path / "qa.jsonl"), tmp_path / "sft", "--max_steps", "3")
+    args = stream_run_args(
+        tiny_llama_dir, str(tmp_path / "qa.jsonl"), tmp_path / "sft", "--max_steps", "40", "--mixture_exhausted", "stop"
+    )
     options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)} | {"task": "sft", "max_length": 64}
     results = train(options)
-    assert results["train"]["global_step"] == 3
-    sources = json.loads((tmp_path / "sft" / "train_results.json").read_text())["sources"]
-    assert sources[str(tmp_path / "qa.jsonl")]["documents"] >= 6
+    assert 6 < results["train"]["global_step"] < 40  # one pass: the file ended it
+    written = json.loads((tmp_path / "sft" / "train_results.json").read_text())
+    assert written["sources"][str(tmp_path / "qa.jsonl")]["documents"] >= 6
+    assert written["sources"]["corrupted_records_skipped"] == 5
+    assert f"warning: skipped record 24 of {tmp_path / 'qa.jsonl'}: column 'completion' holds NoneType, not text" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(UserError, match=r"record 20 of .*qa.jsonl: column 'completion' holds NoneType"):
+        train({**options, "on_bad_data": "stop", "output_dir": str(tmp_path / "stop")})
 
 
 def test_a_config_files_datasets_list_gives_each_source_its_weight_and_columns(tmp_path):

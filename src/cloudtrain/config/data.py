@@ -109,7 +109,7 @@ class DataConfig:
     train_on_prompt: bool = opt(
         False,
         "SFT: also train on prompt tokens (system, user turns and the template's "
-        "headers); by default only assistant tokens are in the loss.",
+        "headers); by default only assistant tokens are in the loss. Evaluation measures the answers either way.",
     )
     validation_split_percentage: float = opt(10.0, "Percent of train carved out for validation when there is none.")
     max_train_samples: int | None = opt(

@@ -234,10 +234,12 @@ class MixtureStream:
                 self._next_file(i)
             except BadRecord as err:
                 position["offset"] = self.readers[i].position  # type: ignore[union-attr]
-                self._bad(spec.files[position["file"]], position["offset"], str(err), "records", parse)
+                where = f"corrupted data in {spec.files[position['file']]} at position {position['offset']}"
+                self._bad(where, str(err), "records", parse)
                 return ({},)  # an empty document: nothing trains on it, the count stays in step
             except BadFile as err:
-                self._bad(spec.files[position["file"]], position["offset"], str(err), "files", parse)
+                self._bad(f"corrupted data in {spec.files[position['file']]} at position {position['offset']}",
+                          str(err), "files", parse)  # fmt: skip
                 self._next_file(i)
         return None
 
@@ -259,14 +261,18 @@ class MixtureStream:
             self.readers[i].close()  # type: ignore[union-attr]
             self.readers[i] = None
 
-    def _bad(self, path: str, offset: int, why: str, kind: str, reported: bool) -> None:
+    def refused(self, i: int, key: tuple[int, int, int], why: str) -> None:
+        """A record of source i that the task's encoder refused (cloudtrain.data.streaming.Refused): a bad record."""
+        self._bad(f"record {key[2]} of {self.specs[i].name}", why, "records", True)
+
+    def _bad(self, what: str, why: str, kind: str, reported: bool) -> None:
         """Counted and said by the one worker that parses this document (the others only step over it)."""
         if not reported:
             return
         if self.on_bad == "stop":
-            raise UserError(f"corrupted data in {path} at position {offset}: {why} (--on_bad_data skip goes on)")
+            raise UserError(f"{what}: {why} (--on_bad_data skip goes on)")
         self.bad[kind] += 1
-        print(f"warning: skipped corrupted data in {path} at position {offset}: {why}", file=sys.stderr, flush=True)
+        print(f"warning: skipped {what}: {why}", file=sys.stderr, flush=True)
 
     @staticmethod
     def _columns(record: dict, spec: SourceSpec) -> dict:

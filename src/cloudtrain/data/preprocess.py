@@ -374,17 +374,27 @@ def _exchange(a: Path, b: Path) -> bool:
     return renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0
 
 
-def _shard(records: list[dict], encode: Any, keep: list[str], args: argparse.Namespace) -> tuple[Any, list[int]]:
-    """A shard's table, encoded (and packed) by buffers of --pack_documents records, and each record's tokens."""
+def _shard(
+    records: list[dict], encode: Any, keep: list[str], args: argparse.Namespace, first: int
+) -> tuple[Any, list[int], int]:
+    """A shard's table, encoded (and packed) by buffers of --pack_documents records, each record's tokens, and
+    how many records the task refused (each said, by its number in the source: the shard's starts at `first`)."""
     import pyarrow as pa
 
-    tables, lengths = [], []
+    from cloudtrain.data.streaming import Refused
+
+    tables, lengths, refused = [], [], 0
     for start in range(0, len(records), args.pack_documents):
         part = records[start : start + args.pack_documents]
         encoded = encode(part)
+        for i, examples in enumerate(encoded):
+            if isinstance(examples, Refused):
+                refused += 1
+                print(f"warning: left out record {first + start + i} of {args.train_file}: {examples.why}",
+                      file=sys.stderr, flush=True)  # fmt: skip
         tables.append(_table(part, encoded, keep, args))
         lengths += [sum(len(ids) for ids, _ in examples) for examples in encoded]
-    return pa.concat_tables(tables), lengths
+    return pa.concat_tables(tables), lengths, refused
 
 
 def _parquet(table: Any) -> bytes:
@@ -421,11 +431,13 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
     cfg = _data_config(args, task)
     spec = _source(args)
     tokenizer = read_tokenizer(args.tokenizer_name_or_path, trust_remote_code=False)
-    encode, keep, shards, lengths = None, [args.text_column], [], []
+    encode, keep, shards, refused = None, [args.text_column], [], 0
+    lengths: list[int] = []
     for n, records in enumerate(_documents(spec, args.shard_documents)):
         if encode is None:
             encode, keep = task.preprocess_encoder(tokenizer, cfg, next((r for r in records if r), {}))
-        table, doc_lengths = _shard(records, encode, keep, args)
+        table, doc_lengths, left_out = _shard(records, encode, keep, args, len(lengths))
+        refused += left_out
         name = f"shard-{n:05d}.parquet"  # (shards.is_shard_name knows the form)
         out.write(name, _parquet(table))
         kill_point("preprocess.shard")
@@ -441,7 +453,7 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
             f"{args.train_file} gave no tokens: no record has text in column {args.text_column!r} (its columns: "
             f"{columns}); pass --text_column"
         )
-    manifest = _manifest(args, made_with(task, tokenizer, cfg), shards, lengths)
+    manifest = {**_manifest(args, made_with(task, tokenizer, cfg), shards, lengths), "records_refused": refused}
     out.write(HISTOGRAM, _plot(manifest["length_histogram"]))
     out.write(MANIFEST, (json.dumps(manifest, indent=2) + "\n").encode())
     return sum(s["rows"] for s in shards), shards, manifest

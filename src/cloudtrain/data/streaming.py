@@ -45,6 +45,15 @@ PACKED_LENGTHS = "seq_lengths"  # a shard row packed by `cloudtrain preprocess -
 Encoder = Callable[[list[dict]], list[list[tuple[list[int], list[int] | None]]]]
 
 
+class Refused(list):
+    """An encoder's answer for a record its task refuses (an unknown role, no answer): no examples, and why.
+    The stream skips it with a warning and counts it, or stops, as --on_bad_data says for corrupted data."""
+
+    def __init__(self, why: str):
+        super().__init__()
+        self.why = why
+
+
 @dataclass
 class StreamPlan:
     """What the training stream is made of; picklable with the task's `encode` under fork."""
@@ -131,13 +140,14 @@ class BufferDataset(IterableDataset):
                 before = copy.deepcopy(stream.state)
                 try:
                     docs = self._read(stream, mine)
+                    if stream.state["doc"] == before["doc"]:
+                        return
+                    rows = self._rows(docs, stream) if mine else []
                 except UserError as err:  # on_bad_data stop: said once, by the main process
                     yield {"error": str(err)}
                     return
-                if stream.state["doc"] == before["doc"]:
-                    return
                 if mine:
-                    yield {"index": j, "start": before, "rows": self._rows(docs), "bad": dict(stream.bad)}
+                    yield {"index": j, "start": before, "rows": rows, "bad": dict(stream.bad)}
                     stream.bad = {"records": 0, "files": 0}
                 j += 1
         finally:
@@ -154,16 +164,19 @@ class BufferDataset(IterableDataset):
                 docs.append((source, key, record))
         return docs
 
-    def _rows(self, docs: list[tuple]) -> list[dict]:
+    def _rows(self, docs: list[tuple], stream: MixtureStream) -> list[dict]:
         """The buffer's rows: its packed shard rows as they are, then the other documents packed."""
         packed = [d for d in docs if is_packed(d[2])]
         rows = [_packed_row(record, source, key, self.plan.block_size) for source, key, record in packed]
         if len(packed) < len(docs):
-            rows += self._pack([d for d in docs if not is_packed(d[2])])
+            rows += self._pack([d for d in docs if not is_packed(d[2])], stream)
         return rows
 
-    def _pack(self, docs: list[tuple]) -> list[dict]:
+    def _pack(self, docs: list[tuple], stream: MixtureStream) -> list[dict]:
         encoded = encode_stored([record for _, _, record in docs], self.plan.encode)
+        for (source, key, _), examples in zip(docs, encoded, strict=True):
+            if isinstance(examples, Refused):
+                stream.refused(source, key, examples.why)
         items = [
             (source, key if n == 0 else (*key, n), ids, mask)
             for (source, key, _), examples in zip(docs, encoded, strict=True)

@@ -39,8 +39,8 @@ from cloudtrain.data.chat import ChatFormat, Columns, detect_columns, last_answe
 from cloudtrain.data.packing import CausalLMCollator, pack_examples
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.data.shards import made_with
-from cloudtrain.data.streaming import StreamPlan, stream_plan
-from cloudtrain.errors import UserError
+from cloudtrain.data.streaming import Refused, StreamPlan, stream_plan
+from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
 from cloudtrain.models.load import grow_embeddings, load_tokenizer
 from cloudtrain.parallel.tensor import check_embeddings_fit
@@ -61,22 +61,33 @@ ROW_FEATURES = datasets.Features(
 
 
 def _stream_encoder(chat: ChatFormat, columns: Columns, cfg: DataConfig) -> Callable:
-    """Streamed records -> per record, its examples (token ids, answer mask) cut to --max_length; an example
-    the chat format refuses, or left with no answer token, trains nothing (the stored path refuses or counts)."""
+    """Streamed records -> per record, its examples (token ids, answer mask) cut to --max_length; a record the
+    chat format refuses is `Refused` (the stream warns and counts it), an example left with no answer token trains
+    nothing."""
     system, train_on_prompt, limit = cfg.system_prompt, cfg.train_on_prompt, cfg.max_length
 
     def encode(records: list[dict]) -> list[list[tuple[list[int], list[int]]]]:
-        out = []
+        out: list[list[tuple[list[int], list[int]]]] = []
         for record in records:
             try:
                 examples = chat.examples(to_messages(record, columns, system), train_on_prompt)
-            except (ValueError, KeyError, TypeError):
-                examples = []
+            except (ValueError, KeyError, TypeError) as err:
+                why = f"no column {err.args[0]!r}" if isinstance(err, KeyError) else first_line(err)
+                out.append(Refused(why))  # said and counted by the stream (--on_bad_data)
+                continue
             cut = [(ids[:limit], mask[:limit]) for ids, mask in examples]
             out.append([(ids, mask) for ids, mask in cut if any(mask[1:])])
         return out
 
     return encode
+
+
+def of_conversations(examples: Dataset, conversations: list[int]) -> Dataset:
+    """The examples of these conversations (an example's `conversation`: its row's index in the data encoded)."""
+    if len(conversations) == len(examples) and conversations == examples["conversation"]:
+        return examples  # one example per conversation, all kept
+    keep = set(conversations)
+    return examples.select([i for i, c in enumerate(examples["conversation"]) if c in keep])
 
 
 @TASKS.register
@@ -163,21 +174,24 @@ class SFTTask(CausalLMTask):
                 raw["validation"] = Dataset.from_list([{c: r.get(c) for c in names} for r in held_out])
         raw = DatasetDict(raw)
         examples = {split: self._encode(ds, split, columns, d) for split, ds in raw.items()}  # checks every row
-        if "validation" not in raw:  # the same examples carved from both, so sample prompts match the rows
+        # Each split's conversations, by their index in the data encoded: a template that renders each answer
+        # apart (Qwen3's) gives a conversation several examples, so splits and limits count conversations.
+        kept = {split: list(range(len(ds))) for split, ds in raw.items()}
+        if "validation" not in raw:  # carved from both alike, so sample prompts match the rows
             train, validation = self._carve_indices(len(raw["train"]), d.validation_split_percentage, cfg.training.seed)
-            for splits in (raw, examples):
-                splits["train"], splits["validation"] = (
-                    splits["train"].select(train),
-                    splits["train"].select(validation),
-                )
+            raw["train"], raw["validation"] = raw["train"].select(train), raw["train"].select(validation)
+            examples["validation"], kept["train"], kept["validation"] = examples["train"], train, validation
+            if d.train_on_prompt:  # the training examples' masks hold the prompts: evaluation's must not
+                examples["validation"] = self._encode(raw["validation"], "validation", columns, d)
+                kept["validation"] = list(range(len(raw["validation"])))
         for split, limit in (
             ("train", d.max_train_samples),
             ("validation", d.max_eval_samples),
             ("test", d.max_eval_samples),
         ):
             if split in raw and not (split == "train" and plan is not None):
-                raw[split], examples[split] = first_rows(raw[split], limit), first_rows(examples[split], limit)
-        rows = {split: self._rows(split, ds, d) for split, ds in examples.items()}
+                raw[split], kept[split] = first_rows(raw[split], limit), kept[split][:limit]
+        rows = {split: self._rows(split, of_conversations(ds, kept[split]), d) for split, ds in examples.items()}
         self._sample_prompts(raw["validation"], columns, cfg)
         return ProcessedData(
             train=plan if plan is not None else rows["train"],
@@ -215,12 +229,13 @@ class SFTTask(CausalLMTask):
         return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
 
     def _encode(self, ds: Dataset, split: str, columns: Columns, cfg: DataConfig) -> Dataset:
-        """(input_ids, loss_mask) per example, every example checked; cached by data, tokenizer and template."""
-        chat, system, train_on_prompt = self.chat, cfg.system_prompt, cfg.train_on_prompt
+        """(input_ids, loss_mask) per example, every example checked; cached by data, tokenizer and template.
+        --train_on_prompt trains on the prompts; evaluation measures the answers whatever it says."""
+        chat, system, train_on_prompt = self.chat, cfg.system_prompt, cfg.train_on_prompt and split == "train"
         assert chat is not None and self.tokenizer is not None  # both set by `process`
 
         def encode(batch: dict, indices: list[int]) -> dict:
-            ids, masks = [], []
+            ids, masks, conversations = [], [], []
             for i, index in enumerate(indices):
                 try:
                     examples = chat.examples(
@@ -230,7 +245,8 @@ class SFTTask(CausalLMTask):
                     raise UserError(f"{split} example {index}: {err}") from None
                 ids += [example_ids for example_ids, _ in examples]
                 masks += [mask for _, mask in examples]
-            return {"input_ids": ids, "loss_mask": masks}
+                conversations += [index] * len(examples)
+            return {"input_ids": ids, "loss_mask": masks, "conversation": conversations}
 
         # The template writes BOS/EOS by their strings: two tokenizers with one vocabulary may differ there.
         key = cache_key(
@@ -242,9 +258,12 @@ class SFTTask(CausalLMTask):
             train_on_prompt,
             self.tokenizer.chat_template,
             self.tokenizer.special_tokens_map,
-            "sft-v2",
+            "sft-v3",
         )
-        features = datasets.Features({name: ROW_FEATURES[name] for name in ("input_ids", "loss_mask")})
+        features = datasets.Features(
+            {"input_ids": ROW_FEATURES["input_ids"], "loss_mask": ROW_FEATURES["loss_mask"],
+             "conversation": datasets.Value("int64")}
+        )  # fmt: skip
         desc = f"Tokenizing {split} with the chat template"
         return cached_map(ds, encode, features, cfg, f"sft-{split}", key, desc, with_indices=True)
 
