@@ -14,7 +14,7 @@ from conftest import ENTRY, REPO, assert_each_refused, run_cli
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from cloudtrain.config import build_config
-from cloudtrain.data.chat import ChatFormat, Columns, to_messages
+from cloudtrain.data.chat import CHATML, ChatFormat, Columns, to_messages
 from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, pack_examples, shifted_loss
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks import build_task
@@ -388,6 +388,8 @@ def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
     users_only.write_text(
         "{% for m in messages %}{% if m['role'] == 'user' %}{{ m['content'] }}{% endif %}{% endfor %}"
     )
+    no_generation_prompt = tmp_path / "no_generation_prompt.jinja"  # ChatML without its add_generation_prompt branch
+    no_generation_prompt.write_text(CHATML.split("{% if add_generation_prompt %}")[0])
     base = sft_options(tiny_llama_dir, chats_file, tmp_path / "out")
     return {
         "messages not a list": (
@@ -399,6 +401,10 @@ def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
         "template without an assistant": (
             {**base, "chat_template": str(users_only)},
             "does not render assistant messages",
+        ),
+        "template without a generation prompt": (  # the header was trained and exact_match always 0
+            {**base, "chat_template": str(no_generation_prompt)},
+            "writes the assistant's header ('<|im_start|>assistant') but its generation prompt does not",
         ),
         "no example columns": (
             {**base, "train_file": str(no_columns), "validation_file": None},

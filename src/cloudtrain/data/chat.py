@@ -264,6 +264,13 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str) -> int:
             f"the chat template ({source}) does not render assistant messages after its generation "
             "prompt; give a template with an assistant role, or --chat_template chatml"
         )
+    header = text[len(prompt) : text.index(answer, len(prompt))]
+    if header.strip() and prompt == chat.render(PROBE[:1]):
+        raise UserError(
+            f"the chat template ({source}) writes the assistant's header ({header.strip()!r}) but its generation "
+            "prompt does not (it has no add_generation_prompt branch): the model would learn to write the header "
+            "itself and answer after it; give a template with that branch, or --chat_template chatml"
+        )
     tail = text[text.index(answer, len(prompt)) + len(answer) :]
     # Llama-3's <|eot_id|> is special but not in the special-tokens map: ask the added tokens too.
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
