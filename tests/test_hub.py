@@ -425,6 +425,28 @@ def test_background_upload_failure_is_reported_by_wait(in_process, tmp_path):
         in_process.refuse_commits = None
 
 
+@pytest.mark.slow  # imports the pipeline
+def test_a_failed_background_upload_before_rotation_warns_and_training_goes_on(in_process, tmp_path, capsys):
+    """Rotation waits for the uploads before it deletes a checkpoint: a failed one stopped the run half-way."""
+    from types import SimpleNamespace
+
+    from cloudtrain.pipeline import hub_hooks
+
+    cfg = hub_config("alice/rotated")
+    cfg.hub.hub_strategy = "every_save"
+    cloudhub.check_access(cfg.hub)
+    uploader = cloudhub.HubUploader(cfg)
+    hooks = hub_hooks(cfg, SimpleNamespace(), SimpleNamespace(), None, uploader, is_main=True)
+    in_process.refuse_commits = "storage quota exceeded"
+    try:
+        hooks["on_saved"](2, make_save(tmp_path / "checkpoint-2" / "model", 2).parent)
+        hooks["before_delete"]()  # returns: the run goes on
+    finally:
+        in_process.refuse_commits = None
+    said = capsys.readouterr().out
+    assert "warning: 1 of 1 background Hub uploads failed" in said and "training goes on" in said
+
+
 # ---------------------------------------------------------------- the card for the built-in defaults
 
 

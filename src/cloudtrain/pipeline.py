@@ -302,10 +302,7 @@ def _train_evaluate_save(run: Run) -> dict:
         _after_a_signal(stop.by, skipped + cut, cfg, output_dir, quiet=not runtime.is_main)
     elif cfg.hub.push_to_hub and runtime.is_main:
         if uploader:
-            try:
-                uploader.wait()
-            except UserError as err:  # the final push below uploads everything that matters
-                print(f"warning: {err}", flush=True)
+            uploader.settle()  # the final push below uploads everything that matters
         hub.push_output_dir(output_dir, cfg, results)
     return {**results, "output_dir": str(output_dir)}
 
@@ -447,7 +444,7 @@ def hub_hooks(cfg: Config, task: Task, trainer, tokenizer, uploader, is_main: bo
     return {
         "export": export,
         "on_saved": on_saved if is_main else None,
-        "before_delete": uploader.wait if is_main else None,
+        "before_delete": uploader.settle if is_main else None,  # a failed upload is no reason to stop training
     }
 
 

@@ -341,6 +341,14 @@ class HubUploader:
         files = [path for path in model_files(folder) if path.name != CARD]
         return commit_model_files(self._api, self._hub, folder, files, commit_message, self._base_model)
 
+    def settle(self) -> None:
+        """`wait`, where a failed upload must not end the run (before rotation deletes a checkpoint, and at the
+        end): said as a warning; the final push uploads the model and its files again."""
+        try:
+            self.wait()
+        except UserError as err:
+            print(f"warning: {err}; training goes on, and the push at the end uploads the model", flush=True)
+
     def wait(self) -> None:
         """Block until every queued upload is done; raise UserError if any failed."""
         queued, self._queued = self._queued, []
