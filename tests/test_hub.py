@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -410,6 +411,35 @@ def test_background_uploader_makes_one_commit_per_upload_in_order(in_process, tm
     assert sorted(p for p in final if p.startswith("last-checkpoint/")) == sorted(  # older checkpoints replaced
         f"last-checkpoint/{p.name}" for p in saves[-1].iterdir()
     )
+
+
+def test_a_push_replaces_an_earlier_runs_model_files_and_keeps_the_users_others(in_process, tmp_path):
+    """A full model pushed over an adapter run: the old adapter_config.json made transformers apply the old
+    adapter to the new model, and an old test_results.json outlived a run without a test split. A save's upload
+    during training replaces the model files only; the card and the run's results wait for the final push."""
+    cfg = hub_config("alice/swap")
+    cloudhub.check_access(cfg.hub)
+    api = cloudhub.hub_api(cfg.hub)
+    adapter, full = tmp_path / "adapter", tmp_path / "full"
+    for folder, names in ((adapter, ["adapter_config.json", "adapter_model.safetensors", "test_results.json"]),
+                          (full, ["config.json", "model.safetensors"])):  # fmt: skip
+        folder.mkdir()
+        for name in [*names, "README.md", "args.json"]:
+            (folder / name).write_text(json.dumps({"from": folder.name}))
+    (adapter / "merged").mkdir()
+    (adapter / "merged" / "model.safetensors").write_text("merged")
+    commit = partial(cloudhub.commit_model_files, api, cfg.hub, message="push", base_model=None)
+    commit(folder=adapter, files=cloudhub.model_files(adapter))
+    api.upload_file(path_or_fileobj=b"mine", path_in_repo="notes.md", repo_id="alice/swap")  # the user's own
+    commit(folder=full, files=[full / "model.safetensors"], keep=cloudhub.RUN_FILES)  # a save during training
+    during = in_process.history("alice/swap")[-1].files
+    assert sorted(during) == [".gitattributes", "README.md", "args.json", "model.safetensors", "notes.md",
+                              "test_results.json"]  # fmt: skip
+    commit(folder=full, files=cloudhub.model_files(full))  # the final push
+    final = in_process.history("alice/swap")[-1].files
+    assert sorted(final) == [".gitattributes", "README.md", "args.json", "config.json", "model.safetensors",
+                             "notes.md"]  # fmt: skip
+    assert json.loads(final["args.json"]) == {"from": "full"}
 
 
 def test_background_upload_failure_is_reported_by_wait(in_process, tmp_path):

@@ -10,7 +10,9 @@ Supports model repos on the Hub, or on any server that `HF_ENDPOINT` names; the 
 when missing). A push uploads the top-level files of the output dir that a model repo needs
 (UPLOAD_PATTERNS): weights, config with label names, tokenizer, the generated README.md card,
 arguments, results and the training-curves plot; checkpoint folders, tracker logs and
-metrics.jsonl stay local. Does not open pull requests or delete files at the repo root.
+metrics.jsonl stay local. A file of those names left at the repo root (or in merged/) by an earlier run, that
+this push does not hold, is deleted in the same commit (an old adapter_config.json made transformers apply an
+old adapter to a new full model); any other file in the repo is kept. Does not open pull requests.
 
 An adapter (`--peft`) goes up in PEFT's layout (adapter_config.json, adapter_model.safetensors,
 labels.json, generation_config.json), and with it the merged model in merged/ when --merge_adapters
@@ -33,8 +35,14 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import httpx2  # huggingface_hub's HTTP client: its transport errors mean "the Hub cannot be reached"
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi, get_token
-from huggingface_hub.errors import HfHubHTTPError, HFValidationError, OfflineModeIsEnabled
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, get_token
+from huggingface_hub.errors import (
+    HfHubHTTPError,
+    HFValidationError,
+    OfflineModeIsEnabled,
+    RepositoryNotFoundError,
+    RevisionNotFoundError,
+)
 
 from cloudtrain import invocation
 from cloudtrain.config import Config, HubConfig, build_config
@@ -237,20 +245,50 @@ def model_files(folder: Path) -> list[Path]:
     """The files of `folder` that a model repo needs (UPLOAD_PATTERNS): its own, and those of merged/ (the
     merged model next to an adapter); checkpoints, tracker logs and any other sub-folder stay local."""
     candidates = sorted([*folder.iterdir(), *(folder / MERGED).glob("*")])
-    return [
-        path
-        for path in candidates
-        if path.is_file() and any(fnmatch.fnmatchcase(path.name, pattern) for pattern in UPLOAD_PATTERNS)
-    ]
+    return [path for path in candidates if path.is_file() and _matches(path.name, tuple(UPLOAD_PATTERNS))]
+
+
+RUN_FILES = (CARD, "args.json", "*_results.json", "training_curves.png")  # the final push's, not a save's
 
 
 def commit_model_files(
-    api: HfApi, hub: HubConfig, folder: Path, files: list[Path], message: str, base_model: str | None
+    api: HfApi,
+    hub: HubConfig,
+    folder: Path,
+    files: list[Path],
+    message: str,
+    base_model: str | None,
+    keep: tuple[str, ...] = (),
 ) -> CommitInfo:
-    """One commit of `files` (from `folder`) to the repo root; returns its CommitInfo."""
-    operations = [CommitOperationAdd(path.relative_to(folder).as_posix(), hub_copy(path, base_model)) for path in files]
+    """One commit of `files` (from `folder`) to the repo root, deleting the model files an earlier run left there
+    that `files` does not replace (but those named like `keep`); returns its CommitInfo."""
     assert hub.hub_model_id is not None  # check_access checked it
+    operations: list = [
+        CommitOperationAdd(path.relative_to(folder).as_posix(), hub_copy(path, base_model)) for path in files
+    ]
+    uploaded = {operation.path_in_repo for operation in operations}
+    for name in _repo_model_files(api, hub):
+        if name not in uploaded and not _matches(name.rsplit("/", 1)[-1], keep):
+            operations.append(CommitOperationDelete(name))
     return api.create_commit(hub.hub_model_id, operations, commit_message=message, revision=hub.hub_revision)
+
+
+def _repo_model_files(api: HfApi, hub: HubConfig) -> list[str]:
+    """The repo's files that a push of model files writes: at its root or in merged/, named as UPLOAD_PATTERNS."""
+    try:
+        names = api.list_repo_files(hub.hub_model_id, revision=hub.hub_revision)  # type: ignore[arg-type]
+    except (RepositoryNotFoundError, RevisionNotFoundError):  # a branch the commit creates
+        return []
+    return [
+        name
+        for name in names
+        if name.count("/") == 0 or (name.count("/") == 1 and name.startswith(f"{MERGED}/"))
+        if _matches(name.rsplit("/", 1)[-1], tuple(UPLOAD_PATTERNS))
+    ]
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
 def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
@@ -339,7 +377,7 @@ class HubUploader:
 
     def _upload_model_files(self, folder: Path, commit_message: str) -> CommitInfo:
         files = [path for path in model_files(folder) if path.name != CARD]
-        return commit_model_files(self._api, self._hub, folder, files, commit_message, self._base_model)
+        return commit_model_files(self._api, self._hub, folder, files, commit_message, self._base_model, RUN_FILES)
 
     def settle(self) -> None:
         """`wait`, where a failed upload must not end the run (before rotation deletes a checkpoint, and at the
