@@ -20,14 +20,14 @@ SRC = str(Path(cloudtrain.__file__).parent)
 READS = ("__bool__", "item", "tolist", "__float__", "__int__", "cpu", "numpy")
 
 
-def nan_at(monkeypatch, trainer_cls, step: int) -> None:
-    """The loss of training step `step` (1-based; one micro-batch per step) becomes nan."""
+def nan_at(monkeypatch, trainer_cls, *steps: int) -> None:
+    """The loss of training steps `steps` (1-based; one micro-batch per step) becomes nan."""
     real, calls = ClassificationTask.loss, []
 
     def loss(self, model, batch):
         calls.append(1)
         summed, count = real(self, model, batch)
-        return (summed * float("nan") if len(calls) == step else summed), count
+        return (summed * float("nan") if len(calls) in steps else summed), count
 
     monkeypatch.setattr(ClassificationTask, "loss", loss)
 
@@ -59,6 +59,21 @@ def test_a_nan_step_is_skipped_and_counted(trainer_cls, tiny_model_dir, tmp_path
     logged = read_metrics(tmp_path / "metrics.jsonl")
     assert [(e["step"], e["train/skipped_steps"]) for e in logged if "train/skipped_steps" in e] == [(3, 1)]
     assert all(e["train/loss"] == e["train/loss"] for e in logged if "train/loss" in e)  # no nan logged
+
+
+def test_an_interval_of_skipped_steps_logs_no_loss_not_zero(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """Every step between two logging steps skipped: its loss is unknown, and a 0 drew a fall to 0 on every curve."""
+    trainer = tiny_setup(
+        tiny_model_dir, tmp_path, BasicTrainer, max_steps=6, per_device_train_batch_size=4, logging_steps=2,
+        eval_strategy="no", nonfinite_loss="skip",
+    )  # fmt: skip
+    nan_at(monkeypatch, BasicTrainer, 3, 4)
+    trainer.fit()
+    logged = {e["step"]: e for e in read_metrics(tmp_path / "metrics.jsonl") if "train/learning_rate" in e}
+    assert sorted(logged) == [2, 4, 6] and "train/loss" not in logged[4]
+    assert all(logged[step]["train/loss"] > 0 for step in (2, 6))
+    said = capsys.readouterr()
+    assert "| loss - (every step skipped) |" in said.out + said.err
 
 
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])

@@ -230,8 +230,8 @@ class LoggingHook(Hook):
 
     def _values(self, loop: LoopState, interval: dict) -> dict:
         trainer = self.trainer
-        values = {
-            "train/loss": interval["loss"],
+        values = {  # no train/loss where every step of the interval was skipped (--nonfinite_loss skip): not 0
+            **({"train/loss": interval["loss"]} if interval["loss"] is not None else {}),
             "train/learning_rate": trainer.scheduler.get_last_lr()[0],
             "train/epoch": round(loop.epoch, 4),
             "train/samples_per_s": interval["samples_per_s"],
@@ -252,8 +252,9 @@ class LoggingHook(Hook):
 
     def _line(self, loop: LoopState, values: dict) -> str:
         epoch = "" if self.trainer.streams else f" | epoch {loop.epoch:.2f}"  # a stream has no epochs
+        loss = f"{values['train/loss']:.4f}" if "train/loss" in values else "- (every step skipped)"
         line = (
-            f"step {loop.step}/{loop.bar.total}{epoch} | loss {values['train/loss']:.4f}"
+            f"step {loop.step}/{loop.bar.total}{epoch} | loss {loss}"
             f" | lr {values['train/learning_rate']:.2e} | {values['train/samples_per_s']:.1f} samples/s"
             f" | {values['train/tokens_per_s']:.0f} tokens/s"
         )

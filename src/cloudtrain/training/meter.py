@@ -89,7 +89,7 @@ class Meter:
         self.state.loss_sum += loss_sum
         self.state.loss_count += int(count)
         return {
-            "loss": loss_sum / max(count, 1),
+            "loss": loss_sum / count if count else None,  # None: every step of the interval was skipped
             "samples_per_s": examples / seconds,
             "tokens_per_s": tokens / seconds,
             "tokens": tokens,
