@@ -103,6 +103,10 @@ def test_a_config_file_is_told_the_section_and_the_yaml_spelling(tmp_path):
         ("training:\n  seed: 1\n   lr: 2\n", "line 3, column 6: mapping values are not allowed here"),
         ('run_name: "open\n', "line 2, column 1: found unexpected end of stream (while scanning a quoted scalar at "
          "line 1, column 11)"),
+        # PyYAML kept the last copy of a key: a section written twice lost every option of its first copy
+        ("training:\n  learning_rate: 5.0e-3\ndata:\n  max_length: 64\ntraining:\n  num_train_epochs: 1\n",
+         "line 5, column 1: 'training' is given twice (first at line 1)"),
+        ("seed: 1\nseed: 2\n", "line 2, column 1: 'seed' is given twice (first at line 1)"),
     ],
 )  # fmt: skip
 def test_bad_yaml_says_where_in_one_line(tmp_path, text, where):
@@ -112,6 +116,23 @@ def test_bad_yaml_says_where_in_one_line(tmp_path, text, where):
     with pytest.raises(UserError) as caught:
         parse("--config", str(file))
     assert str(caught.value) == f"config file {file} is not valid YAML/JSON: {where}"
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("learning_rate: 5.0e-3\ntraining:\n  learning_rate: 2.0e-4\n",
+         "learning_rate is given both at the top level and under training; keep one"),
+        ("training:\n  learning_rate: 2.0e-4\nlearning_rate: 5.0e-3\n",
+         "learning_rate is given both under training and at the top level; keep one"),
+    ],
+)  # fmt: skip
+def test_an_option_given_flat_and_under_its_section_is_refused_either_way_round(tmp_path, text, message):
+    """Whichever came later in the file won, silently."""
+    file = tmp_path / "twice.yaml"
+    file.write_text(text)
+    with pytest.raises(UserError, match=re.escape(f"config file {file}: {message}")):
+        parse("--config", str(file))
 
 
 @pytest.mark.parametrize(

@@ -265,7 +265,7 @@ def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
     if file.resolve() in {f.resolve() for f in _chain}:
         raise UserError(f"config files extend each other in a cycle: {' -> '.join(map(str, chain))}")
     try:
-        data = yaml.safe_load(file.read_text(encoding="utf-8")) or {}  # YAML is a superset of JSON
+        data = yaml.load(file.read_text(encoding="utf-8"), Loader=_UniqueKeys) or {}  # YAML is a superset of JSON
     except yaml.YAMLError as err:
         raise UserError(f"config file {path} is not valid YAML/JSON: {_yaml_problem(err)}") from None
     except (OSError, UnicodeDecodeError) as err:
@@ -273,6 +273,22 @@ def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold key: value pairs")
     return with_bases(data, file.parent, chain, f"config file {path}")
+
+
+class _UniqueKeys(yaml.SafeLoader):
+    """safe_load's loader, refusing a key given twice in one mapping: PyYAML keeps the last silently, and a
+    section written twice lost every option of its first copy."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice (first at line {seen[key] + 1})", key_node.start_mark
+                )
+            seen[key] = key_node.start_mark.line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _yaml_problem(err: yaml.YAMLError) -> str:
@@ -325,8 +341,14 @@ def flatten(data: dict, origin: str = "the config") -> dict:
                         f"{origin}: {name} belongs to the {home} section, not {key}; move it under {home}: "
                         "(or to the top level)"
                     )
+            twice = next((name for name in value if name in flat), None)
+            if twice is not None:
+                raise UserError(f"{origin}: {twice} is given both at the top level and under {key}; keep one")
             flat.update(value)
         else:
+            if key in flat:
+                home = known[key][0] if key in known else "its section"
+                raise UserError(f"{origin}: {key} is given both under {home} and at the top level; keep one")
             flat[key] = value
     return flat
 
