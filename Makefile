@@ -40,15 +40,16 @@ data $(R8): $(PKG)
 $(GRIMM): $(PKG)
 	$(PY) scripts/fetch_grimm.py
 
-# --overwrite_output_dir true for its own default folder only: a folder given in ARGS (or in a --config file there)
-# keeps its model unless asked.
+# Each job's --overwrite_output_dir true is for its own default folder only: a folder given in ARGS (or in a --config
+# file there) keeps its model unless asked.
+OWN_FOLDER = $(if $(findstring --output_dir,$(ARGS))$(findstring --config,$(ARGS)),,--overwrite_output_dir true)
 train: setup
-	$(PY) src/training_application.py --training_type accelerated $(if $(findstring --output_dir,$(ARGS))$(findstring --config,$(ARGS)),,--overwrite_output_dir true) $(ARGS)
+	$(PY) src/training_application.py --training_type accelerated $(OWN_FOLDER) $(ARGS)
 
 # Pretrain a small decoder from scratch on the Grimm tales (configs/pretrain_grimm.yaml), ~7 min on 2 cores;
 # prints the perplexity before and after and a few generations.
 pretrain: setup
-	$(PY) src/training_application.py --config configs/pretrain_grimm.yaml $(ARGS)
+	$(PY) src/training_application.py --config configs/pretrain_grimm.yaml $(OWN_FOLDER) $(ARGS)
 
 $(SFT_DATA): $(R8)
 	$(PY) scripts/make_r8_sft.py
@@ -57,7 +58,7 @@ $(SFT_DATA): $(R8)
 # about?" questions; prints the exact-answer accuracy on 300 held-back articles before and after.
 sft: setup $(SFT_DATA)
 	@echo "base model: $(SFT_BASE)"
-	$(PY) src/training_application.py --config configs/sft_r8.yaml $(SFT_BASE) $(ARGS)
+	$(PY) src/training_application.py --config configs/sft_r8.yaml $(SFT_BASE) $(OWN_FOLDER) $(ARGS)
 
 # `make dpo`: preference tuning of `make sft`'s model (trained first when missing) on R8 topic pairs (the right topic
 # chosen, a wrong one rejected); configs/dpo_r8.yaml says what it runs.
@@ -69,7 +70,7 @@ $(SFT_MODEL):
 	$(MAKE) sft
 .PHONY: dpo
 dpo: setup $(DPO_DATA) $(SFT_MODEL)
-	$(PY) src/training_application.py --config configs/dpo_r8.yaml $(ARGS)
+	$(PY) src/training_application.py --config configs/dpo_r8.yaml $(OWN_FOLDER) $(ARGS)
 
 # The full suite (CI runs this); tests marked `gpu` run only where CUDA is available. Two workers, one per core
 # (pytest-xdist; `make test PYTEST_WORKERS=0` runs in one process), an idle one taking tests from the other's
@@ -79,7 +80,7 @@ PYTEST_WORKERS ?= 2
 # Offline demo: a small diffusion model learns scikit-learn's digits; before/after grids in outputs/t2i-digits/validation/
 text-to-image: setup
 	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py
-	OMP_NUM_THREADS=1 $(PY) src/training_application.py --config configs/text_to_image_digits.yaml $(ARGS)
+	OMP_NUM_THREADS=1 $(PY) src/training_application.py --config configs/text_to_image_digits.yaml $(OWN_FOLDER) $(ARGS)
 	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py --score outputs/t2i-digits
 
 # DeepSpeed's async I/O op (--offload_* nvme), compiled into torch's extension cache where libaio is installed, as
