@@ -164,6 +164,24 @@ def test_inside_a_job_the_defaults_follow_the_contract(tmp_path):
     assert cfg.output.output_dir == str(tmp_path / "model")
 
 
+def test_a_config_object_in_a_job_keeps_the_jobs_channels_and_model_folder(tmp_path, monkeypatch):
+    """train(Config()) inside a job: its untouched defaults replaced the job's, so it trained on the built-in data
+    and saved where SageMaker never uploads from (keyword arguments and dicts were right)."""
+    from cloudtrain.config import Config, resolve_options
+
+    (tmp_path / "train").mkdir()
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("SM_CHANNELS", '["train"]')
+    monkeypatch.setenv("SM_CHANNEL_TRAIN", str(tmp_path / "train"))
+    cfg = Config()
+    cfg.training.max_steps = 1
+    resolved = resolve_options(cfg, {})
+    assert (resolved.output.output_dir, resolved.data.train_file) == (str(tmp_path / "model"), str(tmp_path / "train"))
+    assert resolved.training.max_steps == 1
+    cfg.output.output_dir = str(tmp_path / "mine")  # what the object sets still wins over the job's
+    assert resolve_options(cfg, {}).output.output_dir == str(tmp_path / "mine")
+
+
 # ---------------------------------------------------------------- the launcher, real SDK against moto
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from cloudtrain.config.checks import validate
-from cloudtrain.config.root import Config, option_default, option_fields
+from cloudtrain.config.root import Config, differs_from_default, option_default, option_fields
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.sagemaker_env import sagemaker_defaults
 
@@ -381,8 +381,9 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
     Config, a dict of options, a config file's path or a list of them, each over the ones before: cloudtrain.train,
     --config), then `overrides`."""
     values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
-    if isinstance(config, Config):
-        values.update(config.to_dict(include_secrets=True))
+    if isinstance(config, Config):  # every option is set in it: those left at their defaults keep the job's
+        given = config.to_dict(include_secrets=True)
+        values.update({k: v for k, v in given.items() if k not in values or differs_from_default(config, k)})
     elif isinstance(config, dict):
         values.update(with_bases(config, Path.cwd()))
     elif isinstance(config, list):
