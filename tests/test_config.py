@@ -135,6 +135,13 @@ def test_an_option_given_flat_and_under_its_section_is_refused_either_way_round(
         parse("--config", str(file))
 
 
+@pytest.mark.parametrize("flag", ["output_dir", "checkpoint_dir", "profile_dir", "cache_dir"])
+def test_a_url_for_a_folder_the_run_writes_is_refused(flag):
+    """`--output_dir s3://bucket/run` saved the model into a local folder named `s3:` (found in audit)."""
+    with pytest.raises(UserError, match=f"--{flag} s3://bucket/run must be a local folder"):
+        parse(f"--{flag}", "s3://bucket/run", "--profile", "true")
+
+
 @pytest.mark.parametrize(
     "name, value, expected",
     [

@@ -30,6 +30,20 @@ def validate(cfg: Config) -> None:
         ]
     )
     refuse_first(parallel_task_refusals(cfg))
+    written = {"output_dir": cfg.output.output_dir, "checkpoint_dir": c.checkpoint_dir,
+               "profile_dir": cfg.monitoring.profile_dir, "cache_dir": cfg.data.cache_dir}  # fmt: skip
+    refuse_first(
+        [
+            (
+                "://" in str(folder),
+                f"--{flag} {folder} must be a local folder (a run writes there as it goes, and this one would "
+                "make a folder named like the URL): copy it up once the run ends, or on SageMaker leave it to the "
+                "job, which uploads its model folder and /opt/ml/checkpoints",
+            )
+            for flag, folder in written.items()
+            if folder
+        ]
+    )
     # the options alone ask for DeepSpeed or FSDP here; check_distributed asks again with the launcher's variables
     refuse_first(engine_conflicts(cfg, d.zero_stage is not None or bool(d.deepspeed_config), d.fsdp))
     if c.load_best_model_at_end:
