@@ -449,7 +449,7 @@ def hub_hooks(cfg: Config, task: Task, trainer, tokenizer, uploader, is_main: bo
 
 
 def _print_summary(task: Task, results: dict, output_dir: Path) -> None:
-    print(f"{describe_training(results['train'])}, final train loss {results['train']['train_loss']:.4f}")
+    print(f"{describe_training(results['train'])}, mean train loss {results['train']['train_loss']:.4f}")
     best = results["train"].get("model_from_step")  # --load_best_model_at_end chose an earlier step's model
     of_model = f" (the model of step {best}, --load_best_model_at_end)" if best is not None else ""
     for name in ("eval", "test"):

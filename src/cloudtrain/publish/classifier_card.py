@@ -114,7 +114,7 @@ print(classifier("{{ example_text }}"{{ kind.call_options }}))
 
 ### Training results
 
-| steps | epochs | final train loss | runtime (s) | samples/s |
+| steps | epochs | mean train loss (the run's) | runtime (s) | samples/s |
 |---:|---:|---:|---:|---:|
 | {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | \
 {{ train.train_runtime_s }} | {{ train.train_samples_per_s }} |

@@ -109,7 +109,7 @@ def body(
     lines += [f"- {name}: {values[name]}" for name in settings if values.get(name) is not None]
     train = results.get("train", {})
     if "train_loss" in train:
-        lines.append(f"- final training loss: {train['train_loss']:.4f} after {train.get('global_step')} steps")
+        lines.append(f"- mean training loss over the run: {train['train_loss']:.4f}, {train.get('global_step')} steps")
     if "eval" in results:
         lines.append(f"- evaluation loss (fixed noise): {results['eval']['loss']:.4f}")
     return "\n".join(lines) + "\n"
