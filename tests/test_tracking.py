@@ -519,6 +519,19 @@ def test_check_trackers_rejects_unusable_choices(monkeypatch):
     tracking.check_trackers(TrackingConfig(report_to=["tensorboard"]))  # not W&B's run: its variable is not read
 
 
+def test_a_tracker_named_twice_is_refused_and_a_run_name_stays_one_folder_of_tensorboard():
+    """wandb,wandb ended the run with a traceback after the save; tensorboard,tensorboard logged everything twice;
+    --run_name ../../x wrote the event files outside the output folder (found in audit)."""
+    with pytest.raises(UserError, match="--report_to names wandb twice; name each tracker once"):
+        TrackingConfig(report_to=["wandb", "tensorboard", "wandb"]).check()
+    assert [tracking.folder_name(n) for n in ("../../escaped", "a\\b", "..", "plain")] == [
+        ".._.._escaped",
+        "a_b",
+        "__",
+        "plain",
+    ]
+
+
 def test_w_and_b_settings_it_refuses_are_one_line(monkeypatch, tmp_path):
     import wandb
 

@@ -97,6 +97,9 @@ class TrackingConfig:
     def check(self) -> None:
         if "none" in self.report_to and len(self.report_to) > 1:
             raise UserError("--report_to none cannot be combined with other trackers")
+        twice = next((name for i, name in enumerate(self.report_to) if name in self.report_to[:i]), None)
+        if twice is not None:  # two W&B runs ended the run with a traceback; TensorBoard logged everything twice
+            raise UserError(f"--report_to names {twice} twice; name each tracker once")
 
 
 @dataclass

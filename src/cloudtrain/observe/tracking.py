@@ -503,6 +503,12 @@ class Trackio(RunMethods, TrackioTracker):
 # ---------------------------------------------------------------- TensorBoard
 
 
+def folder_name(run_name: str) -> str:
+    """A run name as one folder's name: `../x` put TensorBoard's files outside <output_dir>/tensorboard."""
+    name = run_name.replace("/", "_").replace("\\", "_")
+    return "_" * len(name) if name in (".", "..") else name or "run"
+
+
 class TensorBoard(RunMethods, TensorBoardTracker):
     """Event files in <output_dir>/tensorboard/<run name>; the config as text and, at the end, hparams."""
 
@@ -511,7 +517,9 @@ class TensorBoard(RunMethods, TensorBoardTracker):
         # the steps the first part logged after its checkpoint; on a new run, an older run of the name.
         purge_step = context.resume_step + 1 if context.resume_step is not None else 0
         super().__init__(
-            saved.get("name", context.run_name), str(context.output_dir / "tensorboard"), purge_step=purge_step
+            saved.get("name", folder_name(context.run_name)),
+            str(context.output_dir / "tensorboard"),
+            purge_step=purge_step,
         )
         self.config: dict = {}
 
