@@ -240,3 +240,27 @@ def test_auto_probes_the_gpu(tiny_model_dir, topic_csvs, tmp_path):
     probes = [line for line in result.stdout.splitlines() if line.startswith("batch size: micro-batch")]
     assert probes and all(line.endswith(("fits", "out of memory")) for line in probes)
     assert "global batch 64" in result.stdout
+
+
+@pytest.mark.slow
+def test_pair_tasks_probe_their_longest_pair(tiny_model_dir, tiny_llama_dir, tmp_path):
+    """reward and dpo rows hold chosen_ids and rejected_ids, not input_ids: auto failed with a KeyError traceback
+    (found in audit). The probe row is the pair with the most tokens, and a probe of it trains."""
+    from test_reward import write_pairs
+
+    from cloudtrain.batch_size import worst_case_probe
+    from cloudtrain.pipeline import build_run
+
+    pairs = write_pairs(tmp_path / "pairs.jsonl", margin=False)
+    common = {"train_file": pairs, "validation_file": pairs, "mixed_precision": "no", "report_to": "none",
+              "max_length": 64, "max_steps": 1}  # fmt: skip
+    for task, model in (("reward", tiny_model_dir), ("dpo", tiny_llama_dir)):
+        cfg = build_config({**common, "task": task, "model_name_or_path": model, "output_dir": str(tmp_path / task)})
+        run = build_run(cfg)
+        rows = run.data.train
+        longest = max(len(c) + len(r) for c, r in zip(rows["chosen_ids"], rows["rejected_ids"], strict=True))
+        row = run.task.probe_row(rows)
+        assert len(row["chosen_ids"]) + len(row["rejected_ids"]) == longest
+        probe, tokens = worst_case_probe(run.trainer.model, run.data, run.task, "no", torch.device("cpu"))
+        assert tokens == max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+        probe(3)  # forward and backward of three copies of it

@@ -163,7 +163,7 @@ def worst_case_probe(
     """(probe, the longest row's tokens): probe(b) runs forward and backward of b copies of the task's costliest
     training row (`Task.probe_row`) on `device`, then frees the gradients."""
     row = task.probe_row(data.train)
-    longest = len(row["input_ids"])
+    longest = task.probe_tokens(row)
 
     def probe(size: int) -> None:
         try:
@@ -226,7 +226,7 @@ def warn_beyond_estimate(cfg: Config, data: "ProcessedData", task: "Task", runti
         longest = (
             cfg.data.max_length
             if not hasattr(data.train, "column_names")
-            else len(task.probe_row(data.train)["input_ids"])
+            else task.probe_tokens(task.probe_row(data.train))
         )
     except Exception:
         return

@@ -290,6 +290,15 @@ def longest_row(ds: Dataset, column: str) -> dict:
     return ds[pc.index(lengths, pc.max(lengths)).as_py()]
 
 
+def longest_pair(ds: Dataset) -> dict:
+    """The pair of `ds` (rows of chosen_ids and rejected_ids) whose two sides hold the most tokens together."""
+    import pyarrow.compute as pc
+
+    table = ds.with_format("arrow")
+    lengths = pc.add(pc.list_value_length(table["chosen_ids"]), pc.list_value_length(table["rejected_ids"]))
+    return ds[pc.index(lengths, pc.max(lengths)).as_py()]
+
+
 def choose_rows(
     raw: DatasetDict, scheme: LabelScheme, cfg: DataConfig, seed: int
 ) -> tuple[dict[str, Dataset], dict[str, Dataset]]:

@@ -218,6 +218,10 @@ class Task:
 
         return longest_row(train, "input_ids")
 
+    def probe_tokens(self, row: dict) -> int:
+        """The tokens of one `probe_row`, as the planner counts a row's (its sequence length)."""
+        return len(row["input_ids"])
+
     def train_in_full(self, model: PreTrainedModel) -> list[str]:
         """Modules that train in full next to adapters (--peft): what the task added or changed in the model."""
         return []

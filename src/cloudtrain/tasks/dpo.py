@@ -52,7 +52,7 @@ from cloudtrain.data.pairs import (
     to_pair,
     truncate_pairs,
 )
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows, longest_pair
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
@@ -406,6 +406,13 @@ class DPOTask(SFTTask):
                 return self.logps(inner, batch)[0]
 
     # ------------------------------------------------------------ loss and metrics
+    def probe_row(self, train: Dataset) -> dict:
+        """The pair with the most tokens on its two sides (both run in one batch)."""
+        return longest_pair(train)
+
+    def probe_tokens(self, row: dict) -> int:
+        return max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.full((), len(batch["rows"]) // 2, device=batch["input_ids"].device)  # pairs, in either layout
 

@@ -33,7 +33,7 @@ from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat
 from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows, longest_pair
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import grow_embeddings, head_labels, pad_as_batches
@@ -231,6 +231,13 @@ class RewardTask(Task):
         return head
 
     # ------------------------------------------------------------ loss and evaluation
+    def probe_row(self, train: Dataset) -> dict:
+        """The pair with the most tokens on its two sides (both run in one batch)."""
+        return longest_pair(train)
+
+    def probe_tokens(self, row: dict) -> int:
+        return max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.full((), len(batch["margin"]), device=batch["input_ids"].device)
 
