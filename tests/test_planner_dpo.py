@@ -138,6 +138,14 @@ def test_a_strategy_the_run_refuses_is_refused_with_the_run_s_line(tmp_path, mon
     # LoRA's live reference is the base, which ZeRO-3 shards: planned
     lora = planning.make_plan(plan_args("llama-2-7b", tmp_path / "c", strategy="zero3", peft="lora", **args))
     assert lora["recommendation"]["label"].startswith("LoRA + ZeRO-3")
+    # --peft auto: the adapters are planned, and the note says why full fine-tuning is not (found in audit)
+    either = planning.make_plan(plan_args("llama-2-7b", tmp_path / "d", strategy="zero3", **args))
+    assert either["recommendation"]["label"].startswith("LoRA + ZeRO-3")
+    assert any(n.startswith("--strategy zero3: the run refuses some of its rows (--task dpo under ZeRO-3 with full")
+               for n in either["notes"])  # fmt: skip
+    # a pipeline does not train a pair's loss: the run's rule, not "does not fit" with advice on GPU size
+    with pytest.raises(UserError, match="--strategy pipeline: --training_type pipeline does not train --task dpo"):
+        planning.make_plan(plan_args("llama-2-7b", tmp_path / "e", strategy="pipeline", **args))
 
 
 def _launch_config(base: dict, key: str, peft: str, precompute: bool):

@@ -3,6 +3,8 @@ chooses them; Liger's fused loss by hand; where a fused loss or Liger's modules 
 that shard or split the LM head, adapters, tensor-parallel rows); `plan` passing --liger_kernels on. The terms
 against GPU measurements: tests/test_planner_fsdp.py."""
 
+from dataclasses import replace
+
 import pytest
 from test_planner import (
     decoder_dirs_fixture,  # noqa: F401  (the decoder_dirs fixture)
@@ -104,6 +106,7 @@ def test_ligers_modules_count_in_full_fine_tuning_only(decoder_dirs):
 
 
 def test_an_auto_fused_loss_keeps_the_tensor_parallel_rows(facts):
+    facts = replace(facts, from_config=False)  # a saved model: the run loads it sharded (not one built from a config)
     setup = Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_loss="liger")
     assert no_tensor_parallel(facts, setup) is None
     asked = Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, fused_loss="liger", fused_loss_asked=True)
@@ -129,3 +132,16 @@ def test_a_fused_loss_asked_for_drops_the_rows_the_run_refuses(tmp_path):
     assert "no ZeRO-3 or FSDP rows: --fused_cross_entropy true refuses them" in plan["notes"]
     with pytest.raises(UserError, match="--strategy fsdp: the run refuses it: --fused_cross_entropy true reads"):
         planning.make_plan(plan_args(None, tmp_path / "fsdp", strategy="fsdp", **options))
+
+
+def test_kernel_options_the_run_refuses_are_refused_by_the_plan(tmp_path, tiny_model_dir, facts):
+    """The plan dropped them and recommended a launch the run then refused (found in audit)."""
+    with pytest.raises(UserError, match="--fused_cross_entropy true: --task classification has no language-model"):
+        planning.make_plan(plan_args(tiny_model_dir, tmp_path / "a", task="classification", gpu_memory_gb=80,
+                                     fused_cross_entropy="true"))  # fmt: skip
+    options = dict(task="causal_lm", model_config=measured_config(tmp_path, "llama-600m"), max_length=512)
+    options |= dict(num_gpus=2, gpu_memory_gb=80)
+    with pytest.raises(UserError, match="--strategy tp: --tensor_parallel_size loads a saved model sharded, not one"):
+        planning.make_plan(plan_args(None, tmp_path / "b", strategy="tp", **options))
+    liger = Setup(2, 1, 80 * GIB, None, S, "bf16", step_rows=B, liger_asked=True)
+    assert "refuses --liger_kernels true" in no_tensor_parallel(facts, liger)

@@ -30,13 +30,14 @@ from cloudtrain.hardware import resolve_precision
 from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.models.diffusion import read_model_index
+from cloudtrain.models.kernels import liger_installed, liger_knows
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
 from cloudtrain.planning.diffusion import plan as pipeline_plan
 from cloudtrain.planning.diffusion import render as render_pipeline
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, is_decoder, model_config_refusal, model_facts
-from cloudtrain.planning.kernels import planned_kernels, shards_head
+from cloudtrain.planning.kernels import fuses_loss, planned_kernels, shards_head
 from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
 from cloudtrain.planning.report import choice_json, recommendation_json, render, row_json
@@ -162,7 +163,7 @@ def make_plan(args: argparse.Namespace) -> dict:
         return _pipeline_plan(args, name, gpu)  # a folder that is no pipeline: the run's own one line
     m, run_task, task_cfg = _model(args, name, gpu)
     setup, requested, global_batch = _setup(args, m, run_task, task_cfg, gpu)
-    rows, allowed, cands, adapters = _rows(args, m, setup, run_task, task_cfg, requested, global_batch)
+    rows, allowed, cands, adapters, refused = _rows(args, m, setup, run_task, task_cfg, requested, global_batch)
     ranked = ranked_choices(m, allowed, setup, requested, global_batch)
     plan = {
         "model": asdict(m),
@@ -184,7 +185,8 @@ def make_plan(args: argparse.Namespace) -> dict:
         + _split_notes(m, setup)
         + (["no ZeRO-3 or FSDP rows: --fused_cross_entropy true refuses them"] if setup.fused_loss_asked else [])
         + _hardware_notes(name, args, gpu)
-        + _attention_note(m, args),
+        + _attention_note(m, args)
+        + refused,
     }
     if not ranked:
         return _nothing_fits(plan, args, m, setup, rows, [r.candidate for r in allowed] or cands, adapters)
@@ -258,6 +260,18 @@ def _setup(
         None if args.nvme_gb is None else round(args.nvme_gb * GIB),
     )
     requested, global_batch = _batch(args, setup.world_size)
+    refuse_first(  # the run's own lines, where the plan would drop the option and recommend it all the same
+        [
+            (
+                args.fused_cross_entropy == "true" and not fuses_loss(run_task),
+                f"--fused_cross_entropy true: --task {args.task} has no language-model loss; use false",
+            ),
+            (
+                args.liger_kernels is True and liger_installed() and not liger_knows(m.model_type),  # else unknown
+                f"--liger_kernels true: Liger Kernel has no fused modules for {m.model_type!r} models; use false",
+            ),
+        ]
+    )
     # a step of one micro-batch holds no gradients; the GPU runs Liger Kernel's auto choices if it is installed
     loss, modules = planned_kernels(args.fused_cross_entropy, args.liger_kernels, m.model_type, run_task)
     setup = replace(
@@ -265,6 +279,7 @@ def _setup(
         step_rows=global_batch // setup.world_size,
         fused_loss=loss,
         fused_loss_asked=args.fused_cross_entropy == "true",
+        liger_asked=args.liger_kernels is True,
         fused_modules=modules,
         target_length=run_task.target_length(task_cfg) if m.encoder else None,
     )
@@ -279,14 +294,20 @@ def _rows(
     task_cfg: Config,
     requested: int,
     global_batch: int,
-) -> tuple[list, list, list[Candidate], tuple[str, ...]]:
-    """(every row the run may take, those the pinned options allow, the candidates, the adapters planned); a pinned
-    --strategy the run refuses or that has no row here is refused in one line."""
+) -> tuple[list, list, list[Candidate], tuple[str, ...], list[str]]:
+    """(every row the run may take, those the pinned options allow, the candidates, the adapters planned, a note
+    where the run refuses some of the rows a pinned --strategy asks for); a pinned --strategy the run refuses
+    entirely or that has no row here is refused in one line."""
     adapters = (
         () if m.adapters is None else tuple(p for p in ("lora", "dora", "qlora") if p != "dora" or args.peft == "dora")
     )  # DoRA only when asked for
     per_gpu = global_batch // setup.world_size
     pipes = pipeline_candidates(m, setup, per_gpu, micro_batch_options(requested, per_gpu)[0])
+    if args.strategy == PIPELINE.key and not run_task.runs_in_pipeline:  # the run's rule, before the model's
+        raise UserError(
+            f"--strategy pipeline: --training_type pipeline does not train --task {args.task}; drop --strategy to "
+            "plan it under DDP, ZeRO or FSDP2"
+        )
     if args.strategy == PIPELINE.key and not pipes:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
     splits = tensor_candidates(m, setup) + context_candidates(m, setup)
@@ -308,7 +329,9 @@ def _rows(
         and args.gradient_checkpointing in ("auto", str(r.candidate.checkpointing).lower())
         and args.peft in ("auto", r.candidate.peft)
     ]
-    return rows, allowed, cands, adapters
+    partly = [f"--strategy {args.strategy}: the run refuses some of its rows ({why}); the others are planned"
+              for why in refused[:1]]  # fmt: skip
+    return rows, allowed, cands, adapters, partly
 
 
 def _no_adapter_row(key: str) -> str:

@@ -133,6 +133,13 @@ def no_tensor_parallel(m: ModelFacts, setup: Setup) -> str | None:
         return "--tensor_parallel_size needs bf16 or fp32, not fp16"
     if setup.fused_loss_asked:
         return "--tensor_parallel_size refuses --fused_cross_entropy true (its LM head is split)"
+    if setup.liger_asked:
+        return "--tensor_parallel_size refuses --liger_kernels true (its kernels are not tested on DTensors)"
+    if m.from_config:
+        return (
+            "--tensor_parallel_size loads a saved model sharded, not one built from --model_config: save the model "
+            "built from the config first and plan for its folder"
+        )
     if setup.num_gpus < 2:
         return "tensor parallelism needs at least 2 GPUs on a node"
     problems = [m.tensor_plan.divisor_problem(m, t) for t in degrees(setup)]

@@ -158,6 +158,7 @@ class Setup:
     fused_loss: str | bool | None = None  # a fused linear cross-entropy (liger, chunked): the logits never whole
     fused_loss_asked: bool = False  # --fused_cross_entropy true: the run refuses rows that shard the LM head
     fused_modules: bool = False  # Liger's fused RMSNorm, SwiGLU and RoPE (full fine-tuning, no TP or CP)
+    liger_asked: bool = False  # --liger_kernels true: the run refuses tensor parallelism with it
     target_length: int | None = None  # an encoder-decoder's target tokens (--max_target_length); max_length: source
 
     @property
