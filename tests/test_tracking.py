@@ -337,6 +337,10 @@ def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, trac
             "true",
             "--project_name",
             "tracking-test",
+            "--peft",
+            "lora",
+            "--merge_adapters",
+            "true",
         )
     )
     assert result.returncode == 0, result.stderr[-3000:]
@@ -354,7 +358,9 @@ def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, trac
     assert any("eval/confusion_matrix_table" in key for row in run["history"] for key in row)
     (model,) = [a for a in run["artifacts"] if a.type == "model"]
     assert model.name == f"model-{run['id']}"
-    assert {"model.safetensors", "config.json", "tokenizer.json"} <= {e.path for e in model.manifest.contents}
+    # the model's sub-folders too (a merged model; a diffusers pipeline's parts were left out: found in audit)
+    expected = {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "merged/model.safetensors"}
+    assert expected <= {e.path for e in model.manifest.contents}
 
 
 @pytest.fixture

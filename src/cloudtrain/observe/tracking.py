@@ -19,6 +19,7 @@ first part logged after its checkpoint stay in W&B, trackio and MLflow (TensorBo
 Not supported: accelerate's other trackers (comet_ml, aim, clearml, dvclive, swanlab).
 """
 
+import fnmatch
 import importlib.util
 import itertools
 import json
@@ -40,6 +41,7 @@ from cloudtrain.config import Config, TrackingConfig, differs_from_default
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
 from cloudtrain.publish.atomic import write_whole
+from cloudtrain.publish.saving import MODEL_PATTERNS
 from cloudtrain.redact import mask_value
 
 RUNS_FILE = "tracker_runs.json"
@@ -374,9 +376,13 @@ class WandB(RunMethods, WandBTracker):
             given = {k: v for k, v in cfg.to_dict().items() if differs_from_default(cfg, k)}
             metadata = mask_value(dict(list(given.items())[:100]))
             artifact = wandb.Artifact(f"model-{self.run.id}", type="model", metadata=metadata)
-            for file in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
-                if file.is_file() and file.name != RUNS_FILE and not file.name.startswith("."):  # lock, manifest
-                    artifact.add_file(str(file))
+            for entry in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
+                if entry.name == RUNS_FILE or entry.name.startswith("."):  # and the lock, the manifest
+                    continue
+                if entry.is_file():
+                    artifact.add_file(str(entry))
+                elif any(fnmatch.fnmatchcase(entry.name, p) for p in (*MODEL_PATTERNS, "tokenizer*")):
+                    artifact.add_dir(str(entry), name=entry.name)  # a pipeline's parts; a merged model
             self.run.log_artifact(artifact)
 
     def finish(self) -> None:
