@@ -484,6 +484,9 @@ def test_resume_continues_the_same_tracker_runs(tracker_env, rejecting_wandb_ser
     )
     assert "W&B: could not start an online run (invalid api key); logging offline" in first
     ids = json.loads((out / "tracker_runs.json").read_text())
+    # Another experiment under the same --run_name: trackio resumes the newest run of a name, so it takes another
+    other = tracked_part(tracker_env / "other", "trackio", 1, 2, offset=5.0)
+    assert "trackio: project cloudtrain has a run named resumable already; this one is resumable-2" in other
     # Part two resumes from a checkpoint at step 4: steps 5-8 are logged again, with new values.
     second = tracked_part(out, trackers, 5, 8, resume_step=4, offset=1.0)
     assert json.loads((out / "tracker_runs.json").read_text())["trackio"]["id"] == ids["trackio"]["id"]
@@ -497,8 +500,10 @@ def test_resume_continues_the_same_tracker_runs(tracker_env, rejecting_wandb_ser
     assert parts[0]["id"] == parts[1]["id"] == ids["wandb"]["id"]
     assert [row["_step"] for row in parts[1]["history"] if "train/loss" in row] == [5, 6, 7, 8]
 
+    other_id = json.loads((tracker_env / "other" / "tracker_runs.json").read_text())["trackio"]["id"]
     rows = trackio_rows(tracker_env / "hf")
-    assert {run_id for run_id, _, _ in rows} == {ids["trackio"]["id"]}
+    assert {run_id for run_id, _, _ in rows} == {ids["trackio"]["id"], other_id}
+    rows = [row for row in rows if row[0] == ids["trackio"]["id"]]
     resumed = [(step, m["train/loss"]) for _, step, m in rows if "train/loss" in m][6:]
     assert resumed == expected[4:]  # part one's steps 5-6 stay in trackio's history, before these
 

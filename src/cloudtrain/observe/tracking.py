@@ -471,12 +471,14 @@ def wandb_sync_command(state: dict, resumed: bool) -> str:
 
 
 class Trackio(RunMethods, TrackioTracker):
-    """A trackio run in the local database ($HF_HOME/trackio); resumed by its project and name."""
+    """A trackio run in the local database ($HF_HOME/trackio); resumed by its project and name, which trackio
+    resolves to the newest run of the name: a new run takes a name no run of the project has."""
 
     def __init__(self, context: RunContext, saved: dict):
+        project = saved.get("project", context.tracking.project_name)
         super().__init__(
-            saved.get("project", context.tracking.project_name),
-            name=saved.get("name", context.run_name),
+            project,
+            name=saved.get("name") or untaken_name(project, context.run_name),
             resume="allow" if saved else "never",
             embed=False,
         )
@@ -504,6 +506,22 @@ class Trackio(RunMethods, TrackioTracker):
         import trackio
 
         trackio.finish()  # also forgets the run, so trackio's exit hook does not finish it a second time
+
+
+def untaken_name(project: str, name: str) -> str:
+    """`name`, or `name-2`, `name-3`... where an earlier run of the project has it (another experiment's resume
+    would otherwise attach to this one)."""
+    import trackio
+
+    try:
+        taken = {run.name for run in trackio.Api().runs(project)}
+    except ValueError:  # no such project yet
+        return name
+    candidates = (name if n == 1 else f"{name}-{n}" for n in itertools.count(1))
+    chosen = next(c for c in candidates if c not in taken)
+    if chosen != name:
+        print(f"trackio: project {project} has a run named {name} already; this one is {chosen}", flush=True)
+    return chosen
 
 
 # ---------------------------------------------------------------- TensorBoard
