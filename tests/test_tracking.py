@@ -363,6 +363,39 @@ def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, trac
     assert expected <= {e.path for e in model.manifest.contents}
 
 
+EVENT_PART = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from cloudtrain.config import build_config
+    from cloudtrain.observe.tracking import RunLog
+
+    out = sys.argv[1]
+    cfg = build_config({"report_to": "wandb,tensorboard", "output_dir": out, "run_name": "spiky"})
+    run_log = RunLog(cfg, Path(out), True, {"num_parameters": 10, "device": "cpu", "num_processes": 1,
+                                            "training_type": "basic"})
+    for step in (5, 10, 15):
+        run_log.log({"train/loss": step / 100}, step=step)
+    run_log.event("loss_spike", "loss spike at step 13", 54.7, step=13)  # found at the logging step 15
+    run_log.finish({"train": {"global_step": 15, "train_loss": 0.5}}, [])
+""")
+
+
+@pytest.mark.slow
+def test_an_anomaly_found_after_its_step_reaches_w_and_b(tracker_env):
+    """W&B drops a value logged at a step before its newest: the anomaly of step 13, found at the logging step
+    15, never reached it (found in audit). It goes up at step 15; metrics.jsonl keeps its own step."""
+    out = tracker_env / "out"
+    env = {**os.environ, "WANDB_MODE": "offline", "PYTHONPATH": child_pythonpath()}
+    result = subprocess.run([sys.executable, "-c", EVENT_PART, str(out)], capture_output=True, text=True,
+                            timeout=300, cwd=REPO, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    (run_dir,) = (out / "wandb").glob("offline-run-*")
+    history = wandb_run(run_dir)["history"]
+    assert [(row["_step"], row["anomaly/loss_spike"]) for row in history if "anomaly/loss_spike" in row] == [(15, 54.7)]
+    (event,) = [e for e in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "event" in e]
+    assert (event["step"], event["event"]) == (13, "loss_spike")
+
+
 @pytest.fixture
 def silent_server():
     """A TCP port on 127.0.0.1 that accepts connections and never answers: a network that hangs."""

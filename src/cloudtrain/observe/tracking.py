@@ -111,6 +111,7 @@ class RunLog:
         self.run_info = run_info
         self.trackers: list = []
         self.curves: dict = {}  # what training_curves.png shows, once finish() has drawn it
+        self.latest_step = 0  # the newest step logged: W&B drops a value logged at an earlier one
         self.start_time = time.perf_counter()
         if not self.enabled:
             return
@@ -152,18 +153,21 @@ class RunLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "time": round(time.time(), 3), **values}) + "\n")
+        self.latest_step = max(self.latest_step, step)
         for tracker in self.trackers:
             tracker.log(values, step=step)
 
     def event(self, kind: str, message: str, value: float, step: int) -> None:
         """Something that went wrong (an anomaly): `anomaly/<kind>` = value in every tracker, the line in
-        metrics.jsonl, and an alert where the tracker has alerts (W&B online)."""
+        metrics.jsonl, and an alert where the tracker has alerts (W&B online). Found at a logging step after it,
+        the value goes to the trackers at that step (W&B drops one logged at an earlier step; the message says
+        which step it was)."""
         if not self.enabled:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "time": round(time.time(), 3), "event": kind, "message": message}) + "\n")
         for tracker in self.trackers:
-            tracker.log({f"anomaly/{kind}": value}, step=step)
+            tracker.log({f"anomaly/{kind}": value}, step=max(step, self.latest_step))
             tracker.alert(kind.replace("_", " "), message)
 
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
