@@ -633,6 +633,16 @@ def test_a_resume_says_which_offline_w_and_b_parts_are_gone_and_syncs_the_rest(t
     assert kept.is_dir() and str(kept) != lost
 
 
+def test_an_mlflow_store_that_cannot_be_used_is_one_line(silent_server, tmp_path):
+    """A server that does not answer, or a database in a folder that cannot be written: minutes of MLflow's retries
+    and a traceback of 130-200 lines (found in audit)."""
+    with pytest.raises(UserError, match=f"MLflow at {silent_server} does not answer within 5 s: start its server"):
+        tracking.check_mlflow_store(silent_server)
+    with pytest.raises(UserError, match="MLflow's database sqlite:////proc/x/m.db cannot be written"):
+        tracking.check_mlflow_store("sqlite:////proc/x/m.db")
+    tracking.check_mlflow_store(f"sqlite:///{tmp_path}/m.db")  # a writable folder: fine
+
+
 def test_an_mlflow_server_that_does_not_answer_is_not_taken_for_a_lost_run(monkeypatch):
     """Only "no such run" starts a new run on resume: a server that is down would split the history (review)."""
     from types import SimpleNamespace

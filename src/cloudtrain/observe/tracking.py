@@ -46,6 +46,7 @@ from cloudtrain.redact import mask_value
 
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0
+MLFLOW_CONNECT_TIMEOUT_S = 5.0  # a server that answers nothing in this long: MLflow would retry for minutes
 WANDB_INIT_TIMEOUT_S = 30.0
 WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # what wandb 0.2x's settings take
 PACKAGES = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -584,6 +585,18 @@ class TensorBoard(RunMethods, TensorBoardTracker):
 # ---------------------------------------------------------------- MLflow
 
 
+def check_mlflow_store(uri: str) -> None:
+    """One line where MLflow's store cannot be used, before MLflow retries for minutes and ends in a traceback: a
+    server that does not answer, or a SQLite database whose folder cannot be written."""
+    fix = "start its server or check MLFLOW_TRACKING_URI (unset, runs go to <output_dir>/mlruns)"
+    if uri.startswith(("http://", "https://")) and not reachable(uri, MLFLOW_CONNECT_TIMEOUT_S):
+        raise UserError(f"MLflow at {uri} does not answer within {MLFLOW_CONNECT_TIMEOUT_S:.0f} s: {fix}")
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri.removeprefix("sqlite:///")).parent
+        if not (folder.is_dir() and os.access(folder, os.W_OK)):
+            raise UserError(f"MLflow's database {uri} cannot be written ({folder} is no writable folder): {fix}")
+
+
 class MLflow(RunMethods, MLflowTracker):
     """An MLflow run in $MLFLOW_TRACKING_URI, else in a SQLite database inside the output folder."""
 
@@ -597,6 +610,7 @@ class MLflow(RunMethods, MLflowTracker):
             or saved.get("tracking_uri")
             or f"sqlite:///{(store / 'mlflow.db').resolve()}"
         )
+        check_mlflow_store(self.tracking_uri)
         mlflow.set_tracking_uri(self.tracking_uri)
         run_id = saved.get("run_id")
         if run_id and not self._exists(run_id):  # a spot restart into an emptied output folder: its store went too
