@@ -442,6 +442,24 @@ def test_a_push_replaces_an_earlier_runs_model_files_and_keeps_the_users_others(
     assert json.loads(final["args.json"]) == {"from": "full"}
 
 
+def test_a_local_base_model_is_never_named_as_a_hub_id_wherever_push_runs(tmp_path, monkeypatch):
+    """args.json kept `tiny-bert` as given: `push` from another folder (or machine) took it for a Hub id, named it
+    the card's base_model and wrote it into the adapter's config (found in audit)."""
+    from cloudtrain.config import ModelConfig
+    from cloudtrain.publish.card_metadata import base_model_info
+    from cloudtrain.publish.saving import write_arguments
+
+    (tmp_path / "tiny-bert").mkdir()
+    monkeypatch.chdir(tmp_path)
+    write_arguments(build_config({"model_name_or_path": "tiny-bert"}), tmp_path / "args.json")
+    recorded = json.loads((tmp_path / "args.json").read_text())["model_name_or_path"]
+    assert recorded == str(tmp_path / "tiny-bert")
+    monkeypatch.chdir("/")
+    assert base_model_info(ModelConfig(model_name_or_path=recorded))[0] is None  # here: a local folder
+    assert base_model_info(ModelConfig(model_name_or_path="/opt/ml/input/data/model"))[0] is None  # elsewhere
+    assert base_model_info(ModelConfig(model_name_or_path="org/model"))[0] == "org/model"
+
+
 def test_background_upload_failure_is_reported_by_wait(in_process, tmp_path):
     cfg = hub_config("alice/refused")
     cloudhub.check_access(cfg.hub)

