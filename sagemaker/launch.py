@@ -204,12 +204,30 @@ def to_hyperparameters(values: dict) -> dict:
 
 
 def _hyperparameter(name: str, value: object) -> object:
+    if isinstance(value, str) and _json_scalar(value) and _text_option(name):
+        return json.dumps(value)  # the job's driver JSON-decodes each value: "2024.10" would reach it as 2024.1
     if not isinstance(value, (list, tuple)):
         return value
     field = option_fields()[name][1] if name in option_fields() else None
     if field is not None and field.metadata["mappings"]:
         return json.dumps(list(value))  # the job reads it back (config.parse._coerce)
     return (field.metadata["separator"] if field is not None else ",").join(map(str, value))
+
+
+def _text_option(name: str) -> bool:
+    """Whether the option takes text only (a branch, a name), not a number or a boolean written as text."""
+    if name not in option_fields():
+        return False
+    kind = str(option_fields()[name][1].type)
+    return "str" in kind and not any(other in kind for other in ("int", "float", "bool"))
+
+
+def _json_scalar(text: str) -> bool:
+    """Whether JSON reads `text` as something other than a string (a number, true, null)."""
+    try:
+        return not isinstance(json.loads(text), (str, list, dict))
+    except ValueError:
+        return False
 
 
 def is_data_source(value: str) -> bool:
@@ -262,7 +280,9 @@ def job_options(spec: JobSpec) -> tuple[dict, dict[str, str], Config]:
     in_job = {CHANNEL_OPTIONS[name]: f"{JOB_DATA_DIR}/{name}" for name in channels}
     cfg = build_config({**in_job, **values})  # the application's own checks, before anything is uploaded
     validate(cfg)
-    return to_hyperparameters(values), channels, cfg
+    typed = cfg.to_dict(include_secrets=True)  # a whole number given as 1000.0: the job's parser takes 1000 only
+    whole = {k: typed[k] for k, v in values.items() if isinstance(v, float) and isinstance(typed.get(k), int)}
+    return to_hyperparameters({**values, **whole}), channels, cfg
 
 
 def check_stream_sources(values: dict) -> None:

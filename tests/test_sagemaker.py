@@ -736,6 +736,23 @@ def test_list_options_reach_the_job_split_as_the_application_splits_them(launche
     assert build_config(sent).to_dict() == build_config(options).to_dict()
 
 
+def test_values_reach_the_job_as_they_were_checked_through_the_sdks_own_serialization(launcher, tmp_path):
+    """The launcher took max_steps 1000.0 from a YAML file and the job refused it after the instance started; the
+    SDK's driver JSON-decodes every value, so hub_revision 2024.10 reached the job as 2024.1 (found in audit)."""
+    from sagemaker.train.container_drivers.common.utils import hyperparameters_to_cli_args
+    from sagemaker.train.utils import safe_serialize
+    from test_config import parse
+
+    config = tmp_path / "job.yaml"
+    config.write_text("max_steps: 1000.0\nhub_revision: '2024.10'\nrun_name: 'true'\nlearning_rate: 2.0e-5\n")
+    spec = launcher.JobSpec(instance_type="ml.g5.xlarge", config=str(config), train=str(tmp_path))
+    sent, _, checked = launcher.job_options(spec)
+    argv = hyperparameters_to_cli_args({key: safe_serialize(value) for key, value in sent.items()})
+    job = parse(*argv)  # what the application inside the job parses
+    assert (job.training.max_steps, job.hub.hub_revision, job.tracking.run_name) == (1000, "2024.10", "true")
+    assert job.training.learning_rate == checked.training.learning_rate == 2e-5
+
+
 def test_a_job_s_error_line_is_its_failure_reason(tmp_path, monkeypatch):
     """Each process of a multi-GPU job printed its line and the SDK's driver wrote torchrun's traceback as the
     FailureReason (found in audit): the first process to fail now writes its line there, and the driver keeps it."""
