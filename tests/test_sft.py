@@ -16,6 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from cloudtrain.config import build_config
 from cloudtrain.data.chat import CHATML, ChatFormat, Columns, to_messages
 from cloudtrain.data.packing import IGNORE_INDEX, CausalLMCollator, causal_lm_forward, pack_examples, shifted_loss
+from cloudtrain.errors import UserError
 from cloudtrain.pipeline import build_run, run_training
 from cloudtrain.tasks import build_task
 
@@ -177,6 +178,19 @@ def test_a_carved_split_and_sample_limits_count_conversations_and_evaluation_ans
     # --train_on_prompt trains on every token; evaluation still measures the answers alone
     assert masks[None, True]["train"] > masks[None, False]["train"]
     assert masks[None, True]["validation"] == masks[None, False]["validation"]
+
+
+def test_a_template_without_a_generation_prompt_serves_a_model_that_only_scores(lm_tokenizer_dir, tmp_path):
+    """A reward model reads the header as input and never generates: its template needs no such branch (the refusal
+    meant for sft and dpo stopped reward runs; found in review)."""
+    template = tmp_path / "no_generation_prompt.jinja"
+    template.write_text(CHATML.split("{% if add_generation_prompt %}")[0])
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    with pytest.raises(UserError, match="writes the assistant's header"):
+        ChatFormat.setup(tokenizer, str(template))
+    scoring = ChatFormat.setup(tokenizer, str(template), generates=False)
+    assert scoring.end_of_turn_id == tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
 def test_an_end_of_turn_token_outside_the_special_tokens_map_is_found(lm_tokenizer_dir):

@@ -177,7 +177,7 @@ def reward_chat(recorded: dict, tokenizer) -> "ChatFormat | None":
         return None
     from cloudtrain.data.chat import ChatFormat
 
-    return ChatFormat.setup(tokenizer, None)
+    return ChatFormat.setup(tokenizer, None, generates=False)
 
 
 def rendered_pairs(

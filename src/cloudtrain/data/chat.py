@@ -133,8 +133,9 @@ class ChatFormat:
     source: str  # where the template came from, for messages
 
     @classmethod
-    def setup(cls, tokenizer: PreTrainedTokenizerBase, template: str | None) -> "ChatFormat":
-        """Set the template on `tokenizer` (adding a shipped template's special tokens) and check it."""
+    def setup(cls, tokenizer: PreTrainedTokenizerBase, template: str | None, generates: bool = True) -> "ChatFormat":
+        """Set the template on `tokenizer` (adding a shipped template's special tokens) and check it; for a model
+        that `generates` its answers, also that the generation prompt writes the assistant's header."""
         if template:
             source, (text, tokens) = template, read_template(template)
         elif tokenizer.chat_template:
@@ -144,7 +145,7 @@ class ChatFormat:
         if tokens:
             tokenizer.add_special_tokens({"additional_special_tokens": tokens}, replace_extra_special_tokens=False)
         tokenizer.chat_template = text
-        return cls(tokenizer, _end_of_turn(tokenizer, source), source)
+        return cls(tokenizer, _end_of_turn(tokenizer, source, generates), source)
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
@@ -250,8 +251,9 @@ def read_template(name: str) -> tuple[str, list[str]]:
     raise UserError(f"--chat_template {name} is neither a shipped template ({', '.join(TEMPLATES)}) nor a Jinja file")
 
 
-def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str) -> int:
-    """The first special token the template writes after an assistant message's content."""
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str, generates: bool = True) -> int:
+    """The first special token the template writes after an assistant message's content (a model that `generates`:
+    after a generation prompt that writes the assistant's header, as the conversation does)."""
     chat = ChatFormat(tokenizer, -1, source)
     try:
         text = chat.render(PROBE)
@@ -265,7 +267,7 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str) -> int:
             "prompt; give a template with an assistant role, or --chat_template chatml"
         )
     header = text[len(prompt) : text.index(answer, len(prompt))]
-    if header.strip() and prompt == chat.render(PROBE[:1]):
+    if generates and header.strip() and prompt == chat.render(PROBE[:1]):
         raise UserError(
             f"the chat template ({source}) writes the assistant's header ({header.strip()!r}) but its generation "
             "prompt does not (it has no add_generation_prompt branch): the model would learn to write the header "

@@ -121,7 +121,7 @@ class RewardTask(Task):
         self.cfg, self.tokenizer, d, p = cfg, tokenizer, cfg.data, cfg.preference
         if d.chat_template or tokenizer.chat_template:
             size = len(tokenizer)
-            self.chat = ChatFormat.setup(tokenizer, d.chat_template)
+            self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
             self.added_tokens = len(tokenizer) - size
         raw = DatasetDict(raw)
         pairs = {
