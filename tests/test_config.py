@@ -118,6 +118,20 @@ def test_bad_yaml_says_where_in_one_line(tmp_path, text, where):
     assert str(caught.value) == f"config file {file} is not valid YAML/JSON: {where}"
 
 
+def test_yaml_merge_keys_still_work_and_an_unhashable_key_is_one_line(tmp_path):
+    """The duplicate-key check refused `<<: *anchor` and crashed on a list used as a key (found in review)."""
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("datasets:\n  - &web {path: a.jsonl, weight: 0.5}\n  - <<: *web\n    path: b.jsonl\n")
+    assert load_config_file(str(merged))["datasets"] == [
+        {"path": "a.jsonl", "weight": 0.5},
+        {"path": "b.jsonl", "weight": 0.5},
+    ]
+    unhashable = tmp_path / "unhashable.yaml"
+    unhashable.write_text("{[learning_rate]: 0.1}\n")
+    with pytest.raises(UserError, match="is not valid YAML/JSON: .*unhashable key"):
+        parse("--config", str(unhashable))
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

@@ -282,7 +282,11 @@ class _UniqueKeys(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: dict = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *anchor`: its keys may be given again here
+                continue
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if not isinstance(key, typing.Hashable):  # PyYAML's own error says so, in one line
+                continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"{key!r} is given twice (first at line {seen[key] + 1})", key_node.start_mark
