@@ -184,3 +184,15 @@ def test_the_planner_has_a_row_exactly_where_the_run_accepts_the_launch(tiny_lla
             except UserError:
                 accepted = False
             assert ((key, peft) in rows) == accepted, (key, peft, precompute)
+
+
+def test_a_pair_tasks_rows_are_counted_as_the_two_answers_they_run(tiny_model_dir, tiny_llama_dir):
+    """A reward or DPO micro-batch of B pairs runs 2B sequences: the plan sized it as B (found in audit), and
+    --per_device_train_batch_size auto took twice the rows that fit where it used the estimate as is."""
+    ddp = Candidate(next(s for s in STRATEGIES if s.key == "ddp"), False)
+    setup = Setup(1, 1, 24 * GIB, None, 64, "no")
+    for model, single, pair in ((tiny_model_dir, "classification", "reward"), (tiny_llama_dir, "sft", "dpo")):
+        one, two = (planning.model_facts(model, task=task, num_labels=1) for task in (single, pair))
+        assert two.sequences_per_row == 2 and one.sequences_per_row == 1
+        a, b = (planning.estimate(m, ddp, setup, 16) for m in (one, two))
+        assert b.activations == 2 * a.activations and b.logits == 2 * a.logits

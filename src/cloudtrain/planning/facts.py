@@ -114,6 +114,7 @@ class ModelFacts:
     adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
     stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.parallel.stages can cut)
     model_copy: bool = False  # full fine-tuning keeps a frozen fp32 copy of the model (a DPO reference)
+    sequences_per_row: int = 1  # what a row of the micro-batch runs through the model (a pair task: 2)
     # the strategies whose full fine-tuning runs without that copy (--precompute_reference true): what the planner
     # may suggest instead of it
     copy_free: tuple[str, ...] = ()
@@ -282,6 +283,7 @@ def model_facts(
     dropouts = _dropouts(text, config.is_encoder_decoder)
     facts = ModelFacts(
         name=name,
+        sequences_per_row=run_task.sequences_per_row,
         architecture=type(model).__name__,
         model_type=getattr(model.config, "model_type", None),
         num_params=num_params,

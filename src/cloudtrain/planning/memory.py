@@ -396,10 +396,11 @@ def estimate(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int) -> 
         model_state_bytes(m, cand.strategy, setup) if full else adapter_state_bytes(m, cand.peft, setup, cand.strategy)
     )
     params += reference_bytes(m, cand.strategy, setup) if full else 0
-    saved, working = _activations(m, cand, setup, micro_batch)
+    sequences = micro_batch * m.sequences_per_row  # a pair task's rows each run two answers
+    saved, working = _activations(m, cand, setup, sequences)
     activations = saved + working
     hidden = 4 if not setup.half or not cand.strategy.shards else 2  # the final norm's output: fp32 under autocast
-    logits = logits_bytes(m, micro_batch, target_length(m, setup), setup.half, _loss_kernel(cand, setup), hidden)
+    logits = logits_bytes(m, sequences, target_length(m, setup), setup.half, _loss_kernel(cand, setup), hidden)
     if full and not accumulating(setup, micro_batch) and not cand.strategy.zero_stage:
         grads -= min(_released_gradients(m, cand.strategy, setup), saved + logits)
     if full:

@@ -68,6 +68,7 @@ class Task:
     # whether its model is a diffusers pipeline folder: the planner counts its parts (cloudtrain.planning.diffusion)
     plans_pipeline = False
     plans_micro_batch = True  # whether the planner estimates its micro-batch (run_micro_batch: rows of tokens)
+    sequences_per_row = 1  # the sequences a row of the micro-batch runs through the model (a pair: its two answers)
     size_option = "max_length"  # the option that sets how large one row is (named where memory runs out)
     streams_data = False  # whether --streaming true reads its training rows on the fly (cloudtrain.data.streaming)
     bounds_length = False  # whether it refuses a --max_length beyond the model's positions (models.load.check_sizes)

@@ -134,6 +134,7 @@ class DPOTask(SFTTask):
     name = "dpo"
     summary = "preference tuning of a decoder on chosen/rejected pairs: DPO, IPO, SimPO or ORPO"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
+    sequences_per_row = 2  # each pair runs its chosen and its rejected answer
     metrics: tuple[str, ...] = ("loss", "rewards/accuracies", "rewards/margins", "exact_match")
     lower_is_better = frozenset({"loss"})
     default_best_metric = "loss"

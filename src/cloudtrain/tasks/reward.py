@@ -82,6 +82,7 @@ class RewardTask(Task):
     name = "reward"
     summary = "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
+    sequences_per_row = 2  # each pair runs its chosen and its rejected answer
     predicts = PROMPT_ANSWERS
     metrics: tuple[str, ...] = ("loss", "accuracy", "margin")
     lower_is_better = frozenset({"loss"})
