@@ -576,6 +576,7 @@ def test_a_streaming_sft_run_packs_examples_with_their_answer_masks(tiny_llama_d
 
     rows = [{"prompt": f"What is {i} plus one?", "completion": f"It is {i + 1}."} for i in range(60)]
     rows[20:40:4] = [{"prompt": "Who?", "completion": None}] * 5
+    rows[2] = {"prompt": "Who?", "completion": None}  # among the held-out validation documents
     (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     args = stream_run_args(
         tiny_llama_dir, str(tmp_path / "qa.jsonl"), tmp_path / "sft", "--max_steps", "40", "--mixture_exhausted", "stop"
@@ -586,11 +587,15 @@ def test_a_streaming_sft_run_packs_examples_with_their_answer_masks(tiny_llama_d
     written = json.loads((tmp_path / "sft" / "train_results.json").read_text())
     assert written["sources"][str(tmp_path / "qa.jsonl")]["documents"] >= 6
     assert written["sources"]["corrupted_records_skipped"] == 5
-    assert f"warning: skipped record 24 of {tmp_path / 'qa.jsonl'}: column 'completion' holds NoneType, not text" in (
-        capsys.readouterr().err
-    )
-    with pytest.raises(UserError, match=r"record 20 of .*qa.jsonl: column 'completion' holds NoneType"):
+    said = capsys.readouterr().err
+    assert f"warning: skipped record 24 of {tmp_path / 'qa.jsonl'}: column 'completion' holds NoneType" in said
+    assert "warning: skipped held-out validation record 2 of the stream: column 'completion' holds NoneType" in said
+    with pytest.raises(UserError, match=r"held-out validation record 2 of the stream: column 'completion' holds"):
         train({**options, "on_bad_data": "stop", "output_dir": str(tmp_path / "stop")})
+    (tmp_path / "valid.jsonl").write_text(json.dumps(rows[0]) + "\n")  # no held-out documents: training's first
+    with pytest.raises(UserError, match=r"^record 2 of .*qa.jsonl: column 'completion' holds NoneType"):
+        train({**options, "on_bad_data": "stop", "output_dir": str(tmp_path / "stop2"),
+               "validation_file": str(tmp_path / "valid.jsonl")})  # fmt: skip
 
 
 def test_a_config_files_datasets_list_gives_each_source_its_weight_and_columns(tmp_path):

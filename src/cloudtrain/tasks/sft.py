@@ -21,6 +21,7 @@ Does not support: `--packing wrapped` (it cuts examples apart), tool calls, mult
 import json
 import math
 import shlex
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -170,6 +171,7 @@ class SFTTask(CausalLMTask):
             )
             raw = DatasetDict({split: ds for split, ds in raw.items() if split != "train"})
             if held_out is not None:
+                held_out = self._answerable(held_out, columns, d)
                 names = [c for c in columns.names if any(c in r for r in held_out)]
                 raw["validation"] = Dataset.from_list([{c: r.get(c) for c in names} for r in held_out])
         raw = DatasetDict(raw)
@@ -215,6 +217,22 @@ class SFTTask(CausalLMTask):
         """`_stream_encoder` with the chat format `process` set up."""
         assert self.chat is not None
         return _stream_encoder(self.chat, columns, cfg)
+
+    def _answerable(self, records: list[dict], columns: Columns, cfg: DataConfig) -> list[dict]:
+        """The stream's held-out validation records the chat format takes: one it refuses is skipped with a warning
+        or stops the run, as --on_bad_data says for the training records."""
+        assert self.chat is not None
+        kept, encode = [], _stream_encoder(self.chat, columns, cfg)
+        for i, record in enumerate(records):
+            refused = encode([record])[0]
+            if not isinstance(refused, Refused):
+                kept.append(record)
+                continue
+            what = f"held-out validation record {i} of the stream: {refused.why}"
+            if cfg.on_bad_data == "stop":
+                raise UserError(f"{what} (--on_bad_data skip goes on)")
+            print(f"warning: skipped {what}", file=sys.stderr, flush=True)
+        return kept
 
     @staticmethod
     def _carve_indices(n: int, percentage: float, seed: int) -> tuple[list[int], list[int]]:
