@@ -362,6 +362,19 @@ def test_a_read_only_token_and_a_missing_token_are_refused(in_process):
         cloudhub.check_access(hub_config("alice/model", token=None).hub)
 
 
+def test_push_takes_the_token_from_the_environment_once_the_runs_token_file_is_gone(tmp_path):
+    """args.json names the training run's --hub_token_file; once it was gone `push` refused, though HF_TOKEN was
+    set (found in audit)."""
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train_results.json").write_text('{"global_step": 1}')
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    (tmp_path / "args.json").write_text(json.dumps({"hub_token_file": str(token_file)}))
+    assert cloudhub.load_output_dir(tmp_path)[0].hub.hub_token_file == str(token_file)  # still there: used
+    token_file.unlink()
+    assert cloudhub.load_output_dir(tmp_path)[0].hub.hub_token_file is None
+
+
 def test_push_command_needs_a_finished_run(tmp_path, capsys):
     assert main(["push", "--output_dir", str(tmp_path), "--hub_model_id", "alice/x"]) == 2
     assert "holds no finished run" in capsys.readouterr().err

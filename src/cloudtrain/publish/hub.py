@@ -436,4 +436,7 @@ def load_output_dir(output_dir: Path) -> tuple[Config, dict]:
     }
     if "train" not in results:
         raise UserError(f"{output_dir}/train_results.json is missing: the run did not finish; train again")
+    recorded = cfg.hub.hub_token_file
+    if recorded and not Path(recorded).expanduser().is_file():  # the training run's secret, gone since (a mount)
+        cfg.hub.hub_token_file = None  # the token comes from --hub_token, HF_TOKEN or the login, as documented
     return cfg, results
