@@ -176,11 +176,24 @@ def test_the_early_check_leaves_overwriting_resumed_and_restarted_runs_to_the_pi
     record(out, ["model.safetensors"])
     with pytest.raises(UserError, match="already holds a model from an earlier run"):
         check_local_paths(build_config({"output_dir": str(out)}))
+    (out / "checkpoints" / "checkpoint-2").mkdir(parents=True)
     for extra in ({"overwrite_output_dir": True}, {"resume_from_checkpoint": "latest"},
                   {"resume_from_checkpoint": str(out / "checkpoints" / "checkpoint-2")}):  # fmt: skip
         check_local_paths(build_config({"output_dir": str(out), **extra}))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted worker resumes from the latest checkpoint
     check_local_paths(build_config({"output_dir": str(out)}))
+
+
+def test_a_missing_checkpoint_or_token_file_is_refused_before_the_heavy_imports(tmp_path, monkeypatch):
+    """They were refused only after 12-16 s of imports (found in audit); a launch's processes still agree on a
+    missing checkpoint in the run, which names the node that lacks it."""
+    missing = str(tmp_path / "nope")
+    with pytest.raises(UserError, match=f"--resume_from_checkpoint {missing} does not exist; give a checkpoint"):
+        check_local_paths(build_config({"resume_from_checkpoint": missing}))
+    with pytest.raises(UserError, match=f"--hub_token_file {missing} cannot be read"):
+        check_local_paths(build_config({"push_to_hub": True, "hub_model_id": "a/b", "hub_token_file": missing}))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_local_paths(build_config({"resume_from_checkpoint": missing}))
 
 
 def test_a_users_diffusers_files_are_theirs_and_a_pipeline_saved_there_is_an_earlier_model(tmp_path):

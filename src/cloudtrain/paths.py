@@ -148,6 +148,12 @@ def check_local_paths(cfg: Config) -> None:
         resolve_model_path(cfg.model)
     if cfg.model.tokenizer_name_or_path:
         resolve_model_path(cfg.model, cfg.model.tokenizer_name_or_path)
+    resume, token_file = cfg.checkpoint.resume_from_checkpoint, cfg.hub.hub_token_file
+    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1  # (a launch's processes agree on it, naming the node)
+    if resume not in (None, "latest") and alone and not Path(resume).expanduser().exists():
+        raise UserError(f"--resume_from_checkpoint {resume} does not exist; give a checkpoint directory, or latest")
+    if cfg.hub.push_to_hub and token_file and not Path(token_file).expanduser().is_file():
+        raise UserError(f"--hub_token_file {token_file} cannot be read (no such file); give a file holding the token")
     if cfg.output.output_dir:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))
