@@ -204,7 +204,7 @@ def to_hyperparameters(values: dict) -> dict:
 
 
 def _hyperparameter(name: str, value: object) -> object:
-    if isinstance(value, str) and _json_scalar(value) and _text_option(name):
+    if isinstance(value, str) and _changed_by_the_driver(value) and _text_option(name):
         return json.dumps(value)  # the job's driver JSON-decodes each value: "2024.10" would reach it as 2024.1
     if not isinstance(value, (list, tuple)):
         return value
@@ -222,12 +222,14 @@ def _text_option(name: str) -> bool:
     return "str" in kind and not any(other in kind for other in ("int", "float", "bool"))
 
 
-def _json_scalar(text: str) -> bool:
-    """Whether JSON reads `text` as something other than a string (a number, true, null)."""
+def _changed_by_the_driver(text: str) -> bool:
+    """Whether the job's driver, which JSON-decodes a value and encodes it again, passes `text` on otherwise
+    (2024.10 becomes 2024.1, 1e3 becomes 1000.0; 500 and true come through as they are)."""
     try:
-        return not isinstance(json.loads(text), (str, list, dict))
+        decoded = json.loads(text)
     except ValueError:
         return False
+    return not isinstance(decoded, str) and json.dumps(decoded) != text
 
 
 def is_data_source(value: str) -> bool:
