@@ -92,6 +92,22 @@ def test_a_logged_run_has_no_progress_bars(logged_run):
     assert "step 4/4 | epoch" in log  # the progress a log needs
 
 
+@pytest.mark.slow  # a training run in a fresh interpreter
+def test_train_from_python_into_a_log_has_no_progress_bars(tmp_path, tiny_model_dir):
+    """The command line decided the bars; a script calling cloudtrain.train() wrote them into its log (audit)."""
+    from conftest import child_pythonpath
+
+    args = train_args(tiny_model_dir, tmp_path, "--checkpointing_steps", "none")
+    options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
+    script = f"import cloudtrain; cloudtrain.train({options!r})"
+    child = {k: v for k, v in os.environ.items() if k not in SWITCHES}
+    proc = subprocess.run([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          timeout=600, env={**child, "PYTHONPATH": child_pythonpath()}, cwd=REPO)  # fmt: skip
+    log = proc.stdout.decode()
+    assert proc.returncode == 0, log[-3000:]
+    assert "\r" not in log and "step 4/4 | epoch" in log
+
+
 @pytest.mark.slow  # one training run in a fresh interpreter, shared by four tests
 def test_each_checkpoint_line_is_a_line_of_its_own(logged_run):
     out, log = logged_run

@@ -45,7 +45,10 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     from cloudtrain.config import resolve_options
     from cloudtrain.config.inert import OWN_MODULE, print_inert_notes
     from cloudtrain.hub_reach import back_online
+    from cloudtrain.observe import console
     from cloudtrain.paths import check_local_paths
+
+    console.setup()  # as the command line: bars on a terminal or in a notebook, none in a log file or a pipe
 
     module = options.pop("model") if not isinstance(options.get("model", {}), dict) else None  # a dict: the section
     train_dataset, eval_dataset = options.pop("train_dataset", None), options.pop("eval_dataset", None)

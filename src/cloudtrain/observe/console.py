@@ -4,8 +4,7 @@ that tell a cloudtrain user nothing.
 A log file (`> run.log 2>&1`, SageMaker's CloudWatch, `kubectl logs`) gets no progress bars: their carriage
 returns pile every refresh into one line, and the step lines carry the progress already. `setup()`, called once by
 every entry point before the heavy imports, decides from CLOUDTRAIN_PROGRESS_BARS (1 or 0 forces them on or off),
-else TQDM_DISABLE, else whether stderr is a terminal (or a notebook kernel). Without `setup()` (train() from
-Python) the bars stay as the libraries show them.
+else TQDM_DISABLE, else whether stderr is a terminal (or a notebook kernel); train() from Python calls it too.
 """
 
 from __future__ import annotations
