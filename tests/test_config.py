@@ -132,6 +132,16 @@ def test_yaml_merge_keys_still_work_and_an_unhashable_key_is_one_line(tmp_path):
         parse("--config", str(unhashable))
 
 
+def test_a_config_folder_and_a_nested_config_key_get_the_right_hint(tmp_path):
+    """`config: base.yaml` was told "did you mean model_config?", and a folder "does not exist" (found in audit)."""
+    with pytest.raises(UserError, match=f"config file {tmp_path} is a folder; give a YAML or JSON file"):
+        parse("--config", str(tmp_path))
+    nested = tmp_path / "child.yaml"
+    nested.write_text("config: base.yaml\n")
+    with pytest.raises(UserError, match="unknown option 'config'; not needed: a config file starts from another with"):
+        parse("--config", str(nested))
+
+
 @pytest.mark.parametrize(
     "text, message",
     [

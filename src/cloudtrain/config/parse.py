@@ -43,6 +43,7 @@ NOT_NEEDED = {
     "do_train": "a run always trains",
     "do_eval": "evaluation follows --eval_strategy",
     "do_predict": "a --test_file is evaluated after training",
+    "config": "a config file starts from another with extends: <file>",  # not --model_config, the nearest name
 }
 
 
@@ -259,6 +260,8 @@ def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
     """Read a YAML/JSON config file into flat {flag name: value}, over the options of the file it `extends`.
     `_chain`: the files that extend this one, nearest last (a cycle is refused)."""
     file = Path(path).expanduser()
+    if file.is_dir():
+        raise UserError(f"config file {path} is a folder; give a YAML or JSON file")
     if not file.is_file():
         raise UserError(f"config file {path} does not exist")
     chain = (*_chain, file)
