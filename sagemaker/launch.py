@@ -204,32 +204,32 @@ def to_hyperparameters(values: dict) -> dict:
 
 
 def _hyperparameter(name: str, value: object) -> object:
-    if isinstance(value, str) and _changed_by_the_driver(value) and _text_option(name):
-        return json.dumps(value)  # the job's driver JSON-decodes each value: "2024.10" would reach it as 2024.1
-    if not isinstance(value, (list, tuple)):
-        return value
     field = option_fields()[name][1] if name in option_fields() else None
-    if field is not None and field.metadata["mappings"]:
-        return json.dumps(list(value))  # the job reads it back (config.parse._coerce)
-    return (field.metadata["separator"] if field is not None else ",").join(map(str, value))
+    if isinstance(value, (list, tuple)):
+        if field is not None and field.metadata["mappings"]:
+            return json.dumps(list(value))  # the job reads it back (config.parse._coerce)
+        return _kept_as_text((field.metadata["separator"] if field is not None else ",").join(map(str, value)))
+    if isinstance(value, str) and _takes_text(name):
+        return _kept_as_text(value)
+    return value
 
 
-def _text_option(name: str) -> bool:
-    """Whether the option takes text only (a branch, a name), not a number or a boolean written as text."""
+def _takes_text(name: str) -> bool:
+    """Whether the option takes text (a branch, a name, a list's items), not a number or a boolean written so."""
     if name not in option_fields():
         return False
     kind = str(option_fields()[name][1].type)
-    return "str" in kind and not any(other in kind for other in ("int", "float", "bool"))
+    return "list" in kind or ("str" in kind and not any(other in kind for other in ("int", "float", "bool")))
 
 
-def _changed_by_the_driver(text: str) -> bool:
-    """Whether the job's driver, which JSON-decodes a value and encodes it again, passes `text` on otherwise
-    (2024.10 becomes 2024.1, 1e3 becomes 1000.0; 500 and true come through as they are)."""
+def _kept_as_text(text: str) -> str:
+    """`text`, quoted where the job's driver, which JSON-decodes a value and encodes it again, would pass it on
+    otherwise (2024.10 becomes 2024.1, 1e3 1000.0, "x" x; 500 and true come through as they are)."""
     try:
         decoded = json.loads(text)
     except ValueError:
-        return False
-    return not isinstance(decoded, str) and json.dumps(decoded) != text
+        return text
+    return json.dumps(text) if isinstance(decoded, str) or json.dumps(decoded) != text else text
 
 
 def is_data_source(value: str) -> bool:

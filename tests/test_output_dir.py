@@ -192,8 +192,14 @@ def test_a_missing_checkpoint_or_token_file_is_refused_before_the_heavy_imports(
         check_local_paths(build_config({"resume_from_checkpoint": missing}))
     with pytest.raises(UserError, match=f"--hub_token_file {missing} cannot be read"):
         check_local_paths(build_config({"push_to_hub": True, "hub_model_id": "a/b", "hub_token_file": missing}))
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    check_local_paths(build_config({"resume_from_checkpoint": missing}), nodes=2)  # each node's own (review)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # a restarted worker resumes from the latest (review)
     check_local_paths(build_config({"resume_from_checkpoint": missing}))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # a launch's processes: they agree in the run; only rank 0 reads the token
+    check_local_paths(build_config({"resume_from_checkpoint": missing}))
+    check_local_paths(build_config({"push_to_hub": True, "hub_model_id": "a/b", "hub_token_file": missing,
+                                    "report_to": "none"}))  # fmt: skip
 
 
 def test_a_users_diffusers_files_are_theirs_and_a_pipeline_saved_there_is_an_earlier_model(tmp_path):

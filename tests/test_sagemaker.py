@@ -744,12 +744,14 @@ def test_values_reach_the_job_as_they_were_checked_through_the_sdks_own_serializ
     from test_config import parse
 
     config = tmp_path / "job.yaml"
-    config.write_text("max_steps: 1000.0\nhub_revision: '2024.10'\nrun_name: 'true'\nlearning_rate: 2.0e-5\n")
+    config.write_text("max_steps: 1000.0\nhub_revision: '2024.10'\nrun_name: 'true'\nlearning_rate: 2.0e-5\n"
+                      "tags: ['2024.10']\nsample_prompts: ['1e3']\nproject_name: '\"x\"'\n")  # fmt: skip
     spec = launcher.JobSpec(instance_type="ml.g5.xlarge", config=str(config), train=str(tmp_path))
     sent, _, checked = launcher.job_options(spec)
     argv = hyperparameters_to_cli_args({key: safe_serialize(value) for key, value in sent.items()})
     job = parse(*argv)  # what the application inside the job parses
     assert (job.training.max_steps, job.hub.hub_revision, job.tracking.run_name) == (1000, "2024.10", "true")
+    assert (job.tracking.tags, job.data.sample_prompts, job.tracking.project_name) == (["2024.10"], ["1e3"], '"x"')
     assert job.training.learning_rate == checked.training.learning_rate == 2e-5
 
 

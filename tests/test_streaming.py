@@ -596,6 +596,16 @@ def test_a_streaming_sft_run_packs_examples_with_their_answer_masks(tiny_llama_d
     with pytest.raises(UserError, match=r"^record 2 of .*qa.jsonl: column 'completion' holds NoneType"):
         train({**options, "on_bad_data": "stop", "output_dir": str(tmp_path / "stop2"),
                "validation_file": str(tmp_path / "valid.jsonl")})  # fmt: skip
+    (tmp_path / "bad_first.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [rows[2]] * 2 + rows[:20]))
+    with pytest.raises(UserError, match="the chat format refuses every one of the stream's 2 held-out validation"):
+        train(
+            {
+                **options,
+                "train_file": str(tmp_path / "bad_first.jsonl"),
+                "stream_validation_docs": 2,
+                "output_dir": str(tmp_path / "none_left"),
+            }
+        )  # fmt: skip (it crashed: found in review)
 
 
 def test_a_config_files_datasets_list_gives_each_source_its_weight_and_columns(tmp_path):

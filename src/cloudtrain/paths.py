@@ -130,11 +130,22 @@ def hub_ids(cfg: Config) -> list[HubId]:
     ]
 
 
-def check_local_paths(cfg: Config) -> None:
+def check_named_files(cfg: Config) -> None:
+    """The checkpoint and token file the options name, where one process on one node decides: a launch's
+    processes agree on a missing checkpoint in the run (naming the node without it), only the main process reads
+    the token, and a restarted worker resumes from the latest checkpoint whatever was named."""
+    resume, token_file = cfg.checkpoint.resume_from_checkpoint, cfg.hub.hub_token_file
+    if resume not in (None, "latest") and not Path(resume).expanduser().exists():
+        raise UserError(f"--resume_from_checkpoint {resume} does not exist; give a checkpoint directory, or latest")
+    if cfg.hub.push_to_hub and token_file and not Path(token_file).expanduser().is_file():
+        raise UserError(f"--hub_token_file {token_file} cannot be read (no such file); give a file holding the token")
+
+
+def check_local_paths(cfg: Config, nodes: int = 1) -> None:
     """The paths the user typed: data files, image folders, the DeepSpeed config, the model and tokenizer folders
     exist; --output_dir is a folder this machine can write, holding no model an earlier run saved (unless asked
     to replace it). (Which of them the task reads, and what they hold, is the preflight's.) Then the Hub ids
-    named: cached, or the Hub answers."""
+    named: cached, or the Hub answers. `nodes`: the launch's (`cloudtrain launch --nnodes`)."""
     check_data_files(cfg.data)
     images = cfg.images
     folders = {"--train_data_dir": images.train_data_dir, "--instance_data_dir": images.instance_data_dir,
@@ -148,12 +159,8 @@ def check_local_paths(cfg: Config) -> None:
         resolve_model_path(cfg.model)
     if cfg.model.tokenizer_name_or_path:
         resolve_model_path(cfg.model, cfg.model.tokenizer_name_or_path)
-    resume, token_file = cfg.checkpoint.resume_from_checkpoint, cfg.hub.hub_token_file
-    alone = int(os.environ.get("WORLD_SIZE", "1")) == 1  # (a launch's processes agree on it, naming the node)
-    if resume not in (None, "latest") and alone and not Path(resume).expanduser().exists():
-        raise UserError(f"--resume_from_checkpoint {resume} does not exist; give a checkpoint directory, or latest")
-    if cfg.hub.push_to_hub and token_file and not Path(token_file).expanduser().is_file():
-        raise UserError(f"--hub_token_file {token_file} cannot be read (no such file); give a file holding the token")
+    if nodes == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1 and torchrun_restarts() == 0:
+        check_named_files(cfg)
     if cfg.output.output_dir:
         check_output_folder(Path(cfg.output.output_dir))
         check_writable(Path(cfg.output.output_dir))

@@ -114,7 +114,7 @@ def main(argv: list[str], parser: argparse.ArgumentParser) -> int:
     args = parser.parse_args(argv)  # types and choices of every option
     check_options(args)
     cfg = config_from_namespace(args)
-    check_local_paths(cfg)  # what `train` checks before it imports anything heavy
+    check_local_paths(cfg, args.nnodes)  # what `train` checks before it imports anything heavy
     training = training_argv(argv)
     args.nproc_per_node = args.nproc_per_node or _visible_gpus() or 1
     refuse_first(process_count_refusals(cfg, args.nproc_per_node * args.nnodes, "cloudtrain launch"))

@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import shlex
+import ssl
 import threading
 import time
 import urllib.error
@@ -456,6 +457,11 @@ def reachable(url: str, timeout: float) -> bool:
             answered.set()
         except urllib.error.HTTPError:
             answered.set()
+        except urllib.error.URLError as err:
+            if isinstance(err.reason, ssl.SSLError):  # a certificate this process does not trust: it answered
+                answered.set()
+        except ssl.SSLError:
+            answered.set()
         except (OSError, ValueError):
             pass
 
@@ -585,16 +591,19 @@ class TensorBoard(RunMethods, TensorBoardTracker):
 # ---------------------------------------------------------------- MLflow
 
 
-def check_mlflow_store(uri: str) -> None:
+def check_mlflow_store(uri: str, source: str) -> None:
     """One line where MLflow's store cannot be used, before MLflow retries for minutes and ends in a traceback: a
-    server that does not answer, or a SQLite database whose folder cannot be written."""
-    fix = "start its server or check MLFLOW_TRACKING_URI (unset, runs go to <output_dir>/mlruns)"
+    server that cannot be reached, or a SQLite database in a folder that cannot be made or written (MLflow makes
+    the missing folders). `source`: where the URI came from, for the remedy."""
     if uri.startswith(("http://", "https://")) and not reachable(uri, MLFLOW_CONNECT_TIMEOUT_S):
-        raise UserError(f"MLflow at {uri} does not answer within {MLFLOW_CONNECT_TIMEOUT_S:.0f} s: {fix}")
+        raise UserError(f"MLflow at {uri} ({source}) cannot be reached within {MLFLOW_CONNECT_TIMEOUT_S:.0f} s: "
+                        "start its server, or change the URI")  # fmt: skip
     if uri.startswith("sqlite:///"):
         folder = Path(uri.removeprefix("sqlite:///")).parent
-        if not (folder.is_dir() and os.access(folder, os.W_OK)):
-            raise UserError(f"MLflow's database {uri} cannot be written ({folder} is no writable folder): {fix}")
+        existing = next(f for f in (folder, *folder.parents) if f.exists())
+        if not (existing.is_dir() and os.access(existing, os.W_OK)):
+            raise UserError(f"MLflow's database {uri} ({source}) cannot be written: {existing} is no folder this "
+                            "process can write; change the URI")  # fmt: skip
 
 
 class MLflow(RunMethods, MLflowTracker):
@@ -605,12 +614,13 @@ class MLflow(RunMethods, MLflowTracker):
 
         store = context.output_dir / "mlruns"
         store.mkdir(exist_ok=True)
-        self.tracking_uri = (
-            os.environ.get("MLFLOW_TRACKING_URI")
-            or saved.get("tracking_uri")
-            or f"sqlite:///{(store / 'mlflow.db').resolve()}"
-        )
-        check_mlflow_store(self.tracking_uri)
+        sources = [
+            (os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI"),
+            (saved.get("tracking_uri"), "the resumed run's tracker_runs.json"),
+            (f"sqlite:///{(store / 'mlflow.db').resolve()}", "the output folder's"),
+        ]
+        self.tracking_uri, source = next((uri, source) for uri, source in sources if uri)
+        check_mlflow_store(self.tracking_uri, source)
         mlflow.set_tracking_uri(self.tracking_uri)
         run_id = saved.get("run_id")
         if run_id and not self._exists(run_id):  # a spot restart into an emptied output folder: its store went too

@@ -232,6 +232,11 @@ class SFTTask(CausalLMTask):
             if cfg.on_bad_data == "stop":
                 raise UserError(f"{what} (--on_bad_data skip goes on)")
             print(f"warning: skipped {what}", file=sys.stderr, flush=True)
+        if not kept:
+            raise UserError(
+                f"the chat format refuses every one of the stream's {len(records)} held-out validation records: "
+                "give --validation_file, or a larger --stream_validation_docs"
+            )
         return kept
 
     @staticmethod
