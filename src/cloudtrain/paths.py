@@ -159,7 +159,7 @@ def check_local_paths(cfg: Config, nodes: int = 1) -> None:
         resolve_model_path(cfg.model)
     if cfg.model.tokenizer_name_or_path:
         resolve_model_path(cfg.model, cfg.model.tokenizer_name_or_path)
-    if nodes == 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1 and torchrun_restarts() == 0:
+    if nodes == 1 and os.environ.get("WORLD_SIZE", "1").strip() == "1" and torchrun_restarts() == 0:
         check_named_files(cfg)
     if cfg.output.output_dir:
         check_output_folder(Path(cfg.output.output_dir))
