@@ -286,6 +286,21 @@ class Task:
         raise NotImplementedError
 
 
+class PairRows:
+    """What the pair tasks' rows share (chosen_ids and rejected_ids, both run through the model): the planner
+    counts two sequences a row, and --per_device_train_batch_size auto repeats the pair with the most tokens."""
+
+    sequences_per_row = 2
+
+    def probe_row(self, train: Dataset) -> dict:
+        from cloudtrain.data.processing import longest_pair
+
+        return longest_pair(train)
+
+    def probe_tokens(self, row: dict) -> int:
+        return max(len(row["chosen_ids"]), len(row["rejected_ids"]))
+
+
 class DecoderTask(Task):
     """What the language-model tasks share: a decoder with an LM head, whose loss is counted over target tokens.
 

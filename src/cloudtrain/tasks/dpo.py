@@ -52,7 +52,7 @@ from cloudtrain.data.pairs import (
     to_pair,
     truncate_pairs,
 )
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows, longest_pair
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
@@ -64,7 +64,7 @@ from cloudtrain.publish.card_sections import table_cell
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
 from cloudtrain.registry_table import TASK_ROWS
-from cloudtrain.tasks.base import model_label
+from cloudtrain.tasks.base import PairRows, model_label
 from cloudtrain.tasks.sft import SFTTask, check_prompts_fit, last_question, no_prompt_fits, shortened
 
 # how the language-model card says the model was trained from its base
@@ -130,11 +130,10 @@ def pair_logps(
 
 
 @TASKS.register
-class DPOTask(SFTTask):
+class DPOTask(PairRows, SFTTask):
     name = "dpo"
     summary = "preference tuning of a decoder on chosen/rejected pairs: DPO, IPO, SimPO or ORPO"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
-    sequences_per_row = 2  # each pair runs its chosen and its rejected answer
     metrics: tuple[str, ...] = ("loss", "rewards/accuracies", "rewards/margins", "exact_match")
     lower_is_better = frozenset({"loss"})
     default_best_metric = "loss"
@@ -407,13 +406,6 @@ class DPOTask(SFTTask):
                 return self.logps(inner, batch)[0]
 
     # ------------------------------------------------------------ loss and metrics
-    def probe_row(self, train: Dataset) -> dict:
-        """The pair with the most tokens on its two sides (both run in one batch)."""
-        return longest_pair(train)
-
-    def probe_tokens(self, row: dict) -> int:
-        return max(len(row["chosen_ids"]), len(row["rejected_ids"]))
-
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.full((), len(batch["rows"]) // 2, device=batch["input_ids"].device)  # pairs, in either layout
 

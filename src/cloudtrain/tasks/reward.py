@@ -33,7 +33,7 @@ from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat
 from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
-from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows, longest_pair
+from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models.load import grow_embeddings, head_labels, pad_as_batches
@@ -41,7 +41,7 @@ from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import PROMPT_ANSWERS, TASK_ROWS
-from cloudtrain.tasks.base import Task, model_label
+from cloudtrain.tasks.base import PairRows, Task, model_label
 from cloudtrain.tasks.sft import SFTTask
 
 REWARD_FEATURES = datasets.Features(
@@ -78,11 +78,10 @@ def bradley_terry(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Te
 
 
 @TASKS.register
-class RewardTask(Task):
+class RewardTask(PairRows, Task):
     name = "reward"
     summary = "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
-    sequences_per_row = 2  # each pair runs its chosen and its rejected answer
     predicts = PROMPT_ANSWERS
     metrics: tuple[str, ...] = ("loss", "accuracy", "margin")
     lower_is_better = frozenset({"loss"})
@@ -232,13 +231,6 @@ class RewardTask(Task):
         return head
 
     # ------------------------------------------------------------ loss and evaluation
-    def probe_row(self, train: Dataset) -> dict:
-        """The pair with the most tokens on its two sides (both run in one batch)."""
-        return longest_pair(train)
-
-    def probe_tokens(self, row: dict) -> int:
-        return max(len(row["chosen_ids"]), len(row["rejected_ids"]))
-
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.full((), len(batch["margin"]), device=batch["input_ids"].device)
 
