@@ -8,6 +8,7 @@ from pathlib import Path
 
 from cloudtrain.assets import default_model_dir
 from cloudtrain.config import Config, ModelConfig
+from cloudtrain.config.checks import written_folders
 from cloudtrain.data.files import check_data_files
 from cloudtrain.errors import UserError
 from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
@@ -168,8 +169,7 @@ def check_local_paths(cfg: Config, nodes: int = 1) -> None:
         check_location(cfg, Path(cfg.output.output_dir), models, cfg.checkpoint.resume_from_checkpoint)
         check_earlier_model(cfg, Path(cfg.output.output_dir))
         check_users_files(Path(cfg.output.output_dir))
-    written = {"--checkpoint_dir": cfg.checkpoint.checkpoint_dir, "--profile_dir": cfg.monitoring.profile_dir,
-               "--cache_dir": cfg.data.cache_dir}  # fmt: skip
+    written = written_folders(cfg)
     if not cfg.data.cache_dir and os.environ.get("CLOUDTRAIN_CACHE"):  # the default cache's own variable
         written["CLOUDTRAIN_CACHE"] = os.environ["CLOUDTRAIN_CACHE"]
     for variable in ("HF_HOME", "HF_DATASETS_CACHE", "HF_HUB_CACHE"):  # a file there was blamed on the data file

@@ -30,13 +30,12 @@ def validate(cfg: Config) -> None:
         ]
     )
     refuse_first(parallel_task_refusals(cfg))
-    written = {"output_dir": cfg.output.output_dir, "checkpoint_dir": c.checkpoint_dir,
-               "profile_dir": cfg.monitoring.profile_dir, "cache_dir": cfg.data.cache_dir}  # fmt: skip
+    written = {"--output_dir": cfg.output.output_dir, **written_folders(cfg)}
     refuse_first(
         [
             (
                 "://" in str(folder),
-                f"--{flag} {folder} must be a local folder (a run writes there as it goes, and this one would "
+                f"{flag} {folder} must be a local folder (a run writes there as it goes, and this one would "
                 "make a folder named like the URL): copy it up once the run ends, or on SageMaker leave it to the "
                 "job, which uploads its model folder and /opt/ml/checkpoints",
             )
@@ -48,6 +47,15 @@ def validate(cfg: Config) -> None:
     refuse_first(engine_conflicts(cfg, d.zero_stage is not None or bool(d.deepspeed_config), d.fsdp))
     if c.load_best_model_at_end:
         check_best_model_schedule(cfg)
+
+
+def written_folders(cfg: Config) -> dict[str, str | None]:
+    """The folders besides --output_dir that a run writes into as it goes, by flag (unset: None)."""
+    return {
+        "--checkpoint_dir": cfg.checkpoint.checkpoint_dir,
+        "--profile_dir": cfg.monitoring.profile_dir,
+        "--cache_dir": cfg.data.cache_dir,
+    }
 
 
 def parallel_task_refusals(cfg: Config) -> list[tuple[bool, str]]:
