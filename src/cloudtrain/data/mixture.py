@@ -160,6 +160,13 @@ def initial_state(specs: list[SourceSpec]) -> dict:
     }
 
 
+def skip_or_stop(what: str, why: str, on_bad: str) -> None:
+    """Bad data met mid-stream, as --on_bad_data says: one line that stops the run, or a warning (skipped)."""
+    if on_bad == "stop":
+        raise UserError(f"{what}: {why} (--on_bad_data skip goes on)")
+    print(f"warning: skipped {what}: {why}", file=sys.stderr, flush=True)
+
+
 class MixtureStream:
     """The global document sequence from a state: `next(parse)` gives (source index, key, record or None).
 
@@ -267,12 +274,9 @@ class MixtureStream:
 
     def _bad(self, what: str, why: str, kind: str, reported: bool) -> None:
         """Counted and said by the one worker that parses this document (the others only step over it)."""
-        if not reported:
-            return
-        if self.on_bad == "stop":
-            raise UserError(f"{what}: {why} (--on_bad_data skip goes on)")
-        self.bad[kind] += 1
-        print(f"warning: skipped {what}: {why}", file=sys.stderr, flush=True)
+        if reported:
+            skip_or_stop(what, why, self.on_bad)
+            self.bad[kind] += 1
 
     @staticmethod
     def _columns(record: dict, spec: SourceSpec) -> dict:

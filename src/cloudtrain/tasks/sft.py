@@ -21,7 +21,6 @@ Does not support: `--packing wrapped` (it cuts examples apart), tool calls, mult
 import json
 import math
 import shlex
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat, Columns, detect_columns, last_answer, to_messages
+from cloudtrain.data.mixture import skip_or_stop
 from cloudtrain.data.packing import CausalLMCollator, pack_examples
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.data.shards import made_with
@@ -228,10 +228,7 @@ class SFTTask(CausalLMTask):
             if not isinstance(refused, Refused):
                 kept.append(record)
                 continue
-            what = f"held-out validation record {i} of the stream: {refused.why}"
-            if cfg.on_bad_data == "stop":
-                raise UserError(f"{what} (--on_bad_data skip goes on)")
-            print(f"warning: skipped {what}", file=sys.stderr, flush=True)
+            skip_or_stop(f"held-out validation record {i} of the stream", refused.why, cfg.on_bad_data)
         if not kept:
             raise UserError(
                 f"the chat format refuses every one of the stream's {len(records)} held-out validation records: "
