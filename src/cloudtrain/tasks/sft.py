@@ -85,10 +85,11 @@ def _stream_encoder(chat: ChatFormat, columns: Columns, cfg: DataConfig) -> Call
 
 def of_conversations(examples: Dataset, conversations: list[int]) -> Dataset:
     """The examples of these conversations (an example's `conversation`: its row's index in the data encoded)."""
-    if len(conversations) == len(examples) and conversations == examples["conversation"]:
+    owners = examples["conversation"]  # read once: a column of every example
+    if owners == conversations:
         return examples  # one example per conversation, all kept
     keep = set(conversations)
-    return examples.select([i for i, c in enumerate(examples["conversation"]) if c in keep])
+    return examples.select([i for i, c in enumerate(owners) if c in keep])
 
 
 @TASKS.register
