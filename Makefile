@@ -67,7 +67,7 @@ SFT_MODEL := outputs/r8-sft/model.safetensors
 $(DPO_DATA): $(SFT_DATA)
 	$(PY) scripts/make_r8_dpo.py
 $(SFT_MODEL):
-	$(MAKE) sft
+	$(MAKE) sft ARGS=  # ARGS are the DPO run's options, not the SFT run's
 .PHONY: dpo
 dpo: setup $(DPO_DATA) $(SFT_MODEL)
 	$(PY) src/training_application.py --config configs/dpo_r8.yaml $(OWN_FOLDER) $(ARGS)

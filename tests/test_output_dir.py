@@ -370,6 +370,20 @@ def test_make_train_overwrites_its_own_default_folder_only(args, overwrites):
     assert ("--overwrite_output_dir true" in command) == overwrites and command.rstrip().endswith(args)
 
 
+def test_make_dpo_keeps_its_options_from_the_sft_run_it_starts(tmp_path):
+    """`make dpo ARGS="--beta 0.3"` passed --beta to the `make sft` it runs first (left alone earlier)."""
+    root = Path(__file__).resolve().parents[1]
+    shown = subprocess.run(
+        ["make", "-n", "dpo", "ARGS=--beta 0.3", f"SFT_MODEL={tmp_path / 'missing'}", f"DPO_DATA={root / 'Makefile'}"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+    )
+    commands = [line for line in shown.stdout.splitlines() if "training_application.py" in line]
+    sft, dpo = (next(c for c in commands if name in c) for name in ("sft_r8", "dpo_r8"))
+    assert "--beta" not in sft and dpo.rstrip().endswith("--beta 0.3")
+
+
 def test_another_node_s_folder_of_its_checkpoints_passes_the_early_check(tmp_path):
     """Node 1 of a node-local launch keeps its checkpoints in its own folder, which only the main process's manifest
     lists: the check before the imports refused node 1's restart, and node 0 waited for it (review)."""
