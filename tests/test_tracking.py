@@ -27,6 +27,7 @@ from cloudtrain import pipeline
 from cloudtrain.config import TrackingConfig, build_config
 from cloudtrain.errors import UserError
 from cloudtrain.observe import tracking
+from cloudtrain.observe.plotting import plot_training_curves
 from cloudtrain.observe.tracking import reachable, read_metrics
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"
@@ -679,3 +680,21 @@ def test_an_mlflow_server_that_does_not_answer_is_not_taken_for_a_lost_run(monke
     with pytest.raises(UserError, match=f"MLflow at {url} could not be asked for run abc .*start its server") as err:
         tracking.MLflow._exists(SimpleNamespace(tracking_uri=url), "abc")
     assert err.value.transient
+
+
+def test_metrics_jsonl_is_strict_json_and_a_value_that_is_not_finite_is_a_gap_in_its_curve(tmp_path):
+    """A NaN correlation or an infinite perplexity was written as bare NaN/Infinity, which jq and JSON.parse
+    refuse (left alone earlier): it is null, and the curves leave it out."""
+    log = tracking.RunLog(build_config({"report_to": ["none"]}), tmp_path, True, {}, resume_step=None)
+    log.log({"train/loss": 2.0, "eval/pearson": float("nan"), "eval/perplexity": float("inf")}, step=1)
+    log.log({"train/loss": 1.5, "eval/pearson": 0.5, "eval/perplexity": 9.0}, step=2)
+
+    def refuse(constant):
+        raise ValueError(f"{constant} is not JSON")
+
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first, second = (json.loads(line, parse_constant=refuse) for line in lines)
+    assert (first["eval/pearson"], first["eval/perplexity"], second["eval/pearson"]) == (None, None, 0.5)
+    curves = plot_training_curves(read_metrics(tmp_path / "metrics.jsonl"), tmp_path / "curves.png")
+    assert curves["evaluation metrics"]["eval/pearson"] == ([2], [0.5])
+    assert curves["loss"]["train/loss"] == ([1, 2], [2.0, 1.5])

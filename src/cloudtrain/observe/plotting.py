@@ -35,6 +35,8 @@ def curve_data(records: list[dict]) -> Curves:
     panels: Curves = {"loss": {}, "evaluation metrics": {}}
     for record in sorted(records, key=lambda r: r["step"]):
         for name, value in record.items():
+            if value is None:
+                continue  # a value that was not finite (metrics.jsonl's null): a gap in its curve
             if name in ("train/loss", "eval/loss"):
                 panel = "loss"
             elif name.endswith(PREFERENCE):

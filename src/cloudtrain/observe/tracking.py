@@ -1,7 +1,8 @@
 """Experiment tracking shared by the trainers: `metrics.jsonl` always, plus the trackers of `--report_to`.
 
 Every logging event is one line of `<output_dir>/metrics.jsonl`: {"step": N, "time": unix seconds,
-<name>: value}; at the end `<output_dir>/training_curves.png` is drawn from those lines, so a run can
+<name>: value}, strict JSON (a value that is not finite is null there; the trackers get it as it is); at
+the end `<output_dir>/training_curves.png` is drawn from those lines, so a run can
 be looked at with no tracker at all. The trackers are accelerate's tracker classes, extended with
 what a finished run needs (a summary, the confusion matrix, resuming):
 - wandb: online when credentials are configured (WANDB_API_KEY or `wandb login`) and the server
@@ -42,7 +43,7 @@ from cloudtrain.config import Config, TrackingConfig, differs_from_default
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
 from cloudtrain.publish.atomic import write_whole
-from cloudtrain.publish.saving import MODEL_PATTERNS
+from cloudtrain.publish.saving import MODEL_PATTERNS, finite
 from cloudtrain.redact import mask_value
 
 RUNS_FILE = "tracker_runs.json"
@@ -153,8 +154,9 @@ class RunLog:
     def log(self, values: dict, step: int) -> None:
         if not self.enabled:
             return
+        record = {"step": step, "time": round(time.time(), 3), **values}
         with self.path.open("a") as f:
-            f.write(json.dumps({"step": step, "time": round(time.time(), 3), **values}) + "\n")
+            f.write(json.dumps(finite(record), allow_nan=False) + "\n")  # NaN is not JSON: jq and JSON.parse refuse it
         self.latest_step = max(self.latest_step, step)
         for tracker in self.trackers:
             tracker.log(values, step=step)
