@@ -394,3 +394,24 @@ def test_another_node_s_folder_of_its_checkpoints_passes_the_early_check(tmp_pat
     (tmp_path / "out" / "args.json").write_text("{}")
     with pytest.raises(UserError, match="holds args.json, which cloudtrain did not write"):
         check_users_files(tmp_path / "out")
+
+
+def test_a_command_reading_a_folder_leaves_the_final_save_a_live_run_is_writing(tmp_path):
+    """`predict`, `generate` and `merge` took a live run's half-written final save for one a kill left and removed
+    it: the run then failed and lost what it trained (found in audit). While a run holds the folder its staging
+    folder stays; once no run holds it, a staging folder left by a kill goes."""
+    from cloudtrain.commands import existing_run_dir
+    from cloudtrain.publish.atomic import staging_dir
+
+    out = tmp_path / "out"
+    (staging_dir(out) / "model.safetensors").parent.mkdir(parents=True)
+    (staging_dir(out) / "model.safetensors").write_bytes(b"half written")
+    holder = another_run_holding(out)
+    try:
+        assert existing_run_dir("--model_dir", str(out)) == out
+        assert (staging_dir(out) / "model.safetensors").read_bytes() == b"half written"
+    finally:
+        holder.kill()
+        holder.wait()
+    existing_run_dir("--model_dir", str(out))
+    assert not staging_dir(out).exists() and not (out / ".cloudtrain-lock").exists()

@@ -2,7 +2,7 @@
 `push`, `plan` and `merge`, one module each with `add_arguments(parser)` and `run(args)`.
 
 A module here imports no torch, transformers or task (the standard library and cloudtrain's light modules:
-config, errors, publish.atomic and .saving, planning.accelerators and .strategies), so that `--help`, a refused
+config, errors, publish.atomic, .output_dir, .saving, planning.accelerators, .strategies), so `--help`, a refused
 option and the checks that need no model (numbers in range, files and directories there) answer at once; its
 `run` imports the module that does the work (cloudtrain.predict, cloudtrain.generate, cloudtrain.publish.hub,
 cloudtrain.planning, cloudtrain.models.adapters) once the options are valid. (`preprocess` is light as it is:
@@ -17,7 +17,6 @@ from pathlib import Path
 
 from cloudtrain.config import parse_bool
 from cloudtrain.errors import UserError
-from cloudtrain.publish import atomic
 
 
 def true_or_false(value: str) -> bool:
@@ -49,7 +48,9 @@ def existing_run_dir(flag: str, path: str) -> Path:
     read next is the previous model or the new one complete; a UserError otherwise."""
     if not Path(path).is_dir():
         raise UserError(f"{flag} {path} does not exist; pass the output_dir of a training run")
-    atomic.recover(Path(path))
+    from cloudtrain.publish.output_dir import recover_unless_in_use
+
+    recover_unless_in_use(Path(path))
     return Path(path)
 
 

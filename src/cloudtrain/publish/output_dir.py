@@ -26,6 +26,7 @@ from pathlib import Path
 from cloudtrain.assets import r8_folder
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError
+from cloudtrain.publish import atomic
 from cloudtrain.publish.atomic import write_whole
 from cloudtrain.publish.saving import MODEL_PATTERNS
 
@@ -250,6 +251,24 @@ def _holder(path: Path) -> str:
         return path.read_text(errors="replace").strip() or "its process is starting"
     except OSError:
         return "its process is ending"
+
+
+def recover_unless_in_use(output_dir: Path) -> None:
+    """atomic.recover for a command that reads `output_dir` (predict, generate, merge's adapter): while a run holds
+    the folder, its staging folder is the final save it is writing, not one a kill left (the previous model is
+    still in place to be read)."""
+    folder = Path(output_dir).resolve()
+    if folder in _held:  # this process's own run
+        atomic.recover(folder)
+        return
+    try:
+        hold(folder, elsewhere=False)
+    except UserError:
+        return
+    try:
+        atomic.recover(folder)
+    finally:
+        release(folder)
 
 
 def release(output_dir: Path) -> None:
