@@ -441,6 +441,23 @@ def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_or_starts_ove
     assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's newest, rotation at 1
 
 
+def test_a_checkpoint_folder_with_no_state_file_of_ours_and_no_marks_is_another_trainers(tmp_path):
+    """A `checkpoint-N` with no trainer_state.json (a plain save_pretrained, an HF Trainer checkpoint killed before
+    its state file) was taken for a damaged one of ours, and a save of its step deleted it (found in audit)."""
+    from cloudtrain.checkpointing import MARKS
+    from cloudtrain.resume import foreign_checkpoints
+
+    folder = tmp_path / "checkpoints"
+    (folder / "checkpoint-1").mkdir(parents=True)
+    (folder / "checkpoint-1" / "pytorch_model.bin").write_bytes(b"weights")
+    (folder / "checkpoint-2").mkdir()
+    (folder / "checkpoint-2" / STATE_FILE).write_text(json.dumps({"global_step": 2}))  # the HF Trainer's
+    (folder / "checkpoint-3" / MARKS).mkdir(parents=True)  # ours, its state file damaged
+    (folder / "checkpoint-3" / STATE_FILE).write_text("{not json")
+    fake_checkpoint(folder, 4, None)
+    assert foreign_checkpoints(folder) == ["checkpoint-1", "checkpoint-2"]
+
+
 @pytest.mark.slow  # fresh training runs: the full suite's, not the fast tier's
 def test_another_folders_checkpoint_resumed_here_starts_a_run_of_its_own(tiny_model_dir, topic_csvs, tmp_path, capsys):
     """A checkpoint of run A resumed into a folder holding run X's model replaced that model unasked and drew

@@ -79,10 +79,16 @@ def saved_since_launch(folder: Path) -> bool:
 
 
 def foreign_checkpoints(folder: Path) -> list[str]:
-    """`checkpoint-N` folders in `folder` that another trainer wrote (a readable state file of another format):
-    a run must not replace them. One of ours whose state file is damaged is no checkpoint (resuming it says so)."""
+    """`checkpoint-N` folders in `folder` that another trainer wrote (a readable state file of another format, or
+    none readable and none of the marks every process of a cloudtrain save leaves): a run must not replace them.
+    One of ours whose state file is damaged is no checkpoint (resuming it says so)."""
     names = [p.name for p in Path(folder).glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit()]
-    return sorted(name for name in names if state_format(Path(folder) / name / STATE_FILE) not in (None, FORMAT))
+    return sorted(name for name in names if not _ours(Path(folder) / name))
+
+
+def _ours(path: Path) -> bool:
+    found = state_format(path / STATE_FILE)
+    return found == FORMAT or (found is None and (path / MARKS).is_dir())
 
 
 def local_view(cfg: Config, folder: Path, index: int = 0, node: int = 0, host: str = "") -> dict:
