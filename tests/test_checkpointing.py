@@ -441,6 +441,31 @@ def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_or_starts_ove
     assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's newest, rotation at 1
 
 
+def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_loads(tmp_path):
+    """Resuming an AdamW checkpoint with --optim adafactor (or back) ended in KeyError 'beta1' from the optimizer's
+    first step, after the data and model had loaded (found in audit)."""
+    from dataclasses import asdict
+
+    from cloudtrain.checkpointing import FORMAT, TrainerState, check_resumable
+
+    def checkpoint(optimizer: str | None) -> Path:
+        path = tmp_path / f"checkpoint-{optimizer}"
+        path.mkdir()
+        meta = {"format": FORMAT, "state": asdict(TrainerState()), "adapters": None}
+        (path / STATE_FILE).write_text(json.dumps(meta if optimizer is None else {**meta, "optimizer": optimizer}))
+        return path
+
+    adamw, older = checkpoint("adamw"), checkpoint(None)  # before the record: loading tells
+    check_resumable(build_config({"optim": "adamw", "model_config": "llama-8m"}), adamw)
+    check_resumable(build_config({"optim": "adafactor", "model_config": "llama-8m"}), older)
+    with pytest.raises(UserError) as refused:
+        check_resumable(build_config({"optim": "adafactor", "model_config": "llama-8m"}), adamw)
+    assert str(refused.value) == (
+        f"checkpoint {adamw} was trained with --optim adamw, this run asks for --optim adafactor: resume with --optim "
+        "adamw, or start a fresh run without --resume_from_checkpoint"
+    )
+
+
 def test_a_checkpoint_folder_with_no_state_file_of_ours_and_no_marks_is_another_trainers(tmp_path):
     """A `checkpoint-N` with no trainer_state.json (a plain save_pretrained, an HF Trainer checkpoint killed before
     its state file) was taken for a damaged one of ours, and a save of its step deleted it (found in audit)."""

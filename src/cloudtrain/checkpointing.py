@@ -128,6 +128,13 @@ def check_resumable(cfg: Config, path: Path) -> None:
             f"checkpoint {path} trained {_describe(saved)}, this run asks for "
             f"{_describe(adapter_settings(cfg))}; resume with the same --peft and --lora_* options"
         )
+    saved, now_optimizer = meta.get("optimizer"), optimizer_record(cfg)
+    if saved is not None and saved != now_optimizer:  # its state holds that optimizer's moments, not this one's
+        raise UserError(
+            f"checkpoint {path} was trained with {_optimizer_name(saved)}, this run asks for "
+            f"{_optimizer_name(now_optimizer)}: resume with {_optimizer_name(saved)}, or start a fresh run without "
+            "--resume_from_checkpoint"
+        )
     written_for, now = meta.get("model") or {}, model_record(cfg)
     differ = [k for k, v in written_for.get("shape", {}).items() if k in now["shape"] and now["shape"][k] != v]
     if differ:  # checkpoints before the record hold none: loading them tells
@@ -363,6 +370,17 @@ def _fixed_count(meta: dict, path: Path, reshards: bool) -> str:
     return "a DDP checkpoint resumes at another process count without FSDP or ZeRO"
 
 
+def optimizer_record(cfg: Config) -> str:
+    """The optimizer whose state a checkpoint holds: --optim, or "deepspeed" where the DeepSpeed JSON has its own."""
+    from cloudtrain.parallel.distributed import deepspeed_sections
+
+    return "deepspeed" if "optimizer" in deepspeed_sections(cfg) else cfg.training.optim
+
+
+def _optimizer_name(record: str) -> str:
+    return "the optimizer of its DeepSpeed JSON" if record == "deepspeed" else f"--optim {record}"
+
+
 def sharding_engine(cfg: Config) -> str:
     """What holds the model and optimizer states: ZeRO-n, FSDP2, or neither (each process the whole)."""
     from cloudtrain.parallel.distributed import sharding  # (it imports the trainers' configs)
@@ -448,6 +466,7 @@ class Checkpointer:
         }
         self.seed = t.seed  # the stored rows' order: a resume's step is a position in it
         self.engine = sharding_engine(cfg)  # ZeRO and FSDP both shard over the same mesh: the states differ
+        self.optimizer = optimizer_record(cfg)  # another optimizer cannot take its state
 
     def latest(self) -> Path | None:
         found = complete_checkpoints(self.folder)
@@ -596,6 +615,7 @@ class Checkpointer:
             "batch": self.batch,
             "seed": self.seed,
             "engine": self.engine,
+            "optimizer": self.optimizer,
             "labels": self.labels,
             "data": self.data,
             "metric": self.metric,
