@@ -115,7 +115,7 @@ def test_a_file_that_cannot_grow_mid_save_is_one_line_and_the_old_model_stays(ru
     assert result.returncode == 2, result.stderr[-2000:]
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: the disk of {out} filled up while the final model was written"), last
-    assert "nothing there was replaced" in last and "Traceback" not in result.stderr
+    assert "the previous model there was not replaced" in last and "Traceback" not in result.stderr
     assert model_hashes(out) == model_hashes(runs["old"])
     assert not (out / atomic.STAGING).exists()
 

@@ -76,7 +76,7 @@ def no_space_is_a_user_error(output_dir: Path, what: str) -> Iterator[None]:
         shutil.rmtree(staging_dir(output_dir), ignore_errors=True)
         raise UserError(
             f"the disk of {output_dir} filled up while {what} was written ({first_line(err)}); "
-            "nothing there was replaced: free some space and run again (checkpoints, if any, are kept)"
+            "the previous model there was not replaced: free some space and run again (checkpoints, if any, are kept)"
         ) from None
 
 
