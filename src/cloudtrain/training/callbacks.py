@@ -151,6 +151,7 @@ class CallbackHook(Hook):
     """The user's callbacks as one hook, last in the loop's order: after logging, evaluation and checkpoints."""
 
     phase = "a user callback"
+    outside_training = True
 
     def __init__(
         self, callbacks: list[Any], runtime: Runtime, output_dir: Path | None, checkpointer: Checkpointer | None

@@ -122,6 +122,8 @@ class Hook:
 
     # What the run was doing when a collective in this hook fails (the error names it); None: the step's.
     phase: str | None = None
+    # Its time is not training time (an evaluation, a save): the interval's throughput and MFU leave it out.
+    outside_training: bool = False
 
     def on_train_start(self, loop: LoopState) -> None:
         """Once, before the first step (after a resume: before the first step still to run)."""
@@ -305,6 +307,7 @@ class EvaluationHook(Hook):
     the first step with --eval_on_start; none after the last step (the run evaluates its final model)."""
 
     phase = "evaluation"
+    outside_training = True
 
     def __init__(self, trainer: Trainer):
         self.trainer, t = trainer, trainer.cfg.training
@@ -343,6 +346,7 @@ class CheckpointHook(Hook):
     The seconds the loop waited go to the run log as checkpoint/blocked_s."""
 
     phase = "saving a checkpoint"
+    outside_training = True
 
     def __init__(self, trainer: Trainer, checkpointer: Checkpointer):
         self.trainer, self.checkpointer = trainer, checkpointer

@@ -34,6 +34,7 @@ class Meter:
         self.processes, self.index = runtime.count, runtime.index
         self.start = time.perf_counter()
         self.last = self.start - state.interval_s  # a resume's pending sums: their rates over their own time too
+        self.excluded = 0.0  # seconds since `last` that were not training (evaluations, saves): no rate counts them
         sums = list(state.interval) + [0.0] * (4 - len(state.interval))  # checkpoints before the 4th sum had 3
         if len(sums) == 4:  # ... and before the 5th, the loss summed over examples
             sums.append(sums[0])
@@ -82,8 +83,7 @@ class Meter:
         per_step, norms_read = total[5 : 5 + 2 * n], total[5 + 2 * n : 5 + 3 * n]
         self.interval.zero_()
         self.steps.clear()
-        now = time.perf_counter()
-        seconds, self.last = max(now - self.last, 1e-9), now
+        seconds, self.last, self.excluded = max(self.since_logged(), 1e-9), time.perf_counter(), 0.0
         self.state.samples += int(examples)
         self.state.tokens += int(tokens)
         self.state.loss_sum += loss_sum
@@ -100,9 +100,13 @@ class Meter:
             "by_process": [total[5 + 3 * n + r * width : 5 + 3 * n + (r + 1) * width] for r in range(self.processes)],
         }
 
+    def exclude(self, seconds: float) -> None:
+        """Seconds of the interval that were not training: the rates divide by the rest."""
+        self.excluded += seconds
+
     def since_logged(self) -> float:
-        """The seconds of the sums not yet logged."""
-        return time.perf_counter() - self.last
+        """The training seconds of the sums not yet logged."""
+        return time.perf_counter() - self.last - self.excluded
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.start

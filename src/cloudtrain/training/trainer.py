@@ -345,7 +345,8 @@ class Trainer:
             preemption = signals = PreemptionSignal()
         hooks = self.hooks(checkpointer, preemption)
         for hook in hooks:
-            hook.on_train_start(loop)
+            with self._timed(hook, loop):
+                hook.on_train_start(loop)
         self.phase = "the first step"
         try:
             with self._collective_errors(loop.state), signals, loop.bar:
@@ -517,7 +518,9 @@ class Trainer:
         ran = []
         for hook in hooks:
             self.phase = hook.phase or self.phase
-            if request := hook.on_step_end(loop):
+            with self._timed(hook, loop):
+                request = hook.on_step_end(loop)
+            if request:
                 loop.requests.append(request)
             ran.append(hook)
             if loop.ending and not loop.requests:
@@ -525,6 +528,17 @@ class Trainer:
         if stop := next((request for request in loop.requests if request.reason), None):
             raise stop.stopped(loop.saved)
         return ran
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _timed(hook: Hook, loop: LoopState) -> Iterator[None]:
+        """A hook whose time is not training time (an evaluation, a save): the interval's rates leave it out."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            if hook.outside_training:
+                loop.meter.exclude(time.perf_counter() - began)
 
     @contextlib.contextmanager
     def _collective_errors(self, state: TrainerState) -> Iterator[None]:
