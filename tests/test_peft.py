@@ -203,6 +203,34 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
         check_model_dir(str(adapter))
 
 
+def test_a_users_file_inside_cloudtrains_merged_folder_is_never_deleted(tmp_path):
+    """merge (and a run over the folder) replaced a merged/ of its own whole, with the GGUF export the user had
+    written into it (found in audit): refused in one line naming it."""
+    import argparse
+
+    from cloudtrain.commands import merge
+    from cloudtrain.publish.output_dir import claim, record
+
+    adapter = {"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(adapter))
+    (tmp_path / "merged").mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "args.json", "model-q4.gguf"):
+        (tmp_path / "merged" / name).write_text(name)
+    record(tmp_path, ["adapter_config.json", "merged"])
+    args = argparse.Namespace(output_dir=str(tmp_path))
+    with pytest.raises(UserError) as refused:
+        merge.check_options(args)
+    assert str(refused.value) == (
+        f"--output_dir {tmp_path} holds merged/model-q4.gguf, which cloudtrain did not write and merge would delete "
+        "with the merged/ it replaces: move them elsewhere, then merge again"
+    )
+    with pytest.raises(UserError, match="holds merged/model-q4.gguf, which cloudtrain did not write and a run would"):
+        claim(tmp_path)
+    (tmp_path / "merged" / "model-q4.gguf").unlink()
+    merge.check_options(args)
+    claim(tmp_path)
+
+
 def test_an_adapter_whose_base_model_was_moved_says_so_and_how_to_point_it_elsewhere(tmp_path):
     """predict, merge and generate load the base its config names; a folder gone since training was "Repo id must
     be in the form 'repo_name' or 'namespace/repo_name'" (taken for a Hub id)."""

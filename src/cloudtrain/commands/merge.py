@@ -5,7 +5,7 @@ from pathlib import Path
 
 from cloudtrain.commands import add_trust_remote_code, existing_run_dir, holding
 from cloudtrain.errors import UserError
-from cloudtrain.publish.output_dir import written
+from cloudtrain.publish.output_dir import users_files, written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, MERGED, check_not_diffusion, is_adapter_dir
 
 
@@ -33,6 +33,13 @@ def check_options(args: argparse.Namespace) -> None:
     if merged.exists() and MERGED not in written(Path(args.output_dir)):
         raise UserError(
             f"{merged} is not one cloudtrain wrote, and merge would replace it: move it elsewhere, then merge again"
+        )
+    theirs = [name for name in users_files(Path(args.output_dir)) if name.startswith(f"{MERGED}/")]
+    if theirs:
+        raise UserError(
+            f"--output_dir {args.output_dir} holds {', '.join(theirs[:4])}{' ...' if len(theirs) > 4 else ''}, "
+            f"which cloudtrain did not write and merge would delete with the {MERGED}/ it replaces: move them "
+            "elsewhere, then merge again"
         )
 
 

@@ -28,7 +28,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError
 from cloudtrain.publish import atomic
 from cloudtrain.publish.atomic import write_whole
-from cloudtrain.publish.saving import MODEL_PATTERNS
+from cloudtrain.publish.saving import MERGED, MODEL_PATTERNS
 
 MANIFEST = ".cloudtrain-manifest.json"
 LOCK = ".cloudtrain-lock"
@@ -126,7 +126,11 @@ def users_files(output_dir: Path) -> list[str]:
     if not output_dir.is_dir():
         return []
     ours = written(output_dir)
-    return sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
+    mine = sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
+    merged = output_dir / MERGED  # cloudtrain's, replaced whole: what else lies in it (a GGUF export) is the user's
+    if MERGED in ours and merged.is_dir():
+        mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not is_run_name(p.name, FINAL_PATTERNS))
+    return mine
 
 
 def holds_saved_model(output_dir: Path) -> bool:
