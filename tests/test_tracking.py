@@ -27,7 +27,7 @@ from cloudtrain import pipeline
 from cloudtrain.config import TrackingConfig, build_config
 from cloudtrain.errors import UserError
 from cloudtrain.observe import tracking
-from cloudtrain.observe.plotting import plot_training_curves
+from cloudtrain.observe.plotting import curve_data, plot_training_curves
 from cloudtrain.observe.tracking import reachable, read_metrics
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"
@@ -698,3 +698,5 @@ def test_metrics_jsonl_is_strict_json_and_a_value_that_is_not_finite_is_a_gap_in
     curves = plot_training_curves(read_metrics(tmp_path / "metrics.jsonl"), tmp_path / "curves.png")
     assert curves["evaluation metrics"]["eval/pearson"] == ([2], [0.5])
     assert curves["loss"]["train/loss"] == ([1, 2], [2.0, 1.5])
+    counts = curve_data([{"step": 1, "eval/f1": 60.0, "eval/has_answer_total": 412, "eval/no_answer_total": 88}])
+    assert list(counts["evaluation metrics"]) == ["eval/f1"]  # question counts are not metrics (found in audit)

@@ -43,6 +43,8 @@ def curve_data(records: list[dict]) -> Curves:
                 panel = "preference"  # a third panel, drawn only for the runs that log it
             elif "/rewards/" in name or "/logps/" in name:
                 continue  # a preference run's other numbers: scales of their own, in metrics.jsonl
+            elif name.endswith("_total"):
+                continue  # counts (SQuAD 2.0's questions of each kind), not quality: off the metrics' scale
             elif name.startswith("eval/") and name not in NOT_METRICS and isinstance(value, (int, float)):
                 panel = "evaluation metrics"
             else:
