@@ -459,3 +459,49 @@ def test_a_stored_id_beyond_the_vocabulary_mid_stream_is_one_line_naming_its_sou
     assert int(next(batches)["input_ids"].max()) == 7
     with pytest.raises(UserError, match=r"\*.parquet holds token id 99999, beyond this run's tokenizer \(4\d\d tokens"):
         list(batches)
+
+
+LOCK_HOLDER = (
+    "import sys; from cloudtrain.publish.output_dir import lock_file; lock_file(sys.argv[1], 'x'); "
+    "print('held', flush=True); input()"
+)
+
+
+def test_a_second_preprocess_while_one_writes_the_folder_is_refused_and_a_set_missing_shards_is_not_trained_on(
+    corpus, tmp_path, lm_tokenizer_dir, capsys
+):
+    """Two preprocess runs into one folder: the second's start removed the first's staged shards, and the first
+    published a manifest listing shards that were gone; training read the rest without a word (found in audit)."""
+    import subprocess
+    import sys
+
+    from cloudtrain.data.shards import _check_complete
+
+    out = tmp_path / "shards"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(tmp_path / ".shards.preprocess-lock")],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
+        assert run_preprocess(corpus, out, lm_tokenizer_dir, "--shard_documents", "20") == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"error: --output_dir {out} is being written by another preprocess (pid {holder.pid} on " + (
+            err.split(" on ", 1)[1]
+        ) and err.endswith("; wait for it to end")
+        assert not out.exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    manifest = preprocess(corpus, out, lm_tokenizer_dir)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["raw", "shards"]  # no lock file left beside it
+    _check_complete(str(out), manifest)
+    (out / "shard-00001.parquet").unlink()
+    (out / "shard-00003.parquet").unlink()
+    with pytest.raises(UserError) as refused:
+        _check_complete(str(out), manifest)
+    assert str(refused.value) == (
+        f"{out}/manifest.json lists 4 shards and 2 of them are not there (shard-00001.parquet, shard-00003.parquet): "
+        "a copy that did not finish, or shards deleted since; copy them again, or run cloudtrain preprocess again"
+    )

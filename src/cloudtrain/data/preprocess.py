@@ -45,7 +45,7 @@ from cloudtrain.data.shards import MANIFEST, is_shard_name
 from cloudtrain.errors import UserError
 from cloudtrain.faults import kill_point
 from cloudtrain.publish.atomic import fsync
-from cloudtrain.publish.output_dir import free_name
+from cloudtrain.publish.output_dir import free_name, lock_file, unlock_file
 from cloudtrain.registry_table import EXAMPLES, STREAMING
 
 if TYPE_CHECKING:  # tasks import torch and transformers: not while the options are parsed and checked
@@ -57,7 +57,8 @@ MASK = "loss_mask"  # SFT: per example (unpacked) or per row (packed), the token
 LENGTHS = "seq_lengths"  # packed rows: the lengths of the documents (pieces) in the row; marks a row as packed
 DOCUMENTS = "documents"  # packed rows: how many documents start in the row (the per-source counts)
 HISTOGRAM = "length_histogram.png"
-STAGED, ASIDE = ".preprocess-new", ".preprocess-old"  # `.<name><suffix>` beside a local output folder
+# `.<name><suffix>` beside a local output folder: the set being written, the previous set, the writer's lock
+STAGED, ASIDE, LOCKED = ".preprocess-new", ".preprocess-old", ".preprocess-lock"
 CHAT_OPTIONS = ("messages_column", "prompt_column", "completion_column", "system_prompt", "chat_template")
 
 
@@ -209,16 +210,15 @@ class Output:
         self.target: Path | None = None
         if "://" not in self.url:  # local: staged beside the folder, swapped in at the end
             self.target = Path(self.url).expanduser().resolve()  # a link's folder; `.`: its name, for `_beside`
-            recover(self.target)
-            _claim(str(self.url), _local_names(self.target), (self.target / MANIFEST).read_text, overwrite, False)
-            self.staged = _beside(self.target, STAGED)
-            try:  # the set is staged beside the folder: its parent must take new entries
-                self.staged.mkdir(parents=True)
-            except OSError as err:
-                raise UserError(
-                    f"--output_dir {url} cannot be written ({err.strerror} in {self.staged.parent}); choose a "
-                    "folder you can write to"
-                ) from None
+            with contextlib.suppress(OSError):  # (one that cannot be made is said below)
+                self.target.parent.mkdir(parents=True, exist_ok=True)
+            # one writer at a time: another's recover would delete this one's staged shards
+            lock_file(_beside(self.target, LOCKED), f"--output_dir {url} is being written by another preprocess")
+            try:
+                self._stage(url, overwrite)
+            except BaseException:
+                unlock_file(_beside(self.target, LOCKED))
+                raise
             self.fs, self.root = fsspec.filesystem("file"), str(self.staged)
             return
         if self.url.startswith(("s3://", "s3a://")):
@@ -235,6 +235,20 @@ class Output:
             names = self._names(self.root)
             _claim(self.url, names, lambda: self.fs.cat_file(f"{self.root}/{MANIFEST}").decode(), overwrite, True)
             self.fs.makedirs(self.root, exist_ok=True)
+
+    def _stage(self, url: str, overwrite: bool) -> None:
+        """A killed run's leftovers dealt with, the folder claimed, the staging folder beside it made."""
+        assert self.target is not None
+        recover(self.target)
+        _claim(str(self.url), _local_names(self.target), (self.target / MANIFEST).read_text, overwrite, False)
+        self.staged = _beside(self.target, STAGED)
+        try:  # the set is staged beside the folder: its parent must take new entries
+            self.staged.mkdir(parents=True)
+        except OSError as err:
+            raise UserError(
+                f"--output_dir {url} cannot be written ({err.strerror} in {self.staged.parent}); choose a "
+                "folder you can write to"
+            ) from None
 
     def _names(self, root: str) -> list[str]:
         try:
@@ -264,11 +278,13 @@ class Output:
         fsync(target.parent)
         shutil.rmtree(staged, ignore_errors=True)  # after an exchange: the previous set
         shutil.rmtree(aside, ignore_errors=True)
+        unlock_file(_beside(target, LOCKED))
 
     def discard(self) -> None:
         """A failed run's staged shards (a local one's; nothing in the folder was touched)."""
         if self.target is not None:
             shutil.rmtree(self.staged, ignore_errors=True)
+            unlock_file(_beside(self.target, LOCKED))
 
     @contextlib.contextmanager
     def _said(self) -> Iterator[None]:

@@ -75,6 +75,7 @@ def check_shards(specs: list[SourceSpec], run: dict, max_length: int) -> None:
             manifest = read_manifest(folder)
             if manifest is not None:
                 _compare(folder, manifest, run, max_length)
+                _check_complete(folder, manifest)
                 checked = checked or "tokenizer_digest" in manifest
             else:
                 _note_unfinished(folder, [path for path in spec.files if folder_of(path) == folder])
@@ -149,6 +150,30 @@ def _compare(folder: str, manifest: dict, run: dict, max_length: int) -> None:
         raise UserError(
             f"{folder} holds rows packed to {made} tokens and --max_length {max_length} would cut them: give "
             f"--max_length {made}, or {again}"
+        )
+
+
+def _check_complete(folder: str, manifest: dict) -> None:
+    """Every shard the manifest lists is in its folder: a copy that did not finish trained on part of the corpus."""
+    listed = [str(shard.get("file")) for shard in manifest["shards"] if isinstance(shard, dict)]
+    try:
+        if "://" in folder:
+            import fsspec
+
+            from cloudtrain.data.readers import storage_options
+
+            fs, root = fsspec.core.url_to_fs(folder, **storage_options(folder))
+            present = {path.rstrip("/").rsplit("/", 1)[-1] for path in fs.ls(root, detail=False)}
+        else:
+            present = set(os.listdir(folder))
+    except Exception:  # noqa: BLE001 (a folder that cannot be listed: reading its files says why)
+        return
+    missing = [name for name in listed if name not in present]
+    if missing:
+        shown = ", ".join(missing[:3]) + (" ..." if len(missing) > 3 else "")
+        raise UserError(
+            f"{folder}/{MANIFEST} lists {len(listed)} shards and {len(missing)} of them are not there ({shown}): a "
+            "copy that did not finish, or shards deleted since; copy them again, or run cloudtrain preprocess again"
         )
 
 

@@ -196,8 +196,35 @@ def hold(output_dir: Path, flag: str = "--output_dir", elsewhere: bool = True) -
         return
     except OSError:  # unwritable: check_output_dir says so in its own words
         return
-    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+    _say_holder(fd)
     _held[folder] = (fd, created)
+
+
+def _say_holder(fd: int) -> None:
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {time.strftime('%Y-%m-%d %H:%M:%S')}".encode())
+
+
+def lock_file(path: Path, what: str) -> None:
+    """The lock file at `path` held by this process until `unlock_file` (a preprocess's, beside its output folder);
+    UserError naming its holder while another process holds it, `what` saying what that process is doing. Where
+    the filesystem has no locks, or `path` cannot be written (said later, where it is written), nothing is held."""
+    try:
+        fd = _lock(Path(path))
+    except BlockingIOError:
+        raise UserError(f"{what} ({_holder(Path(path))}); wait for it to end") from None
+    except OSError:  # NoLocks too
+        return
+    _say_holder(fd)
+    _held[Path(path)] = (fd, False)
+
+
+def unlock_file(path: Path) -> None:
+    fd, _ = _held.pop(Path(path), (None, False))
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            Path(path).unlink()  # while still held: a process opening it now takes a new one (_lock)
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 class NoLocks(OSError):
