@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from cloudtrain.config import resolve_options
-from cloudtrain.data.mixture import MixtureStream, initial_state, resolve_sources
+from cloudtrain.data.mixture import MixtureStream, SourceSpec, initial_state, resolve_sources
 from cloudtrain.data.packing import CausalLMCollator
 from cloudtrain.data.readers import RecordReader
 from cloudtrain.data.streaming import StreamLoader, StreamPlan, connect_stream, hold_out
@@ -424,7 +424,8 @@ def test_a_stream_resumed_on_other_files_or_another_cut_is_refused(tiny_llama_di
     options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
     train(options)
     checkpoint = out / "checkpoints" / "checkpoint-2"
-    assert json.loads((checkpoint / "data_state.json").read_text())["layout"]["files"] == [["a.jsonl", "c.jsonl"]]
+    layout = json.loads((checkpoint / "data_state.json").read_text())["layout"]
+    assert (layout["files"], layout["weights"], layout["shares"]) == ([["a.jsonl", "c.jsonl"]], [1.0], [1.0])
     again = options | {"max_steps": "3", "resume_from_checkpoint": str(checkpoint), "output_dir": str(tmp_path / "b")}
     with pytest.raises(UserError, match=r"cut with --stream_buffer 16, this run's with --stream_buffer 8: its cursor"):
         train(again | {"stream_buffer": "8"})
@@ -439,6 +440,25 @@ def test_a_stream_resumed_on_other_files_or_another_cut_is_refused(tiny_llama_di
         f"training source {folder}/*.jsonl lists b.jsonl as file 2 where the checkpoint read c.jsonl: its cursor names"
     )
     assert not (tmp_path / "b" / "model.safetensors").exists()
+
+
+def test_a_stream_resumed_with_other_weights_is_refused_naming_them():
+    """Other --train_weights draw other buffers, so the cursor's rows were other documents (some trained twice);
+    the refusal blamed --stream_validation_docs, which the user had not changed (found in audit)."""
+    from cloudtrain.data.streaming import check_layout
+
+    sources = [SourceSpec("a.jsonl", ["a.jsonl"], "json"), SourceSpec("c.parquet", ["c.parquet"], "parquet")]
+    cut = {"files": [["a.jsonl"], ["c.parquet"]], "buffer_docs": 8, "block_size": 64, "packing": "bfd", "seed": 42}
+    saved = cut | {"held_out": [0, 2], "weights": [1.0, 1.0], "shares": [0.5, 0.5]}
+    check_layout(saved, cut | {"held_out": [0, 2], "weights": [2.0, 2.0], "shares": [0.5, 0.5]}, sources)
+    with pytest.raises(UserError) as refused:
+        check_layout(saved, cut | {"held_out": [1, 1], "weights": [9.0, 1.0], "shares": [0.9, 0.1]}, sources)
+    assert str(refused.value) == (
+        "the checkpoint's data stream mixed its sources with weights 1,1, this run's with 9,1: its cursor counts rows "
+        "of buffers drawn with those weights (other weights draw other documents); resume with --train_weights 1,1, "
+        "or start a fresh run from its model to change the mixture"
+    )
+    check_layout({k: v for k, v in saved.items() if k not in ("weights", "shares")}, saved, sources)  # (older)
 
 
 def test_a_max_tokens_budget_resumed_at_another_batch_trains_the_rows_left(tiny_llama_dir, tmp_path, two_sources):

@@ -223,6 +223,14 @@ def check_layout(saved: dict, now: dict, sources: list[SourceSpec]) -> None:
                 f"the checkpoint's data stream was cut with {option} {saved.get(key)}, this run's with {option} "
                 f"{now[key]}: its cursor counts rows of that cut; resume with {option} {saved.get(key)}"
             )
+    if "shares" in saved and saved["shares"] != now["shares"]:  # (checkpoints before the record hold none)
+        was = ",".join(f"{w:g}" for w in saved["weights"])
+        raise UserError(
+            f"the checkpoint's data stream mixed its sources with weights {was}, this run's with "
+            f"{','.join(f'{w:g}' for w in now['weights'])}: its cursor counts rows of buffers drawn with those weights "
+            f"(other weights draw other documents); resume with --train_weights {was}, or start a fresh run from its "
+            "model to change the mixture"
+        )
     # recorded since the hold-out is skipped; the cursor keeps skipping what it held out, so fewer (or a
     # --validation_file instead) validate on none of its training documents, and only more would
     if any(n > was for n, was in zip(now["held_out"], saved.get("held_out", now["held_out"]), strict=True)):
@@ -295,6 +303,8 @@ class StreamLoader:
             "packing": p.packing,
             "seed": p.seed,
             "held_out": [source.get("held_out", 0) for source in p.start["sources"]],  # validation's, per source
+            "weights": [spec.weight for spec in p.sources],
+            "shares": [round(spec.weight / sum(s.weight for s in p.sources), 9) for spec in p.sources],  # 1,1 = 2,2
         }
 
     def __iter__(self) -> Iterator[dict]:
