@@ -96,6 +96,13 @@ def test_a_byte_order_mark_is_no_part_of_the_first_record(tmp_path):
         path = tmp_path / f"bom.{fmt}"
         path.write_text(bom + content, encoding="utf-8")
         assert RecordReader(str(path), fmt).next()[0]["text"] == "hello", fmt
+    # an array after a newline or spaces (json.dumps(..., indent=2) written after a header line) is an array too,
+    # as stored data reads it: streaming took it for JSON lines (found in audit)
+    for lead in ("\n", "  ", bom + " \r\n"):
+        path = tmp_path / "lead.json"
+        path.write_text(lead + json.dumps([{"text": "hello"}, {"text": "there"}], indent=2), encoding="utf-8")
+        reader = RecordReader(str(path), "json")
+        assert [reader.next()[0]["text"], reader.next()[0]["text"]] == ["hello", "there"], repr(lead)
 
 
 # ------------------------------------------------------------------ mixtures

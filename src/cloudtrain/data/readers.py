@@ -134,7 +134,7 @@ class RecordReader:
             self._total = meta.num_rows
             return
         self._handle = _open_binary(self.path)
-        if self.format == "json" and self._handle.read(4).lstrip(b"\xef\xbb\xbf")[:1] == b"[":  # an array: read whole
+        if self.format == "json" and self._handle.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # an array
             self._handle.close()
             self._handle = _open_binary(self.path)
             self._rows = json.load(io.TextIOWrapper(self._handle, encoding="utf-8-sig"))
