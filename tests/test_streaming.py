@@ -82,6 +82,21 @@ def test_every_format_reads_every_record_and_resumes_at_a_position(tmp_path):
         assert again.next()[0]["text"] == expected[20], kind
 
 
+def test_a_folder_whose_file_names_say_no_format_is_read_with_its_entrys_format(tmp_path):
+    """Spark's part-00000 files: a `datasets:` entry's `format:` (preprocess's --format) found no file in the
+    folder, since files were kept by the format their names say (found in audit). Markers (_SUCCESS) stay out."""
+    folder = tmp_path / "spark"
+    folder.mkdir()
+    write_jsonl(folder / "part-00000", numbered(3, "a"))
+    write_jsonl(folder / "part-00001", numbered(2, "b"))
+    (folder / "_SUCCESS").write_text("")
+    entry = {"path": str(folder), "weight": 1.0, "format": "jsonl"}
+    (spec,) = resolve_sources(data_cfg(datasets=[entry]).data)
+    assert ([Path(f).name for f in spec.files], spec.format) == (["part-00000", "part-00001"], "jsonl")
+    with pytest.raises(UserError, match="matches no data file"):
+        resolve_sources(data_cfg(datasets=[{"path": str(folder), "weight": 1.0}]).data)
+
+
 def test_a_byte_order_mark_is_no_part_of_the_first_record(tmp_path):
     """Excel's UTF-8 CSV starts with a BOM: the stream named the column '\ufefftext' and refused the file with a
     line that read as a contradiction ("has no column 'text' (its columns: text, id)"), where stored data trained."""

@@ -153,6 +153,9 @@ def test_preprocess_writes_shards_to_object_storage_that_stream_as_local_ones(
     remote = plan_for(tmp_path, lm_tokenizer, train_file=f"s3://{BUCKET}/shards/*.parquet", packing="none")
     local = plan_for(tmp_path, lm_tokenizer, train_file=f"{tmp_path / 'shards'}/*.parquet", packing="none")
     assert rows(remote, 20) == rows(local, 20)
+    # the prefix itself, as a local folder is named: its manifest is no data (it was refused as json beside parquet)
+    (spec,) = resolve_sources(data_cfg(train_file=f"s3://{BUCKET}/shards").data)
+    assert [f.rsplit("/", 1)[-1] for f in spec.files] == [n for n in names if n.endswith(".parquet")]
 
 
 def test_preprocess_to_an_unreachable_store_is_one_line(s3, tmp_path, lm_tokenizer_dir, monkeypatch, capsys):

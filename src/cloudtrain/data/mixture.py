@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format, is_remote
+from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format, folder_data_files, is_remote
 from cloudtrain.errors import UserError
 
 MASK64 = (1 << 64) - 1
@@ -80,25 +80,26 @@ def _weight(value: Any, name: str) -> float:
     return weight
 
 
-def expand(path: str) -> list[str]:
-    """The data files a source names: a file, a folder's data files, or a glob (sorted)."""
+def expand(path: str, fmt: str | None = None) -> list[str]:
+    """The data files a source names: a file, a folder's data files (folder_data_files; `fmt`: the source's
+    format, for names that say none), or a glob (sorted)."""
     if is_remote(path):
         from cloudtrain.data.remote import expand_remote
 
-        return expand_remote(path)
+        return expand_remote(path, fmt)
     if any(ch in path for ch in "*?["):
         return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     p = Path(path)
     if p.is_dir():
         # not in hidden folders: `.<name>.preprocess-new` is a killed preprocess's half-written set
-        files = sorted(
-            str(f)
-            for f in p.rglob("*")
-            if f.is_file() and file_format(str(f)) and not any(part.startswith(".") for part in f.relative_to(p).parts)
+        return folder_data_files(
+            sorted(
+                str(f)
+                for f in p.rglob("*")
+                if f.is_file() and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            ),
+            fmt,
         )
-        if any(f.endswith(".parquet") for f in files):  # a `cloudtrain preprocess` folder: its manifest is no data
-            files = [f for f in files if Path(f).name != "manifest.json"]
-        return files
     return [path] if p.is_file() else []
 
 
@@ -107,7 +108,7 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
     specs = []
     for entry in _entries(data):
         name = str(entry["path"])
-        files = expand(name)
+        files = expand(name, entry.get("format"))
         if not files:
             raise UserError(f"training source {name} matches no data file (check the path or glob)")
         formats = {entry.get("format") or file_format(f) for f in files}

@@ -45,6 +45,16 @@ def file_format(path: str) -> str | None:
     return suffix if suffix in FORMATS else None
 
 
+def folder_data_files(files: list[str], fmt: str | None = None) -> list[str]:
+    """The data files of a folder's (or prefix's) listing: those whose name says a format, or with `fmt` (a source's
+    --format, for names that say none: Spark's part-00000) any but Hadoop's `_SUCCESS`-style markers; a
+    `cloudtrain preprocess` folder's manifest.json is no data."""
+    kept = [f for f in files if file_format(f) or (fmt and not f.rstrip("/").rsplit("/", 1)[-1].startswith(("_", ".")))]
+    if any(f.endswith(".parquet") for f in kept):
+        kept = [f for f in kept if f.rsplit("/", 1)[-1] != "manifest.json"]
+    return kept
+
+
 def is_remote(path: str) -> bool:
     """A URL (s3://bucket/key, hf://datasets/owner/name@commit/file, any protocol fsspec knows), not a local path."""
     return "://" in path

@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from cloudtrain.data.readers import file_format, storage_options
+from cloudtrain.data.readers import file_format, folder_data_files, storage_options
 from cloudtrain.errors import UserError
 
 CREDENTIALS_HINT = (
@@ -82,12 +82,12 @@ def remote_failure(path: str, err: Exception) -> UserError:
     return UserError(f"{path}: listing the object store at {_endpoint()} failed ({kind}: {text})")
 
 
-def expand_remote(path: str) -> list[str]:
+def expand_remote(path: str, fmt: str | None = None) -> list[str]:
     """The data files of an object-store source, sorted, as URLs; [] when nothing matches (the caller says so).
     A missing bucket is nothing matching; no credentials, refused ones, or an unreachable endpoint are one line."""
     protocol = path.split("://", 1)[0]
     if protocol == "hf":
-        return expand_hub(path)
+        return expand_hub(path, fmt)
     if protocol in ("s3", "s3a"):
         check_credentials(path)
     fs = _filesystem(path)
@@ -97,7 +97,8 @@ def expand_remote(path: str) -> list[str]:
         return []
     except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
         raise remote_failure(path, err) from None
-    return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in found if file_format(p))
+    found = [p for p in found if file_format(p)] if any(ch in path for ch in "*?[") else folder_data_files(found, fmt)
+    return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in found)
 
 
 # ---------------------------------------------------------------- Hugging Face Hub datasets
@@ -185,7 +186,7 @@ def _training_files(found: list[str], root: str) -> list[str]:
     return sorted(named["train"]) if named["train"] else sorted(set(found) - named["other"])
 
 
-def expand_hub(path: str) -> list[str]:
+def expand_hub(path: str, fmt: str | None = None) -> list[str]:
     """The data files of a Hub dataset source, as `hf://datasets/<repo>@<commit>/<file>` URLs, sorted; [] when
     nothing matches. A repo or folder gives its data files (its training split's, when files are named for splits),
     a glob its matches, a file itself."""
@@ -199,11 +200,11 @@ def expand_hub(path: str) -> list[str]:
         if any(ch in uri.path_in_repo for ch in "*?["):
             found = list(fs.glob(inside))
         elif not uri.path_in_repo or fs.isdir(inside):
-            found = _training_files([f for f in fs.find(inside) if file_format(f)], root)
+            found = _training_files(folder_data_files(fs.find(inside), fmt), root)
         else:
             found = [inside] if fs.isfile(inside) else []
     except FileNotFoundError:
         return []
     except Exception as err:  # noqa: BLE001 (the listing's own failures: as for the info)
         raise _hub_failure(path, fs.endpoint, err) from None
-    return sorted(f"hf://{f}" for f in found if file_format(f))
+    return sorted(f"hf://{f}" for f in found if file_format(f) or fmt)
