@@ -101,6 +101,10 @@ def test_no_note_where_the_task_reads_the_option(task, values):
             {"task": "causal_lm", "streaming": True, "max_steps": 5, "max_train_samples": 10},
             "--max_train_samples 10 has no effect without --streaming false",
         ),
+        (  # a stream's rows come in its own order (found in audit: ignored without a word)
+            {"task": "causal_lm", "streaming": True, "max_steps": 5, "group_by_length": True},
+            "--group_by_length true has no effect without --streaming false",
+        ),
     ],
 )
 def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):

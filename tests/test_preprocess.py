@@ -505,3 +505,22 @@ def test_a_second_preprocess_while_one_writes_the_folder_is_refused_and_a_set_mi
         f"{out}/manifest.json lists 4 shards and 2 of them are not there (shard-00001.parquet, shard-00003.parquet): "
         "a copy that did not finish, or shards deleted since; copy them again, or run cloudtrain preprocess again"
     )
+
+
+def test_a_mistyped_tokenizer_folder_and_an_unreadable_corpus_are_lines_that_say_so(tmp_path, lm_tokenizer_dir, capsys):
+    """A missing ./tokenizer folder was huggingface_hub's "Repo id must use alphanumeric chars"; a Latin-1 CSV was
+    "no record has text in column 'text' (its columns: none); pass --text_column" (found in audit)."""
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("text\ncaf\xe9\n".encode("latin-1"))
+    argv = ["preprocess", "--train_file", str(latin), "--output_dir", str(tmp_path / "out")]
+    assert main([*argv, "--tokenizer_name_or_path", "./no-such-tokenizer"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: --tokenizer_name_or_path ./no-such-tokenizer does not exist; give a model directory or a Hub id like "
+        "<org>/<name>"
+    )
+    assert main([*argv, "--tokenizer_name_or_path", lm_tokenizer_dir]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {latin} gave no tokens: no record could be read (see the warnings above); give UTF-8 files of its "
+        "format (csv)"
+    )
+    assert not (tmp_path / "out").exists()

@@ -97,6 +97,23 @@ def test_a_folder_whose_file_names_say_no_format_is_read_with_its_entrys_format(
         resolve_sources(data_cfg(datasets=[{"path": str(folder), "weight": 1.0}]).data)
 
 
+def test_a_source_with_no_readable_record_says_why(tmp_path):
+    """A Latin-1 CSV or a damaged parquet file was only "holds no readable record" (found in audit)."""
+    from cloudtrain.data.streaming import _first_record
+
+    latin = tmp_path / "latin.csv"
+    latin.write_bytes("text\ncaf\xe9 au lait\n".encode("latin-1"))
+    broken = tmp_path / "broken.parquet"
+    broken.write_bytes(b"PAR1 not really parquet")
+    for path, why in ((latin, f"{latin}: not UTF-8"), (broken, f"{broken}: ")):
+        (spec,) = resolve_sources(data_cfg(train_file=str(path)).data)
+        with pytest.raises(UserError) as refused:
+            _first_record(spec, {"text": "text"})
+        said = str(refused.value)
+        assert said.startswith(f"training source {path} holds no readable record ({why}"), said
+        assert said.endswith(f"; give UTF-8 files of its format ({spec.format})")
+
+
 def test_a_byte_order_mark_is_no_part_of_the_first_record(tmp_path):
     """Excel's UTF-8 CSV starts with a BOM: the stream named the column '\ufefftext' and refused the file with a
     line that read as a contradiction ("has no column 'text' (its columns: text, id)"), where stored data trained."""

@@ -49,6 +49,7 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     # a stream has no stored training split to cut or carve (--max_tokens/--max_steps and --stream_validation_docs)
     "max_train_samples": ("streaming", (False,)),
     "validation_split_percentage": ("streaming", (False,)),
+    "group_by_length": ("streaming", (False,)),  # sorts stored rows; a stream's rows come in its own order
     **{  # the anomaly watcher's settings: it runs only with --monitoring true
         name: ("monitoring", (True,))
         for name in (

@@ -130,8 +130,9 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
     return specs
 
 
-def first_record(spec: SourceSpec) -> tuple[str, dict] | None:
-    """(file, record) of the source's first readable record, as read (its own column names); None if it has none."""
+def first_record(spec: SourceSpec, problems: list[str] | None = None) -> tuple[str, dict] | None:
+    """(file, record) of the source's first readable record, as read (its own column names); None if it has none.
+    `problems` gets why each file's first record could not be read ("<file>: not UTF-8")."""
     for path in spec.files:
         try:
             reader = RecordReader(path, spec.format)
@@ -139,7 +140,11 @@ def first_record(spec: SourceSpec) -> tuple[str, dict] | None:
                 record, _ = reader.next()
             finally:
                 reader.close()
-        except (StopIteration, BadFile, BadRecord):
+        except StopIteration:
+            continue
+        except (BadFile, BadRecord) as err:
+            if problems is not None:
+                problems.append(f"{path}: {err}")
             continue
         return path, record or {}
     return None

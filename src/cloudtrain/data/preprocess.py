@@ -123,6 +123,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UserError(f"--task {args.task} packs whole examples: --packing none or bfd")
     if args.max_length is not None and args.max_length < 2:
         raise UserError("--max_length must be at least 2")
+    from cloudtrain.config import ModelConfig
+    from cloudtrain.paths import resolve_model_path
+
+    resolve_model_path(ModelConfig(), args.tokenizer_name_or_path)  # a local folder that is not there: one line
 
 
 def _examples(args: argparse.Namespace) -> bool:
@@ -463,6 +467,11 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
         raise UserError(f"{args.train_file} holds no document")
     if not sum(lengths):  # nothing published: the staged shards are discarded
         columns = ", ".join(sorted({name for record in records for name in record})[:8]) or "none"
+        if columns == "none":  # every record was skipped as corrupted (the warnings above say why)
+            raise UserError(
+                f"{args.train_file} gave no tokens: no record could be read (see the warnings above); give UTF-8 "
+                f"files of its format ({spec.format})"
+            )
         if _examples(args):
             raise UserError(f"{args.train_file} gave no tokens: no record holds a --task {args.task} example")
         raise UserError(

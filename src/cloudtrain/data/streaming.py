@@ -533,9 +533,13 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
 
 
 def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
-    found = first_record(spec)
+    problems: list[str] = []
+    found = first_record(spec, problems)
     if found is None:
-        raise UserError(f"training source {spec.name} holds no readable record")
+        why = f" ({problems[0]}{' ...' if len(problems) > 1 else ''})" if problems else " (every file is empty)"
+        raise UserError(
+            f"training source {spec.name} holds no readable record{why}; give UTF-8 files of its format ({spec.format})"
+        )
     path, record = found[0], MixtureStream._columns(found[1], spec)
     missing = [c for c in needed if c not in record]
     if is_packed(record) or not missing:
