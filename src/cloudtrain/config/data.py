@@ -89,8 +89,8 @@ class DataConfig:
     )
     num_sample_prompts: int = opt(
         3,
-        "Causal LM and SFT: how many validation examples give the sample prompts "
-        "(SFT also reports exact_match, the share of answers equal to the reference).",
+        "Causal LM, SFT and DPO: how many validation examples give the sample prompts "
+        "(SFT and DPO also report exact_match, the share of answers equal to the reference).",
     )
     messages_column: str | None = opt(
         None,
@@ -98,12 +98,15 @@ class DataConfig:
         "{from, value} too). Default: detected (messages, conversations; else "
         "prompt/completion; else instruction/input/output).",
     )
-    prompt_column: str | None = opt(None, "SFT: column of prompts (with --completion_column; default: prompt).")
+    prompt_column: str | None = opt(
+        None,
+        "SFT: column of prompts (with --completion_column); DPO and reward: the pairs' shared prompt. Default: prompt.",
+    )
     completion_column: str | None = opt(None, "SFT: column of completions (with --prompt_column; default: completion).")
     system_prompt: str | None = opt(None, "SFT: a system message put first in every example that has none.")
     chat_template: str | None = opt(
         None,
-        "SFT: the chat template, when not the tokenizer's own: a shipped name "
+        "SFT, DPO and reward: the chat template, when not the tokenizer's own: a shipped name "
         "(chatml, zephyr) or a Jinja file. Default: the tokenizer's, else chatml.",
     )
     train_on_prompt: bool = opt(
