@@ -25,11 +25,13 @@ names are in labels.json (pass them as id2label when loading the base).
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -302,12 +304,27 @@ def _scores(output) -> torch.Tensor:
     return output.logits.float()
 
 
+@contextlib.contextmanager
+def _without_zero3_init() -> Iterator[None]:
+    """transformers builds a model inside DeepSpeed's partitioned init while a ZeRO-3 run's config is registered;
+    a run's merge loads on the main process alone, where that init's collectives would wait for the others."""
+    from transformers.integrations import deepspeed
+
+    registered = getattr(deepspeed, "_hf_deepspeed_config_weak_ref", None)
+    deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        deepspeed._hf_deepspeed_config_weak_ref = registered
+
+
 def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | None = None) -> Path:
     """Write <output_dir>/merged: the base with the adapter folded in, once its logits on a probe batch
     equal the adapter model's within float tolerance (the largest difference is printed). `lands_in`: the folder
     `output_dir`'s files are published to, when it is a run's staging folder (the path printed)."""
     output_dir = Path(output_dir)
-    model, tokenizer = load_adapter_model(output_dir, dtype="auto", trust_remote_code=trust_remote_code)
+    with _without_zero3_init():
+        model, tokenizer = load_adapter_model(output_dir, dtype="auto", trust_remote_code=trust_remote_code)
     batch = probe_batch(model, tokenizer)
     with torch.no_grad():
         expected = _scores(model(**batch))
