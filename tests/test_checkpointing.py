@@ -466,6 +466,30 @@ def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_loads(tmp_
     )
 
 
+def test_rotation_renames_a_checkpoint_away_before_deleting_it(tmp_path, monkeypatch):
+    """A kill in the middle of rotation's delete left a checkpoint-N without its state file and marks, which now
+    reads as another trainer's and refuses every run in the folder (found in review): the folder is renamed to a
+    hidden name first, so a kill leaves that instead."""
+    from cloudtrain.checkpointing import Checkpointer
+    from cloudtrain.resume import foreign_checkpoints
+
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4):
+        fake_checkpoint(folder, step, None)
+    checkpointer = Checkpointer.__new__(Checkpointer)
+    checkpointer.folder, checkpointer.before_delete = folder, None
+
+    def killed(path, ignore_errors=False):
+        raise KeyboardInterrupt("killed mid-delete")
+
+    monkeypatch.setattr(shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        checkpointer.delete([2])
+    monkeypatch.undo()
+    assert sorted(p.name for p in folder.iterdir() if not p.name.startswith(".")) == ["checkpoint-4"]
+    assert foreign_checkpoints(folder) == []
+
+
 def test_a_checkpoint_folder_with_no_state_file_of_ours_and_no_marks_is_another_trainers(tmp_path):
     """A `checkpoint-N` with no trainer_state.json (a plain save_pretrained, an HF Trainer checkpoint killed before
     its state file) was taken for a damaged one of ours, and a save of its step deleted it (found in audit)."""

@@ -214,7 +214,7 @@ def test_a_users_file_inside_cloudtrains_merged_folder_is_never_deleted(tmp_path
     adapter = {"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}
     (tmp_path / "adapter_config.json").write_text(json.dumps(adapter))
     (tmp_path / "merged").mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "args.json", "model-q4.gguf"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "args.json", "modeling_x.py", "model-q4.gguf"):
         (tmp_path / "merged" / name).write_text(name)
     record(tmp_path, ["adapter_config.json", "merged"])
     args = argparse.Namespace(output_dir=str(tmp_path))

@@ -90,6 +90,8 @@ def test_a_folder_whose_file_names_say_no_format_is_read_with_its_entrys_format(
     write_jsonl(folder / "part-00000", numbered(3, "a"))
     write_jsonl(folder / "part-00001", numbered(2, "b"))
     (folder / "_SUCCESS").write_text("")
+    (folder / "README.md").write_text("# my corpus")  # documents beside the data are not read as data (review)
+    (folder / "LICENSE").write_text("CC-BY")
     entry = {"path": str(folder), "weight": 1.0, "format": "jsonl"}
     (spec,) = resolve_sources(data_cfg(datasets=[entry]).data)
     assert ([Path(f).name for f in spec.files], spec.format) == (["part-00000", "part-00001"], "jsonl")

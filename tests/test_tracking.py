@@ -6,6 +6,7 @@ HOME (so no real login is found) and, where a network is needed, at servers on 1
 
 import http.server
 import json
+import math
 import os
 import shutil
 import socket
@@ -696,7 +697,8 @@ def test_metrics_jsonl_is_strict_json_and_a_value_that_is_not_finite_is_a_gap_in
     first, second = (json.loads(line, parse_constant=refuse) for line in lines)
     assert (first["eval/pearson"], first["eval/perplexity"], second["eval/pearson"]) == (None, None, 0.5)
     curves = plot_training_curves(read_metrics(tmp_path / "metrics.jsonl"), tmp_path / "curves.png")
-    assert curves["evaluation metrics"]["eval/pearson"] == ([2], [0.5])
+    steps, values = curves["evaluation metrics"]["eval/pearson"]  # the null is a gap (nan), not a line through it
+    assert steps == [1, 2] and math.isnan(values[0]) and values[1] == 0.5
     assert curves["loss"]["train/loss"] == ([1, 2], [2.0, 1.5])
     counts = curve_data([{"step": 1, "eval/f1": 60.0, "eval/has_answer_total": 412, "eval/no_answer_total": 88}])
     assert list(counts["evaluation metrics"]) == ["eval/f1"]  # question counts are not metrics (found in audit)

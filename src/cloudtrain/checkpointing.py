@@ -679,7 +679,14 @@ class Checkpointer:
         if paths and self.before_delete:
             self.before_delete()
         for path in paths:
-            shutil.rmtree(path, ignore_errors=True)
+            # renamed first: a kill mid-delete leaves a hidden folder, not a checkpoint-N without its state file
+            # (which would read as another trainer's, resume.foreign_checkpoints)
+            hidden = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")
+            try:
+                os.replace(path, hidden)
+            except OSError:  # another process on the same storage took it first, or it is gone
+                continue
+            shutil.rmtree(hidden, ignore_errors=True)
         return paths
 
 

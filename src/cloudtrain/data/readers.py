@@ -46,13 +46,17 @@ def file_format(path: str) -> str | None:
 
 
 def folder_data_files(files: list[str], fmt: str | None = None) -> list[str]:
-    """The data files of a folder's (or prefix's) listing: those whose name says a format, or with `fmt` (a source's
-    --format, for names that say none: Spark's part-00000) any but Hadoop's `_SUCCESS`-style markers; a
-    `cloudtrain preprocess` folder's manifest.json is no data."""
-    kept = [f for f in files if file_format(f) or (fmt and not f.rstrip("/").rsplit("/", 1)[-1].startswith(("_", ".")))]
+    """The data files of a folder's (or prefix's) listing: those whose name says a format, and with `fmt` (a source's
+    format, for names that say none: Spark's part-00000) those with no suffix, but Hadoop's `_SUCCESS`-style markers
+    and LICENSE-style documents; a `cloudtrain preprocess` folder's manifest.json is no data."""
+    kept = [f for f in files if file_format(f) or (fmt and _unnamed_data(f.rstrip("/").rsplit("/", 1)[-1]))]
     if any(f.endswith(".parquet") for f in kept):
         kept = [f for f in kept if f.rsplit("/", 1)[-1] != "manifest.json"]
     return kept
+
+
+def _unnamed_data(name: str) -> bool:
+    return "." not in name and not name.startswith("_") and not name.isupper()
 
 
 def is_remote(path: str) -> bool:

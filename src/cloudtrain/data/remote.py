@@ -97,7 +97,8 @@ def expand_remote(path: str, fmt: str | None = None) -> list[str]:
         return []
     except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
         raise remote_failure(path, err) from None
-    found = [p for p in found if file_format(p)] if any(ch in path for ch in "*?[") else folder_data_files(found, fmt)
+    globbed = any(ch in path for ch in "*?[")  # a glob keeps its matches where the source names its format
+    found = [p for p in found if file_format(p) or fmt] if globbed else folder_data_files(found, fmt)
     return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in found)
 
 

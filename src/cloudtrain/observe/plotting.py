@@ -7,6 +7,7 @@ preference run (`--task dpo`) a third: the reward margins and pair accuracy, in 
 Timing, throughput and test metrics are left out: they are single values or do not share the panels' scales.
 """
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,6 +25,7 @@ NOT_METRICS = {
 # a preference run's margins and pair accuracy (train/ and eval/), on the third panel
 PREFERENCE = ("/rewards/margins", "/rewards/accuracies")
 
+NUMBER = (int, float, type(None))  # None: metrics.jsonl's null, a value that was not finite
 Curves = dict[str, dict[str, tuple[list[int], list[float]]]]  # panel -> series -> (steps, values)
 
 if TYPE_CHECKING:
@@ -35,8 +37,6 @@ def curve_data(records: list[dict]) -> Curves:
     panels: Curves = {"loss": {}, "evaluation metrics": {}}
     for record in sorted(records, key=lambda r: r["step"]):
         for name, value in record.items():
-            if value is None:
-                continue  # a value that was not finite (metrics.jsonl's null): a gap in its curve
             if name in ("train/loss", "eval/loss"):
                 panel = "loss"
             elif name.endswith(PREFERENCE):
@@ -45,13 +45,13 @@ def curve_data(records: list[dict]) -> Curves:
                 continue  # a preference run's other numbers: scales of their own, in metrics.jsonl
             elif name.endswith("_total"):
                 continue  # counts (SQuAD 2.0's questions of each kind), not quality: off the metrics' scale
-            elif name.startswith("eval/") and name not in NOT_METRICS and isinstance(value, (int, float)):
+            elif name.startswith("eval/") and name not in NOT_METRICS and isinstance(value, NUMBER):
                 panel = "evaluation metrics"
             else:
                 continue
             steps, values = panels.setdefault(panel, {}).setdefault(name, ([], []))
             steps.append(record["step"])
-            values.append(float(value))
+            values.append(math.nan if value is None else float(value))  # not finite (null): a gap in its curve
     return panels
 
 

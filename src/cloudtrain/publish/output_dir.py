@@ -129,7 +129,8 @@ def users_files(output_dir: Path) -> list[str]:
     mine = sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
     merged = output_dir / MERGED  # cloudtrain's, replaced whole: what else lies in it (a GGUF export) is the user's
     if MERGED in ours and merged.is_dir():
-        mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not is_run_name(p.name, FINAL_PATTERNS))
+        saved = (*FINAL_PATTERNS, "*.py")  # + a remote-code model's own code, which save_pretrained copies
+        mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not is_run_name(p.name, saved))
     return mine
 
 
