@@ -119,7 +119,13 @@ def test_zero2_skips_a_nan_step_on_every_rank_and_counts_it(precision, tiny_mode
     assert [(e["step"], e["train/skipped_steps"]) for e in logged if "train/skipped_steps" in e] == [(4, 1)]
     losses = [e["train/loss"] for e in logged if "train/loss" in e]
     assert len(losses) == 3 and all(loss == loss for loss in losses)  # no nan reached the logged loss
-    assert all(torch.isfinite(t).all() for t in load_file(out / "model.safetensors").values())
+    saved = load_file(out / "model.safetensors")
+    assert all(torch.isfinite(t).all() for t in saved.values())
+    # under bf16 the module DeepSpeed holds is 16-bit: the saved model is the optimizer's fp32 weights, as every
+    # other launch saves (it was the bf16 copy: found in audit)
+    assert {t.dtype for t in saved.values()} == {torch.float32}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "float32"
+    assert any((t != t.to(torch.bfloat16).float()).any() for t in saved.values())  # not bf16 values in fp32
 
 
 def test_users_json_trains_with_its_own_optimizer_and_schedule(tiny_model_dir, topic_csvs, tmp_path):

@@ -11,6 +11,7 @@ ZeRO 0-3 with offload, FSDP on GPUs), fp16 (GPU) and bf16 mixed precision, gradi
 
 import contextlib
 import copy
+import json
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -306,9 +307,32 @@ class AcceleratedTrainer(Trainer):
             return
         # every rank: ZeRO-3 and FSDP gather here; unsharded adapters need nothing gathered (PEFT takes its few MB)
         state_dict = None if self.partial and not self.sharded else self.accelerator.get_state_dict(self.model)
+        masters = self._fp32_masters()  # every rank: DeepSpeed's trained fp32 weights behind its 16-bit module
         if self.is_main_process:
-            save_weights(self.accelerator.unwrap_model(self.model), output_dir, state_dict=state_dict)
+            module = self.accelerator.unwrap_model(self.model)
+            if masters:
+                state_dict = {**(module.state_dict() if state_dict is None else state_dict), **masters}
+            save_weights(module, output_dir, state_dict=state_dict)
+            if masters and (output_dir / "config.json").is_file():  # its dtype is the 16-bit module's: say fp32
+                config = json.loads((output_dir / "config.json").read_text())
+                config["dtype"] = "float32"
+                (output_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         self.accelerator.wait_for_everyone()
+
+    def _fp32_masters(self) -> dict[str, torch.Tensor]:
+        """Under DeepSpeed with bf16 or fp16 the module holds 16-bit copies and the optimizer the fp32 weights it
+        trains: those, by name, on the main process (each one gathered from every process), so the saved model is
+        fp32 as every other launch saves it. Empty otherwise."""
+        if self._zero_stage() is None or self.cfg.training.mixed_precision not in ("bf16", "fp16"):
+            return {}
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        masters = {}
+        for name, parameter in self.accelerator.unwrap_model(self.model).named_parameters():
+            if parameter.requires_grad and (full := safe_get_full_fp32_param(parameter)) is not None:
+                if self.is_main_process:
+                    masters[name] = full.detach().float().cpu()
+        return masters
 
 
 def _rng_states_problem(folder: Path, index: int) -> str | None:
