@@ -59,7 +59,9 @@ def expected_lr(schedule: str, k: int) -> float:
 
 def schedule_options(schedule: str) -> dict:
     """The options of `schedule` as a user would give them (only those that shape it)."""
-    options: dict = {"lr_scheduler_type": schedule, "learning_rate": PEAK, "warmup_steps": WARMUP}
+    options: dict = {"lr_scheduler_type": schedule, "learning_rate": PEAK}
+    if schedule != "constant":  # it has no warmup (a warmup given is refused)
+        options["warmup_steps"] = WARMUP
     if schedule in ("cosine_with_min_lr", "warmup_stable_decay", "polynomial"):
         options["min_lr_ratio"] = MIN_RATIO
     if schedule == "warmup_stable_decay":
@@ -335,3 +337,46 @@ def test_a_json_with_one_section_takes_the_other_from_the_options(tmp_path, kept
     else:
         assert type(optimizer).__name__ == "Adafactor" and isinstance(schedule, EngineSchedule)
         assert resolved["scheduler"]["params"]["total_num_steps"] == 10
+
+
+def test_muon_leaves_every_output_head_to_adamw():
+    """An untied T5 LM head sits inside its base_model, and PEFT's trained copy of a classifier head inside the
+    LoraModel: both went to Muon, which the docs keep for the body's matrices (found in audit)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=64, d_model=16, d_ff=32, d_kv=8, num_layers=1, num_heads=2, tie_word_embeddings=False)
+    )
+    assert id(t5.lm_head.weight) not in {id(w) for w in hidden_matrices(t5)} and hidden_matrices(t5)
+    bert = BertForSequenceClassification(
+        BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+    )
+    lora = get_peft_model(bert, LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value", "dense"]))
+    trainable = {name for name, p in lora.named_parameters() if p.requires_grad}
+    muon = {name for name, p in lora.named_parameters() if id(p) in {id(w) for w in hidden_matrices(lora)}}
+    assert any("classifier.modules_to_save" in name for name in trainable)
+    assert muon and not any("classifier" in name for name in muon), muon
+
+
+def test_warmup_that_a_schedule_cannot_run_is_one_line():
+    """--lr_scheduler_type constant ignored a warmup without a word; warmup_stable_decay with --warmup_steps
+    covering the run never decayed (found in audit)."""
+    from cloudtrain.config import build_config
+    from cloudtrain.training.optim import build_scheduler
+
+    with pytest.raises(UserError, match="constant has no warmup, .* use --lr_scheduler_type constant_with_warmup"):
+        resolve_options(None, {"lr_scheduler_type": "constant", "warmup_steps": 3})
+    resolve_options(None, {"lr_scheduler_type": "constant", "warmup_ratio": 0.0})  # no warmup: fine
+    cfg = build_config({"lr_scheduler_type": "warmup_stable_decay", "warmup_steps": 10})
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
+    with pytest.raises(UserError, match=r"--warmup_steps 10 and --decay_ratio 0.1 \(1 steps\) exceed the run's 10 "):
+        build_scheduler(optimizer, cfg, 10)
+    build_scheduler(optimizer, cfg, 20)
+
+
+@pytest.mark.parametrize("epochs, per_epoch, steps", [(2.2, 25, 55), (1.1, 50, 55), (0.14, 50, 7), (2.21, 25, 56)])
+def test_fractional_epochs_count_the_steps_they_name(epochs, per_epoch, steps):
+    from cloudtrain.training.trainer import epochs_in_steps
+
+    assert epochs_in_steps(epochs, per_epoch) == steps

@@ -244,6 +244,12 @@ class TrainingConfig:
                     f"--{name} shapes only --lr_scheduler_type {' or '.join(schedules)} "
                     f"(this run's is {self.lr_scheduler_type})"
                 )
+        warms = (self.warmup_steps or 0) > 0 or ("warmup_ratio" in changed and self.warmup_ratio > 0)
+        if warms and self.lr_scheduler_type == "constant":
+            raise UserError(
+                "--lr_scheduler_type constant has no warmup, so --warmup_steps/--warmup_ratio would do nothing: use "
+                "--lr_scheduler_type constant_with_warmup"
+            )
         if "adamw_implementation" in changed and self.optim != "adamw":
             raise UserError(f"--adamw_implementation applies to --optim adamw (this run's is {self.optim})")
         if self.optim == "muon" and not muon_available():

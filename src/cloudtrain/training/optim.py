@@ -121,11 +121,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
 def hidden_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
     """The weights of the Linear layers inside the model's body (`base_model` of a transformers model), less
-    any weight an embedding shares (tied output heads): what Muon is meant for."""
+    any weight an embedding shares (tied output heads) and the output heads themselves (an untied LM head, which
+    a T5 keeps inside its `base_model`; a classifier head PEFT trains in full): what Muon is meant for."""
     body = getattr(model, "base_model", model)
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    heads = {id(p) for m in _output_heads(model) for p in m.parameters()}
     linears = [m for m in body.modules() if isinstance(m, torch.nn.Linear)]
-    return [m.weight for m in linears if m.weight.requires_grad and id(m.weight) not in embeddings]
+    return [m.weight for m in linears if m.weight.requires_grad and id(m.weight) not in embeddings | heads]
+
+
+def _output_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules that map the body's states to outputs: the LM head, and the heads PEFT trains in full
+    (`modules_to_save`: a classifier's)."""
+    heads = []
+    if hasattr(model, "get_output_embeddings") and (head := model.get_output_embeddings()) is not None:
+        heads.append(head)
+    heads += [m for name, m in model.named_modules() if name.endswith("modules_to_save")]
+    return heads
 
 
 def warmup_steps(cfg: Config, total_steps: int) -> int:
@@ -142,9 +154,15 @@ def build_scheduler(optimizer: Any, cfg: Config, total_steps: int) -> Any:
     if "scheduler" in deepspeed_sections(cfg):
         return EngineSchedule(optimizer)
     t, warmup = cfg.training, warmup_steps(cfg, total_steps)
+    decay = round(t.decay_ratio * total_steps)
+    if t.lr_scheduler_type == "warmup_stable_decay" and warmup + decay > total_steps:  # (the ratio form: config)
+        raise UserError(
+            f"--warmup_steps {warmup} and --decay_ratio {t.decay_ratio} ({decay} steps) exceed the run's "
+            f"{total_steps} steps: warmup_stable_decay has no steps left to run them; give fewer warmup steps"
+        )
     own_arguments: dict[str, dict] = {
         "cosine_with_min_lr": {"min_lr_rate": t.min_lr_ratio},
-        "warmup_stable_decay": {"num_decay_steps": round(t.decay_ratio * total_steps), "min_lr_ratio": t.min_lr_ratio},
+        "warmup_stable_decay": {"num_decay_steps": decay, "min_lr_ratio": t.min_lr_ratio},
         "polynomial": {"lr_end": t.min_lr_ratio * t.learning_rate, "power": t.polynomial_power},
         # the decay's timescale is the warmup (transformers' 10,000 steps when there is none)
         "inverse_sqrt": {"timescale": warmup or 10_000},

@@ -184,6 +184,11 @@ def save_weights(model: torch.nn.Module, output_dir: Path, state_dict: dict | No
         save_pretrained(model, output_dir, state_dict=state_dict)
 
 
+def epochs_in_steps(epochs: float, steps_per_epoch: int) -> int:
+    """The optimizer steps of `epochs` (a fraction too): 2.2 x 25 is 55, though in floats it is 55.00000000000001."""
+    return math.ceil(round(epochs * steps_per_epoch, 6))
+
+
 def set_epoch(dataloader: DataLoader, epoch: int) -> None:
     """accelerate's prepared loaders pass set_epoch on to the sampler; a plain loader is told directly."""
     target: Any = dataloader if hasattr(dataloader, "set_epoch") else dataloader.sampler
@@ -428,7 +433,7 @@ class Trainer:
         total_steps = (
             t.max_steps
             or getattr(self.train_dl, "total_steps", None)
-            or math.ceil(t.num_train_epochs * steps_per_epoch)
+            or epochs_in_steps(t.num_train_epochs, steps_per_epoch)
         )
         self.scheduler = build_scheduler(self.optimizer, self.cfg, total_steps)
         state = self.resume(resume_from) if resume_from else TrainerState()
