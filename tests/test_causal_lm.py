@@ -277,3 +277,24 @@ def test_a_gpt2_style_model_from_a_csv_with_bfd_packing(tiny_gpt2_dir, tmp_path)
     )
     assert [g["prompt"] for g in results["eval"]["generations"]] == ["The wolf", "Once"]
     assert results["eval"]["tokens"] > 0 and results["train"]["global_step"] == 3
+
+
+def test_a_config_file_takes_from_the_tokenizer_what_it_does_not_set(tiny_llama_dir, tmp_path):
+    """A copy of the llama-8m preset given as a file built a 32,000-token model whose eos id was Llama's 2 (a quote
+    in the run's tokenizer), where the preset takes both from the tokenizer (found in audit). What a file sets it
+    keeps."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from cloudtrain.tasks.causal_lm import PRESETS_DIR, CausalLMTask
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    copy = tmp_path / "my-8m.json"
+    copy.write_text((PRESETS_DIR / "llama-8m.json").read_text())
+    config = AutoConfig.from_pretrained(copy)
+    CausalLMTask.fit_config(config, tokenizer, str(copy))
+    assert config.vocab_size == -(-len(tokenizer) // 64) * 64 and config.eos_token_id == tokenizer.eos_token_id
+    own = tmp_path / "own.json"
+    own.write_text(json.dumps({**json.loads(copy.read_text()), "vocab_size": 1000, "eos_token_id": 7}))
+    config = AutoConfig.from_pretrained(own)
+    CausalLMTask.fit_config(config, tokenizer, str(own))
+    assert (config.vocab_size, config.eos_token_id, config.bos_token_id) == (1000, 7, tokenizer.bos_token_id)

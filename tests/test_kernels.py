@@ -240,3 +240,20 @@ def test_liger_modules_are_on_by_default_on_cuda_and_keep_the_loss(tiny_llama_di
     with torch.autocast("cuda", dtype=torch.bfloat16):
         losses = [task.loss(net, batch)[0].item() for net in (reference, model)]
     assert losses[1] == pytest.approx(losses[0], rel=2e-2)
+
+
+def test_a_head_peft_trains_in_full_is_fused_through_its_trained_copy(tiny_llama_dir):
+    """SFT with LoRA and a chat template's added tokens puts lm_head in PEFT's modules_to_save: the fused loss saw a
+    wrapper, not a Linear, and fell back to the full logits while the run said it was fused (found in audit). The
+    head is the wrapper's trained copy, and the logits it gives are the model's."""
+    from peft import LoraConfig, get_peft_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    lora = get_peft_model(
+        model, LoraConfig(task_type="CAUSAL_LM", r=2, target_modules=["q_proj"], modules_to_save=["lm_head"])
+    )
+    head = kernels.output_head(lora)
+    assert type(head) is torch.nn.Linear and head.weight.requires_grad
+    with torch.no_grad():
+        head.weight.add_(0.5)  # the trained copy moves away from the frozen original
+    assert hidden_states_error(lora) is None

@@ -190,9 +190,17 @@ def hidden_states(model: torch.nn.Module, inputs: dict[str, Any]) -> torch.Tenso
 
 
 def output_head(model: Any) -> torch.nn.Module:
-    """The output embedding (LM head) of `model`, through DDP/DeepSpeed (`.module`) and PEFT wrappers."""
+    """The output embedding (LM head) of `model`, through DDP/DeepSpeed (`.module`) and PEFT wrappers; a head PEFT
+    trains in full (`modules_to_save`: grown for a chat template's tokens) is its trained copy, a plain Linear."""
     inner = getattr(model, "module", model)
-    return inner.get_output_embeddings()
+    head = inner.get_output_embeddings()
+    copies = getattr(head, "modules_to_save", None)
+    if copies is not None:
+        active = head.active_adapter
+        name = active[0] if isinstance(active, (list, tuple)) else active
+        if name in copies and not getattr(head, "disable_adapters", False):
+            return copies[name]
+    return head
 
 
 def hidden_states_error(model: torch.nn.Module) -> str | None:

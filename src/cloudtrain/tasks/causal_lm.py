@@ -262,12 +262,20 @@ class CausalLMTask(DecoderTask):
 
     @staticmethod
     def fit_config(config: transformers.PretrainedConfig, tokenizer: PreTrainedTokenizerBase, name: str) -> None:
-        """A preset takes its vocabulary and special tokens from the tokenizer; a user's config.json keeps its own."""
-        if Path(name).expanduser().is_file() and getattr(config, "vocab_size", None):
-            return
-        config.vocab_size = math.ceil(len(tokenizer) / 64) * 64  # a multiple of 64 suits matmul kernels
-        config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-        config.pad_token_id = tokenizer.pad_token_id
+        """A preset takes its vocabulary and special tokens from the tokenizer; a user's config.json keeps those it
+        sets, and takes the others from the tokenizer too (the config class's defaults, Llama's 32000 tokens and
+        eos id 2, mean another tokenizer)."""
+        path = Path(name).expanduser()
+        given = set(json.loads(path.read_text())) if path.is_file() else set()
+        fitted = {
+            "vocab_size": math.ceil(len(tokenizer) / 64) * 64,  # a multiple of 64 suits matmul kernels
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+        for key, value in fitted.items():
+            if key not in given:
+                setattr(config, key, value)
 
     def check_model(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
         """Under --packing bfd: the model keeps packed documents apart with the kernels the run computes with,
