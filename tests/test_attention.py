@@ -311,3 +311,24 @@ def test_an_unknown_kernel_is_refused_in_one_line_before_the_data_is_read(tiny_m
             "error: --attn_implementation org/attn is a Hub kernel: it needs pip install 'kernels>="
         )
         assert "data:" not in said.out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for a machine without CUDA")
+def test_flex_attention_without_cuda_and_checkpointing_a_model_that_cannot_are_one_line(tiny_llama_dir):
+    """FlexAttention has no backward on CPU: the run loaded data and model and then failed in a 35-frame traceback
+    (with bfd, blamed on a C++ compiler); ALBERT/MPNet under --gradient_checkpointing a 12-frame ValueError (found in
+    audit)."""
+    from transformers import AlbertConfig, AlbertForSequenceClassification
+
+    from cloudtrain.models.prepare import check_attention_name, gradient_checkpointing
+
+    with pytest.raises(UserError, match=r"^--attn_implementation flex_attention trains on a CUDA GPU only .* sdpa"):
+        check_attention_name(lm_config(tiny_llama_dir, attn_implementation="flex_attention"))
+    albert = AlbertForSequenceClassification(
+        AlbertConfig(vocab_size=64, embedding_size=8, hidden_size=16, num_attention_heads=2, intermediate_size=32)
+    )
+    cfg = build_config({"gradient_checkpointing": True})
+    with pytest.raises(UserError, match="^--gradient_checkpointing true: AlbertForSequenceClassification does not"):
+        gradient_checkpointing(albert, cfg, TASKS["classification"](cfg), False)
+    llama = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    assert gradient_checkpointing(llama, cfg, TASKS["causal_lm"](cfg), False).is_gradient_checkpointing

@@ -80,6 +80,11 @@ def check_attention_name(cfg: Config) -> None:
     from transformers.utils import import_utils
 
     wanted = cfg.model.attn_implementation
+    if wanted == "flex_attention" and not torch.cuda.is_available():  # it fails at the first backward
+        raise UserError(
+            "--attn_implementation flex_attention trains on a CUDA GPU only (FlexAttention has no backward on CPU); "
+            "use sdpa or eager here"
+        )
     known = list(dict.fromkeys([VARLEN, "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]))
     if not wanted or wanted in known or wanted.removeprefix("paged|") in known:  # paged|<kernel>: generation's
         return
@@ -150,6 +155,12 @@ def varlen_misfit(config: Any) -> str | None:
 
 def gradient_checkpointing(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     if cfg.model.gradient_checkpointing:
+        if not getattr(model, "supports_gradient_checkpointing", True):  # ALBERT, MPNet, XLNet, ...: a ValueError
+            name = type(getattr(model, "get_base_model", lambda: model)()).__name__
+            raise UserError(
+                f"--gradient_checkpointing true: {name} does not support activation checkpointing in transformers; "
+                "leave it out (a smaller --per_device_train_batch_size with more accumulation also saves memory)"
+            )
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
