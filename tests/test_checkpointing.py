@@ -371,6 +371,8 @@ def test_a_step_back_to_an_older_checkpoint_sets_the_newer_ones_aside(tiny_model
     assert main([*base, *back, "--overwrite_output_dir", "true", "--lr_scheduler_type", "constant"]) == 0
     said = capsys.readouterr().out
     assert "note: checkpoint-3, checkpoint-4 in " in said and "came after checkpoint-2, which this run resumes" in said
+    # another schedule is said, as another --max_steps or --learning_rate is (it changed the rate without a word)
+    assert "note: checkpoint-2 was trained on a linear, warmup ratio 0.1 schedule; this run's is constant, and " in said
     assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3]  # latest is this run's
     (aside,) = (out / "checkpoints").glob("abandoned-*")
     assert sorted(p.name for p in aside.iterdir()) == ["checkpoint-3", "checkpoint-4"]

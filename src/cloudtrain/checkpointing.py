@@ -70,6 +70,7 @@ class TrainerState:
     job: str | None = None  # the SageMaker job that wrote it; its wall time over its sessions so far (cost.job_wall)
     job_wall_s: float = 0.0
     total_steps: int | None = None  # the steps its learning-rate schedule was built for (None: from before it)
+    schedule: str | None = None  # that schedule and its warmup ("cosine, 100 warmup steps"; None: from before it)
 
     def earlier_device_s(self, processes: int) -> float:
         """The earlier sessions' device-seconds; a checkpoint from before they were kept counts `processes`."""

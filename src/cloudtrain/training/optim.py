@@ -146,6 +146,20 @@ def warmup_steps(cfg: Config, total_steps: int) -> int:
     return t.warmup_steps if t.warmup_steps is not None else round(t.warmup_ratio * total_steps)
 
 
+def schedule_name(cfg: Config) -> str:
+    """The schedule a run's learning rate follows, as its options give it ("cosine, 100 warmup steps"; a warmup
+    ratio as a ratio, so that a resume with another --max_steps, which has its own note, is no other schedule)."""
+    from cloudtrain.parallel.distributed import deepspeed_sections
+
+    t = cfg.training
+    if "scheduler" in deepspeed_sections(cfg):
+        return "its DeepSpeed JSON's"
+    if t.lr_scheduler_type == "constant":  # (no warmup)
+        return "constant"
+    warmup = f"{t.warmup_steps} warmup steps" if t.warmup_steps is not None else f"warmup ratio {t.warmup_ratio:g}"
+    return f"{t.lr_scheduler_type}, {warmup}"
+
+
 def build_scheduler(optimizer: Any, cfg: Config, total_steps: int) -> Any:
     """--lr_scheduler_type over `total_steps` optimizer steps (transformers' schedules); the engine's own
     schedule, observed, when the user's DeepSpeed JSON has a scheduler section."""

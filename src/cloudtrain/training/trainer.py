@@ -56,7 +56,7 @@ from cloudtrain.training.hooks import (
 )
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
-from cloudtrain.training.optim import build_optimizer, build_scheduler, keep_settings, settings
+from cloudtrain.training.optim import build_optimizer, build_scheduler, keep_settings, schedule_name, settings
 from cloudtrain.training.preemption import PreemptionSignal, UnlessCutShort, until
 from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.weights import count_parameters, save_pretrained
@@ -454,7 +454,14 @@ class Trainer:
                 f"{total_steps} had been planned from the start)",
                 flush=True,
             )
-        state.total_steps = total_steps  # what this run's checkpoints were trained on
+        schedule = schedule_name(self.cfg)
+        if resume_from and state.schedule not in (None, schedule) and self.is_main_process:
+            print(
+                f"note: {resume_from.name} was trained on a {state.schedule} schedule; this run's is {schedule}, and "
+                f"from step {state.global_step} the learning rate follows it",
+                flush=True,
+            )
+        state.total_steps, state.schedule = total_steps, schedule  # what this run's checkpoints were trained on
         bar = tqdm(
             total=total_steps,
             initial=state.global_step,
