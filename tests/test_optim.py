@@ -373,6 +373,8 @@ def test_warmup_that_a_schedule_cannot_run_is_one_line():
     with pytest.raises(UserError, match=r"--warmup_steps 10 and --decay_ratio 0.1 \(1 steps\) exceed the run's 10 "):
         build_scheduler(optimizer, cfg, 10)
     build_scheduler(optimizer, cfg, 20)
+    ratios = build_config({"lr_scheduler_type": "warmup_stable_decay", "warmup_ratio": 0.1, "decay_ratio": 0.9})
+    build_scheduler(optimizer, ratios, 15)  # 2 + 14 rounded steps of 15: the ratios' rounding, not the user's (review)
 
 
 @pytest.mark.parametrize("epochs, per_epoch, steps", [(2.2, 25, 55), (1.1, 50, 55), (0.14, 50, 7), (2.21, 25, 56)])

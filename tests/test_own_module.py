@@ -204,3 +204,23 @@ def test_a_deepspeed_json_with_only_a_scheduler_section_drives_cloudtrains_optim
         {str(k): file_schedule(k - 1) for k in range(1, 9)}
     )
     assert result["betas"] == [[0.9, 0.999], [0.9, 0.999]]
+
+
+def test_a_tied_weight_of_a_users_module_is_saved_as_one_value(tmp_path):
+    """Under DeepSpeed bf16 the fp32 weights replace the first name of a tied pair only: the other name kept the
+    16-bit copy, and loading took it (found in review). Each name of a tied weight is saved with the same value."""
+    from cloudtrain.training.trainer import save_weights
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(8, 4)
+            self.head = nn.Linear(4, 8, bias=False)
+            self.head.weight = self.emb.weight
+
+    module = Tied()
+    state = {"emb.weight": module.emb.weight.detach().float() + 1, "head.weight": module.emb.weight.detach().bfloat16()}
+    save_weights(module, tmp_path, state_dict=state)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(saved["emb.weight"], state["emb.weight"])
+    assert torch.equal(saved["head.weight"], saved["emb.weight"])

@@ -214,19 +214,22 @@ def test_a_users_file_inside_cloudtrains_merged_folder_is_never_deleted(tmp_path
     adapter = {"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}
     (tmp_path / "adapter_config.json").write_text(json.dumps(adapter))
     (tmp_path / "merged").mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "args.json", "modeling_x.py", "model-q4.gguf"):
+    for name in ("model.safetensors", "tokenizer.json", "args.json", "modeling_x.py", "serve.py", "model-q4.gguf"):
         (tmp_path / "merged" / name).write_text(name)
+    # a remote-code model's own code, which save_pretrained copies, is cloudtrain's; another .py is the user's
+    (tmp_path / "merged" / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "modeling_x.XModel"}}))
     record(tmp_path, ["adapter_config.json", "merged"])
     args = argparse.Namespace(output_dir=str(tmp_path))
     with pytest.raises(UserError) as refused:
         merge.check_options(args)
     assert str(refused.value) == (
-        f"--output_dir {tmp_path} holds merged/model-q4.gguf, which cloudtrain did not write and merge would delete "
-        "with the merged/ it replaces: move them elsewhere, then merge again"
+        f"--output_dir {tmp_path} holds merged/model-q4.gguf, merged/serve.py, which cloudtrain did not write and "
+        "merge would delete with the merged/ it replaces: move them elsewhere, then merge again"
     )
-    with pytest.raises(UserError, match="holds merged/model-q4.gguf, which cloudtrain did not write and a run would"):
+    with pytest.raises(UserError, match="holds merged/model-q4.gguf, merged/serve.py, which cloudtrain did not write"):
         claim(tmp_path)
     (tmp_path / "merged" / "model-q4.gguf").unlink()
+    (tmp_path / "merged" / "serve.py").unlink()
     merge.check_options(args)
     claim(tmp_path)
 

@@ -66,11 +66,15 @@ def test_a_prefix_in_a_datasets_list_is_its_data_objects(s3):
     (spec,) = resolve_sources(cfg.data)
     assert spec.files == [f"s3://{BUCKET}/nested/deeper/y.jsonl.gz", f"s3://{BUCKET}/nested/x.jsonl"]
     assert spec.format == "jsonl" and spec.columns == {"text": "body"}
-    for key in ("spark/part-00000", "spark/part-00001", "spark/_SUCCESS"):  # names that say no format
+    for key in ("spark/part-00000", "spark/part-00001", "spark/_SUCCESS", "spark/part-00009/nested"):
         client.put_object(Bucket=BUCKET, Key=key, Body=b'{"text": "x"}\n')
-    for path in (f"s3://{BUCKET}/spark", f"s3://{BUCKET}/spark/part-*"):  # a glob took no format (found in review)
-        (spec,) = resolve_sources(data_cfg(datasets=[{"path": path, "weight": 1.0, "format": "jsonl"}]).data)
-        assert [f.rsplit("/", 1)[-1] for f in spec.files] == ["part-00000", "part-00001"], path
+    # a prefix gives its files, nested ones too (as a local folder); a glob its matching files, not the prefix
+    # part-00009/ it also matches, and it takes the entry's format (it took none: found in review)
+    wanted = {"spark": ["part-00000", "part-00001", "part-00009/nested"], "spark/part-*": ["part-00000", "part-00001"]}
+    for path, names in wanted.items():
+        entry = {"path": f"s3://{BUCKET}/{path}", "weight": 1.0, "format": "jsonl"}
+        (spec,) = resolve_sources(data_cfg(datasets=[entry]).data)
+        assert [f.removeprefix(f"s3://{BUCKET}/spark/") for f in spec.files] == names, path
     message = one_line_error(f"s3://{BUCKET}/corpus")  # jsonl and parquet under one prefix
     assert "one known format per source" in message
 

@@ -60,8 +60,8 @@ def _filesystem(path: str):  # noqa: ANN202 (fsspec's AbstractFileSystem; s3fs i
 
 def _list(fs, path: str) -> list[str]:  # noqa: ANN001
     """Every object the source names: the glob's matches, a prefix's objects (recursively), or the one object."""
-    if any(ch in path for ch in "*?["):
-        return list(fs.glob(path))
+    if any(ch in path for ch in "*?["):  # its files (a prefix matched is no object to read)
+        return [p for p, info in fs.glob(path, detail=True).items() if info.get("type") != "directory"]
     if fs.isdir(path):
         return list(fs.find(path))
     return [path] if fs.isfile(path) else []
@@ -98,7 +98,8 @@ def expand_remote(path: str, fmt: str | None = None) -> list[str]:
     except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
         raise remote_failure(path, err) from None
     globbed = any(ch in path for ch in "*?[")  # a glob keeps its matches where the source names its format
-    found = [p for p in found if file_format(p) or fmt] if globbed else folder_data_files(found, fmt)
+    named = [p for p in found if file_format(p) or (fmt and not p.rsplit("/", 1)[-1].startswith(("_", ".")))]
+    found = named if globbed else folder_data_files(found, fmt)
     return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in found)
 
 

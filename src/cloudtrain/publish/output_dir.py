@@ -129,9 +129,25 @@ def users_files(output_dir: Path) -> list[str]:
     mine = sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
     merged = output_dir / MERGED  # cloudtrain's, replaced whole: what else lies in it (a GGUF export) is the user's
     if MERGED in ours and merged.is_dir():
-        saved = (*FINAL_PATTERNS, "*.py")  # + a remote-code model's own code, which save_pretrained copies
+        saved = (*FINAL_PATTERNS, *_remote_code(merged))  # + the model's own code, which save_pretrained copies
         mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not is_run_name(p.name, saved))
     return mine
+
+
+def _remote_code(folder: Path) -> set[str]:
+    """The .py files a remote-code model's config (or tokenizer's) names in its auto_map ("custom.CustomConfig",
+    "org/repo--custom.Custom"): those save_pretrained copies beside the weights."""
+    files = set()
+    for name in ("config.json", "tokenizer_config.json"):
+        try:
+            auto_map = json.loads((folder / name).read_text()).get("auto_map") or {}
+        except (OSError, ValueError, AttributeError):
+            continue
+        for value in auto_map.values():
+            for reference in value if isinstance(value, list) else [value]:
+                if isinstance(reference, str) and "." in reference:
+                    files.add(reference.split("--")[-1].rsplit(".", 1)[0] + ".py")
+    return files
 
 
 def holds_saved_model(output_dir: Path) -> bool:

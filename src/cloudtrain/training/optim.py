@@ -169,7 +169,9 @@ def build_scheduler(optimizer: Any, cfg: Config, total_steps: int) -> Any:
         return EngineSchedule(optimizer)
     t, warmup = cfg.training, warmup_steps(cfg, total_steps)
     decay = round(t.decay_ratio * total_steps)
-    if t.lr_scheduler_type == "warmup_stable_decay" and warmup + decay > total_steps:  # (the ratio form: config)
+    if t.warmup_steps is None:  # ratios the config checked sum to at most 1; their rounding may not
+        decay = min(decay, total_steps - warmup)
+    elif t.lr_scheduler_type == "warmup_stable_decay" and warmup + decay > total_steps:
         raise UserError(
             f"--warmup_steps {warmup} and --decay_ratio {t.decay_ratio} ({decay} steps) exceed the run's "
             f"{total_steps} steps: warmup_stable_decay has no steps left to run them; give fewer warmup steps"

@@ -59,7 +59,7 @@ from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import build_optimizer, build_scheduler, keep_settings, schedule_name, settings
 from cloudtrain.training.preemption import PreemptionSignal, UnlessCutShort, until
 from cloudtrain.training.prefetch import InputClock
-from cloudtrain.training.weights import count_parameters, save_pretrained
+from cloudtrain.training.weights import count_parameters, save_pretrained, tied_once
 
 # what torch says of a checkpoint written for another model (not a damaged file)
 
@@ -179,7 +179,7 @@ def save_weights(model: torch.nn.Module, output_dir: Path, state_dict: dict | No
     """The final model: transformers' layout (or PEFT's for adapters), or for a user's plain module its
     state_dict and the class's name (cloudtrain.tasks.module_task)."""
     if is_plain_module(model):
-        save_module(model, output_dir, state_dict)
+        save_module(model, output_dir, None if state_dict is None else tied_once(model, state_dict))
     else:
         save_pretrained(model, output_dir, state_dict=state_dict)
 
