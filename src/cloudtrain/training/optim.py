@@ -134,7 +134,8 @@ def _output_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that map the body's states to outputs: the LM head, and the heads PEFT trains in full
     (`modules_to_save`: a classifier's)."""
     heads = []
-    if hasattr(model, "get_output_embeddings") and (head := model.get_output_embeddings()) is not None:
+    get_head: Any = getattr(model, "get_output_embeddings", None)  # transformers' models (and PEFT's around them)
+    if get_head is not None and (head := get_head()) is not None:
         heads.append(head)
     heads += [m for name, m in model.named_modules() if name.endswith("modules_to_save")]
     return heads
