@@ -549,12 +549,32 @@ def test_a_restarted_attempt_resumes_only_what_its_launch_saved(tmp_path, monkey
     it: an earlier run's (older than the launch) leaves the attempt to start as the first did, and be refused."""
     fake_checkpoint(tmp_path, 4, None)
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
-    runtime = SimpleNamespace(agree=lambda flags: flags, is_main=False)
+    runtime = SimpleNamespace(agree=lambda flags: flags, is_main=False, gather_objects=lambda value: [value])
     cfg = build_config({})
     os.utime(tmp_path / "checkpoint-4" / STATE_FILE, (1, 1))  # written in 1970: before this launch
     assert restarted_defaults(cfg, tmp_path, runtime).checkpoint.resume_from_checkpoint is None
     os.utime(tmp_path / "checkpoint-4" / STATE_FILE)  # now: this launch's
     assert restarted_defaults(cfg, tmp_path, runtime).checkpoint.resume_from_checkpoint == "latest"
+    # a c10d launch restarts the healthy node's workers with their count unchanged (0): they resume too, as the
+    # restarted node's do, or the two would run different collectives (found in audit)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    other_node_restarted = SimpleNamespace(agree=lambda flags: flags, is_main=False, gather_objects=lambda v: [v, 1])
+    assert restarted_defaults(cfg, tmp_path, other_node_restarted).checkpoint.resume_from_checkpoint == "latest"
+
+
+def test_every_process_of_a_group_joins_under_one_prefix_new_for_each_group():
+    """torchrun's restart count named the join's keys: after one node's worker died, a c10d launch restarted the
+    healthy node's workers with count 0 and the other node's with 1, and the two waited on different keys until
+    the init timeout (found in audit). The count of joins per rank, kept in the launch's store, agrees."""
+    import torch.distributed as dist
+
+    from cloudtrain.parallel.runtime import join_prefix
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    first = {rank: join_prefix(store, rank, 2) for rank in (0, 1)}  # the first attempt's two workers
+    second = {rank: join_prefix(store, rank, 2) for rank in (1, 0)}  # a restart, whatever order they come in
+    assert first[0] == first[1] and second[0] == second[1] and first[0] != second[0]
+    assert join_prefix(store, 0, 3) != second[0]  # another world size: keys of its own
 
 
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])

@@ -54,7 +54,8 @@ def restarted_defaults(cfg: Config, folder: Path, runtime: Any) -> Config:
     """A worker that torchrun restarted (--max-restarts) resumes from the latest checkpoint once this launch has
     saved one (a restart must not go back to where the launch began, nor take an earlier run's checkpoints);
     before that it starts as the first attempt did."""
-    restarts = torchrun_restarts()
+    # every process's count (after one node's worker died, c10d restarts the other nodes' with theirs unchanged)
+    restarts = max(runtime.gather_objects(torchrun_restarts()))
     wanted = cfg.checkpoint.resume_from_checkpoint
     if restarts == 0 or wanted == "latest":
         return cfg

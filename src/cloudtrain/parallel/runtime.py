@@ -13,7 +13,6 @@ else asks whether it runs under accelerate:
 import atexit
 import contextlib
 import datetime
-import itertools
 import os
 import socket
 import sys
@@ -288,9 +287,6 @@ def set_collective_timeout(seconds: float) -> None:
         dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=seconds), group)
 
 
-_JOINS = itertools.count()  # this process's joins of the launch's process group
-
-
 def join_launch(backend: str) -> None:
     """Join the launch's process group (a no-op for one process, or when joined already).
 
@@ -303,12 +299,19 @@ def join_launch(backend: str) -> None:
     rank, world = int(env["RANK"]), int(env["WORLD_SIZE"])
     hosts_store = rank == 0 and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"  # else torchrun's agent does
     store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=hosts_store)
-    attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
-    # a process joins again for each run (cloudtrain.train twice; each run's close() leaves the group): every
-    # process joins as often, so the counts agree, and no join reads the keys of the process's previous group
-    prefix = f"cloudtrain/attempt-{attempt}/join-{next(_JOINS)}"
-    dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world)
+    dist.init_process_group(backend, store=dist.PrefixStore(join_prefix(store, rank, world), store), rank=rank,
+                            world_size=world)  # fmt: skip
     atexit.register(_leave)  # the group goes before the interpreter does: gloo's threads can abort its exit
+
+
+def join_prefix(store: Any, rank: int, world: int) -> str:
+    """The store prefix of this join's keys, the same on every process of the group and new for each group: the
+    count of joins by the processes of this rank (at this world size), kept in the launch's store. Every process
+    joins once per attempt of torchrun's, and once per run (cloudtrain.train twice in one process), so the counts
+    agree. (torchrun's restart count does not: after one node's worker died, a c10d launch restarts the healthy
+    node's workers with their count unchanged, and the two nodes waited on each other's keys.)"""
+    joins = store.add(f"cloudtrain/world-{world}/rank-{rank}/joins", 1)
+    return f"cloudtrain/world-{world}/join-{joins}"
 
 
 def _leave() -> None:
