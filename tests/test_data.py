@@ -309,3 +309,27 @@ def test_a_checkpoint_whose_labels_were_saved_with_spaces_resumes(tmp_path):
     check_labels({"labels": [" finance", " sports"]}, ["finance", "sports"], tmp_path)
     with pytest.raises(UserError, match="label 0 is ' sports' there and 'finance' here"):
         check_labels({"labels": [" sports", " finance"]}, ["finance", "sports"], tmp_path)
+
+
+def test_the_cache_key_knows_which_side_the_tokenizer_cuts(bert_tokenizer_dir):
+    """A copy of the tokenizer cutting on the left took the rows the right-cutting one had cached, and the run
+    trained and evaluated on other tokens than `predict` reads (found in audit)."""
+    from cloudtrain.data.processing import cache_key
+
+    rows = Dataset.from_dict({"text": ["a b c"], "label": [0]})
+    right = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    left = AutoTokenizer.from_pretrained(bert_tokenizer_dir, truncation_side="left")
+    assert cache_key(rows, right, 6) == cache_key(rows, AutoTokenizer.from_pretrained(bert_tokenizer_dir), 6)
+    assert cache_key(rows, right, 6) != cache_key(rows, left, 6)
+
+
+def test_a_text_column_of_lists_or_records_is_one_line():
+    """A word list (or a record) as --text_column trained on its Python text form, `['the', 'team']` (found in
+    audit)."""
+    from cloudtrain.data.processing import check_texts
+
+    for cells in ([["the", "team"], ["won"]], [{"body": "a"}, {"body": "b"}]):
+        rows = Dataset.from_dict({"tokens": cells, "label": [0, 1]})
+        with pytest.raises(UserError, match="^the 'tokens' column holds lists or records, not text; give a column"):
+            check_texts(rows, "tokens")
+    check_texts(Dataset.from_dict({"tokens": ["the team", "won"], "label": [0, 1]}), "tokens")

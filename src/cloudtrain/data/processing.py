@@ -155,7 +155,13 @@ def check_label_kind(train: Dataset, column: str) -> None:
 
 def check_texts(train: Dataset, column: str) -> None:
     """Training needs some text: a column of empty strings tokenizes to special tokens alone and trains on
-    nothing."""
+    nothing; a column of lists or records would be trained on as their Python text (`['the', 'team']`)."""
+    feature = train.features.get(column)
+    if feature is not None and not isinstance(feature, datasets.Value):
+        raise UserError(
+            f"the {column!r} column holds lists or records, not text; give a column of text with --text_column "
+            "(word lists are --task token_classification's input)"
+        )
     if not any(text is not None and str(text).strip() for text in train[column]):
         raise UserError(
             f"the training data has no text in column {column!r} (every row is empty); "
@@ -393,10 +399,12 @@ def split_cache_key(
 
 def cache_key(ds: Dataset, tokenizer: PreTrainedTokenizerBase, *options) -> str:
     """A key for a tokenized split: the source rows' fingerprint, the tokenizer and the options that shape it."""
-    # The serialized tokenizer minus its truncation/padding state, which changes once it has been called.
+    # The serialized tokenizer minus its truncation/padding state, which changes once it has been called; the
+    # sides it cuts and pads on come from the tokenizer's config (a left-truncating copy cut other tokens)
     spec = json.loads(tokenizer.backend_tokenizer.to_str())
     spec.pop("truncation", None), spec.pop("padding", None)
-    parts = [ds._fingerprint, spec, *options]
+    sides = {"truncation_side": tokenizer.truncation_side, "padding_side": tokenizer.padding_side}
+    parts = [ds._fingerprint, spec, sides, *options]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
