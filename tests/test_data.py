@@ -333,3 +333,19 @@ def test_a_text_column_of_lists_or_records_is_one_line():
         with pytest.raises(UserError, match="^the 'tokens' column holds lists or records, not text; give a column"):
             check_texts(rows, "tokens")
     check_texts(Dataset.from_dict({"tokens": ["the team", "won"], "label": [0, 1]}), "tokens")
+
+
+def test_a_tsv_text_that_opens_with_a_quote_keeps_the_rows_after_it(tmp_path):
+    """pandas read a TSV cell starting with `"` as quoted, up to the next quote: 25 rows, tabs and labels included,
+    became one training text, silently (found in audit). A TSV's quotes are text, stored and streamed alike."""
+    from cloudtrain.data.readers import RecordReader
+
+    lines = ["text\tlabel", '"breaking news: a storm\tweather', "the striker scored\tsports"]
+    lines.append('the "experts" said\tfinance')
+    path = tmp_path / "train.tsv"
+    path.write_text("\n".join(lines) + "\n")
+    train = connect(DataConfig(train_file=str(path)))["train"]
+    assert train["text"] == ['"breaking news: a storm', "the striker scored", 'the "experts" said']
+    assert train["label"] == ["weather", "sports", "finance"]
+    reader = RecordReader(str(path), "tsv")
+    assert [reader.next()[0]["text"] for _ in range(3)] == train["text"]

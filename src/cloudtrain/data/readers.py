@@ -159,15 +159,16 @@ class RecordReader:
         if self.format in ("csv", "tsv"):
             header_line = self._handle.readline()
             # utf-8-sig: a byte-order mark (Excel's UTF-8 CSV) is no part of the first column's name
-            self._header = next(csv.reader([header_line.decode("utf-8-sig")], delimiter=self._delimiter))
+            self._header = next(csv.reader([header_line.decode("utf-8-sig")], **self._dialect))
             self.position = max(self.position, len(header_line))
             if self.path.endswith(".zst"):
                 self._handle = _open_binary(self.path)  # forward only: from the start again
         _seek(self._handle, self.position, self.path.endswith(".zst"))
 
     @property
-    def _delimiter(self) -> str:
-        return "\t" if self.format == "tsv" else ","
+    def _dialect(self) -> dict:
+        """A TSV's quotes are text, as stored data reads them (cloudtrain.data.files)."""
+        return {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if self.format == "tsv" else {"delimiter": ","}
 
     def close(self) -> None:
         if self._handle is not None:
@@ -223,7 +224,7 @@ class RecordReader:
     def _next_csv(self) -> tuple[dict | None, int]:
         assert self._header is not None
         try:
-            row = next(csv.reader(self._lines(), delimiter=self._delimiter))
+            row = next(csv.reader(self._lines(), **self._dialect))
         except UnicodeDecodeError:
             raise BadRecord("not UTF-8") from None
         except csv.Error as err:
