@@ -349,3 +349,20 @@ def test_a_tsv_text_that_opens_with_a_quote_keeps_the_rows_after_it(tmp_path):
     assert train["label"] == ["weather", "sports", "finance"]
     reader = RecordReader(str(path), "tsv")
     assert [reader.next()[0]["text"] for _ in range(3)] == train["text"]
+
+
+def test_files_of_other_columns_and_a_label_column_of_numbers_and_text_say_so(tmp_path):
+    """A folder whose files differ in columns was "CastError: Couldn't cast"; a JSON label column mixing 7 and
+    "sports" was called lists or records, with advice to use multi_label (found in audit)."""
+    from cloudtrain.data.processing import check_label_kind
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.csv").write_text("text,label\na b,x\nc d,y\n")
+    (folder / "b.csv").write_text("text,label,source\ne f,x,w\ng h,y,w\n")
+    with pytest.raises(UserError, match=r"^the files in .*folder do not all have the same columns: .*'source'"):
+        connect(DataConfig(train_file=str(folder)))
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text("".join(json.dumps({"text": "t", "label": label}) + "\n" for label in (7, "sports", 7, "sports")))
+    with pytest.raises(UserError, match="^the 'label' column mixes numbers and text"):
+        check_label_kind(connect(DataConfig(train_file=str(mixed)))["train"], "label")

@@ -138,6 +138,12 @@ def check_label_kind(train: Dataset, column: str) -> None:
     """One class per row: lists (multi-label) and fractional numbers (regression) would otherwise become a class
     per distinct value, or fail deep in datasets."""
     feature = train.features[column]
+    values = [v for v in train[column][:1000] if v is not None]
+    if not isinstance(feature, (ClassLabel, datasets.Value)) and all(isinstance(v, (str, int, float)) for v in values):
+        raise UserError(  # datasets reads a JSON column of numbers and text as a Json feature
+            f'the {column!r} column mixes numbers and text (7 and "sports", say): write every label as text, or '
+            "every one as a number"
+        )
     if not isinstance(feature, (ClassLabel, datasets.Value)):
         raise UserError(
             f"the {column!r} column holds lists or records, not one label per row: --task multi_label trains "

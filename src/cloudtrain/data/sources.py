@@ -191,6 +191,12 @@ def read_error(err: BaseException, builder: str, files: list[Path], split: str) 
         bad_line = first_bad_json_line(files)
         if bad_line:
             return UserError(bad_line)
+    cast = next((c for c in causes if type(c).__name__ == "CastError" and hasattr(c, "details")), None)
+    if cast is not None and len(files) > 1:  # datasets' own line says which columns, a screen further down
+        return UserError(
+            f"the files in {files[0].parent} do not all have the same columns: {cast.details().rstrip('.')}; give "
+            "the files of one split the same columns"
+        )
     cause = next((c for c in causes if not isinstance(c, DatasetGenerationError)), causes[-1])
     return UserError(f"could not read {where} as {builder}: {type(cause).__name__}: {first_line(cause)}")
 
