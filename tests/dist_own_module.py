@@ -49,15 +49,9 @@ def fresh() -> TinyRegressor:
     return TinyRegressor()
 
 
-JOINS = [0]
-
-
 def train(**options) -> dict:
-    """cloudtrain.train, which joins the launch's process group afresh each time (and leaves it at the end):
-    each join's keys in torchrun's store get a prefix of their own (cloudtrain.parallel.runtime.join_launch
-    takes it from the restart count), else DeepSpeed's groups would find the last run's keys there."""
-    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(JOINS[0])
-    JOINS[0] += 1
+    """cloudtrain.train, which joins the launch's process group afresh each time (and leaves it at the end): each
+    join's keys in torchrun's store get a prefix of their own (cloudtrain.parallel.runtime.join_prefix)."""
     forget_deepspeed_groups()
     return cloudtrain.train(**options)
 
@@ -125,7 +119,10 @@ def one_section(name: str, sections: dict, options: dict, out: Path) -> dict:
     """Train 8 steps with the JSON's section and cloudtrain's other half; the rates logged at each step and the
     betas of the optimizer state DeepSpeed saved."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}, **sections}))
+    # every process writes it: whole, then renamed, or one read the file another was rewriting (empty)
+    mine = out / f"ds.json.{os.environ.get('RANK', '0')}"
+    mine.write_text(json.dumps({"zero_optimization": {"stage": 2}, **sections}))
+    os.replace(mine, out / "ds.json")
     run = train(
         model=fresh(), train_dataset=rows(64, 0), eval_dataset=rows(16, 1), output_dir=str(out / "run"),
         training_type="accelerated", deepspeed_config=str(out / "ds.json"), max_steps=8, checkpointing_steps="8",

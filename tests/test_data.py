@@ -323,7 +323,7 @@ def test_the_cache_key_knows_which_side_the_tokenizer_cuts(bert_tokenizer_dir):
     assert cache_key(rows, right, 6) != cache_key(rows, left, 6)
 
 
-def test_a_text_column_of_lists_or_records_is_one_line():
+def test_a_text_column_of_lists_or_records_is_one_line(tmp_path):
     """A word list (or a record) as --text_column trained on its Python text form, `['the', 'team']` (found in
     audit)."""
     from cloudtrain.data.processing import check_texts
@@ -333,22 +333,28 @@ def test_a_text_column_of_lists_or_records_is_one_line():
         with pytest.raises(UserError, match="^the 'tokens' column holds lists or records, not text; give a column"):
             check_texts(rows, "tokens")
     check_texts(Dataset.from_dict({"tokens": ["the team", "won"], "label": [0, 1]}), "tokens")
+    mixed = tmp_path / "mixed.jsonl"  # a JSON text column of numbers and text (a Json feature) is text (review)
+    mixed.write_text('{"text": 1984, "label": "a"}\n{"text": "a text", "label": "b"}\n')
+    check_texts(connect(DataConfig(train_file=str(mixed)))["train"], "text")
 
 
-def test_a_tsv_text_that_opens_with_a_quote_keeps_the_rows_after_it(tmp_path):
+def test_a_tsv_cell_that_opens_with_a_quote_and_swallows_the_rows_after_it_is_one_line(tmp_path):
     """pandas read a TSV cell starting with `"` as quoted, up to the next quote: 25 rows, tabs and labels included,
-    became one training text, silently (found in audit). A TSV's quotes are text, stored and streamed alike."""
-    from cloudtrain.data.readers import RecordReader
+    became one training text, silently (found in audit). Such a cell is refused naming its row; streamed, it is a
+    bad record. A TSV that quotes its cells as csv does (pandas' to_csv) reads as before (review)."""
+    from cloudtrain.data.readers import SWALLOWED, BadRecord, RecordReader
 
-    lines = ["text\tlabel", '"breaking news: a storm\tweather', "the striker scored\tsports"]
-    lines.append('the "experts" said\tfinance')
     path = tmp_path / "train.tsv"
-    path.write_text("\n".join(lines) + "\n")
-    train = connect(DataConfig(train_file=str(path)))["train"]
-    assert train["text"] == ['"breaking news: a storm', "the striker scored", 'the "experts" said']
-    assert train["label"] == ["weather", "sports", "finance"]
-    reader = RecordReader(str(path), "tsv")
-    assert [reader.next()[0]["text"] for _ in range(3)] == train["text"]
+    path.write_text('text\tlabel\n"breaking news: a storm\tweather\nthe striker scored\tsports\nthe "end\tfinance\n')
+    with pytest.raises(UserError) as refused:
+        connect(DataConfig(train_file=str(path)))
+    assert str(refused.value) == f"row 1 of {path}, column 'text': {SWALLOWED}"
+    with pytest.raises(BadRecord, match="opens with a quote ran on"):
+        RecordReader(str(path), "tsv").next()
+    quoted = tmp_path / "quoted.tsv"
+    pd.DataFrame({"text": ['he said "hi" there', "plain"], "label": ["a", "b"]}).to_csv(quoted, sep="\t", index=False)
+    assert connect(DataConfig(train_file=str(quoted)))["train"]["text"] == ['he said "hi" there', "plain"]
+    assert RecordReader(str(quoted), "tsv").next()[0]["text"] == 'he said "hi" there'
 
 
 def test_files_of_other_columns_and_a_label_column_of_numbers_and_text_say_so(tmp_path):

@@ -11,9 +11,7 @@ from cloudtrain.errors import UserError
 CSV_MISSING = {"keep_default_na": False, "na_values": [""]}  # only an empty cell is missing
 FILE_FORMATS = {  # extension -> (datasets builder, builder options)
     ".csv": ("csv", CSV_MISSING),
-    # a TSV's quotes are text (as GLUE's files hold them): one opening a cell read as quoting took in every row
-    # up to the next quote, labels and tabs and all
-    ".tsv": ("csv", {"sep": "\t", "quoting": 3, **CSV_MISSING}),  # csv.QUOTE_NONE
+    ".tsv": ("csv", {"sep": "\t", **CSV_MISSING}),
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),

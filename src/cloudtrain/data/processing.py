@@ -139,7 +139,8 @@ def check_label_kind(train: Dataset, column: str) -> None:
     per distinct value, or fail deep in datasets."""
     feature = train.features[column]
     values = [v for v in train[column][:1000] if v is not None]
-    if not isinstance(feature, (ClassLabel, datasets.Value)) and all(isinstance(v, (str, int, float)) for v in values):
+    scalars = bool(values) and all(isinstance(v, (str, int, float)) for v in values)
+    if not isinstance(feature, (ClassLabel, datasets.Value)) and scalars:
         raise UserError(  # datasets reads a JSON column of numbers and text as a Json feature
             f'the {column!r} column mixes numbers and text (7 and "sports", say): write every label as text, or '
             "every one as a number"
@@ -163,7 +164,9 @@ def check_texts(train: Dataset, column: str) -> None:
     """Training needs some text: a column of empty strings tokenizes to special tokens alone and trains on
     nothing; a column of lists or records would be trained on as their Python text (`['the', 'team']`)."""
     feature = train.features.get(column)
-    if feature is not None and not isinstance(feature, datasets.Value):
+    # (a JSON column of numbers and text is a Json feature of scalars: text, as it was read before)
+    scalars = all(isinstance(v, (str, int, float)) for v in train[column][:1000] if v is not None)
+    if feature is not None and not isinstance(feature, (datasets.Value, ClassLabel)) and not scalars:
         raise UserError(
             f"the {column!r} column holds lists or records, not text; give a column of text with --text_column "
             "(word lists are --task token_classification's input)"

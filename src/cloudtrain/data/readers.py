@@ -36,6 +36,13 @@ class BadFile(Exception):
     """A file that cannot be read on from here."""
 
 
+# a TSV cell that opens with a quote is read as quoted up to the next quote: the rows between become part of it
+SWALLOWED = (
+    "a cell that opens with a quote ran on into the rows after it (its tabs and line breaks with it); remove that "
+    'quote, or quote the whole cell and double the quotes inside ("" as in csv)'
+)
+
+
 def file_format(path: str) -> str | None:
     """The format of `path` from its name (`.jsonl.gz` -> jsonl), or None."""
     name = Path(path).name.lower()
@@ -167,8 +174,7 @@ class RecordReader:
 
     @property
     def _dialect(self) -> dict:
-        """A TSV's quotes are text, as stored data reads them (cloudtrain.data.files)."""
-        return {"delimiter": "\t", "quoting": csv.QUOTE_NONE} if self.format == "tsv" else {"delimiter": ","}
+        return {"delimiter": "\t" if self.format == "tsv" else ","}
 
     def close(self) -> None:
         if self._handle is not None:
@@ -231,6 +237,8 @@ class RecordReader:
             raise BadRecord(f"not CSV ({err})") from None
         except (OSError, EOFError) as err:
             raise BadFile(f"{type(err).__name__}: {str(err)[:200]}") from None
+        if self.format == "tsv" and any("\t" in cell for cell in row):
+            raise BadRecord(SWALLOWED)
         return dict(zip(self._header, row, strict=False)), self.position
 
     def _next_parquet(self, parse: bool) -> tuple[dict | None, int]:

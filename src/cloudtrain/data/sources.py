@@ -24,6 +24,7 @@ from datasets.exceptions import DatasetGenerationError
 from cloudtrain.assets import R8_FILES, r8_dir
 from cloudtrain.config import DataConfig
 from cloudtrain.data.files import FILE_FORMATS, check_data_files, data_files, split_files
+from cloudtrain.data.readers import SWALLOWED
 from cloudtrain.errors import UserError, first_line
 
 SPLIT_ALIASES = {"valid": "validation", "val": "validation", "dev": "validation"}
@@ -102,10 +103,25 @@ def _load_path(path: str, split: str, text_column: str) -> Dataset:
     suffixes = {f.suffix.lower() for f in files}
     if len(suffixes) > 1:
         raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
-    builder, options = FILE_FORMATS[suffixes.pop()]
+    suffix = suffixes.pop()
+    builder, options = FILE_FORMATS[suffix]
     loaded = load_files(builder, files, split, options)
+    if suffix == ".tsv":
+        check_swallowed_rows(loaded, path)
     # a .txt file's lines arrive in column "text"
     return loaded.rename_column("text", text_column) if builder == "text" and text_column != "text" else loaded
+
+
+def check_swallowed_rows(ds: Dataset, path: str) -> None:
+    """A tab inside a cell of a TSV file: a cell opening with a quote took in the rows after it, silently."""
+    import pyarrow.compute as pc
+
+    for name, feature in ds.features.items():
+        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
+            tabs = pc.match_substring(ds.data.column(name), "\t")
+            if pc.any(tabs).as_py():
+                row = tabs.to_pylist().index(True)
+                raise UserError(f"row {row + 1} of {path}, column {name!r}: {SWALLOWED}")
 
 
 def load_files(builder: str, files: list[Path], split: str = "train", options: dict | None = None) -> Dataset:
