@@ -166,15 +166,15 @@ class RecordReader:
         if self.format in ("csv", "tsv"):
             header_line = self._handle.readline()
             # utf-8-sig: a byte-order mark (Excel's UTF-8 CSV) is no part of the first column's name
-            self._header = next(csv.reader([header_line.decode("utf-8-sig")], **self._dialect))
+            self._header = next(csv.reader([header_line.decode("utf-8-sig")], delimiter=self._delimiter))
             self.position = max(self.position, len(header_line))
             if self.path.endswith(".zst"):
                 self._handle = _open_binary(self.path)  # forward only: from the start again
         _seek(self._handle, self.position, self.path.endswith(".zst"))
 
     @property
-    def _dialect(self) -> dict:
-        return {"delimiter": "\t" if self.format == "tsv" else ","}
+    def _delimiter(self) -> str:
+        return "\t" if self.format == "tsv" else ","
 
     def close(self) -> None:
         if self._handle is not None:
@@ -230,7 +230,7 @@ class RecordReader:
     def _next_csv(self) -> tuple[dict | None, int]:
         assert self._header is not None
         try:
-            row = next(csv.reader(self._lines(), **self._dialect))
+            row = next(csv.reader(self._lines(), delimiter=self._delimiter))
         except UnicodeDecodeError:
             raise BadRecord("not UTF-8") from None
         except csv.Error as err:
