@@ -134,13 +134,18 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
     return names, {value: ids[value.strip()] for value in values}
 
 
+def holds_scalars(train: Dataset, column: str) -> bool:
+    """Whether the column's first 1000 values that are there are numbers or text (datasets reads a JSON column
+    mixing them as a Json feature), not lists or records."""
+    values = [v for v in train[column][:1000] if v is not None]
+    return bool(values) and all(isinstance(v, (str, int, float)) for v in values)
+
+
 def check_label_kind(train: Dataset, column: str) -> None:
     """One class per row: lists (multi-label) and fractional numbers (regression) would otherwise become a class
     per distinct value, or fail deep in datasets."""
     feature = train.features[column]
-    values = [v for v in train[column][:1000] if v is not None]
-    scalars = bool(values) and all(isinstance(v, (str, int, float)) for v in values)
-    if not isinstance(feature, (ClassLabel, datasets.Value)) and scalars:
+    if not isinstance(feature, (ClassLabel, datasets.Value)) and holds_scalars(train, column):
         raise UserError(  # datasets reads a JSON column of numbers and text as a Json feature
             f'the {column!r} column mixes numbers and text (7 and "sports", say): write every label as text, or '
             "every one as a number"
@@ -165,8 +170,8 @@ def check_texts(train: Dataset, column: str) -> None:
     nothing; a column of lists or records would be trained on as their Python text (`['the', 'team']`)."""
     feature = train.features.get(column)
     # (a JSON column of numbers and text is a Json feature of scalars: text, as it was read before)
-    scalars = all(isinstance(v, (str, int, float)) for v in train[column][:1000] if v is not None)
-    if feature is not None and not isinstance(feature, (datasets.Value, ClassLabel)) and not scalars:
+    typed = feature is None or isinstance(feature, (datasets.Value, ClassLabel))
+    if not typed and any(v is not None for v in train[column][:1000]) and not holds_scalars(train, column):
         raise UserError(
             f"the {column!r} column holds lists or records, not text; give a column of text with --text_column "
             "(word lists are --task token_classification's input)"
