@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format, folder_data_files, is_remote
+from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format, folder_data_files, is_glob, is_remote
 from cloudtrain.errors import UserError
 
 MASK64 = (1 << 64) - 1
@@ -87,7 +87,7 @@ def expand(path: str, fmt: str | None = None) -> list[str]:
         from cloudtrain.data.remote import expand_remote
 
         return expand_remote(path, fmt)
-    if any(ch in path for ch in "*?["):
+    if is_glob(path):
         return sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
     p = Path(path)
     if p.is_dir():

@@ -66,6 +66,10 @@ def _unnamed_data(name: str) -> bool:
     return "." not in name and not name.startswith("_") and not name.isupper()
 
 
+def is_glob(path: str) -> bool:
+    return any(ch in path for ch in "*?[")
+
+
 def is_remote(path: str) -> bool:
     """A URL (s3://bucket/key, hf://datasets/owner/name@commit/file, any protocol fsspec knows), not a local path."""
     return "://" in path

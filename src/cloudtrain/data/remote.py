@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from cloudtrain.data.readers import file_format, folder_data_files, storage_options
+from cloudtrain.data.readers import file_format, folder_data_files, is_glob, storage_options
 from cloudtrain.errors import UserError
 
 CREDENTIALS_HINT = (
@@ -60,7 +60,7 @@ def _filesystem(path: str):  # noqa: ANN202 (fsspec's AbstractFileSystem; s3fs i
 
 def _list(fs, path: str) -> list[str]:  # noqa: ANN001
     """Every object the source names: the glob's matches, a prefix's objects (recursively), or the one object."""
-    if any(ch in path for ch in "*?["):  # its files (a prefix matched is no object to read)
+    if is_glob(path):  # its files (a prefix matched is no object to read)
         return [p for p, info in fs.glob(path, detail=True).items() if info.get("type") != "directory"]
     if fs.isdir(path):
         return list(fs.find(path))
@@ -97,9 +97,8 @@ def expand_remote(path: str, fmt: str | None = None) -> list[str]:
         return []
     except Exception as err:  # noqa: BLE001 (botocore and s3fs raise many kinds; each becomes one line)
         raise remote_failure(path, err) from None
-    globbed = any(ch in path for ch in "*?[")  # a glob keeps its matches where the source names its format
     named = [p for p in found if file_format(p) or (fmt and not p.rsplit("/", 1)[-1].startswith(("_", ".")))]
-    found = named if globbed else folder_data_files(found, fmt)
+    found = named if is_glob(path) else folder_data_files(found, fmt)  # a glob keeps the matches a format names
     return sorted(f"{protocol}://{p.split('://', 1)[-1]}" for p in found)
 
 
@@ -199,7 +198,7 @@ def expand_hub(path: str, fmt: str | None = None) -> list[str]:
     inside = root + uri.path_in_repo.strip("/")
     fs = fsspec.filesystem("hf")  # cached: what is listed under a commit never changes, and files opened reuse it
     try:
-        if any(ch in uri.path_in_repo for ch in "*?["):
+        if is_glob(uri.path_in_repo):
             found = list(fs.glob(inside))
         elif not uri.path_in_repo or fs.isdir(inside):
             found = _training_files(folder_data_files(fs.find(inside), fmt), root)
