@@ -15,7 +15,8 @@ from cloudtrain.training.accelerated import AcceleratedTrainer
 from cloudtrain.training.basic import BasicTrainer
 from cloudtrain.training.hooks import Hook, LoopState, Request
 from cloudtrain.training.pipeline import PipelineTrainer
-from cloudtrain.training.trainer import Trainer, TrainResult
+from cloudtrain.training.result import TrainResult
+from cloudtrain.training.trainer import Trainer
 from cloudtrain.training.weights import count_parameters
 
 __all__ = [
