@@ -98,6 +98,7 @@ def test_aligned_schedules_are_accepted():
 # ---------------------------------------------------------------- early stopping
 
 
+@pytest.mark.slow
 def test_a_run_that_stops_improving_ends_early_logs_saves_and_resumes_to_the_same_end(
     tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch
 ):
@@ -137,6 +138,7 @@ def test_a_run_that_stops_improving_ends_early_logs_saves_and_resumes_to_the_sam
 # ---------------------------------------------------------------- the best model at the end
 
 
+@pytest.mark.slow
 def test_the_best_checkpoint_s_model_is_the_run_s_when_the_last_step_is_worse(
     tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch
 ):

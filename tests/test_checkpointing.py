@@ -356,6 +356,7 @@ def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
     assert code == 2 and err[-1].startswith("error: ") and message in err[-1]
 
 
+@pytest.mark.slow
 def test_a_step_back_to_an_older_checkpoint_sets_the_newer_ones_aside(tiny_model_dir, topic_csvs, tmp_path, capsys):
     """Resumed from checkpoint-2 of 4, a run that ends at step 3 left the old checkpoint-4 as `latest`: a later
     resume took the abandoned branch (found in audit). The newer ones now move to abandoned-<time>/, kept whole."""
@@ -385,6 +386,7 @@ def test_a_step_back_to_an_older_checkpoint_sets_the_newer_ones_aside(tiny_model
     assert [step for step, _ in complete_checkpoints(out / "checkpoints")] == [1, 2, 3, 5]
 
 
+@pytest.mark.slow
 def test_latest_passes_over_a_damaged_newer_checkpoint_and_says_so(tiny_model_dir, topic_csvs, tmp_path, capsys):
     out = tmp_path / "out"
     base = args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "4", "--checkpointing_steps", "2")[1:]
@@ -577,6 +579,7 @@ def test_every_process_of_a_group_joins_under_one_prefix_new_for_each_group():
     assert join_prefix(store, 0, 3) != second[0]  # another world size: keys of its own
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
 def test_a_resumed_run_reports_what_this_launch_trained(training_type, tiny_model_dir, topic_csvs, tmp_path, capsys):
     """Steps 3-4 from checkpoint-2, with the throughput over this launch's samples (the checkpoint's logging sums

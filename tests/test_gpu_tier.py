@@ -96,6 +96,7 @@ def test_the_skip_reason_names_the_cause():
     assert "CPU build" in reasons[0] and "CUDA_VISIBLE_DEVICES is empty" in reasons[1]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(CUDA_AVAILABLE, reason="with a GPU the gpu tests run instead (make test-gpu)")
 def test_on_cpu_every_gpu_test_is_collected_and_skipped_with_its_reason():
     proc = subprocess.run(

@@ -86,6 +86,7 @@ def test_each_split_is_read_by_its_own_column_type_and_an_empty_one_is_for_predi
     assert multi_label_scheme(raw, DataConfig(label_column="labels"), order=head).names == head
 
 
+@pytest.mark.slow
 def test_a_run_learns_predicts_saves_and_the_saved_model_reads_as_multi_label(tiny_model_dir, tmp_path, capsys):
     train = write_jsonl(tmp_path / "train.jsonl", labelled_rows(120, 0))
     validation = write_jsonl(tmp_path / "validation.jsonl", labelled_rows(30, 1))

@@ -79,6 +79,7 @@ def test_a_prefix_in_a_datasets_list_is_its_data_objects(s3):
     assert "one known format per source" in message
 
 
+@pytest.mark.slow
 def test_the_cursor_reopens_each_object_at_its_offset(s3, tmp_path, lm_tokenizer):
     remote = f"s3://{BUCKET}/corpus/a*.jsonl*,s3://{BUCKET}/corpus/b.parquet"
     straight = take(plan_for(tmp_path, lm_tokenizer, train_file=remote).loader(2), 45)

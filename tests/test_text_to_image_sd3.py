@@ -219,6 +219,7 @@ def test_the_sd3_lora_changes_the_pipelines_images_and_the_card_says_sd3(lora_ru
     assert "weighting_scheme: logit_normal" in card.content and "snr_gamma" not in card.content
 
 
+@pytest.mark.slow
 def test_full_fine_tuning_saves_an_sd3_pipeline_and_resumes_bit_exactly(tiny_sd3, squares, tmp_path):
     """The transformer and both CLIP encoders trained in full (T5 and the VAE untouched), with empty captions; the
     saved folder loads as a StableDiffusion3Pipeline; a run resumed from step 2 ends bit-identical. T5, stored in

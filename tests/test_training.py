@@ -100,6 +100,7 @@ def run_tiny(tiny_model_dir, topic_csvs, out, **overrides):
     return run_training(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])
 def test_same_seed_same_result(tiny_model_dir, topic_csvs, tmp_path, training_type):
     runs = [
