@@ -25,6 +25,7 @@ from cloudtrain.training.optim import (
     build_optimizer,
     build_scheduler,
     hidden_matrices,
+    schedule_name,
 )
 
 PEAK, WARMUP, TOTAL = 1e-3, 4, 20
@@ -101,6 +102,18 @@ def test_each_schedule_follows_its_formula(schedule):
     lrs, _ = train_steps(tiny_classifier(), schedule_options(schedule), TOTAL)
     for k, groups in enumerate(lrs):
         assert groups == pytest.approx([expected_lr(schedule, k)] * len(groups), rel=1e-9, abs=1e-15), k
+
+
+@pytest.mark.parametrize(
+    "schedule, option, value",
+    [("cosine_with_min_lr", "min_lr_ratio", 0.3), ("warmup_stable_decay", "decay_ratio", 0.5),
+     ("warmup_stable_decay", "min_lr_ratio", 0.3), ("polynomial", "polynomial_power", 3.0)],
+)  # fmt: skip
+def test_a_schedule_s_own_options_make_it_another_schedule(schedule, option, value):
+    """A checkpoint records its schedule's name; a resume with another --min_lr_ratio changed the rate unsaid."""
+    base = schedule_options(schedule)
+    assert schedule_name(resolve_options(base, {})) != schedule_name(resolve_options(base, {option: value}))
+    assert schedule_name(resolve_options(base, {})) == schedule_name(resolve_options(base, {}))
 
 
 def test_warmup_steps_win_over_the_ratio_and_the_ratio_applies_alone():

@@ -158,7 +158,13 @@ def schedule_name(cfg: Config) -> str:
     if t.lr_scheduler_type == "constant":  # (no warmup)
         return "constant"
     warmup = f"{t.warmup_steps} warmup steps" if t.warmup_steps is not None else f"warmup ratio {t.warmup_ratio:g}"
-    return f"{t.lr_scheduler_type}, {warmup}"
+    # each schedule's own options shape its curve too (a resume with another --min_lr_ratio changed it unsaid)
+    own = {
+        "cosine_with_min_lr": f", to {t.min_lr_ratio:g} x peak",
+        "warmup_stable_decay": f", decay ratio {t.decay_ratio:g} to {t.min_lr_ratio:g} x peak",
+        "polynomial": f", power {t.polynomial_power:g} to {t.min_lr_ratio:g} x peak",
+    }
+    return f"{t.lr_scheduler_type}, {warmup}{own.get(t.lr_scheduler_type, '')}"
 
 
 def build_scheduler(optimizer: Any, cfg: Config, total_steps: int) -> Any:
