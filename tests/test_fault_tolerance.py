@@ -433,15 +433,28 @@ def test_of_two_processes_a_straggler_is_measured_against_the_other():
 
 def test_the_memory_warning_counts_a_container_s_limit(tmp_path, monkeypatch):
     """On CPU the warning compared with the host's RAM: in a container the OOM killer acts at its limit first
-    (found in audit)."""
+    (found in audit). A limit set on a cgroup above this process's (a nested container, a SLURM job step) binds
+    too: only the hierarchy's root file was read."""
     from cloudtrain.observe import monitoring
 
     monkeypatch.setattr(monitoring.torch.cuda, "is_available", lambda: False)  # the CPU path, on a GPU machine too
     ram = monitoring.device_memory_gib()
-    v2, v1 = tmp_path / "memory.max", tmp_path / "memory.limit_in_bytes"
-    monkeypatch.setattr(monitoring, "CGROUP_LIMITS", (str(v2), str(v1)))
-    v2.write_text("max\n")
-    v1.write_text(f"{2**63 - 4096}\n")
-    assert monitoring.device_memory_gib() == ram  # no limit either way
+    root, own = tmp_path / "cgroup", tmp_path / "self-cgroup"
+    monkeypatch.setattr(monitoring, "CGROUP_ROOT", root)
+    monkeypatch.setattr(monitoring, "OWN_CGROUPS", own)
+    own.write_text("0::/job/step\n4:memory:/job/step\n")
+    v2 = root / "memory.max"
+    for parts in ((), ("job",), ("job", "step")):
+        root.joinpath(*parts).mkdir(parents=True, exist_ok=True)
+        root.joinpath(*parts, "memory.max").write_text("max\n")
+        root.joinpath("memory", *parts).mkdir(parents=True, exist_ok=True)
+        root.joinpath("memory", *parts, "memory.limit_in_bytes").write_text(f"{2**63 - 4096}\n")
+    assert monitoring.device_memory_gib() == ram  # no limit anywhere
     v2.write_text(f"{2 * 2**30}\n")
+    assert monitoring.device_memory_gib() == 2.0
+    (root / "job" / "memory.max").write_text(f"{2**30}\n")  # the parent's, v2
+    assert monitoring.device_memory_gib() == 1.0
+    (root / "memory" / "job" / "step" / "memory.limit_in_bytes").write_text(f"{2**29}\n")  # its own, v1
+    assert monitoring.device_memory_gib() == 0.5
+    own.write_text("")  # no /proc/self/cgroup to read: the hierarchies' roots, as before
     assert monitoring.device_memory_gib() == 2.0

@@ -121,18 +121,42 @@ def peak_memory(device: torch.device) -> list[float]:
     return [rss / (GIB if sys.platform == "darwin" else 2**20), 0.0]
 
 
-CGROUP_LIMITS = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")  # v2, v1
+CGROUP_ROOT, OWN_CGROUPS = Path("/sys/fs/cgroup"), Path("/proc/self/cgroup")
+
+
+def cgroup_limit_files() -> list[Path]:
+    """The memory-limit files of this process's cgroup and of every cgroup above it, v2 and v1: a limit set on a
+    parent (a nested container, a systemd slice, a SLURM job step) binds as much as one set on its own."""
+    root = CGROUP_ROOT
+    try:
+        lines = OWN_CGROUPS.read_text().splitlines()
+    except OSError:
+        lines = []
+    places = []  # (the hierarchy's folder, the limit file's name, this process's cgroup path in it)
+    for line in lines:
+        _, controllers, path = (line.split(":", 2) + ["", ""])[:3]
+        if controllers == "":
+            places.append((root, "memory.max", path))
+        elif "memory" in controllers.split(","):
+            places.append((root / "memory", "memory.limit_in_bytes", path))
+    places = places or [(root, "memory.max", "/"), (root / "memory", "memory.limit_in_bytes", "/")]
+    files = []
+    for folder, name, path in places:
+        parts = [part for part in path.split("/") if part]
+        files += [folder.joinpath(*parts[:depth], name) for depth in range(len(parts), -1, -1)]
+    return files
 
 
 def device_memory_gib() -> float:
-    """The memory of this process's device: its CUDA device's, else the machine's RAM or its container's limit,
-    whichever is less (the container's OOM killer acts at its limit, long before the host's RAM is full)."""
+    """The memory of this process's device: its CUDA device's, else the machine's RAM or the smallest limit of the
+    container's cgroups, whichever is less (the container's OOM killer acts at its limit, long before the host's
+    RAM is full)."""
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    for path in CGROUP_LIMITS:
+    for path in cgroup_limit_files():
         try:
-            limit = Path(path).read_text().strip()
+            limit = path.read_text().strip()
         except OSError:
             continue
         if limit.isdigit():  # "max" (v2) or a number near 2**63 (v1): no limit
