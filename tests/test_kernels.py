@@ -226,6 +226,17 @@ def test_compiled_layers_compute_what_the_eager_model_does(tiny_llama_dir):
         assert torch.allclose(g.grad, e.grad, atol=1e-5, rtol=1e-4), name
 
 
+def test_the_compile_line_names_what_it_compiled(tiny_model_dir, capsys):
+    """An encoder names its embeddings as a block never split: the line said "3 decoder layers" for 2 layers."""
+    from transformers import AutoModelForSequenceClassification
+
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2)
+    task, cfg = task_for("classification", tiny_model_dir, torch_compile="true", compile_layers="true")
+    prepare.compile_model(model, cfg, task, True)
+    layers = model.config.num_hidden_layers
+    assert f"compile: 1 BertEmbeddings, {layers} BertLayer, each on its own" in capsys.readouterr().out
+
+
 @pytest.mark.gpu
 def test_liger_modules_are_on_by_default_on_cuda_and_keep_the_loss(tiny_llama_dir):
     if kernels.liger_modules_error(AutoModelForCausalLM.from_pretrained(tiny_llama_dir)):

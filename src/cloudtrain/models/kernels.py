@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -265,10 +266,11 @@ def decoder_layers(model: Any) -> list[torch.nn.Module]:
     return [module for module in model.modules() if type(module).__name__ in names]
 
 
-def compile_layers(model: Any) -> int:
-    """Compile each decoder layer in place; the number compiled. With rows padded to one width its tensors keep one
-    shape, and dynamo makes the integers that vary (document lengths) dynamic after their first change."""
+def compile_layers(model: Any) -> Counter[str]:
+    """Compile each decoder layer in place; how many of each class were compiled (an encoder names its embeddings
+    too). With rows padded to one width its tensors keep one shape, and dynamo makes the integers that vary
+    (document lengths) dynamic after their first change."""
     layers = decoder_layers(model)
     for layer in layers:
         layer.compile()  # rows of one width (pad_to); the varying document lengths stay outside the graphs
-    return len(layers)
+    return Counter(type(layer).__name__ for layer in layers)

@@ -252,14 +252,15 @@ def compile_model(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     if not cfg.model.compile_layers:
         model.compile()  # in place: the module keeps its class, state-dict keys and save_pretrained
         return model
-    count = compile_layers(model)
-    if not count:
+    compiled = compile_layers(model)
+    if not compiled:
         raise UserError(
             f"--compile_layers: {type(model).__name__} names no decoder layer class (_no_split_modules); "
             "leave it out to compile the whole model"
         )
     if announce:
-        print(f"compile: {count} decoder layers, each on its own, static shapes", flush=True)
+        blocks = ", ".join(f"{count} {name}" for name, count in compiled.items())
+        print(f"compile: {blocks}, each on its own, static shapes", flush=True)
     return model
 
 
