@@ -44,12 +44,17 @@ STREAM_OPTIONS = (
 ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     **{f.name: ("peft", ADAPTER_METHODS) for f in dataclasses.fields(ModelConfig) if f.name.startswith("lora_")},
     "compile_layers": ("torch_compile", (True,)),
+    "eval_steps": ("eval_strategy", ("steps",)),
     "simpo_gamma": ("preference_loss", ("simpo",)),
     "early_stopping_threshold": ("early_stopping_patience", ()),
     # a stream has no stored training split to cut or carve (--max_tokens/--max_steps and --stream_validation_docs)
     "max_train_samples": ("streaming", (False,)),
     "validation_split_percentage": ("streaming", (False,)),
     "group_by_length": ("streaming", (False,)),  # sorts stored rows; a stream's rows come in its own order
+    **{  # the Hub's settings: read only by a push
+        name: ("push_to_hub", (True,))
+        for name in ("hub_model_id", "hub_token", "hub_token_file", "hub_private_repo", "hub_revision", "hub_strategy")
+    },
     **{  # the anomaly watcher's settings: it runs only with --monitoring true
         name: ("monitoring", (True,))
         for name in (
@@ -137,7 +142,11 @@ def inert_notes(cfg: Config, task: str | None = None) -> list[str]:
     fields = option_fields()
     defaults = {name: option_default(f) for name, (_, f) in fields.items()}
     separators = {name: f.metadata["separator"] for name, (_, f) in fields.items()}
-    return unused(TRAINING, cfg.to_dict(include_secrets=True), defaults, task or cfg.training.task, separators)
+    values = cfg.to_dict(include_secrets=True)
+    for name, (_, f) in fields.items():
+        if f.metadata["secret"] and values.get(name) is not None:  # a note never shows a token
+            values[name] = "<hidden>"
+    return unused(TRAINING, values, defaults, task or cfg.training.task, separators)
 
 
 def print_inert_notes(cfg: Config, task: str | None = None) -> None:
