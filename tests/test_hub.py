@@ -426,10 +426,49 @@ def test_background_uploader_makes_one_commit_per_upload_in_order(in_process, tm
     )
 
 
+def test_a_checkpoint_goes_up_in_one_commit_however_many_files_it_holds(in_process, tmp_path):
+    """upload_folder committed a large folder in parts: a kill between them left last-checkpoint/ with one
+    checkpoint's weights beside another's state (found in audit). One commit holds it all, stale files deleted."""
+    cfg = hub_config("alice/big-checkpoint")
+    cloudhub.check_access(cfg.hub)
+    uploader = cloudhub.HubUploader(cfg)
+    older = make_save(tmp_path / "checkpoint-2", 2)
+    (older / "only-in-2.json").write_text("{}")
+    uploader.upload(older, "Checkpoint at step 2", path_in_repo="last-checkpoint")
+    newer = make_save(tmp_path / "checkpoint-4", 4)
+    for k in range(300):  # more files than one of upload_folder's commits takes (256)
+        (newer / "shards" / f"{k:03d}.bin").parent.mkdir(exist_ok=True)
+        (newer / "shards" / f"{k:03d}.bin").write_bytes(os.urandom(16))
+    uploader.upload(newer, "Checkpoint at step 4", path_in_repo="last-checkpoint")
+    uploader.wait()
+    commits = in_process.history("alice/big-checkpoint")[1:]
+    assert [c.summary for c in commits] == ["Checkpoint at step 2", "Checkpoint at step 4"]
+    expected = {f"last-checkpoint/{p.relative_to(newer).as_posix()}" for p in newer.rglob("*") if p.is_file()}
+    assert set(commits[-1].files) - {".gitattributes"} == expected  # only-in-2.json is gone
+
+
+def test_a_save_during_training_deletes_an_earlier_runs_card_and_results(in_process, tmp_path):
+    """--hub_strategy every_save over a repo an earlier run pushed: its card, arguments and results stayed beside
+    the new run's weights, describing other ones (found in audit). The final push writes this run's."""
+    cfg = hub_config("alice/card-gone")
+    cloudhub.check_access(cfg.hub)
+    api = cloudhub.hub_api(cfg.hub)
+    earlier = tmp_path / "earlier"
+    earlier.mkdir()
+    for name in ("README.md", "args.json", "eval_results.json", "training_curves.png", "notes.txt"):
+        (earlier / name).write_text(name)
+    api.upload_folder(repo_id="alice/card-gone", folder_path=earlier, commit_message="earlier run")
+    uploader = cloudhub.HubUploader(cfg)
+    uploader.upload(make_save(tmp_path / "checkpoint-2", 2), "Training in progress, step 2")
+    uploader.wait()
+    files = set(in_process.history("alice/card-gone")[-1].files)
+    assert {"model.safetensors", "config.json", "notes.txt"} <= files  # a file of the user's own stays
+    assert not files & {"README.md", "args.json", "eval_results.json", "training_curves.png"}
+
+
 def test_a_push_replaces_an_earlier_runs_model_files_and_keeps_the_users_others(in_process, tmp_path):
     """A full model pushed over an adapter run: the old adapter_config.json made transformers apply the old
-    adapter to the new model, and an old test_results.json outlived a run without a test split. A save's upload
-    during training replaces the model files only; the card and the run's results wait for the final push."""
+    adapter to the new model, and an old test_results.json outlived a run without a test split."""
     cfg = hub_config("alice/swap")
     cloudhub.check_access(cfg.hub)
     api = cloudhub.hub_api(cfg.hub)
@@ -444,10 +483,6 @@ def test_a_push_replaces_an_earlier_runs_model_files_and_keeps_the_users_others(
     commit = partial(cloudhub.commit_model_files, api, cfg.hub, message="push", base_model=None)
     commit(folder=adapter, files=cloudhub.model_files(adapter))
     api.upload_file(path_or_fileobj=b"mine", path_in_repo="notes.md", repo_id="alice/swap")  # the user's own
-    commit(folder=full, files=[full / "model.safetensors"], keep=cloudhub.RUN_FILES)  # a save during training
-    during = in_process.history("alice/swap")[-1].files
-    assert sorted(during) == [".gitattributes", "README.md", "args.json", "model.safetensors", "notes.md",
-                              "test_results.json"]  # fmt: skip
     commit(folder=full, files=cloudhub.model_files(full))  # the final push
     final = in_process.history("alice/swap")[-1].files
     assert sorted(final) == [".gitattributes", "README.md", "args.json", "config.json", "model.safetensors",

@@ -248,9 +248,6 @@ def model_files(folder: Path) -> list[Path]:
     return [path for path in candidates if path.is_file() and _matches(path.name, tuple(UPLOAD_PATTERNS))]
 
 
-RUN_FILES = (CARD, "args.json", "*_results.json", "training_curves.png")  # the final push's, not a save's
-
-
 def commit_model_files(
     api: HfApi,
     hub: HubConfig,
@@ -258,17 +255,16 @@ def commit_model_files(
     files: list[Path],
     message: str,
     base_model: str | None,
-    keep: tuple[str, ...] = (),
 ) -> CommitInfo:
     """One commit of `files` (from `folder`) to the repo root, deleting the model files an earlier run left there
-    that `files` does not replace (but those named like `keep`); returns its CommitInfo."""
+    that `files` does not replace; returns its CommitInfo."""
     assert hub.hub_model_id is not None  # check_access checked it
     operations: list = [
         CommitOperationAdd(path.relative_to(folder).as_posix(), hub_copy(path, base_model)) for path in files
     ]
     uploaded = {operation.path_in_repo for operation in operations}
     for name in _repo_model_files(api, hub):
-        if name not in uploaded and not _matches(name.rsplit("/", 1)[-1], keep):
+        if name not in uploaded:
             operations.append(CommitOperationDelete(name))
     return api.create_commit(hub.hub_model_id, operations, commit_message=message, revision=hub.hub_revision)
 
@@ -355,29 +351,46 @@ class HubUploader:
     def upload(self, folder: Path, commit_message: str, path_in_repo: str = "") -> None:
         """Queue one commit of `folder`.
 
-        At the repo root (path_in_repo "") only the model-repo files (UPLOAD_PATTERNS) go up, next to
-        what is there, and no README.md: the card comes with the final push (a PEFT save writes a blank
-        template). Under a path (e.g. "last-checkpoint") the whole folder goes up and replaces what was
-        under that path, so it always holds exactly one checkpoint.
+        At the repo root (path_in_repo "") only the model-repo files (UPLOAD_PATTERNS) go up, and no README.md:
+        the card comes with the final push (a PEFT save writes a blank template); an earlier run's card, arguments
+        and results are deleted, as they describe other weights. Under a path (e.g. "last-checkpoint") the whole
+        folder goes up and replaces what was under that path, so it always holds exactly one checkpoint.
         """
-        assert self._hub.hub_model_id is not None  # check_access checked it
-        if path_in_repo:
-            future = self._api.upload_folder(
-                repo_id=self._hub.hub_model_id,
-                folder_path=folder,
-                path_in_repo=path_in_repo,
-                delete_patterns="*",
-                revision=self._hub.hub_revision,
-                commit_message=commit_message,
-                run_as_future=True,
-            )
-        else:  # listed and hashed on the upload thread, like upload_folder does, not in the training loop
+        if path_in_repo:  # listed and hashed on the upload thread, not in the training loop
+            future = self._api.run_as_future(self._upload_checkpoint, folder, path_in_repo, commit_message)
+        else:
             future = self._api.run_as_future(self._upload_model_files, folder, commit_message)
         self._queued.append((commit_message, future))
 
     def _upload_model_files(self, folder: Path, commit_message: str) -> CommitInfo:
+        """The save's model files at the root. The earlier run's card, arguments and results go in the same commit:
+        they describe other weights (the final push writes this run's)."""
         files = [path for path in model_files(folder) if path.name != CARD]
-        return commit_model_files(self._api, self._hub, folder, files, commit_message, self._base_model, RUN_FILES)
+        return commit_model_files(self._api, self._hub, folder, files, commit_message, self._base_model)
+
+    def _upload_checkpoint(self, folder: Path, path_in_repo: str, commit_message: str) -> CommitInfo:
+        """The whole checkpoint under `path_in_repo`, replacing what was there, in one commit: upload_folder
+        commits a large folder in parts, and a kill between them left one checkpoint's weights beside another's
+        optimizer state."""
+        assert self._hub.hub_model_id is not None  # check_access checked it
+        operations: list = [
+            CommitOperationAdd(f"{path_in_repo}/{path.relative_to(folder).as_posix()}", path)
+            for path in sorted(folder.rglob("*"))
+            if path.is_file() and ".git" not in path.relative_to(folder).parts
+        ]
+        uploaded = {operation.path_in_repo for operation in operations}
+        try:
+            names = self._api.list_repo_files(self._hub.hub_model_id, revision=self._hub.hub_revision)
+        except (RepositoryNotFoundError, RevisionNotFoundError):  # a branch the commit creates
+            names = []
+        operations += [
+            CommitOperationDelete(name)
+            for name in names
+            if name.startswith(f"{path_in_repo}/") and name not in uploaded
+        ]
+        return self._api.create_commit(
+            self._hub.hub_model_id, operations, commit_message=commit_message, revision=self._hub.hub_revision
+        )
 
     def settle(self) -> None:
         """`wait`, where a failed upload must not end the run (before rotation deletes a checkpoint, and at the
