@@ -164,8 +164,11 @@ def test_push_creates_the_repo_and_commits_exactly_the_model_files(pushed, hub):
     expected = MODEL_FILES | ({"training_curves.png"} if (out / "training_curves.png").exists() else set())
     assert set(upload.added) == expected and not upload.deleted
     assert upload.added["model.safetensors"] == (out / "model.safetensors").read_bytes()  # byte-identical weights
-    for name in expected:
+    for name in expected - {"args.json"}:
         assert upload.added[name] == (out / name).read_bytes(), name
+    # args.json goes up with each absolute path as its last part, as the card shows them (found in audit)
+    assert json.loads((out / "args.json").read_text())["output_dir"] == str(out)
+    assert json.loads(upload.added["args.json"])["output_dir"] == out.name and b'"/' not in upload.added["args.json"]
     assert (out / "metrics.jsonl").exists() and "metrics.jsonl" not in upload.added
     assert "eval accuracy" in upload.summary
     assert f"to {hub.url}/alice/topics (commit {upload.oid[:8]})" in result.stdout

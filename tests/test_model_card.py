@@ -103,3 +103,7 @@ def test_a_streamed_hub_dataset_is_linked_by_its_repo_id():
         "alice/corpus",
     )
     assert dataset_info(DataConfig(train_file="web.jsonl,hf://datasets/alice/corpus"))[0] is None  # a mixture
+    # a config file's list of sources: the card named the built-in Reuters data for them (found in audit)
+    listed = DataConfig(datasets=[{"path": "web/*.jsonl", "weight": 2}, {"path": "books.jsonl"}])
+    assert dataset_info(listed)[0] is None and "Reuters" not in dataset_info(listed)[1]
+    assert dataset_info(DataConfig(datasets=[{"path": "hf://datasets/alice/corpus"}]))[0] == "alice/corpus"

@@ -91,6 +91,19 @@ def test_a_mistyped_option_followed_by_a_token_is_masked_in_its_error_line(tmp_p
         (f"key {ENV_SECRETS['WANDB_API_KEY']}", "key ***"),
         ("max_new_tokens: 32, tokenizer_name_or_path: /a/b", "max_new_tokens: 32, tokenizer_name_or_path: /a/b"),
         ("the hub token was rejected", "the hub token was rejected"),
+        # a URL's user and password, a presigned URL's signature (found in audit: both reached the card)
+        (
+            "data: streaming http://alice:Pw1@127.0.0.1:8/a.jsonl (1 file)",
+            "data: streaming http://***@127.0.0.1:8/a.jsonl (1 file)",
+        ),
+        (
+            "https://b.s3.amazonaws.com/k.jsonl?X-Amz-Signature=abc123",
+            "https://b.s3.amazonaws.com/k.jsonl?X-Amz-Signature=***",
+        ),
+        (
+            "hf://datasets/alice/x@main/a.jsonl or s3://bucket/k@v2 or me@example.com",
+            "hf://datasets/alice/x@main/a.jsonl or s3://bucket/k@v2 or me@example.com",
+        ),
     ],
 )
 def test_mask_hides_secret_shapes_and_names_and_nothing_else(text, shown):

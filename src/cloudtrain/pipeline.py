@@ -46,6 +46,7 @@ from cloudtrain.publish import atomic, hub
 from cloudtrain.publish import output_dir as output_dir_module
 from cloudtrain.publish.output_dir import check_location, claim, earlier_model_refusal, holds_saved_model
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
+from cloudtrain.redact import mask
 from cloudtrain.registry import TASKS
 from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_interrupted_saves, restarted_defaults
 from cloudtrain.tasks import Task, build_task
@@ -224,7 +225,7 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
             raise UserError(str(err), quiet=not runtime.is_main) from None
     trained_on = data_record(data.train)  # now: DPO's precomputed reference adds columns once the model loads
     if runtime.is_main:
-        print(task.describe_data(data), flush=True)
+        print(mask(task.describe_data(data)), flush=True)  # a source's URL may hold a password
         if resumed and resume_from and (note := other_data_note(resumed, trained_on, resume_from)):
             print(note, flush=True)
     model = task.load_model(cfg, data, tokenizer, announce=runtime.is_main)

@@ -3,8 +3,9 @@ echoed or recorded, and a token given on the command line is taken out of `sys.a
 such as W&B record as the program's arguments) as soon as the options are parsed.
 
 Shapes masked: Hugging Face tokens (hf_...), W&B API keys (40 hex characters, or local-/v1- keys),
-AWS access key ids (AKIA.../ASIA...) and the value after any `*token*`, `*secret*`, `*password*` or
-`*api_key*` name. docs/outputs.md says where a token is read from instead.
+AWS access key ids (AKIA.../ASIA...), the user and password of a URL, and the value after any `*token*`,
+`*secret*`, `*password*`, `*api_key*` or `*signature*` name (a presigned URL's). docs/outputs.md says where a
+token is read from instead.
 """
 
 import re
@@ -17,8 +18,9 @@ _SHAPES = re.compile(
     r"|\b(?:local|v1)-[A-Za-z0-9_-]{30,}"  # W&B keys of a local server, and the newer key format
     r"|\b[0-9a-f]{40}\b"  # W&B API keys (git commit ids have this shape too: a masked commit id is harmless)
     r"|\b(?:AKIA|ASIA)[0-9A-Z]{16}\b"  # AWS access key ids
+    r"|(?<=://)[^/\s@'\"]+(?=@)"  # the user and password of a URL (https://alice:pw@host/...)
 )
-_KEY = r"[\w-]*(?:token|secret|password|passwd|api_key|apikey|secret_access_key)"  # a name that ends so
+_KEY = r"[\w-]*(?:token|secret|password|passwd|api_key|apikey|secret_access_key|signature)"  # a name that ends so
 _NAMED = re.compile(
     rf"(?i)(--{_KEY}(?:\s+|=)"  # --hub_token X, --hub_token=X
     rf"|\b{_KEY}['\"]?\s*[=:]\s*['\"]?)"  # hub_token: X, HF_TOKEN=X, "hub_token": "X"

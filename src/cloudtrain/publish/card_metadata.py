@@ -124,6 +124,9 @@ HUB_DATASETS = "hf://datasets/"  # a streaming source on the Hub (cloudtrain.dat
 
 def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
     """(Hub dataset id or None for local data, a name to show)."""
+    if cfg.datasets:  # a config file's list of streamed sources (the Reuters data was named for them)
+        paths = [str(item.get("path", "")) if isinstance(item, dict) else str(item) for item in cfg.datasets]
+        return dataset_info(DataConfig(train_file=",".join(paths)))
     if not cfg.dataset_name and not cfg.train_file:
         return REUTERS_HUB_ID, REUTERS_NAME
     if cfg.dataset_name and not Path(cfg.dataset_name).exists():
@@ -134,4 +137,4 @@ def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
     if source.startswith(HUB_DATASETS) and "," not in source:  # one streamed Hub dataset: link it
         repo = "/".join(source.removeprefix(HUB_DATASETS).split("@")[0].split("/")[:2])
         return repo, repo
-    return None, Path(source.rstrip("/")).name  # local files or folder
+    return None, ", ".join(Path(part.rstrip("/")).name for part in source.split(","))  # local files or folders

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from cloudtrain.config import Config, differs_from_default
 from cloudtrain.observe.cost import format_hours, format_usd
+from cloudtrain.redact import mask
 
 CURVES_FILE = "training_curves.png"
 FRAMEWORKS = ("transformers", "torch", "accelerate", "datasets", "tokenizers", "huggingface_hub")
@@ -135,7 +136,7 @@ def hyperparameters(cfg: Config) -> dict[str, str]:
             value = ",".join(map(str, value))
         elif isinstance(value, str) and Path(value).expanduser().exists():
             value = Path(value).name
-        shown[name] = table_cell(value)
+        shown[name] = table_cell(mask(str(value)))  # a data URL's password, a presigned URL's signature
     return shown
 
 

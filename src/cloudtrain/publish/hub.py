@@ -33,6 +33,7 @@ import shlex
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
+from typing import Any
 
 import httpx2  # huggingface_hub's HTTP client: its transport errors mean "the Hub cannot be reached"
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, get_token
@@ -289,13 +290,27 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
 
 def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
     """What goes up for `path`: the file, except an adapter config naming its base otherwise than by the card's
-    `base_model` (the built-in model's local folder): that one names the Hub id instead."""
+    `base_model` (the built-in model's local folder): that one names the Hub id instead; and args.json, whose
+    absolute paths go up as their last part, as the card shows them (the user's directory layout is not public)."""
+    if path.name == "args.json" and path.parent.name != MERGED:
+        return (json.dumps(without_folders(json.loads(path.read_text())), indent=2) + "\n").encode()
     if path.name != ADAPTER_CONFIG or not base_model:
         return path
     config = json.loads(path.read_text())
     if config.get("base_model_name_or_path") == base_model:
         return path
     return (json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n").encode()
+
+
+def without_folders(value: Any) -> Any:
+    """`value` (args.json's) with each absolute path as its last part; lists and dicts item by item."""
+    if isinstance(value, str) and "://" not in value and Path(value).expanduser().is_absolute():
+        return Path(value).expanduser().name
+    if isinstance(value, list):
+        return [without_folders(item) for item in value]
+    if isinstance(value, dict):
+        return {key: without_folders(item) for key, item in value.items()}
+    return value
 
 
 def commit_message(results: dict) -> str:
