@@ -378,11 +378,42 @@ def test_push_takes_the_token_from_the_environment_once_the_runs_token_file_is_g
     assert cloudhub.load_output_dir(tmp_path)[0].hub.hub_token_file is None
 
 
+def test_push_takes_hf_token_before_the_runs_token_file(tmp_path, monkeypatch):
+    """--help says HF_TOKEN comes first; a revoked token left in the run's --hub_token_file won (found in audit)."""
+    import argparse
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "train_results.json").write_text('{"global_step": 1}')
+    (tmp_path / "token").write_text("hf_revoked_0000000000000000")
+    (tmp_path / "args.json").write_text(json.dumps({"hub_token_file": str(tmp_path / "token")}))
+    used = []
+    monkeypatch.setattr(cloudhub, "check_access", lambda hub: used.append(hub.hub_token_file))
+    monkeypatch.setattr(cloudhub, "push_output_dir", lambda *args: None)
+    options = dict.fromkeys(("hub_token", "hub_token_file", "hub_private_repo", "hub_revision"))
+    args = argparse.Namespace(output_dir=str(tmp_path), hub_model_id="alice/x", **options)
+    monkeypatch.setenv("HF_TOKEN", TOKEN)
+    cloudhub.run(args)
+    monkeypatch.delenv("HF_TOKEN")
+    cloudhub.run(args)
+    assert used == [None, str(tmp_path / "token")]  # without HF_TOKEN the run's file, as before
+
+
 def test_push_command_needs_a_finished_run(tmp_path, capsys):
     assert main(["push", "--output_dir", str(tmp_path), "--hub_model_id", "alice/x"]) == 2
     assert "holds no finished run" in capsys.readouterr().err
     assert main(["push", "--output_dir", str(tmp_path / "typo"), "--hub_model_id", "alice/x"]) == 2
     assert f"--output_dir {tmp_path / 'typo'} does not exist; give a directory" in capsys.readouterr().err
+    (tmp_path / "args.json").write_text("{}")
+    assert main(["push", "--output_dir", str(tmp_path / "args.json"), "--hub_model_id", "alice/x"]) == 2
+    assert "args.json is a file; give the directory the training application wrote" in capsys.readouterr().err
+    (tmp_path / "config.json").write_text("{}")  # a finished run whose results a user broke: one line each
+    for results in ('{"global_step": 1', "[1, 2]"):
+        (tmp_path / "train_results.json").write_text(results)
+        assert main(["push", "--output_dir", str(tmp_path), "--hub_model_id", "alice/x"]) == 2
+        assert f"error: {tmp_path / 'train_results.json'} " in capsys.readouterr().err
+    (tmp_path / "train_results.json").write_text('{"global_step": 1}')
+    assert main(["push", "--output_dir", str(tmp_path), "--hub_model_id", ""]) == 2
+    assert "error: --hub_model_id is empty: give <user or organization>/<name>" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- pushes during training

@@ -51,7 +51,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
 from cloudtrain.publish.output_dir import edited, record, written
-from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model
+from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model, read_json
 
 CARD = "README.md"
 UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its merged/
@@ -432,9 +432,13 @@ def run(args: argparse.Namespace) -> None:
     output_dir = Path(args.output_dir)
     atomic.recover(output_dir)  # a final save a kill interrupted is finished before anything is read
     cfg, results = load_output_dir(output_dir)
+    if args.hub_token is None and args.hub_token_file is None and os.environ.get("HF_TOKEN"):
+        cfg.hub.hub_token_file = None  # HF_TOKEN before the training run's token file, as --help says
     for name in ("hub_model_id", "hub_token", "hub_token_file", "hub_private_repo", "hub_revision"):
         if getattr(args, name) is not None:
             setattr(cfg.hub, name, getattr(args, name))
+    if args.hub_model_id == "":
+        raise UserError("--hub_model_id is empty: give <user or organization>/<name>")
     if not cfg.hub.hub_model_id:
         raise UserError(f"{output_dir}/args.json names no Hub repository: pass --hub_model_id <user>/<name>")
     check_access(cfg.hub)
@@ -444,6 +448,8 @@ def run(args: argparse.Namespace) -> None:
 def load_output_dir(output_dir: Path) -> tuple[Config, dict]:
     """The configuration (args.json) and results (*_results.json) of a finished run."""
     args_file = output_dir / "args.json"
+    if output_dir.is_file():
+        raise UserError(f"--output_dir {output_dir} is a file; give the directory the training application wrote")
     if not output_dir.is_dir():
         raise UserError(
             f"--output_dir {output_dir} does not exist; give a directory written by the training application"
@@ -458,9 +464,7 @@ def load_output_dir(output_dir: Path) -> tuple[Config, dict]:
     except (json.JSONDecodeError, UserError) as err:
         raise UserError(f"{args_file} cannot be read back: {first_line(err)}") from None
     results = {
-        name: json.loads(path.read_text())
-        for name in RESULT_NAMES
-        if (path := output_dir / f"{name}_results.json").is_file()
+        name: read_json(path) for name in RESULT_NAMES if (path := output_dir / f"{name}_results.json").is_file()
     }
     if "train" not in results:
         raise UserError(f"{output_dir}/train_results.json is missing: the run did not finish; train again")
