@@ -546,27 +546,35 @@ def new_log_lines(logs, job_name: str, positions: dict) -> Iterator[tuple[str, s
 
 @_masking_secrets
 def download_model(job_name: str, dest: str | Path | None = None, session: Session | None = None) -> Path:
-    """Fetch the job's model.tar.gz and unpack it into `dest` (default outputs/sagemaker/<job>)."""
+    """Fetch the job's model.tar.gz and unpack it into `dest` (default outputs/sagemaker/<job>). A job that failed
+    or was stopped has one too where its /opt/ml/model held files (SageMaker uploads it either way): a model whose
+    final Hub push failed is fetched so, for `push`."""
     session = session or make_session()
     job = describe(job_name, session)
-    if job["TrainingJobStatus"] != "Completed":
+    status = job["TrainingJobStatus"]
+    if status not in TERMINAL:
         raise UserError(
-            f"training job {job_name} is {job['TrainingJobStatus']}: its model.tar.gz exists once "
-            f"it has completed (follow it with: python sagemaker/launch.py logs {job_name})"
+            f"training job {job_name} is {status}: its model.tar.gz exists once it has ended "
+            f"(follow it with: python sagemaker/launch.py logs {job_name})"
         )
-    uri = job["ModelArtifacts"]["S3ModelArtifacts"]
+    uri = job.get("ModelArtifacts", {}).get("S3ModelArtifacts")
+    if not uri:
+        raise UserError(f"training job {job_name} is {status} and left no model.tar.gz")
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     dest = Path(dest or Path("outputs") / "sagemaker" / job_name)
-    dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
         archive = Path(tmp) / "model.tar.gz"
         try:
             session.boto_session.client("s3").download_file(bucket, key, str(archive))
         except ClientError as err:
+            if status != "Completed" and err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey"):
+                raise UserError(f"training job {job_name} is {status} and left no model.tar.gz ({uri})") from None
             raise UserError(f"could not download {uri}: {first_line(err)}") from None
+        dest.mkdir(parents=True, exist_ok=True)
         with tarfile.open(archive) as tar:
             tar.extractall(dest, filter="data")  # refuses absolute paths, links out of dest, devices
-    print(f"model of {job_name} unpacked into {dest.resolve()}")
+    ended = "" if status == "Completed" else f" (the job is {status}: what its /opt/ml/model held when it ended)"
+    print(f"model of {job_name} unpacked into {dest.resolve()}{ended}")
     return dest
 
 

@@ -771,3 +771,39 @@ def test_a_job_s_error_line_is_its_failure_reason(tmp_path, monkeypatch):
     failure.unlink()
     errors.report("stopped: interrupted", 143)  # a stop (a spot interruption) is no failure
     assert not failure.exists()
+
+
+def test_a_failed_job_s_model_is_downloaded_for_push_and_its_retry_line_says_so(launcher, aws, tmp_path, monkeypatch):
+    """A job whose final Hub push failed said "the model is safe in /opt/ml/model; retry with push --output_dir
+    /opt/ml/model", a folder gone with the instance, and `download` refused a Failed job (found in audit).
+    SageMaker uploads /opt/ml/model when a job fails too: `download` fetches it, and the line names both steps."""
+    from aws_server import pack
+
+    from cloudtrain.publish import hub
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    s3 = aws.client("s3")
+    s3.create_bucket(Bucket=BUCKET) if BUCKET not in [b["Name"] for b in s3.list_buckets()["Buckets"]] else None
+    s3.put_object(Bucket=BUCKET, Key="jobs/failed-1/output/model.tar.gz", Body=pack(model))
+    jobs = {
+        "failed-1": {"TrainingJobStatus": "Failed", "ModelArtifacts": {"S3ModelArtifacts": f"s3://{BUCKET}/jobs/failed-1/output/model.tar.gz"}},
+        "failed-2": {"TrainingJobStatus": "Stopped", "ModelArtifacts": {"S3ModelArtifacts": f"s3://{BUCKET}/jobs/none/model.tar.gz"}},
+        "running-1": {"TrainingJobStatus": "InProgress"},
+    }  # fmt: skip
+    monkeypatch.setattr(launcher, "describe", lambda name, session: jobs[name])
+    session = launcher.make_session()
+    fetched = launcher.download_model("failed-1", tmp_path / "fetched", session)
+    assert (fetched / "config.json").read_text() == "{}"
+    with pytest.raises(UserError, match="training job failed-2 is Stopped and left no model.tar.gz"):
+        launcher.download_model("failed-2", tmp_path / "none", session)
+    assert not (tmp_path / "none").exists()
+    with pytest.raises(UserError, match="training job running-1 is InProgress: its model.tar.gz exists once it has"):
+        launcher.download_model("running-1", tmp_path / "none", session)
+
+    monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
+    monkeypatch.setenv("TRAINING_JOB_NAME", "failed-1")
+    line = hub.retry_command(Path("/opt/ml/model"), build_config({"hub_model_id": "alice/x"}).hub)
+    assert line.startswith("python sagemaker/launch.py download failed-1 && ")
+    assert "push --output_dir outputs/sagemaker/failed-1 --hub_model_id alice/x" in line

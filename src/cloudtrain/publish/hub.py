@@ -52,6 +52,7 @@ from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
 from cloudtrain.publish.output_dir import edited, record, written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model, read_json
+from cloudtrain.sagemaker_env import in_training_job, job_name
 
 CARD = "README.md"
 UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its merged/
@@ -221,8 +222,9 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
                 api, hub, output_dir, files, commit_message(results), base_model_info(cfg.model)[0]
             )
     except UserError as err:
+        where = "the job's model.tar.gz" if in_training_job() else output_dir
         raise UserError(
-            f"{err}. The model is safe in {output_dir}; once fixed, retry with: {retry_command(output_dir, hub)}"
+            f"{err}. The model is safe in {where}; once fixed, retry with: {retry_command(output_dir, hub)}"
         ) from None
     print(f"pushed {output_dir} to {url} (commit {commit.oid[:8]})", flush=True)
     return url
@@ -329,13 +331,18 @@ def commit_message(results: dict) -> str:
 
 
 def retry_command(output_dir: Path, cfg: HubConfig) -> str:
-    """The `push` command that uploads `output_dir` again; the token comes from the environment."""
+    """The `push` command that uploads `output_dir` again; the token comes from the environment. Inside a
+    SageMaker job the folder goes with the instance: the job's model.tar.gz is downloaded first, on your machine."""
     assert cfg.hub_model_id is not None  # check_access checked it
+    job = job_name(os.environ) if in_training_job() else None
+    if job:
+        output_dir = Path("outputs") / "sagemaker" / job  # where `sagemaker/launch.py download` unpacks it
     parts = [
+        *(["python", "sagemaker/launch.py", "download", shlex.quote(job), "&&"] if job else []),
         invocation.command(),
         "push",
         "--output_dir",
-        shlex.quote(str(Path(output_dir).resolve())),
+        shlex.quote(str(output_dir if job else Path(output_dir).resolve())),
         "--hub_model_id",
         shlex.quote(cfg.hub_model_id),
     ]
