@@ -73,6 +73,15 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
         ),
         "chosen equals rejected": ({**base, "train_file": str(equal)}, "chosen and rejected answers are equal"),
     }
+    for name, bad in (("nan margin", float("nan")), ("no margin", None)):  # NaN made the loss blame the rate
+        rows = [json.loads(line) for line in Path(write_pairs(tmp_path / "m.jsonl")).read_text().splitlines()]
+        rows[2]["margin"] = bad
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        cases[name] = (
+            {**base, "train_file": str(path), "margin_column": "margin"},
+            f"1 of {len(rows)} train pairs have no finite --margin_column 'margin' value (the first: pair 2, {bad!r})",
+        )
     assert_each_refused(cases, capsys, out)
 
 

@@ -11,6 +11,7 @@ Supports:
 Does not support: packing, the pipeline trainer.
 """
 
+import math
 import shlex
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -166,6 +167,8 @@ class RewardTask(PairRows, Task):
                 out["margin"].append(value)
             return out
 
+        if margin and margin in ds.column_names:
+            check_margins(ds[margin], margin, split)
         template = tokenizer.chat_template if chat else None
         key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v2")
         desc = f"Tokenizing {split} pairs"
@@ -318,3 +321,20 @@ class RewardTask(PairRows, Task):
         # a prompt and an answer: rendered through the chat template, or (without one) read as a text pair
         texts = '--text "<prompt>" --text_pair "<answer>"'
         return f"{invocation.command()} predict --model_dir {shlex.quote(output_dir)} {texts}"
+
+
+def check_margins(values: list, column: str, split: str) -> None:
+    """Every pair has a finite margin: a NaN one made the loss non-finite and blamed the learning rate."""
+
+    def finite(value: object) -> bool:
+        try:
+            return math.isfinite(float(value))  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            return False
+
+    bad = [index for index, value in enumerate(values) if not finite(value)]
+    if bad:
+        raise UserError(
+            f"{len(bad)} of {len(values)} {split} pairs have no finite --margin_column {column!r} value (the first: "
+            f"pair {bad[0]}, {values[bad[0]]!r}); give each pair a number or drop those pairs"
+        )
