@@ -3,6 +3,7 @@ scipy's, a run that learns, predicts for an unlabelled split, saves a model that
 pipeline read as one number, its card, best-model choice by a lower-is-better metric, and every refusal."""
 
 import json
+import math
 import random
 
 import pytest
@@ -87,6 +88,29 @@ def test_a_run_learns_predicts_saves_and_the_saved_model_reads_as_a_number(tiny_
     constant = {**results, "pearson": float("nan"), "spearman": None}  # constant predictions: in memory, on file
     card = build_task(cfg).model_card(out, cfg, {"train": train, "eval": constant}).text
     assert "- Pearson: n/a" in card and "- Spearman: n/a" in card
+
+
+def test_an_adapter_s_card_snippet_loads_its_one_output_head(tiny_model_dir, tmp_path, capsys):
+    """PEFT rebuilds the base's head, two outputs by default: the card's snippet without num_labels=1 failed to
+    load the saved one-output head (found in audit). The snippet runs as written, the repo id a local folder."""
+    import re
+
+    from cloudtrain.config.parse import resolve_options
+    from cloudtrain.tasks import build_task
+
+    out = tmp_path / "out"
+    options = {"task": "regression", "model_name_or_path": tiny_model_dir, "label_column": "score",
+               "train_file": write_jsonl(tmp_path / "train.jsonl", scored_rows(16, 0)), "peft": "lora",
+               "output_dir": str(out), "max_steps": 2, "eval_strategy": "no", "mixed_precision": "no"}  # fmt: skip
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    cfg = resolve_options(None, {**options, "push_to_hub": True, "hub_model_id": "me/scores"})
+    train = json.loads((out / "train_results.json").read_text())
+    card = build_task(cfg).model_card(out, cfg, {"train": train}).text
+    snippet = re.findall(r"```python\n(.*?)```", card, re.DOTALL)[0].replace('"me/scores"', repr(str(out)))
+    assert "num_labels=1" in snippet
+    capsys.readouterr()
+    exec(snippet, {})
+    assert math.isfinite(float(capsys.readouterr().out.strip().splitlines()[-1]))  # the number it predicted
 
 
 def test_results_files_are_strict_json_with_null_for_a_number_that_is_not_finite(tmp_path):

@@ -48,6 +48,7 @@ class CardKind:
     output: str = "print(model.config.id2label[model(**inputs).logits.argmax(-1).item()])"
     pipeline_options: str = ""  # more arguments of pipeline(...)
     call_options: str = ""  # more arguments of the pipeline's call
+    adapter_options: str = ""  # more arguments of an adapter snippet's from_pretrained: the head PEFT rebuilds
 
 
 CLASSIFICATION = CardKind()
@@ -88,7 +89,8 @@ from transformers import AutoTokenizer
 {% if revision %}, revision="{{ revision }}"{% endif %})
 model = {{ peft_class if adapter else model_class }}.from_pretrained("{{ repo_id }}"\
 {% if revision %}, revision="{{ revision }}"{% endif %}\
-{% if kind.labelled %}, num_labels={{ labels | length }}, id2label=id2label{% endif %})
+{% if kind.labelled %}, num_labels={{ labels | length }}, id2label=id2label{% endif %}\
+{% if adapter %}{{ kind.adapter_options }}{% endif %})
 {{ kind.inputs }}
 {{ kind.output }}
 ```{% if adapter %}{{ adapter_note(pipeline_tag, model_class) }}{% endif %}{% else %}```python

@@ -42,6 +42,7 @@ CARD = CardKind(
     labelled=False,
     output="print(model(**inputs).logits[0, 0].item())",
     call_options=', function_to_apply="none"',
+    adapter_options=", num_labels=1",  # PEFT rebuilds the base's head: two outputs by default, the saved one has one
 )
 
 
