@@ -185,6 +185,18 @@ def test_a_bad_number_says_the_same_in_a_file_and_on_the_command_line(tmp_path, 
     assert str(flag.value) == str(in_file.value) == message
 
 
+def test_a_key_yaml_reads_as_a_value_is_one_line_and_an_empty_section_is_empty(tmp_path):
+    """`on: 2` (YAML's true) and `1: 2` crashed in the did-you-mean; a section with its options commented out was
+    "unknown option 'training'" (found in audit)."""
+    file = tmp_path / "run.yaml"
+    for text, shown in (("on: 2\n", "True"), ("1: 2\n", "1")):
+        file.write_text(text)
+        with pytest.raises(UserError, match=f"^config file {file}: {shown} is not an option name .*; quote it$"):
+            parse("--config", str(file))
+    file.write_text("training:\n  # learning_rate: 0.1\nseed: 3\n")
+    assert parse("--config", str(file)).training.seed == 3
+
+
 def test_an_option_under_another_section_is_refused_naming_its_own(tmp_path):
     """Sections group options by where they belong: `training: {max_length: 64}` is a misplaced data option, told
     where it goes; under its own section or at the top level it is read."""
@@ -245,6 +257,8 @@ def test_help_lists_every_option_with_its_default():
     for name in option_fields():
         assert f"--{name}" in text
     assert "(default: 16)" in text and "(default: accelerated)" in text
+    # a flag's booleans as typed and as docs/options.md shows them (found in audit: False/True in --help)
+    assert "(default: false)" in text and "(default: False)" not in text and "(default: True)" not in text
 
 
 @pytest.mark.parametrize(

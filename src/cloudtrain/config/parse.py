@@ -216,7 +216,8 @@ def _help(f: dataclasses.Field) -> str:
         text += f" Choices: {', '.join(map(str, choices))}."
     default = option_default(f)
     if default not in (None, []) and not f.metadata["secret"]:
-        text += f" (default: {','.join(default) if isinstance(default, list) else default})"
+        shown = str(default).lower() if isinstance(default, bool) else default  # true|false, as a flag is typed
+        text += f" (default: {','.join(default) if isinstance(default, list) else shown})"
     return text.replace("%", "%%")
 
 
@@ -340,6 +341,12 @@ def flatten(data: dict, origin: str = "the config") -> dict:
     known = option_fields()
     flat = {}
     for key, value in data.items():
+        if not isinstance(key, str):  # YAML reads on/yes/no and numbers as such
+            raise UserError(
+                f"{origin}: {key!r} is not an option name (YAML reads on, yes, no and numbers as values); quote it"
+            )
+        if key in sections and value is None:  # a section whose options are all commented out
+            value = {}
         if key in sections and isinstance(value, dict):
             for name in value:
                 home = known[name][0] if name in known else key
