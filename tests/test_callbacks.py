@@ -96,6 +96,26 @@ def test_events_come_in_order_with_the_state(tiny_model_dir, topic_csvs, tmp_pat
     assert [c.name for c in saves] == ["checkpoint-2", "checkpoint-4"] and recorder.checkpoint_existed == [True, True]
 
 
+def test_one_callback_needs_no_list_and_sys_exit_in_it_stops_the_run_in_one_line(tiny_model_dir, topic_csvs, tmp_path):
+    """callbacks=fn was a TypeError traceback, and sys.exit() in a callback ended the run silently with status 0
+    and no model (found in audit)."""
+
+    from cloudtrain.errors import TrainingStopped
+
+    steps = []
+    options = api_options(tiny_model_dir, topic_csvs, tmp_path / "one") | {"max_steps": 2, "eval_strategy": "no"}
+    cloudtrain.train(options, callbacks=lambda s: steps.append(s.global_step) if s.event == "on_step_end" else None)
+    assert steps == [1, 2]
+
+    def leave(state: CallbackState) -> None:
+        if state.event == "on_step_end":
+            sys.exit(0)
+
+    options["output_dir"] = str(tmp_path / "exit")
+    with pytest.raises(TrainingStopped, match="callback .*leave raised SystemExit in on_step_end"):
+        cloudtrain.train(options, callbacks=leave)
+
+
 @pytest.mark.slow  # 6-8 s of fresh processes: the full suite runs it
 def test_a_raising_callback_stops_the_run_with_its_message_and_keeps_the_checkpoint(
     tiny_model_dir, topic_csvs, tmp_path

@@ -53,6 +53,10 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     module = options.pop("model") if not isinstance(options.get("model", {}), dict) else None  # a dict: the section
     train_dataset, eval_dataset = options.pop("train_dataset", None), options.pop("eval_dataset", None)
     given = options.pop("callbacks", None) or []
+    if isinstance(given, str):  # "module:a,module:b", as --callbacks takes them
+        given = [name.strip() for name in given.split(",") if name.strip()]
+    elif not isinstance(given, (list, tuple)):  # one function or object
+        given = [given]
     names = [c for c in given if isinstance(c, str)]  # module:name, as on the command line
     if names:
         options["callbacks"] = names

@@ -220,7 +220,7 @@ class CallbackHook(Hook):
                 continue
             try:
                 method(state)
-            except Exception as err:
+            except (Exception, SystemExit) as err:  # sys.exit() too: it ended the run as if it had finished
                 return f"callback {callback_name(callback)} raised {type(err).__name__} in {event}: {_first(err)}"
         return None
 
