@@ -80,6 +80,27 @@ def test_min_snr_weighting_and_v_prediction_follow_the_formulas(tiny_sd, tmp_pat
     assert model.snr_weights(timesteps)[2].item() == pytest.approx(1.0)
 
 
+def test_the_trained_prediction_type_renders_and_is_saved_with_the_pipeline(tiny_sd, tmp_path):
+    """--prediction_type v_prediction trained v, but the validation render and the saved pipeline used the base's
+    epsilon scheduler (found in audit); a LoRA's usage lines set it."""
+    import json
+
+    from cloudtrain.tasks.text_to_image import TextToImageTask
+
+    cfg = config(tiny_sd, tmp_path / "out", prediction_type="v_prediction")
+    model = load_text_to_image_model(cfg, tiny_sd)
+    assert (
+        json.loads((Path(tiny_sd) / "scheduler" / "scheduler_config.json").read_text())["prediction_type"] == "epsilon"
+    )
+    assert model.pipeline().scheduler.config.prediction_type == "v_prediction"
+    model.save_pretrained(tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "scheduler" / "scheduler_config.json").read_text())
+    assert saved["prediction_type"] == "v_prediction"
+    lora = config(tiny_sd, tmp_path / "lora", prediction_type="v_prediction", peft="lora")
+    task = TextToImageTask(lora)
+    assert "prediction_type='v_prediction'" in task.inference_hint("out")
+
+
 # ---------------------------------------------------------------- saving in diffusers' format
 
 

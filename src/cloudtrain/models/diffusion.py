@@ -454,6 +454,11 @@ class TextToImageModel(torch.nn.Module):
         if "requires_safety_checker" in self.index:
             parts["requires_safety_checker"] = False
         pipe = self.pipeline_class().from_pretrained(self.path, **parts)
+        if not self.flow and pipe.scheduler.config.prediction_type != self.prediction_type:  # --prediction_type
+            # what the denoiser learned to predict: rendered and saved with the base's, its images were noise
+            pipe.scheduler = type(pipe.scheduler).from_config(
+                pipe.scheduler.config, prediction_type=self.prediction_type
+            )
         pipe.set_progress_bar_config(disable=True)
         return pipe
 

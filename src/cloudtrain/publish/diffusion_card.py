@@ -89,6 +89,10 @@ def body(
         if lora
         else f'pipeline = {pipeline}.from_pretrained("{repo}")'
     )
+    if lora and ic.prediction_type:  # what the LoRA learned to predict; the base's scheduler says its own
+        config = f'pipeline.scheduler.config, prediction_type="{ic.prediction_type}"'
+        load += f"\npipeline.scheduler = pipeline.scheduler.from_config({config})"
+
     lines += [
         "",
         "## How to use",

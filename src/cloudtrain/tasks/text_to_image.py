@@ -384,7 +384,12 @@ class TextToImageTask(Task):
         base = self.cfg.model.model_name_or_path
         if self.cfg.model.peft == "none":
             return f'DiffusionPipeline.from_pretrained("{output_dir}")("a prompt").images[0]'
-        return f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); p("a prompt")'
+        predicts = self.cfg.images.prediction_type  # the LoRA's; the base's scheduler says its own
+        scheduler = f"p.scheduler = p.scheduler.from_config(p.scheduler.config, prediction_type={predicts!r}); "
+        return (
+            f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); '
+            f'{scheduler if predicts else ""}p("a prompt")'
+        )
 
 
 def _check_loss_options(cfg: Config, index: dict) -> None:
