@@ -436,6 +436,28 @@ def test_a_metadata_file_one_folder_down_is_pointed_to(tmp_path):
         images.captioned_examples(str(tmp_path / "set"), "text")
 
 
+def test_metadata_rows_that_are_no_objects_byte_order_marks_and_huge_images(tmp_path, monkeypatch):
+    """A metadata line that is an array or a text was a traceback; a caption saved with a BOM trained on
+    "\\ufeff..." and such a metadata file was refused; an image over PIL's bomb limit was a traceback (audit)."""
+    from PIL import Image
+
+    folder = captioned_folder(tmp_path / "rows", n=2)
+    for line, kind in (('["0.png", "x"]', "list"), ('"0.png x"', "str"), ("null", "NoneType")):
+        (folder / "metadata.jsonl").write_text(line + "\n")
+        with pytest.raises(UserError, match=f"row 1 is {kind}, not a JSON object with file_name$"):
+            images.captioned_examples(str(folder), "text")
+    (folder / "metadata.jsonl").write_bytes('\ufeff{"file_name": "0.png", "text": "x"}\n'.encode())
+    assert [e.caption for e in images.captioned_examples(str(folder), "text")] == ["x"]
+    (folder / "metadata.jsonl").unlink()  # the .txt layout
+    for name in ("0", "1"):
+        (folder / f"{name}.txt").write_bytes("\ufeffa square".encode())
+    examples = images.captioned_examples(str(folder), "text")
+    assert [e.caption for e in examples] == ["a square", "a square"]
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # each square is over it twice: a bomb by PIL's rule
+    with pytest.raises(UserError, match="none of the 2 training images could be read"):
+        images.readable(examples, 8, "training")
+
+
 def test_caption_files_without_an_image_read_here_are_named_in_a_note(tmp_path, capsys):
     folder = captioned_folder(tmp_path / "orphans", n=2)
     (folder / "metadata.jsonl").unlink()  # the .txt layout
@@ -637,6 +659,11 @@ def test_a_dataset_with_an_image_column_trains_through_the_data_sources(tiny_sd,
                 **{**common, "dataset_name": str(tmp_path / "uncaptioned")},
             )
         )
+    rows["caption"][1] = "a red square"
+    datasets.Dataset.from_dict({**rows, "number": [1, 2, 3]}).save_to_disk(str(tmp_path / "numbered"))
+    numbers = {**common, "dataset_name": str(tmp_path / "numbered"), "image_column": "number"}  # a traceback (audit)
+    with pytest.raises(UserError, match="--image_column number of --dataset_name .* holds Value.*not images or"):
+        train(options(tiny_sd, tmp_path / "numbers", caption_column="caption", **numbers))
 
 
 def test_the_default_output_folder_is_named_after_the_image_folder(tmp_path):

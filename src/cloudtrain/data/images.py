@@ -87,7 +87,7 @@ def captioned_examples(folder: str, caption_column: str) -> list[Example]:
 
 def _read_text(file: Path) -> str:
     try:
-        return file.read_text(encoding="utf-8")
+        return file.read_text(encoding="utf-8-sig")  # an editor's byte-order mark is no part of the caption
     except UnicodeDecodeError:
         raise UserError(f"{file} is not UTF-8 text; save it as UTF-8") from None
 
@@ -102,6 +102,8 @@ def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> lis
         except json.JSONDecodeError as err:
             raise UserError(f"{metadata} line {number} is not JSON: {err.msg}") from None
     for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict):
+            raise UserError(f"{metadata} row {number} is {type(row).__name__}, not a JSON object with file_name")
         if caption_column not in row:
             raise UserError(
                 f"{metadata} row {number} has no caption column {caption_column!r} (its keys: "
@@ -137,7 +139,8 @@ def readable(examples: list[Example], resolution: int, what: str, by_area: bool 
     for example in examples:
         try:
             image = load_rgb(example.image)
-        except (OSError, UnidentifiedImageError, ValueError, SyntaxError):  # PIL's ways of saying "not an image"
+        # PIL's ways of saying "not an image", and an image over its decompression-bomb limit (179 Mpx)
+        except (OSError, UnidentifiedImageError, ValueError, SyntaxError, Image.DecompressionBombError):
             skipped.append(example)
             continue
         if (image.width * image.height < resolution**2) if by_area else (min(image.size) < resolution):

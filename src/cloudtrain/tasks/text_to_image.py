@@ -14,6 +14,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import datasets
 import torch
 from datasets import DatasetDict
 from huggingface_hub import ModelCard
@@ -240,6 +241,12 @@ class TextToImageTask(Task):
         if ic.train_data_dir:
             return images.captioned_examples(ic.train_data_dir, ic.caption_column), []
         train = raw["train"]
+        feature = train.features[ic.image_column]
+        if not (isinstance(feature, datasets.Image) and feature.decode) and feature != datasets.Value("string"):
+            raise UserError(
+                f"--image_column {ic.image_column} of --dataset_name {cfg.data.dataset_name} holds {feature}, not "
+                "images or image paths; name the column that holds the images"
+            )
         captions = train[ic.caption_column]
         unset = [i for i, caption in enumerate(captions) if not isinstance(caption, str)]
         if unset:  # str(None) would train on the caption "None"
