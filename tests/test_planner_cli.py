@@ -48,8 +48,10 @@ def test_plan_json_parses_and_recommends(tiny_model_dir, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
-    one_node = set(BY_KEY) - {"fsdp_hybrid"}  # on one node hybrid sharding is full sharding
-    adapters = 2 * 2 * len(planning.ADAPTER_STRATEGIES)  # LoRA and QLoRA, with and without checkpointing
+    # on one node hybrid sharding is full sharding; no_shard replicates the model, which the run trains as DDP
+    one_node = set(BY_KEY) - {"fsdp_hybrid", "fsdp_no_shard"}
+    # LoRA and QLoRA, with and without checkpointing; QLoRA in fp32 not under ZeRO-3 or FSDP (the run refuses it)
+    adapters = 2 * len(planning.ADAPTER_STRATEGIES) + 2 * (len(planning.ADAPTER_STRATEGIES) - 2)
     assert len(plan["strategies"]) == 2 * len(one_node) + adapters
     assert {r["strategy"] for r in plan["strategies"]} == one_node
     rec = plan["recommendation"]
@@ -76,8 +78,9 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
         str(tmp_path),
     )
     assert result.returncode == 0, result.stderr
-    for strategy in STRATEGIES:  # on one node hybrid sharding is full sharding: no row of its own
-        assert (strategy.label in result.stdout) is (strategy.fsdp_sharding != "hybrid_shard"), strategy.key
+    for strategy in STRATEGIES:  # on one node hybrid sharding is full sharding, and no_shard DDP: no rows of their own
+        own_row = strategy.fsdp_sharding not in ("hybrid_shard", "no_shard")
+        assert (strategy.label in result.stdout) is own_row, strategy.key
     assert "Nothing fits" in result.stdout and "--max_length" in result.stdout
 
 

@@ -14,6 +14,7 @@ from test_planner import (
 
 from cloudtrain import planning
 from cloudtrain.config import Config
+from cloudtrain.errors import UserError
 from cloudtrain.planning import GIB, STRATEGIES
 
 
@@ -109,18 +110,19 @@ def test_peft_option_restricts_the_choice_and_the_table_tells_full_fine_tuning_f
     args = dict(num_gpus=8, gpu_memory_gb=80, per_device_train_batch_size=8, max_length=512, mixed_precision="bf16")
     auto = planning.make_plan(plan_args(decoder_dirs["1.3b"], tmp_path, **args))
     assert auto["recommendation"]["peft"] == "none"
-    one_node = [s for s in STRATEGIES if s.fsdp_sharding != "hybrid_shard"]  # hybrid is full shard on one node
-    under = len(planning.ADAPTER_STRATEGIES)  # adapters under DDP, ZeRO 1-3 and FSDP2
+    # hybrid is full shard on one node, and no_shard DDP
+    one_node = [s for s in STRATEGIES if s.fsdp_sharding not in ("hybrid_shard", "no_shard")]
+    under = len(planning.ADAPTER_STRATEGIES)  # adapters under DDP, ZeRO 1-3 and FSDP2 (QLoRA: not ZeRO-3)
     assert [r["peft"] for r in auto["strategies"]] == ["none"] * 2 * len(one_node) + ["lora"] * 2 * under + [
         "qlora"
-    ] * 2 * under
+    ] * 2 * (under - 1)
     lines = planning.render(auto).splitlines()
     full, adapters_title = (
         lines.index("full fine-tuning (every weight trains):"),
         next(i for i, line in enumerate(lines) if line.startswith("adapters under DDP, ZeRO and FSDP2 (recommended")),
     )
     assert lines[full + 1].split()[:2] == ["DDP", "1.00"] and full < adapters_title
-    labels = [line.strip().split("  ")[0] for line in lines[adapters_title + 1 : adapters_title + 1 + 4 * under]]
+    labels = [line.strip().split("  ")[0] for line in lines[adapters_title + 1 : adapters_title + 4 * under - 1]]
     assert labels[0] == "LoRA + DDP" and labels[2 * under] == "QLoRA + DDP"
     assert {label.split(" + ")[1] for label in labels} == {"DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP full shard"}
     for peft in ("qlora", "dora"):
@@ -167,6 +169,10 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
 
     for strategy in STRATEGIES:
         out = tmp_path / strategy.key
+        if strategy.fsdp_sharding == "no_shard":  # the run trains it as DDP: no row of its own (found in audit)
+            with pytest.raises(UserError, match="which the run trains as DDP: plan with --strategy ddp"):
+                planning.make_plan(plan_args(tiny_model_dir, out, num_gpus=4, num_nodes=2, strategy=strategy.key))
+            continue
         plan = planning.make_plan(
             plan_args(
                 tiny_model_dir,

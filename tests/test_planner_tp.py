@@ -202,6 +202,25 @@ def test_context_parallel_rows_at_a_length_the_degree_does_not_divide(tmp_path):
     assert {r["context_parallel_size"] for r in plan["strategies"]} >= {1, 2}
 
 
+def test_no_context_parallel_rows_where_the_run_refuses_it(small, tmp_path):
+    """CP computes attention over the varlen kernels: a sliding-window model, or --attn_implementation sdpa, is
+    refused by the run, and the plan recommended it (found in audit)."""
+    from transformers import MistralConfig
+
+    windowed = tmp_path / "windowed"
+    MistralConfig(hidden_size=H, num_hidden_layers=L, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
+                  intermediate_size=INTER, vocab_size=VOCAB, sliding_window=64).save_pretrained(windowed)  # fmt: skip
+    options = dict(num_gpus=2, gpu_memory_gb=24, max_length=128)
+
+    def degrees(model: str, name: str, **more) -> set[int]:
+        plan = planning.make_plan(plan_args(model, tmp_path / name, **options, **more))
+        return {r["context_parallel_size"] for r in plan["strategies"]}
+
+    assert 2 in degrees(small, "plain")
+    assert degrees(small, "sdpa", attn_implementation="sdpa") == {1}
+    assert degrees(str(windowed), "windowed") == {1}
+
+
 def test_a_pinned_split_does_not_claim_data_parallelism_fits_nothing(tmp_path):
     """--strategy tp leaves no data-parallel row among those compared: the reasons said "Data parallelism alone ...
     fits no micro-batch here" under a table where DDP fits (found in audit)."""

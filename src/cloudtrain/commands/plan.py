@@ -59,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cpu_memory_gb",
         type=float,
         default=None,
-        help="CPU memory per node in GiB; offload plans needing more do not fit (default: unchecked).",
+        help="CPU memory per node in GiB; a row needing more (offloaded states, or loading the model) does not fit "
+        "(default: unchecked).",
     )
     plan.add_argument(
         "--nvme_gb",

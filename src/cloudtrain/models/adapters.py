@@ -90,17 +90,26 @@ def check_options(cfg: Config, auto_class: type) -> None:
             )
         if importlib.util.find_spec("bitsandbytes") is None:
             raise UserError("--peft qlora needs bitsandbytes: pip install bitsandbytes")
-        if d.zero_stage == 3:
-            raise UserError(
-                "--peft qlora cannot shard its 4-bit base weights with ZeRO-3; use --fsdp true (which shards "
-                "them), DDP, --zero_stage 1 or 2, or --peft lora"
-            )
-        if fsdp_shards(cfg) and cfg.training.mixed_precision in ("no", "fp16"):
-            raise UserError(
-                "--peft qlora under FSDP stores the 4-bit base in bf16 so that it can be sharded; "
-                "pass --mixed_precision bf16"
-            )
+        if why := qlora_refusal(m.peft, d.zero_stage or 0, fsdp_shards(cfg), cfg.training.mixed_precision):
+            raise UserError(why)
     check_target_modules(cfg, auto_class)
+
+
+def qlora_refusal(peft: str, zero_stage: int, fsdp: bool, precision: str) -> str | None:
+    """Why QLoRA cannot run sharded so (None: it can); the planner leaves out the rows the run refuses."""
+    if peft != "qlora":
+        return None
+    if zero_stage == 3:
+        return (
+            "--peft qlora cannot shard its 4-bit base weights with ZeRO-3; use --fsdp true (which shards "
+            "them), DDP, --zero_stage 1 or 2, or --peft lora"
+        )
+    if fsdp and precision in ("no", "fp16"):
+        return (
+            "--peft qlora under FSDP stores the 4-bit base in bf16 so that it can be sharded; "
+            "pass --mixed_precision bf16"
+        )
+    return None
 
 
 def check_target_modules(cfg: Config, auto_class: type) -> None:

@@ -28,6 +28,7 @@ from cloudtrain.config.inert import inert_notes, reads
 from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.hardware import resolve_precision
 from cloudtrain.hub_reach import HubId, check_hub_ids, looks_like_repo_id
+from cloudtrain.models.adapters import qlora_refusal
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.models.diffusion import read_model_index
 from cloudtrain.models.kernels import liger_installed, liger_knows
@@ -110,7 +111,10 @@ def sharding_refusal(task: Task, cfg: Config, c: Candidate) -> str | None:
     """The task's own refusal of the candidate's sharding with its adapters (what the run's check_options says)."""
     s = c.strategy
     shards = Sharding(s.zero_stage, s.offload_optimizer, s.offload_param, s.fsdp)
-    return task.sharding_refusal(replace(cfg, model=replace(cfg.model, peft=c.peft)), shards)
+    adapted = replace(cfg, model=replace(cfg.model, peft=c.peft))
+    return qlora_refusal(c.peft, s.zero_stage or 0, s.fsdp, cfg.training.mixed_precision) or task.sharding_refusal(
+        adapted, shards
+    )
 
 
 def runnable(m: ModelFacts, task: Task, cfg: Config, c: Candidate) -> bool:
@@ -130,8 +134,11 @@ def _fused_refusal(setup: Setup, c: Candidate) -> str | None:
 
 
 def _distinct(c: Candidate, setup: Setup) -> bool:
-    """Whether a row differs from another one here: hybrid sharding is full sharding on one node."""
-    return setup.num_nodes > 1 or c.strategy.fsdp_sharding != "hybrid_shard"
+    """Whether a row differs from another one here: hybrid sharding is full sharding on one node; no_shard, and
+    hybrid sharding with one GPU per node, replicate the whole model, which the run trains as DDP (its row)."""
+    if c.strategy.fsdp_sharding == "no_shard":
+        return False
+    return c.strategy.fsdp_sharding != "hybrid_shard" or (setup.num_nodes > 1 and setup.num_gpus > 1)
 
 
 def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
@@ -148,6 +155,8 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
         if key == "tp_fsdp" and not no_tensor_parallel(m, setup):
             return "tensor parallel groups on all the processes leave no data-parallel processes to shard over"
         return no_tensor_parallel(m, setup) or "no tensor-parallel row here"
+    if key == "fsdp_no_shard" or (key == "fsdp_hybrid" and setup.num_nodes > 1):  # (one GPU per node)
+        return "it replicates the whole model on every GPU, which the run trains as DDP: plan with --strategy ddp"
     return (
         f"hybrid sharding shards within a node and replicates across nodes; on {setup.num_nodes} node it is "
         "fsdp (full shard): plan with --num_nodes 2 or more, or --strategy fsdp"
@@ -223,6 +232,7 @@ def _model(args: argparse.Namespace, name: str, gpu: Gpu | None) -> tuple[ModelF
         m = replace(m, name=name)
     task_cfg = build_config(
         {n: getattr(args, n) for n in ("task", "preference_loss", "precompute_reference", "max_target_length")}
+        | {"mixed_precision": planned_precision(args.mixed_precision, gpu)}  # (QLoRA under FSDP needs bf16)
     )
     run_task = TASKS[args.task](task_cfg)  # the task's own answers about memory and sharding
     no_copy = replace(task_cfg, preference=replace(task_cfg.preference, precompute_reference=True))
@@ -310,7 +320,8 @@ def _rows(
         )
     if args.strategy == PIPELINE.key and not pipes:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
-    splits = tensor_candidates(m, setup) + context_candidates(m, setup)
+    cp = context_candidates(m, setup) if args.attn_implementation in (None, "", "varlen") else []  # (run's refusal)
+    splits = tensor_candidates(m, setup) + cp
     every = [c for c in candidates(adapters, pipes, splits) if _distinct(c, setup)]
     cands = [c for c in every if runnable(m, run_task, task_cfg, c) and not _fused_refusal(setup, c)]
     asked = [c for c in every if c.strategy.key == args.strategy and args.peft in ("auto", c.peft)]

@@ -16,6 +16,7 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 from cloudtrain.config import Config, ModelConfig, TrainingConfig
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.models.load import context_length, is_causal_lm, load_tokenizer, remote_code_refusal
+from cloudtrain.models.prepare import varlen_misfit
 from cloudtrain.parallel.stages import family_of
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.registry import TASKS
@@ -101,6 +102,7 @@ class ModelFacts:
     hidden_dropout: bool
     attention_dropout: bool
     attn_implementation: str
+    varlen_misfit: str | None = None  # why its attention is more than causal softmax (context parallelism refuses it)
     rms_norm: bool = False  # RMSNorm-style: the weight multiplies outside the kernel, keeping the normalised input
     # T5's RMSNorm (named LayerNorm) scales its 16-bit input itself, not the fp32 copy it takes the variance of:
     # with 16-bit weights it keeps that input too
@@ -297,6 +299,7 @@ def model_facts(
         attention_dropout=dropouts[1],
         intermediate_dropout=dropouts[2],
         attn_implementation=str(getattr(model.config, "_attn_implementation", None) or "eager"),
+        varlen_misfit=varlen_misfit(model.config),
         # what the encoder-decoders measured in tests/test_planner_seq2seq.py add (MPNet's relative positions go to
         # eager attention, which keeps the scores anyway)
         attention_bias=config.is_encoder_decoder and hasattr(text, "relative_attention_num_buckets"),

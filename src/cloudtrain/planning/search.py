@@ -152,8 +152,8 @@ def context_candidates(m: ModelFacts, setup: Setup) -> list[Candidate]:
     """CP x FSDP2 (all-to-all attention, cloudtrain.parallel.sequence) for every degree that divides the model's
     heads and KV heads (each process attends with 1/cp of them), with and without checkpointing (a causal LM's, on
     GPUs). The rows' length need not divide: the run pads each row to a multiple of the degree."""
-    if not m.decoder or setup.num_gpus < 2 or not TASKS[m.task].context_parallel:
-        return []  # the run's own rule: the task decides (DPO's pair loss, with or without a reference, does not)
+    if not m.decoder or setup.num_gpus < 2 or not TASKS[m.task].context_parallel or m.varlen_misfit:
+        return []  # the run's own rules: the task decides (DPO's pair loss does not), and the varlen kernels' reach
     kv_heads = m.num_heads * m.kv_hidden_size // m.hidden_size
     rows = [
         Candidate(CONTEXT_FSDP, gc, context_parallel=c, split_cost=context_cost(m, setup, c))
@@ -618,7 +618,7 @@ def _micro_batch_reason(requested: int, chosen: int, per_gpu: int) -> list[str]:
 def run_strategy(shards: Sharding, cfg: Config | None = None) -> Strategy:
     """The strategy a training launch uses (ZeRO-1 with optimizer offload is estimated as ZeRO-1); FSDP2 by the
     launch's --fsdp_sharding_strategy, --fsdp_cpu_offload and --fsdp_reshard_after_forward."""
-    if shards.fsdp or (cfg is not None and cfg.distributed.fsdp):  # no_shard: FSDP2 that the mesh calls DDP
+    if shards.fsdp:  # (no_shard, and hybrid_shard with one process per node: DDP, as the run trains them)
         return fsdp_strategy(cfg)
     stage = shards.zero_stage or None
     offload = (shards.offload_optimizer, shards.offload_param)
