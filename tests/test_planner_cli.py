@@ -324,3 +324,18 @@ def test_plan_s_switches_take_values_as_the_training_flags_do():
     }
     with pytest.raises(UserError, match="argument --json: expected true or false, got 'maybe'"):
         parser.parse_args(["--json", "maybe"])
+
+
+def test_a_config_that_builds_no_model_and_an_unwritable_cache_are_one_line(tmp_path, monkeypatch, capsys):
+    """hidden_size 0 was a ZeroDivisionError traceback, and a CLOUDTRAIN_CACHE under a file a NotADirectoryError
+    one (found in audit)."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text('{"model_type": "llama", "hidden_size": 0}')
+    argv = ["plan", "--task", "causal_lm", "--model_name_or_path", str(broken), "--gpu_memory_gb", "24"]
+    assert main(argv + ["--tokenizer_name_or_path", str(REPO / "data" / "grimm" / "tokenizer")]) == 2
+    assert "error: a CausalLM model cannot be built from this LlamaConfig (ZeroDivisionError" in capsys.readouterr().err
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv("CLOUDTRAIN_CACHE", str(tmp_path / "a-file" / "cache"))
+    assert main(["plan", "--model_name_or_path", "gpt2", "--gpu_memory_gb", "16"]) == 2
+    assert "; set CLOUDTRAIN_CACHE to a folder you can write" in capsys.readouterr().err

@@ -232,6 +232,11 @@ def _meta_model(config, task: Task, trust_remote_code: bool):
             return auto.from_config(config, trust_remote_code=trust_remote_code)
     except (ValueError, KeyError, TypeError) as err:
         raise UserError(f"{type(config).__name__} has no {kind} model in transformers: {first_line(err)}") from None
+    except Exception as err:  # a config whose numbers build no model (hidden_size 0: ZeroDivisionError)
+        raise UserError(
+            f"a {kind} model cannot be built from this {type(config).__name__} ({type(err).__name__}: "
+            f"{first_line(err)}); check its config.json"
+        ) from None
 
 
 def _layer_stack(model):

@@ -10,6 +10,8 @@ from pathlib import Path
 
 from transformers import AutoConfig, PretrainedConfig
 
+from cloudtrain.errors import UserError
+
 _LLAMA_7B = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32)
 _LLAMA_13B = dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40, num_attention_heads=40)
 
@@ -172,7 +174,13 @@ def config_folder(name: str) -> str | None:
     cache = Path(os.environ.get("CLOUDTRAIN_CACHE", Path.home() / ".cache" / "cloudtrain"))
     folder = cache / "known-models" / short
     if not (folder / "config.json").is_file():
-        folder.mkdir(parents=True, exist_ok=True)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise UserError(
+                f"cannot write the model's config under {cache} ({err.strerror}); set CLOUDTRAIN_CACHE to a folder "
+                "you can write"
+            ) from None
         config = known_config(short, num_labels=2)  # a reader passes its own num_labels
         assert config is not None  # short is in the table
         partial = folder / f"config.json.{os.getpid()}"
