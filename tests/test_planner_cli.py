@@ -339,3 +339,11 @@ def test_a_config_that_builds_no_model_and_an_unwritable_cache_are_one_line(tmp_
     monkeypatch.setenv("CLOUDTRAIN_CACHE", str(tmp_path / "a-file" / "cache"))
     assert main(["plan", "--model_name_or_path", "gpt2", "--gpu_memory_gb", "16"]) == 2
     assert "; set CLOUDTRAIN_CACHE to a folder you can write" in capsys.readouterr().err
+
+
+def test_an_attention_kernel_transformers_does_not_know_is_the_run_s_one_line(capsys):
+    """`plan --attn_implementation bogus` planned "bogus attention" and printed a command the run refuses (audit)."""
+    argv = ["plan", "--task", "causal_lm", "--model_config", "llama-8m", "--gpu_memory_gb", "24"]
+    argv += ["--tokenizer_name_or_path", str(REPO / "data" / "grimm" / "tokenizer"), "--attn_implementation", "bogus"]
+    assert main(argv) == 2
+    assert "error: --attn_implementation bogus is not an attention kernel transformers knows" in capsys.readouterr().err

@@ -32,6 +32,7 @@ from cloudtrain.models.adapters import qlora_refusal
 from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.models.diffusion import read_model_index
 from cloudtrain.models.kernels import liger_installed, liger_knows
+from cloudtrain.models.prepare import check_attention_name
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
@@ -87,6 +88,8 @@ def _check(args: argparse.Namespace) -> None:
             ),
         ]
     )
+    if args.attn_implementation and args.attn_implementation != "flex_attention":  # (flex: CUDA, which plans are for)
+        check_attention_name(build_config({"attn_implementation": args.attn_implementation}))  # the run's own line
 
 
 def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
