@@ -201,7 +201,9 @@ def write_t5_tokenizer(folder: Path, max_length: int = 12):
     return tokenizer
 
 
-def build_tiny_sd3_pipeline(out: Path, seed: int = 0, t5: bool = True, pos_embed_max_size: int = 16) -> Path:
+def build_tiny_sd3_pipeline(
+    out: Path, seed: int = 0, t5: bool = True, pos_embed_max_size: int = 16, patch_size: int = 1
+) -> Path:
     """A Stable-Diffusion-3-shaped pipeline (StableDiffusion3Pipeline): two CLIP text encoders with projections
     (their pooled embeddings side by side condition the transformer), a T5 encoder whose states follow the CLIP
     ones in the sequence, an SD3Transformer2DModel, a VAE with a shift factor and a flow-matching scheduler; 16px
@@ -221,7 +223,7 @@ def build_tiny_sd3_pipeline(out: Path, seed: int = 0, t5: bool = True, pos_embed
     )
     transformer = SD3Transformer2DModel(
         sample_size=8,
-        patch_size=1,
+        patch_size=patch_size,
         in_channels=4,
         num_layers=2,
         attention_head_dim=8,

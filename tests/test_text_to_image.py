@@ -357,6 +357,12 @@ def bad_cases(tiny_sd: str, squares: str, tmp: Path) -> dict:
             "--model_name_or_path nobody/no-such-sd: no cached copy and the Hub cannot be reached",
         ),
         "resolution": ({**data, "resolution": 17}, "--resolution 17 is not divisible by 2"),
+        # an audit's: trained, then crashed in the final render and saved nothing; refused in the end's merge
+        "render size": (
+            {**data, "resolution": 36, "validation_prompts": ["a square"]},
+            "--resolution 36: the validation images render at it, and the pipeline needs sides divisible by 8",
+        ),
+        "merge": ({**data, "peft": "lora", "merge_adapters": True}, "--merge_adapters true merges a text model's"),
         "no data": ({}, "needs images: --train_data_dir"),
         "qlora": ({**data, "peft": "qlora"}, "--peft lora or dora on the denoiser, not qlora"),
         "lora targets": (

@@ -382,3 +382,9 @@ def test_sides_beyond_the_sd3_position_embedding_are_refused_in_one_line(tiny_sd
         with pytest.raises(UserError) as refused:
             TextToImageTask(cfg).check_options(cfg)
         assert str(refused.value).startswith(line) and "\n" not in str(refused.value)
+    # patches of 2 pixels: the check made buckets of another step than training, and passed a run whose 48x16
+    # bucket then crashed mid-way (found in audit)
+    patched = str(build_tiny_sd3_pipeline(tmp_path / "patch-2", patch_size=2, pos_embed_max_size=8))  # 32 px sides
+    cfg = config(patched, tmp_path, train_data_dir=squares, resolution=32, aspect_ratio_bucketing=True)
+    with pytest.raises(UserError, match="^--resolution 32: its longest aspect-ratio bucket"):
+        TextToImageTask(cfg).check_options(cfg)

@@ -86,6 +86,16 @@ class TextToImageTask(Task):
                 f"--resolution {ic.resolution} is not divisible by {factor}, {what} of {path}; use "
                 f"{ic.resolution // factor * factor or factor} or {(ic.resolution // factor + 1) * factor}"
             )
+        if ic.validation_prompts and ic.resolution % 8 and not sd3.is_sd3(index):  # diffusers' pipelines' rule
+            raise UserError(
+                f"--resolution {ic.resolution}: the validation images render at it, and the pipeline needs sides "
+                f"divisible by 8; use {ic.resolution // 8 * 8 or 8} or {(ic.resolution // 8 + 1) * 8}"
+            )
+        if cfg.output.merge_adapters:  # its PEFT merge reads a text model's adapter files (found in audit)
+            raise UserError(
+                "--merge_adapters true merges a text model's adapter; a text-to-image LoRA loads into the base "
+                "pipeline with load_lora_weights (and pipeline.fuse_lora() merges it there): drop the option"
+            )
         if ic.aspect_ratio_bucketing and ic.resolution < factor * 8:
             raise UserError(
                 f"--aspect_ratio_bucketing makes sides of multiples of {factor * 8} px (8 latent pixels): "
@@ -232,7 +242,7 @@ class TextToImageTask(Task):
         from cloudtrain.data.image_buckets import bucket_sizes
 
         factor = diffusion.vae_scale_factor(diffusion.local_pipeline(str(cfg.model.model_name_or_path)))
-        return bucket_sizes(cfg.images.resolution**2, factor * 8)
+        return bucket_sizes(cfg.images.resolution**2, bucket_step(factor))
 
     def _examples(self, raw: DatasetDict, cfg: Config) -> tuple[list[images.Example], list[images.Example]]:
         ic = cfg.images
@@ -534,12 +544,13 @@ def _check_sd3_sides(ic: Any, vae_factor: int, transformer: dict) -> None:
     """SD3's position embedding covers sides up to a size (192 patches: 3072 px for SD3 medium); the square, or
     with --aspect_ratio_bucketing the longest bucket's side (up to 4:1), must fit in it."""
     limit = sd3.largest_side(vae_factor, transformer)
-    multiple = sd3.pixel_multiple(vae_factor, transformer) * 8
-    if not limit or (ic.aspect_ratio_bucketing and ic.resolution < multiple):
+    if not limit or (ic.aspect_ratio_bucketing and ic.resolution < sd3.pixel_multiple(vae_factor, transformer) * 8):
         return  # a resolution too small for buckets is refused by check_options' own line
     from cloudtrain.data.image_buckets import bucket_sizes
 
-    sizes = bucket_sizes(ic.resolution**2, multiple) if ic.aspect_ratio_bucketing else [(ic.resolution,) * 2]
+    # the buckets training makes (found in audit: checked with another step, a run that passed crashed mid-way)
+    step = bucket_step(vae_factor)
+    sizes = bucket_sizes(ic.resolution**2, step) if ic.aspect_ratio_bucketing else [(ic.resolution,) * 2]
     if (side := max(max(size) for size in sizes)) > limit:
         how = "its longest aspect-ratio bucket has" if ic.aspect_ratio_bucketing else "it has"
         raise UserError(
@@ -551,3 +562,8 @@ def _check_sd3_sides(ic: Any, vae_factor: int, transformer: dict) -> None:
 
 def _is_main() -> bool:
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
+def bucket_step(vae_factor: int) -> int:
+    """The pixels a bucket's sides are multiples of: 8 latent pixels, so every denoiser level halves them evenly."""
+    return vae_factor * 8
