@@ -702,3 +702,25 @@ def test_metrics_jsonl_is_strict_json_and_a_value_that_is_not_finite_is_a_gap_in
     assert curves["loss"]["train/loss"] == ([1, 2], [2.0, 1.5])
     counts = curve_data([{"step": 1, "eval/f1": 60.0, "eval/has_answer_total": 412, "eval/no_answer_total": 88}])
     assert list(counts["evaluation metrics"]) == ["eval/f1"]  # question counts are not metrics (found in audit)
+
+
+def test_a_fresh_run_starts_its_validation_grids_anew_and_a_resume_keeps_those_before_it(tmp_path):
+    """--overwrite_output_dir over a text-to-image run kept its grids, and the newest-named one, the earlier run's,
+    was shown on the new run's card and pushed (found in audit). The grids follow metrics.jsonl."""
+    from cloudtrain.config import build_config
+    from cloudtrain.observe.tracking import RunLog
+
+    cfg = build_config({"report_to": "none", "output_dir": str(tmp_path)})
+    folder = tmp_path / "validation"
+
+    def grids(*steps: int) -> None:
+        folder.mkdir(exist_ok=True)
+        for step in steps:
+            (folder / f"eval-step-{step:06d}.png").write_bytes(b"png")
+
+    grids(2, 4)
+    (folder / "mine.png").write_bytes(b"a user's")
+    RunLog(cfg, tmp_path, True, {}, resume_step=2)  # a resume at step 2: step 4's is redone
+    assert sorted(p.name for p in folder.iterdir()) == ["eval-step-000002.png", "mine.png"]
+    RunLog(cfg, tmp_path, True, {})  # a fresh run
+    assert sorted(p.name for p in folder.iterdir()) == ["mine.png"]

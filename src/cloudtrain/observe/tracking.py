@@ -150,6 +150,11 @@ class RunLog:
                 at_step = at_step[:seen] + list(itertools.takewhile(_is_save_line, at_step[seen:]))
             kept += at_step
         write_whole(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a kill now leaves the old log whole
+        # the validation grids alike: an earlier run's were shown on this run's card (found in audit)
+        for grid in (self.output_dir / "validation").glob("*-step-*.png"):
+            step = grid.stem.rsplit("-step-", 1)[1]
+            if step.isdigit() and (resume_step is None or int(step) > resume_step):
+                grid.unlink()
 
     def log(self, values: dict, step: int) -> None:
         if not self.enabled:
