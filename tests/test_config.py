@@ -452,3 +452,15 @@ def test_only_a_list_of_sources_takes_mappings_or_json():
     assert build_config({"sample_prompts": chat}).data.sample_prompts == [chat]
     with pytest.raises(UserError, match="--sample_prompts: expected a list of values, got"):
         build_config({"sample_prompts": [{"role": "user", "content": "Hi"}]})
+
+
+def test_a_typed_config_takes_its_own_options_only():
+    """cfg.training.learning_rat = 0.5 (a typo) and cfg.learning_rate (another section's) were taken without a
+    word; the run trained at the default rate (found in audit)."""
+    cfg = Config()
+    cfg.training.learning_rate = 0.5
+    with pytest.raises(AttributeError, match="TrainingConfig has no option 'learning_rat'; did you mean learning_rate"):
+        cfg.training.learning_rat = 0.5
+    with pytest.raises(AttributeError, match="Config has no option 'learning_rate'; it is an option of cfg.training"):
+        cfg.learning_rate = 0.5
+    assert resolve_options(cfg, {}).training.learning_rate == 0.5

@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 
-from cloudtrain.config.fields import opt
+from cloudtrain.config.fields import OnlyFields, opt
 from cloudtrain.errors import UserError, refuse_first
 
 MAX_LOADER_WORKERS = max(64, 4 * (os.cpu_count() or 1))  # each is a process
@@ -14,7 +14,7 @@ ON_BAD_DATA = ("skip", "stop")
 
 
 @dataclass
-class DataConfig:
+class DataConfig(OnlyFields):
     dataset_name: str | None = opt(
         None,
         "Hub dataset name, or a directory written by datasets.save_to_disk. "

@@ -3,7 +3,7 @@
 import os
 from dataclasses import dataclass
 
-from cloudtrain.config.fields import opt
+from cloudtrain.config.fields import OnlyFields, opt
 from cloudtrain.errors import UserError, refuse_first
 
 PIPELINE_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
@@ -12,7 +12,7 @@ FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 
 
 @dataclass
-class DistributedConfig:
+class DistributedConfig(OnlyFields):
     zero_stage: int | None = opt(
         None, "DeepSpeed ZeRO stage (needs the deepspeed package); unset: no DeepSpeed.", (0, 1, 2, 3)
     )

@@ -30,3 +30,23 @@ def opt(
         "mappings": mappings,
     }
     return field(**kind, metadata=metadata)
+
+
+class OnlyFields:
+    """A config whose attributes are its fields only: `cfg.training.learning_rat = 0.5` was taken without a word
+    and the run trained at the default rate."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        import dataclasses
+        import difflib
+
+        from cloudtrain.config.root import option_fields
+
+        names = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
+        if name in names:
+            object.__setattr__(self, name, value)
+            return
+        section = option_fields().get(name, ("",))[0]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f"; it is an option of cfg.{section}" if section else f"; did you mean {close[0]}?" if close else ""
+        raise AttributeError(f"{type(self).__name__} has no option {name!r}{hint}")

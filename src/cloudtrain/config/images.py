@@ -3,7 +3,7 @@ diffusion loss and the validation images. Names follow diffusers' example traini
 
 from dataclasses import dataclass
 
-from cloudtrain.config.fields import opt
+from cloudtrain.config.fields import OnlyFields, opt
 from cloudtrain.errors import UserError
 
 PREDICTION_TYPES = ("epsilon", "v_prediction")
@@ -11,7 +11,7 @@ WEIGHTING_SCHEMES = ("logit_normal", "sigma_sqrt", "mode", "cosmap", "none")
 
 
 @dataclass
-class ImagesConfig:
+class ImagesConfig(OnlyFields):
     train_data_dir: str | None = opt(
         None,
         "Text-to-image: a folder of images with their captions, in metadata.jsonl (file_name and "

@@ -2,14 +2,14 @@
 
 from dataclasses import dataclass
 
-from cloudtrain.config.fields import opt
+from cloudtrain.config.fields import OnlyFields, opt
 from cloudtrain.errors import refuse_first
 
 PEFT_METHODS = ("none", "lora", "dora", "qlora")
 
 
 @dataclass
-class ModelConfig:
+class ModelConfig(OnlyFields):
     model_name_or_path: str | None = opt(
         None,
         "A local model directory or a Hub id: a sequence-classification model (default: all-MiniLM-L6-v2 "

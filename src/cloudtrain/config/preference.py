@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from cloudtrain.config.fields import opt
+from cloudtrain.config.fields import OnlyFields, opt
 from cloudtrain.errors import UserError
 
 PREFERENCE_LOSSES = ("sigmoid", "ipo", "simpo", "orpo")
@@ -12,7 +12,7 @@ REFERENCE_FREE = frozenset({"simpo", "orpo"})
 
 
 @dataclass
-class PreferenceConfig:
+class PreferenceConfig(OnlyFields):
     preference_loss: str = opt(
         "sigmoid",
         "DPO: the preference loss. sigmoid: DPO (Rafailov et al. 2023, arXiv:2305.18290); ipo: IPO's squared "

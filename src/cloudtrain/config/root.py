@@ -9,6 +9,7 @@ from typing import Any
 
 from cloudtrain.config.data import DataConfig
 from cloudtrain.config.distributed import DistributedConfig
+from cloudtrain.config.fields import OnlyFields
 from cloudtrain.config.images import ImagesConfig
 from cloudtrain.config.model import ModelConfig
 from cloudtrain.config.preference import PreferenceConfig
@@ -17,7 +18,7 @@ from cloudtrain.config.training import TrainingConfig
 
 
 @dataclass
-class Config:
+class Config(OnlyFields):
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

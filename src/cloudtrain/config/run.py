@@ -2,7 +2,7 @@
 
 from dataclasses import dataclass
 
-from cloudtrain.config.fields import opt
+from cloudtrain.config.fields import OnlyFields, opt
 from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.registry import TASKS
 
@@ -12,7 +12,7 @@ ON_ANOMALY = ("warn", "checkpoint", "stop")
 
 
 @dataclass
-class MonitoringConfig:
+class MonitoringConfig(OnlyFields):
     monitoring: bool = opt(
         True,
         "Log step time, data-loading share and peak memory at each logging step, and watch for anomalies.",
@@ -87,7 +87,7 @@ def profile_window(steps: str) -> tuple[int, int]:
 
 
 @dataclass
-class TrackingConfig:
+class TrackingConfig(OnlyFields):
     report_to: list = opt(["none"], "Experiment trackers, comma-separated.", TRACKERS)
     project_name: str = opt("cloudtrain", "Tracker project name.")
     run_name: str | None = opt(None, "Tracker run name.")
@@ -103,7 +103,7 @@ class TrackingConfig:
 
 
 @dataclass
-class HubConfig:
+class HubConfig(OnlyFields):
     push_to_hub: bool = opt(False, "Push the trained model to the Hugging Face Hub.")
     hub_model_id: str | None = opt(None, "Hub repository, <user or org>/<name>.")
     hub_token: str | None = opt(
@@ -132,7 +132,7 @@ class HubConfig:
 
 
 @dataclass
-class CheckpointConfig:
+class CheckpointConfig(OnlyFields):
     checkpointing_steps: str | None = opt(
         None, "Save a checkpoint every N optimizer steps, or at every epoch end (epoch). Unset: no checkpoints."
     )
@@ -182,7 +182,7 @@ class CheckpointConfig:
 
 
 @dataclass
-class OutputConfig:
+class OutputConfig(OnlyFields):
     output_dir: str | None = opt(
         None, "Where the model, metrics and arguments are saved (default: outputs/<model>-<dataset>).", path=True
     )

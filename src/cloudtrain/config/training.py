@@ -3,7 +3,7 @@
 import dataclasses
 from dataclasses import dataclass
 
-from cloudtrain.config.fields import opt
+from cloudtrain.config.fields import OnlyFields, opt
 from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.registry import TASKS, TRAINERS
 
@@ -60,7 +60,7 @@ ADAMW_IMPLEMENTATIONS = ("auto", "for_loop", "foreach", "fused")
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(OnlyFields):
     task: str = opt(
         "classification",
         lambda: "What to train: " + "; ".join(f"{name}: {row.summary}" for name, row in TASKS.rows().items()) + ".",
