@@ -133,6 +133,10 @@ class NoLoss(nn.Module):
         ({"peft": "lora"}, "--peft lora needs a transformers PreTrainedModel"),
         ({"per_device_train_batch_size": "auto"}, "--per_device_train_batch_size auto"),
         ({"train_file": "data.csv"}, "model= takes its data as train_dataset="),
+        # found in audit: each was ignored without a word, or (rows' keys) a TypeError inside the first step
+        ({"validation_file": "v.csv", "test_file": "t.csv"}, "leave out --validation_file, --test_file"),
+        ({"tokenizer_name_or_path": "tok"}, "which no tokenizer reads: leave out --tokenizer_name_or_path"),
+        ({"train_dataset": [{"x": torch.ones(1), "z": torch.ones(1)}]}, "rows hold 'z', which TinyRegressor.forward"),
         ({"model_name_or_path": "gpt2"}, "model= is the model"),
         ({"train_dataset": [{"x": [1.0]}]}, "rows must be dicts of tensors"),
         ({"model": NoLoss()}, "it must return the batch's loss"),

@@ -10,6 +10,7 @@ module's forward returns for a batch (`model(**batch)`): a tensor, a dict with "
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -139,9 +140,12 @@ class ModuleTask(Task):
             raise UserError("--peft qlora loads its base in 4-bit from a checkpoint; use lora or dora with model=")
 
     def check_data(self, cfg: Config) -> None:
-        if cfg.data.train_file or cfg.data.dataset_name:
-            raise UserError("model= takes its data as train_dataset= / eval_dataset=; leave out --train_file "
-                            "and --dataset_name")  # fmt: skip
+        sources = ("train_file", "dataset_name", "validation_file", "test_file", "dataset_config")
+        given = [f"--{name}" for name in sources if getattr(cfg.data, name)]
+        if given:  # (the other files were ignored without a word: found in audit)
+            raise UserError(f"model= takes its data as train_dataset= / eval_dataset=; leave out {', '.join(given)}")
+        if cfg.model.tokenizer_name_or_path:
+            raise UserError("model= takes tensors, which no tokenizer reads: leave out --tokenizer_name_or_path")
 
     # ------------------------------------------------------------ data and model
     def connect(self, cfg: Config) -> DatasetDict:
@@ -158,14 +162,14 @@ class ModuleTask(Task):
         train, validation = self.train_dataset, self.eval_dataset
         if len(train) == 0:  # type: ignore[arg-type]
             raise UserError("train_dataset= is empty")
-        check_row(train[0], "train_dataset")
+        check_row(train[0], "train_dataset", self.module)
         if validation is None:
             order = torch.randperm(len(train), generator=torch.Generator().manual_seed(cfg.training.seed))  # type: ignore[arg-type]
             n = max(1, int(len(order) * cfg.data.validation_split_percentage // 100))  # the option is a float
             train, validation = Subset(train, order[n:].tolist()), Subset(train, order[:n].tolist())  # type: ignore[arg-type]
         elif len(validation) == 0:  # type: ignore[arg-type]
             raise UserError("eval_dataset= is empty")
-        check_row(validation[0], "eval_dataset")
+        check_row(validation[0], "eval_dataset", self.module)
         self.strip_mask = MASK not in train[0]
         return ProcessedData(train=train, validation=validation, test=None, collator=collate_with_mask)
 
@@ -223,6 +227,15 @@ class ModuleTask(Task):
         )
 
 
-def check_row(row: Any, name: str) -> None:
+def check_row(row: Any, name: str, module: torch.nn.Module) -> None:
     if not isinstance(row, dict) or not row or not all(isinstance(v, torch.Tensor) for v in row.values()):
         raise UserError(f"{name}= rows must be dicts of tensors (the module's forward keyword arguments)")
+    parameters = inspect.signature(module.forward).parameters
+    if any(p.kind == p.VAR_KEYWORD for p in parameters.values()):
+        return
+    unknown = [key for key in row if key not in parameters and key != MASK]
+    if unknown:  # a TypeError from inside the first step otherwise (found in audit)
+        raise UserError(
+            f"{name}= rows hold {', '.join(map(repr, unknown))}, which {type(module).__name__}.forward takes no "
+            f"argument of (it takes {', '.join(parameters)}); name the rows' keys as its arguments"
+        )
