@@ -359,3 +359,15 @@ def test_a_saved_tokenizer_keeps_its_side_after_a_left_padded_generation(tiny_gp
     assert ids[0, 0] == tokenizer.pad_token_id  # left-padded for generation
     save_tokenizer_files(tokenizer, tmp_path / "tok")
     assert AutoTokenizer.from_pretrained(tmp_path / "tok").padding_side == "right"
+
+
+def test_blank_lines_of_a_text_file_are_skipped_with_a_note(tmp_path, capsys):
+    """Five lines, two blank: three rows came back without a word, and a join on line numbers misaligned."""
+    from cloudtrain.predict import read_texts
+
+    file = tmp_path / "in.txt"
+    file.write_text("the team won\n\nbank profit\n   \nrain storm\n")
+    assert read_texts(str(file), "text") == ["the team won", "bank profit", "rain storm"]
+    assert "note: 2 blank line(s) of " in capsys.readouterr().err
+    file.write_text("a\nb\n")
+    assert read_texts(str(file), "text") == ["a", "b"] and capsys.readouterr().err == ""

@@ -54,9 +54,16 @@ def read_texts(path: str, column: str) -> list[str]:
     file = Path(path)  # there: the commands' check_input_file
     if file.suffix.lower() == ".txt":
         try:
-            return [line for line in file.read_text(encoding="utf-8").splitlines() if line.strip()]
+            lines = file.read_text(encoding="utf-8").splitlines()
         except UnicodeDecodeError:
             raise UserError(f"--input_file {path} is not UTF-8 text; save it as UTF-8 and try again") from None
+        texts = [line for line in lines if line.strip()]
+        if len(texts) < len(lines):  # a join on line numbers would misalign without a word (found in audit)
+            print(
+                f"note: {len(lines) - len(texts)} blank line(s) of {path} skipped: one output row per text line",
+                file=sys.stderr,
+            )
+        return texts
     return read_columns(path, [column])[0]
 
 
