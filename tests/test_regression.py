@@ -150,3 +150,20 @@ def test_an_adapter_reads_as_a_number(tiny_model_dir, tmp_path):
     assert main([f"--{k}={v}" for k, v in options.items()]) == 0
     assert json.loads((out / "labels.json").read_text())["problem_type"] == "regression"
     assert set(predict(str(out), ["the team won the match"])[0]) == {"text", "score"}
+
+
+def test_a_glue_style_test_split_of_minus_ones_is_for_predictions(capsys):
+    """STS-B's test split marks every row -1: it was scored as targets (found in audit)."""
+    from datasets import Dataset, DatasetDict
+
+    from cloudtrain.config import DataConfig
+    from cloudtrain.data.regression_targets import regression_scheme
+
+    train = Dataset.from_dict({"text": ["a", "b", "c"], "score": [0.5, 3.0, 5.0]})
+    scheme = regression_scheme(DatasetDict({"train": train}), DataConfig(label_column="score"))
+    test = Dataset.from_dict({"text": ["x", "y"], "score": [-1.0, -1.0]})
+    assert not scheme.labelled(test, "test")
+    assert "note: every test row has the 'score' value -1, which training never has" in capsys.readouterr().out
+    assert scheme.labelled(Dataset.from_dict({"text": ["x", "y"], "score": [-1.0, 2.0]}), "validation")
+    negative = Dataset.from_dict({"text": ["a", "b"], "score": [-1.0, 1.0]})  # -1 is a real target here
+    assert regression_scheme(DatasetDict({"train": negative}), DataConfig(label_column="score")).labelled(test, "test")

@@ -1,8 +1,9 @@
 """The label column of `--task regression`: one number per row (a score, a rating, a similarity).
 
 Numbers as the file gives them (a CSV column reads as integers or floats; a JSON lines one as numbers); a text or a
-row without a value in the training data is an error naming the count. An evaluation split without the column, or
-with no value in any row, is for predictions only; one with some rows missing is an error.
+row without a value in the training data is an error naming the count. An evaluation split without the column, with
+no value in any row, or with -1 in every row where training has none (GLUE's test splits), is for predictions only;
+one with some rows missing is an error.
 """
 
 from __future__ import annotations
@@ -29,6 +30,9 @@ def regression_scheme(raw: DatasetDict, cfg: DataConfig) -> LabelScheme:
         if column not in ds.column_names or all(is_missing(v, None) for v in ds[column]):
             return False
         check_numbers(ds, column, split)
+        if -1 not in values and all(v == -1 for v in ds[column]):  # GLUE's test splits (STS-B's) mark "no label" so
+            print(f"note: every {split} row has the {column!r} value -1, which training never has: predictions only")
+            return False
         return True
 
     return LabelScheme(
