@@ -400,6 +400,17 @@ def stream_run_args(model_dir: str, train: str, out: Path, *extra: str) -> list[
     ]  # fmt: skip
 
 
+def test_a_stream_s_callbacks_are_told_no_epoch(tiny_llama_dir, tmp_path, two_sources):
+    """A stream has no epochs: its callbacks saw epoch 1.0 at the end (steps / max_steps; found in audit)."""
+    from cloudtrain import train
+
+    args = stream_run_args(tiny_llama_dir, two_sources, tmp_path / "run", "--max_steps", "2")
+    seen = []
+    train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}, callbacks=lambda s: seen.append(s))
+    assert [s.global_step for s in seen if s.event == "on_step_end"] == [1, 2]
+    assert {s.epoch for s in seen} == {None}
+
+
 def test_a_streaming_run_trains_and_reports_each_source(tiny_llama_dir, tmp_path, two_sources):
     from cloudtrain import train
 

@@ -38,7 +38,7 @@ class CallbackState:
 
     event: str  # one of EVENTS
     global_step: int  # optimizer steps done
-    epoch: float  # steps done / steps per epoch
+    epoch: float | None  # steps done / steps per epoch; None for a stream (--streaming true), which has no epochs
     total_steps: int
     metrics: dict[str, Any] = field(default_factory=dict)  # the last logged numbers: train/... and eval/...
     output_dir: Path | None = None  # the run's output folder
@@ -154,9 +154,14 @@ class CallbackHook(Hook):
     outside_training = True
 
     def __init__(
-        self, callbacks: list[Any], runtime: Runtime, output_dir: Path | None, checkpointer: Checkpointer | None
+        self,
+        callbacks: list[Any],
+        runtime: Runtime,
+        output_dir: Path | None,
+        checkpointer: Checkpointer | None,
+        streams: bool = False,
     ):
-        self.runtime, self.output_dir, self.checkpointer = runtime, output_dir, checkpointer
+        self.runtime, self.output_dir, self.checkpointer, self.streams = runtime, output_dir, checkpointer, streams
         self.mine = [c for c in callbacks if runtime.is_main or getattr(c, "all_processes", False)]
         # main-only callbacks fail on the main process alone: the others must hear of it (a collective)
         self.must_agree = runtime.count > 1 and any(not getattr(c, "all_processes", False) for c in callbacks)
@@ -231,7 +236,7 @@ class CallbackHook(Hook):
         return CallbackState(
             event=event,
             global_step=step,
-            epoch=step / loop.steps_per_epoch,
+            epoch=None if self.streams else step / loop.steps_per_epoch,
             total_steps=loop.total_steps,
             metrics=dict(self.metrics),
             output_dir=self.output_dir,

@@ -312,7 +312,9 @@ class Trainer:
             if self.cfg.checkpoint.load_best_model_at_end:  # after the last checkpoint is complete
                 hooks.append(BestModelHook(self, checkpointer))
         if self.callbacks:  # last: a callback sees what every hook did at the step
-            hooks.append(CallbackHook(self.callbacks, self.runtime, self.run_log.output_dir, checkpointer))
+            hooks.append(
+                CallbackHook(self.callbacks, self.runtime, self.run_log.output_dir, checkpointer, self.streams)
+            )
         from cloudtrain.observe.profile import profile_hooks  # here: that module builds on training.hooks
 
         hooks += profile_hooks(self, self._device)  # --profile: last, so a traced step includes the hooks before it
