@@ -262,3 +262,31 @@ def test_on_save_comes_once_a_background_save_is_published(tmp_path, monkeypatch
     order = [(event, step) for event, step, *_ in seen]
     assert order.index(("on_save", 2)) > order.index(("on_step_end", 3))  # published after step 3 ran
     assert order[-2:] == [("on_save", 4), ("on_train_end", 4)]  # the last save, waited for, before the end
+
+
+def test_a_failing_callback_names_the_checkpoint_a_background_save_was_writing(tmp_path, monkeypatch):
+    """--async_checkpointing: the line named checkpoint-1 while checkpoint-2, in flight, was published just after
+    (found in audit). The save in flight is finished first."""
+    from test_own_module import fresh_module, rows
+
+    from cloudtrain.errors import TrainingStopped
+    from cloudtrain.training.basic import BasicTrainer
+
+    real_snapshot = BasicTrainer.checkpoint_snapshot
+
+    def slow_snapshot(self):
+        write = real_snapshot(self)
+        return lambda folder: (time.sleep(0.5), write(folder))[1]  # still writing when the callback fails
+
+    monkeypatch.setattr(BasicTrainer, "checkpoint_snapshot", slow_snapshot)
+
+    def fail_at_two(state: CallbackState) -> None:
+        if state.event == "on_step_end" and state.global_step == 2:
+            raise ValueError("drifted")
+
+    options = {**RUN, "eval_strategy": "no", "async_checkpointing": True, "checkpointing_steps": "1"}
+    with pytest.raises(TrainingStopped, match=r"the last checkpoint, .*checkpoint-2, is kept"):
+        cloudtrain.train(
+            model=fresh_module(), train_dataset=rows(64, 0), output_dir=str(tmp_path / "run"), callbacks=fail_at_two,
+            **options,
+        )  # fmt: skip

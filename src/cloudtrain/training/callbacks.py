@@ -16,6 +16,7 @@ main-only callbacks exist and there is more than one process), and the error nam
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import sys
@@ -214,6 +215,9 @@ class CallbackHook(Hook):
             if self.runtime.agree([failure is not None])[0] and failure is None:
                 raise TrainingStopped("stopped: a user callback failed on another process", 1, quiet=True)
         if failure:
+            if self.checkpointer and self.checkpointer.asynchronous:  # (one process): the save in flight first, so
+                with contextlib.suppress(Exception):  # that the line names it (a failed one: the one before)
+                    self.checkpointer.background.wait()
             last = self.checkpointer.latest() if self.checkpointer else None
             kept = f"; the last checkpoint, {last}, is kept" if last else "; no checkpoint was saved"
             raise TrainingStopped(f"stopped at step {loop.step}: {failure}{kept}", 1)
