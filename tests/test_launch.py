@@ -120,6 +120,17 @@ def test_each_failed_process_is_told_once_by_its_record_or_by_how_it_ended(monke
     # the launcher's own SIGTERM to the others, and a rank that left its mistake to rank 0's line: not told
     quiet = {0: SimpleNamespace(pid=mine, exitcode=2), 1: SimpleNamespace(pid=-1, exitcode=2)}
     assert launch.failure_lines(quiet, records[1:2], 0) == (["error: the data of attempt 1"], 2)
+    # a rank whose failure another rank reports (a callback failing on rank 0): recorded without a line, not told
+    # "exited with status 1; its output is above" of an output that said nothing (found in audit)
+    monkeypatch.setenv("RANK", "3")
+    errors.record_quiet(1)
+    silent = next(r for r in launch.recorded_errors(tmp_path) if r["rank"] == 3)
+    assert silent["line"] is None and silent["status"] == 1
+    stopped = {0: SimpleNamespace(pid=mine, exitcode=2), 3: SimpleNamespace(pid=mine + 10**6, exitcode=1)}
+    silent["pid"] = mine + 10**6  # (this process wrote it: another pid, as another process would have)
+    assert launch.failure_lines(stopped, [records[1], silent], 0) == (["error: the data of attempt 1"], 2)
+    (tmp_path / "1-3.json").unlink()
+    monkeypatch.setenv("RANK", "1")
     crashed = {0: SimpleNamespace(pid=-2, exitcode=-15), 1: SimpleNamespace(pid=-1, exitcode=1)}
     assert launch.failure_lines(crashed, [], 1) == (
         ["error: the process of rank 1 exited with status 1; its output is above"],

@@ -24,7 +24,7 @@ import sys
 
 from cloudtrain.config import ConfigParser, add_config_arguments, config_from_namespace, option_fields
 from cloudtrain.config.inert import print_inert_notes
-from cloudtrain.errors import TrainingStopped, UserError, earlier_mistake, report
+from cloudtrain.errors import TrainingStopped, UserError, earlier_mistake, record_quiet, report
 from cloudtrain.invocation import check_launcher_variables, prog
 from cloudtrain.observe import console
 from cloudtrain.paths import check_local_paths
@@ -148,10 +148,14 @@ def run_command(argv: list[str]) -> int:
     except UserError as err:
         if not err.quiet:
             report(f"error: {mask(str(err))}", 2, transient=err.transient)
+        else:
+            record_quiet(2)
         return 2
     except TrainingStopped as err:
         if not err.quiet:
             report(f"{'stopped' if err.exit_code in (130, 143) else 'error'}: {mask(str(err))}", err.exit_code)
+        else:
+            record_quiet(err.exit_code)
         return err.exit_code
     except KeyboardInterrupt:
         training = not (argv and argv[0] in COMMANDS)

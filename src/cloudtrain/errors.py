@@ -5,6 +5,7 @@ Anything a user can fix (a bad flag, a missing file, a column that is not there)
 Everything else is a bug and keeps its traceback.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -65,6 +66,19 @@ def report(line: str, status: int, echo: bool = True, transient: bool = False) -
     print(line, file=sys.stderr)
 
 
+def record_quiet(status: int) -> None:
+    """Under `cloudtrain launch`: this process's exit, whose error another process of the launch reports, recorded
+    without a line (the launcher told "exited with status 1; its output is above" of an output that said nothing)."""
+    env = os.environ
+    if folder := env.get(ERROR_DIR):
+        attempt, rank = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("RANK", "0"))
+        record = {"rank": rank, "pid": os.getpid(), "attempt": attempt, "line": None, "status": status}
+        with contextlib.suppress(OSError):
+            path = Path(folder) / f"{attempt}-{rank}.json"
+            path.with_suffix(".tmp").write_text(json.dumps(record))
+            path.with_suffix(".tmp").replace(path)
+
+
 def _sagemaker_failure(line: str) -> None:
     """Inside a SageMaker job, `line` as the job's FailureReason: its failure file, written by the first process to
     fail (the SDK's driver writes its own, a CalledProcessError traceback, only where none is there)."""
@@ -100,7 +114,12 @@ def earlier_mistake() -> str | None:
     if not folder or attempt == 0:
         return None
     for record in recorded_errors(Path(folder)):
-        if record["attempt"] == attempt - 1 and record["status"] == 2 and not record.get("transient"):
+        if (
+            record["attempt"] == attempt - 1
+            and record["status"] == 2
+            and record["line"]
+            and not record.get("transient")
+        ):
             return str(record["line"])
     return None
 

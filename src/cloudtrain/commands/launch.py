@@ -236,13 +236,15 @@ def failure_lines(failures: dict, records: list[dict], first: int) -> tuple[list
     the launcher itself stopped (SIGTERM) after the first failure, and a process that left its mistake to rank 0's
     line (status 2) where a line was recorded."""
     by_pid = {r["pid"]: r for r in records}
-    recorded = any(failure.pid in by_pid for failure in failures.values())
+    recorded = any(by_pid.get(failure.pid, {}).get("line") for failure in failures.values())
     lines, status = [], 1
     for rank in sorted(failures, key=lambda rank: rank != first):
         code, record = failures[rank].exitcode, by_pid.get(failures[rank].pid)
         stopped_by_launcher = code in (-signal.SIGTERM, -signal.SIGINT) and rank != first
-        if record:
+        if record and record["line"]:
             lines.append(record["line"])
+        elif record and recorded:  # quiet: another process said it (cloudtrain.errors.record_quiet)
+            pass
         elif not stopped_by_launcher and not (code == 2 and recorded):
             lines.append(f"error: the process of rank {rank} {exit_reason(code)}")
         if rank == first:
@@ -255,7 +257,7 @@ def stopped_lines(records: list[dict], signal_name: str) -> list[str]:
     went), each line once; else that they said nothing."""
     stopped = [r for r in records if r["status"] in (130, 143)]
     attempt = max((r["attempt"] for r in stopped), default=0)
-    lines = list(dict.fromkeys(r["line"] for r in stopped if r["attempt"] == attempt))
+    lines = list(dict.fromkeys(r["line"] for r in stopped if r["attempt"] == attempt and r["line"]))
     unsaid = (
         f"stopped: the launch received {signal_name} and its processes ended without saying whether they saved a "
         "checkpoint; checkpoints saved earlier are kept (--resume_from_checkpoint latest continues from the newest)"
