@@ -464,3 +464,12 @@ def test_a_typed_config_takes_its_own_options_only():
     with pytest.raises(AttributeError, match="Config has no option 'learning_rate'; it is an option of cfg.training"):
         cfg.learning_rate = 0.5
     assert resolve_options(cfg, {}).training.learning_rate == 0.5
+
+
+def test_train_takes_its_config_by_keyword_too(tmp_path):
+    """train(config="run.yaml") was told "unknown option 'config'; not needed: ... extends" (found in audit)."""
+    import cloudtrain
+
+    (tmp_path / "run.yaml").write_text("lerning_rate: 0.1\n")
+    with pytest.raises(UserError, match="unknown option 'lerning_rate'; did you mean learning_rate"):
+        cloudtrain.train(config=str(tmp_path / "run.yaml"))

@@ -135,6 +135,7 @@ class NoLoss(nn.Module):
         ({"train_file": "data.csv"}, "model= takes its data as train_dataset="),
         # found in audit: each was ignored without a word, or (rows' keys) a TypeError inside the first step
         ({"validation_file": "v.csv", "test_file": "t.csv"}, "leave out --validation_file, --test_file"),
+        ({"eval_datset": []}, "unknown option 'eval_datset'; did you mean eval_dataset=?"),  # (hinted eval_strategy)
         ({"tokenizer_name_or_path": "tok"}, "which no tokenizer reads: leave out --tokenizer_name_or_path"),
         ({"train_dataset": [{"x": torch.ones(1), "z": torch.ones(1)}]}, "rows hold 'z', which TinyRegressor.forward"),
         ({"model_name_or_path": "gpt2"}, "model= is the model"),

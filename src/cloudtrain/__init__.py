@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudtrain.config import Config
+from cloudtrain.errors import UserError
 
 # bitsandbytes (imported by peft wherever it is installed) warns on every CPU with AVX512-BF16 that it could not
 # fetch a CPU 4-bit kernel from the Hub: noise on every command's stderr, as cloudtrain runs QLoRA on CUDA only.
@@ -49,6 +50,9 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     from cloudtrain.paths import check_local_paths
 
     console.setup()  # as the command line: bars on a terminal or in a notebook, none in a log file or a pipe
+    if config is None and "config" in options:  # train(config="run.yaml"): as if given first
+        config = options.pop("config")
+    check_keywords(options)
 
     module = options.pop("model") if not isinstance(options.get("model", {}), dict) else None  # a dict: the section
     train_dataset, eval_dataset = options.pop("train_dataset", None), options.pop("eval_dataset", None)
@@ -82,3 +86,18 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
         return run_training(cfg, task=task, callbacks=[c for c in given if not isinstance(c, str)])
     finally:
         back_online()  # an unreachable Hub switched this run to the cache, not the notebook's next one
+
+
+API_KEYWORDS = ("model", "train_dataset", "eval_dataset", "callbacks")  # train()'s own, besides the options
+
+
+def check_keywords(options: dict) -> None:
+    """A keyword near one of train()'s own (eval_datset=) is named so; the options' hints suggested eval_strategy."""
+    import difflib
+
+    from cloudtrain.config.root import option_fields
+
+    for name in options:
+        close = difflib.get_close_matches(name, API_KEYWORDS, n=1, cutoff=0.8)
+        if name not in option_fields() and name not in API_KEYWORDS and close:
+            raise UserError(f"unknown option {name!r}; did you mean {close[0]}=?")
