@@ -393,3 +393,15 @@ def test_an_sd3_plan_counts_the_run_s_t5_prompt_length(sd3_pipe, tmp_path):
     assert long > short
     with pytest.raises(UserError, match=r"--max_sequence_length must be in \[1, 512\]"):  # the run's own bound
         planning.make_plan(plan_args(sd3_pipe, tmp_path / "x", max_sequence_length=600, **options))
+
+
+def test_strategy_and_peft_pin_a_pipeline_s_rows(pipe, tmp_path):
+    """--peft lora --strategy zero2 recommended full fine-tuning under DDP, and --peft qlora was taken (audit)."""
+    options = dict(task="text_to_image", resolution=RESOLUTION, gpu_memory_gb=24, num_gpus=2)
+    plan = planning.make_plan(plan_args(pipe, tmp_path / "j", peft="lora", strategy="zero2", **options))
+    assert {(r["peft"], r["strategy"]) for r in plan["strategies"]} == {("lora", "zero2")}
+    pins = [(dict(peft="qlora"), "--peft qlora: --task text_to_image trains the full model or lora"),
+            (dict(strategy="fsdp"), "--strategy fsdp: --task text_to_image is planned under")]  # fmt: skip
+    for pinned, says in pins:
+        with pytest.raises(UserError, match=says):
+            planning.make_plan(plan_args(pipe, tmp_path / "k", **options, **pinned))

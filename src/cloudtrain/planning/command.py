@@ -35,7 +35,8 @@ from cloudtrain.models.kernels import liger_installed, liger_knows
 from cloudtrain.models.prepare import check_attention_name
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import Gpu, gpu_by_name
-from cloudtrain.planning.diffusion import is_pipeline, pipeline_facts, trainings
+from cloudtrain.planning.diffusion import STRATEGIES as PIPELINE_STRATEGIES
+from cloudtrain.planning.diffusion import Training, is_pipeline, pipeline_facts, trainings
 from cloudtrain.planning.diffusion import plan as pipeline_plan
 from cloudtrain.planning.diffusion import render as render_pipeline
 from cloudtrain.planning.facts import LoraSpec, ModelFacts, is_decoder, model_config_refusal, model_facts
@@ -403,8 +404,16 @@ def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict
     def refusal(peft: str, shards: Sharding) -> str | None:
         return task.sharding_refusal(replace(cfg, model=replace(cfg.model, peft=peft)), shards)
 
+    if args.strategy not in ("auto", *PIPELINE_STRATEGIES):  # (found in audit: ignored, DDP recommended)
+        raise UserError(f"--strategy {args.strategy}: --task text_to_image is planned under --strategy ddp or zero2")
+    if args.peft == "qlora":
+        raise UserError("--peft qlora: --task text_to_image trains the full model or lora/dora adapters")
     world = args.num_gpus * args.num_nodes
-    rows = trainings(args.train_text_encoder, world, args.gradient_checkpointing, refusal)
+
+    def asked(t: Training) -> bool:  # --strategy and --peft pin the rows, as for the other tasks
+        return args.strategy in ("auto", t.strategy) and args.peft in ("auto", t.peft)
+
+    rows = [t for t in trainings(args.train_text_encoder, world, args.gradient_checkpointing, refusal) if asked(t)]
     result = pipeline_plan(facts, half, budget, micro_batch, rows)
     return {**result, "pipeline": True, "budget_bytes": budget, "micro_batch": micro_batch}
 
