@@ -246,3 +246,16 @@ def test_a_plan_that_fits_nothing_names_a_target_length_that_would(tmp_path, mon
             "recommendation"
         ]
     )
+
+
+def test_a_training_run_s_auto_micro_batch_reads_its_target_length(folders):
+    """--per_device_train_batch_size auto sized T5's decoder and logits at the source length (found in audit)."""
+    from cloudtrain.config import build_config
+    from cloudtrain.planning.search import run_micro_batch
+
+    def largest(target: int) -> int:
+        options = {"task": "seq2seq", "model_name_or_path": folders["flan-t5"], "max_target_length": target}
+        return run_micro_batch(build_config({**options, "mixed_precision": "no"}), 0, 1, 1, 2 * 2**30, 512)
+
+    short, long = largest(16), largest(512)
+    assert short > long > 0

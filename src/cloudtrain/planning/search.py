@@ -672,5 +672,6 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
         dense_mask=(attention or "sdpa") == "sdpa",
         fused_loss=loss,
         fused_modules=modules,
+        target_length=task.target_length(cfg) if facts.encoder else None,  # (the source's length sized the decoder)
     )
     return max_micro_batch(facts, candidate, setup)
