@@ -215,3 +215,13 @@ def test_emitted_configs_load_in_accelerate_and_deepspeed(tiny_model_dir, tmp_pa
             "train_batch_size",
         ):
             assert plugin.deepspeed_config[key] == "auto"  # always the application's own flags
+
+
+def test_micro_batch_options_are_the_divisors_up_to_the_request():
+    """A global batch of 10^8 counted down every number from 12.5 million for each row: minutes (found in audit)."""
+    from cloudtrain.planning.search import micro_batch_options
+
+    for requested, per_gpu in ((8, 64), (5, 60), (100, 36), (7, 1), (3, 0), (16, 97)):
+        brute = [b for b in range(min(requested, per_gpu), 0, -1) if per_gpu % b == 0]
+        assert micro_batch_options(requested, per_gpu) == brute, (requested, per_gpu)
+    assert micro_batch_options(12_500_000, 12_500_000)[:3] == [12_500_000, 6_250_000, 3_125_000]

@@ -201,8 +201,11 @@ def pipeline_layout(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: i
 
 
 def micro_batch_options(requested: int, per_gpu_per_step: int) -> list[int]:
-    """Micro-batches that divide the examples each GPU sees per optimizer step, largest first."""
-    return [b for b in range(min(requested, per_gpu_per_step), 0, -1) if per_gpu_per_step % b == 0]
+    """Micro-batches that divide the examples each GPU sees per optimizer step, largest first (its divisors, found
+    up to its square root: a global batch of 10^8 took minutes counted down one by one)."""
+    divisors = {d for k in range(1, math.isqrt(per_gpu_per_step) + 1) if per_gpu_per_step % k == 0
+                for d in (k, per_gpu_per_step // k)}  # fmt: skip
+    return sorted((b for b in divisors if b <= requested), reverse=True)
 
 
 def gpu_tokens(cand: Candidate, setup: Setup, micro_batch: int) -> int:
@@ -297,6 +300,18 @@ def _copy_reason(m: ModelFacts, c: Candidate, setup: Setup) -> str:
     return f"The reference is a frozen fp32 copy of the model {where}; {free}."
 
 
+def _fewest_nodes(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> int | None:
+    """The fewest nodes, up to 64 times this many, on which something fits: doubling, then halving the gap (more
+    nodes shard more; one by one took minutes on a plan of 64 nodes)."""
+    low, high = setup.num_nodes, setup.num_nodes * 64
+    if not _fits_anything(m, replace(setup, num_nodes=high), cands):
+        return None
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if _fits_anything(m, replace(setup, num_nodes=middle), cands) else (middle, high)
+    return high
+
+
 def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str]:
     """What would make the smallest of `cands` (at micro-batch 1) fit."""
     leanest = min(cands, key=lambda c: estimate(m, c, setup, 1).total)
@@ -305,10 +320,8 @@ def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str
         f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option, {leanest.name}, needs "
         f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"
     ]
-    for nodes in range(setup.num_nodes + 1, setup.num_nodes * 64 + 1):
-        if _fits_anything(m, replace(setup, num_nodes=nodes), cands):
-            ideas.append(f"{nodes * setup.num_gpus} GPUs: --num_nodes {nodes} with {setup.num_gpus} GPUs each")
-            break
+    if nodes := _fewest_nodes(m, setup, cands):
+        ideas.append(f"{nodes * setup.num_gpus} GPUs: --num_nodes {nodes} with {setup.num_gpus} GPUs each")
     lengths = [s for s in (2**k for k in range(20)) if 2 <= s < setup.max_length]
     shorter = [s for s in lengths if _fits_anything(m, replace(setup, max_length=s), cands)]
     if shorter:
