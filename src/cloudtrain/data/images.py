@@ -29,12 +29,28 @@ ORIENTATION = 0x0112  # the EXIF tag a camera turns its photo by
 
 @dataclass
 class Example:
-    image: Any  # a file path, or a PIL image from a dataset
+    image: Any  # a file path, a dataset row's image (DatasetImage), or a PIL image
     caption: str
 
 
+@dataclass(frozen=True)
+class DatasetImage:
+    """A dataset row's image, decoded when read: a list of decoded images held every pixel of the set in memory
+    (found in audit: ~2 MB per 512 px image, before --max_train_samples cut any)."""
+
+    rows: Any  # the datasets.Dataset
+    index: int
+    column: str
+
+    def open(self) -> Any:
+        """A PIL image, or the path the column holds."""
+        return self.rows[self.index][self.column]
+
+
 def _named(image: Any) -> str:
-    """A file image by its path; a dataset's image by its size (reading its pixels would cost a pass)."""
+    """A file image by its path; a dataset's image by its dataset and row (reading its pixels would cost a pass)."""
+    if isinstance(image, DatasetImage):
+        return f"{getattr(image.rows, '_fingerprint', '')}:{image.index}"
     return str(image) if isinstance(image, (str, Path)) else f"{getattr(image, 'size', None)}"
 
 
@@ -163,6 +179,8 @@ def name(example: Example) -> str:
 
 def load_rgb(source: Any) -> Image.Image:
     """An image as RGB, turned upright as its EXIF orientation says (a phone's photo is stored on its side)."""
+    if isinstance(source, DatasetImage):
+        source = source.open()
     if source is None:  # a dataset row without its image: skipped as an unreadable one
         raise ValueError("no image")
     if isinstance(source, Image.Image):
@@ -361,10 +379,11 @@ def _row_buckets(examples: list[Example], buckets: list[tuple[int, int]]) -> lis
 
     sizes = []
     for example in examples:
-        if isinstance(example.image, Image.Image):
-            sizes.append(upright_size(example.image))
+        source = example.image.open() if isinstance(example.image, DatasetImage) else example.image
+        if isinstance(source, Image.Image):
+            sizes.append(upright_size(source))
         else:
-            with Image.open(example.image) as image:
+            with Image.open(source) as image:
                 sizes.append(upright_size(image))
     return assign(sizes, buckets)
 

@@ -264,7 +264,7 @@ class TextToImageTask(Task):
                 f"{len(unset)} rows of --dataset_name {cfg.data.dataset_name} have no {ic.caption_column!r} text "
                 f"(first: row {unset[0]}, {captions[unset[0]]!r}); caption them, or drop those rows"
             )
-        return [images.Example(row[ic.image_column], row[ic.caption_column]) for row in train], []
+        return [images.Example(images.DatasetImage(train, i, ic.image_column), c) for i, c in enumerate(captions)], []
 
     def load_model(
         self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase, announce: bool
