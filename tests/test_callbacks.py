@@ -106,6 +106,10 @@ def test_one_callback_needs_no_list_and_sys_exit_in_it_stops_the_run_in_one_line
     options = api_options(tiny_model_dir, topic_csvs, tmp_path / "one") | {"max_steps": 2, "eval_strategy": "no"}
     cloudtrain.train(options, callbacks=lambda s: steps.append(s.global_step) if s.event == "on_step_end" else None)
     assert steps == [1, 2]
+    steps.clear()  # a set of them, as any collection (found in review)
+    options["output_dir"] = str(tmp_path / "set")
+    cloudtrain.train(options, callbacks={lambda s: steps.append(s.global_step) if s.event == "on_step_end" else None})
+    assert steps == [1, 2]
 
     def leave(state: CallbackState) -> None:
         if state.event == "on_step_end":

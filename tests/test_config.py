@@ -189,7 +189,7 @@ def test_a_key_yaml_reads_as_a_value_is_one_line_and_an_empty_section_is_empty(t
     """`on: 2` (YAML's true) and `1: 2` crashed in the did-you-mean; a section with its options commented out was
     "unknown option 'training'" (found in audit)."""
     file = tmp_path / "run.yaml"
-    for text, shown in (("on: 2\n", "True"), ("1: 2\n", "1")):
+    for text, shown in (("on: 2\n", "True"), ("1: 2\n", "1"), ("training:\n  on: 2\n", "True under training")):
         file.write_text(text)
         with pytest.raises(UserError, match=f"^config file {file}: {shown} is not an option name .*; quote it$"):
             parse("--config", str(file))

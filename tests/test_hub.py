@@ -460,6 +460,20 @@ def test_background_uploader_makes_one_commit_per_upload_in_order(in_process, tm
     )
 
 
+def test_args_json_goes_up_with_path_options_reduced_and_prompts_as_written(tmp_path):
+    """A prompt that starts with "/" (Qwen3's "/no_think") was cut as a path, and merged/args.json went up whole
+    (found in review)."""
+    arguments = {"train_file": "/home/alice/secret/train.txt", "system_prompt": "/no_think Answer yes/no briefly.",
+                 "output_dir": "/tmp/run", "datasets": [{"path": "/data/web/*.jsonl", "weight": 2}],
+                 "model_name_or_path": "/models/llama", "sample_prompts": ["/imagine a castle"], "seed": 3}  # fmt: skip
+    (tmp_path / "merged").mkdir()
+    for folder in (tmp_path, tmp_path / "merged"):
+        (folder / "args.json").write_text(json.dumps(arguments))
+        sent = json.loads(cloudhub.hub_copy(folder / "args.json", None))
+        assert sent == {**arguments, "train_file": "train.txt", "output_dir": "run", "model_name_or_path": "llama",
+                        "datasets": [{"path": "*.jsonl", "weight": 2}]}  # fmt: skip
+
+
 def test_a_checkpoint_goes_up_in_one_commit_however_many_files_it_holds(in_process, tmp_path):
     """upload_folder committed a large folder in parts: a kill between them left last-checkpoint/ with one
     checkpoint's weights beside another's state (found in audit). One commit holds it all, stale files deleted."""

@@ -105,9 +105,9 @@ def test_no_note_where_the_task_reads_the_option(task, values):
             {"task": "causal_lm", "streaming": True, "max_steps": 5, "group_by_length": True},
             "--group_by_length true has no effect without --streaming false",
         ),
-        (  # the Hub's options without a push (found in audit: ignored without a word)
-            {"hub_model_id": "alice/x"},
-            "--hub_model_id alice/x has no effect without --push_to_hub true",
+        (  # pushes during training without a push (found in audit: ignored without a word)
+            {"hub_strategy": "every_save"},
+            "--hub_strategy every_save has no effect without --push_to_hub true",
         ),
         ({"eval_steps": 2}, "--eval_steps 2 has no effect without --eval_strategy steps"),  # (default: epoch)
         ({"hub_token": "hf_NotShown"}, "--hub_token '<hidden>' has no effect without --push_to_hub true"),
@@ -115,6 +115,10 @@ def test_no_note_where_the_task_reads_the_option(task, values):
 )
 def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):
     assert notes(**values) == [note]
+
+
+def test_hub_options_a_later_push_reads_from_args_json_say_nothing():
+    assert notes(hub_model_id="alice/x", hub_private_repo=True, hub_revision="dev") == []  # `push` reads them
 
 
 def test_streaming_options_count_with_streaming():

@@ -25,6 +25,7 @@ from cloudtrain.training.optim import (
     build_optimizer,
     build_scheduler,
     hidden_matrices,
+    other_schedule,
     schedule_name,
 )
 
@@ -114,6 +115,9 @@ def test_a_schedule_s_own_options_make_it_another_schedule(schedule, option, val
     base = schedule_options(schedule)
     assert schedule_name(resolve_options(base, {})) != schedule_name(resolve_options(base, {option: value}))
     assert schedule_name(resolve_options(base, {})) == schedule_name(resolve_options(base, {}))
+    now = schedule_name(resolve_options(base, {}))
+    assert not other_schedule(now.rsplit(", ", 1)[0], now)  # a checkpoint named before the options: the same
+    assert other_schedule("constant", now) and not other_schedule(None, now) and not other_schedule(now, now)
 
 
 def test_warmup_steps_win_over_the_ratio_and_the_ratio_applies_alone():

@@ -138,6 +138,11 @@ class NoLoss(nn.Module):
         ({"eval_datset": []}, "unknown option 'eval_datset'; did you mean eval_dataset=?"),  # (hinted eval_strategy)
         ({"tokenizer_name_or_path": "tok"}, "which no tokenizer reads: leave out --tokenizer_name_or_path"),
         ({"train_dataset": [{"x": torch.ones(1), "z": torch.ones(1)}]}, "rows hold 'z', which TinyRegressor.forward"),
+        # a mask the rows hold reaches the forward too (found in review: a TypeError in the first step)
+        (
+            {"train_dataset": [{"x": torch.ones(4), "y": torch.ones(1), "attention_mask": torch.ones(1)}] * 4},
+            "rows hold 'attention_mask', which TinyRegressor.forward",
+        ),
         ({"model_name_or_path": "gpt2"}, "model= is the model"),
         ({"train_dataset": [{"x": [1.0]}]}, "rows must be dicts of tensors"),
         ({"model": NoLoss()}, "it must return the batch's loss"),
@@ -229,3 +234,21 @@ def test_a_tied_weight_of_a_users_module_is_saved_as_one_value(tmp_path):
     saved = load_file(tmp_path / "model.safetensors")
     assert torch.equal(saved["emb.weight"], state["emb.weight"])
     assert torch.equal(saved["head.weight"], saved["emb.weight"])
+
+
+class CalledNotForwarded(nn.Module):
+    """A module that overrides __call__ (no forward): trained before the forward-signature check (found in review)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = TinyRegressor()
+
+    def __call__(self, **batch):
+        return self.body(batch["x"], batch["y"])
+
+
+def test_a_module_called_otherwise_than_through_its_forward_trains(tmp_path):
+    results = cloudtrain.train(
+        model=CalledNotForwarded(), train_dataset=rows(16, 0), output_dir=str(tmp_path / "run"), **OPTIONS
+    )
+    assert results["train"]["global_step"] > 0

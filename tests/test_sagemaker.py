@@ -804,6 +804,8 @@ def test_a_failed_job_s_model_is_downloaded_for_push_and_its_retry_line_says_so(
 
     monkeypatch.setenv("SM_MODEL_DIR", "/opt/ml/model")
     monkeypatch.setenv("TRAINING_JOB_NAME", "failed-1")
+    monkeypatch.setenv("AWS_REGION", "eu-west-1")
     line = hub.retry_command(Path("/opt/ml/model"), build_config({"hub_model_id": "alice/x"}).hub)
-    assert line.startswith("python sagemaker/launch.py download failed-1 && ")
-    assert "push --output_dir outputs/sagemaker/failed-1 --hub_model_id alice/x" in line
+    # from the repository's root on your machine (found in review: the container's command line, no region)
+    assert line.startswith("python sagemaker/launch.py download failed-1 --region eu-west-1 && ")
+    assert "&& python src/training_application.py push --output_dir outputs/sagemaker/failed-1 --hub_model_id" in line

@@ -16,6 +16,7 @@ Mistakes raise cloudtrain.errors.UserError (one line saying what and how to fix)
 """
 
 import logging
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -59,8 +60,10 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
     given = options.pop("callbacks", None) or []
     if isinstance(given, str):  # "module:a,module:b", as --callbacks takes them
         given = [name.strip() for name in given.split(",") if name.strip()]
-    elif not isinstance(given, (list, tuple)):  # one function or object
+    elif callable(given) or not isinstance(given, Iterable):  # one function or object
         given = [given]
+    else:  # a list, a tuple, a set, ...
+        given = list(given)
     names = [c for c in given if isinstance(c, str)]  # module:name, as on the command line
     if names:
         options["callbacks"] = names

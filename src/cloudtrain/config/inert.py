@@ -51,10 +51,8 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "max_train_samples": ("streaming", (False,)),
     "validation_split_percentage": ("streaming", (False,)),
     "group_by_length": ("streaming", (False,)),  # sorts stored rows; a stream's rows come in its own order
-    **{  # the Hub's settings: read only by a push
-        name: ("push_to_hub", (True,))
-        for name in ("hub_model_id", "hub_token", "hub_token_file", "hub_private_repo", "hub_revision", "hub_strategy")
-    },
+    # pushes during training, and the token (never saved): a later `push` reads the other Hub options from args.json
+    **{name: ("push_to_hub", (True,)) for name in ("hub_token", "hub_strategy")},
     **{  # the anomaly watcher's settings: it runs only with --monitoring true
         name: ("monitoring", (True,))
         for name in (

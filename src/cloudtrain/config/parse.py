@@ -348,6 +348,11 @@ def flatten(data: dict, origin: str = "the config") -> dict:
         if key in sections and value is None:  # a section whose options are all commented out
             value = {}
         if key in sections and isinstance(value, dict):
+            if bad := next((name for name in value if not isinstance(name, str)), None):  # (under a section too)
+                raise UserError(
+                    f"{origin}: {bad!r} under {key} is not an option name (YAML reads on, yes, no and numbers as "
+                    "values); quote it"
+                )
             for name in value:
                 home = known[name][0] if name in known else key
                 if home != key:

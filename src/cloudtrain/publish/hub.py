@@ -294,7 +294,7 @@ def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
     """What goes up for `path`: the file, except an adapter config naming its base otherwise than by the card's
     `base_model` (the built-in model's local folder): that one names the Hub id instead; and args.json, whose
     absolute paths go up as their last part, as the card shows them (the user's directory layout is not public)."""
-    if path.name == "args.json" and path.parent.name != MERGED:
+    if path.name == "args.json":  # the run's, and its copy in merged/
         return (json.dumps(without_folders(json.loads(path.read_text())), indent=2) + "\n").encode()
     if path.name != ADAPTER_CONFIG or not base_model:
         return path
@@ -304,15 +304,24 @@ def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
     return (json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n").encode()
 
 
-def without_folders(value: Any) -> Any:
-    """`value` (args.json's) with each absolute path as its last part; lists and dicts item by item."""
-    if isinstance(value, str) and "://" not in value and Path(value).expanduser().is_absolute():
-        return Path(value).expanduser().name
-    if isinstance(value, list):
-        return [without_folders(item) for item in value]
-    if isinstance(value, dict):
-        return {key: without_folders(item) for key, item in value.items()}
-    return value
+def without_folders(arguments: dict) -> dict:
+    """args.json with each absolute path of a path option as its last part (a prompt that starts with "/" is no
+    path); lists and a datasets list's mappings item by item."""
+    from cloudtrain.config.root import option_fields
+
+    paths = {name for name, (_, f) in option_fields().items() if f.metadata.get("path")}
+    paths |= {"model_name_or_path", "tokenizer_name_or_path"}
+
+    def reduced(value: Any) -> Any:
+        if isinstance(value, str) and "://" not in value and Path(value).expanduser().is_absolute():
+            return Path(value).expanduser().name
+        if isinstance(value, list):
+            return [reduced(item) for item in value]
+        if isinstance(value, dict):
+            return {key: reduced(item) for key, item in value.items()}
+        return value
+
+    return {name: reduced(value) if name in paths else value for name, value in arguments.items()}
 
 
 def commit_message(results: dict) -> str:
@@ -335,11 +344,13 @@ def retry_command(output_dir: Path, cfg: HubConfig) -> str:
     SageMaker job the folder goes with the instance: the job's model.tar.gz is downloaded first, on your machine."""
     assert cfg.hub_model_id is not None  # check_access checked it
     job = job_name(os.environ) if in_training_job() else None
-    if job:
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    download = ["python", "sagemaker/launch.py", "download", shlex.quote(job or "")]
+    if job:  # run from the repository's root on your machine, not the container's command line
         output_dir = Path("outputs") / "sagemaker" / job  # where `sagemaker/launch.py download` unpacks it
     parts = [
-        *(["python", "sagemaker/launch.py", "download", shlex.quote(job), "&&"] if job else []),
-        invocation.command(),
+        *([*download, *(["--region", shlex.quote(region)] if region else []), "&&"] if job else []),
+        "python src/training_application.py" if job else invocation.command(),
         "push",
         "--output_dir",
         shlex.quote(str(output_dir if job else Path(output_dir).resolve())),

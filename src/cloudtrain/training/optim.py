@@ -167,6 +167,12 @@ def schedule_name(cfg: Config) -> str:
     return f"{t.lr_scheduler_type}, {warmup}{own.get(t.lr_scheduler_type, '')}"
 
 
+def other_schedule(saved: str | None, now: str) -> bool:
+    """Whether a checkpoint's schedule (`saved`, None where it recorded none) is another than this run's; one
+    written before names carried a schedule's own options is taken as the same where the rest agrees."""
+    return saved is not None and saved != now and not now.startswith(f"{saved}, ")
+
+
 def build_scheduler(optimizer: Any, cfg: Config, total_steps: int) -> Any:
     """--lr_scheduler_type over `total_steps` optimizer steps (transformers' schedules); the engine's own
     schedule, observed, when the user's DeepSpeed JSON has a scheduler section."""

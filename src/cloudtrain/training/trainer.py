@@ -56,7 +56,14 @@ from cloudtrain.training.hooks import (
 )
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
-from cloudtrain.training.optim import build_optimizer, build_scheduler, keep_settings, schedule_name, settings
+from cloudtrain.training.optim import (
+    build_optimizer,
+    build_scheduler,
+    keep_settings,
+    other_schedule,
+    schedule_name,
+    settings,
+)
 from cloudtrain.training.preemption import PreemptionSignal, UnlessCutShort, until
 from cloudtrain.training.prefetch import InputClock
 from cloudtrain.training.result import LaunchStart, TrainResult
@@ -357,7 +364,7 @@ class Trainer:
                 flush=True,
             )
         schedule = schedule_name(self.cfg)
-        if resume_from and state.schedule not in (None, schedule) and self.is_main_process:
+        if resume_from and other_schedule(state.schedule, schedule) and self.is_main_process:
             print(
                 f"note: {resume_from.name} was trained on a {state.schedule} schedule; this run's is {schedule}, and "
                 f"from step {state.global_step} the learning rate follows it",
