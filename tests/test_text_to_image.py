@@ -459,6 +459,10 @@ def test_metadata_rows_that_are_no_objects_byte_order_marks_and_huge_images(tmp_
         (folder / f"{name}.txt").write_bytes("\ufeffa square".encode())
     examples = images.captioned_examples(str(folder), "text")
     assert [e.caption for e in examples] == ["a square", "a square"]
+    (folder / "._0.png").write_bytes(b"\x00\x05\x16\x07 AppleDouble")  # macOS's, beside a zip's images: left out
+    (folder / "__MACOSX").mkdir()
+    (folder / "__MACOSX" / "._1.png").write_bytes(b"AppleDouble")
+    assert [e.image.name for e in images.captioned_examples(str(folder), "text")] == ["0.png", "1.png"]
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # each square is over it twice: a bomb by PIL's rule
     with pytest.raises(UserError, match="none of the 2 training images could be read"):
         images.readable(examples, 8, "training")

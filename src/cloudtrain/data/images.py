@@ -55,7 +55,15 @@ def _named(image: Any) -> str:
 
 
 def image_files(folder: Path) -> list[Path]:
-    return sorted(f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES)
+    return sorted(
+        f for f in folder.rglob("*") if f.is_file() and f.suffix.lower() in IMAGE_SUFFIXES and shown(f, folder)
+    )
+
+
+def shown(file: Path, folder: Path) -> bool:
+    """Not hidden: macOS leaves ._name.png and __MACOSX/ beside a zip's images (Hugging Face's imagefolder skips
+    them too; found in audit: a folder of captioned images was refused for them)."""
+    return not any(part.startswith(".") or part == "__MACOSX" for part in file.relative_to(folder).parts)
 
 
 def folder_images(folder: str, flag: str) -> list[Path]:
@@ -91,7 +99,7 @@ def captioned_examples(folder: str, caption_column: str) -> list[Example]:
             f"(first: {missing[0].name} has no {missing[0].with_suffix('.txt').name}){hint}"
         )
     captioned = {f.with_suffix(".txt") for f in files}
-    orphans = sorted(t for t in path.rglob("*.txt") if t not in captioned)
+    orphans = sorted(t for t in path.rglob("*.txt") if t not in captioned and shown(t, path))
     if orphans:  # an image in a format not read here, or one deleted: said, not dropped silently
         print(
             f"note: {len(orphans)} caption file(s) in {folder} have no image in a format read here "
