@@ -81,7 +81,8 @@ PYTEST_WORKERS ?= 2
 text-to-image: setup
 	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py
 	OMP_NUM_THREADS=1 $(PY) src/training_application.py --config configs/text_to_image_digits.yaml $(OWN_FOLDER) $(ARGS)
-	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py --score outputs/t2i-digits
+	OUT=$$(echo " $(ARGS) " | sed -n 's/.* --output_dir[ =]\([^ ]*\).*/\1/p'); \
+	OMP_NUM_THREADS=1 $(PY) scripts/make_t2i_digits.py --score "$${OUT:-outputs/t2i-digits}"  # ARGS' folder, if any
 
 # DeepSpeed's async I/O op (--offload_* nvme), compiled into torch's extension cache where libaio is installed, as
 # a run loads it: seconds when up to date, minutes when not (a run would otherwise compile it inside its own time).

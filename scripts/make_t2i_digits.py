@@ -90,7 +90,13 @@ def score(pipeline_dir: str, classifier: object, samples: int, steps: int, guida
     """Each digit's prompt rendered from `samples` seeds; the share the classifier reads as that digit."""
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(pipeline_dir, safety_checker=None, requires_safety_checker=False)
+    folder = Path(pipeline_dir)
+    if (folder / "model_index.json").is_file():  # a full fine-tune: the whole pipeline
+        pipe = DiffusionPipeline.from_pretrained(folder, safety_checker=None, requires_safety_checker=False)
+    else:  # a LoRA (--peft lora): into the base pipeline its run names
+        base = json.loads((folder / "args.json").read_text())["model_name_or_path"]
+        pipe = DiffusionPipeline.from_pretrained(base, safety_checker=None, requires_safety_checker=False)
+        pipe.load_lora_weights(folder)
     pipe.set_progress_bar_config(disable=True)
     accuracy = {}
     for digit in range(10):

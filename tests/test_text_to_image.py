@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO
 from PIL import Image
 from t2i_fixtures import PROMPT, build_tiny_pipeline, captioned_folder, options, plain_folder, square
 
@@ -697,3 +698,20 @@ def test_the_compute_dtype_is_diffusers_and_follows_a_cast_of_the_whole_model():
     assert compute_dtype(vae) == vae.dtype == torch.float32
     vae.to(torch.bfloat16)
     assert compute_dtype(vae) == vae.dtype == torch.bfloat16
+
+
+def test_the_digits_demo_scores_a_lora_in_its_base_pipeline(lora_run):
+    """`make text-to-image ARGS="--peft lora"` scored the default folder, and its scorer loaded only whole
+    pipelines: OSError, no model_index.json (found in audit)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("t2i_digits", REPO / "scripts" / "make_t2i_digits.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)
+
+    class EveryImageIsAZero:
+        def predict(self, features):
+            return np.zeros(len(features), dtype=int)
+
+    accuracy = demo.score(lora_run["output_dir"], EveryImageIsAZero(), 1, 1, 1.0)
+    assert accuracy[0] == 1.0 and accuracy[1] == 0.0 and len(accuracy) == 10
