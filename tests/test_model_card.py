@@ -107,3 +107,6 @@ def test_a_streamed_hub_dataset_is_linked_by_its_repo_id():
     listed = DataConfig(datasets=[{"path": "web/*.jsonl", "weight": 2}, {"path": "books.jsonl"}])
     assert dataset_info(listed)[0] is None and "Reuters" not in dataset_info(listed)[1]
     assert dataset_info(DataConfig(datasets=[{"path": "hf://datasets/alice/corpus"}]))[0] == "alice/corpus"
+    # a presigned URL's query (its signature) is no part of the name (found in review)
+    signed = "https://b.s3.amazonaws.com/k.jsonl?X-Amz-Signature=abc123&X-Amz-Credential=x"
+    assert dataset_info(DataConfig(train_file=signed)) == (None, "k.jsonl")

@@ -341,9 +341,11 @@ def test_a_config_that_builds_no_model_and_an_unwritable_cache_are_one_line(tmp_
     assert "; set CLOUDTRAIN_CACHE to a folder you can write" in capsys.readouterr().err
 
 
-def test_an_attention_kernel_transformers_does_not_know_is_the_run_s_one_line(capsys):
+def test_an_attention_kernel_transformers_does_not_know_is_the_run_s_one_line(capsys, tmp_path):
     """`plan --attn_implementation bogus` planned "bogus attention" and printed a command the run refuses (audit)."""
     argv = ["plan", "--task", "causal_lm", "--model_config", "llama-8m", "--gpu_memory_gb", "24"]
     argv += ["--tokenizer_name_or_path", str(REPO / "data" / "grimm" / "tokenizer"), "--attn_implementation", "bogus"]
     assert main(argv) == 2
     assert "error: --attn_implementation bogus is not an attention kernel transformers knows" in capsys.readouterr().err
+    argv[-1] = "kernels-community/flash-attn"  # a Hub kernel: installed where it trains, not where it is planned
+    assert main([*argv, "--json", "--output_dir", str(tmp_path / "plan")]) in (0, None)

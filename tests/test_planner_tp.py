@@ -219,6 +219,11 @@ def test_no_context_parallel_rows_where_the_run_refuses_it(small, tmp_path):
     assert 2 in degrees(small, "plain")
     assert degrees(small, "sdpa", attn_implementation="sdpa") == {1}
     assert degrees(str(windowed), "windowed") == {1}
+    # pinned, the run's reason (found in review: "no degree divides the model's heads")
+    for model, more, says in ((small, {"attn_implementation": "sdpa"}, "leave --attn_implementation out"),
+                              (str(windowed), {}, "the model uses sliding-window attention")):  # fmt: skip
+        with pytest.raises(UserError, match=f"--strategy cp_fsdp: context parallelism .*{says}"):
+            planning.make_plan(plan_args(model, tmp_path / "pinned", **options, **more, strategy="cp_fsdp"))
 
 
 def test_a_pinned_split_does_not_claim_data_parallelism_fits_nothing(tmp_path):

@@ -467,6 +467,13 @@ def test_metadata_rows_that_are_no_objects_byte_order_marks_and_huge_images(tmp_
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # each square is over it twice: a bomb by PIL's rule
     with pytest.raises(UserError, match="none of the 2 training images could be read"):
         images.readable(examples, 8, "training")
+    import datasets  # a dataset's image column: decoded when read, so skipped alike (found in review: a traceback)
+
+    pictures = datasets.Dataset.from_dict(
+        {"picture": [square((1, 2, 3))]}, features=datasets.Features({"picture": datasets.Image()})
+    )
+    with pytest.raises(UserError, match="none of the 1 training images could be read"):
+        images.readable([images.Example(images.DatasetImage(pictures, 0, "picture"), "x")], 8, "training")
 
 
 def test_caption_files_without_an_image_read_here_are_named_in_a_note(tmp_path, capsys):
@@ -671,6 +678,14 @@ def test_a_dataset_with_an_image_column_trains_through_the_data_sources(tiny_sd,
             )
         )
     rows["caption"][1] = "a red square"
+    # paths as large_string (Arrow tables, parquet from polars) are paths too (found in review)
+    for i, picture in enumerate(rows["picture"]):
+        picture.save(tmp_path / f"{i}.png")
+    paths = {"picture": [str(tmp_path / f"{i}.png") for i in range(3)], "caption": rows["caption"]}
+    large = datasets.Features({"picture": datasets.Value("large_string"), "caption": datasets.Value("string")})
+    datasets.Dataset.from_dict(paths, features=large).save_to_disk(str(tmp_path / "paths"))
+    by_path = {**common, "dataset_name": str(tmp_path / "paths")}
+    assert train(options(tiny_sd, tmp_path / "by-path", caption_column="caption", **by_path))["train"]["global_step"]
     datasets.Dataset.from_dict({**rows, "number": [1, 2, 3]}).save_to_disk(str(tmp_path / "numbered"))
     numbers = {**common, "dataset_name": str(tmp_path / "numbered"), "image_column": "number"}  # a traceback (audit)
     with pytest.raises(UserError, match="--image_column number of --dataset_name .* holds Value.*not images or"):

@@ -89,7 +89,8 @@ def _check(args: argparse.Namespace) -> None:
             ),
         ]
     )
-    if args.attn_implementation and args.attn_implementation != "flex_attention":  # (flex: CUDA, which plans are for)
+    attention = args.attn_implementation
+    if attention and attention != "flex_attention" and "/" not in attention:  # (flex: CUDA; a Hub kernel: theirs)
         check_attention_name(build_config({"attn_implementation": args.attn_implementation}))  # the run's own line
 
 
@@ -145,7 +146,7 @@ def _distinct(c: Candidate, setup: Setup) -> bool:
     return c.strategy.fsdp_sharding != "hybrid_shard" or (setup.num_nodes > 1 and setup.num_gpus > 1)
 
 
-def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
+def _no_row(m: ModelFacts, setup: Setup, key: str, attention: str | None = None) -> str:
     """Why a --strategy the planner knows has no row here (what the run would refuse, or what it would equal)."""
     if key in ("tp", "tp_fsdp", "cp_fsdp"):
         if setup.num_gpus < 2 or not m.decoder:
@@ -154,6 +155,10 @@ def _no_row(m: ModelFacts, setup: Setup, key: str) -> str:
             return f"--context_parallel_size runs --task {', '.join(t.name for t in TASKS if t.context_parallel)} only"
         if m.model_copy and key == "cp_fsdp":  # (tensor parallelism refuses the task itself: no_tensor_parallel)
             return "the planner does not estimate the frozen reference copy under CP: --strategy fsdp shards it"
+        if key == "cp_fsdp" and attention not in (None, "", "varlen"):  # the run's own rules (parallel.context)
+            return "context parallelism computes attention over the varlen kernels: leave --attn_implementation out"
+        if key == "cp_fsdp" and m.varlen_misfit:
+            return f"context parallelism computes causal attention over varlen kernels; the model {m.varlen_misfit}"
         if key == "cp_fsdp":
             return f"no degree dividing the {setup.num_gpus} GPUs divides the model's heads and its KV heads"
         if key == "tp_fsdp" and not no_tensor_parallel(m, setup):
@@ -335,7 +340,7 @@ def _rows(
     if not asked and any(c.strategy.key == args.strategy for c in every):  # rows, none with the adapter asked for
         raise UserError(f"--strategy {args.strategy} --peft {args.peft}: {_no_adapter_row(args.strategy)}")
     if args.strategy not in ("auto", PIPELINE.key) and not any(c.strategy.key == args.strategy for c in cands):
-        raise UserError(f"--strategy {args.strategy}: {_no_row(m, setup, args.strategy)}")
+        raise UserError(f"--strategy {args.strategy}: {_no_row(m, setup, args.strategy, args.attn_implementation)}")
     rows = [row(m, c, setup, requested * c.model_parallel) for c in cands]  # a TP/CP group: its processes' rows
     allowed = [
         r

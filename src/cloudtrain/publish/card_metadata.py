@@ -9,6 +9,7 @@ and the built-in Reuters R8.
 """
 
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import yaml
 from huggingface_hub import EvalResult, ModelCardData, metadata_load
@@ -137,4 +138,5 @@ def dataset_info(cfg: DataConfig) -> tuple[str | None, str]:
     if source.startswith(HUB_DATASETS) and "," not in source:  # one streamed Hub dataset: link it
         repo = "/".join(source.removeprefix(HUB_DATASETS).split("@")[0].split("/")[:2])
         return repo, repo
-    return None, ", ".join(Path(part.rstrip("/")).name for part in source.split(","))  # local files or folders
+    # local files or folders; a URL without its query (a presigned URL's signature)
+    return None, ", ".join(Path(urlsplit(part).path.rstrip("/")).name for part in source.split(","))

@@ -252,7 +252,8 @@ class TextToImageTask(Task):
             return images.captioned_examples(ic.train_data_dir, ic.caption_column), []
         train = raw["train"]
         feature = train.features[ic.image_column]
-        if not (isinstance(feature, datasets.Image) and feature.decode) and feature != datasets.Value("string"):
+        texts = isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")  # image paths
+        if not (isinstance(feature, datasets.Image) and feature.decode) and not texts:
             raise UserError(
                 f"--image_column {ic.image_column} of --dataset_name {cfg.data.dataset_name} holds {feature}, not "
                 "images or image paths; name the column that holds the images"
