@@ -388,3 +388,6 @@ def test_sides_beyond_the_sd3_position_embedding_are_refused_in_one_line(tiny_sd
     cfg = config(patched, tmp_path, train_data_dir=squares, resolution=32, aspect_ratio_bucketing=True)
     with pytest.raises(UserError, match="^--resolution 32: its longest aspect-ratio bucket"):
         TextToImageTask(cfg).check_options(cfg)
+    # the floor is training's bucket step (the VAE's factor x 8: 16 px here), not the patch's twice that (review)
+    cfg = config(patched, tmp_path, train_data_dir=squares, resolution=16, aspect_ratio_bucketing=True)
+    TextToImageTask(cfg).check_options(cfg)

@@ -74,7 +74,7 @@ class TextToImageTask(Task):
         path = diffusion.local_pipeline(m.model_name_or_path)
         index = diffusion.read_model_index(path)
         _check_loss_options(cfg, index)
-        factor = diffusion.vae_scale_factor(path)
+        factor = vae = diffusion.vae_scale_factor(path)
         what = "the VAE's downscaling factor"
         if sd3.is_sd3(index):
             transformer = diffusion.denoiser_class(index)[1].load_config(path, subfolder="transformer")
@@ -96,10 +96,10 @@ class TextToImageTask(Task):
                 "--merge_adapters true merges a text model's adapter; a text-to-image LoRA loads into the base "
                 "pipeline with load_lora_weights (and pipeline.fuse_lora() merges it there): drop the option"
             )
-        if ic.aspect_ratio_bucketing and ic.resolution < factor * 8:
+        if ic.aspect_ratio_bucketing and ic.resolution < (step := bucket_step(vae)):  # training's buckets' step
             raise UserError(
-                f"--aspect_ratio_bucketing makes sides of multiples of {factor * 8} px (8 latent pixels): "
-                f"--resolution {ic.resolution} is below that; use {factor * 8} or more"
+                f"--aspect_ratio_bucketing makes sides of multiples of {step} px (8 latent pixels): "
+                f"--resolution {ic.resolution} is below that; use {step} or more"
             )
         self._check_sharding(cfg)
 
@@ -545,7 +545,7 @@ def _check_sd3_sides(ic: Any, vae_factor: int, transformer: dict) -> None:
     """SD3's position embedding covers sides up to a size (192 patches: 3072 px for SD3 medium); the square, or
     with --aspect_ratio_bucketing the longest bucket's side (up to 4:1), must fit in it."""
     limit = sd3.largest_side(vae_factor, transformer)
-    if not limit or (ic.aspect_ratio_bucketing and ic.resolution < sd3.pixel_multiple(vae_factor, transformer) * 8):
+    if not limit or (ic.aspect_ratio_bucketing and ic.resolution < bucket_step(vae_factor)):
         return  # a resolution too small for buckets is refused by check_options' own line
     from cloudtrain.data.image_buckets import bucket_sizes
 
