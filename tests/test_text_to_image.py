@@ -449,12 +449,14 @@ def test_metadata_rows_that_are_no_objects_byte_order_marks_and_huge_images(tmp_
     from PIL import Image
 
     folder = captioned_folder(tmp_path / "rows", n=2)
-    for line, kind in (('["0.png", "x"]', "list"), ('"0.png x"', "str"), ("null", "NoneType")):
+    for line, kind in (('["0.png", "x"]', "list"), ('"0.png x"', "str"), ("null", "null")):
         (folder / "metadata.jsonl").write_text(line + "\n")
         with pytest.raises(UserError, match=f"row 1 is {kind}, not a JSON object with file_name$"):
             images.captioned_examples(str(folder), "text")
     (folder / "metadata.jsonl").write_bytes('\ufeff{"file_name": "0.png", "text": "x"}\n'.encode())
     assert [e.caption for e in images.captioned_examples(str(folder), "text")] == ["x"]
+    (folder / "metadata.jsonl").write_text('{"file_name": "0.png", "text": "a\u2028b"}\n')  # JSON Lines: \n only
+    assert [e.caption for e in images.captioned_examples(str(folder), "text")] == ["a\u2028b"]
     (folder / "metadata.jsonl").unlink()  # the .txt layout
     for name in ("0", "1"):
         (folder / f"{name}.txt").write_bytes("\ufeffa square".encode())

@@ -118,7 +118,7 @@ def _read_text(file: Path) -> str:
 
 def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> list[Example]:
     rows = []
-    for number, line in enumerate(_read_text(metadata).splitlines(), 1):
+    for number, line in enumerate(_read_text(metadata).split("\n"), 1):  # (a caption may hold U+2028: no new line)
         if not line.strip():
             continue
         try:
@@ -127,7 +127,8 @@ def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> lis
             raise UserError(f"{metadata} line {number} is not JSON: {err.msg}") from None
     for number, row in enumerate(rows, 1):
         if not isinstance(row, dict):
-            raise UserError(f"{metadata} row {number} is {type(row).__name__}, not a JSON object with file_name")
+            kind = "null" if row is None else type(row).__name__
+            raise UserError(f"{metadata} row {number} is {kind}, not a JSON object with file_name")
         if caption_column not in row:
             raise UserError(
                 f"{metadata} row {number} has no caption column {caption_column!r} (its keys: "

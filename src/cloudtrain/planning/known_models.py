@@ -174,16 +174,16 @@ def config_folder(name: str) -> str | None:
     cache = Path(os.environ.get("CLOUDTRAIN_CACHE", Path.home() / ".cache" / "cloudtrain"))
     folder = cache / "known-models" / short
     if not (folder / "config.json").is_file():
+        config = known_config(short, num_labels=2)  # a reader passes its own num_labels
+        assert config is not None  # short is in the table
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            partial = folder / f"config.json.{os.getpid()}"
+            partial.write_text(config.to_json_string())
+            partial.replace(folder / "config.json")  # a concurrent plan reads a whole file or none
         except OSError as err:
             raise UserError(
                 f"cannot write the model's config under {cache} ({err.strerror}); set CLOUDTRAIN_CACHE to a folder "
                 "you can write"
             ) from None
-        config = known_config(short, num_labels=2)  # a reader passes its own num_labels
-        assert config is not None  # short is in the table
-        partial = folder / f"config.json.{os.getpid()}"
-        partial.write_text(config.to_json_string())
-        partial.replace(folder / "config.json")  # a concurrent plan reads a whole file or none
     return str(folder)
