@@ -74,7 +74,7 @@ def folder_images(folder: str, flag: str) -> list[Path]:
     return files
 
 
-def captioned_examples(folder: str, caption_column: str) -> list[Example]:
+def captioned_examples(folder: str, caption_column: str, notes: bool = True) -> list[Example]:
     """--train_data_dir's images and captions: metadata.jsonl when present, else a .txt file per image."""
     path = Path(folder)
     files = folder_images(folder, "--train_data_dir")
@@ -83,7 +83,7 @@ def captioned_examples(folder: str, caption_column: str) -> list[Example]:
         examples = _metadata_examples(path, metadata, caption_column)
         listed = {e.image.resolve() for e in examples}
         unlisted = [f for f in files if f.resolve() not in listed]
-        if unlisted:  # the .txt layout refuses an image without a caption; here it is a choice the file may have made
+        if unlisted and notes:  # the .txt layout refuses an image without a caption; here a choice the file made
             print(
                 f"note: {len(unlisted)} image(s) in {folder} are not in its {METADATA} and are left out (first: "
                 f"{unlisted[0].relative_to(path)})",
@@ -100,7 +100,7 @@ def captioned_examples(folder: str, caption_column: str) -> list[Example]:
         )
     captioned = {f.with_suffix(".txt") for f in files}
     orphans = sorted(t for t in path.rglob("*.txt") if t not in captioned and shown(t, path))
-    if orphans:  # an image in a format not read here, or one deleted: said, not dropped silently
+    if orphans and notes:  # an image in a format not read here, or one deleted: said, not dropped silently
         print(
             f"note: {len(orphans)} caption file(s) in {folder} have no image in a format read here "
             f"({', '.join(IMAGE_SUFFIXES)}) and are left out (first: {orphans[0].relative_to(path)})",

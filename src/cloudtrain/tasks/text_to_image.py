@@ -124,7 +124,7 @@ class TextToImageTask(Task):
         data sources, so a run on folders never looks for the built-in text data."""
         ic = cfg.images
         if ic.train_data_dir:
-            images.captioned_examples(ic.train_data_dir, ic.caption_column)
+            images.captioned_examples(ic.train_data_dir, ic.caption_column, notes=False)  # (said when it is read)
         elif ic.dreambooth:
             images.dreambooth_examples(ic)
         elif cfg.data.dataset_name:
