@@ -89,8 +89,10 @@ def test_an_adapter_push_uploads_the_adapter_its_labels_and_the_merged_model_but
         | ({"training_curves.png"} if (out / "training_curves.png").exists() else set())
     )
     assert set(upload.files) - {".gitattributes"} == expected  # no top-level model.safetensors, no checkpoint
-    for name in expected:
+    for name in expected - {"args.json", "merged/args.json"}:
         assert upload.files[name] == (out / name).read_bytes(), name  # a local base: adapter_config.json as is
+    for name in ("args.json", "merged/args.json"):  # the path options' last parts only
+        assert json.loads(upload.files[name])["output_dir"] == out.name, name
 
 
 @pytest.mark.slow
