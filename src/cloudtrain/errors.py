@@ -47,16 +47,13 @@ def report(line: str, status: int, echo: bool = True, transient: bool = False) -
     distinct line of the launch's failed processes once. An attempt torchrun will restart also prints it here, once
     for all its processes, as the launcher sees only the last attempt's (`echo` False: recorded only)."""
     env = os.environ
-    folder, rank, pid = env.get(ERROR_DIR), int(env.get("RANK", "0")), os.getpid()
+    folder = env.get(ERROR_DIR)
     attempt, restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
     if attempt >= restarts and status not in (130, 143):  # the job's last word, not a stop: SageMaker's reason
         _sagemaker_failure(line)
     if folder:
-        record = {"rank": rank, "pid": pid, "attempt": attempt, "line": line, "status": status, "transient": transient}
-        path = Path(folder) / f"{attempt}-{rank}.json"
         try:
-            path.with_suffix(".tmp").write_text(json.dumps(record))
-            path.with_suffix(".tmp").replace(path)  # whole or absent, were this process killed while writing
+            _record(Path(folder), line, status, transient)
             if attempt >= restarts or status in (130, 143) or not echo:  # the last attempt, or stopped: never restarted
                 return
             if not _first_to_say(Path(folder), attempt, line):  # another process of this attempt said it
@@ -69,14 +66,27 @@ def report(line: str, status: int, echo: bool = True, transient: bool = False) -
 def record_quiet(status: int) -> None:
     """Under `cloudtrain launch`: this process's exit, whose error another process of the launch reports, recorded
     without a line (the launcher told "exited with status 1; its output is above" of an output that said nothing)."""
-    env = os.environ
-    if folder := env.get(ERROR_DIR):
-        attempt, rank = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("RANK", "0"))
-        record = {"rank": rank, "pid": os.getpid(), "attempt": attempt, "line": None, "status": status}
+    if folder := os.environ.get(ERROR_DIR):
         with contextlib.suppress(OSError):
-            path = Path(folder) / f"{attempt}-{rank}.json"
-            path.with_suffix(".tmp").write_text(json.dumps(record))
-            path.with_suffix(".tmp").replace(path)
+            _record(Path(folder), None, status)
+
+
+def _record(folder: Path, line: str | None, status: int, transient: bool = False) -> None:
+    """This process's record for the launcher (cloudtrain.commands.launch reads them), written whole or not at all
+    (were this process killed while writing)."""
+    env = os.environ
+    attempt, rank = int(env.get("TORCHELASTIC_RESTART_COUNT", "0")), int(env.get("RANK", "0"))
+    record = {
+        "rank": rank,
+        "pid": os.getpid(),
+        "attempt": attempt,
+        "line": line,
+        "status": status,
+        "transient": transient,
+    }
+    path = folder / f"{attempt}-{rank}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(record))
+    path.with_suffix(".tmp").replace(path)
 
 
 def _sagemaker_failure(line: str) -> None:

@@ -344,19 +344,15 @@ def retry_command(output_dir: Path, cfg: HubConfig) -> str:
     SageMaker job the folder goes with the instance: the job's model.tar.gz is downloaded first, on your machine."""
     assert cfg.hub_model_id is not None  # check_access checked it
     job = job_name(os.environ) if in_training_job() else None
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    download = ["python", "sagemaker/launch.py", "download", shlex.quote(job or "")]
-    if job:  # run from the repository's root on your machine, not the container's command line
-        output_dir = Path("outputs") / "sagemaker" / job  # where `sagemaker/launch.py download` unpacks it
-    parts = [
-        *([*download, *(["--region", shlex.quote(region)] if region else []), "&&"] if job else []),
-        "python src/training_application.py" if job else invocation.command(),
-        "push",
-        "--output_dir",
-        shlex.quote(str(output_dir if job else Path(output_dir).resolve())),
-        "--hub_model_id",
-        shlex.quote(cfg.hub_model_id),
-    ]
+    if job:  # from the repository's root on your machine: the job's model first, where `download` unpacks it
+        region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+        parts = ["python", "sagemaker/launch.py", "download", shlex.quote(job)]
+        parts += ["--region", shlex.quote(region)] if region else []
+        parts += ["&&", "python", "src/training_application.py", "push", "--output_dir"]
+        parts += [shlex.quote(f"outputs/sagemaker/{job}")]
+    else:
+        parts = [invocation.command(), "push", "--output_dir", shlex.quote(str(Path(output_dir).resolve()))]
+    parts += ["--hub_model_id", shlex.quote(cfg.hub_model_id)]
     if cfg.hub_revision:
         parts += ["--hub_revision", shlex.quote(cfg.hub_revision)]
     if cfg.hub_private_repo:
