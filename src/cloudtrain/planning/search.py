@@ -301,8 +301,8 @@ def _copy_reason(m: ModelFacts, c: Candidate, setup: Setup) -> str:
 
 
 def _fewest_nodes(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> int | None:
-    """The fewest nodes, up to 64 times this many, on which something fits: doubling, then halving the gap (more
-    nodes shard more; one by one took minutes on a plan of 64 nodes)."""
+    """The fewest nodes, up to 64 times this many, on which something fits, by halving the gap (more nodes shard
+    more; one by one took minutes on a plan of 64 nodes)."""
     low, high = setup.num_nodes, setup.num_nodes * 64
     if not _fits_anything(m, replace(setup, num_nodes=high), cands):
         return None
