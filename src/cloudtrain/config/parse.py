@@ -333,6 +333,14 @@ def with_bases(data: dict, folder: Path, chain: tuple[Path, ...] = (), origin: s
     return {**load_config_file(str(base_file), chain), **values}
 
 
+def check_name(key: object, origin: str, where: str = "") -> None:
+    """A key YAML read as a value (on, yes, no, a number) is no option name: said in one line."""
+    if not isinstance(key, str):
+        raise UserError(
+            f"{origin}: {key!r}{where} is not an option name (YAML reads on, yes, no and numbers as values); quote it"
+        )
+
+
 def flatten(data: dict, origin: str = "the config") -> dict:
     """{flag name: value} from options given flat or grouped under their section names. A section holds its own
     options only: an option under another section's name is a mistake (the file's reader would look for it
@@ -341,19 +349,12 @@ def flatten(data: dict, origin: str = "the config") -> dict:
     known = option_fields()
     flat = {}
     for key, value in data.items():
-        if not isinstance(key, str):  # YAML reads on/yes/no and numbers as such
-            raise UserError(
-                f"{origin}: {key!r} is not an option name (YAML reads on, yes, no and numbers as values); quote it"
-            )
+        check_name(key, origin)
         if key in sections and value is None:  # a section whose options are all commented out
             value = {}
         if key in sections and isinstance(value, dict):
-            if bad := next((name for name in value if not isinstance(name, str)), None):  # (under a section too)
-                raise UserError(
-                    f"{origin}: {bad!r} under {key} is not an option name (YAML reads on, yes, no and numbers as "
-                    "values); quote it"
-                )
             for name in value:
+                check_name(name, origin, f" under {key}")
                 home = known[name][0] if name in known else key
                 if home != key:
                     raise UserError(
