@@ -37,16 +37,15 @@ class OnlyFields:
     and the run trained at the default rate."""
 
     def __setattr__(self, name: str, value: Any) -> None:
-        import dataclasses
+        fields = self.__dataclass_fields__  # type: ignore[attr-defined]
+        if name in fields:  # (every field each config is built with: nothing more here)
+            object.__setattr__(self, name, value)
+            return
         import difflib
 
         from cloudtrain.config.root import option_fields
 
-        names = [f.name for f in dataclasses.fields(self)]  # type: ignore[arg-type]
-        if name in names:
-            object.__setattr__(self, name, value)
-            return
         section = option_fields().get(name, ("",))[0]
-        close = difflib.get_close_matches(name, names, n=1)
+        close = difflib.get_close_matches(name, list(fields), n=1)
         hint = f"; it is an option of cfg.{section}" if section else f"; did you mean {close[0]}?" if close else ""
         raise AttributeError(f"{type(self).__name__} has no option {name!r}{hint}")
