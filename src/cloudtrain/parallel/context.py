@@ -23,9 +23,18 @@ from cloudtrain.errors import UserError
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import GroupRuntime, Runtime
 
+ATTENTION_REFUSAL = (
+    "computes attention with its all-to-all over cloudtrain's varlen kernels: leave --attn_implementation out"
+)
+
 
 def degree(cfg: Config) -> int:
     return cfg.distributed.context_parallel_size
+
+
+def attention_fits(attn_implementation: str | None) -> bool:
+    """Whether context parallelism can run with this --attn_implementation (its attention is the varlen kernels)."""
+    return attn_implementation in (None, "", "varlen")
 
 
 def context_mesh(cfg: Config, processes: int) -> Mesh:
@@ -48,10 +57,7 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
             d.fsdp and d.fsdp_sharding_strategy == "hybrid_shard",
             "with --fsdp shards over every process: use --fsdp_sharding_strategy full_shard or shard_grad_op",
         ),
-        (
-            cfg.model.attn_implementation not in (None, "", "varlen"),
-            "computes attention with its all-to-all over cloudtrain's varlen kernels: leave --attn_implementation out",
-        ),
+        (not attention_fits(cfg.model.attn_implementation), ATTENTION_REFUSAL),
     ]
     for refused, why in refusals:
         if refused:

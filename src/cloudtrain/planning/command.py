@@ -33,6 +33,7 @@ from cloudtrain.models.diffusion import lora_targets as diffusion_lora_targets
 from cloudtrain.models.diffusion import read_model_index
 from cloudtrain.models.kernels import liger_installed, liger_knows
 from cloudtrain.models.prepare import check_attention_name
+from cloudtrain.parallel.context import ATTENTION_REFUSAL, attention_fits
 from cloudtrain.parallel.distributed import Sharding
 from cloudtrain.planning.accelerators import Gpu, gpu_by_name
 from cloudtrain.planning.diffusion import STRATEGIES as PIPELINE_STRATEGIES
@@ -155,8 +156,8 @@ def _no_row(m: ModelFacts, setup: Setup, key: str, attention: str | None = None)
             return f"--context_parallel_size runs --task {', '.join(t.name for t in TASKS if t.context_parallel)} only"
         if m.model_copy and key == "cp_fsdp":  # (tensor parallelism refuses the task itself: no_tensor_parallel)
             return "the planner does not estimate the frozen reference copy under CP: --strategy fsdp shards it"
-        if key == "cp_fsdp" and attention not in (None, "", "varlen"):  # the run's own rules (parallel.context)
-            return "context parallelism computes attention over the varlen kernels: leave --attn_implementation out"
+        if key == "cp_fsdp" and not attention_fits(attention):  # the run's own rule
+            return f"context parallelism {ATTENTION_REFUSAL}"
         if key == "cp_fsdp" and m.varlen_misfit:
             return f"context parallelism computes causal attention over varlen kernels; the model {m.varlen_misfit}"
         if key == "cp_fsdp":
@@ -329,7 +330,7 @@ def _rows(
         )
     if args.strategy == PIPELINE.key and not pipes:
         raise UserError(f"--strategy pipeline: no pipeline can run here: {no_pipeline(m, setup)}")
-    cp = context_candidates(m, setup) if args.attn_implementation in (None, "", "varlen") else []  # (run's refusal)
+    cp = context_candidates(m, setup) if attention_fits(args.attn_implementation) else []  # (run's refusal)
     splits = tensor_candidates(m, setup) + cp
     every = [c for c in candidates(adapters, pipes, splits) if _distinct(c, setup)]
     cands = [c for c in every if runnable(m, run_task, task_cfg, c) and not _fused_refusal(setup, c)]
