@@ -100,6 +100,10 @@ def test_the_trained_prediction_type_renders_and_is_saved_with_the_pipeline(tiny
     lora = config(tiny_sd, tmp_path / "lora", prediction_type="v_prediction", peft="lora")
     task = TextToImageTask(lora)
     assert "prediction_type='v_prediction'" in task.inference_hint("out")
+    from cloudtrain.publish.diffusion_card import build_card
+
+    card = build_card(tmp_path / "lora", lora, {}).text  # the card's usage sets it too
+    assert "pipeline.scheduler.from_config(pipeline.scheduler.config, prediction_type='v_prediction')" in card
 
 
 # ---------------------------------------------------------------- saving in diffusers' format

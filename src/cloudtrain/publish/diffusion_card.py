@@ -33,6 +33,12 @@ NOT_FLOW = ("snr_gamma", "noise_offset")
 SD3_TAGS = ["sd3", "sd3-diffusers", "stable-diffusion-3"]
 
 
+def scheduler_line(pipeline: str, prediction_type: str) -> str:
+    """The line that sets what a LoRA learned to predict (the base pipeline's scheduler says its own)."""
+    scheduler = f"{pipeline}.scheduler"
+    return f"{scheduler} = {scheduler}.from_config({scheduler}.config, prediction_type={prediction_type!r})"
+
+
 def pipeline_class(base: str) -> str:
     """The base pipeline's class as its model_index.json names it; DiffusionPipeline when it cannot be read."""
     from cloudtrain.errors import UserError
@@ -89,9 +95,8 @@ def body(
         if lora
         else f'pipeline = {pipeline}.from_pretrained("{repo}")'
     )
-    if lora and ic.prediction_type:  # what the LoRA learned to predict; the base's scheduler says its own
-        config = f'pipeline.scheduler.config, prediction_type="{ic.prediction_type}"'
-        load += f"\npipeline.scheduler = pipeline.scheduler.from_config({config})"
+    if lora and ic.prediction_type:
+        load += "\n" + scheduler_line("pipeline", ic.prediction_type)
 
     lines += [
         "",

@@ -402,11 +402,12 @@ class TextToImageTask(Task):
         base = self.cfg.model.model_name_or_path
         if self.cfg.model.peft == "none":
             return f'DiffusionPipeline.from_pretrained("{output_dir}")("a prompt").images[0]'
-        predicts = self.cfg.images.prediction_type  # the LoRA's; the base's scheduler says its own
-        scheduler = f"p.scheduler = p.scheduler.from_config(p.scheduler.config, prediction_type={predicts!r}); "
+        from cloudtrain.publish.diffusion_card import scheduler_line
+
+        predicts = self.cfg.images.prediction_type
         return (
             f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); '
-            f'{scheduler if predicts else ""}p("a prompt")'
+            f'{scheduler_line("p", predicts) + "; " if predicts else ""}p("a prompt")'
         )
 
 
