@@ -241,6 +241,7 @@ class Split:
     def __init__(self, stop, signal_during: str | None = None):
         self.eval_dls, self.predict_dls = {"validation": [], "test": []}, {"unlabelled": []}
         self.ran, self.stop, self.signal_during, self.phase = [], stop, signal_during, ""
+        self.logged = []
 
     def evaluate(self, split, cut_short):
         self.ran.append(split)
@@ -252,8 +253,8 @@ class Split:
         self.ran.append(split)
         return [0]
 
-    def log_evaluation(self, metrics, name, step, scalars=True):
-        pass
+    def log_evaluation(self, metrics, name, step):
+        self.logged.append((name, step))
 
 
 @pytest.mark.parametrize("alone", [True, False])
@@ -274,6 +275,20 @@ def test_a_signal_during_the_first_split_skips_the_splits_after_it(alone):
     trainer, results = Split(calm), {}
     assert _evaluate(trainer, calm, 3, results) == [] and _predict(trainer, calm) == ({"unlabelled": [0]}, [])
     assert trainer.ran == ["validation", "test", "unlabelled"] and list(results) == ["eval", "test"]
+    assert trainer.logged == [("eval", 3), ("test", 3)]
+
+
+def test_a_best_model_from_an_earlier_step_is_not_logged_as_the_last_steps_validation():
+    """--load_best_model_at_end: the last step's validation point and tables (a text-to-image grid, named by its
+    step) are that step's own model's; the best model's were logged at its own step (a grid was overwritten)."""
+    from cloudtrain.pipeline import _evaluate
+    from cloudtrain.training.preemption import PreemptionSignal
+
+    stop = PreemptionSignal(alone=True)
+    trainer, results = Split(stop), {}
+    assert _evaluate(trainer, stop, 40, results, own_step=False) == []
+    assert trainer.ran == ["validation", "test"] and list(results) == ["eval", "test"]
+    assert trainer.logged == [("test", 40)]
 
 
 @pytest.mark.parametrize("when", ["as the loop's hooks end it", "before the first evaluation batch"])

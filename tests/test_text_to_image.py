@@ -284,13 +284,20 @@ def test_a_folder_given_as_train_file_is_read_as_the_image_folder(tiny_sd, squar
     assert TextToImageTask(with_dir).resolve_options(with_dir).data.train_file == squares  # given images win
 
 
-def test_the_newest_validation_grid_is_published_as_the_card_shows_it(tiny_sd, tmp_path):
-    task = TextToImageTask(config(tiny_sd, tmp_path / "out"))
-    assert task.published_files(tmp_path / "out") == []
-    (tmp_path / "out" / "validation").mkdir(parents=True)
+def test_the_saved_models_validation_grid_is_published_as_the_card_shows_it(tiny_sd, tmp_path):
+    from cloudtrain.publish.diffusion_card import build_card
+
+    cfg = config(tiny_sd, tmp_path / "out")
+    task, grids = TextToImageTask(cfg), tmp_path / "out" / "validation"
+    assert task.published_files(tmp_path / "out", {}) == []
+    grids.mkdir(parents=True)
     for step in (3, 12, 6):
-        square((1, 2, 3)).save(tmp_path / "out" / "validation" / f"eval-step-{step:06d}.png")
-    assert task.published_files(tmp_path / "out") == [tmp_path / "out" / "validation" / "eval-step-000012.png"]
+        square((1, 2, 3)).save(grids / f"eval-step-{step:06d}.png")
+    assert task.published_files(tmp_path / "out", {"train": {}}) == [grids / "eval-step-000012.png"]
+    # --load_best_model_at_end chose step 6's model: its grid, not the last step's (a model the run did not save)
+    best = {"train": {"model_from_step": 6}}
+    assert task.published_files(tmp_path / "out", best) == [grids / "eval-step-000006.png"]
+    assert "validation/eval-step-000006.png" in build_card(tmp_path / "out", cfg, best).text
 
 
 def test_zero3_is_refused_in_one_line_in_the_planners_line_too(tiny_sd, squares, tmp_path):

@@ -338,13 +338,15 @@ def _compute_used(train_result, runtime: Runtime) -> dict:
 def _evaluate(trainer: Trainer, stop: PreemptionSignal, step: int, results: dict, own_step: bool = True) -> list[str]:
     """The trained model's metrics on the validation and test splits, logged into `results`; what a signal left
     undone is returned, in words. A model from an earlier step (not `own_step`: --load_best_model_at_end) is not
-    drawn as the last step's point of the validation curve (that step's own model was, by best_model)."""
+    logged as the last step's validation (that step's own model was, by best_model; the model's own step has its
+    numbers and tables, a text-to-image grid under its step's name)."""
     trainer.phase = "evaluation"
     names = {split: name for split, name in (("validation", "eval"), ("test", "test")) if split in trainer.eval_dls}
     done, skipped = _unless_stopped(stop, list(names), lambda split: trainer.evaluate(split, stop.cut_short()))
     for split, metrics in done.items():
         results[names[split]] = metrics
-        trainer.log_evaluation(metrics, names[split], step, scalars=own_step or split != "validation")
+        if own_step or split != "validation":
+            trainer.log_evaluation(metrics, names[split], step)
     return [f"{split} evaluation" for split in skipped]
 
 

@@ -39,6 +39,15 @@ def scheduler_line(pipeline: str, prediction_type: str) -> str:
     return f"{scheduler} = {scheduler}.from_config({scheduler}.config, prediction_type={prediction_type!r})"
 
 
+def shown_grid(output_dir: Path, results: dict) -> Path | None:
+    """The validation grid of the model saved: the newest, or the best step's under --load_best_model_at_end."""
+    grids = sorted((Path(output_dir) / VALIDATION_DIR).glob("*.png"))
+    step = results.get("train", {}).get("model_from_step")
+    if step is not None:
+        grids = [g for g in grids if g.stem.endswith(f"-step-{step:06d}")] or grids
+    return grids[-1] if grids else None
+
+
 def pipeline_class(base: str) -> str:
     """The base pipeline's class as its model_index.json names it; DiffusionPipeline when it cannot be read."""
     from cloudtrain.errors import UserError
@@ -54,8 +63,8 @@ def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     ic, lora = cfg.images, cfg.model.peft != "none"
     base = str(cfg.model.model_name_or_path)
     repo = cfg.hub.hub_model_id or Path(output_dir).name
-    grids = sorted((Path(output_dir) / VALIDATION_DIR).glob("*.png"))
-    last = f"{VALIDATION_DIR}/{grids[-1].name}" if grids else None
+    grid = shown_grid(output_dir, results)
+    last = f"{VALIDATION_DIR}/{grid.name}" if grid else None
     # SD3's class named (its LoRA loader is StableDiffusion3Pipeline's); the others' cards keep DiffusionPipeline
     pipeline = "StableDiffusion3Pipeline" if pipeline_class(base) == "StableDiffusion3Pipeline" else "DiffusionPipeline"
     tags = ["text-to-image", "diffusers", "diffusers-training"]

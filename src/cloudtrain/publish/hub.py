@@ -213,7 +213,7 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
 
     task = build_task(cfg)
     write_card(output_dir, lambda path: task.model_card(output_dir, cfg, results).save(path))
-    files = model_files(output_dir) + task.published_files(output_dir)  # e.g. the card's pictures
+    files = model_files(output_dir) + task.published_files(output_dir, results)  # e.g. the card's pictures
     try:
         api = hub_api(hub)
         with hub_errors(api, hub, f"pushing to {hub.hub_model_id}"):

@@ -272,7 +272,7 @@ class Task:
         """The README.md pushed to the Hub with the model."""
         raise NotImplementedError
 
-    def published_files(self, output_dir: Path) -> list[Path]:
+    def published_files(self, output_dir: Path, results: dict) -> list[Path]:
         """Files of `output_dir` pushed beside the model's own (cloudtrain.publish.hub): those its card shows."""
         return []
 

@@ -372,11 +372,12 @@ class TextToImageTask(Task):
 
         return build_card(output_dir, cfg, results)
 
-    def published_files(self, output_dir: Path) -> list[Path]:
-        """The newest validation grid: the image the card shows (cloudtrain.publish.diffusion_card)."""
-        from cloudtrain.publish.diffusion_card import VALIDATION_DIR
+    def published_files(self, output_dir: Path, results: dict) -> list[Path]:
+        """The validation grid the card shows (cloudtrain.publish.diffusion_card)."""
+        from cloudtrain.publish.diffusion_card import shown_grid
 
-        return sorted((Path(output_dir) / VALIDATION_DIR).glob("*.png"))[-1:]
+        grid = shown_grid(output_dir, results)
+        return [grid] if grid else []
 
     def describe_data(self, data: ProcessedData) -> str:
         assert self.cfg is not None

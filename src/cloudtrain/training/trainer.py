@@ -589,10 +589,9 @@ class Trainer:
             disable=not self.is_main_process or not console.progress_bars(),
         )
 
-    def log_evaluation(self, metrics: dict, prefix: str, step: int, scalars: bool = True) -> None:
-        """An evaluation's numbers (where `scalars`) and tables to the run log."""
-        if scalars:
-            self.run_log.log(scalar_metrics(metrics, f"{prefix}/"), step=step)
+    def log_evaluation(self, metrics: dict, prefix: str, step: int) -> None:
+        """An evaluation's numbers and tables to the run log."""
+        self.run_log.log(scalar_metrics(metrics, f"{prefix}/"), step=step)
         for name, (header, rows) in self.task.tables(metrics).items():
             self.run_log.log_table(f"{prefix}/{name}", header, rows, step=step)
 
