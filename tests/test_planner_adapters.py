@@ -133,9 +133,10 @@ def test_measured_lora_model_states_after_one_step_match_the_estimate(precision,
 
 @pytest.mark.parametrize("peft", ["lora", "dora"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpointing, tmp_path):
+@pytest.mark.parametrize("dropout", [0.05, 0.0])  # without dropout (the default), q, k and v keep one input
+def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpointing, dropout, tmp_path):
     model_dir = small_llama(tmp_path, 1000)
-    spec = LoraSpec(dropout=0.05)
+    spec = LoraSpec(dropout=dropout)
     facts = planning.model_facts(model_dir, task="causal_lm", lora=spec)
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_config(LlamaConfig.from_pretrained(model_dir), dtype=torch.float32)
@@ -147,10 +148,10 @@ def test_adapter_activation_estimate_matches_what_autograd_saves(peft, checkpoin
     }
     measured = saved_activation_bytes(attached(base, peft, spec, "CAUSAL_LM"), batch, checkpointing)
     estimated, _ = planning.adapter_activation_bytes(facts, peft, b, s, half=False, checkpointing=checkpointing)
-    if not checkpointing:  # the CPU's dropout keeps a 4-byte mask per input where CUDA keeps a 1-byte one
+    if dropout and not checkpointing:  # the CPU's dropout keeps a 4-byte mask per input where CUDA keeps 1 byte
         estimated += 3 * b * s * facts.adapters.layer_inputs * facts.num_layers
     print(f"{peft} checkpointing={checkpointing}: saved activations measured {measured} vs estimated {estimated}")
-    assert measured == pytest.approx(estimated, rel=0.15)
+    assert measured == pytest.approx(estimated, rel=0.1)
 
 
 def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(decoder_dirs, tmp_path):

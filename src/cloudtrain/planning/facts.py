@@ -48,6 +48,9 @@ class AdapterFacts:
     layer_adapted: int  # adapted modules in one transformer layer
     layer_inputs: int  # their input features summed (what each adapter keeps for backward)
     layer_outputs: int  # their output features summed (DoRA keeps two output-sized tensors each)
+    # their input features summed once per tensor they read (q, k and v read one): in fp32 without dropout the
+    # adapters keep that tensor itself, not a copy each (layer_inputs where a meta forward could not tell)
+    layer_read: int = 0
     # an encoder-decoder's decoder layer: its adapted cross-attention k and v, which read the encoder's output
     # (source tokens, not target ones): how many, and their input features summed
     cross_adapted: int = 0
@@ -448,6 +451,7 @@ def adapter_facts(model, heads: list[str], spec: LoraSpec, layer) -> AdapterFact
     prefix = next(name for name, module in model.named_modules() if module is layer) + "."
     in_layer = [shape for name, shape in adapted.items() if name.startswith(prefix)]
     cross = [shape for name, shape in adapted.items() if name.startswith(prefix) and _reads_encoder(name)]
+    inputs = {name: shape[0] for name, shape in adapted.items() if name.startswith(prefix)}
     quantized = _quantized_sizes(model)
     return AdapterFacts(
         spec,
@@ -461,7 +465,31 @@ def adapter_facts(model, heads: list[str], spec: LoraSpec, layer) -> AdapterFact
         cross_adapted=len(cross),
         cross_inputs=sum(i for i, _ in cross),
         layer_outputs=sum(o for _, o in in_layer),
+        layer_read=_read_once(model, inputs),
     )
+
+
+def _read_once(model, inputs: dict[str, int]) -> int:
+    """The input features of the modules `inputs` names ({name: in features}) summed once per tensor they read,
+    seen in a forward pass on the meta device; their plain sum where the model cannot run there."""
+    read: dict[str, torch.Tensor] = {}
+    hooks = [
+        model.get_submodule(name).register_forward_pre_hook(lambda _, args, n=name: read.setdefault(n, args[0]))
+        for name in inputs
+    ]
+    ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
+    more = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+    try:
+        model(input_ids=ids, **more)
+    except Exception:  # any model-specific failure on meta tensors: count a copy per adapter, the upper bound
+        read.clear()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    if len(read) < len(inputs):
+        return sum(inputs.values())
+    firsts = {id(tensor): inputs[name] for name, tensor in reversed(read.items())}  # (all alive: held in `read`)
+    return sum(firsts.values())
 
 
 CROSS_ATTENTION = ("encdecattention", "encoder_attn", "crossattention", "cross_attn")  # T5's, BART's, others'

@@ -284,15 +284,20 @@ def adapter_activation_bytes(
 ) -> tuple[int, int]:
     """(saved for backward, backward working space) per GPU with adapters: the frozen linear layers keep no
     inputs, each adapter keeps its own copy of its input (cast to its dtype or dropped out) with the dropout
-    mask, and its r-wide middle; DoRA also keeps two output-sized tensors per adapted module. hidden_bytes: of
-    the residual stream (default: 4 for QLoRA, whose embeddings and norms DDP's preparation upcast, else c)."""
+    mask (in fp32 without dropout, the input itself, once for the adapters that read it), and its r-wide middle;
+    DoRA also keeps two output-sized tensors per adapted module. hidden_bytes: of the residual stream (default: 4
+    for QLoRA, whose embeddings and norms DDP's preparation upcast, else c)."""
     a, h, inter, sb = m.adapters, m.hidden_size, m.intermediate_size, seq * micro_batch
     assert a is not None  # adapter candidates exist only with adapter facts
     c = 2 if half else 4
     hidden = hidden_bytes or (4 if peft == "qlora" else c)
     mask = 1 if m.hidden_dropout else 0
+    # a dropped-out or cast copy of its input per adapter (PEFT casts a 16-bit input to the fp32 adapter's dtype,
+    # autocast back); in fp32 without dropout, the tensors they read, once (q, k and v share one)
+    shared = a.spec.dropout == 0 and hidden == c == 4 and a.layer_read
+    inputs = a.layer_read if shared else a.layer_inputs
     adapters = (
-        c * (a.layer_inputs + a.layer_adapted * a.spec.r)
+        c * (inputs + a.layer_adapted * a.spec.r)
         + (a.layer_inputs if a.spec.dropout > 0 else 0)
         + (2 * c * a.layer_outputs if peft == "dora" else 0)
     )
