@@ -465,22 +465,28 @@ def adapter_facts(model, heads: list[str], spec: LoraSpec, layer) -> AdapterFact
         cross_adapted=len(cross),
         cross_inputs=sum(i for i, _ in cross),
         layer_outputs=sum(o for _, o in in_layer),
-        layer_read=_read_once(model, inputs),
+        layer_read=_read_once(model, layer, inputs),
     )
 
 
-def _read_once(model, inputs: dict[str, int]) -> int:
-    """The input features of the modules `inputs` names ({name: in features}) summed once per tensor they read,
-    seen in a forward pass on the meta device; their plain sum where the model cannot run there."""
+def _read_once(model, layer, inputs: dict[str, int]) -> int:
+    """The input features of the modules `inputs` names ({name: in features}, in `layer`) summed once per tensor
+    they read, seen in a forward pass on the meta device up to `layer`; their plain sum where it cannot run."""
     read: dict[str, torch.Tensor] = {}
+
+    def stop(*_) -> None:
+        raise _LayerDone
+
     hooks = [
         model.get_submodule(name).register_forward_pre_hook(lambda _, args, n=name: read.setdefault(n, args[0]))
         for name in inputs
-    ]
+    ] + [layer.register_forward_hook(stop)]
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     more = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
     try:
         model(input_ids=ids, **more)
+    except _LayerDone:
+        pass
     except Exception:  # any model-specific failure on meta tensors: count a copy per adapter, the upper bound
         read.clear()
     finally:
@@ -490,6 +496,10 @@ def _read_once(model, inputs: dict[str, int]) -> int:
         return sum(inputs.values())
     firsts = {id(tensor): inputs[name] for name, tensor in reversed(read.items())}  # (all alive: held in `read`)
     return sum(firsts.values())
+
+
+class _LayerDone(Exception):
+    """Ends _read_once's forward pass once its layer has run."""
 
 
 CROSS_ATTENTION = ("encdecattention", "encoder_attn", "crossattention", "cross_attn")  # T5's, BART's, others'
