@@ -375,6 +375,21 @@ def test_fp32_runs_use_the_tf32_peak_only_where_torch_allows_tf32():
         torch.set_float32_matmul_precision(before)
 
 
+def test_the_precision_is_read_after_tf32_set_it_per_backend():
+    """--tf32 sets torch's per-backend setting, after which torch >= 2.9 refuses the legacy getter: every CUDA run
+    with --tf32 true and fp32 crashed as its logging hook asked (found in audit)."""
+    matmul, conv = torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision
+    try:
+        torch.backends.cuda.matmul.fp32_precision = "tf32"  # what use_tf32 sets (allowed without a GPU)
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        assert matmul_precision("no") == "tf32" and matmul_precision("bf16") == "bf16"
+        torch.backends.cuda.matmul.fp32_precision = "ieee"
+        assert matmul_precision("no") == "fp32"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision, torch.backends.cudnn.conv.fp32_precision = matmul, conv
+    assert matmul_precision("no") in ("fp32", "tf32")  # the legacy getter answers again
+
+
 class FakeProperties:
     def __init__(self, name: str, memory: int, sms: int):
         self.name, self.total_memory, self.multi_processor_count = name, memory, sms

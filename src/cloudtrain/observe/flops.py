@@ -279,7 +279,11 @@ def matmul_precision(mixed_precision: str) -> str:
     """What the matmuls of a run compute in: its autocast dtype, else tf32 where torch allows it for fp32."""
     if mixed_precision in ("bf16", "fp16"):
         return mixed_precision
-    return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
+    try:
+        legacy = torch.get_float32_matmul_precision()
+    except RuntimeError:  # torch >= 2.9 refuses the legacy getter once the per-backend setting is used (--tf32)
+        return "tf32" if torch.backends.cuda.matmul.fp32_precision == "tf32" else "fp32"
+    return "fp32" if legacy == "highest" else "tf32"
 
 
 def peak_flops(device: torch.device, precision: str = "bf16") -> float | None:
