@@ -430,3 +430,25 @@ def test_a_resumes_pending_sums_are_rated_over_the_seconds_they_took():
     interval = meter.flush()
     assert 4.05 <= interval["seconds"] < 5.0 and interval["samples_per_s"] == pytest.approx(8 / interval["seconds"])
     assert meter.since_logged() < 1.0  # the next interval is this launch's own
+
+
+@pytest.mark.parametrize("task", ["causal_lm", "seq2seq", "text_to_image"])
+def test_tasks_whose_work_the_token_formula_misses_log_no_mfu_and_say_why(task, monkeypatch):
+    """Found in audit: text-to-image's MFU counted caption tokens (the same at any resolution) and seq2seq's charged
+    the whole encoder-decoder to each source token (2.6x a t5-small summariser's true count)."""
+    from types import SimpleNamespace
+
+    from cloudtrain.config import resolve_options
+    from cloudtrain.tasks import build_task
+    from cloudtrain.training.hooks import LoggingHook
+
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: FakeProperties("NVIDIA H100 PCIe", 80 * GIB, 114)
+    )
+    cfg = resolve_options(None, {"task": task, "mixed_precision": "bf16"})
+    hook = LoggingHook(SimpleNamespace(cfg=cfg, task=build_task(cfg)), torch.device("cuda", 0))
+    if task == "causal_lm":
+        assert (hook.peak, hook.no_mfu) == (756e12, None)
+    else:
+        assert hook.peak is None and hook.no_mfu.startswith(f"no MFU logged for --task {task}: ")
+    assert LoggingHook(SimpleNamespace(cfg=cfg, task=build_task(cfg)), torch.device("cpu")).no_mfu is None

@@ -83,6 +83,8 @@ class Task:
     embedding_noise = False
     # whether its batches of packed rows carry their documents' lengths to the attention (varlen: no dense mask)
     packed_attention = False
+    # why the MFU's formula (6 x matmul weights x tokens, cloudtrain.observe.flops) does not fit its model: no MFU
+    no_mfu: str | None = None
 
     def __init__(self, cfg: Config | None = None):
         self.cfg = cfg

@@ -85,6 +85,7 @@ CARD = CardKind(
 @TASKS.register
 class Seq2SeqTask(ClassificationTask):
     name = "seq2seq"
+    no_mfu = "the decoder's tokens are not counted (tokens/s counts source tokens), so the formula does not fit"
     summary = "a source text -> a target text (summaries, translations) with an encoder-decoder"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     predicts = None  # an encoder-decoder: `generate` writes with it

@@ -39,6 +39,7 @@ EVAL_ROWS = 8  # evaluation rows (the first training images) when --max_eval_sam
 @TASKS.register
 class TextToImageTask(Task):
     name = "text_to_image"
+    no_mfu = "the denoiser's work grows with the image size, not with the caption's tokens that the formula counts"
     summary = "captioned images (or DreamBooth) -> a diffusers text-to-image pipeline (LoRA or full)"
     reads_options = TASK_ROWS[name].reads_options  # the row says it for the parser too
     metrics = ("loss",)

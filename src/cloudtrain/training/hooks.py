@@ -205,6 +205,8 @@ class LoggingHook(Hook):
         precision = matmul_precision(trainer.cfg.training.mixed_precision)
         self.peak = peak_flops(device, precision)
         self.no_mfu = no_peak_reason(device, precision)  # a GPU without a known peak: said once, at the start
+        if self.peak and trainer.task.no_mfu:
+            self.peak, self.no_mfu = None, f"no MFU logged for --task {trainer.task.name}: {trainer.task.no_mfu}"
         self.task_metrics: list[str] = []  # names of the task's own numbers at the last logging step
 
     def on_train_start(self, loop: LoopState) -> None:
