@@ -1,5 +1,7 @@
 """The FLOPs estimate behind train/mfu: non-embedding matmul parameters plus attention, frozen parts."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import (
@@ -21,6 +23,7 @@ from cloudtrain.observe.flops import (
     attention_dims,
     attention_squared_lengths,
     device_peak,
+    full_numel,
     identify,
     matmul_parameters,
     matmul_precision,
@@ -436,7 +439,6 @@ def test_a_resumes_pending_sums_are_rated_over_the_seconds_they_took():
 def test_tasks_whose_work_the_token_formula_misses_log_no_mfu_and_say_why(task, monkeypatch):
     """Found in audit: text-to-image's MFU counted caption tokens (the same at any resolution) and seq2seq's charged
     the whole encoder-decoder to each source token (2.6x a t5-small summariser's true count)."""
-    from types import SimpleNamespace
 
     from cloudtrain.config import resolve_options
     from cloudtrain.tasks import build_task
@@ -452,3 +454,17 @@ def test_tasks_whose_work_the_token_formula_misses_log_no_mfu_and_say_why(task, 
     else:
         assert hook.peak is None and hook.no_mfu.startswith(f"no MFU logged for --task {task}: ")
     assert LoggingHook(SimpleNamespace(cfg=cfg, task=build_task(cfg)), torch.device("cpu")).no_mfu is None
+
+
+def test_a_4_bit_weight_counts_its_full_size():
+    """bitsandbytes packs a QLoRA weight two to a byte (four to a bf16 element under FSDP2): its numel was counted,
+    so the MFU and the parameter count of a QLoRA run were 2-4x too low (found in audit)."""
+    from cloudtrain.training.weights import count_parameters
+
+    packed = torch.nn.Parameter(torch.zeros(8, 1, dtype=torch.uint8), requires_grad=False)
+    packed.quant_state = SimpleNamespace(shape=torch.Size([4, 4]))  # as bitsandbytes' Params4bit keeps it
+    model = torch.nn.Module()
+    model.linear = torch.nn.Linear(4, 4, bias=False)
+    model.linear.weight = packed
+    assert full_numel(packed) == 16 and count_parameters(model) == 16
+    assert matmul_parameters(model) == (16, 0)

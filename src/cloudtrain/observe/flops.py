@@ -7,6 +7,7 @@ constants and their sources.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = [
     "attention_dims",
     "attention_squared_lengths",
     "device_peak",
+    "full_numel",
     "identify",
     "matmul_parameters",
     "matmul_precision",
@@ -31,8 +33,12 @@ __all__ = [
 ]
 
 
-def _numel(p: torch.nn.Parameter) -> int:
-    """The full size, also when DeepSpeed ZeRO-3 has partitioned the parameter (it then holds a shard)."""
+def full_numel(p: torch.nn.Parameter) -> int:
+    """The full size, also when DeepSpeed ZeRO-3 has partitioned the parameter (it then holds a shard) and when
+    bitsandbytes holds it in 4 bits (packed two to a byte, four to a 16-bit element under FSDP2: QLoRA)."""
+    quantized = getattr(getattr(p, "quant_state", None), "shape", None)
+    if quantized is not None:
+        return math.prod(quantized)
     return int(getattr(p, "ds_numel", p.numel()))
 
 
@@ -62,7 +68,7 @@ def matmul_parameters(model: torch.nn.Module) -> tuple[int, int]:
     for p in model.parameters():  # deduplicated: a tied weight appears once
         if id(p) in table_ids:
             continue
-        n = _numel(p)
+        n = full_numel(p)
         total += n
         if p.requires_grad:
             trainable += n

@@ -5,11 +5,13 @@ from pathlib import Path
 import torch
 
 from cloudtrain.models import adapters
+from cloudtrain.observe.flops import full_numel
 
 
 def count_parameters(model: torch.nn.Module, trainable: bool = False) -> int:
-    """All (or the trainable) parameters, also when ZeRO-3 has partitioned them (each then holds only its shard)."""
-    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad or not trainable)
+    """All (or the trainable) parameters, also when ZeRO-3 has partitioned them (each then holds only its shard)
+    or bitsandbytes packed them in 4 bits."""
+    return sum(full_numel(p) for p in model.parameters() if p.requires_grad or not trainable)
 
 
 def trains_everything(model: torch.nn.Module) -> bool:
