@@ -51,7 +51,12 @@ def traced_steps(path) -> set[int]:
     events = json.loads(path.read_text())["traceEvents"]
     names = {e.get("name", "") for e in events}
     assert any(name.startswith("aten::mm") for name in names)  # the steps' ops are in it
-    return {int(name.rsplit("_", 1)[1]) for name in names if name.startswith("work_of_step_")}
+    steps = {int(name.rsplit("_", 1)[1]) for name in names if name.startswith("work_of_step_")}
+    # torch's step markers carry the run log's step numbers (they counted from 0 where profiling began: audit);
+    # a run that stops inside the window leaves the next step's marker open and empty
+    markers = {int(name.split("#")[1]) for name in names if name.startswith("ProfilerStep#")}
+    assert steps <= markers and markers - steps <= {max(steps) + 1}
+    return steps
 
 
 def test_the_trace_holds_the_profiled_steps_only(tmp_path):
@@ -246,3 +251,19 @@ def test_a_real_run_writes_the_trace_of_its_profiled_steps(tiny_model_dir, tmp_p
     assert len({e["name"] for e in events if e.get("name", "").startswith("ProfilerStep#")}) == 2
     assert any(e.get("name", "").startswith("aten::") for e in events)
     assert f"profile of steps 2-3 written to {trace}" in capsys.readouterr().out
+
+
+def test_writing_the_trace_is_left_out_of_the_intervals_rates(tmp_path):
+    """The trace's export ran in the step hooks and counted as training time: the next logging interval's
+    tokens/s and MFU fell (found in audit)."""
+    from cloudtrain.training.trainer import Trainer
+
+    hook, excluded = ProfileHook(tmp_path, 1, 1, torch.device("cpu")), []
+    loop = SimpleNamespace(bar=Bar(), total_steps=2, step=0, meter=SimpleNamespace(exclude=excluded.append))
+    hook.on_train_start(loop)
+    (torch.randn(8, 8) @ torch.randn(8, 8)).sum()
+    loop.step = 1
+    with Trainer._timed(hook, loop):
+        hook.on_step_end(loop)  # the window's last step: the trace is written here
+    assert hook.path is not None and hook.path.is_file()
+    assert len(excluded) == 1 and excluded[0] > 0

@@ -46,6 +46,8 @@ CATEGORIES = (  # checked in order on the lower-cased kernel (CPU: aten op) name
 class ProfileHook(Hook):
     """Traces optimizer steps first..last (counted from 1, as the run log counts them) into `folder`."""
 
+    outside_training = True  # writing the trace is not training time: the interval's rates leave it out
+
     def __init__(self, folder: Path, first: int, last: int, device: torch.device):
         self.folder, self.first, self.last = Path(folder), first, last
         self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -73,9 +75,14 @@ class ProfileHook(Hook):
         with warnings.catch_warnings():  # no warm-up when the first step is profiled: torch warns, we know
             warnings.simplefilter("ignore", UserWarning)
             steps = schedule(wait=first - 1 - done - warmup, warmup=warmup, active=last - first + 1, repeat=1)
+        this = done + 1  # the trace's ProfilerStep#N is the run log's step N: torch counts from where it starts
         self.profiler = profile(
-            activities=self.activities, schedule=steps, on_trace_ready=self._write, record_shapes=True
+            activities=self.activities,
+            schedule=lambda n: steps(max(n - this, 0)),
+            on_trace_ready=self._write,
+            record_shapes=True,
         )
+        self.profiler.step_num = this
         self.profiler.start()
 
     def on_step_end(self, loop: LoopState) -> Request | None:
