@@ -361,6 +361,13 @@ def test_a_mig_slice_gets_its_share_of_the_chip():
     assert device_peak(info, "bf16") == pytest.approx(989e12 * 60 / 132)
 
 
+def test_an_mi300x_compute_partition_gets_its_share_of_the_chip():
+    """In CPX mode each of the 8 partitions is a device of 38 CUs under the chip's name (found in audit: the whole
+    chip's peak, an MFU 8x too low)."""
+    assert device_peak(DeviceInfo("AMD Instinct MI300X", 24 * GIB, 38), "bf16") == pytest.approx(1307e12 / 8)
+    assert device_peak(DeviceInfo("AMD Instinct MI300X", 192 * GIB, 304), "bf16") == 1307e12
+
+
 def test_mi300x_on_a_rocm_that_gives_no_name():
     assert identify(DeviceInfo("", 192 * GIB, 304, "gfx942:sramecc+:xnack-")) == "MI300X"
     assert identify(DeviceInfo("", 128 * GIB, 228, "gfx942")) is None  # an MI300A: not listed

@@ -269,14 +269,15 @@ def identify(info: DeviceInfo) -> str | None:
 
 def device_peak(info: DeviceInfo, precision: str) -> float | None:
     """Dense peak FLOP/s of the device for a run's matmul precision, or None (unknown device, or a precision
-    it does not compute natively). precision: bf16, fp16, tf32 or fp32. A MIG slice ("MIG" in the name)
-    gets its share of the chip's SMs."""
+    it does not compute natively). precision: bf16, fp16, tf32 or fp32. A MIG slice ("MIG" in the name), or an
+    MI300X in a compute partition (CPX: its name unchanged, 38 of 304 CUs), gets its share of the chip's SMs."""
     key = identify(info)
     if key is None:
         return None
     spec = DEVICES[key]
     peak = {"bf16": spec.bf16, "fp16": spec.fp16, "tf32": spec.tf32, "fp32": spec.fp32}[precision]
-    if peak is not None and "MIG" in info.name.upper().split() and 0 < info.sms < spec.sms:
+    sliced = "MIG" in info.name.upper().split() or key == "MI300X"
+    if peak is not None and sliced and 0 < info.sms < spec.sms:
         peak *= info.sms / spec.sms
     return peak
 
