@@ -259,6 +259,31 @@ def test_one_forward_over_a_shared_prompt_gives_each_answers_own_values(chat, ti
                 assert counts.tolist() == [sum(e[f"{side}_mask"][1:]) for side in SIDES for e in encoded]
 
 
+def test_a_sliding_window_the_answers_outgrow_takes_separate_rows(chat):
+    """The shared layout's 4D mask replaces the model's own, sliding window included: a Mistral with a 4-token
+    window scored each answer as if it had none (found in audit). Separate rows keep the window."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from cloudtrain.tasks.dpo import separate_rows_reason
+
+    torch.manual_seed(0)
+    config = MistralConfig(vocab_size=len(chat.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4)  # fmt: skip
+    config._attn_implementation = "sdpa"
+    model = MistralForCausalLM(config).eval()
+    assert separate_rows_reason(model, 64) == "the model's sliding window of 4 tokens is shorter than --max_length 64"
+    assert separate_rows_reason(model, 4) is None  # no answer outgrows it
+    rows = [conversational(*q) for q in QUESTIONS]
+    encoded = [encode_pair(chat, row, PairColumns("prompt", "chosen", "rejected")) for row in rows]
+    with torch.no_grad():
+        expected = [alone(model, chat, row) for row in rows]
+        expected = [e[0] for e in expected] + [e[1] for e in expected]
+        separate, _ = pair_logps(model, PairCollator(0, shared=False)(encoded), window=True, additive=False)
+        shared, _ = pair_logps(model, PairCollator(0)(encoded), window=True, additive=False)
+    assert separate.tolist() == pytest.approx(expected, rel=1e-5)
+    assert shared.tolist() != pytest.approx(expected, rel=1e-3)  # what the shared layout would have trained on
+
+
 # ---------------------------------------------------------------- the reference
 
 

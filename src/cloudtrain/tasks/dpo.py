@@ -129,6 +129,21 @@ def pair_logps(
     return answer_logps(logits, batch)
 
 
+def separate_rows_reason(model: PreTrainedModel, max_length: int) -> str | None:
+    """Why the shared-prompt layout's custom 4D mask would not compute what each answer's own row does, or None.
+    It needs an attention that takes the mask as given (SDPA boolean, eager additive) and a forward that takes
+    position ids; a sliding window the answers outgrow would be dropped with the model's own mask."""
+    implementation = getattr(model.config, "_attn_implementation", None)
+    takes = inspect.signature(type(model).forward).parameters
+    if implementation not in ("sdpa", "eager") or not {"position_ids", "attention_mask"} <= set(takes):
+        return f"{implementation} attention takes no custom mask"
+    text = model.config.get_text_config()
+    window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
+    if window and window < max_length:
+        return f"the model's sliding window of {window} tokens is shorter than --max_length {max_length}"
+    return None
+
+
 @TASKS.register
 class DPOTask(PairRows, SFTTask):
     name = "dpo"
@@ -327,18 +342,16 @@ class DPOTask(PairRows, SFTTask):
                 print("reference model: a frozen copy of the starting weights", flush=True)
 
     def _choose_layout(self, model: PreTrainedModel, announce: bool) -> None:
-        """The shared-prompt layout (each prompt computed once) where the attention takes a custom 4D mask and the
-        forward takes position ids: SDPA (boolean mask) and eager (additive); else each answer its own row."""
-        assert self.data is not None  # `process` ran
-        implementation = getattr(model.config, "_attn_implementation", None)
-        takes = inspect.signature(type(model).forward).parameters
-        shared = implementation in ("sdpa", "eager") and {"position_ids", "attention_mask"} <= set(takes)
-        self.additive = implementation == "eager"
+        """The shared-prompt layout (each prompt computed once) where it computes what each answer's own row does;
+        else each answer its own row."""
+        assert self.data is not None and self.cfg is not None  # `process` ran
+        self.additive = getattr(model.config, "_attn_implementation", None) == "eager"
+        why = separate_rows_reason(model, self.cfg.data.max_length)
         collator = self.data.collator
         assert isinstance(collator, PairCollator)  # `process` made it
-        collator.shared = shared
-        if announce and not shared:
-            print(f"pairs: chosen and rejected as separate rows ({implementation} attention takes no custom mask)")
+        collator.shared = why is None
+        if announce and why:
+            print(f"pairs: chosen and rejected as separate rows ({why})")
 
     @torch.no_grad()
     def _precompute(self, model: PreTrainedModel, cfg: Config, announce: bool) -> None:
