@@ -192,13 +192,13 @@ def test_an_answer_of_several_assistant_messages_trains_each_as_sft_takes_the_co
 
 def test_truncation_drops_and_counts_pairs_that_lose_an_answer():
     rows = {
-        "chosen_ids": [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6]],
-        "chosen_mask": [[0, 0, 1, 1], [0, 0, 0, 0, 1, 1]],
-        "rejected_ids": [[1, 2, 3], [1, 2, 3, 4, 5]],
-        "rejected_mask": [[0, 0, 1], [0, 0, 0, 0, 1]],
+        "chosen_ids": [[1, 2, 3, 4], [1, 2, 3, 4, 5, 6], [1, 2, 3, 4, 7]],
+        "chosen_mask": [[0, 0, 1, 1], [0, 0, 0, 0, 1, 1], [0, 0, 1, 1, 1]],
+        "rejected_ids": [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 8]],
+        "rejected_mask": [[0, 0, 1], [0, 0, 0, 0, 1], [0, 0, 1, 1, 1]],
     }
-    keep, cut = truncate_pairs(rows, 4)
-    assert keep == [0] and cut == 1
+    keep, cut = truncate_pairs(rows, 4)  # the third pair's answers differ past the cut: one answer, no gradient
+    assert keep == [0] and cut == 2
     assert rows["chosen_ids"][1] == [1, 2, 3, 4]
 
 
@@ -364,7 +364,7 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
         "no shared prefix": ({**base, "train_file": no_prefix}, "share no first message"),
         "every answer truncated away": (
             {**base, "train_file": pairs_file, "validation_file": pairs_file, "max_length": "8"},
-            "lose an answer within --max_length 8",
+            "lose an answer, or all that tells their answers apart, within --max_length 8",
         ),
         "an encoder": ({**base, "model_name_or_path": tiny_model_dir, "train_file": pairs_file}, "--task reward"),
         "precompute without a reference": (

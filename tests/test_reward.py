@@ -12,6 +12,7 @@ from conftest import assert_each_refused
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.config import build_config
+from cloudtrain.errors import UserError
 from cloudtrain.pipeline import run_training
 from cloudtrain.predict import predict
 from cloudtrain.tasks.reward import bradley_terry
@@ -83,6 +84,30 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
             f"1 of {len(rows)} train pairs have no finite --margin_column 'margin' value (the first: pair 2, {bad!r})",
         )
     assert_each_refused(cases, capsys, out)
+
+
+def test_pairs_the_cut_makes_equal_are_dropped_and_counted_among_those_used(tiny_model_dir, tmp_path):
+    """Found in audit: answers differing only past --max_length trained at a constant log 2 with no gradient and no
+    note, and the drops were counted over the whole file, not the --max_train_samples pairs used."""
+    from datasets import Dataset, DatasetDict
+
+    from cloudtrain.tasks import build_task
+
+    tail = " ".join(["and the answer goes on"] * 8)
+    late = [{"prompt": "Which topic?", "chosen": f"{tail} sports", "rejected": f"{tail} weather"}] * 3
+    rows = [{"prompt": q, "chosen": c, "rejected": r} for q, c, r in PAIRS[:2]] + late
+    raw = DatasetDict({"train": Dataset.from_list(rows), "validation": Dataset.from_list(rows[:2])})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    base = {"task": "reward", "model_name_or_path": tiny_model_dir, "max_length": 24, "output_dir": str(tmp_path)}
+    for samples, dropped in ((2, 0), (5, 3)):
+        cfg = build_config({**base, "max_train_samples": samples})
+        task = build_task(cfg)
+        data = task.process(raw, tokenizer, cfg)
+        assert len(data.train) == 2 and task.report["train"] == {"pairs": samples, "dropped": dropped}
+        said = task.describe_data(data)
+        assert ("note: 3 train pairs dropped" in said) == bool(dropped), said
+    with pytest.raises(UserError, match="^all 3 train pairs lose an answer, or all that tells their answers apart"):
+        task.process(DatasetDict({"train": Dataset.from_list(late), "validation": raw["validation"]}), tokenizer, cfg)
 
 
 @pytest.mark.parametrize("own_pad", [False, True], ids=["no pad id in its config", "a pad id of its own"])

@@ -265,8 +265,8 @@ class DPOTask(PairRows, SFTTask):
         )
 
     def _pair_rows(self, split: str, pairs: Dataset, cfg: DataConfig) -> Dataset:
-        """Pairs cut to --max_length; those left with no answer token on either side dropped and counted (all: an
-        error)."""
+        """Pairs cut to --max_length; those left with no answer token on either side, or with equal sides, dropped
+        and counted (all: an error)."""
         rows = {name: list(pairs[name]) for name in PAIR_FEATURES}
         keep, cut = truncate_pairs(rows, cfg.max_length)
         dropped = len(pairs) - len(keep)
@@ -274,7 +274,8 @@ class DPOTask(PairRows, SFTTask):
         if not keep:
             longest = max(len(ids) for side in SIDES for ids in pairs[f"{side}_ids"])
             raise UserError(
-                f"all {len(pairs)} {split} pairs lose an answer within --max_length {cfg.max_length} (the longest "
+                f"all {len(pairs)} {split} pairs lose an answer, or all that tells their answers apart, within "
+                f"--max_length {cfg.max_length} (the longest "
                 f"row is {longest} tokens); raise --max_length or shorten the prompts"
             )
         return Dataset.from_dict(
@@ -557,9 +558,10 @@ class DPOTask(PairRows, SFTTask):
             if rows is not None:
                 answer = sum(sum(mask[1:]) for side in SIDES for mask in rows[f"{side}_mask"])
                 parts.append(f"{len(rows)} {split} pairs ({answer} answer tokens)")
+        why = "an answer lost every token, or both became one"
         notes = [
             f"{r['truncated']} {split} pairs cut to --max_length {self.cfg.data.max_length}"
-            + (f", {r['dropped']} of them dropped (an answer lost every token)" if r["dropped"] else "")
+            + (f", {r['dropped']} of them dropped ({why})" if r["dropped"] else "")
             for split, r in self.report.items()
             if r["truncated"]
         ]

@@ -138,6 +138,7 @@ class RewardTask(PairRows, Task):
         for split in ("validation", "test"):
             if split in pairs:
                 pairs[split] = first_rows(pairs[split], d.max_eval_samples)
+        pairs = {split: self._usable(ds, split, d.max_length) for split, ds in pairs.items()}
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return ProcessedData(
             train=pairs["train"],
@@ -148,7 +149,7 @@ class RewardTask(PairRows, Task):
 
     def _encode(self, ds: Dataset, split: str, columns: PairColumns, cfg: Config) -> Dataset:
         """Each side's token ids, cut to --max_length (a text pair truncates the longer part first, so the answer
-        keeps tokens; a templated conversation whose answer is cut away entirely is dropped and counted)."""
+        keeps tokens; a templated conversation's side whose answer is cut away entirely is empty: `_usable`)."""
         margin, limit, chat, tokenizer = cfg.preference.margin_column, cfg.data.max_length, self.chat, self.tokenizer
 
         def encode(batch: dict, indices: list[int]) -> dict:
@@ -160,26 +161,33 @@ class RewardTask(PairRows, Task):
                     value = float(batch[margin][i]) if margin and margin in batch else 0.0
                 except (ValueError, TypeError) as err:
                     raise UserError(f"{split} pair {index}: {err}") from None
-                if any(ids is None for ids in sides):
-                    continue
-                out["chosen_ids"].append(sides[0])
-                out["rejected_ids"].append(sides[1])
+                out["chosen_ids"].append(sides[0] or [])
+                out["rejected_ids"].append(sides[1] or [])
                 out["margin"].append(value)
             return out
 
         if margin and margin in ds.column_names:
             check_margins(ds[margin], margin, split)
         template = tokenizer.chat_template if chat else None
-        key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v2")
+        key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v3")
         desc = f"Tokenizing {split} pairs"
-        encoded = cached_map(ds, encode, REWARD_FEATURES, cfg.data, f"reward-{split}", key, desc, with_indices=True)
-        self.report[split] = {"pairs": len(ds), "dropped": len(ds) - len(encoded)}
-        if len(encoded) == 0:
+        return cached_map(ds, encode, REWARD_FEATURES, cfg.data, f"reward-{split}", key, desc, with_indices=True)
+
+    def _usable(self, pairs: Dataset, split: str, limit: int) -> Dataset:
+        """The pairs of a split as selected whose sides both keep an answer token and still differ once cut to
+        --max_length (equal sides give a constant loss and no gradient); the others dropped and counted."""
+        keep = [
+            i
+            for i, (chosen, rejected) in enumerate(zip(pairs["chosen_ids"], pairs["rejected_ids"], strict=True))
+            if chosen and rejected and chosen != rejected
+        ]
+        self.report[split] = {"pairs": len(pairs), "dropped": len(pairs) - len(keep)}
+        if not keep:
             raise UserError(
-                f"all {len(ds)} {split} pairs lose an answer within --max_length {limit}; raise --max_length or "
-                "shorten the prompts"
+                f"all {len(pairs)} {split} pairs lose an answer, or all that tells their answers apart, within "
+                f"--max_length {limit}; raise --max_length or shorten the prompts"
             )
-        return encoded
+        return pairs.select(keep) if len(keep) < len(pairs) else pairs
 
     def _side(self, prompt: list[dict], answer: list[dict], limit: int) -> list[int] | None:
         """One side's token ids, or None when truncation leaves none of its answer."""
@@ -305,7 +313,8 @@ class RewardTask(PairRows, Task):
         ]
         how = f"template: {self.chat.source}" if self.chat else "prompt and answer as a text pair"
         notes = [
-            f"\nnote: {r['dropped']} {split} pairs dropped (an answer lost every token within --max_length)"
+            f"\nnote: {r['dropped']} {split} pairs dropped (within --max_length an answer lost every token, or the "
+            "two answers became the same)"
             for split, r in self.report.items()
             if r["dropped"]
         ]
