@@ -71,6 +71,10 @@ def test_no_note_where_the_task_reads_the_option(task, values):
             {"task": "dpo", "simpo_gamma": 2.0},
             "--simpo_gamma 2.0 has no effect without --preference_loss simpo",
         ),
+        (  # configs/dpo_r8.yaml precomputes; its own example `make dpo ARGS="--preference_loss simpo"` was refused
+            {"task": "dpo", "preference_loss": "simpo", "precompute_reference": True},
+            "--precompute_reference true has no effect without --preference_loss sigmoid or ipo",
+        ),
         (
             {"task": "causal_lm", "resolution": 256},
             "--resolution 256 has no effect on --task causal_lm; it counts for --task text_to_image",

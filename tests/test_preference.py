@@ -367,10 +367,6 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
             "lose an answer, or all that tells their answers apart, within --max_length 8",
         ),
         "an encoder": ({**base, "model_name_or_path": tiny_model_dir, "train_file": pairs_file}, "--task reward"),
-        "precompute without a reference": (
-            {**base, "train_file": pairs_file, "preference_loss": "simpo", "precompute_reference": "true"},
-            "uses no reference model",
-        ),
     }
     assert_each_refused(cases, capsys, out)
 

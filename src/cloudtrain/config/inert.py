@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 from cloudtrain.config.images import ImagesConfig
 from cloudtrain.config.model import PEFT_METHODS, ModelConfig
+from cloudtrain.config.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from cloudtrain.config.root import Config, option_default, option_fields
 from cloudtrain.registry_table import STREAMING, TASK_ROWS
 
@@ -46,6 +47,8 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "compile_layers": ("torch_compile", (True,)),
     "eval_steps": ("eval_strategy", ("steps",)),
     "simpo_gamma": ("preference_loss", ("simpo",)),
+    # a config file's precomputed reference stays valid for a reference-free loss given as a flag (make dpo ARGS=)
+    "precompute_reference": ("preference_loss", tuple(x for x in PREFERENCE_LOSSES if x not in REFERENCE_FREE)),
     "early_stopping_threshold": ("early_stopping_patience", ()),
     # a stream has no stored training split to cut or carve (--max_tokens/--max_steps and --stream_validation_docs)
     "max_train_samples": ("streaming", (False,)),

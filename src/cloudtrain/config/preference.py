@@ -61,9 +61,5 @@ class PreferenceConfig(OnlyFields):
             raise UserError("--beta must be positive")
         if self.simpo_gamma < 0:
             raise UserError("--simpo_gamma must not be negative")
-        if self.precompute_reference and not self.needs_reference:
-            raise UserError(
-                f"--precompute_reference true: --preference_loss {self.preference_loss} uses no reference model"
-            )
         if self.chosen_column == self.rejected_column:
             raise UserError("--chosen_column and --rejected_column must differ")
