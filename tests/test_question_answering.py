@@ -234,6 +234,7 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
     }
     no_context = [{"question": r["question"], "passage": r["context"], "answers": r["answers"]} for r in rows]
     uneven = [{**rows[0], "answers": {"text": ["a", "b"], "answer_start": [0]}}, *rows[1:]]
+    wordy_start = [{**rows[0], "answers": {**rows[0]["answers"], "answer_start": ["abc"]}}, *rows[1:]]  # (audit)
     wordy = [{**rows[0], "question": "who " * 40}, *rows[1:]]
     unset = [rows[0], {**rows[1], "context": None}, *rows[2:]]  # "'x' is not at character 12 of its context" (audit)
     cases = {
@@ -258,6 +259,10 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
             {**base, "train_file": write_jsonl(tmp_path / "uneven.jsonl", uneven)},
             "the 'answers' column has a row with 2 answer texts and 1 answer_start values; give one start per answer",
         ),
+        "a start that is no offset": (
+            {**base, "train_file": write_jsonl(tmp_path / "start.jsonl", wordy_start)},
+            "the 'answers' column has an answer_start 'abc' that is no character offset",
+        ),
         "long question": (
             {**base, "train_file": write_jsonl(tmp_path / "wordy.jsonl", wordy), "max_length": "48", "doc_stride": "8"},
             "row 0 of the train data: the question is 40 tokens, which leaves 5 of --max_length 48 for its context, "
@@ -265,6 +270,15 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
         ),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def test_a_record_of_one_answer_is_read_as_squads_record_of_one():
+    """{"text": "went", "answer_start": 5} was refused with "the column holds dict values" (found in audit)."""
+    from cloudtrain.data.answer_spans import _answers
+
+    assert _answers({"text": "went", "answer_start": 5}, "answers") == [("went", 5)]
+    assert _answers({"text": "went"}, "answers") == [("went", None)]  # found in the context
+    assert _answers([{"text": "went", "answer_start": "5"}], "answers") == [("went", 5)]
 
 
 def test_an_unanswered_validation_file_is_for_predictions_and_a_decoder_pads_on_the_right(tiny_llama_dir, tmp_path):

@@ -102,9 +102,11 @@ def read_answers(ds: Dataset, cfg: DataConfig) -> list[list[tuple[str, int]]]:
 
 
 def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
-    """SQuAD's {"text": [...], "answer_start": [...]}, a list of such records, or one answer's text; an empty text is
-    no answer."""
+    """SQuAD's {"text": [...], "answer_start": [...]}, a list of such records (or of one answer each), or one
+    answer's text; an empty text is no answer."""
     found: list[tuple[Any, Any]]
+    if isinstance(value, dict) and "text" in value and not isinstance(value["text"], list):  # one answer's record
+        value = {"text": [value["text"]], "answer_start": [value.get("answer_start")]}
     if value is None or isinstance(value, str):
         found = [(value, None)]
     elif isinstance(value, dict) and isinstance(value.get("text"), list):
@@ -122,7 +124,20 @@ def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
             f"the {column!r} column holds {type(value).__name__} values: --task question_answering reads SQuAD's "
             '{"text": [...], "answer_start": [...]} or an answer\'s text'
         )
-    return [(str(t), None if s is None else int(s)) for t, s in found if t is not None and str(t).strip()]
+    return [(str(t), _start(s, column)) for t, s in found if t is not None and str(t).strip()]
+
+
+def _start(value: Any, column: str) -> int | None:
+    """An answer_start as a character offset (None: find the text in the context)."""
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UserError(
+            f"the {column!r} column has an answer_start {value!r} that is no character offset; give the number of "
+            "characters before the answer in its context"
+        ) from None
 
 
 def windows_of(tokenizer: PreTrainedTokenizerBase, questions: list, contexts: list, max_length: int, stride: int):
