@@ -113,6 +113,6 @@ def _whole(value: Any) -> list[str]:
     if isinstance(value, (list, tuple, dict)):  # [["sports"]]: its Python spelling would become a label name
         raise UserError(
             f"a row's labels hold {type(value).__name__}s ({str(value)[:40]}), not label names; give each row a "
-            "flat list of names or ids"
+            "flat list of its labels"
         )
     return [str(value).strip()] if str(value).strip() else []

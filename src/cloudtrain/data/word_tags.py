@@ -63,6 +63,7 @@ def process_word_tags(
     chosen, unlabelled = choose_rows(raw, scheme, cfg, seed)
     splits = {split: _encode(ds, split, tokenizer, cfg, scheme) for split, ds in chosen.items()}
     read = {split: read_words(ds, cfg.text_column) for split, ds in unlabelled.items()}
+    unscored = {split: unscored_words(chosen[split], rows, scheme, cfg) for split, rows in splits.items()}
     return ProcessedData(
         train=splits["train"],
         validation=splits["validation"],
@@ -71,7 +72,23 @@ def process_word_tags(
         label_names=scheme.names,
         unlabelled={split: _encode(ds, split, tokenizer, cfg, None) for split, ds in unlabelled.items()},
         unlabelled_texts={split: [read[split](v) for v in ds[cfg.text_column]] for split, ds in unlabelled.items()},
+        extras={"unscored": {split: counts for split, counts in unscored.items() if counts[0]}},
     )
+
+
+def unscored_words(ds: Dataset, encoded: Dataset, scheme: LabelScheme, cfg: DataConfig) -> tuple[int, int, int]:
+    """(words with no token, all words, tagged words among the first) of a split: past --max_length, or tokenized to
+    nothing (a zero-width space); neither trained nor scored."""
+    outside = scheme.names.index("O") if "O" in scheme.names else None
+    tags_of = scheme.encoder(ds)
+    lost = tagged = total = 0
+    for value, labels in zip(ds[cfg.label_column], encoded["labels"], strict=True):
+        tags = tags_of(value)
+        kept = {i for i, label in enumerate(labels) if label != IGNORE_INDEX}
+        total += len(tags)
+        lost += len(tags) - len(kept)
+        tagged += sum(tag != outside for tag in tags) - sum(labels[i] != outside for i in kept)
+    return lost, total, tagged
 
 
 def tag_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | None = None) -> LabelScheme:
@@ -83,8 +100,8 @@ def tag_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | None = None
             f"the training data has {len(names)} distinct tag(s) in {column!r}; --task token_classification needs at "
             "least 2 (a list of tags per row, one per word)"
         )
-    if order is not None and sorted(order) == sorted(names):
-        names = list(order)  # the head keeps its rows
+    if order is not None and set(names) <= set(order):
+        names = list(order)  # the head keeps its rows, also a tag this data lacks (a NER model's MISC)
     index = {name: i for i, name in enumerate(names)}
 
     def encoder(ds: Dataset) -> Callable[[Any], list[int]]:
@@ -149,7 +166,7 @@ def check_rows(ds: Dataset, split: str, cfg: DataConfig) -> None:
         if n != len(row) and (n or split == "train"):
             raise UserError(
                 f"row {i} of the {split} data has {len(row)} words in {cfg.text_column!r} and {n} tags in "
-                f"{cfg.label_column!r}; --task token_classification needs one tag per word"
+                f"{cfg.label_column!r} (an empty tag is none); --task token_classification needs one tag per word"
             )
 
 

@@ -198,6 +198,15 @@ class TokenClassificationTask(ClassificationTask):
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         return build_model_card(output_dir, cfg, results, CARD)
 
+    def describe_data(self, data: ProcessedData) -> str:
+        notes = [
+            f"\nnote: {lost} of the {total} {split} words ({tagged} tagged other than O) have no token within "
+            f"--max_length {self.cfg.data.max_length if self.cfg else '?'} (or tokenize to nothing): they are "
+            f"neither trained nor scored"
+            for split, (lost, total, tagged) in data.extras.get("unscored", {}).items()
+        ]
+        return super().describe_data(data) + "".join(notes)
+
     def describe_metrics(self, metrics: dict) -> str:
         return (
             f"f1 {metrics['f1']:.4f} | precision {metrics['precision']:.4f} | recall {metrics['recall']:.4f} | "
