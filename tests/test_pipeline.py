@@ -57,6 +57,23 @@ def test_stages_in_sequence_equal_the_whole_model_and_keep_its_names(kind, n_sta
     assert len(names) == len(set(names)) and set(names) == set(model.state_dict())
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_muon_leaves_the_last_stages_head_to_adamw_as_in_one_process(tied):
+    """A pipeline's optimizer sees its stages, not the model: the LM head went to Muon (AdamW in one process),
+    and a tied head drifted from the first stage's embeddings (found in audit)."""
+    from cloudtrain.training.optim import hidden_matrices
+
+    model = tiny("llama")
+    model.config.tie_word_embeddings = tied
+    if tied:
+        model.tie_weights()
+    names = {id(p): n for n, p in model.named_parameters()}
+    whole = {names[id(p)] for p in hidden_matrices(model)}
+    stages = build_stages(model, balanced_split(4, 2), range(2))
+    staged = {names[id(p)] for p in hidden_matrices(torch.nn.ModuleList(stages))}
+    assert staged == whole and not any("lm_head" in n or "embed" in n for n in staged)
+
+
 def test_balanced_split_gives_the_ends_one_layer_fewer():
     assert [list(r) for r in balanced_split(4, 2)] == [[0, 1], [2, 3]]
     assert [len(r) for r in balanced_split(22, 4)] == [5, 6, 6, 5]  # 24 units: 6 each, ends one fewer

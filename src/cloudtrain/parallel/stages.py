@@ -130,6 +130,10 @@ class Stage(nn.Module):
             self.lm_head = model.lm_head
         self.head_in_loss = False
 
+    def get_output_embeddings(self) -> nn.Module | None:
+        """The LM head on the last stage, as a transformers model names it (what --optim muon leaves to AdamW)."""
+        return self.lm_head if self.last else None
+
     @property
     def body(self) -> Any:  # the decoder body's part: its submodules are the checkpoint's
         return getattr(self, self.family.root)

@@ -132,11 +132,12 @@ def hidden_matrices(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def _output_heads(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules that map the body's states to outputs: the LM head, and the heads PEFT trains in full
-    (`modules_to_save`: a classifier's)."""
+    (`modules_to_save`: a classifier's). A pipeline trainer's model is its stages: the last one's head."""
     heads = []
-    get_head: Any = getattr(model, "get_output_embeddings", None)  # transformers' models (and PEFT's around them)
-    if get_head is not None and (head := get_head()) is not None:
-        heads.append(head)
+    for part in model if isinstance(model, torch.nn.ModuleList) else [model]:
+        get_head: Any = getattr(part, "get_output_embeddings", None)  # transformers' models (and PEFT's around them)
+        if get_head is not None and (head := get_head()) is not None:
+            heads.append(head)
     heads += [m for name, m in model.named_modules() if name.endswith("modules_to_save")]
     return heads
 
