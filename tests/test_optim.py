@@ -244,6 +244,14 @@ def test_muon_under_zero_is_refused():
         check_distributed(resolve_options(None, {"optim": "muon", "zero_stage": 2}))
 
 
+@pytest.mark.parametrize("options", [{"fsdp": True}, {"tensor_parallel_size": 2, "task": "causal_lm"}])
+def test_adafactor_with_dtensor_weights_is_refused_before_loading(options):
+    """It crashed at the first optimizer step with a traceback on every process (found in audit)."""
+    with pytest.raises(UserError, match="^--optim adafactor .* cannot step the DTensor weights"):
+        check_distributed(resolve_options(None, {"optim": "adafactor", **options}))
+    check_distributed(resolve_options(None, {"optim": "adafactor", "context_parallel_size": 1}))  # DDP: fine
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the note of a machine without CUDA")
 def test_tf32_is_a_noted_no_op_on_cpu(capsys):
     precision = torch.backends.cuda.matmul.fp32_precision

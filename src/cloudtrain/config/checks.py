@@ -84,6 +84,11 @@ def engine_conflicts(cfg: Config, deepspeed: bool, fsdp: bool) -> list[tuple[boo
             "--optim muon orthogonalises whole weight matrices, which DeepSpeed ZeRO and FSDP split into flat "
             "shards; use plain multi-process (DDP) training for it",
         ),
+        (
+            cfg.training.optim == "adafactor" and (fsdp or d.tensor_parallel_size > 1),
+            "--optim adafactor (transformers') cannot step the DTensor weights of FSDP2 and tensor parallelism "
+            "(a mixed torch.Tensor and DTensor error at the first step); use --optim adamw",
+        ),
         (deepspeed and fsdp, "DeepSpeed and FSDP were both requested; choose one"),
         (
             (d.offload_optimizer != "none" or d.offload_param != "none") and d.zero_stage is None,
