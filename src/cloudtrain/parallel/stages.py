@@ -205,9 +205,11 @@ def untie(stage: Stage) -> None:
 
 
 def release_others(model: PreTrainedModel, stages: list[Stage]) -> None:
-    """Move every layer this process holds no stage of to the meta device, freeing its memory."""
+    """Move every part of the model that no stage of this process holds (layers, and the embeddings, final norm
+    and head of the stages elsewhere) to the meta device, freeing its memory; parameter-free parts (a rotary
+    embedding every stage shares) stay."""
     owned = {id(p) for stage in stages for p in stage.parameters()}
-    family = FAMILIES[model.config.model_type]
-    for layer in getattr(getattr(model, family.root), family.layers):
-        if not any(id(p) in owned for p in layer.parameters()):
-            layer.to("meta")
+    for module in model.modules():
+        params = list(module.parameters())
+        if params and params[0].device.type != "meta" and not any(id(p) in owned for p in params):
+            module.to("meta")
