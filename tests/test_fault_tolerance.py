@@ -431,6 +431,17 @@ def test_of_two_processes_a_straggler_is_measured_against_the_other():
     assert AnomalyDetector(MonitoringConfig(), ["a", "a"]).check_interval(1, 1000.0, [0.05, 0.07]) == []
 
 
+def test_a_pipeline_is_not_judged_for_stragglers():
+    """A pipeline's forward passes run inside its schedule, between waits for other stages: only data time was
+    compared, and every pipeline run warned of a straggler at step 1 (found in audit)."""
+    from cloudtrain.training.pipeline import PipelineTrainer
+    from cloudtrain.training.trainer import Trainer
+
+    assert Trainer.times_own_work and not PipelineTrainer.times_own_work
+    d = AnomalyDetector(MonitoringConfig(straggler_ratio=1.5), ["a", "b"], stragglers=False)
+    assert d.check_interval(1, 1000.0, [0.002, 0.017]) == []
+
+
 def test_the_memory_warning_counts_a_container_s_limit(tmp_path, monkeypatch):
     """On CPU the warning compared with the host's RAM: in a container the OOM killer acts at its limit first
     (found in audit). A limit set on a cgroup above this process's (a nested container, a SLURM job step) binds

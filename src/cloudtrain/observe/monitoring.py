@@ -216,10 +216,13 @@ class RunningStats:
 class AnomalyDetector:
     """Judges each logging interval's numbers; the same inputs give the same verdict on every process."""
 
-    def __init__(self, cfg: MonitoringConfig, places: list[str], memory_gib: float | None = None):
+    def __init__(
+        self, cfg: MonitoringConfig, places: list[str], memory_gib: float | None = None, stragglers: bool = True
+    ):
         """`places[r]`: how to name process r in a message (its node and host); `memory_gib`: a device's
-        memory (default: this process's device, device_memory_gib)."""
-        self.cfg, self.places = cfg, places
+        memory (default: this process's device, device_memory_gib); `stragglers`: whether the processes' own
+        work is timed apart from waiting for each other (not in a pipeline's schedule), so stragglers can be told."""
+        self.cfg, self.places, self.stragglers = cfg, places, stragglers
         self.memory_gib = memory_gib or device_memory_gib()
         self.memory_warned = False  # peaks are since the start: one warning says it
         self.loss, self.grad_norm = RunningStats(), RunningStats(over_max=GRAD_NORM_OVER_MAX)
@@ -303,7 +306,7 @@ class AnomalyDetector:
         else:
             self.slow = 0
             self.throughputs.append(tokens_per_s)
-        if len(work_per_step) > 1 and self.cfg.straggler_ratio > 0:
+        if len(work_per_step) > 1 and self.cfg.straggler_ratio > 0 and self.stragglers:
             slowest = max(range(len(work_per_step)), key=work_per_step.__getitem__)
             worst = work_per_step[slowest]
             # the others' median: with the slowest in it, 2 processes could never be R >= 2 apart

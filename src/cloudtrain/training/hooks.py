@@ -280,7 +280,7 @@ class AnomalyHook(Hook):
     def __init__(self, trainer: Trainer):
         runtime = trainer.runtime
         places = runtime.gather_objects(f"node {runtime.node}, {runtime.host}")  # to name a straggler
-        self.detector = AnomalyDetector(trainer.cfg.monitoring, places)
+        self.detector = AnomalyDetector(trainer.cfg.monitoring, places, stragglers=trainer.times_own_work)
         self.action = trainer.cfg.monitoring.on_anomaly
         self.run_log, self.is_main = trainer.run_log, trainer.is_main_process
 

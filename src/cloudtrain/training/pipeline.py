@@ -109,6 +109,8 @@ class PipelineTrainer(Trainer):
     summary = "decoder layers split into stages across processes (torch.distributed.pipelining), under torchrun"
     step_collectives = "the stages' sends and receives, the gradient all-reduce"
 
+    # a stage's forward passes run inside the schedule, between waits for the stages around it
+    times_own_work = False
     own_options = tuple(f.name for f in dataclasses.fields(DistributedConfig) if f.name.startswith("pipeline_"))
     schedule_problem = staticmethod(schedule_problem)  # the planner asks it which pipelines can run
 

@@ -149,6 +149,8 @@ class Trainer:
     mode = "plain PyTorch"
 
     own_options: tuple[str, ...] = ()  # options only this trainer reads; others refuse them
+    # whether a process's forward passes are timed apart from waiting for the others (the straggler check's input)
+    times_own_work = True
     follows_launcher = True  # whether an accelerate config's settings (its mixed precision) apply to its runs
 
     @classmethod
