@@ -14,7 +14,14 @@ from test_planner import (
     tensor_bytes,
 )
 from test_planner_causal_lm import small_llama
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, GPT2Config, LlamaConfig
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSeq2SeqLM,
+    AutoModelForSequenceClassification,
+    GPT2Config,
+    LlamaConfig,
+)
 
 from cloudtrain import planning
 from cloudtrain.config import Config, ModelConfig
@@ -181,3 +188,31 @@ def test_lora_rows_hold_the_base_in_16_bits_and_16_bytes_per_adapter_parameter(d
     assert lora["logits"] == full["logits"]
     assert rows["LoRA + DDP"]["fits"] and rows["LoRA + DDP"]["relative_step_time"] < 1
     assert plan["recommendation"]["peft"] == "none"  # full fine-tuning fits (with offload): adapters are no speed-up
+
+
+def test_the_adapters_shared_inputs_are_found_on_the_meta_device_and_the_model_is_left_as_it_was():
+    """q, k and v read one tensor, as do gate and up; BART's decoder needed eager attention for the probe (SDPA's
+    mask reads values, which meta tensors have not: found in review)."""
+    from transformers import BartConfig
+
+    from cloudtrain.planning.facts import _adapted_shapes, _read_once
+
+    h, inter = 64, 128
+    llama = LlamaConfig(hidden_size=h, intermediate_size=inter, num_hidden_layers=2, num_attention_heads=4,
+                        vocab_size=100)  # fmt: skip
+    sizes = dict(encoder_ffn_dim=inter, decoder_ffn_dim=inter, vocab_size=100)
+    bart = BartConfig(d_model=h, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                      decoder_attention_heads=4, **sizes)  # fmt: skip
+    cases = ((llama, AutoModelForCausalLM, lambda m: m.model.layers[0]),
+             (bart, AutoModelForSeq2SeqLM, lambda m: m.model.decoder.layers[0]))  # fmt: skip
+    for config, auto, layer_of in cases:
+        with torch.device("meta"):
+            model = auto.from_config(config)
+        layer = layer_of(model)
+        prefix = next(n for n, m in model.named_modules() if m is layer) + "."
+        inputs = {n: s[0] for n, s in _adapted_shapes(model, ("all-linear",), []).items() if n.startswith(prefix)}
+        # llama: q/k/v's input, o's, gate/up's and down's; BART's decoder: self q/k/v, out, cross q, cross k/v
+        # (the encoder's output), cross out, fc1, fc2
+        expected = 3 * h + inter if isinstance(config, LlamaConfig) else 6 * h + inter
+        assert _read_once(model, layer, inputs) == expected < sum(inputs.values())
+        assert model.config._attn_implementation == "sdpa"

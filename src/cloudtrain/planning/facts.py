@@ -3,6 +3,7 @@
 (`DecoderTask`) reads its config and fits a preset to the tokenizer as training does, and every task says which
 modules train in full next to adapters."""
 
+import contextlib
 from dataclasses import dataclass, replace
 
 import torch
@@ -483,7 +484,9 @@ def _read_once(model, layer, inputs: dict[str, int]) -> int:
     ] + [layer.register_forward_hook(stop)]
     ids = torch.zeros(1, 8, dtype=torch.long, device="meta")
     more = {"decoder_input_ids": ids} if model.config.is_encoder_decoder else {}
+    attention = getattr(model.config, "_attn_implementation", None)
     try:
+        model.set_attn_implementation("eager")  # SDPA's mask reads values (.item()), which meta tensors have not
         model(input_ids=ids, **more)
     except _LayerDone:
         pass
@@ -492,6 +495,9 @@ def _read_once(model, layer, inputs: dict[str, int]) -> int:
     finally:
         for hook in hooks:
             hook.remove()
+        if attention is not None:
+            with contextlib.suppress(Exception):  # (one that could not be set was never changed)
+                model.set_attn_implementation(attention)
     if len(read) < len(inputs):
         return sum(inputs.values())
     firsts = {id(tensor): inputs[name] for name, tensor in reversed(read.items())}  # (all alive: held in `read`)
