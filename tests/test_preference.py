@@ -197,8 +197,18 @@ def test_truncation_drops_and_counts_pairs_that_lose_an_answer():
         "rejected_ids": [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 3, 4, 8]],
         "rejected_mask": [[0, 0, 1], [0, 0, 0, 0, 1], [0, 0, 1, 1, 1]],
     }
+    copy = {name: [list(r) for r in value] for name, value in rows.items()}
     keep, cut = truncate_pairs(rows, 4)  # the third pair's answers differ past the cut: one answer, no gradient
     assert keep == [0] and cut == 2
+    assert truncate_pairs(copy, 4, distinct=False) == ([0, 2], 2)  # ORPO: its SFT term trains the chosen side
+    from cloudtrain.tasks.dpo import cut_notes
+
+    report = {"train": {"truncated": 2, "dropped": 1}, "validation": {"truncated": 0, "dropped": 3}}
+    assert cut_notes(report, 4) == [  # a drop without a cut is said too (found in review: a trimming template)
+        "2 train pairs cut to --max_length 4, 1 train pairs dropped (an answer lost every token, or both are the "
+        "same tokens)",
+        "3 validation pairs dropped (an answer lost every token, or both are the same tokens)",
+    ]
     assert rows["chosen_ids"][1] == [1, 2, 3, 4]
 
 
@@ -259,20 +269,28 @@ def test_one_forward_over_a_shared_prompt_gives_each_answers_own_values(chat, ti
                 assert counts.tolist() == [sum(e[f"{side}_mask"][1:]) for side in SIDES for e in encoded]
 
 
-def test_a_sliding_window_the_answers_outgrow_takes_separate_rows(chat):
+@pytest.mark.parametrize("kind", ["mistral", "lfm2"])
+def test_a_sliding_window_or_a_recurrent_layer_takes_separate_rows(chat, kind):
     """The shared layout's 4D mask replaces the model's own, sliding window included: a Mistral with a 4-token
-    window scored each answer as if it had none (found in audit). Separate rows keep the window."""
-    from transformers import MistralConfig, MistralForCausalLM
+    window scored each answer as if it had none (found in audit); an LFM2's convolutions (Jamba's, Qwen3-Next's
+    state spaces) ignore the mask, and its rejected answer read the chosen one (found in review). Separate rows."""
+    from transformers import AutoModelForCausalLM, Lfm2Config, MistralConfig
 
     from cloudtrain.tasks.dpo import separate_rows_reason
 
     torch.manual_seed(0)
-    config = MistralConfig(vocab_size=len(chat.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, sliding_window=4)  # fmt: skip
+    sizes = dict(vocab_size=len(chat.tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3)  # fmt: skip
+    if kind == "mistral":
+        config = MistralConfig(sliding_window=4, **sizes)
+        said = "the model's sliding window of 4 tokens is shorter than --max_length 64"
+    else:
+        config = Lfm2Config(layer_types=["conv", "full_attention"], **sizes)
+        said = "the model's conv layers read the tokens before them whatever the mask says"
     config._attn_implementation = "sdpa"
-    model = MistralForCausalLM(config).eval()
-    assert separate_rows_reason(model, 64) == "the model's sliding window of 4 tokens is shorter than --max_length 64"
-    assert separate_rows_reason(model, 4) is None  # no answer outgrows it
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert separate_rows_reason(model, 64) == said
+    assert (separate_rows_reason(model, 4) is None) == (kind == "mistral")  # no answer outgrows the window
     rows = [conversational(*q) for q in QUESTIONS]
     encoded = [encode_pair(chat, row, PairColumns("prompt", "chosen", "rejected")) for row in rows]
     with torch.no_grad():

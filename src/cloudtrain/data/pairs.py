@@ -127,17 +127,18 @@ def encode_pair(chat: ChatFormat, row: dict, columns: PairColumns) -> dict[str, 
     return encoded
 
 
-def truncate_pairs(rows: dict[str, list], limit: int) -> tuple[list[int], int]:
+def truncate_pairs(rows: dict[str, list], limit: int, distinct: bool = True) -> tuple[list[int], int]:
     """Cut both rows of every pair to `limit` tokens in place; (indices of pairs that keep an answer token on
-    both sides and still differ, how many were cut). A row's first token is never a target; equal sides would
-    give a constant loss and no gradient."""
+    both sides and, where `distinct`, still differ; how many were cut). A row's first token is never a target;
+    equal sides give a preference loss no gradient (ORPO's SFT term still has one: not `distinct`)."""
     keep, cut = [], 0
     for i in range(len(rows["chosen_ids"])):
         cut += any(len(rows[f"{side}_ids"][i]) > limit for side in SIDES)
         for side in SIDES:
             for name in ("ids", "mask"):
                 rows[f"{side}_{name}"][i] = rows[f"{side}_{name}"][i][:limit]
-        if all(any(rows[f"{side}_mask"][i][1:]) for side in SIDES) and rows["chosen_ids"][i] != rows["rejected_ids"][i]:
+        differ = not distinct or rows["chosen_ids"][i] != rows["rejected_ids"][i]
+        if all(any(rows[f"{side}_mask"][i][1:]) for side in SIDES) and differ:
             keep.append(i)
     return keep, cut
 

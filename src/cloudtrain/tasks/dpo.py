@@ -129,6 +129,21 @@ def pair_logps(
     return answer_logps(logits, batch)
 
 
+def cut_notes(report: dict[str, dict], max_length: int) -> list[str]:
+    """Per split, the pairs cut to --max_length and those dropped (also without a cut: a template that trims
+    makes two answers the same tokens)."""
+    why = "an answer lost every token, or both are the same tokens"
+    notes = []
+    for split, r in report.items():
+        said = [f"{r['truncated']} {split} pairs cut to --max_length {max_length}"] if r["truncated"] else []
+        said += [f"{r['dropped']} {split} pairs dropped ({why})"] if r["dropped"] else []
+        notes += [", ".join(said)] if said else []
+    return notes
+
+
+ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention", "chunked_attention"}  # what a mask rules
+
+
 def separate_rows_reason(model: PreTrainedModel, max_length: int) -> str | None:
     """Why the shared-prompt layout's custom 4D mask would not compute what each answer's own row does, or None.
     It needs an attention that takes the mask as given (SDPA boolean, eager additive) and a forward that takes
@@ -138,9 +153,16 @@ def separate_rows_reason(model: PreTrainedModel, max_length: int) -> str | None:
     if implementation not in ("sdpa", "eager") or not {"position_ids", "attention_mask"} <= set(takes):
         return f"{implementation} attention takes no custom mask"
     text = model.config.get_text_config()
+    kinds = getattr(text, "layer_types", None) or getattr(text, "layers_block_type", None) or []
+    recurrent = sorted({str(kind) for kind in kinds} - ATTENTION_LAYERS)
+    if recurrent:  # a convolution's or a state space's state carries the chosen answer into the rejected one
+        return f"the model's {', '.join(recurrent)} layers read the tokens before them whatever the mask says"
     window = getattr(text, "sliding_window", None) if getattr(text, "use_sliding_window", True) else None
     if window and window < max_length:
         return f"the model's sliding window of {window} tokens is shorter than --max_length {max_length}"
+    chunk = getattr(text, "attention_chunk_size", None)  # Llama 4's chunked attention, a window of its own
+    if chunk and chunk < max_length:
+        return f"the model's attention chunks of {chunk} tokens are shorter than --max_length {max_length}"
     return None
 
 
@@ -265,10 +287,11 @@ class DPOTask(PairRows, SFTTask):
         )
 
     def _pair_rows(self, split: str, pairs: Dataset, cfg: DataConfig) -> Dataset:
-        """Pairs cut to --max_length; those left with no answer token on either side, or with equal sides, dropped
-        and counted (all: an error)."""
+        """Pairs cut to --max_length; those left with no answer token on either side, or with equal sides (but
+        under ORPO, whose SFT term still trains the chosen side), dropped and counted (all: an error)."""
         rows = {name: list(pairs[name]) for name in PAIR_FEATURES}
-        keep, cut = truncate_pairs(rows, cfg.max_length)
+        assert self.cfg is not None  # set by `process`
+        keep, cut = truncate_pairs(rows, cfg.max_length, distinct=self.cfg.preference.preference_loss != "orpo")
         dropped = len(pairs) - len(keep)
         self.report[split] = {"examples": len(pairs), "truncated": cut, "dropped": dropped}
         if not keep:
@@ -558,13 +581,7 @@ class DPOTask(PairRows, SFTTask):
             if rows is not None:
                 answer = sum(sum(mask[1:]) for side in SIDES for mask in rows[f"{side}_mask"])
                 parts.append(f"{len(rows)} {split} pairs ({answer} answer tokens)")
-        why = "an answer lost every token, or both became one"
-        notes = [
-            f"{r['truncated']} {split} pairs cut to --max_length {self.cfg.data.max_length}"
-            + (f", {r['dropped']} of them dropped ({why})" if r["dropped"] else "")
-            for split, r in self.report.items()
-            if r["truncated"]
-        ]
+        notes = cut_notes(self.report, self.cfg.data.max_length)
         if self.cfg.data.num_sample_prompts and not data.prompts:  # every validation prompt is longer than the room
             notes.append(no_prompt_fits(self.cfg))
         assert self.chat is not None  # set by `process`
