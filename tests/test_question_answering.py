@@ -279,6 +279,7 @@ def test_a_record_of_one_answer_is_read_as_squads_record_of_one():
     assert _answers({"text": "went", "answer_start": 5}, "answers") == [("went", 5)]
     assert _answers({"text": "went"}, "answers") == [("went", None)]  # found in the context
     assert _answers([{"text": "went", "answer_start": "5"}], "answers") == [("went", 5)]
+    assert _answers({"text": ["went"], "answer_start": 5}, "answers") == [("went", 5)]  # (a TypeError: review)
 
 
 def test_an_unanswered_validation_file_is_for_predictions_and_a_decoder_pads_on_the_right(tiny_llama_dir, tmp_path):

@@ -110,7 +110,8 @@ def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
     if value is None or isinstance(value, str):
         found = [(value, None)]
     elif isinstance(value, dict) and isinstance(value.get("text"), list):
-        starts = value.get("answer_start") or [None] * len(value["text"])
+        starts = value.get("answer_start")
+        starts = [starts] if isinstance(starts, (int, float, str)) else starts or [None] * len(value["text"])
         if len(starts) != len(value["text"]):
             raise UserError(
                 f"the {column!r} column has a row with {len(value['text'])} answer texts and {len(starts)} "
