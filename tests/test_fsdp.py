@@ -440,6 +440,8 @@ def test_fsdp2_classifier_matches_one_process_saves_every_weight_and_resumes(
     assert saved.keys() == reference.keys()
     for name in saved:
         torch.testing.assert_close(saved[name], reference[name], rtol=1e-3, atol=1e-5)
+    whole = sum(t.numel() for t in saved.values())  # the announcement counts the whole model, not a shard (review)
+    assert f"training rows, {whole / 1e6:.1f}M parameters, 2 process(es)" in result
     load_classifier(two)
     assert_saved_is_the_trained(saved, checkpoint_model(two / "checkpoints" / "checkpoint-6", tmp_path))
 

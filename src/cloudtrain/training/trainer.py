@@ -140,6 +140,8 @@ class Trainer:
         }
         self.optimizer = build_optimizer(model, cfg)
         self.flops = ModelFlops.from_model(model)  # before setup(): DDP/DeepSpeed wrappers hide the config
+        # before setup() too: FSDP2's shards count a part (and drop a 4-bit weight's quant_state, its full size)
+        self.counted = count_parameters(model), count_parameters(model, trainable=True)
         # this process's step, data and forward time; on CUDA the GPU's own (cloudtrain.training.prefetch)
         self.clock = InputClock(runtime.device)
         self.callbacks: list[Any] = []  # the user's (cloudtrain.training.callbacks); the pipeline sets them
@@ -599,7 +601,7 @@ class Trainer:
 
     def parameter_counts(self) -> tuple[int, int]:
         """(all, trainable) parameters of the whole model."""
-        return count_parameters(self.model), count_parameters(self.model, trainable=True)
+        return self.counted
 
     def _announce(self, steps_per_epoch: int, total_steps: int) -> None:
         t = self.cfg.training
