@@ -371,3 +371,21 @@ def test_blank_lines_of_a_text_file_are_skipped_with_a_note(tmp_path, capsys):
     assert "note: 2 blank line(s) of " in capsys.readouterr().err
     file.write_text("a\nb\n")
     assert read_texts(str(file), "text") == ["a", "b"] and capsys.readouterr().err == ""
+
+
+def test_a_model_folder_without_its_tokenizer_is_refused_in_one_line(runs, tmp_path, capsys):
+    """transformers builds an empty 5-token tokenizer from a BERT's config: every word was [UNK] and predict gave
+    wrong labels, generate an empty answer, both exiting 0 (found in audit)."""
+    import shutil
+
+    from cloudtrain.cli import main
+
+    copy = tmp_path / "weights-only"
+    copy.mkdir()
+    for name in ("config.json", "model.safetensors", "args.json"):
+        if (Path(runs["single"]) / name).is_file():
+            shutil.copy(Path(runs["single"]) / name, copy / name)
+    assert main(["predict", "--model_dir", str(copy), "--text", "the team won"]) != 0
+    err = capsys.readouterr().err
+    assert f"error: {copy} holds no tokenizer (tokenizer.json, tokenizer_config.json or vocabulary files)" in err
+    assert "Traceback" not in err

@@ -70,9 +70,21 @@ def pad_as_batches(config: transformers.PretrainedConfig, tokenizer: transformer
         config.pad_token_id = pad
 
 
+# what a folder holds when it holds a tokenizer (its config, or a vocabulary in one of the libraries' formats)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "*.model", "*.tiktoken")
+
+
 def read_tokenizer(path: str | Path, trust_remote_code: bool, **options: Any) -> transformers.PreTrainedTokenizerBase:
     """AutoTokenizer.from_pretrained(path), its failures as one line. The tokenizers library reports a damaged
     tokenizer.json as a bare Exception, and only the user's files are read here, so any failure is theirs."""
+    folder = Path(path)
+    if folder.is_dir() and not any(any(folder.glob(name)) for name in TOKENIZER_FILES):
+        # transformers builds an empty tokenizer of a BERT's or GPT-2's config: every word its unknown token
+        raise UserError(
+            f"{path} holds no tokenizer (tokenizer.json, tokenizer_config.json or vocabulary files); copy the "
+            "tokenizer files of the model it came from into it (a training run can also name them with "
+            "--tokenizer_name_or_path)"
+        )
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **options)
     except Exception as err:  # noqa: BLE001 (see above)
