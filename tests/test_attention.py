@@ -304,6 +304,14 @@ def test_an_unknown_kernel_is_refused_in_one_line_before_the_data_is_read(tiny_m
     )
     assert said.err.strip().endswith("or a Hub kernel (<org>/<repo>), or leave it out for the default")
     assert "\n" not in said.err.strip() and "data:" not in said.out and said.err.count("varlen") == 1
+    assert "paged" not in said.err  # continuous batching's kernels are no choice for training
+    # paged|eager passed, then crashed at the first step in an 88-line traceback (found in audit)
+    assert main([*topic_run_args(tiny_model_dir, topic_csvs, out), "--attn_implementation", "paged|eager"]) == 2
+    said = capsys.readouterr()
+    assert said.err.strip() == (
+        "error: --attn_implementation paged|eager attends over a paged cache for serving (continuous batching), not "
+        "in training; use eager or leave it out for the default"
+    )
     if not import_utils.is_kernels_available():
         assert main([*topic_run_args(tiny_model_dir, topic_csvs, out), "--attn_implementation", "org/attn"]) == 2
         said = capsys.readouterr()

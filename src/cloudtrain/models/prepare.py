@@ -85,8 +85,13 @@ def check_attention_name(cfg: Config) -> None:
             "--attn_implementation flex_attention trains on a CUDA GPU only (FlexAttention has no backward on CPU); "
             "use sdpa or eager here"
         )
-    known = list(dict.fromkeys([VARLEN, "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]))
-    if not wanted or wanted in known or wanted.removeprefix("paged|") in known:  # paged|<kernel>: generation's
+    known = [k for k in dict.fromkeys([VARLEN, "eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()]) if "|" not in k]
+    if wanted and wanted.startswith("paged|"):  # continuous batching's kernels need its paged cache: no training
+        raise UserError(
+            f"--attn_implementation {wanted} attends over a paged cache for serving (continuous batching), not in "
+            f"training; use {wanted.removeprefix('paged|')} or leave it out for the default"
+        )
+    if not wanted or wanted in known:
         return
     if not is_kernel(wanted):
         raise UserError(
