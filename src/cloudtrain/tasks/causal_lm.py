@@ -52,6 +52,7 @@ from cloudtrain.data.streaming import StreamPlan, check_streaming, stream_plan
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.generate import generate_texts
+from cloudtrain.models.attention import VARLEN
 from cloudtrain.models.kernels import hidden_states, linear_cross_entropy, output_head
 from cloudtrain.models.load import (
     check_checkpoint,
@@ -298,11 +299,9 @@ class CausalLMTask(DecoderTask):
                 problem = isolation_error(probed())
             except (RuntimeError, NotImplementedError, ValueError, ImportError, TypeError) as err:
                 problem = f"its attention {model.config._attn_implementation!r} did not run ({first_line(err)})"
-            if problem:
-                raise UserError(
-                    f"--packing bfd: {problem}{where}; use --packing wrapped or none, or --attn_implementation "
-                    "varlen, sdpa or eager"
-                )
+            if problem:  # cloudtrain's varlen kernels keep documents apart whatever the model does with positions
+                varlen = "" if model.config._attn_implementation == VARLEN else ", or --attn_implementation varlen"
+                raise UserError(f"--packing bfd: {problem}{where}; use --packing wrapped or none{varlen}")
 
     # ------------------------------------------------------------ loss and evaluation
     def loss_count(self, batch: dict) -> torch.Tensor:
