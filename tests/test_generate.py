@@ -318,6 +318,14 @@ def test_bad_model_dirs_are_refused_before_loading(
         "pass the output_dir of a training run"
     )
     assert "holds no config.json" in error(str(tmp_path), "--prompt", "hi")
+    checkpoint = tmp_path / "checkpoint-2"  # "written by the training application", but no model (audit)
+    checkpoint.mkdir()
+    for name in ("trainer_state.json", "model.safetensors", "optimizer.bin"):
+        (checkpoint / name).write_text("{}")
+    assert error(str(checkpoint), "--prompt", "hi") == (
+        f"--model_dir {checkpoint} is a training checkpoint (weights, optimizer state and progress), not a saved "
+        f"model: give the run's --output_dir, or go on training from it with --resume_from_checkpoint {checkpoint}"
+    )
     assert (
         error(classifier_dir, "--prompt", "hi") == f"--model_dir {classifier_dir} is a sequence-classification "
         "model; use the predict command to classify texts with it"

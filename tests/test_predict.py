@@ -108,6 +108,10 @@ def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_pa
     texts.write_text("the team won\na storm hit\n")
     (tmp_path / "link.txt").symlink_to(texts)
     (tmp_path / "sub").mkdir()
+    checkpoint = tmp_path / "sub" / "checkpoint-2"  # the folder holds model.safetensors: "no model" misled (audit)
+    checkpoint.mkdir()
+    for name in ("trainer_state.json", "model.safetensors"):
+        (checkpoint / name).write_text("{}")
     old = tmp_path / "preds.jsonl"
     old.write_text("earlier predictions\n")
     fifo = tmp_path / "fifo"  # a reader may be waiting on it: a device or a FIFO is never replaced by a file
@@ -145,6 +149,8 @@ def test_refusals_are_one_line_before_any_model_and_leave_the_files(runs, tmp_pa
         f"predict --model_dir {reward} --input_file {data} --text_column premise": "with --text_pair_column",
         f"predict --model_dir {single} --text a --handle_impossible_answer": "--handle_impossible_answer is for "
         f"question-answering models; the model in {single} was trained for --task classification: drop it",
+        f"predict --model_dir {checkpoint} --text a": f"--model_dir {checkpoint} is a training checkpoint (weights, "
+        "optimizer state and progress), not a saved model: give the run's --output_dir",
     }
     if not Path("/proc").is_dir():  # root may write anywhere else
         cases = {line: refusal for line, refusal in cases.items() if "/proc" not in line}

@@ -58,7 +58,13 @@ from cloudtrain.models.load import (
     read_tokenizer,
 )
 from cloudtrain.models.positions import positions
-from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
+from cloudtrain.publish.saving import (
+    GENERATIVE,
+    adapter_config,
+    check_not_checkpoint,
+    is_adapter_dir,
+    read_arguments,
+)
 from cloudtrain.registry import TASKS
 
 SEPARATOR = "-" * 60
@@ -101,6 +107,7 @@ def check_model_dir(model_dir: str, trust_remote_code: bool = False) -> None:
     """`model_dir` holds the config of a causal language model and readable weights, or a UserError says what it
     holds instead. The command checked that it exists and finished any interrupted final save."""
     path = Path(model_dir)
+    check_not_checkpoint("--model_dir", path)
     if is_adapter_dir(path):
         task_type = adapter_config(path).get("task_type")
         if task_type not in GENERATIVE:

@@ -21,7 +21,7 @@ from cloudtrain.commands import (
 )
 from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.models.positions import saved_positions
-from cloudtrain.publish.saving import check_not_diffusion, holds_model, read_arguments
+from cloudtrain.publish.saving import check_not_checkpoint, check_not_diffusion, holds_model, read_arguments
 from cloudtrain.registry_table import PROMPT_ANSWERS, QUESTIONS, TEXTS, predict_input
 
 DEFAULT_MAX_LENGTH = 512
@@ -98,7 +98,8 @@ def check_options(args: argparse.Namespace) -> None:
     )
     check_input_file(args.input_file)
     check_output_file(args.output_file, args.input_file, args.overwrite_output_file)
-    if not holds_model(existing_run_dir("--model_dir", args.model_dir)):
+    check_not_checkpoint("--model_dir", existing_run_dir("--model_dir", args.model_dir))  # its weights: no model
+    if not holds_model(Path(args.model_dir)):
         check_not_diffusion("--model_dir", Path(args.model_dir))
         raise UserError(f"--model_dir {args.model_dir} holds no saved model (no config.json/model.safetensors)")
     context = saved_positions(args.model_dir)  # an adapter's base is checked once it loads

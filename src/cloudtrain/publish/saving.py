@@ -46,6 +46,15 @@ MODEL_PATTERNS = (
 )
 
 
+def check_not_checkpoint(flag: str, folder: Path) -> None:
+    """A training checkpoint given where a saved model belongs is refused in words that say so."""
+    if (Path(folder) / "trainer_state.json").is_file():
+        raise UserError(
+            f"{flag} {folder} is a training checkpoint (weights, optimizer state and progress), not a saved model: "
+            f"give the run's --output_dir, or go on training from it with --resume_from_checkpoint {folder}"
+        )
+
+
 def holds_model(output_dir: Path) -> bool:
     return any((Path(output_dir) / name).exists() for name in MODEL_FILES)
 
