@@ -239,6 +239,9 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
         "empty.csv": b"",
         "latin1.csv": "text,label\ncaf\xe9 au lait,drink\nna\xefve,word\n".encode("latin-1"),
         "latin1.txt": "caf\xe9\n".encode("latin-1"),
+        # the JSON reader loads bytes unchecked: the first use of the text was a traceback (found in audit)
+        "latin1.jsonl": b"".join(json.dumps({"text": f"t {i}", "label": "a"}).encode() + b"\n" for i in range(4))
+                        + '{"text": "caf\xe9", "label": "b"}\n'.encode("latin-1"),
         "blank.csv": b"text,label\n" + b",a\n ,b\n" * 5,
         "fractions.csv": b"text,label\n" + b"".join(f"text {i},{i * 0.25}\n".encode() for i in range(8)),
         "multi.jsonl": b"".join(json.dumps({"text": f"t {i}", "label": ["a", "b"][: 1 + i % 2]}).encode() + b"\n"
@@ -252,6 +255,8 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
     cases = {
         "empty.csv": f"--train_file {tmp_path / 'empty.csv'} is empty; give a file with a header and rows",
         "latin1.csv": f"{tmp_path / 'latin1.csv'} is not UTF-8 text (Latin-1 or another encoding?); save it as "
+        "UTF-8 and try again",
+        "latin1.jsonl": f"{tmp_path / 'latin1.jsonl'} is not UTF-8 text (Latin-1 or another encoding?); save it as "
         "UTF-8 and try again",
         "blank.csv": "the training data has no text in column 'text' (every row is empty); give data with text, "
         "or pass --text_column <name>",

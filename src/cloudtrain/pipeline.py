@@ -31,7 +31,7 @@ from cloudtrain.checkpointing import (
 from cloudtrain.config import Config
 from cloudtrain.data.fingerprint import data_record, other_data_note
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
-from cloudtrain.data.sources import pin_sources
+from cloudtrain.data.sources import not_utf8, pin_sources
 from cloudtrain.errors import TrainingStopped, UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
@@ -217,7 +217,10 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     tokenizer = task.load_tokenizer(cfg)
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage
-        data = task.process(raw, tokenizer, cfg)
+        try:
+            data = task.process(raw, tokenizer, cfg)
+        except UnicodeDecodeError:  # a JSON file's bytes, loaded unchecked, decoded at the first use of its text
+            raise not_utf8(cfg.data) from None
     if resumed and resume_from:  # before the model loads: a resume onto renamed labels would swap the outputs
         try:
             check_labels(resumed, data.label_names, resume_from)

@@ -242,6 +242,16 @@ def _json_error(text: str, first_line: int = 1) -> tuple[int, int, str] | None:
     return None
 
 
+def not_utf8(cfg: DataConfig) -> UserError:
+    """The line for a UnicodeDecodeError met while processing rows: JSON readers load bytes that are not UTF-8
+    without a word, and the error came up later, in a traceback. It names the first such file given."""
+    given = [Path(path) for path in split_files(cfg).values()]
+    files = [f for path in given for f in (data_files(path) if path.is_dir() else [path]) if f.is_file()]
+    bad = next((f for f in files if not _is_utf8(f)), None)
+    what = bad or "a data file"
+    return UserError(f"{what} is not UTF-8 text (Latin-1 or another encoding?); save it as UTF-8 and try again")
+
+
 def _is_utf8(file: Path) -> bool:
     try:
         with open(file, encoding="utf-8") as handle:
