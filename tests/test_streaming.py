@@ -698,6 +698,10 @@ def test_a_config_files_datasets_list_gives_each_source_its_weight_and_columns(t
     config.write_text(f"task: causal_lm\nstreaming: true\ndatasets:\n  - {{path: {tmp_path / 'a.jsonl'}, wieght: 3}}\n")
     with pytest.raises(UserError, match="the entry of .*a.jsonl has 'wieght', which is not one of its keys"):
         resolve_sources(resolve_options(str(config), {}).data)
+    # a --train_file beside the list was left out without a word (found in audit)
+    config.write_text(f"task: causal_lm\nstreaming: true\ndatasets:\n  - {tmp_path / 'a.jsonl'}\n")
+    with pytest.raises(UserError, match="^training sources come from datasets: or from --train_file, not both"):
+        resolve_sources(resolve_options(str(config), {"train_file": str(tmp_path / "b.txt")}).data)
 
 
 def test_a_folder_source_leaves_out_hidden_folders_and_the_validation_file(tmp_path):

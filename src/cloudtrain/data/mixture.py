@@ -40,6 +40,11 @@ ENTRY_KEYS = ("path", "weight", "format", "columns")  # what a `datasets:` entry
 
 def _entries(data: Any) -> list[dict]:
     """--datasets items (a config file's mappings, or paths) or --train_file's comma list."""
+    if data.datasets and data.train_file:  # the file was left out without a word (found in audit)
+        raise UserError(
+            f"training sources come from datasets: or from --train_file, not both: add {data.train_file} to "
+            "datasets: as an entry (its weight too), or drop datasets:"
+        )
     entries = []
     for item in data.datasets:
         value = item if isinstance(item, dict) else {"path": item}
