@@ -237,6 +237,7 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
     out, classifier = tmp_path / "out", models["classifier"]
     files = {
         "empty.csv": b"",
+        "empty.txt": b"",  # a text file has no header (found in audit)
         "latin1.csv": "text,label\ncaf\xe9 au lait,drink\nna\xefve,word\n".encode("latin-1"),
         "latin1.txt": "caf\xe9\n".encode("latin-1"),
         # the JSON reader loads bytes unchecked: the first use of the text was a traceback (found in audit)
@@ -254,6 +255,7 @@ def test_data_files_that_train_on_nothing_or_cannot_be_read(models, tmp_path, ca
         (tmp_path / name).write_bytes(content)
     cases = {
         "empty.csv": f"--train_file {tmp_path / 'empty.csv'} is empty; give a file with a header and rows",
+        "empty.txt": f"--train_file {tmp_path / 'empty.txt'} is empty; give a file with a text per line",
         "latin1.csv": f"{tmp_path / 'latin1.csv'} is not UTF-8 text (Latin-1 or another encoding?); save it as "
         "UTF-8 and try again",
         "latin1.jsonl": f"{tmp_path / 'latin1.jsonl'} is not UTF-8 text (Latin-1 or another encoding?); save it as "
