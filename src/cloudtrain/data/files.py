@@ -48,12 +48,12 @@ def check_data_files(cfg: DataConfig) -> None:
             )
         for file in [p] if p.is_file() else data_files(p):
             if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
-                raise UserError(f"--{split}_file {file} is empty; give a file with {_WHAT_ROWS.get(file.suffix, ROWS)}")
+                holds = _WHAT_ROWS.get(file.suffix.lower(), "a header and rows")
+                raise UserError(f"--{split}_file {file} is empty; give a file with {holds}")
     _check_held_out_apart(files)
 
 
-ROWS = "a header and rows"
-_WHAT_ROWS = {".txt": "a text per line", ".jsonl": "a JSON record per line", ".json": "records"}
+_WHAT_ROWS = {".txt": "a text per line", ".jsonl": "a JSON record per line", ".json": "records"}  # (else csv/tsv)
 
 
 def _check_held_out_apart(files: dict[str, str]) -> None:
