@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from cloudtrain.config import Config
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.errors import UserError
+from cloudtrain.models.attention import VARLEN
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import GroupRuntime, Runtime
 
@@ -34,7 +35,7 @@ def degree(cfg: Config) -> int:
 
 def attention_fits(attn_implementation: str | None) -> bool:
     """Whether context parallelism can run with this --attn_implementation (its attention is the varlen kernels)."""
-    return attn_implementation in (None, "", "varlen")
+    return attn_implementation in (None, "", VARLEN)
 
 
 def context_mesh(cfg: Config, processes: int) -> Mesh:
