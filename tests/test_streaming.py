@@ -116,6 +116,24 @@ def test_a_source_with_no_readable_record_says_why(tmp_path):
         assert said.endswith(f"; give UTF-8 files of its format ({spec.format})")
 
 
+def test_a_bad_first_record_is_stepped_over_and_a_columns_name_must_exist(tmp_path):
+    """A source whose first line was damaged was refused as holding "no readable record", and a `columns:` entry
+    naming a column the records lack was ignored without a word (found in audit)."""
+    from cloudtrain.data.streaming import _first_record
+
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"body": "one", "\n{"body": "two"}\n')
+    (spec,) = resolve_sources(data_cfg(datasets=[{"path": str(path), "columns": {"text": "body"}}]).data)
+    assert _first_record(spec, {"text": "--text_column"}) == {"body": "two", "text": "two"}
+    (spec,) = resolve_sources(data_cfg(datasets=[{"path": str(path), "columns": {"text": "bdoy"}}]).data)
+    with pytest.raises(UserError) as refused:
+        _first_record(spec, {"text": "--text_column"})
+    assert str(refused.value) == (
+        f"training source {path}: its columns: maps text to 'bdoy', which its records do not have (its columns: "
+        "body); name one of those"
+    )
+
+
 def test_a_byte_order_mark_is_no_part_of_the_first_record(tmp_path):
     """Excel's UTF-8 CSV starts with a BOM: the stream named the column '\ufefftext' and refused the file with a
     line that read as a contradiction ("has no column 'text' (its columns: text, id)"), where stored data trained."""

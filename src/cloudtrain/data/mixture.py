@@ -141,18 +141,28 @@ def first_record(spec: SourceSpec, problems: list[str] | None = None) -> tuple[s
     for path in spec.files:
         try:
             reader = RecordReader(path, spec.format)
-            try:
-                record, _ = reader.next()
-            finally:
-                reader.close()
+        except (BadFile, BadRecord) as err:
+            _said(problems, path, err)
+            continue
+        try:
+            while True:
+                try:
+                    record, _ = reader.next()
+                    return path, record or {}
+                except BadRecord as err:  # the stream steps over it as --on_bad_data says; so does this look
+                    _said(problems, path, err)
         except StopIteration:
             continue
-        except (BadFile, BadRecord) as err:
-            if problems is not None:
-                problems.append(f"{path}: {err}")
-            continue
-        return path, record or {}
+        except BadFile as err:
+            _said(problems, path, err)
+        finally:
+            reader.close()
     return None
+
+
+def _said(problems: list[str] | None, path: str, err: Exception) -> None:
+    if problems is not None:
+        problems.append(f"{path}: {err}")
 
 
 def uniform(seed: int, k: int) -> float:

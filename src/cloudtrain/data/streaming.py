@@ -541,6 +541,12 @@ def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
             f"training source {spec.name} holds no readable record{why}; give UTF-8 files of its format ({spec.format})"
         )
     path, record = found[0], MixtureStream._columns(found[1], spec)
+    if unmatched := [(mine, theirs) for mine, theirs in spec.columns.items() if theirs not in found[1]]:
+        mine, theirs = unmatched[0]
+        raise UserError(
+            f"training source {spec.name}: its columns: maps {mine} to {theirs!r}, which its records do not have "
+            f"(its columns: {', '.join(found[1]) or 'none'}); name one of those"
+        )
     missing = [c for c in needed if c not in record]
     if is_packed(record) or not missing:
         return record
