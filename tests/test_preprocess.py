@@ -106,6 +106,19 @@ def test_a_corpus_without_the_text_column_is_one_line_and_publishes_nothing(tmp_
     assert not out.exists() or not any(out.iterdir())
 
 
+def test_a_corpus_of_blank_texts_is_called_blank(tmp_path, lm_tokenizer_dir, capsys):
+    """Blank lines were told "no record has text in column 'text' (its columns: text); pass --text_column"
+    (left alone in an audit)."""
+    for name, content in (("blank.txt", "\n\n\n"), ("blank.jsonl", '{"text": ""}\n{"text": "  ", "id": 2}\n')):
+        corpus = tmp_path / name
+        corpus.write_text(content)
+        status = main(["preprocess", "--train_file", str(corpus), "--tokenizer_name_or_path", lm_tokenizer_dir,
+                       "--output_dir", str(tmp_path / f"o-{name}")])  # fmt: skip
+        assert status == 2 and capsys.readouterr().err.strip() == (
+            f"error: {corpus} gave no tokens: every record's 'text' is blank; give a corpus with text"
+        )
+
+
 def sft_encoder(tokenizer_dir: str, limit: int = 32):
     """The SFT task's stream encoder for prompt/completion records, chatml, cut at 32 tokens (as plan_for's rows)."""
     from types import SimpleNamespace

@@ -453,7 +453,9 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
     tokenizer = read_tokenizer(args.tokenizer_name_or_path, trust_remote_code=False)
     encode, keep, shards, refused = None, [args.text_column], [], 0
     lengths: list[int] = []
+    columns: set[str] = set()  # every column seen: what the line says when nothing gave a token
     for n, records in enumerate(_documents(spec, args.shard_documents)):
+        columns.update(name for record in records for name in record)
         if encode is None:
             encode, keep = task.preprocess_encoder(tokenizer, cfg, next((r for r in records if r), {}))
         table, doc_lengths, left_out = _shard(records, encode, keep, args, len(lengths))
@@ -466,17 +468,21 @@ def _write(args: argparse.Namespace, out: Output) -> tuple[int, list[dict], dict
     if not shards:
         raise UserError(f"{args.train_file} holds no document")
     if not sum(lengths):  # nothing published: the staged shards are discarded
-        columns = ", ".join(sorted({name for record in records for name in record})[:8]) or "none"
-        if columns == "none":  # every record was skipped as corrupted (the warnings above say why)
+        if not columns:  # every record was skipped as corrupted (the warnings above say why)
             raise UserError(
                 f"{args.train_file} gave no tokens: no record could be read (see the warnings above); give UTF-8 "
                 f"files of its format ({spec.format})"
             )
         if _examples(args):
             raise UserError(f"{args.train_file} gave no tokens: no record holds a --task {args.task} example")
+        if args.text_column in columns:
+            raise UserError(
+                f"{args.train_file} gave no tokens: every record's {args.text_column!r} is blank; give a corpus "
+                "with text"
+            )
         raise UserError(
             f"{args.train_file} gave no tokens: no record has text in column {args.text_column!r} (its columns: "
-            f"{columns}); pass --text_column"
+            f"{', '.join(sorted(columns)[:8])}); pass --text_column"
         )
     manifest = {**_manifest(args, made_with(task, tokenizer, cfg), shards, lengths), "records_refused": refused}
     out.write(HISTOGRAM, _plot(manifest["length_histogram"]))
