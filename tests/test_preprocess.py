@@ -221,6 +221,13 @@ def test_packed_shards_train_from_the_command_line_with_a_validation_file(
     results = train({**options, "validation_file": str(held_out)})
     assert results["train"]["global_step"] == 3 and results["eval"]["tokens"] > 0
     assert results["train"]["sources"][f"{out}/*.parquet"]["tokens"] > 0
+    # a weight draws a packed row from shards and a document from raw text: said, as the data line marks it
+    capsys.readouterr()
+    mixed = {"train_file": f"{out}/*.parquet,{corpus}/*.jsonl", "output_dir": str(tmp_path / "mixed")}
+    assert train({**options, "validation_file": str(held_out), **mixed})["train"]["global_step"] == 3
+    said = capsys.readouterr().out
+    assert f"data: streaming {out}/*.parquet (1 file(s), packed rows, weight 0.50), {corpus}/*.jsonl (" in said
+    assert "\nnote: a weight draws a packed row (a whole row of tokens) from a source of packed shards" in said
 
 
 def test_shards_made_otherwise_than_the_run_would_make_them_are_refused_before_training(

@@ -247,6 +247,26 @@ def two_sources(tmp_path):
     return f"{tmp_path / 'a.jsonl'},{tmp_path / 'b.parquet'}"
 
 
+def test_a_source_with_no_token_in_a_whole_pass_is_said_once(tmp_path, lm_tokenizer, capsys):
+    """A source of blank lines took its weight's share of the draws and trained on nothing, without a word (left
+    alone in an audit: the draws count records, so the others' share of the tokens is what is left)."""
+    write_jsonl(tmp_path / "a.jsonl", numbered(40, "a"))
+    (tmp_path / "blank.txt").write_text("\n \n\n")
+    plan = plan_for(tmp_path, lm_tokenizer, train_file=f"{tmp_path / 'a.jsonl'},{tmp_path / 'blank.txt'}")
+    loader = plan.loader(2)
+    rows = [row for chunk in take(loader, 12) for row in chunk]
+    said = capsys.readouterr().out
+    assert (
+        said.count("note: training source") == 1
+        and (
+            f"note: training source {tmp_path / 'blank.txt'} gave no tokens in a whole pass (every text empty, or every "
+            "record unreadable): its share of the draws trains on nothing; check its files and columns, or leave it out"
+        )
+        in said
+    )
+    assert rows and loader.consumed(12)[str(tmp_path / "a.jsonl")]["tokens"] > 0
+
+
 def test_every_document_once_over_two_processes_and_two_workers_in_the_global_order(
     tmp_path, lm_tokenizer, two_sources
 ):

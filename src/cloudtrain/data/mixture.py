@@ -33,6 +33,7 @@ class SourceSpec:
     format: str
     weight: float = 1.0
     columns: dict[str, str] = field(default_factory=dict)  # the task's column name -> this source's
+    packed: bool = False  # holds rows packed by cloudtrain preprocess: a draw takes a row, not a document
 
 
 ENTRY_KEYS = ("path", "weight", "format", "columns")  # what a `datasets:` entry may say

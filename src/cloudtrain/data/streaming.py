@@ -370,10 +370,12 @@ class StreamLoader:
         first_row, stats = start["rows"] - start["skip_rows"], copy.deepcopy(start["stats"])
         skipped = start["skip_rows"]
         productive: list[int] | None = None  # the sources' passes at the last buffer that gave rows
+        barren: set[int] = set()  # sources said to have given no token in a whole pass
         for item in items:
             if "error" in item:
                 raise UserError(item["error"])
             productive = self._check_progress(item, productive)
+            self._say_barren(item["start"]["sources"], stats, barren)
             stats["bad_records"] += item["bad"]["records"]
             stats["bad_files"] += item["bad"]["files"]
             buffer = _Buffer(item["index"], item["start"], first_row, item["rows"], skipped, copy.deepcopy(stats))
@@ -398,6 +400,20 @@ class StreamLoader:
                 "check the files and --text_column (or the datasets: entries' columns)"
             )
         return productive
+
+    def _say_barren(self, positions: list[dict], stats: dict, said: set[int]) -> None:
+        """A note, once, for each source that went through a whole pass without a token: its draws (its weight's
+        share of documents) train on nothing, while the others' fill the rows."""
+        for i, (spec, position) in enumerate(zip(self.plan.sources, positions, strict=True)):
+            done = position["pass"] > 0 or not position["active"]
+            if spec.weight > 0 and done and not stats["tokens"][i] and i not in said:
+                said.add(i)
+                if self.rank == 0:
+                    print(
+                        f"note: training source {spec.name} gave no tokens in a whole pass (every text empty, or "
+                        f"every record unreadable): its share of the draws trains on nothing; check its files and "
+                        "columns, or leave it out"
+                    )
 
     def state_dict(self, step: int) -> dict:
         """The cursor after optimizer step `step`: where a resume starts reading, and the counts so far."""
@@ -464,7 +480,9 @@ def connect_stream(cfg: Any, needed: dict[str, str], validation: bool) -> tuple[
         if spec.format == "txt":  # a line arrives as "text": it is the task's text column
             spec.columns.setdefault(cfg.text_column, "text")
     first = [_first_record(spec, needed) for spec in specs]
-    packed = [spec.name for spec, record in zip(specs, first, strict=True) if is_packed(record)]
+    for spec, record in zip(specs, first, strict=True):
+        spec.packed = is_packed(record)
+    packed = [spec.name for spec in specs if spec.packed]
     if packed and not validation:
         raise UserError(
             f"training source {packed[0]} holds packed shards (cloudtrain preprocess --packing), which hold no text "

@@ -459,16 +459,23 @@ def predicting(values: torch.Tensor, batch: dict) -> torch.Tensor:
 def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> str:
     """The data line of a streaming run: its sources and weights, and the stored validation rows."""
     total = sum(source.weight for source in plan.sources) or 1.0
-    sources = ", ".join(f"{s.name} ({len(s.files)} file(s), weight {s.weight / total:.2f})" for s in plan.sources)
+    sources = ", ".join(
+        f"{s.name} ({len(s.files)} file(s){', packed rows' if s.packed else ''}, weight {s.weight / total:.2f})"
+        for s in plan.sources
+    )
     steps, tokens = plan.budget.get("max_steps"), plan.budget.get("max_tokens")
+    notes = (
+        [f"--max_steps {steps} sets the run's length; --max_tokens {tokens} is not used"] if steps and tokens else []
+    )
+    if len({s.packed for s in plan.sources if s.weight > 0}) > 1:
+        notes.append(
+            "a weight draws a packed row (a whole row of tokens) from a source of packed shards and a document from "
+            "the others: weigh the sources by the tokens you want from each (train_results.json counts them)"
+        )
     return (
         f"data: streaming {sources}; packing {cfg.packing} in buffers of {cfg.stream_buffer} documents, "
         f"{cfg.max_length} tokens per row; {len(validation)} validation rows"
-    ) + (
-        f"\nnote: --max_steps {steps} sets the run's length; --max_tokens {tokens} is not used"
-        if steps and tokens
-        else ""
-    )
+    ) + "".join(f"\nnote: {note}" for note in notes)
 
 
 def _needs_cuda(model: PreTrainedModel) -> bool:
