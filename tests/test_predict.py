@@ -32,6 +32,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import cloudtrain
 from cloudtrain.cli import main
+from cloudtrain.errors import UserError
 from cloudtrain.predict import predict
 
 PREMISES = [
@@ -377,6 +378,33 @@ def test_blank_lines_of_a_text_file_are_skipped_with_a_note(tmp_path, capsys):
     assert "note: 2 blank line(s) of " in capsys.readouterr().err
     file.write_text("a\nb\n")
     assert read_texts(str(file), "text") == ["a", "b"] and capsys.readouterr().err == ""
+
+
+def test_an_input_file_without_rows_is_called_the_input(tmp_path):
+    """A csv of a header alone was "the train data in in.csv is empty" (left alone in an audit), and a JSON
+    array of nothing was asked for a header."""
+    from cloudtrain.predict import read_columns
+
+    for name, content, holds in (("in.csv", "text\n", "a header and rows"), ("in.json", "[]\n", "records")):
+        (tmp_path / name).write_text(content)
+        with pytest.raises(UserError) as refused:
+            read_columns(str(tmp_path / name), ["text"])
+        assert str(refused.value) == f"the input data in {tmp_path / name} is empty; give a file with {holds}"
+
+
+def test_empty_prompts_of_an_input_file_are_skipped_with_a_note(tmp_path, capsys):
+    """An empty cell of a jsonl or csv file was skipped without a word (a .txt file's blank lines were said)."""
+    import argparse
+
+    from cloudtrain.generate import read_prompts
+
+    file = tmp_path / "p.jsonl"
+    file.write_text('{"prompt": "once"}\n{"prompt": ""}\n{"prompt": "  "}\n{"prompt": "the king"}\n')
+    args = argparse.Namespace(chat=False, prompt=["hi"], input_file=str(file), text_column="prompt")
+    assert read_prompts(args) == ["hi", "once", "the king"]
+    assert capsys.readouterr().err.count(f"note: 2 empty prompt(s) of {file} skipped\n") == 1
+    file.write_text('{"prompt": "once"}\n')
+    assert read_prompts(args) == ["hi", "once"] and "note:" not in capsys.readouterr().err
 
 
 def test_a_model_folder_without_its_tokenizer_is_refused_in_one_line(runs, tmp_path, capsys):

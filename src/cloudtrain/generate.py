@@ -34,6 +34,7 @@ unless given a streamer.
 """
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -149,7 +150,10 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.input_file:
         from cloudtrain.predict import read_texts
 
-        prompts += [text for text in read_texts(args.input_file, args.text_column) if text.strip()]
+        texts = read_texts(args.input_file, args.text_column)
+        prompts += [text for text in texts if text.strip()]
+        if blank := len(texts) - len(prompts) + len(args.prompt):  # (a .txt file's blank lines: said as read)
+            print(f"note: {blank} empty prompt(s) of {args.input_file} skipped", file=sys.stderr)
     if not prompts:  # an input file of blank lines
         raise UserError(f"nothing to generate from: --input_file {args.input_file} holds no prompt")
     return prompts

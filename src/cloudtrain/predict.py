@@ -81,7 +81,7 @@ def read_columns(path: str, columns: list[str]) -> list[list]:
     if file.stat().st_size == 0:
         raise UserError(f"--input_file {path} is empty")
     builder, options = FILE_FORMATS[file.suffix.lower()]
-    ds = load_files(builder, [file], options=options)
+    ds = load_files(builder, [file], split="input", options=options)  # (the split names it in a line about it)
     for column, flag in zip(columns, ("--text_column", "--text_pair_column"), strict=False):
         if column not in ds.column_names:
             raise UserError(

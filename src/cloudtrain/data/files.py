@@ -48,12 +48,16 @@ def check_data_files(cfg: DataConfig) -> None:
             )
         for file in [p] if p.is_file() else data_files(p):
             if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
-                holds = _WHAT_ROWS.get(file.suffix.lower(), "a header and rows")
-                raise UserError(f"--{split}_file {file} is empty; give a file with {holds}")
+                raise UserError(f"--{split}_file {file} is empty; give a file with {rows_wanted(file)}")
     _check_held_out_apart(files)
 
 
 _WHAT_ROWS = {".txt": "a text per line", ".jsonl": "a JSON record per line", ".json": "records"}  # (else csv/tsv)
+
+
+def rows_wanted(file: Path) -> str:
+    """What a data file of this format holds, for a line about one that holds nothing."""
+    return _WHAT_ROWS.get(file.suffix.lower(), "a header and rows")
 
 
 def _check_held_out_apart(files: dict[str, str]) -> None:

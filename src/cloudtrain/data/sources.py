@@ -23,7 +23,7 @@ from datasets.exceptions import DatasetGenerationError
 
 from cloudtrain.assets import R8_FILES, r8_dir
 from cloudtrain.config import DataConfig
-from cloudtrain.data.files import FILE_FORMATS, check_data_files, data_files, split_files
+from cloudtrain.data.files import FILE_FORMATS, check_data_files, data_files, rows_wanted, split_files
 from cloudtrain.data.readers import SWALLOWED
 from cloudtrain.errors import UserError, first_line
 
@@ -202,7 +202,7 @@ def read_error(err: BaseException, builder: str, files: list[Path], split: str) 
         return UserError(f"{bad} is not UTF-8 text (Latin-1 or another encoding?); save it as UTF-8 and try again")
     text = " ".join(str(c) for c in causes)
     if "corresponds to no data" in text or "No columns to parse" in text:
-        return UserError(f"the {split} data in {where} is empty; give a file with a header and rows")
+        return UserError(f"the {split} data in {where} is empty; give a file with {rows_wanted(files[0])}")
     if builder == "json":  # the reader says "row 1" (arrow counts records from 0) or a byte position
         bad_line = first_bad_json_line(files)
         if bad_line:
