@@ -40,7 +40,8 @@ def test_a_classification_run_names_the_tasks_that_read_its_language_model_optio
 @pytest.mark.parametrize(
     "task, values",
     [
-        ("causal_lm", {"packing": "bfd", "sample_prompts": "once upon", "num_sample_prompts": 1}),
+        ("causal_lm", {"packing": "bfd", "sample_prompts": "once upon", "num_sample_prompts": 1, "text_column": "x"}),
+        ("question_answering", {"text_column": "q", "text_pair_column": "c", "label_column": "a"}),
         ("sft", {"packing": "bfd", "chat_template": "chatml", "system_prompt": "Be brief.", "train_on_prompt": True}),
         ("dpo", {"beta": 0.5, "chat_template": "chatml", "preference_loss": "ipo", "sample_max_new_tokens": 8}),
         ("dpo", {"preference_loss": "simpo", "simpo_gamma": 0.5}),
@@ -55,6 +56,16 @@ def test_no_note_where_the_task_reads_the_option(task, values):
 @pytest.mark.parametrize(
     "values, note",
     [
+        (
+            {"task": "sft", "text_column": "body"},  # an SFT row is a conversation or a prompt/completion (audit)
+            "--text_column body has no effect on --task sft; it counts for --task classification, multi_label, "
+            "regression, token_classification, question_answering, seq2seq or causal_lm",
+        ),
+        (
+            {"task": "causal_lm", "label_column": "topic"},
+            "--label_column topic has no effect on --task causal_lm; it counts for --task classification, "
+            "multi_label, regression, token_classification, question_answering or seq2seq",
+        ),
         (
             {"task": "dpo", "sample_prompts": "hi"},  # dpo's sample prompts are its validation pairs'
             "--sample_prompts hi has no effect on --task dpo; it counts for --task causal_lm or sft",

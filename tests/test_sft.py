@@ -406,6 +406,7 @@ def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
     no_generation_prompt.write_text(CHATML.split("{% if add_generation_prompt %}")[0])
     base = sft_options(tiny_llama_dir, chats_file, tmp_path / "out")
     return {
+        "no model": ({**base, "model_name_or_path": None}, "--task sft needs a decoder"),  # it said causal_lm (audit)
         "messages not a list": (
             {**base, "train_file": not_a_list, "validation_file": None},
             "train example 0: column 'messages' holds str, not a list",

@@ -21,6 +21,11 @@ QUESTIONS = "questions"  # a question and its context
 PROMPT_ANSWERS = "prompt_answers"  # a prompt and an answer: through the saved chat template where the run had one
 
 
+# the column options of the tasks that read texts and labels from columns (a pair's second text: refused by the
+# tasks of one text, which read it to say so)
+TEXT_COLUMNS = ("text_column", "text_pair_column", "label_column")
+
+
 class Row(NamedTuple):
     """One registered class as the parser sees it: `metrics`, `default_best_metric`, `stream_records` (None
     for a task that does not stream), `reads_options` (its Task.reads_options) and `predicts` (what `cloudtrain
@@ -44,7 +49,7 @@ TASK_ROWS: dict[str, Row] = {
         "text -> label",
         ("accuracy", "macro_f1", "loss"),
         "accuracy",
-        reads_options=("label_smoothing",),
+        reads_options=(*TEXT_COLUMNS, "label_smoothing"),
         predicts=TEXTS,
     ),
     "multi_label": Row(
@@ -52,7 +57,7 @@ TASK_ROWS: dict[str, Row] = {
         "text -> any number of labels",
         ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
         "micro_f1",
-        reads_options=("label_separator",),
+        reads_options=(*TEXT_COLUMNS, "label_separator"),
         predicts=TEXTS,
     ),
     "regression": Row(
@@ -60,6 +65,7 @@ TASK_ROWS: dict[str, Row] = {
         "text -> a number",
         ("loss", "rmse", "mae", "pearson", "spearman"),
         "loss",
+        reads_options=TEXT_COLUMNS,
         predicts=TEXTS,
     ),
     "token_classification": Row(
@@ -67,7 +73,7 @@ TASK_ROWS: dict[str, Row] = {
         "a tag per word: named entities, parts of speech",
         ("f1", "precision", "recall", "accuracy", "loss"),
         "f1",
-        reads_options=("label_smoothing",),
+        reads_options=(*TEXT_COLUMNS, "label_smoothing"),
         predicts=TEXTS,
     ),
     "question_answering": Row(
@@ -75,7 +81,7 @@ TASK_ROWS: dict[str, Row] = {
         "a question and a context -> the answer's span in the context",
         ("f1", "exact_match", "loss"),
         "f1",
-        reads_options=("doc_stride", "max_answer_length"),
+        reads_options=(*TEXT_COLUMNS, "doc_stride", "max_answer_length"),
         predicts=QUESTIONS,
     ),
     "seq2seq": Row(
@@ -84,6 +90,7 @@ TASK_ROWS: dict[str, Row] = {
         ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss"),
         "rougeL",
         reads_options=(
+            *TEXT_COLUMNS,
             "label_smoothing",
             "max_target_length",
             "source_prefix",
@@ -99,7 +106,14 @@ TASK_ROWS: dict[str, Row] = {
         ("loss", "perplexity"),
         "loss",
         DOCUMENT,
-        reads_options=("packing", "label_smoothing", "sample_prompts", "num_sample_prompts", "sample_max_new_tokens"),
+        reads_options=(
+            "text_column",
+            "packing",
+            "label_smoothing",
+            "sample_prompts",
+            "num_sample_prompts",
+            "sample_max_new_tokens",
+        ),
         tensor_parallel=True,
         context_parallel=True,
     ),

@@ -120,9 +120,9 @@ class CausalLMTask(DecoderTask):
             check_streaming(cfg)
         if not m.model_name_or_path and not m.model_config:
             raise UserError(
-                "--task causal_lm needs a decoder: --model_name_or_path <causal LM> to continue "
-                f"pretraining, or --model_config <config.json or preset: {', '.join(presets())}> "
-                "with --tokenizer_name_or_path to pretrain from scratch"
+                f"--task {self.name} needs a decoder: --model_name_or_path <causal LM> to train on, or "
+                f"--model_config <config.json or preset: {', '.join(presets())}> with --tokenizer_name_or_path to "
+                "start from random weights"
             )
         if m.model_name_or_path:
             check_checkpoint(resolve_model_path(m), "--model_name_or_path")
