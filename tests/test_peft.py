@@ -203,6 +203,25 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
         check_model_dir(str(adapter))
 
 
+def test_an_adapter_given_as_the_model_to_train_is_pointed_to_its_merge(tmp_path):
+    """It was "has no config.json; give a folder written by save_pretrained" (found in audit)."""
+    from cloudtrain.models.load import check_checkpoint
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"task_type": "CAUSAL_LM", "base_model_name_or_path": "x"}))
+    with pytest.raises(UserError) as refused:
+        check_checkpoint(adapter, "--model_name_or_path")
+    assert str(refused.value) == (
+        f"--model_name_or_path {adapter} holds an adapter, not a model: give its merge with the base (cloudtrain "
+        f"merge --model_dir {adapter} writes {adapter / 'merged'})"
+    )
+    (adapter / "merged").mkdir()
+    (adapter / "merged" / "config.json").write_text("{}")
+    with pytest.raises(UserError, match=f"holds an adapter, not a model: give {adapter / 'merged'}, its merge$"):
+        check_checkpoint(adapter, "--model_name_or_path")
+
+
 def test_a_users_file_inside_cloudtrains_merged_folder_is_never_deleted(tmp_path):
     """merge (and a run over the folder) replaced a merged/ of its own whole, with the GGUF export the user had
     written into it (found in audit): refused in one line naming it."""

@@ -19,9 +19,8 @@ At load time: the base model (frozen, in the compute dtype, or 4-bit), gradient 
 trainable parameters only) and accelerate come after. Checkpoints hold only the trainable weights (under
 FSDP, which writes each process's shards, the whole model).
 
-The output directory holds PEFT's layout (adapter_config.json, adapter_model.safetensors), so
-`PeftModel.from_pretrained(base, output_dir)` and `AutoPeftModelFor...` load it; a classifier's label
-names are in labels.json (pass them as id2label when loading the base).
+The output directory holds PEFT's layout (adapter_config.json, adapter_model.safetensors), which
+`AutoPeftModelFor...` loads (docs/adapters.md: loading it onto a base by hand).
 """
 
 import argparse

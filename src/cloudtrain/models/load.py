@@ -42,6 +42,7 @@ from cloudtrain.models.positions import positions
 from cloudtrain.parallel import tensor as tensor_parallel
 from cloudtrain.parallel.distributed import launched_processes
 from cloudtrain.paths import resolve_model_path
+from cloudtrain.publish.saving import MERGED, is_adapter_dir
 
 if TYPE_CHECKING:
     from cloudtrain.tasks.base import Task
@@ -133,6 +134,13 @@ def check_checkpoint(path: str | Path, flag: str) -> None:
     if not folder.is_dir():
         return
     if not (folder / "config.json").is_file():
+        if is_adapter_dir(folder):  # a --peft run's output: the adapter alone, its base named inside
+            merged = folder / MERGED
+            raise UserError(
+                f"{flag} {path} holds an adapter, not a model: give "
+                + (f"{merged}, its merge" if (merged / "config.json").is_file() else
+                   f"its merge with the base (cloudtrain merge --model_dir {path} writes {merged})")
+            )  # fmt: skip
         raise UserError(f"{flag} {path} has no config.json; give a folder written by save_pretrained")
     files = sorted({f for pattern in WEIGHT_NAMES for f in folder.glob(pattern)})
     if not files:
