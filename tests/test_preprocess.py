@@ -164,6 +164,31 @@ def test_sft_shards_stream_the_examples_with_their_answer_masks(qa, tmp_path, lm
     assert rows_of(shards.loader(2), 30, *keys) == expected
 
 
+def test_streamed_sft_examples_without_an_answer_are_counted_and_most_stop_the_run(
+    tmp_path, lm_tokenizer, lm_tokenizer_dir, capsys
+):
+    """A stream dropped the examples that --max_length left without an answer token without a word, and went on
+    cycling the few that were left, where a stored dataset stops (found in audit)."""
+    long = " ".join(["the king and the frog went to the well"] * 6)
+    rows = [{"prompt": f"{long if i % 4 == 0 else 'What is'} {i}?", "completion": f"It is {i}."} for i in range(40)]
+    source = tmp_path / "some-long.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = plan_for(tmp_path, lm_tokenizer, train_file=str(source), packing="none")
+    plan.encode = sft_encoder(lm_tokenizer_dir, 32)
+    loader = plan.loader(2)
+    take(loader, 4)
+    said = capsys.readouterr().out
+    assert said.count("note: streamed examples with no answer token within --max_length 32 are dropped") == 1
+    dropped = loader.consumed(4)["examples_dropped"]
+    assert dropped == 4 and loader.source_metrics(4)["data/examples_dropped"] == 4  # the first buffer's 16 records
+    rows = [{"prompt": f"{long if i % 4 else 'What is'} {i}?", "completion": f"It is {i}."} for i in range(40)]
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    plan = plan_for(tmp_path, lm_tokenizer, train_file=str(source), packing="none")
+    plan.encode = sft_encoder(lm_tokenizer_dir, 32)
+    with pytest.raises(UserError, match="^12 of the first 16 streamed examples have no answer token within --max_l"):
+        take(plan.loader(2), 4)
+
+
 def test_packed_sft_shards_are_the_rows_a_stream_packs_with_their_masks(qa, tmp_path, lm_tokenizer, lm_tokenizer_dir):
     out = tmp_path / "sft-packed"
     argv = ["preprocess", "--task", "sft", "--train_file", str(qa), "--tokenizer_name_or_path", lm_tokenizer_dir]

@@ -95,7 +95,6 @@ def test_every_assistant_turn_and_its_end_of_turn_token_are_trained_and_nothing_
     # <|im_end|> closes the system and user turns too: those are not trained.
     assert [m for token, m in zip(ids, mask, strict=True) if token == end] == [0, 0, 1, 0, 1]
     assert chat.tokenizer.decode(ids) == chat.render(MULTI_TURN)
-    assert chat.encode(MULTI_TURN, train_on_prompt=True)[1] == [1] * len(ids)
 
 
 def with_template(tokenizer_dir: str, template: str) -> ChatFormat:
@@ -178,6 +177,30 @@ def test_a_carved_split_and_sample_limits_count_conversations_and_evaluation_ans
     # --train_on_prompt trains on every token; evaluation still measures the answers alone
     assert masks[None, True]["train"] > masks[None, False]["train"]
     assert masks[None, True]["validation"] == masks[None, False]["validation"]
+
+
+def test_train_on_prompt_keeps_or_drops_an_example_by_its_answer(lm_tokenizer_dir, tmp_path):
+    """--train_on_prompt kept examples whose answers --max_length cut off entirely, so nothing refused a length
+    that left no answer, and the data line called every token an answer token (found in audit)."""
+    from datasets import Dataset, DatasetDict
+
+    long_question = " ".join(["the king and the frog went to the well"] * 8)
+    chats = [[{"role": "user", "content": f"{long_question} {i}"}, {"role": "assistant", "content": f"A{i}"}]
+             for i in range(8)]  # fmt: skip
+    raw = DatasetDict({"train": Dataset.from_list([{"messages": chat} for chat in chats])})
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    for on_prompt in (False, True):
+        options = sft_options(lm_tokenizer_dir, "", tmp_path / "out", validation_file="", chat_template="chatml",
+                              validation_split_percentage=25, max_length=16, train_on_prompt=on_prompt,
+                              packing="none")  # fmt: skip
+        with pytest.raises(UserError, match="^6 of 6 train examples have no answer token within --max_length 16"):
+            build_task(build_config(options)).process(raw, tokenizer, build_config(options))
+    options = {**options, "max_length": 256}
+    task = build_task(build_config(options))
+    data = task.process(raw, tokenizer, build_config(options))
+    said = task.describe_data(data)
+    trained = sum(map(sum, data.train["loss_mask"]))
+    assert "6 train examples in 6 rows (" in said and f"answer tokens, {trained - 6} trained of " in said, said
 
 
 def test_a_template_without_a_generation_prompt_serves_a_model_that_only_scores(lm_tokenizer_dir, tmp_path):

@@ -155,9 +155,9 @@ class ChatFormat:
         except Exception as err:  # Jinja raises its own errors, and templates raise_exception(...)
             raise ValueError(f"the chat template ({self.source}) cannot render it: {first_line(err)}") from None
 
-    def encode(self, messages: list[dict], train_on_prompt: bool = False) -> tuple[list[int], list[int]]:
-        """(token ids, loss mask) of one conversation: 1 on every assistant turn's tokens up to and including
-        its end-of-turn token (on all tokens with `train_on_prompt`). ValueError if the template renders
+    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """(token ids, answer mask) of one conversation: 1 on every assistant turn's tokens up to and including
+        its end-of-turn token. ValueError if the template renders
         earlier turns differently once later ones follow (see `examples`)."""
         text, spans = self.render(messages), []
         for prompt, through in self._turns(messages):
@@ -166,14 +166,14 @@ class ChatFormat:
                     f"the chat template ({self.source}) renders earlier turns differently once later ones follow"
                 )
             spans.append((len(prompt), len(through)))
-        return self._example(text, spans, train_on_prompt)
+        return self._example(text, spans)
 
-    def examples(self, messages: list[dict], train_on_prompt: bool = False) -> list[tuple[list[int], list[int]]]:
+    def examples(self, messages: list[dict]) -> list[tuple[list[int], list[int]]]:
         """The training examples of one conversation: `encode`'s one, or, where the template renders earlier
         turns differently once later ones follow (Qwen3 drops earlier reasoning, Mistral moves the system
         prompt to the last user turn), one per assistant turn, each rendered as inference renders it."""
         try:
-            return [self.encode(messages, train_on_prompt)]
+            return [self.encode(messages)]
         except ValueError:
             pass
         examples = []
@@ -184,7 +184,7 @@ class ChatFormat:
                     "continue its own generation prompt, so the answer's tokens cannot be found; use "
                     "--chat_template chatml"
                 )
-            examples.append(self._example(through, [(len(prompt), len(through))], train_on_prompt))
+            examples.append(self._example(through, [(len(prompt), len(through))]))
         return examples
 
     def _turns(self, messages: list[dict]) -> list[tuple[str, str]]:
@@ -195,11 +195,9 @@ class ChatFormat:
             if message["role"] == "assistant"
         ]
 
-    def _example(self, text: str, spans: list[tuple[int, int]], train_on_prompt: bool) -> tuple[list[int], list[int]]:
+    def _example(self, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = encoded["input_ids"]
-        if train_on_prompt:
-            return ids, [1] * len(ids)
         # A token is trained when it overlaps an answer: byte-level tokenizers give a merged " I" the offset of
         # its space, which may belong to the generation prompt.
         mask = [
@@ -229,7 +227,7 @@ class ChatFormat:
                     "the answer's tokens cannot be found; use --chat_template chatml"
                 )
             spans.append((len(head), len(through)))
-        return self._example(text, spans, False)
+        return self._example(text, spans)
 
     def prompt(self, messages: list[dict]) -> str:
         """The text a model is given to answer the last assistant turn of `messages` (or to answer after them)."""

@@ -54,6 +54,18 @@ class Refused(list):
         self.why = why
 
 
+class Cut(list):
+    """An encoder's examples of a record less those it dropped, `dropped`: SFT's examples left with no answer
+    token within --max_length. The stream counts them, and stops where they are most of its examples."""
+
+    def __init__(self, examples: list, dropped: int):
+        super().__init__(examples)
+        self.dropped = dropped
+
+
+MOST_CUT = 0.5  # a share of examples without an answer token above which a run stops (raise --max_length)
+
+
 @dataclass
 class StreamPlan:
     """What the training stream is made of; picklable with the task's `encode` under fork."""
@@ -142,12 +154,12 @@ class BufferDataset(IterableDataset):
                     docs = self._read(stream, mine)
                     if stream.state["doc"] == before["doc"]:
                         return
-                    rows = self._rows(docs, stream) if mine else []
+                    rows, cut = self._rows(docs, stream) if mine else ([], (0, 0))
                 except UserError as err:  # on_bad_data stop: said once, by the main process
                     yield {"error": str(err)}
                     return
                 if mine:
-                    yield {"index": j, "start": before, "rows": rows, "bad": dict(stream.bad)}
+                    yield {"index": j, "start": before, "rows": rows, "bad": dict(stream.bad), "cut": cut}
                     stream.bad = {"records": 0, "files": 0}
                 j += 1
         finally:
@@ -164,16 +176,20 @@ class BufferDataset(IterableDataset):
                 docs.append((source, key, record))
         return docs
 
-    def _rows(self, docs: list[tuple], stream: MixtureStream) -> list[dict]:
-        """The buffer's rows: its packed shard rows as they are, then the other documents packed."""
+    def _rows(self, docs: list[tuple], stream: MixtureStream) -> tuple[list[dict], tuple[int, int]]:
+        """The buffer's rows: its packed shard rows as they are, then the other documents packed; and the
+        examples encoded and dropped (`Cut`)."""
         packed = [d for d in docs if is_packed(d[2])]
         rows = [_packed_row(record, source, key, self.plan.block_size) for source, key, record in packed]
-        if len(packed) < len(docs):
-            rows += self._pack([d for d in docs if not is_packed(d[2])], stream)
-        return rows
+        if len(packed) == len(docs):
+            return rows, (0, 0)
+        more, cut = self._pack([d for d in docs if not is_packed(d[2])], stream)
+        return rows + more, cut
 
-    def _pack(self, docs: list[tuple], stream: MixtureStream) -> list[dict]:
+    def _pack(self, docs: list[tuple], stream: MixtureStream) -> tuple[list[dict], tuple[int, int]]:
         encoded = encode_stored([record for _, _, record in docs], self.plan.encode)
+        dropped = sum(getattr(examples, "dropped", 0) for examples in encoded)
+        cut = (sum(len(examples) for examples in encoded) + dropped, dropped)
         for (source, key, _), examples in zip(docs, encoded, strict=True):
             if isinstance(examples, Refused):
                 stream.refused(source, key, examples.why)
@@ -182,7 +198,7 @@ class BufferDataset(IterableDataset):
             for (source, key, _), examples in zip(docs, encoded, strict=True)
             for n, (ids, mask) in enumerate(examples)
         ]
-        return pack_buffer(items, self.plan.block_size, self.plan.packing)
+        return pack_buffer(items, self.plan.block_size, self.plan.packing), cut
 
 
 @dataclass
@@ -378,6 +394,7 @@ class StreamLoader:
             self._say_barren(item["start"]["sources"], stats, barren)
             stats["bad_records"] += item["bad"]["records"]
             stats["bad_files"] += item["bad"]["files"]
+            self._count_cut(stats, *item["cut"])
             buffer = _Buffer(item["index"], item["start"], first_row, item["rows"], skipped, copy.deepcopy(stats))
             self.buffers.append(buffer)
             yield buffer
@@ -400,6 +417,23 @@ class StreamLoader:
                 "check the files and --text_column (or the datasets: entries' columns)"
             )
         return productive
+
+    def _count_cut(self, stats: dict, examples: int, dropped: int) -> None:
+        """Examples dropped for want of an answer token within --max_length: said at the first, counted, and a
+        UserError once they are most of the examples so far (as a stored dataset is refused)."""
+        before = stats.get("examples_dropped", 0)
+        stats["examples"] = stats.get("examples", 0) + examples
+        stats["examples_dropped"] = before + dropped
+        if stats["examples_dropped"] > MOST_CUT * stats["examples"]:
+            raise UserError(
+                f"{stats['examples_dropped']} of the first {stats['examples']} streamed examples have no answer token "
+                f"within --max_length {self.plan.block_size}; raise --max_length or shorten the prompts"
+            )
+        if dropped and not before and self.rank == 0:
+            print(
+                f"note: streamed examples with no answer token within --max_length {self.plan.block_size} are "
+                "dropped and counted (train_results.json: sources, examples_dropped)"
+            )
 
     def _say_barren(self, positions: list[dict], stats: dict, said: set[int]) -> None:
         """A note, once, for each source that went through a whole pass without a token: its draws (its weight's
@@ -446,6 +480,8 @@ class StreamLoader:
         }
         result["corrupted_records_skipped"] = stats["bad_records"]
         result["corrupted_files_skipped"] = stats["bad_files"]
+        if stats.get("examples_dropped"):
+            result["examples_dropped"] = stats["examples_dropped"]
         return result
 
     def source_metrics(self, step: int) -> dict[str, float]:
@@ -459,8 +495,9 @@ class StreamLoader:
             if isinstance(per_source, dict)
             for kind, n in per_source.items()
         }
-        values["data/corrupted_records_skipped"] = float(counts["corrupted_records_skipped"])
-        values["data/corrupted_files_skipped"] = float(counts["corrupted_files_skipped"])
+        for name in ("corrupted_records_skipped", "corrupted_files_skipped", "examples_dropped"):
+            if name in counts:
+                values[f"data/{name}"] = float(counts[name])
         return values
 
 

@@ -40,7 +40,7 @@ from cloudtrain.data.mixture import skip_or_stop
 from cloudtrain.data.packing import CausalLMCollator, pack_examples
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.data.shards import made_with
-from cloudtrain.data.streaming import Refused, StreamPlan, stream_plan
+from cloudtrain.data.streaming import MOST_CUT, Cut, Refused, StreamPlan, stream_plan
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.generate import generate_texts
 from cloudtrain.models.load import grow_embeddings, load_tokenizer
@@ -50,7 +50,6 @@ from cloudtrain.registry import TASKS
 from cloudtrain.registry_table import EXAMPLES, TASK_ROWS
 from cloudtrain.tasks.causal_lm import CausalLMTask
 
-MOST = 0.5  # a dataset where more than this share of examples loses every answer token stops
 ANSWER_BATCH = 16  # sample answers generated this many at a time
 ROW_FEATURES = datasets.Features(
     {
@@ -71,13 +70,16 @@ def _stream_encoder(chat: ChatFormat, columns: Columns, cfg: DataConfig) -> Call
         out: list[list[tuple[list[int], list[int]]]] = []
         for record in records:
             try:
-                examples = chat.examples(to_messages(record, columns, system), train_on_prompt)
+                examples = chat.examples(to_messages(record, columns, system))
             except (ValueError, KeyError, TypeError) as err:
                 why = f"no column {err.args[0]!r}" if isinstance(err, KeyError) else first_line(err)
                 out.append(Refused(why))  # said and counted by the stream (--on_bad_data)
                 continue
             cut = [(ids[:limit], mask[:limit]) for ids, mask in examples]
-            out.append([(ids, mask) for ids, mask in cut if any(mask[1:])])
+            kept = [(ids, mask) for ids, mask in cut if any(mask[1:])]  # by its answer, whatever trains
+            out.append(
+                Cut([(ids, [1] * len(ids)) for ids, _ in kept] if train_on_prompt else kept, len(cut) - len(kept))
+            )
         return out
 
     return encode
@@ -250,18 +252,16 @@ class SFTTask(CausalLMTask):
         return sorted(order[n_val:].tolist()), sorted(order[:n_val].tolist())
 
     def _encode(self, ds: Dataset, split: str, columns: Columns, cfg: DataConfig) -> Dataset:
-        """(input_ids, loss_mask) per example, every example checked; cached by data, tokenizer and template.
-        --train_on_prompt trains on the prompts; evaluation measures the answers whatever it says."""
-        chat, system, train_on_prompt = self.chat, cfg.system_prompt, cfg.train_on_prompt and split == "train"
+        """(input_ids, answer mask) per example, every example checked; cached by data, tokenizer and template.
+        (--train_on_prompt acts on the rows: an example is kept or dropped by its answer all the same.)"""
+        chat, system = self.chat, cfg.system_prompt
         assert chat is not None and self.tokenizer is not None  # both set by `process`
 
         def encode(batch: dict, indices: list[int]) -> dict:
             ids, masks, conversations = [], [], []
             for i, index in enumerate(indices):
                 try:
-                    examples = chat.examples(
-                        to_messages({c: batch[c][i] for c in batch}, columns, system), train_on_prompt
-                    )
+                    examples = chat.examples(to_messages({c: batch[c][i] for c in batch}, columns, system))
                 except ValueError as err:
                     raise UserError(f"{split} example {index}: {err}") from None
                 ids += [example_ids for example_ids, _ in examples]
@@ -276,10 +276,9 @@ class SFTTask(CausalLMTask):
             columns.format,
             *columns.names,
             system,
-            train_on_prompt,
             self.tokenizer.chat_template,
             self.tokenizer.special_tokens_map,
-            "sft-v3",
+            "sft-v4",
         )
         features = datasets.Features(
             {"input_ids": ROW_FEATURES["input_ids"], "loss_mask": ROW_FEATURES["loss_mask"],
@@ -289,18 +288,20 @@ class SFTTask(CausalLMTask):
         return cached_map(ds, encode, features, cfg, f"sft-{split}", key, desc, with_indices=True)
 
     def _rows(self, split: str, examples: Dataset, cfg: DataConfig) -> Dataset:
-        """Examples cut to --max_length, those left with no answer token dropped (and counted), then packed."""
+        """Examples cut to --max_length, those left with no answer token dropped (and counted), then packed;
+        --train_on_prompt marks every token of a training row."""
         limit, ids, masks = cfg.max_length, [], []
-        truncated = 0
+        truncated = answers = 0
         for example_ids, mask in zip(examples["input_ids"], examples["loss_mask"], strict=True):
             truncated += len(example_ids) > limit
             example_ids, mask = example_ids[:limit], mask[:limit]
             if any(mask[1:]):  # a row's first token is never a target
+                answers += sum(mask[1:])
                 ids.append(example_ids)
-                masks.append(mask)
+                masks.append([1] * len(mask) if cfg.train_on_prompt and split == "train" else mask)
         dropped = len(examples) - len(ids)
-        self.report[split] = {"examples": len(examples), "truncated": truncated, "dropped": dropped}
-        if dropped > MOST * len(examples) or not ids:
+        self.report[split] = {"examples": len(examples), "truncated": truncated, "dropped": dropped, "answers": answers}
+        if dropped > MOST_CUT * len(examples) or not ids:
             longest = max(len(x) for x in examples["input_ids"])
             raise UserError(
                 f"{dropped} of {len(examples)} {split} examples have no answer token within --max_length "
@@ -417,14 +418,14 @@ class SFTTask(CausalLMTask):
         for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
             if rows is None or isinstance(rows, StreamPlan):
                 continue
-            answer = sum(
+            trained = sum(
                 _targets(mask, lengths) for mask, lengths in zip(rows["loss_mask"], rows["seq_lengths"], strict=True)
             )
             tokens = sum(len(ids) for ids in rows["input_ids"])
             report = self.report[split]
+            of = f"{report['answers']} answer tokens" + (f", {trained} trained" if trained != report["answers"] else "")
             parts.append(
-                f"{report['examples'] - report['dropped']} {split} examples in {len(rows)} rows "
-                f"({answer} answer tokens of {tokens})"
+                f"{report['examples'] - report['dropped']} {split} examples in {len(rows)} rows ({of} of {tokens})"
             )
         notes = [
             f"{r['truncated']} {split} examples cut to --max_length {self.cfg.data.max_length}"
