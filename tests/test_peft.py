@@ -646,6 +646,23 @@ def test_sft_lora_in_bf16_with_a_grown_vocabulary_generates_its_samples(
     assert results["eval"]["generations"] and all("answer" in g for g in results["eval"]["generations"])
 
 
+def test_a_target_that_trains_in_full_gets_no_adapter(tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir,
+                                                      topic_csvs, capsys):  # fmt: skip
+    """chatml grows a Llama's vocabulary, so its embeddings and head train in full: --lora_target_modules lm_head
+    crashed in PEFT ("modules_to_save cannot be applied to modules of type ...lora.layer.Linear"; audit)."""
+    options = case_options("sft-lora", tmp_path, tiny_model_dir, tiny_llama_dir, tiny_gpt2_dir, topic_csvs)
+    options.update(model_name_or_path=tiny_llama_dir, max_steps=1, lora_target_modules="q_proj,lm_head")
+    model = build_run(build_config(options)).model
+    assert "note: lm_head train(s) in full in this run (new or resized), so no adapter goes on them" in (
+        capsys.readouterr().out
+    )
+    names = [name for name, _ in model.named_parameters()]
+    assert any("q_proj.lora_A" in n for n in names) and not any("lm_head.lora_A" in n for n in names)
+    options.update(lora_target_modules="lm_head,embed_tokens")
+    with pytest.raises(UserError, match="^--lora_target_modules lm_head,embed_tokens: these layers train in full"):
+        build_run(build_config(options))
+
+
 def test_bitsandbytes_cpu_kernel_warning_stays_off_stderr(caplog):
     """bitsandbytes logs it at import on CPUs with AVX512-BF16 (peft imports it wherever it is installed); the
     same logger's warning, emitted here whether or not bitsandbytes is installed, reaches no handler."""

@@ -180,8 +180,9 @@ def load_options(cfg: Config, auto_class: type) -> dict:
 # ---------------------------------------------------------------- at load time
 
 
-def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str]):  # a PreTrainedModel; a PeftModel out
-    """The model with adapters (a PeftModel): base frozen, adapters and `train_in_full` modules trainable, fp32."""
+def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str], announce: bool = False):
+    """The model (a PreTrainedModel) with adapters (a PeftModel): base frozen, adapters and `train_in_full` modules
+    trainable, fp32."""
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
 
     m = cfg.model
@@ -193,11 +194,12 @@ def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str]):  
         )
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
+    targets = "all-linear" if m.lora_target_modules == ["all-linear"] else _targets(m, train_in_full, announce)
     lora = LoraConfig(
         r=m.lora_r,
         lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, scales by any number
         lora_dropout=m.lora_dropout,
-        target_modules="all-linear" if m.lora_target_modules == ["all-linear"] else m.lora_target_modules,
+        target_modules=targets,
         use_dora=m.peft == "dora",
         modules_to_save=train_in_full or None,
         task_type=task_type,
@@ -214,6 +216,26 @@ def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str]):  
         if param.requires_grad:
             param.data = param.data.float()  # what the optimizer updates is fp32, whatever the base's dtype
     return model
+
+
+def _targets(m: Any, train_in_full: list[str], announce: bool) -> list[str]:
+    """--lora_target_modules less the layers that train in full here (a grown vocabulary's embeddings, a new head):
+    PEFT cannot both adapt a layer and train it whole."""
+
+    def whole(target: str) -> bool:
+        return any(t == target or t.endswith(f".{target}") or target.endswith(f".{t}") for t in train_in_full)
+
+    targets = [t for t in m.lora_target_modules if not whole(t)]
+    if not targets:
+        raise UserError(
+            f"--lora_target_modules {','.join(m.lora_target_modules)}: these layers train in full in this run "
+            f"({', '.join(train_in_full)}: new or resized), so no adapter is left; name other layers (q_proj,v_proj) "
+            "or all-linear"
+        )
+    if len(targets) < len(m.lora_target_modules) and announce:
+        full = [t for t in m.lora_target_modules if whole(t)]
+        print(f"note: {', '.join(full)} train(s) in full in this run (new or resized), so no adapter goes on them")
+    return targets
 
 
 def is_adapter(model: torch.nn.Module) -> bool:

@@ -235,7 +235,7 @@ def task_before_adapters(model: Any, cfg: Config, task: Task, announce: bool) ->
 def adapters_for_task(model: Any, cfg: Config, task: Task, announce: bool) -> Any:
     if cfg.model.peft == "none":
         return model
-    return task.attach_adapters(model, cfg)
+    return task.attach_adapters(model, cfg, announce)
 
 
 def embedding_noise(model: Any, cfg: Config, task: Task, announce: bool) -> Any:

@@ -134,11 +134,11 @@ class Task:
         assert self.auto_class is not None  # a task that trains adapters on a transformers model names its class
         adapters.check_options(cfg, self.auto_class)
 
-    def attach_adapters(self, model: PreTrainedModel, cfg: Config) -> torch.nn.Module:
+    def attach_adapters(self, model: PreTrainedModel, cfg: Config, announce: bool) -> torch.nn.Module:
         """The model with --peft adapters on (models.prepare calls this where adapters come in its order)."""
         from cloudtrain.models import adapters
 
-        return adapters.attach(model, cfg, self.peft_task_type, self.train_in_full(model))
+        return adapters.attach(model, cfg, self.peft_task_type, self.train_in_full(model), announce)
 
     def keeps_model_copy(self, cfg: Config) -> bool:
         """Whether the run keeps a frozen copy of the model beside the one it trains (a DPO reference under full

@@ -151,7 +151,7 @@ class TextToImageTask(Task):
         path = diffusion.local_pipeline(str(cfg.model.model_name_or_path))
         diffusion.check_lora_targets(path, diffusion.lora_targets(cfg, diffusion.read_model_index(path)))
 
-    def attach_adapters(self, model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    def attach_adapters(self, model: torch.nn.Module, cfg: Config, announce: bool) -> torch.nn.Module:
         assert isinstance(model, diffusion.TextToImageModel)
         return model.attach_lora(cfg)
 
