@@ -103,13 +103,14 @@ def with_template(tokenizer_dir: str, template: str) -> ChatFormat:
     return ChatFormat.setup(AutoTokenizer.from_pretrained(tokenizer_dir), str(path))
 
 
-def test_an_answer_token_merged_with_the_prompts_space_is_trained(lm_tokenizer_dir):
-    """A generation prompt ending in a space: byte-level BPE merges it into the answer's first token."""
-    chat = with_template(
-        lm_tokenizer_dir,
-        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}"
-        "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}",
-    )
+def test_a_generation_prompt_the_answer_merges_with_is_refused(lm_tokenizer_dir):
+    """A generation prompt ending in a space: byte-level BPE merges it into the answer's first token, which was
+    trained (' I'), while inference fed the prompt's lone ' ' that training never showed (found in audit)."""
+    template = "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + eos_token }}{% endfor %}"
+    refused = r"^the chat template .* prompt with ' ', which the answer's first token takes in \(' p'\)"
+    with pytest.raises(UserError, match=refused):
+        with_template(lm_tokenizer_dir, template + "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+    chat = with_template(lm_tokenizer_dir, template + "{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
     ids, mask = chat.encode([{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "I am the king."}])
     assert trained_text(chat, ids, mask) == [" I am the king.<|endoftext|>"]
 
@@ -427,8 +428,18 @@ def bad_inputs(tmp_path, tiny_llama_dir, chats_file) -> dict:
     )
     no_generation_prompt = tmp_path / "no_generation_prompt.jinja"  # ChatML without its add_generation_prompt branch
     no_generation_prompt.write_text(CHATML.split("{% if add_generation_prompt %}")[0])
+    spaced = tmp_path / "spaced.jinja"  # trained ' Once', where inference fed a lone ' ' (found in audit)
+    spaced.write_text(
+        "{% for m in messages %}{% if m['role'] == 'user' %}{{ 'User: ' + m['content'] + '\\n' }}{% else %}"
+        "{{ 'Assistant: ' + m['content'] + eos_token + '\\n' }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'Assistant: ' }}{% endif %}"
+    )
     base = sft_options(tiny_llama_dir, chats_file, tmp_path / "out")
     return {
+        "generation prompt the answer merges with": (
+            {**base, "chat_template": str(spaced)},
+            "ends its generation prompt with ' ', which the answer's first token takes in (' p')",
+        ),
         "no model": ({**base, "model_name_or_path": None}, "--task sft needs a decoder"),  # it said causal_lm (audit)
         "messages not a list": (
             {**base, "train_file": not_a_list, "validation_file": None},

@@ -234,6 +234,23 @@ class ChatFormat:
         return self.render(messages[: last_answer(messages)], add_generation_prompt=True)
 
 
+def _check_boundary(tokenizer: PreTrainedTokenizerBase, source: str, prompt: str, text: str) -> None:
+    """Training tokenizes a conversation whole, inference its generation prompt alone: the prompt's tokens must
+    begin the conversation's, else the answer's first token merges with the prompt's end ('Assistant: ' then
+    'Once' trains ' Once' where inference feeds a lone ' ' and the model never saw it)."""
+    alone = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    whole = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if whole[: len(alone)] != alone:
+        same = next(i for i, (a, b) in enumerate(zip(alone, whole, strict=False)) if a != b)
+        last, merged = tokenizer.decode(alone[same:]), tokenizer.decode(whole[same : same + 1])
+        raise UserError(
+            f"the chat template ({source}) ends its generation prompt with {last!r}, which the answer's first "
+            f"token takes in ({merged!r}) when a conversation is tokenized whole: inference would give the model "
+            "a token training never showed it; end the generation prompt with a newline or a special token, or "
+            "use --chat_template chatml"
+        )
+
+
 def last_answer(messages: list[dict]) -> int:
     """The index of the last assistant message (len(messages) when there is none)."""
     return max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=len(messages))
@@ -271,6 +288,8 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str, generates: boo
             "prompt does not (it has no add_generation_prompt branch): the model would learn to write the header "
             "itself and answer after it; give a template with that branch, or --chat_template chatml"
         )
+    if generates:
+        _check_boundary(tokenizer, source, prompt, text)
     tail = text[text.index(answer, len(prompt)) + len(answer) :]
     # Llama-3's <|eot_id|> is special but not in the special-tokens map: ask the added tokens too.
     special = set(tokenizer.all_special_ids) | {i for i, t in tokenizer.added_tokens_decoder.items() if t.special}
