@@ -318,6 +318,35 @@ def test_a_checkpoint_folder_outside_the_output_folder_is_held_too(tiny_model_di
         holder.wait()
 
 
+def test_a_checkpoint_folder_inside_another_runs_output_folder_is_refused(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    """Run B given run A's <output_dir>/checkpoints as its --checkpoint_dir deleted A's live checkpoints (with
+    --overwrite_output_dir) and wrote its own among them: that folder was never held (found in audit)."""
+    a = tmp_path / "a"
+    holder = another_run_holding(a)
+    try:
+        for made in (False, True):  # before A's first checkpoint, and after (A holds its own folder then too)
+            if made:
+                (a / "checkpoints").mkdir()
+            args = ("--checkpoint_dir", str(a / "checkpoints"), "--overwrite_output_dir", "true")
+            assert train(tiny_model_dir, topic_csvs, tmp_path / "b", *args) == 2
+            err = capsys.readouterr().err.strip()
+            assert err.startswith(f"error: --checkpoint_dir {a / 'checkpoints'} lies in {a}, which another run holds "
+                                  f"(pid {holder.pid} on "), err  # fmt: skip
+            assert err.endswith("wait for it to end, or choose another folder") and not (tmp_path / "b").exists()
+    finally:
+        holder.kill()
+        holder.wait()
+    checkpoints = a / "checkpoints"
+    holder = another_run_holding(checkpoints)  # B, holding it first: A may not resume into it
+    try:
+        assert train(tiny_model_dir, topic_csvs, a, "--resume_from_checkpoint", "latest") == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: --checkpoint_dir {checkpoints} is in use by another run (pid {holder.pid} on ")
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_the_lock_is_released_at_the_end_of_a_run(tmp_path):
     out = tmp_path / "out"
     hold(out)

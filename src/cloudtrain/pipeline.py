@@ -135,10 +135,12 @@ def check_output_dir(cfg: Config, output_dir: Path, resumed_here: bool, runtime:
 
 
 def held_folders(cfg: Config, output_dir: Path) -> dict[Path, str]:
-    """The folders a run holds while it lives: its output folder, and a --checkpoint_dir outside it."""
+    """The folders a run holds while it lives: its output folder, and its checkpoint folder (one inside the output
+    folder where it is there already: a run elsewhere may have been given it as its --checkpoint_dir)."""
     checkpoints = checkpoint_dir(cfg, output_dir)
     inside = checkpoints.resolve().is_relative_to(output_dir.resolve())
-    return {output_dir: "--output_dir", **({} if inside else {checkpoints: "--checkpoint_dir"})}
+    held = not inside or checkpoints.is_dir()
+    return {output_dir: "--output_dir", **({checkpoints: "--checkpoint_dir"} if held else {})}
 
 
 def hold_folders(cfg: Config, output_dir: Path, runtime: Runtime) -> None:

@@ -197,6 +197,11 @@ def hold(output_dir: Path, flag: str = "--output_dir", elsewhere: bool = True) -
     folder = Path(output_dir).resolve()
     if folder in _held:  # the Python API's runs, one after another in one process
         return
+    if (above := _held_above(folder)) is not None:  # a --checkpoint_dir inside another run's output folder
+        raise UserError(
+            f"{flag} {output_dir} lies in {above}, which another run holds ({_holder(above / LOCK)}); wait for it to "
+            f"end, or choose another folder"
+        )
     created = not folder.exists()
     try:
         folder.mkdir(parents=True, exist_ok=True)
@@ -215,6 +220,26 @@ def hold(output_dir: Path, flag: str = "--output_dir", elsewhere: bool = True) -
         return
     _say_holder(fd)
     _held[folder] = (fd, created)
+
+
+def _held_above(folder: Path) -> Path | None:
+    """The nearest folder above `folder` that another process holds (its lock file locked), if any."""
+    for parent in folder.parents:
+        if parent in _held or not (parent / LOCK).is_file():
+            continue
+        try:
+            fd = os.open(parent / LOCK, os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # taken (and let go) only where no run holds it
+        except BlockingIOError:
+            return parent
+        except OSError:  # no locks there
+            pass
+        finally:
+            os.close(fd)
+    return None
 
 
 def _say_holder(fd: int) -> None:
