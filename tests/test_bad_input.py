@@ -303,6 +303,18 @@ def test_a_yaml_value_of_the_wrong_type_is_one_line(models, topic_csvs, tmp_path
     assert not (tmp_path / "out").exists()
 
 
+def test_an_empty_data_model_or_output_option_is_refused_not_taken_for_its_default(tmp_path, capsys):
+    """`--train_file "$DATA"` with DATA unset trained on the built-in R8 without a word; an empty --output_dir
+    wrote to the default folder, an empty --model_name_or_path loaded the default model (found in audit)."""
+    for name in ("train_file", "output_dir", "model_name_or_path", "dataset_name"):
+        assert refused([f"--{name}", " ", "--max_steps", "1"], capsys) == (
+            f"--{name} is empty (an unset shell variable?); give its value, or leave it out for the default"
+        )
+    config = tmp_path / "run.yaml"
+    config.write_text("data:\n  train_file: ''\n")
+    assert refused(["--config", str(config)], capsys).startswith("--train_file is empty")
+
+
 def test_tokenizers_that_differ_only_in_their_inputs_do_not_share_a_cache(models, topic_csvs, tmp_path):
     """A tokenizer whose own class needs its code loads under a generic class (no token_type_ids) with the same
     tokenizer.json: its tokenized data must not be read back from the cache of the full class (datasets then

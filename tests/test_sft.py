@@ -163,7 +163,7 @@ def test_a_carved_split_and_sample_limits_count_conversations_and_evaluation_ans
     masks = {}
     for limit, trained, on_prompt in ((None, 15, False), (6, 6, False), (None, 15, True)):
         cfg = build_config(
-            sft_options(lm_tokenizer_dir, "", tmp_path / "out", validation_file="", chat_template=str(template),
+            sft_options(lm_tokenizer_dir, None, tmp_path / "out", validation_file=None, chat_template=str(template),
                         validation_split_percentage=25, max_train_samples=limit, max_length=64, packing="none",
                         train_on_prompt=on_prompt)
         )  # fmt: skip
@@ -191,7 +191,7 @@ def test_train_on_prompt_keeps_or_drops_an_example_by_its_answer(lm_tokenizer_di
     raw = DatasetDict({"train": Dataset.from_list([{"messages": chat} for chat in chats])})
     tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
     for on_prompt in (False, True):
-        options = sft_options(lm_tokenizer_dir, "", tmp_path / "out", validation_file="", chat_template="chatml",
+        options = sft_options(lm_tokenizer_dir, None, tmp_path / "out", validation_file=None, chat_template="chatml",
                               validation_split_percentage=25, max_length=16, train_on_prompt=on_prompt,
                               packing="none")  # fmt: skip
         with pytest.raises(UserError, match="^6 of 6 train examples have no answer token within --max_length 16"):

@@ -82,6 +82,11 @@ def _base_type(f: dataclasses.Field) -> type:
     return tp
 
 
+# options whose absence picks a default (the built-in data, the default model, a folder named after them): an
+# empty value is a mistake, not that default
+GIVEN_OR_LEFT_OUT = ("train_file", "dataset_name", "model_name_or_path", "output_dir", "tokenizer_name_or_path")
+
+
 def _coerce(name: str, value: Any) -> Any:
     """Turn a value from the command line or a config file into the field's type, or raise UserError."""
     _, f = option_fields()[name]
@@ -89,6 +94,10 @@ def _coerce(name: str, value: Any) -> Any:
     optional = type(None) in typing.get_args(f.type)
     if f.metadata["auto"] and isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
+    if name in GIVEN_OR_LEFT_OUT and isinstance(value, str) and not value.strip():
+        raise UserError(
+            f"--{name} is empty (an unset shell variable?); give its value, or leave it out for the default"
+        )  # else the run trained on the built-in data, or the default model, without a word
     if isinstance(value, bool) and tp is str:  # YAML reads an unquoted no, off, yes or on as a boolean
         if value is False and "no" in (_meta(f, "choices") or []):
             return "no"
