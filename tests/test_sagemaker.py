@@ -164,6 +164,31 @@ def test_inside_a_job_the_defaults_follow_the_contract(tmp_path):
     assert cfg.output.output_dir == str(tmp_path / "model")
 
 
+def test_a_channel_named_training_is_the_train_file_and_an_unread_one_is_refused(tmp_path, monkeypatch):
+    """A channel named `training` (AWS's examples) was ignored and the job trained on the built-in R8 data without
+    a word (found in audit)."""
+    from cloudtrain.config import resolve_options
+
+    (tmp_path / "training").mkdir()
+    (tmp_path / "tokenizer").mkdir()
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("SM_CHANNEL_TRAINING", str(tmp_path / "training"))
+    assert sagemaker_defaults()["train_file"] == str(tmp_path / "training")
+    monkeypatch.delenv("SM_CHANNEL_TRAINING")
+    monkeypatch.setenv("SM_CHANNEL_MYDATA", str(tmp_path / "training"))
+    with pytest.raises(UserError) as refused:
+        resolve_options(None, {"max_steps": 1})
+    assert str(refused.value) == (
+        f"the job's channel 'mydata' ({tmp_path / 'training'}) sets no option, and the run has no training data (it "
+        f"would train on the built-in data): name the channel train, or pass --train_file {tmp_path / 'training'}"
+    )
+    cfg = resolve_options(None, {"train_file": str(tmp_path / "training") + "/x.csv"})  # named: the user's choice
+    assert cfg.data.train_file.endswith("x.csv")
+    monkeypatch.delenv("SM_CHANNEL_MYDATA")
+    monkeypatch.setenv("SM_CHANNEL_TOKENIZER", str(tmp_path / "tokenizer"))  # named in an option: read
+    assert resolve_options(None, {"tokenizer_name_or_path": str(tmp_path / "tokenizer")})
+
+
 def test_a_config_object_in_a_job_keeps_the_jobs_channels_and_model_folder(tmp_path, monkeypatch):
     """train(Config()) inside a job: its untouched defaults replaced the job's, so it trained on the built-in data
     and saved where SageMaker never uploads from (keyword arguments and dicts were right)."""

@@ -6,8 +6,10 @@ and nothing changes. Options from `--config` and the command line (hyperparamete
 override them.
 
     output_dir              SM_MODEL_DIR (/opt/ml/model, uploaded as model.tar.gz when the job ends)
-    train_file              SM_CHANNEL_TRAIN (with --task text_to_image, the image folder of --train_data_dir)
-    validation_file         SM_CHANNEL_VALIDATION, else SM_CHANNEL_VALID, SM_CHANNEL_VAL, SM_CHANNEL_DEV
+    train_file              SM_CHANNEL_TRAIN, else SM_CHANNEL_TRAINING (with --task text_to_image, the image folder
+                            of --train_data_dir)
+    validation_file         SM_CHANNEL_VALIDATION, else SM_CHANNEL_VALID, SM_CHANNEL_VAL, SM_CHANNEL_DEV,
+                            SM_CHANNEL_EVAL, SM_CHANNEL_EVALUATION
     test_file               SM_CHANNEL_TEST
     model_name_or_path      SM_CHANNEL_MODEL (a model folder the launcher uploaded)
     instance_data_dir       SM_CHANNEL_INSTANCE (DreamBooth's instance images, --task text_to_image)
@@ -20,7 +22,8 @@ override them.
 A channel is a directory: a `datasets.save_to_disk` folder or a folder of csv/tsv/json/jsonl/parquet
 files. When the train channel is a saved DatasetDict with validation/test splits and there is no
 channel of their own for them, those splits are used. SDK 3's own channels ("code", "sm_drivers")
-are not data. SM_NUM_GPUS and the hosts are read by the SDK's torchrun driver, which starts one
+are not data; another channel that no option names (in a flag's value) while the run has no training data of its
+own is refused: the run would train on the built-in data. SM_NUM_GPUS and the hosts are read by the SDK's torchrun driver, which starts one
 process per GPU on every host; the application then sees them as torchrun's WORLD_SIZE and ranks.
 A FastFile channel is a folder too (its objects fetched as they are read): with --streaming true its
 files stream from the first step (docs/streaming.md). Not supported: Pipe mode (a FIFO, not a folder).
@@ -36,16 +39,21 @@ DEFAULT_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 # channel name -> the option it sets; the first channel present wins for each option
 CHANNEL_OPTIONS = {
     "train": "train_file",
+    "training": "train_file",  # AWS's own examples' name
     "validation": "validation_file",
     "valid": "validation_file",
     "val": "validation_file",
     "dev": "validation_file",
+    "eval": "validation_file",
+    "evaluation": "validation_file",
     "test": "test_file",
     "model": "model_name_or_path",
     "instance": "instance_data_dir",  # DreamBooth's folders (--task text_to_image)
     "class": "class_data_dir",
 }
 SAVED_SPLIT_OPTIONS = {"validation": "validation_file", "test": "test_file"}
+SDK_CHANNELS = ("code", "sm_drivers")  # the SDK's own: the entry script, the torchrun driver
+TRAINING_DATA = ("train_file", "dataset_name", "datasets", "train_data_dir", "instance_data_dir")
 
 
 def in_training_job(environ: Mapping[str, str] | None = None) -> bool:
@@ -83,6 +91,25 @@ def channel_options(env: Mapping[str, str]) -> dict:
         if split in SAVED_SPLIT_OPTIONS:
             options.setdefault(SAVED_SPLIT_OPTIONS[split], train)
     return options
+
+
+def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None) -> str | None:
+    """One line when a job's data channel sets no option and no option names its folder, while the run has no
+    training data of its own (it would train on the built-in data); None otherwise."""
+    env = os.environ if environ is None else environ
+    if not in_training_job(env) or any(values.get(option) for option in TRAINING_DATA):
+        return None
+    named = " ".join(str(value) for value in values.values() if isinstance(value, str))
+    for key, path in sorted(env.items()):
+        channel = key.removeprefix("SM_CHANNEL_").lower()
+        if not key.startswith("SM_CHANNEL_") or channel in CHANNEL_OPTIONS or channel in SDK_CHANNELS:
+            continue
+        if path not in named:
+            return (
+                f"the job's channel {channel!r} ({path}) sets no option, and the run has no training data (it would "
+                f"train on the built-in data): name the channel train, or pass --train_file {path}"
+            )
+    return None
 
 
 def saved_splits(path: str) -> list[str]:

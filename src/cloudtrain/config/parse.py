@@ -25,7 +25,7 @@ import yaml
 from cloudtrain.config.checks import validate
 from cloudtrain.config.root import Config, differs_from_default, option_default, option_fields
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.sagemaker_env import sagemaker_defaults
+from cloudtrain.sagemaker_env import sagemaker_defaults, unread_channel
 
 # Other trainers' names for our options (Transformers' Trainer, TRL, PEFT): a user coming from them is told ours.
 PEER_OPTIONS = {
@@ -421,6 +421,8 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
     elif config is not None:
         values.update(load_config_file(str(config)))
     values.update(flatten(overrides))
+    if refusal := unread_channel(values):
+        raise UserError(refusal)
     resolved = build_config(values)
     validate(resolved)
     return resolved
