@@ -22,9 +22,10 @@ override them.
 A channel is a directory: a `datasets.save_to_disk` folder or a folder of csv/tsv/json/jsonl/parquet
 files. When the train channel is a saved DatasetDict with validation/test splits and there is no
 channel of their own for them, those splits are used. SDK 3's own channels ("code", "sm_drivers")
-are not data; another channel that no option names (in a flag's value) while the run has no training data of its
-own is refused: the run would train on the built-in data. SM_NUM_GPUS and the hosts are read by the SDK's torchrun driver, which starts one
-process per GPU on every host; the application then sees them as torchrun's WORLD_SIZE and ranks.
+are not data; another channel that no option names (in a flag's value) while the run has no training
+data of its own is refused: the run would train on the built-in data. SM_NUM_GPUS and the hosts are
+read by the SDK's torchrun driver, which starts one process per GPU on every host; the application
+then sees them as torchrun's WORLD_SIZE and ranks.
 A FastFile channel is a folder too (its objects fetched as they are read): with --streaming true its
 files stream from the first step (docs/streaming.md). Not supported: Pipe mode (a FIFO, not a folder).
 """
