@@ -261,6 +261,25 @@ def test_a_folder_removed_while_listed_holds_no_checkpoint(tmp_path, monkeypatch
     assert complete_checkpoints(tmp_path) == []
 
 
+def test_the_last_steps_checkpoint_holds_the_final_evaluation(tiny_model_dir, topic_csvs, tmp_path):
+    """The loop leaves the last step's evaluation to the run's end, so that step's checkpoint kept an earlier
+    evaluation's score: a run extended from it (--resume_from_checkpoint latest, more steps) judged it by that, and
+    --save_total_limit deleted the best checkpoint (found in audit). Both ways the final evaluation is taken: the
+    run's own model, and --load_best_model_at_end's evaluation of the last step."""
+    from cloudtrain.cli import main
+
+    for every, extra in ((3, []), (2, ["--load_best_model_at_end", "true"])):
+        out = tmp_path / f"out{len(extra)}"
+        options = ["--max_steps", "4", "--eval_strategy", "steps", "--eval_steps", str(every), "--checkpointing_steps",
+                   "2", "--save_total_limit", "1", "--metric_for_best_model", "loss", *extra]  # fmt: skip
+        assert main(args_for(tiny_model_dir, topic_csvs, out, *options)[1:]) in (0, None)
+        meta = json.loads((out / "checkpoints" / "checkpoint-4" / STATE_FILE).read_text())
+        final = meta["state"]["evaluations"][-1]
+        assert [e["step"] for e in meta["state"]["evaluations"]] == [every, 4] and meta["score"] == -final["loss"]
+        if not extra:  # the run's model is the last step's: its evaluation is the one the run reports
+            assert final["loss"] == pytest.approx(json.loads((out / "eval_results.json").read_text())["loss"])
+
+
 @pytest.mark.slow
 def test_rotation_in_a_real_run(tiny_model_dir, topic_csvs, tmp_path):
     out = tmp_path / "out"

@@ -33,6 +33,7 @@ from cloudtrain.data.fingerprint import data_record, other_data_note
 from cloudtrain.data.processing import ProcessedData, default_cache_dir
 from cloudtrain.data.sources import not_utf8, pin_sources
 from cloudtrain.errors import TrainingStopped, UserError, first_line
+from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
@@ -51,6 +52,7 @@ from cloudtrain.registry import TASKS
 from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_interrupted_saves, restarted_defaults
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
+from cloudtrain.training.best_model import record_final_evaluation
 from cloudtrain.training.callbacks import load_callbacks
 from cloudtrain.training.preemption import PreemptionSignal
 
@@ -294,9 +296,12 @@ def _train_evaluate_save(run: Run) -> dict:
     )
     stop = PreemptionSignal(runtime.agree, alone=runtime.count == 1)
     with stop:  # in the loop a checkpoint and a stop; after it, the evaluation skipped and the model saved
-        train_result = trainer.fit(_checkpointer(run, uploader), run.resume_from, stop)
+        checkpointer = _checkpointer(run, uploader)
+        train_result = trainer.fit(checkpointer, run.resume_from, stop)
         results = {"train": train_result.summary(), "compute": _compute_used(train_result, runtime)}
         skipped = _evaluate(trainer, stop, train_result.global_step, results, train_result.model_step is None)
+        if runtime.is_main and train_result.model_step is None and "eval" in results:
+            record_final_evaluation(checkpointer, train_result.global_step, scalar_metrics(results["eval"], ""))
         predictions, cut = _predict(trainer, stop)
         trainer.phase = "saving the model"
         save_final(run, results, predictions)

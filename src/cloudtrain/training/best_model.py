@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from typing import TYPE_CHECKING
 
 from cloudtrain.checkpointing import LOWER_IS_BETTER, PREFIX, STATE_FILE, Checkpointer, complete_checkpoints
@@ -105,6 +106,8 @@ def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopStat
     else:
         own = trainer.evaluate("validation")  # every process: a collective
         last = scalar_metrics(own, "")[metric]
+        if trainer.is_main_process:
+            record_final_evaluation(checkpointer, last_step, scalar_metrics(own, ""))
     chosen = None
     if trainer.is_main_process:
         # checkpoints past this step are an abandoned run's (this one resumed from an earlier one)
@@ -124,6 +127,29 @@ def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopStat
         trainer.load_checkpoint(checkpointer.folder / f"{PREFIX}{chosen}")
         trainer.runtime.barrier()
     return chosen
+
+
+def record_final_evaluation(checkpointer: Checkpointer, step: int, scalars: dict) -> None:
+    """The last step's evaluation, which the loop leaves to the run's end, into that step's checkpoint: rotation
+    (--save_total_limit) and a later run's best model judge a checkpoint by its own step's numbers (without them
+    a run extended from this one deleted its best checkpoint, scored by an earlier evaluation). Main process."""
+    path = checkpointer.folder / f"{PREFIX}{step}" / STATE_FILE
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, ValueError):  # no checkpoint at the last step
+        return
+    evaluations = meta["state"]["evaluations"]
+    if evaluations and evaluations[-1]["step"] == step:
+        return
+    evaluations.append({"step": step, **scalars})
+    if (value := scalars.get(meta.get("metric"))) is not None:
+        meta["score"] = -value if meta["metric"] in LOWER_IS_BETTER else value
+    aside = path.with_name(f".{STATE_FILE}.new")
+    with open(aside, "w") as f:
+        f.write(json.dumps(meta, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(aside, path)
 
 
 def checkpoint_values(checkpointer: Checkpointer, metric: str) -> dict[int, float]:
