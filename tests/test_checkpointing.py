@@ -261,6 +261,32 @@ def test_a_folder_removed_while_listed_holds_no_checkpoint(tmp_path, monkeypatch
     assert complete_checkpoints(tmp_path) == []
 
 
+def test_a_checkpoints_files_are_on_disk_before_its_state_file_seals_it(tiny_model_dir, topic_csvs, tmp_path,
+                                                                        monkeypatch):  # fmt: skip
+    """Only the state file was synced before the rename that makes a checkpoint count: after a power cut or a VM
+    crash `latest` could find a complete checkpoint of empty weights, and every restart failed (found in audit)."""
+    from cloudtrain import checkpointing
+    from cloudtrain.cli import main
+    from cloudtrain.publish import atomic
+
+    events: list[tuple[str, str]] = []
+    fsync, write_synced = atomic.fsync, checkpointing._write_synced
+    monkeypatch.setattr(atomic, "fsync", lambda path: (events.append(("synced", Path(path).name)), fsync(path)))
+    monkeypatch.setattr(
+        checkpointing,
+        "_write_synced",
+        lambda path, text: (events.append(("sealed", path.name)), write_synced(path, text)),
+    )
+    out = tmp_path / "out"
+    assert main(args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "1", "--checkpointing_steps", "1")[1:]) in (
+        0,
+        None,
+    )
+    files = {p.name for p in (out / "checkpoints" / "checkpoint-1").rglob("*") if p.is_file()} - {STATE_FILE}
+    sealed = events.index(("sealed", STATE_FILE))
+    assert files and files <= {name for kind, name in events[:sealed] if kind == "synced"}, (files, events[:sealed])
+
+
 def test_the_last_steps_checkpoint_holds_the_final_evaluation(tiny_model_dir, topic_csvs, tmp_path):
     """The loop leaves the last step's evaluation to the run's end, so that step's checkpoint kept an earlier
     evaluation's score: a run extended from it (--resume_from_checkpoint latest, more steps) judged it by that, and

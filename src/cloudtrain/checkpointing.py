@@ -41,7 +41,7 @@ from cloudtrain.errors import UserError, first_difference, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.observe import console
 from cloudtrain.parallel.mesh import Mesh
-from cloudtrain.publish.atomic import fsync, is_no_space
+from cloudtrain.publish.atomic import fsync, fsync_tree, is_no_space
 
 STATE_FILE = "trainer_state.json"
 DATA_STATE_FILE = "data_state.json"  # a stream's cursor (cloudtrain.data.streaming), written by the trainer
@@ -625,6 +625,7 @@ class Checkpointer:
         }
         if copy_run_files:
             self._copy_run_files(partial)
+        fsync_tree(partial)  # its weights and states on disk before the state file marks it complete
         _write_synced(partial / STATE_FILE, json.dumps(meta, indent=2))
         kill_point("checkpoint.sealed")
         aside = final.with_name(f"{final.name}.replaced")

@@ -188,6 +188,13 @@ def write_whole(path: Path, data: str | bytes, sync: bool = False) -> None:
     os.replace(tmp, path)
 
 
+def fsync_tree(folder: Path) -> None:
+    """Every file and folder under `folder`, and itself, on disk (a checkpoint's files before it is sealed)."""
+    for path in sorted(folder.rglob("*"), key=lambda p: -len(p.parts)):  # the deepest first, folders after files
+        fsync(path)
+    fsync(folder)
+
+
 def fsync(path: Path) -> None:
     """A file's or a folder's data and entries on disk before anything counts on them."""
     fd = os.open(path, os.O_RDONLY)
