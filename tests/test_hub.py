@@ -25,7 +25,7 @@ from cloudtrain.publish import hub as cloudhub
 from cloudtrain.publish.classifier_card import build_model_card
 from cloudtrain.publish.hub import write_card
 from cloudtrain.publish.output_dir import claim, edited, record, record_run_files, written
-from cloudtrain.publish.saving import holds_model
+from cloudtrain.publish.saving import MERGED, holds_model
 
 TOKEN = "hf_alice_0a1b2c3d4e5f6a7b8c9d"  # distinctive, so a leak anywhere is found by a plain search
 BOB_TOKEN = "hf_bob_99887766554433221100"
@@ -728,3 +728,28 @@ def test_only_the_main_process_talks_to_the_hub(hub, tiny_model_dir, data_files,
     calls = [path for _, path in hub.requests[before:]]
     assert calls.count("/api/whoami-v2") == 1 and calls.count("/api/repos/create") == 2  # check, then push
     assert len(hub.history("alice/ddp")) == 2  # the initial commit and one upload
+
+
+# ---------------------------------------------------------------- a model with its own code
+
+
+def test_a_remote_code_models_modules_go_up_with_it_and_no_other_py(in_process, tmp_path):
+    """--trust_remote_code: config.json's auto_map names configuration_x.py and modeling_x.py, which were not
+    pushed, so the repo could not be loaded (found in audit). The modules the auto_maps name go up; no other."""
+    cfg = hub_config("alice/own-code")
+    cloudhub.check_access(cfg.hub)
+    out = tmp_path / "run"
+    (out / MERGED).mkdir(parents=True)
+    auto_map = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (out / "config.json").write_text(json.dumps({"auto_map": auto_map}))
+    tokenizer_map = {"AutoTokenizer": ["tokenization_x.XTok", None]}
+    (out / "tokenizer_config.json").write_text(json.dumps({"auto_map": tokenizer_map}))
+    (out / MERGED / "config.json").write_text(json.dumps({"auto_map": {"AutoModel": "org/base--modeling_m.M"}}))
+    for name in ("configuration_x.py", "modeling_x.py", "tokenization_x.py", "train_helper.py", "model.safetensors",
+                 f"{MERGED}/modeling_m.py", f"{MERGED}/modeling_x.py"):  # fmt: skip
+        (out / name).write_text(name)
+    files = cloudhub.model_files(out)
+    cloudhub.commit_model_files(cloudhub.hub_api(cfg.hub), cfg.hub, out, files, "push", None)
+    pushed = set(in_process.history("alice/own-code")[-1].files) - {".gitattributes"}
+    code = {"configuration_x.py", "modeling_x.py", "tokenization_x.py", f"{MERGED}/modeling_m.py"}
+    assert pushed == {"config.json", "tokenizer_config.json", "model.safetensors", f"{MERGED}/config.json", *code}

@@ -9,7 +9,8 @@ Supports model repos on the Hub, or on any server that `HF_ENDPOINT` names; the 
 (--hub_private_repo, applied when the repo is created); a branch (--hub_revision, created from main
 when missing). A push uploads the top-level files of the output dir that a model repo needs
 (UPLOAD_PATTERNS): weights, config with label names, tokenizer, the generated README.md card,
-arguments, results and the training-curves plot; checkpoint folders, tracker logs and
+arguments, results and the training-curves plot, and a --trust_remote_code model's .py modules that its config's
+(or tokenizer's) auto_map names; checkpoint folders, tracker logs and
 metrics.jsonl stay local. A file of those names left at the repo root (or in merged/) by an earlier run, that
 this push does not hold, is deleted in the same commit (an old adapter_config.json made transformers apply an
 old adapter to a new full model); any other file in the repo is kept. Does not open pull requests.
@@ -50,7 +51,7 @@ from cloudtrain.config import Config, HubConfig, build_config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
-from cloudtrain.publish.output_dir import edited, record, written
+from cloudtrain.publish.output_dir import _remote_code, edited, record, written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model, read_json
 from cloudtrain.sagemaker_env import in_training_job, job_name
 
@@ -245,10 +246,18 @@ def write_card(output_dir: Path, save: Callable[[Path], None]) -> None:
 
 
 def model_files(folder: Path) -> list[Path]:
-    """The files of `folder` that a model repo needs (UPLOAD_PATTERNS): its own, and those of merged/ (the
-    merged model next to an adapter); checkpoints, tracker logs and any other sub-folder stay local."""
-    candidates = sorted([*folder.iterdir(), *(folder / MERGED).glob("*")])
-    return [path for path in candidates if path.is_file() and _matches(path.name, tuple(UPLOAD_PATTERNS))]
+    """The files of `folder` that a model repo needs (UPLOAD_PATTERNS, and the .py modules its config's auto_map
+    names: a --trust_remote_code model's code, without which it cannot be loaded): its own, and those of merged/
+    (the merged model next to an adapter); checkpoints, tracker logs and any other sub-folder stay local."""
+    files = []
+    for place in (folder, folder / MERGED):
+        code = _remote_code(place)
+        files += [
+            path
+            for path in place.glob("*")
+            if path.is_file() and (path.name in code or _matches(path.name, tuple(UPLOAD_PATTERNS)))
+        ]
+    return sorted(files)
 
 
 def commit_model_files(
