@@ -21,7 +21,8 @@ Like the Hub it answers 401 to an unknown token, 404 for a private repo the call
 and 403 to writes (create, preupload, commit, branch) in a namespace that is neither the user's
 nor one of the user's organisations, or with a read-only token. Every commit, with the whole file
 tree after it, stays in memory for tests to inspect. `refuse_commits` makes commits fail with 403;
-clearing `commits_open` holds them until it is set.
+clearing `commits_open` holds them until it is set. A route named in `silent` (its handler's name: "whoami",
+"commit", ...) gets no answer: the request is held until the name leaves `silent`, then its connection is closed.
 
 Not supported: LFS/Xet uploads (preupload never asks for them), pull requests, tags, copies,
 pagination of model trees, writes to datasets, spaces, deleting repos.
@@ -32,6 +33,7 @@ import hashlib
 import json
 import re
 import threading
+import time
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
@@ -124,6 +126,7 @@ class HubServer:
         self.refuse_commits: str | None = None  # a message: commits then fail with 403
         self.commits_open = threading.Event()  # clear it to hold every commit until it is set again
         self.commits_open.set()
+        self.silent: set[str] = set()  # routes that do not answer while named here
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.ranges: list[tuple[str, int, int]] = []  # (file, first byte, last byte) of every ranged read
         self.lock = threading.Lock()
@@ -382,6 +385,8 @@ class _Handler(BaseHTTPRequestHandler):
             for route_method, pattern, name in ROUTES:
                 match = re.fullmatch(pattern, url.path)
                 if match and (route_method == method or (name == "resolve" and method == "HEAD")):
+                    if name in self.hub.silent:
+                        return self._say_nothing(name)
                     if name == "commit":
                         self.hub.commits_open.wait(timeout=60)
                     with self.hub.lock:
@@ -396,6 +401,14 @@ class _Handler(BaseHTTPRequestHandler):
             raise HttpError(404, f"{method} {url.path} is not served by the test Hub")
         except HttpError as err:
             self._send(err.status, {"error": err.message}, error=err)
+
+    def _say_nothing(self, name: str) -> None:
+        """No answer while `name` is silent (a minute at most); then the connection is closed, still unanswered."""
+        for _ in range(1200):
+            if name not in self.hub.silent:
+                break
+            time.sleep(0.05)
+        self.close_connection = True
 
     def _route(self, name: str, args: dict, body: bytes, query: dict, head: bool) -> None:
         user = self._user()

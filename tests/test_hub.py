@@ -10,6 +10,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -728,6 +729,100 @@ def test_only_the_main_process_talks_to_the_hub(hub, tiny_model_dir, data_files,
     calls = [path for _, path in hub.requests[before:]]
     assert calls.count("/api/whoami-v2") == 1 and calls.count("/api/repos/create") == 2  # check, then push
     assert len(hub.history("alice/ddp")) == 2  # the initial commit and one upload
+
+
+# ---------------------------------------------------------------- a Hub that does not answer
+
+
+@pytest.fixture
+def impatient(in_process, monkeypatch):
+    """The in-process client with a short request timeout; the server's silences are undone after the test (held
+    requests then end)."""
+    monkeypatch.setenv("CLOUDTRAIN_HUB_TIMEOUT", "2")
+    yield in_process
+    in_process.silent.clear()
+    in_process.commits_open.set()
+
+
+def finished_run(out: Path) -> tuple:
+    """A finished classifier run in `out`, as push_output_dir reads it: its configuration and results."""
+    out.mkdir()
+    (out / "config.json").write_text(json.dumps({"id2label": {"0": "acq", "1": "earn"}}))
+    (out / "model.safetensors").write_bytes(os.urandom(256))
+    train = {"global_step": 4, "epoch": 1.0, "train_loss": 0.5, "train_runtime_s": 3.0, "train_samples_per_s": 50.0}
+    return hub_config("alice/unanswered"), {"train": train}
+
+
+def test_a_hub_that_does_not_answer_ends_the_access_check_in_one_line(impatient):
+    """huggingface_hub sends its requests with no timeout: a Hub that stopped answering held the run forever,
+    saying nothing (found in audit)."""
+    impatient.silent.add("whoami")
+    with pytest.raises(UserError) as caught:
+        cloudhub.check_access(hub_config("alice/unanswered").hub)
+    message = str(caught.value)
+    assert message.startswith(f"checking Hub access: cannot reach {impatient.url} (timed out); check the network")
+    assert "\n" not in message and caught.value.transient
+
+
+def test_a_final_push_the_hub_does_not_answer_ends_in_one_line_with_the_retry_command(impatient, tmp_path):
+    out = tmp_path / "run"
+    cfg, results = finished_run(out)
+    cloudhub.check_access(cfg.hub)
+    impatient.silent.add("commit")
+    with pytest.raises(UserError) as caught:
+        cloudhub.push_output_dir(out, cfg, results)
+    message = str(caught.value)
+    assert message.startswith(f"pushing to alice/unanswered: cannot reach {impatient.url} (timed out)"), message
+    assert message.endswith(f" push --output_dir {out.resolve()} --hub_model_id alice/unanswered")
+    assert "\n" not in message and caught.value.transient
+    assert len(impatient.history("alice/unanswered")) == 1  # nothing landed
+
+
+def test_a_background_upload_the_hub_does_not_answer_is_a_warning_and_training_goes_on(impatient, tmp_path, capsys):
+    cfg = hub_config("alice/unanswered-saves")
+    cloudhub.check_access(cfg.hub)
+    uploader = cloudhub.HubUploader(cfg)
+    impatient.silent.add("commit")
+    uploader.upload(make_save(tmp_path / "checkpoint-2", 2), "Training in progress, step 2")
+    uploader.settle()  # returns: the run goes on
+    said = capsys.readouterr().out
+    assert said.startswith("warning: 1 of 1 background Hub uploads failed; first: background upload 'Training in ")
+    assert f"cannot reach {impatient.url} (timed out)" in said and "training goes on" in said
+
+
+def test_a_wait_for_background_uploads_is_bounded_and_gives_up_those_not_begun(
+    impatient, tmp_path, capsys, monkeypatch
+):
+    """HubUploader.wait waited on each upload with no bound: rotation waits for it before it deletes a checkpoint,
+    so an upload that never ended stopped training for good (found in audit)."""
+    cfg = hub_config("alice/held-saves")
+    cloudhub.check_access(cfg.hub)
+    uploader = cloudhub.HubUploader(cfg)
+    monkeypatch.setenv("CLOUDTRAIN_HUB_TIMEOUT", "120")  # each request may take long: the wait's own bound ends it
+    monkeypatch.setenv("CLOUDTRAIN_HUB_WAIT", "0.5")
+    impatient.commits_open.clear()  # the Hub takes the commit and holds it
+    commit = ("POST", "/api/models/alice/held-saves/commit/main")
+    uploader.upload(make_save(tmp_path / "checkpoint-2", 2), "Training in progress, step 2")
+    for _ in range(600):  # until the first upload is in its commit
+        if commit in impatient.requests:
+            break
+        threading.Event().wait(0.05)
+    uploader.upload(make_save(tmp_path / "checkpoint-4", 4), "Training in progress, step 4")
+    uploader.settle()  # returns: the run goes on
+    said = capsys.readouterr().out
+    assert said.startswith("warning: 2 of 2 background Hub uploads failed; first: background upload 'Training in ")
+    assert "not done in 0.5 s (CLOUDTRAIN_HUB_WAIT)" in said and "training goes on" in said
+    impatient.commits_open.set()
+    monkeypatch.setenv("CLOUDTRAIN_HUB_WAIT", "120")
+    uploader.wait()  # the upload that began ends, and lands; the one not begun never does
+    assert [c.summary for c in impatient.history("alice/held-saves")[1:]] == ["Training in progress, step 2"]
+    assert impatient.requests.count(commit) == 1
+
+
+def test_a_bad_hub_setting_is_one_line(impatient, monkeypatch):
+    monkeypatch.setenv("CLOUDTRAIN_HUB_TIMEOUT", "soon")
+    with pytest.raises(UserError, match=r"CLOUDTRAIN_HUB_TIMEOUT='soon' must be a number of seconds, more than 0"):
+        cloudhub.hub_api(hub_config("alice/x").hub)
 
 
 # ---------------------------------------------------------------- a model with its own code

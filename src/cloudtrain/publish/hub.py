@@ -23,14 +23,22 @@ anywhere; the local file is left as it is, for offline use here.
 
 The token lives only in memory: it is never printed, logged, written to a file or the card, and
 error messages are scrubbed of it. Only the main process may call into this module.
+
+A Hub that stops answering ends in one line, not a run that hangs: huggingface_hub sends its requests with no
+timeout, and once this module made a client every request of the process that has none gets one
+(CLOUDTRAIN_HUB_TIMEOUT seconds to connect, and for each read and write; default 60); a wait for the background
+uploads lasts CLOUDTRAIN_HUB_WAIT seconds at most (default 1800).
 """
 
 import argparse
+import concurrent.futures
 import contextlib
 import fnmatch
 import json
+import math
 import os
 import shlex
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
@@ -79,17 +87,62 @@ RESULT_NAMES = ("train", "eval", "test", "compute")
 TOKEN_HELP = (
     "set HF_TOKEN, pass --hub_token_file, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
 )
+TIMEOUT = ("CLOUDTRAIN_HUB_TIMEOUT", 60.0)  # (variable, default seconds): one request's connect, each read or write
+WAIT = ("CLOUDTRAIN_HUB_WAIT", 1800.0)  # how long a wait for the background uploads lasts at most
 
 
 # ---------------------------------------------------------------- access
 
 
 def hub_api(cfg: HubConfig) -> HfApi:
-    """A client holding the token from --hub_token, else HF_TOKEN, else the stored login."""
+    """A client holding the token from --hub_token, else HF_TOKEN, else the stored login; its requests time out."""
     token = cfg.hub_token or token_from_file(cfg.hub_token_file) or get_token()
     if not token:
         raise UserError(f"pushing to the Hub needs a token with write access: {TOKEN_HELP}")
+    seconds(*TIMEOUT), seconds(*WAIT)  # a bad value: said now, in one line
+    _bound_requests()
     return HfApi(token=token)
+
+
+def seconds(variable: str, default: float) -> float:
+    """The number of seconds environment variable `variable` gives (unset or empty: `default`)."""
+    value = os.environ.get(variable, "").strip()
+    if not value:
+        return default
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise UserError(f"{variable}={value!r} must be a number of seconds, more than 0")
+    return number
+
+
+def _bound_requests() -> None:
+    """Every request huggingface_hub's client sends with no timeout (all of them, but downloads) gets
+    CLOUDTRAIN_HUB_TIMEOUT: a Hub that stopped answering held a run forever. Set in the client factory (a
+    user's own factory is kept, wrapped), so the client it makes again (after a connection error, a fork) has
+    it too."""
+    from huggingface_hub.utils import _http, set_client_factory
+
+    factory = getattr(_http, "_GLOBAL_CLIENT_FACTORY", _http.default_client_factory)
+    if getattr(factory, "bounds_hub_requests", False):
+        return
+
+    def bounded() -> httpx2.Client:
+        client = factory()
+        client.event_hooks = {**client.event_hooks, "request": [*client.event_hooks["request"], _with_timeout]}
+        return client
+
+    bounded.bounds_hub_requests = True  # type: ignore[attr-defined]
+    set_client_factory(bounded)  # closes the client made before, if any: the next request makes a bounded one
+
+
+def _with_timeout(request: httpx2.Request) -> None:
+    """The request's timeout: its own, or CLOUDTRAIN_HUB_TIMEOUT where it has none."""
+    if all(value is None for value in request.extensions.get("timeout", {}).values()):
+        timeout = seconds(*TIMEOUT)
+        request.extensions = {**request.extensions, "timeout": httpx2.Timeout(timeout).as_dict()}
 
 
 def token_from_file(path: str | None) -> str | None:
@@ -166,7 +219,7 @@ def hub_errors(api: HfApi, cfg: HubConfig, action: str, user: str | None = None)
 def as_user_error(err: BaseException, api: HfApi, cfg: HubConfig, action: str, user: str | None = None) -> UserError:
     if isinstance(err, UserError):
         return err
-    unreachable = isinstance(err, httpx2.TransportError)  # the network: a restart may get past it
+    unreachable = isinstance(err, httpx2.TransportError)  # the network (or a timeout): a restart may get past it
     if isinstance(err, OfflineModeIsEnabled):
         text = f"{action}: HF_HUB_OFFLINE is set; unset it to push to the Hub"
     elif unreachable:
@@ -225,7 +278,8 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
     except UserError as err:
         where = "the job's model.tar.gz" if in_training_job() else output_dir
         raise UserError(
-            f"{err}. The model is safe in {where}; once fixed, retry with: {retry_command(output_dir, hub)}"
+            f"{err}. The model is safe in {where}; once fixed, retry with: {retry_command(output_dir, hub)}",
+            transient=err.transient,
         ) from None
     print(f"pushed {output_dir} to {url} (commit {commit.oid[:8]})", flush=True)
     return url
@@ -439,9 +493,22 @@ class HubUploader:
             print(f"warning: {err}; training goes on, and the push at the end uploads the model", flush=True)
 
     def wait(self) -> None:
-        """Block until every queued upload is done; raise UserError if any failed."""
+        """Block until every queued upload is done, CLOUDTRAIN_HUB_WAIT seconds at most; raise UserError if any
+        failed or is not done by then. One not done by then is given up: unless it began, it never does (a later
+        save supersedes it); one that began goes on, and the next `wait` says how it ended."""
         queued, self._queued = self._queued, []
-        failed = [(message, error) for message, future in queued if (error := future.exception())]
+        limit = seconds(*WAIT)
+        deadline = time.monotonic() + limit
+        failed: list[tuple[str, BaseException]] = []
+        for message, future in queued:
+            try:
+                error = future.exception(timeout=max(0.0, deadline - time.monotonic()))
+            except concurrent.futures.TimeoutError:
+                if not future.cancel():  # it began: the next wait says how it ended
+                    self._queued.append((message, future))
+                error = TimeoutError(f"not done in {limit:g} s ({WAIT[0]}); the Hub does not answer in time")
+            if error:
+                failed.append((message, error))
         if failed:
             message, error = failed[0]
             err = as_user_error(error, self._api, self._hub, f"background upload {message!r}")
