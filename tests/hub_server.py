@@ -22,7 +22,8 @@ and 403 to writes (create, preupload, commit, branch) in a namespace that is nei
 nor one of the user's organisations, or with a read-only token. Every commit, with the whole file
 tree after it, stays in memory for tests to inspect. `refuse_commits` makes commits fail with 403;
 clearing `commits_open` holds them until it is set. A route named in `silent` (its handler's name: "whoami",
-"commit", ...) gets no answer: the request is held until the name leaves `silent`, then its connection is closed.
+"commit", ...) gets no answer: the request is held until the name leaves `silent`, then its connection is closed;
+`fail_next` maps a route to the statuses its next requests get instead of an answer (a one-off 503: [503]).
 
 Not supported: LFS/Xet uploads (preupload never asks for them), pull requests, tags, copies,
 pagination of model trees, writes to datasets, spaces, deleting repos.
@@ -127,6 +128,7 @@ class HubServer:
         self.commits_open = threading.Event()  # clear it to hold every commit until it is set again
         self.commits_open.set()
         self.silent: set[str] = set()  # routes that do not answer while named here
+        self.fail_next: dict[str, list[int]] = {}  # route: the statuses its next requests get, one each
         self.requests: list[tuple[str, str]] = []  # (method, path) of every request, in order
         self.ranges: list[tuple[str, int, int]] = []  # (file, first byte, last byte) of every ranged read
         self.lock = threading.Lock()
@@ -387,6 +389,9 @@ class _Handler(BaseHTTPRequestHandler):
                 if match and (route_method == method or (name == "resolve" and method == "HEAD")):
                     if name in self.hub.silent:
                         return self._say_nothing(name)
+                    if failing := self.hub.fail_next.get(name):
+                        status = failing.pop(0)
+                        raise HttpError(status, f"the test Hub answers {status} this time")
                     if name == "commit":
                         self.hub.commits_open.wait(timeout=60)
                     with self.hub.lock:

@@ -731,16 +731,18 @@ def test_only_the_main_process_talks_to_the_hub(hub, tiny_model_dir, data_files,
     assert len(hub.history("alice/ddp")) == 2  # the initial commit and one upload
 
 
-# ---------------------------------------------------------------- a Hub that does not answer
+# ---------------------------------------------------------------- a Hub that does not answer, or is busy
 
 
 @pytest.fixture
 def impatient(in_process, monkeypatch):
-    """The in-process client with a short request timeout; the server's silences are undone after the test (held
-    requests then end)."""
+    """The in-process client with a short request timeout and no wait before a call is made again; the server's
+    silences and failures are undone after the test (held requests then end)."""
     monkeypatch.setenv("CLOUDTRAIN_HUB_TIMEOUT", "2")
+    monkeypatch.setenv("CLOUDTRAIN_HUB_RETRY_WAIT", "0")
     yield in_process
     in_process.silent.clear()
+    in_process.fail_next.clear()
     in_process.commits_open.set()
 
 
@@ -817,6 +819,36 @@ def test_a_wait_for_background_uploads_is_bounded_and_gives_up_those_not_begun(
     uploader.wait()  # the upload that began ends, and lands; the one not begun never does
     assert [c.summary for c in impatient.history("alice/held-saves")[1:]] == ["Training in progress, step 2"]
     assert impatient.requests.count(commit) == 1
+
+
+def test_a_busy_hub_is_asked_again_and_one_still_busy_fails_as_transient(impatient, tmp_path):
+    """A 429 or 503 failed the push at once, and as the user's mistake (found in audit)."""
+    cfg = hub_config("alice/busy")
+    before = len(impatient.requests)
+    impatient.fail_next.update(whoami=[429], create_repo=[502], commit=[503])
+    cloudhub.check_access(cfg.hub)
+    uploader = cloudhub.HubUploader(cfg)
+    uploader.upload(make_save(tmp_path / "checkpoint-2", 2), "Training in progress, step 2")
+    uploader.wait()
+    assert [c.summary for c in impatient.history("alice/busy")[1:]] == ["Training in progress, step 2"]
+    paths = [path for _, path in impatient.requests[before:]]
+    assert paths.count("/api/whoami-v2") == 2 and paths.count("/api/models/alice/busy/commit/main") == 2
+
+    out = tmp_path / "run"
+    cfg, results = finished_run(out)
+    cfg.hub.hub_model_id = "alice/busy"
+    impatient.fail_next["commit"] = [503] * (cloudhub.RETRIES + 1)
+    before = len(impatient.requests)
+    with pytest.raises(UserError) as caught:
+        cloudhub.push_output_dir(out, cfg, results)
+    message = str(caught.value)
+    assert message.startswith("pushing to alice/busy failed: 503 the test Hub answers 503 this time (the Hub is busy")
+    assert " push --output_dir " in message and caught.value.transient
+    tried = [path for _, path in impatient.requests[before:]].count("/api/models/alice/busy/commit/main")
+    assert tried == cloudhub.RETRIES + 1
+    with pytest.raises(UserError) as refused:  # a mistake is not asked again, and stays the user's
+        cloudhub.check_access(hub_config("bob/not-alices").hub)
+    assert "403 Forbidden" in str(refused.value) and not refused.value.transient
 
 
 def test_a_bad_hub_setting_is_one_line(impatient, monkeypatch):

@@ -27,7 +27,9 @@ error messages are scrubbed of it. Only the main process may call into this modu
 A Hub that stops answering ends in one line, not a run that hangs: huggingface_hub sends its requests with no
 timeout, and once this module made a client every request of the process that has none gets one
 (CLOUDTRAIN_HUB_TIMEOUT seconds to connect, and for each read and write; default 60); a wait for the background
-uploads lasts CLOUDTRAIN_HUB_WAIT seconds at most (default 1800).
+uploads lasts CLOUDTRAIN_HUB_WAIT seconds at most (default 1800). A call the Hub answers with 429 (too many
+requests) or a 5xx (busy or down) is made again, RETRIES times, after CLOUDTRAIN_HUB_RETRY_WAIT seconds (default 2;
+or the Retry-After the Hub gives, a minute at most), doubled each time.
 """
 
 import argparse
@@ -42,7 +44,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx2  # huggingface_hub's HTTP client: its transport errors mean "the Hub cannot be reached"
 from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, get_token
@@ -89,6 +91,10 @@ TOKEN_HELP = (
 )
 TIMEOUT = ("CLOUDTRAIN_HUB_TIMEOUT", 60.0)  # (variable, default seconds): one request's connect, each read or write
 WAIT = ("CLOUDTRAIN_HUB_WAIT", 1800.0)  # how long a wait for the background uploads lasts at most
+RETRY_WAIT = ("CLOUDTRAIN_HUB_RETRY_WAIT", 2.0)  # before the first call again after a 429 or 5xx; doubled each time
+RETRIES = 3  # calls again after a 429 or 5xx
+MAX_RETRY_AFTER_S = 60.0  # the longest Retry-After the Hub may ask for that is waited
+T = TypeVar("T")
 
 
 # ---------------------------------------------------------------- access
@@ -99,12 +105,12 @@ def hub_api(cfg: HubConfig) -> HfApi:
     token = cfg.hub_token or token_from_file(cfg.hub_token_file) or get_token()
     if not token:
         raise UserError(f"pushing to the Hub needs a token with write access: {TOKEN_HELP}")
-    seconds(*TIMEOUT), seconds(*WAIT)  # a bad value: said now, in one line
+    seconds(*TIMEOUT), seconds(*WAIT), seconds(*RETRY_WAIT, zero=True)  # a bad value: said now, in one line
     _bound_requests()
     return HfApi(token=token)
 
 
-def seconds(variable: str, default: float) -> float:
+def seconds(variable: str, default: float, zero: bool = False) -> float:
     """The number of seconds environment variable `variable` gives (unset or empty: `default`)."""
     value = os.environ.get(variable, "").strip()
     if not value:
@@ -113,8 +119,9 @@ def seconds(variable: str, default: float) -> float:
         number = float(value)
     except ValueError:
         number = math.nan
-    if not math.isfinite(number) or number <= 0:
-        raise UserError(f"{variable}={value!r} must be a number of seconds, more than 0")
+    if not math.isfinite(number) or number < 0 or (number == 0 and not zero):
+        least = "0 or more" if zero else "more than 0"
+        raise UserError(f"{variable}={value!r} must be a number of seconds, {least}")
     return number
 
 
@@ -145,6 +152,36 @@ def _with_timeout(request: httpx2.Request) -> None:
         request.extensions = {**request.extensions, "timeout": httpx2.Timeout(timeout).as_dict()}
 
 
+def hub_call(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`call(*args, **kwargs)`, made again up to RETRIES times when the Hub answers 429 or a 5xx: it is busy, or
+    down for a moment. Waits CLOUDTRAIN_HUB_RETRY_WAIT seconds first (or the Retry-After it asks for, a minute at
+    most), twice as long each time after; the last failure is raised."""
+    wait = seconds(*RETRY_WAIT, zero=True)
+    for attempt in range(RETRIES + 1):
+        try:
+            return call(*args, **kwargs)
+        except HfHubHTTPError as err:
+            if attempt == RETRIES or not busy(err):
+                raise
+            time.sleep(max(wait, _retry_after(err)))
+            wait *= 2
+    raise AssertionError("unreachable")  # the loop returns or raises
+
+
+def busy(err: BaseException) -> bool:
+    """The Hub answered 429 (too many requests) or a 5xx (a server error): a later try may pass."""
+    status = getattr(getattr(err, "response", None), "status_code", None)
+    return isinstance(err, HfHubHTTPError) and isinstance(status, int) and (status == 429 or status >= 500)
+
+
+def _retry_after(err: HfHubHTTPError) -> float:
+    """The seconds the Hub's Retry-After header asks for (a number of them), a minute at most; else 0."""
+    try:
+        return min(max(float(err.response.headers.get("Retry-After", 0)), 0.0), MAX_RETRY_AFTER_S)
+    except (TypeError, ValueError):
+        return 0.0
+
+
 def token_from_file(path: str | None) -> str | None:
     """The token in --hub_token_file (a mounted secret, say): its first line."""
     if not path:
@@ -162,7 +199,7 @@ def check_access(cfg: HubConfig) -> None:
         raise UserError(f"--hub_model_id {cfg.hub_model_id!r} must be <user or organization>/<name>")
     api = hub_api(cfg)
     with hub_errors(api, cfg, "checking Hub access"):
-        me = api.whoami()
+        me = hub_call(api.whoami)
     user = me["name"]
     if me.get("auth", {}).get("accessToken", {}).get("role") == "read":
         raise UserError(f"the token of user {user} is read-only; pushing needs one with write access: {TOKEN_HELP}")
@@ -170,8 +207,11 @@ def check_access(cfg: HubConfig) -> None:
         ensure_repo(api, cfg)
         # A dry run of the first step of a commit: the Hub refuses it without write access,
         # which also catches an existing repo owned by someone else. Nothing is stored.
-        api.preupload_lfs_files(
-            cfg.hub_model_id, additions=[CommitOperationAdd("README.md", b"")], revision=cfg.hub_revision
+        hub_call(
+            api.preupload_lfs_files,
+            cfg.hub_model_id,
+            additions=[CommitOperationAdd("README.md", b"")],
+            revision=cfg.hub_revision,
         )
 
 
@@ -192,14 +232,14 @@ def check_access_from_main(cfg: HubConfig, is_main: bool, share: Callable[[str |
 def ensure_repo(api: HfApi, cfg: HubConfig) -> str:
     """Create the repo (and branch) when missing; returns the repo's URL."""
     assert cfg.hub_model_id is not None  # check_access checked it
-    url = api.create_repo(cfg.hub_model_id, private=cfg.hub_private_repo, exist_ok=True)
-    if cfg.hub_private_repo and not api.repo_info(cfg.hub_model_id).private:  # create_repo keeps an existing one's
+    url = hub_call(api.create_repo, cfg.hub_model_id, private=cfg.hub_private_repo, exist_ok=True)
+    if cfg.hub_private_repo and not hub_call(api.repo_info, cfg.hub_model_id).private:  # an existing one's is kept
         raise UserError(
             f"--hub_private_repo true, but {cfg.hub_model_id} already exists and is public: the model would be "
             "public; make the repository private in its settings on the Hub, or choose a new --hub_model_id"
         )
     if cfg.hub_revision:
-        api.create_branch(cfg.hub_model_id, branch=cfg.hub_revision, exist_ok=True)
+        hub_call(api.create_branch, cfg.hub_model_id, branch=cfg.hub_revision, exist_ok=True)
         return f"{url}/tree/{cfg.hub_revision}"
     return str(url)
 
@@ -230,7 +270,7 @@ def as_user_error(err: BaseException, api: HfApi, cfg: HubConfig, action: str, u
         text = f"{action} failed: {describe(err, cfg, user)}"
     else:
         text = f"{action} failed: {first_line(err)}"
-    return UserError(scrub(text, api.token), transient=unreachable)
+    return UserError(scrub(text, api.token), transient=unreachable or busy(err))
 
 
 def describe(err: HfHubHTTPError, cfg: HubConfig, user: str | None) -> str:
@@ -246,6 +286,8 @@ def describe(err: HfHubHTTPError, cfg: HubConfig, user: str | None) -> str:
             "and a token with write access"
         )
     reason = (err.server_message or "").strip().splitlines() or [first_line(err)]
+    if busy(err):  # hub_call made it again, RETRIES times
+        return f"{status} {reason[0]} (the Hub is busy or down: {RETRIES + 1} tries failed; try again later)"
     return f"{status} {reason[0]}"
 
 
@@ -332,13 +374,13 @@ def commit_model_files(
     for name in _repo_model_files(api, hub):
         if name not in uploaded:
             operations.append(CommitOperationDelete(name))
-    return api.create_commit(hub.hub_model_id, operations, commit_message=message, revision=hub.hub_revision)
+    return hub_call(api.create_commit, hub.hub_model_id, operations, commit_message=message, revision=hub.hub_revision)
 
 
 def _repo_model_files(api: HfApi, hub: HubConfig) -> list[str]:
     """The repo's files that a push of model files writes: at its root or in merged/, named as UPLOAD_PATTERNS."""
     try:
-        names = api.list_repo_files(hub.hub_model_id, revision=hub.hub_revision)  # type: ignore[arg-type]
+        names = hub_call(api.list_repo_files, hub.hub_model_id, revision=hub.hub_revision)
     except (RepositoryNotFoundError, RevisionNotFoundError):  # a branch the commit creates
         return []
     return [
@@ -472,7 +514,7 @@ class HubUploader:
         ]
         uploaded = {operation.path_in_repo for operation in operations}
         try:
-            names = self._api.list_repo_files(self._hub.hub_model_id, revision=self._hub.hub_revision)
+            names = hub_call(self._api.list_repo_files, self._hub.hub_model_id, revision=self._hub.hub_revision)
         except (RepositoryNotFoundError, RevisionNotFoundError):  # a branch the commit creates
             names = []
         operations += [
@@ -480,8 +522,12 @@ class HubUploader:
             for name in names
             if name.startswith(f"{path_in_repo}/") and name not in uploaded
         ]
-        return self._api.create_commit(
-            self._hub.hub_model_id, operations, commit_message=commit_message, revision=self._hub.hub_revision
+        return hub_call(
+            self._api.create_commit,
+            self._hub.hub_model_id,
+            operations,
+            commit_message=commit_message,
+            revision=self._hub.hub_revision,
         )
 
     def settle(self) -> None:
