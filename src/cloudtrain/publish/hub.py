@@ -61,7 +61,7 @@ from cloudtrain.config import Config, HubConfig, build_config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
-from cloudtrain.publish.output_dir import _remote_code, edited, record, written
+from cloudtrain.publish.output_dir import edited, record, remote_code, written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model, read_json
 from cloudtrain.sagemaker_env import in_training_job, job_name
 
@@ -347,7 +347,7 @@ def model_files(folder: Path) -> list[Path]:
     (the merged model next to an adapter); checkpoints, tracker logs and any other sub-folder stay local."""
     files = []
     for place in (folder, folder / MERGED):
-        code = _remote_code(place)
+        code = remote_code(place)
         files += [
             path
             for path in place.glob("*")

@@ -129,12 +129,12 @@ def users_files(output_dir: Path) -> list[str]:
     mine = sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
     merged = output_dir / MERGED  # cloudtrain's, replaced whole: what else lies in it (a GGUF export) is the user's
     if MERGED in ours and merged.is_dir():
-        saved = (*FINAL_PATTERNS, *_remote_code(merged))  # + the model's own code, which save_pretrained copies
+        saved = (*FINAL_PATTERNS, *remote_code(merged))  # + the model's own code, which save_pretrained copies
         mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not is_run_name(p.name, saved))
     return mine
 
 
-def _remote_code(folder: Path) -> set[str]:
+def remote_code(folder: Path) -> set[str]:
     """The .py files a remote-code model's config (or tokenizer's) names in its auto_map ("custom.CustomConfig",
     "org/repo--custom.Custom"): those save_pretrained copies beside the weights."""
     files = set()
