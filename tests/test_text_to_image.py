@@ -272,6 +272,14 @@ def test_validation_steps_sets_the_evaluation_cadence(tiny_sd, squares, tmp_path
     assert (resolved.training.eval_strategy, resolved.training.eval_steps) == ("steps", 7)
     plain = config(tiny_sd, tmp_path / "out", train_data_dir=squares)
     assert TextToImageTask(plain).resolve_options(plain).training.eval_strategy == "epoch"
+    # another --eval_steps, or --eval_strategy no, was overridden without a word (found in audit)
+    for other, given in (({"eval_steps": 3, "eval_strategy": "steps"}, "--eval_steps 3"), ({"eval_strategy": "no"},
+                         "--eval_strategy no")):  # fmt: skip
+        cfg = config(tiny_sd, tmp_path / "out", train_data_dir=squares, validation_steps=7, **other)
+        with pytest.raises(UserError, match=f"^--validation_steps 7 evaluates .* every 7 steps, and {given} says"):
+            TextToImageTask(cfg).resolve_options(cfg)
+    same = config(tiny_sd, tmp_path / "out", train_data_dir=squares, validation_steps=7, eval_steps=7)
+    assert TextToImageTask(same).resolve_options(same).training.eval_steps == 7
 
 
 def test_a_folder_given_as_train_file_is_read_as_the_image_folder(tiny_sd, squares, tmp_path):

@@ -111,10 +111,16 @@ class TextToImageTask(Task):
         if not (ic.train_data_dir or ic.instance_data_dir or d.dataset_name) and d.train_file:
             if Path(d.train_file).is_dir():
                 cfg = replace(cfg, images=replace(ic, train_data_dir=d.train_file), data=replace(d, train_file=None))
-        every = cfg.images.validation_steps
+        every, t = cfg.images.validation_steps, cfg.training
         if every is None:
             return cfg
-        return replace(cfg, training=replace(cfg.training, eval_strategy="steps", eval_steps=every))
+        if t.eval_steps not in (None, every) or t.eval_strategy == "no":  # it overrode them without a word (audit)
+            given = f"--eval_steps {t.eval_steps}" if t.eval_steps not in (None, every) else "--eval_strategy no"
+            raise UserError(
+                f"--validation_steps {every} evaluates (and renders) every {every} steps, and {given} says otherwise: "
+                "give one of them (--validation_steps N is --eval_strategy steps --eval_steps N)"
+            )
+        return replace(cfg, training=replace(t, eval_strategy="steps", eval_steps=every))
 
     def data_label(self, cfg: Config) -> str:
         folder = cfg.images.train_data_dir or cfg.images.instance_data_dir
@@ -151,7 +157,7 @@ class TextToImageTask(Task):
         path = diffusion.local_pipeline(str(cfg.model.model_name_or_path))
         diffusion.check_lora_targets(path, diffusion.lora_targets(cfg, diffusion.read_model_index(path)))
 
-    def attach_adapters(self, model: torch.nn.Module, cfg: Config, announce: bool) -> torch.nn.Module:
+    def attach_adapters(self, model: torch.nn.Module, cfg: Config, announce: bool = False) -> torch.nn.Module:
         assert isinstance(model, diffusion.TextToImageModel)
         return model.attach_lora(cfg)
 
