@@ -724,3 +724,85 @@ def test_a_fresh_run_starts_its_validation_grids_anew_and_a_resume_keeps_those_b
     assert sorted(p.name for p in folder.iterdir()) == ["eval-step-000002.png", "mine.png"]
     RunLog(cfg, tmp_path, True, {})  # a fresh run
     assert sorted(p.name for p in folder.iterdir()) == ["mine.png"]
+
+
+# ---------------------------------------------------------------- a real MLflow server
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    """A real `mlflow server` on 127.0.0.1 (SQLite store, artifacts proxied into tmp_path/server-artifacts), in a
+    process group of its own: (url, process group id, artifacts folder)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    artifacts, log = tmp_path / "server-artifacts", (tmp_path / "mlflow-server.log").open("w")
+    mlflow_cli = Path(sys.executable).parent / "mlflow"
+    server = subprocess.Popen(
+        [str(mlflow_cli) if mlflow_cli.exists() else "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+         "--workers", "1", "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(artifacts)],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=tmp_path,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180  # its first start migrates the database: many seconds on a busy machine
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/health", timeout=2).close()
+                break
+            except OSError:
+                if server.poll() is not None or time.monotonic() > deadline:
+                    pytest.fail(f"mlflow server did not start: {(tmp_path / 'mlflow-server.log').read_text()[-2000:]}")
+                time.sleep(0.5)
+        yield url, server.pid, artifacts
+    finally:
+        try:
+            os.killpg(server.pid, 9)
+        except ProcessLookupError:  # the test took it down
+            pass
+        server.wait()
+        log.close()
+
+
+SERVER_GOES_DOWN = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    from cloudtrain.config import build_config
+    from cloudtrain.observe.tracking import RunLog
+
+    out, server_group = sys.argv[1], int(sys.argv[2])
+    cfg = build_config({"report_to": "mlflow,tensorboard", "output_dir": out, "run_name": "down"})
+    run_log = RunLog(cfg, Path(out), True, {"num_parameters": 10})
+    print("retries", *(os.environ.get(f"MLFLOW_HTTP_REQUEST_{name}") for name in ("MAX_RETRIES", "TIMEOUT")))
+    run_log.log({"train/loss": 0.3}, step=1)
+    os.killpg(server_group, signal.SIGKILL)  # the server goes down mid-run
+    run_log.log({"train/loss": 0.2}, step=2)
+    run_log.event("loss_spike", "loss spike at step 3", 9.0, step=3)
+    run_log.log({"train/loss": 0.1}, step=3)
+    run_log.finish({"train": {"global_step": 3, "train_loss": 0.2}}, [])
+    print("trackers left", [t.name for t in run_log.trackers])
+""")
+
+
+@pytest.mark.slow  # a real MLflow server
+def test_an_mlflow_server_gone_down_mid_run_is_dropped_with_one_line_and_the_run_goes_on(tracker_env, mlflow_server):
+    """MLflow retried for about 4 minutes, then its 90-line traceback ended the run unsaved (found in audit): tracking
+    is auxiliary, so the tracker is dropped with one line, the other trackers and metrics.jsonl go on, and MLflow's
+    retries are capped where the user did not set them."""
+    url, server_group, _ = mlflow_server
+    out = tracker_env / "out"
+    env = {**os.environ, "MLFLOW_TRACKING_URI": url, "PYTHONPATH": child_pythonpath()}
+    result = subprocess.run([sys.executable, "-c", SERVER_GOES_DOWN, str(out), str(server_group)], capture_output=True,
+                            text=True, timeout=300, cwd=REPO, env=env)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "retries 2 10" in result.stdout  # MLflow's own: 7 retries of up to 120 s each
+    warnings = [line for line in result.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1, result.stdout
+    assert warnings[0].startswith("warning: mlflow failed (API request to ")
+    assert warnings[0].endswith("; the run goes on without it")
+    assert "trackers left ['tensorboard']" in result.stdout
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r] == [1, 2, 3]
+    assert (out / "training_curves.png").is_file()
+    (run_dir,) = (out / "tensorboard").iterdir()
+    assert [s for s, _ in tensorboard_scalars(run_dir, "train/loss")] == [1, 2, 3]

@@ -13,7 +13,8 @@ what a finished run needs (a summary, the confusion matrix, resuming):
 - tensorboard: event files under <output_dir>/tensorboard/<run name>.
 - mlflow: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlruns/mlflow.db.
 
-Only the main process creates trackers and writes, so a multi-process training is one tracker run.
+Only the main process creates trackers and writes, so a multi-process training is one tracker run. Tracking is
+auxiliary: a tracker that fails mid-run (its server gone down) is dropped with a one-line warning.
 A run resumed from a checkpoint (`resume_step`) continues the same tracker runs, whose ids are kept
 in <output_dir>/tracker_runs.json, and keeps the metrics.jsonl lines up to that step. Points the
 first part logged after its checkpoint stay in W&B, trackio and MLflow (TensorBoard hides them).
@@ -31,6 +32,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,11 +46,14 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
 from cloudtrain.publish.atomic import write_whole
 from cloudtrain.publish.saving import MODEL_PATTERNS, finite
-from cloudtrain.redact import mask_value
+from cloudtrain.redact import mask, mask_value
 
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0
 MLFLOW_CONNECT_TIMEOUT_S = 5.0  # a server that answers nothing in this long: MLflow would retry for minutes
+# MLflow's HTTP retries, unless the user set them: its own (7 retries, 120 s each) spend minutes on a server gone down
+# mid-run before the tracker fails and is dropped; these, seconds (a refused connection) to about half a minute.
+MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 WANDB_INIT_TIMEOUT_S = 30.0
 WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # what wandb 0.2x's settings take
 PACKAGES = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -163,8 +168,21 @@ class RunLog:
         with self.path.open("a") as f:
             f.write(json.dumps(finite(record), allow_nan=False) + "\n")  # NaN is not JSON: jq and JSON.parse refuse it
         self.latest_step = max(self.latest_step, step)
-        for tracker in self.trackers:
-            tracker.log(values, step=step)
+        self._each_tracker(lambda tracker: tracker.log(values, step=step))
+
+    def _each_tracker(self, call: Callable[["RunMethods"], object]) -> None:
+        """`call` on every tracker. Tracking is auxiliary: a tracker that fails (a server gone down mid-run) is dropped
+        with one line, and the run goes on without it (MLflow's traceback ended the run unsaved; found in audit)."""
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as err:
+                self.trackers.remove(tracker)
+                print(
+                    f"warning: {getattr(tracker, 'name', type(tracker).__name__)} failed ({mask(first_line(err))}); "
+                    "the run goes on without it",
+                    flush=True,
+                )
 
     def event(self, kind: str, message: str, value: float, step: int) -> None:
         """Something that went wrong (an anomaly): `anomaly/<kind>` = value in every tracker, the line in
@@ -175,9 +193,12 @@ class RunLog:
             return
         with self.path.open("a") as f:
             f.write(json.dumps({"step": step, "time": round(time.time(), 3), "event": kind, "message": message}) + "\n")
-        for tracker in self.trackers:
+
+        def report(tracker: RunMethods) -> None:
             tracker.log({f"anomaly/{kind}": value}, step=max(step, self.latest_step))
             tracker.alert(kind.replace("_", " "), message)
+
+        self._each_tracker(report)
 
     def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
         """A table (a causal LM's sample generations, say) to every tracker; metrics.jsonl keeps numbers only.
@@ -187,8 +208,7 @@ class RunLog:
         if rows and len(rows[0]) == 2 and isinstance(rows[0][1], Image.Image):
             self.log_images(name, [str(r[0]) for r in rows], [r[1] for r in rows], step)
             return
-        for tracker in self.trackers:
-            tracker.log_table(name, header, rows, step)
+        self._each_tracker(lambda tracker: tracker.log_table(name, header, rows, step))
 
     def log_images(self, name: str, captions: list[str], images: list, step: int) -> None:
         """Images with their captions: one grid per call in <output_dir>/validation (`<name's first part>-step-N.png`),
@@ -199,8 +219,7 @@ class RunLog:
         folder.mkdir(exist_ok=True)
         grid = image_grid(images, captions)
         grid.save(folder / f"{name.split('/')[0]}-step-{step:06d}.png")
-        for tracker in self.trackers:
-            tracker.log_images(name, captions, images, grid, step)
+        self._each_tracker(lambda tracker: tracker.log_images(name, captions, images, grid, step))
 
     def finish(self, results: dict, label_names: list[str]) -> None:
         """Curves, summary, confusion matrices and (optionally) the model; then end the tracker runs."""
@@ -215,12 +234,15 @@ class RunLog:
             for split in ("eval", "test")
             if "confusion_matrix" in results.get(split, {})
         }
-        for tracker in self.trackers:
+
+        def end(tracker: RunMethods) -> None:
             tracker.log_summary(summary, step)
             for name, matrix in matrices.items():
                 tracker.log_confusion_matrix(name, matrix, label_names, step)
             tracker.log_files(png, step)
             tracker.finish()
+
+        self._each_tracker(end)
         print(f"training curves: {png.resolve()}", flush=True)
 
 
@@ -268,6 +290,8 @@ class RunMethods:
         def store_init_configuration(self, values: dict) -> None: ...
 
         def log(self, values: dict, step: int | None = None, **kwargs) -> None: ...
+
+        def finish(self) -> None: ...
 
     def state(self) -> dict:
         """What a resumed run needs to find this run again."""
@@ -628,6 +652,9 @@ class MLflow(RunMethods, MLflowTracker):
         ]
         self.tracking_uri, source = next((uri, source) for uri, source in sources if uri)
         check_mlflow_store(self.tracking_uri, source)
+        if self.tracking_uri.startswith(("http://", "https://")):
+            for name, value in MLFLOW_HTTP_DEFAULTS.items():
+                os.environ.setdefault(name, value)
         mlflow.set_tracking_uri(self.tracking_uri)
         run_id = saved.get("run_id")
         if run_id and not self._exists(run_id):  # a spot restart into an emptied output folder: its store went too
