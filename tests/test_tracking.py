@@ -806,3 +806,27 @@ def test_an_mlflow_server_gone_down_mid_run_is_dropped_with_one_line_and_the_run
     assert (out / "training_curves.png").is_file()
     (run_dir,) = (out / "tensorboard").iterdir()
     assert [s for s, _ in tensorboard_scalars(run_dir, "train/loss")] == [1, 2, 3]
+
+
+@pytest.mark.slow  # a real MLflow server
+def test_runs_on_an_mlflow_server_keep_their_artifacts_on_the_server(tracker_env, mlflow_server, monkeypatch):
+    """The first run made the experiment with its own <output_dir>/mlruns/artifacts as the artifact location: every
+    later run's artifacts went to that folder, the server held none (found in audit)."""
+    from mlflow.tracking import MlflowClient
+
+    url, _, server_artifacts = mlflow_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", url)
+    ids = []
+    for name in ("first", "second"):
+        tracked_part(tracker_env / name, "mlflow", 1, 2)
+        ids.append(json.loads((tracker_env / name / "tracker_runs.json").read_text())["mlflow"]["run_id"])
+    client = MlflowClient(url)
+    assert client.get_experiment_by_name("cloudtrain").artifact_location.startswith("mlflow-artifacts:")
+    for run_id in ids:
+        assert client.get_run(run_id).info.artifact_uri.startswith("mlflow-artifacts:")
+        assert "training_curves.png" in [f.path for f in client.list_artifacts(run_id)]
+        assert list(server_artifacts.rglob(f"{run_id}/artifacts/training_curves.png"))
+    assert not list((tracker_env / "first" / "mlruns").rglob("*.png"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the output folder's own store keeps them beside it
+    tracked_part(tracker_env / "local", "mlflow", 1, 2)
+    assert list((tracker_env / "local" / "mlruns" / "artifacts").rglob("training_curves.png"))

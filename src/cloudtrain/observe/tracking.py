@@ -645,10 +645,11 @@ class MLflow(RunMethods, MLflowTracker):
 
         store = context.output_dir / "mlruns"
         store.mkdir(exist_ok=True)
+        local = f"sqlite:///{(store / 'mlflow.db').resolve()}"
         sources = [
             (os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI"),
             (saved.get("tracking_uri"), "the resumed run's tracker_runs.json"),
-            (f"sqlite:///{(store / 'mlflow.db').resolve()}", "the output folder's"),
+            (local, "the output folder's"),
         ]
         self.tracking_uri, source = next((uri, source) for uri, source in sources if uri)
         check_mlflow_store(self.tracking_uri, source)
@@ -667,7 +668,9 @@ class MLflow(RunMethods, MLflowTracker):
         self.resumed = run_id is not None
         super().__init__(
             experiment_name=context.tracking.project_name,
-            logging_dir=str((store / "artifacts").resolve()),
+            # the artifacts of a new experiment: beside the output folder's own store; any other store (a server)
+            # keeps its own artifact root (all later runs' artifacts went to the first run's folder; found in audit)
+            logging_dir=str((store / "artifacts").resolve()) if self.tracking_uri == local else None,
             run_id=run_id,
             tags={tag: "true" for tag in context.tracking.tags} or None,
             run_name=context.run_name,
