@@ -830,3 +830,28 @@ def test_runs_on_an_mlflow_server_keep_their_artifacts_on_the_server(tracker_env
     monkeypatch.delenv("MLFLOW_TRACKING_URI")  # the output folder's own store keeps them beside it
     tracked_part(tracker_env / "local", "mlflow", 1, 2)
     assert list((tracker_env / "local" / "mlruns" / "artifacts").rglob("training_curves.png"))
+
+
+@pytest.mark.slow  # a real MLflow server
+def test_an_mlflow_uri_with_a_password_is_reached_and_its_password_not_stored(tracker_env, mlflow_server, monkeypatch):
+    """http://user:pw@host:port was refused as unreachable (urllib took the user and password for part of the host),
+    and past that the URI, password and all, was stored in tracker_runs.json (found in audit). A resume still finds
+    the run: by MLFLOW_TRACKING_URI, or without it by the stored URI less its user and password."""
+    from mlflow.tracking import MlflowClient
+
+    url, _, _ = mlflow_server
+    with_password = url.replace("http://", "http://alice:s3cret-pw@")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", with_password)
+    out = tracker_env / "out"
+    said = tracked_part(out, "mlflow", 1, 3, finish=False)
+    stored = (out / "tracker_runs.json").read_text()
+    assert "s3cret-pw" not in stored and "s3cret-pw" not in said
+    run = json.loads(stored)["mlflow"]
+    assert run["tracking_uri"] == url.replace("http://", "http://***@")
+    tracked_part(out, "mlflow", 3, 4, resume_step=2, finish=False)  # MLFLOW_TRACKING_URI given again
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    tracked_part(out, "mlflow", 5, 6, resume_step=4)  # the stored URI, less its masked user and password
+    assert json.loads((out / "tracker_runs.json").read_text())["mlflow"]["run_id"] == run["run_id"]
+    history = MlflowClient(url).get_metric_history(run["run_id"], "train/loss")
+    assert sorted({m.step for m in history}) == [1, 2, 3, 4, 5, 6]
+    assert "s3cret-pw" not in (out / "tracker_runs.json").read_text()

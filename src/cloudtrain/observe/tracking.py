@@ -11,7 +11,8 @@ what a finished run needs (a summary, the confusion matrix, resuming):
   WANDB_ENTITY, ...) are respected. `--log_model true` uploads the saved model as an artifact.
 - trackio: local SQLite under $HF_HOME/trackio (or $TRACKIO_DIR); `trackio show` is its dashboard.
 - tensorboard: event files under <output_dir>/tensorboard/<run name>.
-- mlflow: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlruns/mlflow.db.
+- mlflow: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlruns/mlflow.db. A URI's password is masked in
+  tracker_runs.json: a resume without MLFLOW_TRACKING_URI reads MLFLOW_TRACKING_USERNAME/PASSWORD instead.
 
 Only the main process creates trackers and writes, so a multi-process training is one tracker run. Tracking is
 auxiliary: a tracker that fails mid-run (its server gone down) is dropped with a one-line warning.
@@ -31,6 +32,7 @@ import ssl
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +48,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
 from cloudtrain.publish.atomic import write_whole
 from cloudtrain.publish.saving import MODEL_PATTERNS, finite
-from cloudtrain.redact import mask, mask_value
+from cloudtrain.redact import MASK, mask, mask_value
 
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0
@@ -476,11 +478,13 @@ def wandb_credentials(settings) -> bool:
 
 
 def reachable(url: str, timeout: float) -> bool:
-    """Whether an HTTP server answers at `url` within `timeout` seconds, whatever its status.
+    """Whether an HTTP server answers at `url` within `timeout` seconds, whatever its status (so a user and password
+    in the URL are left out: urllib took them for part of the host name; found in audit).
 
     The probe runs in a daemon thread because a DNS lookup is not bound by the socket timeout.
     """
     answered = threading.Event()
+    url = without_userinfo(url)
 
     def probe() -> None:
         try:
@@ -500,6 +504,12 @@ def reachable(url: str, timeout: float) -> bool:
     thread.start()
     thread.join(timeout)
     return answered.is_set()
+
+
+def without_userinfo(url: str) -> str:
+    """`url` without its user and password (https://alice:pw@host/x -> https://host/x)."""
+    parts = urllib.parse.urlsplit(url)
+    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
 
 
 def wandb_sync_command(state: dict, resumed: bool) -> str:
@@ -627,7 +637,7 @@ def check_mlflow_store(uri: str, source: str) -> None:
     server that cannot be reached, or a SQLite database in a folder that cannot be made or written (MLflow makes
     the missing folders). `source`: where the URI came from, for the remedy."""
     if uri.startswith(("http://", "https://")) and not reachable(uri, MLFLOW_CONNECT_TIMEOUT_S):
-        raise UserError(f"MLflow at {uri} ({source}) cannot be reached within {MLFLOW_CONNECT_TIMEOUT_S:.0f} s: "
+        raise UserError(f"MLflow at {mask(uri)} ({source}) cannot be reached within {MLFLOW_CONNECT_TIMEOUT_S:.0f} s: "
                         "start its server, or change the URI")  # fmt: skip
     if uri.startswith("sqlite:///"):
         folder = Path(uri.removeprefix("sqlite:///")).parent
@@ -646,9 +656,12 @@ class MLflow(RunMethods, MLflowTracker):
         store = context.output_dir / "mlruns"
         store.mkdir(exist_ok=True)
         local = f"sqlite:///{(store / 'mlflow.db').resolve()}"
+        saved_uri = saved.get("tracking_uri")
+        if saved_uri and f"://{MASK}@" in saved_uri:  # its password is not kept: MLFLOW_TRACKING_USERNAME/PASSWORD
+            saved_uri = without_userinfo(saved_uri)
         sources = [
             (os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI"),
-            (saved.get("tracking_uri"), "the resumed run's tracker_runs.json"),
+            (saved_uri, "the resumed run's tracker_runs.json"),
             (local, "the output folder's"),
         ]
         self.tracking_uri, source = next((uri, source) for uri, source in sources if uri)
@@ -656,11 +669,13 @@ class MLflow(RunMethods, MLflowTracker):
         if self.tracking_uri.startswith(("http://", "https://")):
             for name, value in MLFLOW_HTTP_DEFAULTS.items():
                 os.environ.setdefault(name, value)
+        if without_userinfo(self.tracking_uri) != self.tracking_uri:  # MLflow prints "View run at <URI>", password too
+            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
         mlflow.set_tracking_uri(self.tracking_uri)
         run_id = saved.get("run_id")
         if run_id and not self._exists(run_id):  # a spot restart into an emptied output folder: its store went too
             print(
-                f"note: MLflow run {run_id} is not in {self.tracking_uri} any more (the store was emptied or "
+                f"note: MLflow run {run_id} is not in {mask(self.tracking_uri)} any more (the store was emptied or "
                 "replaced since the checkpoint); this part of the run logs to a new MLflow run",
                 flush=True,
             )
@@ -687,14 +702,15 @@ class MLflow(RunMethods, MLflowTracker):
             if err.error_code == "RESOURCE_DOES_NOT_EXIST":
                 return False
             raise UserError(
-                f"MLflow at {self.tracking_uri} could not be asked for run {run_id} ({first_line(err)}); start its "
-                "server or check MLFLOW_TRACKING_URI, then resume again",
+                f"MLflow at {mask(self.tracking_uri)} could not be asked for run {run_id} ({mask(first_line(err))}); "
+                "start its server or check MLFLOW_TRACKING_URI, then resume again",
                 transient=True,
             ) from None
         return True
 
     def state(self) -> dict:
-        return {"run_id": self.active_run.info.run_id, "tracking_uri": self.tracking_uri}
+        # a password in the URI is not stored (found in audit): a resume takes it from MLFLOW_TRACKING_URI again
+        return {"run_id": self.active_run.info.run_id, "tracking_uri": mask(self.tracking_uri)}
 
     def log_config(self, config: dict) -> None:
         if not self.resumed:  # MLflow parameters cannot change once logged; the first part logged them
