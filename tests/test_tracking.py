@@ -564,6 +564,11 @@ def test_check_trackers_rejects_unusable_choices(monkeypatch):
     with pytest.raises(UserError, match="WANDB_MODE=ofline is not a W&B mode: set one of online, offline"):
         tracking.check_trackers(TrackingConfig(report_to=["wandb"]))
     tracking.check_trackers(TrackingConfig(report_to=["tensorboard"]))  # not W&B's run: its variable is not read
+    monkeypatch.delenv("WANDB_MODE")
+    with pytest.raises(UserError, match=rf"^--tags '{'x' * 65}' has 65 characters: W&B takes tags of 1 to 64$"):
+        tracking.check_trackers(TrackingConfig(report_to=["wandb"], tags=["fine", "x" * 65]))  # pydantic's 45 lines
+    tracking.check_trackers(TrackingConfig(report_to=["wandb"], tags=["x" * 64]))
+    tracking.check_trackers(TrackingConfig(report_to=["tensorboard"], tags=["x" * 65]))  # only W&B limits them
 
 
 def test_a_tracker_named_twice_is_refused_and_a_run_name_stays_one_folder_of_tensorboard():

@@ -57,6 +57,7 @@ MLFLOW_CONNECT_TIMEOUT_S = 5.0  # a server that answers nothing in this long: ML
 # mid-run before the tracker fails and is dropped; these, seconds (a refused connection) to about half a minute.
 MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 WANDB_INIT_TIMEOUT_S = 30.0
+WANDB_TAG_MAX = 64  # characters of a W&B tag
 WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # what wandb 0.2x's settings take
 PACKAGES = {"wandb": "wandb", "trackio": "trackio", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 
@@ -74,6 +75,9 @@ def check_trackers(cfg: TrackingConfig) -> None:
     mode = os.environ.get("WANDB_MODE")
     if "wandb" in cfg.report_to and mode is not None and mode.strip().lower() not in WANDB_MODES:
         raise UserError(f"WANDB_MODE={mode} is not a W&B mode: set one of {', '.join(WANDB_MODES)}, or unset it")
+    long = [tag for tag in cfg.tags if not 1 <= len(tag) <= WANDB_TAG_MAX] if "wandb" in cfg.report_to else []
+    if long:  # wandb.init's own refusal: a 45-line pydantic traceback (found in audit)
+        raise UserError(f"--tags {long[0]!r} has {len(long[0])} characters: W&B takes tags of 1 to {WANDB_TAG_MAX}")
 
 
 def requested(cfg: TrackingConfig) -> list[str]:
