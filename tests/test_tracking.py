@@ -27,7 +27,7 @@ from conftest import ENTRY, REPO, child_pythonpath, run_cli
 from cloudtrain import pipeline
 from cloudtrain.config import TrackingConfig, build_config
 from cloudtrain.errors import UserError
-from cloudtrain.observe import tracking
+from cloudtrain.observe import mlflow_tracker, tracking
 from cloudtrain.observe.plotting import curve_data, plot_training_curves
 from cloudtrain.observe.tracking import reachable, read_metrics
 
@@ -645,12 +645,12 @@ def test_an_mlflow_store_that_cannot_be_used_is_one_line(silent_server, tmp_path
     """A server that does not answer, or a database in a folder that cannot be written: minutes of MLflow's retries
     and a traceback of 130-200 lines (found in audit)."""
     with pytest.raises(UserError, match=rf"MLflow at {silent_server} \(MLFLOW_TRACKING_URI\) cannot be reached within"):
-        tracking.check_mlflow_store(silent_server, "MLFLOW_TRACKING_URI")
+        mlflow_tracker.check_mlflow_store(silent_server, "MLFLOW_TRACKING_URI")
     (tmp_path / "a-file").write_text("")  # where the database's folder would be made
     with pytest.raises(UserError, match=f"MLflow's database sqlite:///{tmp_path}/a-file/x/m.db .* cannot be written"):
-        tracking.check_mlflow_store(f"sqlite:///{tmp_path}/a-file/x/m.db", "MLFLOW_TRACKING_URI")
-    tracking.check_mlflow_store(f"sqlite:///{tmp_path}/m.db", "x")  # a writable folder: fine
-    tracking.check_mlflow_store(f"sqlite:///{tmp_path}/new/dir/m.db", "x")  # MLflow makes the folders (review)
+        mlflow_tracker.check_mlflow_store(f"sqlite:///{tmp_path}/a-file/x/m.db", "MLFLOW_TRACKING_URI")
+    mlflow_tracker.check_mlflow_store(f"sqlite:///{tmp_path}/m.db", "x")  # a writable folder: fine
+    mlflow_tracker.check_mlflow_store(f"sqlite:///{tmp_path}/new/dir/m.db", "x")  # MLflow makes the folders (review)
 
 
 def test_a_server_whose_certificate_is_not_trusted_here_has_answered(tmp_path):
@@ -684,7 +684,7 @@ def test_an_mlflow_server_that_does_not_answer_is_not_taken_for_a_lost_run(monke
         closed.bind(("127.0.0.1", 0))
         url = f"http://127.0.0.1:{closed.getsockname()[1]}"
     with pytest.raises(UserError, match=f"MLflow at {url} could not be asked for run abc .*start its server") as err:
-        tracking.MLflow._exists(SimpleNamespace(tracking_uri=url), "abc")
+        mlflow_tracker.MLflow._exists(SimpleNamespace(tracking_uri=url), "abc")
     assert err.value.transient
 
 

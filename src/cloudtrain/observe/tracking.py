@@ -28,34 +28,25 @@ import itertools
 import json
 import os
 import shlex
-import ssl
-import threading
 import time
-import urllib.error
-import urllib.parse
-import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from accelerate import PartialState
-from accelerate.tracking import MLflowTracker, TensorBoardTracker, TrackioTracker, WandBTracker
+from accelerate.tracking import TensorBoardTracker, TrackioTracker, WandBTracker
 from PIL import Image
 
 from cloudtrain.config import Config, TrackingConfig, differs_from_default
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.observe.mlflow_tracker import MLflow
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
+from cloudtrain.observe.tracker_base import RunContext, RunMethods, numbers, reachable
 from cloudtrain.publish.atomic import write_whole
 from cloudtrain.publish.saving import MODEL_PATTERNS, finite
-from cloudtrain.redact import MASK, mask, mask_value
+from cloudtrain.redact import mask, mask_value
 
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0
-MLFLOW_CONNECT_TIMEOUT_S = 5.0  # a server that answers nothing in this long: MLflow would retry for minutes
-# MLflow's HTTP retries, unless the user set them: its own (7 retries, 120 s each) spend minutes on a server gone down
-# mid-run before the tracker fails and is dropped; these, seconds (a refused connection) to about half a minute.
-MLFLOW_HTTP_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "2", "MLFLOW_HTTP_REQUEST_TIMEOUT": "10"}
 WANDB_INIT_TIMEOUT_S = 30.0
 WANDB_TAG_MAX = 64  # characters of a W&B tag
 WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")  # what wandb 0.2x's settings take
@@ -87,20 +78,6 @@ def requested(cfg: TrackingConfig) -> list[str]:
 def read_metrics(path: Path) -> list[dict]:
     """The records of a metrics.jsonl file."""
     return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-
-
-@dataclass
-class RunContext:
-    """What a tracker needs to open its run."""
-
-    cfg: Config
-    output_dir: Path
-    run_name: str
-    resume_step: int | None
-
-    @property
-    def tracking(self) -> TrackingConfig:
-        return self.cfg.tracking
 
 
 def _is_save_line(record: dict) -> bool:
@@ -272,10 +249,6 @@ def run_summary(results: dict, run_info: dict, total_time_s: float) -> dict:
     return {k: v for k, v in summary.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)}
 
 
-def numbers(values: dict) -> dict:
-    return {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-
-
 def matrix_rows(matrix: list[list[int]], labels: list[str]) -> tuple[list[str], list[list]]:
     """A confusion matrix as (header, rows) of a table: rows = true class, columns = predicted."""
     return ["true \\ predicted", *labels], [[label, *row] for label, row in zip(labels, matrix, strict=True)]
@@ -284,45 +257,6 @@ def matrix_rows(matrix: list[list[int]], labels: list[str]) -> tuple[list[str], 
 def markdown_table(header: list[str], rows: list[list]) -> str:
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
     return "\n".join(lines + ["| " + " | ".join(map(str, row)) + " |" for row in rows])
-
-
-class RunMethods:
-    """What RunLog needs beyond accelerate's tracker API; the defaults suit a metrics-only tracker."""
-
-    if TYPE_CHECKING:  # accelerate's GeneralTracker, every tracker's other base, provides these
-
-        def start(self) -> None: ...
-
-        def store_init_configuration(self, values: dict) -> None: ...
-
-        def log(self, values: dict, step: int | None = None, **kwargs) -> None: ...
-
-        def finish(self) -> None: ...
-
-    def state(self) -> dict:
-        """What a resumed run needs to find this run again."""
-        raise NotImplementedError
-
-    def log_config(self, config: dict) -> None:
-        self.store_init_configuration(config)
-
-    def log_summary(self, summary: dict, step: int) -> None:
-        self.log(numbers(summary), step=step)
-
-    def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
-        pass
-
-    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
-        pass
-
-    def alert(self, title: str, text: str) -> None:
-        """A notification for a human, where the tracker has them."""
-
-    def log_files(self, curves_png: Path, step: int) -> None:
-        pass
-
-    def log_images(self, name: str, captions: list[str], images: list, grid: Image.Image, step: int) -> None:
-        """Images with captions (`grid`: all of them in one picture, for trackers that take one)."""
 
 
 # ---------------------------------------------------------------- W&B
@@ -481,41 +415,6 @@ def wandb_credentials(settings) -> bool:
         return False
 
 
-def reachable(url: str, timeout: float) -> bool:
-    """Whether an HTTP server answers at `url` within `timeout` seconds, whatever its status (so a user and password
-    in the URL are left out: urllib took them for part of the host name; found in audit).
-
-    The probe runs in a daemon thread because a DNS lookup is not bound by the socket timeout.
-    """
-    answered = threading.Event()
-    url = without_userinfo(url)
-
-    def probe() -> None:
-        try:
-            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-            answered.set()
-        except urllib.error.HTTPError:
-            answered.set()
-        except urllib.error.URLError as err:
-            if isinstance(err.reason, ssl.SSLError):  # a certificate this process does not trust: it answered
-                answered.set()
-        except ssl.SSLError:
-            answered.set()
-        except (OSError, ValueError):
-            pass
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    return answered.is_set()
-
-
-def without_userinfo(url: str) -> str:
-    """`url` without its user and password (https://alice:pw@host/x -> https://host/x)."""
-    parts = urllib.parse.urlsplit(url)
-    return urllib.parse.urlunsplit(parts._replace(netloc=parts.netloc.rpartition("@")[2]))
-
-
 def wandb_sync_command(state: dict, resumed: bool) -> str:
     """`wandb sync` for every offline part of the run; parts of one resumed run go to one run id."""
     dirs = " ".join(shlex.quote(d) for d in state["offline_dirs"])
@@ -631,112 +530,6 @@ class TensorBoard(RunMethods, TensorBoardTracker):
         self.writer.add_image(name, np.asarray(grid), global_step=step, dataformats="HWC")
         self.writer.add_text(f"{name}/prompts", " | ".join(captions), global_step=step)
         self.writer.flush()
-
-
-# ---------------------------------------------------------------- MLflow
-
-
-def check_mlflow_store(uri: str, source: str) -> None:
-    """One line where MLflow's store cannot be used, before MLflow retries for minutes and ends in a traceback: a
-    server that cannot be reached, or a SQLite database in a folder that cannot be made or written (MLflow makes
-    the missing folders). `source`: where the URI came from, for the remedy."""
-    if uri.startswith(("http://", "https://")) and not reachable(uri, MLFLOW_CONNECT_TIMEOUT_S):
-        raise UserError(f"MLflow at {mask(uri)} ({source}) cannot be reached within {MLFLOW_CONNECT_TIMEOUT_S:.0f} s: "
-                        "start its server, or change the URI")  # fmt: skip
-    if uri.startswith("sqlite:///"):
-        folder = Path(uri.removeprefix("sqlite:///")).parent
-        existing = next(f for f in (folder, *folder.parents) if f.exists())
-        if not (existing.is_dir() and os.access(existing, os.W_OK)):
-            raise UserError(f"MLflow's database {uri} ({source}) cannot be written: {existing} is no folder this "
-                            "process can write; change the URI")  # fmt: skip
-
-
-class MLflow(RunMethods, MLflowTracker):
-    """An MLflow run in $MLFLOW_TRACKING_URI, else in a SQLite database inside the output folder."""
-
-    def __init__(self, context: RunContext, saved: dict):
-        import mlflow
-
-        store = context.output_dir / "mlruns"
-        store.mkdir(exist_ok=True)
-        local = f"sqlite:///{(store / 'mlflow.db').resolve()}"
-        saved_uri = saved.get("tracking_uri")
-        if saved_uri and f"://{MASK}@" in saved_uri:  # its password is not kept: MLFLOW_TRACKING_USERNAME/PASSWORD
-            saved_uri = without_userinfo(saved_uri)
-        sources = [
-            (os.environ.get("MLFLOW_TRACKING_URI"), "MLFLOW_TRACKING_URI"),
-            (saved_uri, "the resumed run's tracker_runs.json"),
-            (local, "the output folder's"),
-        ]
-        self.tracking_uri, source = next((uri, source) for uri, source in sources if uri)
-        check_mlflow_store(self.tracking_uri, source)
-        if self.tracking_uri.startswith(("http://", "https://")):
-            for name, value in MLFLOW_HTTP_DEFAULTS.items():
-                os.environ.setdefault(name, value)
-        if without_userinfo(self.tracking_uri) != self.tracking_uri:  # MLflow prints "View run at <URI>", password too
-            os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-        mlflow.set_tracking_uri(self.tracking_uri)
-        run_id = saved.get("run_id")
-        if run_id and not self._exists(run_id):  # a spot restart into an emptied output folder: its store went too
-            print(
-                f"note: MLflow run {run_id} is not in {mask(self.tracking_uri)} any more (the store was emptied or "
-                "replaced since the checkpoint); this part of the run logs to a new MLflow run",
-                flush=True,
-            )
-            run_id = None
-        self.resumed = run_id is not None
-        super().__init__(
-            experiment_name=context.tracking.project_name,
-            # the artifacts of a new experiment: beside the output folder's own store; any other store (a server)
-            # keeps its own artifact root (all later runs' artifacts went to the first run's folder; found in audit)
-            logging_dir=str((store / "artifacts").resolve()) if self.tracking_uri == local else None,
-            run_id=run_id,
-            tags={tag: "true" for tag in context.tracking.tags} or None,
-            run_name=context.run_name,
-        )
-
-    def _exists(self, run_id: str) -> bool:
-        """Whether the store holds the run; a store that does not answer is the run's error, not a lost run."""
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-
-        try:
-            MlflowClient(self.tracking_uri).get_run(run_id)
-        except MlflowException as err:
-            if err.error_code == "RESOURCE_DOES_NOT_EXIST":
-                return False
-            raise UserError(
-                f"MLflow at {mask(self.tracking_uri)} could not be asked for run {run_id} ({mask(first_line(err))}); "
-                "start its server or check MLFLOW_TRACKING_URI, then resume again",
-                transient=True,
-            ) from None
-        return True
-
-    def state(self) -> dict:
-        # a password in the URI is not stored (found in audit): a resume takes it from MLFLOW_TRACKING_URI again
-        return {"run_id": self.active_run.info.run_id, "tracking_uri": mask(self.tracking_uri)}
-
-    def log_config(self, config: dict) -> None:
-        if not self.resumed:  # MLflow parameters cannot change once logged; the first part logged them
-            super().log_config(config)
-
-    def log_confusion_matrix(self, name: str, matrix: list[list[int]], labels: list[str], step: int) -> None:
-        import mlflow
-
-        mlflow.log_dict({"labels": labels, "rows_true_columns_predicted": matrix}, f"{name}.json")
-
-    def log_table(self, name: str, header: list[str], rows: list[list], step: int) -> None:
-        import mlflow
-
-        mlflow.log_dict({"columns": header, "data": rows}, f"{name}-step{step}.json")
-
-    def log_images(self, name: str, captions: list[str], images: list, grid: Image.Image, step: int) -> None:
-        import mlflow
-
-        mlflow.log_image(grid, f"{name}-step{step}.png")
-
-    def log_files(self, curves_png: Path, step: int) -> None:
-        self.log_artifact(str(curves_png))
 
 
 TRACKERS = {"wandb": WandB, "trackio": Trackio, "tensorboard": TensorBoard, "mlflow": MLflow}
