@@ -108,6 +108,19 @@ def test_train_from_python_into_a_log_has_no_progress_bars(tmp_path, tiny_model_
     assert "\r" not in log and "step 4/4 | epoch" in log
 
 
+def test_diffusers_bars_follow_the_others_into_a_log():
+    """A text-to-image run into a log file held diffusers' "Loading pipeline components" bars (found in audit):
+    diffusers reads no variable for them, so the run turns them off itself."""
+    script = (
+        "import sys; from cloudtrain.observe import console; console.setup(); console.follow_in_diffusers(); "
+        "from diffusers.utils import logging; print(logging.is_progress_bar_enabled())"
+    )
+    for bars, shown in (("0", "False"), ("1", "True")):
+        env = {**{k: v for k, v in os.environ.items() if k not in SWITCHES}, "CLOUDTRAIN_PROGRESS_BARS": bars}
+        proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=REPO)
+        assert proc.stdout.strip() == shown, proc.stderr[-2000:]
+
+
 @pytest.mark.slow  # one training run in a fresh interpreter, shared by four tests
 def test_each_checkpoint_line_is_a_line_of_its_own(logged_run):
     out, log = logged_run

@@ -23,6 +23,7 @@ from cloudtrain.config import Config, ModelConfig
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.models import sd3, sdxl
+from cloudtrain.observe import console
 
 MODEL_INDEX = "model_index.json"
 NEEDED = ("unet", "vae", "text_encoder", "tokenizer", "scheduler")
@@ -453,6 +454,7 @@ class TextToImageModel(torch.nn.Module):
                 parts[optional] = None
         if "requires_safety_checker" in self.index:
             parts["requires_safety_checker"] = False
+        console.follow_in_diffusers()  # its "Loading pipeline components" bar, in a log file too
         pipe = self.pipeline_class().from_pretrained(self.path, **parts)
         if not self.flow and pipe.scheduler.config.prediction_type != self.prediction_type:  # --prediction_type
             # what the denoiser learned to predict: rendered and saved with the base's, its images were noise

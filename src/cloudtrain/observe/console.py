@@ -71,6 +71,14 @@ def setup() -> None:
             reconfigure(line_buffering=True)
 
 
+def follow_in_diffusers() -> None:
+    """diffusers reads no variable for its bars (a pipeline's loading): off where setup() turned the others off."""
+    if not progress_bars():
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.disable_progress_bar()
+
+
 def disable_library_bars() -> None:
     """No progress bars from datasets, huggingface_hub and transformers in this process and the ones it starts."""
     for module, variable in LIBRARY_SWITCHES.items():
