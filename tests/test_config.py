@@ -140,6 +140,13 @@ def test_a_config_folder_and_a_nested_config_key_get_the_right_hint(tmp_path):
     nested.write_text("config: base.yaml\n")
     with pytest.raises(UserError, match="unknown option 'config'; not needed: a config file starts from another with"):
         parse("--config", str(nested))
+    # a command that reads no config file was told the same, about extends: (found in audit)
+    from cloudtrain.config.parse import unknown_option_hint
+
+    assert (
+        unknown_option_hint("config", ["task"], "--")
+        == "; this command reads no config file: give its options as flags"
+    )
 
 
 @pytest.mark.parametrize(

@@ -50,6 +50,8 @@ NOT_NEEDED = {
 def unknown_option_hint(name: str, known: list[str], flag: str = "") -> str:
     """What to write instead of the unknown option `name`, as '; ...' (or ''): cloudtrain's name for another
     trainer's option, else the closest of `known`; `flag` is "--" on the command line."""
+    if name == "config" and flag:  # a command's line without --config (plan, predict, generate, preprocess)
+        return "; this command reads no config file: give its options as flags"
     if name in NOT_NEEDED:
         return f"; not needed: {NOT_NEEDED[name]}"
     target = PEER_OPTIONS.get(name)
