@@ -57,6 +57,10 @@ def test_no_note_where_the_task_reads_the_option(task, values):
     "values, note",
     [
         (
+            {"profile_steps": "2:3"},  # no trace, no word (found in audit)
+            "--profile_steps 2:3 has no effect without --profile true",
+        ),
+        (
             {"task": "sft", "text_column": "body"},  # an SFT row is a conversation or a prompt/completion (audit)
             "--text_column body has no effect on --task sft; it counts for --task classification, multi_label, "
             "regression, token_classification, question_answering, seq2seq or causal_lm",

@@ -50,6 +50,7 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     # a config file's precomputed reference stays valid for a reference-free loss given as a flag (make dpo ARGS=)
     "precompute_reference": ("preference_loss", tuple(x for x in PREFERENCE_LOSSES if x not in REFERENCE_FREE)),
     "early_stopping_threshold": ("early_stopping_patience", ()),
+    "profile_steps": ("profile", (True,)),
     # a stream has no stored training split to cut or carve (--max_tokens/--max_steps and --stream_validation_docs)
     "max_train_samples": ("streaming", (False,)),
     "validation_split_percentage": ("streaming", (False,)),
