@@ -8,8 +8,10 @@ import pytest
 import torch
 from conftest import REPO, run_cli
 
+import cloudtrain
 from cloudtrain.cli import main
 from cloudtrain.publish.output_dir import record
+from cloudtrain.registry_table import TASK_ROWS
 
 
 def snapshot(folder: Path) -> dict:
@@ -132,6 +134,10 @@ def test_process_exit_code_and_no_traceback(tmp_path):
 def test_help_and_predict_help():
     result = run_cli("--help")
     assert result.returncode == 0 and "--per_device_train_batch_size" in result.stdout and "predict" in result.stdout
+    described = " ".join(result.stdout.split())  # every task is named (6 of 11 were; found in audit)
+    assert all(f"{name}, " in described for name in TASK_ROWS), described[:2000]
+    version = run_cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"cloudtrain {cloudtrain.__version__}"
     result = run_cli("predict", "--help")
     assert result.returncode == 0 and "--model_dir" in result.stdout
 

@@ -22,6 +22,7 @@ import importlib
 import os
 import sys
 
+from cloudtrain import __version__
 from cloudtrain.config import ConfigParser, add_config_arguments, config_from_namespace, option_fields
 from cloudtrain.config.inert import print_inert_notes
 from cloudtrain.errors import TrainingStopped, UserError, earlier_mistake, record_quiet, report
@@ -29,6 +30,7 @@ from cloudtrain.invocation import check_launcher_variables, prog
 from cloudtrain.observe import console
 from cloudtrain.paths import check_local_paths
 from cloudtrain.redact import mask, scrub_argv
+from cloudtrain.registry_table import TASK_ROWS
 
 COMMANDS = {  # name: (its light module: add_arguments and run, one-line description, ending in a period)
     "launch": (
@@ -56,11 +58,9 @@ INTERRUPTED_TRAINING = (
     "saved checkpoints before continues from the newest with --resume_from_checkpoint latest"
 )
 DESCRIPTION = (
-    "Train a Hugging Face model (--task, default classification): a sequence classifier (classification), "
-    "a decoder on raw text (causal_lm: continued pretraining, or from scratch with --model_config), a chat "
-    "model on conversations (sft), a decoder preference-tuned on chosen/rejected pairs (dpo: DPO, IPO, SimPO "
-    "or ORPO), a reward model (reward), or a diffusers text-to-image pipeline (text_to_image).\n"
-    "With no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n"
+    "Train a Hugging Face model for a --task (default classification): "
+    + "; ".join(f"{name}, {row.summary}" for name, row in TASK_ROWS.items())
+    + ".\nWith no options it trains all-MiniLM-L6-v2 on Reuters R8 (8 news topics), both shipped offline.\n"
     "Other commands: " + "; ".join(f"`{name}`: {text.rstrip('.')}" for name, (_, text) in COMMANDS.items()) + "."
 )
 
@@ -68,6 +68,7 @@ DESCRIPTION = (
 def train_parser(named: bool = False) -> ConfigParser:
     """The training options' parser; `named`: the user wrote `train`, which its usage line then shows."""
     parser = ConfigParser(prog=f"{prog()} train" if named else prog(), description=DESCRIPTION)
+    parser.add_argument("--version", action="version", version=f"cloudtrain {__version__}")
     add_config_arguments(parser)
     return parser
 

@@ -170,7 +170,8 @@ class CheckpointConfig(OnlyFields):
     async_checkpointing: bool = opt(
         False,
         "Write checkpoints in the background: the loop waits only while the state is copied to CPU memory "
-        "(one process, the basic or accelerated trainer without DeepSpeed or FSDP).",
+        "(the basic trainer, or the accelerated one on one process or DDP: not DeepSpeed, FSDP or tensor "
+        "parallelism).",
     )
 
     def check(self) -> None:
