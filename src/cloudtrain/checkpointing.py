@@ -464,6 +464,7 @@ class Checkpointer:
         self.batch = {
             "per_device_train_batch_size": t.per_device_train_batch_size,
             "gradient_accumulation_steps": t.gradient_accumulation_steps,
+            "group_by_length": cfg.data.group_by_length,  # with the seed, the stored rows' order
         }
         self.seed = t.seed  # the stored rows' order: a resume's step is a position in it
         self.engine = sharding_engine(cfg)  # ZeRO and FSDP both shard over the same mesh: the states differ

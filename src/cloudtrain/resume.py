@@ -2,7 +2,7 @@
 the newest complete on every node), an earlier run's checkpoints that a fresh run must not mix with its own
 (`start_over`, `drop_earlier_checkpoints`), the checkpoints after an older one resumed (`set_aside_newer`), the
 attempt torchrun restarts (`restarted_defaults`), a save a kill cut between its renames
-(`finish_interrupted_saves`), what a checkpoint must match beyond its layout (`check_engine`, `check_seed`) and
+(`finish_interrupted_saves`), what a checkpoint must match beyond its layout (`check_engine`, `check_order`) and
 a load that failed, in one line (`load_failure`). The checkpoints themselves: cloudtrain.checkpointing."""
 
 import contextlib
@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from cloudtrain.checkpointing import (
+    DATA_STATE_FILE,
     FORMAT,
     MARKS,
     PREFIX,
@@ -280,14 +281,27 @@ def check_engine(meta: dict, path: Path, cfg: Config) -> None:
         )
 
 
-def check_seed(meta: dict, path: Path, seed: int) -> None:
-    """Stored rows: a checkpoint's step is a position in its seed's order of the rows (checkpoints before the
-    record hold none)."""
+def check_order(meta: dict, path: Path, cfg: Config) -> None:
+    """Stored rows: a checkpoint's step is a position in its order of the rows, which its seed and
+    --group_by_length make (checkpoints before the record hold none); a stream's checkpoint holds a cursor."""
+    seed, grouped = cfg.training.seed, cfg.data.group_by_length
+    if (path / DATA_STATE_FILE).is_file():
+        raise UserError(
+            f"checkpoint {path} holds a stream's position ({DATA_STATE_FILE}): it was written by a run with "
+            "--streaming true; resume it the same way"
+        )
     saved = meta.get("seed", seed)
     if saved != seed:
         raise UserError(
             f"checkpoint {path} was trained with --seed {saved} and this run has --seed {seed}: its step is a "
             f"position in that seed's order of the rows; resume with --seed {saved}"
+        )
+    was = (meta.get("batch") or {}).get("group_by_length", grouped)
+    if was != grouped:
+        raise UserError(
+            f"checkpoint {path} was trained with --group_by_length {str(was).lower()} and this run has "
+            f"{str(grouped).lower()}: its step is a position in that order of the rows; resume with "
+            f"--group_by_length {str(was).lower()}"
         )
 
 

@@ -38,7 +38,7 @@ from cloudtrain.observe.tracking import RunLog
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.parallel.runtime import Runtime, collective_failure
 from cloudtrain.registry import TRAINERS
-from cloudtrain.resume import check_engine, check_seed, load_failure, set_aside_newer
+from cloudtrain.resume import check_engine, check_order, load_failure, set_aside_newer
 from cloudtrain.tasks.base import Task
 from cloudtrain.tasks.module_task import is_plain_module, save_module
 from cloudtrain.training.best_model import BestModelHook, EarlyStoppingHook
@@ -515,7 +515,7 @@ class Trainer:
         check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
         check_engine(meta, folder, self.cfg)
         if global_rows is not None:  # stored rows; a stream's cursor checks its own seed (data.streaming)
-            check_seed(meta, folder, self.cfg.training.seed)
+            check_order(meta, folder, self.cfg)
         start = time.perf_counter()
         ours = settings(self.optimizer, self.scheduler)  # before the checkpoint's states replace them
         self.check_resume_files(folder)
