@@ -480,3 +480,12 @@ def test_train_takes_its_config_by_keyword_too(tmp_path):
     (tmp_path / "run.yaml").write_text("lerning_rate: 0.1\n")
     with pytest.raises(UserError, match="unknown option 'lerning_rate'; did you mean learning_rate"):
         cloudtrain.train(config=str(tmp_path / "run.yaml"))
+
+
+def test_a_list_option_given_as_a_json_list_is_that_list():
+    """The SageMaker SDK sends a Python list hyperparameter as JSON text: --tags '["a", "b"]' recorded the tags
+    '["a"' and '"b"]' (found in audit); other text starting with a bracket is the option's own."""
+    assert build_config({"tags": '["a", "b"]'}).tracking.tags == ["a", "b"]
+    assert build_config({"report_to": '["tensorboard"]'}).tracking.report_to == ["tensorboard"]
+    prompts = build_config({"task": "text_to_image", "validation_prompts": "[dog] in a park|a cat"})
+    assert prompts.images.validation_prompts == ["[dog] in a park", "a cat"]

@@ -116,6 +116,8 @@ def _coerce(name: str, value: Any) -> Any:
             raise ValueError("a value is required")
         if f.metadata["mappings"] and isinstance(value, str) and value.lstrip().startswith("["):
             value = json.loads(value)  # a list as JSON text: a SageMaker hyperparameter (sagemaker/launch.py)
+        elif tp is list and isinstance(value, str) and value.lstrip().startswith("["):
+            value = _json_list(value)
         value = _convert(tp, value, f.metadata["separator"], f.metadata["mappings"])
     except (ValueError, TypeError) as err:  # TypeError: int([1, 2]), a config file's list where a number belongs
         kind = "true, false" if tp is bool else "a number"
@@ -139,6 +141,16 @@ def _home(value: Any) -> Any:
     if not isinstance(value, str) or "~" not in value:
         return value
     return ",".join(os.path.expanduser(p.strip()) if p.strip().startswith("~") else p for p in value.split(","))
+
+
+def _json_list(text: str) -> Any:
+    """A list option's value written as a JSON list (the SageMaker SDK's form of a Python list hyperparameter: it
+    was split at its commas, brackets and quotes kept); other text is the option's own."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return text
+    return value if isinstance(value, list) else text
 
 
 def _convert(tp: type, value: Any, separator: str, mappings: bool = False) -> Any:
