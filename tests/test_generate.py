@@ -295,6 +295,7 @@ def nothing_loaded(monkeypatch):
         (["--num_beams", "0"], "--num_beams must be at least 1"),
         (["--repetition_penalty", "0"], "--repetition_penalty must be greater than 0"),
         (["--input_file", "/no/such/prompts.txt"], "--input_file /no/such/prompts.txt does not exist"),
+        (["--input_file", "/tmp"], "--input_file /tmp is a folder; give a file"),  # it "did not exist" (audit)
     ],
 )
 def test_bad_options_are_refused_before_loading(tiny_llama_dir, nothing_loaded, extra, match):

@@ -308,6 +308,10 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
     partly = [{**row, "summary": None} if i == 1 else row for i, row in enumerate(headline_rows(6, 1))]
     references = [{**row, "summary": [row["summary"], "another"]} for row in headline_rows(6, 2)]
     cases = {
+        "the default model": (  # it was named "None" (found in audit)
+            {**base, "model_name_or_path": None},
+            "the default model (all-MiniLM-L6-v2) is not an encoder-decoder model (BertModel)",
+        ),
         "a decoder": (
             {**base, "model_name_or_path": tiny_llama_dir},
             "is not an encoder-decoder model (LlamaForCausalLM); --task seq2seq trains models such as T5 or BART; "

@@ -56,7 +56,8 @@ def existing_run_dir(flag: str, path: str) -> Path:
 
 def check_input_file(path: str | None) -> None:
     if path is not None and not Path(path).is_file():
-        raise UserError(f"--input_file {path} does not exist")
+        what = "is a folder; give a file" if Path(path).is_dir() else "does not exist"
+        raise UserError(f"--input_file {path} {what}")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ from transformers import (
 )
 
 from cloudtrain import invocation
+from cloudtrain.assets import DEFAULT_MODEL_NAME
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.processing import ProcessedData, longest_row, with_named_columns
 from cloudtrain.data.source_target import (
@@ -120,7 +121,7 @@ class Seq2SeqTask(ClassificationTask):
     def check_fit(self, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> None:
         """An encoder-decoder whose decoder knows its start token; --max_target_length within its positions and
         past the tokenizer's special tokens, and past the minimum length beam search would keep."""
-        _check_model(config, cfg.model.model_name_or_path)
+        _check_model(config, cfg.model.model_name_or_path or f"the default model ({DEFAULT_MODEL_NAME})")
         _check_target_length(config, tokenizer, cfg.data.max_target_length)
         if cfg.data.generation_num_beams > 1:
             _check_beam_length(config, cfg)
@@ -334,7 +335,7 @@ class Seq2SeqTask(ClassificationTask):
         return f'{invocation.command()} generate --model_dir {shlex.quote(output_dir)} --prompt "..."'
 
 
-def _check_model(config: PretrainedConfig, name: str | None) -> None:
+def _check_model(config: PretrainedConfig, name: str) -> None:
     if not config.is_encoder_decoder:
         kind = ", ".join(config.architectures or [config.model_type])
         raise UserError(
