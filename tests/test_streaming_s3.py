@@ -143,6 +143,12 @@ def test_an_unreachable_endpoint_is_one_line_not_a_hang(s3, monkeypatch):
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{port}")
     message = one_line_error(f"s3://{BUCKET}/corpus/*.jsonl")
     assert "cannot reach the object store" in message and f"127.0.0.1:{port}" in message
+    # an endpoint gone once a file is to be opened (mid-stream) was botocore's traceback (found in audit)
+    from cloudtrain.data.readers import RecordReader
+
+    with pytest.raises(UserError, match=f"cannot reach the object store at http://127.0.0.1:{port}") as gone:
+        RecordReader(f"s3://{BUCKET}/corpus/part-0.jsonl", "jsonl")
+    assert gone.value.transient
 
 
 def test_preprocess_writes_shards_to_object_storage_that_stream_as_local_ones(

@@ -106,7 +106,14 @@ def open_raw(path: str) -> Any:
     if is_remote(path):  # object storage or the Hub through fsspec: seekable, read in blocks by ranged GETs
         import fsspec
 
-        return fsspec.open(path, "rb", **storage_options(path)).open()
+        try:
+            return fsspec.open(path, "rb", **storage_options(path)).open()
+        except (OSError, EOFError, ValueError):  # the file's own (missing, damaged): a bad file where it is read
+            raise
+        except Exception as err:  # noqa: BLE001 (botocore's and aiohttp's own kinds: an endpoint gone, a timeout)
+            from cloudtrain.data.remote import remote_failure  # (it reads this module)
+
+            raise remote_failure(path, err, "opening") from None
     return open(path, "rb")  # noqa: SIM115 (closed by RecordReader.close)
 
 

@@ -67,8 +67,8 @@ def _list(fs, path: str) -> list[str]:  # noqa: ANN001
     return [path] if fs.isfile(path) else []
 
 
-def remote_failure(path: str, err: Exception) -> UserError:
-    """One line for a listing that failed: unreachable endpoint, refused credentials, or something else."""
+def remote_failure(path: str, err: Exception, doing: str = "listing") -> UserError:
+    """One line for a listing (or an opening) that failed: unreachable endpoint, refused credentials, or else."""
     kind, text = type(err).__name__, " ".join(str(err).split())[:200]
     if kind in ("NoCredentialsError", "PartialCredentialsError"):
         return UserError(f"no AWS credentials for {path}: {CREDENTIALS_HINT}")
@@ -79,7 +79,7 @@ def remote_failure(path: str, err: Exception) -> UserError:
             f"{path}: cannot reach the object store at {_endpoint()} ({kind}); check AWS_ENDPOINT_URL and the network",
             transient=True,
         )
-    return UserError(f"{path}: listing the object store at {_endpoint()} failed ({kind}: {text})")
+    return UserError(f"{path}: {doing} the object store at {_endpoint()} failed ({kind}: {text})")
 
 
 def expand_remote(path: str, fmt: str | None = None) -> list[str]:
