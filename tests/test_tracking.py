@@ -860,3 +860,12 @@ def test_an_mlflow_uri_with_a_password_is_reached_and_its_password_not_stored(tr
     history = MlflowClient(url).get_metric_history(run["run_id"], "train/loss")
     assert sorted({m.step for m in history}) == [1, 2, 3, 4, 5, 6]
     assert "s3cret-pw" not in (out / "tracker_runs.json").read_text()
+
+
+def test_trackio_in_a_sagemaker_job_writes_into_the_output_folder(tracker_env):
+    """Inside a job trackio wrote under the container's $HF_HOME, gone with the job, and nothing said so (found in
+    audit): its database goes under <output_dir>/trackio, which model.tar.gz keeps."""
+    out = tracker_env / "model"
+    tracked_part(out, "trackio", 1, 2, SM_MODEL_DIR=str(out))
+    assert (out / "trackio" / "cloudtrain.db").is_file()
+    assert not (tracker_env / "hf" / "trackio" / "cloudtrain.db").exists()

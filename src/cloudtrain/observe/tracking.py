@@ -44,6 +44,7 @@ from cloudtrain.observe.tracker_base import RunContext, RunMethods, numbers, rea
 from cloudtrain.publish.atomic import write_whole
 from cloudtrain.publish.saving import MODEL_PATTERNS, finite
 from cloudtrain.redact import mask, mask_value
+from cloudtrain.sagemaker_env import in_training_job
 
 RUNS_FILE = "tracker_runs.json"
 WANDB_CONNECT_TIMEOUT_S = 3.0
@@ -430,6 +431,8 @@ class Trackio(RunMethods, TrackioTracker):
     resolves to the newest run of the name: a new run takes a name no run of the project has."""
 
     def __init__(self, context: RunContext, saved: dict):
+        if in_training_job() and not os.environ.get("TRACKIO_DIR"):  # read at trackio's import, just below
+            os.environ["TRACKIO_DIR"] = str(context.output_dir / "trackio")  # into model.tar.gz, not lost with the job
         project = saved.get("project", context.tracking.project_name)
         super().__init__(
             project,
