@@ -834,3 +834,14 @@ def test_a_failed_job_s_model_is_downloaded_for_push_and_its_retry_line_says_so(
     # from the repository's root on your machine (found in review: the container's command line, no region)
     assert line.startswith("python sagemaker/launch.py download failed-1 --region eu-west-1 && ")
     assert "&& python src/training_application.py push --output_dir outputs/sagemaker/failed-1 --hub_model_id" in line
+
+
+def test_an_output_folder_outside_the_jobs_model_folder_is_said(tmp_path):
+    """A job built with the SDK directly kept an --output_dir SageMaker never uploads, without a word (audit)."""
+    from cloudtrain.sagemaker_env import job_notes
+
+    env = {"SM_MODEL_DIR": str(tmp_path / "model")}
+    assert job_notes(str(tmp_path / "model"), env) == job_notes(str(tmp_path / "model" / "run"), env) == []
+    assert job_notes(str(tmp_path / "elsewhere"), {}) == []  # outside a job: anywhere
+    (note,) = job_notes(str(tmp_path / "elsewhere"), env)
+    assert note.startswith(f"--output_dir {tmp_path / 'elsewhere'} is outside the job's model folder {tmp_path}/model")

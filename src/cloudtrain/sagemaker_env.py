@@ -113,6 +113,21 @@ def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None) ->
     return None
 
 
+def job_notes(output_dir: str | None, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Inside a job, what a run's options lose: an --output_dir outside SM_MODEL_DIR, which SageMaker does not
+    upload (the launcher drops the option; a job built with the SDK directly may keep it)."""
+    env = os.environ if environ is None else environ
+    if not in_training_job(env) or not output_dir:
+        return []
+    model_dir = Path(env["SM_MODEL_DIR"]).resolve()
+    if Path(output_dir).resolve().is_relative_to(model_dir):
+        return []
+    return [
+        f"--output_dir {output_dir} is outside the job's model folder {model_dir} (SM_MODEL_DIR), the one SageMaker "
+        "uploads: the model goes with the instance unless copied; leave --output_dir out for the job's"
+    ]
+
+
 def saved_splits(path: str) -> list[str]:
     """The split names of a DatasetDict written by save_to_disk, or [] for anything else."""
     index = Path(path) / "dataset_dict.json"

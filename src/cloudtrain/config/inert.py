@@ -18,6 +18,7 @@ from cloudtrain.config.model import PEFT_METHODS, ModelConfig
 from cloudtrain.config.preference import PREFERENCE_LOSSES, REFERENCE_FREE
 from cloudtrain.config.root import Config, option_default, option_fields
 from cloudtrain.registry_table import STREAMING, TASK_ROWS
+from cloudtrain.sagemaker_env import job_notes
 
 
 class Use(NamedTuple):
@@ -155,7 +156,7 @@ def print_inert_notes(cfg: Config, task: str | None = None) -> None:
     """The notes of `inert_notes`, printed once per launch (by the process of rank 0; a launcher sets RANK), before
     the run loads anything: the command line's and train(...)'s way in."""
     if int(os.environ.get("RANK", "0")) == 0:
-        for note in inert_notes(cfg, task):
+        for note in [*inert_notes(cfg, task), *job_notes(cfg.output.output_dir)]:
             print(f"note: {note}", flush=True)
 
 
