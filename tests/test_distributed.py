@@ -440,3 +440,19 @@ def test_shipped_configs_are_valid():
         assert config.mixed_precision == "no"  # precision is the application's --mixed_precision
     fsdp = load_config_from_file(str(REPO / "configs/accelerate/fsdp.yaml"))
     assert fsdp.fsdp_config["fsdp_version"] == 2
+
+
+def test_ddp_s_broadcast_buffers_warning_stays_off_every_process():
+    """torch 2.13 warns on every process of a DDP run that broadcast_buffers is deprecated, a screen of text that
+    reads like a problem (found in audit); accelerate passes that name, which every supported torch takes."""
+    import inspect
+    import warnings
+
+    import cloudtrain.parallel.distributed  # noqa: F401  (installs the filter)
+
+    said = "`broadcast_buffers` is deprecated. Use `forward_sync_buffers` instead."
+    source = inspect.getsource(torch.nn.parallel.DistributedDataParallel.__init__)
+    assert "broadcast_buffers" in source  # the option this run passes still exists
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn(said, FutureWarning, stacklevel=1)
+    assert caught == []

@@ -31,6 +31,7 @@ import io
 import json
 import os
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,11 @@ DEEPSPEED_INSTALL = "pip install --no-build-isolation deepspeed==0.19.8 (or `mak
 # What building a run's Accelerator writes into (or takes out of) the environment, where the next Accelerator of
 # the same process (cloudtrain.train again) would read it as a launcher's request
 ACCELERATE_FLAGS = ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP", "ACCELERATE_CONFIG_DS_FIELDS")
+
+
+# torch 2.13's FutureWarning for DDP's broadcast_buffers=False (below), a screen of text on every process of every
+# multi-process run; the option does what it did (see accelerator())
+warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated", category=FutureWarning)
 
 
 def env_flag(name: str) -> bool:
@@ -467,6 +473,8 @@ def build_accelerator(cfg: Config) -> Accelerator:
             *([InitProcessGroupKwargs(backend="gloo")] if plugin and not gpu else []),
             # A transformer's buffers (position ids, rotary frequencies) never change: DDP need not broadcast them
             # before every forward, and without that collective a forward pass times only this process's work.
+            # (torch 2.13 names it forward_sync_buffers and warns on every process; accelerate passes the old
+            # name, which torch 2.11 and later all take)
             DistributedDataParallelKwargs(broadcast_buffers=False),
         ],
     )
