@@ -290,3 +290,18 @@ def test_a_later_setup_in_the_same_process_takes_back_the_switches_it_set():
     done = subprocess.run([sys.executable, "-c", AGAIN], capture_output=True, text=True, env=env, cwd=REPO, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "(False, '1') (True, None)"
+
+
+def test_accelerates_tied_weights_notice_is_kept_off_and_other_messages_are_not(caplog):
+    """Every checkpoint of a model with tied weights printed "[RANK 0] Removed shared tensor {'lm_head.weight'}
+    while saving ... check by verifying ..." (found in audit): by design, and loading ties them again."""
+    import logging
+
+    from cloudtrain.observe import console
+
+    console.quiet_deepspeed_cpu_notice()
+    logger = logging.getLogger("accelerate.utils.other")
+    with caplog.at_level(logging.WARNING, logger="accelerate.utils.other"):
+        logger.warning("[RANK 0] Removed shared tensor {'lm_head.weight'} while saving. This should be OK, but ...")
+        logger.warning("another accelerate warning")
+    assert [r.getMessage() for r in caplog.records] == ["another accelerate warning"]

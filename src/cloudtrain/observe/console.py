@@ -108,22 +108,28 @@ def _tell_library(module: str, how: str) -> None:
 
 
 class _DropNotice(logging.Filter):
-    """Drops one exact message of the logger it is added to."""
+    """Drops the messages of the logger it is added to that hold `message`."""
 
     def __init__(self, message: str):
         super().__init__()
         self.message = message
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != self.message
+        return self.message not in record.getMessage()
+
+
+# accelerate's warning at every checkpoint of a model with tied weights (the LM head is the embedding matrix):
+# saving drops the copy by design, and loading ties it again
+SHARED_TENSOR_NOTICE = "Removed shared tensor "
 
 
 def quiet_deepspeed_cpu_notice() -> None:
-    """Keep DeepSpeed's "unable to detect" notice off the console. Its logger ("DeepSpeed") is set up when it is
-    imported, keeping filters added before; any other DeepSpeed message still shows."""
-    logger = logging.getLogger("DeepSpeed")
-    if not any(isinstance(f, _DropNotice) and f.message == DEEPSPEED_CPU_NOTICE for f in logger.filters):
-        logger.addFilter(_DropNotice(DEEPSPEED_CPU_NOTICE))
+    """Keep DeepSpeed's "unable to detect" notice and accelerate's tied-weights one off the console. DeepSpeed's
+    logger is set up when it is imported, keeping filters added before; any other message still shows."""
+    for name, notice in (("DeepSpeed", DEEPSPEED_CPU_NOTICE), ("accelerate.utils.other", SHARED_TENSOR_NOTICE)):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropNotice) and f.message == notice for f in logger.filters):
+            logger.addFilter(_DropNotice(notice))
 
 
 def say(line: str) -> None:
