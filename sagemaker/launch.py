@@ -321,6 +321,18 @@ def check_option_values(values: dict) -> None:
             "hub_token must not be a hyperparameter: SageMaker shows hyperparameters in its "
             "console and API. Export HF_TOKEN instead; the launcher passes it to the job"
         )
+    if values.get("hub_token_file"):  # the job failed at its start: the file is this machine's (found in audit)
+        raise UserError(
+            f"hub_token_file {values['hub_token_file']} is a file of this machine, which the job cannot read: "
+            "export HF_TOKEN instead; the launcher passes it to the job"
+        )
+    for option, instead in (("tokenizer_name_or_path", "a Hub id"), ("chat_template", "a shipped template's name")):
+        value = values.get(option)
+        if value and Path(str(value)).expanduser().exists():
+            raise UserError(
+                f"{option} {value} is a local path the job cannot read (only data and the model are uploaded): "
+                f"give {instead}, or put it in the model folder"
+            )
     ds_config = values.get("deepspeed_config")
     if ds_config and ds_config != "none":
         raise UserError(

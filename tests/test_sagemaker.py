@@ -404,6 +404,8 @@ def test_command_line_launch_logs_and_download(aws, launcher, secrets, topic_dat
         ({"hyperparameters": {"push_to_hub": True, "hub_model_id": "alice/x"}}, "push_to_hub true needs HF_TOKEN"),
         ({"max_wait": 7200}, "--max_wait applies to spot capacity only"),
         ({"hyperparameters": {"deepspeed_config": "configs/deepspeed/zero2.json"}}, "use the zero_stage"),
+        ({"hyperparameters": {"hub_token_file": "/etc/hostname"}}, "is a file of this machine, which the job cannot"),
+        ({"hyperparameters": {"tokenizer_name_or_path": "data/grimm/tokenizer"}}, "is a local path the job cannot"),
         ({"hyperparameters": {"test_file": "no/such/test.csv"}}, "test_file no/such/test.csv does not exist here"),
         ({"train": "no/such/train.csv"}, "train data no/such/train.csv does not exist; give an S3 URI or a local"),
     ],
