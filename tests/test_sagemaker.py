@@ -184,6 +184,9 @@ def test_a_channel_named_training_is_the_train_file_and_an_unread_one_is_refused
     )
     cfg = resolve_options(None, {"train_file": str(tmp_path / "training") + "/x.csv"})  # named: the user's choice
     assert cfg.data.train_file.endswith("x.csv")
+    config = tmp_path / "training" / "run.yaml"  # a channel that holds the run's config file is read (review)
+    config.write_text("max_steps: 1\n")
+    assert resolve_options(str(config), {}).training.max_steps == 1
     monkeypatch.delenv("SM_CHANNEL_MYDATA")
     monkeypatch.setenv("SM_CHANNEL_TOKENIZER", str(tmp_path / "tokenizer"))  # named in an option: read
     assert resolve_options(None, {"tokenizer_name_or_path": str(tmp_path / "tokenizer")})

@@ -32,7 +32,7 @@ files stream from the first step (docs/streaming.md). Not supported: Pipe mode (
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 CHECKPOINT_DIR_ENV = "CLOUDTRAIN_CHECKPOINT_DIR"  # tests lay /opt/ml out in a temporary folder
@@ -94,13 +94,13 @@ def channel_options(env: Mapping[str, str]) -> dict:
     return options
 
 
-def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None) -> str | None:
-    """One line when a job's data channel sets no option and no option names its folder, while the run has no
-    training data of its own (it would train on the built-in data); None otherwise."""
+def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None, read: Sequence[str] = ()) -> str | None:
+    """One line when a job's data channel sets no option and no option (nor a config file `read`) names its
+    folder, while the run has no training data of its own (it would train on the built-in data); else None."""
     env = os.environ if environ is None else environ
     if not in_training_job(env) or any(values.get(option) for option in TRAINING_DATA):
         return None
-    named = " ".join(str(value) for value in values.values() if isinstance(value, str))
+    named = " ".join([*(str(value) for value in values.values() if isinstance(value, str)), *map(str, read)])
     for key, path in sorted(env.items()):
         channel = key.removeprefix("SM_CHANNEL_").lower()
         if not key.startswith("SM_CHANNEL_") or channel in CHANNEL_OPTIONS or channel in SDK_CHANNELS:

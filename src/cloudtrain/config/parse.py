@@ -435,7 +435,8 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
     elif config is not None:
         values.update(load_config_file(str(config)))
     values.update(flatten(overrides))
-    if refusal := unread_channel(values):
+    files = [str(f) for f in (config if isinstance(config, list) else [config]) if isinstance(f, (str, Path))]
+    if refusal := unread_channel(values, read=files):  # a channel that holds the config file is read
         raise UserError(refusal)
     resolved = build_config(values)
     validate(resolved)
