@@ -152,7 +152,8 @@ def test_auto_on_cpu_uses_the_planner_keeps_the_global_batch_and_stores_the_choi
     assert (args["per_device_train_batch_size"], args["gradient_accumulation_steps"]) == (12, 1)
     assert results["train"]["train_samples"] == 2 * 12 and results["output_dir"] == str(out)
     checkpoint = complete_checkpoints(out / "checkpoints")[-1][1]
-    assert read_state(checkpoint)["batch"] == {"per_device_train_batch_size": 12, "gradient_accumulation_steps": 1}
+    stored = read_state(checkpoint)["batch"]
+    assert stored == {"per_device_train_batch_size": 12, "gradient_accumulation_steps": 1, "group_by_length": False}
 
     # a resume takes the stored choice instead of searching again
     state = read_state(checkpoint)

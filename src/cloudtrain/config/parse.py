@@ -150,7 +150,8 @@ def _json_list(text: str) -> Any:
         value = json.loads(text)
     except ValueError:
         return text
-    return value if isinstance(value, list) else text
+    plain = isinstance(value, list) and all(isinstance(item, (str, int, float)) for item in value)
+    return value if plain else text  # a list of mappings is a value's own text (a chat as a sample prompt)
 
 
 def _convert(tp: type, value: Any, separator: str, mappings: bool = False) -> Any:
