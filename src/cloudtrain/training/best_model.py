@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from typing import TYPE_CHECKING
 
 from cloudtrain.checkpointing import LOWER_IS_BETTER, PREFIX, STATE_FILE, Checkpointer, complete_checkpoints
 from cloudtrain.evaluation import scalar_metrics
+from cloudtrain.publish.atomic import write_whole
 from cloudtrain.training.hooks import Hook, LoopState, Request
 
 if TYPE_CHECKING:
@@ -144,12 +144,7 @@ def record_final_evaluation(checkpointer: Checkpointer, step: int, scalars: dict
     evaluations.append({"step": step, **scalars})
     if (value := scalars.get(meta.get("metric"))) is not None:
         meta["score"] = -value if meta["metric"] in LOWER_IS_BETTER else value
-    aside = path.with_name(f".{STATE_FILE}.new")
-    with open(aside, "w") as f:
-        f.write(json.dumps(meta, indent=2))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(aside, path)
+    write_whole(path, json.dumps(meta, indent=2), sync=True)
 
 
 def checkpoint_values(checkpointer: Checkpointer, metric: str) -> dict[int, float]:
