@@ -52,6 +52,11 @@ PREFIX = "checkpoint-"
 LOWER_IS_BETTER = ("loss", "perplexity", "rmse", "mae")  # the metrics an improvement lowers
 
 
+def score(metric: str | None, value: float) -> float:
+    """`value` of `metric` oriented so that higher is better (a checkpoint's score)."""
+    return -value if metric in LOWER_IS_BETTER else value
+
+
 @dataclass
 class TrainerState:
     """Everything besides tensors that a resumed run needs to continue exactly."""
@@ -640,10 +645,7 @@ class Checkpointer:
 
     def _score(self, state: TrainerState) -> float | None:
         """The metric of the last evaluation before this save, oriented so that higher is better."""
-        if not state.evaluations:
-            return None
-        value = state.evaluations[-1][self.metric]
-        return -value if self.metric in LOWER_IS_BETTER else value
+        return score(self.metric, state.evaluations[-1][self.metric]) if state.evaluations else None
 
     def _stored_score(self, meta: dict) -> float | None:
         """A checkpoint's score by this run's metric: one saved while another --metric_for_best_model was set is
@@ -652,9 +654,7 @@ class Checkpointer:
             return meta.get("score")
         evaluations = (meta.get("state") or {}).get("evaluations") or []
         value = evaluations[-1].get(self.metric) if evaluations else None
-        if value is None:
-            return None
-        return -value if self.metric in LOWER_IS_BETTER else value
+        return None if value is None else score(self.metric, value)
 
     def doomed(self, saved: int) -> list[int]:
         """The oldest steps beyond the limit, never the one just `saved` or the best; judged from this folder."""

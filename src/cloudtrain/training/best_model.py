@@ -16,7 +16,7 @@ import json
 import math
 from typing import TYPE_CHECKING
 
-from cloudtrain.checkpointing import LOWER_IS_BETTER, PREFIX, STATE_FILE, Checkpointer, complete_checkpoints
+from cloudtrain.checkpointing import LOWER_IS_BETTER, PREFIX, STATE_FILE, Checkpointer, complete_checkpoints, score
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.publish.atomic import write_whole
 from cloudtrain.training.hooks import Hook, LoopState, Request
@@ -112,7 +112,7 @@ def keep_best_model(trainer: Trainer, checkpointer: Checkpointer, loop: LoopStat
     if trainer.is_main_process:
         # checkpoints past this step are an abandoned run's (this one resumed from an earlier one)
         values = {step: v for step, v in checkpoint_values(checkpointer, metric).items() if step <= last_step}
-        oriented = {step: -value if metric in LOWER_IS_BETTER else value for step, value in values.items()}
+        oriented = {step: score(metric, value) for step, value in values.items()}
         best = max(oriented, key=lambda step: (oriented[step], -step), default=None)  # a tie: the earliest, as rotation
         if best is not None and best != last_step and better(values[best], last, metric):
             chosen = best
@@ -143,7 +143,7 @@ def record_final_evaluation(checkpointer: Checkpointer, step: int, scalars: dict
         return
     evaluations.append({"step": step, **scalars})
     if (value := scalars.get(meta.get("metric"))) is not None:
-        meta["score"] = -value if meta["metric"] in LOWER_IS_BETTER else value
+        meta["score"] = score(meta["metric"], value)
     write_whole(path, json.dumps(meta, indent=2), sync=True)
 
 
