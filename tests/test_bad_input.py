@@ -299,7 +299,9 @@ def test_a_yaml_value_of_the_wrong_type_is_one_line(models, topic_csvs, tmp_path
     config = tmp_path / "run.yaml"
     config.write_text("training:\n  learning_rate: [1.0e-4, 2.0e-4]\n")
     argv = ["--config", str(config), *train_args(models["classifier"], topic_csvs["train"], tmp_path / "out")]
-    assert refused(argv, capsys) == "--learning_rate: expected one number, got a list [0.0001, 0.0002]"
+    assert refused(argv, capsys) == (
+        f"--learning_rate: expected one number, got a list [0.0001, 0.0002] (--learning_rate is set in {config})"
+    )
     assert not (tmp_path / "out").exists()
 
 

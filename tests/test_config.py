@@ -189,7 +189,8 @@ def test_a_bad_number_says_the_same_in_a_file_and_on_the_command_line(tmp_path, 
     file.write_text(f"{name}: {value}\n")
     with pytest.raises(UserError) as in_file:
         parse("--config", str(file))
-    assert str(flag.value) == str(in_file.value) == message
+    assert str(flag.value) == message
+    assert str(in_file.value) == f"{message} (--{name} is set in {file})"
 
 
 def test_a_key_yaml_reads_as_a_value_is_one_line_and_an_empty_section_is_empty(tmp_path):
@@ -352,10 +353,23 @@ def test_values_of_the_wrong_type_or_not_finite_are_refused(values, message):
 def test_wrong_types_in_a_config_file_and_nan_on_the_command_line(tmp_path):
     file = tmp_path / "run.yaml"
     file.write_text("training:\n  learning_rate: [1.0e-4, 2.0e-4]\n")
-    with pytest.raises(UserError, match=r"^--learning_rate: expected one number, got a list \[0.0001, 0.0002\]$"):
+    with pytest.raises(UserError, match=r"^--learning_rate: expected one number, got a list \[0.0001, 0.0002\] "):
         parse("--config", str(file))
     with pytest.raises(UserError, match="^--max_grad_norm: expected a finite number, got 'NaN'$"):
         parse("--max_grad_norm", "NaN")
+
+
+def test_a_refused_value_from_a_config_file_names_the_file(tmp_path):
+    file = tmp_path / "run.yaml"
+    file.write_text("training:\n  learning_rate: abc\n  max_steps: -5\n")
+    with pytest.raises(
+        UserError, match=f"^--learning_rate: expected a number, got 'abc' .*set in {re.escape(str(file))}"
+    ):
+        parse("--config", str(file))
+    with pytest.raises(UserError, match=f"^--max_steps must be at least 1 .*set in {re.escape(str(file))}"):
+        parse("--config", str(file), "--learning_rate", "1e-4")  # a check of the whole config, not one value
+    with pytest.raises(UserError, match=r"^--max_steps must be at least 1$"):  # the flag, not the file, is wrong
+        parse("--config", str(file), "--learning_rate", "1e-4", "--max_steps", "0")
 
 
 def test_whole_floats_still_count_as_whole_numbers():

@@ -15,6 +15,7 @@ import difflib
 import json
 import math
 import os
+import re
 import types
 import typing
 from pathlib import Path
@@ -425,20 +426,36 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
     Config, a dict of options, a config file's path or a list of them, each over the ones before: cloudtrain.train,
     --config), then `overrides`."""
     values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
+    origins: dict[str, str] = {}  # option -> the config file its value came from, named in a refusal of it
     if isinstance(config, Config):  # every option is set in it: those left at their defaults keep the job's
         given = config.to_dict(include_secrets=True)
         values.update({k: v for k, v in given.items() if k not in values or differs_from_default(config, k)})
     elif isinstance(config, dict):
         values.update(with_bases(config, Path.cwd()))
-    elif isinstance(config, list):
-        for file in config:
-            values.update(load_config_file(str(file)))
     elif config is not None:
-        values.update(load_config_file(str(config)))
-    values.update(flatten(overrides))
+        for file in config if isinstance(config, list) else [config]:
+            read = load_config_file(str(file))
+            values.update(read)
+            origins.update(dict.fromkeys(read, str(file)))
+    given = flatten(overrides)
+    values.update(given)
+    for name in given:
+        origins.pop(name, None)
     files = [str(f) for f in (config if isinstance(config, list) else [config]) if isinstance(f, (str, Path))]
     if refusal := unread_channel(values, read=files):  # a channel that holds the config file is read
         raise UserError(refusal)
-    resolved = build_config(values)
-    validate(resolved)
+    try:
+        resolved = build_config(values)
+        validate(resolved)
+    except UserError as err:
+        raise UserError(_naming_file(str(err), origins)) from None
     return resolved
+
+
+def _naming_file(message: str, origins: dict[str, str]) -> str:
+    """A refusal of an option whose value a config file gave says which file (the user looks there, not at the
+    command line): the first `--name` in the message that came from a file."""
+    for name in re.findall(r"--(\w+)", message):
+        if name in origins:
+            return f"{message} (--{name} is set in {origins[name]})"
+    return message
