@@ -13,8 +13,9 @@ import time
 
 import pytest
 from conftest import REPO
-from test_checkpointing import args_for, complete_checkpoints, env, start
+from test_checkpointing import args_for, complete_checkpoints, env, run, start
 
+LATEST = ("--resume_from_checkpoint", "latest")
 PROMISE = "Ctrl-C: a checkpoint is saved at the next logging step"
 STEPPING = r"training: .*\| *[1-9][0-9]*/[0-9]+ "  # the bar past its first step: inside the loop
 
@@ -119,6 +120,15 @@ def test_a_signal_during_the_final_evaluation_skips_it_and_saves_the_trained_mod
     assert json.loads((out / "train_results.json").read_text())["global_step"] == 2
     assert not (out / "eval_results.json").exists()  # a cut-short evaluation says nothing
     assert not (out / "checkpoints").exists()
+    if sig == "SIGTERM":  # the scheduler requeues the job as it was: it ends at once, the model kept
+        before = (out / "model.safetensors").stat().st_mtime_ns
+        again = run([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, *options, *LATEST))
+        assert (
+            f"note: {out} already holds this run's trained model (step 2), saved when SIGTERM stopped" in again.stdout
+        )
+        assert (out / "model.safetensors").stat().st_mtime_ns == before
+        other = run([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, "--max_steps", "4", *LATEST), 2)
+        assert "already holds a model from an earlier run (kept)" in other.stderr  # another run: refused as before
 
 
 WORKERS_SCRIPT = """

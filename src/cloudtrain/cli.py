@@ -153,6 +153,10 @@ def run_command(argv: list[str]) -> int:
             record_quiet(2)
         return 2
     except TrainingStopped as err:
+        if err.exit_code == 0:  # nothing went wrong: the run had nothing left to do
+            if not err.quiet:
+                print(f"note: {mask(str(err))}", flush=True)
+            return 0
         if not err.quiet:
             report(f"{'stopped' if err.exit_code in (130, 143) else 'error'}: {mask(str(err))}", err.exit_code)
         else:

@@ -49,7 +49,14 @@ from cloudtrain.publish.output_dir import check_location, claim, earlier_model_r
 from cloudtrain.publish.saving import final_save_bytes, write_arguments, write_results
 from cloudtrain.redact import mask
 from cloudtrain.registry import TASKS
-from cloudtrain.resume import agree_on_resume, drop_earlier_checkpoints, finish_interrupted_saves, restarted_defaults
+from cloudtrain.resume import (
+    STOPPED_MARK,
+    agree_on_resume,
+    drop_earlier_checkpoints,
+    finish_interrupted_saves,
+    restarted_defaults,
+    trained_already,
+)
 from cloudtrain.tasks import Task, build_task
 from cloudtrain.training import TRAINERS, Trainer, count_parameters, out_of_memory
 from cloudtrain.training.best_model import record_final_evaluation
@@ -114,6 +121,8 @@ def check_output_dir(cfg: Config, output_dir: Path, resumed_here: bool, runtime:
     """A save a kill interrupted is finished first; the user's files are never replaced; a model saved there
     earlier is replaced only when asked, or by the run resumed there (from one of its checkpoints: `resumed_here`).
     Then the folder is the run's."""
+    if note := runtime.run_on_main(lambda: None if resumed_here else trained_already(cfg, output_dir)):
+        raise TrainingStopped(note, 0, quiet=not runtime.is_main)
 
     def refusal() -> str | None:
         try:
@@ -303,6 +312,8 @@ def _train_evaluate_save(run: Run) -> dict:
         if runtime.is_main and train_result.model_step is None and "eval" in results:
             record_final_evaluation(checkpointer, train_result.global_step, scalar_metrics(results["eval"], ""))
         predictions, cut = _predict(trainer, stop)
+        if skipped or cut:  # a signal cut them short: a requeue finds the model saved and ends (trained_already)
+            results["train"][STOPPED_MARK] = stop.by or "a signal to another process"
         trainer.phase = "saving the model"
         save_final(run, results, predictions)
         run.run_log.finish(results, run.data.label_names)

@@ -319,3 +319,33 @@ def load_failure(path: Path, err: BaseException) -> UserError:
         f"checkpoint {path} could not be loaded ({type(err).__name__}{said}); it may be damaged: pass another "
         "--resume_from_checkpoint"
     )
+
+
+STOPPED_MARK = "stopped_after_last_step"  # train_results.json: the signal that cut the run's evaluation short
+
+
+def trained_already(cfg: Config, output_dir: Path) -> str | None:
+    """A requeued run (`--resume_from_checkpoint latest`, no checkpoint to resume) whose output folder holds its
+    own model, saved when a signal stopped it after its last step: what to say as it ends there with nothing left
+    to train (None: not that case). Without it, the requeue was refused as a fresh run over an earlier model, and a
+    scheduler retried it for ever."""
+    from cloudtrain.publish.saving import read_arguments, recorded_form  # the heavy publishing imports
+
+    if cfg.checkpoint.resume_from_checkpoint != "latest" or cfg.output.overwrite_output_dir:
+        return None
+    try:
+        train = json.loads((Path(output_dir) / "train_results.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    by = train.get(STOPPED_MARK) if isinstance(train, dict) else None
+
+    def options(values: dict) -> dict:
+        return {k: v for k, v in values.items() if k not in ("resume_from_checkpoint", "overwrite_output_dir")}
+
+    if not by or options(read_arguments(output_dir)) != options(recorded_form(cfg)):  # a requeue changes neither
+        return None
+    return (
+        f"{output_dir} already holds this run's trained model (step {train.get('global_step')}), saved when {by} "
+        "stopped it after its last step: nothing is left to train, so the run ends here; its evaluation was skipped "
+        "(to train and evaluate it again, pass --overwrite_output_dir true)"
+    )

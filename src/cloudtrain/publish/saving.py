@@ -75,11 +75,16 @@ def write_arguments(cfg: Config, path: Path) -> None:
     """The resolved arguments as JSON: secret options left out, token-shaped values masked; a local model or
     tokenizer folder as an absolute path (a relative one, read from another folder by `push`, looked like a Hub
     id and went into the card and the adapter's config as one)."""
+    write_json(path, recorded_form(cfg))
+
+
+def recorded_form(cfg: Config) -> dict:
+    """The options as args.json holds them (what a later run compares its own with)."""
     values = cfg.to_dict()
     for name in ("model_name_or_path", "tokenizer_name_or_path"):
         if values.get(name) and Path(values[name]).expanduser().is_dir():
             values[name] = str(Path(values[name]).expanduser().resolve())
-    write_json(path, mask_value(values))
+    return json.loads(json.dumps(finite(mask_value(values))))
 
 
 def read_arguments(model_dir: Path | str) -> dict:
