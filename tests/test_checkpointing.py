@@ -30,7 +30,7 @@ from cloudtrain.checkpointing import (
 from cloudtrain.cli import main
 from cloudtrain.config import build_config
 from cloudtrain.errors import UserError
-from cloudtrain.resume import choose_resume, local_view, restarted_defaults
+from cloudtrain.resume import choose_resume, cut_short, local_view, restarted_defaults
 
 FAST = [
     "--per_device_train_batch_size",
@@ -445,6 +445,13 @@ def test_latest_passes_over_a_damaged_newer_checkpoint_and_says_so(tiny_model_di
         f"note: checkpoint-4 in {out / 'checkpoints'} cannot be read (its {STATE_FILE} is missing or damaged): " in said
     )
     assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in said
+    weights = out / "checkpoints" / "checkpoint-4" / "model.safetensors"  # saved again by the resumed run
+    os.truncate(weights, weights.stat().st_size // 2)
+    named = ["--resume_from_checkpoint", str(weights.parent), "--max_steps", "6"]
+    assert main([*base, *named]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"error: checkpoint {weights.parent}: model.safetensors is {weights.stat().st_size} bytes where its header "
+    )
 
 
 def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_path, capsys):
@@ -765,6 +772,36 @@ def test_latest_is_the_newest_step_every_node_holds(tmp_path, capsys):
     assert choose_resume(cfg, tmp_path, views([], [])) is None
     with pytest.raises(UserError, match=r"node 1 \(host1\) holds no complete checkpoint .* up to checkpoint-14"):
         choose_resume(cfg, tmp_path, views([7, 14], []))
+
+
+def test_a_checkpoint_whose_weights_are_cut_short_is_passed_over_by_latest_and_refused_by_name(tmp_path, capsys):
+    """A copy interrupted or a disk that filled left checkpoint-14's weights half written: the resume from `latest`
+    failed on loading them, after the model was built. Each file is judged from its header or archive index."""
+    from safetensors.torch import save_file
+
+    for step in (7, 14):
+        folder = tmp_path / f"checkpoint-{step}"
+        folder.mkdir()
+        (folder / STATE_FILE).write_text(json.dumps({"format": FORMAT, "state": {}}))
+        save_file({"w": torch.ones(64)}, folder / "model.safetensors")
+        torch.save({"m": torch.ones(64)}, folder / "optimizer.bin")
+    cfg = build_config({"resume_from_checkpoint": "latest"})
+    assert cut_short(tmp_path / "checkpoint-14") is None and local_view(cfg, tmp_path)["damaged"] == []
+    weights = tmp_path / "checkpoint-14" / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size - 10)
+    assert cut_short(tmp_path / "checkpoint-14") == (
+        f"model.safetensors is {weights.stat().st_size} bytes where its header needs {weights.stat().st_size + 10} "
+        "(cut short or damaged)"
+    )
+    found = [{**local_view(cfg, tmp_path), "node": 0, "host": ""}]
+    assert choose_resume(cfg, tmp_path, found) == tmp_path / "checkpoint-7"
+    assert "note: checkpoint-14 (model.safetensors is " in capsys.readouterr().out
+    optimizer = tmp_path / "checkpoint-7" / "optimizer.bin"
+    os.truncate(optimizer, optimizer.stat().st_size // 2)
+    assert cut_short(tmp_path / "checkpoint-7") == "optimizer.bin is not a whole archive (cut short or damaged)"
+    found = [{**local_view(cfg, tmp_path), "node": 0, "host": ""}]
+    with pytest.raises(UserError, match="^no checkpoint in .* is whole .*pass --overwrite_output_dir true to start"):
+        choose_resume(cfg, tmp_path, found)
 
 
 def test_a_step_counts_for_a_process_only_once_its_own_files_are_written(tmp_path):

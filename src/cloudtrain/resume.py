@@ -13,6 +13,7 @@ import shutil
 import threading
 import time
 import uuid
+import zipfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,20 @@ def local_view(cfg: Config, folder: Path, index: int = 0, node: int = 0, host: s
     wanted = cfg.checkpoint.resume_from_checkpoint
     named = wanted not in (None, "latest") and Path(wanted).is_dir()
     steps = [step for step, path in complete_checkpoints(folder) if holds_files_of(path, index)]
-    return {"node": node, "host": host, "steps": steps, "named": named, "foreign": foreign_checkpoints(folder)}
+    damaged = _damaged_newest(folder, steps) if wanted == "latest" and first_on_node() else []
+    view = {"node": node, "host": host, "steps": steps, "named": named, "foreign": foreign_checkpoints(folder)}
+    return {**view, "damaged": damaged}
+
+
+def _damaged_newest(folder: Path, steps: list[int]) -> list[tuple[int, str]]:
+    """(step, what is wrong) of the newest checkpoints whose files are not whole, down to the first whole one:
+    `latest` passes over them (without it, the resume failed on loading the newest one)."""
+    found = []
+    for step in sorted(steps, reverse=True):
+        if (why := cut_short(Path(folder) / f"{PREFIX}{step}")) is None:
+            break
+        found.append((step, why))
+    return found
 
 
 def holds_files_of(path: Path, index: int) -> bool:
@@ -131,6 +145,8 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
     if path:
         try:
             check_resumable(cfg, path)
+            if first_on_node() and (why := cut_short(path)):  # a named one: `latest` passed over the damaged
+                raise UserError(f"checkpoint {path}: {why}; resume from an earlier checkpoint, or restore its files")
         except UserError as err:
             problem = str(err) + (f" (on node {runtime.node})" if runtime.count > 1 else "")
     problems = [p for p in runtime.gather_objects(problem) if p]
@@ -193,6 +209,11 @@ def _note_damaged_after(folder: Path, step: int) -> None:
         )
 
 
+def _note_cut_short(folder: Path, damaged: dict[int, str]) -> None:
+    names = ", ".join(f"checkpoint-{step} ({why})" for step, why in sorted(damaged.items(), reverse=True))
+    print(f"note: {names} in {folder}: latest passes over it", flush=True)
+
+
 def set_aside_newer(folder: Path, resumed: Path, runtime: Any) -> None:
     """A resume from a checkpoint older than others in this run's checkpoint folder (a step back, after a loss
     spike): the newer ones belong to the branch it leaves, and `latest`, rotation and the best model would mix the
@@ -239,8 +260,17 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
             )
         path = Path(wanted)
     else:
+        damaged = {step: why for v in views for step, why in v.get("damaged", [])}
+        if damaged and announce:
+            _note_cut_short(folder, damaged)
+        views = [{**v, "steps": [s for s in v["steps"] if s not in damaged]} for v in views]
         common = set.intersection(*(set(v["steps"]) for v in views))
         newest = max((max(v["steps"]) for v in views if v["steps"]), default=None)
+        if newest is None and damaged:
+            raise UserError(
+                f"no checkpoint in {folder} is whole (checkpoint-{max(damaged)}: {damaged[max(damaged)]}): restore "
+                "its files, or pass --overwrite_output_dir true to start over (they are deleted)"
+            )
         if newest is None:
             if announce:
                 print(f"no complete checkpoint in {folder}: starting fresh", flush=True)
@@ -349,3 +379,47 @@ def trained_already(cfg: Config, output_dir: Path) -> str | None:
         "stopped it after its last step: nothing is left to train, so the run ends here; its evaluation was skipped "
         "(to train and evaluate it again, pass --overwrite_output_dir true)"
     )
+
+
+WEIGHT_FILES = {".safetensors", ".bin", ".pt", ".pth"}
+
+
+def cut_short(path: Path) -> str | None:
+    """The first weights or state file of checkpoint `path` that is not whole (a copy interrupted, a disk that
+    filled, a file edited), judged from its own header or archive index without loading it; None: all whole."""
+    for file in sorted(p for p in Path(path).rglob("*") if p.suffix in WEIGHT_FILES and p.is_file()):
+        try:
+            problem = _safetensors_problem(file) if file.suffix == ".safetensors" else _archive_problem(file)
+        except OSError as err:
+            problem = f"cannot be read ({first_line(err)})"
+        if problem:
+            return f"{file.relative_to(path)} {problem}"
+    return None
+
+
+def _safetensors_problem(file: Path) -> str | None:
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        try:
+            header = json.loads(f.read(length)) if 0 <= length <= size - 8 else None
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        return "has no readable header"
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    expected = 8 + length + end
+    return None if size == expected else f"is {size} bytes where its header needs {expected} (cut short or damaged)"
+
+
+def _archive_problem(file: Path) -> str | None:
+    """torch.save writes a zip archive, whose index sits at its end: a cut-short file has none."""
+    try:
+        zipfile.ZipFile(file).close()
+    except zipfile.BadZipFile:
+        with file.open("rb") as f:
+            if f.read(2) != b"PK":  # an older torch.save's pickle (no index to check) or another format
+                return None
+        return "is not a whole archive (cut short or damaged)"
+    return None
