@@ -454,6 +454,23 @@ def test_latest_passes_over_a_damaged_newer_checkpoint_and_says_so(tiny_model_di
     )
 
 
+@pytest.mark.slow
+def test_checkpoints_copied_into_a_fresh_output_folder_are_resumed_there(tiny_model_dir, topic_csvs, tmp_path, capsys):
+    """A run's checkpoints copied to another machine's fresh output folder were refused as files cloudtrain did not
+    write (the folder's own record of its files lacks them); resuming one of them makes them this run's."""
+    first, second = tmp_path / "first", tmp_path / "second"
+    assert main(args_for(tiny_model_dir, topic_csvs, first, "--max_steps", "2", "--checkpointing_steps", "2")[1:]) == 0
+    second.mkdir()
+    shutil.copytree(first / "checkpoints", second / "checkpoints")
+    capsys.readouterr()
+    fresh = args_for(tiny_model_dir, topic_csvs, second, "--max_steps", "3")[1:]
+    assert main(fresh) == 2  # a fresh run there would mix with them: refused as before
+    assert "holds checkpoints of an earlier run (up to checkpoint-2)" in capsys.readouterr().err
+    assert main([*fresh, "--resume_from_checkpoint", "latest"]) == 0
+    assert f"resumed from {second / 'checkpoints' / 'checkpoint-2'} at step 2" in capsys.readouterr().out
+    assert json.loads((second / "train_results.json").read_text())["global_step"] == 3
+
+
 def test_latest_with_no_checkpoint_starts_fresh(tiny_model_dir, topic_csvs, tmp_path, capsys):
     out = tmp_path / "out"
     assert (

@@ -132,8 +132,8 @@ def check_output_dir(cfg: Config, output_dir: Path, resumed_here: bool, runtime:
         atomic.recover(output_dir)
         if holds_saved_model(output_dir) and not cfg.output.overwrite_output_dir and not resumed_here:
             return earlier_model_refusal(output_dir)
-        try:
-            claim(output_dir)
+        try:  # a checkpoint folder the run resumes from is cloudtrain's (copied in from another machine, say)
+            claim(output_dir, ignore=("checkpoints",) if resumed_here else ())
         except UserError as err:
             return str(err)
         if holds_saved_model(output_dir) and not resumed_here:
