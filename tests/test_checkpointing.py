@@ -371,7 +371,7 @@ def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_di
     "damage, message",
     [
         ("state", "is not a usable cloudtrain checkpoint"),
-        ("weights", "could not be loaded"),
+        ("weights", "model.safetensors has no readable header"),  # judged before anything loads
         ("foreign", "is not a usable cloudtrain checkpoint"),
         ("random states missing", "random_states_0.pkl"),  # accelerate skipped them with an info log (audit)
         ("random states cut", "could not be loaded"),
@@ -819,6 +819,32 @@ def test_a_checkpoint_whose_weights_are_cut_short_is_passed_over_by_latest_and_r
     found = [{**local_view(cfg, tmp_path), "node": 0, "host": ""}]
     with pytest.raises(UserError, match="^no checkpoint in .* is whole .*pass --overwrite_output_dir true to start"):
         choose_resume(cfg, tmp_path, found)
+
+
+def test_adapters_resumed_over_a_base_with_other_weights_of_the_same_shape_are_refused(tiny_model_dir, tmp_path):
+    """The checkpoint holds only the adapters; a base of the same shape with other weights (a fine-tuned variant)
+    took them without a word. A copy of the same base passes."""
+    from safetensors.torch import load_file, save_file
+
+    from cloudtrain.checkpointing import adapter_settings, check_resumable
+    from cloudtrain.models.record import model_record
+
+    same, other = tmp_path / "same", tmp_path / "other"
+    shutil.copytree(tiny_model_dir, same)
+    shutil.copytree(tiny_model_dir, other)
+    weights = load_file(other / "model.safetensors")
+    name = sorted(weights)[-1]
+    weights[name] = weights[name] + 1  # fine-tuned: every value moved
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    trained = build_config({"model_name_or_path": tiny_model_dir, "peft": "lora"})
+    checkpoint = tmp_path / "checkpoint-4"
+    checkpoint.mkdir()
+    meta = {"format": FORMAT, "state": {}, "adapters": adapter_settings(trained), "model": model_record(trained)}
+    (checkpoint / STATE_FILE).write_text(json.dumps(meta))
+    check_resumable(build_config({"model_name_or_path": str(same), "peft": "lora"}), checkpoint)
+    with pytest.raises(UserError, match=r"trained adapters over other base weights \(.*\) than this run loads"):
+        check_resumable(build_config({"model_name_or_path": str(other), "peft": "lora"}), checkpoint)
+    assert "base_weights" not in model_record(build_config({"model_name_or_path": str(other)}))  # full weights saved
 
 
 def test_a_step_counts_for_a_process_only_once_its_own_files_are_written(tmp_path):

@@ -39,6 +39,7 @@ from cloudtrain.async_save import BackgroundSave, ThreadCollectives
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_difference, first_line
 from cloudtrain.faults import kill_point
+from cloudtrain.models.record import model_record
 from cloudtrain.observe import console
 from cloudtrain.parallel.mesh import Mesh
 from cloudtrain.publish.atomic import fsync, fsync_tree, is_no_space
@@ -150,6 +151,13 @@ def check_resumable(cfg: Config, path: Path) -> None:
             f"{written_for['shape'][field]}; {now['source']} has {now['shape'][field]}): resume with the model that "
             "wrote it, or start a fresh run without --resume_from_checkpoint"
         )
+    base, now_base = written_for.get("base_weights"), now.get("base_weights")
+    if base and now_base and base != now_base:
+        raise UserError(
+            f"checkpoint {path} trained adapters over other base weights ({written_for['source']}) than this run "
+            f"loads ({now['source']}, the same shape): resume over the base it was trained on, or start a fresh run "
+            "without --resume_from_checkpoint"
+        )
 
 
 def check_labels(state: dict, labels: list[str], path: Path) -> None:
@@ -164,25 +172,6 @@ def check_labels(state: dict, labels: list[str], path: Path) -> None:
         f"{there} there and {here} here, so the model's outputs would mean other labels; resume with the data it was "
         "trained on, or start a fresh run without --resume_from_checkpoint"
     )
-
-
-# sizes, not model_type: a transformers upgrade may rename a composite model's text config type
-SHAPE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "d_model")
-
-
-def model_record(cfg: Config) -> dict:
-    """What model a run trains, from its config (read before the model loads): a checkpoint of another shape cannot
-    be resumed. No shape where there is no config on this machine to read (a diffusers pipeline, a Hub model not
-    downloaded yet): loading the checkpoint then tells."""
-    from cloudtrain.models.load import trained_config  # transformers' config reading; load imports this module's users
-
-    source = cfg.model.model_config or cfg.model.model_name_or_path or "the default model"
-    try:  # no network: loading has read it already
-        config = trained_config(cfg.model, local_files_only=True).get_text_config(decoder=True)
-        shape = {k: getattr(config, k) for k in SHAPE_FIELDS if hasattr(config, k)}
-        return {"source": source, "shape": json.loads(json.dumps(shape))}  # as a state file gives it back
-    except Exception:  # noqa: BLE001 (no config, remote code, an odd one: nothing recorded, the load tells)
-        return {"source": source, "shape": {}}
 
 
 def node_name(view: dict) -> str:
