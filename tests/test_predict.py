@@ -185,6 +185,31 @@ def test_the_output_is_new_or_replaced_only_with_the_flag(runs, tmp_path, capsys
     assert sorted(p.name for p in out.parent.iterdir()) == ["preds.jsonl"]  # no staged file left
 
 
+def test_the_output_file_is_written_in_the_format_its_name_says(runs, tmp_path, capsys):
+    """`--output_file p.csv` held JSON lines; a list or mapping in a csv cell is JSON text (write_rows)."""
+    import csv
+
+    from cloudtrain.predict import write_rows
+
+    single, texts = str(runs["single"]), ["a storm, then rain", 'oil "prices" fell']
+    argv = ["--model_dir", single, "--text", texts[0], "--text", texts[1]]
+    for name in ("p.csv", "p.tsv", "p.json", "p.jsonl"):
+        assert run_main(capsys, *argv, "--output_file", str(tmp_path / name))[0] == 0
+    lines = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert json.loads((tmp_path / "p.json").read_text()) == lines
+    for name, delimiter in (("p.csv", ","), ("p.tsv", "\t")):
+        with open(tmp_path / name, newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f, delimiter=delimiter))
+        assert [r["text"] for r in rows] == texts and [r["label"] for r in rows] == [r["label"] for r in lines]
+        assert [float(r["score"]) for r in rows] == [r["score"] for r in lines]
+    out = tmp_path / "multi.csv"
+    with open(out, "w", newline="", encoding="utf-8") as f:
+        write_rows(f, [{"text": "t", "labels": ["a", "b"], "scores": {"a": 0.9, "b": 0.7}}], ".csv")
+    with open(out, newline="", encoding="utf-8") as f:
+        (row,) = csv.DictReader(f)
+    assert json.loads(row["labels"]) == ["a", "b"] and json.loads(row["scores"]) == {"a": 0.9, "b": 0.7}
+
+
 @pytest.mark.slow  # the fast tier's slowest (5-6 s): the full suite runs it
 def test_a_kill_between_writing_and_renaming_leaves_the_previous_file(runs, tmp_path):
     out = tmp_path / "preds.jsonl"

@@ -10,7 +10,8 @@ for a regression model (--task regression) {"text", "score"}: the predicted numb
 token_classification) {"text", "entities", "tags"}: the text's words are split at whitespace, as in training, and
 each entity has its type, text, character offsets and mean probability.
 --output_file
-writes them to a new file (an existing one only with --overwrite_output_file true), whole or not at all.
+writes them to a new file in the format its name says (.csv, .tsv, .json, else JSON lines; an existing file only
+with --overwrite_output_file true), whole or not at all.
 Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
 A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first. A
 reward model trained through a chat template gets the prompt (--text) and the answer (--text_pair) rendered through
@@ -22,11 +23,13 @@ standard input. The options are cloudtrain.commands.predict's; `run` is the comm
 """
 
 import argparse
+import csv
 import json
 import os
 import re
 import stat
 import sys
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -433,15 +436,15 @@ def label_sets(
 
 
 def write_predictions(path: Path, rows: list[dict], overwrite: bool) -> None:
-    """The JSON lines written to a file beside `path` and renamed onto it once complete and on disk, so a crash or
-    a full disk leaves the previous file (if any) whole. Without `overwrite` a file that appeared at `path` since
-    the command checked it stays too. A symlink's target is written, the link kept; a missing folder is made."""
+    """The rows (write_rows) written to a file beside `path` and renamed onto it once complete and on disk, so a
+    crash or a full disk leaves the previous file (if any) whole. Without `overwrite` a file that appeared at `path`
+    since the command checked it stays too. A symlink's target is written, the link kept; a missing folder is made."""
     target = path.resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     staged = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        with open(staged, "x", encoding="utf-8") as f:
-            f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+        with open(staged, "x", encoding="utf-8", newline="") as f:
+            write_rows(f, rows, path.suffix.lower())
             f.flush()
             os.fsync(f.fileno())
         if target.is_file():  # the replaced file's permissions, not the umask's
@@ -457,6 +460,24 @@ def write_predictions(path: Path, rows: list[dict], overwrite: bool) -> None:
             ) from None
         raise
     fsync(target.parent)
+
+
+def write_rows(f: typing.TextIO, rows: list[dict], suffix: str) -> None:
+    """The rows in the format the file's name says: .csv or .tsv (a list or mapping in a cell as JSON text), .json
+    (one array); JSON lines otherwise (a file named p.csv held JSON lines)."""
+    if suffix in (".csv", ".tsv"):
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        writer = csv.DictWriter(f, columns, delimiter="," if suffix == ".csv" else "\t")
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {k: json.dumps(v, ensure_ascii=False) if isinstance(v, (list, dict)) else v for k, v in row.items()}
+            )
+    elif suffix == ".json":
+        json.dump(rows, f, ensure_ascii=False, indent=1)
+        f.write("\n")
+    else:
+        f.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def _put_in_place(staged: Path, target: Path, overwrite: bool, path: Path) -> None:

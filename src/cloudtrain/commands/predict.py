@@ -43,7 +43,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Column of --input_file holding the second texts of a sentence-pair model "
         "(default: the text_pair_column the model was trained with, from its args.json).",
     )
-    parser.add_argument("--output_file", help="Write the JSON lines here instead of printing them.")
+    parser.add_argument(
+        "--output_file",
+        help="Write the predictions here instead of printing them: .csv or .tsv (one column per field), "
+        ".json (one array), any other name JSON lines.",
+    )
     add_switch(
         parser,
         "--overwrite_output_file",
