@@ -188,7 +188,8 @@ def test_merge_predict_and_generate_refuse_the_wrong_directory_in_one_line(tmp_p
     (adapter / "merged" / "my-weights.safetensors").write_text("a user's own merge")  # no manifest lists it
     cases = [
         (["merge", "--output_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),
-        (["merge", "--model_dir", str(tmp_path)], "holds no adapter (adapter_config.json)"),  # predict's name too
+        (["merge", "--model_dir", str(tmp_path)], f"--model_dir {tmp_path} holds no adapter"),  # the flag typed
+        (["merge", "--model_dir", str(tmp_path / "gone")], f"--model_dir {tmp_path / 'gone'} does not exist"),
         (["merge", "--output_dir", str(adapter)], "merged is not one cloudtrain wrote, and merge would replace it"),
         (["predict", "--model_dir", str(adapter), "--text", "hi"], "write texts with it through the generate command"),
     ]

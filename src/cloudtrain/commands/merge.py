@@ -15,18 +15,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model_dir",  # as predict and generate name the run they read
         dest="output_dir",
         required=True,
+        action=_NamedAs,
         help="The output directory of a training run with --peft (also --model_dir).",
     )
     add_trust_remote_code(parser)
 
 
+class _NamedAs(argparse.Action):
+    """Stores the folder and the spelling given (errors name the flag the user typed)."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
+        setattr(namespace, self.dest, values)
+        namespace.flag = option_string or "--output_dir"
+
+
 def check_options(args: argparse.Namespace) -> None:
     """--output_dir holds an adapter (any interrupted final save finished first), and no merged/ folder that
     cloudtrain did not write (it would be replaced); one UserError otherwise."""
-    if not is_adapter_dir(existing_run_dir("--output_dir", args.output_dir)):
-        check_not_diffusion("--output_dir", Path(args.output_dir))
+    flag = getattr(args, "flag", "--output_dir")
+    if not is_adapter_dir(existing_run_dir(flag, args.output_dir)):
+        check_not_diffusion(flag, Path(args.output_dir))
         raise UserError(
-            f"--output_dir {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
+            f"{flag} {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "
             "output of a run with --peft lora, dora or qlora"
         )
     merged = Path(args.output_dir) / MERGED
@@ -37,7 +47,7 @@ def check_options(args: argparse.Namespace) -> None:
     theirs = [name for name in users_files(Path(args.output_dir)) if name.startswith(f"{MERGED}/")]
     if theirs:
         raise UserError(
-            f"--output_dir {args.output_dir} holds {', '.join(theirs[:4])}{' ...' if len(theirs) > 4 else ''}, "
+            f"{flag} {args.output_dir} holds {', '.join(theirs[:4])}{' ...' if len(theirs) > 4 else ''}, "
             f"which cloudtrain did not write and merge would delete with the {MERGED}/ it replaces: move them "
             "elsewhere, then merge again"
         )
