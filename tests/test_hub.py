@@ -417,6 +417,37 @@ def test_push_command_needs_a_finished_run(tmp_path, capsys):
     assert "error: --hub_model_id is empty: give <user or organization>/<name>" in capsys.readouterr().err
 
 
+def test_a_push_leaves_out_the_users_files_that_share_a_model_files_name(tmp_path, capsys):
+    """`push` uploaded tokenizer_corpus.txt and vocab.backup, a user's files beside the run's (their names match
+    the upload patterns); the model card, the user's own included, still goes up (found in audit)."""
+    out = tmp_path / "run"
+    (out / MERGED).mkdir(parents=True)
+    for name in ("model.safetensors", "tokenizer.json", "README.md", "tokenizer_corpus.txt", "vocab.backup",
+                 f"{MERGED}/model.safetensors", f"{MERGED}/vocab.old"):  # fmt: skip
+        (out / name).write_text(name)
+    record(out, ["model.safetensors", "tokenizer.json", MERGED])
+    record(out / MERGED, ["model.safetensors"])
+    ours, theirs = cloudhub.written_by_cloudtrain(out, cloudhub.model_files(out))
+    assert [str(p.relative_to(out)) for p in ours] == [
+        "README.md", "merged/model.safetensors", "model.safetensors", "tokenizer.json"
+    ]  # fmt: skip
+    assert [str(p.relative_to(out)) for p in theirs] == ["merged/vocab.old", "tokenizer_corpus.txt", "vocab.backup"]
+
+
+def test_a_pushed_adapter_names_a_local_base_by_its_folder_and_a_merged_folder_points_to_its_run(tmp_path, capsys):
+    """The pushed adapter_config.json held the base's absolute local path (args.json and the card show its last
+    part); `push --output_dir run/merged` said the run did not finish (found in audit)."""
+    config = tmp_path / "adapter_config.json"
+    config.write_text(json.dumps({"base_model_name_or_path": "/home/me/models/tiny-llama", "r": 4}))
+    assert json.loads(cloudhub.hub_copy(config, None))["base_model_name_or_path"] == "tiny-llama"
+    assert json.loads(cloudhub.hub_copy(config, "org/base"))["base_model_name_or_path"] == "org/base"
+    config.write_text(json.dumps({"base_model_name_or_path": "org/base"}))
+    assert cloudhub.hub_copy(config, None) == config  # a Hub id goes up as it is
+    (tmp_path / MERGED).mkdir()
+    assert main(["push", "--output_dir", str(tmp_path / MERGED), "--hub_model_id", "alice/x"]) == 2
+    assert f"is the merged model of the run in {tmp_path}: push that folder" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------- pushes during training
 
 

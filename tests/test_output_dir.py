@@ -202,6 +202,19 @@ def test_a_missing_checkpoint_or_token_file_is_refused_before_the_heavy_imports(
                                     "report_to": "none"}))  # fmt: skip
 
 
+def test_a_users_file_in_merged_under_a_name_a_run_writes_is_theirs(tmp_path):
+    """merge deleted merged/README.md and merged/my_predictions.jsonl of the user's with the merged/ it replaced
+    (their names match what a run writes at the top, not what a merge writes; found in audit)."""
+    merged = tmp_path / "merged"
+    merged.mkdir()
+    for name in ("model.safetensors", "args.json", "README.md", "my_predictions.jsonl", "notes.txt"):
+        (merged / name).write_text(name)
+    record(tmp_path, ["merged"])
+    assert users_files(tmp_path) == ["merged/notes.txt"]  # a merge before its own record: by the names a run writes
+    record(merged, ["model.safetensors", "args.json"])  # what the merge wrote (models/adapters.py)
+    assert users_files(tmp_path) == ["merged/README.md", "merged/my_predictions.jsonl", "merged/notes.txt"]
+
+
 def test_a_users_diffusers_files_are_theirs_and_a_pipeline_saved_there_is_an_earlier_model(tmp_path):
     """--task text_to_image writes a diffusers pipeline (its index and components' folders) or its LoRA weights,
     and validation images: found in a folder without a manifest, they are the user's (claim refuses them); listed,

@@ -398,6 +398,7 @@ def _write_merged(merged, tokenizer, folder: Path, partial: Path) -> None:
         save_tokenizer_files(tokenizer, partial)
         if (folder / "args.json").is_file():  # predict and generate read how the model was trained (length, pairs)
             shutil.copyfile(folder / "args.json", partial / "args.json")
+        record(partial, [p.name for p in partial.iterdir()])  # what else lands in merged/ is the user's
     except BaseException as err:
         shutil.rmtree(partial, ignore_errors=True)
         if is_no_space(err):

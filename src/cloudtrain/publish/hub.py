@@ -309,7 +309,13 @@ def push_output_dir(output_dir: Path, cfg: Config, results: dict) -> str:
 
     task = build_task(cfg)
     write_card(output_dir, lambda path: task.model_card(output_dir, cfg, results).save(path))
-    files = model_files(output_dir) + task.published_files(output_dir, results)  # e.g. the card's pictures
+    files, theirs = written_by_cloudtrain(output_dir, model_files(output_dir))
+    if theirs:
+        names = ", ".join(str(path.relative_to(output_dir)) for path in theirs[:4]) + (
+            " ..." if len(theirs) > 4 else ""
+        )
+        print(f"note: {names} in {output_dir} are not cloudtrain's: left out of the push (upload them yourself)")
+    files += task.published_files(output_dir, results)  # e.g. the card's pictures
     try:
         api = hub_api(hub)
         with hub_errors(api, hub, f"pushing to {hub.hub_model_id}"):
@@ -395,16 +401,29 @@ def _matches(name: str, patterns: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in patterns)
 
 
+def written_by_cloudtrain(output_dir: Path, files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """`files` split into those cloudtrain wrote (its manifest's, in the folder and in merged/; the model card,
+    the user's edit of it included; a remote-code model's modules) and the user's files with a model file's name
+    (tokenizer_corpus.txt, vocab.backup), which a push must not publish."""
+    own = {place: written(place) | remote_code(place) for place in (output_dir, output_dir / MERGED)}
+    own[output_dir] |= {CARD}
+    ours = [path for path in files if path.name in own.get(path.parent, set())]
+    return ours, [path for path in files if path not in ours]
+
+
 def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
     """What goes up for `path`: the file, except an adapter config naming its base otherwise than by the card's
     `base_model` (the built-in model's local folder): that one names the Hub id instead; and args.json, whose
     absolute paths go up as their last part, as the card shows them (the user's directory layout is not public)."""
     if path.name == "args.json":  # the run's, and its copy in merged/
         return (json.dumps(without_folders(json.loads(path.read_text())), indent=2) + "\n").encode()
-    if path.name != ADAPTER_CONFIG or not base_model:
+    if path.name != ADAPTER_CONFIG:
         return path
     config = json.loads(path.read_text())
-    if config.get("base_model_name_or_path") == base_model:
+    base = config.get("base_model_name_or_path")
+    if base_model is None and isinstance(base, str) and Path(base).expanduser().is_absolute():
+        base_model = Path(base).name  # a local base: its folder's name, as args.json and the card show it
+    if not base_model or base == base_model:
         return path
     return (json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n").encode()
 
@@ -589,6 +608,11 @@ def load_output_dir(output_dir: Path) -> tuple[Config, dict]:
     if not output_dir.is_dir():
         raise UserError(
             f"--output_dir {output_dir} does not exist; give a directory written by the training application"
+        )
+    if output_dir.name == MERGED and (output_dir.parent / ADAPTER_CONFIG).is_file():
+        raise UserError(
+            f"--output_dir {output_dir} is the merged model of the run in {output_dir.parent}: push that folder (its "
+            f"{MERGED}/ goes up with the adapter)"
         )
     if not holds_model(output_dir) or not args_file.is_file():
         raise UserError(

@@ -128,7 +128,10 @@ def users_files(output_dir: Path) -> list[str]:
     ours = written(output_dir)
     mine = sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
     merged = output_dir / MERGED  # cloudtrain's, replaced whole: what else lies in it (a GGUF export) is the user's
-    if MERGED in ours and merged.is_dir():
+    if MERGED in ours and merged.is_dir() and (merged / MANIFEST).is_file():  # what the merge wrote, by name
+        own = {*written(merged), *remote_code(merged), MANIFEST}
+        mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if p.name not in own)
+    elif MERGED in ours and merged.is_dir():  # a merge before its manifest: its names
         saved = (*FINAL_PATTERNS, *remote_code(merged))  # + the model's own code, which save_pretrained copies
         mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not is_run_name(p.name, saved))
     return mine
