@@ -392,6 +392,25 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
 # ---------------------------------------------------------------- a run
 
 
+def test_dpo_turns_the_models_dropout_off_so_the_policy_starts_as_the_reference(
+    tiny_llama_dir, pairs_file, tmp_path, capsys
+):
+    """With dropout in the model's config the policy scored pairs with it, the reference without: step 1's loss
+    was not log 2 and the rewards were noise around a policy equal to its reference (found in audit)."""
+    import shutil
+
+    model = tmp_path / "dropout-llama"
+    shutil.copytree(tiny_llama_dir, model)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    out = tmp_path / "out"
+    run_training(build_config(dpo_options(str(model), pairs_file, out, max_steps=1, num_sample_prompts=0)))
+    assert "note: the model's dropout is off" in capsys.readouterr().out
+    (first,) = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if "train/loss" in line]
+    assert first["train/loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert first["train/rewards/margins"] == pytest.approx(0.0, abs=1e-6)
+
+
 def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pairs_file, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     results = run_training(build_config(dpo_options(tiny_llama_dir, pairs_file, out, max_steps=6)))

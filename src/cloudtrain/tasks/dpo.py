@@ -355,6 +355,8 @@ class DPOTask(PairRows, SFTTask):
         copy under full fine-tuning; with adapters, nothing (the reference is the base, adapters disabled)."""
         p = cfg.preference
         self.window = "logits_to_keep" in inspect.signature(type(model).forward).parameters
+        if turn_off_dropout(model) and announce:
+            print("note: the model's dropout is off: the policy must score pairs as the reference does", flush=True)
         self._choose_layout(model, announce)
         if not p.needs_reference:
             return
@@ -605,3 +607,18 @@ class DPOTask(PairRows, SFTTask):
             if "reference" in g:  # the chosen answer, which exact_match compares with
                 line += f" (chosen {json.dumps(g['reference'], ensure_ascii=False)})"
         return line
+
+
+def turn_off_dropout(model: torch.nn.Module) -> int:
+    """Dropout off in every layer (how many had it): a policy scoring pairs with dropout, beside a reference that
+    scores without, starts away from log 2 with noisy rewards. HF attention reads a float attribute, not a layer."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout) and module.p > 0:
+            module.p, count = 0.0, count + 1
+        for name in ("attention_dropout", "dropout"):
+            value = getattr(module, name, None)
+            if isinstance(value, float) and value > 0:
+                setattr(module, name, 0.0)
+                count += 1
+    return count
