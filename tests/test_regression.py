@@ -90,6 +90,28 @@ def test_a_run_learns_predicts_saves_and_the_saved_model_reads_as_a_number(tiny_
     assert "- Pearson: n/a" in card and "- Spearman: n/a" in card
 
 
+def test_the_head_computes_in_fp32_under_bf16_autocast(tiny_model_dir):
+    """Under the default bf16, a target in the thousands was predicted on bf16's grid of 8 (the run's metrics, and
+    its training, saw every prediction land on a few values; `predict`, in fp32, disagreed; found in audit)."""
+    from transformers import AutoModelForSequenceClassification
+
+    from cloudtrain.config import build_config
+    from cloudtrain.tasks import build_task
+
+    cfg = build_config({"task": "regression", "model_name_or_path": tiny_model_dir})
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1).eval()
+    with torch.no_grad():
+        model.classifier.bias.fill_(1234.6)
+    build_task(cfg).fit_model(model, None, cfg, announce=False)
+    ids = torch.randint(1000, 2000, (6, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        exact = model(input_ids=ids).logits[:, 0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            mixed = model(input_ids=ids).logits[:, 0]
+    assert mixed.dtype == torch.float32 and len(set(mixed.tolist())) == 6  # bf16 gave one or two values
+    assert (mixed - exact).abs().max() < 0.05
+
+
 def test_an_adapter_s_card_snippet_loads_its_one_output_head(tiny_model_dir, tmp_path, capsys):
     """PEFT rebuilds the base's head, two outputs by default: the card's snippet without num_labels=1 failed to
     load the saved one-output head (found in audit). The snippet runs as written, the repo id a local folder."""

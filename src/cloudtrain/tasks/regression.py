@@ -64,6 +64,16 @@ class RegressionTask(ClassificationTask):
         pad_as_batches(config, tokenizer)
         return config
 
+    def fit_model(
+        self, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, cfg: Config, announce: bool
+    ) -> None:
+        """The one-output head computes in fp32 under autocast: bf16 spaces numbers near 1000 by 8, so every
+        prediction of a target in the thousands landed on a few values (the correlations nan)."""
+        super().fit_model(model, tokenizer, cfg, announce)  # type: ignore[arg-type]
+        heads = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m.out_features == 1]
+        if heads:
+            heads[-1].register_forward_hook(_in_fp32)
+
     def loss(self, model: torch.nn.Module, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         predicted = model(**inputs).logits.float()[:, 0]
@@ -144,3 +154,10 @@ def regression_metrics(predicted: torch.Tensor, referenced: torch.Tensor) -> dic
         "spearman": spearman,
         "samples": len(r),
     }
+
+
+def _in_fp32(head: torch.nn.Linear, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+    """The head's output computed again in fp32, outside autocast (what it gave is dropped)."""
+    with torch.autocast(output.device.type, enabled=False):
+        bias = None if head.bias is None else head.bias.float()
+        return F.linear(inputs[0].float(), head.weight.float(), bias)
