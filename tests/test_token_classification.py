@@ -3,6 +3,7 @@ cloudtrain.entities): entities and scores against seqeval's, words and tags read
 tag on its first token, a run that learns and predicts for an unlabelled split, `predict` and transformers' pipeline
 on the saved model, its card, an adapter, and every refusal in one line (two processes: test_distributed.py)."""
 
+import contextlib
 import json
 import random
 from pathlib import Path
@@ -18,6 +19,7 @@ from cloudtrain.config import DataConfig
 from cloudtrain.data.packing import IGNORE_INDEX
 from cloudtrain.data.word_tags import process_word_tags, tag_scheme
 from cloudtrain.entities import entity_scores, entity_spans, scored_entities
+from cloudtrain.errors import UserError
 from cloudtrain.predict import predict
 
 PEOPLE = [["john", "smith"], ["mary"], ["peter", "jones"], ["anna", "brown"], ["david"]]
@@ -129,6 +131,29 @@ def test_words_with_no_token_are_counted_and_said(bert_tokenizer_dir):
     assert "note: 3 of the 9 validation words (2 tagged other than O) have no token within --max_length 6" in said
     whole = process_word_tags(raw, tokenizer, DataConfig(max_length=64), seed=0)
     assert whole.extras["unscored"] == {"train": (1, 9, 1), "validation": (1, 9, 1)}  # the zero-width space alone
+    with pytest.raises(UserError, match=r"^none of the 9 training words keeps a token within --max_length 2: "):
+        process_word_tags(raw, tokenizer, DataConfig(max_length=2), seed=0)  # [CLS] [SEP]: it trained on nothing
+
+
+def test_an_evaluation_that_scores_no_word_has_no_loss_not_a_perfect_one(tiny_model_dir, bert_tokenizer_dir):
+    """A loss of 0.0 over no token looked perfect (found in audit)."""
+    import math
+
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from cloudtrain.config import build_config
+    from cloudtrain.tasks.token_classification import TokenClassificationTask
+
+    tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    rows = [{"text": ["john", "visited"], "label": ["B-PER", "O"]}, {"text": ["\u200b"], "label": ["B-PER"]}]
+    raw = DatasetDict({"train": Dataset.from_list(rows[:1]), "validation": Dataset.from_list(rows[1:])})
+    data = process_word_tags(raw, tokenizer, DataConfig(max_length=16), seed=0)  # validation: a word of no token
+    cfg = build_config({"task": "token_classification", "max_length": 16})
+    model = AutoModelForTokenClassification.from_pretrained(tiny_model_dir, num_labels=len(data.label_names))
+    batches = [data.collator([row]) for row in data.validation]
+    same = lambda x: x  # noqa: E731 (one process, on the CPU)
+    results = TokenClassificationTask(cfg).evaluate(model, batches, data, same, same, contextlib.nullcontext)
+    assert math.isnan(results["loss"]) and results["samples"] == 1
 
 
 def test_a_heads_tags_are_kept_when_the_data_lacks_some_of_them():

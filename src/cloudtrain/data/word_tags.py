@@ -64,6 +64,12 @@ def process_word_tags(
     splits = {split: _encode(ds, split, tokenizer, cfg, scheme) for split, ds in chosen.items()}
     read = {split: read_words(ds, cfg.text_column) for split, ds in unlabelled.items()}
     unscored = {split: unscored_words(chosen[split], rows, scheme, cfg) for split, rows in splits.items()}
+    lost, total, _ = unscored["train"]
+    if total and lost == total:  # it trained on nothing, and logged a loss of 0 as if perfect
+        raise UserError(
+            f"none of the {total} training words keeps a token within --max_length {cfg.max_length}: nothing to "
+            "train on; raise --max_length"
+        )
     return ProcessedData(
         train=splits["train"],
         validation=splits["validation"],

@@ -10,6 +10,7 @@ Does not support: text pairs, tags on every sub-word token, bare tag ids (entiti
 than --max_length tokens (the words past it are neither trained nor evaluated).
 """
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -150,7 +151,7 @@ class TokenClassificationTask(ClassificationTask):
         runtime = time.perf_counter() - start
         return {
             **entity_scores(references, predictions),
-            "loss": loss_sum / tokens if tokens else 0.0,
+            "loss": loss_sum / tokens if tokens else math.nan,  # no scored word: no loss, not a perfect one
             "samples": len(references),
             "runtime_s": round(runtime, 3),
             "samples_per_s": round(len(references) / runtime, 2),
