@@ -274,7 +274,7 @@ def test_help_lists_every_option_with_its_default():
     [
         (["--dataset_name", "x", "--train_file", "y.csv"], "give one of them"),
         (["--text_pair_column", "text"], "must differ from --text_column"),
-        (["--validation_split_percentage", "100"], "between 0 and 100"),
+        (["--validation_split_percentage", "100"], "above 0 and below 100"),
         (["--learning_rate", "0"], "must be positive"),
         (["--gradient_accumulation_steps", "0"], "at least 1"),
         (["--eval_strategy", "steps"], "needs --eval_steps"),

@@ -103,6 +103,8 @@ def test_hub_dataset_offline_is_a_clear_error():
 def test_integer_labels_keep_their_names_and_string_labels_sort():
     raw = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": [7, 3, 7, 5]})})
     assert find_label_names(raw, "label") == (["3", "5", "7"], {3: 0, 5: 1, 7: 2})
+    floats = DatasetDict({"train": Dataset.from_dict({"text": list("abc"), "label": [2.0, 0.0, 1.0]})})
+    assert find_label_names(floats, "label")[0] == ["0", "1", "2"]  # a float column's class ids: "0.0" before
     feature = Dataset.from_dict({"text": ["a", "b"], "label": [1, 0]}).cast_column(
         "label", ClassLabel(names=["no", "yes"])
     )

@@ -32,7 +32,12 @@ class DataConfig(OnlyFields):
         "text", "Column holding the text (--task causal_lm also reads .txt files: one document per line)."
     )
     text_pair_column: str | None = opt(None, "Column holding the second text of sentence-pair tasks.")
-    label_column: str = opt("label", "Column holding the label (strings or integers).")
+    label_column: str = opt(
+        "label",
+        "Column holding the label: a class (strings or integers) for classification, a number for regression, a "
+        "list or separated text for multi_label, a tag per word for token_classification (default there: "
+        "ner_tags), SQuAD answers for question_answering (answers), the target text for seq2seq (summary).",
+    )
     label_separator: str = opt(
         ",", "--task multi_label: what separates a row's labels in a text column (a column of lists needs none)."
     )
@@ -70,8 +75,9 @@ class DataConfig(OnlyFields):
     )
     max_length: int = opt(
         128,
-        "Classification: truncate inputs to this many tokens. Causal LM: the block size "
-        "(tokens per training row); longer documents are split.",
+        "Classification, regression, reward, seq2seq sources: truncate inputs to this many tokens (words past it in "
+        "token_classification are neither trained nor scored). Causal LM: the block size (tokens per training "
+        "row); longer documents are split. question_answering: the window size (with --doc_stride).",
     )
     packing: str = opt(
         "auto",
@@ -123,7 +129,12 @@ class DataConfig(OnlyFields):
     max_eval_samples: int | None = opt(
         None, "Use at most this many validation and test examples (quick runs), counted as --max_train_samples."
     )
-    cache_dir: str | None = opt(None, "Where processed datasets are cached (default: ~/.cache/cloudtrain).", path=True)
+    cache_dir: str | None = opt(
+        None,
+        "Where processed datasets are cached (default: $CLOUDTRAIN_CACHE/processed, else "
+        "~/.cache/cloudtrain/processed).",
+        path=True,
+    )
     group_by_length: bool = opt(
         False,
         "Batch training examples of similar length together (less padding); the "
@@ -203,7 +214,7 @@ class DataConfig(OnlyFields):
                 (self.max_length < 2, "--max_length must be at least 2"),
                 (
                     not 0 < self.validation_split_percentage < 100,
-                    "--validation_split_percentage must be between 0 and 100",
+                    "--validation_split_percentage must be above 0 and below 100",
                 ),
                 (
                     self.max_train_samples is not None and self.max_train_samples < 1,

@@ -127,8 +127,9 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
         names = list(feature.names)
         return names, {i: i for i in range(len(names))}
     values = sorted(set(train[column]))
-    if not all(isinstance(v, str) for v in values):  # ids: in numeric order
-        return [str(v) for v in values], {value: i for i, value in enumerate(values)}
+    if not all(isinstance(v, str) for v in values):  # ids: in numeric order; 1.0 (a float column) is "1"
+        names = [str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in values]
+        return names, {value: i for i, value in enumerate(values)}
     names = sorted({v.strip() for v in values})  # "sports " is "sports": a stray space makes no new class
     ids = {name: i for i, name in enumerate(names)}
     return names, {value: ids[value.strip()] for value in values}
