@@ -126,6 +126,33 @@ def test_answers_as_records_or_texts_and_their_targets_over_windows(bert_tokeniz
     assert 16 <= found < len(a.train)  # each training question's answer is in a window, not in all of them
     assert all(w.offsets.shape[1] == 2 for w in a.extras["windows"].values())
     assert len(a.extras["examples"]) == 4 and not a.extras["allow_none"]  # the carved validation questions
+    assert a.extras["cut_answers"] == (0, 16) and "example" not in a.train.column_names
+
+
+def test_answers_that_lie_whole_in_no_window_are_counted_and_said(bert_tokenizer_dir):
+    """An answer longer than a window's context, or across every window's edge, trained as "no answer" without a
+    word (found in audit: 18 of 30 answers)."""
+    from transformers import AutoTokenizer
+
+    from cloudtrain.config import build_config
+    from cloudtrain.tasks.question_answering import QuestionAnsweringTask
+
+    tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    long = "the old man who lived by the sea with his seven grey cats"
+    rows = [
+        {
+            "question": "who?",
+            "context": f"yesterday {long} came home",
+            "answers": {"text": [long], "answer_start": [10]},
+        }
+    ] * 3 + squad_rows(4, 0)
+    cfg = build_config({"task": "question_answering", "max_length": 16, "doc_stride": 4, "label_column": "answers",
+                        "text_column": "question", "text_pair_column": "context"})  # fmt: skip
+    data = process_answer_spans(DatasetDict({"train": Dataset.from_list(rows)}), tokenizer, cfg.data, seed=0)
+    cut, kept = data.extras["cut_answers"]
+    assert cut >= 1 and kept >= 1  # the long answer fits no 16-token window; the short ones do
+    said = QuestionAnsweringTask(cfg).describe_data(data)
+    assert f"note: {cut} training answers lie whole in no window of --max_length 16 with --doc_stride 4" in said
 
 
 @pytest.mark.slow  # about 40 s: the tiny model needs ten epochs of windows to tell a person from a city

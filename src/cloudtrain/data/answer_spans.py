@@ -58,12 +58,15 @@ def process_answer_spans(
     chosen, unlabelled = choose_rows(raw, scheme, cfg, seed)  # a split may be in both: validation carved from train
     extras: dict[str, Any] = {"windows": {}, "examples": {}, "allow_none": allow_none}
     ids = iter(range(0, (len(chosen) + len(unlabelled)) * SPLIT_IDS, SPLIT_IDS))  # each split's first id
+    answers = {split: read_answers(ds, cfg) for split, ds in chosen.items()}
     splits = {
-        split: _encode(
-            ds, split, tokenizer, cfg, read_answers(ds, cfg), next(ids), extras if split != "train" else None
-        )
+        split: _encode(ds, split, tokenizer, cfg, answers[split], next(ids), extras if split != "train" else None)
         for split, ds in chosen.items()
     }
+    train = splits["train"]  # answers that lie whole in no window train as "no answer": said (describe_data)
+    whole = {e for e, start in zip(train["example"], train["start_positions"], strict=True) if start > 0}
+    extras["cut_answers"] = (sum(bool(a) and i not in whole for i, a in enumerate(answers["train"])), len(whole))
+    splits["train"] = train.remove_columns("example")
     predicted = {split: _encode(ds, split, tokenizer, cfg, None, next(ids), extras) for split, ds in unlabelled.items()}
     return ProcessedData(
         train=splits["train"],
@@ -209,18 +212,18 @@ def _encode(
         if answers is not None:
             targets = [_targets(row, answers[indices[e]]) for row, e in zip(offsets, examples, strict=True)]
             out["start_positions"], out["end_positions"] = [t[0] for t in targets], [t[1] for t in targets]
+        out["example"] = [indices[e] for e in examples]  # the split's row: ids are made unique after the cache
         if extras is not None:
-            out["example"] = [indices[e] for e in examples]  # the split's row: ids are made unique after the cache
             out["offsets"] = offsets
         return out
 
     features = datasets.Features({name: datasets.List(datasets.Value("int32")) for name in tokenizer.model_input_names})
     if answers is not None:
         features["start_positions"] = features["end_positions"] = datasets.Value("int32")
+    features["example"] = datasets.Value("int64")
     if extras is not None:
-        features["example"] = datasets.Value("int64")
         features["offsets"] = datasets.List(datasets.List(datasets.Value("int32")))
-    key = split_cache_key(ds, tokenizer, cfg, [question, context], ["answer-spans", cfg.doc_stride, extras is None])
+    key = split_cache_key(ds, tokenizer, cfg, [question, context], ["answer-spans-v2", cfg.doc_stride, extras is None])
     windows = cached_map(ds, encode, features, cfg, split, key, f"Tokenizing {split}", with_indices=True)
     if extras is None:
         return windows

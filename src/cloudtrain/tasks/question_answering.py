@@ -205,7 +205,15 @@ class QuestionAnsweringTask(ClassificationTask):
         return build_model_card(output_dir, cfg, results, CARD)
 
     def describe_data(self, data: ProcessedData) -> str:
-        return self.data_summary(data, "windows of questions")
+        said = self.data_summary(data, "windows of questions")
+        cut, _ = data.extras.get("cut_answers", (0, 0))
+        if cut:
+            d = self.cfg.data
+            said += (
+                f"\nnote: {cut} training answers lie whole in no window of --max_length {d.max_length} with "
+                f"--doc_stride {d.doc_stride} (the overlap of its windows): they train as no answer; raise either"
+            )
+        return said
 
     def describe_metrics(self, metrics: dict) -> str:
         kinds = ""
