@@ -86,6 +86,23 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
     assert_each_refused(cases, capsys, out)
 
 
+def test_a_decoder_without_a_chat_template_reads_its_pairs_through_chatml(tiny_llama_dir, tmp_path):
+    """A decoder's tokenizer has no separator: read as a text pair, the prompt and the answer were glued into one
+    text ("...the frogThe frog lived"), in training and in predict (found in audit). It reads them as dpo does."""
+    from datasets import load_dataset
+
+    from cloudtrain.tasks import build_task
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    assert tokenizer.chat_template is None and tokenizer.sep_token is None
+    cfg = build_config({"task": "reward", "model_name_or_path": tiny_llama_dir, "max_length": 64})
+    task = build_task(cfg)
+    raw = load_dataset("json", data_files={"train": write_pairs(tmp_path / "pairs.jsonl")})
+    data = task.process(raw, tokenizer, cfg)
+    chosen = tokenizer.decode(data.train[0]["chosen_ids"])
+    assert task.chat is not None and chosen.count("<|im_start|>") == 2 and "<|im_end|>" in chosen
+
+
 def test_pairs_the_cut_makes_equal_are_dropped_and_counted_among_those_used(tiny_model_dir, tmp_path):
     """Found in audit: answers differing only past --max_length trained at a constant log 2 with no gradient and no
     note, and the drops were counted over the whole file, not the --max_train_samples pairs used."""

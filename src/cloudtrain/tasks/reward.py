@@ -4,8 +4,9 @@ Supports:
 - the pair formats of `--task dpo` (cloudtrain.data.pairs), `--chosen_column`, `--rejected_column` and an
   optional `--margin_column` (Llama 2's margin, subtracted inside the loss);
 - the Bradley-Terry loss, -log sigmoid(r(chosen) - r(rejected) - margin), summed over pairs;
-- text as the model reads it: with a chat template (the tokenizer's, or --chat_template) the conversation
-  rendered through it; without one (an encoder such as BERT) the prompt and the answer as a text pair;
+- text as the model reads it: with a chat template (the tokenizer's, or --chat_template; chatml for a
+  tokenizer with no separator, a decoder's) the conversation rendered through it; otherwise (an encoder such as
+  BERT) the prompt and the answer as a text pair;
 - evaluation: the loss, pair accuracy (the share of pairs whose chosen answer scores higher) and the mean
   margin, over every pair exactly once; the saved model scores a text with `predict` (one output: the reward).
 Does not support: packing, the pipeline trainer.
@@ -120,7 +121,9 @@ class RewardTask(PairRows, Task):
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         """Rows -> (prompt, chosen, rejected) -> token ids of each side (and the margin); validation carved by pair."""
         self.cfg, self.tokenizer, d, p = cfg, tokenizer, cfg.data, cfg.preference
-        if d.chat_template or tokenizer.chat_template:
+        # a tokenizer with no separator (a decoder's) glued a text pair's prompt and answer ("the frogThe frog"):
+        # it reads them through chatml instead, as dpo does
+        if d.chat_template or tokenizer.chat_template or tokenizer.sep_token is None:
             size = len(tokenizer)
             self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
             self.added_tokens = len(tokenizer) - size
