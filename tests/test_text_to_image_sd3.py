@@ -275,6 +275,43 @@ def test_a_pipeline_without_t5_trains_with_zeros_in_its_place(tmp_path, squares)
     assert results["train"]["global_step"] == 2
 
 
+def snippet(card: str) -> str:
+    """The model card's usage code."""
+    return card.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+def test_a_pipeline_without_t5_saves_renders_and_loads_as_hint_and_card_show(tmp_path, squares, capsys, monkeypatch):
+    """model_index.json lists text_encoder_3 and tokenizer_3 as [null, null]: from_pretrained refuses such a folder
+    unless both are given as None. Full fine-tuning saves the pipeline (found in audit: the save failed and the
+    trained model was lost) and a LoRA renders its validation images (it stopped at the first); the printed
+    usage and the card's snippet pass the two Nones, and each loads what the run saved."""
+    from diffusers import DiffusionPipeline
+
+    from cloudtrain.publish.diffusion_card import build_card
+
+    model = str(build_tiny_sd3_pipeline(tmp_path / "no-t5", t5=False))
+    monkeypatch.chdir(tmp_path)  # the card names the output by its folder's name: "full", "lora" here
+    for name, extra in (("full", {}), ("lora", {"peft": "lora", "validation_prompts": [PROMPT]})):
+        run = sd3_options(model, tmp_path / name, train_data_dir=squares, max_steps=1, per_device_train_batch_size=3,
+                          **extra)  # fmt: skip
+        results = train(run)
+        hint = capsys.readouterr().out.split("use it: ")[-1].strip()
+        assert "text_encoder_3=None, tokenizer_3=None)" in hint
+        if name == "full":
+            assert (tmp_path / name / "transformer").is_dir()
+            image = eval(hint, {"DiffusionPipeline": DiffusionPipeline})
+        else:
+            assert [p.name for p in (tmp_path / name / "validation").glob("*.png")] == ["eval-step-000001.png"]
+            scope = {"DiffusionPipeline": DiffusionPipeline}
+            exec(hint.replace('p("a prompt")', 'image = p("a prompt").images[0]'), scope)
+            image = scope["image"]
+        assert image.size == (16, 16)
+        card = build_card(tmp_path / name, build_config(run), results).content
+        scope = {}
+        exec(snippet(card), scope)
+        assert scope["pipeline"].text_encoder_3 is None and scope["image"].size == (16, 16)
+
+
 # ---------------------------------------------------------------- refused in one line, before heavy work
 
 

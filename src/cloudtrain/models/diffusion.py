@@ -44,6 +44,7 @@ SKIPPED_FILES = [
     "*.fp16.*",
     "*.non_ema.*",
 ]
+OPTIONAL = ("safety_checker", "feature_extractor", "image_encoder")  # passed as None: not loaded to train
 PARTS = ("unet", "transformer", "vae", *sd3.ENCODERS, "tokenizer", "tokenizer_2", "tokenizer_3", "scheduler")
 
 
@@ -449,9 +450,12 @@ class TextToImageModel(torch.nn.Module):
         parts.update({name: getattr(self, name) for name in sd3.ENCODERS if getattr(self, name) is not None})
         parts.update(modules or {})
         parts.update({name: given for name, given in (tokenizers or {}).items() if given is not None})
-        for optional in ("safety_checker", "feature_extractor", "image_encoder"):
+        for optional in OPTIONAL:
             if optional in self.index:
                 parts[optional] = None
+        # a part the base was saved without ([null, null]: SD3 without T5) is passed as None, or from_pretrained
+        # refuses the pipeline (the trained model was lost at save, a LoRA run stopped at its first render)
+        parts.update({name: None for name in absent_parts(self.index) if name not in parts})
         if "requires_safety_checker" in self.index:
             parts["requires_safety_checker"] = False
         console.follow_in_diffusers()  # its "Loading pipeline components" bar, in a log file too
@@ -571,3 +575,19 @@ def load_text_to_image_model(cfg: Config, path: str) -> TextToImageModel:
 
 def _listed(index: dict, name: str) -> bool:
     return isinstance(index.get(name), list) and index[name][0] is not None
+
+
+def absent_parts(index: dict) -> list[str]:
+    """The parts model_index.json lists as [null, null] (SD3 saved without T5: text_encoder_3, tokenizer_3) that
+    its pipeline class does not take as optional: from_pretrained refuses the folder unless each is given as
+    None, so the printed usage and the model card pass them."""
+    return [
+        name
+        for name, entry in index.items()
+        if not name.startswith("_") and isinstance(entry, list) and entry[:1] == [None] and name not in OPTIONAL
+    ]
+
+
+def none_arguments(index: dict) -> str:
+    """`absent_parts` as from_pretrained's keyword arguments (", text_encoder_3=None, tokenizer_3=None")."""
+    return "".join(f", {name}=None" for name in absent_parts(index))

@@ -48,25 +48,29 @@ def shown_grid(output_dir: Path, results: dict) -> Path | None:
     return grids[-1] if grids else None
 
 
-def pipeline_class(base: str) -> str:
-    """The base pipeline's class as its model_index.json names it; DiffusionPipeline when it cannot be read."""
+def base_index(base: str) -> dict:
+    """The base pipeline's model_index.json; empty when it cannot be read."""
     from cloudtrain.errors import UserError
     from cloudtrain.models.diffusion import local_pipeline, read_model_index
 
     try:
-        return str(read_model_index(local_pipeline(base)).get("_class_name", "DiffusionPipeline"))
+        return read_model_index(local_pipeline(base))
     except UserError:
-        return "DiffusionPipeline"
+        return {}
 
 
 def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
+    from cloudtrain.models.diffusion import none_arguments
+
     ic, lora = cfg.images, cfg.model.peft != "none"
     base = str(cfg.model.model_name_or_path)
     repo = cfg.hub.hub_model_id or Path(output_dir).name
     grid = shown_grid(output_dir, results)
     last = f"{VALIDATION_DIR}/{grid.name}" if grid else None
     # SD3's class named (its LoRA loader is StableDiffusion3Pipeline's); the others' cards keep DiffusionPipeline
-    pipeline = "StableDiffusion3Pipeline" if pipeline_class(base) == "StableDiffusion3Pipeline" else "DiffusionPipeline"
+    index = base_index(base)
+    sd3 = index.get("_class_name") == "StableDiffusion3Pipeline"
+    pipeline = "StableDiffusion3Pipeline" if sd3 else "DiffusionPipeline"
     tags = ["text-to-image", "diffusers", "diffusers-training"]
     if pipeline == "StableDiffusion3Pipeline":
         tags += SD3_TAGS
@@ -82,12 +86,21 @@ def build_card(output_dir: Path, cfg: Config, results: dict) -> ModelCard:
     if last and ic.validation_prompts:
         extra["widget"] = [{"text": " | ".join(ic.validation_prompts), "output": {"url": last}}]
     header = "---\n" + json_yaml(extra) + "---\n"
-    return ModelCard(header + body(cfg, repo, base, lora, last, results, pipeline))
+    return ModelCard(header + body(cfg, repo, base, lora, last, results, pipeline, none_arguments(index)))
 
 
 def body(
-    cfg: Config, repo: str, base: str, lora: bool, last: str | None, results: dict, pipeline: str = "DiffusionPipeline"
+    cfg: Config,
+    repo: str,
+    base: str,
+    lora: bool,
+    last: str | None,
+    results: dict,
+    pipeline: str = "DiffusionPipeline",
+    nones: str = "",
 ) -> str:
+    """The card's text; `nones` the parts from_pretrained must be given as None (", text_encoder_3=None, ...":
+    SD3 saved without T5, which it refuses to load otherwise)."""
     ic = cfg.images
     sd3 = pipeline == "StableDiffusion3Pipeline"
     what = "LoRA adaption weights" if lora else "a fully fine-tuned pipeline"
@@ -100,9 +113,9 @@ def body(
         lines += ["", f"Validation images (prompts: {', '.join(ic.validation_prompts)}):", "", f"![validation]({last})"]
     prompt = ic.instance_prompt or (ic.validation_prompts[0] if ic.validation_prompts else "a photo")
     load = (
-        f'pipeline = {pipeline}.from_pretrained("{base}")\npipeline.load_lora_weights("{repo}")'
+        f'pipeline = {pipeline}.from_pretrained("{base}"{nones})\npipeline.load_lora_weights("{repo}")'
         if lora
-        else f'pipeline = {pipeline}.from_pretrained("{repo}")'
+        else f'pipeline = {pipeline}.from_pretrained("{repo}"{nones})'
     )
     if lora and ic.prediction_type:
         load += "\n" + scheduler_line("pipeline", ic.prediction_type)

@@ -408,13 +408,15 @@ class TextToImageTask(Task):
     def inference_hint(self, output_dir: str) -> str:
         assert self.cfg is not None
         base = self.cfg.model.model_name_or_path
+        # SD3 saved without T5: from_pretrained takes the folder with text_encoder_3=None, tokenizer_3=None only
+        nones = diffusion.none_arguments(diffusion.read_model_index(diffusion.local_pipeline(str(base))))
         if self.cfg.model.peft == "none":
-            return f'DiffusionPipeline.from_pretrained("{output_dir}")("a prompt").images[0]'
+            return f'DiffusionPipeline.from_pretrained("{output_dir}"{nones})("a prompt").images[0]'
         from cloudtrain.publish.diffusion_card import scheduler_line
 
         predicts = self.cfg.images.prediction_type
         return (
-            f'p = DiffusionPipeline.from_pretrained("{base}"); p.load_lora_weights("{output_dir}"); '
+            f'p = DiffusionPipeline.from_pretrained("{base}"{nones}); p.load_lora_weights("{output_dir}"); '
             f'{scheduler_line("p", predicts) + "; " if predicts else ""}p("a prompt")'
         )
 
