@@ -156,12 +156,19 @@ def dreambooth_examples(cfg: ImagesConfig) -> tuple[list[Example], list[Example]
     return instance, [Example(f, cfg.class_prompt) for f in folder_images(cfg.class_data_dir, "--class_data_dir")]
 
 
-def readable(examples: list[Example], resolution: int, what: str, by_area: bool = False) -> tuple[list[Example], int]:
+def readable(
+    examples: list[Example], resolution: int, what: str, by_area: bool = False, limit: int | None = None
+) -> tuple[list[Example], int]:
     """The examples whose images decode, as RGB images in memory-light form (paths kept); refuses images smaller
     than `resolution` (`by_area`, with aspect-ratio buckets: of fewer pixels than its square) and a set with
-    nothing readable. Returns (kept, skipped)."""
-    kept, skipped, small = [], [], []
+    nothing readable. `limit` (--max_train_samples): the first that many readable ones, in order, and no image
+    after them opened (200 images were read to train on 2, and a small one past the 2 refused the run).
+    Returns (kept, skipped)."""
+    kept: list[Example] = []
+    skipped, small = [], []
     for example in examples:
+        if limit and len(kept) >= limit:
+            break
         try:
             image = load_rgb(example.image)
         # PIL's ways of saying "not an image", and an image over its decompression-bomb limit (179 Mpx)

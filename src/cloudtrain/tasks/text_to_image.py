@@ -214,14 +214,15 @@ class TextToImageTask(Task):
         ic = cfg.images
         self.tokenizer = tokenizer
         examples, class_examples = self._examples(raw, cfg)
-        examples, self.skipped = images.readable(examples, ic.resolution, "training", ic.aspect_ratio_bucketing)
+        # --max_train_samples: the first N readable images, read no further (skipped ones leave N where possible)
+        examples, self.skipped = images.readable(
+            examples, ic.resolution, "training", ic.aspect_ratio_bucketing, limit=cfg.data.max_train_samples
+        )
         if class_examples:
             class_examples, skipped = images.readable(class_examples, ic.resolution, "class")
             self.skipped += skipped
         if self.skipped:
             print(f"warning: skipped {self.skipped} images that could not be read", flush=True)
-        if cfg.data.max_train_samples:
-            examples = examples[: cfg.data.max_train_samples]
         tokens = functools.lru_cache(maxsize=None)(self._tokens)
         evaluated = examples[: cfg.data.max_eval_samples or EVAL_ROWS]
         xl = sdxl.is_xl(diffusion.read_model_index(diffusion.local_pipeline(str(cfg.model.model_name_or_path))))
