@@ -2,6 +2,7 @@
 keeps, and a folder captioned by diffusers' metadata.csv trains as one with metadata.jsonl. The rest of the
 folder rules: tests/test_text_to_image.py."""
 
+import re
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ from t2i_fixtures import build_tiny_pipeline, captioned_folder, options, square
 
 from cloudtrain.config import build_config
 from cloudtrain.data import images
+from cloudtrain.errors import UserError
 from cloudtrain.tasks.text_to_image import TextToImageTask
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # conftest: tiny layers run faster on one
@@ -43,3 +45,39 @@ def test_max_train_samples_reads_only_the_images_it_keeps(tiny_sd, tmp_path, mon
     task, data = processed(tiny_sd, tmp_path / "out", train_data_dir=str(folder), max_train_samples=2)
     assert [e.image.name for e in data.train.examples] == ["1.png", "2.png"]
     assert task.skipped == 1 and opened[:3] == ["0.png", "1.png", "2.png"] and "4.png" not in opened
+
+
+def test_a_folder_captioned_by_metadata_csv_trains_as_with_metadata_jsonl(tiny_sd, tmp_path, capsys):
+    """Hugging Face's imagefolder (which diffusers' scripts read) takes metadata.csv as well as metadata.jsonl;
+    such a folder was refused ("has no metadata.jsonl and 6 images without a caption file", found in audit).
+    The same rules hold: file_name and the caption column, a quoted caption may hold commas and new lines, an
+    empty one trains without a caption, an image not listed is left out with a note."""
+    folder = captioned_folder(tmp_path / "csv", n=4)
+    (folder / "metadata.jsonl").unlink()
+    (folder / "metadata.csv").write_text(
+        'file_name,text\n0.png,a blue square\n1.png,"a red square, small"\n2.png,"two\nlines"\n\n3.png,\n',
+        encoding="utf-8-sig",  # a spreadsheet's byte-order mark: no part of the header's first name
+    )
+    _, data = processed(tiny_sd, tmp_path / "out", train_data_dir=str(folder))
+    assert [(e.image.name, e.caption) for e in data.train.examples] == [
+        ("0.png", "a blue square"),
+        ("1.png", "a red square, small"),
+        ("2.png", "two\nlines"),
+        ("3.png", ""),
+    ]
+    assert len(data.train) == 4 and data.train[1]["input_ids"].shape == data.train[0]["input_ids"].shape
+
+    (folder / "metadata.csv").write_text("file_name,text\n0.png,a blue square\n")
+    assert [e.image.name for e in images.captioned_examples(str(folder), "text")] == ["0.png"]
+    assert f"note: 3 image(s) in {folder} are not in its metadata.csv and are left out" in capsys.readouterr().out
+    for written, line in (
+        ("file_name,caption\n0.png,x\n", "row 1 has no caption column 'text' (its keys: file_name, caption); pass"),
+        ("file_name,text\n0.png\n", "row 1: its caption 'text' is missing, not a text; give it one"),
+        ("file_name,text\n9.png,x\n", "row 1 names 9.png, which is not a file in"),
+    ):
+        (folder / "metadata.csv").write_text(written)
+        with pytest.raises(UserError, match=re.escape(line)):
+            images.captioned_examples(str(folder), "text")
+    (folder / "metadata.jsonl").write_text('{"file_name": "0.png", "text": "x"}\n')
+    with pytest.raises(UserError, match="has both metadata.jsonl and metadata.csv; keep the one"):
+        images.captioned_examples(str(folder), "text")

@@ -1,12 +1,15 @@
 """Images and captions for `--task text_to_image`: the folders diffusers' example scripts read, checked and
 turned into training rows (docs/text-to-image.md).
 
-Sources: --train_data_dir (metadata.jsonl with file_name and the caption column, or a <name>.txt caption
-beside each image), DreamBooth's --instance_data_dir with --instance_prompt (and --class_data_dir with
---class_prompt for prior preservation), or a dataset (--dataset_name) with an image and a caption column.
+Sources: --train_data_dir (metadata.jsonl or metadata.csv with file_name and the caption column, or a
+<name>.txt caption beside each image), DreamBooth's --instance_data_dir with --instance_prompt (and
+--class_data_dir with --class_prompt for prior preservation), or a dataset (--dataset_name) with an image and a
+caption column.
 Unreadable images are skipped and counted; none left, or an image smaller than --resolution, is refused.
 """
 
+import csv
+import io
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +27,7 @@ from cloudtrain.errors import UserError
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".jfif", ".webp", ".avif", ".bmp", ".gif", ".tif", ".tiff")
 METADATA = "metadata.jsonl"
+METADATA_CSV = "metadata.csv"  # the other file Hugging Face's imagefolder (diffusers' scripts) reads
 ORIENTATION = 0x0112  # the EXIF tag a camera turns its photo by
 
 
@@ -75,28 +79,35 @@ def folder_images(folder: str, flag: str) -> list[Path]:
 
 
 def captioned_examples(folder: str, caption_column: str, notes: bool = True) -> list[Example]:
-    """--train_data_dir's images and captions: metadata.jsonl when present, else a .txt file per image."""
+    """--train_data_dir's images and captions: metadata.jsonl or metadata.csv when present, else a .txt file per
+    image."""
     path = Path(folder)
     files = folder_images(folder, "--train_data_dir")
-    metadata = path / METADATA
-    if metadata.is_file():
+    found = [path / n for n in (METADATA, METADATA_CSV) if (path / n).is_file()]
+    if len(found) > 1:  # imagefolder refuses the two together too
+        raise UserError(
+            f"--train_data_dir {folder} has both {METADATA} and {METADATA_CSV}; keep the one that captions the images"
+        )
+    if found:
+        metadata = found[0]
         examples = _metadata_examples(path, metadata, caption_column)
         listed = {e.image.resolve() for e in examples}
         unlisted = [f for f in files if f.resolve() not in listed]
         if unlisted and notes:  # the .txt layout refuses an image without a caption; here a choice the file made
             print(
-                f"note: {len(unlisted)} image(s) in {folder} are not in its {METADATA} and are left out (first: "
+                f"note: {len(unlisted)} image(s) in {folder} are not in its {metadata.name} and are left out (first: "
                 f"{unlisted[0].relative_to(path)})",
                 flush=True,
             )
         return examples
     missing = [f for f in files if not f.with_suffix(".txt").is_file()]
     if missing:
-        nested = sorted(path.glob(f"*/{METADATA}"))  # Hugging Face's imagefolder layout: train/metadata.jsonl
+        # Hugging Face's imagefolder layout: train/metadata.jsonl (or .csv)
+        nested = sorted([*path.glob(f"*/{METADATA}"), *path.glob(f"*/{METADATA_CSV}")])
         hint = f"; {nested[0]} is one: pass --train_data_dir {nested[0].parent}" if nested else ""
         raise UserError(
-            f"--train_data_dir {folder} has no {METADATA} and {len(missing)} images without a caption file "
-            f"(first: {missing[0].name} has no {missing[0].with_suffix('.txt').name}){hint}"
+            f"--train_data_dir {folder} has no {METADATA} or {METADATA_CSV} and {len(missing)} images without a "
+            f"caption file (first: {missing[0].name} has no {missing[0].with_suffix('.txt').name}){hint}"
         )
     captioned = {f.with_suffix(".txt") for f in files}
     orphans = sorted(t for t in path.rglob("*.txt") if t not in captioned and shown(t, path))
@@ -116,15 +127,28 @@ def _read_text(file: Path) -> str:
         raise UserError(f"{file} is not UTF-8 text; save it as UTF-8") from None
 
 
-def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> list[Example]:
+def _metadata_rows(metadata: Path) -> list[Any]:
+    """metadata.jsonl's objects, one a line; metadata.csv's rows by its header (a cell a short row lacks: None)."""
+    text = _read_text(metadata)
+    if metadata.name == METADATA_CSV:
+        try:
+            # newline="": a quoted caption may span lines (the csv module's rule), and U+2028 in one is no new line
+            return [row for row in csv.DictReader(io.StringIO(text, newline="")) if any(row.values())]
+        except csv.Error as err:
+            raise UserError(f"{metadata} could not be read as CSV ({err}); quote captions that hold commas") from None
     rows = []
-    for number, line in enumerate(_read_text(metadata).split("\n"), 1):  # (a caption may hold U+2028: no new line)
+    for number, line in enumerate(text.split("\n"), 1):  # (a caption may hold U+2028: no new line)
         if not line.strip():
             continue
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError as err:
             raise UserError(f"{metadata} line {number} is not JSON: {err.msg}") from None
+    return rows
+
+
+def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> list[Example]:
+    rows = _metadata_rows(metadata)
     for number, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             kind = "null" if row is None else type(row).__name__
@@ -132,14 +156,16 @@ def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> lis
         if caption_column not in row:
             raise UserError(
                 f"{metadata} row {number} has no caption column {caption_column!r} (its keys: "
-                f"{', '.join(row)}); pass --caption_column <name>"
+                f"{', '.join(k for k in row if isinstance(k, str))}); pass --caption_column <name>"
             )
         if not isinstance(row.get("file_name"), str) or not row["file_name"]:
             raise UserError(f"{metadata} row {number} has no file_name (the image's path in {folder}, a text)")
         if not isinstance(row[caption_column], str):  # str(None) would train on the caption "None"
+            # a CSV row shorter than the header: None where the caption's cell would be
+            value = "missing" if metadata.name == METADATA_CSV else json.dumps(row[caption_column])
             raise UserError(
-                f"{metadata} row {number}: its caption {caption_column!r} is {json.dumps(row[caption_column])}, not "
-                'a text; give it one ("" for an image trained without a caption)'
+                f'{metadata} row {number}: its caption {caption_column!r} is {value}, not a text; give it one ("" '
+                "for an image trained without a caption)"
             )
         if not (folder / row["file_name"]).is_file():
             raise UserError(f"{metadata} row {number} names {row['file_name']}, which is not a file in {folder}")
