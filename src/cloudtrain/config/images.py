@@ -14,12 +14,12 @@ WEIGHTING_SCHEMES = ("logit_normal", "sigma_sqrt", "mode", "cosmap", "none")
 class ImagesConfig(OnlyFields):
     train_data_dir: str | None = opt(
         None,
-        "Text-to-image: a folder of images with their captions, in metadata.jsonl (file_name and "
-        "--caption_column per line) or in a <image name>.txt file beside each image.",
+        "Text-to-image: a folder of images with their captions, in metadata.jsonl or metadata.csv (file_name and "
+        "--caption_column per row) or in a <image name>.txt file beside each image.",
         path=True,
     )
     image_column: str = opt("image", "Text-to-image with --dataset_name: the column holding the images.")
-    caption_column: str = opt("text", "Text-to-image: the caption column of metadata.jsonl or --dataset_name.")
+    caption_column: str = opt("text", "Text-to-image: the caption column of metadata.jsonl/.csv or --dataset_name.")
     instance_data_dir: str | None = opt(
         None, "DreamBooth: a folder of images of the subject, all captioned with --instance_prompt.", path=True
     )
