@@ -405,6 +405,25 @@ def test_blank_lines_of_a_text_file_are_skipped_with_a_note(tmp_path, capsys):
     assert read_texts(str(file), "text") == ["a", "b"] and capsys.readouterr().err == ""
 
 
+def test_a_text_file_gives_one_text_per_line_whatever_else_it_holds(tmp_path, capsys):
+    """str.splitlines() also split at form feeds (pdftotext's page breaks), U+2028 and U+0085: four lines gave seven
+    rows, and a join on line numbers misaligned (found in audit). Windows' line ends are line ends."""
+    import argparse
+
+    from cloudtrain.generate import read_prompts
+    from cloudtrain.predict import read_texts
+
+    file = tmp_path / "ff.txt"
+    file.write_bytes(b"first line\nsecond part A\x0csecond part B\nthird \xe2\x80\xa8 still third\nfourth\xc2\x85x\n")
+    lines = ["first line", "second part A\fsecond part B", "third \u2028 still third", "fourth\x85x"]
+    assert read_texts(str(file), "text") == lines
+    args = argparse.Namespace(chat=False, prompt=[], input_file=str(file), text_column="text")
+    assert read_prompts(args) == lines  # generate reads its prompts through the same function
+    file.write_bytes(b"one\r\ntwo \r three\r\n\r\nfour")  # a lone carriage return is no line end either
+    assert read_texts(str(file), "text") == ["one", "two \r three", "four"]
+    assert capsys.readouterr().err.count("note: 1 blank line(s) of ") == 1
+
+
 def test_an_input_file_without_rows_is_called_the_input(tmp_path):
     """A csv of a header alone was "the train data in in.csv is empty" (left alone in an audit), and a JSON
     array of nothing was asked for a header."""

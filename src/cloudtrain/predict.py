@@ -57,7 +57,7 @@ def read_texts(path: str, column: str) -> list[str]:
     file = Path(path)  # there: the commands' check_input_file
     if file.suffix.lower() == ".txt":
         try:
-            lines = file.read_text(encoding="utf-8").splitlines()
+            lines = text_lines(file.read_bytes().decode("utf-8"))
         except UnicodeDecodeError:
             raise UserError(f"--input_file {path} is not UTF-8 text; save it as UTF-8 and try again") from None
         texts = [line for line in lines if line.strip()]
@@ -68,6 +68,16 @@ def read_texts(path: str, column: str) -> list[str]:
             )
         return texts
     return read_columns(path, [column])[0]
+
+
+def text_lines(text: str) -> list[str]:
+    """The lines of a text file, one per line break ("\n", or Windows' "\r\n"): str.splitlines() also splits at
+    form feeds (pdftotext's page breaks), U+2028, U+0085 and lone carriage returns, which gave more rows than the
+    file has lines (found in audit)."""
+    lines = text.split("\n")
+    if lines[-1] == "":  # the last line's own line break
+        lines.pop()
+    return [line.removesuffix("\r") for line in lines]
 
 
 def read_columns(path: str, columns: list[str]) -> list[list]:
