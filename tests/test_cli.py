@@ -1,12 +1,15 @@
 """The command line as a user meets it: bad input gets one clear line, exit 2, and nothing is touched."""
 
 import hashlib
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import torch
-from conftest import REPO, run_cli
+from conftest import ENTRY, REPO, run_cli
 
 import cloudtrain
 from cloudtrain.cli import main
@@ -190,3 +193,39 @@ def test_plan_tells_a_decoder_preset_to_add_the_task(capsys):
         "error: --model_config is for --task causal_lm, sft or dpo, not classification: add --task causal_lm "
         "(or sft or dpo)"
     )
+
+
+@pytest.mark.slow  # two fresh interpreters that import torch: the full suite runs it
+def test_output_into_a_pipe_its_reader_closed_ends_quietly_as_sigpipe_would(tmp_path, tiny_model_dir, tiny_llama_dir):
+    """`cloudtrain predict ... | head -c 10` and `generate ... | head -n 1` ended in a BrokenPipeError traceback and
+    exit 1 (found in audit): now nothing on stderr and status 141, as a tool that dies of SIGPIPE."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    classifier = tmp_path / "cls"
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(classifier)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(classifier)
+    for argv in (
+        ["predict", "--model_dir", str(classifier), "--text", "the team won", "--text", "rain"],
+        ["generate", "--model_dir", tiny_llama_dir, "--prompt", "a", "--prompt", "b", "--max_new_tokens", "3"],
+    ):
+        read, write = os.pipe()
+        os.close(read)  # the reader has gone before anything is written: every write to stdout fails
+        try:
+            result = subprocess.run(
+                [sys.executable, str(ENTRY), *argv], stdout=write, stderr=subprocess.PIPE, text=True, cwd=REPO
+            )
+        finally:
+            os.close(write)
+        assert (result.returncode, result.stderr) == (141, ""), result.stderr
+
+
+def test_a_broken_pipe_other_than_the_output_is_not_hidden(monkeypatch, capsys):
+    """Only a reader that stopped reading stdout ends a command quietly: another pipe's failure keeps its traceback."""
+    import cloudtrain.cli
+
+    def broken(name, argv):
+        raise BrokenPipeError("a tracker's pipe")
+
+    monkeypatch.setattr(cloudtrain.cli, "command_main", broken)
+    with pytest.raises(BrokenPipeError, match="a tracker's pipe"):
+        main(["predict", "--model_dir", "x", "--text", "hi"])

@@ -105,6 +105,35 @@ def command_main(name: str, argv: list[str]) -> None:
     importlib.import_module(COMMANDS[name][0]).run(args)
 
 
+# `cloudtrain predict ... | head` ended in a BrokenPipeError traceback once head stopped reading. Python ignores
+# SIGPIPE, so a write to a pipe nobody reads raises; the standard tools (cat, seq, grep) die of the signal instead,
+# which shells report as 128 + 13. The same status, quietly: a pipeline under `set -o pipefail` treats cloudtrain as
+# it treats them (the output was cut short), and one without it reports the reader's status, as before.
+SIGPIPE_STATUS = 141
+
+
+def closed_by_reader() -> bool:
+    """Whether stdout (or stderr) is a pipe whose reader has gone (`| head`); if so, it is pointed at os.devnull, as
+    Python's documentation of SIGPIPE advises, so that the interpreter's last flush at exit raises nothing more."""
+    import select
+
+    broken = False
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            fd = stream.fileno()
+        except (AttributeError, OSError, ValueError):  # replaced (pytest's capture) or closed
+            continue
+        if not hasattr(select, "poll"):  # Windows: no poll to ask; stdout is where a command writes most
+            broken = broken or stream is sys.stdout
+            continue
+        poller = select.poll()
+        poller.register(fd, select.POLLOUT)
+        if any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0)):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+            broken = True
+    return broken
+
+
 def secret_options() -> list[str]:
     return [name for name, (_, f) in option_fields().items() if f.metadata["secret"]]
 
@@ -162,6 +191,10 @@ def run_command(argv: list[str]) -> int:
         else:
             record_quiet(err.exit_code)
         return err.exit_code
+    except BrokenPipeError:
+        if not closed_by_reader():
+            raise  # some other pipe (a tracker's, a worker's): a fault to see whole
+        return SIGPIPE_STATUS
     except KeyboardInterrupt:
         training = not (argv and argv[0] in COMMANDS)
         # inside the training loop a first Ctrl-C saves a checkpoint; here it came elsewhere, or came twice
