@@ -229,3 +229,20 @@ def test_a_broken_pipe_other_than_the_output_is_not_hidden(monkeypatch, capsys):
     monkeypatch.setattr(cloudtrain.cli, "command_main", broken)
     with pytest.raises(BrokenPipeError, match="a tracker's pipe"):
         main(["predict", "--model_dir", "x", "--text", "hi"])
+
+
+def test_a_file_given_as_the_run_folder_is_called_a_file(tmp_path, capsys):
+    """predict, generate and merge said a file given as the run's folder "does not exist" (found in audit)."""
+    file = tmp_path / "preds.jsonl"
+    file.write_text("{}\n")
+    for argv, flag in (
+        (["predict", "--model_dir", str(file), "--text", "hi"], "--model_dir"),
+        (["generate", "--model_dir", str(file), "--prompt", "hi"], "--model_dir"),
+        (["merge", "--output_dir", str(file)], "--output_dir"),
+        (["merge", "--model_dir", str(file)], "--model_dir"),
+    ):
+        assert main(argv) == 2
+        said = capsys.readouterr().err.strip()
+        assert said == f"error: {flag} {file} is a file; give the folder a training run wrote"
+    assert main(["predict", "--model_dir", str(tmp_path / "gone"), "--text", "hi"]) == 2
+    assert capsys.readouterr().err.strip().endswith("gone does not exist; pass the output_dir of a training run")

@@ -47,6 +47,8 @@ def existing_run_dir(flag: str, path: str) -> Path:
     """`path` (given as `flag`) is a directory, with any final save a kill interrupted finished, so that what is
     read next is the previous model or the new one complete; a UserError otherwise."""
     if not Path(path).is_dir():
+        if Path(path).exists():  # "does not exist" sent the user looking for a folder that is there (audit)
+            raise UserError(f"{flag} {path} is a file; give the folder a training run wrote")
         raise UserError(f"{flag} {path} does not exist; pass the output_dir of a training run")
     from cloudtrain.publish.output_dir import recover_unless_in_use
 
