@@ -467,3 +467,54 @@ def test_a_model_folder_without_its_tokenizer_is_refused_in_one_line(runs, tmp_p
     err = capsys.readouterr().err
     assert f"error: {copy} holds no tokenizer (tokenizer.json, tokenizer_config.json or vocabulary files)" in err
     assert "Traceback" not in err
+
+
+def test_a_damaged_or_missing_labels_json_is_named_in_one_line(tmp_path, tiny_model_dir, capsys):
+    """A hand-edited labels.json of another shape ({"x": 1}) was a KeyError traceback in predict; a missing one ended
+    in "Error(s) in loading state_dict" (the adapter's head has 3 labels, the base's config 2) (found in audit)."""
+    from peft import LoraConfig, get_peft_model
+
+    from cloudtrain.models import adapters
+    from cloudtrain.models.adapters import load_adapter_model
+
+    torch.manual_seed(0)
+    names = {0: "finance", 1: "sports", 2: "weather"}
+    base = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=3, id2label=names)
+    config = LoraConfig(task_type="SEQ_CLS", r=2, target_modules=["query", "value"])
+    adapter = tmp_path / "adapter"
+    adapters.save(get_peft_model(base, config), adapter)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(adapter)
+    intact = (adapter / "labels.json").read_text()
+    assert load_adapter_model(adapter)[0].config.id2label == names
+    labels = adapter / "labels.json"
+    shape = '{"id2label": {"0": "first label", "1": "second label", ...}, "problem_type": ...}'
+    for content, wrong in (
+        ({"x": 1}, "no id2label"),
+        ({"id2label": {"1": "a", "2": "b"}}, "id2label's keys are not the label ids 0 to 1"),
+        ({"id2label": {"0": "a", "1": 2}}, "an id2label name that is not text"),
+        ({"id2label": {"0": "a"}, "problem_type": "ranking"}, "problem_type 'ranking', not one of "),
+    ):
+        labels.write_text(json.dumps(content))
+        with pytest.raises(UserError) as refused:
+            load_adapter_model(adapter)
+        assert str(refused.value).startswith(f"{labels} holds {wrong}"), str(refused.value)
+        assert str(refused.value).endswith(f"should read {shape}; restore the labels.json the training run wrote")
+    labels.write_text('{"x": 1}')
+    assert main(["predict", "--model_dir", str(adapter), "--text", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.strip().splitlines()[-1].startswith(f"error: {labels} holds no id2label")
+    labels.unlink()
+    missing = (
+        f"{labels} is missing: the adapter's classifier has its labels there (names and count); restore the "
+        "labels.json the training run wrote beside adapter_config.json"
+    )
+    with pytest.raises(UserError) as refused:  # the base's 2 labels against the adapter's 3
+        load_adapter_model(adapter)
+    assert str(refused.value) == missing
+    (adapter / "labels.json").write_text(intact.replace('"sports"', '"sport"'))
+    (adapter / "args.json").write_text('{"task": "classification"}')
+    assert load_adapter_model(adapter)[0].config.id2label[1] == "sport"
+    labels.unlink()  # a run wrote both: the base's names would be the wrong ones even where the counts agree
+    with pytest.raises(UserError) as refused:
+        load_adapter_model(adapter)
+    assert str(refused.value) == missing

@@ -290,13 +290,15 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
         from cloudtrain.hub_reach import HubId, check_hub_ids
 
         check_hub_ids([HubId(f"base_model_name_or_path in {model_dir}/adapter_config.json", base)])
+    unlabelled = task_type in LABELLED and not (model_dir / LABELS).is_file()
+    if unlabelled and (model_dir / "args.json").is_file():  # a run wrote both: the base's names would be wrong
+        raise UserError(missing_labels(model_dir))
     if (model_dir / LABELS).is_file():
-        labels = read_json(model_dir / LABELS)
-        id2label = {int(i): name for i, name in labels["id2label"].items()}
+        id2label, problem_type = read_labels(model_dir / LABELS)
         options.update(
             id2label=id2label,  # the number of labels with it (num_labels too: a warning against the base's labels)
             label2id={n: i for i, n in id2label.items()},
-            problem_type=labels.get("problem_type"),  # written since --task multi_label; before: single-label
+            problem_type=problem_type,  # written since --task multi_label; before: single-label
             ignore_mismatched_sizes=True,
         )  # the base's own head, if any, is replaced by the adapter's
     verbosity = transformers.logging.get_verbosity()
@@ -319,12 +321,46 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
             from cloudtrain.models.load import remote_code_refusal  # load imports this module
 
             raise remote_code_refusal(base) from None
+        if unlabelled and "size mismatch" in str(err):  # the adapter's head has its labels, the base's another count
+            raise UserError(missing_labels(model_dir)) from None
         raise UserError(
             f"could not load the adapter in {model_dir} onto its base model {base}: {first_line(err)}"
         ) from None
     finally:
         transformers.logging.set_verbosity(verbosity)
     return model.eval(), tokenizer
+
+
+LABELLED = ("SEQ_CLS", "TOKEN_CLS")  # the adapters whose head's size and names only labels.json knows
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+LABELS_SHAPE = '{"id2label": {"0": "first label", "1": "second label", ...}, "problem_type": ...}'
+
+
+def read_labels(path: Path) -> tuple[dict[int, str], str | None]:
+    """(label id -> name, problem type) of an adapter classifier's labels.json (`save` writes it), or a UserError
+    naming the file and what is wrong with it: a hand-edited {"x": 1} was a KeyError traceback (found in audit)."""
+    labels = read_json(path)
+    names, problem_type = labels.get("id2label"), labels.get("problem_type")
+    if not isinstance(names, dict) or not names:
+        wrong = "no id2label"
+    elif sorted(names, key=lambda key: (len(key), key)) != [str(i) for i in range(len(names))]:
+        wrong = f"id2label's keys are not the label ids 0 to {len(names) - 1}"
+    elif not all(isinstance(name, str) and name for name in names.values()):
+        wrong = "an id2label name that is not text"
+    elif problem_type is not None and problem_type not in PROBLEM_TYPES:
+        wrong = f"problem_type {problem_type!r}, not one of {', '.join(PROBLEM_TYPES)}"
+    else:
+        return {int(i): name for i, name in names.items()}, problem_type
+    raise UserError(
+        f"{path} holds {wrong}, where it should read {LABELS_SHAPE}; restore the labels.json the training run wrote"
+    )
+
+
+def missing_labels(model_dir: Path) -> str:
+    return (
+        f"{model_dir}/{LABELS} is missing: the adapter's classifier has its labels there (names and count); restore "
+        "the labels.json the training run wrote beside adapter_config.json"
+    )
 
 
 def _scores(output) -> torch.Tensor:
