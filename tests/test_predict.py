@@ -424,6 +424,34 @@ def test_a_text_file_gives_one_text_per_line_whatever_else_it_holds(tmp_path, ca
     assert capsys.readouterr().err.count("note: 1 blank line(s) of ") == 1
 
 
+def test_more_than_one_batch_shows_a_bar_where_bars_show(tiny_model_dir, tmp_path, capsys, monkeypatch):
+    """A large --input_file showed nothing on stderr for minutes (found in audit): a bar counts the batches, where
+    the console shows bars (a terminal, CLOUDTRAIN_PROGRESS_BARS=1) and there is more than one; it is cleared."""
+    from transformers import AutoModelForQuestionAnswering, AutoModelForTokenClassification
+
+    from cloudtrain.observe import console
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    for name, auto in (("cls", AutoModelForSequenceClassification), ("ner", AutoModelForTokenClassification)):
+        auto.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(tmp_path / name)
+        tokenizer.save_pretrained(tmp_path / name)
+    AutoModelForQuestionAnswering.from_pretrained(tiny_model_dir).save_pretrained(tmp_path / "qa")
+    tokenizer.save_pretrained(tmp_path / "qa")
+    texts = ["the team won", "a storm hit", "rain", "snow fell", "the bank"]
+    capsys.readouterr()
+    for bars, shown in ((True, True), (False, False)):
+        monkeypatch.setattr(console, "_bars", bars)
+        for model, what, total, pairs in (
+            ("cls", "predicting", "/3 [", None), ("ner", "tagging", "/3 [", None), ("qa", "answering", "/5 [", texts),
+        ):  # fmt: skip
+            rows = predict(str(tmp_path / model), texts, batch_size=2, pairs=pairs)
+            err = capsys.readouterr().err  # (how far it drew before it was cleared depends on the clock)
+            assert len(rows) == 5 and (f"{what}: " in err and total in err) == shown, err
+            assert err.endswith("\r") or not shown  # cleared: the next line starts on a line of its own
+            predict(str(tmp_path / model), texts[:1] if pairs else texts, batch_size=5, pairs=pairs and texts[:1])
+            assert what not in capsys.readouterr().err  # one batch: no bar
+
+
 def test_an_input_file_without_rows_is_called_the_input(tmp_path):
     """A csv of a header alone was "the train data in in.csv is empty" (left alone in an audit), and a JSON
     array of nothing was asked for a header."""

@@ -17,7 +17,8 @@ A sentence-pair model gets (text, second text) through its tokenizer as in train
 reward model trained through a chat template gets the prompt (--text) and the answer (--text_pair) rendered through
 it, as its training rendered each side; a pair whose answer keeps no token within the length scores null.
 Texts are truncated at the --max_length the model was trained with (its args.json), so the predictions match the
-run's evaluation; --max_length sets another, up to the model's context.
+run's evaluation; --max_length sets another, up to the model's context. More than one batch of texts gets a
+progress bar on stderr where the console shows bars (cloudtrain.observe.console).
 A model that needs its own code (auto_map) loads only with --trust_remote_code true; nothing asks on
 standard input. The options are cloudtrain.commands.predict's; `run` is the command once they parsed.
 """
@@ -30,6 +31,7 @@ import re
 import stat
 import sys
 import typing
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -144,7 +146,7 @@ def predict(
     chat = reward_chat(recorded, tokenizer)
     results: list[dict] = []
     truncated, answerless = 0, []
-    for i in range(0, len(texts), batch_size):
+    for i in progress(range(0, len(texts), batch_size), "predicting"):
         chunk = texts[i : i + batch_size]
         second = pairs[i : i + batch_size] if pairs is not None else None
         if chat is not None:  # the command checked that a chat-template reward model gets (prompt, answer) pairs
@@ -188,6 +190,18 @@ def predict(
             file=sys.stderr,
         )
     return results
+
+
+def progress(batches: range, what: str, unit: str = "batch") -> Iterable:
+    """The `batches`, under a bar on stderr while they run where a person watches it (cloudtrain.observe.console: a
+    terminal, or CLOUDTRAIN_PROGRESS_BARS=1) and there is more than one: a large --input_file showed nothing for
+    minutes (found in audit). The bar is cleared once they are done, or one failed."""
+    from tqdm.auto import tqdm
+
+    from cloudtrain.observe import console
+
+    quiet = len(batches) <= 1 or not console.progress_bars()
+    return tqdm(batches, desc=what, unit=unit, leave=False, dynamic_ncols=True, disable=quiet)
 
 
 def reward_chat(recorded: dict, tokenizer) -> "ChatFormat | None":
@@ -328,7 +342,7 @@ def tag_words(model, tokenizer, texts: list, batch_size: int, limit: int, inputs
     from cloudtrain.entities import scored_entities
 
     results, truncated = [], 0
-    for i in range(0, len(texts), batch_size):
+    for i in progress(range(0, len(texts), batch_size), "tagging"):
         chunk, spans = zip(*(_word_spans(text) for text in texts[i : i + batch_size]), strict=True)
         words = [[text[a:b] for a, b in row] for text, row in zip(chunk, spans, strict=True)]
         encoded = tokenizer(
@@ -390,7 +404,8 @@ def answer_questions(
     stride = recorded.get("doc_stride", DataConfig.doc_stride)
     longest = recorded.get("max_answer_length", DataConfig.max_answer_length)
     rows = []
-    for i, (question, context) in enumerate(zip(questions, contexts, strict=True)):
+    for i in progress(range(len(questions)), "answering", "question"):  # a question's windows are its batch
+        question, context = questions[i], contexts[i]
         room = context_room(tokenizer, question, limit)  # a shorter --max_length than training's moves by less
         if room < 2:
             raise UserError(f"question {i + 1} leaves no room for its context in --max_length {limit}; raise it")
