@@ -6,6 +6,7 @@ where cloudtrain.generate uses them.
 """
 
 import logging
+import shutil
 import warnings
 
 import pytest
@@ -195,6 +196,30 @@ def test_run_streams_each_prompt_and_its_continuation(tiny_llama_dir, llama, tmp
     # streamed: the continuations came through the streamer, in more pieces than one per prompt
     assert "".join(chunks) == "".join(texts)
     assert len([c for c in chunks if c]) > len(prompts)
+
+
+def test_a_system_prompt_nothing_reads_is_noted(tiny_llama_dir, tmp_path, capsys):
+    """--system_prompt with --raw true, or on a model without a chat template, was dropped without a word (found in
+    audit): one note on stderr says why, as for sampling options without sampling; read, it says nothing."""
+    chat = tmp_path / "chat"
+    shutil.copytree(tiny_llama_dir, chat)
+    tokenizer = AutoTokenizer.from_pretrained(chat)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tokenizer.save_pretrained(chat)
+    common = ("--prompt", "Once", "--max_new_tokens", "2", "--device", "cpu", "--system_prompt", "Be brief")
+    given = "note: --system_prompt 'Be brief' has no effect"
+    for model_dir, extra, notes in (
+        (tiny_llama_dir, (), [f"{given}: the model in {tiny_llama_dir} has no chat template to put it in; its "
+         "prompts are continued as plain text"]),
+        (str(chat), ("--raw", "true"),
+         [f"{given} with --raw true (the prompts continue as plain text); leave out --raw"]),
+        (str(chat), (), []),
+    ):  # fmt: skip
+        command.run(parse("--model_dir", model_dir, *common, *extra))
+        assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")] == notes
 
 
 def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):

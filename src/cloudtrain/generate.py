@@ -354,6 +354,8 @@ def run(args: argparse.Namespace) -> None:
         prompts = [trained.get("source_prefix", "") + prompt for prompt in prompts]
     if args.num_beams is None:  # as the run's evaluation decoded, unless asked to sample
         args.num_beams = trained.get("generation_num_beams", 1) if seq2seq and not args.do_sample else 1
+    if args.system_prompt is not None and not templated:
+        print(f"note: {unused_system_prompt(args, tokenizer, task)}", file=sys.stderr)  # stdout holds the texts
     if args.system_prompt is None and trained.get("system_prompt"):
         args.system_prompt = trained["system_prompt"]  # what every training example began with
     texts = (
@@ -389,6 +391,22 @@ def run(args: argparse.Namespace) -> None:
         print(f"{prompt}\n" if templated or seq2seq else prompt, end="", flush=True)
         torch.manual_seed(args.seed)
         show(generate_texts(model, tokenizer, [text], **options)[0], streamed=streamer is not None)
+
+
+def unused_system_prompt(args: argparse.Namespace, tokenizer, task: str | None) -> str:
+    """Why the --system_prompt given is not read, as config.inert's notes say it: only a chat template puts it
+    before the prompts (it was dropped without a word; found in audit)."""
+    from cloudtrain.config.inert import as_typed
+
+    given = as_typed("system_prompt", args.system_prompt)
+    if not tokenizer.chat_template:
+        return (
+            f"{given} has no effect: the model in {args.model_dir} has no chat template to put it in; its prompts are "
+            "continued as plain text"
+        )
+    if args.raw:
+        return f"{given} has no effect with --raw true (the prompts continue as plain text); leave out --raw"
+    return f"{given} has no effect: the model in {args.model_dir} was trained with --task {task} on plain text"
 
 
 def show(text: str, streamed: bool) -> None:

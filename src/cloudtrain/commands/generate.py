@@ -98,7 +98,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "Continue the prompts as plain text even when the model has a chat template "
         "(default: false, prompts are user messages).",
     )
-    parser.add_argument("--system_prompt", help="With a chat template: a system message put before the conversation.")
+    parser.add_argument(
+        "--system_prompt",
+        help="With a chat template: a system message put before the conversation (default: the training's "
+        "--system_prompt); without one, or with --raw true, it is not read, and a note says so.",
+    )
     add_trust_remote_code(parser)
 
 

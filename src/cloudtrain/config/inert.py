@@ -160,6 +160,11 @@ def print_inert_notes(cfg: Config, task: str | None = None) -> None:
             print(f"note: {note}", flush=True)
 
 
+def as_typed(name: str, value: Any) -> str:
+    """An option as the notes show it: --name value, the value quoted for the shell and cut where long."""
+    return f"--{name} {_shown(value)}"
+
+
 def _either(values: Iterable[Any]) -> str:
     """lora, dora or qlora."""
     words = [_shown(value) for value in values]
