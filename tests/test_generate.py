@@ -365,6 +365,13 @@ def test_bad_model_dirs_are_refused_before_loading(
         assert "--device cuda: no CUDA GPU is visible" in error(tiny_llama_dir, "--prompt", "hi", "--device", "cuda")
 
 
+def test_a_one_token_prompt_is_one_token(llama):
+    """ "prompt 1 is 1 tokens" (found in audit)."""
+    model, tokenizer = llama
+    with pytest.raises(UserError, match="^prompt 1 is 1 token; with --max_new_tokens 256 that exceeds"):
+        generate.check_lengths(model, tokenizer, [""], 256)  # an empty prompt: the BOS token
+
+
 def test_a_prompt_past_the_context_length_is_refused(tiny_gpt2_dir):
     with pytest.raises(
         UserError,

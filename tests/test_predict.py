@@ -170,7 +170,7 @@ def test_the_output_is_new_or_replaced_only_with_the_flag(runs, tmp_path, capsys
     out = tmp_path / "new" / "preds.jsonl"  # a missing folder is made
     assert run_main(capsys, "--model_dir", single, "--text", "a storm", "--output_file", str(out))[:2] == (
         0,
-        f"wrote 1 predictions to {out}\n",
+        f"wrote 1 prediction to {out}\n",
     )
     first = [json.loads(line) for line in out.read_text().splitlines()]
     assert [row["text"] for row in first] == ["a storm"] and set(first[0]) == {"text", "label", "score"}
@@ -450,6 +450,32 @@ def test_more_than_one_batch_shows_a_bar_where_bars_show(tiny_model_dir, tmp_pat
             assert err.endswith("\r") or not shown  # cleared: the next line starts on a line of its own
             predict(str(tmp_path / model), texts[:1] if pairs else texts, batch_size=5, pairs=pairs and texts[:1])
             assert what not in capsys.readouterr().err  # one batch: no bar
+
+
+def test_the_input_files_words_fit_the_command(tmp_path, capsys):
+    """The unsupported-format line listed .txt twice, predict's --help left out .parquet (which it reads), and
+    generate said a blank line skipped meant "one output row per text line" (found in audit)."""
+    import argparse
+
+    from cloudtrain.cli import command_parser
+    from cloudtrain.generate import read_prompts
+    from cloudtrain.predict import read_columns, read_texts
+
+    with pytest.raises(UserError) as refused:
+        read_columns(str(tmp_path / "in.xml"), ["text"])
+    assert str(refused.value) == (
+        f"--input_file {tmp_path / 'in.xml'}: unsupported format '.xml'; use .txt (one text per line) or one of "
+        ".csv, .tsv, .json, .jsonl, .parquet"
+    )
+    for command in ("predict", "generate"):
+        assert "csv/tsv/json/jsonl/parquet" in " ".join(command_parser(command).format_help().split())
+    file = tmp_path / "prompts.txt"
+    file.write_text("once\n\nthe king\n")
+    args = argparse.Namespace(chat=False, prompt=[], input_file=str(file), text_column="text")
+    assert read_prompts(args) == ["once", "the king"]
+    assert capsys.readouterr().err == f"note: 1 blank line(s) of {file} skipped: one text is generated per other line\n"
+    assert read_texts(str(file), "text") == ["once", "the king"]
+    assert capsys.readouterr().err == f"note: 1 blank line(s) of {file} skipped: one output row per text line\n"
 
 
 def test_an_input_file_without_rows_is_called_the_input(tmp_path):

@@ -18,7 +18,7 @@ one prompt after another, with a separator line between them. Greedy decoding by
 text prints when it is complete (nothing can stream it). The random generator is seeded
 from --seed before each prompt, so a prompt gives the same text whatever other prompts are run with it.
 Prompts come from --prompt (repeatable) and --input_file: .txt (one prompt per line, blank lines
-skipped) or .csv/.tsv/.json/.jsonl with a --text_column. An empty prompt starts from the BOS token.
+skipped) or .csv/.tsv/.json/.jsonl/.parquet with a --text_column. An empty prompt starts from the BOS token.
 The model runs in fp32 on CPU and in bf16 on a CUDA GPU that computes it natively.
 
 An encoder-decoder reads each prompt whole and writes a new text (the training's --source_prefix, T5's
@@ -150,7 +150,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.input_file:
         from cloudtrain.predict import read_texts
 
-        texts = read_texts(args.input_file, args.text_column)
+        texts = read_texts(args.input_file, args.text_column, "one text is generated per other line")
         prompts += [text for text in texts if text.strip()]
         if blank := len(texts) - len(prompts) + len(args.prompt):  # (a .txt file's blank lines: said as read)
             print(f"note: {blank} empty prompt(s) of {args.input_file} skipped", file=sys.stderr)
@@ -299,9 +299,13 @@ def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add
         length = _prompt_ids(tokenizer, prompt, add_special_tokens)[0].shape[1]
         if length + max_new_tokens > limit:
             raise UserError(
-                f"prompt {number} is {length} tokens; with --max_new_tokens {max_new_tokens} that "
+                f"prompt {number} is {tokens(length)}; with --max_new_tokens {max_new_tokens} that "
                 f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens"
             )
+
+
+def tokens(count: int) -> str:
+    return f"{count} token{'' if count == 1 else 's'}"
 
 
 def _check_encoder_decoder(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
@@ -317,7 +321,7 @@ def _check_encoder_decoder(model, tokenizer, prompts: list[str], max_new_tokens:
         length = _prompt_ids(tokenizer, prompt)[0].shape[1]
         if encoder and length > encoder:
             raise UserError(
-                f"prompt {number} is {length} tokens, more than the model's encoder reads ({encoder} positions); "
+                f"prompt {number} is {tokens(length)}, more than the model's encoder reads ({encoder} positions); "
                 "shorten it"
             )
 

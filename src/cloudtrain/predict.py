@@ -12,7 +12,8 @@ each entity has its type, text, character offsets and mean probability.
 --output_file
 writes them to a new file in the format its name says (.csv, .tsv, .json, else JSON lines; an existing file only
 with --overwrite_output_file true), whole or not at all.
-Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl with a --text_column (and --text_pair_column).
+Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl/.parquet with a --text_column (and
+--text_pair_column).
 A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first. A
 reward model trained through a chat template gets the prompt (--text) and the answer (--text_pair) rendered through
 it, as its training rendered each side; a pair whose answer keeps no token within the length scores null.
@@ -55,7 +56,9 @@ if TYPE_CHECKING:
     from cloudtrain.data.chat import ChatFormat
 
 
-def read_texts(path: str, column: str) -> list[str]:
+def read_texts(path: str, column: str, blank: str = "one output row per text line") -> list[str]:
+    """The texts of an --input_file: a .txt file's lines (a note on stderr counts the blank ones skipped, and says
+    `blank`: what that means for the output), else its `column`."""
     file = Path(path)  # there: the commands' check_input_file
     if file.suffix.lower() == ".txt":
         try:
@@ -65,7 +68,7 @@ def read_texts(path: str, column: str) -> list[str]:
         texts = [line for line in lines if line.strip()]
         if len(texts) < len(lines):  # a join on line numbers would misalign without a word (found in audit)
             print(
-                f"note: {len(lines) - len(texts)} blank line(s) of {path} skipped: one output row per text line",
+                f"note: {len(lines) - len(texts)} blank line(s) of {path} skipped: {blank}",
                 file=sys.stderr,
             )
         return texts
@@ -83,16 +86,19 @@ def text_lines(text: str) -> list[str]:
 
 
 def read_columns(path: str, columns: list[str]) -> list[list]:
-    """Each named column of a csv/tsv/json/jsonl --input_file, as texts (a missing value: "", as in training; a list
-    cell as its items: a token classifier's words)."""
+    """Each named column of a csv/tsv/json/jsonl/parquet --input_file, as texts (a missing value: "", as in training;
+    a list cell as its items: a token classifier's words)."""
     file = Path(path)
     if file.suffix.lower() == ".txt":
-        raise UserError(f"--input_file {path} holds one text per line; a csv/tsv/json/jsonl file has columns")
+        raise UserError(f"--input_file {path} holds one text per line; a csv/tsv/json/jsonl/parquet file has columns")
     from cloudtrain.data.files import FILE_FORMATS
     from cloudtrain.data.sources import load_files  # only needed for tabular inputs
 
     if file.suffix.lower() not in FILE_FORMATS:
-        raise UserError(f"--input_file {path}: unsupported format; use .txt or one of {', '.join(FILE_FORMATS)}")
+        tabular = ", ".join(suffix for suffix in FILE_FORMATS if suffix != ".txt")  # (.txt was listed twice; audit)
+        raise UserError(
+            f"--input_file {path}: unsupported format {file.suffix!r}; use .txt (one text per line) or one of {tabular}"
+        )
     if file.stat().st_size == 0:
         raise UserError(f"--input_file {path} is empty")
     builder, options = FILE_FORMATS[file.suffix.lower()]
@@ -551,6 +557,6 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.output_file:
         write_predictions(Path(args.output_file), rows, args.overwrite_output_file)
-        print(f"wrote {len(rows)} predictions to {args.output_file}")
+        print(f"wrote {len(rows)} prediction{'' if len(rows) == 1 else 's'} to {args.output_file}")
     else:
         print("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))

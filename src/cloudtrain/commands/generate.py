@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--input_file",
         help="A .txt file with one prompt per line (blank lines skipped), "
-        "or a csv/tsv/json/jsonl file with a --text_column.",
+        "or a csv/tsv/json/jsonl/parquet file with a --text_column.",
     )
     parser.add_argument(
         "--text_column", default="text", help="Column of --input_file holding the prompts (default: text)."

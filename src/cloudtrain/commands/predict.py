@@ -36,7 +36,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[],
         help="The second text of a sentence-pair model, one per --text, in the same order (repeatable).",
     )
-    parser.add_argument("--input_file", help="A .txt file (one text per line) or a csv/tsv/json/jsonl file.")
+    parser.add_argument(
+        "--input_file",
+        help="A .txt file (one text per line) or a csv/tsv/json/jsonl/parquet file with a --text_column.",
+    )
     parser.add_argument("--text_column", default="text", help="Column of --input_file holding the texts.")
     parser.add_argument(
         "--text_pair_column",
@@ -273,7 +276,7 @@ def check_pairs(args: argparse.Namespace, pairs: bool | None, how: str, recorded
         raise UserError(
             f"--input_file {args.input_file} holds one text per line, with no second text; "
             + (f"{model}: " if pairs else "")
-            + "give a csv/tsv/json/jsonl file and name its columns with --text_column and --text_pair_column"
+            + "give a csv/tsv/json/jsonl/parquet file and name its columns with --text_column and --text_pair_column"
         )
     if pairs and args.text and not args.text_pair:
         raise UserError(f'{model}: give each --text its second text with --text_pair "..."')
