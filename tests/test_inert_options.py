@@ -130,6 +130,14 @@ def test_no_note_where_the_task_reads_the_option(task, values):
         ),
         ({"eval_steps": 2}, "--eval_steps 2 has no effect without --eval_strategy steps"),  # (default: epoch)
         ({"hub_token": "hf_NotShown"}, "--hub_token '<hidden>' has no effect without --push_to_hub true"),
+        (  # DreamBooth's class options without prior preservation (found in audit: ignored without a word)
+            {"task": "text_to_image", "instance_data_dir": "/d", "instance_prompt": "sks", "class_prompt": "a dog"},
+            "--class_prompt 'a dog' has no effect without --with_prior_preservation true",
+        ),
+        (  # captions come with a --train_data_dir: an enabling folder is named FOLDER
+            {"task": "text_to_image", "train_data_dir": "/d", "instance_prompt": "sks"},
+            "--instance_prompt sks has no effect without --instance_data_dir FOLDER",
+        ),
     ],
 )
 def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):

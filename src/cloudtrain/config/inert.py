@@ -52,6 +52,10 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "precompute_reference": ("preference_loss", tuple(x for x in PREFERENCE_LOSSES if x not in REFERENCE_FREE)),
     "early_stopping_threshold": ("early_stopping_patience", ()),
     "profile_steps": ("profile", (True,)),
+    # DreamBooth: the class images and their loss count only with prior preservation; the prompt only for
+    # --instance_data_dir (a --train_data_dir brings its own captions)
+    **{name: ("with_prior_preservation", (True,)) for name in ("class_data_dir", "class_prompt", "prior_loss_weight")},
+    "instance_prompt": ("instance_data_dir", ()),
     # a stream has no stored training split to cut or carve (--max_tokens/--max_steps and --stream_validation_docs)
     "max_train_samples": ("streaming", (False,)),
     "validation_split_percentage": ("streaming", (False,)),
@@ -127,7 +131,7 @@ def unused(
         if name not in values or values[name] == defaults[name]:
             continue
         given = f"--{name} {_shown(values[name], (separators or {}).get(name, ','))}"
-        wanted = _either(use.values) if use.values else "N"
+        wanted = _either(use.values) if use.values else _placeholder(use.needs)
         enabled = not use.needs or (
             values[use.needs] in use.values if use.values else values[use.needs] != defaults[use.needs]
         )
@@ -138,6 +142,12 @@ def unused(
         elif not enabled:
             notes.append(f"{given} has no effect without --{use.needs} {wanted}")
     return notes
+
+
+def _placeholder(name: str) -> str:
+    """What an enabling option with no fixed values takes, as --help would show it: FOLDER for a path, else N."""
+    field = option_fields().get(name)
+    return "FOLDER" if field is not None and field[1].metadata.get("path") else "N"
 
 
 def inert_notes(cfg: Config, task: str | None = None) -> list[str]:

@@ -208,6 +208,7 @@ class QuestionAnsweringTask(ClassificationTask):
         said = self.data_summary(data, "windows of questions")
         cut, _ = data.extras.get("cut_answers", (0, 0))
         if cut:
+            assert self.cfg is not None  # a task that processes data was built with the run's options
             d = self.cfg.data
             said += (
                 f"\nnote: {cut} training answers lie whole in no window of --max_length {d.max_length} with "
