@@ -816,6 +816,11 @@ def test_a_checkpoint_whose_weights_are_cut_short_is_passed_over_by_latest_and_r
     optimizer = tmp_path / "checkpoint-7" / "optimizer.bin"
     os.truncate(optimizer, optimizer.stat().st_size // 2)
     assert cut_short(tmp_path / "checkpoint-7") == "optimizer.bin is not a whole archive (cut short or damaged)"
+    states = tmp_path / "states" / "random_states_0.pkl"  # accelerate's: torch.save's archive too
+    states.parent.mkdir()
+    torch.save({"python": list(range(100))}, states)
+    os.truncate(states, states.stat().st_size // 2)
+    assert cut_short(states.parent) == "random_states_0.pkl is not a whole archive (cut short or damaged)"
     found = [{**local_view(cfg, tmp_path), "node": 0, "host": ""}]
     with pytest.raises(UserError, match="^no checkpoint in .* is whole .*pass --overwrite_output_dir true to start"):
         choose_resume(cfg, tmp_path, found)
@@ -845,6 +850,14 @@ def test_adapters_resumed_over_a_base_with_other_weights_of_the_same_shape_are_r
     with pytest.raises(UserError, match=r"trained adapters over other base weights \(.*\) than this run loads"):
         check_resumable(build_config({"model_name_or_path": str(other), "peft": "lora"}), checkpoint)
     assert "base_weights" not in model_record(build_config({"model_name_or_path": str(other)}))  # full weights saved
+    resharded = tmp_path / "resharded"  # the same tensors in two shards: the same base (it was refused)
+    shutil.copytree(tiny_model_dir, resharded)
+    (resharded / "model.safetensors").unlink()
+    names = sorted(load_file(same / "model.safetensors"))
+    original = load_file(same / "model.safetensors")
+    for i, part in enumerate((names[::2], names[1::2]), 1):
+        save_file({n: original[n] for n in part}, resharded / f"model-0000{i}-of-00002.safetensors")
+    check_resumable(build_config({"model_name_or_path": str(resharded), "peft": "lora"}), checkpoint)
 
 
 def test_a_step_counts_for_a_process_only_once_its_own_files_are_written(tmp_path):

@@ -36,6 +36,7 @@ from cloudtrain.checkpointing import (
 )
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
+from cloudtrain.models.record import safetensors_header
 from cloudtrain.paths import resumes_here, torchrun_restarts
 
 
@@ -381,7 +382,7 @@ def trained_already(cfg: Config, output_dir: Path) -> str | None:
     )
 
 
-WEIGHT_FILES = {".safetensors", ".bin", ".pt", ".pth"}
+WEIGHT_FILES = {".safetensors", ".bin", ".pt", ".pth", ".pkl"}  # accelerate's random states: torch.save too
 
 
 def cut_short(path: Path) -> str | None:
@@ -398,17 +399,10 @@ def cut_short(path: Path) -> str | None:
 
 
 def _safetensors_problem(file: Path) -> str | None:
-    size = file.stat().st_size
-    with file.open("rb") as f:
-        head = f.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        try:
-            header = json.loads(f.read(length)) if 0 <= length <= size - 8 else None
-        except ValueError:
-            header = None
-    if not isinstance(header, dict):
+    if (found := safetensors_header(file)) is None:
         return "has no readable header"
-    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    length, tensors = found
+    size, end = file.stat().st_size, max((entry["data_offsets"][1] for entry in tensors.values()), default=0)
     expected = 8 + length + end
     return None if size == expected else f"is {size} bytes where its header needs {expected} (cut short or damaged)"
 

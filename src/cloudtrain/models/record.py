@@ -37,21 +37,40 @@ def base_weights_digest(cfg: Config) -> str | None:
     files = _weight_files(cfg)
     if not files:
         return None
-    digest = hashlib.sha256()
+    samples = []  # (name, what it is): sorted over every shard, so another shard layout digests the same
     try:
         for file in files:
+            if (found := safetensors_header(file)) is None:
+                return None  # an odd file: nothing to compare, the load tells
+            length, tensors = found
             with file.open("rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(length))
-                for name in sorted(k for k in header if k != "__metadata__"):
-                    entry = header[name]
+                for name, entry in tensors.items():
                     start, end = entry["data_offsets"]
                     f.seek(8 + length + start)
-                    digest.update(f"{name}:{entry['dtype']}:{entry['shape']}".encode())
-                    digest.update(f.read(min(SAMPLE_BYTES, end - start)))
-    except (OSError, ValueError, KeyError, TypeError):  # an odd file: nothing to compare, the load tells
+                    head = f.read(min(SAMPLE_BYTES, end - start))
+                    samples.append((name, f"{name}:{entry['dtype']}:{entry['shape']}".encode() + head))
+    except (OSError, KeyError, TypeError, ValueError):
         return None
+    digest = hashlib.sha256()
+    for _, sample in sorted(samples):
+        digest.update(sample)
     return digest.hexdigest()[:16]
+
+
+def safetensors_header(path: Path) -> tuple[int, dict] | None:
+    """(the header's length in bytes, {tensor name: its dtype, shape and data_offsets}) of a safetensors file, read
+    without its data; None where it has no readable header (not one after all, cut short, unreadable)."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            header = json.loads(f.read(length)) if 0 <= length <= size - 8 else None
+    except (OSError, ValueError):
+        return None
+    if not isinstance(header, dict):
+        return None
+    return length, {name: entry for name, entry in header.items() if name != "__metadata__"}
 
 
 def _weight_files(cfg: Config) -> list[Path]:

@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 
 from cloudtrain.config import Config
+from cloudtrain.models.record import safetensors_header
 from cloudtrain.publish.card_sections import table_cell
 from cloudtrain.publish.saving import LABELS, MERGED, adapter_config, is_adapter_dir
 
@@ -83,11 +84,10 @@ def model_summary(output_dir: Path) -> tuple[str | None, str | None]:
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]] | None:
     """{tensor name: shape} from a safetensors file's header; None when it is missing or not one after all."""
+    found = safetensors_header(path)
     try:
-        with path.open("rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        return {name: t["shape"] for name, t in header.items() if name != "__metadata__"}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None if found is None else {name: t["shape"] for name, t in found[1].items()}
+    except (KeyError, TypeError):
         return None
 
 

@@ -61,7 +61,7 @@ from cloudtrain.config import Config, HubConfig, build_config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
-from cloudtrain.publish.output_dir import edited, record, remote_code, written
+from cloudtrain.publish.output_dir import edited, ours_in_merged, record, remote_code, written
 from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model, read_json
 from cloudtrain.sagemaker_env import in_training_job, job_name
 
@@ -405,10 +405,10 @@ def written_by_cloudtrain(output_dir: Path, files: list[Path]) -> tuple[list[Pat
     """`files` split into those cloudtrain wrote (its manifest's, in the folder and in merged/; the model card,
     the user's edit of it included; a remote-code model's modules) and the user's files with a model file's name
     (tokenizer_corpus.txt, vocab.backup), which a push must not publish."""
-    own = {place: written(place) | remote_code(place) for place in (output_dir, output_dir / MERGED)}
-    own[output_dir] |= {CARD}
-    ours = [path for path in files if path.name in own.get(path.parent, set())]
-    return ours, [path for path in files if path not in ours]
+    top, merges = written(output_dir) | remote_code(output_dir) | {CARD}, ours_in_merged(output_dir)
+    ours = [path for path in files if path.name in top if path.parent == output_dir]
+    ours += [path for path in files if path.parent == output_dir / MERGED and merges(path.name)]
+    return sorted(ours), [path for path in files if path not in ours]
 
 
 def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
@@ -417,13 +417,10 @@ def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
     absolute paths go up as their last part, as the card shows them (the user's directory layout is not public)."""
     if path.name == "args.json":  # the run's, and its copy in merged/
         return (json.dumps(without_folders(json.loads(path.read_text())), indent=2) + "\n").encode()
-    if path.name != ADAPTER_CONFIG:
+    if path.name != ADAPTER_CONFIG or not base_model:
         return path
     config = json.loads(path.read_text())
-    base = config.get("base_model_name_or_path")
-    if base_model is None and isinstance(base, str) and Path(base).expanduser().is_absolute():
-        base_model = Path(base).name  # a local base: its folder's name, as args.json and the card show it
-    if not base_model or base == base_model:
+    if config.get("base_model_name_or_path") == base_model:
         return path
     return (json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n").encode()
 

@@ -21,6 +21,7 @@ import json
 import os
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from cloudtrain.assets import r8_folder
@@ -128,13 +129,22 @@ def users_files(output_dir: Path) -> list[str]:
     ours = written(output_dir)
     mine = sorted(p.name for p in output_dir.iterdir() if is_run_name(p.name) and p.name not in ours)
     merged = output_dir / MERGED  # cloudtrain's, replaced whole: what else lies in it (a GGUF export) is the user's
-    if MERGED in ours and merged.is_dir() and (merged / MANIFEST).is_file():  # what the merge wrote, by name
-        own = {*written(merged), *remote_code(merged), MANIFEST}
-        mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if p.name not in own)
-    elif MERGED in ours and merged.is_dir():  # a merge before its manifest: its names
-        saved = (*FINAL_PATTERNS, *remote_code(merged))  # + the model's own code, which save_pretrained copies
-        mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not is_run_name(p.name, saved))
+    if MERGED in ours and merged.is_dir():
+        merges = ours_in_merged(output_dir)
+        mine += sorted(f"{MERGED}/{p.name}" for p in merged.iterdir() if not merges(p.name))
     return mine
+
+
+def ours_in_merged(output_dir: Path) -> Callable[[str], bool]:
+    """Whether a name in <output_dir>/merged is cloudtrain's: one its merge recorded writing (and the model's own
+    code, which save_pretrained copies), or, for a merge from before that record, a name a run writes."""
+    merged = Path(output_dir) / MERGED
+    if MERGED not in written(output_dir) or not merged.is_dir():
+        return lambda name: False
+    if (merged / MANIFEST).is_file():
+        return {*written(merged), *remote_code(merged), MANIFEST}.__contains__
+    saved = (*FINAL_PATTERNS, *remote_code(merged))
+    return lambda name: is_run_name(name, saved)
 
 
 def remote_code(folder: Path) -> set[str]:

@@ -38,7 +38,7 @@ from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import grow_embeddings, head_labels, pad_as_batches
+from cloudtrain.models.load import grow_embeddings, head_labels, pad_as_batches, trained_config
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
@@ -121,9 +121,10 @@ class RewardTask(PairRows, Task):
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
         """Rows -> (prompt, chosen, rejected) -> token ids of each side (and the margin); validation carved by pair."""
         self.cfg, self.tokenizer, d, p = cfg, tokenizer, cfg.data, cfg.preference
-        # a tokenizer with no separator (a decoder's) glued a text pair's prompt and answer ("the frogThe frog"):
-        # it reads them through chatml instead, as dpo does
-        if d.chat_template or tokenizer.chat_template or tokenizer.sep_token is None:
+        # a decoder's tokenizer, with no separator, glued a text pair's prompt and answer ("the frogThe frog"): it
+        # reads them through chatml instead, as dpo does (an encoder-decoder's, T5's, puts </s> between them)
+        glued = tokenizer.sep_token is None and not trained_config(cfg.model).is_encoder_decoder
+        if d.chat_template or tokenizer.chat_template or glued:
             size = len(tokenizer)
             self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
             self.added_tokens = len(tokenizer) - size
