@@ -339,3 +339,20 @@ def test_a_sigterm_once_the_loop_ended_saves_the_model_without_the_evaluation(
     assert sent and stopped.value.exit_code == 143
     assert str(stopped.value).endswith(f"the trained model is saved in {out}, without its validation evaluation")
     assert (out / "model.safetensors").is_file() and not (out / "eval_results.json").exists()
+
+
+def test_a_requeue_compares_the_options_as_resolved_where_they_were_auto(tmp_path):
+    """args.json holds what `auto` resolved to (a batch of 16): a requeue giving `auto` again is the same job
+    (found in review: it was refused as another run)."""
+    from cloudtrain.config import build_config
+    from cloudtrain.publish.saving import write_arguments
+    from cloudtrain.resume import STOPPED_MARK, trained_already
+
+    out = tmp_path / "out"
+    out.mkdir()
+    given = {"output_dir": str(out), "resume_from_checkpoint": "latest", "per_device_train_batch_size": "auto"}
+    write_arguments(build_config({**given, "per_device_train_batch_size": 16, "resume_from_checkpoint": None}),
+                    out / "args.json")  # fmt: skip
+    (out / "train_results.json").write_text(json.dumps({"global_step": 2, STOPPED_MARK: "SIGTERM"}))
+    assert trained_already(build_config(given), out).startswith(f"{out} already holds this run's trained model")
+    assert trained_already(build_config({**given, "learning_rate": 1.0}), out) is None  # another run

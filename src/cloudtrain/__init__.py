@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from cloudtrain.config import Config
-from cloudtrain.errors import UserError
+from cloudtrain.errors import TrainingStopped, UserError
 
 # bitsandbytes (imported by peft wherever it is installed) warns on every CPU with AVX512-BF16 that it could not
 # fetch a CPU 4-bit kernel from the Hub: noise on every command's stderr, as cloudtrain runs QLoRA on CUDA only.
@@ -33,7 +33,8 @@ __all__ = ["Config", "train", "__version__"]
 
 def train(config: Config | dict | str | Path | None = None, /, **options: Any) -> dict:
     """Run the training pipeline in this process; returns its results: {"train": ..., "eval": ..., "test": ...
-    (when there is a test split), "output_dir": ...}.
+    (when there is a test split), "output_dir": ...}; {} for a requeued run that found its model saved (a note
+    says so).
 
     `config`: a Config, a dict of options (flat, or grouped by section as in a config file), or the path of a
     YAML/JSON config file; `options` (flag names, e.g. learning_rate=3e-5) override it. The values are checked
@@ -86,7 +87,13 @@ def train(config: Config | dict | str | Path | None = None, /, **options: Any) -
             from cloudtrain.tasks.module_task import ModuleTask
 
             task = ModuleTask(module, train_dataset, eval_dataset, cfg)
-        return run_training(cfg, task=task, callbacks=[c for c in given if not isinstance(c, str)])
+        try:
+            return run_training(cfg, task=task, callbacks=[c for c in given if not isinstance(c, str)])
+        except TrainingStopped as done:
+            if done.exit_code:
+                raise
+            print(f"note: {done}", flush=True)  # a requeued run whose model is saved: nothing was left to do
+            return {}
     finally:
         back_online()  # an unreachable Hub switched this run to the cache, not the notebook's next one
 

@@ -121,7 +121,18 @@ def check_output_dir(cfg: Config, output_dir: Path, resumed_here: bool, runtime:
     """A save a kill interrupted is finished first; the user's files are never replaced; a model saved there
     earlier is replaced only when asked, or by the run resumed there (from one of its checkpoints: `resumed_here`).
     Then the folder is the run's."""
-    if note := runtime.run_on_main(lambda: None if resumed_here else trained_already(cfg, output_dir)):
+
+    def finished() -> str | None:
+        try:
+            atomic.check_writable(output_dir)
+        except UserError:
+            return None  # refusal() below says it
+        atomic.recover(output_dir)  # a final save a kill cut short is finished first: its results are read
+        return None if resumed_here else trained_already(cfg, output_dir)
+
+    if note := runtime.run_on_main(finished):  # a requeued job whose model is saved: its push, then the end
+        if cfg.hub.push_to_hub and runtime.is_main:
+            hub.push_output_dir(output_dir, cfg, hub.load_output_dir(output_dir)[1])
         raise TrainingStopped(note, 0, quiet=not runtime.is_main)
 
     def refusal() -> str | None:
@@ -132,8 +143,9 @@ def check_output_dir(cfg: Config, output_dir: Path, resumed_here: bool, runtime:
         atomic.recover(output_dir)
         if holds_saved_model(output_dir) and not cfg.output.overwrite_output_dir and not resumed_here:
             return earlier_model_refusal(output_dir)
-        try:  # a checkpoint folder the run resumes from is cloudtrain's (copied in from another machine, say)
-            claim(output_dir, ignore=("checkpoints",) if resumed_here else ())
+        own = resumed_here and checkpoint_dir(cfg, output_dir).resolve() == (output_dir / "checkpoints").resolve()
+        try:  # the checkpoint folder the run resumes from is cloudtrain's (copied in from another machine, say)
+            claim(output_dir, ignore=("checkpoints",) if own else ())
         except UserError as err:
             return str(err)
         if holds_saved_model(output_dir) and not resumed_here:

@@ -370,15 +370,15 @@ def trained_already(cfg: Config, output_dir: Path) -> str | None:
         return None
     by = train.get(STOPPED_MARK) if isinstance(train, dict) else None
 
-    def options(values: dict) -> dict:
-        return {k: v for k, v in values.items() if k not in ("resume_from_checkpoint", "overwrite_output_dir")}
-
-    if not by or options(read_arguments(output_dir)) != options(recorded_form(cfg)):  # a requeue changes neither
+    now = recorded_form(cfg)
+    same = [k for k, v in now.items() if v != "auto" and k not in ("resume_from_checkpoint", "overwrite_output_dir")]
+    recorded = read_arguments(output_dir)  # (what a requeue may change; `auto` was recorded as what it resolved to)
+    if not by or any(recorded.get(k) != now[k] for k in same):
         return None
     return (
         f"{output_dir} already holds this run's trained model (step {train.get('global_step')}), saved when {by} "
-        "stopped it after its last step: nothing is left to train, so the run ends here; its evaluation was skipped "
-        "(to train and evaluate it again, pass --overwrite_output_dir true)"
+        "stopped it after its last step: nothing is left to train, so the run ends here (no checkpoint was needed); "
+        "its evaluation was skipped (to train and evaluate it again, pass --overwrite_output_dir true)"
     )
 
 

@@ -63,7 +63,7 @@ def check_input_file(path: str | None) -> None:
 
 
 @contextlib.contextmanager
-def holding(folder: Path) -> Iterator[None]:
+def holding(folder: Path, flag: str = "--output_dir") -> Iterator[None]:
     """`folder` held as a run holds its output folder (cloudtrain.publish.output_dir.hold) while a command works in
     it: refused in one line while a run holds it. A folder that is not there is left to the command to say so."""
     from cloudtrain.publish.output_dir import hold, release
@@ -71,7 +71,7 @@ def holding(folder: Path) -> Iterator[None]:
     if not folder.is_dir():
         yield
         return
-    hold(folder, "--output_dir", elsewhere=False)
+    hold(folder, flag, elsewhere=False)
     try:
         yield
     finally:

@@ -57,5 +57,7 @@ def run(args: argparse.Namespace) -> None:
     check_options(args)
     from cloudtrain.models import adapters  # torch, transformers and peft: only once the options parsed
 
-    with holding(Path(args.output_dir)):  # not while a run writes the adapter, nor a run starting there meanwhile
+    with holding(
+        Path(args.output_dir), getattr(args, "flag", "--output_dir")
+    ):  # not while a run writes the adapter, nor a run starting there meanwhile
         adapters.run(args)

@@ -68,7 +68,7 @@ def process_word_tags(
     if total and lost == total:  # it trained on nothing, and logged a loss of 0 as if perfect
         raise UserError(
             f"none of the {total} training words keeps a token within --max_length {cfg.max_length}: nothing to "
-            "train on; raise --max_length"
+            "train on; raise --max_length, or check the words (text the tokenizer reads as nothing)"
         )
     return ProcessedData(
         train=splits["train"],
