@@ -57,7 +57,6 @@ def run(args: argparse.Namespace) -> None:
     check_options(args)
     from cloudtrain.models import adapters  # torch, transformers and peft: only once the options parsed
 
-    with holding(
-        Path(args.output_dir), getattr(args, "flag", "--output_dir")
-    ):  # not while a run writes the adapter, nor a run starting there meanwhile
+    flag = getattr(args, "flag", "--output_dir")
+    with holding(Path(args.output_dir), flag):  # not while a run writes the adapter, nor one starting there
         adapters.run(args)
