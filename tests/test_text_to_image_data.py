@@ -74,6 +74,8 @@ def test_a_folder_captioned_by_metadata_csv_trains_as_with_metadata_jsonl(tiny_s
         ("file_name,caption\n0.png,x\n", "row 1 has no caption column 'text' (its keys: file_name, caption); pass"),
         ("file_name,text\n0.png\n", "row 1: its caption 'text' is missing, not a text; give it one"),
         ("file_name,text\n9.png,x\n", "row 1 names 9.png, which is not a file in"),
+        # an unquoted comma: the caption was cut at it without a word (found in review)
+        ("file_name,text\n0.png,a red dog, sitting\n", "row 1 has more cells than its header; quote captions"),
     ):
         (folder / "metadata.csv").write_text(written)
         with pytest.raises(UserError, match=re.escape(line)):

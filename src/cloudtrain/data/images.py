@@ -133,9 +133,15 @@ def _metadata_rows(metadata: Path) -> list[Any]:
     if metadata.name == METADATA_CSV:
         try:
             # newline="": a quoted caption may span lines (the csv module's rule), and U+2028 in one is no new line
-            return [row for row in csv.DictReader(io.StringIO(text, newline="")) if any(row.values())]
+            rows = [row for row in csv.DictReader(io.StringIO(text, newline="")) if any(row.values())]
         except csv.Error as err:
             raise UserError(f"{metadata} could not be read as CSV ({err}); quote captions that hold commas") from None
+        for number, row in enumerate(rows, 1):  # cells past the header: an unquoted comma cut a caption short
+            if None in row:
+                raise UserError(
+                    f"{metadata} row {number} has more cells than its header; quote captions that hold commas"
+                )
+        return rows
     rows = []
     for number, line in enumerate(text.split("\n"), 1):  # (a caption may hold U+2028: no new line)
         if not line.strip():
