@@ -368,6 +368,14 @@ def test_a_refused_value_from_a_config_file_names_the_file(tmp_path):
         parse("--config", str(file))
     with pytest.raises(UserError, match=f"^--max_steps must be at least 1 .*set in {re.escape(str(file))}"):
         parse("--config", str(file), "--learning_rate", "1e-4")  # a check of the whole config, not one value
+    file.write_text("learning_rat: 1\n")
+    with pytest.raises(UserError) as unknown:
+        parse("--config", str(file))
+    assert (
+        str(unknown.value)
+        == f"unknown option 'learning_rat'; did you mean learning_rate? (learning_rat is set in {file})"
+    )
+    file.write_text("training:\n  max_steps: -5\n")
     with pytest.raises(UserError, match=r"^--max_steps must be at least 1$"):  # the flag, not the file, is wrong
         parse("--config", str(file), "--learning_rate", "1e-4", "--max_steps", "0")
 

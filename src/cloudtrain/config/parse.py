@@ -455,7 +455,7 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
 def _naming_file(message: str, origins: dict[str, str]) -> str:
     """A refusal of an option whose value a config file gave says which file (the user looks there, not at the
     command line): the first `--name` in the message that came from a file."""
-    for name in re.findall(r"--(\w+)", message):
-        if name in origins:
-            return f"{message} (--{name} is set in {origins[name]})"
+    for flag, unknown in re.findall(r"--(\w+)|unknown option '(\w+)'", message):
+        if (name := flag or unknown) in origins:
+            return f"{message} ({name if unknown else '--' + name} is set in {origins[name]})"
     return message
