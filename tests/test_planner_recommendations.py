@@ -7,6 +7,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 from test_planner import (
     decoder_dirs_fixture,  # noqa: F401  (the decoder_dirs fixture)
     plan_args,
@@ -70,6 +71,30 @@ def emitted_config(command: str) -> Config:
     add_config_arguments(parser)
     argv = shlex.split(command)
     return build_config(vars(parser.parse_args(argv[argv.index("--training_type") :])))
+
+
+@pytest.mark.parametrize(
+    "model,options",
+    [(None, {"task": "causal_lm", "model_config": "llama-8m"}), ("tiny", {})],
+    ids=["decoder", "classifier"],
+)
+def test_the_launch_command_carries_the_tokenizer_and_trust_remote_code_given(model, options, tiny_model_dir, tmp_path):
+    """The printed command dropped --trust_remote_code true (the run then refused a checkpoint with its own code)
+    and a classifier's --tokenizer_name_or_path (the run then looked for a tokenizer in the model's folder): both
+    go on to the run whenever they were given (found in audit)."""
+    tokenizer = str(REPO / "data" / "grimm" / "tokenizer")
+    args = plan_args(
+        tiny_model_dir if model else None,
+        tmp_path,
+        gpu_memory_gb=24,
+        tokenizer_name_or_path=tokenizer,
+        trust_remote_code="true",
+        **options,
+    )
+    cfg = emitted_config(planning.make_plan(args)["recommendation"]["command"])
+    assert (cfg.model.tokenizer_name_or_path, cfg.model.trust_remote_code) == (tokenizer, True)
+    args.trust_remote_code = False  # not given: not added
+    assert not emitted_config(planning.make_plan(args)["recommendation"]["command"]).model.trust_remote_code
 
 
 @pytest.mark.parametrize("max_length,expect", [(1024, "lora"), (4096, "qlora")])

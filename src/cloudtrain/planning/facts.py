@@ -117,6 +117,7 @@ class ModelFacts:
     vocab_size: int = 0  # the width of the logits (a decoder task); 0: a classification head, no logits term
     from_config: bool = False  # name is a --model_config (config.json or preset), not a checkpoint
     tokenizer: str | None = None  # --tokenizer_name_or_path, passed on to the launch command
+    trust_remote_code: bool = False  # --trust_remote_code true, passed on to the launch command
     adapters: AdapterFacts | None = None  # None: no adapter rows (a --model_config has no pretrained base)
     stages: StageFacts | None = None  # None: no pipeline rows (not a decoder cloudtrain.parallel.stages can cut)
     model_copy: bool = False  # full fine-tuning keeps a frozen fp32 copy of the model (a DPO reference)
@@ -317,6 +318,7 @@ def model_facts(
         vocab_size=0 if head is None else head.weight.shape[0],
         from_config=from_config,
         tokenizer=tokenizer,
+        trust_remote_code=trust_remote_code,
         adapters=None if from_config else adapter_facts(model, run_task.train_in_full(model), lora, layers[0]),
         stages=stage_facts(model) if decoder else None,
         tensor_plan=tensor_plan_facts(model, layers, kv_heads) if decoder else None,

@@ -247,12 +247,17 @@ def _launcher(setup: Setup, files: dict[str, str]) -> list[str]:
 
 
 def _model_args(m: ModelFacts) -> list[str]:
-    """The launch command's task and model flags (a classifier's: the model, and --task where not the default)."""
+    """The launch command's task and model flags (a classifier's: the model, and --task where not the default),
+    with --tokenizer_name_or_path and --trust_remote_code true wherever they were given (the run loads the model
+    and its tokenizer by them; a checkpoint with its own code is refused without the second)."""
     name = m.name if m.from_config else hub_id(m.name)  # a well-known model by its short name: the Hub id
     if not m.decoder:
         task = ["--task", m.task] if m.task != TrainingConfig.task else []
-        return [*task, "--model_name_or_path", name, *m.task_args]
-    args = ["--task", m.task, "--model_config" if m.from_config else "--model_name_or_path", name]
-    if m.from_config or m.tokenizer:
+        args = [*task, "--model_name_or_path", name]
+    else:
+        args = ["--task", m.task, "--model_config" if m.from_config else "--model_name_or_path", name]
+    if m.tokenizer or (m.decoder and m.from_config):  # a preset's vocabulary is the tokenizer's: it needs one
         args += ["--tokenizer_name_or_path", m.tokenizer or "<tokenizer dir or Hub id>"]
+    if m.trust_remote_code:
+        args += ["--trust_remote_code", "true"]
     return args + list(m.task_args)
