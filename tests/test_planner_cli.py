@@ -349,3 +349,22 @@ def test_an_attention_kernel_transformers_does_not_know_is_the_run_s_one_line(ca
     assert "error: --attn_implementation bogus is not an attention kernel transformers knows" in capsys.readouterr().err
     argv[-1] = "kernels-community/flash-attn"  # a Hub kernel: installed where it trains, not where it is planned
     assert main([*argv, "--json", "--output_dir", str(tmp_path / "plan")]) in (0, None)
+
+
+def test_an_output_dir_plan_cannot_write_is_one_line(tmp_path, capsys):
+    """A file as --output_dir got its configs beside it, and a path under a file (or in /proc) was a traceback once
+    the plan was computed (found in audit): refused in one line before the estimate; what fails while writing
+    anyway (here: the library, which the command's check does not guard) names the folder."""
+    (tmp_path / "a-file").write_text("")
+    argv = ["plan", "--task", "causal_lm", "--model_config", "llama-8m", "--gpu_memory_gb", "24", "--output_dir"]
+    for out, said in (
+        ("a-file", "a-file is a file; give a folder for the plan's configs"),
+        ("a-file/sub", "a-file/sub cannot be written (Not a directory); choose a folder you can write to"),
+    ):
+        assert main([*argv, str(tmp_path / out)]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and err.startswith("error: --output_dir ") and said in err, err
+    assert not (tmp_path / "a-file-2").exists()
+    args = plan_args(None, tmp_path / "a-file" / "sub", task="causal_lm", model_config="llama-8m", gpu_memory_gb=24)
+    with pytest.raises(UserError, match=r"cannot write the plan's configs in .*a-file/sub \(Not a directory\); give"):
+        planning.make_plan(args)

@@ -2,11 +2,13 @@
 their help and defaults) and the plan's. cloudtrain.planning estimates and chooses."""
 
 import argparse
+from pathlib import Path
 
 from cloudtrain.config import PEFT_METHODS, add_config_option, parse_bool
-from cloudtrain.errors import refuse_first
+from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.planning.accelerators import GPUS, gpu_by_name
 from cloudtrain.planning.strategies import MODEL_PARALLEL, PIPELINE, STRATEGIES
+from cloudtrain.publish.atomic import check_writable
 
 # The planner's GPUs and strategies, by name: these two modules import no task, transformers or torch.
 GPU_NAMES = tuple(GPUS)
@@ -151,6 +153,15 @@ def check_options(args: argparse.Namespace) -> None:
     )
     if args.gpu_memory_gb is None:
         gpu_by_name(args.gpu)  # a UserError for a GPU it does not know
+    check_output_dir(args.output_dir)
+
+
+def check_output_dir(output_dir: str) -> None:
+    """--output_dir names a folder plan can make or write in, checked before the estimate (a file there, or a
+    path under one, was a traceback once the plan was computed; an existing file got its configs beside it)."""
+    if Path(output_dir).exists() and not Path(output_dir).is_dir():
+        raise UserError(f"--output_dir {output_dir} is a file; give a folder for the plan's configs")
+    check_writable(Path(output_dir))  # a path under a file, a read-only or pseudo filesystem: the run's own line
 
 
 def run(args: argparse.Namespace) -> None:

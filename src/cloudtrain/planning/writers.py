@@ -23,6 +23,7 @@ import yaml
 
 from cloudtrain import invocation
 from cloudtrain.config import TrainingConfig
+from cloudtrain.errors import UserError
 from cloudtrain.parallel.distributed import zero_config
 from cloudtrain.planning.facts import ModelFacts
 from cloudtrain.planning.known_models import hub_id
@@ -84,9 +85,16 @@ def write_configs(m: ModelFacts, choice: Choice, setup: Setup, output_dir: Path)
     c = choice.candidate
     if c.pipeline or c.strategy.fsdp or c.model_parallel > 1:
         return {}, None
-    folder = next(f for f in _folders(output_dir) if _replaceable(f, _contents(m, choice, setup, f)))
-    contents = _contents(m, choice, setup, folder)
-    _write_all(folder, contents)
+    folder = output_dir
+    try:
+        folder = next(f for f in _folders(output_dir) if _replaceable(f, _contents(m, choice, setup, f)))
+        contents = _contents(m, choice, setup, folder)
+        _write_all(folder, contents)
+    except OSError as err:  # a path under a file, a read-only or pseudo filesystem, a full disk: one line
+        raise UserError(
+            f"cannot write the plan's configs in {folder} ({err.strerror or err}); give --output_dir a folder you "
+            "can write to"
+        ) from None
     files = {key: str(folder / name) for key, name in (("deepspeed_config", DS_CONFIG), ("accelerate_config", YAML))}
     files = {key: path for key, path in files.items() if Path(path).name in contents}
     if folder == output_dir:
