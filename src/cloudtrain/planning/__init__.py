@@ -3,7 +3,8 @@
 - `facts`: what the estimate needs from the model, read off its config and a meta-device build;
 - `strategies`: what is planned: the strategies, a pipeline's layout, the candidates and their meshes;
 - `memory`: the memory model, bytes per GPU of one candidate at one micro-batch (docs/planner-formulas.md);
-- `search`: the candidates' rows, the choice and its reasons, and the micro-batch of a training run's `auto`;
+- `search`: the candidates' rows, the choice, and the micro-batch of a training run's `auto`;
+- `reasons`: why the choice, and what would fit when nothing does;
 - `writers`: the accelerate/DeepSpeed configs and the launch command of the choice (no option parsing);
 - `report`: the plan as JSON and as a table;
 - `command`: the `plan` command's run (its options: cloudtrain.commands.plan, parsed without torch).

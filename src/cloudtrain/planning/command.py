@@ -44,6 +44,7 @@ from cloudtrain.planning.facts import LoraSpec, ModelFacts, is_decoder, model_co
 from cloudtrain.planning.kernels import fuses_loss, planned_kernels, shards_head
 from cloudtrain.planning.known_models import config_folder, known_name
 from cloudtrain.planning.memory import CUDA_CONTEXT_BYTES, FRAGMENTATION, GIB
+from cloudtrain.planning.reasons import reasons, suggestions
 from cloudtrain.planning.report import choice_json, recommendation_json, render, row_json
 from cloudtrain.planning.search import (
     context_candidates,
@@ -53,10 +54,8 @@ from cloudtrain.planning.search import (
     no_tensor_parallel,
     pipeline_candidates,
     ranked_choices,
-    reasons,
     row,
     run_attention,
-    suggestions,
     tensor_candidates,
 )
 from cloudtrain.planning.strategies import (
