@@ -250,3 +250,36 @@ def test_micro_batch_options_are_the_divisors_up_to_the_request():
         brute = [b for b in range(min(requested, per_gpu), 0, -1) if per_gpu % b == 0]
         assert micro_batch_options(requested, per_gpu) == brute, (requested, per_gpu)
     assert micro_batch_options(12_500_000, 12_500_000)[:3] == [12_500_000, 6_250_000, 3_125_000]
+
+
+def test_faster_rows_passed_over_for_a_small_micro_batch_are_not_said_to_be_over_budget(decoder_dirs, tmp_path):
+    """7B on 8 x 40 GiB at 16 rows of 1,024 tokens: ZeRO-2 fits 1 row (1,024 tokens per GPU, too few to keep the
+    GPUs busy), so a slower row fitting 8 is chosen; the reason said ZeRO-2 needed "more than 40 GiB per GPU at
+    micro-batch 1" while the table showed 38.5 (found in audit). Rows over budget and rows fitting only a small
+    micro-batch are named apart."""
+    plan = planning.make_plan(
+        plan_args(
+            decoder_dirs["7b"],
+            tmp_path,
+            task="causal_lm",
+            num_gpus=8,
+            gpu_memory_gb=40,
+            max_length=1024,
+            per_device_train_batch_size=16,
+            mixed_precision="bf16",
+        )
+    )
+    rec = plan["recommendation"]
+    largest = {r["label"]: r["max_micro_batch"] for r in plan["strategies"]}
+
+    def named(prefix: str) -> dict[str, str]:
+        line = next(reason for reason in rec["reasons"] if reason.startswith(prefix))
+        listed = line.split(": ", 1)[1].split(" GiB")[0].split(" tokens")[0]
+        return dict(item.rsplit(" ", 1) for item in listed.split(", "))
+
+    assert rec["micro_batch"] < 16
+    over = named("Faster options need more than 40 GiB per GPU at micro-batch 1")
+    small = named("Faster options fit only micro-batches of fewer than 4,096 tokens per GPU per micro-step")
+    assert over and small and not set(over) & set(small)
+    assert all(largest[name] == 0 and float(gib) > 40 for name, gib in over.items()), over
+    assert small["ZeRO-2"] == "1,024" and all(largest[name] >= 1 for name in small), small

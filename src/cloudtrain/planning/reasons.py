@@ -14,6 +14,7 @@ from cloudtrain.planning.search import (
     Choice,
     Row,
     busy_enough,
+    fitting_micro_batches,
     gpu_tokens,
     micro_batch_options,
     pipeline_layout,
@@ -150,18 +151,41 @@ def reasons(
 def _faster_reason(
     m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, requested: int, global_batch: int
 ) -> list[str]:
-    """Why not a faster candidate: over budget at the requested micro-batch, or (when it fits nothing) even at 1."""
+    """Why not a faster candidate: fitting only micro-batches that keep each GPU less busy than `busy_enough`
+    asks (the choice's does not); else over budget at the requested micro-batch (the choice fits it), or at 1."""
     c, b = choice.candidate, choice.micro_batch
+    per_gpu = global_batch // setup.world_size
     faster = sorted(
-        (r.candidate for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed), key=lambda f: f.speed
+        (r for r in rows if r.candidate.peft == c.peft and r.candidate.speed < c.speed), key=lambda r: r.candidate.speed
     )
-    if not faster:
-        return []
-    at = b if b == micro_batch_options(requested, global_batch // setup.world_size)[0] else 1
-    shown = ", ".join(f"{f.name} {estimate(m, f, setup, at * f.model_parallel).total / GIB:.1f}" for f in faster[:4])
-    more = " (and more)" if len(faster) > 4 else ""
-    gib = setup.gpu_memory_bytes / GIB
-    return [f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB{more}."]
+    at = b if b == micro_batch_options(requested, per_gpu)[0] else 1
+    over: list[tuple[Candidate, int]] = []  # (candidate, its memory per GPU at micro-batch `at`)
+    idle: list[tuple[Candidate, int]] = []  # (candidate, tokens per GPU at the largest micro-batch it fits)
+    for r in faster:
+        f, mp = r.candidate, r.candidate.model_parallel
+        options = micro_batch_options(requested * mp, per_gpu * mp)
+        fitting = fitting_micro_batches(m, r, setup, options, per_gpu)
+        if fitting and not busy_enough(f, setup, fitting[0], options[0]):
+            idle.append((f, gpu_tokens(f, setup, fitting[0])))
+        elif (need := estimate(m, f, setup, at * mp).total) > setup.gpu_memory_bytes and (at == b or not fitting):
+            over.append((f, need))
+    lines = []
+    if over:
+        shown = ", ".join(f"{f.name} {need / GIB:.1f}" for f, need in over[:4])
+        more = " (and more)" if len(over) > 4 else ""
+        gib = setup.gpu_memory_bytes / GIB
+        lines.append(f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB{more}.")
+    if idle:
+        largest = micro_batch_options(requested * c.model_parallel, per_gpu * c.model_parallel)[0]
+        least = min(gpu_tokens(c, setup, largest), BUSY_TOKENS)
+        why = "too few to keep the matmuls large" if least == BUSY_TOKENS else "fewer than the micro-batch asked"
+        shown = ", ".join(f"{f.name} {tokens:,}" for f, tokens in idle[:4])
+        more = " (and more)" if len(idle) > 4 else ""
+        lines.append(
+            f"Faster options fit only micro-batches of fewer than {least:,} tokens per GPU per micro-step, {why}: "
+            f"{shown} tokens at the largest each fits{more}."
+        )
+    return lines
 
 
 def _cost_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup) -> list[str]:

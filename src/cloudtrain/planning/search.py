@@ -224,6 +224,18 @@ def accumulation(cand: Candidate, per_gpu: int, micro_batch: int) -> int:
     return rows // per_step if rows % per_step == 0 else 0
 
 
+def fitting_micro_batches(m: ModelFacts, r: Row, setup: Setup, options: list[int], per_gpu: int) -> list[int]:
+    """The micro-batches of `options` a row fits with an accumulation that reaches the global batch."""
+    c = r.candidate
+    return [
+        b
+        for b in options
+        if b <= r.max_micro_batch
+        and accumulation(c, per_gpu, b)
+        and fits(estimate(m, c, setup, b), setup)  # a step of one micro-batch holds no gradients: not monotonic
+    ]
+
+
 def choose(m: ModelFacts, rows: list[Row], setup: Setup, requested: int, global_batch: int) -> Choice | None:
     """The first of `ranked_choices`, None when nothing fits."""
     ranked = ranked_choices(m, rows, setup, requested, global_batch)
@@ -251,15 +263,7 @@ def ranked_choices(m: ModelFacts, rows: list[Row], setup: Setup, requested: int,
                 # a TP/CP group's processes share their rows: the micro-batch asked of each GPU, times the group
                 options = micro_batch_options(requested * c.model_parallel, per_gpu * c.model_parallel)
                 allowed = [b for b in options if busy_enough(c, setup, b, options[0])] if first_only else options
-                fitting = [
-                    b
-                    for b in allowed
-                    if b <= rows[i].max_micro_batch
-                    and accumulation(c, per_gpu, b)
-                    and fits(
-                        estimate(m, c, setup, b), setup
-                    )  # a step of one micro-batch holds no gradients: not monotonic
-                ]
+                fitting = fitting_micro_batches(m, rows[i], setup, allowed, per_gpu)
                 if fitting:
                     b = fitting[0]
                     taken.add(i)
