@@ -182,3 +182,28 @@ def test_a_dpo_reference_copy_is_counted_and_the_cheaper_ways_named(tmp_path, mo
     assert " --precompute_reference true " in pre["recommendation"]["command"] + " "
     small = planning.make_plan(plan_args("llama-2-7b", tmp_path / "small", **{**args, "gpu_memory_gb": 40}))
     assert any("--precompute_reference true" in s for s in small["suggestions"] + small["recommendation"]["reasons"])
+
+
+# ---------------------------------------------------------------- what limits: the GPU, the CPU memory, the disk
+
+
+def test_where_the_cpu_memory_or_the_disk_limits_the_advice_names_it_not_the_gpu(tmp_path, monkeypatch):
+    """8 x H100 with 1 GiB of CPU memory, and --strategy zero3_nvme without --nvme_gb: the advice said "GPUs with
+    at least 2 GiB" (found in audit). It names the CPU memory per node that would fit (and that does fit), or the
+    disk; and a faster row within the GPU's memory but not the CPU's is not said to need more GPU memory."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = dict(task="causal_lm", gpu="h100", num_gpus=8, mixed_precision="bf16")
+    tight = planning.make_plan(plan_args("llama-2-7b", tmp_path / "a", cpu_memory_gb=1, **args))
+    assert tight["recommendation"] is None and not any("GPUs with at least" in s for s in tight["suggestions"])
+    advice = next(s for s in tight["suggestions"] if "of CPU memory per node" in s)
+    need = re.search(r"--cpu_memory_gb (\d+)", advice)
+    assert need and int(need.group(1)) > 1, advice
+    enough = planning.make_plan(plan_args("llama-2-7b", tmp_path / "b", cpu_memory_gb=need.group(1), **args))
+    reasons = enough["recommendation"]["reasons"]
+    over_gpu = next((r for r in reasons if r.startswith("Faster options need more than 80 GiB")), "")
+    assert "ZeRO-1 " not in over_gpu and any(r.startswith("Faster options fit the GPU") and "ZeRO-1 " in r
+                                             for r in reasons), reasons  # fmt: skip
+    nvme = dict(task="causal_lm", gpu="a10g", num_gpus=4, mixed_precision="bf16", strategy="zero3_nvme")
+    disk = planning.make_plan(plan_args("llama-2-7b", tmp_path / "c", **nvme))
+    assert disk["recommendation"] is None and not any("GPUs with at least" in s for s in disk["suggestions"])
+    assert any("--nvme_gb" in s for s in disk["suggestions"]), disk["suggestions"]

@@ -66,13 +66,29 @@ def _fewest_nodes(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> int | 
 
 
 def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str]:
-    """What would make the smallest of `cands` (at micro-batch 1) fit."""
-    leanest = min(cands, key=lambda c: estimate(m, c, setup, 1).total)
-    smallest = estimate(m, leanest, setup, 1)
-    ideas = [
-        f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option, {leanest.name}, needs "
-        f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"
-    ]
+    """What would make the smallest of `cands` (at micro-batch 1) fit: bigger GPUs only where the GPU is what
+    limits (the leanest row in GPU memory among those whose CPU memory and disk fit), more CPU memory only where
+    it is (the least a row needs per node among those whose GPU memory and disk fit)."""
+    ideas = []
+    big_gpus = replace(setup, gpu_memory_bytes=2**62)
+    by_gpu = [(c, e) for c in cands if fits(e := estimate(m, c, setup, 1), big_gpus)]
+    if by_gpu:
+        leanest, smallest = min(by_gpu, key=lambda ce: ce[1].total)
+        ideas.append(
+            f"GPUs with at least {math.ceil(smallest.total / GIB)} GiB (the leanest option, {leanest.name}, needs "
+            f"{smallest.total / GIB:.1f} GiB per GPU at micro-batch 1)"
+        )
+    if setup.cpu_memory_bytes is not None:
+        more_cpu = replace(setup, cpu_memory_bytes=None)
+        by_cpu = [(c, e) for c in cands if fits(e := estimate(m, c, setup, 1), more_cpu)]
+        if by_cpu:
+            leanest, smallest = min(by_cpu, key=lambda ce: ce[1].cpu_per_node)
+            need = math.ceil(smallest.cpu_per_node / GIB)
+            what = "to load the model" if smallest.cpu_load >= smallest.cpu_offloaded else "for what it offloads"
+            ideas.append(
+                f"{need} GiB of CPU memory per node, --cpu_memory_gb {need} (the leanest option in CPU memory, "
+                f"{leanest.name}, needs {smallest.cpu_per_node / GIB:.1f} GiB per node {what})"
+            )
     if nodes := _fewest_nodes(m, setup, cands):
         ideas.append(f"{nodes * setup.num_gpus} GPUs: --num_nodes {nodes} with {setup.num_gpus} GPUs each")
     lengths = [s for s in (2**k for k in range(20)) if 2 <= s < setup.max_length]
@@ -86,8 +102,6 @@ def suggestions(m: ModelFacts, setup: Setup, cands: list[Candidate]) -> list[str
             ideas.append(f"a shorter target: --max_target_length {max(fitting)}")
     if not setup.half and _fits_anything(m, replace(setup, mixed_precision="bf16"), cands):
         ideas.append("--mixed_precision bf16 (halves the activations and, with DeepSpeed, the weights)")
-    if setup.cpu_memory_bytes is not None and _fits_anything(m, replace(setup, cpu_memory_bytes=None), cands):
-        ideas.append("more CPU memory per node for offloading (see the CPU/node column)")
     if _fits_without_copy(m, setup, cands):
         ideas.append(
             "--precompute_reference true (the reference's log-probabilities once, before training: no copy; "
@@ -152,7 +166,8 @@ def _faster_reason(
     m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup, requested: int, global_batch: int
 ) -> list[str]:
     """Why not a faster candidate: fitting only micro-batches that keep each GPU less busy than `busy_enough`
-    asks (the choice's does not); else over budget at the requested micro-batch (the choice fits it), or at 1."""
+    asks (the choice's does not); else over the GPU's memory at the requested micro-batch (the choice fits it),
+    or at 1; else over the CPU memory or the disk per node."""
     c, b = choice.candidate, choice.micro_batch
     per_gpu = global_batch // setup.world_size
     faster = sorted(
@@ -161,20 +176,27 @@ def _faster_reason(
     at = b if b == micro_batch_options(requested, per_gpu)[0] else 1
     over: list[tuple[Candidate, int]] = []  # (candidate, its memory per GPU at micro-batch `at`)
     idle: list[tuple[Candidate, int]] = []  # (candidate, tokens per GPU at the largest micro-batch it fits)
+    elsewhere: list[str] = []  # a candidate and what it needs beyond the CPU memory or disk per node
     for r in faster:
         f, mp = r.candidate, r.candidate.model_parallel
         options = micro_batch_options(requested * mp, per_gpu * mp)
         fitting = fitting_micro_batches(m, r, setup, options, per_gpu)
+        e = estimate(m, f, setup, at * mp)
         if fitting and not busy_enough(f, setup, fitting[0], options[0]):
             idle.append((f, gpu_tokens(f, setup, fitting[0])))
-        elif (need := estimate(m, f, setup, at * mp).total) > setup.gpu_memory_bytes and (at == b or not fitting):
-            over.append((f, need))
+        elif e.total > setup.gpu_memory_bytes and (at == b or not fitting):
+            over.append((f, e.total))
+        elif not fits(e, setup):  # within the GPU's memory: over the CPU memory or the disk given
+            elsewhere.append(f"{f.name} {_over_budget(e, setup)}")
     lines = []
     if over:
         shown = ", ".join(f"{f.name} {need / GIB:.1f}" for f, need in over[:4])
         more = " (and more)" if len(over) > 4 else ""
         gib = setup.gpu_memory_bytes / GIB
         lines.append(f"Faster options need more than {gib:g} GiB per GPU at micro-batch {at}: {shown} GiB{more}.")
+    if elsewhere:
+        more = " (and more)" if len(elsewhere) > 4 else ""
+        lines.append(f"Faster options fit the GPU at micro-batch {at} but need: {'; '.join(elsewhere[:4])}{more}.")
     if idle:
         largest = micro_batch_options(requested * c.model_parallel, per_gpu * c.model_parallel)[0]
         least = min(gpu_tokens(c, setup, largest), BUSY_TOKENS)
