@@ -120,6 +120,11 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
             "--strategy pipeline: no pipeline can run here: it needs at least 2 GPUs",
         ),
         (["--strategy", "pipeline", "--num_gpus", "2"], "cuts causal LMs of the Llama family and GPT-2 only"),
+        # sizes past any machine: the search over their divisors did not end (found in audit)
+        (["--num_gpus", "1000000000"], "--num_gpus 1000000000 is GPUs per node: at most 1,024 .give the nodes in"),
+        (["--num_gpus", "8", "--num_nodes", "1000000"], "--num_nodes 1000000: at most 100,000"),
+        (["--global_batch_size", "100000000000000000000"], "--global_batch_size take at most 1,000,000"),
+        (["--per_device_train_batch_size", "2000000"], "--per_device_train_batch_size and --global_batch_size take"),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):
@@ -368,3 +373,13 @@ def test_an_output_dir_plan_cannot_write_is_one_line(tmp_path, capsys):
     args = plan_args(None, tmp_path / "a-file" / "sub", task="causal_lm", model_config="llama-8m", gpu_memory_gb=24)
     with pytest.raises(UserError, match=r"cannot write the plan's configs in .*a-file/sub \(Not a directory\); give"):
         planning.make_plan(args)
+
+
+def test_the_largest_machines_allowed_are_planned(tmp_path):
+    """1,024 GPUs on each of 100,000 nodes (the limits): planned, with no pipeline wider than the model's layers."""
+    args = plan_args(None, tmp_path, task="causal_lm", model_config="llama-8m", gpu_memory_gb=24)
+    args.num_gpus, args.num_nodes = 1024, 100_000
+    plan = planning.make_plan(args)
+    assert plan["recommendation"] is not None
+    layers = plan["model"]["num_layers"]
+    assert all(r["pipeline"]["parallel_size"] <= layers + 2 for r in plan["strategies"] if r["pipeline"])

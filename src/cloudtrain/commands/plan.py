@@ -5,6 +5,7 @@ import argparse
 from pathlib import Path
 
 from cloudtrain.config import PEFT_METHODS, add_config_option, parse_bool
+from cloudtrain.config.training import MAX_ROWS
 from cloudtrain.errors import UserError, refuse_first
 from cloudtrain.planning.accelerators import GPUS, gpu_by_name
 from cloudtrain.planning.strategies import MODEL_PARALLEL, PIPELINE, STRATEGIES
@@ -13,6 +14,9 @@ from cloudtrain.publish.atomic import check_writable
 # The planner's GPUs and strategies, by name: these two modules import no task, transformers or torch.
 GPU_NAMES = tuple(GPUS)
 STRATEGY_CHOICES = ("auto", *(strategy.key for strategy in (*STRATEGIES, PIPELINE, *MODEL_PARALLEL)))
+
+# GPUs per node and nodes a plan may name: more is a typo (and the search over their divisors would not end)
+MAX_GPUS_PER_NODE, MAX_NODES = 1024, 100_000
 
 # the training options `plan` takes, as the application defines them (in this order in --help)
 TRAINING_OPTIONS = (
@@ -123,6 +127,16 @@ def check_options(args: argparse.Namespace) -> None:
         [
             (args.num_gpus < 1, "--num_gpus must be at least 1"),
             (args.num_nodes < 1, "--num_nodes must be at least 1"),
+            (
+                args.num_gpus > MAX_GPUS_PER_NODE,
+                f"--num_gpus {args.num_gpus} is GPUs per node: at most {MAX_GPUS_PER_NODE:,} (give the nodes "
+                "in --num_nodes)",
+            ),
+            (args.num_nodes > MAX_NODES, f"--num_nodes {args.num_nodes}: at most {MAX_NODES:,}"),
+            (
+                max(micro_batch if isinstance(micro_batch, int) else 0, args.global_batch_size or 0) > MAX_ROWS,
+                f"--per_device_train_batch_size and --global_batch_size take at most {MAX_ROWS:,} (as the run does)",
+            ),
             (
                 args.gpu_memory_gb is None and args.gpu is None,
                 f"give --gpu NAME (one of {', '.join(GPU_NAMES)}) or --gpu_memory_gb",

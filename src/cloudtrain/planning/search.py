@@ -3,6 +3,7 @@ fine-tuning first, then LoRA, then QLoRA; the fastest at the same global batch a
 each GPU as busy as the one asked for, at the largest micro-batch up to it); and the micro-batch a training run's
 `auto` gets. Why, and what would fit when nothing does: cloudtrain.planning.reasons."""
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -71,7 +72,8 @@ def pipeline_candidates(m: ModelFacts, setup: Setup, per_gpu: int, micro_batch: 
     if m.stages is None or setup.mixed_precision == "fp16":
         return []
     world, rows = setup.world_size, []
-    for pp in (d for d in range(2, world + 1) if world % d == 0):
+    most = min(world, m.num_layers + 2)  # every stage holds a layer or an end: no more processes than that
+    for pp in (d for d in range(2, most + 1) if world % d == 0):
         for schedule in PIPELINE_SCHEDULES:
             pipe = Pipeline(pp, schedule, pp * per_gpu // micro_batch, pp * per_gpu)
             problem = TRAINERS[PIPELINE.trainer].schedule_problem  # the pipeline trainer's own rule
@@ -198,10 +200,15 @@ def pipeline_layout(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: i
 
 def micro_batch_options(requested: int, per_gpu_per_step: int) -> list[int]:
     """Micro-batches that divide the examples each GPU sees per optimizer step, largest first (its divisors, found
-    up to its square root: a global batch of 10^8 took minutes counted down one by one)."""
-    divisors = {d for k in range(1, math.isqrt(per_gpu_per_step) + 1) if per_gpu_per_step % k == 0
-                for d in (k, per_gpu_per_step // k)}  # fmt: skip
-    return sorted((b for b in divisors if b <= requested), reverse=True)
+    up to its square root: a global batch of 10^8 took minutes counted down one by one; once per pair of numbers,
+    as every row asks again)."""
+    return list(_divisors_up_to(requested, per_gpu_per_step))
+
+
+@functools.lru_cache(maxsize=1024)
+def _divisors_up_to(requested: int, n: int) -> tuple[int, ...]:
+    divisors = {d for k in range(1, math.isqrt(n) + 1) if n % k == 0 for d in (k, n // k)}
+    return tuple(sorted((b for b in divisors if b <= requested), reverse=True))
 
 
 def gpu_tokens(cand: Candidate, setup: Setup, micro_batch: int) -> int:
