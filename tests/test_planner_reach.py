@@ -207,3 +207,18 @@ def test_where_the_cpu_memory_or_the_disk_limits_the_advice_names_it_not_the_gpu
     disk = planning.make_plan(plan_args("llama-2-7b", tmp_path / "c", **nvme))
     assert disk["recommendation"] is None and not any("GPUs with at least" in s for s in disk["suggestions"])
     assert any("--nvme_gb" in s for s in disk["suggestions"]), disk["suggestions"]
+
+
+def test_the_offload_reason_names_what_is_offloaded_apart_from_loading(tmp_path, monkeypatch):
+    """FSDP2 CPU offload of a 7B on 2 nodes of 4: "Offloading needs 100.4 GiB of CPU memory per node" quoted the
+    peak of loading the model, twice the 50.2 GiB the offloaded states take (found in audit)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    args = dict(task="causal_lm", gpu="a10g", num_gpus=4, num_nodes=2, strategy="fsdp_offload", mixed_precision="bf16")
+    rec = planning.make_plan(plan_args("llama-2-7b", tmp_path, **args))["recommendation"]
+    offloaded, loading = rec["estimate"]["cpu_offloaded"] / 2**30, rec["estimate"]["cpu_load"] / 2**30
+    assert loading > offloaded
+    line = next(r for r in rec["reasons"] if r.startswith("Offloading"))
+    assert line == (
+        f"Offloading keeps {offloaded:.1f} GiB per node in CPU memory and runs the AdamW step on the CPU; loading "
+        f"the model needs more, {loading:.1f} GiB per node, before training."
+    )

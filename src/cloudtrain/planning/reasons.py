@@ -235,16 +235,23 @@ def _cost_reasons(m: ModelFacts, rows: list[Row], choice: Choice, setup: Setup) 
         )
     if m.model_copy and c.peft == "none":
         lines.append(_copy_reason(m, c, setup))
+    # CPU memory per node holds what is offloaded while training, and before that the model as it is loaded:
+    # the larger of the two is what a node needs (the CPU/node column)
+    loading = (
+        f"; loading the model needs more, {e.cpu_load / GIB:.1f} GiB per node, before training"
+        if e.cpu_load > e.cpu_offloaded
+        else ""
+    )
     if c.strategy.nvme:
         lines.append(
             f"ZeRO-Infinity keeps {e.nvme_per_node / GIB:.1f} GiB of swap files per node on the NVMe disk "
-            f"(--nvme_path) and {e.cpu_per_node / GIB:.1f} GiB of pinned buffers in CPU memory; the AdamW step "
-            "runs on the CPU, its states streamed from disk."
+            f"(--nvme_path) and {e.cpu_offloaded / GIB:.1f} GiB of pinned buffers in CPU memory; the AdamW step "
+            f"runs on the CPU, its states streamed from disk{loading}."
         )
     elif c.strategy.offload_optimizer:
         lines.append(
-            f"Offloading needs {e.cpu_per_node / GIB:.1f} GiB of CPU memory per node and runs the AdamW "
-            "step on the CPU."
+            f"Offloading keeps {e.cpu_offloaded / GIB:.1f} GiB per node in CPU memory and runs the AdamW step on "
+            f"the CPU{loading}."
         )
     return lines
 
