@@ -383,3 +383,11 @@ def test_the_largest_machines_allowed_are_planned(tmp_path):
     assert plan["recommendation"] is not None
     layers = plan["model"]["num_layers"]
     assert all(r["pipeline"]["parallel_size"] <= layers + 2 for r in plan["strategies"] if r["pipeline"])
+
+
+def test_lora_r_is_not_said_to_be_unused_where_plan_plans_adapters(tiny_model_dir, tmp_path):
+    """`plan --lora_r 4` noted "--lora_r 4 has no effect without --peft lora" while its --peft auto planned LoRA
+    at r=4 (found in audit); with --peft none the note is the run's."""
+    for peft, noted in (("auto", False), ("none", True)):
+        plan = planning.make_plan(plan_args(tiny_model_dir, tmp_path / peft, gpu_memory_gb=24, lora_r=4, peft=peft))
+        assert any(note.startswith("--lora_r 4 has no effect") for note in plan["notes"]) is noted, plan["notes"]

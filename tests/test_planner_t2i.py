@@ -405,3 +405,33 @@ def test_strategy_and_peft_pin_a_pipeline_s_rows(pipe, tmp_path):
     for pinned, says in pins:
         with pytest.raises(UserError, match=says):
             planning.make_plan(plan_args(pipe, tmp_path / "k", **options, **pinned))
+
+
+def test_a_pipeline_plan_takes_the_batch_options_and_says_what_it_does_not_use(pipe, tmp_path, capsys):
+    """--global_batch_size was ignored (no accumulation), --per_device_train_batch_size auto planned as 1, what
+    --mixed_precision auto became went unsaid, and --max_target_length and --packing got no note (found in audit):
+    the plan reaches the global batch with accumulation, auto is the largest micro-batch that fits, and the notes
+    are the run's own."""
+    options = dict(task="text_to_image", resolution=RESOLUTION, global_batch_size=64)
+    unused = dict(max_target_length=5, packing="bfd", lora_r=4)  # (--peft auto plans LoRA at --lora_r 4)
+    plan = planning.make_plan(plan_args(pipe, tmp_path / "j", gpu="t4", **unused, **options))
+    rec = plan["recommendation"]
+    assert (rec["micro_batch"], rec["gradient_accumulation_steps"], plan["mixed_precision"]) == (16, 4, "no")
+    notes = " | ".join(plan["notes"])
+    assert "--max_target_length 5 has no effect on --task text_to_image" in notes and "--packing bfd has no" in notes
+    assert "--mixed_precision auto is no on the t4" in notes and "--lora_r" not in notes
+    auto = planning.make_plan(plan_args(pipe, tmp_path / "a", gpu_memory_gb=24, per_device_train_batch_size="auto",
+                                        mixed_precision="bf16", **options))  # fmt: skip
+    assert (auto["recommendation"]["micro_batch"], auto["recommendation"]["gradient_accumulation_steps"]) == (64, 1)
+    # room for the leanest row without checkpointing (LoRA under DDP) at 4 rows, for none at 8: 4, 16 times
+    facts = pipeline_facts(pipe, RESOLUTION, 8, diffusion.LORA_TARGETS)
+    budget = estimate(facts, "lora", True, 4, Training("lora")).total + 1024
+    assert estimate(facts, "lora", True, 8, Training("lora")).total > budget
+    args = ["plan", "--model_name_or_path", pipe, "--gpu_memory_gb", f"{budget / 2**30:.9f}"]
+    args += ["--per_device_train_batch_size", "64", "--mixed_precision", "bf16", "--gradient_checkpointing", "false"]
+    args += ["--lora_r", "8"]  # the facts' adapters
+    assert main(args + [f"--{k}={v}" for k, v in options.items()]) in (0, None)
+    out = capsys.readouterr().out
+    assert "per GPU at micro-batch 64, mixed precision bf16," in out
+    assert "Recommended: --peft lora under DDP, --per_device_train_batch_size 4 --gradient_accumulation_steps 16" in out
+    assert "Micro-batch 64 fits no row; 4 is the largest that one fits" in out

@@ -395,15 +395,14 @@ def _nothing_fits(
 def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict:
     """A diffusers pipeline's rows (cloudtrain.planning.diffusion): one GPU's memory under DDP and ZeRO-2, less
     the rows the task refuses (its sharding_refusal, as for the other tasks)."""
-    options = ["task", "lora_target_modules", "mixed_precision", "resolution", "max_sequence_length"]
-    cfg = build_config({n: getattr(args, n) for n in [*options, "train_text_encoder"]})
+    names = ["task", "lora_target_modules", "mixed_precision", "resolution", "max_sequence_length"]
+    cfg = build_config({n: getattr(args, n) for n in [*names, "train_text_encoder"]})
     cfg.images.check()  # the run's own bounds (--max_sequence_length, --resolution), in its words
     # the index picks the default targets: SD3's include its text stream's projections
     targets = diffusion_lora_targets(cfg, read_model_index(name))
     facts = pipeline_facts(name, args.resolution, args.lora_r, targets, cfg.images.max_sequence_length)
     budget = round((args.gpu_memory_gb or (gpu and gpu.memory_gib) or 0) * GIB)
-    micro_batch = 1 if args.per_device_train_batch_size == "auto" else args.per_device_train_batch_size
-    half = planned_precision(args.mixed_precision, gpu) != "no"
+    precision = planned_precision(args.mixed_precision, gpu)
     task = TASKS[args.task](cfg)
 
     def refusal(peft: str, shards: Sharding) -> str | None:
@@ -419,8 +418,20 @@ def _pipeline_plan(args: argparse.Namespace, name: str, gpu: Gpu | None) -> dict
         return args.strategy in ("auto", t.strategy) and args.peft in ("auto", t.peft)
 
     rows = [t for t in trainings(args.train_text_encoder, world, args.gradient_checkpointing, refusal) if asked(t)]
-    result = pipeline_plan(facts, half, budget, micro_batch, rows)
-    return {**result, "pipeline": True, "budget_bytes": budget, "micro_batch": micro_batch}
+    requested, global_batch = _batch(args, world)  # as for the other tasks: auto, the largest that fits
+    options = micro_batch_options(requested, global_batch // world)
+    result = pipeline_plan(facts, precision != "no", budget, options, global_batch // world, rows)
+    notes = _unused_notes(args) + _precision_note(args.mixed_precision, precision, gpu)
+    notes += _hardware_notes(name, args, gpu)
+    return {
+        **result,
+        "pipeline": True,
+        "budget_bytes": budget,
+        "micro_batch": options[0],
+        "global_batch_size": global_batch,
+        "mixed_precision": precision,
+        "notes": notes,
+    }
 
 
 def _split_notes(m: ModelFacts, setup: Setup) -> list[str]:
@@ -472,20 +483,27 @@ def _notes(m: ModelFacts, setup: Setup, precision: str, gpu: Gpu | None) -> list
             f"--max_length {setup.max_length} is beyond the model's {m.context} positions: the run refuses it as "
             "given; extend them in a copy of its config (max_position_embeddings, and rope_scaling for RoPE models)"
         )
-    if precision != setup.mixed_precision:
-        where = f"on the {gpu.name}" if gpu else "on this machine"
-        notes.append(
-            f"--mixed_precision {precision} is {setup.mixed_precision} {where}, as training resolves it where "
-            "it runs (bf16 on GPUs from Ampere on); pass bf16, fp16 or no to plan for another precision"
-        )
-    return notes
+    return notes + _precision_note(precision, setup.mixed_precision, gpu)
+
+
+def _precision_note(requested: str, planned: str, gpu: Gpu | None) -> list[str]:
+    """What --mixed_precision auto became, where it was auto."""
+    if requested == planned:
+        return []
+    where = f"on the {gpu.name}" if gpu else "on this machine"
+    return [
+        f"--mixed_precision {requested} is {planned} {where}, as training resolves it where it runs (bf16 on GPUs "
+        "from Ampere on); pass bf16, fp16 or no to plan for another precision"
+    ]
 
 
 def _unused_notes(args: argparse.Namespace) -> list[str]:
     """The training options given that the planned run would not use, as the run itself notes them."""
     from cloudtrain.commands.plan import TRAINING_OPTIONS  # (that module's package imports this one)
 
-    return inert_notes(build_config({name: getattr(args, name) for name in TRAINING_OPTIONS}))
+    # plan's --peft auto plans adapters (at --lora_r ...) where the model takes them: the run's would be lora
+    peft = args.peft if args.peft != "auto" else "none" if args.model_config else "lora"
+    return inert_notes(build_config({name: getattr(args, name) for name in TRAINING_OPTIONS} | {"peft": peft}))
 
 
 def _hardware_notes(name: str, args: argparse.Namespace, gpu: Gpu | None) -> list[str]:

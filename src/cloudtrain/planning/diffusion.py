@@ -393,11 +393,15 @@ def trainings(
     ]
 
 
-def plan(f: PipelineFacts, half: bool, budget: int, micro_batch: int, rows_to_plan: list[Training]) -> dict:
-    """Every row and the first that fits `micro_batch`."""
+def plan(
+    f: PipelineFacts, half: bool, budget: int, options: list[int], per_gpu: int, rows_to_plan: list[Training]
+) -> dict:
+    """Every row at the first of `options` (the micro-batches dividing the `per_gpu` examples each process takes
+    per optimizer step, largest first: the one asked), and the recommendation: the first row that fits it, else
+    the first that fits the largest smaller one, with the accumulation that keeps the global batch."""
     rows: list[dict[str, Any]] = []
     for t in rows_to_plan:
-        e = estimate(f, t.peft, half, micro_batch, t)
+        e = estimate(f, t.peft, half, options[0], t)
         rows.append(
             {
                 **asdict(t),
@@ -405,8 +409,18 @@ def plan(f: PipelineFacts, half: bool, budget: int, micro_batch: int, rows_to_pl
                 "max_micro_batch": max_micro_batch(f, t, half, budget),
             }
         )
-    fitting = [r for r in rows if r["max_micro_batch"] >= micro_batch]
-    return {"model": asdict(f), "strategies": rows, "recommendation": fitting[0] if fitting else None}
+    chosen = next(((i, b) for b in options for i, r in enumerate(rows) if r["max_micro_batch"] >= b), None)
+    recommendation = None
+    if chosen:
+        (i, b), t = chosen, rows_to_plan[chosen[0]]
+        e = estimate(f, t.peft, half, b, t)
+        recommendation = {
+            **rows[i],
+            "estimate": {**asdict(e), "total": e.total},
+            "micro_batch": b,
+            "gradient_accumulation_steps": per_gpu // b,
+        }
+    return {"model": asdict(f), "strategies": rows, "recommendation": recommendation}
 
 
 def row_label(r: dict) -> str:
@@ -425,15 +439,20 @@ def launch_flags(r: dict) -> str:
 
 
 def render(result: dict, budget: int, micro_batch: int) -> str:
+    """The table of `plan`'s rows at `micro_batch` (result["mixed_precision"]: the precision planned for), the
+    notes, and the recommendation with its micro-batch and accumulation."""
     m = result["model"]
     processes = result["strategies"][0]["processes"] if result["strategies"] else 1
+    precision = result.get("mixed_precision", "no")
     lines = [
         f"{m['name']}: denoiser {m['denoiser_params'] / 1e6:.1f}M parameters (LoRA {m['adapter_params'] / 1e6:.2f}M), "
         + ", ".join(f"{k} {v / 1e6:.1f}M" for k, v in m["frozen_params"].items())
         + f" (text encoder LoRA {m['text_adapter_params'] / 1e6:.2f}M)"
         + f"; latents {m['latent_side']}x{m['latent_side']}, {m['text_tokens']} caption tokens",
-        f"per GPU at micro-batch {micro_batch}, ZeRO-2 over {processes} process{'es' if processes > 1 else ''}, "
-        f"budget {budget / GIB:.1f} GiB:",
+        *(f"note: {note}" for note in result.get("notes", [])),
+        f"per GPU at micro-batch {micro_batch}, "
+        + (f"mixed precision {precision}" if precision != "no" else "fp32 (no mixed precision)")
+        + f", ZeRO-2 over {processes} process{'es' if processes > 1 else ''}, budget {budget / GIB:.1f} GiB:",
         f"  {'row':<60} {'params':>8} {'frozen':>8} {'grads':>8} {'optim':>8} {'activ':>8} {'total':>8} {'max b':>6}",
     ]
     for r in result["strategies"]:
@@ -442,8 +461,20 @@ def render(result: dict, budget: int, micro_batch: int) -> str:
         lines.append(f"  {row_label(r):<60} " + " ".join(f"{c:>7.2f}G" for c in cells) + f" {r['max_micro_batch']:>6}")
     rec = result["recommendation"]
     if rec is None:
-        lines.append("Nothing fits at this micro-batch: a smaller --per_device_train_batch_size or --resolution.")
+        lines.append("Nothing fits, not even micro-batch 1: a lower --resolution, or GPUs with more memory.")
     else:
-        lines.append(f"Recommended: {launch_flags(rec)} ({rec['estimate']['total'] / GIB:.1f} GiB per GPU).")
-    lines.append("ZeRO-3 and FSDP2 are not estimated for a pipeline yet.")
+        b, accumulation = rec["micro_batch"], rec["gradient_accumulation_steps"]
+        lines.append(
+            f"Recommended: {launch_flags(rec)}, --per_device_train_batch_size {b} --gradient_accumulation_steps "
+            f"{accumulation} ({rec['estimate']['total'] / GIB:.1f} GiB per GPU)."
+        )
+        if b < micro_batch:
+            lines.append(
+                f"Micro-batch {micro_batch} fits no row; {b} is the largest that one fits, so gradient accumulation "
+                "makes up the global batch."
+            )
+    lines.append(
+        "ZeRO-3 and FSDP2 are not estimated for a pipeline yet, and plan writes no configs or launch command for it "
+        "(--output_dir is not used): launch with the options named."
+    )
     return "\n".join(lines)
