@@ -435,3 +435,20 @@ def test_a_pipeline_plan_takes_the_batch_options_and_says_what_it_does_not_use(p
     assert "per GPU at micro-batch 64, mixed precision bf16," in out
     assert "Recommended: --peft lora under DDP, --per_device_train_batch_size 4 --gradient_accumulation_steps 16" in out
     assert "Micro-batch 64 fits no row; 4 is the largest that one fits" in out
+
+
+def test_the_checkpointed_trace_does_not_depend_on_the_dtype_the_denoiser_was_in(pipe):
+    """The trace took the parameters' storages before casting the denoiser to the dtype traced: after the bf16 trace
+    of the same denoiser those were freed, and activations given their addresses went uncounted, so the checkpointed
+    rows' activations (and largest micro-batch) changed from one plan to the next (found in audit)."""
+    from cloudtrain.planning.diffusion import _build, checkpointed_saved_bytes
+
+    index = diffusion.read_model_index(pipe)
+    latent, text = (4, RESOLUTION // diffusion.vae_scale_factor(pipe)), (16, 16)  # 16 tokens of width 16
+    fresh = [checkpointed_saved_bytes(_build(pipe, index, "unet"), latent, text, torch.float32) for _ in range(3)]
+    after_bf16 = []
+    for _ in range(3):
+        unet = _build(pipe, index, "unet")
+        checkpointed_saved_bytes(unet, latent, text, torch.bfloat16)
+        after_bf16.append(checkpointed_saved_bytes(unet, latent, text, torch.float32))
+    assert len(set(fresh)) == 1 and after_bf16 == fresh, (fresh, after_bf16)

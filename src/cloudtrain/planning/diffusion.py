@@ -160,6 +160,9 @@ def checkpointed_saved_bytes(
     the checkpointed blocks, the blocks' inputs (kept for their recompute), and the largest block's own saves
     (recomputed one block at a time in the backward). diffusers hands each block to the checkpointing function
     its enable_gradient_checkpointing takes; this one runs the block under hooks of its own."""
+    # the parameters in `dtype` first, then their storages: taken before the cast, they were the previous trace's
+    # dtype's, freed by it, and activations given their addresses were left out (the peak varied run to run)
+    denoiser = denoiser.to(dtype).train()
     params = {p.untyped_storage()._cdata for p in denoiser.parameters()}
     saved: dict[int, int] = {}
     blocks: list[int] = []
@@ -176,7 +179,6 @@ def checkpointed_saved_bytes(
 
     denoiser.enable_gradient_checkpointing(checkpointed)  # type: ignore[operator]  # diffusers' ModelMixin
     try:
-        denoiser = denoiser.to(dtype).train()
         with _saving(saved, params), _fused_attention():
             _denoiser_forward(latent, text, dtype)(denoiser)
     finally:
