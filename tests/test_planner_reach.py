@@ -45,6 +45,15 @@ def test_a_hub_id_finds_the_table_and_a_local_folder_wins(tmp_path, monkeypatch)
     assert known_name("llama-2-7b") is None
 
 
+def test_a_well_known_model_s_refusal_names_it_as_typed(tmp_path, monkeypatch):
+    """`--task causal_lm --model_name_or_path flan-t5-small` was refused naming the cache folder its shipped config
+    is read from (found in audit)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    for typed in ("flan-t5-small", "google/flan-t5-small"):
+        with pytest.raises(UserError, match="^" + re.escape(f"{typed} is not a causal language model (t5)")):
+            planning.make_plan(plan_args(typed, tmp_path, task="causal_lm", gpu="h100"))
+
+
 def test_amd_gpus_plan_with_their_memory_and_a_note(tmp_path):
     plan = planning.make_plan(plan_args("opt-1.3b", tmp_path, task="causal_lm", gpu="MI250", num_gpus=8))
     assert plan["setup"]["gpu_memory_bytes"] == 64 * 2**30  # one of the card's two dies
@@ -59,6 +68,7 @@ def test_amd_gpus_plan_with_their_memory_and_a_note(tmp_path):
         ("tpu-v5e", "--gpu tpu-v5e: Google TPUs (XLA) are not supported: cloudtrain trains on NVIDIA GPUs (CUDA) and "),
         ("gaudi2", "--gpu gaudi2: Intel Gaudi (HPU) are not supported"),
         ("trn1", "--gpu trn1: AWS Trainium (Neuron SDK) are not supported"),
+        ("inf2", "--gpu inf2: AWS Inferentia (inference only) are not supported"),  # was "not a GPU it knows"
         ("rtx-9999", "--gpu rtx-9999 is not a GPU the planner knows (t4, "),
     ],
 )

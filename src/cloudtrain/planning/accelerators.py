@@ -57,6 +57,8 @@ UNSUPPORTED = {
     "trn1": "AWS Trainium (Neuron SDK)",
     "trn2": "AWS Trainium (Neuron SDK)",
     "inferentia": "AWS Inferentia (inference only)",
+    "inf1": "AWS Inferentia (inference only)",
+    "inf2": "AWS Inferentia (inference only)",
     "gaudi": "Intel Gaudi (HPU)",
     "hpu": "Intel Gaudi (HPU)",
     "mps": "Apple silicon (MPS)",

@@ -228,15 +228,20 @@ def _model(args: argparse.Namespace, name: str, gpu: Gpu | None) -> tuple[ModelF
     local = (not args.model_config and config_folder(name)) or name  # a well-known model: its shipped config
     if not args.model_config and looks_like_repo_id(local) and not Path(local).exists():  # as training says it
         check_hub_ids([HubId("--model_name_or_path", local, "model")])
-    m = model_facts(
-        local,
-        args.num_labels,
-        args.trust_remote_code,
-        args.task,
-        bool(args.model_config),
-        args.tokenizer_name_or_path,
-        LoraSpec(args.lora_r, tuple(args.lora_target_modules), args.lora_dropout),
-    )
+    try:
+        m = model_facts(
+            local,
+            args.num_labels,
+            args.trust_remote_code,
+            args.task,
+            bool(args.model_config),
+            args.tokenizer_name_or_path,
+            LoraSpec(args.lora_r, tuple(args.lora_target_modules), args.lora_dropout),
+        )
+    except UserError as err:  # a well-known model's refusal names the name typed, not the cache folder read
+        if local == name:
+            raise
+        raise UserError(str(err).replace(local, name), err.quiet, err.transient) from None
     if not args.model_config and known_name(name):
         m = replace(m, name=name)
     task_cfg = build_config(
