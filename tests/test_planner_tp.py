@@ -140,6 +140,15 @@ def test_context_parallel_divides_the_sequence_and_adds_the_all_to_all_buffers(f
         assert (est.parameters, est.optimizer_states) == (fsdp.parameters, fsdp.optimizer_states)
 
 
+def test_context_parallel_counts_the_rows_as_the_run_pads_them(facts):
+    """--max_length 1023 under CP=2: the run pads each row to 1024 (parallel.context.widen), so each process holds
+    512 tokens, as at 1024; the estimate counted 511."""
+    cand = Candidate(CONTEXT_FSDP, False, context_parallel=2)
+    odd, even = (planning.estimate(facts, cand, Setup(8, 1, 80 * GIB, None, s, "bf16", step_rows=2), 1)
+                 for s in (1023, 1024))  # fmt: skip
+    assert (odd.activations, odd.logits) == (even.activations, even.logits)
+
+
 def test_tensor_parallel_traffic_by_hand(facts):
     """Per micro-batch: 4 all-reduces of b x s x h x c per layer (6 with checkpointing) and the LM head's gather;
     the replicated groups all-reduce their fp32 share every micro-batch."""

@@ -475,7 +475,7 @@ def _split_activations(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch
         residual = 4 * s * b * m.hidden_size  # fp32: autocast over fp32 weights, or fp32 itself
         saved, working = _stacked(m, per_layer, outside, working, cand.checkpointing, residual)
         return saved, working, logits_bytes(m, b, s, setup.half)
-    c, tokens = (2 if setup.half else 4), s // cp
+    c, tokens = (2 if setup.half else 4), -(-s // cp)  # the run pads each row to a multiple of cp
     per_layer, outside, working = _layer_terms(m, b, tokens, setup.half, False, False)
     saved, working = _stacked(m, per_layer, outside, working, cand.checkpointing, c * tokens * b * m.hidden_size)
     exchanged = 2 * c * b * tokens * (2 * m.hidden_size + 2 * m.kv_hidden_size)  # q, k, v, out: sent and received
