@@ -122,39 +122,33 @@ def check_output_dir(cfg: Config, output_dir: Path, resumed_here: bool, runtime:
     earlier is replaced only when asked, or by the run resumed there (from one of its checkpoints: `resumed_here`).
     Then the folder is the run's."""
 
-    def finished() -> str | None:
-        try:
-            atomic.check_writable(output_dir)
-        except UserError:
-            return None  # refusal() below says it
-        atomic.recover(output_dir)  # a final save a kill cut short is finished first: its results are read
-        return None if resumed_here else trained_already(cfg, output_dir)
-
-    if note := runtime.run_on_main(finished):  # a requeued job whose model is saved: its push, then the end
-        if cfg.hub.push_to_hub and runtime.is_main:
-            hub.push_output_dir(output_dir, cfg, hub.load_output_dir(output_dir)[1])
-        raise TrainingStopped(note, 0, quiet=not runtime.is_main)
-
-    def refusal() -> str | None:
+    def decide() -> tuple[str, str] | None:
+        """(what, why): "finished" (a requeued job whose model is saved) or "refused"; None: the folder is ours."""
         try:
             atomic.check_writable(output_dir)
         except UserError as err:
-            return str(err)
-        atomic.recover(output_dir)
+            return "refused", str(err)
+        atomic.recover(output_dir)  # a final save a kill cut short is finished first: its results are read
+        if not resumed_here and (note := trained_already(cfg, output_dir)):
+            return "finished", note
         if holds_saved_model(output_dir) and not cfg.output.overwrite_output_dir and not resumed_here:
-            return earlier_model_refusal(output_dir)
+            return "refused", earlier_model_refusal(output_dir)
         own = resumed_here and checkpoint_dir(cfg, output_dir).resolve() == (output_dir / "checkpoints").resolve()
         try:  # the checkpoint folder the run resumes from is cloudtrain's (copied in from another machine, say)
             claim(output_dir, ignore=("checkpoints",) if own else ())
         except UserError as err:
-            return str(err)
+            return "refused", str(err)
         if holds_saved_model(output_dir) and not resumed_here:
             print(f"--overwrite_output_dir: the model saved in {output_dir} earlier is replaced at the end", flush=True)
         return None
 
-    message = runtime.run_on_main(refusal)
-    if message:
-        raise UserError(message, quiet=not runtime.is_main)
+    decided = runtime.run_on_main(decide)
+    if decided and decided[0] == "finished":  # the requeued job's push, then its end
+        if cfg.hub.push_to_hub and runtime.is_main:
+            hub.push_output_dir(output_dir, cfg, hub.load_output_dir(output_dir)[1])
+        raise TrainingStopped(decided[1], 0, quiet=not runtime.is_main)
+    if decided:
+        raise UserError(decided[1], quiet=not runtime.is_main)
 
 
 def held_folders(cfg: Config, output_dir: Path) -> dict[Path, str]:
