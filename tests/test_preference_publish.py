@@ -153,7 +153,9 @@ def test_a_reward_model_is_pushed_with_its_card_and_scores_through_predict(hub, 
     assert "Bradley-Terry" in card.text and "`prefs.jsonl`" in card.text and str(out.parent) not in card.text
     assert "reward-model" in card.data.tags
     assert len(json.loads(upload.files["config.json"])["id2label"]) == 1  # one output
-    scores = predict(str(out), ["The poor boy in the snow.", "A wolf in the forest."])
+    # a decoder without a chat template reads its pairs through chatml (prompt and answer were glued): as a pair
+    prompts, answers = ["Who was in the snow?", "Who was in the forest?"], ["The poor boy.", "A wolf."]
+    scores = predict(str(out), prompts, pairs=answers)
     assert [r["label"] for r in scores] == ["reward", "reward"]
 
 
