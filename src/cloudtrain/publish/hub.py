@@ -406,7 +406,7 @@ def written_by_cloudtrain(output_dir: Path, files: list[Path]) -> tuple[list[Pat
     the user's edit of it included; a remote-code model's modules) and the user's files with a model file's name
     (tokenizer_corpus.txt, vocab.backup), which a push must not publish."""
     top, merges = written(output_dir) | remote_code(output_dir) | {CARD}, ours_in_merged(output_dir)
-    ours = [path for path in files if path.name in top if path.parent == output_dir]
+    ours = [path for path in files if path.parent == output_dir and path.name in top]
     ours += [path for path in files if path.parent == output_dir / MERGED and merges(path.name)]
     return sorted(ours), [path for path in files if path not in ours]
 
