@@ -59,6 +59,7 @@ from cloudtrain.models.load import (
     read_tokenizer,
 )
 from cloudtrain.models.positions import positions
+from cloudtrain.observe import console
 from cloudtrain.publish.saving import (
     GENERATIVE,
     adapter_config,
@@ -299,13 +300,9 @@ def check_lengths(model, tokenizer, prompts: list[str], max_new_tokens: int, add
         length = _prompt_ids(tokenizer, prompt, add_special_tokens)[0].shape[1]
         if length + max_new_tokens > limit:
             raise UserError(
-                f"prompt {number} is {tokens(length)}; with --max_new_tokens {max_new_tokens} that "
+                f"prompt {number} is {console.counted(length, 'token')}; with --max_new_tokens {max_new_tokens} that "
                 f"exceeds the model's context length of {limit}; shorten it or lower --max_new_tokens"
             )
-
-
-def tokens(count: int) -> str:
-    return f"{count} token{'' if count == 1 else 's'}"
 
 
 def _check_encoder_decoder(model, tokenizer, prompts: list[str], max_new_tokens: int) -> None:
@@ -321,8 +318,8 @@ def _check_encoder_decoder(model, tokenizer, prompts: list[str], max_new_tokens:
         length = _prompt_ids(tokenizer, prompt)[0].shape[1]
         if encoder and length > encoder:
             raise UserError(
-                f"prompt {number} is {tokens(length)}, more than the model's encoder reads ({encoder} positions); "
-                "shorten it"
+                f"prompt {number} is {console.counted(length, 'token')}, more than the model's encoder reads "
+                f"({encoder} positions); shorten it"
             )
 
 

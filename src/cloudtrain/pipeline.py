@@ -38,7 +38,7 @@ from cloudtrain.faults import kill_point
 from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
 from cloudtrain.models.prepare import check_attention_name, compile_model, prepare
-from cloudtrain.observe import cost
+from cloudtrain.observe import console, cost
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launch_environment_kept, launched_processes
 from cloudtrain.parallel.runtime import Runtime
@@ -495,7 +495,7 @@ def describe_training(train: dict) -> str:
     over its own samples and time (train_results.json's launch_*), not over the run's."""
     if "resumed_at_step" not in train:
         return (
-            f"trained {train['global_step']} step{'' if train['global_step'] == 1 else 's'} in "
+            f"trained {console.counted(train['global_step'], 'step')} in "
             f"{train['train_runtime_s']:.0f}s "
             f"({train['train_samples_per_s']:.1f} samples/s, {train['train_tokens_per_s']:.0f} tokens/s)"
         )

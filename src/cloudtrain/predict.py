@@ -48,6 +48,7 @@ from transformers import (
 from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, too_long
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
+from cloudtrain.observe import console
 from cloudtrain.publish.atomic import fsync, is_no_space
 from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
 from cloudtrain.registry_table import PROMPT_ANSWERS, predict_input
@@ -202,12 +203,7 @@ def progress(batches: range, what: str, unit: str = "batch") -> Iterable:
     """The `batches`, under a bar on stderr while they run where a person watches it (cloudtrain.observe.console: a
     terminal, or CLOUDTRAIN_PROGRESS_BARS=1) and there is more than one: a large --input_file showed nothing for
     minutes (found in audit). The bar is cleared once they are done, or one failed."""
-    from tqdm.auto import tqdm
-
-    from cloudtrain.observe import console
-
-    quiet = len(batches) <= 1 or not console.progress_bars()
-    return tqdm(batches, desc=what, unit=unit, leave=False, dynamic_ncols=True, disable=quiet)
+    return console.passing_bar(batches, what, unit=unit, shown=len(batches) > 1)
 
 
 def reward_chat(recorded: dict, tokenizer) -> "ChatFormat | None":
@@ -557,6 +553,6 @@ def run(args: argparse.Namespace) -> None:
     )
     if args.output_file:
         write_predictions(Path(args.output_file), rows, args.overwrite_output_file)
-        print(f"wrote {len(rows)} prediction{'' if len(rows) == 1 else 's'} to {args.output_file}")
+        print(f"wrote {console.counted(len(rows), 'prediction')} to {args.output_file}")
     else:
         print("\n".join(json.dumps(row, ensure_ascii=False) for row in rows))

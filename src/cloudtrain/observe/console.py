@@ -13,7 +13,7 @@ import importlib
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TextIO
 
 from cloudtrain.errors import UserError
@@ -37,6 +37,20 @@ _ours: set[str] = set()  # the library switches setup() set (not the user's): a 
 def progress_bars() -> bool:
     """Whether cloudtrain shows its own progress bars (the training bar): as setup() decided; True without it."""
     return True if _bars is None else _bars
+
+
+def passing_bar(items: Iterable, what: str, total: int | None = None, unit: str = "it", shown: bool = True) -> Iterable:
+    """`items` under a bar on stderr that goes once they are done (an evaluation's batches, predict's), where bars
+    show and `shown` (the main process; more than one item)."""
+    from tqdm.auto import tqdm
+
+    hidden = not shown or not progress_bars()
+    return tqdm(items, desc=what, total=total, unit=unit, leave=False, dynamic_ncols=True, disable=hidden)
+
+
+def counted(count: int, noun: str) -> str:
+    """`count` and its noun, plural unless one ("1 prediction", "3 tokens")."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
 
 
 def wanted(environ: Mapping[str, str] = os.environ, stderr: TextIO | None = None) -> bool:

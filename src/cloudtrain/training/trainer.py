@@ -584,14 +584,7 @@ class Trainer:
             total: int | None = len(loader)  # type: ignore[arg-type]
         except TypeError:  # a stream's loader has no length
             total = None
-        return tqdm(
-            until(stop, loader),
-            desc=what,
-            total=total,
-            leave=False,
-            dynamic_ncols=True,
-            disable=not self.is_main_process or not console.progress_bars(),
-        )
+        return console.passing_bar(until(stop, loader), what, total, shown=self.is_main_process)
 
     def log_evaluation(self, metrics: dict, prefix: str, step: int) -> None:
         """An evaluation's numbers and tables to the run log."""
