@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 
 from cloudtrain.config import Config, DataConfig, ImagesConfig, ModelConfig, _coerce, build_config, option_fields
-from cloudtrain.config.inert import GENERATE, STREAMED, TRAINING, inert_notes, unused
+from cloudtrain.config.inert import GENERATE, OWN_MODULE, STREAMED, TRAINING, inert_notes, unused
 from cloudtrain.config.root import option_default
 from cloudtrain.registry_table import STREAMING, TASK_ROWS
 
@@ -142,6 +142,20 @@ def test_no_note_where_the_task_reads_the_option(task, values):
 )
 def test_each_unused_option_is_one_note_saying_what_makes_it_count(values, note):
     assert notes(**values) == [note]
+
+
+def test_text_to_image_says_it_reads_no_text_length_and_carves_no_validation():
+    """Its captions are cut at the text encoders' own length and its evaluation rows are the first images: the
+    text tasks' --max_length and --validation_split_percentage went unused without a word (left alone earlier)."""
+    assert notes(task="text_to_image", max_length=64, validation_split_percentage=5) == [
+        "--max_length 64 has no effect on --task text_to_image; it counts for every other task",
+        "--validation_split_percentage 5.0 has no effect on --task text_to_image; it counts for every other task "
+        "with --streaming false",
+    ]
+    for task in TASK_ROWS.keys() - {"text_to_image"}:
+        assert notes(task=task, max_length=64, validation_split_percentage=5) == []
+    own = unused(TRAINING, Config().to_dict() | {"validation_split_percentage": 5.0}, Config().to_dict(), OWN_MODULE)
+    assert own == []  # the Python API's model= carves its validation rows too
 
 
 def test_hub_options_a_later_push_reads_from_args_json_say_nothing():

@@ -24,6 +24,8 @@ PROMPT_ANSWERS = "prompt_answers"  # a prompt and an answer: through the saved c
 # the column options of the tasks that read texts and labels from columns (a pair's second text: refused by the
 # tasks of one text, which read it to say so)
 TEXT_COLUMNS = ("text_column", "text_pair_column", "label_column")
+# what every task of texts reads (text_to_image reads images and cuts its captions at the text encoders' length)
+TEXT_OPTIONS = ("max_length", "validation_split_percentage")
 
 
 class Row(NamedTuple):
@@ -49,7 +51,7 @@ TASK_ROWS: dict[str, Row] = {
         "text -> label",
         ("accuracy", "macro_f1", "loss"),
         "accuracy",
-        reads_options=(*TEXT_COLUMNS, "label_smoothing"),
+        reads_options=(*TEXT_OPTIONS, *TEXT_COLUMNS, "label_smoothing"),
         predicts=TEXTS,
     ),
     "multi_label": Row(
@@ -57,7 +59,7 @@ TASK_ROWS: dict[str, Row] = {
         "text -> any number of labels",
         ("micro_f1", "macro_f1", "subset_accuracy", "loss"),
         "micro_f1",
-        reads_options=(*TEXT_COLUMNS, "label_separator"),
+        reads_options=(*TEXT_OPTIONS, *TEXT_COLUMNS, "label_separator"),
         predicts=TEXTS,
     ),
     "regression": Row(
@@ -65,7 +67,7 @@ TASK_ROWS: dict[str, Row] = {
         "text -> a number",
         ("loss", "rmse", "mae", "pearson", "spearman"),
         "loss",
-        reads_options=TEXT_COLUMNS,
+        reads_options=(*TEXT_OPTIONS, *TEXT_COLUMNS),
         predicts=TEXTS,
     ),
     "token_classification": Row(
@@ -73,7 +75,7 @@ TASK_ROWS: dict[str, Row] = {
         "a tag per word: named entities, parts of speech",
         ("f1", "precision", "recall", "accuracy", "loss"),
         "f1",
-        reads_options=(*TEXT_COLUMNS, "label_smoothing"),
+        reads_options=(*TEXT_OPTIONS, *TEXT_COLUMNS, "label_smoothing"),
         predicts=TEXTS,
     ),
     "question_answering": Row(
@@ -81,7 +83,7 @@ TASK_ROWS: dict[str, Row] = {
         "a question and a context -> the answer's span in the context",
         ("f1", "exact_match", "loss"),
         "f1",
-        reads_options=(*TEXT_COLUMNS, "doc_stride", "max_answer_length"),
+        reads_options=(*TEXT_OPTIONS, *TEXT_COLUMNS, "doc_stride", "max_answer_length"),
         predicts=QUESTIONS,
     ),
     "seq2seq": Row(
@@ -90,6 +92,7 @@ TASK_ROWS: dict[str, Row] = {
         ("rougeL", "rouge1", "rouge2", "rougeLsum", "bleu", "loss"),
         "rougeL",
         reads_options=(
+            *TEXT_OPTIONS,
             *TEXT_COLUMNS,
             "label_smoothing",
             "max_target_length",
@@ -107,6 +110,7 @@ TASK_ROWS: dict[str, Row] = {
         "loss",
         DOCUMENT,
         reads_options=(
+            *TEXT_OPTIONS,
             "text_column",
             "packing",
             "label_smoothing",
@@ -124,6 +128,7 @@ TASK_ROWS: dict[str, Row] = {
         "loss",
         EXAMPLES,
         reads_options=(
+            *TEXT_OPTIONS,
             "packing",
             "chat_template",
             "prompt_column",
@@ -145,6 +150,7 @@ TASK_ROWS: dict[str, Row] = {
         ("loss", "rewards/accuracies", "rewards/margins", "exact_match"),
         "loss",
         reads_options=(
+            *TEXT_OPTIONS,
             "chat_template",
             "prompt_column",
             "chosen_column",
@@ -162,7 +168,14 @@ TASK_ROWS: dict[str, Row] = {
         "a reward model: one score per text, trained on chosen/rejected pairs (Bradley-Terry)",
         ("loss", "accuracy", "margin"),
         "accuracy",
-        reads_options=("chat_template", "prompt_column", "chosen_column", "rejected_column", "margin_column"),
+        reads_options=(
+            *TEXT_OPTIONS,
+            "chat_template",
+            "prompt_column",
+            "chosen_column",
+            "rejected_column",
+            "margin_column",
+        ),
         predicts=PROMPT_ANSWERS,
     ),
     "text_to_image": Row(

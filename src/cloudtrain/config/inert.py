@@ -100,7 +100,8 @@ def _training_table() -> dict[str, Use]:
 # option -> when it counts, for `cloudtrain train` (a Config)
 TRAINING = _training_table()
 
-OWN_MODULE = "own_module"  # the Python API's model= (ModuleTask): it reads none of the tasks' own options
+OWN_MODULE = "own_module"  # the Python API's model= (ModuleTask): it reads none of the tasks' own options...
+MODULE_READS = ("validation_split_percentage",)  # ...but these: it carves its validation rows as the tasks do
 
 # option -> when it counts, for `cloudtrain generate` (greedy decoding reads no sampling option)
 GENERATE: dict[str, Use] = dict.fromkeys(("temperature", "top_k", "top_p"), Use(needs="do_sample", values=(True,)))
@@ -136,9 +137,10 @@ def unused(
             values[use.needs] in use.values if use.values else values[use.needs] != defaults[use.needs]
         )
         condition = f" with --{use.needs} {wanted}" if use.needs else ""
-        if use.tasks and known and task not in use.tasks:
-            tasks = _either(use.tasks)
-            notes.append(f"{given} has no effect on {run}; it counts for --task {tasks}{condition}")
+        if use.tasks and known and task not in use.tasks and not (task == OWN_MODULE and name in MODULE_READS):
+            others = set(TASK_ROWS) - set(use.tasks) - {task}
+            tasks = "every other task" if not others else f"--task {_either(use.tasks)}"
+            notes.append(f"{given} has no effect on {run}; it counts for {tasks}{condition}")
         elif not enabled:
             notes.append(f"{given} has no effect without --{use.needs} {wanted}")
     return notes
