@@ -193,6 +193,23 @@ def test_a_bad_number_says_the_same_in_a_file_and_on_the_command_line(tmp_path, 
     assert str(in_file.value) == f"{message} (--{name} is set in {file})"
 
 
+def test_a_bad_value_from_an_extended_file_names_that_file(tmp_path):
+    """The refusal named the extending file for a value its base set (left alone earlier): the user looked in the
+    wrong file. The nearer file's value wins, and is named, where both set it."""
+    (tmp_path / "base.yaml").write_text("learning_rate: fast\nmax_steps: 2\n")
+    (tmp_path / "run.yaml").write_text("extends: base.yaml\nmax_steps: 3\n")
+    (tmp_path / "mine.yaml").write_text("extends: base.yaml\nlearning_rate: 1e-4\nmax_steps: two\n")
+    with pytest.raises(UserError) as inherited:
+        parse("--config", str(tmp_path / "run.yaml"))
+    assert str(inherited.value).endswith(f"(--learning_rate is set in {tmp_path / 'base.yaml'})")
+    with pytest.raises(UserError) as own:
+        parse("--config", str(tmp_path / "mine.yaml"))
+    assert (
+        str(own.value)
+        == f"--max_steps: expected a whole number, got 'two' (--max_steps is set in {tmp_path / 'mine.yaml'})"
+    )
+
+
 def test_a_key_yaml_reads_as_a_value_is_one_line_and_an_empty_section_is_empty(tmp_path):
     """`on: 2` (YAML's true) and `1: 2` crashed in the did-you-mean; a section with its options commented out was
     "unknown option 'training'" (found in audit)."""

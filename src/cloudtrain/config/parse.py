@@ -282,9 +282,10 @@ def add_config_option(parser: argparse.ArgumentParser | argparse._ArgumentGroup,
     parser.add_argument(f"--{name}", default=default, type=lambda value: _coerce(name, value), **_flag(f))
 
 
-def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
+def load_config_file(path: str, _chain: tuple[Path, ...] = (), origins: dict[str, str] | None = None) -> dict:
     """Read a YAML/JSON config file into flat {flag name: value}, over the options of the file it `extends`.
-    `_chain`: the files that extend this one, nearest last (a cycle is refused)."""
+    `_chain`: the files that extend this one, nearest last (a cycle is refused); `origins`, where given, gets
+    option -> the file whose value won (this one, or the one it extends)."""
     file = Path(path).expanduser()
     if file.is_dir():
         raise UserError(f"config file {path} is a folder; give a YAML or JSON file")
@@ -301,7 +302,7 @@ def load_config_file(path: str, _chain: tuple[Path, ...] = ()) -> dict:
         raise UserError(f"could not read config file {path} (UTF-8 YAML or JSON): {first_line(err)}") from None
     if not isinstance(data, dict):
         raise UserError(f"config file {path} must hold key: value pairs")
-    return with_bases(data, file.parent, chain, f"config file {path}")
+    return with_bases(data, file.parent, chain, f"config file {path}", origins, path)
 
 
 class _UniqueKeys(yaml.SafeLoader):
@@ -342,20 +343,37 @@ def _yaml_problem(err: yaml.YAMLError) -> str:
     return text
 
 
-def with_bases(data: dict, folder: Path, chain: tuple[Path, ...] = (), origin: str = "the config") -> dict:
+def with_bases(
+    data: dict,
+    folder: Path,
+    chain: tuple[Path, ...] = (),
+    origin: str = "the config",
+    origins: dict[str, str] | None = None,
+    file: str | None = None,
+) -> dict:
     """flatten(data) over the options of the config file it names with `extends` (a path relative to `folder`,
-    the extending file's own), which may extend another in turn; the extending file's values win."""
+    the extending file's own), which may extend another in turn; the extending file's values win. `origins`
+    (where given) gets option -> the file that set it: `file` for data's own, the base's path for the rest."""
     data = dict(data)
     base = data.pop("extends", None)
     values = flatten(data, origin)
     if base is None:
+        _record(origins, values, file)
         return values
     if not isinstance(base, str) or not base.strip():
         raise UserError(f"{origin}: extends takes the path of one config file, got {base!r}")
     base_file = folder / Path(base).expanduser()
     if not base_file.is_file():
         raise UserError(f"{origin} extends {base}, which does not exist ({base_file})")
-    return {**load_config_file(str(base_file), chain), **values}
+    inherited = load_config_file(str(base_file), chain, origins)
+    _record(origins, values, file)
+    return {**inherited, **values}
+
+
+def _record(origins: dict[str, str] | None, values: dict, file: str | None) -> None:
+    """Note `file` as where each of `values` was set (a later, nearer file's values overwrite a base's)."""
+    if origins is not None and file is not None:
+        origins.update(dict.fromkeys(values, file))
 
 
 def check_name(key: object, origin: str, where: str = "") -> None:
@@ -434,9 +452,7 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
         values.update(with_bases(config, Path.cwd()))
     elif config is not None:
         for file in config if isinstance(config, list) else [config]:
-            read = load_config_file(str(file))
-            values.update(read)
-            origins.update(dict.fromkeys(read, str(file)))
+            values.update(load_config_file(str(file), origins=origins))
     given = flatten(overrides)
     values.update(given)
     for name in given:
