@@ -519,6 +519,24 @@ def test_images_a_metadata_file_leaves_out_are_named_in_a_note(tmp_path, capsys)
     assert "note:" not in capsys.readouterr().out
 
 
+def test_images_with_an_empty_caption_are_counted_in_a_note(tmp_path, capsys):
+    """A blank metadata cell or an empty .txt trained the image unconditioned without a word (left alone before)."""
+    folder = captioned_folder(tmp_path / "blank", n=3)
+    (folder / "metadata.jsonl").write_text(
+        "".join(f'{{"file_name": "{i}.png", "text": "{text}"}}\n' for i, text in enumerate(["a square", "", " "]))
+    )
+    assert [e.caption for e in images.captioned_examples(str(folder), "text")] == ["a square", "", " "]
+    said = capsys.readouterr().out
+    assert f"note: 2 of 3 image(s) in {folder} have an empty caption and train unconditioned (first: 1.png)" in said
+    (folder / "metadata.jsonl").unlink()  # the .txt layout: an empty caption file
+    for i, text in enumerate(["a square", "a circle", "\n"]):
+        (folder / f"{i}.txt").write_text(text)
+    images.captioned_examples(str(folder), "text")
+    assert "note: 1 of 3 image(s)" in capsys.readouterr().out
+    images.captioned_examples(str(folder), "text", notes=False)
+    assert "note:" not in capsys.readouterr().out
+
+
 def test_a_resume_on_another_image_folder_or_resolution_is_told_the_rows_differ(tmp_path):
     """The record a checkpoint keeps of an image set (no image read), and the resume's note when it differs."""
     from cloudtrain.config import ImagesConfig

@@ -11,6 +11,7 @@ Unreadable images are skipped and counted; none left, or an image smaller than -
 import csv
 import io
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,7 +100,7 @@ def captioned_examples(folder: str, caption_column: str, notes: bool = True) -> 
                 f"{unlisted[0].relative_to(path)})",
                 flush=True,
             )
-        return examples
+        return _noting_uncaptioned(examples, folder, notes)
     missing = [f for f in files if not f.with_suffix(".txt").is_file()]
     if missing:
         # Hugging Face's imagefolder layout: train/metadata.jsonl (or .csv)
@@ -117,7 +118,20 @@ def captioned_examples(folder: str, caption_column: str, notes: bool = True) -> 
             f"({', '.join(IMAGE_SUFFIXES)}) and are left out (first: {orphans[0].relative_to(path)})",
             flush=True,
         )
-    return [Example(f, _read_text(f.with_suffix(".txt")).strip()) for f in files]
+    return _noting_uncaptioned([Example(f, _read_text(f.with_suffix(".txt")).strip()) for f in files], folder, notes)
+
+
+def _noting_uncaptioned(examples: list[Example], folder: str, notes: bool) -> list[Example]:
+    """`examples`, after a note of those with an empty caption: they train unconditioned, which is a choice where
+    meant ("" in the metadata) and a loss where a caption went missing (an empty .txt, a blank cell)."""
+    empty = [e for e in examples if not e.caption.strip()]
+    if empty and notes:
+        print(
+            f"note: {len(empty)} of {len(examples)} image(s) in {folder} have an empty caption and train "
+            f"unconditioned (first: {os.path.relpath(empty[0].image, folder)})",
+            flush=True,
+        )
+    return examples
 
 
 def _read_text(file: Path) -> str:
