@@ -179,8 +179,9 @@ def test_streamed_sft_examples_without_an_answer_are_counted_and_most_stop_the_r
     take(loader, 4)
     said = capsys.readouterr().out
     assert said.count("note: streamed examples with no answer token within --max_length 32 are dropped") == 1
-    dropped = loader.consumed(4)["examples_dropped"]
-    assert dropped == 4 and loader.source_metrics(4)["data/examples_dropped"] == 4  # the first buffer's 16 records
+    counts, metrics = loader.consumed(4), loader.source_metrics(4)
+    assert (counts["examples_dropped"], counts["examples_read"]) == (4, 16)  # the first buffer's 16 records...
+    assert (metrics["data/examples_dropped"], metrics["data/examples_read"]) == (4, 16)  # ...read ahead: said so
     rows = [{"prompt": f"{long if i % 4 else 'What is'} {i}?", "completion": f"It is {i}."} for i in range(40)]
     source.write_text("".join(json.dumps(r) + "\n" for r in rows))
     plan = plan_for(tmp_path, lm_tokenizer, train_file=str(source), packing="none")

@@ -480,8 +480,9 @@ class StreamLoader:
         }
         result["corrupted_records_skipped"] = stats["bad_records"]
         result["corrupted_files_skipped"] = stats["bad_files"]
-        if stats.get("examples_dropped"):
+        if stats.get("examples_dropped"):  # of the examples read so far, read-ahead included: both are said
             result["examples_dropped"] = stats["examples_dropped"]
+            result["examples_read"] = stats["examples"]
         return result
 
     def source_metrics(self, step: int) -> dict[str, float]:
@@ -495,7 +496,7 @@ class StreamLoader:
             if isinstance(per_source, dict)
             for kind, n in per_source.items()
         }
-        for name in ("corrupted_records_skipped", "corrupted_files_skipped", "examples_dropped"):
+        for name in ("corrupted_records_skipped", "corrupted_files_skipped", "examples_dropped", "examples_read"):
             if name in counts:
                 values[f"data/{name}"] = float(counts[name])
         return values
