@@ -299,9 +299,33 @@ def test_accelerates_tied_weights_notice_is_kept_off_and_other_messages_are_not(
 
     from cloudtrain.observe import console
 
-    console.quiet_deepspeed_cpu_notice()
+    console.quiet_known_notices()
     logger = logging.getLogger("accelerate.utils.other")
     with caplog.at_level(logging.WARNING, logger="accelerate.utils.other"):
         logger.warning("[RANK 0] Removed shared tensor {'lm_head.weight'} while saving. This should be OK, but ...")
         logger.warning("another accelerate warning")
     assert [r.getMessage() for r in caplog.records] == ["another accelerate warning"]
+
+
+PADDED_GPT2 = """
+import sys, torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from cloudtrain.observe import console
+if sys.argv[1] == "quiet":
+    console.quiet_known_notices()
+config = GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=16, n_positions=8, pad_token_id=0)
+ids = torch.tensor([[5, 6, 7, 0]])  # a row padded at its end, as a language-model batch of cloudtrain's is
+GPT2LMHeadModel(config)(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0]]))
+"""
+
+
+def test_transformers_padding_warning_is_kept_off_where_the_batches_pass_no_mask_by_design():
+    """Every GPT-2-style language-model run warned "We strongly recommend passing in an attention_mask": its
+    batches carry restarting position_ids and unlabelled padding instead (found in audit)."""
+    said = {
+        how: subprocess.run([sys.executable, "-c", PADDED_GPT2, how], capture_output=True, text=True, timeout=120)
+        for how in ("loud", "quiet")
+    }
+    assert all(done.returncode == 0 for done in said.values()), said["loud"].stderr[-2000:]
+    assert console.PADDING_NOTICE in said["loud"].stderr  # transformers says it where nothing keeps it off
+    assert console.PADDING_NOTICE not in said["quiet"].stderr

@@ -77,7 +77,7 @@ def setup() -> None:
         enable_library_bars()
     else:
         disable_library_bars()
-    quiet_deepspeed_cpu_notice()
+    quiet_known_notices()
     if not _is_terminal(sys.stdout):
         # A file or a pipe is block-buffered: a log shows lines minutes late and out of order with stderr's.
         reconfigure = getattr(sys.stdout, "reconfigure", None)
@@ -137,10 +137,21 @@ class _DropNotice(logging.Filter):
 SHARED_TENSOR_NOTICE = "Removed shared tensor "
 
 
-def quiet_deepspeed_cpu_notice() -> None:
-    """Keep DeepSpeed's "unable to detect" notice and accelerate's tied-weights one off the console. DeepSpeed's
-    logger is set up when it is imported, keeping filters added before; any other message still shows."""
-    for name, notice in (("DeepSpeed", DEEPSPEED_CPU_NOTICE), ("accelerate.utils.other", SHARED_TENSOR_NOTICE)):
+# transformers' warning where a model of the GPT-2 kind sees a pad token and no attention_mask: the language-model
+# batches pass none by design (each document's position_ids restart and its padding has no labels), so it is false
+PADDING_NOTICE = "We strongly recommend passing in an `attention_mask`"
+NOTICES = (
+    ("DeepSpeed", DEEPSPEED_CPU_NOTICE),
+    ("accelerate.utils.other", SHARED_TENSOR_NOTICE),
+    ("transformers.modeling_utils", PADDING_NOTICE),
+)
+
+
+def quiet_known_notices() -> None:
+    """Keep the libraries' false alarms of NOTICES off the console (DeepSpeed's "unable to detect", accelerate's
+    tied weights, transformers' padding). DeepSpeed's logger is set up when it is imported, keeping filters
+    added before; any other message still shows."""
+    for name, notice in NOTICES:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNotice) and f.message == notice for f in logger.filters):
             logger.addFilter(_DropNotice(notice))
