@@ -343,3 +343,22 @@ def test_a_file_datasets_cannot_read_is_said_once(models, tmp_path):
     result = run_cli(*train_args(models["classifier"], latin, tmp_path / "out"))
     said = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(said) == 1 and said[0].startswith("error: "), said
+
+
+def test_an_mlflow_server_that_cannot_be_reached_is_refused_before_the_model_loads(
+    models, topic_csvs, tmp_path, capsys, monkeypatch
+):
+    """The tracker's own check came after the data and the model had loaded (20 s here, minutes for a large model)
+    and left metrics.jsonl and mlruns/ in the output folder (found in audit)."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", 0)) as closed:  # a port nothing listens on once the block ends
+        port = closed.getsockname()[1]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    out = tmp_path / "out"
+    argv = train_args(models["classifier"], topic_csvs["train"], out, "--report_to", "mlflow")
+    assert refused(argv, capsys) == (
+        f"MLflow at http://127.0.0.1:{port} (MLFLOW_TRACKING_URI) cannot be reached within 5 s: start its server, "
+        "or change the URI"
+    )
+    assert not out.exists()  # refused before anything was read or written

@@ -39,6 +39,7 @@ from cloudtrain.hardware import keep_freed_memory, resolve_precision
 from cloudtrain.models import adapters
 from cloudtrain.models.prepare import check_attention_name, compile_model, prepare
 from cloudtrain.observe import console, cost
+from cloudtrain.observe.mlflow_tracker import check_mlflow_server
 from cloudtrain.observe.tracking import RunLog, check_trackers
 from cloudtrain.parallel.distributed import check_distributed, launch_environment_kept, launched_processes
 from cloudtrain.parallel.runtime import Runtime
@@ -111,6 +112,7 @@ def preflight(cfg: Config, task: Task) -> Path:
     if cfg.training.mixed_precision == "fp16" and not torch.cuda.is_available():
         raise UserError("--mixed_precision fp16 needs a CUDA GPU; use bf16 or no on this machine")
     check_trackers(cfg.tracking)
+    check_mlflow_server(cfg.tracking.report_to)
     output_dir = resolve_output_dir(cfg, task)
     check_output_folder(output_dir)
     check_location(cfg, output_dir, model_folders(cfg), cfg.checkpoint.resume_from_checkpoint)

@@ -32,6 +32,14 @@ def check_mlflow_store(uri: str, source: str) -> None:
                             "process can write; change the URI")  # fmt: skip
 
 
+def check_mlflow_server(report_to: list[str]) -> None:
+    """The store MLFLOW_TRACKING_URI names, checked before the data and the model load: the tracker checks it
+    again when it starts, which is after both (a run refused after minutes of loading; found in audit)."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if "mlflow" in report_to and uri:
+        check_mlflow_store(uri, "MLFLOW_TRACKING_URI")
+
+
 class MLflow(RunMethods, MLflowTracker):
     """An MLflow run in $MLFLOW_TRACKING_URI, else in a SQLite database inside the output folder."""
 
