@@ -329,3 +329,35 @@ def test_transformers_padding_warning_is_kept_off_where_the_batches_pass_no_mask
     assert all(done.returncode == 0 for done in said.values()), said["loud"].stderr[-2000:]
     assert console.PADDING_NOTICE in said["loud"].stderr  # transformers says it where nothing keeps it off
     assert console.PADDING_NOTICE not in said["quiet"].stderr
+
+
+def test_the_sagemaker_mlflow_plugins_warning_at_each_request_is_kept_off():
+    """The plugin takes every tracking URI for an ARN: MLflow warned at each request to a server (found in audit).
+    Resolved here through MLflow's own registry, with the plugin installed as the sagemaker extra installs it."""
+    import logging
+
+    import mlflow
+    from mlflow.tracking.request_header.registry import resolve_request_headers
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("mlflow.tracking.request_header.registry")
+    earlier = list(logger.filters)  # this process may have quieted it already (an in-process run)
+    for kept in earlier:
+        logger.removeFilter(kept)
+    logger.addHandler(handler)
+    before = mlflow.get_tracking_uri()
+    try:
+        mlflow.set_tracking_uri("http://127.0.0.1:5931")
+        resolve_request_headers()
+        loud = list(records)
+        console.quiet_known_notices()
+        resolve_request_headers()
+        logger.warning("another MLflow warning")
+    finally:
+        mlflow.set_tracking_uri(before)
+        logger.removeHandler(handler)
+        logger.filters[:] = earlier
+    assert any(console.SAGEMAKER_ARN_NOTICE in message for message in loud)  # the plugin is there and warns
+    assert records[len(loud) :] == ["another MLflow warning"]

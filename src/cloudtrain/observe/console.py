@@ -140,17 +140,20 @@ SHARED_TENSOR_NOTICE = "Removed shared tensor "
 # transformers' warning where a model of the GPT-2 kind sees a pad token and no attention_mask: the language-model
 # batches pass none by design (each document's position_ids restart and its padding has no labels), so it is false
 PADDING_NOTICE = "We strongly recommend passing in an `attention_mask`"
+# the SageMaker MLflow plugin (a dependency of sagemaker) reads every tracking URI as an ARN and fails on any other,
+# which MLflow's header registry warns about at each request to a server: 14 lines for 3 logged steps (audit)
+SAGEMAKER_ARN_NOTICE = "Encountered unexpected error during resolving request headers: list index out of range"
 NOTICES = (
     ("DeepSpeed", DEEPSPEED_CPU_NOTICE),
     ("accelerate.utils.other", SHARED_TENSOR_NOTICE),
     ("transformers.modeling_utils", PADDING_NOTICE),
+    ("mlflow.tracking.request_header.registry", SAGEMAKER_ARN_NOTICE),
 )
 
 
 def quiet_known_notices() -> None:
-    """Keep the libraries' false alarms of NOTICES off the console (DeepSpeed's "unable to detect", accelerate's
-    tied weights, transformers' padding). DeepSpeed's logger is set up when it is imported, keeping filters
-    added before; any other message still shows."""
+    """Keep the libraries' false alarms of NOTICES off the console; any other message still shows. DeepSpeed's
+    logger is set up when it is imported, keeping filters added before."""
     for name, notice in NOTICES:
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropNotice) and f.message == notice for f in logger.filters):
