@@ -13,7 +13,7 @@ import time
 
 import pytest
 from conftest import REPO
-from test_checkpointing import args_for, complete_checkpoints, env, run, start
+from test_checkpointing import args_for, complete_checkpoints, env, run, start, wait_for
 
 LATEST = ("--resume_from_checkpoint", "latest")
 PROMISE = "Ctrl-C: a checkpoint is saved at the next logging step"
@@ -356,3 +356,22 @@ def test_a_requeue_compares_the_options_as_resolved_where_they_were_auto(tmp_pat
     (out / "train_results.json").write_text(json.dumps({"global_step": 2, STOPPED_MARK: "SIGTERM"}))
     assert trained_already(build_config(given), out).startswith(f"{out} already holds this run's trained model")
     assert trained_already(build_config({**given, "learning_rate": 1.0}), out) is None  # another run
+
+
+@pytest.mark.slow
+def test_a_stop_between_logging_steps_logs_the_steps_since_the_last_one(tiny_model_dir, topic_csvs, tmp_path):
+    """A SIGTERM taken at a checkpoint step that was no logging step lost those steps' loss and throughput for
+    good: the resume starts after them (found in audit). They are logged at the stop, as at a last step."""
+    from cloudtrain.observe.tracking import read_metrics
+
+    out = tmp_path / "out"
+    options = ["--max_steps", "3000", "--eval_strategy", "no", "--logging_steps", "1000", "--checkpointing_steps", "1"]
+    proc = start([sys.executable] + args_for(tiny_model_dir, topic_csvs, out, *options))
+    wait_for(lambda: complete_checkpoints(out / "checkpoints"), proc)  # in the loop, before its first logging step
+    os.killpg(proc.pid, signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]
+    stop = max(step for step, _ in complete_checkpoints(out / "checkpoints"))
+    assert stop < 1000  # a stop between logging steps, as the test means
+    logged = [r for r in read_metrics(out / "metrics.jsonl") if "train/loss" in r]
+    assert [r["step"] for r in logged] == [stop] and logged[0]["train/tokens_per_s"] > 0

@@ -217,7 +217,9 @@ class LoggingHook(Hook):
         return loop.done or loop.step % self.every == 0
 
     def on_step_end(self, loop: LoopState) -> Request | None:
-        if not self.due(loop):
+        # a stop asked for at this step (a signal, non-finite losses) ends the run here: the steps since the last
+        # logging step are logged as at a last step, else the resume starts after them and they are lost
+        if not (self.due(loop) or any(request.reason for request in loop.requests)):
             return None
         # this process's step times and memory, for train/step_time_s and the anomaly detector
         local = self.trainer.clock.read() + peak_memory(self.device) if self.monitoring else None
