@@ -1,6 +1,8 @@
 """The command line as a user meets it: bad input gets one clear line, exit 2, and nothing is touched."""
 
+import contextlib
 import hashlib
+import io
 import os
 import subprocess
 import sys
@@ -13,6 +15,7 @@ from conftest import ENTRY, REPO, run_cli
 
 import cloudtrain
 from cloudtrain.cli import main
+from cloudtrain.errors import UserError
 from cloudtrain.publish.output_dir import record
 from cloudtrain.registry_table import TASK_ROWS
 
@@ -246,3 +249,22 @@ def test_a_file_given_as_the_run_folder_is_called_a_file(tmp_path, capsys):
         assert said == f"error: {flag} {file} is a file; give the folder a training run wrote"
     assert main(["predict", "--model_dir", str(tmp_path / "gone"), "--text", "hi"]) == 2
     assert capsys.readouterr().err.strip().endswith("gone does not exist; pass the output_dir of a training run")
+
+
+@pytest.mark.parametrize(
+    "command, required",
+    [("predict", "--model_dir"), ("generate", "--model_dir"), ("push", "--output_dir"), ("merge", "--output_dir")],
+)
+def test_help_shows_a_commands_required_option_as_required(command, required):
+    """The usage line bracketed --model_dir as optional ([--model_dir MODEL_DIR]; found in audit): the parser holds
+    required options optional while it looks for a mistyped one first, and --help was asked in between."""
+    from cloudtrain.cli import command_parser
+
+    parser = command_parser(command)
+    with pytest.raises(SystemExit), contextlib.redirect_stdout(io.StringIO()) as shown:
+        parser.parse_args(["--help"])
+    usage = " ".join(shown.getvalue().split())
+    metavar = required.removeprefix("--").upper()
+    assert f" {required} {metavar} " in usage and f"[{required} {metavar}]" not in usage
+    with pytest.raises(UserError, match=f"the following arguments are required: {required}"):
+        parser.parse_args([])  # still required after --help

@@ -40,7 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--input_file",
         help="A .txt file (one text per line) or a csv/tsv/json/jsonl/parquet file with a --text_column.",
     )
-    parser.add_argument("--text_column", default="text", help="Column of --input_file holding the texts.")
+    parser.add_argument(
+        "--text_column", default="text", help="Column of --input_file holding the texts (default: text)."
+    )
     parser.add_argument(
         "--text_pair_column",
         help="Column of --input_file holding the second texts of a sentence-pair model "

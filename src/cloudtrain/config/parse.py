@@ -10,6 +10,7 @@ true for a number and nan or infinities for any number are refused in one line.
 """
 
 import argparse
+import contextlib
 import dataclasses
 import difflib
 import json
@@ -208,7 +209,7 @@ class ConfigParser(argparse.ArgumentParser):
     ) -> tuple[argparse.Namespace, list[str]]:
         """argparse reports a missing required option before an unknown one, yet a mistyped required option
         (`--modeldir x` for `--model_dir`) is both, and the unknown one is the cause: it is checked first."""
-        required = [action for action in self._actions if action.required]
+        required = self._required = [action for action in self._actions if action.required]
         for action in required:
             action.required = False
         try:
@@ -226,6 +227,27 @@ class ConfigParser(argparse.ArgumentParser):
             if name.endswith(PATH_ENDINGS):
                 setattr(parsed, name, _home(value))
         return parsed, extras
+
+    def format_usage(self) -> str:
+        with self._as_declared():
+            return super().format_usage()
+
+    def format_help(self) -> str:
+        with self._as_declared():
+            return super().format_help()
+
+    @contextlib.contextmanager
+    def _as_declared(self) -> typing.Iterator[None]:
+        """--help, asked while parse_known_args holds the required options optional, shows them required (its
+        usage line bracketed --model_dir as optional; found in audit)."""
+        held = [action for action in getattr(self, "_required", []) if not action.required]
+        for action in held:
+            action.required = True
+        try:
+            yield
+        finally:
+            for action in held:
+                action.required = False
 
     def error(self, message: str) -> typing.NoReturn:
         if message.startswith("unrecognized arguments:"):
