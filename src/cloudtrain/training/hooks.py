@@ -210,6 +210,7 @@ class LoggingHook(Hook):
         self.task_metrics: list[str] = []  # names of the task's own numbers at the last logging step
 
     def on_train_start(self, loop: LoopState) -> None:
+        self.started = (time.monotonic(), loop.step)  # for the elapsed time and ETA of a log without a bar
         if self.no_mfu and self.trainer.is_main_process:
             loop.bar.write(self.no_mfu)
 
@@ -271,7 +272,17 @@ class LoggingHook(Hook):
                 f" | {values['train/step_time_s'] * 1000:.0f} ms/step, data {values['train/data_time_share']:.0%}"
                 f" | peak {values['train/peak_memory_gib']:.2f} GiB"
             )
+        if loop.bar.disable:  # a log file or CloudWatch: no bar shows the time, so the line does
+            line += self._timing(loop)
         return line
+
+    def _timing(self, loop: LoopState) -> str:
+        """| elapsed 1:02, ETA 3:10: this launch's time so far, and its steps' pace over the steps left."""
+        start, first = self.started
+        elapsed, done = time.monotonic() - start, loop.step - first
+        left = elapsed / done * (loop.total_steps - loop.step) if done else None
+        eta = f", ETA {tqdm.format_interval(left)}" if left is not None and loop.step < loop.total_steps else ""
+        return f" | elapsed {tqdm.format_interval(elapsed)}{eta}"
 
 
 class AnomalyHook(Hook):
