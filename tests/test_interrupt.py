@@ -61,7 +61,7 @@ def test_one_ctrl_c_saves_a_checkpoint_then_stops(tiny_model_dir, topic_csvs, tm
     ctrl_c(proc)
     assert err.end() == 130
     assert err.text.count(PROMISE) == 1  # from the run, not again from its data-loader worker
-    assert "stopped: stopped by Ctrl-C at step" in err.text and "--resume_from_checkpoint latest" in err.text
+    assert "stopped: Ctrl-C at step" in err.text and "--resume_from_checkpoint latest" in err.text
     assert "Traceback" not in err.text
     ((step, path),) = complete_checkpoints(out / "checkpoints")  # no --checkpointing_steps: saved all the same
     assert 0 < step < 3000 and (path / "model.safetensors").exists()
@@ -112,7 +112,7 @@ def test_a_signal_during_the_final_evaluation_skips_it_and_saves_the_trained_mod
     said = "Ctrl-C" if sig == "SIGINT" else sig
     assert f"{said}: the evaluation stops and the trained model is saved" in err.text
     assert (
-        f"stopped: stopped by {sig} after the last step: the trained model is saved in {out}, without its "
+        f"stopped: {sig} after the last step: the trained model is saved in {out}, without its "
         "validation evaluation" in err.text
     )
     assert "Traceback" not in err.text

@@ -414,7 +414,7 @@ def _after_a_signal(by: str, skipped: list[str], cfg: Config, output_dir: Path, 
             )
         return
     raise TrainingStopped(
-        f"stopped by {by or 'a signal to another process'} after the last step: the trained model is saved in "
+        f"{by or 'a signal to another process'} after the last step: the trained model is saved in "
         f"{output_dir}, without its {', '.join(skipped)}{push}",
         130 if by == "SIGINT" else 143,
         quiet,

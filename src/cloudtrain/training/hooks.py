@@ -63,7 +63,7 @@ class Request:
     """What a hook asks of the loop after a step: a checkpoint now, whatever the schedule; with a `reason`,
     also the end of the run once it is saved."""
 
-    reason: str = ""  # "stopped by SIGTERM at step 7"; empty: the run goes on
+    reason: str = ""  # "SIGTERM at step 7" (said after "stopped: "); empty: the run goes on
     advice: str = ""  # what to do next, said after where the checkpoint is
     exit_code: int = 0
     quiet: bool = False  # this process prints no error line: another prints the same
@@ -186,9 +186,9 @@ class PreemptionHook(Hook):
         if not (loop.sync and self.runtime.agree([self.signal.received])[0]):
             return None
         if self.signal.by == "SIGINT":
-            return Request(f"stopped by Ctrl-C at step {loop.step}", RESUME, 130)
+            return Request(f"Ctrl-C at step {loop.step}", RESUME, 130)
         by = "SIGTERM" if self.signal.received else "a signal to another process"
-        return Request(f"stopped by {by} at step {loop.step}", RESUME, 143)
+        return Request(f"{by} at step {loop.step}", RESUME, 143)
 
 
 class LoggingHook(Hook):
