@@ -1,6 +1,7 @@
 """The MLflow tracker of cloudtrain.observe.tracking: a run in $MLFLOW_TRACKING_URI, else in a SQLite database
 inside the output folder."""
 
+import logging
 import os
 from pathlib import Path
 
@@ -46,6 +47,8 @@ class MLflow(RunMethods, MLflowTracker):
     def __init__(self, context: RunContext, saved: dict):
         import mlflow
 
+        # its INFO lines as it makes the output folder's database ("Creating initial MLflow database tables...")
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
         store = context.output_dir / "mlruns"
         store.mkdir(exist_ok=True)
         local = f"sqlite:///{(store / 'mlflow.db').resolve()}"
