@@ -406,9 +406,24 @@ def test_documents_held_out_for_validation_are_never_trained_on(tmp_path, mixtur
     assert min(small_trained.values()) >= 2
 
 
-def test_a_corrupted_shard_mid_stream_is_skipped_and_counted_or_stops(tmp_path, lm_tokenizer):
-    good = gzip.compress("".join(json.dumps({"text": t}) + "\n" for t in numbered(30, "good")).encode())
-    (tmp_path / "part0.jsonl.gz").write_bytes(good[: len(good) // 2])  # truncated: ends mid-stream
+def damaged(text: bytes, suffix: str) -> bytes:
+    """`text` compressed and damaged half way: a .gz cut short there, a .zst with bytes flipped there (zstandard's
+    own error, not an OSError, was a traceback; found in audit)."""
+    if suffix == ".gz":
+        packed = gzip.compress(text)
+        return packed[: len(packed) // 2]
+    import zstandard
+
+    packed = bytearray(zstandard.ZstdCompressor().compress(text))
+    for i in range(len(packed) // 2, len(packed) // 2 + 50):
+        packed[i] ^= 0xFF
+    return bytes(packed)
+
+
+@pytest.mark.parametrize("suffix", [".gz", ".zst"])
+def test_a_corrupted_shard_mid_stream_is_skipped_and_counted_or_stops(tmp_path, lm_tokenizer, suffix):
+    good = "".join(json.dumps({"text": t * 20}) + "\n" for t in numbered(300, "good")).encode()
+    (tmp_path / f"part0.jsonl{suffix}").write_bytes(damaged(good, suffix))
     write_jsonl(tmp_path / "part1.jsonl", numbered(20, "next"))
     with open(tmp_path / "part1.jsonl", "a") as f:
         f.write("{not json\n")
@@ -421,7 +436,7 @@ def test_a_corrupted_shard_mid_stream_is_skipped_and_counted_or_stops(tmp_path, 
     keys = {key for row in rows for key in row["starts"]}
     assert len(keys) > 20  # what came after the damage was read
     plan.on_bad = "stop"
-    with pytest.raises(UserError, match=r"corrupted data in .*part0.jsonl.gz"):
+    with pytest.raises(UserError, match=rf"corrupted data in .*part0.jsonl{re.escape(suffix)}"):
         list(plan.loader(1).chunks())
 
 

@@ -125,8 +125,32 @@ def _open_binary(path: str) -> Any:
     if path.endswith(".zst"):
         import zstandard  # only for .zst files
 
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True))
+        return io.BufferedReader(_ZstdStream(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)))
     return raw
+
+
+class _ZstdStream(io.RawIOBase):
+    """zstandard's reader, its ZstdError (an Exception of its own) raised as the OSError a damaged .gz raises: the
+    readers skip, count or refuse a damaged file by that (a damaged .zst was a traceback; found in audit)."""
+
+    def __init__(self, reader: Any):
+        super().__init__()
+        self._reader = reader
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        import zstandard
+
+        try:
+            return self._reader.readinto(buffer)
+        except zstandard.ZstdError as err:
+            raise OSError(f"damaged zstd data ({err})") from None
+
+    def close(self) -> None:
+        self._reader.close()
+        super().close()
 
 
 def _seek(handle: Any, position: int, forward_only: bool) -> None:
