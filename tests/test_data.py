@@ -10,7 +10,7 @@ from conftest import topic_rows
 from datasets import ClassLabel, Dataset, DatasetDict
 from transformers import AutoTokenizer
 
-from cloudtrain.config import DataConfig
+from cloudtrain.config import DataConfig, build_config
 from cloudtrain.data.processing import find_label_names, process_data, train_dataloader
 from cloudtrain.data.sources import connect_data
 from cloudtrain.errors import UserError
@@ -374,3 +374,26 @@ def test_files_of_other_columns_and_a_label_column_of_numbers_and_text_say_so(tm
     mixed.write_text("".join(json.dumps({"text": "t", "label": label}) + "\n" for label in (7, "sports", 7, "sports")))
     with pytest.raises(UserError, match="^the 'label' column mixes numbers and text"):
         check_label_kind(connect(DataConfig(train_file=str(mixed)))["train"], "label")
+
+
+def test_a_streamed_mixture_whose_unread_columns_differ_in_type_connects(tmp_path):
+    """An `id` a number in one file and a text in another, a `meta` an object in one and a text in the other: the
+    sources' first records met in one Arrow table, a traceback, though the task reads `text` only (found in audit).
+    The column checks still see the task's column."""
+    from cloudtrain.tasks.causal_lm import CausalLMTask
+
+    first = {"id": 0, "meta": {"a": 1}, "text": "the king"}
+    rows = {"ints": [first], "texts": [{"id": "x0", "meta": "m", "text": "a"}]}
+    for name, records in rows.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records * 20))
+    files = f"{tmp_path / 'ints.jsonl'},{tmp_path / 'texts.jsonl'}"
+    for column, refused in (("text", False), ("body", True)):
+        cfg = build_config({"task": "causal_lm", "train_file": files, "streaming": True, "max_steps": 2,
+                            "stream_validation_docs": 2, "text_column": column})  # fmt: skip
+        connect = lambda: connect_data(cfg.data, CausalLMTask(cfg).columns(cfg.data))  # noqa: E731, B023
+        if refused:  # the task's checks still run on what was kept
+            with pytest.raises(UserError, match="body"):
+                connect()
+        else:
+            raw = connect()
+            assert raw["train"].column_names == ["text"] and len(raw["train"]) == 2

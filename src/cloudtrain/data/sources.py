@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import pyarrow as pa
 from datasets import Dataset, DatasetDict
 from datasets.exceptions import DatasetGenerationError
 
@@ -79,10 +80,23 @@ def _connect_stream(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> Da
     loaded = {split: _load_path(path, split, cfg.text_column) for split, path in held.items()}
     if not sample:  # packed shards alone hold no records: the task's column checks read the validation data's
         sample = [loaded["validation"][0]]
-    common = [key for key in sample[0] if all(key in record for record in sample)]
-    raw = DatasetDict({"train": Dataset.from_list([{k: record[k] for k in common} for record in sample]), **loaded})
+    wanted = {column for column, _ in columns.values()}
+    raw = DatasetDict({"train": _first_records(sample, wanted), **loaded})
     raw.stream_sources = specs  # type: ignore[attr-defined]
     return raw
+
+
+def _first_records(sample: list[dict], wanted: set[str]) -> Dataset:
+    """The sources' first records as one dataset, for the task's column checks: the columns they share, less those
+    the task does not read whose values differ in type between sources (an `id` a number in one file and a text in
+    another was Arrow's traceback; found in audit); as texts where the rest still do not fit one Arrow column."""
+    common = [key for key in sample[0] if all(key in record for record in sample)]
+    kept = [k for k in common if k in wanted or len({type(record[k]) for record in sample}) == 1]
+    try:
+        return Dataset.from_list([{k: record[k] for k in kept} for record in sample])
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        texts = [{k: None if record[k] is None else str(record[k]) for k in kept} for record in sample]
+        return Dataset.from_list(texts)
 
 
 def pin_sources(raw: DatasetDict, share: Callable[[Any], Any]) -> DatasetDict:
