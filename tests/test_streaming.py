@@ -495,6 +495,20 @@ def test_a_streaming_run_evaluates_on_its_validation_file(tiny_llama_dir, tmp_pa
     assert [g["prompt"].split()[0] for g in results["eval"]["generations"]] == ["held-out"]
 
 
+def test_documents_held_out_of_a_stream_may_be_numbers_as_the_training_ones_may(tiny_llama_dir, tmp_path):
+    """A held-out record {"text": 1999} was Arrow's traceback, though the stream's encoder (and a stored file)
+    read it as the text "1999" (found in audit)."""
+    from cloudtrain import train
+
+    records = [{"text": t} for t in numbered(30, "the frog")]
+    records[1] = {"text": 1999}
+    source = tmp_path / "numbers.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    args = stream_run_args(tiny_llama_dir, str(source), tmp_path / "run", "--max_steps", "1")
+    results = train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)})
+    assert results["eval"]["tokens"] > 0 and results["train"]["global_step"] == 1
+
+
 def test_a_stream_resumed_at_its_last_step_trains_no_step_past_it(tiny_llama_dir, tmp_path, two_sources, capsys):
     """A stream has more rows than the run takes: resumed at its last step, the loop must not take one more."""
     from cloudtrain import train

@@ -168,7 +168,10 @@ class CausalLMTask(DecoderTask):
             )
             raw = DatasetDict({split: ds for split, ds in raw.items() if split != "train"})
             if held_out is not None:
-                raw["validation"] = Dataset.from_list([{d.text_column: r.get(d.text_column)} for r in held_out])
+                # as the stream's encoder reads them: a number is its text (Arrow refused a column of texts and
+                # numbers; found in audit), a missing text an empty document
+                texts = [{d.text_column: str(r.get(d.text_column) or "")} for r in held_out]
+                raw["validation"] = Dataset.from_list(texts)
         docs = {split: self._tokenize(ds, split, tokenizer, d) for split, ds in raw.items()}
         if "validation" not in docs:
             docs["train"], docs["validation"] = self._carve(
