@@ -164,6 +164,9 @@ def test_hub_options_a_later_push_reads_from_args_json_say_nothing():
 
 def test_streaming_options_count_with_streaming():
     assert notes(task="sft", streaming=True, max_steps=5, stream_buffer=16, on_bad_data="stop") == []
+    assert notes(task="causal_lm", streaming=True, max_steps=5, num_train_epochs=5) == [  # (audit)
+        "--num_train_epochs 5.0 has no effect without --streaming false"
+    ]
     assert notes(early_stopping_patience=2, early_stopping_threshold=0.01) == []
 
 

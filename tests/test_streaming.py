@@ -495,9 +495,9 @@ def test_a_streaming_run_evaluates_on_its_validation_file(tiny_llama_dir, tmp_pa
     assert [g["prompt"].split()[0] for g in results["eval"]["generations"]] == ["held-out"]
 
 
-def test_documents_held_out_of_a_stream_may_be_numbers_as_the_training_ones_may(tiny_llama_dir, tmp_path):
+def test_documents_held_out_of_a_stream_may_be_numbers_as_the_training_ones_may(tiny_llama_dir, tmp_path, capsys):
     """A held-out record {"text": 1999} was Arrow's traceback, though the stream's encoder (and a stored file)
-    read it as the text "1999" (found in audit)."""
+    read it as the text "1999" (found in audit). An `epoch` schedule is said to mean the run's end on a stream."""
     from cloudtrain import train
 
     records = [{"text": t} for t in numbered(30, "the frog")]
@@ -505,8 +505,12 @@ def test_documents_held_out_of_a_stream_may_be_numbers_as_the_training_ones_may(
     source = tmp_path / "numbers.jsonl"
     source.write_text("".join(json.dumps(r) + "\n" for r in records))
     args = stream_run_args(tiny_llama_dir, str(source), tmp_path / "run", "--max_steps", "1")
+    args += ["--eval_strategy", "epoch", "--checkpointing_steps", "epoch"]  # the later value of a flag wins
     results = train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)})
     assert results["eval"]["tokens"] > 0 and results["train"]["global_step"] == 1
+    said = capsys.readouterr().out
+    assert "note: a stream has no epochs: --eval_strategy epoch evaluates at the run's end only" in said
+    assert "note: a stream has no epochs: --checkpointing_steps epoch saves at the run's end only" in said
 
 
 def test_a_stream_resumed_at_its_last_step_trains_no_step_past_it(tiny_llama_dir, tmp_path, two_sources, capsys):

@@ -60,6 +60,7 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "max_train_samples": ("streaming", (False,)),
     "validation_split_percentage": ("streaming", (False,)),
     "group_by_length": ("streaming", (False,)),  # sorts stored rows; a stream's rows come in its own order
+    "num_train_epochs": ("streaming", (False,)),  # a stream's length is --max_steps or --max_tokens
     # pushes during training, and the token (never saved): a later `push` reads the other Hub options from args.json
     **{name: ("push_to_hub", (True,)) for name in ("hub_token", "hub_strategy")},
     **{  # the anomaly watcher's settings: it runs only with --monitoring true

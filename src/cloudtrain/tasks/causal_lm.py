@@ -426,7 +426,7 @@ class CausalLMTask(DecoderTask):
 
     def describe_data(self, data: ProcessedData) -> str:
         if isinstance(data.train, StreamPlan):
-            return describe_stream(data.train, data.validation, self.cfg.data)
+            return describe_stream(data.train, data.validation, self.cfg)
         parts = [
             f"{len(rows)} {split} rows ({sum(sum(n) for n in rows['seq_lengths'])} tokens)"
             for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test))
@@ -459,8 +459,9 @@ def predicting(values: torch.Tensor, batch: dict) -> torch.Tensor:
     return values if "targets" in batch else values[:, :-1]
 
 
-def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> str:
+def describe_stream(plan: StreamPlan, validation: Dataset, run: Config) -> str:
     """The data line of a streaming run: its sources and weights, and the stored validation rows."""
+    cfg = run.data
     total = sum(source.weight for source in plan.sources) or 1.0
     sources = ", ".join(
         f"{s.name} ({len(s.files)} file(s){', packed rows' if s.packed else ''}, weight {s.weight / total:.2f})"
@@ -470,6 +471,7 @@ def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> s
     notes = (
         [f"--max_steps {steps} sets the run's length; --max_tokens {tokens} is not used"] if steps and tokens else []
     )
+    notes += _epochless(run)
     if len({s.packed for s in plan.sources if s.weight > 0}) > 1:
         notes.append(
             "a weight draws a packed row (a whole row of tokens) from a source of packed shards and a document from "
@@ -479,6 +481,19 @@ def describe_stream(plan: StreamPlan, validation: Dataset, cfg: DataConfig) -> s
         f"data: streaming {sources}; packing {cfg.packing} in buffers of {cfg.stream_buffer} documents, "
         f"{cfg.max_length} tokens per row; {len(validation)} validation rows"
     ) + "".join(f"\nnote: {note}" for note in notes)
+
+
+def _epochless(run: Config) -> list[str]:
+    """What an `epoch` schedule means on a stream, which has no epochs: the run's end only (found in audit: a long
+    stream at the default --eval_strategy epoch evaluated once, at its end, without a word)."""
+    said = []
+    if run.training.eval_strategy == "epoch":
+        said.append("a stream has no epochs: --eval_strategy epoch evaluates at the run's end only; "
+                    "--eval_strategy steps --eval_steps N evaluates along the way")  # fmt: skip
+    if run.checkpoint.checkpointing_steps == "epoch":
+        said.append("a stream has no epochs: --checkpointing_steps epoch saves at the run's end only; "
+                    "--checkpointing_steps N saves along the way")  # fmt: skip
+    return said
 
 
 def _needs_cuda(model: PreTrainedModel) -> bool:

@@ -414,7 +414,7 @@ class SFTTask(CausalLMTask):
 
         parts = []
         if isinstance(data.train, StreamPlan):
-            parts.append(describe_stream(data.train, data.validation, self.cfg.data).removeprefix("data: "))
+            parts.append(describe_stream(data.train, data.validation, self.cfg).removeprefix("data: "))
         for split, rows in (("train", data.train), ("validation", data.validation), ("test", data.test)):
             if rows is None or isinstance(rows, StreamPlan):
                 continue
