@@ -329,6 +329,8 @@ def test_training_curves_png_holds_loss_and_eval_curves(tiny_model_dir, topic_cs
 @pytest.mark.slow
 def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, tracker_env):
     out = tracker_env / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("the user's own notes")  # never uploaded (it was: found in audit)
     result = run_cli(
         *train_args(
             tiny_model_dir,
@@ -364,6 +366,7 @@ def test_wandb_without_credentials_runs_offline(tiny_model_dir, topic_csvs, trac
     # the model's sub-folders too (a merged model; a diffusers pipeline's parts were left out: found in audit)
     expected = {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json", "merged/model.safetensors"}
     assert expected <= {e.path for e in model.manifest.contents}
+    assert "notes.txt" not in {e.path for e in model.manifest.contents}
 
 
 EVENT_PART = textwrap.dedent("""

@@ -8,7 +8,8 @@ what a finished run needs (a summary, the confusion matrix, resuming):
 - wandb: online when credentials are configured (WANDB_API_KEY or `wandb login`) and the server
   answers within a few seconds; otherwise offline under <output_dir>/wandb, with the `wandb sync`
   command printed at the end. WANDB_* variables (WANDB_MODE, WANDB_PROJECT, WANDB_DIR,
-  WANDB_ENTITY, ...) are respected. `--log_model true` uploads the saved model as an artifact.
+  WANDB_ENTITY, ...) are respected. `--log_model true` uploads the saved model (the files cloudtrain wrote) as an
+  artifact.
 - trackio: local SQLite under $HF_HOME/trackio (or $TRACKIO_DIR); `trackio show` is its dashboard.
 - tensorboard: event files under <output_dir>/tensorboard/<run name>.
 - mlflow: $MLFLOW_TRACKING_URI, else sqlite:///<output_dir>/mlruns/mlflow.db. A URI's password is masked in
@@ -42,11 +43,13 @@ from cloudtrain.observe.mlflow_tracker import MLflow
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
 from cloudtrain.observe.tracker_base import RunContext, RunMethods, numbers, reachable
 from cloudtrain.publish.atomic import write_whole
-from cloudtrain.publish.saving import MODEL_PATTERNS, finite
+from cloudtrain.publish.output_dir import ours_in_merged, remote_code, written
+from cloudtrain.publish.saving import MERGED, MODEL_PATTERNS, finite
 from cloudtrain.redact import mask, mask_value
 from cloudtrain.sagemaker_env import in_training_job
 
 RUNS_FILE = "tracker_runs.json"
+RUN_LOG_FILES = ("metrics.jsonl", "training_curves.png")
 WANDB_CONNECT_TIMEOUT_S = 3.0
 WANDB_INIT_TIMEOUT_S = 30.0
 WANDB_TAG_MAX = 64  # characters of a W&B tag
@@ -354,13 +357,11 @@ class WandB(RunMethods, WandBTracker):
             given = {k: v for k, v in cfg.to_dict().items() if differs_from_default(cfg, k)}
             metadata = mask_value(dict(list(given.items())[:100]))
             artifact = wandb.Artifact(f"model-{self.run.id}", type="model", metadata=metadata)
-            for entry in sorted(self.context.output_dir.iterdir()):  # the model folder, not tracker data
-                if entry.name == RUNS_FILE or entry.name.startswith("."):  # and the lock, the manifest
-                    continue
-                if entry.is_file():
-                    artifact.add_file(str(entry))
-                elif any(fnmatch.fnmatchcase(entry.name, p) for p in (*MODEL_PATTERNS, "tokenizer*")):
-                    artifact.add_dir(str(entry), name=entry.name)  # a pipeline's parts; a merged model
+            for path, name in model_artifact_entries(self.context.output_dir):
+                if path.is_dir():
+                    artifact.add_dir(str(path), name=name)
+                else:
+                    artifact.add_file(str(path), name=name)
             self.run.log_artifact(artifact)
 
     def finish(self) -> None:
@@ -376,6 +377,32 @@ class WandB(RunMethods, WandBTracker):
             )
         if state["offline_dirs"]:
             print(f"W&B ran offline; to upload this run: {wandb_sync_command(state, bool(self.saved))}", flush=True)
+
+
+def model_artifact_entries(output_dir: Path) -> list[tuple[Path, str]]:
+    """What `--log_model true` uploads, as (path, name in the artifact): the files cloudtrain wrote in the output
+    folder (its manifest's, as `cloudtrain push` reads it; a remote-code model's modules; this run's log and curves,
+    recorded only after the trackers finish) and its model sub-folders, merged/ name by name. Not the user's files
+    (a notes.txt there went up: found in audit), nor tracker data, checkpoints or cloudtrain's hidden files."""
+    ours = written(output_dir) | remote_code(output_dir) | set(RUN_LOG_FILES)
+    entries = []
+    for entry in sorted(output_dir.iterdir()):
+        if entry.name not in ours or entry.name == RUNS_FILE or entry.name.startswith("."):
+            continue
+        if entry.is_file():
+            entries.append((entry, entry.name))
+        elif entry.name == MERGED:
+            entries += merged_entries(output_dir)
+        elif any(fnmatch.fnmatchcase(entry.name, p) for p in (*MODEL_PATTERNS, "tokenizer*")):
+            entries.append((entry, entry.name))  # a pipeline's parts (unet/, vae/, ...)
+    return entries
+
+
+def merged_entries(output_dir: Path) -> list[tuple[Path, str]]:
+    """The names of merged/ that cloudtrain's merge wrote (a GGUF export beside them is the user's)."""
+    ours = ours_in_merged(output_dir)
+    paths = sorted((output_dir / MERGED).iterdir())
+    return [(path, f"{MERGED}/{path.name}") for path in paths if ours(path.name) and not path.name.startswith(".")]
 
 
 def wandb_offline_reason() -> str | None:
