@@ -59,7 +59,7 @@ def test_a_run_trains_evaluates_and_saves(tiny_llama_dir, corpus, tmp_path, pack
     printed = capsys.readouterr().out
     assert f"packing {packing}" in printed and "perplexity" in printed and " -> " in printed
     curves = curve_data(read_metrics(out / "metrics.jsonl"))
-    assert (out / "training_curves.png").is_file() and "eval/perplexity" in curves["evaluation metrics"]
+    assert (out / "training_curves.png").is_file() and "eval/perplexity" in curves["perplexity"]
 
 
 @pytest.mark.slow

@@ -429,7 +429,8 @@ def test_dpo_trains_logs_its_rewards_and_saves_a_chat_model(tiny_llama_dir, pair
     first = evaluation["generations"][0]  # the printed answers show the chosen one beside them, as SFT's do
     assert f"-> {json.dumps(first['answer'])} (chosen {json.dumps(first['reference'])})" in printed
     assert any(r.get("eval/rewards/accuracies") == 1.0 for r in records)
-    preference = set(curve_data(records)["preference"])  # the curves plot's third panel
+    curves = curve_data(records)
+    preference = set(curves["reward margins"]) | set(curves["pair accuracy"])  # the curves plot's panels of their own
     assert preference == {
         f"{split}/rewards/{name}" for split in ("train", "eval") for name in ("margins", "accuracies")
     }

@@ -707,9 +707,11 @@ def test_metrics_jsonl_is_strict_json_and_a_value_that_is_not_finite_is_a_gap_in
     curves = plot_training_curves(read_metrics(tmp_path / "metrics.jsonl"), tmp_path / "curves.png")
     steps, values = curves["evaluation metrics"]["eval/pearson"]  # the null is a gap (nan), not a line through it
     assert steps == [1, 2] and math.isnan(values[0]) and values[1] == 0.5
+    steps, values = curves["perplexity"]["eval/perplexity"]
+    assert steps == [1, 2] and math.isnan(values[0]) and values[1] == 9.0
     assert curves["loss"]["train/loss"] == ([1, 2], [2.0, 1.5])
     counts = curve_data([{"step": 1, "eval/f1": 60.0, "eval/has_answer_total": 412, "eval/no_answer_total": 88}])
-    assert list(counts["evaluation metrics"]) == ["eval/f1"]  # question counts are not metrics (found in audit)
+    assert list(counts["evaluation metrics, other scales"]) == ["eval/f1"]  # counts are not metrics (found in audit)
 
 
 def test_a_fresh_run_starts_its_validation_grids_anew_and_a_resume_keeps_those_before_it(tmp_path):

@@ -13,6 +13,7 @@ import test_tracking
 from conftest import REPO, child_pythonpath
 from test_tracking import wandb_run
 
+from cloudtrain.observe.plotting import curve_data, draw_curves
 from cloudtrain.publish.output_dir import record
 
 tracker_env = test_tracking.tracker_env  # a fixture
@@ -73,3 +74,47 @@ def test_the_model_artifact_holds_only_the_files_cloudtrain_wrote(tracker_env):
         "metrics.jsonl",  # the run's own log and curves, recorded in the manifest once the trackers are done
         "training_curves.png",
     }
+
+
+# ---------------------------------------------------------------- training_curves.png
+
+SFT_RECORDS = [  # a supervised fine-tuning run's metrics.jsonl, as the audit found it
+    {"step": 1, "train/loss": 7.1, "eval/loss": 7.24, "eval/perplexity": 1389.0, "eval/exact_match": 0.0},
+    {"step": 2, "train/loss": 4.2, "eval/loss": 3.87, "eval/perplexity": 48.0, "eval/exact_match": 0.25},
+    {"step": 2, "eval/f1": 61.5},  # SQuAD's F1, in percent
+]
+
+
+def panels(records: list[dict]) -> dict[str, tuple[str, list[str]]]:
+    """{title: (y scale, series drawn)} of the curves figure of `records`."""
+    figure = draw_curves(curve_data(records))
+    return {ax.get_title(): (ax.get_yscale(), [line.get_label() for line in ax.get_lines()]) for ax in figure.axes}
+
+
+def test_curves_of_different_scales_are_drawn_in_panels_of_their_own():
+    """A perplexity of 1389 -> 48 and an exact match of 0-1 shared a linear axis: the exact match was a flat line
+    (found in audit). Metrics on a 0-1 scale, perplexity (log) and the other scales each have their panel."""
+    assert panels(SFT_RECORDS) == {
+        "loss": ("linear", ["train/loss", "eval/loss"]),
+        "evaluation metrics": ("linear", ["eval/exact_match"]),
+        "perplexity": ("log", ["eval/perplexity"]),
+        "evaluation metrics, other scales": ("linear", ["eval/f1"]),
+    }
+    preference = [{"step": 1, "train/rewards/margins": 4.5, "train/rewards/accuracies": 0.75, "eval/exact_match": 0.5}]
+    assert panels(preference) == {
+        "loss": ("linear", []),
+        "evaluation metrics": ("linear", ["eval/exact_match"]),
+        "reward margins": ("linear", ["train/rewards/margins"]),
+        "pair accuracy": ("linear", ["train/rewards/accuracies"]),
+    }
+
+
+@pytest.mark.parametrize("steps", [[2], [1, 2], [5, 10, 15, 40]])
+def test_the_step_axis_is_marked_in_whole_steps(steps):
+    """A run of one logged step showed steps 1.900 to 2.100, a run of two showed 2.5 (found in audit)."""
+    figure = draw_curves(curve_data([{"step": s, "train/loss": 1.0 / s, "eval/accuracy": 0.5} for s in steps]))
+    for ax in figure.axes:
+        low, high = ax.get_xlim()
+        ticks = [tick for tick in ax.get_xticks() if low <= tick <= high]
+        assert ticks and all(float(tick).is_integer() for tick in ticks), (ax.get_title(), ticks)
+        assert low < min(steps) and max(steps) < high  # every point inside, off the edges
