@@ -4,16 +4,20 @@ The helpers and fixtures are test_tracking's: a per-test HOME and HF_HOME, and a
 """
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import test_tracking
-from conftest import REPO, child_pythonpath
-from test_tracking import wandb_run
+from conftest import REPO, child_pythonpath, run_cli
+from test_tracking import tensorboard_scalars, train_args, wandb_run
 
+from cloudtrain.config import build_config
 from cloudtrain.observe.plotting import curve_data, draw_curves
+from cloudtrain.observe.tracking import RunLog, read_metrics
 from cloudtrain.publish.output_dir import record
 
 tracker_env = test_tracking.tracker_env  # a fixture
@@ -118,3 +122,75 @@ def test_the_step_axis_is_marked_in_whole_steps(steps):
         ticks = [tick for tick in ax.get_xticks() if low <= tick <= high]
         assert ticks and all(float(tick).is_integer() for tick in ticks), (ax.get_title(), ticks)
         assert low < min(steps) and max(steps) < high  # every point inside, off the edges
+
+
+# ---------------------------------------------------------------- TensorBoard after a resume
+
+
+def finished_part(out: Path, checkpoint: Path) -> None:
+    """A run's first part: steps 1-6, a checkpoint at 6 (its copy of the log), then its final evaluation at 6."""
+    cfg = build_config({"report_to": "tensorboard", "output_dir": str(out), "run_name": "tb"})
+    run_log = RunLog(cfg, out, True, {"num_parameters": 10})
+    for step in range(1, 7):
+        run_log.log({"train/loss": step / 10}, step=step)
+    checkpoint.mkdir(parents=True)
+    shutil.copy(out / "metrics.jsonl", checkpoint / "metrics.jsonl")  # as a checkpoint keeps it
+    run_log.log({"checkpoint/blocked_s": 0.1}, step=6)
+    run_log.log({"eval/accuracy": 0.5}, step=6)
+    run_log.finish({"train": {"global_step": 6, "train_loss": 0.3}}, [])
+
+
+def test_a_resume_at_the_checkpoints_own_step_shows_that_step_once_in_tensorboard(tmp_path):
+    """A requeue at a finished run's last checkpoint evaluates again: TensorBoard showed eval/accuracy at step 6
+    twice, while metrics.jsonl kept one (found in audit). It hides step 6 whole, and the points of step 6 from
+    before the save come again from metrics.jsonl."""
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint-6"
+    finished_part(out, checkpoint)
+    cfg = build_config({"report_to": "tensorboard", "output_dir": str(out), "run_name": "tb"})
+    resumed = RunLog(cfg, out, True, {"num_parameters": 10}, resume_step=6, checkpoint=checkpoint)
+    resumed.log({"eval/accuracy": 0.75}, step=6)
+    resumed.finish({"train": {"global_step": 6, "train_loss": 0.3}}, [])
+
+    run_dir = out / "tensorboard" / "tb"
+    assert tensorboard_scalars(run_dir, "eval/accuracy") == [(6, 0.75)]
+    assert [s for s, _ in tensorboard_scalars(run_dir, "train/loss")] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in tensorboard_scalars(run_dir, "checkpoint/blocked_s")] == [6]
+    logged = [(r["step"], r["eval/accuracy"]) for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert logged == [(6, 0.75)]
+
+
+def test_a_resume_past_the_checkpoints_step_keeps_that_steps_points(tmp_path):
+    """Where the first part logged nothing at the checkpoint's step after the save, that step is not hidden."""
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint-4"
+    cfg = build_config({"report_to": "tensorboard", "output_dir": str(out), "run_name": "tb"})
+    first = RunLog(cfg, out, True, {})
+    for step in range(1, 5):
+        first.log({"train/loss": step / 10}, step=step)
+    checkpoint.mkdir()
+    shutil.copy(out / "metrics.jsonl", checkpoint / "metrics.jsonl")
+    first.log({"train/loss": 0.5}, step=5)
+    resumed = RunLog(cfg, out, True, {}, resume_step=4, checkpoint=checkpoint)
+    resumed.log({"train/loss": 0.55}, step=5)
+    resumed.finish({"train": {"global_step": 5, "train_loss": 0.3}}, [])
+    scalars = tensorboard_scalars(out / "tensorboard" / "tb", "train/loss")
+    assert [s for s, _ in scalars] == [1, 2, 3, 4, 5] and scalars[-1][1] == pytest.approx(0.55)
+
+
+@pytest.mark.slow  # two trainings
+def test_a_requeue_of_a_finished_run_shows_its_final_evaluation_once_in_tensorboard(
+    tiny_model_dir, topic_csvs, tracker_env
+):
+    """The audit's case: a run of 6 steps checkpointed every 3, run again with --resume_from_checkpoint latest."""
+    out = tracker_env / "out"
+    args = train_args(tiny_model_dir, topic_csvs, out, "--report_to", "tensorboard", "--training_type", "basic",
+                      "--eval_strategy", "steps", "--eval_steps", "3", "--checkpointing_steps", "3",
+                      "--run_name", "tb")  # fmt: skip
+    for extra in ([], ["--resume_from_checkpoint", "latest"]):
+        result = run_cli(*args, *extra)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "nothing left to train" in result.stdout
+    logged = [r["step"] for r in read_metrics(out / "metrics.jsonl") if "eval/accuracy" in r]
+    assert logged == [3, 6]
+    run_dir = out / "tensorboard" / "tb"
+    assert [s for s, _ in tensorboard_scalars(run_dir, "eval/accuracy")] == logged
+    assert [s for s, _ in tensorboard_scalars(run_dir, "train/loss")] == [2, 4, 6]

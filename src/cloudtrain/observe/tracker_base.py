@@ -23,6 +23,9 @@ class RunContext:
     output_dir: Path
     run_name: str
     resume_step: int | None
+    # Where the part resumed logged at its checkpoint's own step after the save (a finished run's final evaluation,
+    # which this part does again): the lines metrics.jsonl keeps at that step. None where it logged nothing there.
+    kept_at_resume_step: list[dict] | None = None
 
     @property
     def tracking(self) -> TrackingConfig:

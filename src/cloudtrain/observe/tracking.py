@@ -111,10 +111,10 @@ class RunLog:
         if not self.enabled:
             return
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._start_metrics_file(resume_step, checkpoint)
+        kept_at_resume_step = self._start_metrics_file(resume_step, checkpoint)
         saved = load_runs(self.output_dir) if resume_step is not None else {}
         run_name = saved.get("run_name") or cfg.tracking.run_name or default_run_name(self.output_dir)
-        context = RunContext(cfg, self.output_dir, run_name, resume_step)
+        context = RunContext(cfg, self.output_dir, run_name, resume_step, kept_at_resume_step)
         state = {**saved, "run_name": run_name}
         config = mask_value({**cfg.to_dict(), **run_info})  # secrets are out already
         if requested(cfg.tracking):
@@ -127,11 +127,12 @@ class RunLog:
             self.trackers.append(tracker)
         write_whole(self.output_dir / RUNS_FILE, json.dumps(state, indent=2) + "\n")
 
-    def _start_metrics_file(self, resume_step: int | None, checkpoint: Path | None) -> None:
+    def _start_metrics_file(self, resume_step: int | None, checkpoint: Path | None) -> list[dict] | None:
         """A fresh file, or on resume the lines up to the checkpoint (later ones are redone). At the checkpoint's
         own step, the lines its copy of the log holds and the save's own line: not what came after it there (a
-        finished run's final evaluation, which a resume at its last step writes again)."""
-        kept = []
+        finished run's final evaluation, which a resume at its last step writes again). Returns the lines kept at
+        the checkpoint's step where some logged there after it were dropped; else None."""
+        kept, redone = [], False
         if resume_step is not None and self.path.exists():
             logged = read_metrics(self.path)
             kept = [r for r in logged if r["step"] < resume_step]
@@ -139,7 +140,9 @@ class RunLog:
             copy = checkpoint / "metrics.jsonl" if checkpoint else None
             if copy and copy.is_file():
                 seen = sum(r["step"] == resume_step for r in read_metrics(copy))
+                whole = len(at_step)
                 at_step = at_step[:seen] + list(itertools.takewhile(_is_save_line, at_step[seen:]))
+                redone = len(at_step) < whole
             kept += at_step
         write_whole(self.path, "".join(json.dumps(r) + "\n" for r in kept))  # a kill now leaves the old log whole
         # the validation grids alike: an earlier run's were shown on this run's card (found in audit)
@@ -147,6 +150,7 @@ class RunLog:
             step = grid.stem.rsplit("-step-", 1)[1]
             if step.isdigit() and (resume_step is None or int(step) > resume_step):
                 grid.unlink()
+        return [r for r in kept if r["step"] == resume_step] if redone else None
 
     def log(self, values: dict, step: int) -> None:
         if not self.enabled:
@@ -518,19 +522,33 @@ def folder_name(run_name: str) -> str:
     return "_" * len(name) if name in (".", "..") else name or "run"
 
 
+def purge_step(context: RunContext) -> int:
+    """The step from which TensorBoard hides what the run's folder holds: on a new run, an older run of the name; on
+    resume, what the first part logged after its checkpoint. That is from the next step, or from the checkpoint's
+    own where the first part logged there after the save: its final evaluation, which this part logs again, showed
+    twice (found in audit)."""
+    if context.resume_step is None:
+        return 0
+    return context.resume_step if context.kept_at_resume_step is not None else context.resume_step + 1
+
+
 class TensorBoard(RunMethods, TensorBoardTracker):
     """Event files in <output_dir>/tensorboard/<run name>; the config as text and, at the end, hparams."""
 
     def __init__(self, context: RunContext, saved: dict):
-        # purge_step makes TensorBoard hide what this directory holds from that step on: on resume,
-        # the steps the first part logged after its checkpoint; on a new run, an older run of the name.
-        purge_step = context.resume_step + 1 if context.resume_step is not None else 0
+        self.context = context
         super().__init__(
             saved.get("name", folder_name(context.run_name)),
             str(context.output_dir / "tensorboard"),
-            purge_step=purge_step,
+            purge_step=purge_step(context),
         )
         self.config: dict = {}
+
+    def start(self) -> None:
+        super().start()
+        # the checkpoint's own step is hidden whole: its points from before the save are logged again
+        for record in self.context.kept_at_resume_step or []:
+            self.log(numbers({k: v for k, v in record.items() if k not in ("step", "time")}), step=record["step"])
 
     def state(self) -> dict:
         return {"name": self.run_name, "logdir": str(Path(self.logging_dir).resolve())}
