@@ -521,7 +521,7 @@ def test_resume_continues_the_same_tracker_runs(tracker_env, rejecting_wandb_ser
     first = tracked_part(
         out, trackers, 1, 6, finish=False, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=rejecting_wandb_server
     )
-    assert "W&B: could not start an online run (invalid api key); logging offline" in first
+    assert f"W&B: {rejecting_wandb_server} rejects the API key (HTTP 401; check WANDB_API_KEY" in first
     ids = json.loads((out / "tracker_runs.json").read_text())
     # Another experiment under the same --run_name: trackio resumes the newest run of a name, so it takes another
     other = tracked_part(tracker_env / "other", "trackio", 1, 2, offset=5.0)

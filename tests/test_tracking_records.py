@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import test_tracking
 from conftest import REPO, child_pythonpath, run_cli
-from test_tracking import tensorboard_scalars, train_args, wandb_run
+from test_tracking import FAKE_KEY, TRACKED_PART, offline_dirs, tensorboard_scalars, train_args, wandb_run
 
 from cloudtrain.config import build_config
 from cloudtrain.observe.plotting import curve_data, draw_curves
 from cloudtrain.observe.tracking import RunLog, read_metrics
 from cloudtrain.publish.output_dir import record
 
-tracker_env = test_tracking.tracker_env  # a fixture
+tracker_env, rejecting_wandb_server = test_tracking.tracker_env, test_tracking.rejecting_wandb_server  # fixtures
 
 
 def run_python(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
@@ -194,3 +194,27 @@ def test_a_requeue_of_a_finished_run_shows_its_final_evaluation_once_in_tensorbo
     run_dir = out / "tensorboard" / "tb"
     assert [s for s, _ in tensorboard_scalars(run_dir, "eval/accuracy")] == logged
     assert [s for s, _ in tensorboard_scalars(run_dir, "train/loss")] == [2, 4, 6]
+
+
+# ---------------------------------------------------------------- W&B with a key the server rejects
+
+
+@pytest.mark.slow  # a fresh process with W&B
+def test_a_key_the_server_rejects_leaves_the_offline_run_alone_and_one_line(tracker_env, rejecting_wandb_server):
+    """The fallback after a 401 left the online attempt's run folder in <output_dir>/wandb, its `Find logs at` line
+    after the sync command, and `Failed to export metrics batch code: 401` lines (found in audit)."""
+    out = tracker_env / "out"
+    args = [str(out), "wandb", "1", "3", "none", "0.0", "finish"]
+    result = run_python(TRACKED_PART, *args, WANDB_API_KEY=FAKE_KEY, WANDB_BASE_URL=rejecting_wandb_server)
+    said = [line for line in result.stdout.splitlines() if line.startswith("W&B:")]
+    assert said == [
+        f"W&B: {rejecting_wandb_server} rejects the API key (HTTP 401; check WANDB_API_KEY or run "
+        "`wandb login --relogin`); logging offline"
+    ]
+    (run_dir,) = offline_dirs(result.stdout)
+    assert [p.name for p in (out / "wandb").iterdir() if p.name.startswith(("run-", "offline-run-"))] == [run_dir.name]
+    printed = result.stdout + result.stderr
+    assert "401" not in printed.replace(said[0], "")
+    logs = [line for line in printed.splitlines() if "Find logs at" in line]
+    assert logs and all(run_dir.name in line for line in logs)
+    assert [row["_step"] for row in wandb_run(run_dir)["history"] if "train/loss" in row] == [1, 2, 3]

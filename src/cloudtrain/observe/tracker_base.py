@@ -77,31 +77,36 @@ class RunMethods:
 
 def reachable(url: str, timeout: float) -> bool:
     """Whether an HTTP server answers at `url` within `timeout` seconds, whatever its status (so a user and password
-    in the URL are left out: urllib took them for part of the host name; found in audit).
+    in the URL are left out: urllib took them for part of the host name; found in audit)."""
+    return http_status(urllib.request.Request(without_userinfo(url), method="HEAD"), timeout) is not None
 
-    The probe runs in a daemon thread because a DNS lookup is not bound by the socket timeout.
+
+def http_status(request: urllib.request.Request, timeout: float) -> int | None:
+    """The HTTP status a server answers `request` with within `timeout` seconds; 0 where it answered over TLS with a
+    certificate this process does not trust (MLflow's own TLS settings may trust it); None where no answer came.
+
+    The request runs in a daemon thread because a DNS lookup is not bound by the socket timeout.
     """
-    answered = threading.Event()
-    url = without_userinfo(url)
+    statuses: list[int] = []
 
     def probe() -> None:
         try:
-            urllib.request.urlopen(urllib.request.Request(url, method="HEAD"), timeout=timeout).close()
-            answered.set()
-        except urllib.error.HTTPError:
-            answered.set()
+            with urllib.request.urlopen(request, timeout=timeout) as response:
+                statuses.append(response.status)
+        except urllib.error.HTTPError as err:
+            statuses.append(err.code)
         except urllib.error.URLError as err:
-            if isinstance(err.reason, ssl.SSLError):  # a certificate this process does not trust: it answered
-                answered.set()
+            if isinstance(err.reason, ssl.SSLError):
+                statuses.append(0)
         except ssl.SSLError:
-            answered.set()
+            statuses.append(0)
         except (OSError, ValueError):
             pass
 
     thread = threading.Thread(target=probe, daemon=True)
     thread.start()
     thread.join(timeout)
-    return answered.is_set()
+    return statuses[0] if statuses else None
 
 
 def without_userinfo(url: str) -> str:

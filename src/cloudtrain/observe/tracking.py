@@ -6,7 +6,7 @@ the end `<output_dir>/training_curves.png` is drawn from those lines, so a run c
 be looked at with no tracker at all. The trackers are accelerate's tracker classes, extended with
 what a finished run needs (a summary, the confusion matrix, resuming):
 - wandb: online when credentials are configured (WANDB_API_KEY or `wandb login`) and the server
-  answers within a few seconds; otherwise offline under <output_dir>/wandb, with the `wandb sync`
+  answers within a few seconds and takes the key; otherwise offline under <output_dir>/wandb, with the `wandb sync`
   command printed at the end. WANDB_* variables (WANDB_MODE, WANDB_PROJECT, WANDB_DIR,
   WANDB_ENTITY, ...) are respected. `--log_model true` uploads the saved model (the files cloudtrain wrote) as an
   artifact.
@@ -23,6 +23,7 @@ first part logged after its checkpoint stay in W&B, trackio and MLflow (TensorBo
 Not supported: accelerate's other trackers (comet_ml, aim, clearml, dvclive, swanlab).
 """
 
+import base64
 import fnmatch
 import importlib.util
 import itertools
@@ -30,6 +31,7 @@ import json
 import os
 import shlex
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -41,7 +43,7 @@ from cloudtrain.config import Config, TrackingConfig, differs_from_default
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.observe.mlflow_tracker import MLflow
 from cloudtrain.observe.plotting import image_grid, plot_training_curves
-from cloudtrain.observe.tracker_base import RunContext, RunMethods, numbers, reachable
+from cloudtrain.observe.tracker_base import RunContext, RunMethods, http_status, numbers, reachable, without_userinfo
 from cloudtrain.publish.atomic import write_whole
 from cloudtrain.publish.output_dir import ours_in_merged, remote_code, written
 from cloudtrain.publish.saving import MERGED, MODEL_PATTERNS, finite
@@ -305,13 +307,15 @@ class WandB(RunMethods, WandBTracker):
         if offline_reason:
             print(f"W&B: {offline_reason}; logging offline", flush=True)
             self.init_kwargs["mode"] = "offline"
+            without_wandb_analytics()
         try:
             super().start()
-        except wandb.errors.Error as err:  # e.g. a key the server rejects: never lose the run over it
+        except wandb.errors.Error as err:  # a server that refuses the run otherwise: never lose the run over it
             if self.init_kwargs.get("mode") == "offline":
                 raise
             print(f"W&B: could not start an online run ({first_line(err)}); logging offline", flush=True)
             self.init_kwargs["mode"] = "offline"
+            without_wandb_analytics()
             super().start()
 
     def state(self) -> dict:
@@ -433,7 +437,46 @@ def wandb_offline_reason() -> str | None:
         return "no credentials (set WANDB_API_KEY or run `wandb login`)"
     if not reachable(settings.base_url, WANDB_CONNECT_TIMEOUT_S):
         return f"{settings.base_url} cannot be reached (no answer within {WANDB_CONNECT_TIMEOUT_S:.0f} s)"
+    if wandb_key_rejected(settings):
+        return f"{settings.base_url} rejects the API key (HTTP 401; check WANDB_API_KEY or run `wandb login --relogin`)"
     return None
+
+
+def wandb_key_rejected(settings) -> bool:
+    """Whether the W&B server answers 401 to this process's API key. Checked before wandb.init: an online run the
+    server refused left its run folder in <output_dir>/wandb, and its `Find logs at` line at exit, beside the
+    offline run (found in audit). A key W&B checks otherwise (an identity token file) is left to wandb.init."""
+    import wandb
+    from wandb.sdk.lib import wbauth
+
+    try:
+        key = settings.api_key or wbauth.read_netrc_auth(host=settings.base_url)
+    except wandb.errors.AuthenticationError:
+        return False  # a malformed stored key: wandb.init says so
+    if not key:
+        return False
+    request = urllib.request.Request(
+        without_userinfo(settings.base_url).rstrip("/") + "/graphql",
+        data=json.dumps({"query": "query CloudtrainViewer { viewer { id } }"}).encode(),
+        headers={
+            "Authorization": "Basic " + base64.b64encode(f"api:{key}".encode()).decode(),
+            "Content-Type": "application/json",
+        },
+        method="POST",
+    )
+    return http_status(request, WANDB_CONNECT_TIMEOUT_S) == 401
+
+
+def without_wandb_analytics() -> None:
+    """Turn W&B's usage analytics off in this process. They go to the W&B server, which a run logging offline could
+    not use: a server that rejected the key refused them too, one `Failed to export metrics batch code: 401` line
+    each at exit (found in audit)."""
+    try:
+        from wandb.analytics.opentelemetry import opentelemetry_proxy
+
+        opentelemetry_proxy.disable()
+    except (ImportError, AttributeError):  # a wandb without them
+        pass
 
 
 def wandb_credentials(settings) -> bool:
