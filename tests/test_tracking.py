@@ -252,6 +252,7 @@ def test_trackio_tensorboard_mlflow_match_metrics_jsonl(tiny_model_dir, topic_cs
         )
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "Creating initial MLflow database tables" not in result.stderr  # MLflow's INFO lines, kept off (audit)
     expected = train_loss(out)
     assert [step for step, _ in expected] == [2, 4, 6]
     runs = json.loads((out / "tracker_runs.json").read_text())
