@@ -407,3 +407,44 @@ def test_fractional_epochs_count_the_steps_they_name(epochs, per_epoch, steps):
     from cloudtrain.training.trainer import epochs_in_steps
 
     assert epochs_in_steps(epochs, per_epoch) == steps
+
+
+TENSOR_PARALLEL_GROUPS = """
+import sys, torch, torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Shard, distribute_tensor
+from cloudtrain.training.optim import adamw_kernel, weight_decay_groups
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + sys.argv[1], rank=0, world_size=1)
+mesh = init_device_mesh("cpu", (1,))
+sharded = lambda t: torch.nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]))
+# as tensor parallelism leaves a biased attention projection: the matrix and its bias split, a norm's scale not
+params = [sharded(torch.randn(4, 4)), sharded(torch.randn(4)), torch.nn.Parameter(torch.ones(4))]
+groups = weight_decay_groups(params, 0.1)
+print([(len(g["params"]), g["weight_decay"]) for g in groups])
+for implementation in ("fused", "foreach"):
+    optimizer = torch.optim.AdamW(weight_decay_groups(params, 0.1), lr=0.1, **adamw_kernel(implementation))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+print("stepped", float(params[2].detach().sum()) < 4)
+dist.destroy_process_group()
+"""
+
+
+def test_tensor_parallel_plain_and_split_parameters_never_share_a_group():
+    """A model with biases (Qwen2, Llama with attention_bias) under tensor parallelism stopped at its first step:
+    its split biases (DTensors) and its norms' plain scales shared the no-decay group, which AdamW's fused and
+    foreach kernels refuse (found in audit). Run in a child: it starts a process group."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = subprocess.run(
+        [sys.executable, "-c", TENSOR_PARALLEL_GROUPS, str(port)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("\n")[:2] == ["[(1, 0.1), (1, 0.0), (1, 0.0)]", "stepped True"]

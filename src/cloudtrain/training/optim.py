@@ -58,8 +58,23 @@ def weight_decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: floa
         if param.requires_grad:
             # ZeRO-3 partitions parameters to shape [0] while loading; `ds_shape` keeps the real one
             (no_decay if len(getattr(param, "ds_shape", param.shape)) < 2 else decay).append(param)
-    first = {"params": decay} if weight_decay is None else {"params": decay, "weight_decay": weight_decay}
-    return [first, {"params": no_decay, "weight_decay": 0.0}]
+    rate = {} if weight_decay is None else {"weight_decay": weight_decay}
+    return [{"params": group, **rate} for group in _by_kind(decay)] + [
+        {"params": group, "weight_decay": 0.0} for group in _by_kind(no_decay)
+    ]
+
+
+def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]:
+    """`params` as one group, or as two where tensor parallelism left some plain and made others DTensors (a
+    model's biases are split, its norms' scales not): AdamW's fused and foreach kernels refuse a group that mixes
+    them (Qwen2 under TP stopped at its first step; found in audit)."""
+    if not torch.distributed.is_available():
+        return [params]
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    plain = [p for p in params if not isinstance(p, DTensor)]
+    return [plain, sharded] if plain and sharded else [params]
 
 
 def build_optimizer(model: torch.nn.Module, cfg: Config) -> Any:
