@@ -244,6 +244,17 @@ def test_sft_cp2_trains_like_one_process(tiny_llama_dir, chats, one_process, tmp
     assert (ours["exact_match"], ours["generations"]) == (theirs["exact_match"], theirs["generations"])
 
 
+def sliding_window_model(tokenizer_dir: str, folder: Path) -> str:
+    """A tiny Mistral whose layers attend within a window of 16 tokens, with the tiny Llama's tokenizer."""
+    from transformers import AutoTokenizer, MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=4096, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, sliding_window=16)  # fmt: skip
+    MistralForCausalLM(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(tokenizer_dir).save_pretrained(folder)
+    return str(folder)
+
+
 def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_dir, capsys, monkeypatch):  # noqa: F811
     base = {**options(tiny_llama_dir, corpus, tmp_path / "out"), "context_parallel_size": "2"}
     cases = {  # name: (processes the launcher started, options, the line's end)
@@ -266,6 +277,12 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "heads": (3, {**base, "context_parallel_size": "3"}, "does not divide the model's attention heads (4)"),
         "kv heads": (4, {**base, "context_parallel_size": "4"}, "does not divide the model's KV heads (2)"),
         "zero size": (2, {**base, "context_parallel_size": "0"}, "must be at least 1"),
+        "sliding window": (  # the refusal named no way on (found in audit)
+            2,
+            {**base, "model_name_or_path": sliding_window_model(tiny_llama_dir, tmp_path / "mistral")},
+            "uses sliding-window attention, which its attention does not compute; drop --context_parallel_size "
+            "(--fsdp true or --tensor_parallel_size share the model's memory instead)",
+        ),
     }
     for name, (processes, opts, message) in cases.items():
         with monkeypatch.context() as env:

@@ -84,7 +84,10 @@ def check_model_divides(cfg: Config, cp: int) -> None:
             )
     misfit = varlen_misfit(text)
     if misfit:
-        raise UserError(f"--context_parallel_size {cp}: the model {misfit}, which its attention does not compute")
+        raise UserError(
+            f"--context_parallel_size {cp}: the model {misfit}, which its attention does not compute; drop "
+            "--context_parallel_size (--fsdp true or --tensor_parallel_size share the model's memory instead)"
+        )
 
 
 # ------------------------------------------------------------ the cut
