@@ -136,6 +136,34 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
     return specs
 
 
+def relative_names(spec: SourceSpec) -> list[str]:
+    """Each file of a source by its path under the source's root (the folder it names, a glob's folder part, a
+    file's folder), a Hub file by its path in the dataset (its revision left out: the same files at another commit
+    are the same layout). What a checkpoint records of a source's files, since its cursor names a file by its place:
+    base names alone read the same for sub-folders' files (d1/data.jsonl, d2/data.jsonl; preprocess outputs'
+    shard-00000.parquet in each), so a folder that lost one and gained another resumed into other files."""
+    root = _root(spec.name, spec.files)
+    return [_relative(f, root) for f in spec.files]
+
+
+def _root(name: str, files: list[str]) -> str:
+    if is_glob(name):
+        head = name[: min(name.index(ch) for ch in "*?[" if ch in name)]
+        return head.rsplit("/", 1)[0] if "/" in head else ""
+    if files == [name]:  # a file: its folder
+        return name.rsplit("/", 1)[0] if "/" in name else ""
+    return name  # a folder
+
+
+def _relative(path: str, root: str) -> str:
+    if path.startswith("hf://") and "@" in path:  # hf://datasets/<repo>@<commit>/<file>
+        return path.split("@", 1)[1].partition("/")[2]
+    if not is_remote(path):
+        return os.path.relpath(path, root or ".").replace(os.sep, "/")
+    root = root.rstrip("/") + "/"
+    return path[len(root) :] if path.startswith(root) else path.rsplit("/", 1)[-1]
+
+
 def first_record(spec: SourceSpec, problems: list[str] | None = None) -> tuple[str, dict] | None:
     """(file, record) of the source's first readable record, as read (its own column names); None if it has none.
     `problems` gets why each file's first record could not be read ("<file>: not UTF-8")."""

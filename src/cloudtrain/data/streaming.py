@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from cloudtrain.data.mixture import MixtureStream, SourceSpec, first_record
+from cloudtrain.data.mixture import MixtureStream, SourceSpec, first_record, relative_names
 from cloudtrain.data.packing import pack_buffer
 from cloudtrain.data.shards import check_shards, columns_made_with, folder_of, read_manifest
 from cloudtrain.errors import UserError, first_difference
@@ -257,6 +257,8 @@ def check_layout(saved: dict, now: dict, sources: list[SourceSpec]) -> None:
             f"validate on documents the run trained on; resume with {give}"
         )
     for spec, was, is_now in zip(sources, saved["files"], now["files"], strict=True):
+        if saved.get("file_names") != now.get("file_names"):  # an older checkpoint's base names: compare those
+            is_now = [f.rsplit("/", 1)[-1] for f in is_now]
         if was != is_now:
             i, then, here = first_difference(was, is_now)
             raise UserError(
@@ -308,12 +310,12 @@ class StreamLoader:
             self.plan.budget["rows"] = self.total_steps * self.step_rows
 
     def layout(self) -> dict:
-        """What the cursor's numbers mean: each source's files (by name, in order; the cursor names a file by its
-        place) and how documents are cut and packed into rows (the cursor counts rows of a buffer)."""
+        """What the cursor's numbers mean: each source's files (by path under the source, in order; the cursor names
+        a file by its place) and how documents are cut and packed into rows (the cursor counts rows of a buffer)."""
         p = self.plan
-        files = [[f.rsplit("/", 1)[-1] for f in spec.files] for spec in p.sources]  # a Hub source's too
         return {
-            "files": files,
+            "files": [relative_names(spec) for spec in p.sources],
+            "file_names": "relative",  # paths under each source's root; checkpoints before this held base names
             "buffer_docs": p.buffer_docs,
             "block_size": p.block_size,
             "packing": p.packing,
