@@ -119,12 +119,7 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
             raise UserError(f"training source {name} matches no data file (check the path or glob)")
         formats = {entry.get("format") or file_format(f) for f in files}
         if None in formats or len(formats) > 1:
-            shown = ", ".join(sorted(str(f) for f in formats))
-            raise UserError(
-                f"training source {name}: one known format per source (found {shown}); name the files of one "
-                f"kind (a glob such as {name.rstrip('/')}/*.parquet), or give a --datasets entry its format: in a "
-                "config file"
-            )
+            raise _mixed_formats(name, files)
         columns = entry.get("columns") or {}
         if not isinstance(columns, dict):
             raise UserError(f"training source {name}: columns must map the task's column names to the source's")
@@ -134,6 +129,43 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
     if sum(s.weight for s in specs) <= 0:
         raise UserError("the training sources' weights are all zero; give at least one a positive weight")
     return specs
+
+
+def _mixed_formats(name: str, files: list[str]) -> UserError:
+    """A source of several formats (or of files no name gives a format): the formats found, and a glob of the
+    most common one's files built from the source's folder part (`d/*` suggested `d/*/*.parquet`, which matched
+    nothing, and listed the unknown files' format as None)."""
+    by_format: dict[str, list[str]] = {}
+    for f in files:
+        by_format.setdefault(file_format(f) or "", []).append(f)
+    unknown = by_format.pop("", [])
+    found = ", ".join(sorted(by_format))
+    if unknown:
+        what = f"{len(unknown)} file(s) of no known format, such as {unknown[0].rsplit('/', 1)[-1]}"
+        found = f"{found} and {what}" if found else what
+    suggestion = ""
+    if by_format:
+        fmt, named = max(sorted(by_format.items()), key=lambda item: len(item[1]))
+        base = named[0].rsplit("/", 1)[-1]
+        suffix = base[base.lower().rindex("." + fmt) :]  # its compression too: x.jsonl.gz is *.jsonl.gz
+        suggestion = f"name the files of one kind (a glob such as {_glob_of(name, files)}*{suffix}), or "
+    return UserError(
+        f"training source {name}: one known format per source (found {found}); {suggestion}give a --datasets "
+        "entry its format: in a config file"
+    )
+
+
+def _glob_of(name: str, files: list[str]) -> str:
+    """The start of a glob for files like the source's: its folder part (with ** when the source reaches into
+    sub-folders), ending in / or empty."""
+    if is_glob(name):
+        folder, _, last = name.rpartition("/")
+        if "**" in last:  # `d/**` reaches every depth: keep that
+            return f"{name}/"
+        return f"{folder}/" if folder or name.startswith("/") else ""
+    folder = name.rstrip("/")
+    nested = any("/" in _relative(f, folder) for f in files)  # a folder is read to every depth
+    return f"{folder}/**/" if nested else f"{folder}/"
 
 
 def relative_names(spec: SourceSpec) -> list[str]:

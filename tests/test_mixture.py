@@ -1,0 +1,62 @@
+"""Resolving a stream's training sources: the one-line refusals a source's files can draw (found in audit)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from test_streaming import data_cfg
+
+from cloudtrain.data.mixture import resolve_sources
+from cloudtrain.errors import UserError
+
+
+def jsonl(path: Path, n: int = 3) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps({"text": f"{path.stem} {i}"}) + "\n" for i in range(n)))
+
+
+def parquet(path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table({"text": ["a", "b"]}), path)
+
+
+def refusal(train_file: str) -> str:
+    with pytest.raises(UserError) as refused:
+        resolve_sources(data_cfg(train_file=train_file).data)
+    assert "\n" not in str(refused.value)
+    return str(refused.value)
+
+
+def test_a_mixed_format_glob_is_told_a_glob_that_matches_one_format(tmp_path, monkeypatch):
+    """`../shards_a/*` over parquet shards, a json file and a file of no known format: the line listed the format
+    None and suggested ../shards_a/*/*.parquet, which matched no data file."""
+    work, shards = tmp_path / "work", tmp_path / "shards_a"
+    work.mkdir()
+    for i in range(2):
+        parquet(shards / f"shard-{i:05d}.parquet")
+    (shards / "manifest.json").write_text('{"task": "causal_lm"}\n')
+    (shards / "NOTES").write_text("made by hand\n")
+    monkeypatch.chdir(work)
+    message = refusal("../shards_a/*")
+    assert "None" not in message
+    assert "(found json, parquet and 1 file(s) of no known format, such as NOTES)" in message
+    assert "a glob such as ../shards_a/*.parquet)" in message
+    (spec,) = resolve_sources(data_cfg(train_file="../shards_a/*.parquet").data)  # following it trains
+    assert [os.path.basename(f) for f in spec.files] == ["shard-00000.parquet", "shard-00001.parquet"]
+
+
+def test_a_mixed_folder_is_told_a_glob_that_reaches_its_sub_folders(tmp_path):
+    jsonl(tmp_path / "corpus" / "top.jsonl")
+    jsonl(tmp_path / "corpus" / "d1" / "a.jsonl")
+    parquet(tmp_path / "corpus" / "d2" / "b.parquet")
+    message = refusal(str(tmp_path / "corpus"))
+    assert f"(found jsonl, parquet); name the files of one kind (a glob such as {tmp_path}/corpus/**/*.jsonl)" in (
+        message
+    )
+    (spec,) = resolve_sources(data_cfg(train_file=f"{tmp_path}/corpus/**/*.jsonl").data)
+    assert len(spec.files) == 2
