@@ -60,3 +60,22 @@ def test_a_mixed_folder_is_told_a_glob_that_reaches_its_sub_folders(tmp_path):
     )
     (spec,) = resolve_sources(data_cfg(train_file=f"{tmp_path}/corpus/**/*.jsonl").data)
     assert len(spec.files) == 2
+
+
+def test_the_same_file_named_two_ways_is_refused_as_named_twice(tmp_path, monkeypatch):
+    """`../corp/a40.jsonl,./../corp/a40.jsonl` trained it at double weight, while `a40.jsonl,a40.jsonl` was
+    refused: names were compared, not the files."""
+    work, corp = tmp_path / "work", tmp_path / "corp"
+    work.mkdir()
+    jsonl(corp / "a40.jsonl")
+    jsonl(corp / "b.jsonl")
+    monkeypatch.chdir(work)
+    message = refusal("../corp/a40.jsonl,./../corp/a40.jsonl")
+    assert message == (
+        "training sources ../corp/a40.jsonl and ./../corp/a40.jsonl both read ./../corp/a40.jsonl, which would train "
+        "at the weight of both; name each file in one source"
+    )
+    assert "both read ../corp/a40.jsonl" in refusal("../corp/*.jsonl,../corp/a40.jsonl")  # a glob and a file in it
+    (corp / "link.jsonl").symlink_to(corp / "b.jsonl")
+    assert "both read ../corp/link.jsonl" in refusal("../corp/b.jsonl,../corp/link.jsonl")
+    assert len(resolve_sources(data_cfg(train_file="../corp/a40.jsonl,../corp/b.jsonl").data)) == 2

@@ -126,6 +126,7 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
         specs.append(SourceSpec(name, files, str(formats.pop()), _weight(entry.get("weight", 1.0), name), columns))
     if len({s.name for s in specs}) < len(specs):
         raise UserError("the same training source is named twice; name each once")
+    _check_files_apart(specs)
     if sum(s.weight for s in specs) <= 0:
         raise UserError("the training sources' weights are all zero; give at least one a positive weight")
     return specs
@@ -166,6 +167,22 @@ def _glob_of(name: str, files: list[str]) -> str:
     folder = name.rstrip("/")
     nested = any("/" in _relative(f, folder) for f in files)  # a folder is read to every depth
     return f"{folder}/**/" if nested else f"{folder}/"
+
+
+def _check_files_apart(specs: list[SourceSpec]) -> None:
+    """A local file two sources read (the same file named two ways, `a.jsonl` and `./a.jsonl`, or a file and a
+    glob over its folder) would train at twice its weight: one line naming it."""
+    read_by: dict[str, str] = {}
+    for spec in specs:
+        for f in spec.files:
+            if is_remote(f):
+                continue
+            real = os.path.realpath(f)
+            if (other := read_by.setdefault(real, spec.name)) != spec.name:
+                raise UserError(
+                    f"training sources {other} and {spec.name} both read {f}, which would train at the weight of "
+                    "both; name each file in one source"
+                )
 
 
 def relative_names(spec: SourceSpec) -> list[str]:
