@@ -259,11 +259,16 @@ def initial_state(specs: list[SourceSpec]) -> dict:
     }
 
 
-def skip_or_stop(what: str, why: str, on_bad: str) -> None:
-    """Bad data met mid-stream, as --on_bad_data says: one line that stops the run, or a warning (skipped)."""
+def skip_or_stop(what: str, why: str, on_bad: str, said: list[str] | None = None) -> None:
+    """Bad data met mid-stream, as --on_bad_data says: one line that stops the run, or a warning (skipped): printed,
+    or added to `said` for the caller to print (a training stream's, once per run, by the main process alone)."""
     if on_bad == "stop":
         raise UserError(f"{what}: {why} (--on_bad_data skip goes on)")
-    print(f"warning: skipped {what}: {why}", file=sys.stderr, flush=True)
+    line = f"warning: skipped {what}: {why}"
+    if said is None:
+        print(line, file=sys.stderr, flush=True)
+    else:
+        said.append(line)
 
 
 class MixtureStream:
@@ -279,6 +284,9 @@ class MixtureStream:
         self.state = {**state, "sources": [dict(s) for s in state["sources"]]}
         self.readers: list[RecordReader | None] = [None] * len(specs)
         self.bad = {"records": 0, "files": 0}
+        # the skip warnings, when the caller prints them (else printed as met): every process of a launch reads the
+        # whole stream, each pass again, so printed as met the same line came processes x passes times
+        self.warnings: list[str] | None = None
 
     def close(self) -> None:
         for reader in self.readers:
@@ -374,7 +382,7 @@ class MixtureStream:
     def _bad(self, what: str, why: str, kind: str, reported: bool) -> None:
         """Counted and said by the one worker that parses this document (the others only step over it)."""
         if reported:
-            skip_or_stop(what, why, self.on_bad)
+            skip_or_stop(what, why, self.on_bad, self.warnings)
             self.bad[kind] += 1
 
     @staticmethod

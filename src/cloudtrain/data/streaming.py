@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import sys
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -145,6 +146,7 @@ class BufferDataset(IterableDataset):
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         p = self.plan
         stream = MixtureStream(p.sources, self.start, p.seed, p.exhausted, p.on_bad)
+        stream.warnings = []  # handed to the loader with the buffer: it says each once, on the main process
         try:
             j = self.first_buffer
             while not stream.state["ended"]:
@@ -155,12 +157,13 @@ class BufferDataset(IterableDataset):
                     if stream.state["doc"] == before["doc"]:
                         return
                     rows, cut = self._rows(docs, stream) if mine else ([], (0, 0))
-                except UserError as err:  # on_bad_data stop: said once, by the main process
+                except UserError as err:  # on_bad_data stop: said once, by the main process (the loader's raise)
                     yield {"error": str(err)}
                     return
                 if mine:
-                    yield {"index": j, "start": before, "rows": rows, "bad": dict(stream.bad), "cut": cut}
-                    stream.bad = {"records": 0, "files": 0}
+                    bad, said = dict(stream.bad), stream.warnings
+                    yield {"index": j, "start": before, "rows": rows, "bad": bad, "cut": cut, "warnings": said}
+                    stream.bad, stream.warnings = {"records": 0, "files": 0}, []
                 j += 1
         finally:
             stream.close()
@@ -389,9 +392,14 @@ class StreamLoader:
         skipped = start["skip_rows"]
         productive: list[int] | None = None  # the sources' passes at the last buffer that gave rows
         barren: set[int] = set()  # sources said to have given no token in a whole pass
+        warned: set[str] = set()  # skip warnings said: a bad record read again on a later pass is not said again
         for item in items:
-            if "error" in item:
-                raise UserError(item["error"])
+            if "error" in item:  # every process meets it: the main one says it
+                raise UserError(item["error"], quiet=self.rank != 0)
+            for line in item["warnings"]:
+                if line not in warned and self.rank == 0:
+                    print(line, file=sys.stderr, flush=True)
+                warned.add(line)
             productive = self._check_progress(item, productive)
             self._say_barren(item["start"]["sources"], stats, barren)
             stats["bad_records"] += item["bad"]["records"]
@@ -416,7 +424,8 @@ class StreamLoader:
         if active and all(passes[i] >= productive[i] + 2 for i in active):
             raise UserError(
                 "the training sources gave no tokens in a whole pass (every text empty, or every record unreadable): "
-                "check the files and --text_column (or the datasets: entries' columns)"
+                "check the files and --text_column (or the datasets: entries' columns)",
+                quiet=self.rank != 0,  # every process builds the whole stream: the main one says it
             )
         return productive
 
@@ -429,7 +438,8 @@ class StreamLoader:
         if stats["examples_dropped"] > MOST_CUT * stats["examples"]:
             raise UserError(
                 f"{stats['examples_dropped']} of the first {stats['examples']} streamed examples have no answer token "
-                f"within --max_length {self.plan.block_size}; raise --max_length or shorten the prompts"
+                f"within --max_length {self.plan.block_size}; raise --max_length or shorten the prompts",
+                quiet=self.rank != 0,  # the same count on every process: the main one says it
             )
         if dropped and not before and self.rank == 0:
             print(
@@ -560,6 +570,7 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
     from cloudtrain.data.mixture import initial_state
 
     stream = MixtureStream(specs, initial_state(specs), seed, cfg.mixture_exhausted, cfg.on_bad_data)
+    stream.warnings, main = [], _rank_world()[0] == 0  # every process holds the same documents out: one says it
     try:
         drawn = [stream.next() for _ in range(cfg.stream_validation_docs)]
         start = copy.deepcopy(stream.state)
@@ -570,8 +581,12 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
             f"the training sources hold fewer than --stream_validation_docs {cfg.stream_validation_docs} "
             "documents; give --validation_file or fewer"
         ) from None
+    except UserError as err:  # --on_bad_data stop
+        raise UserError(str(err), quiet=not main) from None
     finally:
         stream.close()
+    for line in stream.warnings if main else []:
+        print(line, file=sys.stderr, flush=True)
     if spent:
         size = sum(1 for i, (_, done, _), _ in drawn if i == spent[0] and done == 0)  # its first pass
         raise UserError(
