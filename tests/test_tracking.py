@@ -214,6 +214,11 @@ def tracked_part(
     script = TRACKED_PART if spy is None else SPY + TRACKED_PART
     if spy is not None:
         env["TRACKING_SPY"] = str(spy)
+    return run_python(script, *args, **env).stdout
+
+
+def run_python(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter (W&B's service is per process), with `env` added; it must succeed."""
     result = subprocess.run(
         [sys.executable, "-c", script, *args],
         capture_output=True,
@@ -223,7 +228,7 @@ def tracked_part(
         env={**os.environ, "PYTHONPATH": child_pythonpath(), **env},
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout
+    return result
 
 
 # ---------------------------------------------------------------- one run, three local trackers

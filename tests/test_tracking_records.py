@@ -3,17 +3,22 @@
 The helpers and fixtures are test_tracking's: a per-test HOME and HF_HOME, and a W&B server on 127.0.0.1.
 """
 
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 import test_tracking
-from conftest import REPO, child_pythonpath, run_cli
-from test_tracking import FAKE_KEY, TRACKED_PART, offline_dirs, tensorboard_scalars, train_args, wandb_run
+from conftest import run_cli
+from test_tracking import (
+    FAKE_KEY,
+    TRACKED_PART,
+    offline_dirs,
+    run_python,
+    tensorboard_scalars,
+    train_args,
+    wandb_run,
+)
 
 from cloudtrain.config import build_config
 from cloudtrain.observe.plotting import curve_data, draw_curves
@@ -21,20 +26,6 @@ from cloudtrain.observe.tracking import RunLog, read_metrics
 from cloudtrain.publish.output_dir import record
 
 tracker_env, rejecting_wandb_server = test_tracking.tracker_env, test_tracking.rejecting_wandb_server  # fixtures
-
-
-def run_python(script: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    """`script` in a fresh interpreter (W&B's service is per process), with `env` added; it must succeed."""
-    result = subprocess.run(
-        [sys.executable, "-c", script, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env={**os.environ, "PYTHONPATH": child_pythonpath(), **env},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
 
 
 # ---------------------------------------------------------------- the W&B model artifact
