@@ -218,7 +218,7 @@ class LoggingHook(Hook):
         return loop.done or loop.step % self.every == 0
 
     def on_step_end(self, loop: LoopState) -> Request | None:
-        # a stop asked for at this step (a signal, non-finite losses) ends the run here: the steps since the last
+        # a stop asked for at this step (a signal, --on_anomaly stop) ends the run here: the steps since the last
         # logging step are logged as at a last step, else the resume starts after them and they are lost
         if not (self.due(loop) or any(request.reason for request in loop.requests)):
             return None

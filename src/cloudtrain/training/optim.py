@@ -1,7 +1,8 @@
 """The optimizer (--optim) and the learning-rate schedule (--lr_scheduler_type) every trainer steps.
 
 Every optimizer gets the same two parameter groups: the matrices with --weight_decay, the 1-d tensors
-(biases, normalisation weights) with none. A user DeepSpeed JSON with an `optimizer` or `scheduler`
+(biases, normalisation weights) with none (under tensor parallelism each may split in two: plain tensors and
+DTensors). A user DeepSpeed JSON with an `optimizer` or `scheduler`
 section builds its own (cloudtrain.parallel.distributed): the optimizer is then accelerate's placeholder,
 which DeepSpeed replaces, and the schedule an observer of the engine's.
 """
@@ -51,7 +52,8 @@ def check_optimizer(cfg: Config, cuda: bool | None = None) -> None:
 
 def weight_decay_groups(params: Iterable[torch.nn.Parameter], weight_decay: float | None) -> list[dict]:
     """The trainable `params` in two groups: matrices decayed, 1-d tensors not (decaying a bias or a norm's
-    scale only pulls it off its useful value). `weight_decay` None leaves the matrices' rate to the optimizer."""
+    scale only pulls it off its useful value); each split by kind where it mixes plain tensors and DTensors.
+    `weight_decay` None leaves the matrices' rate to the optimizer."""
     decay: list[torch.nn.Parameter] = []
     no_decay: list[torch.nn.Parameter] = []
     for param in params:
