@@ -74,8 +74,9 @@ def _by_kind(params: list[torch.nn.Parameter]) -> list[list[torch.nn.Parameter]]
         return [params]
     from torch.distributed.tensor import DTensor
 
-    sharded = [p for p in params if isinstance(p, DTensor)]
-    plain = [p for p in params if not isinstance(p, DTensor)]
+    split = [isinstance(p, DTensor) for p in params]
+    sharded = [p for p, is_split in zip(params, split, strict=True) if is_split]
+    plain = [p for p, is_split in zip(params, split, strict=True) if not is_split]
     return [plain, sharded] if plain and sharded else [params]
 
 
