@@ -209,3 +209,38 @@ def test_a_key_the_server_rejects_leaves_the_offline_run_alone_and_one_line(trac
     logs = [line for line in printed.splitlines() if "Find logs at" in line]
     assert logs and all(run_dir.name in line for line in logs)
     assert [row["_step"] for row in wandb_run(run_dir)["history"] if "train/loss" in row] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("status, rejected", [(200, False), (401, True), (403, False), (500, False)])
+def test_only_a_401_to_the_key_is_a_rejected_key(status, rejected):
+    """The key check before wandb.init (found in review: only the 401 path was tested): a server that takes the key,
+    or fails otherwise, is left to wandb.init; the key goes as W&B sends it (HTTP basic, user `api`)."""
+    import base64
+    import threading
+    import types
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from cloudtrain.observe.tracking import wandb_key_rejected
+
+    seen: list[str] = []
+
+    class Answer(BaseHTTPRequestHandler):
+        def do_POST(self):
+            self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            seen.append(f"{self.path} {self.headers.get('Authorization')}")
+            self.send_response(status)
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"{}")
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Answer)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        settings = types.SimpleNamespace(api_key=FAKE_KEY, base_url=f"http://127.0.0.1:{server.server_port}")
+        assert wandb_key_rejected(settings) is rejected
+    finally:
+        server.shutdown()
+    assert seen == [f"/graphql Basic {base64.b64encode(f'api:{FAKE_KEY}'.encode()).decode()}"]
