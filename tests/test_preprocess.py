@@ -570,3 +570,28 @@ def test_a_mistyped_tokenizer_folder_and_an_unreadable_corpus_are_lines_that_say
         "format (csv)"
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_sft_shards_compare_the_chat_templates_text_not_its_path(tmp_path, lm_tokenizer_dir):
+    """A copy of the template at another path was refused by the path (--chat_template a.jinja vs b.jinja), and an
+    edited template was blamed on 'another tokenizer' (found in audit): the text is what the ids follow."""
+    from cloudtrain.config.data import DataConfig
+    from cloudtrain.data.chat import TEMPLATES, ChatFormat
+    from cloudtrain.data.shards import _compare, made_with
+    from cloudtrain.tasks.sft import SFTTask
+
+    text = TEMPLATES["zephyr"][0]
+    files = {"made": text, "copy": text, "edited": text.replace("'\\n' }}{% endfor %}", "'\\n\\n' }}{% endfor %}")}
+    for name, content in files.items():
+        (tmp_path / f"{name}.jinja").write_text(content)
+
+    def made(name: str) -> dict:
+        template = str(tmp_path / f"{name}.jinja")
+        tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+        ChatFormat.setup(tokenizer, template)
+        return made_with(SFTTask, tokenizer, DataConfig(chat_template=template, max_length=32))
+
+    shards = made("made")
+    _compare("shards", shards, made("copy"), 32)  # the same text at another path
+    with pytest.raises(UserError, match="^shards holds shards made with another chat template than this run's"):
+        _compare("shards", shards, made("edited"), 32)

@@ -56,13 +56,20 @@ def columns_made_with(manifest: dict) -> str:
 
 def made_with(task: Any, tokenizer: Any, data: DataConfig) -> dict:
     """The task, the options its stream encoder reads, and the tokenizer's digest and size."""
-    return {
+    made = {
         "task": task.name,
         **{name: getattr(data, name) for name in task.stream_options},
         "tokenizer_digest": tokenizer_digest(tokenizer),
         "tokenizer_encoding": encoding_digest(tokenizer),
         "vocabulary": len(tokenizer),
     }
+    if "chat_template" in task.stream_options:  # the template's text as set up (a file's, a name's, the tokenizer's)
+        made["template_digest"] = _digest(getattr(tokenizer, "chat_template", None))
+    return made
+
+
+def _digest(value: Any) -> str:
+    return hashlib.sha256(json.dumps(value, default=str).encode()).hexdigest()[:16]
 
 
 def check_shards(specs: list[SourceSpec], run: dict, max_length: int) -> None:
@@ -123,6 +130,12 @@ def _compare(folder: str, manifest: dict, run: dict, max_length: int) -> None:
             f"{folder} holds shards made for --task {manifest['task']} and this run is --task {run['task']}: "
             f"{again} (--task {run['task']}), or train them with --task {manifest['task']}"
         )
+    by_text = "template_digest" in manifest and "template_digest" in run  # (older manifests: by --chat_template)
+    if by_text and manifest["template_digest"] != run["template_digest"]:  # before the tokenizer's, which holds it
+        raise UserError(
+            f"{folder} holds shards made with another chat template than this run's (the templates' texts differ): "
+            f"{again} (--chat_template naming this run's template)"
+        )
     if manifest.get("tokenizer_digest", run["tokenizer_digest"]) != run["tokenizer_digest"]:
         raise UserError(
             f"{folder} holds shards tokenized by {manifest.get('tokenizer')} ({manifest.get('vocabulary')} tokens), "
@@ -137,7 +150,9 @@ def _compare(folder: str, manifest: dict, run: dict, max_length: int) -> None:
             "naming this run's tokenizer)"
         )
     for name, value in run.items():  # a column option names where text was read, not what the tokens mean
-        if name in ("task", "tokenizer_digest", "tokenizer_encoding", "vocabulary") or name.endswith("_column"):
+        if name in ("task", "tokenizer_digest", "tokenizer_encoding", "vocabulary", "template_digest"):
+            continue
+        if name.endswith("_column") or (name == "chat_template" and by_text):  # a template's path: its text counts
             continue
         if manifest.get(name, value) != value:
             theirs = _shown(manifest[name])
