@@ -26,12 +26,8 @@ TOKENS = "input_ids"  # a shard row's stored tokens
 
 def tokenizer_digest(tokenizer: Any) -> str:
     """The tokenizer as its ids mean: vocabulary (added tokens included), special tokens and chat template."""
-    described = [
-        sorted(tokenizer.get_vocab().items()),
-        sorted(tokenizer.all_special_ids),
-        getattr(tokenizer, "chat_template", None),
-    ]
-    return hashlib.sha256(json.dumps(described, default=str).encode()).hexdigest()[:16]
+    vocabulary, specials = sorted(tokenizer.get_vocab().items()), sorted(tokenizer.all_special_ids)
+    return _digest([vocabulary, specials, getattr(tokenizer, "chat_template", None)])
 
 
 # A text whose ids show how a tokenizer encodes: case, accents, spacing, digits, punctuation, special tokens added
@@ -69,6 +65,7 @@ def made_with(task: Any, tokenizer: Any, data: DataConfig) -> dict:
 
 
 def _digest(value: Any) -> str:
+    """16 hex digits of the SHA-256 of `value` as JSON: what a manifest records of a tokenizer or a template."""
     return hashlib.sha256(json.dumps(value, default=str).encode()).hexdigest()[:16]
 
 
