@@ -586,7 +586,7 @@ def test_a_stream_resumed_on_other_files_or_another_cut_is_refused(tiny_llama_di
 def test_a_stream_resumed_with_other_weights_is_refused_naming_them():
     """Other --train_weights draw other buffers, so the cursor's rows were other documents (some trained twice);
     the refusal blamed --stream_validation_docs, which the user had not changed (found in audit)."""
-    from cloudtrain.data.streaming import check_layout
+    from cloudtrain.data.stream_layout import check_layout
 
     sources = [SourceSpec("a.jsonl", ["a.jsonl"], "json"), SourceSpec("c.parquet", ["c.parquet"], "parquet")]
     cut = {"files": [["a.jsonl"], ["c.parquet"]], "buffer_docs": 8, "block_size": 64, "packing": "bfd", "seed": 42}

@@ -4,7 +4,7 @@ A resume keeps its place in the data by step: the batches before it are skipped 
 edited or replaced, another image folder, another --max_length or --resolution) that place means other batches,
 and the run is no longer the one that stopped. A changed dataset can be meant (a curriculum, a higher resolution
 for the last steps), so it is a note, not a refusal. A stream's cursor records and checks its own layout
-(cloudtrain.data.streaming.check_layout).
+(cloudtrain.data.stream_layout.check_layout).
 """
 
 from __future__ import annotations
