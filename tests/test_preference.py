@@ -491,3 +491,19 @@ def test_a_reference_from_whole_weights_is_refused_under_sharding_in_one_line(ti
     for extra in ({"fsdp": True}, {"zero_stage": 3, "peft": "lora"}, {"fsdp": True, "peft": "lora"}):
         cfg = build_config({**base, **extra})
         build_task(cfg).check_options(cfg)
+
+
+@pytest.mark.parametrize("task", ["dpo", "reward"])
+def test_packing_on_a_pair_task_is_only_noted_as_unused(task, tiny_llama_dir, tiny_model_dir):
+    """Pairs are padded, so --packing is one of the options such a run does not use: a note said so, then a
+    refusal stopped the run all the same (left alone in an earlier audit)."""
+    from cloudtrain.config.inert import inert_notes
+    from cloudtrain.tasks import build_task
+
+    cfg = build_config(
+        {"task": task, "model_name_or_path": tiny_llama_dir if task == "dpo" else tiny_model_dir, "packing": "wrapped"}
+    )
+    build_task(cfg).check_options(cfg)
+    assert f"--packing wrapped has no effect on --task {task}; it counts for --task causal_lm or sft" in inert_notes(
+        cfg
+    )

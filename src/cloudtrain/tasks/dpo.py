@@ -200,8 +200,6 @@ class DPOTask(PairRows, SFTTask):
                 f"{m.model_name_or_path or m.model_config} is not a causal language model ({kind}); --task dpo "
                 "tunes a decoder (…ForCausalLM); for an encoder, train a reward model with --task reward"
             )
-        if cfg.data.packing not in ("none", "auto"):
-            raise UserError(f"--task dpo pads its pairs: --packing {cfg.data.packing} is not supported; use none")
         if TRAINERS[cfg.training.training_type].mesh(cfg, max(cfg.distributed.pipeline_parallel_size, 1)).pp > 1:
             raise UserError(
                 "--task dpo takes a pair's loss over both answers at once, which a pipeline's last stage cannot; "

@@ -106,8 +106,6 @@ class RewardTask(PairRows, Task):
             raise UserError(
                 "--task reward starts from a pretrained model: pass --model_name_or_path, not --model_config"
             )
-        if cfg.data.packing not in ("none", "auto"):
-            raise UserError(f"--task reward pads its pairs: --packing {cfg.data.packing} is not supported; use none")
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         p = self.cfg.preference
