@@ -1,5 +1,6 @@
 """Options of the data: where it comes from, its columns and how it becomes rows."""
 
+import math
 import os
 from dataclasses import dataclass
 
@@ -184,6 +185,11 @@ class DataConfig(OnlyFields):
     stream_buffer: int = opt(
         256, "Streaming: documents packed together (bfd within this bounded buffer; wrapped cuts each buffer)."
     )
+    stream_buffer_mb: float = opt(
+        4,
+        "Streaming: a buffer also ends once its documents reach this many MiB in their files (tokenized, a buffer "
+        "takes 50-120x its text in memory, per loader worker); 0: no cap.",
+    )
     stream_validation_docs: int = opt(
         64, "Streaming without --validation_file: the first documents of the mixture held out for validation."
     )
@@ -243,6 +249,8 @@ class DataConfig(OnlyFields):
             raise UserError("--generation_num_beams must be at least 1 (1: greedy)")
         if self.stream_buffer < 1:
             raise UserError("--stream_buffer must be at least 1 document")
+        if not 0 <= self.stream_buffer_mb < math.inf:
+            raise UserError("--stream_buffer_mb must be 0 (no cap) or more MiB")
         if self.streaming and self.stream_validation_docs < 1:
             raise UserError(
                 "--stream_validation_docs must be at least 1: a stream without --validation_file validates on the "

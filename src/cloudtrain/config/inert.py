@@ -39,6 +39,7 @@ STREAM_OPTIONS = (
     "max_tokens",
     "mixture_exhausted",
     "stream_buffer",
+    "stream_buffer_mb",
     "stream_validation_docs",
     "on_bad_data",
 )

@@ -284,6 +284,7 @@ class MixtureStream:
         self.state = {**state, "sources": [dict(s) for s in state["sources"]]}
         self.readers: list[RecordReader | None] = [None] * len(specs)
         self.bad = {"records": 0, "files": 0}
+        self.size = 0  # the last document's bytes in its file, the same whether parsed or stepped over
         # the skip warnings, when the caller prints them (else printed as met): every process of a launch reads the
         # whole stream, each pass again, so printed as met the same line came processes x passes times
         self.warnings: list[str] | None = None
@@ -343,11 +344,13 @@ class MixtureStream:
             try:
                 reader = self._reader(i)
                 record, position["offset"] = reader.next(parse)
+                self.size = reader.size
                 return (self._columns(record, spec) if record is not None else None,)
             except StopIteration:
                 self._next_file(i)
             except BadRecord as err:
                 position["offset"] = self.readers[i].position  # type: ignore[union-attr]
+                self.size = self.readers[i].size  # type: ignore[union-attr]
                 where = f"corrupted data in {spec.files[position['file']]} at position {position['offset']}"
                 self._bad(where, str(err), "records", parse)
                 return ({},)  # an empty document: nothing trains on it, the count stays in step

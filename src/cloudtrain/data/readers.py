@@ -201,6 +201,7 @@ class RecordReader:
         self._rows: list | None = None  # parquet: the current row group's rows; json: the array
         self._group = (-1, 0, 0)  # parquet: (index, first row, rows) of the row group in _rows
         self._header: list[str] | None = None
+        self.size = 0  # the last record's bytes, parsed or not (parquet, JSON arrays: their file's mean per record)
         try:
             self._open()
         except (OSError, EOFError, ValueError) as err:
@@ -214,12 +215,17 @@ class RecordReader:
             meta = self._parquet.metadata
             self._groups = [meta.row_group(i).num_rows for i in range(meta.num_row_groups)]
             self._total = meta.num_rows
+            self._row_bytes = sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups)) // max(
+                self._total, 1
+            )  # from the metadata, as a step over reads no row
             return
         self._handle = _open_binary(self.path)
         if self.format == "json" and self._handle.read(4096).lstrip(b"\xef\xbb\xbf").lstrip()[:1] == b"[":  # an array
             self._handle.close()
             self._handle = _open_binary(self.path)
-            self._rows = json.load(io.TextIOWrapper(self._handle, encoding="utf-8-sig"))
+            text = self._handle.read()
+            self._rows = json.loads(text.decode("utf-8-sig"))
+            self._row_bytes = len(text) // max(len(self._rows), 1)
             return
         elif self.format == "json":
             self._handle.close()
@@ -249,6 +255,7 @@ class RecordReader:
             if self.position >= len(self._rows):
                 raise StopIteration
             self.position += 1
+            self.size = self._row_bytes
             return (self._record(self._rows[self.position - 1]) if parse else SKIPPED), self.position
         if self.format in ("csv", "tsv"):
             return self._next_csv()
@@ -259,6 +266,7 @@ class RecordReader:
         if not line:
             raise StopIteration
         self.position += len(line)
+        self.size = len(line)
         return (self._parse_line(line) if parse else SKIPPED), self.position
 
     def _parse_line(self, line: bytes) -> dict:
@@ -290,14 +298,18 @@ class RecordReader:
 
     def _next_csv(self) -> tuple[dict | None, int]:
         assert self._header is not None
+        before = self.position
         try:
             row = next(csv.reader(self._lines(), delimiter=self._delimiter))
         except UnicodeDecodeError:
+            self.size = self.position - before
             raise BadRecord("not UTF-8") from None
         except csv.Error as err:
+            self.size = self.position - before
             raise BadRecord(f"not CSV ({err})") from None
         except (OSError, EOFError) as err:
             raise BadFile(f"{type(err).__name__}: {str(err)[:200]}") from None
+        self.size = self.position - before
         if self.format == "tsv" and any("\t" in cell for cell in row):
             raise BadRecord(SWALLOWED)
         return dict(zip(self._header, row, strict=False)), self.position
@@ -306,6 +318,7 @@ class RecordReader:
         if self.position >= self._total:
             raise StopIteration
         self.position += 1
+        self.size = self._row_bytes
         if not parse:
             return SKIPPED, self.position
         index = self.position - 1

@@ -20,6 +20,7 @@ def layout_of(plan: Any) -> dict:
         "files": [relative_names(spec) for spec in plan.sources],
         "file_names": "relative",  # paths under each source's root; checkpoints before this held base names
         "buffer_docs": plan.buffer_docs,
+        "buffer_mb": plan.buffer_mb,
         "block_size": plan.block_size,
         "packing": plan.packing,
         "seed": plan.seed,
@@ -31,6 +32,7 @@ def layout_of(plan: Any) -> dict:
 
 LAYOUT_OPTIONS = {
     "buffer_docs": "--stream_buffer",
+    "buffer_mb": "--stream_buffer_mb",
     "block_size": "--max_length",
     "packing": "--packing",
     "seed": "--seed",

@@ -84,6 +84,7 @@ class StreamPlan:
     collator: Callable[[list[dict]], dict] | None = None
     budget: dict = field(default_factory=dict)  # max_steps, max_tokens, micro, accumulation, workers
     vocabulary: int | None = None  # the tokenizer's size: a stored id at or beyond it is refused
+    buffer_mb: float = 0  # a buffer ends once its documents reach this many MiB in their files (0: no cap)
 
     def __len__(self) -> int:  # rows planned: printed by the trainer as the training rows
         return self.budget.get("rows", 0)
@@ -170,12 +171,17 @@ class BufferDataset(IterableDataset):
             stream.close()
 
     def _read(self, stream: MixtureStream, parse: bool) -> list[tuple]:
-        docs = []
+        """A buffer's documents: --stream_buffer of them, fewer where they reach --stream_buffer_mb first (by their
+        bytes in the files, which every worker counts alike, parsing them or not)."""
+        docs, size, cap = [], 0, self.plan.buffer_mb * 2**20 or math.inf
         for _ in range(self.plan.buffer_docs):
+            if size >= cap:
+                break
             try:
                 source, key, record = stream.next(parse)
             except StopIteration:
                 break
+            size += stream.size
             if parse:
                 docs.append((source, key, record))
         return docs
@@ -260,8 +266,10 @@ class StreamLoader:
                 f"the checkpoint's data stream has {len(state['stats']['documents'])} source(s), this run "
                 f"{len(self.plan.sources)}: resume with the same training sources"
             )
+        if "buffer_mb" not in state.get("layout", {}):  # from before the byte cap: cut by --stream_buffer alone
+            self.plan.buffer_mb = 0
         if "layout" in state:  # checkpoints before the record hold none
-            check_layout(state["layout"], self.layout(), self.plan.sources)
+            check_layout({"buffer_mb": 0, **state["layout"]}, self.layout(), self.plan.sources)
         self.resume = state
         if not self.plan.budget.get("max_steps"):  # --max_tokens: the rows left of the budget, at this run's batch
             left = max(math.ceil(self.plan.budget["max_tokens"] / self.plan.block_size) - state["rows"], 0)
@@ -610,6 +618,7 @@ def stream_plan(
         exhausted=d.mixture_exhausted,
         on_bad=d.on_bad_data,
         buffer_docs=d.stream_buffer,
+        buffer_mb=d.stream_buffer_mb,
         block_size=d.max_length,
         packing=d.packing,
         encode=encode,

@@ -478,7 +478,8 @@ def describe_stream(plan: StreamPlan, validation: Dataset, run: Config) -> str:
             "the others: weigh the sources by the tokens you want from each (train_results.json counts them)"
         )
     return (
-        f"data: streaming {sources}; packing {cfg.packing} in buffers of {cfg.stream_buffer} documents, "
+        f"data: streaming {sources}; packing {cfg.packing} in buffers of {cfg.stream_buffer} documents"
+        f"{f' or {cfg.stream_buffer_mb:g} MiB of text' if cfg.stream_buffer_mb else ''}, "
         f"{cfg.max_length} tokens per row; {len(validation)} validation rows"
     ) + "".join(f"\nnote: {note}" for note in notes)
 
