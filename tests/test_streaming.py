@@ -589,7 +589,14 @@ def test_a_stream_resumed_with_other_weights_is_refused_naming_them():
     from cloudtrain.data.stream_layout import check_layout
 
     sources = [SourceSpec("a.jsonl", ["a.jsonl"], "json"), SourceSpec("c.parquet", ["c.parquet"], "parquet")]
-    cut = {"files": [["a.jsonl"], ["c.parquet"]], "buffer_docs": 8, "block_size": 64, "packing": "bfd", "seed": 42}
+    cut = {
+        "files": [["a.jsonl"], ["c.parquet"]],
+        "buffer_docs": 8,
+        "buffer_mb": 4,
+        "block_size": 64,
+        "packing": "bfd",
+        "seed": 42,
+    }
     saved = cut | {"held_out": [0, 2], "weights": [1.0, 1.0], "shares": [0.5, 0.5]}
     check_layout(saved, cut | {"held_out": [0, 2], "weights": [2.0, 2.0], "shares": [0.5, 0.5]}, sources)
     with pytest.raises(UserError) as refused:
