@@ -908,3 +908,30 @@ def test_a_remote_code_models_modules_go_up_with_it_and_no_other_py(in_process, 
     pushed = set(in_process.history("alice/own-code")[-1].files) - {".gitattributes"}
     code = {"configuration_x.py", "modeling_x.py", "tokenization_x.py", f"{MERGED}/modeling_m.py"}
     assert pushed == {"config.json", "tokenizer_config.json", "model.safetensors", f"{MERGED}/config.json", *code}
+
+
+def test_a_push_keeps_the_users_own_files_named_like_model_files(in_process, tmp_path):
+    """The next push deleted every file matching the upload patterns (tokenizer*, *_results.json, vocab.*), a file
+    the push's own note told the user to upload by hand included (found in audit)."""
+    cfg = hub_config("alice/mine-too")
+    cloudhub.check_access(cfg.hub)
+    api = cloudhub.hub_api(cfg.hub)
+    run = tmp_path / "run"
+    run.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "args.json"):
+        (run / name).write_text(json.dumps({"name": name}))
+    commit = partial(cloudhub.commit_model_files, api, cfg.hub, folder=run, message="push", base_model=None)
+    commit(files=cloudhub.model_files(run))
+    mine = [
+        "tokenizer_corpus.txt",
+        "mteb_results.json",
+        "all_results.json",
+        "vocab.backup",
+        "merged/tokenizer_notes.md",
+    ]
+    for name in mine:
+        api.upload_file(path_or_fileobj=name.encode(), path_in_repo=name, repo_id="alice/mine-too")
+    api.upload_file(path_or_fileobj=b"{}", path_in_repo="test_results.json", repo_id="alice/mine-too")  # a run's
+    commit(files=cloudhub.model_files(run))
+    final = set(in_process.history("alice/mine-too")[-1].files)
+    assert set(mine) <= final and "test_results.json" not in final

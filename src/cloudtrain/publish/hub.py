@@ -11,9 +11,9 @@ when missing). A push uploads the top-level files of the output dir that a model
 (UPLOAD_PATTERNS): weights, config with label names, tokenizer, the generated README.md card,
 arguments, results and the training-curves plot, and a --trust_remote_code model's .py modules that its config's
 (or tokenizer's) auto_map names; checkpoint folders, tracker logs and
-metrics.jsonl stay local. A file of those names left at the repo root (or in merged/) by an earlier run, that
-this push does not hold, is deleted in the same commit (an old adapter_config.json made transformers apply an
-old adapter to a new full model); any other file in the repo is kept. Does not open pull requests.
+metrics.jsonl stay local. A file that a push writes (PUSHED_NAMES) left at the repo root (or in merged/) by an
+earlier run, that this push does not hold, is deleted in the same commit (an old adapter_config.json made
+transformers apply an old adapter to a new full model); any other file in the repo is kept. Does not open pull requests.
 
 An adapter (`--peft`) goes up in PEFT's layout (adapter_config.json, adapter_model.safetensors,
 labels.json, generation_config.json), and with it the merged model in merged/ when --merge_adapters
@@ -62,7 +62,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.publish import atomic
 from cloudtrain.publish.card_metadata import base_model_info
 from cloudtrain.publish.output_dir import edited, ours_in_merged, record, remote_code, written
-from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, holds_model, read_json
+from cloudtrain.publish.saving import ADAPTER_CONFIG, LABELS, MERGED, MODEL_FILES, holds_model, read_json
 from cloudtrain.sagemaker_env import in_training_job, job_name
 
 CARD = "README.md"
@@ -86,6 +86,17 @@ UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its 
     "training_curves.png",
 ]
 RESULT_NAMES = ("train", "eval", "test", "compute")
+# the names a push of model files writes at the repo root or in merged/: one an earlier push left that this one does
+# not write is deleted. Exact names, not UPLOAD_PATTERNS: a user's own tokenizer_corpus.txt or mteb_results.json,
+# uploaded beside the model, was deleted by the next push (found in audit)
+PUSHED_NAMES = (
+    *(CARD, *MODEL_FILES, "model-*-of-*.safetensors", "adapter_model.safetensors", "generation_config.json", LABELS),
+    *("model_index.json", "pytorch_lora_weights.safetensors", "args.json", "training_curves.png"),
+    *(f"{name}_results.json" for name in RESULT_NAMES),
+    *("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json"),
+    *("vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja"),
+    "chat_template.json",
+)
 TOKEN_HELP = (
     "set HF_TOKEN, pass --hub_token_file, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
 )
@@ -384,7 +395,7 @@ def commit_model_files(
 
 
 def _repo_model_files(api: HfApi, hub: HubConfig) -> list[str]:
-    """The repo's files that a push of model files writes: at its root or in merged/, named as UPLOAD_PATTERNS."""
+    """The repo's files that a push of model files writes: at its root or in merged/, named as PUSHED_NAMES."""
     try:
         names = hub_call(api.list_repo_files, hub.hub_model_id, revision=hub.hub_revision)
     except (RepositoryNotFoundError, RevisionNotFoundError):  # a branch the commit creates
@@ -393,7 +404,7 @@ def _repo_model_files(api: HfApi, hub: HubConfig) -> list[str]:
         name
         for name in names
         if name.count("/") == 0 or (name.count("/") == 1 and name.startswith(f"{MERGED}/"))
-        if _matches(name.rsplit("/", 1)[-1], tuple(UPLOAD_PATTERNS))
+        if _matches(name.rsplit("/", 1)[-1], PUSHED_NAMES)
     ]
 
 
