@@ -177,6 +177,10 @@ def test_stored_rows_resume_at_another_process_count(tiny_llama_dir, tmp_path):
         for key in weights[straight]:
             torch.testing.assert_close(weights[resumed][key], weights[straight][key], rtol=1e-4, atol=1e-5)
     assert all(torch.equal(weights["two_to_two"][k], weights["two"][k]) for k in weights["two"])
+    # another batch per process: every process finds it, the main one says it (found in audit: a line each)
+    refused = run_entry(torchrun(2), command("refused", "2", "two", "--per_device_train_batch_size", "1")[1:])
+    lines = [line for line in (refused.stdout + refused.stderr).splitlines() if line.startswith("error:")]
+    assert refused.returncode != 0 and len(lines) == 1, (refused.stdout[-2000:], refused.stderr[-2000:])
 
 
 def test_latest_counts_a_checkpoint_of_fewer_processes_as_held_by_the_extra_ones(tmp_path):

@@ -512,10 +512,14 @@ class Trainer:
         mesh, reshards = self.runtime.mesh, self.reshards_states
         pdb, accumulation = self.cfg.training.per_device_train_batch_size, self.cfg.training.gradient_accumulation_steps
         per_process = pdb * accumulation if isinstance(pdb, int) else None  # auto: resolved from the checkpoint
-        check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
-        check_engine(meta, folder, self.cfg)
-        if global_rows is not None:  # stored rows; a stream's cursor checks its own seed (data.streaming)
-            check_order(meta, folder, self.cfg)
+        try:  # every process finds the same mismatch: the main one says it (it was one line per process)
+            check_compatible(meta, folder, type(self).__name__, mesh, global_rows, reshards, per_process)
+            check_engine(meta, folder, self.cfg)
+            if global_rows is not None:  # stored rows; a stream's cursor checks its own seed (data.streaming)
+                check_order(meta, folder, self.cfg)
+        except UserError as err:
+            err.quiet = not self.is_main_process
+            raise
         start = time.perf_counter()
         ours = settings(self.optimizer, self.scheduler)  # before the checkpoint's states replace them
         self.check_resume_files(folder)
