@@ -438,6 +438,7 @@ def test_latest_passes_over_a_damaged_newer_checkpoint_and_says_so(tiny_model_di
     assert main(base) == 0
     state = out / "checkpoints" / "checkpoint-4" / STATE_FILE
     state.write_text(state.read_text()[:40])  # a truncated copy
+    old_four = (state.parent / "model.safetensors").read_bytes()
     capsys.readouterr()
     assert main([*base, "--resume_from_checkpoint", "latest", "--overwrite_output_dir", "true"]) == 0
     said = capsys.readouterr().out
@@ -445,6 +446,10 @@ def test_latest_passes_over_a_damaged_newer_checkpoint_and_says_so(tiny_model_di
         f"note: checkpoint-4 in {out / 'checkpoints'} cannot be read (its {STATE_FILE} is missing or damaged): " in said
     )
     assert f"resumed from {out / 'checkpoints' / 'checkpoint-2'} at step 2" in said
+    # its weights and states were whole: set aside with the branch left, not replaced and deleted by the save at
+    # its step (found in audit)
+    (aside,) = (out / "checkpoints").glob("abandoned-*")
+    assert (aside / "checkpoint-4" / "model.safetensors").read_bytes() == old_four
     weights = out / "checkpoints" / "checkpoint-4" / "model.safetensors"  # saved again by the resumed run
     os.truncate(weights, weights.stat().st_size // 2)
     named = ["--resume_from_checkpoint", str(weights.parent), "--max_steps", "6"]
@@ -973,3 +978,20 @@ def test_a_resume_in_another_order_of_the_rows_or_off_a_stream_is_refused(tmp_pa
     (tmp_path / DATA_STATE_FILE).write_text("{}")
     with pytest.raises(UserError, match="holds a stream's position .* with --streaming true; resume it the same way"):
         check_order(meta, tmp_path, build_config({"seed": 42, "group_by_length": True}))
+
+
+def test_the_partial_folders_of_saves_a_kill_cut_are_removed_before_a_run_starts(tmp_path):
+    """Only a save again at the same step removed one: a resume at other --checkpointing_steps kept a whole
+    checkpoint's worth of files per preemption, outside --save_total_limit (found in audit)."""
+    from types import SimpleNamespace
+
+    from cloudtrain.checkpointing import MARKS
+    from cloudtrain.resume import finish_interrupted_saves
+
+    cut = tmp_path / "checkpoint-6.partial"
+    (cut / MARKS).mkdir(parents=True)
+    (cut / "model.safetensors").write_bytes(b"x" * 100)
+    users = tmp_path / "checkpoint-notes.partial"  # not a save of ours (no marks, no step): kept
+    users.mkdir()
+    finish_interrupted_saves(tmp_path, SimpleNamespace(barrier=lambda: None))
+    assert not cut.exists() and users.is_dir()

@@ -47,9 +47,13 @@ def first_on_node() -> bool:
 
 def finish_interrupted_saves(folder: Path, runtime: Any) -> None:
     """Before any process looks at the checkpoints: a checkpoint saved again at its step, cut by a kill between
-    its renames, is finished (once per node: each node may hold its own folder)."""
+    its renames, is finished, and the `.partial` folders of saves a kill cut are removed (once per node: each node
+    may hold its own folder; they were left until a save at the same step, a full checkpoint each)."""
     if first_on_node():
         finish_replacement(folder)
+        for partial in Path(folder).glob(f"{PREFIX}*.partial"):  # a save a kill cut: never sealed, never read
+            if partial.name[len(PREFIX) : -len(".partial")].isdigit() and (partial / MARKS).is_dir():
+                shutil.rmtree(partial, ignore_errors=True)
     runtime.barrier()
 
 
@@ -222,7 +226,7 @@ def set_aside_newer(folder: Path, resumed: Path, runtime: Any) -> None:
     step = int(read_state(resumed)["state"]["global_step"])
     stamp = runtime.share(time.strftime("%Y%m%d-%H%M%S"))  # one name on every node
     if first_on_node():
-        newer = [path for s, path in complete_checkpoints(folder) if s > step]
+        newer = [path for s, path in _ours_after(folder, step)]
         aside = Path(folder) / f"abandoned-{stamp}"
         for path in newer:
             with contextlib.suppress(OSError):  # another node on the same storage took it first
@@ -236,6 +240,15 @@ def set_aside_newer(folder: Path, resumed: Path, runtime: Any) -> None:
                 flush=True,
             )
     runtime.barrier()
+
+
+def _ours_after(folder: Path, step: int) -> list[tuple[int, Path]]:
+    """Our checkpoint-N folders past `step`, complete or not: one whose state file is damaged holds whole weights
+    and states too (an interrupted copy of its state file), and a save at its step replaced and deleted it."""
+    found = [
+        (int(p.name[len(PREFIX) :]), p) for p in Path(folder).glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit()
+    ]
+    return sorted((s, path) for s, path in found if s > step and _ours(path))
 
 
 def _delete(folders: list[Path]) -> None:
