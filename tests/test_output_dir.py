@@ -457,3 +457,22 @@ def test_a_command_reading_a_folder_leaves_the_final_save_a_live_run_is_writing(
         holder.wait()
     existing_run_dir("--model_dir", str(out))
     assert not staging_dir(out).exists() and not (out / ".cloudtrain-lock").exists()
+
+
+def test_a_file_or_an_empty_value_as_the_checkpoint_to_resume_says_what_it_is(tmp_path):
+    """A weights file was said not to exist, and an empty value was read as the working folder (found in audit)."""
+    from cloudtrain.config import resolve_options
+    from cloudtrain.resume import choose_resume, local_view
+
+    weights = tmp_path / "checkpoint-4" / "model.safetensors"
+    weights.parent.mkdir()
+    weights.write_bytes(b"x")
+    cfg = build_config({"resume_from_checkpoint": str(weights)})
+    with pytest.raises(UserError) as refused:
+        choose_resume(cfg, tmp_path, [local_view(cfg, tmp_path)])
+    assert str(refused.value) == (
+        f"--resume_from_checkpoint {weights} is a file, not a checkpoint directory; give the folder that holds it "
+        f"({weights.parent}), or latest"
+    )
+    with pytest.raises(UserError, match="^--resume_from_checkpoint is empty: give a checkpoint directory, latest, or"):
+        resolve_options({"resume_from_checkpoint": " "}, {})

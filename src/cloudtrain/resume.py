@@ -265,6 +265,11 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
     nodes = len({v["node"] for v in views})
     if wanted != "latest":
         without = [v for v in views if not v["named"]]
+        if without and Path(wanted).is_file():
+            raise UserError(
+                f"--resume_from_checkpoint {wanted} is a file, not a checkpoint directory; give the folder that "
+                f"holds it ({Path(wanted).parent}), or latest"
+            )
         if without:
             where = f" on {node_name(without[0])}" if nodes > 1 else ""
             raise UserError(

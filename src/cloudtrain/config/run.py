@@ -180,6 +180,8 @@ class CheckpointConfig(OnlyFields):
             raise UserError("--checkpointing_steps takes a number of steps or epoch")
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise UserError("--save_total_limit must be at least 1")
+        if self.resume_from_checkpoint is not None and not self.resume_from_checkpoint.strip():
+            raise UserError("--resume_from_checkpoint is empty: give a checkpoint directory, latest, or none")
 
 
 @dataclass
