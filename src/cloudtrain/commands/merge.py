@@ -6,7 +6,13 @@ from pathlib import Path
 from cloudtrain.commands import add_trust_remote_code, existing_run_dir, holding
 from cloudtrain.errors import UserError
 from cloudtrain.publish.output_dir import users_files, written
-from cloudtrain.publish.saving import ADAPTER_CONFIG, MERGED, check_not_diffusion, is_adapter_dir
+from cloudtrain.publish.saving import (
+    ADAPTER_CONFIG,
+    MERGED,
+    check_not_checkpoint,
+    check_not_diffusion,
+    is_adapter_dir,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,6 +40,7 @@ def check_options(args: argparse.Namespace) -> None:
     cloudtrain did not write (it would be replaced); one UserError otherwise."""
     flag = getattr(args, "flag", "--output_dir")
     if not is_adapter_dir(existing_run_dir(flag, args.output_dir)):
+        check_not_checkpoint(flag, Path(args.output_dir))  # a LoRA run's checkpoint holds no adapter_config.json
         check_not_diffusion(flag, Path(args.output_dir))
         raise UserError(
             f"{flag} {args.output_dir} holds no adapter ({ADAPTER_CONFIG}); merge needs the "

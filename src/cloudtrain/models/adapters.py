@@ -54,7 +54,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
 from cloudtrain.publish.atomic import is_no_space
-from cloudtrain.publish.output_dir import record
+from cloudtrain.publish.output_dir import MANIFEST, record
 from cloudtrain.publish.saving import GENERATIVE, LABELS, MERGED, adapter_config, read_json
 
 AUTO_CLASSES = {
@@ -389,6 +389,10 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
     equal the adapter model's within float tolerance (the largest difference is printed). `lands_in`: the folder
     `output_dir`'s files are published to, when it is a run's staging folder (the path printed)."""
     output_dir = Path(output_dir)
+    folder = output_dir.resolve()  # as typed, `run/merged/..` would stop resolving once merged/ is moved aside
+    target, partial, replaced = folder / MERGED, folder / f"{MERGED}.partial", folder / f"{MERGED}.replaced"
+    for leftover in (partial, replaced):  # before the minutes of loading: a folder of the user's stops it at once
+        _check_ours(leftover)
     with _without_zero3_init():
         model, tokenizer = load_adapter_model(output_dir, dtype="auto", trust_remote_code=trust_remote_code)
     batch = probe_batch(model, tokenizer)
@@ -404,12 +408,10 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
             f"the merged model's logits differ from the adapter model's by {difference:.3g} (more than "
             f"{tolerance:.1g}); {output_dir / MERGED} was not written"
         )
-    folder = output_dir.resolve()  # as typed, `run/merged/..` would stop resolving once merged/ is moved aside
-    target, partial = folder / MERGED, folder / f"{MERGED}.partial"
     _write_merged(merged, tokenizer, folder, partial)
-    replaced = folder / f"{MERGED}.replaced"  # an earlier merge of ours (the merge command checked it is)
-    shutil.rmtree(replaced, ignore_errors=True)
-    if target.exists():
+    shutil.rmtree(replaced, ignore_errors=True)  # checked above: an earlier merge's, or none
+    if target.exists():  # an earlier merge of ours (the merge command checked it is)
+        record(target, [])  # its manifest marks merged.replaced/ as ours should a kill leave it behind
         target.rename(replaced)  # a kill from here on leaves one whole merged model, old or new
     partial.rename(target)
     shutil.rmtree(replaced, ignore_errors=True)
@@ -423,11 +425,22 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
     return target
 
 
+def _check_ours(leftover: Path) -> None:
+    """`leftover` (merged.partial/ or merged.replaced/) is absent or one a merge wrote, holding its manifest: merge
+    deletes it. Any other folder of that name is the user's and stops the merge (it was deleted; found in audit)."""
+    if leftover.exists() and not (leftover / MANIFEST).is_file():
+        raise UserError(
+            f"{leftover} is not one cloudtrain wrote, and merge uses that name for its work: move it elsewhere (or "
+            "rename it), then merge again"
+        )
+
+
 def _write_merged(merged, tokenizer, folder: Path, partial: Path) -> None:
     """The merged model, its tokenizer and the run's args.json into `partial`; a full disk leaves nothing of it,
     in one line."""
-    shutil.rmtree(partial, ignore_errors=True)
+    shutil.rmtree(partial, ignore_errors=True)  # checked by merge: an interrupted merge's, or none
     try:
+        record(partial, [])  # first: the manifest marks the folder as cloudtrain's while it is written
         merged.save_pretrained(partial)
         from cloudtrain.models.load import save_tokenizer_files  # load imports this module
 
