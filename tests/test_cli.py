@@ -268,3 +268,13 @@ def test_help_shows_a_commands_required_option_as_required(command, required):
     assert f" {required} {metavar} " in usage and f"[{required} {metavar}]" not in usage
     with pytest.raises(UserError, match=f"the following arguments are required: {required}"):
         parser.parse_args([])  # still required after --help
+
+
+def test_the_help_of_generate_prompt_and_push_token_file_says_what_the_code_does():
+    """--prompt said an empty prompt starts from the BOS token (a chat model's is an empty user message); push's
+    --hub_token_file left out the token file args.json records, used before the login (found in audit)."""
+    prompt = " ".join(run_cli("generate", "--help").stdout.split())
+    assert "an empty prompt starts from the BOS token, or for a chat model is an empty user message" in prompt
+    token = " ".join(run_cli("push", "--help").stdout.split())
+    order = "HF_TOKEN, else the training run's token file recorded in args.json if it is still there, else the login"
+    assert f"(default: {order})" in token

@@ -18,7 +18,8 @@ one prompt after another, with a separator line between them. Greedy decoding by
 text prints when it is complete (nothing can stream it). The random generator is seeded
 from --seed before each prompt, so a prompt gives the same text whatever other prompts are run with it.
 Prompts come from --prompt (repeatable) and --input_file: .txt (one prompt per line, blank lines
-skipped) or .csv/.tsv/.json/.jsonl/.parquet with a --text_column. An empty prompt starts from the BOS token.
+skipped) or .csv/.tsv/.json/.jsonl/.parquet with a --text_column. An empty prompt starts from the BOS token
+(a chat model's is an empty user message).
 The model runs in fp32 on CPU and in bf16 on a CUDA GPU that computes it natively.
 
 An encoder-decoder reads each prompt whole and writes a new text (the training's --source_prefix, T5's

@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prompt",
         action="append",
         default=[],
-        help="A text to continue (repeatable; an empty prompt starts from the BOS token).",
+        help="A text to continue (repeatable; an empty prompt starts from the BOS token, or for a chat model is "
+        "an empty user message).",
     )
     parser.add_argument(
         "--input_file",

@@ -13,7 +13,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="Hub repository <user or org>/<name> (default: the hub_model_id in <output_dir>/args.json).",
     )
     parser.add_argument("--hub_token", help="Hub token; prefer HF_TOKEN or --hub_token_file (never saved).")
-    parser.add_argument("--hub_token_file", help="A file holding the Hub token (default: HF_TOKEN, else the login).")
+    parser.add_argument(
+        "--hub_token_file",
+        help="A file holding the Hub token (default: HF_TOKEN, else the training run's token file recorded in "
+        "args.json if it is still there, else the login).",
+    )
     add_switch(
         parser,
         "--hub_private_repo",
