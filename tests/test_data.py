@@ -76,6 +76,29 @@ def test_save_to_disk_directory(tmp_path):
     assert len(connect(DataConfig(train_file=str(tmp_path / "single")))["train"]) == 6
 
 
+def test_a_folder_with_no_data_files_says_so_and_what_to_check(tmp_path):
+    """An empty folder (a SageMaker channel whose S3 prefix matched nothing) said it was "a directory but not one
+    written by datasets.save_to_disk" (found in audit); one of files in no known format says which they are."""
+    pd.DataFrame(topic_rows(2)).to_csv(tmp_path / "train.csv", index=False)
+    empty, odd = tmp_path / "channel", tmp_path / "odd"
+    empty.mkdir()
+    odd.mkdir()
+    for name in ("rows.xlsx", "README", ".hidden"):
+        (odd / name).write_text("x")
+    formats = ".csv, .tsv, .json, .jsonl, .parquet, .txt"
+    for flags, folder, held in (
+        ({"train_file": str(empty)}, empty, "is empty"),
+        ({"train_file": str(tmp_path / "train.csv"), "validation_file": str(odd)}, odd, "holds only README, rows.xlsx"),
+    ):
+        with pytest.raises(UserError) as refused:
+            connect(DataConfig(**flags))
+        flag = "--train_file" if "validation_file" not in flags else "--validation_file"
+        assert str(refused.value) == (
+            f"{flag} {folder} {held}: no data files ({formats}) directly in it, nor a datasets.save_to_disk "
+            "folder; check the path (for a SageMaker channel, its S3 prefix)"
+        )
+
+
 def test_split_files_from_a_saved_dataset_dict_take_their_own_split(tmp_path):
     """--validation_file/--test_file naming a save_to_disk DatasetDict read that split (or its alias),
     never silently the training rows; a missing split is one error listing the splits it has."""

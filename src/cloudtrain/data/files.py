@@ -27,7 +27,7 @@ def split_files(cfg: DataConfig) -> dict[str, str]:
 
 def data_files(folder: Path) -> list[Path]:
     """The data files directly in `folder`; none for a save_to_disk directory (its JSON files are metadata)."""
-    if (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file():
+    if is_saved_dataset(folder):
         return []
     return sorted(f for f in folder.iterdir() if f.is_file() and f.suffix.lower() in FILE_FORMATS)
 
@@ -46,6 +46,8 @@ def check_data_files(cfg: DataConfig) -> None:
                 f"--{split}_file {path}: unsupported format {p.suffix!r}; "
                 f"use one of {', '.join(FILE_FORMATS)} or a save_to_disk directory"
             )
+        if p.is_dir():
+            _check_folder(f"--{split}_file", p)
         for file in [p] if p.is_file() else data_files(p):
             if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
                 raise UserError(f"--{split}_file {file} is empty; give a file with {rows_wanted(file)}")
@@ -71,3 +73,21 @@ def _check_held_out_apart(files: dict[str, str]) -> None:
                 f"--{split}_file {files[split]} is also in the --train_file folder {files['train']}, so it would be "
                 "trained on: move it out of that folder"
             )
+
+
+def is_saved_dataset(folder: Path) -> bool:
+    """A folder written by datasets.save_to_disk (a DatasetDict, or one Dataset)."""
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def _check_folder(flag: str, folder: Path) -> None:
+    """A folder given as data holds data files or a save_to_disk dataset: an empty one (a SageMaker channel whose
+    S3 prefix matched nothing) said it was "not one written by datasets.save_to_disk" (found in audit)."""
+    if is_saved_dataset(folder) or data_files(folder):
+        return
+    others = sorted(f.name for f in folder.iterdir() if not f.name.startswith("."))
+    held = f"holds only {', '.join(others[:4])}{' ...' if len(others) > 4 else ''}" if others else "is empty"
+    raise UserError(
+        f"{flag} {folder} {held}: no data files ({', '.join(FILE_FORMATS)}) directly in it, nor a "
+        "datasets.save_to_disk folder; check the path (for a SageMaker channel, its S3 prefix)"
+    )
