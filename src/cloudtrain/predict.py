@@ -103,7 +103,8 @@ def read_columns(path: str, columns: list[str]) -> list[list]:
     if file.stat().st_size == 0:
         raise UserError(f"--input_file {path} is empty")
     builder, options = FILE_FORMATS[file.suffix.lower()]
-    ds = load_files(builder, [file], split="input", options=options)  # (the split names it in a line about it)
+    # (the split names it in a line about it)
+    ds = load_files(builder, [file], split="input", options=options, as_text=columns)
     for column, flag in zip(columns, ("--text_column", "--text_pair_column"), strict=False):
         if column not in ds.column_names:
             raise UserError(
@@ -118,6 +119,19 @@ def _text(value) -> str | list[str]:
     if isinstance(value, list):
         return ["" if item is None else str(item) for item in value]
     return "" if value is None else str(value)
+
+
+def check_no_lists(texts: list) -> None:
+    """Texts for a model that reads text, not words: a list cell is refused. A column-oriented JSON
+    ({"text": ["oil up", "wheat down"]}) was one row classified as the text "['oil up', 'wheat down']" (audit)."""
+    at = next((i for i, text in enumerate(texts) if isinstance(text, list)), None)
+    if at is None:
+        return
+    where = "holds one record, whose text is" if len(texts) == 1 else f"holds a list where text {at + 1} belongs:"
+    raise UserError(
+        f"--input_file {where} a list of {len(texts[at])} items; give one record per text: JSON lines "
+        '({"text": "..."} on each line) or a JSON array of records ([{"text": "..."}, ...])'
+    )
 
 
 @torch.no_grad()
@@ -146,7 +160,8 @@ def predict(
     names = model_inputs(recorded, tokenizer)
     if type(model).__name__.endswith("ForTokenClassification"):  # a PeftModelForTokenClassification too
         return tag_words(model, tokenizer, texts, batch_size, limit, names, max_length is None and limit == trained)
-    texts = [str(text) for text in texts]  # a list cell of an input file: its text, as training's str() read it
+    for given in (texts, pairs or []):  # a list cell is a token classifier's words alone
+        check_no_lists(given)
     if type(model).__name__.endswith("ForQuestionAnswering"):
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
         return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names, allow_none)

@@ -1,0 +1,45 @@
+"""`cloudtrain predict` reads its input's texts as written: numbers in a text column stay text, and a list where a
+text belongs (a column-oriented JSON) is refused in one line (found in audit)."""
+
+import json
+
+import pytest
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from cloudtrain.errors import UserError
+from cloudtrain.predict import predict, read_columns, read_texts
+
+
+@pytest.mark.parametrize("suffix, sep", [(".csv", ","), (".tsv", "\t")])
+def test_a_text_column_of_numbers_is_read_as_written(tmp_path, suffix, sep):
+    """ "007" was read as the number 7 (and an NA among numbers as a gap): the text changed."""
+    file = tmp_path / f"in{suffix}"
+    rows = [["id", "text", "other"], ["1", "2024", "a"], ["3", "007", "b"], ["4", "NA", "c"], ["5", "", "d"]]
+    rows.append(["6", "1.50", "e"])
+    file.write_text("".join(sep.join(row) + "\n" for row in rows))
+    assert read_texts(str(file), "text") == ["2024", "007", "NA", "", "1.50"]
+    assert read_columns(str(file), ["text", "id"]) == [["2024", "007", "NA", "", "1.50"], ["1", "3", "4", "5", "6"]]
+
+
+@pytest.fixture(scope="module")
+def classifier(tiny_model_dir, tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("classifier")
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return str(out)
+
+
+def test_a_list_where_a_text_belongs_is_refused_in_one_line(classifier, tmp_path):
+    """{"text": ["oil up", "wheat down"]} was one row classified as the text "['oil up', 'wheat down']"."""
+    file = tmp_path / "columns.json"
+    file.write_text(json.dumps({"text": ["oil up", "wheat down"]}))
+    records = '({"text": "..."} on each line) or a JSON array of records ([{"text": "..."}, ...])'
+    with pytest.raises(UserError) as refused:
+        predict(classifier, read_texts(str(file), "text"))
+    assert str(refused.value) == (
+        "--input_file holds one record, whose text is a list of 2 items; give one record per text: JSON lines "
+        + records
+    )
+    with pytest.raises(UserError, match=r"^--input_file holds a list where text 2 belongs: a list of 3 items; "):
+        predict(classifier, ["oil up", ["a", "b", "c"]])  # type: ignore[list-item]
+    assert [row["text"] for row in predict(classifier, ["oil up", "wheat down"])] == ["oil up", "wheat down"]
