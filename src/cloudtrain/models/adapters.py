@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,7 +45,6 @@ from transformers import (
     AutoModelForSeq2SeqLM,
     AutoModelForSequenceClassification,
     AutoModelForTokenClassification,
-    AutoTokenizer,
     GenerationConfig,
 )
 from transformers.utils import GENERATION_CONFIG_NAME
@@ -304,7 +304,7 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the "newly initialized head" report: the adapter holds the head
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir, trust_remote_code=trust_remote_code)
+        tokenizer = _adapter_tokenizer(model_dir, base, trust_remote_code)
         if task_type == "SEQ_CLS" and tokenizer.pad_token_id is not None:
             options["pad_token_id"] = tokenizer.pad_token_id  # a decoder classifier finds its last token by it
         model = AUTO_CLASSES[task_type].from_pretrained(base, **options)
@@ -329,6 +329,18 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
     finally:
         transformers.logging.set_verbosity(verbosity)
     return model.eval(), tokenizer
+
+
+def _adapter_tokenizer(model_dir: Path, base: str, trust_remote_code: bool):
+    """The adapter's own tokenizer, else (an adapter from the Hub holds none) its base model's, said in a note: it
+    was a cut-off "Couldn't instantiate the backend tokenizer from one of:" (found in audit)."""
+    from cloudtrain.models.load import TOKENIZER_FILES, read_tokenizer  # load imports this module
+
+    if any(any(model_dir.glob(name)) for name in TOKENIZER_FILES):
+        return read_tokenizer(model_dir, trust_remote_code)
+    note = f"note: {model_dir} holds no tokenizer files: the tokenizer of its base model {base} is used"
+    print(note, file=sys.stderr)
+    return read_tokenizer(base, trust_remote_code)
 
 
 LABELLED = ("SEQ_CLS", "TOKEN_CLS")  # the adapters whose head's size and names only labels.json knows

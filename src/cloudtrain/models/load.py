@@ -89,7 +89,18 @@ def read_tokenizer(path: str | Path, trust_remote_code: bool, **options: Any) ->
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, **options)
     except Exception as err:  # noqa: BLE001 (see above)
+        if "backend tokenizer" in str(err) and folder.is_dir() and not (folder / "tokenizer.json").is_file():
+            raise _without_tokenizer_json(folder) from None  # its message runs over lines: the first was cut off
         raise load_failure(err, f"the tokenizer in {path}", path) from None
+
+
+def _without_tokenizer_json(folder: Path) -> UserError:
+    """A tokenizer folder whose other files need the tokenizer.json it lacks (no slow tokenizer to convert)."""
+    held = sorted(f.name for name in TOKENIZER_FILES for f in folder.glob(name))
+    return UserError(
+        f"{folder} holds {', '.join(held)} but not tokenizer.json, which its tokenizer is built from; copy "
+        "tokenizer.json from the model it came from into it"
+    )
 
 
 def load_failure(err: BaseException, what: str, path: str | Path) -> UserError:
