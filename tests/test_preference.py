@@ -173,6 +173,31 @@ def test_only_the_answer_and_its_end_of_turn_token_are_targets(chat):
         assert chat.tokenizer.decode(ids).startswith("<|im_start|>user\nWho found the golden key?")
 
 
+HH = "\n\nHuman: Who found the golden key?\n\nAssistant:"
+
+
+@pytest.mark.parametrize(
+    "chosen, rejected, answers",
+    [
+        ("Q: Who found the key? A: The answer is the poor boy", "Q: Who found the key? A: The answer is the wolf",
+         (" poor boy", " wolf")),
+        (f"{HH} The poor boy in the snow.", f"{HH} A wolf in the forest.",
+         (" The poor boy in the snow.", " A wolf in the forest.")),
+    ],
+    ids=["shared answer words", "an HH-RLHF transcript"],
+)  # fmt: skip
+def test_implicit_string_pairs_are_trained_as_their_plain_text(chat, chosen, rejected, answers):
+    """Found in audit: the common prefix became a user message under the chat template, so shared answer words
+    ("The answer is the") moved into the user's turn and HH transcripts were wrapped in ChatML headers; TRL, and
+    now cloudtrain, train the text itself: its tokens, then EOS, the loss on the differing answers and EOS."""
+    encoded = encode_pair(chat, {"chosen": chosen, "rejected": rejected}, PairColumns(None, "chosen", "rejected"))
+    tokenizer, eos = chat.tokenizer, chat.tokenizer.eos_token
+    for side, text, answer in (("chosen", chosen, answers[0]), ("rejected", rejected, answers[1])):
+        ids, mask = encoded[f"{side}_ids"], encoded[f"{side}_mask"]
+        assert tokenizer.decode(ids) == text + eos  # the data's text, no template
+        assert tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m]) == answer + eos
+
+
 def test_an_answer_of_several_assistant_messages_trains_each_as_sft_takes_the_conversation(chat):
     """Found in audit: one span over the whole answer ended its targets at the first end-of-turn token, so a pair
     whose answers share their first message trained nothing (loss 0.6931 at every step)."""

@@ -103,6 +103,26 @@ def test_a_decoder_without_a_chat_template_reads_its_pairs_through_chatml(tiny_l
     assert task.chat is not None and chosen.count("<|im_start|>") == 2 and "<|im_end|>" in chosen
 
 
+def test_a_reward_model_reads_implicit_string_pairs_as_their_plain_text(tiny_llama_dir, tmp_path):
+    """Found in audit: an implicit-prompt pair of strings was split into a user message and an assistant message
+    under the chat template; it is read as the text it is, as --task dpo reads it (no EOS: the score is read where
+    the text ends)."""
+    from datasets import Dataset, DatasetDict
+
+    from cloudtrain.tasks import build_task
+
+    rows = [{"chosen": f"Which topic: {q} {c}", "rejected": f"Which topic: {q} {r}"} for q, c, r in PAIRS]
+    raw = DatasetDict({"train": Dataset.from_list(rows), "validation": Dataset.from_list(rows)})
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    cfg = build_config({"task": "reward", "model_name_or_path": tiny_llama_dir, "max_length": 64})
+    task = build_task(cfg)
+    data = task.process(raw, tokenizer, cfg)
+    assert [tokenizer.decode(data.validation[i]["chosen_ids"]) for i in range(len(rows))] == [
+        row["chosen"] for row in rows
+    ]
+    assert "plain text" in task.describe_data(data)
+
+
 def test_pairs_the_cut_makes_equal_are_dropped_and_counted_among_those_used(tiny_model_dir, tmp_path):
     """Found in audit: answers differing only past --max_length trained at a constant log 2 with no gradient and no
     note, and the drops were counted over the whole file, not the --max_train_samples pairs used."""

@@ -8,7 +8,11 @@ Formats (as TRL defines them), told apart per row by the values' types:
   prefix; the prompt is their longest common prefix of messages (of characters, for strings: cut before a
   space as TRL's `extract_prompt` does).
 A pair is encoded as two rows, prompt + chosen and prompt + rejected, each with a loss mask on its answer's
-tokens only (end-of-turn token included: the chat template's, as `ChatFormat` finds it).
+tokens only (end-of-turn token included: the chat template's, as `ChatFormat` finds it). Implicit-prompt pairs
+given as strings are plain text (HH-RLHF's "\n\nHuman: ... \n\nAssistant: ..." transcripts, completions):
+they are encoded as that text, tokenized as the tokenizer tokenizes a text, with EOS after the answer and no chat
+template (`plain_pair`, `plain_text`), as TRL trains them; a template would move shared answer words into a user
+turn and wrap the transcript in headers the data never had.
 """
 
 from collections.abc import Callable
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 import datasets
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from cloudtrain.data.chat import ChatFormat, conversation
 from cloudtrain.data.packing import IGNORE_INDEX
@@ -118,10 +123,53 @@ def _answer(value, column: str) -> list[dict]:
     return messages
 
 
+def plain_pair(row: dict, columns: PairColumns) -> tuple[str, str, str] | None:
+    """(prompt, chosen answer, rejected answer) as texts of an implicit-prompt pair given as strings (plain text,
+    encoded without a chat template); None for any other pair. ValueError as `to_pair`."""
+    if not is_plain(row, columns):
+        return None
+    prompt, chosen, rejected = to_pair(row, columns)  # its checks, and the split at the common prefix
+    return prompt[0]["content"], chosen[0]["content"], rejected[0]["content"]
+
+
+def is_plain(row: dict, columns: PairColumns) -> bool:
+    """Whether a pair is plain text: no prompt column, its chosen and rejected values strings."""
+    return columns.prompt is None and all(isinstance(row[c], str) for c in (columns.chosen, columns.rejected))
+
+
+def plain_text(
+    tokenizer: PreTrainedTokenizerBase, prompt: str, answer: str, eos: bool = True
+) -> tuple[list[int], list[int]]:
+    """(token ids, loss mask) of `prompt + answer` as plain text: tokenized whole with the tokenizer's own special
+    tokens (its BOS, as inference on the prompt gets it), then (`eos`) the EOS token; the mask 1 on the tokens that
+    overlap the answer and on that EOS, so the row decodes to the data's text exactly."""
+    text = prompt + answer
+    encoded = tokenizer(text, return_offsets_mapping=True)
+    ids, spans = list(encoded["input_ids"]), encoded["offset_mapping"]
+    # special tokens have empty spans at 0, so they stay 0 (the prompt is never empty)
+    mask = [int(begin < len(text) and end > len(prompt)) for begin, end in spans]
+    if not eos:
+        return ids, mask
+    if tokenizer.eos_token_id is None:
+        raise ValueError(
+            "its texts are plain (no prompt column), which end with the tokenizer's EOS token so the model learns "
+            "to stop, but the tokenizer has none; set eos_token in its tokenizer_config.json"
+        )
+    if ids and ids[-1] == tokenizer.eos_token_id:  # a tokenizer that appends EOS itself
+        ids, mask = ids[:-1], mask[:-1]
+    return [*ids, tokenizer.eos_token_id], [*mask, 1]
+
+
 def encode_pair(chat: ChatFormat, row: dict, columns: PairColumns) -> dict[str, list[int]]:
-    """The two rows of a pair: {chosen_ids, chosen_mask, rejected_ids, rejected_mask}."""
-    prompt, *answers = to_pair(row, columns)
+    """The two rows of a pair: {chosen_ids, chosen_mask, rejected_ids, rejected_mask}; plain text for an
+    implicit-prompt pair of strings, else through the chat template."""
+    plain = plain_pair(row, columns)
     encoded: dict[str, list[int]] = {}
+    if plain is not None:
+        for side, text in zip(SIDES, plain[1:], strict=True):
+            encoded[f"{side}_ids"], encoded[f"{side}_mask"] = plain_text(chat.tokenizer, plain[0], text)
+        return encoded
+    prompt, *answers = to_pair(row, columns)
     for side, answer in zip(SIDES, answers, strict=True):
         encoded[f"{side}_ids"], encoded[f"{side}_mask"] = chat.answer(prompt, answer)
     return encoded

@@ -47,7 +47,10 @@ from cloudtrain.data.pairs import (
     PairColumns,
     answer_logps,
     encode_pair,
+    is_plain,
     pair_columns,
+    plain_pair,
+    plain_text,
     segment_mask,
     to_pair,
     truncate_pairs,
@@ -65,6 +68,7 @@ from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS, TRAINERS
 from cloudtrain.registry_table import TASK_ROWS
 from cloudtrain.tasks.base import PairRows, model_label
+from cloudtrain.tasks.causal_lm import CausalLMTask
 from cloudtrain.tasks.sft import SFTTask, check_prompts_fit, last_question, no_prompt_fits, shortened
 
 # how the language-model card says the model was trained from its base
@@ -187,6 +191,7 @@ class DPOTask(PairRows, SFTTask):
         self.sums: torch.Tensor | None = None  # PAIR_METRICS summed over training pairs, and their count
         self.window = False  # whether the model's forward takes logits_to_keep (the LM head on the answers only)
         self.additive = False  # whether the shared-prompt mask is additive (eager attention) or boolean (SDPA)
+        self.plain = False  # whether the training pairs are plain text (implicit prompts as strings: no template)
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -231,6 +236,7 @@ class DPOTask(PairRows, SFTTask):
             for split, ds in raw.items()
         }
         raw = DatasetDict(raw)
+        self.plain = len(raw["train"]) > 0 and is_plain(raw["train"][0], columns["train"])
         pairs = {split: self._encode_pairs(ds, split, columns[split], d) for split, ds in raw.items()}
         if "validation" not in raw:
             train, validation = self._carve_indices(len(raw["train"]), d.validation_split_percentage, cfg.training.seed)
@@ -278,7 +284,7 @@ class DPOTask(PairRows, SFTTask):
 
         key = cache_key(
             ds, self.tokenizer, *columns.names, columns.prompt, self.tokenizer.chat_template,
-            self.tokenizer.special_tokens_map, "pairs-v3",  # v3: empty chosen answers refused
+            self.tokenizer.special_tokens_map, "pairs-v4",  # v4: implicit string pairs as plain text
         )  # fmt: skip
         return cached_map(
             ds, encode, PAIR_FEATURES, cfg, f"pairs-{split}", key, f"Tokenizing {split} pairs", with_indices=True
@@ -315,6 +321,10 @@ class DPOTask(PairRows, SFTTask):
                 break
             prompt, chosen, _ = to_pair(row, columns)
             text = chat.render(prompt, add_generation_prompt=True)
+            plain = plain_pair(row, columns)
+            if plain is not None:  # the prompt as training saw it (its BOS too: samples add no special tokens)
+                ids, mask = plain_text(tokenizer, plain[0], plain[1], eos=False)
+                text = str(tokenizer.decode(ids[: mask.index(1)]))
             if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= room:
                 self.prompts.append(text)
                 self.references.append(chosen[0]["content"])
@@ -528,7 +538,7 @@ class DPOTask(PairRows, SFTTask):
             output_dir,
             cfg,
             results,
-            chat=True,
+            chat=not self.plain,  # plain-text pairs trained no chat template
             tuning=PREFERENCE_TUNED,
             perplexity=False,
             sections="\n".join(self._card_section(cfg, results)),
@@ -586,10 +596,15 @@ class DPOTask(PairRows, SFTTask):
             notes.append(no_prompt_fits(self.cfg))
         assert self.chat is not None  # set by `process`
         p = self.cfg.preference
-        return (
-            f"data: {'; '.join(parts)}; template: {self.chat.source}; loss {p.preference_loss}, beta {p.strength}"
-            + "".join(f"\nnote: {n}" for n in notes)
+        how = "plain text (implicit prompts, no template)" if self.plain else f"template: {self.chat.source}"
+        return f"data: {'; '.join(parts)}; {how}; loss {p.preference_loss}, beta {p.strength}" + "".join(
+            f"\nnote: {n}" for n in notes
         )
+
+    def inference_hint(self, output_dir: str) -> str:
+        if self.plain:  # trained on plain text: the model continues a prompt, it was not tuned to chat
+            return CausalLMTask.inference_hint(self, output_dir)
+        return super().inference_hint(output_dir)
 
     def describe_metrics(self, metrics: dict) -> str:
         line = (

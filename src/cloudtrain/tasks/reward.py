@@ -34,7 +34,7 @@ from transformers import (
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat
-from cloudtrain.data.pairs import SIDES, PairColumns, pair_columns, to_pair
+from cloudtrain.data.pairs import SIDES, PairColumns, is_plain, pair_columns, plain_pair, plain_text, to_pair
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
@@ -98,6 +98,7 @@ class RewardTask(PairRows, Task):
         self.cfg: Config = cfg
         self.chat: ChatFormat | None = None
         self.added_tokens = 0
+        self.plain = False  # whether the training pairs are plain text (implicit prompts as strings: no template)
         self.report: dict[str, dict] = {}
 
     # ------------------------------------------------------------ options and data
@@ -127,10 +128,9 @@ class RewardTask(PairRows, Task):
             self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
             self.added_tokens = len(tokenizer) - size
         raw = DatasetDict(raw)
-        pairs = {
-            split: self._encode(ds, split, pair_columns(ds.column_names, d.prompt_column, *p.pair_columns), cfg)
-            for split, ds in raw.items()
-        }
+        columns = {split: pair_columns(ds.column_names, d.prompt_column, *p.pair_columns) for split, ds in raw.items()}
+        self.plain = len(raw["train"]) > 0 and is_plain(raw["train"][0], columns["train"])
+        pairs = {split: self._encode(ds, split, columns[split], cfg) for split, ds in raw.items()}
         if "validation" not in pairs:
             train, validation = SFTTask._carve_indices(
                 len(pairs["train"]), d.validation_split_percentage, cfg.training.seed
@@ -158,8 +158,7 @@ class RewardTask(PairRows, Task):
             out: dict[str, list] = {name: [] for name in REWARD_FEATURES}
             for i, index in enumerate(indices):
                 try:
-                    prompt, *answers = to_pair({c: batch[c][i] for c in batch}, columns)
-                    sides = [self._side(prompt, answer, limit) for answer in answers]
+                    sides = self._sides({c: batch[c][i] for c in batch}, columns, limit)
                     value = float(batch[margin][i]) if margin and margin in batch else 0.0
                 except (ValueError, TypeError) as err:
                     raise UserError(f"{split} pair {index}: {err}") from None
@@ -171,7 +170,7 @@ class RewardTask(PairRows, Task):
         if margin and margin in ds.column_names:
             check_margins(ds[margin], margin, split)
         template = tokenizer.chat_template if chat else None
-        key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v3")
+        key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v4")
         desc = f"Tokenizing {split} pairs"
         return cached_map(ds, encode, REWARD_FEATURES, cfg.data, f"reward-{split}", key, desc, with_indices=True)
 
@@ -190,6 +189,16 @@ class RewardTask(PairRows, Task):
                 f"--max_length {limit}; raise --max_length or shorten the prompts"
             )
         return pairs.select(keep) if len(keep) < len(pairs) else pairs
+
+    def _sides(self, row: dict, columns: PairColumns, limit: int) -> list[list[int] | None]:
+        """Both sides' token ids: plain text for an implicit-prompt pair of strings (as `--task dpo` reads it, with
+        no EOS: the score is read where the text ends), else through the template or as a text pair."""
+        plain = plain_pair(row, columns)
+        if plain is None:
+            prompt, *answers = to_pair(row, columns)
+            return [self._side(prompt, answer, limit) for answer in answers]
+        sides = [plain_text(self.tokenizer, plain[0], answer, eos=False) for answer in plain[1:]]
+        return [ids[:limit] if any(mask[:limit]) else None for ids, mask in sides]
 
     def _side(self, prompt: list[dict], answer: list[dict], limit: int) -> list[int] | None:
         """One side's token ids, or None when truncation leaves none of its answer."""
@@ -314,6 +323,7 @@ class RewardTask(PairRows, Task):
             if rows is not None
         ]
         how = f"template: {self.chat.source}" if self.chat else "prompt and answer as a text pair"
+        how = "plain text (implicit prompts, no template)" if self.plain else how
         notes = [
             f"\nnote: {r['dropped']} {split} pairs dropped (within --max_length an answer lost every token, or the "
             "two answers became the same)"
