@@ -410,8 +410,21 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
             "lose an answer, or all that tells their answers apart, within --max_length 8",
         ),
         "an encoder": ({**base, "model_name_or_path": tiny_model_dir, "train_file": pairs_file}, "--task reward"),
+        # found in audit: transformers' own "Unrecognized model ... Should have a model_type key"
+        "an SFT LoRA output": (
+            {**base, "model_name_or_path": lora_output(tmp_path, tiny_llama_dir), "train_file": pairs_file},
+            "holds an adapter, not a model: give its merge with the base (cloudtrain merge --model_dir",
+        ),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def lora_output(tmp_path, base: str) -> str:
+    """A --peft run's output as far as a loader sees it: an adapter's config naming its base, no config.json."""
+    folder = tmp_path / "lora"
+    folder.mkdir(exist_ok=True)
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "base_model_name_or_path": base}))
+    return str(folder)
 
 
 # ---------------------------------------------------------------- a run

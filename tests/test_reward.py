@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_each_refused
+from test_preference import lora_output
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.config import build_config
@@ -73,6 +74,10 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
             "column 'margin' is not in the train data",
         ),
         "chosen equals rejected": ({**base, "train_file": str(equal)}, "chosen and rejected answers are equal"),
+        "an SFT LoRA output": (  # found in audit: transformers' own "Unrecognized model ..."
+            {**base, "train_file": str(equal), "model_name_or_path": lora_output(tmp_path, tiny_model_dir)},
+            "holds an adapter, not a model: give its merge with the base (cloudtrain merge --model_dir",
+        ),
     }
     for name, bad in (("nan margin", float("nan")), ("no margin", None)):  # NaN made the loss blame the rate
         rows = [json.loads(line) for line in Path(write_pairs(tmp_path / "m.jsonl")).read_text().splitlines()]

@@ -59,9 +59,10 @@ from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, fir
 from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
 from cloudtrain.hardware import autocast as autocast_for
-from cloudtrain.models.load import is_causal_lm, load_tokenizer
+from cloudtrain.models.load import check_checkpoint, is_causal_lm, load_tokenizer
 from cloudtrain.parallel.distributed import Sharding, sharding
 from cloudtrain.parallel.fsdp import place_like
+from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import SPLITS, dataset_info
 from cloudtrain.publish.card_sections import table_cell
 from cloudtrain.publish.lm_card import build_lm_model_card
@@ -198,6 +199,8 @@ class DPOTask(PairRows, SFTTask):
         m = cfg.model
         if not m.model_name_or_path and not m.model_config:
             raise UserError("--task dpo needs a decoder to tune: --model_name_or_path <causal LM, e.g. an SFT model>")
+        if m.model_name_or_path:  # an SFT LoRA output (an adapter, no config.json) gets its own line
+            check_checkpoint(resolve_model_path(m), "--model_name_or_path")
         config = self.model_config(cfg)
         if not is_causal_lm(config):
             kind = ", ".join(config.architectures or [config.model_type])

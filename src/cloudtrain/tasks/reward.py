@@ -38,7 +38,7 @@ from cloudtrain.data.pairs import SIDES, PairColumns, is_plain, pair_columns, pl
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import grow_embeddings, head_labels, pad_as_batches, trained_config
+from cloudtrain.models.load import check_checkpoint, grow_embeddings, head_labels, pad_as_batches, trained_config
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
@@ -107,6 +107,8 @@ class RewardTask(PairRows, Task):
             raise UserError(
                 "--task reward starts from a pretrained model: pass --model_name_or_path, not --model_config"
             )
+        if cfg.model.model_name_or_path:  # an SFT LoRA output (an adapter, no config.json) gets its own line
+            check_checkpoint(resolve_model_path(cfg.model), "--model_name_or_path")
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         p = self.cfg.preference
