@@ -20,6 +20,7 @@ from cloudtrain.data.pairs import (
     PairColumns,
     answer_logps,
     encode_pair,
+    ordinal,
     segment_mask,
     to_pair,
     truncate_pairs,
@@ -397,7 +398,15 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
     prefix = data("prefix", [{"chosen": "Is the king old? Yes", "rejected": "Is the king old? Yes, very."}] * 4)
     base = {"model_name_or_path": tiny_llama_dir, "output_dir": str(out), "task": "dpo", "report_to": "none"}
     cases = {
-        "an empty chosen answer": ({**base, "train_file": empty}, "train pair 0: its 'chosen' answer is empty"),
+        "an empty chosen answer": (
+            {**base, "train_file": empty},
+            f"train pair 1 (the 1st record of {empty}): its 'chosen' answer is empty",
+        ),
+        # found in audit: "train pair 6" for the bad record on line 7, counted from 0 across a folder's files
+        "a bad record in a folder's second file": (
+            {**base, "train_file": channel(tmp_path, pairs_file)},
+            f"train pair 7 (the 3rd record of {tmp_path / 'channel' / 'b.jsonl'}): its 'chosen' answer is empty",
+        ),
         "one text begins the other": ({**base, "train_file": prefix}, "the prompt cannot be told from the answers"),
         "missing column": (
             {**base, "train_file": pairs_file, "rejected_column": "worse"},
@@ -417,6 +426,23 @@ def test_bad_input_is_refused_in_one_line_before_training(tiny_llama_dir, tiny_m
         ),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def channel(tmp_path, pairs_file: str) -> str:
+    """A SageMaker-channel-like folder of two files, a.jsonl (4 good pairs) then b.jsonl whose 3rd pair has an
+    empty chosen answer."""
+    folder = tmp_path / "channel"
+    folder.mkdir()
+    good = [conversational(*row) for row in QUESTIONS]
+    write_jsonl(folder / "a.jsonl", good)
+    write_jsonl(folder / "b.jsonl", [*good[:2], conversational("Q?", " ", "No."), good[3]])
+    return str(folder)
+
+
+def test_ordinals_name_a_pair_as_a_user_counts():
+    assert [ordinal(n) for n in (1, 2, 3, 4, 11, 12, 13, 21, 22, 101, 111)] == [
+        "1st", "2nd", "3rd", "4th", "11th", "12th", "13th", "21st", "22nd", "101st", "111th",
+    ]  # fmt: skip
 
 
 def lora_output(tmp_path, base: str) -> str:

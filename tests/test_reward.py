@@ -73,7 +73,10 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
             {**base, "train_file": write_pairs(tmp_path / "plain.jsonl", margin=False), "margin_column": "margin"},
             "column 'margin' is not in the train data",
         ),
-        "chosen equals rejected": ({**base, "train_file": str(equal)}, "chosen and rejected answers are equal"),
+        "chosen equals rejected": (  # counted from 1, the file named (found in audit: "train pair 0")
+            {**base, "train_file": str(equal)},
+            f"train pair 1 (the 1st record of {equal}): its chosen and rejected answers are equal",
+        ),
         "an SFT LoRA output": (  # found in audit: transformers' own "Unrecognized model ..."
             {**base, "train_file": str(equal), "model_name_or_path": lora_output(tmp_path, tiny_model_dir)},
             "holds an adapter, not a model: give its merge with the base (cloudtrain merge --model_dir",
@@ -86,7 +89,8 @@ def test_bad_reward_input_is_refused(tiny_model_dir, tmp_path, capsys):
         path.write_text("".join(json.dumps(row) + "\n" for row in rows))
         cases[name] = (
             {**base, "train_file": str(path), "margin_column": "margin"},
-            f"1 of {len(rows)} train pairs have no finite --margin_column 'margin' value (the first: pair 2, {bad!r})",
+            f"1 of {len(rows)} train pairs have no finite --margin_column 'margin' value (the first: train pair 3 "
+            f"(the 3rd record of {path}), {bad!r})",
         )
     assert_each_refused(cases, capsys, out)
 

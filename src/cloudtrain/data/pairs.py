@@ -17,13 +17,17 @@ turn and wrap the transcript in headers the data never had.
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import datasets
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from cloudtrain.config import DataConfig
 from cloudtrain.data.chat import ChatFormat, conversation
+from cloudtrain.data.files import FILE_FORMATS, data_files, split_files
 from cloudtrain.data.packing import IGNORE_INDEX
+from cloudtrain.data.sources import load_files
 from cloudtrain.errors import UserError
 
 SIDES = ("chosen", "rejected")
@@ -103,6 +107,38 @@ def _implicit(chosen, rejected, columns: PairColumns) -> tuple[list[dict], list 
             "column); give conversations that share their prompt, or a prompt column"
         )
     return chosen[:k], chosen[k:], rejected[k:]
+
+
+def pair_place(cfg: DataConfig, split: str, index: int) -> str:
+    """Where pair `index` (0-based, in its split as loaded) is, in words that find it: "train pair 7 (the 7th record
+    of b.jsonl)". A folder's files are read in name order, one after another, so the index is mapped to its file
+    by their record counts (read again only here, once a pair is refused)."""
+    place, number = f"{split} pair {index + 1}", index + 1
+    path = split_files(cfg).get(split)
+    files = [] if path is None else data_files(Path(path)) if Path(path).is_dir() else [Path(path)]
+    for file in files:
+        count = _records(file) if len(files) > 1 else number
+        if count is None:
+            break
+        if index < count:
+            return f"{place} (the {ordinal(index + 1)} record of {file})"
+        index -= count
+    return f"{place} (its {ordinal(number)} record)"
+
+
+def _records(file: Path) -> int | None:
+    """How many records the reader the split was loaded with finds in `file` (None if it cannot read it alone)."""
+    builder, options = FILE_FORMATS[file.suffix.lower()]
+    try:
+        return len(load_files(builder, [file], options=options))
+    except UserError:
+        return None
+
+
+def ordinal(n: int) -> str:
+    """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
 
 
 def common_prefix(a, b) -> int:

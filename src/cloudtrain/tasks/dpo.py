@@ -49,6 +49,7 @@ from cloudtrain.data.pairs import (
     encode_pair,
     is_plain,
     pair_columns,
+    pair_place,
     plain_pair,
     plain_text,
     segment_mask,
@@ -280,7 +281,7 @@ class DPOTask(PairRows, SFTTask):
                 try:
                     encoded = encode_pair(chat, {c: batch[c][i] for c in batch}, columns)
                 except ValueError as err:
-                    raise UserError(f"{split} pair {index}: {err}") from None
+                    raise UserError(f"{pair_place(cfg, split, index)}: {err}") from None
                 for name, value in encoded.items():
                     out[name].append(value)
             return out

@@ -34,7 +34,16 @@ from transformers import (
 from cloudtrain import invocation
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat
-from cloudtrain.data.pairs import SIDES, PairColumns, is_plain, pair_columns, plain_pair, plain_text, to_pair
+from cloudtrain.data.pairs import (
+    SIDES,
+    PairColumns,
+    is_plain,
+    pair_columns,
+    pair_place,
+    plain_pair,
+    plain_text,
+    to_pair,
+)
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.evaluation import eval_mode
@@ -163,14 +172,14 @@ class RewardTask(PairRows, Task):
                     sides = self._sides({c: batch[c][i] for c in batch}, columns, limit)
                     value = float(batch[margin][i]) if margin and margin in batch else 0.0
                 except (ValueError, TypeError) as err:
-                    raise UserError(f"{split} pair {index}: {err}") from None
+                    raise UserError(f"{pair_place(cfg.data, split, index)}: {err}") from None
                 out["chosen_ids"].append(sides[0] or [])
                 out["rejected_ids"].append(sides[1] or [])
                 out["margin"].append(value)
             return out
 
         if margin and margin in ds.column_names:
-            check_margins(ds[margin], margin, split)
+            check_margins(ds[margin], margin, split, cfg.data)
         template = tokenizer.chat_template if chat else None
         key = cache_key(ds, tokenizer, *columns.names, columns.prompt, margin, limit, template, "reward-v4")
         desc = f"Tokenizing {split} pairs"
@@ -346,7 +355,7 @@ class RewardTask(PairRows, Task):
         return f"{invocation.command()} predict --model_dir {shlex.quote(output_dir)} {texts}"
 
 
-def check_margins(values: list, column: str, split: str) -> None:
+def check_margins(values: list, column: str, split: str, cfg: DataConfig) -> None:
     """Every pair has a finite margin: a NaN one made the loss non-finite and blamed the learning rate."""
 
     def finite(value: object) -> bool:
@@ -359,5 +368,5 @@ def check_margins(values: list, column: str, split: str) -> None:
     if bad:
         raise UserError(
             f"{len(bad)} of {len(values)} {split} pairs have no finite --margin_column {column!r} value (the first: "
-            f"pair {bad[0]}, {values[bad[0]]!r}); give each pair a number or drop those pairs"
+            f"{pair_place(cfg, split, bad[0])}, {values[bad[0]]!r}); give each pair a number or drop those pairs"
         )
