@@ -192,6 +192,37 @@ def test_a_channel_named_training_is_the_train_file_and_an_unread_one_is_refused
     assert resolve_options(None, {"tokenizer_name_or_path": str(tmp_path / "tokenizer")})
 
 
+def test_a_job_of_two_instances_started_without_torchrun_is_refused_in_one_line(tmp_path, monkeypatch, capsys):
+    """Found in audit: SM_HOST_COUNT=2 with no WORLD_SIZE trained the whole run on each instance, silently: twice
+    the cost, both saving checkpoints to one S3 prefix."""
+    from cloudtrain.cli import main
+    from cloudtrain.config import resolve_options
+
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("SM_HOSTS", json.dumps(["algo-1", "algo-2"]))
+    monkeypatch.setenv("SM_HOST_COUNT", "2")
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    refusal = (
+        "the job has 2 instances but this process is one of 1 (no distributed launch spans them): each instance "
+        "would train the whole run alone, 2 times the cost, all saving checkpoints to one S3 prefix; launch with "
+        "sagemaker/launch.py, or give the ModelTrainer distributed=Torchrun(), or use one instance"
+    )
+    assert main(["--max_steps=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: {refusal}"] and not (tmp_path / "model").exists()
+    monkeypatch.setenv("WORLD_SIZE", "1")  # a lone process, as a plain python start sees itself
+    with pytest.raises(UserError, match="^the job has 2 instances but this process is one of 1 "):
+        resolve_options(None, {"max_steps": 1})
+    for hosts, world in (("2", "2"), ("2", "8"), ("1", "1")):  # torchrun across the hosts, or one instance
+        monkeypatch.setenv("SM_HOST_COUNT", hosts)
+        monkeypatch.setenv("WORLD_SIZE", world)
+        assert resolve_options(None, {"max_steps": 1}).training.max_steps == 1
+    monkeypatch.delenv("SM_HOST_COUNT")  # SM_HOSTS alone says it too
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with pytest.raises(UserError, match="^the job has 2 instances"):
+        resolve_options(None, {"max_steps": 1})
+
+
 def test_a_config_object_in_a_job_keeps_the_jobs_channels_and_model_folder(tmp_path, monkeypatch):
     """train(Config()) inside a job: its untouched defaults replaced the job's, so it trained on the built-in data
     and saved where SageMaker never uploads from (keyword arguments and dicts were right)."""

@@ -25,7 +25,8 @@ channel of their own for them, those splits are used. SDK 3's own channels ("cod
 are not data; another channel that no option names (in a flag's value) while the run has no training
 data of its own is refused: the run would train on the built-in data. SM_NUM_GPUS and the hosts are
 read by the SDK's torchrun driver, which starts one process per GPU on every host; the application
-then sees them as torchrun's WORLD_SIZE and ranks.
+then sees them as torchrun's WORLD_SIZE and ranks. A job of several instances started without it (fewer
+processes than instances) is refused: each instance would train the whole run alone (`unjoined_hosts`).
 A FastFile channel is a folder too (its objects fetched as they are read): with --streaming true its
 files stream from the first step (docs/streaming.md). Not supported: Pipe mode (a FIFO, not a folder).
 """
@@ -111,6 +112,38 @@ def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None, re
                 f"train on the built-in data): name the channel train, or pass --train_file {path}"
             )
     return None
+
+
+def unjoined_hosts(environ: Mapping[str, str] | None = None) -> str | None:
+    """One line when a job of several instances runs this process outside a launch that spans them (no torchrun:
+    WORLD_SIZE unset, or fewer processes than instances): each instance would train the whole run alone, at that
+    many times the cost, every one saving checkpoints to the job's one S3 prefix; else None."""
+    env = os.environ if environ is None else environ
+    hosts = host_count(env)
+    try:
+        world = int(env.get("WORLD_SIZE") or 1)
+    except ValueError:
+        return None  # not ours to judge: the distributed setup names a bad WORLD_SIZE itself
+    if not in_training_job(env) or hosts <= world:
+        return None
+    return (
+        f"the job has {hosts} instances but this process is one of {world} (no distributed launch spans them): "
+        f"each instance would train the whole run alone, {hosts} times the cost, all saving checkpoints to one S3 "
+        "prefix; launch with sagemaker/launch.py, or give the ModelTrainer distributed=Torchrun(), or use one instance"
+    )
+
+
+def host_count(env: Mapping[str, str]) -> int:
+    """The job's instances: SM_HOST_COUNT, else the length of SM_HOSTS; 1 where neither reads."""
+    try:
+        return int(env["SM_HOST_COUNT"])
+    except (KeyError, ValueError):
+        pass
+    try:
+        hosts = json.loads(env.get("SM_HOSTS", "[]"))
+    except ValueError:
+        return 1
+    return len(hosts) if isinstance(hosts, list) and hosts else 1
 
 
 def job_notes(output_dir: str | None, environ: Mapping[str, str] | None = None) -> list[str]:

@@ -27,7 +27,7 @@ import yaml
 from cloudtrain.config.checks import validate
 from cloudtrain.config.root import Config, differs_from_default, option_default, option_fields
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.sagemaker_env import sagemaker_defaults, unread_channel
+from cloudtrain.sagemaker_env import sagemaker_defaults, unjoined_hosts, unread_channel
 
 # Other trainers' names for our options (Transformers' Trainer, TRL, PEFT): a user coming from them is told ours.
 PEER_OPTIONS = {
@@ -480,7 +480,7 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
     for name in given:
         origins.pop(name, None)
     files = [str(f) for f in (config if isinstance(config, list) else [config]) if isinstance(f, (str, Path))]
-    if refusal := unread_channel(values, read=files):  # a channel that holds the config file is read
+    if refusal := unread_channel(values, read=files) or unjoined_hosts():  # a channel that holds the config is read
         raise UserError(refusal)
     try:
         resolved = build_config(values)
