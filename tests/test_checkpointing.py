@@ -995,3 +995,44 @@ def test_the_partial_folders_of_saves_a_kill_cut_are_removed_before_a_run_starts
     users.mkdir()
     finish_interrupted_saves(tmp_path, SimpleNamespace(barrier=lambda: None))
     assert not cut.exists() and users.is_dir()
+
+
+def test_a_misfit_checkpoint_in_a_sagemaker_job_names_what_the_user_can_change(tmp_path, monkeypatch):
+    """Found in audit: inside a job the line advised a fresh run "without --resume_from_checkpoint", a value the
+    user never passed (the job's own default, over the checkpoints SageMaker restored from S3)."""
+    from cloudtrain.resume import load_failure
+
+    misfit = RuntimeError('Error(s) in loading state_dict:\n\tMissing key(s) in state_dict: "score.weight".')
+    path = tmp_path / "checkpoint-4"
+    monkeypatch.delenv("SM_MODEL_DIR", raising=False)
+    assert str(load_failure(path, misfit)).endswith(
+        "resume with the model and options that wrote it, or start a fresh run without --resume_from_checkpoint"
+    )
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    said = str(load_failure(path, misfit))
+    assert said == (
+        f'checkpoint {path} does not fit the model this run builds (Missing key(s) in state_dict: "score.weight".): '
+        "resume with the model and options that wrote it, or start a fresh job with another checkpoint_s3_uri "
+        "(a job resumes the checkpoints SageMaker restores from its own)"
+    )
+    assert "--resume_from_checkpoint" not in said
+
+
+def test_a_resume_by_a_run_of_another_task_says_so_not_other_data(tmp_path):
+    """Found in audit: a --task reward run over a --task dpo checkpoint was told the checkpoint "was trained on
+    other training data" when the task was what differed (the same pairs, encoded for another task)."""
+    from cloudtrain.data.fingerprint import other_data_note
+
+    path = tmp_path / "checkpoint-4"
+    dpo = {"rows": 16, "fingerprint": "081f6df2308cd2c2", "task": "dpo"}
+    reward = {"rows": 16, "fingerprint": "0a0a0a0a0a0a0a0a", "task": "reward"}
+    assert other_data_note({"data": dpo}, reward, path) == (
+        "note: checkpoint-4 was trained by a --task dpo run and this one is --task reward: its weights and its place "
+        "in the data are another task's; resume it with --task dpo, or start from a model, not a checkpoint"
+    )
+    assert other_data_note({"data": dpo}, dpo, path) is None
+    older = {"rows": 16, "fingerprint": "081f6df2308cd2c2"}  # a checkpoint from before the task was recorded
+    assert other_data_note({"data": older}, dpo, path) is None
+    longer = other_data_note({"data": older}, dpo | {"rows": 17}, path)
+    assert "other training data (16 rows there, 17 here)" in str(longer)
+    assert other_data_note({"data": {"task": "dpo"}}, {"task": "dpo"}, path) is None  # a stream: no rows recorded

@@ -370,7 +370,7 @@ def test_precomputed_reference_equals_the_live_reference(tiny_llama_dir, pairs_f
     # the rows a checkpoint records are those processed, before the reference's columns: a resume of either run
     # on the same data is not told its data differs (the audit saw that note on every precomputed resume)
     assert run.trained_on == live_run.trained_on and run.trained_on["rows"] == len(run.data.train)
-    assert data_record(run.data.train) != run.trained_on  # what the columns added would have given
+    assert {**data_record(run.data.train), "task": "dpo"} != run.trained_on  # what the columns added would give
 
 
 # ---------------------------------------------------------------- refusals

@@ -247,7 +247,9 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
             check_labels(resumed, data.label_names, resume_from)
         except UserError as err:  # every process read the same data: one line, from the main process
             raise UserError(str(err), quiet=not runtime.is_main) from None
-    trained_on = data_record(data.train)  # now: DPO's precomputed reference adds columns once the model loads
+    # now: DPO's precomputed reference adds columns once the model loads; the task, so a resume by another task's
+    # run is told that, not that the data differs (the same pairs, encoded for another task)
+    trained_on = {**data_record(data.train), "task": cfg.training.task}
     if runtime.is_main:
         print(mask(task.describe_data(data)), flush=True)  # a source's URL may hold a password
         if resumed and resume_from and (note := other_data_note(resumed, trained_on, resume_from)):

@@ -38,6 +38,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.models.record import safetensors_header
 from cloudtrain.paths import resumes_here, torchrun_restarts
+from cloudtrain.sagemaker_env import fresh_start
 
 
 def first_on_node() -> bool:
@@ -326,7 +327,7 @@ def check_engine(meta: dict, path: Path, cfg: Config) -> None:
         )
         raise UserError(
             f"checkpoint {path} holds the states of {written} and this run uses {now}: each engine reads only its "
-            f"own; resume it with {options}, or start a fresh run without --resume_from_checkpoint"
+            f"own; resume it with {options}, or {fresh_start()}"
         )
 
 
@@ -361,7 +362,7 @@ def load_failure(path: Path, err: BaseException) -> UserError:
     if why:
         return UserError(
             f"checkpoint {path} does not fit the model this run builds ({why[:200]}): resume with the model and "
-            "options that wrote it, or start a fresh run without --resume_from_checkpoint"
+            f"options that wrote it, or {fresh_start()}"
         )
     said = f": {first_line(err)[:200]}" if text.strip() else ""
     return UserError(

@@ -146,6 +146,18 @@ def host_count(env: Mapping[str, str]) -> int:
     return len(hosts) if isinstance(hosts, list) and hosts else 1
 
 
+def fresh_start(environ: Mapping[str, str] | None = None) -> str:
+    """How a user starts over instead of resuming a checkpoint that does not fit: without the flag, or in a job
+    (whose `resume_from_checkpoint latest` is its own default over the checkpoints SageMaker restored from S3, so no
+    flag of the user's is there to drop) with another checkpoint location."""
+    if not in_training_job(os.environ if environ is None else environ):
+        return "start a fresh run without --resume_from_checkpoint"
+    return (
+        "start a fresh job with another checkpoint_s3_uri (a job resumes the checkpoints SageMaker restores from its "
+        "own)"
+    )
+
+
 def job_notes(output_dir: str | None, environ: Mapping[str, str] | None = None) -> list[str]:
     """Inside a job, what a run's options lose: an --output_dir outside SM_MODEL_DIR, which SageMaker does not
     upload (the launcher drops the option; a job built with the SDK directly may keep it)."""

@@ -39,9 +39,17 @@ def digest(value: Any) -> str:
 
 
 def other_data_note(state: dict, now: dict, checkpoint: Path) -> str | None:
-    """The note for a resume on training rows other than the checkpoint's (`state`: its trainer state); None where
-    they match, or where either has no record (checkpoints before the record, a stream)."""
+    """The note for a resume on training rows other than the checkpoint's (`state`: its trainer state), or by a run
+    of another task (records hold the task, beside the rows); None where they match, or where either has no
+    record (checkpoints before the record, a stream)."""
     saved = state.get("data")
+    if saved and now and saved.get("task", now.get("task")) != now.get("task"):  # (older records hold no task)
+        return (
+            f"note: {checkpoint.name} was trained by a --task {saved['task']} run and this one is --task "
+            f"{now['task']}: its weights and its place in the data are another task's; resume it with --task "
+            f"{saved['task']}, or start from a model, not a checkpoint"
+        )
+    saved, now = ({k: v for k, v in record.items() if k != "task"} for record in (saved or {}, now or {}))
     if not saved or not now or saved == now:
         return None
     how = (
