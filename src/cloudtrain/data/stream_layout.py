@@ -16,11 +16,12 @@ from cloudtrain.errors import UserError, first_difference
 def layout_of(plan: Any) -> dict:
     """A StreamPlan's layout: each source's files (by path under the source, in order; the cursor names a file by
     its place) and how documents are cut and packed into rows (the cursor counts rows of a buffer)."""
+    cut = {} if plan.buffer_mb is None else {"buffer_mb": plan.buffer_mb}  # None: a lineage from before the cap
     return {
+        **cut,
         "files": [relative_names(spec) for spec in plan.sources],
         "file_names": "relative",  # paths under each source's root; checkpoints before this held base names
         "buffer_docs": plan.buffer_docs,
-        "buffer_mb": plan.buffer_mb,
         "block_size": plan.block_size,
         "packing": plan.packing,
         "seed": plan.seed,
@@ -43,10 +44,10 @@ def check_layout(saved: dict, now: dict, sources: list[SourceSpec]) -> None:
     """A resumed stream reads the same files and cuts the same rows as the run that saved its cursor; else one
     line naming the first difference (the cursor would point into other documents, without a word)."""
     for key, option in LAYOUT_OPTIONS.items():
-        if saved.get(key) != now[key]:
+        if saved.get(key) != now.get(key):  # (a lineage from before the byte cap records none: the resume neither)
             raise UserError(
                 f"the checkpoint's data stream was cut with {option} {saved.get(key)}, this run's with {option} "
-                f"{now[key]}: its cursor counts rows of that cut; resume with {option} {saved.get(key)}"
+                f"{now.get(key)}: its cursor counts rows of that cut; resume with {option} {saved.get(key)}"
             )
     if "shares" in saved and saved["shares"] != now["shares"]:  # (checkpoints before the record hold none)
         was = ",".join(f"{w:g}" for w in saved["weights"])

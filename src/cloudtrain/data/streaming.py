@@ -84,7 +84,9 @@ class StreamPlan:
     collator: Callable[[list[dict]], dict] | None = None
     budget: dict = field(default_factory=dict)  # max_steps, max_tokens, micro, accumulation, workers
     vocabulary: int | None = None  # the tokenizer's size: a stored id at or beyond it is refused
-    buffer_mb: float = 0  # a buffer ends once its documents reach this many MiB in their files (0: no cap)
+    # a buffer ends once its documents reach this many MiB in their files (0: no cap; None: none either, for a
+    # lineage of checkpoints from before the cap, whose layout holds no buffer_mb)
+    buffer_mb: float | None = 0
 
     def __len__(self) -> int:  # rows planned: printed by the trainer as the training rows
         return self.budget.get("rows", 0)
@@ -173,7 +175,7 @@ class BufferDataset(IterableDataset):
     def _read(self, stream: MixtureStream, parse: bool) -> list[tuple]:
         """A buffer's documents: --stream_buffer of them, fewer where they reach --stream_buffer_mb first (by their
         bytes in the files, which every worker counts alike, parsing them or not)."""
-        docs, size, cap = [], 0, self.plan.buffer_mb * 2**20 or math.inf
+        docs, size, cap = [], 0, (self.plan.buffer_mb or 0) * 2**20 or math.inf
         for _ in range(self.plan.buffer_docs):
             if size >= cap:
                 break
@@ -266,15 +268,24 @@ class StreamLoader:
                 f"the checkpoint's data stream has {len(state['stats']['documents'])} source(s), this run "
                 f"{len(self.plan.sources)}: resume with the same training sources"
             )
-        if "buffer_mb" not in state.get("layout", {}):  # from before the byte cap: cut by --stream_buffer alone
-            self.plan.buffer_mb = 0
+        if "buffer_mb" not in state.get("layout", {}):  # a lineage from before the byte cap: cut by count alone,
+            self._uncapped()  # and recorded so (no buffer_mb), so each later resume cuts as it did
         if "layout" in state:  # checkpoints before the record hold none
-            check_layout({"buffer_mb": 0, **state["layout"]}, self.layout(), self.plan.sources)
+            check_layout(state["layout"], self.layout(), self.plan.sources)
         self.resume = state
         if not self.plan.budget.get("max_steps"):  # --max_tokens: the rows left of the budget, at this run's batch
             left = max(math.ceil(self.plan.budget["max_tokens"] / self.plan.block_size) - state["rows"], 0)
             self.total_steps = state["step"] + math.ceil(left / self.step_rows)
             self.plan.budget["rows"] = self.total_steps * self.step_rows
+
+    def _uncapped(self) -> None:
+        if self.plan.buffer_mb is not None and _rank_world()[0] == 0:
+            print(
+                "note: the checkpoint's data stream was cut before --stream_buffer_mb existed: its buffers stay cut "
+                f"by --stream_buffer {self.plan.buffer_docs} documents alone, as its cursor counts them",
+                flush=True,
+            )
+        self.plan.buffer_mb = None
 
     def layout(self) -> dict:
         return layout_of(self.plan)
