@@ -203,20 +203,32 @@ def test_a_job_of_two_instances_started_without_torchrun_is_refused_in_one_line(
     monkeypatch.setenv("SM_HOST_COUNT", "2")
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     refusal = (
-        "the job has 2 instances but this process is one of 1 (no distributed launch spans them): each instance "
-        "would train the whole run alone, 2 times the cost, all saving checkpoints to one S3 prefix; launch with "
-        "sagemaker/launch.py, or give the ModelTrainer distributed=Torchrun(), or use one instance"
+        "the job has 2 instances but this process's launch spans 1 (its 1 processes): each instance would train the "
+        "whole run alone, 2 times the cost, all saving checkpoints to one S3 prefix; launch with sagemaker/launch.py, "
+        "or give the ModelTrainer distributed=Torchrun(), or use one instance"
     )
     assert main(["--max_steps=1"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: {refusal}"] and not (tmp_path / "model").exists()
     monkeypatch.setenv("WORLD_SIZE", "1")  # a lone process, as a plain python start sees itself
-    with pytest.raises(UserError, match="^the job has 2 instances but this process is one of 1 "):
+    with pytest.raises(UserError, match="^the job has 2 instances but this process's launch spans 1 "):
         resolve_options(None, {"max_steps": 1})
-    for hosts, world in (("2", "2"), ("2", "8"), ("1", "1")):  # torchrun across the hosts, or one instance
+    # a torchrun of 8 processes on each instance alone (found in review: 8 processes passed for 2 instances)
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(UserError, match=r"^the job has 2 instances but this process's launch spans 1 \(its 8 "):
+        resolve_options(None, {"max_steps": 1})
+    # torchrun across the hosts (its agents' count, or processes over those per node), or one instance
+    for hosts, world, local in (("2", "2", "1"), ("2", "16", "8"), ("1", "1", "1")):
         monkeypatch.setenv("SM_HOST_COUNT", hosts)
         monkeypatch.setenv("WORLD_SIZE", world)
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
         assert resolve_options(None, {"max_steps": 1}).training.max_steps == 1
+    monkeypatch.setenv("GROUP_WORLD_SIZE", "2")
+    monkeypatch.setenv("SM_HOST_COUNT", "2")
+    assert resolve_options(None, {"max_steps": 1}).training.max_steps == 1
+    monkeypatch.delenv("GROUP_WORLD_SIZE")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
     monkeypatch.delenv("SM_HOST_COUNT")  # SM_HOSTS alone says it too
     monkeypatch.setenv("WORLD_SIZE", "1")
     with pytest.raises(UserError, match="^the job has 2 instances"):

@@ -25,8 +25,9 @@ channel of their own for them, those splits are used. SDK 3's own channels ("cod
 are not data; another channel that no option names (in a flag's value) while the run has no training
 data of its own is refused: the run would train on the built-in data. SM_NUM_GPUS and the hosts are
 read by the SDK's torchrun driver, which starts one process per GPU on every host; the application
-then sees them as torchrun's WORLD_SIZE and ranks. A job of several instances started without it (fewer
-processes than instances) is refused: each instance would train the whole run alone (`unjoined_hosts`).
+then sees them as torchrun's WORLD_SIZE and ranks. A job of several instances started without it (a launch
+spanning fewer nodes than instances: none, or a torchrun on each instance alone) is refused: each instance
+would train the whole run alone (`unjoined_hosts`).
 A FastFile channel is a folder too (its objects fetched as they are read): with --streaming true its
 files stream from the first step (docs/streaming.md). Not supported: Pipe mode (a FIFO, not a folder).
 """
@@ -115,19 +116,20 @@ def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None, re
 
 
 def unjoined_hosts(environ: Mapping[str, str] | None = None) -> str | None:
-    """One line when a job of several instances runs this process outside a launch that spans them (no torchrun:
-    WORLD_SIZE unset, or fewer processes than instances): each instance would train the whole run alone, at that
-    many times the cost, every one saving checkpoints to the job's one S3 prefix; else None."""
+    """One line when a job of several instances runs this process outside a launch that spans them (no torchrun,
+    or a torchrun on each instance alone: fewer nodes than instances): each instance would train the whole run
+    alone, at that many times the cost, every one saving checkpoints to the job's one S3 prefix; else None."""
     env = os.environ if environ is None else environ
     hosts = host_count(env)
     try:
         world = int(env.get("WORLD_SIZE") or 1)
+        nodes = int(env.get("GROUP_WORLD_SIZE") or world // int(env.get("LOCAL_WORLD_SIZE") or 1) or 1)
     except ValueError:
         return None  # not ours to judge: the distributed setup names a bad WORLD_SIZE itself
-    if not in_training_job(env) or hosts <= world:
+    if not in_training_job(env) or hosts <= nodes:
         return None
     return (
-        f"the job has {hosts} instances but this process is one of {world} (no distributed launch spans them): "
+        f"the job has {hosts} instances but this process's launch spans {nodes} (its {world} processes): "
         f"each instance would train the whole run alone, {hosts} times the cost, all saving checkpoints to one S3 "
         "prefix; launch with sagemaker/launch.py, or give the ModelTrainer distributed=Torchrun(), or use one instance"
     )
