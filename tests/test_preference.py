@@ -571,3 +571,16 @@ def test_packing_on_a_pair_task_is_only_noted_as_unused(task, tiny_llama_dir, ti
     assert f"--packing wrapped has no effect on --task {task}; it counts for --task causal_lm or sft" in inert_notes(
         cfg
     )
+
+
+def test_a_dpo_model_of_plain_text_pairs_is_saved_without_a_chat_template(tiny_llama_dir, tmp_path):
+    """Found in review: plain-text pairs trained no template, but the run installed ChatML (its special tokens too)
+    and saved it, so the hinted `generate` wrapped prompts in headers the model never saw."""
+    turns = [(f"\n\nHuman: {q}\n\nAssistant:", f" {c}", f" {r}") for q, c, r in QUESTIONS]
+    train = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": p + c, "rejected": p + r} for p, c, r in turns])
+    base = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    out = tmp_path / "out"
+    run_training(build_config(dpo_options(tiny_llama_dir, train, out, max_steps=2)))
+    saved = AutoTokenizer.from_pretrained(out)
+    assert saved.chat_template is None and len(saved) == len(base)  # no template, no ChatML tokens added
+    assert not (out / "chat_template.jinja").exists()

@@ -293,6 +293,18 @@ class PairRows:
     counts two sequences a row, and --per_device_train_batch_size auto repeats the pair with the most tokens."""
 
     sequences_per_row = 2
+    plain = False  # whether the training pairs are plain text (implicit prompts as strings): set by `process`
+
+    def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+        """Pairs of plain text leave no chat template with the model (a base model's own included): generate and
+        predict then read plain text, as it trained (found in review: generate wrapped its prompts in ChatML)."""
+        if not self.plain:
+            return super().save_tokenizer(tokenizer, folder)  # type: ignore[misc]  # the Task this is mixed into
+        template, tokenizer.chat_template = tokenizer.chat_template, None
+        try:
+            super().save_tokenizer(tokenizer, folder)  # type: ignore[misc]
+        finally:
+            tokenizer.chat_template = template
 
     def probe_row(self, train: Dataset) -> dict:
         from cloudtrain.data.processing import longest_pair

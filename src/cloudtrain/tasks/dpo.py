@@ -193,7 +193,6 @@ class DPOTask(PairRows, SFTTask):
         self.sums: torch.Tensor | None = None  # PAIR_METRICS summed over training pairs, and their count
         self.window = False  # whether the model's forward takes logits_to_keep (the LM head on the answers only)
         self.additive = False  # whether the shared-prompt mask is additive (eager attention) or boolean (SDPA)
-        self.plain = False  # whether the training pairs are plain text (implicit prompts as strings: no template)
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -232,15 +231,15 @@ class DPOTask(PairRows, SFTTask):
         """Rows -> (prompt, chosen, rejected) -> two token rows each, checked; validation carved by pair; truncated
         pairs that lose an answer dropped and counted."""
         self.cfg, self.tokenizer, d, p = cfg, tokenizer, cfg.data, cfg.preference
-        size = len(tokenizer)
-        self.chat = ChatFormat.setup(tokenizer, d.chat_template)
-        self.added_tokens = len(tokenizer) - size
         columns = {
             split: pair_columns(ds.column_names, d.prompt_column, p.chosen_column, p.rejected_column)
             for split, ds in raw.items()
         }
         raw = DatasetDict(raw)
         self.plain = len(raw["train"]) > 0 and is_plain(raw["train"][0], columns["train"])
+        size = len(tokenizer)  # plain text needs no template: none is set up (its special tokens were added)
+        self.chat = ChatFormat.plain(tokenizer) if self.plain else ChatFormat.setup(tokenizer, d.chat_template)
+        self.added_tokens = len(tokenizer) - size
         pairs = {split: self._encode_pairs(ds, split, columns[split], d) for split, ds in raw.items()}
         if "validation" not in raw:
             train, validation = self._carve_indices(len(raw["train"]), d.validation_split_percentage, cfg.training.seed)
@@ -324,11 +323,12 @@ class DPOTask(PairRows, SFTTask):
             if len(self.prompts) == cfg.data.num_sample_prompts:
                 break
             prompt, chosen, _ = to_pair(row, columns)
-            text = chat.render(prompt, add_generation_prompt=True)
             plain = plain_pair(row, columns)
             if plain is not None:  # the prompt as training saw it (its BOS too: samples add no special tokens)
                 ids, mask = plain_text(tokenizer, plain[0], plain[1], eos=False)
                 text = str(tokenizer.decode(ids[: mask.index(1)]))
+            else:
+                text = chat.render(prompt, add_generation_prompt=True)
             if len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= room:
                 self.prompts.append(text)
                 self.references.append(chosen[0]["content"])

@@ -107,7 +107,6 @@ class RewardTask(PairRows, Task):
         self.cfg: Config = cfg
         self.chat: ChatFormat | None = None
         self.added_tokens = 0
-        self.plain = False  # whether the training pairs are plain text (implicit prompts as strings: no template)
         self.report: dict[str, dict] = {}
 
     # ------------------------------------------------------------ options and data
@@ -134,13 +133,13 @@ class RewardTask(PairRows, Task):
         # a decoder's tokenizer, with no separator, glued a text pair's prompt and answer ("the frogThe frog"): it
         # reads them through chatml instead, as dpo does (an encoder-decoder's, T5's, puts </s> between them)
         glued = tokenizer.sep_token is None and not trained_config(cfg.model).is_encoder_decoder
-        if d.chat_template or tokenizer.chat_template or glued:
-            size = len(tokenizer)
-            self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
-            self.added_tokens = len(tokenizer) - size
         raw = DatasetDict(raw)
         columns = {split: pair_columns(ds.column_names, d.prompt_column, *p.pair_columns) for split, ds in raw.items()}
         self.plain = len(raw["train"]) > 0 and is_plain(raw["train"][0], columns["train"])
+        if (d.chat_template or tokenizer.chat_template or glued) and not self.plain:  # plain text needs no template
+            size = len(tokenizer)
+            self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
+            self.added_tokens = len(tokenizer) - size
         pairs = {split: self._encode(ds, split, columns[split], cfg) for split, ds in raw.items()}
         if "validation" not in pairs:
             train, validation = SFTTask._carve_indices(
