@@ -985,7 +985,7 @@ def test_the_partial_folders_of_saves_a_kill_cut_are_removed_before_a_run_starts
     checkpoint's worth of files per preemption, outside --save_total_limit (found in audit)."""
     from types import SimpleNamespace
 
-    from cloudtrain.checkpointing import MARKS
+    from cloudtrain.checkpointing import FORMAT, MARKS
     from cloudtrain.resume import finish_interrupted_saves
 
     cut = tmp_path / "checkpoint-6.partial"
@@ -993,8 +993,12 @@ def test_the_partial_folders_of_saves_a_kill_cut_are_removed_before_a_run_starts
     (cut / "model.safetensors").write_bytes(b"x" * 100)
     users = tmp_path / "checkpoint-notes.partial"  # not a save of ours (no marks, no step): kept
     users.mkdir()
+    sealed = tmp_path / "checkpoint-8.partial"  # complete, killed before its rename: it takes its name (review)
+    (sealed / MARKS).mkdir(parents=True)
+    (sealed / STATE_FILE).write_text(json.dumps({"format": FORMAT, "state": {"global_step": 8}}))
     finish_interrupted_saves(tmp_path, SimpleNamespace(barrier=lambda: None))
-    assert not cut.exists() and users.is_dir()
+    assert not cut.exists() and users.is_dir() and not sealed.exists()
+    assert [step for step, _ in complete_checkpoints(tmp_path)] == [8]
 
 
 def test_a_misfit_checkpoint_in_a_sagemaker_job_names_what_the_user_can_change(tmp_path, monkeypatch):

@@ -33,6 +33,7 @@ from cloudtrain.checkpointing import (
     read_state,
     sharding_engine,
     state_format,
+    written_by_cloudtrain,
 )
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
@@ -48,13 +49,20 @@ def first_on_node() -> bool:
 
 def finish_interrupted_saves(folder: Path, runtime: Any) -> None:
     """Before any process looks at the checkpoints: a checkpoint saved again at its step, cut by a kill between
-    its renames, is finished, and the `.partial` folders of saves a kill cut are removed (once per node: each node
-    may hold its own folder; they were left until a save at the same step, a full checkpoint each)."""
+    its renames, is finished, and the `.partial` folders of saves a kill cut are removed, or renamed where sealed
+    (once per node: each node may hold its own folder; they were left until a save at the same step, a full
+    checkpoint each)."""
     if first_on_node():
         finish_replacement(folder)
-        for partial in Path(folder).glob(f"{PREFIX}*.partial"):  # a save a kill cut: never sealed, never read
-            if partial.name[len(PREFIX) : -len(".partial")].isdigit() and (partial / MARKS).is_dir():
-                shutil.rmtree(partial, ignore_errors=True)
+        for partial in Path(folder).glob(f"{PREFIX}*.partial"):  # a save a kill cut
+            final = partial.with_name(partial.name.removesuffix(".partial"))
+            if not (final.name[len(PREFIX) :].isdigit() and (partial / MARKS).is_dir()):
+                continue  # not a save of ours
+            with contextlib.suppress(OSError):  # another node on the same storage took it first
+                if written_by_cloudtrain(partial / STATE_FILE) and not final.exists():
+                    os.replace(partial, final)  # sealed, so whole: the kill came before its rename
+                else:
+                    shutil.rmtree(partial)
     runtime.barrier()
 
 
