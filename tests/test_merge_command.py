@@ -57,6 +57,10 @@ def test_merge_never_deletes_a_users_folder_under_the_names_it_works_in(adapter_
     assert (theirs / "notes.txt").read_text() == "mine"
     assert not (adapter_run / "merged").exists()
     theirs.rename(adapter_run / "notes")
+    cut = adapter_run / name  # an earlier version's merge cut by a kill: a model's files, no manifest (review)
+    cut.mkdir()
+    (cut / "config.json").write_text("{}")
+    (cut / "model.safetensors").write_bytes(b"x")
     assert main(["merge", "--output_dir", str(adapter_run)]) == 0
     assert main(["merge", "--output_dir", str(adapter_run)]) == 0  # replaces its own merged/
     names = sorted(p.name for p in adapter_run.iterdir() if p.name.startswith("merged"))

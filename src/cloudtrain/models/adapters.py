@@ -54,7 +54,7 @@ from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.parallel.distributed import fsdp_shards
 from cloudtrain.publish.atomic import is_no_space
-from cloudtrain.publish.output_dir import MANIFEST, record
+from cloudtrain.publish.output_dir import FINAL_PATTERNS, MANIFEST, is_run_name, record
 from cloudtrain.publish.saving import GENERATIVE, LABELS, MERGED, adapter_config, read_json
 
 AUTO_CLASSES = {
@@ -440,7 +440,10 @@ def merge(output_dir: Path, trust_remote_code: bool = False, lands_in: Path | No
 def _check_ours(leftover: Path) -> None:
     """`leftover` (merged.partial/ or merged.replaced/) is absent or one a merge wrote, holding its manifest: merge
     deletes it. Any other folder of that name is the user's and stops the merge (it was deleted; found in audit)."""
-    if leftover.exists() and not (leftover / MANIFEST).is_file():
+    if not leftover.exists() or (leftover / MANIFEST).is_file():
+        return
+    # a merge before the manifest came first (it wrote it last) left a model's files alone: ours too (review)
+    if not all(is_run_name(f.name, FINAL_PATTERNS) for f in leftover.iterdir()):
         raise UserError(
             f"{leftover} is not one cloudtrain wrote, and merge uses that name for its work: move it elsewhere (or "
             "rename it), then merge again"
