@@ -29,7 +29,7 @@ def classifier(tiny_model_dir, tmp_path_factory) -> str:
     return str(out)
 
 
-def test_a_list_where_a_text_belongs_is_refused_in_one_line(classifier, tmp_path):
+def test_a_list_where_a_text_belongs_is_refused_in_one_line(classifier, tmp_path, monkeypatch):
     """{"text": ["oil up", "wheat down"]} was one row classified as the text "['oil up', 'wheat down']"."""
     file = tmp_path / "columns.json"
     file.write_text(json.dumps({"text": ["oil up", "wheat down"]}))
@@ -43,3 +43,7 @@ def test_a_list_where_a_text_belongs_is_refused_in_one_line(classifier, tmp_path
     with pytest.raises(UserError, match=r"^--input_file holds a list where text 2 belongs: a list of 3 items; "):
         predict(classifier, ["oil up", ["a", "b", "c"]])  # type: ignore[list-item]
     assert [row["text"] for row in predict(classifier, ["oil up", "wheat down"])] == ["oil up", "wheat down"]
+    # refused before the model loads, which takes minutes for a large one (review)
+    monkeypatch.setattr("cloudtrain.predict.load", lambda *args, **kwargs: pytest.fail("the model loaded first"))
+    with pytest.raises(UserError, match="^--input_file holds one record, whose text is a list"):
+        predict(classifier, read_texts(str(file), "text"))

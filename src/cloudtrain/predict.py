@@ -50,7 +50,7 @@ from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.observe import console
 from cloudtrain.publish.atomic import fsync, is_no_space
-from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments
+from cloudtrain.publish.saving import GENERATIVE, adapter_config, is_adapter_dir, read_arguments, read_json
 from cloudtrain.registry_table import PROMPT_ANSWERS, predict_input
 
 if TYPE_CHECKING:
@@ -115,10 +115,19 @@ def read_columns(path: str, columns: list[str]) -> list[list]:
 
 def _text(value) -> str | list[str]:
     """A cell as text ("" where missing), or a list cell as its items (a row's words, as a token classifier's data
-    holds them; `predict` gives other models the list's text, as training read it)."""
+    holds them; `predict` refuses them for other models: `check_no_lists`)."""
     if isinstance(value, list):
         return ["" if item is None else str(item) for item in value]
     return "" if value is None else str(value)
+
+
+def tags_words(model_dir: Path) -> bool:
+    """Whether the saved model is a token classifier (its config's architecture, or its adapter's task type): the
+    one model whose input rows are lists of words."""
+    if is_adapter_dir(model_dir):
+        return adapter_config(model_dir).get("task_type") == "TOKEN_CLS"
+    architectures = read_json(model_dir / "config.json").get("architectures") or []
+    return any(str(name).endswith("ForTokenClassification") for name in architectures)
 
 
 def check_no_lists(texts: list) -> None:
@@ -153,6 +162,9 @@ def predict(
     model reads pairs is checked there too)."""
     if pairs is not None and len(pairs) != len(texts):
         raise ValueError(f"{len(pairs)} second texts for {len(texts)} texts")
+    if not tags_words(Path(model_dir)):  # before the model loads (minutes for a large one): a list cell is refused
+        for given in (texts, pairs or []):
+            check_no_lists(given)
     model, tokenizer = load(model_dir, trust_remote_code)
     recorded = read_arguments(model_dir)
     trained = trained_length(recorded)
@@ -160,8 +172,6 @@ def predict(
     names = model_inputs(recorded, tokenizer)
     if type(model).__name__.endswith("ForTokenClassification"):  # a PeftModelForTokenClassification too
         return tag_words(model, tokenizer, texts, batch_size, limit, names, max_length is None and limit == trained)
-    for given in (texts, pairs or []):  # a list cell is a token classifier's words alone
-        check_no_lists(given)
     if type(model).__name__.endswith("ForQuestionAnswering"):
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
         return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names, allow_none)
