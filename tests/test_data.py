@@ -66,6 +66,17 @@ def test_a_file_rewritten_under_its_old_modification_time_is_read_anew(tmp_path,
     assert sorted(set(connect(DataConfig(train_file=str(path)))["train"]["label"])) == ["FINANCE", "SPORTS", "WEATHER"]
 
 
+def test_a_csv_column_of_numbers_that_turns_to_text_past_its_first_rows_reads_whole(tmp_path):
+    """pandas reads a csv in chunks of 10,000 rows and datasets casts each to the first one's types: labels 1-3 that
+    turn into `other` past row 10,000 failed to load ("Failed to parse string"); pandas reads the file (audit)."""
+    rows = [f"row {i},{'other' if i > 10_200 else i % 3 + 1},{i / 2}" for i in range(10_400)]
+    path = tmp_path / "long.csv"
+    path.write_text("text,label,score\n" + "\n".join(rows) + "\n")
+    train = connect_data(DataConfig(train_file=str(path)))["train"]
+    assert len(train) == 10_400 and train[0]["label"] == "1" and train[-1]["label"] == "other"
+    assert train.features["score"].dtype == "float64" and train[-1]["score"] == 10_399 / 2  # numbers stay numbers
+
+
 def test_save_to_disk_directory(tmp_path):
     DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}).save_to_disk(
         tmp_path / "ds"

@@ -150,14 +150,55 @@ def load_files(
     level = readers.level
     readers.setLevel(logging.CRITICAL)
     try:
-        loaded = datasets.load_dataset(
-            builder, name=stamp(files), data_files={split: [str(f) for f in files]}, split=split, **(options or {})
-        )
+        loaded = _read(builder, files, split, options)
     except Exception as err:  # noqa: BLE001 (pandas/arrow/json parse errors: a malformed file is the user's)
-        raise read_error(err, builder, files, split) from None
+        if builder != "csv" or not _typed_by_chunk(err):
+            raise read_error(err, builder, files, split) from None
+        loaded = _read_as_text(files, split, options or {}, as_text)  # its columns' types from every row
     finally:
         readers.setLevel(level)
     return numbers_with_gaps(loaded, as_text) if builder == "csv" else loaded
+
+
+def _read(builder: str, files: list[Path], split: str, options: dict | None) -> Dataset:
+    return datasets.load_dataset(
+        builder, name=stamp(files), data_files={split: [str(f) for f in files]}, split=split, **(options or {})
+    )
+
+
+def _typed_by_chunk(err: BaseException) -> bool:
+    """Whether a csv failed on a column typed by its first rows: pandas reads a csv in chunks of 10,000 rows, and
+    datasets casts every chunk to the first one's types, so labels 1, 2, 3 that turn into `other` past row 10,000
+    (or a text column of numbers at first) failed to load a valid file (found in audit)."""
+    while err is not None:
+        if isinstance(err, pa.ArrowInvalid) and "Failed to parse string" in str(err):
+            return True
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return False
+
+
+def _read_as_text(files: list[Path], split: str, options: dict, as_text: Sequence[str]) -> Dataset:
+    """The csv files with every column read as text, then each column numbers where every row's cell is one (as
+    pandas types a column from all its rows), but the `as_text` columns."""
+    import csv
+
+    import pyarrow.compute as pc
+
+    with open(files[0], encoding="utf-8-sig", newline="") as f:
+        header = next(csv.reader(f, delimiter=options.get("sep", ",")), [])
+    loaded = _read("csv", files, split, {**options, "converters": dict.fromkeys(header, str)})
+    for name in loaded.column_names:
+        if name in as_text:
+            continue
+        column = loaded.data.column(name)
+        for kind in (pa.int64(), pa.float64()):
+            try:
+                typed = pc.cast(pc.if_else(pc.equal(column, ""), pa.scalar(None, column.type), column), kind)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                continue
+            loaded = loaded.remove_columns(name).add_column(name, typed.to_pylist(), feature=datasets.Value(str(kind)))
+            break
+    return loaded.select_columns(header)
 
 
 def numbers_with_gaps(ds: Dataset, as_text: Sequence[str] = ()) -> Dataset:
