@@ -391,6 +391,10 @@ def test_a_tsv_cell_that_opens_with_a_quote_and_swallows_the_rows_after_it_is_on
     pd.DataFrame({"text": ['he said "hi" there', "plain"], "label": ["a", "b"]}).to_csv(quoted, sep="\t", index=False)
     assert connect(DataConfig(train_file=str(quoted)))["train"]["text"] == ['he said "hi" there', "plain"]
     assert RecordReader(str(quoted), "tsv").next()[0]["text"] == 'he said "hi" there'
+    tab = tmp_path / "tab.tsv"  # a quoted cell holding a tab on its own line, as pandas writes it (found in audit)
+    pd.DataFrame({"text": ["col a\tcol b", "plain"], "label": ["a", "b"]}).to_csv(tab, sep="\t", index=False)
+    assert connect(DataConfig(train_file=str(tab)))["train"]["text"] == ["col a\tcol b", "plain"]
+    assert RecordReader(str(tab), "tsv").next()[0]["text"] == "col a\tcol b"
 
 
 def test_files_of_other_columns_and_a_label_column_of_numbers_and_text_say_so(tmp_path):

@@ -18,6 +18,7 @@ import csv
 import gzip
 import io
 import json
+import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,7 @@ class BadFile(Exception):
 
 
 # a TSV cell that opens with a quote is read as quoted up to the next quote: the rows between become part of it
+RUN_ON = "\n[^\n]*\t"  # a TSV cell holding a tab after a line break: it ran on into the rows after it
 SWALLOWED = (
     "a cell that opens with a quote ran on into the rows after it (its tabs and line breaks with it); remove that "
     'quote, or quote the whole cell and double the quotes inside ("" as in csv)'
@@ -310,7 +312,7 @@ class RecordReader:
         except (OSError, EOFError) as err:
             raise BadFile(f"{type(err).__name__}: {str(err)[:200]}") from None
         self.size = self.position - before
-        if self.format == "tsv" and any("\t" in cell for cell in row):
+        if self.format == "tsv" and any(re.search(RUN_ON, cell) for cell in row):
             raise BadRecord(SWALLOWED)
         return dict(zip(self._header, row, strict=False)), self.position
 

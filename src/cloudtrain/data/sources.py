@@ -25,7 +25,7 @@ from datasets.exceptions import DatasetGenerationError
 from cloudtrain.assets import R8_FILES, r8_dir
 from cloudtrain.config import DataConfig
 from cloudtrain.data.files import FILE_FORMATS, check_data_files, data_files, rows_wanted, split_files
-from cloudtrain.data.readers import SWALLOWED
+from cloudtrain.data.readers import RUN_ON, SWALLOWED
 from cloudtrain.errors import UserError, first_line
 
 SPLIT_ALIASES = {"valid": "validation", "val": "validation", "dev": "validation"}
@@ -127,12 +127,13 @@ def _load_path(path: str, split: str, text_column: str) -> Dataset:
 
 
 def check_swallowed_rows(ds: Dataset, path: str) -> None:
-    """A tab inside a cell of a TSV file: a cell opening with a quote took in the rows after it, silently."""
+    """A tab after a line break inside a cell of a TSV file: a cell opening with a quote took in the rows after it,
+    silently. (A quoted cell may hold a tab on its own line: pandas writes one so, found in audit.)"""
     import pyarrow.compute as pc
 
     for name, feature in ds.features.items():
         if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
-            tabs = pc.match_substring(ds.data.column(name), "\t")
+            tabs = pc.match_substring_regex(ds.data.column(name), RUN_ON)
             if pc.any(tabs).as_py():
                 row = tabs.to_pylist().index(True)
                 raise UserError(f"row {row + 1} of {path}, column {name!r}: {SWALLOWED}")
