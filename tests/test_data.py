@@ -77,6 +77,21 @@ def test_a_csv_column_of_numbers_that_turns_to_text_past_its_first_rows_reads_wh
     assert train.features["score"].dtype == "float64" and train[-1]["score"] == 10_399 / 2  # numbers stay numbers
 
 
+def test_a_csv_column_of_texts_made_of_digits_is_read_as_written(tmp_path):
+    """Texts, prompts and completions of digits alone were read as numbers: "007" trained as "7" (predict reads
+    "007"), and SFT refused "column 'completion' holds int, not text" (found in audit); labels keep their numbers."""
+    from cloudtrain.tasks import build_task
+
+    path = tmp_path / "digits.csv"
+    path.write_text("text,label\n007,1\n2024,2\n")
+    train = connect_data(DataConfig(train_file=str(path)))["train"]
+    assert train["text"] == ["007", "2024"] and train["label"] == [1, 2]
+    sft = tmp_path / "sums.csv"
+    sft.write_text("prompt,completion\nWhat is 2 plus 2?,4\nWhat is 0 plus 7?,07\n")
+    cfg = build_config({"task": "sft", "train_file": str(sft)})
+    assert build_task(cfg).connect(cfg)["train"]["completion"] == ["4", "07"]
+
+
 def test_save_to_disk_directory(tmp_path):
     DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}).save_to_disk(
         tmp_path / "ds"

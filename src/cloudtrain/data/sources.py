@@ -52,15 +52,18 @@ def dataset_label(cfg: DataConfig) -> str:
     return Path(source.rstrip("/")).stem if source else BUILTIN_NAME
 
 
-def connect_data(cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = None) -> DatasetDict:
+def connect_data(
+    cfg: DataConfig, columns: dict[str, tuple[str, bool]] | None = None, texts: Sequence[str] = ()
+) -> DatasetDict:
     """Load the raw splits and check they hold `columns` ({flag: (column, needed beyond train)}: the task's;
-    by default the text column)."""
+    by default the text column). `texts`: more columns a csv holds texts in (the task's usual names)."""
     columns = columns if columns is not None else {"--text_column": (cfg.text_column, True)}
     check_data_sources(cfg)
     if cfg.streaming:
         raw = _connect_stream(cfg, columns)
     elif cfg.train_file:
-        raw = DatasetDict({split: _load_path(path, split, cfg.text_column) for split, path in split_files(cfg).items()})
+        texts, files = [*text_columns(cfg, columns), *texts], split_files(cfg)
+        raw = DatasetDict({split: _load_path(path, split, cfg.text_column, texts) for split, path in files.items()})
     elif cfg.dataset_name and Path(cfg.dataset_name).is_dir():
         raw = _as_dict(_load_saved(cfg.dataset_name))
     elif cfg.dataset_name:
@@ -78,7 +81,9 @@ def _connect_stream(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> Da
 
     held = split_files(cfg)  # the held-out files: a stream's training files are not among them
     sample, specs = connect_stream(cfg, {column: flag for flag, (column, _) in columns.items()}, "validation" in held)
-    loaded = {split: _load_path(path, split, cfg.text_column) for split, path in held.items()}
+    loaded = {
+        split: _load_path(path, split, cfg.text_column, text_columns(cfg, columns)) for split, path in held.items()
+    }
     if not sample:  # packed shards alone hold no records: the task's column checks read the validation data's
         sample = [loaded["validation"][0]]
     wanted = {column for column, _ in columns.values()}
@@ -109,7 +114,15 @@ def pin_sources(raw: DatasetDict, share: Callable[[Any], Any]) -> DatasetDict:
     return raw
 
 
-def _load_path(path: str, split: str, text_column: str) -> Dataset:
+def text_columns(cfg: DataConfig, columns: dict[str, tuple[str, bool]]) -> list[str]:
+    """The columns a csv holds texts in, read as written: a text, prompt or completion of digits alone ("007", "4")
+    was read as a number (SFT refused "holds int, not text"; predict reads "007"; found in audit). Labels and margins
+    keep their numbers."""
+    named = [column for flag, (column, _) in columns.items() if flag not in ("--label_column", "--margin_column")]
+    return list(dict.fromkeys([cfg.text_column, *([cfg.text_pair_column] if cfg.text_pair_column else []), *named]))
+
+
+def _load_path(path: str, split: str, text_column: str, as_text: Sequence[str] = ()) -> Dataset:
     p = Path(path)
     if p.is_dir() and not data_files(p):
         loaded = _load_saved(path)
@@ -120,7 +133,7 @@ def _load_path(path: str, split: str, text_column: str) -> Dataset:
         raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
     suffix = suffixes.pop()
     builder, options = FILE_FORMATS[suffix]
-    loaded = load_files(builder, files, split, options)
+    loaded = load_files(builder, files, split, options, as_text)
     if suffix == ".tsv":
         check_swallowed_rows(loaded, path)
     elif suffix == ".csv":

@@ -83,6 +83,7 @@ class Task:
     embedding_noise = False
     # whether its batches of packed rows carry their documents' lengths to the attention (varlen: no dense mask)
     packed_attention = False
+    text_names: tuple[str, ...] = ()  # columns a csv holds texts in by their usual names (read as written)
     # why the MFU's formula (6 x matmul weights x tokens, cloudtrain.observe.flops) does not fit its model: no MFU
     no_mfu: str | None = None
 
@@ -125,7 +126,7 @@ class Task:
         """The raw splits: the data connectors' (files, the Hub, a SageMaker channel, the built-in default)."""
         from cloudtrain.data.sources import connect_data
 
-        return connect_data(cfg.data, self.columns(cfg.data))
+        return connect_data(cfg.data, self.columns(cfg.data), self.text_names)
 
     def check_adapters(self, cfg: Config) -> None:
         """--peft and its options against this task's models (light I/O only)."""

@@ -140,6 +140,8 @@ class SFTTask(CausalLMTask):
         if cfg.distributed.tensor_parallel_size > 1:  # the template's tokens need rows a sharded model cannot grow
             check_embeddings_fit(tokenizer, self.model_config(cfg), cfg.distributed.tensor_parallel_size)
 
+    text_names = ("prompt", "completion", "instruction", "input", "output")  # chat.detect_columns finds these
+
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         named = {
             "--messages_column": cfg.messages_column,
