@@ -177,6 +177,14 @@ def test_bad_columns_and_empty_data(tmp_path, cfg_kwargs, rows, message):
         connect(DataConfig(train_file=str(path), **cfg_kwargs))
 
 
+def test_an_empty_parquet_file_is_said_to_be_empty(tmp_path):
+    """It was "ArrowInvalid: BatchSize must be greater than 0, got 0" (found in audit)."""
+    path = tmp_path / "train.parquet"
+    pd.DataFrame({"text": pd.Series([], dtype=str), "label": pd.Series([], dtype=str)}).to_parquet(path)
+    with pytest.raises(UserError, match=f"^the train data in {path} is empty; give a file with "):
+        connect(DataConfig(train_file=str(path)))
+
+
 def test_validation_labels_unseen_in_training(tmp_path, tokenizer):
     raw = DatasetDict(
         {

@@ -133,7 +133,8 @@ class DataConfig(OnlyFields):
     cache_dir: str | None = opt(
         None,
         "Where processed datasets are cached (default: $CLOUDTRAIN_CACHE/processed, else "
-        "~/.cache/cloudtrain/processed).",
+        "~/.cache/cloudtrain/processed). The data files as read go to the datasets library's cache "
+        "($HF_DATASETS_CACHE, else ~/.cache/huggingface/datasets), a copy per version of a file.",
         path=True,
     )
     group_by_length: bool = opt(

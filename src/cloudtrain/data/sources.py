@@ -303,7 +303,7 @@ def read_error(err: BaseException, builder: str, files: list[Path], split: str) 
         bad = next((f for f in files if not _is_utf8(f)), where)
         return UserError(f"{bad} is not UTF-8 text (Latin-1 or another encoding?); save it as UTF-8 and try again")
     text = " ".join(str(c) for c in causes)
-    if "corresponds to no data" in text or "No columns to parse" in text:
+    if any(empty in text for empty in ("corresponds to no data", "No columns to parse", "BatchSize must be greater")):
         return UserError(f"the {split} data in {where} is empty; give a file with {rows_wanted(files[0])}")
     if builder == "json":  # the reader says "row 1" (arrow counts records from 0) or a byte position
         bad_line = first_bad_json_line(files)
