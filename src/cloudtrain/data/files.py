@@ -3,19 +3,20 @@ they exist, have a format the data sources read, and are not empty. Imports no `
 these checks before the heavy imports; the data sources run them again before loading."""
 
 from pathlib import Path
+from typing import Any
 
 from cloudtrain.config import DataConfig
 from cloudtrain.errors import UserError
 
 # pandas reads NA, N/A, null, None, nan, ... as missing: a class named NA, or the text "null", would be lost
 CSV_MISSING = {"keep_default_na": False, "na_values": [""]}  # only an empty cell is missing
-FILE_FORMATS = {  # extension -> (datasets builder, builder options)
+FILE_FORMATS: dict[str, tuple[str, dict[str, Any]]] = {  # extension -> (datasets builder, builder options)
     ".csv": ("csv", CSV_MISSING),
     ".tsv": ("csv", {"sep": "\t", **CSV_MISSING}),
     ".json": ("json", {}),
     ".jsonl": ("json", {}),
     ".parquet": ("parquet", {}),
-    ".txt": ("text", {}),
+    ".txt": ("text", {"encoding": "utf-8-sig"}),  # a BOM (Notepad's) was read as the first line's text (audit)
 }
 
 
