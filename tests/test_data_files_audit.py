@@ -3,8 +3,12 @@
 
 from pathlib import Path
 
+import pytest
+
 from cloudtrain.config import DataConfig
+from cloudtrain.data.files import check_data_files
 from cloudtrain.data.sources import connect_data
+from cloudtrain.errors import UserError
 
 
 def test_a_bom_at_the_start_of_a_txt_file_is_not_read_as_text(tmp_path: Path) -> None:
@@ -12,3 +16,23 @@ def test_a_bom_at_the_start_of_a_txt_file_is_not_read_as_text(tmp_path: Path) ->
     path.write_bytes(b"\xef\xbb\xbfonce upon a time\nthe end\n")
     raw = connect_data(DataConfig(train_file=str(path)), {})
     assert raw["train"]["text"] == ["once upon a time", "the end"]
+
+
+@pytest.mark.parametrize("split", ["validation", "test"])
+def test_a_held_out_file_that_is_the_training_file_is_refused(tmp_path: Path, split: str) -> None:
+    path = tmp_path / "train.csv"
+    path.write_text("text,label\na,x\nb,y\n")
+    other = tmp_path / "sub" / ".." / "train.csv"  # the same file by another path
+    (tmp_path / "sub").mkdir()
+    cfg = DataConfig(train_file=str(path), **{f"{split}_file": str(other)})
+    with pytest.raises(UserError, match=f"--{split}_file .* is the --train_file.*another file.*--{split}_file out"):
+        check_data_files(cfg)
+
+
+@pytest.mark.parametrize("given", ["a.csv,b.csv", "*.csv"])
+def test_several_files_in_one_option_say_a_folder_takes_them(tmp_path: Path, given: str) -> None:
+    for name in ("a.csv", "b.csv"):
+        (tmp_path / name).write_text("text,label\na,x\n")
+    given = ",".join(str(tmp_path / name) for name in given.split(","))
+    with pytest.raises(UserError, match="does not exist.*folder.*--streaming true"):
+        check_data_files(DataConfig(train_file=given))

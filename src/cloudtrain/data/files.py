@@ -41,7 +41,7 @@ def check_data_files(cfg: DataConfig) -> None:
     for split, path in files.items():
         p = Path(path)
         if not p.exists():
-            raise UserError(f"--{split}_file {path} does not exist")
+            raise UserError(f"--{split}_file {path} does not exist{several_files_hint(split, path)}")
         if p.is_file() and p.suffix.lower() not in FILE_FORMATS:
             raise UserError(
                 f"--{split}_file {path}: unsupported format {p.suffix!r}; "
@@ -63,9 +63,21 @@ def rows_wanted(file: Path) -> str:
     return _WHAT_ROWS.get(file.suffix.lower(), "a header and rows")
 
 
+def several_files_hint(split: str, path: str) -> str:
+    """A comma list or a glob names one path here (the stream alone reads lists): it "did not exist" unexplained."""
+    if "," not in path and not any(c in path for c in "*?["):
+        return ""
+    stream = " (or stream them: --streaming true)" if split == "train" else ""
+    return f"; several files, or a glob, are read as one split from a folder holding them: give the folder{stream}"
+
+
 def _check_held_out_apart(files: dict[str, str]) -> None:
-    """A held-out file inside the training folder would be trained on as well as evaluated on."""
-    if "train" not in files or not Path(files["train"]).is_dir():
+    """A held-out file that is the training file, or inside the training folder, would be trained on as well as
+    evaluated on (the same file was accepted silently; audit)."""
+    if "train" not in files:
+        return
+    if not Path(files["train"]).is_dir():
+        _check_not_training_file(files)
         return
     read = {f.resolve() for f in data_files(Path(files["train"]))}
     for split in ("validation", "test"):
@@ -73,6 +85,17 @@ def _check_held_out_apart(files: dict[str, str]) -> None:
             raise UserError(
                 f"--{split}_file {files[split]} is also in the --train_file folder {files['train']}, so it would be "
                 "trained on: move it out of that folder"
+            )
+
+
+def _check_not_training_file(files: dict[str, str]) -> None:
+    train = Path(files["train"]).resolve()
+    carve = {"validation": " to carve validation rows from train (--validation_split_percentage)", "test": ""}
+    for split in ("validation", "test"):
+        if split in files and Path(files[split]).resolve() == train:
+            raise UserError(
+                f"--{split}_file {files[split]} is the --train_file, so its rows would be trained on too: give "
+                f"another file, or leave --{split}_file out{carve[split]}"
             )
 
 
