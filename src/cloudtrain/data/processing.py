@@ -328,6 +328,8 @@ def choose_rows(
 
     The rows are chosen before tokenizing (a quick run on a large file tokenizes only what it uses); the choice
     depends on the row count, the labels and the seed alone."""
+    for split, ds in raw.items():
+        check_label_column_case(ds, split, cfg.label_column)
     labelled = {split: scheme.labelled(ds, split) if split != "train" else True for split, ds in raw.items()}
     train, validation = raw["train"], raw.get("validation")
     if validation is None or not labelled["validation"]:
@@ -341,6 +343,20 @@ def choose_rows(
         chosen["test"] = _limit(raw["test"], cfg.max_eval_samples, seed)
     unlabelled = {split: first_rows(raw[split], cfg.max_eval_samples) for split in raw if not labelled[split]}
     return chosen, unlabelled
+
+
+def check_label_column_case(ds: Dataset, split: str, column: str) -> None:
+    """A held-out split without the label column but with one of the same name in another case (`Label`) meant it:
+    it was kept for predictions only, validation carved from train, with a note saying only "no labels" (audit)."""
+    if column in ds.column_names:
+        return
+    near = [name for name in ds.column_names if name.casefold() == column.casefold()]
+    if near:
+        raise UserError(
+            f"the {split} data has no {column!r} column but has {near[0]!r}: rename that column to {column!r} as the "
+            f"training data names it (--label_column names it in every split), or drop it to use the {split} data "
+            "for predictions only"
+        )
 
 
 def first_rows(ds: Dataset, n: int | None) -> Dataset:
