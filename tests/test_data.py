@@ -92,6 +92,16 @@ def test_a_csv_column_of_texts_made_of_digits_is_read_as_written(tmp_path):
     assert build_task(cfg).connect(cfg)["train"]["completion"] == ["4", "07"]
 
 
+def test_a_folder_of_json_and_jsonl_files_is_one_format(tmp_path):
+    """Both are read by the JSON reader: such a folder was refused as mixing formats (found in audit)."""
+    (tmp_path / "a.json").write_text(json.dumps([{"text": "one", "label": "x"}]))
+    (tmp_path / "b.jsonl").write_text(json.dumps({"text": "two", "label": "y"}) + "\n")
+    assert sorted(connect_data(DataConfig(train_file=str(tmp_path)))["train"]["text"]) == ["one", "two"]
+    (tmp_path / "c.csv").write_text("text,label\nthree,z\n")
+    with pytest.raises(UserError, match=r"mixes data formats \(.csv, .json, .jsonl\)"):
+        connect_data(DataConfig(train_file=str(tmp_path)))
+
+
 def test_save_to_disk_directory(tmp_path):
     DatasetDict({"train": Dataset.from_list(topic_rows(3)), "dev": Dataset.from_list(topic_rows(1))}).save_to_disk(
         tmp_path / "ds"

@@ -47,3 +47,10 @@ def test_a_list_where_a_text_belongs_is_refused_in_one_line(classifier, tmp_path
     monkeypatch.setattr("cloudtrain.predict.load", lambda *args, **kwargs: pytest.fail("the model loaded first"))
     with pytest.raises(UserError, match="^--input_file holds one record, whose text is a list"):
         predict(classifier, read_texts(str(file), "text"))
+
+
+def test_a_txt_input_file_s_byte_order_mark_is_no_part_of_its_first_text(tmp_path):
+    """The first text began with U+FEFF (found in review of an audit: training's .txt files drop it)."""
+    path = tmp_path / "texts.txt"
+    path.write_bytes("\ufeffoil prices rose\nwheat fell\n".encode())
+    assert read_texts(str(path), "text") == ["oil prices rose", "wheat fell"]

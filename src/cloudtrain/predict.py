@@ -63,7 +63,7 @@ def read_texts(path: str, column: str, blank: str = "one output row per text lin
     file = Path(path)  # there: the commands' check_input_file
     if file.suffix.lower() == ".txt":
         try:
-            lines = text_lines(file.read_bytes().decode("utf-8"))
+            lines = text_lines(file.read_bytes().decode("utf-8-sig"))  # a byte-order mark is no part of a text
         except UnicodeDecodeError:
             raise UserError(f"--input_file {path} is not UTF-8 text; save it as UTF-8 and try again") from None
         texts = [line for line in lines if line.strip()]

@@ -72,7 +72,7 @@ def label_names(train: Dataset, column: str, separator: str | None, how: str = "
     read = reader(train, column, separator, how)
     found = {name for value in train[column] for name in read(value)}
     if all(name.lstrip("-").isdigit() for name in found):
-        return sorted(found, key=int)
+        return sorted(found, key=lambda name: (int(name), name))  # 01 and 1: one order on every run
     return sorted(found)
 
 

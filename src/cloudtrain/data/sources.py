@@ -129,9 +129,9 @@ def _load_path(path: str, split: str, text_column: str, as_text: Sequence[str] =
         return _pick_split(loaded, split, path) if isinstance(loaded, DatasetDict) else loaded
     files = data_files(p) if p.is_dir() else [p]  # a folder of data files (e.g. a SageMaker channel) is one split
     suffixes = {f.suffix.lower() for f in files}
-    if len(suffixes) > 1:
+    if len({repr(FILE_FORMATS[s]) for s in suffixes}) > 1:  # .json beside .jsonl: one reader, one format (audit)
         raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
-    suffix = suffixes.pop()
+    suffix = min(suffixes)
     builder, options = FILE_FORMATS[suffix]
     loaded = load_files(builder, files, split, options, as_text)
     if suffix == ".tsv":
