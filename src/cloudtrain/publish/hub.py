@@ -87,15 +87,14 @@ UPLOAD_PATTERNS = [  # matched against file names, in the output dir and in its 
 ]
 RESULT_NAMES = ("train", "eval", "test", "compute")
 # the names a push of model files writes at the repo root or in merged/: one an earlier push left that this one does
-# not write is deleted. Exact names, not UPLOAD_PATTERNS: a user's own tokenizer_corpus.txt or mteb_results.json,
-# uploaded beside the model, was deleted by the next push (found in audit)
+# not write is deleted. Names, not UPLOAD_PATTERNS: a user's own tokenizer_corpus.txt or mteb_results.json, uploaded
+# beside the model, was deleted by the next push (found in audit); *.model: sentencepiece files (spm.model, spiece...)
 PUSHED_NAMES = (
     *(CARD, *MODEL_FILES, "model-*-of-*.safetensors", "adapter_model.safetensors", "generation_config.json", LABELS),
     *("model_index.json", "pytorch_lora_weights.safetensors", "args.json", "training_curves.png"),
     *(f"{name}_results.json" for name in RESULT_NAMES),
     *("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json", "added_tokens.json"),
-    *("vocab.json", "vocab.txt", "merges.txt", "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja"),
-    "chat_template.json",
+    *("vocab.json", "vocab.txt", "merges.txt", "*.model", "chat_template.jinja", "chat_template.json"),
 )
 TOKEN_HELP = (
     "set HF_TOKEN, pass --hub_token_file, or run `hf auth login` (tokens: https://huggingface.co/settings/tokens)"
