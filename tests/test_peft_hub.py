@@ -6,7 +6,6 @@ application (a subprocess: huggingface_hub reads HF_ENDPOINT at import time).
 import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 import test_hub
@@ -90,10 +89,8 @@ def test_an_adapter_push_uploads_the_adapter_its_labels_and_the_merged_model_but
         | ({"training_curves.png"} if (out / "training_curves.png").exists() else set())
     )
     assert set(upload.files) - {".gitattributes"} == expected  # no top-level model.safetensors, no checkpoint
-    for name in expected - {"args.json", "merged/args.json", "adapter_config.json"}:
-        assert upload.files[name] == (out / name).read_bytes(), name
-    sent, local = json.loads(upload.files["adapter_config.json"]), adapter_config(out)
-    assert sent == {**local, "base_model_name_or_path": Path(local["base_model_name_or_path"]).name}  # a local base
+    for name in expected - {"args.json", "merged/args.json"}:
+        assert upload.files[name] == (out / name).read_bytes(), name  # a local base: adapter_config.json as is
     for name in ("args.json", "merged/args.json"):  # the path options' last parts only
         assert json.loads(upload.files[name])["output_dir"] == out.name, name
 
@@ -134,11 +131,6 @@ def test_the_cards_snippets_run_as_written_against_the_hub_and_the_merged_model_
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(hf_api.api, "endpoint", in_process.url)  # the module's client, built before in_process ran
     card = ModelCard(pushed_adapter[1].files["README.md"].decode())
-    base = Path(adapter_config(pushed_adapter[0])["base_model_name_or_path"])
-    said = f"(`{base.name}`, a local directory on the training machine, named by its last part alone: point"
-    assert said in card.text
-    (tmp_path / base.name).symlink_to(base)  # as the card says: the adapter config's base is a copy's folder name
-    monkeypatch.chdir(tmp_path)
     adapter_snippet, merged_snippet = re.findall(r"```python\n(.*?)```", card.text, re.DOTALL)
     scope = {}
     exec(adapter_snippet, scope)  # the repo through the Hub API: adapter, tokenizer, base named in adapter_config
@@ -151,20 +143,6 @@ def test_the_cards_snippets_run_as_written_against_the_hub_and_the_merged_model_
     assert model.config.id2label == scope["id2label"] == merged.model.config.id2label
     torch.testing.assert_close(logits, merged_logits, rtol=1e-5, atol=1e-5)
     assert merged("the striker scored twice")[0]["label"] == scope["id2label"][logits[0].argmax().item()]
-
-
-def test_an_adapter_config_goes_up_naming_a_local_base_by_its_last_part(tmp_path):
-    """The adapter config went up naming the base by its absolute path (/home/alice/models/lm): the user's
-    directory layout, public (found in audit). A Hub id, or a relative path, goes up as it is."""
-    from cloudtrain.publish.hub import hub_copy
-
-    config = {"base_model_name_or_path": "/home/alice/models/lm", "task_type": "CAUSAL_LM", "r": 4}
-    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
-    assert json.loads(hub_copy(tmp_path / "adapter_config.json", None)) == {**config, "base_model_name_or_path": "lm"}
-    assert json.loads(hub_copy(tmp_path / "adapter_config.json", "org/lm"))["base_model_name_or_path"] == "org/lm"
-    for base in ("org/lm", "models/lm"):
-        (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": base}))
-        assert hub_copy(tmp_path / "adapter_config.json", None) == tmp_path / "adapter_config.json"
 
 
 # ---------------------------------------------------------------- the push command, the built-in base model
@@ -261,10 +239,8 @@ def test_every_save_pushes_each_adapter_and_the_repo_ends_with_the_final_one(hub
     final = commits[-1].files
     assert not any(path.startswith(("last-checkpoint/", "checkpoints/", "merged/")) for path in final)
     assert "model.safetensors" not in final
-    for name in {"adapter_model.safetensors", "generation_config.json"}:
+    for name in ADAPTER_FILES | {"generation_config.json"}:
         assert final[name] == (out / name).read_bytes(), name
-    local = adapter_config(out)  # a local base: its last part alone goes up
-    assert json.loads(final["adapter_config.json"]) == {**local, "base_model_name_or_path": Path(tiny_llama_dir).name}
     card = ModelCard(final["README.md"].decode())
     assert card.data.library_name == "peft" and {"lora", "peft", "text-generation"} <= set(card.data.tags)
     assert 'model = AutoPeftModelForCausalLM.from_pretrained("alice/tales-lora")' in card.text

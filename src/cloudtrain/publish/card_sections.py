@@ -71,8 +71,7 @@ ADAPTER_MACROS = """{% macro adapter_note(task, model_class=none) %}
 
 This repository holds a {{ adapter.name }} adapter (PEFT), not full weights: `from_pretrained` loads the base model
 named in adapter_config.json{% if base_model %} ([{{ base_model }}](https://huggingface.co/{{ base_model }})){% else %}
-(`{{ adapter.base }}`, a local directory on the training machine, named by its last part alone: point
-`base_model_name_or_path` at a copy of it)\
+(`{{ adapter.base }}`, a local directory on the training machine: point `base_model_name_or_path` at a copy of it)\
 {% endif %}
 and applies the adapter on top. `model = model.merge_and_unload()` folds the adapter into the base weights and gives a
 plain transformers model.

@@ -423,18 +423,14 @@ def written_by_cloudtrain(output_dir: Path, files: list[Path]) -> tuple[list[Pat
 
 def hub_copy(path: Path, base_model: str | None) -> Path | bytes:
     """What goes up for `path`: the file, except an adapter config naming its base otherwise than by the card's
-    `base_model` (the built-in model's local folder): that one names the Hub id instead, or with no Hub id an
-    absolute base folder's last part (it went up whole; found in audit); and args.json, whose absolute paths go up
-    as their last part, as the card shows them (the user's directory layout is not public)."""
+    `base_model` (the built-in model's local folder): that one names the Hub id instead; and args.json, whose
+    absolute paths go up as their last part, as the card shows them (the user's directory layout is not public)."""
     if path.name == "args.json":  # the run's, and its copy in merged/
         return (json.dumps(without_folders(json.loads(path.read_text())), indent=2) + "\n").encode()
-    if path.name != ADAPTER_CONFIG:
+    if path.name != ADAPTER_CONFIG or not base_model:
         return path
     config = json.loads(path.read_text())
-    base = config.get("base_model_name_or_path")
-    if not base_model and isinstance(base, str) and Path(base).expanduser().is_absolute():
-        base_model = Path(base).expanduser().name  # a local base: its name alone, as args.json (the card says so)
-    if not base_model or base == base_model:
+    if config.get("base_model_name_or_path") == base_model:
         return path
     return (json.dumps({**config, "base_model_name_or_path": base_model}, indent=2, sort_keys=True) + "\n").encode()
 
