@@ -79,9 +79,8 @@ def test_an_adapter_without_tokenizer_files_uses_its_base_models_with_a_note(ada
     for name in ("adapter_config.json", "adapter_model.safetensors", "labels.json"):
         shutil.copy(adapter_run / name, hub / name)
     model, tokenizer = load_adapter_model(hub)
-    assert capsys.readouterr().err == (
-        f"note: {hub} holds no tokenizer files: the tokenizer of its base model {tiny_model_dir} is used\n"
-    )
+    note = f"note: {hub} holds no tokenizer files: the tokenizer of its base model {tiny_model_dir} is used"
+    assert capsys.readouterr().err.splitlines()[0] == note  # (transformers' loading bar may follow)
     assert (
         tokenizer("the striker scored")["input_ids"]
         == load_adapter_model(adapter_run)[1]("the striker scored")["input_ids"]

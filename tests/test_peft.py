@@ -279,7 +279,7 @@ def test_a_damaged_adapter_folder_is_one_line(tmp_path, tiny_model_dir, monkeypa
     (adapter / "adapter_config.json").write_text('{"task_type": "SEQ_CLS", base_model_name_or_path: 1}')
     with pytest.raises(UserError, match=r"adapter_config.json is not valid JSON \(line 1, column 26: Expecting"):
         load_adapter_model(adapter)
-    config = {"task_type": "SEQ_CLS", "base_model_name_or_path": tiny_model_dir}
+    config = {"task_type": "SEQ_CLS", "base_model_name_or_path": tiny_model_dir, "peft_type": "LORA"}
     (adapter / "adapter_config.json").write_text(json.dumps(config))
     with pytest.raises(UserError, match=f"^{adapter} holds adapter_config.json but not the adapter's weights"):
         load_adapter_model(adapter)
@@ -300,6 +300,9 @@ def test_a_damaged_adapter_folder_is_one_line(tmp_path, tiny_model_dir, monkeypa
     with pytest.raises(UserError) as refused:  # the empty weights file, read once the base has loaded
         load_adapter_model(adapter)
     assert "could not load the adapter" in str(refused.value) and "no cached copy" not in str(refused.value)
+    (adapter / "adapter_config.json").write_text(json.dumps({**config, "peft_type": None}))
+    with pytest.raises(UserError, match=r"adapter_config.json names no peft_type \(LORA, ...\): restore the file"):
+        load_adapter_model(adapter)  # (PEFT's KeyError once the base had loaded)
 
 
 # ---------------------------------------------------------------- real launches
