@@ -77,7 +77,6 @@ def _check_held_out_apart(files: dict[str, str]) -> None:
     if "train" not in files:
         return
     if not Path(files["train"]).is_dir():
-        _check_not_training_file(files)
         return
     read = {f.resolve() for f in data_files(Path(files["train"]))}
     for split in ("validation", "test"):
@@ -88,15 +87,19 @@ def _check_held_out_apart(files: dict[str, str]) -> None:
             )
 
 
-def _check_not_training_file(files: dict[str, str]) -> None:
+def training_file_notes(cfg: DataConfig) -> list[str]:
+    """A --validation_file or --test_file that is the --train_file itself: its metrics are of rows the run trains on
+    (meant for a check that a model can fit its data; else a mistake, found in audit). A note: tests and overfit
+    checks do it on purpose."""
+    files = split_files(cfg)
+    if "train" not in files or "://" in files["train"]:
+        return []
     train = Path(files["train"]).resolve()
-    carve = {"validation": " to carve validation rows from train (--validation_split_percentage)", "test": ""}
-    for split in ("validation", "test"):
-        if split in files and Path(files[split]).resolve() == train:
-            raise UserError(
-                f"--{split}_file {files[split]} is the --train_file, so its rows would be trained on too: give "
-                f"another file, or leave --{split}_file out{carve[split]}"
-            )
+    return [
+        f"--{split}_file {files[split]} is the --train_file: its metrics are of rows the run trains on"
+        for split in ("validation", "test")
+        if split in files and "://" not in files[split] and Path(files[split]).resolve() == train
+    ]
 
 
 def is_saved_dataset(folder: Path) -> bool:

@@ -25,7 +25,14 @@ from datasets.exceptions import DatasetGenerationError
 
 from cloudtrain.assets import R8_FILES, r8_dir
 from cloudtrain.config import DataConfig
-from cloudtrain.data.files import FILE_FORMATS, check_data_files, data_files, rows_wanted, split_files
+from cloudtrain.data.files import (
+    FILE_FORMATS,
+    check_data_files,
+    data_files,
+    rows_wanted,
+    split_files,
+    training_file_notes,
+)
 from cloudtrain.data.readers import RUN_ON, SWALLOWED
 from cloudtrain.errors import UserError, first_line
 
@@ -62,6 +69,8 @@ def connect_data(
     if cfg.streaming:
         raw = _connect_stream(cfg, columns)
     elif cfg.train_file:
+        for note in training_file_notes(cfg) if int(os.environ.get("RANK", "0")) == 0 else []:
+            print(f"note: {note}", flush=True)
         texts, files = [*text_columns(cfg, columns), *texts], split_files(cfg)
         raw = DatasetDict({split: _load_path(path, split, cfg.text_column, texts) for split, path in files.items()})
     elif cfg.dataset_name and Path(cfg.dataset_name).is_dir():
