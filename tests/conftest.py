@@ -614,3 +614,30 @@ def another_run_holding(out: Path) -> subprocess.Popen:
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(out)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert holder.stdout is not None and holder.stdout.readline() == b"held\n"
     return holder
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
+    """What the training application saves for a classification task (its head untrained)."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    out = tmp_path_factory.mktemp("classifier")
+    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(out)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
+    return str(out)
+
+
+def lora_run(model_dir: str, folder: Path) -> Path:
+    """The output folder (folder/out) of a LoRA classification run of one step on folder/train.csv."""
+    import pandas as pd
+
+    from cloudtrain.config import build_config
+    from cloudtrain.pipeline import run_training
+
+    csv = folder / "train.csv"
+    pd.DataFrame(topic_rows(4)).to_csv(csv, index=False)
+    out = folder / "out"
+    options = {"model_name_or_path": model_dir, "train_file": str(csv), "output_dir": str(out), "peft": "lora",
+               "max_steps": 1, "eval_strategy": "no", "report_to": "none", "mixed_precision": "no"}  # fmt: skip
+    run_training(build_config(options))
+    return out

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import ENTRY, REPO, another_run_holding, topic_rows, topic_run_args
+from conftest import ENTRY, REPO, another_run_holding, lora_run, topic_rows, topic_run_args
 
 from cloudtrain.publish import atomic
 
@@ -183,15 +183,8 @@ def test_merge_through_a_dotted_path_and_on_a_full_disk_keeps_the_merged_model(t
     was moved aside: a traceback, merged/ gone); a merge that cannot write its weights is one line and leaves the
     earlier merged model as it was, with no partial folder."""
     from cloudtrain.cli import main
-    from cloudtrain.config import build_config
-    from cloudtrain.pipeline import run_training
 
-    csv = tmp_path / "train.csv"
-    pd.DataFrame(topic_rows(4)).to_csv(csv, index=False)
-    out = tmp_path / "out"
-    options = {"model_name_or_path": tiny_model_dir, "train_file": str(csv), "output_dir": str(out), "peft": "lora",
-               "max_steps": 1, "eval_strategy": "no", "report_to": "none", "mixed_precision": "no"}  # fmt: skip
-    run_training(build_config(options))
+    out = lora_run(tiny_model_dir, tmp_path)
     assert main(["merge", "--output_dir", str(out)]) == 0
     assert main(["merge", "--output_dir", str(out / "merged" / "..")]) == 0  # replaces the first
     assert sorted(p.name for p in out.iterdir() if p.name.startswith("merged")) == ["merged"]

@@ -11,7 +11,7 @@ import warnings
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, TextStreamer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
 from cloudtrain import generate
 from cloudtrain.commands import generate as command
@@ -46,15 +46,6 @@ def one_thread():
 @pytest.fixture(scope="module")
 def llama(tiny_llama_dir):
     return load(tiny_llama_dir)
-
-
-@pytest.fixture(scope="module")
-def classifier_dir(tiny_model_dir, tmp_path_factory) -> str:
-    """What the training application saves for a classification task."""
-    out = tmp_path_factory.mktemp("classifier")
-    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return str(out)
 
 
 # ---------------------------------------------------------------- generate_texts

@@ -5,9 +5,8 @@ tokenizer without its tokenizer.json (found in audit)."""
 import json
 import shutil
 
-import pandas as pd
 import pytest
-from conftest import topic_rows
+from conftest import lora_run
 
 from cloudtrain.errors import UserError
 
@@ -15,16 +14,7 @@ from cloudtrain.errors import UserError
 @pytest.fixture
 def adapter_run(tiny_model_dir, tmp_path):
     """A LoRA run's output folder, after one step."""
-    from cloudtrain.config import build_config
-    from cloudtrain.pipeline import run_training
-
-    csv = tmp_path / "train.csv"
-    pd.DataFrame(topic_rows(4)).to_csv(csv, index=False)
-    out = tmp_path / "out"
-    options = {"model_name_or_path": tiny_model_dir, "train_file": str(csv), "output_dir": str(out), "peft": "lora",
-               "max_steps": 1, "eval_strategy": "no", "report_to": "none", "mixed_precision": "no"}  # fmt: skip
-    run_training(build_config(options))
-    return out
+    return lora_run(tiny_model_dir, tmp_path)
 
 
 def test_a_checkpoint_given_to_merge_is_named_a_checkpoint(tmp_path):

@@ -4,7 +4,6 @@ text belongs (a column-oriented JSON) is refused in one line (found in audit).""
 import json
 
 import pytest
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from cloudtrain.errors import UserError
 from cloudtrain.predict import predict, read_columns, read_texts
@@ -21,32 +20,24 @@ def test_a_text_column_of_numbers_is_read_as_written(tmp_path, suffix, sep):
     assert read_columns(str(file), ["text", "id"]) == [["2024", "007", "NA", "", "1.50"], ["1", "3", "4", "5", "6"]]
 
 
-@pytest.fixture(scope="module")
-def classifier(tiny_model_dir, tmp_path_factory) -> str:
-    out = tmp_path_factory.mktemp("classifier")
-    AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=2).save_pretrained(out)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(out)
-    return str(out)
-
-
-def test_a_list_where_a_text_belongs_is_refused_in_one_line(classifier, tmp_path, monkeypatch):
+def test_a_list_where_a_text_belongs_is_refused_in_one_line(classifier_dir, tmp_path, monkeypatch):
     """{"text": ["oil up", "wheat down"]} was one row classified as the text "['oil up', 'wheat down']"."""
     file = tmp_path / "columns.json"
     file.write_text(json.dumps({"text": ["oil up", "wheat down"]}))
     records = '({"text": "..."} on each line) or a JSON array of records ([{"text": "..."}, ...])'
     with pytest.raises(UserError) as refused:
-        predict(classifier, read_texts(str(file), "text"))
+        predict(classifier_dir, read_texts(str(file), "text"))
     assert str(refused.value) == (
         "--input_file holds one record, whose text is a list of 2 items; give one record per text: JSON lines "
         + records
     )
     with pytest.raises(UserError, match=r"^--input_file holds a list where text 2 belongs: a list of 3 items; "):
-        predict(classifier, ["oil up", ["a", "b", "c"]])  # type: ignore[list-item]
-    assert [row["text"] for row in predict(classifier, ["oil up", "wheat down"])] == ["oil up", "wheat down"]
+        predict(classifier_dir, ["oil up", ["a", "b", "c"]])  # type: ignore[list-item]
+    assert [row["text"] for row in predict(classifier_dir, ["oil up", "wheat down"])] == ["oil up", "wheat down"]
     # refused before the model loads, which takes minutes for a large one (review)
     monkeypatch.setattr("cloudtrain.predict.load", lambda *args, **kwargs: pytest.fail("the model loaded first"))
     with pytest.raises(UserError, match="^--input_file holds one record, whose text is a list"):
-        predict(classifier, read_texts(str(file), "text"))
+        predict(classifier_dir, read_texts(str(file), "text"))
 
 
 def test_a_txt_input_file_s_byte_order_mark_is_no_part_of_its_first_text(tmp_path):
