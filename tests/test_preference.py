@@ -574,13 +574,11 @@ def test_packing_on_a_pair_task_is_only_noted_as_unused(task, tiny_llama_dir, ti
 
 
 def test_a_dpo_model_of_plain_text_pairs_is_saved_without_a_chat_template(tiny_llama_dir, tmp_path):
-    """Found in review: plain-text pairs trained no template, but the run installed ChatML (its special tokens too)
-    and saved it, so the hinted `generate` wrapped prompts in headers the model never saw."""
+    """Found in review: plain-text pairs trained no template, but the run saved ChatML's, so the hinted `generate`
+    wrapped prompts in headers the model never saw. (Its tokens stay: a checkpoint's embeddings count them.)"""
     turns = [(f"\n\nHuman: {q}\n\nAssistant:", f" {c}", f" {r}") for q, c, r in QUESTIONS]
     train = write_jsonl(tmp_path / "hh.jsonl", [{"chosen": p + c, "rejected": p + r} for p, c, r in turns])
-    base = AutoTokenizer.from_pretrained(tiny_llama_dir)
     out = tmp_path / "out"
     run_training(build_config(dpo_options(tiny_llama_dir, train, out, max_steps=2)))
-    saved = AutoTokenizer.from_pretrained(out)
-    assert saved.chat_template is None and len(saved) == len(base)  # no template, no ChatML tokens added
+    assert AutoTokenizer.from_pretrained(out).chat_template is None
     assert not (out / "chat_template.jinja").exists()

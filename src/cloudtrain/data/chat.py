@@ -147,13 +147,6 @@ class ChatFormat:
         tokenizer.chat_template = text
         return cls(tokenizer, _end_of_turn(tokenizer, source, generates), source)
 
-    @classmethod
-    def plain(cls, tokenizer: PreTrainedTokenizerBase) -> "ChatFormat":
-        """No template: the tokenizer as it is, for pairs of plain text (cloudtrain.data.pairs.plain_text), each
-        answer ending at its EOS."""
-        eos = tokenizer.eos_token_id
-        return cls(tokenizer, eos if eos is not None else -1, "plain text (no template)")
-
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
         try:
             return self.tokenizer.apply_chat_template(  # type: ignore[return-value]  # a str with tokenize=False

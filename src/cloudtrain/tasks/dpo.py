@@ -237,8 +237,8 @@ class DPOTask(PairRows, SFTTask):
         }
         raw = DatasetDict(raw)
         self.plain = len(raw["train"]) > 0 and is_plain(raw["train"][0], columns["train"])
-        size = len(tokenizer)  # plain text needs no template: none is set up (its special tokens were added)
-        self.chat = ChatFormat.plain(tokenizer) if self.plain else ChatFormat.setup(tokenizer, d.chat_template)
+        size = len(tokenizer)  # set up for plain pairs too: a checkpoint's embeddings count its tokens (review)
+        self.chat = ChatFormat.setup(tokenizer, d.chat_template)
         self.added_tokens = len(tokenizer) - size
         pairs = {split: self._encode_pairs(ds, split, columns[split], d) for split, ds in raw.items()}
         if "validation" not in raw:

@@ -136,7 +136,7 @@ class RewardTask(PairRows, Task):
         raw = DatasetDict(raw)
         columns = {split: pair_columns(ds.column_names, d.prompt_column, *p.pair_columns) for split, ds in raw.items()}
         self.plain = len(raw["train"]) > 0 and is_plain(raw["train"][0], columns["train"])
-        if (d.chat_template or tokenizer.chat_template or glued) and not self.plain:  # plain text needs no template
+        if d.chat_template or tokenizer.chat_template or glued:  # (plain pairs too: a checkpoint counts its tokens)
             size = len(tokenizer)
             self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
             self.added_tokens = len(tokenizer) - size
