@@ -75,6 +75,11 @@ def test_a_csv_column_of_numbers_that_turns_to_text_past_its_first_rows_reads_wh
     train = connect_data(DataConfig(train_file=str(path)))["train"]
     assert len(train) == 10_400 and train[0]["label"] == "1" and train[-1]["label"] == "other"
     assert train.features["score"].dtype == "float64" and train[-1]["score"] == 10_399 / 2  # numbers stay numbers
+    # a column empty in the first chunk, and a header with a trailing comma (pandas' Unnamed: 3; review)
+    rows = [f"row {i},{'x' if i > 10_200 else ''},{i}," for i in range(10_400)]
+    path.write_text("text,label,n,\n" + "\n".join(rows) + "\n")
+    train = connect_data(DataConfig(train_file=str(path)))["train"]
+    assert train[0]["label"] is None and train[-1]["label"] == "x" and train[-1]["n"] == 10_399
 
 
 def test_a_csv_column_of_texts_made_of_digits_is_read_as_written(tmp_path):
@@ -424,6 +429,10 @@ def test_a_tsv_cell_that_opens_with_a_quote_and_swallows_the_rows_after_it_is_on
     pd.DataFrame({"text": ['he said "hi" there', "plain"], "label": ["a", "b"]}).to_csv(quoted, sep="\t", index=False)
     assert connect(DataConfig(train_file=str(quoted)))["train"]["text"] == ['he said "hi" there', "plain"]
     assert RecordReader(str(quoted), "tsv").next()[0]["text"] == 'he said "hi" there'
+    closed = tmp_path / "closed.tsv"  # the quote closed on the next row: a tab, then a line break (review)
+    closed.write_text('text\tlabel\n"Hello he said\tpos\nShe replied "no" today\tneg\nplain row\tpos\n')
+    with pytest.raises(UserError, match=f"^row 1 of {closed}, column 'text': "):
+        connect(DataConfig(train_file=str(closed)))
     tab = tmp_path / "tab.tsv"  # a quoted cell holding a tab on its own line, as pandas writes it (found in audit)
     pd.DataFrame({"text": ["col a\tcol b", "plain"], "label": ["a", "b"]}).to_csv(tab, sep="\t", index=False)
     assert connect(DataConfig(train_file=str(tab)))["train"]["text"] == ["col a\tcol b", "plain"]

@@ -38,7 +38,7 @@ class BadFile(Exception):
 
 
 # a TSV cell that opens with a quote is read as quoted up to the next quote: the rows between become part of it
-RUN_ON = "\n[^\n]*\t"  # a TSV cell holding a tab after a line break: it ran on into the rows after it
+RUN_ON = "\t[^\n]*\n|\n[^\n]*\t"  # a TSV cell holding a tab and a line break: it ran on into the rows after it
 SWALLOWED = (
     "a cell that opens with a quote ran on into the rows after it (its tabs and line breaks with it); remove that "
     'quote, or quote the whole cell and double the quotes inside ("" as in csv)'

@@ -152,8 +152,8 @@ def _load_path(path: str, split: str, text_column: str, as_text: Sequence[str] =
 
 
 def check_swallowed_rows(ds: Dataset, path: str) -> None:
-    """A tab after a line break inside a cell of a TSV file: a cell opening with a quote took in the rows after it,
-    silently. (A quoted cell may hold a tab on its own line: pandas writes one so, found in audit.)"""
+    """A tab and a line break inside a cell of a TSV file: a cell opening with a quote took in the rows after it,
+    silently. (A quoted cell may hold a tab alone: pandas writes one so, found in audit.)"""
     import pyarrow.compute as pc
 
     for name, feature in ds.features.items():
@@ -204,7 +204,10 @@ def load_files(
     except Exception as err:  # noqa: BLE001 (pandas/arrow/json parse errors: a malformed file is the user's)
         if builder != "csv" or not _typed_by_chunk(err):
             raise read_error(err, builder, files, split) from None
-        loaded = _read_as_text(files, split, options or {}, as_text)  # its columns' types from every row
+        try:
+            loaded = _read_as_text(files, split, options or {}, as_text)  # its columns' types from every row
+        except Exception:  # noqa: BLE001 (as above: the first failure says what the file holds)
+            raise read_error(err, builder, files, split) from None
     finally:
         readers.setLevel(level)
     return numbers_with_gaps(loaded, as_text) if builder == "csv" else loaded
@@ -221,7 +224,7 @@ def _typed_by_chunk(err: BaseException) -> bool:
     datasets casts every chunk to the first one's types, so labels 1, 2, 3 that turn into `other` past row 10,000
     (or a text column of numbers at first) failed to load a valid file (found in audit)."""
     while err is not None:
-        if isinstance(err, pa.ArrowInvalid) and "Failed to parse string" in str(err):
+        if isinstance(err, pa.ArrowInvalid):  # "Failed to parse string", "... was truncated converting to int64"
             return True
         err = err.__cause__ or err.__context__  # type: ignore[assignment]
     return False
@@ -230,14 +233,15 @@ def _typed_by_chunk(err: BaseException) -> bool:
 def _read_as_text(files: list[Path], split: str, options: dict, as_text: Sequence[str]) -> Dataset:
     """The csv files with every column read as text, then each column numbers where every row's cell is one (as
     pandas types a column from all its rows), but the `as_text` columns."""
-    import csv
-
+    import pandas as pd
     import pyarrow.compute as pc
 
-    with open(files[0], encoding="utf-8-sig", newline="") as f:
-        header = next(csv.reader(f, delimiter=options.get("sep", ",")), [])
-    loaded = _read("csv", files, split, {**options, "converters": dict.fromkeys(header, str)})
-    for name in loaded.column_names:
+    names = pd.read_csv(files[0], nrows=0, sep=options.get("sep", ",")).columns  # as pandas names them (Unnamed: 2)
+    text = datasets.Features({str(name): datasets.Value("string") for name in names})  # every chunk cast to it
+    plain = {key: value for key, value in options.items() if key != "converters"}  # pandas reads each column as str
+    loaded = _read("csv", files, split, {**plain, "features": text})
+    order = loaded.column_names
+    for name in order:
         if name in as_text:
             continue
         column = loaded.data.column(name)
@@ -248,7 +252,7 @@ def _read_as_text(files: list[Path], split: str, options: dict, as_text: Sequenc
                 continue
             loaded = loaded.remove_columns(name).add_column(name, typed.to_pylist(), feature=datasets.Value(str(kind)))
             break
-    return loaded.select_columns(header)
+    return loaded.select_columns(order)
 
 
 def numbers_with_gaps(ds: Dataset, as_text: Sequence[str] = ()) -> Dataset:
