@@ -196,8 +196,13 @@ def test_an_empty_parquet_file_is_said_to_be_empty(tmp_path):
     """It was "ArrowInvalid: BatchSize must be greater than 0, got 0" (found in audit)."""
     path = tmp_path / "train.parquet"
     pd.DataFrame({"text": pd.Series([], dtype=str), "label": pd.Series([], dtype=str)}).to_parquet(path)
-    with pytest.raises(UserError, match=f"^the train data in {path} is empty; give a file with "):
+    with pytest.raises(UserError, match=f"^the train data in {path} is empty; give a file with rows$"):
         connect(DataConfig(train_file=str(path)))
+    folder = tmp_path / "parts"  # Spark writes empty part files beside the others: they add no rows (review)
+    folder.mkdir()
+    path.rename(folder / "part-0.parquet")
+    pd.DataFrame({"text": ["a", "b"], "label": ["x", "y"]}).to_parquet(folder / "part-1.parquet")
+    assert connect(DataConfig(train_file=str(folder)))["train"]["text"] == ["a", "b"]  # the empty part: no rows
 
 
 def test_validation_labels_unseen_in_training(tmp_path, tokenizer):

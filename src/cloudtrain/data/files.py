@@ -55,7 +55,12 @@ def check_data_files(cfg: DataConfig) -> None:
     _check_held_out_apart(files)
 
 
-_WHAT_ROWS = {".txt": "a text per line", ".jsonl": "a JSON record per line", ".json": "records"}  # (else csv/tsv)
+_WHAT_ROWS = {  # (else csv/tsv)
+    ".txt": "a text per line",
+    ".jsonl": "a JSON record per line",
+    ".json": "records",
+    ".parquet": "rows",
+}
 
 
 def rows_wanted(file: Path) -> str:

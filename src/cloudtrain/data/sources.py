@@ -142,6 +142,8 @@ def _load_path(path: str, split: str, text_column: str, as_text: Sequence[str] =
         raise UserError(f"{path} mixes data formats ({', '.join(sorted(suffixes))}); keep one format per split")
     suffix = min(suffixes)
     builder, options = FILE_FORMATS[suffix]
+    if builder == "parquet" and len(files) > 1:
+        files = _without_empty_parts(files)
     loaded = load_files(builder, files, split, options, as_text)
     if suffix == ".tsv":
         check_swallowed_rows(loaded, path)
@@ -330,6 +332,21 @@ def read_error(err: BaseException, builder: str, files: list[Path], split: str) 
         )
     cause = next((c for c in causes if not isinstance(c, DatasetGenerationError)), causes[-1])
     return UserError(f"could not read {where} as {builder}: {type(cause).__name__}: {first_line(cause)}")
+
+
+def _without_empty_parts(files: list[Path]) -> list[Path]:
+    """A folder's parquet files less those holding no rows (from their metadata), as Spark writes beside the others:
+    one such part made the whole folder "empty" (review); all of them empty stay, for that line."""
+    import pyarrow.parquet as pq
+
+    def rows(file: Path) -> int:
+        try:
+            return pq.read_metadata(file).num_rows
+        except (OSError, pa.ArrowException):
+            return 1  # the reader says what is wrong with it
+
+    kept = [file for file in files if rows(file)]
+    return kept or files
 
 
 def first_bad_json_line(files: list[Path]) -> str | None:
