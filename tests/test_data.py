@@ -452,9 +452,10 @@ def test_a_csv_cell_that_opens_a_quote_it_never_closes_is_noted(tmp_path, capsys
     path = tmp_path / "train.csv"
     path.write_text("text,label\n" + "\n".join(rows) + '\nthe "end,tech\n')
     assert len(connect(DataConfig(train_file=str(path)))["train"]) < 13
-    assert f"note: row 5 of {path}, column 'text', spans lines that each look like a row" in capsys.readouterr().out
+    assert f"note: row 5 of {path}, column 'text', holds lines that read as rows of the file" in capsys.readouterr().out
     fine = tmp_path / "fine.csv"
-    pd.DataFrame({"text": ["a poem,\nwith lines, and commas", "plain"], "label": ["a", "b"]}).to_csv(fine, index=False)
+    listed = "Here they are:\nParis, France\nRome, Italy\nOslo, Norway"  # a list's lines hold commas too (review)
+    pd.DataFrame({"text": ["a poem,\nwith lines, and commas", listed], "label": ["a", "b"]}).to_csv(fine, index=False)
     assert len(connect(DataConfig(train_file=str(fine)))["train"]) == 2
     assert "note:" not in capsys.readouterr().out
 

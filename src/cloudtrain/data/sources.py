@@ -167,24 +167,30 @@ def check_swallowed_rows(ds: Dataset, path: str) -> None:
 
 
 def note_run_on_rows(ds: Dataset, path: str, lines: int = 3) -> None:
-    """A csv cell holding `lines` or more lines that each hold a row's commas: a cell that opens with a quote it never
-    closes takes in the rows after it, silently (26 of 40 rows were read, a class lost; found in audit). A note, not
-    a refusal: a quoted paragraph may hold such lines."""
+    """A csv cell holding `lines` or more lines that each read as a row of the file (its columns' count, the last
+    cell one the last column holds elsewhere): a cell that opens with a quote it never closes takes in the rows
+    after it, silently (26 of 40 rows were read, a class lost; found in audit). A note, not a refusal."""
+    import csv
+
     import pyarrow.compute as pc
 
-    commas = len(ds.column_names) - 1
-    if not commas or int(os.environ.get("RANK", "0")) != 0:
+    names = ds.column_names
+    if len(names) < 2 or int(os.environ.get("RANK", "0")) != 0:
         return
-    row_line = f"\n(?:[^\n,]*,){{{commas}}}[^\n]*"
+    row_line = f"\n(?:[^\n,]*,){{{len(names) - 1}}}[^\n]*"
+    last: set[str] | None = None  # the last column's values, read once a cell is a candidate
     for name, feature in ds.features.items():
-        if isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string"):
-            found = pc.match_substring_regex(ds.data.column(name), f"(?:{row_line}){{{lines}}}")
-            if pc.any(found).as_py():
-                row = found.to_pylist().index(True)
+        if not (isinstance(feature, datasets.Value) and feature.dtype in ("string", "large_string")):
+            continue
+        found = pc.match_substring_regex(ds.data.column(name), f"(?:{row_line}){{{lines}}}").to_pylist()
+        for row in (i for i, hit in enumerate(found) if hit):
+            last = last if last is not None else {str(value) for value in ds[names[-1]]}
+            rows = list(csv.reader(str(ds[row][name]).split("\n")[1:]))
+            if sum(len(cells) == len(names) and cells[-1] in last for cells in rows) >= lines:  # a list's lines: no
                 print(
-                    f"note: row {row + 1} of {path}, column {name!r}, spans lines that each look like a row of the "
-                    "file: if a cell there opens with a quote it never closes, it took in the rows after it (the run "
-                    "reads fewer rows than the file has); check its quotes",
+                    f"note: row {row + 1} of {path}, column {name!r}, holds lines that read as rows of the file: a "
+                    "cell there opens with a quote it never closes, and took in the rows after it (the run reads "
+                    "fewer rows than the file has); check its quotes",
                     flush=True,
                 )
                 return
