@@ -126,6 +126,8 @@ def tags_words(model_dir: Path) -> bool:
     one model whose input rows are lists of words."""
     if is_adapter_dir(model_dir):
         return adapter_config(model_dir).get("task_type") == "TOKEN_CLS"
+    if not (model_dir / "config.json").is_file():  # no transformers model: `load` says so in its line
+        return False
     architectures = read_json(model_dir / "config.json").get("architectures") or []
     return any(str(name).endswith("ForTokenClassification") for name in architectures)
 

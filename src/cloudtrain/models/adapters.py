@@ -277,8 +277,6 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
         )
     if not base:
         raise UserError(f"{model_dir}/adapter_config.json names no base model (base_model_name_or_path)")
-    if not config.get("peft_type"):  # PEFT's KeyError, once the base had loaded
-        raise UserError(f"{model_dir}/adapter_config.json names no peft_type (LORA, ...): restore the file PEFT wrote")
     local = base.startswith(("/", ".", "~")) or base.count("/") > 1  # else a Hub id
     if local and not Path(base).expanduser().is_dir():  # moved or deleted since training
         raise UserError(
@@ -303,6 +301,8 @@ def load_adapter_model(model_dir: Path, dtype: torch.dtype | str = torch.float32
             problem_type=problem_type,  # written since --task multi_label; before: single-label
             ignore_mismatched_sizes=True,
         )  # the base's own head, if any, is replaced by the adapter's
+    if not config.get("peft_type"):  # PEFT's KeyError, once the base had loaded
+        raise UserError(f"{model_dir}/adapter_config.json names no peft_type (LORA, ...): restore the file PEFT wrote")
     verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()  # the "newly initialized head" report: the adapter holds the head
     try:
