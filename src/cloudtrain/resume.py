@@ -99,8 +99,13 @@ def foreign_checkpoints(folder: Path) -> list[str]:
     """`checkpoint-N` folders in `folder` that another trainer wrote (a readable state file of another format, or
     none readable and none of the marks every process of a cloudtrain save leaves): a run must not replace them.
     One of ours whose state file is damaged is no checkpoint (resuming it says so)."""
-    names = [p.name for p in Path(folder).glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit()]
-    return sorted(name for name in names if not _ours(Path(folder) / name))
+    return sorted(path.name for _, path in _numbered(folder) if not _ours(path))
+
+
+def _numbered(folder: Path) -> list[tuple[int, Path]]:
+    """(step, path) of the `checkpoint-N` folders in `folder`, whoever wrote them, oldest first."""
+    found = [(path.name[len(PREFIX) :], path) for path in Path(folder).glob(f"{PREFIX}*")]
+    return sorted((int(step), path) for step, path in found if step.isdigit())
 
 
 def _ours(path: Path) -> bool:
@@ -208,13 +213,7 @@ def drop_earlier_checkpoints(folder: Path, runtime: Any) -> None:
 def _note_damaged_after(folder: Path, step: int) -> None:
     """Newer checkpoint-N folders whose trainer_state.json cannot be read (a damaged disk, a truncated copy):
     `latest` passes over them, and says so."""
-    damaged = sorted(
-        (int(path.name[len(PREFIX) :]), path.name)
-        for path in Path(folder).glob(f"{PREFIX}*")
-        if path.name[len(PREFIX) :].isdigit()
-        and int(path.name[len(PREFIX) :]) > step
-        and state_format(path / STATE_FILE) is None
-    )
+    damaged = [(s, path.name) for s, path in _numbered(folder) if s > step and state_format(path / STATE_FILE) is None]
     if damaged:
         print(
             f"note: {', '.join(name for _, name in damaged)} in {folder} cannot be read (its {STATE_FILE} is "
@@ -235,7 +234,9 @@ def set_aside_newer(folder: Path, resumed: Path, runtime: Any) -> None:
     step = int(read_state(resumed)["state"]["global_step"])
     stamp = runtime.share(time.strftime("%Y%m%d-%H%M%S"))  # one name on every node
     if first_on_node():
-        newer = [path for s, path in _ours_after(folder, step)]
+        # ours past the step, complete or not: one whose state file is damaged holds whole weights and states too
+        # (an interrupted copy of its state file), and a save at its step replaced and deleted it
+        newer = [path for s, path in _numbered(folder) if s > step and _ours(path)]
         aside = Path(folder) / f"abandoned-{stamp}"
         for path in newer:
             with contextlib.suppress(OSError):  # another node on the same storage took it first
@@ -249,15 +250,6 @@ def set_aside_newer(folder: Path, resumed: Path, runtime: Any) -> None:
                 flush=True,
             )
     runtime.barrier()
-
-
-def _ours_after(folder: Path, step: int) -> list[tuple[int, Path]]:
-    """Our checkpoint-N folders past `step`, complete or not: one whose state file is damaged holds whole weights
-    and states too (an interrupted copy of its state file), and a save at its step replaced and deleted it."""
-    found = [
-        (int(p.name[len(PREFIX) :]), p) for p in Path(folder).glob(f"{PREFIX}*") if p.name[len(PREFIX) :].isdigit()
-    ]
-    return sorted((s, path) for s, path in found if s > step and _ours(path))
 
 
 def _delete(folders: list[Path]) -> None:
