@@ -448,6 +448,14 @@ def test_a_push_of_a_runs_merged_folder_points_to_its_run(tmp_path, capsys):
 # ---------------------------------------------------------------- pushes during training
 
 
+def folder_of(folder: Path, *names: str) -> Path:
+    """`folder` made, holding a file of each name, its text a JSON object naming it."""
+    folder.mkdir()
+    for name in names:
+        (folder / name).write_text(json.dumps({"name": name}))
+    return folder
+
+
 def make_save(folder, step: int):
     """What a save during training writes: model files and, in a checkpoint, optimizer state."""
     folder.mkdir(parents=True)
@@ -530,10 +538,9 @@ def test_a_save_during_training_deletes_an_earlier_runs_card_and_results(in_proc
     cfg = hub_config("alice/card-gone")
     cloudhub.check_access(cfg.hub)
     api = cloudhub.hub_api(cfg.hub)
-    earlier = tmp_path / "earlier"
-    earlier.mkdir()
-    for name in ("README.md", "args.json", "eval_results.json", "training_curves.png", "notes.txt"):
-        (earlier / name).write_text(name)
+    earlier = folder_of(
+        tmp_path / "earlier", "README.md", "args.json", "eval_results.json", "training_curves.png", "notes.txt"
+    )
     api.upload_folder(repo_id="alice/card-gone", folder_path=earlier, commit_message="earlier run")
     uploader = cloudhub.HubUploader(cfg)
     uploader.upload(make_save(tmp_path / "checkpoint-2", 2), "Training in progress, step 2")
@@ -916,10 +923,7 @@ def test_a_push_keeps_the_users_own_files_named_like_model_files(in_process, tmp
     cfg = hub_config("alice/mine-too")
     cloudhub.check_access(cfg.hub)
     api = cloudhub.hub_api(cfg.hub)
-    run = tmp_path / "run"
-    run.mkdir()
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "README.md", "args.json"):
-        (run / name).write_text(json.dumps({"name": name}))
+    run = folder_of(tmp_path / "run", "config.json", "model.safetensors", "tokenizer.json", "README.md", "args.json")
     commit = partial(cloudhub.commit_model_files, api, cfg.hub, folder=run, message="push", base_model=None)
     commit(files=cloudhub.model_files(run))
     mine = [
