@@ -742,6 +742,32 @@ def test_a_fresh_run_starts_its_validation_grids_anew_and_a_resume_keeps_those_b
     assert sorted(p.name for p in folder.iterdir()) == ["mine.png"]
 
 
+def test_a_resume_over_a_log_cut_mid_line_or_damaged_goes_on_from_what_parses(tmp_path, capsys):
+    """A kill or a full disk mid-write left metrics.jsonl's last line cut: every resume failed with a
+    JSONDecodeError traceback (found in audit). A cut last line is dropped; other damage falls back to the
+    checkpoint's copy of the log, the damaged file kept; with no copy, one line naming the file."""
+    cfg = build_config({"report_to": "none", "output_dir": str(tmp_path)})
+    lines = [json.dumps({"step": step, "time": 0, "loss": 1.0 / step}) for step in (1, 2, 3, 4)]
+    log = tmp_path / "metrics.jsonl"
+    log.write_text("\n".join(lines[:3]) + "\n" + lines[3][:20])
+    tracking.RunLog(cfg, tmp_path, True, {}, resume_step=3)
+    assert [r["step"] for r in tracking.read_metrics(log)] == [1, 2, 3]
+
+    checkpoint = tmp_path / "checkpoint-2"
+    checkpoint.mkdir()
+    (checkpoint / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    damaged = lines[0] + "\n" + "{not json\n" + lines[2] + "\n"
+    log.write_text(damaged)
+    tracking.RunLog(cfg, tmp_path, True, {}, resume_step=2, checkpoint=checkpoint)
+    assert [r["step"] for r in tracking.read_metrics(log)] == [1, 2]
+    assert (tmp_path / "metrics.damaged.jsonl").read_text() == damaged
+    assert "line 2 is not a JSON record" in capsys.readouterr().out
+
+    log.write_text(damaged)
+    with pytest.raises(UserError, match="line 2 is not a JSON record.*mend or remove it"):
+        tracking.RunLog(cfg, tmp_path, True, {}, resume_step=2)
+
+
 # ---------------------------------------------------------------- a real MLflow server
 
 

@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import shlex
+import shutil
 import time
 import urllib.request
 from collections.abc import Callable
@@ -82,8 +83,17 @@ def requested(cfg: TrackingConfig) -> list[str]:
 
 
 def read_metrics(path: Path) -> list[dict]:
-    """The records of a metrics.jsonl file."""
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The records of a metrics.jsonl file, less a last line a kill or a full disk cut mid-write (its step is
+    redone by a resume). ValueError where another line does not parse."""
+    lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+    records = []
+    for number, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError as err:
+            if number < len(lines):
+                raise ValueError(f"{path}: line {number} is not a JSON record ({first_line(err)})") from None
+    return records
 
 
 def _is_save_line(record: dict) -> bool:
@@ -135,11 +145,11 @@ class RunLog:
         finished run's final evaluation, which a resume at its last step writes again). Returns the lines kept at
         the checkpoint's step where some logged there after it were dropped; else None."""
         kept, redone = [], False
+        copy = checkpoint / "metrics.jsonl" if checkpoint else None
         if resume_step is not None and self.path.exists():
-            logged = read_metrics(self.path)
+            logged = self._logged(copy)
             kept = [r for r in logged if r["step"] < resume_step]
             at_step = [r for r in logged if r["step"] == resume_step]
-            copy = checkpoint / "metrics.jsonl" if checkpoint else None
             if copy and copy.is_file():
                 seen = sum(r["step"] == resume_step for r in read_metrics(copy))
                 whole = len(at_step)
@@ -153,6 +163,20 @@ class RunLog:
             if step.isdigit() and (resume_step is None or int(step) > resume_step):
                 grid.unlink()
         return [r for r in kept if r["step"] == resume_step] if redone else None
+
+    def _logged(self, copy: Path | None) -> list[dict]:
+        """The run's log as far as it parses; where it is damaged, the checkpoint's copy (what it held at the
+        save), the damaged file kept beside it."""
+        try:
+            return read_metrics(self.path)
+        except ValueError as err:
+            damage = str(err)
+        if not (copy and copy.is_file()):
+            raise UserError(f"{damage}: mend or remove it, or resume from a checkpoint holding its copy")
+        kept = self.path.with_name("metrics.damaged.jsonl")
+        shutil.copy2(self.path, kept)
+        print(f"note: {damage}; the log restarts from {copy}'s copy (the damaged file is kept as {kept.name})")
+        return read_metrics(copy)
 
     def log(self, values: dict, step: int) -> None:
         if not self.enabled:
