@@ -190,6 +190,20 @@ def test_cuda_only_optimizer_is_one_line_from_the_command(tmp_path, tiny_model_d
     assert not (tmp_path / "out").exists()
 
 
+def test_the_logged_learning_rate_is_the_one_each_step_was_taken_at(tmp_path, tiny_model_dir, topic_csvs):
+    """It was read after the schedule stepped, so the rate of the next step (found in audit): step 1 of a warmup
+    said 5e-4 where it trained at 0, and every run ended on a logged 0."""
+    options = ["--max_steps", "4", "--logging_steps", "1", "--warmup_steps", "2", "--learning_rate", "1e-3"]
+    result = run_cli(
+        *topic_run_args(tiny_model_dir, topic_csvs, tmp_path / "out"), *options, "--lr_scheduler_type", "linear",
+        "--eval_strategy", "no",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    logged = [json.loads(line) for line in (tmp_path / "out" / "metrics.jsonl").read_text().splitlines()]
+    rates = [e["train/learning_rate"] for e in logged if "train/learning_rate" in e]
+    assert rates == pytest.approx([0.0, 5e-4, 1e-3, 5e-4])  # warmup over steps 1-2, then the linear decay to 0
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("optim", CUDA_OPTIMIZERS)
 def test_cuda_only_optimizers_train_on_the_schedule(optim):

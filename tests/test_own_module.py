@@ -190,11 +190,11 @@ def test_trains_checkpoints_and_resumes_exactly_under_ddp_and_zero2(two_process_
 @pytest.mark.slow
 def test_a_deepspeed_json_with_only_an_optimizer_section_runs_cloudtrains_schedule(two_process_launch):
     """The file's AdamW (its betas in the state DeepSpeed saved), driven by --lr_scheduler_type linear with
-    --warmup_steps 2 over 8 steps: step k logs the rate that schedule gives after k steps."""
+    --warmup_steps 2 over 8 steps: step k logs the rate it was taken at, the schedule's after k - 1 steps."""
     out, _ = two_process_launch
     result = json.loads((out / "json_optimizer_only.json").read_text())
     peak, warmup, total = 1e-2, 2, 8
-    linear = {str(k): peak * (k / warmup if k < warmup else (total - k) / (total - warmup)) for k in range(1, 9)}
+    linear = {str(k + 1): peak * (k / warmup if k < warmup else (total - k) / (total - warmup)) for k in range(8)}
     assert result["steps"] == 8 and result["rates"] == pytest.approx(linear)
     assert result["betas"] == [[0.9, 0.98], [0.9, 0.98]]
 

@@ -85,6 +85,7 @@ class LoopState:
     bar: tqdm  # the progress bar (the main process's); hooks print through `bar.write`
     # Set anew after each step, for the hooks after it:
     stats: StepStats | None = None  # the step's loss sum, count and gradient norm, on the device
+    learning_rate: float = 0.0  # the rate the step was taken at (the schedule has moved on to the next one's)
     sync: bool = False  # a hook is due: the loop syncs here, and the device flags are read
     interval: dict | None = None  # at a logging step: the interval's totals over every process (Meter.flush)
     logged: dict | None = None  # at a logging step: the numbers logged (train/loss, train/learning_rate, ...)
@@ -239,7 +240,7 @@ class LoggingHook(Hook):
         trainer = self.trainer
         values = {  # no train/loss where every step of the interval was skipped (--nonfinite_loss skip): not 0
             **({"train/loss": interval["loss"]} if interval["loss"] is not None else {}),
-            "train/learning_rate": trainer.scheduler.get_last_lr()[0],
+            "train/learning_rate": loop.learning_rate,
             "train/epoch": round(loop.epoch, 4),
             "train/samples_per_s": interval["samples_per_s"],
             "train/tokens_per_s": interval["tokens_per_s"],

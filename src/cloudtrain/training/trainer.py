@@ -417,6 +417,7 @@ class Trainer:
         self.apply_step(bad)
         loop.guard.add(bad)
         loop.meter.add(window, stats, applied=~bad & self.counts_batches)
+        loop.learning_rate = self.scheduler.get_last_lr()[0]  # a float the scheduler holds: no device read
         self.scheduler.step()
         self.clock.end_step()
         loop.step_ended(stats)
