@@ -47,6 +47,7 @@ def test_a_classification_run_names_the_tasks_that_read_its_language_model_optio
         ("dpo", {"preference_loss": "simpo", "simpo_gamma": 0.5}),
         ("reward", {"chosen_column": "good", "rejected_column": "bad", "margin_column": "margin"}),
         ("text_to_image", {"resolution": 256, "validation_prompts": "a dog|a cat", "snr_gamma": 5.0}),
+        ("classification", {"report_to": "tensorboard", "tags": "exp1", "project_name": "proj"}),
     ],
 )
 def test_no_note_where_the_task_reads_the_option(task, values):
@@ -60,6 +61,8 @@ def test_no_note_where_the_task_reads_the_option(task, values):
             {"profile_steps": "2:3"},  # no trace, no word (found in audit)
             "--profile_steps 2:3 has no effect without --profile true",
         ),
+        ({"tags": "exp1"}, "--tags exp1 has no effect without --report_to TRACKER"),  # silent (found in audit)
+        ({"project_name": "proj"}, "--project_name proj has no effect without --report_to TRACKER"),
         (
             {"task": "sft", "text_column": "body"},  # an SFT row is a conversation or a prompt/completion (audit)
             "--text_column body has no effect on --task sft; it counts for --task classification, multi_label, "
@@ -202,7 +205,9 @@ def test_the_table_names_real_options_tasks_and_enabling_values():
         assert name in fields, name
         assert set(use.tasks) <= set(TASK_ROWS), (name, use.tasks)
         if use.needs:
-            assert use.needs in fields and (use.values or option_default(fields[use.needs][1]) is None), name
+            # without values, on at any value but its default: one meaning off (None, or --report_to none)
+            off = option_default(fields[use.needs][1]) in (None, ["none"])
+            assert use.needs in fields and (use.values or off), name
             for value in use.values:  # each enabling value is one the enabling option takes
                 assert _coerce(use.needs, value) == value, (name, use.needs, value)
 

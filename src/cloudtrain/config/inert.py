@@ -53,6 +53,8 @@ ENABLED_BY: dict[str, tuple[str, tuple[Any, ...]]] = {
     "precompute_reference": ("preference_loss", tuple(x for x in PREFERENCE_LOSSES if x not in REFERENCE_FREE)),
     "early_stopping_threshold": ("early_stopping_patience", ()),
     "profile_steps": ("profile", (True,)),
+    # what a tracker's run is filed under: read only where a tracker is on (any --report_to but none)
+    **{name: ("report_to", ()) for name in ("project_name", "tags")},
     # DreamBooth: the class images and their loss count only with prior preservation; the prompt only for
     # --instance_data_dir (a --train_data_dir brings its own captions)
     **{name: ("with_prior_preservation", (True,)) for name in ("class_data_dir", "class_prompt", "prior_loss_weight")},
@@ -148,10 +150,15 @@ def unused(
     return notes
 
 
+PLACEHOLDERS = {"report_to": "TRACKER"}  # an enabling option's value as a note writes it, where not N or FOLDER
+
+
 def _placeholder(name: str) -> str:
     """What an enabling option with no fixed values takes, as --help would show it: FOLDER for a path, else N."""
     field = option_fields().get(name)
-    return "FOLDER" if field is not None and field[1].metadata.get("path") else "N"
+    if field is not None and field[1].metadata.get("path"):
+        return "FOLDER"
+    return PLACEHOLDERS.get(name, "N")
 
 
 def inert_notes(cfg: Config, task: str | None = None) -> list[str]:
