@@ -295,6 +295,7 @@ def test_help_lists_every_option_with_its_default():
         (["--learning_rate", "0"], "must be positive"),
         (["--gradient_accumulation_steps", "0"], "at least 1"),
         (["--eval_strategy", "steps"], "needs --eval_steps"),
+        (["--eval_strategy", "steps", "--eval_steps", "0"], "--eval_steps must be at least 1"),  # 'needs' (audit)
         (["--push_to_hub", "true"], "needs --hub_model_id"),
         (["--report_to", "none,wandb"], "cannot be combined"),
         (["--throughput_drop_ratio", "1.5"], "--throughput_drop_ratio must be in .0, 1. .a share"),

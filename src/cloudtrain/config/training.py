@@ -217,11 +217,11 @@ class TrainingConfig(OnlyFields):
                     not 0 <= self.seed < 2**32,
                     "--seed must be between 0 and 4294967295 (2**32 - 1), as numpy's generator takes",
                 ),
+                (self.eval_steps is not None and self.eval_steps < 1, "--eval_steps must be at least 1"),
                 (
-                    self.eval_strategy == "steps" and not self.eval_steps,
+                    self.eval_strategy == "steps" and self.eval_steps is None,
                     "--eval_strategy steps needs --eval_steps N (or use --eval_strategy epoch)",
                 ),
-                (self.eval_steps is not None and self.eval_steps < 1, "--eval_steps must be at least 1"),
                 (
                     self.early_stopping_patience is not None and self.early_stopping_patience < 1,
                     "--early_stopping_patience must be at least 1",
