@@ -612,7 +612,7 @@ class Trainer:
                 f"{self.num_processes} process(es) on {self._device.type} ({self.mode}, precision "
                 f"{t.mixed_precision}), effective batch {effective} "
                 f"({t.per_device_train_batch_size} per device x {self.replicas} x "
-                f"{t.gradient_accumulation_steps} accumulation), {total_steps} steps "
+                f"{t.gradient_accumulation_steps} accumulation), {console.counted(total_steps, 'step')} "
                 f"({'streamed: no epochs' if self.streams else f'{steps_per_epoch} per epoch'})",
                 flush=True,
             )
