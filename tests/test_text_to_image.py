@@ -451,6 +451,10 @@ def test_images_are_read_upright_and_16_bit_grey_keeps_its_tones(tmp_path):
     Image.fromarray(ramp).save(tmp_path / "ramp.png")  # mode I;16
     grey = np.asarray(images.load_rgb(tmp_path / "ramp.png"))[..., 0]
     assert grey.min() == 0 and grey.max() == 255 and len(np.unique(grey)) > 200
+    Image.fromarray(ramp.astype(np.float32) / 65535, "F").save(tmp_path / "ramp.tif")  # [0, 1]: it was black
+    assert np.array_equal(np.asarray(images.load_rgb(tmp_path / "ramp.tif"))[..., 0], grey)
+    with pytest.raises(UserError, match="^the t data holds no images$"):  # a dataset of no rows: an IndexError
+        images.readable([], 16, "t")
     kept, skipped = images.readable([images.Example(None, "x"), images.Example(tmp_path / "ramp.png", "y")], 16, "t")
     assert (len(kept), skipped) == (1, 1)
 

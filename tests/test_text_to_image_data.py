@@ -76,6 +76,8 @@ def test_a_folder_captioned_by_metadata_csv_trains_as_with_metadata_jsonl(tiny_s
         ("file_name,text\n9.png,x\n", "row 1 names 9.png, which is not a file in"),
         # an unquoted comma: the caption was cut at it without a word (found in review)
         ("file_name,text\n0.png,a red dog, sitting\n", "row 1 has more cells than its header; quote captions"),
+        # its header alone: an IndexError traceback after the model loaded (found in audit)
+        ("file_name,text\n", "metadata.csv lists no images: give a row per image (file_name and 'text')"),
     ):
         (folder / "metadata.csv").write_text(written)
         with pytest.raises(UserError, match=re.escape(line)):

@@ -169,6 +169,8 @@ def _metadata_rows(metadata: Path) -> list[Any]:
 
 def _metadata_examples(folder: Path, metadata: Path, caption_column: str) -> list[Example]:
     rows = _metadata_rows(metadata)
+    if not rows:  # an empty file, or a csv of its header alone
+        raise UserError(f"{metadata} lists no images: give a row per image (file_name and {caption_column!r})")
     for number, row in enumerate(rows, 1):
         if not isinstance(row, dict):
             kind = "null" if row is None else type(row).__name__
@@ -224,6 +226,8 @@ def readable(
         if (image.width * image.height < resolution**2) if by_area else (min(image.size) < resolution):
             small.append((example, image.size))
         kept.append(example)
+    if not examples:  # a dataset of no rows
+        raise UserError(f"the {what} data holds no images")
     if not kept:
         raise UserError(f"none of the {len(examples)} {what} images could be read (first: {name(skipped[0])})")
     if small:
@@ -258,10 +262,13 @@ def _upright(image: Image.Image) -> Image.Image:
 
 
 def _rgb(image: Image.Image) -> Image.Image:
-    """RGB; 16- and 32-bit grey scaled to 8 bits (PIL's own conversion clips every value over 255 to white)."""
-    if image.mode.startswith("I"):  # I;16, I;16B, I: 16-bit PNGs and TIFFs
+    """RGB; 16- and 32-bit grey scaled to 8 bits (PIL's own conversion clips every value over 255 to white, and a
+    float image's values in [0, 1] to black)."""
+    if image.mode.startswith("I") or image.mode == "F":  # I;16, I;16B, I: 16-bit PNGs and TIFFs; F: float TIFFs
         values = np.asarray(image, dtype=np.float64)
-        top = 65535.0 if image.mode.startswith("I;16") or values.max(initial=0) > 255 else 255.0
+        # the full scale: a 16-bit mode's; else the smallest of [0, 1] (floats), 8 and 16 bits that holds them all
+        scales = (65535.0,) if image.mode.startswith("I;16") else (1.0, 255.0, 65535.0)[image.mode != "F" :]
+        top = next((scale for scale in scales if values.max(initial=0) <= scale), values.max())
         image = Image.fromarray(np.clip(values / top * 255.0 + 0.5, 0, 255).astype(np.uint8), mode="L")
     return image.convert("RGB")
 
