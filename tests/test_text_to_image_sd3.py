@@ -6,6 +6,7 @@ output, full fine-tuning saves a pipeline that loads and resumes bit-exactly, va
 noise-prediction options are refused. 2-process DDP against one process: tests/test_text_to_image_dist.py."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -297,13 +298,14 @@ def test_a_pipeline_without_t5_saves_renders_and_loads_as_hint_and_card_show(tmp
         results = train(run)
         hint = capsys.readouterr().out.split("use it: ")[-1].strip()
         assert "text_encoder_3=None, tokenizer_3=None)" in hint
+        assert re.search(r'\("a prompt", max_sequence_length=\d+\)', hint)  # the card's, as trained (audit)
         if name == "full":
             assert (tmp_path / name / "transformer").is_dir()
             image = eval(hint, {"DiffusionPipeline": DiffusionPipeline})
         else:
             assert [p.name for p in (tmp_path / name / "validation").glob("*.png")] == ["eval-step-000001.png"]
             scope = {"DiffusionPipeline": DiffusionPipeline}
-            exec(hint.replace('p("a prompt")', 'image = p("a prompt").images[0]'), scope)
+            exec(hint.replace('; p("a prompt"', '; image = p("a prompt"') + ".images[0]", scope)
             image = scope["image"]
         assert image.size == (16, 16)
         card = build_card(tmp_path / name, build_config(run), results).content

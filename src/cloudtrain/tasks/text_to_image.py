@@ -410,15 +410,19 @@ class TextToImageTask(Task):
         assert self.cfg is not None
         base = self.cfg.model.model_name_or_path
         # SD3 saved without T5: from_pretrained takes the folder with text_encoder_3=None, tokenizer_3=None only
-        nones = diffusion.none_arguments(diffusion.read_model_index(diffusion.local_pipeline(str(base))))
+        index = diffusion.read_model_index(diffusion.local_pipeline(str(base)))
+        nones = diffusion.none_arguments(index)
+        # SD3 renders at the T5 length it trained with, as the card says (diffusers' default is 256; audit)
+        options = sd3.render_options(self.cfg.images) if sd3.is_sd3(index) else {}
+        prompt = "".join(['"a prompt"', *(f", {name}={value!r}" for name, value in options.items())])
         if self.cfg.model.peft == "none":
-            return f'DiffusionPipeline.from_pretrained("{output_dir}"{nones})("a prompt").images[0]'
+            return f'DiffusionPipeline.from_pretrained("{output_dir}"{nones})({prompt}).images[0]'
         from cloudtrain.publish.diffusion_card import scheduler_line
 
         predicts = self.cfg.images.prediction_type
         return (
             f'p = DiffusionPipeline.from_pretrained("{base}"{nones}); p.load_lora_weights("{output_dir}"); '
-            f'{scheduler_line("p", predicts) + "; " if predicts else ""}p("a prompt")'
+            f'{scheduler_line("p", predicts) + "; " if predicts else ""}p({prompt})'
         )
 
 
