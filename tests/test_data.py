@@ -140,6 +140,20 @@ def test_a_folder_with_no_data_files_says_so_and_what_to_check(tmp_path):
         )
 
 
+def test_a_dataset_name_folder_of_data_files_or_images_names_the_option_that_reads_it(tmp_path):
+    """--dataset_name of a folder of csv files or of images was told only that datasets did not save it (audit)."""
+    files, images = tmp_path / "files", tmp_path / "images" / "train"
+    files.mkdir()
+    images.mkdir(parents=True)
+    pd.DataFrame(topic_rows(2)).to_csv(files / "train.csv", index=False)
+    (images / "0.png").write_bytes(b"png")
+    for folder, hint in ((files, "data files is read by --train_file"), (images.parent, "by --train_data_dir")):
+        with pytest.raises(
+            UserError, match=f"^{folder} is a directory but not one written by .*: a folder of .*{hint}$"
+        ):
+            connect(DataConfig(dataset_name=str(folder)))
+
+
 def test_split_files_from_a_saved_dataset_dict_take_their_own_split(tmp_path):
     """--validation_file/--test_file naming a save_to_disk DatasetDict read that split (or its alias),
     never silently the training rows; a missing split is one error listing the splits it has."""

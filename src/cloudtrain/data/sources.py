@@ -411,11 +411,25 @@ def _pick_split(saved: DatasetDict, split: str, path: str) -> Dataset:
     return saved[names[0]]
 
 
+def _other_flag(path: str) -> str:
+    """The option that reads a folder of data files or of images, where `path` holds them (a user's
+    --dataset_name of such a folder was told only that datasets did not save it; audit)."""
+    from cloudtrain.data.images import IMAGE_SUFFIXES
+
+    if data_files(Path(path)):
+        return ": a folder of data files is read by --train_file"
+    if any(f.suffix.lower() in IMAGE_SUFFIXES for f in Path(path).rglob("*")):  # stops at the first
+        return ": a folder of images and captions (text-to-image) is read by --train_data_dir"
+    return ""
+
+
 def _load_saved(path: str) -> Dataset | DatasetDict:
     try:
         return datasets.load_from_disk(path)
     except FileNotFoundError:
-        raise UserError(f"{path} is a directory but not one written by datasets.save_to_disk") from None
+        raise UserError(
+            f"{path} is a directory but not one written by datasets.save_to_disk{_other_flag(path)}"
+        ) from None
     except Exception as err:  # noqa: BLE001 (a damaged state.json, dataset_info.json or arrow file)
         raise UserError(
             f"could not read the saved dataset in {path} ({type(err).__name__}: {first_line(err)}); save it again "
