@@ -14,7 +14,9 @@ FSDP_STRATEGIES = ("full_shard", "shard_grad_op", "hybrid_shard", "no_shard")
 @dataclass
 class DistributedConfig(OnlyFields):
     zero_stage: int | None = opt(
-        None, "DeepSpeed ZeRO stage (needs the deepspeed package); unset: no DeepSpeed.", (0, 1, 2, 3)
+        None,
+        "DeepSpeed ZeRO stage (needs the deepspeed package); unset or none (over a config file's): no DeepSpeed.",
+        (0, 1, 2, 3),
     )
     offload_optimizer: str = opt(
         "none",

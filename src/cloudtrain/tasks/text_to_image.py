@@ -422,7 +422,7 @@ class TextToImageTask(Task):
         predicts = self.cfg.images.prediction_type
         return (
             f'p = DiffusionPipeline.from_pretrained("{base}"{nones}); p.load_lora_weights("{output_dir}"); '
-            f'{scheduler_line("p", predicts) + "; " if predicts else ""}p({prompt})'
+            f"{scheduler_line('p', predicts) + '; ' if predicts else ''}p({prompt})"
         )
 
 
