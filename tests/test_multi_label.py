@@ -4,6 +4,7 @@ model that `predict` and transformers' pipeline read as multi-label, its card, a
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from sklearn.metrics import f1_score
 from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
 from cloudtrain.data.multi_labels import multi_label_scheme
+from cloudtrain.errors import UserError
 from cloudtrain.predict import predict
 from cloudtrain.tasks.multi_label import multi_label_metrics
 
@@ -84,6 +86,38 @@ def test_each_split_is_read_by_its_own_column_type_and_an_empty_one_is_for_predi
     assert multi_label_scheme(ids, DataConfig(label_column="labels")).names == ["1", "2", "10"]  # by value
     head = ["weather", "sports", "finance"]  # a checkpoint head's order is kept
     assert multi_label_scheme(raw, DataConfig(label_column="labels"), order=head).names == head
+
+
+def test_multi_hot_vectors_read_by_position_and_lists_of_ids_as_before(capsys):
+    """[0, 1, 0] over 3 labels was read as the label set {"0", "1"} (found in audit): a row of 0/1 that repeats a
+    value marks the column as multi-hot vectors, label i present where position i is 1."""
+    vectors = [[0, 1, 0], [1, 1, 0], [0, 0, 1], [0.0, 1.0, 1.0], [True, False, False]]
+    raw = DatasetDict(
+        {
+            "train": Dataset.from_list([{"text": f"t {i}", "labels": v} for i, v in enumerate(vectors[:3])]),
+            "validation": Dataset.from_list([{"text": f"t {i}", "labels": v} for i, v in enumerate(vectors[3:4])]),
+        }
+    )
+    scheme = multi_label_scheme(raw, DataConfig(label_column="labels"))
+    assert "reads as multi-hot vectors of 3 labels" in capsys.readouterr().out
+    assert scheme.names == ["0", "1", "2"] and scheme.labelled(raw["validation"], "validation")
+    encode = scheme.encoder(raw["train"])
+    assert [encode(v) for v in vectors] == [[float(bit) for bit in v] for v in vectors]
+    bools = DatasetDict({"train": Dataset.from_list([{"text": "t", "labels": [True, False, False]}] * 2)})
+    assert multi_label_scheme(bools, DataConfig(label_column="labels")).names == ["0", "1", "2"]
+    ids = DatasetDict({"train": Dataset.from_list([{"text": "t", "labels": v} for v in ([0, 1], [2], [1, 0])])})
+    assert multi_label_scheme(ids, DataConfig(label_column="labels")).names == ["0", "1", "2"]  # ids, no vectors
+    assert multi_label_scheme(ids, DataConfig(label_column="labels")).encoder(ids["train"])([2]) == [0.0, 0.0, 1.0]
+    for rows, said in (
+        ([[0, 1, 0], [1, 0]], "row 2 of the train data's 'labels' column is [1, 0], not a multi-hot vector of 3"),
+        ([[0, 1, 0], [1, 2, 0]], "row 2 of the train data's 'labels' column is [1, 2, 0], not a multi-hot vector"),
+    ):
+        bad = DatasetDict({"train": Dataset.from_list([{"text": "t", "labels": v} for v in rows])})
+        with pytest.raises(UserError, match=re.escape(said)):
+            multi_label_scheme(bad, DataConfig(label_column="labels"))
+    mixed = DatasetDict({"train": ids["train"], "validation": raw["train"]})
+    with pytest.raises(UserError, match="validation data's 'labels' column holds multi-hot vectors of 0/1, the tr"):
+        multi_label_scheme(mixed, DataConfig(label_column="labels")).labelled(mixed["validation"], "validation")
 
 
 @pytest.mark.slow

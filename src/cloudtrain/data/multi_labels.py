@@ -1,9 +1,10 @@
 """The label column of `--task multi_label`: any number of labels per row, as a multi-hot row.
 
 A row's labels are a list (JSON lines, Parquet, a Hub `Sequence` column; ids of a `Sequence(ClassLabel)` by its
-names), one text with the labels between `--label_separator`s (CSV), or one whole-number id. An empty list, an
-empty text or no value is a row to which no label applies. The names are a `Sequence(ClassLabel)`'s, else the
-training data's in order (numbers by value); a checkpoint head's order is kept where it has the same names. Each
+names), a multi-hot vector (rows of one length N of 0/1, label i present where position i is 1, the labels named
+"0".."N-1"; told apart from a list of ids by a row that repeats a value), one text with the labels between
+`--label_separator`s (CSV), or one whole-number id. An empty list, an empty text or no value is a row to which no
+label applies. The names are a `Sequence(ClassLabel)`'s, else the training data's in order (numbers by value); a checkpoint head's order is kept where it has the same names. Each
 split is read by its own column's type (a JSON lines train and a CSV validation mix). An evaluation split with labels
 the training data never saw is an error; one without the label column, or with no label in any row, is for
 predictions only.
@@ -11,6 +12,7 @@ predictions only.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -25,7 +27,8 @@ from cloudtrain.errors import UserError
 def multi_label_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | None = None) -> LabelScheme:
     """The multi-hot encoding of `cfg.label_column` over the label names; `order`: a checkpoint head's names."""
     column, separator = cfg.label_column, cfg.label_separator
-    names = label_names(raw["train"], column, separator)
+    width = multi_hot_width(raw["train"], column)
+    names = multi_hot_names(raw["train"], column, width) if width else label_names(raw["train"], column, separator)
     if len(names) < 2:
         raise UserError(
             f"the training data has {len(names)} distinct label(s) in {column!r}; --task multi_label needs at least 2 "
@@ -35,8 +38,13 @@ def multi_label_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | Non
         names = list(order)  # the head keeps its rows
     index = {name: i for i, name in enumerate(names)}
 
+    def read_split(ds: Dataset) -> Callable[[Any], list[str]]:
+        if width:
+            return lambda value: [str(i) for i, bit in enumerate(value or []) if bit]
+        return reader(ds, column, separator)
+
     def encoder(ds: Dataset) -> Callable[[Any], list[float]]:
-        read = reader(ds, column, separator)
+        read = read_split(ds)
 
         def encode(value: Any) -> list[float]:
             row = [0.0] * len(names)
@@ -49,7 +57,8 @@ def multi_label_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | Non
     def labelled(ds: Dataset, split: str) -> bool:
         if column not in ds.column_names or all(is_empty(value) for value in ds[column]):
             return False
-        read = reader(ds, column, separator)
+        check_multi_hot(ds, column, width, split)
+        read = read_split(ds)
         refuse_unseen(split, {name for value in ds[column] for name in read(value)} - set(index))
         return True
 
@@ -57,7 +66,7 @@ def multi_label_scheme(raw: DatasetDict, cfg: DataConfig, order: list[str] | Non
         names=names,
         encoder=encoder,
         feature=datasets.List(datasets.Value("float32")),
-        key=[names, "multi-hot", separator],
+        key=[names, "multi-hot", separator, width],
         labelled=labelled,
         strata=lambda train: None,  # no one class per row to stratify by
     )
@@ -74,6 +83,54 @@ def label_names(train: Dataset, column: str, separator: str | None, how: str = "
     if all(name.lstrip("-").isdigit() for name in found):
         return sorted(found, key=lambda name: (int(name), name))  # 01 and 1: one order on every run
     return sorted(found)
+
+
+def multi_hot_width(ds: Dataset, column: str) -> int | None:
+    """N where the column's rows are multi-hot vectors of N labels: a row of a numeric list column that holds only 0/1
+    and repeats a value (any such vector longer than 2 does; a list of ids has no reason to). None: lists of ids or
+    names, read as before."""
+    inner = getattr(ds.features[column], "feature", None)
+    if not isinstance(inner, datasets.Value) or inner.dtype in ("string", "large_string"):
+        return None
+    vector = next((v for v in ds[column] if _bits(v) and len(set(v)) < len(v)), None)
+    return None if vector is None else len(vector)
+
+
+def multi_hot_names(train: Dataset, column: str, width: int) -> list[str]:
+    """The labels of a training column of multi-hot vectors, by position, once each row is checked; said on rank 0."""
+    check_multi_hot(train, column, width, "train")
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(
+            f"note: the {column!r} column reads as multi-hot vectors of {width} labels (label i where position i is "
+            f"1), named 0..{width - 1}",
+            flush=True,
+        )
+    return [str(i) for i in range(width)]
+
+
+def check_multi_hot(ds: Dataset, column: str, width: int | None, split: str) -> None:
+    """Every labelled row of a multi-hot column is a vector of `width` 0/1 values (None: the training data's are
+    lists of labels, and so must this split's be): another length or form would be read as another label set,
+    silently."""
+    if width is None:
+        if multi_hot_width(ds, column):  # [0, 1, 0] read as ids would be the labels "0" and "1"
+            raise UserError(
+                f"the {split} data's {column!r} column holds multi-hot vectors of 0/1, the training data's lists of "
+                "labels; give both splits the same form"
+            )
+        return
+    for row, value in enumerate(ds[column]):
+        if not is_empty(value) and not (_bits(value) and len(value) == width):
+            raise UserError(
+                f"row {row + 1} of the {split} data's {column!r} column is {str(value)[:60]}, not a multi-hot vector "
+                f"of {width} labels as its other rows are; give each row {width} values of 0 or 1 (or each row a list "
+                "of its label names)"
+            )
+
+
+def _bits(value: Any) -> bool:
+    """A list of only 0/1 (ints, floats or bools: 1 == 1.0 == True)."""
+    return isinstance(value, list) and bool(value) and all(v is not None and v in (0, 1) for v in value)
 
 
 def is_empty(value: Any) -> bool:
