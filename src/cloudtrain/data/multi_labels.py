@@ -4,10 +4,10 @@ A row's labels are a list (JSON lines, Parquet, a Hub `Sequence` column; ids of 
 names), a multi-hot vector (rows of one length N of 0/1, label i present where position i is 1, the labels named
 "0".."N-1"; told apart from a list of ids by a row that repeats a value), one text with the labels between
 `--label_separator`s (CSV), or one whole-number id. An empty list, an empty text or no value is a row to which no
-label applies. The names are a `Sequence(ClassLabel)`'s, else the training data's in order (numbers by value); a checkpoint head's order is kept where it has the same names. Each
-split is read by its own column's type (a JSON lines train and a CSV validation mix). An evaluation split with labels
-the training data never saw is an error; one without the label column, or with no label in any row, is for
-predictions only.
+label applies. The names are a `Sequence(ClassLabel)`'s, else the training data's in order (numbers by value); a
+checkpoint head's order is kept where it has the same names. Each split is read by its own column's type (a JSON
+lines train and a CSV validation mix). An evaluation split with labels the training data never saw is an error; one
+without the label column, or with no label in any row, is for predictions only.
 """
 
 from __future__ import annotations
