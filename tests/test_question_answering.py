@@ -264,10 +264,16 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
     wordy_start = [{**rows[0], "answers": {**rows[0]["answers"], "answer_start": ["abc"]}}, *rows[1:]]  # (audit)
     wordy = [{**rows[0], "question": "who " * 40}, *rows[1:]]
     unset = [rows[0], {**rows[1], "context": None}, *rows[2:]]  # "'x' is not at character 12 of its context" (audit)
+    listed = [{**r, "question": [r["question"]]} for r in rows]  # was trained on "['who travelled?']" (audit)
     cases = {
         "a row without its context": (
             {**base, "train_file": write_jsonl(tmp_path / "unset.jsonl", unset)},
             "row 1 of the train data has an answer but an empty 'context' column; give each question its context",
+        ),
+        "a list of questions": (
+            {**base, "train_file": write_jsonl(tmp_path / "listed.jsonl", listed)},
+            "the train data's 'question' column holds lists (['who travelled?']), not one question text per row; "
+            "give one question per row",
         ),
         "no context column": (
             {**base, "train_file": write_jsonl(tmp_path / "nc.jsonl", no_context)},
@@ -297,6 +303,42 @@ def test_each_refusal_is_one_line(tiny_model_dir, tmp_path, capsys):
         ),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def test_numbers_in_questions_contexts_and_answers_read_as_their_text(bert_tokenizer_dir, tiny_model_dir, tmp_path):
+    """A context of digits alone (a jsonl 1000) was kept as an int and sliced as a text (TypeError), and a csv
+    answer column of years was refused as "holds int values" (found in audit): each is read as its text, a csv's
+    as written ('007' stays '007')."""
+    from transformers import AutoTokenizer
+
+    from cloudtrain.config.parse import resolve_options
+    from cloudtrain.data.answer_spans import _answers
+    from cloudtrain.tasks import build_task
+
+    assert _answers(1834, "answers") == _answers(1834.0, "answers") == [("1834", None)]
+    tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
+    cfg = DataConfig(text_column="question", text_pair_column="context", label_column="answers", max_length=32,
+                     doc_stride=8, validation_split_percentage=50)  # fmt: skip
+    for rows in (
+        [{"question": "what?", "context": 1000 + i, "answers": 1000 + i} for i in range(8)],
+        [{"question": 7, "context": f"built in {1800 + i}", "answers": float(1800 + i)} for i in range(8)],
+    ):
+        data = process_answer_spans(DatasetDict({"train": Dataset.from_list(rows)}), tokenizer, cfg, seed=0)
+        examples = list(data.extras["examples"].values())
+        assert len(examples) == 4 and all(isinstance(c, str) and a[0] in c for c, a in examples), examples
+    lines = ["question,context,answers"] + [f"when was tower {i} built?,tower {i} was built in 18{i}4,18{i}4" for i in
+             range(8)] + ["who is 007?,the agent 007 is bond,007"]  # fmt: skip
+    (tmp_path / "years.csv").write_text("\n".join(lines) + "\n")
+    (tmp_path / "numbers.csv").write_text("question,context\nwhat number?,18611\n")
+    options = {"task": "question_answering", "model_name_or_path": tiny_model_dir, "output_dir": str(tmp_path / "out"),
+               "train_file": str(tmp_path / "years.csv"), "test_file": str(tmp_path / "numbers.csv"), "max_steps": 1,
+               "report_to": "none"}  # fmt: skip
+    raw = build_task(resolve_options(None, options)).connect(resolve_options(None, options))
+    assert raw["train"]["answers"][-2:] == ["1874", "007"] and raw["test"]["context"] == ["18611"]
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    predicted = json.loads((tmp_path / "out" / "test_predictions.jsonl").read_text())
+    answer, start = predicted["answer"], predicted["start"]
+    assert predicted["question"] == "what number?" and "18611"[start : start + len(answer)] == answer, predicted
 
 
 def test_a_record_of_one_answer_is_read_as_squads_record_of_one():

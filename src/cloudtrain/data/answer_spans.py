@@ -30,6 +30,7 @@ from cloudtrain.data.processing import (
     choose_rows,
     split_cache_key,
 )
+from cloudtrain.data.source_target import check_one_text
 from cloudtrain.errors import UserError
 
 SQUAD_COLUMNS = {"text_column": "question", "text_pair_column": "context", "label_column": "answers"}
@@ -40,6 +41,9 @@ def process_answer_spans(
     raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, seed: int
 ) -> ProcessedData:
     """Training windows with their targets; evaluation windows with ids, and the windows and examples beside them."""
+    for split, ds in raw.items():
+        check_one_text(ds, split, cfg.text_column, "question", "give one question per row")
+        check_one_text(ds, split, cfg.text_pair_column or "", "context", "give one context per row")
     answered = {split for split, ds in raw.items() if cfg.label_column in ds.column_names}
     allow_none = any(not answers for answers in read_answers(raw["train"], cfg))  # also checks every answer's place
     for split in answered - {"train"}:
@@ -74,7 +78,7 @@ def process_answer_spans(
         test=splits.get("test"),
         collator=RightPadded(tokenizer),
         unlabelled=predicted,
-        unlabelled_texts={split: list(ds[cfg.text_column]) for split, ds in unlabelled.items()},
+        unlabelled_texts={split: [as_text(q) for q in ds[cfg.text_column]] for split, ds in unlabelled.items()},
         extras=extras,
     )
 
@@ -84,7 +88,7 @@ def read_answers(ds: Dataset, cfg: DataConfig) -> list[list[tuple[str, int]]]:
     its context where it says."""
     rows = []
     for i, (value, context) in enumerate(zip(ds[cfg.label_column], ds[cfg.text_pair_column], strict=True)):
-        found = []
+        found, context = [], as_text(context)
         answers = _answers(value, cfg.label_column)
         if not context and answers:
             raise UserError(
@@ -112,6 +116,8 @@ def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
         value = {"text": [value["text"]], "answer_start": [value.get("answer_start")]}
     if value is None or isinstance(value, str):
         found = [(value, None)]
+    elif isinstance(value, (int, float)) and not isinstance(value, bool):  # a year, 1834: a jsonl number
+        found = [(as_text(value), None)]
     elif isinstance(value, dict) and isinstance(value.get("text"), list):
         starts = value.get("answer_start")
         starts = [starts] if isinstance(starts, (int, float, str)) else starts or [None] * len(value["text"])
@@ -128,7 +134,7 @@ def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
             f"the {column!r} column holds {type(value).__name__} values: --task question_answering reads SQuAD's "
             '{"text": [...], "answer_start": [...]} or an answer\'s text'
         )
-    return [(str(t), _start(s, column)) for t, s in found if t is not None and str(t).strip()]
+    return [(as_text(t), _start(s, column)) for t, s in found if t is not None and as_text(t).strip()]
 
 
 def _start(value: Any, column: str) -> int | None:
@@ -144,12 +150,23 @@ def _start(value: Any, column: str) -> int | None:
         ) from None
 
 
+def as_text(value: Any) -> str:
+    """A question, context or answer as the text it is read as everywhere (windows, answers, saved predictions): a
+    number read from the data as its digits, a whole float without ".0" (a jsonl 1834, or a csv column of numbers
+    with gaps, read as floats); None as "". A context kept as an int was sliced as a text later (found in audit)."""
+    if value is None:
+        return ""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
 def windows_of(tokenizer: PreTrainedTokenizerBase, questions: list, contexts: list, max_length: int, stride: int):
     """Each question with its context, cut into windows of `max_length` tokens that overlap by `stride` (only the
     context is cut: `check_questions` made sure it has room); a fast tokenizer's encoding with offsets."""
     return tokenizer(
-        [str(q or "").lstrip() for q in questions],  # leading spaces only shift a question's tokens
-        [str(c or "") for c in contexts],
+        [as_text(q).lstrip() for q in questions],  # leading spaces only shift a question's tokens
+        [as_text(c) for c in contexts],
         truncation="only_second",
         max_length=max_length,
         stride=stride,
@@ -172,7 +189,7 @@ def check_questions(
     """Every question leaves its context more room than `stride` in `max_length` tokens (the windows move by the
     difference; the tokenizers library panics deep inside otherwise); a UserError names the first that does not
     (`where`: question i as the user knows it)."""
-    texts = [str(q or "").lstrip() for q in questions]
+    texts = [as_text(q).lstrip() for q in questions]
     specials = tokenizer.num_special_tokens_to_add(pair=True)
     for i, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
         n, room = len(ids), max_length - specials - len(ids)
@@ -186,7 +203,7 @@ def check_questions(
 
 def context_room(tokenizer: PreTrainedTokenizerBase, question: Any, max_length: int) -> int:
     """How many of `max_length` tokens a window leaves its context, after the question and the special tokens."""
-    n = len(tokenizer(str(question or "").lstrip(), add_special_tokens=False)["input_ids"])
+    n = len(tokenizer(as_text(question).lstrip(), add_special_tokens=False)["input_ids"])
     return max_length - tokenizer.num_special_tokens_to_add(pair=True) - n
 
 
@@ -230,7 +247,7 @@ def _encode(
     for w, (example, offsets) in enumerate(zip(windows["example"], windows["offsets"], strict=True)):
         extras["windows"][first_id + w] = Window(first_id + example, np.asarray(offsets, dtype=np.int32))
     for i, text in enumerate(ds[context]):
-        extras["examples"][first_id + i] = (text or "", [a for a, _ in answers[i]] if answers is not None else [])
+        extras["examples"][first_id + i] = (as_text(text), [a for a, _ in answers[i]] if answers is not None else [])
     ids = list(range(first_id, first_id + len(windows)))
     return windows.remove_columns(["example", "offsets"]).add_column("window", ids)
 

@@ -163,17 +163,22 @@ def process_source_target(
     )
 
 
-def check_one_text(ds: Dataset, split: str, column: str, what: str) -> None:
-    """A source or target is one text (or a number) per row: a list (several references) or a record would be
-    read as its Python spelling, "['ref 1', 'ref 2']", and trained and scored so."""
+def check_one_text(
+    ds: Dataset,
+    split: str,
+    column: str,
+    what: str,
+    fix: str = "give one text per row (for several references: one row each, or the first)",
+) -> None:
+    """A source or target (a question, a context) is one text (or a number) per row: a list (several references) or
+    a record would be read as its Python spelling, "['ref 1', 'ref 2']", and trained and scored so."""
     feature = ds.features.get(column)
     if feature is None or isinstance(feature, datasets.Value):
         return
     first = next((v for v in ds[column] if v is not None), None)
     kind = "lists" if isinstance(first, (list, tuple)) else "records"
     raise UserError(
-        f"the {split} data's {column!r} column holds {kind} ({str(first)[:60]}), not one {what} text per row; give "
-        f"one text per row (for several references: one row each, or the first)"
+        f"the {split} data's {column!r} column holds {kind} ({str(first)[:60]}), not one {what} text per row; {fix}"
     )
 
 

@@ -88,8 +88,12 @@ class QuestionAnsweringTask(ClassificationTask):
         super().check_options(cfg)
 
     def connect(self, cfg: Config) -> DatasetDict:
-        """The raw splits, holding a question, a context and (in training) an answer column."""
-        raw = super().connect(cfg)
+        """The raw splits, holding a question, a context and (in training) an answer column; a csv's read as written
+        ('007' stays '007', a year's answer 1834 a text: it was refused as "holds int values"; found in audit)."""
+        from cloudtrain.data.sources import check_columns, connect_data
+
+        raw = connect_data(cfg.data, {}, [*SQUAD_COLUMNS.values(), cfg.data.label_column])
+        check_columns(raw, self.columns(self.data_options(cfg, raw)))
         if self.data_options(cfg, raw).text_pair_column is None:
             raise UserError(
                 "--task question_answering reads a context beside each question: the data has no 'context' column; "
