@@ -333,6 +333,16 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
             {**base, "text_column": "body"},
             "column 'body' is not in the train data (its columns: document, summary); pass --text_column <name>",
         ),
+        "a source without its target": (  # was "column 'text' is not in the train data ...; pass --text_column" (audit)
+            {**base, "train_file": write_jsonl(tmp_path / "sources.jsonl", [{"source": r["document"]} for r in rows])},
+            "the training data has a 'source' column but no 'target' beside it (its columns: source); add the target "
+            "column 'target', or name it with --label_column <name>",
+        ),
+        "a summary without its document": (
+            {**base, "train_file": write_jsonl(tmp_path / "alone.jsonl", [{"summary": r["summary"]} for r in rows])},
+            "the training data has a 'summary' column but no 'document' beside it (its columns: summary); add the "
+            "source column 'document', or name it with --text_column <name>",
+        ),
         "target length": ({**base, "max_target_length": "0"}, "--max_target_length must be at least 1"),
         "no beams": ({**base, "generation_num_beams": "0"}, "--generation_num_beams must be at least 1 (1: greedy)"),
         "from a config": (

@@ -43,6 +43,23 @@ def family_columns(columns: list[str]) -> dict[str, str]:
     return {}
 
 
+def check_family(columns: list[str], cfg: DataConfig) -> None:
+    """One column of a family without its partner, whose option is left at a default the data lacks: the refusal
+    names the partner and its option (data of `source` alone was told "column 'text' is not in the train data ...;
+    pass --text_column", of the column it has; found in audit)."""
+    defaults = DataConfig()
+    for source, target in FAMILIES:
+        for have, missing, option, what in ((source, target, "label_column", "target"), (target, source,
+                                            "text_column", "source")):  # fmt: skip
+            default = getattr(defaults, option)
+            unread = getattr(cfg, option) == default and default not in columns  # the option would find nothing
+            if have in columns and missing not in columns and unread:
+                raise UserError(
+                    f"the training data has a {have!r} column but no {missing!r} beside it (its columns: "
+                    f"{', '.join(columns)}); add the {what} column {missing!r}, or name it with --{option} <name>"
+                )
+
+
 def check_translations(train: Dataset, cfg: DataConfig) -> None:
     """--source_lang and --target_lang against the training data's `translation` column, or that column named
     where the run reads no other (each mistake one line, before anything is tokenized)."""

@@ -39,6 +39,7 @@ from cloudtrain.data.processing import ProcessedData, longest_row, with_named_co
 from cloudtrain.data.source_target import (
     IGNORED,
     adds_eos,
+    check_family,
     check_translations,
     family_columns,
     process_source_target,
@@ -140,6 +141,7 @@ class Seq2SeqTask(ClassificationTask):
         raw = connect_data(cfg.data, {})
         check_translations(raw["train"], cfg.data)
         if not cfg.data.source_lang:
+            check_family(raw["train"].column_names, cfg.data)
             check_columns(raw, self.columns(self.data_options(cfg, raw)))
         return raw
 
