@@ -45,3 +45,28 @@ def test_a_txt_input_file_s_byte_order_mark_is_no_part_of_its_first_text(tmp_pat
     path = tmp_path / "texts.txt"
     path.write_bytes("\ufeffoil prices rose\nwheat fell\n".encode())
     assert read_texts(str(path), "text") == ["oil prices rose", "wheat fell"]
+
+
+def test_the_text_column_defaults_to_the_one_the_run_read(tmp_path):
+    """A QA or token-classification run's own validation file was refused "column 'text' is not in ..." (found in
+    audit): --text_column defaults to the run's recorded column, else `text` or the column its data family names."""
+    import argparse
+
+    from cloudtrain.commands.predict import NAMED_TEXT, trained_text_column
+    from cloudtrain.data.answer_spans import SQUAD_COLUMNS
+    from cloudtrain.data.word_tags import CONLL_COLUMNS
+
+    assert NAMED_TEXT == {"question_answering": SQUAD_COLUMNS["text_column"], "token_classification": "tokens"}
+    assert CONLL_COLUMNS["text_column"] == "tokens"
+    (tmp_path / "args.json").write_text(json.dumps({"task": "token_classification", "text_column": "text"}))
+    args = argparse.Namespace(model_dir=str(tmp_path), text_column=None)
+    trained_text_column(args, "token_classification")
+    assert (args.text_column, args.text_column_fallback) == ("text", "tokens")
+    file = tmp_path / "validation.jsonl"
+    file.write_text(json.dumps({"tokens": ["john", "went"], "ner_tags": ["B-PER", "O"]}) + "\n")
+    assert read_texts(str(file), args.text_column, fallback=args.text_column_fallback) == [["john", "went"]]
+    (tmp_path / "args.json").write_text(json.dumps({"task": "question_answering", "text_column": "q"}))
+    given = argparse.Namespace(model_dir=str(tmp_path), text_column="ask")
+    for args, column in ((argparse.Namespace(model_dir=str(tmp_path), text_column=None), "q"), (given, "ask")):
+        trained_text_column(args, "question_answering")  # the recorded column, an explicit flag first
+        assert (args.text_column, args.text_column_fallback) == (column, None)

@@ -339,6 +339,11 @@ def test_numbers_in_questions_contexts_and_answers_read_as_their_text(bert_token
     predicted = json.loads((tmp_path / "out" / "test_predictions.jsonl").read_text())
     answer, start = predicted["answer"], predicted["start"]
     assert predicted["question"] == "what number?" and "18611"[start : start + len(answer)] == answer, predicted
+    validation = write_jsonl(tmp_path / "validation.jsonl", squad_rows(3, 1))  # SQuAD's columns, read without options
+    argv = ["predict", "--model_dir", str(tmp_path / "out"), "--input_file", validation, "--output_file"]
+    assert main([*argv, str(tmp_path / "answers.jsonl")]) == 0  # was "column 'text' is not in ..." (audit)
+    answered = [json.loads(line) for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    assert [r["text"] for r in answered] == [r["question"] for r in squad_rows(3, 1)]
 
 
 def test_a_record_of_one_answer_is_read_as_squads_record_of_one():

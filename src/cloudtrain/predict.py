@@ -57,9 +57,11 @@ if TYPE_CHECKING:
     from cloudtrain.data.chat import ChatFormat
 
 
-def read_texts(path: str, column: str, blank: str = "one output row per text line") -> list[str]:
+def read_texts(
+    path: str, column: str, blank: str = "one output row per text line", fallback: str | None = None
+) -> list[str]:
     """The texts of an --input_file: a .txt file's lines (a note on stderr counts the blank ones skipped, and says
-    `blank`: what that means for the output), else its `column`."""
+    `blank`: what that means for the output), else its `column` (`fallback`: as read_columns takes it)."""
     file = Path(path)  # there: the commands' check_input_file
     if file.suffix.lower() == ".txt":
         try:
@@ -73,7 +75,7 @@ def read_texts(path: str, column: str, blank: str = "one output row per text lin
                 file=sys.stderr,
             )
         return texts
-    return read_columns(path, [column])[0]
+    return read_columns(path, [column], fallback)[0]
 
 
 def text_lines(text: str) -> list[str]:
@@ -86,9 +88,10 @@ def text_lines(text: str) -> list[str]:
     return [line.removesuffix("\r") for line in lines]
 
 
-def read_columns(path: str, columns: list[str]) -> list[list]:
+def read_columns(path: str, columns: list[str], fallback: str | None = None) -> list[list]:
     """Each named column of a csv/tsv/json/jsonl/parquet --input_file, as texts (a missing value: "", as in training;
-    a list cell as its items: a token classifier's words)."""
+    a list cell as its items: a token classifier's words). `fallback`: the column read for the first where the file
+    lacks it, as training read its data family's column (`question`, `tokens`) where it had no `text`."""
     file = Path(path)
     if file.suffix.lower() == ".txt":
         raise UserError(f"--input_file {path} holds one text per line; a csv/tsv/json/jsonl/parquet file has columns")
@@ -104,7 +107,9 @@ def read_columns(path: str, columns: list[str]) -> list[list]:
         raise UserError(f"--input_file {path} is empty")
     builder, options = FILE_FORMATS[file.suffix.lower()]
     # (the split names it in a line about it)
-    ds = load_files(builder, [file], split="input", options=options, as_text=columns)
+    ds = load_files(builder, [file], split="input", options=options, as_text=[*columns, *filter(None, [fallback])])
+    if fallback and columns[0] not in ds.column_names and fallback in ds.column_names:
+        columns = [fallback, *columns[1:]]
     for column, flag in zip(columns, ("--text_column", "--text_pair_column"), strict=False):
         if column not in ds.column_names:
             raise UserError(
@@ -561,11 +566,13 @@ def run(args: argparse.Namespace) -> None:
     """The command once cloudtrain.commands.predict.check_options passed (it resolved args.text_pair_column)."""
     texts, pairs = list(args.text), (list(args.text_pair) if args.text_pair else None)
     if args.input_file:
+        fallback = getattr(args, "text_column_fallback", None)  # check_options: the run's data family's column
         if args.text_pair_column:
-            file_texts, file_pairs = read_columns(args.input_file, [args.text_column, args.text_pair_column])
+            columns = [args.text_column, args.text_pair_column]
+            file_texts, file_pairs = read_columns(args.input_file, columns, fallback)
             pairs = (pairs or []) + file_pairs
         else:
-            file_texts = read_texts(args.input_file, args.text_column)
+            file_texts = read_texts(args.input_file, args.text_column, fallback=fallback)
         texts += file_texts
     if not texts:  # an input file of blank lines
         raise UserError(f"nothing to classify: --input_file {args.input_file} holds no text")

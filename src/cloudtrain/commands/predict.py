@@ -25,6 +25,9 @@ from cloudtrain.publish.saving import check_not_checkpoint, check_not_diffusion,
 from cloudtrain.registry_table import PROMPT_ANSWERS, QUESTIONS, TEXTS, predict_input
 
 DEFAULT_MAX_LENGTH = 512
+# the text column a task's run reads without --text_column where its data has no `text`: answer_spans.SQUAD_COLUMNS'
+# and word_tags.CONLL_COLUMNS' (named here: those modules load torch and transformers)
+NAMED_TEXT = {"question_answering": "question", "token_classification": "tokens"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="A .txt file (one text per line) or a csv/tsv/json/jsonl/parquet file with a --text_column.",
     )
     parser.add_argument(
-        "--text_column", default="text", help="Column of --input_file holding the texts (default: text)."
+        "--text_column",
+        help="Column of --input_file holding the texts (default: the text_column the model was trained with, from "
+        "its args.json: text, or the question or tokens column a question-answering or token-classification run read "
+        "without the option, where the file has no text column).",
     )
     parser.add_argument(
         "--text_pair_column",
@@ -115,6 +121,9 @@ def check_options(args: argparse.Namespace) -> None:
     if args.max_length is not None and context and args.max_length > context:
         raise UserError(too_long(args.max_length, context))
     task, reads = saved_task(Path(args.model_dir))
+    trained_text_column(args, task)
+    if args.text_pair_column is not None and args.text_pair_column == args.text_column:  # the column as resolved
+        raise UserError("--text_pair_column must differ from --text_column")
     check_pairs(args, *trained_on_pairs(Path(args.model_dir), reads))
     if args.handle_impossible_answer and reads != QUESTIONS:
         what = f"was trained for --task {task}" if task else "is not a question-answering model"
@@ -199,6 +208,19 @@ def free_name(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------- text pairs
+
+
+def trained_text_column(args: argparse.Namespace, task: str | None) -> None:
+    """--text_column, where not given, as the run read its texts (its args.json), as --text_pair_column is: a QA
+    or token-classification run's own validation file was refused "column 'text' is not in ..." for a default of
+    `text` where the run read `question` or `tokens` (found in audit). args.text_column_fallback: the family's
+    column read where the file has no column of the recorded name."""
+    args.text_column_fallback = None
+    if args.text_column is not None:
+        return
+    args.text_column = read_arguments(Path(args.model_dir)).get("text_column") or "text"
+    if args.text_column == "text":  # the option's default: the run read its data family's column where no `text`
+        args.text_column_fallback = NAMED_TEXT.get(task or "")
 
 
 def trained_on_pairs(model_dir: Path, reads: str | None) -> tuple[bool | None, str, str | None]:
