@@ -189,3 +189,32 @@ def test_plan_causal_lm_preset_end_to_end(tmp_path, lm_tokenizer_dir):
 def test_causal_lm_refuses_a_classifier(tiny_model_dir, tmp_path):
     with pytest.raises(UserError, match="is not a causal language model"):
         planning.make_plan(plan_args(tiny_model_dir, tmp_path, task="causal_lm", gpu_memory_gb=24))
+
+
+def test_the_pre_training_check_plans_the_run_s_attention_as_plan_does(tmp_path, lm_tokenizer_dir):
+    """--attn_implementation eager keeps every layer's scores: `plan` counted them, the pre-training check (and
+    --per_device_train_batch_size auto where no probe runs) kept the meta model's sdpa (found in audit)."""
+    from cloudtrain.config import build_config
+    from cloudtrain.planning.search import run_micro_batch
+
+    options = dict(task="causal_lm", model_config="llama-8m", max_length=1024, mixed_precision="bf16")
+
+    def check(attention: str) -> int:
+        cfg = build_config({**options, "tokenizer_name_or_path": lm_tokenizer_dir, "attn_implementation": attention})
+        return run_micro_batch(cfg, 2, 1, 1, 24 * GIB, 1024)
+
+    plan = planning.make_plan(
+        plan_args(
+            None,
+            tmp_path,
+            **options,
+            tokenizer_name_or_path=lm_tokenizer_dir,
+            attn_implementation="eager",
+            gpu_memory_gb=24,
+            strategy="ddp",
+            peft="none",
+            gradient_checkpointing="false",
+        )
+    )
+    ddp = next(r for r in plan["strategies"] if r["strategy"] == "ddp" and not r["gradient_checkpointing"])
+    assert check("eager") == ddp["max_micro_batch"] < check("sdpa")

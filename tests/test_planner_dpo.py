@@ -201,3 +201,21 @@ def test_a_pair_tasks_rows_are_counted_as_the_two_answers_they_run(tiny_model_di
         assert two.sequences_per_row == 2 and one.sequences_per_row == 1
         a, b = (planning.estimate(m, ddp, setup, 16) for m in (one, two))
         assert b.activations == 2 * a.activations and b.logits == 2 * a.logits
+
+
+def test_the_pre_training_check_counts_the_reference_copy_as_plan_does(tiny_facts, tmp_path):
+    """Full fine-tuning's frozen reference: `plan` counted it, the pre-training check (and
+    --per_device_train_batch_size auto where no probe runs) left it out (found in audit)."""
+    from cloudtrain.planning.search import run_micro_batch
+
+    root = tiny_facts[0].name
+    options = dict(task="dpo", max_length=64, mixed_precision="no", gradient_checkpointing="false")
+
+    def check(precompute: bool) -> int:
+        cfg = build_config({**options, "model_name_or_path": root, "precompute_reference": precompute})
+        return run_micro_batch(cfg, 2, 1, 1, round(1.1 * GIB), 64)
+
+    # a global batch past the largest micro-batch: accumulating, as the check assumes
+    args = plan_args(root, tmp_path, **options, gpu_memory_gb=1.1, strategy="ddp", peft="none", global_batch_size=512)
+    ddp = next(r for r in planning.make_plan(args)["strategies"] if r["strategy"] == "ddp")
+    assert 0 < check(False) == ddp["max_micro_batch"] < check(True)

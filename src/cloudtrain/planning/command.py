@@ -56,6 +56,7 @@ from cloudtrain.planning.search import (
     ranked_choices,
     row,
     run_attention,
+    run_facts,
     tensor_candidates,
 )
 from cloudtrain.planning.strategies import (
@@ -259,13 +260,11 @@ def _model(args: argparse.Namespace, name: str, gpu: Gpu | None) -> tuple[ModelF
         + (("--liger_kernels", str(args.liger_kernels).lower()) if args.liger_kernels != "auto" else ())
     )
     m = replace(
-        m,
-        model_copy=run_task.keeps_model_copy(task_cfg),
+        run_facts(m, run_task, task_cfg, attention),
         copy_free=tuple(
             s.key for s in STRATEGIES if not run_task.sharding_refusal(no_copy, Sharding(s.zero_stage, fsdp=s.fsdp))
         ),
         task_args=task_args(args) + passed,
-        attn_implementation=attention or m.attn_implementation,
     )
     return m, run_task, task_cfg
 

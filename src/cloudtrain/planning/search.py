@@ -35,6 +35,7 @@ from cloudtrain.planning.strategies import (
     Strategy,
 )
 from cloudtrain.registry import TASKS, TRAINERS
+from cloudtrain.tasks.base import Task
 
 # Tokens each GPU computes per micro-step from which a smaller micro-batch than asked costs the step little: at a
 # Llama-sized width (h = 4096) a matmul over 4096 tokens does about 4096/3 FLOPs per byte it reads, well above the
@@ -312,6 +313,14 @@ def run_attention(attention: str | None, packing: str, task: str, precision: str
     return "varlen" if rows == "bfd" and TASKS[task].packed_attention and precision != "no" else None
 
 
+def run_facts(m: ModelFacts, task: Task, cfg: Config, attention: str | None) -> ModelFacts:
+    """The model's facts as a run trains it: with the attention it computes with (`run_attention`; the meta
+    model's is sdpa, and eager keeps every layer's scores) and the frozen copy its task keeps (a DPO reference
+    under full fine-tuning). `plan` and the pre-training check both take them from here: apart, the check had
+    missed both (found in audit)."""
+    return replace(m, model_copy=task.keeps_model_copy(cfg), attn_implementation=attention or m.attn_implementation)
+
+
 def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int, memory: int, seq_len: int) -> int:
     """The largest micro-batch the estimate fits into `memory` bytes per process for a training run's model,
     strategy, gradient checkpointing and adapters, at rows of `seq_len` tokens (0: none fits)."""
@@ -325,6 +334,7 @@ def run_micro_batch(cfg: Config, num_labels: int, gpus_per_node: int, nodes: int
     precision = resolve_precision(cfg.training.mixed_precision)
     attention = run_attention(m.attn_implementation, cfg.data.packing, cfg.training.task, precision)
     task = TASKS[cfg.training.task](cfg)
+    facts = run_facts(facts, task, cfg, attention)
     loss, modules = planned_kernels(
         m.fused_cross_entropy, m.liger_kernels, facts.model_type, task, liger_available(), liger_auto_off(cfg)
     )
