@@ -21,7 +21,7 @@ from transformers import AutoModelForSequenceClassification
 
 from cloudtrain import planning
 from cloudtrain.cli import main
-from cloudtrain.config import Config
+from cloudtrain.config import Config, build_config
 from cloudtrain.errors import UserError
 from cloudtrain.planning import STRATEGIES
 
@@ -344,6 +344,27 @@ def test_a_config_that_builds_no_model_and_an_unwritable_cache_are_one_line(tmp_
     monkeypatch.setenv("CLOUDTRAIN_CACHE", str(tmp_path / "a-file" / "cache"))
     assert main(["plan", "--model_name_or_path", "gpt2", "--gpu_memory_gb", "16"]) == 2
     assert "; set CLOUDTRAIN_CACHE to a folder you can write" in capsys.readouterr().err
+
+
+def test_a_config_transformers_validation_rejects_is_one_line_naming_it(tmp_path, capsys):
+    """transformers 5 validates a config's numbers; its StrictDataclassError (no ValueError) was a traceback in
+    `plan` and in training with --model_config (found in audit)."""
+    from cloudtrain.tasks import build_task
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": 100}')
+    why = "The hidden size (100) is not a multiple of the number of attention heads (32)"
+    tokenizer = str(REPO / "data" / "grimm" / "tokenizer")
+    options = {"task": "causal_lm", "model_config": str(bad / "config.json"), "tokenizer_name_or_path": tokenizer}
+    said = f"could not load the model config {bad / 'config.json'}: {why}"
+    with pytest.raises(UserError, match=__import__("re").escape(said)):
+        build_task(build_config(options)).check_options(build_config(options))
+    argv = ["plan", "--task", "causal_lm", "--model_config", str(bad / "config.json")]
+    for plan in (argv + ["--tokenizer_name_or_path", tokenizer], ["plan", "--model_name_or_path", str(bad)]):
+        assert main([*plan, "--gpu_memory_gb", "24", "--output_dir", str(tmp_path / "plan")]) == 2
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and why in err and str(bad) in err, err
 
 
 def test_an_attention_kernel_transformers_does_not_know_is_the_run_s_one_line(capsys, tmp_path):

@@ -7,6 +7,7 @@ import contextlib
 from dataclasses import dataclass, replace
 
 import torch
+from huggingface_hub.errors import StrictDataclassError
 from torch import nn
 from transformers import AutoConfig
 from transformers.activations import ACT2FN
@@ -216,6 +217,8 @@ def _load_config(task: Task, model: ModelConfig, num_labels: int):
             if "trust_remote_code" in str(err):  # transformers' refusal: the checkpoint's own code must run
                 raise remote_code_refusal(path) from None
             raise UserError(f"could not read a model config from {path}: {first_line(err)}") from None
+        except StrictDataclassError as err:  # transformers 5 validates the numbers; the reason is its cause's line
+            raise UserError(f"could not read a model config from {path}: {first_line(err.__cause__ or err)}") from None
     config = task.model_config(Config(model=model))
     if not is_causal_lm(config):
         kind = ", ".join(config.architectures or [config.model_type])
