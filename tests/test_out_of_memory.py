@@ -139,7 +139,7 @@ def test_a_loader_worker_killed_under_the_run_is_one_line(torch_said, told, tiny
     )
 
 
-def test_the_micro_batch_warning_speaks_only_where_the_planner_can_tell(tiny_model_dir, capsys):
+def test_the_micro_batch_warning_speaks_only_where_the_planner_can_tell(tiny_model_dir, capsys, monkeypatch):
     """A micro-batch far beyond the machine gets the warning; the same run says nothing for a task the planner does
     not plan (the Python API's own module), for a model split over processes, or under ZeRO-3 (whose model
     building, on the main process alone, would wait for the others)."""
@@ -154,7 +154,9 @@ def test_the_micro_batch_warning_speaks_only_where_the_planner_can_tell(tiny_mod
     from cloudtrain.tasks.module_task import ModuleTask
 
     cfg = build_config({"model_name_or_path": tiny_model_dir, "per_device_train_batch_size": 10**7})
-    data = SimpleNamespace(train=Dataset.from_dict({"input_ids": [[1] * 64]}), label_names=["a", "b"])
+    monkeypatch.setattr("cloudtrain.batch_size.available_bytes", lambda device, local: round(1.05 * 2**30))
+    rows = Dataset.from_dict({"input_ids": [[1] * 64] * 1000})  # more than fit: the micro-batch takes 1000
+    data = SimpleNamespace(train=rows, label_names=["a", "b"])
     one = SimpleNamespace(mesh=Mesh(), device=torch.device("cpu"))
     warn_beyond_estimate(cfg, data, build_task(cfg), one)
     said = capsys.readouterr().out
@@ -169,3 +171,26 @@ def test_the_micro_batch_warning_speaks_only_where_the_planner_can_tell(tiny_mod
     zero3 = build_config({"model_name_or_path": tiny_model_dir, "per_device_train_batch_size": 10**7, "zero_stage": 3})
     warn_beyond_estimate(zero3, data, build_task(zero3), one)
     assert capsys.readouterr().out == ""
+
+
+def test_the_micro_batch_warning_weighs_the_rows_the_training_set_holds(tiny_model_dir, capsys, monkeypatch):
+    """A micro-batch beyond the whole training set takes the set: 8 samples (109 rows) at
+    --per_device_train_batch_size 4096 warned "may not fit: fits at most 1199" (found in audit). About 210 rows of
+    64 tokens fit the tiny model in 1.05 GiB (185 per process of two): 300 rows warn on one process, not on two."""
+    from types import SimpleNamespace
+
+    import torch
+    from datasets import Dataset
+
+    from cloudtrain.batch_size import warn_beyond_estimate
+    from cloudtrain.parallel.mesh import Mesh
+    from cloudtrain.tasks import build_task
+
+    cfg = build_config({"model_name_or_path": tiny_model_dir, "per_device_train_batch_size": 4096})
+    monkeypatch.setattr("cloudtrain.batch_size.available_bytes", lambda device, local: round(1.05 * 2**30))
+    cpu = torch.device("cpu")
+    for count, mesh, warns in ((100, Mesh(), False), (300, Mesh(), True), (300, Mesh(world=2, dp_replicate=2), False)):
+        data = SimpleNamespace(train=Dataset.from_dict({"input_ids": [[1] * 64] * count}), label_names=["a", "b"])
+        warn_beyond_estimate(cfg, data, build_task(cfg), SimpleNamespace(mesh=mesh, device=cpu))
+        said = capsys.readouterr().out
+        assert said.startswith("warning: micro-batch 4096 may not fit") == warns, (count, mesh, said)

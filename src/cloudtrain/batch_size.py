@@ -21,6 +21,7 @@ The chosen micro-batch divides the examples each process sees per step, so the g
 
 import gc
 import os
+import sys
 from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -209,6 +210,18 @@ def planner_estimate(
         return 0, f"{type(err).__name__}: {str(err).splitlines()[0][:200] if str(err) else ''}"
 
 
+def rows_per_process(train, processes: int) -> int:
+    """The training rows each process reads in an epoch: a micro-batch takes no more than these (8 samples of a
+    small set as --per_device_train_batch_size 4096 warned "fits at most 1199": found in audit). A stream's are
+    planned, not known: unbounded."""
+    if not hasattr(train, "column_names"):  # a stream (StreamPlan): its length is an estimate
+        return sys.maxsize
+    try:
+        return -(-len(train) // processes)  # each process reads its share of the rows, rounded up
+    except TypeError:  # an iterable dataset without a length
+        return sys.maxsize
+
+
 def warn_beyond_estimate(cfg: Config, data: "ProcessedData", task: "Task", runtime: "Runtime") -> None:
     """A fixed micro-batch larger than the planner fits in the memory this process has: one warning before training
     (the estimate is within about 10% where measured: a warning, not a refusal). Silent where it cannot tell: a
@@ -231,7 +244,7 @@ def warn_beyond_estimate(cfg: Config, data: "ProcessedData", task: "Task", runti
     except Exception:
         return
     estimate, why = planner_estimate(cfg, len(data.label_names) or 2, processes, local, memory, longest)
-    if why or estimate >= micro:
+    if why or estimate >= min(micro, rows_per_process(data.train, processes)):
         return
     fits = f"at most {estimate}" if estimate else "not even one"
     keep = ""
