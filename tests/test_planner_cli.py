@@ -125,6 +125,12 @@ def test_table_output_shows_every_strategy_and_the_nothing_fits_advice(decoder_d
         (["--num_gpus", "8", "--num_nodes", "1000000"], "--num_nodes 1000000: at most 100,000"),
         (["--global_batch_size", "100000000000000000000"], "--global_batch_size take at most 1,000,000"),
         (["--per_device_train_batch_size", "2000000"], "--per_device_train_batch_size and --global_batch_size take"),
+        # the run refuses these flags: plan lowered the micro-batch to 16 and recommended them (found in audit)
+        (
+            ["--per_device_train_batch_size", "32", "--global_batch_size", "16"],
+            "--global_batch_size 16 gives each of the 1 process.es. 16 examples per step, not a multiple of "
+            "--per_device_train_batch_size 32; change one of them",
+        ),
     ],
 )
 def test_bad_input_is_one_clear_line(argv, message, tmp_path, capsys):

@@ -17,6 +17,7 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
+from cloudtrain import batch_size
 from cloudtrain.assets import default_model_dir
 from cloudtrain.config import (
     Config,
@@ -90,6 +91,10 @@ def _check(args: argparse.Namespace) -> None:
             ),
         ]
     )
+    # the run's own refusal of a global batch the micro-batch does not divide, before the model is read: plan
+    # lowered the micro-batch instead (32 under --global_batch_size 16), recommending flags the run refuses (audit)
+    flags = ("per_device_train_batch_size", "global_batch_size")
+    batch_size.check(build_config({name: getattr(args, name) for name in flags}), args.num_gpus * args.num_nodes)
     attention = args.attn_implementation
     if attention and attention != "flex_attention" and "/" not in attention:  # (flex: CUDA; a Hub kernel: theirs)
         check_attention_name(build_config({"attn_implementation": args.attn_implementation}))  # the run's own line
@@ -101,8 +106,7 @@ def _batch(args: argparse.Namespace, world: int) -> tuple[int, int]:
     if args.per_device_train_batch_size == "auto":
         global_batch = args.global_batch_size or TrainingConfig().micro_batch * world  # the default micro-batch
         return global_batch // world, global_batch
-    global_batch = args.global_batch_size or args.per_device_train_batch_size * world
-    return min(args.per_device_train_batch_size, global_batch // world), global_batch
+    return args.per_device_train_batch_size, args.global_batch_size or args.per_device_train_batch_size * world
 
 
 def task_args(args: argparse.Namespace) -> tuple[str, ...]:
