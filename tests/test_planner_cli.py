@@ -366,8 +366,13 @@ def test_a_config_transformers_validation_rejects_is_one_line_naming_it(tmp_path
     said = f"could not load the model config {bad / 'config.json'}: {why}"
     with pytest.raises(UserError, match=__import__("re").escape(said)):
         build_task(build_config(options)).check_options(build_config(options))
+    from cloudtrain.models.load import load_config
+
+    with pytest.raises(UserError, match=__import__("re").escape(f"the model config in {bad}: {why}")):  # a folder's
+        load_config(bad, trust_remote_code=False)
     argv = ["plan", "--task", "causal_lm", "--model_config", str(bad / "config.json")]
-    for plan in (argv + ["--tokenizer_name_or_path", tokenizer], ["plan", "--model_name_or_path", str(bad)]):
+    decoder = ["plan", "--task", "causal_lm", "--model_name_or_path", str(bad), "--tokenizer_name_or_path", tokenizer]
+    for plan in (argv + ["--tokenizer_name_or_path", tokenizer], ["plan", "--model_name_or_path", str(bad)], decoder):
         assert main([*plan, "--gpu_memory_gb", "24", "--output_dir", str(tmp_path / "plan")]) == 2
         err = capsys.readouterr().err
         assert len(err.strip().splitlines()) == 1 and why in err and str(bad) in err, err

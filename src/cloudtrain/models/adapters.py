@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError
 from transformers import (
     AutoConfig,
@@ -140,8 +141,9 @@ def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
         config = AutoConfig.from_pretrained(path, trust_remote_code=cfg.model.trust_remote_code)
         with torch.device("meta"):
             return auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)  # type: ignore[attr-defined]
-    except (OSError, ValueError) as err:
-        raise UserError(f"could not read the model config in {path}: {first_line(err)}") from None
+    except (OSError, ValueError, StrictDataclassError) as err:  # the last: transformers 5's checks of its numbers
+        reason = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err
+        raise UserError(f"could not read the model config in {path}: {first_line(reason)}") from None
 
 
 def load_options(cfg: Config, auto_class: type) -> dict:

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import huggingface_hub
 import torch
 import transformers
+from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
 from transformers.dynamic_module_utils import get_class_from_dynamic_module
@@ -103,8 +104,15 @@ def _without_tokenizer_json(folder: Path) -> UserError:
     )
 
 
+# what reading a model's config.json raises for a bad one: StrictDataclassError, transformers 5's checks of its
+# numbers ("hidden size (100) is not a multiple of the number of attention heads"), derives from Exception alone
+CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
+
+
 def load_failure(err: BaseException, what: str, path: str | Path) -> UserError:
     """One line for a library error raised while loading `what` from `path` (a folder or a Hub id)."""
+    if isinstance(err, StrictDataclassError) and err.__cause__ is not None:  # the check's own reason
+        err = err.__cause__
     if "trust_remote_code" in str(err):  # transformers' refusal when trust_remote_code is False
         return remote_code_refusal(path)
     damaged = next((f for f in sorted(Path(path).glob("*.json")) if not _is_json(f)), None)
@@ -221,7 +229,7 @@ def load_config(path: str | Path, trust_remote_code: bool, **options) -> transfo
     """AutoConfig.from_pretrained(path), its failures as one line."""
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code, **options)
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except CONFIG_ERRORS as err:
         raise load_failure(err, f"the model config in {path}", path) from None
 
 

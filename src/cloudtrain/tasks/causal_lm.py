@@ -31,7 +31,6 @@ import torch.nn.functional as F
 import transformers
 from datasets import Dataset, DatasetDict
 from huggingface_hub import ModelCard
-from huggingface_hub.errors import StrictDataclassError
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.integrations import is_deepspeed_zero3_enabled
 
@@ -56,6 +55,7 @@ from cloudtrain.generate import generate_texts
 from cloudtrain.models.attention import VARLEN
 from cloudtrain.models.kernels import hidden_states, linear_cross_entropy, output_head
 from cloudtrain.models.load import (
+    CONFIG_ERRORS,
     check_checkpoint,
     check_positions,
     check_sizes,
@@ -146,10 +146,8 @@ class CausalLMTask(DecoderTask):
         source = str(model_config_file(m.model_config))
         try:
             return AutoConfig.from_pretrained(source, trust_remote_code=m.trust_remote_code)
-        except (OSError, ValueError, KeyError, TypeError) as err:
+        except CONFIG_ERRORS as err:
             raise load_failure(err, f"the model config {source}", source) from None
-        except StrictDataclassError as err:  # transformers 5 validates the numbers; the reason is its cause's line
-            raise load_failure(err.__cause__ or err, f"the model config {source}", source) from None
 
     def columns(self, cfg: DataConfig) -> dict[str, tuple[str, bool]]:
         return {"--text_column": (cfg.text_column, True)}

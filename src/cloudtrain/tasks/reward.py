@@ -45,9 +45,17 @@ from cloudtrain.data.pairs import (
     to_pair,
 )
 from cloudtrain.data.processing import ProcessedData, cache_key, cached_map, first_rows
-from cloudtrain.errors import UserError, first_line
+from cloudtrain.errors import UserError
 from cloudtrain.evaluation import eval_mode
-from cloudtrain.models.load import check_checkpoint, grow_embeddings, head_labels, pad_as_batches, trained_config
+from cloudtrain.models.load import (
+    CONFIG_ERRORS,
+    check_checkpoint,
+    grow_embeddings,
+    head_labels,
+    load_failure,
+    pad_as_batches,
+    trained_config,
+)
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.card_metadata import dataset_info
 from cloudtrain.registry import TASKS
@@ -229,8 +237,8 @@ class RewardTask(PairRows, Task):
                 label2id={"reward": 0},
                 trust_remote_code=cfg.model.trust_remote_code,
             )
-        except (OSError, ValueError) as err:
-            raise UserError(f"could not read the model config in {path}: {first_line(err)}") from None
+        except CONFIG_ERRORS as err:
+            raise load_failure(err, f"the model config in {path}", path) from None
         pad_as_batches(config, tokenizer)  # a decoder finds each row's last token by it
         return config
 
