@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sized
 from pathlib import Path
 from typing import Any
 
@@ -200,15 +200,21 @@ class ModuleTask(Task):
         move: Callable,
         autocast: Callable,
     ) -> dict:
-        """The mean loss over the split's rows, each counted once over processes."""
+        """The mean loss over the split's rows, each counted once over processes. The module gives a batch's mean
+        only, so each row of a process's last batch, which the loader fills up with rows from the split's start
+        (dropped again by `gather`), is a forward of its own: its mean had counted them (found in audit)."""
         with eval_mode(model):
             loss_sum, rows = 0.0, 0
             with torch.no_grad():
-                for batch in batches:
+                for batch, last in _with_last(batches):
                     batch = move(batch)
+                    parts = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(rows_of(batch))] if last else []
                     with autocast():
-                        loss = forward_loss(model, self._inputs(batch)).float()
-                    per_row = gather(loss.expand(rows_of(batch)).contiguous())  # drops the last batch's duplicates
+                        if parts:
+                            losses = torch.stack([forward_loss(model, self._inputs(part)).float() for part in parts])
+                        else:
+                            losses = forward_loss(model, self._inputs(batch)).float().expand(rows_of(batch))
+                    per_row = gather(losses.contiguous())  # drops the last batch's duplicates
                     loss_sum += per_row.double().sum().item()
                     rows += len(per_row)
         return {"loss": loss_sum / max(rows, 1), "examples": rows}
@@ -225,6 +231,14 @@ class ModuleTask(Task):
             f"{type(self.module).__name__} (module.json names the class; generate and push are for transformers "
             "models)"
         )
+
+
+def _with_last(batches: Iterable[dict]) -> Iterable[tuple[dict, bool]]:
+    """Each batch, and whether it is the last, by the loader's length (reading ahead would tell accelerate's loader
+    its end came, and `gather` would cut the batch before it as the last); every batch where it has none."""
+    count = len(batches) if isinstance(batches, Sized) else None
+    for i, batch in enumerate(batches):
+        yield batch, count is None or i == count - 1
 
 
 def check_row(row: Any, name: str, module: torch.nn.Module) -> None:
