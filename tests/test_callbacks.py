@@ -167,6 +167,27 @@ def test_a_bad_callback_name_is_refused_in_one_line_before_anything_loads(
     assert not out.exists()  # refused before the output folder is claimed
 
 
+class Begins(Callback):
+    """Given as a class: what each made instance saw at on_train_begin, in the class's list."""
+
+    seen: list[dict] = []
+
+    def on_train_begin(self, state: CallbackState) -> None:
+        Begins.seen.append(dict(state.metrics))
+
+
+def test_a_class_given_as_a_callback_is_made_and_a_resume_starts_with_the_last_evaluation(
+    tiny_model_dir, topic_csvs, tmp_path
+):
+    """callbacks=[Begins] (a class, as the Hugging Face Trainer takes) was called with the state as its self: a
+    stop at step 0 naming 'builtins:type'; a resumed run's metrics were empty until its next evaluation (audit)."""
+    options = api_options(tiny_model_dir, topic_csvs, tmp_path / "run")
+    first = cloudtrain.train({**options, "max_steps": 2}, callbacks=[Begins])
+    cloudtrain.train({**options, "resume_from_checkpoint": "latest"}, callbacks=[Begins])
+    assert Begins.seen[0] == {}
+    assert Begins.seen[1]["eval/loss"] == pytest.approx(first["eval"]["loss"])
+
+
 def free_port() -> str:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

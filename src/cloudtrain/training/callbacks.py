@@ -77,7 +77,7 @@ class Callback:
 
 def callback_name(callback: Any) -> str:
     """How errors name a callback: module:qualname of the function or the object's class."""
-    target = type(callback) if _has_events(callback) else callback
+    target = type(callback) if _has_events(callback) and not isinstance(callback, type) else callback
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', repr(target))}"
 
 
@@ -108,13 +108,19 @@ def load_callback(name: str) -> Any:
         raise
     except Exception as err:  # ImportError, AttributeError, or whatever the module raised on import
         raise UserError(f"--callbacks {name} cannot be imported ({type(err).__name__}: {_first(err)})") from None
-    if isinstance(found, type):
-        try:
-            found = found()
-        except Exception as err:
-            raise UserError(f"--callbacks {name}: the class cannot be made without arguments ({_first(err)})") from None
+    found = _made(found, f"--callbacks {name}")
     check_callback(found, name)
     return found
+
+
+def _made(found: Any, given: str) -> Any:
+    """A class given as a callback, made without arguments (as the Hugging Face Trainer takes one); else `found`."""
+    if not isinstance(found, type):
+        return found
+    try:
+        return found()
+    except Exception as err:
+        raise UserError(f"{given}: the class cannot be made without arguments ({_first(err)})") from None
 
 
 def check_callback(callback: Any, name: str | None = None) -> None:
@@ -129,9 +135,11 @@ def check_callback(callback: Any, name: str | None = None) -> None:
 def load_callbacks(names: list[str], objects: list[Any] | None = None) -> list[Any]:
     """The callbacks of --callbacks, then those given as objects (cloudtrain.train(callbacks=[...]))."""
     loaded = [load_callback(name) for name in names]
-    for callback in objects or []:
+    # a class among the objects was called with the state as its `self` at the first event (found in audit)
+    given = [_made(callback, f"callback {callback_name(callback)}") for callback in objects or []]
+    for callback in given:
         check_callback(callback)
-    return loaded + list(objects or [])
+    return loaded + given
 
 
 def _first(err: BaseException) -> str:
@@ -176,6 +184,8 @@ class CallbackHook(Hook):
     def on_train_start(self, loop: LoopState) -> None:
         if loop.step > 0:  # resumed: the evaluations in the checkpoint's state were reported by the earlier run
             self.evaluations_seen = len(loop.state.evaluations)
+            if loop.state.evaluations:  # but the last one's numbers are the run's latest (they were missing; audit)
+                self.metrics.update({f"eval/{k}": v for k, v in loop.state.evaluations[-1].items() if k != "step"})
         self._emit(loop, [("on_train_begin", None), *self._evaluated(loop)])
 
     def on_step_end(self, loop: LoopState) -> Request | None:
