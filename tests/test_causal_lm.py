@@ -207,6 +207,12 @@ def bad_inputs(tmp_path, corpus, tiny_llama_dir, tiny_model_dir, tiny_bloom_dir,
         ),
         "a classification metric": ({**base, "metric_for_best_model": "accuracy"}, "not a metric of --task causal_lm"),
         "context too short": ({**base, "max_length": 4096}, "longer than the model's context"),
+        # past its 256 positions the first evaluation failed (learned positions) or ran on for minutes (audit)
+        "samples too long": (
+            {**base, "sample_prompts": "Once upon a time", "sample_max_new_tokens": 300},
+            "and --sample_max_new_tokens 300 exceed the model's context (256 positions); pass "
+            "--sample_max_new_tokens 249 or less",
+        ),
     }
 
 

@@ -59,10 +59,12 @@ from cloudtrain.models.load import (
     check_checkpoint,
     check_positions,
     check_sizes,
+    context_length,
     is_causal_lm,
     load_failure,
     read_config,
 )
+from cloudtrain.observe import console
 from cloudtrain.paths import resolve_model_path
 from cloudtrain.publish.lm_card import build_lm_model_card
 from cloudtrain.registry import TASKS
@@ -113,6 +115,7 @@ class CausalLMTask(DecoderTask):
         self.cfg: Config = cfg
         self.tokenizer: PreTrainedTokenizerBase | None = None  # set by `process`, used for sample generations
         self.loss_kernel: str | None = None  # --fused_cross_entropy's backend, set by models.prepare
+        self.context: int | None = None  # the model's position count (None: relative), set by `check_options`
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -138,6 +141,7 @@ class CausalLMTask(DecoderTask):
                 f"--task {self.name} needs one that AutoModelForCausalLM loads (…ForCausalLM){hint}"
             )
         check_positions(config, cfg.data.max_length)  # before the data is read and tokenized
+        self.context = context_length(config)
 
     def model_config(self, cfg: Config) -> transformers.PretrainedConfig:
         m = cfg.model
@@ -191,12 +195,29 @@ class CausalLMTask(DecoderTask):
                 for doc in docs["validation"]["input_ids"][: d.num_sample_prompts]
             ]
         )
+        prompts = [p for p in prompts if p]
+        self._check_sample_lengths(tokenizer, prompts, cfg.training.sample_max_new_tokens)
         return ProcessedData(
             train=plan if plan is not None else rows["train"],
             validation=rows["validation"],
             test=rows.get("test"),
             collator=collator,
-            prompts=[p for p in prompts if p],
+            prompts=prompts,
+        )
+
+    def _check_sample_lengths(self, tokenizer: PreTrainedTokenizerBase, prompts: list[str], new_tokens: int) -> None:
+        """Each sample prompt and its continuation fit the model's positions, before training: past them, learned
+        positions failed at the first evaluation with an IndexError, and RoPE's went on for minutes (audit)."""
+        if not self.context or not prompts:
+            return
+        longest = max(len(tokenizer(prompt)["input_ids"]) for prompt in prompts)
+        if longest + new_tokens <= self.context:
+            return
+        room = self.context - longest
+        fix = f"pass --sample_max_new_tokens {room} or less" if room > 0 else "give shorter --sample_prompts"
+        raise UserError(
+            f"a sample prompt of {console.counted(longest, 'token')} and --sample_max_new_tokens {new_tokens} exceed "
+            f"the model's context ({self.context} positions); {fix}"
         )
 
     @classmethod
