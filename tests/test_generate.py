@@ -6,6 +6,7 @@ where cloudtrain.generate uses them.
 """
 
 import logging
+import re
 import shutil
 import warnings
 
@@ -211,6 +212,10 @@ def test_a_system_prompt_nothing_reads_is_noted(tiny_llama_dir, tmp_path, capsys
     ):  # fmt: skip
         command.run(parse("--model_dir", model_dir, *common, *extra))
         assert [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")] == notes
+    # --chat --raw: leaving out --raw is the way on for the model with a template, not for one without (audit)
+    for model_dir, fix in ((str(chat), " (leave out --raw)"), (tiny_llama_dir, "; train one with --task sft, or")):
+        with pytest.raises(UserError, match=re.escape(f"{model_dir} is not one{fix}")):
+            command.run(parse("--model_dir", model_dir, "--chat", "--raw", "true"))
 
 
 def test_run_samples_reproducibly_from_the_seed(tiny_llama_dir, llama, capsys):
@@ -310,6 +315,8 @@ def nothing_loaded(monkeypatch):
         (["--max_new_tokens", "0"], "--max_new_tokens must be at least 1"),
         (["--num_beams", "0"], "--num_beams must be at least 1"),
         (["--repetition_penalty", "0"], "--repetition_penalty must be greater than 0"),
+        (["--temperature", "inf"], "--temperature must be a finite number, got inf"),  # uniform noise (audit)
+        (["--repetition_penalty", "inf"], "--repetition_penalty must be a finite number"),
         (["--input_file", "/no/such/prompts.txt"], "--input_file /no/such/prompts.txt does not exist"),
         (["--input_file", "/tmp"], "--input_file /tmp is a folder; give a file"),  # it "did not exist" (audit)
     ],

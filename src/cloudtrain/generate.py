@@ -349,7 +349,12 @@ def run(args: argparse.Namespace) -> None:
     if args.chat and not templated:
         raise UserError(
             f"--chat needs a chat model, and {args.model_dir} is not one"
-            + (" (leave out --raw)" if args.raw else "; train one with --task sft, or use --prompt")
+            # leaving out --raw helps only a model with a template (found in audit)
+            + (
+                " (leave out --raw)"
+                if args.raw and tokenizer.chat_template and chat_task
+                else "; train one with --task sft, or use --prompt"
+            )
         )
     seq2seq = model.config.is_encoder_decoder
     if seq2seq:  # as its training's sources

@@ -2,6 +2,7 @@
 generates."""
 
 import argparse
+import math
 import sys
 
 from cloudtrain.commands import add_switch, add_trust_remote_code, check_input_file, existing_run_dir
@@ -121,6 +122,14 @@ def check_options(args: argparse.Namespace) -> None:
                 not args.temperature > 0,
                 f"--temperature must be greater than 0, got {args.temperature}; "
                 "for deterministic output use --do_sample false instead",
+            ),
+            (  # inf samples uniformly from the top_k: noise (found in audit)
+                not math.isfinite(args.temperature),
+                f"--temperature must be a finite number, got {args.temperature}; 1.0 leaves the model's distribution",
+            ),
+            (
+                not math.isfinite(args.repetition_penalty),
+                f"--repetition_penalty must be a finite number, got {args.repetition_penalty}; 1.0 turns it off",
             ),
             (not 0 < args.top_p <= 1, f"--top_p must be in (0, 1], got {args.top_p}; 1.0 turns it off"),
             (args.top_k < 0, f"--top_k must be 0 (no limit) or more, got {args.top_k}"),
