@@ -109,12 +109,17 @@ def test_multi_hot_vectors_read_by_position_and_lists_of_ids_as_before(capsys):
     assert multi_label_scheme(ids, DataConfig(label_column="labels")).names == ["0", "1", "2"]  # ids, no vectors
     assert multi_label_scheme(ids, DataConfig(label_column="labels")).encoder(ids["train"])([2]) == [0.0, 0.0, 1.0]
     for rows, said in (
-        ([[0, 1, 0], [1, 0]], "row 2 of the train data's 'labels' column is [1, 0], not a multi-hot vector of 3"),
-        ([[0, 1, 0], [1, 2, 0]], "row 2 of the train data's 'labels' column is [1, 2, 0], not a multi-hot vector"),
+        ([[0, 1, 0], [1, 1, 0], [1, 0]], "row 3 of the train data's 'labels' column is [1, 0], not a multi-hot vector"),
+        ([[0, 1, 0], [0, 0, 1], [1, 2, 0]], "row 3 of the train data's 'labels' column is [1, 2, 0], not a multi-hot"),
     ):
         bad = DatasetDict({"train": Dataset.from_list([{"text": "t", "labels": v} for v in rows])})
         with pytest.raises(UserError, match=re.escape(said)):
             multi_label_scheme(bad, DataConfig(label_column="labels"))
+    # two wide, no row repeating: as ids every row was both labels, silently; a repeated id among ids stays ids (review)
+    two = DatasetDict({"train": Dataset.from_list([{"text": "t", "labels": v} for v in ([0, 1], [1, 0], [1, 0])])})
+    assert multi_label_scheme(two, DataConfig(label_column="labels")).encoder(two["train"])([1, 0]) == [1.0, 0.0]
+    repeated = DatasetDict({"train": Dataset.from_list([{"text": "t", "labels": v} for v in ([3, 5], [1, 1], [2])])})
+    assert multi_label_scheme(repeated, DataConfig(label_column="labels")).names == ["1", "2", "3", "5"]
     mixed = DatasetDict({"train": ids["train"], "validation": raw["train"]})
     with pytest.raises(UserError, match="validation data's 'labels' column holds multi-hot vectors of 0/1, the tr"):
         multi_label_scheme(mixed, DataConfig(label_column="labels")).labelled(mixed["validation"], "validation")

@@ -13,6 +13,7 @@ without the label column, or with no label in any row, is for predictions only.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -85,15 +86,23 @@ def label_names(train: Dataset, column: str, separator: str | None, how: str = "
     return sorted(found)
 
 
-def multi_hot_width(ds: Dataset, column: str) -> int | None:
-    """N where the column's rows are multi-hot vectors of N labels: a row of a numeric list column that holds only 0/1
-    and repeats a value (any such vector longer than 2 does; a list of ids has no reason to). None: lists of ids or
-    names, read as before."""
+def multi_hot_width(ds: Dataset, column: str, train: bool = True) -> int | None:
+    """N where the column's rows are multi-hot vectors of N labels: more than half the labelled rows of a numeric
+    list column are lists of 0/1 of one length N >= 2, and some repeat a value (any such vector longer than 2 does;
+    a list of ids has no reason to) or, in training data of such rows alone, all read as ids alike (every row the
+    labels 0 and 1: nothing to learn). None: lists of ids or names, read as before (a row [1, 1] among them too)."""
     inner = getattr(ds.features[column], "feature", None)
     if not isinstance(inner, datasets.Value) or inner.dtype in ("string", "large_string"):
         return None
-    vector = next((v for v in ds[column] if _bits(v) and len(set(v)) < len(v)), None)
-    return None if vector is None else len(vector)
+    rows = [v for v in ds[column] if not is_empty(v)]
+    lengths = Counter(len(v) for v in rows if _bits(v))
+    if not lengths:
+        return None
+    width, count = lengths.most_common(1)[0]
+    vectors = [v for v in rows if _bits(v) and len(v) == width]
+    repeats = any(len(set(v)) < width for v in vectors)
+    alike = train and count == len(rows) and len({frozenset(v) for v in vectors}) == 1
+    return width if width >= 2 and 2 * count > len(rows) and (repeats or alike) else None
 
 
 def multi_hot_names(train: Dataset, column: str, width: int) -> list[str]:
@@ -113,7 +122,7 @@ def check_multi_hot(ds: Dataset, column: str, width: int | None, split: str) -> 
     lists of labels, and so must this split's be): another length or form would be read as another label set,
     silently."""
     if width is None:
-        if multi_hot_width(ds, column):  # [0, 1, 0] read as ids would be the labels "0" and "1"
+        if multi_hot_width(ds, column, train=False):  # [0, 1, 0] read as ids would be the labels "0" and "1"
             raise UserError(
                 f"the {split} data's {column!r} column holds multi-hot vectors of 0/1, the training data's lists of "
                 "labels; give both splits the same form"
