@@ -20,7 +20,14 @@ from transformers import AutoTokenizer
 from cloudtrain import generate
 from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
-from cloudtrain.data.source_target import SourceTargetCollator, family_columns, process_source_target, shift_right
+from cloudtrain.data.source_target import (
+    SourceTargetCollator,
+    check_family,
+    family_columns,
+    process_source_target,
+    shift_right,
+)
+from cloudtrain.errors import UserError
 from cloudtrain.metrics.text_overlap import bleu, porter_stemmer, rouge, rouge_pair, sentences
 
 
@@ -351,6 +358,14 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
         ),
     }
     assert_each_refused(cases, capsys, out)
+
+
+def test_a_whole_family_is_read_beside_a_column_named_like_anothers():
+    """document/summary data with a `source` column of its own (where each row came from) was refused as a source
+    without its target (found in review)."""
+    check_family(["document", "summary", "source"], DataConfig())
+    with pytest.raises(UserError, match="has a 'source' column but no 'target' beside it"):
+        check_family(["source", "id"], DataConfig())
 
 
 @pytest.fixture(scope="module")

@@ -47,6 +47,8 @@ def check_family(columns: list[str], cfg: DataConfig) -> None:
     """One column of a family without its partner, whose option is left at a default the data lacks: the refusal
     names the partner and its option (data of `source` alone was told "column 'text' is not in the train data ...;
     pass --text_column", of the column it has; found in audit)."""
+    if family_columns(columns):  # a whole family is read (a metadata column named `source` beside it; review)
+        return
     defaults = DataConfig()
     for source, target in FAMILIES:
         for have, missing, option, what in ((source, target, "label_column", "target"), (target, source,
