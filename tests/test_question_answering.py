@@ -18,6 +18,7 @@ from cloudtrain.answers import Window, best_answer, normalize, squad_scores
 from cloudtrain.cli import main
 from cloudtrain.config import DataConfig
 from cloudtrain.data.answer_spans import process_answer_spans
+from cloudtrain.errors import UserError
 from cloudtrain.predict import predict
 
 PEOPLE = ["john", "mary", "peter", "anna", "david", "susan"]
@@ -315,13 +316,15 @@ def test_numbers_in_questions_contexts_and_answers_read_as_their_text(bert_token
     from cloudtrain.data.answer_spans import _answers
     from cloudtrain.tasks import build_task
 
-    assert _answers(1834, "answers") == _answers(1834.0, "answers") == [("1834", None)]
+    assert _answers(1834, "answers") == [("1834", None)]
+    with pytest.raises(UserError, match="holds float values"):  # 2.0 for "version 2.0" was cut to "2" (review)
+        _answers(2.0, "answers")
     tokenizer = AutoTokenizer.from_pretrained(bert_tokenizer_dir)
     cfg = DataConfig(text_column="question", text_pair_column="context", label_column="answers", max_length=32,
                      doc_stride=8, validation_split_percentage=50)  # fmt: skip
     for rows in (
         [{"question": "what?", "context": 1000 + i, "answers": 1000 + i} for i in range(8)],
-        [{"question": 7, "context": f"built in {1800 + i}", "answers": float(1800 + i)} for i in range(8)],
+        [{"question": 7, "context": f"built in {1800 + i}", "answers": 1800 + i} for i in range(8)],
     ):
         data = process_answer_spans(DatasetDict({"train": Dataset.from_list(rows)}), tokenizer, cfg, seed=0)
         examples = list(data.extras["examples"].values())

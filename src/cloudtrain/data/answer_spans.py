@@ -116,7 +116,8 @@ def _answers(value: Any, column: str) -> list[tuple[str, int | None]]:
         value = {"text": [value["text"]], "answer_start": [value.get("answer_start")]}
     if value is None or isinstance(value, str):
         found = [(value, None)]
-    elif isinstance(value, (int, float)) and not isinstance(value, bool):  # a year, 1834: a jsonl number
+    elif isinstance(value, int) and not isinstance(value, bool):  # a year, 1834: a jsonl number (a float's digits
+        # need not be the context's: 2.0 for "2.0" read as "2"; found in review)
         found = [(as_text(value), None)]
     elif isinstance(value, dict) and isinstance(value.get("text"), list):
         starts = value.get("answer_start")
@@ -151,14 +152,10 @@ def _start(value: Any, column: str) -> int | None:
 
 
 def as_text(value: Any) -> str:
-    """A question, context or answer as the text it is read as everywhere (windows, answers, saved predictions): a
-    number read from the data as its digits, a whole float without ".0" (a jsonl 1834, or a csv column of numbers
-    with gaps, read as floats); None as "". A context kept as an int was sliced as a text later (found in audit)."""
-    if value is None:
-        return ""
-    if isinstance(value, float) and value.is_integer():
-        return str(int(value))
-    return str(value)
+    """A question, context or answer as the text it is read as everywhere (windows, answers, saved predictions, and
+    predict): a number read from the data as its digits, None as "". A context kept as an int was sliced as a text
+    later (found in audit)."""
+    return "" if value is None else str(value)
 
 
 def windows_of(tokenizer: PreTrainedTokenizerBase, questions: list, contexts: list, max_length: int, stride: int):
