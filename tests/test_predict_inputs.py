@@ -67,6 +67,12 @@ def test_the_text_column_defaults_to_the_one_the_run_read(tmp_path):
     assert read_texts(str(file), args.text_column, fallback=args.text_column_fallback) == [["john", "went"]]
     (tmp_path / "args.json").write_text(json.dumps({"task": "question_answering", "text_column": "q"}))
     given = argparse.Namespace(model_dir=str(tmp_path), text_column="ask")
-    for args, column in ((argparse.Namespace(model_dir=str(tmp_path), text_column=None), "q"), (given, "ask")):
+    for args, column, fallback in (
+        (argparse.Namespace(model_dir=str(tmp_path), text_column=None), "q", "text"),
+        (given, "ask", None),
+    ):
         trained_text_column(args, "question_answering")  # the recorded column, an explicit flag first
-        assert (args.text_column, args.text_column_fallback) == (column, None)
+        assert (args.text_column, args.text_column_fallback) == (column, fallback)
+    # an input file of a `text` column, which the option's old default read, reads still (found in review)
+    file.write_text(json.dumps({"text": "a text"}) + "\n")
+    assert read_texts(str(file), "Text", fallback="text") == ["a text"]

@@ -214,13 +214,14 @@ def trained_text_column(args: argparse.Namespace, task: str | None) -> None:
     """--text_column, where not given, as the run read its texts (its args.json), as --text_pair_column is: a QA
     or token-classification run's own validation file was refused "column 'text' is not in ..." for a default of
     `text` where the run read `question` or `tokens` (found in audit). args.text_column_fallback: the family's
-    column read where the file has no column of the recorded name."""
+    column read where the file has no column of the recorded name: a family's, or `text`, the option's default
+    before it followed the run (an input file that worked then works still; found in review)."""
     args.text_column_fallback = None
     if args.text_column is not None:
         return
     args.text_column = read_arguments(Path(args.model_dir)).get("text_column") or "text"
-    if args.text_column == "text":  # the option's default: the run read its data family's column where no `text`
-        args.text_column_fallback = NAMED_TEXT.get(task or "")
+    # the option's default: the run read its data family's column where no `text`
+    args.text_column_fallback = NAMED_TEXT.get(task or "") if args.text_column == "text" else "text"
 
 
 def trained_on_pairs(model_dir: Path, reads: str | None) -> tuple[bool | None, str, str | None]:
