@@ -204,7 +204,8 @@ def test_a_deepspeed_json_with_only_an_optimizer_section_runs_cloudtrains_schedu
 @pytest.mark.slow
 def test_a_deepspeed_json_with_only_a_scheduler_section_drives_cloudtrains_optimizer(two_process_launch):
     """cloudtrain's AdamW (torch's default betas in the state DeepSpeed saved), driven by the file's WarmupDecayLR
-    (log warmup over 3 steps, total_num_steps "auto" from --max_steps 8): step k logs iteration k - 1's rate."""
+    (log warmup over 3 steps, total_num_steps "auto" from --max_steps 8): step k logs the rate it is taken at,
+    iteration k - 2's (step 1's: 0, before the schedule started)."""
     out, _ = two_process_launch
     result = json.loads((out / "json_scheduler_only.json").read_text())
     peak, warmup, total = 1e-2, 3, 8
@@ -213,7 +214,7 @@ def test_a_deepspeed_json_with_only_a_scheduler_section_drives_cloudtrains_optim
         return peak * math.log(i + 1) / math.log(warmup) if i < warmup else peak * (total - i) / (total - warmup)
 
     assert result["steps"] == 8 and result["rates"] == pytest.approx(
-        {str(k): file_schedule(k - 1) for k in range(1, 9)}
+        {str(k): file_schedule(k - 2) if k > 1 else 0.0 for k in range(1, 9)}
     )
     assert result["betas"] == [[0.9, 0.999], [0.9, 0.999]]
 
@@ -254,3 +255,27 @@ def test_a_module_called_otherwise_than_through_its_forward_trains(tmp_path):
         model=CalledNotForwarded(), train_dataset=rows(16, 0), output_dir=str(tmp_path / "run"), **OPTIONS
     )
     assert results["train"]["global_step"] > 0
+
+
+class InBatch(nn.Module):
+    """A loss of the whole batch (as in-batch contrastive losses are): each row scored against the batch's mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x, y):
+        return ((x - x.mean(0)) * self.scale).pow(2).mean()
+
+
+def test_one_process_evaluates_each_batch_whole(tmp_path):
+    """A batch's loss is the module's own: on one process no batch is split into rows (found in review: the last
+    one was, and an in-batch loss came out other than the module's)."""
+    data = rows(16, 1)
+    results = cloudtrain.train(
+        model=InBatch(), train_dataset=rows(16, 0), eval_dataset=data, output_dir=str(tmp_path / "run"),
+        **{**OPTIONS, "per_device_eval_batch_size": 8, "learning_rate": 1e-9},
+    )  # fmt: skip
+    x = torch.stack([r["x"] for r in data])
+    by_hand = sum(float(((x[i : i + 8] - x[i : i + 8].mean(0)) ** 2).mean()) for i in (0, 8)) / 2
+    assert results["eval"]["loss"] == pytest.approx(by_hand, rel=1e-4)

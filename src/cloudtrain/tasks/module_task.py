@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Callable, Iterable, Sized
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from datasets import DatasetDict
 from torch.utils.data import Dataset, Subset, default_collate
 from transformers import PreTrainedModel
@@ -201,20 +202,22 @@ class ModuleTask(Task):
         autocast: Callable,
     ) -> dict:
         """The mean loss over the split's rows, each counted once over processes. The module gives a batch's mean
-        only, so each row of a process's last batch, which the loader fills up with rows from the split's start
-        (dropped again by `gather`), is a forward of its own: its mean had counted them (found in audit)."""
+        only, and `gather` drops the rows the loader filled a process's last batch up with (from the split's start)
+        after the mean counted them (found in audit): there, where the gathered rows are fewer than the processes'
+        batches hold, each row of the batch is a forward of its own, gathered again."""
+        processes = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
         with eval_mode(model):
             loss_sum, rows = 0.0, 0
             with torch.no_grad():
-                for batch, last in _with_last(batches):
+                for batch in batches:
                     batch = move(batch)
-                    parts = [{k: v[i : i + 1] for k, v in batch.items()} for i in range(rows_of(batch))] if last else []
                     with autocast():
-                        if parts:
-                            losses = torch.stack([forward_loss(model, self._inputs(part)).float() for part in parts])
-                        else:
-                            losses = forward_loss(model, self._inputs(batch)).float().expand(rows_of(batch))
-                    per_row = gather(losses.contiguous())  # drops the last batch's duplicates
+                        loss = forward_loss(model, self._inputs(batch)).float()
+                    per_row = gather(loss.expand(rows_of(batch)).contiguous())  # drops the last batch's duplicates
+                    if len(per_row) < rows_of(batch) * processes:  # (every process alike: gather's count is shared)
+                        with autocast():
+                            losses = [forward_loss(model, self._inputs(row)).float() for row in _rows(batch)]
+                        per_row = gather(torch.stack(losses))
                     loss_sum += per_row.double().sum().item()
                     rows += len(per_row)
         return {"loss": loss_sum / max(rows, 1), "examples": rows}
@@ -233,12 +236,9 @@ class ModuleTask(Task):
         )
 
 
-def _with_last(batches: Iterable[dict]) -> Iterable[tuple[dict, bool]]:
-    """Each batch, and whether it is the last, by the loader's length (reading ahead would tell accelerate's loader
-    its end came, and `gather` would cut the batch before it as the last); every batch where it has none."""
-    count = len(batches) if isinstance(batches, Sized) else None
-    for i, batch in enumerate(batches):
-        yield batch, count is None or i == count - 1
+def _rows(batch: dict) -> list[dict]:
+    """The batch's rows, each a batch of one."""
+    return [{k: v[i : i + 1] for k, v in batch.items()} for i in range(rows_of(batch))]
 
 
 def check_row(row: Any, name: str, module: torch.nn.Module) -> None:
