@@ -255,6 +255,20 @@ def keep_settings(optimizer: Any, scheduler: Any, ours: dict) -> list[str]:
     return changed
 
 
+def follow_schedule(scheduler: Any) -> None:
+    """The optimizer's rates set from this run's schedule at the step a checkpoint brought back: the rates loaded
+    were the checkpoint's schedule's, so a run extended past its planned steps (or given another schedule) took
+    its first step at the old schedule's rate, 0 at a linear decay's end (found in review). The same values where
+    the schedule is the checkpoint's own. A DeepSpeed engine's schedule keeps its own."""
+    schedule = getattr(scheduler, "scheduler", scheduler)
+    if not isinstance(schedule, torch.optim.lr_scheduler.LambdaLR):
+        return
+    groups = schedule.optimizer.param_groups
+    for group, base, factor in zip(groups, schedule.base_lrs, schedule.lr_lambdas, strict=True):
+        group["lr"] = base * factor(schedule.last_epoch)
+    schedule._last_lr = [group["lr"] for group in groups]
+
+
 class EngineSchedule:
     """The schedule a DeepSpeed engine built from the user's JSON and steps itself, at each optimizer step:
     the loop's step() is a no-op, the learning rate is read from the optimizer, and the state travels in the

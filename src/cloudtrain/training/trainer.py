@@ -59,6 +59,7 @@ from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import (
     build_optimizer,
     build_scheduler,
+    follow_schedule,
     keep_settings,
     other_schedule,
     schedule_name,
@@ -407,6 +408,9 @@ class Trainer:
     def _step(self, window: list[dict], loop: LoopState) -> None:
         """One optimizer step over a window of micro-batches; nothing in it waits on the host."""
         window = [self.move(batch) for batch in window]
+        # the rate the step is taken at, the optimizer's before it (a DeepSpeed engine steps its own schedule inside
+        # the optimizer step; a resume's changed --learning_rate is set there): a float, no device read
+        loop.learning_rate = self.optimizer.param_groups[0]["lr"]
         self.clock.data_ready()
         self.phase = "the all-reduce of the step's token count"
         scale = self._loss_scale(window)
@@ -417,7 +421,6 @@ class Trainer:
         self.apply_step(bad)
         loop.guard.add(bad)
         loop.meter.add(window, stats, applied=~bad & self.counts_batches)
-        loop.learning_rate = self.scheduler.get_last_lr()[0]  # a float the scheduler holds: no device read
         self.scheduler.step()
         self.clock.end_step()
         loop.step_ended(stats)
@@ -531,6 +534,7 @@ class Trainer:
         except (Exception, CheckpointException) as err:  # torch's DCP error is a BaseException; many kinds besides
             raise load_failure(folder, err) from None
         state = TrainerState(**meta["state"])
+        follow_schedule(self.scheduler)
         if (changed := keep_settings(self.optimizer, self.scheduler, ours)) and self.is_main_process:
             print(
                 f"note: {folder.name} was trained with {' and '.join(changed)}: this run's take over from step "
