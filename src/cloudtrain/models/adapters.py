@@ -134,6 +134,7 @@ def check_target_modules(cfg: Config, auto_class: type) -> None:
 
 def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
     """The task's model built on the meta device from the checkpoint's config: names and shapes, no weights."""
+    from cloudtrain.models.load import config_reason  # (cloudtrain.models.load imports this module)
     from cloudtrain.paths import resolve_model_path
 
     path = resolve_model_path(cfg.model)
@@ -142,8 +143,7 @@ def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
         with torch.device("meta"):
             return auto_class.from_config(config, trust_remote_code=cfg.model.trust_remote_code)  # type: ignore[attr-defined]
     except (OSError, ValueError, StrictDataclassError) as err:  # the last: transformers 5's checks of its numbers
-        reason = err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ else err
-        raise UserError(f"could not read the model config in {path}: {first_line(reason)}") from None
+        raise UserError(f"could not read the model config in {path}: {first_line(config_reason(err))}") from None
 
 
 def load_options(cfg: Config, auto_class: type) -> dict:

@@ -109,10 +109,15 @@ def _without_tokenizer_json(folder: Path) -> UserError:
 CONFIG_ERRORS = (OSError, ValueError, KeyError, TypeError, StrictDataclassError)
 
 
+def config_reason(err: BaseException) -> BaseException:
+    """The error that says why a config was refused: a StrictDataclassError's cause (the check's own ValueError;
+    its message wraps it in the validator's name), else `err`."""
+    return err.__cause__ if isinstance(err, StrictDataclassError) and err.__cause__ is not None else err
+
+
 def load_failure(err: BaseException, what: str, path: str | Path) -> UserError:
     """One line for a library error raised while loading `what` from `path` (a folder or a Hub id)."""
-    if isinstance(err, StrictDataclassError) and err.__cause__ is not None:  # the check's own reason
-        err = err.__cause__
+    err = config_reason(err)
     if "trust_remote_code" in str(err):  # transformers' refusal when trust_remote_code is False
         return remote_code_refusal(path)
     damaged = next((f for f in sorted(Path(path).glob("*.json")) if not _is_json(f)), None)

@@ -17,7 +17,13 @@ from transformers.quantizers.quantizers_utils import should_convert_module
 
 from cloudtrain.config import Config, ModelConfig, TrainingConfig
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.models.load import context_length, is_causal_lm, load_tokenizer, remote_code_refusal
+from cloudtrain.models.load import (
+    config_reason,
+    context_length,
+    is_causal_lm,
+    load_tokenizer,
+    remote_code_refusal,
+)
 from cloudtrain.models.prepare import varlen_misfit
 from cloudtrain.parallel.stages import family_of
 from cloudtrain.paths import resolve_model_path
@@ -213,12 +219,10 @@ def _load_config(task: Task, model: ModelConfig, num_labels: int):
         try:
             labels = {i: f"LABEL_{i}" for i in range(num_labels)}  # num_labels= warns when the head had other labels
             return AutoConfig.from_pretrained(path, trust_remote_code=model.trust_remote_code, id2label=labels)
-        except (OSError, ValueError, KeyError) as err:
+        except (OSError, ValueError, KeyError, StrictDataclassError) as err:  # the last: transformers 5's checks
             if "trust_remote_code" in str(err):  # transformers' refusal: the checkpoint's own code must run
                 raise remote_code_refusal(path) from None
-            raise UserError(f"could not read a model config from {path}: {first_line(err)}") from None
-        except StrictDataclassError as err:  # transformers 5 validates the numbers; the reason is its cause's line
-            raise UserError(f"could not read a model config from {path}: {first_line(err.__cause__ or err)}") from None
+            raise UserError(f"could not read a model config from {path}: {first_line(config_reason(err))}") from None
     config = task.model_config(Config(model=model))
     if not is_causal_lm(config):
         kind = ", ".join(config.architectures or [config.model_type])
