@@ -40,16 +40,16 @@ def table_price(instance_type: str) -> float:
 def test_device_hours_are_training_time_times_processes():
     usage = compute_used(train_seconds=1800, wall_seconds=2000, processes=4, device_type="cuda", environ={})
     assert usage["device_hours"] == 2.0 and usage["train_hours"] == 0.5 and usage["processes"] == 4
-    assert usage["wall_hours"] == 0.5556  # rounded to 4 digits
+    assert usage["wall_hours"] == 0.5556  # rounded to 4 significant digits
     assert usage["device"] == "GPU"
     assert not {"instance_type", "instance_count", "instance_hours", "price_note"} & set(usage)  # not SageMaker
     assert json.loads(json.dumps(usage)) == usage  # goes to results["compute"] as it is
 
 
-def test_a_cpu_run_counts_cpu_processes_and_short_runs_keep_four_digits():
+def test_a_cpu_run_counts_cpu_processes_and_short_runs_keep_four_significant_digits():
     usage = compute_used(train_seconds=7, wall_seconds=9, processes=2, device_type="cpu", environ={})
     assert usage["device"] == "CPU process"
-    assert usage["device_hours"] == round(14 / 3600, 4) == 0.0039
+    assert usage["device_hours"] == 0.003889  # four significant digits
 
 
 def test_sagemaker_variables_without_sm_model_dir_are_not_a_job():
@@ -79,7 +79,7 @@ def test_resource_config_with_two_hosts_doubles_the_instance_hours_and_the_cost(
     assert usage["instance_type"] == "ml.g5.12xlarge" and usage["instance_count"] == 2
     assert usage["instance_hours"] == 3.0  # 1.5 h of wall time on each of 2 instances
     assert usage["estimated_cost_usd"] == round(1.5 * 2 * price, 2)
-    assert usage["device_hours"] == round(4800 * 8 / 3600, 4)  # 8 GPUs over the two hosts
+    assert usage["device_hours"] == 10.67  # 8 GPUs over the two hosts
 
 
 def test_sm_hosts_counts_before_the_resource_config():
@@ -157,6 +157,12 @@ def test_a_job_s_wall_time_adds_its_earlier_sessions_and_not_another_job_s():
     name, seconds = job_wall("spot-job", 900.0, env)  # what a checkpoint written now keeps
     assert name == "spot-job" and 900.0 < seconds <= 900.0 + session_seconds()
     assert job_wall("spot-job", 900.0, {}) == (None, 0.0)
+
+
+def test_a_short_run_s_line_multiplies_out():
+    """Each figure is rounded alone: 2 processes x 0.9 s read 0.0005 h = 2 x 0.0003 h when rounded to decimals."""
+    line = describe(compute_used(train_seconds=0.9, wall_seconds=2, processes=2, device_type="cpu", environ={}))
+    assert line == "compute: 0.0005 CPU-process-hours (2 processes x 0.00025 h)"
 
 
 def test_describe_outside_sagemaker_is_only_the_device_hours():

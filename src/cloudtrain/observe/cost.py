@@ -60,20 +60,26 @@ def compute_used(
     usage: dict = {
         "device": DEVICE_NAMES.get(device_type, f"{device_type} device"),
         "processes": processes,
-        "train_hours": round(train_seconds / 3600, 4),
-        "device_hours": round(train_seconds * processes / 3600, 4),
-        "wall_hours": round(wall_seconds / 3600, 4),
+        "train_hours": hours(train_seconds),
+        "device_hours": hours(train_seconds * processes),
+        "wall_hours": hours(wall_seconds),
     }
     if earlier_device_seconds is not None:
-        usage["run_device_hours"] = round((earlier_device_seconds + train_seconds * processes) / 3600, 4)
+        usage["run_device_hours"] = hours(earlier_device_seconds + train_seconds * processes)
     if "SM_MODEL_DIR" not in env:
         return usage
     instance_type, count = sagemaker_instances(env)
     if instance_type is None:
         return usage | {"price_note": "the SageMaker job's instance type is unknown: cost not estimated"}
     instance_hours = wall_seconds * count / 3600
-    usage |= {"instance_type": instance_type, "instance_count": count, "instance_hours": round(instance_hours, 4)}
+    usage |= {"instance_type": instance_type, "instance_count": count, "instance_hours": hours(instance_hours * 3600)}
     return usage | estimated_cost(instance_type, instance_hours, table)
+
+
+def hours(seconds: float) -> float:
+    """`seconds` in hours to four significant digits: each figure is rounded alone, so a short run's 2 x 0.00025 h
+    stays 0.0005 h (rounding to decimals made it 2 x 0.0003 h = 0.0005 h)."""
+    return float(f"{seconds / 3600:.4g}")
 
 
 def session_seconds() -> float:
