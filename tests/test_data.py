@@ -189,6 +189,15 @@ def test_integer_labels_keep_their_names_and_string_labels_sort():
     assert find_label_names(DatasetDict({"train": feature}), "label")[0] == ["no", "yes"]
 
 
+def test_numbers_written_as_text_take_the_order_of_the_same_numbers():
+    """A JSON file's "10", "2" and a csv's 10, 2 are the same labels: one id order for both."""
+    as_text = DatasetDict({"train": Dataset.from_dict({"text": list("abcd"), "label": ["10", "2", " 1", "2"]})})
+    names, mapping = find_label_names(as_text, "label")
+    assert names == ["1", "2", "10"] and mapping == {" 1": 0, "2": 1, "10": 2}
+    as_numbers = DatasetDict({"train": Dataset.from_dict({"text": list("abc"), "label": [10, 2, 1]})})
+    assert find_label_names(as_numbers, "label")[0] == names
+
+
 @pytest.mark.parametrize(
     "cfg_kwargs, rows, message",
     [

@@ -21,7 +21,7 @@ import datasets
 from datasets import ClassLabel, Dataset, DatasetDict
 
 from cloudtrain.config import DataConfig
-from cloudtrain.data.processing import LabelScheme, is_missing, refuse_unseen
+from cloudtrain.data.processing import LabelScheme, is_missing, refuse_unseen, sorted_names
 from cloudtrain.errors import UserError
 
 
@@ -81,9 +81,7 @@ def label_names(train: Dataset, column: str, separator: str | None, how: str = "
         return list(inner.names)
     read = reader(train, column, separator, how)
     found = {name for value in train[column] for name in read(value)}
-    if all(name.lstrip("-").isdigit() for name in found):
-        return sorted(found, key=lambda name: (int(name), name))  # 01 and 1: one order on every run
-    return sorted(found)
+    return sorted_names(found)
 
 
 def multi_hot_width(ds: Dataset, column: str, train: bool = True) -> int | None:

@@ -130,9 +130,17 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
     if not all(isinstance(v, str) for v in values):  # ids: in numeric order; 1.0 (a float column) is "1"
         names = [str(int(v)) if isinstance(v, float) and v.is_integer() else str(v) for v in values]
         return names, {value: i for i, value in enumerate(values)}
-    names = sorted({v.strip() for v in values})  # "sports " is "sports": a stray space makes no new class
+    names = sorted_names({v.strip() for v in values})  # "sports " is "sports": a stray space makes no new class
     ids = {name: i for i, name in enumerate(names)}
     return names, {value: ids[value.strip()] for value in values}
+
+
+def sorted_names(found: set[str]) -> list[str]:
+    """Label names in one order on every run: numbers written as text by value (a JSON file's "2" before "10", as
+    the same labels read as numbers from a csv), other names as text."""
+    if found and all(name.lstrip("-").isdigit() for name in found):
+        return sorted(found, key=lambda name: (int(name), name))  # 01 and 1: one order on every run
+    return sorted(found)
 
 
 def holds_scalars(train: Dataset, column: str) -> bool:
