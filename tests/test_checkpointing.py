@@ -1013,6 +1013,7 @@ def test_a_misfit_checkpoint_in_a_sagemaker_job_names_what_the_user_can_change(t
         "resume with the model and options that wrote it, or start a fresh run without --resume_from_checkpoint"
     )
     monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("CLOUDTRAIN_CHECKPOINT_DIR", str(tmp_path))  # the job's own folder, restored from S3
     said = str(load_failure(path, misfit))
     assert said == (
         f'checkpoint {path} does not fit the model this run builds (Missing key(s) in state_dict: "score.weight".): '
@@ -1020,6 +1021,8 @@ def test_a_misfit_checkpoint_in_a_sagemaker_job_names_what_the_user_can_change(t
         "(a job resumes the checkpoints SageMaker restores from its own)"
     )
     assert "--resume_from_checkpoint" not in said
+    given = tmp_path.parent / "from-another-job" / "checkpoint-4"  # a path the user passed in the job's options
+    assert str(load_failure(given, misfit)).endswith("start a fresh run without --resume_from_checkpoint")
 
 
 def test_a_resume_by_a_run_of_another_task_says_so_not_other_data(tmp_path):

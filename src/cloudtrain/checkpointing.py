@@ -140,7 +140,7 @@ def check_resumable(cfg: Config, path: Path) -> None:
     if saved is not None and saved != now_optimizer:  # its state holds that optimizer's moments, not this one's
         raise UserError(
             f"checkpoint {path} was trained with {_optimizer_name(saved)}, this run asks for "
-            f"{_optimizer_name(now_optimizer)}: resume with {_optimizer_name(saved)}, or {fresh_start()}"
+            f"{_optimizer_name(now_optimizer)}: resume with {_optimizer_name(saved)}, or {fresh_start(path)}"
         )
     written_for, now = meta.get("model") or {}, model_record(cfg)
     differ = [k for k, v in written_for.get("shape", {}).items() if k in now["shape"] and now["shape"][k] != v]
@@ -149,13 +149,13 @@ def check_resumable(cfg: Config, path: Path) -> None:
         raise UserError(
             f"checkpoint {path} was written for another model ({written_for['source']}, {field} "
             f"{written_for['shape'][field]}; {now['source']} has {now['shape'][field]}): resume with the model that "
-            f"wrote it, or {fresh_start()}"
+            f"wrote it, or {fresh_start(path)}"
         )
     base, now_base = written_for.get("base_weights"), now.get("base_weights")
     if base and now_base and base != now_base:
         raise UserError(
             f"checkpoint {path} trained adapters over other base weights ({written_for['source']}) than this run "
-            f"loads ({now['source']}, the same shape): resume over the base it was trained on, or {fresh_start()}"
+            f"loads ({now['source']}, the same shape): resume over the base it was trained on, or {fresh_start(path)}"
         )
 
 
@@ -169,7 +169,7 @@ def check_labels(state: dict, labels: list[str], path: Path) -> None:
     raise UserError(
         f"checkpoint {path} was trained on {len(saved)} labels and this run's data names {len(labels)}: label {i} is "
         f"{there} there and {here} here, so the model's outputs would mean other labels; resume with the data it was "
-        f"trained on, or {fresh_start()}"
+        f"trained on, or {fresh_start(path)}"
     )
 
 

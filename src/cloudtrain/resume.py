@@ -327,7 +327,7 @@ def check_engine(meta: dict, path: Path, cfg: Config) -> None:
         )
         raise UserError(
             f"checkpoint {path} holds the states of {written} and this run uses {now}: each engine reads only its "
-            f"own; resume it with {options}, or {fresh_start()}"
+            f"own; resume it with {options}, or {fresh_start(path)}"
         )
 
 
@@ -362,7 +362,7 @@ def load_failure(path: Path, err: BaseException) -> UserError:
     if why:
         return UserError(
             f"checkpoint {path} does not fit the model this run builds ({why[:200]}): resume with the model and "
-            f"options that wrote it, or {fresh_start()}"
+            f"options that wrote it, or {fresh_start(path)}"
         )
     said = f": {first_line(err)[:200]}" if text.strip() else ""
     return UserError(

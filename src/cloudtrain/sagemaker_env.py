@@ -148,11 +148,13 @@ def host_count(env: Mapping[str, str]) -> int:
     return len(hosts) if isinstance(hosts, list) and hosts else 1
 
 
-def fresh_start(environ: Mapping[str, str] | None = None) -> str:
-    """How a user starts over instead of resuming a checkpoint that does not fit: without the flag, or in a job
-    (whose `resume_from_checkpoint latest` is its own default over the checkpoints SageMaker restored from S3, so no
-    flag of the user's is there to drop) with another checkpoint location."""
-    if not in_training_job(os.environ if environ is None else environ):
+def fresh_start(checkpoint: Path, environ: Mapping[str, str] | None = None) -> str:
+    """How a user starts over instead of resuming `checkpoint`, which does not fit: without the flag, or, for one of
+    the checkpoints SageMaker restored into a job's own folder (whose `resume_from_checkpoint latest` is the job's
+    default, so no flag of the user's is there to drop), with another checkpoint location."""
+    env = os.environ if environ is None else environ
+    restored = Path(env.get(CHECKPOINT_DIR_ENV, DEFAULT_CHECKPOINT_DIR)).resolve()
+    if not in_training_job(env) or not Path(checkpoint).resolve().is_relative_to(restored):
         return "start a fresh run without --resume_from_checkpoint"
     return (
         "start a fresh job with another checkpoint_s3_uri (a job resumes the checkpoints SageMaker restores from its "
