@@ -149,6 +149,16 @@ def test_context_parallel_counts_the_rows_as_the_run_pads_them(facts):
     assert (odd.activations, odd.logits) == (even.activations, even.logits)
 
 
+def test_context_parallel_traffic_counts_the_rows_as_the_run_pads_them(facts):
+    """The all-to-alls carry each process's share of the widened rows: 1023 tokens under CP=2 send what 1024 do
+    (the estimate rounded the share down)."""
+    cand = Candidate(CONTEXT_FSDP, False, context_parallel=2)
+    odd, even = (
+        step_traffic(facts, cand, Setup(8, 1, 80 * GIB, None, s, "bf16"), 3, 2)["context"] for s in (1023, 1024)
+    )
+    assert odd == even > 0
+
+
 def test_tensor_parallel_traffic_by_hand(facts):
     """Per micro-batch: 4 all-reduces of b x s x h x c per layer (6 with checkpointing) and the LM head's gather;
     the replicated groups all-reduce their fp32 share every micro-batch."""

@@ -68,7 +68,7 @@ def step_traffic(m: ModelFacts, cand: Candidate, setup: Setup, micro_batch: int,
         cp = cand.context_parallel
         # each layer exchanges its tokens' q, k, v and the attention's output (all-to-all: sequence for heads and
         # back) in the forward, their gradients in the backward, the forward again when checkpointing recomputes it
-        own = c * tokens // cp * (2 * m.hidden_size + 2 * m.kv_hidden_size)
+        own = c * micro_batch * -(-setup.max_length // cp) * (2 * m.hidden_size + 2 * m.kv_hidden_size)  # rows widened
         traffic["context"] = k * m.num_layers * (2 + cand.checkpointing) * all_to_all(own, cp)
     if cand.pipeline:
         pipe = cand.pipeline
