@@ -130,6 +130,8 @@ def test_a_reward_model_reads_implicit_string_pairs_as_their_plain_text(tiny_lla
         row["chosen"] for row in rows
     ]
     assert "plain text" in task.describe_data(data)
+    # the model's input is one whole text, as each side was
+    assert task.inference_hint("out").endswith('predict --model_dir out --text "<prompt and answer, as one text>"')
 
 
 def test_pairs_the_cut_makes_equal_are_dropped_and_counted_among_those_used(tiny_model_dir, tmp_path):
@@ -207,3 +209,78 @@ def test_predict_renders_a_chat_template_reward_model_s_prompt_and_answer_as_tra
     assert [json.loads(line)["score"] for line in printed.out.splitlines()][1:] == [None]
     assert json.loads(printed.out.splitlines()[0])["score"] == scores["chosen"][0]
     assert "note: 1 of 2 pairs keep no token of their answer within 48 tokens" in printed.err
+
+
+def plain_run(model: str, tmp_path, **extra) -> Path:
+    """A short reward run on implicit-prompt pairs of strings (no prompt column): plain text, no template."""
+    rows = [{"chosen": f"{q} {c}", "rejected": f"{q} {r}"} for q, c, r in PAIRS]
+    data, out = tmp_path / "plain.jsonl", tmp_path / "out"
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    options = {
+        "task": "reward", "model_name_or_path": model, "train_file": str(data), "validation_file": str(data),
+        "output_dir": str(out), "max_length": 48, "per_device_train_batch_size": 6, "max_steps": 2,
+        "learning_rate": 1e-2, "mixed_precision": "no", "report_to": "none", "eval_strategy": "no", **extra,
+    }  # fmt: skip
+    run_training(build_config(options))
+    return out
+
+
+def trained_scores(model_dir, texts: list[str]) -> list[float]:
+    """The saved model's own scores of `texts` encoded as training encoded a plain pair's side: the whole text at
+    once, the tokenizer's own special tokens, no EOS (cloudtrain.data.pairs.plain_text), one row at a time."""
+    from cloudtrain.data.pairs import plain_text
+    from cloudtrain.predict import load
+
+    model, tokenizer = load(str(model_dir))
+    scores = []
+    with torch.no_grad():
+        for text in texts:
+            ids, _ = plain_text(tokenizer, text[:1], text[1:], eos=False)
+            scores.append(model(input_ids=torch.tensor([ids])).logits[0, 0].item())
+    return scores
+
+
+@pytest.mark.parametrize(
+    ("model", "peft"),
+    [("tiny_llama_dir", "none"), ("tiny_model_dir", "none"), ("tiny_llama_dir", "lora")],
+    ids=["decoder", "encoder", "decoder LoRA and its merge"],
+)
+def test_predict_scores_a_plain_pair_reward_model_s_texts_as_training_read_them(model, peft, request, tmp_path, capsys):
+    """Found in review: a reward model trained on implicit-prompt pairs of strings read each side as its whole
+    text, but `predict` refused a lone --text and read --text PROMPT --text_pair ANSWER as a text pair: a decoder's
+    glued by the tokenizer's pair rule (tokens split at the join), an encoder's as [CLS] prompt [SEP] answer [SEP]:
+    inputs it never saw. The run records how it read its texts with the tokenizer (an adapter's and its merge's
+    too); a lone --text is the whole text, a --text_pair the rest of it, joined to --text as training joined the
+    pair's prompt and answer. A model saved before the record is read as before."""
+    from cloudtrain.cli import main
+    from cloudtrain.commands.predict import reward_input
+
+    merge = {"peft": "lora", "merge_adapters": True} if peft == "lora" else {}
+    out = plain_run(request.getfixturevalue(model), tmp_path, **merge)
+    texts = [f"{q} {c}" for q, c, _ in PAIRS]
+    # the pair's own split (the answer starts at its space) and one inside the last word
+    splits = [(text[:k], text[k:]) for (q, _, _), text in zip(PAIRS, texts, strict=True) for k in (len(q), -2)]
+    for folder in [out, out / "merged"] if peft == "lora" else [out]:
+        assert reward_input(folder) == "plain"
+        expected = trained_scores(folder, texts)
+        capsys.readouterr()
+        argv = ["predict", "--model_dir", str(folder)]
+        assert main([*argv, *(a for text in texts for a in ("--text", text))]) == 0
+        whole = [json.loads(line)["score"] for line in capsys.readouterr().out.splitlines()]
+        assert whole == pytest.approx(expected, abs=1e-4)
+        assert main([*argv, *(a for p, rest in splits for a in ("--text", p, "--text_pair", rest))]) == 0
+        pairs = [json.loads(line)["score"] for line in capsys.readouterr().out.splitlines()]
+        assert pairs == pytest.approx([score for score in expected for _ in range(2)], abs=1e-4)
+    # an answer past --max_length (48 tokens) leaves the prompt alone to score: null, as training dropped the pair
+    long_prompt = "Which topic: " + "the storm hit the coast again " * 20
+    assert main(["predict", "--model_dir", str(out), "--text", long_prompt, "--text_pair", " weather"]) == 0
+    printed = capsys.readouterr()
+    assert (
+        json.loads(printed.out)["score"] is None and "note: 1 of 1 pairs keep no token of their answer" in printed.err
+    )
+    # saved before the record: read as a text pair, as then
+    (config := Path(out) / "tokenizer_config.json").write_text(
+        json.dumps({k: v for k, v in json.loads(config.read_text()).items() if k != "cloudtrain_reward_input"})
+    )
+    assert main(["predict", "--model_dir", str(out), "--text", texts[0]]) == 2
+    assert "give each --text its second text with --text_pair" in capsys.readouterr().err

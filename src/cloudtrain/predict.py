@@ -16,7 +16,9 @@ Input files: .txt (one text per line), or .csv/.tsv/.json/.jsonl/.parquet with a
 --text_pair_column).
 A sentence-pair model gets (text, second text) through its tokenizer as in training: truncated longest first. A
 reward model trained through a chat template gets the prompt (--text) and the answer (--text_pair) rendered through
-it, as its training rendered each side; a pair whose answer keeps no token within the length scores null.
+it, as its training rendered each side; a pair whose answer keeps no token within the length scores null. One
+trained on plain text (implicit-prompt pairs of strings; its tokenizer_config.json records it) scores a lone --text
+whole, and --text joined to its --text_pair as they are, as training tokenized each side.
 Texts are truncated at the --max_length the model was trained with (its args.json), so the predictions match the
 run's evaluation; --max_length sets another, up to the model's context. More than one batch of texts gets a
 progress bar on stderr where the console shows bars (cloudtrain.observe.console).
@@ -45,7 +47,7 @@ from transformers import (
     AutoModelForTokenClassification,
 )
 
-from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, too_long
+from cloudtrain.commands.predict import DEFAULT_MAX_LENGTH, PLAIN_INPUT, reward_input, too_long
 from cloudtrain.errors import UserError, first_line
 from cloudtrain.faults import kill_point
 from cloudtrain.observe import console
@@ -183,12 +185,17 @@ def predict(
         assert pairs is not None  # the command checked that the model reads (question, context) pairs
         return answer_questions(model, tokenizer, texts, pairs, limit, recorded, names, allow_none)
     chat = reward_chat(recorded, tokenizer)
+    plain = predict_input(recorded.get("task")) == PROMPT_ANSWERS and reward_input(model_dir) == PLAIN_INPUT
     results: list[dict] = []
     truncated, answerless = 0, []
     for i in progress(range(0, len(texts), batch_size), "predicting"):
         chunk = texts[i : i + batch_size]
         second = pairs[i : i + batch_size] if pairs is not None else None
-        if chat is not None:  # the command checked that a chat-template reward model gets (prompt, answer) pairs
+        if plain:  # a reward model trained on plain text: each text whole, a second text its rest
+            encoded, cut, lost = plain_rows(tokenizer, chunk, second, limit, model.config.pad_token_id or 0)
+            truncated += cut
+            answerless += [len(results) + b for b in lost]
+        elif chat is not None:  # the command checked that a chat-template reward model gets (prompt, answer) pairs
             assert second is not None
             encoded, cut, lost = rendered_pairs(chat, chunk, second, limit, model.config.pad_token_id or 0)
             truncated += cut
@@ -258,15 +265,36 @@ def rendered_pairs(
         chat.answer([{"role": "user", "content": p}], [{"role": "assistant", "content": a}])
         for p, a in zip(prompts, answers, strict=True)
     ]
-    rows = [ids for ids, _ in rendered]
+    answerless = [b for b, (_, mask) in enumerate(rendered) if not any(mask[:limit])]
+    return *cut_rows([ids for ids, _ in rendered], limit, pad), answerless
+
+
+def plain_rows(
+    tokenizer, texts: list[str], rest: list[str] | None, limit: int, pad: int
+) -> tuple[dict, int, list[int]]:
+    """As `rendered_pairs`, for a reward model trained on plain text (implicit-prompt pairs of strings): each text
+    tokenized whole as a side of its pairs was (cloudtrain.data.pairs.plain_text: the tokenizer's own special tokens,
+    no EOS), and with `rest` (--text_pair) the text and its rest joined as they are, the prompt and the answer of a
+    side, which keeps no answer token where the prompt fills `limit`."""
+    from cloudtrain.data.pairs import plain_text
+
+    if rest is None:
+        return *cut_rows([list(tokenizer(text)["input_ids"]) for text in texts], limit, pad), []
+    encoded = [plain_text(tokenizer, text, answer, eos=False) for text, answer in zip(texts, rest, strict=True)]
+    answerless = [b for b, (_, mask) in enumerate(encoded) if not any(mask[:limit])]
+    return *cut_rows([ids for ids, _ in encoded], limit, pad), answerless
+
+
+def cut_rows(rows: list[list[int]], limit: int, pad: int) -> tuple[dict, int]:
+    """(input_ids and attention_mask of the rows cut at `limit` tokens, as training cut a side, and right-padded
+    with `pad`; how many were cut)."""
     width = min(max(len(ids) for ids in rows), limit)
     input_ids = torch.full((len(rows), width), pad, dtype=torch.long)
     attention_mask = torch.zeros_like(input_ids)
     for b, ids in enumerate(rows):
         input_ids[b, : min(len(ids), limit)] = torch.tensor(ids[:limit], dtype=torch.long)
         attention_mask[b, : min(len(ids), limit)] = 1
-    answerless = [b for b, (_, mask) in enumerate(rendered) if not any(mask[:limit])]
-    return {"input_ids": input_ids, "attention_mask": attention_mask}, sum(len(ids) > limit for ids in rows), answerless
+    return {"input_ids": input_ids, "attention_mask": attention_mask}, sum(len(ids) > limit for ids in rows)
 
 
 def model_inputs(recorded: dict, tokenizer) -> list[str]:

@@ -4,7 +4,7 @@ Everything that needs no model is checked here, before torch and transformers ar
 there is something to classify, the files named (an --output_file is never the --input_file, and replaces an
 existing file only with --overwrite_output_file true), and that the texts come in pairs exactly when the saved
 model was trained on pairs (its args.json: a classifier's text_pair_column; an encoder reward model reads
-prompt and answer as a pair).
+prompt and answer as a pair; one trained on plain text, as its tokenizer_config.json records, reads either).
 """
 
 import argparse
@@ -28,6 +28,11 @@ DEFAULT_MAX_LENGTH = 512
 # the text column a task's run reads without --text_column where its data has no `text`: answer_spans.SQUAD_COLUMNS'
 # and word_tags.CONLL_COLUMNS' (named here: those modules load torch and transformers)
 NAMED_TEXT = {"question_answering": "question", "token_classification": "tokens"}
+# how a cloudtrain reward model read its texts (the reward task writes it into the saved tokenizer_config.json, which
+# an adapter folder and a merged model keep too): "plain" (implicit-prompt pairs of strings: each side its whole
+# text), "template" (rendered through the chat template), "text_pair" (prompt and answer as a text pair). A model
+# saved before it records nothing and is read by its chat template, if any, else as a text pair.
+REWARD_INPUT, PLAIN_INPUT = "cloudtrain_reward_input", "plain"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -243,6 +248,8 @@ def trained_on_pairs(model_dir: Path, reads: str | None) -> tuple[bool | None, s
             )
         return False, "on single texts (its args.json records no text_pair_column)", None
     if reads == PROMPT_ANSWERS:
+        if reward_input(model_dir) == PLAIN_INPUT:  # a whole text, or a prompt and the rest of its text: either
+            return None, "on plain texts", None
         if recorded.get("chat_template") or has_chat_template(model_dir):
             return True, "on a prompt and an answer rendered through its chat template", None
         if (model_dir / "tokenizer_config.json").is_file():
@@ -273,6 +280,17 @@ def _answers_questions(model_dir: Path) -> bool:
         if isinstance(config, dict) and says(config):
             return True
     return False
+
+
+def reward_input(model_dir: Path | str) -> str | None:
+    """How a cloudtrain reward model read its texts (REWARD_INPUT in its tokenizer_config.json), or None where it
+    does not say (a model saved before it was recorded, or from elsewhere)."""
+    try:
+        config = json.loads((Path(model_dir) / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get(REWARD_INPUT) if isinstance(config, dict) else None
+    return value if isinstance(value, str) else None
 
 
 def has_chat_template(model_dir: Path) -> bool:

@@ -32,6 +32,7 @@ from transformers import (
 )
 
 from cloudtrain import invocation
+from cloudtrain.commands.predict import PLAIN_INPUT, REWARD_INPUT
 from cloudtrain.config import Config, DataConfig
 from cloudtrain.data.chat import ChatFormat
 from cloudtrain.data.pairs import (
@@ -116,6 +117,7 @@ class RewardTask(PairRows, Task):
         self.chat: ChatFormat | None = None
         self.added_tokens = 0
         self.report: dict[str, dict] = {}
+        self.reads: str | None = None  # how the sides were read, once `process` ran: saved with the tokenizer
 
     # ------------------------------------------------------------ options and data
     def check_options(self, cfg: Config) -> None:
@@ -148,6 +150,7 @@ class RewardTask(PairRows, Task):
             size = len(tokenizer)
             self.chat = ChatFormat.setup(tokenizer, d.chat_template, generates=False)  # it scores, never writes
             self.added_tokens = len(tokenizer) - size
+        self.reads = PLAIN_INPUT if self.plain else "template" if self.chat else "text_pair"
         pairs = {split: self._encode(ds, split, columns[split], cfg) for split, ds in raw.items()}
         if "validation" not in pairs:
             train, validation = SFTTask._carve_indices(
@@ -226,6 +229,23 @@ class RewardTask(PairRows, Task):
         text = "\n".join(m["content"] for m in prompt)
         reply = "\n".join(m["content"] for m in answer)
         return self.tokenizer(text, reply, truncation="longest_first", max_length=limit)["input_ids"]  # type: ignore[misc]
+
+    def save_tokenizer(self, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
+        """The tokenizer with how the model read its sides (REWARD_INPUT in its tokenizer_config.json): `predict`
+        reads a plain model's texts whole, as it trained. The tokenizer travels with an adapter and into its merge,
+        so the record does too (the config.json of a full model alone would not)."""
+        if self.reads is None:  # no data was read: nothing to say
+            return super().save_tokenizer(tokenizer, folder)
+        kwargs = tokenizer.init_kwargs  # what transformers writes into tokenizer_config.json, and reads back
+        before = kwargs.get(REWARD_INPUT)
+        kwargs[REWARD_INPUT] = self.reads
+        try:
+            super().save_tokenizer(tokenizer, folder)
+        finally:
+            if before is None:
+                kwargs.pop(REWARD_INPUT, None)
+            else:
+                kwargs[REWARD_INPUT] = before
 
     # ------------------------------------------------------------ the model
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
@@ -357,8 +377,11 @@ class RewardTask(PairRows, Task):
         )
 
     def inference_hint(self, output_dir: str) -> str:
-        # a prompt and an answer: rendered through the chat template, or (without one) read as a text pair
+        # a prompt and an answer: rendered through the chat template, or (without one) read as a text pair; a plain
+        # model's input is one whole text, as each side of its pairs was
         texts = '--text "<prompt>" --text_pair "<answer>"'
+        if self.plain:
+            texts = '--text "<prompt and answer, as one text>"'
         return f"{invocation.command()} predict --model_dir {shlex.quote(output_dir)} {texts}"
 
 
