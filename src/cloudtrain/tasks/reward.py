@@ -380,7 +380,7 @@ class RewardTask(PairRows, Task):
         # a prompt and an answer: rendered through the chat template, or (without one) read as a text pair; a plain
         # model's input is one whole text, as each side of its pairs was
         texts = '--text "<prompt>" --text_pair "<answer>"'
-        if self.plain:
+        if self.reads == PLAIN_INPUT:
             texts = '--text "<prompt and answer, as one text>"'
         return f"{invocation.command()} predict --model_dir {shlex.quote(output_dir)} {texts}"
 
