@@ -119,6 +119,7 @@ def test_only_adapters_train_and_the_saved_adapter_reloads_merges_and_predicts_t
     run.tokenizer.save_pretrained(out)
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     assert not (out / "model.safetensors").exists() and not (out / "config.json").exists()
+    assert not (out / "README.md").exists()  # PEFT's empty card, naming this machine's base path (audit)
     model.eval()
     if case.startswith("classification"):
         inputs = run.tokenizer(TEXTS, padding=True, return_tensors="pt")
@@ -171,6 +172,25 @@ def test_bad_adapter_options_are_refused_in_one_line_before_loading(
             "train it in full first, then pass it as --model_name_or_path",
         ),
         "merge without adapters": ({**base, "merge_adapters": "true"}, "--merge_adapters true needs adapters"),
+        "only the new head": (  # found in audit: refused once the model had loaded, naming q_proj,v_proj
+            {**base, "peft": "lora", "lora_target_modules": "classifier"},
+            "these layers train in full in this run (classifier: new or resized), so no adapter is left; name "
+            "other layers (dense,key,query,value) or all-linear",
+        ),
+        "only a grown vocabulary": (  # chatml's tokens: the embeddings and the head train in full
+            {
+                **base,
+                "task": "sft",
+                "model_name_or_path": tiny_llama_dir,
+                "peft": "lora",
+                "lora_target_modules": "lm_head,embed_tokens",
+            },  # fmt: skip
+            "--lora_target_modules lm_head,embed_tokens: these layers train in full in this run",
+        ),
+        "all-linear and names": (
+            {**base, "peft": "lora", "lora_target_modules": "all-linear,query"},
+            "all-linear names every linear layer and stands alone",
+        ),
         "rank": ({**base, "peft": "lora", "lora_r": 0}, "--lora_r must be at least 1"),
         "dropout": ({**base, "peft": "lora", "lora_dropout": 1}, "--lora_dropout must be in [0, 1)"),
     }

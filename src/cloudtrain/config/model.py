@@ -94,5 +94,10 @@ class ModelConfig(OnlyFields):
                 (self.lora_alpha <= 0, "--lora_alpha must be positive"),
                 (not 0 <= self.lora_dropout < 1, "--lora_dropout must be in [0, 1)"),
                 (not self.lora_target_modules, "--lora_target_modules needs all-linear or module names"),
+                (
+                    "all-linear" in self.lora_target_modules and len(self.lora_target_modules) > 1,
+                    "--lora_target_modules: all-linear names every linear layer and stands alone; give all-linear "
+                    "or a list of module names",
+                ),
             ]
         )

@@ -31,7 +31,7 @@ import os
 import shutil
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -72,8 +72,11 @@ ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Con
 # ---------------------------------------------------------------- before anything is loaded
 
 
-def check_options(cfg: Config, auto_class: type) -> None:
-    """Refuse what cannot work, in one line, before the model is loaded; `auto_class` is the task's."""
+def check_options(
+    cfg: Config, auto_class: type, train_in_full: Callable[[Any], list[str]] | None = None
+) -> None:
+    """Refuse what cannot work, in one line, before the model is loaded; `auto_class` is the task's, and
+    `train_in_full` its modules that train in full beside adapters (Task.train_in_full)."""
     m, d = cfg.model, cfg.distributed
     if m.peft == "none":
         return
@@ -92,7 +95,7 @@ def check_options(cfg: Config, auto_class: type) -> None:
             raise UserError("--peft qlora needs bitsandbytes: pip install bitsandbytes")
         if why := qlora_refusal(m.peft, d.zero_stage or 0, fsdp_shards(cfg), cfg.training.mixed_precision):
             raise UserError(why)
-    check_target_modules(cfg, auto_class)
+    check_target_modules(cfg, auto_class, train_in_full)
 
 
 def qlora_refusal(peft: str, zero_stage: int, fsdp: bool, precision: str) -> str | None:
@@ -112,24 +115,36 @@ def qlora_refusal(peft: str, zero_stage: int, fsdp: bool, precision: str) -> str
     return None
 
 
-def check_target_modules(cfg: Config, auto_class: type) -> None:
+def check_target_modules(
+    cfg: Config, auto_class: type, train_in_full: Callable[[Any], list[str]] | None = None
+) -> None:
     """Each name in --lora_target_modules names layers LoRA can adapt (as PEFT matches them: the whole module
-    name or its dotted tail), checked on a weightless copy of the model."""
+    name or its dotted tail), and not all of them train in full in this run; checked on a weightless copy of the
+    model."""
     targets = cfg.model.lora_target_modules
     if targets == ["all-linear"]:
         return
-    modules = dict(meta_model(cfg, auto_class).named_modules())
+    meta = meta_model(cfg, auto_class)
+    modules = dict(meta.named_modules())
     adaptable = {name for name, module in modules.items() if isinstance(module, ADAPTABLE)}
+    model = cfg.model.model_name_or_path or cfg.model.model_config or f"the default {DEFAULT_MODEL_NAME}"
     for target in targets:
         matches = {name for name in modules if name == target or name.endswith(f".{target}")}
         if not matches & adaptable:
             what = "is not a linear or embedding layer" if matches else "is not a module"
-            layers = sorted({name.rsplit(".", 1)[-1] for name in adaptable})
-            model = cfg.model.model_name_or_path or cfg.model.model_config or f"the default {DEFAULT_MODEL_NAME}"
             raise UserError(
                 f"--lora_target_modules: {target} {what} of {model}; its "
-                f"linear and embedding layers are {', '.join(layers)} (or use all-linear)"
+                f"linear and embedding layers are {', '.join(layer_names(meta))} (or use all-linear)"
             )
+    if train_in_full is not None:
+        _targets(cfg.model, train_in_full(meta), meta, announce=False)  # a run with none left is refused now
+
+
+def layer_names(model: torch.nn.Module, leave_out: Iterable[str] = (), kinds: tuple = ADAPTABLE) -> list[str]:
+    """The short names of the model's layers of `kinds` (those LoRA can adapt: q_proj, query, ...), less
+    `leave_out`."""
+    names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules() if isinstance(module, kinds)}
+    return sorted(names - set(leave_out))
 
 
 def meta_model(cfg: Config, auto_class: type) -> transformers.PreTrainedModel:
@@ -196,7 +211,7 @@ def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str], an
         )
     output = model.get_output_embeddings()
     tied = output is not None and output.weight is model.get_input_embeddings().weight
-    targets = "all-linear" if m.lora_target_modules == ["all-linear"] else _targets(m, train_in_full, announce)
+    targets = "all-linear" if m.lora_target_modules == ["all-linear"] else _targets(m, train_in_full, model, announce)
     lora = LoraConfig(
         r=m.lora_r,
         lora_alpha=m.lora_alpha,  # type: ignore[arg-type]  # PEFT annotates int, scales by any number
@@ -220,7 +235,7 @@ def attach(model: Any, cfg: Config, task_type: str, train_in_full: list[str], an
     return model
 
 
-def _targets(m: Any, train_in_full: list[str], announce: bool) -> list[str]:
+def _targets(m: Any, train_in_full: list[str], model: torch.nn.Module, announce: bool) -> list[str]:
     """--lora_target_modules less the layers that train in full here (a grown vocabulary's embeddings, a new head):
     PEFT cannot both adapt a layer and train it whole."""
 
@@ -229,10 +244,12 @@ def _targets(m: Any, train_in_full: list[str], announce: bool) -> list[str]:
 
     targets = [t for t in m.lora_target_modules if not whole(t)]
     if not targets:
+        linear = tuple(kind for kind in ADAPTABLE if kind is not torch.nn.Embedding)  # the usual targets
+        others = ",".join(layer_names(model, [t.rsplit(".", 1)[-1] for t in train_in_full], linear)[:4])
         raise UserError(
             f"--lora_target_modules {','.join(m.lora_target_modules)}: these layers train in full in this run "
-            f"({', '.join(train_in_full)}: new or resized), so no adapter is left; name other layers (q_proj,v_proj) "
-            "or all-linear"
+            f"({', '.join(train_in_full)}: new or resized), so no adapter is left; name other layers "
+            f"({others}) or all-linear"
         )
     if len(targets) < len(m.lora_target_modules) and announce:
         full = [t for t in m.lora_target_modules if whole(t)]
@@ -249,8 +266,12 @@ def is_adapter(model: torch.nn.Module) -> bool:
 def save(model, output_dir: Path, state_dict: dict | None = None) -> None:
     """The adapter in PEFT's layout, and a classifier's label names and problem type (labels.json: the base knows
     neither; a multi-label head is read with a sigmoid per label)."""
+    card = Path(output_dir) / "README.md"
+    stub = not card.exists()
     # grown embeddings are in the modules trained in full already; PEFT would add 2 more copies of each
     model.save_pretrained(output_dir, state_dict=state_dict, save_embedding_layers=False)
+    if stub:  # PEFT's empty card template, naming this machine's path to the base: the card comes with `push`
+        card.unlink(missing_ok=True)
     if model.peft_config["default"].task_type in GENERATIVE:  # a chat model's end-of-turn stop is not the base's
         model.generation_config.save_pretrained(output_dir)
     else:

@@ -133,7 +133,7 @@ class Task:
         from cloudtrain.models import adapters
 
         assert self.auto_class is not None  # a task that trains adapters on a transformers model names its class
-        adapters.check_options(cfg, self.auto_class)
+        adapters.check_options(cfg, self.auto_class, self.train_in_full)
 
     def attach_adapters(self, model: PreTrainedModel, cfg: Config, announce: bool = False) -> torch.nn.Module:
         """The model with --peft adapters on (models.prepare calls this where adapters come in its order)."""

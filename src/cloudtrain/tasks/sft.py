@@ -136,7 +136,9 @@ class SFTTask(CausalLMTask):
                 "set --num_sample_prompts N (and no --sample_prompts), or pick loss"
             )
         tokenizer = load_tokenizer(cfg.model)
+        size = len(tokenizer)
         ChatFormat.setup(tokenizer, cfg.data.chat_template)  # a bad template fails here
+        self.added_tokens = len(tokenizer) - size  # (what train_in_full reads when adapters are checked)
         if cfg.distributed.tensor_parallel_size > 1:  # the template's tokens need rows a sharded model cannot grow
             check_embeddings_fit(tokenizer, self.model_config(cfg), cfg.distributed.tensor_parallel_size)
 
