@@ -94,6 +94,44 @@ def test_stop_names_the_first_bad_step_though_it_is_read_later(trainer_cls, tiny
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # the bad step was not applied
 
 
+class NanGradient(torch.autograd.Function):
+    """The identity forward; a nan gradient backward: a finite loss whose backward overflows."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("nan")
+
+
+@pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
+@pytest.mark.parametrize("clip", [1.0, 0.0], ids=["clipped", "unclipped"])
+def test_a_finite_loss_with_nan_gradients_is_a_bad_step(
+    trainer_cls, clip, tiny_model_dir, tmp_path, monkeypatch, capsys
+):
+    """Found in audit: the step was applied (its loss was finite), every weight became nan, and the checkpoint
+    named as "the last good one" held them. With clipping its norm says so; without, the gradients' own norm."""
+    trainer = tiny_setup(
+        tiny_model_dir, tmp_path, trainer_cls, max_steps=4, per_device_train_batch_size=4, logging_steps=2,
+        eval_strategy="no", nonfinite_loss="skip", max_grad_norm=clip,
+    )  # fmt: skip
+    real, calls = ClassificationTask.loss, []
+
+    def loss(self, model, batch):
+        calls.append(1)
+        summed, count = real(self, model, batch)
+        return (NanGradient.apply(summed) if len(calls) == 2 else summed), count
+
+    monkeypatch.setattr(ClassificationTask, "loss", loss)
+    result = trainer.fit()
+    assert result.summary()["skipped_steps"] == 1
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    said = capsys.readouterr()
+    assert "skipped 1 step(s)" in said.out + said.err
+
+
 @pytest.mark.parametrize("trainer_cls", [BasicTrainer, AcceleratedTrainer])
 @pytest.mark.parametrize("adamw", ["auto", "foreach"])
 def test_the_step_never_waits_on_the_host(trainer_cls, adamw, tiny_model_dir, tmp_path, monkeypatch):

@@ -72,9 +72,7 @@ ADAPTABLE = (torch.nn.Linear, torch.nn.Embedding, transformers.pytorch_utils.Con
 # ---------------------------------------------------------------- before anything is loaded
 
 
-def check_options(
-    cfg: Config, auto_class: type, train_in_full: Callable[[Any], list[str]] | None = None
-) -> None:
+def check_options(cfg: Config, auto_class: type, train_in_full: Callable[[Any], list[str]] | None = None) -> None:
     """Refuse what cannot work, in one line, before the model is loaded; `auto_class` is the task's, and
     `train_in_full` its modules that train in full beside adapters (Task.train_in_full)."""
     m, d = cfg.model, cfg.distributed

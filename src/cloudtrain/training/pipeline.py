@@ -341,6 +341,9 @@ class PipelineTrainer(Trainer):
         count = torch.stack([self.task.loss_count(batch) for batch in window]).sum() * self.holds_last
         return StepStats(loss_sum=loss_sum, count=count, grad_norm=grad_norm)
 
+    def gradient_parameters(self) -> list[nn.Parameter]:
+        return self._params()
+
     def _params(self) -> list[nn.Parameter]:
         return [p for stage in self.stages for p in stage.parameters() if p.requires_grad]
 

@@ -103,6 +103,12 @@ def set_epoch(dataloader: DataLoader, epoch: int) -> None:
     target.set_epoch(epoch)
 
 
+def local_gradient_norm(parameters: Iterable[torch.nn.Parameter]) -> torch.Tensor | None:
+    """The norm of the gradients this process holds (a sharded one's local shard), None where it holds none."""
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in parameters if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else None
+
+
 class Trainer:
     """The outer training loop; subclasses implement the device-specific parts."""
 
@@ -417,7 +423,7 @@ class Trainer:
         self.phase = f"forward and backward ({self.step_collectives})"
         stats = self.backward_window(window, scale)
         self.phase = "the optimizer step"
-        bad = self.runtime.any_process(~torch.isfinite(stats.loss_sum))  # stays on the device
+        bad = self.runtime.any_process(self.nonfinite(stats))  # stays on the device
         self.apply_step(bad)
         loop.guard.add(bad)
         loop.meter.add(window, stats, applied=~bad & self.counts_batches)
@@ -488,6 +494,23 @@ class Trainer:
         """Process count / the step's count over all micro-batches and processes (one all-reduce)."""
         local = torch.stack([self.task.loss_count(batch) for batch in window]).sum().double()
         return (self.num_processes / self.runtime.reduce_sum(local).clamp(min=1)).float()
+
+    def nonfinite(self, stats: StepStats) -> torch.Tensor:
+        """Whether this process's step is bad: its loss, or its gradients' norm, is nan/inf. A finite loss can
+        back-propagate nan/inf gradients (an overflow in the backward); applied, they make every weight nan. Under
+        fp16 the loss scaler skips such steps itself and lowers its scale (routine, not a bad step). Without
+        clipping (--max_grad_norm 0) the norm of this process's gradients is taken for it, one pass over them."""
+        bad = ~torch.isfinite(stats.loss_sum)
+        if self.cfg.training.mixed_precision == "fp16":
+            return bad
+        norm = stats.grad_norm if stats.grad_norm is not None else local_gradient_norm(self.gradient_parameters())
+        if norm is None:  # no gradients here (DeepSpeed keeps its own, and checks them itself)
+            return bad
+        return bad | ~torch.isfinite(torch.as_tensor(norm, device=bad.device))
+
+    def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
+        """The parameters whose gradients a step applies."""
+        return self.model.parameters()
 
     def apply_step(self, bad: torch.Tensor) -> None:
         """The optimizer step, skipped where `bad` (the same on every process) is true.
