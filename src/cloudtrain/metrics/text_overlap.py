@@ -8,17 +8,29 @@ sentence a line. With `porter_stemmer()` words of more than three letters are st
 use_stemmer=True (what transformers' run_summarization.py reports). BLEU is corpus BLEU over the whole split as
 sacreBLEU computes it by default: its 13a tokenization, n-grams up to 4, the brevity penalty over the corpus,
 exponential smoothing of empty orders. tests/test_seq2seq.py checks both against those packages.
+
+A row may have several references (a list of texts): ROUGE takes, per metric, the best F1 over them (rouge_score's
+score_multi); BLEU clips each n-gram's count by its most in any one reference and measures the brevity penalty
+against the reference length closest to the generation's (the shorter on a tie), as sacreBLEU and the original
+BLEU do. A row of one text scores exactly as a list of that text alone.
 """
 
 import functools
 import math
+import operator
 import re
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 from cloudtrain.errors import UserError
 
 Stemmer = Callable[[str], str]
+References = str | Sequence[str]  # a row's reference, or its several references
+
+
+def _all(reference: References) -> Sequence[str]:
+    return [reference] if isinstance(reference, str) else reference
+
 
 _WORD = re.compile(r"[^\W_]+")  # letters and digits, any script
 # a sentence ends at a line break, at . ! ? (and any closing quotes or brackets) before white space, or at a full
@@ -117,11 +129,21 @@ def rouge_pair(prediction: str, reference: str, stem: Stemmer | None = None) -> 
     return scores
 
 
-def rouge(predictions: Sequence[str], references: Sequence[str], stem: Stemmer | None = None) -> dict[str, float]:
-    """The mean ROUGE-1/2/L/Lsum F1 over the examples, in percent (0 for none); `stem`: porter_stemmer() or none."""
+def rouge_best(prediction: str, references: References, stem: Stemmer | None = None) -> dict[str, float]:
+    """ROUGE-1/2/L/Lsum F1 of one prediction against its best reference, per metric (rouge_score's score_multi:
+    each metric's best may come from a different reference)."""
+    scores = [rouge_pair(prediction, reference, stem) for reference in _all(references)]
+    return {name: max(score[name] for score in scores) for name in scores[0]}
+
+
+def rouge(
+    predictions: Sequence[str], references: Sequence[References], stem: Stemmer | None = None
+) -> dict[str, float]:
+    """The mean ROUGE-1/2/L/Lsum F1 over the examples, in percent (0 for none); a row's references: one text, or a
+    list (its best per metric); `stem`: porter_stemmer() or none."""
     totals = Counter({"rouge1": 0.0, "rouge2": 0.0, "rougeL": 0.0, "rougeLsum": 0.0})
     for prediction, reference in zip(predictions, references, strict=True):
-        totals.update(rouge_pair(prediction, reference, stem))
+        totals.update(rouge_best(prediction, reference, stem))
     return {name: 100 * total / max(len(predictions), 1) for name, total in totals.items()}
 
 
@@ -147,16 +169,24 @@ def bleu_words(text: str) -> list[str]:
     return text.split()
 
 
-def bleu(predictions: Sequence[str], references: Sequence[str], order: int = 4) -> float:
-    """Corpus BLEU of the predictions against one reference each, in percent."""
+def closest_length(predicted: int, lengths: Iterable[int]) -> int:
+    """The reference length the brevity penalty measures against: the closest to the prediction's, the shorter of
+    two as close (sacreBLEU's, and the original BLEU's)."""
+    return min(lengths, key=lambda length: (abs(length - predicted), length))
+
+
+def bleu(predictions: Sequence[str], references: Sequence[References], order: int = 4) -> float:
+    """Corpus BLEU of the predictions against their references (one text, or a list: each n-gram's count clipped
+    by its most in any one of them), in percent."""
     matches, totals = [0] * order, [0] * order
     predicted_length = reference_length = 0
     for prediction, reference in zip(predictions, references, strict=True):
-        pred, ref = bleu_words(prediction), bleu_words(reference)
-        predicted_length, reference_length = predicted_length + len(pred), reference_length + len(ref)
+        pred, refs = bleu_words(prediction), [bleu_words(text) for text in _all(reference)]
+        predicted_length += len(pred)
+        reference_length += closest_length(len(pred), (len(ref) for ref in refs))
         for n in range(1, order + 1):
-            p = _ngrams(pred, n)
-            matches[n - 1] += sum((p & _ngrams(ref, n)).values())
+            most = functools.reduce(operator.or_, (_ngrams(ref, n) for ref in refs))  # per n-gram: its max count
+            matches[n - 1] += sum((_ngrams(pred, n) & most).values())
             totals[n - 1] += max(len(pred) - n + 1, 0)
     if not any(matches):  # no word in common anywhere (an untrained model): 0, not a smoothed guess
         return 0.0
