@@ -313,7 +313,7 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
     }
     untargeted = [{**row, "summary": ""} if i % 5 == 0 else row for i, row in enumerate(rows)]
     partly = [{**row, "summary": None} if i == 1 else row for i, row in enumerate(headline_rows(6, 1))]
-    references = [{**row, "summary": [row["summary"], "another"]} for row in headline_rows(6, 2)]
+    references = [{**row, "summary": [row["summary"], ""]} for row in headline_rows(6, 2)]
     cases = {
         "the default model": (  # it was named "None" (found in audit)
             {**base, "model_name_or_path": None},
@@ -332,9 +332,9 @@ def test_each_refusal_is_one_line(tiny_t5_dir, tiny_llama_dir, tmp_path, capsys)
             {**base, "validation_file": write_jsonl(tmp_path / "partly.jsonl", partly)},
             "1 of 6 rows of the validation data have no 'summary' text; give each a target or drop those rows",
         ),
-        "several references per row": (  # trained and scored as "['a', 'b']" before (audit)
+        "an empty one of several references": (  # lists were read as "['a', 'b']" before (audit); now references
             {**base, "validation_file": write_jsonl(tmp_path / "references.jsonl", references)},
-            "the validation data's 'summary' column holds lists (",
+            "row 1 of 6 of the validation data's 'summary' column holds an empty reference text (",
         ),
         "no source column": (
             {**base, "text_column": "body"},

@@ -1,13 +1,23 @@
-"""Several references per row: BLEU and ROUGE against hand-computed values (and sacreBLEU, rouge_score's
-score_multi)."""
+"""--task seq2seq with several references per row: BLEU and ROUGE against hand-computed values (and sacreBLEU,
+rouge_score's score_multi), list targets as rows (one training pair per reference, evaluation rows keeping all of
+them), a run that trains on them, and each bad list refused in one line."""
 
+import json
 import math
 import random
 
 import pytest
 import sacrebleu
+from conftest import SEQ2SEQ_WORDS, assert_each_refused
+from datasets import Dataset, DatasetDict
 from rouge_score import rouge_scorer
+from test_seq2seq import headline_rows, write_jsonl
+from transformers import AutoTokenizer
 
+from cloudtrain.cli import main
+from cloudtrain.config import DataConfig
+from cloudtrain.data.source_target import SPLIT_IDS, SourceTargetCollator, process_source_target
+from cloudtrain.errors import UserError
 from cloudtrain.metrics.text_overlap import bleu, closest_length, rouge
 
 
@@ -61,3 +71,110 @@ def test_rouge_takes_each_metrics_best_reference():
     predictions, targets = ["red cat runs", "a dog"], ["the red cat", "a big dog sleeps"]
     assert rouge(predictions, [[t] for t in targets]) == rouge(predictions, targets)
     assert bleu(predictions, [[t] for t in targets]) == bleu(predictions, targets)
+
+
+def reference_rows(n: int, seed: int) -> list[dict]:
+    """Headline rows whose summary is a list: the first four words, and the first three."""
+    return [
+        {"document": row["document"], "summary": [row["summary"], row["summary"].rsplit(" ", 1)[0]]}
+        for row in headline_rows(n, seed)
+    ]
+
+
+def test_list_targets_train_once_per_reference_and_evaluate_against_all(tiny_t5_dir, tmp_path):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)
+    train, validation = reference_rows(10, 0), reference_rows(3, 1)
+    validation[2]["summary"] = validation[2]["summary"][:1] + ["red cat", "dog"]  # rows may differ in count
+    raw = DatasetDict({"train": Dataset.from_list(train), "validation": Dataset.from_list(validation)})
+    cfg = DataConfig(text_column="document", label_column="summary", max_target_length=32, cache_dir=str(tmp_path))
+    data = process_source_target(raw, tokenizer, cfg, seed=0)
+    assert len(data.train) == 20 and data.extras["training_rows"] == 10  # every reference its own pair
+    pairs = {(tokenizer.decode(r["input_ids"]), tokenizer.decode(r["labels"], skip_special_tokens=True).strip())
+             for r in data.train}  # fmt: skip
+    assert pairs == {(row["document"], text) for row in train for text in row["summary"]}
+    assert data.validation["row"] == [2 * SPLIT_IDS + i for i in range(3)]  # numbered, after train's k = 1
+    assert [data.extras["references"][i] for i in data.validation["row"]] == [row["summary"] for row in validation]
+    first = [tokenizer.decode(r["labels"], skip_special_tokens=True).strip() for r in data.validation]
+    assert first == [row["summary"][0] for row in validation]  # the loss's target: the first reference
+    batch = SourceTargetCollator(tokenizer.pad_token_id)([data.validation[0], data.validation[1]])
+    assert batch["row"].tolist() == data.validation["row"][:2]
+
+    carved = process_source_target(DatasetDict({"train": Dataset.from_list(train)}), tokenizer, cfg, seed=0)
+    assert len(carved.validation) == 1 and len(carved.train) == 18  # a carved row keeps its references
+    (row,) = carved.validation["row"]
+    assert carved.extras["references"][row] in [r["summary"] for r in train]
+
+
+def test_a_bad_list_of_references_is_refused_in_one_line(tiny_t5_dir, tmp_path, capsys):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_t5_dir)
+    cfg = DataConfig(text_column="document", label_column="summary", cache_dir=str(tmp_path))
+    fix = "give each row one target text, or a list of non-empty reference texts"
+    for bad, problem in (
+        ([], "an empty list of references"),
+        (["red cat", " "], "an empty reference text (['red cat', ' '])"),
+    ):
+        rows = reference_rows(4, 0)
+        rows[2]["summary"] = bad
+        raw = DatasetDict({"train": Dataset.from_list(rows)})
+        with pytest.raises(UserError) as refused:
+            process_source_target(raw, tokenizer, cfg, seed=0)
+        assert str(refused.value) == f"row 3 of 4 of the train data's 'summary' column holds {problem}; {fix}"
+    numbers = [{"document": row["document"], "summary": [1, 2]} for row in headline_rows(3, 0)]
+    raw = DatasetDict({"train": Dataset.from_list(reference_rows(4, 0)), "validation": Dataset.from_list(numbers)})
+    with pytest.raises(UserError, match=r"row 1 of 3 of the validation data's 'summary' column holds a list of int"):
+        process_source_target(raw, tokenizer, cfg, seed=0)
+
+    out = tmp_path / "out"
+    base = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_t5_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", reference_rows(20, 0)),
+        "output_dir": str(out),
+        "report_to": "none",
+        "max_steps": 2,
+    }
+    empty = [{**row, "summary": []} if i == 4 else row for i, row in enumerate(reference_rows(6, 2))]
+    cases = {
+        "an empty list in a validation row": (
+            {**base, "validation_file": write_jsonl(tmp_path / "empty.jsonl", empty)},
+            f"row 5 of 6 of the validation data's 'summary' column holds an empty list of references; {fix}",
+        ),
+        "lists of numbers": (
+            {**base, "train_file": write_jsonl(tmp_path / "numbers.jsonl", numbers)},
+            "row 1 of 3 of the train data's 'summary' column holds a list of int ([1, 2]), not of texts",
+        ),
+    }
+    assert_each_refused(cases, capsys, out)
+
+
+@pytest.mark.slow  # twelve short epochs over 320 pairs, as the headline run
+def test_a_run_trains_on_every_reference_and_scores_against_all(tiny_t5_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    validation = reference_rows(4, 1)
+    options = {
+        "task": "seq2seq",
+        "model_name_or_path": tiny_t5_dir,
+        "train_file": write_jsonl(tmp_path / "train.jsonl", reference_rows(160, 0)),
+        "validation_file": write_jsonl(tmp_path / "validation.jsonl", validation),
+        "output_dir": str(out),
+        "max_target_length": 12,
+        "num_train_epochs": 12,
+        "per_device_train_batch_size": 16,
+        "learning_rate": 3e-3,
+        "mixed_precision": "no",
+        "report_to": "none",
+    }
+    assert main([f"--{k}={v}" for k, v in options.items()]) == 0
+    said = capsys.readouterr().out
+    assert "data: 320 train / 4 validation (source, target) pairs (160 training rows: 320 pairs from their " in said
+    results = json.loads((out / "eval_results.json").read_text())
+    assert results["samples"] == 4  # rows, not pairs
+    shown = results["generations"]
+    assert [g["target"] for g in shown] == [row["summary"] for row in validation]  # every reference
+    generated = [g["generated"] for g in shown]
+    references = [g["target"] for g in shown]
+    assert results["bleu"] == pytest.approx(bleu(generated, references))
+    for name, value in rouge(generated, references).items():
+        assert results[name] == pytest.approx(value)
+    assert results["rougeL"] > 45, results  # it learned the headlines
+    assert all(word in SEQ2SEQ_WORDS for text in generated for word in text.split())

@@ -7,6 +7,10 @@
 - Sources get --source_prefix in front (T5's "summarize: ") and are cut at --max_length tokens; targets are cut at
   --max_target_length and end with the tokenizer's EOS (added where the tokenizer adds none), so the model learns
   where to stop.
+- A target is one text per row, or a list of references (JSON `"target": ["ref a", "ref b"]`), each a non-empty
+  text. Training takes every reference as its own pair, the source repeated (after the validation carve, so a
+  carved row's references never train); evaluation rows keep them all (`ProcessedData.extras["references"]`, by
+  the `row` id the collator passes on) to be scored against, and their loss is the first reference's.
 - Every training row needs a target. An evaluation split with no target at all (or no target column) is for
   predictions only (`<split>_predictions.jsonl`); one with some rows missing is an error naming the count.
 - The collator pads sources with the pad token and targets with -100 (ignored by the loss), to each batch's longest.
@@ -29,6 +33,9 @@ from cloudtrain.data.processing import (
 )
 from cloudtrain.errors import UserError
 
+LISTS = (datasets.List, datasets.LargeList, datasets.Sequence, list)  # a column of several references per row
+SPLIT_IDS = 1 << 40  # the row ids of evaluation split k start at k * SPLIT_IDS: unique over the run's splits
+REFERENCE_FIX = "give each row one target text, or a list of non-empty reference texts"
 IGNORED = -100  # a padded target position: cross-entropy skips it
 # (--text_column, --label_column) of the dataset families read without options, in the order they are tried
 FAMILIES = (("document", "summary"), ("article", "highlights"), ("source", "target"))
@@ -163,8 +170,8 @@ def process_source_target(
     """Tokenized (source, target) rows for every split; unlabelled splits keep their sources for predictions."""
     check_texts(raw["train"], cfg.text_column)
     for split, ds in raw.items():
-        for column, what in ((cfg.text_column, "source"), (cfg.label_column, "target")):
-            check_one_text(ds, split, column, what)
+        check_one_text(ds, split, cfg.text_column, "source")
+        check_references(ds, split, cfg.label_column)
     missing = count_missing(raw["train"], cfg.label_column)
     if missing:
         raise UserError(
@@ -172,14 +179,91 @@ def process_source_target(
             "or drop those rows"
         )
     chosen, unlabelled = choose_rows(raw, target_scheme(cfg.label_column), cfg, seed)
+    extras: dict = {"references": {}}  # evaluation rows with several references: {row id: their texts}
+    if holds_lists(chosen["train"], cfg.label_column):
+        extras["training_rows"] = len(chosen["train"])  # before one pair per reference, for the data line
+    evaluated = {
+        split: _with_references(_encode(ds, split, tokenizer, cfg, True), ds, k, tokenizer, cfg, extras)
+        for k, (split, ds) in enumerate(chosen.items(), start=1)
+        if split != "train"
+    }
     return ProcessedData(
-        train=_encode(chosen["train"], "train", tokenizer, cfg, True),
-        validation=_encode(chosen["validation"], "validation", tokenizer, cfg, True),
-        test=_encode(chosen["test"], "test", tokenizer, cfg, True) if "test" in chosen else None,
+        train=_encode(one_per_reference(chosen["train"], cfg.label_column), "train", tokenizer, cfg, True),
+        validation=evaluated["validation"],
+        test=evaluated.get("test"),
         collator=SourceTargetCollator(int(tokenizer.pad_token_id)),
         unlabelled={split: _encode(ds, split, tokenizer, cfg, False) for split, ds in unlabelled.items()},
         unlabelled_texts={split: [_text(t) for t in ds[cfg.text_column]] for split, ds in unlabelled.items()},
+        extras=extras,
     )
+
+
+def holds_lists(ds: Dataset, column: str) -> bool:
+    """Whether a split's target column holds a list of references per row."""
+    return isinstance(ds.features.get(column), LISTS)
+
+
+def check_references(ds: Dataset, split: str, column: str) -> None:
+    """A target is one text per row, or a non-empty list of non-empty texts (a missing target, None, is counted
+    apart); the first row that is neither is named, before anything is tokenized or loaded."""
+    if not holds_lists(ds, column):
+        check_one_text(ds, split, column, "target", REFERENCE_FIX)  # a record: refused as before
+        return
+    for i, value in enumerate(ds[column]):
+        if value is not None and (problem := _reference_problem(value)):
+            raise UserError(
+                f"row {i + 1} of {len(ds)} of the {split} data's {column!r} column holds {problem}; {REFERENCE_FIX}"
+            )
+
+
+def _reference_problem(references: list) -> str:
+    """What is wrong with one row's list of references ("" for nothing)."""
+    shown = str(references)[:60]
+    if not references:
+        return "an empty list of references"
+    if not all(isinstance(text, str) for text in references):
+        kinds = sorted({type(text).__name__ for text in references if not isinstance(text, str)})
+        return f"a list of {', '.join(kinds)} ({shown}), not of texts"
+    if any(not text.strip() for text in references):
+        return f"an empty reference text ({shown})"
+    return ""
+
+
+def one_per_reference(ds: Dataset, column: str) -> Dataset:
+    """Each row once per reference, that reference its target (the common practice: every reference is a way to
+    write the target the model learns from); a split of one text per row as it is."""
+    if not holds_lists(ds, column):
+        return ds
+
+    def spread(batch: dict) -> dict:
+        counts = [len(references) for references in batch[column]]
+        out = {
+            name: [value for value, k in zip(values, counts, strict=True) for _ in range(k)]
+            for name, values in batch.items()
+            if name != column
+        }
+        return {**out, column: [text for references in batch[column] for text in references]}
+
+    features = datasets.Features({**ds.features, column: datasets.Value("string")})
+    return ds.map(spread, batched=True, remove_columns=ds.column_names, features=features, desc="Pairs per reference")
+
+
+def _with_references(
+    encoded: Dataset, ds: Dataset, k: int, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, extras: dict
+) -> Dataset:
+    """An evaluation split of several references per row: its rows numbered (`row`, unique over the splits) and
+    every row's references kept in `extras`, as tokenized and decoded, so cut where a single target is; else as
+    it is."""
+    if not holds_lists(ds, cfg.label_column):
+        return encoded
+    rows = ds[cfg.label_column]
+    flat = [text for references in rows for text in references]
+    ids = tokenizer(text_target=flat, truncation=True, max_length=_room(tokenizer, cfg))["input_ids"]
+    texts = iter(text.strip() for text in tokenizer.batch_decode(ids, skip_special_tokens=True))
+    first = k * SPLIT_IDS
+    for i, references in enumerate(rows):
+        extras["references"][first + i] = [next(texts) for _ in references]
+    return encoded.add_column("row", list(range(first, first + len(rows))))
 
 
 def check_one_text(
@@ -187,10 +271,11 @@ def check_one_text(
     split: str,
     column: str,
     what: str,
-    fix: str = "give one text per row (for several references: one row each, or the first)",
+    fix: str = "give one text per row",
 ) -> None:
-    """A source or target (a question, a context) is one text (or a number) per row: a list (several references) or
-    a record would be read as its Python spelling, "['ref 1', 'ref 2']", and trained and scored so."""
+    """A source (a question, a context; a target not of references) is one text (or a number) per row: a list or a
+    record would be read as its Python spelling, "['a', 'b']", and trained and scored so (`check_references` reads
+    a target's list as its references)."""
     feature = ds.features.get(column)
     if feature is None or isinstance(feature, datasets.Value):
         return
@@ -205,6 +290,16 @@ def _text(value) -> str:
     return "" if value is None else str(value)
 
 
+def _first(value) -> str:
+    """A target's text: its first reference where it has several (the loss is computed against that one)."""
+    return _text(value[0] if isinstance(value, list) else value)
+
+
+def _room(tokenizer: PreTrainedTokenizerBase, cfg: DataConfig) -> int:
+    """The tokens a target's text may take: --max_target_length, less EOS where the task adds it."""
+    return cfg.max_target_length - (0 if adds_eos(tokenizer) else 1)
+
+
 def adds_eos(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer ends an encoded text with EOS itself (T5's and BART's do; a generic one may not)."""
     ids = tokenizer("a")["input_ids"]
@@ -215,15 +310,14 @@ def _encode(ds: Dataset, split: str, tokenizer: PreTrainedTokenizerBase, cfg: Da
     """input_ids and attention_mask of the prefixed sources; with `targets`, labels: the target's ids, EOS last."""
     if tokenizer.eos_token_id is None:
         raise UserError("the tokenizer has no EOS token, so a target could not end; give a tokenizer with one")
-    own_eos = adds_eos(tokenizer)
-    room = cfg.max_target_length - (0 if own_eos else 1)
+    own_eos, room = adds_eos(tokenizer), _room(tokenizer, cfg)
 
     def encode(batch: dict) -> dict:
         sources = [cfg.source_prefix + _text(t) for t in batch[cfg.text_column]]
         encoded = tokenizer(sources, truncation=True, max_length=cfg.max_length)
         out = {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
         if targets:
-            texts = [_text(t) for t in batch[cfg.label_column]]
+            texts = [_first(t) for t in batch[cfg.label_column]]
             labels = tokenizer(text_target=texts, truncation=True, max_length=room)["input_ids"]
             out["labels"] = labels if own_eos else [ids + [tokenizer.eos_token_id] for ids in labels]
         return out
@@ -248,6 +342,8 @@ class SourceTargetCollator:
         }
         if "labels" in rows[0]:
             batch["labels"] = _pad([row["labels"] for row in rows], IGNORED)
+        if "row" in rows[0]:  # an evaluation row of several references: evaluation looks them up by it
+            batch["row"] = torch.tensor([row["row"] for row in rows], dtype=torch.long)
         return batch
 
 

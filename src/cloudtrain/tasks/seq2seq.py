@@ -4,14 +4,17 @@ Supports: summarization and translation data as two text columns (XSum's, CNN/Da
 are read without options; else --text_column and --label_column) or WMT's `translation` records (--source_lang,
 --target_lang), T5's task prefixes (--source_prefix), targets cut at --max_target_length; the loss over target
 tokens, and at each evaluation generations (greedy, or --generation_num_beams beams) scored by ROUGE-1/2/L/Lsum
-(--rouge_stemmer: stemmed) and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; unlabelled
-evaluation splits (generations in `<split>_predictions.jsonl`); `cloudtrain generate` with the saved model;
-adapters (LoRA, DoRA, QLoRA), both trainers, DDP, DeepSpeed ZeRO 1-3 and FSDP2 (every process generates in
-step), planning its memory (`cloudtrain plan --task seq2seq`), and the Hub push.
+(--rouge_stemmer: stemmed) and BLEU (cloudtrain.metrics.text_overlap), a table of the first few; several
+references per row (a list of texts: each trains as its own pair, evaluation scores against them all and takes
+its loss against the first); unlabelled evaluation splits (generations in `<split>_predictions.jsonl`);
+`cloudtrain generate` with the saved model; adapters (LoRA, DoRA, QLoRA), both trainers, DDP, DeepSpeed ZeRO 1-3
+and FSDP2 (every process generates in step), planning its memory (`cloudtrain plan --task seq2seq`), and the Hub
+push.
 Does not support: decoder-only models (use --task sft with --prompt_column/--completion_column), sampling in
 evaluation, pretraining from --model_config, --training_type pipeline, tensor or context parallelism, packing.
 """
 
+import json
 import shlex
 import time
 from collections.abc import Callable, Iterable
@@ -253,7 +256,7 @@ class Seq2SeqTask(ClassificationTask):
         assert self.cfg is not None
         start = time.perf_counter()
         predictions: list[str] = []
-        references: list[str] = []
+        references: list[str | list[str]] = []  # a row's target, or its several references
         sources: list[str] = []
         loss_sum, tokens, written = 0.0, 0, 0
         with eval_mode(model):
@@ -264,14 +267,16 @@ class Seq2SeqTask(ClassificationTask):
                     generated = self.generate(model, batch)
                 counts = (batch["labels"] != IGNORED).sum(1)
                 labels = pad_to_width(batch["labels"], self.cfg.data.max_target_length, IGNORED)
-                losses, counts, generated, labels = gather((losses, counts, generated, labels))
+                # every process holds the same split: all gather its rows' ids (several references), or none
+                rows = (batch["row"],) if "row" in batch else ()
+                losses, counts, generated, labels, *rows = gather((losses, counts, generated, labels, *rows))
                 if len(sources) < SHOWN:  # every process has gathered as many: all gather here, or none
                     inputs = pad_to_width(batch["input_ids"], self.cfg.data.max_length, IGNORED)
                     sources += self.decode(gather(inputs).cpu())
                 loss_sum, tokens = loss_sum + losses.sum().item(), tokens + int(counts.sum().item())
                 written += int(self.written(generated)[0].sum().item())
                 predictions += self.decode(generated.cpu())
-                references += self.decode(labels.cpu())
+                references += self._references(rows[0], data) if rows else self.decode(labels.cpu())
         runtime = time.perf_counter() - start
         return {
             **rouge(predictions, references, porter_stemmer() if self.cfg.data.rouge_stemmer else None),
@@ -286,6 +291,10 @@ class Seq2SeqTask(ClassificationTask):
                 for s, r, p in zip(sources[:SHOWN], references[:SHOWN], predictions[:SHOWN], strict=False)
             ],
         }
+
+    def _references(self, rows: torch.Tensor, data: ProcessedData) -> list[str | list[str]]:
+        """The references of a batch's rows of several (by their ids), tokenized and decoded as a target is."""
+        return [data.extras["references"][row] for row in rows.tolist()]
 
     @torch.no_grad()
     def predict(
@@ -313,14 +322,16 @@ class Seq2SeqTask(ClassificationTask):
 
     def tables(self, metrics: dict) -> dict[str, tuple[list[str], list[list]]]:
         shown = metrics.get("generations") or []
-        rows = [[g["source"], g["target"], g["generated"]] for g in shown]
+        rows = [[g["source"], shown_target(g["target"]), g["generated"]] for g in shown]
         return {"generations": (["source", "target", "generated"], rows)} if rows else {}
 
     def model_card(self, output_dir: Path, cfg: Config, results: dict) -> ModelCard:
         return build_model_card(output_dir, cfg, results, CARD)
 
     def describe_data(self, data: ProcessedData) -> str:
-        return self.data_summary(data, "(source, target) pairs")
+        rows = data.extras.get("training_rows")
+        spread = f" ({rows} training rows: {len(data.train)} pairs from their references)" if rows else ""
+        return self.data_summary(data, f"(source, target) pairs{spread}")
 
     def describe_metrics(self, metrics: dict) -> str:
         return (
@@ -335,6 +346,12 @@ class Seq2SeqTask(ClassificationTask):
 
     def inference_hint(self, output_dir: str) -> str:
         return f'{invocation.command()} generate --model_dir {shlex.quote(output_dir)} --prompt "..."'
+
+
+def shown_target(target: str | list[str]) -> str:
+    """A table's target cell: the text, or every reference as a JSON list (a cell holds a string; a reference's own
+    " | " or line break would blur a joined one)."""
+    return target if isinstance(target, str) else json.dumps(target, ensure_ascii=False)
 
 
 def _check_model(config: PretrainedConfig, name: str) -> None:
