@@ -104,6 +104,17 @@ def test_curves_of_different_scales_are_drawn_in_panels_of_their_own():
     }
 
 
+def test_a_run_of_nan_evaluations_draws_its_curves(tmp_path):
+    """Found in audit: every evaluation nan (null perplexity) ended the run after the model was saved, with a
+    matplotlib traceback (no log scale with nothing to draw)."""
+    from cloudtrain.observe.plotting import plot_training_curves
+
+    records = [{"step": s, "train/loss": None, "eval/loss": None, "eval/perplexity": None} for s in (1, 2)]
+    plot_training_curves(records, tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 0
+    assert panels(records)["perplexity"][0] == "linear"
+
+
 @pytest.mark.parametrize("steps", [[2], [1, 2], [5, 10, 15, 40]])
 def test_the_step_axis_is_marked_in_whole_steps(steps):
     """A run of one logged step showed steps 1.900 to 2.100, a run of two showed 2.5 (found in audit)."""

@@ -123,8 +123,8 @@ def draw_panel(ax: "Axes", title: str, series: dict[str, Series]) -> None:
     steps = [step for steps, _ in series.values() for step in steps]
     if min(steps) == max(steps):  # one step: room either side of it, where whole steps can be marked
         ax.set_xlim(min(steps) - 1, max(steps) + 1)
-    if title == PERPLEXITY:
-        ax.set_yscale("log")
+    if title == PERPLEXITY and any(v > 0 for _, values in series.values() for v in values if math.isfinite(v)):
+        ax.set_yscale("log")  # (matplotlib refuses a log scale with nothing to draw: a run of nan evaluations)
 
 
 def image_grid(images: list, captions: list[str], columns: int = 4) -> "Image.Image":
