@@ -263,6 +263,11 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "odd process count": (3, base, "needs a multiple of 2 processes, and this launch has 3"),
         "one process": (1, base, "needs a multiple of 2 processes, and this launch has 1"),
         "tensor parallel": (4, {**base, "tensor_parallel_size": "2"}, "does not combine with --tensor_parallel_size"),
+        "tensor parallel, any launch": (  # refused first: the process count named first could not help (audit)
+            1,
+            {**base, "tensor_parallel_size": "2"},
+            "--context_parallel_size 2 does not combine with --tensor_parallel_size yet; use one of the two",
+        ),
         "deepspeed": (2, {**base, "zero_stage": "2"}, "does not combine with DeepSpeed ZeRO"),
         "an accelerate FSDP config": (2, {**base, "env:ACCELERATE_USE_FSDP": "true"}, "not through an accelerate"),
         "hybrid shard": (
@@ -276,7 +281,7 @@ def test_every_refusal_is_one_line(tmp_path, corpus, tiny_llama_dir, tiny_gpt2_d
         "batch size auto": (2, {**base, "per_device_train_batch_size": "auto"}, "not auto"),
         "heads": (3, {**base, "context_parallel_size": "3"}, "does not divide the model's attention heads (4)"),
         "kv heads": (4, {**base, "context_parallel_size": "4"}, "does not divide the model's KV heads (2)"),
-        "zero size": (2, {**base, "context_parallel_size": "0"}, "must be at least 1"),
+        "zero size": (2, {**base, "context_parallel_size": "0"}, "error: --context_parallel_size must be at least 1"),
         "sliding window": (  # the refusal named no way on (found in audit)
             2,
             {**base, "model_name_or_path": sliding_window_model(tiny_llama_dir, tmp_path / "mistral")},

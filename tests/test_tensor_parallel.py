@@ -275,7 +275,7 @@ def test_every_refusal_is_one_line(tmp_path, corpus, chats, tiny_llama_dir, tiny
         "no plan": (2, {**base, "model_name_or_path": tiny_gpt2_dir}, "the gpt2 model family has no tensor-parallel"),
         "heads": (3, {**base, "tensor_parallel_size": "3"}, "does not divide the model's attention heads (4)"),
         "kv heads": (4, {**base, "tensor_parallel_size": "4"}, "does not divide the model's KV heads (2)"),
-        "zero size": (2, {**base, "tensor_parallel_size": "0"}, "must be at least 1"),
+        "zero size": (2, {**base, "tensor_parallel_size": "0"}, "error: --tensor_parallel_size must be at least 1"),
         "built from a config": (
             2,
             {

@@ -112,8 +112,17 @@ class DistributedConfig(OnlyFields):
             raise UserError("--offload_* nvme (ZeRO-Infinity) needs --zero_stage 3")
         if self.nvme_path and not nvme:
             raise UserError("--nvme_path is used only with --offload_optimizer nvme or --offload_param nvme")
-        if self.tensor_parallel_size < 1 or self.context_parallel_size < 1:
-            raise UserError("--tensor_parallel_size and --context_parallel_size must be at least 1")
+        refuse_first(
+            [
+                (self.tensor_parallel_size < 1, "--tensor_parallel_size must be at least 1"),
+                (self.context_parallel_size < 1, "--context_parallel_size must be at least 1"),
+                (  # before the process counts are checked: no launch can make the two work together
+                    self.tensor_parallel_size > 1 and self.context_parallel_size > 1,
+                    f"--context_parallel_size {self.context_parallel_size} does not combine with "
+                    "--tensor_parallel_size yet; use one of the two",
+                ),
+            ]
+        )
         if self.aio_block_size < 4096 or self.aio_queue_depth < 1:
             raise UserError("--aio_block_size must be at least 4096 bytes and --aio_queue_depth at least 1")
         self.check_fsdp()

@@ -53,7 +53,6 @@ def check_context_parallel(cfg: Config, processes: int) -> None:
 
     d = cfg.distributed
     refusals = split_refusals(cfg, cp, processes) + [
-        (d.tensor_parallel_size > 1, "does not combine with --tensor_parallel_size yet; use one of the two"),
         (
             d.fsdp and d.fsdp_sharding_strategy == "hybrid_shard",
             "with --fsdp shards over every process: use --fsdp_sharding_strategy full_shard or shard_grad_op",
