@@ -115,6 +115,18 @@ def test_a_generation_prompt_the_answer_merges_with_is_refused(lm_tokenizer_dir)
     assert trained_text(chat, ids, mask) == [" I am the king.<|endoftext|>"]
 
 
+def test_a_chatml_file_on_a_tokenizer_without_its_tokens_says_so(lm_tokenizer_dir):
+    """Found in audit: chatml's text as a --chat_template file on a tokenizer lacking <|im_end|> was refused for
+    ending turns "with no special token", not saying the tokenizer lacks that token."""
+    chatml_text = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>' + '\\n' }}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    lacking = r"\(<\|im_end\|> is not a token of this tokenizer: --chat_template chatml adds chatml's\)"
+    with pytest.raises(UserError, match=lacking):
+        with_template(lm_tokenizer_dir, chatml_text)
+
+
 def test_a_template_that_rewrites_earlier_turns_gives_one_example_per_answer(lm_tokenizer_dir):
     """Like Qwen3 dropping earlier reasoning: each answer is trained as inference renders its prompt."""
     chat = with_template(

@@ -14,6 +14,7 @@
   differently once later ones follow gives one example per assistant turn instead.
 """
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,8 +297,10 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str, generates: boo
     for token in tokenizer(tail, add_special_tokens=False)["input_ids"]:
         if token in special:
             return token
+    named = re.findall(r"<\|[^|<>\s]+\|>", tail)  # a token the template writes that the tokenizer lacks
+    lacking = f" ({named[0]} is not a token of this tokenizer: --chat_template chatml adds chatml's)" if named else ""
     raise UserError(
-        f"the chat template ({source}) ends an assistant turn with no special token ({tail!r}), so the "
+        f"the chat template ({source}) ends an assistant turn with no special token ({tail!r}){lacking}, so the "
         "model could not learn where to stop; use --chat_template chatml, or a template that ends turns "
         "with a special token of the tokenizer"
     )
