@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
-from test_streaming import data_cfg
+from test_streaming import data_cfg, plan_for, take
+from transformers import AutoTokenizer
 
 from cloudtrain.data.mixture import SourceSpec, initial_state, relative_names, resolve_sources
+from cloudtrain.data.stream_layout import stamps_of
 from cloudtrain.data.streaming import StreamLoader, StreamPlan, zero_stats
 from cloudtrain.errors import UserError
+
+
+@pytest.fixture(scope="module")
+def lm_tokenizer(lm_tokenizer_dir):
+    return AutoTokenizer.from_pretrained(lm_tokenizer_dir)
 
 
 def write_docs(path: Path, n: int = 3) -> None:
@@ -83,3 +91,41 @@ def test_remote_files_are_named_under_their_source_and_a_hub_file_without_its_re
     assert relative_names(glob) == ["d1/x.jsonl", "d2/x.jsonl"]
     one = SourceSpec("s3://bucket/corpus/d1/x.jsonl", s3.files[:1], "json")
     assert relative_names(one) == ["x.jsonl"]
+
+
+def test_a_file_changed_before_its_cursor_is_refused_and_a_copy_of_it_resumes(tmp_path, lm_tokenizer):
+    """A line prepended to a text file after a checkpoint: its cursor, a byte offset, pointed mid-line and the resume
+    trained on the tail of another line without a word (found in audit)."""
+    text = tmp_path / "t.txt"
+    text.write_text("".join(f"line number {i} of the corpus\n" for i in range(200)))
+    before = plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2)
+    take(before, 3)
+    state = json.loads(json.dumps(before.state_dict(3)))
+    assert state["layout"]["stamps"][0][0]["size"] == text.stat().st_size
+    plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)  # unchanged: resumes
+    # the same bytes with another modification time (a copy; a SageMaker channel downloaded again): resumes
+    os.utime(text, ns=(text.stat().st_atime_ns, text.stat().st_mtime_ns + 10**10))
+    plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)
+    text.write_text("a new first line\n" + text.read_text())
+    with pytest.raises(UserError) as refused:
+        plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)
+    assert str(refused.value) == (
+        f"training source {text}: t.txt changed since the checkpoint read it ({text.stat().st_size} bytes where it had "
+        f"{text.stat().st_size - 17}), so its cursor would point into other text; restore the file as it was, or "
+        "start a fresh run without --resume_from_checkpoint"
+    )
+    # an edit that keeps the size is seen by its content
+    text.write_text(text.read_text().replace("a new first line\n", "").replace("line number 1 ", "line number 9 "))
+    with pytest.raises(UserError, match="t.txt changed since the checkpoint read it \\(modified, its content"):
+        plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)
+    # a checkpoint from before the record resumes as it did
+    del state["layout"]["stamps"]
+    plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)
+
+
+def test_files_after_the_cursor_are_not_stamped():
+    """Only what the cursor read: a file the stream has not reached may change before a resume."""
+    spec = SourceSpec("corpus", ["a.jsonl", "b.jsonl", "c.jsonl"], "json")
+    position = {"pass": 0, "file": 1, "offset": 0}
+    assert [len(s) for s in stamps_of([spec], {"sources": [position]}, {})] == [2]
+    assert [len(s) for s in stamps_of([spec], {"sources": [{**position, "pass": 1}]}, {})] == [3]

@@ -185,3 +185,22 @@ def test_preprocess_to_an_unreachable_store_is_one_line(s3, tmp_path, lm_tokeniz
     assert main([*argv, "--output_dir", f"s3://{BUCKET}/shards"]) == 2
     err = capsys.readouterr().err.strip()
     assert "cannot reach the object store" in err and "\n" not in err
+
+
+def test_an_object_rewritten_before_a_resume_is_refused(s3):
+    """An object the cursor read, written again with other bytes: refused by its size or etag (found in audit)."""
+    from cloudtrain.data.remote import _filesystem
+    from cloudtrain.data.stream_layout import check_stamps, stamps_of
+
+    (spec,) = resolve_sources(data_cfg(train_file=f"s3://{BUCKET}/corpus/a0.jsonl").data)
+    stamps = json.loads(json.dumps(stamps_of([spec], {"sources": [{"pass": 0, "file": 0, "offset": 9}]}, {})))
+    assert stamps[0][0]["size"] == (s3 / "a0.jsonl").stat().st_size and stamps[0][0]["etag"]
+    check_stamps(stamps, [spec], {})  # as it was: resumes
+    body = (s3 / "a0.jsonl").read_bytes()
+    for changed in (b'{"text": "new"}\n' + body, body.replace(b"a0 1", b"a0 9")):
+        boto3.client("s3").put_object(Bucket=BUCKET, Key="corpus/a0.jsonl", Body=changed)
+        _filesystem(spec.files[0]).invalidate_cache()  # a resumed run lists afresh
+        with pytest.raises(
+            UserError, match=r"^training source s3://.*/a0.jsonl: a0.jsonl changed since the checkpoint"
+        ):
+            check_stamps(stamps, [spec], {})

@@ -7,9 +7,12 @@ is recorded beside the cursor in each checkpoint and compared at a resume; a dif
 
 from __future__ import annotations
 
+import hashlib
+import os
 from typing import Any
 
 from cloudtrain.data.mixture import SourceSpec, relative_names
+from cloudtrain.data.readers import is_remote
 from cloudtrain.errors import UserError, first_difference
 
 
@@ -75,3 +78,85 @@ def check_layout(saved: dict, now: dict, sources: list[SourceSpec]) -> None:
                 f"training source {spec.name} lists {here} as file {i + 1} where the checkpoint read {then}: its "
                 "cursor names a file by its place; resume with the files it was trained on, or start a fresh run"
             )
+
+
+SAMPLE_BYTES = 1 << 16  # a local file's digest reads this much of its start and of its end
+
+
+def stamps_of(sources: list[SourceSpec], stream: dict, cache: dict) -> list[list[dict | None]]:
+    """Per source, a stamp of each file read up to the cursor `stream` (a mixture state): every file once a pass
+    is done, else those before the cursor's file and that file. A cursor is a byte offset (a row group) into its
+    file, the rows of its buffer already trained on are skipped by count, and held-out documents are counted from
+    the first: a file changed before a resume would have the run read text cut mid-record, skip other rows, or
+    train on what it validates on."""
+    stamps = []
+    for spec, position in zip(sources, stream.get("sources", []), strict=False):
+        read = len(spec.files) if position.get("pass", 0) else position["file"] + 1
+        stamps.append([file_stamp(path, cache) for path in spec.files[: min(read, len(spec.files))]])
+    return stamps
+
+
+def file_stamp(path: str, cache: dict) -> dict | None:
+    """A local file's size, modification time and a digest of its first and last bytes (a copy of it, say a SageMaker
+    channel downloaded again, has another mtime and the same digest); an object's size and etag, as its filesystem
+    gives them. None when neither can be had (a resume then compares nothing for it)."""
+    if is_remote(path):
+        if path not in cache:
+            cache[path] = _remote_stamp(path)
+        return cache[path]
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (path, st.st_size, st.st_mtime_ns)
+    if key not in cache:
+        cache[key] = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "digest": _digest(path, st.st_size)}
+    return cache[key]
+
+
+def _digest(path: str, size: int) -> str | None:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SAMPLE_BYTES)
+            f.seek(max(size - SAMPLE_BYTES, 0))
+            return hashlib.sha1(head + f.read(SAMPLE_BYTES), usedforsecurity=False).hexdigest()
+    except OSError:
+        return None
+
+
+def _remote_stamp(path: str) -> dict | None:
+    from cloudtrain.data.remote import _filesystem
+
+    try:
+        info = _filesystem(path).info(path)
+    except Exception:  # noqa: BLE001 (any failure: a stamp is a check, never a reason to stop a run)
+        return None
+    tag = next((info[k] for k in ("ETag", "etag", "blob_id", "md5Hash") if info.get(k)), None)
+    stamp = {"size": info.get("size"), "etag": str(tag).strip('"') if tag is not None else None}
+    return {k: v for k, v in stamp.items() if v is not None} or None
+
+
+def _change(was: dict, now: dict) -> str | None:
+    """How a file differs from the stamp a checkpoint recorded of it; None when it reads the same."""
+    if was.get("size") is not None and now.get("size") is not None and was["size"] != now["size"]:
+        return f"{now['size']} bytes where it had {was['size']}"
+    if was.get("etag") and now.get("etag") and was["etag"] != now["etag"]:
+        return f"etag {now['etag']} where it had {was['etag']}"
+    if "mtime_ns" in was and was["mtime_ns"] != now.get("mtime_ns") and was.get("digest") != now.get("digest"):
+        return "modified, its content not what it was"
+    return None
+
+
+def check_stamps(saved: list | None, sources: list[SourceSpec], cache: dict) -> None:
+    """Each file the checkpoint's cursor read before it reads as it did; else one line naming it (a checkpoint from
+    before the record holds none and resumes as before)."""
+    for spec, stamps in zip(sources, saved or [], strict=False):
+        names = relative_names(spec)
+        for path, name, was in zip(spec.files, names, stamps, strict=False):
+            now = file_stamp(path, cache) if was else None
+            if now and (why := _change(was, now)):
+                raise UserError(
+                    f"training source {spec.name}: {name} changed since the checkpoint read it ({why}), so its "
+                    "cursor would point into other text; restore the file as it was, or start a fresh run without "
+                    "--resume_from_checkpoint"
+                )

@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from cloudtrain.data.mixture import MixtureStream, SourceSpec, first_record
 from cloudtrain.data.packing import pack_buffer
 from cloudtrain.data.shards import check_shards, columns_made_with, folder_of, read_manifest
-from cloudtrain.data.stream_layout import check_layout, layout_of
+from cloudtrain.data.stream_layout import check_layout, check_stamps, layout_of, stamps_of
 from cloudtrain.errors import UserError
 
 STATE_FILE = "data_state.json"  # the stream's cursor in a checkpoint
@@ -255,6 +255,7 @@ class StreamLoader:
         self.buffers: deque[_Buffer] = deque()
         self.base = {"rows": 0, "step": 0}
         self.dropped_rows = 0
+        self.stamp_cache: dict = {}  # what stamps_of found of each file read (its digest read once)
 
     def __len__(self) -> int:
         return self.total_steps * self.accumulation
@@ -272,6 +273,7 @@ class StreamLoader:
             self._uncapped()  # and recorded so (no buffer_mb), so each later resume cuts as it did
         if "layout" in state:  # checkpoints before the record hold none
             check_layout(state["layout"], self.layout(), self.plan.sources)
+            check_stamps(state["layout"].get("stamps"), self.plan.sources, self.stamp_cache)
         self.resume = state
         if not self.plan.budget.get("max_steps"):  # --max_tokens: the rows left of the budget, at this run's batch
             left = max(math.ceil(self.plan.budget["max_tokens"] / self.plan.block_size) - state["rows"], 0)
@@ -425,6 +427,11 @@ class StreamLoader:
 
     def state_dict(self, step: int) -> dict:
         """The cursor after optimizer step `step`: where a resume starts reading, and the counts so far."""
+        cursor = self._cursor(step)
+        stamps = stamps_of(self.plan.sources, cursor["stream"], self.stamp_cache)
+        return {**cursor, "layout": {**self.layout(), "stamps": stamps}}
+
+    def _cursor(self, step: int) -> dict:
         rows = self.base["rows"] + (step - self.base["step"]) * self.step_rows
         for buffer in self.buffers:
             if buffer.first_row + buffer.skipped <= rows <= buffer.first_row + len(buffer.rows):
@@ -438,7 +445,6 @@ class StreamLoader:
                     "rows": rows,
                     "step": step,
                     "stats": stats,
-                    "layout": self.layout(),
                 }
         raise RuntimeError(f"no buffer holds row {rows} of the stream (step {step}); the cursor was pruned")
 
@@ -447,7 +453,7 @@ class StreamLoader:
         if not self.buffers:
             stats = self.resume["stats"] if self.resume else zero_stats(len(self.plan.sources))
         else:
-            stats = self.state_dict(step)["stats"]
+            stats = self._cursor(step)["stats"]
         result: dict[str, Any] = {
             spec.name: {"documents": stats["documents"][i], "tokens": stats["tokens"][i]}
             for i, spec in enumerate(self.plan.sources)
