@@ -253,6 +253,35 @@ def test_a_config_object_in_a_job_keeps_the_jobs_channels_and_model_folder(tmp_p
     assert resolve_options(cfg, {}).output.output_dir == str(tmp_path / "mine")
 
 
+def test_datasets_or_a_dataset_name_in_a_job_with_a_train_channel_are_not_refused_for_it(tmp_path, monkeypatch):
+    """The train channel's --train_file default beside datasets: or --dataset_name was refused, blaming a
+    --train_file the user never gave (found in audit): their own data wins; the validation channel still applies,
+    and a --train_file they give beside them is still refused."""
+    from cloudtrain.config import resolve_options
+
+    for channel in ("train", "validation"):
+        (tmp_path / channel).mkdir()
+    (tmp_path / "train" / "a.jsonl").write_text('{"text": "x"}\n')
+    DatasetDict({"validation": Dataset.from_dict({"text": ["y"]})}).save_to_disk(tmp_path / "saved")
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("SM_CHANNEL_TRAIN", str(tmp_path / "train"))
+    stream = {"streaming": True, "max_steps": 1}
+    mixture = resolve_options({"datasets": [{"path": str(tmp_path / "train" / "a.jsonl"), "weight": 2}]}, stream)
+    assert mixture.data.train_file is None and len(mixture.data.datasets) == 1
+    hub = resolve_options(None, {"dataset_name": "owner/corpus", **stream})
+    assert (hub.data.dataset_name, hub.data.train_file) == ("owner/corpus", None)
+    with pytest.raises(UserError, match="--dataset_name and --train_file both name the training data"):
+        resolve_options(None, {"dataset_name": "owner/corpus", "train_file": str(tmp_path / "train")})
+    monkeypatch.setenv("SM_CHANNEL_VALIDATION", str(tmp_path / "validation"))
+    named = resolve_options(None, {"dataset_name": "owner/corpus", "max_steps": 1})
+    assert (named.data.train_file, named.data.validation_file) == (None, str(tmp_path / "validation"))
+    monkeypatch.delenv("SM_CHANNEL_VALIDATION")
+    monkeypatch.setenv("SM_CHANNEL_TRAIN", str(tmp_path / "saved"))  # a saved dataset's splits go with it
+    assert sagemaker_defaults()["validation_file"] == str(tmp_path / "saved")
+    named = resolve_options(None, {"dataset_name": "owner/corpus", "max_steps": 1})
+    assert (named.data.train_file, named.data.validation_file) == (None, None)
+
+
 # ---------------------------------------------------------------- the launcher, real SDK against moto
 
 

@@ -96,6 +96,17 @@ def channel_options(env: Mapping[str, str]) -> dict:
     return options
 
 
+def yielded_channel(defaults: Mapping, values: Mapping) -> list[str]:
+    """The options the job's train channel set by default (its train_file, and the splits of a saved dataset in
+    it) that the run's own options replace: datasets: or --dataset_name name the training data another way, and
+    the channel's default beside them was refused as a --train_file the user never gave (found in audit)."""
+    train = defaults.get("train_file")
+    if not train or not (values.get("datasets") or values.get("dataset_name")):
+        return []
+    named = ["train_file", *(SAVED_SPLIT_OPTIONS[s] for s in saved_splits(train) if s in SAVED_SPLIT_OPTIONS)]
+    return [option for option in named if option in defaults and values.get(option) is defaults[option]]
+
+
 def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None, read: Sequence[str] = ()) -> str | None:
     """One line when a job's data channel sets no option and no option (nor a config file `read`) names its
     folder, while the run has no training data of its own (it would train on the built-in data); else None."""

@@ -27,7 +27,7 @@ import yaml
 from cloudtrain.config.checks import validate
 from cloudtrain.config.root import Config, differs_from_default, option_default, option_fields
 from cloudtrain.errors import UserError, first_line
-from cloudtrain.sagemaker_env import sagemaker_defaults, unjoined_hosts, unread_channel
+from cloudtrain.sagemaker_env import sagemaker_defaults, unjoined_hosts, unread_channel, yielded_channel
 
 # Other trainers' names for our options (Transformers' Trainer, TRL, PEFT): a user coming from them is told ours.
 PEER_OPTIONS = {
@@ -465,7 +465,8 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
     """Options from lowest precedence up, merged and checked: the defaults, a SageMaker job's, `config` (a
     Config, a dict of options, a config file's path or a list of them, each over the ones before: cloudtrain.train,
     --config), then `overrides`."""
-    values = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
+    defaults = sagemaker_defaults()  # inside a SageMaker job: its model dir, data channels, job name
+    values = dict(defaults)
     origins: dict[str, str] = {}  # option -> the config file its value came from, named in a refusal of it
     if isinstance(config, Config):  # every option is set in it: those left at their defaults keep the job's
         given = config.to_dict(include_secrets=True)
@@ -479,6 +480,8 @@ def resolve_options(config: "Config | dict | str | Path | list | None", override
     values.update(given)
     for name in given:
         origins.pop(name, None)
+    for name in yielded_channel(defaults, values):  # the train channel, where datasets: or --dataset_name name data
+        del values[name]
     files = [str(f) for f in (config if isinstance(config, list) else [config]) if isinstance(f, (str, Path))]
     if refusal := unread_channel(values, read=files) or unjoined_hosts():  # a channel that holds the config is read
         raise UserError(refusal)
