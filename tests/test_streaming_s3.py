@@ -204,3 +204,19 @@ def test_an_object_rewritten_before_a_resume_is_refused(s3):
             UserError, match=r"^training source s3://.*/a0.jsonl: a0.jsonl changed since the checkpoint"
         ):
             check_stamps(stamps, [spec], {})
+
+
+def test_one_object_named_by_two_sources_is_refused(s3):
+    """An object read by two sources trained at the weight of both without a word (found in audit): compared by
+    protocol, bucket and key, as local files are by their real path."""
+    for train, named in (
+        (f"s3://{BUCKET}/corpus/b.parquet,s3://{BUCKET}/corpus/*.parquet", f"s3://{BUCKET}/corpus/b.parquet"),
+        (f"s3://{BUCKET}/corpus/a0.jsonl,s3a://{BUCKET}/corpus/a*.jsonl*", f"s3a://{BUCKET}/corpus/a0.jsonl"),
+    ):
+        first, second = train.split(",")
+        assert one_line_error(train) == (
+            f"training sources {first} and {second} both read {named}, which would train at the weight of both; "
+            "name each file in one source"
+        )
+    # objects of the same name in other buckets or under other keys are other objects
+    assert len(resolve_sources(data_cfg(train_file=f"s3://{BUCKET}/corpus/a0.jsonl,{s3}/a0.jsonl").data)) == 2

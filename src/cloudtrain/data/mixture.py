@@ -170,19 +170,29 @@ def _glob_of(name: str, files: list[str]) -> str:
 
 
 def _check_files_apart(specs: list[SourceSpec]) -> None:
-    """A local file two sources read (the same file named two ways, `a.jsonl` and `./a.jsonl`, or a file and a
-    glob over its folder) would train at twice its weight: one line naming it."""
+    """A file two sources read (the same file named two ways, `a.jsonl` and `./a.jsonl`, or a file and a glob over
+    its folder; an object as s3:// and s3a://, or by a prefix and a glob) would train at twice its weight: one line
+    naming it."""
     read_by: dict[str, str] = {}
     for spec in specs:
         for f in spec.files:
-            if is_remote(f):
-                continue
-            real = os.path.realpath(f)
+            real = _object_key(f) if is_remote(f) else os.path.realpath(f)
             if (other := read_by.setdefault(real, spec.name)) != spec.name:
                 raise UserError(
                     f"training sources {other} and {spec.name} both read {f}, which would train at the weight of "
                     "both; name each file in one source"
                 )
+
+
+S3_PROTOCOLS = ("s3", "s3a", "s3n")  # one store: names of Hadoop's connectors that s3fs reads as s3
+
+
+def _object_key(url: str) -> str:
+    """An object's URL as one string per object: the protocol (s3a and s3n are s3), bucket and key, with no empty
+    part of a path (`s3://b//k` and `s3://b/k/` name s3://b/k)."""
+    protocol, _, rest = url.partition("://")
+    protocol = "s3" if protocol.lower() in S3_PROTOCOLS else protocol.lower()
+    return f"{protocol}://{'/'.join(part for part in rest.split('/') if part)}"
 
 
 def relative_names(spec: SourceSpec) -> list[str]:
