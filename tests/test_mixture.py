@@ -79,3 +79,24 @@ def test_the_same_file_named_two_ways_is_refused_as_named_twice(tmp_path, monkey
     (corp / "link.jsonl").symlink_to(corp / "b.jsonl")
     assert "both read ../corp/link.jsonl" in refusal("../corp/b.jsonl,../corp/link.jsonl")
     assert len(resolve_sources(data_cfg(train_file="../corp/a40.jsonl,../corp/b.jsonl").data)) == 2
+
+
+def test_a_saved_dataset_is_not_streamed_as_its_metadata(tmp_path, monkeypatch):
+    """A save_to_disk folder as a source (a SageMaker channel of one under --streaming too): its dataset_dict.json,
+    state.json and dataset_info.json were read as training records (found in audit)."""
+    from datasets import Dataset, DatasetDict
+
+    from cloudtrain.config import resolve_options
+
+    rows = Dataset.from_dict({"text": ["a", "b"]})
+    DatasetDict({"train": rows}).save_to_disk(tmp_path / "saved")
+    rows.save_to_disk(tmp_path / "one")
+    for folder in ("saved", "saved/train", "one"):
+        assert refusal(str(tmp_path / folder)) == (
+            f"training source {tmp_path / folder} is a saved dataset (datasets.save_to_disk), which is not streamed: "
+            "drop --streaming to train on it, or give its data files (txt, jsonl, json, csv, tsv, parquet)"
+        )
+    monkeypatch.setenv("SM_MODEL_DIR", str(tmp_path / "model"))
+    monkeypatch.setenv("SM_CHANNEL_TRAIN", str(tmp_path / "saved"))
+    with pytest.raises(UserError, match=f"^training source {tmp_path / 'saved'} is a saved dataset"):
+        resolve_sources(resolve_options(None, {"streaming": True, "max_steps": 1}).data)

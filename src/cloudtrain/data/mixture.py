@@ -18,7 +18,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cloudtrain.data.readers import BadFile, BadRecord, RecordReader, file_format, folder_data_files, is_glob, is_remote
+from cloudtrain.data.readers import (
+    FORMATS,
+    BadFile,
+    BadRecord,
+    RecordReader,
+    file_format,
+    folder_data_files,
+    is_glob,
+    is_remote,
+)
 from cloudtrain.errors import UserError
 
 MASK64 = (1 << 64) - 1
@@ -114,6 +123,7 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
     specs = []
     for entry in _entries(data):
         name = str(entry["path"])
+        _check_not_saved(name)
         files = expand(name, entry.get("format"))
         if not files:
             raise UserError(f"training source {name} matches no data file (check the path or glob)")
@@ -130,6 +140,19 @@ def resolve_sources(data: Any) -> list[SourceSpec]:
     if sum(s.weight for s in specs) <= 0:
         raise UserError("the training sources' weights are all zero; give at least one a positive weight")
     return specs
+
+
+def _check_not_saved(name: str) -> None:
+    """A datasets.save_to_disk folder (a SageMaker channel of one under --streaming too): its arrow files are no
+    format a stream reads, and its metadata JSON (dataset_dict.json, state.json, dataset_info.json) was read as
+    training records (found in audit)."""
+    from cloudtrain.data.files import is_saved_dataset
+
+    if not is_remote(name) and not is_glob(name) and Path(name).is_dir() and is_saved_dataset(Path(name)):
+        raise UserError(
+            f"training source {name} is a saved dataset (datasets.save_to_disk), which is not streamed: drop "
+            f"--streaming to train on it, or give its data files ({', '.join(FORMATS)})"
+        )
 
 
 def _mixed_formats(name: str, files: list[str]) -> UserError:
