@@ -36,3 +36,21 @@ def test_several_files_in_one_option_say_a_folder_takes_them(tmp_path: Path, giv
     given = ",".join(str(tmp_path / name) for name in given.split(","))
     with pytest.raises(UserError, match="does not exist.*folder.*--streaming true"):
         check_data_files(DataConfig(train_file=given))
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_remote_held_out_file_is_said_to_take_a_local_one_not_to_be_missing(tmp_path: Path, streaming: bool) -> None:
+    """An s3:// --validation_file that exists was said not to exist (found in audit)."""
+    (tmp_path / "train.csv").write_text("text,label\na,x\n")
+    cfg = DataConfig(train_file=str(tmp_path / "train.csv"), validation_file="s3://bucket/v.jsonl", streaming=streaming)
+    with pytest.raises(UserError) as refused:
+        check_data_files(cfg)
+    if streaming:
+        assert str(refused.value) == (
+            "--validation_file s3://bucket/v.jsonl: a stream's --validation_file is a local file or folder; copy it "
+            "here, or leave it out to hold out the first --stream_validation_docs (64) documents of the stream"
+        )
+    else:
+        assert (
+            str(refused.value) == "--validation_file s3://bucket/v.jsonl: it takes a local file or folder; copy it here"
+        )

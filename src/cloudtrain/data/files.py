@@ -40,6 +40,8 @@ def check_data_files(cfg: DataConfig) -> None:
         raise UserError("--validation_file/--test_file need a --train_file too")  # may be --dataset_name)
     for split, path in files.items():
         p = Path(path)
+        if "://" in path:  # an existing s3:// object "did not exist" (found in audit)
+            raise UserError(f"--{split}_file {path}: {remote_hint(cfg, split)}")
         if not p.exists():
             raise UserError(f"--{split}_file {path} does not exist{several_files_hint(split, path)}")
         if p.is_file() and p.suffix.lower() not in FILE_FORMATS:
@@ -53,6 +55,18 @@ def check_data_files(cfg: DataConfig) -> None:
             if file.stat().st_size == 0:  # each reader fails its own way on nothing (json: a bare StopIteration)
                 raise UserError(f"--{split}_file {file} is empty; give a file with {rows_wanted(file)}")
     _check_held_out_apart(files)
+
+
+def remote_hint(cfg: DataConfig, split: str) -> str:
+    """What to do with a URL given as a split's file, which is read from local disk alone (a stream's sources are
+    its training data)."""
+    if cfg.streaming and split == "validation":
+        return (
+            "a stream's --validation_file is a local file or folder; copy it here, or leave it out to hold out "
+            f"the first --stream_validation_docs ({cfg.stream_validation_docs}) documents of the stream"
+        )
+    stream = " (or stream it: --streaming true)" if split == "train" else ""
+    return f"it takes a local file or folder; copy it here{stream}"
 
 
 _WHAT_ROWS = {  # (else csv/tsv)
