@@ -100,3 +100,22 @@ def test_a_saved_dataset_is_not_streamed_as_its_metadata(tmp_path, monkeypatch):
     monkeypatch.setenv("SM_CHANNEL_TRAIN", str(tmp_path / "saved"))
     with pytest.raises(UserError, match=f"^training source {tmp_path / 'saved'} is a saved dataset"):
         resolve_sources(resolve_options(None, {"streaming": True, "max_steps": 1}).data)
+
+
+def test_a_stream_stopped_by_one_small_source_names_it_not_too_few_documents(tmp_path):
+    """--mixture_exhausted stop, a small source ending the stream during the hold-out: "the training sources hold
+    fewer than --stream_validation_docs" though they held many more (found in audit)."""
+    from cloudtrain.data.streaming import hold_out
+
+    jsonl(tmp_path / "small.jsonl", 2)
+    jsonl(tmp_path / "big.jsonl", 200)
+    cfg = data_cfg(train_file=f"{tmp_path / 'small.jsonl'},{tmp_path / 'big.jsonl'}", mixture_exhausted="stop")
+    cfg.data.stream_validation_docs = 20
+    with pytest.raises(UserError) as refused:
+        hold_out(resolve_sources(cfg.data), cfg.data, 0)
+    assert str(refused.value).startswith(f"training source {tmp_path / 'small.jsonl'} ran out after ")
+    assert str(refused.value).endswith(
+        "documents were held out for validation, and --mixture_exhausted stop ends the stream there, before the "
+        "--stream_validation_docs 20: give --validation_file, fewer --stream_validation_docs, or --mixture_exhausted "
+        "restart or drop"
+    )

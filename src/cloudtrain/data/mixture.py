@@ -321,6 +321,7 @@ class MixtureStream:
         # the skip warnings, when the caller prints them (else printed as met): every process of a launch reads the
         # whole stream, each pass again, so printed as met the same line came processes x passes times
         self.warnings: list[str] | None = None
+        self.ran_out: int | None = None  # the source whose end ended the stream (--mixture_exhausted stop)
 
     def close(self) -> None:
         for reader in self.readers:
@@ -361,6 +362,7 @@ class MixtureStream:
         position = self.state["sources"][i]
         if self.exhausted == "stop":
             self.state["ended"] = True
+            self.ran_out = i
         elif self.exhausted == "drop" or position["record"] <= position.get("held_out", 0):  # else: loops forever
             position["active"] = False
         else:

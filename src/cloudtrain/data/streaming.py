@@ -539,16 +539,15 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
 
     stream = MixtureStream(specs, initial_state(specs), seed, cfg.mixture_exhausted, cfg.on_bad_data)
     stream.warnings, main = [], _rank_world()[0] == 0  # every process holds the same documents out: one says it
+    drawn: list[tuple] = []
     try:
-        drawn = [stream.next() for _ in range(cfg.stream_validation_docs)]
+        while len(drawn) < cfg.stream_validation_docs:
+            drawn.append(stream.next())
         start = copy.deepcopy(stream.state)
         held = [sum(1 for i, _, _ in drawn if i == source) for source in range(len(specs))]
         spent = [i for i, n in enumerate(held) if start["sources"][i]["pass"] > 0 or (n and not stream.holds_more(i))]
     except StopIteration:
-        raise UserError(
-            f"the training sources hold fewer than --stream_validation_docs {cfg.stream_validation_docs} "
-            "documents; give --validation_file or fewer"
-        ) from None
+        raise _too_few(specs, cfg, stream.ran_out, len(drawn)) from None
     except UserError as err:  # --on_bad_data stop
         raise UserError(str(err), quiet=not main) from None
     finally:
@@ -571,6 +570,19 @@ def hold_out(specs: list[SourceSpec], cfg: Any, seed: int) -> tuple[list[dict], 
             "validate on: give --validation_file"
         )
     return records, start
+
+
+def _too_few(specs: list[SourceSpec], cfg: Any, ran_out: int | None, drawn: int) -> UserError:
+    """The stream ended before --stream_validation_docs documents were held out: under --mixture_exhausted stop,
+    at the end of one source (the others may hold many more: "the sources hold fewer" misled; found in audit)."""
+    wanted = f"--stream_validation_docs {cfg.stream_validation_docs}"
+    if ran_out is not None:
+        return UserError(
+            f"training source {specs[ran_out].name} ran out after {drawn} documents were held out for validation, "
+            f"and --mixture_exhausted stop ends the stream there, before the {wanted}: give --validation_file, "
+            "fewer --stream_validation_docs, or --mixture_exhausted restart or drop"
+        )
+    return UserError(f"the training sources hold fewer than {wanted} documents; give --validation_file or fewer")
 
 
 def _first_record(spec: SourceSpec, needed: dict[str, str]) -> dict:
