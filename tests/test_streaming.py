@@ -836,3 +836,20 @@ def test_a_stream_of_empty_texts_is_one_line_not_an_endless_loop(tiny_llama_dir,
     options = {k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}
     with pytest.raises(UserError, match="the training sources gave no tokens in a whole pass"):
         train({**options, "validation_file": str(held_out)})
+
+
+def test_held_out_documents_all_empty_say_to_hold_out_more_not_to_name_a_column(tiny_llama_dir, tmp_path):
+    """The first documents of a stream held out for validation, all blank: "the validation data has no text in
+    column 'text' ... pass --text_column" blamed the column the training documents read (found in audit)."""
+    from cloudtrain import train
+
+    source = tmp_path / "blank_first.jsonl"
+    texts = [""] * 8 + numbered(30, "the frog")
+    source.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    args = stream_run_args(tiny_llama_dir, str(source), tmp_path / "run", "--max_steps", "1")
+    with pytest.raises(UserError) as refused:
+        train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)})
+    assert str(refused.value) == (
+        "the 8 documents held out of the stream for validation (--stream_validation_docs 8) are all empty in column "
+        "'text'; raise --stream_validation_docs, or give a --validation_file"
+    )

@@ -176,6 +176,12 @@ class CausalLMTask(DecoderTask):
                 # as the stream's encoder reads them: a number is its text (Arrow refused a column of texts and
                 # numbers; found in audit), a missing text an empty document
                 texts = [{d.text_column: str(r.get(d.text_column) or "")} for r in held_out]
+                if not any(t[d.text_column].strip() for t in texts):  # "pass --text_column" misled (audit)
+                    raise UserError(
+                        f"the {len(texts)} documents held out of the stream for validation (--stream_validation_docs "
+                        f"{d.stream_validation_docs}) are all empty in column {d.text_column!r}; raise "
+                        "--stream_validation_docs, or give a --validation_file"
+                    )
                 raw["validation"] = Dataset.from_list(texts)
         docs = {split: self._tokenize(ds, split, tokenizer, d) for split, ds in raw.items()}
         if "validation" not in docs:
