@@ -506,6 +506,8 @@ class Trainer:
         norm = stats.grad_norm if stats.grad_norm is not None else local_gradient_norm(self.gradient_parameters())
         if norm is None:  # no gradients here (DeepSpeed keeps its own, and checks them itself)
             return bad
+        if hasattr(norm, "full_tensor"):  # FSDP2's clip returns a replicated DTensor: a plain tensor to reduce
+            norm = norm.full_tensor()
         return bad | ~torch.isfinite(torch.as_tensor(norm, device=bad.device))
 
     def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
