@@ -196,6 +196,21 @@ def test_numbers_written_as_text_take_the_order_of_the_same_numbers():
     assert names == ["1", "2", "10"] and mapping == {" 1": 0, "2": 1, "10": 2}
     as_numbers = DatasetDict({"train": Dataset.from_dict({"text": list("abc"), "label": [10, 2, 1]})})
     assert find_label_names(as_numbers, "label")[0] == names
+    superscript = DatasetDict({"train": Dataset.from_dict({"text": list("ab"), "label": ["1", "²"]})})
+    assert find_label_names(superscript, "label")[0] == ["1", "²"]  # a digit int() cannot read: text order (review)
+
+
+def test_a_resumed_checkpoint_keeps_the_label_order_it_was_trained_in(tokenizer, minilm_dir):
+    """Found in review: a checkpoint written when numbers written as text sorted as text ("10" before "2") was
+    refused on resume as "trained on other labels" (the same data, in the new order)."""
+    texts = [f"text {i}" for i in range(6)]
+    raw = DatasetDict({"train": Dataset.from_dict({"text": texts, "label": ["1", "10", "2"] * 2})})
+    task = ClassificationTask()
+    task.resumed_labels = ["1", "10", "2"]  # the checkpoint's, by id
+    cfg = build_config({"model_name_or_path": minilm_dir, "validation_split_percentage": 50})
+    assert task.process(raw, tokenizer, cfg).label_names == ["1", "10", "2"]
+    task.resumed_labels = None  # a fresh run: numbers by value
+    assert task.process(raw, tokenizer, cfg).label_names == ["1", "2", "10"]
 
 
 @pytest.mark.parametrize(

@@ -235,6 +235,7 @@ def _build_in(output_dir: Path, cfg: Config, task: Task, runtime: Runtime, user_
     set_seed(cfg.training.seed)  # the same on every process, so every process builds the same model
 
     raw = pin_sources(task.connect(cfg), runtime.share)  # a stream reads the files the main process listed
+    task.resumed_labels = resumed.get("labels") if resumed else None
     tokenizer = task.load_tokenizer(cfg)
     cache = Path(cfg.data.cache_dir) if cfg.data.cache_dir else default_cache_dir()
     with runtime.owner_first(probe_storage(cache, runtime).owner):  # once per node, or once on shared storage

@@ -138,7 +138,7 @@ def _label_names(raw: DatasetDict, column: str) -> tuple[list[str], dict]:
 def sorted_names(found: set[str]) -> list[str]:
     """Label names in one order on every run: numbers written as text by value (a JSON file's "2" before "10", as
     the same labels read as numbers from a csv), other names as text."""
-    if found and all(name.lstrip("-").isdigit() for name in found):
+    if found and all(name.lstrip("-").isdecimal() for name in found):  # ("²" is a digit int() cannot read)
         return sorted(found, key=lambda name: (int(name), name))  # 01 and 1: one order on every run
     return sorted(found)
 

@@ -60,6 +60,9 @@ class Task:
     default_best_metric = "loss"
     default_packing: str | None = None  # what --packing auto means (language-model tasks)
     auto_class: type[_BaseAutoModelClass] | None = None  # the transformers Auto class of the task's models
+    # the label names, by id, of the checkpoint a run resumes (the pipeline sets them before `process`): the ids
+    # the data's labels take, whatever order names sort in now (numbers written as text sorted as text before)
+    resumed_labels: list[str] | None = None
     peft_task_type = ""  # PEFT's name for the task (adapter_config.json's task_type)
     chat_template = False  # whether `generate` talks to a model this task trained through its chat template
     adds_head = False  # a new head on a pretrained body: transformers' report of new weights is expected

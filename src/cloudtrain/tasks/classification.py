@@ -99,7 +99,8 @@ class ClassificationTask(Task):
         return needed
 
     def process(self, raw: DatasetDict, tokenizer: PreTrainedTokenizerBase, cfg: Config) -> ProcessedData:
-        return process_data(raw, tokenizer, cfg.data, cfg.training.seed, label_order=head_labels(cfg.model))
+        order = self.resumed_labels or head_labels(cfg.model)
+        return process_data(raw, tokenizer, cfg.data, cfg.training.seed, label_order=order)
 
     def build_config(self, cfg: Config, data: ProcessedData, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
         """The checkpoint's config with a head for the data's labels (names by id), padding as the tokenizer."""
