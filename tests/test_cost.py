@@ -163,6 +163,10 @@ def test_a_short_run_s_line_multiplies_out():
     """Each figure is rounded alone: 2 processes x 0.9 s read 0.0005 h = 2 x 0.0003 h when rounded to decimals."""
     line = describe(compute_used(train_seconds=0.9, wall_seconds=2, processes=2, device_type="cpu", environ={}))
     assert line == "compute: 0.0005 CPU-process-hours (2 processes x 0.00025 h)"
+    long = compute_used(
+        train_seconds=3600 * 12345.6, wall_seconds=3600 * 12345.6, processes=1, device_type="cuda", environ={}
+    )
+    assert long["device_hours"] == 12345.6  # four decimals above an hour: significant digits lost 4.6 h (review)
 
 
 def test_describe_outside_sagemaker_is_only_the_device_hours():

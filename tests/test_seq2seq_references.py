@@ -143,6 +143,17 @@ def test_a_bad_list_of_references_is_refused_in_one_line(tiny_t5_dir, tmp_path, 
             {**base, "train_file": write_jsonl(tmp_path / "numbers.jsonl", numbers)},
             "row 1 of 3 of the train data's 'summary' column holds a list of int ([1, 2]), not of texts",
         ),
+        "texts and lists": (  # found in review: "holds lists, not one target text per row" told to do as it did
+            {
+                **base,
+                "validation_file": write_jsonl(
+                    tmp_path / "mixed.jsonl",
+                    [{**row, "summary": "one text"} if i == 1 else row for i, row in enumerate(reference_rows(3, 2))],
+                ),
+            },
+            "the validation data's 'summary' column mixes single target texts and lists of references; write "
+            'every row\'s target as a list (["text"] for one reference), or every one as a single text',
+        ),
     }
     assert_each_refused(cases, capsys, out)
 

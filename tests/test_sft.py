@@ -125,6 +125,12 @@ def test_a_chatml_file_on_a_tokenizer_without_its_tokens_says_so(lm_tokenizer_di
     lacking = r"\(<\|im_end\|> is not a token of this tokenizer: --chat_template chatml adds chatml's\)"
     with pytest.raises(UserError, match=lacking):
         with_template(lm_tokenizer_dir, chatml_text)
+    tokenizer = AutoTokenizer.from_pretrained(lm_tokenizer_dir)
+    tokenizer.add_tokens(["<|im_start|>", "<|im_end|>"])  # there, but not special (review)
+    path = Path(lm_tokenizer_dir).parent / "chatml-text.jinja"
+    path.write_text(chatml_text)
+    with pytest.raises(UserError, match=r"\(<\|im_end\|> is not a special token of this tokenizer"):
+        ChatFormat.setup(tokenizer, str(path))
 
 
 def test_a_template_that_rewrites_earlier_turns_gives_one_example_per_answer(lm_tokenizer_dir):

@@ -298,7 +298,10 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, source: str, generates: boo
         if token in special:
             return token
     named = re.findall(r"<\|[^|<>\s]+\|>", tail)  # a token the template writes that the tokenizer lacks
-    lacking = f" ({named[0]} is not a token of this tokenizer: --chat_template chatml adds chatml's)" if named else ""
+    lacking = ""
+    if named:
+        what = "not a special token" if named[0] in tokenizer.get_vocab() else "not a token"
+        lacking = f" ({named[0]} is {what} of this tokenizer: --chat_template chatml adds chatml's)"
     raise UserError(
         f"the chat template ({source}) ends an assistant turn with no special token ({tail!r}){lacking}, so the "
         "model could not learn where to stop; use --chat_template chatml, or a template that ends turns "

@@ -207,6 +207,14 @@ def check_references(ds: Dataset, split: str, column: str) -> None:
     """A target is one text per row, or a non-empty list of non-empty texts (a missing target, None, is counted
     apart); the first row that is neither is named, before anything is tokenized or loaded."""
     if not holds_lists(ds, column):
+        values = ds[column] if not isinstance(ds.features.get(column), datasets.Value) else []
+        if any(isinstance(v, list) for v in values) and all(
+            isinstance(v, (str, list)) for v in values if v is not None
+        ):
+            raise UserError(  # a JSON column of both: datasets reads it as a Json feature
+                f"the {split} data's {column!r} column mixes single target texts and lists of references; write "
+                'every row\'s target as a list (["text"] for one reference), or every one as a single text'
+            )
         check_one_text(ds, split, column, "target", REFERENCE_FIX)  # a record: refused as before
         return
     for i, value in enumerate(ds[column]):

@@ -77,9 +77,10 @@ def compute_used(
 
 
 def hours(seconds: float) -> float:
-    """`seconds` in hours to four significant digits: each figure is rounded alone, so a short run's 2 x 0.00025 h
-    stays 0.0005 h (rounding to decimals made it 2 x 0.0003 h = 0.0005 h)."""
-    return float(f"{seconds / 3600:.4g}")
+    """`seconds` in hours: to four decimals, or below an hour to four significant digits, so a short run's
+    2 x 0.00025 h stays 0.0005 h (rounding to decimals made it 2 x 0.0003 h = 0.0005 h)."""
+    value = seconds / 3600
+    return round(value, 4) if value >= 1 else float(f"{value:.4g}")
 
 
 def session_seconds() -> float:
