@@ -375,6 +375,7 @@ def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_di
         ("foreign", "is not a usable cloudtrain checkpoint"),
         ("random states missing", "random_states_0.pkl"),  # accelerate skipped them with an info log (audit)
         ("random states cut", "random_states_0.pkl is not a whole archive"),  # judged before anything loads
+        ("optimizer missing", "optimizer.bin is missing; resume from an earlier checkpoint"),  # (audit)
     ],
 )
 def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
@@ -390,6 +391,8 @@ def test_a_damaged_or_foreign_checkpoint_is_one_clear_error(
         (checkpoint / "model.safetensors").write_bytes(b"\x00" * 100)
     elif damage == "random states missing":
         (checkpoint / "random_states_0.pkl").unlink()
+    elif damage == "optimizer missing":
+        (checkpoint / "optimizer.bin").unlink()
     elif damage == "random states cut":
         states = checkpoint / "random_states_0.pkl"
         states.write_bytes(states.read_bytes()[:200])
@@ -829,6 +832,48 @@ def test_a_checkpoint_whose_weights_are_cut_short_is_passed_over_by_latest_and_r
     found = [{**local_view(cfg, tmp_path), "node": 0, "host": ""}]
     with pytest.raises(UserError, match="^no checkpoint in .* is whole .*pass --overwrite_output_dir true to start"):
         choose_resume(cfg, tmp_path, found)
+
+
+@pytest.mark.parametrize(
+    ("trainer", "engine", "files", "removed"),
+    [
+        ("BasicTrainer", None, ["model.safetensors", "training_state.pt"], "training_state.pt"),
+        ("BasicTrainer", None, ["model.safetensors", "training_state.pt"], "model.safetensors"),
+        ("AcceleratedTrainer", "none", ["model.safetensors", "optimizer.bin", "scheduler.pt"], "optimizer.bin"),
+        ("AcceleratedTrainer", "ZeRO-2", ["scheduler.pt"], "scheduler.pt"),
+        (
+            "PipelineTrainer",
+            None,
+            ["pipeline.json", "pipeline-rank0.safetensors", "pipeline-rank0.pt"],
+            "pipeline-rank0.pt",
+        ),
+    ],
+)
+def test_a_checkpoint_missing_a_file_its_trainer_always_writes_is_passed_over_by_latest_and_refused_by_name(
+    trainer, engine, files, removed, tmp_path, capsys
+):
+    """An S3 restore of an interrupted upload (SageMaker's default resume is latest) left checkpoint-14 without one
+    of its files: `latest` failed on loading it after the data and model were built, on every restart (audit)."""
+    from safetensors.torch import save_file
+
+    for step in (7, 14):
+        folder = tmp_path / f"checkpoint-{step}"
+        (folder / MARKS).mkdir(parents=True)
+        (folder / MARKS / "0").touch()
+        meta = {"format": FORMAT, "trainer": trainer, "engine": engine, "mesh": {"world": 1}, "state": {}}
+        (folder / STATE_FILE).write_text(json.dumps(meta))
+        for name in files:
+            if name.endswith(".safetensors"):
+                save_file({"w": torch.ones(4)}, folder / name)
+            else:
+                torch.save({"m": torch.ones(4)}, folder / name)
+    cfg = build_config({"resume_from_checkpoint": "latest"})
+    assert cut_short(tmp_path / "checkpoint-14") is None
+    (tmp_path / "checkpoint-14" / removed).unlink()
+    assert cut_short(tmp_path / "checkpoint-14") == f"{removed} is missing"
+    found = [{**local_view(cfg, tmp_path), "node": 0, "host": ""}]
+    assert choose_resume(cfg, tmp_path, found) == tmp_path / "checkpoint-7"
+    assert f"note: checkpoint-14 ({removed} is missing) in {tmp_path}: latest passes over it" in capsys.readouterr().out
 
 
 def test_adapters_resumed_over_a_base_with_other_weights_of_the_same_shape_are_refused(tiny_model_dir, tmp_path):

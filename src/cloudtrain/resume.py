@@ -405,8 +405,13 @@ WEIGHT_FILES = {".safetensors", ".bin", ".pt", ".pth", ".pkl"}  # accelerate's r
 
 
 def cut_short(path: Path) -> str | None:
-    """The first weights or state file of checkpoint `path` that is not whole (a copy interrupted, a disk that
-    filled, a file edited), judged from its own header or archive index without loading it; None: all whole."""
+    """The first weights or state file of checkpoint `path` that is missing or not whole (a copy interrupted, an
+    S3 restore of an interrupted upload, a disk that filled, a file edited), judged from the files its trainer
+    always writes (`required_files`) and each file's own header or archive index, without loading it; None: all
+    whole."""
+    missing = [name for name in required_files(path) if not (Path(path) / name).is_file()]
+    if missing:
+        return f"{missing[0]} is missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
     for file in sorted(p for p in Path(path).rglob("*") if p.suffix in WEIGHT_FILES and p.is_file()):
         try:
             problem = _safetensors_problem(file) if file.suffix == ".safetensors" else _archive_problem(file)
@@ -415,6 +420,30 @@ def cut_short(path: Path) -> str | None:
         if problem:
             return f"{file.relative_to(path)} {problem}"
     return None
+
+
+def required_files(path: Path) -> list[str]:
+    """The files the trainer that wrote checkpoint `path` (its state file says which) saves there every time: its
+    weights and optimizer and scheduler states, and each process's own files where its mark says it wrote them
+    (cloudtrain.checkpointing.MARKS). Engines whose files vary (ZeRO, FSDP, tensor parallelism) are judged by their
+    own loaders; a state file that cannot be read requires nothing here (reading it says why)."""
+    try:
+        meta = json.loads((Path(path) / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(meta, dict):
+        return []
+    marks = Path(path) / MARKS
+    writers = sorted(int(m.name) for m in marks.iterdir() if m.name.isdigit()) if marks.is_dir() else []
+    trainer, mesh = meta.get("trainer"), meta.get("mesh") or {}
+    if trainer == "BasicTrainer":
+        return ["model.safetensors", "training_state.pt"]
+    if trainer == "PipelineTrainer":
+        return ["pipeline.json"] + [f"pipeline-rank{i}{ext}" for i in writers for ext in (".safetensors", ".pt")]
+    if trainer == "AcceleratedTrainer":
+        whole = meta.get("engine") == "none" and mesh.get("tp", 1) == 1  # accelerate's own files of the model
+        return (["model.safetensors", "optimizer.bin"] if whole else []) + ["scheduler.pt"]
+    return []
 
 
 def _safetensors_problem(file: Path) -> str | None:
