@@ -325,6 +325,19 @@ def test_a_loss_spike_is_warned_logged_and_acted_on(action, tiny_model_dir, topi
         assert code == 0 and "trained 40 steps" in printed.out
 
 
+def test_memory_pressure_warns_but_never_stops_the_run(tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch):
+    """--on_anomaly stop stopped on memory pressure, which its help does not name, and again after every resume
+    (the peak comes back within one logging interval): a launch made one logging step of progress (audit)."""
+    monkeypatch.setattr("cloudtrain.observe.monitoring.device_memory_gib", lambda: 0.01)  # every peak is over it
+    out = tmp_path / "out"
+    timing_off = ("--throughput_drop_ratio", "0", "--straggler_ratio", "0", "--loss_spike_threshold", "0")
+    code = main(in_process(tiny_model_dir, topic_csvs, out, "--max_steps", "10", "--on_anomaly", "stop", *timing_off))
+    printed = capsys.readouterr()
+    assert code == 0 and "trained 10 steps" in printed.out, printed.err[-2000:]
+    assert [line for line in printed.out.splitlines() if line.startswith("warning: memory near the limit")]
+    assert [e["event"] for e in events(out)] == ["memory_pressure"]
+
+
 @pytest.mark.slow  # a real run (about 10 s): the full tier's, to keep `make test-fast` under 3 minutes
 def test_a_slowed_data_loader_shows_in_the_data_share_and_as_a_throughput_drop(
     tiny_model_dir, topic_csvs, tmp_path, capsys, monkeypatch

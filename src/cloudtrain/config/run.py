@@ -38,7 +38,7 @@ class MonitoringConfig(OnlyFields):
     on_anomaly: str = opt(
         "warn",
         "On a loss or gradient-norm spike, a throughput drop or a straggler: warn, save a checkpoint at once "
-        "(checkpoint), or save and stop so that someone can look (stop).",
+        "(checkpoint), or save and stop so that someone can look (stop). Memory near the limit only warns.",
         ON_ANOMALY,
     )
     profile: bool = opt(

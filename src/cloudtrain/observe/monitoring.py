@@ -22,8 +22,8 @@ metrics.jsonl, and a W&B alert when W&B is online:
 
 Every process sees the same numbers (they arrive through the logging step's one all-reduce) and runs the
 same detector, so all agree on what to do with `--on_anomaly warn|checkpoint|stop` without another
-collective. Not watched: evaluation and checkpoint time (they are left out of step time), and which
-pipeline stage is slow (a pipeline process's forward passes run inside the schedule).
+collective (memory_pressure only warns: WARN_ONLY). Not watched: evaluation and checkpoint time (they are left
+out of step time), and which pipeline stage is slow (a pipeline process's forward passes run inside the schedule).
 """
 
 import contextlib
@@ -53,6 +53,9 @@ RECENT_STEPS = 20
 STRAGGLER_MIN_S = 0.005  # per step: smaller gaps are noise, not a straggler
 GIB = 2**30
 MEMORY_WARNING_SHARE = 0.9  # of the device's memory: above it, the next longer batch may be out of memory
+# Anomalies that only warn, whatever --on_anomaly says: a checkpoint does not lower a peak, and a stop on it stopped
+# again after every resume (the peak comes back within one logging interval)
+WARN_ONLY = ("memory_pressure",)
 
 
 @dataclass

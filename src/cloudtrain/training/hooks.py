@@ -45,7 +45,7 @@ from cloudtrain.errors import TrainingStopped
 from cloudtrain.evaluation import scalar_metrics
 from cloudtrain.observe import cost
 from cloudtrain.observe.flops import matmul_precision, no_peak_reason, peak_flops
-from cloudtrain.observe.monitoring import AnomalyDetector, interval_values, peak_memory
+from cloudtrain.observe.monitoring import WARN_ONLY, AnomalyDetector, interval_values, peak_memory
 from cloudtrain.parallel.runtime import Runtime
 from cloudtrain.training.meter import Meter, StepStats
 from cloudtrain.training.nonfinite import NonfiniteGuard
@@ -289,7 +289,8 @@ class LoggingHook(Hook):
 class AnomalyHook(Hook):
     """At each logging step: the detector's verdict on the interval (cloudtrain.observe.monitoring), warned about
     and logged as events. Every process sees the same numbers, so all agree on --on_anomaly without
-    another collective: checkpoint, or checkpoint and stop (at the last step the model is saved anyway)."""
+    another collective: checkpoint, or checkpoint and stop (at the last step the model is saved anyway); memory
+    pressure only warns (a checkpoint does not lower the peak, and a stop came back after every resume)."""
 
     def __init__(self, trainer: Trainer):
         runtime = trainer.runtime
@@ -306,11 +307,12 @@ class AnomalyHook(Hook):
             self.run_log.event(anomaly.kind, anomaly.message, anomaly.value, step=anomaly.step)
             if self.is_main:
                 loop.bar.write(f"warning: {anomaly.message}")
-        if not found or self.action == "warn":
+        acting = [anomaly for anomaly in found if anomaly.kind not in WARN_ONLY]  # memory pressure only warns
+        if not acting or self.action == "warn":
             return None
         if self.action == "stop" and not loop.done:
             return Request(
-                f"stopped at step {loop.step} on {found[0].kind.replace('_', ' ')} (--on_anomaly stop)",
+                f"stopped at step {loop.step} on {acting[0].kind.replace('_', ' ')} (--on_anomaly stop)",
                 f"look at the run, then {RESUME}",
                 3,
                 quiet=not self.is_main,
