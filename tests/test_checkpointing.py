@@ -522,6 +522,32 @@ def test_a_fresh_run_beside_an_earlier_runs_checkpoints_is_refused_or_starts_ove
     assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's newest, rotation at 1
 
 
+def test_a_fresh_run_does_not_replace_an_earlier_checkpoint_whose_state_file_is_damaged(
+    tiny_model_dir, topic_csvs, tmp_path, capsys
+):
+    """An earlier run's checkpoint-2 whose trainer_state.json was cut short (a truncated copy): a fresh run saving
+    step 2 replaced its weights without a word, where an intact one is refused (audit). It is refused in one line
+    before anything loads; with --overwrite_output_dir it is deleted as the intact ones are."""
+    folder = tmp_path / "checkpoints"
+    old = folder / "checkpoint-2"
+    (old / MARKS).mkdir(parents=True)
+    (old / MARKS / "0").touch()
+    (old / "model.safetensors").write_bytes(b"the earlier run's weights")
+    (old / STATE_FILE).write_text(json.dumps({"format": FORMAT, "state": {"global_step": 2}})[:20])
+    options = ["--max_steps", "2", "--checkpointing_steps", "2", "--checkpoint_dir", str(folder)]
+    assert main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *options)[1:]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {folder} holds checkpoint-2 of an earlier run, whose {STATE_FILE} cannot be read (damaged or cut "
+        "short): restore that file and continue with --resume_from_checkpoint latest, move the folder elsewhere, or "
+        "pass --overwrite_output_dir true to start over (it is deleted)"
+    )
+    assert (old / "model.safetensors").read_bytes() == b"the earlier run's weights"
+    assert (
+        main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *options, "--overwrite_output_dir", "true")[1:]) == 0
+    )
+    assert [step for step, _ in complete_checkpoints(folder)] == [2]  # this run's
+
+
 def test_a_checkpoint_of_another_optimizer_is_refused_before_anything_loads(tmp_path):
     """Resuming an AdamW checkpoint with --optim adafactor (or back) ended in KeyError 'beta1' from the optimizer's
     first step, after the data and model had loaded (found in audit)."""

@@ -108,6 +108,14 @@ def _numbered(folder: Path) -> list[tuple[int, Path]]:
     return sorted((int(step), path) for step, path in found if step.isdigit())
 
 
+def unreadable_checkpoints(folder: Path) -> list[Path]:
+    """Our `checkpoint-N` folders (the marks every process of a cloudtrain save leaves) whose state file cannot be
+    read (a damaged disk, a truncated copy): no checkpoint to resume, but whole weights and states, perhaps."""
+    return [
+        path for _, path in _numbered(folder) if (path / MARKS).is_dir() and state_format(path / STATE_FILE) is None
+    ]
+
+
 def _ours(path: Path) -> bool:
     found = state_format(path / STATE_FILE)
     return found == FORMAT or (found is None and (path / MARKS).is_dir())
@@ -121,7 +129,7 @@ def local_view(cfg: Config, folder: Path, index: int = 0, node: int = 0, host: s
     steps = [step for step, path in complete_checkpoints(folder) if holds_files_of(path, index)]
     damaged = _damaged_newest(folder, steps) if wanted == "latest" and first_on_node() else []
     view = {"node": node, "host": host, "steps": steps, "named": named, "foreign": foreign_checkpoints(folder)}
-    return {**view, "damaged": damaged}
+    return {**view, "damaged": damaged, "unreadable": [path.name for path in unreadable_checkpoints(folder)]}
 
 
 def _damaged_newest(folder: Path, steps: list[int]) -> list[tuple[int, str]]:
@@ -157,7 +165,8 @@ def agree_on_resume(cfg: Config, folder: Path, runtime: Any) -> Path | None:
         path = choose_resume(cfg, folder, views, announce=runtime.is_main)  # from the same views everywhere
         # the folder's checkpoints are this run's when it resumes one of them; another folder's checkpoint starts a
         # run of its own here, which the folder's earlier checkpoints must not mix into (latest, rotation, best)
-        start_over(cfg, folder, [{**v, "steps": []} if resumes_here(path, folder) else v for v in views])
+        here = resumes_here(path, folder)
+        start_over(cfg, folder, [{**v, "steps": [], "unreadable": []} if here else v for v in views])
     except UserError as err:
         raise UserError(str(err), quiet=not runtime.is_main) from None
     problem = None
@@ -191,14 +200,23 @@ def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:
             f"{folder} holds checkpoints of an earlier run (up to checkpoint-{newest}): continue it with "
             "--resume_from_checkpoint latest, or pass --overwrite_output_dir true to start over (they are deleted)"
         )
+    unreadable = sorted({name for v in views for name in v.get("unreadable", [])}, key=lambda n: int(n[len(PREFIX) :]))
+    if unreadable and not cfg.output.overwrite_output_dir:  # a save of its step would replace it, without a word
+        names = ", ".join(unreadable[:3]) + (" ..." if len(unreadable) > 3 else "")
+        raise UserError(
+            f"{folder} holds {names} of an earlier run, whose {STATE_FILE} cannot be read (damaged or cut short): "
+            "restore that file and continue with --resume_from_checkpoint latest, move the folder elsewhere, or "
+            "pass --overwrite_output_dir true to start over (it is deleted)"
+        )
 
 
 def drop_earlier_checkpoints(folder: Path, runtime: Any) -> None:
-    """--overwrite_output_dir, a fresh run built and about to train: the earlier run's checkpoints leave at once
-    (renamed, once per node: each node may hold its own folder) and are deleted in the background."""
+    """--overwrite_output_dir, a fresh run built and about to train: the earlier run's checkpoints (and ours whose
+    state file cannot be read) leave at once (renamed, once per node: each node may hold its own folder) and are
+    deleted in the background."""
     if first_on_node():
         gone = []
-        for _, path in complete_checkpoints(folder):
+        for path in [path for _, path in complete_checkpoints(folder)] + unreadable_checkpoints(folder):
             hidden = path.with_name(f".{path.name}.deleted-{uuid.uuid4().hex[:8]}")
             with contextlib.suppress(OSError):  # another node on the same storage took it first
                 path.rename(hidden)
