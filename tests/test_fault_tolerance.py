@@ -419,6 +419,20 @@ def test_throughput_must_stay_under_half_the_median_for_two_intervals():
     assert [step for step, f in enumerate(found) if f] == [6]  # not at 3 (one slow interval), once at 6
 
 
+def test_an_interval_whose_every_step_was_skipped_is_no_throughput_drop():
+    """With --nonfinite_loss skip, an interval of skipped steps trains no tokens: its 0 tokens/s was reported as a
+    throughput drop pointing at the input and the machine's load (audit). It is left out of the check."""
+    d = detector()
+
+    def check(step: int, tokens: float) -> list:
+        interval = {"step_losses": [1.0], "grad_norms": [math.nan], "tokens": tokens}
+        return d.check(step, {**interval, "by_process": [[1.0, 0.1, 0.0, 0.05, 0.0, 0.0]]})
+
+    assert [check(step, 100.0) for step in range(4)] == [[]] * 4  # 1000 tokens/s
+    assert check(4, 0.0) == [] and check(5, 0.0) == [] and check(6, 0.0) == []
+    assert [a.kind for a in check(7, 30.0) + check(8, 30.0)] == ["throughput_drop"]  # a real drop is still told
+
+
 def test_memory_near_the_device_limit_is_warned_once_naming_the_process():
     d = AnomalyDetector(MonitoringConfig(), ["node 0, a", "node 1, b"], memory_gib=80.0)
     interval = {"step_losses": [1.0], "grad_norms": [math.nan], "tokens": 1000}

@@ -12,7 +12,8 @@ metrics.jsonl, and a W&B alert when W&B is online:
     grad_norm_spike   the same for the gradient norm (--grad_norm_spike_threshold; needs clipping on), when it is
                       also over GRAD_NORM_OVER_MAX times the largest of the last RECENT_STEPS steps' norms
     throughput_drop   tokens per second of step time below --throughput_drop_ratio (half) of the running median
-                      of earlier intervals, two logging intervals in a row
+                      of earlier intervals, two logging intervals in a row (an interval whose every step was
+                      skipped, --nonfinite_loss skip, trained no tokens and is left out)
     straggler         with several processes: one process's own work (data loading and forward passes)
                       above --straggler_ratio (1.5) times the median of the other processes; once when it begins.
                       Under ZeRO-3 a forward pass gathers parameters, so it waits on the others too.
@@ -241,7 +242,9 @@ class AnomalyDetector:
         if measured(by_process):
             step_s = sum(p[1] for p in by_process) / len(by_process)
             work = [(p[2] + p[3]) / max(p[0], 1) for p in by_process]  # data + forward: no waiting on others
-            found += self.check_interval(step, interval["tokens"] / max(step_s, 1e-9), work)
+            # every step of the interval skipped (--nonfinite_loss skip): no tokens trained, no throughput to judge
+            rate = interval["tokens"] / max(step_s, 1e-9) if interval["tokens"] else None
+            found += self.check_interval(step, rate, work)
             found += self.check_memory(step, [max(p[4], p[5]) for p in by_process])
         return found
 
@@ -288,12 +291,15 @@ class AnomalyDetector:
             f"{mean:.4g} (threshold {threshold:g}); look at that step's batch, or lower --learning_rate",
         )
 
-    def check_interval(self, step: int, tokens_per_s: float, work_per_step: list[float]) -> list[Anomaly]:
-        """`tokens_per_s` over step time; `work_per_step[r]`: process r's own seconds per step."""
+    def check_interval(self, step: int, tokens_per_s: float | None, work_per_step: list[float]) -> list[Anomaly]:
+        """`tokens_per_s` over step time (None: no step of the interval applied, left out of the throughput
+        check); `work_per_step[r]`: process r's own seconds per step."""
         found = []
         median = statistics.median(self.throughputs) if len(self.throughputs) >= 3 else 0.0
         drop = self.cfg.throughput_drop_ratio
-        if drop > 0 and tokens_per_s < drop * median:
+        if tokens_per_s is None:
+            pass  # left out: neither slow nor a rate for the median (the intervals around it judged as adjacent)
+        elif drop > 0 and tokens_per_s < drop * median:
             self.slow += 1
             if self.slow == 2:  # two intervals in a row: one slow interval is noise (a GC pause, a busy disk)
                 found.append(
