@@ -957,6 +957,24 @@ def test_a_named_checkpoint_missing_on_one_node_is_an_error_naming_it(tmp_path):
         choose_resume(cfg, tmp_path, found)
 
 
+def test_a_named_folder_of_checkpoints_names_the_checkpoints_it_holds(tmp_path):
+    """--resume_from_checkpoint <out>/checkpoints (the folder, not one checkpoint) said it was not a usable checkpoint
+    for want of trainer_state.json (audit): it names the newest checkpoint to give instead."""
+    folder = tmp_path / "checkpoints"
+    for step in (2, 4, 6, 8):
+        fake_checkpoint(folder, step, None)
+    (folder / "checkpoint-8" / STATE_FILE).write_text("{cut")  # not complete: not the one to give
+    cfg = build_config({"resume_from_checkpoint": str(folder)})
+    with pytest.raises(UserError) as refused:
+        choose_resume(cfg, folder, views([6]))
+    assert str(refused.value) == (
+        f"--resume_from_checkpoint {folder} is a folder of checkpoints (... checkpoint-4, checkpoint-6, checkpoint-8), "
+        f"not one: give {folder / 'checkpoint-6'}, or latest"
+    )
+    with pytest.raises(UserError, match=f"give {folder / 'checkpoint-6'}, or latest with --checkpoint_dir {folder}$"):
+        choose_resume(cfg, tmp_path / "elsewhere", views([]))
+
+
 def test_storage_is_one_shared_folder_or_one_per_node_and_nothing_else():
     shared = [{"node": r // 2, "host": "", "seen": [0, 1, 2, 3]} for r in range(4)]
     assert [storage_from(shared, r) for r in range(4)] == [Storage(owner=True)] + [Storage(owner=False)] * 3

@@ -297,6 +297,14 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
                 + ", or latest"
             )
         path = Path(wanted)
+        if not (path / STATE_FILE).exists() and (held := _numbered(path)):  # the folder of checkpoints, not one
+            whole = complete_checkpoints(path) or held
+            names = ("... " if len(held) > 3 else "") + ", ".join(p.name for _, p in held[-3:])
+            same = Path(folder).resolve() == path.resolve()
+            raise UserError(
+                f"--resume_from_checkpoint {wanted} is a folder of checkpoints ({names}), not one: give "
+                f"{path / whole[-1][1].name}, or latest" + ("" if same else f" with --checkpoint_dir {wanted}")
+            )
     else:
         damaged = {step: why for v in views for step, why in v.get("damaged", [])}
         if damaged and announce:
