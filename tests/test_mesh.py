@@ -36,8 +36,22 @@ def test_a_checkpoint_resumes_only_on_the_mesh_that_wrote_it(tmp_path):
     ddp, zero = Mesh(world=2, dp_replicate=2), Mesh(world=2, dp_shard=2)
     meta = {"trainer": "AcceleratedTrainer", "num_processes": 2, "mesh": zero.degrees()}
     check_compatible(meta, tmp_path, "AcceleratedTrainer", zero)
-    with pytest.raises(UserError, match="arranged as .*'dp_shard': 2.*this run arranges them as .*'dp_replicate': 2"):
+    with pytest.raises(UserError) as refused:
         check_compatible(meta, tmp_path, "AcceleratedTrainer", ddp)
+    assert str(refused.value) == (
+        f"checkpoint {tmp_path} was written with its 2 processes arranged as sharded 2; this run arranges them as "
+        "replicated 2: resume with --fsdp true or the --zero_stage it was written with (states sharded over 2 "
+        "processes)"
+    )
+    # the options that differ are named, not "the same options" with the two layouts as dicts (audit)
+    tensor = {**meta, "mesh": Mesh(world=2, tp=2).degrees()}
+    with pytest.raises(
+        UserError, match="arranged as tensor 2; .* as replicated 2: resume with --tensor_parallel_size 2$"
+    ):
+        check_compatible(tensor, tmp_path, "AcceleratedTrainer", ddp)
+    pipeline = {**meta, "mesh": Mesh(world=2, dp_replicate=2).degrees()}
+    with pytest.raises(UserError, match="resume with --pipeline_parallel_size 1$"):
+        check_compatible(pipeline, tmp_path, "AcceleratedTrainer", Mesh(world=2, pp=2))
     with pytest.raises(UserError, match="with 2 process\\(es\\); this run is the AcceleratedTrainer with 4"):
         check_compatible(meta, tmp_path, "AcceleratedTrainer", Mesh(world=4, dp_shard=4))
     older = {"trainer": "AcceleratedTrainer", "num_processes": 2}  # written before meshes were stored

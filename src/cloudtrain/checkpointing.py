@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from cloudtrain.async_save import BackgroundSave, ThreadCollectives
+from cloudtrain.checkpoint_layout import DCP_STATES as DCP_STATES  # (where they were; the layout is its own module)
+from cloudtrain.checkpoint_layout import check_compatible as check_compatible
 from cloudtrain.config import Config
 from cloudtrain.errors import UserError, first_difference, first_line
 from cloudtrain.faults import kill_point
@@ -289,81 +291,6 @@ def restore_run_files(checkpoint: Path, output_dir: Path, replace: bool = False)
             shutil.copy2(checkpoint / name, Path(output_dir) / name)
 
 
-def check_compatible(
-    meta: dict,
-    path: Path,
-    trainer: str,
-    mesh: Mesh,
-    global_rows: int | None = None,
-    reshards: bool = False,
-    rows_per_process: int | None = None,
-) -> None:
-    """A checkpoint resumes only under the trainer, process count and mesh that wrote it (a ZeRO checkpoint
-    holds shards a DDP run cannot read, and the other way round). Older checkpoints stored no mesh.
-
-    The data position is global (a stream's cursor; the stored rows' order, micro-batch b to process
-    b % processes), so a checkpoint whose states any process count can read also resumes at another count:
-    a replicated (DDP) one, where every process holds the whole model and optimizer state, and an FSDP one
-    (`reshards`: this run loads FSDP's sharded states, which torch.distributed.checkpoint re-cuts for the
-    processes that read them). `global_rows` (stored rows: this run's rows per step over all processes)
-    must then be the checkpoint's, since its step is the position; a stream's cursor (None) resumes at any
-    global batch. At the same count, `rows_per_process` (per-device rows x accumulation) must be the checkpoint's,
-    for the same reason."""
-    if (
-        meta["trainer"] == trainer
-        and meta["num_processes"] != mesh.world
-        and _any_count_reads(meta, path, mesh, reshards)
-    ):
-        _check_global_rows(meta, path, mesh, global_rows)
-        return
-    if meta["trainer"] != trainer or meta["num_processes"] != mesh.world:
-        also = f" ({_fixed_count(meta, path, reshards)})" if meta["trainer"] == trainer else ""
-        raise UserError(
-            f"checkpoint {path} was written by the {meta['trainer']} with {meta['num_processes']} "
-            f"process(es); this run is the {trainer} with {mesh.world}: resume it the same way{also}"
-        )
-    stored = meta.get("mesh", mesh.degrees())
-    if stored != mesh.degrees():
-        raise UserError(
-            f"checkpoint {path} was written with its processes arranged as {stored}; this run arranges them as "
-            f"{mesh.degrees()} (data-parallel sharding, pipeline): resume it with the same options"
-        )
-    batch = meta.get("batch") or {}
-    stored = batch.get("per_device_train_batch_size", 0) * batch.get("gradient_accumulation_steps", 0)
-    if global_rows is not None and rows_per_process is not None and stored and stored != rows_per_process:
-        raise UserError(
-            f"checkpoint {path} took {stored} rows per process per step ({batch['per_device_train_batch_size']} "
-            f"rows x {batch['gradient_accumulation_steps']} accumulation); this run takes {rows_per_process}, and "
-            "the checkpoint's step is its position in the data: give --per_device_train_batch_size and "
-            f"--gradient_accumulation_steps whose product is {stored}"
-        )
-
-
-DCP_STATES = ("pytorch_model_fsdp_0", "optimizer_0")  # accelerate's folders of FSDP's sharded states
-
-
-def _any_count_reads(meta: dict, path: Path, mesh: Mesh, reshards: bool) -> bool:
-    """Whether this run may read the checkpoint's states at another process count: both replicated, or both
-    data-parallel FSDP with the states in torch.distributed.checkpoint folders."""
-    replicated, data_parallel = {"world", "dp_replicate"}, {"world", "dp_replicate", "dp_shard"}
-    stored = set(meta.get("mesh", {"world": 1}))
-    if stored <= replicated and set(mesh.degrees()) <= replicated and not reshards:
-        return not _dcp_states(path)
-    return reshards and stored <= data_parallel and set(mesh.degrees()) <= data_parallel and _dcp_states(path)
-
-
-def _fixed_count(meta: dict, path: Path, reshards: bool) -> str:
-    """Why a checkpoint of this trainer does not resume at this run's process count, for the refusal."""
-    stored = set(meta.get("mesh", {"world": 1}))
-    if stored - {"world", "dp_replicate", "dp_shard"}:
-        return "a tensor-, context- or pipeline-parallel checkpoint resumes at its own layout only"
-    if _dcp_states(path):
-        return "an FSDP checkpoint resumes at another process count under --fsdp true only"
-    if "dp_shard" in stored:
-        return "a ZeRO checkpoint cannot change its process count; a DDP or FSDP one can"
-    return "a DDP checkpoint resumes at another process count without FSDP or ZeRO"
-
-
 def optimizer_record(cfg: Config) -> str:
     """The optimizer whose state a checkpoint holds: --optim, or "deepspeed" where the DeepSpeed JSON has its own."""
     from cloudtrain.parallel.distributed import deepspeed_sections
@@ -381,30 +308,6 @@ def sharding_engine(cfg: Config) -> str:
 
     shards = sharding(cfg)
     return f"ZeRO-{shards.zero_stage}" if shards.zero_stage is not None else "FSDP2" if shards.fsdp else "none"
-
-
-def _dcp_states(path: Path) -> bool:
-    return all((path / name / ".metadata").is_file() for name in DCP_STATES)
-
-
-def _check_global_rows(meta: dict, path: Path, mesh: Mesh, global_rows: int | None) -> None:
-    batch = meta.get("batch") or {}
-    rows = batch.get("per_device_train_batch_size", 0) * batch.get("gradient_accumulation_steps", 0)
-    rows *= meta["num_processes"]
-    if global_rows is None or rows == global_rows:
-        return
-    if not rows:  # an older checkpoint stored no batch
-        raise UserError(
-            f"checkpoint {path} was written by an older cloudtrain with {meta['num_processes']} process(es); "
-            f"this run has {mesh.world}: resume it the same way"
-        )
-    raise UserError(
-        f"checkpoint {path} took {rows} rows per step ({meta['num_processes']} process(es) x "
-        f"{batch.get('per_device_train_batch_size')} rows x {batch.get('gradient_accumulation_steps')} "
-        f"accumulation); this run takes {global_rows}: at {mesh.world} process(es) give "
-        "--per_device_train_batch_size and --gradient_accumulation_steps whose product is "
-        f"{rows / mesh.world:g}"
-    )
 
 
 class Checkpointer:
