@@ -292,6 +292,7 @@ def test_a_clean_run_logs_step_time_data_share_and_memory_and_warns_of_nothing(
     assert len(steps) == 8  # every logging step
     assert all(r["train/step_time_s"] > 0 and 0 <= r["train/data_time_share"] < 1 for r in steps)
     assert all(r["train/peak_memory_gib"] > 0.1 for r in steps)  # this process's peak RSS: torch alone is more
+    assert all("train/epoch" in r for r in steps) and "epoch" in json.loads((out / "train_results.json").read_text())
     assert "ms/step, data" in printed.out
     lines = [line for line in printed.out.splitlines() if line.startswith("step ")]  # no bar in a log: they time
     assert len(lines) == 8 and all(re.search(r" \| elapsed \d\d:\d\d(, ETA \d\d:\d\d)?$", line) for line in lines)

@@ -480,6 +480,12 @@ def test_a_stream_s_callbacks_are_told_no_epoch(tiny_llama_dir, tmp_path, two_so
     train({k.lstrip("-"): v for k, v in zip(args[::2], args[1::2], strict=True)}, callbacks=lambda s: seen.append(s))
     assert [s.global_step for s in seen if s.event == "on_step_end"] == [1, 2]
     assert {s.epoch for s in seen} == {None}
+    # nor is an epoch logged or reported: metrics.jsonl said train/epoch 0.5 and train_results.json epoch 1.0, the
+    # steps over the planned steps, while the run's line said "streamed: no epochs" (audit)
+    logged = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in logged if "train/loss" in r] == [1, 2]
+    assert not [r for r in logged if "train/epoch" in r]
+    assert "epoch" not in json.loads((tmp_path / "run" / "train_results.json").read_text())
 
 
 def test_a_streaming_run_trains_and_reports_each_source(tiny_llama_dir, tmp_path, two_sources):

@@ -93,6 +93,7 @@ class LoopState:
     saved: Path | None = None  # the checkpoint saved after this step
     ending: str = ""  # why this step becomes the run's last before its planned end (a hook's note)
     model_step: int | None = None  # the step whose model the run ends with, where not its last (best_model)
+    streams: bool = False  # a stream (--streaming true) has no epochs: the trainer's, set by LoggingHook at the start
 
     @property
     def step(self) -> int:
@@ -103,8 +104,9 @@ class LoopState:
         return self.step >= self.total_steps
 
     @property
-    def epoch(self) -> float:
-        return self.step / self.steps_per_epoch
+    def epoch(self) -> float | None:
+        """Steps done / steps per epoch; None for a stream, whose steps_per_epoch is only its planned steps."""
+        return None if self.streams else self.step / self.steps_per_epoch
 
     @property
     def end_of_epoch(self) -> bool:
@@ -211,6 +213,7 @@ class LoggingHook(Hook):
         self.task_metrics: list[str] = []  # names of the task's own numbers at the last logging step
 
     def on_train_start(self, loop: LoopState) -> None:
+        loop.streams = self.trainer.streams  # no epoch logged or reported for a stream (LoopState.epoch)
         self.started = (time.monotonic(), loop.step)  # for the elapsed time and ETA of a log without a bar
         if self.no_mfu and self.trainer.is_main_process:
             loop.bar.write(self.no_mfu)
@@ -241,7 +244,7 @@ class LoggingHook(Hook):
         values = {  # no train/loss where every step of the interval was skipped (--nonfinite_loss skip): not 0
             **({"train/loss": interval["loss"]} if interval["loss"] is not None else {}),
             "train/learning_rate": loop.learning_rate,
-            "train/epoch": round(loop.epoch, 4),
+            **({"train/epoch": round(loop.epoch, 4)} if loop.epoch is not None else {}),  # none for a stream
             "train/samples_per_s": interval["samples_per_s"],
             "train/tokens_per_s": interval["tokens_per_s"],
         }
@@ -259,7 +262,7 @@ class LoggingHook(Hook):
         return values
 
     def _line(self, loop: LoopState, values: dict) -> str:
-        epoch = "" if self.trainer.streams else f" | epoch {loop.epoch:.2f}"  # a stream has no epochs
+        epoch = "" if loop.epoch is None else f" | epoch {loop.epoch:.2f}"  # a stream has no epochs
         loss = f"{values['train/loss']:.4f}" if "train/loss" in values else "- (every step skipped)"
         line = (
             f"step {loop.step}/{loop.bar.total}{epoch} | loss {loss}"

@@ -30,7 +30,7 @@ class LaunchStart:
 @dataclass
 class TrainResult:
     global_step: int = 0
-    epoch: float = 0.0
+    epoch: float | None = 0.0  # None: a stream, which has no epochs (left out of train_results.json)
     train_loss: float = float("nan")
     runtime_s: float = 0.0  # the run's training time, earlier launches included
     train_samples: int = 0
@@ -57,7 +57,7 @@ class TrainResult:
             launch = (0, 0)
         return cls(
             global_step=state.global_step,
-            epoch=state.global_step / loop.steps_per_epoch,
+            epoch=loop.epoch,
             train_loss=state.loss_sum / max(state.loss_count or state.samples, 1),
             runtime_s=state.runtime_s + elapsed,
             train_samples=state.samples,
@@ -82,7 +82,7 @@ class TrainResult:
         runtime = max(self.runtime_s, 1e-9)
         summary = {
             "global_step": self.global_step,
-            "epoch": round(self.epoch, 4),
+            **({"epoch": round(self.epoch, 4)} if self.epoch is not None else {}),
             "train_loss": self.train_loss,
             "train_runtime_s": round(self.runtime_s, 2),
             "train_samples": self.train_samples,
