@@ -89,7 +89,7 @@ print(generator({{ example_prompt }}, max_new_tokens={{ max_new_tokens }})[0]["g
 
 | steps | epochs | mean train loss (the run's) | runtime (s) | tokens/s |
 |---:|---:|---:|---:|---:|
-| {{ train.global_step }} | {{ train.epoch }} | {{ "%.4f" | format(train.train_loss) }} | \
+| {{ train.global_step }} | {{ train.epoch | default("streamed") }} | {{ "%.4f" | format(train.train_loss) }} | \
 {{ train.train_runtime_s }} | {{ train.train_tokens_per_s }} |
 {{ model_origin() }}
 {%- if evaluations %}

@@ -93,7 +93,7 @@ class LoopState:
     saved: Path | None = None  # the checkpoint saved after this step
     ending: str = ""  # why this step becomes the run's last before its planned end (a hook's note)
     model_step: int | None = None  # the step whose model the run ends with, where not its last (best_model)
-    streams: bool = False  # a stream (--streaming true) has no epochs: the trainer's, set by LoggingHook at the start
+    streams: bool = False  # a stream (--streaming true) has no epochs
 
     @property
     def step(self) -> int:
@@ -213,7 +213,6 @@ class LoggingHook(Hook):
         self.task_metrics: list[str] = []  # names of the task's own numbers at the last logging step
 
     def on_train_start(self, loop: LoopState) -> None:
-        loop.streams = self.trainer.streams  # no epoch logged or reported for a stream (LoopState.epoch)
         self.started = (time.monotonic(), loop.step)  # for the elapsed time and ETA of a log without a bar
         if self.no_mfu and self.trainer.is_main_process:
             loop.bar.write(self.no_mfu)

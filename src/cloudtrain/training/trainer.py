@@ -390,7 +390,7 @@ class Trainer:
             disable=not self.is_main_process or not console.progress_bars(),  # a log file: the step lines say it
         )
         meter, guard = Meter(self.runtime, state, self._device), NonfiniteGuard(self._device, state.global_step)
-        return LoopState(state, total_steps, steps_per_epoch, meter, guard, bar)
+        return LoopState(state, total_steps, steps_per_epoch, meter, guard, bar, streams=self.streams)
 
     def _windows(self, loop: LoopState) -> Iterator[list[dict]]:
         """Each step's window of micro-batches, epoch after epoch, until the last step: each epoch's order
