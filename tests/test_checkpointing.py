@@ -359,7 +359,7 @@ def test_a_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tiny_model_di
         expect=1,
     )
     message = result.stderr.strip().splitlines()[-1]
-    assert message.startswith("error: the loss became non-finite at step ")
+    assert message.startswith("error: the loss or its gradients became non-finite at step ")
     step = int(message.split("at step ")[1].split(";")[0])
     last_good = complete_checkpoints(out / "checkpoints")[-1]
     assert last_good[0] == (step - 1) // 2 * 2 and str(last_good[1]) in message

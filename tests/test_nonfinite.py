@@ -50,7 +50,7 @@ def test_a_nan_step_is_skipped_and_counted(trainer_cls, tiny_model_dir, tmp_path
     assert result.summary()["skipped_steps"] == 1  # in train_results.json, and said (it was neither: audit)
     said = capsys.readouterr()
     assert (
-        "warning: skipped 1 step(s) with a non-finite loss since the last sync, the first at step 2"
+        "warning: skipped 1 step(s) with a non-finite loss or gradients since the last sync, the first at step 2"
         in said.out + said.err
     )
     optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
@@ -88,7 +88,9 @@ def test_stop_names_the_first_bad_step_though_it_is_read_later(trainer_cls, tiny
         eval_strategy="no",
     )
     nan_at(monkeypatch, trainer_cls, 3)
-    with pytest.raises(TrainingStopped, match="the loss became non-finite at step 3; training stopped"):
+    with pytest.raises(
+        TrainingStopped, match="the loss or its gradients became non-finite at step 3; training stopped"
+    ):
         trainer.fit()
     assert trainer.scheduler.last_epoch == 5  # read at the logging step 5, not before
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())  # the bad step was not applied

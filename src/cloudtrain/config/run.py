@@ -164,7 +164,8 @@ class CheckpointConfig(OnlyFields):
     )
     nonfinite_loss: str = opt(
         "stop",
-        "On a nan/inf loss: stop (keeping the last good checkpoint) or skip the step and count it.",
+        "On a nan/inf loss (or nan/inf gradients): stop (keeping the last good checkpoint) or skip the step and "
+        "count it.",
         ("stop", "skip"),
     )
     async_checkpointing: bool = opt(

@@ -164,14 +164,14 @@ class NonfiniteHook(Hook):
             self.run_log.log({"train/skipped_steps": loop.state.skipped_steps}, step=loop.step)
             if self.run_log.enabled:  # the main process: one line, not one per process
                 loop.bar.write(
-                    f"warning: skipped {count} step(s) with a non-finite loss since the last sync, the first at step "
-                    f"{first} (--nonfinite_loss skip; {loop.state.skipped_steps} in all)"
+                    f"warning: skipped {count} step(s) with a non-finite loss or gradients since the last sync, the "
+                    f"first at step {first} (--nonfinite_loss skip; {loop.state.skipped_steps} in all)"
                 )
         elif count:
             last = self.checkpointer.latest() if self.checkpointer else None
             where = f"the last good checkpoint is {last}" if last else "no checkpoint was saved"
             raise TrainingStopped(
-                f"the loss became non-finite at step {first}; training stopped and no model "
+                f"the loss or its gradients became non-finite at step {first}; training stopped and no model "
                 f"was saved ({where}). Lower --learning_rate or use --nonfinite_loss skip",
                 1,
             )
