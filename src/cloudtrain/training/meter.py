@@ -25,6 +25,15 @@ class StepStats:
     grad_norm: torch.Tensor | float | None  # before clipping; None when clipping is off
 
 
+def norm_scalar(norm: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor:
+    """A gradient norm as a device scalar like `like` (nan for none), without a blocking copy."""
+    if norm is None or isinstance(norm, float):  # DeepSpeed's is a float: a fill, not a blocking copy
+        return like.new_full((), math.nan if norm is None else norm)
+    if hasattr(norm, "full_tensor"):  # FSDP2's is a replicated DTensor
+        return norm.full_tensor().to(like)
+    return norm.to(like)
+
+
 class Meter:
     """The sums since the last logging step, over applied steps only; and each step's summed loss, count
     and gradient norm (for the anomaly detector). `flush` turns them into the interval's numbers."""
@@ -54,16 +63,7 @@ class Meter:
             ]
         )
         self.interval += torch.where(applied, values, 0.0)  # a skipped step's nan must not reach the sums
-        self.steps.append(torch.stack([loss_sum, values[4], self._norm(stats.grad_norm, loss_sum)]))
-
-    @staticmethod
-    def _norm(norm: torch.Tensor | float | None, like: torch.Tensor) -> torch.Tensor:
-        """The gradient norm as a device scalar like `like`, without a blocking copy."""
-        if norm is None or isinstance(norm, float):  # DeepSpeed's is a float: a fill, not a blocking copy
-            return like.new_full((), math.nan if norm is None else norm)
-        if hasattr(norm, "full_tensor"):  # FSDP2's is a DTensor
-            return norm.full_tensor().to(like)
-        return norm.to(like)
+        self.steps.append(torch.stack([loss_sum, values[4], norm_scalar(stats.grad_norm, loss_sum)]))
 
     def pending(self) -> list[float]:
         """The not yet logged sums of every process (a collective), for a checkpoint."""

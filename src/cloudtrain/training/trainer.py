@@ -54,7 +54,7 @@ from cloudtrain.training.hooks import (
     NonfiniteHook,
     PreemptionHook,
 )
-from cloudtrain.training.meter import Meter, StepStats
+from cloudtrain.training.meter import Meter, StepStats, norm_scalar
 from cloudtrain.training.nonfinite import NonfiniteGuard
 from cloudtrain.training.optim import (
     build_optimizer,
@@ -506,9 +506,7 @@ class Trainer:
         norm = stats.grad_norm if stats.grad_norm is not None else local_gradient_norm(self.gradient_parameters())
         if norm is None:  # no gradients here (DeepSpeed keeps its own, and checks them itself)
             return bad
-        if hasattr(norm, "full_tensor"):  # FSDP2's clip returns a replicated DTensor: a plain tensor to reduce
-            norm = norm.full_tensor()
-        return bad | ~torch.isfinite(torch.as_tensor(norm, device=bad.device))
+        return bad | ~torch.isfinite(norm_scalar(norm, stats.loss_sum))  # (FSDP2's is a DTensor: made plain)
 
     def gradient_parameters(self) -> Iterable[torch.nn.Parameter]:
         """The parameters whose gradients a step applies."""
