@@ -542,6 +542,13 @@ def test_a_fresh_run_does_not_replace_an_earlier_checkpoint_whose_state_file_is_
         "pass --overwrite_output_dir true to start over (it is deleted)"
     )
     assert (old / "model.safetensors").read_bytes() == b"the earlier run's weights"
+    latest = [*options, "--resume_from_checkpoint", "latest"]  # said "starting fresh", then refused (review)
+    assert main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *latest)[1:]) == 2
+    said = capsys.readouterr()
+    assert "starting fresh" not in said.out and said.err.strip() == (
+        f"error: no checkpoint in {folder} is whole (checkpoint-2: its {STATE_FILE} cannot be read): restore its "
+        "files, or pass --overwrite_output_dir true to start over (they are deleted)"
+    )
     assert (
         main(args_for(tiny_model_dir, topic_csvs, tmp_path / "b", *options, "--overwrite_output_dir", "true")[1:]) == 0
     )
@@ -973,6 +980,9 @@ def test_a_named_folder_of_checkpoints_names_the_checkpoints_it_holds(tmp_path):
     )
     with pytest.raises(UserError, match=f"give {folder / 'checkpoint-6'}, or latest with --checkpoint_dir {folder}$"):
         choose_resume(cfg, tmp_path / "elsewhere", views([]))
+    run = build_config({"resume_from_checkpoint": str(tmp_path)})  # the run's output folder: its checkpoints/ (review)
+    with pytest.raises(UserError, match=f"^--resume_from_checkpoint {tmp_path} is a folder of checkpoints .* give "):
+        choose_resume(run, tmp_path / "elsewhere", views([]))
 
 
 def test_storage_is_one_shared_folder_or_one_per_node_and_nothing_else():

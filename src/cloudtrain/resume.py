@@ -275,6 +275,20 @@ def _delete(folders: list[Path]) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+def refuse_a_folder_of_checkpoints(wanted: str, path: Path, folder: Path) -> None:
+    """--resume_from_checkpoint naming a folder of checkpoints, or a run's output folder (its checkpoints/ in it):
+    one line naming the newest complete one to give."""
+    for holder in (path, path / "checkpoints"):
+        if held := _numbered(holder):
+            whole = complete_checkpoints(holder) or held
+            names = ("... " if len(held) > 3 else "") + ", ".join(p.name for _, p in held[-3:])
+            same = Path(folder).resolve() == holder.resolve()
+            raise UserError(
+                f"--resume_from_checkpoint {wanted} is a folder of checkpoints ({names}), not one: give "
+                f"{holder / whole[-1][1].name}, or latest" + ("" if same else f" with --checkpoint_dir {holder}")
+            )
+
+
 def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool = True) -> Path | None:
     """The checkpoint --resume_from_checkpoint names, given each process's `local_view`: a directory every
     process sees, or `latest`, the newest step complete on every node (None: a fresh start)."""
@@ -297,14 +311,8 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
                 + ", or latest"
             )
         path = Path(wanted)
-        if not (path / STATE_FILE).exists() and (held := _numbered(path)):  # the folder of checkpoints, not one
-            whole = complete_checkpoints(path) or held
-            names = ("... " if len(held) > 3 else "") + ", ".join(p.name for _, p in held[-3:])
-            same = Path(folder).resolve() == path.resolve()
-            raise UserError(
-                f"--resume_from_checkpoint {wanted} is a folder of checkpoints ({names}), not one: give "
-                f"{path / whole[-1][1].name}, or latest" + ("" if same else f" with --checkpoint_dir {wanted}")
-            )
+        if not (path / STATE_FILE).exists():  # the folder of checkpoints (or a run's, holding one), not one
+            refuse_a_folder_of_checkpoints(wanted, path, folder)
     else:
         damaged = {step: why for v in views for step, why in v.get("damaged", [])}
         if damaged and announce:
@@ -312,7 +320,10 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
         views = [{**v, "steps": [s for s in v["steps"] if s not in damaged]} for v in views]
         common = set.intersection(*(set(v["steps"]) for v in views))
         newest = max((max(v["steps"]) for v in views if v["steps"]), default=None)
-        if newest is None and damaged:
+        unreadable = sorted({n for v in views for n in v.get("unreadable", [])}, key=lambda n: int(n[len(PREFIX) :]))
+        if newest is None and unreadable and not damaged:  # (said as for a damaged one, not "starting fresh")
+            damaged = {int(unreadable[-1][len(PREFIX) :]): f"its {STATE_FILE} cannot be read"}
+        if newest is None and damaged and not cfg.output.overwrite_output_dir:
             raise UserError(
                 f"no checkpoint in {folder} is whole (checkpoint-{max(damaged)}: {damaged[max(damaged)]}): restore "
                 "its files, or pass --overwrite_output_dir true to start over (they are deleted)"
