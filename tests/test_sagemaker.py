@@ -280,6 +280,9 @@ def test_datasets_or_a_dataset_name_in_a_job_with_a_train_channel_are_not_refuse
     assert sagemaker_defaults()["validation_file"] == str(tmp_path / "saved")
     named = resolve_options(None, {"dataset_name": "owner/corpus", "max_steps": 1})
     assert (named.data.train_file, named.data.validation_file) == (None, None)
+    monkeypatch.setenv("SM_CHANNEL_VALIDATION", str(tmp_path / "validation"))  # its own channel wins, and stays
+    named = resolve_options(None, {"dataset_name": "owner/corpus", "max_steps": 1})  # (it was dropped: review)
+    assert (named.data.train_file, named.data.validation_file) == (None, str(tmp_path / "validation"))
 
 
 # ---------------------------------------------------------------- the launcher, real SDK against moto

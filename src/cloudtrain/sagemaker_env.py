@@ -104,7 +104,9 @@ def yielded_channel(defaults: Mapping, values: Mapping) -> list[str]:
     if not train or not (values.get("datasets") or values.get("dataset_name")):
         return []
     named = ["train_file", *(SAVED_SPLIT_OPTIONS[s] for s in saved_splits(train) if s in SAVED_SPLIT_OPTIONS)]
-    return [option for option in named if option in defaults and values.get(option) is defaults[option]]
+    # a split's default from the train channel's saved dataset, not from a channel of its own (validation's wins)
+    from_train = [option for option in named if option == "train_file" or defaults.get(option) == train]
+    return [option for option in from_train if option in defaults and values.get(option) is defaults[option]]
 
 
 def unread_channel(values: Mapping, environ: Mapping[str, str] | None = None, read: Sequence[str] = ()) -> str | None:
