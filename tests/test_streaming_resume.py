@@ -106,7 +106,10 @@ def test_a_file_changed_before_its_cursor_is_refused_and_a_copy_of_it_resumes(tm
     # the same bytes with another modification time (a copy; a SageMaker channel downloaded again): resumes
     os.utime(text, ns=(text.stat().st_atime_ns, text.stat().st_mtime_ns + 10**10))
     plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)
-    text.write_text("a new first line\n" + text.read_text())
+    original = text.read_text()
+    text.write_text(original + "a line appended to a growing corpus\n")  # its offsets point where they did (review)
+    plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)
+    text.write_text("a new first line\n" + original)
     with pytest.raises(UserError) as refused:
         plan_for(tmp_path, lm_tokenizer, train_file=str(text)).loader(2).load_state_dict(state)
     assert str(refused.value) == (

@@ -117,9 +117,9 @@ def file_stamp(path: str, cache: dict) -> dict | None:
 def _digest(path: str, size: int) -> str | None:
     try:
         with open(path, "rb") as f:
-            head = f.read(SAMPLE_BYTES)
+            head = f.read(min(SAMPLE_BYTES, size))  # of the first `size` bytes: a file grown since reads the same
             f.seek(max(size - SAMPLE_BYTES, 0))
-            return hashlib.sha1(head + f.read(SAMPLE_BYTES), usedforsecurity=False).hexdigest()
+            return hashlib.sha1(head + f.read(min(SAMPLE_BYTES, size)), usedforsecurity=False).hexdigest()
     except OSError:
         return None
 
@@ -136,8 +136,13 @@ def _remote_stamp(path: str) -> dict | None:
     return {k: v for k, v in stamp.items() if v is not None} or None
 
 
-def _change(was: dict, now: dict) -> str | None:
-    """How a file differs from the stamp a checkpoint recorded of it; None when it reads the same."""
+def _change(was: dict, now: dict, path: str) -> str | None:
+    """How a file differs from the stamp a checkpoint recorded of it; None when it reads the same. A local file
+    that grew and whose first `size` bytes read as they did (a corpus appended to) reads the same: the cursor's
+    offset points at the same text, and the stream reads the new text later."""
+    grown = "digest" in was and now.get("size", 0) > was.get("size", 0)
+    if grown and _digest(path, was["size"]) == was["digest"]:
+        return None
     if was.get("size") is not None and now.get("size") is not None and was["size"] != now["size"]:
         return f"{now['size']} bytes where it had {was['size']}"
     if was.get("etag") and now.get("etag") and was["etag"] != now["etag"]:
@@ -154,7 +159,7 @@ def check_stamps(saved: list | None, sources: list[SourceSpec], cache: dict) -> 
         names = relative_names(spec)
         for path, name, was in zip(spec.files, names, stamps, strict=False):
             now = file_stamp(path, cache) if was else None
-            if now and (why := _change(was, now)):
+            if now and (why := _change(was, now, path)):
                 raise UserError(
                     f"training source {spec.name}: {name} changed since the checkpoint read it ({why}), so its "
                     "cursor would point into other text; restore the file as it was, or start a fresh run without "
