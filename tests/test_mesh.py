@@ -54,6 +54,11 @@ def test_a_checkpoint_resumes_only_on_the_mesh_that_wrote_it(tmp_path):
         check_compatible(pipeline, tmp_path, "AcceleratedTrainer", Mesh(world=2, pp=2))
     with pytest.raises(UserError, match="with 2 process\\(es\\); this run is the AcceleratedTrainer with 4"):
         check_compatible(meta, tmp_path, "AcceleratedTrainer", Mesh(world=4, dp_shard=4))
+    hybrid = {**meta, "num_processes": 4, "mesh": Mesh(world=4, dp_replicate=2, dp_shard=2).degrees()}
+    with pytest.raises(UserError, match="resume with --fsdp_sharding_strategy hybrid_shard over 2 nodes \\(states"):
+        check_compatible(
+            hybrid, tmp_path, "AcceleratedTrainer", Mesh(world=4, dp_shard=4)
+        )  # not "--fsdp true" (review)
     older = {"trainer": "AcceleratedTrainer", "num_processes": 2}  # written before meshes were stored
     check_compatible(older, tmp_path, "AcceleratedTrainer", ddp)
 

@@ -22,8 +22,13 @@ def layout_options(stored: dict, now: dict) -> list[str]:
     found = [f"{flag} {stored.get(k, 1)}" for k, flag in LAYOUT_OPTIONS.items() if stored.get(k, 1) != now.get(k, 1)]
     shards = stored.get("dp_shard", 1)
     if shards != now.get("dp_shard", 1):
-        sharded = f"--fsdp true or the --zero_stage it was written with (states sharded over {shards} processes)"
-        found.append(sharded if shards > 1 else "neither --fsdp nor --zero_stage")
+        if shards > 1 and now.get("dp_shard", 1) > 1:  # both shard, over groups of another size: hybrid vs full
+            replicas = stored.get("dp_replicate", 1)
+            how = f"hybrid_shard over {replicas} nodes" if replicas > 1 else "full_shard (or shard_grad_op)"
+            found.append(f"--fsdp_sharding_strategy {how} (states sharded over {shards} processes)")
+        else:
+            sharded = f"--fsdp true or the --zero_stage it was written with (states sharded over {shards} processes)"
+            found.append(sharded if shards > 1 else "neither --fsdp nor --zero_stage")
     return found
 
 
