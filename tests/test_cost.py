@@ -79,7 +79,7 @@ def test_resource_config_with_two_hosts_doubles_the_instance_hours_and_the_cost(
     assert usage["instance_type"] == "ml.g5.12xlarge" and usage["instance_count"] == 2
     assert usage["instance_hours"] == 3.0  # 1.5 h of wall time on each of 2 instances
     assert usage["estimated_cost_usd"] == round(1.5 * 2 * price, 2)
-    assert usage["device_hours"] == 10.67  # 8 GPUs over the two hosts
+    assert usage["device_hours"] == 10.6667  # four decimals above an hour  # 8 GPUs over the two hosts
 
 
 def test_sm_hosts_counts_before_the_resource_config():

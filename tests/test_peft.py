@@ -655,7 +655,9 @@ def test_an_adapter_run_refuses_the_base_models_own_directory_and_a_checkpoint_o
     }
     (checkpoint / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(UserError, match="trained every weight, this run asks for --peft lora --lora_r 16"):
-        build_run(build_config({**options, "output_dir": str(tmp_path / "run"), "resume_from_checkpoint": "latest"}))
+        build_run(
+            build_config({**options, "output_dir": str(tmp_path / "run"), "resume_from_checkpoint": str(checkpoint)})
+        )
 
 
 @pytest.mark.parametrize("training_type", ["basic", "accelerated"])

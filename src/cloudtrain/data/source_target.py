@@ -207,7 +207,8 @@ def check_references(ds: Dataset, split: str, column: str) -> None:
     """A target is one text per row, or a non-empty list of non-empty texts (a missing target, None, is counted
     apart); the first row that is neither is named, before anything is tokenized or loaded."""
     if not holds_lists(ds, column):
-        values = ds[column] if not isinstance(ds.features.get(column), datasets.Value) else []
+        feature = ds.features.get(column)  # none: an unlabelled split, for predictions
+        values = ds[column] if feature is not None and not isinstance(feature, datasets.Value) else []
         if any(isinstance(v, list) for v in values) and all(
             isinstance(v, (str, list)) for v in values if v is not None
         ):
