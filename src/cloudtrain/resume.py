@@ -200,7 +200,7 @@ def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:
             f"{folder} holds checkpoints of an earlier run (up to checkpoint-{newest}): continue it with "
             "--resume_from_checkpoint latest, or pass --overwrite_output_dir true to start over (they are deleted)"
         )
-    unreadable = sorted({name for v in views for name in v.get("unreadable", [])}, key=lambda n: int(n[len(PREFIX) :]))
+    unreadable = unreadable_names(views)
     if unreadable and not cfg.output.overwrite_output_dir:  # a save of its step would replace it, without a word
         names = ", ".join(unreadable[:3]) + (" ..." if len(unreadable) > 3 else "")
         raise UserError(
@@ -208,6 +208,11 @@ def start_over(cfg: Config, folder: Path, views: list[dict]) -> None:
             "restore that file and continue with --resume_from_checkpoint latest, move the folder elsewhere, or "
             "pass --overwrite_output_dir true to start over (it is deleted)"
         )
+
+
+def unreadable_names(views: list[dict]) -> list[str]:
+    """The checkpoint-N folders, by step, whose state file some process's `local_view` could not read."""
+    return sorted({name for v in views for name in v.get("unreadable", [])}, key=lambda n: int(n[len(PREFIX) :]))
 
 
 def drop_earlier_checkpoints(folder: Path, runtime: Any) -> None:
@@ -320,7 +325,7 @@ def choose_resume(cfg: Config, folder: Path, views: list[dict], announce: bool =
         views = [{**v, "steps": [s for s in v["steps"] if s not in damaged]} for v in views]
         common = set.intersection(*(set(v["steps"]) for v in views))
         newest = max((max(v["steps"]) for v in views if v["steps"]), default=None)
-        unreadable = sorted({n for v in views for n in v.get("unreadable", [])}, key=lambda n: int(n[len(PREFIX) :]))
+        unreadable = unreadable_names(views)
         if newest is None and unreadable and not damaged:  # (said as for a damaged one, not "starting fresh")
             damaged = {int(unreadable[-1][len(PREFIX) :]): f"its {STATE_FILE} cannot be read"}
         if newest is None and damaged and not cfg.output.overwrite_output_dir:
